@@ -1,0 +1,91 @@
+"""The delta envelope ingesters publish onto JetStream, one event per message.
+
+The event id doubles as the ``Nats-Msg-Id`` header, so JetStream drops a republished event inside its duplicate
+window; the projector's per-row stream sequence makes every later repeat a no-op as well.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from ._base import WireModel
+from .documents import Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
+
+SCHEMA_VERSION = 1
+
+
+class OntologyNode(WireModel):
+    """An object type of the ontology graph (a module, class, interface ...)."""
+
+    domain: Text = Field(min_length=1, max_length=256)
+    name: Text = Field(min_length=1, max_length=256)
+    kind: Text = Field(min_length=1, max_length=64, description="class, interface, module, ...")
+    interfaces: list[ObjectType] = Field(
+        default_factory=list, description="Object types this type implements or derives from."
+    )
+    description: Text | None = None
+
+    @property
+    def object_type(self) -> str:
+        return f"{self.domain}.{self.name}"
+
+
+class OntologyLink(WireModel):
+    source_type: ObjectType
+    name: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$", description="Link name, e.g. inherits, imports, calls."
+    )
+    target_type: ObjectType
+
+    @property
+    def key(self) -> str:
+        return f"{self.source_type}|{self.name}|{self.target_type}"
+
+
+class DocumentUpserted(WireModel):
+    type: Literal["document.upserted"] = "document.upserted"
+    document: SemanticDocument
+
+
+class DocumentDeleted(WireModel):
+    type: Literal["document.deleted"] = "document.deleted"
+    document_id: DocumentId
+
+
+class NodeUpserted(WireModel):
+    type: Literal["node.upserted"] = "node.upserted"
+    node: OntologyNode
+
+
+class NodeRemoved(WireModel):
+    type: Literal["node.removed"] = "node.removed"
+    object_type: ObjectType
+
+
+class LinkAdded(WireModel):
+    type: Literal["link.added"] = "link.added"
+    link: OntologyLink
+
+
+class LinkRemoved(WireModel):
+    type: Literal["link.removed"] = "link.removed"
+    link: OntologyLink
+
+
+DeltaPayload = Annotated[
+    DocumentUpserted | DocumentDeleted | NodeUpserted | NodeRemoved | LinkAdded | LinkRemoved,
+    Field(discriminator="type"),
+]
+
+
+class DeltaEnvelope(WireModel):
+    event_id: Text = Field(min_length=1, max_length=128, description="Unique per event; sent as Nats-Msg-Id.")
+    workspace: Workspace
+    branch: Branch = "main"
+    occurred_at: datetime
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
+    producer: Text = Field(min_length=1, max_length=128, description="Who published the event.")
+    payload: DeltaPayload

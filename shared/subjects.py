@@ -1,0 +1,115 @@
+"""NATS names: subjects, streams, consumers and buckets.
+
+User strings (workspace and branch names) never enter a subject raw: branches contain ``/`` and ``.``, and a ``.``
+would split a token, a ``*`` or ``>`` would turn it into a wildcard. :func:`encode_token` maps any string onto the
+characters ``[A-Za-z0-9-_]`` reversibly, keeping plain names readable (``feature/x.y`` -> ``feature_2fx_2ey``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SAFE = re.compile(r"[A-Za-z0-9-]")
+_ESCAPE = re.compile(r"_([0-9a-f]{2})|_u([0-9a-f]{6})")
+
+
+def encode_token(value: str) -> str:
+    """Encode ``value`` as one subject token (also a valid KV key segment and consumer-name part)."""
+    if not value:
+        raise ValueError("a subject token cannot be empty")
+    out: list[str] = []
+    for char in value:
+        if _SAFE.fullmatch(char):
+            out.append(char)
+        elif ord(char) < 0x100:
+            out.append(f"_{ord(char):02x}")
+        else:
+            out.append(f"_u{ord(char):06x}")
+    return "".join(out)
+
+
+def decode_token(token: str) -> str:
+    def replace(match: re.Match[str]) -> str:
+        return chr(int(match.group(1) or match.group(2), 16))
+
+    return _ESCAPE.sub(replace, token)
+
+
+@dataclass(frozen=True)
+class Names:
+    """Every NATS name the services use, derived from one prefix so deployments (and tests) can coexist."""
+
+    prefix: str = "ontofabric"
+
+    @property
+    def _upper(self) -> str:
+        return self.prefix.upper().replace("-", "_")
+
+    # deltas
+    @property
+    def delta_stream(self) -> str:
+        return f"{self._upper}_DELTAS"
+
+    @property
+    def delta_subjects(self) -> str:
+        return f"{self.prefix}.delta.>"
+
+    def delta_subject(self, workspace: str, branch: str) -> str:
+        return f"{self.prefix}.delta.{encode_token(workspace)}.{encode_token(branch)}"
+
+    # dead letters
+    @property
+    def dlq_stream(self) -> str:
+        return f"{self._upper}_DLQ"
+
+    @property
+    def dlq_subjects(self) -> str:
+        return f"{self.prefix}.dlq.>"
+
+    def dlq_subject(self, workspace_token: str) -> str:
+        return f"{self.prefix}.dlq.{workspace_token}"
+
+    # ontology versions
+    @property
+    def version_bucket(self) -> str:
+        return f"{self.prefix}_versions"
+
+    @staticmethod
+    def version_key(workspace: str, branch: str) -> str:
+        return f"{encode_token(workspace)}.{encode_token(branch)}"
+
+    @staticmethod
+    def parse_version_key(key: str) -> tuple[str, str]:
+        workspace, branch = key.split(".", 1)
+        return decode_token(workspace), decode_token(branch)
+
+    def version_event_subject(self, workspace: str, branch: str) -> str:
+        return f"{self.prefix}.version.{encode_token(workspace)}.{encode_token(branch)}"
+
+    # queries
+    def query_subject(self, workspace: str) -> str:
+        return f"{self.prefix}.query.{encode_token(workspace)}"
+
+    @property
+    def query_subjects(self) -> str:
+        return f"{self.prefix}.query.*"
+
+    @property
+    def query_queue(self) -> str:
+        return f"{self.prefix}-query"
+
+    # consumers and ingest state
+    @property
+    def postgres_projector_durable(self) -> str:
+        return f"{self.prefix}-projector-postgres"
+
+    @property
+    def ingest_state_bucket(self) -> str:
+        return f"{self.prefix}_ingest_state"
+
+
+def workspace_token_of(subject: str) -> str | None:
+    """The workspace token of a delta or query subject, or None when the subject has no such token."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) >= 3 else None

@@ -1,0 +1,91 @@
+"""OpenTelemetry meters and tracer.
+
+Instruments are created from the global providers; :func:`configure_telemetry` installs real providers and, when
+``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the ``otlp`` extra is installed, OTLP exporters. Without it the
+instruments still record (tests read them with an in-memory reader).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from .logging import get_logger
+
+log = get_logger(__name__)
+
+_configured = False
+
+
+def configure_telemetry(service_name: str, extra_readers: tuple[MetricReader, ...] = ()) -> None:
+    """Install SDK providers once per process."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    resource = Resource.create({"service.name": service_name})
+    readers: list[MetricReader] = list(extra_readers)
+    tracer_provider = TracerProvider(resource=resource)
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        try:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            log.warning("otlp_exporter_missing", hint="pip install 'ontofabric[otlp]'")
+        else:
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+    trace.set_tracer_provider(tracer_provider)
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("ontofabric")
+
+
+@dataclass(frozen=True)
+class Instruments:
+    query_duration: metrics.Histogram
+    fusion_duration: metrics.Histogram
+    candidates_dense: metrics.Counter
+    candidates_sparse: metrics.Counter
+    cache_hit: metrics.Counter
+    cache_miss: metrics.Counter
+    degraded: metrics.Counter
+    query_errors: metrics.Counter
+    projector_deltas: metrics.Counter
+    projector_batch_duration: metrics.Histogram
+
+
+def meter() -> metrics.Meter:
+    return metrics.get_meter("ontofabric")
+
+
+@cache
+def instruments() -> Instruments:
+    meter = metrics.get_meter("ontofabric")
+    return Instruments(
+        query_duration=meter.create_histogram(
+            "retrieval.query.duration_ms", unit="ms", description="ontology_query wall time in the worker"
+        ),
+        fusion_duration=meter.create_histogram("retrieval.fusion.duration_ms", unit="ms"),
+        candidates_dense=meter.create_counter("retrieval.candidates.dense", description="dense candidates"),
+        candidates_sparse=meter.create_counter("retrieval.candidates.sparse", description="keyword candidates"),
+        cache_hit=meter.create_counter("retrieval.cache.hit"),
+        cache_miss=meter.create_counter("retrieval.cache.miss"),
+        degraded=meter.create_counter("retrieval.degraded", description="answers with a failed part, by sink"),
+        query_errors=meter.create_counter("retrieval.query.errors", description="error replies, by code"),
+        projector_deltas=meter.create_counter(
+            "projector.deltas",
+            description="deltas handled, by outcome (applied, noop, dead_lettered, retried)",
+        ),
+        projector_batch_duration=meter.create_histogram("projector.batch.duration_ms", unit="ms"),
+    )

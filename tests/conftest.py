@@ -1,0 +1,133 @@
+"""Shared fixtures: one real nats-server and one real PostgreSQL per test session, isolated per test.
+
+Each test gets its own subject prefix (so its own streams, consumers and buckets) and its own database. Set
+ONTOFABRIC_TEST_NATS_URL and ONTOFABRIC_TEST_DATABASE_URL to run against servers you started yourself.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.shared.jetstream import ensure_jetstream, wait_caught_up
+from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
+from ontofabric.shared.telemetry import configure_telemetry
+
+METRICS = InMemoryMetricReader()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    configure_logging("WARNING", "console")
+    configure_telemetry("ontofabric-tests", extra_readers=(METRICS,))
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
+    nats_url = os.environ.get("ONTOFABRIC_TEST_NATS_URL")
+    database_url = os.environ.get("ONTOFABRIC_TEST_DATABASE_URL")
+    if nats_url and database_url:
+        yield Endpoints(nats_url=nats_url, database_url=database_url)
+        return
+    with EmbeddedRuntime(Settings(), tmp_path_factory.mktemp("servers")) as runtime:
+        assert runtime.endpoints is not None
+        yield runtime.endpoints
+
+
+def _with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+@dataclass
+class Deployment:
+    """One isolated deployment inside the shared servers."""
+
+    settings: Settings
+    names: Names
+    nc: Client
+    js: JetStreamContext
+    publisher: DeltaPublisher
+
+    @property
+    def nats_url(self) -> str:
+        assert self.settings.nats_url is not None
+        return self.settings.nats_url
+
+    @property
+    def database_url(self) -> str:
+        assert self.settings.database_url is not None
+        return self.settings.database_url
+
+    def env(self) -> dict[str, str]:
+        """Environment for a worker subprocess of this deployment."""
+        values = self.settings.model_dump(exclude_none=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")}
+        env.update({f"ONTOFABRIC_{k.upper()}": str(v) for k, v in values.items()})
+        return env
+
+    async def wait_projected(self, stream_seq: int, timeout_s: float = 30.0) -> None:
+        await wait_caught_up(
+            self.js, self.names.delta_stream, self.names.postgres_projector_durable, stream_seq, timeout_s
+        )
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.database_url)
+        try:
+            return list(await conn.fetch(query, *args))
+        finally:
+            await conn.close()
+
+
+@pytest.fixture
+def deployment_settings(servers: Endpoints) -> Settings:
+    prefix = "t" + uuid.uuid4().hex[:12]
+    return Settings(
+        nats_url=servers.nats_url,
+        database_url=_with_database(servers.database_url, prefix),
+        subject_prefix=prefix,
+        projector_ack_wait_s=2.0,
+        projector_batch_timeout_s=0.05,
+        embedder="none",
+        data_dir=Path(".ontofabric-test") / prefix,
+    )
+
+
+@pytest.fixture
+async def deployment(deployment_settings: Settings, servers: Endpoints) -> AsyncIterator[Deployment]:
+    settings = deployment_settings
+    database = settings.subject_prefix
+    admin = await asyncpg.connect(_with_database(servers.database_url, "postgres"))
+    await admin.execute(f'CREATE DATABASE "{database}"')
+    nc = await nats.connect(servers.nats_url)
+    js = nc.jetstream()
+    names = Names(settings.subject_prefix)
+    await ensure_jetstream(js, names, settings)
+    try:
+        yield Deployment(settings, names, nc, js, DeltaPublisher(js, names))
+    finally:
+        for stream in await js.streams_info():
+            if (
+                (stream.config.name and stream.config.name.lower().startswith(f"{settings.subject_prefix}_"))
+                or (stream.config.name and stream.config.name.startswith(f"KV_{names.version_bucket}"))
+                or (stream.config.name and stream.config.name.startswith(f"OBJ_{names.ingest_state_bucket}"))
+            ):
+                await js.delete_stream(stream.config.name)
+        await nc.close()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await admin.close()

@@ -1,0 +1,50 @@
+"""Builders for test deltas."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentMetadata, DocumentUpserted, SemanticDocument
+from ontofabric.services.ingest.client import envelope
+
+
+def unit_vector(seed: str, dim: int = 384) -> list[float]:
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "big"))
+    vector = rng.standard_normal(dim)
+    return [float(x) for x in vector / np.linalg.norm(vector)]
+
+
+def document(
+    doc_id: str,
+    content: str,
+    *,
+    object_type: str = "demo.Thing",
+    chunk_level: str = "method",
+    provenance: str = "ingested",
+    embedding: list[float] | None = None,
+    **metadata: str,
+) -> SemanticDocument:
+    return SemanticDocument.model_validate(
+        {
+            "id": doc_id,
+            "content": content,
+            "objectType": object_type,
+            "sourceDomain": "tests",
+            "metadata": DocumentMetadata.model_validate(
+                {"chunkLevel": chunk_level, "provenance": provenance, "symbolKey": f"test:{doc_id}", **metadata}
+            ),
+            "embedding": embedding,
+        }
+    )
+
+
+def upsert(
+    workspace: str, doc: SemanticDocument, *, branch: str = "main", event_id: str | None = None
+) -> DeltaEnvelope:
+    return envelope(workspace, DocumentUpserted(document=doc), branch=branch, event_id=event_id)
+
+
+def delete(workspace: str, doc_id: str, *, branch: str = "main", event_id: str | None = None) -> DeltaEnvelope:
+    return envelope(workspace, DocumentDeleted(document_id=doc_id), branch=branch, event_id=event_id)

@@ -1,0 +1,78 @@
+"""Wire contracts: generated JSON Schema stays in step with the models; validation rules hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from ontofabric.contracts import OntologyQuery, QueryResponse, schema
+
+
+def test_committed_schemas_match_the_models() -> None:
+    drifted = schema.drift()
+    assert drifted == [], f"regenerate with `ontofabric contracts --write`: {drifted}"
+
+
+def test_drift_is_detected(tmp_path: Path) -> None:
+    directory = tmp_path
+    schema.write(directory)
+    assert schema.drift(directory) == []
+    (directory / "ontology-query.schema.json").write_text("{}\n")
+    assert schema.drift(directory) == ["ontology-query.schema.json"]
+
+
+def test_query_defaults() -> None:
+    query = OntologyQuery.model_validate_json('{"semanticQuery": "parse a file"}')
+    assert (query.top_k, query.precision, query.follow_links, query.link_depth, query.branch) == (
+        10,
+        True,
+        False,
+        1,
+        "main",
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"semanticQuery": "x", "topK": 0}',
+        '{"semanticQuery": "x", "topK": 101}',
+        '{"semanticQuery": "x", "topK": "10"}',
+        '{"semanticQuery": "x", "linkDepth": 2}',
+        '{"semanticQuery": "x", "chunkLevel": "paragraph"}',
+        '{"semanticQuery": "x", "provenance": "scraped"}',
+        '{"semanticQuery": "x", "rerank": true}',
+        '{"semanticQuery": "   "}',
+        '{"semanticQuery": "x", "precision": "yes"}',
+        '{"semanticQuery": "x", "branch": "../etc"}',
+        '{"topK": 3}',
+        "[]",
+    ],
+)
+def test_invalid_queries_are_rejected(body: str) -> None:
+    with pytest.raises(ValidationError):
+        OntologyQuery.model_validate_json(body)
+
+
+def test_response_serialises_meta_with_underscore() -> None:
+    response = QueryResponse.model_validate(
+        {
+            "results": [],
+            "_meta": {
+                "ontologyVersion": "0-0000000000000000",
+                "workspace": "w",
+                "branch": "main",
+                "hybrid": False,
+                "reranked": False,
+                "cacheHit": False,
+                "backend": "tsvector",
+                "retrievers": ["keyword"],
+                "timingsMs": {"total": 1.0},
+            },
+        }
+    )
+    dumped = response.model_dump(mode="json")
+    assert "_meta" in dumped
+    assert dumped["_meta"]["ontologyVersion"] == "0-0000000000000000"

@@ -1,0 +1,171 @@
+"""The projector's pure logic: validation outcomes and the fold that decides writes and versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ontofabric.contracts import LinkAdded, NodeUpserted, OntologyLink, OntologyNode
+from ontofabric.services.ingest.client import envelope
+from ontofabric.services.projector.planning import (
+    EMPTY_VERSION,
+    Delta,
+    EntityRef,
+    Limits,
+    Rejection,
+    RowState,
+    VersionState,
+    plan_batch,
+    validate_delta,
+)
+from ontofabric.shared.subjects import Names
+
+from .factories import delete, document, unit_vector, upsert
+
+LIMITS = Limits(max_message_bytes=1 << 20, max_content_bytes=4096, embedding_dim=384, embedding_model="m")
+NAMES = Names("of")
+
+
+def _raw(delta_json: str, workspace: str = "ws", branch: str = "main") -> tuple[bytes, str]:
+    return delta_json.encode(), NAMES.delta_subject(workspace, branch)
+
+
+def test_valid_delta_is_accepted() -> None:
+    delta = upsert("ws", document("a", "alpha", embedding=unit_vector("a")))
+    data, subject = _raw(delta.model_dump_json())
+    outcome = validate_delta(data, subject, 7, LIMITS)
+    assert isinstance(outcome, Delta)
+    assert outcome.seq == 7
+    assert outcome.envelope == delta
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda d: "not json at all", "invalid_schema"),
+        (lambda d: json.dumps({**d, "payload": {"type": "document.exploded"}}), "invalid_schema"),
+        (lambda d: json.dumps({k: v for k, v in d.items() if k != "workspace"}), "invalid_schema"),
+        (lambda d: json.dumps({**d, "workspace": "other"}), "subject_mismatch"),
+        (
+            lambda d: json.dumps(
+                {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "content": "x" * 5000}}}
+            ),
+            "content_too_large",
+        ),
+        (
+            lambda d: json.dumps(
+                {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "embedding": [0.5] * 12}}}
+            ),
+            "embedding_dimension_mismatch",
+        ),
+        (
+            lambda d: json.dumps(
+                {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "embeddingModel": "other"}}}
+            ),
+            "embedding_model_mismatch",
+        ),
+        (
+            lambda d: json.dumps(
+                {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "content": "nul\u0000byte"}}}
+            ),
+            "invalid_schema",
+        ),
+    ],
+)
+def test_rejections_name_their_reason(mutate: object, reason: str) -> None:
+    good = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
+    data, subject = _raw(mutate(good))  # type: ignore[operator]
+    outcome = validate_delta(data, subject, 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == reason
+    assert outcome.detail
+
+
+def test_oversized_message_is_rejected_before_parsing() -> None:
+    outcome = validate_delta(b"x" * 100, "of.delta.ws.main", 1, Limits(50, 4096, 384, "m"))
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == "oversized"
+
+
+def test_unknown_fields_are_ignored() -> None:
+    good = json.loads(upsert("ws", document("a", "alpha")).model_dump_json())
+    good["futureField"] = {"anything": 1}
+    good["payload"]["document"]["alsoNew"] = True
+    data, subject = _raw(json.dumps(good))
+    assert isinstance(validate_delta(data, subject, 1, LIMITS), Delta)
+
+
+def _deltas(*items: tuple[int, object]) -> list[Delta]:
+    return [Delta(seq, env) for seq, env in items]  # type: ignore[arg-type]
+
+
+def test_repeated_and_older_deltas_are_noops() -> None:
+    v1 = upsert("ws", document("a", "one"))
+    v2 = upsert("ws", document("a", "two"))
+    first = plan_batch(_deltas((1, v1), (2, v2)), {}, {})
+    assert [d.seq for d in first.applied] == [1, 2]
+    ref = EntityRef("ws", "main", "document", "a")
+    assert first.writes[ref].seq == 2
+    # The row now holds sequence 2; seeing 2 again (redelivery) or 1 (older) changes nothing.
+    rows = {ref: RowState(2, False)}
+    again = plan_batch(_deltas((2, v2), (1, v1)), rows, first.versions)
+    assert again.writes == {}
+    assert [d.seq for d in again.noops] == [1, 2]
+    assert again.versions == {}
+
+
+def test_batch_order_does_not_matter_within_a_batch() -> None:
+    v1, v2 = upsert("ws", document("a", "one")), upsert("ws", document("a", "two"))
+    forward = plan_batch(_deltas((1, v1), (2, v2)), {}, {})
+    backward = plan_batch(_deltas((2, v2), (1, v1)), {}, {})
+    assert forward.versions == backward.versions
+    assert forward.writes == backward.writes
+
+
+def test_version_depends_on_state_not_on_batching() -> None:
+    deltas = _deltas(
+        (1, upsert("ws", document("a", "one"))),
+        (2, upsert("ws", document("b", "two"))),
+        (3, delete("ws", "a")),
+        (4, upsert("ws", document("c", "three"))),
+        (5, upsert("ws", document("b", "two again"))),
+    )
+    whole = plan_batch(deltas, {}, {})
+    # The same stream in batches of two, carrying state between batches.
+    rows: dict[EntityRef, RowState] = {}
+    versions: dict[tuple[str, str], VersionState] = {}
+    for start in range(0, len(deltas), 2):
+        plan = plan_batch(deltas[start : start + 2], rows, versions)
+        for ref, delta in plan.writes.items():
+            rows[ref] = RowState(delta.seq, delta.envelope.payload.type.endswith("deleted"))
+        versions.update(plan.versions)
+    assert versions == whole.versions
+    assert whole.versions[("ws", "main")].stream_seq == 5
+    assert whole.versions[("ws", "main")].label != EMPTY_VERSION
+
+
+def test_versions_are_per_workspace_and_branch() -> None:
+    plan = plan_batch(
+        _deltas(
+            (1, upsert("ws", document("a", "x"))),
+            (2, upsert("ws", document("a", "x"), branch="feature/x")),
+            (3, upsert("other", document("a", "x"))),
+        ),
+        {},
+        {},
+    )
+    assert set(plan.versions) == {("ws", "main"), ("ws", "feature/x"), ("other", "main")}
+    assert len({v.label for v in plan.versions.values()}) == 3
+
+
+def test_graph_deltas_are_entities_too() -> None:
+    node = envelope("ws", NodeUpserted(node=OntologyNode(domain="pkg", name="Base", kind="class")))
+    link = envelope(
+        "ws", LinkAdded(link=OntologyLink(source_type="pkg.Child", name="inherits", target_type="pkg.Base"))
+    )
+    plan = plan_batch(_deltas((1, node), (2, link)), {}, {})
+    assert set(plan.writes) == {
+        EntityRef("ws", "main", "node", "pkg.Base"),
+        EntityRef("ws", "main", "link", "pkg.Child|inherits|pkg.Base"),
+    }

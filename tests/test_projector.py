@@ -1,0 +1,174 @@
+"""The Postgres projector against a real nats-server and PostgreSQL: delivery, idempotence, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.services.projector.planning import Delta
+from ontofabric.services.projector.store import PostgresProjectionStore
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.db import create_pool, migrate
+
+from .conftest import Deployment
+from .factories import delete, document, unit_vector, upsert
+
+
+@pytest.fixture
+async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
+    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+async def _live_rows(deployment: Deployment, workspace: str) -> dict[str, str]:
+    rows = await deployment.fetch(
+        "SELECT id, content FROM documents WHERE workspace = $1 AND NOT deleted ORDER BY id", workspace
+    )
+    return {r["id"]: r["content"] for r in rows}
+
+
+async def test_deltas_are_projected_and_version_is_announced(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    deltas = [upsert("acme", document(f"d{i}", f"content {i}", embedding=unit_vector(f"d{i}"))) for i in range(5)]
+    acks = await deployment.publisher.publish_many(deltas)
+    await deployment.wait_projected(acks[-1].seq)
+
+    assert await _live_rows(deployment, "acme") == {f"d{i}": f"content {i}" for i in range(5)}
+    version_row = (await deployment.fetch("SELECT stream_seq FROM ontology_versions WHERE workspace = 'acme'"))[0]
+    assert version_row["stream_seq"] == acks[-1].seq
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    entry = await kv.get(deployment.names.version_key("acme", "main"))
+    assert entry.value is not None
+    announced = OntologyVersionChanged.model_validate_json(entry.value)
+    assert announced.stream_seq == acks[-1].seq
+    assert announced.ontology_version.startswith(f"{acks[-1].seq}-")
+    partitions = await deployment.fetch("SELECT partition_name FROM workspaces WHERE workspace = 'acme'")
+    assert len(partitions) == 1
+
+
+async def test_same_event_published_twice_changes_nothing(deployment: Deployment, projector: ProjectorService) -> None:
+    delta = upsert("acme", document("a", "alpha"), event_id="evt-1")
+    first = await deployment.publisher.publish(delta)
+    second = await deployment.publisher.publish(delta)
+    assert second.duplicate
+    assert second.seq == first.seq
+    await deployment.wait_projected(first.seq)
+    rows = await deployment.fetch("SELECT stream_seq FROM documents WHERE id = 'a'")
+    assert [r["stream_seq"] for r in rows] == [first.seq]
+
+
+async def test_delete_leaves_a_tombstone_that_older_upserts_cannot_resurrect(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    acks = await deployment.publisher.publish_many(
+        [upsert("acme", document("a", "alpha")), upsert("acme", document("b", "beta")), delete("acme", "a")]
+    )
+    await deployment.wait_projected(acks[-1].seq)
+    assert await _live_rows(deployment, "acme") == {"b": "beta"}
+    tombstone = (await deployment.fetch("SELECT deleted, stream_seq FROM documents WHERE id = 'a'"))[0]
+    assert tombstone["deleted"]
+    assert tombstone["stream_seq"] == acks[-1].seq
+
+
+async def test_store_is_idempotent_for_redelivered_and_older_deltas(deployment: Deployment) -> None:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    try:
+        store = PostgresProjectionStore(pool, "english")
+        v1 = Delta(10, upsert("acme", document("a", "first")))
+        v2 = Delta(20, upsert("acme", document("a", "second")))
+        other = Delta(15, upsert("acme", document("b", "other")))
+        result = await store.apply([v1, other, v2])
+        version = result.versions[0].version
+        snapshot = await _live_rows(deployment, "acme")
+        assert snapshot == {"a": "second", "b": "other"}
+
+        redelivered = await store.apply([v2, other])  # a whole batch delivered again
+        older = await store.apply([v1])  # an older sequence after a newer one
+        assert redelivered.plan.applied == []
+        assert older.plan.applied == []
+        assert redelivered.versions[0].version == version == older.versions[0].version
+        assert await _live_rows(deployment, "acme") == snapshot
+    finally:
+        await pool.close()
+
+
+async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    subject = deployment.names.delta_subject("acme", "main")
+    good_before = upsert("acme", document("before", "fine"))
+    wrong_dim = upsert("acme", document("wrong", "bad vector", embedding=[0.1] * 8))
+    oversized = upsert("acme", document("big", "x" * (deployment.settings.max_content_bytes + 1)))
+    good_after = upsert("acme", document("after", "still fine"))
+
+    await deployment.publisher.publish(good_before)
+    await deployment.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "garbage-1"})
+    await deployment.publisher.publish(wrong_dim)
+    await deployment.publisher.publish(oversized)
+    last = await deployment.publisher.publish(good_after)
+    await deployment.wait_projected(last.seq)
+
+    assert await _live_rows(deployment, "acme") == {"after": "still fine", "before": "fine"}
+    dead = await deployment.js.subscribe(deployment.names.dlq_subjects, stream=deployment.names.dlq_stream)
+    reasons = []
+    for _ in range(3):
+        msg = await dead.next_msg(timeout=5)
+        assert msg.headers is not None
+        reasons.append(msg.headers["Ontofabric-Reason"])
+        assert msg.headers["Ontofabric-Original-Subject"] == subject
+        assert msg.headers["Ontofabric-Detail"]
+        if msg.headers["Ontofabric-Reason"] == "invalid_schema":
+            assert msg.data == b"{not json"  # the payload is kept as it was, for inspection or re-drive
+    assert sorted(reasons) == ["content_too_large", "embedding_dimension_mismatch", "invalid_schema"]
+
+
+async def test_transient_database_failure_is_retried(deployment: Deployment, projector: ProjectorService) -> None:
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(first.seq)
+
+    database = deployment.settings.subject_prefix
+    admin = await asyncpg.connect(deployment.database_url.rsplit("/", 1)[0] + "/postgres")
+    try:
+        # Take the database away: refuse new connections and cut the projector's open ones.
+        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            database,
+        )
+        second = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+        await asyncio.sleep(1.5)  # several delivery attempts fail while the database is away
+        info = await deployment.js.consumer_info(
+            deployment.names.delta_stream, deployment.names.postgres_projector_durable
+        )
+        assert info.ack_floor.stream_seq < second.seq  # not acked while it could not be committed
+        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
+    finally:
+        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
+        await admin.close()
+    await deployment.wait_projected(second.seq, timeout_s=60)
+    assert await _live_rows(deployment, "acme") == {"a": "alpha", "b": "beta"}
+    dead = await deployment.js.stream_info(deployment.names.dlq_stream)
+    assert dead.state.messages == 0
+
+
+async def test_kv_carries_json_a_late_reader_can_parse(deployment: Deployment, projector: ProjectorService) -> None:
+    ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha"), branch="feature/x.y"))
+    await deployment.wait_projected(ack.seq)
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    keys = await kv.keys()
+    assert keys == [deployment.names.version_key("acme", "feature/x.y")]
+    assert deployment.names.parse_version_key(keys[0]) == ("acme", "feature/x.y")
+    entry = await kv.get(keys[0])
+    assert entry.value is not None
+    assert json.loads(entry.value)["branch"] == "feature/x.y"

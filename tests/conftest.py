@@ -121,12 +121,9 @@ async def deployment(deployment_settings: Settings, servers: Endpoints) -> Async
     try:
         yield Deployment(settings, names, nc, js, DeltaPublisher(js, names))
     finally:
+        owned = {names.delta_stream, names.dlq_stream, f"KV_{names.version_bucket}", f"OBJ_{names.ingest_state_bucket}"}
         for stream in await js.streams_info():
-            if (
-                (stream.config.name and stream.config.name.lower().startswith(f"{settings.subject_prefix}_"))
-                or (stream.config.name and stream.config.name.startswith(f"KV_{names.version_bucket}"))
-                or (stream.config.name and stream.config.name.startswith(f"OBJ_{names.ingest_state_bucket}"))
-            ):
+            if stream.config.name in owned:
                 await js.delete_stream(stream.config.name)
         await nc.close()
         await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')

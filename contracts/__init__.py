@@ -25,10 +25,11 @@ from .query import (
     QueryResponse,
     SearchResult,
 )
-from .versions import OntologyVersionChanged
+from .versions import NO_VERSION, OntologyVersionChanged, format_version
 
 __all__ = [
     "CHUNK_LEVELS",
+    "NO_VERSION",
     "PROVENANCES",
     "SCHEMA_VERSION",
     "ChunkLevel",
@@ -55,4 +56,5 @@ __all__ = [
     "QueryResponse",
     "SearchResult",
     "SemanticDocument",
+    "format_version",
 ]

@@ -9,6 +9,15 @@ from pydantic import Field
 from ._base import WireModel
 
 
+def format_version(state_hash: int, stream_seq: int) -> str:
+    """The ontologyVersion label: the highest stream sequence applied, then the 64-bit state hash in hex."""
+    return f"{stream_seq}-{state_hash % (1 << 64):016x}"
+
+
+NO_VERSION = format_version(0, 0)
+"""The version of a workspace/branch nothing has been projected into."""
+
+
 class OntologyVersionChanged(WireModel):
     workspace: str
     branch: str

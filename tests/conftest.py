@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.jetstream import ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
@@ -35,6 +36,14 @@ METRICS = InMemoryMetricReader()
 def pytest_configure(config: pytest.Config) -> None:
     configure_logging("WARNING", "console")
     configure_telemetry("ontofabric-tests", extra_readers=(METRICS,))
+
+
+@pytest.fixture(scope="session")
+def embedder() -> Embedder:
+    """The real all-MiniLM-L6-v2, loaded once per session."""
+    built = build_embedder(Settings(embedder="local"))
+    assert built is not None
+    return built
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from ontofabric.contracts import LinkAdded, NodeUpserted, OntologyLink, OntologyNode
+from ontofabric.contracts import NO_VERSION, LinkAdded, NodeUpserted, OntologyLink, OntologyNode
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.projector.planning import (
-    EMPTY_VERSION,
     Delta,
     EntityRef,
     Limits,
@@ -142,7 +141,7 @@ def test_version_depends_on_state_not_on_batching() -> None:
         versions.update(plan.versions)
     assert versions == whole.versions
     assert whole.versions[("ws", "main")].stream_seq == 5
-    assert whole.versions[("ws", "main")].label != EMPTY_VERSION
+    assert whole.versions[("ws", "main")].label != NO_VERSION
 
 
 def test_versions_are_per_workspace_and_branch() -> None:

@@ -23,6 +23,7 @@ from ontofabric.contracts import (
     NodeRemoved,
     NodeUpserted,
     SemanticDocument,
+    format_version,
 )
 from ontofabric.shared.subjects import encode_token
 
@@ -169,13 +170,6 @@ class VersionState:
     @property
     def label(self) -> str:
         return format_version(self.state_hash, self.stream_seq)
-
-
-def format_version(state_hash: int, stream_seq: int) -> str:
-    return f"{stream_seq}-{state_hash % _HASH_MOD:016x}"
-
-
-EMPTY_VERSION = VersionState().label
 
 
 @dataclass

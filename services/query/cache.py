@@ -1,0 +1,61 @@
+"""An LRU of query answers keyed by ontologyVersion: an answer is only ever served for the version it was made from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    workspace: str
+    branch: str
+    ontology_version: str
+    query_hash: str
+    params_hash: str
+
+
+def stable_hash(value: Any) -> str:
+    """sha256 of the canonical JSON of ``value`` (sorted keys), for query and parameter hashes."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class VersionedCache(Generic[V]):
+    """Bounded LRU. Not thread-safe: one asyncio loop owns it."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._max_entries = max_entries
+        self._entries: OrderedDict[CacheKey, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: CacheKey) -> V | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: CacheKey, value: V) -> None:
+        if self._max_entries <= 0:
+            return
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+
+    def invalidate_stale(self, workspace: str, branch: str, current_version: str) -> int:
+        """Drop the answers of (workspace, branch) made from any other version; returns how many."""
+        stale = [
+            key
+            for key in self._entries
+            if key.workspace == workspace and key.branch == branch and key.ontology_version != current_version
+        ]
+        for key in stale:
+            del self._entries[key]
+        return len(stale)

@@ -1,0 +1,242 @@
+"""The query pipeline (seed 000 §6): cache → dense ∥ keyword → RRF → (rerank) → reply with an honest ``_meta``.
+
+Every failure of a part shows in ``_meta.degraded`` and the answer is the best of what still ran; only when no
+retriever at all could run does the caller get an error (:class:`RetrievalUnavailable`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from ontofabric.contracts import FoundBy, OntologyQuery, QueryMeta, QueryResponse, SearchResult
+from ontofabric.shared.embedder import Embedder, Vector
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.telemetry import instruments, tracer
+
+from .cache import CacheKey, VersionedCache, stable_hash
+from .fusion import Candidate, Fused, reciprocal_rank_fusion
+from .hints import reads_as_relationship_question
+from .postgres import Scope, StoredDocument
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+# Fused candidates kept per requested result, headroom for a reranker to reorder (seed 000 §6 step 4).
+OVERSAMPLE = 1.5
+
+
+class RetrievalUnavailable(Exception):
+    """No retriever could run; the caller gets a retryable error."""
+
+
+class Retrieval(Protocol):
+    backend: str
+
+    async def dense(self, scope: Scope, vector: Vector, limit: int) -> list[Candidate]: ...
+
+    async def keyword(self, scope: Scope, text: str, limit: int) -> list[Candidate]: ...
+
+    async def fetch(self, scope: Scope, ids: list[str]) -> dict[str, StoredDocument]: ...
+
+
+class VersionSource(Protocol):
+    def current(self, workspace: str, branch: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    retriever_top_k: int = 50
+    rrf_k: int = 60
+
+
+@dataclass
+class _Answer:
+    """What a cache entry holds: the results and the facts about how they were made."""
+
+    results: list[SearchResult]
+    hybrid: bool
+    retrievers: list[str]
+    degraded: list[str]
+    skipped_rerank: str | None
+    could_benefit: bool
+
+
+@dataclass
+class _Stopwatch:
+    timings: dict[str, float] = field(default_factory=dict)
+
+    async def time(self, stage: str, work: Awaitable[T]) -> T:
+        started = time.perf_counter()
+        try:
+            return await work
+        finally:
+            self.timings[stage] = round((time.perf_counter() - started) * 1000, 3)
+
+
+def cache_key(query: OntologyQuery, workspace: str, version: str) -> CacheKey:
+    params = query.model_dump(exclude={"semantic_query", "workspace", "branch"}, mode="json")
+    return CacheKey(workspace, query.branch, version, stable_hash(query.semantic_query), stable_hash(params))
+
+
+class QueryPipeline:
+    def __init__(
+        self,
+        retrieval: Retrieval,
+        embedder: Embedder | None,
+        versions: VersionSource,
+        cache: VersionedCache[_Answer],
+        config: PipelineConfig,
+    ) -> None:
+        self._retrieval = retrieval
+        self._embedder = embedder
+        self._versions = versions
+        self._cache = cache
+        self._config = config
+        self._metrics = instruments()
+
+    async def answer(self, query: OntologyQuery, workspace: str) -> QueryResponse:
+        started = time.perf_counter()
+        clock = _Stopwatch()
+        version = self._versions.current(workspace, query.branch)
+        key = cache_key(query, workspace, version)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._metrics.cache_hit.add(1)
+            return self._respond(query, workspace, version, cached, True, clock, started)
+        self._metrics.cache_miss.add(1)
+
+        with tracer().start_as_current_span("query.retrieve"):
+            answer = await self._retrieve(query, workspace, clock)
+        if self._versions.current(workspace, query.branch) != version:
+            # The data moved while we read it: answer, but say so and keep it out of the cache.
+            answer.degraded.append("ontologyVersionChanged")
+        elif not set(answer.degraded) - {"embedder"}:
+            self._cache.put(key, answer)
+        return self._respond(query, workspace, version, answer, False, clock, started)
+
+    async def _retrieve(self, query: OntologyQuery, workspace: str, clock: _Stopwatch) -> _Answer:
+        scope = Scope(workspace, query.branch, query.object_type, query.chunk_level, query.provenance)
+        degraded: list[str] = []
+        k = self._config.retriever_top_k
+
+        async def dense() -> list[Candidate] | None:
+            if self._embedder is None:
+                degraded.append("embedder")
+                return None
+            try:
+                vector = await clock.time("embed", self._embedder.embed_query_async(query.semantic_query))
+            except Exception as error:
+                log.warning("embedder_failed", error=str(error))
+                degraded.append("embedder")
+                return None
+            return await _guarded("dense", clock.time("dense", self._retrieval.dense(scope, vector, k)), degraded)
+
+        keyword = _guarded(
+            "keyword", clock.time("keyword", self._retrieval.keyword(scope, query.semantic_query, k)), degraded
+        )
+        dense_hits, keyword_hits = await asyncio.gather(dense(), keyword)
+        ranked = {name: hits for name, hits in (("dense", dense_hits), ("keyword", keyword_hits)) if hits is not None}
+        if not ranked:
+            raise RetrievalUnavailable(f"no retriever could run ({', '.join(degraded)})")
+        self._metrics.candidates_dense.add(len(dense_hits or []))
+        self._metrics.candidates_sparse.add(len(keyword_hits or []))
+
+        fusion_started = time.perf_counter()
+        fused = reciprocal_rank_fusion(ranked, k=self._config.rrf_k, limit=math.ceil(query.top_k * OVERSAMPLE))
+        fusion_ms = (time.perf_counter() - fusion_started) * 1000
+        clock.timings["fusion"] = round(fusion_ms, 3)
+        self._metrics.fusion_duration.record(fusion_ms)
+
+        # No reranker is wired yet: the fused order stands, and _meta says why nothing reranked it.
+        skipped_rerank = "no_reranker" if query.precision else None
+        chosen = [f for f in fused if query.min_relevance is None or f.relevance >= query.min_relevance]
+        chosen = chosen[: query.top_k]
+        documents = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in chosen]))
+        results = [
+            _result(rank, hit, documents[hit.id])
+            for rank, hit in enumerate((f for f in chosen if f.id in documents), start=1)
+        ]
+        for sink in degraded:
+            self._metrics.degraded.add(1, {"sink": sink})
+        return _Answer(
+            results=results,
+            hybrid=len(ranked) == 2,
+            retrievers=list(ranked),
+            degraded=degraded,
+            skipped_rerank=skipped_rerank,
+            could_benefit=not query.follow_links and reads_as_relationship_question(query.semantic_query),
+        )
+
+    def _respond(
+        self,
+        query: OntologyQuery,
+        workspace: str,
+        version: str,
+        answer: _Answer,
+        cache_hit: bool,
+        clock: _Stopwatch,
+        started: float,
+    ) -> QueryResponse:
+        total_ms = (time.perf_counter() - started) * 1000
+        clock.timings["total"] = round(total_ms, 3)
+        meta = QueryMeta(
+            ontology_version=version,
+            workspace=workspace,
+            branch=query.branch,
+            hybrid=answer.hybrid,
+            reranked=False,
+            skipped_rerank=answer.skipped_rerank,
+            cache_hit=cache_hit,
+            degraded=list(answer.degraded),
+            could_benefit_from_link_expansion=answer.could_benefit,
+            backend=self._retrieval.backend,
+            retrievers=answer.retrievers,
+            timings_ms=clock.timings,
+        )
+        self._metrics.query_duration.record(
+            total_ms,
+            {
+                "hybrid": answer.hybrid,
+                "reranked": False,
+                "cacheHit": cache_hit,
+                "backend": self._retrieval.backend,
+                "followLinks": query.follow_links,
+            },
+        )
+        return QueryResponse(results=answer.results, meta=meta)
+
+    def invalidate(self, workspace: str, branch: str, version: str) -> None:
+        dropped = self._cache.invalidate_stale(workspace, branch, version)
+        if dropped:
+            log.info("cache_invalidated", workspace=workspace, branch=branch, entries=dropped)
+
+
+async def _guarded(name: str, work: Awaitable[list[Candidate]], degraded: list[str]) -> list[Candidate] | None:
+    try:
+        return await work
+    except Exception as error:
+        log.warning("retriever_failed", retriever=name, error=f"{type(error).__name__}: {error}")
+        degraded.append(name)
+        return None
+
+
+def _result(rank: int, hit: Fused, document: StoredDocument) -> SearchResult:
+    return SearchResult(
+        id=hit.id,
+        score=round(hit.relevance, 6),
+        rank=rank,
+        content=document.content,
+        object_type=document.object_type,
+        source_domain=document.source_domain,
+        metadata=document.metadata,
+        found_by=[
+            FoundBy(retriever=name, rank=source.rank, score=round(source.score, 6))
+            for name, source in hit.found_by.items()
+        ],
+    )

@@ -1,0 +1,85 @@
+"""What the query worker knows of ontologyVersions: a watch on the versions KV bucket.
+
+A watch first delivers the latest value of every key, so a worker started later still learns the current
+version of every workspace and branch before it answers its first query.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from nats.js.kv import KeyValue
+from pydantic import ValidationError
+
+from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.subjects import Names
+
+log = get_logger(__name__)
+
+VersionListener = Callable[[str, str, str], None]
+"""Called with (workspace, branch, new version)."""
+
+
+class VersionTracker:
+    def __init__(self, kv: KeyValue, names: Names) -> None:
+        self._kv = kv
+        self._names = names
+        self._on_change: VersionListener | None = None
+        self._versions: dict[tuple[str, str], str] = {}
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def set_listener(self, listener: VersionListener) -> None:
+        self._on_change = listener
+
+    def current(self, workspace: str, branch: str) -> str:
+        return self._versions.get((workspace, branch), NO_VERSION)
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        self._task = asyncio.create_task(self._watch_forever(), name="version-watch")
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _watch_forever(self) -> None:
+        while True:
+            try:
+                watcher = await self._kv.watchall()
+                try:
+                    async for entry in watcher:
+                        if entry is None:  # every current value has been delivered
+                            self._ready.set()
+                            continue
+                        self._apply(entry.key, entry.value)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("version_watch_restart", error=str(error))
+                await asyncio.sleep(1.0)
+
+    def _apply(self, key: str, value: bytes | None) -> None:
+        if not value:
+            return
+        try:
+            record = OntologyVersionChanged.model_validate_json(value)
+            workspace, branch = self._names.parse_version_key(key)
+        except (ValidationError, ValueError) as error:
+            log.warning("version_entry_unreadable", key=key, error=str(error))
+            return
+        if self._versions.get((workspace, branch)) == record.ontology_version:
+            return
+        self._versions[(workspace, branch)] = record.ontology_version
+        log.info("ontology_version_seen", workspace=workspace, branch=branch, version=record.ontology_version)
+        if self._on_change is not None:
+            self._on_change(workspace, branch, record.ontology_version)

@@ -1,0 +1,144 @@
+"""The query worker: request-reply ``ontology_query`` on per-workspace subjects, in a queue group.
+
+Any request body may be malformed; the answer is then a structured :class:`ErrorReply` and the worker keeps
+serving. Nothing a caller sends can crash it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+from faststream.nats import NatsBroker, NatsMessage
+from pydantic import ValidationError
+
+from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError
+from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.jetstream import ensure_jetstream
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names, decode_token
+from ontofabric.shared.telemetry import instruments
+
+from .cache import VersionedCache
+from .pipeline import PipelineConfig, QueryPipeline, RetrievalUnavailable
+from .postgres import PostgresRetrieval
+from .versions import VersionTracker
+
+log = get_logger(__name__)
+
+
+def error_reply(code: str, message: str, details: list[ErrorDetail] | None = None, retryable: bool = False) -> bytes:
+    instruments().query_errors.add(1, {"code": code})
+    reply = ErrorReply(error=QueryError(code=code, message=message, retryable=retryable, details=details or []))
+    return reply.model_dump_json().encode()
+
+
+def validation_details(error: ValidationError) -> list[ErrorDetail]:
+    details = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem["loc"]) or None
+        message = problem["msg"]
+        if problem["type"] == "extra_forbidden":
+            message = "unknown parameter"
+        details.append(ErrorDetail(field=location, message=message))
+    return details
+
+
+def parse_request(body: bytes, workspace: str, max_query_chars: int) -> OntologyQuery | bytes:
+    """The validated query, or the error reply to send instead."""
+    try:
+        query = OntologyQuery.model_validate_json(body)
+    except ValidationError as error:
+        return error_reply("invalid_request", "the request does not match ontology_query", validation_details(error))
+    if len(query.semantic_query) > max_query_chars:
+        return error_reply(
+            "invalid_request",
+            "the query is too long",
+            [ErrorDetail(field="semanticQuery", message=f"at most {max_query_chars} characters")],
+        )
+    if query.workspace is not None and query.workspace != workspace:
+        return error_reply(
+            "invalid_request",
+            "the body names another workspace than the subject it was sent to",
+            [ErrorDetail(field="workspace", message=f"this subject serves workspace {workspace!r}")],
+        )
+    return query
+
+
+class QueryService:
+    """The query worker process: pool, embedder, version watch and the request-reply subscriber."""
+
+    def __init__(self, settings: Settings, nats_url: str, database_url: str, embedder: Embedder | None) -> None:
+        self.settings = settings
+        self.names = Names(settings.subject_prefix)
+        self._nats_url = nats_url
+        self._database_url = database_url
+        self._embedder = embedder
+        self._broker: NatsBroker | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._versions: VersionTracker | None = None
+        self.handled = 0
+        """Requests this worker answered (errors included)."""
+
+    async def start(self) -> None:
+        settings, names = self.settings, self.names
+        await migrate(self._database_url, settings)
+        self._pool = await create_pool(self._database_url, settings, max_size=max(4, 2 * settings.query_concurrency))
+        broker = self._broker = NatsBroker(self._nats_url, name="ontofabric-query", logger=None)
+        await broker.connect()
+        js = broker.connection.jetstream()
+        await ensure_jetstream(js, names, settings)
+        cache: VersionedCache[Any] = VersionedCache(settings.query_cache_entries)
+        tracker = VersionTracker(await js.key_value(names.version_bucket), names)
+        pipeline = QueryPipeline(
+            PostgresRetrieval(self._pool, settings.text_search_config),
+            self._embedder,
+            tracker,
+            cache,
+            PipelineConfig(retriever_top_k=settings.retriever_top_k, rrf_k=settings.rrf_k),
+        )
+        tracker.set_listener(pipeline.invalidate)
+        self._versions = tracker
+        await tracker.start()
+
+        async def raw_body(message: NatsMessage) -> bytes:
+            return bytes(message.body)
+
+        @broker.subscriber(
+            names.query_subjects,
+            queue=names.query_queue,
+            decoder=raw_body,
+            max_workers=settings.query_concurrency,
+        )
+        async def on_query(message: NatsMessage) -> bytes:
+            self.handled += 1
+            workspace = decode_token(message.raw_message.subject.rsplit(".", 1)[-1])
+            parsed = parse_request(bytes(message.body), workspace, settings.max_query_chars)
+            if isinstance(parsed, bytes):
+                return parsed
+            try:
+                response = await pipeline.answer(parsed, workspace)
+            except RetrievalUnavailable as error:
+                return error_reply("unavailable", str(error), retryable=True)
+            except Exception:
+                log.exception("query_failed", workspace=workspace)
+                return error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
+            return response.model_dump_json().encode()
+
+        await broker.start()
+        await broker.connection.flush()  # the server has our subscription: requests sent from now on reach us
+        log.info("query_worker_started", subjects=names.query_subjects, queue=names.query_queue)
+
+    async def stop(self) -> None:
+        if self._broker is not None:
+            await self._broker.stop()
+            self._broker = None
+        if self._versions is not None:
+            await self._versions.stop()
+            self._versions = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        log.info("query_worker_stopped")

@@ -1,0 +1,279 @@
+"""End to end against real servers: publish → project → request-reply query, cache, errors, queue group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import asyncpg
+import pytest
+
+from ontofabric.contracts import ErrorReply, QueryResponse
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.embedder import Embedder
+
+from .conftest import Deployment
+from .factories import document, upsert
+
+CORPUS = {
+    "csv": ("Read a CSV file into rows with the csv module and return a list of dictionaries.", "io.Files", "method"),
+    "json": ("Serialise a Python object to a JSON string with indentation.", "io.Serialisation", "method"),
+    "http": ("Send an HTTP GET request and return the decoded response body.", "net.Http", "method"),
+    "sort": ("Sort a list of numbers in descending order using sorted with reverse=True.", "algo.Sorting", "method"),
+    "fib": ("Compute the Fibonacci sequence recursively with memoisation.", "algo.Recursion", "method"),
+    "zip": ("Compress a directory into a zip archive.", "io.Files", "type"),
+    "guide": ("How to install the package and run the tests.", "docs.Guide", "doc"),
+}
+
+
+async def _seed(deployment: Deployment, embedder: Embedder, workspace: str = "acme") -> int:
+    ids = list(CORPUS)
+    vectors = embedder.embed_documents([CORPUS[i][0] for i in ids])
+    deltas = [
+        upsert(
+            workspace,
+            document(
+                i,
+                CORPUS[i][0],
+                object_type=CORPUS[i][1],
+                chunk_level=CORPUS[i][2],
+                provenance="hand-authored" if i == "guide" else "ingested",
+                embedding=[float(x) for x in vector],
+            ),
+        )
+        for i, vector in zip(ids, vectors, strict=True)
+    ]
+    acks = await deployment.publisher.publish_many(deltas)
+    await deployment.wait_projected(acks[-1].seq)
+    return acks[-1].seq
+
+
+Start = Callable[..., Awaitable[QueryService]]
+
+
+@pytest.fixture
+async def start_query_worker(deployment: Deployment) -> AsyncIterator[Start]:
+    started: list[QueryService] = []
+
+    async def start(embedder: Embedder | None, **overrides: object) -> QueryService:
+        settings = deployment.settings.model_copy(update=overrides)
+        service = QueryService(settings, deployment.nats_url, deployment.database_url, embedder)
+        await service.start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        await service.stop()
+
+
+@pytest.fixture
+async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
+    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+def client(deployment: Deployment) -> QueryClient:
+    return QueryClient(deployment.nc, deployment.names)
+
+
+async def _ask(client: QueryClient, text: str, workspace: str = "acme", **params: object) -> QueryResponse:
+    reply = await client.query(workspace, {"semanticQuery": text, **params})
+    assert isinstance(reply, QueryResponse), reply
+    return reply
+
+
+async def test_publish_project_query_end_to_end(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    last_seq = await _seed(deployment, embedder)
+    await start_query_worker(embedder)
+    reply = await _ask(client, "how do I load a csv file", topK=3)
+    assert reply.results[0].id == "csv"
+    assert [r.rank for r in reply.results] == [1, 2, 3]
+    assert {f.retriever for f in reply.results[0].found_by} == {"dense", "keyword"}
+    meta = reply.meta
+    assert meta.hybrid is True
+    assert meta.reranked is False
+    assert meta.skipped_rerank == "no_reranker"
+    assert meta.cache_hit is False
+    assert meta.degraded == []
+    assert meta.backend == "tsvector"
+    assert meta.ontology_version.startswith(f"{last_seq}-")
+    assert {"embed", "dense", "keyword", "fusion", "fetch", "total"} <= set(meta.timings_ms)
+    assert 0 < reply.results[-1].score <= reply.results[0].score <= 1
+
+
+async def test_filters_apply_to_both_retrievers(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    await start_query_worker(embedder)
+    by_type = await _ask(client, "file", objectType="io.Files", topK=10)
+    assert {r.id for r in by_type.results} == {"csv", "zip"}
+    by_level = await _ask(client, "file", chunkLevel="type", topK=10)
+    assert [r.id for r in by_level.results] == ["zip"]
+    by_provenance = await _ask(client, "install tests", provenance="hand-authored", topK=10)
+    assert [r.id for r in by_provenance.results] == ["guide"]
+
+
+async def test_cache_hit_then_invalidated_by_a_new_delta(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    await start_query_worker(embedder)
+    first = await _ask(client, "fibonacci numbers")
+    second = await _ask(client, "fibonacci numbers")
+    assert (first.meta.cache_hit, second.meta.cache_hit) == (False, True)
+    assert second.results == first.results
+    assert second.meta.ontology_version == first.meta.ontology_version
+
+    vector = embedder.embed_documents(["Fibonacci numbers with an iterative loop, fast and simple."])[0]
+    ack = await deployment.publisher.publish(
+        upsert(
+            "acme",
+            document(
+                "fib2",
+                "Fibonacci numbers with an iterative loop, fast and simple.",
+                embedding=[float(x) for x in vector],
+            ),
+        )
+    )
+    await deployment.wait_projected(ack.seq)
+    for _ in range(100):  # the worker learns the new version from the KV watch
+        third = await _ask(client, "fibonacci numbers")
+        if third.meta.ontology_version != first.meta.ontology_version:
+            break
+        await asyncio.sleep(0.05)
+    assert third.meta.cache_hit is False
+    assert third.meta.ontology_version.startswith(f"{ack.seq}-")
+    assert "fib2" in {r.id for r in third.results}
+
+
+async def test_two_workers_in_the_queue_group_both_serve(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    first = await start_query_worker(embedder, query_cache_entries=0)
+    second = await start_query_worker(embedder, query_cache_entries=0)
+    replies = await asyncio.gather(*(_ask(client, f"sort numbers {i}") for i in range(40)))
+    assert all(r.results[0].id == "sort" for r in replies)
+    assert first.handled > 0
+    assert second.handled > 0
+    assert first.handled + second.handled == 40
+
+
+MALFORMED = [
+    (b"", None),
+    (b"\xff\xfe not utf-8", None),
+    (b"[1, 2, 3]", None),
+    (b'{"semanticQuery": "x", "topK": 0}', "topK"),
+    (b'{"semanticQuery": "x", "topK": 101}', "topK"),
+    (b'{"semanticQuery": "x", "linkDepth": 2}', "linkDepth"),
+    (b'{"semanticQuery": "x", "chunkLevel": "paragraph"}', "chunkLevel"),
+    (b'{"semanticQuery": "x", "surprise": true}', "surprise"),
+    (b'{"semanticQuery": "x", "workspace": "someone-else"}', "workspace"),
+    (json.dumps({"semanticQuery": "x" * 5000}).encode(), "semanticQuery"),
+]
+
+
+async def test_malformed_queries_get_structured_errors_and_the_worker_keeps_serving(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    await start_query_worker(embedder)
+    for body, field in MALFORMED:
+        reply = ErrorReply.model_validate_json(await client.send_raw("acme", body))
+        assert reply.error.code == "invalid_request", body
+        assert reply.error.retryable is False
+        if field is not None:
+            assert field in {d.field for d in reply.error.details}, (body, reply.error.details)
+        ok = await _ask(client, "send an http request")
+        assert ok.results[0].id == "http"
+
+
+async def test_without_an_embedder_answers_are_keyword_only_and_say_so(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    await start_query_worker(None)
+    reply = await _ask(client, "zip archive directory")
+    assert reply.results[0].id == "zip"
+    assert reply.meta.hybrid is False
+    assert reply.meta.retrievers == ["keyword"]
+    assert reply.meta.degraded == ["embedder"]
+    assert [f.retriever for f in reply.results[0].found_by] == ["keyword"]
+
+
+async def test_a_late_worker_knows_the_current_version(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    last_seq = await _seed(deployment, embedder)
+    await asyncio.sleep(0.2)
+    await start_query_worker(embedder)  # started after every version was announced
+    reply = await _ask(client, "json")
+    assert reply.meta.ontology_version.startswith(f"{last_seq}-")
+    empty = await _ask(client, "json", workspace="nobody")
+    assert empty.results == []
+    assert empty.meta.ontology_version == "0-0000000000000000"
+
+
+async def test_database_outage_is_a_retryable_error_not_a_crash(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    await start_query_worker(embedder, query_cache_entries=0)
+    database = deployment.settings.subject_prefix
+    admin = await asyncpg.connect(deployment.database_url.rsplit("/", 1)[0] + "/postgres")
+    try:
+        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            database,
+        )
+        down = ErrorReply.model_validate_json(await client.send_raw("acme", b'{"semanticQuery": "sort numbers"}'))
+        assert down.error.code == "unavailable"
+        assert down.error.retryable is True
+    finally:
+        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
+        await admin.close()
+    back = await _ask(client, "sort numbers")
+    assert back.results[0].id == "sort"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -32,24 +31,29 @@ MAX_DELTA_MESSAGE_BYTES = 1024 * 1024
 
 
 async def connect(url: str, name: str) -> Client:
+    """A client that reconnects for ever and logs connection changes (not its own close)."""
+    nc = Client()
+
     async def on_error(error: Exception) -> None:
         log.warning("nats_error", error=str(error))
 
     async def on_disconnect() -> None:
-        log.warning("nats_disconnected")
+        if not nc.is_closed:
+            log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
-    return await nats.connect(
+    await nc.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=1,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
     )
+    return nc
 
 
 def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:

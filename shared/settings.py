@@ -52,7 +52,9 @@ class Settings(BaseSettings):
     embedding_dim: int = Field(default=384, ge=1, le=16000, description="Vector dimension of the deployment.")
 
     # --- projector -------------------------------------------------------------------------------
-    projector_batch_size: int = Field(default=256, ge=1, le=10_000)
+    projector_batch_size: int = Field(
+        default=256, ge=1, le=10_000, description="Deltas the projector applies per transaction, at most."
+    )
     projector_batch_timeout_s: float = Field(
         default=0.2, gt=0, description="Longest wait to fill a batch before projecting what arrived."
     )
@@ -74,13 +76,19 @@ class Settings(BaseSettings):
     query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
     retriever_top_k: int = Field(default=50, ge=1, le=1000, description="Candidates per retriever.")
     rrf_k: int = Field(default=60, ge=1, description="Reciprocal Rank Fusion constant.")
-    hnsw_ef_search: int = Field(default=100, ge=1, le=1000)
-    max_query_chars: int = Field(default=2000, ge=1)
-    statement_timeout_ms: int = Field(default=5000, ge=1)
+    hnsw_ef_search: int = Field(
+        default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
+    )
+    max_query_chars: int = Field(default=2000, ge=1, description="Longer queries are rejected.")
+    statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
 
     # --- operability -----------------------------------------------------------------------------
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["json", "console"] = "json"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level (interactive commands log warnings only unless this is set)."
+    )
+    log_format: Literal["json", "console"] = Field(
+        default="json", description="`json`: one structlog JSON object per line; `console`: for humans."
+    )
 
     def resolved_model_path(self) -> Path:
         if self.embedding_model_path is not None:

@@ -1,0 +1,61 @@
+"""Running workers in one process until a signal: what ``up``, ``projector`` and ``query-worker`` share."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from ontofabric.shared.embedder import Embedder, build_embedder
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.runtime import Endpoints
+from ontofabric.shared.settings import Settings
+
+from .projector.worker import ProjectorService
+from .query.worker import QueryService
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Roles:
+    projector: bool = True
+    query: bool = True
+
+
+async def start_workers(
+    stack: AsyncExitStack, settings: Settings, endpoints: Endpoints, roles: Roles, embedder: Embedder | None = None
+) -> Embedder | None:
+    """Start the chosen workers; ``stack`` stops them in reverse order. Returns the query embedder."""
+    if roles.projector:
+        projector = ProjectorService(settings, endpoints.nats_url, endpoints.database_url)
+        await projector.start()
+        stack.push_async_callback(projector.stop)
+    if roles.query:
+        if embedder is None and settings.embedder != "none":
+            embedder = await asyncio.to_thread(build_embedder, settings)
+        query = QueryService(settings, endpoints.nats_url, endpoints.database_url, embedder)
+        await query.start()
+        stack.push_async_callback(query.stop)
+    return embedder
+
+
+async def serve_until_signal(
+    settings: Settings,
+    endpoints: Endpoints,
+    roles: Roles,
+    on_ready: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with AsyncExitStack() as stack:
+        await start_workers(stack, settings, endpoints, roles)
+        if on_ready is not None:
+            await on_ready()
+        log.info("workers_running", projector=roles.projector, query=roles.query)
+        await stop.wait()
+        log.info("workers_stopping")

@@ -1,0 +1,254 @@
+"""The ``ontofabric`` command. Settings come from ONTOFABRIC_* environment variables (``ontofabric settings``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ontofabric.contracts import CHUNK_LEVELS, PROVENANCES, ErrorReply, schema
+from ontofabric.shared.db import migrate
+from ontofabric.shared.embedder import build_embedder
+from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
+from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.runtime import EmbeddedRuntime, RuntimeUnavailable, resolve_endpoints
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
+from ontofabric.shared.telemetry import configure_telemetry
+
+from .app import Roles, serve_until_signal
+from .render import RichProgress, render_reply
+
+app = typer.Typer(
+    help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+errors = Console(stderr=True)
+
+DataDir = Annotated[
+    Path | None, typer.Option("--data-dir", help="Data directory of the embedded servers [env ONTOFABRIC_DATA_DIR].")
+]
+
+
+def _settings(service: str, data_dir: Path | None = None, quiet: bool = False) -> Settings:
+    settings = Settings()
+    if data_dir is not None:
+        settings = settings.model_copy(update={"data_dir": data_dir})
+    # Interactive commands keep the terminal for their output unless a log level was asked for.
+    level = settings.log_level if not quiet or "ONTOFABRIC_LOG_LEVEL" in os.environ else "WARNING"
+    configure_logging(level, settings.log_format)
+    configure_telemetry(service)
+    return settings
+
+
+def _fail(message: str) -> None:
+    errors.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def up(data_dir: DataDir = None) -> None:
+    """Start embedded servers (unless URLs are set), the projector and a query worker; run until Ctrl-C/SIGTERM."""
+    settings = _settings("ontofabric-up", data_dir)
+    try:
+        with EmbeddedRuntime(settings) as runtime:
+            assert runtime.endpoints is not None
+            endpoints = runtime.endpoints
+
+            async def ready() -> None:
+                errors.print(
+                    f"[green]ready[/green] nats={endpoints.nats_url} database={endpoints.database_url} (Ctrl-C stops)"
+                )
+
+            asyncio.run(serve_until_signal(settings, endpoints, Roles(), ready))
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+
+
+@app.command()
+def projector(data_dir: DataDir = None) -> None:
+    """Run only the Postgres projector (scale out by starting more: they share one durable consumer)."""
+    settings = _settings("ontofabric-projector", data_dir)
+    try:
+        endpoints = resolve_endpoints(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=True, query=False)))
+
+
+@app.command("query-worker")
+def query_worker(data_dir: DataDir = None) -> None:
+    """Run only a query worker (scale out by starting more: they form one queue group)."""
+    settings = _settings("ontofabric-query", data_dir)
+    try:
+        endpoints = resolve_endpoints(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=True)))
+
+
+@app.command()
+def ingest(
+    path: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).")],
+    workspace: Annotated[str, typer.Option(help="Workspace to publish into.")],
+    branch: Annotated[str, typer.Option(help="Branch to publish into.")] = "main",
+    wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every delta.")] = True,
+    data_dir: DataDir = None,
+) -> None:
+    """Chunk a source tree and publish what changed since the last ingest of this workspace and branch."""
+    from .ingest.ingester import Ingester
+
+    settings = _settings("ontofabric-ingest", data_dir, quiet=True)
+    try:
+        endpoints = resolve_endpoints(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    names = Names(settings.subject_prefix)
+
+    async def run() -> None:
+        embedder = await asyncio.to_thread(build_embedder, settings)
+        nc = await connect(endpoints.nats_url, "ontofabric-ingest")
+        try:
+            js = nc.jetstream()
+            await ensure_jetstream(js, names, settings)
+            started = time.perf_counter()
+            with RichProgress(console) as progress:
+                report = await Ingester(js, names, embedder, settings.max_content_bytes, progress).ingest(
+                    path.resolve(), workspace, branch
+                )
+                if wait and report.last_sequence is not None:
+                    await wait_caught_up(
+                        js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600
+                    )
+            console.print(
+                f"{report.files} files, {report.chunks} chunks: {report.upserts} upserts, {report.deletes} deletes, "
+                f"{report.unchanged} unchanged ({time.perf_counter() - started:.1f}s)"
+            )
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
+
+
+@app.command()
+def query(
+    text: Annotated[str, typer.Argument(help="The semantic query.")],
+    workspace: Annotated[str, typer.Option(help="Workspace to query.")] = "ontofabric",
+    branch: Annotated[str, typer.Option(help="Branch to query.")] = "main",
+    top_k: Annotated[int, typer.Option("--top-k", min=1, max=100, help="Number of results.")] = 10,
+    object_type: Annotated[str | None, typer.Option(help="Only this objectType.")] = None,
+    chunk_level: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(CHUNK_LEVELS)}.")] = None,
+    provenance: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(PROVENANCES)}.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON reply.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Send one ontology_query request and print the ranked results and _meta."""
+    from .query.client import QueryClient, parse_reply
+
+    settings = _settings("ontofabric-cli", data_dir, quiet=True)
+    try:
+        endpoints = resolve_endpoints(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
+    for key, value in (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance)):
+        if value is not None:
+            request[key] = value
+
+    async def run() -> bytes:
+        nc = await connect(endpoints.nats_url, "ontofabric-cli")
+        try:
+            return await QueryClient(nc, Names(settings.subject_prefix)).send_raw(
+                workspace, json.dumps(request).encode()
+            )
+        finally:
+            await nc.close()
+
+    raw = asyncio.run(run())
+    reply = parse_reply(raw)
+    if as_json:
+        console.print_json(raw.decode())
+    else:
+        render_reply(console, request, reply)
+    if isinstance(reply, ErrorReply):
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    keep: Annotated[bool, typer.Option(help="Keep the demo's data directory instead of deleting it.")] = False,
+) -> None:
+    """On a fresh data directory: start everything, ingest this project's source, run queries, exit."""
+    from .demo import run_demo
+
+    settings = _settings("ontofabric-demo", quiet=True)
+    timings = run_demo(settings, console, keep)
+    report = timings.ingest
+    console.rule("[bold]summary[/bold]")
+    console.print(
+        f"demo wall time {timings.total_s:.1f}s: {report.chunks} chunks embedded in {report.embed_s:.1f}s, "
+        f"projected {timings.caught_up_s:.2f}s after the first publish "
+        f"({report.upserts / max(timings.caught_up_s, 1e-9):.0f} documents/s)"
+    )
+
+
+@app.command("migrate")
+def migrate_command(data_dir: DataDir = None) -> None:
+    """Apply pending database migrations (workers also do this when they start)."""
+    settings = _settings("ontofabric-migrate", data_dir)
+    try:
+        endpoints = resolve_endpoints(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    applied = asyncio.run(migrate(endpoints.database_url, settings))
+    console.print(f"applied: {', '.join(applied) or 'nothing (up to date)'}")
+
+
+@app.command()
+def contracts(
+    write: Annotated[bool, typer.Option("--write", help="Rewrite contracts/schemas from the models.")] = False,
+) -> None:
+    """Check (or rewrite) the committed JSON Schemas of the wire contracts."""
+    if write:
+        for path in schema.write():
+            console.print(f"wrote {path}")
+        return
+    drifted = schema.drift()
+    if drifted:
+        _fail(f"schemas differ from the models: {', '.join(drifted)} (run `ontofabric contracts --write`)")
+    console.print("schemas match the models")
+
+
+@app.command("settings")
+def show_settings(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print defaults as a Markdown table.")] = False,
+) -> None:
+    """Print every setting with its environment variable, effective value and meaning."""
+    if markdown:
+        print("| variable | default | meaning |\n|---|---|---|")
+        for name, field in Settings.model_fields.items():
+            print(f"| `ONTOFABRIC_{name.upper()}` | `{field.default}` | {field.description or ''} |")
+        return
+    settings = Settings()
+    table = Table("variable", "value", "meaning")
+    for name, field in Settings.model_fields.items():
+        table.add_row(f"ONTOFABRIC_{name.upper()}", str(getattr(settings, name)), field.description or "")
+    console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,187 @@
+"""Chunking source files at structural boundaries (pure; no I/O).
+
+Python is split at AST boundaries: the file (chunk level ``file``), each class (``type``), each function and
+method (``method``) and each docstring (``doc``). Markdown is split by heading (``doc``). Every chunk carries a
+symbol key that survives edits to the symbol's body, so re-ingesting a changed file updates chunks in place.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+ChunkLevel = Literal["file", "type", "method", "doc"]
+
+_OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    symbol_key: str
+    symbol_kind: str
+    symbol_fqn: str
+    chunk_level: ChunkLevel
+    object_type: str
+    source_domain: str
+    file_path: str
+    content: str
+
+    @property
+    def content_hash(self) -> str:
+        return hashlib.sha256(self.content.encode("utf-8")).hexdigest()
+
+    @property
+    def document_id(self) -> str:
+        """Stable across content changes: derived from the symbol key alone."""
+        return hashlib.sha256(self.symbol_key.encode("utf-8")).hexdigest()[:32]
+
+    @property
+    def embedding_text(self) -> str:
+        return f"{self.symbol_fqn}\n{self.content}"
+
+
+def object_type_name(dotted: str) -> str:
+    """A dotted name made valid as an objectType (letters, digits, ``_.$-``; no leading digit)."""
+    cleaned = _OBJECT_TYPE_CHAR.sub("_", dotted).strip(".") or "_"
+    return f"_{cleaned}" if not (cleaned[0].isalpha() or cleaned[0] == "_") else cleaned
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    encoded = text.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def module_name(path: str) -> str:
+    """``services/query/fusion.py`` -> ``services.query.fusion``; a package's ``__init__.py`` names the package."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+class _Keys:
+    """Symbol keys unique within one file (a property and its setter share a qualified name)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def unique(self, key: str) -> str:
+        count = self._seen.get(key, 0) + 1
+        self._seen[key] = count
+        return key if count == 1 else f"{key}~{count}"
+
+
+def chunk_python(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
+    module = module_name(path)
+    module_type = object_type_name(module)
+    file_key = f"python:{path}"
+    keys = _Keys()
+
+    def make(key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str) -> Chunk:
+        return Chunk(
+            symbol_key=keys.unique(key),
+            symbol_kind=kind,
+            symbol_fqn=fqn,
+            chunk_level=level,
+            object_type=object_type,
+            source_domain="python",
+            file_path=path,
+            content=truncate_utf8(content, max_content_bytes),
+        )
+
+    chunks = [make(file_key, "module", module, "file", module_type, source)]
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return chunks  # unparsable: the file chunk still makes it findable
+    lines = source.splitlines(keepends=True)
+
+    def segment(node: ast.AST) -> str:
+        first = min([getattr(node, "lineno", 1)] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        last = getattr(node, "end_lineno", None) or first
+        return "".join(lines[first - 1 : last])
+
+    def docstring(owner: ast.AST, owner_key: str, owner_fqn: str, object_type: str) -> None:
+        text = ast.get_docstring(owner)  # type: ignore[arg-type]
+        if text and text.strip():
+            chunks.append(make(f"{owner_key}:doc", "docstring", owner_fqn, "doc", object_type, text))
+
+    docstring(tree, file_key, module, module_type)
+
+    def visit(body: list[ast.stmt], qualname: str, owner_type: str, in_class: bool) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                name = f"{qualname}.{node.name}" if qualname else node.name
+                class_type = object_type_name(f"{module}.{name}")
+                key = f"python:{path}/{name}#"
+                chunks.append(make(key, "class", f"{module}.{name}", "type", class_type, segment(node)))
+                docstring(node, key, f"{module}.{name}", class_type)
+                visit(node.body, name, class_type, True)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{qualname}.{node.name}" if qualname else node.name
+                key = f"python:{path}/{name}()."
+                kind = "method" if in_class else "function"
+                chunks.append(make(key, kind, f"{module}.{name}", "method", owner_type, segment(node)))
+                docstring(node, key, f"{module}.{name}", owner_type)
+
+    visit(tree.body, "", module_type, False)
+    return chunks
+
+
+def _markdown_sections(source: str) -> Iterator[tuple[list[str], str]]:
+    """(heading path, section text) for each heading, and for text before the first heading."""
+    path: list[str] = []
+    current: list[str] = []
+    in_fence = False
+    for line in source.splitlines(keepends=True):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+        heading = None if in_fence else _HEADING.match(line.rstrip("\n"))
+        if heading:
+            if "".join(current).strip():
+                yield list(path), "".join(current)
+            level, title = len(heading.group(1)), heading.group(2).strip()
+            path = [*path[: level - 1], *[""] * max(0, level - 1 - len(path)), title]
+            current = [line]
+        else:
+            current.append(line)
+    if "".join(current).strip():
+        yield list(path), "".join(current)
+
+
+def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
+    document_type = object_type_name(path.removesuffix(".md").replace("/", "."))
+    keys = _Keys()
+    chunks = []
+    for headings, text in _markdown_sections(source):
+        trail = [h for h in headings if h]
+        anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
+        chunks.append(
+            Chunk(
+                symbol_key=keys.unique(f"markdown:{path}#{anchor}"),
+                symbol_kind="section",
+                symbol_fqn=" > ".join([path, *trail]),
+                chunk_level="doc",
+                object_type=document_type,
+                source_domain="markdown",
+                file_path=path,
+                content=truncate_utf8(text, max_content_bytes),
+            )
+        )
+    return chunks
+
+
+def chunk_file(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
+    if path.endswith(".py"):
+        return chunk_python(path, source, max_content_bytes)
+    if path.endswith(".md"):
+        return chunk_markdown(path, source, max_content_bytes)
+    return []

@@ -1,0 +1,76 @@
+"""Terminal rendering of query replies and progress (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ontofabric.contracts import ErrorReply, QueryResponse
+
+
+def _snippet(text: str, width: int = 70) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse | ErrorReply) -> None:
+    params = ", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery")
+    console.rule(f"[bold]{query['semanticQuery']}[/bold]" + (f"  [dim]({params})[/dim]" if params else ""))
+    if isinstance(reply, ErrorReply):
+        console.print(f"[red]error[/red] {reply.error.code}: {reply.error.message}")
+        for detail in reply.error.details:
+            console.print(f"  {detail.field or '<body>'}: {detail.message}")
+        return
+    table = Table(show_edge=False, pad_edge=False, expand=True)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("score", no_wrap=True)
+    table.add_column("level", no_wrap=True)
+    table.add_column("found by", no_wrap=True)
+    table.add_column("symbol / content", ratio=1, overflow="fold")
+    for result in reply.results:
+        symbol = result.metadata.get("symbolFqn") or result.object_type
+        found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
+        level = str(result.metadata.get("chunkLevel", ""))
+        cell = f"[bold]{symbol}[/bold]\n[dim]{escape(_snippet(result.content))}[/dim]"
+        table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
+    console.print(table)
+    meta = reply.meta
+    timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())
+    console.print(
+        f"[dim]_meta[/dim] ontologyVersion={meta.ontology_version} hybrid={meta.hybrid} reranked={meta.reranked} "
+        f"skippedRerank={meta.skipped_rerank} cacheHit={meta.cache_hit} degraded={meta.degraded} "
+        f"couldBenefitFromLinkExpansion={meta.could_benefit_from_link_expansion} backend={meta.backend}"
+    )
+    console.print(f"[dim]timings[/dim] {timings}")
+
+
+class RichProgress:
+    """The ingester's Progress port drawn as rich progress bars."""
+
+    def __init__(self, console: Console) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description:>8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self._tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> RichProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def stage(self, name: str, total: int) -> None:
+        self._tasks[name] = self._progress.add_task(name, total=total)
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        self._progress.advance(self._tasks[name], amount)

@@ -1,0 +1,160 @@
+"""Chunking Python at AST boundaries and Markdown by heading; the incremental ingest plan."""
+
+from __future__ import annotations
+
+import textwrap
+
+from ontofabric.services.ingest.chunking import (
+    chunk_markdown,
+    chunk_python,
+    module_name,
+    object_type_name,
+    truncate_utf8,
+)
+from ontofabric.services.ingest.ingester import Manifest, event_id, plan_ingest
+
+PYTHON = textwrap.dedent(
+    '''
+    """Parsing helpers."""
+
+    import json
+
+
+    class Reader:
+        """Reads things."""
+
+        @staticmethod
+        def parse(text):
+            """Parse JSON text."""
+            return json.loads(text)
+
+        @property
+        def size(self):
+            return 1
+
+        @size.setter
+        def size(self, value):
+            pass
+
+
+    async def fetch(url):
+        return url
+    '''
+)
+
+
+def _by_key(chunks: list) -> dict:  # type: ignore[type-arg]
+    return {c.symbol_key: c for c in chunks}
+
+
+def test_python_chunks_follow_the_syntax_tree() -> None:
+    chunks = _by_key(chunk_python("pkg/reader.py", PYTHON, 100_000))
+    assert set(chunks) == {
+        "python:pkg/reader.py",
+        "python:pkg/reader.py:doc",
+        "python:pkg/reader.py/Reader#",
+        "python:pkg/reader.py/Reader#:doc",
+        "python:pkg/reader.py/Reader.parse().",
+        "python:pkg/reader.py/Reader.parse().:doc",
+        "python:pkg/reader.py/Reader.size().",
+        "python:pkg/reader.py/Reader.size().~2",
+        "python:pkg/reader.py/fetch().",
+    }
+    module = chunks["python:pkg/reader.py"]
+    assert (module.chunk_level, module.symbol_kind, module.object_type) == ("file", "module", "pkg.reader")
+    cls = chunks["python:pkg/reader.py/Reader#"]
+    assert (cls.chunk_level, cls.symbol_kind, cls.symbol_fqn) == ("type", "class", "pkg.reader.Reader")
+    method = chunks["python:pkg/reader.py/Reader.parse()."]
+    assert (method.chunk_level, method.symbol_kind, method.object_type) == ("method", "method", "pkg.reader.Reader")
+    assert method.content.lstrip().startswith("@staticmethod")  # decorators belong to the chunk
+    assert method.content.rstrip().endswith("return json.loads(text)")
+    function = chunks["python:pkg/reader.py/fetch()."]
+    assert (function.symbol_kind, function.object_type) == ("function", "pkg.reader")
+    doc = chunks["python:pkg/reader.py/Reader.parse().:doc"]
+    assert (doc.chunk_level, doc.content) == ("doc", "Parse JSON text.")
+    assert all(c.file_path == "pkg/reader.py" and c.source_domain == "python" for c in chunks.values())
+
+
+def test_identity_survives_body_edits_and_content_hash_does_not() -> None:
+    before = _by_key(chunk_python("pkg/reader.py", PYTHON, 100_000))
+    after = _by_key(
+        chunk_python("pkg/reader.py", PYTHON.replace("json.loads(text)", "json.loads(text or '{}')"), 100_000)
+    )
+    key = "python:pkg/reader.py/Reader.parse()."
+    assert before[key].document_id == after[key].document_id
+    assert before[key].content_hash != after[key].content_hash
+    unchanged = "python:pkg/reader.py/fetch()."
+    assert before[unchanged].content_hash == after[unchanged].content_hash
+
+
+def test_unparsable_python_still_yields_the_file() -> None:
+    chunks = chunk_python("broken.py", "def oops(:\n", 1000)
+    assert [c.chunk_level for c in chunks] == ["file"]
+
+
+def test_markdown_is_split_by_heading_outside_code_fences() -> None:
+    source = textwrap.dedent(
+        """\
+        Intro text.
+
+        # Title
+        Body.
+
+        ```bash
+        # not a heading
+        ```
+
+        ## Install
+        pip install it
+
+        ### Deep
+        deeper
+
+        # Title
+        again
+        """
+    )
+    chunks = chunk_markdown("docs/guide.md", source, 100_000)
+    assert [c.symbol_fqn for c in chunks] == [
+        "docs/guide.md",
+        "docs/guide.md > Title",
+        "docs/guide.md > Title > Install",
+        "docs/guide.md > Title > Install > Deep",
+        "docs/guide.md > Title",
+    ]
+    assert "# not a heading" in chunks[1].content
+    assert len({c.symbol_key for c in chunks}) == 5
+    assert {c.object_type for c in chunks} == {"docs.guide"}
+    assert {c.chunk_level for c in chunks} == {"doc"}
+
+
+def test_names() -> None:
+    assert module_name("services/query/__init__.py") == "services.query"
+    assert module_name("setup.py") == "setup"
+    assert object_type_name("2fa.helpers") == "_2fa.helpers"
+    assert object_type_name("my pkg.mod") == "my_pkg.mod"
+    assert truncate_utf8("héllo", 2) == "h"
+
+
+def test_ingest_plan_publishes_only_changes() -> None:
+    first = chunk_python("pkg/reader.py", PYTHON, 100_000)
+    plan = plan_ingest(Manifest(), first)
+    assert len(plan.upserts) == len(first)
+    assert plan.deletes == []
+    again = plan_ingest(plan.manifest, first)
+    assert (again.upserts, again.deletes, again.unchanged) == ([], [], len(first))
+
+    edited = chunk_python("pkg/reader.py", PYTHON.replace("return url", "return url.strip()"), 100_000)
+    changed = plan_ingest(plan.manifest, edited)
+    assert [c.symbol_key for c in changed.upserts] == ["python:pkg/reader.py", "python:pkg/reader.py/fetch()."]
+    without_fetch = [c for c in first if "fetch" not in c.symbol_key]
+    removed = plan_ingest(plan.manifest, without_fetch)
+    assert removed.deletes == [c.document_id for c in first if "fetch" in c.symbol_key]
+
+
+def test_event_ids_repeat_for_a_rerun_and_change_after_a_round_trip() -> None:
+    base = Manifest({"doc": "hash-a"})
+    assert event_id("w", "main", base, "doc", "hash-b") == event_id("w", "main", base, "doc", "hash-b")
+    # A -> B -> A: publishing A again must not look like a duplicate of the first A.
+    after_b = Manifest({"doc": "hash-b"})
+    assert event_id("w", "main", Manifest(), "doc", "hash-a") != event_id("w", "main", after_b, "doc", "hash-a")

@@ -1,0 +1,98 @@
+"""The command line as a user runs it: help texts, `up` + `ingest` + `query` as processes, and `demo`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+COMMANDS = ["up", "projector", "query-worker", "ingest", "query", "demo", "migrate", "contracts", "settings"]
+
+
+def _env(**values: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")}
+    env.update(values)
+    return env
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command: str) -> None:
+    result = subprocess.run([ONTOFABRIC, command, "--help"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
+
+
+def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [ONTOFABRIC, "query", "anything", "--data-dir", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert "ontofabric up" in result.stderr
+
+
+@pytest.mark.slow
+def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    env = _env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none")
+    up = subprocess.Popen(
+        [ONTOFABRIC, "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (data_dir / "runtime.json").exists():
+            assert up.poll() is None, up.stderr.read().decode() if up.stderr else ""
+            assert time.monotonic() < deadline, "ontofabric up did not start"
+            time.sleep(0.2)
+        source = tmp_path / "src"
+        source.mkdir()
+        (source / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
+        ingest = subprocess.run(
+            [ONTOFABRIC, "ingest", str(source), "--workspace", "geo"], env=env, capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert ingest.returncode == 0, ingest.stderr
+        assert "2 upserts" in ingest.stdout
+        for _ in range(50):  # the query worker learns the new version through its KV watch
+            query = subprocess.run(
+                [ONTOFABRIC, "query", "circle area radius", "--workspace", "geo", "--json"], env=env,
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert query.returncode == 0, query.stderr
+            reply = json.loads(query.stdout)
+            if reply["results"]:
+                break
+            time.sleep(0.2)
+        assert reply["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
+        assert reply["_meta"]["degraded"] == ["embedder"]
+        assert reply["_meta"]["hybrid"] is False
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        code = up.wait(60)
+    assert code == 0
+    assert not (data_dir / "runtime.json").exists()
+    leftovers = subprocess.run(["pgrep", "-f", str(data_dir)], capture_output=True, text=True, check=False)
+    assert leftovers.stdout.strip() == "", "embedded servers outlived `ontofabric up`"
+
+
+@pytest.mark.slow
+def test_demo_runs_and_exits_zero() -> None:
+    result = subprocess.run([ONTOFABRIC, "demo"], env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("_meta") >= 5
+    assert "cacheHit=True" in result.stdout
+    assert "demo wall time" in result.stdout
+
+
+def test_readme_documents_every_setting() -> None:
+    from ontofabric.shared.settings import Settings
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [name for name in Settings.model_fields if f"ONTOFABRIC_{name.upper()}" not in readme]
+    assert missing == [], "README's settings table is missing these; paste `ontofabric settings --markdown`"

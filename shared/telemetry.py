@@ -15,7 +15,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from .logging import get_logger
@@ -25,8 +25,10 @@ log = get_logger(__name__)
 _configured = False
 
 
-def configure_telemetry(service_name: str, extra_readers: tuple[MetricReader, ...] = ()) -> None:
-    """Install SDK providers once per process."""
+def configure_telemetry(
+    service_name: str, extra_readers: tuple[MetricReader, ...] = (), extra_spans: tuple[SpanProcessor, ...] = ()
+) -> None:
+    """Install SDK providers once per process (tests pass in-memory readers and span processors)."""
     global _configured
     if _configured:
         return
@@ -34,6 +36,8 @@ def configure_telemetry(service_name: str, extra_readers: tuple[MetricReader, ..
     resource = Resource.create({"service.name": service_name})
     readers: list[MetricReader] = list(extra_readers)
     tracer_provider = TracerProvider(resource=resource)
+    for processor in extra_spans:
+        tracer_provider.add_span_processor(processor)
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter

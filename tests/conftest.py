@@ -20,6 +20,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.shared.embedder import Embedder, build_embedder
@@ -31,11 +33,12 @@ from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
 
 METRICS = InMemoryMetricReader()
+SPANS = InMemorySpanExporter()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     configure_logging("WARNING", "console")
-    configure_telemetry("ontofabric-tests", extra_readers=(METRICS,))
+    configure_telemetry("ontofabric-tests", extra_readers=(METRICS,), extra_spans=(SimpleSpanProcessor(SPANS),))
 
 
 @pytest.fixture(scope="session")

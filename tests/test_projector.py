@@ -39,9 +39,12 @@ async def _live_rows(deployment: Deployment, workspace: str) -> dict[str, str]:
 async def test_deltas_are_projected_and_version_is_announced(
     deployment: Deployment, projector: ProjectorService
 ) -> None:
+    events = await deployment.nc.subscribe(f"{deployment.names.prefix}.version.>")
     deltas = [upsert("acme", document(f"d{i}", f"content {i}", embedding=unit_vector(f"d{i}"))) for i in range(5)]
     acks = await deployment.publisher.publish_many(deltas)
     await deployment.wait_projected(acks[-1].seq)
+    event = await events.next_msg(timeout=5)
+    assert event.subject == deployment.names.version_event_subject("acme", "main")
 
     assert await _live_rows(deployment, "acme") == {f"d{i}": f"content {i}" for i in range(5)}
     version_row = (await deployment.fetch("SELECT stream_seq FROM ontology_versions WHERE workspace = 'acme'"))[0]
@@ -52,6 +55,7 @@ async def test_deltas_are_projected_and_version_is_announced(
     announced = OntologyVersionChanged.model_validate_json(entry.value)
     assert announced.stream_seq == acks[-1].seq
     assert announced.ontology_version.startswith(f"{acks[-1].seq}-")
+    assert OntologyVersionChanged.model_validate_json(event.data).stream_seq <= announced.stream_seq
     partitions = await deployment.fetch("SELECT partition_name FROM workspaces WHERE workspace = 'acme'")
     assert len(partitions) == 1
 

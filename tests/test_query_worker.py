@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import asyncpg
 import pytest
+from opentelemetry import trace
 
 from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.services.projector.worker import ProjectorService
@@ -15,7 +17,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import Deployment
+from .conftest import METRICS, SPANS, Deployment
 from .factories import document, upsert
 
 CORPUS = {
@@ -277,3 +279,42 @@ async def test_database_outage_is_a_retryable_error_not_a_crash(
         await admin.close()
     back = await _ask(client, "sort numbers")
     assert back.results[0].id == "sort"
+
+
+def _points(name: str) -> list[Any]:
+    data = METRICS.get_metrics_data()
+    assert data is not None
+    return [
+        point
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]
+
+
+async def test_query_metrics_and_trace_context_cross_nats(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+) -> None:
+    await _seed(deployment, embedder)
+    await start_query_worker(embedder)
+    with trace.get_tracer("tests").start_as_current_span("gateway.request") as span:
+        await _ask(client, "compress a directory into a zip archive")
+        await _ask(client, "compress a directory into a zip archive")
+    trace_id = span.get_span_context().trace_id
+    durations = _points("retrieval.query.duration_ms")
+    attributes = [dict(p.attributes) for p in durations]
+    assert {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "tsvector", "followLinks": False} in (
+        attributes
+    )
+    assert any(a["cacheHit"] is True for a in attributes)
+    assert sum(p.value for p in _points("retrieval.candidates.dense")) > 0
+    assert sum(p.value for p in _points("retrieval.candidates.sparse")) > 0
+    # The worker's pipeline span continues the caller's trace: context travelled in the NATS headers.
+    worker_spans = [s for s in SPANS.get_finished_spans() if s.name == "query.retrieve"]
+    assert any(s.context.trace_id == trace_id for s in worker_spans)

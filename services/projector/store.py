@@ -49,7 +49,7 @@ class BatchResult:
     """Current version of every (workspace, branch) the batch touched, changed or not."""
 
 
-_UPSERT_DOCUMENT = """
+UPSERT_DOCUMENT = """
 INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
@@ -194,19 +194,19 @@ class PostgresProjectionStore:
         documents, nodes, links = [], [], []
         for ref, delta in plan.writes.items():
             if ref.kind == "document":
-                documents.append(self._document_row(ref, delta))
+                documents.append(self.document_row(ref, delta))
             elif ref.kind == "node":
                 nodes.append(_node_row(ref, delta))
             else:
                 links.append(_link_row(ref, delta))
         if documents:
-            await conn.executemany(_UPSERT_DOCUMENT, documents)
+            await conn.executemany(UPSERT_DOCUMENT, documents)
         if nodes:
             await conn.executemany(_UPSERT_NODE, nodes)
         if links:
             await conn.executemany(_UPSERT_LINK, links)
 
-    def _document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
+    def document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
         payload = delta.envelope.payload
         event_id = delta.envelope.event_id
         if not isinstance(payload, DocumentUpserted):  # a tombstone keeps identity and sequence only

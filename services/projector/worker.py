@@ -17,6 +17,7 @@ import asyncpg
 from faststream import AckPolicy, Context
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.message import NatsBatchMessage
+from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -217,7 +218,9 @@ class ProjectorService:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings)
-        broker = self._broker = NatsBroker(self._nats_url, name="ontofabric-projector", logger=None)
+        broker = self._broker = NatsBroker(
+            self._nats_url, name="ontofabric-projector", logger=None, middlewares=[NatsTelemetryMiddleware()]
+        )
         await broker.connect()
         js = broker.connection.jetstream()
         await ensure_jetstream(js, names, settings)

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 from faststream.nats import NatsBroker, NatsMessage
+from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from pydantic import ValidationError
 
 from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError
@@ -86,7 +87,9 @@ class QueryService:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings, max_size=max(4, 2 * settings.query_concurrency))
-        broker = self._broker = NatsBroker(self._nats_url, name="ontofabric-query", logger=None)
+        broker = self._broker = NatsBroker(
+            self._nats_url, name="ontofabric-query", logger=None, middlewares=[NatsTelemetryMiddleware()]
+        )
         await broker.connect()
         js = broker.connection.jetstream()
         await ensure_jetstream(js, names, settings)

@@ -56,7 +56,7 @@ class Settings(BaseSettings):
         default=256, ge=1, le=10_000, description="Deltas the projector applies per transaction, at most."
     )
     projector_batch_timeout_s: float = Field(
-        default=0.2, gt=0, description="Longest wait to fill a batch before projecting what arrived."
+        default=0.05, gt=0, description="Longest wait to fill a batch before projecting what arrived."
     )
     projector_ack_wait_s: float = Field(
         default=30.0, gt=0, description="Unacked deltas are redelivered after this long (e.g. after a crash)."

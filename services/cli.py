@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, RuntimeUnavailable, resolve_endpoints
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, RuntimeUnavailable, resolve_endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
@@ -52,9 +52,16 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False) -
     return settings
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     errors.print(f"[red]error:[/red] {message}")
     raise typer.Exit(2)
+
+
+def _endpoints(settings: Settings) -> Endpoints:
+    try:
+        return resolve_endpoints(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
 
 
 @app.command()
@@ -80,10 +87,7 @@ def up(data_dir: DataDir = None) -> None:
 def projector(data_dir: DataDir = None) -> None:
     """Run only the Postgres projector (scale out by starting more: they share one durable consumer)."""
     settings = _settings("ontofabric-projector", data_dir)
-    try:
-        endpoints = resolve_endpoints(settings)
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    endpoints = _endpoints(settings)
     asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=True, query=False)))
 
 
@@ -91,10 +95,7 @@ def projector(data_dir: DataDir = None) -> None:
 def query_worker(data_dir: DataDir = None) -> None:
     """Run only a query worker (scale out by starting more: they form one queue group)."""
     settings = _settings("ontofabric-query", data_dir)
-    try:
-        endpoints = resolve_endpoints(settings)
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    endpoints = _endpoints(settings)
     asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=True)))
 
 
@@ -110,10 +111,7 @@ def ingest(
     from .ingest.ingester import Ingester
 
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
-    try:
-        endpoints = resolve_endpoints(settings)
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    endpoints = _endpoints(settings)
     names = Names(settings.subject_prefix)
 
     async def run() -> None:
@@ -157,10 +155,7 @@ def query(
     from .query.client import QueryClient, parse_reply
 
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
-    try:
-        endpoints = resolve_endpoints(settings)
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    endpoints = _endpoints(settings)
     request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
     for key, value in (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance)):
         if value is not None:
@@ -207,10 +202,7 @@ def demo(
 def migrate_command(data_dir: DataDir = None) -> None:
     """Apply pending database migrations (workers also do this when they start)."""
     settings = _settings("ontofabric-migrate", data_dir)
-    try:
-        endpoints = resolve_endpoints(settings)
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    endpoints = _endpoints(settings)
     applied = asyncio.run(migrate(endpoints.database_url, settings))
     console.print(f"applied: {', '.join(applied) or 'nothing (up to date)'}")
 

@@ -6,6 +6,7 @@ ONTOFABRIC_TEST_NATS_URL and ONTOFABRIC_TEST_DATABASE_URL to run against servers
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.jetstream import ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
@@ -98,6 +100,22 @@ class Deployment:
             self.js, self.names.delta_stream, self.names.postgres_projector_durable, stream_seq, timeout_s
         )
 
+    @contextlib.asynccontextmanager
+    async def database_outage(self) -> AsyncIterator[None]:
+        """The deployment's database refuses new connections and loses its open ones until the block ends."""
+        database = self.settings.subject_prefix
+        admin = await asyncpg.connect(_with_database(self.database_url, "postgres"))
+        try:
+            await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                database,
+            )
+            yield
+        finally:
+            await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
+            await admin.close()
+
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         conn = await asyncpg.connect(self.database_url)
         try:
@@ -140,3 +158,14 @@ async def deployment(deployment_settings: Settings, servers: Endpoints) -> Async
         await nc.close()
         await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         await admin.close()
+
+
+@pytest.fixture
+async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
+    """The deployment's projector, running in this process."""
+    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import textwrap
-from collections.abc import AsyncIterator
 from pathlib import Path
-
-import pytest
 
 from ontofabric.services.ingest.chunking import chunk_file
 from ontofabric.services.ingest.ingester import Ingester
@@ -14,14 +11,6 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder
 
 from .conftest import Deployment
-
-
-@pytest.fixture
-async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
-    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
-    await service.start()
-    yield service
-    await service.stop()
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

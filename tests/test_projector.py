@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-
-import asyncpg
-import pytest
 
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.services.projector.planning import Delta
@@ -17,16 +13,6 @@ from ontofabric.shared.db import create_pool, migrate
 
 from .conftest import Deployment
 from .factories import delete, document, unit_vector, upsert
-
-
-@pytest.fixture
-async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
-    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
 
 
 async def _live_rows(deployment: Deployment, workspace: str) -> dict[str, str]:
@@ -141,25 +127,13 @@ async def test_transient_database_failure_is_retried(deployment: Deployment, pro
     first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
     await deployment.wait_projected(first.seq)
 
-    database = deployment.settings.subject_prefix
-    admin = await asyncpg.connect(deployment.database_url.rsplit("/", 1)[0] + "/postgres")
-    try:
-        # Take the database away: refuse new connections and cut the projector's open ones.
-        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
-        await admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            database,
-        )
+    async with deployment.database_outage():
         second = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
         await asyncio.sleep(1.5)  # several delivery attempts fail while the database is away
         info = await deployment.js.consumer_info(
             deployment.names.delta_stream, deployment.names.postgres_projector_durable
         )
         assert info.ack_floor.stream_seq < second.seq  # not acked while it could not be committed
-        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
-    finally:
-        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
-        await admin.close()
     await deployment.wait_projected(second.seq, timeout_s=60)
     assert await _live_rows(deployment, "acme") == {"a": "alpha", "b": "beta"}
     dead = await deployment.js.stream_info(deployment.names.dlq_stream)

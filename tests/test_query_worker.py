@@ -7,7 +7,6 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import asyncpg
 import pytest
 from opentelemetry import trace
 
@@ -31,7 +30,10 @@ CORPUS = {
 }
 
 
-async def _seed(deployment: Deployment, embedder: Embedder, workspace: str = "acme") -> int:
+@pytest.fixture
+async def seeded(deployment: Deployment, projector: ProjectorService, embedder: Embedder) -> int:
+    """CORPUS projected into workspace acme; the stream sequence of its last delta."""
+    workspace = "acme"
     ids = list(CORPUS)
     vectors = embedder.embed_documents([CORPUS[i][0] for i in ids])
     deltas = [
@@ -73,14 +75,6 @@ async def start_query_worker(deployment: Deployment) -> AsyncIterator[Start]:
 
 
 @pytest.fixture
-async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
-    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
-    await service.start()
-    yield service
-    await service.stop()
-
-
-@pytest.fixture
 def client(deployment: Deployment) -> QueryClient:
     return QueryClient(deployment.nc, deployment.names)
 
@@ -92,13 +86,9 @@ async def _ask(client: QueryClient, text: str, workspace: str = "acme", **params
 
 
 async def test_publish_project_query_end_to_end(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    last_seq = await _seed(deployment, embedder)
+    last_seq = seeded
     await start_query_worker(embedder)
     reply = await _ask(client, "how do I load a csv file", topK=3)
     assert reply.results[0].id == "csv"
@@ -117,13 +107,8 @@ async def test_publish_project_query_end_to_end(
 
 
 async def test_filters_apply_to_both_retrievers(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     await start_query_worker(embedder)
     by_type = await _ask(client, "file", objectType="io.Files", topK=10)
     assert {r.id for r in by_type.results} == {"csv", "zip"}
@@ -134,13 +119,8 @@ async def test_filters_apply_to_both_retrievers(
 
 
 async def test_cache_hit_then_invalidated_by_a_new_delta(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     await start_query_worker(embedder)
     first = await _ask(client, "fibonacci numbers")
     second = await _ask(client, "fibonacci numbers")
@@ -171,13 +151,8 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
 
 
 async def test_two_workers_in_the_queue_group_both_serve(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     first = await start_query_worker(embedder, query_cache_entries=0)
     second = await start_query_worker(embedder, query_cache_entries=0)
     replies = await asyncio.gather(*(_ask(client, f"sort numbers {i}") for i in range(40)))
@@ -202,13 +177,8 @@ MALFORMED = [
 
 
 async def test_malformed_queries_get_structured_errors_and_the_worker_keeps_serving(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     await start_query_worker(embedder)
     for body, field in MALFORMED:
         reply = ErrorReply.model_validate_json(await client.send_raw("acme", body))
@@ -221,13 +191,8 @@ async def test_malformed_queries_get_structured_errors_and_the_worker_keeps_serv
 
 
 async def test_without_an_embedder_answers_are_keyword_only_and_say_so(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     await start_query_worker(None)
     reply = await _ask(client, "zip archive directory")
     assert reply.results[0].id == "zip"
@@ -238,13 +203,9 @@ async def test_without_an_embedder_answers_are_keyword_only_and_say_so(
 
 
 async def test_a_late_worker_knows_the_current_version(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    last_seq = await _seed(deployment, embedder)
+    last_seq = seeded
     await asyncio.sleep(0.2)
     await start_query_worker(embedder)  # started after every version was announced
     reply = await _ask(client, "json")
@@ -255,28 +216,13 @@ async def test_a_late_worker_knows_the_current_version(
 
 
 async def test_database_outage_is_a_retryable_error_not_a_crash(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     await start_query_worker(embedder, query_cache_entries=0)
-    database = deployment.settings.subject_prefix
-    admin = await asyncpg.connect(deployment.database_url.rsplit("/", 1)[0] + "/postgres")
-    try:
-        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
-        await admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            database,
-        )
+    async with deployment.database_outage():
         down = ErrorReply.model_validate_json(await client.send_raw("acme", b'{"semanticQuery": "sort numbers"}'))
         assert down.error.code == "unavailable"
         assert down.error.retryable is True
-    finally:
-        await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
-        await admin.close()
     back = await _ask(client, "sort numbers")
     assert back.results[0].id == "sort"
 
@@ -295,13 +241,8 @@ def _points(name: str) -> list[Any]:
 
 
 async def test_query_metrics_and_trace_context_cross_nats(
-    deployment: Deployment,
-    projector: ProjectorService,
-    embedder: Embedder,
-    start_query_worker: Start,
-    client: QueryClient,
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
-    await _seed(deployment, embedder)
     await start_query_worker(embedder)
     with trace.get_tracer("tests").start_as_current_span("gateway.request") as span:
         await _ask(client, "compress a directory into a zip archive")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import AfterValidator, ConfigDict, Field, StringConstraints
 
 from ._base import WireModel
@@ -50,10 +50,12 @@ Text = Annotated[str, AfterValidator(_no_nul)]
 def _finite_nonzero(vector: list[float]) -> list[float]:
     if not vector:
         raise ValueError("embedding must not be empty")
-    if not all(math.isfinite(x) for x in vector):
-        raise ValueError("embedding must contain only finite numbers")
-    if not any(vector):
-        raise ValueError("embedding must not be the zero vector (cosine distance is undefined)")
+    # Vectors are stored as float32: check what will be stored, not the float64 that arrived.
+    stored = np.asarray(vector, dtype=np.float32)
+    if not np.isfinite(stored).all():
+        raise ValueError("embedding must contain only finite float32 numbers")
+    if float(np.linalg.norm(stored)) < 1e-12:
+        raise ValueError("embedding must not be (nearly) the zero vector: cosine distance is undefined")
     return vector
 
 

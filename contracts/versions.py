@@ -22,5 +22,9 @@ class OntologyVersionChanged(WireModel):
     workspace: str
     branch: str
     ontology_version: str = Field(description="'{streamSeq}-{stateHash}'; equal states have equal versions.")
-    stream_seq: int = Field(description="Highest stream sequence applied to this workspace and branch.")
+    stream_seq: int = Field(
+        description="Highest stream sequence applied to this workspace and branch. Not a watermark: after a retry,"
+        " lower sequences may still be pending; wait on the projector's consumer ack floor for read-your-writes."
+    )
+    revision: int = Field(description="Commits that changed this version; later announcements have higher ones.")
     updated_at: datetime

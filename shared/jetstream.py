@@ -56,6 +56,17 @@ async def connect(url: str, name: str) -> Client:
     return nc
 
 
+async def subscriptions_visible(nc: Client) -> None:
+    """Return once the server has every subscription made on ``nc`` so far.
+
+    One flush is not enough with nats-py: its PING goes straight to the socket while a new SUB may still wait in
+    the client's pending buffer, so the PONG can arrive before the SUB is sent. The first round trip lets the
+    flusher send what is pending; the second PONG comes after the server has read it.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
 def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:
     return StreamConfig(
         name=names.delta_stream,

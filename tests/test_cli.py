@@ -90,9 +90,8 @@ def test_demo_runs_and_exits_zero() -> None:
     assert "demo wall time" in result.stdout
 
 
-def test_readme_documents_every_setting() -> None:
-    from ontofabric.shared.settings import Settings
-
+def test_readme_settings_table_is_current() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    missing = [name for name in Settings.model_fields if f"ONTOFABRIC_{name.upper()}" not in readme]
-    assert missing == [], "README's settings table is missing these; paste `ontofabric settings --markdown`"
+    table = subprocess.run([ONTOFABRIC, "settings", "--markdown"], capture_output=True, text=True, check=True).stdout
+    stale = [line for line in table.splitlines() if line not in readme]
+    assert stale == [], "README's settings table is stale; paste `ontofabric settings --markdown`"

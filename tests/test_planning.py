@@ -168,3 +168,28 @@ def test_graph_deltas_are_entities_too() -> None:
         EntityRef("ws", "main", "node", "pkg.Base"),
         EntityRef("ws", "main", "link", "pkg.Child|inherits|pkg.Base"),
     }
+
+
+def test_a_republished_event_is_a_noop_even_with_a_newer_sequence() -> None:
+    upserted = upsert("ws", document("a", "one"), event_id="evt-a")
+    deleted = delete("ws", "a", event_id="evt-del")
+    first = plan_batch(_deltas((1, upserted), (2, deleted)), {}, {})
+    ref = EntityRef("ws", "main", "document", "a")
+    # The upsert comes back after JetStream's duplicate window, with a new sequence: it must not resurrect "a".
+    again = plan_batch(_deltas((9, upserted)), {ref: RowState(2, True)}, first.versions, {"evt-a", "evt-del"})
+    assert again.writes == {}
+    assert [d.seq for d in again.noops] == [9]
+    # Within one batch the second copy of an event is a no-op as well.
+    twice = plan_batch(_deltas((1, upserted), (5, upserted)), {}, {})
+    assert [d.seq for d in twice.applied] == [1]
+    assert [d.seq for d in twice.noops] == [5]
+
+
+def test_tiny_embeddings_that_vanish_in_float32_are_rejected() -> None:
+    good = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
+    good["payload"]["document"]["embedding"] = [1e-46] * 384
+    data, subject = _raw(json.dumps(good))
+    outcome = validate_delta(data, subject, 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == "invalid_schema"
+    assert "zero vector" in outcome.detail

@@ -6,9 +6,9 @@ import asyncio
 import json
 
 from ontofabric.contracts import OntologyVersionChanged
-from ontofabric.services.projector.planning import Delta
-from ontofabric.services.projector.store import PostgresProjectionStore
-from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.projector.planning import Delta, VersionState
+from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate
+from ontofabric.services.projector.worker import ProjectorService, VersionPublisher
 from ontofabric.shared.db import create_pool, migrate
 
 from .conftest import Deployment
@@ -123,7 +123,18 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     assert sorted(reasons) == ["content_too_large", "embedding_dimension_mismatch", "invalid_schema"]
 
 
-async def test_transient_database_failure_is_retried(deployment: Deployment, projector: ProjectorService) -> None:
+async def test_transient_database_failure_is_retried(deployment: Deployment) -> None:
+    # A long ack wait: any redelivery seen within the test comes from the projector's nak, not from expiry.
+    settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 120.0})
+    projector = ProjectorService(settings, deployment.nats_url, deployment.database_url)
+    await projector.start()
+    try:
+        await _outage_then_recovery(deployment)
+    finally:
+        await projector.stop()
+
+
+async def _outage_then_recovery(deployment: Deployment) -> None:
     first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
     await deployment.wait_projected(first.seq)
 
@@ -134,6 +145,7 @@ async def test_transient_database_failure_is_retried(deployment: Deployment, pro
             deployment.names.delta_stream, deployment.names.postgres_projector_durable
         )
         assert info.ack_floor.stream_seq < second.seq  # not acked while it could not be committed
+        assert info.num_redelivered >= 1  # nak'd and delivered again, with backoff
     await deployment.wait_projected(second.seq, timeout_s=60)
     assert await _live_rows(deployment, "acme") == {"a": "alpha", "b": "beta"}
     dead = await deployment.js.stream_info(deployment.names.dlq_stream)
@@ -150,3 +162,33 @@ async def test_kv_carries_json_a_late_reader_can_parse(deployment: Deployment, p
     entry = await kv.get(keys[0])
     assert entry.value is not None
     assert json.loads(entry.value)["branch"] == "feature/x.y"
+
+
+async def test_an_event_republished_after_the_duplicate_window_is_a_noop(deployment: Deployment) -> None:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    try:
+        store = PostgresProjectionStore(pool, "english")
+        created = upsert("acme", document("a", "first"), event_id="evt-create")
+        removed = delete("acme", "a", event_id="evt-delete")
+        await store.apply([Delta(1, created), Delta(2, removed)])
+        version = (await store.apply([Delta(3, upsert("acme", document("b", "other")))])).versions[0]
+        # JetStream forgot the event id long ago; the copy arrives with a new, higher sequence.
+        again = await store.apply([Delta(40, created)])
+        assert again.plan.applied == []
+        assert again.versions[0].version == version.version
+        assert await _live_rows(deployment, "acme") == {"b": "other"}
+    finally:
+        await pool.close()
+
+
+async def test_version_announcements_never_go_back(deployment: Deployment) -> None:
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    publisher = VersionPublisher(deployment.nc, kv, deployment.names)
+    newer = VersionUpdate("acme", "main", VersionState(state_hash=7, stream_seq=10), revision=5)
+    older = VersionUpdate("acme", "main", VersionState(state_hash=9, stream_seq=10), revision=4)
+    await publisher.publish(newer)
+    await publisher.publish(older)  # a slower worker announcing an earlier commit
+    entry = await kv.get(deployment.names.version_key("acme", "main"))
+    assert entry.value is not None
+    assert OntologyVersionChanged.model_validate_json(entry.value).revision == 5

@@ -259,3 +259,16 @@ async def test_query_metrics_and_trace_context_cross_nats(
     # The worker's pipeline span continues the caller's trace: context travelled in the NATS headers.
     worker_spans = [s for s in SPANS.get_finished_spans() if s.name == "query.retrieve"]
     assert any(s.context.trace_id == trace_id for s in worker_spans)
+
+
+async def test_a_subject_that_names_no_valid_workspace_gets_an_error(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    await start_query_worker(embedder)
+    for token in ("_uffffff", "_00", "_2e_2e"):
+        reply = await deployment.nc.request(
+            f"{deployment.names.prefix}.query.{token}", b'{"semanticQuery": "x"}', timeout=5
+        )
+        error = ErrorReply.model_validate_json(reply.data)
+        assert error.error.code == "invalid_request", token
+    assert (await _ask(client, "sort numbers")).results[0].id == "sort"

@@ -100,12 +100,21 @@ CREATE TABLE ontology_links (
 );
 
 -- The ontologyVersion of (workspace, branch): a hash of the projected state (a sum of per-row hashes, so it
--- depends only on which rows hold which stream sequence) and the highest stream sequence applied.
+-- depends only on which rows hold which stream sequence) and the highest stream sequence applied. `revision`
+-- counts the commits that changed it: announcements compare revisions, never older over newer.
 CREATE TABLE ontology_versions (
     workspace  text        NOT NULL,
     branch     text        NOT NULL,
     state_hash bigint      NOT NULL DEFAULT 0,
     stream_seq bigint      NOT NULL DEFAULT 0,
+    revision   bigint      NOT NULL DEFAULT 0,
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (workspace, branch)
+);
+
+-- Every event id the projector has handled (applied or found stale): a copy republished after JetStream's
+-- duplicate window is a no-op too. Dead-lettered events are not here, so they can be re-driven.
+CREATE TABLE handled_events (
+    event_id   text   PRIMARY KEY,
+    stream_seq bigint NOT NULL
 );

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -186,22 +186,28 @@ def plan_batch(
     deltas: Iterable[Delta],
     current_rows: Mapping[EntityRef, RowState],
     current_versions: Mapping[tuple[str, str], VersionState],
+    handled_events: Set[str] = frozenset(),
 ) -> Plan:
     """Fold a batch onto the current state, in stream order.
 
-    A delta applies only when its sequence is newer than the row's, so a repeated, redelivered or older delta
-    changes nothing. The state hash is a sum of row hashes modulo 2**64: it depends only on which rows exist
-    with which sequence, never on how the deltas were batched, so a replay reproduces every version.
+    A delta applies only when its event was never handled before and its sequence is newer than the row's, so a
+    repeated, redelivered, republished or older delta changes nothing. The state hash is a sum of row hashes
+    modulo 2**64: it depends only on which rows exist with which sequence, never on how the deltas were batched,
+    so a replay reproduces every version.
     """
     plan = Plan()
     rows: dict[EntityRef, RowState] = dict(current_rows)
     versions: dict[tuple[str, str], VersionState] = {}
+    seen = set(handled_events)
     for delta in sorted(deltas, key=lambda d: d.seq):
         ref = entity_of(delta.envelope)
         previous = rows.get(ref)
-        if previous is not None and delta.seq <= previous.seq:
+        event_id = delta.envelope.event_id
+        if event_id in seen or (previous is not None and delta.seq <= previous.seq):
             plan.noops.append(delta)
+            seen.add(event_id)
             continue
+        seen.add(event_id)
         new = RowState(seq=delta.seq, deleted=is_removal(delta.envelope))
         rows[ref] = new
         plan.writes[ref] = delta

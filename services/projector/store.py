@@ -40,6 +40,8 @@ class VersionUpdate:
     workspace: str
     branch: str
     version: VersionState
+    revision: int
+    """Commits that changed this version so far: a later announcement always has a higher revision."""
 
 
 @dataclass(frozen=True)
@@ -118,29 +120,45 @@ class PostgresProjectionStore:
         """Apply a batch atomically. Raises on any database error; nothing is written then."""
         refs = sorted({_ref(d) for d in deltas})
         scopes = sorted({(r.workspace, r.branch) for r in refs})
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._pool.acquire() as conn:
+            # A new partition locks the parent table: do it in its own short transaction, never in the batch's.
             for workspace in sorted({w for w, _ in scopes} - self._known_workspaces):
                 await conn.execute("SELECT ensure_workspace_partition($1)", workspace)
-            versions = await self._lock_versions(conn, scopes)
-            rows = await self._current_rows(conn, refs)
-            plan = plan_batch(deltas, rows, versions)
-            await self._write(conn, plan)
-            for (workspace, branch), version in plan.versions.items():
-                await conn.execute(
-                    "UPDATE ontology_versions SET state_hash = $3, stream_seq = $4, updated_at = now()"
-                    " WHERE workspace = $1 AND branch = $2",
-                    workspace,
-                    branch,
-                    _to_signed(version.state_hash),
-                    version.stream_seq,
+                self._known_workspaces.add(workspace)
+            async with conn.transaction():
+                versions, revisions = await self._lock_versions(conn, scopes)
+                rows = await self._current_rows(conn, refs)
+                handled = await self._handled_events(conn, [d.envelope.event_id for d in deltas])
+                plan = plan_batch(deltas, rows, versions, handled)
+                await self._write(conn, plan)
+                await conn.executemany(
+                    "INSERT INTO handled_events (event_id, stream_seq) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                    [(d.envelope.event_id, d.seq) for d in [*plan.applied, *plan.noops]],
                 )
-        self._known_workspaces.update(w for w, _ in scopes)
+                for (workspace, branch), version in plan.versions.items():
+                    revisions[(workspace, branch)] = await conn.fetchval(
+                        "UPDATE ontology_versions SET state_hash = $3, stream_seq = $4, revision = revision + 1,"
+                        " updated_at = now() WHERE workspace = $1 AND branch = $2 RETURNING revision",
+                        workspace,
+                        branch,
+                        _to_signed(version.state_hash),
+                        version.stream_seq,
+                    )
         current = {**versions, **plan.versions}
-        return BatchResult(plan=plan, versions=[VersionUpdate(w, b, current[(w, b)]) for w, b in scopes])
+        return BatchResult(
+            plan=plan,
+            versions=[VersionUpdate(w, b, current[(w, b)], revisions[(w, b)]) for w, b in scopes],
+        )
+
+    async def _handled_events(self, conn: Connection, event_ids: list[str]) -> set[str]:
+        records = await conn.fetch(
+            "SELECT event_id FROM handled_events WHERE event_id = ANY($1::text[])", list(set(event_ids))
+        )
+        return {r["event_id"] for r in records}
 
     async def _lock_versions(
         self, conn: Connection, scopes: list[tuple[str, str]]
-    ) -> dict[tuple[str, str], VersionState]:
+    ) -> tuple[dict[tuple[str, str], VersionState], dict[tuple[str, str], int]]:
         """Lock the version row of every (workspace, branch) in the batch, in a fixed order (no deadlocks).
 
         Every writer of a scope holds this lock until commit, so the rows read next cannot change under us.
@@ -153,15 +171,17 @@ class PostgresProjectionStore:
             branches,
         )
         records = await conn.fetch(
-            "SELECT workspace, branch, state_hash, stream_seq FROM ontology_versions"
+            "SELECT workspace, branch, state_hash, stream_seq, revision FROM ontology_versions"
             " WHERE (workspace, branch) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
             " ORDER BY workspace, branch FOR UPDATE",
             workspaces,
             branches,
         )
-        return {
+        versions = {
             (r["workspace"], r["branch"]): VersionState(_to_unsigned(r["state_hash"]), r["stream_seq"]) for r in records
         }
+        revisions = {(r["workspace"], r["branch"]): int(r["revision"]) for r in records}
+        return versions, revisions
 
     async def _current_rows(self, conn: Connection, refs: list[EntityRef]) -> dict[EntityRef, RowState]:
         by_kind: dict[EntityKind, list[EntityRef]] = {"document": [], "node": [], "link": []}

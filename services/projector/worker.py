@@ -52,6 +52,10 @@ def _header_safe(text: str, limit: int = 1000) -> str:
     return " ".join(text.split())[:limit]
 
 
+class VersionNotAnnounced(Exception):
+    """The KV compare-and-set never succeeded; the batch is retried (its deltas are no-ops then)."""
+
+
 class VersionPublisher:
     """Puts the latest ontologyVersion per (workspace, branch) in the KV bucket and on the event subject.
 
@@ -69,11 +73,12 @@ class VersionPublisher:
             branch=update.branch,
             ontology_version=update.version.label,
             stream_seq=update.version.stream_seq,
+            revision=update.revision,
             updated_at=datetime.now(UTC),
         )
         data = record.model_dump_json().encode()
         key = self._names.version_key(update.workspace, update.branch)
-        for _ in range(10):
+        for _ in range(20):
             try:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:
@@ -83,12 +88,14 @@ class VersionPublisher:
                     await self._kv.create(key, data)
                 else:
                     known = OntologyVersionChanged.model_validate_json(entry.value)
-                    if known.ontology_version == record.ontology_version or known.stream_seq > record.stream_seq:
-                        return
+                    if known.revision >= record.revision:
+                        return  # this version, or a newer one, is announced already
                     await self._kv.update(key, data, last=entry.revision)
                 break
             except KeyWrongLastSequenceError:
                 continue  # another worker wrote in between: re-read and compare again
+        else:
+            raise VersionNotAnnounced(f"{key}: the versions bucket kept changing under 20 compare-and-set tries")
         await self._nc.publish(self._names.version_event_subject(update.workspace, update.branch), data)
 
 
@@ -147,7 +154,12 @@ class Projector:
                 await self._dead_letter(msg, Rejection("apply_failed", f"{type(error).__name__}: {error}"))
             return
         redelivered = any(msg.metadata.num_delivered > 1 for msg, _ in accepted)
-        await self._announce(result, redelivered)
+        try:
+            await self._announce(result, redelivered)
+        except Exception as error:
+            # Committed but not announced: the redelivered batch is all no-ops and announces again.
+            await self._retry_later([msg for msg, _ in accepted], error)
+            return
         for msg, _ in accepted:
             await msg.ack()
         self._metrics.projector_deltas.add(len(result.plan.applied), {"outcome": "applied"})
@@ -215,6 +227,13 @@ class ProjectorService:
         self._pool: asyncpg.Pool | None = None
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # whatever started before the failure
+            raise
+
+    async def _start(self) -> None:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings)

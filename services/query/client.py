@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 from opentelemetry import propagate
 from pydantic import ValidationError
 
@@ -19,12 +21,19 @@ class QueryClient:
         self._timeout_s = timeout_s
 
     async def send_raw(self, workspace: str, body: bytes) -> bytes:
+        """Send a request body as is. While no worker listens (a restart), retry for up to a second."""
         headers: dict[str, str] = {}
         propagate.inject(headers)
-        reply = await self._nc.request(
-            self._names.query_subject(workspace), body, timeout=self._timeout_s, headers=headers
-        )
-        return bytes(reply.data)
+        subject = self._names.query_subject(workspace)
+        for attempt in range(6):
+            try:
+                reply = await self._nc.request(subject, body, timeout=self._timeout_s, headers=headers)
+                return bytes(reply.data)
+            except NoRespondersError:
+                if attempt == 5:
+                    raise
+                await asyncio.sleep(0.03 * 2**attempt)
+        raise AssertionError("unreachable")
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
         body = (

@@ -19,9 +19,9 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, VersionedCache, stable_hash
-from .fusion import Candidate, Fused, reciprocal_rank_fusion
+from .fusion import Fused, reciprocal_rank_fusion
 from .hints import reads_as_relationship_question
-from .postgres import Scope, StoredDocument
+from .postgres import Fetched, Hits, Scope, StoredDocument
 
 log = get_logger(__name__)
 
@@ -38,11 +38,11 @@ class RetrievalUnavailable(Exception):
 class Retrieval(Protocol):
     backend: str
 
-    async def dense(self, scope: Scope, vector: Vector, limit: int) -> list[Candidate]: ...
+    async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits: ...
 
-    async def keyword(self, scope: Scope, text: str, limit: int) -> list[Candidate]: ...
+    async def keyword(self, scope: Scope, text: str, limit: int) -> Hits: ...
 
-    async def fetch(self, scope: Scope, ids: list[str]) -> dict[str, StoredDocument]: ...
+    async def fetch(self, scope: Scope, ids: list[str]) -> Fetched: ...
 
 
 class VersionSource(Protocol):
@@ -60,6 +60,8 @@ class _Answer:
     """What a cache entry holds: the results and the facts about how they were made."""
 
     results: list[SearchResult]
+    version: str
+    """ontologyVersion of the data the results were read from."""
     hybrid: bool
     retrievers: list[str]
     degraded: list[str]
@@ -103,29 +105,28 @@ class QueryPipeline:
     async def answer(self, query: OntologyQuery, workspace: str) -> QueryResponse:
         started = time.perf_counter()
         clock = _Stopwatch()
-        version = self._versions.current(workspace, query.branch)
-        key = cache_key(query, workspace, version)
+        announced = self._versions.current(workspace, query.branch)
+        key = cache_key(query, workspace, announced)
         cached = self._cache.get(key)
         if cached is not None:
             self._metrics.cache_hit.add(1)
-            return self._respond(query, workspace, version, cached, True, clock, started)
+            return self._respond(query, workspace, cached, True, clock, started)
         self._metrics.cache_miss.add(1)
 
         with tracer().start_as_current_span("query.retrieve"):
             answer = await self._retrieve(query, workspace, clock)
-        if self._versions.current(workspace, query.branch) != version:
-            # The data moved while we read it: answer, but say so and keep it out of the cache.
-            answer.degraded.append("ontologyVersionChanged")
-        elif not set(answer.degraded) - {"embedder"}:
+        # Cache only what is known to be the announced version's answer; a newer commit whose announcement is
+        # still on its way is answered truthfully (its own version in _meta) but not cached under the old key.
+        if answer.version == announced and not set(answer.degraded) - {"embedder"}:
             self._cache.put(key, answer)
-        return self._respond(query, workspace, version, answer, False, clock, started)
+        return self._respond(query, workspace, answer, False, clock, started)
 
     async def _retrieve(self, query: OntologyQuery, workspace: str, clock: _Stopwatch) -> _Answer:
         scope = Scope(workspace, query.branch, query.object_type, query.chunk_level, query.provenance)
         degraded: list[str] = []
         k = self._config.retriever_top_k
 
-        async def dense() -> list[Candidate] | None:
+        async def dense() -> Hits | None:
             if self._embedder is None:
                 degraded.append("embedder")
                 return None
@@ -141,11 +142,12 @@ class QueryPipeline:
             "keyword", clock.time("keyword", self._retrieval.keyword(scope, query.semantic_query, k)), degraded
         )
         dense_hits, keyword_hits = await asyncio.gather(dense(), keyword)
-        ranked = {name: hits for name, hits in (("dense", dense_hits), ("keyword", keyword_hits)) if hits is not None}
-        if not ranked:
+        lists = {name: hits for name, hits in (("dense", dense_hits), ("keyword", keyword_hits)) if hits is not None}
+        if not lists:
             raise RetrievalUnavailable(f"no retriever could run ({', '.join(degraded)})")
-        self._metrics.candidates_dense.add(len(dense_hits or []))
-        self._metrics.candidates_sparse.add(len(keyword_hits or []))
+        ranked = {name: hits.candidates for name, hits in lists.items()}
+        self._metrics.candidates_dense.add(len(ranked.get("dense", [])))
+        self._metrics.candidates_sparse.add(len(ranked.get("keyword", [])))
 
         fusion_started = time.perf_counter()
         fused = reciprocal_rank_fusion(ranked, k=self._config.rrf_k, limit=math.ceil(query.top_k * OVERSAMPLE))
@@ -157,15 +159,21 @@ class QueryPipeline:
         skipped_rerank = "no_reranker" if query.precision else None
         chosen = [f for f in fused if query.min_relevance is None or f.relevance >= query.min_relevance]
         chosen = chosen[: query.top_k]
-        documents = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in chosen]))
+        fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in chosen]))
+        documents = fetched.documents
         results = [
             _result(rank, hit, documents[hit.id])
             for rank, hit in enumerate((f for f in chosen if f.id in documents), start=1)
         ]
+        read_versions = {hits.version for hits in lists.values()} | {fetched.version}
+        if len(read_versions) > 1 or len(documents) < len(chosen):
+            # A commit landed between the statements: the answer mixes two states. Say so; it is not cached.
+            degraded.append("ontologyVersionChanged")
         for sink in degraded:
             self._metrics.degraded.add(1, {"sink": sink})
         return _Answer(
             results=results,
+            version=fetched.version,
             hybrid=len(ranked) == 2,
             retrievers=list(ranked),
             degraded=degraded,
@@ -177,7 +185,6 @@ class QueryPipeline:
         self,
         query: OntologyQuery,
         workspace: str,
-        version: str,
         answer: _Answer,
         cache_hit: bool,
         clock: _Stopwatch,
@@ -186,7 +193,7 @@ class QueryPipeline:
         total_ms = (time.perf_counter() - started) * 1000
         clock.timings["total"] = round(total_ms, 3)
         meta = QueryMeta(
-            ontology_version=version,
+            ontology_version=answer.version,
             workspace=workspace,
             branch=query.branch,
             hybrid=answer.hybrid,
@@ -217,7 +224,7 @@ class QueryPipeline:
             log.info("cache_invalidated", workspace=workspace, branch=branch, entries=dropped)
 
 
-async def _guarded(name: str, work: Awaitable[list[Candidate]], degraded: list[str]) -> list[Candidate] | None:
+async def _guarded(name: str, work: Awaitable[Hits], degraded: list[str]) -> Hits | None:
     try:
         return await work
     except Exception as error:

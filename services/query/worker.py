@@ -11,12 +11,13 @@ from typing import Any
 import asyncpg
 from faststream.nats import NatsBroker, NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError
+from ontofabric.contracts.documents import Workspace
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.jetstream import ensure_jetstream
+from ontofabric.shared.jetstream import ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
@@ -45,6 +46,17 @@ def validation_details(error: ValidationError) -> list[ErrorDetail]:
             message = "unknown parameter"
         details.append(ErrorDetail(field=location, message=message))
     return details
+
+
+_WORKSPACE = TypeAdapter(Workspace)
+
+
+def workspace_of_subject(subject: str) -> str | None:
+    """The workspace a query subject names, or None when its token does not decode to a valid name."""
+    try:
+        return _WORKSPACE.validate_python(decode_token(subject.rsplit(".", 1)[-1]))
+    except (ValueError, ValidationError):
+        return None
 
 
 def parse_request(body: bytes, workspace: str, max_query_chars: int) -> OntologyQuery | bytes:
@@ -84,6 +96,13 @@ class QueryService:
         """Requests this worker answered (errors included)."""
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # whatever started before the failure
+            raise
+
+    async def _start(self) -> None:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings, max_size=max(4, 2 * settings.query_concurrency))
@@ -96,7 +115,7 @@ class QueryService:
         cache: VersionedCache[Any] = VersionedCache(settings.query_cache_entries)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         pipeline = QueryPipeline(
-            PostgresRetrieval(self._pool, settings.text_search_config),
+            PostgresRetrieval(self._pool, settings.text_search_config, settings.hnsw_ef_search),
             self._embedder,
             tracker,
             cache,
@@ -117,7 +136,13 @@ class QueryService:
         )
         async def on_query(message: NatsMessage) -> bytes:
             self.handled += 1
-            workspace = decode_token(message.raw_message.subject.rsplit(".", 1)[-1])
+            workspace = workspace_of_subject(message.raw_message.subject)
+            if workspace is None:
+                return error_reply(
+                    "invalid_request",
+                    "the subject does not name a valid workspace",
+                    [ErrorDetail(field=None, message=f"subject {message.raw_message.subject!r}")],
+                )
             parsed = parse_request(bytes(message.body), workspace, settings.max_query_chars)
             if isinstance(parsed, bytes):
                 return parsed
@@ -131,7 +156,7 @@ class QueryService:
             return response.model_dump_json().encode()
 
         await broker.start()
-        await broker.connection.flush()  # the server has our subscription: requests sent from now on reach us
+        await subscriptions_visible(broker.connection)
         log.info("query_worker_started", subjects=names.query_subjects, queue=names.query_queue)
 
     async def stop(self) -> None:

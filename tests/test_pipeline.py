@@ -1,0 +1,101 @@
+"""The pipeline's decisions that need no servers: version consistency across statements, caching, degradation.
+
+A small in-memory Retrieval stands in for Postgres here: the point is the pipeline's logic, not SQL (which the
+end-to-end tests exercise against a real server).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ontofabric.contracts import OntologyQuery
+from ontofabric.services.query.cache import VersionedCache
+from ontofabric.services.query.fusion import Candidate
+from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
+from ontofabric.services.query.postgres import Fetched, Hits, Scope, StoredDocument
+from ontofabric.shared.embedder import Vector
+
+
+@dataclass
+class ScriptedRetrieval:
+    dense_version: str = "5-a"
+    keyword_version: str = "5-a"
+    fetch_version: str = "5-a"
+    missing: set[str] = field(default_factory=set)
+    backend: str = "tsvector"
+
+    async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
+        return Hits([Candidate("x", 0.9), Candidate("y", 0.8)], self.dense_version)
+
+    async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
+        return Hits([Candidate("y", 3.0), Candidate("z", 1.0)], self.keyword_version)
+
+    async def fetch(self, scope: Scope, ids: list[str]) -> Fetched:
+        documents = {i: StoredDocument(i, f"content {i}", "t.T", "tests", {}) for i in ids if i not in self.missing}
+        return Fetched(documents, self.fetch_version)
+
+
+class FixedEmbedder:
+    model_name = "fixed"
+    dimension = 3
+
+    def embed_documents(self, texts: object, batch_size: int = 64) -> np.ndarray:  # type: ignore[type-arg]
+        return np.ones((1, 3), dtype=np.float32)
+
+    def embed_query(self, text: str) -> Vector:
+        return np.ones(3, dtype=np.float32)
+
+    async def embed_query_async(self, text: str) -> Vector:
+        return self.embed_query(text)
+
+
+class Announced:
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def current(self, workspace: str, branch: str) -> str:
+        return self.version
+
+
+def _pipeline(retrieval: ScriptedRetrieval, announced: str = "5-a") -> tuple[QueryPipeline, VersionedCache[object]]:
+    cache: VersionedCache[object] = VersionedCache(10)
+    return QueryPipeline(retrieval, FixedEmbedder(), Announced(announced), cache, PipelineConfig()), cache  # type: ignore[arg-type]
+
+
+QUERY = OntologyQuery(semantic_query="anything")
+
+
+async def test_consistent_answer_is_cached_and_labelled_with_its_version() -> None:
+    pipeline, cache = _pipeline(ScriptedRetrieval())
+    first = await pipeline.answer(QUERY, "w")
+    assert first.meta.ontology_version == "5-a"
+    assert first.meta.degraded == []
+    assert len(cache) == 1
+    assert (await pipeline.answer(QUERY, "w")).meta.cache_hit is True
+
+
+async def test_statements_that_saw_different_versions_are_flagged_and_not_cached() -> None:
+    pipeline, cache = _pipeline(ScriptedRetrieval(keyword_version="6-b", fetch_version="6-b"))
+    reply = await pipeline.answer(QUERY, "w")
+    assert "ontologyVersionChanged" in reply.meta.degraded
+    assert reply.meta.ontology_version == "6-b"  # the version of the content it shows
+    assert len(cache) == 0
+
+
+async def test_a_document_deleted_before_fetch_is_flagged() -> None:
+    pipeline, _ = _pipeline(ScriptedRetrieval(missing={"y"}))
+    reply = await pipeline.answer(QUERY, "w")
+    assert [r.id for r in reply.results] == ["x", "z"]
+    assert "ontologyVersionChanged" in reply.meta.degraded
+
+
+async def test_data_newer_than_the_announcement_is_answered_but_not_cached() -> None:
+    pipeline, cache = _pipeline(
+        ScriptedRetrieval(dense_version="7-c", keyword_version="7-c", fetch_version="7-c"), announced="5-a"
+    )
+    reply = await pipeline.answer(QUERY, "w")
+    assert reply.meta.ontology_version == "7-c"
+    assert reply.meta.degraded == []
+    assert len(cache) == 0

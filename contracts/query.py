@@ -13,6 +13,37 @@ MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
 
 
+Retriever = Literal["dense", "keyword"]
+FusionMethod = Literal["rrf", "convex", "adaptive"]
+
+
+class FusionOptions(StrictRequest):
+    """How the ranked lists are combined; every field left out takes the deployment's default."""
+
+    method: FusionMethod | None = Field(
+        default=None,
+        description="rrf: reciprocal rank fusion; convex: weighted sum of min-max normalised scores with a fixed "
+        "dense weight; adaptive: convex with the weight set per query from the keyword list's saturation.",
+    )
+    rrf_k: int | None = Field(default=None, ge=1, le=1000, description="RRF constant k.")
+    dense_weight: float | None = Field(default=None, ge=0.0, le=1.0, description="convex: weight of dense scores.")
+
+
+class QueryOptions(StrictRequest):
+    retrievers: list[Retriever] | None = Field(
+        default=None, min_length=1, max_length=2, description="Retrievers to run; default both."
+    )
+    candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
+    fusion: FusionOptions | None = None
+
+    @field_validator("retrievers")
+    @classmethod
+    def _distinct(cls, value: list[Retriever] | None) -> list[Retriever] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("retrievers must not repeat")
+        return value
+
+
 class OntologyQuery(StrictRequest):
     """One query. Unknown parameters, wrongly typed values and out-of-range values are rejected."""
 
@@ -31,6 +62,7 @@ class OntologyQuery(StrictRequest):
     workspace: Workspace | None = Field(
         default=None, description="Defaults to the workspace of the subject the request was sent to."
     )
+    options: QueryOptions | None = Field(default=None, description="Retrieval and fusion tuning.")
 
     @field_validator("semantic_query")
     @classmethod
@@ -40,9 +72,6 @@ class OntologyQuery(StrictRequest):
         if "\x00" in value:
             raise ValueError("semanticQuery must not contain NUL characters")
         return value
-
-
-Retriever = Literal["dense", "keyword"]
 
 
 class FoundBy(WireModel):
@@ -71,6 +100,13 @@ class ExpandedContext(WireModel):
     linked_from_document_id: str
 
 
+class FusionReport(WireModel):
+    """The fusion that ran, with the parameters it used for this query."""
+
+    method: str
+    parameters: dict[str, float]
+
+
 class QueryMeta(WireModel):
     ontology_version: str = Field(description="Version of the data the answer was computed from.")
     workspace: str
@@ -88,6 +124,7 @@ class QueryMeta(WireModel):
     expanded_context: list[ExpandedContext] = Field(default_factory=list)
     backend: str = Field(description="Keyword backend that served the query.")
     retrievers: list[Retriever] = Field(description="Retrievers whose candidates were fused.")
+    fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
     timings_ms: dict[str, float] = Field(description="Wall time per pipeline stage, milliseconds.")
 
 

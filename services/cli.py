@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -198,6 +200,43 @@ def demo(
     )
 
 
+@app.command("eval")
+def eval_command(
+    dataset_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A BEIR-layout dataset directory.")],
+    split: Annotated[str, typer.Option(help="Judgments to use: qrels/SPLIT.tsv.")] = "test",
+    config: Annotated[
+        str, typer.Option(help="dense, keyword, hybrid, hybrid-rerank, or all (comma-separate several).")
+    ] = "all",
+    json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
+    runs: Annotated[Path | None, typer.Option(help="Write a TREC run file per configuration into this folder.")] = None,
+) -> None:
+    """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency."""
+    from .ops.evaluation import CONFIGS, DatasetError, evaluate, load_beir, render_table
+
+    settings = _settings("ontofabric-eval", quiet=True)
+    chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown:
+        _fail(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)} or all")
+    try:
+        dataset = load_beir(dataset_dir, split)
+    except DatasetError as error:
+        _fail(str(error))
+    data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
+    try:
+        with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
+            assert runtime.endpoints is not None
+            report = asyncio.run(evaluate(settings, runtime.endpoints, dataset, chosen, progress, runs))
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    render_table(report, console.print)
+    if json_file is not None:
+        json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_file}")
+
+
 @app.command("migrate")
 def migrate_command(data_dir: DataDir = None) -> None:
     """Apply pending database migrations (workers also do this when they start)."""
@@ -230,7 +269,8 @@ def show_settings(
     if markdown:
         print("| variable | default | meaning |\n|---|---|---|")
         for name, field in Settings.model_fields.items():
-            print(f"| `ONTOFABRIC_{name.upper()}` | `{field.default}` | {field.description or ''} |")
+            default = "(computed)" if field.default_factory is not None else f"`{field.default}`"
+            print(f"| `ONTOFABRIC_{name.upper()}` | {default} | {field.description or ''} |")
         return
     settings = Settings()
     table = Table("variable", "value", "meaning")

@@ -5,10 +5,11 @@ Every field documents its default; ``ontofabric settings`` prints the effective 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -75,12 +76,41 @@ class Settings(BaseSettings):
     query_cache_entries: int = Field(default=1000, ge=0, description="LRU entries; 0 disables the cache.")
     query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
     retriever_top_k: int = Field(default=50, ge=1, le=1000, description="Candidates per retriever.")
-    rrf_k: int = Field(default=60, ge=1, description="Reciprocal Rank Fusion constant.")
+    fusion_method: Literal["rrf", "convex", "adaptive"] = Field(
+        default="rrf", description="Default fusion of dense and keyword lists (requests may choose another)."
+    )
+    rrf_k: int = Field(default=60, ge=1, description="Reciprocal Rank Fusion constant (method `rrf`).")
+    fusion_dense_weight: float = Field(
+        default=0.5, ge=0, le=1, description="Weight of the dense list in `convex` fusion."
+    )
+    bm25_k1: float = Field(default=1.2, gt=0, description="BM25 term-frequency saturation.")
+    bm25_b: float = Field(
+        default=0.8, ge=0, le=1, description="BM25 document-length normalisation (docs/quality.md has the evidence)."
+    )
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
     )
     max_query_chars: int = Field(default=2000, ge=1, description="Longer queries are rejected.")
     statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
+
+    # --- reranking -------------------------------------------------------------------------------
+    reranker: Literal["none", "local", "cohere"] = Field(
+        default="none", description="`local`: a CrossEncoder from reranker_model_path; `cohere`: the HTTP API."
+    )
+    reranker_model_path: Path | None = Field(default=None, description="Local cross-encoder directory.")
+    reranker_url: str | None = Field(
+        default=None, description="Rerank endpoint, e.g. Cohere `.../v2/rerank` or Azure AI Foundry `.../v1/rerank`."
+    )
+    reranker_api_key: SecretStr | None = Field(default=None, description="Bearer key of the rerank endpoint.")
+    reranker_model: str = Field(default="rerank-v3.5", description="Model name sent to the rerank endpoint.")
+    reranker_timeout_ms: int = Field(
+        default=1500, ge=1, description="Per-call limit; a slower reranker is skipped (fused order kept)."
+    )
+
+    cache_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ontofabric",
+        description="Embedding cache of `ontofabric eval` (safe to delete). Default: $XDG_CACHE_HOME/ontofabric.",
+    )
 
     # --- operability -----------------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(

@@ -15,7 +15,7 @@ def _list(*ids: str) -> list[Candidate]:
 
 def test_rrf_scores_are_sums_of_reciprocal_ranks() -> None:
     fused = reciprocal_rank_fusion({"dense": _list("a", "b", "c"), "keyword": _list("c", "a", "d")}, k=60)
-    scores = {f.id: f.rrf for f in fused}
+    scores = {f.id: f.score for f in fused}
     assert scores["a"] == pytest.approx(1 / 61 + 1 / 62)
     assert scores["c"] == pytest.approx(1 / 63 + 1 / 61)
     assert scores["b"] == pytest.approx(1 / 62)

@@ -100,7 +100,7 @@ async def test_publish_project_query_end_to_end(
     assert meta.skipped_rerank == "no_reranker"
     assert meta.cache_hit is False
     assert meta.degraded == []
-    assert meta.backend == "tsvector"
+    assert meta.backend == "postgres-bm25"
     assert meta.ontology_version.startswith(f"{last_seq}-")
     assert {"embed", "dense", "keyword", "fusion", "fetch", "total"} <= set(meta.timings_ms)
     assert 0 < reply.results[-1].score <= reply.results[0].score <= 1
@@ -250,7 +250,7 @@ async def test_query_metrics_and_trace_context_cross_nats(
     trace_id = span.get_span_context().trace_id
     durations = _points("retrieval.query.duration_ms")
     attributes = [dict(p.attributes) for p in durations]
-    assert {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "tsvector", "followLinks": False} in (
+    assert {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "postgres-bm25", "followLinks": False} in (
         attributes
     )
     assert any(a["cacheHit"] is True for a in attributes)

@@ -25,6 +25,7 @@ from ontofabric.contracts import (
     SemanticDocument,
     format_version,
 )
+from ontofabric.shared.analysis import analyse
 from ontofabric.shared.subjects import encode_token
 
 EntityKind = Literal["document", "node", "link"]
@@ -224,6 +225,6 @@ def plan_batch(
 
 
 def search_text(document: SemanticDocument) -> str:
-    """The text the keyword index sees: the symbol's qualified name, then the content."""
+    """The text the keyword index is built from: the symbol's qualified name, then the content, analysed."""
     name = document.metadata.symbol_fqn or ""
-    return f"{name}\n{document.content}" if name else document.content
+    return analyse(f"{name}\n{document.content}" if name else document.content)

@@ -55,18 +55,50 @@ UPSERT_DOCUMENT = """
 INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
-    indexed_at, stream_seq, event_id, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17,
-        to_tsvector($18::regconfig, $19), $20, $21, $22, now())
+    doc_length, indexed_at, stream_seq, event_id, updated_at)
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17, v.tsv,
+       (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u), $20, $21, $22, now()
+FROM (SELECT index_tsvector($18::regconfig, $19) AS tsv) v
 ON CONFLICT (workspace, branch, id) DO UPDATE SET
     deleted = EXCLUDED.deleted, content = EXCLUDED.content, object_type = EXCLUDED.object_type,
     source_domain = EXCLUDED.source_domain, symbol_key = EXCLUDED.symbol_key, symbol_kind = EXCLUDED.symbol_kind,
     symbol_fqn = EXCLUDED.symbol_fqn, content_hash = EXCLUDED.content_hash, file_path = EXCLUDED.file_path,
     chunk_level = EXCLUDED.chunk_level, provenance = EXCLUDED.provenance, metadata = EXCLUDED.metadata,
     embedding = EXCLUDED.embedding, embedding_model = EXCLUDED.embedding_model,
-    search_vector = EXCLUDED.search_vector, indexed_at = EXCLUDED.indexed_at, stream_seq = EXCLUDED.stream_seq,
+    search_vector = EXCLUDED.search_vector, doc_length = EXCLUDED.doc_length, indexed_at = EXCLUDED.indexed_at,
+    stream_seq = EXCLUDED.stream_seq,
     event_id = EXCLUDED.event_id, updated_at = now()
 WHERE d.stream_seq < EXCLUDED.stream_seq
+"""
+
+# The keyword statistics of documents: live count and summed length per (workspace, branch).
+_LIVE_LENGTHS = """
+SELECT d.workspace, d.branch, count(*) AS docs, coalesce(sum(d.doc_length), 0) AS length
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
+JOIN documents d USING (workspace, branch, id)
+WHERE NOT d.deleted
+GROUP BY d.workspace, d.branch
+"""
+
+# Postings follow their document: the old ones (found through the terms of the stored tsvector, before the
+# document is overwritten) are dropped, the new ones built from the new tsvector (none for a tombstone).
+_DROP_POSTINGS = """
+DELETE FROM postings p
+USING (
+    SELECT d.workspace, d.branch, d.id, u.lexeme
+    FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
+    JOIN documents d USING (workspace, branch, id)
+    CROSS JOIN LATERAL unnest(d.search_vector) u
+) AS old
+WHERE p.workspace = old.workspace AND p.branch = old.branch AND p.term = old.lexeme AND p.doc_id = old.id
+"""
+_ADD_POSTINGS = """
+INSERT INTO postings (workspace, branch, term, doc_id, tf, doc_length)
+SELECT d.workspace, d.branch, u.lexeme, d.id, coalesce(cardinality(u.positions), 1), d.doc_length
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
+JOIN documents d USING (workspace, branch, id)
+CROSS JOIN LATERAL unnest(d.search_vector) u
+WHERE NOT d.deleted
 """
 
 _UPSERT_NODE = """
@@ -220,11 +252,36 @@ class PostgresProjectionStore:
             else:
                 links.append(_link_row(ref, delta))
         if documents:
+            keys = [[str(row[i]) for row in documents] for i in range(3)]  # workspace, branch, id columns
+            before = await conn.fetch(_LIVE_LENGTHS, *keys)
+            await conn.execute(_DROP_POSTINGS, *keys)
             await conn.executemany(UPSERT_DOCUMENT, documents)
+            after = await conn.fetch(_LIVE_LENGTHS, *keys)
+            await conn.execute(_ADD_POSTINGS, *keys)
+            await self._update_statistics(conn, before, after)
         if nodes:
             await conn.executemany(_UPSERT_NODE, nodes)
         if links:
             await conn.executemany(_UPSERT_LINK, links)
+
+    async def _update_statistics(
+        self, conn: Connection, before: list[asyncpg.Record], after: list[asyncpg.Record]
+    ) -> None:
+        change: dict[tuple[str, str], list[int]] = {}
+        for records, sign in ((before, -1), (after, 1)):
+            for r in records:
+                totals = change.setdefault((r["workspace"], r["branch"]), [0, 0])
+                totals[0] += sign * r["docs"]
+                totals[1] += sign * r["length"]
+        for (workspace, branch), (docs, length) in change.items():
+            await conn.execute(
+                "UPDATE ontology_versions SET doc_count = doc_count + $3, total_length = total_length + $4"
+                " WHERE workspace = $1 AND branch = $2",
+                workspace,
+                branch,
+                docs,
+                length,
+            )
 
     def document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
         payload = delta.envelope.payload

@@ -1,4 +1,9 @@
-"""Reciprocal Rank Fusion (Cormack, Clarke and Buettcher, SIGIR 2009): score(d) = sum over lists of 1 / (k + rank)."""
+"""Fusing ranked lists: Reciprocal Rank Fusion and convex combination of normalised scores (pure functions).
+
+RRF (Cormack, Clarke and Buettcher, SIGIR 2009): score(d) = sum over lists of 1 / (k + rank). It ignores scores,
+so a weak retriever pulls the fusion down as much as a strong one lifts it. A convex combination of min-max
+normalised scores (Bruch, Gai and Ingber, TOIS 2023) lets the stronger retriever weigh more.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +28,10 @@ class SourceHit:
 @dataclass(frozen=True)
 class Fused:
     id: str
-    rrf: float
+    score: float
+    """The fused score the list is sorted by (the RRF sum, or the convex combination)."""
     relevance: float
-    """``rrf`` divided by its maximum for the lists that ran: 1.0 means ranked first by every one of them."""
+    """``score`` on a 0-1 scale: for RRF, 1.0 means ranked first by every list that ran."""
     found_by: Mapping[str, SourceHit] = field(default_factory=dict)
 
     @property
@@ -51,5 +57,63 @@ def reciprocal_rank_fusion(
             found_by.setdefault(candidate.id, {})[name] = SourceHit(position, candidate.score)
     ceiling = len(ranked_lists) / (k + 1) if ranked_lists else 1.0
     fused = [Fused(doc_id, score, score / ceiling, found_by[doc_id]) for doc_id, score in scores.items()]
-    fused.sort(key=lambda f: (-f.rrf, f.best_rank, f.id))
+    fused.sort(key=lambda f: (-f.score, f.best_rank, f.id))
     return fused if limit is None else fused[:limit]
+
+
+def min_max(candidates: Sequence[Candidate]) -> dict[str, float]:
+    """Scores mapped onto [0, 1] within one list (all 1.0 when every score is equal)."""
+    if not candidates:
+        return {}
+    scores = [c.score for c in candidates]
+    low, high = min(scores), max(scores)
+    span = high - low
+    return {c.id: (c.score - low) / span if span > 0 else 1.0 for c in candidates}
+
+
+def convex_fusion(
+    ranked_lists: Mapping[str, Sequence[Candidate]], weights: Mapping[str, float], limit: int | None = None
+) -> list[Fused]:
+    """Weighted sum of min-max normalised scores; a document missing from a list scores 0 there.
+
+    ``relevance`` is the weighted sum divided by the weights of the lists that ran, so it stays in [0, 1].
+    """
+    total_weight = sum(weights.get(name, 0.0) for name in ranked_lists) or 1.0
+    combined: dict[str, float] = {}
+    found_by: dict[str, dict[str, SourceHit]] = {}
+    for name, candidates in ranked_lists.items():
+        weight = weights.get(name, 0.0)
+        normalised = min_max(candidates)
+        for position, candidate in enumerate(candidates, start=1):
+            if name in found_by.get(candidate.id, {}):
+                continue
+            combined[candidate.id] = combined.get(candidate.id, 0.0) + weight * normalised[candidate.id]
+            found_by.setdefault(candidate.id, {})[name] = SourceHit(position, candidate.score)
+    fused = [Fused(i, s, s / total_weight, found_by[i]) for i, s in combined.items()]
+    fused.sort(key=lambda f: (-f.score, f.best_rank, f.id))
+    return fused if limit is None else fused[:limit]
+
+
+@dataclass(frozen=True)
+class FusionChoice:
+    method: str
+    parameters: dict[str, float]
+
+
+def fuse(
+    ranked_lists: Mapping[str, Sequence[Candidate]],
+    method: str,
+    *,
+    rrf_k: int,
+    dense_weight: float,
+    limit: int | None = None,
+) -> tuple[list[Fused], FusionChoice | None]:
+    """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None)."""
+    if len(ranked_lists) < 2:
+        return reciprocal_rank_fusion(ranked_lists, k=rrf_k, limit=limit), None
+    if method == "rrf":
+        return reciprocal_rank_fusion(ranked_lists, k=rrf_k, limit=limit), FusionChoice("rrf", {"k": rrf_k})
+    if method == "convex":
+        weights = {"dense": dense_weight, "keyword": 1.0 - dense_weight}
+        return convex_fusion(ranked_lists, weights, limit), FusionChoice("convex", {"denseWeight": dense_weight})
+    raise ValueError(f"unknown fusion method {method!r}")

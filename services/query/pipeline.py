@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ontofabric.contracts import FoundBy, OntologyQuery, QueryMeta, QueryResponse, SearchResult
+from ontofabric.contracts.query import FusionOptions, FusionReport, QueryOptions
 from ontofabric.shared.embedder import Embedder, Vector
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, VersionedCache, stable_hash
-from .fusion import Fused, reciprocal_rank_fusion
+from .fusion import Fused, fuse
 from .hints import reads_as_relationship_question
 from .postgres import Fetched, Hits, Scope, StoredDocument
 
@@ -52,7 +53,9 @@ class VersionSource(Protocol):
 @dataclass(frozen=True)
 class PipelineConfig:
     retriever_top_k: int = 50
+    fusion_method: str = "rrf"
     rrf_k: int = 60
+    dense_weight: float = 0.5
 
 
 @dataclass
@@ -67,6 +70,7 @@ class _Answer:
     degraded: list[str]
     skipped_rerank: str | None
     could_benefit: bool
+    fusion: FusionReport | None
 
 
 @dataclass
@@ -124,9 +128,13 @@ class QueryPipeline:
     async def _retrieve(self, query: OntologyQuery, workspace: str, clock: _Stopwatch) -> _Answer:
         scope = Scope(workspace, query.branch, query.object_type, query.chunk_level, query.provenance)
         degraded: list[str] = []
-        k = self._config.retriever_top_k
+        options = query.options or QueryOptions()
+        wanted = set(options.retrievers or ("dense", "keyword"))
+        k = options.candidates or self._config.retriever_top_k
 
         async def dense() -> Hits | None:
+            if "dense" not in wanted:
+                return None
             if self._embedder is None:
                 degraded.append("embedder")
                 return None
@@ -138,10 +146,13 @@ class QueryPipeline:
                 return None
             return await _guarded("dense", clock.time("dense", self._retrieval.dense(scope, vector, k)), degraded)
 
-        keyword = _guarded(
-            "keyword", clock.time("keyword", self._retrieval.keyword(scope, query.semantic_query, k)), degraded
-        )
-        dense_hits, keyword_hits = await asyncio.gather(dense(), keyword)
+        async def keyword() -> Hits | None:
+            if "keyword" not in wanted:
+                return None
+            work = clock.time("keyword", self._retrieval.keyword(scope, query.semantic_query, k))
+            return await _guarded("keyword", work, degraded)
+
+        dense_hits, keyword_hits = await asyncio.gather(dense(), keyword())
         lists = {name: hits for name, hits in (("dense", dense_hits), ("keyword", keyword_hits)) if hits is not None}
         if not lists:
             raise RetrievalUnavailable(f"no retriever could run ({', '.join(degraded)})")
@@ -150,7 +161,14 @@ class QueryPipeline:
         self._metrics.candidates_sparse.add(len(ranked.get("keyword", [])))
 
         fusion_started = time.perf_counter()
-        fused = reciprocal_rank_fusion(ranked, k=self._config.rrf_k, limit=math.ceil(query.top_k * OVERSAMPLE))
+        asked = options.fusion or FusionOptions()
+        fused, fusion = fuse(
+            ranked,
+            asked.method or self._config.fusion_method,
+            rrf_k=asked.rrf_k or self._config.rrf_k,
+            dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
+            limit=max(math.ceil(query.top_k * OVERSAMPLE), query.top_k),
+        )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
         clock.timings["fusion"] = round(fusion_ms, 3)
         self._metrics.fusion_duration.record(fusion_ms)
@@ -179,6 +197,7 @@ class QueryPipeline:
             degraded=degraded,
             skipped_rerank=skipped_rerank,
             could_benefit=not query.follow_links and reads_as_relationship_question(query.semantic_query),
+            fusion=FusionReport(method=fusion.method, parameters=fusion.parameters) if fusion else None,
         )
 
     def _respond(
@@ -204,6 +223,7 @@ class QueryPipeline:
             could_benefit_from_link_expansion=answer.could_benefit,
             backend=self._retrieval.backend,
             retrievers=answer.retrievers,
+            fusion=answer.fusion,
             timings_ms=clock.timings,
         )
         self._metrics.query_duration.record(

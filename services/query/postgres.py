@@ -15,6 +15,7 @@ from typing import Any
 import asyncpg
 
 from ontofabric.contracts import NO_VERSION
+from ontofabric.shared.analysis import analyse
 from ontofabric.shared.db import Connection
 from ontofabric.shared.embedder import Vector
 
@@ -64,6 +65,8 @@ class Hits:
 
     candidates: list[Candidate]
     version: str
+    ceiling: float | None = None
+    """Keyword only: the highest score any document could reach for this query (every term, saturated)."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,16 @@ WHERE workspace = $1 AND branch = $2"""
 class PostgresRetrieval:
     """Each call reads one snapshot (a read-only repeatable-read transaction) and says which version it saw."""
 
-    backend = "tsvector"
+    backend = "postgres-bm25"
 
-    def __init__(self, pool: asyncpg.Pool, text_search_config: str, ef_search: int) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, text_search_config: str, ef_search: int, bm25_k1: float = 1.2, bm25_b: float = 0.8
+    ) -> None:
         self._pool = pool
         self._config = text_search_config
         self._ef_search = ef_search
+        self._k1 = bm25_k1
+        self._b = bm25_b
 
     @contextlib.asynccontextmanager
     async def _snapshot(self, scope: Scope) -> AsyncIterator[tuple[Connection, str]]:
@@ -110,16 +117,49 @@ class PostgresRetrieval:
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version)
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
-        where, parameters = where_clause(scope, 4)
-        # plainto_tsquery ANDs every term; a natural-language query should match documents with any of them.
+        """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut."""
+        filtered, parameters = "", list[Any]()
+        if scope.object_type or scope.chunk_level or scope.provenance:
+            where, parameters = where_clause(scope, 8)
+            filtered = f"AND EXISTS (SELECT 1 FROM documents WHERE id = s.id AND {where})"
+        # Every postings read is an index range scan on (workspace, branch, term): LATERAL, kept from being
+        # flattened into a join by OFFSET 0, makes it so even before the planner has statistics of a partition.
+        # Parameters are cast: an untyped $n beside an integer literal is inferred as integer, and asyncpg would
+        # round k1 and b without a word.
         sql = f"""
-            WITH q AS (SELECT replace(plainto_tsquery($1::regconfig, $2)::text, ' & ', ' | ')::tsquery AS query)
-            SELECT id, ts_rank_cd(search_vector, q.query) AS score FROM documents, q
-            WHERE {where} AND search_vector @@ q.query
-            ORDER BY score DESC, id LIMIT $3"""
+            WITH terms AS (SELECT lexeme AS term FROM unnest(index_tsvector($1::regconfig, $2))),
+            stats AS (
+                SELECT greatest(doc_count, 1)::float8 AS n,
+                       greatest(total_length, 1)::float8 / greatest(doc_count, 1) AS avgdl
+                FROM ontology_versions WHERE workspace = $4 AND branch = $5),
+            idf AS (
+                SELECT t.term, ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS idf
+                FROM terms t CROSS JOIN stats st
+                CROSS JOIN LATERAL (
+                    SELECT count(*) AS df FROM postings p
+                    WHERE p.workspace = $4 AND p.branch = $5 AND p.term = t.term) f
+                WHERE f.df > 0),
+            scored AS (
+                SELECT p.doc_id AS id,
+                       sum(i.idf * p.tf * ($6::float8 + 1)
+                           / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
+                FROM idf i CROSS JOIN stats st
+                CROSS JOIN LATERAL (
+                    SELECT doc_id, tf, doc_length FROM postings p
+                    WHERE p.workspace = $4 AND p.branch = $5 AND p.term = i.term
+                    OFFSET 0) p
+                GROUP BY p.doc_id)
+            SELECT s.id, s.score, (SELECT sum(idf) FROM idf) * ($6::float8 + 1) AS ceiling
+            FROM scored s
+            WHERE true {filtered}
+            ORDER BY s.score DESC, s.id LIMIT $3"""
+        analysed = analyse(text)
         async with self._snapshot(scope) as (conn, version):
-            rows = await conn.fetch(sql, self._config, text, limit, *parameters)
-        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version)
+            rows = await conn.fetch(
+                sql, self._config, analysed, limit, scope.workspace, scope.branch, self._k1, self._b, *parameters
+            )
+        ceiling = float(rows[0]["ceiling"]) if rows else None
+        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version, ceiling)
 
     async def fetch(self, scope: Scope, ids: Sequence[str]) -> Fetched:
         sql = """

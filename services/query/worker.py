@@ -115,11 +115,18 @@ class QueryService:
         cache: VersionedCache[Any] = VersionedCache(settings.query_cache_entries)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         pipeline = QueryPipeline(
-            PostgresRetrieval(self._pool, settings.text_search_config, settings.hnsw_ef_search),
+            PostgresRetrieval(
+                self._pool, settings.text_search_config, settings.hnsw_ef_search, settings.bm25_k1, settings.bm25_b
+            ),
             self._embedder,
             tracker,
             cache,
-            PipelineConfig(retriever_top_k=settings.retriever_top_k, rrf_k=settings.rrf_k),
+            PipelineConfig(
+                retriever_top_k=settings.retriever_top_k,
+                fusion_method=settings.fusion_method,
+                rrf_k=settings.rrf_k,
+                dense_weight=settings.fusion_dense_weight,
+            ),
         )
         tracker.set_listener(pipeline.invalidate)
         self._versions = tracker

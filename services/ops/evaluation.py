@@ -1,0 +1,289 @@
+"""Retrieval evaluation through the real path: a BEIR dataset published as deltas, projected, queried over NATS.
+
+Metrics come from ir-measures (trec_eval underneath): nDCG@10, Recall@10, Recall@100 and MRR@10, plus the
+client-side latency of each query.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ir_measures
+from ir_measures import RR, R, nDCG
+from nats.js import JetStreamContext
+
+from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument
+from ontofabric.services.app import Roles, start_workers
+from ontofabric.services.ingest.client import DeltaPublisher, envelope
+from ontofabric.services.ingest.ingester import Progress
+from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.embedding_cache import EmbeddingCache
+from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.runtime import Endpoints
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
+
+MEASURES = {"nDCG@10": nDCG @ 10, "Recall@10": R @ 10, "Recall@100": R @ 100, "MRR@10": RR @ 10}
+DEPTH = 100  # results per query: Recall@100 needs a hundred
+
+# Request parameters of each configuration. Only the retrievers and reranking differ; fusion is the default.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "dense": {"precision": False, "options": {"retrievers": ["dense"], "candidates": DEPTH}},
+    "keyword": {"precision": False, "options": {"retrievers": ["keyword"], "candidates": DEPTH}},
+    "hybrid": {"precision": False, "options": {"candidates": DEPTH}},
+    "hybrid-rerank": {"precision": True, "options": {"candidates": DEPTH}},
+}
+
+
+class DatasetError(Exception):
+    """The directory is not a readable BEIR dataset; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class BeirDataset:
+    name: str
+    split: str
+    corpus: list[dict[str, str]]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]]
+    """query id -> document id -> relevance; only queries with judgments are evaluated."""
+
+
+def load_beir(directory: Path, split: str) -> BeirDataset:
+    corpus_file, queries_file = directory / "corpus.jsonl", directory / "queries.jsonl"
+    qrels_file = directory / "qrels" / f"{split}.tsv"
+    for required in (corpus_file, queries_file, qrels_file):
+        if not required.is_file():
+            raise DatasetError(f"{required} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv)")
+    with corpus_file.open(encoding="utf-8") as lines:
+        corpus = [json.loads(line) for line in lines if line.strip()]
+    with queries_file.open(encoding="utf-8") as lines:
+        queries = {q["_id"]: q["text"] for q in (json.loads(line) for line in lines if line.strip())}
+    qrels: dict[str, dict[str, int]] = {}
+    with qrels_file.open(encoding="utf-8") as rows:
+        reader = csv.reader(rows, delimiter="\t")
+        header = next(reader, None)
+        if header is None or header[:2] != ["query-id", "corpus-id"]:
+            raise DatasetError(f"{qrels_file} must start with the header 'query-id corpus-id score'")
+        for row in reader:
+            if len(row) >= 3:
+                qrels.setdefault(row[0], {})[row[1]] = int(row[2])
+    unknown = [q for q in qrels if q not in queries]
+    if unknown:
+        raise DatasetError(f"{len(unknown)} judged queries are not in queries.jsonl, e.g. {unknown[0]!r}")
+    return BeirDataset(directory.name, split, corpus, queries, qrels)
+
+
+def document_text(entry: dict[str, str]) -> str:
+    title = (entry.get("title") or "").strip()
+    return f"{title}\n{entry['text']}" if title else entry["text"]
+
+
+@dataclass
+class ConfigResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+    latency_p50_ms: float = 0.0
+    latency_p95_ms: float = 0.0
+    errors: int = 0
+    degraded: int = 0
+    """Answers whose _meta.degraded was not empty (a part failed: the numbers are not the configuration's)."""
+    skipped: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """What _meta said on the first query (fusion, retrievers, reranking): the configuration as it ran."""
+
+
+@dataclass
+class EvalReport:
+    dataset: str
+    split: str
+    documents: int
+    queries: int
+    configs: dict[str, ConfigResult]
+    load_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compute_metrics(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]]) -> dict[str, float]:
+    """nDCG@10, Recall@10, Recall@100 and MRR@10 averaged over the judged queries (missing runs score 0)."""
+    judged = {q: docs for q, docs in qrels.items()}
+    scores = ir_measures.calc_aggregate(list(MEASURES.values()), judged, {q: run.get(q, {}) for q in judged})
+    return {name: float(scores[measure]) for name, measure in MEASURES.items()}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+class Evaluation:
+    """Loads one dataset into a fresh workspace and runs configurations against it."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        client: QueryClient,
+        names: Names,
+        embedder: Embedder | None,
+        cache: EmbeddingCache,
+        progress: Progress,
+    ) -> None:
+        self._js = js
+        self._client = client
+        self._names = names
+        self._embedder = embedder
+        self._cache = cache
+        self._progress = progress
+
+    async def load(self, dataset: BeirDataset) -> str:
+        """Publish the corpus as deltas into a new workspace; return it once the projector has applied them."""
+        workspace = f"eval-{uuid.uuid4().hex[:10]}"
+        texts = [document_text(d) for d in dataset.corpus]
+        vectors: Sequence[Sequence[float] | None] = [None] * len(texts)
+        if self._embedder is not None:
+            self._progress.stage("embed", len(texts))
+            vectors = list(
+                self._cache.embed(self._embedder, texts, on_progress=lambda n: self._progress.advance("embed", n))
+            )
+        model = self._embedder.model_name if self._embedder is not None else None
+        deltas = [
+            envelope(
+                workspace,
+                DocumentUpserted(
+                    document=SemanticDocument(
+                        id=entry["_id"],
+                        content=text,
+                        object_type="beir.Document",
+                        source_domain=dataset.name,
+                        metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
+                        embedding=[float(x) for x in vector] if vector is not None else None,
+                        embedding_model=model if vector is not None else None,
+                    )
+                ),
+                producer="ontofabric-eval",
+            )
+            for entry, text, vector in zip(dataset.corpus, texts, vectors, strict=True)
+        ]
+        self._progress.stage("publish", len(deltas))
+        acks = await DeltaPublisher(self._js, self._names).publish_many(
+            deltas, on_stored=lambda _: self._progress.advance("publish")
+        )
+        if acks:
+            await wait_caught_up(
+                self._js, self._names.delta_stream, self._names.postgres_projector_durable, acks[-1].seq, 3600
+            )
+        return workspace
+
+    async def run(
+        self, dataset: BeirDataset, workspace: str, config: str, runs_dir: Path | None = None
+    ) -> ConfigResult:
+        request_base = CONFIGS[config]
+        judged = [q for q in dataset.qrels if q in dataset.queries]
+        self._progress.stage(config, len(judged))
+        run: dict[str, dict[str, float]] = {}
+        raw: dict[str, dict[str, float]] = {}
+        single = len(request_base.get("options", {}).get("retrievers") or ["dense", "keyword"]) == 1
+        latencies: list[float] = []
+        result = ConfigResult()
+        for query_id in judged:
+            request = {"semanticQuery": dataset.queries[query_id], "topK": DEPTH, **request_base}
+            started = time.perf_counter()
+            reply = await self._client.query(workspace, request)
+            latencies.append((time.perf_counter() - started) * 1000)
+            self._progress.advance(config)
+            if isinstance(reply, ErrorReply):
+                result.errors += 1
+                continue
+            if reply.meta.degraded:
+                result.degraded += 1
+            if not result.meta:
+                result.meta = reply.meta.model_dump(
+                    mode="json", include={"hybrid", "reranked", "retrievers", "fusion", "degraded", "backend"}
+                )
+            run[query_id] = {r.id: float(DEPTH - r.rank + 1) for r in reply.results}  # ranks decide, not scores
+            # A run file keeps the scores: the retriever's own for one retriever, else the fused relevance.
+            raw[query_id] = {
+                r.id: r.found_by[0].score if len(r.found_by) == 1 and single else r.score for r in reply.results
+            }
+        result.metrics = compute_metrics({q: dataset.qrels[q] for q in judged}, run)
+        result.latency_p50_ms = percentile(latencies, 0.5)
+        result.latency_p95_ms = percentile(latencies, 0.95)
+        if runs_dir is not None:
+            write_trec_run(runs_dir / f"{dataset.name}.{config}.run", raw, config)
+        return result
+
+
+def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for query_id, docs in run.items():
+            ranked = sorted(docs.items(), key=lambda item: -item[1])
+            for rank, (doc_id, score) in enumerate(ranked, start=1):
+                out.write(f"{query_id} Q0 {doc_id} {rank} {score:.6f} {tag}\n")
+
+
+def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
+    header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
+    write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
+    write("| " + " | ".join(header) + " |")
+    write("|" + "---|" * len(header))
+    for name, result in report.configs.items():
+        if result.skipped:
+            write(f"| {name} | skipped: {result.skipped} |")
+            continue
+        cells = [f"{result.metrics[m]:.4f}" for m in MEASURES]
+        cells += [
+            f"{result.latency_p50_ms:.1f}",
+            f"{result.latency_p95_ms:.1f}",
+            str(result.degraded),
+            str(result.errors),
+        ]
+        write(f"| {name} | " + " | ".join(cells) + " |")
+
+
+async def evaluate(
+    settings: Settings,
+    endpoints: Endpoints,
+    dataset: BeirDataset,
+    configs: Sequence[str],
+    progress: Progress,
+    runs_dir: Path | None = None,
+) -> EvalReport:
+    """Start a projector and a query worker (cache off), load the dataset, run each configuration."""
+    settings = settings.model_copy(update={"query_cache_entries": 0})
+    names = Names(settings.subject_prefix)
+    async with AsyncExitStack() as stack:
+        embedder = await start_workers(stack, settings, endpoints, Roles())
+        nc = await connect(endpoints.nats_url, "ontofabric-eval")
+        stack.push_async_callback(nc.close)
+        js = nc.jetstream()
+        cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
+        stack.callback(cache.close)
+        evaluation = Evaluation(js, QueryClient(nc, names, timeout_s=60), names, embedder, cache, progress)
+        started = time.perf_counter()
+        workspace = await evaluation.load(dataset)
+        load_seconds = time.perf_counter() - started
+        results: dict[str, ConfigResult] = {}
+        for config in configs:
+            if config == "hybrid-rerank" and settings.reranker == "none":
+                results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
+                continue
+            results[config] = await evaluation.run(dataset, workspace, config, runs_dir)
+    return EvalReport(
+        dataset=dataset.name,
+        split=dataset.split,
+        documents=len(dataset.corpus),
+        queries=sum(1 for q in dataset.qrels if q in dataset.queries),
+        configs=results,
+        load_seconds=load_seconds,
+    )

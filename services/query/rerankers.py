@@ -1,0 +1,122 @@
+"""The Reranker port and its adapters: a local cross-encoder and an HTTP client of the Cohere rerank API.
+
+An adapter raises on any failure; the pipeline turns a failure or a timeout into ``_meta.degraded: ["reranker"]``
+and keeps the fused order, so a caller never sees a reranker error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+from pydantic import BaseModel, Field, ValidationError
+
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.settings import Settings
+
+log = get_logger(__name__)
+
+
+class RerankerError(Exception):
+    """The reranker answered with an error or with something that is not a ranking."""
+
+
+class Reranker(Protocol):
+    name: str
+
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
+        """(index into ``documents``, relevance) for the best ``top_n``, best first."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LocalCrossEncoder:
+    """A sentence-transformers CrossEncoder on CPU, run on its own thread."""
+
+    name = "cross-encoder"
+
+    def __init__(self, model_path: Path, batch_size: int = 32, max_length: int = 512) -> None:
+        from sentence_transformers import CrossEncoder
+
+        self._model = CrossEncoder(str(model_path), device="cpu", max_length=max_length, local_files_only=True)
+        self._batch_size = batch_size
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reranker")
+        log.info("reranker_loaded", kind=self.name, path=str(model_path))
+
+    def _score(self, query: str, documents: Sequence[str]) -> list[float]:
+        # A one-label cross-encoder ends in a sigmoid by default: scores are relevances in [0, 1].
+        scores = self._model.predict([(query, d) for d in documents], batch_size=self._batch_size)
+        return [float(s) for s in scores]
+
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
+        if not documents:
+            return []
+        loop = asyncio.get_running_loop()
+        scores = await loop.run_in_executor(self._executor, self._score, query, documents)
+        ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+        return [(i, scores[i]) for i in ranked[:top_n]]
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _CohereResult(BaseModel):
+    index: int = Field(ge=0)
+    relevance_score: float
+
+
+class _CohereResponse(BaseModel):
+    results: list[_CohereResult]
+
+
+class CohereReranker:
+    """Speaks the Cohere rerank API: Cohere's ``/v2/rerank`` and Azure AI Foundry serverless ``/v1/rerank``."""
+
+    name = "cohere"
+
+    def __init__(self, url: str, api_key: str | None, model: str, timeout_s: float) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._url = url
+        self._model = model
+        self._client = httpx.AsyncClient(headers=headers, timeout=timeout_s)
+
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
+        if not documents:
+            return []
+        body = {"model": self._model, "query": query, "documents": list(documents), "top_n": top_n}
+        response = await self._client.post(self._url, json=body)
+        if response.status_code != 200:
+            raise RerankerError(f"rerank endpoint answered {response.status_code}: {response.text[:200]}")
+        try:
+            parsed = _CohereResponse.model_validate_json(response.content)
+        except ValidationError as error:
+            raise RerankerError(f"rerank endpoint answered a malformed body: {error.error_count()} problems") from None
+        if any(r.index >= len(documents) for r in parsed.results):
+            raise RerankerError("rerank endpoint returned an index outside the documents sent")
+        ranked = sorted(parsed.results, key=lambda r: -r.relevance_score)
+        return [(r.index, r.relevance_score) for r in ranked[:top_n]]
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def build_reranker(settings: Settings) -> Reranker | None:
+    if settings.reranker == "none":
+        return None
+    if settings.reranker == "local":
+        if settings.reranker_model_path is None:
+            raise ValueError("ONTOFABRIC_RERANKER=local needs ONTOFABRIC_RERANKER_MODEL_PATH")
+        return LocalCrossEncoder(settings.reranker_model_path)
+    if settings.reranker_url is None:
+        raise ValueError("ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL")
+    return CohereReranker(
+        settings.reranker_url,
+        settings.reranker_api_key.get_secret_value() if settings.reranker_api_key else None,
+        settings.reranker_model,
+        settings.reranker_timeout_ms / 1000,
+    )

@@ -84,7 +84,10 @@ class FoundBy(WireModel):
 
 class SearchResult(WireModel):
     id: str
-    score: float = Field(description="Fused relevance in [0, 1]: 1 means ranked first by every retriever that ran.")
+    score: float = Field(
+        description="Relevance in [0, 1]: the reranker's when _meta.reranked, else the fused relevance "
+        "(for RRF, 1 means ranked first by every retriever that ran)."
+    )
     rank: int
     content: str
     object_type: str
@@ -125,6 +128,11 @@ class QueryMeta(WireModel):
     backend: str = Field(description="Keyword backend that served the query.")
     retrievers: list[Retriever] = Field(description="Retrievers whose candidates were fused.")
     fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
+    signals: dict[str, float] = Field(
+        default_factory=dict,
+        description="What the query looked like to the pipeline: queryTokens, keywordSaturation (keyword top score "
+        "over the best reachable), keywordGap (how far the keyword top hit stands out).",
+    )
     timings_ms: dict[str, float] = Field(description="Wall time per pipeline stage, milliseconds.")
 
 

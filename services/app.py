@@ -14,6 +14,7 @@ from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
 from .projector.worker import ProjectorService
+from .query.rerankers import build_reranker
 from .query.worker import QueryService
 
 log = get_logger(__name__)
@@ -36,7 +37,8 @@ async def start_workers(
     if roles.query:
         if embedder is None and settings.embedder != "none":
             embedder = await asyncio.to_thread(build_embedder, settings)
-        query = QueryService(settings, endpoints.nats_url, endpoints.database_url, embedder)
+        reranker = await asyncio.to_thread(build_reranker, settings)
+        query = QueryService(settings, endpoints.nats_url, endpoints.database_url, embedder, reranker)
         await query.start()
         stack.push_async_callback(query.stop)
     return embedder

@@ -77,7 +77,8 @@ class Settings(BaseSettings):
     query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
     retriever_top_k: int = Field(default=50, ge=1, le=1000, description="Candidates per retriever.")
     fusion_method: Literal["rrf", "convex", "adaptive"] = Field(
-        default="rrf", description="Default fusion of dense and keyword lists (requests may choose another)."
+        default="adaptive",
+        description="Default fusion of dense and keyword lists (requests may choose another; docs/quality.md).",
     )
     rrf_k: int = Field(default=60, ge=1, description="Reciprocal Rank Fusion constant (method `rrf`).")
     fusion_dense_weight: float = Field(
@@ -105,6 +106,13 @@ class Settings(BaseSettings):
     reranker_model: str = Field(default="rerank-v3.5", description="Model name sent to the rerank endpoint.")
     reranker_timeout_ms: int = Field(
         default=1500, ge=1, description="Per-call limit; a slower reranker is skipped (fused order kept)."
+    )
+    early_exit_saturation: float = Field(
+        default=0.8,
+        ge=0,
+        le=1,
+        description="Skip the reranker for queries under 5 tokens whose keyword top hit reaches this saturation "
+        "(calibrated by `ontofabric eval`; docs/quality.md).",
     )
 
     cache_dir: Path = Field(

@@ -109,3 +109,60 @@ def test_disabled_cache_stores_nothing() -> None:
 )
 def test_relationship_hint(text: str, expected: bool) -> None:
     assert reads_as_relationship_question(text) is expected
+
+
+def test_convex_fusion_weights_normalised_scores() -> None:
+    from ontofabric.services.query.fusion import convex_fusion
+
+    dense = [Candidate("a", 0.9), Candidate("b", 0.5), Candidate("c", 0.1)]
+    keyword = [Candidate("c", 10.0), Candidate("d", 5.0), Candidate("a", 0.0)]
+    fused = {f.id: f for f in convex_fusion({"dense": dense, "keyword": keyword}, {"dense": 0.7, "keyword": 0.3})}
+    assert fused["a"].score == pytest.approx(0.7 * 1.0 + 0.3 * 0.0)
+    assert fused["b"].score == pytest.approx(0.7 * 0.5)
+    assert fused["c"].score == pytest.approx(0.7 * 0.0 + 0.3 * 1.0)
+    assert fused["d"].score == pytest.approx(0.3 * 0.5)
+    assert all(0.0 <= f.relevance <= 1.0 for f in fused.values())
+
+
+def test_keyword_gap_measures_how_far_the_top_hit_stands_out() -> None:
+    from ontofabric.services.query.fusion import keyword_gap
+
+    assert keyword_gap([]) == 0.0
+    flat = [Candidate(str(i), 5.0) for i in range(10)]
+    assert keyword_gap(flat) == pytest.approx(0.0)
+    assert keyword_gap([Candidate("only", 3.0)]) == pytest.approx(1.0)  # nothing else matched at all
+    decisive = [Candidate("a", 10.0)] + [Candidate(str(i), 2.0) for i in range(9)]
+    assert keyword_gap(decisive) == pytest.approx(0.8)
+
+
+def test_adaptive_fusion_trusts_a_decisive_keyword_list_more() -> None:
+    from ontofabric.services.query.fusion import adaptive_fusion
+
+    dense = [Candidate("d1", 0.8), Candidate("k1", 0.5)] + [Candidate(f"x{i}", 0.4) for i in range(8)]
+    flat_keyword = [Candidate("k1", 5.0)] + [Candidate(f"y{i}", 4.8) for i in range(9)]
+    decisive_keyword = [Candidate("k1", 9.0)] + [Candidate(f"y{i}", 1.0) for i in range(9)]
+    flat, flat_weight, _ = adaptive_fusion(dense, flat_keyword, keyword_ceiling=10.0)
+    sharp, sharp_weight, gap = adaptive_fusion(dense, decisive_keyword, keyword_ceiling=10.0)
+    assert flat_weight > sharp_weight
+    assert sharp_weight == pytest.approx(1 - gap)
+    assert flat[0].id == "d1"  # a flat keyword list does not overturn the dense top hit
+    assert sharp[0].id == "k1"  # a decisive keyword hit that dense also found wins
+    assert {"dense", "keyword"} == set(sharp[0].found_by)
+
+
+def test_fuse_dispatches_and_reports_parameters() -> None:
+    from ontofabric.services.query.fusion import fuse
+
+    lists = {"dense": _list("a", "b"), "keyword": _list("b", "c")}
+    _, rrf = fuse(lists, "rrf", rrf_k=60, dense_weight=0.5)
+    _, convex = fuse(lists, "convex", rrf_k=60, dense_weight=0.3)
+    _, adaptive = fuse(lists, "adaptive", rrf_k=60, dense_weight=0.5, keyword_ceiling=2.0)
+    single, none = fuse({"dense": _list("a", "b")}, "adaptive", rrf_k=60, dense_weight=0.5)
+    assert rrf is not None
+    assert rrf.parameters == {"k": 60}
+    assert convex is not None
+    assert convex.parameters == {"denseWeight": 0.3}
+    assert adaptive is not None
+    assert set(adaptive.parameters) == {"denseWeight", "keywordGap"}
+    assert none is None
+    assert [f.id for f in single] == ["a", "b"]

@@ -101,6 +101,58 @@ class ConfigResult:
     """What _meta said on the first query (fusion, retrievers, reranking): the configuration as it ran."""
 
 
+@dataclass(frozen=True)
+class ExitPoint:
+    """One hybrid answer, as the early exit sees it."""
+
+    saturation: float
+    tokens: int
+    top_relevant: bool
+
+
+@dataclass
+class EarlyExitCalibration:
+    configured_threshold: float
+    fires_at_configured: float
+    """Share of queries for which the configured threshold would skip the reranker."""
+    precision_at_configured: float | None
+    """How often the top answer was already relevant when it fires."""
+    suggested_threshold: float | None
+    """The lowest threshold at which at least ``min_support`` queries fire and their top answer is right at least
+    ``target`` of the time; None when no threshold gets there."""
+    target_precision: float
+    overall_precision: float
+
+
+def calibrate_early_exit(
+    points: Sequence[ExitPoint], configured: float, target: float = 0.8, max_tokens: int = 5, min_support: int = 10
+) -> EarlyExitCalibration:
+    """Where the keyword-saturation early exit may fire without skipping a reranker that had work to do."""
+    short = [p for p in points if p.tokens < max_tokens]
+
+    def fired(threshold: float) -> list[ExitPoint]:
+        return [p for p in short if p.saturation >= threshold]
+
+    def precision(group: list[ExitPoint]) -> float | None:
+        return sum(p.top_relevant for p in group) / len(group) if group else None
+
+    suggested = None
+    for threshold in sorted({round(p.saturation, 2) for p in short}):
+        group = fired(threshold)
+        value = precision(group)
+        if value is not None and value >= target and len(group) >= min_support:
+            suggested = threshold
+            break
+    return EarlyExitCalibration(
+        configured_threshold=configured,
+        fires_at_configured=len(fired(configured)) / len(points) if points else 0.0,
+        precision_at_configured=precision(fired(configured)),
+        suggested_threshold=suggested,
+        target_precision=target,
+        overall_precision=precision(list(points)) or 0.0,
+    )
+
+
 @dataclass
 class EvalReport:
     dataset: str
@@ -109,6 +161,7 @@ class EvalReport:
     queries: int
     configs: dict[str, ConfigResult]
     load_seconds: float
+    early_exit: EarlyExitCalibration | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,7 +238,12 @@ class Evaluation:
         return workspace
 
     async def run(
-        self, dataset: BeirDataset, workspace: str, config: str, runs_dir: Path | None = None
+        self,
+        dataset: BeirDataset,
+        workspace: str,
+        config: str,
+        runs_dir: Path | None = None,
+        exit_points: list[ExitPoint] | None = None,
     ) -> ConfigResult:
         request_base = CONFIGS[config]
         judged = [q for q in dataset.qrels if q in dataset.queries]
@@ -206,6 +264,15 @@ class Evaluation:
                 continue
             if reply.meta.degraded:
                 result.degraded += 1
+            if exit_points is not None and "keywordSaturation" in reply.meta.signals:
+                top = reply.results[0].id if reply.results else None
+                exit_points.append(
+                    ExitPoint(
+                        saturation=reply.meta.signals["keywordSaturation"],
+                        tokens=int(reply.meta.signals["queryTokens"]),
+                        top_relevant=top is not None and dataset.qrels[query_id].get(top, 0) > 0,
+                    )
+                )
             if not result.meta:
                 result.meta = reply.meta.model_dump(
                     mode="json", include={"hybrid", "reranked", "retrievers", "fusion", "degraded", "backend"}
@@ -274,11 +341,13 @@ async def evaluate(
         workspace = await evaluation.load(dataset)
         load_seconds = time.perf_counter() - started
         results: dict[str, ConfigResult] = {}
+        exit_points: list[ExitPoint] = []
         for config in configs:
             if config == "hybrid-rerank" and settings.reranker == "none":
                 results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
                 continue
-            results[config] = await evaluation.run(dataset, workspace, config, runs_dir)
+            points = exit_points if config == "hybrid" else None
+            results[config] = await evaluation.run(dataset, workspace, config, runs_dir, points)
     return EvalReport(
         dataset=dataset.name,
         split=dataset.split,
@@ -286,4 +355,5 @@ async def evaluate(
         queries=sum(1 for q in dataset.qrels if q in dataset.queries),
         configs=results,
         load_seconds=load_seconds,
+        early_exit=calibrate_early_exit(exit_points, settings.early_exit_saturation) if exit_points else None,
     )

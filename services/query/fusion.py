@@ -94,6 +94,44 @@ def convex_fusion(
     return fused if limit is None else fused[:limit]
 
 
+def keyword_gap(keyword: Sequence[Candidate], depth: int = 10) -> float:
+    """How far the keyword top hit stands out: (s1 - mean(s2..s10)) / s1, missing places counting 0. In [0, 1]."""
+    if not keyword or keyword[0].score <= 0:
+        return 0.0
+    rest = [c.score for c in keyword[1:depth]] + [0.0] * (depth - min(len(keyword), depth))
+    return max(0.0, min(1.0, (keyword[0].score - sum(rest) / (depth - 1)) / keyword[0].score))
+
+
+def adaptive_fusion(
+    dense: Sequence[Candidate], keyword: Sequence[Candidate], keyword_ceiling: float | None, limit: int | None = None
+) -> tuple[list[Fused], float, float]:
+    """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, kept within [0.05, 0.95].
+
+    Scores are used on absolute scales, not stretched per list: cosine similarity for dense, and BM25 divided by
+    the best score any document could reach for the query (its saturation) for keyword. A keyword list whose top
+    hit barely beats the next nine (terms every candidate shares) then weighs little, one with a decisive top
+    hit weighs much. Evidence: docs/quality.md. Returns the fused list, the dense weight and the gap.
+    """
+    gap = keyword_gap(keyword)
+    weight = min(0.95, max(0.05, 1.0 - gap))
+    ceiling = (
+        keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else max((c.score for c in keyword), default=1.0)
+    )
+    dense_floor = min((c.score for c in dense), default=0.0)  # a document dense did not return ranks below all it did
+    dense_scores = {c.id: c.score for c in dense}
+    keyword_scores = {c.id: c.score / ceiling for c in keyword}
+    found_by: dict[str, dict[str, SourceHit]] = {}
+    for name, candidates in (("dense", dense), ("keyword", keyword)):
+        for position, candidate in enumerate(candidates, start=1):
+            found_by.setdefault(candidate.id, {}).setdefault(name, SourceHit(position, candidate.score))
+    fused = []
+    for doc_id, sources in found_by.items():
+        score = weight * dense_scores.get(doc_id, dense_floor) + (1 - weight) * keyword_scores.get(doc_id, 0.0)
+        fused.append(Fused(doc_id, score, max(0.0, min(1.0, score)), sources))
+    fused.sort(key=lambda f: (-f.score, f.best_rank, f.id))
+    return (fused if limit is None else fused[:limit]), weight, gap
+
+
 @dataclass(frozen=True)
 class FusionChoice:
     method: str
@@ -106,6 +144,7 @@ def fuse(
     *,
     rrf_k: int,
     dense_weight: float,
+    keyword_ceiling: float | None = None,
     limit: int | None = None,
 ) -> tuple[list[Fused], FusionChoice | None]:
     """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None)."""
@@ -116,4 +155,7 @@ def fuse(
     if method == "convex":
         weights = {"dense": dense_weight, "keyword": 1.0 - dense_weight}
         return convex_fusion(ranked_lists, weights, limit), FusionChoice("convex", {"denseWeight": dense_weight})
+    if method == "adaptive":
+        fused, weight, gap = adaptive_fusion(ranked_lists["dense"], ranked_lists["keyword"], keyword_ceiling, limit)
+        return fused, FusionChoice("adaptive", {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)})
     raise ValueError(f"unknown fusion method {method!r}")

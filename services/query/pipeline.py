@@ -20,9 +20,10 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, VersionedCache, stable_hash
-from .fusion import Fused, fuse
+from .fusion import Candidate, Fused, fuse, keyword_gap
 from .hints import reads_as_relationship_question
 from .postgres import Fetched, Hits, Scope, StoredDocument
+from .rerankers import Reranker
 
 log = get_logger(__name__)
 
@@ -53,9 +54,11 @@ class VersionSource(Protocol):
 @dataclass(frozen=True)
 class PipelineConfig:
     retriever_top_k: int = 50
-    fusion_method: str = "rrf"
+    fusion_method: str = "adaptive"
     rrf_k: int = 60
     dense_weight: float = 0.5
+    early_exit_saturation: float = 0.8
+    rerank_timeout_s: float = 1.5
 
 
 @dataclass
@@ -71,6 +74,35 @@ class _Answer:
     skipped_rerank: str | None
     could_benefit: bool
     fusion: FusionReport | None
+    reranked: bool = False
+    signals: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Order:
+    ranked: list[tuple[Fused, float]]
+    """Candidates in their final order, each with the score to report."""
+    degraded: list[str] = field(default_factory=list)
+
+
+def keyword_signals(keyword: list[Candidate], ceiling: float | None, text: str) -> dict[str, float]:
+    """What the keyword list says about the query: its top hit's saturation and how far that hit stands out."""
+    signals = {"queryTokens": float(len(text.split()))}
+    if keyword and ceiling:
+        signals["keywordSaturation"] = round(keyword[0].score / ceiling, 4)
+        signals["keywordGap"] = round(keyword_gap(keyword), 4)
+    return signals
+
+
+def early_exit(signals: dict[str, float], text: str, threshold: float, max_tokens: int = 5) -> bool:
+    """Seed 000 §6 step 5: a short query whose keyword top hit is saturated needs no reranker."""
+    return signals.get("keywordSaturation", 0.0) >= threshold and signals["queryTokens"] < max_tokens
+
+
+def _rerank_text(document: StoredDocument, limit: int = 2000) -> str:
+    name = document.metadata.get("symbolFqn")
+    text = f"{name}\n{document.content}" if name else document.content
+    return text[:limit]
 
 
 @dataclass
@@ -98,8 +130,10 @@ class QueryPipeline:
         versions: VersionSource,
         cache: VersionedCache[_Answer],
         config: PipelineConfig,
+        reranker: Reranker | None = None,
     ) -> None:
         self._retrieval = retrieval
+        self._reranker = reranker
         self._embedder = embedder
         self._versions = versions
         self._cache = cache
@@ -162,29 +196,35 @@ class QueryPipeline:
 
         fusion_started = time.perf_counter()
         asked = options.fusion or FusionOptions()
+        ceiling = lists["keyword"].ceiling if "keyword" in lists else None
         fused, fusion = fuse(
             ranked,
             asked.method or self._config.fusion_method,
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
+            keyword_ceiling=ceiling,
             limit=max(math.ceil(query.top_k * OVERSAMPLE), query.top_k),
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
         clock.timings["fusion"] = round(fusion_ms, 3)
         self._metrics.fusion_duration.record(fusion_ms)
+        signals = keyword_signals(ranked.get("keyword", []), ceiling, query.semantic_query)
 
-        # No reranker is wired yet: the fused order stands, and _meta says why nothing reranked it.
-        skipped_rerank = "no_reranker" if query.precision else None
-        chosen = [f for f in fused if query.min_relevance is None or f.relevance >= query.min_relevance]
-        chosen = chosen[: query.top_k]
-        fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in chosen]))
+        fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused]))
         documents = fetched.documents
+        candidates = [f for f in fused if f.id in documents]
+        order, reranked, skipped_rerank = await self._maybe_rerank(query, candidates, documents, signals, clock)
+        degraded.extend(order.degraded)
         results = [
-            _result(rank, hit, documents[hit.id])
-            for rank, hit in enumerate((f for f in chosen if f.id in documents), start=1)
+            _result(rank, hit, documents[hit.id], score)
+            for rank, (hit, score) in enumerate(
+                ((h, s) for h, s in order.ranked if query.min_relevance is None or s >= query.min_relevance),
+                start=1,
+            )
+            if rank <= query.top_k
         ]
         read_versions = {hits.version for hits in lists.values()} | {fetched.version}
-        if len(read_versions) > 1 or len(documents) < len(chosen):
+        if len(read_versions) > 1 or len(documents) < len(fused):
             # A commit landed between the statements: the answer mixes two states. Say so; it is not cached.
             degraded.append("ontologyVersionChanged")
         for sink in degraded:
@@ -193,12 +233,43 @@ class QueryPipeline:
             results=results,
             version=fetched.version,
             hybrid=len(ranked) == 2,
+            reranked=reranked,
             retrievers=list(ranked),
             degraded=degraded,
             skipped_rerank=skipped_rerank,
             could_benefit=not query.follow_links and reads_as_relationship_question(query.semantic_query),
             fusion=FusionReport(method=fusion.method, parameters=fusion.parameters) if fusion else None,
+            signals=signals,
         )
+
+    async def _maybe_rerank(
+        self,
+        query: OntologyQuery,
+        candidates: list[Fused],
+        documents: dict[str, StoredDocument],
+        signals: dict[str, float],
+        clock: _Stopwatch,
+    ) -> tuple[_Order, bool, str | None]:
+        """The final order: the reranker's when it ran, else the fused one (and why no reranker ran)."""
+        fused_order = _Order([(f, f.relevance) for f in candidates])
+        if not query.precision:
+            return fused_order, False, None
+        if self._reranker is None:
+            return fused_order, False, "no_reranker"
+        if early_exit(signals, query.semantic_query, self._config.early_exit_saturation):
+            return fused_order, False, "bm25_saturation"
+        texts = [_rerank_text(documents[f.id]) for f in candidates]
+        started = time.perf_counter()
+        try:
+            ranking = await asyncio.wait_for(
+                self._reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
+            )
+        except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the fused order
+            log.warning("reranker_failed", reranker=self._reranker.name, error=f"{type(error).__name__}: {error}")
+            return _Order(fused_order.ranked, degraded=["reranker"]), False, None
+        finally:
+            clock.timings["rerank"] = round((time.perf_counter() - started) * 1000, 3)
+        return _Order([(candidates[i], score) for i, score in ranking]), True, None
 
     def _respond(
         self,
@@ -216,7 +287,7 @@ class QueryPipeline:
             workspace=workspace,
             branch=query.branch,
             hybrid=answer.hybrid,
-            reranked=False,
+            reranked=answer.reranked,
             skipped_rerank=answer.skipped_rerank,
             cache_hit=cache_hit,
             degraded=list(answer.degraded),
@@ -224,13 +295,14 @@ class QueryPipeline:
             backend=self._retrieval.backend,
             retrievers=answer.retrievers,
             fusion=answer.fusion,
+            signals=answer.signals,
             timings_ms=clock.timings,
         )
         self._metrics.query_duration.record(
             total_ms,
             {
                 "hybrid": answer.hybrid,
-                "reranked": False,
+                "reranked": answer.reranked,
                 "cacheHit": cache_hit,
                 "backend": self._retrieval.backend,
                 "followLinks": query.follow_links,
@@ -253,10 +325,10 @@ async def _guarded(name: str, work: Awaitable[Hits], degraded: list[str]) -> Hit
         return None
 
 
-def _result(rank: int, hit: Fused, document: StoredDocument) -> SearchResult:
+def _result(rank: int, hit: Fused, document: StoredDocument, score: float) -> SearchResult:
     return SearchResult(
         id=hit.id,
-        score=round(hit.relevance, 6),
+        score=round(score, 6),
         rank=rank,
         content=document.content,
         object_type=document.object_type,

@@ -26,6 +26,7 @@ from ontofabric.shared.telemetry import instruments
 from .cache import VersionedCache
 from .pipeline import PipelineConfig, QueryPipeline, RetrievalUnavailable
 from .postgres import PostgresRetrieval
+from .rerankers import Reranker
 from .versions import VersionTracker
 
 log = get_logger(__name__)
@@ -83,12 +84,20 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
 class QueryService:
     """The query worker process: pool, embedder, version watch and the request-reply subscriber."""
 
-    def __init__(self, settings: Settings, nats_url: str, database_url: str, embedder: Embedder | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        nats_url: str,
+        database_url: str,
+        embedder: Embedder | None,
+        reranker: Reranker | None = None,
+    ) -> None:
         self.settings = settings
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._database_url = database_url
         self._embedder = embedder
+        self._reranker = reranker
         self._broker: NatsBroker | None = None
         self._pool: asyncpg.Pool | None = None
         self._versions: VersionTracker | None = None
@@ -126,7 +135,10 @@ class QueryService:
                 fusion_method=settings.fusion_method,
                 rrf_k=settings.rrf_k,
                 dense_weight=settings.fusion_dense_weight,
+                early_exit_saturation=settings.early_exit_saturation,
+                rerank_timeout_s=settings.reranker_timeout_ms / 1000,
             ),
+            self._reranker,
         )
         tracker.set_listener(pipeline.invalidate)
         self._versions = tracker
@@ -176,4 +188,6 @@ class QueryService:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
+        if self._reranker is not None:
+            await self._reranker.close()
         log.info("query_worker_stopped")

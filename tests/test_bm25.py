@@ -1,0 +1,127 @@
+"""BM25 inside PostgreSQL: the SQL scores equal BM25 computed by hand over the same lexemes, and the postings
+and corpus statistics the projector keeps stay equal to a recomputation through upserts and deletes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from ontofabric.services.projector.planning import Delta, search_text
+from ontofabric.services.projector.store import PostgresProjectionStore
+from ontofabric.services.query.postgres import PostgresRetrieval, Scope
+from ontofabric.shared.analysis import analyse
+from ontofabric.shared.db import create_pool, migrate
+
+from .conftest import Deployment
+from .factories import delete, document, upsert
+
+K1, B = 1.2, 0.8
+
+TEXTS = {
+    "a": "def readFile(path): open the file at path and return its text",
+    "b": "Parse a JSON string into a Python dictionary with json.loads",
+    "c": "Write the dictionary to a JSON file; the file is created when missing",
+    "d": "Sort a list of numbers; numbers sorted in place with list.sort",
+    "e": "low-density lipoprotein levels and the risk of heart disease",
+}
+
+
+@pytest.fixture
+async def pool(deployment: Deployment) -> AsyncIterator[asyncpg.Pool]:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    yield pool
+    await pool.close()
+
+
+async def _lexemes(conn: asyncpg.Connection, text: str) -> dict[str, int]:
+    rows = await conn.fetch(
+        "SELECT lexeme, coalesce(cardinality(positions), 1) AS tf FROM unnest(index_tsvector('english', $1))", text
+    )
+    return {r["lexeme"]: r["tf"] for r in rows}
+
+
+async def _expected_scores(conn: asyncpg.Connection, indexed: dict[str, str], query: str) -> dict[str, float]:
+    """BM25 by hand; ``indexed`` is the text the projector indexed for each document (already analysed)."""
+    docs = {doc_id: await _lexemes(conn, text) for doc_id, text in indexed.items()}
+    terms = await _lexemes(conn, analyse(query))
+    n = len(docs)
+    avgdl = sum(sum(d.values()) for d in docs.values()) / n
+    scores: dict[str, float] = {}
+    for term in terms:
+        df = sum(1 for d in docs.values() if term in d)
+        if df == 0:
+            continue
+        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        for doc_id, tfs in docs.items():
+            tf = tfs.get(term, 0)
+            if tf:
+                length = sum(tfs.values())
+                scores[doc_id] = scores.get(doc_id, 0.0) + idf * tf * (K1 + 1) / (
+                    tf + K1 * (1 - B + B * length / avgdl)
+                )
+    return scores
+
+
+async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(TEXTS.items())])
+    retrieval = PostgresRetrieval(pool, "english", 100, K1, B)
+    for query in ("read a file", "json dictionary file", "sorted numbers list", "lipoprotein density", "nothing"):
+        hits = await retrieval.keyword(Scope("acme", "main"), query, 10)
+        async with pool.acquire() as conn:
+            expected = await _expected_scores(conn, {k: search_text(document(k, v)) for k, v in TEXTS.items()}, query)
+        assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
+        assert [c.id for c in hits.candidates] == sorted(expected, key=lambda d: (-expected[d], d))
+
+
+async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: Deployment, pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    seq = 0
+
+    async def apply(*deltas: object) -> None:
+        nonlocal seq
+        batch = []
+        for delta in deltas:
+            seq += 1
+            batch.append(Delta(seq, delta))  # type: ignore[arg-type]
+        await store.apply(batch)
+
+    await apply(*(upsert("acme", document(k, v)) for k, v in TEXTS.items()))
+    await apply(upsert("acme", document("a", "an entirely different text about tokens")), delete("acme", "b"))
+    await apply(upsert("acme", document("b", "json again")), delete("acme", "c"), delete("acme", "zzz"))
+    await apply(upsert("acme", document("a", "final words")), upsert("acme", document("a", "final final words")))
+
+    async with pool.acquire() as conn:
+        kept = await conn.fetch(
+            "SELECT term, doc_id, tf, doc_length FROM postings WHERE workspace = 'acme' ORDER BY term, doc_id"
+        )
+        rebuilt = await conn.fetch(
+            "SELECT u.lexeme AS term, d.id AS doc_id, coalesce(cardinality(u.positions), 1) AS tf, d.doc_length"
+            " FROM documents d CROSS JOIN LATERAL unnest(d.search_vector) u"
+            " WHERE d.workspace = 'acme' AND NOT d.deleted ORDER BY term, doc_id"
+        )
+        assert [tuple(r) for r in kept] == [tuple(r) for r in rebuilt]
+        stats = await conn.fetchrow(
+            "SELECT doc_count, total_length FROM ontology_versions WHERE workspace = 'acme' AND branch = 'main'"
+        )
+        live = await conn.fetchrow(
+            "SELECT count(*) AS n, coalesce(sum(doc_length), 0) AS total FROM documents"
+            " WHERE workspace = 'acme' AND NOT deleted"
+        )
+        assert (stats["doc_count"], stats["total_length"]) == (live["n"], live["total"]) == (4, live["total"])
+
+
+async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    deltas = [upsert("acme", document(f"m{i}", f"json parser number {i}", chunk_level="method")) for i in range(30)]
+    deltas.append(upsert("acme", document("t", "a json type", chunk_level="type")))
+    await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
+    retrieval = PostgresRetrieval(pool, "english", 100, K1, B)
+    hits = await retrieval.keyword(Scope("acme", "main", chunk_level="type"), "json", 5)
+    assert [c.id for c in hits.candidates] == ["t"]
+    assert hits.ceiling is not None
+    assert hits.ceiling > 0

@@ -1,0 +1,110 @@
+"""The evaluation harness: dataset loading, metrics against trec_eval's, early-exit calibration, and a small
+dataset through the real path."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ontofabric.services.ops.evaluation import (
+    DatasetError,
+    ExitPoint,
+    calibrate_early_exit,
+    compute_metrics,
+    evaluate,
+    load_beir,
+)
+from ontofabric.shared.runtime import Endpoints
+from ontofabric.shared.settings import Settings
+
+
+def _write_dataset(
+    root: Path, corpus: list[dict[str, str]], queries: dict[str, str], qrels: list[tuple[str, str]]
+) -> Path:
+    (root / "qrels").mkdir(parents=True)
+    (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
+    (root / "qrels" / "test.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"{q}\t{d}\t1\n" for q, d in qrels)
+    )
+    return root
+
+
+def test_metrics_match_hand_computed_values() -> None:
+    qrels = {"q1": {"d1": 1}, "q2": {"d2": 1, "d3": 1}}
+    run = {"q1": {"x": 3.0, "d1": 2.0, "y": 1.0}, "q2": {"d3": 2.0, "z": 1.0}}
+    metrics = compute_metrics(qrels, run)
+    ndcg_q1 = (1 / math.log2(3)) / 1.0
+    ndcg_q2 = 1.0 / (1.0 + 1 / math.log2(3))
+    assert metrics["nDCG@10"] == pytest.approx((ndcg_q1 + ndcg_q2) / 2)
+    assert metrics["Recall@10"] == pytest.approx((1.0 + 0.5) / 2)
+    assert metrics["MRR@10"] == pytest.approx((0.5 + 1.0) / 2)
+    # A judged query the run does not answer counts as zero, not as missing.
+    assert compute_metrics({"q1": {"d1": 1}, "q9": {"d9": 1}}, {"q1": {"d1": 1.0}})["nDCG@10"] == pytest.approx(0.5)
+
+
+def test_dataset_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"corpus\.jsonl is missing"):
+        load_beir(tmp_path, "test")
+    root = _write_dataset(tmp_path / "ok", [{"_id": "d", "title": "", "text": "t"}], {"q": "x"}, [("q", "d")])
+    assert load_beir(root, "test").qrels == {"q": {"d": 1}}
+    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq-unknown\td\t1\n")
+    with pytest.raises(DatasetError, match=r"not in queries\.jsonl"):
+        load_beir(root, "test")
+
+
+def test_early_exit_calibration() -> None:
+    confident = [ExitPoint(0.9, 2, True)] * 12
+    noisy = [ExitPoint(0.7, 2, i % 2 == 0) for i in range(12)]
+    long_queries = [ExitPoint(0.95, 9, False)] * 5
+    calibration = calibrate_early_exit(confident + noisy + long_queries, configured=0.8)
+    assert calibration.suggested_threshold == 0.9
+    assert calibration.fires_at_configured == pytest.approx(12 / 29)
+    assert calibration.precision_at_configured == pytest.approx(1.0)
+    assert calibrate_early_exit(noisy, configured=0.8).suggested_threshold is None
+
+
+class _Quiet:
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        pass
+
+
+@pytest.mark.slow
+async def test_a_small_dataset_through_the_real_path(
+    tmp_path: Path, deployment_settings: Settings, servers: Endpoints, deployment: object
+) -> None:
+    corpus = [
+        {"_id": "py", "title": "Python", "text": "Python is a programming language with dynamic typing."},
+        {"_id": "pg", "title": "PostgreSQL", "text": "PostgreSQL is a relational database with full-text search."},
+        {"_id": "nats", "title": "NATS", "text": "NATS is a messaging system; JetStream adds persistence."},
+        {
+            "_id": "bm25",
+            "title": "BM25",
+            "text": "BM25 ranks documents by term frequency and inverse document frequency.",
+        },
+    ]
+    queries = {
+        "q1": "which database has full text search",
+        "q2": "a message broker with persistence",
+        "q3": "ranking function with term frequency",
+    }
+    root = _write_dataset(tmp_path / "tiny", corpus, queries, [("q1", "pg"), ("q2", "nats"), ("q3", "bm25")])
+    settings = deployment_settings.model_copy(update={"embedder": "local", "cache_dir": tmp_path / "cache"})
+    endpoints = Endpoints(nats_url=servers.nats_url, database_url=deployment_settings.database_url or "")
+    report = await evaluate(settings, endpoints, load_beir(root, "test"), ["dense", "keyword", "hybrid"], _Quiet())
+    assert report.documents == 4
+    assert report.queries == 3
+    for config in ("dense", "keyword", "hybrid"):
+        result = report.configs[config]
+        assert result.errors == 0
+        assert result.degraded == 0
+        assert result.metrics["MRR@10"] == pytest.approx(1.0), config
+    assert report.configs["hybrid"].meta["fusion"]["method"] == "adaptive"
+    assert report.configs["keyword"].meta["retrievers"] == ["keyword"]
+    assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again

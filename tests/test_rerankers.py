@@ -1,0 +1,185 @@
+"""Rerankers: the Cohere-API adapter against a real local HTTP server answering in Cohere's shape, for success
+and every failure class; a local cross-encoder built inside the test (random weights); and the pipeline keeping
+the fused order whenever a reranker fails."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from ontofabric.contracts import OntologyQuery
+from ontofabric.services.query.cache import VersionedCache
+from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
+from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder, RerankerError
+from ontofabric.shared.settings import Settings
+
+from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
+
+
+class CohereLike(BaseHTTPRequestHandler):
+    """Answers POST /<behaviour>/v2/rerank; the behaviour is the first path segment."""
+
+    requests: ClassVar[list[dict[str, Any]]] = []
+
+    def log_message(self, format: str, *args: object) -> None:  # keep test output clean
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        CohereLike.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+        behaviour = self.path.split("/")[1]
+        if behaviour == "slow":
+            time.sleep(1.0)
+        if behaviour in ("ok", "slow"):
+            # Rank by how many query words each document contains, best first.
+            words = set(body["query"].lower().split())
+            scores = [len(words & set(d.lower().split())) / (len(words) or 1) for d in body["documents"]]
+            ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body["top_n"]]
+            self._send(200, {"id": "x", "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})
+        elif behaviour == "ratelimited":
+            self._send(429, {"message": "too many requests"})
+        elif behaviour == "broken":
+            self._send(503, {"message": "unavailable"})
+        elif behaviour == "malformed":
+            self._send(200, {"results": [{"index": "zero"}]})
+        elif behaviour == "outofrange":
+            self._send(200, {"results": [{"index": 99, "relevance_score": 0.9}]})
+
+    def _send(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def cohere_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CohereLike)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+DOCS = ["a recipe for bread", "postgres full text search", "search engines rank text", "nothing relevant here"]
+
+
+async def test_cohere_adapter_ranks_and_sends_the_api_shape(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", "secret", "rerank-v3.5", timeout_s=2)
+    try:
+        ranked = await reranker.rerank("full text search", DOCS, top_n=2)
+    finally:
+        await reranker.close()
+    assert [i for i, _ in ranked] == [1, 2]
+    sent = CohereLike.requests[-1]
+    assert sent["auth"] == "Bearer secret"
+    assert sent["body"] == {"model": "rerank-v3.5", "query": "full text search", "documents": DOCS, "top_n": 2}
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "error"),
+    [("ratelimited", "429"), ("broken", "503"), ("malformed", "malformed"), ("outofrange", "outside")],
+)
+async def test_cohere_adapter_raises_on_every_failure_class(cohere_server: str, behaviour: str, error: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/{behaviour}/v2/rerank", None, "m", timeout_s=2)
+    try:
+        with pytest.raises(RerankerError, match=error):
+            await reranker.rerank("q", DOCS, top_n=4)
+    finally:
+        await reranker.close()
+
+
+def _pipeline(reranker: Any, timeout_s: float = 1.5, saturation: float = 0.8) -> QueryPipeline:
+    config = PipelineConfig(rerank_timeout_s=timeout_s, early_exit_saturation=saturation)
+    return QueryPipeline(ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), VersionedCache(0), config, reranker)  # type: ignore[arg-type]
+
+
+QUERY = OntologyQuery(semantic_query="content z please")
+
+
+async def test_pipeline_uses_the_reranker_order(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
+    reply = await _pipeline(reranker).answer(QUERY, "w")
+    await reranker.close()
+    assert reply.meta.reranked is True
+    assert reply.meta.degraded == []
+    assert reply.results[0].id == "z"  # "content z" matches the query best
+    assert "rerank" in reply.meta.timings_ms
+
+
+@pytest.mark.parametrize("behaviour", ["ratelimited", "broken", "malformed", "slow", "refused"])
+async def test_pipeline_keeps_the_fused_order_when_the_reranker_fails(cohere_server: str, behaviour: str) -> None:
+    url = "http://127.0.0.1:9/v2/rerank" if behaviour == "refused" else f"{cohere_server}/{behaviour}/v2/rerank"
+    reranker = CohereReranker(url, None, "m", timeout_s=5)
+    fused = await _pipeline(None).answer(QUERY, "w")
+    reply = await _pipeline(reranker, timeout_s=0.3).answer(QUERY, "w")
+    await reranker.close()
+    assert reply.meta.reranked is False
+    assert reply.meta.degraded == ["reranker"]
+    assert [r.id for r in reply.results] == [r.id for r in fused.results]
+
+
+async def test_saturated_short_query_skips_the_reranker(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
+    before = len(CohereLike.requests)
+    reply = await _pipeline(reranker, saturation=0.01).answer(OntologyQuery(semantic_query="short query"), "w")
+    await reranker.close()
+    assert reply.meta.skipped_rerank == "bm25_saturation"
+    assert reply.meta.reranked is False
+    assert len(CohereLike.requests) == before
+
+
+@pytest.fixture(scope="module")
+def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer BERT cross-encoder with random weights and the MiniLM tokenizer, saved like a real model."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(7)
+    tokenizer = AutoTokenizer.from_pretrained(str(Settings().resolved_model_path()))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=1,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("cross-encoder")
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+async def test_local_cross_encoder_loads_batches_and_orders(tiny_cross_encoder: Path) -> None:
+    small_batches = LocalCrossEncoder(tiny_cross_encoder, batch_size=1)
+    one_batch = LocalCrossEncoder(tiny_cross_encoder, batch_size=32)
+    try:
+        first = await small_batches.rerank("search text", DOCS, top_n=4)
+        second = await one_batch.rerank("search text", DOCS, top_n=4)
+        top_two = await one_batch.rerank("search text", DOCS, top_n=2)
+    finally:
+        await small_batches.close()
+        await one_batch.close()
+    assert sorted(i for i, _ in first) == [0, 1, 2, 3]
+    assert [i for i, _ in first] == [i for i, _ in second]  # batching does not change the ranking
+    assert [s for _, s in first] == pytest.approx([s for _, s in second], abs=1e-5)
+    assert [s for _, s in first] == sorted((s for _, s in first), reverse=True)
+    assert all(0.0 <= s <= 1.0 for _, s in first)
+    assert top_two == first[:2]
+
+
+async def test_local_cross_encoder_past_its_timeout_degrades(tiny_cross_encoder: Path) -> None:
+    reranker = LocalCrossEncoder(tiny_cross_encoder)
+    try:
+        reply = await _pipeline(reranker, timeout_s=0.000001).answer(QUERY, "w")
+        ok = await _pipeline(reranker).answer(QUERY, "w")
+    finally:
+        await reranker.close()
+    assert reply.meta.degraded == ["reranker"]
+    assert ok.meta.reranked is True

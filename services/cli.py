@@ -223,6 +223,7 @@ def eval_command(
     except DatasetError as error:
         _fail(str(error))
     data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
+    data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
     try:
         with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
             assert runtime.endpoints is not None
@@ -231,7 +232,7 @@ def eval_command(
         _fail(str(error))
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
-    render_table(report, console.print)
+    render_table(report, lambda line: console.print(line, soft_wrap=True, markup=False))
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_file}")

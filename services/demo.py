@@ -84,6 +84,7 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
 
 def run_demo(settings: Settings, console: Console, keep: bool) -> DemoTimings:
     data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-demo-"))
+    data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
     demo_settings = settings.model_copy(update={"nats_url": None, "database_url": None, "data_dir": data_dir})
     console.print(f"[bold]Fresh data directory[/bold] {data_dir}")
     try:

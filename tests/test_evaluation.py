@@ -108,3 +108,25 @@ async def test_a_small_dataset_through_the_real_path(
     assert report.configs["hybrid"].meta["fusion"]["method"] == "adaptive"
     assert report.configs["keyword"].meta["retrievers"] == ["keyword"]
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
+
+
+def test_report_table_names_the_early_exit_calibration() -> None:
+    from ontofabric.services.ops.evaluation import ConfigResult, EvalReport, render_table
+
+    report = EvalReport(
+        dataset="tiny",
+        split="test",
+        documents=4,
+        queries=3,
+        configs={
+            "hybrid": ConfigResult(metrics={"nDCG@10": 0.5, "Recall@10": 1.0, "Recall@100": 1.0, "MRR@10": 0.5}),
+            "hybrid-rerank": ConfigResult(skipped="no reranker configured"),
+        },
+        load_seconds=1.0,
+        early_exit=calibrate_early_exit([ExitPoint(0.9, 2, True)], configured=0.8),
+    )
+    lines: list[str] = []
+    render_table(report, lines.append)
+    assert lines[3].startswith("| hybrid | 0.5000 | 1.0000 | 1.0000 | 0.5000 |")
+    assert lines[4] == "| hybrid-rerank | skipped: no reranker configured |"
+    assert lines[5].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")

@@ -198,42 +198,46 @@ class Evaluation:
         self._cache = cache
         self._progress = progress
 
-    async def load(self, dataset: BeirDataset) -> str:
-        """Publish the corpus as deltas into a new workspace; return it once the projector has applied them."""
+    async def load(self, dataset: BeirDataset, batch: int = 1000) -> str:
+        """Publish the corpus as deltas into a new workspace; return it once the projector has applied them.
+
+        The corpus goes in batches (embed, publish), so a large one never sits in memory as deltas all at once.
+        """
         workspace = f"eval-{uuid.uuid4().hex[:10]}"
-        texts = [document_text(d) for d in dataset.corpus]
-        vectors: Sequence[Sequence[float] | None] = [None] * len(texts)
-        if self._embedder is not None:
-            self._progress.stage("embed", len(texts))
-            vectors = list(
-                self._cache.embed(self._embedder, texts, on_progress=lambda n: self._progress.advance("embed", n))
-            )
         model = self._embedder.model_name if self._embedder is not None else None
-        deltas = [
-            envelope(
-                workspace,
-                DocumentUpserted(
-                    document=SemanticDocument(
-                        id=entry["_id"],
-                        content=text,
-                        object_type="beir.Document",
-                        source_domain=dataset.name,
-                        metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
-                        embedding=[float(x) for x in vector] if vector is not None else None,
-                        embedding_model=model if vector is not None else None,
-                    )
-                ),
-                producer="ontofabric-eval",
-            )
-            for entry, text, vector in zip(dataset.corpus, texts, vectors, strict=True)
-        ]
-        self._progress.stage("publish", len(deltas))
-        acks = await DeltaPublisher(self._js, self._names).publish_many(
-            deltas, on_stored=lambda _: self._progress.advance("publish")
-        )
-        if acks:
+        publisher = DeltaPublisher(self._js, self._names)
+        self._progress.stage("load", len(dataset.corpus))
+        last_seq = 0
+        for start in range(0, len(dataset.corpus), batch):
+            entries = dataset.corpus[start : start + batch]
+            texts = [document_text(d) for d in entries]
+            vectors: list[list[float] | None] = [None] * len(texts)
+            if self._embedder is not None:
+                vectors = [[float(x) for x in row] for row in self._cache.embed(self._embedder, texts)]
+            deltas = [
+                envelope(
+                    workspace,
+                    DocumentUpserted(
+                        document=SemanticDocument(
+                            id=entry["_id"],
+                            content=text,
+                            object_type="beir.Document",
+                            source_domain=dataset.name,
+                            metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
+                            embedding=vector,
+                            embedding_model=model if vector is not None else None,
+                        )
+                    ),
+                    producer="ontofabric-eval",
+                )
+                for entry, text, vector in zip(entries, texts, vectors, strict=True)
+            ]
+            acks = await publisher.publish_many(deltas)
+            last_seq = max([last_seq, *(a.seq for a in acks)])
+            self._progress.advance("load", len(entries))
+        if last_seq:
             await wait_caught_up(
-                self._js, self._names.delta_stream, self._names.postgres_projector_durable, acks[-1].seq, 3600
+                self._js, self._names.delta_stream, self._names.postgres_projector_durable, last_seq, 3600
             )
         return workspace
 
@@ -316,6 +320,15 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
             str(result.errors),
         ]
         write(f"| {name} | " + " | ".join(cells) + " |")
+    calibration = report.early_exit
+    if calibration is not None:
+        fired = calibration.precision_at_configured
+        write(
+            f"early exit at keyword saturation >= {calibration.configured_threshold}: fires for "
+            f"{100 * calibration.fires_at_configured:.1f}% of queries; top answer relevant when it fires: "
+            f"{'n/a' if fired is None else f'{fired:.2f}'} (all queries: {calibration.overall_precision:.2f}); "
+            f"lowest threshold with >= {calibration.target_precision} precision: {calibration.suggested_threshold}"
+        )
 
 
 async def evaluate(
@@ -327,7 +340,10 @@ async def evaluate(
     runs_dir: Path | None = None,
 ) -> EvalReport:
     """Start a projector and a query worker (cache off), load the dataset, run each configuration."""
-    settings = settings.model_copy(update={"query_cache_entries": 0})
+    # Cache off (every query measured), and queries as long as some BEIR sets have (ArguAna's are paragraphs).
+    settings = settings.model_copy(
+        update={"query_cache_entries": 0, "max_query_chars": max(settings.max_query_chars, 100_000)}
+    )
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())

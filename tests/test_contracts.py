@@ -49,6 +49,13 @@ def test_query_defaults() -> None:
         '{"semanticQuery": "x", "branch": "../etc"}',
         '{"topK": 3}',
         "[]",
+        '{"semanticQuery": "x", "options": {"retrievers": ["dense", "dense"]}}',
+        '{"semanticQuery": "x", "options": {"retrievers": []}}',
+        '{"semanticQuery": "x", "options": {"retrievers": ["sparse"]}}',
+        '{"semanticQuery": "x", "options": {"candidates": 0}}',
+        '{"semanticQuery": "x", "options": {"fusion": {"method": "magic"}}}',
+        '{"semanticQuery": "x", "options": {"fusion": {"denseWeight": 1.5}}}',
+        '{"semanticQuery": "x", "options": {"surprise": 1}}',
     ],
 )
 def test_invalid_queries_are_rejected(body: str) -> None:
@@ -76,3 +83,14 @@ def test_response_serialises_meta_with_underscore() -> None:
     dumped = response.model_dump(mode="json")
     assert "_meta" in dumped
     assert dumped["_meta"]["ontologyVersion"] == "0-0000000000000000"
+
+
+def test_options_are_accepted() -> None:
+    query = OntologyQuery.model_validate_json(
+        '{"semanticQuery": "x", "options": {"retrievers": ["keyword"], "candidates": 200,'
+        ' "fusion": {"method": "convex", "denseWeight": 0.3}}}'
+    )
+    assert query.options is not None
+    assert query.options.retrievers == ["keyword"]
+    assert query.options.fusion is not None
+    assert query.options.fusion.dense_weight == 0.3

@@ -5,10 +5,13 @@ from .deltas import (
     DeltaEnvelope,
     DeltaPayload,
     DocumentDeleted,
+    DocumentReverted,
     DocumentUpserted,
     LinkAdded,
     LinkRemoved,
+    LinkReverted,
     NodeRemoved,
+    NodeReverted,
     NodeUpserted,
     OntologyLink,
     OntologyNode,
@@ -25,7 +28,7 @@ from .query import (
     QueryResponse,
     SearchResult,
 )
-from .versions import NO_VERSION, OntologyVersionChanged, format_version
+from .versions import NO_VERSION, OntologyVersionChanged, format_version, overlay_version
 
 __all__ = [
     "CHUNK_LEVELS",
@@ -37,6 +40,7 @@ __all__ = [
     "DeltaPayload",
     "DocumentDeleted",
     "DocumentMetadata",
+    "DocumentReverted",
     "DocumentUpserted",
     "ErrorDetail",
     "ErrorReply",
@@ -44,7 +48,9 @@ __all__ = [
     "FoundBy",
     "LinkAdded",
     "LinkRemoved",
+    "LinkReverted",
     "NodeRemoved",
+    "NodeReverted",
     "NodeUpserted",
     "OntologyLink",
     "OntologyNode",
@@ -57,4 +63,5 @@ __all__ = [
     "SearchResult",
     "SemanticDocument",
     "format_version",
+    "overlay_version",
 ]

@@ -20,7 +20,9 @@ SCHEMA_VERSION = 1
 class OntologyNode(WireModel):
     """An object type of the ontology graph (a module, class, interface ...)."""
 
-    domain: Text = Field(min_length=1, max_length=256)
+    domain: Text = Field(
+        default="", max_length=256, description="Empty for a top-level type (its objectType is the name)."
+    )
     name: Text = Field(min_length=1, max_length=256)
     kind: Text = Field(min_length=1, max_length=64, description="class, interface, module, ...")
     interfaces: list[ObjectType] = Field(
@@ -30,7 +32,7 @@ class OntologyNode(WireModel):
 
     @property
     def object_type(self) -> str:
-        return f"{self.domain}.{self.name}"
+        return f"{self.domain}.{self.name}" if self.domain else self.name
 
 
 class OntologyLink(WireModel):
@@ -55,6 +57,17 @@ class DocumentDeleted(WireModel):
     document_id: DocumentId
 
 
+class DocumentReverted(WireModel):
+    """On a branch: the branch no longer changes this document, main's version shows through again.
+
+    Unlike a delete (a tombstone that hides main's document on the branch), a revert leaves nothing on the branch.
+    On main it removes the document like a delete.
+    """
+
+    type: Literal["document.reverted"] = "document.reverted"
+    document_id: DocumentId
+
+
 class NodeUpserted(WireModel):
     type: Literal["node.upserted"] = "node.upserted"
     node: OntologyNode
@@ -62,6 +75,13 @@ class NodeUpserted(WireModel):
 
 class NodeRemoved(WireModel):
     type: Literal["node.removed"] = "node.removed"
+    object_type: ObjectType
+
+
+class NodeReverted(WireModel):
+    """On a branch: main's node shows through again (see DocumentReverted)."""
+
+    type: Literal["node.reverted"] = "node.reverted"
     object_type: ObjectType
 
 
@@ -75,8 +95,23 @@ class LinkRemoved(WireModel):
     link: OntologyLink
 
 
+class LinkReverted(WireModel):
+    """On a branch: main's link (or its absence) shows through again (see DocumentReverted)."""
+
+    type: Literal["link.reverted"] = "link.reverted"
+    link: OntologyLink
+
+
 DeltaPayload = Annotated[
-    DocumentUpserted | DocumentDeleted | NodeUpserted | NodeRemoved | LinkAdded | LinkRemoved,
+    DocumentUpserted
+    | DocumentDeleted
+    | DocumentReverted
+    | NodeUpserted
+    | NodeRemoved
+    | NodeReverted
+    | LinkAdded
+    | LinkRemoved
+    | LinkReverted,
     Field(discriminator="type"),
 ]
 

@@ -97,10 +97,18 @@ class SearchResult(WireModel):
 
 
 class ExpandedContext(WireModel):
+    """A type one link away from a top hit's type, with one document that represents it (context, not ranked)."""
+
     linked_type: str
     link_name: str
-    representative_document_id: str | None
+    direction: Literal["outgoing", "incoming"] = Field(
+        description="outgoing: the hit's type links to linkedType (it uses it); incoming: linkedType links to it."
+    )
+    linked_from_type: str
     linked_from_document_id: str
+    representative_document_id: str | None = Field(
+        description="A type-level chunk of linkedType, else a method-level one; null when none is indexed."
+    )
 
 
 class FusionReport(WireModel):

@@ -18,6 +18,11 @@ NO_VERSION = format_version(0, 0)
 """The version of a workspace/branch nothing has been projected into."""
 
 
+def overlay_version(main: str, branch: str, branch_version: str | None) -> str:
+    """The ontologyVersion of what a query on ``branch`` reads: main's, or main's and the branch's delta's."""
+    return main if branch == "main" else f"{main}+{branch_version or NO_VERSION}"
+
+
 class OntologyVersionChanged(WireModel):
     workspace: str
     branch: str

@@ -133,7 +133,8 @@ def ingest(
                     )
             console.print(
                 f"{report.files} files, {report.chunks} chunks: {report.upserts} upserts, {report.deletes} deletes, "
-                f"{report.unchanged} unchanged ({time.perf_counter() - started:.1f}s)"
+                f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
+                f"({time.perf_counter() - started:.1f}s)"
             )
         finally:
             await nc.close()

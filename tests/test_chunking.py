@@ -11,7 +11,7 @@ from ontofabric.services.ingest.chunking import (
     object_type_name,
     truncate_utf8,
 )
-from ontofabric.services.ingest.ingester import Manifest, event_id, plan_ingest
+from ontofabric.services.ingest.ingester import TOMBSTONE, Manifest, event_id, plan_ingest
 
 PYTHON = textwrap.dedent(
     '''
@@ -136,25 +136,47 @@ def test_names() -> None:
     assert truncate_utf8("héllo", 2) == "h"
 
 
+def _desired(chunks: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {f"d:{c.document_id}": c.content_hash for c in chunks}
+
+
 def test_ingest_plan_publishes_only_changes() -> None:
     first = chunk_python("pkg/reader.py", PYTHON, 100_000)
-    plan = plan_ingest(Manifest(), first)
+    plan = plan_ingest(_desired(first), Manifest())
     assert len(plan.upserts) == len(first)
     assert plan.deletes == []
-    again = plan_ingest(plan.manifest, first)
+    again = plan_ingest(_desired(first), plan.manifest)
     assert (again.upserts, again.deletes, again.unchanged) == ([], [], len(first))
 
     edited = chunk_python("pkg/reader.py", PYTHON.replace("return url", "return url.strip()"), 100_000)
-    changed = plan_ingest(plan.manifest, edited)
-    assert [c.symbol_key for c in changed.upserts] == ["python:pkg/reader.py", "python:pkg/reader.py/fetch()."]
+    changed = plan_ingest(_desired(edited), plan.manifest)
+    by_key = {f"d:{c.document_id}": c.symbol_key for c in edited}
+    assert sorted(by_key[k] for k in changed.upserts) == ["python:pkg/reader.py", "python:pkg/reader.py/fetch()."]
     without_fetch = [c for c in first if "fetch" not in c.symbol_key]
-    removed = plan_ingest(plan.manifest, without_fetch)
-    assert removed.deletes == [c.document_id for c in first if "fetch" in c.symbol_key]
+    removed = plan_ingest(_desired(without_fetch), plan.manifest)
+    assert removed.deletes == [f"d:{c.document_id}" for c in first if "fetch" in c.symbol_key]
+    assert removed.reverts == []
+
+
+def test_branch_plan_holds_only_the_delta_over_main() -> None:
+    main = Manifest({"d:a": "1", "d:b": "1", "d:c": "1"})
+    # The branch changes a, removes b, adds d, keeps c as main has it.
+    first = plan_ingest({"d:a": "2", "d:c": "1", "d:d": "1"}, Manifest(), main)
+    assert (first.upserts, first.deletes, first.reverts) == (["d:a", "d:d"], ["d:b"], [])
+    assert first.manifest.entries == {"d:a": "2", "d:b": TOMBSTONE, "d:d": "1"}
+    # Later the branch undoes its change to a and brings b back as main has it: both revert to main's.
+    second = plan_ingest({"d:a": "1", "d:b": "1", "d:c": "1", "d:d": "1"}, first.manifest, main)
+    assert (second.upserts, second.deletes, second.reverts) == ([], [], ["d:a", "d:b"])
+    assert second.manifest.entries == {"d:d": "1"}
+    # Nothing changed since: nothing to publish.
+    third = plan_ingest({"d:a": "1", "d:b": "1", "d:c": "1", "d:d": "1"}, second.manifest, main)
+    assert (third.upserts, third.deletes, third.reverts) == ([], [], [])
 
 
 def test_event_ids_repeat_for_a_rerun_and_change_after_a_round_trip() -> None:
-    base = Manifest({"doc": "hash-a"})
-    assert event_id("w", "main", base, "doc", "hash-b") == event_id("w", "main", base, "doc", "hash-b")
+    base = Manifest({"d:doc": "hash-a"}).digest
+    assert event_id("w", "main", base, "d:doc", "hash-b") == event_id("w", "main", base, "d:doc", "hash-b")
     # A -> B -> A: publishing A again must not look like a duplicate of the first A.
-    after_b = Manifest({"doc": "hash-b"})
-    assert event_id("w", "main", Manifest(), "doc", "hash-a") != event_id("w", "main", after_b, "doc", "hash-a")
+    after_b = Manifest({"d:doc": "hash-b"}).digest
+    first = event_id("w", "main", Manifest().digest, "d:doc", "hash-a")
+    assert first != event_id("w", "main", after_b, "d:doc", "hash-a")

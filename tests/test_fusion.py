@@ -80,12 +80,12 @@ def test_cache_evicts_least_recently_used() -> None:
     assert len(cache) == 2
 
 
-def test_invalidate_stale_drops_only_that_scope() -> None:
+def test_invalidate_stale_drops_only_that_workspace() -> None:
     cache: VersionedCache[str] = VersionedCache(10)
     cache.put(_key("v1", "a"), "A")
     cache.put(_key("v2", "b"), "B")
     cache.put(_key("v1", "a", workspace="other"), "other")
-    assert cache.invalidate_stale("w", "main", "v2") == 1
+    assert cache.invalidate_stale("w", lambda branch: "v2") == 1
     assert cache.get(_key("v2", "b")) == "B"
     assert cache.get(_key("v1", "a", workspace="other")) == "other"
 

@@ -79,15 +79,27 @@ async def test_ingest_publishes_only_what_changed(
     assert live == expected
 
 
-async def test_branches_have_their_own_manifest(
+async def test_a_branch_publishes_only_what_differs_from_main(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path
 ) -> None:
-    _write(tmp_path, {"a.py": "def f():\n    return 1\n"})
+    _write(tmp_path, {"a.py": "def f():\n    return 1\n", "b.py": "def g():\n    return 2\n"})
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
     main = await ingester.ingest(tmp_path, "repo")
-    branch = await ingester.ingest(tmp_path, "repo", "feature/x")
-    assert main.upserts == branch.upserts == 2
-    assert branch.last_sequence is not None
-    await deployment.wait_projected(branch.last_sequence)
-    rows = await deployment.fetch("SELECT branch, count(*) AS n FROM documents GROUP BY branch ORDER BY branch")
-    assert [(r["branch"], r["n"]) for r in rows] == [("feature/x", 2), ("main", 2)]
+    same = await ingester.ingest(tmp_path, "repo", "feature/x")
+    assert main.upserts == 4
+    assert (same.upserts, same.deletes, same.reverts, same.last_sequence) == (0, 0, 0, None)
+
+    (tmp_path / "a.py").write_text("def f():\n    return 10\n")
+    (tmp_path / "b.py").unlink()
+    changed = await ingester.ingest(tmp_path, "repo", "feature/x")
+    assert (changed.upserts, changed.deletes, changed.reverts) == (2, 2, 0)  # a's file and function; b's two
+    assert changed.last_sequence is not None
+    await deployment.wait_projected(changed.last_sequence)
+    rows = await deployment.fetch(
+        "SELECT symbol_key, deleted FROM documents WHERE branch = 'feature/x' ORDER BY deleted, symbol_key"
+    )
+    assert [(r["symbol_key"], r["deleted"]) for r in rows] == [
+        ("python:a.py", False), ("python:a.py/f().", False), (None, True), (None, True),
+    ]  # fmt: skip
+    main_rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE branch = 'main' AND NOT deleted")
+    assert main_rows[0]["n"] == 4  # main is untouched by the branch

@@ -13,6 +13,7 @@ import numpy as np
 from ontofabric.contracts import OntologyQuery
 from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.fusion import Candidate
+from ontofabric.services.query.graph import GraphRows
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
 from ontofabric.services.query.postgres import Fetched, Hits, Scope, StoredDocument
 from ontofabric.shared.embedder import Vector
@@ -35,6 +36,12 @@ class ScriptedRetrieval:
     async def fetch(self, scope: Scope, ids: list[str]) -> Fetched:
         documents = {i: StoredDocument(i, f"content {i}", "t.T", "tests", {}) for i in ids if i not in self.missing}
         return Fetched(documents, self.fetch_version)
+
+    async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
+        return GraphRows(nodes=[], links=[])
+
+    async def representatives(self, scope: Scope, object_types: object) -> dict[str, str]:
+        return {}
 
 
 class FixedEmbedder:

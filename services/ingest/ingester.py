@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -22,9 +22,19 @@ from nats.js.errors import ObjectNotFoundError
 
 from ontofabric.contracts import (
     DeltaEnvelope,
+    DeltaPayload,
     DocumentDeleted,
     DocumentMetadata,
+    DocumentReverted,
     DocumentUpserted,
+    LinkAdded,
+    LinkRemoved,
+    LinkReverted,
+    NodeRemoved,
+    NodeReverted,
+    NodeUpserted,
+    OntologyLink,
+    OntologyNode,
     SemanticDocument,
 )
 from ontofabric.shared.embedder import Embedder
@@ -33,9 +43,11 @@ from ontofabric.shared.subjects import Names, encode_token
 
 from .chunking import Chunk, chunk_file
 from .client import DeltaPublisher, envelope
+from .graph import GraphLink, GraphNode, python_graph
 
 log = get_logger(__name__)
 
+MAIN = "main"
 SKIPPED_DIRECTORIES = {
     "__pycache__", "node_modules", "build", "dist", "site-packages", "venv", ".venv", ".git", ".tox", ".eggs",
 }  # fmt: skip
@@ -71,24 +83,36 @@ def discover(root: Path) -> Iterator[Path]:
                 yield Path(directory) / name
 
 
-def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
-    chunks: list[Chunk] = []
+def read_tree(root: Path) -> dict[str, str]:
+    """Relative path -> text of every source file under ``root`` (unreadable files are skipped, logged)."""
+    sources: dict[str, str] = {}
     for path in discover(root):
         try:
-            source = path.read_text(encoding="utf-8")
+            sources[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError) as error:
             log.warning("ingest_file_skipped", path=str(path), error=str(error))
-            continue
-        chunks.extend(chunk_file(path.relative_to(root).as_posix(), source, max_content_bytes))
-    return chunks
+    return sources
+
+
+def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
+    sources = read_tree(root)
+    return [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes)]
 
 
 # ---------------------------------------------------------------------------------------------- diff
 
 
+TOMBSTONE = "-"
+"""A manifest value: the branch hides main's entity of this key."""
+
+
 @dataclass(frozen=True)
 class Manifest:
-    """What the last ingest published: document id -> content hash."""
+    """What the last ingest left on a branch: entity key -> content hash (or TOMBSTONE on a branch).
+
+    Keys name the entity kind: ``d:<document id>``, ``n:<object type>``, ``l:<source>|<link>|<target>``. On a
+    branch the manifest holds only the branch's delta over main, as the branch stores it.
+    """
 
     entries: dict[str, str] = field(default_factory=dict)
 
@@ -97,7 +121,7 @@ class Manifest:
         return hashlib.sha256(json.dumps(self.entries, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": 1, "entries": self.entries}, sort_keys=True).encode()
+        return json.dumps({"version": 2, "entries": self.entries}, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -106,25 +130,39 @@ class Manifest:
 
 @dataclass(frozen=True)
 class IngestPlan:
-    upserts: list[Chunk]
+    upserts: list[str]
     deletes: list[str]
+    """Keys to remove: on main, gone from the tree; on a branch, main has them and the tree does not."""
+    reverts: list[str]
+    """Branch keys whose change is gone: main's version shows through again."""
     unchanged: int
     manifest: Manifest
     """The manifest once this plan is published."""
 
 
-def plan_ingest(previous: Manifest, chunks: Sequence[Chunk]) -> IngestPlan:
-    current = {c.document_id: c for c in chunks}
-    upserts = [c for doc_id, c in current.items() if previous.entries.get(doc_id) != c.content_hash]
-    deletes = sorted(set(previous.entries) - set(current))
-    manifest = Manifest({doc_id: c.content_hash for doc_id, c in current.items()})
-    return IngestPlan(upserts, deletes, len(current) - len(upserts), manifest)
+def plan_ingest(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> IngestPlan:
+    """What to publish so the branch holds ``desired`` (key -> hash): on main everything that changed; on a
+    branch (``main`` given) only what differs from main, as overrides, tombstones and reverts."""
+    base = main.entries if main is not None else {}
+    target = {k: h for k, h in desired.items() if base.get(k) != h}
+    if main is not None:
+        target.update({k: TOMBSTONE for k in base if k not in desired})
+    upserts = sorted(k for k, h in target.items() if h != TOMBSTONE and previous.entries.get(k) != h)
+    tombstones = sorted(k for k, h in target.items() if h == TOMBSTONE and previous.entries.get(k) != TOMBSTONE)
+    gone = sorted(k for k in previous.entries if k not in target)
+    deletes, reverts = (tombstones, gone) if main is not None else (gone, [])
+    unchanged = len(desired) - sum(1 for k in upserts if k in desired)
+    return IngestPlan(upserts, deletes, reverts, unchanged, Manifest(target))
 
 
-def event_id(workspace: str, branch: str, base: Manifest, document_id: str, content_hash: str | None) -> str:
-    """Deterministic for a rerun from the same manifest (JetStream drops the repeat), new after any change."""
-    material = "|".join([workspace, branch, base.digest, document_id, content_hash or "deleted"])
+def event_id(workspace: str, branch: str, base: str, key: str, change: str) -> str:
+    """Deterministic for a rerun from the same manifests (JetStream drops the repeat), new after any change."""
+    material = "|".join([workspace, branch, base, key, change])
     return hashlib.sha256(material.encode()).hexdigest()[:40]
+
+
+def node_hash(node: GraphNode) -> str:
+    return hashlib.sha256(json.dumps([node.domain, node.name, node.kind, node.interfaces]).encode()).hexdigest()
 
 
 def to_document(chunk: Chunk, embedding: list[float] | None, embedding_model: str | None) -> SemanticDocument:
@@ -156,6 +194,11 @@ class IngestReport:
     chunks: int
     upserts: int
     deletes: int
+    """Documents removed: on main, gone; on a branch, tombstones hiding main's."""
+    reverts: int
+    """Branch documents reverted to main's version."""
+    graph_changes: int
+    """Node and link deltas."""
     unchanged: int
     last_sequence: int | None
     """Stream sequence of the last delta published; None when nothing changed."""
@@ -190,36 +233,37 @@ class Ingester:
         return Manifest.from_json(result.data or b'{"entries": {}}')
 
     async def ingest(self, root: Path, workspace: str, branch: str = "main") -> IngestReport:
-        files = sum(1 for _ in discover(root))
-        chunks = await asyncio.to_thread(chunk_tree, root, self._max_content_bytes)
+        sources = await asyncio.to_thread(read_tree, root)
+        chunks = {
+            c.document_id: c for path, text in sources.items() for c in chunk_file(path, text, self._max_content_bytes)
+        }
+        graph_nodes, graph_links = python_graph(sources)
+        nodes = {n.object_type: n for n in graph_nodes}
+        links = {k.key: k for k in graph_links}
+        desired = {f"d:{i}": c.content_hash for i, c in chunks.items()}
+        desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
+        desired.update({f"l:{key}": "1" for key in links})
         previous = await self.load_manifest(workspace, branch)
-        plan = plan_ingest(previous, chunks)
+        main = await self.load_manifest(workspace, MAIN) if branch != MAIN else None
+        plan = plan_ingest(desired, previous, main)
         log.info(
-            "ingest_planned", workspace=workspace, branch=branch, files=files, chunks=len(chunks),
-            upserts=len(plan.upserts), deletes=len(plan.deletes), unchanged=plan.unchanged,
+            "ingest_planned", workspace=workspace, branch=branch, files=len(sources), chunks=len(chunks),
+            upserts=len(plan.upserts), deletes=len(plan.deletes), reverts=len(plan.reverts),
         )  # fmt: skip
+
+        documents = [chunks[k[2:]] for k in plan.upserts if k.startswith("d:")]
         embed_started = time.perf_counter()
-        vectors = await self._embed(plan.upserts)
+        vectors = dict(zip([c.document_id for c in documents], await self._embed(documents), strict=True))
         embed_s = time.perf_counter() - embed_started
         model = self._embedder.model_name if self._embedder is not None else None
-        deltas: list[DeltaEnvelope] = [
-            envelope(
-                workspace,
-                DocumentUpserted(document=to_document(chunk, vector, model)),
-                branch=branch,
-                event_id=event_id(workspace, branch, previous, chunk.document_id, chunk.content_hash),
-            )
-            for chunk, vector in zip(plan.upserts, vectors, strict=True)
-        ]
-        deltas += [
-            envelope(
-                workspace,
-                DocumentDeleted(document_id=doc_id),
-                branch=branch,
-                event_id=event_id(workspace, branch, previous, doc_id, None),
-            )
-            for doc_id in plan.deletes
-        ]
+        base = previous.digest + (main.digest if main is not None else "")
+
+        def delta(key: str, change: str, payload: DeltaPayload) -> DeltaEnvelope:
+            return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))
+
+        deltas = [delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model)) for key in plan.upserts]
+        deltas += [delta(key, "deleted", _removal(key, revert=False)) for key in plan.deletes]
+        deltas += [delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts]
         publish_started = time.perf_counter()
         self._progress.stage("publish", len(deltas))
         acks = await DeltaPublisher(self._js, self._names).publish_many(
@@ -230,11 +274,13 @@ class Ingester:
             store = await self._js.object_store(self._names.ingest_state_bucket)
             await store.put(self._manifest_name(workspace, branch), plan.manifest.to_json())
         return IngestReport(
-            files=files,
+            files=len(sources),
             chunks=len(chunks),
-            upserts=len(plan.upserts),
-            deletes=len(plan.deletes),
-            unchanged=plan.unchanged,
+            upserts=len(documents),
+            deletes=sum(1 for k in plan.deletes if k.startswith("d:")),
+            reverts=sum(1 for k in plan.reverts if k.startswith("d:")),
+            graph_changes=sum(1 for k in [*plan.upserts, *plan.deletes, *plan.reverts] if not k.startswith("d:")),
+            unchanged=sum(1 for k in desired if k.startswith("d:")) - len(documents),
             last_sequence=max((a.seq for a in acks), default=None),
             embed_s=embed_s,
             publish_s=publish_s,
@@ -252,3 +298,36 @@ class Ingester:
             vectors.extend([float(x) for x in row] for row in rows)
             self._progress.advance("embed", len(batch))
         return vectors
+
+
+def _link_of(key: str) -> OntologyLink:
+    source, name, target = key.split("|", 2)
+    return OntologyLink(source_type=source, name=name, target_type=target)
+
+
+def _upsert(
+    key: str,
+    chunks: Mapping[str, Chunk],
+    nodes: Mapping[str, GraphNode],
+    links: Mapping[str, GraphLink],
+    vectors: Mapping[str, list[float] | None],
+    model: str | None,
+) -> DeltaPayload:
+    kind, name = key[0], key[2:]
+    if kind == "d":
+        return DocumentUpserted(document=to_document(chunks[name], vectors[name], model))
+    if kind == "n":
+        node = nodes[name]
+        return NodeUpserted(
+            node=OntologyNode(domain=node.domain, name=node.name, kind=node.kind, interfaces=list(node.interfaces))
+        )
+    return LinkAdded(link=_link_of(links[name].key))
+
+
+def _removal(key: str, revert: bool) -> DeltaPayload:
+    kind, name = key[0], key[2:]
+    if kind == "d":
+        return DocumentReverted(document_id=name) if revert else DocumentDeleted(document_id=name)
+    if kind == "n":
+        return NodeReverted(object_type=name) if revert else NodeRemoved(object_type=name)
+    return LinkReverted(link=_link_of(name)) if revert else LinkRemoved(link=_link_of(name))

@@ -17,10 +17,13 @@ from pydantic import ValidationError
 from ontofabric.contracts import (
     DeltaEnvelope,
     DocumentDeleted,
+    DocumentReverted,
     DocumentUpserted,
     LinkAdded,
     LinkRemoved,
+    LinkReverted,
     NodeRemoved,
+    NodeReverted,
     NodeUpserted,
     SemanticDocument,
     format_version,
@@ -130,6 +133,8 @@ class EntityRef:
 class RowState:
     seq: int
     deleted: bool
+    transparent: bool = False
+    """A reverted branch row: invisible, and it hides nothing of main (it only remembers its sequence)."""
 
 
 def entity_of(envelope: DeltaEnvelope) -> EntityRef:
@@ -137,26 +142,30 @@ def entity_of(envelope: DeltaEnvelope) -> EntityRef:
     kind: EntityKind
     if isinstance(payload, DocumentUpserted):
         kind, key = "document", payload.document.id
-    elif isinstance(payload, DocumentDeleted):
+    elif isinstance(payload, DocumentDeleted | DocumentReverted):
         kind, key = "document", payload.document_id
     elif isinstance(payload, NodeUpserted):
         kind, key = "node", payload.node.object_type
-    elif isinstance(payload, NodeRemoved):
+    elif isinstance(payload, NodeRemoved | NodeReverted):
         kind, key = "node", payload.object_type
-    elif isinstance(payload, LinkAdded | LinkRemoved):
+    elif isinstance(payload, LinkAdded | LinkRemoved | LinkReverted):
         kind, key = "link", payload.link.key
     else:  # pragma: no cover - the union is closed
         raise TypeError(f"unknown payload {type(payload).__name__}")
     return EntityRef(envelope.workspace, envelope.branch, kind, key)
 
 
-def is_removal(envelope: DeltaEnvelope) -> bool:
-    return isinstance(envelope.payload, DocumentDeleted | NodeRemoved | LinkRemoved)
+def state_after(delta: Delta) -> RowState:
+    """The row a delta leaves behind: live, a tombstone, or (a revert) a transparent marker."""
+    payload = delta.envelope.payload
+    reverted = isinstance(payload, DocumentReverted | NodeReverted | LinkReverted)
+    removed = reverted or isinstance(payload, DocumentDeleted | NodeRemoved | LinkRemoved)
+    return RowState(seq=delta.seq, deleted=removed, transparent=reverted)
 
 
 def row_hash(ref: EntityRef, state: RowState) -> int:
     digest = hashlib.sha256(
-        json.dumps([ref.kind, ref.key, state.seq, state.deleted], separators=(",", ":")).encode()
+        json.dumps([ref.kind, ref.key, state.seq, state.deleted, state.transparent], separators=(",", ":")).encode()
     ).digest()
     return int.from_bytes(digest[:8], "big")
 
@@ -209,7 +218,7 @@ def plan_batch(
             seen.add(event_id)
             continue
         seen.add(event_id)
-        new = RowState(seq=delta.seq, deleted=is_removal(delta.envelope))
+        new = state_after(delta)
         rows[ref] = new
         plan.writes[ref] = delta
         plan.applied.append(delta)

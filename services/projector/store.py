@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import asyncpg
 import numpy as np
 
-from ontofabric.contracts import DocumentUpserted, LinkAdded, LinkRemoved, NodeUpserted
+from ontofabric.contracts import DocumentUpserted, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted
 from ontofabric.shared.db import Connection
 
 from .planning import (
@@ -22,6 +22,7 @@ from .planning import (
     entity_of,
     plan_batch,
     search_text,
+    state_after,
 )
 
 _SIGNED = 1 << 63
@@ -55,9 +56,10 @@ UPSERT_DOCUMENT = """
 INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
-    doc_length, indexed_at, stream_seq, event_id, updated_at)
+    doc_length, indexed_at, stream_seq, event_id, transparent, updated_at)
 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17, v.tsv,
-       (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u), $20, $21, $22, now()
+       (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u), $20, $21, $22, $23,
+       now()
 FROM (SELECT index_tsvector($18::regconfig, $19) AS tsv) v
 ON CONFLICT (workspace, branch, id) DO UPDATE SET
     deleted = EXCLUDED.deleted, content = EXCLUDED.content, object_type = EXCLUDED.object_type,
@@ -67,7 +69,7 @@ ON CONFLICT (workspace, branch, id) DO UPDATE SET
     embedding = EXCLUDED.embedding, embedding_model = EXCLUDED.embedding_model,
     search_vector = EXCLUDED.search_vector, doc_length = EXCLUDED.doc_length, indexed_at = EXCLUDED.indexed_at,
     stream_seq = EXCLUDED.stream_seq,
-    event_id = EXCLUDED.event_id, updated_at = now()
+    event_id = EXCLUDED.event_id, transparent = EXCLUDED.transparent, updated_at = now()
 WHERE d.stream_seq < EXCLUDED.stream_seq
 """
 
@@ -103,39 +105,40 @@ WHERE NOT d.deleted
 
 _UPSERT_NODE = """
 INSERT INTO ontology_nodes AS n (
-    workspace, branch, object_type, deleted, domain, name, kind, interfaces, description, stream_seq, event_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+    workspace, branch, object_type, deleted, domain, name, kind, interfaces, description, stream_seq, event_id,
+    transparent)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 ON CONFLICT (workspace, branch, object_type) DO UPDATE SET
     deleted = EXCLUDED.deleted, domain = EXCLUDED.domain, name = EXCLUDED.name, kind = EXCLUDED.kind,
     interfaces = EXCLUDED.interfaces, description = EXCLUDED.description, stream_seq = EXCLUDED.stream_seq,
-    event_id = EXCLUDED.event_id, updated_at = now()
+    event_id = EXCLUDED.event_id, transparent = EXCLUDED.transparent, updated_at = now()
 WHERE n.stream_seq < EXCLUDED.stream_seq
 """
 
 _UPSERT_LINK = """
 INSERT INTO ontology_links AS l (
-    workspace, branch, source_type, link_name, target_type, deleted, stream_seq, event_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+    workspace, branch, source_type, link_name, target_type, deleted, stream_seq, event_id, transparent)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (workspace, branch, source_type, link_name, target_type) DO UPDATE SET
     deleted = EXCLUDED.deleted, stream_seq = EXCLUDED.stream_seq, event_id = EXCLUDED.event_id,
-    updated_at = now()
+    transparent = EXCLUDED.transparent, updated_at = now()
 WHERE l.stream_seq < EXCLUDED.stream_seq
 """
 
 # Current sequence of the rows a batch touches, one query per entity kind, each a primary-key join.
 _CURRENT_DOCUMENTS = """
-SELECT d.workspace, d.branch, d.id AS key, d.stream_seq, d.deleted
+SELECT d.workspace, d.branch, d.id AS key, d.stream_seq, d.deleted, d.transparent
 FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
 JOIN documents d USING (workspace, branch, id)
 """
 _CURRENT_NODES = """
-SELECT n.workspace, n.branch, n.object_type AS key, n.stream_seq, n.deleted
+SELECT n.workspace, n.branch, n.object_type AS key, n.stream_seq, n.deleted, n.transparent
 FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, object_type)
 JOIN ontology_nodes n USING (workspace, branch, object_type)
 """
 _CURRENT_LINKS = """
 SELECT l.workspace, l.branch, l.source_type || '|' || l.link_name || '|' || l.target_type AS key,
-       l.stream_seq, l.deleted
+       l.stream_seq, l.deleted, l.transparent
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
      AS k(workspace, branch, source_type, link_name, target_type)
 JOIN ontology_links l USING (workspace, branch, source_type, link_name, target_type)
@@ -286,10 +289,11 @@ class PostgresProjectionStore:
     def document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
         payload = delta.envelope.payload
         event_id = delta.envelope.event_id
-        if not isinstance(payload, DocumentUpserted):  # a tombstone keeps identity and sequence only
+        if not isinstance(payload, DocumentUpserted):  # a tombstone or revert keeps identity and sequence only
             return (
                 ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, None, None,
                 None, "{}", None, None, self._text_search_config, "", None, delta.seq, event_id,
+                state_after(delta).transparent,
             )  # fmt: skip
         doc = payload.document
         meta = doc.metadata
@@ -299,7 +303,7 @@ class PostgresProjectionStore:
             meta.symbol_key, meta.symbol_kind, meta.symbol_fqn, meta.content_hash, meta.file_path,
             meta.chunk_level, meta.provenance, json.dumps(meta.model_dump(mode="json", exclude_none=True)),
             embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
-            delta.seq, event_id,
+            delta.seq, event_id, False,
         )  # fmt: skip
 
 
@@ -309,38 +313,33 @@ def _ref(delta: Delta) -> EntityRef:
 
 def _states(kind: EntityKind, records: list[asyncpg.Record]) -> dict[EntityRef, RowState]:
     return {
-        EntityRef(r["workspace"], r["branch"], kind, r["key"]): RowState(r["stream_seq"], r["deleted"]) for r in records
+        EntityRef(r["workspace"], r["branch"], kind, r["key"]): RowState(
+            r["stream_seq"], r["deleted"], r["transparent"]
+        )
+        for r in records
     }
 
 
 def _node_row(ref: EntityRef, delta: Delta) -> tuple[object, ...]:
     payload = delta.envelope.payload
+    state = state_after(delta)
     if isinstance(payload, NodeUpserted):
         node = payload.node
         return (
             ref.workspace, ref.branch, ref.key, False, node.domain, node.name, node.kind, list(node.interfaces),
-            node.description, delta.seq, delta.envelope.event_id,
+            node.description, delta.seq, delta.envelope.event_id, False,
         )  # fmt: skip
     return (
-        ref.workspace,
-        ref.branch,
-        ref.key,
-        True,
-        None,
-        None,
-        None,
-        [],
-        None,
-        delta.seq,
-        delta.envelope.event_id,
-    )
+        ref.workspace, ref.branch, ref.key, True, None, None, None, [], None, delta.seq, delta.envelope.event_id,
+        state.transparent,
+    )  # fmt: skip
 
 
 def _link_row(ref: EntityRef, delta: Delta) -> tuple[object, ...]:
     payload = delta.envelope.payload
-    assert isinstance(payload, LinkAdded | LinkRemoved)
-    link = payload.link
+    assert isinstance(payload, LinkAdded | LinkRemoved | LinkReverted)
+    link, state = payload.link, state_after(delta)
     return (
-        ref.workspace, ref.branch, link.source_type, link.name, link.target_type, isinstance(payload, LinkRemoved),
-        delta.seq, delta.envelope.event_id,
+        ref.workspace, ref.branch, link.source_type, link.name, link.target_type, state.deleted, delta.seq,
+        delta.envelope.event_id, state.transparent,
     )  # fmt: skip

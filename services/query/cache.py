@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -49,12 +50,15 @@ class VersionedCache(Generic[V]):
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
 
-    def invalidate_stale(self, workspace: str, branch: str, current_version: str) -> int:
-        """Drop the answers of (workspace, branch) made from any other version; returns how many."""
+    def invalidate_stale(self, workspace: str, current_version: Callable[[str], str]) -> int:
+        """Drop the workspace's answers made from another version than their branch's current one.
+
+        A branch answer's version includes main's, so a new main version makes the branches' answers stale too.
+        """
         stale = [
             key
             for key in self._entries
-            if key.workspace == workspace and key.branch == branch and key.ontology_version != current_version
+            if key.workspace == workspace and key.ontology_version != current_version(key.branch)
         ]
         for key in stale:
             del self._entries[key]

@@ -9,18 +9,19 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ontofabric.contracts import FoundBy, OntologyQuery, QueryMeta, QueryResponse, SearchResult
-from ontofabric.contracts.query import FusionOptions, FusionReport, QueryOptions
+from ontofabric.contracts.query import ExpandedContext, FusionOptions, FusionReport, QueryOptions
 from ontofabric.shared.embedder import Embedder, Vector
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, VersionedCache, stable_hash
 from .fusion import Candidate, Fused, fuse, keyword_gap
+from .graph import GraphCache, GraphRows, expand
 from .hints import reads_as_relationship_question
 from .postgres import Fetched, Hits, Scope, StoredDocument
 from .rerankers import Reranker
@@ -45,6 +46,10 @@ class Retrieval(Protocol):
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits: ...
 
     async def fetch(self, scope: Scope, ids: list[str]) -> Fetched: ...
+
+    async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
+
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> dict[str, str]: ...
 
 
 class VersionSource(Protocol):
@@ -76,6 +81,7 @@ class _Answer:
     fusion: FusionReport | None
     reranked: bool = False
     signals: dict[str, float] = field(default_factory=dict)
+    expanded: list[ExpandedContext] = field(default_factory=list)
 
 
 @dataclass
@@ -133,6 +139,7 @@ class QueryPipeline:
         reranker: Reranker | None = None,
     ) -> None:
         self._retrieval = retrieval
+        self._graphs = GraphCache(retrieval.graph_rows)
         self._reranker = reranker
         self._embedder = embedder
         self._versions = versions
@@ -160,8 +167,11 @@ class QueryPipeline:
         return self._respond(query, workspace, answer, False, clock, started)
 
     async def _retrieve(self, query: OntologyQuery, workspace: str, clock: _Stopwatch) -> _Answer:
-        scope = Scope(workspace, query.branch, query.object_type, query.chunk_level, query.provenance)
         degraded: list[str] = []
+        object_types = None
+        if query.object_type is not None:
+            object_types = await clock.time("narrowing", self._narrow(query, workspace, degraded))
+        scope = Scope(workspace, query.branch, object_types, query.chunk_level, query.provenance)
         options = query.options or QueryOptions()
         wanted = set(options.retrievers or ("dense", "keyword"))
         k = options.candidates or self._config.retriever_top_k
@@ -223,6 +233,9 @@ class QueryPipeline:
             )
             if rank <= query.top_k
         ]
+        expanded: list[ExpandedContext] = []
+        if query.follow_links and results:
+            expanded = await clock.time("expansion", self._expand(scope, fetched.version, results, degraded))
         read_versions = {hits.version for hits in lists.values()} | {fetched.version}
         if len(read_versions) > 1 or len(documents) < len(fused):
             # A commit landed between the statements: the answer mixes two states. Say so; it is not cached.
@@ -240,7 +253,43 @@ class QueryPipeline:
             could_benefit=not query.follow_links and reads_as_relationship_question(query.semantic_query),
             fusion=FusionReport(method=fusion.method, parameters=fusion.parameters) if fusion else None,
             signals=signals,
+            expanded=expanded,
         )
+
+    async def _narrow(self, query: OntologyQuery, workspace: str, degraded: list[str]) -> tuple[str, ...]:
+        """The requested objectType and, through the graph, its subtypes and implementors."""
+        assert query.object_type is not None
+        try:
+            graph = await self._graphs.get(workspace, query.branch, self._versions.current(workspace, query.branch))
+        except Exception as error:
+            log.warning("graph_load_failed", error=f"{type(error).__name__}: {error}")
+            degraded.append("objectTypeNarrowing")
+            return (query.object_type,)
+        return tuple(sorted(graph.with_subtypes(query.object_type)))
+
+    async def _expand(
+        self, scope: Scope, version: str, results: list[SearchResult], degraded: list[str]
+    ) -> list[ExpandedContext]:
+        """1-hop graph expansion (seed 000 DR-6): linked types of the hits' types, each with a representative."""
+        try:
+            graph = await self._graphs.get(scope.workspace, scope.branch, version)
+            expansions = expand(graph, [(r.id, r.object_type) for r in results])
+            representatives = await self._retrieval.representatives(scope, [e.linked_type for e in expansions])
+        except Exception as error:
+            log.warning("graph_expansion_failed", error=f"{type(error).__name__}: {error}")
+            degraded.append("graphExpansion")
+            return []
+        return [
+            ExpandedContext(
+                linked_type=e.linked_type,
+                link_name=e.link_name,
+                direction=e.direction,
+                linked_from_type=e.linked_from_type,
+                linked_from_document_id=e.linked_from_document_id,
+                representative_document_id=representatives.get(e.linked_type),
+            )
+            for e in expansions
+        ]
 
     async def _maybe_rerank(
         self,
@@ -292,6 +341,7 @@ class QueryPipeline:
             cache_hit=cache_hit,
             degraded=list(answer.degraded),
             could_benefit_from_link_expansion=answer.could_benefit,
+            expanded_context=answer.expanded,
             backend=self._retrieval.backend,
             retrievers=answer.retrievers,
             fusion=answer.fusion,
@@ -311,7 +361,8 @@ class QueryPipeline:
         return QueryResponse(results=answer.results, meta=meta)
 
     def invalidate(self, workspace: str, branch: str, version: str) -> None:
-        dropped = self._cache.invalidate_stale(workspace, branch, version)
+        """A version moved: drop the workspace's answers and graphs that no longer match (main moves them all)."""
+        dropped = self._cache.invalidate_stale(workspace, lambda b: self._versions.current(workspace, b))
         if dropped:
             log.info("cache_invalidated", workspace=workspace, branch=branch, entries=dropped)
 

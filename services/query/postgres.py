@@ -1,7 +1,12 @@
-"""Postgres adapter of the query worker: dense (pgvector HNSW) and keyword (tsvector) retrieval, document fetch.
+"""Postgres adapter of the query worker: dense (pgvector HNSW) and keyword (BM25) retrieval, document fetch,
+the ontology graph and representative documents for graph expansion.
 
 Both retrievers apply the same filters inside the index scan, so a filter never empties a top-k that the
 unfiltered index would have filled (pgvector iterative scans keep walking the HNSW graph until enough rows pass).
+
+A branch stores only its delta over main. A query on branch B reads main ⊕ B: B's rows, and main's rows that B
+does not shadow (a B row with the same id, or with the same symbol key, hides main's; transparent B rows, left by a
+revert, hide nothing). A query on main reads main's rows only.
 """
 
 from __future__ import annotations
@@ -14,21 +19,34 @@ from typing import Any
 
 import asyncpg
 
-from ontofabric.contracts import NO_VERSION
+from ontofabric.contracts import NO_VERSION, format_version, overlay_version
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.db import Connection
 from ontofabric.shared.embedder import Vector
 
 from .fusion import Candidate
+from .graph import GraphRows, LinkRow, NodeRow
+
+MAIN = "main"
 
 
 @dataclass(frozen=True)
 class Scope:
     workspace: str
     branch: str
-    object_type: str | None = None
+    object_types: tuple[str, ...] | None = None
+    """Restrict to these object types (a requested type and its subtypes); None: any."""
     chunk_level: str | None = None
     provenance: str | None = None
+
+    @property
+    def branches(self) -> list[str]:
+        """The branches whose rows the scope reads: main, and the branch overlaid on it."""
+        return [MAIN] if self.branch == MAIN else [MAIN, self.branch]
+
+    @property
+    def filtered(self) -> bool:
+        return self.object_types is not None or self.chunk_level is not None or self.provenance is not None
 
 
 @dataclass(frozen=True)
@@ -40,22 +58,36 @@ class StoredDocument:
     metadata: dict[str, Any]
 
 
-def where_clause(scope: Scope, first_parameter: int) -> tuple[str, list[Any]]:
-    """SQL conditions for a scope and their parameters, numbered from ``first_parameter``."""
+# Main's document ids a branch hides: same id, or same symbol key, as a non-transparent row of the branch.
+_SHADOWED = """
+    SELECT m.id FROM documents b JOIN documents m
+      ON m.workspace = b.workspace AND m.branch = 'main'
+     AND (m.id = b.id OR (b.symbol_key IS NOT NULL AND m.symbol_key = b.symbol_key))
+    WHERE b.workspace = {workspace} AND b.branch = {branch} AND NOT b.transparent"""
+
+
+def where_clause(scope: Scope, first_parameter: int, alias: str = "") -> tuple[str, list[Any]]:
+    """SQL conditions selecting the visible, live, matching documents of a scope, with their parameters
+    numbered from ``first_parameter``. ``alias`` qualifies the documents columns (``d.``)."""
     parameters: list[Any] = []
 
     def parameter(value: Any) -> str:
         parameters.append(value)
         return f"${first_parameter + len(parameters) - 1}"
 
-    conditions = [f"workspace = {parameter(scope.workspace)}", f"branch = {parameter(scope.branch)}", "NOT deleted"]
-    for column, value in (
-        ("object_type", scope.object_type),
-        ("chunk_level", scope.chunk_level),
-        ("provenance", scope.provenance),
-    ):
+    workspace = parameter(scope.workspace)
+    conditions = [f"{alias}workspace = {workspace}", f"NOT {alias}deleted"]
+    if scope.branch == MAIN:
+        conditions.append(f"{alias}branch = 'main'")
+    else:
+        branch = parameter(scope.branch)
+        shadowed = _SHADOWED.format(workspace=workspace, branch=branch)
+        conditions.append(f"({alias}branch = {branch} OR ({alias}branch = 'main' AND {alias}id NOT IN ({shadowed})))")
+    if scope.object_types is not None:
+        conditions.append(f"{alias}object_type = ANY({parameter(list(scope.object_types))}::text[])")
+    for column, value in (("chunk_level", scope.chunk_level), ("provenance", scope.provenance)):
         if value is not None:
-            conditions.append(f"{column} = {parameter(value)}")
+            conditions.append(f"{alias}{column} = {parameter(value)}")
     return " AND ".join(conditions), parameters
 
 
@@ -75,12 +107,6 @@ class Fetched:
     version: str
 
 
-# The version label of contracts.versions.format_version, computed where the data is.
-_VERSION = """
-SELECT stream_seq || '-' || lpad(to_hex(state_hash), 16, '0') FROM ontology_versions
-WHERE workspace = $1 AND branch = $2"""
-
-
 class PostgresRetrieval:
     """Each call reads one snapshot (a read-only repeatable-read transaction) and says which version it saw."""
 
@@ -98,8 +124,14 @@ class PostgresRetrieval:
     @contextlib.asynccontextmanager
     async def _snapshot(self, scope: Scope) -> AsyncIterator[tuple[Connection, str]]:
         async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-            version = await conn.fetchval(_VERSION, scope.workspace, scope.branch)
-            yield conn, version or NO_VERSION
+            rows = await conn.fetch(
+                "SELECT branch, state_hash, stream_seq FROM ontology_versions"
+                " WHERE workspace = $1 AND branch = ANY($2::text[])",
+                scope.workspace,
+                scope.branches,
+            )
+            versions = {r["branch"]: format_version(r["state_hash"], r["stream_seq"]) for r in rows}
+            yield conn, overlay_version(versions.get(MAIN, NO_VERSION), scope.branch, versions.get(scope.branch))
 
     async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
         where, parameters = where_clause(scope, 3)
@@ -117,10 +149,23 @@ class PostgresRetrieval:
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version)
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
-        """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut."""
-        filtered, parameters = "", list[Any]()
-        if scope.object_type or scope.chunk_level or scope.provenance:
-            where, parameters = where_clause(scope, 8)
+        """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
+
+        On a branch, N, the average length and document frequencies add up main's and the branch's rows (main's
+        rows the branch shadows are counted too): an approximation that is exact on main and close while a
+        branch's delta is small beside main.
+        """
+        parameters: list[Any] = [
+            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b
+        ]  # fmt: skip
+        shadowed = "'{}'::text[]"
+        if scope.branch != MAIN:
+            parameters.append(scope.branch)
+            shadowed = f"ARRAY({_SHADOWED.format(workspace='$4', branch=f'${len(parameters)}')})"
+        filtered = ""
+        if scope.filtered:
+            where, more = where_clause(scope, len(parameters) + 1)
+            parameters += more
             filtered = f"AND EXISTS (SELECT 1 FROM documents WHERE id = s.id AND {where})"
         # Every postings read is an index range scan on (workspace, branch, term): LATERAL, kept from being
         # flattened into a join by OFFSET 0, makes it so even before the planner has statistics of a partition.
@@ -129,44 +174,44 @@ class PostgresRetrieval:
         sql = f"""
             WITH terms AS (SELECT lexeme AS term FROM unnest(index_tsvector($1::regconfig, $2))),
             stats AS (
-                SELECT greatest(doc_count, 1)::float8 AS n,
-                       greatest(total_length, 1)::float8 / greatest(doc_count, 1) AS avgdl
-                FROM ontology_versions WHERE workspace = $4 AND branch = $5),
+                SELECT greatest(sum(doc_count), 1)::float8 AS n,
+                       greatest(sum(total_length), 1)::float8 / greatest(sum(doc_count), 1) AS avgdl
+                FROM ontology_versions WHERE workspace = $4 AND branch = ANY($5::text[])),
+            hidden AS (SELECT {shadowed} AS ids),
             idf AS (
                 SELECT t.term, ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS idf
                 FROM terms t CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT count(*) AS df FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = $5 AND p.term = t.term) f
+                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = t.term) f
                 WHERE f.df > 0),
             scored AS (
                 SELECT p.doc_id AS id,
                        sum(i.idf * p.tf * ($6::float8 + 1)
                            / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
-                FROM idf i CROSS JOIN stats st
+                FROM idf i CROSS JOIN stats st CROSS JOIN hidden h
                 CROSS JOIN LATERAL (
-                    SELECT doc_id, tf, doc_length FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = $5 AND p.term = i.term
+                    SELECT branch, doc_id, tf, doc_length FROM postings p
+                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = i.term
                     OFFSET 0) p
+                WHERE NOT (p.branch = 'main' AND p.doc_id = ANY(h.ids))
                 GROUP BY p.doc_id)
             SELECT s.id, s.score, (SELECT sum(idf) FROM idf) * ($6::float8 + 1) AS ceiling
             FROM scored s
             WHERE true {filtered}
             ORDER BY s.score DESC, s.id LIMIT $3"""
-        analysed = analyse(text)
         async with self._snapshot(scope) as (conn, version):
-            rows = await conn.fetch(
-                sql, self._config, analysed, limit, scope.workspace, scope.branch, self._k1, self._b, *parameters
-            )
+            rows = await conn.fetch(sql, *parameters)
         ceiling = float(rows[0]["ceiling"]) if rows else None
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version, ceiling)
 
     async def fetch(self, scope: Scope, ids: Sequence[str]) -> Fetched:
-        sql = """
+        where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2)
+        sql = f"""
             SELECT id, content, object_type, source_domain, metadata FROM documents
-            WHERE workspace = $1 AND branch = $2 AND id = ANY($3::text[]) AND NOT deleted"""
+            WHERE id = ANY($1::text[]) AND {where}"""
         async with self._snapshot(scope) as (conn, version):
-            rows = await conn.fetch(sql, scope.workspace, scope.branch, list(ids))
+            rows = await conn.fetch(sql, list(ids), *parameters)
         documents = {
             r["id"]: StoredDocument(
                 r["id"], r["content"], r["object_type"], r["source_domain"], json.loads(r["metadata"])
@@ -174,3 +219,45 @@ class PostgresRetrieval:
             for r in rows
         }
         return Fetched(documents, version)
+
+    async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
+        """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""
+        branches = [MAIN] if branch == MAIN else [MAIN, branch]
+        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            nodes = await conn.fetch(
+                "SELECT branch, object_type, kind, interfaces, deleted, transparent FROM ontology_nodes"
+                " WHERE workspace = $1 AND branch = ANY($2::text[])",
+                workspace,
+                branches,
+            )
+            links = await conn.fetch(
+                "SELECT branch, source_type, link_name, target_type, deleted, transparent FROM ontology_links"
+                " WHERE workspace = $1 AND branch = ANY($2::text[])",
+                workspace,
+                branches,
+            )
+        return GraphRows(
+            nodes=[
+                NodeRow(r["branch"], r["object_type"], r["kind"], tuple(r["interfaces"] or ()), r["deleted"],
+                        r["transparent"])
+                for r in nodes
+            ],
+            links=[
+                LinkRow(r["branch"], r["source_type"], r["link_name"], r["target_type"], r["deleted"],
+                        r["transparent"])
+                for r in links
+            ],
+        )  # fmt: skip
+
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> dict[str, str]:
+        """One document per object type: a type-level chunk if there is one, else a method-level one."""
+        if not object_types:
+            return {}
+        where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2)
+        sql = f"""
+            SELECT DISTINCT ON (object_type) object_type, id FROM documents
+            WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
+            ORDER BY object_type, chunk_level = 'method', id"""
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(sql, list(object_types), *parameters)
+        return {r["object_type"]: r["id"] for r in rows}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
-from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
+from ontofabric.contracts import NO_VERSION, OntologyVersionChanged, overlay_version
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
@@ -36,7 +36,9 @@ class VersionTracker:
         self._on_change = listener
 
     def current(self, workspace: str, branch: str) -> str:
-        return self._versions.get((workspace, branch), NO_VERSION)
+        """The announced version of what a query on ``branch`` reads (main ⊕ branch)."""
+        main = self._versions.get((workspace, "main"), NO_VERSION)
+        return overlay_version(main, branch, self._versions.get((workspace, branch)))
 
     async def start(self, timeout_s: float = 30.0) -> None:
         self._task = asyncio.create_task(self._watch_forever(), name="version-watch")

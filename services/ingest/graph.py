@@ -1,0 +1,201 @@
+"""The ontology graph of a Python tree (pure): modules and classes as nodes; inheritance, imports between
+modules, and calls whose callee resolves statically, as links between the types that hold them.
+
+Names resolve within the ingested tree only: a base class or callee from outside it is no node and no link (an
+outside base still shows among a class's interfaces, by the name it is written with). An absolute import that
+names the tree through a package prefix it does not contain (``ontofabric.services.x`` for ``services/x.py``)
+resolves by its longest known suffix.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from .chunking import module_name, object_type_name
+
+IMPORTS, INHERITS, CALLS = "imports", "inherits", "calls"
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    domain: str
+    name: str
+    kind: str
+    interfaces: tuple[str, ...] = ()
+
+    @property
+    def object_type(self) -> str:
+        return f"{self.domain}.{self.name}" if self.domain else self.name
+
+
+@dataclass(frozen=True, order=True)
+class GraphLink:
+    source_type: str
+    name: str
+    target_type: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.source_type}|{self.name}|{self.target_type}"
+
+
+@dataclass
+class _Module:
+    fqn: str
+    object_type: str
+    tree: ast.Module
+    is_package: bool
+    defs: dict[str, str] = field(default_factory=dict)
+    """Top-level name -> object type it belongs to (a class's own type; a function's module type)."""
+    imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """Local name -> (module as written, imported symbol or None for the module itself)."""
+
+
+def _split(object_type: str) -> tuple[str, str]:
+    domain, _, name = object_type.rpartition(".")
+    return domain, name
+
+
+def _classes(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.ClassDef]]:
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            qualname = f"{prefix}{node.name}"
+            yield qualname, node
+            yield from _classes(node.body, f"{qualname}.")
+
+
+class _Resolver:
+    def __init__(self, modules: Mapping[str, _Module]) -> None:
+        self._modules = modules
+
+    def module(self, dotted: str) -> _Module | None:
+        parts = dotted.split(".")
+        for start in range(len(parts)):
+            found = self._modules.get(".".join(parts[start:]))
+            if found is not None:
+                return found
+        return None
+
+    def absolute(self, module: _Module, written: str, level: int) -> str:
+        if level == 0:
+            return written
+        package = module.fqn.split(".") if module.is_package else module.fqn.split(".")[:-1]
+        base = package[: len(package) - (level - 1)] if level > 1 else package
+        return ".".join([*base, written] if written else base)
+
+    def symbol(self, module: _Module, name: str) -> str | None:
+        """The object type a top-level name of ``module`` refers to, defined there or imported into it."""
+        if name in module.defs:
+            return module.defs[name]
+        if name not in module.imports:
+            return None
+        written, symbol = module.imports[name]
+        target = self.module(written)
+        if target is None:
+            return None
+        if symbol is None:
+            return target.object_type
+        if symbol in target.defs:
+            return target.defs[symbol]
+        submodule = self.module(f"{written}.{symbol}")
+        return submodule.object_type if submodule is not None else None
+
+    def imported_module(self, module: _Module, local: str) -> _Module | None:
+        """The tree module a local name stands for (``import x.y as local`` or ``from x import local``)."""
+        if local not in module.imports:
+            return None
+        written, symbol = module.imports[local]
+        return self.module(written if symbol is None else f"{written}.{symbol}")
+
+    def expression(self, module: _Module, node: ast.expr) -> str | None:
+        """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
+        if isinstance(node, ast.Name):
+            return self.symbol(module, node.id)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            target = self.imported_module(module, node.value.id)
+            if target is None:
+                return None
+            if node.attr in target.defs:
+                return target.defs[node.attr]
+            submodule = self.module(f"{target.fqn}.{node.attr}")
+            return submodule.object_type if submodule is not None else None
+        return None
+
+
+def python_graph(sources: Mapping[str, str]) -> tuple[list[GraphNode], list[GraphLink]]:
+    """Nodes and links of the Python files ``sources`` (relative path -> text)."""
+    modules: dict[str, _Module] = {}
+    for path, source in sorted(sources.items()):
+        if not path.endswith(".py"):
+            continue
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        fqn = module_name(path)
+        modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"))
+    resolver = _Resolver(modules)
+    for module in modules.values():
+        for statement in module.tree.body:
+            if isinstance(statement, ast.ClassDef):
+                module.defs[statement.name] = object_type_name(f"{module.fqn}.{statement.name}")
+            elif isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+                module.defs[statement.name] = module.object_type
+        for found in ast.walk(module.tree):
+            if isinstance(found, ast.Import):
+                for alias in found.names:
+                    local = alias.asname or alias.name.split(".")[0]
+                    module.imports[local] = (alias.name if alias.asname else alias.name.split(".")[0], None)
+            elif isinstance(found, ast.ImportFrom):
+                written = resolver.absolute(module, found.module or "", found.level)
+                for alias in found.names:
+                    if alias.name != "*":
+                        module.imports[alias.asname or alias.name] = (written, alias.name)
+
+    nodes: dict[str, GraphNode] = {}
+    links: set[GraphLink] = set()
+
+    def link(source: str, name: str, target: str | None) -> None:
+        if target is not None and target != source and target in nodes:
+            links.add(GraphLink(source, name, target))
+
+    for module in modules.values():
+        nodes[module.object_type] = GraphNode(*_split(module.object_type), kind="module")
+        for qualname, cls in _classes(module.tree.body):
+            bases = [resolver.expression(module, b) or ast.unparse(b) for b in cls.bases]
+            object_type = object_type_name(f"{module.fqn}.{qualname}")
+            interfaces = tuple(object_type_name(b) for b in bases if b)
+            nodes[object_type] = GraphNode(_split(object_type)[0], _split(object_type)[1], "class", interfaces)
+    for module in modules.values():
+        for found in ast.walk(module.tree):
+            if isinstance(found, ast.Import):
+                for alias in found.names:
+                    target = resolver.module(alias.name)
+                    link(module.object_type, IMPORTS, target.object_type if target else None)
+            elif isinstance(found, ast.ImportFrom):
+                written = resolver.absolute(module, found.module or "", found.level)
+                target = resolver.module(written)
+                link(module.object_type, IMPORTS, target.object_type if target else None)
+                for alias in found.names:
+                    submodule = resolver.module(f"{written}.{alias.name}")
+                    if submodule is not None and target is not None and submodule.fqn.startswith(target.fqn):
+                        link(module.object_type, IMPORTS, submodule.object_type)
+        for qualname, cls in _classes(module.tree.body):
+            object_type = object_type_name(f"{module.fqn}.{qualname}")
+            for base in cls.bases:
+                link(object_type, INHERITS, resolver.expression(module, base))
+        for owner, body in _callers(module):
+            for call in (n for statement in body for n in ast.walk(statement) if isinstance(n, ast.Call)):
+                link(owner, CALLS, resolver.expression(module, call.func))
+    return sorted(nodes.values(), key=lambda n: n.object_type), sorted(links)
+
+
+def _callers(module: _Module) -> Iterator[tuple[str, list[ast.stmt]]]:
+    """(type the code belongs to, statements): module-level code and functions, and each class's body."""
+    top = [n for n in module.tree.body if not isinstance(n, ast.ClassDef)]
+    yield module.object_type, top
+    for qualname, cls in _classes(module.tree.body):
+        members = [n for n in cls.body if not isinstance(n, ast.ClassDef)]
+        yield object_type_name(f"{module.fqn}.{qualname}"), members

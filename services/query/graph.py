@@ -1,0 +1,153 @@
+"""The ontology graph as the query worker holds it: main ⊕ branch, subtypes for objectType narrowing, and the
+1-hop neighbourhood for graph expansion (pure; the rows come from Postgres).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+MAIN = "main"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    branch: str
+    object_type: str
+    kind: str | None
+    interfaces: tuple[str, ...]
+    deleted: bool
+    transparent: bool
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    branch: str
+    source_type: str
+    link_name: str
+    target_type: str
+    deleted: bool
+    transparent: bool
+
+
+@dataclass(frozen=True)
+class GraphRows:
+    nodes: list[NodeRow]
+    links: list[LinkRow]
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    linked_type: str
+    link_name: str
+    direction: Literal["outgoing", "incoming"]
+
+
+@dataclass
+class OntologyGraph:
+    kinds: dict[str, str | None] = field(default_factory=dict)
+    interfaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    links: set[tuple[str, str, str]] = field(default_factory=set)
+    _subtypes: dict[str, set[str]] = field(default_factory=dict)
+    _neighbours: dict[str, list[Neighbour]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for object_type, bases in self.interfaces.items():
+            for base in bases:
+                self._subtypes.setdefault(base, set()).add(object_type)
+        for source, name, target in sorted(self.links):
+            self._neighbours.setdefault(source, []).append(Neighbour(target, name, "outgoing"))
+            self._neighbours.setdefault(target, []).append(Neighbour(source, name, "incoming"))
+
+    def with_subtypes(self, object_type: str) -> set[str]:
+        """The type and every type that implements or derives from it, transitively."""
+        found = {object_type}
+        frontier = [object_type]
+        while frontier:
+            for sub in self._subtypes.get(frontier.pop(), ()):
+                if sub not in found:
+                    found.add(sub)
+                    frontier.append(sub)
+        return found
+
+    def neighbours(self, object_type: str) -> list[Neighbour]:
+        """Types one link away, both directions, in a stable order."""
+        return self._neighbours.get(object_type, [])
+
+
+def overlay(rows: GraphRows, branch: str) -> OntologyGraph:
+    """main ⊕ branch: the branch's rows replace main's with the same key; its tombstones remove them; its
+    transparent rows (reverts) leave main's as they are. On main, only main's live rows count."""
+    nodes: dict[str, NodeRow] = {}
+    links: dict[tuple[str, str, str], LinkRow] = {}
+    for layer in (MAIN, branch) if branch != MAIN else (MAIN,):
+        for node in (n for n in rows.nodes if n.branch == layer and not n.transparent):
+            nodes.pop(node.object_type, None)
+            if not node.deleted:
+                nodes[node.object_type] = node
+        for link in (k for k in rows.links if k.branch == layer and not k.transparent):
+            key = (link.source_type, link.link_name, link.target_type)
+            links.pop(key, None)
+            if not link.deleted:
+                links[key] = link
+    return OntologyGraph(
+        kinds={t: n.kind for t, n in nodes.items()},
+        interfaces={t: n.interfaces for t, n in nodes.items()},
+        links=set(links),
+    )
+
+
+@dataclass(frozen=True)
+class Expansion:
+    linked_type: str
+    link_name: str
+    direction: Literal["outgoing", "incoming"]
+    linked_from_type: str
+    linked_from_document_id: str
+
+
+def expand(graph: OntologyGraph, hits: Sequence[tuple[str, str]]) -> list[Expansion]:
+    """One hop from the types of the top hits (document id, object type), in rank order.
+
+    Each linked type appears once, from the best-ranked hit that reaches it; the hits' own types are not context.
+    """
+    own_types = {object_type for _, object_type in hits}
+    seen: set[str] = set()
+    expansions: list[Expansion] = []
+    for document_id, object_type in hits:
+        for neighbour in graph.neighbours(object_type):
+            if neighbour.linked_type in own_types or neighbour.linked_type in seen:
+                continue
+            seen.add(neighbour.linked_type)
+            expansions.append(
+                Expansion(neighbour.linked_type, neighbour.link_name, neighbour.direction, object_type, document_id)
+            )
+    return expansions
+
+
+class GraphCache:
+    """Graphs per (workspace, branch, ontologyVersion), loaded once and kept for the next queries."""
+
+    def __init__(self, load: Callable[[str, str], Awaitable[GraphRows]], max_graphs: int = 32) -> None:
+        self._load = load
+        self._max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple[str, str, str], OntologyGraph] = OrderedDict()
+
+    async def get(self, workspace: str, branch: str, version: str) -> OntologyGraph:
+        key = (workspace, branch, version)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = overlay(await self._load(workspace, branch), branch)
+            self._graphs[key] = graph
+            while len(self._graphs) > self._max_graphs:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        return graph
+
+    def drop(self, workspace: str, keep: Iterable[tuple[str, str]] = ()) -> None:
+        """Forget the workspace's graphs except those keyed (branch, version) in ``keep``."""
+        kept = set(keep)
+        for key in [k for k in self._graphs if k[0] == workspace and (k[1], k[2]) not in kept]:
+            del self._graphs[key]

@@ -1,0 +1,241 @@
+"""Graph narrowing, 1-hop expansion and the main ⊕ branch overlay, end to end against the real servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from ontofabric.contracts import (
+    DeltaEnvelope,
+    DocumentReverted,
+    LinkAdded,
+    LinkRemoved,
+    NodeUpserted,
+    OntologyLink,
+    OntologyNode,
+    OntologyQuery,
+    QueryResponse,
+)
+from ontofabric.services.ingest.client import envelope
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.cache import VersionedCache
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
+from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.embedder import Embedder
+
+from .conftest import Deployment
+from .factories import delete, document, upsert
+from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
+
+
+@pytest.fixture
+async def worker(deployment: Deployment, projector: ProjectorService, embedder: Embedder) -> AsyncIterator[QueryClient]:
+    settings = deployment.settings.model_copy(update={"query_cache_entries": 0})  # every answer read fresh
+    service = QueryService(settings, deployment.nats_url, deployment.database_url, embedder)
+    await service.start()
+    yield QueryClient(deployment.nc, deployment.names)
+    await service.stop()
+
+
+def _doc(
+    embedder: Embedder, doc_id: str, content: str, object_type: str, level: str = "method", key: str = ""
+) -> object:
+    vector = [float(x) for x in embedder.embed_documents([content])[0]]
+    extra = {"symbolKey": key} if key else {}
+    return document(doc_id, content, object_type=object_type, chunk_level=level, embedding=vector, **extra)
+
+
+async def _publish(deployment: Deployment, deltas: Sequence[DeltaEnvelope]) -> None:
+    acks = await deployment.publisher.publish_many(deltas)
+    await deployment.wait_projected(acks[-1].seq)
+
+
+async def _ask(client: QueryClient, text: str, **params: object) -> QueryResponse:
+    reply = await client.query("acme", {"semanticQuery": text, "topK": 20, "precision": False, **params})
+    assert isinstance(reply, QueryResponse), reply
+    return reply
+
+
+def _node(object_type: str, *interfaces: str, branch: str = "main") -> DeltaEnvelope:
+    domain, _, name = object_type.rpartition(".")
+    node = OntologyNode(domain=domain, name=name, kind="class", interfaces=list(interfaces))
+    return envelope("acme", NodeUpserted(node=node), branch=branch)
+
+
+def _link(source: str, name: str, target: str, branch: str = "main", removed: bool = False) -> DeltaEnvelope:
+    link = OntologyLink(source_type=source, name=name, target_type=target)
+    return envelope("acme", LinkRemoved(link=link) if removed else LinkAdded(link=link), branch=branch)
+
+
+async def test_a_subtype_is_found_through_its_interface(
+    deployment: Deployment, embedder: Embedder, worker: QueryClient
+) -> None:
+    await _publish(
+        deployment,
+        [
+            _node("shop.Repository"),
+            _node("shop.OrderRepository", "shop.Repository"),
+            _node("shop.CachedOrders", "shop.OrderRepository"),
+            _node("shop.Unrelated"),
+            upsert("acme", _doc(embedder, "base", "save an item in the repository", "shop.Repository")),
+            upsert("acme", _doc(embedder, "impl", "save an order in the repository", "shop.OrderRepository")),
+            upsert("acme", _doc(embedder, "deep", "save cached orders in the repository", "shop.CachedOrders")),
+            upsert("acme", _doc(embedder, "other", "save a picture in the repository", "shop.Unrelated")),
+        ],
+    )
+    reply = await _ask(worker, "save in the repository", objectType="shop.Repository")
+    assert {r.id for r in reply.results} == {"base", "impl", "deep"}
+    assert {f.retriever for r in reply.results for f in r.found_by} == {"dense", "keyword"}
+    exact = await _ask(worker, "save in the repository", objectType="shop.CachedOrders")
+    assert [r.id for r in exact.results] == ["deep"]
+
+
+async def test_expansion_attaches_one_representative_per_linked_type(
+    deployment: Deployment, embedder: Embedder, worker: QueryClient
+) -> None:
+    await _publish(
+        deployment,
+        [
+            _node("app.Checkout"),
+            _node("app.Cart"),
+            _node("app.Prices"),
+            _node("app.Audit"),
+            _link("app.Checkout", "calls", "app.Prices"),
+            _link("app.Cart", "calls", "app.Prices"),
+            _link("app.Audit", "imports", "app.Checkout"),
+            _link("app.Checkout", "calls", "app.Ghost"),  # a linked type nothing is indexed for
+            upsert("acme", _doc(embedder, "checkout", "checkout pays for the cart", "app.Checkout")),
+            upsert("acme", _doc(embedder, "cart", "cart holds items to pay for", "app.Cart")),
+            upsert("acme", _doc(embedder, "prices-type", "class Prices: price list", "app.Prices", "type")),
+            upsert("acme", _doc(embedder, "prices-method", "def price(item): look up", "app.Prices")),
+            upsert("acme", _doc(embedder, "audit", "audit trail of payments", "app.Audit", "method")),
+        ],
+    )
+    plain = await _ask(worker, "pay for the cart", topK=2)
+    assert plain.meta.expanded_context == []
+    reply = await _ask(worker, "pay for the cart", topK=2, followLinks=True)
+    assert {r.id for r in reply.results} == {"checkout", "cart"}
+    context = {c.linked_type: c for c in reply.meta.expanded_context}
+    assert set(context) == {"app.Prices", "app.Audit", "app.Ghost"}  # Prices once, though both hits link to it
+    assert context["app.Prices"].representative_document_id == "prices-type"  # a type chunk before a method one
+    assert context["app.Prices"].link_name == "calls"
+    assert context["app.Audit"].direction == "incoming"
+    assert context["app.Audit"].representative_document_id == "audit"
+    assert context["app.Ghost"].representative_document_id is None  # the node appears, with no chunk
+    assert [r.id for r in reply.results] == [r.id for r in plain.results]  # context never re-ranks
+    assert "expansion" in reply.meta.timings_ms
+
+
+async def test_a_rename_on_a_branch_is_seen_from_main_and_from_the_branch(
+    deployment: Deployment, embedder: Embedder, worker: QueryClient
+) -> None:
+    await _publish(
+        deployment, [upsert("acme", _doc(embedder, "old", "compute the invoice total", "b.Billing", key="k:old"))]
+    )
+    await _publish(
+        deployment,
+        [
+            delete("acme", "old", branch="feature/rename"),
+            upsert(
+                "acme",
+                _doc(embedder, "new", "compute the invoice total", "b.Billing", key="k:new"),
+                branch="feature/rename",
+            ),
+        ],
+    )
+    on_main = await _ask(worker, "invoice total")
+    on_branch = await _ask(worker, "invoice total", branch="feature/rename")
+    assert [r.id for r in on_main.results] == ["old"]
+    assert [r.id for r in on_branch.results] == ["new"]
+    assert on_branch.meta.ontology_version.startswith(on_main.meta.ontology_version + "+")
+
+
+async def test_branch_versions_shadow_main_by_symbol_key_and_branches_stay_apart(
+    deployment: Deployment, embedder: Embedder, worker: QueryClient
+) -> None:
+    await _publish(
+        deployment,
+        [
+            upsert("acme", _doc(embedder, "m-tax", "alpha tax rules", "t.Tax", key="k:tax")),
+            upsert("acme", _doc(embedder, "m-keep", "alpha shipping rules", "t.Ship", key="k:ship")),
+        ],
+    )
+    await _publish(
+        deployment,
+        [
+            # Another id, the same symbol: the branch's version replaces main's on the branch.
+            upsert("acme", _doc(embedder, "b-tax", "beta tax rules", "t.Tax", key="k:tax"), branch="one"),
+            delete("acme", "m-keep", branch="one"),  # the branch deletes a document main still has
+            upsert("acme", _doc(embedder, "two-only", "gamma rules", "t.Other", key="k:two"), branch="two"),
+        ],
+    )
+    for retrievers in (["keyword"], ["dense"], ["dense", "keyword"]):
+        options = {"options": {"retrievers": retrievers}}
+        main = {r.id for r in (await _ask(worker, "alpha beta gamma tax shipping rules", **options)).results}
+        one = {
+            r.id for r in (await _ask(worker, "alpha beta gamma tax shipping rules", branch="one", **options)).results
+        }
+        two = {
+            r.id for r in (await _ask(worker, "alpha beta gamma tax shipping rules", branch="two", **options)).results
+        }
+        assert main == {"m-tax", "m-keep"}, retrievers
+        assert one == {"b-tax"}, retrievers
+        assert two == {"m-tax", "m-keep", "two-only"}, retrievers
+    shadowed = await _ask(worker, "alpha", branch="one", options={"retrievers": ["keyword"]})
+    assert [r.id for r in shadowed.results] == []  # main's alpha document is hidden by the branch's version
+
+
+async def test_a_revert_lets_main_show_through_again(
+    deployment: Deployment, embedder: Embedder, worker: QueryClient
+) -> None:
+    await _publish(deployment, [upsert("acme", _doc(embedder, "doc", "original text", "r.T", key="k:doc"))])
+    await _publish(deployment, [upsert("acme", _doc(embedder, "doc", "branch text", "r.T", key="k:doc"), branch="b")])
+    changed = await _ask(worker, "text", branch="b")
+    assert [r.content for r in changed.results] == ["branch text"]
+    await _publish(deployment, [envelope("acme", DocumentReverted(document_id="doc"), branch="b")])
+    reverted = await _ask(worker, "text", branch="b")
+    assert [r.content for r in reverted.results] == ["original text"]
+
+
+async def test_branch_graph_changes_overlay_main(
+    deployment: Deployment, embedder: Embedder, worker: QueryClient
+) -> None:
+    await _publish(
+        deployment,
+        [
+            _node("g.A"),
+            _node("g.B"),
+            _node("g.C"),
+            _link("g.A", "calls", "g.B"),
+            upsert("acme", _doc(embedder, "a", "alpha component", "g.A")),
+        ],
+    )
+    await _publish(
+        deployment, [_link("g.A", "calls", "g.B", branch="x", removed=True), _link("g.A", "calls", "g.C", branch="x")]
+    )
+    main = await _ask(worker, "alpha component", followLinks=True)
+    branch = await _ask(worker, "alpha component", followLinks=True, branch="x")
+    assert [c.linked_type for c in main.meta.expanded_context] == ["g.B"]
+    assert [c.linked_type for c in branch.meta.expanded_context] == ["g.C"]
+
+
+class BrokenGraph(ScriptedRetrieval):
+    async def graph_rows(self, workspace: str, branch: str) -> object:  # type: ignore[override]
+        raise ConnectionError("graph tables unreachable")
+
+
+async def test_a_failing_expansion_degrades_and_results_still_return() -> None:
+    pipeline = QueryPipeline(
+        BrokenGraph(),
+        FixedEmbedder(),
+        Announced("5-a"),
+        VersionedCache(0),
+        PipelineConfig(),
+    )
+    reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
+    assert reply.meta.degraded == ["graphExpansion"]
+    assert reply.results
+    narrowed = await pipeline.answer(OntologyQuery(semantic_query="anything", object_type="t.T"), "w")
+    assert narrowed.meta.degraded == ["objectTypeNarrowing"]

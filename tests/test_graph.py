@@ -1,0 +1,128 @@
+"""The ontology graph: extraction from Python sources, main ⊕ branch overlay, subtypes, 1-hop expansion, and
+the per-version graph cache (pure)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from ontofabric.services.ingest.graph import GraphLink, python_graph
+from ontofabric.services.query.graph import GraphCache, GraphRows, LinkRow, NodeRow, expand, overlay
+
+SOURCES = {
+    "shop/__init__.py": "",
+    "shop/base.py": textwrap.dedent(
+        """
+        class Repository:
+            def save(self, item):
+                raise NotImplementedError
+        """
+    ),
+    "shop/orders.py": textwrap.dedent(
+        """
+        from .base import Repository
+        from . import pricing
+        import shop.tax as tax
+
+        class OrderRepository(Repository):
+            def total(self, order):
+                return pricing.price(order) + tax.vat(order)
+
+        class CachedOrders(OrderRepository):
+            pass
+
+        def make():
+            return OrderRepository()
+        """
+    ),
+    "shop/pricing.py": "def price(order):\n    return 1\n",
+    "shop/tax.py": "from ontofabric.shop.pricing import price\n\ndef vat(order):\n    return price(order) * 0.2\n",
+}
+
+
+def test_python_graph_nodes_and_links() -> None:
+    nodes, links = python_graph(SOURCES)
+    by_type = {n.object_type: n for n in nodes}
+    assert by_type["shop.orders"].kind == "module"
+    assert by_type["shop.orders.OrderRepository"].kind == "class"
+    assert by_type["shop.orders.OrderRepository"].interfaces == ("shop.base.Repository",)
+    assert by_type["shop.orders.CachedOrders"].interfaces == ("shop.orders.OrderRepository",)
+    assert by_type["shop.orders"].domain == "shop"
+    assert by_type["shop.orders"].name == "orders"
+    expected = {
+        GraphLink("shop.orders.OrderRepository", "inherits", "shop.base.Repository"),
+        GraphLink("shop.orders.CachedOrders", "inherits", "shop.orders.OrderRepository"),
+        GraphLink("shop.orders", "imports", "shop.base"),
+        GraphLink("shop.orders", "imports", "shop.pricing"),
+        GraphLink("shop.orders", "imports", "shop.tax"),
+        GraphLink("shop.orders.OrderRepository", "calls", "shop.pricing"),  # pricing.price(...)
+        GraphLink("shop.orders.OrderRepository", "calls", "shop.tax"),  # tax.vat(...) through an alias
+        GraphLink("shop.orders", "calls", "shop.orders.OrderRepository"),  # make() constructs it
+        GraphLink("shop.tax", "imports", "shop.pricing"),  # an absolute import under a prefix the tree lacks
+        GraphLink("shop.tax", "calls", "shop.pricing"),
+    }
+    assert expected <= set(links)
+    assert all(link.source_type != link.target_type for link in links)
+
+
+def _rows() -> GraphRows:
+    return GraphRows(
+        nodes=[
+            NodeRow("main", "m.Base", "class", (), False, False),
+            NodeRow("main", "m.Impl", "class", ("m.Base",), False, False),
+            NodeRow("main", "m.Deep", "class", ("m.Impl",), False, False),
+            NodeRow("main", "m.Gone", "class", ("m.Base",), False, False),
+            NodeRow("feature", "m.Gone", None, (), True, False),  # the branch removes Gone
+            NodeRow("feature", "m.New", "class", ("m.Base",), False, False),  # and adds New
+            NodeRow("feature", "m.Deep", None, (), True, True),  # a revert: main's Deep shows through
+        ],
+        links=[
+            LinkRow("main", "m.Impl", "calls", "m.Util", False, False),
+            LinkRow("main", "m.Deep", "calls", "m.Util", False, False),
+            LinkRow("main", "m.Impl", "imports", "m.Old", False, False),
+            LinkRow("feature", "m.Impl", "imports", "m.Old", True, False),
+            LinkRow("other", "m.Impl", "calls", "m.Secret", False, False),
+        ],
+    )
+
+
+def test_overlay_and_subtypes() -> None:
+    main = overlay(_rows(), "main")
+    feature = overlay(_rows(), "feature")
+    assert main.with_subtypes("m.Base") == {"m.Base", "m.Impl", "m.Deep", "m.Gone"}
+    assert feature.with_subtypes("m.Base") == {"m.Base", "m.Impl", "m.Deep", "m.New"}
+    assert ("m.Impl", "imports", "m.Old") in main.links
+    assert ("m.Impl", "imports", "m.Old") not in feature.links
+    assert all("m.Secret" not in link for link in feature.links)  # another branch never leaks in
+
+
+def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> None:
+    graph = overlay(_rows(), "main")
+    expansions = expand(graph, [("doc-impl", "m.Impl"), ("doc-deep", "m.Deep"), ("doc-base", "m.Base")])
+    linked = [(e.linked_type, e.link_name, e.direction, e.linked_from_document_id) for e in expansions]
+    # Util is reached from Impl and Deep: it appears once, from the better-ranked hit. Base, Impl and Deep are
+    # hits themselves, so their links to each other are not context.
+    assert ("m.Util", "calls", "outgoing", "doc-impl") in linked
+    assert [t for t, *_ in linked].count("m.Util") == 1
+    assert ("m.Old", "imports", "outgoing", "doc-impl") in linked
+    assert ("m.Gone", "inherits", "incoming", "doc-base") not in linked  # interfaces are not links
+    assert not {"m.Impl", "m.Deep", "m.Base"} & {t for t, *_ in linked}
+
+
+async def test_graph_cache_loads_once_per_version() -> None:
+    loads: list[tuple[str, str]] = []
+
+    async def load(workspace: str, branch: str) -> GraphRows:
+        loads.append((workspace, branch))
+        return _rows()
+
+    cache = GraphCache(load, max_graphs=2)
+    first = await cache.get("w", "main", "1-a")
+    assert await cache.get("w", "main", "1-a") is first
+    await cache.get("w", "main", "2-b")  # the version moved: reload
+    await cache.get("w", "feature", "2-b+1-c")
+    assert loads == [("w", "main"), ("w", "main"), ("w", "feature")]
+    await cache.get("w", "main", "1-a")  # evicted by the bound of two graphs
+    assert len(loads) == 4
+    cache.drop("w", keep=[("feature", "2-b+1-c")])
+    await cache.get("w", "feature", "2-b+1-c")
+    assert len(loads) == 4

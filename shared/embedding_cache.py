@@ -23,7 +23,8 @@ def text_hash(text: str) -> str:
 class EmbeddingCache:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path)
+        # One caller at a time, possibly from a worker thread (asyncio.to_thread).
+        self._db = sqlite3.connect(path, check_same_thread=False)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS embeddings ("
             " model TEXT NOT NULL, content_hash TEXT NOT NULL, vector BLOB NOT NULL,"

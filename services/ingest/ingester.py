@@ -38,6 +38,7 @@ from ontofabric.contracts import (
     SemanticDocument,
 )
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, encode_token
 
@@ -214,12 +215,14 @@ class Ingester:
         embedder: Embedder | None,
         max_content_bytes: int,
         progress: Progress | None = None,
+        cache: EmbeddingCache | None = None,
     ) -> None:
         self._js = js
         self._names = names
         self._embedder = embedder
         self._max_content_bytes = max_content_bytes
         self._progress = progress or _Silent()
+        self._cache = cache
 
     def _manifest_name(self, workspace: str, branch: str) -> str:
         return f"{encode_token(workspace)}/{encode_token(branch)}"
@@ -294,7 +297,10 @@ class Ingester:
         vectors: list[list[float] | None] = []
         for start in range(0, len(chunks), EMBED_BATCH):
             batch = [c.embedding_text for c in chunks[start : start + EMBED_BATCH]]
-            rows = await asyncio.to_thread(embedder.embed_documents, batch)
+            if self._cache is not None:
+                rows = await asyncio.to_thread(self._cache.embed, embedder, batch)
+            else:
+                rows = await asyncio.to_thread(embedder.embed_documents, batch)
             vectors.extend([float(x) for x in row] for row in rows)
             self._progress.advance("embed", len(batch))
         return vectors

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,37 +59,42 @@ class StoredDocument:
     metadata: dict[str, Any]
 
 
-# Main's document ids a branch hides: same id, or same symbol key, as a non-transparent row of the branch.
-_SHADOWED = """
-    SELECT m.id FROM documents b JOIN documents m
-      ON m.workspace = b.workspace AND m.branch = 'main'
-     AND (m.id = b.id OR (b.symbol_key IS NOT NULL AND m.symbol_key = b.symbol_key))
-    WHERE b.workspace = {workspace} AND b.branch = {branch} AND NOT b.transparent"""
-
-
-def where_clause(scope: Scope, first_parameter: int, alias: str = "") -> tuple[str, list[Any]]:
+def where_clause(
+    scope: Scope, first_parameter: int, shadowed: Sequence[str] = (), alias: str = ""
+) -> tuple[str, list[Any]]:
     """SQL conditions selecting the visible, live, matching documents of a scope, with their parameters
-    numbered from ``first_parameter``. ``alias`` qualifies the documents columns (``d.``)."""
+    numbered from ``first_parameter``. ``shadowed``: main's ids the branch hides (see ``Snapshot``)."""
     parameters: list[Any] = []
 
     def parameter(value: Any) -> str:
         parameters.append(value)
         return f"${first_parameter + len(parameters) - 1}"
 
-    workspace = parameter(scope.workspace)
-    conditions = [f"{alias}workspace = {workspace}", f"NOT {alias}deleted"]
+    conditions = [f"{alias}workspace = {parameter(scope.workspace)}", f"NOT {alias}deleted"]
     if scope.branch == MAIN:
         conditions.append(f"{alias}branch = 'main'")
     else:
-        branch = parameter(scope.branch)
-        shadowed = _SHADOWED.format(workspace=workspace, branch=branch)
-        conditions.append(f"({alias}branch = {branch} OR ({alias}branch = 'main' AND {alias}id NOT IN ({shadowed})))")
+        branch, hidden = parameter(scope.branch), parameter(list(shadowed))
+        conditions.append(
+            f"({alias}branch = {branch} OR ({alias}branch = 'main' AND NOT {alias}id = ANY({hidden}::text[])))"
+        )
     if scope.object_types is not None:
         conditions.append(f"{alias}object_type = ANY({parameter(list(scope.object_types))}::text[])")
     for column, value in (("chunk_level", scope.chunk_level), ("provenance", scope.provenance)):
         if value is not None:
             conditions.append(f"{alias}{column} = {parameter(value)}")
     return " AND ".join(conditions), parameters
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent read: its connection (in a read-only repeatable-read transaction), the ontologyVersion it
+    sees, and main's document ids the branch hides in it (same id, or same symbol key, as a non-transparent row
+    of the branch; none on main)."""
+
+    conn: Connection
+    version: str
+    shadowed: list[str]
 
 
 @dataclass(frozen=True)
@@ -120,9 +126,11 @@ class PostgresRetrieval:
         self._ef_search = ef_search
         self._k1 = bm25_k1
         self._b = bm25_b
+        # Main ids a branch hides, per (workspace, branch, version): computed once per version, inside a snapshot.
+        self._shadowed: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
 
     @contextlib.asynccontextmanager
-    async def _snapshot(self, scope: Scope) -> AsyncIterator[tuple[Connection, str]]:
+    async def _snapshot(self, scope: Scope) -> AsyncIterator[Snapshot]:
         async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             rows = await conn.fetch(
                 "SELECT branch, state_hash, stream_seq FROM ontology_versions"
@@ -131,22 +139,31 @@ class PostgresRetrieval:
                 scope.branches,
             )
             versions = {r["branch"]: format_version(r["state_hash"], r["stream_seq"]) for r in rows}
-            yield conn, overlay_version(versions.get(MAIN, NO_VERSION), scope.branch, versions.get(scope.branch))
+            version = overlay_version(versions.get(MAIN, NO_VERSION), scope.branch, versions.get(scope.branch))
+            shadowed: list[str] = []
+            if scope.branch != MAIN:
+                key = (scope.workspace, scope.branch, version)
+                if key not in self._shadowed:
+                    self._shadowed[key] = await _shadowed_ids(conn, scope.workspace, scope.branch)
+                    while len(self._shadowed) > 64:
+                        self._shadowed.popitem(last=False)
+                shadowed = self._shadowed[key]
+            yield Snapshot(conn, version, shadowed)
 
     async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
-        where, parameters = where_clause(scope, 3)
-        # relaxed_order iterative scans may return rows slightly out of order: re-sort the materialised top-k.
-        sql = f"""
-            WITH nearest AS MATERIALIZED (
-                SELECT id, embedding <=> $1 AS distance FROM documents
-                WHERE {where} AND embedding IS NOT NULL
-                ORDER BY embedding <=> $1 LIMIT $2)
-            SELECT id, 1 - distance AS score FROM nearest WHERE distance <> 'NaN'::float8 ORDER BY distance, id"""
-        async with self._snapshot(scope) as (conn, version):
+        async with self._snapshot(scope) as snapshot:
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
+            # relaxed_order iterative scans may return rows slightly out of order: re-sort the materialised top-k.
+            sql = f"""
+                WITH nearest AS MATERIALIZED (
+                    SELECT id, embedding <=> $1 AS distance FROM documents
+                    WHERE {where} AND embedding IS NOT NULL
+                    ORDER BY embedding <=> $1 LIMIT $2)
+                SELECT id, 1 - distance AS score FROM nearest WHERE distance <> 'NaN'::float8 ORDER BY distance, id"""
             if limit > self._ef_search:  # the HNSW candidate list must hold at least the rows asked for
-                await conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
-            rows = await conn.fetch(sql, vector, limit, *parameters)
-        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version)
+                await snapshot.conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
+            rows = await snapshot.conn.fetch(sql, vector, limit, *parameters)
+        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
         """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
@@ -155,16 +172,18 @@ class PostgresRetrieval:
         rows the branch shadows are counted too): an approximation that is exact on main and close while a
         branch's delta is small beside main.
         """
+        async with self._snapshot(scope) as snapshot:
+            rows = await snapshot.conn.fetch(*self._keyword_sql(scope, text, limit, snapshot.shadowed))
+        ceiling = float(rows[0]["ceiling"]) if rows else None
+        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, ceiling)
+
+    def _keyword_sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
         parameters: list[Any] = [
-            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b
+            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed
         ]  # fmt: skip
-        shadowed = "'{}'::text[]"
-        if scope.branch != MAIN:
-            parameters.append(scope.branch)
-            shadowed = f"ARRAY({_SHADOWED.format(workspace='$4', branch=f'${len(parameters)}')})"
         filtered = ""
         if scope.filtered:
-            where, more = where_clause(scope, len(parameters) + 1)
+            where, more = where_clause(scope, len(parameters) + 1, shadowed)
             parameters += more
             filtered = f"AND EXISTS (SELECT 1 FROM documents WHERE id = s.id AND {where})"
         # Every postings read is an index range scan on (workspace, branch, term): LATERAL, kept from being
@@ -177,7 +196,6 @@ class PostgresRetrieval:
                 SELECT greatest(sum(doc_count), 1)::float8 AS n,
                        greatest(sum(total_length), 1)::float8 / greatest(sum(doc_count), 1) AS avgdl
                 FROM ontology_versions WHERE workspace = $4 AND branch = ANY($5::text[])),
-            hidden AS (SELECT {shadowed} AS ids),
             idf AS (
                 SELECT t.term, ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS idf
                 FROM terms t CROSS JOIN stats st
@@ -189,36 +207,33 @@ class PostgresRetrieval:
                 SELECT p.doc_id AS id,
                        sum(i.idf * p.tf * ($6::float8 + 1)
                            / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
-                FROM idf i CROSS JOIN stats st CROSS JOIN hidden h
+                FROM idf i CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT branch, doc_id, tf, doc_length FROM postings p
                     WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = i.term
                     OFFSET 0) p
-                WHERE NOT (p.branch = 'main' AND p.doc_id = ANY(h.ids))
+                WHERE NOT (p.branch = 'main' AND p.doc_id = ANY($8::text[]))
                 GROUP BY p.doc_id)
             SELECT s.id, s.score, (SELECT sum(idf) FROM idf) * ($6::float8 + 1) AS ceiling
             FROM scored s
             WHERE true {filtered}
             ORDER BY s.score DESC, s.id LIMIT $3"""
-        async with self._snapshot(scope) as (conn, version):
-            rows = await conn.fetch(sql, *parameters)
-        ceiling = float(rows[0]["ceiling"]) if rows else None
-        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], version, ceiling)
+        return [sql, *parameters]
 
     async def fetch(self, scope: Scope, ids: Sequence[str]) -> Fetched:
-        where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2)
-        sql = f"""
-            SELECT id, content, object_type, source_domain, metadata FROM documents
-            WHERE id = ANY($1::text[]) AND {where}"""
-        async with self._snapshot(scope) as (conn, version):
-            rows = await conn.fetch(sql, list(ids), *parameters)
+        async with self._snapshot(scope) as snapshot:
+            where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2, snapshot.shadowed)
+            sql = f"""
+                SELECT id, content, object_type, source_domain, metadata FROM documents
+                WHERE id = ANY($1::text[]) AND {where}"""
+            rows = await snapshot.conn.fetch(sql, list(ids), *parameters)
         documents = {
             r["id"]: StoredDocument(
                 r["id"], r["content"], r["object_type"], r["source_domain"], json.loads(r["metadata"])
             )
             for r in rows
         }
-        return Fetched(documents, version)
+        return Fetched(documents, snapshot.version)
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""
@@ -253,11 +268,30 @@ class PostgresRetrieval:
         """One document per object type: a type-level chunk if there is one, else a method-level one."""
         if not object_types:
             return {}
-        where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2)
-        sql = f"""
-            SELECT DISTINCT ON (object_type) object_type, id FROM documents
-            WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
-            ORDER BY object_type, chunk_level = 'method', id"""
-        async with self._pool.acquire() as conn:
-            rows = await conn.fetch(sql, list(object_types), *parameters)
+        async with self._snapshot(scope) as snapshot:
+            where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2, snapshot.shadowed)
+            sql = f"""
+                SELECT DISTINCT ON (object_type) object_type, id FROM documents
+                WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
+                ORDER BY object_type, chunk_level = 'method', id"""
+            rows = await snapshot.conn.fetch(sql, list(object_types), *parameters)
         return {r["object_type"]: r["id"] for r in rows}
+
+
+async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:
+    """Main's ids the branch hides: its rows' ids, and main's rows with the symbol key of one of its rows."""
+    rows = await conn.fetch(
+        "SELECT id, symbol_key FROM documents WHERE workspace = $1 AND branch = $2 AND NOT transparent",
+        workspace,
+        branch,
+    )
+    ids = [r["id"] for r in rows]
+    keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
+    found = await conn.fetch(
+        "SELECT id FROM documents WHERE workspace = $1 AND branch = 'main' AND id = ANY($2::text[])"
+        " UNION SELECT id FROM documents WHERE workspace = $1 AND branch = 'main' AND symbol_key = ANY($3::text[])",
+        workspace,
+        ids,
+        keys,
+    )
+    return sorted(r["id"] for r in found)

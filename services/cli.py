@@ -19,6 +19,7 @@ from rich.table import Table
 from ontofabric.contracts import CHUNK_LEVELS, PROVENANCES, ErrorReply, schema
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
+from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, RuntimeUnavailable, resolve_endpoints
@@ -124,9 +125,12 @@ def ingest(
             await ensure_jetstream(js, names, settings)
             started = time.perf_counter()
             with RichProgress(console) as progress:
-                report = await Ingester(js, names, embedder, settings.max_content_bytes, progress).ingest(
-                    path.resolve(), workspace, branch
-                )
+                cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
+                try:
+                    ingester = Ingester(js, names, embedder, settings.max_content_bytes, progress, cache)
+                    report = await ingester.ingest(path.resolve(), workspace, branch)
+                finally:
+                    cache.close()
                 if wait and report.last_sequence is not None:
                     await wait_caught_up(
                         js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600

@@ -15,6 +15,7 @@ from rich.console import Console
 
 import ontofabric.services
 from ontofabric.contracts import ErrorReply
+from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
@@ -33,6 +34,8 @@ QUERIES: list[dict[str, Any]] = [
     {"semanticQuery": "start an embedded PostgreSQL server as an unprivileged user", "topK": 5, "chunkLevel": "method"},
     {"semanticQuery": "how do I run the tests", "topK": 3, "chunkLevel": "doc"},
     {"semanticQuery": "what uses the embedder", "topK": 5},
+    {"semanticQuery": "what uses the embedder", "topK": 3, "followLinks": True},
+    {"semanticQuery": "query options for fusion", "topK": 3, "objectType": "contracts._base.StrictRequest"},
 ]
 
 
@@ -60,7 +63,10 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
         root = project_root()
         console.print(f"[bold]Ingesting[/bold] {root} into workspace [cyan]{WORKSPACE}[/cyan]")
         with RichProgress(console) as progress:
-            report = await Ingester(js, names, embedder, settings.max_content_bytes, progress).ingest(root, WORKSPACE)
+            cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
+            stack.callback(cache.close)
+            ingester = Ingester(js, names, embedder, settings.max_content_bytes, progress, cache)
+            report = await ingester.ingest(root, WORKSPACE)
         wait_started = time.perf_counter()
         if report.last_sequence is not None:
             await wait_caught_up(

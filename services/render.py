@@ -45,6 +45,15 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         f"skippedRerank={meta.skipped_rerank} cacheHit={meta.cache_hit} degraded={meta.degraded} "
         f"couldBenefitFromLinkExpansion={meta.could_benefit_from_link_expansion} backend={meta.backend}"
     )
+    if meta.fusion is not None:
+        parameters = " ".join(f"{k}={v}" for k, v in meta.fusion.parameters.items())
+        console.print(f"[dim]fusion[/dim] {meta.fusion.method} {parameters}")
+    for context in meta.expanded_context:
+        arrow = "->" if context.direction == "outgoing" else "<-"
+        console.print(
+            f"[dim]context[/dim] {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
+            f" (document {context.representative_document_id or 'none indexed'})"
+        )
     console.print(f"[dim]timings[/dim] {timings}")
 
 

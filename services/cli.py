@@ -214,6 +214,9 @@ def eval_command(
     ] = "all",
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     runs: Annotated[Path | None, typer.Option(help="Write a TREC run file per configuration into this folder.")] = None,
+    keep_identical_ids: Annotated[
+        bool, typer.Option(help="Count a result whose id is the query's own (BEIR drops those by default).")
+    ] = False,
 ) -> None:
     """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency."""
     from .ops.evaluation import CONFIGS, DatasetError, evaluate, load_beir, render_table
@@ -232,7 +235,9 @@ def eval_command(
     try:
         with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
             assert runtime.endpoints is not None
-            report = asyncio.run(evaluate(settings, runtime.endpoints, dataset, chosen, progress, runs))
+            report = asyncio.run(
+                evaluate(settings, runtime.endpoints, dataset, chosen, progress, runs, not keep_identical_ids)
+            )
     except RuntimeUnavailable as error:
         _fail(str(error))
     finally:

@@ -75,7 +75,9 @@ class Settings(BaseSettings):
     # --- query worker ----------------------------------------------------------------------------
     query_cache_entries: int = Field(default=1000, ge=0, description="LRU entries; 0 disables the cache.")
     query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
-    retriever_top_k: int = Field(default=50, ge=1, le=1000, description="Candidates per retriever.")
+    retriever_top_k: int = Field(
+        default=100, ge=1, le=1000, description="Candidates per retriever (the evaluation runs with this default)."
+    )
     fusion_method: Literal["rrf", "convex", "adaptive"] = Field(
         default="adaptive",
         description="Default fusion of dense and keyword lists (requests may choose another; docs/quality.md).",

@@ -60,11 +60,15 @@ def test_early_exit_calibration() -> None:
     confident = [ExitPoint(0.9, 2, True)] * 12
     noisy = [ExitPoint(0.7, 2, i % 2 == 0) for i in range(12)]
     long_queries = [ExitPoint(0.95, 9, False)] * 5
-    calibration = calibrate_early_exit(confident + noisy + long_queries, configured=0.8)
+    calibration = calibrate_early_exit(confident + noisy + long_queries, configured=0.8, queries=40)
     assert calibration.suggested_threshold == 0.9
-    assert calibration.fires_at_configured == pytest.approx(12 / 29)
+    assert calibration.fires_at_configured == pytest.approx(12 / 40)  # over every judged query
     assert calibration.precision_at_configured == pytest.approx(1.0)
-    assert calibrate_early_exit(noisy, configured=0.8).suggested_threshold is None
+    assert calibration.rerank_gain_when_fired is None
+    assert calibrate_early_exit(noisy, configured=0.8, queries=12).suggested_threshold is None
+    fired = [ExitPoint(0.9, 2, True, query_id=f"q{i}") for i in range(3)]
+    gains = {"q0": 0.1, "q1": -0.1, "q2": 0.3, "other": 5.0}
+    assert calibrate_early_exit(fired, 0.8, 3, gains).rerank_gain_when_fired == pytest.approx(0.1)
 
 
 class _Quiet:
@@ -88,6 +92,8 @@ async def test_a_small_dataset_through_the_real_path(
             "title": "BM25",
             "text": "BM25 ranks documents by term frequency and inverse document frequency.",
         },
+        # A document with a query's own id and text (as in ArguAna): BEIR does not count it as an answer.
+        {"_id": "q2", "title": "", "text": "a message broker with persistence"},
     ]
     queries = {
         "q1": "which database has full text search",
@@ -98,7 +104,8 @@ async def test_a_small_dataset_through_the_real_path(
     settings = deployment_settings.model_copy(update={"embedder": "local", "cache_dir": tmp_path / "cache"})
     endpoints = Endpoints(nats_url=servers.nats_url, database_url=deployment_settings.database_url or "")
     report = await evaluate(settings, endpoints, load_beir(root, "test"), ["dense", "keyword", "hybrid"], _Quiet())
-    assert report.documents == 4
+    assert report.documents == 5
+    assert report.documents_loaded == 5
     assert report.queries == 3
     for config in ("dense", "keyword", "hybrid"):
         result = report.configs[config]
@@ -116,17 +123,19 @@ def test_report_table_names_the_early_exit_calibration() -> None:
     report = EvalReport(
         dataset="tiny",
         split="test",
-        documents=4,
+        documents=5,
+        documents_loaded=4,
         queries=3,
         configs={
             "hybrid": ConfigResult(metrics={"nDCG@10": 0.5, "Recall@10": 1.0, "Recall@100": 1.0, "MRR@10": 0.5}),
             "hybrid-rerank": ConfigResult(skipped="no reranker configured"),
         },
         load_seconds=1.0,
-        early_exit=calibrate_early_exit([ExitPoint(0.9, 2, True)], configured=0.8),
+        early_exit=calibrate_early_exit([ExitPoint(0.9, 2, True)], configured=0.8, queries=1),
     )
     lines: list[str] = []
     render_table(report, lines.append)
-    assert lines[3].startswith("| hybrid | 0.5000 | 1.0000 | 1.0000 | 0.5000 |")
-    assert lines[4] == "| hybrid-rerank | skipped: no reranker configured |"
-    assert lines[5].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
+    assert lines[1].startswith("warning: only 4 documents were loaded")
+    assert lines[4].startswith("| hybrid | 0.5000 | 1.0000 | 1.0000 | 0.5000 |")
+    assert lines[5] == "| hybrid-rerank | skipped: no reranker configured |"
+    assert lines[6].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")

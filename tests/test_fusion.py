@@ -127,12 +127,28 @@ def test_convex_fusion_weights_normalised_scores() -> None:
 def test_keyword_gap_measures_how_far_the_top_hit_stands_out() -> None:
     from ontofabric.services.query.fusion import keyword_gap
 
-    assert keyword_gap([]) == 0.0
+    assert keyword_gap([], 10.0) == 0.0
     flat = [Candidate(str(i), 5.0) for i in range(10)]
-    assert keyword_gap(flat) == pytest.approx(0.0)
-    assert keyword_gap([Candidate("only", 3.0)]) == pytest.approx(1.0)  # nothing else matched at all
+    assert keyword_gap(flat, 10.0) == pytest.approx(0.0)
     decisive = [Candidate("a", 10.0)] + [Candidate(str(i), 2.0) for i in range(9)]
-    assert keyword_gap(decisive) == pytest.approx(0.8)
+    assert keyword_gap(decisive, 20.0) == pytest.approx(0.8)
+    short = [Candidate("a", 10.0), Candidate("b", 5.0)]  # two hits: the gap over what is there
+    assert keyword_gap(short, 20.0) == pytest.approx(0.5)
+    # A lone hit: its saturation stands in, so a weak lone match is no decisive one.
+    assert keyword_gap([Candidate("only", 3.0)], 10.0) == pytest.approx(0.3)
+    assert keyword_gap([Candidate("only", 3.0)], None) == 0.0
+
+
+def test_adaptive_fusion_does_not_let_one_weak_keyword_hit_win() -> None:
+    from ontofabric.services.query.fusion import adaptive_fusion
+
+    # A realistic dense list: a hundred candidates, cosine falling from 0.75 to 0.25.
+    dense = [Candidate("d0", 0.75)] + [Candidate(f"x{i}", 0.75 - 0.005 * (i + 1)) for i in range(99)]
+    fused, weight, _ = adaptive_fusion(dense, [Candidate("k1", 4.5)], keyword_ceiling=10.0)
+    assert fused[0].id == "d0"
+    assert weight == pytest.approx(0.55)
+    zero, _, _ = adaptive_fusion(dense, [Candidate("k1", 0.0)], keyword_ceiling=None)  # no division by zero
+    assert zero[0].id == "d0"
 
 
 def test_adaptive_fusion_trusts_a_decisive_keyword_list_more() -> None:
@@ -166,3 +182,16 @@ def test_fuse_dispatches_and_reports_parameters() -> None:
     assert set(adaptive.parameters) == {"denseWeight", "keywordGap"}
     assert none is None
     assert [f.id for f in single] == ["a", "b"]
+
+
+def test_fuse_judges_a_lone_keyword_hit_over_every_query_term() -> None:
+    from ontofabric.services.query.fusion import fuse
+
+    lists = {"dense": [Candidate("a", 0.7), Candidate("b", 0.6)], "keyword": [Candidate("k", 3.0)]}
+    # Over the terms some document has, the lone hit is 3/5 saturated; over every query term, 3/10.
+    _, matched_terms = fuse(lists, "adaptive", rrf_k=60, dense_weight=0.5, keyword_ceiling=5.0)
+    _, all_terms = fuse(lists, "adaptive", rrf_k=60, dense_weight=0.5, keyword_ceiling=5.0, query_ceiling=10.0)
+    assert matched_terms is not None
+    assert all_terms is not None
+    assert matched_terms.parameters["keywordGap"] == pytest.approx(0.6)
+    assert all_terms.parameters["keywordGap"] == pytest.approx(0.3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from ontofabric.contracts import OntologyQuery
 from ontofabric.services.query.cache import VersionedCache
@@ -94,7 +95,9 @@ async def test_statements_that_saw_different_versions_are_flagged_and_not_cached
 async def test_a_document_deleted_before_fetch_is_flagged() -> None:
     pipeline, _ = _pipeline(ScriptedRetrieval(missing={"y"}))
     reply = await pipeline.answer(QUERY, "w")
-    assert {r.id for r in reply.results} == {"x", "z"}
+    # Adaptive fusion: keyword gap (3 - 1) / 3, dense weight 1/3; y would lead, z (keyword 1/4, dense floor 0.8)
+    # beats x (dense 0.9 only). y vanished before fetch.
+    assert [r.id for r in reply.results] == ["z", "x"]
     assert "ontologyVersionChanged" in reply.meta.degraded
 
 
@@ -106,3 +109,43 @@ async def test_data_newer_than_the_announcement_is_answered_but_not_cached() -> 
     assert reply.meta.ontology_version == "7-c"
     assert reply.meta.degraded == []
     assert len(cache) == 0
+
+
+async def test_request_options_choose_retrievers_and_fusion() -> None:
+    pipeline, _ = _pipeline(ScriptedRetrieval())
+    keyword_only = await pipeline.answer(
+        OntologyQuery.model_validate({"semanticQuery": "q", "options": {"retrievers": ["keyword"]}}), "w"
+    )
+    assert keyword_only.meta.retrievers == ["keyword"]
+    assert keyword_only.meta.hybrid is False
+    assert keyword_only.meta.fusion is None
+    assert keyword_only.meta.degraded == []  # not asked for is not failed
+    assert [r.id for r in keyword_only.results] == ["y", "z"]
+
+    rrf = await pipeline.answer(
+        OntologyQuery.model_validate({"semanticQuery": "q", "options": {"fusion": {"method": "rrf", "rrfK": 10}}}), "w"
+    )
+    assert rrf.meta.fusion is not None
+    assert (rrf.meta.fusion.method, rrf.meta.fusion.parameters) == ("rrf", {"k": 10})
+
+    default = await pipeline.answer(QUERY, "w")
+    assert default.meta.fusion is not None
+    assert default.meta.fusion.method == "adaptive"
+    assert default.meta.fusion.parameters == {
+        "denseWeight": pytest.approx(1 / 3, abs=1e-3),
+        "keywordGap": pytest.approx(2 / 3, abs=1e-3),
+    }
+    assert default.meta.signals == {
+        "queryTokens": 1.0,
+        "keywordSaturation": 0.75,
+        "keywordGap": pytest.approx(2 / 3, abs=1e-3),
+    }
+
+
+async def test_min_relevance_drops_weak_results() -> None:
+    pipeline, _ = _pipeline(ScriptedRetrieval())
+    everything = await pipeline.answer(QUERY, "w")
+    cut = (everything.results[0].score + everything.results[-1].score) / 2
+    strict = await pipeline.answer(OntologyQuery(semantic_query="anything", min_relevance=cut), "w")
+    assert 0 < len(strict.results) < len(everything.results)
+    assert all(r.score >= cut for r in strict.results)

@@ -4,10 +4,11 @@ the fused order whenever a reranker fails."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -51,6 +52,11 @@ class CohereLike(BaseHTTPRequestHandler):
             self._send(200, {"results": [{"index": "zero"}]})
         elif behaviour == "outofrange":
             self._send(200, {"results": [{"index": 99, "relevance_score": 0.9}]})
+        elif behaviour == "duplicate":
+            self._send(200, {"results": [{"index": 0, "relevance_score": 0.9}, {"index": 0, "relevance_score": 0.8}]})
+        elif behaviour == "partial":  # ranks only the last document it was sent
+            last = len(body["documents"]) - 1
+            self._send(200, {"results": [{"index": last, "relevance_score": 0.9}]})
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -87,7 +93,13 @@ async def test_cohere_adapter_ranks_and_sends_the_api_shape(cohere_server: str) 
 
 @pytest.mark.parametrize(
     ("behaviour", "error"),
-    [("ratelimited", "429"), ("broken", "503"), ("malformed", "malformed"), ("outofrange", "outside")],
+    [
+        ("ratelimited", "429"),
+        ("broken", "503"),
+        ("malformed", "malformed"),
+        ("outofrange", "outside"),
+        ("duplicate", "repeated"),
+    ],
 )
 async def test_cohere_adapter_raises_on_every_failure_class(cohere_server: str, behaviour: str, error: str) -> None:
     reranker = CohereReranker(f"{cohere_server}/{behaviour}/v2/rerank", None, "m", timeout_s=2)
@@ -116,7 +128,17 @@ async def test_pipeline_uses_the_reranker_order(cohere_server: str) -> None:
     assert "rerank" in reply.meta.timings_ms
 
 
-@pytest.mark.parametrize("behaviour", ["ratelimited", "broken", "malformed", "slow", "refused"])
+async def test_candidates_a_reranker_leaves_out_follow_in_fused_order(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/partial/v2/rerank", None, "m", timeout_s=2)
+    fused = await _pipeline(None).answer(QUERY, "w")
+    reply = await _pipeline(reranker).answer(QUERY, "w")
+    await reranker.close()
+    assert reply.meta.reranked is True
+    expected_first = fused.results[-1].id  # the partial reranker put the last fused candidate first
+    assert [r.id for r in reply.results] == [expected_first] + [r.id for r in fused.results if r.id != expected_first]
+
+
+@pytest.mark.parametrize("behaviour", ["ratelimited", "broken", "malformed", "duplicate", "slow", "refused"])
 async def test_pipeline_keeps_the_fused_order_when_the_reranker_fails(cohere_server: str, behaviour: str) -> None:
     url = "http://127.0.0.1:9/v2/rerank" if behaviour == "refused" else f"{cohere_server}/{behaviour}/v2/rerank"
     reranker = CohereReranker(url, None, "m", timeout_s=5)
@@ -151,7 +173,12 @@ def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=64, num_labels=1,
     )  # fmt: skip
     path = tmp_path_factory.mktemp("cross-encoder")
-    BertForSequenceClassification(config).save_pretrained(path)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        model.classifier.bias.fill_(-5.0)  # logits far below zero: only a sigmoid keeps the scores in [0, 1]
+    # Configured like many published cross-encoders: no activation of its own.
+    model.config.sentence_transformers = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -174,12 +201,28 @@ async def test_local_cross_encoder_loads_batches_and_orders(tiny_cross_encoder: 
     assert top_two == first[:2]
 
 
-async def test_local_cross_encoder_past_its_timeout_degrades(tiny_cross_encoder: Path) -> None:
-    reranker = LocalCrossEncoder(tiny_cross_encoder)
+class SlowCrossEncoder(LocalCrossEncoder):
+    """The tiny model, taking 0.5 s per call: a model still running when the pipeline stops waiting."""
+
+    def _score(self, query: str, documents: Sequence[str]) -> list[float]:
+        time.sleep(0.5)
+        return super()._score(query, documents)
+
+
+async def test_local_cross_encoder_past_its_timeout_degrades_and_queries_do_not_queue(
+    tiny_cross_encoder: Path,
+) -> None:
+    reranker = SlowCrossEncoder(tiny_cross_encoder)
     try:
-        reply = await _pipeline(reranker, timeout_s=0.000001).answer(QUERY, "w")
-        ok = await _pipeline(reranker).answer(QUERY, "w")
+        late = await _pipeline(reranker, timeout_s=0.1).answer(QUERY, "w")
+        started = time.perf_counter()
+        busy = await _pipeline(reranker, timeout_s=5).answer(QUERY, "w")  # the first call is still running
+        busy_ms = (time.perf_counter() - started) * 1000
+        await asyncio.sleep(0.6)
+        ok = await _pipeline(reranker, timeout_s=5).answer(QUERY, "w")
     finally:
         await reranker.close()
-    assert reply.meta.degraded == ["reranker"]
+    assert late.meta.degraded == ["reranker"]
+    assert busy.meta.degraded == ["reranker"]
+    assert busy_ms < 300  # skipped at once instead of waiting behind the running call
     assert ok.meta.reranked is True

@@ -6,16 +6,18 @@ client-side latency of each query.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import ir_measures
 from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
@@ -35,12 +37,13 @@ from ontofabric.shared.subjects import Names
 MEASURES = {"nDCG@10": nDCG @ 10, "Recall@10": R @ 10, "Recall@100": R @ 100, "MRR@10": RR @ 10}
 DEPTH = 100  # results per query: Recall@100 needs a hundred
 
-# Request parameters of each configuration. Only the retrievers and reranking differ; fusion is the default.
+# Request parameters of each configuration. Only the retrievers and reranking differ: candidate depth and fusion
+# are the deployment's defaults, so the figures are those of the settings the workers run with.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "dense": {"precision": False, "options": {"retrievers": ["dense"], "candidates": DEPTH}},
-    "keyword": {"precision": False, "options": {"retrievers": ["keyword"], "candidates": DEPTH}},
-    "hybrid": {"precision": False, "options": {"candidates": DEPTH}},
-    "hybrid-rerank": {"precision": True, "options": {"candidates": DEPTH}},
+    "dense": {"precision": False, "options": {"retrievers": ["dense"]}},
+    "keyword": {"precision": False, "options": {"retrievers": ["keyword"]}},
+    "hybrid": {"precision": False},
+    "hybrid-rerank": {"precision": True},
 }
 
 
@@ -108,6 +111,7 @@ class ExitPoint:
     saturation: float
     tokens: int
     top_relevant: bool
+    query_id: str = ""
 
 
 @dataclass
@@ -122,12 +126,25 @@ class EarlyExitCalibration:
     ``target`` of the time; None when no threshold gets there."""
     target_precision: float
     overall_precision: float
+    rerank_gain_when_fired: float | None = None
+    """Mean nDCG@10 of hybrid-rerank minus hybrid over the queries it fires for: what skipping costs. Measured only
+    when a reranker ran."""
 
 
 def calibrate_early_exit(
-    points: Sequence[ExitPoint], configured: float, target: float = 0.8, max_tokens: int = 5, min_support: int = 10
+    points: Sequence[ExitPoint],
+    configured: float,
+    queries: int,
+    rerank_gain: Mapping[str, float] | None = None,
+    target: float = 0.8,
+    max_tokens: int = 5,
+    min_support: int = 10,
 ) -> EarlyExitCalibration:
-    """Where the keyword-saturation early exit may fire without skipping a reranker that had work to do."""
+    """Where the keyword-saturation early exit may fire without skipping a reranker that had work to do.
+
+    ``queries``: all judged queries (the firing rate's denominator). ``rerank_gain``: per query, nDCG@10 with the
+    reranker minus without, when one ran.
+    """
     short = [p for p in points if p.tokens < max_tokens]
 
     def fired(threshold: float) -> list[ExitPoint]:
@@ -143,13 +160,16 @@ def calibrate_early_exit(
         if value is not None and value >= target and len(group) >= min_support:
             suggested = threshold
             break
+    firing = fired(configured)
+    gains = [rerank_gain[p.query_id] for p in firing if rerank_gain and p.query_id in rerank_gain]
     return EarlyExitCalibration(
         configured_threshold=configured,
-        fires_at_configured=len(fired(configured)) / len(points) if points else 0.0,
-        precision_at_configured=precision(fired(configured)),
+        fires_at_configured=len(firing) / queries if queries else 0.0,
+        precision_at_configured=precision(firing),
         suggested_threshold=suggested,
         target_precision=target,
         overall_precision=precision(list(points)) or 0.0,
+        rerank_gain_when_fired=sum(gains) / len(gains) if gains else None,
     )
 
 
@@ -158,6 +178,9 @@ class EvalReport:
     dataset: str
     split: str
     documents: int
+    """Entries in corpus.jsonl."""
+    documents_loaded: int
+    """Documents the projector holds after loading; fewer when entries were dead-lettered or repeated an id."""
     queries: int
     configs: dict[str, ConfigResult]
     load_seconds: float
@@ -172,6 +195,13 @@ def compute_metrics(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, f
     judged = {q: docs for q, docs in qrels.items()}
     scores = ir_measures.calc_aggregate(list(MEASURES.values()), judged, {q: run.get(q, {}) for q in judged})
     return {name: float(scores[measure]) for name, measure in MEASURES.items()}
+
+
+def per_query_ndcg(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]]) -> dict[str, float]:
+    scores = {q: 0.0 for q in qrels}
+    for metric in ir_measures.iter_calc([nDCG @ 10], qrels, {q: run.get(q, {}) for q in qrels}):
+        scores[metric.query_id] = float(metric.value)
+    return scores
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -212,8 +242,9 @@ class Evaluation:
             entries = dataset.corpus[start : start + batch]
             texts = [document_text(d) for d in entries]
             vectors: list[list[float] | None] = [None] * len(texts)
-            if self._embedder is not None:
-                vectors = [[float(x) for x in row] for row in self._cache.embed(self._embedder, texts)]
+            if self._embedder is not None:  # on a thread: the projector and the query worker share this loop
+                rows = await asyncio.to_thread(self._cache.embed, self._embedder, texts)
+                vectors = [[float(x) for x in row] for row in rows]
             deltas = [
                 envelope(
                     workspace,
@@ -248,7 +279,8 @@ class Evaluation:
         config: str,
         runs_dir: Path | None = None,
         exit_points: list[ExitPoint] | None = None,
-    ) -> ConfigResult:
+        ignore_identical_ids: bool = True,
+    ) -> tuple[ConfigResult, dict[str, dict[str, float]]]:
         request_base = CONFIGS[config]
         judged = [q for q in dataset.qrels if q in dataset.queries]
         self._progress.stage(config, len(judged))
@@ -275,13 +307,16 @@ class Evaluation:
                         saturation=reply.meta.signals["keywordSaturation"],
                         tokens=int(reply.meta.signals["queryTokens"]),
                         top_relevant=top is not None and dataset.qrels[query_id].get(top, 0) > 0,
+                        query_id=query_id,
                     )
                 )
             if not result.meta:
                 result.meta = reply.meta.model_dump(
                     mode="json", include={"hybrid", "reranked", "retrievers", "fusion", "degraded", "backend"}
                 )
-            run[query_id] = {r.id: float(DEPTH - r.rank + 1) for r in reply.results}  # ranks decide, not scores
+            # Ranks decide, not scores. As BEIR does, a document with the query's own id is no answer (ArguAna).
+            hits = [r for r in reply.results if not (ignore_identical_ids and r.id == query_id)]
+            run[query_id] = {r.id: float(DEPTH - n) for n, r in enumerate(hits)}
             # A run file keeps the scores: the retriever's own for one retriever, else the fused relevance.
             raw[query_id] = {
                 r.id: r.found_by[0].score if len(r.found_by) == 1 and single else r.score for r in reply.results
@@ -291,7 +326,7 @@ class Evaluation:
         result.latency_p95_ms = percentile(latencies, 0.95)
         if runs_dir is not None:
             write_trec_run(runs_dir / f"{dataset.name}.{config}.run", raw, config)
-        return result
+        return result, run
 
 
 def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:
@@ -306,6 +341,11 @@ def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> No
 def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
     header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
     write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
+    if report.documents_loaded != report.documents:
+        write(
+            f"warning: only {report.documents_loaded} documents were loaded (dead-lettered entries or repeated ids;"
+            " see the DLQ stream)"
+        )
     write("| " + " | ".join(header) + " |")
     write("|" + "---|" * len(header))
     for name, result in report.configs.items():
@@ -328,6 +368,11 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
             f"{100 * calibration.fires_at_configured:.1f}% of queries; top answer relevant when it fires: "
             f"{'n/a' if fired is None else f'{fired:.2f}'} (all queries: {calibration.overall_precision:.2f}); "
             f"lowest threshold with >= {calibration.target_precision} precision: {calibration.suggested_threshold}"
+            + (
+                ""
+                if calibration.rerank_gain_when_fired is None
+                else f"; reranking gains {calibration.rerank_gain_when_fired:+.4f} nDCG@10 on those queries"
+            )
         )
 
 
@@ -338,6 +383,7 @@ async def evaluate(
     configs: Sequence[str],
     progress: Progress,
     runs_dir: Path | None = None,
+    ignore_identical_ids: bool = True,
 ) -> EvalReport:
     """Start a projector and a query worker (cache off), load the dataset, run each configuration."""
     # Cache off (every query measured), and queries as long as some BEIR sets have (ArguAna's are paragraphs).
@@ -357,19 +403,46 @@ async def evaluate(
         workspace = await evaluation.load(dataset)
         load_seconds = time.perf_counter() - started
         results: dict[str, ConfigResult] = {}
+        runs: dict[str, dict[str, dict[str, float]]] = {}
         exit_points: list[ExitPoint] = []
         for config in configs:
             if config == "hybrid-rerank" and settings.reranker == "none":
                 results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
                 continue
             points = exit_points if config == "hybrid" else None
-            results[config] = await evaluation.run(dataset, workspace, config, runs_dir, points)
+            results[config], runs[config] = await evaluation.run(
+                dataset, workspace, config, runs_dir, points, ignore_identical_ids
+            )
+        loaded = await _live_documents(endpoints.database_url, workspace)
+    judged = {q: dataset.qrels[q] for q in dataset.qrels if q in dataset.queries}
+    gain = None
+    if "hybrid" in runs and "hybrid-rerank" in runs:
+        with_reranker, without = per_query_ndcg(judged, runs["hybrid-rerank"]), per_query_ndcg(judged, runs["hybrid"])
+        gain = {q: with_reranker[q] - without[q] for q in judged}
     return EvalReport(
         dataset=dataset.name,
         split=dataset.split,
         documents=len(dataset.corpus),
-        queries=sum(1 for q in dataset.qrels if q in dataset.queries),
+        documents_loaded=loaded,
+        queries=len(judged),
         configs=results,
         load_seconds=load_seconds,
-        early_exit=calibrate_early_exit(exit_points, settings.early_exit_saturation) if exit_points else None,
+        early_exit=(
+            calibrate_early_exit(exit_points, settings.early_exit_saturation, len(judged), gain)
+            if exit_points
+            else None
+        ),
     )
+
+
+async def _live_documents(database_url: str, workspace: str) -> int:
+    """Documents the projector holds for the workspace: fewer than the corpus means some were dead-lettered or
+    shared an id."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        count = await conn.fetchval(
+            "SELECT doc_count FROM ontology_versions WHERE workspace = $1 AND branch = 'main'", workspace
+        )
+        return int(count or 0)
+    finally:
+        await conn.close()

@@ -94,29 +94,42 @@ def convex_fusion(
     return fused if limit is None else fused[:limit]
 
 
-def keyword_gap(keyword: Sequence[Candidate], depth: int = 10) -> float:
-    """How far the keyword top hit stands out: (s1 - mean(s2..s10)) / s1, missing places counting 0. In [0, 1]."""
+def keyword_gap(keyword: Sequence[Candidate], ceiling: float | None, depth: int = 10) -> float:
+    """How far the keyword top hit stands out, in [0, 1]: (s1 - mean(s2..s10)) / s1 over the hits there are.
+
+    A lone hit has nothing to stand out from: its saturation (s1 over the best reachable score) stands in, so one
+    weak match does not take the weight a decisive one would.
+    """
     if not keyword or keyword[0].score <= 0:
         return 0.0
-    rest = [c.score for c in keyword[1:depth]] + [0.0] * (depth - min(len(keyword), depth))
-    return max(0.0, min(1.0, (keyword[0].score - sum(rest) / (depth - 1)) / keyword[0].score))
+    top = keyword[0].score
+    if len(keyword) == 1:
+        return max(0.0, min(1.0, top / ceiling)) if ceiling and ceiling > 0 else 0.0
+    rest = [c.score for c in keyword[1:depth]]
+    return max(0.0, min(1.0, (top - sum(rest) / len(rest)) / top))
 
 
 def adaptive_fusion(
-    dense: Sequence[Candidate], keyword: Sequence[Candidate], keyword_ceiling: float | None, limit: int | None = None
+    dense: Sequence[Candidate],
+    keyword: Sequence[Candidate],
+    keyword_ceiling: float | None,
+    limit: int | None = None,
+    query_ceiling: float | None = None,
 ) -> tuple[list[Fused], float, float]:
-    """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, kept within [0.05, 0.95].
+    """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95].
 
     Scores are used on absolute scales, not stretched per list: cosine similarity for dense, and BM25 divided by
     the best score any document could reach for the query (its saturation) for keyword. A keyword list whose top
     hit barely beats the next nine (terms every candidate shares) then weighs little, one with a decisive top
     hit weighs much. Evidence: docs/quality.md. Returns the fused list, the dense weight and the gap.
+
+    ``keyword_ceiling`` counts the query terms some document has; ``query_ceiling`` every query term, for the lone
+    hit's saturation (a query term no document has makes a lone match weaker evidence).
     """
-    gap = keyword_gap(keyword)
+    gap = keyword_gap(keyword, query_ceiling or keyword_ceiling)
     weight = min(0.95, max(0.05, 1.0 - gap))
-    ceiling = (
-        keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else max((c.score for c in keyword), default=1.0)
-    )
+    top = max((c.score for c in keyword), default=0.0)
+    ceiling = keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else (top if top > 0 else 1.0)
     dense_floor = min((c.score for c in dense), default=0.0)  # a document dense did not return ranks below all it did
     dense_scores = {c.id: c.score for c in dense}
     keyword_scores = {c.id: c.score / ceiling for c in keyword}
@@ -146,6 +159,7 @@ def fuse(
     dense_weight: float,
     keyword_ceiling: float | None = None,
     limit: int | None = None,
+    query_ceiling: float | None = None,
 ) -> tuple[list[Fused], FusionChoice | None]:
     """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None)."""
     if len(ranked_lists) < 2:
@@ -156,6 +170,8 @@ def fuse(
         weights = {"dense": dense_weight, "keyword": 1.0 - dense_weight}
         return convex_fusion(ranked_lists, weights, limit), FusionChoice("convex", {"denseWeight": dense_weight})
     if method == "adaptive":
-        fused, weight, gap = adaptive_fusion(ranked_lists["dense"], ranked_lists["keyword"], keyword_ceiling, limit)
+        fused, weight, gap = adaptive_fusion(
+            ranked_lists["dense"], ranked_lists["keyword"], keyword_ceiling, limit, query_ceiling
+        )
         return fused, FusionChoice("adaptive", {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)})
     raise ValueError(f"unknown fusion method {method!r}")

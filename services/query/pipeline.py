@@ -58,7 +58,7 @@ class VersionSource(Protocol):
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    retriever_top_k: int = 50
+    retriever_top_k: int = 100
     fusion_method: str = "adaptive"
     rrf_k: int = 60
     dense_weight: float = 0.5
@@ -92,11 +92,12 @@ class _Order:
 
 
 def keyword_signals(keyword: list[Candidate], ceiling: float | None, text: str) -> dict[str, float]:
-    """What the keyword list says about the query: its top hit's saturation and how far that hit stands out."""
+    """What the keyword list says about the query: its top hit's saturation (over every query term, also those no
+    document has) and how far that hit stands out."""
     signals = {"queryTokens": float(len(text.split()))}
     if keyword and ceiling:
         signals["keywordSaturation"] = round(keyword[0].score / ceiling, 4)
-        signals["keywordGap"] = round(keyword_gap(keyword), 4)
+        signals["keywordGap"] = round(keyword_gap(keyword, ceiling), 4)
     return signals
 
 
@@ -207,6 +208,7 @@ class QueryPipeline:
         fusion_started = time.perf_counter()
         asked = options.fusion or FusionOptions()
         ceiling = lists["keyword"].ceiling if "keyword" in lists else None
+        query_ceiling = lists["keyword"].query_ceiling if "keyword" in lists else None
         fused, fusion = fuse(
             ranked,
             asked.method or self._config.fusion_method,
@@ -214,11 +216,12 @@ class QueryPipeline:
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
             limit=max(math.ceil(query.top_k * OVERSAMPLE), query.top_k),
+            query_ceiling=query_ceiling,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
         clock.timings["fusion"] = round(fusion_ms, 3)
         self._metrics.fusion_duration.record(fusion_ms)
-        signals = keyword_signals(ranked.get("keyword", []), ceiling, query.semantic_query)
+        signals = keyword_signals(ranked.get("keyword", []), query_ceiling or ceiling, query.semantic_query)
 
         fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused]))
         documents = fetched.documents
@@ -313,12 +316,16 @@ class QueryPipeline:
             ranking = await asyncio.wait_for(
                 self._reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
             )
+            ranked = [(candidates[i], score) for i, score in ranking]
         except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the fused order
             log.warning("reranker_failed", reranker=self._reranker.name, error=f"{type(error).__name__}: {error}")
             return _Order(fused_order.ranked, degraded=["reranker"]), False, None
         finally:
             clock.timings["rerank"] = round((time.perf_counter() - started) * 1000, 3)
-        return _Order([(candidates[i], score) for i, score in ranking]), True, None
+        # A reranker that returned fewer candidates than it was given: the rest follow in fused order, below it.
+        seen = {hit.id for hit, _ in ranked}
+        ranked += [(hit, 0.0) for hit in candidates if hit.id not in seen]
+        return _Order(ranked), True, None
 
     def _respond(
         self,

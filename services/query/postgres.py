@@ -104,7 +104,9 @@ class Hits:
     candidates: list[Candidate]
     version: str
     ceiling: float | None = None
-    """Keyword only: the highest score any document could reach for this query (every term, saturated)."""
+    """Keyword only: the highest score a document could reach (every query term some document has, saturated)."""
+    query_ceiling: float | None = None
+    """Keyword only: the same over every query term, also those no document has."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ class PostgresRetrieval:
         async with self._snapshot(scope) as snapshot:
             rows = await snapshot.conn.fetch(*self._keyword_sql(scope, text, limit, snapshot.shadowed))
         ceiling = float(rows[0]["ceiling"]) if rows else None
-        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, ceiling)
+        query_ceiling = float(rows[0]["query_ceiling"]) if rows else None
+        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, ceiling, query_ceiling)
 
     def _keyword_sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
         parameters: list[Any] = [
@@ -196,13 +199,13 @@ class PostgresRetrieval:
                 SELECT greatest(sum(doc_count), 1)::float8 AS n,
                        greatest(sum(total_length), 1)::float8 / greatest(sum(doc_count), 1) AS avgdl
                 FROM ontology_versions WHERE workspace = $4 AND branch = ANY($5::text[])),
-            idf AS (
-                SELECT t.term, ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS idf
+            term_idf AS (
+                SELECT t.term, f.df, ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS idf
                 FROM terms t CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT count(*) AS df FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = t.term) f
-                WHERE f.df > 0),
+                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = t.term) f),
+            idf AS (SELECT term, idf FROM term_idf WHERE df > 0),
             scored AS (
                 SELECT p.doc_id AS id,
                        sum(i.idf * p.tf * ($6::float8 + 1)
@@ -214,7 +217,10 @@ class PostgresRetrieval:
                     OFFSET 0) p
                 WHERE NOT (p.branch = 'main' AND p.doc_id = ANY($8::text[]))
                 GROUP BY p.doc_id)
-            SELECT s.id, s.score, (SELECT sum(idf) FROM idf) * ($6::float8 + 1) AS ceiling
+            -- The best score a document could reach: over the terms some document has (ceiling), and over every
+            -- query term (query_ceiling: a term no document has still counts as missing from every match).
+            SELECT s.id, s.score, (SELECT sum(idf) FROM idf) * ($6::float8 + 1) AS ceiling,
+                   (SELECT sum(idf) FROM term_idf) * ($6::float8 + 1) AS query_ceiling
             FROM scored s
             WHERE true {filtered}
             ORDER BY s.score DESC, s.id LIMIT $3"""

@@ -29,7 +29,7 @@ class Reranker(Protocol):
     name: str
 
     async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
-        """(index into ``documents``, relevance) for the best ``top_n``, best first."""
+        """(index into ``documents``, relevance in [0, 1]) for the best ``top_n``, best first, no index twice."""
         ...
 
     async def close(self) -> None: ...
@@ -44,22 +44,38 @@ class LocalCrossEncoder:
         from sentence_transformers import CrossEncoder
 
         self._model = CrossEncoder(str(model_path), device="cpu", max_length=max_length, local_files_only=True)
+        import torch
+
         self._batch_size = batch_size
+        self._sigmoid = torch.nn.Sigmoid()
+        self._busy = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reranker")
         log.info("reranker_loaded", kind=self.name, path=str(model_path))
 
     def _score(self, query: str, documents: Sequence[str]) -> list[float]:
-        # A one-label cross-encoder ends in a sigmoid by default: scores are relevances in [0, 1].
-        scores = self._model.predict([(query, d) for d in documents], batch_size=self._batch_size)
+        # Sigmoid whatever the model's own configuration says: many cross-encoders ship an identity activation,
+        # and a result's score promises a relevance in [0, 1].
+        scores = self._model.predict(
+            [(query, d) for d in documents], batch_size=self._batch_size, activation_fn=self._sigmoid
+        )
         return [float(s) for s in scores]
 
     async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
         if not documents:
             return []
-        loop = asyncio.get_running_loop()
-        scores = await loop.run_in_executor(self._executor, self._score, query, documents)
+        if self._busy:
+            # One CPU thread: a call queued behind one still running (maybe past its timeout) would only time out.
+            raise RerankerError("the local cross-encoder is busy with another query")
+        self._busy = True
+        # The thread's own future clears the flag when the model is done, even if the caller gave up waiting.
+        running = self._executor.submit(self._score, query, documents)
+        running.add_done_callback(self._idle)
+        scores = await asyncio.wrap_future(running)
         ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         return [(i, scores[i]) for i in ranked[:top_n]]
+
+    def _idle(self, _: object) -> None:
+        self._busy = False
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -96,8 +112,9 @@ class CohereReranker:
             parsed = _CohereResponse.model_validate_json(response.content)
         except ValidationError as error:
             raise RerankerError(f"rerank endpoint answered a malformed body: {error.error_count()} problems") from None
-        if any(r.index >= len(documents) for r in parsed.results):
-            raise RerankerError("rerank endpoint returned an index outside the documents sent")
+        indexes = [r.index for r in parsed.results]
+        if any(i >= len(documents) for i in indexes) or len(set(indexes)) != len(indexes):
+            raise RerankerError("rerank endpoint returned indexes outside the documents sent, or repeated ones")
         ranked = sorted(parsed.results, key=lambda r: -r.relevance_score)
         return [(r.index, r.relevance_score) for r in ranked[:top_n]]
 

@@ -192,3 +192,26 @@ async def test_version_announcements_never_go_back(deployment: Deployment) -> No
     entry = await kv.get(deployment.names.version_key("acme", "main"))
     assert entry.value is not None
     assert OntologyVersionChanged.model_validate_json(entry.value).revision == 5
+
+
+async def test_a_new_workspace_is_analysed_as_it_is_written(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    # Autovacuum analyses a partition a minute or more after the writes; until then it is planned as an empty table.
+    acks = await deployment.publisher.publish_many([upsert("fresh", document(f"d{i}", f"text {i}")) for i in range(80)])
+    await deployment.wait_projected(acks[-1].seq)
+
+    async def analysed() -> dict[str, float]:
+        rows = await deployment.fetch(
+            "SELECT c.relname, c.reltuples FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid"
+            " WHERE s.last_analyze IS NOT NULL AND c.relname IN"
+            " ('documents_ws_' || substr(md5('fresh'), 1, 20), 'postings_ws_' || substr(md5('fresh'), 1, 20))"
+        )
+        return {r["relname"].split("_ws_")[0]: r["reltuples"] for r in rows}
+
+    for _ in range(50):  # the projector analyses after acking, so right after the wait it may still be at it
+        if len(found := await analysed()) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert set(found) == {"documents", "postings"}
+    assert found["documents"] == 80

@@ -162,6 +162,8 @@ class Projector:
             return
         for msg, _ in accepted:
             await msg.ack()
+        if result.plan.applied:
+            await self._refresh_statistics({delta.envelope.workspace for delta in result.plan.applied})
         self._metrics.projector_deltas.add(len(result.plan.applied), {"outcome": "applied"})
         self._metrics.projector_deltas.add(len(result.plan.noops), {"outcome": "noop"})
         log.info(
@@ -170,6 +172,16 @@ class Projector:
             noops=len(result.plan.noops),
             versions={f"{v.workspace}/{v.branch}": v.version.label for v in result.versions},
         )
+
+    async def _refresh_statistics(self, workspaces: set[str]) -> None:
+        """After the acks: fresh planner statistics are an optimisation, never a reason to retry a batch."""
+        try:
+            analysed = await self._store.refresh_statistics(workspaces)
+        except Exception as error:
+            log.warning("statistics_refresh_failed", error=f"{type(error).__name__}: {error}")
+            return
+        if analysed:
+            log.info("partitions_analysed", partitions=analysed)
 
     async def _announce(self, result: BatchResult, redelivered: bool) -> None:
         # A redelivered batch may follow a crash between commit and announcement: announce it again then.

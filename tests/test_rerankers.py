@@ -18,7 +18,7 @@ import pytest
 from ontofabric.contracts import OntologyQuery
 from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
-from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder, RerankerError
+from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder, RerankerError, check_ranking
 from ontofabric.shared.settings import Settings
 
 from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
@@ -54,6 +54,14 @@ class CohereLike(BaseHTTPRequestHandler):
             self._send(200, {"results": [{"index": 99, "relevance_score": 0.9}]})
         elif behaviour == "duplicate":
             self._send(200, {"results": [{"index": 0, "relevance_score": 0.9}, {"index": 0, "relevance_score": 0.8}]})
+        elif behaviour == "nan":
+            self._send(200, {"results": [{"index": 0, "relevance_score": float("nan")}]})
+        elif behaviour == "negative":
+            self._send(
+                200, {"results": [{"index": i, "relevance_score": -3.0 * i} for i in range(len(body["documents"]))]}
+            )
+        elif behaviour == "empty":
+            self._send(200, {"results": []})
         elif behaviour == "partial":  # ranks only the last document it was sent
             last = len(body["documents"]) - 1
             self._send(200, {"results": [{"index": last, "relevance_score": 0.9}]})
@@ -97,8 +105,6 @@ async def test_cohere_adapter_ranks_and_sends_the_api_shape(cohere_server: str) 
         ("ratelimited", "429"),
         ("broken", "503"),
         ("malformed", "malformed"),
-        ("outofrange", "outside"),
-        ("duplicate", "repeated"),
     ],
 )
 async def test_cohere_adapter_raises_on_every_failure_class(cohere_server: str, behaviour: str, error: str) -> None:
@@ -136,9 +142,15 @@ async def test_candidates_a_reranker_leaves_out_follow_in_fused_order(cohere_ser
     assert reply.meta.reranked is True
     expected_first = fused.results[-1].id  # the partial reranker put the last fused candidate first
     assert [r.id for r in reply.results] == [expected_first] + [r.id for r in fused.results if r.id != expected_first]
+    scores = [r.score for r in reply.results]
+    assert scores[0] == pytest.approx(0.9)
+    assert scores == sorted(scores, reverse=True)  # the unranked ones below every ranked one
 
 
-@pytest.mark.parametrize("behaviour", ["ratelimited", "broken", "malformed", "duplicate", "slow", "refused"])
+@pytest.mark.parametrize(
+    "behaviour",
+    ["ratelimited", "broken", "malformed", "outofrange", "duplicate", "nan", "negative", "empty", "slow", "refused"],
+)
 async def test_pipeline_keeps_the_fused_order_when_the_reranker_fails(cohere_server: str, behaviour: str) -> None:
     url = "http://127.0.0.1:9/v2/rerank" if behaviour == "refused" else f"{cohere_server}/{behaviour}/v2/rerank"
     reranker = CohereReranker(url, None, "m", timeout_s=5)
@@ -148,6 +160,21 @@ async def test_pipeline_keeps_the_fused_order_when_the_reranker_fails(cohere_ser
     assert reply.meta.reranked is False
     assert reply.meta.degraded == ["reranker"]
     assert [r.id for r in reply.results] == [r.id for r in fused.results]
+
+
+def test_the_port_promise_is_checked_whatever_the_adapter() -> None:
+    assert check_ranking([(1, 0.2), (0, 0.9)], 2) == [(0, 0.9), (1, 0.2)]
+    for ranking, error in [
+        ([], "none"),
+        ([(2, 0.5)], "outside"),
+        ([(-1, 0.5)], "outside"),
+        ([(0, 0.5), (0, 0.4)], "repeated"),
+        ([(0, float("nan"))], "number"),
+        ([(0, float("inf"))], "number"),
+        ([(0, 1.5)], "number"),
+    ]:
+        with pytest.raises(RerankerError, match=error):
+            check_ranking(ranking, 2)
 
 
 async def test_saturated_short_query_skips_the_reranker(cohere_server: str) -> None:

@@ -24,7 +24,7 @@ from .fusion import Candidate, Fused, fuse, keyword_gap
 from .graph import GraphCache, GraphRows, expand
 from .hints import reads_as_relationship_question
 from .postgres import Fetched, Hits, Scope, StoredDocument
-from .rerankers import Reranker
+from .rerankers import Reranker, check_ranking
 
 log = get_logger(__name__)
 
@@ -316,7 +316,7 @@ class QueryPipeline:
             ranking = await asyncio.wait_for(
                 self._reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
             )
-            ranked = [(candidates[i], score) for i, score in ranking]
+            ranked = [(candidates[i], score) for i, score in check_ranking(ranking, len(candidates))]
         except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the fused order
             log.warning("reranker_failed", reranker=self._reranker.name, error=f"{type(error).__name__}: {error}")
             return _Order(fused_order.ranked, degraded=["reranker"]), False, None

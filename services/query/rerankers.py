@@ -7,6 +7,7 @@ and keeps the fused order, so a caller never sees a reranker error.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,19 @@ log = get_logger(__name__)
 
 class RerankerError(Exception):
     """The reranker answered with an error or with something that is not a ranking."""
+
+
+def check_ranking(ranking: Sequence[tuple[int, float]], documents: int) -> list[tuple[int, float]]:
+    """The port's promise, enforced whatever the adapter: at least one document ranked, each index into the
+    documents at most once, every relevance a number in [0, 1], best first. Anything else is a failed call."""
+    if documents and not ranking:
+        raise RerankerError("the reranker ranked none of the documents")
+    indexes = [i for i, _ in ranking]
+    if any(not 0 <= i < documents for i in indexes) or len(set(indexes)) != len(indexes):
+        raise RerankerError("the reranker returned indexes outside the documents sent, or repeated ones")
+    if any(not (math.isfinite(score) and 0.0 <= score <= 1.0) for _, score in ranking):
+        raise RerankerError("the reranker returned a relevance that is not a number in [0, 1]")
+    return sorted(ranking, key=lambda pair: -pair[1])
 
 
 class Reranker(Protocol):
@@ -112,11 +126,8 @@ class CohereReranker:
             parsed = _CohereResponse.model_validate_json(response.content)
         except ValidationError as error:
             raise RerankerError(f"rerank endpoint answered a malformed body: {error.error_count()} problems") from None
-        indexes = [r.index for r in parsed.results]
-        if any(i >= len(documents) for i in indexes) or len(set(indexes)) != len(indexes):
-            raise RerankerError("rerank endpoint returned indexes outside the documents sent, or repeated ones")
-        ranked = sorted(parsed.results, key=lambda r: -r.relevance_score)
-        return [(r.index, r.relevance_score) for r in ranked[:top_n]]
+        ranked = sorted(((r.index, r.relevance_score) for r in parsed.results), key=lambda pair: -pair[1])
+        return ranked[:top_n]
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import asyncpg
+
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.services.projector.planning import Delta, VersionState
 from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate
@@ -215,3 +217,22 @@ async def test_a_new_workspace_is_analysed_as_it_is_written(
         await asyncio.sleep(0.1)
     assert set(found) == {"documents", "postings"}
     assert found["documents"] == 80
+
+
+async def test_a_partition_being_analysed_elsewhere_is_skipped_not_waited_for(deployment: Deployment) -> None:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    other = await asyncpg.connect(deployment.database_url)
+    try:
+        store = PostgresProjectionStore(pool, "english")
+        await store.apply([Delta(i, upsert("busy", document(f"d{i}", f"text {i}"))) for i in range(1, 81)])
+        documents_partition = await other.fetchval("SELECT partition_name FROM workspaces WHERE workspace = 'busy'")
+        async with other.transaction():  # what a concurrent ANALYZE or autovacuum holds
+            await other.execute(f"LOCK TABLE {documents_partition} IN SHARE UPDATE EXCLUSIVE MODE")
+            busy = await asyncio.wait_for(store.refresh_statistics(["busy"]), timeout=5)
+        assert [p.split("_ws_")[0] for p in busy] == ["postings"]
+        assert await store.refresh_statistics(["busy"]) == [documents_partition]  # still stale, so next time
+        assert await store.refresh_statistics(["busy"]) == []
+    finally:
+        await other.close()
+        await pool.close()

@@ -1,6 +1,5 @@
 -- BM25 inside PostgreSQL: ts_rank_cd has no inverse document frequency, so the projector keeps postings
 -- (term frequency per document) and per-branch corpus statistics, and the keyword retriever scores BM25 from them.
--- This ships with 0001 (no deployment predates it), so there is nothing to backfill.
 
 ALTER TABLE documents ADD COLUMN doc_length integer NOT NULL DEFAULT 0;
 
@@ -12,7 +11,7 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     FROM to_tsvector(config, body) AS v
 $$;
 
--- One row per (term, document): the term frequency and the document's length.
+-- One row per (term, document): the term frequency and the document's length, for index-only scoring.
 CREATE TABLE postings (
     workspace  text    NOT NULL,
     branch     text    NOT NULL,
@@ -20,8 +19,7 @@ CREATE TABLE postings (
     doc_id     text    NOT NULL,
     tf         integer NOT NULL,
     doc_length integer NOT NULL,
-    -- INCLUDE: scoring reads tf and doc_length from the index itself (index-only once vacuum has run).
-    PRIMARY KEY (workspace, branch, term, doc_id) INCLUDE (tf, doc_length)
+    PRIMARY KEY (workspace, branch, term, doc_id)
 ) PARTITION BY LIST (workspace);
 -- No index by document: the projector finds a document's postings through its stored tsvector (the terms), so
 -- every postings read is a primary-key range scan and the planner has no wrong index to choose.
@@ -48,3 +46,30 @@ BEGIN
     INSERT INTO workspaces (workspace, partition_name) VALUES (p_workspace, 'documents_ws_' || suffix);
 END
 $$;
+
+-- Existing workspaces: their postings partition, then postings and statistics from the stored tsvectors.
+DO $$
+DECLARE
+    ws text;
+BEGIN
+    FOR ws IN SELECT workspace FROM workspaces LOOP
+        EXECUTE format('CREATE TABLE %I PARTITION OF postings FOR VALUES IN (%L)',
+                       'postings_ws_' || substr(md5(ws), 1, 20), ws);
+    END LOOP;
+END
+$$;
+
+UPDATE documents d
+   SET doc_length = (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(d.search_vector) u)
+ WHERE NOT d.deleted;
+
+INSERT INTO postings (workspace, branch, term, doc_id, tf, doc_length)
+SELECT d.workspace, d.branch, u.lexeme, d.id, coalesce(cardinality(u.positions), 1), d.doc_length
+  FROM documents d CROSS JOIN LATERAL unnest(d.search_vector) u
+ WHERE NOT d.deleted;
+
+UPDATE ontology_versions v
+   SET doc_count = s.doc_count, total_length = s.total_length
+  FROM (SELECT workspace, branch, count(*) AS doc_count, sum(doc_length) AS total_length
+          FROM documents WHERE NOT deleted GROUP BY workspace, branch) s
+ WHERE v.workspace = s.workspace AND v.branch = s.branch;

@@ -148,6 +148,8 @@ JOIN ontology_links l USING (workspace, branch, source_type, link_name, target_t
 # A partition is analysed once more rows changed than 50 + 10 % of its rows: autovacuum's default rule.
 ANALYZE_THRESHOLD_ROWS = 50
 ANALYZE_SCALE = 0.1
+# ANALYZE samples a bounded number of rows whatever the partition's size; this only stops a stuck one.
+ANALYZE_TIMEOUT_S = 120
 
 
 class PostgresProjectionStore:
@@ -198,13 +200,24 @@ class PostgresProjectionStore:
         rule, without its delay: infra/migrations/0004). Returns the partitions analysed."""
         analysed: list[str] = []
         async with self._pool.acquire() as conn:
-            for workspace in sorted(set(workspaces)):
-                analysed += await conn.fetchval(
-                    "SELECT analyze_stale_workspace_partitions($1, $2, $3)",
-                    workspace,
-                    ANALYZE_THRESHOLD_ROWS,
-                    ANALYZE_SCALE,
-                )
+            stale = await conn.fetch(
+                "SELECT stale_workspace_partitions($1::text[], $2, $3) AS partition",
+                sorted(set(workspaces)),
+                ANALYZE_THRESHOLD_ROWS,
+                ANALYZE_SCALE,
+            )
+            for row in stale:
+                try:
+                    # One partition per transaction, ANALYZE last in it: a failure undoes no other partition's
+                    # statistics. One already being analysed (another projector, autovacuum) is skipped, not
+                    # waited for.
+                    async with conn.transaction():
+                        await conn.execute("SET LOCAL lock_timeout = '100ms'")
+                        await conn.execute(f"SET LOCAL statement_timeout = '{ANALYZE_TIMEOUT_S}s'")
+                        await conn.execute(f"ANALYZE {row['partition']}")
+                except asyncpg.LockNotAvailableError:
+                    continue
+                analysed.append(row["partition"])
         return analysed
 
     async def _handled_events(self, conn: Connection, event_ids: list[str]) -> set[str]:

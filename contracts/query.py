@@ -133,6 +133,9 @@ class QueryMeta(WireModel):
     )
     could_benefit_from_link_expansion: bool = False
     expanded_context: list[ExpandedContext] = Field(default_factory=list)
+    expanded_context_truncated: bool = Field(
+        default=False, description="True when the hits link to more types than expansion attaches (a set bound)."
+    )
     backend: str = Field(description="Keyword backend that served the query.")
     retrievers: list[Retriever] = Field(description="Retrievers whose candidates were fused.")
     fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
         description="Skip the reranker for queries under 5 tokens whose keyword top hit reaches this saturation "
         "(calibrated by `ontofabric eval`; docs/quality.md).",
     )
+    expansion_max_types: int = Field(
+        default=25, ge=1, le=1000, description="Linked types graph expansion attaches to one answer, at most."
+    )
 
     cache_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ontofabric",

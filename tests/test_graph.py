@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 
 from ontofabric.services.ingest.graph import GraphLink, python_graph
-from ontofabric.services.query.graph import GraphCache, GraphRows, LinkRow, NodeRow, expand, overlay
+from ontofabric.services.query.graph import GraphCache, GraphRows, LinkRow, NodeRow, OntologyGraph, expand, overlay
 
 SOURCES = {
     "shop/__init__.py": "",
@@ -81,7 +81,9 @@ def _rows() -> GraphRows:
             LinkRow("main", "m.Impl", "imports", "m.Old", False, False),
             LinkRow("feature", "m.Impl", "imports", "m.Old", True, False),
             LinkRow("other", "m.Impl", "calls", "m.Secret", False, False),
+            LinkRow("main", "m.Gone", "inherits", "m.Base", False, False),
         ],
+        version="1-a",
     )
 
 
@@ -104,8 +106,19 @@ def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> N
     assert ("m.Util", "calls", "outgoing", "doc-impl") in linked
     assert [t for t, *_ in linked].count("m.Util") == 1
     assert ("m.Old", "imports", "outgoing", "doc-impl") in linked
-    assert ("m.Gone", "inherits", "incoming", "doc-base") not in linked  # interfaces are not links
+    assert ("m.Gone", "inherits", "incoming", "doc-base") in linked  # a link into a hit's type, followed back
     assert not {"m.Impl", "m.Deep", "m.Base"} & {t for t, *_ in linked}
+    # Interfaces are not links: New implements Base on the feature branch only through its interfaces.
+    feature = expand(overlay(_rows(), "feature"), [("doc-base", "m.Base")])
+    assert "m.New" not in {e.linked_type for e in feature}
+
+
+def test_expansion_is_bounded() -> None:
+    graph = OntologyGraph(links={("hub.Core", "imports", f"leaf.M{i:03}") for i in range(500)})
+    everything = expand(graph, [("doc", "hub.Core")])
+    assert len(everything) == 500
+    bounded = expand(graph, [("doc", "hub.Core")], limit=25)
+    assert bounded == everything[:25]
 
 
 async def test_graph_cache_loads_once_per_version() -> None:
@@ -117,12 +130,17 @@ async def test_graph_cache_loads_once_per_version() -> None:
 
     cache = GraphCache(load, max_graphs=2)
     first = await cache.get("w", "main", "1-a")
+    assert first.version == "1-a"
     assert await cache.get("w", "main", "1-a") is first
-    await cache.get("w", "main", "2-b")  # the version moved: reload
-    await cache.get("w", "feature", "2-b+1-c")
-    assert loads == [("w", "main"), ("w", "main"), ("w", "feature")]
-    await cache.get("w", "main", "1-a")  # evicted by the bound of two graphs
-    assert len(loads) == 4
-    cache.drop("w", keep=[("feature", "2-b+1-c")])
-    await cache.get("w", "feature", "2-b+1-c")
-    assert len(loads) == 4
+    newer = await cache.get("w", "main", "0-z")  # asked for a version the data has already left behind
+    assert newer.version == "1-a"  # the graph says which version it is; the caller compares
+    assert loads == [("w", "main"), ("w", "main")]
+    assert await cache.get("w", "main", "1-a") is newer  # kept under the version it was read at
+    await cache.get("w", "feature", "1-a")
+    await cache.get("w", "other", "1-a")  # the bound of two graphs evicts main's
+    await cache.get("w", "main", "1-a")
+    assert len(loads) == 5
+    current = {"main": "1-a", "other": "2-b"}
+    assert cache.drop_stale("w", lambda branch: current.get(branch, "none")) == 1  # other's 1-a is stale
+    await cache.get("w", "main", "1-a")
+    assert len(loads) == 5

@@ -14,9 +14,9 @@ import pytest
 from ontofabric.contracts import OntologyQuery
 from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.fusion import Candidate
-from ontofabric.services.query.graph import GraphRows
+from ontofabric.services.query.graph import GraphRows, LinkRow
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
-from ontofabric.services.query.postgres import Fetched, Hits, Scope, StoredDocument
+from ontofabric.services.query.postgres import Fetched, Hits, Representatives, Scope, StoredDocument
 from ontofabric.shared.embedder import Vector
 
 
@@ -39,10 +39,10 @@ class ScriptedRetrieval:
         return Fetched(documents, self.fetch_version)
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
-        return GraphRows(nodes=[], links=[])
+        return GraphRows(nodes=[], links=[], version=self.fetch_version)
 
-    async def representatives(self, scope: Scope, object_types: object) -> dict[str, str]:
-        return {}
+    async def representatives(self, scope: Scope, object_types: object) -> Representatives:
+        return Representatives({}, self.fetch_version)
 
 
 class FixedEmbedder:
@@ -149,3 +149,36 @@ async def test_min_relevance_drops_weak_results() -> None:
     strict = await pipeline.answer(OntologyQuery(semantic_query="anything", min_relevance=cut), "w")
     assert 0 < len(strict.results) < len(everything.results)
     assert all(r.score >= cut for r in strict.results)
+
+
+@dataclass
+class HubGraph(ScriptedRetrieval):
+    """Every hit's type (t.T) imports forty others; the graph is read at ``graph_version``."""
+
+    graph_version: str = "5-a"
+
+    async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
+        links = [LinkRow("main", "t.T", "imports", f"t.M{i:02}", False, False) for i in range(40)]
+        return GraphRows(nodes=[], links=links, version=self.graph_version)
+
+
+async def test_expansion_is_bounded_and_says_so() -> None:
+    config = PipelineConfig(expansion_max_types=3)
+    pipeline = QueryPipeline(HubGraph(), FixedEmbedder(), Announced("5-a"), VersionedCache(10), config)  # type: ignore[arg-type]
+    reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
+    assert [c.linked_type for c in reply.meta.expanded_context] == ["t.M00", "t.M01", "t.M02"]
+    assert reply.meta.expanded_context_truncated is True
+    assert reply.meta.degraded == []
+    small = PipelineConfig(expansion_max_types=40)
+    pipeline = QueryPipeline(HubGraph(), FixedEmbedder(), Announced("5-a"), VersionedCache(10), small)  # type: ignore[arg-type]
+    whole = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
+    assert len(whole.meta.expanded_context) == 40
+    assert whole.meta.expanded_context_truncated is False
+
+
+async def test_a_graph_newer_than_the_results_is_flagged_and_not_cached() -> None:
+    pipeline, cache = _pipeline(HubGraph(graph_version="6-b"))
+    reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
+    assert reply.meta.expanded_context  # the expansion still comes back
+    assert "ontologyVersionChanged" in reply.meta.degraded
+    assert len(cache) == 0

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +36,8 @@ class LinkRow:
 class GraphRows:
     nodes: list[NodeRow]
     links: list[LinkRow]
+    version: str = ""
+    """ontologyVersion of the snapshot the rows were read in."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Neighbour:
 
 @dataclass
 class OntologyGraph:
+    version: str = ""
     kinds: dict[str, str | None] = field(default_factory=dict)
     interfaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
     links: set[tuple[str, str, str]] = field(default_factory=set)
@@ -93,6 +96,7 @@ def overlay(rows: GraphRows, branch: str) -> OntologyGraph:
             if not link.deleted:
                 links[key] = link
     return OntologyGraph(
+        version=rows.version,
         kinds={t: n.kind for t, n in nodes.items()},
         interfaces={t: n.interfaces for t, n in nodes.items()},
         links=set(links),
@@ -108,8 +112,8 @@ class Expansion:
     linked_from_document_id: str
 
 
-def expand(graph: OntologyGraph, hits: Sequence[tuple[str, str]]) -> list[Expansion]:
-    """One hop from the types of the top hits (document id, object type), in rank order.
+def expand(graph: OntologyGraph, hits: Sequence[tuple[str, str]], limit: int | None = None) -> list[Expansion]:
+    """One hop from the types of the top hits (document id, object type), in rank order, at most ``limit``.
 
     Each linked type appears once, from the best-ranked hit that reaches it; the hits' own types are not context.
     """
@@ -124,6 +128,8 @@ def expand(graph: OntologyGraph, hits: Sequence[tuple[str, str]]) -> list[Expans
             expansions.append(
                 Expansion(neighbour.linked_type, neighbour.link_name, neighbour.direction, object_type, document_id)
             )
+            if limit is not None and len(expansions) >= limit:
+                return expansions
     return expansions
 
 
@@ -136,18 +142,23 @@ class GraphCache:
         self._graphs: OrderedDict[tuple[str, str, str], OntologyGraph] = OrderedDict()
 
     async def get(self, workspace: str, branch: str, version: str) -> OntologyGraph:
+        """The graph at ``version``, or, when it has moved on since, the newer one the load read (its
+        ``version`` says which: the caller compares)."""
         key = (workspace, branch, version)
         graph = self._graphs.get(key)
-        if graph is None:
-            graph = overlay(await self._load(workspace, branch), branch)
-            self._graphs[key] = graph
-            while len(self._graphs) > self._max_graphs:
-                self._graphs.popitem(last=False)
-        self._graphs.move_to_end(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        graph = overlay(await self._load(workspace, branch), branch)
+        # Kept under the version it was read at, never under one it may not be.
+        self._graphs[(workspace, branch, graph.version)] = graph
+        while len(self._graphs) > self._max_graphs:
+            self._graphs.popitem(last=False)
         return graph
 
-    def drop(self, workspace: str, keep: Iterable[tuple[str, str]] = ()) -> None:
-        """Forget the workspace's graphs except those keyed (branch, version) in ``keep``."""
-        kept = set(keep)
-        for key in [k for k in self._graphs if k[0] == workspace and (k[1], k[2]) not in kept]:
+    def drop_stale(self, workspace: str, current: Callable[[str], str]) -> int:
+        """Forget the workspace's graphs whose version is no longer the branch's current one."""
+        stale = [k for k in self._graphs if k[0] == workspace and k[2] != current(k[1])]
+        for key in stale:
             del self._graphs[key]
+        return len(stale)

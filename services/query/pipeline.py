@@ -23,7 +23,7 @@ from .cache import CacheKey, VersionedCache, stable_hash
 from .fusion import Candidate, Fused, fuse, keyword_gap
 from .graph import GraphCache, GraphRows, expand
 from .hints import reads_as_relationship_question
-from .postgres import Fetched, Hits, Scope, StoredDocument
+from .postgres import Fetched, Hits, Representatives, Scope, StoredDocument
 from .rerankers import Reranker, check_ranking
 
 log = get_logger(__name__)
@@ -49,7 +49,7 @@ class Retrieval(Protocol):
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
 
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> dict[str, str]: ...
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives: ...
 
 
 class VersionSource(Protocol):
@@ -64,6 +64,7 @@ class PipelineConfig:
     dense_weight: float = 0.5
     early_exit_saturation: float = 0.8
     rerank_timeout_s: float = 1.5
+    expansion_max_types: int = 25
 
 
 @dataclass
@@ -82,6 +83,7 @@ class _Answer:
     reranked: bool = False
     signals: dict[str, float] = field(default_factory=dict)
     expanded: list[ExpandedContext] = field(default_factory=list)
+    expansion_truncated: bool = False
 
 
 @dataclass
@@ -169,9 +171,10 @@ class QueryPipeline:
 
     async def _retrieve(self, query: OntologyQuery, workspace: str, clock: _Stopwatch) -> _Answer:
         degraded: list[str] = []
+        read_versions: set[str] = set()  # of every snapshot this answer read: more than one means mixed states
         object_types = None
         if query.object_type is not None:
-            object_types = await clock.time("narrowing", self._narrow(query, workspace, degraded))
+            object_types = await clock.time("narrowing", self._narrow(query, workspace, degraded, read_versions))
         scope = Scope(workspace, query.branch, object_types, query.chunk_level, query.provenance)
         options = query.options or QueryOptions()
         wanted = set(options.retrievers or ("dense", "keyword"))
@@ -237,9 +240,12 @@ class QueryPipeline:
             if rank <= query.top_k
         ]
         expanded: list[ExpandedContext] = []
+        truncated = False
         if query.follow_links and results:
-            expanded = await clock.time("expansion", self._expand(scope, fetched.version, results, degraded))
-        read_versions = {hits.version for hits in lists.values()} | {fetched.version}
+            expanded, truncated = await clock.time(
+                "expansion", self._expand(scope, fetched.version, results, degraded, read_versions)
+            )
+        read_versions |= {hits.version for hits in lists.values()} | {fetched.version}
         if len(read_versions) > 1 or len(documents) < len(fused):
             # A commit landed between the statements: the answer mixes two states. Say so; it is not cached.
             degraded.append("ontologyVersionChanged")
@@ -257,9 +263,12 @@ class QueryPipeline:
             fusion=FusionReport(method=fusion.method, parameters=fusion.parameters) if fusion else None,
             signals=signals,
             expanded=expanded,
+            expansion_truncated=truncated,
         )
 
-    async def _narrow(self, query: OntologyQuery, workspace: str, degraded: list[str]) -> tuple[str, ...]:
+    async def _narrow(
+        self, query: OntologyQuery, workspace: str, degraded: list[str], read_versions: set[str]
+    ) -> tuple[str, ...]:
         """The requested objectType and, through the graph, its subtypes and implementors."""
         assert query.object_type is not None
         try:
@@ -268,20 +277,29 @@ class QueryPipeline:
             log.warning("graph_load_failed", error=f"{type(error).__name__}: {error}")
             degraded.append("objectTypeNarrowing")
             return (query.object_type,)
+        read_versions.add(graph.version)
         return tuple(sorted(graph.with_subtypes(query.object_type)))
 
     async def _expand(
-        self, scope: Scope, version: str, results: list[SearchResult], degraded: list[str]
-    ) -> list[ExpandedContext]:
-        """1-hop graph expansion (seed 000 DR-6): linked types of the hits' types, each with a representative."""
+        self, scope: Scope, version: str, results: list[SearchResult], degraded: list[str], read_versions: set[str]
+    ) -> tuple[list[ExpandedContext], bool]:
+        """1-hop graph expansion (seed 000 DR-6): linked types of the hits' types, each with a representative, at
+        most ``expansion_max_types`` of them (and whether there were more)."""
+        bound = self._config.expansion_max_types
         try:
             graph = await self._graphs.get(scope.workspace, scope.branch, version)
-            expansions = expand(graph, [(r.id, r.object_type) for r in results])
+            expansions = expand(
+                graph, [(r.id, r.object_type) for r in results], limit=bound + 1
+            )  # +1: were there more?
+            truncated, expansions = len(expansions) > bound, expansions[:bound]
             representatives = await self._retrieval.representatives(scope, [e.linked_type for e in expansions])
         except Exception as error:
             log.warning("graph_expansion_failed", error=f"{type(error).__name__}: {error}")
             degraded.append("graphExpansion")
-            return []
+            return [], False
+        read_versions.add(graph.version)
+        if representatives.version is not None:
+            read_versions.add(representatives.version)
         return [
             ExpandedContext(
                 linked_type=e.linked_type,
@@ -289,10 +307,10 @@ class QueryPipeline:
                 direction=e.direction,
                 linked_from_type=e.linked_from_type,
                 linked_from_document_id=e.linked_from_document_id,
-                representative_document_id=representatives.get(e.linked_type),
+                representative_document_id=representatives.documents.get(e.linked_type),
             )
             for e in expansions
-        ]
+        ], truncated
 
     async def _maybe_rerank(
         self,
@@ -349,6 +367,7 @@ class QueryPipeline:
             degraded=list(answer.degraded),
             could_benefit_from_link_expansion=answer.could_benefit,
             expanded_context=answer.expanded,
+            expanded_context_truncated=answer.expansion_truncated,
             backend=self._retrieval.backend,
             retrievers=answer.retrievers,
             fusion=answer.fusion,
@@ -369,9 +388,14 @@ class QueryPipeline:
 
     def invalidate(self, workspace: str, branch: str, version: str) -> None:
         """A version moved: drop the workspace's answers and graphs that no longer match (main moves them all)."""
-        dropped = self._cache.invalidate_stale(workspace, lambda b: self._versions.current(workspace, b))
-        if dropped:
-            log.info("cache_invalidated", workspace=workspace, branch=branch, entries=dropped)
+
+        def current(of_branch: str) -> str:
+            return self._versions.current(workspace, of_branch)
+
+        dropped = self._cache.invalidate_stale(workspace, current)
+        graphs = self._graphs.drop_stale(workspace, current)
+        if dropped or graphs:
+            log.info("cache_invalidated", workspace=workspace, branch=branch, entries=dropped, graphs=graphs)
 
 
 async def _guarded(name: str, work: Awaitable[Hits], degraded: list[str]) -> Hits | None:

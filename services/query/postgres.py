@@ -115,6 +115,14 @@ class Fetched:
     version: str
 
 
+@dataclass(frozen=True)
+class Representatives:
+    documents: dict[str, str]
+    """object type -> id of its representative document"""
+    version: str | None
+    """ontologyVersion of the snapshot read; None when nothing was asked."""
+
+
 class PostgresRetrieval:
     """Each call reads one snapshot (a read-only repeatable-read transaction) and says which version it saw."""
 
@@ -243,8 +251,9 @@ class PostgresRetrieval:
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""
-        branches = [MAIN] if branch == MAIN else [MAIN, branch]
-        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+        scope = Scope(workspace, branch)
+        async with self._snapshot(scope) as snapshot:
+            conn, branches = snapshot.conn, scope.branches
             nodes = await conn.fetch(
                 "SELECT branch, object_type, kind, interfaces, deleted, transparent FROM ontology_nodes"
                 " WHERE workspace = $1 AND branch = ANY($2::text[])",
@@ -268,12 +277,13 @@ class PostgresRetrieval:
                         r["transparent"])
                 for r in links
             ],
+            version=snapshot.version,
         )  # fmt: skip
 
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> dict[str, str]:
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
         """One document per object type: a type-level chunk if there is one, else a method-level one."""
         if not object_types:
-            return {}
+            return Representatives({}, None)
         async with self._snapshot(scope) as snapshot:
             where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2, snapshot.shadowed)
             sql = f"""
@@ -281,7 +291,7 @@ class PostgresRetrieval:
                 WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
                 ORDER BY object_type, chunk_level = 'method', id"""
             rows = await snapshot.conn.fetch(sql, list(object_types), *parameters)
-        return {r["object_type"]: r["id"] for r in rows}
+        return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
 
 
 async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:

@@ -136,6 +136,7 @@ class QueryService:
                 rrf_k=settings.rrf_k,
                 dense_weight=settings.fusion_dense_weight,
                 early_exit_saturation=settings.early_exit_saturation,
+                expansion_max_types=settings.expansion_max_types,
                 rerank_timeout_s=settings.reranker_timeout_ms / 1000,
             ),
             self._reranker,

@@ -272,3 +272,49 @@ async def test_a_subject_that_names_no_valid_workspace_gets_an_error(
         error = ErrorReply.model_validate_json(reply.data)
         assert error.error.code == "invalid_request", token
     assert (await _ask(client, "sort numbers")).results[0].id == "sort"
+
+
+def test_a_reply_too_large_for_nats_keeps_the_results_that_fit() -> None:
+    from ontofabric.contracts import QueryMeta, SearchResult
+    from ontofabric.services.query.worker import encode_within
+
+    results = [
+        SearchResult(
+            id=f"d{i}",
+            score=1 - i / 10,
+            rank=i + 1,
+            content="x" * 1000,
+            object_type="t.T",
+            source_domain="t",
+            metadata={},
+            found_by=[],
+        )
+        for i in range(10)
+    ]
+    meta = QueryMeta(
+        ontology_version="1-a", workspace="w", branch="main", hybrid=True, reranked=False, cache_hit=False,
+        backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+    )  # fmt: skip
+    response = QueryResponse(results=results, _meta=meta)
+    assert encode_within(response, 1_000_000) == response.model_dump_json().encode()
+    trimmed = QueryResponse.model_validate_json(encode_within(response, 4_500))
+    assert [r.id for r in trimmed.results] == ["d0", "d1", "d2"]  # the best ranks, as many as fit
+    assert trimmed.meta.degraded == ["replySize"]
+    assert len(encode_within(response, 4_500)) <= 4_500
+    refused = ErrorReply.model_validate_json(encode_within(response, 100))
+    assert refused.error.code == "internal"
+
+
+async def test_an_answer_larger_than_a_nats_message_arrives_trimmed(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
+) -> None:
+    # Eight documents of 200 KB: ten results would be 1.6 MB, past nats-server's 1 MB message limit.
+    acks = await deployment.publisher.publish_many(
+        [upsert("big", document(f"b{i}", f"bulky {i} " + "padding " * 25_000)) for i in range(8)]
+    )
+    await deployment.wait_projected(acks[-1].seq)
+    await start_query_worker(None)
+    reply = await client.query("big", {"semanticQuery": "bulky padding", "topK": 10})
+    assert isinstance(reply, QueryResponse), reply
+    assert 0 < len(reply.results) < 8
+    assert "replySize" in reply.meta.degraded

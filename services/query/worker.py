@@ -13,7 +13,7 @@ from faststream.nats import NatsBroker, NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from pydantic import TypeAdapter, ValidationError
 
-from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError
+from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError, QueryResponse
 from ontofabric.contracts.documents import Workspace
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder
@@ -79,6 +79,33 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
             [ErrorDetail(field="workspace", message=f"this subject serves workspace {workspace!r}")],
         )
     return query
+
+
+# Room left in a NATS message for the reply's headers (correlation, content type, trace context).
+HEADER_ALLOWANCE_BYTES = 16 * 1024
+
+
+def encode_within(response: QueryResponse, limit: int) -> bytes:
+    """The reply as JSON in at most ``limit`` bytes. Results that do not fit are left out from the lowest rank
+    up and ``_meta.degraded`` says ``replySize``: an answer NATS would refuse to carry leaves the caller waiting."""
+    whole = response.model_dump_json().encode()
+    if len(whole) <= limit:
+        return whole
+    meta = response.meta.model_copy(update={"degraded": [*response.meta.degraded, "replySize"]})
+
+    def encoded(count: int) -> bytes:
+        return (
+            response.model_copy(update={"results": response.results[:count], "meta": meta}).model_dump_json().encode()
+        )
+
+    fits, too_many = 0, len(response.results)  # binary search for the most results that fit
+    while too_many - fits > 1:
+        middle = (fits + too_many) // 2
+        fits, too_many = (middle, too_many) if len(encoded(middle)) <= limit else (fits, middle)
+    body = encoded(fits)
+    if len(body) > limit:
+        return error_reply("internal", f"even an answer without results exceeds the {limit} bytes a reply may have")
+    return body
 
 
 class QueryService:
@@ -173,7 +200,7 @@ class QueryService:
             except Exception:
                 log.exception("query_failed", workspace=workspace)
                 return error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
-            return response.model_dump_json().encode()
+            return encode_within(response, broker.connection.max_payload - HEADER_ALLOWANCE_BYTES)
 
         await broker.start()
         await subscriptions_visible(broker.connection)

@@ -180,3 +180,11 @@ def test_event_ids_repeat_for_a_rerun_and_change_after_a_round_trip() -> None:
     after_b = Manifest({"d:doc": "hash-b"}).digest
     first = event_id("w", "main", Manifest().digest, "d:doc", "hash-a")
     assert first != event_id("w", "main", after_b, "d:doc", "hash-a")
+
+
+def test_a_manifest_of_the_first_format_reads_as_document_keys() -> None:
+    old = Manifest.from_json(b'{"version": 1, "entries": {"pkg/a.py::f": "h1"}}')
+    assert old.entries == {"d:pkg/a.py::f": "h1"}
+    plan = plan_ingest({"d:pkg/a.py::f": "h1"}, old)
+    assert (plan.upserts, plan.deletes) == ([], [])  # nothing changed, so nothing to publish or remove
+    assert Manifest.from_json(Manifest({"n:pkg.a": "h"}).to_json()).entries == {"n:pkg.a": "h"}

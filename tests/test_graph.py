@@ -144,3 +144,31 @@ async def test_graph_cache_loads_once_per_version() -> None:
     assert cache.drop_stale("w", lambda branch: current.get(branch, "none")) == 1  # other's 1-a is stale
     await cache.get("w", "main", "1-a")
     assert len(loads) == 5
+
+
+def test_bases_without_a_name_are_no_interfaces_and_every_name_is_a_valid_object_type() -> None:
+    from ontofabric.contracts import NodeUpserted, OntologyNode
+
+    fields = " ".join(f"field{i}" for i in range(200))
+    source = textwrap.dedent(f"""
+        import typing
+        from collections import namedtuple
+
+        class Row(namedtuple("Row", "{fields}")):
+            pass
+
+        class Box(typing.Generic[T], external.pkg.Base):
+            pass
+
+        class {"Deep" * 140}:
+            pass
+    """)
+    nodes, _ = python_graph({"lib/rows.py": source})
+    by_name = {n.name: n for n in nodes}
+    assert by_name["Row"].interfaces == ()  # computed by a call: no name to give it
+    assert by_name["Box"].interfaces == ("typing.Generic", "external.pkg.Base")
+    assert "Deep" * 140 not in by_name  # a name the contract cannot carry leaves the graph, not the ingest
+    for node in nodes:  # each one survives the contract, so an ingest never stops on one class
+        NodeUpserted(
+            node=OntologyNode(domain=node.domain, name=node.name, kind=node.kind, interfaces=list(node.interfaces))
+        )

@@ -17,6 +17,7 @@ from typing import Literal
 ChunkLevel = Literal["file", "type", "method", "doc"]
 
 _OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
+MAX_OBJECT_TYPE_CHARS = 512  # the contract's limit (contracts/documents.py ObjectType)
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -47,9 +48,10 @@ class Chunk:
 
 
 def object_type_name(dotted: str) -> str:
-    """A dotted name made valid as an objectType (letters, digits, ``_.$-``; no leading digit)."""
+    """A dotted name made valid as an objectType (letters, digits, ``_.$-``; no leading digit; 512 at most)."""
     cleaned = _OBJECT_TYPE_CHAR.sub("_", dotted).strip(".") or "_"
-    return f"_{cleaned}" if not (cleaned[0].isalpha() or cleaned[0] == "_") else cleaned
+    valid = f"_{cleaned}" if not (cleaned[0].isalpha() or cleaned[0] == "_") else cleaned
+    return valid[:MAX_OBJECT_TYPE_CHARS]
 
 
 def truncate_utf8(text: str, max_bytes: int) -> str:

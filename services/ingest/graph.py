@@ -13,6 +13,10 @@ import ast
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
+from ontofabric.contracts import OntologyNode
+
 from .chunking import module_name, object_type_name
 
 IMPORTS, INHERITS, CALLS = "imports", "inherits", "calls"
@@ -124,6 +128,36 @@ class _Resolver:
         return None
 
 
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.C`` as written, for a name or an attribute chain; None for anything computed."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        parent = _dotted(node.value)
+        return f"{parent}.{node.attr}" if parent else None
+    return None
+
+
+def _interface(resolver: _Resolver, module: _Module, base: ast.expr) -> str | None:
+    """A base class as an interface: the type it resolves to inside the tree, else its dotted name as written
+    (``Generic[T]`` counts as ``Generic``). A base computed by a call (``namedtuple(...)``) has no name: left out."""
+    if isinstance(base, ast.Subscript):
+        base = base.value
+    resolved = resolver.expression(module, base)
+    if resolved is not None:
+        return resolved
+    dotted = _dotted(base)
+    return object_type_name(dotted) if dotted else None
+
+
+def _representable(node: GraphNode) -> bool:
+    try:
+        OntologyNode(domain=node.domain, name=node.name, kind=node.kind, interfaces=list(node.interfaces))
+    except ValidationError:
+        return False
+    return True
+
+
 def python_graph(sources: Mapping[str, str]) -> tuple[list[GraphNode], list[GraphLink]]:
     """Nodes and links of the Python files ``sources`` (relative path -> text)."""
     modules: dict[str, _Module] = {}
@@ -158,16 +192,18 @@ def python_graph(sources: Mapping[str, str]) -> tuple[list[GraphNode], list[Grap
     links: set[GraphLink] = set()
 
     def link(source: str, name: str, target: str | None) -> None:
-        if target is not None and target != source and target in nodes:
+        if target is not None and target != source and target in nodes and source in nodes:
             links.add(GraphLink(source, name, target))
 
     for module in modules.values():
         nodes[module.object_type] = GraphNode(*_split(module.object_type), kind="module")
         for qualname, cls in _classes(module.tree.body):
-            bases = [resolver.expression(module, b) or ast.unparse(b) for b in cls.bases]
             object_type = object_type_name(f"{module.fqn}.{qualname}")
-            interfaces = tuple(object_type_name(b) for b in bases if b)
+            interfaces = tuple(i for i in (_interface(resolver, module, b) for b in cls.bases) if i)
             nodes[object_type] = GraphNode(_split(object_type)[0], _split(object_type)[1], "class", interfaces)
+    # A type whose names the contract cannot carry (a 600-character class name) stays out of the graph, so one
+    # odd source never stops an ingest; its documents are ingested all the same.
+    nodes = {t: n for t, n in nodes.items() if _representable(n)}
     for module in modules.values():
         for found in ast.walk(module.tree):
             if isinstance(found, ast.Import):

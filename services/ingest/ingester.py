@@ -126,7 +126,11 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        return cls(dict(json.loads(data)["entries"]))
+        stored = json.loads(data)
+        entries = dict(stored["entries"])
+        if stored.get("version", 1) == 1:  # version 1 knew only documents and keyed them by bare id
+            entries = {f"d:{key}": value for key, value in entries.items()}
+        return cls(entries)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
             f"[dim]context[/dim] {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
             f" (document {context.representative_document_id or 'none indexed'})"
         )
+    if meta.expanded_context_truncated:
+        console.print("[dim]context[/dim] … more linked types than ONTOFABRIC_EXPANSION_MAX_TYPES allows")
     console.print(f"[dim]timings[/dim] {timings}")
 
 

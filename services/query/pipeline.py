@@ -288,9 +288,8 @@ class QueryPipeline:
         bound = self._config.expansion_max_types
         try:
             graph = await self._graphs.get(scope.workspace, scope.branch, version)
-            expansions = expand(
-                graph, [(r.id, r.object_type) for r in results], limit=bound + 1
-            )  # +1: were there more?
+            # One past the bound, to know whether there were more.
+            expansions = expand(graph, [(r.id, r.object_type) for r in results], limit=bound + 1)
             truncated, expansions = len(expansions) > bound, expansions[:bound]
             representatives = await self._retrieval.representatives(scope, [e.linked_type for e in expansions])
         except Exception as error:

@@ -55,11 +55,10 @@ class LocalCrossEncoder:
     name = "cross-encoder"
 
     def __init__(self, model_path: Path, batch_size: int = 32, max_length: int = 512) -> None:
+        import torch
         from sentence_transformers import CrossEncoder
 
         self._model = CrossEncoder(str(model_path), device="cpu", max_length=max_length, local_files_only=True)
-        import torch
-
         self._batch_size = batch_size
         self._sigmoid = torch.nn.Sigmoid()
         self._busy = False

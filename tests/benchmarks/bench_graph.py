@@ -22,6 +22,7 @@ from ontofabric.contracts import QueryResponse
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.ingester import Ingester, discover
+from ontofabric.services.ops.evaluation import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
@@ -30,7 +31,7 @@ from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_spine import percentile, queries_from
+from .bench_spine import queries_from
 
 WORKSPACE = "bench"
 

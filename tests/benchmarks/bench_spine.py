@@ -26,6 +26,7 @@ from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.chunking import Chunk
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import chunk_tree, to_document
+from ontofabric.services.ops.evaluation import percentile
 from ontofabric.services.projector.planning import Delta, EntityRef
 from ontofabric.services.projector.store import UPSERT_DOCUMENT, PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
@@ -38,11 +39,6 @@ from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def queries_from(chunks: list[Chunk], limit: int) -> list[str]:

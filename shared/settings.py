@@ -97,8 +97,16 @@ class Settings(BaseSettings):
     statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
 
     # --- reranking -------------------------------------------------------------------------------
-    reranker: Literal["none", "local", "cohere"] = Field(
-        default="none", description="`local`: a CrossEncoder from reranker_model_path; `cohere`: the HTTP API."
+    reranker: Literal["none", "local", "late-interaction", "cohere"] = Field(
+        default="none",
+        description="`local`: a CrossEncoder from reranker_model_path; `late-interaction`: MaxSim with the "
+        "embedding model, no second model (docs/quality.md); `cohere`: the HTTP API.",
+    )
+    reranker_depth: int = Field(
+        default=20, ge=1, le=1000, description="Fused candidates sent to the reranker; the rest follow unchanged."
+    )
+    late_interaction_weight: float = Field(
+        default=0.25, ge=0, le=1, description="Share of the late-interaction similarity against the fused order."
     )
     reranker_model_path: Path | None = Field(default=None, description="Local cross-encoder directory.")
     reranker_url: str | None = Field(

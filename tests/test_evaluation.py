@@ -101,18 +101,23 @@ async def test_a_small_dataset_through_the_real_path(
         "q3": "ranking function with term frequency",
     }
     root = _write_dataset(tmp_path / "tiny", corpus, queries, [("q1", "pg"), ("q2", "nats"), ("q3", "bm25")])
-    settings = deployment_settings.model_copy(update={"embedder": "local", "cache_dir": tmp_path / "cache"})
+    settings = deployment_settings.model_copy(
+        update={"embedder": "local", "cache_dir": tmp_path / "cache", "reranker": "late-interaction"}
+    )
     endpoints = Endpoints(nats_url=servers.nats_url, database_url=deployment_settings.database_url or "")
-    report = await evaluate(settings, endpoints, load_beir(root, "test"), ["dense", "keyword", "hybrid"], _Quiet())
+    configs = ["dense", "keyword", "hybrid", "hybrid-rerank"]
+    report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, _Quiet())
     assert report.documents == 5
     assert report.documents_loaded == 5
     assert report.queries == 3
-    for config in ("dense", "keyword", "hybrid"):
+    for config in configs:
         result = report.configs[config]
         assert result.errors == 0
         assert result.degraded == 0
         assert result.metrics["MRR@10"] == pytest.approx(1.0), config
     assert report.configs["hybrid"].meta["fusion"]["method"] == "adaptive"
+    assert report.configs["hybrid"].meta["reranked"] is False
+    assert report.configs["hybrid-rerank"].meta["reranked"] is True  # the worker built the configured reranker
     assert report.configs["keyword"].meta["retrievers"] == ["keyword"]
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
 

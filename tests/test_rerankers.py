@@ -13,12 +13,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 
 from ontofabric.contracts import OntologyQuery
 from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
-from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder, RerankerError, check_ranking
+from ontofabric.services.query.rerankers import (
+    CohereReranker,
+    LateInteraction,
+    LocalCrossEncoder,
+    RerankerError,
+    build_reranker,
+    check_ranking,
+    max_similarity,
+    refine_fused_order,
+)
 from ontofabric.shared.settings import Settings
 
 from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
@@ -116,8 +126,8 @@ async def test_cohere_adapter_raises_on_every_failure_class(cohere_server: str, 
         await reranker.close()
 
 
-def _pipeline(reranker: Any, timeout_s: float = 1.5, saturation: float = 0.8) -> QueryPipeline:
-    config = PipelineConfig(rerank_timeout_s=timeout_s, early_exit_saturation=saturation)
+def _pipeline(reranker: Any, timeout_s: float = 1.5, saturation: float = 0.8, depth: int = 20) -> QueryPipeline:
+    config = PipelineConfig(rerank_timeout_s=timeout_s, early_exit_saturation=saturation, rerank_depth=depth)
     return QueryPipeline(ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), VersionedCache(0), config, reranker)  # type: ignore[arg-type]
 
 
@@ -145,6 +155,21 @@ async def test_candidates_a_reranker_leaves_out_follow_in_fused_order(cohere_ser
     scores = [r.score for r in reply.results]
     assert scores[0] == pytest.approx(0.9)
     assert scores == sorted(scores, reverse=True)  # the unranked ones below every ranked one
+
+
+async def test_only_the_first_candidates_up_to_the_depth_are_reranked(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
+    fused = await _pipeline(None).answer(QUERY, "w")
+    before = len(CohereLike.requests)
+    reply = await _pipeline(reranker, depth=2).answer(QUERY, "w")
+    await reranker.close()
+    fused_ids = [r.id for r in fused.results]
+    assert len(fused_ids) == 3
+    sent = CohereLike.requests[before]["body"]["documents"]
+    assert len(sent) == 2  # "content z", fused last, was never sent: it cannot rise
+    assert reply.meta.reranked is True
+    assert [r.id for r in reply.results][2] == fused_ids[2]
+    assert sorted(r.id for r in reply.results[:2]) == sorted(fused_ids[:2])
 
 
 @pytest.mark.parametrize(
@@ -253,3 +278,74 @@ async def test_local_cross_encoder_past_its_timeout_degrades_and_queries_do_not_
     assert busy.meta.degraded == ["reranker"]
     assert busy_ms < 300  # skipped at once instead of waiting behind the running call
     assert ok.meta.reranked is True
+
+
+def test_max_similarity_takes_each_query_tokens_best_match() -> None:
+    query = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    matches_both = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=np.float32)
+    matches_one = np.array([[1.0, 0.0], [1.0, 0.0]], dtype=np.float32)
+    assert max_similarity(query, matches_both) == pytest.approx(1.0)
+    assert max_similarity(query, matches_one) == pytest.approx(0.5)  # (1 + 0) / 2: a repeat earns nothing more
+
+
+def test_refining_the_fused_order() -> None:
+    similarities = [0.1, 0.2, 0.9, 0.3]
+    kept = refine_fused_order(similarities, weight=0.0)
+    assert kept == sorted(kept, reverse=True)
+    assert len(set(kept)) == 4
+    followed = refine_fused_order(similarities, weight=1.0)
+    assert max(range(4), key=lambda i: followed[i]) == 2  # weight 1: the similarity alone
+    blended = refine_fused_order(similarities, weight=0.35)
+    assert blended[0] > blended[2] > blended[1]  # a strong match climbs past its neighbour, not past the first
+    assert all(0.0 < v < 1.0 for v in kept + followed + blended)
+    assert refine_fused_order([0.4, 0.4, 0.4], 0.5) == sorted(refine_fused_order([0.4, 0.4, 0.4], 0.5), reverse=True)
+    assert refine_fused_order([0.7], 0.2) == [0.5]
+    assert refine_fused_order([], 0.2) == []
+
+
+CODE_DOCS = [
+    "def add_user(name): users.append(name)",
+    "a recipe for bread with flour and water",
+    "def parse_json(text):\n    return json.loads(text)",
+    "the weather is sunny today",
+]
+
+
+@pytest.fixture(scope="module")
+def late_interaction() -> Iterator[LateInteraction]:
+    settings = Settings(reranker="late-interaction", late_interaction_weight=1.0)
+    reranker = build_reranker(settings)
+    assert isinstance(reranker, LateInteraction)
+    yield reranker
+    asyncio.run(reranker.close())
+
+
+async def test_late_interaction_scores_with_the_embedding_model(late_interaction: LateInteraction) -> None:
+    ranking = await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=4)
+    assert ranking[0][0] == 2  # the embedding model itself finds the JSON parser, from fused position 3
+    assert sorted(i for i, _ in ranking) == [0, 1, 2, 3]
+    assert check_ranking(ranking, 4) == ranking
+    assert (await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=2)) == ranking[:2]
+    assert await late_interaction.rerank("parse a json string", [], top_n=2) == []
+
+
+async def test_late_interaction_reranks_through_the_pipeline(late_interaction: LateInteraction) -> None:
+    fused = await _pipeline(None).answer(QUERY, "w")
+    reply = await _pipeline(late_interaction).answer(QUERY, "w")
+    assert reply.meta.reranked is True
+    assert reply.meta.degraded == []
+    assert sorted(r.id for r in reply.results) == sorted(r.id for r in fused.results)
+    assert all(0.0 <= r.score <= 1.0 for r in reply.results)
+
+
+async def test_late_interaction_orders_alike_in_bfloat16_and_float32(late_interaction: LateInteraction) -> None:
+    """bfloat16 is chosen by the CPU; whichever the fixture got, the other precision ranks the same."""
+    settings = Settings()
+    other = LateInteraction(settings.resolved_model_path(), weight=1.0, bfloat16=not late_interaction.bfloat16)
+    try:
+        ours = await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=4)
+        theirs = await other.rerank("parse a json string", CODE_DOCS, top_n=4)
+    finally:
+        await other.close()
+    assert [i for i, _ in ours] == [i for i, _ in theirs]
+    assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], abs=0.02)

@@ -407,7 +407,9 @@ async def evaluate(
         exit_points: list[ExitPoint] = []
         for config in configs:
             if config == "hybrid-rerank" and settings.reranker == "none":
-                results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
+                results[config] = ConfigResult(
+                    skipped="no reranker configured (ONTOFABRIC_RERANKER; `late-interaction` needs no other model)"
+                )
                 continue
             points = exit_points if config == "hybrid" else None
             results[config], runs[config] = await evaluation.run(

@@ -64,6 +64,7 @@ class PipelineConfig:
     dense_weight: float = 0.5
     early_exit_saturation: float = 0.8
     rerank_timeout_s: float = 1.5
+    rerank_depth: int = 20
     expansion_max_types: int = 25
 
 
@@ -327,19 +328,20 @@ class QueryPipeline:
             return fused_order, False, "no_reranker"
         if early_exit(signals, query.semantic_query, self._config.early_exit_saturation):
             return fused_order, False, "bm25_saturation"
-        texts = [_rerank_text(documents[f.id]) for f in candidates]
+        sent = candidates[: self._config.rerank_depth]
+        texts = [_rerank_text(documents[f.id]) for f in sent]
         started = time.perf_counter()
         try:
             ranking = await asyncio.wait_for(
                 self._reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
             )
-            ranked = [(candidates[i], score) for i, score in check_ranking(ranking, len(candidates))]
+            ranked = [(sent[i], score) for i, score in check_ranking(ranking, len(sent))]
         except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the fused order
             log.warning("reranker_failed", reranker=self._reranker.name, error=f"{type(error).__name__}: {error}")
             return _Order(fused_order.ranked, degraded=["reranker"]), False, None
         finally:
             clock.timings["rerank"] = round((time.perf_counter() - started) * 1000, 3)
-        # A reranker that returned fewer candidates than it was given: the rest follow in fused order, below it.
+        # Candidates past the depth, or that the reranker left out, follow in fused order, below the ranked ones.
         seen = {hit.id for hit, _ in ranked}
         ranked += [(hit, 0.0) for hit in candidates if hit.id not in seen]
         return _Order(ranked), True, None

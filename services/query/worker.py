@@ -165,6 +165,7 @@ class QueryService:
                 early_exit_saturation=settings.early_exit_saturation,
                 expansion_max_types=settings.expansion_max_types,
                 rerank_timeout_s=settings.reranker_timeout_ms / 1000,
+                rerank_depth=settings.reranker_depth,
             ),
             self._reranker,
         )

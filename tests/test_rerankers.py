@@ -24,10 +24,11 @@ from ontofabric.services.query.rerankers import (
     LateInteraction,
     LocalCrossEncoder,
     RerankerError,
+    blend_with_fused_position,
     build_reranker,
     check_ranking,
+    cpu_has_bfloat16,
     max_similarity,
-    refine_fused_order,
 )
 from ontofabric.shared.settings import Settings
 
@@ -163,13 +164,23 @@ async def test_only_the_first_candidates_up_to_the_depth_are_reranked(cohere_ser
     before = len(CohereLike.requests)
     reply = await _pipeline(reranker, depth=2).answer(QUERY, "w")
     await reranker.close()
-    fused_ids = [r.id for r in fused.results]
-    assert len(fused_ids) == 3
-    sent = CohereLike.requests[before]["body"]["documents"]
-    assert len(sent) == 2  # "content z", fused last, was never sent: it cannot rise
+    assert [r.id for r in fused.results] == ["y", "z", "x"]
+    assert CohereLike.requests[before]["body"]["documents"] == ["content y", "content z"]  # x, fused last, is not
     assert reply.meta.reranked is True
-    assert [r.id for r in reply.results][2] == fused_ids[2]
-    assert sorted(r.id for r in reply.results[:2]) == sorted(fused_ids[:2])
+    assert [r.id for r in reply.results] == ["z", "y", "x"]  # "content z" matches the query best
+    tail = reply.results[2].score
+    # Past the depth: below every reranked relevance, and still a relevance, not a zero that min_relevance drops.
+    assert 0.0 < tail < reply.results[1].score
+    assert tail == pytest.approx(reply.results[1].score * fused.results[2].score, abs=1e-4)
+
+
+async def test_a_reranker_sees_its_full_depth_even_for_a_small_top_k(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
+    before = len(CohereLike.requests)
+    reply = await _pipeline(reranker, depth=3).answer(QUERY.model_copy(update={"top_k": 1, "precision": True}), "w")
+    await reranker.close()
+    assert len(CohereLike.requests[before]["body"]["documents"]) == 3  # 1.5 x topK alone would have sent 2
+    assert [r.id for r in reply.results] == ["z"]
 
 
 @pytest.mark.parametrize(
@@ -288,19 +299,34 @@ def test_max_similarity_takes_each_query_tokens_best_match() -> None:
     assert max_similarity(query, matches_one) == pytest.approx(0.5)  # (1 + 0) / 2: a repeat earns nothing more
 
 
-def test_refining_the_fused_order() -> None:
+def test_blending_similarity_into_the_fused_position() -> None:
     similarities = [0.1, 0.2, 0.9, 0.3]
-    kept = refine_fused_order(similarities, weight=0.0)
-    assert kept == sorted(kept, reverse=True)
+    kept = blend_with_fused_position(similarities, weight=0.0)
+    assert kept == sorted(kept, reverse=True)  # weight 0: the fused order as it was
     assert len(set(kept)) == 4
-    followed = refine_fused_order(similarities, weight=1.0)
+    followed = blend_with_fused_position(similarities, weight=1.0)
     assert max(range(4), key=lambda i: followed[i]) == 2  # weight 1: the similarity alone
-    blended = refine_fused_order(similarities, weight=0.35)
-    assert blended[0] > blended[2] > blended[1]  # a strong match climbs past its neighbour, not past the first
-    assert all(0.0 < v < 1.0 for v in kept + followed + blended)
-    assert refine_fused_order([0.4, 0.4, 0.4], 0.5) == sorted(refine_fused_order([0.4, 0.4, 0.4], 0.5), reverse=True)
-    assert refine_fused_order([0.7], 0.2) == [0.5]
-    assert refine_fused_order([], 0.2) == []
+    assert all(0.0 < v < 1.0 for v in kept + followed)
+    assert blend_with_fused_position([0.4, 0.4, 0.4], 1.0) == [0.5, 0.5, 0.5]  # no spread: no signal
+    assert blend_with_fused_position([0.7], 0.2) == [0.5]
+    assert blend_with_fused_position([], 0.2) == []
+
+
+def test_at_the_deployment_weight_a_strong_match_climbs_but_does_not_jump_the_queue() -> None:
+    similarities = [0.3, 0.31, 0.29, 0.3, 0.32, 0.9, 0.3, 0.28, 0.31, 0.3]
+    relevance = blend_with_fused_position(similarities, Settings().late_interaction_weight)
+    order = sorted(range(10), key=lambda i: -relevance[i])
+    assert order.index(5) == 2  # from sixth to third
+    assert order[:2] == [0, 1]
+    assert [i for i in order if i != 5] == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # the rest keep their fused order
+
+
+def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
+    for flags, expected in [("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
+                            ("fpu avx2 avx512f", False), ("fpu avx512_bf16x", False)]:  # fmt: skip
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert cpu_has_bfloat16(tmp_path / "cpuinfo") is expected, flags
+    assert cpu_has_bfloat16(tmp_path / "missing") is False
 
 
 CODE_DOCS = [
@@ -329,11 +355,29 @@ async def test_late_interaction_scores_with_the_embedding_model(late_interaction
     assert await late_interaction.rerank("parse a json string", [], top_n=2) == []
 
 
+async def test_late_interaction_at_the_deployment_weight_lifts_a_clear_match() -> None:
+    unrelated = ["the weather is sunny today", "a recipe for bread with flour and water", "football results",
+                 "a poem about the sea", "train timetables for monday", "how to knit a scarf",
+                 "the history of the roman empire", "gardening in spring", "a song about love"]  # fmt: skip
+    fused_order = [unrelated[0], "def parse_json(text):\n    return json.loads(text)", *unrelated[1:]]
+    reranker = build_reranker(Settings(reranker="late-interaction"))
+    assert isinstance(reranker, LateInteraction)
+    try:
+        ranking = await reranker.rerank("parse a json string", fused_order, top_n=10)
+        single = await reranker.rerank("parse a json string", fused_order[:1], top_n=1)
+    finally:
+        await reranker.close()
+    assert [i for i, _ in ranking][:2] == [1, 0]  # the parser, second in fused order, overtakes the weather
+    assert [i for i, _ in ranking][2:] == list(range(2, 10))
+    assert single == [(0, 0.5)]
+
+
 async def test_late_interaction_reranks_through_the_pipeline(late_interaction: LateInteraction) -> None:
     fused = await _pipeline(None).answer(QUERY, "w")
     reply = await _pipeline(late_interaction).answer(QUERY, "w")
     assert reply.meta.reranked is True
     assert reply.meta.degraded == []
+    assert "rerank" in reply.meta.timings_ms
     assert sorted(r.id for r in reply.results) == sorted(r.id for r in fused.results)
     assert all(0.0 <= r.score <= 1.0 for r in reply.results)
 

@@ -219,7 +219,7 @@ class QueryPipeline:
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
-            limit=max(math.ceil(query.top_k * OVERSAMPLE), query.top_k),
+            limit=self._fused_limit(query),
             query_ceiling=query_ceiling,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
@@ -312,6 +312,14 @@ class QueryPipeline:
             for e in expansions
         ], truncated
 
+    def _fused_limit(self, query: OntologyQuery) -> int:
+        """Candidates kept after fusion: headroom over ``topK``, and at least a reranker's full depth, so the
+        reranker always sees the number of candidates its defaults were measured with."""
+        limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k)
+        if query.precision and self._reranker is not None:
+            limit = max(limit, self._config.rerank_depth)
+        return limit
+
     async def _maybe_rerank(
         self,
         query: OntologyQuery,
@@ -341,9 +349,11 @@ class QueryPipeline:
             return _Order(fused_order.ranked, degraded=["reranker"]), False, None
         finally:
             clock.timings["rerank"] = round((time.perf_counter() - started) * 1000, 3)
-        # Candidates past the depth, or that the reranker left out, follow in fused order, below the ranked ones.
+        # Candidates past the depth, or that the reranker left out, follow in fused order, below the ranked ones:
+        # scaled under the lowest reranked relevance, so they keep a score that says "lower", not "irrelevant".
         seen = {hit.id for hit, _ in ranked}
-        ranked += [(hit, 0.0) for hit in candidates if hit.id not in seen]
+        floor = ranked[-1][1] if ranked else 0.0
+        ranked += [(hit, floor * hit.relevance) for hit in candidates if hit.id not in seen]
         return _Order(ranked), True, None
 
     def _respond(

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from .logging import get_logger
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 log = get_logger(__name__)
 
@@ -41,16 +45,41 @@ class Embedder(Protocol):
     async def embed_query_async(self, text: str) -> Vector: ...
 
 
+def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX-512 BF16 or AMX); Linux only, False elsewhere. Where
+    it is emulated, bfloat16 is slower than float32."""
+    try:
+        flags = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
+def wants_bfloat16(precision: str) -> bool:
+    """A precision setting (`auto`, `float32`, `bfloat16`) resolved on this CPU."""
+    return precision == "bfloat16" or (precision == "auto" and cpu_has_bfloat16())
+
+
+def load_sentence_transformer(model_path: Path, bfloat16: bool) -> SentenceTransformer:
+    """A sentence-transformers model from a local directory, on CPU, never touching the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    dtype = torch.bfloat16 if bfloat16 else torch.float32
+    return SentenceTransformer(
+        str(model_path), device="cpu", local_files_only=True, model_kwargs={"torch_dtype": dtype}
+    )
+
+
 class LocalSentenceTransformer:
     """A sentence-transformers model from a local directory; never touches the network."""
 
-    def __init__(self, model_name: str, model_path: Path, expected_dimension: int) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        from sentence_transformers import SentenceTransformer
-
+    def __init__(self, model_name: str, model_path: Path, expected_dimension: int, bfloat16: bool = False) -> None:
         self.model_name = model_name
-        self._model = SentenceTransformer(str(model_path), device="cpu")
+        self.bfloat16 = bfloat16
+        self._model = load_sentence_transformer(model_path, bfloat16)
         dimension = self._model.get_embedding_dimension()
         if dimension != expected_dimension:
             raise EmbedderMismatch(
@@ -59,13 +88,14 @@ class LocalSentenceTransformer:
             )
         self.dimension = expected_dimension
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
-        log.info("embedder_loaded", model=model_name, path=str(model_path), dimension=dimension)
+        log.info("embedder_loaded", model=model_name, path=str(model_path), dimension=dimension, bfloat16=bfloat16)
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
-        vectors = self._model.encode(
-            list(texts), batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True
-        )
-        return np.asarray(vectors, dtype=np.float32)
+        vectors = np.asarray(self._model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True), np.float32)
+        # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        normalised: npt.NDArray[np.float32] = vectors / np.maximum(norms, 1e-12)
+        return normalised
 
     def embed_query(self, text: str) -> Vector:
         row: Vector = self.embed_documents([text])[0]
@@ -79,4 +109,9 @@ def build_embedder(settings: Settings) -> Embedder | None:
     """The deployment's embedder, or None when it is set to ``none`` (keyword-only answers)."""
     if settings.embedder == "none":
         return None
-    return LocalSentenceTransformer(settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim)
+    return LocalSentenceTransformer(
+        settings.embedding_model,
+        settings.resolved_model_path(),
+        settings.embedding_dim,
+        wants_bfloat16(settings.embedding_precision),
+    )

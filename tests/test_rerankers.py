@@ -27,7 +27,6 @@ from ontofabric.services.query.rerankers import (
     blend_with_fused_position,
     build_reranker,
     check_ranking,
-    cpu_has_bfloat16,
     max_similarity,
 )
 from ontofabric.shared.settings import Settings
@@ -319,14 +318,6 @@ def test_at_the_deployment_weight_a_strong_match_climbs_but_does_not_jump_the_qu
     assert order.index(5) == 2  # from sixth to third
     assert order[:2] == [0, 1]
     assert [i for i in order if i != 5] == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # the rest keep their fused order
-
-
-def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
-    for flags, expected in [("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
-                            ("fpu avx2 avx512f", False), ("fpu avx512_bf16x", False)]:  # fmt: skip
-        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        assert cpu_has_bfloat16(tmp_path / "cpuinfo") is expected, flags
-    assert cpu_has_bfloat16(tmp_path / "missing") is False
 
 
 CODE_DOCS = [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, Field, ValidationError
 
+from ontofabric.shared.embedder import load_sentence_transformer, wants_bfloat16
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 
@@ -150,26 +150,18 @@ class LateInteraction(_LocalModel):
 
     name = "late-interaction"
 
-    def __init__(self, model_path: Path, weight: float, batch_size: int = 32, bfloat16: bool | None = None) -> None:
-        import torch
-        from sentence_transformers import SentenceTransformer
-
+    def __init__(self, model_path: Path, weight: float, bfloat16: bool, batch_size: int = 32) -> None:
         super().__init__()
-        # bfloat16 takes about 0.6 of float32's time where the CPU computes it natively and orders candidates
-        # alike (docs/benchmarks.md); elsewhere it is emulated, slower, and float32 is kept.
-        dtype = torch.bfloat16 if (cpu_has_bfloat16() if bfloat16 is None else bfloat16) else torch.float32
         # A model of its own: a tokenizer shared with the embedder's thread is not safe to call from two threads.
         # It reads as many tokens as the model does when embedding (256 for MiniLM): cut to 128, scifact-train
         # lost 0.006 nDCG@10 to the fusion alone.
-        self._model = SentenceTransformer(
-            str(model_path), device="cpu", local_files_only=True, model_kwargs={"torch_dtype": dtype}
-        )
-        self.bfloat16 = dtype is torch.bfloat16
+        self._model = load_sentence_transformer(model_path, bfloat16)
+        self.bfloat16 = bfloat16
         self._weight = weight
         self._batch_size = batch_size
         log.info(
             "reranker_loaded", kind=self.name, path=str(model_path), max_tokens=self._model.max_seq_length,
-            dtype=str(dtype).removeprefix("torch."),
+            bfloat16=bfloat16,
         )  # fmt: skip
 
     def _tokens(self, texts: Sequence[str]) -> list[TokenVectors]:
@@ -185,15 +177,6 @@ class LateInteraction(_LocalModel):
         query_tokens, *document_tokens = self._tokens([query, *documents])
         similarities = [max_similarity(query_tokens, d) for d in document_tokens]
         return blend_with_fused_position(similarities, self._weight)
-
-
-def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU has native bfloat16 arithmetic (AVX-512 BF16 or AMX); Linux only, False elsewhere."""
-    try:
-        flags = cpuinfo.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
 
 
 class _CohereResult(BaseModel):
@@ -242,7 +225,11 @@ def build_reranker(settings: Settings) -> Reranker | None:
             raise ValueError("ONTOFABRIC_RERANKER=local needs ONTOFABRIC_RERANKER_MODEL_PATH")
         return LocalCrossEncoder(settings.reranker_model_path)
     if settings.reranker == "late-interaction":
-        return LateInteraction(settings.resolved_model_path(), settings.late_interaction_weight)
+        return LateInteraction(
+            settings.resolved_model_path(),
+            settings.late_interaction_weight,
+            wants_bfloat16(settings.reranker_precision),
+        )
     if settings.reranker_url is None:
         raise ValueError("ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL")
     return CohereReranker(

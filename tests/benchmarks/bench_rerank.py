@@ -1,5 +1,6 @@
-"""Benchmark of the late-interaction reranker: one call over the candidates a query sends it, in float32 and in
-bfloat16, beside the reference of embedding the same documents once (the forward pass ingest already pays).
+"""Benchmark of the local models in float32 and bfloat16: the late-interaction reranker's call over the candidates
+a query sends it, and the embedder's pass over the same documents, against embedding them in float32 (the
+reference: what ingest paid before bfloat16).
 
 Documents are pieces of this project's own source; every call sends ``--depth`` of them (the deployment's
 ONTOFABRIC_RERANKER_DEPTH by default). Prints per-call p50/p95 for each precision, their ratio to the reference,
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from ontofabric.services.demo import project_root
 from ontofabric.services.ops.evaluation import percentile
-from ontofabric.services.query.rerankers import LateInteraction, cpu_has_bfloat16
-from ontofabric.shared.embedder import LocalSentenceTransformer
+from ontofabric.services.query.rerankers import LateInteraction
+from ontofabric.shared.embedder import LocalSentenceTransformer, cpu_has_bfloat16
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.settings import Settings
 
@@ -46,30 +47,47 @@ async def main(calls: int, depth: int) -> None:
     settings = Settings()
     pieces = source_pieces(project_root())
     batches = [pieces[(n * depth) % (len(pieces) - depth) :][:depth] for n in range(calls)]
-    embedder = LocalSentenceTransformer(
-        settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim
-    )
+    embedders = {
+        bfloat16: LocalSentenceTransformer(
+            settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, bfloat16=bfloat16
+        )
+        for bfloat16 in (False, True)
+    }
     # Weight 1: the orders compared below are MaxSim's alone, not diluted by the fused-position prior (the time
     # does not depend on the weight).
     rerankers = {
         "float32": LateInteraction(settings.resolved_model_path(), weight=1.0, bfloat16=False),
         "bfloat16": LateInteraction(settings.resolved_model_path(), weight=1.0, bfloat16=True),
     }
-    timings: dict[str, list[float]] = {"embedding (reference)": [], **{name: [] for name in rerankers}}
+    timings: dict[str, list[float]] = {"embedding, float32 (reference)": [], "embedding, bfloat16": []}
+    timings |= {f"late-interaction reranker, {name}": [] for name in rerankers}
+    timings |= {"one query embedded, float32": [], "one query embedded, bfloat16": []}
     orders: dict[str, list[list[int]]] = {name: [] for name in rerankers}
     for n, batch in enumerate(batches):
         query = QUERIES[n % len(QUERIES)]
-        started = time.perf_counter()
-        embedder.embed_documents(batch)
-        timings["embedding (reference)"].append((time.perf_counter() - started) * 1000)
-        for name, reranker in rerankers.items():  # interleaved, so noise on the machine hits each alike
+        # Interleaved, so noise on the machine hits each alike.
+        for bfloat16, embedder in embedders.items():
+            started = time.perf_counter()
+            embedder.embed_documents(batch)
+            timings[f"embedding, {'bfloat16' if bfloat16 else 'float32 (reference)'}"].append(
+                (time.perf_counter() - started) * 1000
+            )
+        for name, reranker in rerankers.items():
             started = time.perf_counter()
             ranking = await reranker.rerank(query, batch, len(batch))
-            timings[name].append((time.perf_counter() - started) * 1000)
+            timings[f"late-interaction reranker, {name}"].append((time.perf_counter() - started) * 1000)
             orders[name].append([i for i, _ in ranking])
     for reranker in rerankers.values():
         await reranker.close()
-    reference = percentile(timings["embedding (reference)"], 0.5)
+    for _ in range(20):  # one query at a time, as the query worker embeds them
+        for query in QUERIES:
+            for bfloat16, embedder in embedders.items():
+                started = time.perf_counter()
+                embedder.embed_query(query)
+                timings[f"one query embedded, {'bfloat16' if bfloat16 else 'float32'}"].append(
+                    (time.perf_counter() - started) * 1000
+                )
+    reference = percentile(timings["embedding, float32 (reference)"], 0.5)
     print(f"{calls} calls of {depth} documents; CPU has native bfloat16: {cpu_has_bfloat16()}")
     print("| measure | p50 ms | p95 ms | p50 / reference |")
     print("|---|---|---|---|")

@@ -85,10 +85,10 @@ class FoundBy(WireModel):
 class SearchResult(WireModel):
     id: str
     score: float = Field(
-        description="Relevance in [0, 1]: the reranker's when _meta.reranked (results past the reranker's depth: "
-        "the lowest reranked relevance times their fused relevance), else the fused relevance (for RRF, 1 means "
-        "ranked first by every retriever that ran). The late-interaction reranker's relevances are relative to "
-        "the candidates it saw, not calibrated."
+        description="Relevance in [0, 1]: the reranker's when _meta.reranked (results past the reranker's depth or "
+        "left unranked by it: the lowest reranked relevance times their fused relevance), else the fused "
+        "relevance (for RRF, 1 means ranked first by every retriever that ran). The late-interaction reranker's "
+        "relevances are relative to the candidates it saw, not calibrated."
     )
     rank: int
     content: str

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .logging import get_logger
-from .settings import Settings
+from .settings import Precision, Settings
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -34,6 +34,8 @@ class EmbedderMismatch(Exception):
 
 class Embedder(Protocol):
     model_name: str
+    cache_name: str
+    """What the embedding cache keys vectors by: the model, and its arithmetic where that changes the vectors."""
     dimension: int
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
@@ -55,7 +57,13 @@ def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
 
 
-def wants_bfloat16(precision: str) -> bool:
+def unit_rows(matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Each row scaled to length one (an all-zero row stays zero)."""
+    scaled: npt.NDArray[np.float32] = matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+    return scaled
+
+
+def wants_bfloat16(precision: Precision) -> bool:
     """A precision setting (`auto`, `float32`, `bfloat16`) resolved on this CPU."""
     return precision == "bfloat16" or (precision == "auto" and cpu_has_bfloat16())
 
@@ -68,9 +76,7 @@ def load_sentence_transformer(model_path: Path, bfloat16: bool) -> SentenceTrans
     from sentence_transformers import SentenceTransformer
 
     dtype = torch.bfloat16 if bfloat16 else torch.float32
-    return SentenceTransformer(
-        str(model_path), device="cpu", local_files_only=True, model_kwargs={"torch_dtype": dtype}
-    )
+    return SentenceTransformer(str(model_path), device="cpu", local_files_only=True, model_kwargs={"dtype": dtype})
 
 
 class LocalSentenceTransformer:
@@ -78,6 +84,8 @@ class LocalSentenceTransformer:
 
     def __init__(self, model_name: str, model_path: Path, expected_dimension: int, bfloat16: bool = False) -> None:
         self.model_name = model_name
+        # bfloat16 vectors are near float32's but not equal: cached apart, so neither precision is served the other's.
+        self.cache_name = f"{model_name}@bfloat16" if bfloat16 else model_name
         self.bfloat16 = bfloat16
         self._model = load_sentence_transformer(model_path, bfloat16)
         dimension = self._model.get_embedding_dimension()
@@ -93,9 +101,7 @@ class LocalSentenceTransformer:
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         vectors = np.asarray(self._model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True), np.float32)
         # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        normalised: npt.NDArray[np.float32] = vectors / np.maximum(norms, 1e-12)
-        return normalised
+        return unit_rows(vectors)
 
     def embed_query(self, text: str) -> Vector:
         row: Vector = self.embed_documents([text])[0]

@@ -63,7 +63,7 @@ class EmbeddingCache:
     ) -> npt.NDArray[np.float32]:
         """Embeddings of ``texts`` in order, computing (in batches) only the ones not cached yet."""
         hashes = [text_hash(t) for t in texts]
-        known = self.get_many(embedder.model_name, hashes)
+        known = self.get_many(embedder.cache_name, hashes)
         if on_progress is not None:
             on_progress(len(hashes) - len({h for h in hashes if h not in known}))
         first_of: dict[str, int] = {}
@@ -75,7 +75,7 @@ class EmbeddingCache:
             indexes = missing[start : start + batch_size * 8]
             vectors = embedder.embed_documents([texts[i] for i in indexes], batch_size=batch_size)
             fresh = {hashes[i]: vectors[n] for n, i in enumerate(indexes)}
-            self.put_many(embedder.model_name, fresh)
+            self.put_many(embedder.cache_name, fresh)
             known.update(fresh)
             if on_progress is not None:
                 on_progress(len(indexes))

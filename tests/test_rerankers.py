@@ -173,6 +173,14 @@ async def test_only_the_first_candidates_up_to_the_depth_are_reranked(cohere_ser
     assert tail == pytest.approx(reply.results[1].score * fused.results[2].score, abs=1e-4)
 
 
+async def test_a_min_relevance_keeps_the_results_past_the_depth(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
+    query = QUERY.model_copy(update={"min_relevance": 0.01})
+    reply = await _pipeline(reranker, depth=2).answer(query, "w")
+    await reranker.close()
+    assert [r.id for r in reply.results] == ["z", "y", "x"]  # x was never reranked, and is still an answer
+
+
 async def test_a_reranker_sees_its_full_depth_even_for_a_small_top_k(cohere_server: str) -> None:
     reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
     before = len(CohereLike.requests)
@@ -355,12 +363,30 @@ async def test_late_interaction_at_the_deployment_weight_lifts_a_clear_match() -
     assert isinstance(reranker, LateInteraction)
     try:
         ranking = await reranker.rerank("parse a json string", fused_order, top_n=10)
-        single = await reranker.rerank("parse a json string", fused_order[:1], top_n=1)
     finally:
         await reranker.close()
     assert [i for i, _ in ranking][:2] == [1, 0]  # the parser, second in fused order, overtakes the weather
     assert [i for i, _ in ranking][2:] == list(range(2, 10))
-    assert single == [(0, 0.5)]
+
+
+async def test_late_interaction_spares_the_model_when_there_is_nothing_to_reorder(
+    late_interaction: LateInteraction, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_model(texts: Sequence[str]) -> list[Any]:
+        raise AssertionError("the model ran for a single candidate")
+
+    monkeypatch.setattr(late_interaction, "_tokens", no_model)
+    assert await late_interaction.rerank("parse a json string", CODE_DOCS[:1], top_n=1) == [(0, 0.5)]
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("float32", "torch.float32"), ("bfloat16", "torch.bfloat16")])
+async def test_the_reranker_precision_setting_reaches_the_model(precision: str, dtype: str) -> None:
+    reranker = build_reranker(Settings(reranker="late-interaction", reranker_precision=precision))
+    assert isinstance(reranker, LateInteraction)
+    try:
+        assert str(next(reranker._model.parameters()).dtype) == dtype
+    finally:
+        await reranker.close()
 
 
 async def test_late_interaction_reranks_through_the_pipeline(late_interaction: LateInteraction) -> None:

@@ -213,19 +213,19 @@ class QueryPipeline:
         asked = options.fusion or FusionOptions()
         ceiling = lists["keyword"].ceiling if "keyword" in lists else None
         query_ceiling = lists["keyword"].query_ceiling if "keyword" in lists else None
+        signals = keyword_signals(ranked.get("keyword", []), query_ceiling or ceiling, query.semantic_query)
         fused, fusion = fuse(
             ranked,
             asked.method or self._config.fusion_method,
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
-            limit=self._fused_limit(query),
+            limit=self._fused_limit(query, signals),
             query_ceiling=query_ceiling,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
         clock.timings["fusion"] = round(fusion_ms, 3)
         self._metrics.fusion_duration.record(fusion_ms)
-        signals = keyword_signals(ranked.get("keyword", []), query_ceiling or ceiling, query.semantic_query)
 
         fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused]))
         documents = fetched.documents
@@ -312,11 +312,12 @@ class QueryPipeline:
             for e in expansions
         ], truncated
 
-    def _fused_limit(self, query: OntologyQuery) -> int:
-        """Candidates kept after fusion: headroom over ``topK``, and at least a reranker's full depth, so the
-        reranker always sees the number of candidates its defaults were measured with."""
+    def _fused_limit(self, query: OntologyQuery, signals: dict[str, float]) -> int:
+        """Candidates kept after fusion: headroom over ``topK``, and, when a reranker will run, at least its full
+        depth, so it always sees the number of candidates its defaults were measured with."""
         limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k)
-        if query.precision and self._reranker is not None:
+        exits_early = early_exit(signals, query.semantic_query, self._config.early_exit_saturation)
+        if query.precision and self._reranker is not None and not exits_early:
             limit = max(limit, self._config.rerank_depth)
         return limit
 

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, Field, ValidationError
 
-from ontofabric.shared.embedder import load_sentence_transformer, wants_bfloat16
+from ontofabric.shared.embedder import load_sentence_transformer, unit_rows, wants_bfloat16
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 
@@ -168,8 +168,7 @@ class LateInteraction(_LocalModel):
         encoded = self._model.encode(
             list(texts), output_value="token_embeddings", batch_size=self._batch_size, convert_to_numpy=False
         )
-        rows = [t.float().numpy() for t in encoded]  # bfloat16 has no numpy dtype
-        return [r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-9) for r in rows]
+        return [unit_rows(t.float().numpy()) for t in encoded]  # .float(): bfloat16 has no numpy dtype
 
     def _score(self, query: str, documents: Sequence[str]) -> list[float]:
         if len(documents) < 2:

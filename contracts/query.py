@@ -126,6 +126,9 @@ class QueryMeta(WireModel):
     branch: str
     hybrid: bool = Field(description="True only when dense and keyword retrieval both ran and were fused.")
     reranked: bool = Field(description="True only when a reranker reordered the results.")
+    reranker: str | None = Field(
+        default=None, description="Which reranker reordered them (cross-encoder, late-interaction, cohere)."
+    )
     skipped_rerank: str | None = Field(
         default=None, description="Why no reranker ran although precision was requested."
     )

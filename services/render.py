@@ -41,7 +41,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     meta = reply.meta
     timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())
     console.print(
-        f"[dim]_meta[/dim] ontologyVersion={meta.ontology_version} hybrid={meta.hybrid} reranked={meta.reranked} "
+        f"[dim]_meta[/dim] ontologyVersion={meta.ontology_version} hybrid={meta.hybrid} reranked={meta.reranked}"
+        f"{f' ({meta.reranker})' if meta.reranker else ''} "
         f"skippedRerank={meta.skipped_rerank} cacheHit={meta.cache_hit} degraded={meta.degraded} "
         f"couldBenefitFromLinkExpansion={meta.could_benefit_from_link_expansion} backend={meta.backend}"
     )

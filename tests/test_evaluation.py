@@ -117,7 +117,10 @@ async def test_a_small_dataset_through_the_real_path(
         assert result.metrics["MRR@10"] == pytest.approx(1.0), config
     assert report.configs["hybrid"].meta["fusion"]["method"] == "adaptive"
     assert report.configs["hybrid"].meta["reranked"] is False  # a reranker is set up, but precision was not asked
-    assert report.configs["hybrid-rerank"].meta["reranked"] is True  # the worker built the configured reranker
+    assert report.configs["hybrid-rerank"].meta["reranked"] is True
+    assert (
+        report.configs["hybrid-rerank"].meta["reranker"] == "late-interaction"
+    )  # the worker built the configured reranker
     assert report.configs["keyword"].meta["retrievers"] == ["keyword"]
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
 

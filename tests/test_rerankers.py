@@ -139,6 +139,7 @@ async def test_pipeline_uses_the_reranker_order(cohere_server: str) -> None:
     reply = await _pipeline(reranker).answer(QUERY, "w")
     await reranker.close()
     assert reply.meta.reranked is True
+    assert reply.meta.reranker == "cohere"
     assert reply.meta.degraded == []
     assert reply.results[0].id == "z"  # "content z" matches the query best
     assert "rerank" in reply.meta.timings_ms
@@ -201,6 +202,7 @@ async def test_pipeline_keeps_the_fused_order_when_the_reranker_fails(cohere_ser
     reply = await _pipeline(reranker, timeout_s=0.3).answer(QUERY, "w")
     await reranker.close()
     assert reply.meta.reranked is False
+    assert reply.meta.reranker is None
     assert reply.meta.degraded == ["reranker"]
     assert [r.id for r in reply.results] == [r.id for r in fused.results]
 
@@ -393,6 +395,7 @@ async def test_late_interaction_reranks_through_the_pipeline(late_interaction: L
     fused = await _pipeline(None).answer(QUERY, "w")
     reply = await _pipeline(late_interaction).answer(QUERY, "w")
     assert reply.meta.reranked is True
+    assert reply.meta.reranker == "late-interaction"
     assert reply.meta.degraded == []
     assert "rerank" in reply.meta.timings_ms
     assert sorted(r.id for r in reply.results) == sorted(r.id for r in fused.results)

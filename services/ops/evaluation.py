@@ -312,7 +312,8 @@ class Evaluation:
                 )
             if not result.meta:
                 result.meta = reply.meta.model_dump(
-                    mode="json", include={"hybrid", "reranked", "retrievers", "fusion", "degraded", "backend"}
+                    mode="json",
+                    include={"hybrid", "reranked", "reranker", "retrievers", "fusion", "degraded", "backend"},
                 )
             # Ranks decide, not scores. As BEIR does, a document with the query's own id is no answer (ArguAna).
             hits = [r for r in reply.results if not (ignore_identical_ids and r.id == query_id)]

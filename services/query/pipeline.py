@@ -82,6 +82,7 @@ class _Answer:
     could_benefit: bool
     fusion: FusionReport | None
     reranked: bool = False
+    reranker: str | None = None
     signals: dict[str, float] = field(default_factory=dict)
     expanded: list[ExpandedContext] = field(default_factory=list)
     expansion_truncated: bool = False
@@ -257,6 +258,7 @@ class QueryPipeline:
             version=fetched.version,
             hybrid=len(ranked) == 2,
             reranked=reranked,
+            reranker=self._reranker.name if reranked and self._reranker is not None else None,
             retrievers=list(ranked),
             degraded=degraded,
             skipped_rerank=skipped_rerank,
@@ -374,6 +376,7 @@ class QueryPipeline:
             branch=query.branch,
             hybrid=answer.hybrid,
             reranked=answer.reranked,
+            reranker=answer.reranker,
             skipped_rerank=answer.skipped_rerank,
             cache_hit=cache_hit,
             degraded=list(answer.degraded),

@@ -86,7 +86,6 @@ class LocalSentenceTransformer:
         self.model_name = model_name
         # bfloat16 vectors are near float32's but not equal: cached apart, so neither precision is served the other's.
         self.cache_name = f"{model_name}@bfloat16" if bfloat16 else model_name
-        self.bfloat16 = bfloat16
         self._model = load_sentence_transformer(model_path, bfloat16)
         dimension = self._model.get_embedding_dimension()
         if dimension != expected_dimension:

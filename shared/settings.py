@@ -108,11 +108,11 @@ class Settings(BaseSettings):
     # --- reranking -------------------------------------------------------------------------------
     reranker: Literal["none", "local", "late-interaction", "cohere"] = Field(
         default="none",
-        description="`local`: a CrossEncoder from reranker_model_path; `late-interaction`: MaxSim with the "
-        "embedding model, no second model (docs/quality.md); `cohere`: the HTTP API.",
+        description="`local`: a CrossEncoder from reranker_model_path; `late-interaction`: MaxSim with a copy "
+        "of the embedding model, nothing else to install (docs/quality.md); `cohere`: the HTTP API.",
     )
     reranker_depth: int = Field(
-        default=20, ge=1, le=1000, description="Fused candidates sent to the reranker; the rest follow unchanged."
+        default=20, ge=1, le=1000, description="Fused candidates sent to the reranker; the rest follow, in fused order."
     )
     reranker_precision: Precision = Field(
         default="auto",

@@ -29,6 +29,7 @@ from ontofabric.services.query.rerankers import (
     check_ranking,
     max_similarity,
 )
+from ontofabric.shared.embedder import wants_bfloat16
 from ontofabric.shared.settings import Settings
 
 from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
@@ -405,7 +406,8 @@ async def test_late_interaction_reranks_through_the_pipeline(late_interaction: L
 async def test_late_interaction_orders_alike_in_bfloat16_and_float32(late_interaction: LateInteraction) -> None:
     """bfloat16 is chosen by the CPU; whichever the fixture got, the other precision ranks the same."""
     settings = Settings()
-    other = LateInteraction(settings.resolved_model_path(), weight=1.0, bfloat16=not late_interaction.bfloat16)
+    fixture_bfloat16 = wants_bfloat16(settings.reranker_precision)
+    other = LateInteraction(settings.resolved_model_path(), weight=1.0, bfloat16=not fixture_bfloat16)
     try:
         ours = await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=4)
         theirs = await other.rerank("parse a json string", CODE_DOCS, top_n=4)

@@ -94,6 +94,11 @@ class _Order:
     """Candidates in their final order, each with the score to report."""
     degraded: list[str] = field(default_factory=list)
 
+    @classmethod
+    def fused(cls, candidates: list[Fused], degraded: list[str] | None = None) -> _Order:
+        """The fused order, each candidate with its fused relevance."""
+        return cls([(f, f.relevance) for f in candidates], degraded or [])
+
 
 def keyword_signals(keyword: list[Candidate], ceiling: float | None, text: str) -> dict[str, float]:
     """What the keyword list says about the query: its top hit's saturation (over every query term, also those no
@@ -215,13 +220,14 @@ class QueryPipeline:
         ceiling = lists["keyword"].ceiling if "keyword" in lists else None
         query_ceiling = lists["keyword"].query_ceiling if "keyword" in lists else None
         signals = keyword_signals(ranked.get("keyword", []), query_ceiling or ceiling, query.semantic_query)
+        reranker, skipped_rerank = self._rerank_plan(query, signals)
         fused, fusion = fuse(
             ranked,
             asked.method or self._config.fusion_method,
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
-            limit=self._fused_limit(query, signals),
+            limit=self._fused_limit(query, reranks=reranker is not None),
             query_ceiling=query_ceiling,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
@@ -231,7 +237,10 @@ class QueryPipeline:
         fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused]))
         documents = fetched.documents
         candidates = [f for f in fused if f.id in documents]
-        order, reranked, skipped_rerank = await self._maybe_rerank(query, candidates, documents, signals, clock)
+        if reranker is not None:
+            order, reranked = await self._rerank(reranker, query, candidates, documents, clock)
+        else:
+            order, reranked = _Order.fused(candidates), False
         degraded.extend(order.degraded)
         results = [
             _result(rank, hit, documents[hit.id], score)
@@ -258,7 +267,7 @@ class QueryPipeline:
             version=fetched.version,
             hybrid=len(ranked) == 2,
             reranked=reranked,
-            reranker=self._reranker.name if reranked and self._reranker is not None else None,
+            reranker=reranker.name if reranked and reranker is not None else None,
             retrievers=list(ranked),
             degraded=degraded,
             skipped_rerank=skipped_rerank,
@@ -314,42 +323,42 @@ class QueryPipeline:
             for e in expansions
         ], truncated
 
-    def _fused_limit(self, query: OntologyQuery, signals: dict[str, float]) -> int:
+    def _rerank_plan(self, query: OntologyQuery, signals: dict[str, float]) -> tuple[Reranker | None, str | None]:
+        """The reranker that will run, or None and why not (no reason when precision was not asked)."""
+        if not query.precision:
+            return None, None
+        if self._reranker is None:
+            return None, "no_reranker"
+        if early_exit(signals, query.semantic_query, self._config.early_exit_saturation):
+            return None, "bm25_saturation"
+        return self._reranker, None
+
+    def _fused_limit(self, query: OntologyQuery, reranks: bool) -> int:
         """Candidates kept after fusion: headroom over ``topK``, and, when a reranker will run, at least its full
         depth, so it always sees the number of candidates its defaults were measured with."""
         limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k)
-        exits_early = early_exit(signals, query.semantic_query, self._config.early_exit_saturation)
-        if query.precision and self._reranker is not None and not exits_early:
-            limit = max(limit, self._config.rerank_depth)
-        return limit
+        return max(limit, self._config.rerank_depth) if reranks else limit
 
-    async def _maybe_rerank(
+    async def _rerank(
         self,
+        reranker: Reranker,
         query: OntologyQuery,
         candidates: list[Fused],
         documents: dict[str, StoredDocument],
-        signals: dict[str, float],
         clock: _Stopwatch,
-    ) -> tuple[_Order, bool, str | None]:
-        """The final order: the reranker's when it ran, else the fused one (and why no reranker ran)."""
-        fused_order = _Order([(f, f.relevance) for f in candidates])
-        if not query.precision:
-            return fused_order, False, None
-        if self._reranker is None:
-            return fused_order, False, "no_reranker"
-        if early_exit(signals, query.semantic_query, self._config.early_exit_saturation):
-            return fused_order, False, "bm25_saturation"
+    ) -> tuple[_Order, bool]:
+        """The reranker's order over the fused candidates; the fused order, degraded, when it fails."""
         sent = candidates[: self._config.rerank_depth]
         texts = [_rerank_text(documents[f.id]) for f in sent]
         started = time.perf_counter()
         try:
             ranking = await asyncio.wait_for(
-                self._reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
+                reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
             )
             ranked = [(sent[i], score) for i, score in check_ranking(ranking, len(sent))]
         except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the fused order
-            log.warning("reranker_failed", reranker=self._reranker.name, error=f"{type(error).__name__}: {error}")
-            return _Order(fused_order.ranked, degraded=["reranker"]), False, None
+            log.warning("reranker_failed", reranker=reranker.name, error=f"{type(error).__name__}: {error}")
+            return _Order.fused(candidates, degraded=["reranker"]), False
         finally:
             clock.timings["rerank"] = round((time.perf_counter() - started) * 1000, 3)
         # Candidates past the depth, or that the reranker left out, follow in fused order, below the ranked ones:
@@ -357,7 +366,7 @@ class QueryPipeline:
         seen = {hit.id for hit, _ in ranked}
         floor = ranked[-1][1] if ranked else 0.0
         ranked += [(hit, floor * hit.relevance) for hit in candidates if hit.id not in seen]
-        return _Order(ranked), True, None
+        return _Order(ranked), True
 
     def _respond(
         self,

@@ -146,7 +146,7 @@ class LateInteraction(_LocalModel):
     """Zero-shot late interaction with the deployment's own sentence-transformers model: the query and each
     candidate are encoded token by token and compared by MaxSim, and that similarity refines the fused order
     rather than replacing it (alone it orders worse than the fusion; docs/quality.md has the measurements).
-    It needs no second model, so it runs wherever the embedder does."""
+    It needs no model beyond the embedder's (it loads a copy of it), so it runs wherever the embedder does."""
 
     name = "late-interaction"
 
@@ -156,7 +156,6 @@ class LateInteraction(_LocalModel):
         # It reads as many tokens as the model does when embedding (256 for MiniLM): cut to 128, scifact-train
         # lost 0.006 nDCG@10 to the fusion alone.
         self._model = load_sentence_transformer(model_path, bfloat16)
-        self.bfloat16 = bfloat16
         self._weight = weight
         self._batch_size = batch_size
         log.info(

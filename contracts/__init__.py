@@ -16,7 +16,15 @@ from .deltas import (
     OntologyLink,
     OntologyNode,
 )
-from .documents import CHUNK_LEVELS, PROVENANCES, ChunkLevel, DocumentMetadata, Provenance, SemanticDocument
+from .documents import (
+    CHUNK_LEVELS,
+    PROVENANCES,
+    ChunkLevel,
+    DocumentMetadata,
+    Provenance,
+    SemanticDocument,
+    TokenVectors,
+)
 from .query import (
     ErrorDetail,
     ErrorReply,
@@ -62,6 +70,7 @@ __all__ = [
     "QueryResponse",
     "SearchResult",
     "SemanticDocument",
+    "TokenVectors",
     "format_version",
     "overlay_version",
 ]

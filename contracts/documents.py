@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import math
 from datetime import datetime
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import AfterValidator, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, Base64Bytes, ConfigDict, Field, StringConstraints, model_validator
 
 from ._base import WireModel
 
@@ -62,6 +64,34 @@ def _finite_nonzero(vector: list[float]) -> list[float]:
 Embedding = Annotated[list[float], AfterValidator(_finite_nonzero)]
 
 
+MAX_TOKENS = 1024
+"""More tokens than any supported embedding model reads (MiniLM: 256, BERT-style models: 512)."""
+
+
+class TokenVectors(WireModel):
+    """The document's token vectors from the embedding model's pass, for late interaction (MaxSim): the sign of
+    each dimension, one bit, packed eight to a byte with the first dimension in the high bit, token after token."""
+
+    encoding: Literal["sign-bits"] = Field(default="sign-bits", description="Only sign-bits so far.")
+    dimension: int = Field(ge=1, le=16000, description="Dimensions per token; must equal the deployment's.")
+    data: Base64Bytes = Field(description=f"Base64 of the packed bits: ceil(dimension / 8) bytes a token, 1 to "
+                              f"{MAX_TOKENS} tokens.")  # fmt: skip
+
+    @classmethod
+    def of_signs(cls, dimension: int, signs: bytes) -> TokenVectors:
+        """From packed sign bits as they are (``data`` itself expects base64, as on the wire)."""
+        return cls(dimension=dimension, data=base64.b64encode(signs))
+
+    @model_validator(mode="after")
+    def _whole_tokens(self) -> TokenVectors:
+        width = math.ceil(self.dimension / 8)
+        if not self.data or len(self.data) % width:
+            raise ValueError(f"{len(self.data)} bytes are not a whole number of tokens of {width} bytes")
+        if len(self.data) // width > MAX_TOKENS:
+            raise ValueError(f"token vectors hold more than {MAX_TOKENS} tokens")
+        return self
+
+
 class DocumentMetadata(WireModel):
     """Metadata used for filtering and identity; free extra keys are kept as they are."""
 
@@ -86,6 +116,10 @@ class SemanticDocument(WireModel):
         default=None, description="Dense vector; its length must equal the deployment's dimension."
     )
     embedding_model: Text | None = Field(
-        default=None, description="Model that produced the embedding; checked against the deployment's model."
+        default=None,
+        description="Model that produced the embedding and token vectors; checked against the deployment's model.",
+    )
+    token_vectors: TokenVectors | None = Field(
+        default=None, description="For late interaction; without them the document is ranked as fused."
     )
     indexed_at: datetime | None = None

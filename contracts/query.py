@@ -29,12 +29,23 @@ class FusionOptions(StrictRequest):
     dense_weight: float | None = Field(default=None, ge=0.0, le=1.0, description="convex: weight of dense scores.")
 
 
+class LateInteractionOptions(StrictRequest):
+    """Late interaction over the candidates' stored token vectors; every field left out takes the default."""
+
+    weight: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="Share of the MaxSim similarity against the fused order; 0 turns late interaction off.",
+    )  # fmt: skip
+    depth: int | None = Field(default=None, ge=2, le=200, description="Leading candidates it reorders.")
+
+
 class QueryOptions(StrictRequest):
     retrievers: list[Retriever] | None = Field(
         default=None, min_length=1, max_length=2, description="Retrievers to run; default both."
     )
     candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
     fusion: FusionOptions | None = None
+    late_interaction: LateInteractionOptions | None = None
 
     @field_validator("retrievers")
     @classmethod
@@ -85,10 +96,10 @@ class FoundBy(WireModel):
 class SearchResult(WireModel):
     id: str
     score: float = Field(
-        description="Relevance in [0, 1]: the reranker's when _meta.reranked (results past the reranker's depth or "
-        "left unranked by it: the lowest reranked relevance times their fused relevance), else the fused "
-        "relevance (for RRF, 1 means ranked first by every retriever that ran). The late-interaction reranker's "
-        "relevances are relative to the candidates it saw, not calibrated."
+        description="Relevance in [0, 1]: the reranker's when _meta.reranked; else, when _meta.lateInteraction is "
+        "set, the blend of fused position and MaxSim similarity (relative to the candidates compared, not "
+        "calibrated); else the fused relevance (for RRF, 1 means ranked first by every retriever that ran). Results "
+        "past the reranker's or late interaction's depth score the lowest relevance it gave times their own."
     )
     rank: int
     content: str
@@ -120,15 +131,21 @@ class FusionReport(WireModel):
     parameters: dict[str, float]
 
 
+class LateInteractionReport(WireModel):
+    """Late interaction as it ran: how many leading candidates it reordered, how many of them had token vectors."""
+
+    weight: float
+    candidates: int
+    with_token_vectors: int
+
+
 class QueryMeta(WireModel):
     ontology_version: str = Field(description="Version of the data the answer was computed from.")
     workspace: str
     branch: str
     hybrid: bool = Field(description="True only when dense and keyword retrieval both ran and were fused.")
     reranked: bool = Field(description="True only when a reranker reordered the results.")
-    reranker: str | None = Field(
-        default=None, description="Which reranker reordered them (cross-encoder, late-interaction, cohere)."
-    )
+    reranker: str | None = Field(default=None, description="Which reranker reordered them (cross-encoder, cohere).")
     skipped_rerank: str | None = Field(
         default=None, description="Why no reranker ran although precision was requested."
     )
@@ -144,6 +161,9 @@ class QueryMeta(WireModel):
     backend: str = Field(description="Keyword backend that served the query.")
     retrievers: list[Retriever] = Field(description="Retrievers whose candidates were fused.")
     fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
+    late_interaction: LateInteractionReport | None = Field(
+        default=None, description="Late interaction over stored token vectors; null when it did not run."
+    )
     signals: dict[str, float] = Field(
         default_factory=dict,
         description="What the query looked like to the pipeline: queryTokens, keywordSaturation (keyword top score "

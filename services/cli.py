@@ -127,7 +127,9 @@ def ingest(
             with RichProgress(console) as progress:
                 cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
                 try:
-                    ingester = Ingester(js, names, embedder, settings.max_content_bytes, progress, cache)
+                    ingester = Ingester(
+                        js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors
+                    )
                     report = await ingester.ingest(path.resolve(), workspace, branch)
                 finally:
                     cache.close()
@@ -210,7 +212,11 @@ def eval_command(
     dataset_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A BEIR-layout dataset directory.")],
     split: Annotated[str, typer.Option(help="Judgments to use: qrels/SPLIT.tsv.")] = "test",
     config: Annotated[
-        str, typer.Option(help="dense, keyword, hybrid, hybrid-rerank, or all (comma-separate several).")
+        str,
+        typer.Option(
+            help="dense, keyword, hybrid (retrievers and fusion alone), dense-late-interaction, "
+            "hybrid-late-interaction (a default request), hybrid-rerank, or all (comma-separate several)."
+        ),
     ] = "all",
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     runs: Annotated[Path | None, typer.Option(help="Write a TREC run file per configuration into this folder.")] = None,

@@ -65,7 +65,9 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
         with RichProgress(console) as progress:
             cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
             stack.callback(cache.close)
-            ingester = Ingester(js, names, embedder, settings.max_content_bytes, progress, cache)
+            ingester = Ingester(
+                js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors
+            )
             report = await ingester.ingest(root, WORKSPACE)
         wait_started = time.perf_counter()
         if report.last_sequence is not None:

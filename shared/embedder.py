@@ -1,7 +1,7 @@
 """The Embedder port and its local adapter (sentence-transformers on CPU, offline).
 
-Embedding is CPU-bound: callers in an event loop use :meth:`Embedder.embed_query_async`, which runs the model on
-one dedicated thread so concurrent requests queue instead of fighting over the cores.
+Embedding is CPU-bound: callers in an event loop use :meth:`Embedder.embed_query_with_tokens_async`, which runs the
+model on one dedicated thread so concurrent requests queue instead of fighting over the cores.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from .late_interaction import TokenVectors
 from .logging import get_logger
 from .settings import Precision, Settings
 
@@ -42,9 +43,16 @@ class Embedder(Protocol):
         """One L2-normalised row per text."""
         ...
 
+    def embed_with_tokens(
+        self, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenVectors]]:
+        """One pass of the model: the L2-normalised row of each text, and its tokens' vectors (unit rows, one per
+        token the model read, for late interaction)."""
+        ...
+
     def embed_query(self, text: str) -> Vector: ...
 
-    async def embed_query_async(self, text: str) -> Vector: ...
+    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenVectors]: ...
 
 
 def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -102,12 +110,30 @@ class LocalSentenceTransformer:
         # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
         return unit_rows(vectors)
 
+    def embed_with_tokens(
+        self, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenVectors]]:
+        encoded = self._model.encode(list(texts), batch_size=batch_size, output_value=None)
+        if not encoded:
+            return np.zeros((0, self.dimension), np.float32), []
+        vectors = np.stack([np.asarray(e["sentence_embedding"].float(), np.float32) for e in encoded])
+        # Batched rows are padded to the longest text: keep the tokens the attention mask says are real.
+        tokens = [
+            unit_rows(np.asarray(e["token_embeddings"][: int(e["attention_mask"].sum())].float(), np.float32))
+            for e in encoded
+        ]  # .float(): bfloat16 has no numpy dtype
+        return unit_rows(vectors), tokens
+
     def embed_query(self, text: str) -> Vector:
         row: Vector = self.embed_documents([text])[0]
         return row
 
-    async def embed_query_async(self, text: str) -> Vector:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.embed_query, text)
+    def _embed_query_with_tokens(self, text: str) -> tuple[Vector, TokenVectors]:
+        vectors, tokens = self.embed_with_tokens([text])
+        return vectors[0], tokens[0]
+
+    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenVectors]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_query_with_tokens, text)
 
 
 def build_embedder(settings: Settings) -> Embedder | None:

@@ -1,6 +1,7 @@
 """A disk cache of embeddings keyed by model and content hash (SQLite), so re-embedding a corpus is free.
 
-Vectors are stored as float32 bytes. The cache is safe to delete; it only ever saves time.
+Vectors are stored as float32 bytes, token vectors as their packed sign bits (shared/late_interaction.py). The
+cache is safe to delete; it only ever saves time.
 """
 
 from __future__ import annotations
@@ -8,16 +9,26 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from .embedder import Embedder
+from .late_interaction import pack_signs
 
 
 def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Embedded:
+    vectors: npt.NDArray[np.float32]
+    """One L2-normalised row per text."""
+    token_signs: list[bytes]
+    """Per text, its token vectors' packed sign bits."""
 
 
 class EmbeddingCache:
@@ -30,28 +41,40 @@ class EmbeddingCache:
             " model TEXT NOT NULL, content_hash TEXT NOT NULL, vector BLOB NOT NULL,"
             " PRIMARY KEY (model, content_hash))"
         )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS token_signs ("
+            " model TEXT NOT NULL, content_hash TEXT NOT NULL, signs BLOB NOT NULL,"
+            " PRIMARY KEY (model, content_hash))"
+        )
 
     def close(self) -> None:
         self._db.close()
 
-    def get_many(self, model: str, hashes: Sequence[str]) -> dict[str, npt.NDArray[np.float32]]:
-        found: dict[str, npt.NDArray[np.float32]] = {}
+    def get_many(self, model: str, hashes: Sequence[str]) -> dict[str, tuple[npt.NDArray[np.float32], bytes]]:
+        """The vector and token signs of each hash that has both."""
+        found: dict[str, tuple[npt.NDArray[np.float32], bytes]] = {}
         for start in range(0, len(hashes), 500):
             chunk = list(hashes[start : start + 500])
             marks = ",".join("?" * len(chunk))
             rows = self._db.execute(
-                f"SELECT content_hash, vector FROM embeddings WHERE model = ? AND content_hash IN ({marks})",
+                "SELECT e.content_hash, e.vector, t.signs FROM embeddings e"
+                " JOIN token_signs t USING (model, content_hash)"
+                f" WHERE e.model = ? AND e.content_hash IN ({marks})",
                 [model, *chunk],
             )
-            for content_hash, blob in rows:
-                found[content_hash] = np.frombuffer(blob, dtype=np.float32)
+            for content_hash, vector, signs in rows:
+                found[content_hash] = (np.frombuffer(vector, dtype=np.float32), signs)
         return found
 
-    def put_many(self, model: str, vectors: dict[str, npt.NDArray[np.float32]]) -> None:
+    def put_many(self, model: str, entries: dict[str, tuple[npt.NDArray[np.float32], bytes]]) -> None:
         with self._db:
             self._db.executemany(
                 "INSERT OR REPLACE INTO embeddings (model, content_hash, vector) VALUES (?, ?, ?)",
-                [(model, h, np.asarray(v, dtype=np.float32).tobytes()) for h, v in vectors.items()],
+                [(model, h, np.asarray(v, dtype=np.float32).tobytes()) for h, (v, _) in entries.items()],
+            )
+            self._db.executemany(
+                "INSERT OR REPLACE INTO token_signs (model, content_hash, signs) VALUES (?, ?, ?)",
+                [(model, h, signs) for h, (_, signs) in entries.items()],
             )
 
     def embed(
@@ -60,7 +83,7 @@ class EmbeddingCache:
         texts: Sequence[str],
         batch_size: int = 64,
         on_progress: Callable[[int], None] | None = None,
-    ) -> npt.NDArray[np.float32]:
+    ) -> Embedded:
         """Embeddings of ``texts`` in order, computing (in batches) only the ones not cached yet."""
         hashes = [text_hash(t) for t in texts]
         known = self.get_many(embedder.cache_name, hashes)
@@ -73,10 +96,12 @@ class EmbeddingCache:
         missing = list(first_of.values())
         for start in range(0, len(missing), batch_size * 8):
             indexes = missing[start : start + batch_size * 8]
-            vectors = embedder.embed_documents([texts[i] for i in indexes], batch_size=batch_size)
-            fresh = {hashes[i]: vectors[n] for n, i in enumerate(indexes)}
+            vectors, tokens = embedder.embed_with_tokens([texts[i] for i in indexes], batch_size=batch_size)
+            fresh = {hashes[i]: (vectors[n], pack_signs(tokens[n])) for n, i in enumerate(indexes)}
             self.put_many(embedder.cache_name, fresh)
             known.update(fresh)
             if on_progress is not None:
                 on_progress(len(indexes))
-        return np.stack([known[h] for h in hashes]) if hashes else np.zeros((0, embedder.dimension), np.float32)
+        if not hashes:
+            return Embedded(np.zeros((0, embedder.dimension), np.float32), [])
+        return Embedded(np.stack([known[h][0] for h in hashes]), [known[h][1] for h in hashes])

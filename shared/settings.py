@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         "the CPU computes it natively (AVX-512 BF16, AMX; `auto` picks it there), at a small quality cost "
         "(docs/benchmarks.md); its vectors are cached apart from float32's.",
     )
+    token_vectors: bool = Field(
+        default=True,
+        description="Ingesters send each document's token vectors, one sign bit per dimension (48 bytes a token at "
+        "384 dimensions), for late interaction; false saves that space and ranks by fusion alone.",
+    )
 
     # --- projector -------------------------------------------------------------------------------
     projector_batch_size: int = Field(
@@ -99,6 +104,13 @@ class Settings(BaseSettings):
     bm25_b: float = Field(
         default=0.8, ge=0, le=1, description="BM25 document-length normalisation (docs/quality.md has the evidence)."
     )
+    late_interaction_weight: float = Field(
+        default=0.2, ge=0, le=1,
+        description="Share of the late-interaction (MaxSim) similarity against the fused order; 0 turns it off.",
+    )  # fmt: skip
+    late_interaction_depth: int = Field(
+        default=30, ge=2, le=200, description="Leading fused candidates late interaction reorders (docs/quality.md)."
+    )
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
     )
@@ -106,21 +118,12 @@ class Settings(BaseSettings):
     statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
 
     # --- reranking -------------------------------------------------------------------------------
-    reranker: Literal["none", "local", "late-interaction", "cohere"] = Field(
+    reranker: Literal["none", "local", "cohere"] = Field(
         default="none",
-        description="`local`: a CrossEncoder from reranker_model_path; `late-interaction`: MaxSim with a copy "
-        "of the embedding model, nothing else to install (docs/quality.md); `cohere`: the HTTP API.",
+        description="`local`: a CrossEncoder from reranker_model_path; `cohere`: the HTTP API.",
     )
     reranker_depth: int = Field(
         default=20, ge=1, le=1000, description="Fused candidates sent to the reranker; the rest follow, in fused order."
-    )
-    reranker_precision: Precision = Field(
-        default="auto",
-        description="Arithmetic of the late-interaction reranker. `auto`: bfloat16 where the CPU computes it "
-        "natively (about 0.6 of float32's time), else float32.",
-    )
-    late_interaction_weight: float = Field(
-        default=0.25, ge=0, le=1, description="Share of the late-interaction similarity against the fused order."
     )
     reranker_model_path: Path | None = Field(default=None, description="Local cross-encoder directory.")
     reranker_url: str | None = Field(

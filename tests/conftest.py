@@ -169,3 +169,26 @@ async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
         yield service
     finally:
         await service.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer BERT cross-encoder with random weights and the MiniLM tokenizer, saved like a real model."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(7)
+    tokenizer = AutoTokenizer.from_pretrained(str(Settings().resolved_model_path()))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=1,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("cross-encoder")
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        model.classifier.bias.fill_(-5.0)  # logits far below zero: only a sigmoid keeps the scores in [0, 1]
+    # Configured like many published cross-encoders: no activation of its own.
+    model.config.sentence_transformers = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

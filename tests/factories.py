@@ -6,7 +6,14 @@ import hashlib
 
 import numpy as np
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentMetadata, DocumentUpserted, SemanticDocument
+from ontofabric.contracts import (
+    DeltaEnvelope,
+    DocumentDeleted,
+    DocumentMetadata,
+    DocumentUpserted,
+    SemanticDocument,
+    TokenVectors,
+)
 from ontofabric.services.ingest.client import envelope
 
 
@@ -24,6 +31,7 @@ def document(
     chunk_level: str = "method",
     provenance: str = "ingested",
     embedding: list[float] | None = None,
+    token_vectors: TokenVectors | None = None,
     **metadata: str,
 ) -> SemanticDocument:
     return SemanticDocument.model_validate(
@@ -36,6 +44,7 @@ def document(
                 {"chunkLevel": chunk_level, "provenance": provenance, "symbolKey": f"test:{doc_id}", **metadata}
             ),
             "embedding": embedding,
+            "tokenVectors": token_vectors,
         }
     )
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from ontofabric.contracts import OntologyQuery, QueryResponse, schema
+from ontofabric.contracts import OntologyQuery, QueryResponse, TokenVectors, schema
 
 
 def test_committed_schemas_match_the_models() -> None:
@@ -94,3 +96,22 @@ def test_options_are_accepted() -> None:
     assert query.options.retrievers == ["keyword"]
     assert query.options.fusion is not None
     assert query.options.fusion.dense_weight == 0.3
+
+
+def test_token_vectors_travel_as_base64_and_come_back_as_the_same_bits() -> None:
+    signs = bytes(range(96))  # two 384-dimensional tokens
+    tokens = TokenVectors.of_signs(384, signs)
+    wire = tokens.model_dump_json()
+    assert json.loads(wire)["data"] == base64.b64encode(signs).decode()
+    assert TokenVectors.model_validate_json(wire).data == signs
+
+
+@pytest.mark.parametrize(
+    ("dimension", "size", "problem"),
+    [(384, 0, "whole number"), (384, 95, "whole number"), (8, 1025, "more than 1024 tokens")],
+)
+def test_token_vectors_that_are_no_whole_tokens_are_rejected(dimension: int, size: int, problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        TokenVectors.of_signs(dimension, b"\x01" * size)
+    with pytest.raises(ValidationError, match="base64"):
+        TokenVectors.model_validate({"dimension": 8, "data": "not base64!"})

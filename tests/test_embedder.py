@@ -12,6 +12,7 @@ import torch
 from ontofabric.shared import embedder as embedder_module
 from ontofabric.shared.embedder import LocalSentenceTransformer, build_embedder, cpu_has_bfloat16, wants_bfloat16
 from ontofabric.shared.embedding_cache import EmbeddingCache, text_hash
+from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.settings import Settings
 
 TEXTS = [
@@ -75,6 +76,45 @@ def test_the_two_precisions_are_cached_apart(tmp_path: Path, embedders: dict[boo
     finally:
         cache.close()
     assert embedders[False].cache_name != embedders[True].cache_name
-    assert not np.array_equal(full, half)
-    assert np.array_equal(np.stack([stored_full[h] for h in hashes]), full)
-    assert np.array_equal(np.stack([stored_half[h] for h in hashes]), half)
+    assert not np.array_equal(full.vectors, half.vectors)
+    assert np.array_equal(np.stack([stored_full[h][0] for h in hashes]), full.vectors)
+    assert np.array_equal(np.stack([stored_half[h][0] for h in hashes]), half.vectors)
+    assert [stored_full[h][1] for h in hashes] == full.token_signs
+
+
+def test_one_pass_gives_the_vector_and_the_tokens_the_model_read(
+    embedders: dict[bool, LocalSentenceTransformer],
+) -> None:
+    embedder = embedders[False]
+    texts = ["short", "a longer text about parsing json strings into python objects"]
+    vectors, tokens = embedder.embed_with_tokens(texts)
+    assert np.array_equal(vectors, embedder.embed_documents(texts))
+    # Batched together the short text is padded to the long one's length; the padding is not its tokens.
+    assert len(tokens[0]) == len(embedder.embed_with_tokens(texts[:1])[1][0]) < len(tokens[1])
+    for t in tokens:
+        assert np.linalg.norm(t, axis=1) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_cache_computes_only_what_it_lacks_and_keeps_the_token_signs(
+    tmp_path: Path, embedders: dict[bool, LocalSentenceTransformer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    embedder = embedders[False]
+    cache = EmbeddingCache(tmp_path / "embeddings.sqlite")
+    try:
+        first = cache.embed(embedder, TEXTS[:2])
+        sent: list[list[str]] = []
+        real = embedder.embed_with_tokens
+
+        def counting(texts: list[str], batch_size: int = 64) -> tuple[np.ndarray, list[np.ndarray]]:
+            sent.append(list(texts))
+            return real(texts, batch_size)
+
+        monkeypatch.setattr(embedder, "embed_with_tokens", counting)
+        again = cache.embed(embedder, TEXTS)
+    finally:
+        cache.close()
+    assert sent == [TEXTS[2:]]
+    assert np.array_equal(again.vectors[:2], first.vectors)
+    assert again.token_signs[:2] == first.token_signs
+    _, tokens = real(TEXTS)
+    assert again.token_signs == [pack_signs(t) for t in tokens]

@@ -55,8 +55,11 @@ async def test_ingest_publishes_only_what_changed(
     live = await _live(deployment)
     assert len(live) == 7
     assert live["python:pkg/shapes.py/Circle.area()."][1] == "method"
-    embedded = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE embedding IS NOT NULL")
-    assert embedded[0]["n"] == 7
+    embedded = await deployment.fetch("SELECT content, embedding, token_signs FROM documents")
+    assert all(r["embedding"] is not None for r in embedded)
+    # Each chunk's token signs, one row of 48 bytes per token the model read from its embedding text.
+    assert all(r["token_signs"] and len(r["token_signs"]) % 48 == 0 for r in embedded)
+    assert len({r["token_signs"] for r in embedded}) == 7
 
     unchanged = await ingester.ingest(tmp_path, "repo")
     assert (unchanged.upserts, unchanged.deletes, unchanged.unchanged) == (0, 0, 7)

@@ -26,6 +26,7 @@ class ScriptedRetrieval:
     keyword_version: str = "5-a"
     fetch_version: str = "5-a"
     missing: set[str] = field(default_factory=set)
+    token_signs: dict[str, bytes] = field(default_factory=dict)
     backend: str = "tsvector"
 
     async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
@@ -35,7 +36,11 @@ class ScriptedRetrieval:
         return Hits([Candidate("y", 3.0), Candidate("z", 1.0)], self.keyword_version, ceiling=4.0)
 
     async def fetch(self, scope: Scope, ids: list[str]) -> Fetched:
-        documents = {i: StoredDocument(i, f"content {i}", "t.T", "tests", {}) for i in ids if i not in self.missing}
+        documents = {
+            i: StoredDocument(i, f"content {i}", "t.T", "tests", {}, self.token_signs.get(i))
+            for i in ids
+            if i not in self.missing
+        }
         return Fetched(documents, self.fetch_version)
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
@@ -43,6 +48,10 @@ class ScriptedRetrieval:
 
     async def representatives(self, scope: Scope, object_types: object) -> Representatives:
         return Representatives({}, self.fetch_version)
+
+
+QUERY_TOKENS = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=np.float32)
+"""The query's tokens: the first and second dimension."""
 
 
 class FixedEmbedder:
@@ -53,11 +62,14 @@ class FixedEmbedder:
     def embed_documents(self, texts: object, batch_size: int = 64) -> np.ndarray:  # type: ignore[type-arg]
         return np.ones((1, 3), dtype=np.float32)
 
+    def embed_with_tokens(self, texts: list[str], batch_size: int = 64) -> tuple[np.ndarray, list[np.ndarray]]:  # type: ignore[type-arg]
+        return np.ones((len(texts), 3), dtype=np.float32), [QUERY_TOKENS for _ in texts]
+
     def embed_query(self, text: str) -> Vector:
         return np.ones(3, dtype=np.float32)
 
-    async def embed_query_async(self, text: str) -> Vector:
-        return self.embed_query(text)
+    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
+        return self.embed_query(text), QUERY_TOKENS
 
 
 class Announced:

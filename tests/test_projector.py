@@ -6,12 +6,14 @@ import asyncio
 import json
 
 import asyncpg
+import numpy as np
 
-from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector.planning import Delta, VersionState
 from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.worker import ProjectorService, VersionPublisher
 from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import Deployment
 from .factories import delete, document, unit_vector, upsert
@@ -101,12 +103,15 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     subject = deployment.names.delta_subject("acme", "main")
     good_before = upsert("acme", document("before", "fine"))
     wrong_dim = upsert("acme", document("wrong", "bad vector", embedding=[0.1] * 8))
+    narrow_tokens = TokenVectors.of_signs(8, b"\x0f\xf0")
+    wrong_token_dim = upsert("acme", document("tokens", "bad token vectors", token_vectors=narrow_tokens))
     oversized = upsert("acme", document("big", "x" * (deployment.settings.max_content_bytes + 1)))
     good_after = upsert("acme", document("after", "still fine"))
 
     await deployment.publisher.publish(good_before)
     await deployment.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "garbage-1"})
     await deployment.publisher.publish(wrong_dim)
+    await deployment.publisher.publish(wrong_token_dim)
     await deployment.publisher.publish(oversized)
     last = await deployment.publisher.publish(good_after)
     await deployment.wait_projected(last.seq)
@@ -114,7 +119,7 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     assert await _live_rows(deployment, "acme") == {"after": "still fine", "before": "fine"}
     dead = await deployment.js.subscribe(deployment.names.dlq_subjects, stream=deployment.names.dlq_stream)
     reasons = []
-    for _ in range(3):
+    for _ in range(4):
         msg = await dead.next_msg(timeout=5)
         assert msg.headers is not None
         reasons.append(msg.headers["Ontofabric-Reason"])
@@ -122,7 +127,27 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
         assert msg.headers["Ontofabric-Detail"]
         if msg.headers["Ontofabric-Reason"] == "invalid_schema":
             assert msg.data == b"{not json"  # the payload is kept as it was, for inspection or re-drive
-    assert sorted(reasons) == ["content_too_large", "embedding_dimension_mismatch", "invalid_schema"]
+    assert sorted(reasons) == [
+        "content_too_large", "embedding_dimension_mismatch", "invalid_schema", "token_vectors_dimension_mismatch",
+    ]  # fmt: skip
+
+
+async def test_token_vectors_are_stored_as_sent_and_follow_the_document(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    signs = pack_signs(np.random.default_rng(3).standard_normal((7, 384)))
+    tokens = TokenVectors.of_signs(384, signs)
+    await deployment.publisher.publish(upsert("acme", document("a", "alpha", token_vectors=tokens)))
+    last = await deployment.publisher.publish(upsert("acme", document("b", "beta", token_vectors=tokens)))
+    await deployment.wait_projected(last.seq)
+    stored = {r["id"]: r["token_signs"] for r in await deployment.fetch("SELECT id, token_signs FROM documents")}
+    assert stored == {"a": signs, "b": signs}
+    # A new version without token vectors drops the old ones; a delete leaves none on the tombstone.
+    await deployment.publisher.publish(upsert("acme", document("a", "alpha again")))
+    last = await deployment.publisher.publish(delete("acme", "b"))
+    await deployment.wait_projected(last.seq)
+    stored = {r["id"]: r["token_signs"] for r in await deployment.fetch("SELECT id, token_signs FROM documents")}
+    assert stored == {"a": None, "b": None}
 
 
 async def test_transient_database_failure_is_retried(deployment: Deployment) -> None:

@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import pytest
 
 from ontofabric.contracts import OntologyQuery
@@ -21,16 +20,10 @@ from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
 from ontofabric.services.query.rerankers import (
     CohereReranker,
-    LateInteraction,
     LocalCrossEncoder,
     RerankerError,
-    blend_with_fused_position,
-    build_reranker,
     check_ranking,
-    max_similarity,
 )
-from ontofabric.shared.embedder import wants_bfloat16
-from ontofabric.shared.settings import Settings
 
 from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
 
@@ -233,29 +226,6 @@ async def test_saturated_short_query_skips_the_reranker(cohere_server: str) -> N
     assert len(CohereLike.requests) == before
 
 
-@pytest.fixture(scope="module")
-def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-layer BERT cross-encoder with random weights and the MiniLM tokenizer, saved like a real model."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(7)
-    tokenizer = AutoTokenizer.from_pretrained(str(Settings().resolved_model_path()))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, num_labels=1,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("cross-encoder")
-    model = BertForSequenceClassification(config)
-    with torch.no_grad():
-        model.classifier.bias.fill_(-5.0)  # logits far below zero: only a sigmoid keeps the scores in [0, 1]
-    # Configured like many published cross-encoders: no activation of its own.
-    model.config.sentence_transformers = {"activation_fn": "torch.nn.modules.linear.Identity"}
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 async def test_local_cross_encoder_loads_batches_and_orders(tiny_cross_encoder: Path) -> None:
     small_batches = LocalCrossEncoder(tiny_cross_encoder, batch_size=1)
     one_batch = LocalCrossEncoder(tiny_cross_encoder, batch_size=32)
@@ -299,119 +269,3 @@ async def test_local_cross_encoder_past_its_timeout_degrades_and_queries_do_not_
     assert busy.meta.degraded == ["reranker"]
     assert busy_ms < 300  # skipped at once instead of waiting behind the running call
     assert ok.meta.reranked is True
-
-
-def test_max_similarity_takes_each_query_tokens_best_match() -> None:
-    query = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
-    matches_both = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=np.float32)
-    matches_one = np.array([[1.0, 0.0], [1.0, 0.0]], dtype=np.float32)
-    assert max_similarity(query, matches_both) == pytest.approx(1.0)
-    assert max_similarity(query, matches_one) == pytest.approx(0.5)  # (1 + 0) / 2: a repeat earns nothing more
-
-
-def test_blending_similarity_into_the_fused_position() -> None:
-    similarities = [0.1, 0.2, 0.9, 0.3]
-    kept = blend_with_fused_position(similarities, weight=0.0)
-    assert kept == sorted(kept, reverse=True)  # weight 0: the fused order as it was
-    assert len(set(kept)) == 4
-    followed = blend_with_fused_position(similarities, weight=1.0)
-    assert max(range(4), key=lambda i: followed[i]) == 2  # weight 1: the similarity alone
-    assert all(0.0 < v < 1.0 for v in kept + followed)
-    assert blend_with_fused_position([0.4, 0.4, 0.4], 1.0) == [0.5, 0.5, 0.5]  # no spread: no signal
-    assert blend_with_fused_position([0.7], 0.2) == [0.5]
-    assert blend_with_fused_position([], 0.2) == []
-
-
-def test_at_the_deployment_weight_a_strong_match_climbs_but_does_not_jump_the_queue() -> None:
-    similarities = [0.3, 0.31, 0.29, 0.3, 0.32, 0.9, 0.3, 0.28, 0.31, 0.3]
-    relevance = blend_with_fused_position(similarities, Settings().late_interaction_weight)
-    order = sorted(range(10), key=lambda i: -relevance[i])
-    assert order.index(5) == 2  # from sixth to third
-    assert order[:2] == [0, 1]
-    assert [i for i in order if i != 5] == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # the rest keep their fused order
-
-
-CODE_DOCS = [
-    "def add_user(name): users.append(name)",
-    "a recipe for bread with flour and water",
-    "def parse_json(text):\n    return json.loads(text)",
-    "the weather is sunny today",
-]
-
-
-@pytest.fixture(scope="module")
-def late_interaction() -> Iterator[LateInteraction]:
-    settings = Settings(reranker="late-interaction", late_interaction_weight=1.0)
-    reranker = build_reranker(settings)
-    assert isinstance(reranker, LateInteraction)
-    yield reranker
-    asyncio.run(reranker.close())
-
-
-async def test_late_interaction_scores_with_the_embedding_model(late_interaction: LateInteraction) -> None:
-    ranking = await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=4)
-    assert ranking[0][0] == 2  # the embedding model itself finds the JSON parser, from fused position 3
-    assert sorted(i for i, _ in ranking) == [0, 1, 2, 3]
-    assert check_ranking(ranking, 4) == ranking
-    assert (await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=2)) == ranking[:2]
-    assert await late_interaction.rerank("parse a json string", [], top_n=2) == []
-
-
-async def test_late_interaction_at_the_deployment_weight_lifts_a_clear_match() -> None:
-    unrelated = ["the weather is sunny today", "a recipe for bread with flour and water", "football results",
-                 "a poem about the sea", "train timetables for monday", "how to knit a scarf",
-                 "the history of the roman empire", "gardening in spring", "a song about love"]  # fmt: skip
-    fused_order = [unrelated[0], "def parse_json(text):\n    return json.loads(text)", *unrelated[1:]]
-    reranker = build_reranker(Settings(reranker="late-interaction"))
-    assert isinstance(reranker, LateInteraction)
-    try:
-        ranking = await reranker.rerank("parse a json string", fused_order, top_n=10)
-    finally:
-        await reranker.close()
-    assert [i for i, _ in ranking][:2] == [1, 0]  # the parser, second in fused order, overtakes the weather
-    assert [i for i, _ in ranking][2:] == list(range(2, 10))
-
-
-async def test_late_interaction_spares_the_model_when_there_is_nothing_to_reorder(
-    late_interaction: LateInteraction, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def no_model(texts: Sequence[str]) -> list[Any]:
-        raise AssertionError("the model ran for a single candidate")
-
-    monkeypatch.setattr(late_interaction, "_tokens", no_model)
-    assert await late_interaction.rerank("parse a json string", CODE_DOCS[:1], top_n=1) == [(0, 0.5)]
-
-
-@pytest.mark.parametrize(("precision", "dtype"), [("float32", "torch.float32"), ("bfloat16", "torch.bfloat16")])
-async def test_the_reranker_precision_setting_reaches_the_model(precision: str, dtype: str) -> None:
-    reranker = build_reranker(Settings(reranker="late-interaction", reranker_precision=precision))
-    assert isinstance(reranker, LateInteraction)
-    try:
-        assert str(next(reranker._model.parameters()).dtype) == dtype
-    finally:
-        await reranker.close()
-
-
-async def test_late_interaction_reranks_through_the_pipeline(late_interaction: LateInteraction) -> None:
-    fused = await _pipeline(None).answer(QUERY, "w")
-    reply = await _pipeline(late_interaction).answer(QUERY, "w")
-    assert reply.meta.reranked is True
-    assert reply.meta.reranker == "late-interaction"
-    assert reply.meta.degraded == []
-    assert "rerank" in reply.meta.timings_ms
-    assert sorted(r.id for r in reply.results) == sorted(r.id for r in fused.results)
-    assert all(0.0 <= r.score <= 1.0 for r in reply.results)
-
-
-async def test_late_interaction_orders_alike_in_bfloat16_and_float32(late_interaction: LateInteraction) -> None:
-    """bfloat16 is chosen by the CPU; whichever the fixture got, the other precision ranks the same."""
-    settings = Settings()
-    fixture_bfloat16 = wants_bfloat16(settings.reranker_precision)
-    other = LateInteraction(settings.resolved_model_path(), weight=1.0, bfloat16=not fixture_bfloat16)
-    try:
-        ours = await late_interaction.rerank("parse a json string", CODE_DOCS, top_n=4)
-        theirs = await other.rerank("parse a json string", CODE_DOCS, top_n=4)
-    finally:
-        await other.close()
-    assert [i for i, _ in ours] == [i for i, _ in theirs]
-    assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], abs=0.02)

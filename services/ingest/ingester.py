@@ -36,9 +36,11 @@ from ontofabric.contracts import (
     OntologyLink,
     OntologyNode,
     SemanticDocument,
+    TokenVectors,
 )
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
+from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, encode_token
 
@@ -170,7 +172,13 @@ def node_hash(node: GraphNode) -> str:
     return hashlib.sha256(json.dumps([node.domain, node.name, node.kind, node.interfaces]).encode()).hexdigest()
 
 
-def to_document(chunk: Chunk, embedding: list[float] | None, embedding_model: str | None) -> SemanticDocument:
+@dataclass(frozen=True)
+class ChunkEmbedding:
+    vector: list[float]
+    token_vectors: TokenVectors | None
+
+
+def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: str | None) -> SemanticDocument:
     return SemanticDocument(
         id=chunk.document_id,
         content=chunk.content,
@@ -185,8 +193,9 @@ def to_document(chunk: Chunk, embedding: list[float] | None, embedding_model: st
             chunk_level=chunk.chunk_level,
             provenance="ingested",
         ),
-        embedding=embedding,
-        embedding_model=embedding_model if embedding is not None else None,
+        embedding=embedded.vector if embedded is not None else None,
+        embedding_model=embedding_model if embedded is not None else None,
+        token_vectors=embedded.token_vectors if embedded is not None else None,
     )
 
 
@@ -220,8 +229,10 @@ class Ingester:
         max_content_bytes: int,
         progress: Progress | None = None,
         cache: EmbeddingCache | None = None,
+        token_vectors: bool = True,
     ) -> None:
         self._js = js
+        self._token_vectors = token_vectors
         self._names = names
         self._embedder = embedder
         self._max_content_bytes = max_content_bytes
@@ -293,21 +304,29 @@ class Ingester:
             publish_s=publish_s,
         )
 
-    async def _embed(self, chunks: Sequence[Chunk]) -> list[list[float] | None]:
+    async def _embed(self, chunks: Sequence[Chunk]) -> list[ChunkEmbedding | None]:
         if self._embedder is None:
             return [None] * len(chunks)
         embedder = self._embedder
         self._progress.stage("embed", len(chunks))
-        vectors: list[list[float] | None] = []
+        embedded: list[ChunkEmbedding | None] = []
         for start in range(0, len(chunks), EMBED_BATCH):
             batch = [c.embedding_text for c in chunks[start : start + EMBED_BATCH]]
             if self._cache is not None:
-                rows = await asyncio.to_thread(self._cache.embed, embedder, batch)
+                cached = await asyncio.to_thread(self._cache.embed, embedder, batch)
+                rows, signs = cached.vectors, cached.token_signs
             else:
-                rows = await asyncio.to_thread(embedder.embed_documents, batch)
-            vectors.extend([float(x) for x in row] for row in rows)
+                rows, tokens = await asyncio.to_thread(embedder.embed_with_tokens, batch)
+                signs = [pack_signs(t) for t in tokens]
+            embedded.extend(
+                ChunkEmbedding(
+                    [float(x) for x in row],
+                    TokenVectors.of_signs(embedder.dimension, sign) if self._token_vectors else None,
+                )
+                for row, sign in zip(rows, signs, strict=True)
+            )
             self._progress.advance("embed", len(batch))
-        return vectors
+        return embedded
 
 
 def _link_of(key: str) -> OntologyLink:
@@ -320,7 +339,7 @@ def _upsert(
     chunks: Mapping[str, Chunk],
     nodes: Mapping[str, GraphNode],
     links: Mapping[str, GraphLink],
-    vectors: Mapping[str, list[float] | None],
+    vectors: Mapping[str, ChunkEmbedding | None],
     model: str | None,
 ) -> DeltaPayload:
     kind, name = key[0], key[2:]

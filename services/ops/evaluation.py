@@ -22,7 +22,7 @@ import ir_measures
 from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
 
-from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument
+from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument, TokenVectors
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import Progress
@@ -37,12 +37,17 @@ from ontofabric.shared.subjects import Names
 MEASURES = {"nDCG@10": nDCG @ 10, "Recall@10": R @ 10, "Recall@100": R @ 100, "MRR@10": RR @ 10}
 DEPTH = 100  # results per query: Recall@100 needs a hundred
 
-# Request parameters of each configuration. Only the retrievers and reranking differ: candidate depth and fusion
-# are the deployment's defaults, so the figures are those of the settings the workers run with.
+# Request parameters of each configuration. Only the retrievers, late interaction and reranking differ: candidate
+# depth and fusion are the deployment's defaults, so the figures are those of the settings the workers run with.
+# dense, keyword and hybrid measure the retrievers and their fusion alone; the late-interaction ones add the
+# stage a default request gets (hybrid-late-interaction is a request with no options).
+_NO_LATE_INTERACTION = {"lateInteraction": {"weight": 0.0}}
 CONFIGS: dict[str, dict[str, Any]] = {
-    "dense": {"precision": False, "options": {"retrievers": ["dense"]}},
+    "dense": {"precision": False, "options": {"retrievers": ["dense"], **_NO_LATE_INTERACTION}},
     "keyword": {"precision": False, "options": {"retrievers": ["keyword"]}},
-    "hybrid": {"precision": False},
+    "hybrid": {"precision": False, "options": _NO_LATE_INTERACTION},
+    "dense-late-interaction": {"precision": False, "options": {"retrievers": ["dense"]}},
+    "hybrid-late-interaction": {"precision": False},
     "hybrid-rerank": {"precision": True},
 }
 
@@ -220,7 +225,9 @@ class Evaluation:
         embedder: Embedder | None,
         cache: EmbeddingCache,
         progress: Progress,
+        token_vectors: bool = True,
     ) -> None:
+        self._token_vectors = token_vectors
         self._js = js
         self._client = client
         self._names = names
@@ -242,9 +249,13 @@ class Evaluation:
             entries = dataset.corpus[start : start + batch]
             texts = [document_text(d) for d in entries]
             vectors: list[list[float] | None] = [None] * len(texts)
+            token_vectors: list[TokenVectors | None] = [None] * len(texts)
             if self._embedder is not None:  # on a thread: the projector and the query worker share this loop
-                rows = await asyncio.to_thread(self._cache.embed, self._embedder, texts)
-                vectors = [[float(x) for x in row] for row in rows]
+                embedded = await asyncio.to_thread(self._cache.embed, self._embedder, texts)
+                vectors = [[float(x) for x in row] for row in embedded.vectors]
+                if self._token_vectors:
+                    dimension = self._embedder.dimension
+                    token_vectors = [TokenVectors.of_signs(dimension, s) for s in embedded.token_signs]
             deltas = [
                 envelope(
                     workspace,
@@ -257,11 +268,12 @@ class Evaluation:
                             metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
                             embedding=vector,
                             embedding_model=model if vector is not None else None,
+                            token_vectors=tokens,
                         )
                     ),
                     producer="ontofabric-eval",
                 )
-                for entry, text, vector in zip(entries, texts, vectors, strict=True)
+                for entry, text, vector, tokens in zip(entries, texts, vectors, token_vectors, strict=True)
             ]
             acks = await publisher.publish_many(deltas)
             last_seq = max([last_seq, *(a.seq for a in acks)])
@@ -313,7 +325,16 @@ class Evaluation:
             if not result.meta:
                 result.meta = reply.meta.model_dump(
                     mode="json",
-                    include={"hybrid", "reranked", "reranker", "retrievers", "fusion", "degraded", "backend"},
+                    include={
+                        "hybrid",
+                        "reranked",
+                        "reranker",
+                        "retrievers",
+                        "fusion",
+                        "late_interaction",
+                        "degraded",
+                        "backend",
+                    },
                 )
             # Ranks decide, not scores. As BEIR does, a document with the query's own id is no answer (ArguAna).
             hits = [r for r in reply.results if not (ignore_identical_ids and r.id == query_id)]
@@ -399,7 +420,9 @@ async def evaluate(
         js = nc.jetstream()
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
         stack.callback(cache.close)
-        evaluation = Evaluation(js, QueryClient(nc, names, timeout_s=60), names, embedder, cache, progress)
+        evaluation = Evaluation(
+            js, QueryClient(nc, names, timeout_s=60), names, embedder, cache, progress, settings.token_vectors
+        )
         started = time.perf_counter()
         workspace = await evaluation.load(dataset)
         load_seconds = time.perf_counter() - started
@@ -408,9 +431,7 @@ async def evaluate(
         exit_points: list[ExitPoint] = []
         for config in configs:
             if config == "hybrid-rerank" and settings.reranker == "none":
-                results[config] = ConfigResult(
-                    skipped="no reranker configured (ONTOFABRIC_RERANKER; `late-interaction` needs no other model)"
-                )
+                results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
                 continue
             points = exit_points if config == "hybrid" else None
             results[config], runs[config] = await evaluation.run(
@@ -419,8 +440,10 @@ async def evaluate(
         loaded = await _live_documents(endpoints.database_url, workspace)
     judged = {q: dataset.qrels[q] for q in dataset.qrels if q in dataset.queries}
     gain = None
-    if "hybrid" in runs and "hybrid-rerank" in runs:
-        with_reranker, without = per_query_ndcg(judged, runs["hybrid-rerank"]), per_query_ndcg(judged, runs["hybrid"])
+    if "hybrid-late-interaction" in runs and "hybrid-rerank" in runs:
+        # The same request but for precision: what the reranker adds.
+        with_reranker = per_query_ndcg(judged, runs["hybrid-rerank"])
+        without = per_query_ndcg(judged, runs["hybrid-late-interaction"])
         gain = {q: with_reranker[q] - without[q] for q in judged}
     return EvalReport(
         dataset=dataset.name,

@@ -39,6 +39,7 @@ RejectReason = Literal[
     "content_too_large",
     "embedding_dimension_mismatch",
     "embedding_model_mismatch",
+    "token_vectors_dimension_mismatch",
     "apply_failed",
 ]
 
@@ -106,6 +107,12 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
         return Rejection(
             "embedding_model_mismatch",
             f"embedding made by {document.embedding_model!r}, the deployment uses {limits.embedding_model!r}",
+        )
+    tokens = document.token_vectors
+    if tokens is not None and tokens.dimension != limits.embedding_dim:
+        return Rejection(
+            "token_vectors_dimension_mismatch",
+            f"token vectors have {tokens.dimension} dimensions, the deployment uses {limits.embedding_dim}",
         )
     return None
 

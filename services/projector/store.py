@@ -56,10 +56,10 @@ UPSERT_DOCUMENT = """
 INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
-    doc_length, indexed_at, stream_seq, event_id, transparent, updated_at)
+    doc_length, indexed_at, stream_seq, event_id, transparent, token_signs, updated_at)
 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17, v.tsv,
        (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u), $20, $21, $22, $23,
-       now()
+       $24, now()
 FROM (SELECT index_tsvector($18::regconfig, $19) AS tsv) v
 ON CONFLICT (workspace, branch, id) DO UPDATE SET
     deleted = EXCLUDED.deleted, content = EXCLUDED.content, object_type = EXCLUDED.object_type,
@@ -69,7 +69,8 @@ ON CONFLICT (workspace, branch, id) DO UPDATE SET
     embedding = EXCLUDED.embedding, embedding_model = EXCLUDED.embedding_model,
     search_vector = EXCLUDED.search_vector, doc_length = EXCLUDED.doc_length, indexed_at = EXCLUDED.indexed_at,
     stream_seq = EXCLUDED.stream_seq,
-    event_id = EXCLUDED.event_id, transparent = EXCLUDED.transparent, updated_at = now()
+    event_id = EXCLUDED.event_id, transparent = EXCLUDED.transparent, token_signs = EXCLUDED.token_signs,
+    updated_at = now()
 WHERE d.stream_seq < EXCLUDED.stream_seq
 """
 
@@ -328,7 +329,7 @@ class PostgresProjectionStore:
             return (
                 ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, None, None,
                 None, "{}", None, None, self._text_search_config, "", None, delta.seq, event_id,
-                state_after(delta).transparent,
+                state_after(delta).transparent, None,
             )  # fmt: skip
         doc = payload.document
         meta = doc.metadata
@@ -338,7 +339,7 @@ class PostgresProjectionStore:
             meta.symbol_key, meta.symbol_kind, meta.symbol_fqn, meta.content_hash, meta.file_path,
             meta.chunk_level, meta.provenance, json.dumps(meta.model_dump(mode="json", exclude_none=True)),
             embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
-            delta.seq, event_id, False,
+            delta.seq, event_id, False, doc.token_vectors.data if doc.token_vectors is not None else None,
         )  # fmt: skip
 
 

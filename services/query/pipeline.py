@@ -1,4 +1,5 @@
-"""The query pipeline (seed 000 §6): cache → dense ∥ keyword → RRF → (rerank) → reply with an honest ``_meta``.
+"""The query pipeline (seed 000 §6): cache → dense ∥ keyword → fusion → late interaction → (rerank) → reply with an
+honest ``_meta``.
 
 Every failure of a part shows in ``_meta.degraded`` and the answer is the best of what still ran; only when no
 retriever at all could run does the caller get an error (:class:`RetrievalUnavailable`).
@@ -9,13 +10,21 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from ontofabric.contracts import FoundBy, OntologyQuery, QueryMeta, QueryResponse, SearchResult
-from ontofabric.contracts.query import ExpandedContext, FusionOptions, FusionReport, QueryOptions
+from ontofabric.contracts.query import (
+    ExpandedContext,
+    FusionOptions,
+    FusionReport,
+    LateInteractionOptions,
+    LateInteractionReport,
+    QueryOptions,
+)
 from ontofabric.shared.embedder import Embedder, Vector
+from ontofabric.shared.late_interaction import TokenVectors, blend_with_fused_position, max_similarity, unpack_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
@@ -65,6 +74,8 @@ class PipelineConfig:
     early_exit_saturation: float = 0.8
     rerank_timeout_s: float = 1.5
     rerank_depth: int = 20
+    late_interaction_weight: float = 0.2
+    late_interaction_depth: int = 30
     expansion_max_types: int = 25
 
 
@@ -81,6 +92,7 @@ class _Answer:
     skipped_rerank: str | None
     could_benefit: bool
     fusion: FusionReport | None
+    late_interaction: LateInteractionReport | None = None
     reranked: bool = False
     reranker: str | None = None
     signals: dict[str, float] = field(default_factory=dict)
@@ -113,6 +125,37 @@ def keyword_signals(keyword: list[Candidate], ceiling: float | None, text: str) 
 def early_exit(signals: dict[str, float], text: str, threshold: float, max_tokens: int = 5) -> bool:
     """Seed 000 §6 step 5: a short query whose keyword top hit is saturated needs no reranker."""
     return signals.get("keywordSaturation", 0.0) >= threshold and signals["queryTokens"] < max_tokens
+
+
+def late_interaction(
+    query_tokens: TokenVectors,
+    candidates: list[Fused],
+    documents: Mapping[str, StoredDocument],
+    weight: float,
+    depth: int,
+) -> tuple[list[Fused], LateInteractionReport | None]:
+    """The leading ``depth`` candidates reordered by their fused position blended with their MaxSim similarity to
+    the query's tokens (over their stored token signs), each with the blend as its relevance; those after them
+    keep their order, scaled under the lowest blended relevance. Unchanged (report None) when fewer than two
+    leading candidates have token vectors: there is nothing to compare."""
+    head = candidates[:depth]
+    similarities: list[float | None] = []
+    for hit in head:
+        signs = documents[hit.id].token_signs
+        try:
+            document_tokens = unpack_signs(signs, query_tokens.shape[1]) if signs else None
+        except ValueError:  # not this model's width: rank it as fused rather than fail the query
+            document_tokens = None
+        similarities.append(None if document_tokens is None else max_similarity(query_tokens, document_tokens))
+    with_vectors = sum(s is not None for s in similarities)
+    if weight <= 0 or with_vectors < 2:
+        return candidates, None
+    relevances = blend_with_fused_position(similarities, weight)
+    order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
+    floor = min(relevances)
+    reordered = [replace(head[i], relevance=relevances[i]) for i in order]
+    reordered += [replace(hit, relevance=floor * hit.relevance) for hit in candidates[depth:]]
+    return reordered, LateInteractionReport(weight=weight, candidates=len(head), with_token_vectors=with_vectors)
 
 
 def _rerank_text(document: StoredDocument, limit: int = 2000) -> str:
@@ -186,15 +229,18 @@ class QueryPipeline:
         options = query.options or QueryOptions()
         wanted = set(options.retrievers or ("dense", "keyword"))
         k = options.candidates or self._config.retriever_top_k
+        query_tokens: TokenVectors | None = None
 
         async def dense() -> Hits | None:
+            nonlocal query_tokens
             if "dense" not in wanted:
                 return None
             if self._embedder is None:
                 degraded.append("embedder")
                 return None
             try:
-                vector = await clock.time("embed", self._embedder.embed_query_async(query.semantic_query))
+                embedding = self._embedder.embed_query_with_tokens_async(query.semantic_query)
+                vector, query_tokens = await clock.time("embed", embedding)
             except Exception as error:
                 log.warning("embedder_failed", error=str(error))
                 degraded.append("embedder")
@@ -221,13 +267,17 @@ class QueryPipeline:
         query_ceiling = lists["keyword"].query_ceiling if "keyword" in lists else None
         signals = keyword_signals(ranked.get("keyword", []), query_ceiling or ceiling, query.semantic_query)
         reranker, skipped_rerank = self._rerank_plan(query, signals)
+        interaction = options.late_interaction or LateInteractionOptions()
+        li_weight = self._config.late_interaction_weight if interaction.weight is None else interaction.weight
+        li_depth = interaction.depth or self._config.late_interaction_depth
+        interacts = query_tokens is not None and li_weight > 0
         fused, fusion = fuse(
             ranked,
             asked.method or self._config.fusion_method,
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
-            limit=self._fused_limit(query, reranks=reranker is not None),
+            limit=self._fused_limit(query, reranker is not None, li_depth if interacts else 0),
             query_ceiling=query_ceiling,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
@@ -237,6 +287,13 @@ class QueryPipeline:
         fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused]))
         documents = fetched.documents
         candidates = [f for f in fused if f.id in documents]
+        interaction_report = None
+        if interacts and query_tokens is not None:
+            # A few milliseconds of numpy (which lets go of the GIL): off the event loop, beside other queries.
+            candidates, interaction_report = await clock.time(
+                "lateInteraction",
+                asyncio.to_thread(late_interaction, query_tokens, candidates, documents, li_weight, li_depth),
+            )
         if reranker is not None:
             order, reranked = await self._rerank(reranker, query, candidates, documents, clock)
         else:
@@ -273,6 +330,7 @@ class QueryPipeline:
             skipped_rerank=skipped_rerank,
             could_benefit=not query.follow_links and reads_as_relationship_question(query.semantic_query),
             fusion=FusionReport(method=fusion.method, parameters=fusion.parameters) if fusion else None,
+            late_interaction=interaction_report,
             signals=signals,
             expanded=expanded,
             expansion_truncated=truncated,
@@ -333,10 +391,11 @@ class QueryPipeline:
             return None, "bm25_saturation"
         return self._reranker, None
 
-    def _fused_limit(self, query: OntologyQuery, reranks: bool) -> int:
-        """Candidates kept after fusion: headroom over ``topK``, and, when a reranker will run, at least its full
-        depth, so it always sees the number of candidates its defaults were measured with."""
-        limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k)
+    def _fused_limit(self, query: OntologyQuery, reranks: bool, interaction_depth: int) -> int:
+        """Candidates kept after fusion: headroom over ``topK``, and at least the depth of late interaction and,
+        when a reranker will run, of the reranker, so each sees the number of candidates its defaults were
+        measured with."""
+        limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k, interaction_depth)
         return max(limit, self._config.rerank_depth) if reranks else limit
 
     async def _rerank(
@@ -395,6 +454,7 @@ class QueryPipeline:
             backend=self._retrieval.backend,
             retrievers=answer.retrievers,
             fusion=answer.fusion,
+            late_interaction=answer.late_interaction,
             signals=answer.signals,
             timings_ms=clock.timings,
         )

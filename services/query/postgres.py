@@ -57,6 +57,8 @@ class StoredDocument:
     object_type: str
     source_domain: str
     metadata: dict[str, Any]
+    token_signs: bytes | None = None
+    """Packed sign bits of its token vectors (shared/late_interaction.py), when it was sent with them."""
 
 
 def where_clause(
@@ -238,12 +240,17 @@ class PostgresRetrieval:
         async with self._snapshot(scope) as snapshot:
             where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2, snapshot.shadowed)
             sql = f"""
-                SELECT id, content, object_type, source_domain, metadata FROM documents
+                SELECT id, content, object_type, source_domain, metadata, token_signs FROM documents
                 WHERE id = ANY($1::text[]) AND {where}"""
             rows = await snapshot.conn.fetch(sql, list(ids), *parameters)
         documents = {
             r["id"]: StoredDocument(
-                r["id"], r["content"], r["object_type"], r["source_domain"], json.loads(r["metadata"])
+                r["id"],
+                r["content"],
+                r["object_type"],
+                r["source_domain"],
+                json.loads(r["metadata"]),
+                r["token_signs"],
             )
             for r in rows
         }

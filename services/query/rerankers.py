@@ -1,5 +1,4 @@
-"""The Reranker port and its adapters: a local cross-encoder, late interaction with the deployment's own embedding
-model, and an HTTP client of the Cohere rerank API.
+"""The Reranker port and its adapters: a local cross-encoder and an HTTP client of the Cohere rerank API.
 
 An adapter raises on any failure; the pipeline turns a failure or a timeout into ``_meta.degraded: ["reranker"]``
 and keeps the fused order, so a caller never sees a reranker error.
@@ -15,17 +14,12 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
-import numpy as np
-import numpy.typing as npt
 from pydantic import BaseModel, Field, ValidationError
 
-from ontofabric.shared.embedder import load_sentence_transformer, unit_rows, wants_bfloat16
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 
 log = get_logger(__name__)
-
-TokenVectors = npt.NDArray[np.float32]
 
 
 class RerankerError(Exception):
@@ -43,34 +37,6 @@ def check_ranking(ranking: Sequence[tuple[int, float]], documents: int) -> list[
     if any(not (math.isfinite(score) and 0.0 <= score <= 1.0) for _, score in ranking):
         raise RerankerError("the reranker returned a relevance that is not a number in [0, 1]")
     return sorted(ranking, key=lambda pair: -pair[1])
-
-
-def max_similarity(query_tokens: TokenVectors, document_tokens: TokenVectors) -> float:
-    """Late interaction (ColBERT's MaxSim): each query token's best cosine among the document's tokens, averaged.
-    Both arguments hold one L2-normalised row per token."""
-    return float((query_tokens @ document_tokens.T).max(axis=1).mean())
-
-
-def blend_with_fused_position(similarities: Sequence[float], weight: float) -> list[float]:
-    """Relevances in (0, 1) for documents given in fused order: the z-score of each one's fused position and the
-    z-score of its similarity, mixed with ``weight`` on the similarity, through a sigmoid. The mix orders; the
-    sigmoid only keeps the port's promise of [0, 1]. The result is relative to the candidates sent (the first
-    gets about 0.7-0.85, the last about 0.15-0.25), not a calibrated probability."""
-    count = len(similarities)
-    if count < 2:
-        return [0.5] * count
-
-    def z_scores(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        # Equal values leave rounding noise in the spread (1e-17, not 0): treat that as no spread at all.
-        mean, spread = float(values.mean()), float(values.std())
-        if spread <= 1e-9 * max(1.0, abs(mean)):
-            return np.zeros(len(values), dtype=np.float64)
-        centred: npt.NDArray[np.float64] = (values - mean) / spread
-        return centred
-
-    position = z_scores(-np.arange(count, dtype=np.float64))  # first in fused order scores highest
-    mixed = (1.0 - weight) * position + weight * z_scores(np.asarray(similarities, dtype=np.float64))
-    return [float(v) for v in 1.0 / (1.0 + np.exp(-mixed))]
 
 
 class Reranker(Protocol):
@@ -142,41 +108,6 @@ class LocalCrossEncoder(_LocalModel):
         return [float(s) for s in scores]
 
 
-class LateInteraction(_LocalModel):
-    """Zero-shot late interaction with the deployment's own sentence-transformers model: the query and each
-    candidate are encoded token by token and compared by MaxSim, and that similarity refines the fused order
-    rather than replacing it (alone it orders worse than the fusion; docs/quality.md has the measurements).
-    It needs no model beyond the embedder's (it loads a copy of it), so it runs wherever the embedder does."""
-
-    name = "late-interaction"
-
-    def __init__(self, model_path: Path, weight: float, bfloat16: bool, batch_size: int = 32) -> None:
-        super().__init__()
-        # A model of its own: a tokenizer shared with the embedder's thread is not safe to call from two threads.
-        # It reads as many tokens as the model does when embedding (256 for MiniLM): cut to 128, scifact-train
-        # lost 0.006 nDCG@10 to the fusion alone.
-        self._model = load_sentence_transformer(model_path, bfloat16)
-        self._weight = weight
-        self._batch_size = batch_size
-        log.info(
-            "reranker_loaded", kind=self.name, path=str(model_path), max_tokens=self._model.max_seq_length,
-            bfloat16=bfloat16,
-        )  # fmt: skip
-
-    def _tokens(self, texts: Sequence[str]) -> list[TokenVectors]:
-        encoded = self._model.encode(
-            list(texts), output_value="token_embeddings", batch_size=self._batch_size, convert_to_numpy=False
-        )
-        return [unit_rows(t.float().numpy()) for t in encoded]  # .float(): bfloat16 has no numpy dtype
-
-    def _score(self, query: str, documents: Sequence[str]) -> list[float]:
-        if len(documents) < 2:
-            return [0.5] * len(documents)  # nothing to reorder: spare the forward pass
-        query_tokens, *document_tokens = self._tokens([query, *documents])
-        similarities = [max_similarity(query_tokens, d) for d in document_tokens]
-        return blend_with_fused_position(similarities, self._weight)
-
-
 class _CohereResult(BaseModel):
     index: int = Field(ge=0)
     relevance_score: float
@@ -222,12 +153,6 @@ def build_reranker(settings: Settings) -> Reranker | None:
         if settings.reranker_model_path is None:
             raise ValueError("ONTOFABRIC_RERANKER=local needs ONTOFABRIC_RERANKER_MODEL_PATH")
         return LocalCrossEncoder(settings.reranker_model_path)
-    if settings.reranker == "late-interaction":
-        return LateInteraction(
-            settings.resolved_model_path(),
-            settings.late_interaction_weight,
-            wants_bfloat16(settings.reranker_precision),
-        )
     if settings.reranker_url is None:
         raise ValueError("ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL")
     return CohereReranker(

@@ -166,6 +166,8 @@ class QueryService:
                 expansion_max_types=settings.expansion_max_types,
                 rerank_timeout_s=settings.reranker_timeout_ms / 1000,
                 rerank_depth=settings.reranker_depth,
+                late_interaction_weight=settings.late_interaction_weight,
+                late_interaction_depth=settings.late_interaction_depth,
             ),
             self._reranker,
         )

@@ -1,0 +1,76 @@
+"""Late interaction (ColBERT's MaxSim) over token vectors stored one sign bit per dimension (pure functions).
+
+The embedding model's forward pass already yields a vector per token; the ingester keeps their signs, packed, so
+a query can compare its own tokens with a candidate's without running the model over the candidate again. A sign
+bit costs 48 bytes a token at 384 dimensions (float32: 1,536). The query side stays float: the score is the
+query token's cosine with the sign vector, which keeps the ordering of float32 MaxSim on the evaluation sets
+(docs/quality.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+TokenVectors = npt.NDArray[np.float32]
+"""One row per token."""
+
+
+def bytes_per_token(dimension: int) -> int:
+    return math.ceil(dimension / 8)
+
+
+def pack_signs(tokens: TokenVectors) -> bytes:
+    """Each token's sign bits, row after row, in numpy ``packbits`` order (first dimension in the high bit)."""
+    return np.packbits(np.asarray(tokens) > 0, axis=1).tobytes()
+
+
+def token_count(data: bytes, dimension: int) -> int:
+    """How many tokens packed sign bits hold; ValueError when the length is no whole number of tokens."""
+    width = bytes_per_token(dimension)
+    if not data or len(data) % width:
+        raise ValueError(f"{len(data)} bytes are not a whole number of {dimension}-dimensional tokens ({width} bytes)")
+    return len(data) // width
+
+
+def unpack_signs(data: bytes, dimension: int) -> TokenVectors:
+    """Packed sign bits as unit rows of ±1/sqrt(dimension)."""
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(token_count(data, dimension), bytes_per_token(dimension))
+    bits = np.unpackbits(rows, axis=1, count=dimension).astype(np.float32)
+    unit: TokenVectors = (bits * 2.0 - 1.0) / np.float32(math.sqrt(dimension))
+    return unit
+
+
+def max_similarity(query_tokens: TokenVectors, document_tokens: TokenVectors) -> float:
+    """Each query token's best cosine among the document's tokens, averaged. Both hold one unit row per token."""
+    return float((query_tokens @ document_tokens.T).max(axis=1).mean())
+
+
+def z_scores(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Values centred and scaled by their spread; all zero when they have none (equal values leave rounding noise,
+    1e-17 rather than 0, which is no spread either)."""
+    mean, spread = float(values.mean()), float(values.std())
+    if spread <= 1e-9 * max(1.0, abs(mean)):
+        return np.zeros(len(values), dtype=np.float64)
+    centred: npt.NDArray[np.float64] = (values - mean) / spread
+    return centred
+
+
+def blend_with_fused_position(similarities: Sequence[float | None], weight: float) -> list[float]:
+    """Relevances in (0, 1) for candidates given in fused order: the z-score of each one's fused position and the
+    z-score of its similarity, mixed with ``weight`` on the similarity, through a sigmoid. A candidate without a
+    similarity (no stored token vectors) takes the mean, so it keeps its position's weight only. The mix orders;
+    the sigmoid keeps the [0, 1] promise of a result's score. The result is relative to the candidates given (the
+    first gets about 0.7-0.85, the last about 0.15-0.25), not a calibrated probability."""
+    count = len(similarities)
+    if count < 2:
+        return [0.5] * count
+    known = [s for s in similarities if s is not None]
+    mean = sum(known) / len(known) if known else 0.0
+    filled = np.asarray([mean if s is None else s for s in similarities], dtype=np.float64)
+    position = z_scores(-np.arange(count, dtype=np.float64))  # first in fused order scores highest
+    mixed = (1.0 - weight) * position + weight * z_scores(filled)
+    return [float(v) for v in 1.0 / (1.0 + np.exp(-mixed))]

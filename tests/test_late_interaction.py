@@ -1,0 +1,163 @@
+"""Late interaction: packing token vectors into sign bits and back, MaxSim and its blend with the fused order, the
+pipeline stage that applies it to the leading candidates, and the embedding model's own tokens ranking a clear
+match higher from their stored signs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ontofabric.contracts import OntologyQuery
+from ontofabric.services.query.cache import VersionedCache
+from ontofabric.services.query.fusion import Fused, SourceHit
+from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline, late_interaction
+from ontofabric.services.query.postgres import StoredDocument
+from ontofabric.shared.embedder import build_embedder
+from ontofabric.shared.late_interaction import (
+    blend_with_fused_position,
+    max_similarity,
+    pack_signs,
+    token_count,
+    unpack_signs,
+)
+from ontofabric.shared.settings import Settings
+
+from .test_pipeline import QUERY_TOKENS, Announced, FixedEmbedder, ScriptedRetrieval
+
+
+def test_sign_bits_round_trip_to_unit_rows_of_the_same_signs() -> None:
+    tokens = np.random.default_rng(7).standard_normal((5, 384)).astype(np.float32)
+    packed = pack_signs(tokens)
+    assert len(packed) == 5 * 48
+    assert token_count(packed, 384) == 5
+    unpacked = unpack_signs(packed, 384)
+    assert unpacked.shape == (5, 384)
+    assert np.array_equal(np.sign(unpacked), np.where(tokens > 0, 1.0, -1.0))
+    assert np.linalg.norm(unpacked, axis=1) == pytest.approx(1.0)
+    odd = unpack_signs(pack_signs(tokens[:, :13]), 13)  # a width that is no multiple of 8: padding bits ignored
+    assert np.array_equal(np.sign(odd), np.where(tokens[:, :13] > 0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("size", [0, 47, 49])
+def test_bytes_that_are_no_whole_number_of_tokens_are_refused(size: int) -> None:
+    with pytest.raises(ValueError, match="whole number"):
+        unpack_signs(b"\x00" * size, 384)
+
+
+def test_max_similarity_takes_each_query_tokens_best_match() -> None:
+    query = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    matches_both = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=np.float32)
+    matches_one = np.array([[1.0, 0.0], [1.0, 0.0]], dtype=np.float32)
+    assert max_similarity(query, matches_both) == pytest.approx(1.0)
+    assert max_similarity(query, matches_one) == pytest.approx(0.5)  # (1 + 0) / 2: a repeat earns nothing more
+
+
+def test_blending_similarity_into_the_fused_position() -> None:
+    similarities: list[float | None] = [0.1, 0.2, 0.9, 0.3]
+    kept = blend_with_fused_position(similarities, weight=0.0)
+    assert kept == sorted(kept, reverse=True)  # weight 0: the fused order as it was
+    assert len(set(kept)) == 4
+    followed = blend_with_fused_position(similarities, weight=1.0)
+    assert max(range(4), key=lambda i: followed[i]) == 2  # weight 1: the similarity alone
+    assert all(0.0 < v < 1.0 for v in kept + followed)
+    assert blend_with_fused_position([0.4, 0.4, 0.4], 1.0) == [0.5, 0.5, 0.5]  # no spread: no signal
+    assert blend_with_fused_position([0.7], 0.2) == [0.5]
+    assert blend_with_fused_position([], 0.2) == []
+
+
+def test_a_candidate_without_token_vectors_keeps_its_position_only() -> None:
+    blended = blend_with_fused_position([0.1, None, 0.9, 0.1], weight=1.0)
+    assert blended[1] == pytest.approx(0.5)  # the mean similarity: neither lifted nor sunk
+    assert blended[2] > blended[1] > blended[0]
+
+
+def test_at_the_deployment_weight_a_strong_match_climbs_but_does_not_jump_the_queue() -> None:
+    similarities: list[float | None] = [0.3, 0.31, 0.29, 0.3, 0.32, 0.9, 0.3, 0.28, 0.31, 0.3]
+    relevance = blend_with_fused_position(similarities, Settings().late_interaction_weight)
+    order = sorted(range(10), key=lambda i: -relevance[i])
+    assert order.index(5) == 3  # from sixth to fourth
+    assert order[:3] == [0, 1, 2]
+    assert [i for i in order if i != 5] == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # the rest keep their fused order
+
+
+def _fused(ids: list[str]) -> list[Fused]:
+    return [Fused(i, 1.0 - n / 10, 1.0 - n / 10, {"dense": SourceHit(n + 1, 0.5)}) for n, i in enumerate(ids)]
+
+
+def _stored(signs: dict[str, bytes | None]) -> dict[str, StoredDocument]:
+    return {i: StoredDocument(i, i, "t.T", "tests", {}, s) for i, s in signs.items()}
+
+
+def test_the_stage_reorders_the_leading_candidates_and_scales_the_rest_under_them() -> None:
+    query = np.array([[1.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    off = pack_signs(np.array([[-1.0, 1.0, 1.0, 1.0]]))
+    on = pack_signs(np.array([[1.0, -1.0, -1.0, -1.0]]))
+    candidates = _fused(["a", "b", "c", "d"])
+    documents = _stored({"a": off, "b": off, "c": on, "d": on})
+    ordered, report = late_interaction(query, candidates, documents, weight=1.0, depth=3)
+    assert [f.id for f in ordered] == ["c", "a", "b", "d"]  # c lifted; d past the depth stays last
+    assert report is not None
+    assert (report.candidates, report.with_token_vectors, report.weight) == (3, 3, 1.0)
+    relevances = [f.relevance for f in ordered]
+    assert relevances == sorted(relevances, reverse=True)
+    assert ordered[3].relevance == pytest.approx(min(relevances[:3]) * candidates[3].relevance)
+    assert [f.found_by for f in ordered] == [candidates[i].found_by for i in (2, 0, 1, 3)]
+
+
+def test_the_stage_leaves_the_order_alone_when_there_is_nothing_to_compare() -> None:
+    query = np.array([[1.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    candidates = _fused(["a", "b", "c"])
+    one_with = _stored({"a": None, "b": None, "c": pack_signs(np.ones((1, 4)))})
+    assert late_interaction(query, candidates, one_with, weight=0.5, depth=3) == (candidates, None)
+    wide_query = np.eye(1, 16, dtype=np.float32)
+    wrong_width = _stored({i: b"\x00" * 5 for i in "abc"})  # no whole number of 16-dimensional tokens (2 bytes)
+    assert late_interaction(wide_query, candidates, wrong_width, weight=0.5, depth=3) == (candidates, None)
+    every = _stored({i: pack_signs(np.ones((1, 4))) for i in "abc"})
+    assert late_interaction(query, candidates, every, weight=0.0, depth=3) == (candidates, None)
+
+
+def _pipeline(retrieval: ScriptedRetrieval, config: PipelineConfig | None = None) -> QueryPipeline:
+    return QueryPipeline(retrieval, FixedEmbedder(), Announced("5-a"), VersionedCache(0), config or PipelineConfig())  # type: ignore[arg-type]
+
+
+async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
+    # x leads the fusion, y and z follow; z's tokens match the query's (QUERY_TOKENS), x's and y's do not.
+    signs = {
+        "x": pack_signs(-np.ones((2, 3))),
+        "y": pack_signs(-np.ones((2, 3))),
+        "z": pack_signs(QUERY_TOKENS - 0.5),
+    }
+    retrieval = ScriptedRetrieval(token_signs=signs)
+    fused = await _pipeline(retrieval).answer(
+        OntologyQuery.model_validate({"semanticQuery": "q", "options": {"lateInteraction": {"weight": 0}}}), "w"
+    )
+    assert fused.meta.late_interaction is None
+    reply = await _pipeline(retrieval, PipelineConfig(late_interaction_weight=0.9)).answer(
+        OntologyQuery(semantic_query="q"), "w"
+    )
+    assert reply.meta.late_interaction is not None
+    assert reply.meta.late_interaction.with_token_vectors == 3
+    assert "lateInteraction" in reply.meta.timings_ms
+    assert reply.results[0].id == "z" != fused.results[0].id
+    assert sorted(r.id for r in reply.results) == sorted(r.id for r in fused.results)
+    keyword_only = await _pipeline(retrieval).answer(
+        OntologyQuery.model_validate({"semanticQuery": "q", "options": {"retrievers": ["keyword"]}}), "w"
+    )
+    assert keyword_only.meta.late_interaction is None  # no embedding pass, no query tokens
+
+
+def test_stored_signs_of_the_model_s_own_tokens_find_the_match() -> None:
+    """With the deployment's model: from the signs alone, MaxSim puts the JSON parser first, as float MaxSim does."""
+    embedder = build_embedder(Settings())
+    assert embedder is not None
+    documents = [
+        "def add_user(name): users.append(name)",
+        "a recipe for bread with flour and water",
+        "def parse_json(text):\n    return json.loads(text)",
+        "the weather is sunny today",
+    ]
+    _, tokens = embedder.embed_with_tokens(documents)
+    _, (query,) = embedder.embed_with_tokens(["parse a json string"])
+    from_signs = [max_similarity(query, unpack_signs(pack_signs(t), embedder.dimension)) for t in tokens]
+    from_floats = [max_similarity(query, t) for t in tokens]
+    assert int(np.argmax(from_signs)) == int(np.argmax(from_floats)) == 2

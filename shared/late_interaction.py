@@ -44,9 +44,17 @@ def unpack_signs(data: bytes, dimension: int) -> TokenVectors:
     return unit
 
 
-def max_similarity(query_tokens: TokenVectors, document_tokens: TokenVectors) -> float:
-    """Each query token's best cosine among the document's tokens, averaged. Both hold one unit row per token."""
-    return float((query_tokens @ document_tokens.T).max(axis=1).mean())
+def max_similarities(query_tokens: TokenVectors, documents: Sequence[TokenVectors]) -> list[float]:
+    """For each document, each query token's best cosine among the document's tokens, averaged (one unit row per
+    token everywhere). One product in torch, not numpy: numpy's BLAS threads keep spinning for a while after a
+    call, and took twice the time from the next query's embedding (docs/benchmarks.md)."""
+    import torch  # here, not at the top: the CLI and the ingester import this module and need no torch to start
+
+    if not documents:
+        return []
+    similarities = torch.from_numpy(query_tokens) @ torch.from_numpy(np.concatenate(documents)).T
+    per_document = torch.split(similarities, [len(d) for d in documents], dim=1)
+    return [float(s.max(dim=1).values.mean()) for s in per_document]
 
 
 def z_scores(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:

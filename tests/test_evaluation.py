@@ -135,6 +135,8 @@ async def test_a_small_dataset_through_the_real_path(
         }, config  # fmt: skip
     for config in ("dense", "keyword", "hybrid"):
         assert report.configs[config].meta["lateInteraction"] is None, config
+        assert "lateInteraction" not in report.configs[config].stages_p50_ms
+    assert report.configs["hybrid-late-interaction"].stages_p50_ms["lateInteraction"] > 0
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
 
 
@@ -148,7 +150,10 @@ def test_report_table_names_the_early_exit_calibration() -> None:
         documents_loaded=4,
         queries=3,
         configs={
-            "hybrid": ConfigResult(metrics={"nDCG@10": 0.5, "Recall@10": 1.0, "Recall@100": 1.0, "MRR@10": 0.5}),
+            "hybrid": ConfigResult(
+                metrics={"nDCG@10": 0.5, "Recall@10": 1.0, "Recall@100": 1.0, "MRR@10": 0.5},
+                stages_p50_ms={"embed": 10.25, "total": 30.0},
+            ),
             "hybrid-rerank": ConfigResult(skipped="no reranker configured"),
         },
         load_seconds=1.0,
@@ -159,4 +164,5 @@ def test_report_table_names_the_early_exit_calibration() -> None:
     assert lines[1].startswith("warning: only 4 documents were loaded")
     assert lines[4].startswith("| hybrid | 0.5000 | 1.0000 | 1.0000 | 0.5000 |")
     assert lines[5] == "| hybrid-rerank | skipped: no reranker configured |"
-    assert lines[6].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
+    assert lines[6] == "hybrid, worker-side p50 ms per stage: embed 10.2, total 30.0"
+    assert lines[7].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")

@@ -7,21 +7,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ontofabric.contracts import OntologyQuery
+from ontofabric.contracts import OntologyQuery, TokenVectors
+from ontofabric.services.projector.planning import Delta
+from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.fusion import Fused, SourceHit
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline, late_interaction
-from ontofabric.services.query.postgres import StoredDocument
+from ontofabric.services.query.postgres import PostgresRetrieval, Scope, StoredDocument
+from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.late_interaction import (
     blend_with_fused_position,
-    max_similarity,
+    max_similarities,
     pack_signs,
     token_count,
     unpack_signs,
 )
 from ontofabric.shared.settings import Settings
 
+from .conftest import Deployment
+from .factories import document, upsert
 from .test_pipeline import QUERY_TOKENS, Announced, FixedEmbedder, ScriptedRetrieval
 
 
@@ -44,12 +49,15 @@ def test_bytes_that_are_no_whole_number_of_tokens_are_refused(size: int) -> None
         unpack_signs(b"\x00" * size, 384)
 
 
-def test_max_similarity_takes_each_query_tokens_best_match() -> None:
+def test_max_similarity_takes_each_query_tokens_best_match_in_each_document() -> None:
     query = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
     matches_both = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=np.float32)
     matches_one = np.array([[1.0, 0.0], [1.0, 0.0]], dtype=np.float32)
-    assert max_similarity(query, matches_both) == pytest.approx(1.0)
-    assert max_similarity(query, matches_one) == pytest.approx(0.5)  # (1 + 0) / 2: a repeat earns nothing more
+    shorter = np.array([[0.6, 0.8]], dtype=np.float32)
+    assert max_similarities(query, [matches_both, matches_one, shorter]) == pytest.approx(
+        [1.0, 0.5, 0.7]  # matches_one: (1 + 0) / 2, a repeat earns nothing more; shorter: (0.6 + 0.8) / 2
+    )
+    assert max_similarities(query, []) == []
 
 
 def test_blending_similarity_into_the_fused_position() -> None:
@@ -158,6 +166,21 @@ def test_stored_signs_of_the_model_s_own_tokens_find_the_match() -> None:
     ]
     _, tokens = embedder.embed_with_tokens(documents)
     _, (query,) = embedder.embed_with_tokens(["parse a json string"])
-    from_signs = [max_similarity(query, unpack_signs(pack_signs(t), embedder.dimension)) for t in tokens]
-    from_floats = [max_similarity(query, t) for t in tokens]
+    from_signs = max_similarities(query, [unpack_signs(pack_signs(t), embedder.dimension) for t in tokens])
+    from_floats = max_similarities(query, tokens)
     assert int(np.argmax(from_signs)) == int(np.argmax(from_floats)) == 2
+
+
+async def test_postgres_fetch_reads_token_signs_only_where_asked(deployment: Deployment) -> None:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    try:
+        signs = {i: pack_signs(np.random.default_rng(n).standard_normal((3, 384))) for n, i in enumerate("abc")}
+        deltas = [upsert("acme", document(i, i, token_vectors=TokenVectors.of_signs(384, s))) for i, s in signs.items()]
+        await PostgresProjectionStore(pool, "english").apply([Delta(n + 1, d) for n, d in enumerate(deltas)])
+        fetched = await PostgresRetrieval(pool, "english", 100, 1.2, 0.8).fetch(
+            Scope("acme", "main"), ["a", "b", "c"], ["a", "c"]
+        )
+    finally:
+        await pool.close()
+    assert {i: d.token_signs for i, d in fetched.documents.items()} == {"a": signs["a"], "b": None, "c": signs["c"]}

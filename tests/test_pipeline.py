@@ -6,6 +6,7 @@ end-to-end tests exercise against a real server).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,9 +36,11 @@ class ScriptedRetrieval:
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
         return Hits([Candidate("y", 3.0), Candidate("z", 1.0)], self.keyword_version, ceiling=4.0)
 
-    async def fetch(self, scope: Scope, ids: list[str]) -> Fetched:
+    async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         documents = {
-            i: StoredDocument(i, f"content {i}", "t.T", "tests", {}, self.token_signs.get(i))
+            i: StoredDocument(
+                i, f"content {i}", "t.T", "tests", {}, self.token_signs.get(i) if i in token_signs_of else None
+            )
             for i in ids
             if i not in self.missing
         }

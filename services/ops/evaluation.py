@@ -107,6 +107,8 @@ class ConfigResult:
     skipped: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     """What _meta said on the first query (fusion, retrievers, reranking): the configuration as it ran."""
+    stages_p50_ms: dict[str, float] = field(default_factory=dict)
+    """Median worker-side time of each pipeline stage (_meta.timingsMs) over the queries where it ran."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,7 @@ class Evaluation:
         raw: dict[str, dict[str, float]] = {}
         single = len(request_base.get("options", {}).get("retrievers") or ["dense", "keyword"]) == 1
         latencies: list[float] = []
+        stages: dict[str, list[float]] = {}
         result = ConfigResult()
         for query_id in judged:
             request = {"semanticQuery": dataset.queries[query_id], "topK": DEPTH, **request_base}
@@ -312,6 +315,8 @@ class Evaluation:
                 continue
             if reply.meta.degraded:
                 result.degraded += 1
+            for stage, ms in reply.meta.timings_ms.items():
+                stages.setdefault(stage, []).append(ms)
             if exit_points is not None and "keywordSaturation" in reply.meta.signals:
                 top = reply.results[0].id if reply.results else None
                 exit_points.append(
@@ -346,6 +351,7 @@ class Evaluation:
         result.metrics = compute_metrics({q: dataset.qrels[q] for q in judged}, run)
         result.latency_p50_ms = percentile(latencies, 0.5)
         result.latency_p95_ms = percentile(latencies, 0.95)
+        result.stages_p50_ms = {stage: round(percentile(times, 0.5), 2) for stage, times in stages.items()}
         if runs_dir is not None:
             write_trec_run(runs_dir / f"{dataset.name}.{config}.run", raw, config)
         return result, run
@@ -382,6 +388,10 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
             str(result.errors),
         ]
         write(f"| {name} | " + " | ".join(cells) + " |")
+    for name, result in report.configs.items():
+        if result.stages_p50_ms:
+            stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
+            write(f"{name}, worker-side p50 ms per stage: {stages}")
     calibration = report.early_exit
     if calibration is not None:
         fired = calibration.precision_at_configured

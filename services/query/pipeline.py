@@ -24,7 +24,7 @@ from ontofabric.contracts.query import (
     QueryOptions,
 )
 from ontofabric.shared.embedder import Embedder, Vector
-from ontofabric.shared.late_interaction import TokenVectors, blend_with_fused_position, max_similarity, unpack_signs
+from ontofabric.shared.late_interaction import TokenVectors, blend_with_fused_position, max_similarities, unpack_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
@@ -54,7 +54,9 @@ class Retrieval(Protocol):
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits: ...
 
-    async def fetch(self, scope: Scope, ids: list[str]) -> Fetched: ...
+    async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+        """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""
+        ...
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
 
@@ -139,17 +141,19 @@ def late_interaction(
     keep their order, scaled under the lowest blended relevance. Unchanged (report None) when fewer than two
     leading candidates have token vectors: there is nothing to compare."""
     head = candidates[:depth]
-    similarities: list[float | None] = []
-    for hit in head:
+    unpacked: dict[int, TokenVectors] = {}
+    for position, hit in enumerate(head):
         signs = documents[hit.id].token_signs
         try:
-            document_tokens = unpack_signs(signs, query_tokens.shape[1]) if signs else None
+            if signs:
+                unpacked[position] = unpack_signs(signs, query_tokens.shape[1])
         except ValueError:  # not this model's width: rank it as fused rather than fail the query
-            document_tokens = None
-        similarities.append(None if document_tokens is None else max_similarity(query_tokens, document_tokens))
-    with_vectors = sum(s is not None for s in similarities)
-    if weight <= 0 or with_vectors < 2:
+            continue
+    if weight <= 0 or len(unpacked) < 2:
         return candidates, None
+    found = dict(zip(unpacked, max_similarities(query_tokens, list(unpacked.values())), strict=True))
+    similarities = [found.get(position) for position in range(len(head))]
+    with_vectors = len(found)
     relevances = blend_with_fused_position(similarities, weight)
     order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
     floor = min(relevances)
@@ -284,7 +288,8 @@ class QueryPipeline:
         clock.timings["fusion"] = round(fusion_ms, 3)
         self._metrics.fusion_duration.record(fusion_ms)
 
-        fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused]))
+        compared = [f.id for f in fused[:li_depth]] if interacts else []
+        fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused], compared))
         documents = fetched.documents
         candidates = [f for f in fused if f.id in documents]
         interaction_report = None

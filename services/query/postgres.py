@@ -236,13 +236,16 @@ class PostgresRetrieval:
             ORDER BY s.score DESC, s.id LIMIT $3"""
         return [sql, *parameters]
 
-    async def fetch(self, scope: Scope, ids: Sequence[str]) -> Fetched:
+    async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         async with self._snapshot(scope) as snapshot:
-            where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2, snapshot.shadowed)
+            where, parameters = where_clause(Scope(scope.workspace, scope.branch), 3, snapshot.shadowed)
+            # Token signs (kilobytes a document) only where late interaction will read them.
             sql = f"""
-                SELECT id, content, object_type, source_domain, metadata, token_signs FROM documents
+                SELECT id, content, object_type, source_domain, metadata,
+                       CASE WHEN id = ANY($2::text[]) THEN token_signs END AS token_signs
+                FROM documents
                 WHERE id = ANY($1::text[]) AND {where}"""
-            rows = await snapshot.conn.fetch(sql, list(ids), *parameters)
+            rows = await snapshot.conn.fetch(sql, list(ids), list(token_signs_of), *parameters)
         documents = {
             r["id"]: StoredDocument(
                 r["id"],

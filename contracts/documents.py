@@ -8,7 +8,15 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import AfterValidator, Base64Bytes, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    Base64Bytes,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from ._base import WireModel
 
@@ -82,6 +90,14 @@ class TokenVectors(WireModel):
         """From packed sign bits as they are (``data`` itself expects base64, as on the wire)."""
         return cls(dimension=dimension, data=base64.b64encode(signs))
 
+    @field_validator("data", mode="before")
+    @classmethod
+    def _strict_base64(cls, value: object) -> object:
+        # Base64Bytes alone skips characters outside the alphabet; a corrupted payload must be refused instead.
+        if isinstance(value, str | bytes):
+            base64.b64decode(value, validate=True)
+        return value
+
     @model_validator(mode="after")
     def _whole_tokens(self) -> TokenVectors:
         width = math.ceil(self.dimension / 8)
@@ -120,6 +136,8 @@ class SemanticDocument(WireModel):
         description="Model that produced the embedding and token vectors; checked against the deployment's model.",
     )
     token_vectors: TokenVectors | None = Field(
-        default=None, description="For late interaction; without them the document is ranked as fused."
+        default=None,
+        description="For late interaction, from the model named in embeddingModel (required with them); without "
+        "them the document is ranked as fused.",
     )
     indexed_at: datetime | None = None

@@ -1,7 +1,8 @@
 """The Embedder port and its local adapter (sentence-transformers on CPU, offline).
 
 Embedding is CPU-bound: callers in an event loop use :meth:`Embedder.embed_query_with_tokens_async`, which runs the
-model on one dedicated thread so concurrent requests queue instead of fighting over the cores.
+model on one dedicated thread so concurrent requests queue instead of fighting over the cores; other CPU-bound work
+of a query (late interaction) queues on the same thread through :meth:`Embedder.on_model_thread`.
 """
 
 from __future__ import annotations
@@ -9,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from .late_interaction import TokenVectors
+from .late_interaction import TokenMatrix
 from .logging import get_logger
 from .settings import Precision, Settings
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 Vector = npt.NDArray[np.float32]
+T = TypeVar("T")
 
 
 class EmbedderMismatch(Exception):
@@ -45,14 +47,18 @@ class Embedder(Protocol):
 
     def embed_with_tokens(
         self, texts: Sequence[str], batch_size: int = 64
-    ) -> tuple[npt.NDArray[np.float32], list[TokenVectors]]:
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
         """One pass of the model: the L2-normalised row of each text, and its tokens' vectors (unit rows, one per
         token the model read, for late interaction)."""
         ...
 
     def embed_query(self, text: str) -> Vector: ...
 
-    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenVectors]: ...
+    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenMatrix]: ...
+
+    async def on_model_thread(self, work: Callable[[], T]) -> T:
+        """``work`` run on the thread the model runs on, queued behind the embeddings asked before it."""
+        ...
 
 
 def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -106,13 +112,11 @@ class LocalSentenceTransformer:
         log.info("embedder_loaded", model=model_name, path=str(model_path), dimension=dimension, bfloat16=bfloat16)
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
-        vectors = np.asarray(self._model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True), np.float32)
-        # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
-        return unit_rows(vectors)
+        return self.embed_with_tokens(texts, batch_size)[0]
 
     def embed_with_tokens(
         self, texts: Sequence[str], batch_size: int = 64
-    ) -> tuple[npt.NDArray[np.float32], list[TokenVectors]]:
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
         encoded = self._model.encode(list(texts), batch_size=batch_size, output_value=None)
         if not encoded:
             return np.zeros((0, self.dimension), np.float32), []
@@ -122,18 +126,22 @@ class LocalSentenceTransformer:
             unit_rows(np.asarray(e["token_embeddings"][: int(e["attention_mask"].sum())].float(), np.float32))
             for e in encoded
         ]  # .float(): bfloat16 has no numpy dtype
+        # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
         return unit_rows(vectors), tokens
 
     def embed_query(self, text: str) -> Vector:
         row: Vector = self.embed_documents([text])[0]
         return row
 
-    def _embed_query_with_tokens(self, text: str) -> tuple[Vector, TokenVectors]:
+    def _embed_query_with_tokens(self, text: str) -> tuple[Vector, TokenMatrix]:
         vectors, tokens = self.embed_with_tokens([text])
         return vectors[0], tokens[0]
 
-    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenVectors]:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_query_with_tokens, text)
+    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenMatrix]:
+        return await self.on_model_thread(lambda: self._embed_query_with_tokens(text))
+
+    async def on_model_thread(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
 
 def build_embedder(settings: Settings) -> Embedder | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-TokenVectors = npt.NDArray[np.float32]
+TokenMatrix = npt.NDArray[np.float32]
 """One row per token."""
 
 
@@ -23,7 +23,7 @@ def bytes_per_token(dimension: int) -> int:
     return math.ceil(dimension / 8)
 
 
-def pack_signs(tokens: TokenVectors) -> bytes:
+def pack_signs(tokens: TokenMatrix) -> bytes:
     """Each token's sign bits, row after row, in numpy ``packbits`` order (first dimension in the high bit)."""
     return np.packbits(np.asarray(tokens) > 0, axis=1).tobytes()
 
@@ -36,15 +36,15 @@ def token_count(data: bytes, dimension: int) -> int:
     return len(data) // width
 
 
-def unpack_signs(data: bytes, dimension: int) -> TokenVectors:
+def unpack_signs(data: bytes, dimension: int) -> TokenMatrix:
     """Packed sign bits as unit rows of ±1/sqrt(dimension)."""
     rows = np.frombuffer(data, dtype=np.uint8).reshape(token_count(data, dimension), bytes_per_token(dimension))
     bits = np.unpackbits(rows, axis=1, count=dimension).astype(np.float32)
-    unit: TokenVectors = (bits * 2.0 - 1.0) / np.float32(math.sqrt(dimension))
+    unit: TokenMatrix = (bits * 2.0 - 1.0) / np.float32(math.sqrt(dimension))
     return unit
 
 
-def max_similarities(query_tokens: TokenVectors, documents: Sequence[TokenVectors]) -> list[float]:
+def max_similarities(query_tokens: TokenMatrix, documents: Sequence[TokenMatrix]) -> list[float]:
     """For each document, each query token's best cosine among the document's tokens, averaged (one unit row per
     token everywhere). One product in torch, not numpy: numpy's BLAS threads keep spinning for a while after a
     call, and took twice the time from the next query's embedding (docs/benchmarks.md)."""

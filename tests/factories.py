@@ -32,6 +32,7 @@ def document(
     provenance: str = "ingested",
     embedding: list[float] | None = None,
     token_vectors: TokenVectors | None = None,
+    embedding_model: str | None = None,
     **metadata: str,
 ) -> SemanticDocument:
     return SemanticDocument.model_validate(
@@ -45,6 +46,7 @@ def document(
             ),
             "embedding": embedding,
             "tokenVectors": token_vectors,
+            "embeddingModel": embedding_model,
         }
     )
 

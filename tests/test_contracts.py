@@ -115,3 +115,5 @@ def test_token_vectors_that_are_no_whole_tokens_are_rejected(dimension: int, siz
         TokenVectors.of_signs(dimension, b"\x01" * size)
     with pytest.raises(ValidationError, match="base64"):
         TokenVectors.model_validate({"dimension": 8, "data": "not base64!"})
+    with pytest.raises(ValidationError, match="data"):  # valid padding, a character outside the alphabet
+        TokenVectors.model_validate({"dimension": 16, "data": "AQI!!!=="})

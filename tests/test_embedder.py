@@ -3,6 +3,7 @@ cached apart, and the CPU's own flags decide which one `auto` picks."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +119,27 @@ def test_the_cache_computes_only_what_it_lacks_and_keeps_the_token_signs(
     assert again.token_signs[:2] == first.token_signs
     _, tokens = real(TEXTS)
     assert again.token_signs == [pack_signs(t) for t in tokens]
+
+
+def test_a_cache_file_from_before_token_signs_is_upgraded_in_place(
+    tmp_path: Path, embedders: dict[bool, LocalSentenceTransformer]
+) -> None:
+    path = tmp_path / "embeddings.sqlite"
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE embeddings (model TEXT NOT NULL, content_hash TEXT NOT NULL, vector BLOB NOT NULL,"
+        " PRIMARY KEY (model, content_hash))"
+    )
+    stale = np.zeros(384, np.float32)  # a vector without signs is not served: it is computed again, with them
+    old.execute(
+        "INSERT INTO embeddings VALUES (?, ?, ?)", (embedders[False].cache_name, text_hash(TEXTS[0]), stale.tobytes())
+    )
+    old.commit()
+    old.close()
+    cache = EmbeddingCache(path)
+    try:
+        embedded = cache.embed(embedders[False], TEXTS[:1])
+    finally:
+        cache.close()
+    assert np.array_equal(embedded.vectors, embedders[False].embed_documents(TEXTS[:1]))
+    assert embedded.token_signs[0]

@@ -65,6 +65,18 @@ async def test_ingest_publishes_only_what_changed(
     assert (unchanged.upserts, unchanged.deletes, unchanged.unchanged) == (0, 0, 7)
     assert unchanged.last_sequence is None
 
+    # What the embedder adds changed (token vectors off): every document goes again, though no content changed.
+    plain = Ingester(
+        deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes, token_vectors=False
+    )
+    resent = await plain.ingest(tmp_path, "repo")
+    assert (resent.upserts, resent.unchanged) == (7, 0)
+    assert resent.last_sequence is not None
+    await deployment.wait_projected(resent.last_sequence)
+    rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE token_signs IS NULL AND NOT deleted")
+    assert rows[0]["n"] == 7
+    assert (await ingester.ingest(tmp_path, "repo")).upserts == 7  # and back
+
     # Edit one method, remove the package docstring file, add nothing else.
     (tmp_path / "pkg/shapes.py").write_text("class Circle:\n    def area(self, r):\n        return 3.14159 * r * r\n")
     (tmp_path / "pkg/__init__.py").unlink()

@@ -10,6 +10,7 @@ import pytest
 from ontofabric.contracts import OntologyQuery, TokenVectors
 from ontofabric.services.projector.planning import Delta
 from ontofabric.services.projector.store import PostgresProjectionStore
+from ontofabric.services.query import pipeline as pipeline_module
 from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.fusion import Fused, SourceHit
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline, late_interaction
@@ -154,6 +155,22 @@ async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
     assert keyword_only.meta.late_interaction is None  # no embedding pass, no query tokens
 
 
+async def test_a_failing_stage_degrades_the_answer_to_the_fused_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    signs = {i: pack_signs(QUERY_TOKENS - 0.5) for i in "xyz"}
+    fused = await _pipeline(ScriptedRetrieval(token_signs=signs)).answer(
+        OntologyQuery.model_validate({"semanticQuery": "q", "options": {"lateInteraction": {"weight": 0}}}), "w"
+    )
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("no arithmetic today")
+
+    monkeypatch.setattr(pipeline_module, "late_interaction", broken)
+    reply = await _pipeline(ScriptedRetrieval(token_signs=signs)).answer(OntologyQuery(semantic_query="q"), "w")
+    assert reply.meta.degraded == ["lateInteraction"]
+    assert reply.meta.late_interaction is None
+    assert [(r.id, r.score) for r in reply.results] == [(r.id, r.score) for r in fused.results]
+
+
 def test_stored_signs_of_the_model_s_own_tokens_find_the_match() -> None:
     """With the deployment's model: from the signs alone, MaxSim puts the JSON parser first, as float MaxSim does."""
     embedder = build_embedder(Settings())
@@ -176,7 +193,10 @@ async def test_postgres_fetch_reads_token_signs_only_where_asked(deployment: Dep
     pool = await create_pool(deployment.database_url, deployment.settings)
     try:
         signs = {i: pack_signs(np.random.default_rng(n).standard_normal((3, 384))) for n, i in enumerate("abc")}
-        deltas = [upsert("acme", document(i, i, token_vectors=TokenVectors.of_signs(384, s))) for i, s in signs.items()]
+        deltas = [
+            upsert("acme", document(i, i, token_vectors=TokenVectors.of_signs(384, s), embedding_model="m"))
+            for i, s in signs.items()
+        ]
         await PostgresProjectionStore(pool, "english").apply([Delta(n + 1, d) for n, d in enumerate(deltas)])
         fetched = await PostgresRetrieval(pool, "english", 100, 1.2, 0.8).fetch(
             Scope("acme", "main"), ["a", "b", "c"], ["a", "c"]

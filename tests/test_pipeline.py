@@ -6,8 +6,9 @@ end-to-end tests exercise against a real server).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -53,6 +54,8 @@ class ScriptedRetrieval:
         return Representatives({}, self.fetch_version)
 
 
+T = TypeVar("T")
+
 QUERY_TOKENS = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=np.float32)
 """The query's tokens: the first and second dimension."""
 
@@ -73,6 +76,9 @@ class FixedEmbedder:
 
     async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
         return self.embed_query(text), QUERY_TOKENS
+
+    async def on_model_thread(self, work: Callable[[], T]) -> T:
+        return work()
 
 
 class Announced:

@@ -105,6 +105,9 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     wrong_dim = upsert("acme", document("wrong", "bad vector", embedding=[0.1] * 8))
     narrow_tokens = TokenVectors.of_signs(8, b"\x0f\xf0")
     wrong_token_dim = upsert("acme", document("tokens", "bad token vectors", token_vectors=narrow_tokens))
+    unknown_model = upsert(
+        "acme", document("model", "whose tokens?", token_vectors=TokenVectors.of_signs(384, b"\x01" * 48))
+    )
     oversized = upsert("acme", document("big", "x" * (deployment.settings.max_content_bytes + 1)))
     good_after = upsert("acme", document("after", "still fine"))
 
@@ -112,6 +115,7 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     await deployment.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "garbage-1"})
     await deployment.publisher.publish(wrong_dim)
     await deployment.publisher.publish(wrong_token_dim)
+    await deployment.publisher.publish(unknown_model)
     await deployment.publisher.publish(oversized)
     last = await deployment.publisher.publish(good_after)
     await deployment.wait_projected(last.seq)
@@ -119,7 +123,7 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     assert await _live_rows(deployment, "acme") == {"after": "still fine", "before": "fine"}
     dead = await deployment.js.subscribe(deployment.names.dlq_subjects, stream=deployment.names.dlq_stream)
     reasons = []
-    for _ in range(4):
+    for _ in range(5):
         msg = await dead.next_msg(timeout=5)
         assert msg.headers is not None
         reasons.append(msg.headers["Ontofabric-Reason"])
@@ -128,7 +132,8 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
         if msg.headers["Ontofabric-Reason"] == "invalid_schema":
             assert msg.data == b"{not json"  # the payload is kept as it was, for inspection or re-drive
     assert sorted(reasons) == [
-        "content_too_large", "embedding_dimension_mismatch", "invalid_schema", "token_vectors_dimension_mismatch",
+        "content_too_large", "embedding_dimension_mismatch", "embedding_model_mismatch", "invalid_schema",
+        "token_vectors_dimension_mismatch",
     ]  # fmt: skip
 
 
@@ -137,8 +142,13 @@ async def test_token_vectors_are_stored_as_sent_and_follow_the_document(
 ) -> None:
     signs = pack_signs(np.random.default_rng(3).standard_normal((7, 384)))
     tokens = TokenVectors.of_signs(384, signs)
-    await deployment.publisher.publish(upsert("acme", document("a", "alpha", token_vectors=tokens)))
-    last = await deployment.publisher.publish(upsert("acme", document("b", "beta", token_vectors=tokens)))
+    model = deployment.settings.embedding_model
+    await deployment.publisher.publish(
+        upsert("acme", document("a", "alpha", token_vectors=tokens, embedding_model=model))
+    )
+    last = await deployment.publisher.publish(
+        upsert("acme", document("b", "beta", token_vectors=tokens, embedding_model=model))
+    )
     await deployment.wait_projected(last.seq)
     stored = {r["id"]: r["token_signs"] for r in await deployment.fetch("SELECT id, token_signs FROM documents")}
     assert stored == {"a": signs, "b": signs}

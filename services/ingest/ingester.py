@@ -239,6 +239,12 @@ class Ingester:
         self._progress = progress or _Silent()
         self._cache = cache
 
+    @property
+    def _embedding_signature(self) -> str:
+        if self._embedder is None:
+            return "no-embedding"
+        return self._embedder.cache_name + ("+token-signs" if self._token_vectors else "")
+
     def _manifest_name(self, workspace: str, branch: str) -> str:
         return f"{encode_token(workspace)}/{encode_token(branch)}"
 
@@ -258,7 +264,9 @@ class Ingester:
         graph_nodes, graph_links = python_graph(sources)
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
-        desired = {f"d:{i}": c.content_hash for i, c in chunks.items()}
+        # A document is sent again when its content changed or when what the embedder adds to it would differ
+        # (another model or precision, token vectors switched on or off), so a rerun brings old documents up to date.
+        desired = {f"d:{i}": f"{c.content_hash}|{self._embedding_signature}" for i, c in chunks.items()}
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
         previous = await self.load_manifest(workspace, branch)

@@ -443,7 +443,7 @@ async def evaluate(
             if config == "hybrid-rerank" and settings.reranker == "none":
                 results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
                 continue
-            points = exit_points if config == "hybrid" else None
+            points = exit_points if config == "hybrid-late-interaction" else None  # the default request
             results[config], runs[config] = await evaluation.run(
                 dataset, workspace, config, runs_dir, points, ignore_identical_ids
             )

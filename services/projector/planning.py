@@ -114,6 +114,13 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
             "token_vectors_dimension_mismatch",
             f"token vectors have {tokens.dimension} dimensions, the deployment uses {limits.embedding_dim}",
         )
+    if tokens is not None and document.embedding_model != limits.embedding_model:
+        # Another model's tokens of the same width would be compared with this model's query tokens: noise.
+        return Rejection(
+            "embedding_model_mismatch",
+            f"token vectors made by {document.embedding_model!r} (embeddingModel), the deployment uses "
+            f"{limits.embedding_model!r}",
+        )
     return None
 
 

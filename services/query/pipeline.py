@@ -24,7 +24,7 @@ from ontofabric.contracts.query import (
     QueryOptions,
 )
 from ontofabric.shared.embedder import Embedder, Vector
-from ontofabric.shared.late_interaction import TokenVectors, blend_with_fused_position, max_similarities, unpack_signs
+from ontofabric.shared.late_interaction import TokenMatrix, blend_with_fused_position, max_similarities, unpack_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.telemetry import instruments, tracer
 
@@ -130,7 +130,7 @@ def early_exit(signals: dict[str, float], text: str, threshold: float, max_token
 
 
 def late_interaction(
-    query_tokens: TokenVectors,
+    query_tokens: TokenMatrix,
     candidates: list[Fused],
     documents: Mapping[str, StoredDocument],
     weight: float,
@@ -141,7 +141,7 @@ def late_interaction(
     keep their order, scaled under the lowest blended relevance. Unchanged (report None) when fewer than two
     leading candidates have token vectors: there is nothing to compare."""
     head = candidates[:depth]
-    unpacked: dict[int, TokenVectors] = {}
+    unpacked: dict[int, TokenMatrix] = {}
     for position, hit in enumerate(head):
         signs = documents[hit.id].token_signs
         try:
@@ -233,7 +233,7 @@ class QueryPipeline:
         options = query.options or QueryOptions()
         wanted = set(options.retrievers or ("dense", "keyword"))
         k = options.candidates or self._config.retriever_top_k
-        query_tokens: TokenVectors | None = None
+        query_tokens: TokenMatrix | None = None
 
         async def dense() -> Hits | None:
             nonlocal query_tokens
@@ -293,12 +293,18 @@ class QueryPipeline:
         documents = fetched.documents
         candidates = [f for f in fused if f.id in documents]
         interaction_report = None
-        if interacts and query_tokens is not None:
-            # A few milliseconds of numpy (which lets go of the GIL): off the event loop, beside other queries.
-            candidates, interaction_report = await clock.time(
-                "lateInteraction",
-                asyncio.to_thread(late_interaction, query_tokens, candidates, documents, li_weight, li_depth),
-            )
+        if interacts and self._embedder is not None and query_tokens is not None:
+            tokens = query_tokens  # a few milliseconds of arithmetic, queued with the model's, off the event loop
+            try:
+                candidates, interaction_report = await clock.time(
+                    "lateInteraction",
+                    self._embedder.on_model_thread(
+                        lambda: late_interaction(tokens, candidates, documents, li_weight, li_depth)
+                    ),
+                )
+            except Exception as error:  # keep the fused order: a query never fails for want of a refinement
+                log.warning("late_interaction_failed", error=f"{type(error).__name__}: {error}")
+                degraded.append("lateInteraction")
         if reranker is not None:
             order, reranked = await self._rerank(reranker, query, candidates, documents, clock)
         else:

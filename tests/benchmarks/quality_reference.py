@@ -65,8 +65,8 @@ def main() -> None:
     judged = [q for q in dataset.qrels if q in dataset.queries]
     query_texts = [dataset.queries[q] for q in judged]
 
-    documents = cache.embed(embedder, texts)
-    queries = cache.embed(embedder, query_texts)
+    documents = cache.embed(embedder, texts).vectors
+    queries = cache.embed(embedder, query_texts).vectors
     similarity = queries @ documents.T
     dense: list[list[Candidate]] = []
     for row in similarity:

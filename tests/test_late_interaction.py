@@ -4,6 +4,8 @@ match higher from their stored signs."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -155,6 +157,36 @@ async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
     assert keyword_only.meta.late_interaction is None  # no embedding pass, no query tokens
 
 
+class EchoReranker:
+    """Keeps the order it is given and remembers it."""
+
+    name = "echo"
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
+        self.seen = list(documents)
+        return [(i, 1.0 - i / len(documents)) for i in range(min(top_n, len(documents)))]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_reranker_gets_the_candidates_in_the_order_late_interaction_left() -> None:
+    signs = {"x": pack_signs(-np.ones((2, 3))), "y": pack_signs(-np.ones((2, 3))), "z": pack_signs(QUERY_TOKENS - 0.5)}
+    reranker = EchoReranker()
+    pipeline = QueryPipeline(
+        ScriptedRetrieval(token_signs=signs), FixedEmbedder(), Announced("5-a"), VersionedCache(0),  # type: ignore[arg-type]
+        PipelineConfig(late_interaction_weight=0.9), reranker,
+    )  # fmt: skip
+    reply = await pipeline.answer(OntologyQuery(semantic_query="q", precision=True), "w")
+    assert reply.meta.late_interaction is not None
+    assert reply.meta.reranked is True
+    assert reranker.seen[0] == "content z"  # lifted by late interaction before the reranker saw the list
+    assert reply.results[0].id == "z"
+
+
 async def test_a_failing_stage_degrades_the_answer_to_the_fused_order(monkeypatch: pytest.MonkeyPatch) -> None:
     signs = {i: pack_signs(QUERY_TOKENS - 0.5) for i in "xyz"}
     fused = await _pipeline(ScriptedRetrieval(token_signs=signs)).answer(
@@ -197,10 +229,16 @@ async def test_postgres_fetch_reads_token_signs_only_where_asked(deployment: Dep
             upsert("acme", document(i, i, token_vectors=TokenVectors.of_signs(384, s), embedding_model="m"))
             for i, s in signs.items()
         ]
+        branch_signs = pack_signs(np.ones((2, 384)))
+        override = document("b", "b on the branch", token_vectors=TokenVectors.of_signs(384, branch_signs))
+        deltas.append(upsert("acme", override, branch="feature"))
         await PostgresProjectionStore(pool, "english").apply([Delta(n + 1, d) for n, d in enumerate(deltas)])
-        fetched = await PostgresRetrieval(pool, "english", 100, 1.2, 0.8).fetch(
-            Scope("acme", "main"), ["a", "b", "c"], ["a", "c"]
-        )
+        retrieval = PostgresRetrieval(pool, "english", 100, 1.2, 0.8)
+        on_main = await retrieval.fetch(Scope("acme", "main"), ["a", "b", "c"], ["a", "c"])
+        on_branch = await retrieval.fetch(Scope("acme", "feature"), ["a", "b", "c"], ["b", "c"])
     finally:
         await pool.close()
-    assert {i: d.token_signs for i, d in fetched.documents.items()} == {"a": signs["a"], "b": None, "c": signs["c"]}
+    assert {i: d.token_signs for i, d in on_main.documents.items()} == {"a": signs["a"], "b": None, "c": signs["c"]}
+    # On the branch its own b shadows main's, signs included; the parameters after the signs' list line up.
+    assert {i: d.token_signs for i, d in on_branch.documents.items()} == {"a": None, "b": branch_signs, "c": signs["c"]}
+    assert on_branch.documents["b"].content == "b on the branch"

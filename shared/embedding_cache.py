@@ -31,6 +31,12 @@ class Embedded:
     """Per text, its token vectors' packed sign bits."""
 
 
+def embed_with_signs(embedder: Embedder, texts: Sequence[str], batch_size: int = 64) -> Embedded:
+    """One pass of the model over ``texts``: their vectors and their tokens' packed sign bits."""
+    vectors, tokens = embedder.embed_with_tokens(texts, batch_size=batch_size)
+    return Embedded(vectors, [pack_signs(t) for t in tokens])
+
+
 class EmbeddingCache:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,8 +102,8 @@ class EmbeddingCache:
         missing = list(first_of.values())
         for start in range(0, len(missing), batch_size * 8):
             indexes = missing[start : start + batch_size * 8]
-            vectors, tokens = embedder.embed_with_tokens([texts[i] for i in indexes], batch_size=batch_size)
-            fresh = {hashes[i]: (vectors[n], pack_signs(tokens[n])) for n, i in enumerate(indexes)}
+            computed = embed_with_signs(embedder, [texts[i] for i in indexes], batch_size)
+            fresh = {hashes[i]: (computed.vectors[n], computed.token_signs[n]) for n, i in enumerate(indexes)}
             self.put_many(embedder.cache_name, fresh)
             known.update(fresh)
             if on_progress is not None:

@@ -39,8 +39,7 @@ from ontofabric.contracts import (
     TokenVectors,
 )
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.late_interaction import pack_signs
+from ontofabric.shared.embedding_cache import EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, encode_token
 
@@ -320,18 +319,14 @@ class Ingester:
         embedded: list[ChunkEmbedding | None] = []
         for start in range(0, len(chunks), EMBED_BATCH):
             batch = [c.embedding_text for c in chunks[start : start + EMBED_BATCH]]
-            if self._cache is not None:
-                cached = await asyncio.to_thread(self._cache.embed, embedder, batch)
-                rows, signs = cached.vectors, cached.token_signs
-            else:
-                rows, tokens = await asyncio.to_thread(embedder.embed_with_tokens, batch)
-                signs = [pack_signs(t) for t in tokens]
+            embed = self._cache.embed if self._cache is not None else embed_with_signs
+            result = await asyncio.to_thread(embed, embedder, batch)
             embedded.extend(
                 ChunkEmbedding(
                     [float(x) for x in row],
                     TokenVectors.of_signs(embedder.dimension, sign) if self._token_vectors else None,
                 )
-                for row, sign in zip(rows, signs, strict=True)
+                for row, sign in zip(result.vectors, result.token_signs, strict=True)
             )
             self._progress.advance("embed", len(batch))
         return embedded

@@ -31,7 +31,8 @@ class Fused:
     score: float
     """The fused score the list is sorted by (the RRF sum, or the convex combination)."""
     relevance: float
-    """``score`` on a 0-1 scale: for RRF, 1.0 means ranked first by every list that ran."""
+    """``score`` on a 0-1 scale: for RRF, 1.0 means ranked first by every list that ran. A later stage that
+    reorders the candidates (late interaction, a reranker) replaces it with its own."""
     found_by: Mapping[str, SourceHit] = field(default_factory=dict)
 
     @property

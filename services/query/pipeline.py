@@ -8,10 +8,12 @@ retriever at all could run does the caller get an error (:class:`RetrievalUnavai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Protocol, TypeVar
 
 from ontofabric.contracts import FoundBy, OntologyQuery, QueryMeta, QueryResponse, SearchResult
@@ -102,16 +104,12 @@ class _Answer:
     expansion_truncated: bool = False
 
 
-@dataclass
-class _Order:
-    ranked: list[tuple[Fused, float]]
-    """Candidates in their final order, each with the score to report."""
-    degraded: list[str] = field(default_factory=list)
-
-    @classmethod
-    def fused(cls, candidates: list[Fused], degraded: list[str] | None = None) -> _Order:
-        """The fused order, each candidate with its fused relevance."""
-        return cls([(f, f.relevance) for f in candidates], degraded or [])
+def above_the_rest(ranked: list[Fused], candidates: Sequence[Fused]) -> list[Fused]:
+    """``ranked`` (a stage's order, best first, each with the relevance the stage gave it), then the candidates it
+    did not rank, in their order, scaled under its lowest relevance: a score that says "lower", not "irrelevant"."""
+    seen = {hit.id for hit in ranked}
+    floor = ranked[-1].relevance if ranked else 0.0
+    return ranked + [replace(hit, relevance=floor * hit.relevance) for hit in candidates if hit.id not in seen]
 
 
 def keyword_signals(keyword: list[Candidate], ceiling: float | None, text: str) -> dict[str, float]:
@@ -144,22 +142,17 @@ def late_interaction(
     unpacked: dict[int, TokenMatrix] = {}
     for position, hit in enumerate(head):
         signs = documents[hit.id].token_signs
-        try:
+        with contextlib.suppress(ValueError):  # not this model's width: rank it as fused rather than fail the query
             if signs:
                 unpacked[position] = unpack_signs(signs, query_tokens.shape[1])
-        except ValueError:  # not this model's width: rank it as fused rather than fail the query
-            continue
     if weight <= 0 or len(unpacked) < 2:
         return candidates, None
     found = dict(zip(unpacked, max_similarities(query_tokens, list(unpacked.values())), strict=True))
-    similarities = [found.get(position) for position in range(len(head))]
-    with_vectors = len(found)
-    relevances = blend_with_fused_position(similarities, weight)
+    relevances = blend_with_fused_position([found.get(position) for position in range(len(head))], weight)
     order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
-    floor = min(relevances)
-    reordered = [replace(head[i], relevance=relevances[i]) for i in order]
-    reordered += [replace(hit, relevance=floor * hit.relevance) for hit in candidates[depth:]]
-    return reordered, LateInteractionReport(weight=weight, candidates=len(head), with_token_vectors=with_vectors)
+    ranked = [replace(head[i], relevance=relevances[i]) for i in order]
+    report = LateInteractionReport(weight=weight, candidates=len(head), with_token_vectors=len(found))
+    return above_the_rest(ranked, candidates), report
 
 
 def _rerank_text(document: StoredDocument, limit: int = 2000) -> str:
@@ -274,50 +267,40 @@ class QueryPipeline:
         interaction = options.late_interaction or LateInteractionOptions()
         li_weight = self._config.late_interaction_weight if interaction.weight is None else interaction.weight
         li_depth = interaction.depth or self._config.late_interaction_depth
-        interacts = query_tokens is not None and li_weight > 0
+        interaction_tokens = query_tokens if li_weight > 0 else None  # none: late interaction does not run
         fused, fusion = fuse(
             ranked,
             asked.method or self._config.fusion_method,
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
-            limit=self._fused_limit(query, reranker is not None, li_depth if interacts else 0),
+            limit=self._fused_limit(query, reranker is not None, 0 if interaction_tokens is None else li_depth),
             query_ceiling=query_ceiling,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
         clock.timings["fusion"] = round(fusion_ms, 3)
         self._metrics.fusion_duration.record(fusion_ms)
 
-        compared = [f.id for f in fused[:li_depth]] if interacts else []
+        compared = [] if interaction_tokens is None else [f.id for f in fused[:li_depth]]
         fetched = await clock.time("fetch", self._retrieval.fetch(scope, [f.id for f in fused], compared))
         documents = fetched.documents
         candidates = [f for f in fused if f.id in documents]
         interaction_report = None
-        if interacts and self._embedder is not None and query_tokens is not None:
-            tokens = query_tokens  # a few milliseconds of arithmetic, queued with the model's, off the event loop
+        if interaction_tokens is not None and self._embedder is not None:
+            # A few milliseconds of arithmetic, queued with the model's on its thread, off the event loop.
+            work = partial(late_interaction, interaction_tokens, candidates, documents, li_weight, li_depth)
             try:
                 candidates, interaction_report = await clock.time(
-                    "lateInteraction",
-                    self._embedder.on_model_thread(
-                        lambda: late_interaction(tokens, candidates, documents, li_weight, li_depth)
-                    ),
+                    "lateInteraction", self._embedder.on_model_thread(work)
                 )
             except Exception as error:  # keep the fused order: a query never fails for want of a refinement
                 log.warning("late_interaction_failed", error=f"{type(error).__name__}: {error}")
                 degraded.append("lateInteraction")
+        reranked = False
         if reranker is not None:
-            order, reranked = await self._rerank(reranker, query, candidates, documents, clock)
-        else:
-            order, reranked = _Order.fused(candidates), False
-        degraded.extend(order.degraded)
-        results = [
-            _result(rank, hit, documents[hit.id], score)
-            for rank, (hit, score) in enumerate(
-                ((h, s) for h, s in order.ranked if query.min_relevance is None or s >= query.min_relevance),
-                start=1,
-            )
-            if rank <= query.top_k
-        ]
+            candidates, reranked = await self._rerank(reranker, query, candidates, documents, clock, degraded)
+        kept = [hit for hit in candidates if query.min_relevance is None or hit.relevance >= query.min_relevance]
+        results = [_result(rank, hit, documents[hit.id]) for rank, hit in enumerate(kept[: query.top_k], start=1)]
         expanded: list[ExpandedContext] = []
         truncated = False
         if query.follow_links and results:
@@ -416,8 +399,10 @@ class QueryPipeline:
         candidates: list[Fused],
         documents: dict[str, StoredDocument],
         clock: _Stopwatch,
-    ) -> tuple[_Order, bool]:
-        """The reranker's order over the fused candidates; the fused order, degraded, when it fails."""
+        degraded: list[str],
+    ) -> tuple[list[Fused], bool]:
+        """The reranker's order over the candidates, each with its relevance; the order given, and ``reranker`` in
+        ``degraded``, when it fails."""
         sent = candidates[: self._config.rerank_depth]
         texts = [_rerank_text(documents[f.id]) for f in sent]
         started = time.perf_counter()
@@ -425,18 +410,15 @@ class QueryPipeline:
             ranking = await asyncio.wait_for(
                 reranker.rerank(query.semantic_query, texts, len(texts)), self._config.rerank_timeout_s
             )
-            ranked = [(sent[i], score) for i, score in check_ranking(ranking, len(sent))]
-        except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the fused order
+            ranked = [replace(sent[i], relevance=score) for i, score in check_ranking(ranking, len(sent))]
+        except Exception as error:  # timeouts, HTTP failures, malformed answers: keep the order given
             log.warning("reranker_failed", reranker=reranker.name, error=f"{type(error).__name__}: {error}")
-            return _Order.fused(candidates, degraded=["reranker"]), False
+            degraded.append("reranker")
+            return candidates, False
         finally:
             clock.timings["rerank"] = round((time.perf_counter() - started) * 1000, 3)
-        # Candidates past the depth, or that the reranker left out, follow in fused order, below the ranked ones:
-        # scaled under the lowest reranked relevance, so they keep a score that says "lower", not "irrelevant".
-        seen = {hit.id for hit, _ in ranked}
-        floor = ranked[-1][1] if ranked else 0.0
-        ranked += [(hit, floor * hit.relevance) for hit in candidates if hit.id not in seen]
-        return _Order(ranked), True
+        # Candidates past the depth, or that the reranker left out, follow below the ranked ones.
+        return above_the_rest(ranked, candidates), True
 
     def _respond(
         self,
@@ -502,10 +484,11 @@ async def _guarded(name: str, work: Awaitable[Hits], degraded: list[str]) -> Hit
         return None
 
 
-def _result(rank: int, hit: Fused, document: StoredDocument, score: float) -> SearchResult:
+def _result(rank: int, hit: Fused, document: StoredDocument) -> SearchResult:
+    """``hit.relevance`` is its score: the fused relevance, or the last stage's that reordered it."""
     return SearchResult(
         id=hit.id,
-        score=round(score, 6),
+        score=round(hit.relevance, 6),
         rank=rank,
         content=document.content,
         object_type=document.object_type,

@@ -1,0 +1,163 @@
+"""Held-out BEIR-layout sets built from what this machine has, for checking that retrieval defaults tuned on
+../shared/eval carry over to data they were not tuned on. Each query has exactly one relevant document.
+
+- ``stdlib``: every function or method of this Python's standard library that has a docstring becomes a document,
+  its source with the docstring cut out; the docstring's first sentence is the query (CodeSearchNet's recipe,
+  Husain et al. 2019). The same Python version gives the same set.
+- ``man``: every manual page (sections 1-8, English) becomes a document, its text without the NAME section; the
+  one-line description from NAME is the query. Which pages there are depends on the packages installed.
+
+Items whose query or text repeats another's are left out, so no query has two answers. The sample is seeded.
+
+Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,man} OUT_DIR [--documents 6000] [--queries 500]
+then: .venv/bin/ontofabric eval OUT_DIR --split test
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import json
+import random
+import re
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+# Test suites, demos and vendored copies would add near-duplicates of the code they exercise.
+_SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo"}
+_SENTENCE = re.compile(r"^(.+?[.!?])(?:\s|$)", re.DOTALL)
+
+
+def first_sentence(docstring: str) -> str:
+    paragraph = docstring.strip().split("\n\n")[0]
+    match = _SENTENCE.match(paragraph)
+    return " ".join((match.group(1) if match else paragraph).split())
+
+
+def without_docstring(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The function's source lines, decorators included, minus those of its docstring."""
+    lines = source.splitlines()
+    start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    doc = node.body[0]
+    kept = lines[start - 1 : doc.lineno - 1] + lines[doc.end_lineno or doc.lineno : node.end_lineno]
+    indent = min((len(line) - len(line.lstrip()) for line in kept if line.strip()), default=0)
+    return "\n".join(line[indent:] for line in kept).strip()
+
+
+def stdlib_functions() -> list[tuple[str, str, str]]:
+    """(id, query, code) for every documented function of the standard library, in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if _SKIP_PARTS & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            docstring = ast.get_docstring(node)
+            if not docstring or len(node.body) < 2:
+                continue
+            query = first_sentence(docstring)
+            code = without_docstring(source, node)
+            if len(query.split()) >= 4 and code.count("\n") >= 2:
+                found.append((f"{module}:{node.name}:{node.lineno}", query, code))
+    return found
+
+
+_ROFF_APOSTROPHE = re.compile(r"\\\*\(Aq|\\\(aq|\\'")
+_ROFF_ESCAPE = re.compile(r"\\(f[BIRP1-4]|f\(..|f\[[^]]*\]|s[-+]?\d|\*?\(..|\*?\[[^]]*\]|\*.|[&|^/,:%])")
+_ROFF_ARGUMENTS = {".B", ".I", ".BR", ".RB", ".BI", ".IB", ".IR", ".RI", ".SM", ".SB", ".SH", ".SS", ".TP", ".IP"}
+
+
+def roff_text(line: str) -> str:
+    """One line of a manual page's source as plain text: font and spacing escapes dropped, macro names too."""
+    if line.startswith((".", "'")):
+        macro, _, rest = line.partition(" ")
+        if macro not in _ROFF_ARGUMENTS:
+            return ""
+        line = rest.replace('"', "")
+    line = _ROFF_ESCAPE.sub("", _ROFF_APOSTROPHE.sub("'", line)).replace("\\-", "-").replace("\\e", "\\")
+    return line.strip()
+
+
+def without_definitions(lines: list[str]) -> list[str]:
+    """Lines outside macro definitions and ignored blocks (``.de``/``.ig`` up to ``..``): their bodies are no text."""
+    kept, inside = [], False
+    for line in lines:
+        if line.startswith((".de", ".ig", ".am")):
+            inside = True
+        elif inside and line.startswith(".."):
+            inside = False
+        elif not inside:
+            kept.append(line)
+    return kept
+
+
+def manual_pages(root: Path = Path("/usr/share/man"), max_chars: int = 20_000) -> list[tuple[str, str, str]]:
+    """(id, description, text) for every English manual page with a NAME line ``name \\- description``."""
+    found = []
+    for path in sorted(root.glob("man[1-8]/*.gz")):
+        if path.name.startswith("gcloud"):  # thousands of pages that differ in one word of their command line
+            continue
+        try:
+            source = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+        except (OSError, EOFError):
+            continue
+        lines = without_definitions(source.splitlines())
+        headings = [n for n, line in enumerate(lines) if line.upper().startswith((".SH NAME", '.SH "NAME"'))]
+        if not headings or lines[0].startswith(".so "):  # a page that only points to another
+            continue
+        start = headings[0] + 1
+        end = next((n for n in range(start, len(lines)) if lines[n].startswith(".SH")), len(lines))
+        name_line = " ".join(roff_text(line) for line in lines[start:end]).strip()
+        _, dash, description = name_line.partition(" - ")
+        text = "\n".join(t for t in (roff_text(line) for line in lines[end:]) if t)
+        if dash and len(description.split()) >= 3 and len(text) > 200:
+            found.append((path.name.removesuffix(".gz"), " ".join(description.split()), text[:max_chars]))
+    return found
+
+
+SOURCES = {"stdlib": stdlib_functions, "man": manual_pages}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", choices=sorted(SOURCES), help="stdlib functions or manual pages")
+    parser.add_argument("out", type=Path, help="directory to write corpus.jsonl, queries.jsonl, qrels/test.tsv")
+    parser.add_argument("--documents", type=int, default=6000, help="functions in the corpus (default 6000)")
+    parser.add_argument("--queries", type=int, default=500, help="judged queries (default 500)")
+    parser.add_argument("--seed", type=int, default=13)
+    args = parser.parse_args()
+    every = SOURCES[args.source]()
+    query_counts = Counter(query.lower() for _, query, _ in every)
+    code_counts = Counter(code for _, _, code in every)
+    unique = [f for f in every if query_counts[f[1].lower()] == 1 and code_counts[f[2]] == 1]
+    rng = random.Random(args.seed)
+    corpus = rng.sample(unique, min(args.documents, len(unique)))
+    judged = rng.sample(corpus, min(args.queries, len(corpus)))
+    (args.out / "qrels").mkdir(parents=True, exist_ok=True)
+    with (args.out / "corpus.jsonl").open("w", encoding="utf-8") as out:
+        for doc_id, _, code in corpus:
+            out.write(json.dumps({"_id": doc_id, "title": "", "text": code}) + "\n")
+    with (args.out / "queries.jsonl").open("w", encoding="utf-8") as out:
+        for n, (_, query, _) in enumerate(judged):
+            out.write(json.dumps({"_id": f"q{n}", "text": query}) + "\n")
+    with (args.out / "qrels" / "test.tsv").open("w", encoding="utf-8") as out:
+        out.write("query-id\tcorpus-id\tscore\n")
+        for n, (doc_id, _, _) in enumerate(judged):
+            out.write(f"q{n}\t{doc_id}\t1\n")
+    print(
+        f"{len(every)} items, {len(unique)} unique; wrote {len(corpus)} documents, {len(judged)} queries to {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

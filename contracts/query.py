@@ -65,6 +65,11 @@ class OntologyQuery(StrictRequest):
         default=None, ge=0.0, le=1.0, description="Drop results whose score (0-1) is below this value."
     )
     precision: bool = Field(default=True, description="Rerank the fused candidates when a reranker is set up.")
+    include_content: bool = Field(
+        default=True,
+        description="false: results carry no content (null), only ids, scores and metadata; for callers that "
+        "rank or judge by id, and so that a deep answer over long documents fits in one message.",
+    )
     follow_links: bool = Field(default=False, description="Attach 1-hop linked types as context.")
     link_depth: int = Field(default=1, ge=1, le=MAX_LINK_DEPTH, description="Graph expansion depth; only 1.")
     chunk_level: ChunkLevel | None = None
@@ -102,7 +107,7 @@ class SearchResult(WireModel):
         "past the reranker's or late interaction's depth score the lowest relevance it gave times their own."
     )
     rank: int
-    content: str
+    content: str | None = Field(description="The document's text; null when the request set includeContent false.")
     object_type: str
     source_domain: str
     metadata: dict[str, Any]

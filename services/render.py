@@ -35,7 +35,7 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         symbol = result.metadata.get("symbolFqn") or result.object_type
         found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
         level = str(result.metadata.get("chunkLevel", ""))
-        cell = f"[bold]{symbol}[/bold]\n[dim]{escape(_snippet(result.content))}[/dim]"
+        cell = f"[bold]{symbol}[/bold]\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)
     meta = reply.meta

@@ -318,3 +318,10 @@ async def test_an_answer_larger_than_a_nats_message_arrives_trimmed(
     assert isinstance(reply, QueryResponse), reply
     assert 0 < len(reply.results) < 8
     assert "replySize" in reply.meta.degraded
+    # Without content the same answer fits whole, in the same order.
+    ids_only = await client.query("big", {"semanticQuery": "bulky padding", "topK": 10, "includeContent": False})
+    assert isinstance(ids_only, QueryResponse), ids_only
+    assert len(ids_only.results) == 8
+    assert "replySize" not in ids_only.meta.degraded
+    assert all(r.content is None for r in ids_only.results)
+    assert [r.id for r in ids_only.results][: len(reply.results)] == [r.id for r in reply.results]

@@ -300,7 +300,10 @@ class QueryPipeline:
         if reranker is not None:
             candidates, reranked = await self._rerank(reranker, query, candidates, documents, clock, degraded)
         kept = [hit for hit in candidates if query.min_relevance is None or hit.relevance >= query.min_relevance]
-        results = [_result(rank, hit, documents[hit.id]) for rank, hit in enumerate(kept[: query.top_k], start=1)]
+        results = [
+            _result(rank, hit, documents[hit.id], query.include_content)
+            for rank, hit in enumerate(kept[: query.top_k], start=1)
+        ]
         expanded: list[ExpandedContext] = []
         truncated = False
         if query.follow_links and results:
@@ -484,13 +487,13 @@ async def _guarded(name: str, work: Awaitable[Hits], degraded: list[str]) -> Hit
         return None
 
 
-def _result(rank: int, hit: Fused, document: StoredDocument) -> SearchResult:
+def _result(rank: int, hit: Fused, document: StoredDocument, include_content: bool) -> SearchResult:
     """``hit.relevance`` is its score: the fused relevance, or the last stage's that reordered it."""
     return SearchResult(
         id=hit.id,
         score=round(hit.relevance, 6),
         rank=rank,
-        content=document.content,
+        content=document.content if include_content else None,
         object_type=document.object_type,
         source_domain=document.source_domain,
         metadata=document.metadata,

@@ -7,6 +7,7 @@ import math
 from collections.abc import AsyncIterator
 
 import asyncpg
+import numpy as np
 import pytest
 
 from ontofabric.services.projector.planning import Delta, search_text
@@ -16,7 +17,7 @@ from ontofabric.shared.analysis import analyse
 from ontofabric.shared.db import create_pool, migrate
 
 from .conftest import Deployment
-from .factories import delete, document, upsert
+from .factories import delete, document, unit_vector, upsert
 
 K1, B = 1.2, 0.8
 
@@ -125,3 +126,30 @@ async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, po
     assert [c.id for c in hits.candidates] == ["t"]
     assert hits.ceiling is not None
     assert hits.ceiling > 0
+
+
+async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Deployment, pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    deltas = [upsert("acme", document(f"d{i}", f"text {i}", embedding=unit_vector(f"d{i}"))) for i in range(6)]
+    deltas += [
+        upsert("acme", document("typed", "a type", chunk_level="type", embedding=unit_vector("typed"))),
+        upsert("acme", document("bare", "no embedding")),
+        upsert("acme", document("d1", "text 1 on a branch", embedding=unit_vector("d1 branch")), branch="feature"),
+        delete("acme", "d2"),
+    ]
+    await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
+    retrieval = PostgresRetrieval(pool, "english", 100, K1, B)
+    query = np.asarray(unit_vector("query"), dtype=np.float32)
+    ids = ["d0", "d1", "d2", "d3", "typed", "bare", "unknown"]
+    for scope in (Scope("acme", "main", chunk_level="method"), Scope("acme", "feature", chunk_level="method")):
+        dense = await retrieval.dense(scope, query, 100)
+        scored = await retrieval.dense_scores(scope, query, ids)
+        expected = {c.id: c.score for c in dense.candidates if c.id in ids}
+        # Deleted, filtered out, without an embedding or unknown: none of them; d1 as the scope sees it.
+        assert set(expected) == {"d0", "d1", "d3"}
+        assert {c.id: pytest.approx(c.score, abs=1e-6) for c in scored.candidates} == expected
+        assert scored.version == dense.version
+    main_d1 = (await retrieval.dense_scores(Scope("acme", "main"), query, ["d1"])).candidates[0].score
+    branch_d1 = (await retrieval.dense_scores(Scope("acme", "feature"), query, ["d1"])).candidates[0].score
+    assert main_d1 == pytest.approx(float(np.dot(query, unit_vector("d1"))), abs=1e-6)
+    assert branch_d1 == pytest.approx(float(np.dot(query, unit_vector("d1 branch"))), abs=1e-6)

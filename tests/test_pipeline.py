@@ -29,6 +29,10 @@ class ScriptedRetrieval:
     fetch_version: str = "5-a"
     missing: set[str] = field(default_factory=set)
     token_signs: dict[str, bytes] = field(default_factory=dict)
+    cosines: dict[str, float] = field(default_factory=dict)
+    """What dense_scores answers: the cosine of documents the dense list did not return (none: they take the
+    dense list's lowest)."""
+    dense_scores_fail: bool = False
     backend: str = "tsvector"
 
     async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
@@ -36,6 +40,11 @@ class ScriptedRetrieval:
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
         return Hits([Candidate("y", 3.0), Candidate("z", 1.0)], self.keyword_version, ceiling=4.0)
+
+    async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+        if self.dense_scores_fail:
+            raise ConnectionError("database went away")
+        return Hits([Candidate(i, self.cosines[i]) for i in ids if i in self.cosines], self.dense_version)
 
     async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         documents = {
@@ -156,12 +165,37 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
     assert default.meta.fusion.parameters == {
         "denseWeight": pytest.approx(1 / 3, abs=1e-3),
         "keywordGap": pytest.approx(2 / 3, abs=1e-3),
+        "keywordHitsDenseScored": 0,
     }
     assert default.meta.signals == {
         "queryTokens": 1.0,
         "keywordSaturation": 0.75,
         "keywordGap": pytest.approx(2 / 3, abs=1e-3),
     }
+
+
+async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:
+    # Dense returned x (0.9) and y (0.8); keyword y (3.0) and z (1.0) of a best reachable 4.0, so the dense weight is
+    # 1/3. Taking dense's lowest cosine, z would score 0.8/3 + 1/6 = 0.43 and pass x (0.3); its own cosine 0.1
+    # gives it 0.2, below x.
+    off = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"lateInteraction": {"weight": 0}}})
+    pipeline, _ = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}))
+    scored = await pipeline.answer(off, "w")
+    assert [r.id for r in scored.results] == ["y", "x", "z"]
+    assert scored.results[2].score == pytest.approx(0.2, abs=1e-6)
+    assert "denseScores" in scored.meta.timings_ms
+
+    # When reading the cosines fails, the answer comes with dense's lowest cosine for z and says so.
+    pipeline, _ = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}, dense_scores_fail=True))
+    guessed = await pipeline.answer(off, "w")
+    assert [r.id for r in guessed.results] == ["y", "z", "x"]
+    assert guessed.meta.degraded == ["dense"]
+    assert guessed.meta.fusion is not None
+    assert "keywordHitsDenseScored" not in guessed.meta.fusion.parameters
+
+    # Fusion methods that do not add cosines need none.
+    rrf = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"fusion": {"method": "rrf"}}})
+    assert "denseScores" not in (await pipeline.answer(rrf, "w")).meta.timings_ms
 
 
 async def test_min_relevance_drops_weak_results() -> None:

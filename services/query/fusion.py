@@ -116,6 +116,7 @@ def adaptive_fusion(
     keyword_ceiling: float | None,
     limit: int | None = None,
     query_ceiling: float | None = None,
+    keyword_hits_dense: Mapping[str, float] | None = None,
 ) -> tuple[list[Fused], float, float]:
     """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95].
 
@@ -126,13 +127,16 @@ def adaptive_fusion(
 
     ``keyword_ceiling`` counts the query terms some document has; ``query_ceiling`` every query term, for the lone
     hit's saturation (a query term no document has makes a lone match weaker evidence).
+
+    ``keyword_hits_dense``: the cosine of keyword hits the dense list did not return. A hit without one scores the
+    dense list's lowest cosine, an upper bound that lets keyword-only hits crowd out the dense list's tail.
     """
     gap = keyword_gap(keyword, query_ceiling or keyword_ceiling)
     weight = min(0.95, max(0.05, 1.0 - gap))
     top = max((c.score for c in keyword), default=0.0)
     ceiling = keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else (top if top > 0 else 1.0)
-    dense_floor = min((c.score for c in dense), default=0.0)  # a document dense did not return ranks below all it did
-    dense_scores = {c.id: c.score for c in dense}
+    dense_floor = min((c.score for c in dense), default=0.0)
+    dense_scores = {**(keyword_hits_dense or {}), **{c.id: c.score for c in dense}}
     keyword_scores = {c.id: c.score / ceiling for c in keyword}
     found_by: dict[str, dict[str, SourceHit]] = {}
     for name, candidates in (("dense", dense), ("keyword", keyword)):
@@ -161,6 +165,7 @@ def fuse(
     keyword_ceiling: float | None = None,
     limit: int | None = None,
     query_ceiling: float | None = None,
+    keyword_hits_dense: Mapping[str, float] | None = None,
 ) -> tuple[list[Fused], FusionChoice | None]:
     """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None)."""
     if len(ranked_lists) < 2:
@@ -172,7 +177,10 @@ def fuse(
         return convex_fusion(ranked_lists, weights, limit), FusionChoice("convex", {"denseWeight": dense_weight})
     if method == "adaptive":
         fused, weight, gap = adaptive_fusion(
-            ranked_lists["dense"], ranked_lists["keyword"], keyword_ceiling, limit, query_ceiling
+            ranked_lists["dense"], ranked_lists["keyword"], keyword_ceiling, limit, query_ceiling, keyword_hits_dense
         )
-        return fused, FusionChoice("adaptive", {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)})
+        parameters = {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)}
+        if keyword_hits_dense is not None:
+            parameters["keywordHitsDenseScored"] = len(keyword_hits_dense)
+        return fused, FusionChoice("adaptive", parameters)
     raise ValueError(f"unknown fusion method {method!r}")

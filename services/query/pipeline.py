@@ -56,6 +56,10 @@ class Retrieval(Protocol):
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits: ...
 
+    async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+        """The dense score of each of ``ids`` live in the scope, in no particular order."""
+        ...
+
     async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""
         ...
@@ -227,9 +231,10 @@ class QueryPipeline:
         wanted = set(options.retrievers or ("dense", "keyword"))
         k = options.candidates or self._config.retriever_top_k
         query_tokens: TokenMatrix | None = None
+        query_vector: Vector | None = None
 
         async def dense() -> Hits | None:
-            nonlocal query_tokens
+            nonlocal query_tokens, query_vector
             if "dense" not in wanted:
                 return None
             if self._embedder is None:
@@ -242,6 +247,7 @@ class QueryPipeline:
                 log.warning("embedder_failed", error=str(error))
                 degraded.append("embedder")
                 return None
+            query_vector = vector
             return await _guarded("dense", clock.time("dense", self._retrieval.dense(scope, vector, k)), degraded)
 
         async def keyword() -> Hits | None:
@@ -258,8 +264,21 @@ class QueryPipeline:
         self._metrics.candidates_dense.add(len(ranked.get("dense", [])))
         self._metrics.candidates_sparse.add(len(ranked.get("keyword", [])))
 
-        fusion_started = time.perf_counter()
         asked = options.fusion or FusionOptions()
+        method = asked.method or self._config.fusion_method
+        keyword_hits_dense = None
+        if method == "adaptive" and query_vector is not None and dense_hits is not None and keyword_hits is not None:
+            # Adaptive fusion adds cosines on their own scale: a keyword hit dense did not return gets its real one.
+            returned = {c.id for c in dense_hits.candidates}
+            others = [c.id for c in keyword_hits.candidates if c.id not in returned]
+            if others:
+                scoring = clock.time("denseScores", self._retrieval.dense_scores(scope, query_vector, others))
+                scored = await _guarded("dense", scoring, degraded)
+                if scored is not None:
+                    read_versions.add(scored.version)
+                    keyword_hits_dense = {c.id: c.score for c in scored.candidates}
+
+        fusion_started = time.perf_counter()
         ceiling = lists["keyword"].ceiling if "keyword" in lists else None
         query_ceiling = lists["keyword"].query_ceiling if "keyword" in lists else None
         signals = keyword_signals(ranked.get("keyword", []), query_ceiling or ceiling, query.semantic_query)
@@ -270,12 +289,13 @@ class QueryPipeline:
         interaction_tokens = query_tokens if li_weight > 0 else None  # none: late interaction does not run
         fused, fusion = fuse(
             ranked,
-            asked.method or self._config.fusion_method,
+            method,
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=ceiling,
             limit=self._fused_limit(query, reranker is not None, 0 if interaction_tokens is None else li_depth),
             query_ceiling=query_ceiling,
+            keyword_hits_dense=keyword_hits_dense,
         )
         fusion_ms = (time.perf_counter() - fusion_started) * 1000
         clock.timings["fusion"] = round(fusion_ms, 3)

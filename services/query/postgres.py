@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -176,6 +177,19 @@ class PostgresRetrieval:
                 await snapshot.conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
             rows = await snapshot.conn.fetch(sql, vector, limit, *parameters)
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
+
+    async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+        """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
+        for keyword hits the dense top-k did not reach, so fusion weighs what they are, not a guess."""
+        async with self._snapshot(scope) as snapshot:
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
+            sql = f"""
+                SELECT id, 1 - (embedding <=> $1) AS score FROM documents
+                WHERE id = ANY($2::text[]) AND {where} AND embedding IS NOT NULL"""
+            rows = await snapshot.conn.fetch(sql, vector, list(ids), *parameters)
+        return Hits(
+            [Candidate(r["id"], float(r["score"])) for r in rows if not math.isnan(r["score"])], snapshot.version
+        )
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
         """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.

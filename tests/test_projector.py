@@ -177,10 +177,16 @@ async def _outage_then_recovery(deployment: Deployment) -> None:
 
     async with deployment.database_outage():
         second = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
-        await asyncio.sleep(1.5)  # several delivery attempts fail while the database is away
-        info = await deployment.js.consumer_info(
-            deployment.names.delta_stream, deployment.names.postgres_projector_durable
-        )
+        # Delivery attempts fail while the database is away; on a loaded machine the first nak's backoff can take
+        # a while, so wait for a redelivery rather than a fixed time.
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            info = await deployment.js.consumer_info(
+                deployment.names.delta_stream, deployment.names.postgres_projector_durable
+            )
+            if info.num_redelivered >= 1 or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.2)
         assert info.ack_floor.stream_seq < second.seq  # not acked while it could not be committed
         assert info.num_redelivered >= 1  # nak'd and delivered again, with backoff
     await deployment.wait_projected(second.seq, timeout_s=60)

@@ -100,8 +100,10 @@ async def test_a_small_dataset_through_the_real_path(
         "q1": "which database has full text search",
         "q2": "a message broker with persistence",
         "q3": "ranking function with term frequency",
+        "blank": "  ",  # no query the contract accepts: it scores zero and counts as an error, the run goes on
     }
-    root = _write_dataset(tmp_path / "tiny", corpus, queries, [("q1", "pg"), ("q2", "nats"), ("q3", "bm25")])
+    judged = [("q1", "pg"), ("q2", "nats"), ("q3", "bm25"), ("blank", "py")]
+    root = _write_dataset(tmp_path / "tiny", corpus, queries, judged)
     settings = deployment_settings.model_copy(
         update={
             "embedder": "local",
@@ -115,13 +117,13 @@ async def test_a_small_dataset_through_the_real_path(
     report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, _Quiet())
     assert report.documents == 5
     assert report.documents_loaded == 5
-    assert report.queries == 3
+    assert report.queries == 4
     for config in configs:
         result = report.configs[config]
-        assert result.errors == 0
+        assert result.errors == 1
         assert result.degraded == 0
         if config != "hybrid-rerank":  # its cross-encoder has random weights
-            assert result.metrics["MRR@10"] == pytest.approx(1.0), config
+            assert result.metrics["MRR@10"] == pytest.approx(0.75), config  # three of four right at rank 1
     assert report.configs["hybrid"].meta["fusion"]["method"] == "adaptive"
     assert report.configs["hybrid"].meta["reranked"] is False  # a reranker is set up, but precision was not asked
     assert report.configs["hybrid-rerank"].meta["reranked"] is True

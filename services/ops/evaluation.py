@@ -21,6 +21,7 @@ import asyncpg
 import ir_measures
 from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
+from pydantic import ValidationError
 
 from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument, TokenVectors
 from ontofabric.services.app import Roles, start_workers
@@ -313,7 +314,12 @@ class Evaluation:
                 **request_base,
             }
             started = time.perf_counter()
-            reply = await self._client.query(workspace, request)
+            try:
+                reply = await self._client.query(workspace, request)
+            except ValidationError:  # the contract refuses the query (blank text): it scores zero, as an error
+                self._progress.advance(config)
+                result.errors += 1
+                continue
             latencies.append((time.perf_counter() - started) * 1000)
             self._progress.advance(config)
             if isinstance(reply, ErrorReply):

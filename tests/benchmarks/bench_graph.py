@@ -84,8 +84,8 @@ async def run(endpoints: Endpoints, settings: Settings, query_count: int, change
         measured: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in variants}
         for n, text in enumerate(texts):
             # The variants take turns in a rotating order, so none profits from going first.
-            names = list(variants)[n % 3 :] + list(variants)[: n % 3]
-            for name in names:
+            turn = list(variants)[n % 3 :] + list(variants)[: n % 3]
+            for name in turn:
                 measured[name].append(await ask(text, **variants[name]))
         plain, plain_stages = [m[0] for m in measured["main"]], [m[1] for m in measured["main"]]
         expanded = [m[0] for m in measured["followLinks"]]

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import asyncpg
 
-from ontofabric.contracts import DocumentUpserted, QueryResponse
+from ontofabric.contracts import DocumentUpserted, QueryResponse, TokenVectors
 from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.chunking import Chunk
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ingest.ingester import chunk_tree, to_document
+from ontofabric.services.ingest.ingester import ChunkEmbedding, chunk_tree, to_document
 from ontofabric.services.ops.evaluation import percentile
 from ontofabric.services.projector.planning import Delta, EntityRef
 from ontofabric.services.projector.store import UPSERT_DOCUMENT, PostgresProjectionStore
@@ -34,6 +34,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder, build_embedder
+from ontofabric.shared.embedding_cache import embed_with_signs
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
@@ -79,7 +80,7 @@ async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
 
     chunks = chunk_tree(project_root(), settings.max_content_bytes)
     started = time.perf_counter()
-    vectors = embedder.embed_documents([c.embedding_text for c in chunks])
+    embedded = embed_with_signs(embedder, [c.embedding_text for c in chunks])
     embed_s = time.perf_counter() - started
     print(f"corpus: {len(chunks)} chunks from {project_root().name}; embedding {len(chunks) / embed_s:.1f} chunks/s")
 
@@ -92,12 +93,17 @@ async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
     publisher = DeltaPublisher(js, names)
     pool = await create_pool(endpoints.database_url, settings)
 
+    chunk_embeddings = [
+        ChunkEmbedding([float(x) for x in vector], TokenVectors.of_signs(embedder.dimension, signs))
+        for vector, signs in zip(embedded.vectors, embedded.token_signs, strict=True)
+    ]
     projected, referenced = [], []
     for repeat in range(repeats):
         workspace = f"bench-{repeat}-{uuid.uuid4().hex[:6]}"
+        # What the ingester sends: each chunk's vector and its tokens' signs.
         deltas = [
-            envelope(workspace, DocumentUpserted(document=to_document(c, [float(x) for x in v], embedder.model_name)))
-            for c, v in zip(chunks, vectors, strict=True)
+            envelope(workspace, DocumentUpserted(document=to_document(c, chunk_embedding, embedder.model_name)))
+            for c, chunk_embedding in zip(chunks, chunk_embeddings, strict=True)
         ]
         began = time.perf_counter()
         acks = await publisher.publish_many(deltas)

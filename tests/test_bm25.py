@@ -147,6 +147,7 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
         expected = {c.id: c.score for c in dense.candidates if c.id in ids}
         # Deleted, filtered out, without an embedding or unknown: none of them; d1 as the scope sees it.
         assert set(expected) == {"d0", "d1", "d3"}
+        assert sorted(c.id for c in scored.candidates) == ["d0", "d1", "d3"]  # once each, branch rows or main's
         assert {c.id: pytest.approx(c.score, abs=1e-6) for c in scored.candidates} == expected
         assert scored.version == dense.version
     main_d1 = (await retrieval.dense_scores(Scope("acme", "main"), query, ["d1"])).candidates[0].score

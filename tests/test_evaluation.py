@@ -3,7 +3,6 @@ dataset through the real path."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -11,12 +10,14 @@ import pytest
 
 from ontofabric.services.ops.evaluation import (
     CONFIGS,
+    BeirDataset,
     DatasetError,
     ExitPoint,
     calibrate_early_exit,
     compute_metrics,
     evaluate,
     load_beir,
+    write_beir,
 )
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
@@ -25,13 +26,10 @@ from ontofabric.shared.settings import Settings
 def _write_dataset(
     root: Path, corpus: list[dict[str, str]], queries: dict[str, str], qrels: list[tuple[str, str]]
 ) -> Path:
-    (root / "qrels").mkdir(parents=True)
-    (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
-    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
-    (root / "qrels" / "test.tsv").write_text(
-        "query-id\tcorpus-id\tscore\n" + "".join(f"{q}\t{d}\t1\n" for q, d in qrels)
-    )
-    return root
+    judged: dict[str, dict[str, int]] = {}
+    for query_id, doc_id in qrels:
+        judged.setdefault(query_id, {})[doc_id] = 1
+    return write_beir(BeirDataset(root.name, "test", corpus, queries, judged), root)
 
 
 def test_metrics_match_hand_computed_values() -> None:

@@ -166,6 +166,27 @@ def test_adaptive_fusion_trusts_a_decisive_keyword_list_more() -> None:
     assert {"dense", "keyword"} == set(sharp[0].found_by)
 
 
+def test_adaptive_fusion_weighs_keyword_only_hits_by_their_own_cosine() -> None:
+    from ontofabric.services.query.fusion import adaptive_fusion
+
+    dense = [Candidate("d1", 0.9), Candidate("d2", 0.6)]
+    keyword = [Candidate("near", 2.0), Candidate("far", 2.0), Candidate("bare", 2.0), Candidate("d2", 1.0)]
+    # Not looked up: every keyword-only hit takes dense's lowest cosine, 0.6, and they tie.
+    guessed, weight, _ = adaptive_fusion(dense, keyword, keyword_ceiling=4.0)
+    scores = {f.id: f.score for f in guessed}
+    assert scores["near"] == scores["far"] == scores["bare"]
+    # Looked up: each its own; the list's own score wins for an id in both; one without a cosine (no embedding)
+    # takes the lowest of all rather than an upper bound.
+    looked_up = {"near": 0.7, "far": 0.2, "d2": 0.0}
+    fused, same_weight, _ = adaptive_fusion(dense, keyword, 4.0, keyword_hits_dense=looked_up)
+    scores = {f.id: f.score for f in fused}
+    assert same_weight == weight
+    assert scores["near"] == pytest.approx(weight * 0.7 + (1 - weight) * 0.5)
+    assert scores["d2"] == pytest.approx(weight * 0.6 + (1 - weight) * 0.25)
+    assert scores["bare"] == pytest.approx(scores["far"])
+    assert [f.id for f in fused].index("near") < [f.id for f in fused].index("far")
+
+
 def test_fuse_dispatches_and_reports_parameters() -> None:
     from ontofabric.services.query.fusion import fuse
 

@@ -33,6 +33,8 @@ class ScriptedRetrieval:
     """What dense_scores answers: the cosine of documents the dense list did not return (none: they take the
     dense list's lowest)."""
     dense_scores_fail: bool = False
+    dense_scores_version: str | None = None
+    """The version dense_scores reads; by default the dense list's."""
     backend: str = "tsvector"
 
     async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
@@ -44,7 +46,10 @@ class ScriptedRetrieval:
     async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         if self.dense_scores_fail:
             raise ConnectionError("database went away")
-        return Hits([Candidate(i, self.cosines[i]) for i in ids if i in self.cosines], self.dense_version)
+        return Hits(
+            [Candidate(i, self.cosines[i]) for i in ids if i in self.cosines],
+            self.dense_scores_version or self.dense_version,
+        )
 
     async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         documents = {
@@ -185,13 +190,23 @@ async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:
     assert scored.results[2].score == pytest.approx(0.2, abs=1e-6)
     assert "denseScores" in scored.meta.timings_ms
 
-    # When reading the cosines fails, the answer comes with dense's lowest cosine for z and says so.
-    pipeline, _ = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}, dense_scores_fail=True))
+    assert scored.meta.fusion is not None
+    assert scored.meta.fusion.parameters["keywordHitsDenseScored"] == 1
+
+    # When reading the cosines fails, the answer comes with dense's lowest cosine for z, says so, and is not cached.
+    pipeline, cache = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}, dense_scores_fail=True))
     guessed = await pipeline.answer(off, "w")
     assert [r.id for r in guessed.results] == ["y", "z", "x"]
-    assert guessed.meta.degraded == ["dense"]
+    assert guessed.meta.degraded == ["denseScores"]
     assert guessed.meta.fusion is not None
     assert "keywordHitsDenseScored" not in guessed.meta.fusion.parameters
+    assert len(cache) == 0
+
+    # Cosines read from a newer state than the lists: flagged like any other mixed read, and not cached.
+    pipeline, cache = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}, dense_scores_version="6-b"))
+    mixed = await pipeline.answer(off, "w")
+    assert "ontologyVersionChanged" in mixed.meta.degraded
+    assert len(cache) == 0
 
     # Fusion methods that do not add cosines need none.
     rrf = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"fusion": {"method": "rrf"}}})

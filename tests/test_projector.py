@@ -7,6 +7,7 @@ import json
 
 import asyncpg
 import numpy as np
+from nats.js.api import ConsumerInfo
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector.planning import Delta, VersionState
@@ -179,20 +180,19 @@ async def _outage_then_recovery(deployment: Deployment) -> None:
         second = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
         # Delivery attempts fail while the database is away; on a loaded machine the first nak's backoff can take
         # a while, so wait for a redelivery rather than a fixed time.
-        deadline = asyncio.get_running_loop().time() + 30
-        while True:
-            info = await deployment.js.consumer_info(
-                deployment.names.delta_stream, deployment.names.postgres_projector_durable
-            )
-            if info.num_redelivered >= 1 or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.2)
+        async with asyncio.timeout(30):
+            while (info := await _projector_consumer(deployment)).num_redelivered < 1:
+                await asyncio.sleep(0.2)
         assert info.ack_floor.stream_seq < second.seq  # not acked while it could not be committed
         assert info.num_redelivered >= 1  # nak'd and delivered again, with backoff
     await deployment.wait_projected(second.seq, timeout_s=60)
     assert await _live_rows(deployment, "acme") == {"a": "alpha", "b": "beta"}
     dead = await deployment.js.stream_info(deployment.names.dlq_stream)
     assert dead.state.messages == 0
+
+
+async def _projector_consumer(deployment: Deployment) -> ConsumerInfo:
+    return await deployment.js.consumer_info(deployment.names.delta_stream, deployment.names.postgres_projector_durable)
 
 
 async def test_kv_carries_json_a_late_reader_can_parse(deployment: Deployment, projector: ProjectorService) -> None:

@@ -39,7 +39,7 @@ from ontofabric.contracts import (
     TokenVectors,
 )
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.embedding_cache import EmbeddingCache, embed_with_signs
+from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, encode_token
 
@@ -175,6 +175,14 @@ def node_hash(node: GraphNode) -> str:
 class ChunkEmbedding:
     vector: list[float]
     token_vectors: TokenVectors | None
+
+    @staticmethod
+    def of(embedded: Embedded, dimension: int, token_vectors: bool) -> list[ChunkEmbedding]:
+        """What goes on the wire for each embedded text: its vector, and its tokens' signs unless turned off."""
+        return [
+            ChunkEmbedding([float(x) for x in row], TokenVectors.of_signs(dimension, signs) if token_vectors else None)
+            for row, signs in zip(embedded.vectors, embedded.token_signs, strict=True)
+        ]
 
 
 def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: str | None) -> SemanticDocument:
@@ -321,13 +329,7 @@ class Ingester:
             batch = [c.embedding_text for c in chunks[start : start + EMBED_BATCH]]
             embed = self._cache.embed if self._cache is not None else embed_with_signs
             result = await asyncio.to_thread(embed, embedder, batch)
-            embedded.extend(
-                ChunkEmbedding(
-                    [float(x) for x in row],
-                    TokenVectors.of_signs(embedder.dimension, sign) if self._token_vectors else None,
-                )
-                for row, sign in zip(result.vectors, result.token_signs, strict=True)
-            )
+            embedded.extend(ChunkEmbedding.of(result, embedder.dimension, self._token_vectors))
             self._progress.advance("embed", len(batch))
         return embedded
 

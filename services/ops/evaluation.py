@@ -21,12 +21,11 @@ import asyncpg
 import ir_measures
 from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
-from pydantic import ValidationError
 
-from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument, TokenVectors
+from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ingest.ingester import Progress
+from ontofabric.services.ingest.ingester import ChunkEmbedding, Progress
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -90,6 +89,19 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
     if unknown:
         raise DatasetError(f"{len(unknown)} judged queries are not in queries.jsonl, e.g. {unknown[0]!r}")
     return BeirDataset(directory.name, split, corpus, queries, qrels)
+
+
+def write_beir(dataset: BeirDataset, directory: Path) -> Path:
+    """The dataset in the BEIR layout that :func:`load_beir` reads: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv."""
+    (directory / "qrels").mkdir(parents=True, exist_ok=True)
+    with (directory / "corpus.jsonl").open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps(entry) + "\n" for entry in dataset.corpus)
+    with (directory / "queries.jsonl").open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps({"_id": q, "text": text}) + "\n" for q, text in dataset.queries.items())
+    with (directory / "qrels" / f"{dataset.split}.tsv").open("w", encoding="utf-8") as out:
+        out.write("query-id\tcorpus-id\tscore\n")
+        out.writelines(f"{q}\t{d}\t{score}\n" for q, docs in dataset.qrels.items() for d, score in docs.items())
+    return directory
 
 
 def document_text(entry: dict[str, str]) -> str:
@@ -251,14 +263,10 @@ class Evaluation:
         for start in range(0, len(dataset.corpus), batch):
             entries = dataset.corpus[start : start + batch]
             texts = [document_text(d) for d in entries]
-            vectors: list[list[float] | None] = [None] * len(texts)
-            token_vectors: list[TokenVectors | None] = [None] * len(texts)
+            embeddings: list[ChunkEmbedding | None] = [None] * len(texts)
             if self._embedder is not None:  # on a thread: the projector and the query worker share this loop
                 embedded = await asyncio.to_thread(self._cache.embed, self._embedder, texts)
-                vectors = [[float(x) for x in row] for row in embedded.vectors]
-                if self._token_vectors:
-                    dimension = self._embedder.dimension
-                    token_vectors = [TokenVectors.of_signs(dimension, s) for s in embedded.token_signs]
+                embeddings = list(ChunkEmbedding.of(embedded, self._embedder.dimension, self._token_vectors))
             deltas = [
                 envelope(
                     workspace,
@@ -269,14 +277,14 @@ class Evaluation:
                             object_type="beir.Document",
                             source_domain=dataset.name,
                             metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
-                            embedding=vector,
-                            embedding_model=model if vector is not None else None,
-                            token_vectors=tokens,
+                            embedding=embedding.vector if embedding else None,
+                            embedding_model=model if embedding else None,
+                            token_vectors=embedding.token_vectors if embedding else None,
                         )
                     ),
                     producer="ontofabric-eval",
                 )
-                for entry, text, vector, tokens in zip(entries, texts, vectors, token_vectors, strict=True)
+                for entry, text, embedding in zip(entries, texts, embeddings, strict=True)
             ]
             acks = await publisher.publish_many(deltas)
             last_seq = max([last_seq, *(a.seq for a in acks)])
@@ -306,6 +314,10 @@ class Evaluation:
         stages: dict[str, list[float]] = {}
         result = ConfigResult()
         for query_id in judged:
+            if not dataset.queries[query_id].strip():  # no query the contract accepts: it scores zero, as an error
+                self._progress.advance(config)
+                result.errors += 1
+                continue
             # Ids are what is judged: without content, a hundred long documents still fit in one reply.
             request = {
                 "semanticQuery": dataset.queries[query_id],
@@ -314,12 +326,7 @@ class Evaluation:
                 **request_base,
             }
             started = time.perf_counter()
-            try:
-                reply = await self._client.query(workspace, request)
-            except ValidationError:  # the contract refuses the query (blank text): it scores zero, as an error
-                self._progress.advance(config)
-                result.errors += 1
-                continue
+            reply = await self._client.query(workspace, request)
             latencies.append((time.perf_counter() - started) * 1000)
             self._progress.advance(config)
             if isinstance(reply, ErrorReply):

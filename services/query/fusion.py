@@ -128,15 +128,16 @@ def adaptive_fusion(
     ``keyword_ceiling`` counts the query terms some document has; ``query_ceiling`` every query term, for the lone
     hit's saturation (a query term no document has makes a lone match weaker evidence).
 
-    ``keyword_hits_dense``: the cosine of keyword hits the dense list did not return. A hit without one scores the
-    dense list's lowest cosine, an upper bound that lets keyword-only hits crowd out the dense list's tail.
+    ``keyword_hits_dense``: the cosine of keyword hits the dense list did not return, when they were looked up; a
+    hit still without one (it has no embedding) then takes the lowest cosine of all. Not looked up, every
+    keyword-only hit takes the dense list's lowest cosine, an upper bound that lets them crowd out its tail.
     """
     gap = keyword_gap(keyword, query_ceiling or keyword_ceiling)
     weight = min(0.95, max(0.05, 1.0 - gap))
     top = max((c.score for c in keyword), default=0.0)
     ceiling = keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else (top if top > 0 else 1.0)
-    dense_floor = min((c.score for c in dense), default=0.0)
     dense_scores = {**(keyword_hits_dense or {}), **{c.id: c.score for c in dense}}
+    dense_floor = min(dense_scores.values(), default=0.0)
     keyword_scores = {c.id: c.score / ceiling for c in keyword}
     found_by: dict[str, dict[str, SourceHit]] = {}
     for name, candidates in (("dense", dense), ("keyword", keyword)):

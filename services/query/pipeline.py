@@ -266,15 +266,18 @@ class QueryPipeline:
 
         asked = options.fusion or FusionOptions()
         method = asked.method or self._config.fusion_method
-        keyword_hits_dense = None
+        keyword_hits_dense: dict[str, float] | None = None
         if method == "adaptive" and query_vector is not None and dense_hits is not None and keyword_hits is not None:
             # Adaptive fusion adds cosines on their own scale: a keyword hit dense did not return gets its real one.
             returned = {c.id for c in dense_hits.candidates}
             others = [c.id for c in keyword_hits.candidates if c.id not in returned]
+            keyword_hits_dense = {}
             if others:
                 scoring = clock.time("denseScores", self._retrieval.dense_scores(scope, query_vector, others))
-                scored = await _guarded("dense", scoring, degraded)
-                if scored is not None:
+                scored = await _guarded("denseScores", scoring, degraded)
+                if scored is None:
+                    keyword_hits_dense = None
+                else:
                     read_versions.add(scored.version)
                     keyword_hits_dense = {c.id: c.score for c in scored.candidates}
 

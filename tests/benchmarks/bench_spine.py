@@ -21,7 +21,7 @@ from pathlib import Path
 
 import asyncpg
 
-from ontofabric.contracts import DocumentUpserted, QueryResponse, TokenVectors
+from ontofabric.contracts import DocumentUpserted, QueryResponse
 from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.chunking import Chunk
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
@@ -93,10 +93,7 @@ async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
     publisher = DeltaPublisher(js, names)
     pool = await create_pool(endpoints.database_url, settings)
 
-    chunk_embeddings = [
-        ChunkEmbedding([float(x) for x in vector], TokenVectors.of_signs(embedder.dimension, signs))
-        for vector, signs in zip(embedded.vectors, embedded.token_signs, strict=True)
-    ]
+    chunk_embeddings = ChunkEmbedding.of(embedded, embedder.dimension, token_vectors=True)
     projected, referenced = [], []
     for repeat in range(repeats):
         workspace = f"bench-{repeat}-{uuid.uuid4().hex[:6]}"

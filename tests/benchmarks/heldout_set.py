@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import ast
 import gzip
-import json
 import random
 import re
 import sysconfig
 from collections import Counter
 from pathlib import Path
+
+from ontofabric.services.ops.evaluation import BeirDataset, write_beir
 
 # Test suites, demos and vendored copies would add near-duplicates of the code they exercise.
 _SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo"}
@@ -46,6 +47,20 @@ def without_docstring(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef)
     return "\n".join(line[indent:] for line in kept).strip()
 
 
+def module_and_class_functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Functions at module level and in classes, not those nested in a function: the enclosing function's source
+    holds a nested one's docstring, which would make its query match two documents."""
+    found: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
+    bodies = [tree.body]
+    while bodies:
+        for node in bodies.pop():
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                found.append(node)
+            elif isinstance(node, ast.ClassDef):
+                bodies.append(node.body)
+    return found
+
+
 def stdlib_functions() -> list[tuple[str, str, str]]:
     """(id, query, code) for every documented function of the standard library, in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -59,9 +74,7 @@ def stdlib_functions() -> list[tuple[str, str, str]]:
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = ".".join(path.relative_to(root).with_suffix("").parts)
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
+        for node in module_and_class_functions(tree):
             docstring = ast.get_docstring(node)
             if not docstring or len(node.body) < 2:
                 continue
@@ -132,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", choices=sorted(SOURCES), help="stdlib functions or manual pages")
     parser.add_argument("out", type=Path, help="directory to write corpus.jsonl, queries.jsonl, qrels/test.tsv")
-    parser.add_argument("--documents", type=int, default=6000, help="functions in the corpus (default 6000)")
+    parser.add_argument("--documents", type=int, default=6000, help="documents in the corpus, at most (default 6000)")
     parser.add_argument("--queries", type=int, default=500, help="judged queries (default 500)")
     parser.add_argument("--seed", type=int, default=13)
     args = parser.parse_args()
@@ -143,17 +156,14 @@ def main() -> None:
     rng = random.Random(args.seed)
     corpus = rng.sample(unique, min(args.documents, len(unique)))
     judged = rng.sample(corpus, min(args.queries, len(corpus)))
-    (args.out / "qrels").mkdir(parents=True, exist_ok=True)
-    with (args.out / "corpus.jsonl").open("w", encoding="utf-8") as out:
-        for doc_id, _, code in corpus:
-            out.write(json.dumps({"_id": doc_id, "title": "", "text": code}) + "\n")
-    with (args.out / "queries.jsonl").open("w", encoding="utf-8") as out:
-        for n, (_, query, _) in enumerate(judged):
-            out.write(json.dumps({"_id": f"q{n}", "text": query}) + "\n")
-    with (args.out / "qrels" / "test.tsv").open("w", encoding="utf-8") as out:
-        out.write("query-id\tcorpus-id\tscore\n")
-        for n, (doc_id, _, _) in enumerate(judged):
-            out.write(f"q{n}\t{doc_id}\t1\n")
+    dataset = BeirDataset(
+        name=args.out.name,
+        split="test",
+        corpus=[{"_id": doc_id, "title": "", "text": text} for doc_id, _, text in corpus],
+        queries={f"q{n}": query for n, (_, query, _) in enumerate(judged)},
+        qrels={f"q{n}": {doc_id: 1} for n, (doc_id, _, _) in enumerate(judged)},
+    )
+    write_beir(dataset, args.out)
     print(
         f"{len(every)} items, {len(unique)} unique; wrote {len(corpus)} documents, {len(judged)} queries to {args.out}"
     )

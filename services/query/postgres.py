@@ -102,7 +102,8 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Hits:
-    """A retriever's ranked candidates and the ontologyVersion of the data it read."""
+    """A retriever's ranked candidates and the ontologyVersion of the data it read (from ``dense_scores``: scores
+    of the ids asked for, in no order)."""
 
     candidates: list[Candidate]
     version: str

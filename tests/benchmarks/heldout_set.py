@@ -1,9 +1,9 @@
 """Held-out BEIR-layout sets built from what this machine has, for checking that retrieval defaults tuned on
 ../shared/eval carry over to data they were not tuned on. Each query has exactly one relevant document.
 
-- ``stdlib``: every function or method of this Python's standard library that has a docstring becomes a document,
-  its source with the docstring cut out; the docstring's first sentence is the query (CodeSearchNet's recipe,
-  Husain et al. 2019). The same Python version gives the same set.
+- ``stdlib``: every module- or class-level function of this Python's standard library that has a docstring
+  becomes a document, its source with the docstring cut out; the docstring's first sentence is the query
+  (CodeSearchNet's recipe, Husain et al. 2019). The same Python version and distribution give the same set.
 - ``man``: every manual page (sections 1-8, English) becomes a document, its text without the NAME section; the
   one-line description from NAME is the query. Which pages there are depends on the packages installed.
 

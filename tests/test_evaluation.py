@@ -53,6 +53,12 @@ def test_dataset_errors_are_clear(tmp_path: Path) -> None:
     (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq-unknown\td\t1\n")
     with pytest.raises(DatasetError, match=r"not in queries\.jsonl"):
         load_beir(root, "test")
+    # Numeric ids in the JSON files are read as the text the qrels use.
+    (root / "corpus.jsonl").write_text('{"_id": 7, "text": "no title"}\n')
+    (root / "queries.jsonl").write_text('{"_id": 1, "text": "x"}\n')
+    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t7\t1\n")
+    dataset = load_beir(root, "test")
+    assert (dataset.corpus[0]["_id"], dataset.queries, dataset.qrels) == ("7", {"1": "x"}, {"1": {"7": 1}})
 
 
 def test_early_exit_calibration() -> None:
@@ -93,6 +99,8 @@ async def test_a_small_dataset_through_the_real_path(
         },
         # A document with a query's own id and text (as in ArguAna): BEIR does not count it as an answer.
         {"_id": "q2", "title": "", "text": "a message broker with persistence"},
+        # The contract refuses NUL characters: the entry is reported and left out, the rest is measured.
+        {"_id": "nul", "title": "", "text": "a NUL \x00 in the text"},
     ]
     queries = {
         "q1": "which database has full text search",
@@ -113,8 +121,10 @@ async def test_a_small_dataset_through_the_real_path(
     endpoints = Endpoints(nats_url=servers.nats_url, database_url=deployment_settings.database_url or "")
     configs = list(CONFIGS)
     report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, _Quiet())
-    assert report.documents == 5
+    assert report.documents == 6
     assert report.documents_loaded == 5
+    assert list(report.refused_documents) == ["nul"]
+    assert "NUL" in report.refused_documents["nul"]
     assert report.queries == 4
     for config in configs:
         result = report.configs[config]
@@ -161,8 +171,25 @@ def test_report_table_names_the_early_exit_calibration() -> None:
     )
     lines: list[str] = []
     render_table(report, lines.append)
-    assert lines[1].startswith("warning: only 4 documents were loaded")
+    assert lines[1].startswith("warning: only 4 documents were loaded")  # none refused: the projector lost one
     assert lines[4].startswith("| hybrid | 0.5000 | 1.0000 | 1.0000 | 0.5000 |")
     assert lines[5] == "| hybrid-rerank | skipped: no reranker configured |"
     assert lines[6] == "hybrid, worker-side p50 ms per stage: embed 10.2, total 30.0"
     assert lines[7].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
+
+
+def test_report_table_tells_refused_entries_from_lost_ones() -> None:
+    from ontofabric.services.ops.evaluation import EvalReport, render_table
+
+    def warnings(loaded: int) -> list[str]:
+        report = EvalReport(
+            dataset="tiny", split="test", documents=5, documents_loaded=loaded, queries=1, configs={},
+            load_seconds=1.0, refused_documents={"nul": "content: text must not contain NUL characters"},
+        )  # fmt: skip
+        lines: list[str] = []
+        render_table(report, lines.append)
+        return [line for line in lines if line.startswith("warning")]
+
+    refused = "warning: 1 corpus entries were refused by the document contract and not loaded, e.g. 'nul': content"
+    assert [w[: len(refused)] for w in warnings(4)] == [refused]  # the other four all arrived
+    assert warnings(3)[1].startswith("warning: only 3 documents were loaded")

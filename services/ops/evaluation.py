@@ -21,6 +21,7 @@ import asyncpg
 import ir_measures
 from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
+from pydantic import ValidationError
 
 from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, SemanticDocument
 from ontofabric.services.app import Roles, start_workers
@@ -73,9 +74,9 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
         if not required.is_file():
             raise DatasetError(f"{required} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv)")
     with corpus_file.open(encoding="utf-8") as lines:
-        corpus = [json.loads(line) for line in lines if line.strip()]
+        corpus = [_with_string_id(json.loads(line)) for line in lines if line.strip()]
     with queries_file.open(encoding="utf-8") as lines:
-        queries = {q["_id"]: q["text"] for q in (json.loads(line) for line in lines if line.strip())}
+        queries = {str(q["_id"]): q["text"] for q in (json.loads(line) for line in lines if line.strip())}
     qrels: dict[str, dict[str, int]] = {}
     with qrels_file.open(encoding="utf-8") as rows:
         reader = csv.reader(rows, delimiter="\t")
@@ -89,6 +90,11 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
     if unknown:
         raise DatasetError(f"{len(unknown)} judged queries are not in queries.jsonl, e.g. {unknown[0]!r}")
     return BeirDataset(directory.name, split, corpus, queries, qrels)
+
+
+def _with_string_id(entry: dict[str, Any]) -> dict[str, str]:
+    # Some BEIR-layout writers emit numeric ids; qrels ids are always text, so compare them as text.
+    return {**entry, "_id": str(entry["_id"])}
 
 
 def write_beir(dataset: BeirDataset, directory: Path) -> Path:
@@ -106,7 +112,8 @@ def write_beir(dataset: BeirDataset, directory: Path) -> Path:
 
 def document_text(entry: dict[str, str]) -> str:
     title = (entry.get("title") or "").strip()
-    return f"{title}\n{entry['text']}" if title else entry["text"]
+    text = entry.get("text") or ""
+    return f"{title}\n{text}" if title else text
 
 
 @dataclass
@@ -204,6 +211,8 @@ class EvalReport:
     queries: int
     configs: dict[str, ConfigResult]
     load_seconds: float
+    refused_documents: dict[str, str] = field(default_factory=dict)
+    """Corpus entries the document contract refused (id -> why), e.g. text with a NUL character."""
     early_exit: EarlyExitCalibration | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -249,6 +258,8 @@ class Evaluation:
         self._embedder = embedder
         self._cache = cache
         self._progress = progress
+        self.refused: dict[str, str] = {}
+        """Corpus entries the document contract refused while loading (id -> why); they are not in the index."""
 
     async def load(self, dataset: BeirDataset, batch: int = 1000) -> str:
         """Publish the corpus as deltas into a new workspace; return it once the projector has applied them.
@@ -267,26 +278,26 @@ class Evaluation:
             if self._embedder is not None:  # on a thread: the projector and the query worker share this loop
                 embedded = await asyncio.to_thread(self._cache.embed, self._embedder, texts)
                 embeddings = list(ChunkEmbedding.of(embedded, self._embedder.dimension, self._token_vectors))
-            deltas = [
-                envelope(
-                    workspace,
-                    DocumentUpserted(
-                        document=SemanticDocument(
-                            id=entry["_id"],
-                            content=text,
-                            object_type="beir.Document",
-                            source_domain=dataset.name,
-                            metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
-                            embedding=embedding.vector if embedding else None,
-                            embedding_model=model if embedding else None,
-                            token_vectors=embedding.token_vectors if embedding else None,
-                        )
-                    ),
-                    producer="ontofabric-eval",
-                )
-                for entry, text, embedding in zip(entries, texts, embeddings, strict=True)
-            ]
-            acks = await publisher.publish_many(deltas)
+            deltas = []
+            for entry, text, embedding in zip(entries, texts, embeddings, strict=True):
+                try:
+                    document = SemanticDocument(
+                        id=entry["_id"],
+                        content=text,
+                        object_type="beir.Document",
+                        source_domain=dataset.name,
+                        metadata=DocumentMetadata(chunk_level="doc", provenance="ingested"),
+                        embedding=embedding.vector if embedding else None,
+                        embedding_model=model if embedding else None,
+                        token_vectors=embedding.token_vectors if embedding else None,
+                    )
+                except ValidationError as error:  # reported, not fatal: the rest of the corpus is still measured
+                    self.refused[entry["_id"]] = "; ".join(
+                        f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()
+                    )
+                    continue
+                deltas.append(envelope(workspace, DocumentUpserted(document=document), producer="ontofabric-eval"))
+            acks = await publisher.publish_many(deltas) if deltas else []
             last_seq = max([last_seq, *(a.seq for a in acks)])
             self._progress.advance("load", len(entries))
         if last_seq:
@@ -388,7 +399,13 @@ def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> No
 def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
     header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
     write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
-    if report.documents_loaded != report.documents:
+    if report.refused_documents:
+        first, why = next(iter(report.refused_documents.items()))
+        write(
+            f"warning: {len(report.refused_documents)} corpus entries were refused by the document contract and not"
+            f" loaded, e.g. {first!r}: {why}"
+        )
+    if report.documents_loaded + len(report.refused_documents) != report.documents:
         write(
             f"warning: only {report.documents_loaded} documents were loaded (dead-lettered entries or repeated ids;"
             " see the DLQ stream)"
@@ -482,6 +499,7 @@ async def evaluate(
         queries=len(judged),
         configs=results,
         load_seconds=load_seconds,
+        refused_documents=evaluation.refused,
         early_exit=(
             calibrate_early_exit(exit_points, settings.early_exit_saturation, len(judged), gain)
             if exit_points

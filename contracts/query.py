@@ -154,6 +154,11 @@ class QueryMeta(WireModel):
     skipped_rerank: str | None = Field(
         default=None, description="Why no reranker ran although precision was requested."
     )
+    skipped_late_interaction: str | None = Field(
+        default=None,
+        description="Why late interaction did not run although asked for: long_query (more query tokens than the "
+        "deployment compares).",
+    )
     cache_hit: bool
     degraded: list[str] = Field(
         default_factory=list, description="Parts that failed or were unavailable, e.g. embedder, keyword."

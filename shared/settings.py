@@ -102,8 +102,13 @@ class Settings(BaseSettings):
     )
     bm25_k1: float = Field(default=1.2, gt=0, description="BM25 term-frequency saturation.")
     bm25_b: float = Field(
-        default=0.8, ge=0, le=1, description="BM25 document-length normalisation (docs/quality.md has the evidence)."
+        default=0.85, ge=0, le=1, description="BM25 document-length normalisation (docs/quality.md has the evidence)."
     )
+    bm25_k3: float = Field(
+        default=2.0, ge=0,
+        description="BM25 query-term saturation: a term repeated n times in the query weighs (k3 + 1)n / (k3 + n); "
+        "0 counts it once.",
+    )  # fmt: skip
     late_interaction_weight: float = Field(
         default=0.2, ge=0, le=1,
         description="Share of the late-interaction (MaxSim) similarity against the fused order; 0 turns it off.",
@@ -111,6 +116,10 @@ class Settings(BaseSettings):
     late_interaction_depth: int = Field(
         default=30, ge=2, le=200, description="Leading fused candidates late interaction reorders (docs/quality.md)."
     )
+    late_interaction_max_query_tokens: int = Field(
+        default=64, ge=1,
+        description="Queries of more model tokens than this skip late interaction (_meta.skippedLateInteraction).",
+    )  # fmt: skip
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
     )

@@ -19,7 +19,7 @@ from ontofabric.shared.db import create_pool, migrate
 from .conftest import Deployment
 from .factories import delete, document, unit_vector, upsert
 
-K1, B = 1.2, 0.8
+K1, B, K3 = 1.2, 0.85, 2.0
 
 TEXTS = {
     "a": "def readFile(path): open the file at path and return its text",
@@ -52,11 +52,11 @@ async def _expected_scores(conn: asyncpg.Connection, indexed: dict[str, str], qu
     n = len(docs)
     avgdl = sum(sum(d.values()) for d in docs.values()) / n
     scores: dict[str, float] = {}
-    for term in terms:
+    for term, repeats in terms.items():
         df = sum(1 for d in docs.values() if term in d)
         if df == 0:
             continue
-        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        idf = (K3 + 1) * repeats / (K3 + repeats) * math.log(1 + (n - df + 0.5) / (df + 0.5))
         for doc_id, tfs in docs.items():
             tf = tfs.get(term, 0)
             if tf:
@@ -70,8 +70,11 @@ async def _expected_scores(conn: asyncpg.Connection, indexed: dict[str, str], qu
 async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncpg.Pool) -> None:
     store = PostgresProjectionStore(pool, "english")
     await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(TEXTS.items())])
-    retrieval = PostgresRetrieval(pool, "english", 100, K1, B)
-    for query in ("read a file", "json dictionary file", "sorted numbers list", "lipoprotein density", "nothing"):
+    retrieval = PostgresRetrieval(pool, "english", 100, K1, B, K3)
+    queries = ("read a file", "json dictionary file", "sorted numbers list", "lipoprotein density", "nothing")
+    # A repeated query term weighs more than once and less than twice (k3 2: 1.5 for two, 1.8 for three).
+    queries += ("file file file json", "json json json file")
+    for query in queries:
         hits = await retrieval.keyword(Scope("acme", "main"), query, 10)
         async with pool.acquire() as conn:
             expected = await _expected_scores(conn, {k: search_text(document(k, v)) for k, v in TEXTS.items()}, query)
@@ -121,7 +124,7 @@ async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, po
     deltas = [upsert("acme", document(f"m{i}", f"json parser number {i}", chunk_level="method")) for i in range(30)]
     deltas.append(upsert("acme", document("t", "a json type", chunk_level="type")))
     await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
-    retrieval = PostgresRetrieval(pool, "english", 100, K1, B)
+    retrieval = PostgresRetrieval(pool, "english", 100, K1, B, K3)
     hits = await retrieval.keyword(Scope("acme", "main", chunk_level="type"), "json", 5)
     assert [c.id for c in hits.candidates] == ["t"]
     assert hits.ceiling is not None
@@ -138,7 +141,7 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
         delete("acme", "d2"),
     ]
     await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
-    retrieval = PostgresRetrieval(pool, "english", 100, K1, B)
+    retrieval = PostgresRetrieval(pool, "english", 100, K1, B, K3)
     query = np.asarray(unit_vector("query"), dtype=np.float32)
     ids = ["d0", "d1", "d2", "d3", "typed", "bare", "unknown"]
     for scope in (Scope("acme", "main", chunk_level="method"), Scope("acme", "feature", chunk_level="method")):

@@ -155,6 +155,13 @@ async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
         OntologyQuery.model_validate({"semanticQuery": "q", "options": {"retrievers": ["keyword"]}}), "w"
     )
     assert keyword_only.meta.late_interaction is None  # no embedding pass, no query tokens
+    assert reply.meta.skipped_late_interaction is None
+    # A query of more tokens than the deployment compares keeps the fused order, and says why.
+    shorter = PipelineConfig(late_interaction_weight=0.9, late_interaction_max_query_tokens=len(QUERY_TOKENS) - 1)
+    long_query = await _pipeline(retrieval, shorter).answer(OntologyQuery(semantic_query="q"), "w")
+    assert long_query.meta.skipped_late_interaction == "long_query"
+    assert long_query.meta.late_interaction is None
+    assert [r.id for r in long_query.results] == [r.id for r in fused.results]
 
 
 class EchoReranker:
@@ -233,7 +240,7 @@ async def test_postgres_fetch_reads_token_signs_only_where_asked(deployment: Dep
         override = document("b", "b on the branch", token_vectors=TokenVectors.of_signs(384, branch_signs))
         deltas.append(upsert("acme", override, branch="feature"))
         await PostgresProjectionStore(pool, "english").apply([Delta(n + 1, d) for n, d in enumerate(deltas)])
-        retrieval = PostgresRetrieval(pool, "english", 100, 1.2, 0.8)
+        retrieval = PostgresRetrieval(pool, "english", 100, 1.2, 0.85, 2.0)
         on_main = await retrieval.fetch(Scope("acme", "main"), ["a", "b", "c"], ["a", "c"])
         on_branch = await retrieval.fetch(Scope("acme", "feature"), ["a", "b", "c"], ["b", "c"])
     finally:

@@ -84,6 +84,7 @@ class PipelineConfig:
     rerank_depth: int = 20
     late_interaction_weight: float = 0.2
     late_interaction_depth: int = 30
+    late_interaction_max_query_tokens: int = 64
     expansion_max_types: int = 25
 
 
@@ -101,6 +102,7 @@ class _Answer:
     could_benefit: bool
     fusion: FusionReport | None
     late_interaction: LateInteractionReport | None = None
+    skipped_late_interaction: str | None = None
     reranked: bool = False
     reranker: str | None = None
     signals: dict[str, float] = field(default_factory=dict)
@@ -290,6 +292,11 @@ class QueryPipeline:
         li_weight = self._config.late_interaction_weight if interaction.weight is None else interaction.weight
         li_depth = interaction.depth or self._config.late_interaction_depth
         interaction_tokens = query_tokens if li_weight > 0 else None  # none: late interaction does not run
+        skipped_late_interaction = None
+        if interaction_tokens is not None and len(interaction_tokens) > self._config.late_interaction_max_query_tokens:
+            # A long query's mean of best matches is carried by its many common tokens: it reorders worse than
+            # the fusion (docs/quality.md, "Late interaction").
+            interaction_tokens, skipped_late_interaction = None, "long_query"
         fused, fusion = fuse(
             ranked,
             method,
@@ -351,6 +358,7 @@ class QueryPipeline:
             could_benefit=not query.follow_links and reads_as_relationship_question(query.semantic_query),
             fusion=FusionReport(method=fusion.method, parameters=fusion.parameters) if fusion else None,
             late_interaction=interaction_report,
+            skipped_late_interaction=skipped_late_interaction,
             signals=signals,
             expanded=expanded,
             expansion_truncated=truncated,
@@ -474,6 +482,7 @@ class QueryPipeline:
             retrievers=answer.retrievers,
             fusion=answer.fusion,
             late_interaction=answer.late_interaction,
+            skipped_late_interaction=answer.skipped_late_interaction,
             signals=answer.signals,
             timings_ms=clock.timings,
         )

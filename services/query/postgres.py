@@ -133,13 +133,20 @@ class PostgresRetrieval:
     backend = "postgres-bm25"
 
     def __init__(
-        self, pool: asyncpg.Pool, text_search_config: str, ef_search: int, bm25_k1: float = 1.2, bm25_b: float = 0.8
+        self,
+        pool: asyncpg.Pool,
+        text_search_config: str,
+        ef_search: int,
+        bm25_k1: float,
+        bm25_b: float,
+        bm25_k3: float,
     ) -> None:
         self._pool = pool
         self._config = text_search_config
         self._ef_search = ef_search
         self._k1 = bm25_k1
         self._b = bm25_b
+        self._k3 = bm25_k3
         # Main ids a branch hides, per (workspace, branch, version): computed once per version, inside a snapshot.
         self._shadowed: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
 
@@ -195,6 +202,9 @@ class PostgresRetrieval:
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
         """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
 
+        A query term repeated n times weighs (k3 + 1)·n / (k3 + n), Okapi's query-term saturation: long queries
+        (a paragraph, an argument) say what matters by repeating it, short ones rarely repeat a word on purpose.
+
         On a branch, N, the average length and document frequencies add up main's and the branch's rows (main's
         rows the branch shadows are counted too): an approximation that is exact on main and close while a
         branch's delta is small beside main.
@@ -207,7 +217,7 @@ class PostgresRetrieval:
 
     def _keyword_sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
         parameters: list[Any] = [
-            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed
+            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed, self._k3
         ]  # fmt: skip
         filtered = ""
         if scope.filtered:
@@ -217,35 +227,40 @@ class PostgresRetrieval:
         # Every postings read is an index range scan on (workspace, branch, term): LATERAL, kept from being
         # flattened into a join by OFFSET 0, makes it so even before the planner has statistics of a partition.
         # Parameters are cast: an untyped $n beside an integer literal is inferred as integer, and asyncpg would
-        # round k1 and b without a word.
+        # round k1, b and k3 without a word.
         sql = f"""
-            WITH terms AS (SELECT lexeme AS term FROM unnest(index_tsvector($1::regconfig, $2))),
+            WITH terms AS (
+                SELECT lexeme AS term, coalesce(cardinality(positions), 1) AS qtf
+                FROM unnest(index_tsvector($1::regconfig, $2))),
             stats AS (
                 SELECT greatest(sum(doc_count), 1)::float8 AS n,
                        greatest(sum(total_length), 1)::float8 / greatest(sum(doc_count), 1) AS avgdl
                 FROM ontology_versions WHERE workspace = $4 AND branch = ANY($5::text[])),
-            term_idf AS (
-                SELECT t.term, f.df, ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS idf
+            -- weight: idf times the query term's saturated repeat count ($9 is k3).
+            term_weight AS (
+                SELECT t.term, f.df,
+                       ($9::float8 + 1) * t.qtf / ($9::float8 + t.qtf)
+                       * ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS weight
                 FROM terms t CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT count(*) AS df FROM postings p
                     WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = t.term) f),
-            idf AS (SELECT term, idf FROM term_idf WHERE df > 0),
+            matched AS (SELECT term, weight FROM term_weight WHERE df > 0),
             scored AS (
                 SELECT p.doc_id AS id,
-                       sum(i.idf * p.tf * ($6::float8 + 1)
+                       sum(m.weight * p.tf * ($6::float8 + 1)
                            / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
-                FROM idf i CROSS JOIN stats st
+                FROM matched m CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT branch, doc_id, tf, doc_length FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = i.term
+                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term
                     OFFSET 0) p
                 WHERE NOT (p.branch = 'main' AND p.doc_id = ANY($8::text[]))
                 GROUP BY p.doc_id)
             -- The best score a document could reach: over the terms some document has (ceiling), and over every
             -- query term (query_ceiling: a term no document has still counts as missing from every match).
-            SELECT s.id, s.score, (SELECT sum(idf) FROM idf) * ($6::float8 + 1) AS ceiling,
-                   (SELECT sum(idf) FROM term_idf) * ($6::float8 + 1) AS query_ceiling
+            SELECT s.id, s.score, (SELECT sum(weight) FROM matched) * ($6::float8 + 1) AS ceiling,
+                   (SELECT sum(weight) FROM term_weight) * ($6::float8 + 1) AS query_ceiling
             FROM scored s
             WHERE true {filtered}
             ORDER BY s.score DESC, s.id LIMIT $3"""

@@ -152,7 +152,12 @@ class QueryService:
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         pipeline = QueryPipeline(
             PostgresRetrieval(
-                self._pool, settings.text_search_config, settings.hnsw_ef_search, settings.bm25_k1, settings.bm25_b
+                self._pool,
+                settings.text_search_config,
+                settings.hnsw_ef_search,
+                settings.bm25_k1,
+                settings.bm25_b,
+                settings.bm25_k3,
             ),
             self._embedder,
             tracker,
@@ -168,6 +173,7 @@ class QueryService:
                 rerank_depth=settings.reranker_depth,
                 late_interaction_weight=settings.late_interaction_weight,
                 late_interaction_depth=settings.late_interaction_depth,
+                late_interaction_max_query_tokens=settings.late_interaction_max_query_tokens,
             ),
             self._reranker,
         )

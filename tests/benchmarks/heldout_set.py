@@ -4,12 +4,14 @@
 - ``stdlib``: every module- or class-level function of this Python's standard library that has a docstring
   becomes a document, its source with the docstring cut out; the docstring's first sentence is the query
   (CodeSearchNet's recipe, Husain et al. 2019). The same Python version and distribution give the same set.
+- ``stdlib-long``: the same, for functions whose whole docstring has at least 40 words, and the whole docstring
+  is the query: long queries that repeat what matters to them, as ArguAna's arguments do.
 - ``man``: every manual page (sections 1-8, English) becomes a document, its text without the NAME section; the
   one-line description from NAME is the query. Which pages there are depends on the packages installed.
 
 Items whose query or text repeats another's are left out, so no query has two answers. The sample is seeded.
 
-Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,man} OUT_DIR [--documents 6000] [--queries 500]
+Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,stdlib-long,man} OUT_DIR [--queries 500]
 then: .venv/bin/ontofabric eval OUT_DIR --split test
 """
 
@@ -22,6 +24,7 @@ import random
 import re
 import sysconfig
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from ontofabric.services.ops.evaluation import BeirDataset, write_beir
@@ -61,7 +64,11 @@ def module_and_class_functions(tree: ast.Module) -> list[ast.FunctionDef | ast.A
     return found
 
 
-def stdlib_functions() -> list[tuple[str, str, str]]:
+def whole_docstring(docstring: str) -> str:
+    return " ".join(docstring.split())
+
+
+def stdlib_functions(query_of: Callable[[str], str] = first_sentence, min_words: int = 4) -> list[tuple[str, str, str]]:
     """(id, query, code) for every documented function of the standard library, in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     found = []
@@ -78,9 +85,9 @@ def stdlib_functions() -> list[tuple[str, str, str]]:
             docstring = ast.get_docstring(node)
             if not docstring or len(node.body) < 2:
                 continue
-            query = first_sentence(docstring)
+            query = query_of(docstring)
             code = without_docstring(source, node)
-            if len(query.split()) >= 4 and code.count("\n") >= 2:
+            if len(query.split()) >= min_words and code.count("\n") >= 2:
                 found.append((f"{module}:{node.name}:{node.lineno}", query, code))
     return found
 
@@ -138,12 +145,21 @@ def manual_pages(root: Path = Path("/usr/share/man"), max_chars: int = 20_000) -
     return found
 
 
-SOURCES = {"stdlib": stdlib_functions, "man": manual_pages}
+def stdlib_long_queries() -> list[tuple[str, str, str]]:
+    """Functions whose whole docstring, at least 40 words, is the query: long queries, as ArguAna's are."""
+    return stdlib_functions(whole_docstring, min_words=40)
+
+
+SOURCES = {"stdlib": stdlib_functions, "stdlib-long": stdlib_long_queries, "man": manual_pages}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", choices=sorted(SOURCES), help="stdlib functions or manual pages")
+    parser.add_argument(
+        "source",
+        choices=sorted(SOURCES),
+        help="stdlib functions (first sentence or whole docstring as the query) or manual pages",
+    )
     parser.add_argument("out", type=Path, help="directory to write corpus.jsonl, queries.jsonl, qrels/test.tsv")
     parser.add_argument("--documents", type=int, default=6000, help="documents in the corpus, at most (default 6000)")
     parser.add_argument("--queries", type=int, default=500, help="judged queries (default 500)")

@@ -156,8 +156,8 @@ class QueryMeta(WireModel):
     )
     skipped_late_interaction: str | None = Field(
         default=None,
-        description="Why late interaction did not run although asked for: long_query (more query tokens than the "
-        "deployment compares).",
+        description="Why late interaction did not run by default: long_query (more embedding-model tokens than the "
+        "deployment compares; a request that sets lateInteraction.weight runs it anyway).",
     )
     cache_hit: bool
     degraded: list[str] = Field(

@@ -118,7 +118,9 @@ class Settings(BaseSettings):
     )
     late_interaction_max_query_tokens: int = Field(
         default=64, ge=1,
-        description="Queries of more model tokens than this skip late interaction (_meta.skippedLateInteraction).",
+        description="Queries of more embedding-model tokens than this ([CLS] and [SEP] included; the model reads "
+        "at most its max_seq_length) skip late interaction unless the request sets its weight "
+        "(_meta.skippedLateInteraction).",
     )  # fmt: skip
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."

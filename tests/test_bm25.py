@@ -74,8 +74,14 @@ async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncp
     queries = ("read a file", "json dictionary file", "sorted numbers list", "lipoprotein density", "nothing")
     # A repeated query term weighs more than once and less than twice (k3 2: 1.5 for two, 1.8 for three).
     queries += ("file file file json", "json json json file")
+    async with pool.acquire() as conn:  # the repeats the SQL reads, and a snake_case word's parts counted twice
+        assert await _lexemes(conn, analyse("file file file json")) == {"file": 3, "json": 1}
+        assert await _lexemes(conn, analyse("read_file")) == {"read": 2, "file": 2}
     for query in queries:
         hits = await retrieval.keyword(Scope("acme", "main"), query, 10)
+        if hits.candidates:
+            assert hits.ceiling is not None
+            assert hits.candidates[0].score <= hits.ceiling  # saturation (score over ceiling) stays at most 1
         async with pool.acquire() as conn:
             expected = await _expected_scores(conn, {k: search_text(document(k, v)) for k, v in TEXTS.items()}, query)
         assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query

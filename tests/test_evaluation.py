@@ -53,12 +53,23 @@ def test_dataset_errors_are_clear(tmp_path: Path) -> None:
     (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq-unknown\td\t1\n")
     with pytest.raises(DatasetError, match=r"not in queries\.jsonl"):
         load_beir(root, "test")
-    # Numeric ids in the JSON files are read as the text the qrels use.
-    (root / "corpus.jsonl").write_text('{"_id": 7, "text": "no title"}\n')
-    (root / "queries.jsonl").write_text('{"_id": 1, "text": "x"}\n')
+    # Numeric ids are read as the text the qrels use; a missing or null title or text is empty.
+    (root / "corpus.jsonl").write_text('{"_id": 7, "text": "no title"}\n{"_id": "8", "title": null}\n')
+    (root / "queries.jsonl").write_text('{"_id": 1, "text": "x"}\n{"_id": 2, "text": null}\n')
     (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t7\t1\n")
     dataset = load_beir(root, "test")
-    assert (dataset.corpus[0]["_id"], dataset.queries, dataset.qrels) == ("7", {"1": "x"}, {"1": {"7": 1}})
+    assert dataset.corpus == [{"_id": "7", "title": "", "text": "no title"}, {"_id": "8", "title": "", "text": ""}]
+    assert (dataset.queries, dataset.qrels) == ({"1": "x", "2": ""}, {"1": {"7": 1}})
+    # A line that is no object with an _id, or a score that is no integer, names its place.
+    for bad, error in (("[1, 2]", r"corpus\.jsonl:2: expected a JSON object"), ('{"text": "t"}', r"corpus\.jsonl:2"),
+                       ("{oops", r"corpus\.jsonl:2: not JSON")):  # fmt: skip
+        (root / "corpus.jsonl").write_text('{"_id": "7", "text": "t"}\n' + bad + "\n")
+        with pytest.raises(DatasetError, match=error):
+            load_beir(root, "test")
+    (root / "corpus.jsonl").write_text('{"_id": "7", "text": "t"}\n')
+    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t7\t1.5\n")
+    with pytest.raises(DatasetError, match=r"test\.tsv:2: score '1\.5' is no integer"):
+        load_beir(root, "test")
 
 
 def test_early_exit_calibration() -> None:
@@ -123,8 +134,9 @@ async def test_a_small_dataset_through_the_real_path(
     report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, _Quiet())
     assert report.documents == 6
     assert report.documents_loaded == 5
-    assert list(report.refused_documents) == ["nul"]
-    assert "NUL" in report.refused_documents["nul"]
+    [(refused_id, why)] = report.refused_documents
+    assert refused_id == "nul"
+    assert "NUL" in why
     assert report.queries == 4
     for config in configs:
         result = report.configs[config]
@@ -147,6 +159,7 @@ async def test_a_small_dataset_through_the_real_path(
         assert report.configs[config].meta["lateInteraction"] is None, config
         assert "lateInteraction" not in report.configs[config].stages_p50_ms
     assert report.configs["hybrid-late-interaction"].stages_p50_ms["lateInteraction"] > 0
+    assert report.configs["hybrid-late-interaction"].late_interaction_skipped == 0  # short queries
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
 
 
@@ -163,6 +176,7 @@ def test_report_table_names_the_early_exit_calibration() -> None:
             "hybrid": ConfigResult(
                 metrics={"nDCG@10": 0.5, "Recall@10": 1.0, "Recall@100": 1.0, "MRR@10": 0.5},
                 stages_p50_ms={"embed": 10.25, "total": 30.0},
+                late_interaction_skipped=2,
             ),
             "hybrid-rerank": ConfigResult(skipped="no reranker configured"),
         },
@@ -174,8 +188,9 @@ def test_report_table_names_the_early_exit_calibration() -> None:
     assert lines[1].startswith("warning: only 4 documents were loaded")  # none refused: the projector lost one
     assert lines[4].startswith("| hybrid | 0.5000 | 1.0000 | 1.0000 | 0.5000 |")
     assert lines[5] == "| hybrid-rerank | skipped: no reranker configured |"
-    assert lines[6] == "hybrid, worker-side p50 ms per stage: embed 10.2, total 30.0"
-    assert lines[7].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
+    assert lines[6] == "hybrid: late interaction skipped for 2 long queries"
+    assert lines[7] == "hybrid, worker-side p50 ms per stage: embed 10.2, total 30.0"
+    assert lines[8].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
 
 
 def test_report_table_tells_refused_entries_from_lost_ones() -> None:
@@ -184,7 +199,7 @@ def test_report_table_tells_refused_entries_from_lost_ones() -> None:
     def warnings(loaded: int) -> list[str]:
         report = EvalReport(
             dataset="tiny", split="test", documents=5, documents_loaded=loaded, queries=1, configs={},
-            load_seconds=1.0, refused_documents={"nul": "content: text must not contain NUL characters"},
+            load_seconds=1.0, refused_documents=[("nul", "content: text must not contain NUL characters")],
         )  # fmt: skip
         lines: list[str] = []
         render_table(report, lines.append)

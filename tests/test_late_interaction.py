@@ -162,6 +162,13 @@ async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
     assert long_query.meta.skipped_late_interaction == "long_query"
     assert long_query.meta.late_interaction is None
     assert [r.id for r in long_query.results] == [r.id for r in fused.results]
+    # A query of exactly as many tokens still gets it; so does a long one whose request sets the weight itself.
+    exactly = PipelineConfig(late_interaction_weight=0.9, late_interaction_max_query_tokens=len(QUERY_TOKENS))
+    assert (await _pipeline(retrieval, exactly).answer(OntologyQuery(semantic_query="q"), "w")).results[0].id == "z"
+    asked = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"lateInteraction": {"weight": 0.9}}})
+    insisted = await _pipeline(retrieval, shorter).answer(asked, "w")
+    assert insisted.meta.skipped_late_interaction is None
+    assert insisted.results[0].id == "z"
 
 
 class EchoReranker:

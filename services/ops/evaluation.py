@@ -73,10 +73,8 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
     for required in (corpus_file, queries_file, qrels_file):
         if not required.is_file():
             raise DatasetError(f"{required} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv)")
-    with corpus_file.open(encoding="utf-8") as lines:
-        corpus = [_with_string_id(json.loads(line)) for line in lines if line.strip()]
-    with queries_file.open(encoding="utf-8") as lines:
-        queries = {str(q["_id"]): q["text"] for q in (json.loads(line) for line in lines if line.strip())}
+    corpus = _read_entries(corpus_file)
+    queries = {q["_id"]: q["text"] for q in _read_entries(queries_file)}
     qrels: dict[str, dict[str, int]] = {}
     with qrels_file.open(encoding="utf-8") as rows:
         reader = csv.reader(rows, delimiter="\t")
@@ -85,16 +83,32 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
             raise DatasetError(f"{qrels_file} must start with the header 'query-id corpus-id score'")
         for row in reader:
             if len(row) >= 3:
-                qrels.setdefault(row[0], {})[row[1]] = int(row[2])
+                try:
+                    qrels.setdefault(row[0], {})[row[1]] = int(row[2])
+                except ValueError:
+                    raise DatasetError(f"{qrels_file}:{reader.line_num}: score {row[2]!r} is no integer") from None
     unknown = [q for q in qrels if q not in queries]
     if unknown:
         raise DatasetError(f"{len(unknown)} judged queries are not in queries.jsonl, e.g. {unknown[0]!r}")
     return BeirDataset(directory.name, split, corpus, queries, qrels)
 
 
-def _with_string_id(entry: dict[str, Any]) -> dict[str, str]:
-    # Some BEIR-layout writers emit numeric ids; qrels ids are always text, so compare them as text.
-    return {**entry, "_id": str(entry["_id"])}
+def _read_entries(path: Path) -> list[dict[str, str]]:
+    """The ``_id``, ``title`` and ``text`` of each JSON line, as text: some BEIR-layout writers emit numeric ids
+    (qrels ids are always text) or null titles. A line that is no object with an ``_id`` is a DatasetError."""
+    entries = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DatasetError(f"{path}:{number}: not JSON ({error.msg})") from None
+            if not isinstance(entry, dict) or entry.get("_id") is None:
+                raise DatasetError(f"{path}:{number}: expected a JSON object with an _id")
+            entries.append({key: "" if entry.get(key) is None else str(entry[key]) for key in ("_id", "title", "text")})
+    return entries
 
 
 def write_beir(dataset: BeirDataset, directory: Path) -> Path:
@@ -112,8 +126,7 @@ def write_beir(dataset: BeirDataset, directory: Path) -> Path:
 
 def document_text(entry: dict[str, str]) -> str:
     title = (entry.get("title") or "").strip()
-    text = entry.get("text") or ""
-    return f"{title}\n{text}" if title else text
+    return f"{title}\n{entry['text']}" if title else entry["text"]
 
 
 @dataclass
@@ -129,6 +142,8 @@ class ConfigResult:
     """What _meta said on the first query (fusion, retrievers, reranking): the configuration as it ran."""
     stages_p50_ms: dict[str, float] = field(default_factory=dict)
     """Median worker-side time of each pipeline stage (_meta.timingsMs) over the queries where it ran."""
+    late_interaction_skipped: int = 0
+    """Answers that went without late interaction for the query's length (_meta.skippedLateInteraction)."""
 
 
 @dataclass(frozen=True)
@@ -211,8 +226,8 @@ class EvalReport:
     queries: int
     configs: dict[str, ConfigResult]
     load_seconds: float
-    refused_documents: dict[str, str] = field(default_factory=dict)
-    """Corpus entries the document contract refused (id -> why), e.g. text with a NUL character."""
+    refused_documents: list[tuple[str, str]] = field(default_factory=list)
+    """(id, why) of each corpus entry the document contract refused, e.g. text with a NUL character."""
     early_exit: EarlyExitCalibration | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -258,8 +273,8 @@ class Evaluation:
         self._embedder = embedder
         self._cache = cache
         self._progress = progress
-        self.refused: dict[str, str] = {}
-        """Corpus entries the document contract refused while loading (id -> why); they are not in the index."""
+        self.refused: list[tuple[str, str]] = []
+        """(id, why) of each corpus entry the document contract refused in the last load; not in the index."""
 
     async def load(self, dataset: BeirDataset, batch: int = 1000) -> str:
         """Publish the corpus as deltas into a new workspace; return it once the projector has applied them.
@@ -267,6 +282,7 @@ class Evaluation:
         The corpus goes in batches (embed, publish), so a large one never sits in memory as deltas all at once.
         """
         workspace = f"eval-{uuid.uuid4().hex[:10]}"
+        self.refused = []
         model = self._embedder.model_name if self._embedder is not None else None
         publisher = DeltaPublisher(self._js, self._names)
         self._progress.stage("load", len(dataset.corpus))
@@ -292,9 +308,8 @@ class Evaluation:
                         token_vectors=embedding.token_vectors if embedding else None,
                     )
                 except ValidationError as error:  # reported, not fatal: the rest of the corpus is still measured
-                    self.refused[entry["_id"]] = "; ".join(
-                        f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()
-                    )
+                    why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+                    self.refused.append((entry["_id"], why))
                     continue
                 deltas.append(envelope(workspace, DocumentUpserted(document=document), producer="ontofabric-eval"))
             acks = await publisher.publish_many(deltas) if deltas else []
@@ -345,6 +360,8 @@ class Evaluation:
                 continue
             if reply.meta.degraded:
                 result.degraded += 1
+            if reply.meta.skipped_late_interaction:
+                result.late_interaction_skipped += 1
             for stage, ms in reply.meta.timings_ms.items():
                 stages.setdefault(stage, []).append(ms)
             if exit_points is not None and "keywordSaturation" in reply.meta.signals:
@@ -400,7 +417,7 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
     header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
     write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
     if report.refused_documents:
-        first, why = next(iter(report.refused_documents.items()))
+        first, why = report.refused_documents[0]
         write(
             f"warning: {len(report.refused_documents)} corpus entries were refused by the document contract and not"
             f" loaded, e.g. {first!r}: {why}"
@@ -425,6 +442,8 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
         ]
         write(f"| {name} | " + " | ".join(cells) + " |")
     for name, result in report.configs.items():
+        if result.late_interaction_skipped:
+            write(f"{name}: late interaction skipped for {result.late_interaction_skipped} long queries")
         if result.stages_p50_ms:
             stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
             write(f"{name}, worker-side p50 ms per stage: {stages}")

@@ -293,9 +293,12 @@ class QueryPipeline:
         li_depth = interaction.depth or self._config.late_interaction_depth
         interaction_tokens = query_tokens if li_weight > 0 else None  # none: late interaction does not run
         skipped_late_interaction = None
-        if interaction_tokens is not None and len(interaction_tokens) > self._config.late_interaction_max_query_tokens:
-            # A long query's mean of best matches is carried by its many common tokens: it reorders worse than
-            # the fusion (docs/quality.md, "Late interaction").
+        too_long = (
+            interaction_tokens is not None and len(interaction_tokens) > self._config.late_interaction_max_query_tokens
+        )
+        if too_long and interaction.weight is None:
+            # On long queries it reordered the fused list worse than the fusion alone (docs/quality.md, "Late
+            # interaction"); a request that sets its weight itself still gets it.
             interaction_tokens, skipped_late_interaction = None, "long_query"
         fused, fusion = fuse(
             ranked,

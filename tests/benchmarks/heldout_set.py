@@ -11,7 +11,7 @@
 
 Items whose query or text repeats another's are left out, so no query has two answers. The sample is seeded.
 
-Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,stdlib-long,man} OUT_DIR [--queries 500]
+Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,stdlib-long,man} OUT_DIR [--documents N] [--queries N]
 then: .venv/bin/ontofabric eval OUT_DIR --split test
 """
 

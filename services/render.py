@@ -49,6 +49,14 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     if meta.fusion is not None:
         parameters = " ".join(f"{k}={v}" for k, v in meta.fusion.parameters.items())
         console.print(f"[dim]fusion[/dim] {meta.fusion.method} {parameters}")
+    if meta.late_interaction is not None:
+        interaction = meta.late_interaction
+        console.print(
+            f"[dim]lateInteraction[/dim] weight={interaction.weight} candidates={interaction.candidates} "
+            f"withTokenVectors={interaction.with_token_vectors}"
+        )
+    elif meta.skipped_late_interaction:
+        console.print(f"[dim]lateInteraction[/dim] skipped: {meta.skipped_late_interaction}")
     for context in meta.expanded_context:
         arrow = "->" if context.direction == "outgoing" else "<-"
         console.print(

@@ -87,6 +87,7 @@ def test_demo_runs_and_exits_zero() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("_meta") >= 5
     assert "cacheHit=True" in result.stdout
+    assert "lateInteraction weight=0.2 candidates=" in result.stdout  # what ran, as the _meta envelope says
     assert "demo wall time" in result.stdout
 
 

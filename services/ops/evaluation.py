@@ -273,16 +273,15 @@ class Evaluation:
         self._embedder = embedder
         self._cache = cache
         self._progress = progress
-        self.refused: list[tuple[str, str]] = []
-        """(id, why) of each corpus entry the document contract refused in the last load; not in the index."""
 
-    async def load(self, dataset: BeirDataset, batch: int = 1000) -> str:
-        """Publish the corpus as deltas into a new workspace; return it once the projector has applied them.
+    async def load(self, dataset: BeirDataset, batch: int = 1000) -> tuple[str, list[tuple[str, str]]]:
+        """Publish the corpus as deltas into a new workspace; once the projector has applied them, return the
+        workspace and the (id, why) of each entry the document contract refused (those are not in the index).
 
         The corpus goes in batches (embed, publish), so a large one never sits in memory as deltas all at once.
         """
         workspace = f"eval-{uuid.uuid4().hex[:10]}"
-        self.refused = []
+        refused: list[tuple[str, str]] = []
         model = self._embedder.model_name if self._embedder is not None else None
         publisher = DeltaPublisher(self._js, self._names)
         self._progress.stage("load", len(dataset.corpus))
@@ -309,7 +308,7 @@ class Evaluation:
                     )
                 except ValidationError as error:  # reported, not fatal: the rest of the corpus is still measured
                     why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-                    self.refused.append((entry["_id"], why))
+                    refused.append((entry["_id"], why))
                     continue
                 deltas.append(envelope(workspace, DocumentUpserted(document=document), producer="ontofabric-eval"))
             acks = await publisher.publish_many(deltas) if deltas else []
@@ -319,7 +318,7 @@ class Evaluation:
             await wait_caught_up(
                 self._js, self._names.delta_stream, self._names.postgres_projector_durable, last_seq, 3600
             )
-        return workspace
+        return workspace, refused
 
     async def run(
         self,
@@ -489,7 +488,7 @@ async def evaluate(
             js, QueryClient(nc, names, timeout_s=60), names, embedder, cache, progress, settings.token_vectors
         )
         started = time.perf_counter()
-        workspace = await evaluation.load(dataset)
+        workspace, refused = await evaluation.load(dataset)
         load_seconds = time.perf_counter() - started
         results: dict[str, ConfigResult] = {}
         runs: dict[str, dict[str, dict[str, float]]] = {}
@@ -518,7 +517,7 @@ async def evaluate(
         queries=len(judged),
         configs=results,
         load_seconds=load_seconds,
-        refused_documents=evaluation.refused,
+        refused_documents=refused,
         early_exit=(
             calibrate_early_exit(exit_points, settings.early_exit_saturation, len(judged), gain)
             if exit_points

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -52,13 +53,18 @@ def embedder() -> Embedder:
 
 
 @pytest.fixture(scope="session")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
+def servers() -> Iterator[Endpoints]:
     nats_url = os.environ.get("ONTOFABRIC_TEST_NATS_URL")
     database_url = os.environ.get("ONTOFABRIC_TEST_DATABASE_URL")
     if nats_url and database_url:
         yield Endpoints(nats_url=nats_url, database_url=database_url)
         return
-    with EmbeddedRuntime(Settings(), tmp_path_factory.mktemp("servers")) as runtime:
+    # Not under pytest's base directory: a second pytest session of the same user resets that directory to 0700,
+    # and the embedded PostgreSQL, running as its own unprivileged user, could no longer reach its data.
+    with (
+        tempfile.TemporaryDirectory(prefix="ontofabric-test-servers-") as data_dir,
+        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
+    ):
         assert runtime.endpoints is not None
         yield runtime.endpoints
 

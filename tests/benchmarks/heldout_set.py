@@ -11,7 +11,13 @@
 
 Items whose query or text repeats another's are left out, so no query has two answers. The sample is seeded.
 
-Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,stdlib-long,man} OUT_DIR [--documents N] [--queries N]
+- ``stdlib-modules``: the opposite shape, many answers to a query. The documents are the same functions (every
+  documented one, whatever its docstring's length); the query is the first sentence of a module's docstring
+  ("Heap queue algorithm (a.k.a. priority queue)."), and every function of that module is relevant. Modules with
+  fewer than three functions are left out. Topic queries with many answers, as TREC-COVID's or NFCorpus's are.
+
+Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,stdlib-long,stdlib-modules,man} OUT_DIR
+[--documents N] [--queries N]
 then: .venv/bin/ontofabric eval OUT_DIR --split test
 """
 
@@ -153,18 +159,57 @@ def stdlib_long_queries() -> list[tuple[str, str, str]]:
 SOURCES = {"stdlib": stdlib_functions, "stdlib-long": stdlib_long_queries, "man": manual_pages}
 
 
+def module_docstring(module: str) -> str | None:
+    path = Path(sysconfig.get_paths()["stdlib"]).joinpath(*module.split(".")).with_suffix(".py")
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) if path.exists() else None
+
+
+def stdlib_modules(name: str, max_queries: int, rng: random.Random) -> BeirDataset:
+    """Every documented function is a document; a module's first docstring sentence asks for all its functions."""
+    every = stdlib_functions(min_words=1)
+    code_counts = Counter(code for _, _, code in every)
+    functions = [f for f in every if code_counts[f[2]] == 1]
+    by_module: dict[str, list[str]] = {}
+    for doc_id, _, _ in functions:
+        by_module.setdefault(doc_id.split(":")[0], []).append(doc_id)
+    topics: dict[str, list[str]] = {}  # query -> relevant ids
+    for module, ids in sorted(by_module.items()):
+        docstring = module_docstring(module) if len(ids) >= 3 else None
+        query = first_sentence(docstring) if docstring else ""
+        if len(query.split()) >= 3:
+            topics.setdefault(query, []).extend(ids)
+    # two modules with one docstring (a C accelerator's Python twin, say) make one topic
+    chosen = rng.sample(sorted(topics), min(max_queries, len(topics)))
+    return BeirDataset(
+        name=name,
+        split="test",
+        corpus=[{"_id": doc_id, "title": "", "text": code} for doc_id, _, code in functions],
+        queries={f"q{n}": query for n, query in enumerate(chosen)},
+        qrels={f"q{n}": dict.fromkeys(topics[query], 1) for n, query in enumerate(chosen)},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "source",
-        choices=sorted(SOURCES),
-        help="stdlib functions (first sentence or whole docstring as the query) or manual pages",
+        choices=sorted([*SOURCES, "stdlib-modules"]),
+        help="stdlib functions (first sentence or whole docstring as the query, or a module's functions as the "
+        "answers to its docstring) or manual pages",
     )
     parser.add_argument("out", type=Path, help="directory to write corpus.jsonl, queries.jsonl, qrels/test.tsv")
     parser.add_argument("--documents", type=int, default=6000, help="documents in the corpus, at most (default 6000)")
     parser.add_argument("--queries", type=int, default=500, help="judged queries (default 500)")
     parser.add_argument("--seed", type=int, default=13)
     args = parser.parse_args()
+    if args.source == "stdlib-modules":
+        dataset = stdlib_modules(args.out.name, args.queries, random.Random(args.seed))
+        write_beir(dataset, args.out)
+        answers = sum(len(relevant) for relevant in dataset.qrels.values())
+        print(
+            f"wrote {len(dataset.corpus)} documents, {len(dataset.queries)} queries, {answers} answers, to {args.out}"
+        )
+        return
     every = SOURCES[args.source]()
     query_counts = Counter(query.lower() for _, query, _ in every)
     code_counts = Counter(code for _, _, code in every)

@@ -59,8 +59,8 @@ def servers() -> Iterator[Endpoints]:
     if nats_url and database_url:
         yield Endpoints(nats_url=nats_url, database_url=database_url)
         return
-    # Not under pytest's base directory: a second pytest session of the same user resets that directory to 0700,
-    # and the embedded PostgreSQL, running as its own unprivileged user, could no longer reach its data.
+    # Not under pytest's base directory: pytest keeps it 0700 and resets it at every session's start, and the
+    # embedded PostgreSQL, run as its own unprivileged user, would need o+x there.
     with (
         tempfile.TemporaryDirectory(prefix="ontofabric-test-servers-") as data_dir,
         EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,

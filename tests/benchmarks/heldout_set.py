@@ -1,5 +1,6 @@
 """Held-out BEIR-layout sets built from what this machine has, for checking that retrieval defaults tuned on
-../shared/eval carry over to data they were not tuned on. Each query has exactly one relevant document.
+../shared/eval carry over to data they were not tuned on. In all but ``stdlib-modules`` each query has exactly one
+relevant document.
 
 - ``stdlib``: every module- or class-level function of this Python's standard library that has a docstring
   becomes a document, its source with the docstring cut out; the docstring's first sentence is the query
@@ -8,13 +9,13 @@
   is the query: long queries that repeat what matters to them, as ArguAna's arguments do.
 - ``man``: every manual page (sections 1-8, English) becomes a document, its text without the NAME section; the
   one-line description from NAME is the query. Which pages there are depends on the packages installed.
-
-Items whose query or text repeats another's are left out, so no query has two answers. The sample is seeded.
-
 - ``stdlib-modules``: the opposite shape, many answers to a query. The documents are the same functions (every
   documented one, whatever its docstring's length); the query is the first sentence of a module's docstring
   ("Heap queue algorithm (a.k.a. priority queue)."), and every function of that module is relevant. Modules with
   fewer than three functions are left out. Topic queries with many answers, as TREC-COVID's or NFCorpus's are.
+
+In the one-answer sets, items whose query or text repeats another's are left out, so no query has two
+answers. The samples are seeded.
 
 Run: .venv/bin/python tests/benchmarks/heldout_set.py {stdlib,stdlib-long,stdlib-modules,man} OUT_DIR
 [--documents N] [--queries N]
@@ -198,7 +199,12 @@ def main() -> None:
         "answers to its docstring) or manual pages",
     )
     parser.add_argument("out", type=Path, help="directory to write corpus.jsonl, queries.jsonl, qrels/test.tsv")
-    parser.add_argument("--documents", type=int, default=6000, help="documents in the corpus, at most (default 6000)")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=6000,
+        help="documents in the corpus, at most (default 6000; stdlib-modules keeps them all)",
+    )
     parser.add_argument("--queries", type=int, default=500, help="judged queries (default 500)")
     parser.add_argument("--seed", type=int, default=13)
     args = parser.parse_args()

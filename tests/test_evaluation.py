@@ -16,7 +16,9 @@ from ontofabric.services.ops.evaluation import (
     calibrate_early_exit,
     compute_metrics,
     evaluate,
+    hybrid_margins,
     load_beir,
+    margin,
     write_beir,
 )
 from ontofabric.shared.runtime import Endpoints
@@ -95,6 +97,41 @@ class _Quiet:
         pass
 
 
+def test_margin_over_queries_with_a_bootstrap_interval() -> None:
+    steady = margin("hybrid", "dense", {f"q{n}": 0.6 for n in range(50)}, {f"q{n}": 0.5 for n in range(50)})
+    assert (steady.better, steady.worse, steady.equal) == (50, 0, 0)
+    assert steady.difference == steady.ci_low == steady.ci_high == pytest.approx(0.1)  # no spread, no doubt
+    # Half the queries gain 0.2, half lose 0.2: no difference, and an interval wide on both sides of zero.
+    scores = {f"q{n}": 0.2 if n % 2 else 0.0 for n in range(100)}
+    reference = {f"q{n}": 0.0 if n % 2 else 0.2 for n in range(100)}
+    split = margin("hybrid", "dense", scores, reference)
+    assert split.difference == pytest.approx(0.0)
+    assert split.ci_low < -0.02
+    assert split.ci_high > 0.02
+    assert (split.better, split.worse, split.equal) == (50, 50, 0)
+    # A query only one side answered counts zero on the other; ties are counted apart.
+    partial = margin("hybrid", "dense", {"a": 1.0, "b": 0.5}, {"b": 0.5, "c": 0.25})
+    assert (partial.better, partial.worse, partial.equal) == (1, 1, 1)
+    assert partial.difference == pytest.approx((1.0 - 0.25) / 3)
+
+
+def test_hybrid_margins_compare_with_the_better_retriever() -> None:
+    per_query = {
+        "dense": {"q1": 0.5, "q2": 0.5},
+        "keyword": {"q1": 1.0, "q2": 0.5},  # the better one here
+        "hybrid": {"q1": 1.0, "q2": 1.0},
+        "hybrid-late-interaction": {"q1": 0.5, "q2": 1.0},
+        "dense-late-interaction": {"q1": 0.5, "q2": 0.0},
+    }
+    found = [(m.config, m.against, m.difference) for m in hybrid_margins(per_query)]
+    assert found == [
+        ("hybrid", "keyword", pytest.approx(0.25)),
+        ("hybrid-late-interaction", "keyword", pytest.approx(0.0)),
+        ("hybrid-late-interaction", "dense-late-interaction", pytest.approx(0.5)),
+    ]
+    assert hybrid_margins({"dense": {}, "hybrid": {}}) == []  # no keyword run: nothing to compare with
+
+
 @pytest.mark.slow
 async def test_a_small_dataset_through_the_real_path(
     tmp_path: Path, deployment_settings: Settings, servers: Endpoints, deployment: object, tiny_cross_encoder: Path
@@ -161,6 +198,12 @@ async def test_a_small_dataset_through_the_real_path(
     assert report.configs["hybrid-late-interaction"].stages_p50_ms["lateInteraction"] > 0
     assert report.configs["hybrid-late-interaction"].late_interaction_skipped == 0  # short queries
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
+    # Every hybrid configuration set against the better retriever, over the four judged queries.
+    assert [(m.config, m.against) for m in report.margins][:2] == [
+        ("hybrid", report.margins[0].against), ("hybrid-late-interaction", report.margins[0].against),
+    ]  # fmt: skip
+    assert report.margins[0].against in {"dense", "keyword"}
+    assert all(m.better + m.worse + m.equal == 4 for m in report.margins)
 
 
 def test_report_table_names_the_early_exit_calibration() -> None:
@@ -182,6 +225,7 @@ def test_report_table_names_the_early_exit_calibration() -> None:
         },
         load_seconds=1.0,
         early_exit=calibrate_early_exit([ExitPoint(0.9, 2, True)], configured=0.8, queries=1),
+        margins=[margin("hybrid", "dense", {"q1": 0.5, "q2": 1.0, "q3": 0.5}, {"q1": 0.5, "q2": 0.5, "q3": 1.0})],
     )
     lines: list[str] = []
     render_table(report, lines.append)
@@ -190,7 +234,9 @@ def test_report_table_names_the_early_exit_calibration() -> None:
     assert lines[5] == "| hybrid-rerank | skipped: no reranker configured |"
     assert lines[6] == "hybrid: late interaction skipped for 2 long queries"
     assert lines[7] == "hybrid, worker-side p50 ms per stage: embed 10.2, total 30.0"
-    assert lines[8].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
+    assert lines[8].startswith("hybrid over dense: +0.0000 nDCG@10, 95% interval -0.")
+    assert lines[8].endswith("(paired bootstrap over 3 queries); better on 1, worse on 1, equal on 1")
+    assert lines[9].startswith("early exit at keyword saturation >= 0.8: fires for 100.0% of queries")
 
 
 def test_report_table_tells_refused_entries_from_lost_ones() -> None:

@@ -13,6 +13,7 @@ from ontofabric.services.ops.evaluation import (
     BeirDataset,
     DatasetError,
     ExitPoint,
+    Margin,
     calibrate_early_exit,
     compute_metrics,
     evaluate,
@@ -97,39 +98,58 @@ class _Quiet:
         pass
 
 
-def test_margin_over_queries_with_a_bootstrap_interval() -> None:
-    steady = margin("hybrid", "dense", {f"q{n}": 0.6 for n in range(50)}, {f"q{n}": 0.5 for n in range(50)})
-    assert (steady.better, steady.worse, steady.equal) == (50, 0, 0)
-    assert steady.difference == steady.ci_low == steady.ci_high == pytest.approx(0.1)  # no spread, no doubt
-    # Half the queries gain 0.2, half lose 0.2: no difference, and an interval wide on both sides of zero.
+def test_margin_over_queries_with_a_paired_bootstrap_interval() -> None:
+    def measured(scores: dict[str, float], reference: dict[str, float]) -> Margin:
+        found = margin("hybrid", "dense", scores, reference)
+        assert found is not None
+        return found
+
+    # The same gain on every query, whatever the query's own score: paired, there is nothing to doubt.
+    reference = {f"q{n}": n / 100 for n in range(100)}
+    steady = measured({q: v + 0.01 for q, v in reference.items()}, reference)
+    assert (steady.better, steady.worse, steady.equal) == (100, 0, 0)
+    for value in (steady.difference, steady.ci_low, steady.ci_high):
+        assert value == pytest.approx(0.01)
+    # Half the queries gain 0.2, half lose 0.2: the 95 % interval is about ±1.96·0.2/√100 = ±0.039 (unpaired,
+    # it would be ±0.028).
     scores = {f"q{n}": 0.2 if n % 2 else 0.0 for n in range(100)}
-    reference = {f"q{n}": 0.0 if n % 2 else 0.2 for n in range(100)}
-    split = margin("hybrid", "dense", scores, reference)
+    split = measured(scores, {f"q{n}": 0.0 if n % 2 else 0.2 for n in range(100)})
     assert split.difference == pytest.approx(0.0)
-    assert split.ci_low < -0.02
-    assert split.ci_high > 0.02
+    assert split.ci_low == pytest.approx(-0.039, abs=0.005)
+    assert split.ci_high == pytest.approx(0.039, abs=0.005)
     assert (split.better, split.worse, split.equal) == (50, 50, 0)
-    # A query only one side answered counts zero on the other; ties are counted apart.
-    partial = margin("hybrid", "dense", {"a": 1.0, "b": 0.5}, {"b": 0.5, "c": 0.25})
+    # A query only one side answered counts zero on the other; a tie in float noise is a tie.
+    partial = measured({"a": 1.0, "b": 0.1 + 0.2}, {"b": 0.3, "c": 0.25})
     assert (partial.better, partial.worse, partial.equal) == (1, 1, 1)
     assert partial.difference == pytest.approx((1.0 - 0.25) / 3)
+    assert margin("hybrid", "dense", {}, {}) is None
 
 
-def test_hybrid_margins_compare_with_the_better_retriever() -> None:
+def test_hybrid_margins_compare_with_the_stronger_retriever() -> None:
     per_query = {
         "dense": {"q1": 0.5, "q2": 0.5},
-        "keyword": {"q1": 1.0, "q2": 0.5},  # the better one here
+        "keyword": {"q1": 1.0, "q2": 0.5},  # the stronger one here
         "hybrid": {"q1": 1.0, "q2": 1.0},
         "hybrid-late-interaction": {"q1": 0.5, "q2": 1.0},
         "dense-late-interaction": {"q1": 0.5, "q2": 0.0},
+        "hybrid-rerank": {"q1": 0.0, "q2": 1.0},
     }
     found = [(m.config, m.against, m.difference) for m in hybrid_margins(per_query)]
     assert found == [
         ("hybrid", "keyword", pytest.approx(0.25)),
         ("hybrid-late-interaction", "keyword", pytest.approx(0.0)),
+        ("hybrid-rerank", "keyword", pytest.approx(-0.25)),
         ("hybrid-late-interaction", "dense-late-interaction", pytest.approx(0.5)),
     ]
-    assert hybrid_margins({"dense": {}, "hybrid": {}}) == []  # no keyword run: nothing to compare with
+    per_query["dense"] = {"q1": 1.0, "q2": 1.0}  # now dense is
+    assert [(m.config, m.against) for m in hybrid_margins(per_query)][:3] == [
+        ("hybrid", "dense"), ("hybrid-late-interaction", "dense"), ("hybrid-rerank", "dense"),
+    ]  # fmt: skip
+    # Without a keyword run only the default request's pair with dense late interaction is left.
+    del per_query["keyword"]
+    assert [(m.config, m.against) for m in hybrid_margins(per_query)] == [
+        ("hybrid-late-interaction", "dense-late-interaction")
+    ]
 
 
 @pytest.mark.slow
@@ -198,12 +218,16 @@ async def test_a_small_dataset_through_the_real_path(
     assert report.configs["hybrid-late-interaction"].stages_p50_ms["lateInteraction"] > 0
     assert report.configs["hybrid-late-interaction"].late_interaction_skipped == 0  # short queries
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
-    # Every hybrid configuration set against the better retriever, over the four judged queries.
-    assert [(m.config, m.against) for m in report.margins][:2] == [
-        ("hybrid", report.margins[0].against), ("hybrid-late-interaction", report.margins[0].against),
+    # Every hybrid configuration against the stronger retriever, over the four judged queries; here every
+    # configuration but the random cross-encoder answers each query alike, a tie, where dense counts as stronger.
+    assert [(m.config, m.against) for m in report.margins] == [
+        ("hybrid", "dense"), ("hybrid-late-interaction", "dense"), ("hybrid-rerank", "dense"),
+        ("hybrid-late-interaction", "dense-late-interaction"),
     ]  # fmt: skip
-    assert report.margins[0].against in {"dense", "keyword"}
-    assert all(m.better + m.worse + m.equal == 4 for m in report.margins)
+    for m in report.margins:
+        assert m.better + m.worse + m.equal == 4
+        if m.config != "hybrid-rerank":
+            assert (m.difference, m.equal) == (pytest.approx(0.0), 4)
 
 
 def test_report_table_names_the_early_exit_calibration() -> None:
@@ -225,7 +249,9 @@ def test_report_table_names_the_early_exit_calibration() -> None:
         },
         load_seconds=1.0,
         early_exit=calibrate_early_exit([ExitPoint(0.9, 2, True)], configured=0.8, queries=1),
-        margins=[margin("hybrid", "dense", {"q1": 0.5, "q2": 1.0, "q3": 0.5}, {"q1": 0.5, "q2": 0.5, "q3": 1.0})],
+        margins=hybrid_margins(
+            {"dense": {"q1": 0.5, "q2": 0.5, "q3": 1.0}, "keyword": {}, "hybrid": {"q1": 0.5, "q2": 1.0, "q3": 0.5}}
+        ),
     )
     lines: list[str] = []
     render_table(report, lines.append)

@@ -11,7 +11,7 @@ relevant document.
   one-line description from NAME is the query. Which pages there are depends on the packages installed.
 - ``stdlib-modules``: the opposite shape, many answers to a query. The documents are the same functions (every
   documented one, whatever its docstring's length); the query is the first sentence of a module's docstring
-  ("Heap queue algorithm (a.k.a. priority queue)."), and every function of that module is relevant. Modules with
+  ("Generic (shallow and deep) copying operations."), and every function of that module is relevant. Modules with
   fewer than three functions are left out. Topic queries with many answers, as TREC-COVID's or NFCorpus's are.
 
 In the one-answer sets, items whose query or text repeats another's are left out, so no query has two

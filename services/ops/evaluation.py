@@ -520,8 +520,9 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
             stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
             write(f"{name}, worker-side p50 ms per stage: {stages}")
     for m in report.margins:
+        difference = round(m.difference, 4) + 0.0  # + 0.0: a rounding of -1e-17 prints +0.0000, not -0.0000
         write(
-            f"{m.config} over {m.against}: {m.difference:+.4f} nDCG@10, 95% interval {m.ci_low:+.4f} to "
+            f"{m.config} over {m.against}: {difference:+.4f} nDCG@10, 95% interval {m.ci_low:+.4f} to "
             f"{m.ci_high:+.4f} (paired bootstrap over {m.better + m.worse + m.equal} queries); better on {m.better}, "
             f"worse on {m.worse}, equal on {m.equal}"
         )

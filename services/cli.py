@@ -224,7 +224,8 @@ def eval_command(
         bool, typer.Option(help="Count a result whose id is the query's own (BEIR drops those by default).")
     ] = False,
 ) -> None:
-    """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency."""
+    """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency, and each
+    hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval."""
     from .ops.evaluation import CONFIGS, DatasetError, evaluate, load_beir, render_table
 
     settings = _settings("ontofabric-eval", quiet=True)

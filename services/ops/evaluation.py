@@ -216,6 +216,10 @@ def calibrate_early_exit(
     )
 
 
+_TIE = 1e-9
+"""Per-query differences within this are float noise: a tie."""
+
+
 @dataclass(frozen=True)
 class Margin:
     """One configuration against another on nDCG@10, query by query, with how far chance alone could move it."""
@@ -230,7 +234,7 @@ class Margin:
     better: int
     worse: int
     equal: int
-    """Queries where ``config`` scored higher, lower, or the same (within 1e-9) as ``against``."""
+    """Queries where ``config`` scored higher, lower, or the same (within ``_TIE``) as ``against``."""
 
 
 def margin(
@@ -248,22 +252,20 @@ def margin(
         return None
     differences = np.array([scores.get(q, 0.0) - reference.get(q, 0.0) for q in queries])
     rng = np.random.default_rng(seed)
-    means = np.concatenate(  # in chunks: resamples x queries indices at once would be GBs for 10k-query sets
-        [
-            differences[rng.integers(0, len(differences), (min(1000, resamples - done), len(differences)))].mean(1)
-            for done in range(0, resamples, 1000)
-        ]
-    )
-    low, high = np.percentile(means, [2.5, 97.5])
+    means = []
+    for done in range(0, resamples, 1000):  # in chunks: all resamples' indices at once are GBs for 10k queries
+        drawn = rng.integers(0, len(differences), (min(1000, resamples - done), len(differences)))
+        means.append(differences[drawn].mean(axis=1))
+    low, high = np.percentile(np.concatenate(means), [2.5, 97.5])
     return Margin(
         config=config,
         against=against,
         difference=float(differences.mean()),
         ci_low=float(low),
         ci_high=float(high),
-        better=int((differences > 1e-9).sum()),
-        worse=int((differences < -1e-9).sum()),
-        equal=int((np.abs(differences) <= 1e-9).sum()),
+        better=int((differences > _TIE).sum()),
+        worse=int((differences < -_TIE).sum()),
+        equal=int((np.abs(differences) <= _TIE).sum()),
     )
 
 

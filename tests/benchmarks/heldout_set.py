@@ -9,10 +9,11 @@ relevant document.
   is the query: long queries that repeat what matters to them, as ArguAna's arguments do.
 - ``man``: every manual page (sections 1-8, English) becomes a document, its text without the NAME section; the
   one-line description from NAME is the query. Which pages there are depends on the packages installed.
-- ``stdlib-modules``: the opposite shape, many answers to a query. The documents are the same functions (every
-  documented one, whatever its docstring's length); the query is the first sentence of a module's docstring
-  ("Generic (shallow and deep) copying operations."), and every function of that module is relevant. Modules with
-  fewer than three functions are left out. Topic queries with many answers, as TREC-COVID's or NFCorpus's are.
+- ``stdlib-modules``: the opposite shape, many answers to a query. The documents are the same functions (whatever
+  their docstring's length; those whose code repeats another's left out); the query is the first sentence of a
+  module's docstring ("Generic (shallow and deep) copying operations."), and every function of that module is
+  relevant. Modules with fewer than three functions, no docstring, or a first sentence under three words are left
+  out. Topic queries with many answers, as TREC-COVID's or NFCorpus's are.
 
 In the one-answer sets, items whose query or text repeats another's are left out, so no query has two
 answers. The samples are seeded.

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ontofabric.contracts import FoundBy, QueryMeta, QueryResponse, SearchResult
+from ontofabric.contracts.query import LateInteractionReport
 from ontofabric.services.ops.evaluation import (
     CONFIGS,
     BeirDataset,
@@ -20,7 +22,9 @@ from ontofabric.services.ops.evaluation import (
     hybrid_margins,
     load_beir,
     margin,
+    run_file_scores,
     write_beir,
+    write_trec_run,
 )
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
@@ -73,6 +77,32 @@ def test_dataset_errors_are_clear(tmp_path: Path) -> None:
     (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t7\t1.5\n")
     with pytest.raises(DatasetError, match=r"test\.tsv:2: score '1\.5' is no integer"):
         load_beir(root, "test")
+
+
+def _answer(found: list[tuple[str, float, float]], late_interaction: bool) -> QueryResponse:
+    """A dense-only answer: (id, the result's score, the cosine dense found it with), in the answer's order."""
+    results = [
+        SearchResult(id=doc_id, score=score, rank=rank, content=None, object_type="t.T", source_domain="t",
+                     metadata={}, found_by=[FoundBy(retriever="dense", rank=rank, score=cosine)])
+        for rank, (doc_id, score, cosine) in enumerate(found, start=1)
+    ]  # fmt: skip
+    report = LateInteractionReport(weight=0.2, candidates=2, with_token_vectors=2) if late_interaction else None
+    meta = QueryMeta(
+        ontology_version="1-a", workspace="w", branch="main", hybrid=False, reranked=False, cache_hit=False,
+        backend="postgres-bm25", retrievers=["dense"], timings_ms={}, late_interaction=report,
+    )  # fmt: skip
+    return QueryResponse(results=results, _meta=meta)
+
+
+def test_a_run_file_keeps_the_order_that_was_judged(tmp_path: Path) -> None:
+    # Late interaction put "b" first although dense found "a" with the higher cosine.
+    reordered = _answer([("b", 0.8, 0.41), ("a", 0.2, 0.52)], late_interaction=True)
+    assert run_file_scores(reordered, single_retriever=True) == {"b": 0.8, "a": 0.2}
+    as_found = _answer([("a", 0.9, 0.52), ("b", 0.7, 0.41)], late_interaction=False)
+    assert run_file_scores(as_found, single_retriever=True) == {"a": 0.52, "b": 0.41}  # the retriever's own
+    write_trec_run(tmp_path / "x.run", {"q": {"b": 0.5, "a": 0.5, "c": 0.7}}, "tag")
+    lines = (tmp_path / "x.run").read_text().splitlines()
+    assert [line.split()[2:4] for line in lines] == [["b", "1"], ["a", "2"], ["c", "3"]]  # as given, not re-sorted
 
 
 def test_early_exit_calibration() -> None:

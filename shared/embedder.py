@@ -1,5 +1,8 @@
 """The Embedder port and its local adapter (sentence-transformers on CPU, offline).
 
+A model reads a bounded number of tokens (all-MiniLM-L6-v2: 256) and silently drops the rest, so a text longer
+than that is embedded in consecutive windows and their vectors pooled (:func:`pool_windows`).
+
 Embedding is CPU-bound: callers in an event loop use :meth:`Embedder.embed_query_with_tokens_async`, which runs the
 model on one dedicated thread so concurrent requests queue instead of fighting over the cores; other CPU-bound work
 of a query (late interaction) queues on the same thread through :meth:`Embedder.on_model_thread`.
@@ -77,6 +80,42 @@ def unit_rows(matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return scaled
 
 
+def window_spans(
+    offsets: Sequence[tuple[int, int]], word_ids: Sequence[int | None], width: int, limit: int
+) -> list[tuple[int, int]]:
+    """Character spans of the consecutive windows a tokenised text is read in, at most ``limit`` of them from the
+    start: each at most ``width`` tokens and ending where a word ends, so its text tokenises as it did in the whole
+    (a word longer than a window is cut). ``offsets`` and ``word_ids`` are the tokenizer's, one per token."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    while start < len(offsets) and len(spans) < limit:
+        end = min(start + width, len(offsets))
+        if end < len(offsets):
+            boundary = end  # the first token of the next window: move it back to the start of its word
+            while boundary > start + 1 and word_ids[boundary] == word_ids[boundary - 1]:
+                boundary -= 1
+            if word_ids[boundary] != word_ids[boundary - 1]:
+                end = boundary
+        spans.append((offsets[start][0], offsets[end - 1][1]))
+        start = end
+    return spans
+
+
+def pool_windows(vectors: npt.NDArray[np.float32], token_counts: Sequence[int]) -> Vector:
+    """One text's unit vector from its windows' unit vectors (in text order): the first window's plus the mean of
+    all, weighted by their tokens. The opening of a document (its title, signature or summary) says most about it,
+    so it counts twice; the rest adds what the opening does not say. Against the first window alone (what
+    sentence-transformers reads), and against a plain mean or the best window, this ranked best on long documents:
+    docs/quality.md, "Long documents"."""
+    if len(vectors) == 1:
+        single: Vector = vectors[0]
+        return single
+    weights = np.asarray(token_counts, dtype=np.float32)
+    mean = (vectors * weights[:, None]).sum(axis=0) / weights.sum()
+    pooled: Vector = unit_rows((vectors[0] + mean)[None, :])[0]
+    return pooled
+
+
 def wants_bfloat16(precision: Precision) -> bool:
     """A precision setting (`auto`, `float32`, `bfloat16`) resolved on this CPU."""
     return precision == "bfloat16" or (precision == "auto" and cpu_has_bfloat16())
@@ -94,12 +133,22 @@ def load_sentence_transformer(model_path: Path, bfloat16: bool) -> SentenceTrans
 
 
 class LocalSentenceTransformer:
-    """A sentence-transformers model from a local directory; never touches the network."""
+    """A sentence-transformers model from a local directory; never touches the network.
 
-    def __init__(self, model_name: str, model_path: Path, expected_dimension: int, bfloat16: bool = False) -> None:
+    A text longer than the model reads is embedded in up to ``windows`` consecutive windows of its
+    ``max_seq_length`` (1: only the first, as sentence-transformers does), pooled into one vector; its token
+    vectors are those of the first window."""
+
+    def __init__(
+        self, model_name: str, model_path: Path, expected_dimension: int, bfloat16: bool = False, windows: int = 1
+    ) -> None:
+        if windows < 1:
+            raise ValueError("windows must be at least 1")
         self.model_name = model_name
-        # bfloat16 vectors are near float32's but not equal: cached apart, so neither precision is served the other's.
-        self.cache_name = f"{model_name}@bfloat16" if bfloat16 else model_name
+        # Vectors that differ are cached apart, so no setting is served another's: bfloat16 vectors are near
+        # float32's but not equal, and a long text read in windows differs from its first window alone.
+        self.cache_name = model_name + ("@bfloat16" if bfloat16 else "") + (f"+windows{windows}" if windows > 1 else "")
+        self._windows = windows
         self._model = load_sentence_transformer(model_path, bfloat16)
         dimension = self._model.get_embedding_dimension()
         if dimension != expected_dimension:
@@ -117,17 +166,45 @@ class LocalSentenceTransformer:
     def embed_with_tokens(
         self, texts: Sequence[str], batch_size: int = 64
     ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
-        encoded = self._model.encode(list(texts), batch_size=batch_size, output_value=None)
+        pieces, owners = self._read_in_windows(texts)
+        encoded = self._model.encode(pieces, batch_size=batch_size, output_value=None)
         if not encoded:
             return np.zeros((0, self.dimension), np.float32), []
-        vectors = np.stack([np.asarray(e["sentence_embedding"].float(), np.float32) for e in encoded])
+        # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
+        window_vectors = unit_rows(np.stack([np.asarray(e["sentence_embedding"].float(), np.float32) for e in encoded]))
         # Batched rows are padded to the longest text: keep the tokens the attention mask says are real.
-        tokens = [
+        window_tokens = [
             unit_rows(np.asarray(e["token_embeddings"][: int(e["attention_mask"].sum())].float(), np.float32))
             for e in encoded
         ]  # .float(): bfloat16 has no numpy dtype
-        # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
-        return unit_rows(vectors), tokens
+        windows_of: dict[int, list[int]] = {}
+        for window, owner in enumerate(owners):
+            windows_of.setdefault(owner, []).append(window)
+        vectors, tokens = [], []
+        for read in windows_of.values():
+            vectors.append(pool_windows(window_vectors[read], [len(window_tokens[i]) for i in read]))
+            # Late interaction compares the first window's tokens: those of every window ranked no better
+            # (docs/quality.md, "Long documents") and would take up to four times the space.
+            tokens.append(window_tokens[read[0]])
+        return np.stack(vectors), tokens
+
+    def _read_in_windows(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
+        """The pieces the model reads (a text that fits is one piece, as it is), and the text each belongs to."""
+        if self._windows == 1:
+            return list(texts), list(range(len(texts)))
+        tokenizer = self._model.tokenizer
+        width = self._model.max_seq_length - tokenizer.num_special_tokens_to_add(pair=False)
+        tokenized = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        pieces: list[str] = []
+        owners: list[int] = []
+        for index, text in enumerate(texts):
+            offsets = tokenized["offset_mapping"][index]
+            spans = [(0, len(text))]
+            if len(offsets) > width:
+                spans = window_spans(offsets, tokenized.word_ids(index), width, self._windows)
+            pieces.extend(text[start:end] for start, end in spans)
+            owners.extend([index] * len(spans))
+        return pieces, owners
 
     def embed_query(self, text: str) -> Vector:
         row: Vector = self.embed_documents([text])[0]
@@ -153,4 +230,5 @@ def build_embedder(settings: Settings) -> Embedder | None:
         settings.resolved_model_path(),
         settings.embedding_dim,
         wants_bfloat16(settings.embedding_precision),
+        settings.embedding_windows,
     )

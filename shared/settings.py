@@ -60,6 +60,14 @@ class Settings(BaseSettings):
         "the CPU computes it natively (AVX-512 BF16, AMX; `auto` picks it there), at a small quality cost "
         "(docs/benchmarks.md); its vectors are cached apart from float32's.",
     )
+    embedding_windows: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="A text longer than the model reads (all-MiniLM-L6-v2: 256 tokens) is embedded in up to this many "
+        'consecutive windows, pooled into one vector (docs/quality.md, "Long documents"); 1 reads only the first '
+        "window, as sentence-transformers does.",
+    )
     token_vectors: bool = Field(
         default=True,
         description="Ingesters send each document's token vectors, one sign bit per dimension (48 bytes a token at "

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from ontofabric.shared import embedder as embedder_module
-from ontofabric.shared.embedder import LocalSentenceTransformer, build_embedder, cpu_has_bfloat16, wants_bfloat16
+from ontofabric.shared.embedder import (
+    LocalSentenceTransformer,
+    build_embedder,
+    cpu_has_bfloat16,
+    pool_windows,
+    wants_bfloat16,
+    window_spans,
+)
 from ontofabric.shared.embedding_cache import EmbeddingCache, text_hash
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.settings import Settings
@@ -143,3 +150,71 @@ def test_a_cache_file_from_before_token_signs_is_upgraded_in_place(
         cache.close()
     assert np.array_equal(embedded.vectors, embedders[False].embed_documents(TEXTS[:1]))
     assert embedded.token_signs[0]
+
+
+# --- long texts: read in windows ------------------------------------------------------------------------------
+
+
+def test_windows_end_where_words_end_and_stop_at_the_limit() -> None:
+    # Ten tokens of four words: "alpha" is 3 tokens, "beta" 2, "gamma" 4, "delta" 1 (offsets are the tokens' spans).
+    word_ids = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    offsets = [(i, i + 1) for i in range(10)]
+    assert window_spans(offsets, word_ids, width=4, limit=10) == [(0, 3), (3, 5), (5, 9), (9, 10)]
+    assert window_spans(offsets, word_ids, width=4, limit=2) == [(0, 3), (3, 5)]
+    assert window_spans(offsets, word_ids, width=6, limit=10) == [(0, 5), (5, 10)]
+    # A word longer than a window is cut inside it rather than looping.
+    assert window_spans(offsets, [0] * 10, width=4, limit=10) == [(0, 4), (4, 8), (8, 10)]
+    assert window_spans(offsets[:3], word_ids[:3], width=4, limit=10) == [(0, 3)]
+
+
+def test_pooled_windows_count_the_opening_twice_and_the_rest_by_their_tokens() -> None:
+    first, second = np.eye(3, dtype=np.float32)[0], np.eye(3, dtype=np.float32)[1]
+    alone = pool_windows(first[None, :], [200])
+    assert np.array_equal(alone, first)
+    pooled = pool_windows(np.stack([first, second]), [200, 50])
+    # first + (200 * first + 50 * second) / 250 = 1.8 first + 0.2 second, at unit length
+    assert pooled == pytest.approx(np.array([1.8, 0.2, 0.0]) / np.hypot(1.8, 0.2), abs=1e-6)
+    assert float(np.linalg.norm(pooled)) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def windowed() -> LocalSentenceTransformer:
+    settings = Settings()
+    return LocalSentenceTransformer(
+        settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, windows=4
+    )
+
+
+LONG_OPENING = " ".join(["The river carries water from the mountains down to the sea through the valley."] * 30)
+LONG_TEXT = LONG_OPENING + " Finally, the database index stores embeddings for vector search over documents."
+
+
+def test_a_long_text_is_read_past_what_the_model_reads_at_once(
+    windowed: LocalSentenceTransformer, embedders: dict[bool, LocalSentenceTransformer]
+) -> None:
+    tokenizer = windowed._model.tokenizer
+    assert len(tokenizer(LONG_OPENING, add_special_tokens=False)["input_ids"]) > windowed._model.max_seq_length
+    first_only = embedders[False]
+    (vector, tokens), (cut_vector, cut_tokens) = (
+        windowed.embed_with_tokens([LONG_TEXT]),
+        first_only.embed_with_tokens([LONG_TEXT]),
+    )
+    # What the first window cannot see moves the vector towards it; the token vectors stay the first window's.
+    query = windowed.embed_query("vector search index for embeddings in a database")
+    assert float(vector[0] @ query) > float(cut_vector[0] @ query) + 0.02
+    assert np.array_equal(tokens[0], cut_tokens[0])
+    assert len(tokens[0]) == windowed._model.max_seq_length
+    assert windowed.cache_name != first_only.cache_name
+
+
+def test_texts_that_fit_embed_as_they_did_and_each_window_fits_the_model(
+    windowed: LocalSentenceTransformer, embedders: dict[bool, LocalSentenceTransformer]
+) -> None:
+    assert np.array_equal(windowed.embed_documents(TEXTS), embedders[False].embed_documents(TEXTS))
+    very_long = " ".join(f"word{i} value" for i in range(3000))
+    pieces, owners = windowed._read_in_windows([TEXTS[0], very_long])
+    assert owners == [0, 1, 1, 1, 1]  # the short text whole, the long one in at most four windows
+    tokenizer = windowed._model.tokenizer
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces[1:]]
+    assert max(lengths) <= windowed._model.max_seq_length - 2
+    assert " ".join(pieces[1:]).split() == very_long.split()[: len(" ".join(pieces[1:]).split())]

@@ -3,7 +3,9 @@
 Prints nDCG@10 (and Recall@10, Recall@100, MRR@10) of:
 - BM25 with bm25s (English stemming and stopwords), as the issue's reference;
 - BM25 with bm25s over text whose identifiers (camelCase, snake_case, dotted) are followed by their parts;
-- dense all-MiniLM-L6-v2 by exact cosine (numpy, every document), with the same embeddings as the pipeline;
+- dense all-MiniLM-L6-v2 by exact cosine (numpy, every document): over each document's first window, as
+  sentence-transformers reads it and as the issue's reference did, and over the pipeline's own vectors (a long
+  document read in ONTOFABRIC_EMBEDDING_WINDOWS windows), which is what HNSW is compared with;
 - plain RRF k=60 of the first and the third.
 
 Run: .venv/bin/python tests/benchmarks/quality_reference.py DATASET_DIR --split SPLIT
@@ -56,30 +58,31 @@ def main() -> None:
     parser.add_argument("--split", default="test")
     args = parser.parse_args()
     dataset = load_beir(args.dataset, args.split)
-    settings = Settings()
-    embedder = build_embedder(settings.model_copy(update={"embedder": "local"}))
-    assert embedder is not None
+    settings = Settings().model_copy(update={"embedder": "local"})
     cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
     ids = [d["_id"] for d in dataset.corpus]
     texts = [document_text(d) for d in dataset.corpus]
     judged = [q for q in dataset.qrels if q in dataset.queries]
     query_texts = [dataset.queries[q] for q in judged]
 
-    documents = cache.embed(embedder, texts).vectors
-    queries = cache.embed(embedder, query_texts).vectors
-    similarity = queries @ documents.T
-    dense: list[list[Candidate]] = []
-    for row in similarity:
-        top = np.argsort(-row)[:DEPTH]
-        dense.append([Candidate(ids[i], float(row[i])) for i in top])
+    def exact_dense(windows: int) -> list[list[Candidate]]:
+        embedder = build_embedder(settings.model_copy(update={"embedding_windows": windows}))
+        assert embedder is not None
+        similarity = cache.embed(embedder, query_texts).vectors @ cache.embed(embedder, texts).vectors.T
+        return [[Candidate(ids[i], float(row[i])) for i in np.argsort(-row)[:DEPTH]] for row in similarity]
 
+    dense = exact_dense(1)
     lists = {
         "bm25 (bm25s)": bm25_lists(texts, query_texts, ids),
         "bm25 + identifier splitting (bm25s)": bm25_lists(
             [split_identifiers(t) for t in texts], [split_identifiers(q) for q in query_texts], ids
         ),
-        "dense exact cosine": dense,
+        "dense exact cosine, first window (sentence-transformers as is)": dense,
     }
+    if settings.embedding_windows > 1:
+        lists[f"dense exact cosine, up to {settings.embedding_windows} windows (the pipeline's vectors)"] = exact_dense(
+            settings.embedding_windows
+        )
     bm25 = lists["bm25 (bm25s)"]
     lists["rrf k=60 (bm25, dense)"] = [
         [Candidate(f.id, f.score) for f in reciprocal_rank_fusion({"dense": d, "keyword": k}, k=60)]

@@ -52,7 +52,7 @@ class Embedder(Protocol):
         self, texts: Sequence[str], batch_size: int = 64
     ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
         """One pass of the model: the L2-normalised row of each text, and its tokens' vectors (unit rows, one per
-        token the model read, for late interaction)."""
+        token the model read in the text's first window, for late interaction)."""
         ...
 
     def embed_query(self, text: str) -> Vector: ...
@@ -103,10 +103,10 @@ def window_spans(
 
 def pool_windows(vectors: npt.NDArray[np.float32], token_counts: Sequence[int]) -> Vector:
     """One text's unit vector from its windows' unit vectors (in text order): the first window's plus the mean of
-    all, weighted by their tokens. The opening of a document (its title, signature or summary) says most about it,
-    so it counts twice; the rest adds what the opening does not say. Against the first window alone (what
-    sentence-transformers reads), and against a plain mean or the best window, this ranked best on long documents:
-    docs/quality.md, "Long documents"."""
+    all, each weighted by the tokens the model read in it. The opening of a document (its title, signature or
+    summary) says most about it, so it counts twice; the rest adds what the opening does not say. Against the
+    first window alone (what sentence-transformers reads), a plain mean or the best window, this ranked best on
+    long documents: docs/quality.md, "Long documents"."""
     if len(vectors) == 1:
         single: Vector = vectors[0]
         return single
@@ -140,7 +140,7 @@ class LocalSentenceTransformer:
     vectors are those of the first window."""
 
     def __init__(
-        self, model_name: str, model_path: Path, expected_dimension: int, bfloat16: bool = False, windows: int = 1
+        self, model_name: str, model_path: Path, expected_dimension: int, *, bfloat16: bool = False, windows: int
     ) -> None:
         if windows < 1:
             raise ValueError("windows must be at least 1")
@@ -166,10 +166,10 @@ class LocalSentenceTransformer:
     def embed_with_tokens(
         self, texts: Sequence[str], batch_size: int = 64
     ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
+        if not texts:
+            return np.zeros((0, self.dimension), np.float32), []
         pieces, owners = self._read_in_windows(texts)
         encoded = self._model.encode(pieces, batch_size=batch_size, output_value=None)
-        if not encoded:
-            return np.zeros((0, self.dimension), np.float32), []
         # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
         window_vectors = unit_rows(np.stack([np.asarray(e["sentence_embedding"].float(), np.float32) for e in encoded]))
         # Batched rows are padded to the longest text: keep the tokens the attention mask says are real.
@@ -229,6 +229,6 @@ def build_embedder(settings: Settings) -> Embedder | None:
         settings.embedding_model,
         settings.resolved_model_path(),
         settings.embedding_dim,
-        wants_bfloat16(settings.embedding_precision),
-        settings.embedding_windows,
+        bfloat16=wants_bfloat16(settings.embedding_precision),
+        windows=settings.embedding_windows,
     )

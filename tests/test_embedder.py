@@ -35,7 +35,11 @@ def embedders() -> dict[bool, LocalSentenceTransformer]:
     settings = Settings()
     return {
         bfloat16: LocalSentenceTransformer(
-            settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, bfloat16=bfloat16
+            settings.embedding_model,
+            settings.resolved_model_path(),
+            settings.embedding_dim,
+            bfloat16=bfloat16,
+            windows=1,
         )
         for bfloat16 in (False, True)
     }
@@ -175,6 +179,8 @@ def test_pooled_windows_count_the_opening_twice_and_the_rest_by_their_tokens() -
     # first + (200 * first + 50 * second) / 250 = 1.8 first + 0.2 second, at unit length
     assert pooled == pytest.approx(np.array([1.8, 0.2, 0.0]) / np.hypot(1.8, 0.2), abs=1e-6)
     assert float(np.linalg.norm(pooled)) == pytest.approx(1.0, abs=1e-6)
+    # The opening counts twice: the same windows in another order pool to another vector.
+    assert not np.allclose(pool_windows(np.stack([second, first]), [50, 200]), pooled)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +224,17 @@ def test_texts_that_fit_embed_as_they_did_and_each_window_fits_the_model(
     lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces[1:]]
     assert max(lengths) <= windowed._model.max_seq_length - 2
     assert " ".join(pieces[1:]).split() == very_long.split()[: len(" ".join(pieces[1:]).split())]
+
+
+def test_a_batch_of_long_and_short_texts_embeds_each_as_it_would_alone(windowed: LocalSentenceTransformer) -> None:
+    texts = [LONG_TEXT, TEXTS[1], "", "   ", LONG_OPENING, TEXTS[0]]
+    for batch in (texts, texts[::-1]):
+        vectors, tokens = windowed.embed_with_tokens(batch)
+        assert len(vectors) == len(tokens) == len(batch)
+        for text, vector, token_rows in zip(batch, vectors, tokens, strict=True):
+            alone_vectors, alone_tokens = windowed.embed_with_tokens([text])
+            assert np.allclose(vector, alone_vectors[0], atol=1e-5), text[:20]
+            assert token_rows.shape == alone_tokens[0].shape
+    empty_vectors, empty_tokens = windowed.embed_with_tokens([])
+    assert empty_vectors.shape == (0, windowed.dimension)
+    assert empty_tokens == []

@@ -24,7 +24,14 @@ from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from ontofabric.contracts import DocumentMetadata, DocumentUpserted, ErrorReply, QueryResponse, SemanticDocument
+from ontofabric.contracts import (
+    DocumentMetadata,
+    DocumentUpserted,
+    ErrorReply,
+    QueryMeta,
+    SearchResult,
+    SemanticDocument,
+)
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding, Progress
@@ -465,7 +472,7 @@ class Evaluation:
             # Ranks decide, not scores. As BEIR does, a document with the query's own id is no answer (ArguAna).
             hits = [r for r in reply.results if not (ignore_identical_ids and r.id == query_id)]
             run[query_id] = {r.id: float(DEPTH - n) for n, r in enumerate(hits)}
-            raw[query_id] = run_file_scores(reply, single)
+            raw[query_id] = run_file_scores(hits, reply.meta, single)
         result.metrics = compute_metrics({q: dataset.qrels[q] for q in judged}, run)
         result.latency_p50_ms = percentile(latencies, 0.5)
         result.latency_p95_ms = percentile(latencies, 0.95)
@@ -475,12 +482,13 @@ class Evaluation:
         return result, run
 
 
-def run_file_scores(reply: QueryResponse, single_retriever: bool) -> dict[str, float]:
-    """The score a run file keeps for each result, in the answer's order: the retriever's own where one retriever
-    ran and no later stage reordered its list, else the score the results were ranked by (a reordering stage's
-    relevance, or the fused one), so a tool that sorts the file by score sees the order that was judged."""
-    own = single_retriever and reply.meta.late_interaction is None and not reply.meta.reranked
-    return {r.id: r.found_by[0].score if own and len(r.found_by) == 1 else r.score for r in reply.results}
+def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_retriever: bool) -> dict[str, float]:
+    """The score a run file keeps for each judged result, in the answer's order: the retriever's own where one
+    retriever ran and no later stage reordered its list, else the score the results were ranked by (a reordering
+    stage's relevance, or the fused one), so a tool that sorts the file by score sees the order that was judged
+    (up to ties, which such tools break by document id)."""
+    own = single_retriever and meta.late_interaction is None and not meta.reranked
+    return {r.id: r.found_by[0].score if own and len(r.found_by) == 1 else r.score for r in results}
 
 
 def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:

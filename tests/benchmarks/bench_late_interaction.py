@@ -60,7 +60,11 @@ def main(calls: int, depth: int) -> None:
     batches = [pieces[(n * depth) % (len(pieces) - depth) :][:depth] for n in range(calls)]
     embedders = {
         bfloat16: LocalSentenceTransformer(
-            settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, bfloat16=bfloat16
+            settings.embedding_model,
+            settings.resolved_model_path(),
+            settings.embedding_dim,
+            bfloat16=bfloat16,
+            windows=settings.embedding_windows,
         )
         for bfloat16 in (False, True)
     }

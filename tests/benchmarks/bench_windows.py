@@ -4,7 +4,7 @@ Batches of pieces of this project's own source, at several lengths from one that
 ones that need eight windows, each embedded by the same model reading only the first window (the reference, what
 sentence-transformers does) and reading up to ``--windows`` windows, interleaved so noise on the machine hits
 each alike. Prints per-batch p50/p95 and the ratio to the reference at each length: what a long document costs
-an ingester (the query side embeds one short query and is unaffected).
+an ingester (a query is read the same way, so only a query longer than a window costs more).
 
 Run: .venv/bin/python -m tests.benchmarks.bench_windows [--calls 10] [--batch 16] [--windows 4]
 """

@@ -35,7 +35,8 @@ T = TypeVar("T")
 
 
 class EmbedderMismatch(Exception):
-    """The model does not produce vectors of the deployment's dimension."""
+    """The model does not fit the deployment's settings: vectors of another dimension, or no fast tokenizer where
+    long texts are to be read in windows."""
 
 
 class Embedder(Protocol):
@@ -155,6 +156,12 @@ class LocalSentenceTransformer:
             raise EmbedderMismatch(
                 f"{model_name} at {model_path} makes {dimension}-dimensional vectors; "
                 f"the deployment is set to {expected_dimension} (ONTOFABRIC_EMBEDDING_DIM)"
+            )
+        if windows > 1 and not getattr(self._model.tokenizer, "is_fast", False):
+            # Windows are cut at the tokenizer's character offsets, which only a fast tokenizer reports.
+            raise EmbedderMismatch(
+                f"{model_name} at {model_path} has no fast tokenizer, which reading long texts in windows needs; "
+                "set ONTOFABRIC_EMBEDDING_WINDOWS=1"
             )
         self.dimension = expected_dimension
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")

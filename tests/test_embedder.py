@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from ontofabric.shared import embedder as embedder_module
 from ontofabric.shared.embedder import (
+    EmbedderMismatch,
     LocalSentenceTransformer,
     build_embedder,
     cpu_has_bfloat16,
@@ -238,3 +240,24 @@ def test_a_batch_of_long_and_short_texts_embeds_each_as_it_would_alone(windowed:
     empty_vectors, empty_tokens = windowed.embed_with_tokens([])
     assert empty_vectors.shape == (0, windowed.dimension)
     assert empty_tokens == []
+
+
+def test_windows_without_a_fast_tokenizer_are_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings()
+    real = embedder_module.load_sentence_transformer
+
+    class WithoutOffsets:
+        """The real model behind a tokenizer that, like transformers' Python tokenizers, reports no offsets."""
+
+        def __init__(self, path: Path, bfloat16: bool) -> None:
+            self.model = real(path, bfloat16)
+            self.tokenizer = SimpleNamespace(is_fast=False)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.model, name)
+
+    monkeypatch.setattr(embedder_module, "load_sentence_transformer", WithoutOffsets)
+    model = (settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim)
+    with pytest.raises(EmbedderMismatch, match="ONTOFABRIC_EMBEDDING_WINDOWS=1"):
+        LocalSentenceTransformer(*model, windows=4)
+    assert LocalSentenceTransformer(*model, windows=1).embed_documents(TEXTS).shape == (3, settings.embedding_dim)

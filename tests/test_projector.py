@@ -161,9 +161,16 @@ async def test_token_vectors_are_stored_as_sent_and_follow_the_document(
     assert stored == {"a": None, "b": None}
 
 
+NAK_EVIDENCE_S = 15.0
+"""How soon the first redelivery must come for it to be the projector's nak (its first backoff is 0.5 s)."""
+
+
 async def test_transient_database_failure_is_retried(deployment: Deployment) -> None:
-    # A long ack wait: any redelivery seen within the test comes from the projector's nak, not from expiry.
-    settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 120.0})
+    # An ack wait longer than NAK_EVIDENCE_S: a redelivery seen within that time comes from the projector's nak,
+    # not from expiry. Not much longer: a delivery the projector never handled (seen in two of six full runs
+    # here, likely a fetch that timed out as the message arrived) comes back only after the ack wait, and the
+    # wait for the projection below must outlast it.
+    settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 2 * NAK_EVIDENCE_S})
     projector = ProjectorService(settings, deployment.nats_url, deployment.database_url)
     await projector.start()
     try:
@@ -180,7 +187,7 @@ async def _outage_then_recovery(deployment: Deployment) -> None:
         second = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
         # Delivery attempts fail while the database is away; on a loaded machine the first nak's backoff can take
         # a while, so wait for a redelivery rather than a fixed time.
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(NAK_EVIDENCE_S):
             while (info := await _projector_consumer(deployment)).num_redelivered < 1:
                 await asyncio.sleep(0.2)
         assert info.ack_floor.stream_seq < second.seq  # not acked while it could not be committed

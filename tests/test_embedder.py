@@ -203,10 +203,8 @@ def test_a_long_text_is_read_past_what_the_model_reads_at_once(
     tokenizer = windowed._model.tokenizer
     assert len(tokenizer(LONG_OPENING, add_special_tokens=False)["input_ids"]) > windowed._model.max_seq_length
     first_only = embedders[False]
-    (vector, tokens), (cut_vector, cut_tokens) = (
-        windowed.embed_with_tokens([LONG_TEXT]),
-        first_only.embed_with_tokens([LONG_TEXT]),
-    )
+    vector, tokens = windowed.embed_with_tokens([LONG_TEXT])
+    cut_vector, cut_tokens = first_only.embed_with_tokens([LONG_TEXT])
     # What the first window cannot see moves the vector towards it; the token vectors stay the first window's.
     query = windowed.embed_query("vector search index for embeddings in a database")
     assert float(vector[0] @ query) > float(cut_vector[0] @ query) + 0.02

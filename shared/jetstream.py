@@ -1,4 +1,4 @@
-"""JetStream definitions (streams, KV bucket, object store) and the connection helper.
+"""JetStream definitions (streams, KV bucket, object store), the connection helper and the batch pull loop.
 
 Every service calls :func:`ensure_jetstream` at start; it creates what is missing and leaves what exists alone,
 so workers can start in any order.
@@ -7,8 +7,11 @@ so workers can start in any order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -138,3 +141,72 @@ async def wait_caught_up(
     async with asyncio.timeout(timeout_s):
         while not await consumer_caught_up(js, stream, durable, stream_seq):
             await asyncio.sleep(poll_s)
+
+
+BatchHandler = Callable[[list[Msg]], Awaitable[None]]
+
+MAX_FETCH_BACKOFF_S = 10.0
+
+
+class BatchPuller:
+    """Fetches batches from a durable pull consumer and hands each one, whole, to ``handle``.
+
+    Our own loop rather than FastStream's batch subscriber: nats-py's fetch can raise asyncio's TimeoutError
+    where FastStream 0.7 catches only nats-py's, and its loop then drops the messages it had already fetched for
+    the batch; they came back only after the ack wait. Here every fetched message reaches ``handle``, which acks
+    or naks it. Each fetch waits at most ``fetch_timeout_s`` to fill the batch and returns what arrived. No
+    failure ends the loop; only :meth:`stop` does.
+    """
+
+    def __init__(
+        self,
+        subscription: JetStreamContext.PullSubscription,
+        handle: BatchHandler,
+        *,
+        batch_size: int,
+        fetch_timeout_s: float,
+        consumer: str,
+    ) -> None:
+        self._subscription = subscription
+        self._handle = handle
+        self._batch_size = batch_size
+        self._fetch_timeout_s = fetch_timeout_s
+        self._consumer = consumer
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"pull:{self._consumer}")
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Ends the loop after the current fetch and the batch in hand; cancels it after ``timeout_s``."""
+        self._stopping.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except TimeoutError:
+                log.warning("pull_stop_timed_out", consumer=self._consumer, timeout_s=timeout_s)
+            self._task = None
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                messages = await self._subscription.fetch(self._batch_size, timeout=self._fetch_timeout_s)
+            except TimeoutError:  # nats-py's and asyncio's alike: nothing arrived in time
+                failures = 0
+                continue
+            except Exception as error:  # connection lost, JetStream unavailable, consumer deleted ...
+                failures += 1
+                backoff = min(0.1 * 2**failures, MAX_FETCH_BACKOFF_S)
+                log.warning("fetch_failed", consumer=self._consumer, error=f"{type(error).__name__}: {error}",
+                            retry_in_s=backoff)  # fmt: skip
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), backoff)
+                continue
+            failures = 0
+            try:
+                await self._handle(messages)
+            except Exception:
+                # What was not acked comes back after the ack wait; the loop goes on with the next batch.
+                log.exception("batch_failed", consumer=self._consumer, size=len(messages))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import asyncpg
 import numpy as np
 from nats.js.api import ConsumerInfo
+from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector.planning import Delta, VersionState
@@ -16,7 +18,7 @@ from ontofabric.services.projector.worker import ProjectorService, VersionPublis
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.late_interaction import pack_signs
 
-from .conftest import Deployment
+from .conftest import SPANS, Deployment
 from .factories import delete, document, unit_vector, upsert
 
 
@@ -49,6 +51,17 @@ async def test_deltas_are_projected_and_version_is_announced(
     assert OntologyVersionChanged.model_validate_json(event.data).stream_seq <= announced.stream_seq
     partitions = await deployment.fetch("SELECT partition_name FROM workspaces WHERE workspace = 'acme'")
     assert len(partitions) == 1
+
+
+async def test_the_batch_span_links_each_delta_to_its_ingest_trace(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    with trace.get_tracer("tests").start_as_current_span("ingest.run") as span:
+        ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(ack.seq)
+    trace_id = span.get_span_context().trace_id
+    batches = [s for s in SPANS.get_finished_spans() if s.name == "projector.batch"]
+    assert any(link.context.trace_id == trace_id for s in batches for link in s.links)
 
 
 async def test_same_event_published_twice_changes_nothing(deployment: Deployment, projector: ProjectorService) -> None:
@@ -161,15 +174,31 @@ async def test_token_vectors_are_stored_as_sent_and_follow_the_document(
     assert stored == {"a": None, "b": None}
 
 
+async def test_deltas_trickling_in_are_each_projected_on_first_delivery(deployment: Deployment) -> None:
+    # Deltas one at a time at random gaps: some arrive just as a fetch times out. None may wait for redelivery.
+    # The ack wait outlasts the test, so a delivery the projector dropped would surface as a timeout below.
+    settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 120.0})
+    projector = ProjectorService(settings, deployment.nats_url, deployment.database_url)
+    await projector.start()
+    try:
+        rng = random.Random(11)
+        for n in range(150):
+            last = await deployment.publisher.publish(upsert("acme", document(f"d{n}", f"delta {n}")))
+            await asyncio.sleep(rng.uniform(0, 0.08))
+        await deployment.wait_projected(last.seq, timeout_s=60)
+    finally:
+        await projector.stop()
+    assert (await _projector_consumer(deployment)).num_redelivered == 0
+    assert len(await _live_rows(deployment, "acme")) == 150
+
+
 NAK_EVIDENCE_S = 15.0
 """How soon the first redelivery must come for it to be the projector's nak (its first backoff is 0.5 s)."""
 
 
 async def test_transient_database_failure_is_retried(deployment: Deployment) -> None:
     # An ack wait longer than NAK_EVIDENCE_S: a redelivery seen within that time comes from the projector's nak,
-    # not from expiry. Not much longer: a delivery the projector never handled (seen in two of six full runs
-    # here, likely a fetch that timed out as the message arrived) comes back only after the ack wait, and the
-    # wait for the projection below must outlast it.
+    # not from expiry.
     settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 2 * NAK_EVIDENCE_S})
     projector = ProjectorService(settings, deployment.nats_url, deployment.database_url)
     await projector.start()

@@ -1,4 +1,4 @@
-"""The Postgres projector: a FastStream durable pull consumer that applies batches of deltas.
+"""The Postgres projector: a durable JetStream pull consumer that applies batches of deltas.
 
 Per batch: rejected messages are dead-lettered with their reason, then terminated; the rest are applied in one
 transaction; only after commit are they acked and the new ontologyVersions announced. A transient database
@@ -11,25 +11,21 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated
 
 import asyncpg
-from faststream import AckPolicy, Context
-from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.message import NatsBatchMessage
-from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy as JsAckPolicy
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+from opentelemetry import propagate
 from opentelemetry.metrics import Observation
+from opentelemetry.trace import Link, get_current_span
 
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.shared.db import create_pool, is_transient, migrate
-from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ensure_jetstream
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, workspace_token_of
@@ -50,6 +46,12 @@ def retry_delay(num_delivered: int) -> float:
 
 def _header_safe(text: str, limit: int = 1000) -> str:
     return " ".join(text.split())[:limit]
+
+
+def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
+    """A link to each delta's ingest trace, carried in its headers: one batch span serves many traces."""
+    contexts = (get_current_span(propagate.extract(msg.headers or {})).get_span_context() for msg in messages)
+    return [Link(context) for context in contexts if context.is_valid]
 
 
 class VersionNotAnnounced(Exception):
@@ -123,7 +125,7 @@ class Projector:
 
     async def handle(self, messages: Sequence[Msg]) -> None:
         started = time.perf_counter()
-        with tracer().start_as_current_span("projector.batch") as span:
+        with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             accepted: list[tuple[Msg, Delta]] = []
             for msg in messages:
@@ -235,7 +237,8 @@ class ProjectorService:
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._database_url = database_url
-        self._broker: NatsBroker | None = None
+        self._nc: Client | None = None
+        self._puller: BatchPuller | None = None
         self._pool: asyncpg.Pool | None = None
 
     async def start(self) -> None:
@@ -249,56 +252,46 @@ class ProjectorService:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings)
-        broker = self._broker = NatsBroker(
-            self._nats_url, name="ontofabric-projector", logger=None, middlewares=[NatsTelemetryMiddleware()]
-        )
-        await broker.connect()
-        js = broker.connection.jetstream()
+        nc = self._nc = await connect(self._nats_url, "ontofabric-projector")
+        js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         kv = await js.key_value(names.version_bucket)
         projector = Projector(
             PostgresProjectionStore(self._pool, settings.text_search_config),
             js,
-            VersionPublisher(broker.connection, kv, names),
+            VersionPublisher(nc, kv, names),
             names,
             limits_from(settings),
         )
-
-        async def raw_bodies(message: NatsBatchMessage) -> list[bytes]:
-            # FastStream would json-decode each body; a malformed one must reach us, not fail the whole batch.
-            return [m.data for m in message.raw_message]
-
-        subscriber = broker.subscriber(
+        subscription = await js.pull_subscribe(
             names.delta_subjects,
-            stream=JStream(names.delta_stream, declare=False),
             durable=names.postgres_projector_durable,
-            pull_sub=PullSub(
-                batch_size=settings.projector_batch_size,
-                timeout=settings.projector_batch_timeout_s,
-                batch=True,
-            ),
-            ack_policy=AckPolicy.MANUAL,
-            decoder=raw_bodies,
+            stream=names.delta_stream,
             config=ConsumerConfig(
-                ack_policy=JsAckPolicy.EXPLICIT,
+                ack_policy=AckPolicy.EXPLICIT,
                 deliver_policy=DeliverPolicy.ALL,
                 ack_wait=settings.projector_ack_wait_s,
                 max_deliver=-1,
                 max_ack_pending=max(4 * settings.projector_batch_size, 1000),
             ),
         )
-
-        @subscriber
-        async def on_batch(message: Annotated[NatsBatchMessage, Context("message")]) -> None:
-            await projector.handle(message.raw_message)
-
-        await broker.start()
+        self._puller = BatchPuller(
+            subscription,
+            projector.handle,
+            batch_size=settings.projector_batch_size,
+            fetch_timeout_s=settings.projector_batch_timeout_s,
+            consumer=names.postgres_projector_durable,
+        )
+        self._puller.start()
         log.info("projector_started", durable=names.postgres_projector_durable, stream=names.delta_stream)
 
     async def stop(self) -> None:
-        if self._broker is not None:
-            await self._broker.stop()
-            self._broker = None
+        if self._puller is not None:
+            await self._puller.stop()  # the batch in hand is finished and acked before the connection goes
+            self._puller = None
+        if self._nc is not None:
+            await self._nc.close()
+            self._nc = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

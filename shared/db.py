@@ -131,4 +131,6 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, asyncpg.PostgresError):
         sqlstate = getattr(error, "sqlstate", None) or ""
         return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
-    return isinstance(error, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | ConnectionError)
+    # InternalClientError is asyncpg's own connection state going wrong, as when its backend is killed mid-query.
+    connection = OSError | asyncpg.InterfaceError | asyncpg.InternalClientError | asyncio.TimeoutError | ConnectionError
+    return isinstance(error, connection)

@@ -8,6 +8,7 @@ import random
 
 import asyncpg
 import numpy as np
+import pytest
 from nats.js.api import ConsumerInfo
 from opentelemetry import trace
 
@@ -15,7 +16,7 @@ from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector.planning import Delta, VersionState
 from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.worker import ProjectorService, VersionPublisher
-from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.db import create_pool, is_transient, migrate
 from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import SPANS, Deployment
@@ -190,6 +191,24 @@ async def test_deltas_trickling_in_are_each_projected_on_first_delivery(deployme
         await projector.stop()
     assert (await _projector_consumer(deployment)).num_redelivered == 0
     assert len(await _live_rows(deployment, "acme")) == 150
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (asyncpg.exceptions.StringDataRightTruncationError("value too long"), False),  # the data's fault
+        (asyncpg.exceptions.UniqueViolationError("duplicate key"), False),
+        (asyncpg.exceptions.DeadlockDetectedError("deadlock"), True),
+        (asyncpg.exceptions.CannotConnectNowError("starting up"), True),
+        (ConnectionRefusedError(), True),
+        (asyncpg.InterfaceError("connection is closed"), True),
+        # Seen when the backend was killed under a pooled connection: asyncpg's state, not the delta's.
+        (asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in progress"), True),
+        (ValueError("a bug that fails on this delta"), False),
+    ],
+)
+def test_only_errors_that_blame_the_data_dead_letter(error: Exception, transient: bool) -> None:
+    assert is_transient(error) is transient
 
 
 NAK_EVIDENCE_S = 15.0

@@ -4,8 +4,9 @@ A model reads a bounded number of tokens (all-MiniLM-L6-v2: 256) and silently dr
 than that is embedded in consecutive windows and their vectors pooled (:func:`pool_windows`).
 
 Embedding is CPU-bound: callers in an event loop use :meth:`Embedder.embed_query_with_tokens_async`, which runs the
-model on one dedicated thread so concurrent requests queue instead of fighting over the cores; other CPU-bound work
-of a query (late interaction) queues on the same thread through :meth:`Embedder.on_model_thread`.
+model on one dedicated thread so concurrent requests queue instead of fighting over the cores; the queries that
+queued while the model was busy are then embedded together, in one batch (:class:`Coalescer`). Other CPU-bound
+work of a query (late interaction) queues on the same thread through :meth:`Embedder.on_model_thread`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +34,12 @@ log = get_logger(__name__)
 
 Vector = npt.NDArray[np.float32]
 T = TypeVar("T")
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+# Queries embedded in one forward pass at most. On 2 CPU cores a cosqa query cost 7.6 ms alone, 3.2 ms in a batch
+# of 4 and 2.5 ms in a batch of 16 (docs/benchmarks.md, "Query load").
+MAX_QUERY_BATCH = 32
 
 
 class EmbedderMismatch(Exception):
@@ -133,6 +141,56 @@ def load_sentence_transformer(model_path: Path, bfloat16: bool) -> SentenceTrans
     return SentenceTransformer(str(model_path), device="cpu", local_files_only=True, model_kwargs={"dtype": dtype})
 
 
+class Coalescer(Generic[In, Out]):
+    """Runs ``work`` over the items that callers submit, in batches: whatever queued while the previous batch ran.
+
+    One caller alone waits for no one: its batch starts at once. Under load, callers that arrive while a batch runs
+    go together into the next, so a model that costs less per item in a batch serves more callers. A failed batch
+    fails each of its callers. State belongs to one event loop; a caller from another loop gets a fresh one.
+    """
+
+    def __init__(
+        self,
+        work: Callable[[list[In]], Sequence[Out]],
+        run: Callable[[Callable[[], Sequence[Out]]], Awaitable[Sequence[Out]]],
+        max_batch: int,
+    ) -> None:
+        self._work = work
+        self._run = run
+        self._max_batch = max_batch
+        self._waiting: list[tuple[In, asyncio.Future[Out]]] = []
+        self._drain: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def submit(self, item: In) -> Out:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new loop (tests run one per test): nothing of the old one can be served
+            self._loop, self._waiting, self._drain = loop, [], None
+        future: asyncio.Future[Out] = loop.create_future()
+        self._waiting.append((item, future))
+        if self._drain is None or self._drain.done():
+            self._drain = loop.create_task(self._run_batches(self._waiting))
+        return await future
+
+    async def _run_batches(self, waiting: list[tuple[In, asyncio.Future[Out]]]) -> None:
+        while waiting:
+            batch = waiting[: self._max_batch]
+            del waiting[: self._max_batch]
+            items = [item for item, _ in batch]
+            try:
+                outputs = await self._run(partial(self._work, items))
+                if len(outputs) != len(batch):
+                    raise RuntimeError(f"{len(outputs)} results for a batch of {len(batch)}")
+            except Exception as error:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), output in zip(batch, outputs, strict=True):
+                if not future.done():  # its caller may have given up (cancelled) meanwhile
+                    future.set_result(output)
+
+
 class LocalSentenceTransformer:
     """A sentence-transformers model from a local directory; never touches the network.
 
@@ -165,6 +223,9 @@ class LocalSentenceTransformer:
             )
         self.dimension = expected_dimension
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
+        self._queries: Coalescer[str, tuple[Vector, TokenMatrix]] = Coalescer(
+            self._embed_queries, self.on_model_thread, MAX_QUERY_BATCH
+        )
         log.info("embedder_loaded", model=model_name, path=str(model_path), dimension=dimension, bfloat16=bfloat16)
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
@@ -217,12 +278,12 @@ class LocalSentenceTransformer:
         row: Vector = self.embed_documents([text])[0]
         return row
 
-    def _embed_query_with_tokens(self, text: str) -> tuple[Vector, TokenMatrix]:
-        vectors, tokens = self.embed_with_tokens([text])
-        return vectors[0], tokens[0]
+    def _embed_queries(self, texts: list[str]) -> list[tuple[Vector, TokenMatrix]]:
+        vectors, tokens = self.embed_with_tokens(texts)
+        return list(zip(vectors, tokens, strict=True))
 
     async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenMatrix]:
-        return await self.on_model_thread(lambda: self._embed_query_with_tokens(text))
+        return await self._queries.submit(text)
 
     async def on_model_thread(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)

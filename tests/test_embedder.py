@@ -3,7 +3,9 @@ cached apart, and the CPU's own flags decide which one `auto` picks."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import torch
 
 from ontofabric.shared import embedder as embedder_module
 from ontofabric.shared.embedder import (
+    Coalescer,
     EmbedderMismatch,
     LocalSentenceTransformer,
     build_embedder,
@@ -261,3 +264,59 @@ def test_windows_without_a_fast_tokenizer_are_refused_at_start(monkeypatch: pyte
     with pytest.raises(EmbedderMismatch, match="ONTOFABRIC_EMBEDDING_WINDOWS=1"):
         LocalSentenceTransformer(*model, windows=4)
     assert LocalSentenceTransformer(*model, windows=1).embed_documents(TEXTS).shape == (3, settings.embedding_dim)
+
+
+async def _slow_run(work: Callable[[], Sequence[str]]) -> Sequence[str]:
+    """A model thread that takes a while: callers arriving meanwhile must wait for the next batch."""
+    await asyncio.sleep(0.05)
+    return work()
+
+
+async def test_callers_arriving_while_a_batch_runs_share_the_next_one() -> None:
+    batches: list[list[int]] = []
+
+    def work(items: list[int]) -> list[str]:
+        batches.append(items)
+        return [f"out-{item}" for item in items]
+
+    coalescer: Coalescer[int, str] = Coalescer(work, _slow_run, max_batch=4)
+    first = asyncio.create_task(coalescer.submit(0))
+    await asyncio.sleep(0.01)  # the first batch is running, alone: a lone caller waits for no one
+    rest = await asyncio.gather(*(coalescer.submit(n) for n in range(1, 7)))
+    assert await first == "out-0"
+    assert rest == [f"out-{n}" for n in range(1, 7)]  # each caller gets its own item's result
+    assert batches == [[0], [1, 2, 3, 4], [5, 6]]  # at most max_batch at once
+
+
+async def test_a_failed_batch_fails_its_callers_and_the_next_batch_still_runs() -> None:
+    def work(items: list[int]) -> list[str]:
+        if 1 in items:
+            raise ValueError("the model failed")
+        return [str(item) for item in items]
+
+    coalescer: Coalescer[int, str] = Coalescer(work, _slow_run, max_batch=2)
+    outcomes = await asyncio.gather(*(coalescer.submit(n) for n in range(4)), return_exceptions=True)
+    assert [type(o).__name__ for o in outcomes[:2]] == ["ValueError", "ValueError"]
+    assert outcomes[2:] == ["2", "3"]
+    wrong = Coalescer[int, str](lambda items: ["only one"], _slow_run, max_batch=2)
+    with pytest.raises(RuntimeError, match="1 results for a batch of 2"):
+        await asyncio.gather(wrong.submit(1), wrong.submit(2))
+
+
+def test_a_coalescer_serves_one_event_loop_after_another() -> None:
+    coalescer: Coalescer[int, str] = Coalescer(lambda items: [str(i) for i in items], _slow_run, max_batch=8)
+    assert asyncio.run(coalescer.submit(1)) == "1"
+    assert asyncio.run(coalescer.submit(2)) == "2"  # a loop per test, as pytest-asyncio runs them
+
+
+async def test_queries_embedded_together_equal_each_embedded_alone(
+    embedders: dict[bool, LocalSentenceTransformer],
+) -> None:
+    model = embedders[False]
+    queries = ["parse json", "relational database full-text search", "bread", TEXTS[0], "how to sort a dict by value"]
+    alone = [await model.embed_query_with_tokens_async(q) for q in queries]
+    together = await asyncio.gather(*(model.embed_query_with_tokens_async(q) for q in queries))
+    for (vector, tokens), (alone_vector, alone_tokens) in zip(together, alone, strict=True):
+        assert np.allclose(vector, alone_vector, atol=1e-5)
+        assert tokens.shape == alone_tokens.shape
+        assert np.allclose(tokens, alone_tokens, atol=1e-4)

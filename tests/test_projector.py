@@ -152,6 +152,28 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     ]  # fmt: skip
 
 
+async def test_a_document_keeps_its_vector_in_its_row(deployment: Deployment, projector: ProjectorService) -> None:
+    # A typical chunk: a few hundred bytes of code, 120 tokens' signs (5.8 kB) and a 1.5 kB vector. Past the 2 kB
+    # TOAST threshold something must leave the row; it must not be the vector every exact search reads.
+    rng = np.random.default_rng(5)
+    tokens = TokenVectors.of_signs(384, pack_signs(rng.standard_normal((120, 384))))
+    content = "def handler(event):\n" + "\n".join(f"    step_{n}(event, {rng.integers(1 << 30)})" for n in range(25))
+    doc = document(
+        "chunk", content, embedding=unit_vector("chunk"), token_vectors=tokens,
+        embedding_model=deployment.settings.embedding_model,
+    )  # fmt: skip
+    ack = await deployment.publisher.publish(upsert("acme", doc))
+    await deployment.wait_projected(ack.seq)
+    row = (
+        await deployment.fetch(
+            "SELECT pg_column_toast_chunk_id(embedding) AS vector_chunk,"
+            " pg_column_toast_chunk_id(token_signs) AS signs_chunk FROM documents WHERE id = 'chunk'"
+        )
+    )[0]
+    assert row["signs_chunk"] is not None  # the row did pass the threshold
+    assert row["vector_chunk"] is None
+
+
 async def test_token_vectors_are_stored_as_sent_and_follow_the_document(
     deployment: Deployment, projector: ProjectorService
 ) -> None:

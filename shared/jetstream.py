@@ -146,6 +146,17 @@ async def wait_caught_up(
 BatchHandler = Callable[[list[Msg]], Awaitable[None]]
 
 MAX_FETCH_BACKOFF_S = 10.0
+MAX_NAK_DELAY_S = 30.0
+
+
+def backoff_s(attempt: int, first_s: float, cap_s: float) -> float:
+    """``first_s``, twice that, four times ... for attempts 1, 2, 3 ..., never above ``cap_s`` (any attempt)."""
+    return min(first_s * 2.0 ** min(max(attempt - 1, 0), 64), cap_s)
+
+
+def nak_delay(num_delivered: int) -> float:
+    """How long a nak'd message waits before its next delivery: 0.5 s, 1 s, 2 s ... capped at 30 s."""
+    return backoff_s(num_delivered, 0.5, MAX_NAK_DELAY_S)
 
 
 class BatchPuller:
@@ -154,8 +165,8 @@ class BatchPuller:
     Our own loop rather than FastStream's batch subscriber: nats-py's fetch can raise asyncio's TimeoutError
     where FastStream 0.7 catches only nats-py's, and its loop then drops the messages it had already fetched for
     the batch; they came back only after the ack wait. Here every fetched message reaches ``handle``, which acks
-    or naks it. Each fetch waits at most ``fetch_timeout_s`` to fill the batch and returns what arrived. No
-    failure ends the loop; only :meth:`stop` does.
+    or naks it, in batches of at most ``batch_size`` (after a reconnect one fetch can return more). Each fetch
+    waits at most ``fetch_timeout_s`` and returns what arrived. No failure ends the loop; only :meth:`stop` does.
     """
 
     def __init__(
@@ -177,6 +188,12 @@ class BatchPuller:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"pull:{self._consumer}")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not self._stopping.is_set():  # nothing should end the loop but stop(): say so loudly
+            error = None if task.cancelled() else task.exception()
+            log.error("pull_loop_ended", consumer=self._consumer, error=repr(error) if error else "cancelled")
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Ends the loop after the current fetch and the batch in hand; cancels it after ``timeout_s``."""
@@ -186,6 +203,8 @@ class BatchPuller:
                 await asyncio.wait_for(self._task, timeout_s)
             except TimeoutError:
                 log.warning("pull_stop_timed_out", consumer=self._consumer, timeout_s=timeout_s)
+            except Exception as error:  # already logged by _ended; stopping goes on
+                log.warning("pull_loop_failed", consumer=self._consumer, error=repr(error))
             self._task = None
 
     async def _run(self) -> None:
@@ -198,15 +217,22 @@ class BatchPuller:
                 continue
             except Exception as error:  # connection lost, JetStream unavailable, consumer deleted ...
                 failures += 1
-                backoff = min(0.1 * 2**failures, MAX_FETCH_BACKOFF_S)
+                backoff = backoff_s(failures, 0.2, MAX_FETCH_BACKOFF_S)
                 log.warning("fetch_failed", consumer=self._consumer, error=f"{type(error).__name__}: {error}",
                             retry_in_s=backoff)  # fmt: skip
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), backoff)
                 continue
             failures = 0
-            try:
-                await self._handle(messages)
-            except Exception:
-                # What was not acked comes back after the ack wait; the loop goes on with the next batch.
-                log.exception("batch_failed", consumer=self._consumer, size=len(messages))
+            for start in range(0, len(messages), self._batch_size):
+                await self._hand_over(messages[start : start + self._batch_size])
+
+    async def _hand_over(self, batch: list[Msg]) -> None:
+        try:
+            await self._handle(batch)
+        except Exception:
+            # A bug, not a delivery problem: nak what the handler left, with backoff, and go on with the next.
+            log.exception("batch_failed", consumer=self._consumer, size=len(batch))
+            for msg in batch:
+                with contextlib.suppress(Exception):  # acked already, or the connection is gone
+                    await msg.nak(delay=nak_delay(msg.metadata.num_delivered))

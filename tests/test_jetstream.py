@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ontofabric.shared.jetstream import BatchPuller
+from ontofabric.shared.jetstream import BatchPuller, backoff_s
 
 from .conftest import Deployment
 
@@ -46,10 +47,12 @@ async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) 
         await _until(lambda: seen == [b"first"])
         await js.publish(names.delta_subject("acme", "main"), b"second")
         await _until(lambda: b"second" in seen)
+        # The failed batch was nak'd with backoff: it comes back in about half a second, not after the ack wait.
+        await _until(lambda: seen.count(b"first") == 2)
     finally:
         await puller.stop()
     info = await js.consumer_info(names.delta_stream, DURABLE)
-    assert info.num_ack_pending == 1  # the failed one waits for its ack wait; nothing else is held back
+    assert info.num_ack_pending == 0
 
 
 async def test_stop_ends_the_loop_promptly(deployment: Deployment) -> None:
@@ -73,3 +76,57 @@ async def test_stop_ends_the_loop_promptly(deployment: Deployment) -> None:
     await js.publish(names.delta_subject("acme", "main"), b"after stop")
     await asyncio.sleep(1.0)
     assert seen == [b"before stop"]
+
+
+def test_backoff_doubles_up_to_its_cap_for_any_attempt() -> None:
+    assert [backoff_s(n, 0.5, 30.0) for n in (0, 1, 2, 3, 7, 8)] == [0.5, 0.5, 1.0, 2.0, 30.0, 30.0]
+    assert backoff_s(5000, 0.2, 10.0) == 10.0  # no OverflowError after a long outage
+
+
+class _ScriptedFetches:
+    """Only the fetch of a pull subscription, following a script: the loop's own logic is under test here."""
+
+    def __init__(self, script: list[list[str] | Exception]) -> None:
+        self._script = script
+        self.fetches = 0
+
+    async def fetch(self, batch: int, timeout: float) -> list[str]:  # noqa: ASYNC109 (nats-py's signature)
+        self.fetches += 1
+        if not self._script:
+            await asyncio.sleep(timeout)
+            raise TimeoutError
+        step = self._script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+
+async def test_failed_fetches_back_off_and_oversized_fetches_are_cut_to_batch_size() -> None:
+    fetches = _ScriptedFetches(
+        [ConnectionError("nats: connection closed"), RuntimeError("no responders"), list("abcde")]
+    )
+    handled: list[list[str]] = []
+
+    async def handle(messages: list[Any]) -> None:
+        handled.append(messages)
+
+    puller = BatchPuller(fetches, handle, batch_size=2, fetch_timeout_s=0.05, consumer="scripted")  # type: ignore[arg-type]
+    puller.start()
+    try:
+        await _until(lambda: len(handled) == 3)
+    finally:
+        await puller.stop()
+    assert handled == [["a", "b"], ["c", "d"], ["e"]]  # a reconnect's flood still goes in batches of 2
+
+
+async def test_stop_ends_a_backoff_at_once() -> None:
+    fetches = _ScriptedFetches([ConnectionError("nats: connection closed")] * 50)
+
+    async def handle(messages: list[Any]) -> None:
+        raise AssertionError("nothing to handle")
+
+    puller = BatchPuller(fetches, handle, batch_size=2, fetch_timeout_s=0.05, consumer="scripted")  # type: ignore[arg-type]
+    puller.start()
+    await _until(lambda: fetches.fetches >= 4)  # the fourth backoff is 1.6 s
+    async with asyncio.timeout(0.5):
+        await puller.stop()

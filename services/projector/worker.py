@@ -25,7 +25,7 @@ from opentelemetry.trace import Link, get_current_span
 
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.shared.db import create_pool, is_transient, migrate
-from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, BatchPuller, connect, ensure_jetstream
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, BatchPuller, connect, ensure_jetstream, nak_delay
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, workspace_token_of
@@ -36,22 +36,22 @@ from .store import BatchResult, PostgresProjectionStore, VersionUpdate
 
 log = get_logger(__name__)
 
-MAX_RETRY_DELAY_S = 30.0
-
-
-def retry_delay(num_delivered: int) -> float:
-    """Exponential backoff for a nak: 0.5 s, 1 s, 2 s ... capped at 30 s."""
-    return float(min(0.5 * 2 ** max(num_delivered - 1, 0), MAX_RETRY_DELAY_S))
-
 
 def _header_safe(text: str, limit: int = 1000) -> str:
     return " ".join(text.split())[:limit]
 
 
+MAX_SPAN_LINKS = 128
+"""The OpenTelemetry SDK's default link limit per span; more are dropped."""
+
+
 def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
-    """A link to each delta's ingest trace, carried in its headers: one batch span serves many traces."""
+    """A link to each ingest trace the batch's deltas carry in their headers: one batch span serves many traces.
+
+    One ingest run puts its context on every delta it sends, so the same link repeats; each is kept once."""
     contexts = (get_current_span(propagate.extract(msg.headers or {})).get_span_context() for msg in messages)
-    return [Link(context) for context in contexts if context.is_valid]
+    distinct = {(c.trace_id, c.span_id): c for c in contexts if c.is_valid}
+    return [Link(context) for context in list(distinct.values())[:MAX_SPAN_LINKS]]
 
 
 class VersionNotAnnounced(Exception):
@@ -195,7 +195,7 @@ class Projector:
     async def _retry_later(self, messages: list[Msg], error: BaseException) -> None:
         log.warning("batch_retry", error=f"{type(error).__name__}: {error}", size=len(messages))
         for msg in messages:
-            await msg.nak(delay=retry_delay(msg.metadata.num_delivered))
+            await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
         self._metrics.projector_deltas.add(len(messages), {"outcome": "retried"})
 
     async def _dead_letter(self, msg: Msg, rejection: Rejection) -> None:
@@ -286,13 +286,17 @@ class ProjectorService:
         log.info("projector_started", durable=names.postgres_projector_durable, stream=names.delta_stream)
 
     async def stop(self) -> None:
-        if self._puller is not None:
-            await self._puller.stop()  # the batch in hand is finished and acked before the connection goes
-            self._puller = None
-        if self._nc is not None:
-            await self._nc.close()
-            self._nc = None
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        try:
+            if self._puller is not None:
+                await self._puller.stop()  # the batch in hand is finished and acked before the connection goes
+                self._puller = None
+        finally:
+            try:
+                if self._nc is not None:
+                    await self._nc.close()
+                    self._nc = None
+            finally:
+                if self._pool is not None:
+                    await self._pool.close()
+                    self._pool = None
         log.info("projector_stopped")

@@ -119,6 +119,7 @@ async def create_pool(database_url: str, settings: Settings, *, min_size: int = 
 # SQLSTATE classes that blame the data of one statement: data exception, integrity violation, program limit
 # (e.g. a tsvector too long). Retrying those can never succeed; every other database error may pass later.
 _DATA_SQLSTATE_CLASSES = ("22", "23", "54")
+_CONNECTION_STATE_SIGNS = ("cannot switch to state", "not connected")
 
 
 def is_transient(error: BaseException) -> bool:
@@ -131,6 +132,10 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, asyncpg.PostgresError):
         sqlstate = getattr(error, "sqlstate", None) or ""
         return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
-    # InternalClientError is asyncpg's own connection state going wrong, as when its backend is killed mid-query.
-    connection = OSError | asyncpg.InterfaceError | asyncpg.InternalClientError | asyncio.TimeoutError | ConnectionError
-    return isinstance(error, connection)
+    if isinstance(error, ValueError):  # asyncpg's client-side DataError too: a value it cannot encode
+        return False
+    if isinstance(error, asyncpg.InternalClientError):
+        # Only asyncpg's connection state going wrong, as when its backend is killed mid-query; its other
+        # internal errors (protocol, codecs) would fail the same way on every retry.
+        return any(sign in str(error) for sign in _CONNECTION_STATE_SIGNS)
+    return isinstance(error, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | ConnectionError)

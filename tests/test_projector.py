@@ -226,6 +226,8 @@ async def test_deltas_trickling_in_are_each_projected_on_first_delivery(deployme
         (asyncpg.InterfaceError("connection is closed"), True),
         # Seen when the backend was killed under a pooled connection: asyncpg's state, not the delta's.
         (asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in progress"), True),
+        (asyncpg.exceptions.ProtocolError("unexpected message"), False),
+        (asyncpg.exceptions._base.DataError("invalid input for query argument $1"), False),  # client-side
         (ValueError("a bug that fails on this delta"), False),
     ],
 )

@@ -145,8 +145,9 @@ class Coalescer(Generic[In, Out]):
     """Runs ``work`` over the items that callers submit, in batches: whatever queued while the previous batch ran.
 
     One caller alone waits for no one: its batch starts at once. Under load, callers that arrive while a batch runs
-    go together into the next, so a model that costs less per item in a batch serves more callers. A failed batch
-    fails each of its callers. State belongs to one event loop; a caller from another loop gets a fresh one.
+    go together into the next, so a model that costs less per item in a batch serves more callers. A batch that
+    fails is run again item by item, so only a failing item fails its caller; a caller that gave up is left out.
+    State belongs to one event loop; a caller from another loop gets a fresh one.
     """
 
     def __init__(
@@ -173,22 +174,36 @@ class Coalescer(Generic[In, Out]):
         return await future
 
     async def _run_batches(self, waiting: list[tuple[In, asyncio.Future[Out]]]) -> None:
-        while waiting:
-            batch = waiting[: self._max_batch]
-            del waiting[: self._max_batch]
-            items = [item for item, _ in batch]
-            try:
-                outputs = await self._run(partial(self._work, items))
-                if len(outputs) != len(batch):
-                    raise RuntimeError(f"{len(outputs)} results for a batch of {len(batch)}")
-            except Exception as error:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, future), output in zip(batch, outputs, strict=True):
-                if not future.done():  # its caller may have given up (cancelled) meanwhile
-                    future.set_result(output)
+        try:
+            while waiting:
+                batch = [(item, future) for item, future in waiting[: self._max_batch] if not future.done()]
+                del waiting[: self._max_batch]  # a caller that gave up (cancelled) costs the model nothing
+                if batch:
+                    await self._serve(batch)
+        except BaseException:  # cancelled, as when the loop closes: no caller may wait for ever
+            for _, future in waiting:
+                future.cancel()
+            raise
+
+    async def _serve(self, batch: list[tuple[In, asyncio.Future[Out]]]) -> None:
+        try:
+            outputs = await self._run(partial(self._work, [item for item, _ in batch]))
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"{len(outputs)} results for a batch of {len(batch)}")
+        except Exception as error:
+            if len(batch) > 1:
+                for one in batch:  # one bad item must not fail the callers it happened to be batched with
+                    await self._serve([one])
+            elif not batch[0][1].done():
+                batch[0][1].set_exception(error)
+            return
+        except BaseException:
+            for _, future in batch:
+                future.cancel()
+            raise
+        for (_, future), output in zip(batch, outputs, strict=True):
+            if not future.done():
+                future.set_result(output)
 
 
 class LocalSentenceTransformer:

@@ -288,19 +288,52 @@ async def test_callers_arriving_while_a_batch_runs_share_the_next_one() -> None:
     assert batches == [[0], [1, 2, 3, 4], [5, 6]]  # at most max_batch at once
 
 
-async def test_a_failed_batch_fails_its_callers_and_the_next_batch_still_runs() -> None:
+async def test_a_failing_item_fails_only_its_own_caller() -> None:
+    batches: list[list[int]] = []
+
     def work(items: list[int]) -> list[str]:
+        batches.append(items)
         if 1 in items:
-            raise ValueError("the model failed")
+            raise ValueError("the model failed on item 1")
         return [str(item) for item in items]
 
     coalescer: Coalescer[int, str] = Coalescer(work, _slow_run, max_batch=2)
     outcomes = await asyncio.gather(*(coalescer.submit(n) for n in range(4)), return_exceptions=True)
-    assert [type(o).__name__ for o in outcomes[:2]] == ["ValueError", "ValueError"]
+    assert outcomes[0] == "0"  # batched with the failing item, served when run alone
+    assert isinstance(outcomes[1], ValueError)
     assert outcomes[2:] == ["2", "3"]
-    wrong = Coalescer[int, str](lambda items: ["only one"], _slow_run, max_batch=2)
-    with pytest.raises(RuntimeError, match="1 results for a batch of 2"):
+    assert batches == [[0, 1], [0], [1], [2, 3]]
+    wrong: Coalescer[int, str] = Coalescer(lambda items: [], _slow_run, max_batch=2)
+    with pytest.raises(RuntimeError, match="0 results for a batch of 1"):
         await asyncio.gather(wrong.submit(1), wrong.submit(2))
+
+
+async def test_a_caller_that_gave_up_costs_nothing_and_none_waits_for_ever() -> None:
+    batches: list[list[int]] = []
+
+    def work(items: list[int]) -> list[str]:
+        batches.append(items)
+        return [str(item) for item in items]
+
+    coalescer: Coalescer[int, str] = Coalescer(work, _slow_run, max_batch=8)
+    first = asyncio.create_task(coalescer.submit(0))
+    await asyncio.sleep(0.01)  # batch [0] is running; 1, 2 and 3 queue for the next
+    waiting = [asyncio.create_task(coalescer.submit(n)) for n in (1, 2, 3)]
+    await asyncio.sleep(0)
+    waiting[1].cancel()
+    assert await first == "0"
+    assert [await waiting[0], await waiting[2]] == ["1", "3"]
+    assert batches == [[0], [1, 3]]
+
+    # The loop closing cancels the batch being run: its callers are cancelled, not left waiting.
+    stuck = asyncio.create_task(coalescer.submit(4))
+    await asyncio.sleep(0.01)
+    for task in asyncio.all_tasks():
+        if task.get_coro().__qualname__.startswith("Coalescer._run_batches"):  # type: ignore[union-attr]
+            task.cancel()
+    async with asyncio.timeout(1):
+        with pytest.raises(asyncio.CancelledError):
+            await stuck
 
 
 def test_a_coalescer_serves_one_event_loop_after_another() -> None:

@@ -4,5 +4,6 @@
 -- does not count that, chose exact search over HNSW for workspaces of thousands of documents (cosqa-dev's 6,267:
 -- 15.6 ms where HNSW takes 1.0). MAIN moves the other columns out first; a vector leaves the row only when the row
 -- still cannot fit in a page (vectors of thousands of dimensions). A catalog change, recursing to every workspace
--- partition: rows written before it move inline when next written.
+-- partition (and inherited by partitions created later). A vector stored before it moves inline only when its row is
+-- written with a new vector; `VACUUM FULL` on a workspace's partition moves them all (it locks the partition).
 ALTER TABLE documents ALTER COLUMN embedding SET STORAGE MAIN;

@@ -147,6 +147,7 @@ BatchHandler = Callable[[list[Msg]], Awaitable[None]]
 
 MAX_FETCH_BACKOFF_S = 10.0
 MAX_NAK_DELAY_S = 30.0
+RECONNECT_POLL_S = 0.1
 
 
 def backoff_s(attempt: int, first_s: float, cap_s: float) -> float:
@@ -165,8 +166,8 @@ class BatchPuller:
     Our own loop rather than FastStream's batch subscriber: nats-py's fetch can raise asyncio's TimeoutError
     where FastStream 0.7 catches only nats-py's, and its loop then drops the messages it had already fetched for
     the batch; they came back only after the ack wait. Here every fetched message reaches ``handle``, which acks
-    or naks it, in batches of at most ``batch_size`` (after a reconnect one fetch can return more). Each fetch
-    waits at most ``fetch_timeout_s`` and returns what arrived. No failure ends the loop; only :meth:`stop` does.
+    or naks it, in batches of at most ``batch_size``. Each fetch waits at most ``fetch_timeout_s`` and returns what
+    arrived; while the connection is down it does not fetch. No failure ends the loop; only :meth:`stop` does.
     """
 
     def __init__(
@@ -177,7 +178,9 @@ class BatchPuller:
         batch_size: int,
         fetch_timeout_s: float,
         consumer: str,
+        connection: Client,
     ) -> None:
+        self._connection = connection
         self._subscription = subscription
         self._handle = handle
         self._batch_size = batch_size
@@ -210,6 +213,11 @@ class BatchPuller:
     async def _run(self) -> None:
         failures = 0
         while not self._stopping.is_set():
+            if not self._connection.is_connected:
+                # A pull request sent now would wait in the client's buffer and, with every other one, reach the
+                # server on reconnect: it would then deliver up to max_ack_pending deltas at once.
+                await self._pause(RECONNECT_POLL_S)
+                continue
             try:
                 messages = await self._subscription.fetch(self._batch_size, timeout=self._fetch_timeout_s)
             except TimeoutError:  # nats-py's and asyncio's alike: nothing arrived in time
@@ -220,12 +228,16 @@ class BatchPuller:
                 backoff = backoff_s(failures, 0.2, MAX_FETCH_BACKOFF_S)
                 log.warning("fetch_failed", consumer=self._consumer, error=f"{type(error).__name__}: {error}",
                             retry_in_s=backoff)  # fmt: skip
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), backoff)
+                await self._pause(backoff)
                 continue
             failures = 0
             for start in range(0, len(messages), self._batch_size):
                 await self._hand_over(messages[start : start + self._batch_size])
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, unless stop() comes first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _hand_over(self, batch: list[Msg]) -> None:
         try:

@@ -40,7 +40,9 @@ async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) 
         for m in messages:
             await m.ack()
 
-    puller = BatchPuller(subscription, handle, batch_size=10, fetch_timeout_s=0.05, consumer=DURABLE)
+    puller = BatchPuller(
+        subscription, handle, batch_size=10, fetch_timeout_s=0.05, consumer=DURABLE, connection=deployment.nc
+    )
     puller.start()
     try:
         await js.publish(names.delta_subject("acme", "main"), b"first")
@@ -67,7 +69,9 @@ async def test_stop_ends_the_loop_promptly(deployment: Deployment) -> None:
         for m in messages:
             await m.ack()
 
-    puller = BatchPuller(subscription, handle, batch_size=10, fetch_timeout_s=0.5, consumer=DURABLE)
+    puller = BatchPuller(
+        subscription, handle, batch_size=10, fetch_timeout_s=0.5, consumer=DURABLE, connection=deployment.nc
+    )
     puller.start()
     await js.publish(names.delta_subject("acme", "main"), b"before stop")
     await _until(lambda: seen == [b"before stop"])
@@ -84,11 +88,13 @@ def test_backoff_doubles_up_to_its_cap_for_any_attempt() -> None:
 
 
 class _ScriptedFetches:
-    """Only the fetch of a pull subscription, following a script: the loop's own logic is under test here."""
+    """Only the fetch of a pull subscription (and whether its connection is up), following a script: the loop's
+    own logic is under test here."""
 
     def __init__(self, script: list[list[str] | Exception]) -> None:
         self._script = script
         self.fetches = 0
+        self.is_connected = True
 
     async def fetch(self, batch: int, timeout: float) -> list[str]:  # noqa: ASYNC109 (nats-py's signature)
         self.fetches += 1
@@ -110,7 +116,14 @@ async def test_failed_fetches_back_off_and_oversized_fetches_are_cut_to_batch_si
     async def handle(messages: list[Any]) -> None:
         handled.append(messages)
 
-    puller = BatchPuller(fetches, handle, batch_size=2, fetch_timeout_s=0.05, consumer="scripted")  # type: ignore[arg-type]
+    puller = BatchPuller(
+        fetches,
+        handle,
+        batch_size=2,
+        fetch_timeout_s=0.05,
+        consumer="scripted",
+        connection=fetches,  # type: ignore[arg-type]
+    )
     puller.start()
     try:
         await _until(lambda: len(handled) == 3)
@@ -125,8 +138,41 @@ async def test_stop_ends_a_backoff_at_once() -> None:
     async def handle(messages: list[Any]) -> None:
         raise AssertionError("nothing to handle")
 
-    puller = BatchPuller(fetches, handle, batch_size=2, fetch_timeout_s=0.05, consumer="scripted")  # type: ignore[arg-type]
+    puller = BatchPuller(
+        fetches,
+        handle,
+        batch_size=2,
+        fetch_timeout_s=0.05,
+        consumer="scripted",
+        connection=fetches,  # type: ignore[arg-type]
+    )
     puller.start()
     await _until(lambda: fetches.fetches >= 4)  # the fourth backoff is 1.6 s
     async with asyncio.timeout(0.5):
+        await puller.stop()
+
+
+async def test_nothing_is_fetched_while_the_connection_is_down() -> None:
+    fetches = _ScriptedFetches([list("ab")])
+    fetches.is_connected = False
+    handled: list[list[str]] = []
+
+    async def handle(messages: list[Any]) -> None:
+        handled.append(messages)
+
+    puller = BatchPuller(
+        fetches,
+        handle,
+        batch_size=2,
+        fetch_timeout_s=0.05,
+        consumer="scripted",
+        connection=fetches,  # type: ignore[arg-type]
+    )
+    puller.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert fetches.fetches == 0  # no pull request to pile up in the client's reconnect buffer
+        fetches.is_connected = True
+        await _until(lambda: handled == [["a", "b"]])
+    finally:
         await puller.stop()

@@ -281,6 +281,7 @@ class ProjectorService:
             batch_size=settings.projector_batch_size,
             fetch_timeout_s=settings.projector_batch_timeout_s,
             consumer=names.postgres_projector_durable,
+            connection=nc,
         )
         self._puller.start()
         log.info("projector_started", durable=names.postgres_projector_durable, stream=names.delta_stream)

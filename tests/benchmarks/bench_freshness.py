@@ -116,6 +116,7 @@ async def run(endpoints: Endpoints, deltas: int, max_gap_s: float, seed: int) ->
         batch_size=settings.projector_batch_size,
         fetch_timeout_s=settings.projector_batch_timeout_s,
         consumer=TRANSPORT_DURABLE,
+        connection=nc,
     )
     transport.start()
 

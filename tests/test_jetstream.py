@@ -176,3 +176,36 @@ async def test_nothing_is_fetched_while_the_connection_is_down() -> None:
         await _until(lambda: handled == [["a", "b"]])
     finally:
         await puller.stop()
+
+
+async def test_stop_finishes_and_acks_the_batch_in_hand(deployment: Deployment) -> None:
+    js, names = deployment.js, deployment.names
+    subscription = await js.pull_subscribe(
+        names.delta_subjects, durable=DURABLE, stream=names.delta_stream, config=ConsumerConfig(ack_wait=60)
+    )
+    started = asyncio.Event()
+    acked: list[bytes] = []
+
+    async def handle(messages: list[Msg]) -> None:
+        started.set()
+        await asyncio.sleep(0.5)  # a batch being committed when the worker is told to stop
+        for m in messages:
+            await m.ack()
+            acked.append(m.data)
+
+    puller = BatchPuller(
+        subscription, handle, batch_size=10, fetch_timeout_s=0.05, consumer=DURABLE, connection=deployment.nc
+    )
+    puller.start()
+    await js.publish(names.delta_subject("acme", "main"), b"in hand")
+    async with asyncio.timeout(10):
+        await started.wait()
+    await puller.stop()
+    assert acked == [b"in hand"]  # finished before stop() returned, not cancelled and left for the ack wait
+
+    async def settled() -> bool:
+        return (await js.consumer_info(names.delta_stream, DURABLE)).num_ack_pending == 0
+
+    async with asyncio.timeout(5):  # the server applies acks on its own time
+        while not await settled():
+            await asyncio.sleep(0.05)

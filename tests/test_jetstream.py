@@ -4,13 +4,13 @@ loop but stop()."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ontofabric.shared.jetstream import BatchPuller, backoff_s
+from ontofabric.shared.jetstream import BatchHandler, BatchPuller, backoff_s
 
 from .conftest import Deployment
 
@@ -23,14 +23,22 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None
             await asyncio.sleep(0.02)
 
 
-async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) -> None:
-    js, names = deployment.js, deployment.names
-    subscription = await js.pull_subscribe(
-        names.delta_subjects,
+async def _real_puller(deployment: Deployment, handle: BatchHandler, fetch_timeout_s: float = 0.05) -> BatchPuller:
+    """A puller over a durable consumer of the deployment's delta stream (explicit acks, 60 s ack wait)."""
+    subscription = await deployment.js.pull_subscribe(
+        deployment.names.delta_subjects,
         durable=DURABLE,
-        stream=names.delta_stream,
+        stream=deployment.names.delta_stream,
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60),
     )
+    return BatchPuller(
+        subscription, handle, batch_size=10, fetch_timeout_s=fetch_timeout_s, consumer=DURABLE,
+        connection=deployment.nc,
+    )  # fmt: skip
+
+
+async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) -> None:
+    js, names = deployment.js, deployment.names
     seen: list[bytes] = []
 
     async def handle(messages: list[Msg]) -> None:
@@ -40,9 +48,7 @@ async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) 
         for m in messages:
             await m.ack()
 
-    puller = BatchPuller(
-        subscription, handle, batch_size=10, fetch_timeout_s=0.05, consumer=DURABLE, connection=deployment.nc
-    )
+    puller = await _real_puller(deployment, handle)
     puller.start()
     try:
         await js.publish(names.delta_subject("acme", "main"), b"first")
@@ -59,9 +65,6 @@ async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) 
 
 async def test_stop_ends_the_loop_promptly(deployment: Deployment) -> None:
     js, names = deployment.js, deployment.names
-    subscription = await js.pull_subscribe(
-        names.delta_subjects, durable=DURABLE, stream=names.delta_stream, config=ConsumerConfig(ack_wait=60)
-    )
     seen: list[bytes] = []
 
     async def handle(messages: list[Msg]) -> None:
@@ -69,9 +72,7 @@ async def test_stop_ends_the_loop_promptly(deployment: Deployment) -> None:
         for m in messages:
             await m.ack()
 
-    puller = BatchPuller(
-        subscription, handle, batch_size=10, fetch_timeout_s=0.5, consumer=DURABLE, connection=deployment.nc
-    )
+    puller = await _real_puller(deployment, handle, fetch_timeout_s=0.5)
     puller.start()
     await js.publish(names.delta_subject("acme", "main"), b"before stop")
     await _until(lambda: seen == [b"before stop"])
@@ -106,6 +107,13 @@ class _ScriptedFetches:
             raise step
         return step
 
+    def puller(self, handle: Callable[[list[Any]], Awaitable[None]]) -> BatchPuller:
+        """A puller fetching from this script, in batches of 2."""
+        return BatchPuller(
+            self, handle, batch_size=2, fetch_timeout_s=0.05, consumer="scripted",  # type: ignore[arg-type]
+            connection=self,  # type: ignore[arg-type]
+        )  # fmt: skip
+
 
 async def test_failed_fetches_back_off_and_oversized_fetches_are_cut_to_batch_size() -> None:
     fetches = _ScriptedFetches(
@@ -116,14 +124,7 @@ async def test_failed_fetches_back_off_and_oversized_fetches_are_cut_to_batch_si
     async def handle(messages: list[Any]) -> None:
         handled.append(messages)
 
-    puller = BatchPuller(
-        fetches,
-        handle,
-        batch_size=2,
-        fetch_timeout_s=0.05,
-        consumer="scripted",
-        connection=fetches,  # type: ignore[arg-type]
-    )
+    puller = fetches.puller(handle)
     puller.start()
     try:
         await _until(lambda: len(handled) == 3)
@@ -138,14 +139,7 @@ async def test_stop_ends_a_backoff_at_once() -> None:
     async def handle(messages: list[Any]) -> None:
         raise AssertionError("nothing to handle")
 
-    puller = BatchPuller(
-        fetches,
-        handle,
-        batch_size=2,
-        fetch_timeout_s=0.05,
-        consumer="scripted",
-        connection=fetches,  # type: ignore[arg-type]
-    )
+    puller = fetches.puller(handle)
     puller.start()
     await _until(lambda: fetches.fetches >= 4)  # the fourth backoff is 1.6 s
     async with asyncio.timeout(0.5):
@@ -160,14 +154,7 @@ async def test_nothing_is_fetched_while_the_connection_is_down() -> None:
     async def handle(messages: list[Any]) -> None:
         handled.append(messages)
 
-    puller = BatchPuller(
-        fetches,
-        handle,
-        batch_size=2,
-        fetch_timeout_s=0.05,
-        consumer="scripted",
-        connection=fetches,  # type: ignore[arg-type]
-    )
+    puller = fetches.puller(handle)
     puller.start()
     try:
         await asyncio.sleep(0.3)
@@ -180,9 +167,6 @@ async def test_nothing_is_fetched_while_the_connection_is_down() -> None:
 
 async def test_stop_finishes_and_acks_the_batch_in_hand(deployment: Deployment) -> None:
     js, names = deployment.js, deployment.names
-    subscription = await js.pull_subscribe(
-        names.delta_subjects, durable=DURABLE, stream=names.delta_stream, config=ConsumerConfig(ack_wait=60)
-    )
     started = asyncio.Event()
     acked: list[bytes] = []
 
@@ -193,9 +177,7 @@ async def test_stop_finishes_and_acks_the_batch_in_hand(deployment: Deployment) 
             await m.ack()
             acked.append(m.data)
 
-    puller = BatchPuller(
-        subscription, handle, batch_size=10, fetch_timeout_s=0.05, consumer=DURABLE, connection=deployment.nc
-    )
+    puller = await _real_puller(deployment, handle)
     puller.start()
     await js.publish(names.delta_subject("acme", "main"), b"in hand")
     async with asyncio.timeout(10):

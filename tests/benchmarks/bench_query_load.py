@@ -27,11 +27,13 @@ from pathlib import Path
 
 import asyncpg
 from pgvector.asyncpg import register_vector
+from rich.console import Console
 
 from ontofabric.contracts import ErrorReply
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ops.evaluation import BeirDataset, Evaluation, load_beir, percentile
 from ontofabric.services.query.client import QueryClient
+from ontofabric.services.render import RichProgress
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect
@@ -61,16 +63,6 @@ SELECT fused.id, fused.score, documents.content
 FROM fused JOIN documents ON documents.workspace = $1 AND documents.branch = 'main' AND documents.id = fused.id
 ORDER BY fused.score DESC
 """
-
-
-class Bars:
-    """Progress as one line per stage (a benchmark's output is meant to be pasted)."""
-
-    def stage(self, name: str, total: int) -> None:
-        print(f"  {name}: {total} ...", flush=True)
-
-    def advance(self, name: str, amount: int = 1) -> None:
-        pass
 
 
 @dataclasses.dataclass
@@ -122,7 +114,8 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, sizes: list[int], leve
         client = QueryClient(nc, names, timeout_s=60)
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
         stack.callback(cache.close)
-        loader = Evaluation(nc.jetstream(), client, names, embedder, cache, Bars(), settings.token_vectors)
+        progress = stack.enter_context(RichProgress(Console()))
+        loader = Evaluation(nc.jetstream(), client, names, embedder, cache, progress, settings.token_vectors)
         pool = await asyncpg.create_pool(endpoints.database_url, min_size=2, max_size=20, init=register_vector)
         stack.push_async_callback(pool.close)
 

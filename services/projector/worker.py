@@ -8,6 +8,7 @@ the deltas after it still apply.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -287,17 +288,13 @@ class ProjectorService:
         log.info("projector_started", durable=names.postgres_projector_durable, stream=names.delta_stream)
 
     async def stop(self) -> None:
-        try:
-            if self._puller is not None:
-                await self._puller.stop()  # the batch in hand is finished and acked before the connection goes
-                self._puller = None
-        finally:
-            try:
-                if self._nc is not None:
-                    await self._nc.close()
-                    self._nc = None
-            finally:
-                if self._pool is not None:
-                    await self._pool.close()
-                    self._pool = None
+        puller, nc, pool = self._puller, self._nc, self._pool
+        self._puller, self._nc, self._pool = None, None, None
+        async with contextlib.AsyncExitStack() as closing:  # each closes, whatever the one before raised
+            if pool is not None:
+                closing.push_async_callback(pool.close)
+            if nc is not None:
+                closing.push_async_callback(nc.close)
+            if puller is not None:
+                await puller.stop()  # the batch in hand is finished and acked before the connection goes
         log.info("projector_stopped")

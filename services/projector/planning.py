@@ -206,44 +206,65 @@ class Plan:
     """New version of every (workspace, branch) whose state changed."""
 
 
+class StateFold:
+    """Folds deltas, in stream order, onto row states: the one rule by which a delta applies or is a no-op.
+
+    A delta applies only when its event was never handled before and its sequence is newer than the row's, so a
+    repeated, redelivered, republished or older delta changes nothing. The state hash is a sum of row hashes
+    modulo 2**64: it depends only on which rows exist with which sequence, never on how the deltas were batched,
+    so a replay reproduces every version. A batch folds onto the rows it touches (:func:`plan_batch`); a rebuild
+    folds a whole stream from nothing, to check what it wrote.
+    """
+
+    def __init__(
+        self,
+        rows: Mapping[EntityRef, RowState] | None = None,
+        versions: Mapping[tuple[str, str], VersionState] | None = None,
+        handled_events: Set[str] = frozenset(),
+    ) -> None:
+        self.rows: dict[EntityRef, RowState] = dict(rows or {})
+        self.changed_versions: dict[tuple[str, str], VersionState] = {}
+        """The version of every (workspace, branch) whose state changed since the fold began."""
+        self._base_versions = versions or {}
+        self._seen = set(handled_events)
+
+    def add(self, delta: Delta) -> bool:
+        """Fold one delta (later in the stream than every one before); True when it applied."""
+        ref = entity_of(delta.envelope)
+        previous = self.rows.get(ref)
+        event_id = delta.envelope.event_id
+        if event_id in self._seen or (previous is not None and delta.seq <= previous.seq):
+            self._seen.add(event_id)
+            return False
+        self._seen.add(event_id)
+        new = state_after(delta)
+        self.rows[ref] = new
+        scope = (ref.workspace, ref.branch)
+        version = self.changed_versions.get(scope) or self._base_versions.get(scope) or VersionState()
+        change = row_hash(ref, new) - (row_hash(ref, previous) if previous is not None else 0)
+        self.changed_versions[scope] = VersionState(
+            state_hash=(version.state_hash + change) % _HASH_MOD,
+            stream_seq=max(version.stream_seq, delta.seq),
+        )
+        return True
+
+
 def plan_batch(
     deltas: Iterable[Delta],
     current_rows: Mapping[EntityRef, RowState],
     current_versions: Mapping[tuple[str, str], VersionState],
     handled_events: Set[str] = frozenset(),
 ) -> Plan:
-    """Fold a batch onto the current state, in stream order.
-
-    A delta applies only when its event was never handled before and its sequence is newer than the row's, so a
-    repeated, redelivered, republished or older delta changes nothing. The state hash is a sum of row hashes
-    modulo 2**64: it depends only on which rows exist with which sequence, never on how the deltas were batched,
-    so a replay reproduces every version.
-    """
+    """Fold a batch onto the current state of the rows it touches, in stream order (see :class:`StateFold`)."""
     plan = Plan()
-    rows: dict[EntityRef, RowState] = dict(current_rows)
-    versions: dict[tuple[str, str], VersionState] = {}
-    seen = set(handled_events)
+    fold = StateFold(current_rows, current_versions, handled_events)
     for delta in sorted(deltas, key=lambda d: d.seq):
-        ref = entity_of(delta.envelope)
-        previous = rows.get(ref)
-        event_id = delta.envelope.event_id
-        if event_id in seen or (previous is not None and delta.seq <= previous.seq):
+        if fold.add(delta):
+            plan.writes[entity_of(delta.envelope)] = delta
+            plan.applied.append(delta)
+        else:
             plan.noops.append(delta)
-            seen.add(event_id)
-            continue
-        seen.add(event_id)
-        new = state_after(delta)
-        rows[ref] = new
-        plan.writes[ref] = delta
-        plan.applied.append(delta)
-        scope = (ref.workspace, ref.branch)
-        version = versions.get(scope) or current_versions.get(scope) or VersionState()
-        change = row_hash(ref, new) - (row_hash(ref, previous) if previous is not None else 0)
-        versions[scope] = VersionState(
-            state_hash=(version.state_hash + change) % _HASH_MOD,
-            stream_seq=max(version.stream_seq, delta.seq),
-        )
-    plan.versions = versions
+    plan.versions = fold.changed_versions
     return plan
 
 

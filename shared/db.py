@@ -44,12 +44,22 @@ def migrations() -> list[Migration]:
     return sorted(found, key=lambda m: m.version)
 
 
-async def migrate(database_url: str, settings: Settings) -> list[str]:
-    """Apply pending migrations (each in its own transaction) and check the deployment row. Idempotent."""
-    conn = await asyncpg.connect(database_url)
+def _search_path(schema: str | None) -> dict[str, str]:
+    """Server settings that make ``schema`` shadow ``public``: unqualified tables and functions are found (and
+    created) there first, while the extension's types stay in ``public``. None keeps the server's default."""
+    return {} if schema is None else {"search_path": f'"{schema}", public'}
+
+
+async def migrate(database_url: str, settings: Settings, *, schema: str | None = None) -> list[str]:
+    """Apply pending migrations (each in its own transaction) and check the deployment row. Idempotent.
+
+    ``schema`` builds the whole schema in another namespace than ``public`` (a rebuild's shadow tables)."""
+    conn = await asyncpg.connect(database_url, server_settings=_search_path(schema))
     try:
         await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
         try:
+            if schema is not None:
+                await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
             await conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
                 " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
@@ -93,8 +103,12 @@ async def _check_deployment(conn: Connection, settings: Settings) -> None:
         )
 
 
-async def create_pool(database_url: str, settings: Settings, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
-    """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans)."""
+async def create_pool(
+    database_url: str, settings: Settings, *, min_size: int = 2, max_size: int = 10, schema: str | None = None
+) -> asyncpg.Pool:
+    """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
+
+    ``schema``: the connections read and write that schema's tables in place of ``public``'s (see :func:`migrate`)."""
 
     async def init(conn: asyncpg.Connection) -> None:
         await register_vector(conn)
@@ -110,6 +124,7 @@ async def create_pool(database_url: str, settings: Settings, *, min_size: int = 
             "hnsw.iterative_scan": "relaxed_order",
             "statement_timeout": str(settings.statement_timeout_ms),
             "application_name": "ontofabric",
+            **_search_path(schema),
         },
     )
     assert pool is not None

@@ -58,6 +58,10 @@ class Names:
     def delta_subject(self, workspace: str, branch: str) -> str:
         return f"{self.prefix}.delta.{encode_token(workspace)}.{encode_token(branch)}"
 
+    def workspace_delta_subjects(self, workspace: str) -> str:
+        """Every branch's deltas of one workspace (what a rebuild of that workspace replays)."""
+        return f"{self.prefix}.delta.{encode_token(workspace)}.*"
+
     # dead letters
     @property
     def dlq_stream(self) -> str:

@@ -255,6 +255,51 @@ def eval_command(
         console.print(f"wrote {json_file}")
 
 
+@app.command()
+def rebuild(
+    workspace: Annotated[str, typer.Argument(help="The workspace whose Postgres index to rebuild.")],
+    discard: Annotated[
+        bool, typer.Option(help="Drop an interrupted rebuild's shadow tables instead (the live index is untouched).")
+    ] = False,
+    lock_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds the swap waits for its table locks; past that it gives up and can be re-run."),
+    ] = 10.0,
+    data_dir: DataDir = None,
+) -> None:
+    """Rebuild a workspace's index from the delta stream while the projector keeps running.
+
+    Replays the workspace's deltas from sequence 1 into shadow tables, checks them against the fold of the stream,
+    then swaps them in, in one transaction, and announces the ontologyVersions. An interrupted rebuild resumes
+    where it stopped when run again."""
+    from .ops.rebuild import Rebuild, RebuildFailed
+
+    settings = _settings("ontofabric-rebuild", data_dir, quiet=True)
+    endpoints = _endpoints(settings)
+    try:
+        with RichProgress(console) as progress:
+            job = Rebuild(
+                settings, endpoints.nats_url, endpoints.database_url, workspace, progress, lock_timeout_s=lock_timeout
+            )
+            if discard:
+                dropped = asyncio.run(job.discard())
+                console.print("shadow tables dropped" if dropped else f"no rebuild of {workspace!r} to discard")
+                return
+            report = asyncio.run(job.run())
+    except RebuildFailed as error:
+        _fail(f"{error}\nthe live index is unchanged; run again to resume, or with --discard to start over")
+    resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
+    rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
+    console.print(
+        f"rebuilt {workspace!r}: {report.replayed} deltas replayed in {report.replay_s:.1f}s{resumed}, "
+        f"{report.applied} applied, rejected: {rejected}; {report.rows} rows verified against the stream; "
+        f"swapped in holding the projectors off for {report.swap_lock_s * 1000:.0f} ms",
+        soft_wrap=True,
+    )
+    for branch, version in sorted(report.versions.items()):
+        console.print(f"  {branch}: ontologyVersion {version}")
+
+
 @app.command("migrate")
 def migrate_command(data_dir: DataDir = None) -> None:
     """Apply pending database migrations (workers also do this when they start)."""

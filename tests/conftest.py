@@ -10,6 +10,7 @@ import contextlib
 import os
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,21 @@ def servers() -> Iterator[Endpoints]:
 def _with_database(url: str, name: str) -> str:
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+class RecordedProgress:
+    """The Progress port of long runs (ingest, eval, rebuild), recording each stage's total and how far it got."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+        self.done: Counter[str] = Counter()
+
+    def stage(self, name: str, total: int) -> None:
+        self.totals[name] = total
+        self.done[name] = 0
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        self.done[name] += amount
 
 
 @dataclass

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
-COMMANDS = ["up", "projector", "query-worker", "ingest", "query", "demo", "migrate", "contracts", "settings"]
+COMMANDS = [
+    "up", "projector", "query-worker", "ingest", "query", "demo", "eval", "rebuild", "migrate", "contracts", "settings",
+]  # fmt: skip
 
 
 def _env(**values: str) -> dict[str, str]:
@@ -72,6 +74,12 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         assert reply["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
         assert reply["_meta"]["degraded"] == ["embedder"]
         assert reply["_meta"]["hybrid"] is False
+        rebuild = subprocess.run(
+            [ONTOFABRIC, "rebuild", "geo"], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert rebuild.returncode == 0, rebuild.stderr
+        assert "rebuilt 'geo': 3 deltas replayed" in rebuild.stdout, rebuild.stdout
+        assert f"main: ontologyVersion {reply['_meta']['ontologyVersion']}" in rebuild.stdout
     finally:
         os.killpg(up.pid, signal.SIGTERM)
         code = up.wait(60)

@@ -29,6 +29,8 @@ from ontofabric.services.ops.evaluation import (
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
+from .conftest import RecordedProgress
+
 
 def _write_dataset(
     root: Path, corpus: list[dict[str, str]], queries: dict[str, str], qrels: list[tuple[str, str]]
@@ -118,14 +120,6 @@ def test_early_exit_calibration() -> None:
     fired = [ExitPoint(0.9, 2, True, query_id=f"q{i}") for i in range(3)]
     gains = {"q0": 0.1, "q1": -0.1, "q2": 0.3, "other": 5.0}
     assert calibrate_early_exit(fired, 0.8, 3, gains).rerank_gain_when_fired == pytest.approx(0.1)
-
-
-class _Quiet:
-    def stage(self, name: str, total: int) -> None:
-        pass
-
-    def advance(self, name: str, amount: int = 1) -> None:
-        pass
 
 
 def test_margin_over_queries_with_a_paired_bootstrap_interval() -> None:
@@ -218,7 +212,7 @@ async def test_a_small_dataset_through_the_real_path(
     )
     endpoints = Endpoints(nats_url=servers.nats_url, database_url=deployment_settings.database_url or "")
     configs = list(CONFIGS)
-    report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, _Quiet())
+    report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, RecordedProgress())
     assert report.documents == 6
     assert report.documents_loaded == 5
     [(refused_id, why)] = report.refused_documents

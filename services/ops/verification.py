@@ -1,0 +1,114 @@
+"""What a rebuilt index must hold: the fold of its workspace's stream, and how to compare an index against it.
+
+Pure logic. The rebuild folds every delta that applied (the projector's own :class:`StateFold` rule) and compares
+the result with the rows it reads back from its shadow tables; any difference stops the swap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ontofabric.contracts import DocumentUpserted
+from ontofabric.services.projector.planning import Delta, EntityKind, StateFold, VersionState, entity_of
+
+RowKey = tuple[str, EntityKind, str]
+"""(branch, kind, key) of one row of a workspace: a document id, a node's object type, a link's key."""
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What is checked of each row: the delta that wrote it and, for a live document, its content's checksum."""
+
+    seq: int
+    deleted: bool
+    transparent: bool
+    content_md5: str | None = None
+
+
+def content_md5(content: str) -> str:
+    """md5 of the UTF-8 text: what PostgreSQL's ``md5(content)`` returns for the same text."""
+    return hashlib.md5(content.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+class ExpectedIndex:
+    """The fold of one workspace's deltas, in stream order, from an empty index."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+        self._fold = StateFold()
+        self._checksums: dict[RowKey, str] = {}
+        self.folded = 0
+        """Deltas folded in, applied or not."""
+
+    def add(self, delta: Delta) -> bool:
+        """Fold one delta of this workspace; True when it applied."""
+        if delta.envelope.workspace != self.workspace:
+            raise ValueError(f"delta {delta.seq} belongs to workspace {delta.envelope.workspace!r}")
+        self.folded += 1
+        if not self._fold.add(delta):
+            return False
+        ref = entity_of(delta.envelope)
+        key: RowKey = (ref.branch, ref.kind, ref.key)
+        payload = delta.envelope.payload
+        if isinstance(payload, DocumentUpserted):
+            self._checksums[key] = content_md5(payload.document.content)
+        else:
+            self._checksums.pop(key, None)
+        return True
+
+    def rows(self) -> dict[RowKey, RowFacts]:
+        return {
+            (ref.branch, ref.kind, ref.key): RowFacts(
+                state.seq, state.deleted, state.transparent, self._checksums.get((ref.branch, ref.kind, ref.key))
+            )
+            for ref, state in self._fold.rows.items()
+        }
+
+    def versions(self) -> dict[str, VersionState]:
+        """The ontologyVersion of each branch the stream changed."""
+        return {branch: version for (_, branch), version in self._fold.changed_versions.items()}
+
+
+def differences(
+    expected_rows: Mapping[RowKey, RowFacts],
+    actual_rows: Mapping[RowKey, RowFacts],
+    expected_versions: Mapping[str, VersionState],
+    actual_versions: Mapping[str, VersionState],
+    *,
+    limit: int = 10,
+) -> list[str]:
+    """Every way the index differs from the fold, the first ``limit`` of each kind spelt out.
+
+    A version row the stream never changed (a branch whose deltas were all no-ops) holds the empty version.
+    """
+    problems: list[str] = []
+    missing = sorted(expected_rows.keys() - actual_rows.keys())
+    extra = sorted(actual_rows.keys() - expected_rows.keys())
+    changed = sorted(k for k in expected_rows.keys() & actual_rows.keys() if expected_rows[k] != actual_rows[k])
+    for label, keys in (("missing", missing), ("not in the stream", extra), ("different", changed)):
+        if keys:
+            shown = "; ".join(_describe(k, expected_rows.get(k), actual_rows.get(k)) for k in keys[:limit])
+            more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+            problems.append(f"{len(keys)} rows {label}: {shown}{more}")
+    for branch in sorted(expected_versions.keys() | actual_versions.keys()):
+        want = expected_versions.get(branch, VersionState())
+        got = actual_versions.get(branch, VersionState())
+        if want != got:
+            problems.append(f"branch {branch!r}: ontologyVersion {got.label}, the stream folds to {want.label}")
+    return problems
+
+
+def _describe(key: RowKey, expected: RowFacts | None, actual: RowFacts | None) -> str:
+    branch, kind, name = key
+    text = f"{kind} {name!r} on {branch!r}"
+    if expected is not None and actual is not None:
+        text += f" (index {_facts(actual)}, stream {_facts(expected)})"
+    return text
+
+
+def _facts(facts: RowFacts) -> str:
+    state = "reverted" if facts.transparent else "deleted" if facts.deleted else "live"
+    checksum = f", md5 {facts.content_md5[:8]}" if facts.content_md5 else ""
+    return f"seq {facts.seq} {state}{checksum}"

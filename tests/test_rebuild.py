@@ -1,0 +1,324 @@
+"""Rebuilding a workspace from the stream, against a real nats-server and PostgreSQL, with the projector running."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from ontofabric.contracts import (
+    DeltaEnvelope,
+    DocumentReverted,
+    LinkAdded,
+    NodeUpserted,
+    OntologyLink,
+    OntologyNode,
+    OntologyVersionChanged,
+)
+from ontofabric.services.ingest.client import envelope
+from ontofabric.services.ops import rebuild as rebuild_module
+from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, shadow_schema
+from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences
+from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
+from ontofabric.services.projector.worker import ProjectorService
+
+from .conftest import Deployment, RecordedProgress
+from .factories import delete, document, unit_vector, upsert
+
+DOCUMENT_STATE = (
+    "SELECT branch, id, deleted, transparent, stream_seq, content, embedding::text AS embedding,"
+    " search_vector::text AS terms, doc_length, token_signs FROM documents WHERE workspace = $1 ORDER BY branch, id"
+)
+
+
+def _rebuild(deployment: Deployment, workspace: str = "acme", progress: RecordedProgress | None = None) -> Rebuild:
+    return Rebuild(
+        deployment.settings, deployment.nats_url, deployment.database_url, workspace, progress or RecordedProgress()
+    )
+
+
+def _upsert(workspace: str, doc_id: str, content: str, branch: str = "main") -> DeltaEnvelope:
+    return upsert(workspace, document(doc_id, content, embedding=unit_vector(content)), branch=branch)
+
+
+async def _publish_history(deployment: Deployment) -> int:
+    """A workspace with upserts, overwrites, a delete, a branch and its revert, graph nodes and links; and another
+    workspace beside it. Returns the last stream sequence."""
+    acme = [_upsert("acme", f"d{i}", f"parse the config file {i}") for i in range(12)]
+    acme += [
+        _upsert("acme", "d3", "parse the config file, rewritten"),
+        delete("acme", "d4"),
+        _upsert("acme", "d5", "a branch's own parser", branch="feature/x"),
+        _upsert("acme", "d6", "changed on the branch", branch="feature/x"),
+        envelope("acme", DocumentReverted(document_id="d6"), branch="feature/x"),
+        envelope("acme", NodeUpserted(node=OntologyNode(domain="demo", name="Parser", kind="class", interfaces=[]))),
+        envelope("acme", LinkAdded(link=OntologyLink(source_type="demo.Parser", name="uses", target_type="demo.Cfg"))),
+    ]  # fmt: skip
+    other = [_upsert("other", f"o{i}", f"other workspace {i}") for i in range(4)]
+    acks = await deployment.publisher.publish_many([*acme[:8], *other, *acme[8:]])
+    await deployment.wait_projected(acks[-1].seq)
+    return acks[-1].seq
+
+
+def test_the_expected_index_is_the_fold_the_projector_applies_batch_by_batch() -> None:
+    envelopes = [
+        _upsert("acme", "a", "first"),
+        _upsert("acme", "b", "second"),
+        _upsert("acme", "a", "first, again"),
+        delete("acme", "b"),
+        _upsert("acme", "c", "on a branch", branch="dev"),
+    ]
+    deltas = [Delta(seq, e) for seq, e in enumerate(envelopes, start=1)]
+    repeated = Delta(9, envelopes[0])  # the same event republished later: a no-op
+    expected = ExpectedIndex("acme")
+    assert [expected.add(d) for d in [*deltas, repeated]] == [True, True, True, True, True, False]
+
+    assert expected.rows() == {
+        ("main", "document", "a"): RowFacts(3, False, False, content_md5("first, again")),
+        ("main", "document", "b"): RowFacts(4, True, False),
+        ("dev", "document", "c"): RowFacts(5, False, False, content_md5("on a branch")),
+    }
+    # The projector, two batches: the same versions.
+    first = plan_batch(deltas[:2], {}, {})
+    handled = {d.envelope.event_id for d in deltas[:2]}
+    second = plan_batch([*deltas[2:], repeated], _rows_after(deltas[:2]), first.versions, handled)
+    assert expected.versions() == {branch: v for (_, branch), v in {**first.versions, **second.versions}.items()}
+    with pytest.raises(ValueError, match="workspace 'other'"):
+        expected.add(Delta(10, _upsert("other", "x", "elsewhere")))
+
+
+def _rows_after(deltas: list[Delta]) -> dict[EntityRef, RowState]:
+    fold = StateFold()
+    for delta in deltas:
+        fold.add(delta)
+    return fold.rows
+
+
+def test_differences_name_each_row_and_version_that_differs() -> None:
+    live = RowFacts(3, False, False, content_md5("x"))
+    expected = {("main", "document", f"d{i}"): live for i in range(14)}
+    actual = {**{k: v for k, v in expected.items() if k[2] not in {"d0", "d1"}}, ("main", "node", "demo.T"): live}
+    actual[("main", "document", "d2")] = RowFacts(3, False, False, content_md5("y"))
+    versions = {"main": VersionState(7, 3)}
+
+    assert differences(expected, expected, versions, versions) == []
+    problems = differences(expected, actual, versions, {"main": VersionState(8, 3), "dev": VersionState()}, limit=1)
+    assert problems == [
+        "2 rows missing: document 'd0' on 'main' (+1 more)",
+        "1 rows not in the stream: node 'demo.T' on 'main'",
+        f"1 rows different: document 'd2' on 'main' (index seq 3 live, md5 {content_md5('y')[:8]},"
+        f" stream seq 3 live, md5 {content_md5('x')[:8]})",
+        f"branch 'main': ontologyVersion {VersionState(8, 3).label}, the stream folds to {VersionState(7, 3).label}",
+    ]
+
+
+async def _state(deployment: Deployment, workspace: str) -> dict[str, Any]:
+    return {
+        "documents": [dict(r) for r in await deployment.fetch(DOCUMENT_STATE, workspace)],
+        "postings": [
+            tuple(r)
+            for r in await deployment.fetch(
+                "SELECT branch, term, doc_id, tf, doc_length FROM postings WHERE workspace = $1 ORDER BY 1, 2, 3",
+                workspace,
+            )
+        ],
+        "nodes": [
+            tuple(r)
+            for r in await deployment.fetch(
+                "SELECT branch, object_type, deleted, name, stream_seq FROM ontology_nodes WHERE workspace = $1",
+                workspace,
+            )
+        ],
+        "links": [
+            tuple(r)
+            for r in await deployment.fetch(
+                "SELECT branch, source_type, link_name, target_type, deleted, stream_seq FROM ontology_links"
+                " WHERE workspace = $1",
+                workspace,
+            )
+        ],
+        "versions": {
+            r["branch"]: (r["state_hash"], r["stream_seq"], r["doc_count"], r["total_length"])
+            for r in await deployment.fetch("SELECT * FROM ontology_versions WHERE workspace = $1", workspace)
+        },
+    }
+
+
+async def _revisions(deployment: Deployment, workspace: str) -> dict[str, int]:
+    rows = await deployment.fetch("SELECT branch, revision FROM ontology_versions WHERE workspace = $1", workspace)
+    return {r["branch"]: r["revision"] for r in rows}
+
+
+async def _indexes(deployment: Deployment) -> list[tuple[str, str]]:
+    rows = await deployment.fetch(
+        "SELECT tablename, indexdef FROM pg_indexes WHERE schemaname = 'public' AND tablename LIKE '%_ws_%'"
+        " ORDER BY 1, 2"
+    )
+    return [(r["tablename"], r["indexdef"]) for r in rows]
+
+
+async def _schemas(deployment: Deployment) -> list[str]:
+    rows = await deployment.fetch("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'ontofabric_rebuild_%'")
+    return [r["nspname"] for r in rows]
+
+
+async def test_a_corrupted_workspace_is_rebuilt_and_the_projector_carries_on(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    before, other_before = await _state(deployment, "acme"), await _state(deployment, "other")
+    revisions_before, indexes_before = await _revisions(deployment, "acme"), await _indexes(deployment)
+    # What a bad migration or a hand-made fix could leave behind: wrong content, a lost vector, a lost row, lost
+    # postings, a lost graph node.
+    await deployment.fetch("UPDATE documents SET content = 'garbage', embedding = NULL WHERE id = 'd1'")
+    await deployment.fetch("DELETE FROM documents WHERE workspace = 'acme' AND id = 'd2'")
+    await deployment.fetch("DELETE FROM postings WHERE workspace = 'acme' AND doc_id = 'd7'")
+    await deployment.fetch("DELETE FROM ontology_nodes WHERE workspace = 'acme'")
+    assert await _state(deployment, "acme") != before
+
+    progress = RecordedProgress()
+    report = await _rebuild(deployment, progress=progress).run()
+
+    assert (report.swapped, report.resumed_from, report.replayed, report.rejected) == (True, 0, 19, Counter())
+    assert await _state(deployment, "acme") == before
+    assert await _state(deployment, "other") == other_before
+    assert await _indexes(deployment) == indexes_before  # ATTACH adopted the shadow's indexes, built none anew
+    assert await _schemas(deployment) == []
+    assert await deployment.fetch("SELECT conname FROM pg_constraint WHERE conname LIKE 'ontofabric_rebuild%'") == []
+    revisions = await _revisions(deployment, "acme")
+    assert all(revisions[b] > revisions_before[b] for b in revisions_before)
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    for branch in ("main", "feature/x"):
+        entry = await kv.get(deployment.names.version_key("acme", branch))
+        assert entry.value is not None
+        announced = OntologyVersionChanged.model_validate_json(entry.value)
+        assert (announced.revision, announced.ontology_version) == (revisions[branch], report.versions[branch])
+    assert all(progress.done[stage] == total for stage, total in progress.totals.items()), progress.done
+
+    # The live projector writes into the swapped-in partition, from the revision the rebuild left.
+    ack = await deployment.publisher.publish(upsert("acme", document("d99", "after the rebuild")))
+    await deployment.wait_projected(ack.seq)
+    rows = await deployment.fetch("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'd99'")
+    assert [r["content"] for r in rows] == ["after the rebuild"]
+    postings = await deployment.fetch("SELECT count(*) AS n FROM postings WHERE doc_id = 'd99'")
+    assert postings[0]["n"] > 0
+    assert (await _revisions(deployment, "acme"))["main"] == revisions["main"] + 1
+
+
+async def test_deltas_published_during_the_rebuild_are_in_the_swapped_index(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish_history(deployment)
+    late: list[int] = []
+    prepare = rebuild_module._Shadow.prepare_for_swap
+
+    async def publish_then_prepare(shadow: rebuild_module._Shadow) -> None:
+        # Between the replay and the swap: the live projector applies these, the swap must catch up with them.
+        acks = await deployment.publisher.publish_many(
+            [upsert("acme", document("late", "published mid-rebuild")), delete("acme", "d0")]
+        )
+        await deployment.wait_projected(acks[-1].seq)
+        late.append(acks[-1].seq)
+        await prepare(shadow)
+
+    monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", publish_then_prepare)
+    live = await _rebuild(deployment).run()
+    assert live.swapped
+    assert len(late) == 1
+    rows = await deployment.fetch("SELECT id, deleted FROM documents WHERE id IN ('late', 'd0')")
+    assert {r["id"]: r["deleted"] for r in rows} == {"late": False, "d0": True}
+    versions = await deployment.fetch("SELECT branch, stream_seq FROM ontology_versions WHERE workspace = 'acme'")
+    assert {r["branch"]: r["stream_seq"] for r in versions}["main"] == late[0]
+
+
+async def test_a_shadow_that_differs_from_the_stream_is_never_swapped_in(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish_history(deployment)
+    before = await _state(deployment, "acme")
+    prepare = rebuild_module._Shadow.prepare_for_swap
+    schema = shadow_schema("acme")
+
+    async def corrupt_then_prepare(shadow: rebuild_module._Shadow) -> None:
+        await deployment.fetch(f"UPDATE \"{schema}\".documents SET content = 'lost' WHERE id = 'd1'")
+        await deployment.fetch(f"DELETE FROM \"{schema}\".postings WHERE doc_id = 'd8'")
+        await prepare(shadow)
+
+    monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", corrupt_then_prepare)
+    with pytest.raises(RebuildFailed) as failure:
+        await _rebuild(deployment).run()
+    message = str(failure.value)
+    assert "1 rows different: document 'd1' on 'main'" in message
+    assert "postings for" in message
+    assert await _state(deployment, "acme") == before
+    assert await _schemas(deployment) == [schema]  # kept for inspection
+    assert await _rebuild(deployment).discard() is True
+    assert await _schemas(deployment) == []
+    assert await _rebuild(deployment).discard() is False
+
+
+async def test_an_interrupted_rebuild_resumes_and_verifies_the_whole_stream(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish_history(deployment)
+    before = await _state(deployment, "acme")
+    settings = deployment.settings.model_copy(update={"projector_batch_size": 5})
+    record = rebuild_module._Shadow.record
+    calls = 0
+
+    async def crash_after_two_batches(shadow: rebuild_module._Shadow, *args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 2:
+            raise ConnectionResetError("the operator's laptop went to sleep")
+        await record(shadow, *args)
+
+    monkeypatch.setattr(rebuild_module._Shadow, "record", crash_after_two_batches)
+    interrupted = Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    with pytest.raises(ConnectionResetError):
+        await interrupted.run()
+    assert await _state(deployment, "acme") == before
+    monkeypatch.setattr(rebuild_module._Shadow, "record", record)
+
+    progress = RecordedProgress()
+    resumed = await Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", progress).run()
+    assert resumed.swapped
+    assert resumed.resumed_from > 0
+    assert progress.totals["refold"] == resumed.resumed_from
+    assert resumed.replayed < 19
+    assert await _state(deployment, "acme") == before
+
+
+async def test_rejected_deltas_are_counted_and_not_dead_lettered_again(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    subject = deployment.names.delta_subject("acme", "main")
+    ack = await deployment.js.publish(subject, b'{"not": "a delta"}')
+    await deployment.wait_projected(ack.seq)
+    dead_letters = (await deployment.js.stream_info(deployment.names.dlq_stream)).state.messages
+    assert dead_letters == 1
+
+    report = await _rebuild(deployment).run()
+    assert report.rejected == Counter({"invalid_schema": 1})
+    assert (await deployment.js.stream_info(deployment.names.dlq_stream)).state.messages == dead_letters
+
+
+async def test_a_stream_that_lost_its_first_deltas_is_refused(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    before = await _state(deployment, "acme")
+    await deployment.js.purge_stream(deployment.names.delta_stream, seq=3)  # drops sequences 1 and 2
+    with pytest.raises(RebuildFailed, match="starts at sequence 3"):
+        await _rebuild(deployment).run()
+    assert await _state(deployment, "acme") == before
+    assert await _schemas(deployment) == []
+
+
+async def test_a_workspace_with_no_deltas_is_refused(deployment: Deployment, projector: ProjectorService) -> None:
+    await _publish_history(deployment)
+    with pytest.raises(RebuildFailed, match="no deltas of workspace 'nobody'"):
+        await _rebuild(deployment, "nobody").run()
+    assert await _schemas(deployment) == []

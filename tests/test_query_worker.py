@@ -16,7 +16,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import METRICS, SPANS, Deployment
+from .conftest import METRICS, SPANS, Deployment, RecordedProgress
 from .factories import document, upsert
 
 CORPUS = {
@@ -325,3 +325,41 @@ async def test_an_answer_larger_than_a_nats_message_arrives_trimmed(
     assert "replySize" not in ids_only.meta.degraded
     assert all(r.content is None for r in ids_only.results)
     assert [r.id for r in ids_only.results][: len(reply.results)] == [r.id for r in reply.results]
+
+
+async def test_queries_are_answered_across_a_rebuild_which_drops_answers_read_from_the_old_index(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    from ontofabric.services.ops.rebuild import Rebuild
+
+    await start_query_worker(embedder)
+    await deployment.fetch("UPDATE documents SET content = 'corrupted' WHERE id = 'fib'")
+    stale = await _ask(client, "fibonacci numbers")
+    assert (await _ask(client, "fibonacci numbers")).meta.cache_hit is True
+    assert stale.results[0].content == "corrupted"
+
+    answers: list[QueryResponse] = []
+
+    async def keep_asking() -> None:
+        while True:
+            answers.append(await _ask(client, "sort a list", topK=3))
+
+    asking = asyncio.create_task(keep_asking())
+    try:
+        await Rebuild(
+            deployment.settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()
+        ).run()
+        await asyncio.sleep(0.2)
+    finally:
+        asking.cancel()
+    assert len(answers) > 1
+    assert all(a.results[0].id == "sort" and a.meta.degraded == [] for a in answers)
+
+    for _ in range(100):  # the worker learns of the rebuild from the KV watch
+        fresh = await _ask(client, "fibonacci numbers")
+        if not fresh.meta.cache_hit:
+            break
+        await asyncio.sleep(0.05)
+    assert fresh.meta.cache_hit is False
+    assert fresh.meta.ontology_version == stale.meta.ontology_version  # the same deltas, the same version
+    assert fresh.results[0].content == CORPUS["fib"][0]

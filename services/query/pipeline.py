@@ -501,11 +501,12 @@ class QueryPipeline:
         )
         return QueryResponse(results=answer.results, meta=meta)
 
-    def invalidate(self, workspace: str, branch: str, version: str) -> None:
-        """A version moved: drop the workspace's answers and graphs that no longer match (main moves them all)."""
+    def invalidate(self, workspace: str, branch: str, version: str, rebuilt: bool = False) -> None:
+        """A version moved: drop the workspace's answers and graphs that no longer match (main moves them all).
+        After a rebuild every one of them was read from the replaced index: all go."""
 
         def current(of_branch: str) -> str:
-            return self._versions.current(workspace, of_branch)
+            return "" if rebuilt else self._versions.current(workspace, of_branch)
 
         dropped = self._cache.invalidate_stale(workspace, current)
         graphs = self._graphs.drop_stale(workspace, current)

@@ -19,8 +19,10 @@ from ontofabric.shared.subjects import Names
 
 log = get_logger(__name__)
 
-VersionListener = Callable[[str, str, str], None]
-"""Called with (workspace, branch, new version)."""
+VersionListener = Callable[[str, str, str, bool], None]
+"""Called with (workspace, branch, new version, rebuilt). ``rebuilt``: the version is the same, announced again with a
+higher revision, because a rebuild replaced the workspace's index (``ontofabric rebuild``): what was read from the
+old index is stale although its version is not."""
 
 
 class VersionTracker:
@@ -29,6 +31,7 @@ class VersionTracker:
         self._names = names
         self._on_change: VersionListener | None = None
         self._versions: dict[tuple[str, str], str] = {}
+        self._revisions: dict[tuple[str, str], int] = {}
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -79,9 +82,14 @@ class VersionTracker:
         except (ValidationError, ValueError) as error:
             log.warning("version_entry_unreadable", key=key, error=str(error))
             return
-        if self._versions.get((workspace, branch)) == record.ontology_version:
+        scope = (workspace, branch)
+        known_revision = self._revisions.get(scope, record.revision)
+        self._revisions[scope] = max(known_revision, record.revision)
+        rebuilt = self._versions.get(scope) == record.ontology_version and record.revision > known_revision
+        if self._versions.get(scope) == record.ontology_version and not rebuilt:
             return
-        self._versions[(workspace, branch)] = record.ontology_version
-        log.info("ontology_version_seen", workspace=workspace, branch=branch, version=record.ontology_version)
+        self._versions[scope] = record.ontology_version
+        version = record.ontology_version
+        log.info("ontology_version_seen", workspace=workspace, branch=branch, version=version, rebuilt=rebuilt)
         if self._on_change is not None:
-            self._on_change(workspace, branch, record.ontology_version)
+            self._on_change(workspace, branch, version, rebuilt)

@@ -21,7 +21,9 @@ from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, shadow_schema
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
+from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.db import create_pool, migrate
 
 from .conftest import Deployment, RecordedProgress
 from .factories import delete, document, unit_vector, upsert
@@ -322,3 +324,28 @@ async def test_a_workspace_with_no_deltas_is_refused(deployment: Deployment, pro
     with pytest.raises(RebuildFailed, match="no deltas of workspace 'nobody'"):
         await _rebuild(deployment, "nobody").run()
     assert await _schemas(deployment) == []
+
+
+async def test_each_schema_s_writer_analyses_its_own_partitions(deployment: Deployment) -> None:
+    """A shadow's partitions have the live ones' names: each store must find and analyse those of its schema."""
+    schema = shadow_schema("busy")
+    await migrate(deployment.database_url, deployment.settings)
+    await migrate(deployment.database_url, deployment.settings, schema=schema)
+    live_pool = await create_pool(deployment.database_url, deployment.settings)
+    shadow_pool = await create_pool(deployment.database_url, deployment.settings, schema=schema)
+    try:
+        live, shadow = PostgresProjectionStore(live_pool, "english"), PostgresProjectionStore(shadow_pool, "english")
+        await live.apply([Delta(1, upsert("busy", document("first", "text")))])
+        assert len(await live.refresh_statistics(["busy"])) == 0  # one row: not stale yet
+        await shadow.apply([Delta(i, upsert("busy", document(f"d{i}", f"text {i}"))) for i in range(1, 81)])
+        assert await live.refresh_statistics(["busy"]) == []  # only the shadow's partitions changed
+        analysed = await shadow.refresh_statistics(["busy"])
+        assert [name.split("_ws_")[0] for name in analysed] == ["documents", "postings"]
+        rows = await deployment.fetch(
+            "SELECT schemaname, last_analyze IS NOT NULL AS analysed FROM pg_stat_user_tables"
+            " WHERE relname LIKE 'documents_ws_%'"
+        )
+        assert {r["schemaname"]: r["analysed"] for r in rows} == {"public": False, schema: True}
+    finally:
+        await live_pool.close()
+        await shadow_pool.close()

@@ -220,6 +220,8 @@ class Rebuild:
             applied = await self._apply(shadow, accepted, rejections)
             for delta in applied:
                 report.applied += expected.add(delta)
+            if applied:  # as the projector does: else each batch is planned against an empty, growing partition
+                await shadow.store.refresh_statistics([self._workspace])
             last = batch[-1].metadata.sequence.stream
             await shadow.record(last, rejections)
             report.replayed += len(batch)

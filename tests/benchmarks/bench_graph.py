@@ -4,7 +4,7 @@ Prints, in one run on the embedded servers, with the query cache off:
 - graph expansion (followLinks) stage time p50/p95 over the queries, beside the same queries' total time;
 - query latency p50/p95 on a branch (main ⊕ a delta of changed files) beside the same queries on main.
 
-Run: .venv/bin/python tests/benchmarks/bench_graph.py [--queries 200] [--changed-files 20]
+Run: .venv/bin/python -m tests.benchmarks.bench_graph [--queries 200] [--changed-files 20]
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from ontofabric.services.query.fusion import Candidate
 from ontofabric.services.query.graph import GraphRows, LinkRow
 from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
 from ontofabric.services.query.postgres import Fetched, Hits, Representatives, Scope, StoredDocument
+from ontofabric.services.query.versions import is_rebuild
 from ontofabric.shared.embedder import Vector
 
 
@@ -98,14 +99,21 @@ class FixedEmbedder:
 class Announced:
     def __init__(self, version: str) -> None:
         self.version = version
+        self.rebuilds = 0
 
     def current(self, workspace: str, branch: str) -> str:
         return self.version
 
+    def generation(self, workspace: str) -> int:
+        return self.rebuilds
 
-def _pipeline(retrieval: ScriptedRetrieval, announced: str = "5-a") -> tuple[QueryPipeline, VersionedCache[object]]:
+
+def _pipeline(
+    retrieval: ScriptedRetrieval, announced: str | Announced = "5-a"
+) -> tuple[QueryPipeline, VersionedCache[object]]:
     cache: VersionedCache[object] = VersionedCache(10)
-    return QueryPipeline(retrieval, FixedEmbedder(), Announced(announced), cache, PipelineConfig()), cache  # type: ignore[arg-type]
+    versions = announced if isinstance(announced, Announced) else Announced(announced)
+    return QueryPipeline(retrieval, FixedEmbedder(), versions, cache, PipelineConfig()), cache  # type: ignore[arg-type]
 
 
 QUERY = OntologyQuery(semantic_query="anything")
@@ -118,6 +126,27 @@ async def test_consistent_answer_is_cached_and_labelled_with_its_version() -> No
     assert first.meta.degraded == []
     assert len(cache) == 1
     assert (await pipeline.answer(QUERY, "w")).meta.cache_hit is True
+
+
+async def test_an_answer_read_while_the_index_was_rebuilt_is_not_cached() -> None:
+    """A rebuild keeps the version: only the generation tells an answer from the replaced index."""
+    versions = Announced("5-a")
+
+    class RebuiltMidQuery(ScriptedRetrieval):
+        async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+            versions.rebuilds += 1  # the rebuild's announcement arrives while this query is reading
+            return await super().fetch(scope, ids, token_signs_of)
+
+    pipeline, cache = _pipeline(RebuiltMidQuery(), versions)
+    reply = await pipeline.answer(QUERY, "w")
+    assert reply.meta.ontology_version == "5-a"
+    assert reply.meta.degraded == []
+    assert len(cache) == 0
+    pipeline, cache = _pipeline(ScriptedRetrieval(), versions)
+    await pipeline.answer(QUERY, "w")
+    assert len(cache) == 1
+    pipeline.invalidate("w", "main", "5-a", rebuilt=True)
+    assert len(cache) == 0
 
 
 async def test_statements_that_saw_different_versions_are_flagged_and_not_cached() -> None:
@@ -253,3 +282,11 @@ async def test_a_graph_newer_than_the_results_is_flagged_and_not_cached() -> Non
     assert reply.meta.expanded_context  # the expansion still comes back
     assert "ontologyVersionChanged" in reply.meta.degraded
     assert len(cache) == 0
+
+
+def test_only_the_same_version_at_a_higher_revision_is_a_rebuild() -> None:
+    assert is_rebuild("5-a", 3, "5-a", 4)
+    assert not is_rebuild(None, None, "5-a", 4)  # first sighting
+    assert not is_rebuild("5-a", 3, "5-a", 3)  # the same announcement again
+    assert not is_rebuild("5-a", 4, "5-a", 3)  # an older one
+    assert not is_rebuild("5-a", 3, "6-b", 4)  # a change

@@ -339,10 +339,12 @@ async def test_queries_are_answered_across_a_rebuild_which_drops_answers_read_fr
     assert stale.results[0].content == "corrupted"
 
     answers: list[QueryResponse] = []
+    kinds: list[dict[str, object]] = [{}, {"options": {"retrievers": ["keyword"]}}, {"objectType": "algo.Sorting"}]
 
-    async def keep_asking() -> None:
+    async def keep_asking() -> None:  # each text new, so each answer is read from the database, never the cache
         while True:
-            answers.append(await _ask(client, "sort a list", topK=3))
+            n = len(answers)
+            answers.append(await _ask(client, f"sort a list of numbers {n}", topK=3, **kinds[n % len(kinds)]))
 
     asking = asyncio.create_task(keep_asking())
     try:
@@ -352,8 +354,8 @@ async def test_queries_are_answered_across_a_rebuild_which_drops_answers_read_fr
         await asyncio.sleep(0.2)
     finally:
         asking.cancel()
-    assert len(answers) > 1
-    assert all(a.results[0].id == "sort" and a.meta.degraded == [] for a in answers)
+    assert len(answers) > len(kinds)
+    assert all(a.results[0].id == "sort" and a.meta.degraded == [] and not a.meta.cache_hit for a in answers)
 
     for _ in range(100):  # the worker learns of the rebuild from the KV watch
         fresh = await _ask(client, "fibonacci numbers")

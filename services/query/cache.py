@@ -19,6 +19,8 @@ class CacheKey:
     ontology_version: str
     query_hash: str
     params_hash: str
+    generation: int = 0
+    """The workspace's rebuild generation the answer was read in (VersionTracker.generation)."""
 
 
 def stable_hash(value: Any) -> str:
@@ -49,6 +51,12 @@ class VersionedCache(Generic[V]):
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
+
+    def drop_workspace(self, workspace: str) -> int:
+        stale = [key for key in self._entries if key.workspace == workspace]
+        for key in stale:
+            del self._entries[key]
+        return len(stale)
 
     def invalidate_stale(self, workspace: str, current_version: Callable[[str], str]) -> int:
         """Drop the workspace's answers made from another version than their branch's current one.

@@ -139,22 +139,28 @@ class GraphCache:
     def __init__(self, load: Callable[[str, str], Awaitable[GraphRows]], max_graphs: int = 32) -> None:
         self._load = load
         self._max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple[str, str, str], OntologyGraph] = OrderedDict()
+        self._graphs: OrderedDict[tuple[str, str, str, int], OntologyGraph] = OrderedDict()
 
-    async def get(self, workspace: str, branch: str, version: str) -> OntologyGraph:
+    async def get(self, workspace: str, branch: str, version: str, generation: int = 0) -> OntologyGraph:
         """The graph at ``version``, or, when it has moved on since, the newer one the load read (its
-        ``version`` says which: the caller compares)."""
-        key = (workspace, branch, version)
+        ``version`` says which: the caller compares). ``generation``: the workspace's rebuilds seen so far."""
+        key = (workspace, branch, version, generation)
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             return graph
         graph = overlay(await self._load(workspace, branch), branch)
         # Kept under the version it was read at, never under one it may not be.
-        self._graphs[(workspace, branch, graph.version)] = graph
+        self._graphs[(workspace, branch, graph.version, generation)] = graph
         while len(self._graphs) > self._max_graphs:
             self._graphs.popitem(last=False)
         return graph
+
+    def drop_workspace(self, workspace: str) -> int:
+        stale = [k for k in self._graphs if k[0] == workspace]
+        for key in stale:
+            del self._graphs[key]
+        return len(stale)
 
     def drop_stale(self, workspace: str, current: Callable[[str], str]) -> int:
         """Forget the workspace's graphs whose version is no longer the branch's current one."""

@@ -72,6 +72,8 @@ class Retrieval(Protocol):
 class VersionSource(Protocol):
     def current(self, workspace: str, branch: str) -> str: ...
 
+    def generation(self, workspace: str) -> int: ...
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -179,9 +181,11 @@ class _Stopwatch:
             self.timings[stage] = round((time.perf_counter() - started) * 1000, 3)
 
 
-def cache_key(query: OntologyQuery, workspace: str, version: str) -> CacheKey:
+def cache_key(query: OntologyQuery, workspace: str, version: str, generation: int = 0) -> CacheKey:
     params = query.model_dump(exclude={"semantic_query", "workspace", "branch"}, mode="json")
-    return CacheKey(workspace, query.branch, version, stable_hash(query.semantic_query), stable_hash(params))
+    return CacheKey(
+        workspace, query.branch, version, stable_hash(query.semantic_query), stable_hash(params), generation
+    )
 
 
 class QueryPipeline:
@@ -207,7 +211,8 @@ class QueryPipeline:
         started = time.perf_counter()
         clock = _Stopwatch()
         announced = self._versions.current(workspace, query.branch)
-        key = cache_key(query, workspace, announced)
+        generation = self._versions.generation(workspace)
+        key = cache_key(query, workspace, announced, generation)
         cached = self._cache.get(key)
         if cached is not None:
             self._metrics.cache_hit.add(1)
@@ -216,9 +221,11 @@ class QueryPipeline:
 
         with tracer().start_as_current_span("query.retrieve"):
             answer = await self._retrieve(query, workspace, clock)
-        # Cache only what is known to be the announced version's answer; a newer commit whose announcement is
+        # Cache only what is known to be the announced version's answer, read from the index that is still in
+        # place (a rebuild keeps the version but replaces the index); a newer commit whose announcement is
         # still on its way is answered truthfully (its own version in _meta) but not cached under the old key.
-        if answer.version == announced and not set(answer.degraded) - {"embedder"}:
+        current = answer.version == announced and self._versions.generation(workspace) == generation
+        if current and not set(answer.degraded) - {"embedder"}:
             self._cache.put(key, answer)
         return self._respond(query, workspace, answer, False, clock, started)
 
@@ -373,7 +380,8 @@ class QueryPipeline:
         """The requested objectType and, through the graph, its subtypes and implementors."""
         assert query.object_type is not None
         try:
-            graph = await self._graphs.get(workspace, query.branch, self._versions.current(workspace, query.branch))
+            announced = self._versions.current(workspace, query.branch)
+            graph = await self._graphs.get(workspace, query.branch, announced, self._versions.generation(workspace))
         except Exception as error:
             log.warning("graph_load_failed", error=f"{type(error).__name__}: {error}")
             degraded.append("objectTypeNarrowing")
@@ -388,7 +396,8 @@ class QueryPipeline:
         most ``expansion_max_types`` of them (and whether there were more)."""
         bound = self._config.expansion_max_types
         try:
-            graph = await self._graphs.get(scope.workspace, scope.branch, version)
+            generation = self._versions.generation(scope.workspace)
+            graph = await self._graphs.get(scope.workspace, scope.branch, version, generation)
             # One past the bound, to know whether there were more.
             expansions = expand(graph, [(r.id, r.object_type) for r in results], limit=bound + 1)
             truncated, expansions = len(expansions) > bound, expansions[:bound]
@@ -506,12 +515,19 @@ class QueryPipeline:
         After a rebuild every one of them was read from the replaced index: all go."""
 
         def current(of_branch: str) -> str:
-            return "" if rebuilt else self._versions.current(workspace, of_branch)
+            return self._versions.current(workspace, of_branch)
 
-        dropped = self._cache.invalidate_stale(workspace, current)
-        graphs = self._graphs.drop_stale(workspace, current)
+        if rebuilt:
+            dropped, graphs = self._cache.drop_workspace(workspace), self._graphs.drop_workspace(workspace)
+        else:
+            dropped, graphs = (
+                self._cache.invalidate_stale(workspace, current),
+                self._graphs.drop_stale(workspace, current),
+            )
         if dropped or graphs:
-            log.info("cache_invalidated", workspace=workspace, branch=branch, entries=dropped, graphs=graphs)
+            log.info(
+                "cache_invalidated", workspace=workspace, branch=branch, entries=dropped, graphs=graphs, rebuilt=rebuilt
+            )
 
 
 async def _guarded(name: str, work: Awaitable[Hits], degraded: list[str]) -> Hits | None:

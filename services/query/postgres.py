@@ -147,15 +147,16 @@ class PostgresRetrieval:
         self._k1 = bm25_k1
         self._b = bm25_b
         self._k3 = bm25_k3
-        # Main ids a branch hides, per (workspace, branch, version): computed once per version, inside a snapshot.
-        self._shadowed: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
+        # Main ids a branch hides, per (workspace, branch, version, revisions): computed once per version, inside a
+        # snapshot. The revisions tell a rebuilt index (the same version) from the one it replaced.
+        self._shadowed: OrderedDict[tuple[str, str, str, tuple[int, ...]], list[str]] = OrderedDict()
 
     @contextlib.asynccontextmanager
     async def _snapshot(self, scope: Scope) -> AsyncIterator[Snapshot]:
         async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             rows = await conn.fetch(
-                "SELECT branch, state_hash, stream_seq FROM ontology_versions"
-                " WHERE workspace = $1 AND branch = ANY($2::text[])",
+                "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
+                " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",
                 scope.workspace,
                 scope.branches,
             )
@@ -163,7 +164,7 @@ class PostgresRetrieval:
             version = overlay_version(versions.get(MAIN, NO_VERSION), scope.branch, versions.get(scope.branch))
             shadowed: list[str] = []
             if scope.branch != MAIN:
-                key = (scope.workspace, scope.branch, version)
+                key = (scope.workspace, scope.branch, version, tuple(r["revision"] for r in rows))
                 if key not in self._shadowed:
                     self._shadowed[key] = await _shadowed_ids(conn, scope.workspace, scope.branch)
                     while len(self._shadowed) > 64:

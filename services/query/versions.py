@@ -25,6 +25,12 @@ higher revision, because a rebuild replaced the workspace's index (``ontofabric 
 old index is stale although its version is not."""
 
 
+def is_rebuild(known_version: str | None, known_revision: int | None, version: str, revision: int) -> bool:
+    """A rebuild announces the version it reproduced (the same deltas give the same version) with a higher
+    revision; every other change of revision comes with a new version."""
+    return known_version == version and known_revision is not None and revision > known_revision
+
+
 class VersionTracker:
     def __init__(self, kv: KeyValue, names: Names) -> None:
         self._kv = kv
@@ -32,6 +38,7 @@ class VersionTracker:
         self._on_change: VersionListener | None = None
         self._versions: dict[tuple[str, str], str] = {}
         self._revisions: dict[tuple[str, str], int] = {}
+        self._generations: dict[str, int] = {}
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -42,6 +49,10 @@ class VersionTracker:
         """The announced version of what a query on ``branch`` reads (main ⊕ branch)."""
         main = self._versions.get((workspace, "main"), NO_VERSION)
         return overlay_version(main, branch, self._versions.get((workspace, branch)))
+
+    def generation(self, workspace: str) -> int:
+        """How many rebuilds of the workspace this worker has seen: what was read before one is not to be kept."""
+        return self._generations.get(workspace, 0)
 
     async def start(self, timeout_s: float = 30.0) -> None:
         self._task = asyncio.create_task(self._watch_forever(), name="version-watch")
@@ -83,13 +94,14 @@ class VersionTracker:
             log.warning("version_entry_unreadable", key=key, error=str(error))
             return
         scope = (workspace, branch)
-        known_revision = self._revisions.get(scope, record.revision)
-        self._revisions[scope] = max(known_revision, record.revision)
-        rebuilt = self._versions.get(scope) == record.ontology_version and record.revision > known_revision
-        if self._versions.get(scope) == record.ontology_version and not rebuilt:
-            return
-        self._versions[scope] = record.ontology_version
         version = record.ontology_version
+        rebuilt = is_rebuild(self._versions.get(scope), self._revisions.get(scope), version, record.revision)
+        self._revisions[scope] = max(self._revisions.get(scope, 0), record.revision)
+        if self._versions.get(scope) == version and not rebuilt:
+            return
+        self._versions[scope] = version
+        if rebuilt:
+            self._generations[workspace] = self._generations.get(workspace, 0) + 1
         log.info("ontology_version_seen", workspace=workspace, branch=branch, version=version, rebuilt=rebuilt)
         if self._on_change is not None:
             self._on_change(workspace, branch, version, rebuilt)

@@ -263,8 +263,14 @@ def rebuild(
     ] = False,
     lock_timeout: Annotated[
         float,
-        typer.Option(help="Seconds the swap waits for its table locks; past that it gives up and can be re-run."),
+        typer.Option(
+            min=0.1, help="Seconds the swap may wait for its locks; past that it gives up, and can be run again."
+        ),
     ] = 10.0,
+    force: Annotated[
+        bool,
+        typer.Option(help="Swap even when live rows exist that the stream does not account for (they are lost)."),
+    ] = False,
     data_dir: DataDir = None,
 ) -> None:
     """Rebuild a workspace's index from the delta stream while the projector keeps running.
@@ -279,7 +285,13 @@ def rebuild(
     try:
         with RichProgress(console) as progress:
             job = Rebuild(
-                settings, endpoints.nats_url, endpoints.database_url, workspace, progress, lock_timeout_s=lock_timeout
+                settings,
+                endpoints.nats_url,
+                endpoints.database_url,
+                workspace,
+                progress,
+                lock_timeout_s=lock_timeout,
+                force=force,
             )
             if discard:
                 dropped = asyncio.run(job.discard())
@@ -287,13 +299,19 @@ def rebuild(
                 return
             report = asyncio.run(job.run())
     except RebuildFailed as error:
-        _fail(f"{error}\nthe live index is unchanged; run again to resume, or with --discard to start over")
+        advice = (
+            "run again to resume"
+            if error.resumable
+            else "running again will not help as things are; --discard drops the shadow tables"
+        )
+        _fail(f"{error}\nthe live index is unchanged; {advice}")
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
     console.print(
         f"rebuilt {workspace!r}: {report.replayed} deltas replayed in {report.replay_s:.1f}s{resumed}, "
-        f"{report.applied} applied, rejected: {rejected}; {report.rows} rows verified against the stream; "
-        f"swapped in holding the projectors off for {report.swap_lock_s * 1000:.0f} ms",
+        f"{report.changed} changed a row, rejected: {rejected}; {report.rows} rows verified against the stream; "
+        f"swapped in holding the projectors off for {report.swap_lock_s * 1000:.0f} ms "
+        f"and queries for {report.parents_lock_s * 1000:.0f} ms",
         soft_wrap=True,
     )
     for branch, version in sorted(report.versions.items()):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Any
 
+import asyncpg
 import pytest
 
 from ontofabric.contracts import (
@@ -51,7 +53,7 @@ async def _publish_history(deployment: Deployment) -> int:
     acme += [
         _upsert("acme", "d3", "parse the config file, rewritten"),
         delete("acme", "d4"),
-        _upsert("acme", "d5", "a branch's own parser", branch="feature/x"),
+        _upsert("acme", "d5", "a branch's own parser: naïve café ✓ 解析", branch="feature/x"),
         _upsert("acme", "d6", "changed on the branch", branch="feature/x"),
         envelope("acme", DocumentReverted(document_id="d6"), branch="feature/x"),
         envelope("acme", NodeUpserted(node=OntologyNode(domain="demo", name="Parser", kind="class", interfaces=[]))),
@@ -349,3 +351,182 @@ async def test_each_schema_s_writer_analyses_its_own_partitions(deployment: Depl
     finally:
         await live_pool.close()
         await shadow_pool.close()
+
+
+async def test_a_delta_published_while_the_swap_holds_the_lock_lands_after_it(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish_history(deployment)
+    swap_into = rebuild_module._Shadow.swap_into
+    published: list[int] = []
+
+    async def publish_then_swap(shadow: rebuild_module._Shadow, *args: Any) -> float:
+        # Past the catch-up, with the projectors held off: only the live projector, after the commit, can apply it.
+        published.append((await deployment.publisher.publish(_upsert("acme", "locked", "during the swap"))).seq)
+        return await swap_into(shadow, *args)
+
+    monkeypatch.setattr(rebuild_module._Shadow, "swap_into", publish_then_swap)
+    assert (await _rebuild(deployment).run()).swapped
+    await deployment.wait_projected(published[0])
+    rows = await deployment.fetch("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'locked'")
+    assert [r["content"] for r in rows] == ["during the swap"]
+
+
+async def test_a_query_holding_one_parent_and_waiting_for_the_other_is_not_deadlocked(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A keyword statement reads postings, then documents: the swap must give way, not close a lock cycle."""
+    await _publish_history(deployment)
+    reader = await asyncpg.connect(deployment.database_url)
+    try:
+        async with reader.transaction(isolation="repeatable_read", readonly=True):
+            await reader.fetch("SELECT count(*) FROM postings WHERE workspace = 'other'")
+            rebuilding = asyncio.create_task(_rebuild(deployment).run())
+            await asyncio.sleep(1.5)  # the swap is asking for the parents by now
+            other = await reader.fetch("SELECT id FROM documents WHERE workspace = 'other'")
+        report = await rebuilding
+    finally:
+        await reader.close()
+    assert len(other) == 4
+    assert report.swapped
+
+
+async def test_a_swap_that_cannot_get_its_locks_gives_up_and_can_be_run_again(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    before = await _state(deployment, "acme")
+    blocker = await asyncpg.connect(deployment.database_url)
+    try:
+        async with blocker.transaction():  # what a long transaction writing versions would hold
+            await blocker.execute("LOCK TABLE ontology_versions IN ROW EXCLUSIVE MODE")
+            job = Rebuild(
+                deployment.settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(),
+                lock_timeout_s=0.5,
+            )  # fmt: skip
+            with pytest.raises(RebuildFailed, match="could not take its locks") as failure:
+                await job.run()
+    finally:
+        await blocker.close()
+    assert failure.value.resumable
+    assert await _state(deployment, "acme") == before
+    assert await _schemas(deployment) == [shadow_schema("acme")]
+    resumed = await _rebuild(deployment).run()
+    assert resumed.swapped
+    assert resumed.replayed == 0  # everything was replayed by the first run
+    assert await _state(deployment, "acme") == before
+
+
+async def test_a_second_rebuild_of_the_same_workspace_is_refused(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    holder = await asyncpg.connect(deployment.database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock(hashtext('ontofabric.rebuild'), hashtext('acme'))")
+        with pytest.raises(RebuildFailed, match="another rebuild of workspace 'acme' is running"):
+            await _rebuild(deployment).run()
+        assert (await _rebuild(deployment, "other").run()).swapped  # another workspace may go meanwhile
+    finally:
+        await holder.close()
+    assert await _schemas(deployment) == []
+
+
+async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """Run with other limits than the projector's, the rebuild would reject deltas the live index holds."""
+    await _publish_history(deployment)
+    before = await _state(deployment, "acme")
+    stricter = deployment.settings.model_copy(update={"max_content_bytes": 25})
+    job = Rebuild(stricter, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    with pytest.raises(RebuildFailed, match="live rows the stream does not account for") as failure:
+        await job.run()
+    assert not failure.value.resumable
+    assert "content_too_large" not in str(failure.value)  # what is named is the rows that would be lost
+    assert "document 'd3' on 'main'" in str(failure.value)
+    assert await _state(deployment, "acme") == before
+    assert await _rebuild(deployment).discard() is True
+    other_model = deployment.settings.model_copy(update={"embedding_model": "another-model"})
+    job = Rebuild(other_model, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    with pytest.raises(RebuildFailed, match=r"live index holds .* this command is set up for another-model"):
+        await job.run()
+    assert await _schemas(deployment) == []
+
+
+async def test_a_branch_only_the_live_index_has_keeps_announcing(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    await deployment.fetch(
+        "INSERT INTO ontology_versions (workspace, branch, state_hash, stream_seq, revision)"
+        " VALUES ('acme', 'ghost', 42, 7, 5)"
+    )
+    report = await _rebuild(deployment).run()
+    assert report.versions["ghost"] == VersionState().label
+    rows = await deployment.fetch(
+        "SELECT state_hash, stream_seq, revision FROM ontology_versions WHERE branch = 'ghost'"
+    )
+    assert [tuple(r) for r in rows] == [(0, 0, 6)]
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    entry = await kv.get(deployment.names.version_key("acme", "ghost"))
+    assert entry.value is not None
+    assert OntologyVersionChanged.model_validate_json(entry.value).revision == 6
+
+
+async def test_a_swap_committed_but_never_announced_is_announced_by_the_next_run(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish_history(deployment)
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    key = deployment.names.version_key("acme", "main")
+
+    async def announced() -> int:
+        entry = await kv.get(key)
+        assert entry.value is not None
+        return OntologyVersionChanged.model_validate_json(entry.value).revision
+
+    before = await announced()
+    swap = rebuild_module.Rebuild._swap
+    announce = rebuild_module.Rebuild._announce
+
+    async def swap_then_stop(job: Rebuild, *args: Any) -> None:
+        async def stop(*_: Any) -> dict[str, str]:
+            raise ConnectionResetError("stopped between the commit and the announcement")
+
+        monkeypatch.setattr(rebuild_module.Rebuild, "_announce", stop)
+        await swap(job, *args)
+
+    monkeypatch.setattr(rebuild_module.Rebuild, "_swap", swap_then_stop)
+    with pytest.raises(ConnectionResetError):
+        await _rebuild(deployment).run()
+    assert await _schemas(deployment) == []  # committed: nothing to resume
+    assert await announced() == before
+    monkeypatch.setattr(rebuild_module.Rebuild, "_announce", announce)
+    assert await _rebuild(deployment).discard() is False
+    assert await announced() == (await _revisions(deployment, "acme"))["main"] == before + 1
+
+
+async def test_a_projector_behind_the_rebuild_finds_its_deltas_already_applied(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    await projector.stop()  # down while more deltas arrive: the rebuild gets ahead of it
+    late = await deployment.publisher.publish_many(
+        [_upsert("acme", "late", "while the projector was down"), delete("acme", "d9")]
+    )
+    report = await _rebuild(deployment).run()
+    assert report.swapped
+    ahead = await _state(deployment, "acme")
+    assert {d["id"]: d["deleted"] for d in ahead["documents"]}["late"] is False
+    handled = await deployment.fetch(
+        "SELECT stream_seq FROM handled_events WHERE stream_seq = ANY($1::bigint[])", [ack.seq for ack in late]
+    )
+    assert len(handled) == 2  # so even a copy republished later is a no-op for the projector
+    restarted = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
+    await restarted.start()
+    try:
+        await deployment.wait_projected(late[-1].seq)
+    finally:
+        await restarted.stop()
+    assert await _state(deployment, "acme") == ahead  # its deltas were no-ops: the events were handled

@@ -7,12 +7,17 @@
 2. **Verify.** The shadow must hold what the stream folds to (:mod:`.verification`): the same rows with the same
    sequences, tombstones and reverts, the same content checksums and ontologyVersions, and keyword statistics that
    agree with its documents.
-3. **Swap.** One transaction holds off the live projectors (they wait on the versions table; queries read on),
-   lets the shadow catch up with the stream's tail, verifies it again, and puts its partitions and rows in place
-   of the live ones. The new ontologyVersions are then announced with a higher revision.
+   Before the swap it must also account for every live row: a live row the stream does not explain means the
+   rebuild read the stream differently from the projector (other limits, another model) or that deltas were
+   removed from it, and swapping would lose the row.
+3. **Swap.** One transaction holds off the live projectors (they wait on the versions table), lets the shadow
+   catch up with the stream's tail, checks what the tail changed, moves the rows and versions over, and only then
+   takes the live parents' exclusive lock, for the partition swap itself: briefly, and giving way to queries
+   rather than deadlocking with them. The new ontologyVersions are then announced with a higher revision.
 
 The live tables are untouched until that transaction commits, so a rebuild is never half-swapped. An interrupted
-rebuild leaves its shadow schema behind: the next run resumes from it, ``--discard`` drops it.
+rebuild leaves its shadow schema behind: the next run resumes from it, ``--discard`` drops it. Each run first
+announces the workspace's current versions, in case the last one committed its swap and stopped before that.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import contextlib
 import hashlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Collection
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -31,10 +36,11 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from ontofabric.services.ingest.ingester import Progress
 from ontofabric.services.projector.planning import Delta, Limits, Rejection, VersionState, validate_delta
-from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate, _to_unsigned
+from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate, unsigned64
 from ontofabric.services.projector.worker import VersionPublisher, limits_from
 from ontofabric.shared.db import create_pool, is_transient, migrate
 from ontofabric.shared.jetstream import backoff_s, connect, ensure_jetstream
@@ -43,7 +49,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .verification import ExpectedIndex, RowFacts, RowKey, differences
+from .verification import ExpectedIndex, RowFacts, RowKey, differences, row_key, unexplained_live_rows
 
 log = get_logger(__name__)
 
@@ -52,10 +58,20 @@ BOUND_CHECK = "ontofabric_rebuild_bound"
 while it holds the lock."""
 APPLY_ATTEMPTS = 8
 """Tries of a batch the database refuses for a transient reason before the run stops (to be resumed later)."""
+CATCH_UP_ROUNDS = 5
+"""Unlocked passes over what arrived during the replay, so that little is left for the swap's locked catch-up."""
+PARENT_LOCK_TRY_MS = 200
+"""One try at the live parents' exclusive lock: below PostgreSQL's deadlock_timeout (1 s), so when a query and the
+swap wait on each other, the swap gives way (and tries again) before the query is killed as a deadlock victim."""
 
 
 class RebuildFailed(Exception):
-    """The rebuild stopped before swapping; the live index is as it was, the shadow is kept for a resume."""
+    """The rebuild stopped before swapping; the live index is as it was."""
+
+    def __init__(self, message: str, *, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable
+        """Whether running again can succeed as things are (else the shadow differs, or the stream cannot serve)."""
 
 
 @dataclass
@@ -64,23 +80,27 @@ class RebuildReport:
     resumed_from: int
     """The last stream sequence a previous run had replayed (0 for a fresh rebuild)."""
     replayed: int = 0
-    applied: int = 0
+    changed: int = 0
+    """Replayed deltas that changed a row (the others were repeats, or older than the row)."""
     rejected: Counter[str] = field(default_factory=Counter)
     rows: int = 0
     versions: dict[str, str] = field(default_factory=dict)
     swapped: bool = False
     replay_s: float = 0.0
     swap_lock_s: float = 0.0
-    """How long the swap held off the live projectors, catching up included."""
+    """How long the swap held off the live projectors, from asking for the lock to the commit."""
+    parents_lock_s: float = 0.0
+    """How long the swap held the live parents' exclusive lock, which queries of every workspace wait for."""
 
 
 def shadow_schema(workspace: str) -> str:
-    return f"ontofabric_rebuild_{_suffix(workspace)}"
+    digest = hashlib.md5(workspace.encode("utf-8"), usedforsecurity=False).hexdigest()[:20]
+    return f"ontofabric_rebuild_{digest}"
 
 
-def _suffix(workspace: str) -> str:
-    """As ensure_workspace_partition names a workspace's partitions (infra/migrations/0002)."""
-    return hashlib.md5(workspace.encode("utf-8"), usedforsecurity=False).hexdigest()[:20]
+def retired_schema(workspace: str) -> str:
+    """Where the swap moves the live partitions it replaces, until it drops them after the commit."""
+    return f"{shadow_schema(workspace)}_retired"
 
 
 class Rebuild:
@@ -93,7 +113,10 @@ class Rebuild:
         progress: Progress,
         *,
         lock_timeout_s: float = 10.0,
+        force: bool = False,
     ) -> None:
+        if lock_timeout_s <= 0:
+            raise ValueError("lock_timeout_s must be positive (PostgreSQL reads 0 as: wait forever)")
         self._settings = settings
         self._names = Names(settings.subject_prefix)
         self._nats_url = nats_url
@@ -102,18 +125,22 @@ class Rebuild:
         self._schema = shadow_schema(workspace)
         self._progress = progress
         self._lock_timeout_s = lock_timeout_s
+        self._force = force
         self._limits: Limits = limits_from(settings)
 
     async def discard(self) -> bool:
         """Drop an interrupted rebuild's shadow schema. False when there was none."""
+        nc = await connect(self._nats_url, "ontofabric-rebuild")
         conn = await asyncpg.connect(self._database_url)
         try:
             async with self._exclusive(conn):
+                await self._announce(nc, conn)
                 existed = await self._shadow_exists(conn)
                 await conn.execute(f'DROP SCHEMA IF EXISTS "{self._schema}" CASCADE')
                 return existed
         finally:
             await conn.close()
+            await nc.close()
 
     async def run(self) -> RebuildReport:
         with tracer().start_as_current_span("ops.rebuild") as span:
@@ -130,7 +157,11 @@ class Rebuild:
     async def _run(self, nc: Client, admin: asyncpg.Connection) -> RebuildReport:
         js = nc.jetstream()
         await ensure_jetstream(js, self._names, self._settings)
+        await self._announce(nc, admin)
+        # What a run that committed its swap and stopped before dropping the partitions it replaced left behind.
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{retired_schema(self._workspace)}" CASCADE')
         await self._check_stream(js)
+        await self._check_deployment(admin)
         resumed = await self._shadow_exists(admin)
         await migrate(self._database_url, self._settings, schema=self._schema)
         await admin.execute(
@@ -152,17 +183,28 @@ class Rebuild:
             expected = ExpectedIndex(self._workspace)
             started = time.perf_counter()
             await self._refold(js, shadow, expected, report.resumed_from)
-            last = (await js.stream_info(self._names.delta_stream)).state.last_seq
-            await self._replay(js, shadow, expected, report, report.resumed_from + 1, last, "replay")
+            for round_ in range(CATCH_UP_ROUNDS):  # the replay, then what arrived meanwhile
+                replayed, last = await shadow.replayed_seq(), await self._stream_last(js)
+                if round_ > 0 and last - replayed < self._settings.projector_batch_size:
+                    break
+                await self._replay(js, shadow, expected, report, replayed + 1, last, "replay")
             report.replay_s = time.perf_counter() - started
             await shadow.prepare_for_swap()
+            covered = await shadow.replayed_seq()
             problems = await shadow.verify(expected)
+            if not self._force:
+                problems += unexplained_live_rows(await shadow.live_row_seqs(), expected.rows(), covered)
             if problems:
-                raise RebuildFailed("the shadow tables differ from the stream: " + " | ".join(problems))
+                raise RebuildFailed(
+                    "the shadow tables differ from the stream: " + " | ".join(problems), resumable=False
+                )
             await self._swap(js, nc, shadow, expected, report)
             return report
         finally:
             await pool.close()
+
+    async def _stream_last(self, js: JetStreamContext) -> int:
+        return int((await js.stream_info(self._names.delta_stream)).state.last_seq)
 
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Refuse, before any shadow table exists, a stream that cannot rebuild the workspace."""
@@ -171,10 +213,22 @@ class Rebuild:
         if state.first_seq > 1:
             raise RebuildFailed(
                 f"the stream {self._names.delta_stream} starts at sequence {state.first_seq}: the deltas before it "
-                "were removed, and an index rebuilt without them would lose what they wrote"
+                "were removed, and an index rebuilt without them would lose what they wrote",
+                resumable=False,
             )
         if not state.subjects:
-            raise RebuildFailed(f"the stream holds no deltas of workspace {self._workspace!r}")
+            raise RebuildFailed(f"the stream holds no deltas of workspace {self._workspace!r}", resumable=False)
+
+    async def _check_deployment(self, conn: asyncpg.Connection) -> None:
+        """The shadow is built for this command's model; the live index must have been built for the same."""
+        row = await conn.fetchrow("SELECT embedding_model, embedding_dim FROM public.deployment")
+        wanted = (self._settings.embedding_model, self._settings.embedding_dim)
+        if row is not None and (row["embedding_model"], row["embedding_dim"]) != wanted:
+            raise RebuildFailed(
+                f"the live index holds {row['embedding_model']} vectors of dimension {row['embedding_dim']}, this "
+                f"command is set up for {wanted[0]} / {wanted[1]}: rebuild with the deployment's settings",
+                resumable=False,
+            )
 
     async def _refold(self, js: JetStreamContext, shadow: _Shadow, expected: ExpectedIndex, upto: int) -> None:
         """After a resume: fold what the previous run replayed, so the verification covers the whole stream."""
@@ -183,14 +237,16 @@ class Rebuild:
         failed = await shadow.failed_to_apply()
         self._progress.stage("refold", upto)
         done = 0
-        async for batch in _read(js, self._names, self._workspace, 1, upto, self._settings.projector_batch_size):
-            for msg in batch:
-                outcome = self._validate(msg)
-                if isinstance(outcome, Delta) and outcome.seq not in failed:
-                    expected.add(outcome)
-            last = batch[-1].metadata.sequence.stream
-            self._progress.advance("refold", last - done)
-            done = last
+        batches = _read(js, self._names, self._workspace, 1, upto, self._settings.projector_batch_size)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for msg in batch:
+                    outcome = self._validate(msg)
+                    if isinstance(outcome, Delta) and outcome.seq not in failed:
+                        expected.add(outcome)
+                last = batch[-1].metadata.sequence.stream
+                self._progress.advance("refold", last - done)
+                done = last
         self._progress.advance("refold", upto - done)
 
     async def _replay(
@@ -202,101 +258,134 @@ class Rebuild:
         start: int,
         upto: int,
         stage: str,
-    ) -> None:
-        """Apply the workspace's deltas from ``start`` up to stream sequence ``upto`` to the shadow.
-
-        Progress counts stream sequences, the other workspaces' deltas in between included."""
+    ) -> set[RowKey]:
+        """Apply the workspace's deltas from ``start`` up to stream sequence ``upto`` to the shadow; returns the
+        rows they wrote. Progress counts stream sequences, the other workspaces' deltas in between included."""
         self._progress.stage(stage, max(upto - start + 1, 0))
-        first = start
-        async for batch in _read(js, self._names, self._workspace, start, upto, self._settings.projector_batch_size):
-            accepted: list[Delta] = []
-            rejections: list[tuple[int, Rejection]] = []
-            for msg in batch:
-                outcome = self._validate(msg)
-                if isinstance(outcome, Rejection):
-                    rejections.append((msg.metadata.sequence.stream, outcome))
-                else:
-                    accepted.append(outcome)
-            applied = await self._apply(shadow, accepted, rejections)
-            for delta in applied:
-                report.applied += expected.add(delta)
-            if applied:  # as the projector does: else each batch is planned against an empty, growing partition
-                await shadow.store.refresh_statistics([self._workspace])
-            last = batch[-1].metadata.sequence.stream
-            await shadow.record(last, rejections)
-            report.replayed += len(batch)
-            report.rejected.update(rejection.reason for _, rejection in rejections)
-            self._progress.advance(stage, last - start + 1)
-            start = last + 1
+        first, touched = start, set()
+        batches = _read(js, self._names, self._workspace, start, upto, self._settings.projector_batch_size)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                outcomes = [(msg.metadata.sequence.stream, self._validate(msg)) for msg in batch]
+                rejections = [(seq, o) for seq, o in outcomes if isinstance(o, Rejection)]
+                applied, refused = await self._apply(shadow, [o for _, o in outcomes if isinstance(o, Delta)])
+                rejections += refused
+                for delta in applied:
+                    report.changed += expected.add(delta)
+                    touched.add(row_key(delta))
+                if applied:  # as the projector does: else each batch is planned against an empty, growing partition
+                    await shadow.store.refresh_statistics([self._workspace])
+                last = batch[-1].metadata.sequence.stream
+                await shadow.record(last, rejections)
+                report.replayed += len(batch)
+                report.rejected.update(rejection.reason for _, rejection in rejections)
+                self._progress.advance(stage, last - start + 1)
+                start = last + 1
         self._progress.advance(stage, max(upto - max(start, first) + 1, 0))
+        return touched
 
     def _validate(self, msg: Msg) -> Delta | Rejection:
         return validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
 
-    async def _apply(
-        self, shadow: _Shadow, deltas: list[Delta], rejections: list[tuple[int, Rejection]]
-    ) -> list[Delta]:
+    async def _apply(self, shadow: _Shadow, deltas: list[Delta]) -> tuple[list[Delta], list[tuple[int, Rejection]]]:
         """Apply as the projector does: a batch the database refuses is applied one delta at a time, and a delta
-        it still refuses is rejected as the projector would dead-letter it. Returns the deltas that went in."""
+        it still refuses is rejected as the projector would dead-letter it. Returns what went in, what did not."""
         if not deltas:
-            return []
-        refusal: Exception | None = None
+            return [], []
         for attempt in range(1, APPLY_ATTEMPTS + 1):
             try:
                 await shadow.store.apply(deltas)
-                return deltas
+                return deltas, []
             except Exception as error:
                 if not is_transient(error):
-                    refusal = error
+                    if len(deltas) == 1:
+                        return [], [(deltas[0].seq, Rejection("apply_failed", f"{type(error).__name__}: {error}"))]
                     break
                 if attempt == APPLY_ATTEMPTS:
                     raise
                 log.warning("rebuild_apply_retry", error=f"{type(error).__name__}: {error}", attempt=attempt)
                 await asyncio.sleep(backoff_s(attempt, 0.5, 10.0))
-        if len(deltas) == 1:
-            detail = f"{type(refusal).__name__}: {refusal}"
-            rejections.append((deltas[0].seq, Rejection("apply_failed", detail)))
-            return []
         applied: list[Delta] = []
+        refused: list[tuple[int, Rejection]] = []
         for delta in deltas:
-            applied += await self._apply(shadow, [delta], rejections)
-        return applied
+            went_in, not_in = await self._apply(shadow, [delta])
+            applied += went_in
+            refused += not_in
+        return applied, refused
 
     async def _swap(
         self, js: JetStreamContext, nc: Client, shadow: _Shadow, expected: ExpectedIndex, report: RebuildReport
     ) -> None:
         conn = await asyncpg.connect(self._database_url)
+        handled_floor = await self._projector_ack_floor(js)
         try:
             async with conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{int(self._lock_timeout_s * 1000)}ms'")
+                # Before holding anyone off: the events the live projector has handled are in the live table
+                # already (this restores any lost), so no live writer waits on these rows.
+                await shadow.copy_handled_events(conn, after=0, upto=handled_floor)
+                asked = time.perf_counter()
                 # Live projectors write the versions table first in every batch: they wait here until the swap
                 # commits, and then find the new tables. Readers are not held off by this lock.
                 await conn.execute("LOCK TABLE public.ontology_versions IN EXCLUSIVE MODE")
-                locked = time.perf_counter()
+                await shadow.check_same_migrations(conn)
                 tail_from = await shadow.replayed_seq() + 1
-                last = (await js.stream_info(self._names.delta_stream)).state.last_seq
-                await self._replay(js, shadow, expected, report, tail_from, last, "catch up")
-                problems = await shadow.verify(expected)
+                tail = await self._replay(
+                    js, shadow, expected, report, tail_from, await self._stream_last(js), "catch up"
+                )
+                problems = await shadow.verify(expected, only=tail)
                 if problems:
-                    raise RebuildFailed("the shadow tables differ from the stream: " + " | ".join(problems))
-                revisions = await shadow.swap_into(conn)
-                report.swap_lock_s = time.perf_counter() - locked
+                    raise RebuildFailed(
+                        "the shadow's catch-up differs from the stream: " + " | ".join(problems), resumable=False
+                    )
+                await shadow.copy_handled_events(conn, after=handled_floor, upto=None)
+                parents_locked = await shadow.swap_into(conn, self._lock_timeout_s)
+            report.swap_lock_s = time.perf_counter() - asked
+            report.parents_lock_s = time.perf_counter() - parents_locked
+            await shadow.drop_retired()  # the replaced partitions, after the commit: unlinking files takes time
+        except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError) as error:
+            raise RebuildFailed(
+                f"the swap could not take its locks within {self._lock_timeout_s:g} s ({type(error).__name__}); "
+                "run again when the database is less busy, or with a longer --lock-timeout"
+            ) from error
         finally:
             await conn.close()
         report.swapped = True
-        report.rows = len(expected.rows())
-        publisher = VersionPublisher(nc, await js.key_value(self._names.version_bucket), self._names)
-        for branch, version in expected.versions().items():
-            report.versions[branch] = version.label
-            await publisher.publish(VersionUpdate(self._workspace, branch, version, revisions[branch]))
+        report.rows = len(expected)
+        report.versions = await self._announce(nc, shadow.admin)
         log.info(
             "rebuild_swapped",
             workspace=self._workspace,
             replayed=report.replayed,
             rows=report.rows,
             lock_ms=round(report.swap_lock_s * 1000, 1),
+            parents_lock_ms=round(report.parents_lock_s * 1000, 1),
             versions=report.versions,
         )
+
+    async def _announce(self, nc: Client, conn: asyncpg.Connection) -> dict[str, str]:
+        """Announce the workspace's live versions; the KV keeps a newer one it already has. Returns them by branch.
+
+        After a swap this is what tells query workers; before a run it repairs a swap whose run stopped before."""
+        rows = await conn.fetch(
+            "SELECT branch, state_hash, stream_seq, revision FROM public.ontology_versions WHERE workspace = $1",
+            self._workspace,
+        )
+        publisher = VersionPublisher(nc, await nc.jetstream().key_value(self._names.version_bucket), self._names)
+        versions = {}
+        for r in rows:
+            version = VersionState(unsigned64(r["state_hash"]), r["stream_seq"])
+            await publisher.publish(VersionUpdate(self._workspace, r["branch"], version, r["revision"]))
+            versions[r["branch"]] = version.label
+        return versions
+
+    async def _projector_ack_floor(self, js: JetStreamContext) -> int:
+        """The stream sequence up to which the live projector has handled every delta (0 if it never ran)."""
+        try:
+            info = await js.consumer_info(self._names.delta_stream, self._names.postgres_projector_durable)
+        except NotFoundError:
+            return 0
+        return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
 
     async def _shadow_exists(self, conn: asyncpg.Connection) -> bool:
         return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", self._schema))
@@ -320,9 +409,31 @@ class _AdvisoryLock:
             raise RebuildFailed(f"another rebuild of workspace {self._workspace!r} is running")
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._conn.execute(
-            "SELECT pg_advisory_unlock(hashtext('ontofabric.rebuild'), hashtext($1))", self._workspace
-        )
+        # The session's end releases it too: a broken connection must not hide the error that broke the run.
+        with contextlib.suppress(Exception):
+            await self._conn.execute(
+                "SELECT pg_advisory_unlock(hashtext('ontofabric.rebuild'), hashtext($1))", self._workspace
+            )
+
+
+_ROWS = """
+SELECT branch, 'document' AS kind, id AS key, stream_seq, deleted, transparent,
+       CASE WHEN deleted THEN NULL ELSE md5(convert_to(content, 'UTF8')) END AS content_md5
+  FROM {schema}.documents WHERE workspace = $1 {documents}
+UNION ALL
+SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL
+  FROM {schema}.ontology_nodes WHERE workspace = $1 {nodes}
+UNION ALL
+SELECT branch, 'link', source_type || '|' || link_name || '|' || target_type, stream_seq, deleted, transparent, NULL
+  FROM {schema}.ontology_links WHERE workspace = $1 {links}
+"""
+# Restricting each part to given (branch, key) pairs: $2 the branches, $3 the keys (a link's as one string).
+_ONLY = {
+    "documents": "AND (branch, id) IN (SELECT * FROM unnest($2::text[], $3::text[]))",
+    "nodes": "AND (branch, object_type) IN (SELECT * FROM unnest($2::text[], $3::text[]))",
+    "links": "AND (branch, source_type || '|' || link_name || '|' || target_type)"
+    " IN (SELECT * FROM unnest($2::text[], $3::text[]))",
+}
 
 
 class _Shadow:
@@ -331,7 +442,7 @@ class _Shadow:
     def __init__(
         self, admin: asyncpg.Connection, pool: asyncpg.Pool, schema: str, workspace: str, text_search_config: str
     ) -> None:
-        self._admin = admin
+        self.admin = admin
         self._schema = schema
         self._workspace = workspace
         self.store = PostgresProjectionStore(pool, text_search_config)
@@ -339,84 +450,112 @@ class _Shadow:
     def _table(self, name: str) -> str:
         return f'"{self._schema}"."{name}"'
 
+    @property
+    def _retired(self) -> str:
+        return retired_schema(self._workspace)
+
+    async def drop_retired(self) -> None:
+        await self.admin.execute(f'DROP SCHEMA IF EXISTS "{self._retired}" CASCADE')
+
+    async def copy_handled_events(self, conn: asyncpg.Connection, after: int, upto: int | None) -> None:
+        """Into the live table, the shadow's handled events of stream sequences in (after, upto]."""
+        await conn.execute(
+            "INSERT INTO public.handled_events (event_id, stream_seq)"
+            f" SELECT event_id, stream_seq FROM {self._table('handled_events')}"
+            " WHERE stream_seq > $1 AND ($2::bigint IS NULL OR stream_seq <= $2) ON CONFLICT DO NOTHING",
+            after,
+            upto,
+        )
+
     async def replayed_seq(self) -> int:
-        seq = await self._admin.fetchval(f"SELECT replayed_seq FROM {self._table('rebuild_progress')}")
+        seq = await self.admin.fetchval(f"SELECT replayed_seq FROM {self._table('rebuild_progress')}")
         return int(seq or 0)
 
     async def failed_to_apply(self) -> set[int]:
-        records = await self._admin.fetch(
+        records = await self.admin.fetch(
             f"SELECT seq FROM {self._table('rebuild_rejections')} WHERE reason = 'apply_failed'"
         )
         return {r["seq"] for r in records}
 
     async def record(self, replayed_seq: int, rejections: list[tuple[int, Rejection]]) -> None:
-        async with self._admin.transaction():
-            await self._admin.executemany(
+        async with self.admin.transaction():
+            await self.admin.executemany(
                 f"INSERT INTO {self._table('rebuild_rejections')} (seq, reason, detail) VALUES ($1, $2, $3)"
                 " ON CONFLICT DO NOTHING",
                 [(seq, rejection.reason, rejection.detail) for seq, rejection in rejections],
             )
-            await self._admin.execute(
+            await self.admin.execute(
                 f"INSERT INTO {self._table('rebuild_progress')} (replayed_seq) VALUES ($1)"
                 " ON CONFLICT (singleton) DO UPDATE SET replayed_seq = EXCLUDED.replayed_seq",
                 replayed_seq,
             )
 
+    async def partitions(self) -> list[tuple[str, str]]:
+        """(parent, partition) of the shadow's partitioned tables; the live partitions have the same names."""
+        records = await self.admin.fetch(
+            "SELECT parent.relname AS parent, child.relname AS partition FROM pg_inherits i"
+            " JOIN pg_class parent ON parent.oid = i.inhparent JOIN pg_class child ON child.oid = i.inhrelid"
+            " WHERE parent.relnamespace = $1::regnamespace AND parent.relkind = 'p' ORDER BY 1",  # tables, not indexes
+            self._schema,
+        )
+        return [(r["parent"], r["partition"]) for r in records]
+
     async def prepare_for_swap(self) -> None:
-        """Outside the swap's lock: planner statistics, and the partition-bound checks ATTACH will trust."""
-        literal = await self._admin.fetchval("SELECT quote_literal($1)", self._workspace)
-        for partition in _partitioned_tables(self._workspace).values():
-            await self._admin.execute(f"ANALYZE {self._table(partition)}")
-            await self._admin.execute(
+        """Outside the swap's lock: vacuumed pages (index-only scans over postings need them all-visible),
+        planner statistics, and the partition-bound checks ATTACH will trust."""
+        literal = await self.admin.fetchval("SELECT quote_literal($1)", self._workspace)
+        for _, partition in await self.partitions():
+            await self.admin.execute(f"VACUUM (ANALYZE) {self._table(partition)}")
+            await self.admin.execute(
                 f"ALTER TABLE {self._table(partition)} DROP CONSTRAINT IF EXISTS {BOUND_CHECK},"
                 f" ADD CONSTRAINT {BOUND_CHECK} CHECK (workspace = {literal})"
             )
 
-    async def verify(self, expected: ExpectedIndex) -> list[str]:
-        """How the shadow differs from the fold of the stream, and whether its keyword statistics add up."""
-        records = await self._admin.fetch(
-            f"""
-            SELECT branch, 'document' AS kind, id AS key, stream_seq, deleted, transparent,
-                   CASE WHEN deleted THEN NULL ELSE md5(content) END AS content_md5
-              FROM {self._table("documents")} WHERE workspace = $1
-            UNION ALL
-            SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL
-              FROM {self._table("ontology_nodes")} WHERE workspace = $1
-            UNION ALL
-            SELECT branch, 'link', source_type || '|' || link_name || '|' || target_type, stream_seq, deleted,
-                   transparent, NULL
-              FROM {self._table("ontology_links")} WHERE workspace = $1
-            """,
-            self._workspace,
-        )
-        actual_rows: dict[RowKey, RowFacts] = {
+    async def rows(self, schema: str, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
+        """The workspace's rows in ``schema`` (the shadow's or ``public``), all or only the given ones."""
+        parts = {"documents": "", "nodes": "", "links": ""}
+        args: list[object] = [self._workspace]
+        if only is not None:
+            parts = _ONLY
+            args += [[branch for branch, _, _ in only], [key for _, _, key in only]]
+        records = await self.admin.fetch(_ROWS.format(schema=f'"{schema}"', **parts), *args)
+        rows = {
             (r["branch"], r["kind"], r["key"]): RowFacts(
                 r["stream_seq"], r["deleted"], r["transparent"], r["content_md5"]
             )
             for r in records
         }
-        versions = await self._admin.fetch(
+        return rows if only is None else {k: v for k, v in rows.items() if k in only}
+
+    async def live_row_seqs(self) -> dict[RowKey, int]:
+        return {key: facts.seq for key, facts in (await self.rows("public")).items()}
+
+    async def verify(self, expected: ExpectedIndex, only: Collection[RowKey] | None = None) -> list[str]:
+        """How the shadow differs from the fold of the stream (all rows, or only the given ones), and whether its
+        versions and keyword statistics add up (checked on the whole, which only ``only=None`` does)."""
+        wanted = expected.rows(only)
+        versions = await self.admin.fetch(
             f"SELECT branch, state_hash, stream_seq FROM {self._table('ontology_versions')} WHERE workspace = $1",
             self._workspace,
         )
-        actual_versions = {r["branch"]: VersionState(_to_unsigned(r["state_hash"]), r["stream_seq"]) for r in versions}
-        problems = differences(expected.rows(), actual_rows, expected.versions(), actual_versions)
-        return problems + await self._keyword_statistics_problems()
+        actual_versions = {r["branch"]: VersionState(unsigned64(r["state_hash"]), r["stream_seq"]) for r in versions}
+        problems = differences(wanted, await self.rows(self._schema, only), expected.versions(), actual_versions)
+        return problems if only is not None else problems + await self._keyword_statistics_problems()
 
     async def _keyword_statistics_problems(self) -> list[str]:
         """BM25 reads postings and per-branch counts: each must agree with the documents they were made from."""
         problems = []
-        postings = await self._admin.fetchval(
+        postings = await self.admin.fetchval(
             f"SELECT count(*) FROM {self._table('postings')} WHERE workspace = $1", self._workspace
         )
-        terms = await self._admin.fetchval(
+        terms = await self.admin.fetchval(
             f"SELECT coalesce(sum(length(search_vector)), 0) FROM {self._table('documents')}"
             " WHERE workspace = $1 AND NOT deleted",
             self._workspace,
         )
         if postings != terms:
             problems.append(f"{postings} postings for {terms} distinct terms of live documents")
-        mismatched = await self._admin.fetch(
+        mismatched = await self.admin.fetch(
             f"""
             SELECT v.branch, v.doc_count, v.total_length, coalesce(d.docs, 0) AS docs, coalesce(d.length, 0) AS length
               FROM {self._table("ontology_versions")} v
@@ -434,92 +573,113 @@ class _Shadow:
         ]
         return problems
 
-    async def swap_into(self, conn: asyncpg.Connection) -> dict[str, int]:
-        """Inside the swap's transaction: the shadow's partitions and rows replace the live ones, and the shadow
-        schema is dropped. Returns the new revision of each branch's ontologyVersion."""
+    async def check_same_migrations(self, conn: asyncpg.Connection) -> None:
+        """The shadow's parents must be the live ones' twins, or ATTACH would build the indexes the shadow lacks
+        while it holds the live parents' lock."""
+        live = await conn.fetchval("SELECT max(version) FROM public.schema_migrations")
+        shadow = await conn.fetchval(f"SELECT max(version) FROM {self._table('schema_migrations')}")
+        if live != shadow:
+            raise RebuildFailed(
+                f"the live schema is at migration {live}, the shadow at {shadow}: run the rebuild with the same "
+                "version of ontofabric as the workers",
+                resumable=False,
+            )
+
+    async def swap_into(self, conn: asyncpg.Connection, lock_timeout_s: float) -> float:
+        """Inside the swap's transaction: the shadow's rows, versions and partitions replace the live ones, and the
+        shadow schema is dropped. The live parents' exclusive lock comes last and is held the least time; returns
+        when it was taken (``time.perf_counter``)."""
         workspace = self._workspace
-        literal = await conn.fetchval("SELECT quote_literal($1)", workspace)
+        partitions = await self.partitions()
         # The lock ensure_workspace_partition takes: a live projector cannot create the partition meanwhile.
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('ontofabric.partition'), hashtext($1))", workspace)
-        live = await conn.fetchval("SELECT partition_name FROM public.workspaces WHERE workspace = $1", workspace)
-        for parent, partition in _partitioned_tables(workspace).items():
-            if live is not None:
-                await conn.execute(f'ALTER TABLE public."{parent}" DETACH PARTITION public."{partition}"')
-                await conn.execute(f'DROP TABLE public."{partition}"')
-            await conn.execute(f"ALTER TABLE {self._table(parent)} DETACH PARTITION {self._table(partition)}")
-            await conn.execute(f"ALTER TABLE {self._table(partition)} SET SCHEMA public")
-            # The partition's indexes match the parent's, so ATTACH adopts them rather than building new ones.
-            await conn.execute(
-                f'ALTER TABLE public."{parent}" ATTACH PARTITION public."{partition}" FOR VALUES IN ({literal})'
-            )
-            await conn.execute(f'ALTER TABLE public."{partition}" DROP CONSTRAINT {BOUND_CHECK}')
-        await conn.execute(
-            "INSERT INTO public.workspaces (workspace, partition_name) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-            workspace,
-            _partitioned_tables(workspace)["documents"],
-        )
         for table in ("ontology_nodes", "ontology_links"):
-            columns = await self._columns(conn, table)
+            columns = await conn.fetchval(
+                "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute"
+                " WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped",
+                f"public.{table}",
+            )
             await conn.execute(f"DELETE FROM public.{table} WHERE workspace = $1", workspace)
             await conn.execute(
                 f"INSERT INTO public.{table} ({columns}) SELECT {columns} FROM {self._table(table)}"
                 " WHERE workspace = $1",
                 workspace,
             )
+        await self._swap_versions(conn)
         await conn.execute(
-            f"INSERT INTO public.handled_events (event_id, stream_seq)"
-            f" SELECT event_id, stream_seq FROM {self._table('handled_events')} ON CONFLICT DO NOTHING"
+            "INSERT INTO public.workspaces (workspace, partition_name)"
+            f" SELECT workspace, partition_name FROM {self._table('workspaces')} WHERE workspace = $1"
+            " ON CONFLICT DO NOTHING",
+            workspace,
         )
-        revisions = await self._swap_versions(conn)
+        for parent, partition in partitions:
+            await conn.execute(f"ALTER TABLE {self._table(parent)} DETACH PARTITION {self._table(partition)}")
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self._retired}"')
+        await _lock_live_parents(conn, [parent for parent, _ in partitions], lock_timeout_s)
+        locked = time.perf_counter()
+        literal = await conn.fetchval("SELECT quote_literal($1)", workspace)
+        for parent, partition in partitions:
+            if await conn.fetchval("SELECT to_regclass($1)", f'public."{partition}"') is not None:
+                await conn.execute(f'ALTER TABLE public."{parent}" DETACH PARTITION public."{partition}"')
+                # Retired, dropped after the commit: a DROP here would unlink its files inside the lock.
+                await conn.execute(f'ALTER TABLE public."{partition}" SET SCHEMA "{self._retired}"')
+            await conn.execute(f"ALTER TABLE {self._table(partition)} SET SCHEMA public")
+            # The partition's indexes match the parent's, so ATTACH adopts them rather than building new ones.
+            await conn.execute(
+                f'ALTER TABLE public."{parent}" ATTACH PARTITION public."{partition}" FOR VALUES IN ({literal})'
+            )
+            await conn.execute(f'ALTER TABLE public."{partition}" DROP CONSTRAINT {BOUND_CHECK}')
         await conn.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
-        return revisions
+        return locked
 
-    async def _swap_versions(self, conn: asyncpg.Connection) -> dict[str, int]:
-        """The shadow's versions, each with a revision above the live one: announcements only ever move forward."""
+    async def _swap_versions(self, conn: asyncpg.Connection) -> None:
+        """The shadow's versions, each with a revision above the live one: announcements only ever move forward.
+        A branch only the live index has is emptied the same way, so its next change is announced too."""
         old = {
             r["branch"]: r["revision"]
             for r in await conn.fetch(
                 "DELETE FROM public.ontology_versions WHERE workspace = $1 RETURNING branch, revision", self._workspace
             )
         }
-        rows = await conn.fetch(
+        await conn.execute(
             f"""
             INSERT INTO public.ontology_versions
                    (workspace, branch, state_hash, stream_seq, revision, doc_count, total_length)
-            SELECT s.workspace, s.branch, s.state_hash, s.stream_seq,
-                   greatest(coalesce(o.revision, 0), s.revision) + 1, s.doc_count, s.total_length
-              FROM {self._table("ontology_versions")} s
-              LEFT JOIN unnest($2::text[], $3::bigint[]) AS o(branch, revision) USING (branch)
-             WHERE s.workspace = $1
-            RETURNING branch, revision
+            SELECT $1, branch, coalesce(s.state_hash, 0), coalesce(s.stream_seq, 0),
+                   greatest(coalesce(o.revision, 0), coalesce(s.revision, 0)) + 1,
+                   coalesce(s.doc_count, 0), coalesce(s.total_length, 0)
+              FROM (SELECT * FROM {self._table("ontology_versions")} WHERE workspace = $1) s
+              FULL JOIN unnest($2::text[], $3::bigint[]) AS o(branch, revision) USING (branch)
             """,
             self._workspace,
             list(old),
             list(old.values()),
         )
-        revisions = {r["branch"]: int(r["revision"]) for r in rows}
-        return revisions
-
-    async def _columns(self, conn: asyncpg.Connection, table: str) -> str:
-        names = await conn.fetchval(
-            "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute"
-            " WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped",
-            f"public.{table}",
-        )
-        return str(names)
 
 
-def _partitioned_tables(workspace: str) -> dict[str, str]:
-    """The workspace's partition of each partitioned table, by parent."""
-    suffix = _suffix(workspace)
-    return {"documents": f"documents_ws_{suffix}", "postings": f"postings_ws_{suffix}"}
+async def _lock_live_parents(conn: asyncpg.Connection, parents: list[str], budget_s: float) -> None:
+    """ACCESS EXCLUSIVE on the live parents, in short tries: a query holding one parent and waiting for the other
+    would otherwise deadlock with the swap, and every query would queue behind a long wait."""
+    tables = ", ".join(f'public."{parent}"' for parent in parents)
+    deadline = time.monotonic() + budget_s
+    for attempt in range(1, 1_000_000):
+        try:
+            async with conn.transaction():  # a savepoint: a failed try leaves the swap's transaction usable
+                await conn.execute(f"SET LOCAL lock_timeout = '{PARENT_LOCK_TRY_MS}ms'")
+                await conn.execute(f"LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE")
+            return
+        except asyncpg.LockNotAvailableError:
+            if time.monotonic() + PARENT_LOCK_TRY_MS / 1000 > deadline:
+                raise
+            await asyncio.sleep(backoff_s(attempt, 0.05, 1.0))
 
 
 async def _read(
     js: JetStreamContext, names: Names, workspace: str, start: int, upto: int, batch_size: int
-) -> AsyncIterator[list[Msg]]:
+) -> AsyncGenerator[list[Msg], None]:
     """The workspace's deltas from stream sequence ``start`` through ``upto``, in batches, through a consumer of
-    its own (no acks: progress is kept in the shadow schema)."""
+    its own (no acks: progress is kept in the shadow schema). Close it (``contextlib.aclosing``) to remove the
+    consumer when the caller stops early."""
     if start > upto:
         return
     subscription = await js.pull_subscribe(
@@ -534,7 +694,7 @@ async def _read(
         ),
     )
     info = await subscription.consumer_info()
-    consumer, pending, finished = info.name, info.num_pending or 0, False
+    consumer, pending, received, finished = info.name, info.num_pending or 0, 0, False
     try:
         while pending > 0 and not finished:
             # One fetch returns what reached the client so far, often a few messages: gather a whole batch, so
@@ -544,14 +704,23 @@ async def _read(
                 try:
                     batch += await subscription.fetch(batch_size - len(batch), timeout=5.0)
                 except (NatsTimeoutError, TimeoutError):
-                    pending = (await subscription.consumer_info()).num_pending or 0  # what is left, server-side
+                    # What is left: not yet delivered, or delivered and still on its way to us.
+                    info = await subscription.consumer_info()
+                    delivered = info.delivered.consumer_seq if info.delivered is not None else 0
+                    pending = (info.num_pending or 0) + (delivered or 0) - received - len(batch)
                     continue
                 last = batch[-1].metadata
+                if last.sequence.consumer != received + len(batch):
+                    raise RebuildFailed(
+                        f"the read of the stream skipped messages before sequence {last.sequence.stream}"
+                    )
                 pending, finished = last.num_pending or 0, last.sequence.stream >= upto
+            received += len(batch)
             within = [msg for msg in batch if msg.metadata.sequence.stream <= upto]
             if within:
                 yield within
     finally:
-        await subscription.unsubscribe()
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()
         with contextlib.suppress(Exception):  # else the server removes it after inactive_threshold
             await js.delete_consumer(names.delta_stream, consumer)

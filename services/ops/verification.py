@@ -7,11 +7,11 @@ the result with the rows it reads back from its shadow tables; any difference st
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from ontofabric.contracts import DocumentUpserted
-from ontofabric.services.projector.planning import Delta, EntityKind, StateFold, VersionState, entity_of
+from ontofabric.services.projector.planning import Delta, EntityKind, EntityRef, StateFold, VersionState, entity_of
 
 RowKey = tuple[str, EntityKind, str]
 """(branch, kind, key) of one row of a workspace: a document id, a node's object type, a link's key."""
@@ -32,6 +32,11 @@ def content_md5(content: str) -> str:
     return hashlib.md5(content.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
+def row_key(delta: Delta) -> RowKey:
+    ref = entity_of(delta.envelope)
+    return (ref.branch, ref.kind, ref.key)
+
+
 class ExpectedIndex:
     """The fold of one workspace's deltas, in stream order, from an empty index."""
 
@@ -39,18 +44,14 @@ class ExpectedIndex:
         self.workspace = workspace
         self._fold = StateFold()
         self._checksums: dict[RowKey, str] = {}
-        self.folded = 0
-        """Deltas folded in, applied or not."""
 
     def add(self, delta: Delta) -> bool:
         """Fold one delta of this workspace; True when it applied."""
         if delta.envelope.workspace != self.workspace:
             raise ValueError(f"delta {delta.seq} belongs to workspace {delta.envelope.workspace!r}")
-        self.folded += 1
         if not self._fold.add(delta):
             return False
-        ref = entity_of(delta.envelope)
-        key: RowKey = (ref.branch, ref.kind, ref.key)
+        key = row_key(delta)
         payload = delta.envelope.payload
         if isinstance(payload, DocumentUpserted):
             self._checksums[key] = content_md5(payload.document.content)
@@ -58,17 +59,48 @@ class ExpectedIndex:
             self._checksums.pop(key, None)
         return True
 
-    def rows(self) -> dict[RowKey, RowFacts]:
+    def rows(self, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
+        """Every row the stream folds to, or only the given ones (those of them it has)."""
+        if only is not None:
+            refs = (EntityRef(self.workspace, branch, kind, key) for branch, kind, key in only)
+            states = {ref: self._fold.rows[ref] for ref in refs if ref in self._fold.rows}
+        else:
+            states = self._fold.rows
         return {
             (ref.branch, ref.kind, ref.key): RowFacts(
                 state.seq, state.deleted, state.transparent, self._checksums.get((ref.branch, ref.kind, ref.key))
             )
-            for ref, state in self._fold.rows.items()
+            for ref, state in states.items()
         }
+
+    def __len__(self) -> int:
+        return len(self._fold.rows)
 
     def versions(self) -> dict[str, VersionState]:
         """The ontologyVersion of each branch the stream changed."""
         return {branch: version for (_, branch), version in self._fold.changed_versions.items()}
+
+
+def unexplained_live_rows(
+    live_seqs: Mapping[RowKey, int], expected_rows: Mapping[RowKey, RowFacts], covered_seq: int, *, limit: int = 10
+) -> list[str]:
+    """Live rows the fold of the stream up to ``covered_seq`` cannot account for.
+
+    A live row written at or before that sequence must be in the fold, written by the same or a later delta;
+    otherwise the rebuild read a delta differently from the projector (other limits, another model) or never read
+    it (removed from the stream), and swapping would lose the row. A live row behind the fold is only a projector
+    catching up; one written after it is not the rebuild's to judge.
+    """
+    unexplained = sorted(
+        key
+        for key, seq in live_seqs.items()
+        if seq <= covered_seq and (key not in expected_rows or expected_rows[key].seq < seq)
+    )
+    if not unexplained:
+        return []
+    shown = "; ".join(_describe(key, None, None) + f" (seq {live_seqs[key]})" for key in unexplained[:limit])
+    more = f" (+{len(unexplained) - limit} more)" if len(unexplained) > limit else ""
+    return [f"{len(unexplained)} live rows the stream does not account for: {shown}{more}"]
 
 
 def differences(

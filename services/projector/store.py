@@ -28,11 +28,13 @@ from .planning import (
 _SIGNED = 1 << 63
 
 
-def _to_signed(value: int) -> int:
+def signed64(value: int) -> int:
+    """An unsigned 64-bit state hash as PostgreSQL's bigint stores it."""
     return value - (1 << 64) if value >= _SIGNED else value
 
 
-def _to_unsigned(value: int) -> int:
+def unsigned64(value: int) -> int:
+    """A state hash read back from a bigint."""
     return value + (1 << 64) if value < 0 else value
 
 
@@ -187,7 +189,7 @@ class PostgresProjectionStore:
                         " updated_at = now() WHERE workspace = $1 AND branch = $2 RETURNING revision",
                         workspace,
                         branch,
-                        _to_signed(version.state_hash),
+                        signed64(version.state_hash),
                         version.stream_seq,
                     )
         current = {**versions, **plan.versions}
@@ -249,7 +251,7 @@ class PostgresProjectionStore:
             branches,
         )
         versions = {
-            (r["workspace"], r["branch"]): VersionState(_to_unsigned(r["state_hash"]), r["stream_seq"]) for r in records
+            (r["workspace"], r["branch"]): VersionState(unsigned64(r["state_hash"]), r["stream_seq"]) for r in records
         }
         revisions = {(r["workspace"], r["branch"]): int(r["revision"]) for r in records}
         return versions, revisions

@@ -12,7 +12,7 @@ The workspace is rebuilt twice: alone, then under query load. Printed, all from 
   vector anew, so it lands in its row).
 The rebuild runs as `ontofabric rebuild` in a process of its own, as an operator would run it.
 
-Run: .venv/bin/python -m tests.benchmarks.bench_rebuild ../shared/eval/cosqa-dev --split dev [--size N]
+Run: .venv/bin/python -m tests.benchmarks.bench_rebuild ../shared/eval/cosqa-dev --split dev [--size N] [--copies K]
 Compare ratios, not absolute times: the machines are shared and noisy.
 """
 
@@ -51,7 +51,9 @@ from .bench_query_load import Measure, drive
 OUT_OF_LINE = (
     "SELECT count(pg_column_toast_chunk_id(embedding)) FROM documents WHERE workspace = $1 AND embedding IS NOT NULL"
 )
-REPORT = re.compile(r"(\d+) deltas replayed in ([\d.]+)s.*holding the projectors off for (\d+) ms", re.S)
+REPORT = re.compile(
+    r"(\d+) deltas replayed in ([\d.]+)s.*holding the projectors off for (\d+) ms and queries for (\d+) ms", re.S
+)
 
 
 def delete_delta(workspace: str, doc_id: str) -> DeltaEnvelope:
@@ -142,12 +144,14 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, delete
     print("|---|---|---|")
     print(f"| load through the live projector (embeddings cached) | {load_s:.1f} | {documents / load_s:.0f} |")
     for label, text, wall_s in (("alone", quiet, quiet_s), ("under query load", output, rebuild_s)):
-        replayed, replay_s, _ = _parsed(text)
+        replayed, replay_s, *_ = _parsed(text)
         print(f"| `ontofabric rebuild` {label}: replay (whole command {wall_s:.1f} s) | {replay_s:.1f} | "
               f"{replayed / replay_s:.0f} |")  # fmt: skip
-    replayed, replay_s, _ = _parsed(quiet)
+    replayed, replay_s, *_ = _parsed(quiet)
     print(f"replay alone / live projection throughput: {replayed / replay_s / (documents / load_s):.2f}")
-    print(f"swap held the projectors off {_parsed(quiet)[2]} ms alone, {_parsed(output)[2]} ms under load; "
+    (_, _, quiet_projectors, quiet_queries), (_, _, projectors, queries_held) = _parsed(quiet), _parsed(output)
+    print(f"swap held the projectors off {quiet_projectors} ms alone, {projectors} ms under load, and queries "
+          f"{quiet_queries} / {queries_held} ms; "
           f"{deletes} deletes published during the second rebuild, one per 0.2 s: {live} live documents after "
           f"(expected {documents - deletes})")  # fmt: skip
     print("\n| queries, 4 in flight | p50 ms | p95 ms | queries/s | errors |")
@@ -161,11 +165,12 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, delete
           f"worker dense stage p50 {dense_before:.1f} ms before, {dense_after:.1f} ms after")  # fmt: skip
 
 
-def _parsed(output: str) -> tuple[int, float, int]:
-    """Deltas replayed, replay seconds and the swap's lock milliseconds, from the command's closing line."""
+def _parsed(output: str) -> tuple[int, float, int, int]:
+    """Deltas replayed, replay seconds, and how long the swap held the projectors and the queries (ms), from the
+    command's closing line."""
     found = REPORT.search(output)
     assert found is not None, output
-    return int(found[1]), float(found[2]), int(found[3])
+    return int(found[1]), float(found[2]), int(found[3]), int(found[4])
 
 
 def main() -> None:
@@ -173,6 +178,9 @@ def main() -> None:
     parser.add_argument("dataset", type=Path, help="a BEIR-layout directory (corpus.jsonl, queries.jsonl, qrels/)")
     parser.add_argument("--split", default="test", help="the qrels split (only its file's presence is checked)")
     parser.add_argument("--size", type=int, default=0, help="the first N documents only (default: all)")
+    parser.add_argument(
+        "--copies", type=int, default=1, help="the corpus K times, under new ids (more documents, embeddings cached)"
+    )
     parser.add_argument("--queries", type=int, default=200, help="queries before, and again during, the rebuild")
     parser.add_argument("--deletes", type=int, default=100, help="deletes published during the rebuild")
     args = parser.parse_args()
@@ -180,6 +188,9 @@ def main() -> None:
     dataset = load_beir(args.dataset, args.split)
     if args.size:
         dataset = dataclasses.replace(dataset, corpus=dataset.corpus[: args.size])
+    if args.copies > 1:
+        copies = [{**entry, "_id": f"{entry['_id']}~{k}"} for k in range(args.copies) for entry in dataset.corpus]
+        dataset = dataclasses.replace(dataset, corpus=copies)
     with (
         tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
         EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,

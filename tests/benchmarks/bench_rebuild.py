@@ -2,12 +2,11 @@
 
 A BEIR corpus is loaded through the real path (deltas on JetStream, the projector, Postgres) into a workspace whose
 vectors are stored out of line, as pgvector's EXTERNAL storage left them before migration 0007. Then the
-workspace is rebuilt from the stream while requests keep arriving (4 in flight) and deltas keep being published.
-
-The workspace is rebuilt twice: alone, then under query load. Printed, all from the same run:
+workspace is rebuilt from the stream twice: alone, then while requests keep arriving (4 in flight, cache off) and
+deltas keep being published. Printed, all from the same run:
 - replay throughput alone against the live projector's throughput on the same corpus (the load), as a ratio;
 - query latency and errors during the second rebuild against the same queries before and after;
-- how long the swap held the projectors off, and whether the deletes published meanwhile all landed;
+- how long the swap held the projectors and the queries off, and whether the deletes published meanwhile landed;
 - how many vectors were out of line, and the worker's dense stage, before and after (the rebuild writes every
   vector anew, so it lands in its row).
 The rebuild runs as `ontofabric rebuild` in a process of its own, as an operator would run it.

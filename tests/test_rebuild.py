@@ -440,7 +440,7 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     before = await _state(deployment, "acme")
     stricter = deployment.settings.model_copy(update={"max_content_bytes": 25})
     job = Rebuild(stricter, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
-    with pytest.raises(RebuildFailed, match="live rows the stream does not account for") as failure:
+    with pytest.raises(RebuildFailed, match=r"not swapping.* live rows the stream does not account for") as failure:
         await job.run()
     assert not failure.value.resumable
     assert "content_too_large" not in str(failure.value)  # what is named is the rows that would be lost
@@ -451,6 +451,11 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     job = Rebuild(other_model, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
     with pytest.raises(RebuildFailed, match=r"live index holds .* this command is set up for another-model"):
         await job.run()
+    assert await _schemas(deployment) == []
+    newest = max(r["version"] for r in await deployment.fetch("SELECT version FROM schema_migrations"))
+    await deployment.fetch("DELETE FROM schema_migrations WHERE version = $1", newest)  # workers one version behind
+    with pytest.raises(RebuildFailed, match=f"live schema is at migration {newest - 1}, this command's at {newest}"):
+        await _rebuild(deployment).run()
     assert await _schemas(deployment) == []
 
 

@@ -42,7 +42,7 @@ from ontofabric.services.ingest.ingester import Progress
 from ontofabric.services.projector.planning import Delta, Limits, Rejection, VersionState, validate_delta
 from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate, unsigned64
 from ontofabric.services.projector.worker import VersionPublisher, limits_from
-from ontofabric.shared.db import create_pool, is_transient, migrate
+from ontofabric.shared.db import create_pool, is_transient, migrate, migrations
 from ontofabric.shared.jetstream import backoff_s, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
@@ -157,11 +157,11 @@ class Rebuild:
     async def _run(self, nc: Client, admin: asyncpg.Connection) -> RebuildReport:
         js = nc.jetstream()
         await ensure_jetstream(js, self._names, self._settings)
+        await self._check_live_schema(admin)
         await self._announce(nc, admin)
         # What a run that committed its swap and stopped before dropping the partitions it replaced left behind.
         await admin.execute(f'DROP SCHEMA IF EXISTS "{retired_schema(self._workspace)}" CASCADE')
         await self._check_stream(js)
-        await self._check_deployment(admin)
         resumed = await self._shadow_exists(admin)
         await migrate(self._database_url, self._settings, schema=self._schema)
         await admin.execute(
@@ -192,11 +192,16 @@ class Rebuild:
             await shadow.prepare_for_swap()
             covered = await shadow.replayed_seq()
             problems = await shadow.verify(expected)
-            if not self._force:
-                problems += unexplained_live_rows(await shadow.live_row_seqs(), expected.rows(), covered)
             if problems:
                 raise RebuildFailed(
                     "the shadow tables differ from the stream: " + " | ".join(problems), resumable=False
+                )
+            unexplained = unexplained_live_rows(await shadow.live_row_seqs(), expected.rows(), covered)
+            if unexplained and not self._force:
+                raise RebuildFailed(
+                    "not swapping, the swap would lose them: " + " | ".join(unexplained) + " (check the rejected "
+                    "deltas and that this command runs with the projector's settings; --force swaps anyway)",
+                    resumable=False,
                 )
             await self._swap(js, nc, shadow, expected, report)
             return report
@@ -219,8 +224,18 @@ class Rebuild:
         if not state.subjects:
             raise RebuildFailed(f"the stream holds no deltas of workspace {self._workspace!r}", resumable=False)
 
-    async def _check_deployment(self, conn: asyncpg.Connection) -> None:
-        """The shadow is built for this command's model; the live index must have been built for the same."""
+    async def _check_live_schema(self, conn: asyncpg.Connection) -> None:
+        """The shadow is built by this command's migrations for its model: the live schema must be their twin."""
+        if await conn.fetchval("SELECT to_regclass('public.schema_migrations')") is None:
+            raise RebuildFailed("the database holds no ontofabric index to rebuild", resumable=False)
+        live = await conn.fetchval("SELECT max(version) FROM public.schema_migrations")
+        ours = max(m.version for m in migrations())
+        if live != ours:
+            raise RebuildFailed(
+                f"the live schema is at migration {live}, this command's at {ours}: run `ontofabric migrate` or "
+                "the same version of ontofabric as the workers",
+                resumable=False,
+            )
         row = await conn.fetchrow("SELECT embedding_model, embedding_dim FROM public.deployment")
         wanted = (self._settings.embedding_model, self._settings.embedding_dim)
         if row is not None and (row["embedding_model"], row["embedding_dim"]) != wanted:
@@ -367,6 +382,8 @@ class Rebuild:
         """Announce the workspace's live versions; the KV keeps a newer one it already has. Returns them by branch.
 
         After a swap this is what tells query workers; before a run it repairs a swap whose run stopped before."""
+        if await conn.fetchval("SELECT to_regclass('public.ontology_versions')") is None:
+            return {}
         rows = await conn.fetch(
             "SELECT branch, state_hash, stream_seq, revision FROM public.ontology_versions WHERE workspace = $1",
             self._workspace,

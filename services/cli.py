@@ -271,6 +271,10 @@ def rebuild(
         bool,
         typer.Option(help="Swap even when live rows exist that the stream does not account for (they are lost)."),
     ] = False,
+    max_rate: Annotated[
+        float | None,
+        typer.Option(min=1.0, help="Replay at most this many deltas per second, to leave the database to queries."),
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Rebuild a workspace's index from the delta stream while the projector keeps running.
@@ -292,6 +296,7 @@ def rebuild(
                 progress,
                 lock_timeout_s=lock_timeout,
                 force=force,
+                max_rate=max_rate,
             )
             if discard:
                 dropped = asyncio.run(job.discard())

@@ -20,7 +20,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
-from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, shadow_schema
+from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, shadow_schema
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
 from ontofabric.services.projector.store import PostgresProjectionStore
@@ -535,3 +535,22 @@ async def test_a_projector_behind_the_rebuild_finds_its_deltas_already_applied(
     finally:
         await restarted.stop()
     assert await _state(deployment, "acme") == ahead  # its deltas were no-ops: the events were handled
+
+
+def test_the_replay_waits_only_as_long_as_its_rate_asks() -> None:
+    assert pace_delay(100, 0.5, None) == 0.0
+    assert pace_delay(100, 0.5, 100.0) == pytest.approx(0.5)  # 100 done in half the second they were allowed
+    assert pace_delay(100, 2.0, 100.0) == 0.0  # behind already: no wait
+    assert pace_delay(0, 0.0, 10.0) == 0.0
+
+
+async def test_a_paced_rebuild_rebuilds_the_same_index(deployment: Deployment, projector: ProjectorService) -> None:
+    await _publish_history(deployment)
+    before = await _state(deployment, "acme")
+    await deployment.fetch("DELETE FROM documents WHERE workspace = 'acme' AND id = 'd2'")
+    settings = deployment.settings.model_copy(update={"projector_batch_size": 5})
+    job = Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(), max_rate=40.0)
+    assert (await job.run()).swapped
+    assert await _state(deployment, "acme") == before
+    with pytest.raises(ValueError, match="max_rate must be positive"):
+        Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(), max_rate=0)

@@ -93,6 +93,13 @@ class RebuildReport:
     """How long the swap held the live parents' exclusive lock, which queries of every workspace wait for."""
 
 
+def pace_delay(done: int, elapsed_s: float, max_rate: float | None) -> float:
+    """How long to wait so that ``done`` items in ``elapsed_s`` seconds keep to ``max_rate`` per second."""
+    if max_rate is None:
+        return 0.0
+    return max(done / max_rate - elapsed_s, 0.0)
+
+
 def shadow_schema(workspace: str) -> str:
     digest = hashlib.md5(workspace.encode("utf-8"), usedforsecurity=False).hexdigest()[:20]
     return f"ontofabric_rebuild_{digest}"
@@ -114,9 +121,12 @@ class Rebuild:
         *,
         lock_timeout_s: float = 10.0,
         force: bool = False,
+        max_rate: float | None = None,
     ) -> None:
         if lock_timeout_s <= 0:
             raise ValueError("lock_timeout_s must be positive (PostgreSQL reads 0 as: wait forever)")
+        if max_rate is not None and max_rate <= 0:
+            raise ValueError("max_rate must be positive (or None: as fast as the database takes them)")
         self._settings = settings
         self._names = Names(settings.subject_prefix)
         self._nats_url = nats_url
@@ -126,6 +136,7 @@ class Rebuild:
         self._progress = progress
         self._lock_timeout_s = lock_timeout_s
         self._force = force
+        self._max_rate = max_rate
         self._limits: Limits = limits_from(settings)
 
     async def discard(self) -> bool:
@@ -275,9 +286,14 @@ class Rebuild:
         stage: str,
     ) -> set[RowKey]:
         """Apply the workspace's deltas from ``start`` up to stream sequence ``upto`` to the shadow; returns the
-        rows they wrote. Progress counts stream sequences, the other workspaces' deltas in between included."""
+        rows they wrote. Progress counts stream sequences, the other workspaces' deltas in between included.
+
+        Outside the swap the replay keeps to ``max_rate``; the swap's catch-up, which holds the projectors off,
+        never waits."""
         self._progress.stage(stage, max(upto - start + 1, 0))
         first, touched = start, set()
+        paced = stage != "catch up"
+        began, replayed = time.monotonic(), 0
         batches = _read(js, self._names, self._workspace, start, upto, self._settings.projector_batch_size)
         async with contextlib.aclosing(batches):
             async for batch in batches:
@@ -296,6 +312,9 @@ class Rebuild:
                 report.rejected.update(rejection.reason for _, rejection in rejections)
                 self._progress.advance(stage, last - start + 1)
                 start = last + 1
+                replayed += len(batch)
+                if paced:
+                    await asyncio.sleep(pace_delay(replayed, time.monotonic() - began, self._max_rate))
         self._progress.advance(stage, max(upto - max(start, first) + 1, 0))
         return touched
 

@@ -11,7 +11,8 @@ deltas keep being published. Printed, all from the same run:
   vector anew, so it lands in its row).
 The rebuild runs as `ontofabric rebuild` in a process of its own, as an operator would run it.
 
-Run: .venv/bin/python -m tests.benchmarks.bench_rebuild ../shared/eval/cosqa-dev --split dev [--size N] [--copies K]
+Run: .venv/bin/python -m tests.benchmarks.bench_rebuild ../shared/eval/cosqa-dev --split dev
+     [--size N] [--copies K] [--max-rate R]
 Compare ratios, not absolute times: the machines are shared and noisy.
 """
 
@@ -59,13 +60,13 @@ def delete_delta(workspace: str, doc_id: str) -> DeltaEnvelope:
     return envelope(workspace, DocumentDeleted(document_id=doc_id))
 
 
-async def rebuild_command(endpoints: Endpoints, workspace: str) -> tuple[str, float]:
+async def rebuild_command(endpoints: Endpoints, workspace: str, *options: str) -> tuple[str, float]:
     """`ontofabric rebuild` in a process of its own, as an operator runs it; its output and wall time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")}
     env |= {"ONTOFABRIC_NATS_URL": endpoints.nats_url, "ONTOFABRIC_DATABASE_URL": endpoints.database_url}
     started = time.perf_counter()
     process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).parent / "ontofabric"), "rebuild", workspace,
+        str(Path(sys.executable).parent / "ontofabric"), "rebuild", workspace, *options,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     output, _ = await process.communicate()
@@ -75,7 +76,7 @@ async def rebuild_command(endpoints: Endpoints, workspace: str) -> tuple[str, fl
     return text, time.perf_counter() - started
 
 
-async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, deletes: int) -> None:
+async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, deletes: int, max_rate: float | None) -> None:
     settings = Settings(nats_url=endpoints.nats_url, database_url=endpoints.database_url, query_cache_entries=0)
     names = Names(settings.subject_prefix)
     queries = [text for text in dataset.queries.values() if text.strip()][:per_phase]
@@ -111,7 +112,8 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, delete
         dense_before = percentile(dense_ms, 0.5)
         quiet, quiet_s = await rebuild_command(endpoints, workspace)  # nothing else running: the throughput
         out_of_line_after = await pool.fetchval(OUT_OF_LINE, workspace)
-        rebuilding = asyncio.create_task(rebuild_command(endpoints, workspace))
+        paced = ("--max-rate", str(max_rate)) if max_rate else ()
+        rebuilding = asyncio.create_task(rebuild_command(endpoints, workspace, *paced))
         publisher = DeltaPublisher(js, names)
 
         async def trickle() -> list[PubAck]:  # deletes over the rebuild: some replayed, some caught up with
@@ -142,7 +144,8 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, delete
     print("\n| | seconds | deltas/s |")
     print("|---|---|---|")
     print(f"| load through the live projector (embeddings cached) | {load_s:.1f} | {documents / load_s:.0f} |")
-    for label, text, wall_s in (("alone", quiet, quiet_s), ("under query load", output, rebuild_s)):
+    loaded = "under query load" + (f", --max-rate {max_rate:g}" if max_rate else "")
+    for label, text, wall_s in (("alone", quiet, quiet_s), (loaded, output, rebuild_s)):
         replayed, replay_s, *_ = _parsed(text)
         print(f"| `ontofabric rebuild` {label}: replay (whole command {wall_s:.1f} s) | {replay_s:.1f} | "
               f"{replayed / replay_s:.0f} |")  # fmt: skip
@@ -156,7 +159,9 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, delete
     print("\n| queries, 4 in flight | p50 ms | p95 ms | queries/s | errors |")
     print("|---|---|---|---|---|")
     for label, measure in (
-        ("before (vectors out of line)", baseline), ("during the second rebuild", during), ("after", after)
+        ("before the first rebuild (vectors out of line)", baseline),
+        ("during the second rebuild", during),
+        ("after both (compare with the row above)", after),
     ):  # fmt: skip
         p50, p95, qps = measure.row()
         print(f"| {label} | {p50:.1f} | {p95:.1f} | {qps:.1f} | {measure.errors} |")
@@ -182,6 +187,7 @@ def main() -> None:
     )
     parser.add_argument("--queries", type=int, default=200, help="queries before, and again during, the rebuild")
     parser.add_argument("--deletes", type=int, default=100, help="deletes published during the rebuild")
+    parser.add_argument("--max-rate", type=float, default=None, help="the rebuild under query load keeps to it")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
     dataset = load_beir(args.dataset, args.split)
@@ -195,7 +201,7 @@ def main() -> None:
         EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
     ):
         assert runtime.endpoints is not None
-        asyncio.run(run(runtime.endpoints, dataset, args.queries, args.deletes))
+        asyncio.run(run(runtime.endpoints, dataset, args.queries, args.deletes, args.max_rate))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 import asyncpg
+import numpy as np
 import pytest
 
 from ontofabric.contracts import (
@@ -17,15 +18,17 @@ from ontofabric.contracts import (
     OntologyLink,
     OntologyNode,
     OntologyVersionChanged,
+    TokenVectors,
 )
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, shadow_schema
-from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences
+from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences, document_facts
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import Deployment, RecordedProgress
 from .factories import delete, document, unit_vector, upsert
@@ -49,6 +52,7 @@ def _upsert(workspace: str, doc_id: str, content: str, branch: str = "main") -> 
 async def _publish_history(deployment: Deployment) -> int:
     """A workspace with upserts, overwrites, a delete, a branch and its revert, graph nodes and links; and another
     workspace beside it. Returns the last stream sequence."""
+    signs = TokenVectors.of_signs(384, pack_signs(np.random.default_rng(7).standard_normal((9, 384))))
     acme = [_upsert("acme", f"d{i}", f"parse the config file {i}") for i in range(12)]
     acme += [
         _upsert("acme", "d3", "parse the config file, rewritten"),
@@ -56,6 +60,8 @@ async def _publish_history(deployment: Deployment) -> int:
         _upsert("acme", "d5", "a branch's own parser: naïve café ✓ 解析", branch="feature/x"),
         _upsert("acme", "d6", "changed on the branch", branch="feature/x"),
         envelope("acme", DocumentReverted(document_id="d6"), branch="feature/x"),
+        upsert("acme", document("signed", "with token signs", embedding=unit_vector("signed"), token_vectors=signs,
+                                embedding_model=deployment.settings.embedding_model)),
         envelope("acme", NodeUpserted(node=OntologyNode(domain="demo", name="Parser", kind="class", interfaces=[]))),
         envelope("acme", LinkAdded(link=OntologyLink(source_type="demo.Parser", name="uses", target_type="demo.Cfg"))),
     ]  # fmt: skip
@@ -79,10 +85,11 @@ def test_the_expected_index_is_the_fold_the_projector_applies_batch_by_batch() -
     assert [expected.add(d) for d in [*deltas, repeated]] == [True, True, True, True, True, False]
 
     assert expected.rows() == {
-        ("main", "document", "a"): RowFacts(3, False, False, content_md5("first, again")),
+        ("main", "document", "a"): document_facts(3, envelopes[2].payload.document),  # type: ignore[union-attr]
         ("main", "document", "b"): RowFacts(4, True, False),
-        ("dev", "document", "c"): RowFacts(5, False, False, content_md5("on a branch")),
+        ("dev", "document", "c"): document_facts(5, envelopes[4].payload.document),  # type: ignore[union-attr]
     }
+    assert expected.rows()[("main", "document", "a")].content_md5 == content_md5("first, again")
     # The projector, two batches: the same versions.
     first = plan_batch(deltas[:2], {}, {})
     handled = {d.envelope.event_id for d in deltas[:2]}
@@ -111,8 +118,8 @@ def test_differences_name_each_row_and_version_that_differs() -> None:
     assert problems == [
         "2 rows missing: document 'd0' on 'main' (+1 more)",
         "1 rows not in the stream: node 'demo.T' on 'main'",
-        f"1 rows different: document 'd2' on 'main' (index seq 3 live, md5 {content_md5('y')[:8]},"
-        f" stream seq 3 live, md5 {content_md5('x')[:8]})",
+        f"1 rows different: document 'd2' on 'main' (index seq 3 live, content {content_md5('y')[:8]},"
+        f" stream seq 3 live, content {content_md5('x')[:8]})",
         f"branch 'main': ontologyVersion {VersionState(8, 3).label}, the stream folds to {VersionState(7, 3).label}",
     ]
 
@@ -184,7 +191,7 @@ async def test_a_corrupted_workspace_is_rebuilt_and_the_projector_carries_on(
     progress = RecordedProgress()
     report = await _rebuild(deployment, progress=progress).run()
 
-    assert (report.swapped, report.resumed_from, report.replayed, report.rejected) == (True, 0, 19, Counter())
+    assert (report.swapped, report.resumed_from, report.replayed, report.rejected) == (True, 0, 20, Counter())
     assert await _state(deployment, "acme") == before
     assert await _state(deployment, "other") == other_before
     assert await _indexes(deployment) == indexes_before  # ATTACH adopted the shadow's indexes, built none anew
@@ -247,14 +254,16 @@ async def test_a_shadow_that_differs_from_the_stream_is_never_swapped_in(
     async def corrupt_then_prepare(shadow: rebuild_module._Shadow) -> None:
         await deployment.fetch(f"UPDATE \"{schema}\".documents SET content = 'lost' WHERE id = 'd1'")
         await deployment.fetch(f"DELETE FROM \"{schema}\".postings WHERE doc_id = 'd8'")
+        await deployment.fetch(f"UPDATE \"{schema}\".documents SET embedding = embedding + embedding WHERE id = 'd3'")
         await prepare(shadow)
 
     monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", corrupt_then_prepare)
     with pytest.raises(RebuildFailed) as failure:
         await _rebuild(deployment).run()
     message = str(failure.value)
-    assert "1 rows different: document 'd1' on 'main'" in message
+    assert "2 rows different: document 'd1' on 'main'" in message
     assert "postings for" in message
+    assert "document 'd3' on 'main' (index seq" in message  # its vector, though its content is right
     assert await _state(deployment, "acme") == before
     assert await _schemas(deployment) == [schema]  # kept for inspection
     assert await _rebuild(deployment).discard() is True
@@ -290,7 +299,7 @@ async def test_an_interrupted_rebuild_resumes_and_verifies_the_whole_stream(
     assert resumed.swapped
     assert resumed.resumed_from > 0
     assert progress.totals["refold"] == resumed.resumed_from
-    assert resumed.replayed < 19
+    assert resumed.replayed < 20
     assert await _state(deployment, "acme") == before
 
 

@@ -5,8 +5,8 @@
    migrations, so the projector's SQL runs unchanged against it. A delta the projector would dead-letter is
    recorded in the shadow schema, not published again.
 2. **Verify.** The shadow must hold what the stream folds to (:mod:`.verification`): the same rows with the same
-   sequences, tombstones and reverts, the same content checksums and ontologyVersions, and keyword statistics that
-   agree with its documents.
+   sequences, tombstones and reverts, the same checksums of each document's content, vector and token signs, the
+   same ontologyVersions, and keyword statistics that agree with its documents.
    Before the swap it must also account for every live row: a live row the stream does not explain means the
    rebuild read the stream differently from the projector (other limits, another model) or that deltas were
    removed from it, and swapping would lose the row.
@@ -454,13 +454,16 @@ class _AdvisoryLock:
 
 _ROWS = """
 SELECT branch, 'document' AS kind, id AS key, stream_seq, deleted, transparent,
-       CASE WHEN deleted THEN NULL ELSE md5(convert_to(content, 'UTF8')) END AS content_md5
+       CASE WHEN deleted THEN NULL ELSE md5(convert_to(content, 'UTF8')) END AS content_md5,
+       CASE WHEN deleted THEN NULL ELSE md5(vector_send(embedding)) END AS vector_md5,
+       CASE WHEN deleted THEN NULL ELSE md5(token_signs) END AS signs_md5
   FROM {schema}.documents WHERE workspace = $1 {documents}
 UNION ALL
-SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL
+SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL, NULL, NULL
   FROM {schema}.ontology_nodes WHERE workspace = $1 {nodes}
 UNION ALL
-SELECT branch, 'link', source_type || '|' || link_name || '|' || target_type, stream_seq, deleted, transparent, NULL
+SELECT branch, 'link', source_type || '|' || link_name || '|' || target_type, stream_seq, deleted, transparent,
+       NULL, NULL, NULL
   FROM {schema}.ontology_links WHERE workspace = $1 {links}
 """
 # Restricting each part to given (branch, key) pairs: $2 the branches, $3 the keys (a link's as one string).
@@ -547,24 +550,32 @@ class _Shadow:
                 f" ADD CONSTRAINT {BOUND_CHECK} CHECK (workspace = {literal})"
             )
 
-    async def rows(self, schema: str, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
-        """The workspace's rows in ``schema`` (the shadow's or ``public``), all or only the given ones."""
+    async def rows(self, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
+        """The workspace's rows in the shadow, all or only the given ones."""
         parts = {"documents": "", "nodes": "", "links": ""}
         args: list[object] = [self._workspace]
         if only is not None:
             parts = _ONLY
             args += [[branch for branch, _, _ in only], [key for _, _, key in only]]
-        records = await self.admin.fetch(_ROWS.format(schema=f'"{schema}"', **parts), *args)
+        records = await self.admin.fetch(_ROWS.format(schema=f'"{self._schema}"', **parts), *args)
         rows = {
             (r["branch"], r["kind"], r["key"]): RowFacts(
-                r["stream_seq"], r["deleted"], r["transparent"], r["content_md5"]
+                r["stream_seq"], r["deleted"], r["transparent"], r["content_md5"], r["vector_md5"], r["signs_md5"]
             )
             for r in records
         }
         return rows if only is None else {k: v for k, v in rows.items() if k in only}
 
     async def live_row_seqs(self) -> dict[RowKey, int]:
-        return {key: facts.seq for key, facts in (await self.rows("public")).items()}
+        """The sequence that wrote each of the workspace's live rows (no checksums: only the sequences are needed)."""
+        records = await self.admin.fetch(
+            "SELECT branch, 'document' AS kind, id AS key, stream_seq FROM public.documents WHERE workspace = $1"
+            " UNION ALL SELECT branch, 'node', object_type, stream_seq FROM public.ontology_nodes WHERE workspace = $1"
+            " UNION ALL SELECT branch, 'link', source_type || '|' || link_name || '|' || target_type, stream_seq"
+            " FROM public.ontology_links WHERE workspace = $1",
+            self._workspace,
+        )
+        return {(r["branch"], r["kind"], r["key"]): r["stream_seq"] for r in records}
 
     async def verify(self, expected: ExpectedIndex, only: Collection[RowKey] | None = None) -> list[str]:
         """How the shadow differs from the fold of the stream (all rows, or only the given ones), and whether its
@@ -575,7 +586,7 @@ class _Shadow:
             self._workspace,
         )
         actual_versions = {r["branch"]: VersionState(unsigned64(r["state_hash"]), r["stream_seq"]) for r in versions}
-        problems = differences(wanted, await self.rows(self._schema, only), expected.versions(), actual_versions)
+        problems = differences(wanted, await self.rows(only), expected.versions(), actual_versions)
         return problems if only is not None else problems + await self._keyword_statistics_problems()
 
     async def _keyword_statistics_problems(self) -> list[str]:

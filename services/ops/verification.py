@@ -7,10 +7,13 @@ the result with the rows it reads back from its shadow tables; any difference st
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+import struct
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from ontofabric.contracts import DocumentUpserted
+import numpy as np
+
+from ontofabric.contracts import DocumentUpserted, SemanticDocument
 from ontofabric.services.projector.planning import Delta, EntityKind, EntityRef, StateFold, VersionState, entity_of
 
 RowKey = tuple[str, EntityKind, str]
@@ -19,17 +22,43 @@ RowKey = tuple[str, EntityKind, str]
 
 @dataclass(frozen=True)
 class RowFacts:
-    """What is checked of each row: the delta that wrote it and, for a live document, its content's checksum."""
+    """What is checked of each row: the delta that wrote it and, for a live document, checksums of its content,
+    its vector and its token signs (None where it has none)."""
 
     seq: int
     deleted: bool
     transparent: bool
     content_md5: str | None = None
+    vector_md5: str | None = None
+    signs_md5: str | None = None
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 def content_md5(content: str) -> str:
-    """md5 of the UTF-8 text: what PostgreSQL's ``md5(content)`` returns for the same text."""
-    return hashlib.md5(content.encode("utf-8"), usedforsecurity=False).hexdigest()
+    """md5 of the UTF-8 text: what PostgreSQL's ``md5(convert_to(content, 'UTF8'))`` returns."""
+    return _md5(content.encode("utf-8"))
+
+
+def vector_md5(embedding: Sequence[float]) -> str:
+    """md5 of the vector as pgvector sends it (``vector_send``): dimension, a zero, then big-endian float32s, the
+    precision the projector stores."""
+    return _md5(struct.pack(">HH", len(embedding), 0) + np.asarray(embedding, dtype=">f4").tobytes())
+
+
+def document_facts(seq: int, document: SemanticDocument) -> RowFacts:
+    """The facts of a live document row as the projector writes it."""
+    tokens = document.token_vectors
+    return RowFacts(
+        seq,
+        deleted=False,
+        transparent=False,
+        content_md5=content_md5(document.content),
+        vector_md5=vector_md5(document.embedding) if document.embedding is not None else None,
+        signs_md5=_md5(tokens.data) if tokens is not None else None,
+    )
 
 
 def row_key(delta: Delta) -> RowKey:
@@ -43,7 +72,8 @@ class ExpectedIndex:
     def __init__(self, workspace: str) -> None:
         self.workspace = workspace
         self._fold = StateFold()
-        self._checksums: dict[RowKey, str] = {}
+        self._documents: dict[RowKey, RowFacts] = {}
+        """The facts of each live document row, checksums included."""
 
     def add(self, delta: Delta) -> bool:
         """Fold one delta of this workspace; True when it applied."""
@@ -54,9 +84,9 @@ class ExpectedIndex:
         key = row_key(delta)
         payload = delta.envelope.payload
         if isinstance(payload, DocumentUpserted):
-            self._checksums[key] = content_md5(payload.document.content)
+            self._documents[key] = document_facts(delta.seq, payload.document)
         else:
-            self._checksums.pop(key, None)
+            self._documents.pop(key, None)
         return True
 
     def rows(self, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
@@ -66,12 +96,11 @@ class ExpectedIndex:
             states = {ref: self._fold.rows[ref] for ref in refs if ref in self._fold.rows}
         else:
             states = self._fold.rows
-        return {
-            (ref.branch, ref.kind, ref.key): RowFacts(
-                state.seq, state.deleted, state.transparent, self._checksums.get((ref.branch, ref.kind, ref.key))
-            )
-            for ref, state in states.items()
-        }
+        facts = {}
+        for ref, state in states.items():
+            key = (ref.branch, ref.kind, ref.key)
+            facts[key] = self._documents.get(key) or RowFacts(state.seq, state.deleted, state.transparent)
+        return facts
 
     def __len__(self) -> int:
         return len(self._fold.rows)
@@ -142,5 +171,9 @@ def _describe(key: RowKey, expected: RowFacts | None, actual: RowFacts | None) -
 
 def _facts(facts: RowFacts) -> str:
     state = "reverted" if facts.transparent else "deleted" if facts.deleted else "live"
-    checksum = f", md5 {facts.content_md5[:8]}" if facts.content_md5 else ""
-    return f"seq {facts.seq} {state}{checksum}"
+    checksums = [
+        f"{name} {value[:8]}"
+        for name, value in (("content", facts.content_md5), ("vector", facts.vector_md5), ("signs", facts.signs_md5))
+        if value is not None
+    ]
+    return f"seq {facts.seq} {state}" + "".join(f", {c}" for c in checksums)

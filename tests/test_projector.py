@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector.planning import Delta, VersionState
-from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate
+from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.worker import ProjectorService, VersionPublisher
 from ontofabric.shared.db import create_pool, is_transient, migrate
 from ontofabric.shared.late_interaction import pack_signs
@@ -336,7 +336,9 @@ async def test_a_new_workspace_is_analysed_as_it_is_written(
             break
         await asyncio.sleep(0.1)
     assert set(found) == {"documents", "postings"}
-    assert found["documents"] == 80
+    # The 80 deltas may come in more than one batch (62 and 18 in one CI run): the partition is analysed once more
+    # rows changed than the threshold, and again only when the rest passes autovacuum's rule (50 + 10 %).
+    assert ANALYZE_THRESHOLD_ROWS < found["documents"] <= 80
 
 
 async def test_a_partition_being_analysed_elsewhere_is_skipped_not_waited_for(deployment: Deployment) -> None:

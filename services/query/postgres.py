@@ -154,6 +154,10 @@ class PostgresRetrieval:
     @contextlib.asynccontextmanager
     async def _snapshot(self, scope: Scope) -> AsyncIterator[Snapshot]:
         async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
+            # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
+            # version. Both parents at once, in the swap's order.
+            await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
             rows = await conn.fetch(
                 "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
                 " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",

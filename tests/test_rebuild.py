@@ -22,7 +22,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
-from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, shadow_schema
+from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, retired_schema, shadow_schema
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences, document_facts
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
 from ontofabric.services.projector.store import PostgresProjectionStore
@@ -514,11 +514,13 @@ async def test_a_swap_committed_but_never_announced_is_announced_by_the_next_run
     monkeypatch.setattr(rebuild_module.Rebuild, "_swap", swap_then_stop)
     with pytest.raises(ConnectionResetError):
         await _rebuild(deployment).run()
-    assert await _schemas(deployment) == []  # committed: nothing to resume
+    # Committed: nothing to resume, only the replaced partitions, which were to be dropped after the announcement.
+    assert await _schemas(deployment) == [retired_schema("acme")]
     assert await announced() == before
     monkeypatch.setattr(rebuild_module.Rebuild, "_announce", announce)
     assert await _rebuild(deployment).discard() is False
     assert await announced() == (await _revisions(deployment, "acme"))["main"] == before + 1
+    assert await _schemas(deployment) == []
 
 
 async def test_a_projector_behind_the_rebuild_finds_its_deltas_already_applied(
@@ -563,3 +565,44 @@ async def test_a_paced_rebuild_rebuilds_the_same_index(deployment: Deployment, p
     assert await _state(deployment, "acme") == before
     with pytest.raises(ValueError, match="max_rate must be positive"):
         Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(), max_rate=0)
+
+
+async def test_a_live_row_written_during_the_swap_s_catch_up_is_not_lost(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live projector applies a delta after the check before the lock, which this rebuild (other limits)
+    rejects in its catch-up: the swap must refuse, not drop the row."""
+    await _publish_history(deployment)
+    prepare = rebuild_module._Shadow.prepare_for_swap
+
+    async def publish_then_prepare(shadow: rebuild_module._Shadow) -> None:
+        ack = await deployment.publisher.publish(_upsert("acme", "large", "x" * 3000))
+        await deployment.wait_projected(ack.seq)
+        await prepare(shadow)
+
+    monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", publish_then_prepare)
+    stricter = deployment.settings.model_copy(update={"max_content_bytes": 1024})
+    job = Rebuild(stricter, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    with pytest.raises(RebuildFailed, match=r"not swapping.*document 'large' on 'main'"):
+        await job.run()
+    rows = await deployment.fetch("SELECT length(content) AS n FROM documents WHERE id = 'large'")
+    assert [r["n"] for r in rows] == [3000]
+
+
+async def test_the_swap_waits_for_no_other_workspace_s_maintenance(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """VACUUM or ANALYZE of another workspace's partition holds a lock the swap must not need."""
+    await _publish_history(deployment)
+    other = (await deployment.fetch("SELECT partition_name FROM workspaces WHERE workspace = 'other'"))[0][0]
+    maintenance = await asyncpg.connect(deployment.database_url)
+    try:
+        async with maintenance.transaction():
+            await maintenance.execute(f'LOCK TABLE "{other}" IN SHARE UPDATE EXCLUSIVE MODE')
+            job = Rebuild(
+                deployment.settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(),
+                lock_timeout_s=2.0,
+            )  # fmt: skip
+            assert (await job.run()).swapped
+    finally:
+        await maintenance.close()

@@ -148,6 +148,7 @@ class Rebuild:
                 await self._announce(nc, conn)
                 existed = await self._shadow_exists(conn)
                 await conn.execute(f'DROP SCHEMA IF EXISTS "{self._schema}" CASCADE')
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{retired_schema(self._workspace)}" CASCADE')
                 return existed
         finally:
             await conn.close()
@@ -294,7 +295,10 @@ class Rebuild:
         first, touched = start, set()
         paced = stage != "catch up"
         began, replayed = time.monotonic(), 0
-        batches = _read(js, self._names, self._workspace, start, upto, self._settings.projector_batch_size)
+        batch_size = self._settings.projector_batch_size
+        if paced and self._max_rate is not None:  # a minute's worth at most: the consumer must not sit idle long
+            batch_size = min(batch_size, max(1, int(self._max_rate * 60)))
+        batches = _read(js, self._names, self._workspace, start, upto, batch_size)
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 outcomes = [(msg.metadata.sequence.stream, self._validate(msg)) for msg in batch]
@@ -372,11 +376,17 @@ class Rebuild:
                     raise RebuildFailed(
                         "the shadow's catch-up differs from the stream: " + " | ".join(problems), resumable=False
                     )
-                await shadow.copy_handled_events(conn, after=handled_floor, upto=None)
+                # What the live projector wrote since the check before the lock must be accounted for too.
+                since = await shadow.live_row_seqs(after=tail_from - 1)
+                unexplained = unexplained_live_rows(since, expected.rows(since), covered_seq=2**63 - 1)
+                if unexplained and not self._force:
+                    raise RebuildFailed(
+                        "not swapping, the swap would lose them: " + " | ".join(unexplained), resumable=False
+                    )
+                await shadow.copy_handled_events(conn, after=min(handled_floor, tail_from - 1), upto=None)
                 parents_locked = await shadow.swap_into(conn, self._lock_timeout_s)
             report.swap_lock_s = time.perf_counter() - asked
             report.parents_lock_s = time.perf_counter() - parents_locked
-            await shadow.drop_retired()  # the replaced partitions, after the commit: unlinking files takes time
         except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError) as error:
             raise RebuildFailed(
                 f"the swap could not take its locks within {self._lock_timeout_s:g} s ({type(error).__name__}); "
@@ -387,6 +397,10 @@ class Rebuild:
         report.swapped = True
         report.rows = len(expected)
         report.versions = await self._announce(nc, shadow.admin)
+        try:  # the replaced partitions, after the commit (unlinking files takes time); else the next run drops them
+            await shadow.drop_retired()
+        except Exception as error:
+            log.warning("rebuild_retired_not_dropped", schema=retired_schema(self._workspace), error=str(error))
         log.info(
             "rebuild_swapped",
             workspace=self._workspace,
@@ -566,14 +580,17 @@ class _Shadow:
         }
         return rows if only is None else {k: v for k, v in rows.items() if k in only}
 
-    async def live_row_seqs(self) -> dict[RowKey, int]:
-        """The sequence that wrote each of the workspace's live rows (no checksums: only the sequences are needed)."""
+    async def live_row_seqs(self, after: int = 0) -> dict[RowKey, int]:
+        """The sequence that wrote each of the workspace's live rows, of those written after ``after``."""
         records = await self.admin.fetch(
-            "SELECT branch, 'document' AS kind, id AS key, stream_seq FROM public.documents WHERE workspace = $1"
-            " UNION ALL SELECT branch, 'node', object_type, stream_seq FROM public.ontology_nodes WHERE workspace = $1"
+            "SELECT branch, 'document' AS kind, id AS key, stream_seq FROM public.documents"
+            " WHERE workspace = $1 AND stream_seq > $2"
+            " UNION ALL SELECT branch, 'node', object_type, stream_seq FROM public.ontology_nodes"
+            " WHERE workspace = $1 AND stream_seq > $2"
             " UNION ALL SELECT branch, 'link', source_type || '|' || link_name || '|' || target_type, stream_seq"
-            " FROM public.ontology_links WHERE workspace = $1",
+            " FROM public.ontology_links WHERE workspace = $1 AND stream_seq > $2",
             self._workspace,
+            after,
         )
         return {(r["branch"], r["kind"], r["key"]): r["stream_seq"] for r in records}
 
@@ -662,7 +679,21 @@ class _Shadow:
         for parent, partition in partitions:
             await conn.execute(f"ALTER TABLE {self._table(parent)} DETACH PARTITION {self._table(partition)}")
         await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self._retired}"')
-        await _lock_live_parents(conn, [parent for parent, _ in partitions], lock_timeout_s)
+        # Everything the rest needs, with the whole budget, before the live parents are held: the shadow's tables
+        # (dropped at the end) and the live partitions against VACUUM and ANALYZE (which queries do not conflict
+        # with, and autovacuum gives way to).
+        shadow_tables = await conn.fetchval(
+            "SELECT string_agg(format('%I.%I', n.nspname, c.relname), ', ') FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')",
+            self._schema,
+        )
+        await conn.execute(f"LOCK TABLE {shadow_tables} IN ACCESS EXCLUSIVE MODE")
+        live = [f'public."{partition}"' for _, partition in partitions]
+        live = [name for name in live if await conn.fetchval("SELECT to_regclass($1)", name) is not None]
+        if live:
+            await conn.execute(f"LOCK TABLE {', '.join(live)} IN SHARE UPDATE EXCLUSIVE MODE")
+        parents = [f'ONLY public."{parent}"' for parent, _ in partitions]
+        await _lock_exclusively(conn, parents + live, lock_timeout_s)
         locked = time.perf_counter()
         literal = await conn.fetchval("SELECT quote_literal($1)", workspace)
         for parent, partition in partitions:
@@ -704,21 +735,30 @@ class _Shadow:
         )
 
 
-async def _lock_live_parents(conn: asyncpg.Connection, parents: list[str], budget_s: float) -> None:
-    """ACCESS EXCLUSIVE on the live parents, in short tries: a query holding one parent and waiting for the other
-    would otherwise deadlock with the swap, and every query would queue behind a long wait."""
-    tables = ", ".join(f'public."{parent}"' for parent in parents)
+async def _lock_exclusively(conn: asyncpg.Connection, tables: list[str], budget_s: float) -> None:
+    """ACCESS EXCLUSIVE on the live parents (ONLY: not every workspace's partitions) and the workspace's own
+    partitions, in short tries: a query holding one parent and waiting for the other would otherwise deadlock with
+    the swap, and every query would queue behind a long wait. Inside the swap's transaction, whose lock timeout it
+    leaves as it found it; each failed try is rolled back to, and released from, one savepoint."""
+    budget = await conn.fetchval("SHOW lock_timeout")
     deadline = time.monotonic() + budget_s
-    for attempt in range(1, 1_000_000):
-        try:
-            async with conn.transaction():  # a savepoint: a failed try leaves the swap's transaction usable
-                await conn.execute(f"SET LOCAL lock_timeout = '{PARENT_LOCK_TRY_MS}ms'")
-                await conn.execute(f"LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE")
+    await conn.execute(f"SET LOCAL lock_timeout = '{PARENT_LOCK_TRY_MS}ms'")
+    try:
+        for attempt in range(1, 1_000_000):
+            await conn.execute("SAVEPOINT exclusive_try")
+            try:
+                await conn.execute(f"LOCK TABLE {', '.join(tables)} IN ACCESS EXCLUSIVE MODE")
+            except asyncpg.LockNotAvailableError:
+                await conn.execute("ROLLBACK TO SAVEPOINT exclusive_try")
+                await conn.execute("RELEASE SAVEPOINT exclusive_try")
+                if time.monotonic() + PARENT_LOCK_TRY_MS / 1000 > deadline:
+                    raise
+                await asyncio.sleep(backoff_s(attempt, 0.05, 1.0))
+                continue
+            await conn.execute("RELEASE SAVEPOINT exclusive_try")
             return
-        except asyncpg.LockNotAvailableError:
-            if time.monotonic() + PARENT_LOCK_TRY_MS / 1000 > deadline:
-                raise
-            await asyncio.sleep(backoff_s(attempt, 0.05, 1.0))
+    finally:
+        await conn.execute(f"SET LOCAL lock_timeout = '{budget}'")
 
 
 async def _read(

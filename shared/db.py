@@ -79,7 +79,7 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
                     )
                 log.info("migration_applied", migration=migration.name)
                 done.append(migration.name)
-            await _check_deployment(conn, settings)
+            await check_deployment(conn, settings)
             return done
         finally:
             await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
@@ -87,7 +87,8 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
         await conn.close()
 
 
-async def _check_deployment(conn: Connection, settings: Settings) -> None:
+async def check_deployment(conn: Connection, settings: Settings) -> None:
+    """Record the deployment's model and dimension on first use; DeploymentMismatch when ``settings`` differ."""
     await conn.execute(
         "INSERT INTO deployment (embedding_model, embedding_dim) VALUES ($1, $2) ON CONFLICT DO NOTHING",
         settings.embedding_model,
@@ -98,8 +99,9 @@ async def _check_deployment(conn: Connection, settings: Settings) -> None:
     if (row["embedding_model"], row["embedding_dim"]) != (settings.embedding_model, settings.embedding_dim):
         raise DeploymentMismatch(
             f"the database holds {row['embedding_model']} vectors of dimension {row['embedding_dim']}, "
-            f"but this worker is set up for {settings.embedding_model} / {settings.embedding_dim}; "
-            "rebuild the index from the stream or fix ONTOFABRIC_EMBEDDING_MODEL / ONTOFABRIC_EMBEDDING_DIM"
+            f"but this process is set up for {settings.embedding_model} / {settings.embedding_dim}; fix "
+            "ONTOFABRIC_EMBEDDING_MODEL / ONTOFABRIC_EMBEDDING_DIM (another model needs a new index, built from the "
+            "stream)"
         )
 
 

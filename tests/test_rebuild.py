@@ -458,7 +458,7 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     assert await _rebuild(deployment).discard() is True
     other_model = deployment.settings.model_copy(update={"embedding_model": "another-model"})
     job = Rebuild(other_model, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
-    with pytest.raises(RebuildFailed, match=r"live index holds .* this command is set up for another-model"):
+    with pytest.raises(RebuildFailed, match=r"database holds .* vectors .* set up for another-model"):
         await job.run()
     assert await _schemas(deployment) == []
     newest = max(r["version"] for r in await deployment.fetch("SELECT version FROM schema_migrations"))

@@ -42,7 +42,7 @@ from ontofabric.services.ingest.ingester import Progress
 from ontofabric.services.projector.planning import Delta, Limits, Rejection, VersionState, validate_delta
 from ontofabric.services.projector.store import PostgresProjectionStore, VersionUpdate, unsigned64
 from ontofabric.services.projector.worker import VersionPublisher, limits_from
-from ontofabric.shared.db import create_pool, is_transient, migrate, migrations
+from ontofabric.shared.db import DeploymentMismatch, check_deployment, create_pool, is_transient, migrate, migrations
 from ontofabric.shared.jetstream import backoff_s, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
@@ -248,14 +248,10 @@ class Rebuild:
                 "the same version of ontofabric as the workers",
                 resumable=False,
             )
-        row = await conn.fetchrow("SELECT embedding_model, embedding_dim FROM public.deployment")
-        wanted = (self._settings.embedding_model, self._settings.embedding_dim)
-        if row is not None and (row["embedding_model"], row["embedding_dim"]) != wanted:
-            raise RebuildFailed(
-                f"the live index holds {row['embedding_model']} vectors of dimension {row['embedding_dim']}, this "
-                f"command is set up for {wanted[0]} / {wanted[1]}: rebuild with the deployment's settings",
-                resumable=False,
-            )
+        try:
+            await check_deployment(conn, self._settings)
+        except DeploymentMismatch as error:
+            raise RebuildFailed(str(error), resumable=False) from error
 
     async def _refold(self, js: JetStreamContext, shadow: _Shadow, expected: ExpectedIndex, upto: int) -> None:
         """After a resume: fold what the previous run replayed, so the verification covers the whole stream."""

@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -147,8 +147,8 @@ class Rebuild:
             async with self._exclusive(conn):
                 await self._announce(nc, conn)
                 existed = await self._shadow_exists(conn)
-                await conn.execute(f'DROP SCHEMA IF EXISTS "{self._schema}" CASCADE')
-                await conn.execute(f'DROP SCHEMA IF EXISTS "{retired_schema(self._workspace)}" CASCADE')
+                await _drop_schema(conn, self._schema)
+                await _drop_schema(conn, retired_schema(self._workspace))
                 return existed
         finally:
             await conn.close()
@@ -172,7 +172,7 @@ class Rebuild:
         await self._check_live_schema(admin)
         await self._announce(nc, admin)
         # What a run that committed its swap and stopped before dropping the partitions it replaced left behind.
-        await admin.execute(f'DROP SCHEMA IF EXISTS "{retired_schema(self._workspace)}" CASCADE')
+        await _drop_schema(admin, retired_schema(self._workspace))
         await self._check_stream(js)
         resumed = await self._shadow_exists(admin)
         await migrate(self._database_url, self._settings, schema=self._schema)
@@ -394,7 +394,7 @@ class Rebuild:
         report.rows = len(expected)
         report.versions = await self._announce(nc, shadow.admin)
         try:  # the replaced partitions, after the commit (unlinking files takes time); else the next run drops them
-            await shadow.drop_retired()
+            await _drop_schema(shadow.admin, retired_schema(self._workspace))
         except Exception as error:
             log.warning("rebuild_retired_not_dropped", schema=retired_schema(self._workspace), error=str(error))
         log.info(
@@ -436,30 +436,22 @@ class Rebuild:
     async def _shadow_exists(self, conn: asyncpg.Connection) -> bool:
         return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", self._schema))
 
-    def _exclusive(self, conn: asyncpg.Connection) -> _AdvisoryLock:
-        return _AdvisoryLock(conn, self._workspace)
-
-
-class _AdvisoryLock:
-    """One rebuild (or discard) of a workspace at a time, held for the whole run by one session."""
-
-    def __init__(self, conn: asyncpg.Connection, workspace: str) -> None:
-        self._conn = conn
-        self._workspace = workspace
-
-    async def __aenter__(self) -> None:
-        taken = await self._conn.fetchval(
-            "SELECT pg_try_advisory_lock(hashtext('ontofabric.rebuild'), hashtext($1))", self._workspace
-        )
-        if not taken:
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, conn: asyncpg.Connection) -> AsyncIterator[None]:
+        """One rebuild (or discard) of a workspace at a time, held for the whole run by one session."""
+        lock = "hashtext('ontofabric.rebuild'), hashtext($1)"
+        if not await conn.fetchval(f"SELECT pg_try_advisory_lock({lock})", self._workspace):
             raise RebuildFailed(f"another rebuild of workspace {self._workspace!r} is running")
+        try:
+            yield
+        finally:
+            # The session's end releases it too: a broken connection must not hide the error that broke the run.
+            with contextlib.suppress(Exception):
+                await conn.execute(f"SELECT pg_advisory_unlock({lock})", self._workspace)
 
-    async def __aexit__(self, *exc: object) -> None:
-        # The session's end releases it too: a broken connection must not hide the error that broke the run.
-        with contextlib.suppress(Exception):
-            await self._conn.execute(
-                "SELECT pg_advisory_unlock(hashtext('ontofabric.rebuild'), hashtext($1))", self._workspace
-            )
+
+async def _drop_schema(conn: asyncpg.Connection, schema: str) -> None:
+    await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 _ROWS = """
@@ -502,9 +494,6 @@ class _Shadow:
     @property
     def _retired(self) -> str:
         return retired_schema(self._workspace)
-
-    async def drop_retired(self) -> None:
-        await self.admin.execute(f'DROP SCHEMA IF EXISTS "{self._retired}" CASCADE')
 
     async def copy_handled_events(self, conn: asyncpg.Connection, after: int, upto: int | None) -> None:
         """Into the live table, the shadow's handled events of stream sequences in (after, upto]."""
@@ -684,8 +673,11 @@ class _Shadow:
             self._schema,
         )
         await conn.execute(f"LOCK TABLE {shadow_tables} IN ACCESS EXCLUSIVE MODE")
-        live = [f'public."{partition}"' for _, partition in partitions]
-        live = [name for name in live if await conn.fetchval("SELECT to_regclass($1)", name) is not None]
+        live = [
+            name
+            for name in (f'public."{partition}"' for _, partition in partitions)
+            if await conn.fetchval("SELECT to_regclass($1)", name) is not None
+        ]
         if live:
             await conn.execute(f"LOCK TABLE {', '.join(live)} IN SHARE UPDATE EXCLUSIVE MODE")
         parents = [f'ONLY public."{parent}"' for parent, _ in partitions]
@@ -693,7 +685,7 @@ class _Shadow:
         locked = time.perf_counter()
         literal = await conn.fetchval("SELECT quote_literal($1)", workspace)
         for parent, partition in partitions:
-            if await conn.fetchval("SELECT to_regclass($1)", f'public."{partition}"') is not None:
+            if f'public."{partition}"' in live:
                 await conn.execute(f'ALTER TABLE public."{parent}" DETACH PARTITION public."{partition}"')
                 # Retired, dropped after the commit: a DROP here would unlink its files inside the lock.
                 await conn.execute(f'ALTER TABLE public."{partition}" SET SCHEMA "{self._retired}"')
@@ -703,7 +695,7 @@ class _Shadow:
                 f'ALTER TABLE public."{parent}" ATTACH PARTITION public."{partition}" FOR VALUES IN ({literal})'
             )
             await conn.execute(f'ALTER TABLE public."{partition}" DROP CONSTRAINT {BOUND_CHECK}')
-        await conn.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
+        await _drop_schema(conn, self._schema)
         return locked
 
     async def _swap_versions(self, conn: asyncpg.Connection) -> None:

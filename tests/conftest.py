@@ -138,12 +138,18 @@ class Deployment:
             await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
             await admin.close()
 
-    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection of its own to the deployment's database, for holding locks or a transaction open."""
         conn = await asyncpg.connect(self.database_url)
         try:
-            return list(await conn.fetch(query, *args))
+            yield conn
         finally:
             await conn.close()
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        async with self.session() as conn:
+            return list(await conn.fetch(query, *args))
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-import asyncpg
 import numpy as np
 import pytest
 
@@ -29,6 +28,7 @@ from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.late_interaction import pack_signs
+from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment, RecordedProgress
 from .factories import delete, document, unit_vector, upsert
@@ -39,10 +39,19 @@ DOCUMENT_STATE = (
 )
 
 
-def _rebuild(deployment: Deployment, workspace: str = "acme", progress: RecordedProgress | None = None) -> Rebuild:
+def _rebuild(
+    deployment: Deployment,
+    workspace: str = "acme",
+    progress: RecordedProgress | None = None,
+    *,
+    settings: Settings | None = None,
+    **options: Any,
+) -> Rebuild:
+    """A rebuild of the deployment, with its settings unless others are given."""
     return Rebuild(
-        deployment.settings, deployment.nats_url, deployment.database_url, workspace, progress or RecordedProgress()
-    )
+        settings or deployment.settings, deployment.nats_url, deployment.database_url, workspace,
+        progress or RecordedProgress(), **options,
+    )  # fmt: skip
 
 
 def _upsert(workspace: str, doc_id: str, content: str, branch: str = "main") -> DeltaEnvelope:
@@ -288,14 +297,14 @@ async def test_an_interrupted_rebuild_resumes_and_verifies_the_whole_stream(
         await record(shadow, *args)
 
     monkeypatch.setattr(rebuild_module._Shadow, "record", crash_after_two_batches)
-    interrupted = Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    interrupted = _rebuild(deployment, settings=settings)
     with pytest.raises(ConnectionResetError):
         await interrupted.run()
     assert await _state(deployment, "acme") == before
     monkeypatch.setattr(rebuild_module._Shadow, "record", record)
 
     progress = RecordedProgress()
-    resumed = await Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", progress).run()
+    resumed = await _rebuild(deployment, progress=progress, settings=settings).run()
     assert resumed.swapped
     assert resumed.resumed_from > 0
     assert progress.totals["refold"] == resumed.resumed_from
@@ -386,16 +395,13 @@ async def test_a_query_holding_one_parent_and_waiting_for_the_other_is_not_deadl
 ) -> None:
     """A keyword statement reads postings, then documents: the swap must give way, not close a lock cycle."""
     await _publish_history(deployment)
-    reader = await asyncpg.connect(deployment.database_url)
-    try:
+    async with deployment.session() as reader:
         async with reader.transaction(isolation="repeatable_read", readonly=True):
             await reader.fetch("SELECT count(*) FROM postings WHERE workspace = 'other'")
             rebuilding = asyncio.create_task(_rebuild(deployment).run())
             await asyncio.sleep(1.5)  # the swap is asking for the parents by now
             other = await reader.fetch("SELECT id FROM documents WHERE workspace = 'other'")
         report = await rebuilding
-    finally:
-        await reader.close()
     assert len(other) == 4
     assert report.swapped
 
@@ -405,18 +411,12 @@ async def test_a_swap_that_cannot_get_its_locks_gives_up_and_can_be_run_again(
 ) -> None:
     await _publish_history(deployment)
     before = await _state(deployment, "acme")
-    blocker = await asyncpg.connect(deployment.database_url)
-    try:
-        async with blocker.transaction():  # what a long transaction writing versions would hold
-            await blocker.execute("LOCK TABLE ontology_versions IN ROW EXCLUSIVE MODE")
-            job = Rebuild(
-                deployment.settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(),
-                lock_timeout_s=0.5,
-            )  # fmt: skip
-            with pytest.raises(RebuildFailed, match="could not take its locks") as failure:
-                await job.run()
-    finally:
-        await blocker.close()
+    # What a long transaction writing versions would hold.
+    async with deployment.session() as blocker, blocker.transaction():
+        await blocker.execute("LOCK TABLE ontology_versions IN ROW EXCLUSIVE MODE")
+        job = _rebuild(deployment, lock_timeout_s=0.5)
+        with pytest.raises(RebuildFailed, match="could not take its locks") as failure:
+            await job.run()
     assert failure.value.resumable
     assert await _state(deployment, "acme") == before
     assert await _schemas(deployment) == [shadow_schema("acme")]
@@ -430,14 +430,11 @@ async def test_a_second_rebuild_of_the_same_workspace_is_refused(
     deployment: Deployment, projector: ProjectorService
 ) -> None:
     await _publish_history(deployment)
-    holder = await asyncpg.connect(deployment.database_url)
-    try:
+    async with deployment.session() as holder:
         await holder.execute("SELECT pg_advisory_lock(hashtext('ontofabric.rebuild'), hashtext('acme'))")
         with pytest.raises(RebuildFailed, match="another rebuild of workspace 'acme' is running"):
             await _rebuild(deployment).run()
         assert (await _rebuild(deployment, "other").run()).swapped  # another workspace may go meanwhile
-    finally:
-        await holder.close()
     assert await _schemas(deployment) == []
 
 
@@ -448,7 +445,7 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     await _publish_history(deployment)
     before = await _state(deployment, "acme")
     stricter = deployment.settings.model_copy(update={"max_content_bytes": 25})
-    job = Rebuild(stricter, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    job = _rebuild(deployment, settings=stricter)
     with pytest.raises(RebuildFailed, match=r"not swapping.* live rows the stream does not account for") as failure:
         await job.run()
     assert not failure.value.resumable
@@ -457,7 +454,7 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     assert await _state(deployment, "acme") == before
     assert await _rebuild(deployment).discard() is True
     other_model = deployment.settings.model_copy(update={"embedding_model": "another-model"})
-    job = Rebuild(other_model, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    job = _rebuild(deployment, settings=other_model)
     with pytest.raises(RebuildFailed, match=r"database holds .* vectors .* set up for another-model"):
         await job.run()
     assert await _schemas(deployment) == []
@@ -560,11 +557,11 @@ async def test_a_paced_rebuild_rebuilds_the_same_index(deployment: Deployment, p
     before = await _state(deployment, "acme")
     await deployment.fetch("DELETE FROM documents WHERE workspace = 'acme' AND id = 'd2'")
     settings = deployment.settings.model_copy(update={"projector_batch_size": 5})
-    job = Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(), max_rate=40.0)
+    job = _rebuild(deployment, settings=settings, max_rate=40.0)
     assert (await job.run()).swapped
     assert await _state(deployment, "acme") == before
     with pytest.raises(ValueError, match="max_rate must be positive"):
-        Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(), max_rate=0)
+        _rebuild(deployment, max_rate=0)
 
 
 async def test_a_live_row_written_during_the_swap_s_catch_up_is_not_lost(
@@ -582,7 +579,7 @@ async def test_a_live_row_written_during_the_swap_s_catch_up_is_not_lost(
 
     monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", publish_then_prepare)
     stricter = deployment.settings.model_copy(update={"max_content_bytes": 1024})
-    job = Rebuild(stricter, deployment.nats_url, deployment.database_url, "acme", RecordedProgress())
+    job = _rebuild(deployment, settings=stricter)
     with pytest.raises(RebuildFailed, match=r"not swapping.*document 'large' on 'main'"):
         await job.run()
     rows = await deployment.fetch("SELECT length(content) AS n FROM documents WHERE id = 'large'")
@@ -595,14 +592,7 @@ async def test_the_swap_waits_for_no_other_workspace_s_maintenance(
     """VACUUM or ANALYZE of another workspace's partition holds a lock the swap must not need."""
     await _publish_history(deployment)
     other = (await deployment.fetch("SELECT partition_name FROM workspaces WHERE workspace = 'other'"))[0][0]
-    maintenance = await asyncpg.connect(deployment.database_url)
-    try:
-        async with maintenance.transaction():
-            await maintenance.execute(f'LOCK TABLE "{other}" IN SHARE UPDATE EXCLUSIVE MODE')
-            job = Rebuild(
-                deployment.settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress(),
-                lock_timeout_s=2.0,
-            )  # fmt: skip
-            assert (await job.run()).swapped
-    finally:
-        await maintenance.close()
+    async with deployment.session() as maintenance, maintenance.transaction():
+        await maintenance.execute(f'LOCK TABLE "{other}" IN SHARE UPDATE EXCLUSIVE MODE')
+        job = _rebuild(deployment, lock_timeout_s=2.0)
+        assert (await job.run()).swapped

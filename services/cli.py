@@ -214,8 +214,9 @@ def eval_command(
     config: Annotated[
         str,
         typer.Option(
-            help="dense, keyword, hybrid (retrievers and fusion alone), dense-late-interaction, "
-            "hybrid-late-interaction (a default request), hybrid-rerank, or all (comma-separate several)."
+            help="dense, keyword (each retriever alone), hybrid (a request with no options), hybrid-rerank (the "
+            "same with precision), hybrid-fusion-only and dense-late-interaction (the default request's stages "
+            "apart), or all (comma-separate several)."
         ),
     ] = "all",
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,

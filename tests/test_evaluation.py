@@ -153,27 +153,25 @@ def test_hybrid_margins_compare_with_the_stronger_retriever() -> None:
     per_query = {
         "dense": {"q1": 0.5, "q2": 0.5},
         "keyword": {"q1": 1.0, "q2": 0.5},  # the stronger one here
-        "hybrid": {"q1": 1.0, "q2": 1.0},
-        "hybrid-late-interaction": {"q1": 0.5, "q2": 1.0},
-        "dense-late-interaction": {"q1": 0.5, "q2": 0.0},
+        "hybrid": {"q1": 0.5, "q2": 1.0},
         "hybrid-rerank": {"q1": 0.0, "q2": 1.0},
+        "hybrid-fusion-only": {"q1": 1.0, "q2": 1.0},
+        "dense-late-interaction": {"q1": 0.5, "q2": 0.0},
     }
     found = [(m.config, m.against, m.difference) for m in hybrid_margins(per_query)]
     assert found == [
-        ("hybrid", "keyword", pytest.approx(0.25)),
-        ("hybrid-late-interaction", "keyword", pytest.approx(0.0)),
+        ("hybrid", "keyword", pytest.approx(0.0)),
         ("hybrid-rerank", "keyword", pytest.approx(-0.25)),
-        ("hybrid-late-interaction", "dense-late-interaction", pytest.approx(0.5)),
+        ("hybrid-fusion-only", "keyword", pytest.approx(0.25)),
+        ("hybrid", "dense-late-interaction", pytest.approx(0.5)),
     ]
     per_query["dense"] = {"q1": 1.0, "q2": 1.0}  # now dense is
     assert [(m.config, m.against) for m in hybrid_margins(per_query)][:3] == [
-        ("hybrid", "dense"), ("hybrid-late-interaction", "dense"), ("hybrid-rerank", "dense"),
+        ("hybrid", "dense"), ("hybrid-rerank", "dense"), ("hybrid-fusion-only", "dense"),
     ]  # fmt: skip
     # Without a keyword run only the default request's pair with dense late interaction is left.
     del per_query["keyword"]
-    assert [(m.config, m.against) for m in hybrid_margins(per_query)] == [
-        ("hybrid-late-interaction", "dense-late-interaction")
-    ]
+    assert [(m.config, m.against) for m in hybrid_margins(per_query)] == [("hybrid", "dense-late-interaction")]
 
 
 @pytest.mark.slow
@@ -226,27 +224,28 @@ async def test_a_small_dataset_through_the_real_path(
         if config != "hybrid-rerank":  # its cross-encoder has random weights
             assert result.metrics["MRR@10"] == pytest.approx(0.75), config  # three of four right at rank 1
     assert report.configs["hybrid"].meta["fusion"]["method"] == "adaptive"
+    assert report.configs["hybrid-fusion-only"].meta["fusion"]["method"] == "adaptive"
     assert report.configs["hybrid"].meta["reranked"] is False  # a reranker is set up, but precision was not asked
     assert report.configs["hybrid-rerank"].meta["reranked"] is True
     assert report.configs["hybrid-rerank"].meta["reranker"] == "cross-encoder"  # the worker built the configured one
     assert report.configs["keyword"].meta["retrievers"] == ["keyword"]
     # Token vectors went with the deltas, through the projector, to the query worker; only the configurations
-    # that measure retrievers and fusion alone go without late interaction.
-    for config in ("dense-late-interaction", "hybrid-late-interaction", "hybrid-rerank"):
+    # that measure the retrievers alone and the fusion alone go without late interaction.
+    for config in ("hybrid", "hybrid-rerank", "dense-late-interaction"):
         assert report.configs[config].meta["lateInteraction"] == {
             "weight": settings.late_interaction_weight, "candidates": 5, "withTokenVectors": 5,
         }, config  # fmt: skip
-    for config in ("dense", "keyword", "hybrid"):
+    for config in ("dense", "keyword", "hybrid-fusion-only"):
         assert report.configs[config].meta["lateInteraction"] is None, config
         assert "lateInteraction" not in report.configs[config].stages_p50_ms
-    assert report.configs["hybrid-late-interaction"].stages_p50_ms["lateInteraction"] > 0
-    assert report.configs["hybrid-late-interaction"].late_interaction_skipped == 0  # short queries
+    assert report.configs["hybrid"].stages_p50_ms["lateInteraction"] > 0
+    assert report.configs["hybrid"].late_interaction_skipped == 0  # short queries
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
     # Every hybrid configuration against the stronger retriever, over the four judged queries; here every
     # configuration but the random cross-encoder answers each query alike, a tie, where dense counts as stronger.
     assert [(m.config, m.against) for m in report.margins] == [
-        ("hybrid", "dense"), ("hybrid-late-interaction", "dense"), ("hybrid-rerank", "dense"),
-        ("hybrid-late-interaction", "dense-late-interaction"),
+        ("hybrid", "dense"), ("hybrid-rerank", "dense"), ("hybrid-fusion-only", "dense"),
+        ("hybrid", "dense-late-interaction"),
     ]  # fmt: skip
     for m in report.margins:
         assert m.better + m.worse + m.equal == 4

@@ -42,6 +42,9 @@ def _header_safe(text: str, limit: int = 1000) -> str:
     return " ".join(text.split())[:limit]
 
 
+INDEX = "postgres"
+"""The index this projector keeps: a label on its metrics and dead letters."""
+
 MAX_SPAN_LINKS = 128
 """The OpenTelemetry SDK's default link limit per span; more are dropped."""
 
@@ -167,8 +170,8 @@ class Projector:
             await msg.ack()
         if result.plan.applied:
             await self._refresh_statistics({delta.envelope.workspace for delta in result.plan.applied})
-        self._metrics.projector_deltas.add(len(result.plan.applied), {"outcome": "applied"})
-        self._metrics.projector_deltas.add(len(result.plan.noops), {"outcome": "noop"})
+        self._metrics.projector_deltas.add(len(result.plan.applied), {"outcome": "applied", "index": INDEX})
+        self._metrics.projector_deltas.add(len(result.plan.noops), {"outcome": "noop", "index": INDEX})
         log.info(
             "batch_projected",
             applied=len(result.plan.applied),
@@ -194,31 +197,42 @@ class Projector:
                 await self._versions.publish(update)
 
     async def _retry_later(self, messages: list[Msg], error: BaseException) -> None:
-        log.warning("batch_retry", error=f"{type(error).__name__}: {error}", size=len(messages))
-        for msg in messages:
-            await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
-        self._metrics.projector_deltas.add(len(messages), {"outcome": "retried"})
+        await retry_later(messages, error, INDEX)
 
     async def _dead_letter(self, msg: Msg, rejection: Rejection) -> None:
-        seq = msg.metadata.sequence.stream
-        headers = {
-            "Nats-Msg-Id": f"dlq:{msg.metadata.stream}:{seq}",
-            "Ontofabric-Reason": rejection.reason,
-            "Ontofabric-Detail": _header_safe(rejection.detail),
-            "Ontofabric-Original-Subject": msg.subject,
-            "Ontofabric-Original-Stream": msg.metadata.stream,
-            "Ontofabric-Original-Sequence": str(seq),
-            "Ontofabric-Delivered": str(msg.metadata.num_delivered),
-        }
-        subject = self._names.dlq_subject(workspace_token_of(msg.subject) or "_unknown")
-        try:
-            await self._js.publish(subject, msg.data, headers=headers)
-        except Exception as error:  # the dead letter is not safe yet: keep the original for another try
-            await self._retry_later([msg], error)
-            return
-        await msg.term()
-        self._metrics.projector_deltas.add(1, {"outcome": "dead_lettered"})
-        log.warning("delta_dead_lettered", seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
+        await dead_letter(self._js, self._names, msg, rejection, INDEX)
+
+
+async def retry_later(messages: Sequence[Msg], error: BaseException, index: str) -> None:
+    """Nak with backoff: the deltas come back after a growing delay and apply then."""
+    log.warning("batch_retry", index=index, error=f"{type(error).__name__}: {error}", size=len(messages))
+    for msg in messages:
+        await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
+    instruments().projector_deltas.add(len(messages), {"outcome": "retried", "index": index})
+
+
+async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: Rejection, index: str) -> None:
+    """Publish the delta with its reason to the DLQ stream, then terminate it; if the DLQ publish fails, nak."""
+    seq = msg.metadata.sequence.stream
+    headers = {
+        "Nats-Msg-Id": f"dlq:{index}:{msg.metadata.stream}:{seq}",
+        "Ontofabric-Reason": rejection.reason,
+        "Ontofabric-Detail": _header_safe(rejection.detail),
+        "Ontofabric-Index": index,
+        "Ontofabric-Original-Subject": msg.subject,
+        "Ontofabric-Original-Stream": msg.metadata.stream,
+        "Ontofabric-Original-Sequence": str(seq),
+        "Ontofabric-Delivered": str(msg.metadata.num_delivered),
+    }
+    subject = names.dlq_subject(workspace_token_of(msg.subject) or "_unknown")
+    try:
+        await js.publish(subject, msg.data, headers=headers)
+    except Exception as error:  # the dead letter is not safe yet: keep the original for another try
+        await retry_later([msg], error, index)
+        return
+    await msg.term()
+    instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index})
+    log.warning("delta_dead_lettered", index=index, seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
 
 
 def limits_from(settings: Settings) -> Limits:

@@ -26,7 +26,14 @@ from opentelemetry.trace import Link, get_current_span
 
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.shared.db import create_pool, is_transient, migrate
-from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, BatchPuller, connect, ensure_jetstream, nak_delay
+from ontofabric.shared.jetstream import (
+    MAX_DELTA_MESSAGE_BYTES,
+    BatchHandler,
+    BatchPuller,
+    connect,
+    ensure_jetstream,
+    nak_delay,
+)
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, workspace_token_of
@@ -244,6 +251,35 @@ def limits_from(settings: Settings) -> Limits:
     )
 
 
+async def start_delta_puller(
+    nc: Client, names: Names, settings: Settings, durable: str, handle: BatchHandler, batch_size: int
+) -> BatchPuller:
+    """A projector's durable pull consumer of every delta, from the stream's first, and its fetch loop, started.
+    Deltas are acked one by one after they applied; an unacked one comes back after the ack wait, for ever."""
+    subscription = await nc.jetstream().pull_subscribe(
+        names.delta_subjects,
+        durable=durable,
+        stream=names.delta_stream,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=settings.projector_ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=max(4 * settings.projector_batch_size, 1000),
+        ),
+    )
+    puller = BatchPuller(
+        subscription,
+        handle,
+        batch_size=batch_size,
+        fetch_timeout_s=settings.projector_batch_timeout_s,
+        consumer=durable,
+        connection=nc,
+    )
+    puller.start()
+    return puller
+
+
 class ProjectorService:
     """The projector worker process: migrations, pool, NATS set-up and the durable batch pull consumer."""
 
@@ -278,27 +314,9 @@ class ProjectorService:
             names,
             limits_from(settings),
         )
-        subscription = await js.pull_subscribe(
-            names.delta_subjects,
-            durable=names.postgres_projector_durable,
-            stream=names.delta_stream,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=settings.projector_ack_wait_s,
-                max_deliver=-1,
-                max_ack_pending=max(4 * settings.projector_batch_size, 1000),
-            ),
+        self._puller = await start_delta_puller(
+            nc, names, settings, names.postgres_projector_durable, projector.handle, settings.projector_batch_size
         )
-        self._puller = BatchPuller(
-            subscription,
-            projector.handle,
-            batch_size=settings.projector_batch_size,
-            fetch_timeout_s=settings.projector_batch_timeout_s,
-            consumer=names.postgres_projector_durable,
-            connection=nc,
-        )
-        self._puller.start()
         log.info("projector_started", durable=names.postgres_projector_durable, stream=names.delta_stream)
 
     async def stop(self) -> None:

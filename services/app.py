@@ -13,6 +13,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
+from .projector.azure import AzureProjectorService
 from .projector.worker import ProjectorService
 from .query.rerankers import build_reranker
 from .query.worker import QueryService
@@ -24,6 +25,8 @@ log = get_logger(__name__)
 class Roles:
     projector: bool = True
     query: bool = True
+    azure_projector: bool = True
+    """Runs only where ONTOFABRIC_AZURE_SEARCH_ENDPOINT is set."""
 
 
 async def start_workers(
@@ -34,6 +37,10 @@ async def start_workers(
         projector = ProjectorService(settings, endpoints.nats_url, endpoints.database_url)
         await projector.start()
         stack.push_async_callback(projector.stop)
+    if roles.azure_projector and settings.azure_search_endpoint is not None:
+        azure = AzureProjectorService(settings, endpoints.nats_url)
+        await azure.start()
+        stack.push_async_callback(azure.stop)
     if roles.query:
         if embedder is None and settings.embedder != "none":
             embedder = await asyncio.to_thread(build_embedder, settings)

@@ -91,7 +91,18 @@ def projector(data_dir: DataDir = None) -> None:
     """Run only the Postgres projector (scale out by starting more: they share one durable consumer)."""
     settings = _settings("ontofabric-projector", data_dir)
     endpoints = _endpoints(settings)
-    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=True, query=False)))
+    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=True, query=False, azure_projector=False)))
+
+
+@app.command("azure-projector")
+def azure_projector(data_dir: DataDir = None) -> None:
+    """Run only the Azure AI Search projector (ONTOFABRIC_AZURE_SEARCH_*): keeps the index in sync from a durable
+    consumer of its own. Run one: Azure AI Search cannot order two writers' updates of one document."""
+    settings = _settings("ontofabric-azure-projector", data_dir)
+    if settings.azure_search_endpoint is None:
+        _fail("ONTOFABRIC_AZURE_SEARCH_ENDPOINT is not set")
+    endpoints = _endpoints(settings)
+    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=False, azure_projector=True)))
 
 
 @app.command("query-worker")
@@ -99,7 +110,7 @@ def query_worker(data_dir: DataDir = None) -> None:
     """Run only a query worker (scale out by starting more: they form one queue group)."""
     settings = _settings("ontofabric-query", data_dir)
     endpoints = _endpoints(settings)
-    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=True)))
+    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=True, azure_projector=False)))
 
 
 @app.command()

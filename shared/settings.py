@@ -136,6 +136,27 @@ class Settings(BaseSettings):
     max_query_chars: int = Field(default=2000, ge=1, description="Longer queries are rejected.")
     statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
 
+    # --- Azure AI Search (optional) --------------------------------------------------------------
+    azure_search_endpoint: str | None = Field(
+        default=None,
+        description="Azure AI Search service URL (https://NAME.search.windows.net). Set: `up` and `eval` also run the "
+        "Azure projector, which keeps the index below in sync from a durable consumer of its own.",
+    )
+    azure_search_api_key: SecretStr | None = Field(default=None, description="Admin key of the search service.")
+    azure_search_index: str = Field(
+        default="ontofabric-documents",
+        pattern=r"^[a-z0-9](?:[a-z0-9-]{0,126}[a-z0-9])?$",
+        description="Index the Azure projector writes and the azure-ai-search keyword backend reads.",
+    )
+    azure_search_timeout_ms: int = Field(
+        default=1500, ge=1, description="Per-call limit of a keyword search on Azure; a slower one degrades."
+    )
+    keyword_backend: Literal["postgres", "azure-ai-search"] = Field(
+        default="postgres",
+        description="Where the query worker's keyword path searches: `postgres` (BM25 over postings) or "
+        "`azure-ai-search` (needs azure_search_endpoint); callers see the same contract, `_meta.backend` says which.",
+    )
+
     # --- reranking -------------------------------------------------------------------------------
     reranker: Literal["none", "local", "cohere"] = Field(
         default="none",

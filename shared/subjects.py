@@ -109,6 +109,10 @@ class Names:
         return f"{self.prefix}-projector-postgres"
 
     @property
+    def azure_projector_durable(self) -> str:
+        return f"{self.prefix}-projector-azure-search"
+
+    @property
     def ingest_state_bucket(self) -> str:
         return f"{self.prefix}_ingest_state"
 

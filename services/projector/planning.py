@@ -41,6 +41,7 @@ RejectReason = Literal[
     "embedding_model_mismatch",
     "token_vectors_dimension_mismatch",
     "apply_failed",
+    "index_refused",
 ]
 
 _HASH_MOD = 1 << 64

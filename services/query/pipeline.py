@@ -263,7 +263,10 @@ class QueryPipeline:
             if "keyword" not in wanted:
                 return None
             work = clock.time("keyword", self._retrieval.keyword(scope, query.semantic_query, k))
-            return await _guarded("keyword", work, degraded)
+            hits = await _guarded("keyword", work, degraded)
+            if hits is not None and hits.lagging:  # its index is behind the version read: say so, do not cache
+                degraded.append("keywordIndexBehind")
+            return hits
 
         dense_hits, keyword_hits = await asyncio.gather(dense(), keyword())
         lists = {name: hits for name, hits in (("dense", dense_hits), ("keyword", keyword_hits)) if hits is not None}

@@ -98,6 +98,8 @@ class Snapshot:
     conn: Connection
     version: str
     shadowed: list[str]
+    stream_seqs: dict[str, int]
+    """The highest stream sequence applied to each branch read (absent: nothing yet)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,17 @@ class Hits:
     """Keyword only: the highest score a document could reach (every query term some document has, saturated)."""
     query_ceiling: float | None = None
     """Keyword only: the same over every query term, also those no document has."""
+    lagging: bool = False
+    """The index searched had not yet taken in every delta of the version read (a keyword index of its own)."""
+
+
+@dataclass(frozen=True)
+class Visible:
+    rows: set[tuple[str, str]]
+    """(id, branch) of the documents asked about that are live and visible in the scope."""
+    version: str
+    stream_seqs: dict[str, int]
+    """The highest stream sequence applied to each branch read."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +187,7 @@ class PostgresRetrieval:
                     while len(self._shadowed) > 64:
                         self._shadowed.popitem(last=False)
                 shadowed = self._shadowed[key]
-            yield Snapshot(conn, version, shadowed)
+            yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows})
 
     async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
         async with self._snapshot(scope) as snapshot:
@@ -190,6 +203,16 @@ class PostgresRetrieval:
                 await snapshot.conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
             rows = await snapshot.conn.fetch(sql, vector, limit, *parameters)
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
+
+    async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
+        """Which of ``ids`` are live and visible in the scope, and on which branch: what another index's hits are
+        checked against, so a document deleted or shadowed here is never answered from there."""
+        async with self._snapshot(scope) as snapshot:
+            where, parameters = where_clause(scope, 2, snapshot.shadowed)
+            rows = await snapshot.conn.fetch(
+                f"SELECT id, branch FROM documents WHERE {where} AND id = ANY($1::text[])", list(ids), *parameters
+            )
+        return Visible({(r["id"], r["branch"]) for r in rows}, snapshot.version, snapshot.stream_seqs)
 
     async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:

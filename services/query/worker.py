@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 import asyncpg
+from azure.search.documents.aio import SearchClient
 from faststream.nats import NatsBroker, NatsMessage
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from pydantic import TypeAdapter, ValidationError
 
 from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError, QueryResponse
 from ontofabric.contracts.documents import Workspace
+from ontofabric.shared.azure_search import search_clients
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import ensure_jetstream, subscriptions_visible
@@ -23,8 +25,9 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments
 
+from .azure import AzureKeywordRetrieval
 from .cache import VersionedCache
-from .pipeline import PipelineConfig, QueryPipeline, RetrievalUnavailable
+from .pipeline import PipelineConfig, QueryPipeline, Retrieval, RetrievalUnavailable
 from .postgres import PostgresRetrieval
 from .rerankers import Reranker
 from .versions import VersionTracker
@@ -128,6 +131,7 @@ class QueryService:
         self._broker: NatsBroker | None = None
         self._pool: asyncpg.Pool | None = None
         self._versions: VersionTracker | None = None
+        self._azure: SearchClient | None = None
         self.handled = 0
         """Requests this worker answered (errors included)."""
 
@@ -150,15 +154,23 @@ class QueryService:
         await ensure_jetstream(js, names, settings)
         cache: VersionedCache[Any] = VersionedCache(settings.query_cache_entries)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
+        postgres = PostgresRetrieval(
+            self._pool,
+            settings.text_search_config,
+            settings.hnsw_ef_search,
+            settings.bm25_k1,
+            settings.bm25_b,
+            settings.bm25_k3,
+        )
+        retrieval: Retrieval = postgres
+        if settings.keyword_backend == "azure-ai-search":
+            # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
+            index_client, search_client = search_clients(settings, retries=0)
+            await index_client.close()
+            self._azure = search_client
+            retrieval = AzureKeywordRetrieval(postgres, search_client, settings.azure_search_timeout_ms / 1000)
         pipeline = QueryPipeline(
-            PostgresRetrieval(
-                self._pool,
-                settings.text_search_config,
-                settings.hnsw_ef_search,
-                settings.bm25_k1,
-                settings.bm25_b,
-                settings.bm25_k3,
-            ),
+            retrieval,
             self._embedder,
             tracker,
             cache,
@@ -225,6 +237,9 @@ class QueryService:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
+        if self._azure is not None:
+            await self._azure.close()
+            self._azure = None
         if self._reranker is not None:
             await self._reranker.close()
         log.info("query_worker_stopped")

@@ -1,0 +1,69 @@
+"""The Azure AI Search index both the Azure projector and the azure-ai-search keyword backend use: its schema,
+its keys and its clients."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from azure.core.credentials import AzureKeyCredential
+from azure.search.documents.aio import SearchClient
+from azure.search.documents.indexes.aio import SearchIndexClient
+from azure.search.documents.indexes.models import SearchableField, SearchField, SearchFieldDataType, SearchIndex
+from azure.search.documents.indexes.models import SimpleField as _SimpleField
+
+from .settings import Settings
+
+DOCUMENT, WATERMARK = "document", "watermark"
+"""The two kinds of index entry: a document (or its tombstone), and a workspace branch's watermark."""
+
+
+def index_definition(name: str) -> SearchIndex:
+    """The document schema of the Postgres index, as Azure AI Search fields. ``content`` is the same analysed text
+    Postgres indexes (qualified name first, identifiers followed by their parts), searched with the English
+    analyzer."""
+
+    def simple(field_name: str, kind: str = SearchFieldDataType.STRING, **flags: bool) -> SearchField:
+        return _SimpleField(name=field_name, type=kind, filterable=True, **flags)
+
+    return SearchIndex(
+        name=name,
+        fields=[
+            simple("key", key=True),
+            simple("kind"),
+            simple("workspace"),
+            simple("branch"),
+            simple("documentId"),
+            simple("seq", SearchFieldDataType.INT64),
+            simple("deleted", SearchFieldDataType.BOOLEAN),
+            SearchableField(name="content", analyzer_name="en.lucene"),
+            simple("objectType"),
+            simple("sourceDomain"),
+            simple("symbolKey"),
+            simple("symbolKind"),
+            simple("symbolFqn"),
+            simple("contentHash"),
+            simple("filePath"),
+            simple("chunkLevel"),
+            simple("provenance"),
+        ],
+    )
+
+
+def entry_key(workspace: str, branch: str, document_id: str | None) -> str:
+    """An index key for a document (or, with no id, the watermark of its workspace and branch). Keys allow only
+    letters, digits, '_', '-' and '=': URL-safe base64 of the three parts carries any id."""
+    parts = "\x1f".join([workspace, branch, WATERMARK if document_id is None else f"d:{document_id}"])
+    return base64.urlsafe_b64encode(parts.encode("utf-8")).decode("ascii")
+
+
+def search_clients(settings: Settings, retries: int) -> tuple[SearchIndexClient, SearchClient]:
+    """An index client and a document client for the configured service and index."""
+    if settings.azure_search_endpoint is None or settings.azure_search_api_key is None:
+        raise ValueError("ONTOFABRIC_AZURE_SEARCH_ENDPOINT and ONTOFABRIC_AZURE_SEARCH_API_KEY must both be set")
+    credential = AzureKeyCredential(settings.azure_search_api_key.get_secret_value())
+    options: dict[str, Any] = {"retry_total": retries}
+    return (
+        SearchIndexClient(settings.azure_search_endpoint, credential, **options),
+        SearchClient(settings.azure_search_endpoint, settings.azure_search_index, credential, **options),
+    )

@@ -3,7 +3,7 @@ its keys and its clients."""
 
 from __future__ import annotations
 
-import base64
+import hashlib
 from typing import Any
 
 from azure.core.credentials import AzureKeyCredential
@@ -15,7 +15,7 @@ from azure.search.documents.indexes.models import SimpleField as _SimpleField
 from .settings import Settings
 
 DOCUMENT, WATERMARK = "document", "watermark"
-"""The two kinds of index entry: a document (or its tombstone), and a workspace branch's watermark."""
+"""The two kinds of index entry: a document (or its tombstone), and the watermark."""
 
 
 def index_definition(name: str) -> SearchIndex:
@@ -50,11 +50,16 @@ def index_definition(name: str) -> SearchIndex:
     )
 
 
-def entry_key(workspace: str, branch: str, document_id: str | None) -> str:
-    """An index key for a document (or, with no id, the watermark of its workspace and branch). Keys allow only
-    letters, digits, '_', '-' and '=': URL-safe base64 of the three parts carries any id."""
-    parts = "\x1f".join([workspace, branch, WATERMARK if document_id is None else f"d:{document_id}"])
-    return base64.urlsafe_b64encode(parts.encode("utf-8")).decode("ascii")
+def entry_key(workspace: str, branch: str, document_id: str) -> str:
+    """A document's index key. Keys allow only letters, digits, '_', '-' and '=' and at most 1,024 characters,
+    where a workspace, a branch and an id together may be longer and hold any character: a SHA-256 of the three
+    (the parts themselves are fields of the entry)."""
+    return hashlib.sha256("\x1f".join([workspace, branch, document_id]).encode("utf-8")).hexdigest()
+
+
+WATERMARK_KEY = WATERMARK
+"""The one watermark entry: every delta of the stream up to its ``seq`` has been taken in (the consumer's ack
+floor). No document key can equal it: those are 64 hexadecimal digits."""
 
 
 def search_clients(settings: Settings, retries: int) -> tuple[SearchIndexClient, SearchClient]:

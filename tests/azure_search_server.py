@@ -84,6 +84,22 @@ class _Index:
     definition: dict[str, Any]
     etag: str
     docs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    writes: int = 0  # bumped by every indexing request: the term statistics below are rebuilt after one
+    _postings: dict[str, tuple[int, _Postings]] = field(default_factory=dict)
+
+    def postings(self, name: str) -> _Postings:
+        """A field's inverted index (term -> key -> frequency) and its lengths, kept until the next write."""
+        built = self._postings.get(name)
+        if built is None or built[0] != self.writes:
+            terms: dict[str, dict[str, int]] = {}
+            lengths: dict[str, int] = {}
+            for key, doc in self.docs.items():
+                if tokens := _field_tokens(doc.get(name)):
+                    lengths[key] = len(tokens)
+                    for term, count in Counter(tokens).items():
+                        terms.setdefault(term, {})[key] = count
+            built = self._postings[name] = (self.writes, _Postings(terms, lengths))
+        return built[1]
 
     @property
     def fields(self) -> dict[str, dict[str, Any]]:
@@ -95,6 +111,12 @@ class _Index:
 
     def representation(self) -> dict[str, Any]:
         return {"@odata.etag": self.etag, **self.definition}
+
+
+@dataclass(frozen=True)
+class _Postings:
+    terms: dict[str, dict[str, int]]
+    lengths: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -169,18 +191,18 @@ def _field_tokens(value: Any) -> list[str]:
     return [token for item in values if isinstance(item, str) for token in _tokens(item)]
 
 
-def _bm25(docs: Mapping[str, Mapping[str, Any]], fields: list[str], terms: list[str], mode: str) -> dict[str, float]:
+def _bm25(index: _Index, fields: list[str], terms: list[str], mode: str) -> dict[str, float]:
     """Statistics come from the whole index: a filter narrows the hits, not the statistics, as in Lucene."""
     scores: dict[str, float] = {}
     matched: dict[str, set[str]] = {}
     for name in fields:
-        freqs = {key: Counter(tokens) for key, doc in docs.items() if (tokens := _field_tokens(doc.get(name)))}
-        avgdl = sum(tf.total() for tf in freqs.values()) / max(len(freqs), 1)
+        postings = index.postings(name)
+        avgdl = sum(postings.lengths.values()) / max(len(postings.lengths), 1)
         for term in terms:  # a repeated term counts twice, as its repeated query clause does
-            holders = [key for key, tf in freqs.items() if term in tf]
-            idf = math.log(1 + (len(freqs) - len(holders) + 0.5) / (len(holders) + 0.5))
-            for key in holders:
-                tf, dl = freqs[key][term], freqs[key].total()
+            holders = postings.terms.get(term, {})
+            idf = math.log(1 + (len(postings.lengths) - len(holders) + 0.5) / (len(holders) + 0.5))
+            for key, tf in holders.items():
+                dl = postings.lengths[key]
                 # Lucene 8+ drops BM25's constant (k1 + 1) numerator factor; order and ratios are unchanged.
                 scores[key] = scores.get(key, 0.0) + idf * tf / (tf + K1 * (1 - B + B * dl / avgdl))
                 matched.setdefault(key, set()).add(term)
@@ -361,6 +383,7 @@ class AzureSearchServer:
         # (route or None for any, requests of that route to let through first, status, Retry-After seconds)
         self._failures: deque[tuple[str | None, int, int, float | None]] = deque()
         self._indexes: dict[str, _Index] = {}
+        self._item_failures: dict[str, int] = {}
         self._etags = 0
         self._runner: web.AppRunner | None = None
 
@@ -371,6 +394,10 @@ class AzureSearchServer:
         through) with ``status``, and a Retry-After header if given."""
         self._failures.append((route, after, status, retry_after))
         self._failures.extend([(route, 0, status, retry_after)] * (count - 1))
+
+    def fail_items(self, key: str, times: int) -> None:
+        """Answer the next ``times`` index actions on ``key`` with a per-item 503 (the request itself succeeds)."""
+        self._item_failures[key] = times
 
     def documents(self, index_name: str) -> dict[str, dict[str, Any]]:
         return self._indexes[index_name].docs
@@ -523,6 +550,7 @@ class AzureSearchServer:
                 if name != "@search.action" and not _fits(fields[name]["type"], value):
                     raise _invalid(f"Cannot convert {json.dumps(value)[:100]} to type '{fields[name]['type']}'.")
         results = [self._apply(index, action) for action in actions]
+        index.writes += 1
         return web.json_response({"value": results}, status=200 if all(r["status"] for r in results) else 207)
 
     def _apply(self, index: _Index, action: dict[str, Any]) -> dict[str, Any]:
@@ -534,6 +562,9 @@ class AzureSearchServer:
 
         if not isinstance(key, str) or not _DOC_KEY.fullmatch(key):
             return result(400, f"Invalid document key: '{key}'. Keys can only contain letters, digits, '_', '-', '='.")
+        if self._item_failures.get(key):  # the service throttles single items of a batch under load
+            self._item_failures[key] -= 1
+            return result(503, "Service unavailable for this item; retry later.")
         for name, value in values.items():  # a filterable string is one term, and Lucene caps a term's size
             if index.fields[name]["filterable"] and isinstance(value, str) and len(value.encode()) > MAX_TERM_BYTES:
                 return result(
@@ -578,7 +609,7 @@ class AzureSearchServer:
         if text in ("", "*"):
             scores = dict.fromkeys(index.docs, 1.0)
         else:
-            scores = _bm25(index.docs, search_fields, _tokens(text), mode)
+            scores = _bm25(index, search_fields, _tokens(text), mode)
         hits = [(key, score) for key, score in scores.items() if predicate is None or predicate(index.docs[key])]
         hits.sort(key=lambda hit: (-hit[1], hit[0]))
         for clause in reversed(_names(body.get("orderby"))):  # stable sorts, last clause first

@@ -5,9 +5,10 @@ real azure-search-documents clients against a local server speaking the service'
 from __future__ import annotations
 
 import asyncio
-import base64
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,14 +17,20 @@ from pydantic import SecretStr
 
 from ontofabric.contracts import NodeUpserted, OntologyNode, QueryResponse
 from ontofabric.services.ingest.client import envelope
-from ontofabric.services.projector.azure import AzureProjectorService, plan_index_batch, upload_chunks
+from ontofabric.services.projector.azure import (
+    AzureProjectorService,
+    AzureSearchIndex,
+    plan_index_batch,
+    tombstone,
+    upload_chunks,
+)
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.azure import escape_query, scope_filter
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.postgres import Scope
 from ontofabric.services.query.worker import QueryService
-from ontofabric.shared.azure_search import entry_key
+from ontofabric.shared.azure_search import WATERMARK_KEY, entry_key, index_definition, search_clients
 from ontofabric.shared.settings import Settings
 
 from .azure_search_server import AzureSearchServer
@@ -52,8 +59,6 @@ def test_a_batch_applies_only_what_is_newer_than_the_index() -> None:
     assert [d.seq for d in plan.noops] == [5]
     [(delta, entry)] = plan.entries
     assert (delta.seq, entry["documentId"], entry["deleted"], entry["seq"], entry["content"]) == (9, "b", True, 9, "")
-    # Every delta kind moves its branch's watermark, graph deltas too (they live in Postgres only).
-    assert plan.watermarks == {("acme", "main"): 9, ("acme", "dev"): 10}
     # The same batch again (a redelivery) changes nothing once the index holds it.
     held = {ref: RowState(7, False), EntityRef("acme", "main", "document", "b"): RowState(9, True)}
     again = plan_index_batch(deltas, held)
@@ -71,21 +76,31 @@ def test_an_upserted_entry_carries_the_documents_metadata() -> None:
 
 
 def test_entry_keys_are_valid_and_distinct_for_any_id() -> None:
-    ids = ["a", "a/b.py::f", "ünïcode id", "x" * 512, "a\x1fb"]
-    keys = {entry_key("acme", branch, i) for i in ids for branch in ("main", "feature/x")} | {
-        entry_key("acme", "main", None)
-    }
-    assert len(keys) == 2 * len(ids) + 1
-    assert all(re.fullmatch(r"[A-Za-z0-9_=-]{1,1024}", key) for key in keys)
-    assert base64.urlsafe_b64decode(entry_key("acme", "main", "a/b")).decode() == "acme\x1fmain\x1fd:a/b"
+    # The longest a contract allows: 128-character workspaces, 255-character branches, 512-character ids.
+    long_ids = ["文" * 512, "x" * 512]
+    ids = ["a", "a/b.py::f", "ünïcode id", "a\x1fb", *long_ids]
+    keys = {entry_key(w, b, i) for i in ids for b in ("main", "feature/x", "b" * 255) for w in ("acme", "w" * 128)}
+    assert len(keys) == len(ids) * 3 * 2
+    assert all(re.fullmatch(r"[A-Za-z0-9_=-]{1,1024}", key) for key in keys | {WATERMARK_KEY})
+    assert WATERMARK_KEY not in keys
 
 
-def test_uploads_are_cut_by_count_and_size() -> None:
+def test_uploads_are_cut_by_count_and_size_as_the_sdk_sends_them() -> None:
     small = [{"key": str(i), "content": "x"} for i in range(2500)]
     assert [len(chunk) for chunk in upload_chunks(small)] == [1000, 1000, 500]
     big = [{"key": str(i), "content": "y" * (3 * 1024 * 1024)} for i in range(5)]
     assert [len(chunk) for chunk in upload_chunks(big)] == [2, 2, 1]
+    # Non-ASCII text goes out escaped (six bytes a character): 1 MB of Cyrillic is 6 MB in the request.
+    cyrillic = [{"key": str(i), "content": "ж" * (1024 * 1024)} for i in range(3)]
+    assert [len(chunk) for chunk in upload_chunks(cyrillic)] == [1, 1, 1]
     assert upload_chunks([]) == []
+
+
+def test_a_refused_entry_leaves_a_tombstone_of_its_sequence() -> None:
+    [(_, entry)] = plan_index_batch([_delta(4, upsert("acme", document("x", "text", symbol_fqn="m.x")))], {}).entries
+    stone = tombstone(entry)
+    assert (stone["key"], stone["seq"], stone["deleted"], stone["content"]) == (entry["key"], 4, True, "")
+    assert "symbolFqn" not in stone
 
 
 def test_a_query_is_a_bag_of_terms_on_azure() -> None:
@@ -95,13 +110,15 @@ def test_a_query_is_a_bag_of_terms_on_azure() -> None:
 
 def test_the_scope_filter_says_what_a_query_may_see() -> None:
     assert scope_filter(Scope("acme", "main")) == (
-        "kind eq 'document' and deleted eq false and workspace eq 'acme' and search.in(branch, 'main', '|')"
+        "kind eq 'document' and deleted eq false and workspace eq 'acme' and branch eq 'main'"
     )
-    narrowed = scope_filter(Scope("o'neil", "feature/x", ("a.B", "a.C|D"), "method", "ingested"))
+    narrowed = scope_filter(Scope("o'neil", "feature/x", ("a.B", "a.C|D"), "method", "ingested"), ["m1", "m,2"])
     assert "workspace eq 'o''neil'" in narrowed
-    assert "search.in(branch, 'main|feature/x', '|')" in narrowed
-    assert "search.in(objectType, 'a.B,a.C|D', ',')" in narrowed  # a delimiter no value holds
+    # The branch's own documents, and main's that it does not hide (a delimiter none of the ids holds).
+    assert "(branch eq 'feature/x' or (branch eq 'main' and not search.in(documentId, 'm1|m,2', '|')))" in narrowed
+    assert "search.in(objectType, 'a.B,a.C|D', ',')" in narrowed
     assert narrowed.endswith("chunkLevel eq 'method' and provenance eq 'ingested'")
+    assert "not" not in scope_filter(Scope("acme", "feature/x"))  # hiding nothing
     assert scope_filter(Scope("acme", "main", ())).endswith(" and false")  # no type matches: nothing may match
 
 
@@ -144,6 +161,17 @@ def _entry(azure: AzureSearchServer, doc_id: str, branch: str = "main") -> dict[
     return azure.documents("ontofabric-documents").get(entry_key("acme", branch, doc_id))
 
 
+async def _wait_watermark(azure: AzureSearchServer, seq: int) -> None:
+    async with asyncio.timeout(10):
+        while _watermark(azure) < seq:
+            await asyncio.sleep(0.05)
+
+
+def _watermark(azure: AzureSearchServer) -> int:
+    entry = azure.documents("ontofabric-documents").get(WATERMARK_KEY)
+    return 0 if entry is None else int(entry["seq"])
+
+
 async def test_deltas_reach_the_index_with_tombstones_and_a_watermark(
     deployment: Deployment, azure: AzureSearchServer, azure_projector: AzureProjectorService
 ) -> None:
@@ -167,9 +195,8 @@ async def test_deltas_reach_the_index_with_tombstones_and_a_watermark(
     )
     assert zip_branch is not None
     assert zip_branch["content"] == "extract a zip archive"
-    marks = azure.documents("ontofabric-documents")
-    assert marks[entry_key("acme", "main", None)]["seq"] == acks[-1].seq  # the graph delta moved it too
-    assert marks[entry_key("acme", "feature/x", None)]["seq"] == acks[2].seq
+    # The watermark follows the ack floor, graph deltas included (they live in Postgres only), soon after a batch.
+    await _wait_watermark(azure, acks[-1].seq)
 
 
 async def test_a_failing_service_loses_nothing_and_the_retry_changes_nothing_twice(
@@ -178,8 +205,8 @@ async def test_a_failing_service_loses_nothing_and_the_retry_changes_nothing_twi
     azure.fail_next(3, 503)  # the SDK's two retries and the first try: the batch is nak'd and comes back
     first = await deployment.publisher.publish_many([upsert("acme", document(f"d{i}", f"text {i}")) for i in range(3)])
     await _wait_indexed(deployment, first[-1].seq)
-    # Three failed lookups, then the redelivered batch's lookup and its watermark read.
-    assert azure.requests["search"] >= 5
+    # The first delivery's lookup failed three times (the SDK's tries): only the redelivery can have indexed them.
+    assert azure.requests["search"] >= 4
     assert {k: v["seq"] for k, v in azure.documents("ontofabric-documents").items() if v["kind"] == "document"} == {
         entry_key("acme", "main", f"d{i}"): first[i].seq for i in range(3)
     }
@@ -217,6 +244,8 @@ async def test_a_document_the_index_refuses_is_dead_lettered_with_the_services_r
     deployment: Deployment, azure: AzureSearchServer, azure_projector: AzureProjectorService
 ) -> None:
     dead = await deployment.js.subscribe(f"{deployment.names.prefix}.dlq.>")
+    older = await deployment.publisher.publish_many([upsert("acme", document("huge", "an older copy"))])
+    await _wait_indexed(deployment, older[-1].seq)
     # A filterable field holds one term, which the service caps at 32,766 bytes; Postgres has no such limit.
     acks = await deployment.publisher.publish_many(
         [
@@ -232,7 +261,9 @@ async def test_a_document_the_index_refuses_is_dead_lettered_with_the_services_r
     assert message.headers["Ontofabric-Index"] == "azure-ai-search"
     assert message.headers["Ontofabric-Original-Sequence"] == str(acks[1].seq)
     assert "too large" in message.headers["Ontofabric-Detail"]
-    assert _entry(azure, "huge") is None
+    huge = _entry(azure, "huge")  # the older copy is not left searchable: a tombstone at the refused sequence
+    assert huge is not None
+    assert (huge["deleted"], huge["seq"], huge["content"]) == (True, acks[1].seq, "")
     assert _entry(azure, "ok-1") is not None
     assert _entry(azure, "ok-2") is not None
 
@@ -279,6 +310,22 @@ async def ask_azure(deployment: Deployment, azure: AzureSearchServer) -> AsyncIt
         await service.stop()
 
 
+@dataclass(frozen=True)
+class Both:
+    """Both projectors running, and a query worker on the azure-ai-search backend."""
+
+    azure: AzureSearchServer
+    azure_projector: AzureProjectorService
+    ask: Ask
+
+
+@pytest.fixture
+def both(
+    azure: AzureSearchServer, azure_projector: AzureProjectorService, projector: ProjectorService, ask_azure: Ask
+) -> Both:
+    return Both(azure, azure_projector, ask_azure)
+
+
 CORPUS = {
     "csv": "read a csv file into rows with the csv module",
     "zip": "compress files into a zip archive",
@@ -287,18 +334,21 @@ CORPUS = {
 }
 
 
-async def _seed(deployment: Deployment) -> int:
+async def _seed(deployment: Deployment, azure: AzureSearchServer | None) -> int:
+    """The corpus, projected into both indexes (and, on the local server, the watermark past it)."""
     acks = await deployment.publisher.publish_many([upsert("acme", document(i, text)) for i, text in CORPUS.items()])
     await deployment.wait_projected(acks[-1].seq)
     await _wait_indexed(deployment, acks[-1].seq)
+    if azure is not None:
+        await _wait_watermark(azure, acks[-1].seq)
     return acks[-1].seq
 
 
 async def test_the_azure_backend_answers_like_postgres_through_the_same_request(
-    deployment: Deployment, azure_projector: AzureProjectorService, projector: ProjectorService, ask_azure: Ask
+    deployment: Deployment, both: Both
 ) -> None:
-    seq = await _seed(deployment)
-    reply = await ask_azure("read a zip archive", topK=4)
+    seq = await _seed(deployment, both.azure)
+    reply = await both.ask("read a zip archive", topK=4)
     assert reply.meta.backend == "azure-ai-search"
     assert reply.meta.degraded == []
     assert reply.meta.ontology_version.startswith(f"{seq}-")  # the Postgres snapshot's version
@@ -323,54 +373,44 @@ async def test_the_azure_backend_answers_like_postgres_through_the_same_request(
 
 
 async def test_an_index_behind_postgres_never_answers_a_deleted_document_and_says_it_is_behind(
-    deployment: Deployment,
-    azure: AzureSearchServer,
-    azure_projector: AzureProjectorService,
-    projector: ProjectorService,
-    ask_azure: Ask,
+    deployment: Deployment, both: Both
 ) -> None:
-    await _seed(deployment)
-    await azure_projector.stop()  # the index stops taking deltas in; Postgres goes on
+    await _seed(deployment, both.azure)
+    await both.azure_projector.stop()  # the index stops taking deltas in; Postgres goes on
     acks = await deployment.publisher.publish_many([delete("acme", "zip")])
     await deployment.wait_projected(acks[-1].seq)
-    assert _entry(azure, "zip") is not None
-    assert _entry(azure, "zip")["deleted"] is False
-    first = await ask_azure("zip archive")
+    assert _entry(both.azure, "zip") is not None
+    assert _entry(both.azure, "zip")["deleted"] is False
+    first = await both.ask("zip archive")
     assert "zip" not in [r.id for r in first.results]
     assert "keywordIndexBehind" in first.meta.degraded
     # Checked against the snapshot before fusion, not dropped at fetch: the answer is one state, not a mixed read.
     assert "ontologyVersionChanged" not in first.meta.degraded
-    assert (await ask_azure("zip archive")).meta.cache_hit is False  # an answer known to be incomplete is not kept
-    await azure_projector.start()
-    await _wait_indexed(deployment, acks[-1].seq)
-    caught_up = await ask_azure("compress files")
+    assert (await both.ask("zip archive")).meta.cache_hit is False  # an answer known to be incomplete is not kept
+    await both.azure_projector.start()
+    await _wait_watermark(both.azure, acks[-1].seq)
+    caught_up = await both.ask("compress files")
     assert caught_up.meta.degraded == []
 
 
-async def test_a_branch_sees_its_own_copy_not_mains(
-    deployment: Deployment, azure_projector: AzureProjectorService, projector: ProjectorService, ask_azure: Ask
-) -> None:
-    await _seed(deployment)
+async def test_a_branch_sees_its_own_copy_not_mains(deployment: Deployment, both: Both) -> None:
+    await _seed(deployment, both.azure)
     acks = await deployment.publisher.publish_many(
         [upsert("acme", document("zip", "tar and gzip a directory"), branch="feature/x")]
     )
     await deployment.wait_projected(acks[-1].seq)
     await _wait_indexed(deployment, acks[-1].seq)
-    on_branch = await ask_azure("zip archive", branch="feature/x")
+    on_branch = await both.ask("zip archive", branch="feature/x")
     assert "zip" not in [r.id for r in on_branch.results]  # main's copy matches, but the branch shadows it
-    assert [r.id for r in (await ask_azure("gzip directory", branch="feature/x")).results] == ["zip"]
-    assert "zip" in [r.id for r in (await ask_azure("zip archive")).results]  # main still has its own
+    assert [r.id for r in (await both.ask("gzip directory", branch="feature/x")).results] == ["zip"]
+    assert "zip" in [r.id for r in (await both.ask("zip archive")).results]  # main still has its own
 
 
 async def test_a_failing_service_degrades_the_keyword_path_and_the_caller_gets_a_clear_answer(
-    deployment: Deployment,
-    azure: AzureSearchServer,
-    azure_projector: AzureProjectorService,
-    projector: ProjectorService,
-    ask_azure: Ask,
+    deployment: Deployment, both: Both
 ) -> None:
-    await _seed(deployment)
-    azure.fail_next(2, 503)  # the search and the watermark read, sent together
+    await _seed(deployment, both.azure)
+    both.azure.fail_next(2, 503)  # the search and the watermark read, sent together
     reply = await QueryClient(deployment.nc, deployment.names).query(
         "acme", {"semanticQuery": "zip archive", "options": {"retrievers": ["keyword"]}}
     )
@@ -378,9 +418,147 @@ async def test_a_failing_service_degrades_the_keyword_path_and_the_caller_gets_a
     assert not isinstance(reply, QueryResponse)
     assert reply.error.code == "unavailable"
     assert reply.error.retryable is True
-    azure.delay_s = 3.0  # slower than the 1.5 s budget
+    both.azure.delay_s = 3.0  # slower than the 1.5 s budget
     slow = await QueryClient(deployment.nc, deployment.names, timeout_s=10).query(
         "acme", {"semanticQuery": "zip archive", "options": {"retrievers": ["keyword"]}}
     )
     assert not isinstance(slow, QueryResponse)
     assert slow.error.code == "unavailable"
+
+
+async def test_an_entry_still_being_retried_holds_the_watermark_back(deployment: Deployment, both: Both) -> None:
+    await _seed(deployment, both.azure)
+    both.azure.fail_items(entry_key("acme", "main", "late"), times=2)  # throttled twice: its batch comes back twice
+    tries = both.azure.requests["index_documents"]
+    first = await deployment.publisher.publish_many([upsert("acme", document("late", "quantum entanglement"))])
+    async with asyncio.timeout(10):  # its first try has failed before the next delta is published
+        while both.azure.requests["index_documents"] == tries:
+            await asyncio.sleep(0.02)
+    then = await deployment.publisher.publish_many([upsert("acme", document("other", "zebra crossing"))])
+    await deployment.wait_projected(then[-1].seq)
+    async with asyncio.timeout(10):
+        while _entry(both.azure, "other") is None:
+            await asyncio.sleep(0.02)
+    assert _entry(both.azure, "late") is None
+    assert _watermark(both.azure) < first[-1].seq  # the later batch is in, but the floor waits for the throttled one
+    meanwhile = await both.ask("quantum entanglement")
+    assert "late" not in [r.id for r in meanwhile.results]
+    assert "keywordIndexBehind" in meanwhile.meta.degraded
+    await _wait_watermark(both.azure, then[-1].seq)
+    done = await both.ask("quantum entanglement")
+    assert ([r.id for r in done.results], done.meta.degraded) == (["late"], [])
+
+
+async def test_a_republished_old_event_is_never_answered_from_the_index(deployment: Deployment, both: Both) -> None:
+    old = upsert("acme", document("r", "alpha gamma old text"))
+    acks = await deployment.publisher.publish_many([old, upsert("acme", document("r", "beta delta new text"))])
+    # The old event again, past JetStream's duplicate window (another message id): Postgres knows the event and
+    # ignores it; the index only sees a newer sequence and takes the old text in.
+    again = await deployment.js.publish(
+        deployment.names.delta_subject("acme", "main"), old.model_dump_json().encode(), headers={"Nats-Msg-Id": "x"}
+    )
+    await deployment.wait_projected(again.seq)
+    await _wait_indexed(deployment, again.seq)
+    await _wait_watermark(both.azure, again.seq)
+    stale = _entry(both.azure, "r")
+    assert stale is not None
+    assert stale["content"] == "alpha gamma old text"
+    # Its sequence is not the one Postgres shows: the hit is dropped, not answered with the new text's id.
+    assert "r" not in [r.id for r in (await both.ask("alpha gamma")).results]
+    assert acks[-1].seq < again.seq
+
+
+async def test_a_branch_hiding_many_of_mains_documents_still_gets_its_hits(deployment: Deployment, both: Both) -> None:
+    main = [upsert("acme", document(f"d{i}", "alpha alpha alpha")) for i in range(10)]
+    main += [upsert("acme", document(f"e{i}", "alpha and more words")) for i in range(3)]
+    hidden = [delete("acme", f"d{i}", branch="feature/x") for i in range(8)]
+    acks = await deployment.publisher.publish_many(main + hidden)
+    await deployment.wait_projected(acks[-1].seq)
+    await _wait_indexed(deployment, acks[-1].seq)
+    reply = await both.ask("alpha", branch="feature/x", options={"retrievers": ["keyword"], "candidates": 3})
+    # Main's eight best matches are deleted on the branch; they must not fill the three places.
+    found = [r.id for r in reply.results]
+    assert len(found) == 3
+    assert set(found[:2]) == {"d8", "d9"}  # equal scores: in either order
+    assert found[2] in {"e0", "e1", "e2"}
+
+
+async def test_an_entry_no_request_can_carry_is_refused_before_sending(azure: AzureSearchServer) -> None:
+    settings = Settings(azure_search_endpoint=azure.endpoint, azure_search_api_key=SecretStr(KEY))
+    index_client, client = search_clients(settings, retries=0)
+    try:
+        await index_client.create_or_update_index(index_definition(settings.azure_search_index))
+        huge = {"key": "a" * 64, "kind": "document", "content": "ж" * (3 * 1024 * 1024)}  # 18 MB escaped
+        small = {"key": "b" * 64, "kind": "document", "content": "fine"}
+        refused = await AzureSearchIndex(client).upload([huge, small])
+        assert list(refused) == [huge["key"]]
+        assert refused[huge["key"]][0] == 413
+        assert azure.requests["index_documents"] == 1  # the small one alone went out
+        assert set(azure.documents(settings.azure_search_index)) == {small["key"]}
+    finally:
+        await client.close()
+        await index_client.close()
+
+
+async def test_a_lost_index_is_filled_again_from_the_stream(
+    deployment: Deployment, azure: AzureSearchServer, azure_projector: AzureProjectorService
+) -> None:
+    acks = await deployment.publisher.publish_many([upsert("acme", document(i, text)) for i, text in CORPUS.items()])
+    await _wait_indexed(deployment, acks[-1].seq)
+    await azure_projector.stop()
+    index_client, client = search_clients(_settings(deployment, azure), retries=0)
+    await index_client.delete_index("ontofabric-documents")
+    await index_client.close()
+    await client.close()
+    await azure_projector.start()  # an empty index behind a consumer that acked everything: replay from the first
+    async with asyncio.timeout(30):
+        while len([k for k, v in azure.documents("ontofabric-documents").items() if v["kind"] == "document"]) < 4:
+            await asyncio.sleep(0.05)
+    await _wait_watermark(azure, acks[-1].seq)
+
+
+# ------------------------------------------------------------------------------- against the real service
+
+
+@pytest.mark.skipif(
+    not (
+        os.environ.get("ONTOFABRIC_TEST_AZURE_SEARCH_ENDPOINT") and os.environ.get("ONTOFABRIC_TEST_AZURE_SEARCH_KEY")
+    ),
+    reason="set ONTOFABRIC_TEST_AZURE_SEARCH_ENDPOINT and ONTOFABRIC_TEST_AZURE_SEARCH_KEY to run against the service",
+)
+async def test_the_live_service_indexes_and_answers(deployment: Deployment, projector: ProjectorService) -> None:
+    """Projector and keyword backend against a real Azure AI Search service, in an index of the test's own."""
+    settings = deployment.settings.model_copy(
+        update={
+            "azure_search_endpoint": os.environ["ONTOFABRIC_TEST_AZURE_SEARCH_ENDPOINT"],
+            "azure_search_api_key": SecretStr(os.environ["ONTOFABRIC_TEST_AZURE_SEARCH_KEY"]),
+            "azure_search_index": f"ontofabric-test-{deployment.settings.subject_prefix}",
+            "keyword_backend": "azure-ai-search",
+            "azure_search_timeout_ms": 10_000,
+        }
+    )
+    index_client, _ = search_clients(settings, retries=3)
+    indexer = AzureProjectorService(settings, deployment.nats_url)
+    worker = QueryService(settings, deployment.nats_url, deployment.database_url, None)
+    try:
+        await indexer.start()
+        await worker.start()
+        seq = await _seed(deployment, None)
+        client = QueryClient(deployment.nc, deployment.names, timeout_s=30)
+        async with asyncio.timeout(60):  # the service makes new entries searchable within about a second
+            while True:
+                reply = await client.query(
+                    "acme", {"semanticQuery": "zip archive", "options": {"retrievers": ["keyword"]}}
+                )
+                assert isinstance(reply, QueryResponse), reply
+                if reply.results:
+                    break
+                await asyncio.sleep(1)
+        assert reply.meta.backend == "azure-ai-search"
+        assert reply.meta.ontology_version.startswith(f"{seq}-")
+        assert reply.results[0].id == "zip"
+    finally:
+        await worker.stop()
+        await indexer.stop()
+        await index_client.delete_index(settings.azure_search_index)
+        await index_client.close()

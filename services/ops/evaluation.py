@@ -11,7 +11,7 @@ import csv
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +35,9 @@ from ontofabric.contracts import (
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding, Progress
+from ontofabric.services.projector.azure import AzureSearchIndex
 from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.azure_search import search_clients
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
@@ -350,8 +352,15 @@ class Evaluation:
         cache: EmbeddingCache,
         progress: Progress,
         token_vectors: bool = True,
+        projectors: Sequence[str] = (),
+        watermark: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         self._token_vectors = token_vectors
+        self._projectors = list(projectors) or [names.postgres_projector_durable]
+        """The durables of the projectors the load waits for: every index a configuration may read."""
+        self._watermark = watermark
+        """The Azure index's watermark, when there is one: the load also waits for it, so no answer is marked
+        keywordIndexBehind for the moment it trails the acks."""
         self._js = js
         self._client = client
         self._names = names
@@ -399,10 +408,10 @@ class Evaluation:
             acks = await publisher.publish_many(deltas) if deltas else []
             last_seq = max([last_seq, *(a.seq for a in acks)])
             self._progress.advance("load", len(entries))
-        if last_seq:
-            await wait_caught_up(
-                self._js, self._names.delta_stream, self._names.postgres_projector_durable, last_seq, 3600
-            )
+        for durable in self._projectors if last_seq else ():
+            await wait_caught_up(self._js, self._names.delta_stream, durable, last_seq, 3600)
+        while self._watermark is not None and (await self._watermark() or 0) < last_seq:
+            await asyncio.sleep(0.1)
         return workspace, refused
 
     async def run(
@@ -582,8 +591,24 @@ async def evaluate(
         js = nc.jetstream()
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
         stack.callback(cache.close)
+        projectors = [names.postgres_projector_durable]
+        watermark = None
+        if settings.azure_search_endpoint is not None:
+            projectors.append(names.azure_projector_durable)
+            index_client, search_client = search_clients(settings, retries=3)
+            await index_client.close()
+            stack.push_async_callback(search_client.close)
+            watermark = AzureSearchIndex(search_client).watermark
         evaluation = Evaluation(
-            js, QueryClient(nc, names, timeout_s=60), names, embedder, cache, progress, settings.token_vectors
+            js,
+            QueryClient(nc, names, timeout_s=60),
+            names,
+            embedder,
+            cache,
+            progress,
+            settings.token_vectors,
+            projectors,
+            watermark,
         )
         started = time.perf_counter()
         workspace, refused = await evaluation.load(dataset)

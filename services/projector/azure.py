@@ -4,13 +4,17 @@ the documents in step with the Postgres one (DESIGN.md, "Azure AI Search (option
 Azure AI Search has no transactions and no conditional writes, so the rules that make the Postgres projector
 idempotent are kept in the index itself: every document carries the stream sequence that wrote it, deletes and
 branch reverts leave tombstones, and a delta applies only when it is newer than what the index holds (the
-projector's own fold, :class:`StateFold`). A redelivered or older delta therefore changes nothing. One watermark
-entry per workspace and branch records the highest sequence the index has taken in, written after the batch's
-documents, so a reader can tell whether the index has caught up with Postgres.
+projector's own fold, :class:`StateFold`). A redelivered or older delta therefore changes nothing. An entry the
+service refuses is dead-lettered and its document tombstoned at that sequence, so no older copy stays searchable.
 
-Only documents are indexed: graph nodes and links stay in Postgres, but their deltas move the watermark. The
-index is written by one projector at a time (a second one sharing the durable could reorder a document's writes
-across two batches in flight; Azure offers no compare-and-set on documents).
+One watermark entry holds the consumer's ack floor after each batch: every delta up to it has been taken in (or
+refused, or could never apply). Readers compare it with the sequence of what Postgres shows, to tell whether the
+index has caught up. A delta still being retried holds the floor back, for every workspace.
+
+Only documents are indexed: graph nodes and links stay in Postgres. The index is written by one projector at a
+time (a second one sharing the durable could reorder a document's writes across two batches in flight). Reads of
+the index are near-real-time (about a second on the service), so a nak'd batch waits at least MIN_RETRY_S before
+it comes back, by which time its later writes are visible to its lookup.
 """
 
 from __future__ import annotations
@@ -23,15 +27,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from azure.core.exceptions import AzureError, HttpResponseError, ServiceRequestError, ServiceResponseError
+from azure.core.exceptions import (
+    AzureError,
+    HttpResponseError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
 from azure.search.documents.aio import SearchClient
 from azure.search.documents.indexes.aio import SearchIndexClient
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DocumentUpserted
-from ontofabric.shared.azure_search import DOCUMENT, WATERMARK, entry_key, index_definition, search_clients
+from ontofabric.shared.azure_search import (
+    DOCUMENT,
+    WATERMARK,
+    WATERMARK_KEY,
+    entry_key,
+    index_definition,
+    search_clients,
+)
 from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
@@ -49,7 +67,13 @@ INDEX = "azure-ai-search"
 MAX_KEYS_PER_LOOKUP = 1000
 """search.in over at most this many keys per request (the service pages results at 1,000)."""
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
-"""Half the service's 16 MB request limit: headroom for the envelope and escaping."""
+"""Half the service's 16 MB request limit: headroom for the envelope."""
+MAX_ENTRY_BYTES = 15 * 1024 * 1024
+"""An entry larger than this, as the SDK sends it, cannot go in any request: it is refused before sending."""
+WATERMARK_EVERY_S = 1.0
+"""How often the watermark catches up with the ack floor between batches."""
+MIN_RETRY_S = 2.0
+"""Shortest wait before a nak'd batch comes back: past the service's refresh of what searches see."""
 RETRIES = 2
 """The SDK's own retries of a failed call (429 with Retry-After, 5xx) before the batch is nak'd for later."""
 
@@ -95,8 +119,6 @@ class IndexPlan:
     entries: list[tuple[Delta, dict[str, Any]]] = field(default_factory=list)
     """The last applying delta of each touched document, with the entry it uploads."""
     noops: list[Delta] = field(default_factory=list)
-    watermarks: dict[tuple[str, str], int] = field(default_factory=dict)
-    """Highest sequence of the batch per (workspace, branch), for every delta kind."""
 
 
 def plan_index_batch(deltas: Sequence[Delta], stored: Mapping[EntityRef, RowState]) -> IndexPlan:
@@ -107,8 +129,6 @@ def plan_index_batch(deltas: Sequence[Delta], stored: Mapping[EntityRef, RowStat
     last: dict[EntityRef, Delta] = {}
     for delta in sorted(deltas, key=lambda d: d.seq):
         ref = entity_of(delta.envelope)
-        scope = (ref.workspace, ref.branch)
-        plan.watermarks[scope] = max(plan.watermarks.get(scope, 0), delta.seq)
         if ref.kind != "document":
             continue  # graph rows live in Postgres only
         if fold.add(delta):
@@ -119,20 +139,33 @@ def plan_index_batch(deltas: Sequence[Delta], stored: Mapping[EntityRef, RowStat
     return plan
 
 
+def sent_size(entry: dict[str, Any]) -> int:
+    """An entry's size in a request as the SDK writes it (JSON with non-ASCII characters escaped)."""
+    return len(json.dumps(entry))
+
+
 def upload_chunks(entries: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Entries in consecutive requests of at most 1,000 actions and about MAX_REQUEST_BYTES of JSON each: the
-    service refuses larger ones (16 MB), and the SDK's own splitting of a refused request fails (azure-search-
-    documents 12.0.0, async client). An entry too large on its own still goes alone, and the service says why."""
+    """Entries in consecutive requests of at most 1,000 actions and about MAX_REQUEST_BYTES each: the service
+    refuses larger ones (16 MB), and the SDK's own splitting of a refused request fails (azure-search-documents
+    12.0.0, async client). An entry over MAX_REQUEST_BYTES goes alone."""
     chunks: list[list[dict[str, Any]]] = []
     size = 0
     for entry in entries:
-        entry_size = len(json.dumps(entry, ensure_ascii=False).encode("utf-8"))
+        entry_size = sent_size(entry)
         if not chunks or len(chunks[-1]) >= MAX_KEYS_PER_LOOKUP or size + entry_size > MAX_REQUEST_BYTES:
             chunks.append([])
             size = 0
         chunks[-1].append(entry)
         size += entry_size
     return chunks
+
+
+def tombstone(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry a refused document leaves: its identity and sequence, nothing searchable."""
+    return {name: entry[name] for name in ("key", "kind", "workspace", "branch", "documentId", "seq")} | {
+        "deleted": True,
+        "content": "",
+    }
 
 
 def is_transient(error: BaseException) -> bool:
@@ -144,7 +177,7 @@ def is_transient(error: BaseException) -> bool:
 
 
 class AzureSearchIndex:
-    """The adapter: reads what the index holds for a batch's documents and writes entries and watermarks."""
+    """The adapter: reads what the index holds for a batch's documents, writes entries and the watermark."""
 
     def __init__(self, client: SearchClient) -> None:
         self._client = client
@@ -169,47 +202,49 @@ class AzureSearchIndex:
         """Upload whole entries, in requests the service accepts; returns the refused ones: key -> (status,
         message). Raises when a whole request fails."""
         refused: dict[str, tuple[int, str]] = {}
-        for chunk in upload_chunks(entries):
+        fitting = []
+        for entry in entries:
+            size = sent_size(entry)
+            if size > MAX_ENTRY_BYTES:  # no request could carry it: the service would answer 413 for ever
+                refused[entry["key"]] = (413, f"the entry is {size} bytes; a request may carry at most 16 MB")
+            else:
+                fitting.append(entry)
+        for chunk in upload_chunks(fitting):
             results = await self._client.upload_documents(documents=chunk)
             refused |= {r.key: (r.status_code, r.error_message or "") for r in results if not r.succeeded}
         return refused
 
-    async def watermarks(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        by_key = {entry_key(w, b, None): (w, b) for w, b in keys}
-        results = await self._client.search(
-            search_text="*",
-            filter=f"search.in(key, '{','.join(by_key)}', ',')",
-            select=["key", "seq"],
-            top=max(len(by_key), 1),
-        )
-        return {by_key[row["key"]]: int(row["seq"]) async for row in results}
+    async def watermark(self) -> int | None:
+        """The sequence every delta up to which the index has taken in; None when the index has none."""
+        try:
+            entry = await self._client.get_document(WATERMARK_KEY, selected_fields=["seq"])
+        except ResourceNotFoundError:
+            return None
+        return int(entry["seq"])
 
-    async def raise_watermarks(self, marks: Mapping[tuple[str, str], int]) -> None:
-        """Move each watermark up to the batch's highest sequence (never down: a redelivered batch is older)."""
-        current = await self.watermarks(list(marks))
-        entries = [
-            {"key": entry_key(w, b, None), "kind": WATERMARK, "workspace": w, "branch": b, "seq": seq, "deleted": True}
-            for (w, b), seq in marks.items()
-            if seq > current.get((w, b), 0)
-        ]
-        refused = await self.upload(entries)
+    async def set_watermark(self, seq: int) -> None:
+        entry = {"key": WATERMARK_KEY, "kind": WATERMARK, "seq": seq, "deleted": True}
+        refused = await self.upload([entry])
         if refused:
-            status, message = next(iter(refused.values()))
+            status, message = refused[WATERMARK_KEY]
             raise HttpResponseError(message=f"watermark refused ({status}): {message}")
 
 
 class AzureProjector:
     """Validates each batch as the Postgres projector does, folds it onto what the index holds, uploads the entries
-    that apply, then raises the watermarks and acks. A delta the index refuses is dead-lettered with the service's
-    reason; a delta no projector can apply is left to the Postgres projector's dead letter (it sees the same
-    stream), and only acknowledged here."""
+    that apply, acks, then records the ack floor as the watermark. A delta the index refuses is dead-lettered with
+    the service's reason; a delta no projector can apply is left to the Postgres projector's dead letter (it sees
+    the same stream), and only terminated here."""
 
-    def __init__(self, index: AzureSearchIndex, js: JetStreamContext, names: Names, settings: Settings) -> None:
+    def __init__(
+        self, index: AzureSearchIndex, js: JetStreamContext, names: Names, settings: Settings, watermark: int = 0
+    ) -> None:
         self._index = index
         self._js = js
         self._names = names
         self._limits = limits_from(settings)
         self._metrics = instruments()
+        self._watermark = watermark
 
     async def handle(self, messages: Sequence[Msg]) -> None:
         started = time.perf_counter()
@@ -235,16 +270,13 @@ class AzureProjector:
             stored = await self._index.stored(sorted({r for r in refs if r.kind == "document"}))
             plan = plan_index_batch(deltas, stored)
             refused = await self._index.upload([entry for _, entry in plan.entries])
-        except Exception as error:
-            await self._failed([msg for msg, _ in accepted], error)
-            return
-        retry_keys = {key for key, (status, _) in refused.items() if status in _TRANSIENT_STATUSES}
-        if retry_keys:
-            # Some entries were throttled: the whole batch comes back (what did apply is a no-op then).
-            await retry_later([msg for msg, _ in accepted], HttpResponseError(message="entries throttled"), INDEX)
-            return
-        try:
-            await self._index.raise_watermarks(plan.watermarks)
+            retry = {key for key, (status, _) in refused.items() if status in _TRANSIENT_STATUSES}
+            if retry:  # some entries were throttled: the whole batch comes back (what applied is a no-op then)
+                raise HttpResponseError(message=f"{len(retry)} entries throttled, e.g. {refused[next(iter(retry))]}")
+            # A refused document must not stay searchable in an older version: a tombstone at its sequence.
+            stones = [tombstone(entry) for _, entry in plan.entries if entry["key"] in refused]
+            if await self._index.upload(stones):
+                raise HttpResponseError(message="the tombstones of refused entries were refused too")
         except Exception as error:
             await self._failed([msg for msg, _ in accepted], error)
             return
@@ -259,13 +291,45 @@ class AzureProjector:
         self._metrics.projector_deltas.add(applied, {"outcome": "applied", "index": INDEX})
         self._metrics.projector_deltas.add(len(plan.noops), {"outcome": "noop", "index": INDEX})
         log.info("batch_indexed", index=INDEX, applied=applied, noops=len(plan.noops), refused=len(refused_seqs))
+        await self._advance_watermark()
+
+    async def keep_watermark(self, every_s: float = WATERMARK_EVERY_S) -> None:
+        """Between batches too: the floor read right after a batch's acks may not include them yet, and the last
+        batch before a quiet spell must not leave the index looking behind."""
+        while True:
+            await asyncio.sleep(every_s)
+            await self._advance_watermark()
+
+    async def _advance_watermark(self) -> None:
+        """Record the consumer's ack floor: it passes a delta only once it was acked or terminated, so it never
+        claims one still waiting for a retry. Read after this batch's acks, it may trail them by one batch."""
+        try:
+            info = await self._js.consumer_info(self._names.delta_stream, self._names.azure_projector_durable)
+            floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+            if floor > self._watermark:
+                await self._index.set_watermark(floor)
+                self._watermark = floor
+        except Exception as error:  # the next batch tries again; a lagging watermark only understates
+            log.warning("watermark_not_advanced", index=INDEX, error=f"{type(error).__name__}: {error}")
 
     async def _failed(self, messages: list[Msg], error: BaseException) -> None:
         """Every failure of a whole request is retried later: a transient one will pass, and one that is not (a
         wrong key, a deleted index) must not cost the deltas; it is logged as an error so someone looks."""
         if not is_transient(error):
             log.error("azure_request_failed", index=INDEX, error=f"{type(error).__name__}: {error}")
-        await retry_later(messages, error, INDEX)
+        await retry_later(messages, error, INDEX, MIN_RETRY_S)
+
+
+async def _replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
+    """An index without a watermark but a consumer that has acked deltas was lost (deleted, or recreated empty):
+    the consumer starts over from the stream's first delta, which the sequence rule makes safe to apply again."""
+    try:
+        info = await js.consumer_info(names.delta_stream, names.azure_projector_durable)
+    except NotFoundError:
+        return
+    if info.ack_floor is not None and (info.ack_floor.stream_seq or 0) > 0:
+        log.warning("azure_index_lost_replaying", index=INDEX, acked=info.ack_floor.stream_seq)
+        await js.delete_consumer(names.delta_stream, names.azure_projector_durable)
 
 
 class AzureProjectorService:
@@ -278,6 +342,7 @@ class AzureProjectorService:
         self._nc: Client | None = None
         self._puller: BatchPuller | None = None
         self._clients: tuple[SearchIndexClient, SearchClient] | None = None
+        self._watermarking: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         try:
@@ -292,21 +357,30 @@ class AzureProjectorService:
         try:
             await index_client.create_or_update_index(index_definition(settings.azure_search_index))
         except AzureError as error:
-            index = settings.azure_search_index
-            raise RuntimeError(f"cannot create the Azure AI Search index {index!r}: {error}") from error
+            name = settings.azure_search_index
+            raise RuntimeError(f"cannot create the Azure AI Search index {name!r}: {error}") from error
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search")
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
-        projector = AzureProjector(AzureSearchIndex(search_client), js, names, settings)
+        index = AzureSearchIndex(search_client)
+        watermark = await index.watermark()
+        if watermark is None:
+            await _replay_if_index_lost(js, names)
+        projector = AzureProjector(index, js, names, settings, watermark or 0)
         self._puller = await start_delta_puller(
             nc, names, settings, names.azure_projector_durable, projector.handle,
             min(settings.projector_batch_size, MAX_KEYS_PER_LOOKUP),
         )  # fmt: skip
+        self._watermarking = asyncio.create_task(projector.keep_watermark(), name="azure-watermark")
         log.info("azure_projector_started", durable=names.azure_projector_durable, index=settings.azure_search_index)
 
     async def stop(self) -> None:
-        puller, nc, clients = self._puller, self._nc, self._clients
-        self._puller, self._nc, self._clients = None, None, None
+        puller, nc, clients, watermarking = self._puller, self._nc, self._clients, self._watermarking
+        self._puller, self._nc, self._clients, self._watermarking = None, None, None, None
+        if watermarking is not None:
+            watermarking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watermarking
         async with contextlib.AsyncExitStack() as closing:
             for client in clients or ():
                 closing.push_async_callback(client.close)

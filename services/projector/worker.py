@@ -210,11 +210,11 @@ class Projector:
         await dead_letter(self._js, self._names, msg, rejection, INDEX)
 
 
-async def retry_later(messages: Sequence[Msg], error: BaseException, index: str) -> None:
-    """Nak with backoff: the deltas come back after a growing delay and apply then."""
+async def retry_later(messages: Sequence[Msg], error: BaseException, index: str, min_delay_s: float = 0.0) -> None:
+    """Nak with backoff: the deltas come back after a growing delay (at least ``min_delay_s``) and apply then."""
     log.warning("batch_retry", index=index, error=f"{type(error).__name__}: {error}", size=len(messages))
     for msg in messages:
-        await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
+        await msg.nak(delay=max(min_delay_s, nak_delay(msg.metadata.num_delivered)))
     instruments().projector_deltas.add(len(messages), {"outcome": "retried", "index": index})
 
 

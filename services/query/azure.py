@@ -3,8 +3,9 @@ projector keeps, everything else (dense search, what is visible, documents, the 
 
 Postgres stays the source of truth. Every Azure hit is checked against a Postgres snapshot, so a document deleted,
 reverted or shadowed by a branch there is never answered from an index that has not caught up, and the hits carry
-that snapshot's ontologyVersion, as the dense list does. When the index's watermark is behind the snapshot the hits
-say so (``lagging``), the answer reports ``keywordIndexBehind`` in ``_meta.degraded`` and is not cached.
+that snapshot's ontologyVersion, as the dense list does; a hit counts only when it is the very version Postgres
+shows (same branch, same stream sequence). When the index's watermark is behind the snapshot the hits say so
+(``lagging``), the answer reports ``keywordIndexBehind`` in ``_meta.degraded`` and is not cached.
 
 BM25 scores from Azure have no known ceiling (the service does not say what a query could reach), so adaptive fusion
 divides them by the top hit's and the keyword-saturation early exit does not fire on this backend.
@@ -16,10 +17,11 @@ import asyncio
 import re
 from collections.abc import Sequence
 
+from azure.core.exceptions import ResourceNotFoundError
 from azure.search.documents.aio import SearchClient
 
 from ontofabric.shared.analysis import analyse
-from ontofabric.shared.azure_search import DOCUMENT, WATERMARK
+from ontofabric.shared.azure_search import DOCUMENT, WATERMARK_KEY
 from ontofabric.shared.embedder import Vector
 
 from .fusion import Candidate
@@ -47,15 +49,19 @@ def _any_of(field: str, values: Sequence[str]) -> str:
     return "(" + " or ".join(f"{field} eq {_quoted(value)}" for value in values) + ")"
 
 
-def scope_filter(scope: Scope) -> str:
-    """OData filter of the live documents a scope may see: its workspace, main and its branch (shadowing is
-    resolved against Postgres afterwards), and the request's filters."""
+def scope_filter(scope: Scope, hidden: Sequence[str] = ()) -> str:
+    """OData filter of the live documents a scope may see: its workspace, its branch and main's documents the
+    branch does not hide (``hidden``, from Postgres), and the request's filters."""
     conditions = [
         f"kind eq '{DOCUMENT}'",
         "deleted eq false",
         f"workspace eq {_quoted(scope.workspace)}",
-        _any_of("branch", scope.branches),
     ]
+    if scope.branch == MAIN:
+        conditions.append(f"branch eq '{MAIN}'")
+    else:
+        mains = f"branch eq '{MAIN}'" + (f" and not {_any_of('documentId', hidden)}" if hidden else "")
+        conditions.append(f"(branch eq {_quoted(scope.branch)} or ({mains}))")
     if scope.object_types is not None:
         conditions.append(_any_of("objectType", scope.object_types) if scope.object_types else "false")
     if scope.chunk_level is not None:
@@ -76,37 +82,34 @@ class AzureKeywordRetrieval:
         self._timeout_s = timeout_s
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
-        # A branch's hits may include main's copies it shadows: ask for more, Postgres drops them.
-        top = min(limit if scope.branch == MAIN else 2 * limit, 1000)
         async with asyncio.timeout(self._timeout_s):
-            hits, marks = await asyncio.gather(self._search(scope, text, top), self._watermarks(scope))
-        visible = await self._postgres.visible(scope, list({document_id for document_id, _, _ in hits}))
+            hidden = await self._postgres.shadowed(scope)
+            hits, watermark = await asyncio.gather(
+                self._search(scope_filter(scope, hidden), text, min(limit, 1000)), self._watermark()
+            )
+        visible = await self._postgres.visible(scope, list({document_id for document_id, _, _, _ in hits}))
         candidates: list[Candidate] = []
         seen: set[str] = set()
-        for document_id, branch, score in hits:
-            if (document_id, branch) in visible.rows and document_id not in seen:
+        for document_id, branch, seq, score in hits:
+            # Only the version Postgres shows: not a copy it deleted or a branch hides, nor an older or newer one.
+            if visible.rows.get((document_id, branch)) == seq and document_id not in seen:
                 seen.add(document_id)
                 candidates.append(Candidate(document_id, score))
-        lagging = any(marks.get(branch, 0) < seq for branch, seq in visible.stream_seqs.items())
-        return Hits(candidates[:limit], visible.version, lagging=lagging)
+        lagging = watermark < max(visible.stream_seqs.values(), default=0)
+        return Hits(candidates, visible.version, lagging=lagging)
 
-    async def _search(self, scope: Scope, text: str, top: int) -> list[tuple[str, str, float]]:
+    async def _search(self, where: str, text: str, top: int) -> list[tuple[str, str, int, float]]:
         results = await self._client.search(
-            search_text=escape_query(text),
-            filter=scope_filter(scope),
-            select=["documentId", "branch"],
-            top=top,
+            search_text=escape_query(text), filter=where, select=["documentId", "branch", "seq"], top=top
         )
-        return [(row["documentId"], row["branch"], float(row["@search.score"])) async for row in results]
+        return [(r["documentId"], r["branch"], int(r["seq"]), float(r["@search.score"])) async for r in results]
 
-    async def _watermarks(self, scope: Scope) -> dict[str, int]:
-        results = await self._client.search(
-            search_text="*",
-            filter=f"kind eq '{WATERMARK}' and workspace eq {_quoted(scope.workspace)} and "
-            + _any_of("branch", scope.branches),
-            select=["branch", "seq"],
-        )
-        return {row["branch"]: int(row["seq"]) async for row in results}
+    async def _watermark(self) -> int:
+        try:
+            entry = await self._client.get_document(WATERMARK_KEY, selected_fields=["seq"])
+        except ResourceNotFoundError:
+            return 0
+        return int(entry["seq"])
 
     # Everything but the keyword path reads Postgres.
 

@@ -119,8 +119,9 @@ class Hits:
 
 @dataclass(frozen=True)
 class Visible:
-    rows: set[tuple[str, str]]
-    """(id, branch) of the documents asked about that are live and visible in the scope."""
+    rows: dict[tuple[str, str], int]
+    """(id, branch) of the documents asked about that are live and visible in the scope, with the stream sequence
+    that wrote what the scope shows."""
     version: str
     stream_seqs: dict[str, int]
     """The highest stream sequence applied to each branch read."""
@@ -205,14 +206,24 @@ class PostgresRetrieval:
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
 
     async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
-        """Which of ``ids`` are live and visible in the scope, and on which branch: what another index's hits are
-        checked against, so a document deleted or shadowed here is never answered from there."""
+        """Which of ``ids`` are live and visible in the scope, on which branch and at which sequence: what another
+        index's hits are checked against, so only the very version shown here is ever answered from there."""
         async with self._snapshot(scope) as snapshot:
             where, parameters = where_clause(scope, 2, snapshot.shadowed)
             rows = await snapshot.conn.fetch(
-                f"SELECT id, branch FROM documents WHERE {where} AND id = ANY($1::text[])", list(ids), *parameters
+                f"SELECT id, branch, stream_seq FROM documents WHERE {where} AND id = ANY($1::text[])",
+                list(ids),
+                *parameters,
             )
-        return Visible({(r["id"], r["branch"]) for r in rows}, snapshot.version, snapshot.stream_seqs)
+        seqs = {(r["id"], r["branch"]): int(r["stream_seq"]) for r in rows}
+        return Visible(seqs, snapshot.version, snapshot.stream_seqs)
+
+    async def shadowed(self, scope: Scope) -> list[str]:
+        """Main's ids the scope's branch hides (none on main), as its current snapshot sees them."""
+        if scope.branch == MAIN:
+            return []
+        async with self._snapshot(scope) as snapshot:
+            return snapshot.shadowed
 
     async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:

@@ -37,6 +37,7 @@ def index_definition(name: str) -> SearchIndex:
             simple("seq", SearchFieldDataType.INT64),
             simple("deleted", SearchFieldDataType.BOOLEAN),
             SearchableField(name="content", analyzer_name="en.lucene"),
+            simple("contentMd5"),
             simple("objectType"),
             simple("sourceDomain"),
             simple("symbolKey"),
@@ -48,6 +49,12 @@ def index_definition(name: str) -> SearchIndex:
             simple("provenance"),
         ],
     )
+
+
+def content_md5(content: str) -> str:
+    """What an entry and a Postgres row are compared by: the MD5 of the document's content as UTF-8 (Postgres:
+    ``md5(convert_to(content, 'UTF8'))``)."""
+    return hashlib.md5(content.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
 def entry_key(workspace: str, branch: str, document_id: str) -> str:

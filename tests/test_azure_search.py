@@ -26,6 +26,7 @@ from ontofabric.services.projector.azure import (
 )
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query import azure as azure_backend
 from ontofabric.services.query.azure import escape_query, scope_filter
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.postgres import Scope
@@ -463,12 +464,34 @@ async def test_a_republished_old_event_is_never_answered_from_the_index(deployme
     stale = _entry(both.azure, "r")
     assert stale is not None
     assert stale["content"] == "alpha gamma old text"
-    # Its sequence is not the one Postgres shows: the hit is dropped, not answered with the new text's id.
+    # Not the text Postgres shows: the hit is dropped, not answered with the new text's id.
     assert "r" not in [r.id for r in (await both.ask("alpha gamma")).results]
     assert acks[-1].seq < again.seq
 
 
-async def test_a_branch_hiding_many_of_mains_documents_still_gets_its_hits(deployment: Deployment, both: Both) -> None:
+async def test_an_ingest_run_again_keeps_its_documents_searchable(deployment: Deployment, both: Both) -> None:
+    # An ingester re-run republishes its deterministic events (same ids, same text) past the duplicate window:
+    # Postgres ignores them, the index takes them in at a newer sequence; the text is the same, so is the answer.
+    delta = upsert("acme", document("s", "sphinx of black quartz"))
+    await deployment.publisher.publish_many([delta])
+    again = await deployment.js.publish(
+        deployment.names.delta_subject("acme", "main"), delta.model_dump_json().encode(), headers={"Nats-Msg-Id": "y"}
+    )
+    await deployment.wait_projected(again.seq)
+    await _wait_indexed(deployment, again.seq)
+    await _wait_watermark(both.azure, again.seq)
+    entry = _entry(both.azure, "s")
+    assert entry is not None
+    assert entry["seq"] == again.seq  # the index took the republished event in
+    reply = await both.ask("black quartz")
+    assert ([r.id for r in reply.results], reply.meta.degraded) == (["s"], [])
+
+
+@pytest.mark.parametrize("filter_cap", [1000, 2], ids=["hidden-in-filter", "too-many-for-the-filter"])
+async def test_a_branch_hiding_many_of_mains_documents_still_gets_its_hits(
+    deployment: Deployment, both: Both, filter_cap: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(azure_backend, "MAX_HIDDEN_IN_FILTER", filter_cap)
     main = [upsert("acme", document(f"d{i}", "alpha alpha alpha")) for i in range(10)]
     main += [upsert("acme", document(f"e{i}", "alpha and more words")) for i in range(3)]
     hidden = [delete("acme", f"d{i}", branch="feature/x") for i in range(8)]
@@ -515,6 +538,30 @@ async def test_a_lost_index_is_filled_again_from_the_stream(
         while len([k for k, v in azure.documents("ontofabric-documents").items() if v["kind"] == "document"]) < 4:
             await asyncio.sleep(0.05)
     await _wait_watermark(azure, acks[-1].seq)
+
+
+async def test_a_lost_index_is_filled_again_while_the_first_delta_is_still_retried(
+    deployment: Deployment, azure: AzureSearchServer, azure_projector: AzureProjectorService
+) -> None:
+    azure.fail_items(entry_key("acme", "main", "first"), times=3)
+    tries = azure.requests["index_documents"]
+    first = await deployment.publisher.publish_many([upsert("acme", document("first", "text"))])
+    async with asyncio.timeout(10):
+        while azure.requests["index_documents"] == tries:
+            await asyncio.sleep(0.02)
+    later = await deployment.publisher.publish_many([upsert("acme", document(i, t)) for i, t in CORPUS.items()])
+    async with asyncio.timeout(10):
+        while any(_entry(azure, i) is None for i in CORPUS):
+            await asyncio.sleep(0.02)
+    await azure_projector.stop()  # acked: the corpus; the ack floor: still 0, the first delta waits for a retry
+    index_client, client = search_clients(_settings(deployment, azure), retries=0)
+    await index_client.delete_index("ontofabric-documents")
+    await index_client.close()
+    await client.close()
+    await azure_projector.start()
+    await _wait_watermark(azure, later[-1].seq)
+    assert all(_entry(azure, i) is not None for i in [*CORPUS, "first"])
+    assert first[-1].seq < later[-1].seq
 
 
 # ------------------------------------------------------------------------------- against the real service

@@ -46,6 +46,7 @@ from ontofabric.shared.azure_search import (
     DOCUMENT,
     WATERMARK,
     WATERMARK_KEY,
+    content_md5,
     entry_key,
     index_definition,
     search_clients,
@@ -99,6 +100,7 @@ def document_entry(ref: EntityRef, delta: Delta) -> dict[str, Any]:
         entry |= {
             "deleted": False,
             "content": search_text(document),
+            "contentMd5": content_md5(document.content),
             "objectType": document.object_type,
             "sourceDomain": document.source_domain,
             "symbolKey": meta.symbol_key,
@@ -321,14 +323,16 @@ class AzureProjector:
 
 
 async def _replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
-    """An index without a watermark but a consumer that has acked deltas was lost (deleted, or recreated empty):
-    the consumer starts over from the stream's first delta, which the sequence rule makes safe to apply again."""
+    """An index without a watermark behind a consumer that has delivered deltas was lost (deleted, or recreated
+    empty), or never got its first watermark: the consumer starts over from the stream's first delta, which the
+    sequence rule makes safe to apply again."""
     try:
         info = await js.consumer_info(names.delta_stream, names.azure_projector_durable)
     except NotFoundError:
         return
-    if info.ack_floor is not None and (info.ack_floor.stream_seq or 0) > 0:
-        log.warning("azure_index_lost_replaying", index=INDEX, acked=info.ack_floor.stream_seq)
+    # Delivered, not acked: with the first delta still being retried the ack floor stays 0 while later ones went in.
+    if info.delivered is not None and (info.delivered.stream_seq or 0) > 0:
+        log.warning("azure_index_lost_replaying", index=INDEX, delivered=info.delivered.stream_seq)
         await js.delete_consumer(names.delta_stream, names.azure_projector_durable)
 
 

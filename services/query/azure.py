@@ -3,8 +3,9 @@ projector keeps, everything else (dense search, what is visible, documents, the 
 
 Postgres stays the source of truth. Every Azure hit is checked against a Postgres snapshot, so a document deleted,
 reverted or shadowed by a branch there is never answered from an index that has not caught up, and the hits carry
-that snapshot's ontologyVersion, as the dense list does; a hit counts only when it is the very version Postgres
-shows (same branch, same stream sequence). When the index's watermark is behind the snapshot the hits say so
+that snapshot's ontologyVersion, as the dense list does; a hit counts only when its entry holds the text Postgres
+shows (same branch, same content MD5), so an entry older or newer than Postgres's row, or written by a republished
+event Postgres ignored, is never answered. When the index's watermark is behind the snapshot the hits say so
 (``lagging``), the answer reports ``keywordIndexBehind`` in ``_meta.degraded`` and is not cached.
 
 BM25 scores from Azure have no known ceiling (the service does not say what a query could reach), so adaptive fusion
@@ -23,10 +24,16 @@ from azure.search.documents.aio import SearchClient
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.azure_search import DOCUMENT, WATERMARK_KEY
 from ontofabric.shared.embedder import Vector
+from ontofabric.shared.logging import get_logger
 
 from .fusion import Candidate
 from .graph import GraphRows
 from .postgres import MAIN, Fetched, Hits, PostgresRetrieval, Representatives, Scope
+
+MAX_HIDDEN_IN_FILTER = 1000
+"""Main's ids a branch hides that go into the search filter, at most (the service limits a filter's size)."""
+
+log = get_logger(__name__)
 
 # Characters the simple query syntax reads as operators; escaped, a query is a bag of terms as on Postgres.
 _OPERATORS = re.compile(r'([+\-&|!(){}\[\]^"~*?:\\/])')
@@ -82,27 +89,38 @@ class AzureKeywordRetrieval:
         self._timeout_s = timeout_s
 
     async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
+        # Outside the Azure budget: Postgres has its own statement timeout, and a slow read there is not Azure's.
+        hidden, hidden_at = await self._postgres.shadowed(scope) if scope.branch != MAIN else ([], None)
+        where, top = scope_filter(scope, hidden), limit
+        if len(hidden) > MAX_HIDDEN_IN_FILTER:  # too long a filter: ask for more, the Postgres check drops them
+            where, top = scope_filter(scope), max(limit, 1000)
         async with asyncio.timeout(self._timeout_s):
-            hidden = await self._postgres.shadowed(scope)
-            hits, watermark = await asyncio.gather(
-                self._search(scope_filter(scope, hidden), text, min(limit, 1000)), self._watermark()
-            )
+            # The watermark first: what the search then sees is at least what the watermark vouches for.
+            watermark = await self._watermark()
+            hits = await self._search(where, text, min(top, 1000))
         visible = await self._postgres.visible(scope, list({document_id for document_id, _, _, _ in hits}))
         candidates: list[Candidate] = []
         seen: set[str] = set()
-        for document_id, branch, seq, score in hits:
-            # Only the version Postgres shows: not a copy it deleted or a branch hides, nor an older or newer one.
-            if visible.rows.get((document_id, branch)) == seq and document_id not in seen:
+        stale = 0
+        for document_id, branch, md5, score in hits:
+            shown = visible.rows.get((document_id, branch))
+            if shown is not None and shown != md5:
+                stale += 1  # another text than Postgres shows (older, newer, or a republished event's)
+            elif shown is not None and document_id not in seen:
                 seen.add(document_id)
                 candidates.append(Candidate(document_id, score))
+        if stale:
+            log.info("azure_hits_stale", workspace=scope.workspace, branch=scope.branch, stale=stale)
         lagging = watermark < max(visible.stream_seqs.values(), default=0)
-        return Hits(candidates, visible.version, lagging=lagging)
+        # Hidden ids read in another snapshot than the visibility: report that one, so the answer shows a mixed read.
+        version = hidden_at if hidden_at is not None and hidden_at != visible.version else visible.version
+        return Hits(candidates[:limit], version, lagging=lagging)
 
-    async def _search(self, where: str, text: str, top: int) -> list[tuple[str, str, int, float]]:
+    async def _search(self, where: str, text: str, top: int) -> list[tuple[str, str, str, float]]:
         results = await self._client.search(
-            search_text=escape_query(text), filter=where, select=["documentId", "branch", "seq"], top=top
+            search_text=escape_query(text), filter=where, select=["documentId", "branch", "contentMd5"], top=top
         )
-        return [(r["documentId"], r["branch"], int(r["seq"]), float(r["@search.score"])) async for r in results]
+        return [(r["documentId"], r["branch"], r["contentMd5"], float(r["@search.score"])) async for r in results]
 
     async def _watermark(self) -> int:
         try:

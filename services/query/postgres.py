@@ -119,9 +119,9 @@ class Hits:
 
 @dataclass(frozen=True)
 class Visible:
-    rows: dict[tuple[str, str], int]
-    """(id, branch) of the documents asked about that are live and visible in the scope, with the stream sequence
-    that wrote what the scope shows."""
+    rows: dict[tuple[str, str], str]
+    """(id, branch) of the documents asked about that are live and visible in the scope, with the MD5 of the
+    content the scope shows (shared/azure_search.py, ``content_md5``)."""
     version: str
     stream_seqs: dict[str, int]
     """The highest stream sequence applied to each branch read."""
@@ -206,24 +206,23 @@ class PostgresRetrieval:
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
 
     async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
-        """Which of ``ids`` are live and visible in the scope, on which branch and at which sequence: what another
-        index's hits are checked against, so only the very version shown here is ever answered from there."""
+        """Which of ``ids`` are live and visible in the scope, on which branch and with which content: what another
+        index's hits are checked against, so only the text shown here is ever answered from there."""
         async with self._snapshot(scope) as snapshot:
             where, parameters = where_clause(scope, 2, snapshot.shadowed)
             rows = await snapshot.conn.fetch(
-                f"SELECT id, branch, stream_seq FROM documents WHERE {where} AND id = ANY($1::text[])",
+                f"SELECT id, branch, md5(convert_to(content, 'UTF8')) AS content_md5 FROM documents"
+                f" WHERE {where} AND id = ANY($1::text[])",
                 list(ids),
                 *parameters,
             )
-        seqs = {(r["id"], r["branch"]): int(r["stream_seq"]) for r in rows}
-        return Visible(seqs, snapshot.version, snapshot.stream_seqs)
+        found = {(r["id"], r["branch"]): r["content_md5"] for r in rows}
+        return Visible(found, snapshot.version, snapshot.stream_seqs)
 
-    async def shadowed(self, scope: Scope) -> list[str]:
-        """Main's ids the scope's branch hides (none on main), as its current snapshot sees them."""
-        if scope.branch == MAIN:
-            return []
+    async def shadowed(self, scope: Scope) -> tuple[list[str], str]:
+        """Main's ids the scope's branch hides (none on main), and the version of the snapshot that says so."""
         async with self._snapshot(scope) as snapshot:
-            return snapshot.shadowed
+            return snapshot.shadowed, snapshot.version
 
     async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:

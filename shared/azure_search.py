@@ -4,9 +4,9 @@ its keys and its clients."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 from azure.core.credentials import AzureKeyCredential
+from azure.core.exceptions import ResourceNotFoundError
 from azure.search.documents.aio import SearchClient
 from azure.search.documents.indexes.aio import SearchIndexClient
 from azure.search.documents.indexes.models import SearchableField, SearchField, SearchFieldDataType, SearchIndex
@@ -69,13 +69,28 @@ WATERMARK_KEY = WATERMARK
 floor). No document key can equal it: those are 64 hexadecimal digits."""
 
 
-def search_clients(settings: Settings, retries: int) -> tuple[SearchIndexClient, SearchClient]:
-    """An index client and a document client for the configured service and index."""
+def _service(settings: Settings) -> tuple[str, AzureKeyCredential]:
     if settings.azure_search_endpoint is None or settings.azure_search_api_key is None:
         raise ValueError("ONTOFABRIC_AZURE_SEARCH_ENDPOINT and ONTOFABRIC_AZURE_SEARCH_API_KEY must both be set")
-    credential = AzureKeyCredential(settings.azure_search_api_key.get_secret_value())
-    options: dict[str, Any] = {"retry_total": retries}
-    return (
-        SearchIndexClient(settings.azure_search_endpoint, credential, **options),
-        SearchClient(settings.azure_search_endpoint, settings.azure_search_index, credential, **options),
-    )
+    return settings.azure_search_endpoint, AzureKeyCredential(settings.azure_search_api_key.get_secret_value())
+
+
+def index_client(settings: Settings, retries: int) -> SearchIndexClient:
+    """A client of the configured service's index definitions; ``retries``: the SDK's own, of a failed call."""
+    endpoint, credential = _service(settings)
+    return SearchIndexClient(endpoint, credential, retry_total=retries)
+
+
+def search_client(settings: Settings, retries: int) -> SearchClient:
+    """A client of the configured index's documents; ``retries``: the SDK's own, of a failed call."""
+    endpoint, credential = _service(settings)
+    return SearchClient(endpoint, settings.azure_search_index, credential, retry_total=retries)
+
+
+async def read_watermark(client: SearchClient) -> int | None:
+    """The sequence up to which the index has taken in every delta; None when it has no watermark (new or lost)."""
+    try:
+        entry = await client.get_document(WATERMARK_KEY, selected_fields=["seq"])
+    except ResourceNotFoundError:
+        return None
+    return int(entry["seq"])

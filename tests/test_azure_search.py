@@ -15,7 +15,7 @@ import pytest
 from nats.js.api import ConsumerInfo
 from pydantic import SecretStr
 
-from ontofabric.contracts import NodeUpserted, OntologyNode, QueryResponse
+from ontofabric.contracts import DeltaEnvelope, NodeUpserted, OntologyNode, QueryResponse
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.projector.azure import (
     AzureProjectorService,
@@ -31,7 +31,13 @@ from ontofabric.services.query.azure import escape_query, scope_filter
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.postgres import Scope
 from ontofabric.services.query.worker import QueryService
-from ontofabric.shared.azure_search import WATERMARK_KEY, entry_key, index_definition, search_clients
+from ontofabric.shared.azure_search import (
+    WATERMARK_KEY,
+    entry_key,
+    index_client,
+    index_definition,
+    search_client,
+)
 from ontofabric.shared.settings import Settings
 
 from .azure_search_server import AzureSearchServer
@@ -160,6 +166,28 @@ async def _wait_indexed(deployment: Deployment, stream_seq: int, timeout_s: floa
 
 def _entry(azure: AzureSearchServer, doc_id: str, branch: str = "main") -> dict[str, Any] | None:
     return azure.documents("ontofabric-documents").get(entry_key("acme", branch, doc_id))
+
+
+async def _delete_index(deployment: Deployment, azure: AzureSearchServer) -> None:
+    indexes = index_client(_settings(deployment, azure), retries=0)
+    try:
+        await indexes.delete_index("ontofabric-documents")
+    finally:
+        await indexes.close()
+
+
+async def _republish(deployment: Deployment, azure: AzureSearchServer, delta: DeltaEnvelope, message_id: str) -> int:
+    """The delta again under another message id (as past JetStream's duplicate window), taken in by both
+    projectors and the watermark; returns its new sequence."""
+    again = await deployment.js.publish(
+        deployment.names.delta_subject("acme", "main"),
+        delta.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": message_id},
+    )
+    await deployment.wait_projected(again.seq)
+    await _wait_indexed(deployment, again.seq)
+    await _wait_watermark(azure, again.seq)
+    return again.seq
 
 
 async def _wait_watermark(azure: AzureSearchServer, seq: int) -> None:
@@ -455,18 +483,13 @@ async def test_a_republished_old_event_is_never_answered_from_the_index(deployme
     acks = await deployment.publisher.publish_many([old, upsert("acme", document("r", "beta delta new text"))])
     # The old event again, past JetStream's duplicate window (another message id): Postgres knows the event and
     # ignores it; the index only sees a newer sequence and takes the old text in.
-    again = await deployment.js.publish(
-        deployment.names.delta_subject("acme", "main"), old.model_dump_json().encode(), headers={"Nats-Msg-Id": "x"}
-    )
-    await deployment.wait_projected(again.seq)
-    await _wait_indexed(deployment, again.seq)
-    await _wait_watermark(both.azure, again.seq)
+    again = await _republish(deployment, both.azure, old, "x")
     stale = _entry(both.azure, "r")
     assert stale is not None
     assert stale["content"] == "alpha gamma old text"
     # Not the text Postgres shows: the hit is dropped, not answered with the new text's id.
     assert "r" not in [r.id for r in (await both.ask("alpha gamma")).results]
-    assert acks[-1].seq < again.seq
+    assert acks[-1].seq < again
 
 
 async def test_an_ingest_run_again_keeps_its_documents_searchable(deployment: Deployment, both: Both) -> None:
@@ -474,15 +497,10 @@ async def test_an_ingest_run_again_keeps_its_documents_searchable(deployment: De
     # Postgres ignores them, the index takes them in at a newer sequence; the text is the same, so is the answer.
     delta = upsert("acme", document("s", "sphinx of black quartz"))
     await deployment.publisher.publish_many([delta])
-    again = await deployment.js.publish(
-        deployment.names.delta_subject("acme", "main"), delta.model_dump_json().encode(), headers={"Nats-Msg-Id": "y"}
-    )
-    await deployment.wait_projected(again.seq)
-    await _wait_indexed(deployment, again.seq)
-    await _wait_watermark(both.azure, again.seq)
+    again = await _republish(deployment, both.azure, delta, "y")
     entry = _entry(both.azure, "s")
     assert entry is not None
-    assert entry["seq"] == again.seq  # the index took the republished event in
+    assert entry["seq"] == again  # the index took the republished event in
     reply = await both.ask("black quartz")
     assert ([r.id for r in reply.results], reply.meta.degraded) == (["s"], [])
 
@@ -508,9 +526,9 @@ async def test_a_branch_hiding_many_of_mains_documents_still_gets_its_hits(
 
 async def test_an_entry_no_request_can_carry_is_refused_before_sending(azure: AzureSearchServer) -> None:
     settings = Settings(azure_search_endpoint=azure.endpoint, azure_search_api_key=SecretStr(KEY))
-    index_client, client = search_clients(settings, retries=0)
+    indexes, client = index_client(settings, retries=0), search_client(settings, retries=0)
     try:
-        await index_client.create_or_update_index(index_definition(settings.azure_search_index))
+        await indexes.create_or_update_index(index_definition(settings.azure_search_index))
         huge = {"key": "a" * 64, "kind": "document", "content": "ж" * (3 * 1024 * 1024)}  # 18 MB escaped
         small = {"key": "b" * 64, "kind": "document", "content": "fine"}
         refused = await AzureSearchIndex(client).upload([huge, small])
@@ -520,7 +538,7 @@ async def test_an_entry_no_request_can_carry_is_refused_before_sending(azure: Az
         assert set(azure.documents(settings.azure_search_index)) == {small["key"]}
     finally:
         await client.close()
-        await index_client.close()
+        await indexes.close()
 
 
 async def test_a_lost_index_is_filled_again_from_the_stream(
@@ -529,10 +547,7 @@ async def test_a_lost_index_is_filled_again_from_the_stream(
     acks = await deployment.publisher.publish_many([upsert("acme", document(i, text)) for i, text in CORPUS.items()])
     await _wait_indexed(deployment, acks[-1].seq)
     await azure_projector.stop()
-    index_client, client = search_clients(_settings(deployment, azure), retries=0)
-    await index_client.delete_index("ontofabric-documents")
-    await index_client.close()
-    await client.close()
+    await _delete_index(deployment, azure)
     await azure_projector.start()  # an empty index behind a consumer that acked everything: replay from the first
     async with asyncio.timeout(30):
         while len([k for k, v in azure.documents("ontofabric-documents").items() if v["kind"] == "document"]) < 4:
@@ -554,10 +569,7 @@ async def test_a_lost_index_is_filled_again_while_the_first_delta_is_still_retri
         while any(_entry(azure, i) is None for i in CORPUS):
             await asyncio.sleep(0.02)
     await azure_projector.stop()  # acked: the corpus; the ack floor: still 0, the first delta waits for a retry
-    index_client, client = search_clients(_settings(deployment, azure), retries=0)
-    await index_client.delete_index("ontofabric-documents")
-    await index_client.close()
-    await client.close()
+    await _delete_index(deployment, azure)
     await azure_projector.start()
     await _wait_watermark(azure, later[-1].seq)
     assert all(_entry(azure, i) is not None for i in [*CORPUS, "first"])
@@ -584,7 +596,7 @@ async def test_the_live_service_indexes_and_answers(deployment: Deployment, proj
             "azure_search_timeout_ms": 10_000,
         }
     )
-    index_client, _ = search_clients(settings, retries=3)
+    indexes = index_client(settings, retries=3)
     indexer = AzureProjectorService(settings, deployment.nats_url)
     worker = QueryService(settings, deployment.nats_url, deployment.database_url, None)
     try:
@@ -607,5 +619,5 @@ async def test_the_live_service_indexes_and_answers(deployment: Deployment, proj
     finally:
         await worker.stop()
         await indexer.stop()
-        await index_client.delete_index(settings.azure_search_index)
-        await index_client.close()
+        await indexes.delete_index(settings.azure_search_index)
+        await indexes.close()

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,8 @@ from ontofabric.contracts import (
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding, Progress
-from ontofabric.services.projector.azure import AzureSearchIndex
 from ontofabric.services.query.client import QueryClient
-from ontofabric.shared.azure_search import search_clients
+from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
@@ -595,10 +595,9 @@ async def evaluate(
         watermark = None
         if settings.azure_search_endpoint is not None:
             projectors.append(names.azure_projector_durable)
-            index_client, search_client = search_clients(settings, retries=3)
-            await index_client.close()
-            stack.push_async_callback(search_client.close)
-            watermark = AzureSearchIndex(search_client).watermark
+            client = search_client(settings, retries=3)
+            stack.push_async_callback(client.close)
+            watermark = partial(read_watermark, client)
         evaluation = Evaluation(
             js,
             QueryClient(nc, names, timeout_s=60),

@@ -7,7 +7,7 @@ branch reverts leave tombstones, and a delta applies only when it is newer than 
 projector's own fold, :class:`StateFold`). A redelivered or older delta therefore changes nothing. An entry the
 service refuses is dead-lettered and its document tombstoned at that sequence, so no older copy stays searchable.
 
-One watermark entry holds the consumer's ack floor after each batch: every delta up to it has been taken in (or
+One watermark entry holds the consumer's ack floor, recorded every second: every delta up to it has been taken in (or
 refused, or could never apply). Readers compare it with the sequence of what Postgres shows, to tell whether the
 index has caught up. A delta still being retried holds the floor back, for every workspace.
 
@@ -30,7 +30,6 @@ from typing import Any
 from azure.core.exceptions import (
     AzureError,
     HttpResponseError,
-    ResourceNotFoundError,
     ServiceRequestError,
     ServiceResponseError,
 )
@@ -48,8 +47,10 @@ from ontofabric.shared.azure_search import (
     WATERMARK_KEY,
     content_md5,
     entry_key,
+    index_client,
     index_definition,
-    search_clients,
+    read_watermark,
+    search_client,
 )
 from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
@@ -216,14 +217,6 @@ class AzureSearchIndex:
             refused |= {r.key: (r.status_code, r.error_message or "") for r in results if not r.succeeded}
         return refused
 
-    async def watermark(self) -> int | None:
-        """The sequence every delta up to which the index has taken in; None when the index has none."""
-        try:
-            entry = await self._client.get_document(WATERMARK_KEY, selected_fields=["seq"])
-        except ResourceNotFoundError:
-            return None
-        return int(entry["seq"])
-
     async def set_watermark(self, seq: int) -> None:
         entry = {"key": WATERMARK_KEY, "kind": WATERMARK, "seq": seq, "deleted": True}
         refused = await self.upload([entry])
@@ -234,9 +227,9 @@ class AzureSearchIndex:
 
 class AzureProjector:
     """Validates each batch as the Postgres projector does, folds it onto what the index holds, uploads the entries
-    that apply, acks, then records the ack floor as the watermark. A delta the index refuses is dead-lettered with
-    the service's reason; a delta no projector can apply is left to the Postgres projector's dead letter (it sees
-    the same stream), and only terminated here."""
+    that apply and acks; every second it records the ack floor as the watermark. A delta the index refuses is
+    dead-lettered with the service's reason; a delta no projector can apply is left to the Postgres projector's
+    dead letter (it sees the same stream), and only terminated here."""
 
     def __init__(
         self, index: AzureSearchIndex, js: JetStreamContext, names: Names, settings: Settings, watermark: int = 0
@@ -293,18 +286,16 @@ class AzureProjector:
         self._metrics.projector_deltas.add(applied, {"outcome": "applied", "index": INDEX})
         self._metrics.projector_deltas.add(len(plan.noops), {"outcome": "noop", "index": INDEX})
         log.info("batch_indexed", index=INDEX, applied=applied, noops=len(plan.noops), refused=len(refused_seqs))
-        await self._advance_watermark()
 
     async def keep_watermark(self, every_s: float = WATERMARK_EVERY_S) -> None:
-        """Between batches too: the floor read right after a batch's acks may not include them yet, and the last
-        batch before a quiet spell must not leave the index looking behind."""
+        """Every ``every_s``, off the batch path: the index may look behind by that long after a batch."""
         while True:
             await asyncio.sleep(every_s)
             await self._advance_watermark()
 
     async def _advance_watermark(self) -> None:
         """Record the consumer's ack floor: it passes a delta only once it was acked or terminated, so it never
-        claims one still waiting for a retry. Read after this batch's acks, it may trail them by one batch."""
+        claims one still waiting for a retry."""
         try:
             info = await self._js.consumer_info(self._names.delta_stream, self._names.azure_projector_durable)
             floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
@@ -357,17 +348,17 @@ class AzureProjectorService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        index_client, search_client = self._clients = search_clients(settings, RETRIES)
+        indexes, documents = self._clients = index_client(settings, RETRIES), search_client(settings, RETRIES)
         try:
-            await index_client.create_or_update_index(index_definition(settings.azure_search_index))
+            await indexes.create_or_update_index(index_definition(settings.azure_search_index))
         except AzureError as error:
             name = settings.azure_search_index
             raise RuntimeError(f"cannot create the Azure AI Search index {name!r}: {error}") from error
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search")
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
-        index = AzureSearchIndex(search_client)
-        watermark = await index.watermark()
+        index = AzureSearchIndex(documents)
+        watermark = await read_watermark(documents)
         if watermark is None:
             await _replay_if_index_lost(js, names)
         projector = AzureProjector(index, js, names, settings, watermark or 0)

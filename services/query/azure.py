@@ -18,11 +18,10 @@ import asyncio
 import re
 from collections.abc import Sequence
 
-from azure.core.exceptions import ResourceNotFoundError
 from azure.search.documents.aio import SearchClient
 
 from ontofabric.shared.analysis import analyse
-from ontofabric.shared.azure_search import DOCUMENT, WATERMARK_KEY
+from ontofabric.shared.azure_search import DOCUMENT, read_watermark
 from ontofabric.shared.embedder import Vector
 from ontofabric.shared.logging import get_logger
 
@@ -93,10 +92,10 @@ class AzureKeywordRetrieval:
         hidden, hidden_at = await self._postgres.shadowed(scope) if scope.branch != MAIN else ([], None)
         where, top = scope_filter(scope, hidden), limit
         if len(hidden) > MAX_HIDDEN_IN_FILTER:  # too long a filter: ask for more, the Postgres check drops them
-            where, top = scope_filter(scope), max(limit, 1000)
+            where, top = scope_filter(scope), 1000
         async with asyncio.timeout(self._timeout_s):
             # The watermark first: what the search then sees is at least what the watermark vouches for.
-            watermark = await self._watermark()
+            watermark = await read_watermark(self._client) or 0
             hits = await self._search(where, text, min(top, 1000))
         visible = await self._postgres.visible(scope, list({document_id for document_id, _, _, _ in hits}))
         candidates: list[Candidate] = []
@@ -121,13 +120,6 @@ class AzureKeywordRetrieval:
             search_text=escape_query(text), filter=where, select=["documentId", "branch", "contentMd5"], top=top
         )
         return [(r["documentId"], r["branch"], r["contentMd5"], float(r["@search.score"])) async for r in results]
-
-    async def _watermark(self) -> int:
-        try:
-            entry = await self._client.get_document(WATERMARK_KEY, selected_fields=["seq"])
-        except ResourceNotFoundError:
-            return 0
-        return int(entry["seq"])
 
     # Everything but the keyword path reads Postgres.
 

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError, QueryResponse
 from ontofabric.contracts.documents import Workspace
-from ontofabric.shared.azure_search import search_clients
+from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import ensure_jetstream, subscriptions_visible
@@ -165,10 +165,8 @@ class QueryService:
         retrieval: Retrieval = postgres
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
-            index_client, search_client = search_clients(settings, retries=0)
-            await index_client.close()
-            self._azure = search_client
-            retrieval = AzureKeywordRetrieval(postgres, search_client, settings.azure_search_timeout_ms / 1000)
+            self._azure = search_client(settings, retries=0)
+            retrieval = AzureKeywordRetrieval(postgres, self._azure, settings.azure_search_timeout_ms / 1000)
         pipeline = QueryPipeline(
             retrieval,
             self._embedder,

@@ -15,9 +15,12 @@ from .deltas import (
     NodeUpserted,
     OntologyLink,
     OntologyNode,
+    link_key,
+    split_link_key,
 )
 from .documents import (
     CHUNK_LEVELS,
+    MAIN_BRANCH,
     PROVENANCES,
     ChunkLevel,
     DocumentMetadata,
@@ -40,6 +43,7 @@ from .versions import NO_VERSION, OntologyVersionChanged, format_version, overla
 
 __all__ = [
     "CHUNK_LEVELS",
+    "MAIN_BRANCH",
     "NO_VERSION",
     "PROVENANCES",
     "SCHEMA_VERSION",
@@ -72,5 +76,7 @@ __all__ = [
     "SemanticDocument",
     "TokenVectors",
     "format_version",
+    "link_key",
     "overlay_version",
+    "split_link_key",
 ]

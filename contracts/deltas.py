@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from ._base import WireModel
-from .documents import Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
+from .documents import MAIN_BRANCH, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
 
 SCHEMA_VERSION = 1
 
@@ -35,6 +35,21 @@ class OntologyNode(WireModel):
         return f"{self.domain}.{self.name}" if self.domain else self.name
 
 
+LINK_KEY_SEPARATOR = "|"
+"""Between a link's source type, name and target type in its key (none of them can hold it)."""
+
+
+def link_key(source_type: str, name: str, target_type: str) -> str:
+    """The key that identifies a link within a workspace and branch."""
+    return LINK_KEY_SEPARATOR.join((source_type, name, target_type))
+
+
+def split_link_key(key: str) -> tuple[str, str, str]:
+    """(source type, name, target type) of a link key."""
+    source_type, name, target_type = key.split(LINK_KEY_SEPARATOR, 2)
+    return source_type, name, target_type
+
+
 class OntologyLink(WireModel):
     source_type: ObjectType
     name: str = Field(
@@ -44,7 +59,7 @@ class OntologyLink(WireModel):
 
     @property
     def key(self) -> str:
-        return f"{self.source_type}|{self.name}|{self.target_type}"
+        return link_key(self.source_type, self.name, self.target_type)
 
 
 class DocumentUpserted(WireModel):
@@ -119,7 +134,7 @@ DeltaPayload = Annotated[
 class DeltaEnvelope(WireModel):
     event_id: Text = Field(min_length=1, max_length=128, description="Unique per event; sent as Nats-Msg-Id.")
     workspace: Workspace
-    branch: Branch = "main"
+    branch: Branch = MAIN_BRANCH
     occurred_at: datetime
     schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
     producer: Text = Field(min_length=1, max_length=128, description="Who published the event.")

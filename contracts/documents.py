@@ -30,6 +30,9 @@ Workspace = Annotated[
     StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"),
     Field(description="Workspace (tenant) name: letters, digits, '.', '_', '-'; at most 128 characters."),
 ]
+MAIN_BRANCH = "main"
+"""The trunk: every other branch stores only its delta over it."""
+
 Branch = Annotated[
     str,
     StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$"),

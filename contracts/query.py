@@ -7,13 +7,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from ._base import StrictRequest, WireModel
-from .documents import Branch, ChunkLevel, ObjectType, Provenance, Workspace
+from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, Workspace
 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
 
 
 Retriever = Literal["dense", "keyword"]
+"""The retrievers a request may choose. Replies name retrievers as text: a deployment may register more."""
 FusionMethod = Literal["rrf", "convex", "adaptive"]
 
 
@@ -74,7 +75,7 @@ class OntologyQuery(StrictRequest):
     link_depth: int = Field(default=1, ge=1, le=MAX_LINK_DEPTH, description="Graph expansion depth; only 1.")
     chunk_level: ChunkLevel | None = None
     provenance: Provenance | None = None
-    branch: Branch = "main"
+    branch: Branch = MAIN_BRANCH
     workspace: Workspace | None = Field(
         default=None, description="Defaults to the workspace of the subject the request was sent to."
     )
@@ -93,7 +94,7 @@ class OntologyQuery(StrictRequest):
 class FoundBy(WireModel):
     """Which retriever found a hit, at which rank (1-based) and with which raw score."""
 
-    retriever: Retriever
+    retriever: str = Field(description="The retriever's name: dense, keyword, or another the deployment runs.")
     rank: int
     score: float
 
@@ -169,7 +170,7 @@ class QueryMeta(WireModel):
         default=False, description="True when the hits link to more types than expansion attaches (a set bound)."
     )
     backend: str = Field(description="Keyword backend that served the query.")
-    retrievers: list[Retriever] = Field(description="Retrievers whose candidates were fused.")
+    retrievers: list[str] = Field(description="Retrievers whose candidates were fused, by name.")
     fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
     late_interaction: LateInteractionReport | None = Field(
         default=None, description="Late interaction over stored token vectors; null when it did not run."

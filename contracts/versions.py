@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import Field
 
 from ._base import WireModel
+from .documents import MAIN_BRANCH
 
 
 def format_version(state_hash: int, stream_seq: int) -> str:
@@ -20,7 +21,7 @@ NO_VERSION = format_version(0, 0)
 
 def overlay_version(main: str, branch: str, branch_version: str | None) -> str:
     """The ontologyVersion of what a query on ``branch`` reads: main's, or main's and the branch's delta's."""
-    return main if branch == "main" else f"{main}+{branch_version or NO_VERSION}"
+    return main if branch == MAIN_BRANCH else f"{main}+{branch_version or NO_VERSION}"
 
 
 class OntologyVersionChanged(WireModel):

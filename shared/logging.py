@@ -54,6 +54,11 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
         logging.getLogger(noisy).setLevel(level if level == "DEBUG" else "WARNING")
 
 
+def describe(error: BaseException) -> str:
+    """An error as logs, dead letters and replies state it: its type, then its message."""
+    return f"{type(error).__name__}: {error}"
+
+
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
     return logger

@@ -59,8 +59,6 @@ def tracer() -> trace.Tracer:
 class Instruments:
     query_duration: metrics.Histogram
     fusion_duration: metrics.Histogram
-    candidates_dense: metrics.Counter
-    candidates_sparse: metrics.Counter
     cache_hit: metrics.Counter
     cache_miss: metrics.Counter
     degraded: metrics.Counter
@@ -68,9 +66,22 @@ class Instruments:
     projector_deltas: metrics.Counter
     projector_batch_duration: metrics.Histogram
 
+    def candidates(self, retriever: str) -> metrics.Counter:
+        """Candidates a retriever returned: ``retrieval.candidates.dense`` and ``.sparse`` (keyword), the seed's
+        names, and ``retrieval.candidates.{name}`` for any other retriever."""
+        return _candidates_counter(_SEED_CANDIDATE_NAMES.get(retriever, retriever))
+
 
 def meter() -> metrics.Meter:
     return metrics.get_meter("ontofabric")
+
+
+_SEED_CANDIDATE_NAMES = {"keyword": "sparse"}
+
+
+@cache
+def _candidates_counter(name: str) -> metrics.Counter:
+    return meter().create_counter(f"retrieval.candidates.{name}", description=f"{name} candidates returned")
 
 
 @cache
@@ -81,8 +92,6 @@ def instruments() -> Instruments:
             "retrieval.query.duration_ms", unit="ms", description="ontology_query wall time in the worker"
         ),
         fusion_duration=meter.create_histogram("retrieval.fusion.duration_ms", unit="ms"),
-        candidates_dense=meter.create_counter("retrieval.candidates.dense", description="dense candidates"),
-        candidates_sparse=meter.create_counter("retrieval.candidates.sparse", description="keyword candidates"),
         cache_hit=meter.create_counter("retrieval.cache.hit"),
         cache_miss=meter.create_counter("retrieval.cache.miss"),
         degraded=meter.create_counter("retrieval.degraded", description="answers with a failed part, by sink"),

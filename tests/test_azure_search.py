@@ -29,7 +29,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query import azure as azure_backend
 from ontofabric.services.query.azure import escape_query, scope_filter
 from ontofabric.services.query.client import QueryClient
-from ontofabric.services.query.postgres import Scope
+from ontofabric.services.query.core import Scope
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.azure_search import (
     WATERMARK_KEY,

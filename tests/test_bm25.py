@@ -12,7 +12,8 @@ import pytest
 
 from ontofabric.services.projector.planning import Delta, search_text
 from ontofabric.services.projector.store import PostgresProjectionStore
-from ontofabric.services.query.postgres import PostgresRetrieval, Scope
+from ontofabric.services.query.core import Scope, SearchInput
+from ontofabric.services.query.postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.db import create_pool, migrate
 
@@ -70,7 +71,7 @@ async def _expected_scores(conn: asyncpg.Connection, indexed: dict[str, str], qu
 async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncpg.Pool) -> None:
     store = PostgresProjectionStore(pool, "english")
     await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(TEXTS.items())])
-    retrieval = PostgresRetrieval(pool, "english", 100, K1, B, K3)
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
     queries = ("read a file", "json dictionary file", "sorted numbers list", "lipoprotein density", "nothing")
     # A repeated query term weighs more than once and less than twice (k3 2: 1.5 for two, 1.8 for three).
     queries += ("file file file json", "json json json file")
@@ -78,7 +79,7 @@ async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncp
         assert await _lexemes(conn, analyse("file file file json")) == {"file": 3, "json": 1}
         assert await _lexemes(conn, analyse("read_file")) == {"read": 2, "file": 2}
     for query in queries:
-        hits = await retrieval.keyword(Scope("acme", "main"), query, 10)
+        hits = await keyword.search(Scope("acme", "main"), SearchInput(query), 10)
         if hits.candidates:
             assert hits.ceiling is not None
             assert hits.candidates[0].score <= hits.ceiling  # saturation (score over ceiling) stays at most 1
@@ -130,8 +131,8 @@ async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, po
     deltas = [upsert("acme", document(f"m{i}", f"json parser number {i}", chunk_level="method")) for i in range(30)]
     deltas.append(upsert("acme", document("t", "a json type", chunk_level="type")))
     await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
-    retrieval = PostgresRetrieval(pool, "english", 100, K1, B, K3)
-    hits = await retrieval.keyword(Scope("acme", "main", chunk_level="type"), "json", 5)
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+    hits = await keyword.search(Scope("acme", "main", chunk_level="type"), SearchInput("json"), 5)
     assert [c.id for c in hits.candidates] == ["t"]
     assert hits.ceiling is not None
     assert hits.ceiling > 0
@@ -147,19 +148,20 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
         delete("acme", "d2"),
     ]
     await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
-    retrieval = PostgresRetrieval(pool, "english", 100, K1, B, K3)
+    snapshots = PostgresSnapshots(pool)
+    dense_retriever, documents = PostgresDense(snapshots, 100), PostgresDocuments(snapshots)
     query = np.asarray(unit_vector("query"), dtype=np.float32)
     ids = ["d0", "d1", "d2", "d3", "typed", "bare", "unknown"]
     for scope in (Scope("acme", "main", chunk_level="method"), Scope("acme", "feature", chunk_level="method")):
-        dense = await retrieval.dense(scope, query, 100)
-        scored = await retrieval.dense_scores(scope, query, ids)
+        dense = await dense_retriever.search(scope, SearchInput("q", query), 100)
+        scored = await documents.similarities(scope, query, ids)
         expected = {c.id: c.score for c in dense.candidates if c.id in ids}
         # Deleted, filtered out, without an embedding or unknown: none of them; d1 as the scope sees it.
         assert set(expected) == {"d0", "d1", "d3"}
         assert sorted(c.id for c in scored.candidates) == ["d0", "d1", "d3"]  # once each, branch rows or main's
         assert {c.id: pytest.approx(c.score, abs=1e-6) for c in scored.candidates} == expected
         assert scored.version == dense.version
-    main_d1 = (await retrieval.dense_scores(Scope("acme", "main"), query, ["d1"])).candidates[0].score
-    branch_d1 = (await retrieval.dense_scores(Scope("acme", "feature"), query, ["d1"])).candidates[0].score
+    main_d1 = (await documents.similarities(Scope("acme", "main"), query, ["d1"])).candidates[0].score
+    branch_d1 = (await documents.similarities(Scope("acme", "feature"), query, ["d1"])).candidates[0].score
     assert main_d1 == pytest.approx(float(np.dot(query, unit_vector("d1"))), abs=1e-6)
     assert branch_d1 == pytest.approx(float(np.dot(query, unit_vector("d1 branch"))), abs=1e-6)

@@ -19,15 +19,13 @@ from ontofabric.contracts import (
 )
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.query.cache import VersionedCache
 from ontofabric.services.query.client import QueryClient
-from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
 from .conftest import Deployment
 from .factories import delete, document, upsert
-from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
+from .test_pipeline import ScriptedRetrieval, pipeline_over
 
 
 @pytest.fixture
@@ -227,13 +225,7 @@ class BrokenGraph(ScriptedRetrieval):
 
 
 async def test_a_failing_expansion_degrades_and_results_still_return() -> None:
-    pipeline = QueryPipeline(
-        BrokenGraph(),
-        FixedEmbedder(),
-        Announced("5-a"),
-        VersionedCache(0),
-        PipelineConfig(),
-    )
+    pipeline = pipeline_over(BrokenGraph())
     reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
     assert reply.meta.degraded == ["graphExpansion"]
     assert reply.results

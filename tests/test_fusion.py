@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ontofabric.services.query.cache import CacheKey, VersionedCache, stable_hash
-from ontofabric.services.query.fusion import Candidate, reciprocal_rank_fusion
+from ontofabric.services.query.cache import CacheKey, drop_stale, stable_hash
+from ontofabric.services.query.core import Candidate
+from ontofabric.services.query.fusion import reciprocal_rank_fusion
 from ontofabric.services.query.hints import reads_as_relationship_question
+from ontofabric.shared.lru import LruCache
 
 
 def _list(*ids: str) -> list[Candidate]:
@@ -63,14 +65,14 @@ def _key(version: str, query: str = "q", workspace: str = "w") -> CacheKey:
 
 
 def test_cache_is_keyed_by_version() -> None:
-    cache: VersionedCache[str] = VersionedCache(10)
+    cache: LruCache[CacheKey, str] = LruCache(10)
     cache.put(_key("v1"), "old")
     assert cache.get(_key("v1")) == "old"
     assert cache.get(_key("v2")) is None
 
 
 def test_cache_evicts_least_recently_used() -> None:
-    cache: VersionedCache[str] = VersionedCache(2)
+    cache: LruCache[CacheKey, str] = LruCache(2)
     cache.put(_key("v", "a"), "A")
     cache.put(_key("v", "b"), "B")
     assert cache.get(_key("v", "a")) == "A"  # a is now the most recent
@@ -81,17 +83,17 @@ def test_cache_evicts_least_recently_used() -> None:
 
 
 def test_invalidate_stale_drops_only_that_workspace() -> None:
-    cache: VersionedCache[str] = VersionedCache(10)
+    cache: LruCache[CacheKey, str] = LruCache(10)
     cache.put(_key("v1", "a"), "A")
     cache.put(_key("v2", "b"), "B")
     cache.put(_key("v1", "a", workspace="other"), "other")
-    assert cache.invalidate_stale("w", lambda branch: "v2") == 1
+    assert drop_stale(cache, "w", lambda branch: "v2") == 1
     assert cache.get(_key("v2", "b")) == "B"
     assert cache.get(_key("v1", "a", workspace="other")) == "other"
 
 
 def test_disabled_cache_stores_nothing() -> None:
-    cache: VersionedCache[str] = VersionedCache(0)
+    cache: LruCache[CacheKey, str] = LruCache(0)
     cache.put(_key("v"), "x")
     assert cache.get(_key("v")) is None
 

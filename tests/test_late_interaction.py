@@ -13,10 +13,12 @@ from ontofabric.contracts import OntologyQuery, TokenVectors
 from ontofabric.services.projector.planning import Delta
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.query import pipeline as pipeline_module
-from ontofabric.services.query.cache import VersionedCache
+from ontofabric.services.query.config import PipelineConfig
+from ontofabric.services.query.core import Scope, StoredDocument
 from ontofabric.services.query.fusion import Fused, SourceHit
-from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline, late_interaction
-from ontofabric.services.query.postgres import PostgresRetrieval, Scope, StoredDocument
+from ontofabric.services.query.pipeline import QueryPipeline
+from ontofabric.services.query.postgres import PostgresDocuments, PostgresSnapshots
+from ontofabric.services.query.stages import late_interaction
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.late_interaction import (
@@ -30,7 +32,7 @@ from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
 from .factories import document, upsert
-from .test_pipeline import QUERY_TOKENS, Announced, FixedEmbedder, ScriptedRetrieval
+from .test_pipeline import QUERY_TOKENS, ScriptedRetrieval, pipeline_over
 
 
 def test_sign_bits_round_trip_to_unit_rows_of_the_same_signs() -> None:
@@ -128,7 +130,7 @@ def test_the_stage_leaves_the_order_alone_when_there_is_nothing_to_compare() -> 
 
 
 def _pipeline(retrieval: ScriptedRetrieval, config: PipelineConfig | None = None) -> QueryPipeline:
-    return QueryPipeline(retrieval, FixedEmbedder(), Announced("5-a"), VersionedCache(0), config or PipelineConfig())  # type: ignore[arg-type]
+    return pipeline_over(retrieval, config=config)
 
 
 async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
@@ -190,10 +192,9 @@ class EchoReranker:
 async def test_a_reranker_gets_the_candidates_in_the_order_late_interaction_left() -> None:
     signs = {"x": pack_signs(-np.ones((2, 3))), "y": pack_signs(-np.ones((2, 3))), "z": pack_signs(QUERY_TOKENS - 0.5)}
     reranker = EchoReranker()
-    pipeline = QueryPipeline(
-        ScriptedRetrieval(token_signs=signs), FixedEmbedder(), Announced("5-a"), VersionedCache(0),  # type: ignore[arg-type]
-        PipelineConfig(late_interaction_weight=0.9), reranker,
-    )  # fmt: skip
+    pipeline = pipeline_over(
+        ScriptedRetrieval(token_signs=signs), config=PipelineConfig(late_interaction_weight=0.9), reranker=reranker
+    )
     reply = await pipeline.answer(OntologyQuery(semantic_query="q", precision=True), "w")
     assert reply.meta.late_interaction is not None
     assert reply.meta.reranked is True
@@ -247,7 +248,7 @@ async def test_postgres_fetch_reads_token_signs_only_where_asked(deployment: Dep
         override = document("b", "b on the branch", token_vectors=TokenVectors.of_signs(384, branch_signs))
         deltas.append(upsert("acme", override, branch="feature"))
         await PostgresProjectionStore(pool, "english").apply([Delta(n + 1, d) for n, d in enumerate(deltas)])
-        retrieval = PostgresRetrieval(pool, "english", 100, 1.2, 0.85, 2.0)
+        retrieval = PostgresDocuments(PostgresSnapshots(pool))
         on_main = await retrieval.fetch(Scope("acme", "main"), ["a", "b", "c"], ["a", "c"])
         on_branch = await retrieval.fetch(Scope("acme", "feature"), ["a", "b", "c"], ["b", "c"])
     finally:

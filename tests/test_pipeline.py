@@ -1,30 +1,55 @@
 """The pipeline's decisions that need no servers: version consistency across statements, caching, degradation.
 
-A small in-memory Retrieval stands in for Postgres here: the point is the pipeline's logic, not SQL (which the
-end-to-end tests exercise against a real server).
+Small in-memory retrievers and a document store stand in for Postgres here: the point is the pipeline's logic, not
+SQL (which the end-to-end tests exercise against a real server).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
-from ontofabric.contracts import OntologyQuery
-from ontofabric.services.query.cache import VersionedCache
-from ontofabric.services.query.fusion import Candidate
+from ontofabric.contracts import OntologyQuery, QueryResponse
+from ontofabric.services.query.cache import CacheKey
+from ontofabric.services.query.config import PipelineConfig
+from ontofabric.services.query.core import (
+    Candidate,
+    Fetched,
+    Hits,
+    Representatives,
+    Retriever,
+    Scope,
+    SearchInput,
+    StoredDocument,
+)
 from ontofabric.services.query.graph import GraphRows, LinkRow
-from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
-from ontofabric.services.query.postgres import Fetched, Hits, Representatives, Scope, StoredDocument
+from ontofabric.services.query.pipeline import QueryPipeline
 from ontofabric.services.query.versions import is_rebuild
 from ontofabric.shared.embedder import Vector
+from ontofabric.shared.lru import LruCache
+
+
+@dataclass
+class ScriptedRetriever:
+    """A retriever answering with whatever its ``search`` function returns."""
+
+    name: str
+    backend: str
+    needs_embedding: bool
+    answer: Callable[[Scope, SearchInput, int], Awaitable[Hits]]
+
+    async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+        return await self.answer(scope, query, limit)
 
 
 @dataclass
 class ScriptedRetrieval:
+    """The dense and keyword retrievers (``retrievers()``) and the document store, scripted."""
+
     dense_version: str = "5-a"
     keyword_version: str = "5-a"
     fetch_version: str = "5-a"
@@ -38,13 +63,20 @@ class ScriptedRetrieval:
     """The version dense_scores reads; by default the dense list's."""
     backend: str = "tsvector"
 
-    async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
+    def retrievers(self) -> list[Retriever]:
+        return [
+            ScriptedRetriever("dense", "pgvector", True, self.dense),
+            ScriptedRetriever("keyword", self.backend, False, self.keyword),
+        ]
+
+    async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+        assert query.vector is not None
         return Hits([Candidate("x", 0.9), Candidate("y", 0.8)], self.dense_version)
 
-    async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
+    async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         return Hits([Candidate("y", 3.0), Candidate("z", 1.0)], self.keyword_version, ceiling=4.0)
 
-    async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         if self.dense_scores_fail:
             raise ConnectionError("database went away")
         return Hits(
@@ -52,7 +84,7 @@ class ScriptedRetrieval:
             self.dense_scores_version or self.dense_version,
         )
 
-    async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+    async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         documents = {
             i: StoredDocument(
                 i, f"content {i}", "t.T", "tests", {}, self.token_signs.get(i) if i in token_signs_of else None
@@ -65,8 +97,28 @@ class ScriptedRetrieval:
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         return GraphRows(nodes=[], links=[], version=self.fetch_version)
 
-    async def representatives(self, scope: Scope, object_types: object) -> Representatives:
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
         return Representatives({}, self.fetch_version)
+
+
+def pipeline_over(
+    retrieval: ScriptedRetrieval,
+    versions: Announced | None = None,
+    config: PipelineConfig | None = None,
+    reranker: Any = None,
+    cache: LruCache[CacheKey, QueryResponse] | None = None,
+    embedder: Any = None,
+) -> QueryPipeline:
+    """A pipeline over the scripted retrievers and store, with the fixed embedder, announcing 5-a by default."""
+    return QueryPipeline(
+        retrieval.retrievers(),
+        retrieval,
+        FixedEmbedder() if embedder is None else embedder,
+        versions or Announced("5-a"),
+        LruCache(0) if cache is None else cache,
+        config or PipelineConfig(),
+        reranker,
+    )
 
 
 T = TypeVar("T")
@@ -110,10 +162,10 @@ class Announced:
 
 def _pipeline(
     retrieval: ScriptedRetrieval, announced: str | Announced = "5-a"
-) -> tuple[QueryPipeline, VersionedCache[object]]:
-    cache: VersionedCache[object] = VersionedCache(10)
+) -> tuple[QueryPipeline, LruCache[CacheKey, QueryResponse]]:
+    cache: LruCache[CacheKey, QueryResponse] = LruCache(10)
     versions = announced if isinstance(announced, Announced) else Announced(announced)
-    return QueryPipeline(retrieval, FixedEmbedder(), versions, cache, PipelineConfig()), cache  # type: ignore[arg-type]
+    return pipeline_over(retrieval, versions, cache=cache), cache
 
 
 QUERY = OntologyQuery(semantic_query="anything")
@@ -133,7 +185,7 @@ async def test_an_answer_read_while_the_index_was_rebuilt_is_not_cached() -> Non
     versions = Announced("5-a")
 
     class RebuiltMidQuery(ScriptedRetrieval):
-        async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+        async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
             versions.rebuilds += 1  # the rebuild's announcement arrives while this query is reading
             return await super().fetch(scope, ids, token_signs_of)
 
@@ -263,14 +315,12 @@ class HubGraph(ScriptedRetrieval):
 
 
 async def test_expansion_is_bounded_and_says_so() -> None:
-    config = PipelineConfig(expansion_max_types=3)
-    pipeline = QueryPipeline(HubGraph(), FixedEmbedder(), Announced("5-a"), VersionedCache(10), config)  # type: ignore[arg-type]
+    pipeline = pipeline_over(HubGraph(), config=PipelineConfig(expansion_max_types=3))
     reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
     assert [c.linked_type for c in reply.meta.expanded_context] == ["t.M00", "t.M01", "t.M02"]
     assert reply.meta.expanded_context_truncated is True
     assert reply.meta.degraded == []
-    small = PipelineConfig(expansion_max_types=40)
-    pipeline = QueryPipeline(HubGraph(), FixedEmbedder(), Announced("5-a"), VersionedCache(10), small)  # type: ignore[arg-type]
+    pipeline = pipeline_over(HubGraph(), config=PipelineConfig(expansion_max_types=40))
     whole = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
     assert len(whole.meta.expanded_context) == 40
     assert whole.meta.expanded_context_truncated is False
@@ -290,3 +340,38 @@ def test_only_the_same_version_at_a_higher_revision_is_a_rebuild() -> None:
     assert not is_rebuild("5-a", 3, "5-a", 3)  # the same announcement again
     assert not is_rebuild("5-a", 4, "5-a", 3)  # an older one
     assert not is_rebuild("5-a", 3, "6-b", 4)  # a change
+
+
+async def test_a_third_retriever_is_run_fused_and_reported_by_its_name() -> None:
+    """A retriever is a registered part: a toy one joins without any change to the pipeline."""
+    retrieval = ScriptedRetrieval()
+    calls: list[SearchInput] = []
+
+    async def toy(scope: Scope, query: SearchInput, limit: int) -> Hits:
+        calls.append(query)
+        return Hits([Candidate("w", 7.0), Candidate("x", 5.0)], "5-a")
+
+    retrievers = [*retrieval.retrievers(), ScriptedRetriever("toy", "memory", False, toy)]
+    pipeline = QueryPipeline(retrievers, retrieval, FixedEmbedder(), Announced("5-a"), LruCache(0), PipelineConfig())
+    reply = await pipeline.answer(QUERY, "w")
+    assert calls == [SearchInput("anything", None)]  # it needs no embedding, so it gets none
+    assert reply.meta.retrievers == ["dense", "keyword", "toy"]
+    assert reply.meta.hybrid is True
+    assert reply.meta.fusion is not None
+    assert reply.meta.fusion.method == "rrf"  # adaptive fusion weighs a dense against a keyword list only
+    found_by = {r.id: {f.retriever: f.rank for f in r.found_by} for r in reply.results}
+    assert found_by["w"] == {"toy": 1}
+    assert found_by["x"] == {"dense": 1, "toy": 2}
+    assert reply.results[0].id == "x"  # first in two of the three lists
+    assert "toy" in reply.meta.timings_ms
+
+    async def broken(scope: Scope, query: SearchInput, limit: int) -> Hits:
+        raise ConnectionError("toy index away")
+
+    retrievers[-1] = ScriptedRetriever("toy", "memory", False, broken)
+    pipeline = QueryPipeline(retrievers, retrieval, FixedEmbedder(), Announced("5-a"), LruCache(0), PipelineConfig())
+    degraded = await pipeline.answer(QUERY, "w")
+    assert degraded.meta.degraded == ["toy"]
+    assert degraded.meta.retrievers == ["dense", "keyword"]
+    assert degraded.meta.fusion is not None
+    assert degraded.meta.fusion.method == "adaptive"

@@ -16,16 +16,12 @@ from typing import Any, ClassVar
 import pytest
 
 from ontofabric.contracts import OntologyQuery
-from ontofabric.services.query.cache import VersionedCache
-from ontofabric.services.query.pipeline import PipelineConfig, QueryPipeline
-from ontofabric.services.query.rerankers import (
-    CohereReranker,
-    LocalCrossEncoder,
-    RerankerError,
-    check_ranking,
-)
+from ontofabric.services.query.config import PipelineConfig
+from ontofabric.services.query.core import RerankerError, check_ranking
+from ontofabric.services.query.pipeline import QueryPipeline
+from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder
 
-from .test_pipeline import Announced, FixedEmbedder, ScriptedRetrieval
+from .test_pipeline import ScriptedRetrieval, pipeline_over
 
 
 class CohereLike(BaseHTTPRequestHandler):
@@ -121,8 +117,10 @@ async def test_cohere_adapter_raises_on_every_failure_class(cohere_server: str, 
 
 
 def _pipeline(reranker: Any, timeout_s: float = 1.5, saturation: float = 0.8, depth: int = 20) -> QueryPipeline:
-    config = PipelineConfig(rerank_timeout_s=timeout_s, early_exit_saturation=saturation, rerank_depth=depth)
-    return QueryPipeline(ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), VersionedCache(0), config, reranker)  # type: ignore[arg-type]
+    config = PipelineConfig(
+        reranker_timeout_ms=round(timeout_s * 1000), early_exit_saturation=saturation, reranker_depth=depth
+    )
+    return pipeline_over(ScriptedRetrieval(), config=config, reranker=reranker)
 
 
 QUERY = OntologyQuery(semantic_query="content z please")

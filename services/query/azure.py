@@ -20,14 +20,12 @@ from collections.abc import Sequence
 
 from azure.search.documents.aio import SearchClient
 
+from ontofabric.contracts import MAIN_BRANCH
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.azure_search import DOCUMENT, read_watermark
-from ontofabric.shared.embedder import Vector
 from ontofabric.shared.logging import get_logger
 
-from .fusion import Candidate
-from .graph import GraphRows
-from .postgres import MAIN, Fetched, Hits, PostgresRetrieval, Representatives, Scope
+from .core import KEYWORD, Candidate, Hits, Scope, SearchInput, Visibility
 
 MAX_HIDDEN_IN_FILTER = 1000
 """Main's ids a branch hides that go into the search filter, at most (the service limits a filter's size)."""
@@ -63,10 +61,10 @@ def scope_filter(scope: Scope, hidden: Sequence[str] = ()) -> str:
         "deleted eq false",
         f"workspace eq {_quoted(scope.workspace)}",
     ]
-    if scope.branch == MAIN:
-        conditions.append(f"branch eq '{MAIN}'")
+    if scope.on_main:
+        conditions.append(f"branch eq '{MAIN_BRANCH}'")
     else:
-        mains = f"branch eq '{MAIN}'" + (f" and not {_any_of('documentId', hidden)}" if hidden else "")
+        mains = f"branch eq '{MAIN_BRANCH}'" + (f" and not {_any_of('documentId', hidden)}" if hidden else "")
         conditions.append(f"(branch eq {_quoted(scope.branch)} or ({mains}))")
     if scope.object_types is not None:
         conditions.append(_any_of("objectType", scope.object_types) if scope.object_types else "false")
@@ -77,27 +75,29 @@ def scope_filter(scope: Scope, hidden: Sequence[str] = ()) -> str:
     return " and ".join(conditions)
 
 
-class AzureKeywordRetrieval:
-    """The query worker's retrieval with the keyword path on Azure AI Search; the rest is the Postgres adapter's."""
+class AzureKeyword:
+    """The keyword retriever on Azure AI Search; its hits are checked against the document store."""
 
+    name = KEYWORD
     backend = "azure-ai-search"
+    needs_embedding = False
 
-    def __init__(self, postgres: PostgresRetrieval, client: SearchClient, timeout_s: float) -> None:
-        self._postgres = postgres
+    def __init__(self, visibility: Visibility, client: SearchClient, timeout_s: float) -> None:
+        self._visibility = visibility
         self._client = client
         self._timeout_s = timeout_s
 
-    async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
+    async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         # Outside the Azure budget: Postgres has its own statement timeout, and a slow read there is not Azure's.
-        hidden, hidden_at = await self._postgres.shadowed(scope) if scope.branch != MAIN else ([], None)
+        hidden, hidden_at = await self._visibility.shadowed(scope) if not scope.on_main else ([], None)
         where, top = scope_filter(scope, hidden), limit
         if len(hidden) > MAX_HIDDEN_IN_FILTER:  # too long a filter: ask for more, the Postgres check drops them
             where, top = scope_filter(scope), 1000
         async with asyncio.timeout(self._timeout_s):
             # The watermark first: what the search then sees is at least what the watermark vouches for.
             watermark = await read_watermark(self._client) or 0
-            hits = await self._search(where, text, min(top, 1000))
-        visible = await self._postgres.visible(scope, list({document_id for document_id, _, _, _ in hits}))
+            hits = await self._search(where, query.text, min(top, 1000))
+        visible = await self._visibility.visible(scope, list({document_id for document_id, _, _, _ in hits}))
         candidates: list[Candidate] = []
         seen: set[str] = set()
         stale = 0
@@ -120,20 +120,3 @@ class AzureKeywordRetrieval:
             search_text=escape_query(text), filter=where, select=["documentId", "branch", "contentMd5"], top=top
         )
         return [(r["documentId"], r["branch"], r["contentMd5"], float(r["@search.score"])) async for r in results]
-
-    # Everything but the keyword path reads Postgres.
-
-    async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
-        return await self._postgres.dense(scope, vector, limit)
-
-    async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
-        return await self._postgres.dense_scores(scope, vector, ids)
-
-    async def fetch(self, scope: Scope, ids: list[str], token_signs_of: Sequence[str] = ()) -> Fetched:
-        return await self._postgres.fetch(scope, ids, token_signs_of)
-
-    async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
-        return await self._postgres.graph_rows(workspace, branch)
-
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
-        return await self._postgres.representatives(scope, object_types)

@@ -1,26 +1,49 @@
-"""An LRU of query answers keyed by ontologyVersion: an answer is only ever served for the version it was made from."""
+"""What the query worker keeps between queries is keyed by ontologyVersion: an answer or a graph is only ever used
+for the version it was read at, and dropped when the version moves or a rebuild replaces the index."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Protocol, TypeVar
 
-V = TypeVar("V")
+from ontofabric.shared.lru import LruCache
+
+
+class Versioned(Hashable, Protocol):
+    @property
+    def workspace(self) -> str: ...
+
+    @property
+    def branch(self) -> str: ...
+
+    @property
+    def ontology_version(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class VersionKey:
+    """What was read: a workspace's branch (main ⊕ branch) at an ontologyVersion, in a rebuild generation."""
+
+    workspace: str
+    branch: str
+    ontology_version: str
+    generation: int = 0
+    """The workspace's rebuild generation it was read in (VersionTracker.generation)."""
 
 
 @dataclass(frozen=True)
 class CacheKey:
+    """An answer's key: what it was read from, and the query asked."""
+
     workspace: str
     branch: str
     ontology_version: str
     query_hash: str
     params_hash: str
     generation: int = 0
-    """The workspace's rebuild generation the answer was read in (VersionTracker.generation)."""
 
 
 def stable_hash(value: Any) -> str:
@@ -28,46 +51,19 @@ def stable_hash(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-class VersionedCache(Generic[V]):
-    """Bounded LRU. Not thread-safe: one asyncio loop owns it."""
+K = TypeVar("K", bound=Versioned)
+V = TypeVar("V")
 
-    def __init__(self, max_entries: int) -> None:
-        self._max_entries = max_entries
-        self._entries: OrderedDict[CacheKey, V] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._entries)
+def drop_stale(cache: LruCache[K, V], workspace: str, current_version: Callable[[str], str]) -> int:
+    """Drop the workspace's entries read at another version than their branch's current one.
 
-    def get(self, key: CacheKey) -> V | None:
-        value = self._entries.get(key)
-        if value is not None:
-            self._entries.move_to_end(key)
-        return value
+    A branch's version includes main's, so a new main version makes the branches' entries stale too."""
+    return cache.drop_where(
+        lambda key: key.workspace == workspace and key.ontology_version != current_version(key.branch)
+    )
 
-    def put(self, key: CacheKey, value: V) -> None:
-        if self._max_entries <= 0:
-            return
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
 
-    def drop_workspace(self, workspace: str) -> int:
-        stale = [key for key in self._entries if key.workspace == workspace]
-        for key in stale:
-            del self._entries[key]
-        return len(stale)
-
-    def invalidate_stale(self, workspace: str, current_version: Callable[[str], str]) -> int:
-        """Drop the workspace's answers made from another version than their branch's current one.
-
-        A branch answer's version includes main's, so a new main version makes the branches' answers stale too.
-        """
-        stale = [
-            key
-            for key in self._entries
-            if key.workspace == workspace and key.ontology_version != current_version(key.branch)
-        ]
-        for key in stale:
-            del self._entries[key]
-        return len(stale)
+def drop_workspace(cache: LruCache[K, V], workspace: str) -> int:
+    """Drop every entry of the workspace (after a rebuild: all were read from the replaced index)."""
+    return cache.drop_where(lambda key: key.workspace == workspace)

@@ -10,13 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class Candidate:
-    """One hit of one retriever; its rank is its 1-based position in that retriever's list."""
-
-    id: str
-    score: float
+from .core import DENSE, KEYWORD, Candidate
 
 
 @dataclass(frozen=True)
@@ -140,7 +134,7 @@ def adaptive_fusion(
     dense_floor = min(dense_scores.values(), default=0.0)
     keyword_scores = {c.id: c.score / ceiling for c in keyword}
     found_by: dict[str, dict[str, SourceHit]] = {}
-    for name, candidates in (("dense", dense), ("keyword", keyword)):
+    for name, candidates in ((DENSE, dense), (KEYWORD, keyword)):
         for position, candidate in enumerate(candidates, start=1):
             found_by.setdefault(candidate.id, {}).setdefault(name, SourceHit(position, candidate.score))
     fused = []
@@ -157,6 +151,14 @@ class FusionChoice:
     parameters: dict[str, float]
 
 
+def convex_weights(names: Sequence[str], dense_weight: float) -> dict[str, float]:
+    """The dense list weighs ``dense_weight`` and the others share the rest; without a dense list all weigh alike."""
+    others = [name for name in names if name != DENSE]
+    if DENSE not in names:
+        return {name: 1.0 / len(others) for name in others}
+    return {DENSE: dense_weight} | {name: (1.0 - dense_weight) / len(others) for name in others}
+
+
 def fuse(
     ranked_lists: Mapping[str, Sequence[Candidate]],
     method: str,
@@ -168,20 +170,23 @@ def fuse(
     query_ceiling: float | None = None,
     keyword_hits_dense: Mapping[str, float] | None = None,
 ) -> tuple[list[Fused], FusionChoice | None]:
-    """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None)."""
+    """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None).
+
+    Adaptive fusion weighs a dense list against a keyword list; any other set of lists is fused by RRF, and the
+    choice says so."""
     if len(ranked_lists) < 2:
         return reciprocal_rank_fusion(ranked_lists, k=rrf_k, limit=limit), None
-    if method == "rrf":
-        return reciprocal_rank_fusion(ranked_lists, k=rrf_k, limit=limit), FusionChoice("rrf", {"k": rrf_k})
-    if method == "convex":
-        weights = {"dense": dense_weight, "keyword": 1.0 - dense_weight}
-        return convex_fusion(ranked_lists, weights, limit), FusionChoice("convex", {"denseWeight": dense_weight})
-    if method == "adaptive":
+    if method == "adaptive" and set(ranked_lists) == {DENSE, KEYWORD}:
         fused, weight, gap = adaptive_fusion(
-            ranked_lists["dense"], ranked_lists["keyword"], keyword_ceiling, limit, query_ceiling, keyword_hits_dense
+            ranked_lists[DENSE], ranked_lists[KEYWORD], keyword_ceiling, limit, query_ceiling, keyword_hits_dense
         )
         parameters = {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)}
         if keyword_hits_dense is not None:
             parameters["keywordHitsDenseScored"] = len(keyword_hits_dense)
         return fused, FusionChoice("adaptive", parameters)
+    if method in ("rrf", "adaptive"):
+        return reciprocal_rank_fusion(ranked_lists, k=rrf_k, limit=limit), FusionChoice("rrf", {"k": rrf_k})
+    if method == "convex":
+        weights = convex_weights(list(ranked_lists), dense_weight)
+        return convex_fusion(ranked_lists, weights, limit), FusionChoice("convex", {"denseWeight": dense_weight})
     raise ValueError(f"unknown fusion method {method!r}")

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-MAIN = "main"
+from ontofabric.contracts import MAIN_BRANCH
+from ontofabric.shared.lru import LruCache
+
+from .cache import VersionKey, drop_stale, drop_workspace
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def overlay(rows: GraphRows, branch: str) -> OntologyGraph:
     transparent rows (reverts) leave main's as they are. On main, only main's live rows count."""
     nodes: dict[str, NodeRow] = {}
     links: dict[tuple[str, str, str], LinkRow] = {}
-    for layer in (MAIN, branch) if branch != MAIN else (MAIN,):
+    for layer in (MAIN_BRANCH, branch) if branch != MAIN_BRANCH else (MAIN_BRANCH,):
         for node in (n for n in rows.nodes if n.branch == layer and not n.transparent):
             nodes.pop(node.object_type, None)
             if not node.deleted:
@@ -138,33 +140,21 @@ class GraphCache:
 
     def __init__(self, load: Callable[[str, str], Awaitable[GraphRows]], max_graphs: int = 32) -> None:
         self._load = load
-        self._max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple[str, str, str, int], OntologyGraph] = OrderedDict()
+        self._graphs: LruCache[VersionKey, OntologyGraph] = LruCache(max_graphs)
 
     async def get(self, workspace: str, branch: str, version: str, generation: int = 0) -> OntologyGraph:
         """The graph at ``version``, or, when it has moved on since, the newer one the load read (its
         ``version`` says which: the caller compares). ``generation``: the workspace's rebuilds seen so far."""
-        key = (workspace, branch, version, generation)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            return graph
-        graph = overlay(await self._load(workspace, branch), branch)
-        # Kept under the version it was read at, never under one it may not be.
-        self._graphs[(workspace, branch, graph.version, generation)] = graph
-        while len(self._graphs) > self._max_graphs:
-            self._graphs.popitem(last=False)
+        graph = self._graphs.get(VersionKey(workspace, branch, version, generation))
+        if graph is None:
+            graph = overlay(await self._load(workspace, branch), branch)
+            # Kept under the version it was read at, never under one it may not be.
+            self._graphs.put(VersionKey(workspace, branch, graph.version, generation), graph)
         return graph
 
     def drop_workspace(self, workspace: str) -> int:
-        stale = [k for k in self._graphs if k[0] == workspace]
-        for key in stale:
-            del self._graphs[key]
-        return len(stale)
+        return drop_workspace(self._graphs, workspace)
 
     def drop_stale(self, workspace: str, current: Callable[[str], str]) -> int:
         """Forget the workspace's graphs whose version is no longer the branch's current one."""
-        stale = [k for k in self._graphs if k[0] == workspace and k[2] != current(k[1])]
-        for key in stale:
-            del self._graphs[key]
-        return len(stale)
+        return drop_stale(self._graphs, workspace, current)

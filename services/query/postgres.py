@@ -1,5 +1,5 @@
-"""Postgres adapter of the query worker: dense (pgvector HNSW) and keyword (BM25) retrieval, document fetch,
-the ontology graph and representative documents for graph expansion.
+"""Postgres adapter of the query worker: the dense (pgvector HNSW) and keyword (BM25) retrievers, and the document
+store (documents, the dense score of given ids, representatives, the ontology graph, what a scope shows).
 
 Both retrievers apply the same filters inside the index scan, so a filter never empties a top-k that the
 unfiltered index would have filled (pgvector iterative scans keep walking the HNSW graph until enough rows pass).
@@ -14,52 +14,35 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
-from ontofabric.contracts import NO_VERSION, format_version, overlay_version
+from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, format_version, overlay_version
 from ontofabric.shared.analysis import analyse
+from ontofabric.shared.checksums import CONTENT_MD5_SQL
 from ontofabric.shared.db import Connection
 from ontofabric.shared.embedder import Vector
+from ontofabric.shared.lru import LruCache
 
-from .fusion import Candidate
+from .core import (
+    DENSE,
+    KEYWORD,
+    Candidate,
+    Fetched,
+    Hits,
+    Representatives,
+    Scope,
+    SearchInput,
+    StoredDocument,
+    Visible,
+)
 from .graph import GraphRows, LinkRow, NodeRow
 
-MAIN = "main"
-
-
-@dataclass(frozen=True)
-class Scope:
-    workspace: str
-    branch: str
-    object_types: tuple[str, ...] | None = None
-    """Restrict to these object types (a requested type and its subtypes); None: any."""
-    chunk_level: str | None = None
-    provenance: str | None = None
-
-    @property
-    def branches(self) -> list[str]:
-        """The branches whose rows the scope reads: main, and the branch overlaid on it."""
-        return [MAIN] if self.branch == MAIN else [MAIN, self.branch]
-
-    @property
-    def filtered(self) -> bool:
-        return self.object_types is not None or self.chunk_level is not None or self.provenance is not None
-
-
-@dataclass(frozen=True)
-class StoredDocument:
-    id: str
-    content: str
-    object_type: str
-    source_domain: str
-    metadata: dict[str, Any]
-    token_signs: bytes | None = None
-    """Packed sign bits of its token vectors (shared/late_interaction.py), when it was sent with them."""
+MAIN_SQL = f"'{MAIN_BRANCH}'"
+"""The main branch as an SQL literal."""
 
 
 def where_clause(
@@ -74,12 +57,12 @@ def where_clause(
         return f"${first_parameter + len(parameters) - 1}"
 
     conditions = [f"{alias}workspace = {parameter(scope.workspace)}", f"NOT {alias}deleted"]
-    if scope.branch == MAIN:
-        conditions.append(f"{alias}branch = 'main'")
+    if scope.on_main:
+        conditions.append(f"{alias}branch = {MAIN_SQL}")
     else:
         branch, hidden = parameter(scope.branch), parameter(list(shadowed))
         conditions.append(
-            f"({alias}branch = {branch} OR ({alias}branch = 'main' AND NOT {alias}id = ANY({hidden}::text[])))"
+            f"({alias}branch = {branch} OR ({alias}branch = {MAIN_SQL} AND NOT {alias}id = ANY({hidden}::text[])))"
         )
     if scope.object_types is not None:
         conditions.append(f"{alias}object_type = ANY({parameter(list(scope.object_types))}::text[])")
@@ -102,71 +85,18 @@ class Snapshot:
     """The highest stream sequence applied to each branch read (absent: nothing yet)."""
 
 
-@dataclass(frozen=True)
-class Hits:
-    """A retriever's ranked candidates and the ontologyVersion of the data it read (from ``dense_scores``: scores
-    of the ids asked for, in no order)."""
+class PostgresSnapshots:
+    """Each read of the query worker is one snapshot (a read-only repeatable-read transaction) that knows its
+    version; the retrievers and the document store share this."""
 
-    candidates: list[Candidate]
-    version: str
-    ceiling: float | None = None
-    """Keyword only: the highest score a document could reach (every query term some document has, saturated)."""
-    query_ceiling: float | None = None
-    """Keyword only: the same over every query term, also those no document has."""
-    lagging: bool = False
-    """The index searched had not yet taken in every delta of the version read (a keyword index of its own)."""
-
-
-@dataclass(frozen=True)
-class Visible:
-    rows: dict[tuple[str, str], str]
-    """(id, branch) of the documents asked about that are live and visible in the scope, with the MD5 of the
-    content the scope shows (shared/azure_search.py, ``content_md5``)."""
-    version: str
-    stream_seqs: dict[str, int]
-    """The highest stream sequence applied to each branch read."""
-
-
-@dataclass(frozen=True)
-class Fetched:
-    documents: dict[str, StoredDocument]
-    version: str
-
-
-@dataclass(frozen=True)
-class Representatives:
-    documents: dict[str, str]
-    """object type -> id of its representative document"""
-    version: str | None
-    """ontologyVersion of the snapshot read; None when nothing was asked."""
-
-
-class PostgresRetrieval:
-    """Each call reads one snapshot (a read-only repeatable-read transaction) and says which version it saw."""
-
-    backend = "postgres-bm25"
-
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        text_search_config: str,
-        ef_search: int,
-        bm25_k1: float,
-        bm25_b: float,
-        bm25_k3: float,
-    ) -> None:
+    def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
-        self._config = text_search_config
-        self._ef_search = ef_search
-        self._k1 = bm25_k1
-        self._b = bm25_b
-        self._k3 = bm25_k3
         # Main ids a branch hides, per (workspace, branch, version, revisions): computed once per version, inside a
         # snapshot. The revisions tell a rebuilt index (the same version) from the one it replaced.
-        self._shadowed: OrderedDict[tuple[str, str, str, tuple[int, ...]], list[str]] = OrderedDict()
+        self._shadowed: LruCache[tuple[str, str, str, tuple[int, ...]], list[str]] = LruCache(64)
 
     @contextlib.asynccontextmanager
-    async def _snapshot(self, scope: Scope) -> AsyncIterator[Snapshot]:
+    async def read(self, scope: Scope) -> AsyncIterator[Snapshot]:
         async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
             # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
@@ -179,19 +109,32 @@ class PostgresRetrieval:
                 scope.branches,
             )
             versions = {r["branch"]: format_version(r["state_hash"], r["stream_seq"]) for r in rows}
-            version = overlay_version(versions.get(MAIN, NO_VERSION), scope.branch, versions.get(scope.branch))
+            version = overlay_version(versions.get(MAIN_BRANCH, NO_VERSION), scope.branch, versions.get(scope.branch))
             shadowed: list[str] = []
-            if scope.branch != MAIN:
+            if not scope.on_main:
                 key = (scope.workspace, scope.branch, version, tuple(r["revision"] for r in rows))
-                if key not in self._shadowed:
-                    self._shadowed[key] = await _shadowed_ids(conn, scope.workspace, scope.branch)
-                    while len(self._shadowed) > 64:
-                        self._shadowed.popitem(last=False)
-                shadowed = self._shadowed[key]
+                found = self._shadowed.get(key)
+                if found is None:
+                    found = await _shadowed_ids(conn, scope.workspace, scope.branch)
+                    self._shadowed.put(key, found)
+                shadowed = found
             yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows})
 
-    async def dense(self, scope: Scope, vector: Vector, limit: int) -> Hits:
-        async with self._snapshot(scope) as snapshot:
+
+class PostgresDense:
+    """Nearest neighbours by cosine distance over the HNSW index, the request's filters applied inside the scan."""
+
+    name = DENSE
+    backend = "pgvector"
+    needs_embedding = True
+
+    def __init__(self, snapshots: PostgresSnapshots, ef_search: int) -> None:
+        self._snapshots = snapshots
+        self._ef_search = ef_search
+
+    async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+        assert query.vector is not None, "the pipeline embeds the query for retrievers that need it"
+        async with self._snapshots.read(scope) as snapshot:
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             # relaxed_order iterative scans may return rows slightly out of order: re-sort the materialised top-k.
             sql = f"""
@@ -202,58 +145,42 @@ class PostgresRetrieval:
                 SELECT id, 1 - distance AS score FROM nearest WHERE distance <> 'NaN'::float8 ORDER BY distance, id"""
             if limit > self._ef_search:  # the HNSW candidate list must hold at least the rows asked for
                 await snapshot.conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
-            rows = await snapshot.conn.fetch(sql, vector, limit, *parameters)
+            rows = await snapshot.conn.fetch(sql, query.vector, limit, *parameters)
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
 
-    async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
-        """Which of ``ids`` are live and visible in the scope, on which branch and with which content: what another
-        index's hits are checked against, so only the text shown here is ever answered from there."""
-        async with self._snapshot(scope) as snapshot:
-            where, parameters = where_clause(scope, 2, snapshot.shadowed)
-            rows = await snapshot.conn.fetch(
-                f"SELECT id, branch, md5(convert_to(content, 'UTF8')) AS content_md5 FROM documents"
-                f" WHERE {where} AND id = ANY($1::text[])",
-                list(ids),
-                *parameters,
-            )
-        found = {(r["id"], r["branch"]): r["content_md5"] for r in rows}
-        return Visible(found, snapshot.version, snapshot.stream_seqs)
 
-    async def shadowed(self, scope: Scope) -> tuple[list[str], str]:
-        """Main's ids the scope's branch hides (none on main), and the version of the snapshot that says so."""
-        async with self._snapshot(scope) as snapshot:
-            return snapshot.shadowed, snapshot.version
+class PostgresKeyword:
+    """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
 
-    async def dense_scores(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
-        """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
-        for keyword hits the dense top-k did not reach, so fusion weighs what they are, not a guess."""
-        async with self._snapshot(scope) as snapshot:
-            where, parameters = where_clause(scope, 3, snapshot.shadowed)
-            sql = f"""
-                SELECT id, 1 - (embedding <=> $1) AS score FROM documents
-                WHERE id = ANY($2::text[]) AND {where} AND embedding IS NOT NULL"""
-            rows = await snapshot.conn.fetch(sql, vector, list(ids), *parameters)
-        return Hits(
-            [Candidate(r["id"], float(r["score"])) for r in rows if not math.isnan(r["score"])], snapshot.version
-        )
+    A query term repeated n times weighs (k3 + 1)·n / (k3 + n), Okapi's query-term saturation: long queries
+    (a paragraph, an argument) say what matters by repeating it, short ones rarely repeat a word on purpose.
 
-    async def keyword(self, scope: Scope, text: str, limit: int) -> Hits:
-        """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
+    On a branch, N, the average length and document frequencies add up main's and the branch's rows (main's
+    rows the branch shadows are counted too): an approximation that is exact on main and close while a
+    branch's delta is small beside main.
+    """
 
-        A query term repeated n times weighs (k3 + 1)·n / (k3 + n), Okapi's query-term saturation: long queries
-        (a paragraph, an argument) say what matters by repeating it, short ones rarely repeat a word on purpose.
+    name = KEYWORD
+    backend = "postgres-bm25"
+    needs_embedding = False
 
-        On a branch, N, the average length and document frequencies add up main's and the branch's rows (main's
-        rows the branch shadows are counted too): an approximation that is exact on main and close while a
-        branch's delta is small beside main.
-        """
-        async with self._snapshot(scope) as snapshot:
-            rows = await snapshot.conn.fetch(*self._keyword_sql(scope, text, limit, snapshot.shadowed))
+    def __init__(
+        self, snapshots: PostgresSnapshots, text_search_config: str, bm25_k1: float, bm25_b: float, bm25_k3: float
+    ) -> None:
+        self._snapshots = snapshots
+        self._config = text_search_config
+        self._k1 = bm25_k1
+        self._b = bm25_b
+        self._k3 = bm25_k3
+
+    async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+        async with self._snapshots.read(scope) as snapshot:
+            rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
         ceiling = float(rows[0]["ceiling"]) if rows else None
         query_ceiling = float(rows[0]["query_ceiling"]) if rows else None
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, ceiling, query_ceiling)
 
-    def _keyword_sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
+    def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
         parameters: list[Any] = [
             self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed, self._k3
         ]  # fmt: skip
@@ -293,7 +220,7 @@ class PostgresRetrieval:
                     SELECT branch, doc_id, tf, doc_length FROM postings p
                     WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term
                     OFFSET 0) p
-                WHERE NOT (p.branch = 'main' AND p.doc_id = ANY($8::text[]))
+                WHERE NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
                 GROUP BY p.doc_id)
             -- The best score a document could reach: over the terms some document has (ceiling), and over every
             -- query term (query_ceiling: a term no document has still counts as missing from every match).
@@ -304,9 +231,17 @@ class PostgresRetrieval:
             ORDER BY s.score DESC, s.id LIMIT $3"""
         return [sql, *parameters]
 
+
+class PostgresDocuments:
+    """The document store: documents, the dense score of given ids, representatives and the graph, and what a
+    scope shows (which other indexes' hits are checked against)."""
+
+    def __init__(self, snapshots: PostgresSnapshots) -> None:
+        self._snapshots = snapshots
+
     async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
-        async with self._snapshot(scope) as snapshot:
-            where, parameters = where_clause(Scope(scope.workspace, scope.branch), 3, snapshot.shadowed)
+        async with self._snapshots.read(scope) as snapshot:
+            where, parameters = where_clause(scope.unfiltered, 3, snapshot.shadowed)
             # Token signs (kilobytes a document) only where late interaction will read them.
             sql = f"""
                 SELECT id, content, object_type, source_domain, metadata,
@@ -327,10 +262,36 @@ class PostgresRetrieval:
         }
         return Fetched(documents, snapshot.version)
 
+    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+        """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
+        for keyword hits the dense top-k did not reach, so fusion weighs what they are, not a guess."""
+        async with self._snapshots.read(scope) as snapshot:
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
+            sql = f"""
+                SELECT id, 1 - (embedding <=> $1) AS score FROM documents
+                WHERE id = ANY($2::text[]) AND {where} AND embedding IS NOT NULL"""
+            rows = await snapshot.conn.fetch(sql, vector, list(ids), *parameters)
+        return Hits(
+            [Candidate(r["id"], float(r["score"])) for r in rows if not math.isnan(r["score"])], snapshot.version
+        )
+
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
+        """One document per object type: a type-level chunk if there is one, else a method-level one."""
+        if not object_types:
+            return Representatives({}, None)
+        async with self._snapshots.read(scope) as snapshot:
+            where, parameters = where_clause(scope.unfiltered, 2, snapshot.shadowed)
+            sql = f"""
+                SELECT DISTINCT ON (object_type) object_type, id FROM documents
+                WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
+                ORDER BY object_type, chunk_level = 'method', id"""
+            rows = await snapshot.conn.fetch(sql, list(object_types), *parameters)
+        return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
+
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""
         scope = Scope(workspace, branch)
-        async with self._snapshot(scope) as snapshot:
+        async with self._snapshots.read(scope) as snapshot:
             conn, branches = snapshot.conn, scope.branches
             nodes = await conn.fetch(
                 "SELECT branch, object_type, kind, interfaces, deleted, transparent FROM ontology_nodes"
@@ -358,18 +319,24 @@ class PostgresRetrieval:
             version=snapshot.version,
         )  # fmt: skip
 
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
-        """One document per object type: a type-level chunk if there is one, else a method-level one."""
-        if not object_types:
-            return Representatives({}, None)
-        async with self._snapshot(scope) as snapshot:
-            where, parameters = where_clause(Scope(scope.workspace, scope.branch), 2, snapshot.shadowed)
-            sql = f"""
-                SELECT DISTINCT ON (object_type) object_type, id FROM documents
-                WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
-                ORDER BY object_type, chunk_level = 'method', id"""
-            rows = await snapshot.conn.fetch(sql, list(object_types), *parameters)
-        return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
+    async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
+        """Which of ``ids`` are live and visible in the scope, on which branch and with which content: what another
+        index's hits are checked against, so only the text shown here is ever answered from there."""
+        async with self._snapshots.read(scope) as snapshot:
+            where, parameters = where_clause(scope, 2, snapshot.shadowed)
+            rows = await snapshot.conn.fetch(
+                f"SELECT id, branch, {CONTENT_MD5_SQL} AS content_md5 FROM documents"
+                f" WHERE {where} AND id = ANY($1::text[])",
+                list(ids),
+                *parameters,
+            )
+        found = {(r["id"], r["branch"]): r["content_md5"] for r in rows}
+        return Visible(found, snapshot.version, snapshot.stream_seqs)
+
+    async def shadowed(self, scope: Scope) -> tuple[list[str], str]:
+        """Main's ids the scope's branch hides (none on main), and the version of the snapshot that says so."""
+        async with self._snapshots.read(scope) as snapshot:
+            return snapshot.shadowed, snapshot.version
 
 
 async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:
@@ -382,8 +349,8 @@ async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[s
     ids = [r["id"] for r in rows]
     keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
     found = await conn.fetch(
-        "SELECT id FROM documents WHERE workspace = $1 AND branch = 'main' AND id = ANY($2::text[])"
-        " UNION SELECT id FROM documents WHERE workspace = $1 AND branch = 'main' AND symbol_key = ANY($3::text[])",
+        f"SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[]) UNION"
+        f" SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])",
         workspace,
         ids,
         keys,

@@ -1,4 +1,4 @@
-"""The Reranker port and its adapters: a local cross-encoder and an HTTP client of the Cohere rerank API.
+"""Reranker adapters (the port is in ``core``): a local cross-encoder and an HTTP client of the Cohere rerank API.
 
 An adapter raises on any failure; the pipeline turns a failure or a timeout into ``_meta.degraded: ["reranker"]``
 and keeps the fused order, so a caller never sees a reranker error.
@@ -7,11 +7,9 @@ and keeps the fused order, so a caller never sees a reranker error.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
 
 import httpx
 from pydantic import BaseModel, Field, ValidationError
@@ -19,35 +17,9 @@ from pydantic import BaseModel, Field, ValidationError
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 
+from .core import Reranker, RerankerError
+
 log = get_logger(__name__)
-
-
-class RerankerError(Exception):
-    """The reranker answered with an error or with something that is not a ranking."""
-
-
-def check_ranking(ranking: Sequence[tuple[int, float]], documents: int) -> list[tuple[int, float]]:
-    """The port's promise, enforced whatever the adapter: at least one document ranked, each index into the
-    documents at most once, every relevance a number in [0, 1], best first. Anything else is a failed call."""
-    if documents and not ranking:
-        raise RerankerError("the reranker ranked none of the documents")
-    indexes = [i for i, _ in ranking]
-    if any(not 0 <= i < documents for i in indexes) or len(set(indexes)) != len(indexes):
-        raise RerankerError("the reranker returned indexes outside the documents sent, or repeated ones")
-    if any(not (math.isfinite(score) and 0.0 <= score <= 1.0) for _, score in ranking):
-        raise RerankerError("the reranker returned a relevance that is not a number in [0, 1]")
-    return sorted(ranking, key=lambda pair: -pair[1])
-
-
-class Reranker(Protocol):
-    name: str
-
-    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
-        """(index into ``documents``, relevance in [0, 1]) for the best ``top_n``, best first, no index twice.
-        ``documents`` arrive in the fused order, best first."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 class _LocalModel:

@@ -6,8 +6,6 @@ serving. Nothing a caller sends can crash it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncpg
 from azure.search.documents.aio import SearchClient
 from faststream.nats import NatsBroker, NatsMessage
@@ -21,15 +19,16 @@ from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments
 
-from .azure import AzureKeywordRetrieval
-from .cache import VersionedCache
-from .pipeline import PipelineConfig, QueryPipeline, Retrieval, RetrievalUnavailable
-from .postgres import PostgresRetrieval
-from .rerankers import Reranker
+from .config import PipelineConfig
+from .core import Reranker
+from .pipeline import QueryPipeline, RetrievalUnavailable
+from .postgres import PostgresDocuments, PostgresSnapshots
+from .retrievers import build_retrievers
 from .versions import VersionTracker
 
 log = get_logger(__name__)
@@ -152,39 +151,19 @@ class QueryService:
         await broker.connect()
         js = broker.connection.jetstream()
         await ensure_jetstream(js, names, settings)
-        cache: VersionedCache[Any] = VersionedCache(settings.query_cache_entries)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
-        postgres = PostgresRetrieval(
-            self._pool,
-            settings.text_search_config,
-            settings.hnsw_ef_search,
-            settings.bm25_k1,
-            settings.bm25_b,
-            settings.bm25_k3,
-        )
-        retrieval: Retrieval = postgres
+        snapshots = PostgresSnapshots(self._pool)
+        documents = PostgresDocuments(snapshots)
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
             self._azure = search_client(settings, retries=0)
-            retrieval = AzureKeywordRetrieval(postgres, self._azure, settings.azure_search_timeout_ms / 1000)
         pipeline = QueryPipeline(
-            retrieval,
+            build_retrievers(settings, snapshots, documents, self._azure),
+            documents,
             self._embedder,
             tracker,
-            cache,
-            PipelineConfig(
-                retriever_top_k=settings.retriever_top_k,
-                fusion_method=settings.fusion_method,
-                rrf_k=settings.rrf_k,
-                dense_weight=settings.fusion_dense_weight,
-                early_exit_saturation=settings.early_exit_saturation,
-                expansion_max_types=settings.expansion_max_types,
-                rerank_timeout_s=settings.reranker_timeout_ms / 1000,
-                rerank_depth=settings.reranker_depth,
-                late_interaction_weight=settings.late_interaction_weight,
-                late_interaction_depth=settings.late_interaction_depth,
-                late_interaction_max_query_tokens=settings.late_interaction_max_query_tokens,
-            ),
+            LruCache(settings.query_cache_entries),
+            PipelineConfig.from_settings(settings),
             self._reranker,
         )
         tracker.set_listener(pipeline.invalidate)

@@ -20,9 +20,9 @@ import numpy as np
 
 from ontofabric.services.demo import project_root
 from ontofabric.services.ops.evaluation import percentile
+from ontofabric.services.query.core import StoredDocument
 from ontofabric.services.query.fusion import Fused
-from ontofabric.services.query.pipeline import late_interaction
-from ontofabric.services.query.postgres import StoredDocument
+from ontofabric.services.query.stages import late_interaction
 from ontofabric.shared.embedder import LocalSentenceTransformer, cpu_has_bfloat16
 from ontofabric.shared.late_interaction import max_similarities, pack_signs, unpack_signs
 from ontofabric.shared.logging import configure_logging

@@ -22,7 +22,8 @@ import numpy as np
 import Stemmer
 
 from ontofabric.services.ops.evaluation import compute_metrics, document_text, load_beir
-from ontofabric.services.query.fusion import Candidate, reciprocal_rank_fusion
+from ontofabric.services.query.core import Candidate
+from ontofabric.services.query.fusion import reciprocal_rank_fusion
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.settings import Settings

@@ -1,0 +1,34 @@
+"""The deployment's defaults the query pipeline reads: the settings of the same names, defaults included."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ontofabric.shared.settings import Settings
+
+
+def _default(name: str) -> Any:
+    return Settings.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Every field is the setting of the same name (``ontofabric settings``), with its default; a request option
+    that is left out takes the value here."""
+
+    retriever_top_k: int = _default("retriever_top_k")
+    fusion_method: str = _default("fusion_method")
+    rrf_k: int = _default("rrf_k")
+    fusion_dense_weight: float = _default("fusion_dense_weight")
+    early_exit_saturation: float = _default("early_exit_saturation")
+    reranker_timeout_ms: int = _default("reranker_timeout_ms")
+    reranker_depth: int = _default("reranker_depth")
+    late_interaction_weight: float = _default("late_interaction_weight")
+    late_interaction_depth: int = _default("late_interaction_depth")
+    late_interaction_max_query_tokens: int = _default("late_interaction_max_query_tokens")
+    expansion_max_types: int = _default("expansion_max_types")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PipelineConfig:
+        return cls(**{field.name: getattr(settings, field.name) for field in fields(cls)})

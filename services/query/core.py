@@ -1,0 +1,201 @@
+"""The query side's core: the value types every stage passes along and the ports adapters implement.
+
+Adapters (Postgres, Azure AI Search, the rerankers) import this module; it imports no adapter. A retriever is a
+named part behind :class:`Retriever`; everything else the pipeline reads (documents, the dense score of given ids,
+representatives, graph rows) comes from one :class:`DocumentStore`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ontofabric.contracts import MAIN_BRANCH
+from ontofabric.shared.embedder import Vector
+from ontofabric.shared.late_interaction import TokenMatrix
+
+from .graph import GraphRows
+
+DENSE, KEYWORD = "dense", "keyword"
+"""The two retrievers adaptive fusion weighs against each other (and ``_meta.hybrid`` asks about)."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a query may see: a workspace, main or a branch overlaid on it, and the request's filters."""
+
+    workspace: str
+    branch: str
+    object_types: tuple[str, ...] | None = None
+    """Restrict to these object types (a requested type and its subtypes); None: any."""
+    chunk_level: str | None = None
+    provenance: str | None = None
+
+    @property
+    def on_main(self) -> bool:
+        return self.branch == MAIN_BRANCH
+
+    @property
+    def branches(self) -> list[str]:
+        """The branches whose rows the scope reads: main, and the branch overlaid on it."""
+        return [MAIN_BRANCH] if self.on_main else [MAIN_BRANCH, self.branch]
+
+    @property
+    def filtered(self) -> bool:
+        return self.object_types is not None or self.chunk_level is not None or self.provenance is not None
+
+    @property
+    def unfiltered(self) -> Scope:
+        """The same workspace and branch without the request's filters (documents are fetched by id)."""
+        return Scope(self.workspace, self.branch)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One hit of one retriever; its rank is its 1-based position in that retriever's list."""
+
+    id: str
+    score: float
+
+
+@dataclass(frozen=True)
+class Hits:
+    """A retriever's ranked candidates and the ontologyVersion of the data it read (from
+    :meth:`DocumentStore.similarities`: scores of the ids asked for, in no order)."""
+
+    candidates: list[Candidate]
+    version: str
+    ceiling: float | None = None
+    """The highest score a document could reach for this query (keyword: every query term some document has,
+    saturated); None when the retriever cannot say."""
+    query_ceiling: float | None = None
+    """Keyword: the same over every query term, also those no document has."""
+    lagging: bool = False
+    """The index searched had not yet taken in every delta of the version read (an index of its own, such as
+    Azure AI Search): the answer says ``{name}IndexBehind``."""
+
+
+@dataclass(frozen=True)
+class SearchInput:
+    """What a retriever searches with."""
+
+    text: str
+    vector: Vector | None = None
+    """The query's embedding; given to retrievers that declare ``needs_embedding``."""
+
+
+class Retriever(Protocol):
+    """A named source of ranked candidates. Register one in ``retrievers.py``: the pipeline runs, fuses and
+    reports every registered retriever by its name (``_meta.retrievers``, ``foundBy``, ``_meta.degraded``)."""
+
+    name: str
+    backend: str
+    """Where it searches (``_meta.backend`` names the keyword retriever's)."""
+    needs_embedding: bool
+
+    async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits: ...
+
+
+@dataclass(frozen=True)
+class StoredDocument:
+    id: str
+    content: str
+    object_type: str
+    source_domain: str
+    metadata: dict[str, Any]
+    token_signs: bytes | None = None
+    """Packed sign bits of its token vectors (shared/late_interaction.py), when it was sent with them."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    documents: dict[str, StoredDocument]
+    version: str
+
+
+@dataclass(frozen=True)
+class Representatives:
+    documents: dict[str, str]
+    """object type -> id of its representative document"""
+    version: str | None
+    """ontologyVersion of the snapshot read; None when nothing was asked."""
+
+
+class DocumentStore(Protocol):
+    """The source of truth the retrievers' hits are read from. Each call reads one consistent snapshot and says
+    which ontologyVersion it saw."""
+
+    async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+        """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""
+        ...
+
+    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+        """The dense score (cosine similarity) of each of ``ids`` live in the scope, in no particular order."""
+        ...
+
+    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives: ...
+
+    async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
+
+
+@dataclass(frozen=True)
+class Visible:
+    rows: dict[tuple[str, str], str]
+    """(id, branch) of the documents asked about that are live and visible in the scope, with the MD5 of the
+    content the scope shows (shared/checksums.py)."""
+    version: str
+    stream_seqs: dict[str, int]
+    """The highest stream sequence applied to each branch read."""
+
+
+class Visibility(Protocol):
+    """What an index kept outside the document store checks its hits against."""
+
+    async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible: ...
+
+    async def shadowed(self, scope: Scope) -> tuple[list[str], str]:
+        """Main's ids the scope's branch hides (none on main), and the version of the snapshot that says so."""
+        ...
+
+
+@dataclass(frozen=True)
+class EmbeddedQuery:
+    vector: Vector
+    tokens: TokenMatrix
+    """One vector per token, for late interaction."""
+
+
+class VersionSource(Protocol):
+    def current(self, workspace: str, branch: str) -> str: ...
+
+    def generation(self, workspace: str) -> int: ...
+
+
+class RerankerError(Exception):
+    """The reranker answered with an error or with something that is not a ranking."""
+
+
+class Reranker(Protocol):
+    name: str
+
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
+        """(index into ``documents``, relevance in [0, 1]) for the best ``top_n``, best first, no index twice.
+        ``documents`` arrive in the fused order, best first."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def check_ranking(ranking: Sequence[tuple[int, float]], documents: int) -> list[tuple[int, float]]:
+    """The reranker port's promise, enforced whatever the adapter: at least one document ranked, each index into
+    the documents at most once, every relevance a number in [0, 1], best first. Anything else is a failed call."""
+    if documents and not ranking:
+        raise RerankerError("the reranker ranked none of the documents")
+    indexes = [i for i, _ in ranking]
+    if any(not 0 <= i < documents for i in indexes) or len(set(indexes)) != len(indexes):
+        raise RerankerError("the reranker returned indexes outside the documents sent, or repeated ones")
+    if any(not (math.isfinite(score) and 0.0 <= score <= 1.0) for _, score in ranking):
+        raise RerankerError("the reranker returned a relevance that is not a number in [0, 1]")
+    return sorted(ranking, key=lambda pair: -pair[1])

@@ -1,0 +1,29 @@
+"""The retrievers a query worker runs, registered in one place. The pipeline runs every one of them by default
+(a request may ask for some by name), fuses their lists and reports each by its name."""
+
+from __future__ import annotations
+
+from azure.search.documents.aio import SearchClient
+
+from ontofabric.shared.settings import Settings
+
+from .azure import AzureKeyword
+from .core import Retriever
+from .postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
+
+
+def build_retrievers(
+    settings: Settings, snapshots: PostgresSnapshots, documents: PostgresDocuments, azure: SearchClient | None
+) -> list[Retriever]:
+    """Dense search on pgvector, and keyword search on the configured backend (``azure`` when it is Azure AI
+    Search)."""
+    keyword: Retriever
+    if settings.keyword_backend == "azure-ai-search":
+        if azure is None:
+            raise ValueError("the azure-ai-search keyword backend needs an Azure AI Search client")
+        keyword = AzureKeyword(documents, azure, settings.azure_search_timeout_ms / 1000)
+    else:
+        keyword = PostgresKeyword(
+            snapshots, settings.text_search_config, settings.bm25_k1, settings.bm25_b, settings.bm25_k3
+        )
+    return [PostgresDense(snapshots, settings.hnsw_ef_search), keyword]

@@ -1,0 +1,91 @@
+"""One query's run: what each stage recorded as it went, from which the answer's ``_meta`` is built.
+
+Stages never copy facts into a result type of their own: they time themselves, name what failed and report what
+ran here, and :meth:`QueryRun.meta` turns that into the ``_meta`` envelope.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ontofabric.contracts import OntologyQuery, QueryMeta
+from ontofabric.shared.logging import describe, get_logger
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+_RUN_FIELDS = frozenset({"workspace", "branch", "degraded", "timings_ms", "cache_hit", "backend"})
+"""``_meta`` fields the run fills itself; stages report the others."""
+
+
+def milliseconds_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+@dataclass
+class QueryRun:
+    query: OntologyQuery
+    workspace: str
+    started: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=dict)
+    degraded: list[str] = field(default_factory=list)
+    """Parts that failed or were unavailable, in the order they did."""
+    versions_read: set[str] = field(default_factory=set)
+    """The ontologyVersion of every snapshot the answer read: more than one means it mixes states."""
+    reports: dict[str, Any] = field(default_factory=dict)
+    """``_meta`` fields as the stages reported them, by their Python names."""
+
+    async def timed(self, stage: str, work: Awaitable[T]) -> T:
+        """``work``'s result; its wall time goes into ``_meta.timingsMs[stage]``, failed or not."""
+        started = time.perf_counter()
+        try:
+            return await work
+        finally:
+            self.timings[stage] = milliseconds_since(started)
+
+    async def guarded(self, part: str, work: Awaitable[T], *, stage: str | None = None) -> T | None:
+        """``work``'s result, or None when it failed: the part is then named in ``_meta.degraded`` and the answer
+        goes on without it. ``stage``: time it under that name too."""
+        try:
+            return await (self.timed(stage, work) if stage is not None else work)
+        except Exception as error:
+            self.degrade(part, error)
+            return None
+
+    def degrade(self, part: str, error: BaseException | None = None, **context: Any) -> None:
+        if error is not None:
+            log.warning("part_failed", part=part, error=describe(error), **context)
+        self.degraded.append(part)
+
+    def read(self, version: str | None) -> None:
+        if version is not None:
+            self.versions_read.add(version)
+
+    def report(self, **fields: Any) -> None:
+        """Record ``_meta`` fields (QueryMeta's Python names); a name QueryMeta does not have is a bug."""
+        unknown = (fields.keys() - QueryMeta.model_fields.keys()) | (fields.keys() & _RUN_FIELDS)
+        if unknown:
+            raise KeyError(f"not _meta fields a stage reports: {sorted(unknown)}")
+        self.reports.update(fields)
+
+    def settle(self, *, consistent: bool) -> None:
+        """After the last read: an answer that read more than one state, or lost documents between its reads,
+        says so (it is then not cached)."""
+        if len(self.versions_read) > 1 or not consistent:
+            self.degrade("ontologyVersionChanged")
+
+    def meta(self, backend: str, cache_hit: bool = False) -> QueryMeta:
+        self.timings["total"] = milliseconds_since(self.started)
+        return QueryMeta(
+            workspace=self.workspace,
+            branch=self.query.branch,
+            degraded=list(self.degraded),
+            timings_ms=dict(self.timings),
+            cache_hit=cache_hit,
+            backend=backend,
+            **self.reports,
+        )

@@ -1,0 +1,165 @@
+"""The pipeline's decisions, as pure functions: what the keyword list says about a query, which refinements will
+reorder the fused candidates, how late interaction and a reranker's answer are merged into the order, and what a
+result looks like. No I/O here; ``pipeline.py`` runs them in order."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from ontofabric.contracts import FoundBy, OntologyQuery, SearchResult
+from ontofabric.contracts.query import LateInteractionOptions, LateInteractionReport, QueryOptions
+from ontofabric.shared.late_interaction import TokenMatrix, blend_with_fused_position, max_similarities, unpack_signs
+
+from .config import PipelineConfig
+from .core import Candidate, StoredDocument
+from .fusion import Fused, keyword_gap
+
+OVERSAMPLE = 1.5
+"""Fused candidates kept per requested result, headroom for a reranker to reorder (seed 000 §6 step 4)."""
+
+EARLY_EXIT_MAX_TOKENS = 5
+"""Only queries shorter than this (in words) skip the reranker when the keyword top hit is saturated."""
+
+
+def options_of(query: OntologyQuery) -> QueryOptions:
+    return query.options or QueryOptions()
+
+
+def keyword_signals(keyword: Sequence[Candidate], ceiling: float | None, text: str) -> dict[str, float]:
+    """What the keyword list says about the query: its top hit's saturation (over every query term, also those no
+    document has) and how far that hit stands out."""
+    signals = {"queryTokens": float(len(text.split()))}
+    if keyword and ceiling:
+        signals["keywordSaturation"] = round(keyword[0].score / ceiling, 4)
+        signals["keywordGap"] = round(keyword_gap(keyword, ceiling), 4)
+    return signals
+
+
+def early_exit(signals: Mapping[str, float], threshold: float, max_tokens: int = EARLY_EXIT_MAX_TOKENS) -> bool:
+    """Seed 000 §6 step 5: a short query whose keyword top hit is saturated needs no reranker."""
+    return signals.get("keywordSaturation", 0.0) >= threshold and signals["queryTokens"] < max_tokens
+
+
+@dataclass(frozen=True)
+class Refinements:
+    """What will reorder this query's fused candidates, decided before fusion so that it keeps enough of them."""
+
+    rerank: bool
+    skipped_rerank: str | None
+    """Why no reranker runs although precision was asked (none when it was not asked)."""
+    interaction_tokens: TokenMatrix | None
+    """The query's tokens when late interaction runs; None when it does not."""
+    interaction_weight: float
+    interaction_depth: int
+    skipped_late_interaction: str | None
+    fused_limit: int
+
+
+def plan_refinements(
+    query: OntologyQuery,
+    config: PipelineConfig,
+    signals: Mapping[str, float],
+    query_tokens: TokenMatrix | None,
+    reranker_available: bool,
+) -> Refinements:
+    rerank, skipped_rerank = False, None
+    if query.precision:
+        if not reranker_available:
+            skipped_rerank = "no_reranker"
+        elif early_exit(signals, config.early_exit_saturation):
+            skipped_rerank = "bm25_saturation"
+        else:
+            rerank = True
+    asked = options_of(query).late_interaction or LateInteractionOptions()
+    weight = config.late_interaction_weight if asked.weight is None else asked.weight
+    depth = asked.depth or config.late_interaction_depth
+    tokens = query_tokens if weight > 0 else None  # none: late interaction does not run
+    skipped = None
+    if tokens is not None and len(tokens) > config.late_interaction_max_query_tokens and asked.weight is None:
+        # On long queries it reordered the fused list worse than the fusion alone (docs/quality.md, "Late
+        # interaction"); a request that sets its weight itself still gets it.
+        tokens, skipped = None, "long_query"
+    # Headroom over topK, and at least the depth of late interaction and, when a reranker will run, of the
+    # reranker, so each sees the number of candidates its defaults were measured with.
+    limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k, 0 if tokens is None else depth)
+    if rerank:
+        limit = max(limit, config.reranker_depth)
+    return Refinements(rerank, skipped_rerank, tokens, weight, depth, skipped, limit)
+
+
+def above_the_rest(ranked: list[Fused], candidates: Sequence[Fused]) -> list[Fused]:
+    """``ranked`` (a stage's order, best first, each with the relevance the stage gave it), then the candidates it
+    did not rank, in their order, scaled under its lowest relevance: a score that says "lower", not "irrelevant"."""
+    seen = {hit.id for hit in ranked}
+    floor = ranked[-1].relevance if ranked else 0.0
+    return ranked + [replace(hit, relevance=floor * hit.relevance) for hit in candidates if hit.id not in seen]
+
+
+def late_interaction(
+    query_tokens: TokenMatrix,
+    candidates: list[Fused],
+    documents: Mapping[str, StoredDocument],
+    weight: float,
+    depth: int,
+) -> tuple[list[Fused], LateInteractionReport | None]:
+    """The leading ``depth`` candidates reordered by their fused position blended with their MaxSim similarity to
+    the query's tokens (over their stored token signs), each with the blend as its relevance; those after them
+    keep their order, scaled under the lowest blended relevance. Unchanged (report None) when fewer than two
+    leading candidates have token vectors: there is nothing to compare."""
+    head = candidates[:depth]
+    unpacked: dict[int, TokenMatrix] = {}
+    for position, hit in enumerate(head):
+        signs = documents[hit.id].token_signs
+        with contextlib.suppress(ValueError):  # not this model's width: rank it as fused rather than fail the query
+            if signs:
+                unpacked[position] = unpack_signs(signs, query_tokens.shape[1])
+    if weight <= 0 or len(unpacked) < 2:
+        return candidates, None
+    found = dict(zip(unpacked, max_similarities(query_tokens, list(unpacked.values())), strict=True))
+    relevances = blend_with_fused_position([found.get(position) for position in range(len(head))], weight)
+    order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
+    ranked = [replace(head[i], relevance=relevances[i]) for i in order]
+    report = LateInteractionReport(weight=weight, candidates=len(head), with_token_vectors=len(found))
+    return above_the_rest(ranked, candidates), report
+
+
+def rerank_text(document: StoredDocument, limit: int = 2000) -> str:
+    """What a reranker reads of a document: its qualified name, then its content, cut at ``limit`` characters."""
+    name = document.metadata.get("symbolFqn")
+    text = f"{name}\n{document.content}" if name else document.content
+    return text[:limit]
+
+
+def reranked_order(
+    ranking: Sequence[tuple[int, float]], sent: Sequence[Fused], candidates: Sequence[Fused]
+) -> list[Fused]:
+    """A reranker's checked ranking of the ``sent`` candidates, each with its relevance; the candidates past its
+    depth, or that it left out, follow below the ranked ones."""
+    return above_the_rest([replace(sent[i], relevance=score) for i, score in ranking], candidates)
+
+
+def to_results(
+    query: OntologyQuery, candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
+) -> list[SearchResult]:
+    """The answer: candidates at or above ``minRelevance``, the first ``topK`` of them. ``hit.relevance`` is each
+    one's score: the fused relevance, or the last stage's that reordered it."""
+    kept = [hit for hit in candidates if query.min_relevance is None or hit.relevance >= query.min_relevance]
+    return [
+        SearchResult(
+            id=hit.id,
+            score=round(hit.relevance, 6),
+            rank=rank,
+            content=documents[hit.id].content if query.include_content else None,
+            object_type=documents[hit.id].object_type,
+            source_domain=documents[hit.id].source_domain,
+            metadata=documents[hit.id].metadata,
+            found_by=[
+                FoundBy(retriever=name, rank=source.rank, score=round(source.score, 6))
+                for name, source in hit.found_by.items()
+            ],
+        )
+        for rank, hit in enumerate(kept[: query.top_k], start=1)
+    ]

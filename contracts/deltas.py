@@ -7,7 +7,7 @@ window; the projector's per-row stream sequence makes every later repeat a no-op
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -15,6 +15,11 @@ from ._base import WireModel
 from .documents import MAIN_BRANCH, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
 
 SCHEMA_VERSION = 1
+
+EntityKind = Literal["document", "node", "link"]
+"""What a delta writes: a document, a graph node or a link (one row of a workspace's branch)."""
+Effect = Literal["live", "removed", "reverted"]
+"""What the row is after the delta: live, a tombstone, or (on a branch) transparent, letting main's show through."""
 
 
 class OntologyNode(WireModel):
@@ -66,10 +71,24 @@ class DocumentUpserted(WireModel):
     type: Literal["document.upserted"] = "document.upserted"
     document: SemanticDocument
 
+    entity: ClassVar[EntityKind] = "document"
+    effect: ClassVar[Effect] = "live"
+
+    @property
+    def entity_key(self) -> str:
+        return self.document.id
+
 
 class DocumentDeleted(WireModel):
     type: Literal["document.deleted"] = "document.deleted"
     document_id: DocumentId
+
+    entity: ClassVar[EntityKind] = "document"
+    effect: ClassVar[Effect] = "removed"
+
+    @property
+    def entity_key(self) -> str:
+        return self.document_id
 
 
 class DocumentReverted(WireModel):
@@ -82,15 +101,36 @@ class DocumentReverted(WireModel):
     type: Literal["document.reverted"] = "document.reverted"
     document_id: DocumentId
 
+    entity: ClassVar[EntityKind] = "document"
+    effect: ClassVar[Effect] = "reverted"
+
+    @property
+    def entity_key(self) -> str:
+        return self.document_id
+
 
 class NodeUpserted(WireModel):
     type: Literal["node.upserted"] = "node.upserted"
     node: OntologyNode
 
+    entity: ClassVar[EntityKind] = "node"
+    effect: ClassVar[Effect] = "live"
+
+    @property
+    def entity_key(self) -> str:
+        return self.node.object_type
+
 
 class NodeRemoved(WireModel):
     type: Literal["node.removed"] = "node.removed"
     object_type: ObjectType
+
+    entity: ClassVar[EntityKind] = "node"
+    effect: ClassVar[Effect] = "removed"
+
+    @property
+    def entity_key(self) -> str:
+        return self.object_type
 
 
 class NodeReverted(WireModel):
@@ -99,15 +139,36 @@ class NodeReverted(WireModel):
     type: Literal["node.reverted"] = "node.reverted"
     object_type: ObjectType
 
+    entity: ClassVar[EntityKind] = "node"
+    effect: ClassVar[Effect] = "reverted"
+
+    @property
+    def entity_key(self) -> str:
+        return self.object_type
+
 
 class LinkAdded(WireModel):
     type: Literal["link.added"] = "link.added"
     link: OntologyLink
 
+    entity: ClassVar[EntityKind] = "link"
+    effect: ClassVar[Effect] = "live"
+
+    @property
+    def entity_key(self) -> str:
+        return self.link.key
+
 
 class LinkRemoved(WireModel):
     type: Literal["link.removed"] = "link.removed"
     link: OntologyLink
+
+    entity: ClassVar[EntityKind] = "link"
+    effect: ClassVar[Effect] = "removed"
+
+    @property
+    def entity_key(self) -> str:
+        return self.link.key
 
 
 class LinkReverted(WireModel):
@@ -115,6 +176,13 @@ class LinkReverted(WireModel):
 
     type: Literal["link.reverted"] = "link.reverted"
     link: OntologyLink
+
+    entity: ClassVar[EntityKind] = "link"
+    effect: ClassVar[Effect] = "reverted"
+
+    @property
+    def entity_key(self) -> str:
+        return self.link.key
 
 
 DeltaPayload = Annotated[

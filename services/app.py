@@ -13,8 +13,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
-from .projector.azure import AzureProjectorService
-from .projector.worker import ProjectorService
+from .projector.worker import AzureProjectorService, ProjectorService
 from .query.rerankers import build_reranker
 from .query.worker import QueryService
 

@@ -69,7 +69,7 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
 
 
 class RichProgress:
-    """The ingester's Progress port drawn as rich progress bars."""
+    """The Progress port (shared/progress.py) drawn as rich progress bars."""
 
     def __init__(self, console: Console) -> None:
         self._progress = Progress(

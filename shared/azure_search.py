@@ -51,12 +51,6 @@ def index_definition(name: str) -> SearchIndex:
     )
 
 
-def content_md5(content: str) -> str:
-    """What an entry and a Postgres row are compared by: the MD5 of the document's content as UTF-8 (Postgres:
-    ``md5(convert_to(content, 'UTF8'))``)."""
-    return hashlib.md5(content.encode("utf-8"), usedforsecurity=False).hexdigest()
-
-
 def entry_key(workspace: str, branch: str, document_id: str) -> str:
     """A document's index key. Keys allow only letters, digits, '_', '-' and '=' and at most 1,024 characters,
     where a workspace, a branch and an id together may be longer and hold any character: a SHA-256 of the three

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -23,7 +23,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from .logging import get_logger
+from .logging import describe, get_logger
 from .settings import Settings
 from .subjects import Names
 
@@ -124,14 +124,14 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         log.info("bucket_created", bucket=names.ingest_state_bucket)
 
 
-async def consumer_caught_up(js: JetStreamContext, stream: str, durable: str, stream_seq: int) -> bool:
-    """True once the consumer has acked (or terminated) every message up to ``stream_seq``."""
+async def ack_floor(js: JetStreamContext, stream: str, durable: str) -> int:
+    """A durable consumer's position: the stream sequence up to which it has acked (or terminated) every message;
+    0 when the consumer does not exist."""
     try:
         info = await js.consumer_info(stream, durable)
     except NotFoundError:
-        return False
-    floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
-    return floor >= stream_seq
+        return 0
+    return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
 
 
 async def wait_caught_up(
@@ -139,7 +139,7 @@ async def wait_caught_up(
 ) -> None:
     """Wait until the consumer has handled ``stream_seq``; TimeoutError after ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
-        while not await consumer_caught_up(js, stream, durable, stream_seq):
+        while await ack_floor(js, stream, durable) < stream_seq:
             await asyncio.sleep(poll_s)
 
 
@@ -160,58 +160,55 @@ def nak_delay(num_delivered: int) -> float:
     return backoff_s(num_delivered, 0.5, MAX_NAK_DELAY_S)
 
 
-class BatchPuller:
-    """Fetches batches from a durable pull consumer and hands each one, whole, to ``handle``.
+class SkippedMessages(Exception):
+    """An ordered read found a gap in the consumer's deliveries."""
 
-    Our own loop rather than FastStream's batch subscriber: nats-py's fetch can raise asyncio's TimeoutError
-    where FastStream 0.7 catches only nats-py's, and its loop then drops the messages it had already fetched for
-    the batch; they came back only after the ack wait. Here every fetched message reaches ``handle``, which acks
-    or naks it, in batches of at most ``batch_size``. Each fetch waits at most ``fetch_timeout_s`` and returns what
-    arrived; while the connection is down it does not fetch. No failure ends the loop; only :meth:`stop` does.
+
+class StreamReader:
+    """The one way deltas are read from the stream: batches of a pull subscription, as an async iterator.
+
+    Our own loop rather than FastStream's batch subscriber: nats-py's fetch can raise asyncio's TimeoutError where
+    FastStream 0.7 catches only nats-py's, and its loop then drops the messages it had already fetched for the
+    batch; they came back only after the ack wait. Here every fetched message is in a batch.
+
+    Unbounded (a projector's durable consumer): each fetch waits at most ``fetch_timeout_s`` and what arrived is a
+    batch, cut to ``batch_size``; while the connection is down it does not fetch; a failed fetch is tried again
+    with backoff; only :meth:`stop` ends it.
+
+    Bounded (``upto``: a replay through a consumer of its own that delivers in order, without acks): batches are
+    filled to ``batch_size`` across fetches, so they are written in transactions as large as a projector's; a gap
+    in the deliveries or a failed fetch raises; it ends with the message at stream sequence ``upto``, or when the
+    consumer has nothing more to deliver.
     """
 
     def __init__(
         self,
         subscription: JetStreamContext.PullSubscription,
-        handle: BatchHandler,
         *,
+        name: str,
+        connection: Client,
         batch_size: int,
         fetch_timeout_s: float,
-        consumer: str,
-        connection: Client,
+        upto: int | None = None,
     ) -> None:
-        self._connection = connection
+        self.name = name
         self._subscription = subscription
-        self._handle = handle
+        self._connection = connection
         self._batch_size = batch_size
         self._fetch_timeout_s = fetch_timeout_s
-        self._consumer = consumer
+        self._upto = upto
         self._stopping = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._received = 0
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"pull:{self._consumer}")
-        self._task.add_done_callback(self._ended)
-
-    def _ended(self, task: asyncio.Task[None]) -> None:
-        if not self._stopping.is_set():  # nothing should end the loop but stop(): say so loudly
-            error = None if task.cancelled() else task.exception()
-            log.error("pull_loop_ended", consumer=self._consumer, error=repr(error) if error else "cancelled")
-
-    async def stop(self, timeout_s: float = 30.0) -> None:
-        """Ends the loop after the current fetch and the batch in hand; cancels it after ``timeout_s``."""
+    def stop(self) -> None:
+        """End the iteration after the fetch in progress (and any backoff, at once)."""
         self._stopping.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(self._task, timeout_s)
-            except TimeoutError:
-                log.warning("pull_stop_timed_out", consumer=self._consumer, timeout_s=timeout_s)
-            except Exception as error:  # already logged by _ended; stopping goes on
-                log.warning("pull_loop_failed", consumer=self._consumer, error=repr(error))
-            self._task = None
 
-    async def _run(self) -> None:
+    async def batches(self) -> AsyncIterator[list[Msg]]:
+        if self._upto is not None and not (await self._subscription.consumer_info()).num_pending:
+            return
         failures = 0
+        filling: list[Msg] = []
         while not self._stopping.is_set():
             if not self._connection.is_connected:
                 # A pull request sent now would wait in the client's buffer and, with every other one, reach the
@@ -219,32 +216,100 @@ class BatchPuller:
                 await self._pause(RECONNECT_POLL_S)
                 continue
             try:
-                messages = await self._subscription.fetch(self._batch_size, timeout=self._fetch_timeout_s)
+                messages = await self._subscription.fetch(
+                    self._batch_size - len(filling), timeout=self._fetch_timeout_s
+                )
             except TimeoutError:  # nats-py's and asyncio's alike: nothing arrived in time
                 failures = 0
+                if self._upto is not None:
+                    if filling:
+                        yield filling
+                        filling = []
+                    if await self._delivered_all():
+                        return
                 continue
             except Exception as error:  # connection lost, JetStream unavailable, consumer deleted ...
+                if self._upto is not None:
+                    raise  # a replay stops here, to be resumed
                 failures += 1
                 backoff = backoff_s(failures, 0.2, MAX_FETCH_BACKOFF_S)
-                log.warning("fetch_failed", consumer=self._consumer, error=f"{type(error).__name__}: {error}",
-                            retry_in_s=backoff)  # fmt: skip
+                log.warning("fetch_failed", consumer=self.name, error=describe(error), retry_in_s=backoff)
                 await self._pause(backoff)
                 continue
             failures = 0
-            for start in range(0, len(messages), self._batch_size):
-                await self._hand_over(messages[start : start + self._batch_size])
+            if not messages:
+                continue
+            if self._upto is None:
+                for start in range(0, len(messages), self._batch_size):
+                    yield messages[start : start + self._batch_size]
+                continue
+            self._check_in_order(messages)
+            filling += [msg for msg in messages if msg.metadata.sequence.stream <= self._upto]
+            last = messages[-1].metadata
+            finished = last.sequence.stream >= self._upto or not last.num_pending
+            if filling and (finished or len(filling) >= self._batch_size):
+                yield filling
+                filling = []
+            if finished:
+                return
+
+    def _check_in_order(self, messages: list[Msg]) -> None:
+        for msg in messages:
+            self._received += 1
+            if msg.metadata.sequence.consumer != self._received:
+                raise SkippedMessages(f"the read of the stream skipped messages before {msg.metadata.sequence.stream}")
+
+    async def _delivered_all(self) -> bool:
+        """Nothing left to deliver, and nothing delivered still on its way to us."""
+        info = await self._subscription.consumer_info()
+        delivered = info.delivered.consumer_seq if info.delivered is not None else 0
+        return not info.num_pending and (delivered or 0) <= self._received
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, unless stop() comes first."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
-    async def _hand_over(self, batch: list[Msg]) -> None:
-        try:
-            await self._handle(batch)
-        except Exception:
-            # A bug, not a delivery problem: nak what the handler left, with backoff, and go on with the next.
-            log.exception("batch_failed", consumer=self._consumer, size=len(batch))
-            for msg in batch:
-                with contextlib.suppress(Exception):  # acked already, or the connection is gone
-                    await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
+
+class BatchPuller:
+    """Hands every batch a reader yields, whole, to ``handle``, in a task of its own, until :meth:`stop`.
+    No failure ends the loop: a batch the handler fails on is nak'd with backoff and the next one follows."""
+
+    def __init__(self, reader: StreamReader, handle: BatchHandler) -> None:
+        self._reader = reader
+        self._handle = handle
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"pull:{self._reader.name}")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not self._stopping:  # nothing should end the loop but stop(): say so loudly
+            error = None if task.cancelled() else task.exception()
+            log.error("pull_loop_ended", consumer=self._reader.name, error=repr(error) if error else "cancelled")
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Ends the loop after the current fetch and the batch in hand; cancels it after ``timeout_s``."""
+        self._stopping = True
+        self._reader.stop()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except TimeoutError:
+                log.warning("pull_stop_timed_out", consumer=self._reader.name, timeout_s=timeout_s)
+            except Exception as error:  # already logged by _ended; stopping goes on
+                log.warning("pull_loop_failed", consumer=self._reader.name, error=repr(error))
+            self._task = None
+
+    async def _run(self) -> None:
+        async for batch in self._reader.batches():
+            try:
+                await self._handle(batch)
+            except Exception:
+                # A bug, not a delivery problem: nak what the handler left, with backoff, and go on with the next.
+                log.exception("batch_failed", consumer=self._reader.name, size=len(batch))
+                for msg in batch:
+                    with contextlib.suppress(Exception):  # acked already, or the connection is gone
+                        await msg.nak(delay=nak_delay(msg.metadata.num_delivered))

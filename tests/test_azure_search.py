@@ -18,14 +18,13 @@ from pydantic import SecretStr
 from ontofabric.contracts import DeltaEnvelope, NodeUpserted, OntologyNode, QueryResponse
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.projector.azure import (
-    AzureProjectorService,
     AzureSearchIndex,
     plan_index_batch,
     tombstone,
     upload_chunks,
 )
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState
-from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.projector.worker import AzureProjectorService, ProjectorService
 from ontofabric.services.query import azure as azure_backend
 from ontofabric.services.query.azure import escape_query, scope_filter
 from ontofabric.services.query.client import QueryClient

@@ -10,7 +10,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ontofabric.shared.jetstream import BatchHandler, BatchPuller, backoff_s
+from ontofabric.shared.jetstream import BatchHandler, BatchPuller, StreamReader, backoff_s
 
 from .conftest import Deployment
 
@@ -31,10 +31,10 @@ async def _real_puller(deployment: Deployment, handle: BatchHandler, fetch_timeo
         stream=deployment.names.delta_stream,
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60),
     )
-    return BatchPuller(
-        subscription, handle, batch_size=10, fetch_timeout_s=fetch_timeout_s, consumer=DURABLE,
-        connection=deployment.nc,
-    )  # fmt: skip
+    reader = StreamReader(
+        subscription, name=DURABLE, connection=deployment.nc, batch_size=10, fetch_timeout_s=fetch_timeout_s
+    )
+    return BatchPuller(reader, handle)
 
 
 async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) -> None:
@@ -109,10 +109,10 @@ class _ScriptedFetches:
 
     def puller(self, handle: Callable[[list[Any]], Awaitable[None]]) -> BatchPuller:
         """A puller fetching from this script, in batches of 2."""
-        return BatchPuller(
-            self, handle, batch_size=2, fetch_timeout_s=0.05, consumer="scripted",  # type: ignore[arg-type]
-            connection=self,  # type: ignore[arg-type]
+        reader = StreamReader(
+            self, name="scripted", connection=self, batch_size=2, fetch_timeout_s=0.05,  # type: ignore[arg-type]
         )  # fmt: skip
+        return BatchPuller(reader, handle)
 
 
 async def test_failed_fetches_back_off_and_oversized_fetches_are_cut_to_batch_size() -> None:

@@ -15,7 +15,8 @@ from opentelemetry import trace
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector.planning import Delta, VersionState
 from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
-from ontofabric.services.projector.worker import ProjectorService, VersionPublisher
+from ontofabric.services.projector.versions import VersionPublisher
+from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import create_pool, is_transient, migrate
 from ontofabric.shared.late_interaction import pack_signs
 

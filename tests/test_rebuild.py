@@ -21,11 +21,13 @@ from ontofabric.contracts import (
 )
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
+from ontofabric.services.ops import shadow as shadow_module
 from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, retired_schema, shadow_schema
-from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, content_md5, differences, document_facts
+from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differences, document_facts
 from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.checksums import content_md5
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.settings import Settings
@@ -231,9 +233,9 @@ async def test_deltas_published_during_the_rebuild_are_in_the_swapped_index(
 ) -> None:
     await _publish_history(deployment)
     late: list[int] = []
-    prepare = rebuild_module._Shadow.prepare_for_swap
+    prepare = shadow_module.Shadow.prepare_for_swap
 
-    async def publish_then_prepare(shadow: rebuild_module._Shadow) -> None:
+    async def publish_then_prepare(shadow: shadow_module.Shadow) -> None:
         # Between the replay and the swap: the live projector applies these, the swap must catch up with them.
         acks = await deployment.publisher.publish_many(
             [upsert("acme", document("late", "published mid-rebuild")), delete("acme", "d0")]
@@ -242,7 +244,7 @@ async def test_deltas_published_during_the_rebuild_are_in_the_swapped_index(
         late.append(acks[-1].seq)
         await prepare(shadow)
 
-    monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", publish_then_prepare)
+    monkeypatch.setattr(shadow_module.Shadow, "prepare_for_swap", publish_then_prepare)
     live = await _rebuild(deployment).run()
     assert live.swapped
     assert len(late) == 1
@@ -257,16 +259,16 @@ async def test_a_shadow_that_differs_from_the_stream_is_never_swapped_in(
 ) -> None:
     await _publish_history(deployment)
     before = await _state(deployment, "acme")
-    prepare = rebuild_module._Shadow.prepare_for_swap
+    prepare = shadow_module.Shadow.prepare_for_swap
     schema = shadow_schema("acme")
 
-    async def corrupt_then_prepare(shadow: rebuild_module._Shadow) -> None:
+    async def corrupt_then_prepare(shadow: shadow_module.Shadow) -> None:
         await deployment.fetch(f"UPDATE \"{schema}\".documents SET content = 'lost' WHERE id = 'd1'")
         await deployment.fetch(f"DELETE FROM \"{schema}\".postings WHERE doc_id = 'd8'")
         await deployment.fetch(f"UPDATE \"{schema}\".documents SET embedding = embedding + embedding WHERE id = 'd3'")
         await prepare(shadow)
 
-    monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", corrupt_then_prepare)
+    monkeypatch.setattr(shadow_module.Shadow, "prepare_for_swap", corrupt_then_prepare)
     with pytest.raises(RebuildFailed) as failure:
         await _rebuild(deployment).run()
     message = str(failure.value)
@@ -286,22 +288,22 @@ async def test_an_interrupted_rebuild_resumes_and_verifies_the_whole_stream(
     await _publish_history(deployment)
     before = await _state(deployment, "acme")
     settings = deployment.settings.model_copy(update={"projector_batch_size": 5})
-    record = rebuild_module._Shadow.record
+    record = shadow_module.Shadow.record
     calls = 0
 
-    async def crash_after_two_batches(shadow: rebuild_module._Shadow, *args: Any) -> None:
+    async def crash_after_two_batches(shadow: shadow_module.Shadow, *args: Any) -> None:
         nonlocal calls
         calls += 1
         if calls > 2:
             raise ConnectionResetError("the operator's laptop went to sleep")
         await record(shadow, *args)
 
-    monkeypatch.setattr(rebuild_module._Shadow, "record", crash_after_two_batches)
+    monkeypatch.setattr(shadow_module.Shadow, "record", crash_after_two_batches)
     interrupted = _rebuild(deployment, settings=settings)
     with pytest.raises(ConnectionResetError):
         await interrupted.run()
     assert await _state(deployment, "acme") == before
-    monkeypatch.setattr(rebuild_module._Shadow, "record", record)
+    monkeypatch.setattr(shadow_module.Shadow, "record", record)
 
     progress = RecordedProgress()
     resumed = await _rebuild(deployment, progress=progress, settings=settings).run()
@@ -375,15 +377,15 @@ async def test_a_delta_published_while_the_swap_holds_the_lock_lands_after_it(
     deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await _publish_history(deployment)
-    swap_into = rebuild_module._Shadow.swap_into
+    swap_into = shadow_module.Shadow.swap_into
     published: list[int] = []
 
-    async def publish_then_swap(shadow: rebuild_module._Shadow, *args: Any) -> float:
+    async def publish_then_swap(shadow: shadow_module.Shadow, *args: Any) -> float:
         # Past the catch-up, with the projectors held off: only the live projector, after the commit, can apply it.
         published.append((await deployment.publisher.publish(_upsert("acme", "locked", "during the swap"))).seq)
         return await swap_into(shadow, *args)
 
-    monkeypatch.setattr(rebuild_module._Shadow, "swap_into", publish_then_swap)
+    monkeypatch.setattr(shadow_module.Shadow, "swap_into", publish_then_swap)
     assert (await _rebuild(deployment).run()).swapped
     await deployment.wait_projected(published[0])
     rows = await deployment.fetch("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'locked'")
@@ -570,14 +572,14 @@ async def test_a_live_row_written_during_the_swap_s_catch_up_is_not_lost(
     """The live projector applies a delta after the check before the lock, which this rebuild (other limits)
     rejects in its catch-up: the swap must refuse, not drop the row."""
     await _publish_history(deployment)
-    prepare = rebuild_module._Shadow.prepare_for_swap
+    prepare = shadow_module.Shadow.prepare_for_swap
 
-    async def publish_then_prepare(shadow: rebuild_module._Shadow) -> None:
+    async def publish_then_prepare(shadow: shadow_module.Shadow) -> None:
         ack = await deployment.publisher.publish(_upsert("acme", "large", "x" * 3000))
         await deployment.wait_projected(ack.seq)
         await prepare(shadow)
 
-    monkeypatch.setattr(rebuild_module._Shadow, "prepare_for_swap", publish_then_prepare)
+    monkeypatch.setattr(shadow_module.Shadow, "prepare_for_swap", publish_then_prepare)
     stricter = deployment.settings.model_copy(update={"max_content_bytes": 1024})
     job = _rebuild(deployment, settings=stricter)
     with pytest.raises(RebuildFailed, match=r"not swapping.*document 'large' on 'main'"):

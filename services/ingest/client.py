@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from opentelemetry import propagate
 
-from ontofabric.contracts import DeltaEnvelope, DeltaPayload
+from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
 from ontofabric.shared.subjects import Names
 
 DEFAULT_PRODUCER = "ontofabric-ingest"
@@ -21,7 +21,7 @@ def envelope(
     workspace: str,
     payload: DeltaPayload,
     *,
-    branch: str = "main",
+    branch: str = MAIN_BRANCH,
     event_id: str | None = None,
     producer: str = DEFAULT_PRODUCER,
 ) -> DeltaEnvelope:

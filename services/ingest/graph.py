@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from ontofabric.contracts import OntologyNode
+from ontofabric.contracts import OntologyNode, link_key
 
 from .chunking import module_name, object_type_name
 
@@ -42,7 +42,7 @@ class GraphLink:
 
     @property
     def key(self) -> str:
-        return f"{self.source_type}|{self.name}|{self.target_type}"
+        return link_key(self.source_type, self.name, self.target_type)
 
 
 @dataclass

@@ -15,12 +15,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from nats.js import JetStreamContext
 from nats.js.errors import ObjectNotFoundError
 
 from ontofabric.contracts import (
+    MAIN_BRANCH,
     DeltaEnvelope,
     DeltaPayload,
     DocumentDeleted,
@@ -37,10 +37,12 @@ from ontofabric.contracts import (
     OntologyNode,
     SemanticDocument,
     TokenVectors,
+    split_link_key,
 )
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names, encode_token
 
 from .chunking import Chunk, chunk_file
@@ -49,28 +51,11 @@ from .graph import GraphLink, GraphNode, python_graph
 
 log = get_logger(__name__)
 
-MAIN = "main"
 SKIPPED_DIRECTORIES = {
     "__pycache__", "node_modules", "build", "dist", "site-packages", "venv", ".venv", ".git", ".tox", ".eggs",
 }  # fmt: skip
 SOURCE_SUFFIXES = (".py", ".md")
 EMBED_BATCH = 64
-
-
-class Progress(Protocol):
-    """Where a long run reports how far it got (the CLI draws progress bars from this)."""
-
-    def stage(self, name: str, total: int) -> None: ...
-
-    def advance(self, name: str, amount: int = 1) -> None: ...
-
-
-class _Silent:
-    def stage(self, name: str, total: int) -> None:
-        pass
-
-    def advance(self, name: str, amount: int = 1) -> None:
-        pass
 
 
 def discover(root: Path) -> Iterator[Path]:
@@ -243,7 +228,7 @@ class Ingester:
         self._names = names
         self._embedder = embedder
         self._max_content_bytes = max_content_bytes
-        self._progress = progress or _Silent()
+        self._progress = progress or Silent()
         self._cache = cache
 
     @property
@@ -263,7 +248,7 @@ class Ingester:
             return Manifest()
         return Manifest.from_json(result.data or b'{"entries": {}}')
 
-    async def ingest(self, root: Path, workspace: str, branch: str = "main") -> IngestReport:
+    async def ingest(self, root: Path, workspace: str, branch: str = MAIN_BRANCH) -> IngestReport:
         sources = await asyncio.to_thread(read_tree, root)
         chunks = {
             c.document_id: c for path, text in sources.items() for c in chunk_file(path, text, self._max_content_bytes)
@@ -277,7 +262,7 @@ class Ingester:
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
         previous = await self.load_manifest(workspace, branch)
-        main = await self.load_manifest(workspace, MAIN) if branch != MAIN else None
+        main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         plan = plan_ingest(desired, previous, main)
         log.info(
             "ingest_planned", workspace=workspace, branch=branch, files=len(sources), chunks=len(chunks),
@@ -335,7 +320,7 @@ class Ingester:
 
 
 def _link_of(key: str) -> OntologyLink:
-    source, name, target = key.split("|", 2)
+    source, name, target = split_link_key(key)
     return OntologyLink(source_type=source, name=name, target_type=target)
 
 

@@ -35,12 +35,13 @@ from ontofabric.contracts import (
 )
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ingest.ingester import ChunkEmbedding, Progress
+from ontofabric.services.ingest.ingester import ChunkEmbedding
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.progress import Progress
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names

@@ -13,8 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ontofabric.contracts import DocumentUpserted, SemanticDocument
-from ontofabric.services.projector.planning import Delta, EntityKind, EntityRef, StateFold, VersionState, entity_of
+from ontofabric.contracts import EntityKind, SemanticDocument
+from ontofabric.services.projector.planning import (
+    Delta,
+    EntityRef,
+    StateFold,
+    VersionState,
+    entity_of,
+    upserted_document,
+)
+from ontofabric.shared.checksums import content_md5
 
 RowKey = tuple[str, EntityKind, str]
 """(branch, kind, key) of one row of a workspace: a document id, a node's object type, a link's key."""
@@ -35,11 +43,6 @@ class RowFacts:
 
 def _md5(data: bytes) -> str:
     return hashlib.md5(data, usedforsecurity=False).hexdigest()
-
-
-def content_md5(content: str) -> str:
-    """md5 of the UTF-8 text: what PostgreSQL's ``md5(convert_to(content, 'UTF8'))`` returns."""
-    return _md5(content.encode("utf-8"))
 
 
 def vector_md5(embedding: Sequence[float]) -> str:
@@ -82,9 +85,9 @@ class ExpectedIndex:
         if not self._fold.add(delta):
             return False
         key = row_key(delta)
-        payload = delta.envelope.payload
-        if isinstance(payload, DocumentUpserted):
-            self._documents[key] = document_facts(delta.seq, payload.document)
+        document = upserted_document(delta.envelope)
+        if document is not None:
+            self._documents[key] = document_facts(delta.seq, document)
         else:
             self._documents.pop(key, None)
         return True

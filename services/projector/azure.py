@@ -1,4 +1,4 @@
-"""The Azure AI Search projector: a second durable consumer of the delta stream keeps an Azure AI Search index of
+"""The Azure AI Search sink: a second projector, on a durable consumer of its own, keeps an Azure AI Search index of
 the documents in step with the Postgres one (DESIGN.md, "Azure AI Search (optional)"; seed 000 §5.5).
 
 Azure AI Search has no transactions and no conditional writes, so the rules that make the Postgres projector
@@ -20,46 +20,24 @@ it comes back, by which time its later writes are visible to its lookup.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from azure.core.exceptions import (
-    AzureError,
-    HttpResponseError,
-    ServiceRequestError,
-    ServiceResponseError,
-)
+from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
 from azure.search.documents.aio import SearchClient
-from azure.search.documents.indexes.aio import SearchIndexClient
-from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from ontofabric.contracts import DocumentUpserted
-from ontofabric.shared.azure_search import (
-    DOCUMENT,
-    WATERMARK,
-    WATERMARK_KEY,
-    content_md5,
-    entry_key,
-    index_client,
-    index_definition,
-    read_watermark,
-    search_client,
-)
-from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
-from ontofabric.shared.logging import get_logger
-from ontofabric.shared.settings import Settings
+from ontofabric.shared.azure_search import DOCUMENT, WATERMARK, WATERMARK_KEY, entry_key
+from ontofabric.shared.checksums import content_md5
+from ontofabric.shared.jetstream import ack_floor
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
-from ontofabric.shared.telemetry import instruments, tracer
 
-from .planning import Delta, EntityRef, Rejection, RowState, StateFold, entity_of, search_text, validate_delta
-from .worker import dead_letter, limits_from, retry_later, start_delta_puller
+from .planning import Delta, EntityRef, Rejection, RowState, StateFold, entity_of, search_text, upserted_document
+from .runner import Written
 
 log = get_logger(__name__)
 
@@ -95,9 +73,9 @@ def document_entry(ref: EntityRef, delta: Delta) -> dict[str, Any]:
         "deleted": True,
         "content": "",
     }
-    payload = delta.envelope.payload
-    if isinstance(payload, DocumentUpserted):
-        document, meta = payload.document, payload.document.metadata
+    document = upserted_document(delta.envelope)
+    if document is not None:
+        meta = document.metadata
         entry |= {
             "deleted": False,
             "content": search_text(document),
@@ -225,95 +203,75 @@ class AzureSearchIndex:
             raise HttpResponseError(message=f"watermark refused ({status}): {message}")
 
 
-class AzureProjector:
-    """Validates each batch as the Postgres projector does, folds it onto what the index holds, uploads the entries
-    that apply and acks; every second it records the ack floor as the watermark. A delta the index refuses is
-    dead-lettered with the service's reason; a delta no projector can apply is left to the Postgres projector's
-    dead letter (it sees the same stream), and only terminated here."""
+class AzureSink:
+    """Folds each batch onto what the index holds and uploads the entries that apply. A delta the index refuses is
+    refused for good (its document tombstoned, so no older copy stays searchable); a throttled entry sends the
+    whole batch back for later (what applied is then a no-op)."""
 
-    def __init__(
-        self, index: AzureSearchIndex, js: JetStreamContext, names: Names, settings: Settings, watermark: int = 0
-    ) -> None:
+    index = INDEX
+
+    def __init__(self, index: AzureSearchIndex) -> None:
         self._index = index
-        self._js = js
-        self._names = names
-        self._limits = limits_from(settings)
-        self._metrics = instruments()
-        self._watermark = watermark
 
-    async def handle(self, messages: Sequence[Msg]) -> None:
-        started = time.perf_counter()
-        with tracer().start_as_current_span("projector.azure.batch") as span:
-            span.set_attribute("batch.size", len(messages))
-            accepted: list[tuple[Msg, Delta]] = []
-            for msg in messages:
-                outcome = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
-                if isinstance(outcome, Rejection):
-                    await msg.term()
-                    self._metrics.projector_deltas.add(1, {"outcome": "invalid", "index": INDEX})
-                    log.info("delta_invalid_skipped", index=INDEX, seq=msg.metadata.sequence.stream)
-                else:
-                    accepted.append((msg, outcome))
-            if accepted:
-                await self._apply(accepted)
-        self._metrics.projector_batch_duration.record((time.perf_counter() - started) * 1000, {"index": INDEX})
+    async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+        refs = {entity_of(d.envelope) for d in deltas}
+        stored = await self._index.stored(sorted(r for r in refs if r.kind == "document"))
+        plan = plan_index_batch(deltas, stored)
+        refused = await self._index.upload([entry for _, entry in plan.entries])
+        retry = {key for key, (status, _) in refused.items() if status in _TRANSIENT_STATUSES}
+        if retry:
+            raise HttpResponseError(message=f"{len(retry)} entries throttled, e.g. {refused[next(iter(retry))]}")
+        # A refused document must not stay searchable in an older version: a tombstone at its sequence.
+        if await self._index.upload([tombstone(entry) for _, entry in plan.entries if entry["key"] in refused]):
+            raise HttpResponseError(message="the tombstones of refused entries were refused too")
+        refusals = {
+            delta.seq: Rejection("index_refused", "{}: {}".format(*refused[entry["key"]]))
+            for delta, entry in plan.entries
+            if entry["key"] in refused
+        }
+        applied = len(plan.entries) - len(refusals)
+        log.info("batch_indexed", index=INDEX, applied=applied, noops=len(plan.noops), refused=len(refusals))
+        return Written(applied=applied, noops=len(plan.noops), refused=refusals)
 
-    async def _apply(self, accepted: list[tuple[Msg, Delta]]) -> None:
-        deltas = [delta for _, delta in accepted]
-        try:
-            refs = [entity_of(d.envelope) for d in deltas]
-            stored = await self._index.stored(sorted({r for r in refs if r.kind == "document"}))
-            plan = plan_index_batch(deltas, stored)
-            refused = await self._index.upload([entry for _, entry in plan.entries])
-            retry = {key for key, (status, _) in refused.items() if status in _TRANSIENT_STATUSES}
-            if retry:  # some entries were throttled: the whole batch comes back (what applied is a no-op then)
-                raise HttpResponseError(message=f"{len(retry)} entries throttled, e.g. {refused[next(iter(retry))]}")
-            # A refused document must not stay searchable in an older version: a tombstone at its sequence.
-            stones = [tombstone(entry) for _, entry in plan.entries if entry["key"] in refused]
-            if await self._index.upload(stones):
-                raise HttpResponseError(message="the tombstones of refused entries were refused too")
-        except Exception as error:
-            await self._failed([msg for msg, _ in accepted], error)
-            return
-        refused_seqs = {delta.seq: refused[entry["key"]] for delta, entry in plan.entries if entry["key"] in refused}
-        for msg, delta in accepted:
-            if delta.seq in refused_seqs:
-                status, message = refused_seqs[delta.seq]
-                await dead_letter(self._js, self._names, msg, Rejection("index_refused", f"{status}: {message}"), INDEX)
-            else:
-                await msg.ack()
-        applied = len(plan.entries) - len(refused_seqs)
-        self._metrics.projector_deltas.add(applied, {"outcome": "applied", "index": INDEX})
-        self._metrics.projector_deltas.add(len(plan.noops), {"outcome": "noop", "index": INDEX})
-        log.info("batch_indexed", index=INDEX, applied=applied, noops=len(plan.noops), refused=len(refused_seqs))
-
-    async def keep_watermark(self, every_s: float = WATERMARK_EVERY_S) -> None:
-        """Every ``every_s``, off the batch path: the index may look behind by that long after a batch."""
-        while True:
-            await asyncio.sleep(every_s)
-            await self._advance_watermark()
-
-    async def _advance_watermark(self) -> None:
-        """Record the consumer's ack floor: it passes a delta only once it was acked or terminated, so it never
-        claims one still waiting for a retry."""
-        try:
-            info = await self._js.consumer_info(self._names.delta_stream, self._names.azure_projector_durable)
-            floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
-            if floor > self._watermark:
-                await self._index.set_watermark(floor)
-                self._watermark = floor
-        except Exception as error:  # the next batch tries again; a lagging watermark only understates
-            log.warning("watermark_not_advanced", index=INDEX, error=f"{type(error).__name__}: {error}")
-
-    async def _failed(self, messages: list[Msg], error: BaseException) -> None:
+    def retryable(self, error: BaseException) -> bool:
         """Every failure of a whole request is retried later: a transient one will pass, and one that is not (a
         wrong key, a deleted index) must not cost the deltas; it is logged as an error so someone looks."""
         if not is_transient(error):
-            log.error("azure_request_failed", index=INDEX, error=f"{type(error).__name__}: {error}")
-        await retry_later(messages, error, INDEX, MIN_RETRY_S)
+            log.error("azure_request_failed", index=INDEX, error=describe(error))
+        return True
+
+    async def settled(self) -> None:
+        pass
 
 
-async def _replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
+class Watermark:
+    """Keeps the index's watermark at the Azure consumer's position (its ack floor), every second, off the batch
+    path: readers of the index compare it with what Postgres shows to tell whether the index has caught up."""
+
+    def __init__(self, index: AzureSearchIndex, js: JetStreamContext, names: Names, recorded: int) -> None:
+        self._index = index
+        self._js = js
+        self._names = names
+        self._recorded = recorded
+
+    async def keep(self, every_s: float = WATERMARK_EVERY_S) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await self.advance()
+
+    async def advance(self) -> None:
+        """The ack floor passes a delta only once it was acked or terminated, so it never claims one still
+        waiting for a retry."""
+        try:
+            floor = await ack_floor(self._js, self._names.delta_stream, self._names.azure_projector_durable)
+            if floor > self._recorded:
+                await self._index.set_watermark(floor)
+                self._recorded = floor
+        except Exception as error:  # the next round tries again; a lagging watermark only understates
+            log.warning("watermark_not_advanced", index=INDEX, error=describe(error))
+
+
+async def replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
     """An index without a watermark behind a consumer that has delivered deltas was lost (deleted, or recreated
     empty), or never got its first watermark: the consumer starts over from the stream's first delta, which the
     sequence rule makes safe to apply again."""
@@ -325,62 +283,3 @@ async def _replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
     if info.delivered is not None and (info.delivered.stream_seq or 0) > 0:
         log.warning("azure_index_lost_replaying", index=INDEX, delivered=info.delivered.stream_seq)
         await js.delete_consumer(names.delta_stream, names.azure_projector_durable)
-
-
-class AzureProjectorService:
-    """The Azure projector worker: creates or updates the index, then pulls from a durable consumer of its own."""
-
-    def __init__(self, settings: Settings, nats_url: str) -> None:
-        self.settings = settings
-        self.names = Names(settings.subject_prefix)
-        self._nats_url = nats_url
-        self._nc: Client | None = None
-        self._puller: BatchPuller | None = None
-        self._clients: tuple[SearchIndexClient, SearchClient] | None = None
-        self._watermarking: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
-    async def _start(self) -> None:
-        settings, names = self.settings, self.names
-        indexes, documents = self._clients = index_client(settings, RETRIES), search_client(settings, RETRIES)
-        try:
-            await indexes.create_or_update_index(index_definition(settings.azure_search_index))
-        except AzureError as error:
-            name = settings.azure_search_index
-            raise RuntimeError(f"cannot create the Azure AI Search index {name!r}: {error}") from error
-        nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search")
-        js = nc.jetstream()
-        await ensure_jetstream(js, names, settings)
-        index = AzureSearchIndex(documents)
-        watermark = await read_watermark(documents)
-        if watermark is None:
-            await _replay_if_index_lost(js, names)
-        projector = AzureProjector(index, js, names, settings, watermark or 0)
-        self._puller = await start_delta_puller(
-            nc, names, settings, names.azure_projector_durable, projector.handle,
-            min(settings.projector_batch_size, MAX_KEYS_PER_LOOKUP),
-        )  # fmt: skip
-        self._watermarking = asyncio.create_task(projector.keep_watermark(), name="azure-watermark")
-        log.info("azure_projector_started", durable=names.azure_projector_durable, index=settings.azure_search_index)
-
-    async def stop(self) -> None:
-        puller, nc, clients, watermarking = self._puller, self._nc, self._clients, self._watermarking
-        self._puller, self._nc, self._clients, self._watermarking = None, None, None, None
-        if watermarking is not None:
-            watermarking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watermarking
-        async with contextlib.AsyncExitStack() as closing:
-            for client in clients or ():
-                closing.push_async_callback(client.close)
-            if nc is not None:
-                closing.push_async_callback(nc.close)
-            if puller is not None:
-                await puller.stop()
-        log.info("azure_projector_stopped")

@@ -14,24 +14,12 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from ontofabric.contracts import (
-    DeltaEnvelope,
-    DocumentDeleted,
-    DocumentReverted,
-    DocumentUpserted,
-    LinkAdded,
-    LinkRemoved,
-    LinkReverted,
-    NodeRemoved,
-    NodeReverted,
-    NodeUpserted,
-    SemanticDocument,
-    format_version,
-)
+from ontofabric.contracts import DeltaEnvelope, DocumentUpserted, EntityKind, SemanticDocument, format_version
 from ontofabric.shared.analysis import analyse
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES
+from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import encode_token
 
-EntityKind = Literal["document", "node", "link"]
 RejectReason = Literal[
     "oversized",
     "invalid_schema",
@@ -53,6 +41,16 @@ class Limits:
     max_content_bytes: int
     embedding_dim: int
     embedding_model: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        """The deployment's limits: a delta outside them can never apply."""
+        return cls(
+            max_message_bytes=MAX_DELTA_MESSAGE_BYTES,
+            max_content_bytes=settings.max_content_bytes,
+            embedding_dim=settings.embedding_dim,
+            embedding_model=settings.embedding_model,
+        )
 
 
 @dataclass(frozen=True)
@@ -84,11 +82,17 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
             "subject_mismatch",
             f"subject {subject!r} does not name workspace {envelope.workspace!r} / branch {envelope.branch!r}",
         )
-    if isinstance(envelope.payload, DocumentUpserted):
-        problem = _document_problem(envelope.payload.document, limits)
+    document = upserted_document(envelope)
+    if document is not None:
+        problem = _document_problem(document, limits)
         if problem is not None:
             return problem
     return Delta(seq=seq, envelope=envelope)
+
+
+def upserted_document(envelope: DeltaEnvelope) -> SemanticDocument | None:
+    """The document a delta writes, when it upserts one."""
+    return envelope.payload.document if isinstance(envelope.payload, DocumentUpserted) else None
 
 
 def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection | None:
@@ -153,29 +157,15 @@ class RowState:
 
 
 def entity_of(envelope: DeltaEnvelope) -> EntityRef:
+    """The row a delta writes (each payload type says which: contracts/deltas.py)."""
     payload = envelope.payload
-    kind: EntityKind
-    if isinstance(payload, DocumentUpserted):
-        kind, key = "document", payload.document.id
-    elif isinstance(payload, DocumentDeleted | DocumentReverted):
-        kind, key = "document", payload.document_id
-    elif isinstance(payload, NodeUpserted):
-        kind, key = "node", payload.node.object_type
-    elif isinstance(payload, NodeRemoved | NodeReverted):
-        kind, key = "node", payload.object_type
-    elif isinstance(payload, LinkAdded | LinkRemoved | LinkReverted):
-        kind, key = "link", payload.link.key
-    else:  # pragma: no cover - the union is closed
-        raise TypeError(f"unknown payload {type(payload).__name__}")
-    return EntityRef(envelope.workspace, envelope.branch, kind, key)
+    return EntityRef(envelope.workspace, envelope.branch, payload.entity, payload.entity_key)
 
 
 def state_after(delta: Delta) -> RowState:
     """The row a delta leaves behind: live, a tombstone, or (a revert) a transparent marker."""
-    payload = delta.envelope.payload
-    reverted = isinstance(payload, DocumentReverted | NodeReverted | LinkReverted)
-    removed = reverted or isinstance(payload, DocumentDeleted | NodeRemoved | LinkRemoved)
-    return RowState(seq=delta.seq, deleted=removed, transparent=reverted)
+    effect = delta.envelope.payload.effect
+    return RowState(seq=delta.seq, deleted=effect != "live", transparent=effect == "reverted")
 
 
 def row_hash(ref: EntityRef, state: RowState) -> int:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import asyncpg
 import numpy as np
 
-from ontofabric.contracts import DocumentUpserted, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted
+from ontofabric.contracts import EntityKind, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted, split_link_key
+from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
 from ontofabric.shared.db import Connection
 
 from .planning import (
     Delta,
-    EntityKind,
     EntityRef,
     Plan,
     RowState,
@@ -23,6 +23,7 @@ from .planning import (
     plan_batch,
     search_text,
     state_after,
+    upserted_document,
 )
 
 _SIGNED = 1 << 63
@@ -128,6 +129,13 @@ ON CONFLICT (workspace, branch, source_type, link_name, target_type) DO UPDATE S
 WHERE l.stream_seq < EXCLUDED.stream_seq
 """
 
+
+def link_key_sql(alias: str = "") -> str:
+    """A link row's key (contracts ``link_key``) as an SQL expression over its columns."""
+    separator = f"'{LINK_KEY_SEPARATOR}'"
+    return f"{alias}source_type || {separator} || {alias}link_name || {separator} || {alias}target_type"
+
+
 # Current sequence of the rows a batch touches, one query per entity kind, each a primary-key join.
 _CURRENT_DOCUMENTS = """
 SELECT d.workspace, d.branch, d.id AS key, d.stream_seq, d.deleted, d.transparent
@@ -139,9 +147,8 @@ SELECT n.workspace, n.branch, n.object_type AS key, n.stream_seq, n.deleted, n.t
 FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, object_type)
 JOIN ontology_nodes n USING (workspace, branch, object_type)
 """
-_CURRENT_LINKS = """
-SELECT l.workspace, l.branch, l.source_type || '|' || l.link_name || '|' || l.target_type AS key,
-       l.stream_seq, l.deleted, l.transparent
+_CURRENT_LINKS = f"""
+SELECT l.workspace, l.branch, {link_key_sql("l.")} AS key, l.stream_seq, l.deleted, l.transparent
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
      AS k(workspace, branch, source_type, link_name, target_type)
 JOIN ontology_links l USING (workspace, branch, source_type, link_name, target_type)
@@ -271,7 +278,7 @@ class PostgresProjectionStore:
                 rows.update(_states(kind, records))
         if by_kind["link"]:
             keys = by_kind["link"]
-            parts = [r.key.split("|", 2) for r in keys]
+            parts = [split_link_key(r.key) for r in keys]
             records = await conn.fetch(
                 _CURRENT_LINKS,
                 [r.workspace for r in keys],
@@ -325,15 +332,14 @@ class PostgresProjectionStore:
             )
 
     def document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
-        payload = delta.envelope.payload
         event_id = delta.envelope.event_id
-        if not isinstance(payload, DocumentUpserted):  # a tombstone or revert keeps identity and sequence only
+        doc = upserted_document(delta.envelope)
+        if doc is None:  # a tombstone or revert keeps identity and sequence only
             return (
                 ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, None, None,
                 None, "{}", None, None, self._text_search_config, "", None, delta.seq, event_id,
                 state_after(delta).transparent, None,
             )  # fmt: skip
-        doc = payload.document
         meta = doc.metadata
         embedding = np.asarray(doc.embedding, dtype=np.float32) if doc.embedding is not None else None
         return (

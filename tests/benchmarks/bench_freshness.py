@@ -38,7 +38,7 @@ from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ops.evaluation import percentile
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import migrate
-from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
+from ontofabric.shared.jetstream import BatchPuller, StreamReader, connect, ensure_jetstream
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
@@ -100,7 +100,7 @@ async def run(endpoints: Endpoints, deltas: int, max_gap_s: float, seed: int) ->
             record.setdefault(msg.metadata.sequence.stream, time.monotonic())
             await msg.ack()
 
-    transport = BatchPuller(
+    reader = StreamReader(
         await js.pull_subscribe(
             names.delta_subjects,
             durable=TRANSPORT_DURABLE,
@@ -112,12 +112,12 @@ async def run(endpoints: Endpoints, deltas: int, max_gap_s: float, seed: int) ->
                 ack_wait=settings.projector_ack_wait_s,
             ),
         ),
-        on_transport_batch,
+        name=TRANSPORT_DURABLE,
+        connection=nc,
         batch_size=settings.projector_batch_size,
         fetch_timeout_s=settings.projector_batch_timeout_s,
-        consumer=TRANSPORT_DURABLE,
-        connection=nc,
     )
+    transport = BatchPuller(reader, on_transport_batch)
     transport.start()
 
     faststream_delivered: dict[int, float] = {}

@@ -1,0 +1,102 @@
+"""A rebuild's replay: one workspace's deltas read from the stream in order, and each batch put through the
+projection runner (the projector's own validation and sink), a passing failure retried in place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
+
+from ontofabric.services.projector.planning import Delta, Rejection
+from ontofabric.services.projector.runner import ProjectionRunner
+from ontofabric.shared.jetstream import StreamReader
+from ontofabric.shared.logging import describe, get_logger
+from ontofabric.shared.subjects import Names
+
+log = get_logger(__name__)
+
+APPLY_ATTEMPTS = 8
+"""Tries of a batch the database refuses for a passing reason before the run stops (to be resumed later)."""
+FETCH_TIMEOUT_S = 5.0
+
+
+@contextlib.asynccontextmanager
+async def workspace_deltas(
+    nc: Client, names: Names, workspace: str, start: int, upto: int, batch_size: int
+) -> AsyncIterator[AsyncIterator[list[Msg]]]:
+    """The workspace's deltas from stream sequence ``start`` through ``upto``, in batches, through a consumer of
+    its own that delivers in order and takes no acks (the replay keeps its position in the shadow schema). The
+    consumer is removed when the block ends, however it ends."""
+    if start > upto:
+        yield _nothing()
+        return
+    js = nc.jetstream()
+    subscription = await js.pull_subscribe(
+        names.workspace_delta_subjects(workspace),
+        stream=names.delta_stream,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+            inactive_threshold=300.0,  # the server removes it if this process dies
+            mem_storage=True,
+        ),
+    )
+    consumer = (await subscription.consumer_info()).name
+    reader = StreamReader(
+        subscription, name=consumer, connection=nc, batch_size=batch_size, fetch_timeout_s=FETCH_TIMEOUT_S, upto=upto
+    )
+    try:
+        yield reader.batches()
+    finally:
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()
+        with contextlib.suppress(Exception):  # else the server removes it after inactive_threshold
+            await js.delete_consumer(names.delta_stream, consumer)
+
+
+async def _nothing() -> AsyncIterator[list[Msg]]:
+    return
+    yield
+
+
+@dataclass
+class Projected:
+    """What a replayed batch left: the deltas now in the shadow (applied or already held), and those rejected."""
+
+    done: list[Delta] = field(default_factory=list)
+    rejected: list[tuple[int, Rejection]] = field(default_factory=list)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome is not None else None
+    log.warning("rebuild_apply_retry", error=describe(error) if error else None, attempt=state.attempt_number)
+
+
+async def project(runner: ProjectionRunner, batch: list[Msg]) -> Projected:
+    """The batch through the runner; what the sink could not write for a passing reason is tried again with
+    backoff, and after APPLY_ATTEMPTS tries its error ends the replay."""
+    projected, pending = Projected(), batch
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception(runner.sink.retryable),
+        stop=stop_after_attempt(APPLY_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.5, max=10.0),
+        before_sleep=_log_retry,
+        reraise=True,
+    ):
+        with attempt:
+            outcome = await runner.run(pending)
+            projected.done += [delta for _, delta in outcome.done]
+            projected.rejected += [
+                (msg.metadata.sequence.stream, rejection) for msg, rejection in outcome.invalid + outcome.refused
+            ]
+            if outcome.retry:
+                assert outcome.error is not None
+                pending = outcome.retry
+                raise outcome.error
+    return projected

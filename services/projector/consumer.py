@@ -1,0 +1,181 @@
+"""A projector: the projection runner over the batches of a durable pull consumer, each delta settled on JetStream.
+
+What is in the sink is acked, and only then: a crash before the ack redelivers it, and the sink's idempotent write
+makes the repeat a no-op. A delta that can never apply is dead-lettered with its reason, then terminated. What the
+sink could not write for a passing reason is nak'd with a growing delay and comes back. The consumer's ack floor is
+then the projector's position: every delta up to it is in the sink (or dead-lettered).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry import propagate
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import Link, get_current_span
+
+from ontofabric.shared.jetstream import BatchPuller, StreamReader, nak_delay
+from ontofabric.shared.logging import describe, get_logger
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names, workspace_token_of
+from ontofabric.shared.telemetry import instruments, meter, tracer
+
+from .planning import Rejection
+from .runner import Outcome, ProjectionRunner
+
+log = get_logger(__name__)
+
+MAX_SPAN_LINKS = 128
+"""The OpenTelemetry SDK's default link limit per span; more are dropped."""
+
+_LAG: dict[str, int] = {}
+"""Deltas in the stream not yet delivered to each index's consumer, as its last batch said."""
+
+
+def _observe_lag(_: CallbackOptions) -> list[Observation]:
+    return [Observation(lag, {"index": index}) for index, lag in _LAG.items()]
+
+
+meter().create_observable_gauge(
+    "projector.lag", callbacks=[_observe_lag], description="deltas in the stream not yet delivered to the projector"
+)
+
+
+def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
+    """A link to each ingest trace the batch's deltas carry in their headers: one batch span serves many traces.
+
+    One ingest run puts its context on every delta it sends, so the same link repeats; each is kept once."""
+    contexts = (get_current_span(propagate.extract(msg.headers or {})).get_span_context() for msg in messages)
+    distinct = {(c.trace_id, c.span_id): c for c in contexts if c.is_valid}
+    return [Link(context) for context in list(distinct.values())[:MAX_SPAN_LINKS]]
+
+
+class DurableProjection:
+    """Settles what the runner made of each batch on JetStream.
+
+    ``dead_letters_invalid``: whether this projector dead-letters deltas no index can apply (one projector per
+    stream does; the others only terminate them). ``min_retry_s``: the shortest wait before a nak'd delta comes
+    back (an index whose reads lag its writes needs them visible first)."""
+
+    def __init__(
+        self,
+        runner: ProjectionRunner,
+        js: JetStreamContext,
+        names: Names,
+        *,
+        dead_letters_invalid: bool = True,
+        min_retry_s: float = 0.0,
+    ) -> None:
+        self._runner = runner
+        self._index = runner.sink.index
+        self._js = js
+        self._names = names
+        self._dead_letters_invalid = dead_letters_invalid
+        self._min_retry_s = min_retry_s
+        self._metrics = instruments()
+
+    async def handle(self, messages: Sequence[Msg]) -> None:
+        started = time.perf_counter()
+        with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
+            span.set_attribute("batch.size", len(messages))
+            span.set_attribute("index", self._index)
+            outcome = await self._runner.run(messages)
+            await self._settle(outcome)
+        if messages:
+            _LAG[self._index] = messages[-1].metadata.num_pending
+        duration_ms = (time.perf_counter() - started) * 1000
+        self._metrics.projector_batch_duration.record(duration_ms, {"index": self._index})
+
+    async def _settle(self, outcome: Outcome) -> None:
+        for msg, rejection in outcome.invalid:
+            if self._dead_letters_invalid:
+                await dead_letter(self._js, self._names, msg, rejection, self._index)
+            else:
+                await msg.term()
+                self._count(1, "invalid")
+                log.info("delta_invalid_skipped", index=self._index, seq=msg.metadata.sequence.stream)
+        if outcome.retry:
+            assert outcome.error is not None
+            await retry_later(outcome.retry, outcome.error, self._index, self._min_retry_s)
+        for msg, _ in outcome.done:
+            await msg.ack()
+        for msg, rejection in outcome.refused:
+            await dead_letter(self._js, self._names, msg, rejection, self._index)
+        self._count(outcome.applied, "applied")
+        self._count(outcome.noops, "noop")
+        if outcome.done:
+            await self._runner.sink.settled()
+
+    def _count(self, deltas: int, outcome: str) -> None:
+        self._metrics.projector_deltas.add(deltas, {"outcome": outcome, "index": self._index})
+
+
+async def retry_later(messages: Sequence[Msg], error: BaseException, index: str, min_delay_s: float = 0.0) -> None:
+    """Nak with backoff: the deltas come back after a growing delay (at least ``min_delay_s``) and apply then."""
+    log.warning("batch_retry", index=index, error=describe(error), size=len(messages))
+    for msg in messages:
+        await msg.nak(delay=max(min_delay_s, nak_delay(msg.metadata.num_delivered)))
+    instruments().projector_deltas.add(len(messages), {"outcome": "retried", "index": index})
+
+
+def _header_safe(text: str, limit: int = 1000) -> str:
+    return " ".join(text.split())[:limit]
+
+
+async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: Rejection, index: str) -> None:
+    """Publish the delta with its reason to the DLQ stream, then terminate it; if the DLQ publish fails, nak."""
+    seq = msg.metadata.sequence.stream
+    headers = {
+        "Nats-Msg-Id": f"dlq:{index}:{msg.metadata.stream}:{seq}",
+        "Ontofabric-Reason": rejection.reason,
+        "Ontofabric-Detail": _header_safe(rejection.detail),
+        "Ontofabric-Index": index,
+        "Ontofabric-Original-Subject": msg.subject,
+        "Ontofabric-Original-Stream": msg.metadata.stream,
+        "Ontofabric-Original-Sequence": str(seq),
+        "Ontofabric-Delivered": str(msg.metadata.num_delivered),
+    }
+    subject = names.dlq_subject(workspace_token_of(msg.subject) or "_unknown")
+    try:
+        await js.publish(subject, msg.data, headers=headers)
+    except Exception as error:  # the dead letter is not safe yet: keep the original for another try
+        await retry_later([msg], error, index)
+        return
+    await msg.term()
+    instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index})
+    log.warning("delta_dead_lettered", index=index, seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
+
+
+async def start_projection(
+    nc: Client, names: Names, settings: Settings, durable: str, projection: DurableProjection, batch_size: int
+) -> BatchPuller:
+    """A projector's durable pull consumer of every delta, from the stream's first, read and handed to
+    ``projection`` in a task of its own. Deltas are acked one by one after they are in the sink; an unacked one
+    comes back after the ack wait, for ever."""
+    subscription = await nc.jetstream().pull_subscribe(
+        names.delta_subjects,
+        durable=durable,
+        stream=names.delta_stream,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=settings.projector_ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=max(4 * settings.projector_batch_size, 1000),
+        ),
+    )
+    reader = StreamReader(
+        subscription,
+        name=durable,
+        connection=nc,
+        batch_size=batch_size,
+        fetch_timeout_s=settings.projector_batch_timeout_s,
+    )
+    puller = BatchPuller(reader, projection.handle)
+    puller.start()
+    return puller

@@ -1,0 +1,118 @@
+"""The projection runner: the one loop by which deltas reach an index, whatever the index.
+
+For each batch read from the stream: validate every delta (a delta that can never apply is set aside with its
+reason), write the valid ones through the sink in one go, and when the sink refuses the batch for a reason that
+lies in the data, write them one by one so that one bad delta costs only itself. The runner decides nothing about
+delivery: it says which deltas are in the sink, which can never be, and which must come back later, and its caller
+(a durable consumer's projector, or a rebuild's replay) settles them.
+
+A sink is an index kept from the stream: Postgres (live, or a rebuild's shadow tables) or Azure AI Search. Its
+writes must be idempotent by stream sequence (an older or repeated delta changes nothing), so that anything
+delivered again after a failure can simply be written again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nats.aio.msg import Msg
+
+from ontofabric.shared.logging import describe, get_logger
+
+from .planning import Delta, Limits, Rejection, validate_delta
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a sink did with a batch."""
+
+    applied: int
+    """Deltas that changed the index."""
+    noops: int
+    """Deltas the index already held (repeats, older than its rows, or not its kind)."""
+    refused: dict[int, Rejection] = field(default_factory=dict)
+    """Deltas, by stream sequence, the index refused for good; every other delta of the batch is in."""
+
+
+class Sink(Protocol):
+    index: str
+    """The index it keeps: a label on metrics and dead letters."""
+
+    async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+        """Write the batch, or raise. ``redelivered``: some of it was delivered before (a retry, or a crash
+        between the write and the acks), so what the write announces must be announced again."""
+        ...
+
+    def retryable(self, error: BaseException) -> bool:
+        """True when a failed write is to be tried again later (the database or service away, throttled); False
+        when the data is to blame, so that the batch is written one delta at a time."""
+        ...
+
+    async def settled(self) -> None:
+        """After the written deltas were acknowledged: work that must never hold a batch back."""
+        ...
+
+
+@dataclass
+class Outcome:
+    """What became of each delta of a batch."""
+
+    done: list[tuple[Msg, Delta]] = field(default_factory=list)
+    """In the sink: applied or already held."""
+    invalid: list[tuple[Msg, Rejection]] = field(default_factory=list)
+    """Can never apply anywhere (validation)."""
+    refused: list[tuple[Msg, Rejection]] = field(default_factory=list)
+    """Valid, but this sink refused it for good."""
+    retry: list[Msg] = field(default_factory=list)
+    """Not written: the sink failed for a passing reason (``error``)."""
+    error: BaseException | None = None
+    applied: int = 0
+    noops: int = 0
+
+
+class ProjectionRunner:
+    def __init__(self, sink: Sink, limits: Limits) -> None:
+        self.sink = sink
+        self._limits = limits
+
+    async def run(self, messages: Sequence[Msg]) -> Outcome:
+        outcome = Outcome()
+        accepted: list[tuple[Msg, Delta]] = []
+        for msg in messages:
+            checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
+            if isinstance(checked, Rejection):
+                outcome.invalid.append((msg, checked))
+            else:
+                accepted.append((msg, checked))
+        if accepted:
+            await self._write(accepted, outcome)
+        return outcome
+
+    async def _write(self, accepted: list[tuple[Msg, Delta]], outcome: Outcome) -> None:
+        redelivered = any(msg.metadata.num_delivered > 1 for msg, _ in accepted)
+        try:
+            written = await self.sink.write([delta for _, delta in accepted], redelivered)
+        except Exception as error:
+            if self.sink.retryable(error):
+                outcome.retry += [msg for msg, _ in accepted]
+                outcome.error = error
+            elif len(accepted) > 1:
+                # One delta the index refuses must not hold back the others: write them one by one.
+                log.warning("batch_isolating", index=self.sink.index, error=describe(error), size=len(accepted))
+                for one in accepted:
+                    await self._write([one], outcome)
+            else:
+                outcome.refused.append((accepted[0][0], Rejection("apply_failed", describe(error))))
+            return
+        for msg, delta in accepted:
+            refusal = written.refused.get(delta.seq)
+            if refusal is None:
+                outcome.done.append((msg, delta))
+            else:
+                outcome.refused.append((msg, refusal))
+        outcome.applied += written.applied
+        outcome.noops += written.noops

@@ -1,0 +1,67 @@
+"""ontologyVersion announcements: the latest version per (workspace, branch) in the KV bucket and on the event
+subject, after the commit that made it (projectors, and a rebuild after its swap)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt
+
+from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.shared.subjects import Names
+
+from .store import VersionUpdate
+
+CAS_ATTEMPTS = 20
+
+
+class VersionNotAnnounced(Exception):
+    """The KV compare-and-set never succeeded; the batch is retried (its deltas are no-ops then)."""
+
+
+class VersionPublisher:
+    """Compare-and-set on the KV revision, so two projector workers can never leave an older version behind."""
+
+    def __init__(self, nc: Client, kv: KeyValue, names: Names) -> None:
+        self._nc = nc
+        self._kv = kv
+        self._names = names
+
+    async def publish(self, update: VersionUpdate) -> None:
+        record = OntologyVersionChanged(
+            workspace=update.workspace,
+            branch=update.branch,
+            ontology_version=update.version.label,
+            stream_seq=update.version.stream_seq,
+            revision=update.revision,
+            updated_at=datetime.now(UTC),
+        )
+        data = record.model_dump_json().encode()
+        key = self._names.version_key(update.workspace, update.branch)
+        try:
+            # Another worker writing in between makes the update fail: read again and compare again.
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(KeyWrongLastSequenceError), stop=stop_after_attempt(CAS_ATTEMPTS)
+            ):
+                with attempt:
+                    if not await self._put_if_newer(key, record, data):
+                        return  # this version, or a newer one, is announced already
+        except RetryError as error:
+            raise VersionNotAnnounced(f"{key}: the versions bucket kept changing under {CAS_ATTEMPTS} tries") from error
+        await self._nc.publish(self._names.version_event_subject(update.workspace, update.branch), data)
+
+    async def _put_if_newer(self, key: str, record: OntologyVersionChanged, data: bytes) -> bool:
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            entry = None
+        if entry is None or entry.value is None:
+            await self._kv.create(key, data)
+            return True
+        if OntologyVersionChanged.model_validate_json(entry.value).revision >= record.revision:
+            return False
+        await self._kv.update(key, data, last=entry.revision)
+        return True

@@ -1,4 +1,4 @@
-"""structlog set-up: JSON lines on stderr with trace ids; stdlib loggers (faststream, nats) go the same way."""
+"""structlog set-up: JSON lines on stderr with trace ids; stdlib loggers (nats, transformers) go the same way."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     # Library chatter stays at WARNING unless we are debugging.
-    for noisy in ("faststream", "nats", "asyncio", "sentence_transformers", "transformers", "httpx"):
+    for noisy in ("nats", "asyncio", "sentence_transformers", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(level if level == "DEBUG" else "WARNING")
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from opentelemetry import propagate
 from pydantic import ValidationError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from ontofabric.contracts import ErrorReply, OntologyQuery, QueryResponse
 from ontofabric.shared.subjects import Names
@@ -25,15 +25,15 @@ class QueryClient:
         headers: dict[str, str] = {}
         propagate.inject(headers)
         subject = self._names.query_subject(workspace)
-        for attempt in range(6):
-            try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(NoRespondersError),
+            stop=stop_after_attempt(6),
+            wait=wait_exponential(multiplier=0.03),
+            reraise=True,
+        ):
+            with attempt:
                 reply = await self._nc.request(subject, body, timeout=self._timeout_s, headers=headers)
-                return bytes(reply.data)
-            except NoRespondersError:
-                if attempt == 5:
-                    raise
-                await asyncio.sleep(0.03 * 2**attempt)
-        raise AssertionError("unreachable")
+        return bytes(reply.data)
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
         body = (

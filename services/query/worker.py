@@ -6,10 +6,16 @@ serving. Nothing a caller sends can crash it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import asyncpg
 from azure.search.documents.aio import SearchClient
-from faststream.nats import NatsBroker, NatsMessage
-from faststream.nats.opentelemetry import NatsTelemetryMiddleware
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 from pydantic import TypeAdapter, ValidationError
 
 from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError, QueryResponse
@@ -17,12 +23,12 @@ from ontofabric.contracts.documents import Workspace
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.jetstream import ensure_jetstream, subscriptions_visible
-from ontofabric.shared.logging import get_logger
+from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
-from ontofabric.shared.telemetry import instruments
+from ontofabric.shared.telemetry import instruments, tracer
 
 from .config import PipelineConfig
 from .core import Reranker
@@ -111,7 +117,11 @@ def encode_within(response: QueryResponse, limit: int) -> bytes:
 
 
 class QueryService:
-    """The query worker process: pool, embedder, version watch and the request-reply subscriber."""
+    """The query worker process: pool, embedder, version watch, and a subscription to every workspace's query
+    subject in the workers' queue group.
+
+    nats-py hands a subscription's messages to its callback one at a time; each request is answered in a task of
+    its own, at most ``query_concurrency`` at once, and the rest wait in the subscription's queue."""
 
     def __init__(
         self,
@@ -127,10 +137,14 @@ class QueryService:
         self._database_url = database_url
         self._embedder = embedder
         self._reranker = reranker
-        self._broker: NatsBroker | None = None
+        self._nc: Client | None = None
+        self._subscription: Subscription | None = None
         self._pool: asyncpg.Pool | None = None
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
+        self._pipeline: QueryPipeline | None = None
+        self._slots = asyncio.Semaphore(settings.query_concurrency)
+        self._in_flight: set[asyncio.Task[None]] = set()
         self.handled = 0
         """Requests this worker answered (errors included)."""
 
@@ -145,11 +159,8 @@ class QueryService:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings, max_size=max(4, 2 * settings.query_concurrency))
-        broker = self._broker = NatsBroker(
-            self._nats_url, name="ontofabric-query", logger=None, middlewares=[NatsTelemetryMiddleware()]
-        )
-        await broker.connect()
-        js = broker.connection.jetstream()
+        nc = self._nc = await connect(self._nats_url, "ontofabric-query")
+        js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         snapshots = PostgresSnapshots(self._pool)
@@ -157,7 +168,7 @@ class QueryService:
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
             self._azure = search_client(settings, retries=0)
-        pipeline = QueryPipeline(
+        self._pipeline = QueryPipeline(
             build_retrievers(settings, snapshots, documents, self._azure),
             documents,
             self._embedder,
@@ -166,51 +177,73 @@ class QueryService:
             PipelineConfig.from_settings(settings),
             self._reranker,
         )
-        tracker.set_listener(pipeline.invalidate)
+        tracker.set_listener(self._pipeline.invalidate)
         self._versions = tracker
         await tracker.start()
-
-        async def raw_body(message: NatsMessage) -> bytes:
-            return bytes(message.body)
-
-        @broker.subscriber(
-            names.query_subjects,
-            queue=names.query_queue,
-            decoder=raw_body,
-            max_workers=settings.query_concurrency,
-        )
-        async def on_query(message: NatsMessage) -> bytes:
-            self.handled += 1
-            workspace = workspace_of_subject(message.raw_message.subject)
-            if workspace is None:
-                return error_reply(
-                    "invalid_request",
-                    "the subject does not name a valid workspace",
-                    [ErrorDetail(field=None, message=f"subject {message.raw_message.subject!r}")],
-                )
-            parsed = parse_request(bytes(message.body), workspace, settings.max_query_chars)
-            if isinstance(parsed, bytes):
-                return parsed
-            try:
-                response = await pipeline.answer(parsed, workspace)
-            except RetrievalUnavailable as error:
-                return error_reply("unavailable", str(error), retryable=True)
-            except Exception:
-                log.exception("query_failed", workspace=workspace)
-                return error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
-            return encode_within(response, broker.connection.max_payload - HEADER_ALLOWANCE_BYTES)
-
-        await broker.start()
-        await subscriptions_visible(broker.connection)
+        self._subscription = await nc.subscribe(names.query_subjects, queue=names.query_queue, cb=self._admit)
+        await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=names.query_subjects, queue=names.query_queue)
 
-    async def stop(self) -> None:
-        if self._broker is not None:
-            await self._broker.stop()
-            self._broker = None
+    async def _admit(self, msg: Msg) -> None:
+        await self._slots.acquire()
+        task = asyncio.create_task(self._serve(msg))
+        self._in_flight.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._slots.release()
+
+    async def _serve(self, msg: Msg) -> None:
+        # The caller's trace continues here: its context travels in the request's headers.
+        context = propagate.extract(msg.headers or {})
+        with tracer().start_as_current_span("ontology_query", context=context, kind=SpanKind.SERVER) as span:
+            span.set_attribute("messaging.destination.name", msg.subject)
+            body = await self._answer(msg)
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(body)
+        except Exception as error:  # the connection went away: the caller times out and retries elsewhere
+            log.warning("reply_failed", error=describe(error))
+
+    async def _answer(self, msg: Msg) -> bytes:
+        self.handled += 1
+        assert self._pipeline is not None
+        assert self._nc is not None
+        workspace = workspace_of_subject(msg.subject)
+        if workspace is None:
+            return error_reply(
+                "invalid_request",
+                "the subject does not name a valid workspace",
+                [ErrorDetail(field=None, message=f"subject {msg.subject!r}")],
+            )
+        parsed = parse_request(msg.data, workspace, self.settings.max_query_chars)
+        if isinstance(parsed, bytes):
+            return parsed
+        try:
+            response = await self._pipeline.answer(parsed, workspace)
+        except RetrievalUnavailable as error:
+            return error_reply("unavailable", str(error), retryable=True)
+        except Exception:
+            log.exception("query_failed", workspace=workspace)
+            return error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
+        return encode_within(response, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """No new requests; those in flight are answered (for up to ``timeout_s``), then everything closes."""
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+            self._subscription = None
+        if self._in_flight:
+            await asyncio.wait(self._in_flight, timeout=timeout_s)
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None
+        if self._nc is not None:
+            await self._nc.close()
+            self._nc = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

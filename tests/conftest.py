@@ -45,6 +45,14 @@ def pytest_configure(config: pytest.Config) -> None:
     configure_telemetry("ontofabric-tests", extra_readers=(METRICS,), extra_spans=(SimpleSpanProcessor(SPANS),))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The test tiers: a test that uses the session's servers (through any fixture) or starts its own (``slow``)
+    is marked ``servers``; ``pytest -m 'not servers'`` runs the others alone."""
+    for item in items:
+        if "servers" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.servers)
+
+
 @pytest.fixture(scope="session")
 def embedder() -> Embedder:
     """The real all-MiniLM-L6-v2, loaded once per session."""

@@ -238,7 +238,9 @@ def eval_command(
 ) -> None:
     """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency, and each
     hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval."""
-    from .ops.evaluation import CONFIGS, DatasetError, evaluate, load_beir, render_table
+    from .ops.beir import DatasetError, load_beir
+    from .ops.eval_report import render_table
+    from .ops.evaluation import CONFIGS, evaluate
 
     settings = _settings("ontofabric-eval", quiet=True)
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]

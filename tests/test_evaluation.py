@@ -10,22 +10,10 @@ import pytest
 
 from ontofabric.contracts import FoundBy, QueryMeta, QueryResponse, SearchResult
 from ontofabric.contracts.query import LateInteractionReport
-from ontofabric.services.ops.evaluation import (
-    CONFIGS,
-    BeirDataset,
-    DatasetError,
-    ExitPoint,
-    Margin,
-    calibrate_early_exit,
-    compute_metrics,
-    evaluate,
-    hybrid_margins,
-    load_beir,
-    margin,
-    run_file_scores,
-    write_beir,
-    write_trec_run,
-)
+from ontofabric.services.ops.beir import BeirDataset, DatasetError, load_beir, write_beir
+from ontofabric.services.ops.eval_report import run_file_scores, write_trec_run
+from ontofabric.services.ops.evaluation import CONFIGS, evaluate, hybrid_margins
+from ontofabric.services.ops.measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
@@ -254,7 +242,7 @@ async def test_a_small_dataset_through_the_real_path(
 
 
 def test_report_table_names_the_early_exit_calibration() -> None:
-    from ontofabric.services.ops.evaluation import ConfigResult, EvalReport, render_table
+    from ontofabric.services.ops.eval_report import ConfigResult, EvalReport, render_table
 
     report = EvalReport(
         dataset="tiny",
@@ -293,7 +281,7 @@ def test_report_table_names_the_early_exit_calibration() -> None:
 
 
 def test_report_table_tells_refused_entries_from_lost_ones() -> None:
-    from ontofabric.services.ops.evaluation import EvalReport, render_table
+    from ontofabric.services.ops.eval_report import EvalReport, render_table
 
     def warnings(loaded: int) -> list[str]:
         report = EvalReport(

@@ -1,36 +1,27 @@
-"""Retrieval evaluation through the real path: a BEIR dataset published as deltas, projected, queried over NATS.
-
-Metrics come from ir-measures (trec_eval underneath): nDCG@10, Recall@10, Recall@100 and MRR@10, plus the
-client-side latency of each query.
+"""Retrieval evaluation through the real path: a BEIR dataset published as deltas, projected, queried over NATS,
+each configuration's answers measured (measures.py) and reported (eval_report.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import csv
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import ir_measures
-import numpy as np
-from ir_measures import RR, R, nDCG
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from ontofabric.contracts import (
+    MAIN_BRANCH,
     DocumentMetadata,
     DocumentUpserted,
     ErrorReply,
-    QueryMeta,
-    SearchResult,
     SemanticDocument,
 )
 from ontofabric.services.app import Roles, start_workers
@@ -46,7 +37,10 @@ from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-MEASURES = {"nDCG@10": nDCG @ 10, "Recall@10": R @ 10, "Recall@100": R @ 100, "MRR@10": RR @ 10}
+from .beir import BeirDataset, document_text
+from .eval_report import ConfigResult, EvalReport, run_file_scores, write_trec_run
+from .measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin, per_query_ndcg, percentile
+
 DEPTH = 100  # results per query: Recall@100 needs a hundred
 
 # Request parameters of each configuration. Only the retrievers, late interaction and reranking differ: candidate
@@ -64,221 +58,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "dense-late-interaction": {"precision": False, "options": {"retrievers": ["dense"]}},
 }
 DEFAULT_REQUEST = "hybrid"
-
-
-class DatasetError(Exception):
-    """The directory is not a readable BEIR dataset; the message says what is missing."""
-
-
-@dataclass(frozen=True)
-class BeirDataset:
-    name: str
-    split: str
-    corpus: list[dict[str, str]]
-    queries: dict[str, str]
-    qrels: dict[str, dict[str, int]]
-    """query id -> document id -> relevance; only queries with judgments are evaluated."""
-
-
-def load_beir(directory: Path, split: str) -> BeirDataset:
-    corpus_file, queries_file = directory / "corpus.jsonl", directory / "queries.jsonl"
-    qrels_file = directory / "qrels" / f"{split}.tsv"
-    for required in (corpus_file, queries_file, qrels_file):
-        if not required.is_file():
-            raise DatasetError(f"{required} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv)")
-    corpus = _read_entries(corpus_file)
-    queries = {q["_id"]: q["text"] for q in _read_entries(queries_file)}
-    qrels: dict[str, dict[str, int]] = {}
-    with qrels_file.open(encoding="utf-8") as rows:
-        reader = csv.reader(rows, delimiter="\t")
-        header = next(reader, None)
-        if header is None or header[:2] != ["query-id", "corpus-id"]:
-            raise DatasetError(f"{qrels_file} must start with the header 'query-id corpus-id score'")
-        for row in reader:
-            if len(row) >= 3:
-                try:
-                    qrels.setdefault(row[0], {})[row[1]] = int(row[2])
-                except ValueError:
-                    raise DatasetError(f"{qrels_file}:{reader.line_num}: score {row[2]!r} is no integer") from None
-    unknown = [q for q in qrels if q not in queries]
-    if unknown:
-        raise DatasetError(f"{len(unknown)} judged queries are not in queries.jsonl, e.g. {unknown[0]!r}")
-    return BeirDataset(directory.name, split, corpus, queries, qrels)
-
-
-def _read_entries(path: Path) -> list[dict[str, str]]:
-    """The ``_id``, ``title`` and ``text`` of each JSON line, as text: some BEIR-layout writers emit numeric ids
-    (qrels ids are always text) or null titles. A line that is no object with an ``_id`` is a DatasetError."""
-    entries = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DatasetError(f"{path}:{number}: not JSON ({error.msg})") from None
-            if not isinstance(entry, dict) or entry.get("_id") is None:
-                raise DatasetError(f"{path}:{number}: expected a JSON object with an _id")
-            entries.append({key: "" if entry.get(key) is None else str(entry[key]) for key in ("_id", "title", "text")})
-    return entries
-
-
-def write_beir(dataset: BeirDataset, directory: Path) -> Path:
-    """The dataset in the BEIR layout that :func:`load_beir` reads: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv."""
-    (directory / "qrels").mkdir(parents=True, exist_ok=True)
-    with (directory / "corpus.jsonl").open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps(entry) + "\n" for entry in dataset.corpus)
-    with (directory / "queries.jsonl").open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps({"_id": q, "text": text}) + "\n" for q, text in dataset.queries.items())
-    with (directory / "qrels" / f"{dataset.split}.tsv").open("w", encoding="utf-8") as out:
-        out.write("query-id\tcorpus-id\tscore\n")
-        out.writelines(f"{q}\t{d}\t{score}\n" for q, docs in dataset.qrels.items() for d, score in docs.items())
-    return directory
-
-
-def document_text(entry: dict[str, str]) -> str:
-    title = (entry.get("title") or "").strip()
-    return f"{title}\n{entry['text']}" if title else entry["text"]
-
-
-@dataclass
-class ConfigResult:
-    metrics: dict[str, float] = field(default_factory=dict)
-    latency_p50_ms: float = 0.0
-    latency_p95_ms: float = 0.0
-    errors: int = 0
-    degraded: int = 0
-    """Answers whose _meta.degraded was not empty (a part failed: the numbers are not the configuration's)."""
-    skipped: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    """What _meta said on the first query (fusion, retrievers, reranking): the configuration as it ran."""
-    stages_p50_ms: dict[str, float] = field(default_factory=dict)
-    """Median worker-side time of each pipeline stage (_meta.timingsMs) over the queries where it ran."""
-    late_interaction_skipped: int = 0
-    """Answers that went without late interaction for the query's length (_meta.skippedLateInteraction)."""
-
-
-@dataclass(frozen=True)
-class ExitPoint:
-    """One hybrid answer, as the early exit sees it."""
-
-    saturation: float
-    tokens: int
-    top_relevant: bool
-    query_id: str = ""
-
-
-@dataclass
-class EarlyExitCalibration:
-    configured_threshold: float
-    fires_at_configured: float
-    """Share of queries for which the configured threshold would skip the reranker."""
-    precision_at_configured: float | None
-    """How often the top answer was already relevant when it fires."""
-    suggested_threshold: float | None
-    """The lowest threshold at which at least ``min_support`` queries fire and their top answer is right at least
-    ``target`` of the time; None when no threshold gets there."""
-    target_precision: float
-    overall_precision: float
-    rerank_gain_when_fired: float | None = None
-    """Mean nDCG@10 of hybrid-rerank minus hybrid over the queries it fires for: what skipping costs. Measured only
-    when a reranker ran."""
-
-
-def calibrate_early_exit(
-    points: Sequence[ExitPoint],
-    configured: float,
-    queries: int,
-    rerank_gain: Mapping[str, float] | None = None,
-    target: float = 0.8,
-    max_tokens: int = 5,
-    min_support: int = 10,
-) -> EarlyExitCalibration:
-    """Where the keyword-saturation early exit may fire without skipping a reranker that had work to do.
-
-    ``queries``: all judged queries (the firing rate's denominator). ``rerank_gain``: per query, nDCG@10 with the
-    reranker minus without, when one ran.
-    """
-    short = [p for p in points if p.tokens < max_tokens]
-
-    def fired(threshold: float) -> list[ExitPoint]:
-        return [p for p in short if p.saturation >= threshold]
-
-    def precision(group: list[ExitPoint]) -> float | None:
-        return sum(p.top_relevant for p in group) / len(group) if group else None
-
-    suggested = None
-    for threshold in sorted({round(p.saturation, 2) for p in short}):
-        group = fired(threshold)
-        value = precision(group)
-        if value is not None and value >= target and len(group) >= min_support:
-            suggested = threshold
-            break
-    firing = fired(configured)
-    gains = [rerank_gain[p.query_id] for p in firing if rerank_gain and p.query_id in rerank_gain]
-    return EarlyExitCalibration(
-        configured_threshold=configured,
-        fires_at_configured=len(firing) / queries if queries else 0.0,
-        precision_at_configured=precision(firing),
-        suggested_threshold=suggested,
-        target_precision=target,
-        overall_precision=precision(list(points)) or 0.0,
-        rerank_gain_when_fired=sum(gains) / len(gains) if gains else None,
-    )
-
-
-_TIE = 1e-9
-"""Per-query differences within this are float noise: a tie."""
-
-
-@dataclass(frozen=True)
-class Margin:
-    """One configuration against another on nDCG@10, query by query, with how far chance alone could move it."""
-
-    config: str
-    against: str
-    difference: float
-    """Mean per-query nDCG@10 of ``config`` minus that of ``against`` (equal to the difference of the means)."""
-    ci_low: float
-    ci_high: float
-    """The 95 % interval of ``difference`` by the paired bootstrap: queries resampled with replacement."""
-    better: int
-    worse: int
-    equal: int
-    """Queries where ``config`` scored higher, lower, or the same (within ``_TIE``) as ``against``."""
-
-
-def margin(
-    config: str,
-    against: str,
-    scores: Mapping[str, float],
-    reference: Mapping[str, float],
-    resamples: int = 10_000,
-    seed: int = 0,
-) -> Margin | None:
-    """``config``'s per-query ``scores`` against ``reference``'s over the same queries (a query missing from
-    either counts 0 there); None without queries."""
-    queries = sorted(set(scores) | set(reference))
-    if not queries:
-        return None
-    differences = np.array([scores.get(q, 0.0) - reference.get(q, 0.0) for q in queries])
-    rng = np.random.default_rng(seed)
-    means = []
-    for done in range(0, resamples, 1000):  # in chunks: all resamples' indices at once are GBs for 10k queries
-        drawn = rng.integers(0, len(differences), (min(1000, resamples - done), len(differences)))
-        means.append(differences[drawn].mean(axis=1))
-    low, high = np.percentile(np.concatenate(means), [2.5, 97.5])
-    return Margin(
-        config=config,
-        against=against,
-        difference=float(differences.mean()),
-        ci_low=float(low),
-        ci_high=float(high),
-        better=int((differences > _TIE).sum()),
-        worse=int((differences < -_TIE).sum()),
-        equal=int((np.abs(differences) <= _TIE).sum()),
-    )
 
 
 def hybrid_margins(per_query: Mapping[str, Mapping[str, float]]) -> list[Margin]:
@@ -300,45 +79,6 @@ def hybrid_margins(per_query: Mapping[str, Mapping[str, float]]) -> list[Margin]
         pairs = [(config, stronger) for config in (DEFAULT_REQUEST, "hybrid-rerank", "hybrid-fusion-only")] + pairs
     found = [margin(c, a, per_query[c], per_query[a]) for c, a in pairs if c in per_query and a in per_query]
     return [m for m in found if m is not None]
-
-
-@dataclass
-class EvalReport:
-    dataset: str
-    split: str
-    documents: int
-    """Entries in corpus.jsonl."""
-    documents_loaded: int
-    """Documents the projector holds after loading; fewer when entries were dead-lettered or repeated an id."""
-    queries: int
-    configs: dict[str, ConfigResult]
-    load_seconds: float
-    refused_documents: list[tuple[str, str]] = field(default_factory=list)
-    """(id, why) of each corpus entry the document contract refused, e.g. text with a NUL character."""
-    early_exit: EarlyExitCalibration | None = None
-    margins: list[Margin] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def compute_metrics(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]]) -> dict[str, float]:
-    """nDCG@10, Recall@10, Recall@100 and MRR@10 averaged over the judged queries (missing runs score 0)."""
-    judged = {q: docs for q, docs in qrels.items()}
-    scores = ir_measures.calc_aggregate(list(MEASURES.values()), judged, {q: run.get(q, {}) for q in judged})
-    return {name: float(scores[measure]) for name, measure in MEASURES.items()}
-
-
-def per_query_ndcg(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]]) -> dict[str, float]:
-    scores = {q: 0.0 for q in qrels}
-    for metric in ir_measures.iter_calc([nDCG @ 10], qrels, {q: run.get(q, {}) for q in qrels}):
-        scores[metric.query_id] = float(metric.value)
-    return scores
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
 class Evaluation:
@@ -495,81 +235,6 @@ class Evaluation:
         return result, run
 
 
-def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_retriever: bool) -> dict[str, float]:
-    """The score a run file keeps for each judged result, in the answer's order: the retriever's own where one
-    retriever ran and no later stage reordered its list, else the score the results were ranked by (a reordering
-    stage's relevance, or the fused one), so a tool that sorts the file by score sees the order that was judged
-    (up to ties, which such tools break by document id)."""
-    own = single_retriever and meta.late_interaction is None and not meta.reranked
-    return {r.id: r.found_by[0].score if own and len(r.found_by) == 1 else r.score for r in results}
-
-
-def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:
-    """One line per result, each query's results in the order given, ranked from 1."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for query_id, docs in run.items():
-            for rank, (doc_id, score) in enumerate(docs.items(), start=1):
-                out.write(f"{query_id} Q0 {doc_id} {rank} {score:.6f} {tag}\n")
-
-
-def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
-    header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
-    write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
-    if report.refused_documents:
-        first, why = report.refused_documents[0]
-        write(
-            f"warning: {len(report.refused_documents)} corpus entries were refused by the document contract and not"
-            f" loaded, e.g. {first!r}: {why}"
-        )
-    if report.documents_loaded + len(report.refused_documents) != report.documents:
-        write(
-            f"warning: only {report.documents_loaded} documents were loaded (dead-lettered entries or repeated ids;"
-            " see the DLQ stream)"
-        )
-    write("| " + " | ".join(header) + " |")
-    write("|" + "---|" * len(header))
-    for name, result in report.configs.items():
-        if result.skipped:
-            write(f"| {name} | skipped: {result.skipped} |")
-            continue
-        cells = [f"{result.metrics[m]:.4f}" for m in MEASURES]
-        cells += [
-            f"{result.latency_p50_ms:.1f}",
-            f"{result.latency_p95_ms:.1f}",
-            str(result.degraded),
-            str(result.errors),
-        ]
-        write(f"| {name} | " + " | ".join(cells) + " |")
-    for name, result in report.configs.items():
-        if result.late_interaction_skipped:
-            write(f"{name}: late interaction skipped for {result.late_interaction_skipped} long queries")
-        if result.stages_p50_ms:
-            stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
-            write(f"{name}, worker-side p50 ms per stage: {stages}")
-    for m in report.margins:
-        difference = round(m.difference, 4) + 0.0  # + 0.0: a rounding of -1e-17 prints +0.0000, not -0.0000
-        write(
-            f"{m.config} over {m.against}: {difference:+.4f} nDCG@10, 95% interval {m.ci_low:+.4f} to "
-            f"{m.ci_high:+.4f} (paired bootstrap over {m.better + m.worse + m.equal} queries); better on {m.better}, "
-            f"worse on {m.worse}, equal on {m.equal}"
-        )
-    calibration = report.early_exit
-    if calibration is not None:
-        fired = calibration.precision_at_configured
-        write(
-            f"early exit at keyword saturation >= {calibration.configured_threshold}: fires for "
-            f"{100 * calibration.fires_at_configured:.1f}% of queries; top answer relevant when it fires: "
-            f"{'n/a' if fired is None else f'{fired:.2f}'} (all queries: {calibration.overall_precision:.2f}); "
-            f"lowest threshold with >= {calibration.target_precision} precision: {calibration.suggested_threshold}"
-            + (
-                ""
-                if calibration.rerank_gain_when_fired is None
-                else f"; reranking gains {calibration.rerank_gain_when_fired:+.4f} nDCG@10 on those queries"
-            )
-        )
-
-
 async def evaluate(
     settings: Settings,
     endpoints: Endpoints,
@@ -656,7 +321,7 @@ async def _live_documents(database_url: str, workspace: str) -> int:
     conn = await asyncpg.connect(database_url)
     try:
         count = await conn.fetchval(
-            "SELECT doc_count FROM ontology_versions WHERE workspace = $1 AND branch = 'main'", workspace
+            "SELECT doc_count FROM ontology_versions WHERE workspace = $1 AND branch = $2", workspace, MAIN_BRANCH
         )
         return int(count or 0)
     finally:

@@ -23,7 +23,9 @@ from pathlib import Path
 from pydantic import SecretStr
 from rich.console import Console
 
-from ontofabric.services.ops.evaluation import BeirDataset, EvalReport, evaluate, load_beir, render_table
+from ontofabric.services.ops.beir import BeirDataset, load_beir
+from ontofabric.services.ops.eval_report import EvalReport, render_table
+from ontofabric.services.ops.evaluation import evaluate
 from ontofabric.services.render import RichProgress
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints

@@ -35,7 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from ontofabric.contracts import DocumentUpserted, OntologyVersionChanged, SemanticDocument
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ops.evaluation import percentile
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import migrate
 from ontofabric.shared.jetstream import BatchPuller, StreamReader, connect, ensure_jetstream

@@ -22,7 +22,7 @@ from ontofabric.contracts import QueryResponse
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.ingester import Ingester, discover
-from ontofabric.services.ops.evaluation import percentile
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ontofabric.services.demo import project_root
-from ontofabric.services.ops.evaluation import percentile
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.core import StoredDocument
 from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.stages import late_interaction

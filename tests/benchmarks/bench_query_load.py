@@ -31,7 +31,9 @@ from rich.console import Console
 
 from ontofabric.contracts import ErrorReply
 from ontofabric.services.app import Roles, start_workers
-from ontofabric.services.ops.evaluation import BeirDataset, Evaluation, load_beir, percentile
+from ontofabric.services.ops.beir import BeirDataset, load_beir
+from ontofabric.services.ops.evaluation import Evaluation
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.render import RichProgress
 from ontofabric.shared.embedder import Embedder

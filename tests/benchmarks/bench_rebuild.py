@@ -36,7 +36,9 @@ from rich.console import Console
 from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, ErrorReply
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ops.evaluation import BeirDataset, Evaluation, load_beir, percentile
+from ontofabric.services.ops.beir import BeirDataset, load_beir
+from ontofabric.services.ops.evaluation import Evaluation
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.render import RichProgress
 from ontofabric.shared.embedding_cache import EmbeddingCache

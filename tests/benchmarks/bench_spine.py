@@ -26,7 +26,7 @@ from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.chunking import Chunk
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding, chunk_tree, to_document
-from ontofabric.services.ops.evaluation import percentile
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.projector.planning import Delta, EntityRef
 from ontofabric.services.projector.store import UPSERT_DOCUMENT, PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService

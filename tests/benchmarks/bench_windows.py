@@ -15,7 +15,7 @@ import argparse
 import time
 
 from ontofabric.services.demo import project_root
-from ontofabric.services.ops.evaluation import percentile
+from ontofabric.services.ops.measures import percentile
 from ontofabric.shared.embedder import LocalSentenceTransformer
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.settings import Settings

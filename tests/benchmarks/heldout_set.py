@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from ontofabric.services.ops.evaluation import BeirDataset, write_beir
+from ontofabric.services.ops.beir import BeirDataset, write_beir
 
 # Test suites, demos and vendored copies would add near-duplicates of the code they exercise.
 _SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo"}

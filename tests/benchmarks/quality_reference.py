@@ -21,7 +21,8 @@ import bm25s
 import numpy as np
 import Stemmer
 
-from ontofabric.services.ops.evaluation import compute_metrics, document_text, load_beir
+from ontofabric.services.ops.beir import document_text, load_beir
+from ontofabric.services.ops.measures import compute_metrics
 from ontofabric.services.query.core import Candidate
 from ontofabric.services.query.fusion import reciprocal_rank_fusion
 from ontofabric.shared.embedder import build_embedder

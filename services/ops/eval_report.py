@@ -1,0 +1,125 @@
+"""What ``ontofabric eval`` reports: per configuration its measures and latency, the margins, the early exit's
+calibration; as a table, as JSON, and as TREC run files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ontofabric.contracts import QueryMeta, SearchResult
+
+from .measures import MEASURES, EarlyExitCalibration, Margin
+
+
+@dataclass
+class ConfigResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+    latency_p50_ms: float = 0.0
+    latency_p95_ms: float = 0.0
+    errors: int = 0
+    degraded: int = 0
+    """Answers whose _meta.degraded was not empty (a part failed: the numbers are not the configuration's)."""
+    skipped: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """What _meta said on the first query (fusion, retrievers, reranking): the configuration as it ran."""
+    stages_p50_ms: dict[str, float] = field(default_factory=dict)
+    """Median worker-side time of each pipeline stage (_meta.timingsMs) over the queries where it ran."""
+    late_interaction_skipped: int = 0
+    """Answers that went without late interaction for the query's length (_meta.skippedLateInteraction)."""
+
+
+@dataclass
+class EvalReport:
+    dataset: str
+    split: str
+    documents: int
+    """Entries in corpus.jsonl."""
+    documents_loaded: int
+    """Documents the projector holds after loading; fewer when entries were dead-lettered or repeated an id."""
+    queries: int
+    configs: dict[str, ConfigResult]
+    load_seconds: float
+    refused_documents: list[tuple[str, str]] = field(default_factory=list)
+    """(id, why) of each corpus entry the document contract refused, e.g. text with a NUL character."""
+    early_exit: EarlyExitCalibration | None = None
+    margins: list[Margin] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_retriever: bool) -> dict[str, float]:
+    """The score a run file keeps for each judged result, in the answer's order: the retriever's own where one
+    retriever ran and no later stage reordered its list, else the score the results were ranked by (a reordering
+    stage's relevance, or the fused one), so a tool that sorts the file by score sees the order that was judged
+    (up to ties, which such tools break by document id)."""
+    own = single_retriever and meta.late_interaction is None and not meta.reranked
+    return {r.id: r.found_by[0].score if own and len(r.found_by) == 1 else r.score for r in results}
+
+
+def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:
+    """One line per result, each query's results in the order given, ranked from 1."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for query_id, docs in run.items():
+            for rank, (doc_id, score) in enumerate(docs.items(), start=1):
+                out.write(f"{query_id} Q0 {doc_id} {rank} {score:.6f} {tag}\n")
+
+
+def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
+    header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
+    write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
+    if report.refused_documents:
+        first, why = report.refused_documents[0]
+        write(
+            f"warning: {len(report.refused_documents)} corpus entries were refused by the document contract and not"
+            f" loaded, e.g. {first!r}: {why}"
+        )
+    if report.documents_loaded + len(report.refused_documents) != report.documents:
+        write(
+            f"warning: only {report.documents_loaded} documents were loaded (dead-lettered entries or repeated ids;"
+            " see the DLQ stream)"
+        )
+    write("| " + " | ".join(header) + " |")
+    write("|" + "---|" * len(header))
+    for name, result in report.configs.items():
+        if result.skipped:
+            write(f"| {name} | skipped: {result.skipped} |")
+            continue
+        cells = [f"{result.metrics[m]:.4f}" for m in MEASURES]
+        cells += [
+            f"{result.latency_p50_ms:.1f}",
+            f"{result.latency_p95_ms:.1f}",
+            str(result.degraded),
+            str(result.errors),
+        ]
+        write(f"| {name} | " + " | ".join(cells) + " |")
+    for name, result in report.configs.items():
+        if result.late_interaction_skipped:
+            write(f"{name}: late interaction skipped for {result.late_interaction_skipped} long queries")
+        if result.stages_p50_ms:
+            stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
+            write(f"{name}, worker-side p50 ms per stage: {stages}")
+    for m in report.margins:
+        difference = round(m.difference, 4) + 0.0  # + 0.0: a rounding of -1e-17 prints +0.0000, not -0.0000
+        write(
+            f"{m.config} over {m.against}: {difference:+.4f} nDCG@10, 95% interval {m.ci_low:+.4f} to "
+            f"{m.ci_high:+.4f} (paired bootstrap over {m.better + m.worse + m.equal} queries); better on {m.better}, "
+            f"worse on {m.worse}, equal on {m.equal}"
+        )
+    calibration = report.early_exit
+    if calibration is not None:
+        fired = calibration.precision_at_configured
+        write(
+            f"early exit at keyword saturation >= {calibration.configured_threshold}: fires for "
+            f"{100 * calibration.fires_at_configured:.1f}% of queries; top answer relevant when it fires: "
+            f"{'n/a' if fired is None else f'{fired:.2f}'} (all queries: {calibration.overall_precision:.2f}); "
+            f"lowest threshold with >= {calibration.target_precision} precision: {calibration.suggested_threshold}"
+            + (
+                ""
+                if calibration.rerank_gain_when_fired is None
+                else f"; reranking gains {calibration.rerank_gain_when_fired:+.4f} nDCG@10 on those queries"
+            )
+        )

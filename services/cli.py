@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ontofabric.contracts import CHUNK_LEVELS, PROVENANCES, ErrorReply, schema
+from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -117,7 +117,7 @@ def query_worker(data_dir: DataDir = None) -> None:
 def ingest(
     path: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).")],
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.")],
-    branch: Annotated[str, typer.Option(help="Branch to publish into.")] = "main",
+    branch: Annotated[str, typer.Option(help="Branch to publish into.")] = MAIN_BRANCH,
     wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every delta.")] = True,
     data_dir: DataDir = None,
 ) -> None:
@@ -163,7 +163,7 @@ def ingest(
 def query(
     text: Annotated[str, typer.Argument(help="The semantic query.")],
     workspace: Annotated[str, typer.Option(help="Workspace to query.")] = "ontofabric",
-    branch: Annotated[str, typer.Option(help="Branch to query.")] = "main",
+    branch: Annotated[str, typer.Option(help="Branch to query.")] = MAIN_BRANCH,
     top_k: Annotated[int, typer.Option("--top-k", min=1, max=100, help="Number of results.")] = 10,
     object_type: Annotated[str | None, typer.Option(help="Only this objectType.")] = None,
     chunk_level: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(CHUNK_LEVELS)}.")] = None,

@@ -177,8 +177,9 @@ class StreamReader:
 
     Bounded (``upto``: a replay through a consumer of its own that delivers in order, without acks): batches are
     filled to ``batch_size`` across fetches, so they are written in transactions as large as a projector's; a gap
-    in the deliveries or a failed fetch raises; it ends with the message at stream sequence ``upto``, or when the
-    consumer has nothing more to deliver.
+    in the deliveries, a failed fetch or a connection down for a fetch timeout raises (a replay may hold locks
+    others wait for); it ends with the message at stream sequence ``upto``, or when the consumer has nothing more
+    to deliver.
     """
 
     def __init__(
@@ -199,45 +200,26 @@ class StreamReader:
         self._upto = upto
         self._stopping = asyncio.Event()
         self._received = 0
+        """Messages received by a bounded read: each must be the consumer's next delivery."""
+        self._failures = 0
+        self._disconnected_for = 0.0
 
     def stop(self) -> None:
         """End the iteration after the fetch in progress (and any backoff, at once)."""
         self._stopping.set()
 
     async def batches(self) -> AsyncIterator[list[Msg]]:
-        if self._upto is not None and not (await self._subscription.consumer_info()).num_pending:
+        bounded = self._upto is not None
+        if bounded and not (await self._subscription.consumer_info()).num_pending:
             return
-        failures = 0
         filling: list[Msg] = []
         while not self._stopping.is_set():
-            if not self._connection.is_connected:
-                # A pull request sent now would wait in the client's buffer and, with every other one, reach the
-                # server on reconnect: it would then deliver up to max_ack_pending deltas at once.
-                await self._pause(RECONNECT_POLL_S)
-                continue
-            try:
-                messages = await self._subscription.fetch(
-                    self._batch_size - len(filling), timeout=self._fetch_timeout_s
-                )
-            except TimeoutError:  # nats-py's and asyncio's alike: nothing arrived in time
-                failures = 0
-                if self._upto is not None:
+            messages = await self._fetch(self._batch_size - len(filling))
+            if not messages:
+                if bounded and await self._delivered_all():
                     if filling:
                         yield filling
-                        filling = []
-                    if await self._delivered_all():
-                        return
-                continue
-            except Exception as error:  # connection lost, JetStream unavailable, consumer deleted ...
-                if self._upto is not None:
-                    raise  # a replay stops here, to be resumed
-                failures += 1
-                backoff = backoff_s(failures, 0.2, MAX_FETCH_BACKOFF_S)
-                log.warning("fetch_failed", consumer=self.name, error=describe(error), retry_in_s=backoff)
-                await self._pause(backoff)
-                continue
-            failures = 0
-            if not messages:
+                    return
                 continue
             if self._upto is None:
                 for start in range(0, len(messages), self._batch_size):
@@ -252,6 +234,37 @@ class StreamReader:
                 filling = []
             if finished:
                 return
+
+    async def _fetch(self, wanted: int) -> list[Msg]:
+        """What arrived within the fetch timeout (none: nothing did, or the connection is down).
+
+        Unbounded, a failure is logged and tried again after a backoff, and nothing is fetched while the
+        connection is down: a pull request sent then would wait in the client's buffer and, with every other one,
+        reach the server on reconnect, which would deliver up to max_ack_pending deltas at once. Bounded, a replay
+        stops instead (to be resumed): a failure raises, and so does a connection down for a fetch timeout."""
+        if not self._connection.is_connected:
+            if self._upto is not None:
+                self._disconnected_for += RECONNECT_POLL_S
+                if self._disconnected_for > self._fetch_timeout_s:
+                    raise ConnectionError(f"NATS has been unreachable for {self._disconnected_for:.1f} s")
+            await self._pause(RECONNECT_POLL_S)
+            return []
+        self._disconnected_for = 0.0
+        try:
+            messages = await self._subscription.fetch(wanted, timeout=self._fetch_timeout_s)
+        except TimeoutError:  # nats-py's and asyncio's alike: nothing arrived in time
+            self._failures = 0
+            return []
+        except Exception as error:  # connection lost, JetStream unavailable, consumer deleted ...
+            if self._upto is not None:
+                raise
+            self._failures += 1
+            backoff = backoff_s(self._failures, 0.2, MAX_FETCH_BACKOFF_S)
+            log.warning("fetch_failed", consumer=self.name, error=describe(error), retry_in_s=backoff)
+            await self._pause(backoff)
+            return []
+        self._failures = 0
+        return messages
 
     def _check_in_order(self, messages: list[Msg]) -> None:
         for msg in messages:

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -191,3 +192,28 @@ async def test_stop_finishes_and_acks_the_batch_in_hand(deployment: Deployment) 
     async with asyncio.timeout(5):  # the server applies acks on its own time
         while not await settled():
             await asyncio.sleep(0.05)
+
+
+class _ScriptedReplay(_ScriptedFetches):
+    """A replay consumer: it says how much it still has to deliver."""
+
+    async def consumer_info(self) -> Any:
+        return type("Info", (), {"num_pending": 3, "delivered": None})()
+
+
+async def test_a_replay_gives_up_when_the_connection_stays_down() -> None:
+    """A replay may hold locks others wait for (a rebuild's catch-up holds the projectors off): it must not wait
+    for a reconnect as a projector does."""
+    replay = _ScriptedReplay([list("ab")])
+    replay.is_connected = False
+    reader = StreamReader(
+        replay, name="replay", connection=replay, batch_size=2, fetch_timeout_s=0.3, upto=10,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+    async def read_all() -> list[list[str]]:
+        return [batch async for batch in reader.batches()]  # type: ignore[misc]
+
+    async with asyncio.timeout(5):
+        with pytest.raises(ConnectionError, match="unreachable"):
+            await read_all()
+    assert replay.fetches == 0

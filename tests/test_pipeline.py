@@ -375,3 +375,23 @@ async def test_a_third_retriever_is_run_fused_and_reported_by_its_name() -> None
     assert degraded.meta.retrievers == ["dense", "keyword"]
     assert degraded.meta.fusion is not None
     assert degraded.meta.fusion.method == "adaptive"
+
+
+async def test_an_answer_without_the_embedder_is_cached_only_where_there_is_none() -> None:
+    class FailingEmbedder(FixedEmbedder):
+        async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
+            raise RuntimeError("model thread gone")
+
+    failing: LruCache[CacheKey, QueryResponse] = LruCache(10)
+    reply = await pipeline_over(ScriptedRetrieval(), cache=failing, embedder=FailingEmbedder()).answer(QUERY, "w")
+    assert reply.meta.degraded == ["embedder"]
+    assert reply.meta.retrievers == ["keyword"]
+    assert len(failing) == 0  # a failure this once: the next query may get the whole answer
+
+    keyword_only: LruCache[CacheKey, QueryResponse] = LruCache(10)
+    pipeline = QueryPipeline(
+        ScriptedRetrieval().retrievers(), ScriptedRetrieval(), None, Announced("5-a"), keyword_only, PipelineConfig()
+    )
+    reply = await pipeline.answer(QUERY, "w")
+    assert reply.meta.degraded == ["embedder"]
+    assert len(keyword_only) == 1  # a deployment without an embedder: as good as its answers get

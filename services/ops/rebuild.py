@@ -269,10 +269,11 @@ class Rebuild:
                 for delta in projected.done:
                     report.changed += expected.add(delta)
                     touched.add(row_key(delta))
-                # As the projector does: else each batch is planned against an empty, growing partition.
-                await shadow.sink.settled()
                 last = batch[-1].metadata.sequence.stream
                 await shadow.record(last, projected.rejected)
+                # Planner statistics, as the projector keeps them: else each batch is planned against an empty,
+                # growing partition.
+                await shadow.sink.settled()
                 report.replayed += len(batch)
                 report.rejected.update(rejection.reason for _, rejection in projected.rejected)
                 self._progress.advance(stage, last - start + 1)

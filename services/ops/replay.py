@@ -14,9 +14,11 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from ontofabric.services.projector.planning import Delta, Rejection
 from ontofabric.services.projector.runner import ProjectionRunner
-from ontofabric.shared.jetstream import StreamReader
+from ontofabric.shared.jetstream import SkippedMessages, StreamReader
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
+
+from .shadow import RebuildFailed
 
 log = get_logger(__name__)
 
@@ -47,17 +49,29 @@ async def workspace_deltas(
             mem_storage=True,
         ),
     )
-    consumer = (await subscription.consumer_info()).name
-    reader = StreamReader(
-        subscription, name=consumer, connection=nc, batch_size=batch_size, fetch_timeout_s=FETCH_TIMEOUT_S, upto=upto
-    )
+    consumer: str | None = None
     try:
-        yield reader.batches()
+        consumer = (await subscription.consumer_info()).name
+        reader = StreamReader(
+            subscription, name=consumer, connection=nc, batch_size=batch_size, fetch_timeout_s=FETCH_TIMEOUT_S,
+            upto=upto,
+        )  # fmt: skip
+        yield _resumable(reader.batches())
     finally:
         with contextlib.suppress(Exception):
-            await subscription.unsubscribe()
-        with contextlib.suppress(Exception):  # else the server removes it after inactive_threshold
-            await js.delete_consumer(names.delta_stream, consumer)
+            await subscription.unsubscribe()  # an ephemeral consumer goes with its last subscription
+        if consumer is not None:
+            with contextlib.suppress(Exception):  # else the server removes it after inactive_threshold
+                await js.delete_consumer(names.delta_stream, consumer)
+
+
+async def _resumable(batches: AsyncIterator[list[Msg]]) -> AsyncIterator[list[Msg]]:
+    """A gap in the read ends the run like any other stop of the replay: the next run resumes."""
+    try:
+        async for batch in batches:
+            yield batch
+    except SkippedMessages as error:
+        raise RebuildFailed(str(error)) from error
 
 
 async def _nothing() -> AsyncIterator[list[Msg]]:
@@ -90,13 +104,17 @@ async def project(runner: ProjectionRunner, batch: list[Msg]) -> Projected:
         reraise=True,
     ):
         with attempt:
-            outcome = await runner.run(pending)
-            projected.done += [delta for _, delta in outcome.done]
-            projected.rejected += [
-                (msg.metadata.sequence.stream, rejection) for msg, rejection in outcome.invalid + outcome.refused
-            ]
-            if outcome.retry:
-                assert outcome.error is not None
-                pending = outcome.retry
-                raise outcome.error
+            retry: list[Msg] = []
+            error: BaseException | None = None
+            async for outcome in runner.run(pending):
+                projected.done += [delta for _, delta in outcome.done]
+                projected.rejected += [
+                    (msg.metadata.sequence.stream, rejection) for msg, rejection in outcome.invalid + outcome.refused
+                ]
+                retry += outcome.retry
+                error = outcome.error or error
+            if retry:
+                assert error is not None
+                pending = retry
+                raise error
     return projected

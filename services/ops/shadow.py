@@ -9,7 +9,7 @@ import time
 from collections.abc import Collection
 
 import asyncpg
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_before_delay, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from ontofabric.services.projector.planning import Rejection, VersionState
 from ontofabric.services.projector.postgres import PostgresSink
@@ -83,7 +83,7 @@ class Shadow:
         self.admin = admin
         self._schema = schema
         self._workspace = workspace
-        self.sink = PostgresSink(PostgresProjectionStore(pool, text_search_config), versions=None)
+        self.sink = PostgresSink(PostgresProjectionStore(pool, text_search_config), None, index="postgres-shadow")
         """The projector's own sink over the shadow's tables; the swap announces the versions."""
 
     @staticmethod
@@ -336,24 +336,29 @@ async def lock_exclusively(conn: asyncpg.Connection, tables: list[str], budget_s
     """ACCESS EXCLUSIVE on the live parents (ONLY: not every workspace's partitions) and the workspace's own
     partitions, in short tries: a query holding one parent and waiting for the other would otherwise deadlock with
     the swap, and every query would queue behind a long wait. Inside the swap's transaction, whose lock timeout it
-    leaves as it found it; each failed try is rolled back to, and released from, one savepoint."""
+    leaves as it found it when it succeeds; each failed try is rolled back to, and released from, one savepoint.
+    No try starts that could end past ``budget_s``."""
     budget = await conn.fetchval("SHOW lock_timeout")
+    try_s = PARENT_LOCK_TRY_MS / 1000
+
+    def out_of_budget(state: RetryCallState) -> bool:
+        return (state.seconds_since_start or 0.0) + try_s > budget_s  # another try could end past the budget
+
     await conn.execute(f"SET LOCAL lock_timeout = '{PARENT_LOCK_TRY_MS}ms'")
-    try:
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(asyncpg.LockNotAvailableError),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            stop=stop_before_delay(budget_s - PARENT_LOCK_TRY_MS / 1000),  # no try that would end past the budget
-            reraise=True,
-        ):
-            with attempt:
-                await conn.execute("SAVEPOINT exclusive_try")
-                try:
-                    await conn.execute(f"LOCK TABLE {', '.join(tables)} IN ACCESS EXCLUSIVE MODE")
-                except asyncpg.LockNotAvailableError:
-                    await conn.execute("ROLLBACK TO SAVEPOINT exclusive_try")
-                    raise
-                finally:
-                    await conn.execute("RELEASE SAVEPOINT exclusive_try")
-    finally:
-        await conn.execute(f"SET LOCAL lock_timeout = '{budget}'")
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type(asyncpg.LockNotAvailableError),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        stop=out_of_budget,
+        reraise=True,
+    ):
+        with attempt:
+            await conn.execute("SAVEPOINT exclusive_try")
+            try:
+                await conn.execute(f"LOCK TABLE {', '.join(tables)} IN ACCESS EXCLUSIVE MODE")
+            except asyncpg.LockNotAvailableError:
+                await conn.execute("ROLLBACK TO SAVEPOINT exclusive_try")
+                await conn.execute("RELEASE SAVEPOINT exclusive_try")
+                raise
+            await conn.execute("RELEASE SAVEPOINT exclusive_try")
+    # Only on success: a failure ends the swap's transaction, and a statement in an aborted one would hide why.
+    await conn.execute(f"SET LOCAL lock_timeout = '{budget}'")

@@ -214,6 +214,14 @@ class AzureSink:
         self._index = index
 
     async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+        try:
+            return await self._write(deltas)
+        except Exception as error:
+            if not is_transient(error):  # a wrong key, a deleted index: retried like the rest, but someone must look
+                log.error("azure_request_failed", index=INDEX, error=describe(error))
+            raise
+
+    async def _write(self, deltas: Sequence[Delta]) -> Written:
         refs = {entity_of(d.envelope) for d in deltas}
         stored = await self._index.stored(sorted(r for r in refs if r.kind == "document"))
         plan = plan_index_batch(deltas, stored)
@@ -235,9 +243,7 @@ class AzureSink:
 
     def retryable(self, error: BaseException) -> bool:
         """Every failure of a whole request is retried later: a transient one will pass, and one that is not (a
-        wrong key, a deleted index) must not cost the deltas; it is logged as an error so someone looks."""
-        if not is_transient(error):
-            log.error("azure_request_failed", index=INDEX, error=describe(error))
+        wrong key, a deleted index) must not cost the deltas."""
         return True
 
     async def settled(self) -> None:

@@ -84,14 +84,19 @@ class DurableProjection:
         with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             span.set_attribute("index", self._index)
-            outcome = await self._runner.run(messages)
-            await self._settle(outcome)
+            settled = False
+            async for outcome in self._runner.run(messages):
+                await self._settle(outcome)
+                settled |= bool(outcome.done)
+            if settled:
+                await self._runner.sink.settled()
         if messages:
             _LAG[self._index] = messages[-1].metadata.num_pending
         duration_ms = (time.perf_counter() - started) * 1000
         self._metrics.projector_batch_duration.record(duration_ms, {"index": self._index})
 
     async def _settle(self, outcome: Outcome) -> None:
+        """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink."""
         for msg, rejection in outcome.invalid:
             if self._dead_letters_invalid:
                 await dead_letter(self._js, self._names, msg, rejection, self._index)
@@ -108,8 +113,6 @@ class DurableProjection:
             await dead_letter(self._js, self._names, msg, rejection, self._index)
         self._count(outcome.applied, "applied")
         self._count(outcome.noops, "noop")
-        if outcome.done:
-            await self._runner.sink.settled()
 
     def _count(self, deltas: int, outcome: str) -> None:
         self._metrics.projector_deltas.add(deltas, {"outcome": outcome, "index": self._index})

@@ -22,9 +22,11 @@ class NotAnnounced(Exception):
 
 
 class PostgresSink:
-    index = "postgres"
-
-    def __init__(self, store: PostgresProjectionStore, versions: VersionPublisher | None) -> None:
+    def __init__(
+        self, store: PostgresProjectionStore, versions: VersionPublisher | None, index: str = "postgres"
+    ) -> None:
+        self.index = index
+        """The index it keeps: a label on metrics, logs and dead letters."""
         self._store = store
         self._versions = versions
         self._changed: set[str] = set()

@@ -13,7 +13,7 @@ delivered again after a failure can simply be written again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,40 +79,45 @@ class ProjectionRunner:
         self.sink = sink
         self._limits = limits
 
-    async def run(self, messages: Sequence[Msg]) -> Outcome:
-        outcome = Outcome()
+    async def run(self, messages: Sequence[Msg]) -> AsyncIterator[Outcome]:
+        """What became of the batch's deltas, part by part, as each write ends: first those that can never apply,
+        then each write's (the whole batch's, or while isolating, each delta's), so that its caller settles every
+        part at once and a long isolation never holds the first deltas past their ack wait."""
+        invalid: list[tuple[Msg, Rejection]] = []
         accepted: list[tuple[Msg, Delta]] = []
         for msg in messages:
             checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
             if isinstance(checked, Rejection):
-                outcome.invalid.append((msg, checked))
+                invalid.append((msg, checked))
             else:
                 accepted.append((msg, checked))
+        if invalid:
+            yield Outcome(invalid=invalid)
         if accepted:
-            await self._write(accepted, outcome)
-        return outcome
+            async for part in self._write(accepted):
+                yield part
 
-    async def _write(self, accepted: list[tuple[Msg, Delta]], outcome: Outcome) -> None:
+    async def _write(self, accepted: list[tuple[Msg, Delta]]) -> AsyncIterator[Outcome]:
         redelivered = any(msg.metadata.num_delivered > 1 for msg, _ in accepted)
         try:
             written = await self.sink.write([delta for _, delta in accepted], redelivered)
         except Exception as error:
             if self.sink.retryable(error):
-                outcome.retry += [msg for msg, _ in accepted]
-                outcome.error = error
+                yield Outcome(retry=[msg for msg, _ in accepted], error=error)
             elif len(accepted) > 1:
                 # One delta the index refuses must not hold back the others: write them one by one.
                 log.warning("batch_isolating", index=self.sink.index, error=describe(error), size=len(accepted))
                 for one in accepted:
-                    await self._write([one], outcome)
+                    async for part in self._write([one]):
+                        yield part
             else:
-                outcome.refused.append((accepted[0][0], Rejection("apply_failed", describe(error))))
+                yield Outcome(refused=[(accepted[0][0], Rejection("apply_failed", describe(error)))])
             return
+        outcome = Outcome(applied=written.applied, noops=written.noops)
         for msg, delta in accepted:
             refusal = written.refused.get(delta.seq)
             if refusal is None:
                 outcome.done.append((msg, delta))
             else:
                 outcome.refused.append((msg, refusal))
-        outcome.applied += written.applied
-        outcome.noops += written.noops
+        yield outcome

@@ -38,7 +38,7 @@ from .core import (
     check_ranking,
 )
 from .fusion import Fused, fuse
-from .graph import GraphCache, expand
+from .graph import GraphCache, OntologyGraph, expand
 from .hints import reads_as_relationship_question
 from .run import QueryRun, milliseconds_since
 from .stages import (
@@ -53,9 +53,6 @@ from .stages import (
 )
 
 log = get_logger(__name__)
-
-CACHEABLE_DEGRADATIONS = frozenset({"embedder"})
-"""A deployment without an embedder answers keyword-only every time: those answers are as good as it gets."""
 
 
 class RetrievalUnavailable(Exception):
@@ -80,8 +77,8 @@ class QueryPipeline:
         config: PipelineConfig,
         reranker: Reranker | None = None,
     ) -> None:
-        if len({r.name for r in retrievers}) != len(retrievers):
-            raise ValueError("two retrievers share a name")
+        if not retrievers or len({r.name for r in retrievers}) != len(retrievers):
+            raise ValueError("the pipeline needs retrievers, each with a name of its own")
         self._retrievers = list(retrievers)
         self._documents = documents
         self._graphs = GraphCache(documents.graph_rows)
@@ -117,7 +114,10 @@ class QueryPipeline:
         # place (a rebuild keeps the version but replaces the index); a newer commit whose announcement is
         # still on its way is answered truthfully (its own version in _meta) but not cached under the old key.
         current = response.meta.ontology_version == announced and self._versions.generation(workspace) == generation
-        if current and set(run.degraded) <= CACHEABLE_DEGRADATIONS:
+        # A deployment without an embedder answers keyword-only every time: those answers are as good as it gets.
+        # Any other degraded answer (an embedder that failed this once included) is not kept.
+        cacheable = {"embedder"} if self._embedder is None else set()
+        if current and set(run.degraded) <= cacheable:
             self._cache.put(key, response)
         return response
 
@@ -143,16 +143,14 @@ class QueryPipeline:
         object_types: tuple[str, ...] | None = None
         if query.object_type is not None:
             object_types = (query.object_type,)
-            graph = await run.guarded(
-                "objectTypeNarrowing",
-                self._graphs.get(
-                    run.workspace,
-                    query.branch,
-                    self._versions.current(run.workspace, query.branch),
-                    self._versions.generation(run.workspace),
-                ),
-                stage="narrowing",
-            )
+
+            async def announced_graph() -> OntologyGraph:
+                version = self._versions.current(run.workspace, query.branch)
+                return await self._graphs.get(
+                    run.workspace, query.branch, version, self._versions.generation(run.workspace)
+                )
+
+            graph = await run.guarded("objectTypeNarrowing", announced_graph(), stage="narrowing")
             if graph is not None:
                 run.read(graph.version)
                 object_types = tuple(sorted(graph.with_subtypes(query.object_type)))

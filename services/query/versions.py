@@ -13,7 +13,7 @@ from collections.abc import Callable
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
-from ontofabric.contracts import NO_VERSION, OntologyVersionChanged, overlay_version
+from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, OntologyVersionChanged, overlay_version
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
@@ -47,7 +47,7 @@ class VersionTracker:
 
     def current(self, workspace: str, branch: str) -> str:
         """The announced version of what a query on ``branch`` reads (main ⊕ branch)."""
-        main = self._versions.get((workspace, "main"), NO_VERSION)
+        main = self._versions.get((workspace, MAIN_BRANCH), NO_VERSION)
         return overlay_version(main, branch, self._versions.get((workspace, branch)))
 
     def generation(self, workspace: str) -> int:

@@ -195,11 +195,15 @@ class QueryService:
         self._slots.release()
 
     async def _serve(self, msg: Msg) -> None:
-        # The caller's trace continues here: its context travels in the request's headers.
-        context = propagate.extract(msg.headers or {})
-        with tracer().start_as_current_span("ontology_query", context=context, kind=SpanKind.SERVER) as span:
-            span.set_attribute("messaging.destination.name", msg.subject)
-            body = await self._answer(msg)
+        try:
+            # The caller's trace continues here: its context travels in the request's headers.
+            context = propagate.extract(msg.headers or {})
+            with tracer().start_as_current_span("ontology_query", context=context, kind=SpanKind.SERVER) as span:
+                span.set_attribute("messaging.destination.name", msg.subject)
+                body = await self._answer(msg)
+        except Exception:  # a caller waiting for a reply gets one, whatever failed
+            log.exception("query_failed", subject=msg.subject)
+            body = error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
         if not msg.reply:
             return
         try:
@@ -231,13 +235,17 @@ class QueryService:
         return encode_within(response, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """No new requests; those in flight are answered (for up to ``timeout_s``), then everything closes."""
+        """No new requests; those already received are answered (for up to ``timeout_s``), the rest cancelled,
+        then everything closes."""
         if self._subscription is not None:
-            with contextlib.suppress(Exception):
-                await self._subscription.unsubscribe()
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                await asyncio.wait_for(self._subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
             self._subscription = None
         if self._in_flight:
-            await asyncio.wait(self._in_flight, timeout=timeout_s)
+            _, late = await asyncio.wait(self._in_flight, timeout=timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None

@@ -1,0 +1,102 @@
+"""The projection runner's loop without servers: what becomes of each delta of a batch, part by part, over a sink
+that succeeds, refuses for the data's sake, or fails for a passing reason. (Delivery on a real consumer: the
+projector and Azure tests.)"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from ontofabric.services.projector.planning import Delta, Limits
+from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
+from ontofabric.shared.subjects import Names
+
+from .factories import document, upsert
+
+LIMITS = Limits(max_message_bytes=1 << 20, max_content_bytes=1000, embedding_dim=384, embedding_model="m")
+SUBJECT = Names().delta_subject("acme", "main")
+
+
+def _msg(seq: int, data: bytes, delivered: int = 1) -> Msg:
+    """A JetStream delivery: its metadata is read from the ack subject, as from the server's."""
+    return Msg(_client=None, subject=SUBJECT, reply=f"$JS.ACK.S.C.{delivered}.{seq}.{seq}.0.0", data=data)  # type: ignore[arg-type]
+
+
+def _valid(seq: int) -> Msg:
+    return _msg(seq, upsert("acme", document(f"d{seq}", f"text {seq}")).model_dump_json().encode())
+
+
+@dataclass
+class ScriptedSink:
+    """Refuses, for the data's sake, any batch holding a delta in ``bad``; fails for a passing reason while
+    ``down``. Records each write it was asked for."""
+
+    bad: set[int] = field(default_factory=set)
+    down: bool = False
+    index: str = "scripted"
+    writes: list[list[int]] = field(default_factory=list)
+
+    async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+        self.writes.append([d.seq for d in deltas])
+        if self.down:
+            raise ConnectionError("database away")
+        if self.bad & {d.seq for d in deltas}:
+            raise ValueError("the database refuses this value")
+        return Written(applied=len(deltas), noops=0)
+
+    def retryable(self, error: BaseException) -> bool:
+        return isinstance(error, ConnectionError)
+
+    async def settled(self) -> None:
+        pass
+
+
+async def _parts(runner: ProjectionRunner, sink: ScriptedSink, messages: list[Msg]) -> list[tuple[int, Outcome]]:
+    """Each part the runner yields, with how many writes the sink had seen when it came."""
+    return [(len(sink.writes), part) async for part in runner.run(messages)]
+
+
+def _seqs(pairs: Sequence[tuple[Msg, object]]) -> list[int]:
+    return [msg.metadata.sequence.stream for msg, _ in pairs]
+
+
+async def test_an_isolated_batch_is_settled_delta_by_delta_as_each_write_ends() -> None:
+    sink = ScriptedSink(bad={2})
+    batch = [_valid(1), _msg(5, b"{not json"), _valid(2), _valid(3)]
+    parts = await _parts(ProjectionRunner(sink, LIMITS), sink, batch)
+    # The invalid delta first, before any write; then the batch write fails on delta 2 and each delta is written
+    # alone, its part handed over before the next write begins.
+    assert [(writes, _seqs(p.invalid), _seqs(p.done), _seqs(p.refused)) for writes, p in parts] == [
+        (0, [5], [], []),
+        (2, [], [1], []),
+        (3, [], [], [2]),
+        (4, [], [3], []),
+    ]
+    assert sink.writes == [[1, 2, 3], [1], [2], [3]]
+    assert parts[0][1].invalid[0][1].reason == "invalid_schema"
+    assert parts[2][1].refused[0][1].reason == "apply_failed"
+    assert parts[2][1].refused[0][1].detail == "ValueError: the database refuses this value"
+
+
+async def test_a_passing_failure_sends_the_whole_batch_back_without_isolating() -> None:
+    sink = ScriptedSink(down=True)
+    [(_, part)] = await _parts(ProjectionRunner(sink, LIMITS), sink, [_valid(1), _valid(2)])
+    assert [msg.metadata.sequence.stream for msg in part.retry] == [1, 2]
+    assert isinstance(part.error, ConnectionError)
+    assert sink.writes == [[1, 2]]
+
+
+async def test_a_redelivered_batch_says_so_to_the_sink() -> None:
+    seen: list[bool] = []
+
+    class Recording(ScriptedSink):
+        async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+            seen.append(redelivered)
+            return await super().write(deltas, redelivered)
+
+    runner = ProjectionRunner(Recording(), LIMITS)
+    assert [p.applied async for p in runner.run([_valid(1), _valid(2)])] == [2]
+    assert [p.applied async for p in runner.run([_valid(1), _msg(2, _valid(2).data, delivered=2)])] == [2]
+    assert seen == [False, True]

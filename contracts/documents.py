@@ -43,6 +43,11 @@ ObjectType = Annotated[
     StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.$-]{0,511}$"),
     Field(description="Ontology object type, '{domain}.{typeName}' (a top-level type may have no domain)."),
 ]
+SymbolKind = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"),
+    Field(description="A kind of symbol: module, class, function, method, docstring, section ..."),
+]
 DocumentId = Annotated[
     str,
     StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,512}$"),

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
-from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, Workspace
+from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
 
 
+DistanceMetric = Literal["cosine", "innerProduct", "l2"]
 Retriever = Literal["dense", "keyword"]
 """The retrievers a request may choose. Replies name retrievers as text: a deployment may register more."""
 FusionMethod = Literal["rrf", "convex", "adaptive"]
@@ -56,11 +58,22 @@ class QueryOptions(StrictRequest):
         return value
 
 
+FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
+"""Request fields that restrict what a query may see; with one of them, semanticQuery may be left out."""
+
+
 class OntologyQuery(StrictRequest):
     """One query. Unknown parameters, wrongly typed values and out-of-range values are rejected."""
 
-    semantic_query: str = Field(min_length=1, description="Natural-language or keyword query.")
-    object_type: ObjectType | None = Field(default=None, description="Restrict results to this object type.")
+    semantic_query: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Natural-language or keyword query. Left out, the answer lists the documents the filters "
+        "(objectType, chunkLevel, provenance, symbolKind) select, in a stable order (file, symbol, id).",
+    )
+    object_type: ObjectType | None = Field(
+        default=None, description="Restrict results to this object type and the types that implement or derive from it."
+    )
     top_k: int = Field(default=10, ge=1, le=MAX_TOP_K, description="Number of results, 1-100.")
     min_relevance: float | None = Field(
         default=None, ge=0.0, le=1.0, description="Drop results whose score (0-1) is below this value."
@@ -73,9 +86,17 @@ class OntologyQuery(StrictRequest):
     )
     follow_links: bool = Field(default=False, description="Attach 1-hop linked types as context.")
     link_depth: int = Field(default=1, ge=1, le=MAX_LINK_DEPTH, description="Graph expansion depth; only 1.")
-    chunk_level: ChunkLevel | None = None
-    provenance: Provenance | None = None
-    branch: Branch = MAIN_BRANCH
+    chunk_level: ChunkLevel | None = Field(default=None, description="Restrict results to this chunk level.")
+    provenance: Provenance | None = Field(default=None, description="Restrict results to this provenance.")
+    symbol_kind: SymbolKind | None = Field(
+        default=None, description="Restrict results to this kind of symbol, e.g. class, function, method, docstring."
+    )
+    distance_metric: DistanceMetric = Field(
+        default="cosine",
+        description="Vector distance for dense search. The index ranks by cosine distance; for unit-length vectors, "
+        "which the embedder produces, innerProduct and l2 give the same order, and _meta.distanceMetric says what ran.",
+    )
+    branch: Branch = Field(default=MAIN_BRANCH, description="Branch to read: main, or main overlaid with the branch.")
     workspace: Workspace | None = Field(
         default=None, description="Defaults to the workspace of the subject the request was sent to."
     )
@@ -83,12 +104,30 @@ class OntologyQuery(StrictRequest):
 
     @field_validator("semantic_query")
     @classmethod
-    def _has_text(cls, value: str) -> str:
-        if not value.strip():
+    def _has_text(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
             raise ValueError("semanticQuery must contain non-whitespace text")
-        if "\x00" in value:
+        if value is not None and "\x00" in value:
             raise ValueError("semanticQuery must not contain NUL characters")
         return value
+
+    @model_validator(mode="after")
+    def _query_or_filter(self) -> OntologyQuery:
+        if self.semantic_query is None and all(getattr(self, name) is None for name in FILTERS):
+            # Raised as the field's own error, so that the caller is told which field to give.
+            problem = PydanticCustomError(
+                "missing",
+                "semanticQuery is required unless a filter (objectType, chunkLevel, provenance, symbolKind) is given",
+            )
+            raise ValidationError.from_exception_data(
+                type(self).__name__, [InitErrorDetails(type=problem, loc=("semanticQuery",), input=None)]
+            )
+        return self
+
+    @property
+    def listing(self) -> bool:
+        """No query text: the answer lists what the filters select."""
+        return self.semantic_query is None
 
 
 class FoundBy(WireModel):
@@ -145,6 +184,14 @@ class LateInteractionReport(WireModel):
     with_token_vectors: int
 
 
+class DistanceMetricReport(WireModel):
+    """The vector distance dense search ranked by, against the one the request named."""
+
+    requested: DistanceMetric
+    ran: DistanceMetric
+    note: str | None = Field(default=None, description="Why what ran differs from what was asked, when it does.")
+
+
 class QueryMeta(WireModel):
     ontology_version: str = Field(description="Version of the data the answer was computed from.")
     workspace: str
@@ -174,6 +221,14 @@ class QueryMeta(WireModel):
     fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
     late_interaction: LateInteractionReport | None = Field(
         default=None, description="Late interaction over stored token vectors; null when it did not run."
+    )
+    distance_metric: DistanceMetricReport | None = Field(
+        default=None, description="The distance dense search ranked by; null when dense search did not run."
+    )
+    listing: bool = Field(
+        default=False,
+        description="True when the request had no semanticQuery: the results are what its filters select, in a "
+        "stable order (file, symbol, id), each scoring 1; nothing was ranked.",
     )
     signals: dict[str, float] = Field(
         default_factory=dict,

@@ -126,6 +126,7 @@ def test_the_scope_filter_says_what_a_query_may_see() -> None:
     assert narrowed.endswith("chunkLevel eq 'method' and provenance eq 'ingested'")
     assert "not" not in scope_filter(Scope("acme", "feature/x"))  # hiding nothing
     assert scope_filter(Scope("acme", "main", ())).endswith(" and false")  # no type matches: nothing may match
+    assert scope_filter(Scope("acme", "main", symbol_kind="class")).endswith(" and symbolKind eq 'class'")
 
 
 # ------------------------------------------------------------------------------------- against the real servers

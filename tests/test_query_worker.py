@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
@@ -46,6 +46,7 @@ async def seeded(deployment: Deployment, projector: ProjectorService, embedder: 
                 chunk_level=CORPUS[i][2],
                 provenance="hand-authored" if i == "guide" else "ingested",
                 embedding=[float(x) for x in vector],
+                symbolKind="class" if CORPUS[i][2] == "type" else "function",
             ),
         )
         for i, vector in zip(ids, vectors, strict=True)
@@ -116,6 +117,48 @@ async def test_filters_apply_to_both_retrievers(
     assert [r.id for r in by_level.results] == ["zip"]
     by_provenance = await _ask(client, "install tests", provenance="hand-authored", topK=10)
     assert [r.id for r in by_provenance.results] == ["guide"]
+
+
+async def test_a_filter_alone_lists_what_it_selects(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    await start_query_worker(embedder)
+    listing = await client.query("acme", {"objectType": "io.Files", "precision": True})
+    assert isinstance(listing, QueryResponse), listing
+    assert [r.id for r in listing.results] == ["csv", "zip"]  # no file or symbol: by id
+    assert all(r.score == 1.0 and r.found_by == [] for r in listing.results)
+    meta = listing.meta
+    assert (meta.listing, meta.hybrid, meta.retrievers, meta.fusion, meta.reranked) == (True, False, [], None, False)
+    assert meta.skipped_rerank == "listing"
+    assert meta.distance_metric is None
+    assert meta.degraded == []
+    assert "listing" in meta.timings_ms
+    first = await client.query("acme", {"chunkLevel": "method", "topK": 2})
+    assert isinstance(first, QueryResponse)
+    assert [r.id for r in first.results] == ["csv", "fib"]  # a stable order, cut at topK
+    refused = parse_reply(await client.send_raw("acme", b'{"topK": 3}'))
+    assert isinstance(refused, ErrorReply)
+    assert [d.field for d in refused.error.details] == ["semanticQuery"]
+
+
+async def test_symbol_kind_filters_and_distance_metric_is_reported(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    await start_query_worker(embedder, query_cache_entries=0)
+    classes = await _ask(client, "compress files into an archive", symbolKind="class", topK=10)
+    assert [r.id for r in classes.results] == ["zip"]
+    cosine = await _ask(client, "read a csv file", topK=5)
+    assert cosine.meta.distance_metric is not None
+    assert (cosine.meta.distance_metric.requested, cosine.meta.distance_metric.ran) == ("cosine", "cosine")
+    assert cosine.meta.distance_metric.note is None
+    l2 = await _ask(client, "read a csv file", topK=5, distanceMetric="l2")
+    assert l2.meta.distance_metric is not None
+    assert (l2.meta.distance_metric.requested, l2.meta.distance_metric.ran) == ("l2", "cosine")
+    assert l2.meta.distance_metric.note is not None
+    assert [r.id for r in l2.results] == [r.id for r in cosine.results]
+    unknown = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "csv", "distanceMetric": "hamming"}'))
+    assert isinstance(unknown, ErrorReply)
+    assert [d.field for d in unknown.error.details] == ["distanceMetric"]
 
 
 async def test_cache_hit_then_invalidated_by_a_new_delta(

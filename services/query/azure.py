@@ -72,6 +72,8 @@ def scope_filter(scope: Scope, hidden: Sequence[str] = ()) -> str:
         conditions.append(f"chunkLevel eq {_quoted(scope.chunk_level)}")
     if scope.provenance is not None:
         conditions.append(f"provenance eq {_quoted(scope.provenance)}")
+    if scope.symbol_kind is not None:
+        conditions.append(f"symbolKind eq {_quoted(scope.symbol_kind)}")
     return " and ".join(conditions)
 
 

@@ -32,6 +32,7 @@ class Scope:
     """Restrict to these object types (a requested type and its subtypes); None: any."""
     chunk_level: str | None = None
     provenance: str | None = None
+    symbol_kind: str | None = None
 
     @property
     def on_main(self) -> bool:
@@ -44,7 +45,7 @@ class Scope:
 
     @property
     def filtered(self) -> bool:
-        return self.object_types is not None or self.chunk_level is not None or self.provenance is not None
+        return any(f is not None for f in (self.object_types, self.chunk_level, self.provenance, self.symbol_kind))
 
     @property
     def unfiltered(self) -> Scope:
@@ -138,6 +139,10 @@ class DocumentStore(Protocol):
     async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives: ...
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
+
+    async def listing(self, scope: Scope, limit: int) -> Hits:
+        """The first ``limit`` documents the scope selects, in a stable order (file, symbol, id), each scoring 1."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from ontofabric.contracts import OntologyQuery, QueryResponse, SearchResult
-from ontofabric.contracts.query import ExpandedContext, FusionOptions, FusionReport
+from ontofabric.contracts.query import DistanceMetricReport, ExpandedContext, FusionOptions, FusionReport
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.lru import LruCache
@@ -53,6 +53,12 @@ from .stages import (
 )
 
 log = get_logger(__name__)
+
+
+COSINE_ONLY = (
+    "the vector index ranks by cosine distance; for unit-length vectors, which the embedder produces, inner product "
+    "and L2 distance rank in the same order"
+)
 
 
 class RetrievalUnavailable(Exception):
@@ -124,9 +130,12 @@ class QueryPipeline:
     async def _retrieve(self, run: QueryRun) -> list[SearchResult]:
         """The read path, stage by stage."""
         scope = await self._scope(run)
-        lists, embedded = await self._search(run, scope)
-        refinements = self._plan(run, lists, embedded)
-        fused = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
+        if run.query.listing:
+            fused, refinements = await self._list(run, scope)
+        else:
+            lists, embedded = await self._search(run, scope)
+            refinements = self._plan(run, lists, embedded)
+            fused = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
         fetched = await self._fetch(run, scope, fused, refinements)
         documents = fetched.documents
         candidates = [hit for hit in fused if hit.id in documents]
@@ -154,7 +163,19 @@ class QueryPipeline:
             if graph is not None:
                 run.read(graph.version)
                 object_types = tuple(sorted(graph.with_subtypes(query.object_type)))
-        return Scope(run.workspace, query.branch, object_types, query.chunk_level, query.provenance)
+        return Scope(run.workspace, query.branch, object_types, query.chunk_level, query.provenance, query.symbol_kind)
+
+    async def _list(self, run: QueryRun, scope: Scope) -> tuple[list[Fused], Refinements]:
+        """No query text: what the filters select, in a stable order; nothing ranks or reorders it."""
+        hits = await run.timed("listing", self._documents.listing(scope, run.query.top_k))
+        run.read(hits.version)
+        run.report(
+            listing=True,
+            retrievers=[],
+            hybrid=False,
+            skipped_rerank="listing" if run.query.precision else None,
+        )
+        return [Fused(c.id, c.score, c.score) for c in hits.candidates], Refinements.none(len(hits.candidates))
 
     async def _search(self, run: QueryRun, scope: Scope) -> tuple[dict[str, Hits], EmbeddedQuery | None]:
         """Every asked retriever at once (all registered ones by default); the query is embedded once, for
@@ -173,7 +194,7 @@ class QueryPipeline:
                 if embedded is None:
                     return None  # said once, as the embedder
                 vector = embedded.vector
-            work = retriever.search(scope, SearchInput(run.query.semantic_query, vector), limit)
+            work = retriever.search(scope, SearchInput(run.text, vector), limit)
             hits = await run.guarded(retriever.name, work, stage=retriever.name)
             if hits is not None and hits.lagging:  # its index is behind the version read: say so, do not cache
                 run.degrade(f"{retriever.name}IndexBehind")
@@ -197,23 +218,25 @@ class QueryPipeline:
         if self._embedder is None:
             run.degrade("embedder")
             return None
-        embedding = await run.guarded(
-            "embedder", self._embedder.embed_query_with_tokens_async(run.query.semantic_query), stage="embed"
-        )
-        return None if embedding is None else EmbeddedQuery(*embedding)
+        embedding = await run.guarded("embedder", self._embedder.embed_query_with_tokens_async(run.text), stage="embed")
+        if embedding is None:
+            return None
+        requested = run.query.distance_metric
+        note = None if requested == "cosine" else COSINE_ONLY
+        run.report(distance_metric=DistanceMetricReport(requested=requested, ran="cosine", note=note))
+        return EmbeddedQuery(*embedding)
 
     def _plan(self, run: QueryRun, lists: dict[str, Hits], embedded: EmbeddedQuery | None) -> Refinements:
         keyword = lists.get(KEYWORD)
         ceiling = None if keyword is None else keyword.query_ceiling or keyword.ceiling
-        signals = keyword_signals(keyword.candidates if keyword else [], ceiling, run.query.semantic_query)
+        signals = keyword_signals(keyword.candidates if keyword else [], ceiling, run.text)
         tokens = None if embedded is None else embedded.tokens
         refinements = plan_refinements(run.query, self._config, signals, tokens, self._reranker is not None)
         run.report(
             signals=signals,
             skipped_rerank=refinements.skipped_rerank,
             skipped_late_interaction=refinements.skipped_late_interaction,
-            could_benefit_from_link_expansion=not run.query.follow_links
-            and reads_as_relationship_question(run.query.semantic_query),
+            could_benefit_from_link_expansion=not run.query.follow_links and reads_as_relationship_question(run.text),
         )
         return refinements
 
@@ -311,7 +334,7 @@ class QueryPipeline:
 
         async def ranking() -> list[tuple[int, float]]:
             answer = await asyncio.wait_for(
-                reranker.rerank(run.query.semantic_query, texts, len(texts)), self._config.reranker_timeout_ms / 1000
+                reranker.rerank(run.text, texts, len(texts)), self._config.reranker_timeout_ms / 1000
             )
             return check_ranking(answer, len(sent))
 

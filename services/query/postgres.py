@@ -66,7 +66,11 @@ def where_clause(
         )
     if scope.object_types is not None:
         conditions.append(f"{alias}object_type = ANY({parameter(list(scope.object_types))}::text[])")
-    for column, value in (("chunk_level", scope.chunk_level), ("provenance", scope.provenance)):
+    for column, value in (
+        ("chunk_level", scope.chunk_level),
+        ("provenance", scope.provenance),
+        ("symbol_kind", scope.symbol_kind),
+    ):
         if value is not None:
             conditions.append(f"{alias}{column} = {parameter(value)}")
     return " AND ".join(conditions), parameters
@@ -287,6 +291,17 @@ class PostgresDocuments:
                 ORDER BY object_type, chunk_level = 'method', id"""
             rows = await snapshot.conn.fetch(sql, list(object_types), *parameters)
         return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
+
+    async def listing(self, scope: Scope, limit: int) -> Hits:
+        async with self._snapshots.read(scope) as snapshot:
+            where, parameters = where_clause(scope, 2, snapshot.shadowed)
+            rows = await snapshot.conn.fetch(
+                f"SELECT id FROM documents WHERE {where}"
+                " ORDER BY file_path NULLS LAST, symbol_fqn NULLS LAST, id LIMIT $1",
+                limit,
+                *parameters,
+            )
+        return Hits([Candidate(r["id"], 1.0) for r in rows], snapshot.version)
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""

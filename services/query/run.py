@@ -39,6 +39,12 @@ class QueryRun:
     reports: dict[str, Any] = field(default_factory=dict)
     """``_meta`` fields as the stages reported them, by their Python names."""
 
+    @property
+    def text(self) -> str:
+        """The query text of a search (a listing has none)."""
+        assert self.query.semantic_query is not None, "a listing runs no stage that reads the query text"
+        return self.query.semantic_query
+
     async def timed(self, stage: str, work: Awaitable[T]) -> T:
         """``work``'s result; its wall time goes into ``_meta.timingsMs[stage]``, failed or not."""
         started = time.perf_counter()

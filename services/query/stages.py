@@ -57,6 +57,11 @@ class Refinements:
     skipped_late_interaction: str | None
     fused_limit: int
 
+    @classmethod
+    def none(cls, fused_limit: int) -> Refinements:
+        """Nothing reorders the candidates (a listing)."""
+        return cls(False, None, None, 0.0, 0, None, fused_limit)
+
 
 def plan_refinements(
     query: OntologyQuery,

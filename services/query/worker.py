@@ -74,7 +74,7 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
         query = OntologyQuery.model_validate_json(body)
     except ValidationError as error:
         return error_reply("invalid_request", "the request does not match ontology_query", validation_details(error))
-    if len(query.semantic_query) > max_query_chars:
+    if query.semantic_query is not None and len(query.semantic_query) > max_query_chars:
         return error_reply(
             "invalid_request",
             "the query is too long",

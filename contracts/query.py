@@ -12,6 +12,7 @@ from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, 
 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
+MAX_TOKENS_LIMIT = 250_000
 
 
 DistanceMetric = Literal["cosine", "innerProduct", "l2"]
@@ -49,6 +50,12 @@ class QueryOptions(StrictRequest):
     candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
     fusion: FusionOptions | None = None
     late_interaction: LateInteractionOptions | None = None
+    collapse_nested: bool | None = Field(
+        default=None,
+        description="Leave out a chunk whose text is inside a better-ranked result's, or holds it, for the same "
+        "symbol (a file and its classes, a class and its methods, a function and its docstring), so that one "
+        "symbol takes one place; false returns every chunk. Default: the deployment's (true).",
+    )
 
     @field_validator("retrievers")
     @classmethod
@@ -83,6 +90,14 @@ class OntologyQuery(StrictRequest):
         default=True,
         description="false: results carry no content (null), only ids, scores and metadata; for callers that "
         "rank or judge by id, and so that a deep answer over long documents fits in one message.",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=200,
+        le=MAX_TOKENS_LIMIT,
+        description="Size budget of the reply, in tokens (estimated at 4 bytes of JSON each). Contents past it are "
+        "cut or left out, lowest ranks first, and _meta.budget says which; the rest of get_document's content can be "
+        "fetched by id. Default: the deployment's (8,000).",
     )
     follow_links: bool = Field(default=False, description="Attach 1-hop linked types as context.")
     link_depth: int = Field(default=1, ge=1, le=MAX_LINK_DEPTH, description="Graph expansion depth; only 1.")
@@ -147,7 +162,14 @@ class SearchResult(WireModel):
         "past the reranker's or late interaction's depth score the lowest relevance it gave times their own."
     )
     rank: int
-    content: str | None = Field(description="The document's text; null when the request set includeContent false.")
+    content: str | None = Field(
+        description="The document's text; null when the request set includeContent false, or when the reply's "
+        "budget left no room for it (then contentLength is set)."
+    )
+    content_truncated: bool = Field(default=False, description="The content is the start of the text only.")
+    content_length: int | None = Field(
+        default=None, description="The whole text's length in characters, when content is cut or left out."
+    )
     object_type: str
     source_domain: str
     metadata: dict[str, Any]
@@ -192,6 +214,23 @@ class DistanceMetricReport(WireModel):
     note: str | None = Field(default=None, description="Why what ran differs from what was asked, when it does.")
 
 
+class CollapsedResult(WireModel):
+    """A chunk left out because a better-ranked result holds its text, or its text holds that result's."""
+
+    id: str
+    into: str = Field(description="The better-ranked result of the same symbol that was kept.")
+
+
+class BudgetReport(WireModel):
+    """How the reply fits its budget: its estimated size, and what was cut to fit."""
+
+    max_tokens: int
+    estimated_tokens: int = Field(description="The reply's size in bytes of JSON / 4, rounded up.")
+    contents_cut: list[str] = Field(default_factory=list, description="Results whose content is cut short.")
+    contents_omitted: int = Field(default=0, description="Results sent without their content for want of room.")
+    results_dropped: int = Field(default=0, description="Lowest-ranked results left out for want of room.")
+
+
 class QueryMeta(WireModel):
     ontology_version: str = Field(description="Version of the data the answer was computed from.")
     workspace: str
@@ -225,6 +264,9 @@ class QueryMeta(WireModel):
     distance_metric: DistanceMetricReport | None = Field(
         default=None, description="The distance dense search ranked by; null when dense search did not run."
     )
+    collapsed: list[CollapsedResult] = Field(
+        default_factory=list, description="Chunks left out for a better-ranked result of the same symbol."
+    )
     listing: bool = Field(
         default=False,
         description="True when the request had no semanticQuery: the results are what its filters select, in a "
@@ -234,6 +276,9 @@ class QueryMeta(WireModel):
         default_factory=dict,
         description="What the query looked like to the pipeline: queryTokens, keywordSaturation (keyword top score "
         "over the best reachable), keywordGap (how far the keyword top hit stands out).",
+    )
+    budget: BudgetReport | None = Field(
+        default=None, description="The reply's size against its budget and what was cut to fit (set by the worker)."
     )
     timings_ms: dict[str, float] = Field(description="Wall time per pipeline stage, milliseconds.")
 

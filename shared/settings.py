@@ -130,10 +130,23 @@ class Settings(BaseSettings):
         "at most its max_seq_length) skip late interaction unless the request sets its weight "
         "(_meta.skippedLateInteraction).",
     )  # fmt: skip
+    collapse_nested: bool = Field(
+        default=True,
+        description="Answers leave out a chunk nested in a better-ranked result of the same symbol (a method in its "
+        "class, a docstring in its function), or holding it (_meta.collapsed); requests may turn it off.",
+    )
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
     )
     max_query_chars: int = Field(default=2000, ge=1, description="Longer queries are rejected.")
+    answer_max_tokens: int = Field(
+        default=8000,
+        ge=200,
+        le=250_000,
+        description="Default size budget of an answer, in tokens estimated at 4 bytes of JSON each (requests set "
+        "maxTokens): an agent's client takes the reply and a text rendering of it, and Claude Code refuses tool "
+        "results over 25,000 tokens.",
+    )
     statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
 
     # --- Azure AI Search (optional) --------------------------------------------------------------

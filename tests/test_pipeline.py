@@ -7,7 +7,7 @@ SQL (which the end-to-end tests exercise against a real server).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,8 +26,10 @@ from ontofabric.services.query.core import (
     SearchInput,
     StoredDocument,
 )
+from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.graph import GraphRows, LinkRow
 from ontofabric.services.query.pipeline import QueryPipeline
+from ontofabric.services.query.stages import collapse_nested
 from ontofabric.services.query.versions import is_rebuild
 from ontofabric.shared.embedder import Vector
 from ontofabric.shared.lru import LruCache
@@ -395,3 +397,57 @@ async def test_an_answer_without_the_embedder_is_cached_only_where_there_is_none
     reply = await pipeline.answer(QUERY, "w")
     assert reply.meta.degraded == ["embedder"]
     assert len(keyword_only) == 1  # a deployment without an embedder: as good as its answers get
+
+
+def _chunk(doc_id: str, fqn: str, level: str, path: str = "pkg/a.py") -> StoredDocument:
+    return StoredDocument(doc_id, "...", "t.T", "python", {"filePath": path, "symbolFqn": fqn, "chunkLevel": level})
+
+
+def test_a_chunk_nested_in_a_better_ranked_one_of_its_symbol_is_left_out() -> None:
+    documents = {
+        d.id: d
+        for d in (
+            _chunk("method", "pkg.a.A.f", "method"),
+            _chunk("doc", "pkg.a.A.f", "doc"),  # the method's docstring: inside the method
+            _chunk("class", "pkg.a.A", "type"),  # holds the method
+            _chunk("other", "pkg.a.A.g", "method"),  # a sibling: apart
+            _chunk("getter", "pkg.a.A.p", "method"),
+            _chunk("setter", "pkg.a.A.p", "method"),  # same name, same level: a property's two halves, apart
+            _chunk("elsewhere", "pkg.a.A.f", "method", path="pkg/b.py"),  # another file: apart
+            _chunk("prefix", "pkg.a.Ab", "type"),  # a longer name, not a member of A: apart
+            StoredDocument("plain", "...", "t.T", "beir", {}),  # says nothing of its symbol: apart
+        )
+    }
+    order = ["doc", "other", "method", "class", "getter", "setter", "elsewhere", "prefix", "plain"]
+    candidates = [Fused(i, 1.0, 1.0) for i in order]
+    kept, left_out = collapse_nested(candidates, documents)
+    assert [k.id for k in kept] == ["doc", "other", "getter", "setter", "elsewhere", "prefix", "plain"]
+    # The method holds its docstring, ranked first; the class holds the docstring too.
+    assert left_out == [("method", "doc"), ("class", "doc")]
+
+
+async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everything() -> None:
+    class OneSymbol(ScriptedRetrieval):
+        async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+            fetched = await super().fetch(scope, ids, token_signs_of)
+            levels = {"x": "method", "y": "doc", "z": "type"}
+            fqns = {"x": "m.C.f", "y": "m.C.f", "z": "m.Other"}
+            return Fetched(
+                {i: replace(d, metadata={"filePath": "m.py", "symbolFqn": fqns[i], "chunkLevel": levels[i]})
+                 for i, d in fetched.documents.items()},
+                fetched.version,
+            )  # fmt: skip
+
+    pipeline = pipeline_over(OneSymbol())
+    collapsed = await pipeline.answer(QUERY, "w")
+    everything = await pipeline.answer(
+        OntologyQuery.model_validate({"semanticQuery": "anything", "options": {"collapseNested": False}}), "w"
+    )
+    assert sorted(r.id for r in everything.results) == ["x", "y", "z"]
+    first = next(r.id for r in everything.results if r.id in "xy")
+    second = "x" if first == "y" else "y"
+    assert sorted(r.id for r in collapsed.results) == sorted([first, "z"])
+    assert [(c.id, c.into) for c in collapsed.meta.collapsed] == [(second, first)]
+    assert everything.meta.collapsed == []
+    off = pipeline_over(OneSymbol(), config=PipelineConfig(collapse_nested=False))
+    assert len((await off.answer(QUERY, "w")).results) == 3

@@ -317,37 +317,6 @@ async def test_a_subject_that_names_no_valid_workspace_gets_an_error(
     assert (await _ask(client, "sort numbers")).results[0].id == "sort"
 
 
-def test_a_reply_too_large_for_nats_keeps_the_results_that_fit() -> None:
-    from ontofabric.contracts import QueryMeta, SearchResult
-    from ontofabric.services.query.worker import encode_within
-
-    results = [
-        SearchResult(
-            id=f"d{i}",
-            score=1 - i / 10,
-            rank=i + 1,
-            content="x" * 1000,
-            object_type="t.T",
-            source_domain="t",
-            metadata={},
-            found_by=[],
-        )
-        for i in range(10)
-    ]
-    meta = QueryMeta(
-        ontology_version="1-a", workspace="w", branch="main", hybrid=True, reranked=False, cache_hit=False,
-        backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
-    )  # fmt: skip
-    response = QueryResponse(results=results, _meta=meta)
-    assert encode_within(response, 1_000_000) == response.model_dump_json().encode()
-    trimmed = QueryResponse.model_validate_json(encode_within(response, 4_500))
-    assert [r.id for r in trimmed.results] == ["d0", "d1", "d2"]  # the best ranks, as many as fit
-    assert trimmed.meta.degraded == ["replySize"]
-    assert len(encode_within(response, 4_500)) <= 4_500
-    refused = ErrorReply.model_validate_json(encode_within(response, 100))
-    assert refused.error.code == "internal"
-
-
 async def test_an_answer_larger_than_a_nats_message_arrives_trimmed(
     deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
 ) -> None:
@@ -357,17 +326,23 @@ async def test_an_answer_larger_than_a_nats_message_arrives_trimmed(
     )
     await deployment.wait_projected(acks[-1].seq)
     await start_query_worker(None)
-    reply = await client.query("big", {"semanticQuery": "bulky padding", "topK": 10})
+    # The largest budget a request may ask for is below nats-server's 1 MB message (the message size cuts only on
+    # servers with a smaller one: tests/test_budget.py).
+    request = {"semanticQuery": "bulky padding", "topK": 10, "maxTokens": 250_000}
+    reply = await client.query("big", request)
     assert isinstance(reply, QueryResponse), reply
-    assert 0 < len(reply.results) < 8
-    assert "replySize" in reply.meta.degraded
-    # Without content the same answer fits whole, in the same order.
-    ids_only = await client.query("big", {"semanticQuery": "bulky padding", "topK": 10, "includeContent": False})
-    assert isinstance(ids_only, QueryResponse), ids_only
-    assert len(ids_only.results) == 8
-    assert "replySize" not in ids_only.meta.degraded
-    assert all(r.content is None for r in ids_only.results)
-    assert [r.id for r in ids_only.results][: len(reply.results)] == [r.id for r in reply.results]
+    assert len(reply.results) == 8  # every result, the best ranks with their content
+    assert reply.meta.degraded == ["embedder"]  # a worker without an embedder: keyword only
+    assert reply.meta.budget is not None
+    assert 0 < reply.meta.budget.contents_omitted < 8
+    # The default budget cuts long before the message size would: a bound asked for, not a failure.
+    bounded = await client.query("big", {"semanticQuery": "bulky padding", "topK": 10})
+    assert isinstance(bounded, QueryResponse), bounded
+    assert bounded.meta.degraded == ["embedder"]
+    assert bounded.meta.budget is not None
+    assert bounded.meta.budget.estimated_tokens <= deployment.settings.answer_max_tokens
+    assert bounded.meta.budget.contents_cut == [bounded.results[0].id]
+    assert [r.id for r in bounded.results] == [r.id for r in reply.results]
 
 
 async def test_queries_are_answered_across_a_rebuild_which_drops_answers_read_from_the_old_index(

@@ -24,6 +24,7 @@ from ontofabric.contracts import (
     ErrorReply,
     SemanticDocument,
 )
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding
@@ -183,6 +184,7 @@ class Evaluation:
                 "semanticQuery": dataset.queries[query_id],
                 "topK": DEPTH,
                 "includeContent": False,
+                "maxTokens": MAX_TOKENS_LIMIT,  # every result counts: no budget may cut the list
                 **request_base,
             }
             started = time.perf_counter()

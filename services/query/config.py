@@ -28,6 +28,7 @@ class PipelineConfig:
     late_interaction_depth: int = _default("late_interaction_depth")
     late_interaction_max_query_tokens: int = _default("late_interaction_max_query_tokens")
     expansion_max_types: int = _default("expansion_max_types")
+    collapse_nested: bool = _default("collapse_nested")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineConfig:

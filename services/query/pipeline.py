@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from functools import partial
 
 from ontofabric.contracts import OntologyQuery, QueryResponse, SearchResult
-from ontofabric.contracts.query import DistanceMetricReport, ExpandedContext, FusionOptions, FusionReport
+from ontofabric.contracts.query import (
+    CollapsedResult,
+    DistanceMetricReport,
+    ExpandedContext,
+    FusionOptions,
+    FusionReport,
+)
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.lru import LruCache
@@ -43,6 +49,7 @@ from .hints import reads_as_relationship_question
 from .run import QueryRun, milliseconds_since
 from .stages import (
     Refinements,
+    collapse_nested,
     keyword_signals,
     late_interaction,
     options_of,
@@ -141,6 +148,7 @@ class QueryPipeline:
         candidates = [hit for hit in fused if hit.id in documents]
         candidates = await self._late_interaction(run, refinements, candidates, documents)
         candidates = await self._rerank(run, refinements, candidates, documents)
+        candidates = self._collapse(run, candidates, documents)
         results = to_results(run.query, candidates, documents)
         await self._expand(run, scope, fetched.version, results)
         run.settle(consistent=len(documents) == len(fused))
@@ -343,6 +351,15 @@ class QueryPipeline:
             return candidates
         run.report(reranked=True, reranker=reranker.name)
         return reranked_order(ranked, sent, candidates)
+
+    def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
+        """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""
+        asked = options_of(run.query).collapse_nested
+        if not (self._config.collapse_nested if asked is None else asked):
+            return candidates
+        kept, left_out = collapse_nested(candidates, documents)
+        run.report(collapsed=[CollapsedResult(id=left, into=holder) for left, holder in left_out])
+        return kept
 
     async def _expand(self, run: QueryRun, scope: Scope, version: str, results: list[SearchResult]) -> None:
         """1-hop graph expansion (seed 000 DR-6): linked types of the hits' types, each with a representative, at

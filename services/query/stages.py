@@ -146,6 +146,42 @@ def reranked_order(
     return above_the_rest([replace(sent[i], relevance=score) for i, score in ranking], candidates)
 
 
+def _symbol_of(document: StoredDocument) -> tuple[str, str, str] | None:
+    """(file, qualified name, chunk level) of a chunk of code; None when it does not say."""
+    meta = document.metadata
+    path, fqn, level = meta.get("filePath"), meta.get("symbolFqn"), meta.get("chunkLevel")
+    return (path, fqn, level) if path and fqn and level else None
+
+
+def nested(one: StoredDocument, other: StoredDocument) -> bool:
+    """Whether one chunk's text lies inside the other's: the same file, and one symbol within the other (a method
+    in its class or module) or the same symbol at another level (a function and its docstring). Two chunks of one
+    symbol at the same level (a property's getter and setter) are apart, and so are Markdown sections, which are
+    cut at every heading."""
+    a, b = _symbol_of(one), _symbol_of(other)
+    if a is None or b is None or a[0] != b[0]:
+        return False
+    if a[1] == b[1]:
+        return a[2] != b[2]
+    return a[1].startswith(b[1] + ".") or b[1].startswith(a[1] + ".")
+
+
+def collapse_nested(
+    candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
+) -> tuple[list[Fused], list[tuple[str, str]]]:
+    """The candidates in their order without any whose text is inside, or holds, a better-ranked one's; and
+    (left out, kept) for each left out."""
+    kept: list[Fused] = []
+    left_out: list[tuple[str, str]] = []
+    for hit in candidates:
+        holder = next((k for k in kept if nested(documents[hit.id], documents[k.id])), None)
+        if holder is None:
+            kept.append(hit)
+        else:
+            left_out.append((hit.id, holder.id))
+    return kept, left_out
+
+
 def to_results(
     query: OntologyQuery, candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
 ) -> list[SearchResult]:

@@ -18,7 +18,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 from pydantic import TypeAdapter, ValidationError
 
-from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError, QueryResponse
+from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError
 from ontofabric.contracts.documents import Workspace
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import create_pool, migrate
@@ -30,6 +30,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments, tracer
 
+from .budget import TooLarge, fit_reply
 from .config import PipelineConfig
 from .core import Reranker
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -91,29 +92,6 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
 
 # Room left in a NATS message for the reply's headers (correlation, content type, trace context).
 HEADER_ALLOWANCE_BYTES = 16 * 1024
-
-
-def encode_within(response: QueryResponse, limit: int) -> bytes:
-    """The reply as JSON in at most ``limit`` bytes. Results that do not fit are left out from the lowest rank
-    up and ``_meta.degraded`` says ``replySize``: an answer NATS would refuse to carry leaves the caller waiting."""
-    whole = response.model_dump_json().encode()
-    if len(whole) <= limit:
-        return whole
-    meta = response.meta.model_copy(update={"degraded": [*response.meta.degraded, "replySize"]})
-
-    def encoded(count: int) -> bytes:
-        return (
-            response.model_copy(update={"results": response.results[:count], "meta": meta}).model_dump_json().encode()
-        )
-
-    fits, too_many = 0, len(response.results)  # binary search for the most results that fit
-    while too_many - fits > 1:
-        middle = (fits + too_many) // 2
-        fits, too_many = (middle, too_many) if len(encoded(middle)) <= limit else (fits, middle)
-    body = encoded(fits)
-    if len(body) > limit:
-        return error_reply("internal", f"even an answer without results exceeds the {limit} bytes a reply may have")
-    return body
 
 
 class QueryService:
@@ -232,7 +210,11 @@ class QueryService:
         except Exception:
             log.exception("query_failed", workspace=workspace)
             return error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
-        return encode_within(response, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
+        budget = parsed.max_tokens or self.settings.answer_max_tokens
+        try:
+            return fit_reply(response, budget, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
+        except TooLarge as error:
+            return error_reply("internal", str(error))
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """No new requests; those already received are answered (for up to ``timeout_s``), the rest cancelled,

@@ -1,0 +1,125 @@
+"""Bounded answers (pure): a reply cut to fit the caller's budget and the message size, saying what was cut.
+
+An agent's client refuses or truncates a tool result past a size of its own (Claude Code: 25,000 tokens), and NATS
+refuses a message past its maximum payload. So the worker fits every reply: results keep their rank order; each
+result's content is kept whole while it fits, the first that does not is cut at a line near the limit, and the
+rest go without content (their ids, scores and metadata still listed); only when even those do not fit are the
+lowest-ranked results left out. Tokens are estimated at BYTES_PER_TOKEN bytes of the reply's JSON each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ontofabric.contracts import QueryResponse, SearchResult
+from ontofabric.contracts.query import BudgetReport
+
+BYTES_PER_TOKEN = 4
+"""About what tokenizers of English text and code average; an estimate, not a count."""
+MIN_SLICE_BYTES = 400
+"""A content cut shorter than this is not worth its place: the result goes without content instead."""
+RESERVE_BYTES = 512
+"""Room kept for what the cutting itself adds to ``_meta`` (the budget report, the ids of cut contents)."""
+
+
+class TooLarge(Exception):
+    """Even an answer without results does not fit."""
+
+
+def _json_size(text: str) -> int:
+    return len(json.dumps(text, ensure_ascii=False).encode())
+
+
+def cut_to(text: str, max_bytes: int) -> str:
+    """The longest start of ``text`` whose JSON string takes at most ``max_bytes``, ended at a line break when one
+    lies in its last quarter."""
+    low, high = 0, len(text)
+    while low < high:  # the longest prefix that fits
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if _json_size(text[:middle]) <= max_bytes else (low, middle - 1)
+    head = text[:low]
+    line_end = head.rfind("\n")
+    return head[: line_end + 1] if line_end >= len(head) * 3 // 4 else head
+
+
+def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) -> bytes:
+    """The reply as JSON within ``max_tokens`` (estimated) and ``max_payload_bytes``; ``_meta.budget`` says what was
+    cut, and ``replySize`` in ``_meta.degraded`` when the message size, not the budget, made the cut. Raises
+    TooLarge when nothing fits."""
+    budget_bytes = max_tokens * BYTES_PER_TOKEN
+    limit = min(budget_bytes, max_payload_bytes)
+    fitted = _with_budget(response, _report(max_tokens, []))
+    if len(_encoded(fitted)) > limit:
+        fitted = _cut(response, limit, max_tokens)
+        if max_payload_bytes < budget_bytes:
+            fitted = _with_meta(fitted, degraded=[*fitted.meta.degraded, "replySize"])
+    assert fitted.meta.budget is not None
+    tokens = math.ceil(len(_encoded(fitted)) / BYTES_PER_TOKEN)
+    return _encoded(_with_budget(fitted, fitted.meta.budget.model_copy(update={"estimated_tokens": tokens})))
+
+
+def _report(max_tokens: int, cut: list[str], omitted: int = 0, dropped: int = 0) -> BudgetReport:
+    return BudgetReport(
+        max_tokens=max_tokens, estimated_tokens=0, contents_cut=cut, contents_omitted=omitted, results_dropped=dropped
+    )
+
+
+def _encoded(response: QueryResponse) -> bytes:
+    return response.model_dump_json().encode()
+
+
+def _with_meta(response: QueryResponse, **update: object) -> QueryResponse:
+    return response.model_copy(update={"meta": response.meta.model_copy(update=update)})
+
+
+def _with_budget(
+    response: QueryResponse, report: BudgetReport, results: list[SearchResult] | None = None
+) -> QueryResponse:
+    fitted = _with_meta(response, budget=report)
+    return fitted if results is None else fitted.model_copy(update={"results": results})
+
+
+def _without_content(result: SearchResult) -> SearchResult:
+    if result.content is None:
+        return result
+    return result.model_copy(update={"content": None, "content_length": len(result.content)})
+
+
+def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
+    bare = [_without_content(r) for r in response.results]
+    # The results without their contents, as many (best ranked first) as fit with room for the report.
+    kept = len(bare)
+    while kept and len(_encoded(_with_budget(response, _report(max_tokens, []), bare[:kept]))) + RESERVE_BYTES > limit:
+        kept -= 1
+    skeleton = len(_encoded(_with_budget(response, _report(max_tokens, []), bare[:kept])))
+    if skeleton > limit:
+        raise TooLarge(f"even an answer without results exceeds the {limit} bytes it may have")
+    # Then contents, in rank order, in the room left.
+    spare = limit - skeleton - RESERVE_BYTES
+    results: list[SearchResult] = []
+    for original, stripped in zip(response.results[:kept], bare[:kept], strict=True):
+        content = original.content
+        cost = 0 if content is None else _json_size(content) - len("null")
+        if content is None or cost <= spare:
+            results.append(original)
+            spare -= cost
+        elif spare >= MIN_SLICE_BYTES:
+            results.append(stripped.model_copy(update={"content": cut_to(content, spare), "content_truncated": True}))
+            spare = 0
+        else:
+            results.append(stripped)
+    # The reserve is an estimate: should the report outgrow it, contents go from the lowest rank up.
+    for position in [len(results), *reversed(range(len(results)))]:
+        if position < len(results):
+            results[position] = _without_content(results[position])
+        fitted = _with_budget(response, _cut_report(max_tokens, response.results, results), results)
+        if len(_encoded(fitted)) <= limit:
+            return fitted
+    raise TooLarge(f"the answer's report does not fit in {limit} bytes")
+
+
+def _cut_report(max_tokens: int, originals: list[SearchResult], results: list[SearchResult]) -> BudgetReport:
+    cut = [r.id for r in results if r.content_truncated]
+    omitted = sum(1 for o, r in zip(originals, results, strict=False) if o.content is not None and r.content is None)
+    return _report(max_tokens, cut, omitted, len(originals) - len(results))

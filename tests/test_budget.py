@@ -1,0 +1,97 @@
+"""Bounded answers without servers: a reply cut to its budget and to the message size, and saying what it cut."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ontofabric.contracts import QueryMeta, QueryResponse, SearchResult
+from ontofabric.services.query.budget import BYTES_PER_TOKEN, TooLarge, cut_to, fit_reply
+
+META = QueryMeta(
+    ontology_version="1-a", workspace="w", branch="main", hybrid=True, reranked=False, cache_hit=False,
+    backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+)  # fmt: skip
+
+
+def _answer(contents: list[str | None]) -> QueryResponse:
+    results = [
+        SearchResult(
+            id=f"d{i}", score=1 - i / 100, rank=i + 1, content=content, object_type="t.T", source_domain="t",
+            metadata={"filePath": f"f{i}.py"}, found_by=[],
+        )
+        for i, content in enumerate(contents)
+    ]  # fmt: skip
+    return QueryResponse(results=results, _meta=META)
+
+
+def _fit(response: QueryResponse, max_tokens: int, payload: int = 1_000_000) -> tuple[QueryResponse, bytes]:
+    body = fit_reply(response, max_tokens, payload)
+    return QueryResponse.model_validate_json(body), body
+
+
+def test_an_answer_within_its_budget_is_whole_and_says_its_size() -> None:
+    answer = _answer(["short text"] * 3)
+    fitted, body = _fit(answer, 8000)
+    assert fitted.results == answer.results
+    assert fitted.meta.budget is not None
+    assert fitted.meta.budget.max_tokens == 8000
+    assert fitted.meta.budget.estimated_tokens == -(-len(body) // BYTES_PER_TOKEN)
+    assert (fitted.meta.budget.contents_cut, fitted.meta.budget.contents_omitted) == ([], 0)
+    assert fitted.meta.degraded == []
+
+
+def test_contents_past_the_budget_are_cut_then_left_out_and_every_result_stays() -> None:
+    line = "def step(): return 1\n"
+    answer = _answer([line * 60 for _ in range(10)])  # about 1,300 bytes of JSON each
+    fitted, body = _fit(answer, 1000)  # 4,000 bytes
+    assert len(body) <= 1000 * BYTES_PER_TOKEN
+    assert [r.id for r in fitted.results] == [r.id for r in answer.results]  # every result, in its rank
+    whole = [r for r in fitted.results if r.content == line * 60]
+    assert [r.id for r in whole] == [r.id for r in fitted.results[: len(whole)]]  # the best ranks whole
+    cut = fitted.results[len(whole)]
+    assert cut.content_truncated is True
+    assert cut.content is not None
+    assert line * 60 != cut.content
+    assert (line * 60).startswith(cut.content)
+    assert cut.content.endswith("\n")  # at a line's end
+    assert cut.content_length == len(line * 60)
+    rest = fitted.results[len(whole) + 1 :]
+    assert rest
+    assert all(r.content is None and r.content_length == len(line * 60) for r in rest)
+    assert fitted.meta.budget is not None
+    assert fitted.meta.budget.contents_cut == [cut.id]
+    assert fitted.meta.budget.contents_omitted == len(rest)
+    assert fitted.meta.budget.results_dropped == 0
+    assert fitted.meta.budget.estimated_tokens <= 1000
+    assert fitted.meta.degraded == []  # the caller's own bound: not a failure
+
+
+def test_a_budget_too_small_for_every_result_keeps_the_best_ranks() -> None:
+    answer = _answer([None] * 100)
+    fitted, body = _fit(answer, 500)
+    assert len(body) <= 500 * BYTES_PER_TOKEN
+    assert 0 < len(fitted.results) < 100
+    assert [r.id for r in fitted.results] == [f"d{i}" for i in range(len(fitted.results))]
+    assert fitted.meta.budget is not None
+    assert fitted.meta.budget.results_dropped == 100 - len(fitted.results)
+
+
+def test_the_message_size_cuts_too_and_says_so() -> None:
+    answer = _answer(["x" * 1000] * 10)
+    fitted, body = _fit(answer, 250_000, payload=4_500)
+    assert len(body) <= 4_500
+    assert [r.id for r in fitted.results] == [r.id for r in answer.results]
+    assert fitted.meta.degraded == ["replySize"]
+    with pytest.raises(TooLarge):
+        fit_reply(answer, 250_000, 100)
+
+
+@pytest.mark.parametrize("text", ["plain words " * 50, 'quotes " and \\ back\nslashes\n' * 30, "ünïcödé ✓ " * 80])
+def test_a_cut_text_fits_its_room_as_json(text: str) -> None:
+    for room in (50, 200, 401):
+        head = cut_to(text, room)
+        assert text.startswith(head)
+        assert len(json.dumps(head, ensure_ascii=False).encode()) <= room
+        assert len(head) > 0

@@ -231,6 +231,23 @@ class BudgetReport(WireModel):
     results_dropped: int = Field(default=0, description="Lowest-ranked results left out for want of room.")
 
 
+class Freshness(WireModel):
+    """How far the answer is behind the delta stream."""
+
+    indexed_seq: dict[str, int] = Field(
+        description="Per branch read: the stream sequence up to which the projector had handled its deltas when the "
+        "answer's documents were read (an ingester that published at or below it reads its own writes)."
+    )
+    pending_deltas: int | None = Field(
+        default=None,
+        description="Deltas of the branches read published since and not yet in the answer, as far as the worker "
+        "has seen (it watches from its start); null when it cannot tell.",
+    )
+    pending_ms: float | None = Field(
+        default=None, description="How long ago the oldest of them was published; null when none is pending."
+    )
+
+
 class QueryMeta(WireModel):
     ontology_version: str = Field(description="Version of the data the answer was computed from.")
     workspace: str
@@ -277,6 +294,7 @@ class QueryMeta(WireModel):
         description="What the query looked like to the pipeline: queryTokens, keywordSaturation (keyword top score "
         "over the best reachable), keywordGap (how far the keyword top hit stands out).",
     )
+    freshness: Freshness | None = Field(default=None, description="How far the answer is behind the delta stream.")
     budget: BudgetReport | None = Field(
         default=None, description="The reply's size against its budget and what was cut to fit (set by the worker)."
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from nats.aio.client import Client
@@ -17,6 +18,7 @@ from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -74,6 +76,9 @@ def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:
     return StreamConfig(
         name=names.delta_stream,
         subjects=[names.delta_subjects],
+        # The headers of each stored delta (its sequence and time) go out again on a subject of their own: query
+        # workers learn what has been published without reading the stream.
+        republish=RePublish(src=names.delta_subjects, dest=names.published_subjects, headers_only=True),
         retention=RetentionPolicy.LIMITS,  # kept for replay: projectors and rebuilds read it from sequence 1
         storage=StorageType.FILE,
         duplicate_window=settings.dedupe_window_s,
@@ -98,10 +103,14 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
     for config in (delta_stream_config(names, settings), dlq_stream_config(names)):
         assert config.name is not None
         try:
-            await js.stream_info(config.name)
+            existing = (await js.stream_info(config.name)).config
         except NotFoundError:
             await js.add_stream(config)
             log.info("stream_created", stream=config.name)
+            continue
+        if existing.republish != config.republish:  # a stream made before the republish was added
+            await js.update_stream(dataclasses.replace(existing, republish=config.republish))
+            log.info("stream_updated", stream=config.name, republish=names.published_subjects)
     try:
         await js.key_value(names.version_bucket)
     except BucketNotFoundError:

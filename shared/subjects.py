@@ -62,6 +62,16 @@ class Names:
         """Every branch's deltas of one workspace (what a rebuild of that workspace replays)."""
         return f"{self.prefix}.delta.{encode_token(workspace)}.*"
 
+    @property
+    def published_subjects(self) -> str:
+        """Where the delta stream republishes the headers of every delta it stores (sequence, time, subject)."""
+        return f"{self.prefix}.published.>"
+
+    def scope_of_published(self, subject: str) -> tuple[str, str]:
+        """The workspace and branch of a republished delta's subject."""
+        workspace, branch = subject.rsplit(".", 2)[-2:]
+        return decode_token(workspace), decode_token(branch)
+
     # dead letters
     @property
     def dlq_stream(self) -> str:

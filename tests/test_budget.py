@@ -37,7 +37,8 @@ def test_an_answer_within_its_budget_is_whole_and_says_its_size() -> None:
     assert fitted.results == answer.results
     assert fitted.meta.budget is not None
     assert fitted.meta.budget.max_tokens == 8000
-    assert fitted.meta.budget.estimated_tokens == -(-len(body) // BYTES_PER_TOKEN)
+    # Counted before the figure itself went in: a few bytes short at most.
+    assert 0 <= -(-len(body) // BYTES_PER_TOKEN) - fitted.meta.budget.estimated_tokens <= 1
     assert (fitted.meta.budget.contents_cut, fitted.meta.budget.contents_omitted) == ([], 0)
     assert fitted.meta.degraded == []
 

@@ -4,6 +4,8 @@ loop but stop()."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,7 +13,15 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ontofabric.shared.jetstream import BatchHandler, BatchPuller, StreamReader, backoff_s
+from ontofabric.shared.jetstream import (
+    BatchHandler,
+    BatchPuller,
+    StreamReader,
+    backoff_s,
+    delta_stream_config,
+    ensure_jetstream,
+)
+from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment
 
@@ -217,3 +227,27 @@ async def test_a_replay_gives_up_when_the_connection_stays_down() -> None:
         with pytest.raises(ConnectionError, match="unreachable"):
             await read_all()
     assert replay.fetches == 0
+
+
+async def test_a_delta_stream_made_before_the_republish_gets_it(deployment: Deployment) -> None:
+    names = Names(f"{deployment.names.prefix}old")
+    older = dataclasses.replace(delta_stream_config(names, deployment.settings), republish=None)
+    await deployment.js.add_stream(older)
+    try:
+        await ensure_jetstream(deployment.js, names, deployment.settings)
+        republish = (await deployment.js.stream_info(names.delta_stream)).config.republish
+        assert republish is not None
+        assert (republish.src, republish.dest, republish.headers_only) == (
+            names.delta_subjects,
+            names.published_subjects,
+            True,
+        )
+    finally:
+        for stream in (
+            names.delta_stream,
+            names.dlq_stream,
+            f"KV_{names.version_bucket}",
+            f"OBJ_{names.ingest_state_bucket}",
+        ):
+            with contextlib.suppress(Exception):
+                await deployment.js.delete_stream(stream)

@@ -161,6 +161,46 @@ async def test_symbol_kind_filters_and_distance_metric_is_reported(
     assert [d.field for d in unknown.error.details] == ["distanceMetric"]
 
 
+async def test_every_answer_says_how_far_it_is_behind_the_stream(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
+) -> None:
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha text")))
+    await deployment.wait_projected(first.seq)
+    await start_query_worker(None)
+    fresh = await _ask(client, "alpha")
+    assert fresh.meta.freshness is not None
+    assert fresh.meta.freshness.indexed_seq == {"main": first.seq}
+    assert (fresh.meta.freshness.pending_deltas, fresh.meta.freshness.pending_ms) == (0, None)
+    # The projector stops; two deltas are published: the answer, still the old one, says they are pending.
+    await projector.stop()
+    late = [await deployment.publisher.publish(upsert("acme", document(d, f"{d} text"))) for d in ("b", "c")]
+    await asyncio.sleep(0.2)
+    behind = await _ask(client, "alpha")
+    assert behind.meta.cache_hit is True  # the same version: the cached answer, its freshness read anew
+    assert behind.meta.freshness is not None
+    assert behind.meta.freshness.indexed_seq == {"main": first.seq}
+    assert behind.meta.freshness.pending_deltas == 2
+    assert behind.meta.freshness.pending_ms is not None
+    assert behind.meta.freshness.pending_ms >= 200
+    # A delta that changes nothing (an event handled before, republished under another message id) moves the
+    # position, not the version.
+    await projector.start()
+    await deployment.wait_projected(late[-1].seq)
+    repeat = upsert("acme", document("a", "alpha text"), event_id="evt-a")
+    applied = await deployment.publisher.publish(repeat)
+    await deployment.wait_projected(applied.seq)
+    await asyncio.sleep(0.2)
+    version = (await _ask(client, "alpha", topK=3)).meta.ontology_version
+    subject, data, _ = deployment.publisher._message(repeat)  # the same bytes, another message id
+    noop = await deployment.js.publish(subject, data, headers={"Nats-Msg-Id": "evt-a-again"})
+    await deployment.wait_projected(noop.seq)
+    caught_up = await _ask(client, "alpha", topK=4)
+    assert caught_up.meta.ontology_version == version
+    assert caught_up.meta.freshness is not None
+    assert caught_up.meta.freshness.indexed_seq == {"main": noop.seq}
+    assert caught_up.meta.freshness.pending_deltas == 0
+
+
 async def test_cache_hit_then_invalidated_by_a_new_delta(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

@@ -190,6 +190,7 @@ class PostgresProjectionStore:
                     "INSERT INTO handled_events (event_id, stream_seq) VALUES ($1, $2) ON CONFLICT DO NOTHING",
                     [(d.envelope.event_id, d.seq) for d in [*plan.applied, *plan.noops]],
                 )
+                await self._record_handled(conn, deltas)
                 for (workspace, branch), version in plan.versions.items():
                     revisions[(workspace, branch)] = await conn.fetchval(
                         "UPDATE ontology_versions SET state_hash = $3, stream_seq = $4, revision = revision + 1,"
@@ -203,6 +204,21 @@ class PostgresProjectionStore:
         return BatchResult(
             plan=plan,
             versions=[VersionUpdate(w, b, current[(w, b)], revisions[(w, b)]) for w, b in scopes],
+        )
+
+    async def _record_handled(self, conn: Connection, deltas: Sequence[Delta]) -> None:
+        """Each branch's highest sequence in the batch, applied or not: how far the projector has read it."""
+        handled: dict[tuple[str, str], int] = {}
+        for delta in deltas:
+            scope = (delta.envelope.workspace, delta.envelope.branch)
+            handled[scope] = max(handled.get(scope, 0), delta.seq)
+        await conn.execute(
+            "UPDATE ontology_versions v SET handled_seq = greatest(v.handled_seq, h.seq)"
+            " FROM unnest($1::text[], $2::text[], $3::bigint[]) AS h(workspace, branch, seq)"
+            " WHERE v.workspace = h.workspace AND v.branch = h.branch",
+            [w for w, _ in handled],
+            [b for _, b in handled],
+            list(handled.values()),
         )
 
     async def refresh_statistics(self, workspaces: Iterable[str]) -> list[str]:

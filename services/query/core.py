@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ontofabric.contracts import MAIN_BRANCH
@@ -114,6 +114,8 @@ class StoredDocument:
 class Fetched:
     documents: dict[str, StoredDocument]
     version: str
+    handled_seqs: dict[str, int] = field(default_factory=dict)
+    """Per branch read, the stream sequence up to which the projector had handled its deltas (0: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,24 @@ class EmbeddedQuery:
     vector: Vector
     tokens: TokenMatrix
     """One vector per token, for late interaction."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Deltas published after the positions an answer read, not yet in it."""
+
+    deltas: int
+    oldest_ms: float | None
+    """How long ago the oldest of them was published; None when there are none."""
+
+
+class PublicationWatch(Protocol):
+    """What has been published to the delta stream, as far as this worker has seen."""
+
+    def pending(self, workspace: str, handled: dict[str, int]) -> Pending | None:
+        """The deltas of the workspace's given branches published past their handled sequence; None when the
+        watch cannot tell (it is not running)."""
+        ...
 
 
 class VersionSource(Protocol):

@@ -18,6 +18,7 @@ from ontofabric.contracts.query import (
     CollapsedResult,
     DistanceMetricReport,
     ExpandedContext,
+    Freshness,
     FusionOptions,
     FusionReport,
 )
@@ -35,6 +36,7 @@ from .core import (
     EmbeddedQuery,
     Fetched,
     Hits,
+    PublicationWatch,
     Reranker,
     Retriever,
     Scope,
@@ -89,6 +91,7 @@ class QueryPipeline:
         cache: LruCache[CacheKey, QueryResponse],
         config: PipelineConfig,
         reranker: Reranker | None = None,
+        publications: PublicationWatch | None = None,
     ) -> None:
         if not retrievers or len({r.name for r in retrievers}) != len(retrievers):
             raise ValueError("the pipeline needs retrievers, each with a name of its own")
@@ -96,6 +99,7 @@ class QueryPipeline:
         self._documents = documents
         self._graphs = GraphCache(documents.graph_rows)
         self._reranker = reranker
+        self._publications = publications
         self._embedder = embedder
         self._versions = versions
         self._cache = cache
@@ -112,9 +116,11 @@ class QueryPipeline:
         cached = self._cache.get(key)
         if cached is not None:
             self._metrics.cache_hit.add(1)
-            meta = cached.meta.model_copy(
-                update={"cache_hit": True, "timings_ms": {"total": milliseconds_since(run.started)}}
-            )
+            freshness = cached.meta.freshness
+            if freshness is not None:  # what has been published since the answer was made
+                freshness = self._freshness(workspace, freshness.indexed_seq)
+            timings = {"total": milliseconds_since(run.started)}
+            meta = cached.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, cached.model_copy(update={"meta": meta}))
         self._metrics.cache_miss.add(1)
 
@@ -301,8 +307,14 @@ class QueryPipeline:
             "fetch", self._documents.fetch(scope, [f.id for f in fused], [f.id for f in fused[:depth]])
         )
         run.read(fetched.version)
-        run.report(ontology_version=fetched.version)
+        run.report(ontology_version=fetched.version, freshness=self._freshness(run.workspace, fetched.handled_seqs))
         return fetched
+
+    def _freshness(self, workspace: str, indexed: dict[str, int]) -> Freshness:
+        pending = self._publications.pending(workspace, indexed) if self._publications is not None else None
+        if pending is None:
+            return Freshness(indexed_seq=indexed)
+        return Freshness(indexed_seq=indexed, pending_deltas=pending.deltas, pending_ms=pending.oldest_ms)
 
     async def _late_interaction(
         self, run: QueryRun, refinements: Refinements, candidates: list[Fused], documents: dict[str, StoredDocument]

@@ -87,6 +87,8 @@ class Snapshot:
     shadowed: list[str]
     stream_seqs: dict[str, int]
     """The highest stream sequence applied to each branch read (absent: nothing yet)."""
+    handled_seqs: dict[str, int]
+    """Per branch read, the highest stream sequence the projector has handled (applied or found a no-op)."""
 
 
 class PostgresSnapshots:
@@ -107,7 +109,7 @@ class PostgresSnapshots:
             # version. Both parents at once, in the swap's order.
             await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
             rows = await conn.fetch(
-                "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
+                "SELECT branch, state_hash, stream_seq, revision, handled_seq FROM ontology_versions"
                 " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",
                 scope.workspace,
                 scope.branches,
@@ -122,7 +124,8 @@ class PostgresSnapshots:
                     found = await _shadowed_ids(conn, scope.workspace, scope.branch)
                     self._shadowed.put(key, found)
                 shadowed = found
-            yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows})
+            handled = {branch: 0 for branch in scope.branches} | {r["branch"]: int(r["handled_seq"]) for r in rows}
+            yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows}, handled)
 
 
 class PostgresDense:
@@ -264,7 +267,7 @@ class PostgresDocuments:
             )
             for r in rows
         }
-        return Fetched(documents, snapshot.version)
+        return Fetched(documents, snapshot.version, snapshot.handled_seqs)
 
     async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:

@@ -35,6 +35,7 @@ from .config import PipelineConfig
 from .core import Reranker
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PostgresDocuments, PostgresSnapshots
+from .published import PublishedDeltas
 from .retrievers import build_retrievers
 from .versions import VersionTracker
 
@@ -121,6 +122,7 @@ class QueryService:
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
         self._pipeline: QueryPipeline | None = None
+        self._published: PublishedDeltas | None = None
         self._slots = asyncio.Semaphore(settings.query_concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
         self.handled = 0
@@ -141,6 +143,8 @@ class QueryService:
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
+        self._published = PublishedDeltas(nc, names)
+        await self._published.start()
         snapshots = PostgresSnapshots(self._pool)
         documents = PostgresDocuments(snapshots)
         if settings.keyword_backend == "azure-ai-search":
@@ -154,6 +158,7 @@ class QueryService:
             LruCache(settings.query_cache_entries),
             PipelineConfig.from_settings(settings),
             self._reranker,
+            self._published,
         )
         tracker.set_listener(self._pipeline.invalidate)
         self._versions = tracker
@@ -231,6 +236,10 @@ class QueryService:
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None
+        if self._published is not None:
+            with contextlib.suppress(Exception):
+                await self._published.stop()
+            self._published = None
         if self._nc is not None:
             await self._nc.close()
             self._nc = None

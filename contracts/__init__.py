@@ -29,6 +29,7 @@ from .documents import (
     SemanticDocument,
     TokenVectors,
 )
+from .lookup import BranchStatus, DocumentReply, DocumentRequest, StatusReply, StatusRequest
 from .query import (
     ErrorDetail,
     ErrorReply,
@@ -48,11 +49,14 @@ __all__ = [
     "NO_VERSION",
     "PROVENANCES",
     "SCHEMA_VERSION",
+    "BranchStatus",
     "ChunkLevel",
     "DeltaEnvelope",
     "DeltaPayload",
     "DocumentDeleted",
     "DocumentMetadata",
+    "DocumentReply",
+    "DocumentRequest",
     "DocumentReverted",
     "DocumentUpserted",
     "EntityKind",
@@ -76,6 +80,8 @@ __all__ = [
     "QueryResponse",
     "SearchResult",
     "SemanticDocument",
+    "StatusReply",
+    "StatusRequest",
     "TokenVectors",
     "format_version",
     "link_key",

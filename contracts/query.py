@@ -306,7 +306,7 @@ class QueryResponse(WireModel):
     meta: QueryMeta = Field(alias="_meta")
 
 
-ErrorCode = Literal["invalid_request", "unavailable", "internal"]
+ErrorCode = Literal["invalid_request", "not_found", "unavailable", "internal"]
 
 
 class ErrorDetail(WireModel):

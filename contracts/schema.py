@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from .deltas import DeltaEnvelope
 from .documents import SemanticDocument
+from .lookup import DocumentReply, DocumentRequest, StatusReply, StatusRequest
 from .query import ErrorReply, OntologyQuery, QueryResponse
 from .versions import OntologyVersionChanged
 
@@ -28,6 +29,10 @@ MESSAGES: dict[str, tuple[type[BaseModel], Mode]] = {
     "query-response": (QueryResponse, "serialization"),
     "error-reply": (ErrorReply, "serialization"),
     "ontology-version-changed": (OntologyVersionChanged, "serialization"),
+    "document-request": (DocumentRequest, "validation"),
+    "document-reply": (DocumentReply, "serialization"),
+    "status-request": (StatusRequest, "validation"),
+    "status-reply": (StatusReply, "serialization"),
 }
 
 

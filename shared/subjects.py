@@ -58,6 +58,13 @@ class Names:
     def delta_subject(self, workspace: str, branch: str) -> str:
         return f"{self.prefix}.delta.{encode_token(workspace)}.{encode_token(branch)}"
 
+    def scope_of_delta(self, subject: str) -> tuple[str, str] | None:
+        """The workspace and branch a delta subject names; None when it is not ``{prefix}.delta.{w}.{b}``."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[:2] != [self.prefix, "delta"]:
+            return None
+        return decode_token(parts[2]), decode_token(parts[3])
+
     def workspace_delta_subjects(self, workspace: str) -> str:
         """Every branch's deltas of one workspace (what a rebuild of that workspace replays)."""
         return f"{self.prefix}.delta.{encode_token(workspace)}.*"
@@ -108,6 +115,20 @@ class Names:
     @property
     def query_subjects(self) -> str:
         return f"{self.prefix}.query.*"
+
+    def document_subject(self, workspace: str) -> str:
+        return f"{self.prefix}.document.{encode_token(workspace)}"
+
+    @property
+    def document_subjects(self) -> str:
+        return f"{self.prefix}.document.*"
+
+    def status_subject(self, workspace: str) -> str:
+        return f"{self.prefix}.status.{encode_token(workspace)}"
+
+    @property
+    def status_subjects(self) -> str:
+        return f"{self.prefix}.status.*"
 
     @property
     def query_queue(self) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 
-from ontofabric.contracts import ErrorReply, QueryResponse
+from ontofabric.contracts import DocumentReply, ErrorReply, QueryResponse, StatusReply
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.worker import QueryService
@@ -199,6 +199,69 @@ async def test_every_answer_says_how_far_it_is_behind_the_stream(
     assert caught_up.meta.freshness is not None
     assert caught_up.meta.freshness.indexed_seq == {"main": noop.seq}
     assert caught_up.meta.freshness.pending_deltas == 0
+
+
+async def test_a_document_whole_or_in_slices(
+    seeded: int, deployment: Deployment, start_query_worker: Start, client: QueryClient
+) -> None:
+    await start_query_worker(None)
+    text = CORPUS["csv"][0]
+    whole = await client.document("acme", {"id": "csv"})
+    assert isinstance(whole, DocumentReply), whole
+    assert (whole.content, whole.offset, whole.content_length, whole.truncated) == (text, 0, len(text), False)
+    assert whole.object_type == "io.Files"
+    assert whole.ontology_version.startswith(f"{seeded}-")
+    part = await client.document("acme", {"id": "csv", "offset": 5, "maxChars": 10})
+    assert isinstance(part, DocumentReply), part
+    assert (part.content, part.truncated) == (text[5:15], True)
+    missing = await client.document("acme", {"id": "nope"})
+    assert isinstance(missing, ErrorReply)
+    assert (missing.error.code, [d.field for d in missing.error.details]) == ("not_found", ["id"])
+    refused = parse_reply(await client.send_raw("acme", b'{"id": "csv", "offset": -1}', "document"), DocumentReply)
+    assert isinstance(refused, ErrorReply)
+    assert (refused.error.code, [d.field for d in refused.error.details]) == ("invalid_request", ["offset"])
+
+
+async def test_the_status_says_how_far_the_index_is_behind_its_stream(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
+) -> None:
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(first.seq)
+    await start_query_worker(None)
+    status = await client.status("acme", {})
+    assert isinstance(status, StatusReply), status
+    [main] = status.branches
+    assert (main.branch, main.indexed_seq, main.latest_seq, main.pending_deltas) == ("main", first.seq, first.seq, 0)
+    assert (main.documents, status.pending_deltas, status.dead_letters) == (1, 0, 0)
+    assert main.last_change is not None
+    assert status.ontology_version == main.ontology_version
+    assert status.ontology_version.startswith(f"{first.seq}-")
+    # The projector stops; a delta on main and one on a branch wait; one that can never apply is published too.
+    await projector.stop()
+    later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+    on_branch = await deployment.publisher.publish(upsert("acme", document("c", "gamma"), branch="feature/x"))
+    broken = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
+    behind = await client.status("acme", {"branch": "feature/x"})
+    assert isinstance(behind, StatusReply), behind
+    assert [(b.branch, b.indexed_seq, b.latest_seq, b.pending_deltas) for b in behind.branches] == [
+        ("main", first.seq, broken.seq, 2),
+        ("feature/x", 0, on_branch.seq, 1),
+    ]
+    assert later.seq < broken.seq
+    assert behind.pending_deltas == 3
+    assert all(b.pending_ms is not None and b.pending_ms >= 0 for b in behind.branches)
+    await projector.start()
+    await deployment.wait_projected(broken.seq)
+    caught_up = await client.status("acme", {"branch": "feature/x"})
+    assert isinstance(caught_up, StatusReply), caught_up
+    assert caught_up.dead_letters == 1
+    # The dead-lettered delta was main's last: the projector's position passed it, so nothing is pending.
+    main, branch = caught_up.branches
+    assert [(b.branch, b.indexed_seq, b.pending_deltas) for b in (main, branch)] == [
+        ("main", broken.seq, 0),
+        ("feature/x", on_branch.seq, 0),
+    ]
+    assert caught_up.ontology_version == f"{main.ontology_version}+{branch.ontology_version}"
 
 
 async def test_cache_hit_then_invalidated_by_a_new_delta(

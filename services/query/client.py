@@ -1,17 +1,29 @@
-"""A request-reply client for ``ontology_query``: what gateways and the CLI use."""
+"""A request-reply client of the query workers: ontology_query, a document by id, a workspace's status. What gateways
+and the CLI use."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from opentelemetry import propagate
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ontofabric.contracts import ErrorReply, OntologyQuery, QueryResponse
+from ontofabric.contracts import (
+    DocumentReply,
+    DocumentRequest,
+    ErrorReply,
+    OntologyQuery,
+    QueryResponse,
+    StatusReply,
+    StatusRequest,
+)
 from ontofabric.shared.subjects import Names
+
+Operation = Literal["query", "document", "status"]
+Reply = TypeVar("Reply", QueryResponse, DocumentReply, StatusReply)
 
 
 class QueryClient:
@@ -20,11 +32,15 @@ class QueryClient:
         self._names = names
         self._timeout_s = timeout_s
 
-    async def send_raw(self, workspace: str, body: bytes) -> bytes:
+    async def send_raw(self, workspace: str, body: bytes, operation: Operation = "query") -> bytes:
         """Send a request body as is. While no worker listens (a restart), retry for up to a second."""
         headers: dict[str, str] = {}
         propagate.inject(headers)
-        subject = self._names.query_subject(workspace)
+        subject = {
+            "query": self._names.query_subject,
+            "document": self._names.document_subject,
+            "status": self._names.status_subject,
+        }[operation](workspace)
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(NoRespondersError),
             stop=stop_after_attempt(6),
@@ -36,16 +52,23 @@ class QueryClient:
         return bytes(reply.data)
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
-        body = (
-            query.model_dump_json(exclude_none=True).encode()
-            if isinstance(query, OntologyQuery)
-            else OntologyQuery.model_validate(query).model_dump_json(exclude_none=True).encode()
-        )
-        return parse_reply(await self.send_raw(workspace, body))
+        return parse_reply(await self._send(workspace, OntologyQuery, query, "query"), QueryResponse)
+
+    async def document(self, workspace: str, request: DocumentRequest | dict[str, Any]) -> DocumentReply | ErrorReply:
+        return parse_reply(await self._send(workspace, DocumentRequest, request, "document"), DocumentReply)
+
+    async def status(self, workspace: str, request: StatusRequest | dict[str, Any]) -> StatusReply | ErrorReply:
+        return parse_reply(await self._send(workspace, StatusRequest, request, "status"), StatusReply)
+
+    async def _send(
+        self, workspace: str, model: type[BaseModel], request: BaseModel | dict[str, Any], operation: Operation
+    ) -> bytes:
+        validated = request if isinstance(request, model) else model.model_validate(request)
+        return await self.send_raw(workspace, validated.model_dump_json(exclude_none=True).encode(), operation)
 
 
-def parse_reply(data: bytes) -> QueryResponse | ErrorReply:
+def parse_reply(data: bytes, reply: type[Reply] = QueryResponse) -> Reply | ErrorReply:  # type: ignore[assignment]
     try:
-        return QueryResponse.model_validate_json(data)
+        return reply.model_validate_json(data)
     except ValidationError:
         return ErrorReply.model_validate_json(data)

@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -89,6 +90,14 @@ class Snapshot:
     """The highest stream sequence applied to each branch read (absent: nothing yet)."""
     handled_seqs: dict[str, int]
     """Per branch read, the highest stream sequence the projector has handled (applied or found a no-op)."""
+
+
+@dataclass(frozen=True)
+class BranchState:
+    version: str
+    handled_seq: int
+    documents: int
+    updated_at: datetime
 
 
 class PostgresSnapshots:
@@ -305,6 +314,22 @@ class PostgresDocuments:
                 *parameters,
             )
         return Hits([Candidate(r["id"], 1.0) for r in rows], snapshot.version)
+
+    async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
+        """The version row of each of the workspace's ``branches`` that has one."""
+        async with self._snapshots.read(Scope(workspace, MAIN_BRANCH)) as snapshot:
+            rows = await snapshot.conn.fetch(
+                "SELECT branch, state_hash, stream_seq, handled_seq, doc_count, updated_at FROM ontology_versions"
+                " WHERE workspace = $1 AND branch = ANY($2::text[])",
+                workspace,
+                list(branches),
+            )
+        return {
+            r["branch"]: BranchState(
+                format_version(r["state_hash"], r["stream_seq"]), r["handled_seq"], r["doc_count"], r["updated_at"]
+            )
+            for r in rows
+        }
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""

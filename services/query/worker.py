@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TypeVar
 
 import asyncpg
 from azure.search.documents.aio import SearchClient
@@ -18,10 +19,17 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 from pydantic import TypeAdapter, ValidationError
 
-from ontofabric.contracts import ErrorDetail, ErrorReply, OntologyQuery, QueryError
+from ontofabric.contracts import (
+    DocumentRequest,
+    ErrorDetail,
+    ErrorReply,
+    OntologyQuery,
+    QueryError,
+    StatusRequest,
+)
 from ontofabric.contracts.documents import Workspace
 from ontofabric.shared.azure_search import search_client
-from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.db import create_pool, is_transient, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
@@ -30,9 +38,10 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments, tracer
 
-from .budget import TooLarge, fit_reply
+from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .config import PipelineConfig
 from .core import Reranker
+from .lookup import DocumentNotFound, Lookups
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PostgresDocuments, PostgresSnapshots
 from .published import PublishedDeltas
@@ -70,23 +79,32 @@ def workspace_of_subject(subject: str) -> str | None:
         return None
 
 
-def parse_request(body: bytes, workspace: str, max_query_chars: int) -> OntologyQuery | bytes:
-    """The validated query, or the error reply to send instead."""
+Request = TypeVar("Request", OntologyQuery, DocumentRequest, StatusRequest)
+
+
+def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | bytes:
+    """The validated request, or the error reply to send instead."""
     try:
-        query = OntologyQuery.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as error:
-        return error_reply("invalid_request", "the request does not match ontology_query", validation_details(error))
-    if query.semantic_query is not None and len(query.semantic_query) > max_query_chars:
-        return error_reply(
-            "invalid_request",
-            "the query is too long",
-            [ErrorDetail(field="semanticQuery", message=f"at most {max_query_chars} characters")],
-        )
-    if query.workspace is not None and query.workspace != workspace:
+        return error_reply("invalid_request", f"the request does not match {model.__name__}", validation_details(error))
+    if request.workspace is not None and request.workspace != workspace:
         return error_reply(
             "invalid_request",
             "the body names another workspace than the subject it was sent to",
             [ErrorDetail(field="workspace", message=f"this subject serves workspace {workspace!r}")],
+        )
+    return request
+
+
+def parse_request(body: bytes, workspace: str, max_query_chars: int) -> OntologyQuery | bytes:
+    """The validated query, or the error reply to send instead."""
+    query = parse_body(OntologyQuery, body, workspace)
+    if isinstance(query, OntologyQuery) and query.semantic_query and len(query.semantic_query) > max_query_chars:
+        return error_reply(
+            "invalid_request",
+            "the query is too long",
+            [ErrorDetail(field="semanticQuery", message=f"at most {max_query_chars} characters")],
         )
     return query
 
@@ -117,12 +135,13 @@ class QueryService:
         self._embedder = embedder
         self._reranker = reranker
         self._nc: Client | None = None
-        self._subscription: Subscription | None = None
+        self._subscriptions: list[Subscription] = []
         self._pool: asyncpg.Pool | None = None
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
         self._pipeline: QueryPipeline | None = None
         self._published: PublishedDeltas | None = None
+        self._lookups: Lookups | None = None
         self._slots = asyncio.Semaphore(settings.query_concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
         self.handled = 0
@@ -163,9 +182,11 @@ class QueryService:
         tracker.set_listener(self._pipeline.invalidate)
         self._versions = tracker
         await tracker.start()
-        self._subscription = await nc.subscribe(names.query_subjects, queue=names.query_queue, cb=self._admit)
+        self._lookups = Lookups(documents, js, names, settings.answer_max_tokens * BYTES_PER_TOKEN)
+        subjects = (names.query_subjects, names.document_subjects, names.status_subjects)
+        self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         await subscriptions_visible(nc)
-        log.info("query_worker_started", subjects=names.query_subjects, queue=names.query_queue)
+        log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
     async def _admit(self, msg: Msg) -> None:
         await self._slots.acquire()
@@ -181,7 +202,9 @@ class QueryService:
         try:
             # The caller's trace continues here: its context travels in the request's headers.
             context = propagate.extract(msg.headers or {})
-            with tracer().start_as_current_span("ontology_query", context=context, kind=SpanKind.SERVER) as span:
+            with tracer().start_as_current_span(
+                msg.subject.split(".")[1], context=context, kind=SpanKind.SERVER
+            ) as span:
                 span.set_attribute("messaging.destination.name", msg.subject)
                 body = await self._answer(msg)
         except Exception:  # a caller waiting for a reply gets one, whatever failed
@@ -195,9 +218,8 @@ class QueryService:
             log.warning("reply_failed", error=describe(error))
 
     async def _answer(self, msg: Msg) -> bytes:
+        """The reply to a request on {prefix}.{query|document|status}.{workspace}."""
         self.handled += 1
-        assert self._pipeline is not None
-        assert self._nc is not None
         workspace = workspace_of_subject(msg.subject)
         if workspace is None:
             return error_reply(
@@ -205,29 +227,65 @@ class QueryService:
                 "the subject does not name a valid workspace",
                 [ErrorDetail(field=None, message=f"subject {msg.subject!r}")],
             )
-        parsed = parse_request(msg.data, workspace, self.settings.max_query_chars)
-        if isinstance(parsed, bytes):
-            return parsed
+        operation = {"query": self._query, "document": self._document, "status": self._status}[
+            msg.subject.split(".")[1]
+        ]
         try:
-            response = await self._pipeline.answer(parsed, workspace)
+            return await operation(workspace, msg.data)
         except RetrievalUnavailable as error:
             return error_reply("unavailable", str(error), retryable=True)
-        except Exception:
+        except Exception as error:
+            if is_transient(error):  # the database or JetStream away: another try, maybe on another worker
+                log.warning("request_unavailable", workspace=workspace, error=describe(error))
+                return error_reply("unavailable", f"a store could not be read ({type(error).__name__})", retryable=True)
             log.exception("query_failed", workspace=workspace)
-            return error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
-        budget = parsed.max_tokens or self.settings.answer_max_tokens
+            return error_reply("internal", "the request failed unexpectedly; see the worker log", retryable=True)
+
+    async def _query(self, workspace: str, body: bytes) -> bytes:
+        assert self._pipeline is not None
+        assert self._nc is not None
+        query = parse_request(body, workspace, self.settings.max_query_chars)
+        if isinstance(query, bytes):
+            return query
+        response = await self._pipeline.answer(query, workspace)
+        budget = query.max_tokens or self.settings.answer_max_tokens
         try:
             return fit_reply(response, budget, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
         except TooLarge as error:
             return error_reply("internal", str(error))
 
+    async def _document(self, workspace: str, body: bytes) -> bytes:
+        assert self._lookups is not None
+        assert self._nc is not None
+        request = parse_body(DocumentRequest, body, workspace)
+        if isinstance(request, bytes):
+            return request
+        try:
+            reply = (await self._lookups.document(workspace, request)).model_dump_json().encode()
+        except DocumentNotFound as error:
+            return error_reply("not_found", str(error), [ErrorDetail(field="id", message="no such document")])
+        if len(reply) > self._nc.max_payload - HEADER_ALLOWANCE_BYTES:
+            return error_reply(
+                "invalid_request",
+                "the slice asked for exceeds a message",
+                [ErrorDetail(field="maxChars", message="ask for less")],
+            )
+        return reply
+
+    async def _status(self, workspace: str, body: bytes) -> bytes:
+        assert self._lookups is not None
+        request = parse_body(StatusRequest, body, workspace)
+        if isinstance(request, bytes):
+            return request
+        return (await self._lookups.status(workspace, request)).model_dump_json().encode()
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """No new requests; those already received are answered (for up to ``timeout_s``), the rest cancelled,
         then everything closes."""
-        if self._subscription is not None:
+        subscriptions, self._subscriptions = self._subscriptions, []
+        for subscription in subscriptions:
             with contextlib.suppress(Exception):  # the connection may be gone already
-                await asyncio.wait_for(self._subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
-            self._subscription = None
+                await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
         if self._in_flight:
             _, late = await asyncio.wait(self._in_flight, timeout=timeout_s)
             for task in late:

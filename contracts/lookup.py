@@ -1,0 +1,76 @@
+"""Lookups beside ``ontology_query``, answered by query workers over request-reply on per-workspace subjects: one
+document by id (or a slice of it), and how far a workspace's index is behind its delta stream."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import Field
+
+from ._base import StrictRequest, WireModel
+from .documents import MAIN_BRANCH, Branch, DocumentId, Workspace
+
+MAX_SLICE_CHARS = 1_000_000
+
+
+class DocumentRequest(StrictRequest):
+    """One document as a query on the branch sees it (main ⊕ branch), whole or a slice of its content."""
+
+    id: DocumentId = Field(description="The document's id, as a result of ontology_query gives it.")
+    branch: Branch = Field(default=MAIN_BRANCH, description="Branch to read: main, or main overlaid with the branch.")
+    offset: int = Field(default=0, ge=0, description="First character of the content to return.")
+    max_chars: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SLICE_CHARS,
+        description="Characters of content to return at most; default: the deployment's answer budget.",
+    )
+    workspace: Workspace | None = Field(
+        default=None, description="Defaults to the workspace of the subject the request was sent to."
+    )
+
+
+class DocumentReply(WireModel):
+    id: str
+    object_type: str
+    source_domain: str
+    metadata: dict[str, Any]
+    content: str = Field(description="The content from offset, at most maxChars characters.")
+    offset: int
+    content_length: int = Field(description="The whole content's length in characters.")
+    truncated: bool = Field(description="True when content stops before the end of the text.")
+    ontology_version: str = Field(description="Version of the data the document was read from.")
+
+
+class StatusRequest(StrictRequest):
+    branch: Branch = Field(default=MAIN_BRANCH, description="Branch to report on (main is always reported too).")
+    workspace: Workspace | None = Field(
+        default=None, description="Defaults to the workspace of the subject the request was sent to."
+    )
+
+
+class BranchStatus(WireModel):
+    """One branch's own deltas against what the projector has handled of them."""
+
+    branch: str
+    ontology_version: str = Field(description="The branch's own version ('{streamSeq}-{stateHash}').")
+    documents: int = Field(description="Live documents the branch itself holds (on a branch: its own rows).")
+    indexed_seq: int = Field(description="The stream sequence up to which the projector has handled its deltas.")
+    latest_seq: int | None = Field(description="The stream sequence of its last published delta; null when none.")
+    pending_deltas: int = Field(description="Its deltas published past indexedSeq: not yet in the index.")
+    pending_ms: float | None = Field(description="How long ago the oldest of them was published; null when none.")
+    last_change: datetime | None = Field(description="When the projector last changed the branch's version.")
+
+
+class StatusReply(WireModel):
+    workspace: str
+    branch: str
+    ontology_version: str = Field(
+        description="What a query on the branch reads now (main's, or main's + the branch's)."
+    )
+    branches: list[BranchStatus] = Field(description="main, and the branch when it is not main.")
+    pending_deltas: int = Field(description="Deltas of those branches not yet in the index.")
+    dead_letters: int = Field(
+        description="The workspace's deltas dead-lettered and not re-driven or purged (all branches)."
+    )

@@ -282,7 +282,9 @@ class QueryMeta(WireModel):
         default=None, description="The distance dense search ranked by; null when dense search did not run."
     )
     collapsed: list[CollapsedResult] = Field(
-        default_factory=list, description="Chunks left out for a better-ranked result of the same symbol."
+        default_factory=list,
+        description="Chunks left out for a better-ranked result of the same symbol, of those that would have been "
+        "among the answer's topK without it.",
     )
     listing: bool = Field(
         default=False,

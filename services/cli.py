@@ -22,7 +22,13 @@ from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, RuntimeUnavailable, resolve_endpoints
+from ontofabric.shared.runtime import (
+    EmbeddedRuntime,
+    Endpoints,
+    RuntimeUnavailable,
+    resolve_endpoints,
+    resolve_nats_url,
+)
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
@@ -198,6 +204,47 @@ def query(
         render_reply(console, request, reply)
     if isinstance(reply, ErrorReply):
         raise typer.Exit(1)
+
+
+@app.command()
+def mcp(
+    workspace: Annotated[
+        str | None,
+        typer.Option(help="Workspace the tools read when a call names none [env ONTOFABRIC_GATEWAY_WORKSPACE]."),
+    ] = None,
+    http: Annotated[
+        str | None,
+        typer.Option(metavar="HOST:PORT", help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio."),
+    ] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run the MCP gateway: ontology_query, get_document and ontology_status for coding agents, over stdio (the
+    default, for an agent's local configuration) or streamable HTTP; it forwards every call to the query workers."""
+    from .gateway.server import serve
+
+    settings = _settings("ontofabric-mcp", data_dir, quiet=True)
+    address = None
+    if http is not None:
+        host, _, port = http.rpartition(":")
+        if not host or not port.isdigit():
+            _fail(f"--http takes HOST:PORT, not {http!r}")
+        address = (host.strip("[]"), int(port))
+    try:
+        nats_url = resolve_nats_url(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+
+    async def run() -> None:
+        nc = await connect(nats_url, "ontofabric-mcp")
+        try:
+            await serve(
+                nc, Names(settings.subject_prefix), workspace or settings.gateway_workspace, settings.gateway_timeout_s,
+                address,
+            )  # fmt: skip
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
 
 
 @app.command()

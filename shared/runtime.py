@@ -391,19 +391,35 @@ class EmbeddedRuntime:
 
 def resolve_endpoints(settings: Settings) -> Endpoints:
     """Where a client command finds the servers: the settings, else a running ``ontofabric up``."""
-    nats_url, database_url = settings.nats_url, settings.database_url
-    runtime_file = settings.data_dir.absolute() / RUNTIME_FILE
-    if (nats_url is None or database_url is None) and runtime_file.exists():
-        recorded = json.loads(runtime_file.read_text())
-        if _pid_alive(int(recorded.get("pid", 0))):
-            nats_url = nats_url or recorded["natsUrl"]
-            database_url = database_url or recorded["databaseUrl"]
+    recorded = _running_up(settings)
+    nats_url = settings.nats_url or recorded.get("natsUrl")
+    database_url = settings.database_url or recorded.get("databaseUrl")
     if nats_url is None or database_url is None:
         raise RuntimeUnavailable(
             f"no servers to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
             "or set ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL"
         )
     return Endpoints(nats_url=nats_url, database_url=database_url)
+
+
+def resolve_nats_url(settings: Settings) -> str:
+    """Where a NATS-only client (the MCP gateway) finds the server: the setting, else a running ``ontofabric up``."""
+    nats_url = settings.nats_url or _running_up(settings).get("natsUrl")
+    if nats_url is None:
+        raise RuntimeUnavailable(
+            f"no NATS server to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
+            "or set ONTOFABRIC_NATS_URL"
+        )
+    return str(nats_url)
+
+
+def _running_up(settings: Settings) -> dict[str, Any]:
+    """What a running ``ontofabric up`` recorded of its servers (nothing when none runs on the data directory)."""
+    runtime_file = settings.data_dir.absolute() / RUNTIME_FILE
+    if not runtime_file.exists():
+        return {}
+    recorded: dict[str, Any] = json.loads(runtime_file.read_text())
+    return recorded if _pid_alive(int(recorded.get("pid", 0))) else {}
 
 
 def _pid_alive(pid: int) -> bool:

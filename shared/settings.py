@@ -149,6 +149,15 @@ class Settings(BaseSettings):
     )
     statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
 
+    # --- MCP gateway -------------------------------------------------------------------------------
+    gateway_workspace: str | None = Field(
+        default=None,
+        description="Workspace the MCP gateway's tools read when a call names none (`ontofabric mcp --workspace`).",
+    )
+    gateway_timeout_s: float = Field(
+        default=10.0, gt=0, description="How long the MCP gateway waits for a query worker's reply."
+    )
+
     # --- Azure AI Search (optional) --------------------------------------------------------------
     azure_search_endpoint: str | None = Field(
         default=None,

@@ -14,7 +14,8 @@ import pytest
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
-    "up", "projector", "query-worker", "ingest", "query", "demo", "eval", "rebuild", "migrate", "contracts", "settings",
+    "up", "projector", "query-worker", "ingest", "query", "mcp", "demo", "eval", "rebuild", "migrate", "contracts",
+    "settings",
 ]  # fmt: skip
 
 

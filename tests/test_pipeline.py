@@ -449,5 +449,7 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
     assert sorted(r.id for r in collapsed.results) == sorted([first, "z"])
     assert [(c.id, c.into) for c in collapsed.meta.collapsed] == [(second, first)]
     assert everything.meta.collapsed == []
+    # Only what the answer would have shown is reported: with topK 1, the left-out chunk was never in it.
+    assert (await pipeline.answer(QUERY.model_copy(update={"top_k": 1}), "w")).meta.collapsed == []
     off = pipeline_over(OneSymbol(), config=PipelineConfig(collapse_nested=False))
     assert len((await off.answer(QUERY, "w")).results) == 3

@@ -370,7 +370,9 @@ class QueryPipeline:
         if not (self._config.collapse_nested if asked is None else asked):
             return candidates
         kept, left_out = collapse_nested(candidates, documents)
-        run.report(collapsed=[CollapsedResult(id=left, into=holder) for left, holder in left_out])
+        # Reported are the chunks that would have been in the answer: within its first topK without collapsing.
+        answer = {hit.id for hit in candidates[: run.query.top_k]}
+        run.report(collapsed=[CollapsedResult(id=left, into=holder) for left, holder in left_out if left in answer])
         return kept
 
     async def _expand(self, run: QueryRun, scope: Scope, version: str, results: list[SearchResult]) -> None:

@@ -1,0 +1,1 @@
+"""The MCP gateway: agents reach the query workers through it (``ontofabric mcp``)."""

@@ -1,0 +1,132 @@
+"""``ontofabric mcp``: an MCP server (the official SDK's low-level server) over stdio or streamable HTTP, that holds no
+index. Each tool call is one request-reply to the query workers over NATS, on the workspace's subject; any number of
+gateways can run beside each other.
+
+A malformed argument comes back as a tool error naming the field (the worker validates it against the same
+contract the tool's inputSchema is generated from); no worker answering is a retryable tool error within the
+timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from typing import Any
+
+import mcp_types as types
+import uvicorn
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import TypeAdapter, ValidationError
+
+from ontofabric.contracts import ErrorReply
+from ontofabric.contracts.documents import Workspace
+from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.subjects import Names
+
+from .tools import TOOLS, ToolSpec, render, render_error
+
+log = get_logger(__name__)
+
+INSTRUCTIONS = (
+    "ontofabric answers questions about a code base and its ontology: ontology_query searches it (hybrid retrieval "
+    "with an honest _meta envelope), get_document reads one document, ontology_status says how fresh the index is."
+)
+_WORKSPACE = TypeAdapter(Workspace)
+_BY_NAME = {tool.name: tool for tool in TOOLS}
+
+
+def tool_error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
+
+
+class Gateway:
+    """The tools, forwarded to the query workers of one deployment (its NATS subject prefix)."""
+
+    def __init__(self, nc: Client, names: Names, workspace: str | None, timeout_s: float) -> None:
+        self._client = QueryClient(nc, names, timeout_s)
+        self._workspace = workspace
+        self._timeout_s = timeout_s
+        self.server = Server(
+            "ontofabric",
+            version=version("ontofabric"),
+            instructions=INSTRUCTIONS,
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+        )
+
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[_tool(spec) for spec in TOOLS])
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        spec = _BY_NAME.get(params.name)
+        if spec is None:
+            raise MCPError(code=types.INVALID_PARAMS, message=f"unknown tool {params.name!r}")
+        return await self.call(spec, dict(params.arguments or {}))
+
+    async def call(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
+        """One tool call: the request to the workspace's worker, its reply as structured content and as text."""
+        workspace = arguments.get("workspace", self._workspace)
+        if workspace is None:
+            return tool_error("error invalid_request: no workspace\n- workspace: give the workspace to read")
+        try:
+            workspace = _WORKSPACE.validate_python(workspace)
+        except ValidationError as error:
+            return tool_error(f"error invalid_request: bad workspace\n- workspace: {error.errors()[0]['msg']}")
+        try:
+            raw = await self._client.send_raw(workspace, json.dumps(arguments).encode(), spec.operation)
+        except NoRespondersError:
+            return tool_error(
+                f"error unavailable (retryable: try again): no query worker is serving workspace {workspace!r}"
+            )
+        except (NatsTimeoutError, TimeoutError):
+            return tool_error(f"error unavailable (retryable: try again): no answer within {self._timeout_s:g} s")
+        data = json.loads(raw)
+        if "error" in data:
+            return tool_error(render_error(ErrorReply.model_validate(data)))
+        reply = spec.reply.model_validate(data)
+        return types.CallToolResult(content=[types.TextContent(text=render(reply))], structured_content=data)
+
+    async def serve_stdio(self) -> None:
+        async with stdio_server() as (read, write):
+            await self.server.run(read, write, self.server.create_initialization_options())
+
+    async def serve_http(self, host: str, port: int) -> None:
+        """Streamable HTTP at ``http://HOST:PORT/mcp``."""
+        app = self.server.streamable_http_app(host=host)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        await uvicorn.Server(config).serve()
+
+
+def _tool(spec: ToolSpec) -> types.Tool:
+    return types.Tool(
+        name=spec.name,
+        title=spec.title,
+        description=spec.description,
+        input_schema=spec.input_schema,
+        output_schema=spec.output_schema,
+        annotations=types.ToolAnnotations(
+            title=spec.title, read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        ),
+    )
+
+
+async def serve(
+    nc: Client, names: Names, workspace: str | None, timeout_s: float, http: tuple[str, int] | None
+) -> None:
+    gateway = Gateway(nc, names, workspace, timeout_s)
+    if http is None:
+        await gateway.serve_stdio()
+    else:
+        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp")
+        await gateway.serve_http(*http)

@@ -1,0 +1,174 @@
+"""The gateway's tools as agents see them (pure): names, descriptions, input and output schemas generated from the
+contracts, and a compact text rendering of each reply.
+
+A tool's structured result is the query worker's reply as it is (``structuredContent``, described by the tool's
+``outputSchema``); the text beside it is for clients that show only text to the model. Both come from the worker's
+reply, which is already fitted to the request's budget (``maxTokens``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from ontofabric.contracts import (
+    DocumentReply,
+    DocumentRequest,
+    ErrorReply,
+    OntologyQuery,
+    QueryResponse,
+    StatusReply,
+    StatusRequest,
+)
+
+Operation = Literal["query", "document", "status"]
+
+WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    title: str
+    description: str
+    operation: Operation
+    request: type[BaseModel]
+    reply: type[BaseModel]
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        return _input_schema(self.request)
+
+    @property
+    def output_schema(self) -> dict[str, Any]:
+        return self.reply.model_json_schema(by_alias=True, mode="serialization")
+
+
+def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The request contract's schema, as the worker validates it; the workspace defaults to the gateway's."""
+    schema = copy.deepcopy(model.model_json_schema(by_alias=True, mode="validation"))
+    workspace = schema.get("properties", {}).get("workspace")
+    if workspace is not None:
+        workspace["description"] = WORKSPACE_DESCRIPTION
+    return schema
+
+
+TOOLS = (
+    ToolSpec(
+        name="ontology_query",
+        title="Search the ontology",
+        description=(
+            "Hybrid search (dense and BM25 keyword retrieval, fused, optionally reranked) over a workspace's "
+            "SemanticDocuments: code chunks (files, classes, methods, docstrings) and documentation. Give "
+            "semanticQuery, or only filters (objectType, chunkLevel, provenance, symbolKind) to list what they select. "
+            "followLinks attaches the types one link away in the ontology graph. The reply's _meta says what ran: "
+            "check _meta.degraded first: a part named there failed or was unavailable and the answer is the best of "
+            "what still ran (e.g. 'reranker', 'embedder', 'keyword'). _meta.freshness says how far the index is "
+            "behind (pendingDeltas, pendingMs); _meta.budget says which contents were cut to fit maxTokens (fetch "
+            "the rest with get_document); _meta.collapsed lists chunks left out because a better-ranked result "
+            "holds the same symbol."
+        ),
+        operation="query",
+        request=OntologyQuery,
+        reply=QueryResponse,
+    ),
+    ToolSpec(
+        name="get_document",
+        title="Read a document",
+        description=(
+            "One document by id, as ontology_query returns ids, whole or a slice of its content (offset, "
+            "maxChars): to read a hit returned without content, or the rest of a cut one."
+        ),
+        operation="document",
+        request=DocumentRequest,
+        reply=DocumentReply,
+    ),
+    ToolSpec(
+        name="ontology_status",
+        title="How fresh is the index",
+        description=(
+            "For a workspace and branch: the ontologyVersion, the stream sequence the index has handled against the "
+            "last one published, how many deltas are pending and for how long, the dead letters, and the time of the "
+            "last change. Pending deltas mean recent edits are not searchable yet."
+        ),
+        operation="status",
+        request=StatusRequest,
+        reply=StatusReply,
+    ),
+)
+
+
+def render(reply: BaseModel) -> str:
+    """A reply as compact text for the model."""
+    if isinstance(reply, QueryResponse):
+        return _render_query(reply)
+    if isinstance(reply, DocumentReply):
+        return _render_document(reply)
+    if isinstance(reply, StatusReply):
+        return _render_status(reply)
+    if isinstance(reply, ErrorReply):
+        return render_error(reply)
+    raise TypeError(f"no rendering of {type(reply).__name__}")
+
+
+def render_error(reply: ErrorReply) -> str:
+    error = reply.error
+    lines = [f"error {error.code}{' (retryable: try again)' if error.retryable else ''}: {error.message}"]
+    lines += [f"- {detail.field or 'request'}: {detail.message}" for detail in error.details]
+    return "\n".join(lines)
+
+
+def _render_query(reply: QueryResponse) -> str:
+    meta = reply.meta
+    ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
+    head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
+    head.append(f"{len(reply.results)} results")
+    if meta.freshness is not None and meta.freshness.pending_deltas:
+        head.append(f"{meta.freshness.pending_deltas} deltas not yet indexed ({meta.freshness.pending_ms} ms)")
+    if meta.degraded:
+        head.append(f"DEGRADED: {', '.join(meta.degraded)}")
+    lines = [" · ".join(head)]
+    for result in reply.results:
+        symbol = result.metadata.get("symbolFqn") or result.object_type
+        where = result.metadata.get("filePath")
+        lines.append(
+            f"\n{result.rank}. {symbol}"
+            + (f" ({where})" if where else "")
+            + f" · {result.metadata.get('chunkLevel', '')} · score {result.score:.3f} · id {result.id}"
+        )
+        if result.content is not None:
+            lines.append(result.content + ("\n[cut: get_document for the rest]" if result.content_truncated else ""))
+        elif result.content_length is not None:
+            lines.append(f"[content left out for size: {result.content_length} characters, get_document]")
+    for context in meta.expanded_context:
+        lines.append(
+            f"\nlinked: {context.linked_from_type} -{context.link_name}-> {context.linked_type}"
+            + (f" (document {context.representative_document_id})" if context.representative_document_id else "")
+        )
+    if meta.collapsed:
+        lines.append(f"\n{len(meta.collapsed)} nested chunks of the same symbols left out")
+    return "\n".join(lines)
+
+
+def _render_document(reply: DocumentReply) -> str:
+    end = reply.offset + len(reply.content)
+    head = f"{reply.metadata.get('symbolFqn') or reply.object_type} · id {reply.id} · characters {reply.offset}-{end}"
+    head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
+    return f"{head}\n{reply.content}"
+
+
+def _render_status(reply: StatusReply) -> str:
+    lines = [
+        f"workspace {reply.workspace} · branch {reply.branch} · ontologyVersion {reply.ontology_version} · "
+        f"{reply.pending_deltas} deltas pending · {reply.dead_letters} dead letters"
+    ]
+    for branch in reply.branches:
+        waited = f", oldest {branch.pending_ms} ms" if branch.pending_ms is not None else ""
+        lines.append(
+            f"- {branch.branch}: {branch.documents} documents, indexed to seq {branch.indexed_seq} of "
+            f"{branch.latest_seq}, {branch.pending_deltas} pending{waited}, last change {branch.last_change}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""The MCP gateway with real clients, against real NATS, PostgreSQL and a query worker: the official MCP Python SDK
+over stdio and over streamable HTTP, and the TypeScript SDK under Node.js where it is installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.embedder import Embedder
+
+from .conftest import Deployment
+from .factories import document, upsert
+
+ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+NODE_CLIENT = Path(__file__).parent / "node"
+
+TEXTS = {
+    "csv": "def read_csv(path):\n    'Read a CSV file into a list of rows.'\n    return list(csv.reader(open(path)))\n",
+    "json": "def dump_json(value):\n    'Serialise a value to a JSON string.'\n    return json.dumps(value)\n",
+    "http": "def fetch(url):\n    'Send an HTTP GET request and return the body.'\n    return urlopen(url).read()\n",
+}
+
+
+@pytest.fixture
+async def served(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder
+) -> AsyncIterator[QueryService]:
+    """A workspace acme with three functions, and a query worker answering for it."""
+    vectors = embedder.embed_documents(list(TEXTS.values()))
+    deltas = [
+        upsert(
+            "acme",
+            document(
+                doc_id, text, embedding=[float(x) for x in vector], symbolFqn=f"tools.{doc_id}", filePath="tools.py",
+                symbolKind="function",
+            ),
+        )
+        for (doc_id, text), vector in zip(TEXTS.items(), vectors, strict=True)
+    ]  # fmt: skip
+    acks = await deployment.publisher.publish_many(deltas)
+    await deployment.wait_projected(acks[-1].seq)
+    worker = QueryService(deployment.settings, deployment.nats_url, deployment.database_url, embedder)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
+
+
+def _gateway_env(deployment: Deployment, **extra: str) -> dict[str, str]:
+    return {**deployment.env(), "ONTOFABRIC_LOG_LEVEL": "WARNING", **extra}
+
+
+def _stdio(deployment: Deployment, **extra: str) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=ONTOFABRIC, args=["mcp", "--workspace", "acme"], env=_gateway_env(deployment, **extra)
+    )
+
+
+def _text(result: Any) -> str:
+    return "\n".join(block.text for block in result.content)
+
+
+async def _exercise(client: Client) -> None:
+    """What every client must see: the tools, their schemas, and each tool answering or refusing clearly."""
+    tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+    assert set(tools) == {"ontology_query", "get_document", "ontology_status"}
+    for tool in tools.values():
+        assert tool.annotations is not None
+        assert (tool.annotations.read_only_hint, tool.annotations.idempotent_hint) == (True, True)
+        assert tool.output_schema is not None
+        jsonschema.Draft202012Validator.check_schema(tool.input_schema)
+        jsonschema.Draft202012Validator.check_schema(tool.output_schema)
+        described = tool.input_schema["properties"]
+        assert all("description" in spec for spec in described.values()), tool.name  # every parameter described
+    query = tools["ontology_query"]
+    assert "_meta.degraded" in (query.description or "")
+    assert {"semanticQuery", "distanceMetric", "symbolKind", "maxTokens", "branch"} <= set(
+        query.input_schema["properties"]
+    )
+
+    answer = await client.call_tool("ontology_query", {"semanticQuery": "read a csv file", "topK": 2})
+    assert answer.is_error is False, _text(answer)
+    jsonschema.validate(answer.structured_content, query.output_schema)
+    assert answer.structured_content["results"][0]["id"] == "csv"
+    assert answer.structured_content["_meta"]["degraded"] == []
+    assert "tools.read_csv" in _text(answer) or "tools.csv" in _text(answer)
+
+    whole = await client.call_tool("get_document", {"id": "csv", "maxChars": 20})
+    assert whole.is_error is False, _text(whole)
+    jsonschema.validate(whole.structured_content, tools["get_document"].output_schema)
+    assert whole.structured_content["content"] == TEXTS["csv"][:20]
+    assert whole.structured_content["truncated"] is True
+
+    status = await client.call_tool("ontology_status", {})
+    assert status.is_error is False, _text(status)
+    jsonschema.validate(status.structured_content, tools["ontology_status"].output_schema)
+    assert status.structured_content["pendingDeltas"] == 0
+
+    refused = await client.call_tool("ontology_query", {"semanticQuery": "csv", "topK": 0})
+    assert refused.is_error is True
+    assert "topK" in _text(refused)
+    unknown = await client.call_tool("ontology_query", {"semanticQuery": "csv", "colour": "red"})
+    assert unknown.is_error is True
+    assert "colour" in _text(unknown)
+    missing = await client.call_tool("get_document", {"id": "nope"})
+    assert missing.is_error is True
+    assert "not_found" in _text(missing)
+    assert "- id:" in _text(missing)
+
+
+async def test_the_python_sdk_over_stdio(deployment: Deployment, served: QueryService) -> None:
+    async with Client(_stdio(deployment)) as client:
+        await _exercise(client)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_the_python_sdk_over_streamable_http(deployment: Deployment, served: QueryService) -> None:
+    port = _free_port()
+    gateway = await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--workspace", "acme", "--http", f"127.0.0.1:{port}",
+        env=_gateway_env(deployment), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert gateway.returncode is None, "the gateway exited"
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "the gateway did not listen"
+            await asyncio.sleep(0.1)
+        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            await _exercise(client)
+    finally:
+        gateway.terminate()
+        await asyncio.wait_for(gateway.wait(), 30)
+
+
+async def test_no_worker_answering_is_a_retryable_error_within_the_timeout(
+    deployment: Deployment, served: QueryService
+) -> None:
+    async with Client(_stdio(deployment, ONTOFABRIC_GATEWAY_TIMEOUT_S="2")) as client:
+        assert (await client.call_tool("ontology_query", {"semanticQuery": "csv"})).is_error is False
+        await served.stop()  # no worker listens any more
+        started = time.monotonic()
+        gone = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
+        assert gone.is_error is True
+        assert "retryable" in _text(gone)
+        assert time.monotonic() - started < 5
+        # A worker that takes the request and never answers (hung, or killed mid-request): the timeout, not a hang.
+        silent = await deployment.nc.subscribe(deployment.names.query_subject("acme"))
+        await deployment.nc.flush()
+        started = time.monotonic()
+        hung = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
+        assert hung.is_error is True
+        assert "no answer within 2 s" in _text(hung)
+        assert 1.9 < time.monotonic() - started < 5
+        await silent.unsubscribe()
+
+
+def _node_client() -> Path:
+    """The TypeScript SDK installed beside tests/node/client.mjs (CI installs it; done here when missing)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("Node.js and npm are not installed: the TypeScript MCP SDK client cannot run")
+    if not (NODE_CLIENT / "node_modules" / "@modelcontextprotocol" / "sdk").is_dir():
+        subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock"], cwd=NODE_CLIENT, check=True,
+            capture_output=True, timeout=600,
+        )  # fmt: skip
+    return NODE_CLIENT / "client.mjs"
+
+
+async def test_the_typescript_sdk_over_stdio(deployment: Deployment, served: QueryService) -> None:
+    script = _node_client()
+    arguments = json.dumps({"semanticQuery": "serialise to json", "topK": 2})
+    completed = await asyncio.to_thread(
+        subprocess.run,
+        ["node", str(script), arguments, "--", ONTOFABRIC, "mcp", "--workspace", "acme"],
+        env={**os.environ, **_gateway_env(deployment)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    seen = json.loads(completed.stdout)
+    assert {t["name"] for t in seen["tools"]} == {"ontology_query", "get_document", "ontology_status"}
+    assert all(t["outputSchema"] and t["annotations"]["readOnlyHint"] for t in seen["tools"])
+    assert seen["answer"].get("isError") is not True
+    assert seen["answer"]["structuredContent"]["results"][0]["id"] == "json"
+    assert seen["refused"]["isError"] is True
+    assert "topK" in seen["refused"]["content"][0]["text"]

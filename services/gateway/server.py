@@ -17,7 +17,6 @@ import mcp_types as types
 import uvicorn
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -30,6 +29,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
+from .stdio import stdio_streams
 from .tools import TOOLS, ToolSpec, render, render_error
 
 log = get_logger(__name__)
@@ -98,12 +98,14 @@ class Gateway:
         return types.CallToolResult(content=[types.TextContent(text=render(reply))], structured_content=data)
 
     async def serve_stdio(self) -> None:
-        async with stdio_server() as (read, write):
+        async with stdio_streams() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
     async def serve_http(self, host: str, port: int) -> None:
-        """Streamable HTTP at ``http://HOST:PORT/mcp``."""
-        app = self.server.streamable_http_app(host=host)
+        """Streamable HTTP at ``http://HOST:PORT/mcp``, stateless, answering in JSON: the tools never call back to
+        the client, so any request can go to any gateway (several behind a load balancer need no sticky sessions).
+        """
+        app = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         await uvicorn.Server(config).serve()
 

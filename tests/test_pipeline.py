@@ -29,7 +29,7 @@ from ontofabric.services.query.core import (
 from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.graph import GraphRows, LinkRow
 from ontofabric.services.query.pipeline import QueryPipeline
-from ontofabric.services.query.stages import collapse_nested
+from ontofabric.services.query.stages import collapse_nested, holds
 from ontofabric.services.query.versions import is_rebuild
 from ontofabric.shared.embedder import Vector
 from ontofabric.shared.lru import LruCache
@@ -424,6 +424,24 @@ def test_a_chunk_nested_in_a_better_ranked_one_of_its_symbol_is_left_out() -> No
     assert [k.id for k in kept] == ["doc", "other", "getter", "setter", "elsewhere", "prefix", "plain"]
     # The method holds its docstring, ranked first; the class holds the docstring too.
     assert left_out == [("method", "doc"), ("class", "doc")]
+
+
+def test_a_docstring_or_a_section_holds_nothing() -> None:
+    module_doc = _chunk("module doc", "pkg.a", "doc")  # a module's docstring is not its classes
+    class_doc = _chunk("class doc", "pkg.a.A", "doc")
+    parts = [_chunk("class", "pkg.a.A", "type"), _chunk("method", "pkg.a.A.f", "method")]
+    section = _chunk("1.2", "CHANGES.md > Releases > 1.2", "doc", path="CHANGES.md")
+    subsection = _chunk("1.2.1", "CHANGES.md > Releases > 1.2.1", "doc", path="CHANGES.md")
+    documents = {d.id: d for d in (module_doc, class_doc, *parts, section, subsection)}
+    order = ["module doc", "class doc", "class", "method", "1.2", "1.2.1"]
+    kept, left_out = collapse_nested([Fused(i, 1.0, 1.0) for i in order], documents)
+    # Only the class holds something here: its own docstring, ranked above it. The method is not inside the
+    # class's docstring, and the module's docstring holds neither.
+    assert left_out == [("class", "class doc")]
+    assert [k.id for k in kept] == ["module doc", "class doc", "method", "1.2", "1.2.1"]
+    assert holds(parts[0], parts[1])
+    assert not holds(parts[1], parts[0])
+    assert not holds(module_doc, parts[0])
 
 
 async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everything() -> None:

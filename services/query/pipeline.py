@@ -245,7 +245,9 @@ class QueryPipeline:
         ceiling = None if keyword is None else keyword.query_ceiling or keyword.ceiling
         signals = keyword_signals(keyword.candidates if keyword else [], ceiling, run.text)
         tokens = None if embedded is None else embedded.tokens
-        refinements = plan_refinements(run.query, self._config, signals, tokens, self._reranker is not None)
+        refinements = plan_refinements(
+            run.query, self._config, signals, tokens, self._reranker is not None, self._collapses(run.query)
+        )
         run.report(
             signals=signals,
             skipped_rerank=refinements.skipped_rerank,
@@ -366,14 +368,17 @@ class QueryPipeline:
 
     def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""
-        asked = options_of(run.query).collapse_nested
-        if not (self._config.collapse_nested if asked is None else asked):
+        if run.query.listing or not self._collapses(run.query):  # a listing's order says nothing of rank
             return candidates
         kept, left_out = collapse_nested(candidates, documents)
         # Reported are the chunks that would have been in the answer: within its first topK without collapsing.
         answer = {hit.id for hit in candidates[: run.query.top_k]}
         run.report(collapsed=[CollapsedResult(id=left, into=holder) for left, holder in left_out if left in answer])
         return kept
+
+    def _collapses(self, query: OntologyQuery) -> bool:
+        asked = options_of(query).collapse_nested
+        return self._config.collapse_nested if asked is None else asked
 
     async def _expand(self, run: QueryRun, scope: Scope, version: str, results: list[SearchResult]) -> None:
         """1-hop graph expansion (seed 000 DR-6): linked types of the hits' types, each with a representative, at

@@ -19,6 +19,8 @@ from .fusion import Fused, keyword_gap
 
 OVERSAMPLE = 1.5
 """Fused candidates kept per requested result, headroom for a reranker to reorder (seed 000 §6 step 4)."""
+COLLAPSE_OVERSAMPLE = 2.0
+"""With nested chunks collapsed, more: each symbol may take several candidates' places."""
 
 EARLY_EXIT_MAX_TOKENS = 5
 """Only queries shorter than this (in words) skip the reranker when the keyword top hit is saturated."""
@@ -69,6 +71,7 @@ def plan_refinements(
     signals: Mapping[str, float],
     query_tokens: TokenMatrix | None,
     reranker_available: bool,
+    collapsing: bool = False,
 ) -> Refinements:
     rerank, skipped_rerank = False, None
     if query.precision:
@@ -89,7 +92,8 @@ def plan_refinements(
         tokens, skipped = None, "long_query"
     # Headroom over topK, and at least the depth of late interaction and, when a reranker will run, of the
     # reranker, so each sees the number of candidates its defaults were measured with.
-    limit = max(math.ceil(query.top_k * OVERSAMPLE), query.top_k, 0 if tokens is None else depth)
+    oversample = COLLAPSE_OVERSAMPLE if collapsing else OVERSAMPLE
+    limit = max(math.ceil(query.top_k * oversample), query.top_k, 0 if tokens is None else depth)
     if rerank:
         limit = max(limit, config.reranker_depth)
     return Refinements(rerank, skipped_rerank, tokens, weight, depth, skipped, limit)
@@ -146,24 +150,30 @@ def reranked_order(
     return above_the_rest([replace(sent[i], relevance=score) for i, score in ranking], candidates)
 
 
+CODE_LEVELS = frozenset({"file", "type", "method"})
+"""Chunk levels whose text is code, and so holds the chunks of what it defines."""
+
+
 def _symbol_of(document: StoredDocument) -> tuple[str, str, str] | None:
-    """(file, qualified name, chunk level) of a chunk of code; None when it does not say."""
+    """(file, qualified name, chunk level) of a chunk that says where it is; None when it does not."""
     meta = document.metadata
     path, fqn, level = meta.get("filePath"), meta.get("symbolFqn"), meta.get("chunkLevel")
     return (path, fqn, level) if path and fqn and level else None
 
 
-def nested(one: StoredDocument, other: StoredDocument) -> bool:
-    """Whether one chunk's text lies inside the other's: the same file, and one symbol within the other (a method
-    in its class or module) or the same symbol at another level (a function and its docstring). Two chunks of one
-    symbol at the same level (a property's getter and setter) are apart, and so are Markdown sections, which are
-    cut at every heading."""
-    a, b = _symbol_of(one), _symbol_of(other)
-    if a is None or b is None or a[0] != b[0]:
+def holds(outer: StoredDocument, inner: StoredDocument) -> bool:
+    """Whether ``inner``'s text lies inside ``outer``'s: ``outer`` is code (a file, a class, a function), in the
+    same file, and ``inner`` is something it defines (a method of the class, a class of the module) or its own
+    docstring. A docstring or a Markdown section holds nothing: a module's docstring is not its classes."""
+    a, b = _symbol_of(outer), _symbol_of(inner)
+    if a is None or b is None or a[0] != b[0] or a[2] not in CODE_LEVELS:
         return False
-    if a[1] == b[1]:
-        return a[2] != b[2]
-    return a[1].startswith(b[1] + ".") or b[1].startswith(a[1] + ".")
+    return b[1].startswith(a[1] + ".") or (b[1] == a[1] and b[2] == "doc")
+
+
+def nested(one: StoredDocument, other: StoredDocument) -> bool:
+    """One of the two chunks holds the other (see :func:`holds`)."""
+    return holds(one, other) or holds(other, one)
 
 
 def collapse_nested(

@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    TypeAdapter,
     field_validator,
     model_validator,
 )
@@ -30,6 +31,8 @@ Workspace = Annotated[
     StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"),
     Field(description="Workspace (tenant) name: letters, digits, '.', '_', '-'; at most 128 characters."),
 ]
+WORKSPACE: TypeAdapter[str] = TypeAdapter(Workspace)
+"""Checks a workspace name given outside a request model (a subject, a gateway's argument)."""
 MAIN_BRANCH = "main"
 """The trunk: every other branch stores only its delta over it."""
 

@@ -51,12 +51,11 @@ class StatusRequest(StrictRequest):
 
 
 class BranchStatus(WireModel):
-    """One branch's own deltas against what the projector has handled of them."""
+    """One branch's own deltas against the index's position."""
 
     branch: str
     ontology_version: str = Field(description="The branch's own version ('{streamSeq}-{stateHash}').")
     documents: int = Field(description="Live documents the branch itself holds (on a branch: its own rows).")
-    indexed_seq: int = Field(description="The stream sequence up to which the projector has handled its deltas.")
     latest_seq: int | None = Field(description="The stream sequence of its last published delta; null when none.")
     pending_deltas: int = Field(description="Its deltas published past indexedSeq: not yet in the index.")
     pending_ms: float | None = Field(description="How long ago the oldest of them was published; null when none.")
@@ -68,6 +67,10 @@ class StatusReply(WireModel):
     branch: str
     ontology_version: str = Field(
         description="What a query on the branch reads now (main's, or main's + the branch's)."
+    )
+    indexed_seq: int = Field(
+        description="The index's position: every delta up to this stream sequence (of any workspace) is in it, or "
+        "dead-lettered."
     )
     branches: list[BranchStatus] = Field(description="main, and the branch when it is not main.")
     pending_deltas: int = Field(description="Deltas of those branches not yet in the index.")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
@@ -13,6 +14,8 @@ from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
 MAX_TOKENS_LIMIT = 250_000
+MIN_MAX_TOKENS = 1_000
+"""The smallest budget a request may ask for: room for ``_meta`` and a few results without their contents."""
 
 
 DistanceMetric = Literal["cosine", "innerProduct", "l2"]
@@ -69,8 +72,15 @@ FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
 """Request fields that restrict what a query may see; with one of them, semanticQuery may be left out."""
 
 
+def _query_or_filter_schema(schema: dict[str, Any]) -> None:
+    """The rule of ``_query_or_filter`` said in the schema too: one of these is required."""
+    schema["anyOf"] = [{"required": [to_camel(name)]} for name in ("semantic_query", *FILTERS)]
+
+
 class OntologyQuery(StrictRequest):
     """One query. Unknown parameters, wrongly typed values and out-of-range values are rejected."""
+
+    model_config = ConfigDict(**StrictRequest.model_config, json_schema_extra=_query_or_filter_schema)
 
     semantic_query: str | None = Field(
         default=None,
@@ -93,7 +103,7 @@ class OntologyQuery(StrictRequest):
     )
     max_tokens: int | None = Field(
         default=None,
-        ge=200,
+        ge=MIN_MAX_TOKENS,
         le=MAX_TOKENS_LIMIT,
         description="Size budget of the reply, in tokens (estimated at 4 bytes of JSON each). Contents past it are "
         "cut or left out, lowest ranks first, and _meta.budget says which; the rest of get_document's content can be "
@@ -234,14 +244,15 @@ class BudgetReport(WireModel):
 class Freshness(WireModel):
     """How far the answer is behind the delta stream."""
 
-    indexed_seq: dict[str, int] = Field(
-        description="Per branch read: the stream sequence up to which the projector had handled its deltas when the "
-        "answer's documents were read (an ingester that published at or below it reads its own writes)."
+    indexed_seq: int = Field(
+        description="The stream sequence the answer covers: every delta up to it (of any workspace) was in the index, "
+        "or dead-lettered, before the answer's first read. An ingester whose deltas were stored at or below it reads "
+        "its own writes."
     )
     pending_deltas: int | None = Field(
         default=None,
-        description="Deltas of the branches read published since and not yet in the answer, as far as the worker "
-        "has seen (it watches from its start); null when it cannot tell.",
+        description="Deltas of the branches read published past indexedSeq (after a retry, some of them may already "
+        "be in the answer); null when the worker cannot tell.",
     )
     pending_ms: float | None = Field(
         default=None, description="How long ago the oldest of them was published; null when none is pending."

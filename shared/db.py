@@ -156,3 +156,22 @@ def is_transient(error: BaseException) -> bool:
         # internal errors (protocol, codecs) would fail the same way on every retry.
         return any(sign in str(error) for sign in _CONNECTION_STATE_SIGNS)
     return isinstance(error, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | ConnectionError)
+
+
+# SQLSTATEs of a server that cannot serve now but may soon: connection exceptions, insufficient resources, shutting
+# down (57P01-57P05), a statement timeout or cancel, a serialization failure or deadlock, a lock not available.
+_UNAVAILABLE_SQLSTATE_CLASSES = ("08", "53")
+_UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03", "57P04", "57P05", "57014", "40001", "40P01", "55P03")
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """True when a read failed because the database could not serve it now (away, overloaded, shutting down, a
+    timeout or conflict), so that asking again later may succeed; False for what would fail the same way again
+    (a bug in a statement, a value it cannot take). Narrower than :func:`is_transient`, which a writer uses to
+    never lose a delta to a doubtful error."""
+    if isinstance(error, asyncpg.PostgresError):
+        sqlstate = getattr(error, "sqlstate", None) or ""
+        return sqlstate[:2] in _UNAVAILABLE_SQLSTATE_CLASSES or sqlstate in _UNAVAILABLE_SQLSTATES
+    if isinstance(error, asyncpg.InternalClientError):
+        return any(sign in str(error) for sign in _CONNECTION_STATE_SIGNS)
+    return isinstance(error, OSError | asyncpg.InterfaceError | asyncio.TimeoutError | ConnectionError)

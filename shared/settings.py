@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
+
 # Arithmetic of a local model; `auto`: bfloat16 where the CPU computes it natively, else float32.
 Precision = Literal["auto", "float32", "bfloat16"]
 
@@ -141,8 +143,8 @@ class Settings(BaseSettings):
     max_query_chars: int = Field(default=2000, ge=1, description="Longer queries are rejected.")
     answer_max_tokens: int = Field(
         default=8000,
-        ge=200,
-        le=250_000,
+        ge=MIN_MAX_TOKENS,
+        le=MAX_TOKENS_LIMIT,
         description="Default size budget of an answer, in tokens estimated at 4 bytes of JSON each (requests set "
         "maxTokens): an agent's client takes the reply and a text rendering of it, and Claude Code refuses tool "
         "results over 25,000 tokens.",

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+Operation = Literal["query", "document", "status"]
+"""What a query worker answers: ontology_query, a document by id, a workspace's status."""
+OPERATIONS: tuple[Operation, ...] = get_args(Operation)
 
 _SAFE = re.compile(r"[A-Za-z0-9-]")
 _ESCAPE = re.compile(r"_([0-9a-f]{2})|_u([0-9a-f]{6})")
@@ -108,27 +113,21 @@ class Names:
     def version_event_subject(self, workspace: str, branch: str) -> str:
         return f"{self.prefix}.version.{encode_token(workspace)}.{encode_token(branch)}"
 
-    # queries
-    def query_subject(self, workspace: str) -> str:
-        return f"{self.prefix}.query.{encode_token(workspace)}"
+    # requests to the query workers
+    def request_subject(self, operation: Operation, workspace: str) -> str:
+        return f"{self.prefix}.{operation}.{encode_token(workspace)}"
 
     @property
-    def query_subjects(self) -> str:
-        return f"{self.prefix}.query.*"
+    def request_subjects(self) -> list[str]:
+        """Every operation's requests, of any workspace: what the query workers subscribe to."""
+        return [f"{self.prefix}.{operation}.*" for operation in OPERATIONS]
 
-    def document_subject(self, workspace: str) -> str:
-        return f"{self.prefix}.document.{encode_token(workspace)}"
-
-    @property
-    def document_subjects(self) -> str:
-        return f"{self.prefix}.document.*"
-
-    def status_subject(self, workspace: str) -> str:
-        return f"{self.prefix}.status.{encode_token(workspace)}"
-
-    @property
-    def status_subjects(self) -> str:
-        return f"{self.prefix}.status.*"
+    def operation_of(self, subject: str) -> Operation | None:
+        """The operation a request subject names; None when it names none."""
+        if not subject.startswith(self.prefix + "."):
+            return None
+        operation, _, token = subject[len(self.prefix) + 1 :].partition(".")
+        return next((o for o in OPERATIONS if o == operation and token and "." not in token), None)
 
     @property
     def query_queue(self) -> str:

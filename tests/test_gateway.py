@@ -20,6 +20,9 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT
+from ontofabric.services.gateway.stdio import next_line
+from ontofabric.services.gateway.tools import TOOLS, forwarded
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
@@ -123,6 +126,17 @@ async def _exercise(client: Client) -> None:
     assert missing.is_error is True
     assert "not_found" in _text(missing)
     assert "- id:" in _text(missing)
+    # A gateway started for one workspace reads that one only.
+    elsewhere = await client.call_tool("ontology_query", {"semanticQuery": "csv", "workspace": "globex"})
+    assert elsewhere.is_error is True
+    assert "serves workspace 'acme' only" in _text(elsewhere)
+    # maxTokens bounds the whole tool result, which carries the reply twice: the worker is asked for half.
+    bounded = await client.call_tool("ontology_query", {"semanticQuery": "a function", "maxTokens": 2400})
+    assert bounded.is_error is False, _text(bounded)
+    assert bounded.structured_content["_meta"]["budget"]["maxTokens"] == 1200
+    too_small = await client.call_tool("ontology_query", {"semanticQuery": "csv", "maxTokens": 10})
+    assert too_small.is_error is True
+    assert "- maxTokens:" in _text(too_small)
 
 
 async def test_the_python_sdk_over_stdio(deployment: Deployment, served: QueryService) -> None:
@@ -170,7 +184,7 @@ async def test_no_worker_answering_is_a_retryable_error_within_the_timeout(
         assert "retryable" in _text(gone)
         assert time.monotonic() - started < 5
         # A worker that takes the request and never answers (hung, or killed mid-request): the timeout, not a hang.
-        silent = await deployment.nc.subscribe(deployment.names.query_subject("acme"))
+        silent = await deployment.nc.subscribe(deployment.names.request_subject("query", "acme"))
         await deployment.nc.flush()
         started = time.monotonic()
         hung = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
@@ -209,3 +223,28 @@ async def test_the_typescript_sdk_over_stdio(deployment: Deployment, served: Que
     assert seen["answer"]["structuredContent"]["results"][0]["id"] == "json"
     assert seen["refused"]["isError"] is True
     assert "topK" in seen["refused"]["content"][0]["text"]
+
+
+async def test_a_line_past_the_limit_is_skipped_whole_and_the_next_one_read() -> None:
+    reader = asyncio.StreamReader(limit=16)
+    reader.feed_data(b'{"short": 1}\n' + b"x" * 100 + b'\n{"after": 2}\n' + b"y" * 40 + b"\n")
+    reader.feed_data(b"tail without end")
+    reader.feed_eof()
+    assert [await next_line(reader) for _ in range(5)] == [
+        b'{"short": 1}\n',
+        None,
+        b'{"after": 2}\n',
+        None,
+        b"tail without end",
+    ]
+    assert await next_line(reader) == b""
+
+
+@pytest.mark.parametrize(
+    ("given", "sent"),
+    [(None, None), (2400, 1200), (1500, 1000), (MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT // 2), (10, 10), ("9", "9")],
+)
+def test_the_worker_is_asked_for_half_the_budget_of_a_tool_result(given: object, sent: object) -> None:
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    arguments = {"semanticQuery": "x"} | ({} if given is None else {"maxTokens": given})
+    assert forwarded(query, arguments).get("maxTokens") == sent  # out of bounds: the worker's error names it

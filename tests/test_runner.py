@@ -4,7 +4,7 @@ projector and Azure tests.)"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -50,9 +50,6 @@ class ScriptedSink:
         return isinstance(error, ConnectionError)
 
     async def settled(self) -> None:
-        pass
-
-    async def passed(self, positions: Mapping[tuple[str, str], int]) -> None:
         pass
 
 

@@ -21,16 +21,16 @@ from mcp.shared.exceptions import MCPError
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from ontofabric.contracts import ErrorReply
-from ontofabric.contracts.documents import Workspace
+from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
 from .stdio import stdio_streams
-from .tools import TOOLS, ToolSpec, render, render_error
+from .tools import TOOLS, ToolSpec, forwarded, render, render_error
 
 log = get_logger(__name__)
 
@@ -38,7 +38,6 @@ INSTRUCTIONS = (
     "ontofabric answers questions about a code base and its ontology: ontology_query searches it (hybrid retrieval "
     "with an honest _meta envelope), get_document reads one document, ontology_status says how fresh the index is."
 )
-_WORKSPACE = TypeAdapter(Workspace)
 _BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
@@ -76,25 +75,38 @@ class Gateway:
 
     async def call(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
         """One tool call: the request to the workspace's worker, its reply as structured content and as text."""
-        workspace = arguments.get("workspace", self._workspace)
+        workspace = arguments.get("workspace") or self._workspace
         if workspace is None:
             return tool_error("error invalid_request: no workspace\n- workspace: give the workspace to read")
+        if self._workspace is not None and workspace != self._workspace:
+            return tool_error(
+                f"error invalid_request: this gateway serves workspace {self._workspace!r} only\n"
+                "- workspace: leave it out, or give that one"
+            )
         try:
-            workspace = _WORKSPACE.validate_python(workspace)
+            workspace = WORKSPACE.validate_python(workspace)
         except ValidationError as error:
             return tool_error(f"error invalid_request: bad workspace\n- workspace: {error.errors()[0]['msg']}")
         try:
-            raw = await self._client.send_raw(workspace, json.dumps(arguments).encode(), spec.operation)
+            request = json.dumps(forwarded(spec, arguments)).encode()
+        except (TypeError, ValueError) as error:  # not JSON: NaN, or what a client's own parser let through
+            return tool_error(f"error invalid_request: the arguments are not JSON ({error})")
+        try:
+            raw = await self._client.send_raw(workspace, request, spec.operation)
         except NoRespondersError:
             return tool_error(
                 f"error unavailable (retryable: try again): no query worker is serving workspace {workspace!r}"
             )
         except (NatsTimeoutError, TimeoutError):
             return tool_error(f"error unavailable (retryable: try again): no answer within {self._timeout_s:g} s")
-        data = json.loads(raw)
-        if "error" in data:
-            return tool_error(render_error(ErrorReply.model_validate(data)))
-        reply = spec.reply.model_validate(data)
+        try:
+            data = json.loads(raw)
+            if isinstance(data, dict) and "error" in data:
+                return tool_error(render_error(ErrorReply.model_validate(data)))
+            reply = spec.reply.model_validate(data)
+        except ValueError as error:  # ValidationError too: a worker of another version, or a broken reply
+            log.warning("reply_unreadable", tool=spec.name, error=str(error)[:300])
+            return tool_error("error internal (retryable: try again): the query worker's reply could not be read")
         return types.CallToolResult(content=[types.TextContent(text=render(reply))], structured_content=data)
 
     async def serve_stdio(self) -> None:

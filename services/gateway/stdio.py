@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
-import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import mcp_types as types
@@ -20,47 +20,94 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.shared.message import SessionMessage
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
-"""A request line longer than this ends the session (the SDK's own reader has no limit; a runaway needs one)."""
+"""A message line longer than this is skipped whole (the SDK's own reader has no limit; a runaway needs one)."""
+
+
+class LineTooLong(ValueError):
+    """A message line past MAX_LINE_BYTES: skipped, and reported to the session as unreadable."""
+
+
+async def next_line(reader: asyncio.StreamReader) -> bytes | None:
+    """The next line (``b""`` at the end of input); None for a line over the reader's limit, skipped whole."""
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as end:
+        return end.partial
+    except asyncio.LimitOverrunError:
+        pass
+    while True:  # drop the rest of the over-long line, a limit's worth at a time
+        try:
+            await reader.readuntil(b"\n")
+            return None
+        except asyncio.IncompleteReadError:
+            return None
+        except asyncio.LimitOverrunError as error:
+            await reader.readexactly(max(error.consumed, 1))
+
+
+@contextlib.contextmanager
+def _claimed(fd: int, diversion: int) -> Iterator[int]:
+    """A private duplicate of a standard descriptor for the wire, while the descriptor itself points at
+    ``diversion``: nothing else in the process (a print, a library, a child) reads or writes the protocol stream.
+    Afterwards the descriptor is the wire again, in blocking mode as it was handed over."""
+    wire = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.dup2(diversion, fd)
+    try:
+        yield wire
+    finally:
+        os.dup2(wire, fd)
+        os.set_blocking(fd, True)  # the event loop made the shared file description non-blocking
+        os.close(wire)
 
 
 @contextlib.asynccontextmanager
 async def stdio_streams() -> AsyncIterator[
     tuple[MemoryObjectReceiveStream[SessionMessage | Exception], MemoryObjectSendStream[SessionMessage]]
 ]:
-    """The read and write streams of a session on this process's stdin and stdout. While it runs, ``sys.stdout``
-    is the standard error, so that nothing else printed reaches the wire."""
+    """The read and write streams of a session on this process's stdin and stdout. While it runs, descriptor 0
+    reads nothing and descriptor 1 is the standard error."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(0), "rb"))
-    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(os.dup(1), "wb"))
-    writer = asyncio.StreamWriter(transport, protocol, None, loop)
-    incoming_writer, incoming = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-    outgoing, outgoing_reader = anyio.create_memory_object_stream[SessionMessage](0)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    with contextlib.ExitStack() as claims:
+        claims.callback(os.close, nothing)
+        wire_in, wire_out = claims.enter_context(_claimed(0, nothing)), claims.enter_context(_claimed(1, 2))
+        reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
+        read_transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(wire_in), "rb")
+        )
+        transport, protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, os.fdopen(os.dup(wire_out), "wb")
+        )
+        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        incoming_writer, incoming = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+        outgoing, outgoing_reader = anyio.create_memory_object_stream[SessionMessage](0)
 
-    async def read() -> None:
-        async with incoming_writer:
-            while line := await reader.readline():
-                try:
-                    message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                except Exception as error:  # the session answers it with a parse error
-                    await incoming_writer.send(error)
-                    continue
-                await incoming_writer.send(SessionMessage(message))
+        async def read() -> None:
+            async with incoming_writer:
+                while (line := await next_line(reader)) != b"":
+                    if line is None:
+                        await incoming_writer.send(LineTooLong(f"a message over {MAX_LINE_BYTES} bytes, skipped"))
+                        continue
+                    try:
+                        message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+                    except Exception as error:  # the session answers it with a parse error
+                        await incoming_writer.send(error)
+                        continue
+                    await incoming_writer.send(SessionMessage(message))
 
-    async def write() -> None:
-        async with outgoing_reader:
-            async for session_message in outgoing_reader:
-                json = session_message.message.model_dump_json(by_alias=True, exclude_unset=True)
-                writer.write(json.encode() + b"\n")
-                await writer.drain()
+        async def write() -> None:
+            async with outgoing_reader:
+                async for session_message in outgoing_reader:
+                    json = session_message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    writer.write(json.encode() + b"\n")
+                    await writer.drain()
 
-    stdout, sys.stdout = sys.stdout, sys.stderr
-    try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(read)
-            tasks.start_soon(write)
-            yield incoming, outgoing
-            tasks.cancel_scope.cancel()
-    finally:
-        sys.stdout = stdout
-        transport.close()
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(read)
+                tasks.start_soon(write)
+                yield incoming, outgoing
+                tasks.cancel_scope.cancel()
+        finally:
+            read_transport.close()
+            transport.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -23,8 +23,8 @@ from ontofabric.contracts import (
     StatusReply,
     StatusRequest,
 )
-
-Operation = Literal["query", "document", "status"]
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
+from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
 
@@ -67,9 +67,9 @@ TOOLS = (
             "followLinks attaches the types one link away in the ontology graph. The reply's _meta says what ran: "
             "check _meta.degraded first: a part named there failed or was unavailable and the answer is the best of "
             "what still ran (e.g. 'reranker', 'embedder', 'keyword'). _meta.freshness says how far the index is "
-            "behind (pendingDeltas, pendingMs); _meta.budget says which contents were cut to fit maxTokens (fetch "
-            "the rest with get_document); _meta.collapsed lists chunks left out because a better-ranked result "
-            "holds the same symbol."
+            "behind (pendingDeltas, pendingMs); _meta.budget says which contents were cut to fit maxTokens, which "
+            "bounds this whole tool result (fetch the rest with get_document); _meta.collapsed lists chunks left "
+            "out because a better-ranked result holds the same symbol."
         ),
         operation="query",
         request=OntologyQuery,
@@ -99,6 +99,16 @@ TOOLS = (
         reply=StatusReply,
     ),
 )
+
+
+def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The worker's request for a tool call. A tool result carries the reply twice (structured, and as text of
+    about the same size or less), so the worker is asked for half the ``maxTokens`` given, never below the least
+    it takes: the whole result then stays within ``maxTokens``."""
+    max_tokens = arguments.get("maxTokens")
+    if spec.operation != "query" or type(max_tokens) is not int or not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
+        return arguments  # absent or not allowed: the worker's default, or its error naming the field
+    return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
 
 
 def render(reply: BaseModel) -> str:
@@ -163,12 +173,13 @@ def _render_document(reply: DocumentReply) -> str:
 def _render_status(reply: StatusReply) -> str:
     lines = [
         f"workspace {reply.workspace} · branch {reply.branch} · ontologyVersion {reply.ontology_version} · "
-        f"{reply.pending_deltas} deltas pending · {reply.dead_letters} dead letters"
+        f"indexed to stream seq {reply.indexed_seq} · {reply.pending_deltas} deltas pending · "
+        f"{reply.dead_letters} dead letters"
     ]
     for branch in reply.branches:
         waited = f", oldest {branch.pending_ms} ms" if branch.pending_ms is not None else ""
         lines.append(
-            f"- {branch.branch}: {branch.documents} documents, indexed to seq {branch.indexed_seq} of "
-            f"{branch.latest_seq}, {branch.pending_deltas} pending{waited}, last change {branch.last_change}"
+            f"- {branch.branch}: {branch.documents} documents, last delta seq {branch.latest_seq}, "
+            f"{branch.pending_deltas} pending{waited}, last change {branch.last_change}"
         )
     return "\n".join(lines)

@@ -310,26 +310,25 @@ class Shadow:
     async def _swap_versions(self, conn: asyncpg.Connection) -> None:
         """The shadow's versions, each with a revision above the live one: announcements only ever move forward.
         A branch only the live index has is emptied the same way, so its next change is announced too."""
-        old = await conn.fetch(
-            "DELETE FROM public.ontology_versions WHERE workspace = $1 RETURNING branch, revision, handled_seq",
-            self._workspace,
-        )
+        old = {
+            r["branch"]: r["revision"]
+            for r in await conn.fetch(
+                "DELETE FROM public.ontology_versions WHERE workspace = $1 RETURNING branch, revision", self._workspace
+            )
+        }
         await conn.execute(
             f"""
             INSERT INTO public.ontology_versions
-                   (workspace, branch, state_hash, stream_seq, revision, doc_count, total_length, handled_seq)
+                   (workspace, branch, state_hash, stream_seq, revision, doc_count, total_length)
             SELECT $1, branch, coalesce(s.state_hash, 0), coalesce(s.stream_seq, 0),
                    greatest(coalesce(o.revision, 0), coalesce(s.revision, 0)) + 1,
-                   coalesce(s.doc_count, 0), coalesce(s.total_length, 0),
-                   greatest(coalesce(o.handled_seq, 0), coalesce(s.handled_seq, 0))
+                   coalesce(s.doc_count, 0), coalesce(s.total_length, 0)
               FROM (SELECT * FROM {self._table("ontology_versions")} WHERE workspace = $1) s
-              FULL JOIN unnest($2::text[], $3::bigint[], $4::bigint[]) AS o(branch, revision, handled_seq)
-                   USING (branch)
+              FULL JOIN unnest($2::text[], $3::bigint[]) AS o(branch, revision) USING (branch)
             """,
             self._workspace,
-            [r["branch"] for r in old],
-            [r["revision"] for r in old],
-            [r["handled_seq"] for r in old],
+            list(old),
+            list(old.values()),
         )
 
 

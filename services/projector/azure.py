@@ -249,9 +249,6 @@ class AzureSink:
     async def settled(self) -> None:
         pass
 
-    async def passed(self, positions: Mapping[tuple[str, str], int]) -> None:
-        pass  # the watermark is the consumer's ack floor, which passes a dead-lettered delta already
-
 
 class Watermark:
     """Keeps the index's watermark at the Azure consumer's position (its ack floor), every second, off the batch

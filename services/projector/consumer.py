@@ -111,13 +111,6 @@ class DurableProjection:
             await msg.ack()
         for msg, rejection in outcome.refused:
             await dead_letter(self._js, self._names, msg, rejection, self._index)
-        passed: dict[tuple[str, str], int] = {}
-        for msg, _ in [*outcome.invalid, *outcome.refused]:
-            scope = self._names.scope_of_delta(msg.subject)
-            if scope is not None:
-                passed[scope] = max(passed.get(scope, 0), msg.metadata.sequence.stream)
-        if passed:
-            await self._runner.sink.passed(passed)
         self._count(outcome.applied, "applied")
         self._count(outcome.noops, "noop")
 

@@ -4,7 +4,7 @@ The same sink writes a rebuild's shadow tables, without announcements (the swap 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ontofabric.shared.db import is_transient
 from ontofabric.shared.logging import describe, get_logger
@@ -55,12 +55,6 @@ class PostgresSink:
         for update in result.versions:
             if redelivered or (update.workspace, update.branch) in result.plan.versions:
                 await self._versions.publish(update)
-
-    async def passed(self, positions: Mapping[tuple[str, str], int]) -> None:
-        try:
-            await self._store.record_handled(positions)
-        except Exception as error:  # the next batch of the branch moves it anyway
-            log.warning("position_not_moved", index=self.index, error=describe(error))
 
     def retryable(self, error: BaseException) -> bool:
         return isinstance(error, NotAnnounced) or is_transient(error)

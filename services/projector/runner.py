@@ -13,7 +13,7 @@ delivered again after a failure can simply be written again.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,11 +54,6 @@ class Sink(Protocol):
 
     async def settled(self) -> None:
         """After the written deltas were acknowledged: work that must never hold a batch back."""
-        ...
-
-    async def passed(self, positions: Mapping[tuple[str, str], int]) -> None:
-        """Deltas that will never be in the index (dead-lettered) up to these stream sequences, per (workspace,
-        branch): the index's position moves past them, so they do not count as pending for ever."""
         ...
 
 

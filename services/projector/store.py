@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -190,7 +190,6 @@ class PostgresProjectionStore:
                     "INSERT INTO handled_events (event_id, stream_seq) VALUES ($1, $2) ON CONFLICT DO NOTHING",
                     [(d.envelope.event_id, d.seq) for d in [*plan.applied, *plan.noops]],
                 )
-                await _move_handled(conn, _last_of_each_branch(deltas))
                 for (workspace, branch), version in plan.versions.items():
                     revisions[(workspace, branch)] = await conn.fetchval(
                         "UPDATE ontology_versions SET state_hash = $3, stream_seq = $4, revision = revision + 1,"
@@ -205,18 +204,6 @@ class PostgresProjectionStore:
             plan=plan,
             versions=[VersionUpdate(w, b, current[(w, b)], revisions[(w, b)]) for w, b in scopes],
         )
-
-    async def record_handled(self, positions: Mapping[tuple[str, str], int]) -> None:
-        """Move each (workspace, branch)'s handled position to at least the given sequence (for deltas handled
-        outside a batch's transaction: dead-lettered ones)."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                "INSERT INTO ontology_versions (workspace, branch)"
-                " SELECT * FROM unnest($1::text[], $2::text[]) ON CONFLICT DO NOTHING",
-                [w for w, _ in positions],
-                [b for _, b in positions],
-            )
-            await _move_handled(conn, positions)
 
     async def refresh_statistics(self, workspaces: Iterable[str]) -> list[str]:
         """ANALYZE the partitions of these workspaces that changed much since their last ANALYZE (autovacuum's
@@ -362,27 +349,6 @@ class PostgresProjectionStore:
             embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
             delta.seq, event_id, False, doc.token_vectors.data if doc.token_vectors is not None else None,
         )  # fmt: skip
-
-
-async def _move_handled(conn: Connection, positions: Mapping[tuple[str, str], int]) -> None:
-    """Each (workspace, branch)'s handled position to at least the given sequence: how far the projector has read
-    the branch, applied or not."""
-    await conn.execute(
-        "UPDATE ontology_versions v SET handled_seq = greatest(v.handled_seq, h.seq)"
-        " FROM unnest($1::text[], $2::text[], $3::bigint[]) AS h(workspace, branch, seq)"
-        " WHERE v.workspace = h.workspace AND v.branch = h.branch",
-        [w for w, _ in positions],
-        [b for _, b in positions],
-        list(positions.values()),
-    )
-
-
-def _last_of_each_branch(deltas: Sequence[Delta]) -> dict[tuple[str, str], int]:
-    last: dict[tuple[str, str], int] = {}
-    for delta in deltas:
-        scope = (delta.envelope.workspace, delta.envelope.branch)
-        last[scope] = max(last.get(scope, 0), delta.seq)
-    return last
 
 
 def _ref(delta: Delta) -> EntityRef:

@@ -21,10 +21,12 @@ MIN_SLICE_BYTES = 400
 """A content cut shorter than this is not worth its place: the result goes without content instead."""
 RESERVE_BYTES = 512
 """Room kept for what the cutting itself adds to ``_meta`` (the budget report, the ids of cut contents)."""
+WIDEST_ESTIMATE = 99_999_999
+"""Sizes are measured with this in ``estimatedTokens``: the real figure, written last, is never wider."""
 
 
 class TooLarge(Exception):
-    """Even an answer without results does not fit."""
+    """Even an answer without results does not fit: the budget is smaller than the answer's ``_meta``."""
 
 
 def _json_size(text: str) -> int:
@@ -51,17 +53,21 @@ def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) 
     limit = min(budget_bytes, max_payload_bytes)
     fitted = _with_budget(response, _report(max_tokens, []))
     if len(_encoded(fitted)) > limit:
-        fitted = _cut(response, limit, max_tokens)
         if max_payload_bytes < budget_bytes:
-            fitted = _with_meta(fitted, degraded=[*fitted.meta.degraded, "replySize"])
+            response = _with_meta(response, degraded=[*response.meta.degraded, "replySize"])
+        fitted = _cut(response, limit, max_tokens)
     assert fitted.meta.budget is not None
-    tokens = math.ceil(len(_encoded(fitted)) / BYTES_PER_TOKEN)
+    tokens = math.ceil(len(_encoded(fitted)) / BYTES_PER_TOKEN)  # of the reply as measured: a few bytes over
     return _encoded(_with_budget(fitted, fitted.meta.budget.model_copy(update={"estimated_tokens": tokens})))
 
 
 def _report(max_tokens: int, cut: list[str], omitted: int = 0, dropped: int = 0) -> BudgetReport:
     return BudgetReport(
-        max_tokens=max_tokens, estimated_tokens=0, contents_cut=cut, contents_omitted=omitted, results_dropped=dropped
+        max_tokens=max_tokens,
+        estimated_tokens=WIDEST_ESTIMATE,
+        contents_cut=cut,
+        contents_omitted=omitted,
+        results_dropped=dropped,
     )
 
 
@@ -112,7 +118,7 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     # The reserve is an estimate: should the report outgrow it, contents go from the lowest rank up.
     for position in [len(results), *reversed(range(len(results)))]:
         if position < len(results):
-            results[position] = _without_content(results[position])
+            results[position] = bare[position]
         fitted = _with_budget(response, _cut_report(max_tokens, response.results, results), results)
         if len(_encoded(fitted)) <= limit:
             return fitted

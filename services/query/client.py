@@ -3,7 +3,7 @@ and the CLI use."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -20,9 +20,8 @@ from ontofabric.contracts import (
     StatusReply,
     StatusRequest,
 )
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import Names, Operation
 
-Operation = Literal["query", "document", "status"]
 Reply = TypeVar("Reply", QueryResponse, DocumentReply, StatusReply)
 
 
@@ -36,11 +35,7 @@ class QueryClient:
         """Send a request body as is. While no worker listens (a restart), retry for up to a second."""
         headers: dict[str, str] = {}
         propagate.inject(headers)
-        subject = {
-            "query": self._names.query_subject,
-            "document": self._names.document_subject,
-            "status": self._names.status_subject,
-        }[operation](workspace)
+        subject = self._names.request_subject(operation, workspace)
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(NoRespondersError),
             stop=stop_after_attempt(6),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ontofabric.contracts import MAIN_BRANCH
@@ -114,8 +114,6 @@ class StoredDocument:
 class Fetched:
     documents: dict[str, StoredDocument]
     version: str
-    handled_seqs: dict[str, int] = field(default_factory=dict)
-    """Per branch read, the stream sequence up to which the projector had handled its deltas (0: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -176,19 +174,23 @@ class EmbeddedQuery:
 
 @dataclass(frozen=True)
 class Pending:
-    """Deltas published after the positions an answer read, not yet in it."""
+    """Deltas published after the position an answer read."""
 
     deltas: int
     oldest_ms: float | None
     """How long ago the oldest of them was published; None when there are none."""
 
 
-class PublicationWatch(Protocol):
-    """What has been published to the delta stream, as far as this worker has seen."""
+class FreshnessSource(Protocol):
+    """How far the index is behind the delta stream."""
 
-    def pending(self, workspace: str, handled: dict[str, int]) -> Pending | None:
-        """The deltas of the workspace's given branches published past their handled sequence; None when the
-        watch cannot tell (it is not running)."""
+    async def position(self) -> int | None:
+        """The stream sequence up to which every delta is in the index (or dead-lettered); None when it cannot
+        be read. An answer that reads it before its first snapshot holds every delta up to it."""
+        ...
+
+    async def pending(self, workspace: str, branches: list[str], position: int) -> Pending | None:
+        """The deltas of the workspace's branches published past ``position``; None when that cannot be told."""
         ...
 
 

@@ -35,8 +35,8 @@ from .core import (
     DocumentStore,
     EmbeddedQuery,
     Fetched,
+    FreshnessSource,
     Hits,
-    PublicationWatch,
     Reranker,
     Retriever,
     Scope,
@@ -91,7 +91,7 @@ class QueryPipeline:
         cache: LruCache[CacheKey, QueryResponse],
         config: PipelineConfig,
         reranker: Reranker | None = None,
-        publications: PublicationWatch | None = None,
+        freshness: FreshnessSource | None = None,
     ) -> None:
         if not retrievers or len({r.name for r in retrievers}) != len(retrievers):
             raise ValueError("the pipeline needs retrievers, each with a name of its own")
@@ -99,7 +99,7 @@ class QueryPipeline:
         self._documents = documents
         self._graphs = GraphCache(documents.graph_rows)
         self._reranker = reranker
-        self._publications = publications
+        self._freshness_source = freshness
         self._embedder = embedder
         self._versions = versions
         self._cache = cache
@@ -116,9 +116,8 @@ class QueryPipeline:
         cached = self._cache.get(key)
         if cached is not None:
             self._metrics.cache_hit.add(1)
-            freshness = cached.meta.freshness
-            if freshness is not None:  # what has been published since the answer was made
-                freshness = self._freshness(workspace, freshness.indexed_seq)
+            # The same version still: the answer holds every delta up to the position now.
+            freshness = await self._freshness(workspace, query.branch, await self._position())
             timings = {"total": milliseconds_since(run.started)}
             meta = cached.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, cached.model_copy(update={"meta": meta}))
@@ -142,6 +141,7 @@ class QueryPipeline:
 
     async def _retrieve(self, run: QueryRun) -> list[SearchResult]:
         """The read path, stage by stage."""
+        position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
         if run.query.listing:
             fused, refinements = await self._list(run, scope)
@@ -158,6 +158,7 @@ class QueryPipeline:
         results = to_results(run.query, candidates, documents)
         await self._expand(run, scope, fetched.version, results)
         run.settle(consistent=len(documents) == len(fused))
+        run.report(freshness=await self._freshness(run.workspace, run.query.branch, position))
         return results
 
     async def _scope(self, run: QueryRun) -> Scope:
@@ -309,14 +310,21 @@ class QueryPipeline:
             "fetch", self._documents.fetch(scope, [f.id for f in fused], [f.id for f in fused[:depth]])
         )
         run.read(fetched.version)
-        run.report(ontology_version=fetched.version, freshness=self._freshness(run.workspace, fetched.handled_seqs))
+        run.report(ontology_version=fetched.version)
         return fetched
 
-    def _freshness(self, workspace: str, indexed: dict[str, int]) -> Freshness:
-        pending = self._publications.pending(workspace, indexed) if self._publications is not None else None
+    async def _position(self) -> int | None:
+        return None if self._freshness_source is None else await self._freshness_source.position()
+
+    async def _freshness(self, workspace: str, branch: str, position: int | None) -> Freshness | None:
+        """The position an answer read, and what was published past it on the branches it read; None when the
+        worker could not read the position."""
+        if self._freshness_source is None or position is None:
+            return None
+        pending = await self._freshness_source.pending(workspace, Scope(workspace, branch).branches, position)
         if pending is None:
-            return Freshness(indexed_seq=indexed)
-        return Freshness(indexed_seq=indexed, pending_deltas=pending.deltas, pending_ms=pending.oldest_ms)
+            return Freshness(indexed_seq=position)
+        return Freshness(indexed_seq=position, pending_deltas=pending.deltas, pending_ms=pending.oldest_ms)
 
     async def _late_interaction(
         self, run: QueryRun, refinements: Refinements, candidates: list[Fused], documents: dict[str, StoredDocument]

@@ -88,14 +88,11 @@ class Snapshot:
     shadowed: list[str]
     stream_seqs: dict[str, int]
     """The highest stream sequence applied to each branch read (absent: nothing yet)."""
-    handled_seqs: dict[str, int]
-    """Per branch read, the highest stream sequence the projector has handled (applied or found a no-op)."""
 
 
 @dataclass(frozen=True)
 class BranchState:
     version: str
-    handled_seq: int
     documents: int
     updated_at: datetime
 
@@ -118,7 +115,7 @@ class PostgresSnapshots:
             # version. Both parents at once, in the swap's order.
             await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
             rows = await conn.fetch(
-                "SELECT branch, state_hash, stream_seq, revision, handled_seq FROM ontology_versions"
+                "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
                 " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",
                 scope.workspace,
                 scope.branches,
@@ -133,8 +130,7 @@ class PostgresSnapshots:
                     found = await _shadowed_ids(conn, scope.workspace, scope.branch)
                     self._shadowed.put(key, found)
                 shadowed = found
-            handled = {branch: 0 for branch in scope.branches} | {r["branch"]: int(r["handled_seq"]) for r in rows}
-            yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows}, handled)
+            yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows})
 
 
 class PostgresDense:
@@ -276,7 +272,7 @@ class PostgresDocuments:
             )
             for r in rows
         }
-        return Fetched(documents, snapshot.version, snapshot.handled_seqs)
+        return Fetched(documents, snapshot.version)
 
     async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
@@ -319,15 +315,13 @@ class PostgresDocuments:
         """The version row of each of the workspace's ``branches`` that has one."""
         async with self._snapshots.read(Scope(workspace, MAIN_BRANCH)) as snapshot:
             rows = await snapshot.conn.fetch(
-                "SELECT branch, state_hash, stream_seq, handled_seq, doc_count, updated_at FROM ontology_versions"
+                "SELECT branch, state_hash, stream_seq, doc_count, updated_at FROM ontology_versions"
                 " WHERE workspace = $1 AND branch = ANY($2::text[])",
                 workspace,
                 list(branches),
             )
         return {
-            r["branch"]: BranchState(
-                format_version(r["state_hash"], r["stream_seq"]), r["handled_seq"], r["doc_count"], r["updated_at"]
-            )
+            r["branch"]: BranchState(format_version(r["state_hash"], r["stream_seq"]), r["doc_count"], r["updated_at"])
             for r in rows
         }
 

@@ -15,9 +15,11 @@ from azure.search.documents.aio import SearchClient
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import ConnectionClosedError, NoRespondersError, StaleConnectionError
+from nats.js.errors import ServiceUnavailableError
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from ontofabric.contracts import (
     DocumentRequest,
@@ -27,9 +29,9 @@ from ontofabric.contracts import (
     QueryError,
     StatusRequest,
 )
-from ontofabric.contracts.documents import Workspace
+from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
-from ontofabric.shared.db import create_pool, is_transient, migrate
+from ontofabric.shared.db import create_pool, is_unavailable, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
@@ -41,10 +43,10 @@ from ontofabric.shared.telemetry import instruments, tracer
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .config import PipelineConfig
 from .core import Reranker
-from .lookup import DocumentNotFound, Lookups
+from .freshness import DeltaWatch
+from .lookup import DocumentNotFound, Lookups, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PostgresDocuments, PostgresSnapshots
-from .published import PublishedDeltas
 from .retrievers import build_retrievers
 from .versions import VersionTracker
 
@@ -68,13 +70,10 @@ def validation_details(error: ValidationError) -> list[ErrorDetail]:
     return details
 
 
-_WORKSPACE = TypeAdapter(Workspace)
-
-
 def workspace_of_subject(subject: str) -> str | None:
     """The workspace a query subject names, or None when its token does not decode to a valid name."""
     try:
-        return _WORKSPACE.validate_python(decode_token(subject.rsplit(".", 1)[-1]))
+        return WORKSPACE.validate_python(decode_token(subject.rsplit(".", 1)[-1]))
     except (ValueError, ValidationError):
         return None
 
@@ -113,6 +112,13 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
 HEADER_ALLOWANCE_BYTES = 16 * 1024
 
 
+def _unavailable(error: BaseException) -> bool:
+    """A store this worker reads could not serve now (Postgres or JetStream away, overloaded, timing out): the
+    caller may ask again, here or on another worker. Anything else is a failure of the request's own."""
+    nats_away = (ConnectionClosedError, NoRespondersError, StaleConnectionError, ServiceUnavailableError)
+    return is_unavailable(error) or isinstance(error, nats_away)
+
+
 class QueryService:
     """The query worker process: pool, embedder, version watch, and a subscription to every workspace's query
     subject in the workers' queue group.
@@ -140,7 +146,7 @@ class QueryService:
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
         self._pipeline: QueryPipeline | None = None
-        self._published: PublishedDeltas | None = None
+        self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
         self._slots = asyncio.Semaphore(settings.query_concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -162,8 +168,8 @@ class QueryService:
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
-        self._published = PublishedDeltas(nc, names)
-        await self._published.start()
+        self._freshness = DeltaWatch(nc, names)
+        await self._freshness.start()
         snapshots = PostgresSnapshots(self._pool)
         documents = PostgresDocuments(snapshots)
         if settings.keyword_backend == "azure-ai-search":
@@ -177,13 +183,13 @@ class QueryService:
             LruCache(settings.query_cache_entries),
             PipelineConfig.from_settings(settings),
             self._reranker,
-            self._published,
+            self._freshness,
         )
         tracker.set_listener(self._pipeline.invalidate)
         self._versions = tracker
         await tracker.start()
-        self._lookups = Lookups(documents, js, names, settings.answer_max_tokens * BYTES_PER_TOKEN)
-        subjects = (names.query_subjects, names.document_subjects, names.status_subjects)
+        self._lookups = Lookups(documents, self._freshness, js, names, settings.answer_max_tokens * BYTES_PER_TOKEN)
+        subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
@@ -221,21 +227,20 @@ class QueryService:
         """The reply to a request on {prefix}.{query|document|status}.{workspace}."""
         self.handled += 1
         workspace = workspace_of_subject(msg.subject)
-        if workspace is None:
+        operation = self.names.operation_of(msg.subject)
+        if workspace is None or operation is None:
             return error_reply(
                 "invalid_request",
-                "the subject does not name a valid workspace",
+                "the subject does not name an operation and a valid workspace",
                 [ErrorDetail(field=None, message=f"subject {msg.subject!r}")],
             )
-        operation = {"query": self._query, "document": self._document, "status": self._status}[
-            msg.subject.split(".")[1]
-        ]
+        answer = {"query": self._query, "document": self._document, "status": self._status}[operation]
         try:
-            return await operation(workspace, msg.data)
-        except RetrievalUnavailable as error:
+            return await answer(workspace, msg.data)
+        except (RetrievalUnavailable, PositionUnavailable) as error:
             return error_reply("unavailable", str(error), retryable=True)
         except Exception as error:
-            if is_transient(error):  # the database or JetStream away: another try, maybe on another worker
+            if _unavailable(error):  # the database or JetStream away: another try, maybe on another worker
                 log.warning("request_unavailable", workspace=workspace, error=describe(error))
                 return error_reply("unavailable", f"a store could not be read ({type(error).__name__})", retryable=True)
             log.exception("query_failed", workspace=workspace)
@@ -251,8 +256,12 @@ class QueryService:
         budget = query.max_tokens or self.settings.answer_max_tokens
         try:
             return fit_reply(response, budget, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
-        except TooLarge as error:
-            return error_reply("internal", str(error))
+        except TooLarge as error:  # the answer's _meta alone outgrew the budget asked for
+            return error_reply(
+                "invalid_request",
+                str(error),
+                [ErrorDetail(field="maxTokens", message=f"{budget} is too small for this answer; ask for more")],
+            )
 
     async def _document(self, workspace: str, body: bytes) -> bytes:
         assert self._lookups is not None
@@ -294,10 +303,10 @@ class QueryService:
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None
-        if self._published is not None:
+        if self._freshness is not None:
             with contextlib.suppress(Exception):
-                await self._published.stop()
-            self._published = None
+                await self._freshness.stop()
+            self._freshness = None
         if self._nc is not None:
             await self._nc.close()
             self._nc = None

@@ -1,0 +1,204 @@
+"""How far an answer is behind the delta stream (``_meta.freshness``, and the status lookup).
+
+The index's position is the Postgres projector's: its durable consumer's ack floor, the stream sequence up to which
+every delta was acked (in the index) or terminated (dead-lettered). A branch's highest applied sequence would not do:
+a delta waiting for a retry may lie below it. An answer reads the position before its first snapshot, so it holds
+every delta up to it.
+
+What has been published past the position is counted from the headers the stream republishes for every delta it
+stores (sequence and time), watched from the worker's start and forgotten once the position passes them. Until the
+position has passed what was published before the watch began (or what it had to forget to stay bounded), the count
+is asked of JetStream instead: a consumer made for it and removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from datetime import datetime
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from ontofabric.shared.jetstream import ack_floor
+from ontofabric.shared.logging import describe, get_logger
+from ontofabric.shared.lru import LruCache
+from ontofabric.shared.subjects import Names
+
+from .core import Pending
+
+log = get_logger(__name__)
+
+POSITION_TTL_S = 0.05
+"""How long a read position serves later answers: an older one only understates what they hold."""
+POSITION_WAIT_S = 0.5
+"""How long an answer waits for the position before it goes on without (JetStream slow or away)."""
+EXACT_COUNT_TTL_S = 1.0
+"""How long a count asked of JetStream serves the same branch's later answers."""
+MAX_WATCHED = 100_000
+"""Deltas remembered past the position at most; past that the watch starts over from the newest it saw."""
+
+
+def _epoch(stamp: str) -> float:
+    """An RFC 3339 time with up to nanoseconds, as nats-server writes it, in seconds since the epoch."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(whole + "+00:00").timestamp()
+    return seconds + (float(f"0.{fraction}") if fraction else 0.0)
+
+
+async def published_after(js: JetStreamContext, stream: str, subject: str, seq: int) -> Pending:
+    """The subject's messages stored after ``seq``, and how long ago the first was: a consumer of its own, made
+    and removed here, counts them."""
+    consumer = await js.add_consumer(
+        stream,
+        ConsumerConfig(
+            filter_subject=subject,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=seq + 1,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=10.0,  # the server removes it if the delete below never arrives
+            mem_storage=True,
+        ),
+    )
+    try:
+        count = int(consumer.num_pending or 0)
+    finally:
+        assert consumer.name is not None
+        try:
+            await js.delete_consumer(stream, consumer.name)
+        except Exception as error:  # the inactivity threshold removes it
+            log.info("count_consumer_not_deleted", error=describe(error))
+    if count == 0:
+        return Pending(0, None)
+    try:
+        first = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True)
+    except NotFoundError:  # removed since (the stream's limits): the count stands, its age is unknown
+        return Pending(count, None)
+    assert first.time is not None
+    return Pending(count, round((time.time() - first.time.timestamp()) * 1000, 1))
+
+
+class DeltaWatch:
+    """The index's position, and the deltas published past it, for every answer of this worker."""
+
+    def __init__(self, nc: Client, names: Names) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._names = names
+        self._subscription: Subscription | None = None
+        self._published: dict[tuple[str, str], deque[tuple[int, float]]] = {}
+        self._watched = 0
+        self._complete_after = 0
+        """The watch has seen every delta published after this sequence."""
+        self._position: tuple[float, int] | None = None
+        """The last position read, and when (monotonic)."""
+        self._swept_to = 0
+        self._reading: asyncio.Task[int] | None = None
+        self._counted: LruCache[str, tuple[float, Pending]] = LruCache(4096)
+
+    async def start(self) -> None:
+        self._subscription = await self._nc.subscribe(self._names.published_subjects, cb=self._seen)
+        # Subscribed first: a delta stored between the two is seen by the watch and also below this sequence.
+        info = await self._js.stream_info(self._names.delta_stream)
+        self._complete_after = int(info.state.last_seq or 0)
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+
+    async def position(self) -> int | None:
+        """The Postgres projector's position, at most ``POSITION_TTL_S`` old; None when it cannot be read."""
+        if self._position is not None and time.monotonic() - self._position[0] < POSITION_TTL_S:
+            return self._position[1]
+        if self._reading is None:  # one read at a time, shared by every answer waiting for it
+            self._reading = asyncio.create_task(self._read_position())
+            self._reading.add_done_callback(self._read_done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._reading), POSITION_WAIT_S)
+        except Exception as error:
+            log.warning("position_unreadable", error=describe(error))
+            return None
+
+    def _read_done(self, task: asyncio.Task[int]) -> None:
+        self._reading = None
+        if not task.cancelled() and task.exception() is None:
+            self._advance(task.result())
+
+    async def _read_position(self) -> int:
+        started = time.monotonic()
+        floor = await ack_floor(self._js, self._names.delta_stream, self._names.postgres_projector_durable)
+        self._position = (started, floor)
+        return floor
+
+    def _advance(self, floor: int) -> None:
+        """Forget what the position before this one passed: an answer still working from that one counts past it,
+        so only the deltas both positions passed can go."""
+        sweep_to, self._swept_to = self._swept_to, max(self._swept_to, floor)
+        if sweep_to == 0:
+            return
+        for scope in list(self._published):
+            published = self._published[scope]
+            while published and published[0][0] <= sweep_to:
+                published.popleft()
+                self._watched -= 1
+            if not published:
+                del self._published[scope]
+
+    async def _seen(self, msg: Msg) -> None:
+        try:
+            headers = msg.headers or {}
+            scope = self._names.scope_of_published(msg.subject)
+            seq, at = int(headers["Nats-Sequence"]), _epoch(headers["Nats-Time-Stamp"])
+        except (KeyError, ValueError) as error:
+            log.warning("published_header_unreadable", subject=msg.subject, error=describe(error))
+            return
+        if seq <= self._swept_to:
+            return
+        if self._watched >= MAX_WATCHED:  # the rest is counted by JetStream until the position passes seq
+            self._published.clear()
+            self._watched, self._complete_after = 0, seq
+            return
+        self._published.setdefault(scope, deque()).append((seq, at))
+        self._watched += 1
+
+    async def pending(self, workspace: str, branches: list[str], position: int) -> Pending | None:
+        """The deltas of the workspace's branches published past ``position``; None when that cannot be told."""
+        if self._subscription is None:
+            return None
+        if position < self._complete_after:
+            return await self._count(workspace, branches, position)
+        count, oldest = 0, None
+        for branch in branches:
+            published = self._published.get((workspace, branch), ())
+            covered = 0  # in stream order: what the position passed comes first
+            for seq, at in published:
+                if seq > position:
+                    oldest = at if oldest is None else min(oldest, at)
+                    break
+                covered += 1
+            count += len(published) - covered
+        return Pending(count, None if oldest is None else round((time.time() - oldest) * 1000, 1))
+
+    async def _count(self, workspace: str, branches: list[str], position: int) -> Pending:
+        """What the watch may have missed, asked of JetStream, each branch's count reused for a while."""
+        total, oldest_ms = 0, None
+        for branch in branches:
+            subject = self._names.delta_subject(workspace, branch)
+            counted = self._counted.get(subject)
+            if counted is None or time.monotonic() - counted[0] > EXACT_COUNT_TTL_S:
+                counted = (time.monotonic(), await self.published_after(subject, position))
+                self._counted.put(subject, counted)
+            pending = counted[1]
+            total += pending.deltas
+            if pending.oldest_ms is not None:
+                oldest_ms = max(oldest_ms or 0.0, pending.oldest_ms)
+        return Pending(total, oldest_ms)
+
+    async def published_after(self, subject: str, seq: int) -> Pending:
+        return await published_after(self._js, self._names.delta_stream, subject, seq)

@@ -24,7 +24,8 @@ class DocumentRequest(StrictRequest):
         default=None,
         ge=1,
         le=MAX_SLICE_CHARS,
-        description="Characters of content to return at most; default: the deployment's answer budget.",
+        description="Characters of content to return at most; default: as many as fit the deployment's answer "
+        "budget (ONTOFABRIC_ANSWER_MAX_TOKENS), cut at a line's end.",
     )
     workspace: Workspace | None = Field(
         default=None, description="Defaults to the workspace of the subject the request was sent to."

@@ -262,6 +262,24 @@ async def test_a_document_whole_or_in_slices(
     assert (refused.error.code, [d.field for d in refused.error.details]) == ("invalid_request", ["offset"])
 
 
+async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
+) -> None:
+    text = "".join(f"line {i}: ünïcödé \"quoted\" text\n" for i in range(400))  # about 14,000 bytes of JSON
+    ack = await deployment.publisher.publish(upsert("acme", document("long", text)))
+    await deployment.wait_projected(ack.seq)
+    await start_query_worker(None, answer_max_tokens=1000)  # 4,000 bytes
+    first = await client.document("acme", {"id": "long"})
+    assert isinstance(first, DocumentReply), first
+    assert first.truncated is True
+    assert text.startswith(first.content)
+    assert first.content.endswith("\n")  # at a line's end
+    assert 3000 < len(json.dumps(first.content, ensure_ascii=False).encode()) <= 4000
+    rest = await client.document("acme", {"id": "long", "offset": len(first.content), "maxChars": len(text)})
+    assert isinstance(rest, DocumentReply), rest
+    assert (first.content + rest.content, rest.truncated) == (text, False)
+
+
 async def test_the_status_says_how_far_the_index_is_behind_its_stream(
     deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
 ) -> None:

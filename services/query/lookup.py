@@ -19,6 +19,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.shared.subjects import Names, encode_token
 
+from .budget import cut_to
 from .core import Scope
 from .freshness import DeltaWatch
 from .postgres import BranchState, PostgresDocuments
@@ -39,29 +40,31 @@ class Lookups:
         freshness: DeltaWatch,
         js: JetStreamContext,
         names: Names,
-        default_chars: int,
+        default_bytes: int,
     ) -> None:
         self._documents = documents
         self._freshness = freshness
         self._js = js
         self._names = names
-        self._default_chars = default_chars
+        self._default_bytes = default_bytes
+        """A slice asked for without maxChars takes at most this much of the reply, as JSON."""
 
     async def document(self, workspace: str, request: DocumentRequest) -> DocumentReply:
         fetched = await self._documents.fetch(Scope(workspace, request.branch), [request.id])
         document = fetched.documents.get(request.id)
         if document is None:
             raise DocumentNotFound(f"no document {request.id!r} in workspace {workspace!r} on {request.branch!r}")
-        end = request.offset + (request.max_chars or self._default_chars)
+        rest = document.content[request.offset :]
+        content = rest[: request.max_chars] if request.max_chars else cut_to(rest, self._default_bytes)
         return DocumentReply(
             id=document.id,
             object_type=document.object_type,
             source_domain=document.source_domain,
             metadata=document.metadata,
-            content=document.content[request.offset : end],
+            content=content,
             offset=request.offset,
             content_length=len(document.content),
-            truncated=end < len(document.content),
+            truncated=len(content) < len(rest),
             ontology_version=fetched.version,
         )
 

@@ -265,7 +265,7 @@ async def test_a_document_whole_or_in_slices(
 async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
 ) -> None:
-    text = "".join(f"line {i}: ünïcödé \"quoted\" text\n" for i in range(400))  # about 14,000 bytes of JSON
+    text = "".join(f'line {i}: ünïcödé "quoted" text\n' for i in range(400))  # about 14,000 bytes of JSON
     ack = await deployment.publisher.publish(upsert("acme", document("long", text)))
     await deployment.wait_projected(ack.seq)
     await start_query_worker(None, answer_max_tokens=1000)  # 4,000 bytes

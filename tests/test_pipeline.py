@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from random import Random
 from typing import Any, TypeVar
 
 import numpy as np
@@ -29,7 +30,7 @@ from ontofabric.services.query.core import (
 from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.graph import GraphRows, LinkRow
 from ontofabric.services.query.pipeline import QueryPipeline
-from ontofabric.services.query.stages import collapse_nested, holds
+from ontofabric.services.query.stages import collapse_nested, holds, nested
 from ontofabric.services.query.versions import is_rebuild
 from ontofabric.shared.embedder import Vector
 from ontofabric.shared.lru import LruCache
@@ -442,6 +443,33 @@ def test_a_docstring_or_a_section_holds_nothing() -> None:
     assert holds(parts[0], parts[1])
     assert not holds(parts[1], parts[0])
     assert not holds(module_doc, parts[0])
+
+
+def test_collapse_keeps_what_comparing_every_pair_keeps() -> None:
+    # The indexed collapse against its definition: a candidate goes if it nests with any better-ranked kept one,
+    # and is reported against the best-ranked of those.
+    names = ["p", "p.a", "p.a.A", "p.a.A.f", "p.a.A.g", "p.a.Ab", "p..x", "p.a.A.f.inner"]
+    random = Random(7)
+    for _ in range(300):
+        documents = {
+            f"c{i}": _chunk(
+                f"c{i}",
+                random.choice(names),
+                random.choice(["file", "type", "method", "doc"]),
+                path=random.choice(["a.py", "b.py"]),
+            )
+            for i in range(random.randint(1, 30))
+        }
+        candidates = [Fused(i, 1.0, 1.0) for i in documents]
+        expected_kept: list[Fused] = []
+        expected_left_out: list[tuple[str, str]] = []
+        for hit in candidates:
+            holder = next((k for k in expected_kept if nested(documents[hit.id], documents[k.id])), None)
+            if holder is None:
+                expected_kept.append(hit)
+            else:
+                expected_left_out.append((hit.id, holder.id))
+        assert collapse_nested(candidates, documents) == (expected_kept, expected_left_out)
 
 
 async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everything() -> None:

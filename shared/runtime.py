@@ -219,7 +219,8 @@ def _as_user(user: str | None) -> dict[str, Any]:
     if user is None:
         return {}
     entry = pwd.getpwnam(user)
-    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    # From "/": our working directory may be one the user cannot enter.
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": [], "cwd": "/"}
 
 
 def _let_user_reach(path: Path, user: str) -> None:
@@ -236,6 +237,39 @@ def _let_user_reach(path: Path, user: str) -> None:
     os.chown(path, entry.pw_uid, entry.pw_gid)
 
 
+def _runs_as(user: str, program: Path) -> bool:
+    """Whether ``user`` can run ``program`` (reach every directory above it, and execute it)."""
+    try:
+        result = subprocess.run([str(program), "--version"], capture_output=True, check=False, **_as_user(user))
+    except PermissionError:
+        return False
+    return result.returncode == 0
+
+
+def _install_reachable_by(user: str, bin_dir: Path, directory: Path) -> Path:
+    """The PostgreSQL bin directory ``user`` may run: the package's own, or else a copy of its installation in
+    ``directory``. A package installed where only root may enter (a virtual environment or ``pip --user`` in
+    root's home) cannot be run by the unprivileged user, and opening root's home to others is not ours to do."""
+    if _runs_as(user, bin_dir / "postgres"):
+        return bin_dir
+    install = bin_dir.parent
+    package = install.parent
+    # The binaries find their bundled libraries by relative paths (``$ORIGIN/../../../PACKAGE.libs``): the copy
+    # keeps the installation and the libraries beside it in the same places.
+    libraries = package.parent / f"{package.name}.libs"
+    root = directory / "install"
+    copy = root / package.name / install.name
+    stamp = f"{install}\n{(bin_dir / 'postgres').stat().st_mtime_ns}\n"
+    if not (root / ".copied-from").is_file() or (root / ".copied-from").read_text() != stamp:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(install, copy, symlinks=True, ignore=shutil.ignore_patterns("include"))
+        if libraries.is_dir():
+            shutil.copytree(libraries, root / libraries.name, symlinks=True)
+        (root / ".copied-from").write_text(stamp)
+        log.info("embedded_postgres_copied", into=str(root), reason="its installation is out of the user's reach")
+    return copy / bin_dir.name
+
+
 def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
     bin_dir = postgres_bin_dir()
     pgdata = directory / "pgdata"
@@ -245,6 +279,7 @@ def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
     log_path.touch()
     user = _postgres_user()
     if user is not None:
+        bin_dir = _install_reachable_by(user, bin_dir, directory)
         _let_user_reach(directory, user)
 
     if not (pgdata / "PG_VERSION").exists():
@@ -325,6 +360,14 @@ def _ensure_database(bin_dir: Path, port: int, name: str) -> None:
 # -------------------------------------------------------------------------------------------- runtime
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable and writable by its owner only (it may hold credentials)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        file.write(text)
+
+
 class EmbeddedRuntime:
     """Starts what the settings leave unconfigured; a context manager that stops it again."""
 
@@ -352,8 +395,9 @@ class EmbeddedRuntime:
             raise
         self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url)
         if self._servers:
-            (self.data_dir / RUNTIME_FILE).write_text(
-                json.dumps({"natsUrl": nats_url, "databaseUrl": database_url, "pid": os.getpid()})
+            write_private(
+                self.data_dir / RUNTIME_FILE,
+                json.dumps({"natsUrl": nats_url, "databaseUrl": database_url, "pid": os.getpid()}),
             )
         return self.endpoints
 

@@ -24,8 +24,15 @@ Connection = asyncpg.Connection | PoolConnectionProxy
 """A plain connection or one borrowed from a pool."""
 
 
+READER_ROLE = "ontofabric_reader"
+"""The role query workers read as (migration 0011): it may SELECT, and nothing else."""
+
+MIGRATION_WAIT_S = 120.0
+"""How long a process that may not migrate waits for one that may (a projector, ``ontofabric migrate``)."""
+
+
 class DeploymentMismatch(Exception):
-    """The database was built for another embedding model or dimension."""
+    """The database was built for another embedding model or dimension, or is not migrated."""
 
 
 @dataclass(frozen=True)
@@ -87,14 +94,53 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
         await conn.close()
 
 
-async def check_deployment(conn: Connection, settings: Settings) -> None:
-    """Record the deployment's model and dimension on first use; DeploymentMismatch when ``settings`` differ."""
-    await conn.execute(
-        "INSERT INTO deployment (embedding_model, embedding_dim) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-        settings.embedding_model,
-        settings.embedding_dim,
-    )
-    row = await conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
+async def wait_until_migrated(database_url: str, settings: Settings, timeout_s: float = MIGRATION_WAIT_S) -> None:
+    """For a process that only reads: wait until the database is migrated to this build's latest migration and
+    has its deployment row, then check the row. DeploymentMismatch after ``timeout_s``."""
+    latest = migrations()[-1].version
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    reason = None
+    while True:
+        try:
+            conn = await asyncpg.connect(database_url, server_settings={"role": READER_ROLE})
+            try:
+                version = await conn.fetchval("SELECT max(version) FROM schema_migrations")
+                if version is not None and version >= latest and await _deployment_row(conn) is not None:
+                    await check_deployment(conn, settings, record=False)
+                    return
+                waiting_for = f"migration {latest} (the database is at {version})"
+            finally:
+                await conn.close()
+        except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
+            waiting_for = f"migration {latest} (the database is not migrated)"
+        except (asyncpg.InvalidParameterValueError, asyncpg.InsufficientPrivilegeError) as error:
+            # The role does not exist before migration 0011, or the login is not granted it yet.
+            waiting_for = f"the role {READER_ROLE} ({error})"
+        if asyncio.get_running_loop().time() > deadline:
+            raise DeploymentMismatch(
+                f"still waiting for {waiting_for} after {timeout_s:.0f} s: start a projector or run "
+                f"`ontofabric migrate`, and grant {READER_ROLE} to the query workers' login (docs/security.md)"
+            )
+        if waiting_for != reason:
+            log.info("waiting_for_database", waiting_for=waiting_for)
+            reason = waiting_for
+        await asyncio.sleep(0.5)
+
+
+async def _deployment_row(conn: Connection) -> asyncpg.Record | None:
+    return await conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
+
+
+async def check_deployment(conn: Connection, settings: Settings, *, record: bool = True) -> None:
+    """Record the deployment's model and dimension on first use (unless ``record`` is false: a reader may not);
+    DeploymentMismatch when ``settings`` differ."""
+    if record:
+        await conn.execute(
+            "INSERT INTO deployment (embedding_model, embedding_dim) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            settings.embedding_model,
+            settings.embedding_dim,
+        )
+    row = await _deployment_row(conn)
     assert row is not None
     if (row["embedding_model"], row["embedding_dim"]) != (settings.embedding_model, settings.embedding_dim):
         raise DeploymentMismatch(
@@ -106,11 +152,18 @@ async def check_deployment(conn: Connection, settings: Settings) -> None:
 
 
 async def create_pool(
-    database_url: str, settings: Settings, *, min_size: int = 2, max_size: int = 10, schema: str | None = None
+    database_url: str,
+    settings: Settings,
+    *,
+    min_size: int = 2,
+    max_size: int = 10,
+    schema: str | None = None,
+    role: str | None = None,
 ) -> asyncpg.Pool:
     """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
 
-    ``schema``: the connections read and write that schema's tables in place of ``public``'s (see :func:`migrate`)."""
+    ``schema``: the connections read and write that schema's tables in place of ``public``'s (see :func:`migrate`).
+    ``role``: the role the connections act as from the start (:data:`READER_ROLE` for the query workers)."""
 
     async def init(conn: asyncpg.Connection) -> None:
         await register_vector(conn)
@@ -127,6 +180,7 @@ async def create_pool(
             "statement_timeout": str(settings.statement_timeout_ms),
             "application_name": "ontofabric",
             **_search_path(schema),
+            **({"role": role} if role is not None else {}),
         },
     )
     assert pool is not None

@@ -32,6 +32,11 @@ class Settings(BaseSettings):
         default=None,
         description="PostgreSQL URL (pgvector >= 0.8). Unset: an embedded PostgreSQL is started.",
     )
+    query_database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL the query workers read through, as a role granted `ontofabric_reader` and no "
+        "more (docs/security.md). Unset: database_url, still acting as `ontofabric_reader`.",
+    )
     data_dir: Path = Field(
         default=Path(".ontofabric"),
         description="Where the embedded servers keep their data and where `up` records their URLs.",

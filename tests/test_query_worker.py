@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import asyncpg
 import pytest
 from opentelemetry import trace
 
@@ -15,6 +16,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.freshness import POSITION_TTL_S
 from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 
 from .conftest import METRICS, SPANS, Deployment, RecordedProgress
@@ -546,3 +548,60 @@ async def test_queries_are_answered_across_a_rebuild_which_drops_answers_read_fr
     assert fresh.meta.cache_hit is False
     assert fresh.meta.ontology_version == stale.meta.ontology_version  # the same deltas, the same version
     assert fresh.results[0].content == CORPUS["fib"][0]
+
+
+async def _cannot_write(pool: asyncpg.Pool) -> None:
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT current_user") == READER_ROLE
+        for statement in (
+            "INSERT INTO workspaces (workspace, partition_name) VALUES ('intruder', 'intruder')",
+            "DELETE FROM documents",
+            "UPDATE ontology_versions SET state_hash = 0",
+            "CREATE TABLE planted (x int)",
+            "SELECT ensure_workspace_partition('intruder')",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(statement)
+
+
+async def test_the_query_worker_reads_as_a_role_that_cannot_write(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    service = await start_query_worker(embedder)
+    assert (await _ask(client, "sort numbers")).results[0].id == "sort"
+    assert service._pool is not None
+    await _cannot_write(service._pool)
+
+
+async def test_a_query_worker_with_a_reader_login_waits_for_migrations_and_cannot_write(
+    deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    # A login that holds ontofabric_reader and nothing else, as docs/security.md sets one up. It cannot migrate:
+    # the worker waits for whoever may, here `migrate` as the owner a moment later.
+    login = f"{deployment.settings.subject_prefix}_query"
+    async with deployment.session() as admin:
+        await admin.execute(f'CREATE ROLE "{login}" LOGIN')
+    try:
+        reader_url = deployment.database_url.replace("postgres@", f"{login}@", 1)
+        starting = asyncio.create_task(start_query_worker(embedder, query_database_url=reader_url))
+        await asyncio.sleep(1.0)
+        assert not starting.done()  # waiting for the schema
+        await migrate(deployment.database_url, deployment.settings)  # creates ontofabric_reader if it is new
+        async with deployment.session() as admin:
+            await admin.execute(f'GRANT ontofabric_reader TO "{login}"')
+        service = await asyncio.wait_for(starting, 30)
+        try:
+            reply = await client.query("acme", {"semanticQuery": "anything"})
+            assert isinstance(reply, QueryResponse), reply
+            assert service._pool is not None
+            await _cannot_write(service._pool)
+            async with service._pool.acquire() as conn:
+                await conn.execute("RESET ROLE")  # the login itself has no more rights than the role it holds
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await conn.execute("INSERT INTO workspaces (workspace, partition_name) VALUES ('i', 'i')")
+                await conn.execute(f"SET ROLE {READER_ROLE}")
+        finally:
+            await service.stop()
+    finally:
+        async with deployment.session() as admin:
+            await admin.execute(f'DROP ROLE IF EXISTS "{login}"')

@@ -31,7 +31,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
-from ontofabric.shared.db import create_pool, is_unavailable, migrate
+from ontofabric.shared.db import READER_ROLE, create_pool, is_unavailable, migrate, wait_until_migrated
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
@@ -162,8 +162,14 @@ class QueryService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        await migrate(self._database_url, settings)
-        self._pool = await create_pool(self._database_url, settings, max_size=max(4, 2 * settings.query_concurrency))
+        if settings.query_database_url is None:
+            await migrate(self._database_url, settings)
+        reader_url = settings.query_database_url or self._database_url
+        await wait_until_migrated(reader_url, settings)
+        # Whatever the URL's own rights, the pool acts as the reader role: no query path can write.
+        self._pool = await create_pool(
+            reader_url, settings, max_size=max(4, 2 * settings.query_concurrency), role=READER_ROLE
+        )
         nc = self._nc = await connect(self._nats_url, "ontofabric-query")
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)

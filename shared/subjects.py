@@ -8,6 +8,7 @@ characters ``[A-Za-z0-9-_]`` reversibly, keeping plain names readable (``feature
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -141,6 +142,10 @@ class Names:
     @property
     def azure_projector_durable(self) -> str:
         return f"{self.prefix}-projector-azure-search"
+
+    def count_consumer(self) -> str:
+        """A fresh name for a short-lived consumer that counts deltas (never a durable's)."""
+        return f"{self.prefix}-count-{uuid.uuid4().hex}"
 
     @property
     def ingest_state_bucket(self) -> str:

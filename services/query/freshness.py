@@ -51,12 +51,15 @@ def _epoch(stamp: str) -> float:
     return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-async def published_after(js: JetStreamContext, stream: str, subject: str, seq: int) -> Pending:
-    """The subject's messages stored after ``seq``, and how long ago the first was: a consumer of its own, made
-    and removed here, counts them."""
+async def published_after(js: JetStreamContext, stream: str, subject: str, seq: int, name: str) -> Pending:
+    """The subject's messages stored after ``seq``, and how long ago the first was: a consumer of its own named
+    ``name``, made and removed here, counts them. Named, because the create request of an unnamed consumer could
+    name a projector's durable and reconfigure it; NATS permissions allow this worker only named creates
+    (shared/nats_auth.py)."""
     consumer = await js.add_consumer(
         stream,
         ConsumerConfig(
+            name=name,
             filter_subject=subject,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=seq + 1,
@@ -201,4 +204,4 @@ class DeltaWatch:
         return Pending(total, oldest_ms)
 
     async def published_after(self, subject: str, seq: int) -> Pending:
-        return await published_after(self._js, self._names.delta_stream, subject, seq)
+        return await published_after(self._js, self._names.delta_stream, subject, seq, self._names.count_consumer())

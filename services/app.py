@@ -33,18 +33,18 @@ async def start_workers(
 ) -> Embedder | None:
     """Start the chosen workers; ``stack`` stops them in reverse order. Returns the query embedder."""
     if roles.projector:
-        projector = ProjectorService(settings, endpoints.nats_url, endpoints.database_url)
+        projector = ProjectorService(settings, endpoints.nats_url_as("projector"), endpoints.database_url)
         await projector.start()
         stack.push_async_callback(projector.stop)
     if roles.azure_projector and settings.azure_search_endpoint is not None:
-        azure = AzureProjectorService(settings, endpoints.nats_url)
+        azure = AzureProjectorService(settings, endpoints.nats_url_as("projector"))
         await azure.start()
         stack.push_async_callback(azure.stop)
     if roles.query:
         if embedder is None and settings.embedder != "none":
             embedder = await asyncio.to_thread(build_embedder, settings)
         reranker = await asyncio.to_thread(build_reranker, settings)
-        query = QueryService(settings, endpoints.nats_url, endpoints.database_url, embedder, reranker)
+        query = QueryService(settings, endpoints.nats_url_as("query"), endpoints.database_url, embedder, reranker)
         await query.start()
         stack.push_async_callback(query.stop)
     return embedder

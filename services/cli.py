@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
@@ -21,9 +23,10 @@ from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorRe
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
+from ontofabric.shared.jetstream import PermissionDenied, connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import (
+    RUNTIME_FILE,
     EmbeddedRuntime,
     Endpoints,
     RuntimeUnavailable,
@@ -88,6 +91,12 @@ def up(data_dir: DataDir = None) -> None:
                     f"[green]ready[/green] nats={redacted_url(endpoints.nats_url)} "
                     f"database={redacted_url(endpoints.database_url)} (Ctrl-C stops)"
                 )
+                if endpoints.nats_logins:
+                    errors.print(
+                        f"NATS requires credentials; each role's are in {runtime.data_dir / RUNTIME_FILE} (owner "
+                        "only): `ingest`, `query` and `mcp` read them there; another client takes the `client` "
+                        "login (docs/security.md)"
+                    )
 
             asyncio.run(serve_until_signal(settings, endpoints, Roles(), ready))
     except RuntimeUnavailable as error:
@@ -138,7 +147,7 @@ def ingest(
 
     async def run() -> None:
         embedder = await asyncio.to_thread(build_embedder, settings)
-        nc = await connect(endpoints.nats_url, "ontofabric-ingest")
+        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-ingest")
         try:
             js = nc.jetstream()
             await ensure_jetstream(js, names, settings)
@@ -190,7 +199,7 @@ def query(
             request[key] = value
 
     async def run() -> bytes:
-        nc = await connect(endpoints.nats_url, "ontofabric-cli")
+        nc = await connect(endpoints.nats_url_as("client"), "ontofabric-cli")
         try:
             return await QueryClient(nc, Names(settings.subject_prefix)).send_raw(
                 workspace, json.dumps(request).encode()
@@ -198,7 +207,12 @@ def query(
         finally:
             await nc.close()
 
-    raw = asyncio.run(run())
+    try:
+        raw = asyncio.run(run())
+    except PermissionDenied as error:
+        _fail(f"{error} (workspace {workspace!r})")
+    except (NoRespondersError, NatsTimeoutError) as error:
+        _fail(f"no answer from a query worker ({type(error).__name__}): is `ontofabric up` running?")
     reply = parse_reply(raw)
     if as_json:
         console.print_json(raw.decode())
@@ -232,7 +246,7 @@ def mcp(
             _fail(f"--http takes HOST:PORT, not {http!r}")
         address = (host.strip("[]"), int(port))
     try:
-        nats_url = resolve_nats_url(settings)
+        nats_url = resolve_nats_url(settings, "client")
     except RuntimeUnavailable as error:
         _fail(str(error))
 
@@ -353,7 +367,7 @@ def rebuild(
         with RichProgress(console) as progress:
             job = Rebuild(
                 settings,
-                endpoints.nats_url,
+                endpoints.nats_url_as("operator"),
                 endpoints.database_url,
                 workspace,
                 progress,

@@ -57,8 +57,11 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
-        nc = await connect(endpoints.nats_url, "ontofabric-demo")
+        # As the roles a deployment would use: the ingester publishes, a client asks (docs/security.md).
+        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-demo-ingest")
         stack.push_async_callback(nc.close)
+        asking = await connect(endpoints.nats_url_as("client"), "ontofabric-demo-client")
+        stack.push_async_callback(asking.close)
         js = nc.jetstream()
         root = project_root()
         console.print(f"[bold]Ingesting[/bold] {root} into workspace [cyan]{WORKSPACE}[/cyan]")
@@ -81,7 +84,7 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
             "first publish"
         )
         await asyncio.sleep(0.2)  # let the query worker see the new ontologyVersion through its KV watch
-        client = QueryClient(nc, names)
+        client = QueryClient(asking, names)
         for query in [*QUERIES, QUERIES[0]]:  # the repeat shows a cache hit
             reply = await client.query(WORKSPACE, query)
             render_reply(console, query, reply)

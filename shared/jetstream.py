@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+import re
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from typing import TypeVar
+from urllib.parse import unquote, urlsplit
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -26,8 +30,11 @@ from nats.js.api import (
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from .logging import describe, get_logger
+from .nats_auth import inbox_prefix
 from .settings import Settings
 from .subjects import Names
+
+T = TypeVar("T")
 
 log = get_logger(__name__)
 
@@ -35,11 +42,63 @@ log = get_logger(__name__)
 MAX_DELTA_MESSAGE_BYTES = 1024 * 1024
 
 
+class PermissionDenied(Exception):
+    """The server refused this connection's credentials a publish or subscription (NATS permissions)."""
+
+
+_VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to "([^"]+)"', re.IGNORECASE)
+_DENIALS: weakref.WeakKeyDictionary[Client, dict[str, list[asyncio.Future[str]]]] = weakref.WeakKeyDictionary()
+
+
+async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Awaitable[T]) -> T:
+    """``call`` (requests or publishes to ``subjects`` on ``nc``), failing with PermissionDenied as soon as the
+    server refuses one of the subjects. The server drops a refused message without a reply and reports the refusal
+    only to the connection's error callback, so the caller would otherwise wait for its whole timeout."""
+    waiting = _DENIALS.get(nc)
+    if waiting is None:  # a connection not made by connect(): nothing reports refusals
+        return await call
+    keys = {subjects.lower()} if isinstance(subjects, str) else {s.lower() for s in subjects}  # nats-py lower-cases
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    for key in keys:
+        waiting.setdefault(key, []).append(refused)
+    task = asyncio.ensure_future(call)
+    refused.add_done_callback(lambda _: task.cancel())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if refused.done() and (current is None or not current.cancelling()):
+            raise PermissionDenied(f"the server refused these credentials the subject {refused.result()!r}") from None
+        raise
+    finally:
+        for key in keys:
+            futures = waiting.get(key, [])
+            if refused in futures:
+                futures.remove(refused)
+            if not futures:
+                waiting.pop(key, None)
+
+
+def connection_of(js: JetStreamContext) -> Client:
+    """The connection a JetStream context talks through (nats-py keeps it, without a public accessor)."""
+    nc: Client = js._nc
+    return nc
+
+
 async def connect(url: str, name: str) -> Client:
-    """A client that reconnects for ever and logs connection changes (not its own close)."""
+    """A client that reconnects for ever and logs connection changes (not its own close). With a user in the URL,
+    replies arrive under that user's own inbox prefix, the only one its permissions let it read."""
     nc = Client()
+    waiting: dict[str, list[asyncio.Future[str]]] = {}
 
     async def on_error(error: Exception) -> None:
+        violation = _VIOLATION.search(str(error))
+        if violation is not None:
+            for refused in waiting.get(violation.group(1).lower(), []):
+                if not refused.done():
+                    refused.set_result(violation.group(1))
+            log.warning("nats_permission_denied", subject=violation.group(1))
+            return
         log.warning("nats_error", error=str(error))
 
     async def on_disconnect() -> None:
@@ -49,6 +108,7 @@ async def connect(url: str, name: str) -> Client:
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
+    user = urlsplit(url.split(",")[0]).username
     await nc.connect(
         url,
         name=name,
@@ -57,7 +117,9 @@ async def connect(url: str, name: str) -> Client:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        inbox_prefix=inbox_prefix(unquote(user)) if user else "_INBOX",
     )
+    _DENIALS[nc] = waiting
     return nc
 
 

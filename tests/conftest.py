@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -29,9 +28,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, build_embedder
-from ontofabric.shared.jetstream import ensure_jetstream, wait_caught_up
+from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.nats_auth import NatsRole
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
@@ -62,11 +62,11 @@ def embedder() -> Embedder:
 
 
 @pytest.fixture(scope="session")
-def servers() -> Iterator[Endpoints]:
-    nats_url = os.environ.get("ONTOFABRIC_TEST_NATS_URL")
-    database_url = os.environ.get("ONTOFABRIC_TEST_DATABASE_URL")
-    if nats_url and database_url:
-        yield Endpoints(nats_url=nats_url, database_url=database_url)
+def embedded() -> Iterator[EmbeddedRuntime | None]:
+    """The session's embedded servers; None when ONTOFABRIC_TEST_NATS_URL and ONTOFABRIC_TEST_DATABASE_URL name
+    servers started elsewhere (their URLs then carry whatever credentials they need)."""
+    if os.environ.get("ONTOFABRIC_TEST_NATS_URL") and os.environ.get("ONTOFABRIC_TEST_DATABASE_URL"):
+        yield None
         return
     # Not under pytest's base directory: pytest keeps it 0700 and resets it at every session's start, and the
     # embedded PostgreSQL, run as its own unprivileged user, would need o+x there.
@@ -74,8 +74,16 @@ def servers() -> Iterator[Endpoints]:
         tempfile.TemporaryDirectory(prefix="ontofabric-test-servers-") as data_dir,
         EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
     ):
-        assert runtime.endpoints is not None
-        yield runtime.endpoints
+        yield runtime
+
+
+@pytest.fixture(scope="session")
+def servers(embedded: EmbeddedRuntime | None) -> Endpoints:
+    """The servers' endpoints, with the embedded nats-server's logins of the default deployment ("ontofabric")."""
+    if embedded is None:
+        return Endpoints(os.environ["ONTOFABRIC_TEST_NATS_URL"], os.environ["ONTOFABRIC_TEST_DATABASE_URL"])
+    assert embedded.endpoints is not None
+    return embedded.endpoints
 
 
 def _with_database(url: str, name: str) -> str:
@@ -108,10 +116,23 @@ class Deployment:
     js: JetStreamContext
     publisher: DeltaPublisher
 
+    nats_logins: dict[str, tuple[str, str]]
+
     @property
     def nats_url(self) -> str:
+        """The operator's URL: what the tests themselves use (the settings carry it)."""
         assert self.settings.nats_url is not None
         return self.settings.nats_url
+
+    def nats_url_as(self, role: NatsRole) -> str:
+        """The URL a part playing ``role`` connects with: its own user, with only that role's permissions."""
+        login = self.nats_logins.get(role)
+        return self.nats_url if login is None else with_login(self.nats_url_of_server, *login)
+
+    @property
+    def nats_url_of_server(self) -> str:
+        parts = urlsplit(self.nats_url)
+        return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
     @property
     def database_url(self) -> str:
@@ -161,10 +182,24 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment_settings(servers: Endpoints) -> Settings:
-    prefix = "t" + uuid.uuid4().hex[:12]
+def deployment_prefix() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def nats_logins(embedded: EmbeddedRuntime | None, deployment_prefix: str) -> dict[str, tuple[str, str]]:
+    """This deployment's users on the embedded nats-server, one per role (added to the running server)."""
+    return embedded.nats_logins(deployment_prefix) if embedded is not None else {}
+
+
+@pytest.fixture
+def deployment_settings(
+    servers: Endpoints, deployment_prefix: str, nats_logins: dict[str, tuple[str, str]]
+) -> Settings:
+    prefix = deployment_prefix
+    operator = nats_logins.get("operator")
     return Settings(
-        nats_url=servers.nats_url,
+        nats_url=with_login(servers.nats_url, *operator) if operator is not None else servers.nats_url,
         database_url=_with_database(servers.database_url, prefix),
         subject_prefix=prefix,
         projector_ack_wait_s=2.0,
@@ -175,17 +210,20 @@ def deployment_settings(servers: Endpoints) -> Settings:
 
 
 @pytest.fixture
-async def deployment(deployment_settings: Settings, servers: Endpoints) -> AsyncIterator[Deployment]:
+async def deployment(
+    deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]]
+) -> AsyncIterator[Deployment]:
     settings = deployment_settings
     database = settings.subject_prefix
     admin = await asyncpg.connect(_with_database(servers.database_url, "postgres"))
     await admin.execute(f'CREATE DATABASE "{database}"')
-    nc = await nats.connect(servers.nats_url)
+    assert settings.nats_url is not None
+    nc = await connect(settings.nats_url, "tests")
     js = nc.jetstream()
     names = Names(settings.subject_prefix)
     await ensure_jetstream(js, names, settings)
     try:
-        yield Deployment(settings, names, nc, js, DeltaPublisher(js, names))
+        yield Deployment(settings, names, nc, js, DeltaPublisher(js, names), nats_logins)
     finally:
         owned = {names.delta_stream, names.dlq_stream, f"KV_{names.version_bucket}", f"OBJ_{names.ingest_state_bucket}"}
         for stream in await js.streams_info():
@@ -199,7 +237,7 @@ async def deployment(deployment_settings: Settings, servers: Endpoints) -> Async
 @pytest.fixture
 async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
     """The deployment's projector, running in this process."""
-    service = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
+    service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
     await service.start()
     try:
         yield service

@@ -151,7 +151,7 @@ def _settings(deployment: Deployment, azure: AzureSearchServer, **overrides: obj
 
 @pytest.fixture
 async def azure_projector(deployment: Deployment, azure: AzureSearchServer) -> AsyncIterator[AzureProjectorService]:
-    service = AzureProjectorService(_settings(deployment, azure), deployment.nats_url)
+    service = AzureProjectorService(_settings(deployment, azure), deployment.nats_url_as("projector"))
     await service.start()
     try:
         yield service
@@ -326,7 +326,7 @@ async def ask_azure(deployment: Deployment, azure: AzureSearchServer) -> AsyncIt
     """A query worker on the azure-ai-search keyword backend (keyword-only answers: no embedder)."""
     service = QueryService(
         _settings(deployment, azure, keyword_backend="azure-ai-search", query_cache_entries=100),
-        deployment.nats_url,
+        deployment.nats_url_as("query"),
         deployment.database_url,
         None,
     )
@@ -389,7 +389,7 @@ async def test_the_azure_backend_answers_like_postgres_through_the_same_request(
     assert next(r.id for r in reply.results) == "zip"
     assert {r.id for r in reply.results} == {"zip", "csv", "http"}  # "read" or "zip" or "archive"; fib shares none
     # The same request to a Postgres-backed worker finds the same documents.
-    postgres = QueryService(deployment.settings, deployment.nats_url, deployment.database_url, None)
+    postgres = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
     await postgres.start()
     try:
         await asyncio.sleep(0.2)  # both in the queue group; ask until the Postgres one answers
@@ -606,8 +606,8 @@ async def test_the_live_service_indexes_and_answers(deployment: Deployment, proj
         }
     )
     indexes = index_client(settings, retries=3)
-    indexer = AzureProjectorService(settings, deployment.nats_url)
-    worker = QueryService(settings, deployment.nats_url, deployment.database_url, None)
+    indexer = AzureProjectorService(settings, deployment.nats_url_as("projector"))
+    worker = QueryService(settings, deployment.nats_url_as("query"), deployment.database_url, None)
     try:
         await indexer.start()
         await worker.start()

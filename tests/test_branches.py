@@ -31,7 +31,7 @@ from .test_pipeline import ScriptedRetrieval, pipeline_over
 @pytest.fixture
 async def worker(deployment: Deployment, projector: ProjectorService, embedder: Embedder) -> AsyncIterator[QueryClient]:
     settings = deployment.settings.model_copy(update={"query_cache_entries": 0})  # every answer read fresh
-    service = QueryService(settings, deployment.nats_url, deployment.database_url, embedder)
+    service = QueryService(settings, deployment.nats_url_as("query"), deployment.database_url, embedder)
     await service.start()
     yield QueryClient(deployment.nc, deployment.names)
     await service.stop()

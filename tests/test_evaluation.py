@@ -164,7 +164,12 @@ def test_hybrid_margins_compare_with_the_stronger_retriever() -> None:
 
 @pytest.mark.slow
 async def test_a_small_dataset_through_the_real_path(
-    tmp_path: Path, deployment_settings: Settings, servers: Endpoints, deployment: object, tiny_cross_encoder: Path
+    tmp_path: Path,
+    deployment_settings: Settings,
+    servers: Endpoints,
+    deployment: object,
+    tiny_cross_encoder: Path,
+    nats_logins: dict[str, tuple[str, str]],
 ) -> None:
     corpus = [
         {"_id": "py", "title": "Python", "text": "Python is a programming language with dynamic typing."},
@@ -196,7 +201,7 @@ async def test_a_small_dataset_through_the_real_path(
             "reranker_model_path": tiny_cross_encoder,
         }
     )
-    endpoints = Endpoints(nats_url=servers.nats_url, database_url=deployment_settings.database_url or "")
+    endpoints = Endpoints(servers.nats_url, deployment_settings.database_url or "", nats_logins)
     configs = list(CONFIGS)
     report = await evaluate(settings, endpoints, load_beir(root, "test"), configs, RecordedProgress())
     assert report.documents == 6

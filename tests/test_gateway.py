@@ -58,7 +58,7 @@ async def served(
     ]  # fmt: skip
     acks = await deployment.publisher.publish_many(deltas)
     await deployment.wait_projected(acks[-1].seq)
-    worker = QueryService(deployment.settings, deployment.nats_url, deployment.database_url, embedder)
+    worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, embedder)
     await worker.start()
     try:
         yield worker

@@ -209,7 +209,7 @@ async def test_deltas_trickling_in_are_each_projected_on_first_delivery(deployme
     # Deltas one at a time at random gaps: some arrive just as a fetch times out. None may wait for redelivery.
     # The ack wait outlasts the test, so a delivery the projector dropped would surface as a timeout below.
     settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 120.0})
-    projector = ProjectorService(settings, deployment.nats_url, deployment.database_url)
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
     await projector.start()
     try:
         rng = random.Random(11)
@@ -251,7 +251,7 @@ async def test_transient_database_failure_is_retried(deployment: Deployment) -> 
     # An ack wait longer than NAK_EVIDENCE_S: a redelivery seen within that time comes from the projector's nak,
     # not from expiry.
     settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 2 * NAK_EVIDENCE_S})
-    projector = ProjectorService(settings, deployment.nats_url, deployment.database_url)
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
     await projector.start()
     try:
         await _outage_then_recovery(deployment)

@@ -68,7 +68,7 @@ async def start_query_worker(deployment: Deployment) -> AsyncIterator[Start]:
 
     async def start(embedder: Embedder | None, **overrides: object) -> QueryService:
         settings = deployment.settings.model_copy(update=overrides)
-        service = QueryService(settings, deployment.nats_url, deployment.database_url, embedder)
+        service = QueryService(settings, deployment.nats_url_as("query"), deployment.database_url, embedder)
         await service.start()
         started.append(service)
         return service
@@ -212,7 +212,7 @@ async def test_a_delta_waiting_for_a_retry_holds_every_answer_below_it(
     # later delta of another workspace is applied.
     projector = ProjectorService(
         deployment.settings.model_copy(update={"statement_timeout_ms": 300}),
-        deployment.nats_url,
+        deployment.nats_url_as("projector"),
         deployment.database_url,
     )
     await projector.start()

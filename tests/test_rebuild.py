@@ -538,7 +538,7 @@ async def test_a_projector_behind_the_rebuild_finds_its_deltas_already_applied(
         "SELECT stream_seq FROM handled_events WHERE stream_seq = ANY($1::bigint[])", [ack.seq for ack in late]
     )
     assert len(handled) == 2  # so even a copy republished later is a no-op for the projector
-    restarted = ProjectorService(deployment.settings, deployment.nats_url, deployment.database_url)
+    restarted = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
     await restarted.start()
     try:
         await deployment.wait_projected(late[-1].seq)

@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from random import Random
 
+import nats
 import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from pydantic import SecretStr, ValidationError
 
-from ontofabric.services.query.worker import workspace_of_subject
+from ontofabric.contracts import StatusReply
+from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.worker import QueryService, workspace_of_subject
+from ontofabric.shared.jetstream import PermissionDenied, connect
+from ontofabric.shared.nats_auth import NatsRole
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
+
+from .conftest import Deployment
+from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 
@@ -155,3 +170,91 @@ def test_run_as_root_the_embedded_postgres_starts_wherever_the_package_is_instal
     assert "connected" in started.stdout.splitlines()
     assert "embedded_postgres_copied" in started.stdout  # by running a copy the service user may reach
     assert stat.S_IMODE(locked.stat().st_mode) == 0o700  # nothing opened up on the way
+
+
+# --------------------------------------------------------------------------- NATS: roles and tenants, real server
+
+
+@pytest.fixture
+def runtime(embedded: EmbeddedRuntime | None) -> EmbeddedRuntime:
+    if embedded is None:
+        pytest.skip("adds users to the embedded nats-server; servers started elsewhere keep their own")
+    return embedded
+
+
+async def _connect_as(
+    deployment: Deployment, runtime: EmbeddedRuntime, role: NatsRole, workspace: str | None = None
+) -> Client:
+    login = runtime.nats_logins(deployment.names.prefix, [role], workspace)[role]
+    return await connect(with_login(deployment.nats_url_of_server, *login), f"test-{role}")
+
+
+async def test_a_connection_without_credentials_is_refused(servers: Endpoints, runtime: EmbeddedRuntime) -> None:
+    with pytest.raises(nats.errors.Error, match=r"(?i)authorization"):
+        await nats.connect(servers.nats_url, allow_reconnect=False, connect_timeout=5)
+
+
+async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, runtime: EmbeddedRuntime) -> None:
+    worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
+    await worker.start()
+    acme = await _connect_as(deployment, runtime, "client", "acme")
+    ingest_acme = await _connect_as(deployment, runtime, "ingest", "acme")
+    try:
+        client = QueryClient(acme, deployment.names, timeout_s=10)
+        assert isinstance(await client.status("acme", {}), StatusReply)
+        # Another tenant's workspace: a clear refusal at once, not a timeout.
+        started = time.monotonic()
+        for operation in ("query", "document", "status"):
+            with pytest.raises(PermissionDenied, match="beta"):
+                await client.send_raw("beta", b"{}", operation)
+        assert time.monotonic() - started < 3  # three refusals, each far below the 10 s timeout
+
+        # Nobody else's replies: an answer to the operator's request never reaches acme's client.
+        overheard: list[bytes] = []
+
+        async def overhear(msg: Msg) -> None:
+            overheard.append(msg.data)
+
+        await acme.subscribe("_INBOX.>", cb=overhear)
+        await acme.flush()
+        assert isinstance(await QueryClient(deployment.nc, deployment.names).status("beta", {}), StatusReply)
+        await asyncio.sleep(0.3)
+        assert overheard == []
+
+        # Its ingester publishes into acme, and into no other workspace.
+        publisher = DeltaPublisher(ingest_acme.jetstream(), deployment.names, ack_timeout_s=10)
+        assert (await publisher.publish(upsert("acme", document("a", "alpha")))).seq > 0
+        started = time.monotonic()
+        with pytest.raises(PermissionDenied):
+            await publisher.publish_many([upsert("beta", document("b", "planted"))])
+        assert time.monotonic() - started < 3
+        assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.messages == 1
+    finally:
+        await acme.close()
+        await ingest_acme.close()
+        await worker.stop()
+
+
+async def test_workers_cannot_play_each_others_parts(deployment: Deployment, runtime: EmbeddedRuntime) -> None:
+    projector = await _connect_as(deployment, runtime, "projector")
+    query = await _connect_as(deployment, runtime, "query")
+    try:
+        # A projector's credentials cannot take query requests, in the workers' queue group or outside it.
+        async def hijack(msg: Msg) -> None:
+            await msg.respond(b'{"hijacked": true}')
+
+        names = deployment.names
+        await projector.subscribe(names.request_subject("query", "*"), queue=names.query_queue, cb=hijack)
+        await projector.subscribe(names.request_subject("query", "*"), cb=hijack)
+        # A query worker's credentials take them only in the queue group.
+        await query.subscribe(names.request_subject("query", "*"), cb=hijack)
+        await projector.flush()
+        await query.flush()
+        with pytest.raises(NoRespondersError):  # nobody was let listen
+            await deployment.nc.request(names.request_subject("query", "acme"), b"{}", timeout=5)
+        # Nor publish deltas.
+        with pytest.raises(PermissionDenied):
+            await DeltaPublisher(query.jetstream(), names, ack_timeout_s=10).publish(upsert("acme", document("q", "x")))
+    finally:
+        await projector.close()
+        await query.close()

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ontofabric.contracts import ErrorReply
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
@@ -99,6 +100,10 @@ class Gateway:
             )
         except (NatsTimeoutError, TimeoutError):
             return tool_error(f"error unavailable (retryable: try again): no answer within {self._timeout_s:g} s")
+        except PermissionDenied:
+            return tool_error(
+                f"error forbidden (not retryable): this gateway's credentials may not read workspace {workspace!r}"
+            )
         try:
             data = json.loads(raw)
             if isinstance(data, dict) and "error" in data:

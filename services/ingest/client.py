@@ -12,6 +12,7 @@ from nats.js.api import PubAck
 from opentelemetry import propagate
 
 from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
+from ontofabric.shared.jetstream import connection_of, refused_promptly
 from ontofabric.shared.subjects import Names
 
 DEFAULT_PRODUCER = "ontofabric-ingest"
@@ -56,12 +57,20 @@ class DeltaPublisher:
 
     async def publish(self, delta: DeltaEnvelope) -> PubAck:
         subject, data, headers = self._message(delta)
-        return await self._js.publish(subject, data, headers=headers, timeout=self._ack_timeout_s)
+        publishing = self._js.publish(subject, data, headers=headers, timeout=self._ack_timeout_s)
+        return await refused_promptly(connection_of(self._js), subject, publishing)
 
     async def publish_many(
         self, deltas: Sequence[DeltaEnvelope], on_stored: Callable[[PubAck], None] | None = None
     ) -> list[PubAck]:
-        """Publish in order (the stream keeps the input order) with many acknowledgements outstanding."""
+        """Publish in order (the stream keeps the input order) with many acknowledgements outstanding. A
+        workspace these credentials may not publish to fails at once (PermissionDenied), not after the timeout."""
+        subjects = {self._names.delta_subject(delta.workspace, delta.branch) for delta in deltas}
+        return await refused_promptly(connection_of(self._js), subjects, self._publish_many(deltas, on_stored))
+
+    async def _publish_many(
+        self, deltas: Sequence[DeltaEnvelope], on_stored: Callable[[PubAck], None] | None
+    ) -> list[PubAck]:
         pending: list[asyncio.Future[PubAck]] = []
         for delta in deltas:
             subject, data, headers = self._message(delta)

@@ -20,6 +20,7 @@ from ontofabric.contracts import (
     StatusReply,
     StatusRequest,
 )
+from ontofabric.shared.jetstream import refused_promptly
 from ontofabric.shared.subjects import Names, Operation
 
 Reply = TypeVar("Reply", QueryResponse, DocumentReply, StatusReply)
@@ -43,7 +44,10 @@ class QueryClient:
             reraise=True,
         ):
             with attempt:
-                reply = await self._nc.request(subject, body, timeout=self._timeout_s, headers=headers)
+                # A subject these credentials may not use fails at once, not after the timeout.
+                reply = await refused_promptly(
+                    self._nc, subject, self._nc.request(subject, body, timeout=self._timeout_s, headers=headers)
+                )
         return bytes(reply.data)
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:

@@ -77,11 +77,11 @@ def summary(name: str, latencies_s: list[float], expected: int, redelivered: int
 
 
 async def run(endpoints: Endpoints, deltas: int, max_gap_s: float, seed: int) -> None:
-    settings = Settings(nats_url=endpoints.nats_url, database_url=endpoints.database_url)
+    settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
     names = Names(settings.subject_prefix)
     workspace = f"fresh-{uuid.uuid4().hex[:6]}"
     await migrate(endpoints.database_url, settings)
-    nc = await connect(endpoints.nats_url, "bench-freshness")
+    nc = await connect(endpoints.nats_url_as("operator"), "bench-freshness")
     js = nc.jetstream()
     await ensure_jetstream(js, names, settings)
     first_seq = (await js.stream_info(names.delta_stream)).state.last_seq + 1
@@ -121,7 +121,7 @@ async def run(endpoints: Endpoints, deltas: int, max_gap_s: float, seed: int) ->
     transport.start()
 
     faststream_delivered: dict[int, float] = {}
-    broker = NatsBroker(endpoints.nats_url, logger=None)
+    broker = NatsBroker(endpoints.nats_url_as("operator"), logger=None)
 
     @broker.subscriber(
         names.delta_subjects,
@@ -143,7 +143,7 @@ async def run(endpoints: Endpoints, deltas: int, max_gap_s: float, seed: int) ->
         await on_transport_batch(message.raw_message, faststream_delivered)
 
     await broker.start()
-    projector = ProjectorService(settings, endpoints.nats_url, endpoints.database_url)
+    projector = ProjectorService(settings, endpoints.nats_url_as("projector"), endpoints.database_url)
     await projector.start()
 
     publisher = DeltaPublisher(js, names)

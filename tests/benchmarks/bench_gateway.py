@@ -178,7 +178,7 @@ async def run(endpoints: Endpoints, settings: Settings, query_count: int, rounds
     tree = project_root()
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles(azure_projector=False))
-        nc = await connect(endpoints.nats_url, "bench")
+        nc = await connect(endpoints.nats_url_as("operator"), "bench")
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
@@ -189,7 +189,7 @@ async def run(endpoints: Endpoints, settings: Settings, query_count: int, rounds
         chunks = [c for p in discover(tree) for c in chunk_file(str(p.relative_to(tree)), p.read_text(), 1 << 20)]
         texts = queries_from(chunks, query_count)
         client = QueryClient(nc, names, timeout_s=60)
-        env = {"ONTOFABRIC_NATS_URL": endpoints.nats_url, "ONTOFABRIC_LOG_LEVEL": "WARNING"}
+        env = {"ONTOFABRIC_NATS_URL": endpoints.nats_url_as("client"), "ONTOFABRIC_LOG_LEVEL": "WARNING"}
         port = _free_port()
         http = await asyncio.create_subprocess_exec(
             ONTOFABRIC, "mcp", "--workspace", WORKSPACE, "--http", f"127.0.0.1:{port}", env=env
@@ -252,7 +252,9 @@ def main() -> None:
         EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
     ):
         assert runtime.endpoints is not None
-        settings = Settings(nats_url=runtime.endpoints.nats_url, database_url=runtime.endpoints.database_url)
+        settings = Settings(
+            nats_url=runtime.endpoints.nats_url_as("operator"), database_url=runtime.endpoints.database_url
+        )
         asyncio.run(run(runtime.endpoints, settings, args.queries, args.rounds))
 
 

@@ -40,7 +40,7 @@ async def run(endpoints: Endpoints, settings: Settings, query_count: int, change
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
-        nc = await connect(endpoints.nats_url, "bench")
+        nc = await connect(endpoints.nats_url_as("operator"), "bench")
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")

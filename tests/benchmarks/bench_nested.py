@@ -60,7 +60,7 @@ async def run(endpoints: Endpoints, settings: Settings, tree: Path, query_count:
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
-        nc = await connect(endpoints.nats_url, "bench")
+        nc = await connect(endpoints.nats_url_as("operator"), "bench")
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
@@ -115,7 +115,9 @@ def main() -> None:
     ):
         assert runtime.endpoints is not None
         settings = Settings(
-            nats_url=runtime.endpoints.nats_url, database_url=runtime.endpoints.database_url, query_cache_entries=0
+            nats_url=runtime.endpoints.nats_url_as("operator"),
+            database_url=runtime.endpoints.database_url,
+            query_cache_entries=0,
         )
         tree = (args.tree or project_root()).resolve()
         asyncio.run(run(runtime.endpoints, settings, tree, args.queries))

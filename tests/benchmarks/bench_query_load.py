@@ -102,7 +102,7 @@ async def drive(queries: Sequence[str], concurrency: int, ask: Callable[[str], A
 
 
 async def run(endpoints: Endpoints, dataset: BeirDataset, sizes: list[int], levels: list[int], per_level: int) -> None:
-    settings = Settings(nats_url=endpoints.nats_url, database_url=endpoints.database_url)
+    settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
     names = Names(settings.subject_prefix)
     queries = [text for text in dataset.queries.values() if text.strip()]
     needed = per_level * len(levels)
@@ -111,7 +111,7 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, sizes: list[int], leve
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
         assert embedder is not None, "the benchmark needs the embedder"
-        nc = await connect(endpoints.nats_url, "bench-query-load")
+        nc = await connect(endpoints.nats_url_as("operator"), "bench-query-load")
         stack.push_async_callback(nc.close)
         client = QueryClient(nc, names, timeout_s=60)
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")

@@ -65,7 +65,7 @@ def delete_delta(workspace: str, doc_id: str) -> DeltaEnvelope:
 async def rebuild_command(endpoints: Endpoints, workspace: str, *options: str) -> tuple[str, float]:
     """`ontofabric rebuild` in a process of its own, as an operator runs it; its output and wall time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")}
-    env |= {"ONTOFABRIC_NATS_URL": endpoints.nats_url, "ONTOFABRIC_DATABASE_URL": endpoints.database_url}
+    env |= {"ONTOFABRIC_NATS_URL": endpoints.nats_url_as("operator"), "ONTOFABRIC_DATABASE_URL": endpoints.database_url}
     started = time.perf_counter()
     process = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).parent / "ontofabric"), "rebuild", workspace, *options,
@@ -79,7 +79,9 @@ async def rebuild_command(endpoints: Endpoints, workspace: str, *options: str) -
 
 
 async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, deletes: int, max_rate: float | None) -> None:
-    settings = Settings(nats_url=endpoints.nats_url, database_url=endpoints.database_url, query_cache_entries=0)
+    settings = Settings(
+        nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
+    )
     names = Names(settings.subject_prefix)
     queries = [text for text in dataset.queries.values() if text.strip()][:per_phase]
     async with AsyncExitStack() as stack:
@@ -89,7 +91,7 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, per_phase: int, delete
         stack.push_async_callback(pool.close)
         # As before migration 0007: pgvector's own storage, which moves a vector out of a row past 2 kB.
         await pool.execute("ALTER TABLE documents ALTER COLUMN embedding SET STORAGE EXTERNAL")
-        nc = await connect(endpoints.nats_url, "bench-rebuild")
+        nc = await connect(endpoints.nats_url_as("operator"), "bench-rebuild")
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         client = QueryClient(nc, names, timeout_s=60)

@@ -73,7 +73,9 @@ async def reference_insert(pool: asyncpg.Pool, workspace: str, deltas: list[Delt
 
 
 async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
-    settings = Settings(nats_url=endpoints.nats_url, database_url=endpoints.database_url, query_cache_entries=0)
+    settings = Settings(
+        nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
+    )
     names = Names(settings.subject_prefix)
     embedder: Embedder | None = build_embedder(settings)
     assert embedder is not None
@@ -85,9 +87,9 @@ async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
     print(f"corpus: {len(chunks)} chunks from {project_root().name}; embedding {len(chunks) / embed_s:.1f} chunks/s")
 
     await migrate(endpoints.database_url, settings)
-    projector = ProjectorService(settings, endpoints.nats_url, endpoints.database_url)
+    projector = ProjectorService(settings, endpoints.nats_url_as("projector"), endpoints.database_url)
     await projector.start()
-    nc = await connect(endpoints.nats_url, "bench")
+    nc = await connect(endpoints.nats_url_as("operator"), "bench")
     js = nc.jetstream()
     await ensure_jetstream(js, names, settings)
     publisher = DeltaPublisher(js, names)
@@ -117,7 +119,7 @@ async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
         f"reference single-transaction INSERT {r:.0f} documents/s; ratio {p / r:.2f}"
     )
 
-    query = QueryService(settings, endpoints.nats_url, endpoints.database_url, embedder)
+    query = QueryService(settings, endpoints.nats_url_as("query"), endpoints.database_url, embedder)
     await query.start()
     client = QueryClient(nc, names)
     texts = queries_from(chunks, query_count)

@@ -1,0 +1,169 @@
+"""NATS roles: what each part may publish and subscribe to, as nats-server permissions (docs/security.md).
+
+Every role is a user of the server. A user may subscribe under ``_INBOX`` only to its own prefix,
+``_INBOX.<user>``, and connects with that prefix (:func:`inbox_prefix`; ``shared/jetstream.connect`` derives it
+from the URL's user), so no client can read another's replies. The permissions below list the JetStream API
+subjects each part's own code calls; a part that needs a subject not listed here is refused by the server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from .subjects import OPERATIONS, Names, encode_token
+
+NatsRole = Literal["projector", "query", "ingest", "client", "operator"]
+"""projector: creates the streams, consumes deltas, writes versions and dead letters (Postgres and Azure).
+query: serves the request subjects in the workers' queue group. ingest: publishes deltas (of one workspace, or all).
+client: requests answers (of one workspace, or all): the MCP gateway, ``ontofabric query``. operator: rebuilds,
+dead-letter tools, ``eval``: the deployment's administrator, who may do anything in it."""
+NATS_ROLES: tuple[NatsRole, ...] = get_args(NatsRole)
+
+API = "$JS.API"
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a user's replies arrive; the only ``_INBOX`` subjects it may subscribe to."""
+    return f"_INBOX.{user}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: list[str]
+    subscribe: list[str]
+    publish_deny: list[str] = field(default_factory=list)
+    allow_responses: bool = False
+    """May publish to the reply subject of a request it received (a query worker's answers)."""
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    name: str
+    password: str
+    role: NatsRole
+    prefix: str
+    workspace: str | None = None
+    """For ingest and client: the one workspace this user may touch; None: every workspace."""
+
+    def permissions(self) -> Permissions:
+        return role_permissions(self.role, Names(self.prefix), self.name, self.workspace)
+
+
+def _streams(names: Names) -> list[str]:
+    return [names.delta_stream, names.dlq_stream, f"KV_{names.version_bucket}", f"OBJ_{names.ingest_state_bucket}"]
+
+
+def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | None = None) -> Permissions:
+    """What ``user`` playing ``role`` in the deployment ``names`` may do."""
+    deltas, versions = names.delta_stream, f"KV_{names.version_bucket}"
+    manifests = f"OBJ_{names.ingest_state_bucket}"
+    durables = [names.postgres_projector_durable, names.azure_projector_durable]
+    stream_info = [f"{API}.STREAM.INFO.{stream}" for stream in _streams(names)]  # ensure_jetstream, every part
+    inbox = [f"{inbox_prefix(user)}.>"]
+    token = encode_token(workspace) if workspace is not None else "*"
+    if role == "projector":
+        return Permissions(
+            publish=[
+                *stream_info,
+                *[f"{API}.STREAM.CREATE.{stream}" for stream in _streams(names)],  # the first start creates them
+                f"{API}.STREAM.UPDATE.{deltas}",  # ensure_jetstream adds the republish an older stream lacks
+                *[f"{API}.CONSUMER.INFO.{deltas}.{durable}" for durable in durables],
+                *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
+                f"{API}.CONSUMER.DELETE.{deltas}.{names.azure_projector_durable}",  # an Azure index lost: replay
+                *[f"{API}.CONSUMER.MSG.NEXT.{deltas}.{durable}" for durable in durables],
+                *[f"$JS.ACK.{deltas}.{durable}.>" for durable in durables],
+                names.dlq_subjects,
+                f"$KV.{names.version_bucket}.>",
+                f"{API}.STREAM.MSG.GET.{versions}",
+                f"{API}.DIRECT.GET.{versions}",
+                f"{API}.DIRECT.GET.{versions}.>",
+                f"{names.prefix}.version.>",
+            ],
+            subscribe=inbox,
+        )
+    if role == "query":
+        return Permissions(
+            publish=[
+                *stream_info,
+                f"{API}.STREAM.MSG.GET.{deltas}",  # a workspace's last delta; the first delta past the index
+                f"{API}.CONSUMER.INFO.{deltas}.{names.postgres_projector_durable}",  # the index's position
+                # Counting deltas past the position: a named consumer of its own (published_after), never a
+                # durable of the projectors, which a create request could otherwise reconfigure.
+                f"{API}.CONSUMER.CREATE.{deltas}.*.{names.prefix}.delta.*.*",
+                f"{API}.CONSUMER.DELETE.{deltas}.*",
+                f"{API}.CONSUMER.CREATE.{versions}",  # the versions watch: an ordered consumer
+                f"{API}.CONSUMER.INFO.{versions}.*",
+                f"$JS.FC.{versions}.>",
+            ],
+            publish_deny=[
+                *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
+                *[f"{API}.CONSUMER.DELETE.{deltas}.{durable}" for durable in durables],
+            ],
+            subscribe=[
+                # Only in the workers' queue group: a query worker cannot take a workspace's requests for itself.
+                *[f"{names.prefix}.{operation}.* {names.query_queue}" for operation in OPERATIONS],
+                names.published_subjects,
+                *inbox,
+            ],
+            allow_responses=True,
+        )
+    if role == "ingest":
+        return Permissions(
+            publish=[
+                f"{names.prefix}.delta.{token}.*",
+                *stream_info,
+                f"{API}.CONSUMER.INFO.{deltas}.{names.postgres_projector_durable}",  # waiting until projected
+                # The manifests of what was published (one object store of every workspace: docs/security.md).
+                f"$O.{names.ingest_state_bucket}.>",
+                f"{API}.STREAM.MSG.GET.{manifests}",
+                f"{API}.STREAM.NAMES",
+                f"{API}.CONSUMER.CREATE.{manifests}",
+                f"$JS.FC.{manifests}.>",
+                f"{API}.STREAM.PURGE.{manifests}",
+            ],
+            subscribe=inbox,
+        )
+    if role == "client":
+        return Permissions(publish=[f"{names.prefix}.{operation}.{token}" for operation in OPERATIONS], subscribe=inbox)
+    return Permissions(
+        publish=[
+            f"{API}.>",
+            "$JS.ACK.>",
+            "$JS.FC.>",
+            f"$KV.{names.version_bucket}.>",
+            f"$O.{names.ingest_state_bucket}.>",
+            f"{names.prefix}.version.>",
+            names.delta_subjects,
+            names.dlq_subjects,
+            *[f"{names.prefix}.{operation}.*" for operation in OPERATIONS],
+        ],
+        subscribe=[f"{names.prefix}.>", *inbox],  # watching versions and deltas go by; not others' replies
+    )
+
+
+def render_config(host: str, port: int, store_dir: str, users: Mapping[str, NatsUser]) -> str:
+    """A nats-server configuration: JetStream, and ``users`` (passwords inline: the file must be readable by its
+    owner only). The users stay in the server's global account, where streams made before authentication was on
+    are kept: a data directory from an earlier version keeps its deltas."""
+    entries = []
+    for user in users.values():
+        permissions = user.permissions()
+        publish: dict[str, list[str]] = {"allow": permissions.publish}
+        if permissions.publish_deny:
+            publish["deny"] = permissions.publish_deny
+        rules: dict[str, object] = {"publish": publish, "subscribe": {"allow": permissions.subscribe}}
+        if permissions.allow_responses:
+            rules["allow_responses"] = {"max": 1, "expires": "1m"}
+        entries.append({"user": user.name, "password": user.password, "permissions": rules})
+    # The configuration format reads JSON: every string quoted, so "$JS..." subjects are not variables.
+    config = {
+        "host": host,
+        "port": port,
+        "server_name": "ontofabric-embedded",
+        "jetstream": {"store_dir": store_dir},
+        "authorization": {"users": entries},
+    }
+    return json.dumps(config, indent=2)

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
+from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -38,6 +39,7 @@ from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
 
 from .app import Roles, serve_until_signal
+from .gateway.auth import ALL_WORKSPACES, TokenStore
 from .render import RichProgress, render_reply
 
 app = typer.Typer(
@@ -236,7 +238,7 @@ def mcp(
 ) -> None:
     """Run the MCP gateway: ontology_query, get_document and ontology_status for coding agents, over stdio (the
     default, for an agent's local configuration) or streamable HTTP; it forwards every call to the query workers."""
-    from .gateway.server import serve
+    from .gateway.server import is_loopback, serve
 
     settings = _settings("ontofabric-mcp", data_dir, quiet=True)
     address = None
@@ -245,6 +247,17 @@ def mcp(
         if not host or not port.isdigit():
             _fail(f"--http takes HOST:PORT, not {http!r}")
         address = (host.strip("[]"), int(port))
+    tokens = None
+    if address is not None:
+        tokens_file = settings.resolved_gateway_tokens_file()
+        tokens = TokenStore(tokens_file) if tokens_file.exists() else None
+        if tokens is None and not is_loopback(address[0]):
+            _fail(
+                f"an HTTP gateway on {address[0]} needs bearer tokens ({tokens_file} does not exist): issue one "
+                "with `ontofabric gateway-token add CLIENT --workspace W`"
+            )
+        if tokens is None:
+            errors.print(f"[yellow]warning:[/yellow] no bearer tokens ({tokens_file}): any local process may call")
     try:
         nats_url = resolve_nats_url(settings, "client")
     except RuntimeUnavailable as error:
@@ -255,12 +268,59 @@ def mcp(
         try:
             await serve(
                 nc, Names(settings.subject_prefix), workspace or settings.gateway_workspace, settings.gateway_timeout_s,
-                address,
+                address, tokens,
             )  # fmt: skip
         finally:
             await nc.close()
 
     asyncio.run(run())
+
+
+gateway_token = typer.Typer(help="Bearer tokens of the HTTP gateway: who may call it, and which workspaces.")
+app.add_typer(gateway_token, name="gateway-token")
+
+
+def _token_store(data_dir: Path | None) -> TokenStore:
+    settings = _settings("ontofabric-cli", data_dir, quiet=True)
+    return TokenStore(settings.resolved_gateway_tokens_file())
+
+
+@gateway_token.command("add")
+def gateway_token_add(
+    client: Annotated[str, typer.Argument(help="Who the token is for (a name; issuing again replaces its token).")],
+    workspace: Annotated[
+        list[str], typer.Option("--workspace", "-w", help="A workspace it may read (repeat; '*' for all).")
+    ],
+    data_dir: DataDir = None,
+) -> None:
+    """Issue a token and print it once (only its SHA-256 is kept). Gateways pick it up on their next request."""
+    for name in workspace:
+        if name != ALL_WORKSPACES:
+            try:
+                WORKSPACE.validate_python(name)
+            except ValidationError:
+                _fail(f"{name!r} is not a workspace name")
+    store = _token_store(data_dir)
+    token = store.add(client, workspace)
+    errors.print(f"token of {client!r} for {', '.join(sorted(set(workspace)))} (kept hashed in {store.path}):")
+    print(token)
+
+
+@gateway_token.command("list")
+def gateway_token_list(data_dir: DataDir = None) -> None:
+    """The clients holding a token, and their workspaces."""
+    for grant in _token_store(data_dir).grants():
+        print(f"{grant.client}\t{','.join(grant.workspaces)}")
+
+
+@gateway_token.command("revoke")
+def gateway_token_revoke(
+    client: Annotated[str, typer.Argument(help="The client whose token stops working.")], data_dir: DataDir = None
+) -> None:
+    """Revoke a client's token; running gateways refuse it from their next request."""
+    if not _token_store(data_dir).revoke(client):
+        _fail(f"no token of {client!r}")
+    errors.print(f"revoked the token of {client!r}")
 
 
 @app.command()

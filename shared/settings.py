@@ -163,6 +163,11 @@ class Settings(BaseSettings):
         default=None,
         description="Workspace the MCP gateway's tools read when a call names none (`ontofabric mcp --workspace`).",
     )
+    gateway_tokens_file: Path | None = Field(
+        default=None,
+        description="Bearer tokens of the HTTP gateway (`ontofabric gateway-token`); while the file exists, every "
+        "HTTP call needs one. Unset: `gateway-tokens.json` in the data directory.",
+    )
     gateway_timeout_s: float = Field(
         default=10.0, gt=0, description="How long the MCP gateway waits for a query worker's reply."
     )
@@ -244,6 +249,9 @@ class Settings(BaseSettings):
                     "(set ONTOFABRIC_INSECURE_HTTP_SECRETS=true to allow it for local testing)"
                 )
         return self
+
+    def resolved_gateway_tokens_file(self) -> Path:
+        return self.gateway_tokens_file or self.data_dir / "gateway-tokens.json"
 
     def resolved_model_path(self) -> Path:
         if self.embedding_model_path is not None:

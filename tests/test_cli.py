@@ -15,7 +15,7 @@ import pytest
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
     "up", "projector", "query-worker", "ingest", "query", "mcp", "demo", "eval", "rebuild", "migrate", "contracts",
-    "settings",
+    "settings", "gateway-token",
 ]  # fmt: skip
 
 

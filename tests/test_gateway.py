@@ -4,10 +4,12 @@ over stdio and over streamable HTTP, and the TypeScript SDK under Node.js where 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -15,10 +17,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import jsonschema
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
 
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.gateway.stdio import next_line
@@ -67,7 +71,9 @@ async def served(
 
 
 def _gateway_env(deployment: Deployment, **extra: str) -> dict[str, str]:
-    return {**deployment.env(), "ONTOFABRIC_LOG_LEVEL": "WARNING", **extra}
+    """A gateway's environment: it connects to NATS as a client, the role a deployment gives it."""
+    client = {"ONTOFABRIC_NATS_URL": deployment.nats_url_as("client")}
+    return {**deployment.env(), "ONTOFABRIC_LOG_LEVEL": "WARNING", **client, **extra}
 
 
 def _stdio(deployment: Deployment, **extra: str) -> StdioServerParameters:
@@ -150,11 +156,22 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-async def test_the_python_sdk_over_streamable_http(deployment: Deployment, served: QueryService) -> None:
+async def _run(deployment: Deployment, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """An ontofabric command of the deployment, run to its end."""
+    command = [ONTOFABRIC, *args]
+    environment = _gateway_env(deployment, **env)
+    return await asyncio.to_thread(
+        subprocess.run, command, env=environment, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@contextlib.asynccontextmanager
+async def _http_gateway(deployment: Deployment, *args: str, **env: str) -> AsyncIterator[str]:
+    """``ontofabric mcp --http`` on a free port, as a process; yields its URL once it listens."""
     port = _free_port()
     gateway = await asyncio.create_subprocess_exec(
-        ONTOFABRIC, "mcp", "--workspace", "acme", "--http", f"127.0.0.1:{port}",
-        env=_gateway_env(deployment), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        ONTOFABRIC, "mcp", *args, "--http", f"127.0.0.1:{port}",
+        env=_gateway_env(deployment, **env), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -165,11 +182,55 @@ async def test_the_python_sdk_over_streamable_http(deployment: Deployment, serve
                     break
             assert time.monotonic() < deadline, "the gateway did not listen"
             await asyncio.sleep(0.1)
-        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
-            await _exercise(client)
+        yield f"http://127.0.0.1:{port}/mcp"
     finally:
         gateway.terminate()
         await asyncio.wait_for(gateway.wait(), 30)
+
+
+async def test_the_python_sdk_over_streamable_http(deployment: Deployment, served: QueryService) -> None:
+    async with _http_gateway(deployment, "--workspace", "acme") as url, Client(url) as client:
+        await _exercise(client)
+
+
+async def test_over_http_a_bearer_token_reads_only_its_workspaces(
+    deployment: Deployment, served: QueryService, tmp_path: Path
+) -> None:
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
+    assert issued.returncode == 0, issued.stderr
+    token = issued.stdout.strip()
+    assert token not in (tmp_path / "tokens.json").read_text()  # kept hashed
+    assert stat.S_IMODE((tmp_path / "tokens.json").stat().st_mode) == 0o600
+    async with _http_gateway(deployment, **tokens) as url:
+        async with httpx2.AsyncClient() as http:
+            for headers in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": f"Basic {token}"}):
+                refused = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=headers)
+                assert refused.status_code == 401
+                assert refused.headers["www-authenticate"].startswith("Bearer ")
+        bearer = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
+        async with Client(streamable_http_client(url, http_client=bearer)) as client:
+            # Its only workspace is the default; another is refused, and says which it may read.
+            listed = await client.call_tool("ontology_query", {"semanticQuery": "read a csv file"})
+            assert listed.is_error is False, _text(listed)
+            assert listed.structured_content is not None
+            assert listed.structured_content["results"][0]["id"] == "csv"
+            other = await client.call_tool("ontology_status", {"workspace": "beta"})
+            assert other.is_error is True
+            assert "forbidden" in _text(other)
+            assert "acme" in _text(other)
+        assert (await _run(deployment, "gateway-token", "revoke", "alice", **tokens)).returncode == 0
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as again:
+            after = await again.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+            assert after.status_code == 401  # from the next request on
+
+
+async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployment, tmp_path: Path) -> None:
+    refused = await _run(
+        deployment, "mcp", "--http", f"0.0.0.0:{_free_port()}", ONTOFABRIC_GATEWAY_TOKENS_FILE=str(tmp_path / "none")
+    )
+    assert refused.returncode == 2
+    assert "needs bearer tokens" in refused.stderr
 
 
 async def test_no_worker_answering_is_a_retryable_error_within_the_timeout(

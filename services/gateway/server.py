@@ -9,6 +9,7 @@ timeout, never a hang.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from importlib.metadata import version
 from typing import Any
@@ -22,6 +23,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
+from starlette.types import ASGIApp
 
 from ontofabric.contracts import ErrorReply
 from ontofabric.contracts.documents import WORKSPACE
@@ -30,6 +32,7 @@ from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
+from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .stdio import stdio_streams
 from .tools import TOOLS, ToolSpec, forwarded, render, render_error
 
@@ -76,7 +79,13 @@ class Gateway:
 
     async def call(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
         """One tool call: the request to the workspace's worker, its reply as structured content and as text."""
-        workspace = arguments.get("workspace") or self._workspace
+        caller = CALLER.get()
+        workspace = arguments.get("workspace") or self._workspace or _only_workspace(caller)
+        if caller is not None and isinstance(workspace, str) and not caller.allows(workspace):
+            return tool_error(
+                f"error forbidden (not retryable): the token of {caller.client!r} may not read workspace "
+                f"{workspace!r}\n- workspace: one of {', '.join(caller.workspaces)}"
+            )
         if workspace is None:
             return tool_error("error invalid_request: no workspace\n- workspace: give the workspace to read")
         if self._workspace is not None and workspace != self._workspace:
@@ -118,11 +127,14 @@ class Gateway:
         async with stdio_streams() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
-    async def serve_http(self, host: str, port: int) -> None:
+    async def serve_http(self, host: str, port: int, tokens: TokenStore | None) -> None:
         """Streamable HTTP at ``http://HOST:PORT/mcp``, stateless, answering in JSON: the tools never call back to
         the client, so any request can go to any gateway (several behind a load balancer need no sticky sessions).
+        With ``tokens``, every request needs a bearer token on record, and reads only that token's workspaces.
         """
-        app = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
+        app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
+        if tokens is not None:
+            app = RequireBearer(app, tokens)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         await uvicorn.Server(config).serve()
 
@@ -140,12 +152,32 @@ def _tool(spec: ToolSpec) -> types.Tool:
     )
 
 
+def _only_workspace(caller: Grant | None) -> str | None:
+    """The workspace a call may leave out when its token reads exactly one."""
+    if caller is None or len(caller.workspaces) != 1 or caller.workspaces[0] == ALL_WORKSPACES:
+        return None
+    return caller.workspaces[0]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 async def serve(
-    nc: Client, names: Names, workspace: str | None, timeout_s: float, http: tuple[str, int] | None
+    nc: Client,
+    names: Names,
+    workspace: str | None,
+    timeout_s: float,
+    http: tuple[str, int] | None,
+    tokens: TokenStore | None = None,
 ) -> None:
+    """Serve over stdio, or over HTTP at ``http`` (host, port): with ``tokens`` when given (see :mod:`.auth`)."""
     gateway = Gateway(nc, names, workspace, timeout_s)
     if http is None:
         await gateway.serve_stdio()
     else:
-        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp")
-        await gateway.serve_http(*http)
+        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp", bearer_tokens=tokens is not None)
+        await gateway.serve_http(*http, tokens)

@@ -1,0 +1,139 @@
+"""Bearer tokens of the HTTP gateway: who may call it, and which workspaces each caller may read.
+
+The gateway is an OAuth 2.1 resource server in the MCP specification's terms: every HTTP request carries
+``Authorization: Bearer <token>``, and a request without a valid one is answered 401 with a ``WWW-Authenticate``
+challenge. Tokens are issued by the operator (``ontofabric gateway-token add``), not by an authorization server: the
+store keeps only their SHA-256, with the client's name and its workspaces. Revoking one takes effect on the next
+request (the store is re-read when its file changes).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import json
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.runtime import write_private
+
+log = get_logger(__name__)
+
+ALL_WORKSPACES = "*"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One issued token: its SHA-256, the client it was issued to, and the workspaces it may read."""
+
+    sha256: str
+    client: str
+    workspaces: list[str]
+
+    def allows(self, workspace: str) -> bool:
+        return ALL_WORKSPACES in self.workspaces or workspace in self.workspaces
+
+
+CALLER: contextvars.ContextVar[Grant | None] = contextvars.ContextVar("ontofabric_gateway_caller", default=None)
+"""The grant of the HTTP request being served; None over stdio (the local user's own agent)."""
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TokenStore:
+    """The grants on record in one file (owner-only), re-read when the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen: tuple[int, int] | None = None
+        self._grants: dict[str, Grant] = {}
+
+    def grants(self) -> list[Grant]:
+        self._reload()
+        return list(self._grants.values())
+
+    def find(self, token: str) -> Grant | None:
+        self._reload()
+        digest = _digest(token)
+        # Compared in constant time, so response times say nothing about how close a guess came.
+        return next((g for g in self._grants.values() if hmac.compare_digest(g.sha256, digest)), None)
+
+    def add(self, client: str, workspaces: Sequence[str]) -> str:
+        """Issue a token to ``client`` (replacing its previous one); returns the token, which is not kept."""
+        token = secrets.token_urlsafe(32)
+        grants = {g.client: g for g in self.grants() if g.client != client}
+        grants[client] = Grant(_digest(token), client, sorted(set(workspaces)))
+        self._write(grants.values())
+        return token
+
+    def revoke(self, client: str) -> bool:
+        grants = self.grants()
+        kept = [g for g in grants if g.client != client]
+        self._write(kept)
+        return len(kept) < len(grants)
+
+    def _write(self, grants: Iterable[Grant]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(self.path, json.dumps([asdict(g) for g in grants], indent=1))
+        self._seen = None
+
+    def _reload(self) -> None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            self._grants, self._seen = {}, None
+            return
+        seen = (stat.st_mtime_ns, stat.st_size)
+        if seen != self._seen:
+            self._grants = {g["sha256"]: Grant(**g) for g in json.loads(self.path.read_text())}
+            self._seen = seen
+
+
+class RequireBearer:
+    """ASGI middleware: a request without a token on record is answered 401; with one, its grant is the caller."""
+
+    def __init__(self, app: ASGIApp, store: TokenStore) -> None:
+        self._app = app
+        self._store = store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        grant = self._store.find(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+        if grant is None:
+            error = "invalid_token" if header else "invalid_request"
+            body = json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": None,
+                    "error": {"code": -32001, "message": "unauthorized: send Authorization: Bearer <token>"},
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"www-authenticate", f'Bearer realm="ontofabric", error="{error}"'.encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        token_of_request = CALLER.set(grant)
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            CALLER.reset(token_of_request)

@@ -149,7 +149,7 @@ def ingest(
 
     async def run() -> None:
         embedder = await asyncio.to_thread(build_embedder, settings)
-        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-ingest")
+        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-ingest", settings)
         try:
             js = nc.jetstream()
             await ensure_jetstream(js, names, settings)
@@ -201,7 +201,7 @@ def query(
             request[key] = value
 
     async def run() -> bytes:
-        nc = await connect(endpoints.nats_url_as("client"), "ontofabric-cli")
+        nc = await connect(endpoints.nats_url_as("client"), "ontofabric-cli", settings)
         try:
             return await QueryClient(nc, Names(settings.subject_prefix)).send_raw(
                 workspace, json.dumps(request).encode()
@@ -264,7 +264,7 @@ def mcp(
         _fail(str(error))
 
     async def run() -> None:
-        nc = await connect(nats_url, "ontofabric-mcp")
+        nc = await connect(nats_url, "ontofabric-mcp", settings)
         try:
             await serve(
                 nc, Names(settings.subject_prefix), workspace or settings.gateway_workspace, settings.gateway_timeout_s,

@@ -58,9 +58,9 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
         # As the roles a deployment would use: the ingester publishes, a client asks (docs/security.md).
-        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-demo-ingest")
+        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-demo-ingest", settings)
         stack.push_async_callback(nc.close)
-        asking = await connect(endpoints.nats_url_as("client"), "ontofabric-demo-client")
+        asking = await connect(endpoints.nats_url_as("client"), "ontofabric-demo-client", settings)
         stack.push_async_callback(asking.close)
         js = nc.jetstream()
         root = project_root()

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import re
+import ssl
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import TypeVar
@@ -85,9 +86,24 @@ def connection_of(js: JetStreamContext) -> Client:
     return nc
 
 
-async def connect(url: str, name: str) -> Client:
+def nats_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context of NATS connections: the server verified against ``nats_tls_ca``, and the client's own
+    certificate where one is set (mutual TLS); None without a CA (plain connections)."""
+    if settings.nats_tls_ca is None:
+        if settings.nats_tls_cert is not None:
+            raise ValueError("ONTOFABRIC_NATS_TLS_CERT needs ONTOFABRIC_NATS_TLS_CA: a server unverified is no TLS")
+        return None
+    context = ssl.create_default_context(cafile=str(settings.nats_tls_ca))
+    if settings.nats_tls_cert is not None:
+        key = settings.nats_tls_key
+        context.load_cert_chain(str(settings.nats_tls_cert), str(key) if key is not None else None)
+    return context
+
+
+async def connect(url: str, name: str, settings: Settings | None = None) -> Client:
     """A client that reconnects for ever and logs connection changes (not its own close). With a user in the URL,
-    replies arrive under that user's own inbox prefix, the only one its permissions let it read."""
+    replies arrive under that user's own inbox prefix, the only one its permissions let it read. ``settings``
+    bring TLS (:func:`nats_tls`)."""
     nc = Client()
     waiting: dict[str, list[asyncio.Future[str]]] = {}
 
@@ -118,6 +134,7 @@ async def connect(url: str, name: str) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         inbox_prefix=inbox_prefix(unquote(user)) if user else "_INBOX",
+        tls=nats_tls(settings) if settings is not None else None,
     )
     _DENIALS[nc] = waiting
     return nc

@@ -28,6 +28,15 @@ class Settings(BaseSettings):
         default=None,
         description="NATS server URL. Unset: `ontofabric up`/`demo` start an embedded nats-server.",
     )
+    nats_tls_ca: Path | None = Field(
+        default=None,
+        description="CA certificates (PEM) that sign the NATS server's: set, every NATS connection uses TLS and "
+        "verifies the server's certificate and name.",
+    )
+    nats_tls_cert: Path | None = Field(
+        default=None, description="Client certificate (PEM) for NATS servers that verify clients (mutual TLS)."
+    )
+    nats_tls_key: Path | None = Field(default=None, description="The client certificate's private key (PEM).")
     database_url: str | None = Field(
         default=None,
         description="PostgreSQL URL (pgvector >= 0.8). Unset: an embedded PostgreSQL is started.",

@@ -254,7 +254,7 @@ async def evaluate(
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
-        nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-eval")
+        nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-eval", settings)
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")

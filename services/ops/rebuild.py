@@ -114,7 +114,7 @@ class Rebuild:
 
     async def discard(self) -> bool:
         """Drop an interrupted rebuild's shadow schema. False when there was none."""
-        nc = await connect(self._nats_url, "ontofabric-rebuild")
+        nc = await connect(self._nats_url, "ontofabric-rebuild", self._settings)
         conn = await asyncpg.connect(self._database_url)
         try:
             async with self._exclusive(conn):
@@ -130,7 +130,7 @@ class Rebuild:
     async def run(self) -> RebuildReport:
         with tracer().start_as_current_span("ops.rebuild") as span:
             span.set_attribute("workspace", self._workspace)
-            nc = await connect(self._nats_url, "ontofabric-rebuild")
+            nc = await connect(self._nats_url, "ontofabric-rebuild", self._settings)
             admin = await asyncpg.connect(self._database_url)
             try:
                 async with self._exclusive(admin):

@@ -64,7 +64,7 @@ class ProjectorService:
         settings, names = self.settings, self.names
         await migrate(self._database_url, settings)
         self._pool = await create_pool(self._database_url, settings)
-        nc = self._nc = await connect(self._nats_url, "ontofabric-projector")
+        nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
@@ -115,7 +115,7 @@ class AzureProjectorService:
         except AzureError as error:
             name = settings.azure_search_index
             raise RuntimeError(f"cannot create the Azure AI Search index {name!r}: {error}") from error
-        nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search")
+        nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         index = AzureSearchIndex(documents)

@@ -170,7 +170,7 @@ class QueryService:
         self._pool = await create_pool(
             reader_url, settings, max_size=max(4, 2 * settings.query_concurrency), role=READER_ROLE
         )
-        nc = self._nc = await connect(self._nats_url, "ontofabric-query")
+        nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -43,7 +44,13 @@ def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    env = _env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none")
+    # A reranker key, recognisable, to a rerank endpoint that refuses connections: it is used and must never show.
+    reranker_key = "RrKeyQ7zX3"
+    env = _env(
+        ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none", ONTOFABRIC_RERANKER="cohere",
+        ONTOFABRIC_RERANKER_URL="https://127.0.0.1:9/v2/rerank", ONTOFABRIC_RERANKER_API_KEY=reranker_key,
+    )  # fmt: skip
+    outputs: list[str] = []
     up = subprocess.Popen(
         [ONTOFABRIC, "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -61,6 +68,7 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
             timeout=120, check=False,
         )  # fmt: skip
         assert ingest.returncode == 0, ingest.stderr
+        outputs += [ingest.stdout, ingest.stderr]
         assert "2 upserts" in ingest.stdout
         for _ in range(50):  # the query worker learns the new version through its KV watch
             query = subprocess.run(
@@ -68,23 +76,34 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
                 capture_output=True, text=True, timeout=60, check=False,
             )  # fmt: skip
             assert query.returncode == 0, query.stderr
+            outputs += [query.stdout, query.stderr]
             reply = json.loads(query.stdout)
             if reply["results"]:
                 break
             time.sleep(0.2)
         assert reply["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
-        assert reply["_meta"]["degraded"] == ["embedder"]
+        assert reply["_meta"]["degraded"] == ["embedder", "reranker"]  # the key was sent, and the call failed
         assert reply["_meta"]["hybrid"] is False
         rebuild = subprocess.run(
             [ONTOFABRIC, "rebuild", "geo"], env=env, capture_output=True, text=True, timeout=120, check=False
         )
         assert rebuild.returncode == 0, rebuild.stderr
+        outputs += [rebuild.stdout, rebuild.stderr]
         assert "rebuilt 'geo': 3 deltas replayed" in rebuild.stdout, rebuild.stdout
+        nats_passwords = [
+            login[1] for login in json.loads((data_dir / "runtime.json").read_text())["natsLogins"].values()
+        ]
+        assert stat.S_IMODE((data_dir / "runtime.json").stat().st_mode) == 0o600
         assert f"main: ontologyVersion {reply['_meta']['ontologyVersion']}" in rebuild.stdout
     finally:
         os.killpg(up.pid, signal.SIGTERM)
         code = up.wait(60)
     assert code == 0
+    # Every output of the workers, the commands and the servers, scanned for the secrets they were given.
+    assert up.stderr is not None
+    outputs += [up.stderr.read().decode(), *(path.read_text() for path in data_dir.rglob("*.log"))]
+    for secret in [reranker_key, *nats_passwords]:
+        assert not [text for text in outputs if secret in text]
     assert not (data_dir / "runtime.json").exists()
     leftovers = subprocess.run(["pgrep", "-f", str(data_dir)], capture_output=True, text=True, check=False)
     assert leftovers.stdout.strip() == "", "embedded servers outlived `ontofabric up`"

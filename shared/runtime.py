@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 from .logging import get_logger
 from .nats_auth import NATS_ROLES, NatsRole, NatsUser, render_config
-from .settings import Settings
+from .settings import Settings, redacted_url
 from .subjects import encode_token
 
 log = get_logger(__name__)
@@ -370,6 +370,11 @@ def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
         )
         if initdb.returncode != 0:
             raise RuntimeUnavailable(f"initdb failed in {pgdata}:\n{initdb.stderr.strip()}")
+    password_file = directory / "password"
+    if not password_file.exists():
+        write_private(password_file, secrets.token_urlsafe(24))
+    password = password_file.read_text().strip()
+    _require_password(bin_dir, pgdata, password, user)
     port = free_port()
     argv = [
         str(bin_dir / "postgres"),
@@ -392,13 +397,43 @@ def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
         return result.returncode == 0
 
     _wait_until(accepting, server, timeout=60)
-    _ensure_database(bin_dir, port, DATABASE_NAME)
-    url = f"postgresql://postgres@127.0.0.1:{port}/{DATABASE_NAME}"
-    log.info("embedded_postgres_started", url=url, pgdata=str(pgdata))
+    _ensure_database(bin_dir, port, DATABASE_NAME, password)
+    url = f"postgresql://postgres:{quote(password, safe='')}@127.0.0.1:{port}/{DATABASE_NAME}"
+    log.info("embedded_postgres_started", url=redacted_url(url), pgdata=str(pgdata))
     return server, url
 
 
-def _ensure_database(bin_dir: Path, port: int, name: str) -> None:
+def _require_password(bin_dir: Path, pgdata: Path, password: str, user: str | None) -> None:
+    """Connections must give the superuser's password (SCRAM): set it in single-user mode, which needs no
+    connection, and allow nothing else in pg_hba.conf. A data directory made before (trusting every local
+    connection, so any user of the machine could act as the superuser) is brought to the same state."""
+    quoted = password.replace("'", "''")
+    single = subprocess.run(
+        [
+            str(bin_dir / "postgres"),
+            "--single",
+            "-D",
+            str(pgdata),
+            "-c",
+            "password_encryption=scram-sha-256",
+            "postgres",
+        ],
+        input=f"ALTER ROLE postgres PASSWORD '{quoted}';\n",
+        capture_output=True,
+        text=True,
+        check=False,
+        **_as_user(user),
+    )
+    if single.returncode != 0:
+        raise RuntimeUnavailable(f"could not set the PostgreSQL password in {pgdata}:\n{single.stderr.strip()}")
+    hba = pgdata / "pg_hba.conf"
+    hba.write_text(
+        "# Written by ontofabric: the superuser's password, over loopback TCP only.\n"
+        "host all all 127.0.0.1/32 scram-sha-256\n"
+    )
+
+
+def _ensure_database(bin_dir: Path, port: int, name: str, password: str) -> None:
     psql = [
         str(bin_dir / "psql"),
         "-h",
@@ -411,14 +446,16 @@ def _ensure_database(bin_dir: Path, port: int, name: str) -> None:
         "postgres",
         "-tA",
     ]
+    env = {**os.environ, "PGPASSWORD": password}
     exists = subprocess.run(
         [*psql, "-c", f"SELECT 1 FROM pg_database WHERE datname = '{name}'"],
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     ).stdout.strip()
     if not exists:
-        subprocess.run([*psql, "-c", f'CREATE DATABASE "{name}"'], check=True, capture_output=True)
+        subprocess.run([*psql, "-c", f'CREATE DATABASE "{name}"'], check=True, capture_output=True, env=env)
 
 
 # -------------------------------------------------------------------------------------------- runtime

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -90,9 +91,10 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         assert rebuild.returncode == 0, rebuild.stderr
         outputs += [rebuild.stdout, rebuild.stderr]
         assert "rebuilt 'geo': 3 deltas replayed" in rebuild.stdout, rebuild.stdout
-        nats_passwords = [
-            login[1] for login in json.loads((data_dir / "runtime.json").read_text())["natsLogins"].values()
-        ]
+        recorded = json.loads((data_dir / "runtime.json").read_text())
+        passwords = [password for _, password in recorded["natsLogins"].values()]
+        passwords.append(unquote(urlsplit(recorded["databaseUrl"]).password or ""))
+        assert all(passwords)
         assert stat.S_IMODE((data_dir / "runtime.json").stat().st_mode) == 0o600
         assert f"main: ontologyVersion {reply['_meta']['ontologyVersion']}" in rebuild.stdout
     finally:
@@ -102,7 +104,7 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     # Every output of the workers, the commands and the servers, scanned for the secrets they were given.
     assert up.stderr is not None
     outputs += [up.stderr.read().decode(), *(path.read_text() for path in data_dir.rglob("*.log"))]
-    for secret in [reranker_key, *nats_passwords]:
+    for secret in [reranker_key, *passwords]:
         assert not [text for text in outputs if secret in text]
     assert not (data_dir / "runtime.json").exists()
     leftovers = subprocess.run(["pgrep", "-f", str(data_dir)], capture_output=True, text=True, check=False)

@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 from random import Random
+from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import nats
 import pytest
 from nats.aio.client import Client
@@ -258,3 +260,13 @@ async def test_workers_cannot_play_each_others_parts(deployment: Deployment, run
     finally:
         await projector.close()
         await query.close()
+
+
+async def test_the_embedded_postgresql_wants_its_password(servers: Endpoints, runtime: EmbeddedRuntime) -> None:
+    # Before, it trusted every loopback connection: any user of the machine could act as its superuser.
+    parts = urlsplit(servers.database_url)
+    assert parts.password
+    without = urlunsplit(parts._replace(netloc=f"postgres@{parts.hostname}:{parts.port}"))
+    with pytest.raises(asyncpg.InvalidPasswordError):
+        await asyncpg.connect(without)
+    assert stat.S_IMODE((runtime.data_dir / "postgres" / "password").stat().st_mode) == 0o600

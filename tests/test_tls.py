@@ -229,7 +229,8 @@ async def test_postgres_over_verified_tls(tmp_path: Path, pki: Pki) -> None:
         assert plain.port is not None
         async with _tls_in_front_of(plain.port, pki) as tls_port:
             # What a deployment sets: the CA in the URL, the server's certificate and name verified.
-            tls_url = f"postgresql://postgres@127.0.0.1:{tls_port}{plain.path}"
+            login = plain.netloc.rpartition("@")[0]
+            tls_url = f"postgresql://{login}@127.0.0.1:{tls_port}{plain.path}"
             settings = Settings(database_url=f"{tls_url}?sslmode=verify-full&sslrootcert={pki.ca}")
             assert settings.database_url is not None
             applied = await migrate(settings.database_url, settings)

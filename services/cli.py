@@ -247,17 +247,17 @@ def mcp(
         if not host or not port.isdigit():
             _fail(f"--http takes HOST:PORT, not {http!r}")
         address = (host.strip("[]"), int(port))
-    tokens = None
-    if address is not None:
-        tokens_file = settings.resolved_gateway_tokens_file()
-        tokens = TokenStore(tokens_file) if tokens_file.exists() else None
-        if tokens is None and not is_loopback(address[0]):
+    tokens = TokenStore(settings.resolved_gateway_tokens_file())
+    if address is not None and not tokens.path.exists():
+        if not is_loopback(address[0]):
             _fail(
-                f"an HTTP gateway on {address[0]} needs bearer tokens ({tokens_file} does not exist): issue one "
+                f"an HTTP gateway on {address[0]} needs bearer tokens ({tokens.path} does not exist): issue one "
                 "with `ontofabric gateway-token add CLIENT --workspace W`"
             )
-        if tokens is None:
-            errors.print(f"[yellow]warning:[/yellow] no bearer tokens ({tokens_file}): any local process may call")
+        errors.print(
+            f"[yellow]warning:[/yellow] no bearer tokens yet ({tokens.path}): any local process may call until "
+            "one is issued"
+        )
     try:
         nats_url = resolve_nats_url(settings, "client")
     except RuntimeUnavailable as error:

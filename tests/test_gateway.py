@@ -225,6 +225,18 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
             assert after.status_code == 401  # from the next request on
 
 
+async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(
+    deployment: Deployment, served: QueryService, tmp_path: Path
+) -> None:
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    headers = {"Accept": "application/json, text/event-stream"}
+    async with _http_gateway(deployment, **tokens) as url, httpx2.AsyncClient(headers=headers) as http:
+        assert (await http.post(url, json=ping)).status_code == 200  # no tokens file: the local user's own
+        assert (await _run(deployment, "gateway-token", "add", "bob", "--workspace", "acme", **tokens)).returncode == 0
+        assert (await http.post(url, json=ping)).status_code == 401
+
+
 async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployment, tmp_path: Path) -> None:
     refused = await _run(
         deployment, "mcp", "--http", f"0.0.0.0:{_free_port()}", ONTOFABRIC_GATEWAY_TOKENS_FILE=str(tmp_path / "none")

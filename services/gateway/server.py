@@ -9,7 +9,6 @@ timeout, never a hang.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from importlib.metadata import version
 from typing import Any
@@ -127,14 +126,14 @@ class Gateway:
         async with stdio_streams() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
-    async def serve_http(self, host: str, port: int, tokens: TokenStore | None) -> None:
+    async def serve_http(self, host: str, port: int, tokens: TokenStore) -> None:
         """Streamable HTTP at ``http://HOST:PORT/mcp``, stateless, answering in JSON: the tools never call back to
         the client, so any request can go to any gateway (several behind a load balancer need no sticky sessions).
-        With ``tokens``, every request needs a bearer token on record, and reads only that token's workspaces.
+        Every request needs a bearer token on record and reads only that token's workspaces; on loopback, only
+        while there is a tokens file (see :class:`RequireBearer`).
         """
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
-        if tokens is not None:
-            app = RequireBearer(app, tokens)
+        app = RequireBearer(app, tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         await uvicorn.Server(config).serve()
 
@@ -159,11 +158,12 @@ def _only_workspace(caller: Grant | None) -> str | None:
     return caller.workspaces[0]
 
 
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+"""The addresses the MCP SDK guards against DNS rebinding (its Host check): only these serve without tokens."""
+
+
 def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return host in LOOPBACK
 
 
 async def serve(
@@ -174,10 +174,11 @@ async def serve(
     http: tuple[str, int] | None,
     tokens: TokenStore | None = None,
 ) -> None:
-    """Serve over stdio, or over HTTP at ``http`` (host, port): with ``tokens`` when given (see :mod:`.auth`)."""
+    """Serve over stdio, or over HTTP at ``http`` (host, port) with the bearer ``tokens`` (see :mod:`.auth`)."""
     gateway = Gateway(nc, names, workspace, timeout_s)
     if http is None:
         await gateway.serve_stdio()
     else:
-        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp", bearer_tokens=tokens is not None)
+        assert tokens is not None, "an HTTP gateway takes its tokens"
+        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp", tokens=str(tokens.path))
         await gateway.serve_http(*http, tokens)

@@ -48,7 +48,9 @@ class PermissionDenied(Exception):
 
 
 _VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to "([^"]+)"', re.IGNORECASE)
-_DENIALS: weakref.WeakKeyDictionary[Client, dict[str, list[asyncio.Future[str]]]] = weakref.WeakKeyDictionary()
+_Waiting = dict[str, list[tuple[str, "asyncio.Future[str]"]]]
+"""Lower-cased subject -> (the subject as sent, the future a refusal of it resolves) of calls in flight."""
+_DENIALS: weakref.WeakKeyDictionary[Client, _Waiting] = weakref.WeakKeyDictionary()
 
 
 async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Awaitable[T]) -> T:
@@ -58,10 +60,11 @@ async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Aw
     waiting = _DENIALS.get(nc)
     if waiting is None:  # a connection not made by connect(): nothing reports refusals
         return await call
-    keys = {subjects.lower()} if isinstance(subjects, str) else {s.lower() for s in subjects}  # nats-py lower-cases
+    named = {subjects} if isinstance(subjects, str) else set(subjects)
+    keys = {subject.lower(): subject for subject in named}  # nats-py lower-cases the server's error line
     refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    for key in keys:
-        waiting.setdefault(key, []).append(refused)
+    for key, subject in keys.items():
+        waiting.setdefault(key, []).append((subject, refused))
     task = asyncio.ensure_future(call)
     refused.add_done_callback(lambda _: task.cancel())
     try:
@@ -73,10 +76,10 @@ async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Aw
         raise
     finally:
         for key in keys:
-            futures = waiting.get(key, [])
-            if refused in futures:
-                futures.remove(refused)
-            if not futures:
+            entries = [entry for entry in waiting.get(key, []) if entry[1] is not refused]
+            if entries:
+                waiting[key] = entries
+            else:
                 waiting.pop(key, None)
 
 
@@ -105,14 +108,18 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     replies arrive under that user's own inbox prefix, the only one its permissions let it read. ``settings``
     bring TLS (:func:`nats_tls`)."""
     nc = Client()
-    waiting: dict[str, list[asyncio.Future[str]]] = {}
+    waiting: _Waiting = {}
 
     async def on_error(error: Exception) -> None:
         violation = _VIOLATION.search(str(error))
         if violation is not None:
-            for refused in waiting.get(violation.group(1).lower(), []):
-                if not refused.done():
-                    refused.set_result(violation.group(1))
+            entries = waiting.get(violation.group(1).lower(), [])
+            # Subjects that differ only in case cannot be told apart in the lower-cased report: then none is
+            # failed early (the refused one times out), rather than failing one that was allowed.
+            if len({subject for subject, _ in entries}) == 1:
+                for subject, refused in entries:
+                    if not refused.done():
+                        refused.set_result(subject)
             log.warning("nats_permission_denied", subject=violation.group(1))
             return
         log.warning("nats_error", error=str(error))
@@ -124,7 +131,10 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
-    user = urlsplit(url.split(",")[0]).username
+    first = urlsplit(url.split(",")[0])
+    # A user with a password names the inbox prefix; a bare user is a token, which must not travel in subjects.
+    user = first.username if first.password is not None else None
+    tls = nats_tls(settings) if settings is not None else None
     await nc.connect(
         url,
         name=name,
@@ -134,7 +144,10 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         inbox_prefix=inbox_prefix(unquote(user)) if user else "_INBOX",
-        tls=nats_tls(settings) if settings is not None else None,
+        tls=tls,
+        # TLS from the first byte: otherwise nats-py upgrades only when the server's INFO asks for it, and a server
+        # (or a man in the middle) that does not ask would receive the credentials in plain text.
+        tls_handshake_first=tls is not None,
     )
     _DENIALS[nc] = waiting
     return nc

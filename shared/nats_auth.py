@@ -35,8 +35,6 @@ class Permissions:
     publish: list[str]
     subscribe: list[str]
     publish_deny: list[str] = field(default_factory=list)
-    allow_responses: bool = False
-    """May publish to the reply subject of a request it received (a query worker's answers)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +95,9 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{API}.CONSUMER.CREATE.{versions}",  # the versions watch: an ordered consumer
                 f"{API}.CONSUMER.INFO.{versions}.*",
                 f"$JS.FC.{versions}.>",
+                # Answers: to callers' inboxes only (the worker checks too). Not allow_responses, which would let
+                # a request name any subject as its reply and have the worker write there.
+                "_INBOX.>",
             ],
             publish_deny=[
                 *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
@@ -108,7 +109,6 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 names.published_subjects,
                 *inbox,
             ],
-            allow_responses=True,
         )
     if role == "ingest":
         return Permissions(
@@ -128,17 +128,30 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
         )
     if role == "client":
         return Permissions(publish=[f"{names.prefix}.{operation}.{token}" for operation in OPERATIONS], subscribe=inbox)
+    # operator: the deployment's own streams and subjects, every verb; nothing of another deployment on the server.
     return Permissions(
         publish=[
-            f"{API}.>",
-            "$JS.ACK.>",
-            "$JS.FC.>",
+            f"{API}.INFO",
+            f"{API}.STREAM.NAMES",
+            f"{API}.STREAM.LIST",
+            *[
+                subject
+                for stream in _streams(names)
+                for subject in (
+                    f"{API}.STREAM.*.{stream}",  # info, create, update, delete, purge
+                    f"{API}.STREAM.MSG.*.{stream}",  # get, delete a message
+                    f"{API}.DIRECT.GET.{stream}",
+                    f"{API}.DIRECT.GET.{stream}.>",
+                    f"{API}.CONSUMER.*.{stream}",  # create (unnamed), names, list
+                    f"{API}.CONSUMER.*.{stream}.>",  # create (named), info, delete
+                    f"{API}.CONSUMER.*.*.{stream}.*",  # next message, durable create
+                    f"$JS.ACK.{stream}.>",
+                    f"$JS.FC.{stream}.>",
+                )
+            ],
             f"$KV.{names.version_bucket}.>",
             f"$O.{names.ingest_state_bucket}.>",
-            f"{names.prefix}.version.>",
-            names.delta_subjects,
-            names.dlq_subjects,
-            *[f"{names.prefix}.{operation}.*" for operation in OPERATIONS],
+            f"{names.prefix}.>",
         ],
         subscribe=[f"{names.prefix}.>", *inbox],  # watching versions and deltas go by; not others' replies
     )
@@ -155,8 +168,6 @@ def render_config(host: str, port: int, store_dir: str, users: Mapping[str, Nats
         if permissions.publish_deny:
             publish["deny"] = permissions.publish_deny
         rules: dict[str, object] = {"publish": publish, "subscribe": {"allow": permissions.subscribe}}
-        if permissions.allow_responses:
-            rules["allow_responses"] = {"max": 1, "expires": "1m"}
         entries.append({"user": user.name, "password": user.password, "permissions": rules})
     # The configuration format reads JSON: every string quoted, so "$JS..." subjects are not variables.
     config = {

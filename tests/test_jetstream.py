@@ -18,9 +18,11 @@ from ontofabric.shared.jetstream import (
     BatchPuller,
     StreamReader,
     backoff_s,
+    connect,
     delta_stream_config,
     ensure_jetstream,
 )
+from ontofabric.shared.runtime import EmbeddedRuntime, with_login
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment
@@ -229,13 +231,21 @@ async def test_a_replay_gives_up_when_the_connection_stays_down() -> None:
     assert replay.fetches == 0
 
 
-async def test_a_delta_stream_made_before_the_republish_gets_it(deployment: Deployment) -> None:
+async def test_a_delta_stream_made_before_the_republish_gets_it(
+    deployment: Deployment, embedded: EmbeddedRuntime | None
+) -> None:
     names = Names(f"{deployment.names.prefix}old")
+    # Another deployment's streams: its own operator makes them (the test deployment's may not).
+    nc = deployment.nc
+    if embedded is not None:
+        login = embedded.nats_logins(names.prefix, ["operator"])["operator"]
+        nc = await connect(with_login(deployment.nats_url_of_server, *login), "tests-old")
+    js = nc.jetstream()
     older = dataclasses.replace(delta_stream_config(names, deployment.settings), republish=None)
-    await deployment.js.add_stream(older)
+    await js.add_stream(older)
     try:
-        await ensure_jetstream(deployment.js, names, deployment.settings)
-        republish = (await deployment.js.stream_info(names.delta_stream)).config.republish
+        await ensure_jetstream(js, names, deployment.settings)
+        republish = (await js.stream_info(names.delta_stream)).config.republish
         assert republish is not None
         assert (republish.src, republish.dest, republish.headers_only) == (
             names.delta_subjects,
@@ -250,4 +260,6 @@ async def test_a_delta_stream_made_before_the_republish_gets_it(deployment: Depl
             f"OBJ_{names.ingest_state_bucket}",
         ):
             with contextlib.suppress(Exception):
-                await deployment.js.delete_stream(stream)
+                await js.delete_stream(stream)
+        if nc is not deployment.nc:
+            await nc.close()

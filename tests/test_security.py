@@ -9,12 +9,14 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from random import Random
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -25,7 +27,7 @@ from ontofabric.contracts import StatusReply
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
-from ontofabric.shared.jetstream import PermissionDenied, connect
+from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly
 from ontofabric.shared.nats_auth import NatsRole
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.settings import Settings, redacted_url
@@ -123,6 +125,13 @@ def test_an_invalid_setting_is_named_without_its_value() -> None:
         ("nats://token@h:4222", "nats://***@h:4222"),
         ("nats://a:b@h:1,nats://c:d@h2:2", "nats://a:***@h:1,nats://c:***@h2:2"),
         ("tls://h:4222", "tls://h:4222"),
+        # A password may hold any character; in doubt, more is hidden, never less.
+        ("postgresql://u:pa,ss@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u:p?w@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u:p@h/db?sslrootcert=/a@b", "postgresql://u:***@b"),
+        ("ws://TOKEN@h", "ws://***@h"),
+        ("host=h user=u password=Secr3t dbname=x", "host=h user=u password=*** dbname=x"),
+        ("host=h password='a b' dbname=x", "host=h password=*** dbname=x"),
     ],
 )
 def test_urls_are_printed_without_their_secrets(url: str, shown: str) -> None:
@@ -211,6 +220,15 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
                 await client.send_raw("beta", b"{}", operation)
         assert time.monotonic() - started < 3  # three refusals, each far below the 10 s timeout
 
+        # Names that differ only in case, in flight together: the server's report of the refused one is
+        # lower-cased, and must not fail the allowed one.
+        quick = QueryClient(acme, deployment.names, timeout_s=2)
+        allowed, other = await asyncio.gather(
+            quick.status("acme", {}), quick.send_raw("ACME", b"{}", "status"), return_exceptions=True
+        )
+        assert isinstance(allowed, StatusReply), allowed
+        assert isinstance(other, Exception)
+
         # Nobody else's replies: an answer to the operator's request never reaches acme's client.
         overheard: list[bytes] = []
 
@@ -270,3 +288,46 @@ async def test_the_embedded_postgresql_wants_its_password(servers: Endpoints, ru
     with pytest.raises(asyncpg.InvalidPasswordError):
         await asyncpg.connect(without)
     assert stat.S_IMODE((runtime.data_dir / "postgres" / "password").stat().st_mode) == 0o600
+
+
+async def test_an_operator_reaches_only_its_own_deployment(deployment: Deployment, runtime: EmbeddedRuntime) -> None:
+    other = "t" + uuid.uuid4().hex[:12]
+    login = runtime.nats_logins(other, ["operator"])["operator"]
+    nc = await connect(with_login(deployment.nats_url_of_server, *login), "other-operator")
+    try:
+        js = nc.jetstream()
+        stream = deployment.names.delta_stream
+        for subject, call in (
+            (f"$JS.API.STREAM.INFO.{stream}", js.stream_info(stream)),
+            (f"$JS.API.STREAM.DELETE.{stream}", js.delete_stream(stream)),
+            (f"$JS.API.STREAM.MSG.GET.{stream}", js.get_msg(stream, 1)),
+        ):
+            with pytest.raises(PermissionDenied):
+                await refused_promptly(nc, subject, call)
+        with pytest.raises(PermissionDenied):
+            await DeltaPublisher(js, deployment.names, ack_timeout_s=10).publish(upsert("acme", document("x", "y")))
+    finally:
+        await nc.close()
+    assert (await deployment.js.stream_info(deployment.names.delta_stream)).config.name == stream
+
+
+async def test_a_worker_answers_only_to_an_inbox(deployment: Deployment, runtime: EmbeddedRuntime) -> None:
+    # A request naming a bucket's subject as its reply would have the worker write its answer into the bucket.
+    worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
+    await worker.start()
+    acme = await _connect_as(deployment, runtime, "client", "acme")
+    try:
+        key = f"$KV.{deployment.names.version_bucket}.{deployment.names.version_key('beta', 'main')}"
+        await acme.publish(deployment.names.request_subject("status", "acme"), b"{}", reply=key)
+        await acme.flush()
+        handled = worker.handled
+        async with asyncio.timeout(10):
+            while worker.handled == handled:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        kv = await deployment.js.key_value(deployment.names.version_bucket)
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get(deployment.names.version_key("beta", "main"))
+    finally:
+        await acme.close()
+        await worker.stop()

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from ontofabric.shared.db import create_pool, migrate
-from ontofabric.shared.jetstream import connect
+from ontofabric.shared.jetstream import connect, nats_tls
 from ontofabric.shared.nats_auth import NatsUser, render_config
 from ontofabric.shared.runtime import (
     ManagedProcess,
@@ -139,6 +139,7 @@ def tls_nats(tmp_path: Path, pki: Pki) -> Iterator[str]:
         "key_file": str(pki.server_key),
         "ca_file": str(pki.ca),
         "verify": True,
+        "handshake_first": True,
     }
     (tmp_path / "nats.conf").write_text(json.dumps(config))
     argv = [str(nats_server_binary()), "--config", str(tmp_path / "nats.conf")]
@@ -172,19 +173,38 @@ async def test_nats_over_mutual_tls(tls_nats: str, pki: Pki) -> None:
     ]
     for settings in refusals:
         with pytest.raises((nats.errors.Error, ssl.SSLError, OSError)):  # noqa: PT012
+            tls = nats_tls(settings)
             refused = await nats.connect(
-                tls_nats,
-                allow_reconnect=False,
-                connect_timeout=5,
-                tls=_context(settings),
+                tls_nats, allow_reconnect=False, connect_timeout=5, tls=tls, tls_handshake_first=tls is not None
             )
             await refused.close()
 
 
-def _context(settings: Settings) -> ssl.SSLContext | None:
-    from ontofabric.shared.jetstream import nats_tls
+async def test_with_a_ca_set_credentials_never_reach_a_server_in_plain_text(tmp_path: Path, pki: Pki) -> None:
+    """A server (or a man in the middle) that does not ask for TLS must not get the password: the client does the
+    TLS handshake first, so it fails before anything is sent."""
+    received = bytearray()
 
-    return nats_tls(settings)
+    async def plain_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"x","version":"2.15.1","auth_required":true,"max_payload":1048576}\r\n')
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            received.extend(await reader.read(65536))
+        writer.close()
+
+    server = await asyncio.start_server(plain_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+
+        async def attempt() -> None:
+            nc = await connect(f"nats://op:secret-pw@127.0.0.1:{port}", "downgrade", Settings(nats_tls_ca=pki.ca))
+            await nc.close()
+
+        with pytest.raises((nats.errors.Error, ssl.SSLError, OSError, asyncio.TimeoutError)):
+            await asyncio.wait_for(attempt(), 3)
+    finally:
+        server.close()
+    assert b"secret-pw" not in received
 
 
 @contextlib.asynccontextmanager

@@ -8,12 +8,16 @@ from datetime import UTC, datetime
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt
 
 from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
 from .store import VersionUpdate
+
+log = get_logger(__name__)
 
 CAS_ATTEMPTS = 20
 
@@ -61,7 +65,14 @@ class VersionPublisher:
         if entry is None or entry.value is None:
             await self._kv.create(key, data)
             return True
-        if OntologyVersionChanged.model_validate_json(entry.value).revision >= record.revision:
+        try:
+            stored = OntologyVersionChanged.model_validate_json(entry.value).revision
+        except ValidationError:
+            # Not a version: written by something else (a JetStream ack sent there as a reply subject). Replaced,
+            # so one bad entry cannot stop the projector announcing versions.
+            log.warning("version_entry_replaced", key=key, reason="unreadable")
+            stored = -1
+        if stored >= record.revision:
             return False
         await self._kv.update(key, data, last=entry.revision)
         return True

@@ -222,7 +222,11 @@ class QueryService:
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)
             body = error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
-        if not msg.reply:
+        if not msg.reply.startswith("_INBOX."):
+            # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
+            # make this worker write there (NATS permissions allow it no other subject, docs/security.md).
+            if msg.reply:
+                log.warning("reply_refused", reply=msg.reply[:200], reason="not an inbox")
             return
         try:
             await msg.respond(body)

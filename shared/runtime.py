@@ -8,6 +8,7 @@ nothing for that part. While it runs, ``runtime.json`` in the data directory tel
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -21,9 +22,10 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -617,3 +619,12 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def embedded_servers(prefix: str = "ontofabric-bench-") -> Iterator[Endpoints]:
+    """A fresh embedded nats-server and PostgreSQL in a temporary data directory, removed after the block (a
+    benchmark's run)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as data_dir, EmbeddedRuntime(Settings(), Path(data_dir)) as runtime:
+        assert runtime.endpoints is not None
+        yield runtime.endpoints

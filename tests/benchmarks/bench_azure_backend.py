@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from ontofabric.services.ops.eval_report import EvalReport, render_table
 from ontofabric.services.ops.evaluation import evaluate
 from ontofabric.services.render import RichProgress
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from tests.azure_search_server import AzureSearchServer
 
@@ -64,12 +63,8 @@ def main() -> None:
     configure_logging("WARNING", "console")
     console = Console()
     dataset = load_beir(args.dataset, args.split)
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
-        reports = asyncio.run(run(runtime.endpoints, dataset, console))
+    with embedded_servers() as endpoints:
+        reports = asyncio.run(run(endpoints, dataset, console))
     service = "the Azure service" if os.environ.get("ONTOFABRIC_AZURE_SEARCH_ENDPOINT") else "the local test server"
     for backend, report in reports.items():
         console.rule(f"keyword backend {backend}" + (f" ({service})" if backend != "postgres" else ""))

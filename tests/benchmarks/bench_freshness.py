@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Annotated
 
 import numpy as np
@@ -40,7 +38,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import migrate
 from ontofabric.shared.jetstream import BatchPuller, StreamReader, connect, ensure_jetstream
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -195,12 +193,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the gaps and the vectors")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
-        asyncio.run(run(runtime.endpoints, args.deltas, args.max_gap_ms / 1000, args.seed))
+    with embedded_servers() as endpoints:
+        asyncio.run(run(endpoints, args.deltas, args.max_gap_ms / 1000, args.seed))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import itertools
 import json
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -43,7 +42,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -247,15 +246,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each path, alternated")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
-        settings = Settings(
-            nats_url=runtime.endpoints.nats_url_as("operator"), database_url=runtime.endpoints.database_url
-        )
-        asyncio.run(run(runtime.endpoints, settings, args.queries, args.rounds))
+    with embedded_servers() as endpoints:
+        settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
+        asyncio.run(run(endpoints, settings, args.queries, args.rounds))
 
 
 if __name__ == "__main__":

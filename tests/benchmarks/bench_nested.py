@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -34,7 +33,7 @@ from ontofabric.services.query.stages import nested
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -109,18 +108,14 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=300, help="queries asked with each setting")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
+    with embedded_servers() as endpoints:
         settings = Settings(
-            nats_url=runtime.endpoints.nats_url_as("operator"),
-            database_url=runtime.endpoints.database_url,
+            nats_url=endpoints.nats_url_as("operator"),
+            database_url=endpoints.database_url,
             query_cache_entries=0,
         )
         tree = (args.tree or project_root()).resolve()
-        asyncio.run(run(runtime.endpoints, settings, tree, args.queries))
+        asyncio.run(run(endpoints, settings, tree, args.queries))
 
 
 if __name__ == "__main__":

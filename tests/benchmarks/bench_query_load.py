@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -40,7 +39,7 @@ from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -196,12 +195,8 @@ def main() -> None:
     dataset = load_beir(args.dataset, args.split)
     sizes = [len(dataset.corpus) if s == "all" else min(int(s), len(dataset.corpus)) for s in args.sizes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
-        asyncio.run(run(runtime.endpoints, dataset, sizes, levels, args.queries))
+    with embedded_servers() as endpoints:
+        asyncio.run(run(endpoints, dataset, sizes, levels, args.queries))
 
 
 if __name__ == "__main__":

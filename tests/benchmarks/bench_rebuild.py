@@ -24,7 +24,6 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -44,7 +43,7 @@ from ontofabric.services.render import RichProgress
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -200,12 +199,8 @@ def main() -> None:
     if args.copies > 1:
         copies = [{**entry, "_id": f"{entry['_id']}~{k}"} for k in range(args.copies) for entry in dataset.corpus]
         dataset = dataclasses.replace(dataset, corpus=copies)
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
-        asyncio.run(run(runtime.endpoints, dataset, args.queries, args.deletes, args.max_rate))
+    with embedded_servers() as endpoints:
+        asyncio.run(run(endpoints, dataset, args.queries, args.deletes, args.max_rate))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import asyncpg
 
@@ -37,7 +35,7 @@ from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.embedding_cache import embed_with_signs
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
+from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -162,12 +160,8 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=300, help="queries in the latency run")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-bench-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        assert runtime.endpoints is not None
-        asyncio.run(run(runtime.endpoints, args.repeats, args.queries))
+    with embedded_servers() as endpoints:
+        asyncio.run(run(endpoints, args.repeats, args.queries))
 
 
 if __name__ == "__main__":

@@ -26,13 +26,21 @@ from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import PermissionDenied, connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.nats_auth import NATS_ROLES
 from ontofabric.shared.runtime import (
+    NATS_USERS_FILE,
     RUNTIME_FILE,
     EmbeddedRuntime,
     Endpoints,
     RuntimeUnavailable,
+    ensure_nats_users,
+    nats_users,
+    reload_running_nats,
+    remove_nats_user,
     resolve_endpoints,
     resolve_nats_url,
+    running_up,
+    with_login,
 )
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
@@ -323,6 +331,73 @@ def gateway_token_revoke(
     errors.print(f"revoked the token of {client!r}")
 
 
+nats_user = typer.Typer(help="Users of the embedded nats-server: a role, confined to one workspace or not.")
+app.add_typer(nats_user, name="nats-user")
+
+
+def _nats_directory(data_dir: Path | None) -> tuple[Settings, Path]:
+    settings = _settings("ontofabric-cli", data_dir, quiet=True)
+    directory = settings.data_dir.absolute() / "nats"
+    if not (directory / NATS_USERS_FILE).exists():
+        _fail(f"no embedded nats-server's users in {directory}: start `ontofabric up` on that data directory once")
+    return settings, directory
+
+
+def _reload(settings: Settings) -> None:
+    try:
+        running = reload_running_nats(settings)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    errors.print("the running server has it now" if running else "it takes effect at the next `ontofabric up`")
+
+
+@nats_user.command("add")
+def nats_user_add(
+    role: Annotated[str, typer.Argument(help=f"One of {', '.join(NATS_ROLES)}.")],
+    workspace: Annotated[str | None, typer.Option(help="Confine an ingest or client user to this workspace.")] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Add a user (or show the one on record) and print its NATS URL once: hand that to the tenant or process."""
+    if role not in NATS_ROLES:
+        _fail(f"{role!r} is not a role: one of {', '.join(NATS_ROLES)}")
+    if workspace is not None:
+        if role not in ("ingest", "client"):
+            _fail("only ingest and client users are confined to a workspace")
+        try:
+            WORKSPACE.validate_python(workspace)
+        except ValidationError:
+            _fail(f"{workspace!r} is not a workspace name")
+    settings, directory = _nats_directory(data_dir)
+    logins, created = ensure_nats_users(directory, settings.subject_prefix, [role], workspace)
+    user, password = logins[role]
+    if created:
+        _reload(settings)
+    server = running_up(settings).get("natsUrl", "nats://HOST:PORT")
+    errors.print(f"user {user!r} ({role}{f' of {workspace}' if workspace else ''}); its URL:")
+    print(with_login(server, user, password))
+
+
+@nats_user.command("list")
+def nats_user_list(data_dir: DataDir = None) -> None:
+    """The users on record: name, role, workspace (no passwords)."""
+    _, directory = _nats_directory(data_dir)
+    for user in nats_users(directory):
+        print(f"{user.name}\t{user.role}\t{user.workspace or '*'}")
+
+
+@nats_user.command("revoke")
+def nats_user_revoke(
+    name: Annotated[str, typer.Argument(help="The user, as `nats-user list` names it.")], data_dir: DataDir = None
+) -> None:
+    """Take a user off; the running server refuses it from its reload on (and closes its connections)."""
+    settings, directory = _nats_directory(data_dir)
+    if any(name == f"{settings.subject_prefix}~{role}" for role in NATS_ROLES):
+        _fail(f"{name!r} is one of the roles `ontofabric up` itself connects as")
+    if not remove_nats_user(directory, name):
+        _fail(f"no user {name!r}")
+    _reload(settings)
+
+
 @app.command()
 def demo(
     keep: Annotated[bool, typer.Option(help="Keep the demo's data directory instead of deleting it.")] = False,
@@ -509,6 +584,9 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except PermissionDenied as error:  # the NATS server refused these credentials (a command's connection)
+        errors.print(f"[red]error:[/red] {error}")
+        sys.exit(2)
     except ValidationError as error:
         if error.title != Settings.__name__:
             raise

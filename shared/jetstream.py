@@ -32,7 +32,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix
-from .settings import Settings
+from .settings import Settings, redacted_url
 from .subjects import Names
 
 T = TypeVar("T")
@@ -109,8 +109,11 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     bring TLS (:func:`nats_tls`)."""
     nc = Client()
     waiting: _Waiting = {}
+    authorization_refused = asyncio.Event()
 
     async def on_error(error: Exception) -> None:
+        if "authorization violation" in str(error).lower() and not nc.is_connected:
+            authorization_refused.set()
         violation = _VIOLATION.search(str(error))
         if violation is not None:
             entries = waiting.get(violation.group(1).lower(), [])
@@ -135,20 +138,34 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     # A user with a password names the inbox prefix; a bare user is a token, which must not travel in subjects.
     user = first.username if first.password is not None else None
     tls = nats_tls(settings) if settings is not None else None
-    await nc.connect(
-        url,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=1,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        inbox_prefix=inbox_prefix(unquote(user)) if user else "_INBOX",
-        tls=tls,
-        # TLS from the first byte: otherwise nats-py upgrades only when the server's INFO asks for it, and a server
-        # (or a man in the middle) that does not ask would receive the credentials in plain text.
-        tls_handshake_first=tls is not None,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            inbox_prefix=inbox_prefix(unquote(user)) if user else "_INBOX",
+            tls=tls,
+            # TLS from the first byte: otherwise nats-py upgrades only when the server's INFO asks for it, and a server
+            # (or a man in the middle) that does not ask would receive the credentials in plain text.
+            tls_handshake_first=tls is not None,
+        )
     )
+    # A server that refuses the credentials at the first connection is not retried for ever (nats-py would): the
+    # caller learns at once. Later refusals (a user revoked while connected) are retried, logged each time.
+    refused = asyncio.ensure_future(authorization_refused.wait())
+    await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+    refused.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await connecting
+        await nc.close()
+        raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
+    connecting.result()
     _DENIALS[nc] = waiting
     return nc
 

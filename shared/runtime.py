@@ -175,6 +175,7 @@ def nats_server_binary() -> Path:
 
 NATS_USERS_FILE = "users.json"
 NATS_CONFIG_FILE = "nats-server.conf"
+NATS_LOG_FILE = "nats-server.log"
 
 
 def _nats_users(directory: Path) -> dict[str, NatsUser]:
@@ -220,7 +221,7 @@ def start_nats(directory: Path, prefix: str) -> tuple[ManagedProcess, str]:
     port = free_port()
     _write_nats_config(directory, port)
     argv = [str(nats_server_binary()), "--config", str(directory / NATS_CONFIG_FILE)]
-    server = _spawn("nats-server", argv, directory / "nats-server.log", signal.SIGTERM)
+    server = _spawn("nats-server", argv, directory / NATS_LOG_FILE, signal.SIGTERM)
 
     def accepting() -> bool:
         try:
@@ -238,16 +239,43 @@ def start_nats(directory: Path, prefix: str) -> tuple[ManagedProcess, str]:
 _RELOADED = "Reloaded server configuration"
 
 
-def reload_nats(server: ManagedProcess, directory: Path, port: int) -> None:
-    """Re-render the configuration from the users on record and wait until the server has loaded it."""
+def reload_nats(pid: int, directory: Path, port: int) -> None:
+    """Re-render the configuration from the users on record and wait until the running server (``pid``, logging
+    in ``directory``) has loaded it; the server is left running whatever happens."""
     _write_nats_config(directory, port)
-    reloads = server.log_path.read_text(errors="replace").count(_RELOADED)
-    server.process.send_signal(signal.SIGHUP)
+    log_path = directory / NATS_LOG_FILE
+    reloads = log_path.read_text(errors="replace").count(_RELOADED)
+    os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + 30
-    while server.log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
-        if not server.alive() or time.monotonic() > deadline:  # the running server is left as it is
-            raise RuntimeUnavailable(f"nats-server did not reload its configuration; log:\n{server.log_tail()}")
+    while log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
+        if not _pid_alive(pid) or time.monotonic() > deadline:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeUnavailable(f"nats-server did not reload its configuration; log:\n{tail}")
         time.sleep(0.02)
+
+
+def remove_nats_user(directory: Path, name: str) -> bool:
+    """Take ``name`` off the users on record (the running server forgets it on its next reload)."""
+    users = _nats_users(directory)
+    if users.pop(name, None) is None:
+        return False
+    write_private(directory / NATS_USERS_FILE, json.dumps([asdict(user) for user in users.values()], indent=1))
+    return True
+
+
+def nats_users(directory: Path) -> list[NatsUser]:
+    """The embedded server's users on record."""
+    return list(_nats_users(directory).values())
+
+
+def reload_running_nats(settings: Settings) -> bool:
+    """Have a running ``ontofabric up``'s embedded nats-server load the users on record; False when none runs."""
+    recorded = running_up(settings)
+    if "natsPid" not in recorded:
+        return False
+    directory = settings.data_dir.absolute() / "nats"
+    reload_nats(int(recorded["natsPid"]), directory, int(str(recorded["natsUrl"]).rsplit(":", 1)[1]))
+    return True
 
 
 # ------------------------------------------------------------------------------------------ PostgreSQL
@@ -517,6 +545,8 @@ class EmbeddedRuntime:
         self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url, nats_logins=logins)
         if self._servers:
             record = {"natsUrl": nats_url, "databaseUrl": database_url, "natsLogins": logins, "pid": os.getpid()}
+            if self._nats is not None:
+                record["natsPid"] = self._nats[0].process.pid
             write_private(self.data_dir / RUNTIME_FILE, json.dumps(record))
         return self.endpoints
 
@@ -532,7 +562,7 @@ class EmbeddedRuntime:
         logins, created = ensure_nats_users(directory, prefix, roles, workspace)
         if created:
             server, port = self._nats
-            reload_nats(server, directory, port)
+            reload_nats(server.process.pid, directory, port)
         return logins
 
     def _take_lock(self) -> None:
@@ -569,7 +599,7 @@ class EmbeddedRuntime:
 
 def resolve_endpoints(settings: Settings) -> Endpoints:
     """Where a client command finds the servers: the settings, else a running ``ontofabric up``."""
-    recorded = _running_up(settings)
+    recorded = running_up(settings)
     nats_url = settings.nats_url or recorded.get("natsUrl")
     database_url = settings.database_url or recorded.get("databaseUrl")
     if nats_url is None or database_url is None:
@@ -583,7 +613,7 @@ def resolve_endpoints(settings: Settings) -> Endpoints:
 def resolve_nats_url(settings: Settings, role: NatsRole) -> str:
     """Where a NATS-only client (the MCP gateway) finds the server, as ``role``: the setting, else a running
     ``ontofabric up``."""
-    recorded = _running_up(settings)
+    recorded = running_up(settings)
     nats_url = settings.nats_url or recorded.get("natsUrl")
     if nats_url is None:
         raise RuntimeUnavailable(
@@ -600,7 +630,7 @@ def _recorded_logins(settings: Settings, recorded: Mapping[str, Any]) -> dict[st
     return {role: (login[0], login[1]) for role, login in recorded.get("natsLogins", {}).items()}
 
 
-def _running_up(settings: Settings) -> dict[str, Any]:
+def running_up(settings: Settings) -> dict[str, Any]:
     """What a running ``ontofabric up`` recorded of its servers (nothing when none runs on the data directory)."""
     runtime_file = settings.data_dir.absolute() / RUNTIME_FILE
     if not runtime_file.exists():

@@ -17,7 +17,7 @@ import pytest
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
     "up", "projector", "query-worker", "ingest", "query", "mcp", "demo", "eval", "rebuild", "migrate", "contracts",
-    "settings", "gateway-token",
+    "settings", "gateway-token", "nats-user",
 ]  # fmt: skip
 
 
@@ -85,6 +85,33 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         assert reply["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
         assert reply["_meta"]["degraded"] == ["embedder", "reranker"]  # the key was sent, and the call failed
         assert reply["_meta"]["hybrid"] is False
+        # A tenant's own NATS user, added to the running server: it reads geo, and nothing else.
+        added = subprocess.run(
+            [ONTOFABRIC, "nats-user", "add", "client", "--workspace", "geo"], env=env, capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        tenant = {**env, "ONTOFABRIC_NATS_URL": added.stdout.strip()}
+        for workspace, code in (("geo", 0), ("other", 2)):
+            asked = subprocess.run(
+                [ONTOFABRIC, "query", "circle", "--workspace", workspace, "--json"], env=tenant, capture_output=True,
+                text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert asked.returncode == code, asked.stderr
+        assert "refused" in asked.stderr
+        listed = subprocess.run([ONTOFABRIC, "nats-user", "list"], env=env, capture_output=True, text=True, check=True)
+        assert "ontofabric~client~geo\tclient\tgeo" in listed.stdout
+        revoked = subprocess.run(
+            [ONTOFABRIC, "nats-user", "revoke", "ontofabric~client~geo"], env=env, capture_output=True, text=True,
+            timeout=60, check=False,
+        )  # fmt: skip
+        assert revoked.returncode == 0, revoked.stderr
+        refused = subprocess.run(
+            [ONTOFABRIC, "query", "circle", "--workspace", "geo"], env=tenant, capture_output=True, text=True,
+            timeout=60, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 2
+        assert "refused these credentials" in refused.stderr  # at once, not a hang: the server said why
         rebuild = subprocess.run(
             [ONTOFABRIC, "rebuild", "geo"], env=env, capture_output=True, text=True, timeout=120, check=False
         )

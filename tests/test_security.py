@@ -203,6 +203,11 @@ async def _connect_as(
 async def test_a_connection_without_credentials_is_refused(servers: Endpoints, runtime: EmbeddedRuntime) -> None:
     with pytest.raises(nats.errors.Error, match=r"(?i)authorization"):
         await nats.connect(servers.nats_url, allow_reconnect=False, connect_timeout=5)
+    # Ours says so at once, where nats-py would retry a refused login for ever.
+    wrong = with_login(servers.nats_url, "ontofabric~client", "not-the-password")
+    for url in (servers.nats_url, wrong):
+        with pytest.raises(PermissionDenied, match="refused these credentials"):
+            await asyncio.wait_for(connect(url, "no-credentials"), 10)
 
 
 async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, runtime: EmbeddedRuntime) -> None:

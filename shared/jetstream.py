@@ -157,12 +157,14 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     # A server that refuses the credentials at the first connection is not retried for ever (nats-py would): the
     # caller learns at once. Later refusals (a user revoked while connected) are retried, logged each time.
     refused = asyncio.ensure_future(authorization_refused.wait())
-    await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
-    refused.cancel()
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(BaseException):
-            await connecting
+    try:
+        await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused.cancel()
+        if not connecting.done():
+            connecting.cancel()
+    if not connecting.done() or connecting.cancelled():
+        await asyncio.wait([connecting])  # let the cancelled attempt end before closing
         await nc.close()
         raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
     connecting.result()

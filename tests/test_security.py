@@ -323,9 +323,9 @@ async def test_a_worker_answers_only_to_an_inbox(deployment: Deployment, runtime
     acme = await _connect_as(deployment, runtime, "client", "acme")
     try:
         key = f"$KV.{deployment.names.version_bucket}.{deployment.names.version_key('beta', 'main')}"
+        handled = worker.handled
         await acme.publish(deployment.names.request_subject("status", "acme"), b"{}", reply=key)
         await acme.flush()
-        handled = worker.handled
         async with asyncio.timeout(10):
             while worker.handled == handled:
                 await asyncio.sleep(0.05)

@@ -33,20 +33,19 @@ import httpx
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-from ontofabric.services.app import Roles, start_workers
+from ontofabric.services.app import Roles
 from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.chunking import chunk_file
-from ontofabric.services.ingest.ingester import Ingester, discover
+from ontofabric.services.ingest.ingester import discover
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
-from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_spine import queries_from
+from .bench_spine import queries_from, serve_for_ingest
 
 WORKSPACE = "bench"
 PROTOCOL = "2025-11-25"
@@ -176,12 +175,9 @@ async def run(endpoints: Endpoints, settings: Settings, query_count: int, rounds
     names = Names(settings.subject_prefix)
     tree = project_root()
     async with AsyncExitStack() as stack:
-        embedder = await start_workers(stack, settings, endpoints, Roles(azure_projector=False))
-        nc = await connect(endpoints.nats_url_as("operator"), "bench")
-        stack.push_async_callback(nc.close)
-        js = nc.jetstream()
-        cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
-        report = await Ingester(js, names, embedder, settings.max_content_bytes, cache=cache).ingest(tree, WORKSPACE)
+        served = await serve_for_ingest(stack, settings, endpoints, Roles(azure_projector=False))
+        nc, js = served.nc, served.js
+        report = await served.ingester.ingest(tree, WORKSPACE)
         assert report.last_sequence is not None
         await wait_caught_up(js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 1800)
         await asyncio.sleep(0.5)

@@ -19,19 +19,17 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from ontofabric.contracts import QueryResponse
-from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.demo import project_root
-from ontofabric.services.ingest.ingester import Ingester, discover
+from ontofabric.services.ingest.ingester import discover
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
-from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_spine import queries_from
+from .bench_spine import queries_from, serve_for_ingest
 
 WORKSPACE = "bench"
 
@@ -39,12 +37,8 @@ WORKSPACE = "bench"
 async def run(endpoints: Endpoints, settings: Settings, query_count: int, changed_files: int) -> None:
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
-        embedder = await start_workers(stack, settings, endpoints, Roles())
-        nc = await connect(endpoints.nats_url_as("operator"), "bench")
-        stack.push_async_callback(nc.close)
-        js = nc.jetstream()
-        cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
-        ingester = Ingester(js, names, embedder, settings.max_content_bytes, cache=cache)
+        served = await serve_for_ingest(stack, settings, endpoints)
+        nc, js, ingester = served.nc, served.js, served.ingester
         root = project_root()
         main = await ingester.ingest(root, WORKSPACE)
         # A branch: a copy of the tree with some files changed, ingested as the branch's delta over main.
@@ -107,7 +101,6 @@ async def run(endpoints: Endpoints, settings: Settings, query_count: int, change
                 k: statistics.median(s[k] for s in stages if k in s) for k in ("embed", "dense", "keyword", "fetch")
             }
             print(f"stage medians on {name} (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
-        cache.close()
 
 
 def main() -> None:

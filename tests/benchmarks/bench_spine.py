@@ -16,14 +16,19 @@ import asyncio
 import statistics
 import time
 import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import asyncpg
+from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from ontofabric.contracts import DocumentUpserted, QueryResponse
+from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.demo import project_root
 from ontofabric.services.ingest.chunking import Chunk
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ingest.ingester import ChunkEmbedding, chunk_tree, to_document
+from ontofabric.services.ingest.ingester import ChunkEmbedding, Ingester, chunk_tree, to_document
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.projector.planning import Delta, EntityRef
 from ontofabric.services.projector.store import UPSERT_DOCUMENT, PostgresProjectionStore
@@ -32,7 +37,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import Embedder, build_embedder
-from ontofabric.shared.embedding_cache import embed_with_signs
+from ontofabric.shared.embedding_cache import EmbeddingCache, embed_with_signs
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import Endpoints, embedded_servers
@@ -152,6 +157,29 @@ async def run(endpoints: Endpoints, repeats: int, query_count: int) -> None:
     await projector.stop()
     await pool.close()
     await nc.close()
+
+
+@dataclass(frozen=True)
+class Served:
+    """Workers running, and an operator's connection with an ingester for a benchmark's corpus."""
+
+    nc: Client
+    js: JetStreamContext
+    ingester: Ingester
+
+
+async def serve_for_ingest(
+    stack: AsyncExitStack, settings: Settings, endpoints: Endpoints, roles: Roles | None = None
+) -> Served:
+    """Start the workers (``roles``, default all) and an ingester; ``stack`` stops and closes them."""
+    names = Names(settings.subject_prefix)
+    embedder = await start_workers(stack, settings, endpoints, roles or Roles())
+    nc = await connect(endpoints.nats_url_as("operator"), "bench", settings)
+    stack.push_async_callback(nc.close)
+    cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
+    stack.callback(cache.close)
+    js = nc.jetstream()
+    return Served(nc, js, Ingester(js, names, embedder, settings.max_content_bytes, cache=cache))
 
 
 def main() -> None:

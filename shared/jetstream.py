@@ -1,4 +1,4 @@
-"""JetStream definitions (streams, KV bucket, object store), the connection helper and the batch pull loop.
+"""JetStream definitions (streams, KV buckets), the connection helper and the batch pull loop.
 
 Every service calls :func:`ensure_jetstream` at start; it creates what is missing and leaves what exists alone,
 so workers can start in any order.
@@ -22,7 +22,6 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
-    ObjectStoreConfig,
     RePublish,
     RetentionPolicy,
     StorageType,
@@ -210,6 +209,16 @@ def dlq_stream_config(names: Names) -> StreamConfig:
     )
 
 
+def manifest_bucket_config(names: Names) -> KeyValueConfig:
+    return KeyValueConfig(
+        bucket=names.manifest_bucket,
+        history=1,
+        storage=StorageType.FILE,
+        direct=True,  # reads by key subject, $JS.API.DIRECT.GET.<stream>.$KV.<bucket>.<key>: permissions scope them
+        description="ingest manifests: <workspace>.<branch>.head and the parts it names",
+    )
+
+
 async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings) -> None:
     for config in (delta_stream_config(names, settings), dlq_stream_config(names)):
         assert config.name is not None
@@ -235,13 +244,10 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         )
         log.info("bucket_created", bucket=names.version_bucket)
     try:
-        await js.object_store(names.ingest_state_bucket)
-    except (BucketNotFoundError, NotFoundError):
-        await js.create_object_store(
-            names.ingest_state_bucket,
-            ObjectStoreConfig(description="reference ingester manifests", storage=StorageType.FILE),
-        )
-        log.info("bucket_created", bucket=names.ingest_state_bucket)
+        await js.key_value(names.manifest_bucket)
+    except BucketNotFoundError:
+        await js.create_key_value(manifest_bucket_config(names))
+        log.info("bucket_created", bucket=names.manifest_bucket)
 
 
 async def ack_floor(js: JetStreamContext, stream: str, durable: str) -> int:

@@ -50,23 +50,19 @@ class NatsUser:
         return role_permissions(self.role, Names(self.prefix), self.name, self.workspace)
 
 
-def _streams(names: Names) -> list[str]:
-    return [names.delta_stream, names.dlq_stream, f"KV_{names.version_bucket}", f"OBJ_{names.ingest_state_bucket}"]
-
-
 def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | None = None) -> Permissions:
     """What ``user`` playing ``role`` in the deployment ``names`` may do."""
     deltas, versions = names.delta_stream, f"KV_{names.version_bucket}"
-    manifests = f"OBJ_{names.ingest_state_bucket}"
+    manifests, legacy = f"KV_{names.manifest_bucket}", f"OBJ_{names.legacy_manifest_bucket}"
     durables = [names.postgres_projector_durable, names.azure_projector_durable]
-    stream_info = [f"{API}.STREAM.INFO.{stream}" for stream in _streams(names)]  # ensure_jetstream, every part
+    stream_info = [f"{API}.STREAM.INFO.{stream}" for stream in names.streams]  # ensure_jetstream, every part
     inbox = [f"{inbox_prefix(user)}.>"]
     token = encode_token(workspace) if workspace is not None else "*"
     if role == "projector":
         return Permissions(
             publish=[
                 *stream_info,
-                *[f"{API}.STREAM.CREATE.{stream}" for stream in _streams(names)],  # the first start creates them
+                *[f"{API}.STREAM.CREATE.{stream}" for stream in names.streams],  # the first start creates them
                 f"{API}.STREAM.UPDATE.{deltas}",  # ensure_jetstream adds the republish an older stream lacks
                 *[f"{API}.CONSUMER.INFO.{deltas}.{durable}" for durable in durables],
                 *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
@@ -79,6 +75,18 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{API}.DIRECT.GET.{versions}",
                 f"{API}.DIRECT.GET.{versions}.>",
                 f"{names.prefix}.version.>",
+                # Moving an earlier version's manifests out of their shared object store (manifest_store.py).
+                f"$KV.{names.manifest_bucket}.>",
+                f"{API}.DIRECT.GET.{manifests}.>",
+                f"{API}.STREAM.MSG.GET.{legacy}",
+                f"{API}.STREAM.NAMES",  # nats-py finds the object store's stream by subject
+                f"{API}.DIRECT.GET.{legacy}",
+                f"{API}.DIRECT.GET.{legacy}.>",
+                f"{API}.CONSUMER.CREATE.{legacy}",
+                f"{API}.CONSUMER.CREATE.{legacy}.>",
+                f"{API}.CONSUMER.DELETE.{legacy}.*",
+                f"$JS.FC.{legacy}.>",
+                f"{API}.STREAM.DELETE.{legacy}",
             ],
             subscribe=inbox,
         )
@@ -116,13 +124,9 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{names.prefix}.delta.{token}.*",
                 *stream_info,
                 f"{API}.CONSUMER.INFO.{deltas}.{names.postgres_projector_durable}",  # waiting until projected
-                # The manifests of what was published (one object store of every workspace: docs/security.md).
-                f"$O.{names.ingest_state_bucket}.>",
-                f"{API}.STREAM.MSG.GET.{manifests}",
-                f"{API}.STREAM.NAMES",
-                f"{API}.CONSUMER.CREATE.{manifests}",
-                f"$JS.FC.{manifests}.>",
-                f"{API}.STREAM.PURGE.{manifests}",
+                # The manifests of what was published: keys under the workspace's token, read by key subject.
+                f"$KV.{names.manifest_bucket}.{token}.>",
+                f"{API}.DIRECT.GET.{manifests}.$KV.{names.manifest_bucket}.{token}.>",
             ],
             subscribe=inbox,
         )
@@ -136,7 +140,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             f"{API}.STREAM.LIST",
             *[
                 subject
-                for stream in _streams(names)
+                for stream in names.streams
                 for subject in (
                     f"{API}.STREAM.*.{stream}",  # info, create, update, delete, purge
                     f"{API}.STREAM.MSG.*.{stream}",  # get, delete a message
@@ -150,7 +154,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 )
             ],
             f"$KV.{names.version_bucket}.>",
-            f"$O.{names.ingest_state_bucket}.>",
+            f"$KV.{names.manifest_bucket}.>",
+            f"$O.{names.legacy_manifest_bucket}.>",
             f"{names.prefix}.>",
         ],
         subscribe=[f"{names.prefix}.>", *inbox],  # watching versions and deltas go by; not others' replies

@@ -148,8 +148,25 @@ class Names:
         return f"{self.prefix}-count-{uuid.uuid4().hex}"
 
     @property
-    def ingest_state_bucket(self) -> str:
+    def manifest_bucket(self) -> str:
+        """KV bucket of ingest manifests, keyed ``<workspace>.<branch>...`` (shared/manifest_store.py)."""
+        return f"{self.prefix}_manifests"
+
+    @property
+    def legacy_manifest_bucket(self) -> str:
+        """The object store earlier versions kept every workspace's manifests in; moved into the KV bucket."""
         return f"{self.prefix}_ingest_state"
+
+    @property
+    def streams(self) -> list[str]:
+        """Every JetStream stream of the deployment, buckets included (a KV bucket or object store is a stream)."""
+        return [
+            self.delta_stream,
+            self.dlq_stream,
+            f"KV_{self.version_bucket}",
+            f"KV_{self.manifest_bucket}",
+            f"OBJ_{self.legacy_manifest_bucket}",
+        ]
 
 
 def workspace_token_of(subject: str) -> str | None:

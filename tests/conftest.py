@@ -225,9 +225,8 @@ async def deployment(
     try:
         yield Deployment(settings, names, nc, js, DeltaPublisher(js, names), nats_logins)
     finally:
-        owned = {names.delta_stream, names.dlq_stream, f"KV_{names.version_bucket}", f"OBJ_{names.ingest_state_bucket}"}
         for stream in await js.streams_info():
-            if stream.config.name in owned:
+            if stream.config.name in names.streams:
                 await js.delete_stream(stream.config.name)
         await nc.close()
         await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
@@ -266,3 +265,18 @@ def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def runtime(embedded: EmbeddedRuntime | None) -> EmbeddedRuntime:
+    if embedded is None:
+        pytest.skip("adds users to the embedded nats-server; servers started elsewhere keep their own")
+    return embedded
+
+
+async def connect_as(
+    deployment: Deployment, runtime: EmbeddedRuntime, role: NatsRole, workspace: str | None = None
+) -> Client:
+    """A connection as the deployment's ``role`` (of ``workspace`` only, for ingest and client)."""
+    login = runtime.nats_logins(deployment.names.prefix, [role], workspace)[role]
+    return await connect(with_login(deployment.nats_url_of_server, *login), f"test-{role}")

@@ -11,7 +11,7 @@ from ontofabric.services.ingest.chunking import (
     object_type_name,
     truncate_utf8,
 )
-from ontofabric.services.ingest.ingester import TOMBSTONE, Manifest, event_id, plan_ingest
+from ontofabric.services.ingest.ingester import TOMBSTONE, UNKNOWN, Manifest, event_id, plan_ingest
 
 PYTHON = textwrap.dedent(
     '''
@@ -188,3 +188,13 @@ def test_a_manifest_of_the_first_format_reads_as_document_keys() -> None:
     plan = plan_ingest({"d:pkg/a.py::f": "h1"}, old)
     assert (plan.upserts, plan.deletes) == ([], [])  # nothing changed, so nothing to publish or remove
     assert Manifest.from_json(Manifest({"n:pkg.a": "h"}).to_json()).entries == {"n:pkg.a": "h"}
+
+
+def test_manifests_of_two_racing_ingests_merge_into_what_is_known() -> None:
+    mine = Manifest({"d:a": "1", "d:both": "1", "d:differs": "1"})
+    theirs = Manifest({"d:b": "1", "d:both": "1", "d:differs": "2"})
+    merged = mine.merged_with(theirs)
+    assert merged.entries == {"d:a": UNKNOWN, "d:b": UNKNOWN, "d:both": "1", "d:differs": UNKNOWN}
+    # The next ingest of a tree holding a and both sends a again, and removes b and differs.
+    plan = plan_ingest({"d:a": "1", "d:both": "1"}, merged)
+    assert (plan.upserts, plan.deletes) == (["d:a"], ["d:b", "d:differs"])

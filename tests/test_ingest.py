@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 from pathlib import Path
 
 from ontofabric.services.ingest.chunking import chunk_file
-from ontofabric.services.ingest.ingester import Ingester
+from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder
 
@@ -118,3 +119,27 @@ async def test_a_branch_publishes_only_what_differs_from_main(
     ]  # fmt: skip
     main_rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE branch = 'main' AND NOT deleted")
     assert main_rows[0]["n"] == 4  # main is untouched by the branch
+
+
+async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly_its_tree(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    _write(ours, {"a.py": "def a():\n    return 1\n", "common.py": "def c():\n    return 1\n"})
+    _write(theirs, {"b.py": "def b():\n    return 2\n", "common.py": "def c():\n    return 2\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    # Both plan from the same (empty) manifest and publish interleaved; only one manifest save can land first.
+    await asyncio.gather(ingester.ingest(ours, "repo"), ingester.ingest(theirs, "repo"))
+    # Every chunk of either tree may be in the index in either version: none is known any more.
+    raced = (await ingester.load_manifest("repo", "main")).entries
+    assert sorted(value for key, value in raced.items() if key.startswith("d:")) == [UNKNOWN] * 6
+    again = await ingester.ingest(ours, "repo")
+    assert (again.upserts, again.deletes) == (4, 2)  # ours sent again; b.py and its function removed
+    assert again.last_sequence is not None
+    await deployment.wait_projected(again.last_sequence)
+    expected = {
+        c.symbol_key: (c.content_hash, c.chunk_level)
+        for name in ("a.py", "common.py")
+        for c in chunk_file(name, (ours / name).read_text(), deployment.settings.max_content_bytes)
+    }
+    assert await _live(deployment) == expected

@@ -253,12 +253,7 @@ async def test_a_delta_stream_made_before_the_republish_gets_it(
             True,
         )
     finally:
-        for stream in (
-            names.delta_stream,
-            names.dlq_stream,
-            f"KV_{names.version_bucket}",
-            f"OBJ_{names.ingest_state_bucket}",
-        ):
+        for stream in names.streams:
             with contextlib.suppress(Exception):
                 await js.delete_stream(stream)
         if nc is not deployment.nc:

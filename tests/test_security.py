@@ -18,7 +18,6 @@ import asyncpg
 import nats
 import nats.js.errors
 import pytest
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from pydantic import SecretStr, ValidationError
@@ -28,12 +27,11 @@ from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly
-from ontofabric.shared.nats_auth import NatsRole
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
 
-from .conftest import Deployment
+from .conftest import Deployment, connect_as
 from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -59,6 +57,8 @@ def test_only_the_canonical_token_of_a_name_is_read(token: str) -> None:
 SECRETS = {"password": "Pw0rdQx7", "rerank": "RrKey5Zt", "azure": "AzKey8Wn", "nats": "NtTok3Vb"}
 SECRET_ENV = {
     "ONTOFABRIC_DATABASE_URL": f"postgresql://reader:{SECRETS['password']}@db.example:5432/onto?sslmode=verify-full",
+    "ONTOFABRIC_QUERY_DATABASE_URL": f"postgresql://q:{SECRETS['password']}@db.example:5432/onto",
+    "ONTOFABRIC_PROJECTOR_DATABASE_URL": f"postgresql://p:{SECRETS['password']}@db.example:5432/onto",
     "ONTOFABRIC_NATS_URL": f"nats://{SECRETS['nats']}@nats.example:4222",
     "ONTOFABRIC_RERANKER": "cohere",
     "ONTOFABRIC_RERANKER_URL": "https://rerank.example/v2/rerank",
@@ -186,20 +186,6 @@ def test_run_as_root_the_embedded_postgres_starts_wherever_the_package_is_instal
 # --------------------------------------------------------------------------- NATS: roles and tenants, real server
 
 
-@pytest.fixture
-def runtime(embedded: EmbeddedRuntime | None) -> EmbeddedRuntime:
-    if embedded is None:
-        pytest.skip("adds users to the embedded nats-server; servers started elsewhere keep their own")
-    return embedded
-
-
-async def _connect_as(
-    deployment: Deployment, runtime: EmbeddedRuntime, role: NatsRole, workspace: str | None = None
-) -> Client:
-    login = runtime.nats_logins(deployment.names.prefix, [role], workspace)[role]
-    return await connect(with_login(deployment.nats_url_of_server, *login), f"test-{role}")
-
-
 async def test_a_connection_without_credentials_is_refused(servers: Endpoints, runtime: EmbeddedRuntime) -> None:
     with pytest.raises(nats.errors.Error, match=r"(?i)authorization"):
         await nats.connect(servers.nats_url, allow_reconnect=False, connect_timeout=5)
@@ -213,8 +199,8 @@ async def test_a_connection_without_credentials_is_refused(servers: Endpoints, r
 async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, runtime: EmbeddedRuntime) -> None:
     worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
     await worker.start()
-    acme = await _connect_as(deployment, runtime, "client", "acme")
-    ingest_acme = await _connect_as(deployment, runtime, "ingest", "acme")
+    acme = await connect_as(deployment, runtime, "client", "acme")
+    ingest_acme = await connect_as(deployment, runtime, "ingest", "acme")
     try:
         client = QueryClient(acme, deployment.names, timeout_s=10)
         assert isinstance(await client.status("acme", {}), StatusReply)
@@ -261,8 +247,8 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
 
 
 async def test_workers_cannot_play_each_others_parts(deployment: Deployment, runtime: EmbeddedRuntime) -> None:
-    projector = await _connect_as(deployment, runtime, "projector")
-    query = await _connect_as(deployment, runtime, "query")
+    projector = await connect_as(deployment, runtime, "projector")
+    query = await connect_as(deployment, runtime, "query")
     try:
         # A projector's credentials cannot take query requests, in the workers' queue group or outside it.
         async def hijack(msg: Msg) -> None:
@@ -320,7 +306,7 @@ async def test_a_worker_answers_only_to_an_inbox(deployment: Deployment, runtime
     # A request naming a bucket's subject as its reply would have the worker write its answer into the bucket.
     worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
     await worker.start()
-    acme = await _connect_as(deployment, runtime, "client", "acme")
+    acme = await connect_as(deployment, runtime, "client", "acme")
     try:
         key = f"$KV.{deployment.names.version_bucket}.{deployment.names.version_key('beta', 'main')}"
         handled = worker.handled

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nats.js import JetStreamContext
-from nats.js.errors import ObjectNotFoundError
 
 from ontofabric.contracts import (
     MAIN_BRANCH,
@@ -42,8 +41,9 @@ from ontofabric.contracts import (
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
 from ontofabric.shared.progress import Progress, Silent
-from ontofabric.shared.subjects import Names, encode_token
+from ontofabric.shared.subjects import Names
 
 from .chunking import Chunk, chunk_file
 from .client import DeltaPublisher, envelope
@@ -90,6 +90,9 @@ def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
 
 
 TOMBSTONE = "-"
+UNKNOWN = "?"
+"""The hash of a key two racing ingests disagreed on: it matches nothing, so the next ingest sends it again."""
+SAVE_ATTEMPTS = 5
 """A manifest value: the branch hides main's entity of this key."""
 
 
@@ -104,11 +107,21 @@ class Manifest:
     entries: dict[str, str] = field(default_factory=dict)
 
     @property
+    def unknown(self) -> int:
+        return sum(1 for value in self.entries.values() if value == UNKNOWN)
+
+    @property
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.entries, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> bytes:
         return json.dumps({"version": 2, "entries": self.entries}, sort_keys=True).encode()
+
+    def merged_with(self, other: Manifest) -> Manifest:
+        """What the index may hold after two ingests published from one manifest at once: a key both left alike
+        is known; any other key is UNKNOWN, so the next ingest sends it again or removes it."""
+        mine, theirs = self.entries, other.entries
+        return Manifest({k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()})
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -117,6 +130,10 @@ class Manifest:
         if stored.get("version", 1) == 1:  # version 1 knew only documents and keyed them by bare id
             entries = {f"d:{key}": value for key, value in entries.items()}
         return cls(entries)
+
+
+def _manifest_of(stored: StoredManifest) -> Manifest:
+    return Manifest.from_json(stored.data) if stored.data is not None else Manifest()
 
 
 @dataclass(frozen=True)
@@ -230,6 +247,7 @@ class Ingester:
         self._max_content_bytes = max_content_bytes
         self._progress = progress or Silent()
         self._cache = cache
+        self._manifests = ManifestStore(js, names)
 
     @property
     def _embedding_signature(self) -> str:
@@ -237,16 +255,20 @@ class Ingester:
             return "no-embedding"
         return self._embedder.cache_name + ("+token-signs" if self._token_vectors else "")
 
-    def _manifest_name(self, workspace: str, branch: str) -> str:
-        return f"{encode_token(workspace)}/{encode_token(branch)}"
-
     async def load_manifest(self, workspace: str, branch: str) -> Manifest:
-        store = await self._js.object_store(self._names.ingest_state_bucket)
-        try:
-            result = await store.get(self._manifest_name(workspace, branch))
-        except ObjectNotFoundError:
-            return Manifest()
-        return Manifest.from_json(result.data or b'{"entries": {}}')
+        return _manifest_of(await self._manifests.load(workspace, branch))
+
+    async def _save_manifest(self, workspace: str, branch: str, manifest: Manifest, loaded: StoredManifest) -> None:
+        for _ in range(SAVE_ATTEMPTS):
+            try:
+                await self._manifests.save(workspace, branch, manifest.to_json(), loaded)
+                return
+            except ManifestChanged:
+                # Another ingest of this branch published at the same time: their deltas and ours interleaved.
+                loaded = await self._manifests.load(workspace, branch)
+                manifest = manifest.merged_with(_manifest_of(loaded))
+                log.warning("ingest_raced", workspace=workspace, branch=branch, unknown=manifest.unknown)
+        raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
     async def ingest(self, root: Path, workspace: str, branch: str = MAIN_BRANCH) -> IngestReport:
         sources = await asyncio.to_thread(read_tree, root)
@@ -261,7 +283,8 @@ class Ingester:
         desired = {f"d:{i}": f"{c.content_hash}|{self._embedding_signature}" for i, c in chunks.items()}
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
-        previous = await self.load_manifest(workspace, branch)
+        loaded = await self._manifests.load(workspace, branch)
+        previous = _manifest_of(loaded)
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         plan = plan_ingest(desired, previous, main)
         log.info(
@@ -289,8 +312,7 @@ class Ingester:
         )
         publish_s = time.perf_counter() - publish_started
         if deltas:
-            store = await self._js.object_store(self._names.ingest_state_bucket)
-            await store.put(self._manifest_name(workspace, branch), plan.manifest.to_json())
+            await self._save_manifest(workspace, branch, plan.manifest, loaded)
         return IngestReport(
             files=len(sources),
             chunks=len(chunks),

@@ -19,6 +19,7 @@ from ontofabric.shared.azure_search import index_client, index_definition, read_
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -67,6 +68,7 @@ class ProjectorService:
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
+        await migrate_legacy_manifests(js, names)
         versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
         sink = PostgresSink(PostgresProjectionStore(self._pool, settings.text_search_config), versions)
         projection = DurableProjection(ProjectionRunner(sink, Limits.from_settings(settings)), js, names)

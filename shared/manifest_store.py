@@ -1,0 +1,158 @@
+"""Where an ingester keeps what it last published per workspace and branch: a KV bucket whose keys start with the
+workspace's token, so a NATS permission on ``$KV.<bucket>.<workspace>.>`` confines an ingester to its own
+workspaces (an object store cannot: its chunks are named by random ids). docs/security.md.
+
+A manifest can outgrow one message, so it is stored compressed in parts. Each (workspace, branch) has a head key
+naming a generation and its part count; a save writes the parts of a new generation under keys of their own, then
+swaps the head with compare-and-set. A crash before the swap leaves the old manifest whole; of two saves racing from
+one head only one wins, the other gets :class:`ManifestChanged`. The parts a head no longer names are purged with
+markers that expire (per-message TTL), so the bucket does not grow with every save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+import zlib
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+from nats.js.kv import KeyValue
+
+from .jetstream import connection_of, refused_promptly
+from .logging import get_logger
+from .subjects import Names, decode_token, encode_token
+
+log = get_logger(__name__)
+
+PART_BYTES = 256 * 1024
+"""Well below nats-server's default 1 MB message limit."""
+PURGE_MARKER_TTL_S = 60.0
+
+
+class ManifestChanged(Exception):
+    """Another save of the same workspace and branch landed since this one's manifest was loaded."""
+
+
+class ManifestMissing(Exception):
+    """The head names a part that is not there (removed by hand, or a bucket restored in part)."""
+
+
+@dataclass(frozen=True)
+class StoredManifest:
+    data: bytes | None
+    """The manifest as saved; None when nothing was saved yet."""
+    revision: int
+    """The head's revision, to save against; 0 when there is no head."""
+    generation: str = ""
+    parts: int = 0
+
+
+def _prefix(workspace: str, branch: str) -> str:
+    return f"{encode_token(workspace)}.{encode_token(branch)}"
+
+
+class ManifestStore:
+    def __init__(self, js: JetStreamContext, names: Names, part_bytes: int = PART_BYTES) -> None:
+        self._js = js
+        self._names = names
+        self._part_bytes = part_bytes
+        self._kv: KeyValue | None = None
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await self._js.key_value(self._names.manifest_bucket)
+        return self._kv
+
+    async def _entry(self, key: str) -> KeyValue.Entry | None:
+        kv, bucket = await self._bucket(), self._names.manifest_bucket
+        subject = f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{key}"
+        try:
+            return await refused_promptly(connection_of(self._js), subject, kv.get(key))
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+
+    async def _get(self, key: str) -> bytes | None:
+        entry = await self._entry(key)
+        return None if entry is None else entry.value or b""
+
+    async def load(self, workspace: str, branch: str) -> StoredManifest:
+        prefix = _prefix(workspace, branch)
+        head_entry = await self._entry(f"{prefix}.head")
+        if head_entry is None:
+            return StoredManifest(None, 0)
+        head = json.loads(head_entry.value or b"{}")
+        generation, count = str(head["generation"]), int(head["parts"])
+        parts = await asyncio.gather(*(self._get(f"{prefix}.parts.{generation}.{i}") for i in range(count)))
+        if any(part is None for part in parts):
+            raise ManifestMissing(f"a part of the ingest manifest of {workspace}/{branch} is missing")
+        data = zlib.decompress(b"".join(part or b"" for part in parts))
+        return StoredManifest(data, head_entry.revision or 0, generation, count)
+
+    async def save(self, workspace: str, branch: str, data: bytes, loaded: StoredManifest) -> StoredManifest:
+        """Store ``data`` as the manifest, if the head is still the one ``loaded`` read; else ManifestChanged."""
+        prefix = _prefix(workspace, branch)
+        generation = uuid.uuid4().hex
+        blob = zlib.compress(data)
+        chunks = [blob[i : i + self._part_bytes] for i in range(0, len(blob), self._part_bytes)] or [b""]
+        head = json.dumps({"generation": generation, "parts": len(chunks)}).encode()
+        keys = [f"{prefix}.parts.{generation}.{i}" for i in range(len(chunks))]
+        subjects = [f"$KV.{self._names.manifest_bucket}.{key}" for key in [*keys, f"{prefix}.head"]]
+        try:
+            writes = self._write(prefix, keys, chunks, head, loaded.revision)
+            revision = await refused_promptly(connection_of(self._js), subjects, writes)
+        except KeyWrongLastSequenceError as error:
+            await self._purge(prefix, generation, len(chunks))
+            raise ManifestChanged(f"another ingest of {workspace}/{branch} saved its manifest first") from error
+        await self._purge(prefix, loaded.generation, loaded.parts)
+        return StoredManifest(data, revision, generation, len(chunks))
+
+    async def _write(self, prefix: str, keys: list[str], chunks: list[bytes], head: bytes, last: int) -> int:
+        kv = await self._bucket()
+        for key, chunk in zip(keys, chunks, strict=True):
+            await kv.put(key, chunk)
+        if last:
+            return await kv.update(f"{prefix}.head", head, last=last)
+        return await kv.create(f"{prefix}.head", head)
+
+    async def _purge(self, prefix: str, generation: str, parts: int) -> None:
+        """Remove a generation's parts; the purge markers expire, so nothing is left."""
+        kv = await self._bucket()
+        for i in range(parts):
+            await kv.purge(f"{prefix}.parts.{generation}.{i}", msg_ttl=PURGE_MARKER_TTL_S)
+
+
+async def migrate_legacy_manifests(js: JetStreamContext, names: Names) -> int:
+    """Move the manifests an earlier version kept in one object store of every workspace into the KV bucket, then
+    delete that store (anyone allowed in it could read or rewrite every workspace's). Returns how many moved."""
+    try:
+        legacy = await js.object_store(names.legacy_manifest_bucket)
+    except (BucketNotFoundError, NotFoundError):
+        return 0
+    try:
+        objects = await legacy.list()
+    except NotFoundError:  # an empty store
+        objects = []
+    store, moved = ManifestStore(js, names), 0
+    for info in objects:
+        workspace_token, _, branch_token = info.name.partition("/")
+        try:
+            workspace, branch = decode_token(workspace_token), decode_token(branch_token)
+        except ValueError:
+            log.warning("legacy_manifest_skipped", name=info.name, reason="not <workspace>/<branch>")
+            continue
+        if (await store.load(workspace, branch)).data is None:
+            result = await legacy.get(info.name)
+            await store.save(workspace, branch, result.data or b'{"entries": {}}', StoredManifest(None, 0))
+            moved += 1
+    await js.delete_object_store(names.legacy_manifest_bucket)
+    log.info("legacy_manifests_moved", moved=moved, bucket=names.legacy_manifest_bucket)
+    return moved

@@ -1,0 +1,111 @@
+"""Ingest manifests in their KV bucket: parts, compare-and-set, the move out of the old object store, and each
+ingester confined to its own workspaces' manifests."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ontofabric.services.ingest.ingester import Ingester, Manifest
+from ontofabric.shared.jetstream import PermissionDenied
+from ontofabric.shared.manifest_store import (
+    ManifestChanged,
+    ManifestStore,
+    StoredManifest,
+    migrate_legacy_manifests,
+)
+from ontofabric.shared.runtime import EmbeddedRuntime
+from ontofabric.shared.subjects import encode_token
+
+from .conftest import Deployment, connect_as
+
+
+def _manifest(size: int, tag: str = "") -> bytes:
+    return Manifest({f"d:pkg/m{i}.py::f{i}": f"{tag}{i:064x}" for i in range(size)}).to_json()
+
+
+async def _keys(deployment: Deployment) -> set[str]:
+    kv = await deployment.js.key_value(deployment.names.manifest_bucket)
+    try:
+        return set(await kv.keys())
+    except Exception:  # nats-py raises NoKeysError on an empty bucket
+        return set()
+
+
+async def test_a_manifest_larger_than_a_message_is_saved_in_parts_and_replaced_whole(deployment: Deployment) -> None:
+    store = ManifestStore(deployment.js, deployment.names, part_bytes=4096)
+    first, second = _manifest(2000), _manifest(1500, "b")
+    assert (await store.load("acme", "feature/x")).data is None
+
+    saved = await store.save("acme", "feature/x", first, StoredManifest(None, 0))
+    assert saved.parts > 2  # compressed, it still needs several parts of 4 KiB
+    loaded = await store.load("acme", "feature/x")
+    assert loaded.data == first
+    await store.save("acme", "feature/x", second, loaded)
+    assert (await store.load("acme", "feature/x")).data == second
+
+    # Only the head and the current generation's parts are left: the first generation was purged.
+    prefix = f"acme.{encode_token('feature/x')}"
+    current = json.loads(
+        (await (await deployment.js.key_value(deployment.names.manifest_bucket)).get(f"{prefix}.head")).value or b""
+    )
+    expected = {f"{prefix}.head", *(f"{prefix}.parts.{current['generation']}.{i}" for i in range(current["parts"]))}
+    assert await _keys(deployment) == expected
+
+
+async def test_of_two_saves_from_one_manifest_only_the_first_lands(deployment: Deployment) -> None:
+    store = ManifestStore(deployment.js, deployment.names)
+    base = await store.save("acme", "main", _manifest(3), StoredManifest(None, 0))
+    await store.save("acme", "main", _manifest(4, "a"), base)
+    with pytest.raises(ManifestChanged):
+        await store.save("acme", "main", _manifest(5, "b"), base)
+    assert (await store.load("acme", "main")).data == _manifest(4, "a")
+    with pytest.raises(ManifestChanged):  # creating where one exists is a race lost too
+        await store.save("acme", "main", _manifest(6), StoredManifest(None, 0))
+    # The loser's parts were purged: the head and the winner's parts remain.
+    assert len(await _keys(deployment)) == 2
+
+
+async def test_the_manifests_of_the_old_shared_object_store_move_into_the_bucket(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    legacy = await deployment.js.create_object_store(deployment.names.legacy_manifest_bucket)
+    old = b'{"version": 1, "entries": {"pkg/a.py::f": "h1"}}'
+    await legacy.put(f"acme/{encode_token('feature/x')}", old)
+    await legacy.put("beta/main", _manifest(3))
+    await legacy.put("not-a-manifest", b"{}")
+
+    projector = await connect_as(deployment, runtime, "projector")
+    try:  # the projector does it at start, with its own credentials
+        assert await migrate_legacy_manifests(projector.jetstream(), deployment.names) == 2
+    finally:
+        await projector.close()
+    assert deployment.names.legacy_manifest_bucket not in {s.config.name for s in await deployment.js.streams_info()}
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    assert (await ingester.load_manifest("acme", "feature/x")).entries == {"d:pkg/a.py::f": "h1"}
+    assert (await ingester.load_manifest("beta", "main")).to_json() == _manifest(3)
+    assert await migrate_legacy_manifests(deployment.js, deployment.names) == 0  # nothing left to move
+
+
+async def test_an_ingester_reads_and_writes_only_its_own_workspaces_manifests(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    operator = ManifestStore(deployment.js, deployment.names)
+    await operator.save("beta", "main", _manifest(3), StoredManifest(None, 0))
+    nc = await connect_as(deployment, runtime, "ingest", "acme")
+    try:
+        acme = ManifestStore(nc.jetstream(), deployment.names)
+        saved = await acme.save("acme", "main", _manifest(2), StoredManifest(None, 0))
+        assert (await acme.load("acme", "main")).data == _manifest(2)
+        assert saved.revision > 0
+        started = time.monotonic()
+        with pytest.raises(PermissionDenied):
+            await acme.load("beta", "main")
+        with pytest.raises(PermissionDenied):
+            await acme.save("beta", "main", _manifest(1), StoredManifest(None, 0))
+        assert time.monotonic() - started < 3  # refused at once, not after a timeout
+    finally:
+        await nc.close()
+    assert (await operator.load("beta", "main")).data == _manifest(3)

@@ -26,6 +26,9 @@ Connection = asyncpg.Connection | PoolConnectionProxy
 
 READER_ROLE = "ontofabric_reader"
 """The role query workers read as (migration 0011): it may SELECT, and nothing else."""
+WRITER_ROLE = "ontofabric_writer"
+"""The role projectors write as (migration 0012): rows of every table, a workspace's partitions through
+``ensure_workspace_partition``; no other DDL."""
 
 MIGRATION_WAIT_S = 120.0
 """How long a process that may not migrate waits for one that may (a projector, ``ontofabric migrate``)."""
@@ -94,15 +97,17 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
         await conn.close()
 
 
-async def wait_until_migrated(database_url: str, settings: Settings, timeout_s: float = MIGRATION_WAIT_S) -> None:
-    """For a process that only reads: wait until the database is migrated to this build's latest migration and
-    has its deployment row, then check the row. DeploymentMismatch after ``timeout_s``."""
+async def wait_until_migrated(
+    database_url: str, settings: Settings, role: str = READER_ROLE, timeout_s: float = MIGRATION_WAIT_S
+) -> None:
+    """For a process that may not migrate: wait until the database is migrated to this build's latest migration
+    and has its deployment row, then check the row, acting as ``role``. DeploymentMismatch after ``timeout_s``."""
     latest = migrations()[-1].version
     deadline = asyncio.get_running_loop().time() + timeout_s
     reason = None
     while True:
         try:
-            conn = await asyncpg.connect(database_url, server_settings={"role": READER_ROLE})
+            conn = await asyncpg.connect(database_url, server_settings={"role": role})
             try:
                 version = await conn.fetchval("SELECT max(version) FROM schema_migrations")
                 if version is not None and version >= latest and await _deployment_row(conn) is not None:
@@ -114,12 +119,12 @@ async def wait_until_migrated(database_url: str, settings: Settings, timeout_s: 
         except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
             waiting_for = f"migration {latest} (the database is not migrated)"
         except (asyncpg.InvalidParameterValueError, asyncpg.InsufficientPrivilegeError) as error:
-            # The role does not exist before migration 0011, or the login is not granted it yet.
-            waiting_for = f"the role {READER_ROLE} ({error})"
+            # The role does not exist before its migration, or the login is not granted it yet.
+            waiting_for = f"the role {role} ({error})"
         if asyncio.get_running_loop().time() > deadline:
             raise DeploymentMismatch(
                 f"still waiting for {waiting_for} after {timeout_s:.0f} s: start a projector or run "
-                f"`ontofabric migrate`, and grant {READER_ROLE} to the query workers' login (docs/security.md)"
+                f"`ontofabric migrate`, and grant {role} to this process's login (docs/security.md)"
             )
         if waiting_for != reason:
             log.info("waiting_for_database", waiting_for=waiting_for)
@@ -163,7 +168,8 @@ async def create_pool(
     """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
 
     ``schema``: the connections read and write that schema's tables in place of ``public``'s (see :func:`migrate`).
-    ``role``: the role the connections act as from the start (:data:`READER_ROLE` for the query workers)."""
+    ``role``: the role the connections act as from the start (:data:`READER_ROLE` for the query workers,
+    :data:`WRITER_ROLE` for the projectors)."""
 
     async def init(conn: asyncpg.Connection) -> None:
         await register_vector(conn)

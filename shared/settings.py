@@ -46,6 +46,12 @@ class Settings(BaseSettings):
         description="PostgreSQL URL the query workers read through, as a role granted `ontofabric_reader` and no "
         "more (docs/security.md). Unset: database_url, still acting as `ontofabric_reader`.",
     )
+    projector_database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL the Postgres projectors write through, as a role granted `ontofabric_writer` "
+        "and no more; such a projector does not migrate, it waits for `ontofabric migrate`. Unset: database_url, "
+        "migrating at start, then acting as `ontofabric_writer`.",
+    )
     data_dir: Path = Field(
         default=Path(".ontofabric"),
         description="Where the embedded servers keep their data and where `up` records their URLs.",

@@ -17,7 +17,7 @@ from ontofabric.services.projector.planning import Delta, VersionState
 from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.db import create_pool, is_transient, migrate
+from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
 from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import SPANS, Deployment
@@ -366,3 +366,51 @@ async def test_a_partition_being_analysed_elsewhere_is_skipped_not_waited_for(de
     finally:
         await other.close()
         await pool.close()
+
+
+async def test_a_projector_with_a_writer_login_writes_rows_and_its_partitions_and_no_other_ddl(
+    deployment: Deployment,
+) -> None:
+    # A login that holds ontofabric_writer and nothing else (docs/security.md). It cannot migrate: the projector
+    # waits for `migrate` as the owner, then projects a new workspace, whose partitions only the owner may create.
+    login = f"{deployment.settings.subject_prefix}_projector"
+    async with deployment.session() as admin:
+        await admin.execute(f'CREATE ROLE "{login}" LOGIN')
+    settings = deployment.settings.model_copy(
+        update={"projector_database_url": deployment.database_url.replace("postgres@", f"{login}@", 1)}
+    )
+    service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    try:
+        starting = asyncio.create_task(service.start())
+        await asyncio.sleep(1.0)
+        assert not starting.done()  # waiting for the schema
+        await migrate(deployment.database_url, deployment.settings)
+        async with deployment.session() as admin:
+            await admin.execute(f'GRANT {WRITER_ROLE} TO "{login}"')
+        await asyncio.wait_for(starting, 30)
+        ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha beta")))
+        await deployment.wait_projected(ack.seq)
+        assert await _live_rows(deployment, "acme") == {"a": "alpha beta"}
+        assert service._pool is not None
+        async with service._pool.acquire() as conn:
+            assert await conn.fetchval("SELECT current_user") == WRITER_ROLE
+            for statement in (
+                "CREATE TABLE planted (x int)",
+                "DROP TABLE documents",
+                "ALTER TABLE documents ADD COLUMN planted int",
+                "TRUNCATE documents",
+                "CREATE FUNCTION planted() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            ):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await conn.execute(statement)
+            partition = await conn.fetchval("SELECT partition_name FROM workspaces WHERE workspace = 'acme'")
+            await conn.execute(f"ANALYZE {partition}")  # the projector's statistics refresh
+            analysed = await conn.fetchval(
+                "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables WHERE relname = $1", partition
+            )
+            assert analysed
+    finally:
+        await service.stop()
+        async with deployment.session() as admin:
+            await admin.execute(f'DROP OWNED BY "{login}"')
+            await admin.execute(f'DROP ROLE IF EXISTS "{login}"')

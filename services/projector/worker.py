@@ -16,7 +16,7 @@ from azure.search.documents.indexes.aio import SearchIndexClient
 from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
-from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
 from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
@@ -63,8 +63,11 @@ class ProjectorService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        await migrate(self._database_url, settings)
-        self._pool = await create_pool(self._database_url, settings)
+        if settings.projector_database_url is None:
+            await migrate(self._database_url, settings)
+        writer_url = settings.projector_database_url or self._database_url
+        await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
+        self._pool = await create_pool(writer_url, settings, role=WRITER_ROLE)
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)

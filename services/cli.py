@@ -26,13 +26,14 @@ from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import PermissionDenied, connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.nats_auth import NATS_ROLES
+from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
 from ontofabric.shared.runtime import (
     NATS_USERS_FILE,
     RUNTIME_FILE,
     EmbeddedRuntime,
     Endpoints,
     RuntimeUnavailable,
+    add_nkey_user,
     ensure_nats_users,
     nats_users,
     reload_running_nats,
@@ -355,9 +356,14 @@ def _reload(settings: Settings) -> None:
 def nats_user_add(
     role: Annotated[str, typer.Argument(help=f"One of {', '.join(NATS_ROLES)}.")],
     workspace: Annotated[str | None, typer.Option(help="Confine an ingest or client user to this workspace.")] = None,
+    nkey: Annotated[
+        bool, typer.Option("--nkey", help="A new user that logs in with an nkey seed file, not a password.")
+    ] = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Add a user (or show the one on record) and print its NATS URL once: hand that to the tenant or process."""
+    """Add a user (or show the one on record) and print its NATS URL once: hand that to the tenant or process.
+    With --nkey: a new user each time, whose seed is written to an owner-only file (the record keeps only its
+    public key); hand the file over, to be named by ONTOFABRIC_NATS_NKEY_SEED."""
     if role not in NATS_ROLES:
         _fail(f"{role!r} is not a role: one of {', '.join(NATS_ROLES)}")
     if workspace is not None:
@@ -368,12 +374,19 @@ def nats_user_add(
         except ValidationError:
             _fail(f"{workspace!r} is not a workspace name")
     settings, directory = _nats_directory(data_dir)
+    server = running_up(settings).get("natsUrl", "nats://HOST:PORT")
+    confined = f" of {workspace}" if workspace else ""
+    if nkey:
+        public, seed_file = add_nkey_user(directory, settings.subject_prefix, role, workspace)
+        _reload(settings)
+        errors.print(f"user {public} ({role}{confined}); log in with:")
+        print(f"ONTOFABRIC_NATS_URL={server} ONTOFABRIC_NATS_NKEY_SEED={seed_file}")
+        return
     logins, created = ensure_nats_users(directory, settings.subject_prefix, [role], workspace)
     user, password = logins[role]
     if created:
         _reload(settings)
-    server = running_up(settings).get("natsUrl", "nats://HOST:PORT")
-    errors.print(f"user {user!r} ({role}{f' of {workspace}' if workspace else ''}); its URL:")
+    errors.print(f"user {user!r} ({role}{confined}); its URL:")
     print(with_login(server, user, password))
 
 
@@ -584,7 +597,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except PermissionDenied as error:  # the NATS server refused these credentials (a command's connection)
+    except (PermissionDenied, BadCredentials) as error:  # refused or unreadable credentials: no traceback
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
     except ValidationError as error:

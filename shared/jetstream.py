@@ -30,7 +30,7 @@ from nats.js.api import (
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from .logging import describe, get_logger
-from .nats_auth import inbox_prefix
+from .nats_auth import inbox_prefix, nkey_public_key
 from .settings import Settings, redacted_url
 from .subjects import Names
 
@@ -135,7 +135,10 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
 
     first = urlsplit(url.split(",")[0])
     # A user with a password names the inbox prefix; a bare user is a token, which must not travel in subjects.
-    user = first.username if first.password is not None else None
+    user = unquote(first.username) if first.username and first.password is not None else None
+    seed = settings.nats_nkey_seed if settings is not None else None
+    if seed is not None:  # the server knows an nkey user by its public key
+        user = nkey_public_key(seed)
     tls = nats_tls(settings) if settings is not None else None
     connecting = asyncio.ensure_future(
         nc.connect(
@@ -146,11 +149,12 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
-            inbox_prefix=inbox_prefix(unquote(user)) if user else "_INBOX",
+            inbox_prefix=inbox_prefix(user) if user else "_INBOX",
             tls=tls,
             # TLS from the first byte: otherwise nats-py upgrades only when the server's INFO asks for it, and a server
             # (or a man in the middle) that does not ask would receive the credentials in plain text.
             tls_handshake_first=tls is not None,
+            nkeys_seed=str(seed) if seed is not None else None,
         )
     )
     # A server that refuses the credentials at the first connection is not retried for ever (nats-py would): the

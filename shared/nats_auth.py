@@ -8,10 +8,15 @@ subjects each part's own code calls; a part that needs a subject not listed here
 
 from __future__ import annotations
 
+import binascii
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
+
+import nkeys
 
 from .subjects import OPERATIONS, Names, encode_token
 
@@ -40,11 +45,14 @@ class Permissions:
 @dataclass(frozen=True)
 class NatsUser:
     name: str
+    """The login name; for an nkey user its public key, which the server knows it by."""
     password: str
+    """Empty for an nkey user: it proves its key by signing the server's nonce."""
     role: NatsRole
     prefix: str
     workspace: str | None = None
     """For ingest and client: the one workspace this user may touch; None: every workspace."""
+    nkey: bool = False
 
     def permissions(self) -> Permissions:
         return role_permissions(self.role, Names(self.prefix), self.name, self.workspace)
@@ -173,7 +181,8 @@ def render_config(host: str, port: int, store_dir: str, users: Mapping[str, Nats
         if permissions.publish_deny:
             publish["deny"] = permissions.publish_deny
         rules: dict[str, object] = {"publish": publish, "subscribe": {"allow": permissions.subscribe}}
-        entries.append({"user": user.name, "password": user.password, "permissions": rules})
+        login = {"nkey": user.name} if user.nkey else {"user": user.name, "password": user.password}
+        entries.append({**login, "permissions": rules})
     # The configuration format reads JSON: every string quoted, so "$JS..." subjects are not variables.
     config = {
         "host": host,
@@ -183,3 +192,25 @@ def render_config(host: str, port: int, store_dir: str, users: Mapping[str, Nats
         "authorization": {"users": entries},
     }
     return json.dumps(config, indent=2)
+
+
+def new_nkey_seed() -> tuple[str, str]:
+    """A new user nkey: (seed, public key). The seed is the secret; the server is told only the public key."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode(), str(nkeys.from_seed(bytearray(seed)).public_key.decode())
+
+
+class BadCredentials(ValueError):
+    """A credentials file that cannot be what its setting says (the message names the file, never its content)."""
+
+
+def nkey_public_key(seed_file: Path) -> str:
+    """The public key of the user nkey seed in ``seed_file``: the user the server knows, and its inbox prefix."""
+    try:
+        seed = seed_file.read_bytes().strip()
+        public = str(nkeys.from_seed(bytearray(seed)).public_key.decode())
+    except (OSError, nkeys.NkeysError, binascii.Error, ValueError) as error:
+        raise BadCredentials(f"{seed_file} does not hold a readable nkey seed ({type(error).__name__})") from None
+    if not public.startswith("U"):
+        raise BadCredentials(f"{seed_file} holds the seed of an nkey that is not a user's")
+    return public

@@ -33,7 +33,7 @@ from typing import IO, Any, Self
 from urllib.parse import quote
 
 from .logging import get_logger
-from .nats_auth import NATS_ROLES, NatsRole, NatsUser, render_config
+from .nats_auth import NATS_ROLES, NatsRole, NatsUser, new_nkey_seed, render_config
 from .settings import Settings, redacted_url
 from .subjects import encode_token
 
@@ -207,6 +207,23 @@ def ensure_nats_users(
     return logins, created
 
 
+NATS_SEEDS_DIR = "seeds"
+
+
+def add_nkey_user(directory: Path, prefix: str, role: NatsRole, workspace: str | None = None) -> tuple[str, Path]:
+    """A new user of ``role`` (confined to ``workspace`` when given) that logs in with an nkey: the record keeps
+    only its public key; the seed goes to an owner-only file under ``directory``. Returns (public key, seed file)."""
+    seed, public = new_nkey_seed()
+    seeds = directory / NATS_SEEDS_DIR
+    seeds.mkdir(mode=0o700, parents=True, exist_ok=True)
+    seed_file = seeds / f"{public}.nk"
+    write_private(seed_file, seed + "\n")
+    users = _nats_users(directory)
+    users[public] = NatsUser(public, "", role, prefix, workspace, nkey=True)
+    write_private(directory / NATS_USERS_FILE, json.dumps([asdict(user) for user in users.values()], indent=1))
+    return public, seed_file
+
+
 def _write_nats_config(directory: Path, port: int) -> None:
     """Render the configuration from the users on record."""
     text = render_config("127.0.0.1", port, str(directory / "jetstream"), _nats_users(directory))
@@ -260,6 +277,7 @@ def remove_nats_user(directory: Path, name: str) -> bool:
     if users.pop(name, None) is None:
         return False
     write_private(directory / NATS_USERS_FILE, json.dumps([asdict(user) for user in users.values()], indent=1))
+    (directory / NATS_SEEDS_DIR / f"{name}.nk").unlink(missing_ok=True)
     return True
 
 
@@ -564,6 +582,16 @@ class EmbeddedRuntime:
             server, port = self._nats
             reload_nats(server.process.pid, directory, port)
         return logins
+
+    def nkey_user(self, prefix: str, role: NatsRole, workspace: str | None = None) -> Path:
+        """A new nkey user of the running embedded nats-server (:func:`add_nkey_user`); its seed file."""
+        if self._nats is None:
+            raise RuntimeUnavailable("NATS is not embedded here")
+        directory = self.data_dir / "nats"
+        _, seed_file = add_nkey_user(directory, prefix, role, workspace)
+        server, port = self._nats
+        reload_nats(server.process.pid, directory, port)
+        return seed_file
 
     def _take_lock(self) -> None:
         lock = open(self.data_dir / "runtime.lock", "w")  # noqa: SIM115 - held for the runtime's life

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
         default=None, description="Client certificate (PEM) for NATS servers that verify clients (mutual TLS)."
     )
     nats_tls_key: Path | None = Field(default=None, description="The client certificate's private key (PEM).")
+    nats_nkey_seed: Path | None = Field(
+        default=None,
+        description="File holding a user nkey seed (`SU...`, owner-readable) to log in to nats_url with, in place of "
+        "a user and password in the URL (`ontofabric nats-user add --nkey` makes one).",
+    )
     database_url: str | None = Field(
         default=None,
         description="PostgreSQL URL (pgvector >= 0.8). Unset: an embedded PostgreSQL is started.",
@@ -263,6 +268,18 @@ class Settings(BaseSettings):
                     f"{url_field} is not https: its key would cross the network in the clear "
                     "(set ONTOFABRIC_INSECURE_HTTP_SECRETS=true to allow it for local testing)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _one_nats_login(self) -> Self:
+        if self.nats_nkey_seed is None:
+            return self
+        if self.nats_url is None:
+            raise ValueError(
+                "nats_nkey_seed logs in to a NATS server of yours: set nats_url (the embedded server has its own users)"
+            )
+        if any(urlsplit(url).username for url in self.nats_url.split(",")):
+            raise ValueError("set one NATS login: a user in nats_url, or nats_nkey_seed")
         return self
 
     def resolved_gateway_tokens_file(self) -> Path:

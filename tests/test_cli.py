@@ -112,6 +112,21 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         )  # fmt: skip
         assert refused.returncode == 2
         assert "refused these credentials" in refused.stderr  # at once, not a hang: the server said why
+        # One that logs in with an nkey seed: the command prints the two settings, the seed stays in its file.
+        added = subprocess.run(
+            [ONTOFABRIC, "nats-user", "add", "client", "--workspace", "geo", "--nkey"], env=env, capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        outputs += [added.stdout, added.stderr]
+        login = dict(part.split("=", 1) for part in added.stdout.split())
+        assert set(login) == {"ONTOFABRIC_NATS_URL", "ONTOFABRIC_NATS_NKEY_SEED"}
+        seed = Path(login["ONTOFABRIC_NATS_NKEY_SEED"]).read_text().strip()
+        asked = subprocess.run(
+            [ONTOFABRIC, "query", "circle", "--workspace", "geo", "--json"], env={**env, **login},
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert asked.returncode == 0, asked.stderr
         rebuild = subprocess.run(
             [ONTOFABRIC, "rebuild", "geo"], env=env, capture_output=True, text=True, timeout=120, check=False
         )
@@ -131,7 +146,7 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     # Every output of the workers, the commands and the servers, scanned for the secrets they were given.
     assert up.stderr is not None
     outputs += [up.stderr.read().decode(), *(path.read_text() for path in data_dir.rglob("*.log"))]
-    for secret in [reranker_key, *passwords]:
+    for secret in [reranker_key, *passwords, seed]:
         assert not [text for text in outputs if secret in text]
     assert not (data_dir / "runtime.json").exists()
     leftovers = subprocess.run(["pgrep", "-f", str(data_dir)], capture_output=True, text=True, check=False)

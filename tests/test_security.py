@@ -27,6 +27,7 @@ from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly
+from ontofabric.shared.nats_auth import BadCredentials, new_nkey_seed
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
@@ -322,3 +323,38 @@ async def test_a_worker_answers_only_to_an_inbox(deployment: Deployment, runtime
     finally:
         await acme.close()
         await worker.stop()
+
+
+async def test_an_nkey_user_logs_in_with_its_seed_and_reaches_only_its_workspace(
+    deployment: Deployment, runtime: EmbeddedRuntime, tmp_path: Path
+) -> None:
+    worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
+    await worker.start()
+    seed_file = runtime.nkey_user(deployment.names.prefix, "client", "acme")
+    assert stat.S_IMODE(seed_file.stat().st_mode) == 0o600
+    assert seed_file.read_text().strip() not in (runtime.data_dir / "nats" / "users.json").read_text()
+    server = deployment.nats_url_of_server
+    settings = Settings(nats_url=server, nats_nkey_seed=seed_file)
+    nc = await connect(server, "nkey-client", settings)
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=10)
+        assert isinstance(await client.status("acme", {}), StatusReply)
+        started = time.monotonic()
+        with pytest.raises(PermissionDenied, match="beta"):
+            await client.send_raw("beta", b"{}", "status")
+        assert time.monotonic() - started < 3
+    finally:
+        await nc.close()
+        await worker.stop()
+    # A seed the server has never heard of, and a file that holds no seed: refused, and named without its content.
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_text(new_nkey_seed()[0])
+    with pytest.raises(PermissionDenied, match="refused these credentials"):
+        await asyncio.wait_for(connect(server, "stranger", Settings(nats_url=server, nats_nkey_seed=stranger)), 10)
+    garbage = tmp_path / "garbage.nk"
+    garbage.write_text("SUnot-a-seed-but-secret-looking")
+    with pytest.raises(BadCredentials, match=r"garbage\.nk") as refused:
+        await connect(server, "garbage", Settings(nats_url=server, nats_nkey_seed=garbage))
+    assert "secret-looking" not in str(refused.value)
+    with pytest.raises(ValidationError, match="one NATS login"):
+        Settings(nats_url=with_login(server, "u", "p"), nats_nkey_seed=seed_file)

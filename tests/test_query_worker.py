@@ -6,15 +6,18 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
 from opentelemetry import trace
+from pydantic import SecretStr
 
 from ontofabric.contracts import DocumentReply, ErrorReply, QueryResponse, StatusReply
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.freshness import POSITION_TTL_S
+from ontofabric.services.query.rerankers import build_reranker
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
@@ -605,3 +608,48 @@ async def test_a_query_worker_with_a_reader_login_waits_for_migrations_and_canno
     finally:
         async with deployment.session() as admin:
             await admin.execute(f'DROP ROLE IF EXISTS "{login}"')
+
+
+async def test_no_secret_reaches_a_reply_a_span_or_a_log(
+    seeded: int, deployment: Deployment, embedder: Embedder, client: QueryClient, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The worker holds a rerank key (its endpoint refuses the connection, so the call fails and is reported),
+    # a database password and NATS passwords; none of them may show in what it answers, its traces or its logs.
+    rerank_key = "rk-" + "5ecret" * 4
+    secrets = [
+        rerank_key,
+        urlsplit(deployment.database_url).password or "",
+        *(password for _, password in deployment.nats_logins.values()),
+        urlsplit(deployment.nats_url).password or "",
+    ]
+    assert all(secrets)
+    settings = deployment.settings.model_copy(
+        update={
+            "reranker": "cohere",
+            "reranker_url": "https://127.0.0.1:9/v2/rerank",
+            "reranker_api_key": SecretStr(rerank_key),
+        }
+    )
+    SPANS.clear()
+    service = QueryService(
+        settings, deployment.nats_url_as("query"), deployment.database_url, embedder, build_reranker(settings)
+    )
+    await service.start()
+    try:
+        reply = await _ask(client, "how do I sort a list of numbers in descending order")  # long: not skipped
+        assert "reranker" in reply.meta.degraded  # the key was used, and the call failed
+        error = parse_reply(await client.send_raw("acme", b'{"semanticQuery": 7, "unknown": true}'))
+        assert isinstance(error, ErrorReply)
+        missing = await client.document("acme", {"id": "no-such-document"})
+        await asyncio.sleep(0.2)  # the last spans end after the replies are sent
+    finally:
+        await service.stop()
+    outputs = [
+        reply.model_dump_json(by_alias=True),
+        error.model_dump_json(by_alias=True),
+        json.dumps(missing.model_dump(by_alias=True), default=str),
+        *(span.to_json() for span in SPANS.get_finished_spans()),
+        *capfd.readouterr(),
+    ]
+    assert len(SPANS.get_finished_spans()) > 3
+    assert [secret for secret in secrets if any(secret in output for output in outputs)] == []

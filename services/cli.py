@@ -24,7 +24,7 @@ from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import PermissionDenied, connect, ensure_jetstream, wait_caught_up
+from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
 from ontofabric.shared.runtime import (
@@ -160,8 +160,7 @@ def ingest(
         embedder = await asyncio.to_thread(build_embedder, settings)
         nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-ingest", settings)
         try:
-            js = nc.jetstream()
-            await ensure_jetstream(js, names, settings)
+            js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them
             started = time.perf_counter()
             with RichProgress(console) as progress:
                 cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
@@ -597,7 +596,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except (PermissionDenied, BadCredentials) as error:  # refused or unreadable credentials: no traceback
+    except (PermissionDenied, BadCredentials, NotSetUp) as error:  # an operator's mistake: no traceback
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
     except ValidationError as error:

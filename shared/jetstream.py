@@ -46,6 +46,10 @@ class PermissionDenied(Exception):
     """The server refused this connection's credentials a publish or subscription (NATS permissions)."""
 
 
+class NotSetUp(Exception):
+    """A stream or bucket the deployment needs does not exist yet (a projector's first start creates them)."""
+
+
 _VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to "([^"]+)"', re.IGNORECASE)
 _Waiting = dict[str, list[tuple[str, "asyncio.Future[str]"]]]
 """Lower-cased subject -> (the subject as sent, the future a refusal of it resolves) of calls in flight."""

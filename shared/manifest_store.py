@@ -17,6 +17,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.errors import (
     BucketNotFoundError,
@@ -27,7 +28,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .jetstream import connection_of, refused_promptly
+from .jetstream import NotSetUp, connection_of, refused_promptly
 from .logging import get_logger
 from .subjects import Names, decode_token, encode_token
 
@@ -68,8 +69,11 @@ class ManifestStore:
         self._kv: KeyValue | None = None
 
     async def _bucket(self) -> KeyValue:
+        # Not js.key_value(), which asks for the stream's info: an ingester may not (the info lists every key,
+        # so every workspace's and branch's name).
         if self._kv is None:
-            self._kv = await self._js.key_value(self._names.manifest_bucket)
+            bucket = self._names.manifest_bucket
+            self._kv = KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=self._js, direct=True)
         return self._kv
 
     async def _entry(self, key: str) -> KeyValue.Entry | None:
@@ -79,6 +83,10 @@ class ManifestStore:
             return await refused_promptly(connection_of(self._js), subject, kv.get(key))
         except (KeyNotFoundError, KeyDeletedError):
             return None
+        except NoRespondersError:
+            raise NotSetUp(
+                f"the bucket {bucket} does not exist: start a projector (`ontofabric up`) once to create the streams"
+            ) from None
 
     async def _get(self, key: str) -> bytes | None:
         entry = await self._entry(key)

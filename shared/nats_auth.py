@@ -128,9 +128,9 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
         )
     if role == "ingest":
         return Permissions(
+            # No stream info: it lists a stream's subjects, so every workspace's and branch's name.
             publish=[
                 f"{names.prefix}.delta.{token}.*",
-                *stream_info,
                 f"{API}.CONSUMER.INFO.{deltas}.{names.postgres_projector_durable}",  # waiting until projected
                 # The manifests of what was published: keys under the workspace's token, read by key subject.
                 f"$KV.{names.manifest_bucket}.{token}.>",

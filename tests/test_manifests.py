@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from ontofabric.services.ingest.ingester import Ingester, Manifest
-from ontofabric.shared.jetstream import PermissionDenied
+from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, refused_promptly
 from ontofabric.shared.manifest_store import (
     ManifestChanged,
     ManifestStore,
@@ -90,13 +91,14 @@ async def test_the_manifests_of_the_old_shared_object_store_move_into_the_bucket
 
 
 async def test_an_ingester_reads_and_writes_only_its_own_workspaces_manifests(
-    deployment: Deployment, runtime: EmbeddedRuntime
+    deployment: Deployment, runtime: EmbeddedRuntime, tmp_path: Path
 ) -> None:
     operator = ManifestStore(deployment.js, deployment.names)
     await operator.save("beta", "main", _manifest(3), StoredManifest(None, 0))
     nc = await connect_as(deployment, runtime, "ingest", "acme")
     try:
-        acme = ManifestStore(nc.jetstream(), deployment.names)
+        js = nc.jetstream()
+        acme = ManifestStore(js, deployment.names)
         saved = await acme.save("acme", "main", _manifest(2), StoredManifest(None, 0))
         assert (await acme.load("acme", "main")).data == _manifest(2)
         assert saved.revision > 0
@@ -105,7 +107,24 @@ async def test_an_ingester_reads_and_writes_only_its_own_workspaces_manifests(
             await acme.load("beta", "main")
         with pytest.raises(PermissionDenied):
             await acme.save("beta", "main", _manifest(1), StoredManifest(None, 0))
+        # Nor the streams' info, which would list every workspace's subjects or manifest keys.
+        for stream in (deployment.names.delta_stream, f"KV_{deployment.names.manifest_bucket}"):
+            info = js.stream_info(stream, subjects_filter=">")
+            with pytest.raises(PermissionDenied):
+                await refused_promptly(nc, f"$JS.API.STREAM.INFO.{stream}", info)
         assert time.monotonic() - started < 3  # refused at once, not after a timeout
+        # A whole ingest needs none of it.
+        (tmp_path / "a.py").write_text("def a():\n    return 1\n")
+        report = await Ingester(js, deployment.names, None, deployment.settings.max_content_bytes).ingest(
+            tmp_path, "acme", "feature"
+        )
+        assert report.upserts == 2
     finally:
         await nc.close()
     assert (await operator.load("beta", "main")).data == _manifest(3)
+
+
+async def test_an_ingest_before_any_projector_started_says_what_is_missing(deployment: Deployment) -> None:
+    await deployment.js.delete_key_value(deployment.names.manifest_bucket)
+    with pytest.raises(NotSetUp, match="start a projector"):
+        await ManifestStore(deployment.js, deployment.names).load("acme", "main")

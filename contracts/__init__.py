@@ -31,6 +31,8 @@ from .documents import (
 )
 from .lookup import BranchStatus, DocumentReply, DocumentRequest, StatusReply, StatusRequest
 from .query import (
+    MAX_TIMEOUT_MS,
+    TIMEOUT_HEADER,
     ErrorDetail,
     ErrorReply,
     ExpandedContext,
@@ -46,9 +48,11 @@ from .versions import NO_VERSION, OntologyVersionChanged, format_version, overla
 __all__ = [
     "CHUNK_LEVELS",
     "MAIN_BRANCH",
+    "MAX_TIMEOUT_MS",
     "NO_VERSION",
     "PROVENANCES",
     "SCHEMA_VERSION",
+    "TIMEOUT_HEADER",
     "BranchStatus",
     "ChunkLevel",
     "DeltaEnvelope",

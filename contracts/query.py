@@ -319,7 +319,14 @@ class QueryResponse(WireModel):
     meta: QueryMeta = Field(alias="_meta")
 
 
-ErrorCode = Literal["invalid_request", "not_found", "unavailable", "internal"]
+ErrorCode = Literal["invalid_request", "not_found", "unavailable", "overloaded", "deadline_exceeded", "internal"]
+"""``overloaded``: the worker's queue was full, refused at once; ``deadline_exceeded``: no answer could be made
+before the request's deadline (it waited too long, or the stages it needs took too long). Both are retryable."""
+
+TIMEOUT_HEADER = "Ontofabric-Timeout-Ms"
+"""Request header: how long the caller waits for the reply, in milliseconds (whole, 1 to 300000). The worker answers
+or refuses within it and does no work for a caller that has given up; without it the worker's default applies."""
+MAX_TIMEOUT_MS = 300_000
 
 
 class ErrorDetail(WireModel):

@@ -126,6 +126,18 @@ class Settings(BaseSettings):
     # --- query worker ----------------------------------------------------------------------------
     query_cache_entries: int = Field(default=1000, ge=0, description="LRU entries; 0 disables the cache.")
     query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
+    query_queue_limit: int = Field(
+        default=64,
+        ge=1,
+        description="Requests one worker holds waiting beyond those it handles; more are refused at once with "
+        "`overloaded` (retryable), and a waiting one whose deadline passes is refused, never worked on.",
+    )
+    query_default_timeout_ms: int = Field(
+        default=10_000,
+        ge=1,
+        le=300_000,
+        description="Deadline of a request without the `Ontofabric-Timeout-Ms` header (the caller's timeout).",
+    )
     retriever_top_k: int = Field(
         default=100, ge=1, le=1000, description="Candidates per retriever (the evaluation runs with this default)."
     )

@@ -22,45 +22,8 @@ from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import METRICS, SPANS, Deployment, RecordedProgress
+from .conftest import CORPUS, METRICS, SPANS, Deployment, RecordedProgress
 from .factories import document, upsert
-
-CORPUS = {
-    "csv": ("Read a CSV file into rows with the csv module and return a list of dictionaries.", "io.Files", "method"),
-    "json": ("Serialise a Python object to a JSON string with indentation.", "io.Serialisation", "method"),
-    "http": ("Send an HTTP GET request and return the decoded response body.", "net.Http", "method"),
-    "sort": ("Sort a list of numbers in descending order using sorted with reverse=True.", "algo.Sorting", "method"),
-    "fib": ("Compute the Fibonacci sequence recursively with memoisation.", "algo.Recursion", "method"),
-    "zip": ("Compress a directory into a zip archive.", "io.Files", "type"),
-    "guide": ("How to install the package and run the tests.", "docs.Guide", "doc"),
-}
-
-
-@pytest.fixture
-async def seeded(deployment: Deployment, projector: ProjectorService, embedder: Embedder) -> int:
-    """CORPUS projected into workspace acme; the stream sequence of its last delta."""
-    workspace = "acme"
-    ids = list(CORPUS)
-    vectors = embedder.embed_documents([CORPUS[i][0] for i in ids])
-    deltas = [
-        upsert(
-            workspace,
-            document(
-                i,
-                CORPUS[i][0],
-                object_type=CORPUS[i][1],
-                chunk_level=CORPUS[i][2],
-                provenance="hand-authored" if i == "guide" else "ingested",
-                embedding=[float(x) for x in vector],
-                symbolKind="class" if CORPUS[i][2] == "type" else "function",
-            ),
-        )
-        for i, vector in zip(ids, vectors, strict=True)
-    ]
-    acks = await deployment.publisher.publish_many(deltas)
-    await deployment.wait_projected(acks[-1].seq)
-    return acks[-1].seq
-
 
 Start = Callable[..., Awaitable[QueryService]]
 

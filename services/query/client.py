@@ -12,6 +12,8 @@ from pydantic import BaseModel, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from ontofabric.contracts import (
+    MAX_TIMEOUT_MS,
+    TIMEOUT_HEADER,
     DocumentReply,
     DocumentRequest,
     ErrorReply,
@@ -34,7 +36,8 @@ class QueryClient:
 
     async def send_raw(self, workspace: str, body: bytes, operation: Operation = "query") -> bytes:
         """Send a request body as is. While no worker listens (a restart), retry for up to a second."""
-        headers: dict[str, str] = {}
+        # The worker answers or refuses within our timeout, and does no work for us once we have given up.
+        headers = {TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(self._timeout_s * 1000))))}
         propagate.inject(headers)
         subject = self._names.request_subject(operation, workspace)
         async for attempt in AsyncRetrying(

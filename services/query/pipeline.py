@@ -70,6 +70,13 @@ COSINE_ONLY = (
 )
 
 
+# Under a deadline, how long before it each optional part must end: what follows it still needs the time (the
+# fetch of the documents and the reply after retrieval; retrieval itself after the query's embedding).
+EMBED_RESERVE_S = 0.05
+RETRIEVAL_RESERVE_S = 0.02
+REFINEMENT_RESERVE_S = 0.01
+
+
 class RetrievalUnavailable(Exception):
     """No retriever could run; the caller gets a retryable error."""
 
@@ -108,8 +115,10 @@ class QueryPipeline:
         # _meta.backend names the keyword retriever's.
         self.backend = next((r.backend for r in retrievers if r.name == KEYWORD), retrievers[0].backend)
 
-    async def answer(self, query: OntologyQuery, workspace: str) -> QueryResponse:
-        run = QueryRun(query, workspace)
+    async def answer(self, query: OntologyQuery, workspace: str, deadline: float | None = None) -> QueryResponse:
+        """``deadline``: when the reply is due (the event loop's clock); optional parts that cannot finish before
+        it are skipped and named in ``_meta.degraded`` with ``deadline``."""
+        run = QueryRun(query, workspace, deadline=deadline)
         announced = self._versions.current(workspace, query.branch)
         generation = self._versions.generation(workspace)
         key = cache_key(query, workspace, announced, generation)
@@ -210,7 +219,7 @@ class QueryPipeline:
                     return None  # said once, as the embedder
                 vector = embedded.vector
             work = retriever.search(scope, SearchInput(run.text, vector), limit)
-            hits = await run.guarded(retriever.name, work, stage=retriever.name)
+            hits = await run.guarded(retriever.name, work, stage=retriever.name, reserve_s=RETRIEVAL_RESERVE_S)
             if hits is not None and hits.lagging:  # its index is behind the version read: say so, do not cache
                 run.degrade(f"{retriever.name}IndexBehind")
             return hits
@@ -233,7 +242,9 @@ class QueryPipeline:
         if self._embedder is None:
             run.degrade("embedder")
             return None
-        embedding = await run.guarded("embedder", self._embedder.embed_query_with_tokens_async(run.text), stage="embed")
+        embedding = await run.guarded(
+            "embedder", self._embedder.embed_query_with_tokens_async(run.text), stage="embed", reserve_s=EMBED_RESERVE_S
+        )
         if embedding is None:
             return None
         requested = run.query.distance_metric
@@ -296,7 +307,7 @@ class QueryPipeline:
         if not others:
             return {}
         work = self._documents.similarities(scope, embedded.vector, others)
-        scored = await run.guarded("denseScores", work, stage="denseScores")
+        scored = await run.guarded("denseScores", work, stage="denseScores", reserve_s=RETRIEVAL_RESERVE_S)
         if scored is None:
             return None
         run.read(scored.version)
@@ -342,7 +353,10 @@ class QueryPipeline:
             refinements.interaction_depth,
         )
         refined = await run.guarded(  # on failure keep the fused order: a query never fails for want of a refinement
-            "lateInteraction", self._embedder.on_model_thread(work), stage="lateInteraction"
+            "lateInteraction",
+            self._embedder.on_model_thread(work),
+            stage="lateInteraction",
+            reserve_s=REFINEMENT_RESERVE_S,
         )
         if refined is None:
             return candidates
@@ -368,7 +382,7 @@ class QueryPipeline:
             )
             return check_ranking(answer, len(sent))
 
-        ranked = await run.guarded("reranker", ranking(), stage="rerank")
+        ranked = await run.guarded("reranker", ranking(), stage="rerank", reserve_s=REFINEMENT_RESERVE_S)
         if ranked is None:
             return candidates
         run.report(reranked=True, reranker=reranker.name)
@@ -394,7 +408,7 @@ class QueryPipeline:
         if not run.query.follow_links or not results:
             return
         work = self._linked_context(run, scope, version, results)
-        expanded = await run.guarded("graphExpansion", work, stage="expansion")
+        expanded = await run.guarded("graphExpansion", work, stage="expansion", reserve_s=REFINEMENT_RESERVE_S)
         if expanded is not None:
             context, truncated = expanded
             run.report(expanded_context=context, expanded_context_truncated=truncated)

@@ -6,6 +6,8 @@ ran here, and :meth:`QueryRun.meta` turns that into the ``_meta`` envelope.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -38,6 +40,12 @@ class QueryRun:
     """The ontologyVersion of every snapshot the answer read: more than one means it mixes states."""
     reports: dict[str, Any] = field(default_factory=dict)
     """``_meta`` fields as the stages reported them, by their Python names."""
+    deadline: float | None = None
+    """When the reply is due (the event loop's clock); None: no deadline (evaluation, benchmarks)."""
+
+    def time_left(self) -> float:
+        """Seconds until the deadline; infinite without one."""
+        return math.inf if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
 
     @property
     def text(self) -> str:
@@ -53,14 +61,37 @@ class QueryRun:
         finally:
             self.timings[stage] = milliseconds_since(started)
 
-    async def guarded(self, part: str, work: Awaitable[T], *, stage: str | None = None) -> T | None:
+    async def guarded(
+        self, part: str, work: Awaitable[T], *, stage: str | None = None, reserve_s: float | None = None
+    ) -> T | None:
         """``work``'s result, or None when it failed: the part is then named in ``_meta.degraded`` and the answer
-        goes on without it. ``stage``: time it under that name too."""
-        try:
-            return await (self.timed(stage, work) if stage is not None else work)
-        except Exception as error:
-            self.degrade(part, error)
+        goes on without it. ``stage``: time it under that name too. ``reserve_s``: the part is optional under a
+        deadline; it must end that long before it (for what follows), and is skipped when it cannot (``deadline``
+        and the part in ``_meta.degraded``)."""
+        budget = self.time_left() - reserve_s if reserve_s is not None else math.inf
+        if budget <= 0:
+            if asyncio.iscoroutine(work):
+                work.close()
+            elif isinstance(work, asyncio.Future):
+                work.cancel()
+            self.skip_for_deadline(part)
             return None
+        timed = self.timed(stage, work) if stage is not None else work
+        try:
+            return await (timed if math.isinf(budget) else asyncio.wait_for(timed, budget))
+        except Exception as error:
+            if isinstance(error, TimeoutError) and reserve_s is not None and self.time_left() <= reserve_s:
+                self.skip_for_deadline(part)
+            else:
+                self.degrade(part, error)
+            return None
+
+    def skip_for_deadline(self, part: str) -> None:
+        """``part`` did not run (or was cut short) for want of time before the request's deadline."""
+        log.info("part_skipped", part=part, reason="deadline")
+        if "deadline" not in self.degraded:
+            self.degraded.append("deadline")
+        self.degraded.append(part)
 
     def degrade(self, part: str, error: BaseException | None = None, **context: Any) -> None:
         if error is not None:

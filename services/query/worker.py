@@ -43,6 +43,7 @@ from ontofabric.shared.telemetry import instruments, tracer
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .config import PipelineConfig
 from .core import Reranker
+from .deadlines import Deadline, deadline_of
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -59,14 +60,25 @@ def error_reply(code: str, message: str, details: list[ErrorDetail] | None = Non
     return reply.model_dump_json().encode()
 
 
+MAX_ERROR_DETAILS = 20
+MAX_DETAIL_CHARS = 200
+"""An error reply names the first problems, each cut short, and counts the rest: it always fits a message, whatever
+a request holds (60,000 unknown fields once made an error too large to send)."""
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
+
+
 def validation_details(error: ValidationError) -> list[ErrorDetail]:
+    problems = error.errors(include_url=False, include_input=False)
     details = []
-    for problem in error.errors():
+    for problem in problems[:MAX_ERROR_DETAILS]:
         location = ".".join(str(part) for part in problem["loc"]) or None
-        message = problem["msg"]
-        if problem["type"] == "extra_forbidden":
-            message = "unknown parameter"
-        details.append(ErrorDetail(field=location, message=message))
+        message = "unknown parameter" if problem["type"] == "extra_forbidden" else problem["msg"]
+        details.append(ErrorDetail(field=_clip(location) if location else None, message=_clip(message)))
+    if len(problems) > MAX_ERROR_DETAILS:
+        details.append(ErrorDetail(field=None, message=f"and {len(problems) - MAX_ERROR_DETAILS} more problems"))
     return details
 
 
@@ -123,8 +135,11 @@ class QueryService:
     """The query worker process: pool, embedder, version watch, and a subscription to every workspace's query
     subject in the workers' queue group.
 
-    nats-py hands a subscription's messages to its callback one at a time; each request is answered in a task of
-    its own, at most ``query_concurrency`` at once, and the rest wait in the subscription's queue."""
+    Admission: nats-py hands a subscription's messages to its callback one at a time, and the callback only
+    queues them (``query_queue_limit`` at most; beyond it a request is refused at once, ``overloaded``), so the
+    subscription never backs up where nobody sees the wait. ``query_concurrency`` runners take requests from the
+    queue; one whose deadline has passed while it waited is refused (``deadline_exceeded``) without any work, and
+    every answer is bounded by its request's deadline."""
 
     def __init__(
         self,
@@ -148,10 +163,12 @@ class QueryService:
         self._pipeline: QueryPipeline | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
-        self._slots = asyncio.Semaphore(settings.query_concurrency)
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self._waiting: asyncio.Queue[tuple[Msg, float]] = asyncio.Queue()
+        self._held = 0
+        """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
+        self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
-        """Requests this worker answered (errors included)."""
+        """Requests this worker worked on (errors included; not those refused unopened)."""
 
     async def start(self) -> None:
         try:
@@ -195,22 +212,45 @@ class QueryService:
         self._versions = tracker
         await tracker.start()
         self._lookups = Lookups(documents, self._freshness, js, names, settings.answer_max_tokens * BYTES_PER_TOKEN)
+        self._runners = [
+            asyncio.create_task(self._run(), name=f"query-runner-{i}") for i in range(settings.query_concurrency)
+        ]
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
     async def _admit(self, msg: Msg) -> None:
-        await self._slots.acquire()
-        task = asyncio.create_task(self._serve(msg))
-        self._in_flight.add(task)
-        task.add_done_callback(self._finished)
+        received = asyncio.get_running_loop().time()
+        if self._held >= self.settings.query_concurrency + self.settings.query_queue_limit:
+            busy = f"this worker is at capacity ({self.settings.query_concurrency} at work, the queue full)"
+            await self._reply(
+                msg, error_reply("overloaded", busy + "; retry, here or on another worker", retryable=True)
+            )
+            return
+        self._held += 1
+        self._waiting.put_nowait((msg, received))
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._in_flight.discard(task)
-        self._slots.release()
+    async def _run(self) -> None:
+        while True:
+            msg, received = await self._waiting.get()
+            try:
+                await self._serve(msg, received)
+            finally:
+                self._held -= 1
+                self._waiting.task_done()
 
-    async def _serve(self, msg: Msg) -> None:
+    async def _serve(self, msg: Msg, received: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = deadline_of(msg.headers, received, self.settings.query_default_timeout_ms)
+        if isinstance(deadline, ErrorDetail):
+            await self._reply(msg, error_reply("invalid_request", "the request's timeout is not valid", [deadline]))
+            return
+        waited_ms = round((loop.time() - received) * 1000, 3)
+        if deadline.left(loop.time()) <= 0:  # its caller has given up (or is about to): no work for nobody
+            late = f"waited {waited_ms:.0f} ms for a free slot, past the request's {deadline.timeout_ms} ms"
+            await self._reply(msg, error_reply("deadline_exceeded", late, retryable=True))
+            return
         try:
             # The caller's trace continues here: its context travels in the request's headers.
             context = propagate.extract(msg.headers or {})
@@ -218,10 +258,19 @@ class QueryService:
                 msg.subject.split(".")[1], context=context, kind=SpanKind.SERVER
             ) as span:
                 span.set_attribute("messaging.destination.name", msg.subject)
-                body = await self._answer(msg)
+                span.set_attribute("ontofabric.queue_ms", waited_ms)
+                try:
+                    async with asyncio.timeout_at(deadline.at):
+                        body = await self._answer(msg, deadline)
+                except TimeoutError:
+                    message = f"no answer within the request's {deadline.timeout_ms} ms (waited {waited_ms:.0f} ms)"
+                    body = error_reply("deadline_exceeded", message, retryable=True)
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)
             body = error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
+        await self._reply(msg, body)
+
+    async def _reply(self, msg: Msg, body: bytes) -> None:
         if not msg.reply.startswith("_INBOX."):
             # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
             # make this worker write there (NATS permissions allow it no other subject, docs/security.md).
@@ -233,7 +282,7 @@ class QueryService:
         except Exception as error:  # the connection went away: the caller times out and retries elsewhere
             log.warning("reply_failed", error=describe(error))
 
-    async def _answer(self, msg: Msg) -> bytes:
+    async def _answer(self, msg: Msg, deadline: Deadline) -> bytes:
         """The reply to a request on {prefix}.{query|document|status}.{workspace}."""
         self.handled += 1
         workspace = workspace_of_subject(msg.subject)
@@ -244,9 +293,10 @@ class QueryService:
                 "the subject does not name an operation and a valid workspace",
                 [ErrorDetail(field=None, message=f"subject {msg.subject!r}")],
             )
-        answer = {"query": self._query, "document": self._document, "status": self._status}[operation]
         try:
-            return await answer(workspace, msg.data)
+            if operation == "query":
+                return await self._query(workspace, msg.data, deadline)
+            return await (self._document if operation == "document" else self._status)(workspace, msg.data)
         except (RetrievalUnavailable, PositionUnavailable) as error:
             return error_reply("unavailable", str(error), retryable=True)
         except Exception as error:
@@ -256,13 +306,13 @@ class QueryService:
             log.exception("query_failed", workspace=workspace)
             return error_reply("internal", "the request failed unexpectedly; see the worker log", retryable=True)
 
-    async def _query(self, workspace: str, body: bytes) -> bytes:
+    async def _query(self, workspace: str, body: bytes, deadline: Deadline) -> bytes:
         assert self._pipeline is not None
         assert self._nc is not None
         query = parse_request(body, workspace, self.settings.max_query_chars)
         if isinstance(query, bytes):
             return query
-        response = await self._pipeline.answer(query, workspace)
+        response = await self._pipeline.answer(query, workspace, deadline.at)
         budget = query.max_tokens or self.settings.answer_max_tokens
         try:
             return fit_reply(response, budget, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)
@@ -305,11 +355,12 @@ class QueryService:
         for subscription in subscriptions:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
-        if self._in_flight:
-            _, late = await asyncio.wait(self._in_flight, timeout=timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):  # those received are answered; past the timeout, cancelled
+            await asyncio.wait_for(self._waiting.join(), timeout_s)
+        runners, self._runners = self._runners, []
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None

@@ -1,0 +1,45 @@
+"""When a request's answer is due: the caller's timeout (header ``Ontofabric-Timeout-Ms``) from the moment the
+worker received it, less a margin for the reply's way back. Relative, as gRPC's ``grpc-timeout``: no clock is
+compared between machines. Pure logic; the worker applies it (refusing what is already late, bounding every stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail
+
+MIN_MARGIN_S = 0.005
+MAX_MARGIN_S = 0.1
+MARGIN_SHARE = 0.05
+"""Of the caller's timeout, kept for the reply to travel back (between 5 and 100 ms)."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    at: float
+    """The time (the event loop's clock, seconds) by which the reply must be sent."""
+    timeout_ms: int
+    """What the caller asked for (or the worker's default)."""
+
+    def left(self, now: float) -> float:
+        return self.at - now
+
+
+def deadline_of(headers: Mapping[str, str] | None, received: float, default_ms: int) -> Deadline | ErrorDetail:
+    """The request's deadline, or what is wrong with its timeout header."""
+    raw = (headers or {}).get(TIMEOUT_HEADER)
+    if raw is None:
+        timeout_ms = default_ms
+    else:
+        text = raw.strip()
+        well_formed = text.isascii() and text.isdigit() and len(text) <= len(str(MAX_TIMEOUT_MS))
+        if not well_formed or not 1 <= int(text) <= MAX_TIMEOUT_MS:
+            return ErrorDetail(
+                field=f"header {TIMEOUT_HEADER}", message=f"whole milliseconds from 1 to {MAX_TIMEOUT_MS}"
+            )
+        timeout_ms = int(text)
+    timeout_s = timeout_ms / 1000
+    margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE))
+    return Deadline(received + max(0.0, timeout_s - margin), timeout_ms)

@@ -1,0 +1,172 @@
+"""Deadlines and load shedding: a request's timeout travels in a header; a worker refuses what it cannot take
+(``overloaded``), works on nothing whose caller has given up (``deadline_exceeded``), and skips optional stages
+that would end past the deadline. Worker tests: real NATS and PostgreSQL, a reranker that takes its time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+from nats.aio.msg import Msg
+
+from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail, ErrorReply, QueryResponse
+from ontofabric.services.query.client import QueryClient, parse_reply
+from ontofabric.services.query.deadlines import MAX_MARGIN_S, MIN_MARGIN_S, Deadline, deadline_of
+from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.embedder import Embedder
+
+from .conftest import Deployment
+
+LONG_QUERY = "how do I sort a list of numbers in descending order"  # long enough that the reranker is not skipped
+
+
+def test_the_deadline_is_the_callers_timeout_less_a_margin_for_the_way_back() -> None:
+    assert deadline_of(None, 100.0, 10_000) == Deadline(100.0 + 10 - MAX_MARGIN_S, 10_000)
+    assert deadline_of({TIMEOUT_HEADER: " 250 "}, 100.0, 10_000) == Deadline(100.0 + 0.25 - 0.0125, 250)
+    assert deadline_of({TIMEOUT_HEADER: "1"}, 0.0, 10_000) == Deadline(0.0, 1)  # the margin eats it: refused
+    assert isinstance(deadline_of({TIMEOUT_HEADER: "50"}, 0.0, 1), Deadline)
+    assert MIN_MARGIN_S < MAX_MARGIN_S
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "1e3", "2.5", "", "9" * 5000, str(MAX_TIMEOUT_MS + 1), "٣"])
+def test_a_timeout_header_that_is_not_whole_milliseconds_in_range_is_named(value: str) -> None:
+    problem = deadline_of({TIMEOUT_HEADER: value}, 0.0, 10_000)
+    assert isinstance(problem, ErrorDetail)
+    assert problem.field == f"header {TIMEOUT_HEADER}"
+
+
+class SlowReranker:
+    """Keeps the given order after ``delay_s``; counts its calls."""
+
+    name = "slow"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        return [(i, 1.0 - i / len(documents)) for i in range(min(top_n, len(documents)))]
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+async def start_worker(deployment: Deployment, embedder: Embedder) -> AsyncIterator[object]:
+    started: list[QueryService] = []
+
+    async def start(reranker: SlowReranker, **overrides: object) -> QueryService:
+        # No cache: every request does the work.
+        settings = deployment.settings.model_copy(
+            update={"reranker_timeout_ms": 60_000, "query_cache_entries": 0, **overrides}
+        )
+        service = QueryService(settings, deployment.nats_url_as("query"), deployment.database_url, embedder, reranker)
+        await service.start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        await service.stop()
+
+
+async def _request(deployment: Deployment, body: bytes, timeout_ms: int | str | None, wait_s: float) -> list[bytes]:
+    """Publish a query with its own inbox and collect every reply for ``wait_s``, late ones included."""
+    nc = deployment.nc
+    inbox = nc.new_inbox()
+    replies: list[bytes] = []
+
+    async def collect(msg: Msg) -> None:
+        replies.append(msg.data)
+
+    subscription = await nc.subscribe(inbox, cb=collect)
+    headers = {} if timeout_ms is None else {TIMEOUT_HEADER: str(timeout_ms)}
+    await nc.publish(deployment.names.request_subject("query", "acme"), body, reply=inbox, headers=headers)
+    await asyncio.sleep(wait_s)
+    await subscription.unsubscribe()
+    return replies
+
+
+def _query(text: str = LONG_QUERY) -> bytes:
+    return json.dumps({"semanticQuery": text}).encode()
+
+
+async def test_beyond_its_queue_a_worker_refuses_at_once(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+) -> None:
+    reranker = SlowReranker(0.5)
+    await start_worker(reranker, query_concurrency=1, query_queue_limit=1)  # type: ignore[operator]
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    started = time.monotonic()
+
+    async def ask() -> tuple[QueryResponse | ErrorReply, float]:
+        reply = await client.query("acme", {"semanticQuery": LONG_QUERY})
+        return reply, time.monotonic() - started
+
+    answers = await asyncio.gather(*(ask() for _ in range(6)))
+    answered = [(r, t) for r, t in answers if isinstance(r, QueryResponse)]
+    refused = [(r, t) for r, t in answers if isinstance(r, ErrorReply)]
+    assert len(answered) >= 2  # the one at work and the one waiting
+    assert refused, answers
+    for reply, took in refused:
+        assert isinstance(reply, ErrorReply)
+        assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
+        assert took < 0.4  # at once, not after the slow ones
+    assert reranker.calls == len(answered)
+
+
+async def test_a_request_whose_caller_gave_up_while_it_waited_is_refused_unopened(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+) -> None:
+    reranker = SlowReranker(0.8)
+    service = await start_worker(reranker, query_concurrency=1)  # type: ignore[operator]
+    handled = service.handled
+    first = asyncio.create_task(_request(deployment, _query(), 10_000, 2.0))
+    await asyncio.sleep(0.2)  # the first is at work
+    late = await _request(deployment, _query("sorting numbers in descending order quickly please"), 300, 1.5)
+    assert len(late) == 1
+    reply = parse_reply(late[0])
+    assert isinstance(reply, ErrorReply)
+    assert (reply.error.code, reply.error.retryable) == ("deadline_exceeded", True)
+    assert "waited" in reply.error.message
+    assert isinstance(parse_reply((await first)[0]), QueryResponse)
+    assert reranker.calls == 1  # nothing was done for the caller who had gone
+    assert service.handled == handled + 1
+
+
+async def test_an_optional_stage_that_would_end_past_the_deadline_is_cut_and_named(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+) -> None:
+    await start_worker(SlowReranker(5.0))  # type: ignore[operator]
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=1.5)
+    started = time.monotonic()
+    reply = await client.query("acme", {"semanticQuery": LONG_QUERY})
+    assert time.monotonic() - started < 1.5
+    assert isinstance(reply, QueryResponse), reply
+    assert reply.results[0].id == "sort"  # the fused order, without the reranker's
+    assert reply.meta.reranked is False
+    assert {"deadline", "reranker"} <= set(reply.meta.degraded)
+
+
+async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+) -> None:
+    await start_worker(SlowReranker(0.0))  # type: ignore[operator]
+    replies = await _request(deployment, _query(), "soon", 1.0)
+    reply = parse_reply(replies[0])
+    assert isinstance(reply, ErrorReply)
+    assert reply.error.code == "invalid_request"
+    assert reply.error.details[0].field == f"header {TIMEOUT_HEADER}"

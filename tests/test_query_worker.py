@@ -362,6 +362,24 @@ async def test_malformed_queries_get_structured_errors_and_the_worker_keeps_serv
         assert ok.results[0].id == "http"
 
 
+async def test_an_error_reply_names_the_first_problems_and_counts_the_rest(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    # 60,000 unknown fields once made an error reply too large to send: the caller got nothing.
+    await start_query_worker(embedder)
+    long_names = [f'"{"x" * 5000}{i}": 1' for i in range(5)]  # named, but cut short
+    fields = ", ".join([*long_names, *(f'"u{i:05d}": 1' for i in range(60_000 - 5))])
+    body = f'{{"semanticQuery": "sort", {fields}}}'.encode()
+    assert len(body) < deployment.nc.max_payload
+    data = await client.send_raw("acme", body)
+    reply = ErrorReply.model_validate_json(data)
+    assert reply.error.code == "invalid_request"
+    assert len(reply.error.details) == 21
+    assert reply.error.details[-1].message == "and 59980 more problems"
+    assert all(len(d.field or "") <= 200 for d in reply.error.details)
+    assert len(data) < 16_000
+
+
 async def test_without_an_embedder_answers_are_keyword_only_and_say_so(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

@@ -43,3 +43,23 @@ def deadline_of(headers: Mapping[str, str] | None, received: float, default_ms: 
     timeout_s = timeout_ms / 1000
     margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE))
     return Deadline(received + max(0.0, timeout_s - margin), timeout_ms)
+
+
+SERVICE_TIME_WEIGHT = 0.1
+"""Weight of the newest request in the moving average of how long one takes."""
+
+
+@dataclass
+class ServiceTime:
+    """A moving average of how long a worker takes per request, and what it says about a newcomer's wait."""
+
+    seconds: float = 0.0
+
+    def record(self, took_s: float) -> None:
+        self.seconds = took_s if self.seconds == 0 else self.seconds + SERVICE_TIME_WEIGHT * (took_s - self.seconds)
+
+    def expected_finish(self, ahead: int, concurrency: int) -> float:
+        """Seconds until a request with ``ahead`` others held before it would be answered: its turn (they leave
+        ``concurrency`` at a time), then its own work."""
+        waits = max(0, ahead - concurrency + 1)
+        return (waits / concurrency + 1) * self.seconds

@@ -43,7 +43,7 @@ from ontofabric.shared.telemetry import instruments, tracer
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .config import PipelineConfig
 from .core import Reranker
-from .deadlines import Deadline, deadline_of
+from .deadlines import Deadline, ServiceTime, deadline_of
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -59,6 +59,10 @@ def error_reply(code: str, message: str, details: list[ErrorDetail] | None = Non
     reply = ErrorReply(error=QueryError(code=code, message=message, retryable=retryable, details=details or []))
     return reply.model_dump_json().encode()
 
+
+ADMISSION_SHARE = 0.8
+"""A request is admitted when the expected wait and work fit in this share of its time left: the estimate is an
+average, and the rest is room for the slower ones."""
 
 MAX_ERROR_DETAILS = 20
 MAX_DETAIL_CHARS = 200
@@ -163,7 +167,8 @@ class QueryService:
         self._pipeline: QueryPipeline | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
-        self._waiting: asyncio.Queue[tuple[Msg, float]] = asyncio.Queue()
+        self._waiting: asyncio.Queue[tuple[Msg, float, Deadline]] = asyncio.Queue()
+        self._service_time = ServiceTime()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
         self._runners: list[asyncio.Task[None]] = []
@@ -222,35 +227,42 @@ class QueryService:
 
     async def _admit(self, msg: Msg) -> None:
         received = asyncio.get_running_loop().time()
-        if self._held >= self.settings.query_concurrency + self.settings.query_queue_limit:
-            busy = f"this worker is at capacity ({self.settings.query_concurrency} at work, the queue full)"
-            await self._reply(
-                msg, error_reply("overloaded", busy + "; retry, here or on another worker", retryable=True)
-            )
-            return
-        self._held += 1
-        self._waiting.put_nowait((msg, received))
-
-    async def _run(self) -> None:
-        while True:
-            msg, received = await self._waiting.get()
-            try:
-                await self._serve(msg, received)
-            finally:
-                self._held -= 1
-                self._waiting.task_done()
-
-    async def _serve(self, msg: Msg, received: float) -> None:
-        loop = asyncio.get_running_loop()
         deadline = deadline_of(msg.headers, received, self.settings.query_default_timeout_ms)
         if isinstance(deadline, ErrorDetail):
             await self._reply(msg, error_reply("invalid_request", "the request's timeout is not valid", [deadline]))
             return
+        concurrency = self.settings.query_concurrency
+        if self._held >= concurrency + self.settings.query_queue_limit:
+            busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
+            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
+            return
+        expected = self._service_time.expected_finish(self._held, concurrency)
+        if expected > ADMISSION_SHARE * deadline.left(received):  # refused now, not when the caller has given up
+            busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
+            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
+            return
+        self._held += 1
+        self._waiting.put_nowait((msg, received, deadline))
+
+    async def _run(self) -> None:
+        while True:
+            msg, received, deadline = await self._waiting.get()
+            started = asyncio.get_running_loop().time()
+            try:
+                if await self._serve(msg, received, deadline):
+                    self._service_time.record(asyncio.get_running_loop().time() - started)
+            finally:
+                self._held -= 1
+                self._waiting.task_done()
+
+    async def _serve(self, msg: Msg, received: float, deadline: Deadline) -> bool:
+        """Answer ``msg``; False when it was refused unopened (its deadline passed while it waited)."""
+        loop = asyncio.get_running_loop()
         waited_ms = round((loop.time() - received) * 1000, 3)
         if deadline.left(loop.time()) <= 0:  # its caller has given up (or is about to): no work for nobody
             late = f"waited {waited_ms:.0f} ms for a free slot, past the request's {deadline.timeout_ms} ms"
             await self._reply(msg, error_reply("deadline_exceeded", late, retryable=True))
-            return
+            return False
         try:
             # The caller's trace continues here: its context travels in the request's headers.
             context = propagate.extract(msg.headers or {})
@@ -269,6 +281,7 @@ class QueryService:
             log.exception("query_failed", subject=msg.subject)
             body = error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
         await self._reply(msg, body)
+        return True
 
     async def _reply(self, msg: Msg, body: bytes) -> None:
         if not msg.reply.startswith("_INBOX."):

@@ -169,11 +169,16 @@ class Served:
 
 
 async def serve_for_ingest(
-    stack: AsyncExitStack, settings: Settings, endpoints: Endpoints, roles: Roles | None = None
+    stack: AsyncExitStack,
+    settings: Settings,
+    endpoints: Endpoints,
+    roles: Roles | None = None,
+    embedder: Embedder | None = None,
 ) -> Served:
-    """Start the workers (``roles``, default all) and an ingester; ``stack`` stops and closes them."""
+    """Start the workers (``roles``, default all) and an ingester; ``stack`` stops and closes them. ``embedder``:
+    the model the ingester (and a query worker among the roles) uses; loaded when not given."""
     names = Names(settings.subject_prefix)
-    embedder = await start_workers(stack, settings, endpoints, roles or Roles())
+    embedder = await start_workers(stack, settings, endpoints, roles or Roles(), embedder)
     nc = await connect(endpoints.nats_url_as("operator"), "bench", settings)
     stack.push_async_callback(nc.close)
     cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 
 from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail, ErrorReply, QueryResponse
 from ontofabric.services.query.client import QueryClient, parse_reply
-from ontofabric.services.query.deadlines import MAX_MARGIN_S, MIN_MARGIN_S, Deadline, deadline_of
+from ontofabric.services.query.deadlines import MAX_MARGIN_S, MIN_MARGIN_S, Deadline, ServiceTime, deadline_of
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
@@ -36,6 +36,17 @@ def test_a_timeout_header_that_is_not_whole_milliseconds_in_range_is_named(value
     problem = deadline_of({TIMEOUT_HEADER: value}, 0.0, 10_000)
     assert isinstance(problem, ErrorDetail)
     assert problem.field == f"header {TIMEOUT_HEADER}"
+
+
+def test_the_expected_finish_counts_the_turns_ahead_and_the_work() -> None:
+    service = ServiceTime()
+    assert service.expected_finish(100, 4) == 0.0  # nothing measured yet: nobody is refused on a guess
+    service.record(0.4)
+    assert service.expected_finish(0, 4) == pytest.approx(0.4)  # a free slot: its own work
+    assert service.expected_finish(3, 4) == pytest.approx(0.4)
+    assert service.expected_finish(7, 4) == pytest.approx(0.4 * (1 + 4 / 4))  # four ahead of it in the queue
+    service.record(1.4)
+    assert service.seconds == pytest.approx(0.5)  # a moving average, not the last one
 
 
 class SlowReranker:
@@ -170,3 +181,24 @@ async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
     assert isinstance(reply, ErrorReply)
     assert reply.error.code == "invalid_request"
     assert reply.error.details[0].field == f"header {TIMEOUT_HEADER}"
+
+
+async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+) -> None:
+    reranker = SlowReranker(0.6)
+    await start_worker(reranker, query_concurrency=1)  # type: ignore[operator]
+    assert isinstance(parse_reply((await _request(deployment, _query(), 10_000, 1.5))[0]), QueryResponse)
+    busy = asyncio.create_task(_request(deployment, _query("sort numbers in descending order please now"), 10_000, 1.5))
+    await asyncio.sleep(0.1)  # at work for 0.6 s; the worker knows a request takes about that long
+    # Heard within 0.3 s: had it been queued, its refusal would have come at its deadline, 0.4 s.
+    replies = await _request(deployment, _query("descending sort of a list of numbers with sorted"), 400, 0.3)
+    assert len(replies) == 1
+    reply = parse_reply(replies[0])
+    assert isinstance(reply, ErrorReply)
+    assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
+    assert "past the request's deadline" in reply.error.message
+    await busy
+    assert reranker.calls == 2

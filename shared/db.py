@@ -164,12 +164,14 @@ async def create_pool(
     max_size: int = 10,
     schema: str | None = None,
     role: str | None = None,
+    command_timeout_s: float | None = None,
 ) -> asyncpg.Pool:
     """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
 
     ``schema``: the connections read and write that schema's tables in place of ``public``'s (see :func:`migrate`).
     ``role``: the role the connections act as from the start (:data:`READER_ROLE` for the query workers,
-    :data:`WRITER_ROLE` for the projectors)."""
+    :data:`WRITER_ROLE` for the projectors). ``command_timeout_s``: the client's own limit per statement, for a
+    server that stops answering (``statement_timeout`` runs on the server, and a frozen one never applies it)."""
 
     async def init(conn: asyncpg.Connection) -> None:
         await register_vector(conn)
@@ -179,6 +181,7 @@ async def create_pool(
         min_size=min_size,
         max_size=max_size,
         init=init,
+        command_timeout=command_timeout_s,
         server_settings={
             "hnsw.ef_search": str(settings.hnsw_ef_search),
             # pgvector >= 0.8: keep scanning the graph until enough rows pass the filters.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -202,3 +204,39 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival
     assert "past the request's deadline" in reply.error.message
     await busy
     assert reranker.calls == 2
+
+
+async def test_a_stalled_database_is_unavailable_before_the_deadline(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+) -> None:
+    # Statements end on the server after 1 s; the worker stops waiting for a silent one 1 s after that (for the
+    # statement, and again for its transaction's rollback).
+    await start_worker(SlowReranker(0.0), statement_timeout_ms=1000)  # type: ignore[operator]
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
+    # The database's server processes for this deployment freeze (SIGSTOP), as a host under memory pressure or a
+    # stuck disk would: connections stay open and nothing answers.
+    rows = await deployment.fetch(
+        "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend' "
+        "AND pid <> pg_backend_pid()",
+        deployment.settings.subject_prefix,
+    )
+    frozen = [row["pid"] for row in rows]
+    assert frozen
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        reply = await client.query("acme", {"semanticQuery": "read a csv file into rows"})
+        took = time.monotonic() - started
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    assert isinstance(reply, ErrorReply), reply
+    assert reply.error.code == "unavailable"
+    assert reply.error.retryable
+    assert took < 7  # twice the client-side limit of 2 s, and the way: well before the caller's 10 s
+    again = await client.query("acme", {"semanticQuery": "compress a directory into a zip archive"})
+    assert isinstance(again, QueryResponse), again

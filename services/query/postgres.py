@@ -101,15 +101,18 @@ class PostgresSnapshots:
     """Each read of the query worker is one snapshot (a read-only repeatable-read transaction) that knows its
     version; the retrievers and the document store share this."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, acquire_timeout_s: float | None = None) -> None:
         self._pool = pool
+        self._acquire_timeout_s = acquire_timeout_s
+        """How long a read waits for a connection: a stalled database is `unavailable`, not a hang."""
         # Main ids a branch hides, per (workspace, branch, version, revisions): computed once per version, inside a
         # snapshot. The revisions tell a rebuilt index (the same version) from the one it replaced.
         self._shadowed: LruCache[tuple[str, str, str, tuple[int, ...]], list[str]] = LruCache(64)
 
     @contextlib.asynccontextmanager
     async def read(self, scope: Scope) -> AsyncIterator[Snapshot]:
-        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+        acquiring = self._pool.acquire(timeout=self._acquire_timeout_s)
+        async with acquiring as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
             # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
             # version. Both parents at once, in the swap's order.

@@ -60,6 +60,7 @@ def error_reply(code: str, message: str, details: list[ErrorDetail] | None = Non
     return reply.model_dump_json().encode()
 
 
+STALL_MARGIN_S = 1.0
 ADMISSION_SHARE = 0.8
 """A request is admitted when the expected wait and work fit in this share of its time left: the estimate is an
 average, and the rest is room for the slower ones."""
@@ -189,8 +190,15 @@ class QueryService:
         reader_url = settings.query_database_url or self._database_url
         await wait_until_migrated(reader_url, settings)
         # Whatever the URL's own rights, the pool acts as the reader role: no query path can write.
+        # The server's statement_timeout, and a second for the way: past it, a database that stopped answering is
+        # `unavailable` (a server frozen by its host never applies its own timeout).
+        stalled_s = settings.statement_timeout_ms / 1000 + STALL_MARGIN_S
         self._pool = await create_pool(
-            reader_url, settings, max_size=max(4, 2 * settings.query_concurrency), role=READER_ROLE
+            reader_url,
+            settings,
+            max_size=max(4, 2 * settings.query_concurrency),
+            role=READER_ROLE,
+            command_timeout_s=stalled_s,
         )
         nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings)
         js = nc.jetstream()
@@ -198,7 +206,7 @@ class QueryService:
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names)
         await self._freshness.start()
-        snapshots = PostgresSnapshots(self._pool)
+        snapshots = PostgresSnapshots(self._pool, acquire_timeout_s=stalled_s)
         documents = PostgresDocuments(snapshots)
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.

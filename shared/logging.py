@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -18,11 +20,51 @@ def _add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
+LOG_WINDOW_S = 10.0
+LOG_LINES_PER_WINDOW = 20
+
+
+class RateLimited:
+    """A structlog processor: at most ``per_window`` lines of one cause per ``window_s``; the first line after a
+    window that dropped some says how many (``suppressed``). A cause is the logger, the event, the part and the
+    error's type: a database outage under load logs what failed, not the same warning for every request."""
+
+    def __init__(
+        self,
+        per_window: int = LOG_LINES_PER_WINDOW,
+        window_s: float = LOG_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._per_window = per_window
+        self._window_s = window_s
+        self._clock = clock
+        self._windows: dict[tuple[str, ...], tuple[float, int, int]] = {}
+        """cause -> (window start, lines let through in it, lines dropped since the last one let through)"""
+
+    def __call__(self, _: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        error = str(event.get("error", "")).split(":", 1)[0]
+        cause = (*tuple(str(event.get(k, ""))[:80] for k in ("logger", "event", "part")), error[:80])
+        now = self._clock()
+        started, passed, dropped = self._windows.get(cause, (now, 0, 0))
+        if now - started >= self._window_s:
+            started, passed = now, 0
+        if passed >= self._per_window:
+            self._windows[cause] = (started, passed, dropped + 1)
+            raise structlog.DropEvent
+        if dropped:
+            event["suppressed"] = dropped
+        self._windows[cause] = (started, passed + 1, 0)
+        if len(self._windows) > 10_000:  # causes are few; a flood of distinct ones must not grow this for ever
+            self._windows.clear()
+        return event
+
+
 def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
+        RateLimited(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_trace_ids,
     ]

@@ -11,10 +11,16 @@ V = TypeVar("V")
 
 
 class LruCache(Generic[K, V]):
-    """At most ``max_entries`` entries (0 keeps none). Not thread-safe: one asyncio loop owns it."""
+    """At most ``max_entries`` entries (0 keeps none) and, given ``size``, at most ``max_bytes`` of them by that
+    measure (one entry larger than that is not kept). Not thread-safe: one asyncio loop owns it."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int | None = None, size: Callable[[V], int] | None = None) -> None:
         self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._size = size
+        self._sizes: dict[K, int] = {}
+        self.bytes = 0
+        """What the entries weigh, by ``size`` (0 without one)."""
         self._entries: OrderedDict[K, V] = OrderedDict()
 
     def __len__(self) -> int:
@@ -32,14 +38,24 @@ class LruCache(Generic[K, V]):
     def put(self, key: K, value: V) -> None:
         if self._max_entries <= 0:
             return
+        weight = self._size(value) if self._size is not None else 0
+        if self._max_bytes is not None and weight > self._max_bytes:
+            return
+        self._forget(key)
         self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
+        self._sizes[key] = weight
+        self.bytes += weight
+        while len(self._entries) > self._max_entries or (self._max_bytes is not None and self.bytes > self._max_bytes):
+            self._forget(next(iter(self._entries)))
 
     def drop_where(self, stale: Callable[[K], bool]) -> int:
         """Forget every entry whose key is ``stale``; returns how many went."""
         keys = [key for key in self._entries if stale(key)]
         for key in keys:
-            del self._entries[key]
+            self._forget(key)
         return len(keys)
+
+    def _forget(self, key: K) -> None:
+        if key in self._entries:
+            del self._entries[key]
+            self.bytes -= self._sizes.pop(key)

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
 
     # --- query worker ----------------------------------------------------------------------------
     query_cache_entries: int = Field(default=1000, ge=0, description="LRU entries; 0 disables the cache.")
+    query_cache_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="What the cached answers may weigh together (their contents, and an allowance per result).",
+    )
     query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
     query_queue_limit: int = Field(
         default=64,

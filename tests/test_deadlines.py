@@ -240,3 +240,19 @@ async def test_a_stalled_database_is_unavailable_before_the_deadline(
     assert took < 7  # twice the client-side limit of 2 s, and the way: well before the caller's 10 s
     again = await client.query("acme", {"semanticQuery": "compress a directory into a zip archive"})
     assert isinstance(again, QueryResponse), again
+
+
+async def test_a_huge_baggage_header_is_ignored_without_a_log_line(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: object,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    await start_worker(SlowReranker(0.0))  # type: ignore[operator]
+    nc = deployment.nc
+    headers = {"baggage": "k=" + "v" * 20_000, TIMEOUT_HEADER: "10000"}
+    capfd.readouterr()
+    for _ in range(3):
+        reply = await nc.request(deployment.names.request_subject("query", "acme"), _query(), 10, headers=headers)
+        assert isinstance(parse_reply(reply.data), QueryResponse)
+    assert "vvvvvvvvvv" not in "".join(capfd.readouterr())

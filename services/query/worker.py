@@ -17,8 +17,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, NoRespondersError, StaleConnectionError
 from nats.js.errors import ServiceUnavailableError
-from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
 
 from ontofabric.contracts import (
@@ -41,6 +41,7 @@ from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
+from .cache import answer_weight
 from .config import PipelineConfig
 from .core import Reranker
 from .deadlines import Deadline, ServiceTime, deadline_of
@@ -60,6 +61,7 @@ def error_reply(code: str, message: str, details: list[ErrorDetail] | None = Non
     return reply.model_dump_json().encode()
 
 
+TRACE_CONTEXT = TraceContextTextMapPropagator()
 STALL_MARGIN_S = 1.0
 ADMISSION_SHARE = 0.8
 """A request is admitted when the expected wait and work fit in this share of its time left: the estimate is an
@@ -216,7 +218,7 @@ class QueryService:
             documents,
             self._embedder,
             tracker,
-            LruCache(settings.query_cache_entries),
+            LruCache(settings.query_cache_entries, settings.query_cache_bytes, answer_weight),
             PipelineConfig.from_settings(settings),
             self._reranker,
             self._freshness,
@@ -272,8 +274,9 @@ class QueryService:
             await self._reply(msg, error_reply("deadline_exceeded", late, retryable=True))
             return False
         try:
-            # The caller's trace continues here: its context travels in the request's headers.
-            context = propagate.extract(msg.headers or {})
+            # The caller's trace continues here: its context travels in the request's headers. Only the trace
+            # context is read: baggage is not used, and its parser logs every oversized header a caller sends.
+            context = TRACE_CONTEXT.extract(msg.headers or {})
             with tracer().start_as_current_span(
                 msg.subject.split(".")[1], context=context, kind=SpanKind.SERVER
             ) as span:

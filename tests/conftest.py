@@ -7,7 +7,10 @@ ONTOFABRIC_TEST_NATS_URL and ONTOFABRIC_TEST_DATABASE_URL to run against servers
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
+import socket
 import tempfile
 import uuid
 from collections import Counter
@@ -30,8 +33,16 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.nats_auth import NatsRole
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
+from ontofabric.shared.nats_auth import NatsRole, NatsUser, render_config
+from ontofabric.shared.runtime import (
+    EmbeddedRuntime,
+    Endpoints,
+    ManagedProcess,
+    _spawn,
+    _wait_until,
+    nats_server_binary,
+    with_login,
+)
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
@@ -319,3 +330,22 @@ async def seeded(deployment: Deployment, projector: ProjectorService, embedder: 
     acks = await deployment.publisher.publish_many(deltas)
     await deployment.wait_projected(acks[-1].seq)
     return acks[-1].seq
+
+
+def spawn_nats(
+    directory: Path, port: int, users: dict[str, NatsUser], extra: dict[str, Any] | None = None
+) -> ManagedProcess:
+    """A nats-server of a test's own (JetStream in ``directory``, ``users``, ``extra`` configuration such as TLS),
+    listening on ``port`` when this returns; the same directory and port start it again after a kill."""
+    config = json.loads(render_config("127.0.0.1", port, str(directory / "js"), users))
+    config.update(extra or {})
+    (directory / "nats.conf").write_text(json.dumps(config))
+    argv = [str(nats_server_binary()), "--config", str(directory / "nats.conf")]
+    server = _spawn("nats-server", argv, directory / "nats.log", signal.SIGTERM)
+
+    def listening() -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    _wait_until(listening, server, timeout=30)
+    return server

@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import datetime
 import ipaddress
-import json
-import signal
-import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -25,16 +22,14 @@ from cryptography.x509.oid import NameOID
 
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.jetstream import connect, nats_tls
-from ontofabric.shared.nats_auth import NatsUser, render_config
+from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import (
-    ManagedProcess,
-    _spawn,
-    _wait_until,
     free_port,
-    nats_server_binary,
     start_postgres,
 )
 from ontofabric.shared.settings import Settings
+
+from .conftest import spawn_nats
 
 pytestmark = pytest.mark.slow  # starts servers of its own
 
@@ -129,27 +124,15 @@ def pki(tmp_path: Path) -> Pki:
 def tls_nats(tmp_path: Path, pki: Pki) -> Iterator[str]:
     """A nats-server that requires TLS and a client certificate its CA signed (mutual TLS), and a password."""
     port = free_port()
-    config = json.loads(
-        render_config(
-            "127.0.0.1", port, str(tmp_path / "js"), {"op": NatsUser("op", "secret-pw", "operator", "ontofabric")}
-        )
-    )
-    config["tls"] = {
+    tls = {
         "cert_file": str(pki.server_cert),
         "key_file": str(pki.server_key),
         "ca_file": str(pki.ca),
         "verify": True,
         "handshake_first": True,
     }
-    (tmp_path / "nats.conf").write_text(json.dumps(config))
-    argv = [str(nats_server_binary()), "--config", str(tmp_path / "nats.conf")]
-    server: ManagedProcess = _spawn("nats-server", argv, tmp_path / "nats.log", signal.SIGTERM)
-
-    def listening() -> bool:
-        with socket.socket() as probe:
-            return probe.connect_ex(("127.0.0.1", port)) == 0
-
-    _wait_until(listening, server, timeout=30)
+    users = {"op": NatsUser("op", "secret-pw", "operator", "ontofabric")}
+    server = spawn_nats(tmp_path, port, users, {"tls": tls})
     try:
         yield f"nats://op:secret-pw@127.0.0.1:{port}"
     finally:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from opentelemetry import propagate
 
 from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
 from ontofabric.shared.jetstream import connection_of, refused_promptly
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
+
+log = get_logger(__name__)
 
 DEFAULT_PRODUCER = "ontofabric-ingest"
 
@@ -37,17 +43,54 @@ def envelope(
     )
 
 
+PUBLISH_WINDOW = 256
+"""Acknowledgements outstanding at once (nats-py allows 4,000 per connection)."""
+RETRY_FOR_S = 60.0
+RETRY_WAIT_S = (0.1, 2.0)
+"""The first and the longest wait between attempts to publish what is not confirmed yet."""
+
+# What a later attempt may get through: no acknowledgement in time, the stream's leader away, the connection down.
+_RETRYABLE = (
+    asyncio.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.ServiceUnavailableError,
+    OSError,  # the socket, mid-write
+)
+
+
+class PublishFailed(Exception):
+    """Some deltas could not be confirmed stored within the retry time. ``stored``: the acknowledgements of those
+    that were, in input order (a prefix of the input); ``unconfirmed``: the event ids of the rest, which may or may
+    not have landed. Publishing the same envelopes again is safe: JetStream drops a repeated event id."""
+
+    def __init__(self, stored: list[PubAck], unconfirmed: list[str], cause: BaseException) -> None:
+        self.stored = stored
+        self.unconfirmed = unconfirmed
+        super().__init__(
+            f"{len(unconfirmed)} deltas could not be confirmed stored ({type(cause).__name__}), from event id "
+            f"{unconfirmed[0]} on; {len(stored)} before it were. Publishing the same deltas again is safe."
+        )
+
+
 class DeltaPublisher:
     """Publishes deltas and waits until JetStream has stored them.
 
-    A republished event id is dropped by JetStream within its duplicate window (``PubAck.duplicate``) and would
-    be a no-op in the projector after it, so retrying a failed ``publish_many`` with the same envelopes is safe.
+    A republished event id is dropped by JetStream within its duplicate window (``PubAck.duplicate``, with the
+    first copy's sequence) and would be a no-op in the projector after it; so across a disconnect, a server restart
+    or a leader change the publisher sends again whatever it has no acknowledgement for, for up to ``retry_for_s``.
+    What it still cannot confirm then is reported by event id (:class:`PublishFailed`); nothing is left pending.
     """
 
-    def __init__(self, js: JetStreamContext, names: Names, *, ack_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, js: JetStreamContext, names: Names, *, ack_timeout_s: float = 10.0, retry_for_s: float = RETRY_FOR_S
+    ) -> None:
         self._js = js
         self._names = names
         self._ack_timeout_s = ack_timeout_s
+        self._retry_for_s = retry_for_s
 
     def _message(self, delta: DeltaEnvelope) -> tuple[str, bytes, dict[str, str]]:
         headers = {"Nats-Msg-Id": delta.event_id, "Content-Type": "application/json"}
@@ -56,29 +99,50 @@ class DeltaPublisher:
         return subject, delta.model_dump_json(exclude_none=True).encode(), headers
 
     async def publish(self, delta: DeltaEnvelope) -> PubAck:
-        subject, data, headers = self._message(delta)
-        publishing = self._js.publish(subject, data, headers=headers, timeout=self._ack_timeout_s)
-        return await refused_promptly(connection_of(self._js), subject, publishing)
+        return (await self.publish_many([delta]))[0]
 
     async def publish_many(
         self, deltas: Sequence[DeltaEnvelope], on_stored: Callable[[PubAck], None] | None = None
     ) -> list[PubAck]:
-        """Publish in order (the stream keeps the input order) with many acknowledgements outstanding. A
-        workspace these credentials may not publish to fails at once (PermissionDenied), not after the timeout."""
+        """Publish in order with many acknowledgements outstanding; their acknowledgements, in input order. A
+        workspace these credentials may not publish to fails at once (PermissionDenied), not after the timeout;
+        what cannot be confirmed within the retry time raises :class:`PublishFailed`."""
         subjects = {self._names.delta_subject(delta.workspace, delta.branch) for delta in deltas}
         return await refused_promptly(connection_of(self._js), subjects, self._publish_many(deltas, on_stored))
 
     async def _publish_many(
         self, deltas: Sequence[DeltaEnvelope], on_stored: Callable[[PubAck], None] | None
     ) -> list[PubAck]:
-        pending: list[asyncio.Future[PubAck]] = []
-        for delta in deltas:
-            subject, data, headers = self._message(delta)
-            pending.append(await self._js.publish_async(subject, data, headers=headers))
-        acks = []
-        for future in pending:
-            ack = await asyncio.wait_for(future, self._ack_timeout_s)
-            if on_stored is not None:
-                on_stored(ack)
-            acks.append(ack)
+        acks: list[PubAck] = []
+        give_up_at = time.monotonic() + self._retry_for_s
+        wait = RETRY_WAIT_S[0]
+        while len(acks) < len(deltas):
+            try:
+                await self._publish_window(deltas[len(acks) : len(acks) + PUBLISH_WINDOW], acks, on_stored)
+                wait = RETRY_WAIT_S[0]
+            except _RETRYABLE as error:
+                if time.monotonic() + wait > give_up_at:
+                    raise PublishFailed(acks, [d.event_id for d in deltas[len(acks) :]], error) from error
+                log.warning("publish_retried", confirmed=len(acks), of=len(deltas), error=describe(error))
+                await asyncio.sleep(wait)
+                wait = min(RETRY_WAIT_S[1], wait * 2)
         return acks
+
+    async def _publish_window(
+        self, window: Sequence[DeltaEnvelope], acks: list[PubAck], on_stored: Callable[[PubAck], None] | None
+    ) -> None:
+        """Publish ``window`` and collect its acknowledgements into ``acks`` in order, up to the first that fails
+        (raised); the rest are cancelled, so that nothing stays pending in the client."""
+        pending: list[asyncio.Future[PubAck]] = []
+        try:
+            for delta in window:
+                subject, data, headers = self._message(delta)
+                pending.append(await self._js.publish_async(subject, data, headers=headers))
+            for future in pending:
+                ack = await asyncio.wait_for(asyncio.shield(future), self._ack_timeout_s)
+                acks.append(ack)
+                if on_stored is not None:
+                    on_stored(ack)
+        finally:
+            for future in pending:
+                future.cancel()  # no-op on those done; frees nats-py's slot of those that are not

@@ -1,0 +1,114 @@
+"""The publishing client across a nats-server restart: every delta confirmed stored once, or reported by event id;
+nothing left pending in the client. A nats-server of the test's own, killed with SIGKILL and started again on the
+same port and store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from nats.js import JetStreamContext
+
+from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed
+from ontofabric.shared.jetstream import connect, ensure_jetstream
+from ontofabric.shared.nats_auth import NatsUser
+from ontofabric.shared.runtime import ManagedProcess, free_port
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
+
+from .conftest import spawn_nats
+from .factories import document, upsert
+
+pytestmark = pytest.mark.slow  # starts a server of its own
+
+NAMES = Names("ontofabric")
+
+
+@dataclass
+class OwnNats:
+    directory: Path
+    port: int
+    users: dict[str, NatsUser]
+    server: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"nats://op:pw@127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        self.server.process.send_signal(signal.SIGKILL)
+        self.server.process.wait(10)
+
+    def restart(self) -> None:
+        self.server = spawn_nats(self.directory, self.port, self.users)
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[OwnNats]:
+    users = {"op": NatsUser("op", "pw", "operator", NAMES.prefix)}
+    port = free_port()
+    own = OwnNats(tmp_path, port, users, spawn_nats(tmp_path, port, users))
+    try:
+        yield own
+    finally:
+        own.server.stop()
+
+
+def _pending(js: JetStreamContext) -> int:
+    """Acknowledgements nats-py is still waiting for (each holds one of its 4,000 slots)."""
+    return len(js._publish_async_futures)  # type: ignore[attr-defined]
+
+
+async def test_a_server_killed_mid_publish_loses_nothing_and_stores_nothing_twice(own_nats: OwnNats) -> None:
+    nc = await connect(own_nats.url, "publisher")
+    try:
+        js = nc.jetstream()
+        await ensure_jetstream(js, NAMES, Settings())
+        deltas = [upsert("acme", document(f"d{i}", f"text {i} " * 20)) for i in range(4000)]
+        publishing = asyncio.create_task(
+            DeltaPublisher(js, NAMES, ack_timeout_s=2, retry_for_s=60).publish_many(deltas)
+        )
+        while (await js.stream_info(NAMES.delta_stream)).state.messages < 500:
+            await asyncio.sleep(0.01)
+        own_nats.kill()
+        await asyncio.sleep(1.0)
+        own_nats.restart()
+        acks = await asyncio.wait_for(publishing, 120)
+        assert len(acks) == len(deltas)
+        assert len({ack.seq for ack in acks}) == len(deltas)  # each its own message: none stored twice
+        assert (await js.stream_info(NAMES.delta_stream)).state.messages == len(deltas)
+        assert _pending(js) == 0
+    finally:
+        await nc.close()
+
+
+async def test_what_cannot_be_confirmed_is_named_and_nothing_stays_pending(own_nats: OwnNats) -> None:
+    nc = await connect(own_nats.url, "publisher")
+    try:
+        js = nc.jetstream()
+        await ensure_jetstream(js, NAMES, Settings())
+        deltas = [upsert("acme", document(f"d{i}", f"text {i} " * 20)) for i in range(3000)]
+        publisher = DeltaPublisher(js, NAMES, ack_timeout_s=1, retry_for_s=3)
+        confirmed: list[int] = []
+        publishing = asyncio.create_task(
+            publisher.publish_many(deltas, on_stored=lambda ack: confirmed.append(ack.seq))
+        )
+        while len(confirmed) < 300:
+            await asyncio.sleep(0.01)
+        own_nats.kill()  # and it stays down
+        with pytest.raises(PublishFailed) as failed:
+            await asyncio.wait_for(publishing, 60)
+        stored, unconfirmed = failed.value.stored, failed.value.unconfirmed
+        assert len(stored) >= 300
+        assert [ack.seq for ack in stored] == confirmed  # each reported once, in order
+        assert [d.event_id for d in deltas[len(stored) :]] == unconfirmed  # the rest, by event id, in order
+        assert unconfirmed[0] in str(failed.value)
+        assert _pending(js) == 0
+    finally:
+        with contextlib.suppress(ConnectionError):  # nats-py's close flushes into the lost connection
+            await nc.close()

@@ -137,23 +137,31 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
-    first = urlsplit(url.split(",")[0])
+    # Several seed URLs, comma-separated: the client connects to any that answers and fails over among them (and
+    # the servers they announce). A login written into one of them is used with every one.
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    login = next((parts for parts in map(urlsplit, servers) if parts.username), None)
     # A user with a password names the inbox prefix; a bare user is a token, which must not travel in subjects.
-    user = unquote(first.username) if first.username and first.password is not None else None
+    user = unquote(login.username) if login and login.username and login.password is not None else None
+    password = unquote(login.password) if login and login.password is not None else None
+    token = unquote(login.username) if login and login.username and login.password is None else None
     seed = settings.nats_nkey_seed if settings is not None else None
-    if seed is not None:  # the server knows an nkey user by its public key
-        user = nkey_public_key(seed)
+    # Whose replies these are: the user, or for an nkey login its public key, which the server knows it by.
+    identity = nkey_public_key(seed) if seed is not None else user
     tls = nats_tls(settings) if settings is not None else None
     connecting = asyncio.ensure_future(
         nc.connect(
-            url,
+            servers,
             name=name,
+            user=user,
+            password=password,
+            token=token,
             max_reconnect_attempts=-1,
             reconnect_time_wait=1,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
-            inbox_prefix=inbox_prefix(user) if user else "_INBOX",
+            inbox_prefix=inbox_prefix(identity) if identity else "_INBOX",
             tls=tls,
             # TLS from the first byte: otherwise nats-py upgrades only when the server's INFO asks for it, and a server
             # (or a man in the middle) that does not ask would receive the credentials in plain text.

@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     # --- connections -----------------------------------------------------------------------------
     nats_url: str | None = Field(
         default=None,
-        description="NATS server URL. Unset: `ontofabric up`/`demo` start an embedded nats-server.",
+        description="NATS server URL, or several seed URLs separated by commas (any that answers will do; a login "
+        "in one is used with all). Unset: `ontofabric up`/`demo` start an embedded nats-server.",
     )
     nats_tls_ca: Path | None = Field(
         default=None,

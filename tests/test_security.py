@@ -28,7 +28,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly
 from ontofabric.shared.nats_auth import BadCredentials, new_nkey_seed
-from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
 
@@ -358,3 +358,22 @@ async def test_an_nkey_user_logs_in_with_its_seed_and_reaches_only_its_workspace
     assert "secret-looking" not in str(refused.value)
     with pytest.raises(ValidationError, match="one NATS login"):
         Settings(nats_url=with_login(server, "u", "p"), nats_nkey_seed=seed_file)
+
+
+async def test_of_several_seed_urls_a_dead_one_is_passed_over_and_the_login_holds(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    # A worker whose first seed node is down still starts; the login written into the live URL serves both.
+    user, password = runtime.nats_logins(deployment.names.prefix, ["client"], "acme")["client"]
+    dead = f"nats://127.0.0.1:{free_port()}"
+    for url in (
+        f"{dead},{with_login(deployment.nats_url_of_server, user, password)}",
+        f"{with_login(dead, user, password)}, {deployment.nats_url_of_server}",
+    ):
+        nc = await asyncio.wait_for(connect(url, "seeds"), 20)
+        try:
+            client = QueryClient(nc, deployment.names, timeout_s=10)
+            with pytest.raises(PermissionDenied):  # acme's client, by its own login: beta is refused
+                await client.send_raw("beta", b"{}", "status")
+        finally:
+            await nc.close()

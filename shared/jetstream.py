@@ -430,9 +430,13 @@ class BatchPuller:
     """Hands every batch a reader yields, whole, to ``handle``, in a task of its own, until :meth:`stop`.
     No failure ends the loop: a batch the handler fails on is nak'd with backoff and the next one follows."""
 
-    def __init__(self, reader: StreamReader, handle: BatchHandler) -> None:
+    def __init__(self, reader: StreamReader, handle: BatchHandler, progress_every_s: float | None = None) -> None:
         self._reader = reader
         self._handle = handle
+        self._progress_every_s = progress_every_s
+        """While the handler works on a batch, tell the server this often that its unacked messages are in hand
+        (``+WPI``), so that the ack wait can be short: a crashed consumer's messages come back after it, not after
+        the longest a batch may take."""
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
@@ -460,6 +464,9 @@ class BatchPuller:
 
     async def _run(self) -> None:
         async for batch in self._reader.batches():
+            working = None
+            if self._progress_every_s is not None:
+                working = asyncio.create_task(_in_progress(batch, self._progress_every_s))
             try:
                 await self._handle(batch)
             except Exception:
@@ -468,3 +475,16 @@ class BatchPuller:
                 for msg in batch:
                     with contextlib.suppress(Exception):  # acked already, or the connection is gone
                         await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
+            finally:
+                if working is not None:
+                    working.cancel()
+
+
+async def _in_progress(batch: list[Msg], every_s: float) -> None:
+    """Every ``every_s``, reset the ack wait of the batch's messages not acked yet."""
+    while True:
+        await asyncio.sleep(every_s)
+        for msg in batch:
+            if not msg.is_acked:
+                with contextlib.suppress(Exception):  # acked meanwhile, or the connection is gone
+                    await msg.in_progress()

@@ -112,7 +112,10 @@ class Settings(BaseSettings):
         default=0.05, gt=0, description="Longest wait to fill a batch before projecting what arrived."
     )
     projector_ack_wait_s: float = Field(
-        default=30.0, gt=0, description="Unacked deltas are redelivered after this long (e.g. after a crash)."
+        default=6.0,
+        gt=0,
+        description="Unacked deltas are redelivered after this long (after a crash); while a batch is being "
+        "handled the projector says so every third of it, so a slow batch is not redelivered.",
     )
     max_content_bytes: int = Field(
         default=256 * 1024, ge=1024, description="Deltas whose document content is larger are dead-lettered."

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentUpserted
 from ontofabric.services.projector.planning import Delta, plan_batch
+from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
 from .factories import delete, document, upsert
@@ -35,7 +37,12 @@ def _stream(count: int, ids: int, seed: int) -> list[DeltaEnvelope]:
 
 
 def _start_projector(deployment: Deployment) -> subprocess.Popen[bytes]:
-    env = deployment.env() | {"ONTOFABRIC_PROJECTOR_BATCH_SIZE": "10", "ONTOFABRIC_LOG_LEVEL": "WARNING"}
+    # The default ack wait (the test deployments use a shorter one), to measure the recovery a deployment gets.
+    env = deployment.env() | {
+        "ONTOFABRIC_PROJECTOR_BATCH_SIZE": "10",
+        "ONTOFABRIC_LOG_LEVEL": "WARNING",
+        "ONTOFABRIC_PROJECTOR_ACK_WAIT_S": str(Settings.model_fields["projector_ack_wait_s"].default),
+    }
     return subprocess.Popen([ONTOFABRIC, "projector"], env=env, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -58,6 +65,7 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
             while await _acked(deployment) < 300:
                 await asyncio.sleep(0.02)
         os.killpg(first.pid, signal.SIGKILL)
+        killed = time.monotonic()
         first.wait(10)
         killed_at = await _acked(deployment)
         assert killed_at < acks[-1].seq, "the projector finished before it could be killed; use a longer stream"
@@ -67,6 +75,14 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
 
     second = _start_projector(deployment)
     try:
+        # Recovery: the deltas the killed projector had in hand come back after the ack wait (6 s), not after the
+        # longest a batch may take (it was 30 s): the ack floor moves again soon after the new process is up.
+        async with asyncio.timeout(60):
+            while await _acked(deployment) <= killed_at:
+                await asyncio.sleep(0.05)
+        recovered_s = time.monotonic() - killed
+        print(f"recovery: ack floor moving again {recovered_s:.1f} s after the kill")
+        assert recovered_s < 15
         await deployment.wait_projected(acks[-1].seq, timeout_s=120)
     finally:
         os.killpg(second.pid, signal.SIGTERM)

@@ -36,18 +36,48 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None
             await asyncio.sleep(0.02)
 
 
-async def _real_puller(deployment: Deployment, handle: BatchHandler, fetch_timeout_s: float = 0.05) -> BatchPuller:
-    """A puller over a durable consumer of the deployment's delta stream (explicit acks, 60 s ack wait)."""
+async def _real_puller(
+    deployment: Deployment,
+    handle: BatchHandler,
+    fetch_timeout_s: float = 0.05,
+    ack_wait_s: float = 60,
+    progress_every_s: float | None = None,
+) -> BatchPuller:
+    """A puller over a durable consumer of the deployment's delta stream (explicit acks)."""
     subscription = await deployment.js.pull_subscribe(
         deployment.names.delta_subjects,
         durable=DURABLE,
         stream=deployment.names.delta_stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60),
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s),
     )
     reader = StreamReader(
         subscription, name=DURABLE, connection=deployment.nc, batch_size=10, fetch_timeout_s=fetch_timeout_s
     )
-    return BatchPuller(reader, handle)
+    return BatchPuller(reader, handle, progress_every_s)
+
+
+async def test_a_batch_that_takes_longer_than_the_ack_wait_is_not_redelivered(deployment: Deployment) -> None:
+    # The ack wait can be short (a crashed consumer's messages come back soon) because a batch in hand is said
+    # to be in progress while it is handled.
+    js, names = deployment.js, deployment.names
+    deliveries: list[int] = []
+
+    async def handle(messages: list[Msg]) -> None:
+        deliveries.extend(m.metadata.num_delivered for m in messages)
+        await asyncio.sleep(3.0)  # three ack waits
+        for m in messages:
+            await m.ack()
+
+    puller = await _real_puller(deployment, handle, ack_wait_s=1.0, progress_every_s=1.0 / 3)
+    puller.start()
+    try:
+        for i in range(5):
+            await js.publish(names.delta_subject("acme", "main"), f"slow {i}".encode())
+        await _until(lambda: len(deliveries) >= 5)
+        await asyncio.sleep(4.0)
+    finally:
+        await puller.stop()
+    assert deliveries == [1] * 5  # each delivered once: none came back while it was in hand
 
 
 async def test_a_batch_that_fails_does_not_end_the_loop(deployment: Deployment) -> None:

@@ -159,19 +159,21 @@ async def start_projection(
 ) -> BatchPuller:
     """A projector's durable pull consumer of every delta, from the stream's first, read and handed to
     ``projection`` in a task of its own. Deltas are acked one by one after they are in the sink; an unacked one
-    comes back after the ack wait, for ever."""
-    subscription = await nc.jetstream().pull_subscribe(
-        names.delta_subjects,
-        durable=durable,
-        stream=names.delta_stream,
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=settings.projector_ack_wait_s,
-            max_deliver=-1,
-            max_ack_pending=max(4 * settings.projector_batch_size, 1000),
-        ),
+    comes back after the ack wait (kept from running out while its batch is being handled), for ever."""
+    js = nc.jetstream()
+    config = ConsumerConfig(
+        name=durable,  # with the name, nats-py creates through CONSUMER.CREATE.<stream>.<name>.<filter>
+        durable_name=durable,
+        filter_subject=names.delta_subjects,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=settings.projector_ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=max(4 * settings.projector_batch_size, 1000),
     )
+    # Create, or bring an existing durable up to this configuration (a shorter ack wait than an older version's).
+    await js.add_consumer(names.delta_stream, config)
+    subscription = await js.pull_subscribe_bind(durable, names.delta_stream)
     reader = StreamReader(
         subscription,
         name=durable,
@@ -179,6 +181,8 @@ async def start_projection(
         batch_size=batch_size,
         fetch_timeout_s=settings.projector_batch_timeout_s,
     )
-    puller = BatchPuller(reader, projection.handle)
+    # The server hears that a batch is in hand a few times per ack wait, so the wait can be short: after a crash
+    # its deltas come back within it.
+    puller = BatchPuller(reader, projection.handle, progress_every_s=settings.projector_ack_wait_s / 3)
     puller.start()
     return puller

@@ -24,10 +24,12 @@ LOG_WINDOW_S = 10.0
 LOG_LINES_PER_WINDOW = 20
 
 
-class RateLimited:
-    """A structlog processor: at most ``per_window`` lines of one cause per ``window_s``; the first line after a
-    window that dropped some says how many (``suppressed``). A cause is the logger, the event, the part and the
-    error's type: a database outage under load logs what failed, not the same warning for every request."""
+class RateLimited(logging.Filter):
+    """At most ``per_window`` lines of one cause per ``window_s``; the first line after a window that dropped some
+    says how many (``suppressed``). A cause is the logger, the event, the part and the error's type: a database
+    outage under load logs what failed, not the same warning for every request. A filter on the handler, so that
+    it sees our structlog events and other libraries' log calls alike (and drops a line without raising into the
+    code that logged it)."""
 
     def __init__(
         self,
@@ -35,28 +37,33 @@ class RateLimited:
         window_s: float = LOG_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__()
         self._per_window = per_window
         self._window_s = window_s
         self._clock = clock
         self._windows: dict[tuple[str, ...], tuple[float, int, int]] = {}
         """cause -> (window start, lines let through in it, lines dropped since the last one let through)"""
 
-    def __call__(self, _: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    def filter(self, record: logging.LogRecord) -> bool:
+        event = record.msg if isinstance(record.msg, dict) else {"event": str(record.msg)}
         error = str(event.get("error", "")).split(":", 1)[0]
-        cause = (*tuple(str(event.get(k, ""))[:80] for k in ("logger", "event", "part")), error[:80])
+        cause = (record.name, *(str(event.get(k, ""))[:80] for k in ("event", "part")), error[:80])
         now = self._clock()
         started, passed, dropped = self._windows.get(cause, (now, 0, 0))
         if now - started >= self._window_s:
             started, passed = now, 0
         if passed >= self._per_window:
             self._windows[cause] = (started, passed, dropped + 1)
-            raise structlog.DropEvent
+            return False
         if dropped:
-            event["suppressed"] = dropped
+            if isinstance(record.msg, dict):
+                record.msg["suppressed"] = dropped
+            else:
+                record.msg = f"{record.msg} ({dropped} more like it suppressed)"
         self._windows[cause] = (started, passed + 1, 0)
         if len(self._windows) > 10_000:  # causes are few; a flood of distinct ones must not grow this for ever
             self._windows.clear()
-        return event
+        return True
 
 
 def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
@@ -64,7 +71,6 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
-        RateLimited(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_trace_ids,
     ]
@@ -88,6 +94,7 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
             ],
         )
     )
+    handler.addFilter(RateLimited())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -261,6 +261,10 @@ class QueryService:
             try:
                 if await self._serve(msg, received, deadline):
                     self._service_time.record(asyncio.get_running_loop().time() - started)
+            except asyncio.CancelledError:
+                raise
+            except BaseException:  # nothing one request does may end a runner (a BaseException from a library)
+                log.exception("request_failed_outside_its_handler", subject=msg.subject)
             finally:
                 self._held -= 1
                 self._waiting.task_done()

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,102 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
     version = (await deployment.fetch("SELECT state_hash, stream_seq FROM ontology_versions"))[0]
     assert version["stream_seq"] == whole.versions[("acme", "main")].stream_seq
     assert version["state_hash"] % (1 << 64) == whole.versions[("acme", "main")].state_hash
+
+
+@dataclass
+class Published:
+    seq: int
+    delta: DeltaEnvelope | None
+    """None for a message that is not a delta at all."""
+    poison: bool
+
+
+async def _dead_lettered_sequences(deployment: Deployment) -> list[int]:
+    """The original stream sequences of every dead letter (read back through a consumer of the test's own)."""
+    names = deployment.names
+    info = await deployment.js.stream_info(names.dlq_stream)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await deployment.js.get_msg(names.dlq_stream, seq)
+        assert msg.headers is not None
+        found.append(int(msg.headers["Ontofabric-Original-Sequence"]))
+    return found
+
+
+@pytest.mark.slow
+async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deployment: Deployment) -> None:
+    """The fault scenario of the overload issue for the write path: a projector killed with SIGKILL three times
+    while deltas arrive, poison of several kinds and duplicates (same event id, new event id) mixed in. The oracle
+    is the fold of what was published, computed here from the publisher's own record: 0 lost, 0 stale, 0 extra,
+    0 wrongly dead-lettered, every poison delta dead-lettered."""
+    rng = random.Random(11)
+    subject = deployment.names.delta_subject("acme", "main")
+    published: list[Published] = []
+    deltas = _stream(count=2400, ids=300, seed=3)
+    projector = _start_projector(deployment)
+    recoveries: list[float] = []
+    try:
+        for start in range(0, len(deltas), 200):
+            chunk = list(deltas[start : start + 200])
+            # Duplicates: an earlier delta again with its event id (JetStream drops it) and with a new one.
+            if published and rng.random() < 0.8:
+                earlier = rng.choice([p.delta for p in published if p.delta is not None and not p.poison])
+                assert earlier is not None
+                chunk.insert(rng.randrange(len(chunk)), earlier)
+                chunk.insert(rng.randrange(len(chunk)), earlier.model_copy(update={"event_id": uuid.uuid4().hex}))
+            acks = await deployment.publisher.publish_many(chunk)
+            for ack, delta in zip(acks, chunk, strict=True):
+                if not ack.duplicate:
+                    published.append(Published(ack.seq, delta, poison=False))
+            # Poison of three kinds: not JSON, a vector of the wrong dimension, content past the limit.
+            garbage = await deployment.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": uuid.uuid4().hex})
+            published.append(Published(garbage.seq, None, poison=True))
+            for bad in (
+                upsert("acme", document(f"doc-{rng.randrange(300)}", "bad vector", embedding=[0.1] * 8)),
+                upsert(
+                    "acme", document(f"doc-{rng.randrange(300)}", "x" * (deployment.settings.max_content_bytes + 1))
+                ),
+            ):
+                ack = await deployment.publisher.publish(bad)
+                published.append(Published(ack.seq, bad, poison=True))
+            if start in (400, 1000, 1600):  # three kills, while deltas are still coming
+                await asyncio.sleep(0.3)
+                os.killpg(projector.pid, signal.SIGKILL)
+                projector.wait(10)
+                killed, floor = time.monotonic(), await _acked(deployment)
+                projector = _start_projector(deployment)
+                async with asyncio.timeout(60):
+                    while await _acked(deployment) <= floor:
+                        await asyncio.sleep(0.05)
+                recoveries.append(time.monotonic() - killed)
+        await deployment.wait_projected(max(p.seq for p in published), timeout_s=180)
+    finally:
+        os.killpg(projector.pid, signal.SIGTERM)
+        projector.wait(30)
+
+    expected: dict[str, tuple[bool, str, int]] = {}
+    for entry in sorted(published, key=lambda p: p.seq):
+        if entry.poison or entry.delta is None:
+            continue
+        payload = entry.delta.payload
+        if isinstance(payload, DocumentUpserted):
+            expected[payload.document.id] = (False, payload.document.content, entry.seq)
+        else:
+            expected[payload.document_id] = (True, "", entry.seq)
+    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
+    actual = {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
+    live = {doc for doc, (deleted, _, _) in expected.items() if not deleted}
+    lost = [doc for doc in live if doc not in actual or actual[doc][0]]
+    stale = [doc for doc in expected if doc in actual and actual[doc] != expected[doc] and doc not in lost]
+    extra = [doc for doc in actual if doc not in expected and not actual[doc][0]]
+    dead = await _dead_lettered_sequences(deployment)
+    poison = {p.seq for p in published if p.poison}
+    wrongly_dead = sorted(set(dead) - poison)
+    not_dead = sorted(poison - set(dead))
+    print(
+        f"faults: {len(published)} deltas ({len(poison)} poison), 3 kills; recovery "
+        f"{', '.join(f'{r:.1f}' for r in recoveries)} s; lost {len(lost)}, stale {len(stale)}, extra {len(extra)}, "
+        f"wrongly dead-lettered {len(wrongly_dead)}, poison not dead-lettered {len(not_dead)}"
+    )
+    assert (lost, stale, extra, wrongly_dead, not_dead) == ([], [], [], [], [])
+    assert len(dead) == len(set(dead))  # each poison delta dead-lettered once, across the kills

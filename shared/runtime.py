@@ -387,7 +387,7 @@ def _install_reachable_by(user: str, bin_dir: Path, directory: Path) -> Path:
     return copy / bin_dir.name
 
 
-def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
+def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
     bin_dir = postgres_bin_dir()
     pgdata = directory / "pgdata"
     directory.mkdir(parents=True, exist_ok=True)
@@ -428,7 +428,7 @@ def start_postgres(directory: Path) -> tuple[ManagedProcess, str]:
         write_private(password_file, secrets.token_urlsafe(24))
     password = password_file.read_text().strip()
     _require_password(bin_dir, pgdata, password, user)
-    port = free_port()
+    port = port or free_port()  # a given port: the same server again after a stop
     argv = [
         str(bin_dir / "postgres"),
         "-D", str(pgdata),

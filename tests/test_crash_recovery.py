@@ -12,12 +12,16 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import asyncpg
 import pytest
+from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentUpserted
 from ontofabric.services.projector.planning import Delta, plan_batch
+from ontofabric.shared.runtime import start_postgres
 from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
@@ -38,12 +42,13 @@ def _stream(count: int, ids: int, seed: int) -> list[DeltaEnvelope]:
     return deltas
 
 
-def _start_projector(deployment: Deployment) -> subprocess.Popen[bytes]:
+def _start_projector(deployment: Deployment, **env_extra: str) -> subprocess.Popen[bytes]:
     # The default ack wait (the test deployments use a shorter one), to measure the recovery a deployment gets.
     env = deployment.env() | {
         "ONTOFABRIC_PROJECTOR_BATCH_SIZE": "10",
         "ONTOFABRIC_LOG_LEVEL": "WARNING",
         "ONTOFABRIC_PROJECTOR_ACK_WAIT_S": str(Settings.model_fields["projector_ack_wait_s"].default),
+        **env_extra,
     }
     return subprocess.Popen([ONTOFABRIC, "projector"], env=env, stdout=subprocess.DEVNULL, start_new_session=True)
 
@@ -205,3 +210,53 @@ async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deploy
     )
     assert (lost, stale, extra, wrongly_dead, not_dead) == ([], [], [], [], [])
     assert len(dead) == len(set(dead))  # each poison delta dead-lettered once, across the kills
+
+
+def _fold(acks: list[PubAck], deltas: list[DeltaEnvelope]) -> dict[str, tuple[bool, str, int]]:
+    """Last writer per document in stream order: what the index must hold."""
+    expected: dict[str, tuple[bool, str, int]] = {}
+    for ack, delta in zip(acks, deltas, strict=True):
+        payload = delta.payload
+        if isinstance(payload, DocumentUpserted):
+            expected[payload.document.id] = (False, payload.document.content, ack.seq)
+        else:
+            expected[payload.document_id] = (True, "", ack.seq)
+    return expected
+
+
+@pytest.mark.slow
+async def test_postgresql_stopped_immediately_and_restarted_mid_ingest(deployment: Deployment, tmp_path: Path) -> None:
+    """PostgreSQL of the test's own, stopped the way a crash stops it (SIGQUIT: immediate shutdown, recovery from
+    the WAL at the next start) while the projector works, then started again on the same port."""
+    server, url = start_postgres(tmp_path / "postgres")
+    port = urlsplit(url).port
+    assert port is not None
+    deltas = _stream(count=1500, ids=200, seed=5)
+    projector = _start_projector(deployment, ONTOFABRIC_DATABASE_URL=url)
+    try:
+        acks = await deployment.publisher.publish_many(deltas)
+        async with asyncio.timeout(60):
+            while await _acked(deployment) < 300:
+                await asyncio.sleep(0.02)
+        server.process.send_signal(signal.SIGQUIT)
+        server.process.wait(30)
+        stopped = time.monotonic()
+        await asyncio.sleep(2.0)  # the projector meets a database that is gone
+        server, _ = start_postgres(tmp_path / "postgres", port)
+        await deployment.wait_projected(acks[-1].seq, timeout_s=120)
+        caught_up = time.monotonic() - stopped
+    finally:
+        os.killpg(projector.pid, signal.SIGTERM)
+        projector.wait(30)
+    try:
+        conn = await asyncpg.connect(url)
+        try:
+            rows = await conn.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
+            dead = (await deployment.js.stream_info(deployment.names.dlq_stream)).state.messages
+        finally:
+            await conn.close()
+    finally:
+        server.stop()
+    print(f"postgres stop: the whole stream projected {caught_up:.1f} s after the immediate stop (2 s down)")
+    assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == _fold(acks, deltas)
+    assert dead == 0  # nothing was dead-lettered for an outage

@@ -20,7 +20,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
 from ontofabric.shared.late_interaction import pack_signs
 
-from .conftest import SPANS, Deployment
+from .conftest import METRICS, SPANS, Deployment
 from .factories import delete, document, unit_vector, upsert
 
 
@@ -414,3 +414,37 @@ async def test_a_projector_with_a_writer_login_writes_rows_and_its_partitions_an
         async with deployment.session() as admin:
             await admin.execute(f'DROP OWNED BY "{login}"')
             await admin.execute(f'DROP ROLE IF EXISTS "{login}"')
+
+
+def _postgres_batches() -> int:
+    """Batches the Postgres projector has handled in this process (its batch-duration histogram's count)."""
+    data = METRICS.get_metrics_data()
+    if data is None:  # nothing recorded yet in this process
+        return 0
+    return sum(
+        point.count
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "projector.batch.duration_ms"
+        for point in metric.data.data_points
+        if point.attributes.get("index") == "postgres"
+    )
+
+
+async def test_while_the_database_is_away_the_projector_backs_off_instead_of_churning(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    # Each fetched batch fails at once while the database is away; fetching the next straight away only fails it
+    # too (and logs it). The projector waits, longer each time, before it fetches again.
+    async with deployment.database_outage():
+        acks = await deployment.publisher.publish_many(
+            [upsert("acme", document(f"d{i}", f"text {i}")) for i in range(600)]
+        )
+        before = _postgres_batches()
+        await asyncio.sleep(4.0)
+        failed = _postgres_batches() - before
+    await deployment.wait_projected(acks[-1].seq, timeout_s=60)
+    assert await _live_rows(deployment, "acme") == {f"d{i}": f"text {i}" for i in range(600)}
+    print(f"batches tried during 4 s of outage: {failed}")
+    assert failed <= 8  # pauses of 0.25, 0.5, 1 and 2 s: about five tries

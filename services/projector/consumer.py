@@ -8,6 +8,7 @@ then the projector's position: every delta up to it is in the sink (or dead-lett
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, get_current_span
 
-from ontofabric.shared.jetstream import BatchPuller, StreamReader, nak_delay
+from ontofabric.shared.jetstream import BatchPuller, StreamReader, backoff_s, nak_delay
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, workspace_token_of
@@ -29,6 +30,10 @@ from .planning import Rejection
 from .runner import Outcome, ProjectionRunner
 
 log = get_logger(__name__)
+
+FIRST_PAUSE_S = 0.25
+MAX_PAUSE_S = 5.0
+"""The projector's pause after a batch the sink could not take, doubling while it cannot, at most this."""
 
 MAX_SPAN_LINKS = 128
 """The OpenTelemetry SDK's default link limit per span; more are dropped."""
@@ -78,22 +83,30 @@ class DurableProjection:
         self._dead_letters_invalid = dead_letters_invalid
         self._min_retry_s = min_retry_s
         self._metrics = instruments()
+        self._failing = 0
+        """Batches in a row whose sink write failed for a passing reason (the database away)."""
 
     async def handle(self, messages: Sequence[Msg]) -> None:
         started = time.perf_counter()
         with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             span.set_attribute("index", self._index)
-            settled = False
+            settled = retried = False
             async for outcome in self._runner.run(messages):
                 await self._settle(outcome)
                 settled |= bool(outcome.done)
+                retried |= bool(outcome.retry)
             if settled:
                 await self._runner.sink.settled()
         if messages:
             _LAG[self._index] = messages[-1].metadata.num_pending
         duration_ms = (time.perf_counter() - started) * 1000
         self._metrics.projector_batch_duration.record(duration_ms, {"index": self._index})
+        # The sink is away: the next batch would fail the same way at once. Wait before fetching it, longer each
+        # time (the nak'd deltas come back on their own delays meanwhile).
+        self._failing = self._failing + 1 if retried and not settled else 0
+        if self._failing:
+            await asyncio.sleep(backoff_s(self._failing, FIRST_PAUSE_S, MAX_PAUSE_S))
 
     async def _settle(self, outcome: Outcome) -> None:
         """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink."""

@@ -349,3 +349,18 @@ def spawn_nats(
 
     _wait_until(listening, server, timeout=30)
     return server
+
+
+def metric_points(name: str) -> list[Any]:
+    """The data points this process has recorded for the metric ``name`` (none before anything was recorded)."""
+    data = METRICS.get_metrics_data()
+    if data is None:
+        return []
+    return [
+        point
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]

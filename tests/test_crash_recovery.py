@@ -96,13 +96,7 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
         assert second.wait(30) == 0  # a clean stop on SIGTERM
 
     # The fold of the stream, computed independently: last writer per document in stream order.
-    expected: dict[str, tuple[bool, str, int]] = {}
-    for ack, delta in zip(acks, deltas, strict=True):
-        payload = delta.payload
-        if isinstance(payload, DocumentUpserted):
-            expected[payload.document.id] = (False, payload.document.content, ack.seq)
-        else:
-            expected[payload.document_id] = (True, "", ack.seq)
+    expected = _fold(acks, deltas)
     rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
     assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == expected
 

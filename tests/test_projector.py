@@ -20,7 +20,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
 from ontofabric.shared.late_interaction import pack_signs
 
-from .conftest import METRICS, SPANS, Deployment
+from .conftest import SPANS, Deployment, metric_points
 from .factories import delete, document, unit_vector, upsert
 
 
@@ -418,18 +418,8 @@ async def test_a_projector_with_a_writer_login_writes_rows_and_its_partitions_an
 
 def _postgres_batches() -> int:
     """Batches the Postgres projector has handled in this process (its batch-duration histogram's count)."""
-    data = METRICS.get_metrics_data()
-    if data is None:  # nothing recorded yet in this process
-        return 0
-    return sum(
-        point.count
-        for resource in data.resource_metrics
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == "projector.batch.duration_ms"
-        for point in metric.data.data_points
-        if point.attributes.get("index") == "postgres"
-    )
+    points = metric_points("projector.batch.duration_ms")
+    return sum(point.count for point in points if point.attributes.get("index") == "postgres")
 
 
 async def test_while_the_database_is_away_the_projector_backs_off_instead_of_churning(

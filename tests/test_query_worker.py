@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -22,7 +21,7 @@ from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import CORPUS, METRICS, SPANS, Deployment, RecordedProgress
+from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, metric_points
 from .factories import document, upsert
 
 Start = Callable[..., Awaitable[QueryService]]
@@ -417,19 +416,6 @@ async def test_database_outage_is_a_retryable_error_not_a_crash(
     assert back.results[0].id == "sort"
 
 
-def _points(name: str) -> list[Any]:
-    data = METRICS.get_metrics_data()
-    assert data is not None
-    return [
-        point
-        for resource in data.resource_metrics
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == name
-        for point in metric.data.data_points
-    ]
-
-
 async def test_query_metrics_and_trace_context_cross_nats(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
@@ -438,14 +424,14 @@ async def test_query_metrics_and_trace_context_cross_nats(
         await _ask(client, "compress a directory into a zip archive")
         await _ask(client, "compress a directory into a zip archive")
     trace_id = span.get_span_context().trace_id
-    durations = _points("retrieval.query.duration_ms")
+    durations = metric_points("retrieval.query.duration_ms")
     attributes = [dict(p.attributes) for p in durations]
     assert {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "postgres-bm25", "followLinks": False} in (
         attributes
     )
     assert any(a["cacheHit"] is True for a in attributes)
-    assert sum(p.value for p in _points("retrieval.candidates.dense")) > 0
-    assert sum(p.value for p in _points("retrieval.candidates.sparse")) > 0
+    assert sum(p.value for p in metric_points("retrieval.candidates.dense")) > 0
+    assert sum(p.value for p in metric_points("retrieval.candidates.sparse")) > 0
     # The worker's pipeline span continues the caller's trace: context travelled in the NATS headers.
     worker_spans = [s for s in SPANS.get_finished_spans() if s.name == "query.retrieve"]
     assert any(s.context.trace_id == trace_id for s in worker_spans)

@@ -14,7 +14,7 @@ import socket
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.core import Reranker
+from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
 from ontofabric.shared.logging import configure_logging
@@ -364,3 +366,24 @@ def metric_points(name: str) -> list[Any]:
         if metric.name == name
         for point in metric.data.data_points
     ]
+
+
+Start = Callable[..., Awaitable[QueryService]]
+"""start(embedder, reranker=None, **settings overrides): a query worker of the deployment, stopped after the test."""
+
+
+@pytest.fixture
+async def start_query_worker(deployment: Deployment) -> AsyncIterator[Start]:
+    started: list[QueryService] = []
+
+    async def start(embedder: Embedder | None, reranker: Reranker | None = None, **overrides: object) -> QueryService:
+        settings = deployment.settings.model_copy(update=overrides)
+        url = deployment.nats_url_as("query")
+        service = QueryService(settings, url, deployment.database_url, embedder, reranker)
+        await service.start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        await service.stop()

@@ -9,7 +9,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 from nats.aio.msg import Msg
@@ -20,7 +20,7 @@ from ontofabric.services.query.deadlines import MAX_MARGIN_S, MIN_MARGIN_S, Dead
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import Deployment
+from .conftest import Deployment, Start
 
 LONG_QUERY = "how do I sort a list of numbers in descending order"  # long enough that the reranker is not skipped
 
@@ -70,22 +70,14 @@ class SlowReranker:
 
 
 @pytest.fixture
-async def start_worker(deployment: Deployment, embedder: Embedder) -> AsyncIterator[object]:
-    started: list[QueryService] = []
+def start_worker(start_query_worker: Start, embedder: Embedder) -> Start:
+    """A worker with a reranker of the test's choosing and no cache: every request does the work."""
 
     async def start(reranker: SlowReranker, **overrides: object) -> QueryService:
-        # No cache: every request does the work.
-        settings = deployment.settings.model_copy(
-            update={"reranker_timeout_ms": 60_000, "query_cache_entries": 0, **overrides}
-        )
-        service = QueryService(settings, deployment.nats_url_as("query"), deployment.database_url, embedder, reranker)
-        await service.start()
-        started.append(service)
-        return service
+        settings = {"reranker_timeout_ms": 60_000, "query_cache_entries": 0, **overrides}
+        return await start_query_worker(embedder, reranker, **settings)
 
-    yield start
-    for service in started:
-        await service.stop()
+    return start
 
 
 async def _request(deployment: Deployment, body: bytes, timeout_ms: int | str | None, wait_s: float) -> list[bytes]:
@@ -112,10 +104,10 @@ def _query(text: str = LONG_QUERY) -> bytes:
 async def test_beyond_its_queue_a_worker_refuses_at_once(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
 ) -> None:
     reranker = SlowReranker(0.5)
-    await start_worker(reranker, query_concurrency=1, query_queue_limit=1)  # type: ignore[operator]
+    await start_worker(reranker, query_concurrency=1, query_queue_limit=1)
     client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
     started = time.monotonic()
 
@@ -138,10 +130,10 @@ async def test_beyond_its_queue_a_worker_refuses_at_once(
 async def test_a_request_whose_caller_gave_up_while_it_waited_is_refused_unopened(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
 ) -> None:
     reranker = SlowReranker(0.8)
-    service = await start_worker(reranker, query_concurrency=1)  # type: ignore[operator]
+    service = await start_worker(reranker, query_concurrency=1)
     handled = service.handled
     first = asyncio.create_task(_request(deployment, _query(), 10_000, 2.0))
     await asyncio.sleep(0.2)  # the first is at work
@@ -159,9 +151,9 @@ async def test_a_request_whose_caller_gave_up_while_it_waited_is_refused_unopene
 async def test_an_optional_stage_that_would_end_past_the_deadline_is_cut_and_named(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
 ) -> None:
-    await start_worker(SlowReranker(5.0))  # type: ignore[operator]
+    await start_worker(SlowReranker(5.0))
     client = QueryClient(deployment.nc, deployment.names, timeout_s=1.5)
     started = time.monotonic()
     reply = await client.query("acme", {"semanticQuery": LONG_QUERY})
@@ -175,9 +167,9 @@ async def test_an_optional_stage_that_would_end_past_the_deadline_is_cut_and_nam
 async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
 ) -> None:
-    await start_worker(SlowReranker(0.0))  # type: ignore[operator]
+    await start_worker(SlowReranker(0.0))
     replies = await _request(deployment, _query(), "soon", 1.0)
     reply = parse_reply(replies[0])
     assert isinstance(reply, ErrorReply)
@@ -188,10 +180,10 @@ async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
 ) -> None:
     reranker = SlowReranker(0.6)
-    await start_worker(reranker, query_concurrency=1)  # type: ignore[operator]
+    await start_worker(reranker, query_concurrency=1)
     assert isinstance(parse_reply((await _request(deployment, _query(), 10_000, 1.5))[0]), QueryResponse)
     busy = asyncio.create_task(_request(deployment, _query("sort numbers in descending order please now"), 10_000, 1.5))
     await asyncio.sleep(0.1)  # at work for 0.6 s; the worker knows a request takes about that long
@@ -209,11 +201,11 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival
 async def test_a_stalled_database_is_unavailable_before_the_deadline(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
 ) -> None:
     # Statements end on the server after 1 s; the worker stops waiting for a silent one 1 s after that (for the
     # statement, and again for its transaction's rollback).
-    await start_worker(SlowReranker(0.0), statement_timeout_ms=1000)  # type: ignore[operator]
+    await start_worker(SlowReranker(0.0), statement_timeout_ms=1000)
     client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
     assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
     # The database's server processes for this deployment freeze (SIGSTOP), as a host under memory pressure or a
@@ -245,10 +237,10 @@ async def test_a_stalled_database_is_unavailable_before_the_deadline(
 async def test_a_huge_baggage_header_is_ignored_without_a_log_line(
     seeded: int,
     deployment: Deployment,
-    start_worker: object,
+    start_worker: Start,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    await start_worker(SlowReranker(0.0))  # type: ignore[operator]
+    await start_worker(SlowReranker(0.0))
     nc = deployment.nc
     headers = {"baggage": "k=" + "v" * 20_000, TIMEOUT_HEADER: "10000"}
     capfd.readouterr()

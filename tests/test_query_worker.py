@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -21,26 +20,8 @@ from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, metric_points
+from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points
 from .factories import document, upsert
-
-Start = Callable[..., Awaitable[QueryService]]
-
-
-@pytest.fixture
-async def start_query_worker(deployment: Deployment) -> AsyncIterator[Start]:
-    started: list[QueryService] = []
-
-    async def start(embedder: Embedder | None, **overrides: object) -> QueryService:
-        settings = deployment.settings.model_copy(update=overrides)
-        service = QueryService(settings, deployment.nats_url_as("query"), deployment.database_url, embedder)
-        await service.start()
-        started.append(service)
-        return service
-
-    yield start
-    for service in started:
-        await service.stop()
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
@@ -210,60 +210,79 @@ def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:
         duplicate_window=settings.dedupe_window_s,
         max_msg_size=MAX_DELTA_MESSAGE_BYTES,
         discard=DiscardPolicy.OLD,
+        num_replicas=settings.nats_replicas,
         description="SemanticDocument and ontology graph deltas",
     )
 
 
-def dlq_stream_config(names: Names) -> StreamConfig:
+def dlq_stream_config(names: Names, settings: Settings) -> StreamConfig:
     return StreamConfig(
         name=names.dlq_stream,
         subjects=[names.dlq_subjects],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         duplicate_window=120.0,
+        num_replicas=settings.nats_replicas,
         description="Deltas that can never apply, with the reason in headers",
     )
 
 
-def manifest_bucket_config(names: Names) -> KeyValueConfig:
+def version_bucket_config(names: Names, settings: Settings) -> KeyValueConfig:
+    return KeyValueConfig(
+        bucket=names.version_bucket,
+        history=1,
+        storage=StorageType.FILE,
+        replicas=settings.nats_replicas,
+        description="latest ontologyVersion per workspace/branch",
+    )
+
+
+def manifest_bucket_config(names: Names, settings: Settings) -> KeyValueConfig:
     return KeyValueConfig(
         bucket=names.manifest_bucket,
         history=1,
         storage=StorageType.FILE,
+        replicas=settings.nats_replicas,
         direct=True,  # reads by key subject, $JS.API.DIRECT.GET.<stream>.$KV.<bucket>.<key>: permissions scope them
         description="ingest manifests: <workspace>.<branch>.head and the parts it names",
     )
 
 
-async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings) -> None:
-    for config in (delta_stream_config(names, settings), dlq_stream_config(names)):
-        assert config.name is not None
+async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings, reconcile: bool = False) -> None:
+    """Create the deployment's streams and buckets where missing. With ``reconcile`` (the projector, whose user
+    may update them), also bring existing ones to the configuration: the republish an older stream lacks, and
+    the number of replicas (JetStream copies a stream to new peers, or drops some, while it keeps serving)."""
+    streams: list[StreamConfig | KeyValueConfig] = [
+        delta_stream_config(names, settings),
+        dlq_stream_config(names, settings),
+        version_bucket_config(names, settings),
+        manifest_bucket_config(names, settings),
+    ]
+    for config in streams:
+        stream = config.name if isinstance(config, StreamConfig) else f"KV_{config.bucket}"
+        assert stream is not None
         try:
-            existing = (await js.stream_info(config.name)).config
+            existing = (await js.stream_info(stream)).config
         except NotFoundError:
-            await js.add_stream(config)
-            log.info("stream_created", stream=config.name)
+            if isinstance(config, StreamConfig):
+                await js.add_stream(config)
+            else:
+                await js.create_key_value(config)
+            log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
             continue
-        if existing.republish != config.republish:  # a stream made before the republish was added
-            await js.update_stream(dataclasses.replace(existing, republish=config.republish))
-            log.info("stream_updated", stream=config.name, republish=names.published_subjects)
-    try:
-        await js.key_value(names.version_bucket)
-    except BucketNotFoundError:
-        await js.create_key_value(
-            KeyValueConfig(
-                bucket=names.version_bucket,
-                history=1,
-                storage=StorageType.FILE,
-                description="latest ontologyVersion per workspace/branch",
-            )
-        )
-        log.info("bucket_created", bucket=names.version_bucket)
-    try:
-        await js.key_value(names.manifest_bucket)
-    except BucketNotFoundError:
-        await js.create_key_value(manifest_bucket_config(names))
-        log.info("bucket_created", bucket=names.manifest_bucket)
+        changes = []
+        wanted = existing
+        if isinstance(config, StreamConfig) and existing.republish != config.republish:
+            changes.append("republish")  # a stream made before the republish was added
+            wanted = dataclasses.replace(wanted, republish=config.republish)
+        if (existing.num_replicas or 1) != settings.nats_replicas:
+            changes.append("num_replicas")
+            wanted = dataclasses.replace(wanted, num_replicas=settings.nats_replicas)
+        if changes and reconcile:
+            await js.update_stream(wanted)
+            log.info("stream_updated", stream=stream, changed=changes)
+        elif changes:
+            log.warning("stream_differs", stream=stream, differs=changes, note="a projector's start updates it")
 
 
 async def ack_floor(js: JetStreamContext, stream: str, durable: str) -> int:
@@ -287,7 +306,7 @@ async def wait_caught_up(
 
 BatchHandler = Callable[[list[Msg]], Awaitable[None]]
 
-MAX_FETCH_BACKOFF_S = 10.0
+MAX_FETCH_BACKOFF_S = 2.0  # a JetStream leader election takes seconds: look again soon after
 MAX_NAK_DELAY_S = 30.0
 RECONNECT_POLL_S = 0.1
 

@@ -71,7 +71,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             publish=[
                 *stream_info,
                 *[f"{API}.STREAM.CREATE.{stream}" for stream in names.streams],  # the first start creates them
-                f"{API}.STREAM.UPDATE.{deltas}",  # ensure_jetstream adds the republish an older stream lacks
+                # ensure_jetstream brings them to the configured replicas, and adds a republish an older one lacks
+                *[f"{API}.STREAM.UPDATE.{stream}" for stream in (deltas, names.dlq_stream, versions, manifests)],
                 *[f"{API}.CONSUMER.INFO.{deltas}.{durable}" for durable in durables],
                 *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
                 f"{API}.CONSUMER.DELETE.{deltas}.{names.azure_projector_durable}",  # an Azure index lost: replay
@@ -170,10 +171,18 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
     )
 
 
-def render_config(host: str, port: int, store_dir: str, users: Mapping[str, NatsUser]) -> str:
+def render_config(
+    host: str,
+    port: int,
+    store_dir: str,
+    users: Mapping[str, NatsUser],
+    server_name: str = "ontofabric-embedded",
+    extra: Mapping[str, object] | None = None,
+) -> str:
     """A nats-server configuration: JetStream, and ``users`` (passwords inline: the file must be readable by its
-    owner only). The users stay in the server's global account, where streams made before authentication was on
-    are kept: a data directory from an earlier version keeps its deltas."""
+    owner only), and ``extra`` top-level blocks (a cluster's). The users stay in the server's global account, where
+    streams made before authentication was on are kept: a data directory from an earlier version keeps its
+    deltas."""
     entries = []
     for user in users.values():
         permissions = user.permissions()
@@ -187,9 +196,10 @@ def render_config(host: str, port: int, store_dir: str, users: Mapping[str, Nats
     config = {
         "host": host,
         "port": port,
-        "server_name": "ontofabric-embedded",
+        "server_name": server_name,
         "jetstream": {"store_dir": store_dir},
         "authorization": {"users": entries},
+        **(extra or {}),
     }
     return json.dumps(config, indent=2)
 

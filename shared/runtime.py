@@ -24,6 +24,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -224,51 +225,158 @@ def add_nkey_user(directory: Path, prefix: str, role: NatsRole, workspace: str |
     return public, seed_file
 
 
-def _write_nats_config(directory: Path, port: int) -> None:
-    """Render the configuration from the users on record."""
-    text = render_config("127.0.0.1", port, str(directory / "jetstream"), _nats_users(directory))
-    write_private(directory / NATS_CONFIG_FILE, text)
+@dataclass
+class NatsNode:
+    """One server of the embedded NATS, and the directory of its configuration, log and JetStream store."""
+
+    name: str
+    home: Path
+    port: int
+    cluster_port: int | None = None
+    """The port its cluster peers reach it on; None for a server alone."""
+    monitor_port: int | None = None
+    """Its monitoring endpoint (``/healthz`` says when its JetStream is current); only in a cluster."""
+    server: ManagedProcess | None = None
+    pid: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "home": str(self.home), "port": self.port, "clusterPort": self.cluster_port,
+            "monitorPort": self.monitor_port, "pid": self.pid,
+        }  # fmt: skip
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> NatsNode:
+        return cls(
+            record["name"], Path(record["home"]), int(record["port"]), record.get("clusterPort"),
+            record.get("monitorPort"), pid=int(record["pid"]),
+        )  # fmt: skip
 
 
-def start_nats(directory: Path, prefix: str) -> tuple[ManagedProcess, str]:
-    """nats-server with JetStream and authentication: every role of deployment ``prefix`` has a user
-    (:func:`ensure_nats_users`); a connection without credentials is refused."""
-    directory.mkdir(parents=True, exist_ok=True)
-    ensure_nats_users(directory, prefix)
-    port = free_port()
-    _write_nats_config(directory, port)
-    argv = [str(nats_server_binary()), "--config", str(directory / NATS_CONFIG_FILE)]
-    server = _spawn("nats-server", argv, directory / NATS_LOG_FILE, signal.SIGTERM)
+def _nats_layout(directory: Path, nodes: int) -> list[NatsNode]:
+    """One server keeps its files in ``directory`` itself (as before clusters existed); each of a cluster's in
+    ``node-<n>`` below it, beside the users they share."""
+    if nodes == 1:
+        return [NatsNode("ontofabric-embedded", directory, free_port())]
+    return [
+        NatsNode(f"ontofabric-{n}", directory / f"node-{n}", free_port(), free_port(), free_port())
+        for n in range(1, nodes + 1)
+    ]
+
+
+CLUSTER_FILE = "cluster.json"
+
+
+def _cluster_blocks(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> dict[str, object]:
+    """The cluster and monitoring blocks of ``node``'s configuration. Routes need a password: on loopback any
+    local process could otherwise join the cluster as a server and read every message."""
+    secret_file = directory / CLUSTER_FILE
+    if not secret_file.exists():
+        write_private(secret_file, json.dumps({"password": secrets.token_urlsafe(24)}))
+    password = json.loads(secret_file.read_text())["password"]
+    return {
+        "cluster": {
+            "name": "ontofabric",
+            "host": "127.0.0.1",
+            "port": node.cluster_port,
+            "authorization": {"user": "route", "password": password},
+            "routes": [
+                f"nats-route://route:{password}@127.0.0.1:{peer.cluster_port}" for peer in nodes if peer is not node
+            ],
+        },
+        "http": f"127.0.0.1:{node.monitor_port}",
+    }
+
+
+def _write_nats_config(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> None:
+    """Render ``node``'s configuration from the users on record."""
+    extra = _cluster_blocks(directory, node, nodes) if len(nodes) > 1 else None
+    users = _nats_users(directory)
+    text = render_config("127.0.0.1", node.port, str(node.home / "jetstream"), users, node.name, extra)
+    node.home.mkdir(parents=True, exist_ok=True)
+    write_private(node.home / NATS_CONFIG_FILE, text)
+
+
+def _jetstream_current(node: NatsNode) -> bool:
+    """Whether ``node``'s monitoring endpoint says its JetStream is up and current (a meta leader, its streams
+    caught up)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz", timeout=1) as response:
+            return int(response.status) == 200
+    except OSError:
+        return False
+
+
+def start_nats_node(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> None:
+    """Start ``node`` (one of ``nodes``; again after it stopped, on the same ports and store) and return once it
+    accepts clients."""
+    _write_nats_config(directory, node, nodes)
+    argv = [str(nats_server_binary()), "--config", str(node.home / NATS_CONFIG_FILE)]
+    node.server = _spawn(f"nats-server {node.name}", argv, node.home / NATS_LOG_FILE, signal.SIGTERM)
+    node.pid = node.server.process.pid
 
     def accepting() -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            with socket.create_connection(("127.0.0.1", node.port), timeout=0.5) as sock:
                 return sock.recv(4).startswith(b"INFO")
         except OSError:
             return False
 
-    _wait_until(accepting, server, timeout=30)
-    url = f"nats://127.0.0.1:{port}"
-    log.info("embedded_nats_started", url=url, store=str(directory))
-    return server, url
+    _wait_until(accepting, node.server, timeout=30)
+
+
+def wait_jetstream_current(nodes: Sequence[NatsNode], timeout: float = 60) -> None:
+    """Return once every node of a cluster reports its JetStream current (a server alone is once it accepts)."""
+    for node in nodes:
+        if node.monitor_port is not None and node.server is not None:
+            _wait_until(lambda node=node: _jetstream_current(node), node.server, timeout)  # type: ignore[misc]
+
+
+def start_nats(directory: Path, prefix: str, nodes: int = 1) -> list[NatsNode]:
+    """nats-server with JetStream and authentication, alone or as a cluster of ``nodes`` on loopback: every role
+    of deployment ``prefix`` has a user (:func:`ensure_nats_users`); a connection without credentials is refused."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ensure_nats_users(directory, prefix)
+    layout = _nats_layout(directory, nodes)
+    try:
+        for node in layout:
+            start_nats_node(directory, node, layout)
+        wait_jetstream_current(layout)
+    except BaseException:
+        for node in layout:
+            if node.server is not None:
+                node.server.stop(5)
+        raise
+    log.info("embedded_nats_started", url=nats_url_of(layout), store=str(directory), nodes=nodes)
+    return layout
+
+
+def nats_url_of(nodes: Sequence[NatsNode]) -> str:
+    """The seed URLs of ``nodes``, as ``nats_url`` takes them."""
+    return ",".join(node.url for node in nodes)
 
 
 _RELOADED = "Reloaded server configuration"
 
 
-def reload_nats(pid: int, directory: Path, port: int) -> None:
-    """Re-render the configuration from the users on record and wait until the running server (``pid``, logging
-    in ``directory``) has loaded it; the server is left running whatever happens."""
-    _write_nats_config(directory, port)
-    log_path = directory / NATS_LOG_FILE
-    reloads = log_path.read_text(errors="replace").count(_RELOADED)
-    os.kill(pid, signal.SIGHUP)
-    deadline = time.monotonic() + 30
-    while log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
-        if not _pid_alive(pid) or time.monotonic() > deadline:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-            raise RuntimeUnavailable(f"nats-server did not reload its configuration; log:\n{tail}")
-        time.sleep(0.02)
+def reload_nats(directory: Path, nodes: Sequence[NatsNode]) -> None:
+    """Re-render each node's configuration from the users on record and wait until each running server has loaded
+    it; the servers are left running whatever happens."""
+    for node in nodes:
+        _write_nats_config(directory, node, nodes)
+        log_path = node.home / NATS_LOG_FILE
+        reloads = log_path.read_text(errors="replace").count(_RELOADED)
+        os.kill(node.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
+            if not _pid_alive(node.pid) or time.monotonic() > deadline:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+                raise RuntimeUnavailable(f"{node.name} did not reload its configuration; log:\n{tail}")
+            time.sleep(0.02)
 
 
 def remove_nats_user(directory: Path, name: str) -> bool:
@@ -287,12 +395,12 @@ def nats_users(directory: Path) -> list[NatsUser]:
 
 
 def reload_running_nats(settings: Settings) -> bool:
-    """Have a running ``ontofabric up``'s embedded nats-server load the users on record; False when none runs."""
+    """Have a running ``ontofabric up``'s embedded nats-servers load the users on record; False when none runs."""
     recorded = running_up(settings)
-    if "natsPid" not in recorded:
+    if "natsNodes" not in recorded:
         return False
-    directory = settings.data_dir.absolute() / "nats"
-    reload_nats(int(recorded["natsPid"]), directory, int(str(recorded["natsUrl"]).rsplit(":", 1)[1]))
+    nodes = [NatsNode.from_record(record) for record in recorded["natsNodes"]]
+    reload_nats(settings.data_dir.absolute() / "nats", nodes)
     return True
 
 
@@ -538,7 +646,8 @@ class EmbeddedRuntime:
         self.settings = settings
         self.data_dir = (data_dir or settings.data_dir).absolute()
         self._servers: list[ManagedProcess] = []
-        self._nats: tuple[ManagedProcess, int] | None = None
+        self.nats_nodes: list[NatsNode] = []
+        """The embedded nats-servers (none when nats_url is set)."""
         self._lock: IO[str] | None = None
         self.endpoints: Endpoints | None = None
 
@@ -550,9 +659,9 @@ class EmbeddedRuntime:
         try:
             logins: dict[str, tuple[str, str]] = {}
             if nats_url is None:
-                server, nats_url = start_nats(self.data_dir / "nats", self.settings.subject_prefix)
-                self._servers.append(server)
-                self._nats = (server, int(nats_url.rsplit(":", 1)[1]))
+                nodes = self.settings.nats_cluster_nodes
+                self.nats_nodes = start_nats(self.data_dir / "nats", self.settings.subject_prefix, nodes)
+                nats_url = nats_url_of(self.nats_nodes)
                 logins = self.nats_logins(self.settings.subject_prefix)
             if database_url is None:
                 server, database_url = start_postgres(self.data_dir / "postgres")
@@ -561,10 +670,10 @@ class EmbeddedRuntime:
             self.stop()
             raise
         self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url, nats_logins=logins)
-        if self._servers:
+        if self._servers or self.nats_nodes:
             record = {"natsUrl": nats_url, "databaseUrl": database_url, "natsLogins": logins, "pid": os.getpid()}
-            if self._nats is not None:
-                record["natsPid"] = self._nats[0].process.pid
+            if self.nats_nodes:
+                record["natsNodes"] = [node.record() for node in self.nats_nodes]
             write_private(self.data_dir / RUNTIME_FILE, json.dumps(record))
         return self.endpoints
 
@@ -574,24 +683,28 @@ class EmbeddedRuntime:
         """The embedded nats-server's (user, password) of ``roles`` of deployment ``prefix`` (another deployment
         beside this one, as each test has; confined to ``workspace`` when given), added to the running server
         where missing; empty where NATS is not embedded."""
-        if self._nats is None:
+        if not self.nats_nodes:
             return {}
         directory = self.data_dir / "nats"
         logins, created = ensure_nats_users(directory, prefix, roles, workspace)
         if created:
-            server, port = self._nats
-            reload_nats(server.process.pid, directory, port)
+            reload_nats(directory, self.nats_nodes)
         return logins
 
     def nkey_user(self, prefix: str, role: NatsRole, workspace: str | None = None) -> Path:
         """A new nkey user of the running embedded nats-server (:func:`add_nkey_user`); its seed file."""
-        if self._nats is None:
+        if not self.nats_nodes:
             raise RuntimeUnavailable("NATS is not embedded here")
         directory = self.data_dir / "nats"
         _, seed_file = add_nkey_user(directory, prefix, role, workspace)
-        server, port = self._nats
-        reload_nats(server.process.pid, directory, port)
+        reload_nats(directory, self.nats_nodes)
         return seed_file
+
+    def restart_nats_node(self, node: NatsNode) -> None:
+        """Start ``node`` again after it stopped (a test's fault), on its ports and store; return once it accepts
+        clients and, in a cluster, its JetStream is current."""
+        start_nats_node(self.data_dir / "nats", node, self.nats_nodes)
+        wait_jetstream_current([node])
 
     def _take_lock(self) -> None:
         lock = open(self.data_dir / "runtime.lock", "w")  # noqa: SIM115 - held for the runtime's life
@@ -606,11 +719,15 @@ class EmbeddedRuntime:
         self._lock = lock
 
     def stop(self) -> None:
-        if self._servers:
+        if self._servers or self.nats_nodes:
             (self.data_dir / RUNTIME_FILE).unlink(missing_ok=True)
         for server in reversed(self._servers):
             server.stop()
         self._servers.clear()
+        for node in self.nats_nodes:
+            if node.server is not None:
+                node.server.stop()
+        self.nats_nodes = []
         if self._lock is not None:
             self._lock.close()
             self._lock = None

@@ -43,6 +43,20 @@ class Settings(BaseSettings):
         description="File holding a user nkey seed (`SU...`, owner-readable) to log in to nats_url with, in place of "
         "a user and password in the URL (`ontofabric nats-user add --nkey` makes one).",
     )
+    nats_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="Copies JetStream keeps of the streams, KV buckets and projectors' consumers (3 on a three-node "
+        "cluster: any one server may be lost). The projector brings existing ones to this number at start.",
+    )
+    nats_cluster_nodes: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="nats-servers `ontofabric up` starts when nats_url is unset: 3 (or 5) form a JetStream cluster "
+        "on loopback, for development (set nats_replicas=3 with it).",
+    )
     database_url: str | None = Field(
         default=None,
         description="PostgreSQL URL (pgvector >= 0.8). Unset: an embedded PostgreSQL is started.",
@@ -301,6 +315,17 @@ class Settings(BaseSettings):
             )
         if any(urlsplit(url).username for url in self.nats_url.split(",")):
             raise ValueError("set one NATS login: a user in nats_url, or nats_nkey_seed")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_fit_the_embedded_cluster(self) -> Self:
+        if self.nats_cluster_nodes % 2 == 0:
+            raise ValueError("nats_cluster_nodes: a cluster needs a majority to elect leaders; use 1, 3 or 5")
+        if self.nats_url is None and self.nats_replicas > self.nats_cluster_nodes:
+            raise ValueError(
+                f"nats_replicas={self.nats_replicas} needs as many servers; the embedded NATS has "
+                f"nats_cluster_nodes={self.nats_cluster_nodes}"
+            )
         return self
 
     def resolved_gateway_tokens_file(self) -> Path:

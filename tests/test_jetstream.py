@@ -261,7 +261,7 @@ async def test_a_replay_gives_up_when_the_connection_stays_down() -> None:
     assert replay.fetches == 0
 
 
-async def test_a_delta_stream_made_before_the_republish_gets_it(
+async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector(
     deployment: Deployment, embedded: EmbeddedRuntime | None
 ) -> None:
     names = Names(f"{deployment.names.prefix}old")
@@ -274,7 +274,9 @@ async def test_a_delta_stream_made_before_the_republish_gets_it(
     older = dataclasses.replace(delta_stream_config(names, deployment.settings), republish=None)
     await js.add_stream(older)
     try:
-        await ensure_jetstream(js, names, deployment.settings)
+        await ensure_jetstream(js, names, deployment.settings)  # a query worker's start leaves it to the projector
+        assert (await js.stream_info(names.delta_stream)).config.republish is None
+        await ensure_jetstream(js, names, deployment.settings, reconcile=True)  # a projector's start
         republish = (await js.stream_info(names.delta_stream)).config.republish
         assert republish is not None
         assert (republish.src, republish.dest, republish.headers_only) == (

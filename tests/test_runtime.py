@@ -1,15 +1,18 @@
-"""The embedded runtime's choices that need no servers: configured URLs start nothing, clients get clear errors."""
+"""The embedded runtime: configured URLs start nothing, clients get clear errors, an embedded cluster forms."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from ontofabric.shared.runtime import RUNTIME_FILE, EmbeddedRuntime, RuntimeUnavailable, resolve_endpoints
+from ontofabric.shared.jetstream import connect, ensure_jetstream
+from ontofabric.shared.runtime import RUNTIME_FILE, EmbeddedRuntime, RuntimeUnavailable, resolve_endpoints, with_login
 from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
 
 
 def test_configured_urls_start_nothing(tmp_path: Path) -> None:
@@ -46,3 +49,42 @@ def test_a_second_runtime_on_the_same_directory_is_refused(tmp_path: Path) -> No
             EmbeddedRuntime(Settings(database_url="postgresql://db.example/x"), tmp_path)._take_lock()
     finally:
         first.stop()
+
+
+@pytest.mark.slow
+async def test_an_embedded_cluster_forms_and_every_node_learns_new_users(tmp_path: Path) -> None:
+    """`up` with nats_cluster_nodes=3: three nats-servers on loopback form one JetStream cluster (a stream with
+    three replicas can be made), a user added later is known to each node (`nats-user add` reloads them all),
+    and a process that is not a server of the cluster cannot join it through a route port."""
+    settings = Settings(nats_cluster_nodes=3, nats_replicas=3, database_url="postgresql://db.example/x")
+    with EmbeddedRuntime(settings, tmp_path) as runtime:
+        assert runtime.endpoints is not None
+        assert runtime.endpoints.nats_url.count(",") == 2
+        recorded = json.loads((tmp_path / RUNTIME_FILE).read_text())
+        assert [node["name"] for node in recorded["natsNodes"]] == ["ontofabric-1", "ontofabric-2", "ontofabric-3"]
+        operator = runtime.nats_logins("later", ["operator"])["operator"]  # added after the start
+        for node in runtime.nats_nodes:
+            nc = await connect(with_login(node.url, *operator), "cluster-test")
+            try:
+                if node is runtime.nats_nodes[0]:
+                    js, names = nc.jetstream(), Names("later")
+                    await ensure_jetstream(js, names, settings)
+                    for stream in names.streams[:4]:
+                        cluster = (await js.stream_info(stream)).cluster
+                        assert cluster is not None
+                        assert len(cluster.replicas or []) == 2  # besides the leader
+                        await js.delete_stream(stream)
+            finally:
+                await nc.close()
+        # Routes want the cluster's password: a stranger's route connection is refused.
+        node = runtime.nats_nodes[0]
+        assert node.cluster_port is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", node.cluster_port)
+        try:
+            await reader.readline()  # the server's INFO
+            writer.write(b'CONNECT {"verbose":false,"pedantic":false,"name":"stranger"}\r\nPING\r\n')
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(200), 5)
+            assert b"Authorization Violation" in answer
+        finally:
+            writer.close()

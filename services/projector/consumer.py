@@ -183,6 +183,7 @@ async def start_projection(
         ack_wait=settings.projector_ack_wait_s,
         max_deliver=-1,
         max_ack_pending=max(4 * settings.projector_batch_size, 1000),
+        num_replicas=settings.nats_replicas,
     )
     # Create, or bring an existing durable up to this configuration (a shorter ack wait than an older version's).
     await js.add_consumer(names.delta_stream, config)

@@ -70,7 +70,7 @@ class ProjectorService:
         self._pool = await create_pool(writer_url, settings, role=WRITER_ROLE)
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
         js = nc.jetstream()
-        await ensure_jetstream(js, names, settings)
+        await ensure_jetstream(js, names, settings, reconcile=True)
         await migrate_legacy_manifests(js, names)
         versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
         sink = PostgresSink(PostgresProjectionStore(self._pool, settings.text_search_config), versions)
@@ -122,7 +122,7 @@ class AzureProjectorService:
             raise RuntimeError(f"cannot create the Azure AI Search index {name!r}: {error}") from error
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search", settings)
         js = nc.jetstream()
-        await ensure_jetstream(js, names, settings)
+        await ensure_jetstream(js, names, settings, reconcile=True)
         index = AzureSearchIndex(documents)
         recorded = await read_watermark(documents)
         if recorded is None:

@@ -101,7 +101,7 @@ def servers(embedded: EmbeddedRuntime | None) -> Endpoints:
     return embedded.endpoints
 
 
-def _with_database(url: str, name: str) -> str:
+def with_database(url: str, name: str) -> str:
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path=f"/{name}"))
 
@@ -170,7 +170,7 @@ class Deployment:
     async def database_outage(self) -> AsyncIterator[None]:
         """The deployment's database refuses new connections and loses its open ones until the block ends."""
         database = self.settings.subject_prefix
-        admin = await asyncpg.connect(_with_database(self.database_url, "postgres"))
+        admin = await asyncpg.connect(with_database(self.database_url, "postgres"))
         try:
             await admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
             await admin.execute(
@@ -215,7 +215,7 @@ def deployment_settings(
     operator = nats_logins.get("operator")
     return Settings(
         nats_url=with_login(servers.nats_url, *operator) if operator is not None else servers.nats_url,
-        database_url=_with_database(servers.database_url, prefix),
+        database_url=with_database(servers.database_url, prefix),
         subject_prefix=prefix,
         projector_ack_wait_s=2.0,
         projector_batch_timeout_s=0.05,
@@ -224,13 +224,14 @@ def deployment_settings(
     )
 
 
-@pytest.fixture
-async def deployment(
-    deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]]
+@contextlib.asynccontextmanager
+async def open_deployment(
+    settings: Settings, servers_database_url: str, nats_logins: dict[str, tuple[str, str]]
 ) -> AsyncIterator[Deployment]:
-    settings = deployment_settings
+    """A deployment named by ``settings.subject_prefix``: its own database on the PostgreSQL server of
+    ``servers_database_url``, its streams and buckets made as its parts make them; all removed afterwards."""
     database = settings.subject_prefix
-    admin = await asyncpg.connect(_with_database(servers.database_url, "postgres"))
+    admin = await asyncpg.connect(with_database(servers_database_url, "postgres"))
     await admin.execute(f'CREATE DATABASE "{database}"')
     assert settings.nats_url is not None
     nc = await connect(settings.nats_url, "tests")
@@ -246,6 +247,14 @@ async def deployment(
         await nc.close()
         await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         await admin.close()
+
+
+@pytest.fixture
+async def deployment(
+    deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]]
+) -> AsyncIterator[Deployment]:
+    async with open_deployment(deployment_settings, servers.database_url, nats_logins) as opened:
+        yield opened
 
 
 @pytest.fixture

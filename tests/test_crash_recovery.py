@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -10,21 +11,23 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
+import nats.errors
 import pytest
 from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 
-from ontofabric.contracts import DeltaEnvelope, DocumentUpserted
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
 from ontofabric.services.projector.planning import Delta, plan_batch
-from ontofabric.shared.runtime import start_postgres
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, NatsNode, nats_url_of, start_postgres, with_login
 from ontofabric.shared.settings import Settings
 
-from .conftest import Deployment
+from .conftest import Deployment, open_deployment, with_database
 from .factories import delete, document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -186,6 +189,7 @@ async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deploy
         if isinstance(payload, DocumentUpserted):
             expected[payload.document.id] = (False, payload.document.content, entry.seq)
         else:
+            assert isinstance(payload, DocumentDeleted)
             expected[payload.document_id] = (True, "", entry.seq)
     rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
     actual = {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
@@ -214,6 +218,7 @@ def _fold(acks: list[PubAck], deltas: list[DeltaEnvelope]) -> dict[str, tuple[bo
         if isinstance(payload, DocumentUpserted):
             expected[payload.document.id] = (False, payload.document.content, ack.seq)
         else:
+            assert isinstance(payload, DocumentDeleted)
             expected[payload.document_id] = (True, "", ack.seq)
     return expected
 
@@ -254,3 +259,185 @@ async def test_postgresql_stopped_immediately_and_restarted_mid_ingest(deploymen
     print(f"postgres stop: the whole stream projected {caught_up:.1f} s after the immediate stop (2 s down)")
     assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == _fold(acks, deltas)
     assert dead == 0  # nothing was dead-lettered for an outage
+
+
+@contextlib.asynccontextmanager
+async def _deployment_on_own_nats(
+    servers: Endpoints, directory: Path, nodes: int
+) -> AsyncIterator[tuple[EmbeddedRuntime, Deployment]]:
+    """A deployment on embedded nats-servers of the test's own, started by the project's runtime (one server, or
+    a three-node cluster on loopback), its streams made by the project's code with one replica per server."""
+    prefix = "t" + uuid.uuid4().hex[:12]
+    base = Settings(nats_cluster_nodes=nodes, nats_replicas=nodes, database_url=servers.database_url)
+    with EmbeddedRuntime(base, directory) as runtime:
+        logins = runtime.nats_logins(prefix)
+        settings = Settings(
+            nats_url=with_login(nats_url_of(runtime.nats_nodes), *logins["operator"]),
+            nats_replicas=nodes,
+            database_url=with_database(servers.database_url, prefix),
+            subject_prefix=prefix,
+            embedder="none",
+            data_dir=directory / "data",
+        )
+        async with open_deployment(settings, servers.database_url, logins) as deployment:
+            yield runtime, deployment
+
+
+async def _acked_through_faults(deployment: Deployment) -> int | None:
+    """The projector's ack floor, or None while JetStream cannot say (its server or a leader away)."""
+    try:
+        return await _acked(deployment)
+    except (nats.errors.Error, TimeoutError):
+        return None
+
+
+@dataclass
+class NatsFaultRun:
+    acks: list[PubAck]
+    deltas: list[DeltaEnvelope]
+    recoveries: list[float]
+    """Seconds from each fault until the projector's ack floor moved past where it stood."""
+    published_at_faults: list[int]
+
+
+@dataclass
+class Fault:
+    inflict: Callable[[], Coroutine[None, None, None]]
+    repair: Callable[[], Coroutine[None, None, None]]
+    """Run beside the wait for recovery: a cluster that lost one server should go on before it is back."""
+
+
+async def _project_through_nats_faults(
+    deployment: Deployment, faults: list[Fault], count: int, seed: int
+) -> NatsFaultRun:
+    """Publish ``count`` deltas in small chunks while a projector subprocess works, and inflict each fault once a
+    further share of them is acknowledged (the publisher and the projector both in flight); then wait until the
+    whole stream is projected."""
+    deltas = _stream(count=count, ids=300, seed=seed)
+    acks: list[PubAck] = []
+
+    async def publish() -> None:
+        for start in range(0, len(deltas), 50):
+            acks.extend(await deployment.publisher.publish_many(deltas[start : start + 50]))
+            await asyncio.sleep(0.05)
+
+    async def acked() -> int:
+        return await _acked_through_faults(deployment) or 0
+
+    projector = _start_projector(deployment)
+    publishing = asyncio.create_task(publish())
+    run = NatsFaultRun(acks, deltas, [], [])
+    try:
+        for number, fault in enumerate(faults, start=1):
+            async with asyncio.timeout(120):
+                while len(acks) < count * number / (len(faults) + 1) or await acked() < 100:
+                    await asyncio.sleep(0.02)
+            floor = await acked()
+            run.published_at_faults.append(len(acks))
+            started = time.monotonic()
+            await fault.inflict()
+            repairing = asyncio.create_task(fault.repair())
+            async with asyncio.timeout(120):
+                while await acked() <= floor:
+                    await asyncio.sleep(0.05)
+            run.recoveries.append(time.monotonic() - started)
+            await repairing
+        await publishing
+        async with asyncio.timeout(180):
+            while await acked() < acks[-1].seq:
+                await asyncio.sleep(0.1)
+    finally:
+        publishing.cancel()
+        os.killpg(projector.pid, signal.SIGTERM)
+        projector.wait(30)
+    return run
+
+
+async def _messages_in(deployment: Deployment, stream: str) -> int:
+    """The stream's message count, asked again while its leader is still being elected after a fault."""
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                return int((await deployment.js.stream_info(stream)).state.messages)
+            except (nats.errors.Error, TimeoutError) as error:
+                print(f"stream info of {stream} not answered yet: {error!r}")
+                await asyncio.sleep(0.5)
+
+
+async def _assert_the_fold(deployment: Deployment, run: NatsFaultRun, label: str) -> None:
+    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
+    actual = {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
+    expected = _fold(run.acks, run.deltas)
+    stored = await _messages_in(deployment, deployment.names.delta_stream)
+    dead = await _messages_in(deployment, deployment.names.dlq_stream)
+    lost = [doc for doc, row in expected.items() if not row[0] and (doc not in actual or actual[doc][0])]
+    stale = [doc for doc in expected if doc in actual and actual[doc] != expected[doc] and doc not in lost]
+    extra = [doc for doc in actual if doc not in expected and not actual[doc][0]]
+    print(
+        f"{label}: {len(run.deltas)} deltas, stream holds {stored}; faults at "
+        f"{', '.join(map(str, run.published_at_faults))} published; recovery "
+        f"{', '.join(f'{r:.1f}' for r in run.recoveries)} s; lost {len(lost)}, stale {len(stale)}, "
+        f"extra {len(extra)}, dead-lettered {dead}"
+    )
+    assert stored == len(run.deltas)  # every delta once: the publisher's retries were deduplicated
+    assert (lost, stale, extra, dead) == ([], [], [], 0)
+
+
+@pytest.mark.slow
+async def test_nats_server_killed_and_restarted_mid_ingest(servers: Endpoints, tmp_path: Path) -> None:
+    """The deployment's one nats-server killed with SIGKILL while deltas are published and projected, and started
+    again a second later on its port and store: publisher and projector carry on, and the index is the fold."""
+    async with _deployment_on_own_nats(servers, tmp_path, nodes=1) as (runtime, deployment):
+        (node,) = runtime.nats_nodes
+        run = await _project_through_nats_faults(deployment, [_lose(runtime, node)], count=2000, seed=13)
+        await _assert_the_fold(deployment, run, "nats-server kill")
+
+
+def _lose(runtime: EmbeddedRuntime, node: NatsNode | Callable[[], Awaitable[NatsNode]]) -> Fault:
+    """``node`` (or the one a call picks when the fault comes) killed with SIGKILL and started again 1 s later on
+    its ports and store."""
+    lost: list[NatsNode] = []
+
+    async def inflict() -> None:
+        lost.append(node if isinstance(node, NatsNode) else await node())
+        _kill(lost[-1])
+
+    async def repair() -> None:
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(runtime.restart_nats_node, lost[-1])
+
+    return Fault(inflict, repair)
+
+
+def _kill(node: NatsNode) -> None:
+    assert node.server is not None
+    node.server.process.kill()
+    node.server.process.wait(10)
+
+
+@pytest.mark.slow
+async def test_a_three_node_cluster_loses_a_follower_then_the_stream_leader(servers: Endpoints, tmp_path: Path) -> None:
+    """A three-node JetStream cluster on loopback, streams and buckets made with three replicas by the project's
+    own code: one server that does not lead the delta stream is killed and restarted, then the stream's leader."""
+    async with _deployment_on_own_nats(servers, tmp_path, nodes=3) as (runtime, deployment):
+        names, js = deployment.names, deployment.js
+        for stream in names.streams[:4]:
+            assert (await js.stream_info(stream)).config.num_replicas == 3, stream
+
+        async def leader() -> NatsNode:
+            while True:
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    cluster = (await js.stream_info(names.delta_stream)).cluster
+                    if cluster is not None and cluster.leader:
+                        return next(node for node in runtime.nats_nodes if node.name == cluster.leader)
+                await asyncio.sleep(0.1)
+
+        async def a_follower() -> NatsNode:
+            current = await leader()
+            return next(node for node in runtime.nats_nodes if node is not current)
+
+        faults = [_lose(runtime, a_follower), _lose(runtime, leader)]
+        run = await _project_through_nats_faults(deployment, faults, count=3000, seed=17)
+        consumer = await js.consumer_info(names.delta_stream, names.postgres_projector_durable)
+        assert consumer.config.num_replicas == 3
+        await _assert_the_fold(deployment, run, "cluster: a follower, then the stream leader")

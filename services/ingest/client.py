@@ -57,6 +57,7 @@ _RETRYABLE = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.ConnectionReconnectingError,
     nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,  # a clustered stream between two leaders answers 503
     OSError,  # the socket, mid-write
 )
 

@@ -210,15 +210,7 @@ async def test_a_stalled_database_is_unavailable_before_the_deadline(
     assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
     # The database's server processes for this deployment freeze (SIGSTOP), as a host under memory pressure or a
     # stuck disk would: connections stay open and nothing answers.
-    rows = await deployment.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend' "
-        "AND pid <> pg_backend_pid()",
-        deployment.settings.subject_prefix,
-    )
-    frozen = [row["pid"] for row in rows]
-    assert frozen
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
+    frozen = await _freeze_the_database(deployment)
     try:
         started = time.monotonic()
         reply = await client.query("acme", {"semanticQuery": "read a csv file into rows"})
@@ -232,6 +224,57 @@ async def test_a_stalled_database_is_unavailable_before_the_deadline(
     assert took < 7  # twice the client-side limit of 2 s, and the way: well before the caller's 10 s
     again = await client.query("acme", {"semanticQuery": "compress a directory into a zip archive"})
     assert isinstance(again, QueryResponse), again
+
+
+async def _freeze_the_database(deployment: Deployment) -> list[int]:
+    """SIGSTOP the deployment's database server processes, as a host under memory pressure or a stuck disk
+    would: connections stay open and nothing answers. The pids, for SIGCONT."""
+    rows = await deployment.fetch(
+        "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend' "
+        "AND pid <> pg_backend_pid()",
+        deployment.settings.subject_prefix,
+    )
+    frozen = [row["pid"] for row in rows]
+    assert frozen
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    return frozen
+
+
+async def test_callers_hear_back_by_their_deadline_while_the_runners_are_stuck(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """One runner, stuck in a statement on a frozen database for longer than anyone waits (the client-side limit
+    is 31 s): the request it holds and the one queued behind it are both refused by their deadlines, where
+    before the queued one waited for a runner that never came, and the held one for a cleanup on the frozen
+    connection."""
+    await start_worker(SlowReranker(0.0), statement_timeout_ms=30_000, query_concurrency=1)
+    assert isinstance(
+        await QueryClient(deployment.nc, deployment.names).query("acme", {"semanticQuery": "csv"}), QueryResponse
+    )
+    frozen = await _freeze_the_database(deployment)
+    try:
+
+        async def ask(timeout_s: float, text: str) -> tuple[ErrorReply | QueryResponse, float]:
+            started = time.monotonic()
+            reply = await QueryClient(deployment.nc, deployment.names, timeout_s=timeout_s).query(
+                "acme", {"semanticQuery": text}
+            )
+            return reply, time.monotonic() - started
+
+        held = asyncio.create_task(ask(2.0, "read a csv file into rows"))
+        await asyncio.sleep(0.2)  # the runner has it, and is stuck
+        queued, queued_took = await ask(1.0, "serialise an object to json")
+        held_reply, held_took = await held
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    for reply, took, timeout_s in ((held_reply, held_took, 2.0), (queued, queued_took, 1.0)):
+        assert isinstance(reply, ErrorReply), reply
+        assert (reply.error.code, reply.error.retryable) == ("deadline_exceeded", True)
+        assert took < timeout_s
 
 
 async def test_a_huge_baggage_header_is_ignored_without_a_log_line(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import TypeVar
 
 import asyncpg
@@ -138,6 +139,27 @@ def _unavailable(error: BaseException) -> bool:
     return is_unavailable(error) or isinstance(error, nats_away)
 
 
+@dataclass
+class Admitted:
+    """A request taken into the queue: answered by a runner, or refused when its deadline comes first."""
+
+    msg: Msg
+    received: float
+    deadline: Deadline
+    replied: bool = False
+    expiry: asyncio.TimerHandle | None = None
+    taken_at: float | None = None
+    """When a runner took it."""
+
+    def late(self, now: float) -> str:
+        """Why it is refused at its deadline."""
+        if self.taken_at is None:
+            waited = (now - self.received) * 1000
+            return f"waited {waited:.0f} ms for a free slot, past the request's {self.deadline.timeout_ms} ms"
+        waited = (self.taken_at - self.received) * 1000
+        return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms)"
+
+
 class QueryService:
     """The query worker process: pool, embedder, version watch, and a subscription to every workspace's query
     subject in the workers' queue group.
@@ -170,7 +192,8 @@ class QueryService:
         self._pipeline: QueryPipeline | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
-        self._waiting: asyncio.Queue[tuple[Msg, float, Deadline]] = asyncio.Queue()
+        self._waiting: asyncio.Queue[Admitted] = asyncio.Queue()
+        self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
@@ -184,6 +207,11 @@ class QueryService:
         except BaseException:
             await self.stop()  # whatever started before the failure
             raise
+
+    @property
+    def connection(self) -> Client | None:
+        """Its NATS connection while it runs (which server it is on: ``connection.connected_url``)."""
+        return self._nc
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
@@ -252,31 +280,55 @@ class QueryService:
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return
         self._held += 1
-        self._waiting.put_nowait((msg, received, deadline))
+        admitted = Admitted(msg, received, deadline)
+        # The caller hears back by its deadline even when no runner gets to the request in time, or the one that
+        # has it is stuck (a database frozen under a statement, a cleanup that waits on it).
+        admitted.expiry = asyncio.get_running_loop().call_at(deadline.at, self._expire, admitted)
+        self._waiting.put_nowait(admitted)
+
+    def _expire(self, admitted: Admitted) -> None:
+        if admitted.replied:
+            return
+        late = admitted.late(asyncio.get_running_loop().time())
+        task = asyncio.create_task(self._reply_once(admitted, error_reply("deadline_exceeded", late, retryable=True)))
+        self._expiries.add(task)
+        task.add_done_callback(self._expiries.discard)
+
+    async def _reply_once(self, admitted: Admitted, body: bytes) -> None:
+        """The first reply to an admitted request goes out; a later one (the work ending after the deadline's
+        refusal) is dropped."""
+        if admitted.replied:
+            return
+        admitted.replied = True
+        if admitted.expiry is not None:
+            admitted.expiry.cancel()
+        await self._reply(admitted.msg, body)
 
     async def _run(self) -> None:
         while True:
-            msg, received, deadline = await self._waiting.get()
+            admitted = await self._waiting.get()
             started = asyncio.get_running_loop().time()
             try:
-                if await self._serve(msg, received, deadline):
+                if await self._serve(admitted):
                     self._service_time.record(asyncio.get_running_loop().time() - started)
             except asyncio.CancelledError:
                 raise
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)
-                log.exception("request_failed_outside_its_handler", subject=msg.subject)
+                log.exception("request_failed_outside_its_handler", subject=admitted.msg.subject)
             finally:
                 self._held -= 1
                 self._waiting.task_done()
 
-    async def _serve(self, msg: Msg, received: float, deadline: Deadline) -> bool:
-        """Answer ``msg``; False when it was refused unopened (its deadline passed while it waited)."""
+    async def _serve(self, admitted: Admitted) -> bool:
+        """Answer an admitted request; False when it was refused unopened (its deadline passed while it waited)."""
+        msg, received, deadline = admitted.msg, admitted.received, admitted.deadline
         loop = asyncio.get_running_loop()
         waited_ms = round((loop.time() - received) * 1000, 3)
-        if deadline.left(loop.time()) <= 0:  # its caller has given up (or is about to): no work for nobody
-            late = f"waited {waited_ms:.0f} ms for a free slot, past the request's {deadline.timeout_ms} ms"
-            await self._reply(msg, error_reply("deadline_exceeded", late, retryable=True))
+        if admitted.replied or deadline.left(loop.time()) <= 0:  # its caller has given up: no work for nobody
+            late = admitted.late(loop.time())
+            await self._reply_once(admitted, error_reply("deadline_exceeded", late, retryable=True))
             return False
+        admitted.taken_at = loop.time()
         try:
             # The caller's trace continues here: its context travels in the request's headers. Only the trace
             # context is read: baggage is not used, and its parser logs every oversized header a caller sends.
@@ -290,12 +342,11 @@ class QueryService:
                     async with asyncio.timeout_at(deadline.at):
                         body = await self._answer(msg, deadline)
                 except TimeoutError:
-                    message = f"no answer within the request's {deadline.timeout_ms} ms (waited {waited_ms:.0f} ms)"
-                    body = error_reply("deadline_exceeded", message, retryable=True)
+                    body = error_reply("deadline_exceeded", admitted.late(loop.time()), retryable=True)
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)
             body = error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
-        await self._reply(msg, body)
+        await self._reply_once(admitted, body)
         return True
 
     async def _reply(self, msg: Msg, body: bytes) -> None:
@@ -388,7 +439,7 @@ class QueryService:
         runners, self._runners = self._runners, []
         for runner in runners:
             runner.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
+        await asyncio.gather(*runners, *self._expiries, return_exceptions=True)
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None

@@ -648,6 +648,7 @@ class EmbeddedRuntime:
         self._servers: list[ManagedProcess] = []
         self.nats_nodes: list[NatsNode] = []
         """The embedded nats-servers (none when nats_url is set)."""
+        self._postgres: ManagedProcess | None = None
         self._lock: IO[str] | None = None
         self.endpoints: Endpoints | None = None
 
@@ -666,6 +667,7 @@ class EmbeddedRuntime:
             if database_url is None:
                 server, database_url = start_postgres(self.data_dir / "postgres")
                 self._servers.append(server)
+                self._postgres = server
         except BaseException:
             self.stop()
             raise
@@ -699,6 +701,12 @@ class EmbeddedRuntime:
         _, seed_file = add_nkey_user(directory, prefix, role, workspace)
         reload_nats(directory, self.nats_nodes)
         return seed_file
+
+    def postgres_pid(self) -> int:
+        """The embedded PostgreSQL's postmaster (a fault harness freezes it and its children)."""
+        if self._postgres is None:
+            raise RuntimeUnavailable("PostgreSQL is not embedded here")
+        return self._postgres.process.pid
 
     def restart_nats_node(self, node: NatsNode) -> None:
         """Start ``node`` again after it stopped (a test's fault), on its ports and store; return once it accepts

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,12 @@ import pytest
 from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, QueryResponse
 from ontofabric.services.projector.planning import Delta, plan_batch
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.jetstream import connect
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, NatsNode, nats_url_of, start_postgres, with_login
 from ontofabric.shared.settings import Settings
 
@@ -441,3 +446,58 @@ async def test_a_three_node_cluster_loses_a_follower_then_the_stream_leader(serv
         consumer = await js.consumer_info(names.delta_stream, names.postgres_projector_durable)
         assert consumer.config.num_replicas == 3
         await _assert_the_fold(deployment, run, "cluster: a follower, then the stream leader")
+
+
+@pytest.mark.slow
+async def test_a_query_worker_answers_again_soon_after_its_nats_server_dies(servers: Endpoints, tmp_path: Path) -> None:
+    """In a three-node cluster, the server a query worker is connected to is killed: the worker reconnects to
+    another from its seed list and answers again, the caller connected elsewhere all along."""
+    async with _deployment_on_own_nats(servers, tmp_path, nodes=3) as (runtime, deployment):
+        settings = deployment.settings
+        url = nats_url_of(runtime.nats_nodes)
+        projector = ProjectorService(
+            settings, with_login(url, *deployment.nats_logins["projector"]), deployment.database_url
+        )
+        await projector.start()
+        worker = QueryService(
+            settings, with_login(url, *deployment.nats_logins["query"]), deployment.database_url, None
+        )
+        await worker.start()
+        try:
+            acks = await deployment.publisher.publish_many(
+                [
+                    upsert("acme", document(f"doc-{n}", f"compress a directory into a zip archive {n}"))
+                    for n in range(20)
+                ]
+            )
+            await deployment.wait_projected(acks[-1].seq)
+            assert worker.connection is not None
+            assert worker.connection.connected_url is not None
+            lost = next(node for node in runtime.nats_nodes if node.port == worker.connection.connected_url.port)
+            caller_node = next(node for node in runtime.nats_nodes if node is not lost)
+            caller = await connect(with_login(caller_node.url, *deployment.nats_logins["client"]), "caller")
+            try:
+                client = QueryClient(caller, deployment.names, timeout_s=2.0)
+                assert isinstance(await client.query("acme", {"semanticQuery": "zip archive"}), QueryResponse)
+                _kill(lost)
+                killed = time.monotonic()
+                replies: Counter[str] = Counter()
+                async with asyncio.timeout(60):
+                    while True:
+                        try:
+                            reply = await client.query("acme", {"semanticQuery": "zip archive"})
+                        except nats.errors.Error as error:  # no worker subscribed for a moment, or no reply
+                            replies[type(error).__name__] += 1
+                            continue
+                        if isinstance(reply, QueryResponse):
+                            break
+                        replies[reply.error.code] += 1
+                answering_again_s = time.monotonic() - killed
+                print(f"query worker's server killed: answering again after {answering_again_s:.1f} s; {dict(replies)}")
+                assert answering_again_s < 15
+            finally:
+                await caller.close()
+                await asyncio.to_thread(runtime.restart_nats_node, lost)
+        finally:
+            await worker.stop()
+            await projector.stop()

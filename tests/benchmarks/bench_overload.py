@@ -28,6 +28,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from ontofabric.contracts import TIMEOUT_HEADER, ErrorReply, QueryResponse
@@ -62,6 +63,8 @@ async def ask(nc: Client, subject: str, text: str, timeout_s: float, header: boo
         reply = parse_reply((await nc.request(subject, body, timeout=timeout_s, headers=headers)).data)
     except NatsTimeout:
         return "no reply in time", time.perf_counter() - began
+    except NoRespondersError:  # no worker subscribed at all: told at once
+        return "no responders", time.perf_counter() - began
     took = time.perf_counter() - began
     if isinstance(reply, QueryResponse):
         return ("answered, parts cut for the deadline" if "deadline" in reply.meta.degraded else "answered"), took

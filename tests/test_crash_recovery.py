@@ -313,18 +313,18 @@ class Fault:
 
 
 async def _project_through_nats_faults(
-    deployment: Deployment, faults: list[Fault], count: int, seed: int
+    deployment: Deployment, faults: list[Fault], count: int, seed: int, pause_s: float = 0.05
 ) -> NatsFaultRun:
-    """Publish ``count`` deltas in small chunks while a projector subprocess works, and inflict each fault once a
-    further share of them is acknowledged (the publisher and the projector both in flight); then wait until the
-    whole stream is projected."""
+    """Publish ``count`` deltas in chunks of 50, ``pause_s`` apart, while a projector subprocess works, and inflict
+    each fault once a further share of them is acknowledged (the publisher and the projector both in flight); then
+    wait until the whole stream is projected."""
     deltas = _stream(count=count, ids=300, seed=seed)
     acks: list[PubAck] = []
 
     async def publish() -> None:
         for start in range(0, len(deltas), 50):
             acks.extend(await deployment.publisher.publish_many(deltas[start : start + 50]))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(pause_s)
 
     async def acked() -> int:
         return await _acked_through_faults(deployment) or 0
@@ -442,7 +442,9 @@ async def test_a_three_node_cluster_loses_a_follower_then_the_stream_leader(serv
             return next(node for node in runtime.nats_nodes if node is not current)
 
         faults = [_lose(runtime, a_follower), _lose(runtime, leader)]
-        run = await _project_through_nats_faults(deployment, faults, count=3000, seed=17)
+        # Paced so that the publisher is still at work when the leader goes (recovering from the first loss can
+        # take the projector up to ~10 s).
+        run = await _project_through_nats_faults(deployment, faults, count=3000, seed=17, pause_s=0.3)
         consumer = await js.consumer_info(names.delta_stream, names.postgres_projector_durable)
         assert consumer.config.num_replicas == 3
         await _assert_the_fold(deployment, run, "cluster: a follower, then the stream leader")

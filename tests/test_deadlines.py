@@ -13,14 +13,17 @@ from collections.abc import Sequence
 
 import pytest
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail, ErrorReply, QueryResponse
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.deadlines import MAX_MARGIN_S, MIN_MARGIN_S, Deadline, ServiceTime, deadline_of
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.jetstream import subscriptions_visible
+from ontofabric.shared.runtime import EmbeddedRuntime
 
-from .conftest import Deployment, Start
+from .conftest import Deployment, Start, connect_as
 
 LONG_QUERY = "how do I sort a list of numbers in descending order"  # long enough that the reranker is not skipped
 
@@ -291,3 +294,40 @@ async def test_a_huge_baggage_header_is_ignored_without_a_log_line(
         reply = await nc.request(deployment.names.request_subject("query", "acme"), _query(), 10, headers=headers)
         assert isinstance(parse_reply(reply.data), QueryResponse)
     assert "vvvvvvvvvv" not in "".join(capfd.readouterr())
+
+
+async def test_a_request_lost_with_its_worker_is_sent_again_in_the_time_left(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A worker that takes a request and dies with it (here: one that never replies to its first) leaves its
+    caller silent past the timeout it was told; the client sends it again with the time left, to whichever
+    worker takes it. Only when a second attempt still fits (1 s or more)."""
+    names = deployment.names
+    seen: list[int] = []
+    answer = b'{"error": {"code": "overloaded", "message": "busy", "retryable": true}}'
+
+    async def flaky(msg: Msg) -> None:
+        assert msg.headers is not None
+        seen.append(int(msg.headers[TIMEOUT_HEADER]))
+        if len(seen) > 1:
+            await msg.respond(answer)
+
+    worker = await connect_as(deployment, runtime, "query")
+    await worker.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=flaky)
+    await subscriptions_visible(worker)
+    try:
+        started = time.monotonic()
+        reply = await QueryClient(deployment.nc, names, timeout_s=3.0).send_raw("acme", b'{"semanticQuery": "x"}')
+        took = time.monotonic() - started
+        assert reply == answer
+        assert took < 3.0
+        assert len(seen) == 2
+        assert 1600 <= seen[0] <= 1800  # 65 % of the time, less the way back
+        assert seen[1] <= 1050 - 250 + 50
+
+        seen.clear()  # 2 s: no room for a second attempt of 1 s after a first of 65 %
+        with pytest.raises(NatsTimeoutError):
+            await QueryClient(deployment.nc, names, timeout_s=2.0).send_raw("acme", b'{"semanticQuery": "x"}')
+        assert len(seen) == 1
+    finally:
+        await worker.close()

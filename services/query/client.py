@@ -3,10 +3,12 @@ and the CLI use."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import propagate
 from pydantic import BaseModel, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -23,9 +25,20 @@ from ontofabric.contracts import (
     StatusRequest,
 )
 from ontofabric.shared.jetstream import refused_promptly
+from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, Operation
 
 Reply = TypeVar("Reply", QueryResponse, DocumentReply, StatusReply)
+log = get_logger(__name__)
+
+
+FIRST_ATTEMPT_SHARE = 0.65
+"""Of the caller's time, what the first attempt gets when a second still fits. A worker answers or refuses within
+the timeout it is sent (its deadline timer), so silence past that means the request died with its worker
+(killed, or its connection gone): the rest of the time goes to another worker."""
+MIN_SECOND_ATTEMPT_S = 1.0
+WAY_BACK_S = 0.25
+"""Waited past an attempt's timeout header for its reply to arrive."""
 
 
 class QueryClient:
@@ -35,11 +48,27 @@ class QueryClient:
         self._timeout_s = timeout_s
 
     async def send_raw(self, workspace: str, body: bytes, operation: Operation = "query") -> bytes:
-        """Send a request body as is. While no worker listens (a restart), retry for up to a second."""
-        # The worker answers or refuses within our timeout, and does no work for us once we have given up.
-        headers = {TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(self._timeout_s * 1000))))}
-        propagate.inject(headers)
+        """Send a request body as is, within the client's timeout. A request lost with the worker that held it is
+        sent again when time is left (at most twice in all); while no worker listens (a restart), it is retried
+        for up to a second."""
         subject = self._names.request_subject(operation, workspace)
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self._timeout_s
+        second_fits = self._timeout_s * (1 - FIRST_ATTEMPT_SHARE) >= MIN_SECOND_ATTEMPT_S
+        first_s = self._timeout_s * FIRST_ATTEMPT_SHARE if second_fits else self._timeout_s
+        try:
+            return await self._attempt(subject, body, first_s)
+        except NatsTimeoutError:
+            if not second_fits:
+                raise
+        log.warning("query_request_resent", subject=subject, after_s=round(first_s, 3), reason="no reply")
+        return await self._attempt(subject, body, ends - loop.time())
+
+    async def _attempt(self, subject: str, body: bytes, wait_s: float) -> bytes:
+        # The worker answers or refuses within the timeout it is told, and does no work once it has passed.
+        told_s = max(wait_s - WAY_BACK_S, wait_s / 2)
+        headers = {TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(told_s * 1000))))}
+        propagate.inject(headers)
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(NoRespondersError),
             stop=stop_after_attempt(6),
@@ -49,7 +78,7 @@ class QueryClient:
             with attempt:
                 # A subject these credentials may not use fails at once, not after the timeout.
                 reply = await refused_promptly(
-                    self._nc, subject, self._nc.request(subject, body, timeout=self._timeout_s, headers=headers)
+                    self._nc, subject, self._nc.request(subject, body, timeout=wait_s, headers=headers)
                 )
         return bytes(reply.data)
 

@@ -65,11 +65,13 @@ async def ask(nc: Client, subject: str, text: str, timeout_s: float, header: boo
         return "no reply in time", time.perf_counter() - began
     except NoRespondersError:  # no worker subscribed at all: told at once
         return "no responders", time.perf_counter() - began
-    took = time.perf_counter() - began
+    return outcome_of(reply), time.perf_counter() - began
+
+
+def outcome_of(reply: QueryResponse | ErrorReply) -> str:
     if isinstance(reply, QueryResponse):
-        return ("answered, parts cut for the deadline" if "deadline" in reply.meta.degraded else "answered"), took
-    assert isinstance(reply, ErrorReply)
-    return reply.error.code, took
+        return "answered, parts cut for the deadline" if "deadline" in reply.meta.degraded else "answered"
+    return reply.error.code
 
 
 async def closed_loop(nc: Client, subject: str, texts: list[str], callers: int, seconds: float) -> float:

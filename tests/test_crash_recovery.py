@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -104,9 +104,7 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
         assert second.wait(30) == 0  # a clean stop on SIGTERM
 
     # The fold of the stream, computed independently: last writer per document in stream order.
-    expected = _fold(acks, deltas)
-    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
-    assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == expected
+    assert await _projected(deployment) == _fold((a.seq, d) for a, d in zip(acks, deltas, strict=True))
 
     # And the ontologyVersion equals the one a single uninterrupted pass computes.
     whole = plan_batch([Delta(a.seq, d) for a, d in zip(acks, deltas, strict=True)], {}, {})
@@ -186,22 +184,8 @@ async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deploy
         os.killpg(projector.pid, signal.SIGTERM)
         projector.wait(30)
 
-    expected: dict[str, tuple[bool, str, int]] = {}
-    for entry in sorted(published, key=lambda p: p.seq):
-        if entry.poison or entry.delta is None:
-            continue
-        payload = entry.delta.payload
-        if isinstance(payload, DocumentUpserted):
-            expected[payload.document.id] = (False, payload.document.content, entry.seq)
-        else:
-            assert isinstance(payload, DocumentDeleted)
-            expected[payload.document_id] = (True, "", entry.seq)
-    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
-    actual = {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
-    live = {doc for doc, (deleted, _, _) in expected.items() if not deleted}
-    lost = [doc for doc in live if doc not in actual or actual[doc][0]]
-    stale = [doc for doc in expected if doc in actual and actual[doc] != expected[doc] and doc not in lost]
-    extra = [doc for doc in actual if doc not in expected and not actual[doc][0]]
+    stored = [(p.seq, p.delta) for p in published if not p.poison and p.delta is not None]
+    lost, stale, extra = _divergence(_fold(sorted(stored, key=lambda pair: pair[0])), await _projected(deployment))
     dead = await _dead_lettered_sequences(deployment)
     poison = {p.seq for p in published if p.poison}
     wrongly_dead = sorted(set(dead) - poison)
@@ -215,16 +199,34 @@ async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deploy
     assert len(dead) == len(set(dead))  # each poison delta dead-lettered once, across the kills
 
 
-def _fold(acks: list[PubAck], deltas: list[DeltaEnvelope]) -> dict[str, tuple[bool, str, int]]:
-    """Last writer per document in stream order: what the index must hold."""
-    expected: dict[str, tuple[bool, str, int]] = {}
-    for ack, delta in zip(acks, deltas, strict=True):
+Row = tuple[bool, str, int]
+"""A document's (deleted, content, stream sequence)."""
+
+
+async def _projected(deployment: Deployment) -> dict[str, Row]:
+    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
+    return {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
+
+
+def _divergence(expected: dict[str, Row], actual: dict[str, Row]) -> tuple[list[str], list[str], list[str]]:
+    """(lost, stale, extra): live documents missing or deleted; documents with another state than the fold's;
+    live documents the fold does not have."""
+    lost = [doc for doc, row in expected.items() if not row[0] and (doc not in actual or actual[doc][0])]
+    stale = [doc for doc in expected if doc in actual and actual[doc] != expected[doc] and doc not in lost]
+    extra = [doc for doc in actual if doc not in expected and not actual[doc][0]]
+    return lost, stale, extra
+
+
+def _fold(stored: Iterable[tuple[int, DeltaEnvelope]]) -> dict[str, Row]:
+    """Last writer per document over (stream sequence, delta) in stream order: what the index must hold."""
+    expected: dict[str, Row] = {}
+    for seq, delta in stored:
         payload = delta.payload
         if isinstance(payload, DocumentUpserted):
-            expected[payload.document.id] = (False, payload.document.content, ack.seq)
+            expected[payload.document.id] = (False, payload.document.content, seq)
         else:
             assert isinstance(payload, DocumentDeleted)
-            expected[payload.document_id] = (True, "", ack.seq)
+            expected[payload.document_id] = (True, "", seq)
     return expected
 
 
@@ -262,7 +264,9 @@ async def test_postgresql_stopped_immediately_and_restarted_mid_ingest(deploymen
     finally:
         server.stop()
     print(f"postgres stop: the whole stream projected {caught_up:.1f} s after the immediate stop (2 s down)")
-    assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == _fold(acks, deltas)
+    assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == _fold(
+        (a.seq, d) for a, d in zip(acks, deltas, strict=True)
+    )
     assert dead == 0  # nothing was dead-lettered for an outage
 
 
@@ -370,14 +374,11 @@ async def _messages_in(deployment: Deployment, stream: str) -> int:
 
 
 async def _assert_the_fold(deployment: Deployment, run: NatsFaultRun, label: str) -> None:
-    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
-    actual = {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
-    expected = _fold(run.acks, run.deltas)
+    lost, stale, extra = _divergence(
+        _fold((a.seq, d) for a, d in zip(run.acks, run.deltas, strict=True)), await _projected(deployment)
+    )
     stored = await _messages_in(deployment, deployment.names.delta_stream)
     dead = await _messages_in(deployment, deployment.names.dlq_stream)
-    lost = [doc for doc, row in expected.items() if not row[0] and (doc not in actual or actual[doc][0])]
-    stale = [doc for doc in expected if doc in actual and actual[doc] != expected[doc] and doc not in lost]
-    extra = [doc for doc in actual if doc not in expected and not actual[doc][0]]
     print(
         f"{label}: {len(run.deltas)} deltas, stream holds {stored}; faults at "
         f"{', '.join(map(str, run.published_at_faults))} published; recovery "

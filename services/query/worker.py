@@ -289,10 +289,13 @@ class QueryService:
     def _expire(self, admitted: Admitted) -> None:
         if admitted.replied:
             return
-        late = admitted.late(asyncio.get_running_loop().time())
-        task = asyncio.create_task(self._reply_once(admitted, error_reply("deadline_exceeded", late, retryable=True)))
+        task = asyncio.create_task(self._refuse_late(admitted))
         self._expiries.add(task)
         task.add_done_callback(self._expiries.discard)
+
+    async def _refuse_late(self, admitted: Admitted) -> None:
+        late = admitted.late(asyncio.get_running_loop().time())
+        await self._reply_once(admitted, error_reply("deadline_exceeded", late, retryable=True))
 
     async def _reply_once(self, admitted: Admitted, body: bytes) -> None:
         """The first reply to an admitted request goes out; a later one (the work ending after the deadline's
@@ -325,8 +328,7 @@ class QueryService:
         loop = asyncio.get_running_loop()
         waited_ms = round((loop.time() - received) * 1000, 3)
         if admitted.replied or deadline.left(loop.time()) <= 0:  # its caller has given up: no work for nobody
-            late = admitted.late(loop.time())
-            await self._reply_once(admitted, error_reply("deadline_exceeded", late, retryable=True))
+            await self._refuse_late(admitted)
             return False
         admitted.taken_at = loop.time()
         try:

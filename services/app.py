@@ -44,7 +44,14 @@ async def start_workers(
         if embedder is None and settings.embedder != "none":
             embedder = await asyncio.to_thread(build_embedder, settings)
         reranker = await asyncio.to_thread(build_reranker, settings)
-        query = QueryService(settings, endpoints.nats_url_as("query"), endpoints.database_url, embedder, reranker)
+        query = QueryService(
+            settings,
+            endpoints.nats_url_as("query"),
+            endpoints.database_url,
+            embedder,
+            reranker,
+            replica_urls=endpoints.replica_urls,
+        )
         await query.start()
         stack.push_async_callback(query.stop)
     return embedder

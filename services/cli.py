@@ -102,6 +102,8 @@ def up(data_dir: DataDir = None) -> None:
                     f"[green]ready[/green] nats={redacted_url(endpoints.nats_url)} "
                     f"database={redacted_url(endpoints.database_url)} (Ctrl-C stops)"
                 )
+                for replica_url in endpoints.replica_urls:
+                    errors.print(f"read replica {redacted_url(replica_url)}")
                 if endpoints.nats_logins:
                     errors.print(
                         f"NATS requires credentials; each role's are in {runtime.data_dir / RUNTIME_FILE} (owner "

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .logging import get_logger
 from .nats_auth import NATS_ROLES, NatsRole, NatsUser, new_nkey_seed, render_config
@@ -59,6 +59,8 @@ class Endpoints:
     nats_logins: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     """The embedded nats-server's (user, password) of each role; empty where NATS is configured, whose URL then
     carries the credentials of whoever runs the process."""
+    replica_urls: tuple[str, ...] = ()
+    """Read replicas of ``database_url`` for the query workers."""
 
     def nats_url_as(self, role: NatsRole) -> str:
         """The NATS URL a part playing ``role`` connects with."""
@@ -495,16 +497,21 @@ def _install_reachable_by(user: str, bin_dir: Path, directory: Path) -> Path:
     return copy / bin_dir.name
 
 
-def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
+def _postgres_place(directory: Path) -> tuple[Path, Path, str | None]:
+    """The bin directory the server runs from, its data directory, and the user it runs as (None: ourselves)."""
     bin_dir = postgres_bin_dir()
-    pgdata = directory / "pgdata"
     directory.mkdir(parents=True, exist_ok=True)
-    pgdata.mkdir(exist_ok=True)
-    log_path = directory / "postgres.log"
-    log_path.touch()
+    (directory / "postgres.log").touch()
     user = _postgres_user()
     if user is not None:
         bin_dir = _install_reachable_by(user, bin_dir, directory)
+    return bin_dir, directory / "pgdata", user
+
+
+def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
+    bin_dir, pgdata, user = _postgres_place(directory)
+    pgdata.mkdir(exist_ok=True)
+    if user is not None:
         _let_user_reach(directory, user)
 
     if not (pgdata / "PG_VERSION").exists():
@@ -536,10 +543,19 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
         write_private(password_file, secrets.token_urlsafe(24))
     password = password_file.read_text().strip()
     _require_password(bin_dir, pgdata, password, user)
+    server, port = _run_postgres(bin_dir, directory, port, user)
+    _ensure_database(bin_dir, port, DATABASE_NAME, password)
+    url = f"postgresql://postgres:{quote(password, safe='')}@127.0.0.1:{port}/{DATABASE_NAME}"
+    log.info("embedded_postgres_started", url=redacted_url(url), pgdata=str(pgdata))
+    return server, url
+
+
+def _run_postgres(bin_dir: Path, directory: Path, port: int | None, user: str | None) -> tuple[ManagedProcess, int]:
+    """Start the server on ``directory``'s data and return once it accepts connections, with its port."""
     port = port or free_port()  # a given port: the same server again after a stop
     argv = [
         str(bin_dir / "postgres"),
-        "-D", str(pgdata),
+        "-D", str(directory / "pgdata"),
         "-c", f"port={port}",
         "-c", "listen_addresses=127.0.0.1",
         "-c", "unix_socket_directories=",
@@ -548,7 +564,7 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
         "-c", "maintenance_work_mem=256MB",
     ]  # fmt: skip
     # SIGINT is PostgreSQL's fast shutdown: roll back open transactions, checkpoint, exit.
-    server = _spawn("postgres", argv, log_path, signal.SIGINT, user=user)
+    server = _spawn("postgres", argv, directory / "postgres.log", signal.SIGINT, user=user)
 
     def accepting() -> bool:
         result = subprocess.run(
@@ -558,9 +574,44 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
         return result.returncode == 0
 
     _wait_until(accepting, server, timeout=60)
-    _ensure_database(bin_dir, port, DATABASE_NAME, password)
-    url = f"postgresql://postgres:{quote(password, safe='')}@127.0.0.1:{port}/{DATABASE_NAME}"
-    log.info("embedded_postgres_started", url=redacted_url(url), pgdata=str(pgdata))
+    return server, port
+
+
+def start_postgres_replica(directory: Path, primary_url: str) -> tuple[ManagedProcess, str]:
+    """A hot standby of the embedded PostgreSQL at ``primary_url``, streaming its WAL: copied with
+    ``pg_basebackup`` from the same binaries into ``directory`` (once), then started read-only on a port of its
+    own. Returns the server and a URL of the same database and login on the standby."""
+    bin_dir, pgdata, user = _postgres_place(directory)
+    primary = urlsplit(primary_url)
+    password = unquote(primary.password or "")
+    if not (pgdata / "PG_VERSION").exists():
+        if user is not None:
+            _let_user_reach(directory, user)
+        backup = [
+            str(bin_dir / "pg_basebackup"),
+            "--pgdata", str(pgdata),
+            "--host", primary.hostname or "127.0.0.1",
+            "--port", str(primary.port or 5432),
+            "--username", primary.username or "postgres",
+            "--write-recovery-conf",  # standby.signal, and primary_conninfo (with the password: owner-only)
+            "--wal-method=stream",
+            "--checkpoint=fast",
+            "--no-sync",
+        ]  # fmt: skip
+        copied = subprocess.run(
+            backup,
+            check=False,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PGPASSWORD": password},
+            **_as_user(user),
+        )
+        if copied.returncode != 0:
+            shutil.rmtree(pgdata, ignore_errors=True)
+            raise RuntimeUnavailable(f"pg_basebackup into {pgdata} failed:\n{copied.stderr.strip()}")
+    server, port = _run_postgres(bin_dir, directory, None, user)
+    url = urlunsplit(primary._replace(netloc=f"{primary.netloc.rsplit('@', 1)[0]}@127.0.0.1:{port}"))
+    log.info("embedded_postgres_replica_started", url=redacted_url(url), pgdata=str(pgdata))
     return server, url
 
 
@@ -593,8 +644,9 @@ def _require_password(bin_dir: Path, pgdata: Path, password: str, user: str | No
         raise RuntimeUnavailable(f"could not set the PostgreSQL password in {pgdata}:\n{problem}")
     hba = pgdata / "pg_hba.conf"
     hba.write_text(
-        "# Written by ontofabric: the superuser's password, over loopback TCP only.\n"
+        "# Written by ontofabric: the superuser's password, over loopback TCP only (read replicas stream from it).\n"
         "host all all 127.0.0.1/32 scram-sha-256\n"
+        "host replication postgres 127.0.0.1/32 scram-sha-256\n"
     )
 
 
@@ -664,16 +716,27 @@ class EmbeddedRuntime:
                 self.nats_nodes = start_nats(self.data_dir / "nats", self.settings.subject_prefix, nodes)
                 nats_url = nats_url_of(self.nats_nodes)
                 logins = self.nats_logins(self.settings.subject_prefix)
+            replica_urls = self.settings.replica_urls()
             if database_url is None:
                 server, database_url = start_postgres(self.data_dir / "postgres")
                 self._servers.append(server)
                 self._postgres = server
+                for number in range(1, self.settings.postgres_read_replicas + 1):
+                    replica, url = start_postgres_replica(self.data_dir / f"postgres-replica-{number}", database_url)
+                    self._servers.append(replica)
+                    replica_urls += (url,)
         except BaseException:
             self.stop()
             raise
-        self.endpoints = Endpoints(nats_url=nats_url, database_url=database_url, nats_logins=logins)
+        self.endpoints = Endpoints(nats_url, database_url, logins, replica_urls)
         if self._servers or self.nats_nodes:
-            record = {"natsUrl": nats_url, "databaseUrl": database_url, "natsLogins": logins, "pid": os.getpid()}
+            record = {
+                "natsUrl": nats_url,
+                "databaseUrl": database_url,
+                "replicaUrls": list(replica_urls),
+                "natsLogins": logins,
+                "pid": os.getpid(),
+            }
             if self.nats_nodes:
                 record["natsNodes"] = [node.record() for node in self.nats_nodes]
             write_private(self.data_dir / RUNTIME_FILE, json.dumps(record))
@@ -760,7 +823,10 @@ def resolve_endpoints(settings: Settings) -> Endpoints:
             f"no servers to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
             "or set ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL"
         )
-    return Endpoints(nats_url=nats_url, database_url=database_url, nats_logins=_recorded_logins(settings, recorded))
+    replica_urls = settings.replica_urls()
+    if not replica_urls and settings.database_url is None:  # the recorded replicas are of the recorded database
+        replica_urls = tuple(recorded.get("replicaUrls", ()))
+    return Endpoints(nats_url, database_url, _recorded_logins(settings, recorded), replica_urls)
 
 
 def resolve_nats_url(settings: Settings, role: NatsRole) -> str:

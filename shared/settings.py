@@ -66,6 +66,19 @@ class Settings(BaseSettings):
         description="PostgreSQL URL the query workers read through, as a role granted `ontofabric_reader` and no "
         "more (docs/security.md). Unset: database_url, still acting as `ontofabric_reader`.",
     )
+    query_replica_urls: str | None = Field(
+        default=None,
+        description="PostgreSQL read replicas (hot standbys streaming from database_url) the query workers read "
+        "from, URLs separated by commas. A replica serves a read only once it has applied every version the worker "
+        "has seen announced for the workspace; otherwise the next replica, and last the primary, does.",
+    )
+    postgres_read_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=3,
+        description="Streaming read replicas `ontofabric up` starts beside its embedded PostgreSQL (with the same "
+        "binaries, on loopback) for its query workers, for development.",
+    )
     projector_database_url: str | None = Field(
         default=None,
         description="PostgreSQL URL the Postgres projectors write through, as a role granted `ontofabric_writer` "
@@ -327,6 +340,10 @@ class Settings(BaseSettings):
                 f"nats_cluster_nodes={self.nats_cluster_nodes}"
             )
         return self
+
+    def replica_urls(self) -> tuple[str, ...]:
+        """The read replicas of ``query_replica_urls``, in order."""
+        return tuple(url.strip() for url in (self.query_replica_urls or "").split(",") if url.strip())
 
     def resolved_gateway_tokens_file(self) -> Path:
         return self.gateway_tokens_file or self.data_dir / "gateway-tokens.json"

@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -24,9 +25,11 @@ import asyncpg
 from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, format_version, overlay_version
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.checksums import CONTENT_MD5_SQL
-from ontofabric.shared.db import Connection
+from ontofabric.shared.db import Connection, is_unavailable
 from ontofabric.shared.embedder import Vector
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.telemetry import meter
 
 from .core import (
     DENSE,
@@ -41,6 +44,8 @@ from .core import (
     Visible,
 )
 from .graph import GraphRows, LinkRow, NodeRow
+
+log = get_logger(__name__)
 
 MAIN_SQL = f"'{MAIN_BRANCH}'"
 """The main branch as an SQL literal."""
@@ -88,6 +93,8 @@ class Snapshot:
     shadowed: list[str]
     stream_seqs: dict[str, int]
     """The highest stream sequence applied to each branch read (absent: nothing yet)."""
+    revisions: dict[str, int]
+    """The commits that changed each branch read's version so far (absent: none)."""
 
 
 @dataclass(frozen=True)
@@ -97,43 +104,118 @@ class BranchState:
     updated_at: datetime
 
 
+AnnouncedRevision = Callable[[str, str], int]
+"""The highest revision of a (workspace, branch) version this worker has seen announced (0: none)."""
+
+REPLICA_REST_S = 5.0
+"""How long a read replica that could not serve a read is passed over: a dead host costs one read, not each."""
+
+_reads = meter().create_counter(
+    "query.database.reads", description="snapshots taken, by source (primary, replica) and why a replica was passed"
+)
+
+
+@dataclass
+class _Source:
+    pool: asyncpg.Pool
+    replica: bool
+    resting_until: float = 0.0
+
+
 class PostgresSnapshots:
     """Each read of the query worker is one snapshot (a read-only repeatable-read transaction) that knows its
-    version; the retrievers and the document store share this."""
+    version; the retrievers and the document store share this.
 
-    def __init__(self, pool: asyncpg.Pool, acquire_timeout_s: float | None = None) -> None:
-        self._pool = pool
+    With read replicas, a read goes to one of them in turn, and is taken there only if the replica has applied
+    every version of the scope this worker has seen announced (``announced``): otherwise, or when it cannot
+    serve, the next replica and last the primary take it. So an answer never reads older than what was
+    announced, and a lagging replica costs one extra snapshot, not a stale answer."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        acquire_timeout_s: float | None = None,
+        *,
+        replicas: Sequence[asyncpg.Pool] = (),
+        announced: AnnouncedRevision | None = None,
+    ) -> None:
+        self._replicas = [_Source(replica, replica=True) for replica in replicas]
+        self._primary = _Source(pool, replica=False)
+        self._turn = 0
+        self._announced = announced
         self._acquire_timeout_s = acquire_timeout_s
         """How long a read waits for a connection: a stalled database is `unavailable`, not a hang."""
         # Main ids a branch hides, per (workspace, branch, version, revisions): computed once per version, inside a
         # snapshot. The revisions tell a rebuilt index (the same version) from the one it replaced.
         self._shadowed: LruCache[tuple[str, str, str, tuple[int, ...]], list[str]] = LruCache(64)
 
+    def _sources(self) -> list[_Source]:
+        """The replicas from the next one in turn (those resting last), then the primary."""
+        self._turn = (self._turn + 1) % max(len(self._replicas), 1)
+        ordered = self._replicas[self._turn :] + self._replicas[: self._turn]
+        now = time.monotonic()
+        return [*sorted(ordered, key=lambda source: source.resting_until > now), self._primary]
+
     @contextlib.asynccontextmanager
     async def read(self, scope: Scope) -> AsyncIterator[Snapshot]:
-        acquiring = self._pool.acquire(timeout=self._acquire_timeout_s)
-        async with acquiring as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-            # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
-            # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
-            # version. Both parents at once, in the swap's order.
-            await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
-            rows = await conn.fetch(
-                "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
-                " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",
-                scope.workspace,
-                scope.branches,
-            )
-            versions = {r["branch"]: format_version(r["state_hash"], r["stream_seq"]) for r in rows}
-            version = overlay_version(versions.get(MAIN_BRANCH, NO_VERSION), scope.branch, versions.get(scope.branch))
-            shadowed: list[str] = []
-            if not scope.on_main:
-                key = (scope.workspace, scope.branch, version, tuple(r["revision"] for r in rows))
-                found = self._shadowed.get(key)
-                if found is None:
-                    found = await _shadowed_ids(conn, scope.workspace, scope.branch)
-                    self._shadowed.put(key, found)
-                shadowed = found
-            yield Snapshot(conn, version, shadowed, {r["branch"]: int(r["stream_seq"]) for r in rows})
+        for source in self._sources():
+            async with contextlib.AsyncExitStack() as held:
+                if not source.replica:
+                    snapshot = await self._open(held, source.pool, scope)
+                else:
+                    try:
+                        snapshot = await self._open(held, source.pool, scope)
+                    except Exception as error:
+                        if not is_unavailable(error):
+                            raise
+                        source.resting_until = time.monotonic() + REPLICA_REST_S
+                        _reads.add(1, {"source": "replica", "passed": "unavailable"})
+                        log.warning("replica_unavailable", error=describe(error))
+                        continue
+                    if self._behind(scope, snapshot):
+                        _reads.add(1, {"source": "replica", "passed": "behind"})
+                        continue
+                _reads.add(1, {"source": "replica" if source.replica else "primary"})
+                yield snapshot
+                return
+
+    def _behind(self, scope: Scope, snapshot: Snapshot) -> bool:
+        if self._announced is None:
+            return False
+        return any(
+            snapshot.revisions.get(branch, 0) < self._announced(scope.workspace, branch) for branch in scope.branches
+        )
+
+    async def _open(self, held: contextlib.AsyncExitStack, pool: asyncpg.Pool, scope: Scope) -> Snapshot:
+        conn = await held.enter_async_context(pool.acquire(timeout=self._acquire_timeout_s))
+        await held.enter_async_context(conn.transaction(isolation="repeatable_read", readonly=True))
+        # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
+        # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
+        # version. Both parents at once, in the swap's order. (A hot standby allows this lock mode.)
+        await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
+        rows = await conn.fetch(
+            "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
+            " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",
+            scope.workspace,
+            scope.branches,
+        )
+        versions = {r["branch"]: format_version(r["state_hash"], r["stream_seq"]) for r in rows}
+        version = overlay_version(versions.get(MAIN_BRANCH, NO_VERSION), scope.branch, versions.get(scope.branch))
+        shadowed: list[str] = []
+        if not scope.on_main:
+            key = (scope.workspace, scope.branch, version, tuple(r["revision"] for r in rows))
+            found = self._shadowed.get(key)
+            if found is None:
+                found = await _shadowed_ids(conn, scope.workspace, scope.branch)
+                self._shadowed.put(key, found)
+            shadowed = found
+        return Snapshot(
+            conn,
+            version,
+            shadowed,
+            {r["branch"]: int(r["stream_seq"]) for r in rows},
+            {r["branch"]: int(r["revision"]) for r in rows},
+        )
 
 
 class PostgresDense:

@@ -50,6 +50,11 @@ class VersionTracker:
         main = self._versions.get((workspace, MAIN_BRANCH), NO_VERSION)
         return overlay_version(main, branch, self._versions.get((workspace, branch)))
 
+    def revision(self, workspace: str, branch: str) -> int:
+        """The highest revision of the branch's version announced so far (0: none): what a read replica must have
+        applied before it may answer."""
+        return self._revisions.get((workspace, branch), 0)
+
     def generation(self, workspace: str) -> int:
         """How many rebuilds of the workspace this worker has seen: what was read before one is not to be kept."""
         return self._generations.get(workspace, 0)

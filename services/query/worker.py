@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -177,16 +178,19 @@ class QueryService:
         database_url: str,
         embedder: Embedder | None,
         reranker: Reranker | None = None,
+        replica_urls: Sequence[str] | None = None,
     ) -> None:
         self.settings = settings
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._database_url = database_url
+        self._replica_urls = tuple(replica_urls if replica_urls is not None else settings.replica_urls())
         self._embedder = embedder
         self._reranker = reranker
         self._nc: Client | None = None
         self._subscriptions: list[Subscription] = []
         self._pool: asyncpg.Pool | None = None
+        self._replica_pools: list[asyncpg.Pool] = []
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
         self._pipeline: QueryPipeline | None = None
@@ -230,13 +234,27 @@ class QueryService:
             role=READER_ROLE,
             command_timeout_s=stalled_s,
         )
+        for replica_url in self._replica_urls:
+            # No connection at start: a replica that is down is passed over by the reads, not fatal here.
+            self._replica_pools.append(
+                await create_pool(
+                    replica_url,
+                    settings,
+                    min_size=0,
+                    max_size=max(4, 2 * settings.query_concurrency),
+                    role=READER_ROLE,
+                    command_timeout_s=stalled_s,
+                )
+            )
         nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names)
         await self._freshness.start()
-        snapshots = PostgresSnapshots(self._pool, acquire_timeout_s=stalled_s)
+        snapshots = PostgresSnapshots(
+            self._pool, acquire_timeout_s=stalled_s, replicas=self._replica_pools, announced=tracker.revision
+        )
         documents = PostgresDocuments(snapshots)
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
@@ -452,6 +470,9 @@ class QueryService:
         if self._nc is not None:
             await self._nc.close()
             self._nc = None
+        pools, self._replica_pools = self._replica_pools, []
+        for pool in pools:
+            await pool.close()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

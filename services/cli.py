@@ -24,7 +24,7 @@ from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wait_caught_up
+from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wait_projected
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
 from ontofabric.shared.runtime import (
@@ -174,9 +174,7 @@ def ingest(
                 finally:
                     cache.close()
                 if wait and report.last_sequence is not None:
-                    await wait_caught_up(
-                        js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600
-                    )
+                    await wait_projected(js, names, settings.projector_partitions, report.last_sequence, 3600)
             console.print(
                 f"{report.files} files, {report.chunks} chunks: {report.upserts} upserts, {report.deletes} deletes, "
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "

@@ -16,7 +16,7 @@ from rich.console import Console
 import ontofabric.services
 from ontofabric.contracts import ErrorReply
 from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.jetstream import connect, wait_projected
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
@@ -74,9 +74,7 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
             report = await ingester.ingest(root, WORKSPACE)
         wait_started = time.perf_counter()
         if report.last_sequence is not None:
-            await wait_caught_up(
-                js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, timeout_s=600
-            )
+            await wait_projected(js, names, settings.projector_partitions, report.last_sequence, timeout_s=600)
         caught_up_s = report.publish_s + time.perf_counter() - wait_started
         console.print(
             f"{report.files} files → {report.chunks} chunks, embedded in {report.embed_s:.1f}s; "

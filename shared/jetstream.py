@@ -304,6 +304,23 @@ async def wait_caught_up(
             await asyncio.sleep(poll_s)
 
 
+async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -> int:
+    """The Postgres index's position: the stream sequence up to which every delta is in it (or dead-lettered),
+    the lowest of the partitions' consumers' (each acks the deltas of other partitions as it passes them)."""
+    durables = names.postgres_projector_durables(partitions)
+    return min(await asyncio.gather(*(ack_floor(js, names.delta_stream, durable) for durable in durables)))
+
+
+async def wait_projected(
+    js: JetStreamContext, names: Names, partitions: int, stream_seq: int, timeout_s: float, poll_s: float = 0.05
+) -> None:
+    """Wait until the Postgres index holds ``stream_seq`` (:func:`projected_floor`); TimeoutError after
+    ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while await projected_floor(js, names, partitions) < stream_seq:
+            await asyncio.sleep(poll_s)
+
+
 BatchHandler = Callable[[list[Msg]], Awaitable[None]]
 
 MAX_FETCH_BACKOFF_S = 2.0  # a JetStream leader election takes seconds: look again soon after

@@ -62,7 +62,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
     """What ``user`` playing ``role`` in the deployment ``names`` may do."""
     deltas, versions = names.delta_stream, f"KV_{names.version_bucket}"
     manifests, legacy = f"KV_{names.manifest_bucket}", f"OBJ_{names.legacy_manifest_bucket}"
-    durables = [names.postgres_projector_durable, names.azure_projector_durable]
+    postgres_durables = names.every_postgres_projector_durable
+    durables = [*postgres_durables, names.azure_projector_durable]
     stream_info = [f"{API}.STREAM.INFO.{stream}" for stream in names.streams]  # ensure_jetstream, every part
     inbox = [f"{inbox_prefix(user)}.>"]
     token = encode_token(workspace) if workspace is not None else "*"
@@ -104,7 +105,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             publish=[
                 *stream_info,
                 f"{API}.STREAM.MSG.GET.{deltas}",  # a workspace's last delta; the first delta past the index
-                f"{API}.CONSUMER.INFO.{deltas}.{names.postgres_projector_durable}",  # the index's position
+                # The index's position (the lowest floor of the Postgres projectors' consumers).
+                *[f"{API}.CONSUMER.INFO.{deltas}.{durable}" for durable in postgres_durables],
                 # Counting deltas past the position: a named consumer of its own (published_after), never a
                 # durable of the projectors, which a create request could otherwise reconfigure.
                 f"{API}.CONSUMER.CREATE.{deltas}.*.{names.prefix}.delta.*.*",
@@ -132,7 +134,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             # No stream info: it lists a stream's subjects, so every workspace's and branch's name.
             publish=[
                 f"{names.prefix}.delta.{token}.*",
-                f"{API}.CONSUMER.INFO.{deltas}.{names.postgres_projector_durable}",  # waiting until projected
+                *[f"{API}.CONSUMER.INFO.{deltas}.{durable}" for durable in postgres_durables],  # until projected
                 # The manifests of what was published: keys under the workspace's token, read by key subject.
                 f"$KV.{names.manifest_bucket}.{token}.>",
                 f"{API}.DIRECT.GET.{manifests}.$KV.{names.manifest_bucket}.{token}.>",

@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 
+from .subjects import PARTITION_COUNTS
+
 # Arithmetic of a local model; `auto`: bfloat16 where the CPU computes it natively, else float32.
 Precision = Literal["auto", "float32", "bfloat16"]
 
@@ -65,6 +67,19 @@ class Settings(BaseSettings):
         default=None,
         description="PostgreSQL URL the query workers read through, as a role granted `ontofabric_reader` and no "
         "more (docs/security.md). Unset: database_url, still acting as `ontofabric_reader`.",
+    )
+    projector_partitions: int = Field(
+        default=1,
+        description="Partitions the Postgres projectors divide the workspaces into (1, 2, 4, 8 or 16), each with a "
+        "durable consumer of its own, so that several projectors apply different workspaces at once while each "
+        "workspace keeps its order. Set the same value on every part: the query workers and ingesters read the "
+        "index's position from these consumers. A new value starts new consumers from the stream's first delta.",
+    )
+    projector_partition: int | None = Field(
+        default=None,
+        ge=0,
+        description="The one partition this projector process applies (0 to projector_partitions - 1). Unset: "
+        "every partition, each through its own consumer.",
     )
     query_replica_urls: str | None = Field(
         default=None,
@@ -338,6 +353,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"nats_replicas={self.nats_replicas} needs as many servers; the embedded NATS has "
                 f"nats_cluster_nodes={self.nats_cluster_nodes}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _partitions_divide_the_hash(self) -> Self:
+        if self.projector_partitions not in PARTITION_COUNTS:
+            raise ValueError(f"projector_partitions must be one of {', '.join(map(str, PARTITION_COUNTS))}")
+        if self.projector_partition is not None and self.projector_partition >= self.projector_partitions:
+            raise ValueError(
+                f"projector_partition={self.projector_partition} is not one of the {self.projector_partitions} "
+                "partitions (0 to projector_partitions - 1)"
             )
         return self
 

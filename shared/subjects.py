@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -139,6 +140,19 @@ class Names:
     def postgres_projector_durable(self) -> str:
         return f"{self.prefix}-projector-postgres"
 
+    def postgres_projector_durables(self, partitions: int) -> list[str]:
+        """The Postgres projectors' durable consumers when the workspaces are divided into ``partitions``: one per
+        partition, named by the layout, so that a new layout starts consumers of its own from the stream's first
+        delta rather than inheriting positions that skipped what the new partition holds."""
+        if partitions == 1:
+            return [self.postgres_projector_durable]
+        return [f"{self.postgres_projector_durable}-{index}of{partitions}" for index in range(partitions)]
+
+    @property
+    def every_postgres_projector_durable(self) -> list[str]:
+        """The durables of every layout: what NATS permissions name (they cannot match part of a token)."""
+        return [durable for count in PARTITION_COUNTS for durable in self.postgres_projector_durables(count)]
+
     @property
     def azure_projector_durable(self) -> str:
         return f"{self.prefix}-projector-azure-search"
@@ -167,6 +181,24 @@ class Names:
             f"KV_{self.manifest_bucket}",
             f"OBJ_{self.legacy_manifest_bucket}",
         ]
+
+
+PARTITION_COUNTS = (1, 2, 4, 8, 16)
+"""How many partitions the Postgres projectors may divide the workspaces into."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One of ``count`` parts of the workspaces, by a stable hash of the workspace's subject token (the same in
+    every process and release): every delta of a workspace falls in one partition, so one consumer applies them
+    all, in stream order, while other partitions' consumers apply other workspaces beside it."""
+
+    index: int
+    count: int
+
+    def holds(self, subject: str) -> bool:
+        token = workspace_token_of(subject) or ""
+        return zlib.crc32(token.encode()) % self.count == self.index
 
 
 def workspace_token_of(subject: str) -> str | None:

@@ -33,7 +33,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.core import Reranker
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, build_embedder
-from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_caught_up
+from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_projected
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NatsRole, NatsUser, render_config
 from ontofabric.shared.runtime import (
@@ -162,9 +162,7 @@ class Deployment:
         return env
 
     async def wait_projected(self, stream_seq: int, timeout_s: float = 30.0) -> None:
-        await wait_caught_up(
-            self.js, self.names.delta_stream, self.names.postgres_projector_durable, stream_seq, timeout_s
-        )
+        await wait_projected(self.js, self.names, self.settings.projector_partitions, stream_seq, timeout_s)
 
     @contextlib.asynccontextmanager
     async def database_outage(self) -> AsyncIterator[None]:

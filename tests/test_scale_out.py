@@ -1,20 +1,24 @@
-"""Growing past one machine on existing engines: PostgreSQL streaming read replicas for the query workers."""
+"""Growing past one machine on existing engines: PostgreSQL streaming read replicas for the query workers, and
+projectors dividing the workspaces between them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from ontofabric.contracts import QueryResponse
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, QueryResponse
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.runtime import (
     EmbeddedRuntime,
     Endpoints,
@@ -25,9 +29,10 @@ from ontofabric.shared.runtime import (
     with_login,
 )
 from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Partition
 
 from .conftest import Deployment, metric_points, open_deployment, with_database
-from .factories import document, upsert
+from .factories import delete, document, upsert
 
 pytestmark = pytest.mark.servers
 
@@ -168,3 +173,87 @@ async def test_up_starts_streaming_replicas_and_records_them_for_query_workers(
         finally:
             await primary.close()
             await standby.close()
+
+
+def _spread_workspaces(partitions: int, per_partition: int) -> list[str]:
+    """Workspace names, ``per_partition`` in each partition (the hash decides where a name lands)."""
+    chosen: dict[int, list[str]] = {index: [] for index in range(partitions)}
+    for n in itertools.count():
+        name = f"team-{n}"
+        holder = next(i for i in range(partitions) if Partition(i, partitions).holds(f"x.delta.{name}.main"))
+        if len(chosen[holder]) < per_partition:
+            chosen[holder].append(name)
+        if all(len(names) == per_partition for names in chosen.values()):
+            return [name for names in chosen.values() for name in names]
+    raise AssertionError("unreachable")
+
+
+Row = tuple[bool, str, int]
+
+
+def _fold(stored: Iterable[tuple[int, DeltaEnvelope]]) -> dict[tuple[str, str], Row]:
+    """Last writer per (workspace, document) in stream order: what the index must hold."""
+    expected: dict[tuple[str, str], Row] = {}
+    for seq, delta in stored:
+        payload = delta.payload
+        if isinstance(payload, DocumentUpserted):
+            expected[(delta.workspace, payload.document.id)] = (False, payload.document.content, seq)
+        else:
+            assert isinstance(payload, DocumentDeleted)
+            expected[(delta.workspace, payload.document_id)] = (True, "", seq)
+    return expected
+
+
+async def _rows(deployment: Deployment) -> dict[tuple[str, str], Row]:
+    rows = await deployment.fetch("SELECT workspace, id, deleted, content, stream_seq FROM documents")
+    return {(r["workspace"], r["id"]): (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
+
+
+def test_partition_layouts_are_checked() -> None:
+    with pytest.raises(ValueError, match="one of 1, 2, 4, 8, 16"):
+        Settings(projector_partitions=3)
+    with pytest.raises(ValueError, match="not one of the 4 partitions"):
+        Settings(projector_partitions=4, projector_partition=4)
+    assert {Partition(i, 4).holds("x.delta.acme.main") for i in range(4)} == {True, False}
+
+
+async def test_partitioned_projectors_apply_their_own_workspaces_each_in_stream_order(
+    deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]]
+) -> None:
+    settings = deployment_settings.model_copy(update={"projector_partitions": 4})
+    workspaces = _spread_workspaces(4, per_partition=2)
+    partition_of = {ws: next(i for i in range(4) if Partition(i, 4).holds(f"x.delta.{ws}.main")) for ws in workspaces}
+    rng = random.Random(7)
+    deltas = []
+    for n in range(600):  # the same ids written and deleted over and over: only stream order gives the fold
+        workspace, doc_id = rng.choice(workspaces), f"doc-{rng.randrange(15)}"
+        deltas.append(
+            delete(workspace, doc_id)
+            if rng.random() < 0.25
+            else upsert(workspace, document(doc_id, f"{workspace} {doc_id} revision {n}"))
+        )
+    async with open_deployment(settings, servers.database_url, nats_logins) as deployment:
+        url = deployment.nats_url_as("projector")
+        projectors = [ProjectorService(settings, url, deployment.database_url, partitions=[i]) for i in range(4)]
+        try:
+            for projector in projectors[:3]:  # partition 3's projector is not running yet
+                await projector.start()
+            acks = await deployment.publisher.publish_many(deltas)
+            last = acks[-1].seq
+            expected = _fold(zip((ack.seq for ack in acks), deltas, strict=True))
+            durables = deployment.names.postgres_projector_durables(4)
+            async with asyncio.timeout(60):
+                for durable in durables[:3]:
+                    while await ack_floor(deployment.js, deployment.names.delta_stream, durable) < last:
+                        await asyncio.sleep(0.05)
+            rows = await _rows(deployment)
+            assert rows == {key: row for key, row in expected.items() if partition_of[key[0]] != 3}
+            # The index's position waits for the partition that is behind.
+            assert await projected_floor(deployment.js, deployment.names, 4) < last
+
+            await projectors[3].start()
+            await deployment.wait_projected(last, timeout_s=60)
+            assert await _rows(deployment) == expected
+        finally:
+            for projector in projectors:
+                await projector.stop()

@@ -38,7 +38,7 @@ from ontofabric.services.projector.runner import ProjectionRunner
 from ontofabric.services.projector.store import VersionUpdate, unsigned64
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.shared.db import DeploymentMismatch, check_deployment, create_pool, migrate, migrations
-from ontofabric.shared.jetstream import ack_floor, connect, ensure_jetstream
+from ontofabric.shared.jetstream import connect, ensure_jetstream, projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings
@@ -288,7 +288,7 @@ class Rebuild:
         self, js: JetStreamContext, nc: Client, shadow: Shadow, expected: ExpectedIndex, report: RebuildReport
     ) -> None:
         conn = await asyncpg.connect(self._database_url)
-        handled_floor = await ack_floor(js, self._names.delta_stream, self._names.postgres_projector_durable)
+        handled_floor = await projected_floor(js, self._names, self._settings.projector_partitions)
         try:
             async with conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{int(self._lock_timeout_s * 1000)}ms'")

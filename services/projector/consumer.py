@@ -23,7 +23,7 @@ from opentelemetry.trace import Link, get_current_span
 from ontofabric.shared.jetstream import BatchPuller, StreamReader, backoff_s, nak_delay
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, workspace_token_of
+from ontofabric.shared.subjects import Names, Partition, workspace_token_of
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
 from .planning import Rejection
@@ -38,12 +38,12 @@ MAX_PAUSE_S = 5.0
 MAX_SPAN_LINKS = 128
 """The OpenTelemetry SDK's default link limit per span; more are dropped."""
 
-_LAG: dict[str, int] = {}
-"""Deltas in the stream not yet delivered to each index's consumer, as its last batch said."""
+_LAG: dict[tuple[str, str], int] = {}
+"""Deltas in the stream not yet delivered to each (index, consumer), as its last batch said."""
 
 
 def _observe_lag(_: CallbackOptions) -> list[Observation]:
-    return [Observation(lag, {"index": index}) for index, lag in _LAG.items()]
+    return [Observation(lag, {"index": index, "consumer": consumer}) for (index, consumer), lag in _LAG.items()]
 
 
 meter().create_observable_gauge(
@@ -65,18 +65,25 @@ class DurableProjection:
 
     ``dead_letters_invalid``: whether this projector dead-letters deltas no index can apply (one projector per
     stream does; the others only terminate them). ``min_retry_s``: the shortest wait before a nak'd delta comes
-    back (an index whose reads lag its writes needs them visible first)."""
+    back (an index whose reads lag its writes needs them visible first). ``partition``: the workspaces this
+    consumer applies; the deltas of others are acked as they pass, so its ack floor stays the index's position
+    for every workspace of its partition (None: every workspace)."""
 
     def __init__(
         self,
         runner: ProjectionRunner,
         js: JetStreamContext,
         names: Names,
+        durable: str,
         *,
         dead_letters_invalid: bool = True,
         min_retry_s: float = 0.0,
+        partition: Partition | None = None,
     ) -> None:
         self._runner = runner
+        self.durable = durable
+        """The durable consumer whose batches this handles."""
+        self._partition = partition
         self._index = runner.sink.index
         self._js = js
         self._names = names
@@ -88,6 +95,14 @@ class DurableProjection:
 
     async def handle(self, messages: Sequence[Msg]) -> None:
         started = time.perf_counter()
+        if messages:
+            _LAG[(self._index, self.durable)] = messages[-1].metadata.num_pending
+        if self._partition is not None:
+            elsewhere = [msg for msg in messages if not self._partition.holds(msg.subject)]
+            for msg in elsewhere:  # another partition's consumer applies these
+                await msg.ack()
+            self._count(len(elsewhere), "other_partition")
+            messages = [msg for msg in messages if self._partition.holds(msg.subject)]
         with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             span.set_attribute("index", self._index)
@@ -98,8 +113,6 @@ class DurableProjection:
                 retried |= bool(outcome.retry)
             if settled:
                 await self._runner.sink.settled()
-        if messages:
-            _LAG[self._index] = messages[-1].metadata.num_pending
         duration_ms = (time.perf_counter() - started) * 1000
         self._metrics.projector_batch_duration.record(duration_ms, {"index": self._index})
         # The sink is away: the next batch would fail the same way at once. Wait before fetching it, longer each
@@ -168,12 +181,13 @@ async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: R
 
 
 async def start_projection(
-    nc: Client, names: Names, settings: Settings, durable: str, projection: DurableProjection, batch_size: int
+    nc: Client, names: Names, settings: Settings, projection: DurableProjection, batch_size: int
 ) -> BatchPuller:
     """A projector's durable pull consumer of every delta, from the stream's first, read and handed to
     ``projection`` in a task of its own. Deltas are acked one by one after they are in the sink; an unacked one
     comes back after the ack wait (kept from running out while its batch is being handled), for ever."""
     js = nc.jetstream()
+    durable = projection.durable
     config = ConsumerConfig(
         name=durable,  # with the name, nats-py creates through CONSUMER.CREATE.<stream>.<name>.<filter>
         durable_name=durable,

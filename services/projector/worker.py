@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 import asyncpg
 from azure.core.exceptions import AzureError
@@ -21,7 +22,7 @@ from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import Names, Partition
 
 from .azure import (
     MAX_KEYS_PER_LOOKUP,
@@ -43,15 +44,22 @@ log = get_logger(__name__)
 
 
 class ProjectorService:
-    """The Postgres projector: migrations, pool, and the durable consumer whose deltas go to Postgres."""
+    """The Postgres projector: migrations, pool, and the durable consumers whose deltas go to Postgres, one for
+    each partition of the workspaces it applies (``partitions``; by default ``projector_partition``, or all)."""
 
-    def __init__(self, settings: Settings, nats_url: str, database_url: str) -> None:
+    def __init__(
+        self, settings: Settings, nats_url: str, database_url: str, partitions: Sequence[int] | None = None
+    ) -> None:
         self.settings = settings
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._database_url = database_url
+        if partitions is None:
+            one = settings.projector_partition
+            partitions = range(settings.projector_partitions) if one is None else [one]
+        self._partitions = list(partitions)
         self._nc: Client | None = None
-        self._puller: BatchPuller | None = None
+        self._pullers: list[BatchPuller] = []
         self._pool: asyncpg.Pool | None = None
 
     async def start(self) -> None:
@@ -67,28 +75,35 @@ class ProjectorService:
             await migrate(self._database_url, settings)
         writer_url = settings.projector_database_url or self._database_url
         await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
-        self._pool = await create_pool(writer_url, settings, role=WRITER_ROLE)
+        self._pool = await create_pool(
+            writer_url, settings, max_size=max(10, 2 * len(self._partitions)), role=WRITER_ROLE
+        )
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
         await migrate_legacy_manifests(js, names)
         versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
-        sink = PostgresSink(PostgresProjectionStore(self._pool, settings.text_search_config), versions)
-        projection = DurableProjection(ProjectionRunner(sink, Limits.from_settings(settings)), js, names)
-        durable = names.postgres_projector_durable
-        self._puller = await start_projection(nc, names, settings, durable, projection, settings.projector_batch_size)
-        log.info("projector_started", durable=durable, stream=names.delta_stream)
+        count = settings.projector_partitions
+        durables = names.postgres_projector_durables(count)
+        for index in self._partitions:
+            sink = PostgresSink(PostgresProjectionStore(self._pool, settings.text_search_config), versions)
+            runner = ProjectionRunner(sink, Limits.from_settings(settings))
+            partition = Partition(index, count) if count > 1 else None
+            projection = DurableProjection(runner, js, names, durables[index], partition=partition)
+            puller = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
+            self._pullers.append(puller)
+            log.info("projector_started", durable=durables[index], stream=names.delta_stream)
 
     async def stop(self) -> None:
-        puller, nc, pool = self._puller, self._nc, self._pool
-        self._puller, self._nc, self._pool = None, None, None
+        pullers, nc, pool = self._pullers, self._nc, self._pool
+        self._pullers, self._nc, self._pool = [], None, None
         async with contextlib.AsyncExitStack() as closing:  # each closes, whatever the one before raised
             if pool is not None:
                 closing.push_async_callback(pool.close)
             if nc is not None:
                 closing.push_async_callback(nc.close)
-            if puller is not None:
-                await puller.stop()  # the batch in hand is finished and acked before the connection goes
+            # The batches in hand are finished and acked before the connection goes.
+            await asyncio.gather(*(puller.stop() for puller in pullers))
         log.info("projector_stopped")
 
 
@@ -128,9 +143,10 @@ class AzureProjectorService:
         if recorded is None:
             await replay_if_index_lost(js, names)
         runner = ProjectionRunner(AzureSink(index), Limits.from_settings(settings))
-        projection = DurableProjection(runner, js, names, dead_letters_invalid=False, min_retry_s=MIN_RETRY_S)
-        durable, batch_size = names.azure_projector_durable, min(settings.projector_batch_size, MAX_KEYS_PER_LOOKUP)
-        self._puller = await start_projection(nc, names, settings, durable, projection, batch_size)
+        durable = names.azure_projector_durable
+        projection = DurableProjection(runner, js, names, durable, dead_letters_invalid=False, min_retry_s=MIN_RETRY_S)
+        batch_size = min(settings.projector_batch_size, MAX_KEYS_PER_LOOKUP)
+        self._puller = await start_projection(nc, names, settings, projection, batch_size)
         watermark = Watermark(index, js, names, recorded or 0)
         self._watermarking = asyncio.create_task(watermark.keep(), name="azure-watermark")
         log.info("azure_projector_started", durable=durable, index=settings.azure_search_index)

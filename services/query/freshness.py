@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ontofabric.shared.jetstream import ack_floor
+from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names
@@ -89,10 +89,12 @@ async def published_after(js: JetStreamContext, stream: str, subject: str, seq: 
 class DeltaWatch:
     """The index's position, and the deltas published past it, for every answer of this worker."""
 
-    def __init__(self, nc: Client, names: Names) -> None:
+    def __init__(self, nc: Client, names: Names, partitions: int = 1) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._names = names
+        self._partitions = partitions
+        """The Postgres projectors' partitions, whose consumers' lowest ack floor is the index's position."""
         self._subscription: Subscription | None = None
         self._published: dict[tuple[str, str], deque[tuple[int, float]]] = {}
         self._watched = 0
@@ -135,7 +137,7 @@ class DeltaWatch:
 
     async def _read_position(self) -> int:
         started = time.monotonic()
-        floor = await ack_floor(self._js, self._names.delta_stream, self._names.postgres_projector_durable)
+        floor = await projected_floor(self._js, self._names, self._partitions)
         self._position = (started, floor)
         return floor
 

@@ -250,7 +250,7 @@ class QueryService:
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
-        self._freshness = DeltaWatch(nc, names)
+        self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
         snapshots = PostgresSnapshots(
             self._pool, acquire_timeout_s=stalled_s, replicas=self._replica_pools, announced=tracker.revision

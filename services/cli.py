@@ -27,6 +27,7 @@ from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wait_projected
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
     NATS_USERS_FILE,
     RUNTIME_FILE,
@@ -515,7 +516,7 @@ def rebuild(
             job = Rebuild(
                 settings,
                 endpoints.nats_url_as("operator"),
-                endpoints.database_url,
+                Placement.of(settings, endpoints.database_url).database_url_of(workspace),
                 workspace,
                 progress,
                 lock_timeout_s=lock_timeout,
@@ -549,11 +550,13 @@ def rebuild(
 
 @app.command("migrate")
 def migrate_command(data_dir: DataDir = None) -> None:
-    """Apply pending database migrations (workers also do this when they start)."""
+    """Apply pending database migrations to every database the workspaces are placed on (workers also do this
+    when they start)."""
     settings = _settings("ontofabric-migrate", data_dir)
     endpoints = _endpoints(settings)
-    applied = asyncio.run(migrate(endpoints.database_url, settings))
-    console.print(f"applied: {', '.join(applied) or 'nothing (up to date)'}")
+    for database_url in Placement.of(settings, endpoints.database_url).databases:
+        applied = asyncio.run(migrate(database_url, settings))
+        console.print(f"{redacted_url(database_url)}: applied {', '.join(applied) or 'nothing (up to date)'}")
 
 
 @app.command()

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         description="The one partition this projector process applies (0 to projector_partitions - 1). Unset: "
         "every partition, each through its own consumer.",
     )
+    partition_databases: str | None = Field(
+        default=None,
+        description="PostgreSQL URLs of several primaries, separated by commas, to place the workspaces on: the "
+        "workspaces of projector partition i live on the (i mod n)-th of the n URLs, where that partition's "
+        "projectors write and the query workers and rebuilds read (at most projector_partitions URLs; each login "
+        "may act as the roles the parts use). Unset: every workspace on database_url.",
+    )
     query_replica_urls: str | None = Field(
         default=None,
         description="PostgreSQL read replicas (hot standbys streaming from database_url) the query workers read "
@@ -360,6 +367,13 @@ class Settings(BaseSettings):
     def _partitions_divide_the_hash(self) -> Self:
         if self.projector_partitions not in PARTITION_COUNTS:
             raise ValueError(f"projector_partitions must be one of {', '.join(map(str, PARTITION_COUNTS))}")
+        if len(self.partition_database_urls()) > self.projector_partitions:
+            raise ValueError(
+                f"partition_databases names {len(self.partition_database_urls())} databases for "
+                f"{self.projector_partitions} partitions: a database without a partition would hold nothing"
+            )
+        if self.partition_database_urls() and self.replica_urls():
+            raise ValueError("query_replica_urls are replicas of database_url; unset them with partition_databases")
         if self.projector_partition is not None and self.projector_partition >= self.projector_partitions:
             raise ValueError(
                 f"projector_partition={self.projector_partition} is not one of the {self.projector_partitions} "
@@ -369,7 +383,11 @@ class Settings(BaseSettings):
 
     def replica_urls(self) -> tuple[str, ...]:
         """The read replicas of ``query_replica_urls``, in order."""
-        return tuple(url.strip() for url in (self.query_replica_urls or "").split(",") if url.strip())
+        return _url_list(self.query_replica_urls)
+
+    def partition_database_urls(self) -> tuple[str, ...]:
+        """The primaries of ``partition_databases``, in order (none: database_url holds every workspace)."""
+        return _url_list(self.partition_databases)
 
     def resolved_gateway_tokens_file(self) -> Path:
         return self.gateway_tokens_file or self.data_dir / "gateway-tokens.json"
@@ -405,3 +423,7 @@ def _redacted_one(url: str) -> str:
         rest = f"{user}:***@{host}" if colon else (f"{user}@{host}" if keep_user else f"***@{host}")
     text = f"{scheme}{sep}{rest}" if sep else url
     return _SECRET_PARAMETER.sub(r"\1***", text)
+
+
+def _url_list(value: str | None) -> tuple[str, ...]:
+    return tuple(url.strip() for url in (value or "").split(",") if url.strip())

@@ -197,8 +197,12 @@ class Partition:
     count: int
 
     def holds(self, subject: str) -> bool:
-        token = workspace_token_of(subject) or ""
-        return zlib.crc32(token.encode()) % self.count == self.index
+        return partition_of_token(workspace_token_of(subject) or "", self.count) == self.index
+
+
+def partition_of_token(workspace_token: str, count: int) -> int:
+    """The partition of ``count`` a workspace falls in, by its subject token."""
+    return zlib.crc32(workspace_token.encode()) % count
 
 
 def workspace_token_of(subject: str) -> str | None:

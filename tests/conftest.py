@@ -14,7 +14,7 @@ import socket
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.core import Reranker
@@ -192,6 +193,31 @@ class Deployment:
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         async with self.session() as conn:
             return list(await conn.fetch(query, *args))
+
+
+Key = tuple[str, str]
+"""A document's (workspace, id)."""
+Row = tuple[bool, str, int]
+"""A document's (deleted, content, stream sequence)."""
+
+
+def fold(stored: Iterable[tuple[int, DeltaEnvelope]]) -> dict[Key, Row]:
+    """Last writer per document over (stream sequence, delta) in stream order: what the index must hold."""
+    expected: dict[Key, Row] = {}
+    for seq, delta in stored:
+        payload = delta.payload
+        if isinstance(payload, DocumentUpserted):
+            expected[(delta.workspace, payload.document.id)] = (False, payload.document.content, seq)
+        else:
+            assert isinstance(payload, DocumentDeleted)
+            expected[(delta.workspace, payload.document_id)] = (True, "", seq)
+    return expected
+
+
+async def projected_rows(deployment: Deployment, where: str = "") -> dict[Key, Row]:
+    """The documents table's rows (``where``: an SQL condition to narrow them), as :func:`fold` gives them."""
+    rows = await deployment.fetch(f"SELECT workspace, id, deleted, content, stream_seq FROM documents {where}")
+    return {(r["workspace"], r["id"]): (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
 
 
 @pytest.fixture

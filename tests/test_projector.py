@@ -391,8 +391,8 @@ async def test_a_projector_with_a_writer_login_writes_rows_and_its_partitions_an
         ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha beta")))
         await deployment.wait_projected(ack.seq)
         assert await _live_rows(deployment, "acme") == {"a": "alpha beta"}
-        assert service._pool is not None
-        async with service._pool.acquire() as conn:
+        (pool,) = service._pools.values()
+        async with pool.acquire() as conn:
             assert await conn.fetchval("SELECT current_user") == WRITER_ROLE
             for statement in (
                 "CREATE TABLE planted (x int)",

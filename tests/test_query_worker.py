@@ -520,8 +520,8 @@ async def test_the_query_worker_reads_as_a_role_that_cannot_write(
 ) -> None:
     service = await start_query_worker(embedder)
     assert (await _ask(client, "sort numbers")).results[0].id == "sort"
-    assert service._pool is not None
-    await _cannot_write(service._pool)
+    (pool,) = service._pools
+    await _cannot_write(pool)
 
 
 async def test_a_query_worker_with_a_reader_login_waits_for_migrations_and_cannot_write(
@@ -544,9 +544,9 @@ async def test_a_query_worker_with_a_reader_login_waits_for_migrations_and_canno
         try:
             reply = await client.query("acme", {"semanticQuery": "anything"})
             assert isinstance(reply, QueryResponse), reply
-            assert service._pool is not None
-            await _cannot_write(service._pool)
-            async with service._pool.acquire() as conn:
+            (pool,) = service._pools
+            await _cannot_write(pool)
+            async with pool.acquire() as conn:
                 await conn.execute("RESET ROLE")  # the login itself has no more rights than the role it holds
                 with pytest.raises(asyncpg.InsufficientPrivilegeError):
                     await conn.execute("INSERT INTO workspaces (workspace, partition_name) VALUES ('i', 'i')")

@@ -8,17 +8,19 @@ import contextlib
 import itertools
 import random
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, QueryResponse
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.ops.rebuild import Rebuild
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.jetstream import ack_floor, projected_floor
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
     EmbeddedRuntime,
     Endpoints,
@@ -31,7 +33,7 @@ from ontofabric.shared.runtime import (
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Partition
 
-from .conftest import Deployment, metric_points, open_deployment, with_database
+from .conftest import Deployment, RecordedProgress, fold, metric_points, open_deployment, projected_rows, with_database
 from .factories import delete, document, upsert
 
 pytestmark = pytest.mark.servers
@@ -188,27 +190,6 @@ def _spread_workspaces(partitions: int, per_partition: int) -> list[str]:
     raise AssertionError("unreachable")
 
 
-Row = tuple[bool, str, int]
-
-
-def _fold(stored: Iterable[tuple[int, DeltaEnvelope]]) -> dict[tuple[str, str], Row]:
-    """Last writer per (workspace, document) in stream order: what the index must hold."""
-    expected: dict[tuple[str, str], Row] = {}
-    for seq, delta in stored:
-        payload = delta.payload
-        if isinstance(payload, DocumentUpserted):
-            expected[(delta.workspace, payload.document.id)] = (False, payload.document.content, seq)
-        else:
-            assert isinstance(payload, DocumentDeleted)
-            expected[(delta.workspace, payload.document_id)] = (True, "", seq)
-    return expected
-
-
-async def _rows(deployment: Deployment) -> dict[tuple[str, str], Row]:
-    rows = await deployment.fetch("SELECT workspace, id, deleted, content, stream_seq FROM documents")
-    return {(r["workspace"], r["id"]): (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
-
-
 def test_partition_layouts_are_checked() -> None:
     with pytest.raises(ValueError, match="one of 1, 2, 4, 8, 16"):
         Settings(projector_partitions=3)
@@ -240,20 +221,72 @@ async def test_partitioned_projectors_apply_their_own_workspaces_each_in_stream_
                 await projector.start()
             acks = await deployment.publisher.publish_many(deltas)
             last = acks[-1].seq
-            expected = _fold(zip((ack.seq for ack in acks), deltas, strict=True))
+            expected = fold(zip((ack.seq for ack in acks), deltas, strict=True))
             durables = deployment.names.postgres_projector_durables(4)
             async with asyncio.timeout(60):
                 for durable in durables[:3]:
                     while await ack_floor(deployment.js, deployment.names.delta_stream, durable) < last:
                         await asyncio.sleep(0.05)
-            rows = await _rows(deployment)
+            rows = await projected_rows(deployment)
             assert rows == {key: row for key, row in expected.items() if partition_of[key[0]] != 3}
             # The index's position waits for the partition that is behind.
             assert await projected_floor(deployment.js, deployment.names, 4) < last
 
             await projectors[3].start()
             await deployment.wait_projected(last, timeout_s=60)
-            assert await _rows(deployment) == expected
+            assert await projected_rows(deployment) == expected
         finally:
             for projector in projectors:
                 await projector.stop()
+
+
+async def test_workspaces_placed_on_two_primaries_are_written_read_and_rebuilt_where_they_live(
+    deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]], tmp_path: Path
+) -> None:
+    second, second_server = await asyncio.to_thread(start_postgres, tmp_path / "second")
+    prefix = deployment_settings.subject_prefix
+    try:
+        admin = await asyncpg.connect(with_database(second_server, "postgres"))
+        await admin.execute(f'CREATE DATABASE "{prefix}"')
+        await admin.close()
+        first_url, second_url = with_database(servers.database_url, prefix), with_database(second_server, prefix)
+        settings = deployment_settings.model_copy(
+            update={"projector_partitions": 2, "partition_databases": f"{first_url},{second_url}"}
+        )
+        workspaces = _spread_workspaces(2, per_partition=2)  # the first two in partition 0, the others in 1
+        async with open_deployment(settings, servers.database_url, nats_logins) as deployment:
+            projector = ProjectorService(settings, deployment.nats_url_as("projector"), first_url)
+            query = QueryService(settings, deployment.nats_url_as("query"), first_url, None)
+            try:
+                await projector.start()
+                acks = await deployment.publisher.publish_many(
+                    [upsert(ws, document(f"{ws}-{n}", f"{ws} thyme note {n}")) for ws in workspaces for n in range(3)]
+                )
+                await deployment.wait_projected(acks[-1].seq)
+                for url, placed in ((first_url, workspaces[:2]), (second_url, workspaces[2:])):
+                    conn = await asyncpg.connect(url)
+                    try:
+                        held = {r["workspace"] for r in await conn.fetch("SELECT DISTINCT workspace FROM documents")}
+                    finally:
+                        await conn.close()
+                    assert held == set(placed)
+
+                await query.start()
+                client = QueryClient(deployment.nc, deployment.names)
+                for workspace in workspaces:
+                    reply = await client.query(workspace, {"semanticQuery": "thyme note", "topK": 10})
+                    assert isinstance(reply, QueryResponse), reply
+                    assert {r.id for r in reply.results} == {f"{workspace}-{n}" for n in range(3)}
+
+                # A rebuild of a workspace on the second server replays it there (the CLI routes by the map).
+                moved = workspaces[3]
+                assert Placement.of(settings, first_url).database_url_of(moved) == second_url
+                report = await Rebuild(
+                    settings, deployment.nats_url, second_url, moved, RecordedProgress(), lock_timeout_s=10
+                ).run()
+                assert report.swapped
+            finally:
+                await query.stop()
+                await projector.stop()
+    finally:
+        second.stop()

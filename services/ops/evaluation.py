@@ -33,6 +33,7 @@ from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
@@ -291,7 +292,9 @@ async def evaluate(
             results[config], runs[config] = await evaluation.run(
                 dataset, workspace, config, runs_dir, points, ignore_identical_ids
             )
-        loaded = await _live_documents(endpoints.database_url, workspace)
+        loaded = await _live_documents(
+            Placement.of(settings, endpoints.database_url).database_url_of(workspace), workspace
+        )
     judged = {q: dataset.qrels[q] for q in dataset.qrels if q in dataset.queries}
     per_query = {config: per_query_ndcg(judged, run) for config, run in runs.items()}
     gain = None

@@ -21,6 +21,7 @@ from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_m
 from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition
 
@@ -60,7 +61,8 @@ class ProjectorService:
         self._partitions = list(partitions)
         self._nc: Client | None = None
         self._pullers: list[BatchPuller] = []
-        self._pool: asyncpg.Pool | None = None
+        self._pools: dict[int, asyncpg.Pool] = {}
+        """Writer pools by the index of their database in the placement."""
 
     async def start(self) -> None:
         try:
@@ -71,13 +73,11 @@ class ProjectorService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        if settings.projector_database_url is None:
-            await migrate(self._database_url, settings)
-        writer_url = settings.projector_database_url or self._database_url
-        await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
-        self._pool = await create_pool(
-            writer_url, settings, max_size=max(10, 2 * len(self._partitions)), role=WRITER_ROLE
-        )
+        placement = Placement.of(settings, self._database_url)
+        for index in self._partitions:
+            database = placement.database_of_partition(index)
+            if database not in self._pools:
+                self._pools[database] = await self._writer_pool(placement.databases[database])
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
@@ -86,7 +86,8 @@ class ProjectorService:
         count = settings.projector_partitions
         durables = names.postgres_projector_durables(count)
         for index in self._partitions:
-            sink = PostgresSink(PostgresProjectionStore(self._pool, settings.text_search_config), versions)
+            pool = self._pools[placement.database_of_partition(index)]
+            sink = PostgresSink(PostgresProjectionStore(pool, settings.text_search_config), versions)
             runner = ProjectionRunner(sink, Limits.from_settings(settings))
             partition = Partition(index, count) if count > 1 else None
             projection = DurableProjection(runner, js, names, durables[index], partition=partition)
@@ -94,11 +95,24 @@ class ProjectorService:
             self._pullers.append(puller)
             log.info("projector_started", durable=durables[index], stream=names.delta_stream)
 
+    async def _writer_pool(self, database_url: str) -> asyncpg.Pool:
+        """A pool acting as the writer role on a database this projector migrated (or waits for, when it writes
+        through a login of that role only)."""
+        settings = self.settings
+        own_login = settings.projector_database_url is not None and not settings.partition_database_urls()
+        if not own_login:
+            await migrate(database_url, settings)
+        writer_url = settings.projector_database_url if own_login else database_url
+        assert writer_url is not None
+        await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
+        # Each consumer writes on a connection of its own.
+        return await create_pool(writer_url, settings, max_size=max(10, 2 * len(self._partitions)), role=WRITER_ROLE)
+
     async def stop(self) -> None:
-        pullers, nc, pool = self._pullers, self._nc, self._pool
-        self._pullers, self._nc, self._pool = [], None, None
+        pullers, nc, pools = self._pullers, self._nc, self._pools
+        self._pullers, self._nc, self._pools = [], None, {}
         async with contextlib.AsyncExitStack() as closing:  # each closes, whatever the one before raised
-            if pool is not None:
+            for pool in pools.values():
                 closing.push_async_callback(pool.close)
             if nc is not None:
                 closing.push_async_callback(nc.close)

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -29,6 +29,7 @@ from ontofabric.shared.db import Connection, is_unavailable
 from ontofabric.shared.embedder import Vector
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.telemetry import meter
 
 from .core import (
@@ -218,6 +219,24 @@ class PostgresSnapshots:
         )
 
 
+class Snapshots(Protocol):
+    def read(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[Snapshot]:
+        """One consistent read of the scope's workspace."""
+        ...
+
+
+class PlacedSnapshots:
+    """Reads on the database each workspace is placed on (shared/placement.py), each database's own snapshots."""
+
+    def __init__(self, placement: Placement, databases: Sequence[PostgresSnapshots]) -> None:
+        assert len(databases) == len(placement.databases)
+        self._placement = placement
+        self._databases = list(databases)
+
+    def read(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[Snapshot]:
+        return self._databases[self._placement.database_of(scope.workspace)].read(scope)
+
+
 class PostgresDense:
     """Nearest neighbours by cosine distance over the HNSW index, the request's filters applied inside the scan."""
 
@@ -225,7 +244,7 @@ class PostgresDense:
     backend = "pgvector"
     needs_embedding = True
 
-    def __init__(self, snapshots: PostgresSnapshots, ef_search: int) -> None:
+    def __init__(self, snapshots: Snapshots, ef_search: int) -> None:
         self._snapshots = snapshots
         self._ef_search = ef_search
 
@@ -262,7 +281,7 @@ class PostgresKeyword:
     needs_embedding = False
 
     def __init__(
-        self, snapshots: PostgresSnapshots, text_search_config: str, bm25_k1: float, bm25_b: float, bm25_k3: float
+        self, snapshots: Snapshots, text_search_config: str, bm25_k1: float, bm25_b: float, bm25_k3: float
     ) -> None:
         self._snapshots = snapshots
         self._config = text_search_config
@@ -333,7 +352,7 @@ class PostgresDocuments:
     """The document store: documents, the dense score of given ids, representatives and the graph, and what a
     scope shows (which other indexes' hits are checked against)."""
 
-    def __init__(self, snapshots: PostgresSnapshots) -> None:
+    def __init__(self, snapshots: Snapshots) -> None:
         self._snapshots = snapshots
 
     async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:

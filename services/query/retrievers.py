@@ -9,11 +9,11 @@ from ontofabric.shared.settings import Settings
 
 from .azure import AzureKeyword
 from .core import Retriever
-from .postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
+from .postgres import PostgresDense, PostgresDocuments, PostgresKeyword, Snapshots
 
 
 def build_retrievers(
-    settings: Settings, snapshots: PostgresSnapshots, documents: PostgresDocuments, azure: SearchClient | None
+    settings: Settings, snapshots: Snapshots, documents: PostgresDocuments, azure: SearchClient | None
 ) -> list[Retriever]:
     """Dense search on pgvector, and keyword search on the configured backend (``azure`` when it is Azure AI
     Search)."""

@@ -38,6 +38,7 @@ from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments, tracer
@@ -50,7 +51,7 @@ from .deadlines import Deadline, ServiceTime, deadline_of
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
-from .postgres import PostgresDocuments, PostgresSnapshots
+from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
 from .versions import VersionTracker
 
@@ -189,7 +190,8 @@ class QueryService:
         self._reranker = reranker
         self._nc: Client | None = None
         self._subscriptions: list[Subscription] = []
-        self._pool: asyncpg.Pool | None = None
+        self._pools: list[asyncpg.Pool] = []
+        """Reader pools of the databases the workspaces are placed on (shared/placement.py), in its order."""
         self._replica_pools: list[asyncpg.Pool] = []
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
@@ -219,42 +221,27 @@ class QueryService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        if settings.query_database_url is None:
-            await migrate(self._database_url, settings)
-        reader_url = settings.query_database_url or self._database_url
-        await wait_until_migrated(reader_url, settings)
-        # Whatever the URL's own rights, the pool acts as the reader role: no query path can write.
         # The server's statement_timeout, and a second for the way: past it, a database that stopped answering is
         # `unavailable` (a server frozen by its host never applies its own timeout).
         stalled_s = settings.statement_timeout_ms / 1000 + STALL_MARGIN_S
-        self._pool = await create_pool(
-            reader_url,
-            settings,
-            max_size=max(4, 2 * settings.query_concurrency),
-            role=READER_ROLE,
-            command_timeout_s=stalled_s,
-        )
+        placement = Placement.of(settings, self._database_url)
+        for database_url in placement.databases:
+            self._pools.append(await self._reader_pool(database_url, stalled_s))
         for replica_url in self._replica_urls:
-            # No connection at start: a replica that is down is passed over by the reads, not fatal here.
-            self._replica_pools.append(
-                await create_pool(
-                    replica_url,
-                    settings,
-                    min_size=0,
-                    max_size=max(4, 2 * settings.query_concurrency),
-                    role=READER_ROLE,
-                    command_timeout_s=stalled_s,
-                )
-            )
+            self._replica_pools.append(await self._reader_pool(replica_url, stalled_s, replica=True))
         nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
-        snapshots = PostgresSnapshots(
-            self._pool, acquire_timeout_s=stalled_s, replicas=self._replica_pools, announced=tracker.revision
-        )
+        placed = [
+            PostgresSnapshots(
+                pool, acquire_timeout_s=stalled_s, replicas=self._replica_pools, announced=tracker.revision
+            )
+            for pool in self._pools
+        ]
+        snapshots: Snapshots = placed[0] if len(placed) == 1 else PlacedSnapshots(placement, placed)
         documents = PostgresDocuments(snapshots)
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
@@ -447,6 +434,25 @@ class QueryService:
             return request
         return (await self._lookups.status(workspace, request)).model_dump_json().encode()
 
+    async def _reader_pool(self, database_url: str, stalled_s: float, *, replica: bool = False) -> asyncpg.Pool:
+        """A pool acting as the reader role, whatever the URL's own rights: no query path can write. A replica's
+        connects on first use: one that is down is passed over by the reads, not fatal here."""
+        settings, url = self.settings, database_url
+        if not replica:
+            if settings.query_database_url is not None and not settings.partition_database_urls():
+                url = settings.query_database_url  # a login of the reader role only: it waits for a migrator
+            else:
+                await migrate(database_url, settings)
+            await wait_until_migrated(url, settings)
+        return await create_pool(
+            url,
+            settings,
+            min_size=0 if replica else 2,
+            max_size=max(4, 2 * settings.query_concurrency),
+            role=READER_ROLE,
+            command_timeout_s=stalled_s,
+        )
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """No new requests; those already received are answered (for up to ``timeout_s``), the rest cancelled,
         then everything closes."""
@@ -470,12 +476,9 @@ class QueryService:
         if self._nc is not None:
             await self._nc.close()
             self._nc = None
-        pools, self._replica_pools = self._replica_pools, []
+        pools, self._pools, self._replica_pools = [*self._pools, *self._replica_pools], [], []
         for pool in pools:
             await pool.close()
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
         if self._azure is not None:
             await self._azure.close()
             self._azure = None

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,10 +20,12 @@ from urllib.parse import urlsplit
 import asyncpg
 import nats.errors
 import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
 from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, QueryResponse
+from ontofabric.contracts import DeltaEnvelope, QueryResponse
 from ontofabric.services.projector.planning import Delta, plan_batch
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
@@ -32,7 +34,7 @@ from ontofabric.shared.jetstream import connect
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, NatsNode, nats_url_of, start_postgres, with_login
 from ontofabric.shared.settings import Settings
 
-from .conftest import Deployment, open_deployment, with_database
+from .conftest import Deployment, Key, Row, fold, open_deployment, projected_rows, with_database
 from .factories import delete, document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -104,7 +106,7 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
         assert second.wait(30) == 0  # a clean stop on SIGTERM
 
     # The fold of the stream, computed independently: last writer per document in stream order.
-    assert await _projected(deployment) == _fold((a.seq, d) for a, d in zip(acks, deltas, strict=True))
+    assert await _projected(deployment) == fold((a.seq, d) for a, d in zip(acks, deltas, strict=True))
 
     # And the ontologyVersion equals the one a single uninterrupted pass computes.
     whole = plan_batch([Delta(a.seq, d) for a, d in zip(acks, deltas, strict=True)], {}, {})
@@ -185,7 +187,7 @@ async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deploy
         projector.wait(30)
 
     stored = [(p.seq, p.delta) for p in published if not p.poison and p.delta is not None]
-    lost, stale, extra = _divergence(_fold(sorted(stored, key=lambda pair: pair[0])), await _projected(deployment))
+    lost, stale, extra = _divergence(fold(sorted(stored, key=lambda pair: pair[0])), await _projected(deployment))
     dead = await _dead_lettered_sequences(deployment)
     poison = {p.seq for p in published if p.poison}
     wrongly_dead = sorted(set(dead) - poison)
@@ -199,35 +201,17 @@ async def test_three_kills_mid_ingest_with_poison_and_duplicates_mixed_in(deploy
     assert len(dead) == len(set(dead))  # each poison delta dead-lettered once, across the kills
 
 
-Row = tuple[bool, str, int]
-"""A document's (deleted, content, stream sequence)."""
+async def _projected(deployment: Deployment) -> dict[Key, Row]:
+    return await projected_rows(deployment, "WHERE workspace = 'acme'")
 
 
-async def _projected(deployment: Deployment) -> dict[str, Row]:
-    rows = await deployment.fetch("SELECT id, deleted, content, stream_seq FROM documents WHERE workspace = 'acme'")
-    return {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows}
-
-
-def _divergence(expected: dict[str, Row], actual: dict[str, Row]) -> tuple[list[str], list[str], list[str]]:
+def _divergence(expected: dict[Key, Row], actual: dict[Key, Row]) -> tuple[list[Key], list[Key], list[Key]]:
     """(lost, stale, extra): live documents missing or deleted; documents with another state than the fold's;
     live documents the fold does not have."""
     lost = [doc for doc, row in expected.items() if not row[0] and (doc not in actual or actual[doc][0])]
     stale = [doc for doc in expected if doc in actual and actual[doc] != expected[doc] and doc not in lost]
     extra = [doc for doc in actual if doc not in expected and not actual[doc][0]]
     return lost, stale, extra
-
-
-def _fold(stored: Iterable[tuple[int, DeltaEnvelope]]) -> dict[str, Row]:
-    """Last writer per document over (stream sequence, delta) in stream order: what the index must hold."""
-    expected: dict[str, Row] = {}
-    for seq, delta in stored:
-        payload = delta.payload
-        if isinstance(payload, DocumentUpserted):
-            expected[payload.document.id] = (False, payload.document.content, seq)
-        else:
-            assert isinstance(payload, DocumentDeleted)
-            expected[payload.document_id] = (True, "", seq)
-    return expected
 
 
 @pytest.mark.slow
@@ -264,7 +248,7 @@ async def test_postgresql_stopped_immediately_and_restarted_mid_ingest(deploymen
     finally:
         server.stop()
     print(f"postgres stop: the whole stream projected {caught_up:.1f} s after the immediate stop (2 s down)")
-    assert {r["id"]: (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == _fold(
+    assert {("acme", r["id"]): (r["deleted"], r["content"], r["stream_seq"]) for r in rows} == fold(
         (a.seq, d) for a, d in zip(acks, deltas, strict=True)
     )
     assert dead == 0  # nothing was dead-lettered for an outage
@@ -373,9 +357,9 @@ async def _messages_in(deployment: Deployment, stream: str) -> int:
                 await asyncio.sleep(0.5)
 
 
-async def _assert_the_fold(deployment: Deployment, run: NatsFaultRun, label: str) -> None:
+async def _assert_thefold(deployment: Deployment, run: NatsFaultRun, label: str) -> None:
     lost, stale, extra = _divergence(
-        _fold((a.seq, d) for a, d in zip(run.acks, run.deltas, strict=True)), await _projected(deployment)
+        fold((a.seq, d) for a, d in zip(run.acks, run.deltas, strict=True)), await _projected(deployment)
     )
     stored = await _messages_in(deployment, deployment.names.delta_stream)
     dead = await _messages_in(deployment, deployment.names.dlq_stream)
@@ -396,7 +380,7 @@ async def test_nats_server_killed_and_restarted_mid_ingest(servers: Endpoints, t
     async with _deployment_on_own_nats(servers, tmp_path, nodes=1) as (runtime, deployment):
         (node,) = runtime.nats_nodes
         run = await _project_through_nats_faults(deployment, [_lose(runtime, node)], count=2000, seed=13)
-        await _assert_the_fold(deployment, run, "nats-server kill")
+        await _assert_thefold(deployment, run, "nats-server kill")
 
 
 def _lose(runtime: EmbeddedRuntime, node: NatsNode | Callable[[], Awaitable[NatsNode]]) -> Fault:
@@ -448,7 +432,7 @@ async def test_a_three_node_cluster_loses_a_follower_then_the_stream_leader(serv
         run = await _project_through_nats_faults(deployment, faults, count=3000, seed=17, pause_s=0.3)
         consumer = await js.consumer_info(names.delta_stream, names.postgres_projector_durable)
         assert consumer.config.num_replicas == 3
-        await _assert_the_fold(deployment, run, "cluster: a follower, then the stream leader")
+        await _assert_thefold(deployment, run, "cluster: a follower, then the stream leader")
 
 
 @pytest.mark.slow
@@ -501,6 +485,54 @@ async def test_a_query_worker_answers_again_soon_after_its_nats_server_dies(serv
             finally:
                 await caller.close()
                 await asyncio.to_thread(runtime.restart_nats_node, lost)
+        finally:
+            await worker.stop()
+            await projector.stop()
+
+
+@pytest.mark.slow
+async def test_an_agent_through_the_gateway_is_answered_while_each_cluster_node_is_lost_in_turn(
+    servers: Endpoints, tmp_path: Path
+) -> None:
+    """The MCP gateway in its own process, given the three servers' URLs, with the official Python SDK over stdio:
+    each server is killed in turn (and started again before the next); the agent's calls are answered again soon
+    after each loss, whichever server the gateway, the query worker or the projector were on."""
+    async with _deployment_on_own_nats(servers, tmp_path, nodes=3) as (runtime, deployment):
+        settings, logins = deployment.settings, deployment.nats_logins
+        url = nats_url_of(runtime.nats_nodes)
+        projector = ProjectorService(settings, with_login(url, *logins["projector"]), deployment.database_url)
+        await projector.start()
+        worker = QueryService(settings, with_login(url, *logins["query"]), deployment.database_url, None)
+        await worker.start()
+        env = deployment.env() | {
+            "ONTOFABRIC_NATS_URL": with_login(url, *logins["client"]),
+            "ONTOFABRIC_LOG_LEVEL": "WARNING",
+        }
+        gateway = StdioServerParameters(command=ONTOFABRIC, args=["mcp", "--workspace", "acme"], env=env)
+        try:
+            acks = await deployment.publisher.publish_many(
+                [
+                    upsert("acme", document(f"doc-{n}", f"compress a directory into a zip archive {n}"))
+                    for n in range(20)
+                ]
+            )
+            await deployment.wait_projected(acks[-1].seq)
+            async with Client(gateway) as agent:
+                ask = {"semanticQuery": "zip archive", "topK": 5}
+                assert (await agent.call_tool("ontology_query", ask)).is_error is False
+                recoveries, refusals = [], Counter[str]()
+                for node in runtime.nats_nodes:
+                    _kill(node)
+                    killed = time.monotonic()
+                    async with asyncio.timeout(60):
+                        while (answer := await agent.call_tool("ontology_query", ask)).is_error:
+                            refusals[str(answer.structured_content or answer.content)[:80]] += 1
+                    recoveries.append(time.monotonic() - killed)
+                    assert answer.structured_content["results"], answer
+                    await asyncio.to_thread(runtime.restart_nats_node, node)
+            times = ", ".join(f"{s:.1f}" for s in recoveries)
+            print(f"gateway: answered again {times} s after each loss; refused meanwhile: {dict(refusals)}")
+            assert max(recoveries) < 15
         finally:
             await worker.stop()
             await projector.stop()

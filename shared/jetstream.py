@@ -20,6 +20,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     RePublish,
@@ -524,3 +527,46 @@ async def _in_progress(batch: list[Msg], every_s: float) -> None:
             if not msg.is_acked:
                 with contextlib.suppress(Exception):  # acked meanwhile, or the connection is gone
                     await msg.in_progress()
+
+
+@contextlib.asynccontextmanager
+async def read_in_order(
+    nc: Client, stream: str, subjects: str, start: int, upto: int, batch_size: int, fetch_timeout_s: float
+) -> AsyncIterator[AsyncIterator[list[Msg]]]:
+    """The messages of ``stream`` on ``subjects`` from sequence ``start`` through ``upto``, in batches, through a
+    consumer of its own that delivers in order and takes no acks (a bounded :class:`StreamReader`: a gap raises
+    :class:`SkippedMessages`). The consumer is removed when the block ends, however it ends."""
+    if start > upto:
+        yield _nothing()
+        return
+    js = nc.jetstream()
+    subscription = await js.pull_subscribe(
+        subjects,
+        stream=stream,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+            inactive_threshold=300.0,  # the server removes it if this process dies
+            mem_storage=True,
+        ),
+    )
+    consumer: str | None = None
+    try:
+        consumer = (await subscription.consumer_info()).name
+        reader = StreamReader(
+            subscription, name=consumer, connection=nc, batch_size=batch_size, fetch_timeout_s=fetch_timeout_s,
+            upto=upto,
+        )  # fmt: skip
+        yield reader.batches()
+    finally:
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()  # an ephemeral consumer goes with its last subscription
+        if consumer is not None:
+            with contextlib.suppress(Exception):  # else the server removes it after inactive_threshold
+                await js.delete_consumer(stream, consumer)
+
+
+async def _nothing() -> AsyncIterator[list[Msg]]:
+    return
+    yield

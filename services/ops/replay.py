@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ontofabric.services.projector.planning import Delta, Rejection
 from ontofabric.services.projector.runner import ProjectionRunner
-from ontofabric.shared.jetstream import SkippedMessages, StreamReader
+from ontofabric.shared.jetstream import SkippedMessages, read_in_order
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 
@@ -31,38 +30,11 @@ FETCH_TIMEOUT_S = 5.0
 async def workspace_deltas(
     nc: Client, names: Names, workspace: str, start: int, upto: int, batch_size: int
 ) -> AsyncIterator[AsyncIterator[list[Msg]]]:
-    """The workspace's deltas from stream sequence ``start`` through ``upto``, in batches, through a consumer of
-    its own that delivers in order and takes no acks (the replay keeps its position in the shadow schema). The
-    consumer is removed when the block ends, however it ends."""
-    if start > upto:
-        yield _nothing()
-        return
-    js = nc.jetstream()
-    subscription = await js.pull_subscribe(
-        names.workspace_delta_subjects(workspace),
-        stream=names.delta_stream,
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start,
-            inactive_threshold=300.0,  # the server removes it if this process dies
-            mem_storage=True,
-        ),
-    )
-    consumer: str | None = None
-    try:
-        consumer = (await subscription.consumer_info()).name
-        reader = StreamReader(
-            subscription, name=consumer, connection=nc, batch_size=batch_size, fetch_timeout_s=FETCH_TIMEOUT_S,
-            upto=upto,
-        )  # fmt: skip
-        yield _resumable(reader.batches())
-    finally:
-        with contextlib.suppress(Exception):
-            await subscription.unsubscribe()  # an ephemeral consumer goes with its last subscription
-        if consumer is not None:
-            with contextlib.suppress(Exception):  # else the server removes it after inactive_threshold
-                await js.delete_consumer(names.delta_stream, consumer)
+    """The workspace's deltas from stream sequence ``start`` through ``upto``, in batches (the replay keeps its
+    position in the shadow schema); a gap in the read ends the run like any other stop, to be resumed."""
+    subjects = names.workspace_delta_subjects(workspace)
+    async with read_in_order(nc, names.delta_stream, subjects, start, upto, batch_size, FETCH_TIMEOUT_S) as batches:
+        yield _resumable(batches)
 
 
 async def _resumable(batches: AsyncIterator[list[Msg]]) -> AsyncIterator[list[Msg]]:
@@ -72,11 +44,6 @@ async def _resumable(batches: AsyncIterator[list[Msg]]) -> AsyncIterator[list[Ms
             yield batch
     except SkippedMessages as error:
         raise RebuildFailed(str(error)) from error
-
-
-async def _nothing() -> AsyncIterator[list[Msg]]:
-    return
-    yield
 
 
 @dataclass

@@ -1,0 +1,231 @@
+"""Dead letters for operators: list and show what the projectors set aside, send it through them again, purge it.
+
+A dead letter is the original delta's bytes on ``<prefix>.dlq.<workspace>`` with headers saying why (projector
+consumer.py). Re-driving publishes those bytes again on the delta's own subject, as a new delta (a new stream
+sequence) that every projector reads; the dead letter is deleted once the stream has stored it. A delta whose
+document the index already holds at a later sequence is not re-driven (it would bring back an older state), unless
+forced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
+from ontofabric.shared.jetstream import read_in_order
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.subjects import Names, decode_token, encode_token
+
+log = get_logger(__name__)
+
+READ_BATCH = 256
+FETCH_TIMEOUT_S = 5.0
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def parse_when(text: str, now: datetime) -> datetime:
+    """A point in time: ISO 8601 (``2026-11-24T10:00``, UTC unless it says otherwise), or an age before ``now``
+    (``30m``, ``2h``, ``7d``). ValueError for anything else."""
+    match = _DURATION.match(text.strip())
+    if match:
+        return now - timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is neither an ISO 8601 time nor an age such as 30m, 2h or 7d") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    seq: int
+    """Its sequence in the dead-letter stream."""
+    stored_at: datetime
+    workspace: str | None
+    """None when the delta's subject named no workspace."""
+    reason: str
+    detail: str
+    index: str
+    """The index that set it aside (postgres, azure-search)."""
+    original_subject: str
+    original_seq: int | None
+    delivered: int | None
+    data: bytes
+
+    @classmethod
+    def of(cls, msg: Msg) -> DeadLetter:
+        headers = msg.headers or {}
+        token = msg.subject.rsplit(".", 1)[-1]
+        try:
+            workspace: str | None = decode_token(token)
+        except ValueError:
+            workspace = None
+        timestamp = msg.metadata.timestamp
+        return cls(
+            seq=msg.metadata.sequence.stream,
+            stored_at=timestamp if timestamp is not None else datetime.fromtimestamp(0, UTC),
+            workspace=workspace,
+            reason=headers.get("Ontofabric-Reason", "unknown"),
+            detail=headers.get("Ontofabric-Detail", ""),
+            index=headers.get("Ontofabric-Index", ""),
+            original_subject=headers.get("Ontofabric-Original-Subject", ""),
+            original_seq=_int(headers.get("Ontofabric-Original-Sequence")),
+            delivered=_int(headers.get("Ontofabric-Delivered")),
+            data=bytes(msg.data),
+        )
+
+    def summary(self) -> dict[str, object]:
+        """What a listing shows of it (not the delta itself)."""
+        return {
+            "seq": self.seq,
+            "storedAt": self.stored_at.isoformat(),
+            "workspace": self.workspace,
+            "reason": self.reason,
+            "detail": self.detail,
+            "index": self.index,
+            "originalSubject": self.original_subject,
+            "originalSeq": self.original_seq,
+            "delivered": self.delivered,
+            "bytes": len(self.data),
+        }
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which dead letters a command acts on: all that match every filter given."""
+
+    workspace: str | None = None
+    reason: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    sequences: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def everything(self) -> bool:
+        return self == Selection()
+
+    def matches(self, letter: DeadLetter) -> bool:
+        return (
+            (self.workspace is None or letter.workspace == self.workspace)
+            and (self.reason is None or letter.reason == self.reason)
+            and (self.since is None or letter.stored_at >= self.since)
+            and (self.until is None or letter.stored_at < self.until)
+            and (not self.sequences or letter.seq in self.sequences)
+        )
+
+
+async def dead_letters(nc: Client, names: Names, selection: Selection) -> list[DeadLetter]:
+    """The selected dead letters, oldest first."""
+    js = nc.jetstream()
+    state = (await js.stream_info(names.dlq_stream)).state
+    first, last = int(state.first_seq or 0), int(state.last_seq or 0)
+    if selection.sequences:
+        first, last = max(first, min(selection.sequences)), min(last, max(selection.sequences))
+    subjects = names.dlq_subject(encode_token(selection.workspace)) if selection.workspace else names.dlq_subjects
+    found: list[DeadLetter] = []
+    if state.messages == 0 or first > last:
+        return found
+    async with read_in_order(nc, names.dlq_stream, subjects, first, last, READ_BATCH, FETCH_TIMEOUT_S) as batches:
+        async for batch in batches:
+            found += [letter for letter in map(DeadLetter.of, batch) if selection.matches(letter)]
+    return found
+
+
+@dataclass
+class Redrive:
+    """What became of each dead letter asked for."""
+
+    sent: list[tuple[DeadLetter, int]] = field(default_factory=list)
+    """Re-published, with the delta's new stream sequence (the dead letter is deleted)."""
+    superseded: list[tuple[DeadLetter, int]] = field(default_factory=list)
+    """Not sent: the index holds the document at this later sequence."""
+
+
+async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
+    """The stream sequence at which the index holds the dead letter's document, when later than the dead letter's
+    own; None when it does not, or the delta is not a document's (graph deltas are not checked)."""
+    try:
+        delta = DeltaEnvelope.model_validate_json(letter.data)
+    except ValidationError:
+        return None
+    payload = delta.payload
+    if isinstance(payload, DocumentUpserted):
+        document_id = payload.document.id
+    elif isinstance(payload, DocumentDeleted):
+        document_id = payload.document_id
+    else:
+        return None
+    conn = await asyncpg.connect(database_url)
+    try:
+        held = await conn.fetchval(
+            "SELECT stream_seq FROM documents WHERE workspace = $1 AND branch = $2 AND id = $3",
+            delta.workspace,
+            delta.branch,
+            document_id,
+        )
+    finally:
+        await conn.close()
+    return int(held) if held is not None and held > (letter.original_seq or 0) else None
+
+
+async def redrive(
+    nc: Client,
+    names: Names,
+    letters: Sequence[DeadLetter],
+    database_url_of: Callable[[str], str] | None,
+) -> Redrive:
+    """Publish each dead letter's delta again on its own subject, then delete the dead letter. With
+    ``database_url_of`` (workspace -> its database), a delta whose document the index holds at a later sequence
+    is left where it is. Re-driving the same dead letter twice within the stream's duplicate window stores it
+    once (its message id is the dead letter's)."""
+    js = nc.jetstream()
+    outcome = Redrive()
+    for letter in letters:
+        if database_url_of is not None and letter.workspace is not None:
+            later = await later_sequence(database_url_of(letter.workspace), letter)
+            if later is not None:
+                outcome.superseded.append((letter, later))
+                continue
+        ack = await js.publish(
+            letter.original_subject,
+            letter.data,
+            stream=names.delta_stream,
+            headers={
+                "Nats-Msg-Id": f"redrive:{names.dlq_stream}:{letter.seq}",
+                "Ontofabric-Redriven-From": str(letter.seq),
+            },
+        )
+        await js.delete_msg(names.dlq_stream, letter.seq)
+        log.info("dead_letter_redriven", dlq_seq=letter.seq, seq=ack.seq, reason=letter.reason)
+        outcome.sent.append((letter, ack.seq))
+    return outcome
+
+
+async def purge(nc: Client, names: Names, selection: Selection) -> int:
+    """Delete the selected dead letters; how many."""
+    js = nc.jetstream()
+    if selection.everything:
+        state = (await js.stream_info(names.dlq_stream)).state
+        await js.purge_stream(names.dlq_stream)
+        return int(state.messages or 0)
+    letters = await dead_letters(nc, names, selection)
+    for letter in letters:
+        await js.delete_msg(names.dlq_stream, letter.seq)
+    return len(letters)

@@ -9,10 +9,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
@@ -50,7 +53,9 @@ from ontofabric.shared.telemetry import configure_telemetry
 
 from .app import Roles, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore
-from .render import RichProgress, render_reply
+from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
+from .ops.status import DeploymentStatus
+from .render import RichProgress, render_reply, render_status
 
 app = typer.Typer(
     help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",
@@ -330,6 +335,168 @@ def gateway_token_revoke(
     if not _token_store(data_dir).revoke(client):
         _fail(f"no token of {client!r}")
     errors.print(f"revoked the token of {client!r}")
+
+
+T = TypeVar("T")
+
+dlq = typer.Typer(help="Dead letters: deltas a projector set aside, with the reason; list, show, re-drive, purge.")
+app.add_typer(dlq, name="dlq")
+
+SequenceArgs = Annotated[list[int] | None, typer.Argument(help="Dead letters by their sequence (all when none).")]
+WorkspaceFilter = Annotated[str | None, typer.Option("--workspace", "-w", help="Only this workspace's.")]
+ReasonFilter = Annotated[str | None, typer.Option(help="Only this reason's (invalid_schema, apply_failed, ...).")]
+SinceFilter = Annotated[str | None, typer.Option(help="Only those stored since: ISO 8601, or an age (30m, 2h, 7d).")]
+UntilFilter = Annotated[str | None, typer.Option(help="Only those stored before: ISO 8601, or an age.")]
+
+
+def _selection(
+    sequences: list[int] | None, workspace: str | None, reason: str | None, since: str | None, until: str | None
+) -> Selection:
+    now = datetime.now(UTC)
+    try:
+        return Selection(
+            workspace=workspace,
+            reason=reason,
+            since=parse_when(since, now) if since else None,
+            until=parse_when(until, now) if until else None,
+            sequences=frozenset(sequences or ()),
+        )
+    except ValueError as error:
+        _fail(str(error))
+
+
+def _as_operator(data_dir: Path | None, job: Callable[[Client, Names, Settings, Endpoints], Awaitable[T]]) -> T:
+    """Run ``job`` on a connection as the deployment's operator."""
+    settings = _settings("ontofabric-dlq", data_dir, quiet=True)
+    endpoints = _endpoints(settings)
+
+    async def run() -> T:
+        nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-dlq", settings)
+        try:
+            return await job(nc, Names(settings.subject_prefix), settings, endpoints)
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())
+
+
+@dlq.command("list")
+def dlq_list(
+    sequences: SequenceArgs = None,
+    workspace: WorkspaceFilter = None,
+    reason: ReasonFilter = None,
+    since: SinceFilter = None,
+    until: UntilFilter = None,
+    limit: Annotated[int, typer.Option(min=1, help="Show at most this many (the oldest first).")] = 100,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """The dead letters that match, oldest first: sequence, time, workspace, reason and its detail."""
+    selection = _selection(sequences, workspace, reason, since, until)
+    letters = _as_operator(data_dir, lambda nc, names, *_: dead_letters(nc, names, selection))
+    for letter in letters[:limit]:
+        if as_json:
+            print(json.dumps(letter.summary()))
+        else:
+            stamp = letter.stored_at.strftime("%Y-%m-%d %H:%M:%S")
+            print(f"{letter.seq}\t{stamp}\t{letter.workspace}\t{letter.reason}\t{letter.detail[:120]}")
+    if len(letters) > limit:
+        errors.print(f"{len(letters) - limit} more (--limit)")
+    if not as_json:
+        errors.print(f"{len(letters)} dead letter(s)")
+
+
+@dlq.command("show")
+def dlq_show(
+    sequence: Annotated[int, typer.Argument(help="The dead letter's sequence (from `dlq list`).")],
+    data_dir: DataDir = None,
+) -> None:
+    """One dead letter: why it was set aside, and the delta itself."""
+    selection = Selection(sequences=frozenset({sequence}))
+    letters = _as_operator(data_dir, lambda nc, names, *_: dead_letters(nc, names, selection))
+    if not letters:
+        _fail(f"no dead letter at sequence {sequence}")
+    (letter,) = letters
+    console.print_json(json.dumps(letter.summary()))
+    try:
+        console.print_json(letter.data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        print(letter.data.decode("utf-8", "replace")[:10_000])
+
+
+def _confirm(what: str, selection: Selection, yes: bool) -> None:
+    if not yes and not typer.confirm(f"{what} {'every dead letter' if selection.everything else 'these'}?"):
+        raise typer.Exit(1)
+
+
+@dlq.command("redrive")
+def dlq_redrive(
+    sequences: SequenceArgs = None,
+    workspace: WorkspaceFilter = None,
+    reason: ReasonFilter = None,
+    since: SinceFilter = None,
+    until: UntilFilter = None,
+    force: Annotated[
+        bool, typer.Option(help="Also those whose document the index holds at a later sequence (older state wins).")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Publish the matching dead letters' deltas again, so the projectors apply them (after a fix), and delete the
+    dead letters. A delta whose document the index already holds at a later sequence is left unless --force."""
+    selection = _selection(sequences, workspace, reason, since, until)
+
+    async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Redrive:
+        letters = await dead_letters(nc, names, selection)
+        for letter in letters:
+            print(f"{letter.seq}\t{letter.workspace}\t{letter.reason}\t{letter.detail[:120]}")
+        if not letters:
+            return Redrive()
+        _confirm(f"re-drive {len(letters)}:", selection, yes)
+        placement = Placement.of(settings, endpoints.database_url)
+        return await redrive(nc, names, letters, None if force else placement.database_url_of)
+
+    outcome = _as_operator(data_dir, job)
+    for letter, seq in outcome.superseded:
+        errors.print(f"left {letter.seq}: the index holds its document at the later sequence {seq} (--force)")
+    errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {len(outcome.superseded)}")
+
+
+@dlq.command("purge")
+def dlq_purge(
+    sequences: SequenceArgs = None,
+    workspace: WorkspaceFilter = None,
+    reason: ReasonFilter = None,
+    since: SinceFilter = None,
+    until: UntilFilter = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Delete the matching dead letters for good (every one when no filter is given)."""
+    selection = _selection(sequences, workspace, reason, since, until)
+    _confirm("delete", selection, yes)
+    deleted = _as_operator(data_dir, lambda nc, names, *_: purge(nc, names, selection))
+    errors.print(f"deleted {deleted} dead letter(s)")
+
+
+@app.command()
+def status(
+    workspace: WorkspaceFilter = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole status as JSON.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Per workspace and branch: the announced version, the deltas not yet in the index and how long the oldest has
+    waited; dead letters per workspace; the projectors' consumers; the query workers answering."""
+    from .ops.status import deployment_status
+
+    def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:
+        return deployment_status(nc, names, Placement.of(settings, endpoints.database_url), workspace)
+
+    report = _as_operator(data_dir, job)
+    if as_json:
+        print(report.to_json())
+        return
+    render_status(console, report)
 
 
 nats_user = typer.Typer(help="Users of the embedded nats-server: a role, confined to one workspace or not.")

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse
+from ontofabric.services.ops.status import DeploymentStatus
 
 
 def _snippet(text: str, width: int = 70) -> str:
@@ -94,3 +95,28 @@ class RichProgress:
 
     def advance(self, name: str, amount: int = 1) -> None:
         self._progress.advance(self._tasks[name], amount)
+
+
+def render_status(console: Console, status: DeploymentStatus) -> None:
+    """``ontofabric status`` as tables."""
+    branches = Table("workspace", "branch", "ontologyVersion", "latest seq", "indexed to", "pending", "oldest pending")
+    for row in status.branches:
+        waited = f"{row.oldest_pending_ms / 1000:.1f} s" if row.oldest_pending_ms is not None else "-"
+        branches.add_row(
+            escape(row.workspace), escape(row.branch), row.ontology_version, str(row.latest_seq or "-"),
+            str(row.position), str(row.pending_deltas), waited,
+        )  # fmt: skip
+    console.print(branches)
+    letters = ", ".join(f"{escape(ws)} {count}" for ws, count in status.dead_letters.items()) or "none"
+    console.print(f"dead letters: {letters}")
+    consumers = Table(
+        "projector consumer", "ack floor", "undelivered", "unacknowledged", "waiting pulls", "last active"
+    )
+    for consumer in status.consumers:
+        consumers.add_row(
+            consumer.name, str(consumer.ack_floor), str(consumer.undelivered), str(consumer.unacknowledged),
+            str(consumer.waiting_pulls), str(consumer.last_active or "-"),
+        )  # fmt: skip
+    console.print(consumers)
+    workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
+    console.print(f"query workers: {workers}")

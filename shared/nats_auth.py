@@ -127,6 +127,10 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 *[f"{names.prefix}.{operation}.* {names.query_queue}" for operation in OPERATIONS],
                 names.published_subjects,
                 *inbox,
+                # Service discovery ($SRV.PING|INFO|STATS[.<name>[.<id>]]): each worker says it is there.
+                "$SRV.*",
+                f"$SRV.*.{names.query_service}",
+                f"$SRV.*.{names.query_service}.*",
             ],
         )
     if role == "ingest":
@@ -168,6 +172,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             f"$KV.{names.manifest_bucket}.>",
             f"$O.{names.legacy_manifest_bucket}.>",
             f"{names.prefix}.>",
+            f"$SRV.*.{names.query_service}",  # which query workers are there (ontofabric status)
         ],
         subscribe=[f"{names.prefix}.>", *inbox],  # watching versions and deltas go by; not others' replies
     )

@@ -135,6 +135,11 @@ class Names:
     def query_queue(self) -> str:
         return f"{self.prefix}-query"
 
+    @property
+    def query_service(self) -> str:
+        """The name the query workers answer NATS service discovery by (``$SRV.PING.<name>``): one reply each."""
+        return f"{self.prefix}-query"
+
     # consumers and ingest state
     @property
     def postgres_projector_durable(self) -> str:

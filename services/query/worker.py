@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import version as package_version
 from typing import TypeVar
 
 import asyncpg
 from azure.search.documents.aio import SearchClient
+from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, NoRespondersError, StaleConnectionError
 from nats.js.errors import ServiceUnavailableError
+from nats.micro.service import Service
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
@@ -190,6 +196,8 @@ class QueryService:
         self._reranker = reranker
         self._nc: Client | None = None
         self._subscriptions: list[Subscription] = []
+        self._service: Service | None = None
+        """How ``ontofabric status`` finds this worker: NATS service discovery."""
         self._pools: list[asyncpg.Pool] = []
         """Reader pools of the databases the workspaces are placed on (shared/placement.py), in its order."""
         self._replica_pools: list[asyncpg.Pool] = []
@@ -265,6 +273,13 @@ class QueryService:
         ]
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
+        self._service = await micro.add_service(
+            nc,
+            name=names.query_service,
+            version=package_version("ontofabric"),
+            description="ontofabric query worker",
+            metadata={"host": socket.gethostname(), "pid": str(os.getpid()), "started": datetime.now(UTC).isoformat()},
+        )
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
@@ -457,6 +472,10 @@ class QueryService:
         """No new requests; those already received are answered (for up to ``timeout_s``), the rest cancelled,
         then everything closes."""
         subscriptions, self._subscriptions = self._subscriptions, []
+        service, self._service = self._service, None
+        if service is not None:
+            with contextlib.suppress(Exception):
+                await service.stop()
         for subscription in subscriptions:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]

@@ -1,0 +1,173 @@
+"""The deployment at a glance, for operators: per workspace and branch the announced version, the latest delta,
+the deltas published past the index's position and how long the oldest has waited; dead letters per workspace;
+the projectors' consumers; the query workers that answer service discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from pydantic import ValidationError
+
+from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.services.query.freshness import published_after
+from ontofabric.shared.jetstream import ack_floor
+from ontofabric.shared.placement import Placement
+from ontofabric.shared.subjects import Names, decode_token
+
+DISCOVERY_WAIT_S = 0.5
+"""How long replies to a service-discovery ping are gathered."""
+
+
+@dataclass(frozen=True)
+class BranchStatus:
+    workspace: str
+    branch: str
+    ontology_version: str
+    announced_at: datetime
+    latest_seq: int | None
+    """The last delta published to this workspace and branch."""
+    position: int
+    """Every delta up to here is in the index (the ack floor of the consumer of the workspace's partition)."""
+    pending_deltas: int
+    oldest_pending_ms: float | None
+
+
+@dataclass(frozen=True)
+class ConsumerStatus:
+    name: str
+    ack_floor: int
+    undelivered: int
+    """Deltas in the stream not yet delivered to it."""
+    unacknowledged: int
+    waiting_pulls: int
+    """Fetches waiting for deltas: a live projector idling has one or more."""
+    last_active: datetime | None
+
+
+@dataclass(frozen=True)
+class QueryWorker:
+    id: str
+    version: str
+    host: str | None
+    pid: str | None
+    started: str | None
+
+
+@dataclass
+class DeploymentStatus:
+    branches: list[BranchStatus] = field(default_factory=list)
+    dead_letters: dict[str, int] = field(default_factory=dict)
+    """Per workspace."""
+    consumers: list[ConsumerStatus] = field(default_factory=list)
+    query_workers: list[QueryWorker] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), default=str, indent=2)
+
+
+async def deployment_status(
+    nc: Client, names: Names, placement: Placement, workspace: str | None = None
+) -> DeploymentStatus:
+    js = nc.jetstream()
+    status = DeploymentStatus()
+    durables = names.postgres_projector_durables(placement.partitions)
+    read = await asyncio.gather(*(ack_floor(js, names.delta_stream, durable) for durable in durables))
+    floors = dict(zip(durables, read, strict=True))
+    for version in await _announced(nc, names):
+        if workspace is not None and version.workspace != workspace:
+            continue
+        subject = names.delta_subject(version.workspace, version.branch)
+        try:
+            latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
+        except NotFoundError:
+            latest = None
+        position = floors[durables[placement.partition_of(version.workspace)]]
+        pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
+        status.branches.append(
+            BranchStatus(
+                version.workspace,
+                version.branch,
+                version.ontology_version,
+                version.updated_at,
+                latest,
+                position,
+                pending.deltas,
+                pending.oldest_ms,
+            )
+        )
+    dlq = await js.stream_info(names.dlq_stream, subjects_filter=names.dlq_subjects)
+    for subject, count in sorted((dlq.state.subjects or {}).items()):
+        try:
+            owner = decode_token(subject.rsplit(".", 1)[-1])
+        except ValueError:
+            owner = subject
+        if workspace is None or owner == workspace:
+            status.dead_letters[owner] = count
+    for durable in [*durables, names.azure_projector_durable]:
+        try:
+            info = await js.consumer_info(names.delta_stream, durable)
+        except NotFoundError:
+            continue
+        status.consumers.append(
+            ConsumerStatus(
+                durable,
+                int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0,
+                int(info.num_pending or 0),
+                int(info.num_ack_pending or 0),
+                int(info.num_waiting or 0),
+                info.delivered.last_active if info.delivered else None,
+            )
+        )
+    status.query_workers = await query_workers(nc, names)
+    return status
+
+
+async def _announced(nc: Client, names: Names) -> list[OntologyVersionChanged]:
+    kv = await nc.jetstream().key_value(names.version_bucket)
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    versions = []
+    for key in sorted(keys):
+        try:
+            entry = await kv.get(key)
+            versions.append(OntologyVersionChanged.model_validate_json(entry.value or b""))
+        except (KeyNotFoundError, ValidationError):
+            continue  # gone since, or not a version (see projector/versions.py): nothing to report
+    return versions
+
+
+async def query_workers(nc: Client, names: Names, wait_s: float = DISCOVERY_WAIT_S) -> list[QueryWorker]:
+    """The query workers that answer a service-discovery ping within ``wait_s``."""
+    replies: list[Msg] = []
+    subscription = await nc.subscribe(nc.new_inbox())
+    try:
+        await nc.publish(f"$SRV.PING.{names.query_service}", b"", reply=subscription.subject)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                replies.append(await subscription.next_msg(timeout=left))
+            except NatsTimeoutError:
+                break
+    finally:
+        await subscription.unsubscribe()
+    workers = []
+    for reply in replies:
+        try:
+            ping = json.loads(reply.data)
+            meta = ping.get("metadata") or {}
+            found = QueryWorker(
+                ping["id"], ping.get("version", ""), meta.get("host"), meta.get("pid"), meta.get("started")
+            )
+            workers.append(found)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return sorted(workers, key=lambda worker: worker.started or "")

@@ -1,0 +1,76 @@
+"""`ontofabric status` against a running deployment: versions, what is pending past the index, dead letters, the
+projectors' consumers and the query workers that answer discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ontofabric.services.ops.status import deployment_status
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.placement import Placement
+
+from .conftest import Deployment, Start
+from .factories import document, upsert
+
+ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+
+
+async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
+    deployment: Deployment, start_query_worker: Start
+) -> None:
+    settings = deployment.settings.model_copy(update={"max_content_bytes": 100})
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    acks = await deployment.publisher.publish_many(
+        [
+            upsert("acme", document("a", "alpha")),
+            upsert("acme", document("b", "beta"), branch="feature/x"),
+            upsert("globex", document("big", "x" * 200)),  # dead-lettered: content_too_large
+        ]
+    )
+    await deployment.wait_projected(acks[-1].seq)
+    await start_query_worker(None)
+    second = await start_query_worker(None)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+
+    status = await deployment_status(deployment.nc, deployment.names, placement)
+    rows = {(row.workspace, row.branch): row for row in status.branches}
+    assert set(rows) == {("acme", "main"), ("acme", "feature/x")}
+    assert rows[("acme", "main")].latest_seq == acks[0].seq
+    assert rows[("acme", "main")].ontology_version.startswith(f"{acks[0].seq}-")
+    assert all(row.pending_deltas == 0 and row.position == acks[-1].seq for row in rows.values())
+    assert status.dead_letters == {"globex": 1}
+    (consumer,) = status.consumers
+    assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
+    assert len({worker.id for worker in status.query_workers}) == 2
+    await second.stop()
+    assert len((await deployment_status(deployment.nc, deployment.names, placement)).query_workers) == 1
+
+    # The projector stopped: what is published waits, and the status says how many and since when.
+    await projector.stop()
+    later = await deployment.publisher.publish(upsert("acme", document("c", "gamma")))
+    status = await deployment_status(deployment.nc, deployment.names, placement, workspace="acme")
+    main = next(row for row in status.branches if row.branch == "main")
+    assert (main.latest_seq, main.position, main.pending_deltas) == (later.seq, acks[-1].seq, 1)
+    assert main.oldest_pending_ms is not None
+    assert status.dead_letters == {}  # globex's, not asked for
+
+    def status_command(*args: str) -> subprocess.CompletedProcess[str]:  # in a thread: the worker answers pings
+        command = [ONTOFABRIC, "status", *args]
+        return subprocess.run(command, env=deployment.env(), capture_output=True, text=True, check=False, timeout=60)
+
+    shown = await asyncio.to_thread(status_command, "--json")
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    assert report["dead_letters"] == {"globex": 1}
+    assert {(b["workspace"], b["branch"], b["pending_deltas"]) for b in report["branches"]} == {
+        ("acme", "main", 1), ("acme", "feature/x", 0)
+    }  # fmt: skip
+    assert len(report["query_workers"]) == 1
+    table = await asyncio.to_thread(status_command)
+    assert table.returncode == 0, table.stderr
+    assert "dead letters: globex 1" in table.stdout

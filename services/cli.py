@@ -71,14 +71,17 @@ DataDir = Annotated[
 ]
 
 
-def _settings(service: str, data_dir: Path | None = None, quiet: bool = False) -> Settings:
+def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, worker: bool = False) -> Settings:
+    """The settings; logging and telemetry set up. ``worker``: a long-running process, which serves its metrics
+    for Prometheus when ``metrics_port`` is set."""
     settings = Settings()
     if data_dir is not None:
         settings = settings.model_copy(update={"data_dir": data_dir})
     # Interactive commands keep the terminal for their output unless a log level was asked for.
     level = settings.log_level if not quiet or "ONTOFABRIC_LOG_LEVEL" in os.environ else "WARNING"
     configure_logging(level, settings.log_format)
-    configure_telemetry(service)
+    serve = worker and settings.metrics_port is not None
+    configure_telemetry(service, metrics_address=(settings.metrics_host, settings.metrics_port or 0) if serve else None)
     return settings
 
 
@@ -97,7 +100,7 @@ def _endpoints(settings: Settings) -> Endpoints:
 @app.command()
 def up(data_dir: DataDir = None) -> None:
     """Start embedded servers (unless URLs are set), the projector and a query worker; run until Ctrl-C/SIGTERM."""
-    settings = _settings("ontofabric-up", data_dir)
+    settings = _settings("ontofabric-up", data_dir, worker=True)
     try:
         with EmbeddedRuntime(settings) as runtime:
             assert runtime.endpoints is not None
@@ -125,7 +128,7 @@ def up(data_dir: DataDir = None) -> None:
 @app.command()
 def projector(data_dir: DataDir = None) -> None:
     """Run only the Postgres projector (scale out by starting more: they share one durable consumer)."""
-    settings = _settings("ontofabric-projector", data_dir)
+    settings = _settings("ontofabric-projector", data_dir, worker=True)
     endpoints = _endpoints(settings)
     asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=True, query=False, azure_projector=False)))
 
@@ -134,7 +137,7 @@ def projector(data_dir: DataDir = None) -> None:
 def azure_projector(data_dir: DataDir = None) -> None:
     """Run only the Azure AI Search projector (ONTOFABRIC_AZURE_SEARCH_*): keeps the index in sync from a durable
     consumer of its own. Run one: Azure AI Search cannot order two writers' updates of one document."""
-    settings = _settings("ontofabric-azure-projector", data_dir)
+    settings = _settings("ontofabric-azure-projector", data_dir, worker=True)
     if settings.azure_search_endpoint is None:
         _fail("ONTOFABRIC_AZURE_SEARCH_ENDPOINT is not set")
     endpoints = _endpoints(settings)
@@ -144,7 +147,7 @@ def azure_projector(data_dir: DataDir = None) -> None:
 @app.command("query-worker")
 def query_worker(data_dir: DataDir = None) -> None:
     """Run only a query worker (scale out by starting more: they form one queue group)."""
-    settings = _settings("ontofabric-query", data_dir)
+    settings = _settings("ontofabric-query", data_dir, worker=True)
     endpoints = _endpoints(settings)
     asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=True, azure_projector=False)))
 
@@ -254,7 +257,7 @@ def mcp(
     default, for an agent's local configuration) or streamable HTTP; it forwards every call to the query workers."""
     from .gateway.server import is_loopback, serve
 
-    settings = _settings("ontofabric-mcp", data_dir, quiet=True)
+    settings = _settings("ontofabric-mcp", data_dir, quiet=True, worker=True)
     address = None
     if http is not None:
         host, _, port = http.rpartition(":")

@@ -300,6 +300,15 @@ class Settings(BaseSettings):
     reranker_timeout_ms: int = Field(
         default=1500, ge=1, description="Per-call limit; a slower reranker is skipped (fused order kept)."
     )
+    reranker_cost_per_call_usd: float = Field(
+        default=0.0,
+        ge=0,
+        description="Price of one rerank call, from your provider's price list: `retrieval.rerank.cost_usd` adds it "
+        "up per workspace (with the price per document) for the cost alert.",
+    )
+    reranker_cost_per_document_usd: float = Field(
+        default=0.0, ge=0, description="Price per document sent to the reranker, added to the call's."
+    )
     insecure_http_secrets: bool = Field(
         default=False,
         description="Allow API keys to be sent to plain `http://` rerank and search endpoints (local testing only).",
@@ -321,6 +330,16 @@ class Settings(BaseSettings):
     )
 
     # --- operability -----------------------------------------------------------------------------
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port where a worker process (`up`, `projector`, `query-worker`, `azure-projector`, `mcp`) "
+        "serves its metrics for Prometheus at `/metrics` (0: any free port, logged). Unset: none served.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1", description="Address the metrics endpoint listens on (0.0.0.0 in a container)."
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Log level (interactive commands log warnings only unless this is set)."
     )

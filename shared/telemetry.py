@@ -26,15 +26,21 @@ _configured = False
 
 
 def configure_telemetry(
-    service_name: str, extra_readers: tuple[MetricReader, ...] = (), extra_spans: tuple[SpanProcessor, ...] = ()
+    service_name: str,
+    extra_readers: tuple[MetricReader, ...] = (),
+    extra_spans: tuple[SpanProcessor, ...] = (),
+    metrics_address: tuple[str, int] | None = None,
 ) -> None:
-    """Install SDK providers once per process (tests pass in-memory readers and span processors)."""
+    """Install SDK providers once per process (tests pass in-memory readers and span processors).
+    ``metrics_address``: (host, port) where Prometheus scrapes this process's metrics, at ``/metrics``."""
     global _configured
     if _configured:
         return
     _configured = True
     resource = Resource.create({"service.name": service_name})
     readers: list[MetricReader] = list(extra_readers)
+    if metrics_address is not None:
+        readers.append(serve_prometheus(*metrics_address))
     tracer_provider = TracerProvider(resource=resource)
     for processor in extra_spans:
         tracer_provider.add_span_processor(processor)
@@ -51,6 +57,17 @@ def configure_telemetry(
     trace.set_tracer_provider(tracer_provider)
 
 
+def serve_prometheus(host: str, port: int) -> MetricReader:
+    """A reader whose metrics Prometheus scrapes over HTTP at ``http://host:port/metrics`` (port 0: any free one)."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import start_http_server
+
+    reader: MetricReader = PrometheusMetricReader()
+    server, _ = start_http_server(port, addr=host)
+    log.info("metrics_served", url=f"http://{host}:{server.server_port}/metrics")
+    return reader
+
+
 def tracer() -> trace.Tracer:
     return trace.get_tracer("ontofabric")
 
@@ -65,6 +82,11 @@ class Instruments:
     query_errors: metrics.Counter
     projector_deltas: metrics.Counter
     projector_batch_duration: metrics.Histogram
+    rerank_duration: metrics.Histogram
+    rerank_cost: metrics.Counter
+    graph_expansion_duration: metrics.Histogram
+    projector_freshness: metrics.Histogram
+    projector_redeliveries: metrics.Counter
 
     def candidates(self, retriever: str) -> metrics.Counter:
         """Candidates a retriever returned: ``retrieval.candidates.dense`` and ``.sparse`` (keyword), the seed's
@@ -101,4 +123,20 @@ def instruments() -> Instruments:
             description="deltas handled, by outcome (applied, noop, dead_lettered, retried)",
         ),
         projector_batch_duration=meter.create_histogram("projector.batch.duration_ms", unit="ms"),
+        rerank_duration=meter.create_histogram(
+            "retrieval.rerank.duration_ms", unit="ms", description="reranker calls' wall time, by reranker"
+        ),
+        rerank_cost=meter.create_counter(
+            "retrieval.rerank.cost_usd",
+            description="reranker cost estimated from the configured prices, by workspace and reranker",
+        ),
+        graph_expansion_duration=meter.create_histogram("retrieval.graph_expansion.duration_ms", unit="ms"),
+        projector_freshness=meter.create_histogram(
+            "projector.freshness_ms",
+            unit="ms",
+            description="from a delta stored in the stream to its commit in the index, where queries read it",
+        ),
+        projector_redeliveries=meter.create_counter(
+            "projector.redeliveries", description="deltas delivered again (after a nak, an ack wait or a crash)"
+        ),
     )

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from ontofabric.contracts import OntologyQuery, QueryResponse
+from ontofabric.contracts import OntologyQuery, QueryMeta, QueryResponse
 from ontofabric.services.query.cache import CacheKey
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import (
@@ -29,6 +29,7 @@ from ontofabric.services.query.core import (
 )
 from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.graph import GraphRows, LinkRow
+from ontofabric.services.query.hints import shape_of
 from ontofabric.services.query.pipeline import QueryPipeline
 from ontofabric.services.query.stages import collapse_nested, holds, nested
 from ontofabric.services.query.versions import is_rebuild
@@ -499,3 +500,21 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
     assert (await pipeline.answer(QUERY.model_copy(update={"top_k": 1}), "w")).meta.collapsed == []
     off = pipeline_over(OneSymbol(), config=PipelineConfig(collapse_nested=False))
     assert len((await off.answer(QUERY, "w")).results) == 3
+
+
+@pytest.mark.parametrize(
+    ("query", "meta", "shape"),
+    [
+        ({"objectType": "io.Files"}, {"listing": True}, "listing"),
+        ({"semanticQuery": "zip", "followLinks": True}, {}, "relationship"),
+        ({"semanticQuery": "what calls zip"}, {"couldBenefitFromLinkExpansion": True}, "relationship"),
+        ({"semanticQuery": "ZipArchive", "precision": True}, {"skippedRerank": "bm25_saturation"}, "identifier"),
+        ({"semanticQuery": "compress a directory"}, {}, "concept"),
+    ],
+)
+def test_the_shape_label_comes_from_the_pipelines_signals(
+    query: dict[str, Any], meta: dict[str, Any], shape: str
+) -> None:
+    base = {"ontologyVersion": "v", "workspace": "w", "branch": "main", "hybrid": True, "reranked": False,
+            "cacheHit": False, "backend": "b", "retrievers": [], "timingsMs": {}}  # fmt: skip
+    assert shape_of(OntologyQuery.model_validate(query), QueryMeta.model_validate(base | meta)) == shape

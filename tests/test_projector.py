@@ -123,6 +123,18 @@ async def test_store_is_idempotent_for_redelivered_and_older_deltas(deployment: 
 async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     deployment: Deployment, projector: ProjectorService
 ) -> None:
+    def dead_lettered(reason: str) -> int:
+        points = metric_points("projector.deltas")
+        return sum(
+            int(p.value)
+            for p in points
+            if p.attributes.get("outcome") == "dead_lettered" and p.attributes.get("reason") == reason
+        )
+
+    def fresh_deltas() -> int:
+        return sum(p.count for p in metric_points("projector.freshness_ms"))
+
+    invalid_before, fresh_before = dead_lettered("invalid_schema"), fresh_deltas()
     subject = deployment.names.delta_subject("acme", "main")
     good_before = upsert("acme", document("before", "fine"))
     wrong_dim = upsert("acme", document("wrong", "bad vector", embedding=[0.1] * 8))
@@ -158,6 +170,8 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
         "content_too_large", "embedding_dimension_mismatch", "embedding_model_mismatch", "invalid_schema",
         "token_vectors_dimension_mismatch",
     ]  # fmt: skip
+    assert dead_lettered("invalid_schema") == invalid_before + 1  # dead letters counted by reason
+    assert fresh_deltas() >= fresh_before + 2  # the two that applied: stored in the stream -> in the index
 
 
 async def test_a_document_keeps_its_vector_in_its_row(deployment: Deployment, projector: ProjectorService) -> None:

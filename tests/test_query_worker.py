@@ -407,9 +407,12 @@ async def test_query_metrics_and_trace_context_cross_nats(
     trace_id = span.get_span_context().trace_id
     durations = metric_points("retrieval.query.duration_ms")
     attributes = [dict(p.attributes) for p in durations]
-    assert {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "postgres-bm25", "followLinks": False} in (
-        attributes
-    )
+    fresh = {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "postgres-bm25", "followLinks": False}
+    assert fresh | {"shape": "concept"} in attributes
+    await _ask(client, "what calls the zip archive function")
+    assert fresh | {"shape": "relationship"} in [
+        dict(p.attributes) for p in metric_points("retrieval.query.duration_ms")
+    ]
     assert any(a["cacheHit"] is True for a in attributes)
     assert sum(p.value for p in metric_points("retrieval.candidates.dense")) > 0
     assert sum(p.value for p in metric_points("retrieval.candidates.sparse")) > 0

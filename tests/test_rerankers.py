@@ -21,6 +21,7 @@ from ontofabric.services.query.core import RerankerError, check_ranking
 from ontofabric.services.query.pipeline import QueryPipeline
 from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder
 
+from .conftest import metric_points
 from .test_pipeline import ScriptedRetrieval, pipeline_over
 
 
@@ -135,6 +136,25 @@ async def test_pipeline_uses_the_reranker_order(cohere_server: str) -> None:
     assert reply.meta.degraded == []
     assert reply.results[0].id == "z"  # "content z" matches the query best
     assert "rerank" in reply.meta.timings_ms
+
+
+async def test_each_rerank_call_records_its_duration_and_its_cost_at_the_configured_prices(cohere_server: str) -> None:
+    reranker = CohereReranker(f"{cohere_server}/ok/v2/rerank", None, "m", timeout_s=2)
+    config = PipelineConfig(reranker_cost_per_call_usd=0.002, reranker_cost_per_document_usd=0.0001)
+
+    def spent() -> float:
+        points = metric_points("retrieval.rerank.cost_usd")
+        return sum(p.value for p in points if p.attributes == {"workspace": "priced", "reranker": "cohere"})
+
+    def calls() -> int:
+        return sum(p.count for p in metric_points("retrieval.rerank.duration_ms"))
+
+    before, called = spent(), calls()
+    reply = await pipeline_over(ScriptedRetrieval(), config=config, reranker=reranker).answer(QUERY, "priced")
+    await reranker.close()
+    assert reply.meta.reranked is True
+    assert spent() - before == pytest.approx(0.002 + 3 * 0.0001)  # one call, the three candidates sent
+    assert calls() == called + 1
 
 
 async def test_candidates_a_reranker_leaves_out_follow_in_fused_order(cohere_server: str) -> None:

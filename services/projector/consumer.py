@@ -97,6 +97,9 @@ class DurableProjection:
         started = time.perf_counter()
         if messages:
             _LAG[(self._index, self.durable)] = messages[-1].metadata.num_pending
+        redelivered = sum(1 for msg in messages if msg.metadata.num_delivered > 1)
+        if redelivered:
+            self._metrics.projector_redeliveries.add(redelivered, {"index": self._index})
         if self._partition is not None:
             elsewhere = [msg for msg in messages if not self._partition.holds(msg.subject)]
             for msg in elsewhere:  # another partition's consumer applies these
@@ -133,8 +136,12 @@ class DurableProjection:
         if outcome.retry:
             assert outcome.error is not None
             await retry_later(outcome.retry, outcome.error, self._index, self._min_retry_s)
+        now = time.time()
         for msg, _ in outcome.done:
             await msg.ack()
+            if outcome.applied and msg.metadata.timestamp is not None:  # in the index since the commit
+                stored_ms = (now - msg.metadata.timestamp.timestamp()) * 1000
+                self._metrics.projector_freshness.record(stored_ms, {"index": self._index})
         for msg, rejection in outcome.refused:
             await dead_letter(self._js, self._names, msg, rejection, self._index)
         self._count(outcome.applied, "applied")
@@ -176,7 +183,7 @@ async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: R
         await retry_later([msg], error, index)
         return
     await msg.term()
-    instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index})
+    instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index, "reason": rejection.reason})
     log.warning("delta_dead_lettered", index=index, seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
 
 

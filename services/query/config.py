@@ -24,6 +24,8 @@ class PipelineConfig:
     early_exit_saturation: float = _default("early_exit_saturation")
     reranker_timeout_ms: int = _default("reranker_timeout_ms")
     reranker_depth: int = _default("reranker_depth")
+    reranker_cost_per_call_usd: float = _default("reranker_cost_per_call_usd")
+    reranker_cost_per_document_usd: float = _default("reranker_cost_per_document_usd")
     late_interaction_weight: float = _default("late_interaction_weight")
     late_interaction_depth: int = _default("late_interaction_depth")
     late_interaction_max_query_tokens: int = _default("late_interaction_max_query_tokens")

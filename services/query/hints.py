@@ -6,6 +6,9 @@ A caller-visible signal only; it never changes results.
 from __future__ import annotations
 
 import re
+from typing import Literal
+
+from ontofabric.contracts import OntologyQuery, QueryMeta
 
 _RELATIONSHIP = re.compile(
     r"\b("
@@ -19,3 +22,20 @@ _RELATIONSHIP = re.compile(
 
 def reads_as_relationship_question(text: str) -> bool:
     return _RELATIONSHIP.search(text) is not None
+
+
+QueryShape = Literal["listing", "relationship", "identifier", "concept"]
+
+
+def shape_of(query: OntologyQuery, meta: QueryMeta) -> QueryShape:
+    """Seed 000's query shapes (the `shape` label of ``retrieval.query.duration_ms``), told from the pipeline's own
+    signals, no classifier of its own: a listing (filters, no text); a relationship question (links followed, or the
+    text reads as one); an exact identifier (the keyword top hit saturated, which only a precision request
+    measures); otherwise a concept query."""
+    if meta.listing:
+        return "listing"
+    if query.follow_links or meta.could_benefit_from_link_expansion:
+        return "relationship"
+    if meta.skipped_rerank == "bm25_saturation":
+        return "identifier"
+    return "concept"

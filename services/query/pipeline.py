@@ -47,7 +47,7 @@ from .core import (
 )
 from .fusion import Fused, fuse
 from .graph import GraphCache, OntologyGraph, expand
-from .hints import reads_as_relationship_question
+from .hints import reads_as_relationship_question, shape_of
 from .run import QueryRun, milliseconds_since
 from .stages import (
     Refinements,
@@ -383,6 +383,10 @@ class QueryPipeline:
             return check_ranking(answer, len(sent))
 
         ranked = await run.guarded("reranker", ranking(), stage="rerank", reserve_s=REFINEMENT_RESERVE_S)
+        if "rerank" in run.timings:  # it was called
+            self._metrics.rerank_duration.record(run.timings["rerank"], {"reranker": reranker.name})
+            cost = self._config.reranker_cost_per_call_usd + self._config.reranker_cost_per_document_usd * len(sent)
+            self._metrics.rerank_cost.add(cost, {"workspace": run.workspace, "reranker": reranker.name})
         if ranked is None:
             return candidates
         run.report(reranked=True, reranker=reranker.name)
@@ -447,8 +451,11 @@ class QueryPipeline:
             "cacheHit": meta.cache_hit,
             "backend": meta.backend,
             "followLinks": query.follow_links,
+            "shape": shape_of(query, meta),
         }
         self._metrics.query_duration.record(meta.timings_ms["total"], attributes)
+        if "expansion" in meta.timings_ms:
+            self._metrics.graph_expansion_duration.record(meta.timings_ms["expansion"])
         return response
 
     def invalidate(self, workspace: str, branch: str, version: str, rebuilt: bool = False) -> None:

@@ -1,0 +1,116 @@
+"""The alert rules under promtool's unit tests, and a real Prometheus scraping a query worker's metrics endpoint.
+
+Both need Debian's `prometheus` package (`promtool`, `prometheus`); .ci/run installs it and sets
+ONTOFABRIC_TEST_REQUIRE_PROMETHEUS so that CI fails rather than skips without it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.runtime import free_port
+
+from .conftest import Deployment
+
+RULES = Path(__file__).parent.parent / "infra" / "prometheus"
+ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+
+
+def _binary(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_PROMETHEUS"):
+            pytest.fail(f"{name} is missing (apt-get install prometheus)")
+        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+    return found
+
+
+def test_the_rules_are_valid_and_their_unit_tests_pass() -> None:
+    promtool = _binary("promtool")
+    checked = subprocess.run([promtool, "check", "rules", "rules.yml"], cwd=RULES, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=RULES, capture_output=True, text=True)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def _ask(port: int, path: str, **params: str) -> Any:
+    url = f"http://127.0.0.1:{port}{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)["data"]
+
+
+@pytest.mark.servers
+async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    prometheus = _binary("prometheus")
+    metrics_port, web_port = free_port(), free_port()
+    env = deployment.env() | {
+        "ONTOFABRIC_NATS_URL": deployment.nats_url_as("query"),
+        "ONTOFABRIC_METRICS_PORT": str(metrics_port),
+        "ONTOFABRIC_LOG_LEVEL": "WARNING",
+    }
+    worker = await asyncio.create_subprocess_exec(ONTOFABRIC, "query-worker", env=env)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        json.dumps(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(RULES / "rules.yml")],
+                "scrape_configs": [
+                    {"job_name": "ontofabric-query", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
+                ],
+            }
+        )
+    )
+    server = await asyncio.create_subprocess_exec(
+        prometheus,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{web_port}",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        client = QueryClient(deployment.nc, deployment.names, timeout_s=5)
+        async with asyncio.timeout(90):  # the worker starting, then answering
+            while True:
+                with contextlib.suppress(nats.errors.NoRespondersError):
+                    if isinstance(await client.query("acme", {"semanticQuery": "anything"}), QueryResponse):
+                        break
+                await asyncio.sleep(0.5)
+        series = "retrieval_query_duration_ms_milliseconds_count"
+        async with asyncio.timeout(60):  # scraped
+            while not (found := (await asyncio.to_thread(_ask, web_port, "/api/v1/query", query=series))["result"]):
+                await asyncio.sleep(0.5)
+        assert found[0]["metric"]["shape"] == "concept"
+        assert found[0]["metric"]["job"] == "ontofabric-query"
+        up = await asyncio.to_thread(_ask, web_port, "/api/v1/query", query="up")
+        assert [sample["value"][1] for sample in up["result"]] == ["1"]
+        async with asyncio.timeout(30):  # every rule evaluated, none failing
+            while True:
+                groups = (await asyncio.to_thread(_ask, web_port, "/api/v1/rules"))["groups"]
+                rules = [rule for group in groups for rule in group["rules"]]
+                if rules and all(rule.get("lastEvaluation", "").startswith("2") for rule in rules):
+                    break
+                await asyncio.sleep(0.5)
+        assert {group["name"] for group in groups} == {"ontofabric-recording", "ontofabric-alerts"}
+        assert all(rule["health"] == "ok" for rule in rules), [r for r in rules if r["health"] != "ok"]
+    finally:
+        for process in (server, worker):
+            process.terminate()
+            await process.wait()

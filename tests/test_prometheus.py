@@ -1,4 +1,5 @@
-"""The alert rules under promtool's unit tests, and a real Prometheus scraping a query worker's metrics endpoint.
+"""The alert rules under promtool's unit tests, and a real Prometheus scraping a query worker's metrics endpoint,
+evaluating the rules and the Grafana dashboard's queries.
 
 Both need Debian's `prometheus` package (`promtool`, `prometheus`); .ci/run installs it and sets
 ONTOFABRIC_TEST_REQUIRE_PROMETHEUS so that CI fails rather than skips without it."""
@@ -27,6 +28,7 @@ from ontofabric.shared.runtime import free_port
 from .conftest import Deployment
 
 RULES = Path(__file__).parent.parent / "infra" / "prometheus"
+DASHBOARD = Path(__file__).parent.parent / "infra" / "grafana" / "dashboards" / "ontofabric.json"
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 
 
@@ -110,6 +112,15 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
                 await asyncio.sleep(0.5)
         assert {group["name"] for group in groups} == {"ontofabric-recording", "ontofabric-alerts"}
         assert all(rule["health"] == "ok" for rule in rules), [r for r in rules if r["health"] != "ok"]
+        # Every query of the Grafana dashboard is one this Prometheus runs; the latency panel shows the query.
+        dashboard = json.loads(DASHBOARD.read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                await asyncio.to_thread(_ask, web_port, "/api/v1/query", query=target["expr"])  # raises on an error
+        latency = dashboard["panels"][0]["targets"][0]["expr"]
+        async with asyncio.timeout(30):
+            while not (await asyncio.to_thread(_ask, web_port, "/api/v1/query", query=latency))["result"]:
+                await asyncio.sleep(0.5)
     finally:
         for process in (server, worker):
             process.terminate()

@@ -1,0 +1,177 @@
+"""compose.yaml, proven without Docker: validated by docker-compose (Debian's package), and its workers started each
+as its own process with the variables the compose file gives them, against separately started servers (a
+nats-server with JetStream and no users, as compose runs it, and PostgreSQL), answering over NATS and serving their
+metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+import nats.errors
+import pytest
+import yaml
+
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.ops.status import query_workers
+from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.jetstream import connect, wait_projected
+from ontofabric.shared.runtime import Endpoints, _spawn, _wait_until, free_port, nats_server_binary
+from ontofabric.shared.subjects import Names
+
+from .conftest import with_database
+from .factories import document, upsert
+
+ROOT = Path(__file__).parent.parent
+COMPOSE = ROOT / "compose.yaml"
+ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+
+
+def _compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+def test_docker_compose_validates_the_compose_file_and_prometheus_its_configuration(tmp_path: Path) -> None:
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_PROMETHEUS"):  # CI installs both packages
+            pytest.fail("docker-compose is missing (apt-get install docker-compose)")
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    env = {**os.environ, "TORCH_INDEX_URL": "https://download.invalid/whl/cpu"}
+    checked = subprocess.run(
+        [compose, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stderr
+    # Every file the compose file mounts exists in the tree.
+    for service in _compose()["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), source
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # the scrape configuration, with the rules where the container has them
+        config = (ROOT / "infra" / "prometheus" / "prometheus.yml").read_text()
+        (tmp_path / "prometheus.yml").write_text(config.replace("/etc/prometheus/rules.yml", "rules.yml"))
+        shutil.copy(ROOT / "infra" / "prometheus" / "rules.yml", tmp_path / "rules.yml")
+        result = subprocess.run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _worker_env(service: str, nats_url: str, database_url: str, metrics_port: int) -> dict[str, str]:
+    """The service's environment from compose.yaml, with the compose network's host names replaced by where the
+    servers run here and, since the processes share one host, a port of its own for the metrics."""
+    compose = _compose()
+    environment = {k: str(v) for k, v in compose["services"][service]["environment"].items() if v is not None}
+    assert urlsplit(environment["ONTOFABRIC_NATS_URL"]).hostname == "nats"
+    assert urlsplit(environment["ONTOFABRIC_DATABASE_URL"]).hostname == "postgres"
+    environment["ONTOFABRIC_NATS_URL"] = nats_url
+    environment["ONTOFABRIC_DATABASE_URL"] = database_url
+    environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"  # a collector that is not there
+    environment["ONTOFABRIC_METRICS_PORT"] = str(metrics_port)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ONTOFABRIC_", "OTEL_"))}
+    # The image's own defaults (infra/Dockerfile) stay the package's; no embedder, as in a test deployment.
+    return base | environment | {"ONTOFABRIC_EMBEDDER": "none", "ONTOFABRIC_LOG_LEVEL": "WARNING"}
+
+
+@contextlib.asynccontextmanager
+async def _nats_as_compose_runs_it(directory: Path) -> AsyncIterator[str]:
+    """A nats-server with JetStream and no users, as compose.yaml's `nats` service."""
+    port = free_port()
+    (directory / "nats.conf").write_text(
+        json.dumps({"host": "127.0.0.1", "port": port, "jetstream": {"store_dir": str(directory / "js")}})
+    )
+    argv = [str(nats_server_binary()), "--config", str(directory / "nats.conf")]
+    server = _spawn("nats-server", argv, directory / "nats.log", signal.SIGTERM)
+    try:
+        _wait_until(lambda: _listening(port), server, timeout=30)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+@pytest.mark.servers
+async def test_the_compose_workers_started_as_processes_with_its_variables_serve(
+    servers: Endpoints, tmp_path: Path
+) -> None:
+    database = "compose" + os.urandom(4).hex()
+    admin = await asyncpg.connect(with_database(servers.database_url, "postgres"))
+    await admin.execute(f'CREATE DATABASE "{database}"')
+    processes: list[asyncio.subprocess.Process] = []
+    try:
+        async with _nats_as_compose_runs_it(tmp_path) as nats_url:
+            database_url = with_database(servers.database_url, database)
+            ports = {"projector": free_port(), "query-worker-1": free_port(), "query-worker-2": free_port()}
+            for name, port in ports.items():
+                service = name.rsplit("-", 1)[0] if name.startswith("query") else name
+                command = _compose()["services"][service]["command"]
+                env = _worker_env(service, nats_url, database_url, port)
+                processes.append(await asyncio.create_subprocess_exec(ONTOFABRIC, *command, env=env))
+            assert _compose()["services"]["query-worker"]["deploy"]["replicas"] == 2
+
+            nc = await connect(nats_url, "compose-test")
+            try:
+                names = Names()  # compose sets no prefix: the default deployment
+                js = nc.jetstream()
+                async with asyncio.timeout(120):  # the projector made the streams
+                    while True:
+                        with contextlib.suppress(Exception):
+                            await js.stream_info(names.delta_stream)
+                            break
+                        await asyncio.sleep(0.5)
+                acks = await DeltaPublisher(js, names).publish_many(
+                    [
+                        upsert("acme", document(f"doc-{n}", f"compress a directory into a zip archive {n}"))
+                        for n in range(5)
+                    ]
+                )
+                await wait_projected(js, names, 1, acks[-1].seq, 60)
+                client = QueryClient(nc, names, timeout_s=5)
+                async with asyncio.timeout(120):
+                    while True:
+                        with contextlib.suppress(nats.errors.NoRespondersError):
+                            reply = await client.query("acme", {"semanticQuery": "zip archive", "topK": 5})
+                            if isinstance(reply, QueryResponse) and reply.results:
+                                break
+                        await asyncio.sleep(0.5)
+                assert {r.id for r in reply.results} == {f"doc-{n}" for n in range(5)}
+                async with asyncio.timeout(30):
+                    while len(await query_workers(nc, names)) < 2:
+                        await asyncio.sleep(0.5)
+                scraped = {name: await asyncio.to_thread(_scrape, port) for name, port in ports.items()}
+                assert "projector_deltas_total" in scraped["projector"]
+                assert any("retrieval_query_duration_ms" in scraped[n] for n in ("query-worker-1", "query-worker-2"))
+            finally:
+                await nc.close()
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            await asyncio.wait_for(process.wait(), 60)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await admin.close()

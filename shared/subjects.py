@@ -98,6 +98,14 @@ class Names:
     def dlq_subject(self, workspace_token: str) -> str:
         return f"{self.prefix}.dlq.{workspace_token}"
 
+    @staticmethod
+    def workspace_of_dlq_subject(subject: str) -> str | None:
+        """The workspace a dead letter's subject names; None when it names none (``_unknown``)."""
+        try:
+            return decode_token(subject.rsplit(".", 1)[-1])
+        except ValueError:
+            return None
+
     # ontology versions
     @property
     def version_bucket(self) -> str:

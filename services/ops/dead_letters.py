@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
 from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import get_logger
-from ontofabric.shared.subjects import Names, decode_token, encode_token
+from ontofabric.shared.subjects import Names, encode_token
 
 log = get_logger(__name__)
 
@@ -65,16 +65,11 @@ class DeadLetter:
     @classmethod
     def of(cls, msg: Msg) -> DeadLetter:
         headers = msg.headers or {}
-        token = msg.subject.rsplit(".", 1)[-1]
-        try:
-            workspace: str | None = decode_token(token)
-        except ValueError:
-            workspace = None
         timestamp = msg.metadata.timestamp
         return cls(
             seq=msg.metadata.sequence.stream,
             stored_at=timestamp if timestamp is not None else datetime.fromtimestamp(0, UTC),
-            workspace=workspace,
+            workspace=Names.workspace_of_dlq_subject(msg.subject),
             reason=headers.get("Ontofabric-Reason", "unknown"),
             detail=headers.get("Ontofabric-Detail", ""),
             index=headers.get("Ontofabric-Index", ""),

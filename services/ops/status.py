@@ -17,9 +17,8 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.services.query.freshness import published_after
-from ontofabric.shared.jetstream import ack_floor
 from ontofabric.shared.placement import Placement
-from ontofabric.shared.subjects import Names, decode_token
+from ontofabric.shared.subjects import Names
 
 DISCOVERY_WAIT_S = 0.5
 """How long replies to a service-discovery ping are gathered."""
@@ -78,38 +77,7 @@ async def deployment_status(
     js = nc.jetstream()
     status = DeploymentStatus()
     durables = names.postgres_projector_durables(placement.partitions)
-    read = await asyncio.gather(*(ack_floor(js, names.delta_stream, durable) for durable in durables))
-    floors = dict(zip(durables, read, strict=True))
-    for version in await _announced(nc, names):
-        if workspace is not None and version.workspace != workspace:
-            continue
-        subject = names.delta_subject(version.workspace, version.branch)
-        try:
-            latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
-        except NotFoundError:
-            latest = None
-        position = floors[durables[placement.partition_of(version.workspace)]]
-        pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
-        status.branches.append(
-            BranchStatus(
-                version.workspace,
-                version.branch,
-                version.ontology_version,
-                version.updated_at,
-                latest,
-                position,
-                pending.deltas,
-                pending.oldest_ms,
-            )
-        )
-    dlq = await js.stream_info(names.dlq_stream, subjects_filter=names.dlq_subjects)
-    for subject, count in sorted((dlq.state.subjects or {}).items()):
-        try:
-            owner = decode_token(subject.rsplit(".", 1)[-1])
-        except ValueError:
-            owner = subject
-        if workspace is None or owner == workspace:
-            status.dead_letters[owner] = count
+    # Each projector consumer read once: its position serves the branches below, and the consumer table.
     for durable in [*durables, names.azure_projector_durable]:
         try:
             info = await js.consumer_info(names.delta_stream, durable)
@@ -125,6 +93,34 @@ async def deployment_status(
                 info.delivered.last_active if info.delivered else None,
             )
         )
+    floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}
+    for version in await _announced(nc, names):
+        if workspace is not None and version.workspace != workspace:
+            continue
+        subject = names.delta_subject(version.workspace, version.branch)
+        try:
+            latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
+        except NotFoundError:
+            latest = None
+        position = floors.get(durables[placement.partition_of(version.workspace)], 0)
+        pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
+        status.branches.append(
+            BranchStatus(
+                version.workspace,
+                version.branch,
+                version.ontology_version,
+                version.updated_at,
+                latest,
+                position,
+                pending.deltas,
+                pending.oldest_ms,
+            )
+        )
+    dlq = await js.stream_info(names.dlq_stream, subjects_filter=names.dlq_subjects)
+    for subject, count in sorted((dlq.state.subjects or {}).items()):
+        owner = names.workspace_of_dlq_subject(subject) or subject
+        if workspace is None or owner == workspace:
+            status.dead_letters[owner] = count
     status.query_workers = await query_workers(nc, names)
     return status
 

@@ -731,17 +731,21 @@ def migrate_command(data_dir: DataDir = None) -> None:
 
 @app.command()
 def contracts(
-    write: Annotated[bool, typer.Option("--write", help="Rewrite contracts/schemas from the models.")] = False,
+    write: Annotated[
+        bool, typer.Option("--write", help="Rewrite contracts/schemas and contracts/asyncapi.json from the models.")
+    ] = False,
 ) -> None:
-    """Check (or rewrite) the committed JSON Schemas of the wire contracts."""
+    """Check (or rewrite) the committed JSON Schemas of the wire contracts and the AsyncAPI document."""
+    from ontofabric.shared import asyncapi
+
     if write:
-        for path in schema.write():
+        for path in [*schema.write(), asyncapi.write()]:
             console.print(f"wrote {path}")
         return
-    drifted = schema.drift()
+    drifted = schema.drift() + (["asyncapi.json"] if asyncapi.drifted() else [])
     if drifted:
-        _fail(f"schemas differ from the models: {', '.join(drifted)} (run `ontofabric contracts --write`)")
-    console.print("schemas match the models")
+        _fail(f"contracts differ from the models: {', '.join(drifted)} (run `ontofabric contracts --write`)")
+    console.print("schemas and the AsyncAPI document match the models")
 
 
 @app.command("settings")

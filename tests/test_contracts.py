@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
+import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 from pydantic import ValidationError
 
 from ontofabric.contracts import OntologyQuery, QueryResponse, TokenVectors, schema
+from ontofabric.shared import asyncapi
+from ontofabric.shared.subjects import OPERATIONS, Names
+
+from . import factories
 
 
 def test_committed_schemas_match_the_models() -> None:
@@ -117,3 +125,78 @@ def test_token_vectors_that_are_no_whole_tokens_are_rejected(dimension: int, siz
         TokenVectors.model_validate({"dimension": 8, "data": "not base64!"})
     with pytest.raises(ValidationError, match="data"):  # valid padding, a character outside the alphabet
         TokenVectors.model_validate({"dimension": 16, "data": "AQI!!!=="})
+
+
+def test_the_committed_asyncapi_document_matches_the_contracts(tmp_path: Path) -> None:
+    assert not asyncapi.drifted(), "regenerate with `ontofabric contracts --write`"
+    stale = tmp_path / "asyncapi.json"
+    stale.write_text(asyncapi.DOCUMENT_PATH.read_text().replace('"ontofabric.query.', '"ontofabric.ask.'))
+    assert asyncapi.drifted(stale)
+
+
+def _matches(address: str, subject: str) -> bool:
+    """Whether a concrete subject is one of a channel address's (each ``{parameter}`` one or more tokens)."""
+    pattern = re.escape(address)
+    pattern = re.sub(r"\\\{[a-z]+\\\}", "[^ ]+", pattern)
+    return re.fullmatch(pattern, subject) is not None
+
+
+def test_every_subject_the_services_use_has_a_channel() -> None:
+    document = json.loads(asyncapi.render())
+    addresses = [channel["address"] for channel in document["channels"].values() if channel["address"]]
+    names = Names()
+    used = [
+        names.delta_subject("acme", "feature/x.y"),
+        f"{names.prefix}.published.acme.main",
+        names.dlq_subject("acme"),
+        names.version_event_subject("acme", "main"),
+        f"$KV.{names.version_bucket}.{names.version_key('acme', 'main')}",
+        f"$KV.{names.manifest_bucket}.acme.main.head",
+        *(names.request_subject(operation, "acme") for operation in OPERATIONS),
+    ]
+    assert [subject for subject in used if not any(_matches(a, subject) for a in addresses)] == []
+    # and the republish subject is the one the stream's configuration maps deltas to
+    assert names.published_subjects == f"{names.prefix}.published.>"
+
+
+def test_a_delta_and_a_query_validate_against_the_documents_schemas() -> None:
+    document = json.loads(asyncapi.render())
+    components = document["components"]
+
+    def validator(message: str) -> jsonschema.Draft7Validator:
+        payload = components["messages"][message]["payload"]
+        return jsonschema.Draft7Validator({**payload, "components": components})
+
+    delta = factories.upsert(
+        "acme", factories.document("d1", "def parse(): ...", embedding=factories.unit_vector("d1"))
+    )
+    validator("DeltaEnvelope").validate(json.loads(delta.model_dump_json(by_alias=True, exclude_none=True)))
+    validator("OntologyQuery").validate({"semanticQuery": "parse a file", "topK": 5})
+    errors = list(validator("OntologyQuery").iter_errors({"semanticQuery": "x", "topK": "many"}))
+    assert errors, "a wrong type must not validate"
+
+
+def test_the_asyncapi_cli_finds_the_document_valid(tmp_path: Path) -> None:
+    cli = Path(__file__).parent / "asyncapi" / "node_modules" / ".bin" / "asyncapi"
+    if not cli.exists():
+        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_TOOLS"):
+            pytest.fail("the AsyncAPI CLI is missing (npm install --prefix tests/asyncapi)")
+        pytest.skip("the AsyncAPI CLI is not installed (npm install --prefix tests/asyncapi)")
+    # CI=true and a config file of its own: the CLI neither reports usage nor writes to the home directory.
+    env = {**os.environ, "CI": "true", "ASYNCAPI_METRICS_CONFIG_PATH": str(tmp_path / "analytics.json")}
+    checked = subprocess.run(
+        [str(cli), "validate", str(asyncapi.DOCUMENT_PATH), "--fail-severity", "warn"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    broken = tmp_path / "broken.json"
+    document = json.loads(asyncapi.render())
+    document["operations"]["publishDelta"]["action"] = "publish"  # AsyncAPI 2's word, not a 3.0 action
+    broken.write_text(json.dumps(document))
+    refused = subprocess.run(
+        [str(cli), "validate", str(broken), "--fail-severity", "warn"], capture_output=True, text=True, env=env
+    )
+    assert refused.returncode != 0, refused.stdout

@@ -49,7 +49,7 @@ def _compose() -> dict[str, Any]:
 def test_docker_compose_validates_the_compose_file_and_prometheus_its_configuration(tmp_path: Path) -> None:
     compose = shutil.which("docker-compose")
     if compose is None:
-        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_PROMETHEUS"):  # CI installs both packages
+        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_TOOLS"):  # CI installs both packages
             pytest.fail("docker-compose is missing (apt-get install docker-compose)")
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     env = {**os.environ, "TORCH_INDEX_URL": "https://download.invalid/whl/cpu"}

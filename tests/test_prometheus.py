@@ -2,7 +2,7 @@
 evaluating the rules and the Grafana dashboard's queries.
 
 Both need Debian's `prometheus` package (`promtool`, `prometheus`); .ci/run installs it and sets
-ONTOFABRIC_TEST_REQUIRE_PROMETHEUS so that CI fails rather than skips without it."""
+ONTOFABRIC_TEST_REQUIRE_TOOLS so that CI fails rather than skips without it."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 def _binary(name: str) -> str:
     found = shutil.which(name)
     if found is None:
-        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_PROMETHEUS"):
+        if os.environ.get("ONTOFABRIC_TEST_REQUIRE_TOOLS"):
             pytest.fail(f"{name} is missing (apt-get install prometheus)")
         pytest.skip(f"{name} is not installed (apt-get install prometheus)")
     return found

@@ -48,6 +48,14 @@ class LruCache(Generic[K, V]):
         while len(self._entries) > self._max_entries or (self._max_bytes is not None and self.bytes > self._max_bytes):
             self._forget(next(iter(self._entries)))
 
+    def peek(self, key: K) -> V | None:
+        """The entry, without making it recently used."""
+        return self._entries.get(key)
+
+    def items(self) -> list[tuple[K, V]]:
+        """Every entry, least recently used first."""
+        return list(self._entries.items())
+
     def drop_where(self, stale: Callable[[K], bool]) -> int:
         """Forget every entry whose key is ``stale``; returns how many went."""
         keys = [key for key in self._entries if stale(key)]

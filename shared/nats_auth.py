@@ -98,7 +98,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"$JS.FC.{legacy}.>",
                 f"{API}.STREAM.DELETE.{legacy}",
             ],
-            subscribe=inbox,
+            subscribe=[*inbox, names.published_subjects],  # what the stream stored: each workspace's lag
         )
     if role == "query":
         return Permissions(

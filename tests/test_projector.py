@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Callable
 
 import asyncpg
 import numpy as np
@@ -452,3 +453,35 @@ async def test_while_the_database_is_away_the_projector_backs_off_instead_of_chu
     assert await _live_rows(deployment, "acme") == {f"d{i}": f"text {i}" for i in range(600)}
     print(f"batches tried during 4 s of outage: {failed}")
     assert failed <= 8  # pauses of 0.25, 0.5, 1 and 2 s: about five tries
+
+
+def _gauge(name: str, **labels: str) -> float | None:
+    values = [p.value for p in metric_points(name) if all(p.attributes.get(k) == v for k, v in labels.items())]
+    return max(values) if values else None
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.1)
+
+
+async def test_gauges_say_how_far_each_workspace_and_the_consumer_are_behind(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    durable = deployment.names.postgres_projector_durable
+    caught_up = await deployment.publisher.publish(upsert("steady", document("a", "alpha")))
+    await deployment.wait_projected(caught_up.seq)
+    async with deployment.database_outage():
+        behind = [await deployment.publisher.publish(upsert("stalled", document(f"d{i}", "beta"))) for i in range(3)]
+        first_stalled_seq = behind[0].seq
+        # the stalled workspace's newest delta is ahead of what the projector settled there; the steady one is not
+        await _until(lambda: (_gauge("projector.workspace.lag", workspace="stalled") or 0) >= 1)
+        assert _gauge("projector.workspace.lag", workspace="steady") == 0
+        # delivered, not acked: the consumer's own state, asked of JetStream
+        await _until(lambda: (_gauge("projector.unacked", consumer=durable) or 0) >= 1)
+        assert behind[-1].seq - caught_up.seq >= (_gauge("projector.workspace.lag", workspace="stalled") or 0)
+        assert first_stalled_seq > caught_up.seq
+    await deployment.wait_projected(behind[-1].seq, timeout_s=60)
+    await _until(lambda: _gauge("projector.workspace.lag", workspace="stalled") == 0)
+    await _until(lambda: _gauge("projector.unacked", consumer=durable) == 0)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
+from ontofabric.services.projector.consumer import WorkspaceLag
 from ontofabric.services.projector.planning import Delta, Limits
 from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
 from ontofabric.shared.subjects import Names
@@ -100,3 +101,16 @@ async def test_a_redelivered_batch_says_so_to_the_sink() -> None:
     assert [p.applied async for p in runner.run([_valid(1), _valid(2)])] == [2]
     assert [p.applied async for p in runner.run([_valid(1), _msg(2, _valid(2).data, delivered=2)])] == [2]
     assert seen == [False, True]
+
+
+def test_a_workspaces_lag_is_its_newest_delta_past_what_was_settled_there_or_the_floor() -> None:
+    lag = WorkspaceLag(max_workspaces=2)
+    lag.published("acme", 10)
+    lag.published("beta", 12)
+    lag.settled("acme", 7)
+    assert lag.lags() == {"acme": 3, "beta": 12}
+    lag.published("acme", 9)  # an older one's headers, late: the newest stays
+    lag.floor(11)  # everything up to 11 settled (by another process, or before a restart)
+    assert lag.lags() == {"acme": 0, "beta": 1}
+    lag.settled("gamma", 20)  # settled before its headers arrived: stored all the same
+    assert lag.lags() == {"acme": 0, "gamma": 0}  # beta, the least recently published to, is forgotten

@@ -9,11 +9,14 @@ then the projector's position: every delta up to it is in the sink (or dead-lett
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import propagate
@@ -22,8 +25,9 @@ from opentelemetry.trace import Link, get_current_span
 
 from ontofabric.shared.jetstream import BatchPuller, StreamReader, backoff_s, nak_delay
 from ontofabric.shared.logging import describe, get_logger
+from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, Partition, workspace_token_of
+from ontofabric.shared.subjects import Names, Partition, decode_token, workspace_token_of
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
 from .planning import Rejection
@@ -38,17 +42,93 @@ MAX_PAUSE_S = 5.0
 MAX_SPAN_LINKS = 128
 """The OpenTelemetry SDK's default link limit per span; more are dropped."""
 
-_LAG: dict[tuple[str, str], int] = {}
-"""Deltas in the stream not yet delivered to each (index, consumer), as its last batch said."""
+WATCH_EVERY_S = 5.0
+"""How often a projector asks JetStream for its consumer's state (one request): what the gauges below report."""
+MAX_WORKSPACES_WATCHED = 10_000
+"""Workspaces whose lag a projector reports at most (the most recently published to): bounds the series."""
+
+
+class WorkspaceLag:
+    """How far a consumer is behind each workspace, in stream sequences: the newest delta the stream stored for the
+    workspace minus the highest this consumer has settled there (applied or dead-lettered), or its ack floor when
+    that is higher (another process of the same consumer, or a restart, settled them). Pure bookkeeping."""
+
+    def __init__(self, max_workspaces: int = MAX_WORKSPACES_WATCHED) -> None:
+        self._published: LruCache[str, int] = LruCache(max_workspaces)
+        self._settled: LruCache[str, int] = LruCache(max_workspaces)
+        self._floor = 0
+
+    def published(self, workspace: str, seq: int) -> None:
+        self._published.put(workspace, max(seq, self._published.peek(workspace) or 0))
+
+    def settled(self, workspace: str, seq: int) -> None:
+        self._settled.put(workspace, max(seq, self._settled.peek(workspace) or 0))
+        self.published(workspace, seq)  # it was stored, even if its republished headers were missed
+
+    def floor(self, seq: int) -> None:
+        self._floor = max(self._floor, seq)
+
+    def lags(self) -> dict[str, int]:
+        return {
+            workspace: max(newest - max(self._settled.peek(workspace) or 0, self._floor), 0)
+            for workspace, newest in self._published.items()
+        }
+
+
+@dataclass
+class ConsumerState:
+    """What the gauges report for one (index, consumer)."""
+
+    undelivered: int = 0
+    unacked: int = 0
+    workspaces: WorkspaceLag = field(default_factory=WorkspaceLag)
+
+
+_WATCHED: dict[tuple[str, str], ConsumerState] = {}
 
 
 def _observe_lag(_: CallbackOptions) -> list[Observation]:
-    return [Observation(lag, {"index": index, "consumer": consumer}) for (index, consumer), lag in _LAG.items()]
+    return [
+        Observation(state.undelivered, {"index": index, "consumer": consumer})
+        for (index, consumer), state in _WATCHED.items()
+    ]
+
+
+def _observe_unacked(_: CallbackOptions) -> list[Observation]:
+    return [
+        Observation(state.unacked, {"index": index, "consumer": consumer})
+        for (index, consumer), state in _WATCHED.items()
+    ]
+
+
+def _observe_workspace_lag(_: CallbackOptions) -> list[Observation]:
+    return [
+        Observation(lag, {"index": index, "workspace": workspace})
+        for (index, _consumer), state in _WATCHED.items()
+        for workspace, lag in state.workspaces.lags().items()
+    ]
 
 
 meter().create_observable_gauge(
     "projector.lag", callbacks=[_observe_lag], description="deltas in the stream not yet delivered to the projector"
 )
+meter().create_observable_gauge(
+    "projector.unacked", callbacks=[_observe_unacked], description="deltas delivered and not yet settled"
+)
+meter().create_observable_gauge(
+    "projector.workspace.lag",
+    callbacks=[_observe_workspace_lag],
+    description="stream sequences between a workspace's newest delta and the last the projector settled there",
+)
+
+
+def workspace_of_subject(subject: str) -> str | None:
+    """The workspace a delta subject names; None when it names none."""
+    token = workspace_token_of(subject)
+    try:
+        return decode_token(token) if token else None
+    except ValueError:
+        return None
 
 
 def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
@@ -92,20 +172,34 @@ class DurableProjection:
         self._metrics = instruments()
         self._failing = 0
         """Batches in a row whose sink write failed for a passing reason (the database away)."""
+        self.state = _WATCHED.setdefault((self._index, durable), ConsumerState())
+
+    def forget(self) -> None:
+        """Stop reporting this consumer's gauges (it has stopped)."""
+        _WATCHED.pop((self._index, self.durable), None)
+
+    def holds(self, subject: str) -> bool:
+        """Whether this consumer applies the deltas of the subject's workspace."""
+        return self._partition is None or self._partition.holds(subject)
+
+    def _settled(self, msg: Msg) -> None:
+        workspace = workspace_of_subject(msg.subject)
+        if workspace is not None:
+            self.state.workspaces.settled(workspace, msg.metadata.sequence.stream)
 
     async def handle(self, messages: Sequence[Msg]) -> None:
         started = time.perf_counter()
         if messages:
-            _LAG[(self._index, self.durable)] = messages[-1].metadata.num_pending
+            self.state.undelivered = messages[-1].metadata.num_pending
         redelivered = sum(1 for msg in messages if msg.metadata.num_delivered > 1)
         if redelivered:
             self._metrics.projector_redeliveries.add(redelivered, {"index": self._index})
         if self._partition is not None:
-            elsewhere = [msg for msg in messages if not self._partition.holds(msg.subject)]
+            elsewhere = [msg for msg in messages if not self.holds(msg.subject)]
             for msg in elsewhere:  # another partition's consumer applies these
                 await msg.ack()
             self._count(len(elsewhere), "other_partition")
-            messages = [msg for msg in messages if self._partition.holds(msg.subject)]
+            messages = [msg for msg in messages if self.holds(msg.subject)]
         with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             span.set_attribute("index", self._index)
@@ -127,6 +221,7 @@ class DurableProjection:
     async def _settle(self, outcome: Outcome) -> None:
         """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink."""
         for msg, rejection in outcome.invalid:
+            self._settled(msg)
             if self._dead_letters_invalid:
                 await dead_letter(self._js, self._names, msg, rejection, self._index)
             else:
@@ -139,11 +234,13 @@ class DurableProjection:
         now = time.time()
         for msg, _ in outcome.done:
             await msg.ack()
+            self._settled(msg)
             if outcome.applied and msg.metadata.timestamp is not None:  # in the index since the commit
                 stored_ms = (now - msg.metadata.timestamp.timestamp()) * 1000
                 self._metrics.projector_freshness.record(stored_ms, {"index": self._index})
         for msg, rejection in outcome.refused:
             await dead_letter(self._js, self._names, msg, rejection, self._index)
+            self._settled(msg)
         self._count(outcome.applied, "applied")
         self._count(outcome.noops, "noop")
 
@@ -187,9 +284,47 @@ async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: R
     log.warning("delta_dead_lettered", index=index, seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
 
 
+class RunningProjection:
+    """A projection's pull loop, and the watch that keeps its gauges current: the consumer's state, asked of
+    JetStream every few seconds (so an idle or stuck consumer reports too), and the newest delta of each of its
+    workspaces, from the headers the delta stream republishes."""
+
+    def __init__(
+        self, projection: DurableProjection, puller: BatchPuller, watching: asyncio.Task[None], published: Subscription
+    ) -> None:
+        self._projection = projection
+        self._puller = puller
+        self._watching = watching
+        self._published = published
+
+    async def stop(self) -> None:
+        self._watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watching
+        with contextlib.suppress(Exception):  # the connection may be closing already
+            await self._published.unsubscribe()
+        await self._puller.stop()
+        self._projection.forget()
+
+
+async def _watch_consumer(js: JetStreamContext, names: Names, projection: DurableProjection) -> None:
+    state = projection.state
+    while True:
+        try:
+            info = await js.consumer_info(names.delta_stream, projection.durable)
+        except Exception as error:  # JetStream away for a moment: the gauges keep their last values
+            log.debug("consumer_watch_failed", consumer=projection.durable, error=describe(error))
+        else:
+            state.undelivered = info.num_pending or 0
+            state.unacked = info.num_ack_pending or 0
+            if info.ack_floor is not None:
+                state.workspaces.floor(info.ack_floor.stream_seq or 0)
+        await asyncio.sleep(WATCH_EVERY_S)
+
+
 async def start_projection(
     nc: Client, names: Names, settings: Settings, projection: DurableProjection, batch_size: int
-) -> BatchPuller:
+) -> RunningProjection:
     """A projector's durable pull consumer of every delta, from the stream's first, read and handed to
     ``projection`` in a task of its own. Deltas are acked one by one after they are in the sink; an unacked one
     comes back after the ack wait (kept from running out while its batch is being handled), for ever."""
@@ -219,5 +354,15 @@ async def start_projection(
     # The server hears that a batch is in hand a few times per ack wait, so the wait can be short: after a crash
     # its deltas come back within it.
     puller = BatchPuller(reader, projection.handle, progress_every_s=settings.projector_ack_wait_s / 3)
+    workspaces = projection.state.workspaces
+
+    async def published(msg: Msg) -> None:
+        subject, seq = (msg.headers or {}).get("Nats-Subject", ""), (msg.headers or {}).get("Nats-Sequence", "")
+        workspace = workspace_of_subject(subject)
+        if workspace is not None and seq.isdigit() and projection.holds(subject):
+            workspaces.published(workspace, int(seq))
+
+    watch = await nc.subscribe(names.published_subjects, cb=published)
     puller.start()
-    return puller
+    watching = asyncio.create_task(_watch_consumer(js, names, projection), name=f"watch:{durable}")
+    return RunningProjection(projection, puller, watching, watch)

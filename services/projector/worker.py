@@ -18,7 +18,7 @@ from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
-from ontofabric.shared.jetstream import BatchPuller, connect, ensure_jetstream
+from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
@@ -34,7 +34,7 @@ from .azure import (
     Watermark,
     replay_if_index_lost,
 )
-from .consumer import DurableProjection, start_projection
+from .consumer import DurableProjection, RunningProjection, start_projection
 from .planning import Limits
 from .postgres import PostgresSink
 from .runner import ProjectionRunner
@@ -60,7 +60,7 @@ class ProjectorService:
             partitions = range(settings.projector_partitions) if one is None else [one]
         self._partitions = list(partitions)
         self._nc: Client | None = None
-        self._pullers: list[BatchPuller] = []
+        self._projections: list[RunningProjection] = []
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
 
@@ -91,8 +91,8 @@ class ProjectorService:
             runner = ProjectionRunner(sink, Limits.from_settings(settings))
             partition = Partition(index, count) if count > 1 else None
             projection = DurableProjection(runner, js, names, durables[index], partition=partition)
-            puller = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
-            self._pullers.append(puller)
+            running = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
+            self._projections.append(running)
             log.info("projector_started", durable=durables[index], stream=names.delta_stream)
 
     async def _writer_pool(self, database_url: str) -> asyncpg.Pool:
@@ -109,15 +109,15 @@ class ProjectorService:
         return await create_pool(writer_url, settings, max_size=max(10, 2 * len(self._partitions)), role=WRITER_ROLE)
 
     async def stop(self) -> None:
-        pullers, nc, pools = self._pullers, self._nc, self._pools
-        self._pullers, self._nc, self._pools = [], None, {}
+        projections, nc, pools = self._projections, self._nc, self._pools
+        self._projections, self._nc, self._pools = [], None, {}
         async with contextlib.AsyncExitStack() as closing:  # each closes, whatever the one before raised
             for pool in pools.values():
                 closing.push_async_callback(pool.close)
             if nc is not None:
                 closing.push_async_callback(nc.close)
             # The batches in hand are finished and acked before the connection goes.
-            await asyncio.gather(*(puller.stop() for puller in pullers))
+            await asyncio.gather(*(projection.stop() for projection in projections))
         log.info("projector_stopped")
 
 
@@ -130,7 +130,7 @@ class AzureProjectorService:
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._nc: Client | None = None
-        self._puller: BatchPuller | None = None
+        self._puller: RunningProjection | None = None
         self._clients: tuple[SearchIndexClient, SearchClient] | None = None
         self._watermarking: asyncio.Task[None] | None = None
 

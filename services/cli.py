@@ -81,7 +81,11 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
     level = settings.log_level if not quiet or "ONTOFABRIC_LOG_LEVEL" in os.environ else "WARNING"
     configure_logging(level, settings.log_format)
     serve = worker and settings.metrics_port is not None
-    configure_telemetry(service, metrics_address=(settings.metrics_host, settings.metrics_port or 0) if serve else None)
+    configure_telemetry(
+        service,
+        metrics_address=(settings.metrics_host, settings.metrics_port or 0) if serve else None,
+        trace_clients=settings.trace_clients,
+    )
     return settings
 
 

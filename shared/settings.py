@@ -340,6 +340,11 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         default="127.0.0.1", description="Address the metrics endpoint listens on (0.0.0.0 in a container)."
     )
+    trace_clients: bool = Field(
+        default=True,
+        description="A span for every database statement and outgoing HTTP request (OpenTelemetry's asyncpg and "
+        'httpx instrumentation): about 0.1 ms per statement (docs/benchmarks.md, "Client spans").',
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Log level (interactive commands log warnings only unless this is set)."
     )

@@ -30,9 +30,11 @@ def configure_telemetry(
     extra_readers: tuple[MetricReader, ...] = (),
     extra_spans: tuple[SpanProcessor, ...] = (),
     metrics_address: tuple[str, int] | None = None,
+    trace_clients: bool = True,
 ) -> None:
     """Install SDK providers once per process (tests pass in-memory readers and span processors).
-    ``metrics_address``: (host, port) where Prometheus scrapes this process's metrics, at ``/metrics``."""
+    ``metrics_address``: (host, port) where Prometheus scrapes this process's metrics, at ``/metrics``.
+    ``trace_clients``: a span for each database statement (asyncpg) and outgoing HTTP request (httpx)."""
     global _configured
     if _configured:
         return
@@ -55,6 +57,12 @@ def configure_telemetry(
             tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     trace.set_tracer_provider(tracer_provider)
+    if trace_clients:
+        from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+
+        AsyncPGInstrumentor().instrument()  # type: ignore[no-untyped-call]
+        HTTPXClientInstrumentor().instrument()
 
 
 def serve_prometheus(host: str, port: int) -> MetricReader:

@@ -419,6 +419,13 @@ async def test_query_metrics_and_trace_context_cross_nats(
     # The worker's pipeline span continues the caller's trace: context travelled in the NATS headers.
     worker_spans = [s for s in SPANS.get_finished_spans() if s.name == "query.retrieve"]
     assert any(s.context.trace_id == trace_id for s in worker_spans)
+    # and its statements are spans of that trace (OpenTelemetry's asyncpg instrumentation), without parameters
+    statements = [
+        s for s in SPANS.get_finished_spans() if s.context.trace_id == trace_id and s.attributes.get("db.system")
+    ]
+    assert statements
+    assert all(s.attributes["db.system"] == "postgresql" for s in statements)
+    assert not any("db.statement.parameters" in s.attributes for s in statements)
 
 
 async def test_a_subject_that_names_no_valid_workspace_gets_an_error(

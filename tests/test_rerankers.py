@@ -21,7 +21,7 @@ from ontofabric.services.query.core import RerankerError, check_ranking
 from ontofabric.services.query.pipeline import QueryPipeline
 from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder
 
-from .conftest import metric_points
+from .conftest import SPANS, metric_points
 from .test_pipeline import ScriptedRetrieval, pipeline_over
 
 
@@ -98,6 +98,11 @@ async def test_cohere_adapter_ranks_and_sends_the_api_shape(cohere_server: str) 
     sent = CohereLike.requests[-1]
     assert sent["auth"] == "Bearer secret"
     assert sent["body"] == {"model": "rerank-v3.5", "query": "full text search", "documents": DOCS, "top_n": 2}
+    # the call is a client span (OpenTelemetry's httpx instrumentation), and the key is not in it
+    calls = [s for s in SPANS.get_finished_spans() if "/ok/v2/rerank" in str(s.attributes.get("http.url", ""))]
+    assert calls
+    assert calls[-1].attributes.get("http.status_code") == 200
+    assert "secret" not in calls[-1].to_json()
 
 
 @pytest.mark.parametrize(

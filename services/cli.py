@@ -722,6 +722,45 @@ def rebuild(
         console.print(f"  {branch}: ontologyVersion {version}")
 
 
+@app.command()
+def compact(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Fold every workspace's deltas up to the index's position into its snapshot, then drop them from the stream.
+
+    Bounds the stream: a rebuild then replays a workspace's snapshot and the deltas after it. Run it more often than
+    ONTOFABRIC_DELTA_MAX_AGE_DAYS, if set, removes deltas by age. The old deltas themselves are gone afterwards
+    (their folds remain), so it asks first."""
+    from .ops.snapshots import CompactionRefused
+    from .ops.snapshots import compact as compact_stream
+
+    settings = _settings("ontofabric-compact", data_dir, quiet=True)
+    endpoints = _endpoints(settings)
+    if not yes and not typer.confirm("drop every delta the snapshots will cover from the stream?"):
+        raise typer.Exit(1)
+
+    async def run() -> None:
+        nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-compact", settings)
+        try:
+            with RichProgress(console) as progress:
+                report = await compact_stream(nc, Names(settings.subject_prefix), settings, progress)
+        finally:
+            await nc.close()
+        console.print(
+            f"snapshots cover the stream through sequence {report.covers}: {report.workspaces} workspaces folded "
+            f"from {report.deltas_read} deltas into {report.rows} rows ({report.snapshot_bytes / 1e6:.1f} MB); "
+            f"{report.purged} deltas dropped, the stream {report.stream_bytes_before / 1e6:.1f} MB -> "
+            f"{report.stream_bytes_after / 1e6:.1f} MB",
+            soft_wrap=True,
+        )
+
+    try:
+        asyncio.run(run())
+    except CompactionRefused as error:
+        _fail(str(error))
+
+
 @app.command("migrate")
 def migrate_command(data_dir: DataDir = None) -> None:
     """Apply pending database migrations to every database the workspaces are placed on (workers also do this

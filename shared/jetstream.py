@@ -212,6 +212,7 @@ def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:
         storage=StorageType.FILE,
         duplicate_window=settings.dedupe_window_s,
         max_msg_size=MAX_DELTA_MESSAGE_BYTES,
+        max_age=settings.delta_max_age_days * 86400 if settings.delta_max_age_days else None,
         discard=DiscardPolicy.OLD,
         num_replicas=settings.nats_replicas,
         description="SemanticDocument and ontology graph deltas",
@@ -253,8 +254,9 @@ def manifest_bucket_config(names: Names, settings: Settings) -> KeyValueConfig:
 
 async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings, reconcile: bool = False) -> None:
     """Create the deployment's streams and buckets where missing. With ``reconcile`` (the projector, whose user
-    may update them), also bring existing ones to the configuration: the republish an older stream lacks, and
-    the number of replicas (JetStream copies a stream to new peers, or drops some, while it keeps serving)."""
+    may update them), also bring existing ones to the configuration: the republish an older stream lacks, the
+    delta stream's age limit, and the number of replicas (JetStream copies a stream to new peers, or drops some,
+    while it keeps serving)."""
     streams: list[StreamConfig | KeyValueConfig] = [
         delta_stream_config(names, settings),
         dlq_stream_config(names, settings),
@@ -278,6 +280,9 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         if isinstance(config, StreamConfig) and existing.republish != config.republish:
             changes.append("republish")  # a stream made before the republish was added
             wanted = dataclasses.replace(wanted, republish=config.republish)
+        if isinstance(config, StreamConfig) and abs((existing.max_age or 0) - (config.max_age or 0)) > 1:
+            changes.append("max_age")  # ONTOFABRIC_DELTA_MAX_AGE_DAYS set, changed or unset
+            wanted = dataclasses.replace(wanted, max_age=config.max_age or 0)
         if (existing.num_replicas or 1) != settings.nats_replicas:
             changes.append("num_replicas")
             wanted = dataclasses.replace(wanted, num_replicas=settings.nats_replicas)

@@ -171,6 +171,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             f"$KV.{names.version_bucket}.>",
             f"$KV.{names.manifest_bucket}.>",
             f"$O.{names.legacy_manifest_bucket}.>",
+            f"$O.{names.snapshot_bucket}.>",
             f"{names.prefix}.>",
             f"$SRV.*.{names.query_service}",  # which query workers are there (ontofabric status)
         ],

@@ -172,6 +172,13 @@ class Settings(BaseSettings):
     dedupe_window_s: float = Field(
         default=600.0, gt=0, description="JetStream duplicate window for Nats-Msg-Id deduplication."
     )
+    delta_max_age_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="The delta stream drops deltas older than this (unset: kept until `ontofabric compact` folds "
+        "them into snapshots). Run `compact` more often than this, or a rebuild has no complete history to "
+        "replay; a projector further behind than this loses deltas.",
+    )
     text_search_config: str = Field(
         default="english", pattern=r"^[a-z_]+$", description="PostgreSQL text search configuration."
     )

@@ -185,6 +185,11 @@ class Names:
         return f"{self.prefix}_ingest_state"
 
     @property
+    def snapshot_bucket(self) -> str:
+        """Object store of each workspace's fold of the compacted delta stream (services/ops/snapshots.py)."""
+        return f"{self.prefix}_snapshots"
+
+    @property
     def streams(self) -> list[str]:
         """Every JetStream stream of the deployment, buckets included (a KV bucket or object store is a stream)."""
         return [
@@ -193,6 +198,7 @@ class Names:
             f"KV_{self.version_bucket}",
             f"KV_{self.manifest_bucket}",
             f"OBJ_{self.legacy_manifest_bucket}",
+            f"OBJ_{self.snapshot_bucket}",
         ]
 
 

@@ -284,6 +284,12 @@ async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector
             names.published_subjects,
             True,
         )
+        # and the age limit, when one is set, changed or unset
+        limited = deployment.settings.model_copy(update={"delta_max_age_days": 2.0})
+        await ensure_jetstream(js, names, limited, reconcile=True)
+        assert (await js.stream_info(names.delta_stream)).config.max_age == 2 * 86400
+        await ensure_jetstream(js, names, deployment.settings, reconcile=True)
+        assert not (await js.stream_info(names.delta_stream)).config.max_age
     finally:
         for stream in names.streams:
             with contextlib.suppress(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from typing import Any
 
@@ -23,14 +24,33 @@ from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
 from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, retired_schema, shadow_schema
+from ontofabric.services.ops.snapshots import (
+    CompactionRefused,
+    Snapshot,
+    SnapshotFold,
+    StoredDelta,
+    compact,
+    find_snapshot_store,
+    load_snapshot,
+)
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differences, document_facts
-from ontofabric.services.projector.planning import Delta, EntityRef, RowState, StateFold, VersionState, plan_batch
+from ontofabric.services.projector.planning import (
+    Delta,
+    EntityRef,
+    Limits,
+    RowState,
+    StateFold,
+    VersionState,
+    plan_batch,
+    validate_delta,
+)
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.checksums import content_md5
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment, RecordedProgress
 from .factories import delete, document, unit_vector, upsert
@@ -598,3 +618,123 @@ async def test_the_swap_waits_for_no_other_workspace_s_maintenance(
         await maintenance.execute(f'LOCK TABLE "{other}" IN SHARE UPDATE EXCLUSIVE MODE')
         job = _rebuild(deployment, lock_timeout_s=2.0)
         assert (await job.run()).swapped
+
+
+def _random_history(rng: random.Random, length: int) -> list[StoredDelta]:
+    """Upserts, deletes, branch reverts, repeats of earlier events and undecodable deltas, in stream order."""
+    names = Names()
+    stored: list[StoredDelta] = []
+    sent: list[DeltaEnvelope] = []
+    for seq in range(1, length + 1):
+        roll, doc_id, branch = rng.random(), rng.choice("abcde"), rng.choice(["main", "main", "dev"])
+        if roll < 0.1 and sent:
+            env = rng.choice(sent)  # the same event again (a copy published after the duplicate window)
+        elif roll < 0.15:
+            stored.append(StoredDelta(seq, names.delta_subject("acme", branch), b"{not json"))
+            continue
+        elif roll < 0.35:
+            env = delete("acme", doc_id, branch=branch)
+        elif roll < 0.45 and branch == "dev":
+            env = envelope("acme", DocumentReverted(document_id=doc_id), branch="dev")
+        else:
+            env = _upsert("acme", doc_id, f"{doc_id} at {seq}", branch=branch)
+        sent.append(env)
+        data = env.model_dump_json(exclude_none=True).encode()
+        stored.append(StoredDelta(seq, names.delta_subject("acme", env.branch), data))
+    return stored
+
+
+def _expected(deltas: list[StoredDelta], snapshot: Snapshot | None = None) -> ExpectedIndex:
+    limits = Limits.from_settings(Settings())
+    expected = ExpectedIndex("acme")
+    for stored in snapshot.deltas if snapshot else ():
+        checked = validate_delta(stored.data, stored.subject, stored.seq, limits)
+        assert isinstance(checked, Delta)
+        assert expected.add(checked)  # each kept delta applies: it is its row's last
+    if snapshot:
+        expected.mark_handled(snapshot.handled.keys())
+    for stored in deltas:
+        checked = validate_delta(stored.data, stored.subject, stored.seq, limits)
+        if isinstance(checked, Delta):
+            expected.add(checked)
+    return expected
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_snapshot_and_the_stream_after_it_fold_to_what_the_whole_stream_folds_to(seed: int) -> None:
+    rng = random.Random(seed)
+    history = _random_history(rng, 80)
+    first_cut, second_cut = sorted(rng.sample(range(1, 80), 2))
+    limits = Limits.from_settings(Settings())
+    # compacted twice: the second fold goes on from the first snapshot (stored and read back)
+    fold = SnapshotFold("acme", limits)
+    for stored in history[:first_cut]:
+        fold.add(stored)
+    first = Snapshot.decode(fold.snapshot().encode())
+    fold = SnapshotFold("acme", limits, first)
+    for stored in history[first_cut:second_cut]:
+        fold.add(stored)
+    second = fold.snapshot()
+    assert second.covers == second_cut
+    assert len(second.deltas) <= 10  # one per row: five ids on two branches
+    whole = _expected(history)
+    for snapshot, tail in ((first, history[first_cut:]), (second, history[second_cut:])):
+        rebuilt = _expected(tail, snapshot)
+        assert rebuilt.rows() == whole.rows()
+        assert rebuilt.versions() == whole.versions()
+
+
+async def test_a_compacted_stream_is_rebuilt_from_the_snapshots_and_the_deltas_after_them(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    last = await _publish_history(deployment)
+    names = deployment.names
+    stream_before = (await deployment.js.stream_info(names.delta_stream)).state
+    report = await compact(deployment.nc, names, deployment.settings, RecordedProgress())
+    assert (report.covers, report.workspaces, report.deltas_read) == (last, 2, stream_before.messages)
+    assert report.snapshot_bytes < stream_before.bytes
+    state = (await deployment.js.stream_info(names.delta_stream)).state
+    assert (state.messages, state.first_seq) == (0, last + 1)  # bounded: only what comes after the snapshots
+    # the tail: an overwrite, a delete and a new document of acme
+    acks = await deployment.publisher.publish_many(
+        [_upsert("acme", "d3", "parse it once more"), delete("acme", "d5"), _upsert("acme", "new", "after it")]
+    )
+    await deployment.wait_projected(acks[-1].seq)
+    before, other_before = await _state(deployment, "acme"), await _state(deployment, "other")
+    await deployment.fetch("UPDATE documents SET content = 'garbage' WHERE workspace = 'acme' AND id = 'd1'")
+    await deployment.fetch("DELETE FROM ontology_links WHERE workspace = 'acme'")
+
+    rebuilt = await _rebuild(deployment).run()
+
+    assert rebuilt.swapped
+    assert (rebuilt.restored, rebuilt.replayed) == (len(await _snapshot_deltas(deployment, "acme")), 3)
+    assert await _state(deployment, "acme") == before
+    assert await _state(deployment, "other") == other_before
+    # a second compaction folds the tail onto the snapshot; the rebuild after it reads the snapshot alone
+    again = await compact(deployment.nc, names, deployment.settings, RecordedProgress())
+    assert (again.covers, again.workspaces, again.deltas_read) == (acks[-1].seq, 1, 3)
+    assert (await _rebuild(deployment).run()).replayed == 0
+    assert await _state(deployment, "acme") == before
+
+
+async def _snapshot_deltas(deployment: Deployment, workspace: str) -> list[StoredDelta]:
+    store = await find_snapshot_store(deployment.js, deployment.names)
+    assert store is not None
+    snapshot = await load_snapshot(store, workspace)
+    assert snapshot is not None
+    return snapshot.deltas
+
+
+async def test_a_stream_that_lost_deltas_no_snapshot_holds_is_refused_by_compaction_and_rebuild(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    await _publish_history(deployment)
+    await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    acks = await deployment.publisher.publish_many([_upsert("acme", f"late{i}", "later") for i in range(3)])
+    await deployment.wait_projected(acks[-1].seq)
+    # what an age limit shorter than the compaction interval would do: deltas gone before a snapshot held them
+    await deployment.js.purge_stream(deployment.names.delta_stream, seq=acks[1].seq)
+    with pytest.raises(CompactionRefused, match=f"starts at sequence {acks[1].seq}"):
+        await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    with pytest.raises(RebuildFailed, match=f"snapshots cover only up to {acks[0].seq - 1}"):
+        await _rebuild(deployment).run()

@@ -47,6 +47,7 @@ from ontofabric.shared.telemetry import tracer
 
 from .replay import project, workspace_deltas
 from .shadow import RebuildFailed, Shadow, drop_schema, retired_schema, shadow_schema
+from .snapshots import Snapshot, compacted_through, find_snapshot_store, load_snapshot
 from .verification import ExpectedIndex, RowKey, row_key, unexplained_live_rows
 
 __all__ = ["Rebuild", "RebuildFailed", "RebuildReport", "pace_delay", "retired_schema", "shadow_schema"]
@@ -62,6 +63,8 @@ class RebuildReport:
     workspace: str
     resumed_from: int
     """The last stream sequence a previous run had replayed (0 for a fresh rebuild)."""
+    restored: int = 0
+    """Deltas replayed from the workspace's snapshot (a compacted stream no longer holds them)."""
     replayed: int = 0
     changed: int = 0
     """Replayed deltas that changed a row (the others were repeats, or older than the row)."""
@@ -146,7 +149,7 @@ class Rebuild:
         await self._announce(nc, admin)
         # What a run that committed its swap and stopped before dropping the partitions it replaced left behind.
         await drop_schema(admin, retired_schema(self._workspace))
-        await self._check_stream(js)
+        snapshot, compacted = await self._check_stream(js)
         resumed = await self._shadow_exists(admin)
         await migrate(self._database_url, self._settings, schema=self._schema)
         await Shadow.create_bookkeeping(admin, self._schema)
@@ -160,7 +163,11 @@ class Rebuild:
             )
             expected = ExpectedIndex(self._workspace)
             started = time.perf_counter()
-            await self._refold(nc, shadow, expected, report.resumed_from)
+            start = max(compacted, snapshot.covers if snapshot else 0)  # the stream's part is read after it
+            if report.resumed_from:
+                await self._refold(nc, shadow, expected, snapshot, start, report.resumed_from)
+            elif start:
+                await self._restore(nc, shadow, expected, report, snapshot, start)
             for round_ in range(CATCH_UP_ROUNDS):  # the replay, then what arrived meanwhile
                 replayed, last = await shadow.replayed_seq(), await self._stream_last(js)
                 if round_ > 0 and last - replayed < self._settings.projector_batch_size:
@@ -189,18 +196,26 @@ class Rebuild:
     async def _stream_last(self, js: JetStreamContext) -> int:
         return int((await js.stream_info(self._names.delta_stream)).state.last_seq)
 
-    async def _check_stream(self, js: JetStreamContext) -> None:
-        """Refuse, before any shadow table exists, a stream that cannot rebuild the workspace."""
+    async def _check_stream(self, js: JetStreamContext) -> tuple[Snapshot | None, int]:
+        """Refuse, before any shadow table exists, a stream that cannot rebuild the workspace. Returns the
+        workspace's snapshot, if the stream was compacted, and the sequence compaction covered (0: never)."""
+        snapshot, compacted = None, 0
+        store = await find_snapshot_store(js, self._names)
+        if store is not None:
+            compacted = await compacted_through(store)
+            snapshot = await load_snapshot(store, self._workspace)
         subjects = self._names.workspace_delta_subjects(self._workspace)
         state = (await js.stream_info(self._names.delta_stream, subjects_filter=subjects)).state
-        if state.first_seq > 1:
+        if state.messages and state.first_seq > compacted + 1:
+            covered = f"; snapshots cover only up to {compacted}" if compacted else ""
             raise RebuildFailed(
                 f"the stream {self._names.delta_stream} starts at sequence {state.first_seq}: the deltas before it "
-                "were removed, and an index rebuilt without them would lose what they wrote",
+                f"were removed{covered}, and an index rebuilt without them would lose what they wrote",
                 resumable=False,
             )
-        if not state.subjects:
+        if not state.subjects and snapshot is None:
             raise RebuildFailed(f"the stream holds no deltas of workspace {self._workspace!r}", resumable=False)
+        return snapshot, compacted
 
     async def _check_live_schema(self, conn: asyncpg.Connection) -> None:
         """The shadow is built by this command's migrations for its model: the live schema must be their twin."""
@@ -219,21 +234,60 @@ class Rebuild:
         except DeploymentMismatch as error:
             raise RebuildFailed(str(error), resumable=False) from error
 
-    async def _refold(self, nc: Client, shadow: Shadow, expected: ExpectedIndex, upto: int) -> None:
-        """After a resume: fold what the previous run replayed, so the verification covers the whole stream."""
-        if upto == 0:
-            return
+    async def _restore(
+        self,
+        nc: Client,
+        shadow: Shadow,
+        expected: ExpectedIndex,
+        report: RebuildReport,
+        snapshot: Snapshot | None,
+        covers: int,
+    ) -> None:
+        """A fresh run on a compacted stream: the snapshot's deltas through the projection runner, as the replay
+        puts the stream's, and the events it handled; the replay goes on from ``covers + 1``."""
+        messages = snapshot.messages(nc, self._names.delta_stream) if snapshot else []
+        self._progress.stage("snapshot", len(messages))
+        runner = ProjectionRunner(shadow.sink, self._limits)
+        rejected = []
+        batch_size = self._settings.projector_batch_size
+        for first in range(0, len(messages), batch_size):
+            projected = await project(runner, messages[first : first + batch_size])
+            for delta in projected.done:
+                report.changed += expected.add(delta)
+            rejected += projected.rejected
+            report.restored += len(messages[first : first + batch_size])
+            self._progress.advance("snapshot", len(messages[first : first + batch_size]))
+        if snapshot is not None:
+            await shadow.add_handled_events(snapshot.handled)
+            expected.mark_handled(snapshot.handled.keys())
+        await shadow.record(covers, rejected)
+        report.rejected.update(rejection.reason for _, rejection in rejected)
+        await shadow.sink.settled()
+
+    async def _refold(
+        self, nc: Client, shadow: Shadow, expected: ExpectedIndex, snapshot: Snapshot | None, start: int, upto: int
+    ) -> None:
+        """After a resume: fold what the previous run replayed (the snapshot's deltas, then the stream's after
+        ``start``), so the verification covers the whole history."""
         failed = await shadow.failed_to_apply()
         self._progress.stage("refold", upto)
         done = 0
+
+        def fold(stored: bytes, subject: str, seq: int) -> None:
+            checked = validate_delta(stored, subject, seq, self._limits)
+            if isinstance(checked, Delta) and checked.seq not in failed:
+                expected.add(checked)
+
+        if snapshot is not None:
+            for delta in snapshot.deltas:
+                fold(delta.data, delta.subject, delta.seq)
+            expected.mark_handled(snapshot.handled.keys())
         async with workspace_deltas(
-            nc, self._names, self._workspace, 1, upto, self._settings.projector_batch_size
+            nc, self._names, self._workspace, start + 1, upto, self._settings.projector_batch_size
         ) as batches:
             async for batch in batches:
                 for msg in batch:
-                    checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
-                    if isinstance(checked, Delta) and checked.seq not in failed:
-                        expected.add(checked)
+                    fold(msg.data, msg.subject, msg.metadata.sequence.stream)
                 last = batch[-1].metadata.sequence.stream
                 self._progress.advance("refold", last - done)
                 done = last

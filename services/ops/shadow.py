@@ -116,6 +116,14 @@ class Shadow:
             upto,
         )
 
+    async def add_handled_events(self, events: dict[str, int]) -> None:
+        """Events a snapshot says were handled, though the shadow never replays them (the stream dropped them)."""
+        await self.admin.executemany(
+            f"INSERT INTO {self._table('handled_events')} (event_id, stream_seq) VALUES ($1, $2)"
+            " ON CONFLICT DO NOTHING",
+            list(events.items()),
+        )
+
     async def replayed_seq(self) -> int:
         seq = await self.admin.fetchval(f"SELECT replayed_seq FROM {self._table('rebuild_progress')}")
         return int(seq or 0)

@@ -92,6 +92,10 @@ class ExpectedIndex:
             self._documents.pop(key, None)
         return True
 
+    def mark_handled(self, event_ids: Collection[str]) -> None:
+        """Events a compacted stream no longer holds but the fold handled (from the workspace's snapshot)."""
+        self._fold.mark_handled(set(event_ids))
+
     def rows(self, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
         """Every row the stream folds to, or only the given ones (those of them it has)."""
         if only is not None:

@@ -219,6 +219,10 @@ class StateFold:
         self._base_versions = versions or {}
         self._seen = set(handled_events)
 
+    def mark_handled(self, event_ids: Set[str]) -> None:
+        """Events handled before the fold began (a compacted stream's): a later copy of one is a no-op."""
+        self._seen |= event_ids
+
     def add(self, delta: Delta) -> bool:
         """Fold one delta (later in the stream than every one before); True when it applied."""
         ref = entity_of(delta.envelope)

@@ -182,6 +182,12 @@ def _messages() -> Json:
         "DocumentReply": _message("DocumentReply", "DocumentReply", "The document, or why there is none."),
         "StatusRequest": _message("StatusRequest", "StatusRequest", "A workspace's index status."),
         "StatusReply": _message("StatusReply", "StatusReply", "Per branch: version, freshness and lag."),
+        "Snapshot": _message(
+            "Snapshot",
+            {"type": "string", "contentEncoding": "binary", "description": "zlib-compressed JSON, in chunks."},
+            "A workspace's fold of the compacted delta stream (`ontofabric compact`): the last delta of each row as "
+            "stored, and the event ids the fold handled; the object `_compacted` names the sequence they all cover.",
+        ),
         "Manifest": _message(
             "Manifest",
             {"type": "string", "contentEncoding": "binary", "description": "zlib-compressed JSON, in parts."},
@@ -255,6 +261,12 @@ def _channels(names: Names) -> Json:
             ["Manifest"],
             {**scope, "part": {"description": "`head`, or `parts.<generation>.<index>`."}},
         ),
+        "snapshotBucket": _channel(
+            f"$O.{names.snapshot_bucket}.{{part}}",
+            f"Object store {names.snapshot_bucket}: one object per workspace, named by its subject token.",
+            ["Snapshot"],
+            {"part": {"description": "`C.<nuid>` for a chunk, `M.<base64 of the name>` for an object's metadata."}},
+        ),
     }
     for operation, (request_message, reply_message) in {
         "query": ("OntologyQuery", "QueryResponse"),
@@ -312,6 +324,9 @@ def _operations(names: Names) -> Json:
             "send", "versionBucket", "Projectors record the latest version.", ["OntologyVersionChanged"]
         ),
         "saveManifest": _operation("send", "manifestBucket", "Ingesters save what they published.", ["Manifest"]),
+        "saveSnapshot": _operation(
+            "send", "snapshotBucket", "`ontofabric compact` stores each workspace's snapshot.", ["Snapshot"]
+        ),
     }
     for operation, request_message, summary in (
         ("query", "OntologyQuery", "Answer an ontology_query."),

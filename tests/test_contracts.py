@@ -152,6 +152,7 @@ def test_every_subject_the_services_use_has_a_channel() -> None:
         names.version_event_subject("acme", "main"),
         f"$KV.{names.version_bucket}.{names.version_key('acme', 'main')}",
         f"$KV.{names.manifest_bucket}.acme.main.head",
+        f"$O.{names.snapshot_bucket}.C.abc123",
         *(names.request_subject(operation, "acme") for operation in OPERATIONS),
     ]
     assert [subject for subject in used if not any(_matches(a, subject) for a in addresses)] == []

@@ -38,8 +38,7 @@ from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
-
-from ..factories import delete, document, unit_vector, upsert
+from tests.factories import delete, document, unit_vector, upsert
 
 WORKSPACE = "bench-compaction"
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import (
     DeltaEnvelope,
@@ -690,6 +691,14 @@ async def test_a_compacted_stream_is_rebuilt_from_the_snapshots_and_the_deltas_a
     last = await _publish_history(deployment)
     names = deployment.names
     stream_before = (await deployment.js.stream_info(names.delta_stream)).state
+    # a consumer of another partition layout that has applied nothing yet holds the compaction back
+    await deployment.js.add_consumer(
+        names.delta_stream,
+        ConsumerConfig(durable_name=names.postgres_projector_durables(2)[0], ack_policy=AckPolicy.EXPLICIT),
+    )
+    held = await compact(deployment.nc, names, deployment.settings, RecordedProgress())
+    assert (held.covers, held.purged) == (0, 0)
+    await deployment.js.delete_consumer(names.delta_stream, names.postgres_projector_durables(2)[0])
     report = await compact(deployment.nc, names, deployment.settings, RecordedProgress())
     assert (report.covers, report.workspaces, report.deltas_read) == (last, 2, stream_before.messages)
     assert report.snapshot_bytes < stream_before.bytes
@@ -738,3 +747,51 @@ async def test_a_stream_that_lost_deltas_no_snapshot_holds_is_refused_by_compact
         await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
     with pytest.raises(RebuildFailed, match=f"snapshots cover only up to {acks[0].seq - 1}"):
         await _rebuild(deployment).run()
+
+
+def test_a_fold_leaves_out_what_the_projector_set_aside_and_refuses_what_only_its_own_settings_refuse() -> None:
+    names = Names()
+    subject = names.delta_subject("acme", "main")
+    first, big = _upsert("acme", "a", "short"), _upsert("acme", "a", "x" * 2000)
+    stored = [StoredDelta(seq, subject, env.model_dump_json().encode()) for seq, env in ((1, first), (2, big))]
+    tight = Limits.from_settings(Settings(max_content_bytes=1024))
+    fold = SnapshotFold("acme", tight)
+    fold.add(stored[0])
+    fold.add(stored[1], set_aside={2})  # the projector dead-lettered it: the row stays at the first
+    assert [d.seq for d in fold.snapshot().deltas] == [1]
+    with pytest.raises(CompactionRefused, match=r"delta 2 .*content_too_large"):
+        SnapshotFold("acme", tight).add(stored[1])  # applied by the projector, refused by these settings
+    # a snapshot folded with looser settings is not judged again by tighter ones
+    loose = SnapshotFold("acme", Limits.from_settings(Settings()))
+    for delta in stored:
+        loose.add(delta)
+    assert [d.seq for d in SnapshotFold("acme", tight, loose.snapshot()).snapshot().deltas] == [2]
+
+
+async def test_a_rebuild_interrupted_before_a_compaction_resumes_from_the_snapshot(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish_history(deployment)
+    settings = deployment.settings.model_copy(update={"projector_batch_size": 5})
+    record = shadow_module.Shadow.record
+
+    async def crash_after_one_batch(shadow: shadow_module.Shadow, replayed: int, *args: Any) -> None:
+        await record(shadow, replayed, *args)
+        raise ConnectionResetError("interrupted")
+
+    monkeypatch.setattr(shadow_module.Shadow, "record", crash_after_one_batch)
+    with pytest.raises(ConnectionResetError):
+        await _rebuild(deployment, settings=settings).run()
+    monkeypatch.setattr(shadow_module.Shadow, "record", record)
+    # compaction drops what the interrupted run had not replayed yet
+    acks = await deployment.publisher.publish_many([_upsert("acme", "d3", "changed meanwhile")])
+    await deployment.wait_projected(acks[-1].seq)
+    await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    before = await _state(deployment, "acme")
+
+    resumed = await _rebuild(deployment, settings=settings).run()
+
+    assert resumed.swapped
+    assert 0 < resumed.resumed_from < acks[-1].seq
+    assert resumed.restored > 0
+    assert await _state(deployment, "acme") == before

@@ -164,9 +164,9 @@ class Rebuild:
             expected = ExpectedIndex(self._workspace)
             started = time.perf_counter()
             start = max(compacted, snapshot.covers if snapshot else 0)  # the stream's part is read after it
-            if report.resumed_from:
+            if report.resumed_from and report.resumed_from >= start:
                 await self._refold(nc, shadow, expected, snapshot, start, report.resumed_from)
-            elif start:
+            elif start:  # a fresh run, or one resumed from before a compaction that dropped where it had got to
                 await self._restore(nc, shadow, expected, report, snapshot, start)
             for round_ in range(CATCH_UP_ROUNDS):  # the replay, then what arrived meanwhile
                 replayed, last = await shadow.replayed_seq(), await self._stream_last(js)
@@ -206,7 +206,7 @@ class Rebuild:
             snapshot = await load_snapshot(store, self._workspace)
         subjects = self._names.workspace_delta_subjects(self._workspace)
         state = (await js.stream_info(self._names.delta_stream, subjects_filter=subjects)).state
-        if state.messages and state.first_seq > compacted + 1:
+        if state.first_seq > compacted + 1:
             covered = f"; snapshots cover only up to {compacted}" if compacted else ""
             raise RebuildFailed(
                 f"the stream {self._names.delta_stream} starts at sequence {state.first_seq}: the deltas before it "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -26,6 +27,7 @@ from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
+from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
 from ontofabric.shared.jetstream import projected_floor, read_in_order
 from ontofabric.shared.logging import get_logger
@@ -33,6 +35,7 @@ from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token, encode_token, workspace_token_of
 
+from .dead_letters import Selection, dead_letters
 from .verification import RowKey, row_key
 
 log = get_logger(__name__)
@@ -42,6 +45,12 @@ MARKER = "_compacted"
 """The object naming the sequence every snapshot covers (workspace objects are named by subject tokens, which
 never start with ``_`` followed by a letter other than an escape)."""
 FETCH_TIMEOUT_S = 5.0
+NEVER_APPLIES = frozenset({"oversized", "invalid_schema", "subject_mismatch"})
+"""Rejections whatever the settings (the message limit is the stream's): such a delta never reached an index."""
+
+
+class CompactionRefused(Exception):
+    """Compacting now would lose or misstate what the index holds; nothing was dropped."""
 
 
 @dataclass(frozen=True)
@@ -117,15 +126,28 @@ class SnapshotFold:
         self._handled = dict(previous.handled) if previous else {}
         self.covers = previous.covers if previous else 0
         for delta in previous.deltas if previous else ():
-            self.add(delta)
+            # Folded before, with the settings of that run: read as they are, not judged again by this run's.
+            self._fold_delta(delta, Delta(delta.seq, DeltaEnvelope.model_validate_json(delta.data)))
 
-    def add(self, stored: StoredDelta) -> Delta | None:
-        """Fold one delta (after every one before); the validated delta, or None when it could never apply (it
-        was dead-lettered, and stays out of the snapshot)."""
-        checked = validate_delta(stored.data, stored.subject, stored.seq, self._limits)
+    def add(self, stored: StoredDelta, set_aside: Set[int] = frozenset()) -> None:
+        """Fold one delta from the stream (after every one before). What the projector never applied stays out:
+        a delta it dead-lettered (``set_aside``: the original sequences of its dead letters), and one no
+        settings can apply (unreadable, or of another workspace than its subject). Raises CompactionRefused for
+        a delta only this run's settings refuse: the snapshot would not be what the index holds."""
         self.covers = max(self.covers, stored.seq)
-        if not isinstance(checked, Delta):
-            return None
+        if stored.seq in set_aside:
+            return
+        checked = validate_delta(stored.data, stored.subject, stored.seq, self._limits)
+        if isinstance(checked, Delta):
+            self._fold_delta(stored, checked)
+        elif checked.reason not in NEVER_APPLIES:
+            raise CompactionRefused(
+                f"delta {stored.seq} of workspace {self.workspace!r} is refused with this command's settings "
+                f"({checked.reason}: {checked.detail}) but the projector has no dead letter of it: run compact "
+                "with the projector's settings (ONTOFABRIC_EMBEDDING_MODEL, _EMBEDDING_DIM, _MAX_CONTENT_BYTES)"
+            )
+
+    def _fold_delta(self, stored: StoredDelta, checked: Delta) -> None:
         event_id = checked.envelope.event_id
         if self._fold.add(checked):
             key = row_key(checked)
@@ -137,7 +159,6 @@ class SnapshotFold:
             self._kept_events.add(event_id)
         elif event_id not in self._kept_events:  # a stale delta, or a repeat of a superseded one
             self._handled.setdefault(event_id, stored.seq)
-        return checked
 
     def snapshot(self) -> Snapshot:
         deltas = sorted((stored for stored, _ in self._kept.values()), key=lambda d: d.seq)
@@ -183,10 +204,6 @@ async def compacted_through(store: ObjectStore) -> int:
     return int(json.loads(result.data or b"{}").get("covers", 0))
 
 
-class CompactionRefused(Exception):
-    """The stream lost deltas no snapshot holds: compacting now would hide that."""
-
-
 @dataclass
 class CompactionReport:
     covers: int
@@ -202,32 +219,56 @@ class CompactionReport:
 
 
 async def index_position(js: JetStreamContext, names: Names, settings: Settings) -> int:
-    """The stream sequence every index has settled: the Postgres projectors' lowest floor, and the Azure AI
-    Search projector's when it has a consumer."""
-    floor = await projected_floor(js, names, settings.projector_partitions)
-    try:
-        azure = await js.consumer_info(names.delta_stream, names.azure_projector_durable)
-    except NotFoundError:
-        return floor
-    return min(floor, int(azure.ack_floor.stream_seq or 0) if azure.ack_floor else 0)
+    """The stream sequence every index consumer has settled: the lowest ack floor of the configured Postgres
+    layout's durables, of any other layout's that exist (one being filled for a new layout), and of the Azure AI
+    Search projector's."""
+    floors = [await projected_floor(js, names, settings.projector_partitions)]
+    for durable in [*names.every_postgres_projector_durable, names.azure_projector_durable]:
+        try:
+            info = await js.consumer_info(names.delta_stream, durable)
+        except NotFoundError:
+            continue
+        floors.append(int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0)
+    return min(floors)
+
+
+async def stream_workspaces(nc: Client, names: Names) -> list[str]:
+    """Every workspace with deltas in the stream, read page by page (the server lists at most 100,000 subjects
+    in one answer)."""
+    subjects: set[str] = set()
+    while True:
+        reply = await nc.request(
+            f"$JS.API.STREAM.INFO.{names.delta_stream}",
+            json.dumps({"subjects_filter": names.delta_subjects, "offset": len(subjects)}).encode(),
+            timeout=30,
+        )
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise CompactionRefused(f"cannot list the stream's subjects: {answer['error']}")
+        page = answer.get("state", {}).get("subjects") or {}
+        subjects |= set(page)
+        if not page or len(subjects) >= int(answer.get("total", 0)):
+            break
+    return sorted({w for subject in subjects if (w := _workspace_of(subject)) is not None})
 
 
 async def compact(nc: Client, names: Names, settings: Settings, progress: Progress) -> CompactionReport:
-    """Snapshot every workspace through the index's position, then purge the stream below it."""
+    """Snapshot every workspace through the index's position, then purge the stream below it. Run one at a
+    time: two at once could each purge past the other's snapshots."""
     js = nc.jetstream()
     store = await snapshot_store(js, names, settings)
     done = await compacted_through(store)
     upto = await index_position(js, names, settings)
-    stream = await js.stream_info(names.delta_stream, subjects_filter=names.delta_subjects)
-    report = CompactionReport(covers=max(done, upto), stream_bytes_before=int(stream.state.bytes or 0))
-    if stream.state.first_seq > done + 1 and stream.state.messages:
+    stream = (await js.stream_info(names.delta_stream)).state
+    report = CompactionReport(covers=max(done, upto), stream_bytes_before=int(stream.bytes or 0))
+    if stream.first_seq > done + 1:
         raise CompactionRefused(
-            f"the stream starts at sequence {stream.state.first_seq} but the snapshots cover only {done}: deltas "
-            "were removed before a snapshot held them (a limit shorter than the compaction interval?)"
+            f"the stream starts at sequence {stream.first_seq} but the snapshots cover only up to {done}: deltas "
+            "were removed before a snapshot held them (an age limit shorter than the compaction interval?)"
         )
     if upto <= done:
         return report
-    workspaces = sorted({w for s in (stream.state.subjects or {}) if (w := _workspace_of(s)) is not None})
+    workspaces = await stream_workspaces(nc, names)
     progress.stage("compact", len(workspaces))
     limits = Limits.from_settings(settings)
     for workspace in workspaces:
@@ -235,7 +276,8 @@ async def compact(nc: Client, names: Names, settings: Settings, progress: Progre
         previous = await load_snapshot(store, workspace)
         fold = SnapshotFold(workspace, limits, previous)
         start = max(done, fold.covers) + 1
-        read = await _fold_stream(nc, names, fold, start, upto)
+        set_aside = await _set_aside(nc, names, workspace)
+        read = await _fold_stream(nc, names, fold, start, upto, set_aside)
         report.deltas_read += read
         if read:
             snapshot = fold.snapshot()
@@ -245,14 +287,21 @@ async def compact(nc: Client, names: Names, settings: Settings, progress: Progre
             report.rows += len(snapshot.deltas)
             report.snapshot_bytes += len(data)
         progress.advance("compact", 1)
+    if await compacted_through(store) > upto:
+        raise CompactionRefused("another compaction ran meanwhile and got further: nothing was dropped by this one")
     await store.put(MARKER, json.dumps({"covers": upto, "at": datetime.now(UTC).isoformat()}).encode())
-    before = int(stream.state.messages or 0)
     await js.purge_stream(names.delta_stream, seq=upto + 1)
     after = await js.stream_info(names.delta_stream)
-    report.purged = before - int(after.state.messages or 0)
+    report.purged = int(stream.messages or 0) - int(after.state.messages or 0)
     report.stream_bytes_after = int(after.state.bytes or 0)
     log.info("stream_compacted", covers=upto, workspaces=report.workspaces, purged=report.purged)
     return report
+
+
+async def _set_aside(nc: Client, names: Names, workspace: str) -> set[int]:
+    """The stream sequences of the workspace's deltas the Postgres projector dead-lettered: never applied there."""
+    letters = await dead_letters(nc, names, Selection(workspace=workspace))
+    return {letter.original_seq for letter in letters if letter.index == "postgres" and letter.original_seq}
 
 
 def _workspace_of(subject: str) -> str | None:
@@ -264,12 +313,12 @@ def _workspace_of(subject: str) -> str | None:
         return None
 
 
-async def _fold_stream(nc: Client, names: Names, fold: SnapshotFold, start: int, upto: int) -> int:
+async def _fold_stream(nc: Client, names: Names, fold: SnapshotFold, start: int, upto: int, set_aside: Set[int]) -> int:
     subjects = names.workspace_delta_subjects(fold.workspace)
     read = 0
     async with read_in_order(nc, names.delta_stream, subjects, start, upto, 256, FETCH_TIMEOUT_S) as batches:
         async for batch in batches:
             for msg in batch:
-                fold.add(StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data))
+                fold.add(StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data), set_aside)
             read += len(batch)
     return read

@@ -118,5 +118,9 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
             str(consumer.waiting_pulls), str(consumer.last_active or "-"),
         )  # fmt: skip
     console.print(consumers)
+    projectors = ", ".join(
+        " ".join([f"{w.host}:{w.pid}", *w.details.values(), f"(since {w.started})"]) for w in status.projectors
+    )
+    console.print(f"projectors: {projectors or 'none answering'}")
     workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
     console.print(f"query workers: {workers}")

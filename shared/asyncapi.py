@@ -351,7 +351,8 @@ def render(names: Names | None = None) -> str:
             "description": "Event-driven indexing and query workers over NATS JetStream. Addresses use the default "
             f"subject prefix `{names.prefix}` (ONTOFABRIC_SUBJECT_PREFIX changes it; streams and buckets are named "
             "from it too). Payloads are the JSON Schemas of contracts/schemas. Query workers also answer NATS "
-            f"service discovery (`$SRV.PING|INFO|STATS.{names.query_service}`, the nats.micro protocol).",
+            f"service discovery (`$SRV.PING|INFO|STATS.{names.query_service}`, the nats.micro protocol), and so do the "
+            f"projectors (`{names.projector_service}`).",
         },
         "defaultContentType": "application/json",
         "servers": {

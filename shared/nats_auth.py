@@ -97,8 +97,16 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{API}.CONSUMER.DELETE.{legacy}.*",
                 f"$JS.FC.{legacy}.>",
                 f"{API}.STREAM.DELETE.{legacy}",
+                "_INBOX.>",  # answers to service discovery, into the asker's inbox
             ],
-            subscribe=[*inbox, names.published_subjects],  # what the stream stored: each workspace's lag
+            subscribe=[
+                *inbox,
+                names.published_subjects,  # what the stream stored: each workspace's lag
+                # Service discovery ($SRV.PING|INFO|STATS[.<name>[.<id>]]): each projector says it is there.
+                "$SRV.*",
+                f"$SRV.*.{names.projector_service}",
+                f"$SRV.*.{names.projector_service}.*",
+            ],
         )
     if role == "query":
         return Permissions(
@@ -174,6 +182,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
             f"$O.{names.snapshot_bucket}.>",
             f"{names.prefix}.>",
             f"$SRV.*.{names.query_service}",  # which query workers are there (ontofabric status)
+            f"$SRV.*.{names.projector_service}",  # and which projectors
         ],
         subscribe=[f"{names.prefix}.>", *inbox],  # watching versions and deltas go by; not others' replies
     )

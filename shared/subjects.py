@@ -148,6 +148,11 @@ class Names:
         """The name the query workers answer NATS service discovery by (``$SRV.PING.<name>``): one reply each."""
         return f"{self.prefix}-query"
 
+    @property
+    def projector_service(self) -> str:
+        """The name projectors answer NATS service discovery by."""
+        return f"{self.prefix}-projector"
+
     # consumers and ingest state
     @property
     def postgres_projector_durable(self) -> str:

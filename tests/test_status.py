@@ -47,6 +47,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     (consumer,) = status.consumers
     assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
     assert len({worker.id for worker in status.query_workers}) == 2
+    (running,) = status.projectors  # it answers service discovery too, saying what it projects
+    assert running.details == {"index": "postgres", "partitions": "all"}
     await second.stop()
     assert len((await deployment_status(deployment.nc, deployment.names, placement)).query_workers) == 1
 
@@ -58,6 +60,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert (main.latest_seq, main.position, main.pending_deltas) == (later.seq, acks[-1].seq, 1)
     assert main.oldest_pending_ms is not None
     assert status.dead_letters == {}  # globex's, not asked for
+    assert status.projectors == []
 
     def status_command(*args: str) -> subprocess.CompletedProcess[str]:  # in a thread: the worker answers pings
         command = [ONTOFABRIC, "status", *args]

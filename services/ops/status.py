@@ -1,6 +1,6 @@
 """The deployment at a glance, for operators: per workspace and branch the announced version, the latest delta,
 the deltas published past the index's position and how long the oldest has waited; dead letters per workspace;
-the projectors' consumers; the query workers that answer service discovery."""
+the projectors' consumers; the projectors and query workers that answer service discovery."""
 
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.services.query.freshness import published_after
+from ontofabric.shared.discovery import Worker, discover
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.subjects import Names
-
-DISCOVERY_WAIT_S = 0.5
-"""How long replies to a service-discovery ping are gathered."""
 
 
 @dataclass(frozen=True)
@@ -50,22 +46,14 @@ class ConsumerStatus:
     last_active: datetime | None
 
 
-@dataclass(frozen=True)
-class QueryWorker:
-    id: str
-    version: str
-    host: str | None
-    pid: str | None
-    started: str | None
-
-
 @dataclass
 class DeploymentStatus:
     branches: list[BranchStatus] = field(default_factory=list)
     dead_letters: dict[str, int] = field(default_factory=dict)
     """Per workspace."""
     consumers: list[ConsumerStatus] = field(default_factory=list)
-    query_workers: list[QueryWorker] = field(default_factory=list)
+    projectors: list[Worker] = field(default_factory=list)
+    query_workers: list[Worker] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str, indent=2)
@@ -121,7 +109,9 @@ async def deployment_status(
         owner = names.workspace_of_dlq_subject(subject) or subject
         if workspace is None or owner == workspace:
             status.dead_letters[owner] = count
-    status.query_workers = await query_workers(nc, names)
+    status.projectors, status.query_workers = await asyncio.gather(
+        discover(nc, names.projector_service), discover(nc, names.query_service)
+    )
     return status
 
 
@@ -139,31 +129,3 @@ async def _announced(nc: Client, names: Names) -> list[OntologyVersionChanged]:
         except (KeyNotFoundError, ValidationError):
             continue  # gone since, or not a version (see projector/versions.py): nothing to report
     return versions
-
-
-async def query_workers(nc: Client, names: Names, wait_s: float = DISCOVERY_WAIT_S) -> list[QueryWorker]:
-    """The query workers that answer a service-discovery ping within ``wait_s``."""
-    replies: list[Msg] = []
-    subscription = await nc.subscribe(nc.new_inbox())
-    try:
-        await nc.publish(f"$SRV.PING.{names.query_service}", b"", reply=subscription.subject)
-        deadline = asyncio.get_running_loop().time() + wait_s
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            try:
-                replies.append(await subscription.next_msg(timeout=left))
-            except NatsTimeoutError:
-                break
-    finally:
-        await subscription.unsubscribe()
-    workers = []
-    for reply in replies:
-        try:
-            ping = json.loads(reply.data)
-            meta = ping.get("metadata") or {}
-            found = QueryWorker(
-                ping["id"], ping.get("version", ""), meta.get("host"), meta.get("pid"), meta.get("started")
-            )
-            workers.append(found)
-        except (ValueError, KeyError, TypeError):
-            continue
-    return sorted(workers, key=lambda worker: worker.started or "")

@@ -15,9 +15,11 @@ from azure.core.exceptions import AzureError
 from azure.search.documents.aio import SearchClient
 from azure.search.documents.indexes.aio import SearchIndexClient
 from nats.aio.client import Client
+from nats.micro.service import Service
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
+from ontofabric.shared.discovery import announce
 from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
@@ -63,6 +65,7 @@ class ProjectorService:
         self._projections: list[RunningProjection] = []
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
+        self._service: Service | None = None
 
     async def start(self) -> None:
         try:
@@ -94,6 +97,9 @@ class ProjectorService:
             running = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
             self._projections.append(running)
             log.info("projector_started", durable=durables[index], stream=names.delta_stream)
+        held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
+        description = "ontofabric Postgres projector"
+        self._service = await announce(nc, names.projector_service, description, index="postgres", partitions=held)
 
     async def _writer_pool(self, database_url: str) -> asyncpg.Pool:
         """A pool acting as the writer role on a database this projector migrated (or waits for, when it writes
@@ -109,8 +115,9 @@ class ProjectorService:
         return await create_pool(writer_url, settings, max_size=max(10, 2 * len(self._partitions)), role=WRITER_ROLE)
 
     async def stop(self) -> None:
-        projections, nc, pools = self._projections, self._nc, self._pools
-        self._projections, self._nc, self._pools = [], None, {}
+        projections, nc, pools, service = self._projections, self._nc, self._pools, self._service
+        self._projections, self._nc, self._pools, self._service = [], None, {}, None
+        await _stop_announcing(service)
         async with contextlib.AsyncExitStack() as closing:  # each closes, whatever the one before raised
             for pool in pools.values():
                 closing.push_async_callback(pool.close)
@@ -133,6 +140,7 @@ class AzureProjectorService:
         self._puller: RunningProjection | None = None
         self._clients: tuple[SearchIndexClient, SearchClient] | None = None
         self._watermarking: asyncio.Task[None] | None = None
+        self._service: Service | None = None
 
     async def start(self) -> None:
         try:
@@ -163,15 +171,19 @@ class AzureProjectorService:
         self._puller = await start_projection(nc, names, settings, projection, batch_size)
         watermark = Watermark(index, js, names, recorded or 0)
         self._watermarking = asyncio.create_task(watermark.keep(), name="azure-watermark")
+        description = "ontofabric Azure AI Search projector"
+        self._service = await announce(nc, names.projector_service, description, index="azure-ai-search")
         log.info("azure_projector_started", durable=durable, index=settings.azure_search_index)
 
     async def stop(self) -> None:
         puller, nc, clients, watermarking = self._puller, self._nc, self._clients, self._watermarking
         self._puller, self._nc, self._clients, self._watermarking = None, None, None, None
+        service, self._service = self._service, None
         if watermarking is not None:
             watermarking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watermarking
+        await _stop_announcing(service)
         async with contextlib.AsyncExitStack() as closing:
             for client in clients or ():
                 closing.push_async_callback(client.close)
@@ -180,3 +192,10 @@ class AzureProjectorService:
             if puller is not None:
                 await puller.stop()
         log.info("azure_projector_stopped")
+
+
+async def _stop_announcing(service: Service | None) -> None:
+    """No longer answer service discovery (first: a projector stopping is not one to count on)."""
+    if service is not None:
+        with contextlib.suppress(Exception):  # the connection may be gone already
+            await service.stop()

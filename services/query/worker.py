@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from importlib.metadata import version as package_version
 from typing import TypeVar
 
 import asyncpg
 from azure.search.documents.aio import SearchClient
-from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -40,6 +35,7 @@ from ontofabric.contracts import (
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import READER_ROLE, create_pool, is_unavailable, migrate, wait_until_migrated
+from ontofabric.shared.discovery import announce
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
@@ -273,13 +269,7 @@ class QueryService:
         ]
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
-        self._service = await micro.add_service(
-            nc,
-            name=names.query_service,
-            version=package_version("ontofabric"),
-            description="ontofabric query worker",
-            metadata={"host": socket.gethostname(), "pid": str(os.getpid()), "started": datetime.now(UTC).isoformat()},
-        )
+        self._service = await announce(nc, names.query_service, "ontofabric query worker")
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 

@@ -27,8 +27,8 @@ import yaml
 
 from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.client import DeltaPublisher
-from ontofabric.services.ops.status import query_workers
 from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.discovery import discover
 from ontofabric.shared.jetstream import connect, wait_projected
 from ontofabric.shared.runtime import Endpoints, _spawn, _wait_until, free_port, nats_server_binary
 from ontofabric.shared.subjects import Names
@@ -160,7 +160,7 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
                         await asyncio.sleep(0.5)
                 assert {r.id for r in reply.results} == {f"doc-{n}" for n in range(5)}
                 async with asyncio.timeout(30):
-                    while len(await query_workers(nc, names)) < 2:
+                    while len(await discover(nc, names.query_service)) < 2:
                         await asyncio.sleep(0.5)
                 scraped = {name: await asyncio.to_thread(_scrape, port) for name, port in ports.items()}
                 assert "projector_deltas_total" in scraped["projector"]

@@ -62,6 +62,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
     """What ``user`` playing ``role`` in the deployment ``names`` may do."""
     deltas, versions = names.delta_stream, f"KV_{names.version_bucket}"
     manifests, legacy = f"KV_{names.manifest_bucket}", f"OBJ_{names.legacy_manifest_bucket}"
+    snapshots = f"OBJ_{names.snapshot_bucket}"
     postgres_durables = names.every_postgres_projector_durable
     durables = [*postgres_durables, names.azure_projector_durable]
     stream_info = [f"{API}.STREAM.INFO.{stream}" for stream in names.streams]  # ensure_jetstream, every part
@@ -97,6 +98,14 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{API}.CONSUMER.DELETE.{legacy}.*",
                 f"$JS.FC.{legacy}.>",
                 f"{API}.STREAM.DELETE.{legacy}",
+                # Reading the snapshots of a compacted stream into an empty index (snapshots.py).
+                f"{API}.STREAM.MSG.GET.{snapshots}",
+                f"{API}.DIRECT.GET.{snapshots}",
+                f"{API}.DIRECT.GET.{snapshots}.>",
+                f"{API}.CONSUMER.CREATE.{snapshots}",
+                f"{API}.CONSUMER.CREATE.{snapshots}.>",
+                f"{API}.CONSUMER.DELETE.{snapshots}.*",
+                f"$JS.FC.{snapshots}.>",
                 "_INBOX.>",  # answers to service discovery, into the asker's inbox
             ],
             subscribe=[

@@ -17,6 +17,7 @@ from pydantic import SecretStr
 
 from ontofabric.contracts import DeltaEnvelope, NodeUpserted, OntologyNode, QueryResponse
 from ontofabric.services.ingest.client import envelope
+from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.projector.azure import (
     AzureSearchIndex,
     plan_index_batch,
@@ -40,7 +41,7 @@ from ontofabric.shared.azure_search import (
 from ontofabric.shared.settings import Settings
 
 from .azure_search_server import AzureSearchServer
-from .conftest import Deployment
+from .conftest import Deployment, RecordedProgress
 from .factories import delete, document, upsert
 
 KEY = "test-admin-key"
@@ -562,6 +563,26 @@ async def test_a_lost_index_is_filled_again_from_the_stream(
         while len([k for k, v in azure.documents("ontofabric-documents").items() if v["kind"] == "document"]) < 4:
             await asyncio.sleep(0.05)
     await _wait_watermark(azure, acks[-1].seq)
+
+
+async def test_a_lost_index_is_filled_from_the_snapshots_of_a_compacted_stream_and_then_the_stream(
+    deployment: Deployment,
+    azure: AzureSearchServer,
+    azure_projector: AzureProjectorService,
+    projector: ProjectorService,
+) -> None:
+    early = await deployment.publisher.publish_many([upsert("acme", document(i, text)) for i, text in CORPUS.items()])
+    await deployment.wait_projected(early[-1].seq)
+    await _wait_indexed(deployment, early[-1].seq)
+    report = await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    assert report.covers == early[-1].seq  # every index had settled them: the stream drops them
+    late = await deployment.publisher.publish_many([upsert("acme", document("late", "after the compaction"))])
+    await _wait_indexed(deployment, late[-1].seq)
+    await azure_projector.stop()
+    await _delete_index(deployment, azure)
+    await azure_projector.start()  # the corpus is only in the snapshot now, "late" only in the stream
+    await _wait_watermark(azure, late[-1].seq)
+    assert all(_entry(azure, i) is not None for i in [*CORPUS, "late"])
 
 
 async def test_a_lost_index_is_filled_again_while_the_first_delta_is_still_retried(

@@ -25,15 +25,7 @@ from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
 from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, retired_schema, shadow_schema
-from ontofabric.services.ops.snapshots import (
-    CompactionRefused,
-    Snapshot,
-    SnapshotFold,
-    StoredDelta,
-    compact,
-    find_snapshot_store,
-    load_snapshot,
-)
+from ontofabric.services.ops.snapshots import CompactionRefused, SnapshotFold, compact
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differences, document_facts
 from ontofabric.services.projector.planning import (
     Delta,
@@ -45,6 +37,7 @@ from ontofabric.services.projector.planning import (
     plan_batch,
     validate_delta,
 )
+from ontofabric.services.projector.snapshots import Snapshot, StoredDelta, find_snapshot_store, load_snapshot
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.checksums import content_md5

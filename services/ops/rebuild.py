@@ -34,7 +34,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from ontofabric.services.projector.planning import Delta, Limits, VersionState, validate_delta
-from ontofabric.services.projector.runner import ProjectionRunner
+from ontofabric.services.projector.runner import ProjectionRunner, project
+from ontofabric.services.projector.snapshots import Snapshot, compacted_through, find_snapshot_store, load_snapshot
 from ontofabric.services.projector.store import VersionUpdate, unsigned64
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.shared.db import DeploymentMismatch, check_deployment, create_pool, migrate, migrations
@@ -45,9 +46,8 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .replay import project, workspace_deltas
+from .replay import workspace_deltas
 from .shadow import RebuildFailed, Shadow, drop_schema, retired_schema, shadow_schema
-from .snapshots import Snapshot, compacted_through, find_snapshot_store, load_snapshot
 from .verification import ExpectedIndex, RowKey, row_key, unexplained_live_rows
 
 __all__ = ["Rebuild", "RebuildFailed", "RebuildReport", "pace_delay", "retired_schema", "shadow_schema"]

@@ -15,20 +15,24 @@ workspace's own snapshot.
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ObjectStoreConfig, StorageType
-from nats.js.errors import NotFoundError, ObjectNotFoundError
-from nats.js.object_store import ObjectStore
+from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
+from ontofabric.services.projector.snapshots import (
+    MARKER,
+    Snapshot,
+    StoredDelta,
+    compacted_through,
+    load_snapshot,
+    snapshot_store,
+)
 from ontofabric.shared.jetstream import projected_floor, read_in_order
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.progress import Progress
@@ -40,10 +44,6 @@ from .verification import RowKey, row_key
 
 log = get_logger(__name__)
 
-FORMAT = 1
-MARKER = "_compacted"
-"""The object naming the sequence every snapshot covers (workspace objects are named by subject tokens, which
-never start with ``_`` followed by a letter other than an escape)."""
 FETCH_TIMEOUT_S = 5.0
 NEVER_APPLIES = frozenset({"oversized", "invalid_schema", "subject_mismatch"})
 """Rejections whatever the settings (the message limit is the stream's): such a delta never reached an index."""
@@ -51,67 +51,6 @@ NEVER_APPLIES = frozenset({"oversized", "invalid_schema", "subject_mismatch"})
 
 class CompactionRefused(Exception):
     """Compacting now would lose or misstate what the index holds; nothing was dropped."""
-
-
-@dataclass(frozen=True)
-class StoredDelta:
-    seq: int
-    subject: str
-    data: bytes
-
-
-@dataclass
-class Snapshot:
-    """One workspace's fold through stream sequence ``covers``."""
-
-    workspace: str
-    covers: int
-    deltas: list[StoredDelta] = field(default_factory=list)
-    """The last delta that applied to each row, in stream order."""
-    handled: dict[str, int] = field(default_factory=dict)
-    """Every other event id the fold handled, with its sequence."""
-
-    def encode(self) -> bytes:
-        document = {
-            "format": FORMAT,
-            "workspace": self.workspace,
-            "covers": self.covers,
-            "deltas": [[d.seq, d.subject, d.data.decode("utf-8")] for d in self.deltas],
-            "handled": self.handled,
-        }
-        return zlib.compress(json.dumps(document, separators=(",", ":")).encode("utf-8"), level=6)
-
-    @classmethod
-    def decode(cls, data: bytes) -> Snapshot:
-        document = json.loads(zlib.decompress(data))
-        if document.get("format") != FORMAT:
-            raise ValueError(f"snapshot format {document.get('format')!r}, this version reads {FORMAT}")
-        return cls(
-            workspace=document["workspace"],
-            covers=int(document["covers"]),
-            deltas=[StoredDelta(int(seq), subject, text.encode("utf-8")) for seq, subject, text in document["deltas"]],
-            handled={event: int(seq) for event, seq in document["handled"].items()},
-        )
-
-    def messages(self, nc: Client, stream: str) -> list[Msg]:
-        """The deltas as the messages they were stored as (never acked: a replay reads without acks)."""
-        when = datetime.fromtimestamp(0, UTC)
-        return [
-            Msg(
-                nc,
-                subject=delta.subject,
-                data=delta.data,
-                _metadata=Msg.Metadata(
-                    sequence=Msg.Metadata.SequencePair(consumer=n, stream=delta.seq),
-                    num_pending=len(self.deltas) - n,
-                    num_delivered=1,
-                    timestamp=when,
-                    stream=stream,
-                    consumer="snapshot",
-                ),
-            )
-            for n, delta in enumerate(self.deltas, start=1)
-        ]
 
 
 class SnapshotFold:
@@ -163,45 +102,6 @@ class SnapshotFold:
     def snapshot(self) -> Snapshot:
         deltas = sorted((stored for stored, _ in self._kept.values()), key=lambda d: d.seq)
         return Snapshot(self.workspace, self.covers, deltas, dict(self._handled))
-
-
-async def snapshot_store(js: JetStreamContext, names: Names, settings: Settings) -> ObjectStore:
-    try:
-        return await js.object_store(names.snapshot_bucket)
-    except NotFoundError:
-        config = ObjectStoreConfig(
-            bucket=names.snapshot_bucket,
-            storage=StorageType.FILE,
-            replicas=settings.nats_replicas,
-            description="each workspace's fold of the compacted delta stream",
-        )
-        return await js.create_object_store(names.snapshot_bucket, config)
-
-
-async def find_snapshot_store(js: JetStreamContext, names: Names) -> ObjectStore | None:
-    """The snapshots, when the stream was ever compacted."""
-    try:
-        return await js.object_store(names.snapshot_bucket)
-    except NotFoundError:
-        return None
-
-
-async def load_snapshot(store: ObjectStore, workspace: str) -> Snapshot | None:
-    try:
-        result = await store.get(encode_token(workspace))
-    except ObjectNotFoundError:
-        return None
-    assert result.data is not None
-    return Snapshot.decode(result.data)
-
-
-async def compacted_through(store: ObjectStore) -> int:
-    """The stream sequence through which every workspace's deltas are in its snapshot (0: never compacted)."""
-    try:
-        result = await store.get(MARKER)
-    except ObjectNotFoundError:
-        return 0
-    return int(json.loads(result.data or b"{}").get("covers", 0))
 
 
 @dataclass

@@ -280,7 +280,7 @@ class Watermark:
 async def replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
     """An index without a watermark behind a consumer that has delivered deltas was lost (deleted, or recreated
     empty), or never got its first watermark: the consumer starts over from the stream's first delta, which the
-    sequence rule makes safe to apply again."""
+    sequence rule makes safe to apply again (on a compacted stream, after the snapshots: worker.py)."""
     try:
         info = await js.consumer_info(names.delta_stream, names.azure_projector_durable)
     except NotFoundError:
@@ -289,12 +289,3 @@ async def replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
     if info.delivered is not None and (info.delivered.stream_seq or 0) > 0:
         log.warning("azure_index_lost_replaying", index=INDEX, delivered=info.delivered.stream_seq)
         await js.delete_consumer(names.delta_stream, names.azure_projector_durable)
-        first = (await js.stream_info(names.delta_stream)).state.first_seq
-        if first > 1:  # compacted (or limited by age): what came before is in snapshots this replay does not read
-            log.error(
-                "azure_replay_incomplete",
-                index=INDEX,
-                stream_starts_at=first,
-                note="the deltas before it are missing from the replayed index; they are in the snapshots of "
-                "`ontofabric compact`, which this replay does not read yet",
-            )

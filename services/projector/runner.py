@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nats.aio.msg import Msg
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ontofabric.shared.logging import describe, get_logger
 
@@ -121,3 +122,49 @@ class ProjectionRunner:
             else:
                 outcome.refused.append((msg, refusal))
         yield outcome
+
+
+APPLY_ATTEMPTS = 8
+"""Tries of a batch the sink refuses for a passing reason before a run outside a consumer stops (to be resumed)."""
+
+
+@dataclass
+class Projected:
+    """What a replayed batch left: the deltas now in the shadow (applied or already held), and those rejected."""
+
+    done: list[Delta] = field(default_factory=list)
+    rejected: list[tuple[int, Rejection]] = field(default_factory=list)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome is not None else None
+    log.warning("apply_retry", error=describe(error) if error else None, attempt=state.attempt_number)
+
+
+async def project(runner: ProjectionRunner, batch: list[Msg]) -> Projected:
+    """The batch through the runner, outside any consumer (a rebuild's replay, a snapshot's restore): what the
+    sink could not write for a passing reason is tried again in place with backoff, and after APPLY_ATTEMPTS tries
+    its error ends the run."""
+    projected, pending = Projected(), batch
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception(runner.sink.retryable),
+        stop=stop_after_attempt(APPLY_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.5, max=10.0),
+        before_sleep=_log_retry,
+        reraise=True,
+    ):
+        with attempt:
+            retry: list[Msg] = []
+            error: BaseException | None = None
+            async for outcome in runner.run(pending):
+                projected.done += [delta for _, delta in outcome.done]
+                projected.rejected += [
+                    (msg.metadata.sequence.stream, rejection) for msg, rejection in outcome.invalid + outcome.refused
+                ]
+                retry += outcome.retry
+                error = outcome.error or error
+            if retry:
+                assert error is not None
+                pending = retry
+                raise error
+    return projected

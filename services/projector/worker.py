@@ -40,6 +40,7 @@ from .consumer import DurableProjection, RunningProjection, start_projection
 from .planning import Limits
 from .postgres import PostgresSink
 from .runner import ProjectionRunner
+from .snapshots import restore_snapshots
 from .store import PostgresProjectionStore
 from .versions import VersionPublisher
 
@@ -162,12 +163,13 @@ class AzureProjectorService:
         await ensure_jetstream(js, names, settings, reconcile=True)
         index = AzureSearchIndex(documents)
         recorded = await read_watermark(documents)
-        if recorded is None:
-            await replay_if_index_lost(js, names)
         runner = ProjectionRunner(AzureSink(index), Limits.from_settings(settings))
+        batch_size = min(settings.projector_batch_size, MAX_KEYS_PER_LOOKUP)
+        if recorded is None:  # a new or lost index: from the snapshots of a compacted stream, then the stream
+            await replay_if_index_lost(js, names)
+            await restore_snapshots(nc, names, runner, batch_size)
         durable = names.azure_projector_durable
         projection = DurableProjection(runner, js, names, durable, dead_letters_invalid=False, min_retry_s=MIN_RETRY_S)
-        batch_size = min(settings.projector_batch_size, MAX_KEYS_PER_LOOKUP)
         self._puller = await start_projection(nc, names, settings, projection, batch_size)
         watermark = Watermark(index, js, names, recorded or 0)
         self._watermarking = asyncio.create_task(watermark.keep(), name="azure-watermark")

@@ -1,0 +1,158 @@
+"""Snapshots of a compacted delta stream, as stored: each workspace's fold (the last delta of each row, as the
+stream stored it, and the event ids the fold handled) in the object store ``<prefix>_snapshots``, and the marker
+naming the stream sequence they all cover. ``ontofabric compact`` writes them (services/ops/snapshots.py); a rebuild
+and a projector filling an empty index read them before the stream's tail."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
+
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names, encode_token
+
+from .runner import ProjectionRunner, project
+
+log = get_logger(__name__)
+
+FORMAT = 1
+MARKER = "_compacted"
+"""The object naming the sequence every snapshot covers (workspace objects are named by subject tokens, which
+never start with ``_`` followed by a letter other than an escape)."""
+
+
+@dataclass(frozen=True)
+class StoredDelta:
+    seq: int
+    subject: str
+    data: bytes
+
+
+@dataclass
+class Snapshot:
+    """One workspace's fold through stream sequence ``covers``."""
+
+    workspace: str
+    covers: int
+    deltas: list[StoredDelta] = field(default_factory=list)
+    """The last delta that applied to each row, in stream order."""
+    handled: dict[str, int] = field(default_factory=dict)
+    """Every other event id the fold handled, with its sequence."""
+
+    def encode(self) -> bytes:
+        document = {
+            "format": FORMAT,
+            "workspace": self.workspace,
+            "covers": self.covers,
+            "deltas": [[d.seq, d.subject, d.data.decode("utf-8")] for d in self.deltas],
+            "handled": self.handled,
+        }
+        return zlib.compress(json.dumps(document, separators=(",", ":")).encode("utf-8"), level=6)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Snapshot:
+        document = json.loads(zlib.decompress(data))
+        if document.get("format") != FORMAT:
+            raise ValueError(f"snapshot format {document.get('format')!r}, this version reads {FORMAT}")
+        return cls(
+            workspace=document["workspace"],
+            covers=int(document["covers"]),
+            deltas=[StoredDelta(int(seq), subject, text.encode("utf-8")) for seq, subject, text in document["deltas"]],
+            handled={event: int(seq) for event, seq in document["handled"].items()},
+        )
+
+    def messages(self, nc: Client, stream: str) -> list[Msg]:
+        """The deltas as the messages they were stored as (never acked: a replay reads without acks)."""
+        when = datetime.fromtimestamp(0, UTC)
+        return [
+            Msg(
+                nc,
+                subject=delta.subject,
+                data=delta.data,
+                _metadata=Msg.Metadata(
+                    sequence=Msg.Metadata.SequencePair(consumer=n, stream=delta.seq),
+                    num_pending=len(self.deltas) - n,
+                    num_delivered=1,
+                    timestamp=when,
+                    stream=stream,
+                    consumer="snapshot",
+                ),
+            )
+            for n, delta in enumerate(self.deltas, start=1)
+        ]
+
+
+async def snapshot_store(js: JetStreamContext, names: Names, settings: Settings) -> ObjectStore:
+    try:
+        return await js.object_store(names.snapshot_bucket)
+    except NotFoundError:
+        config = ObjectStoreConfig(
+            bucket=names.snapshot_bucket,
+            storage=StorageType.FILE,
+            replicas=settings.nats_replicas,
+            description="each workspace's fold of the compacted delta stream",
+        )
+        return await js.create_object_store(names.snapshot_bucket, config)
+
+
+async def find_snapshot_store(js: JetStreamContext, names: Names) -> ObjectStore | None:
+    """The snapshots, when the stream was ever compacted."""
+    try:
+        return await js.object_store(names.snapshot_bucket)
+    except NotFoundError:
+        return None
+
+
+async def load_snapshot(store: ObjectStore, workspace: str) -> Snapshot | None:
+    try:
+        result = await store.get(encode_token(workspace))
+    except ObjectNotFoundError:
+        return None
+    assert result.data is not None
+    return Snapshot.decode(result.data)
+
+
+async def compacted_through(store: ObjectStore) -> int:
+    """The stream sequence through which every workspace's deltas are in its snapshot (0: never compacted)."""
+    try:
+        result = await store.get(MARKER)
+    except ObjectNotFoundError:
+        return 0
+    return int(json.loads(result.data or b"{}").get("covers", 0))
+
+
+async def stored_snapshots(store: ObjectStore) -> list[str]:
+    """The names of the workspaces' snapshot objects (not the marker)."""
+    try:
+        infos = await store.list()
+    except NotFoundError:
+        return []
+    return sorted(info.name for info in infos if info.name != MARKER and not info.deleted)
+
+
+async def restore_snapshots(nc: Client, names: Names, runner: ProjectionRunner, batch_size: int) -> int:
+    """Every workspace's snapshot through ``runner``, for an index being filled from nothing while the stream
+    starts after what compaction dropped (the consumer then reads the rest). Returns the deltas restored."""
+    store = await find_snapshot_store(nc.jetstream(), names)
+    if store is None or await compacted_through(store) == 0:
+        return 0
+    restored = refused = 0
+    for name in await stored_snapshots(store):
+        result = await store.get(name)
+        messages = Snapshot.decode(result.data or b"").messages(nc, names.delta_stream)
+        for first in range(0, len(messages), batch_size):
+            projected = await project(runner, messages[first : first + batch_size])
+            refused += len(projected.rejected)
+        restored += len(messages)
+    log.info("snapshots_restored", index=runner.sink.index, deltas=restored, refused=refused)
+    return restored

@@ -744,7 +744,8 @@ def compact(
         nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-compact", settings)
         try:
             with RichProgress(console) as progress:
-                report = await compact_stream(nc, Names(settings.subject_prefix), settings, progress)
+                databases = Placement.of(settings, endpoints.database_url).databases
+                report = await compact_stream(nc, Names(settings.subject_prefix), settings, progress, databases)
         finally:
             await nc.close()
         console.print(

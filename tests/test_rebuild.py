@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import asyncpg
 import numpy as np
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -24,7 +28,14 @@ from ontofabric.contracts import (
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
-from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed, pace_delay, retired_schema, shadow_schema
+from ontofabric.services.ops.rebuild import (
+    Rebuild,
+    RebuildFailed,
+    pace_delay,
+    retired_schema,
+    running_rebuilds,
+    shadow_schema,
+)
 from ontofabric.services.ops.snapshots import CompactionRefused, SnapshotFold, compact
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differences, document_facts
 from ontofabric.services.projector.planning import (
@@ -788,3 +799,32 @@ async def test_a_rebuild_interrupted_before_a_compaction_resumes_from_the_snapsh
     assert 0 < resumed.resumed_from < acks[-1].seq
     assert resumed.restored > 0
     assert await _state(deployment, "acme") == before
+
+
+async def test_compaction_waits_for_a_running_rebuild_and_runs_as_a_command(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    last = await _publish_history(deployment)
+    rebuilding = asyncio.create_task(_rebuild(deployment, max_rate=4.0).run())  # about five seconds of replay
+    conn = await asyncpg.connect(deployment.database_url)
+    try:
+        async with asyncio.timeout(10):
+            while not await running_rebuilds(conn):
+                await asyncio.sleep(0.05)
+    finally:
+        await conn.close()
+    with pytest.raises(CompactionRefused, match="1 rebuild"):
+        await compact(
+            deployment.nc, deployment.names, deployment.settings, RecordedProgress(), [deployment.database_url]
+        )
+    assert (await rebuilding).swapped
+    assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == 1  # nothing dropped
+
+    def compact_command() -> subprocess.CompletedProcess[str]:
+        command = [str(Path(sys.executable).parent / "ontofabric"), "compact", "--yes"]
+        return subprocess.run(command, env=deployment.env(), capture_output=True, text=True, check=False, timeout=120)
+
+    done = await asyncio.to_thread(compact_command)
+    assert done.returncode == 0, done.stderr
+    assert f"through sequence {last}" in done.stdout
+    assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == last + 1

@@ -50,12 +50,35 @@ from .replay import workspace_deltas
 from .shadow import RebuildFailed, Shadow, drop_schema, retired_schema, shadow_schema
 from .verification import ExpectedIndex, RowKey, row_key, unexplained_live_rows
 
-__all__ = ["Rebuild", "RebuildFailed", "RebuildReport", "pace_delay", "retired_schema", "shadow_schema"]
+__all__ = [
+    "Rebuild",
+    "RebuildFailed",
+    "RebuildReport",
+    "pace_delay",
+    "retired_schema",
+    "running_rebuilds",
+    "shadow_schema",
+]
 
 log = get_logger(__name__)
 
 CATCH_UP_ROUNDS = 5
 """Unlocked passes over what arrived during the replay, so that little is left for the swap's locked catch-up."""
+
+
+REBUILD_LOCK = "ontofabric.rebuild"
+"""The first key of the session advisory lock a rebuild (or discard) of a workspace holds for its whole run."""
+
+
+async def running_rebuilds(conn: asyncpg.Connection) -> int:
+    """How many rebuilds hold their lock on this database now (any session's)."""
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            " AND classid::bigint = (hashtext($1)::bigint + 4294967296) % 4294967296",
+            REBUILD_LOCK,
+        )
+    )
 
 
 @dataclass
@@ -422,7 +445,7 @@ class Rebuild:
     @contextlib.asynccontextmanager
     async def _exclusive(self, conn: asyncpg.Connection) -> AsyncIterator[None]:
         """One rebuild (or discard) of a workspace at a time, held for the whole run by one session."""
-        lock = "hashtext('ontofabric.rebuild'), hashtext($1)"
+        lock = f"hashtext('{REBUILD_LOCK}'), hashtext($1)"
         if not await conn.fetchval(f"SELECT pg_try_advisory_lock({lock})", self._workspace):
             raise RebuildFailed(f"another rebuild of workspace {self._workspace!r} is running")
         try:

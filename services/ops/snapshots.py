@@ -15,10 +15,11 @@ workspace's own snapshot.
 from __future__ import annotations
 
 import json
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import asyncpg
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -40,6 +41,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token, encode_token, workspace_token_of
 
 from .dead_letters import Selection, dead_letters
+from .rebuild import running_rebuilds
 from .verification import RowKey, row_key
 
 log = get_logger(__name__)
@@ -152,9 +154,20 @@ async def stream_workspaces(nc: Client, names: Names) -> list[str]:
     return sorted({w for subject in subjects if (w := _workspace_of(subject)) is not None})
 
 
-async def compact(nc: Client, names: Names, settings: Settings, progress: Progress) -> CompactionReport:
-    """Snapshot every workspace through the index's position, then purge the stream below it. Run one at a
-    time: two at once could each purge past the other's snapshots."""
+async def compact(
+    nc: Client, names: Names, settings: Settings, progress: Progress, databases: Sequence[str] = ()
+) -> CompactionReport:
+    """Snapshot every workspace through the index's position, then purge the stream below it. Refused while a
+    rebuild runs on one of ``databases`` (it may not have read what would be dropped). Run one at a time: two at
+    once could each purge past the other's snapshots."""
+    for database_url in databases:
+        conn = await asyncpg.connect(database_url)
+        try:
+            running = await running_rebuilds(conn)
+        finally:
+            await conn.close()
+        if running:
+            raise CompactionRefused(f"{running} rebuild(s) running: compact after they finish")
     js = nc.jetstream()
     store = await snapshot_store(js, names, settings)
     done = await compacted_through(store)

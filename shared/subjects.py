@@ -233,3 +233,11 @@ def workspace_token_of(subject: str) -> str | None:
     """The workspace token of a delta or query subject, or None when the subject has no such token."""
     parts = subject.split(".")
     return parts[2] if len(parts) >= 3 else None
+
+
+def workspace_of(subject: str) -> str | None:
+    """The workspace a delta or query subject names; None when it names none (no token, or not a canonical one)."""
+    try:
+        return decode_token(workspace_token_of(subject) or "")
+    except ValueError:
+        return None

@@ -35,7 +35,13 @@ from nats.js import JetStreamContext
 
 from ontofabric.services.projector.planning import Delta, Limits, VersionState, validate_delta
 from ontofabric.services.projector.runner import ProjectionRunner, project
-from ontofabric.services.projector.snapshots import Snapshot, compacted_through, find_snapshot_store, load_snapshot
+from ontofabric.services.projector.snapshots import (
+    Snapshot,
+    compacted_through,
+    find_snapshot_store,
+    load_snapshot,
+    project_snapshot,
+)
 from ontofabric.services.projector.store import VersionUpdate, unsigned64
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.shared.db import DeploymentMismatch, check_deployment, create_pool, migrate, migrations
@@ -268,18 +274,17 @@ class Rebuild:
     ) -> None:
         """A fresh run on a compacted stream: the snapshot's deltas through the projection runner, as the replay
         puts the stream's, and the events it handled; the replay goes on from ``covers + 1``."""
-        messages = snapshot.messages(nc, self._names.delta_stream) if snapshot else []
-        self._progress.stage("snapshot", len(messages))
+        self._progress.stage("snapshot", len(snapshot.deltas) if snapshot else 0)
         runner = ProjectionRunner(shadow.sink, self._limits)
         rejected = []
-        batch_size = self._settings.projector_batch_size
-        for first in range(0, len(messages), batch_size):
-            projected = await project(runner, messages[first : first + batch_size])
-            for delta in projected.done:
-                report.changed += expected.add(delta)
-            rejected += projected.rejected
-            report.restored += len(messages[first : first + batch_size])
-            self._progress.advance("snapshot", len(messages[first : first + batch_size]))
+        if snapshot is not None:
+            batches = project_snapshot(nc, self._names, runner, snapshot, self._settings.projector_batch_size)
+            async for size, projected in batches:
+                for delta in projected.done:
+                    report.changed += expected.add(delta)
+                rejected += projected.rejected
+                report.restored += size
+                self._progress.advance("snapshot", size)
         if snapshot is not None:
             await shadow.add_handled_events(snapshot.handled)
             expected.mark_handled(snapshot.handled.keys())

@@ -34,11 +34,11 @@ from ontofabric.services.projector.snapshots import (
     load_snapshot,
     snapshot_store,
 )
-from ontofabric.shared.jetstream import projected_floor, read_in_order
+from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, decode_token, encode_token, workspace_token_of
+from ontofabric.shared.subjects import Names, encode_token, workspace_of
 
 from .dead_letters import Selection, dead_letters
 from .rebuild import running_rebuilds
@@ -122,13 +122,15 @@ class CompactionReport:
 
 async def index_position(js: JetStreamContext, names: Names, settings: Settings) -> int:
     """The stream sequence every index consumer has settled: the lowest ack floor of the configured Postgres
-    layout's durables, of any other layout's that exist (one being filled for a new layout), and of the Azure AI
-    Search projector's."""
-    floors = [await projected_floor(js, names, settings.projector_partitions)]
+    layout's durables (one missing has settled nothing), of any other layout's that exist (one being filled for a
+    new layout), and of the Azure AI Search projector's."""
+    configured = set(names.postgres_projector_durables(settings.projector_partitions))
+    floors = []
     for durable in [*names.every_postgres_projector_durable, names.azure_projector_durable]:
         try:
             info = await js.consumer_info(names.delta_stream, durable)
         except NotFoundError:
+            floors += [0] if durable in configured else []
             continue
         floors.append(int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0)
     return min(floors)
@@ -151,7 +153,7 @@ async def stream_workspaces(nc: Client, names: Names) -> list[str]:
         subjects |= set(page)
         if not page or len(subjects) >= int(answer.get("total", 0)):
             break
-    return sorted({w for subject in subjects if (w := _workspace_of(subject)) is not None})
+    return sorted({w for subject in subjects if (w := workspace_of(subject)) is not None})
 
 
 async def compact(
@@ -184,13 +186,13 @@ async def compact(
     workspaces = await stream_workspaces(nc, names)
     progress.stage("compact", len(workspaces))
     limits = Limits.from_settings(settings)
+    set_aside = await _set_aside(nc, names)
     for workspace in workspaces:
         token = encode_token(workspace)
         previous = await load_snapshot(store, workspace)
         fold = SnapshotFold(workspace, limits, previous)
         start = max(done, fold.covers) + 1
-        set_aside = await _set_aside(nc, names, workspace)
-        read = await _fold_stream(nc, names, fold, start, upto, set_aside)
+        read = await _fold_stream(nc, names, fold, start, upto, set_aside.get(workspace, set()))
         report.deltas_read += read
         if read:
             snapshot = fold.snapshot()
@@ -211,19 +213,13 @@ async def compact(
     return report
 
 
-async def _set_aside(nc: Client, names: Names, workspace: str) -> set[int]:
-    """The stream sequences of the workspace's deltas the Postgres projector dead-lettered: never applied there."""
-    letters = await dead_letters(nc, names, Selection(workspace=workspace))
-    return {letter.original_seq for letter in letters if letter.index == "postgres" and letter.original_seq}
-
-
-def _workspace_of(subject: str) -> str | None:
-    """The workspace of a delta subject; None for a subject no workspace can have (its deltas were dead-lettered,
-    and the dead letters keep them)."""
-    try:
-        return decode_token(workspace_token_of(subject) or "")
-    except ValueError:
-        return None
+async def _set_aside(nc: Client, names: Names) -> dict[str, set[int]]:
+    """Per workspace, the stream sequences of the deltas the Postgres projector dead-lettered: never applied there."""
+    set_aside: dict[str, set[int]] = {}
+    for letter in await dead_letters(nc, names, Selection()):
+        if letter.index == "postgres" and letter.workspace is not None and letter.original_seq:
+            set_aside.setdefault(letter.workspace, set()).add(letter.original_seq)
+    return set_aside
 
 
 async def _fold_stream(nc: Client, names: Names, fold: SnapshotFold, start: int, upto: int, set_aside: Set[int]) -> int:

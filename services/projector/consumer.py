@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -27,7 +27,7 @@ from ontofabric.shared.jetstream import BatchPuller, StreamReader, backoff_s, na
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, Partition, decode_token, workspace_token_of
+from ontofabric.shared.subjects import Names, Partition, workspace_of, workspace_token_of
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
 from .planning import Rejection
@@ -87,18 +87,14 @@ class ConsumerState:
 _WATCHED: dict[tuple[str, str], ConsumerState] = {}
 
 
-def _observe_lag(_: CallbackOptions) -> list[Observation]:
-    return [
-        Observation(state.undelivered, {"index": index, "consumer": consumer})
-        for (index, consumer), state in _WATCHED.items()
-    ]
+def _per_consumer(value: Callable[[ConsumerState], int]) -> Callable[[CallbackOptions], list[Observation]]:
+    def observe(_: CallbackOptions) -> list[Observation]:
+        return [
+            Observation(value(state), {"index": index, "consumer": consumer})
+            for (index, consumer), state in _WATCHED.items()
+        ]
 
-
-def _observe_unacked(_: CallbackOptions) -> list[Observation]:
-    return [
-        Observation(state.unacked, {"index": index, "consumer": consumer})
-        for (index, consumer), state in _WATCHED.items()
-    ]
+    return observe
 
 
 def _observe_workspace_lag(_: CallbackOptions) -> list[Observation]:
@@ -110,25 +106,20 @@ def _observe_workspace_lag(_: CallbackOptions) -> list[Observation]:
 
 
 meter().create_observable_gauge(
-    "projector.lag", callbacks=[_observe_lag], description="deltas in the stream not yet delivered to the projector"
+    "projector.lag",
+    callbacks=[_per_consumer(lambda s: s.undelivered)],
+    description="deltas in the stream not yet delivered to the projector",
 )
 meter().create_observable_gauge(
-    "projector.unacked", callbacks=[_observe_unacked], description="deltas delivered and not yet settled"
+    "projector.unacked",
+    callbacks=[_per_consumer(lambda s: s.unacked)],
+    description="deltas delivered and not yet settled",
 )
 meter().create_observable_gauge(
     "projector.workspace.lag",
     callbacks=[_observe_workspace_lag],
     description="stream sequences between a workspace's newest delta and the last the projector settled there",
 )
-
-
-def workspace_of_subject(subject: str) -> str | None:
-    """The workspace a delta subject names; None when it names none."""
-    token = workspace_token_of(subject)
-    try:
-        return decode_token(token) if token else None
-    except ValueError:
-        return None
 
 
 def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
@@ -183,7 +174,7 @@ class DurableProjection:
         return self._partition is None or self._partition.holds(subject)
 
     def _settled(self, msg: Msg) -> None:
-        workspace = workspace_of_subject(msg.subject)
+        workspace = workspace_of(msg.subject)
         if workspace is not None:
             self.state.workspaces.settled(workspace, msg.metadata.sequence.stream)
 
@@ -358,7 +349,7 @@ async def start_projection(
 
     async def published(msg: Msg) -> None:
         subject, seq = (msg.headers or {}).get("Nats-Subject", ""), (msg.headers or {}).get("Nats-Sequence", "")
-        workspace = workspace_of_subject(subject)
+        workspace = workspace_of(subject)
         if workspace is not None and seq.isdigit() and projection.holds(subject):
             workspaces.published(workspace, int(seq))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -21,7 +22,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token
 
-from .runner import ProjectionRunner, project
+from .runner import Projected, ProjectionRunner, project
 
 log = get_logger(__name__)
 
@@ -140,6 +141,17 @@ async def stored_snapshots(store: ObjectStore) -> list[str]:
     return sorted(info.name for info in infos if info.name != MARKER and not info.deleted)
 
 
+async def project_snapshot(
+    nc: Client, names: Names, runner: ProjectionRunner, snapshot: Snapshot, batch_size: int
+) -> AsyncIterator[tuple[int, Projected]]:
+    """The snapshot's deltas through ``runner`` in batches, as a replay puts the stream's: each batch's size and
+    what it left."""
+    messages = snapshot.messages(nc, names.delta_stream)
+    for first in range(0, len(messages), batch_size):
+        batch = messages[first : first + batch_size]
+        yield len(batch), await project(runner, batch)
+
+
 async def restore_snapshots(nc: Client, names: Names, runner: ProjectionRunner, batch_size: int) -> int:
     """Every workspace's snapshot through ``runner``, for an index being filled from nothing while the stream
     starts after what compaction dropped (the consumer then reads the rest). Returns the deltas restored."""
@@ -149,10 +161,9 @@ async def restore_snapshots(nc: Client, names: Names, runner: ProjectionRunner, 
     restored = refused = 0
     for name in await stored_snapshots(store):
         result = await store.get(name)
-        messages = Snapshot.decode(result.data or b"").messages(nc, names.delta_stream)
-        for first in range(0, len(messages), batch_size):
-            projected = await project(runner, messages[first : first + batch_size])
+        snapshot = Snapshot.decode(result.data or b"")
+        async for size, projected in project_snapshot(nc, names, runner, snapshot, batch_size):
+            restored += size
             refused += len(projected.rejected)
-        restored += len(messages)
     log.info("snapshots_restored", index=runner.sink.index, deltas=restored, refused=refused)
     return restored

@@ -136,9 +136,16 @@ async def _deployment_row(conn: Connection) -> asyncpg.Record | None:
     return await conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
 
 
-async def check_deployment(conn: Connection, settings: Settings, *, record: bool = True) -> None:
-    """Record the deployment's model and dimension on first use (unless ``record`` is false: a reader may not);
-    DeploymentMismatch when ``settings`` differ."""
+async def index_model(conn: Connection) -> str:
+    """The embedding model the index's vectors were made by (the deployment row's)."""
+    model: str = await conn.fetchval("SELECT embedding_model FROM deployment")
+    return model
+
+
+async def check_deployment(conn: Connection, settings: Settings, *, record: bool = True) -> Settings:
+    """Record the deployment's model and dimension on first use (unless ``record`` is false: a reader may not).
+    Returns the settings of the model the index holds: ``settings``, or their next model's once a model change
+    has swapped (``ontofabric reembed``). DeploymentMismatch when it is neither."""
     if record:
         await conn.execute(
             "INSERT INTO deployment (embedding_model, embedding_dim) VALUES ($1, $2) ON CONFLICT DO NOTHING",
@@ -147,13 +154,16 @@ async def check_deployment(conn: Connection, settings: Settings, *, record: bool
         )
     row = await _deployment_row(conn)
     assert row is not None
-    if (row["embedding_model"], row["embedding_dim"]) != (settings.embedding_model, settings.embedding_dim):
-        raise DeploymentMismatch(
-            f"the database holds {row['embedding_model']} vectors of dimension {row['embedding_dim']}, "
-            f"but this process is set up for {settings.embedding_model} / {settings.embedding_dim}; fix "
-            "ONTOFABRIC_EMBEDDING_MODEL / ONTOFABRIC_EMBEDDING_DIM (another model needs a new index, built from the "
-            "stream)"
-        )
+    for model in settings.models().values():
+        if (row["embedding_model"], row["embedding_dim"]) == (model.embedding_model, model.embedding_dim):
+            return model
+    offered = " or ".join(f"{m.embedding_model} / {m.embedding_dim}" for m in settings.models().values())
+    raise DeploymentMismatch(
+        f"the database holds {row['embedding_model']} vectors of dimension {row['embedding_dim']}, "
+        f"but this process is set up for {offered}; "
+        "fix ONTOFABRIC_EMBEDDING_MODEL / ONTOFABRIC_EMBEDDING_DIM (or, while a model change is under way, "
+        "ONTOFABRIC_NEXT_EMBEDDING_MODEL / _DIM: docs/reliability.md)"
+    )
 
 
 async def create_pool(

@@ -48,10 +48,16 @@ class EmbedderMismatch(Exception):
 
 
 class Embedder(Protocol):
-    model_name: str
-    cache_name: str
-    """What the embedding cache keys vectors by: the model, and its arithmetic where that changes the vectors."""
-    dimension: int
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def cache_name(self) -> str:
+        """What the embedding cache keys vectors by: the model, and its arithmetic where that changes the vectors."""
+        ...
+
+    @property
+    def dimension(self) -> int: ...
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         """One L2-normalised row per text."""
@@ -304,10 +310,14 @@ class LocalSentenceTransformer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
 
-def build_embedder(settings: Settings) -> Embedder | None:
-    """The deployment's embedder, or None when it is set to ``none`` (keyword-only answers)."""
-    if settings.embedder == "none":
-        return None
+def embedding_text(content: str, symbol_fqn: str | None) -> str:
+    """The text a document's vector is made from: its symbol's qualified name (what code search asks by), then
+    its content. Ingesters, and whatever embeds a stored document again for another model, read the same text."""
+    return f"{symbol_fqn}\n{content}" if symbol_fqn else content
+
+
+def load_embedder(settings: Settings) -> LocalSentenceTransformer:
+    """The local model ``settings`` name (its current embedding model)."""
     return LocalSentenceTransformer(
         settings.embedding_model,
         settings.resolved_model_path(),
@@ -315,3 +325,68 @@ def build_embedder(settings: Settings) -> Embedder | None:
         bfloat16=wants_bfloat16(settings.embedding_precision),
         windows=settings.embedding_windows,
     )
+
+
+class ServedModel:
+    """The embedder of whichever model the index holds, for a process that may see the model change
+    (``ontofabric reembed``): every model ``settings.models()`` names is loaded up front, so the switch, when the
+    process sees the index hold another model (:meth:`observe`), costs nothing. It is an :class:`Embedder`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._models = {name: load_embedder(model) for name, model in settings.models().items()}
+        self._active = self._models[settings.embedding_model]
+        self._unknown: set[str] = set()
+
+    @property
+    def model_name(self) -> str:
+        return self._active.model_name
+
+    @property
+    def cache_name(self) -> str:
+        return self._active.cache_name
+
+    @property
+    def dimension(self) -> int:
+        return self._active.dimension
+
+    def observe(self, model: str) -> bool:
+        """The index holds ``model``'s vectors now: embed with it from here on. False when this process has no such
+        model (it goes on with its own, and the dense search refuses their mix: ``ModelChanged``)."""
+        if model == self._active.model_name:
+            return True
+        embedder = self._models.get(model)
+        if embedder is None:
+            if model not in self._unknown:
+                self._unknown.add(model)
+                log.error("embedding_model_unknown", index_model=model, models=sorted(self._models))
+            return False
+        log.info("embedding_model_switched", previous=self._active.model_name, model=model)
+        self._active = embedder
+        return True
+
+    def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
+        return self._active.embed_documents(texts, batch_size)
+
+    def embed_with_tokens(
+        self, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
+        return self._active.embed_with_tokens(texts, batch_size)
+
+    def embed_query(self, text: str) -> Vector:
+        return self._active.embed_query(text)
+
+    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenMatrix]:
+        return await self._active.embed_query_with_tokens_async(text)
+
+    async def on_model_thread(self, work: Callable[[], T]) -> T:
+        return await self._active.on_model_thread(work)
+
+
+def build_embedder(settings: Settings) -> Embedder | None:
+    """The deployment's embedder, or None when it is set to ``none`` (keyword-only answers). While a model change
+    is set (``next_embedding_model``), one that serves either model: :class:`ServedModel`."""
+    if settings.embedder == "none":
+        return None
+    if settings.next_model() is not None:
+        return ServedModel(settings)
+    return load_embedder(settings)

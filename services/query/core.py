@@ -85,6 +85,8 @@ class SearchInput:
     text: str
     vector: Vector | None = None
     """The query's embedding; given to retrievers that declare ``needs_embedding``."""
+    model: str | None = None
+    """The model that made ``vector``: an index that holds another model's vectors refuses it."""
 
 
 class Retriever(Protocol):
@@ -132,8 +134,9 @@ class DocumentStore(Protocol):
         """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""
         ...
 
-    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
-        """The dense score (cosine similarity) of each of ``ids`` live in the scope, in no particular order."""
+    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str], model: str | None = None) -> Hits:
+        """The dense score (cosine similarity) of each of ``ids`` live in the scope, in no particular order;
+        ``model``: the one that made ``vector`` (as for :class:`SearchInput`)."""
         ...
 
     async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives: ...
@@ -170,6 +173,8 @@ class EmbeddedQuery:
     vector: Vector
     tokens: TokenMatrix
     """One vector per token, for late interaction."""
+    model: str
+    """The embedding model that made them."""
 
 
 @dataclass(frozen=True)

@@ -211,14 +211,14 @@ class QueryPipeline:
         embedding = asyncio.ensure_future(self._embed(run)) if any(r.needs_embedding for r in wanted) else None
 
         async def search(retriever: Retriever) -> Hits | None:
-            vector = None
+            vector, model = None, None
             if retriever.needs_embedding:
                 assert embedding is not None
                 embedded = await embedding
                 if embedded is None:
                     return None  # said once, as the embedder
-                vector = embedded.vector
-            work = retriever.search(scope, SearchInput(run.text, vector), limit)
+                vector, model = embedded.vector, embedded.model
+            work = retriever.search(scope, SearchInput(run.text, vector, model), limit)
             hits = await run.guarded(retriever.name, work, stage=retriever.name, reserve_s=RETRIEVAL_RESERVE_S)
             if hits is not None and hits.lagging:  # its index is behind the version read: say so, do not cache
                 run.degrade(f"{retriever.name}IndexBehind")
@@ -242,15 +242,15 @@ class QueryPipeline:
         if self._embedder is None:
             run.degrade("embedder")
             return None
-        embedding = await run.guarded(
-            "embedder", self._embedder.embed_query_with_tokens_async(run.text), stage="embed", reserve_s=EMBED_RESERVE_S
-        )
+        # The model's name together with the call that embeds by it: a model change may switch the embedder.
+        model, embedding_call = self._embedder.model_name, self._embedder.embed_query_with_tokens_async(run.text)
+        embedding = await run.guarded("embedder", embedding_call, stage="embed", reserve_s=EMBED_RESERVE_S)
         if embedding is None:
             return None
         requested = run.query.distance_metric
         note = None if requested == "cosine" else COSINE_ONLY
         run.report(distance_metric=DistanceMetricReport(requested=requested, ran="cosine", note=note))
-        return EmbeddedQuery(*embedding)
+        return EmbeddedQuery(*embedding, model=model)
 
     def _plan(self, run: QueryRun, lists: dict[str, Hits], embedded: EmbeddedQuery | None) -> Refinements:
         keyword = lists.get(KEYWORD)
@@ -306,7 +306,7 @@ class QueryPipeline:
         others = [c.id for c in lists[KEYWORD].candidates if c.id not in returned]
         if not others:
             return {}
-        work = self._documents.similarities(scope, embedded.vector, others)
+        work = self._documents.similarities(scope, embedded.vector, others, embedded.model)
         scored = await run.guarded("denseScores", work, stage="denseScores", reserve_s=RETRIEVAL_RESERVE_S)
         if scored is None:
             return None

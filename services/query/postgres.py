@@ -96,6 +96,18 @@ class Snapshot:
     """The highest stream sequence applied to each branch read (absent: nothing yet)."""
     revisions: dict[str, int]
     """The commits that changed each branch read's version so far (absent: none)."""
+    model: str | None = None
+    """The embedding model of the vectors it reads (None: the scope has no version yet, so no vectors)."""
+
+    def check_model(self, model: str | None) -> None:
+        """Refuse a query vector of another model than the one that made the vectors read (a model change swapped
+        while the query was embedded, or this worker lacks the new model): comparing the two would mean nothing."""
+        if model is not None and self.model is not None and model != self.model:
+            raise ModelChanged(f"the index holds {self.model} vectors; the query was embedded by {model}")
+
+
+class ModelChanged(Exception):
+    """The index's vectors are of another embedding model than the query's."""
 
 
 @dataclass(frozen=True)
@@ -139,11 +151,14 @@ class PostgresSnapshots:
         *,
         replicas: Sequence[asyncpg.Pool] = (),
         announced: AnnouncedRevision | None = None,
+        on_model: Callable[[str], object] | None = None,
     ) -> None:
         self._replicas = [_Source(replica, replica=True) for replica in replicas]
         self._primary = _Source(pool, replica=False)
         self._turn = 0
         self._announced = announced
+        self._on_model = on_model
+        """Told the embedding model of the index at every read: how a worker follows a model change."""
         self._acquire_timeout_s = acquire_timeout_s
         """How long a read waits for a connection: a stalled database is `unavailable`, not a hang."""
         # Main ids a branch hides, per (workspace, branch, version, revisions): computed once per version, inside a
@@ -195,7 +210,8 @@ class PostgresSnapshots:
         # version. Both parents at once, in the swap's order. (A hot standby allows this lock mode.)
         await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
         rows = await conn.fetch(
-            "SELECT branch, state_hash, stream_seq, revision FROM ontology_versions"
+            "SELECT branch, state_hash, stream_seq, revision, (SELECT embedding_model FROM deployment) AS model"
+            " FROM ontology_versions"
             " WHERE workspace = $1 AND branch = ANY($2::text[]) ORDER BY branch",
             scope.workspace,
             scope.branches,
@@ -210,12 +226,16 @@ class PostgresSnapshots:
                 found = await _shadowed_ids(conn, scope.workspace, scope.branch)
                 self._shadowed.put(key, found)
             shadowed = found
+        model = rows[0]["model"] if rows else None
+        if model is not None and self._on_model is not None:
+            self._on_model(model)
         return Snapshot(
             conn,
             version,
             shadowed,
             {r["branch"]: int(r["stream_seq"]) for r in rows},
             {r["branch"]: int(r["revision"]) for r in rows},
+            model,
         )
 
 
@@ -251,6 +271,7 @@ class PostgresDense:
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         assert query.vector is not None, "the pipeline embeds the query for retrievers that need it"
         async with self._snapshots.read(scope) as snapshot:
+            snapshot.check_model(query.model)
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             # relaxed_order iterative scans may return rows slightly out of order: re-sort the materialised top-k.
             sql = f"""
@@ -378,10 +399,11 @@ class PostgresDocuments:
         }
         return Fetched(documents, snapshot.version)
 
-    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str]) -> Hits:
+    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str], model: str | None = None) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
         for keyword hits the dense top-k did not reach, so fusion weighs what they are, not a guess."""
         async with self._snapshots.read(scope) as snapshot:
+            snapshot.check_model(model)
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT id, 1 - (embedding <=> $1) AS score FROM documents

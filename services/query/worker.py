@@ -34,9 +34,9 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
-from ontofabric.shared.db import READER_ROLE, create_pool, is_unavailable, migrate, wait_until_migrated
+from ontofabric.shared.db import READER_ROLE, create_pool, index_model, is_unavailable, migrate, wait_until_migrated
 from ontofabric.shared.discovery import announce
-from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.embedder import Embedder, ServedModel
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -239,9 +239,19 @@ class QueryService:
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
+        # A worker set up for a model change serves the model the index holds: from the start, and from the read
+        # that first sees the change swapped in.
+        on_model = self._embedder.observe if isinstance(self._embedder, ServedModel) else None
+        if on_model is not None:
+            async with self._pools[0].acquire() as conn:
+                on_model(await index_model(conn))
         placed = [
             PostgresSnapshots(
-                pool, acquire_timeout_s=stalled_s, replicas=self._replica_pools, announced=tracker.revision
+                pool,
+                acquire_timeout_s=stalled_s,
+                replicas=self._replica_pools,
+                announced=tracker.revision,
+                on_model=on_model,
             )
             for pool in self._pools
         ]
@@ -269,7 +279,8 @@ class QueryService:
         ]
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
-        self._service = await announce(nc, names.query_service, "ontofabric query worker")
+        models = ",".join(settings.models()) if self._embedder is not None else ""
+        self._service = await announce(nc, names.query_service, "ontofabric query worker", models=models)
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 

@@ -34,6 +34,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from ontofabric.services.projector.planning import Delta, Limits, VersionState, validate_delta
+from ontofabric.services.projector.reembedding import Reembedder
 from ontofabric.services.projector.runner import ProjectionRunner, project
 from ontofabric.services.projector.snapshots import (
     Snapshot,
@@ -143,6 +144,8 @@ class Rebuild:
         self._force = force
         self._max_rate = max_rate
         self._limits = Limits.from_settings(settings)
+        self._reembedder = Reembedder(settings) if settings.embedder != "none" else None
+        """Embeds again what the stream holds of another model than the index's (after a model change)."""
 
     async def discard(self) -> bool:
         """Drop an interrupted rebuild's shadow schema. False when there was none."""
@@ -175,6 +178,7 @@ class Rebuild:
         js = nc.jetstream()
         await ensure_jetstream(js, self._names, self._settings)
         await self._check_live_schema(admin)
+        await self._follow_model(admin)
         await self._announce(nc, admin)
         # What a run that committed its swap and stopped before dropping the partitions it replaced left behind.
         await drop_schema(admin, retired_schema(self._workspace))
@@ -258,10 +262,25 @@ class Rebuild:
                 "the same version of ontofabric as the workers",
                 resumable=False,
             )
+
+    async def _follow_model(self, conn: asyncpg.Connection) -> None:
+        """After a model change, the settings rebuilt with are the next model's: the shadow's vectors are that
+        dimension, and the stream's deltas of the model before are embedded again."""
+        if await conn.fetchval("SELECT next_embedding_model FROM public.deployment") is not None:
+            raise RebuildFailed(
+                "an embedding model change is under way (`ontofabric reembed`): rebuild when it has swapped, or "
+                "after `ontofabric reembed --discard`",
+                resumable=True,
+            )
         try:
-            await check_deployment(conn, self._settings)
+            held = await check_deployment(conn, self._settings)
         except DeploymentMismatch as error:
             raise RebuildFailed(str(error), resumable=False) from error
+        if held.embedding_model != self._settings.embedding_model:
+            self._settings = held
+            self._limits = Limits.from_settings(held)
+        if self._reembedder is not None:
+            self._reembedder.follow(held.embedding_model)
 
     async def _restore(
         self,
@@ -275,7 +294,7 @@ class Rebuild:
         """A fresh run on a compacted stream: the snapshot's deltas through the projection runner, as the replay
         puts the stream's, and the events it handled; the replay goes on from ``covers + 1``."""
         self._progress.stage("snapshot", len(snapshot.deltas) if snapshot else 0)
-        runner = ProjectionRunner(shadow.sink, self._limits)
+        runner = ProjectionRunner(shadow.sink, self._limits, self._reembedder)
         rejected = []
         if snapshot is not None:
             batches = project_snapshot(nc, self._names, runner, snapshot, self._settings.projector_batch_size)
@@ -344,7 +363,7 @@ class Rebuild:
         batch_size = self._settings.projector_batch_size
         if paced and self._max_rate is not None:  # a minute's worth at most: the consumer must not sit idle long
             batch_size = min(batch_size, max(1, int(self._max_rate * 60)))
-        runner = ProjectionRunner(shadow.sink, self._limits)
+        runner = ProjectionRunner(shadow.sink, self._limits, self._reembedder)
         async with workspace_deltas(nc, self._names, self._workspace, start, upto, batch_size) as batches:
             async for batch in batches:
                 projected = await project(runner, batch)

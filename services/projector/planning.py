@@ -41,6 +41,9 @@ class Limits:
     max_content_bytes: int
     embedding_dim: int
     embedding_model: str
+    reembed: bool = False
+    """A document of another model is embedded again by the index's (services/projector/reembedding.py), not
+    refused."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -99,6 +102,12 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
     size = len(document.content.encode("utf-8"))
     if size > limits.max_content_bytes:
         return Rejection("content_too_large", f"content is {size} bytes, limit {limits.max_content_bytes}")
+    if (
+        limits.reembed
+        and document.embedding is not None
+        and document.embedding_model not in (None, limits.embedding_model)
+    ):
+        return None  # its vectors are replaced before it is written
     if document.embedding is not None and len(document.embedding) != limits.embedding_dim:
         return Rejection(
             "embedding_dimension_mismatch",

@@ -10,6 +10,7 @@ from ontofabric.shared.db import is_transient
 from ontofabric.shared.logging import describe, get_logger
 
 from .planning import Delta
+from .reembedding import ModelChanged
 from .runner import Written
 from .store import BatchResult, PostgresProjectionStore
 from .versions import VersionPublisher
@@ -57,7 +58,7 @@ class PostgresSink:
                 await self._versions.publish(update)
 
     def retryable(self, error: BaseException) -> bool:
-        return isinstance(error, NotAnnounced) or is_transient(error)
+        return isinstance(error, NotAnnounced | ModelChanged) or is_transient(error)
 
     async def settled(self) -> None:
         """Fresh planner statistics for the partitions that changed much: an optimisation, never a reason to

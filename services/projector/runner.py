@@ -23,6 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from ontofabric.shared.logging import describe, get_logger
 
 from .planning import Delta, Limits, Rejection, validate_delta
+from .reembedding import ModelChanged, Reembedder
 
 log = get_logger(__name__)
 
@@ -76,9 +77,11 @@ class Outcome:
 
 
 class ProjectionRunner:
-    def __init__(self, sink: Sink, limits: Limits) -> None:
+    def __init__(self, sink: Sink, limits: Limits, reembedder: Reembedder | None = None) -> None:
         self.sink = sink
         self._limits = limits
+        self._reembedder = reembedder
+        """Embeds again what another model embedded (a model change); None: such a delta is refused."""
 
     async def run(self, messages: Sequence[Msg]) -> AsyncIterator[Outcome]:
         """What became of the batch's deltas, part by part, as each write ends: first those that can never apply,
@@ -86,14 +89,22 @@ class ProjectionRunner:
         part at once and a long isolation never holds the first deltas past their ack wait."""
         invalid: list[tuple[Msg, Rejection]] = []
         accepted: list[tuple[Msg, Delta]] = []
+        limits = self._limits if self._reembedder is None else self._reembedder.limits(self._limits)
         for msg in messages:
-            checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, self._limits)
+            checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, limits)
             if isinstance(checked, Rejection):
                 invalid.append((msg, checked))
             else:
                 accepted.append((msg, checked))
         if invalid:
             yield Outcome(invalid=invalid)
+        if accepted and self._reembedder is not None:
+            try:
+                accepted = await self._reembedder.refresh(accepted)
+            except Exception as error:  # the model would not load or run: nothing is lost, the batch comes back
+                log.warning("embedding_again_failed", error=describe(error), size=len(accepted))
+                yield Outcome(retry=[msg for msg, _ in accepted], error=error)
+                return
         if accepted:
             async for part in self._write(accepted):
                 yield part
@@ -103,6 +114,8 @@ class ProjectionRunner:
         try:
             written = await self.sink.write([delta for _, delta in accepted], redelivered)
         except Exception as error:
+            if isinstance(error, ModelChanged) and self._reembedder is not None:
+                self._reembedder.follow(error.model)  # the batch comes back and is embedded again for it
             if self.sink.retryable(error):
                 yield Outcome(retry=[msg for msg, _ in accepted], error=error)
             elif len(accepted) > 1:

@@ -11,7 +11,7 @@ import numpy as np
 
 from ontofabric.contracts import EntityKind, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted, split_link_key
 from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
-from ontofabric.shared.db import Connection
+from ontofabric.shared.db import Connection, index_model
 
 from .planning import (
     Delta,
@@ -25,6 +25,7 @@ from .planning import (
     state_after,
     upserted_document,
 )
+from .reembedding import ModelChanged
 
 _SIGNED = 1 << 63
 
@@ -182,6 +183,7 @@ class PostgresProjectionStore:
                 # later: refresh_statistics right after sees this batch.
                 await conn.execute("SELECT pg_stat_force_next_flush()")
                 versions, revisions = await self._lock_versions(conn, scopes)
+                await _check_model(conn, deltas)
                 rows = await self._current_rows(conn, refs)
                 handled = await self._handled_events(conn, [d.envelope.event_id for d in deltas])
                 plan = plan_batch(deltas, rows, versions, handled)
@@ -349,6 +351,20 @@ class PostgresProjectionStore:
             embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
             delta.seq, event_id, False, doc.token_vectors.data if doc.token_vectors is not None else None,
         )  # fmt: skip
+
+
+async def _check_model(conn: Connection, deltas: Sequence[Delta]) -> None:
+    """Vectors of one model only: a model change swapped in commits while no batch holds a version lock, so the
+    model read here holds until this batch commits."""
+    carried = set()
+    for delta in deltas:
+        document = upserted_document(delta.envelope)
+        if document is not None and document.embedding is not None and document.embedding_model is not None:
+            carried.add(document.embedding_model)
+    if carried:
+        held = await index_model(conn)
+        if carried != {held}:
+            raise ModelChanged(held)
 
 
 def _ref(delta: Delta) -> EntityRef:

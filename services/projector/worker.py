@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.micro.service import Service
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
-from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
+from ontofabric.shared.db import WRITER_ROLE, create_pool, index_model, migrate, wait_until_migrated
 from ontofabric.shared.discovery import announce
 from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
@@ -39,6 +39,7 @@ from .azure import (
 from .consumer import DurableProjection, RunningProjection, start_projection
 from .planning import Limits
 from .postgres import PostgresSink
+from .reembedding import Reembedder
 from .runner import ProjectionRunner
 from .snapshots import restore_snapshots
 from .store import PostgresProjectionStore
@@ -89,10 +90,12 @@ class ProjectorService:
         versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
         count = settings.projector_partitions
         durables = names.postgres_projector_durables(count)
+        reembedders = {database: await self._reembedder(pool) for database, pool in self._pools.items()}
         for index in self._partitions:
-            pool = self._pools[placement.database_of_partition(index)]
+            database = placement.database_of_partition(index)
+            pool = self._pools[database]
             sink = PostgresSink(PostgresProjectionStore(pool, settings.text_search_config), versions)
-            runner = ProjectionRunner(sink, Limits.from_settings(settings))
+            runner = ProjectionRunner(sink, Limits.from_settings(settings), reembedders[database])
             partition = Partition(index, count) if count > 1 else None
             projection = DurableProjection(runner, js, names, durables[index], partition=partition)
             running = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
@@ -100,7 +103,20 @@ class ProjectorService:
             log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
         description = "ontofabric Postgres projector"
-        self._service = await announce(nc, names.projector_service, description, index="postgres", partitions=held)
+        models = ",".join(settings.models()) if settings.embedder != "none" else ""
+        self._service = await announce(
+            nc, names.projector_service, description, index="postgres", partitions=held, models=models
+        )
+
+    async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
+        """What embeds again, for the model the database's index holds, documents another model embedded (a model
+        change); None without a local embedder: those are refused then."""
+        if self.settings.embedder == "none":
+            return None
+        reembedder = Reembedder(self.settings)
+        async with pool.acquire() as conn:
+            reembedder.follow(await index_model(conn))
+        return reembedder
 
     async def _writer_pool(self, database_url: str) -> asyncpg.Pool:
         """A pool acting as the writer role on a database this projector migrated (or waits for, when it writes

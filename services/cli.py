@@ -723,6 +723,65 @@ def rebuild(
 
 
 @app.command()
+def reembed(
+    discard: Annotated[
+        bool, typer.Option(help="Drop an unfinished change's columns and index instead (the live index is untouched).")
+    ] = False,
+    lock_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1, help="Seconds the swap may wait for its locks; past that it gives up, and can be run again."
+        ),
+    ] = 10.0,
+    max_rate: Annotated[
+        float | None,
+        typer.Option(min=1.0, help="Embed at most this many documents per second, to leave the database to queries."),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(help="Swap even when running workers say they cannot serve the next model."),
+    ] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Change the embedding model (and dimension) of every database's index without downtime.
+
+    Embeds every live document again by ONTOFABRIC_NEXT_EMBEDDING_MODEL beside its current vector, indexes the new
+    vectors, then swaps them in, in one transaction, and announces the new revisions. Query workers answer with the
+    current model until the swap. Set the next model on every projector and query worker first
+    (docs/reliability.md, "Changing the embedding model"); an interrupted change resumes when run again."""
+    from .ops.reembed import ChangeRefused, ModelChange
+
+    settings = _settings("ontofabric-reembed", data_dir, quiet=True)
+    endpoints = _endpoints(settings)
+    placement = Placement.of(settings, endpoints.database_url)
+    try:
+        with RichProgress(console) as progress:
+            jobs = [
+                ModelChange(settings, endpoints.nats_url_as("operator"), url, progress, lock_timeout_s=lock_timeout,
+                            max_rate=max_rate, force=force)
+                for url in placement.databases
+            ]  # fmt: skip
+            for job in jobs:
+                if discard:
+                    dropped = asyncio.run(job.discard())
+                    console.print("change discarded" if dropped else "no unfinished change to discard")
+                    continue
+                report = asyncio.run(job.run())
+                if report.already:
+                    console.print(f"{report.database}: holds {report.model} vectors already")
+                    continue
+                console.print(
+                    f"{report.database}: {report.previous_model} → {report.model}: {report.embedded} documents "
+                    f"embedded in {report.rounds} rounds ({report.fill_s:.1f}s), indexed in {report.index_s:.1f}s, "
+                    f"swapped in holding the projectors off for {report.swap_lock_s * 1000:.0f} ms; "
+                    f"{report.versions} versions announced",
+                    soft_wrap=True,
+                )
+    except ChangeRefused as error:
+        _fail(f"{error}\nthe live index still answers with the model it holds")
+
+
+@app.command()
 def compact(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     data_dir: DataDir = None,

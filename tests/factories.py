@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
@@ -59,3 +60,21 @@ def upsert(
 
 def delete(workspace: str, doc_id: str, *, branch: str = "main", event_id: str | None = None) -> DeltaEnvelope:
     return envelope(workspace, DocumentDeleted(document_id=doc_id), branch=branch, event_id=event_id)
+
+
+def projected_minilm(path: Path, dimension: int, seed: int = 7) -> Path:
+    """A second embedding model of another dimension: the bundled all-MiniLM-L6-v2 followed by a fixed random
+    orthogonal projection to ``dimension``, saved as a sentence-transformers model. It ranks much as MiniLM does
+    (a random projection keeps cosines roughly), and its vectors are not MiniLM's."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize
+
+    from ontofabric.shared.settings import Settings
+
+    base = SentenceTransformer(str(Settings().resolved_model_path()), device="cpu", local_files_only=True)
+    torch.manual_seed(seed)
+    projection = Dense(384, dimension, bias=False, activation_function=torch.nn.Identity())
+    torch.nn.init.orthogonal_(projection.linear.weight)
+    SentenceTransformer(modules=[base[0], base[1], projection, Normalize()], device="cpu").save(str(path))
+    return path

@@ -47,8 +47,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     (consumer,) = status.consumers
     assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
     assert len({worker.id for worker in status.query_workers}) == 2
-    (running,) = status.projectors  # it answers service discovery too, saying what it projects
-    assert running.details == {"index": "postgres", "partitions": "all"}
+    (running,) = status.projectors  # it answers service discovery too, saying what it projects and embeds with
+    assert running.details == {"index": "postgres", "partitions": "all", "models": ""}  # no embedder
     await second.stop()
     assert len((await deployment_status(deployment.nc, deployment.names, placement)).query_workers) == 1
 

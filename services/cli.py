@@ -54,6 +54,7 @@ from ontofabric.shared.telemetry import configure_telemetry
 from .app import Roles, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore
 from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
+from .ops.quality_gate import MIN_EFFECT
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
 
@@ -620,12 +621,37 @@ def eval_command(
     keep_identical_ids: Annotated[
         bool, typer.Option(help="Count a result whose id is the query's own (BEIR drops those by default).")
     ] = False,
+    sample_queries: Annotated[
+        int | None,
+        typer.Option(min=1, help="Measure this many judged queries, drawn with --seed (and their judged documents)."),
+    ] = None,
+    sample_documents: Annotated[
+        int, typer.Option(min=1, help="With --sample-queries: documents in all, the judged ones and others drawn.")
+    ] = 2000,
+    seed: Annotated[int, typer.Option(help="What the sample is drawn with.")] = 0,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="The quality gate: compare each configuration with this baseline, query by query, and exit 1 when "
+            'one is worse beyond the bootstrap noise (docs/quality.md, "Quality gate").',
+        ),
+    ] = None,
+    write_baseline: Annotated[
+        Path | None, typer.Option(dir_okay=False, help="Write this run's per-query nDCG@10 here, as a baseline.")
+    ] = None,
+    min_effect: Annotated[
+        float, typer.Option(min=0.0, help="The smallest drop of mean nDCG@10 the gate fails on.")
+    ] = MIN_EFFECT,
 ) -> None:
     """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency, and each
-    hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval."""
-    from .ops.beir import DatasetError, load_beir
-    from .ops.eval_report import render_table
+    hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval. With
+    --baseline, it is also a quality gate."""
+    from .ops.beir import DatasetError, load_beir, sample_dataset
+    from .ops.eval_report import render_table, render_verdicts
     from .ops.evaluation import CONFIGS, evaluate
+    from .ops.quality_gate import Baseline, BaselineMismatch, judge
 
     settings = _settings("ontofabric-eval", quiet=True)
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
@@ -636,6 +662,12 @@ def eval_command(
         dataset = load_beir(dataset_dir, split)
     except DatasetError as error:
         _fail(str(error))
+    if sample_queries is not None:
+        dataset = sample_dataset(dataset, sample_queries, sample_documents, seed)
+    reference = Baseline.read(baseline) if baseline is not None else None
+    if reference is not None and (reference.dataset, reference.split) != (dataset.name, dataset.split):
+        _fail(f"the baseline was measured on {reference.dataset} ({reference.split}), this run is {dataset.name} "
+              f"({dataset.split}): draw the same sample")  # fmt: skip
     data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
     data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
     try:
@@ -652,6 +684,17 @@ def eval_command(
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_file}")
+    if write_baseline is not None:
+        Baseline(report.dataset, report.split, report.per_query).write(write_baseline)
+        console.print(f"wrote {write_baseline}")
+    if reference is not None:
+        try:
+            verdicts = judge(reference, report.dataset, report.split, report.per_query, min_effect)
+        except BaselineMismatch as error:
+            _fail(str(error))
+        console.print(render_verdicts(verdicts, min_effect), soft_wrap=True, markup=False)
+        if not verdicts or any(v.regressed for v in verdicts):
+            raise typer.Exit(1)
 
 
 @app.command()
@@ -754,6 +797,7 @@ def reembed(
     settings = _settings("ontofabric-reembed", data_dir, quiet=True)
     endpoints = _endpoints(settings)
     placement = Placement.of(settings, endpoints.database_url)
+    database = ""
     try:
         with RichProgress(console) as progress:
             jobs = [
@@ -761,10 +805,11 @@ def reembed(
                             max_rate=max_rate, force=force)
                 for url in placement.databases
             ]  # fmt: skip
-            for job in jobs:
+            for url, job in zip(placement.databases, jobs, strict=True):
+                database = redacted_url(url)
                 if discard:
                     dropped = asyncio.run(job.discard())
-                    console.print("change discarded" if dropped else "no unfinished change to discard")
+                    console.print(f"{database}: " + ("change discarded" if dropped else "no unfinished change"))
                     continue
                 report = asyncio.run(job.run())
                 if report.already:
@@ -778,7 +823,8 @@ def reembed(
                     soft_wrap=True,
                 )
     except ChangeRefused as error:
-        _fail(f"{error}\nthe live index still answers with the model it holds")
+        _fail(f"{database}: {error}\nthis database's index still answers with the model it held (databases listed "
+              "above have changed)")  # fmt: skip
 
 
 @app.command()

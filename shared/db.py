@@ -136,10 +136,19 @@ async def _deployment_row(conn: Connection) -> asyncpg.Record | None:
     return await conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
 
 
-async def index_model(conn: Connection) -> str:
-    """The embedding model the index's vectors were made by (the deployment row's)."""
-    model: str = await conn.fetchval("SELECT embedding_model FROM deployment")
-    return model
+@dataclass(frozen=True)
+class IndexModel:
+    """The embedding model the index's vectors were made by (the deployment row's), and those it held before."""
+
+    model: str
+    previous: tuple[str, ...] = ()
+
+
+async def index_model(conn: Connection) -> IndexModel:
+    row = await conn.fetchrow("SELECT embedding_model, previous_embedding_models FROM deployment")
+    if row is None:
+        raise DeploymentMismatch("the database has no deployment row: it is not migrated")
+    return IndexModel(row["embedding_model"], tuple(row["previous_embedding_models"]))
 
 
 async def check_deployment(conn: Connection, settings: Settings, *, record: bool = True) -> Settings:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -349,20 +349,19 @@ class ServedModel:
     def dimension(self) -> int:
         return self._active.dimension
 
-    def observe(self, model: str) -> bool:
-        """The index holds ``model``'s vectors now: embed with it from here on. False when this process has no such
-        model (it goes on with its own, and the dense search refuses their mix: ``ModelChanged``)."""
+    def observe(self, model: str) -> None:
+        """The index holds ``model``'s vectors now: embed by it from here on, if this process has it (else it goes
+        on with its own, and reads of that index run without dense search)."""
         if model == self._active.model_name:
-            return True
+            return
         embedder = self._models.get(model)
         if embedder is None:
             if model not in self._unknown:
                 self._unknown.add(model)
                 log.error("embedding_model_unknown", index_model=model, models=sorted(self._models))
-            return False
+            return
         log.info("embedding_model_switched", previous=self._active.model_name, model=model)
         self._active = embedder
-        return True
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         return self._active.embed_documents(texts, batch_size)
@@ -375,11 +374,16 @@ class ServedModel:
     def embed_query(self, text: str) -> Vector:
         return self._active.embed_query(text)
 
-    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, TokenMatrix]:
-        return await self._active.embed_query_with_tokens_async(text)
+    def embed_query_with_tokens_async(self, text: str) -> Coroutine[Any, Any, tuple[Vector, TokenMatrix]]:
+        # Not async itself: the model is chosen when it is called, with its name read alongside, not later.
+        return self._active.embed_query_with_tokens_async(text)
 
-    async def on_model_thread(self, work: Callable[[], T]) -> T:
-        return await self._active.on_model_thread(work)
+    def on_model_thread(self, work: Callable[[], T]) -> Coroutine[Any, Any, T]:
+        return self._active.on_model_thread(work)
+
+    def embedder_of(self, model: str) -> Embedder | None:
+        """The loaded embedder of ``model``, if this process has it."""
+        return self._models.get(model)
 
 
 def build_embedder(settings: Settings) -> Embedder | None:

@@ -139,7 +139,7 @@ class Settings(BaseSettings):
         "on every worker before the change, and they serve whichever model the index holds.",
     )
     next_embedding_model_path: Path | None = Field(
-        default=None, description="Local directory of the next model. Unset: as for embedding_model_path."
+        default=None, description="Local directory of the next model (required with it)."
     )
     next_embedding_dim: int | None = Field(
         default=None, ge=1, le=16000, description="Vector dimension of the next model (required with it)."
@@ -372,8 +372,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _next_model_complete(self) -> Self:
-        if (self.next_embedding_model is None) != (self.next_embedding_dim is None):
-            raise ValueError("next_embedding_model and next_embedding_dim go together: set both or neither")
+        given = (self.next_embedding_model, self.next_embedding_dim, self.next_embedding_model_path)
+        if any(value is not None for value in given) and any(value is None for value in given):
+            # A path left unset would mean the bundled model: vectors made by another model than the name says.
+            raise ValueError(
+                "next_embedding_model, next_embedding_dim and next_embedding_model_path go together: set all or none"
+            )
         if self.next_embedding_model is not None and self.next_embedding_model == self.embedding_model:
             raise ValueError("next_embedding_model is the current embedding_model: a change needs another model")
         return self

@@ -150,10 +150,11 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
     await store.apply([Delta(i + 1, d) for i, d in enumerate(deltas)])
     snapshots = PostgresSnapshots(pool)
     dense_retriever, documents = PostgresDense(snapshots, 100), PostgresDocuments(snapshots)
-    query = np.asarray(unit_vector("query"), dtype=np.float32)
+    vector = np.asarray(unit_vector("query"), dtype=np.float32)
+    query = SearchInput("q", vector)
     ids = ["d0", "d1", "d2", "d3", "typed", "bare", "unknown"]
     for scope in (Scope("acme", "main", chunk_level="method"), Scope("acme", "feature", chunk_level="method")):
-        dense = await dense_retriever.search(scope, SearchInput("q", query), 100)
+        dense = await dense_retriever.search(scope, query, 100)
         scored = await documents.similarities(scope, query, ids)
         expected = {c.id: c.score for c in dense.candidates if c.id in ids}
         # Deleted, filtered out, without an embedding or unknown: none of them; d1 as the scope sees it.
@@ -163,5 +164,5 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
         assert scored.version == dense.version
     main_d1 = (await documents.similarities(Scope("acme", "main"), query, ["d1"])).candidates[0].score
     branch_d1 = (await documents.similarities(Scope("acme", "feature"), query, ["d1"])).candidates[0].score
-    assert main_d1 == pytest.approx(float(np.dot(query, unit_vector("d1"))), abs=1e-6)
-    assert branch_d1 == pytest.approx(float(np.dot(query, unit_vector("d1 branch"))), abs=1e-6)
+    assert main_d1 == pytest.approx(float(np.dot(vector, unit_vector("d1"))), abs=1e-6)
+    assert branch_d1 == pytest.approx(float(np.dot(vector, unit_vector("d1 branch"))), abs=1e-6)

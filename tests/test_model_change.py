@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from ontofabric.contracts import ErrorReply, QueryResponse, TokenVectors
+from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.reembed import ChangeRefused, ModelChange
 from ontofabric.services.projector.planning import Limits, Rejection, validate_delta
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
-from ontofabric.services.query.postgres import ModelChanged, Snapshot
+from ontofabric.services.query.core import ModelChanged, SearchInput, vector_for_index
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, ServedModel, build_embedder, embedding_text, load_embedder
 from ontofabric.shared.late_interaction import pack_signs
@@ -56,10 +57,10 @@ def _changing(settings: Settings, next_model: Path) -> Settings:
 
 def test_next_model_settings_come_together_and_name_another_model() -> None:
     with pytest.raises(ValueError, match="go together"):
-        Settings(next_embedding_model=NEXT)
+        Settings(next_embedding_model=NEXT, next_embedding_dim=NEXT_DIM)  # which files? not the bundled model's
     with pytest.raises(ValueError, match="another model"):
-        Settings(next_embedding_model=CURRENT, next_embedding_dim=384)
-    settings = Settings(next_embedding_model=NEXT, next_embedding_dim=NEXT_DIM)
+        Settings(next_embedding_model=CURRENT, next_embedding_dim=384, next_embedding_model_path=Path("m"))
+    settings = Settings(next_embedding_model=NEXT, next_embedding_dim=NEXT_DIM, next_embedding_model_path=Path("m"))
     following = settings.next_model()
     assert following is not None
     assert (following.embedding_model, following.embedding_dim, following.next_model()) == (NEXT, NEXT_DIM, None)
@@ -73,16 +74,27 @@ def test_a_delta_of_another_model_passes_validation_only_where_it_is_embedded_ag
     refused = validate_delta(delta.encode(), "p.deltas.acme.main", 1, limits)
     assert isinstance(refused, Rejection)
     assert refused.reason == "embedding_dimension_mismatch"
-    limits = Limits(1 << 20, 1 << 16, NEXT_DIM, NEXT, reembed=True)
+    limits = Limits(1 << 20, 1 << 16, NEXT_DIM, NEXT, reembeddable=frozenset({CURRENT}))
     assert not isinstance(validate_delta(delta.encode(), "p.deltas.acme.main", 1, limits), Rejection)
+    stray = upsert("acme", document("a", "text", embedding=[0.1] * 384, embedding_model="stray")).model_dump_json()
+    refused = validate_delta(stray.encode(), "p.deltas.acme.main", 1, limits)  # a model this index never held
+    assert isinstance(refused, Rejection)
+    assert refused.reason == "embedding_dimension_mismatch"
 
 
-def test_a_query_vector_of_another_model_is_refused_not_compared() -> None:
-    snapshot = Snapshot(conn=None, version="v", shadowed=[], stream_seqs={}, revisions={}, model=NEXT)  # type: ignore[arg-type]
-    snapshot.check_model(NEXT)
-    snapshot.check_model(None)  # no embedding asked for
+async def test_a_query_vector_is_compared_only_with_vectors_of_its_own_model() -> None:
+    own = np.ones(4, dtype=np.float32)
+    query = SearchInput("text", own, CURRENT)
+    assert await vector_for_index(query, CURRENT, None) is own
+    assert await vector_for_index(query, None, None) is own  # nothing read that says otherwise
     with pytest.raises(ModelChanged, match=f"holds {NEXT} vectors"):
-        snapshot.check_model(CURRENT)
+        await vector_for_index(query, NEXT, None)
+
+    async def vector_by(model: str, text: str) -> np.ndarray:
+        return np.full(2, len(model + text), dtype=np.float32)
+
+    again = await vector_for_index(query, NEXT, vector_by)  # embedded again by the index's model
+    assert again.tolist() == [len(NEXT + "text")] * 2
 
 
 async def _publish_corpus(deployment: Deployment, embedder: Embedder, workspace: str = "acme") -> int:
@@ -279,7 +291,7 @@ async def test_an_interrupted_change_blocks_rebuilds_and_other_changes_and_resum
     from ontofabric.services.ops.rebuild import Rebuild, RebuildFailed
 
     with pytest.raises(ChangeRefused, match="no next model"):
-        ModelChange(deployment.settings, deployment.nats_url, deployment.database_url, RecordedProgress())
+        await ModelChange(deployment.settings, deployment.nats_url, deployment.database_url, RecordedProgress()).run()
     await deployment.wait_projected(await _publish_corpus(deployment, embedder))
     settings = _changing(deployment.settings, next_model)
 
@@ -314,6 +326,61 @@ async def test_an_interrupted_change_blocks_rebuilds_and_other_changes_and_resum
     assert await _next_columns(deployment) == []
     rows = await deployment.fetch("SELECT DISTINCT embedding_model FROM documents WHERE NOT deleted")
     assert [r["embedding_model"] for r in rows] == [NEXT]
+
+    # This projector has no embedder: a delta still of the old model cannot be embedded again here. It is set
+    # aside with its reason (to re-drive once a projector can), not retried for ever, and the rest goes on.
+    stale = document("old", "still embedded by the old model", embedding=[0.1] * 384, embedding_model=CURRENT)
+    fresh = document("new", "no vector at all")
+    acks = await deployment.publisher.publish_many([upsert("acme", stale), upsert("acme", fresh)])
+    await deployment.wait_projected(acks[-1].seq)
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert (letter.reason, letter.original_seq) == ("embedding_model_mismatch", acks[0].seq)
+    assert "cannot embed by it" in letter.detail
+    assert [r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE id IN ('old', 'new')")] == ["new"]
+
+
+async def test_a_second_change_goes_back_past_what_the_first_left(
+    deployment: Deployment, next_model: Path, embedder: Embedder
+) -> None:
+    forth = _changing(deployment.settings, next_model)
+    back = forth.model_copy(
+        update={
+            "embedding_model": NEXT,
+            "embedding_model_path": next_model,
+            "embedding_dim": NEXT_DIM,
+            "next_embedding_model": CURRENT,
+            "next_embedding_model_path": Settings().resolved_model_path(),
+            "next_embedding_dim": 384,
+        }
+    )
+    projector = ProjectorService(forth, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        await deployment.wait_projected(await _publish_corpus(deployment, embedder))
+        progress = RecordedProgress()
+        assert (await ModelChange(forth, deployment.nats_url, deployment.database_url, progress).run()).swapped
+        # What a first change could leave when dropping its old columns failed: a sequence column that says every
+        # row is embedded already, and a retired column in the way of the next swap.
+        async with deployment.session() as conn:
+            await conn.execute(
+                "ALTER TABLE documents ADD COLUMN embedded_seq_next bigint, ADD COLUMN embedding_retired vector(384)"
+            )
+            await conn.execute("UPDATE documents SET embedded_seq_next = stream_seq")
+        report = await ModelChange(
+            back, deployment.nats_url, deployment.database_url, RecordedProgress(), force=True
+        ).run()
+        assert report.swapped
+        assert (report.previous_model, report.model) == (NEXT, CURRENT)
+        assert report.embedded == len(CORPUS)
+        documents = await deployment.fetch(
+            "SELECT DISTINCT embedding_model, vector_dims(embedding) AS dims FROM documents WHERE NOT deleted"
+        )
+        assert [tuple(r) for r in documents] == [(CURRENT, 384)]
+        rows = await deployment.fetch("SELECT embedding_model, previous_embedding_models FROM deployment")
+        assert tuple(rows[0]) == (CURRENT, [NEXT])
+        assert await _next_columns(deployment) == []
+    finally:
+        await projector.stop()
 
 
 async def test_an_unfinished_change_is_discarded_and_the_index_keeps_its_model(

@@ -43,9 +43,16 @@ from ontofabric.services.projector.snapshots import (
     load_snapshot,
     project_snapshot,
 )
-from ontofabric.services.projector.store import VersionUpdate, unsigned64
-from ontofabric.services.projector.versions import VersionPublisher
-from ontofabric.shared.db import DeploymentMismatch, check_deployment, create_pool, migrate, migrations
+from ontofabric.services.projector.store import unsigned64
+from ontofabric.services.projector.versions import VersionPublisher, announce_records
+from ontofabric.shared.db import (
+    DeploymentMismatch,
+    check_deployment,
+    create_pool,
+    index_model,
+    migrate,
+    migrations,
+)
 from ontofabric.shared.jetstream import connect, ensure_jetstream, projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.progress import Progress
@@ -280,7 +287,7 @@ class Rebuild:
             self._settings = held
             self._limits = Limits.from_settings(held)
         if self._reembedder is not None:
-            self._reembedder.follow(held.embedding_model)
+            self._reembedder.follow(await index_model(conn))
 
     async def _restore(
         self,
@@ -456,12 +463,8 @@ class Rebuild:
             self._workspace,
         )
         publisher = VersionPublisher(nc, await nc.jetstream().key_value(self._names.version_bucket), self._names)
-        versions = {}
-        for r in rows:
-            version = VersionState(unsigned64(r["state_hash"]), r["stream_seq"])
-            await publisher.publish(VersionUpdate(self._workspace, r["branch"], version, r["revision"]))
-            versions[r["branch"]] = version.label
-        return versions
+        await announce_records(publisher, [{**r, "workspace": self._workspace} for r in rows])
+        return {r["branch"]: VersionState(unsigned64(r["state_hash"]), r["stream_seq"]).label for r in rows}
 
     async def _shadow_exists(self, conn: asyncpg.Connection) -> bool:
         return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", self._schema))

@@ -6,7 +6,8 @@
 2. **Fill.** Every live document with a vector is embedded again by the next model, from the text the ingester
    embedded (:func:`~ontofabric.shared.embedder.embedding_text`), in rounds: a row the projector rewrote meanwhile
    (its stream sequence moved on) is embedded again in the next round. Query workers answer with the current model
-   all along, and projectors keep writing it.
+   all along, and projectors keep writing it. Each update is a new row version (the old vectors stay in it until
+   VACUUM): the table needs about the room of its vectors again, and a VACUUM after the change.
 3. **Index.** An HNSW index on the new vectors, built partition by partition without holding off writes.
 4. **Swap.** One transaction holds off the live projectors (the versions table, as a rebuild's swap does), embeds
    what the last round left, checks that every live vector has its next one, renames the next columns over the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,9 +33,7 @@ import asyncpg
 from pgvector.asyncpg import register_vector
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ontofabric.services.projector.planning import VersionState
-from ontofabric.services.projector.store import VersionUpdate, unsigned64
-from ontofabric.services.projector.versions import VersionPublisher
+from ontofabric.services.projector.versions import VersionPublisher, announce_records
 from ontofabric.shared.db import migrations
 from ontofabric.shared.discovery import discover
 from ontofabric.shared.embedder import Embedder, embedding_text, load_embedder
@@ -65,8 +65,17 @@ LIVE_INDEX = "documents_embedding_hnsw"
 CHANGE_LOCK = "ontofabric.reembed"
 """The session advisory lock a model change holds on a database for its whole run: one change at a time."""
 
-_STALE = f"NOT deleted AND embedding IS NOT NULL AND {EMBEDDED_SEQ} IS DISTINCT FROM stream_seq"
+FILL_ROUNDS = 5
+"""Passes over what the projectors rewrote during the previous one, at most: what is left goes into the swap."""
+
+_STALE = (
+    "NOT deleted AND embedding IS NOT NULL"
+    f" AND ({NEXT_EMBEDDING} IS NULL OR {EMBEDDED_SEQ} IS DISTINCT FROM stream_seq)"
+)
 """The live documents whose next vector is missing or was made from an older version of the row."""
+
+_LEFTOVERS = [*(following for _, following in SWAPPED), EMBEDDED_SEQ, *(f"{live}_retired" for live, _ in SWAPPED)]
+"""Every column a change adds or retires: none is left once it has finished or been discarded."""
 
 _STALE_ROWS = f"""
 SELECT workspace, branch, id, content, symbol_fqn, stream_seq, token_signs IS NOT NULL AS had_signs
@@ -76,6 +85,8 @@ SELECT workspace, branch, id, content, symbol_fqn, stream_seq, token_signs IS NO
 """
 
 # Only the row version that was read: one the projector rewrote since keeps its staleness for the next round.
+_VERSIONS = "SELECT workspace, branch, state_hash, stream_seq, revision FROM public.ontology_versions"
+
 _WRITE_NEXT = f"""
 UPDATE public.documents
    SET {NEXT_EMBEDDING} = $5, token_signs_next = $6, embedding_model_next = $7, {EMBEDDED_SEQ} = $4
@@ -119,16 +130,10 @@ class ModelChange:
         batch_size: int = 64,
         force: bool = False,
     ) -> None:
-        following = settings.next_model()
-        if following is None:
-            raise ChangeRefused(
-                "no next model is set: set ONTOFABRIC_NEXT_EMBEDDING_MODEL and ONTOFABRIC_NEXT_EMBEDDING_DIM (and "
-                "_PATH) here and on every projector and query worker first (docs/reliability.md)"
-            )
         if lock_timeout_s <= 0:
             raise ValueError("lock_timeout_s must be positive")
         self._settings = settings
-        self._next = following
+        self._following = settings.next_model()
         self._nats_url = nats_url
         self._database_url = database_url
         self._progress = progress
@@ -138,23 +143,28 @@ class ModelChange:
         self._force = force
         self._embedder: Embedder | None = None
 
+    @property
+    def _next(self) -> Settings:
+        if self._following is None:
+            raise ChangeRefused(
+                "no next model is set: set ONTOFABRIC_NEXT_EMBEDDING_MODEL, _DIM and _MODEL_PATH here and on every "
+                "projector and query worker first (docs/reliability.md)"
+            )
+        return self._following
+
     async def run(self) -> ModelChangeReport:
+        self._next  # noqa: B018 -- refused before connecting to anything
         with tracer().start_as_current_span("ops.reembed"):
             async with self._connection() as conn:
                 return await self._run(conn)
 
     async def discard(self) -> bool:
-        """Drop an unfinished change's columns and index; the live index is untouched. False when there was none."""
+        """Drop an unfinished change's columns and index, and whatever a finished one left; the live index is
+        untouched. Needs no next model. False when there was nothing to drop."""
         async with self._connection() as conn:
             existed = await _column_type(conn, NEXT_EMBEDDING) is not None
-            async with conn.transaction():
-                await lock_exclusively(conn, ["public.documents"], self._lock_timeout_s)
-                await conn.execute(
-                    "ALTER TABLE public.documents "
-                    + ", ".join(f"DROP COLUMN IF EXISTS {c}" for _, c in SWAPPED)
-                    + f", DROP COLUMN IF EXISTS {EMBEDDED_SEQ}"
-                )
-                await conn.execute("UPDATE deployment SET next_embedding_model = NULL, next_embedding_dim = NULL")
+            await self._drop_columns(conn, _LEFTOVERS)
+            await conn.execute("UPDATE deployment SET next_embedding_model = NULL, next_embedding_dim = NULL")
             return existed
 
     @contextlib.asynccontextmanager
@@ -169,16 +179,19 @@ class ModelChange:
             await conn.close()
 
     async def _run(self, conn: asyncpg.Connection) -> ModelChangeReport:
-        held = await self._check(conn)
+        held, planned = await self._check(conn)
         report = ModelChangeReport(redacted_url(self._database_url), held, self._next.embedding_model)
-        if held == self._next.embedding_model:
+        if held == self._next.embedding_model:  # swapped by an earlier run, which may have stopped before the end
             report.already = True
-            await self._drop_retired(conn)
+            await self._drop_columns(conn, [f"{live}_retired" for live, _ in SWAPPED] + [EMBEDDED_SEQ])
+            report.versions = await self._announce(await conn.fetch(_VERSIONS))
             return report
+        if planned is None:  # no change under way: whatever columns an earlier one left are stale
+            await self._drop_columns(conn, _LEFTOVERS)
         await self._check_workers()
         await self._add_columns(conn)
         started = time.perf_counter()
-        while True:  # rounds, until what the projectors rewrote meanwhile is little enough to embed in the swap
+        for _ in range(FILL_ROUNDS):  # until what the projectors rewrote meanwhile is little enough for the swap
             report.rounds += 1
             embedded = await self._embed_stale(conn, f"embed (round {report.rounds})")
             report.embedded += embedded
@@ -192,7 +205,10 @@ class ModelChange:
         await self._check_workers()
         await self._swap(conn, report)
         report.swapped = True
-        await self._drop_retired(conn)
+        try:  # after the commit; else the next run drops them
+            await self._drop_columns(conn, [f"{live}_retired" for live, _ in SWAPPED] + [EMBEDDED_SEQ])
+        except (ChangeRefused, asyncpg.PostgresError) as error:
+            log.warning("model_change_retired_not_dropped", error=str(error))
         log.info(
             "model_changed",
             database=report.database,
@@ -204,14 +220,15 @@ class ModelChange:
         )
         return report
 
-    async def _check(self, conn: asyncpg.Connection) -> str:
-        """The model the index holds, which must be this command's current or next one."""
+    async def _check(self, conn: asyncpg.Connection) -> tuple[str, str | None]:
+        """The model the index holds, which must be this command's current or next one, and the one a change under
+        way moves to (None: none is)."""
         if await conn.fetchval("SELECT to_regclass('public.schema_migrations')") is None:
             raise ChangeRefused("the database holds no ontofabric index")
         live = await conn.fetchval("SELECT max(version) FROM public.schema_migrations")
         if live != migrations()[-1].version:
             raise ChangeRefused(f"the database is at migration {live}: run `ontofabric migrate` first")
-        row = await conn.fetchrow("SELECT embedding_model, embedding_dim, next_embedding_model FROM deployment")
+        row = await conn.fetchrow("SELECT embedding_model, next_embedding_model FROM deployment")
         if row is None:
             raise ChangeRefused("the database holds no ontofabric index")
         held = str(row["embedding_model"])
@@ -231,7 +248,16 @@ class ModelChange:
             )
         if await running_rebuilds(conn):
             raise ChangeRefused("a rebuild is running: change the model when it has finished")
-        return held
+        shadows = await conn.fetchval(
+            "SELECT count(*) FROM pg_namespace"
+            " WHERE nspname LIKE 'ontofabric\\_rebuild\\_%' AND nspname NOT LIKE '%\\_retired'"
+        )
+        if shadows:
+            raise ChangeRefused(
+                f"{shadows} interrupted rebuilds left their shadow tables, built for the current model: resume them "
+                "(`ontofabric rebuild W`) or drop them (`--discard`) first"
+            )
+        return held, planned
 
     async def _check_workers(self) -> None:
         """Every running projector and query worker must be able to serve the next model (each says which models it
@@ -246,6 +272,9 @@ class ModelChange:
             workers = [*projectors, *await discover(nc, names.query_service)]
         finally:
             await nc.close()
+        # A query worker without an embedder answers by keywords whatever the model; a projector without one could
+        # not embed again what an ingester still sends by the old model.
+        workers = [w for w in workers if w in projectors or w.details.get("models")]
         lacking = [w for w in workers if self._next.embedding_model not in w.details.get("models", "").split(",")]
         if lacking and not self._force:
             listed = ", ".join(f"{w.host}:{w.pid} ({w.details.get('models') or 'no embedder'})" for w in lacking)
@@ -254,9 +283,32 @@ class ModelChange:
                 "with ONTOFABRIC_NEXT_EMBEDDING_* set (the vectors made so far are kept), or --force"
             )
 
+    async def _exclusively(self, conn: asyncpg.Connection) -> None:
+        """Inside a transaction: the whole documents table (every partition) for a catalog change. Autovacuum first
+        (a lock that waits for it past deadlock_timeout cancels it; the exclusive lock's short tries would not),
+        then the exclusive lock in short tries that give way to queries."""
+        await conn.execute(f"SET LOCAL lock_timeout = '{int(self._lock_timeout_s * 1000)}ms'")
+        await conn.execute("LOCK TABLE public.documents IN SHARE UPDATE EXCLUSIVE MODE")
+        await lock_exclusively(conn, ["public.documents"], self._lock_timeout_s)
+
+    async def _drop_columns(self, conn: asyncpg.Connection, columns: list[str]) -> None:
+        present = [column for column in columns if await _column_type(conn, column) is not None]
+        if not present:
+            return
+        try:
+            async with conn.transaction():
+                await self._exclusively(conn)
+                await conn.execute(
+                    "ALTER TABLE public.documents " + ", ".join(f"DROP COLUMN {column}" for column in present)
+                )
+        except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError) as error:
+            raise ChangeRefused(
+                f"could not drop {', '.join(present)}: the table stayed busy ({error}); run again"
+            ) from error
+
     async def _add_columns(self, conn: asyncpg.Connection) -> None:
         async with conn.transaction():
-            await lock_exclusively(conn, ["public.documents"], self._lock_timeout_s)
+            await self._exclusively(conn)
             await conn.execute(
                 f"ALTER TABLE public.documents"
                 f" ADD COLUMN IF NOT EXISTS {NEXT_EMBEDDING} vector({self._next.embedding_dim}),"
@@ -277,10 +329,12 @@ class ModelChange:
             self._embedder = await asyncio.to_thread(load_embedder, self._next)
         return self._embedder
 
-    async def _embed_stale(self, conn: asyncpg.Connection, stage: str) -> int:
-        """Embed every stale live document by the next model, in batches; returns how many."""
+    async def _embed_stale(self, conn: asyncpg.Connection, stage: str, *, held: bool = False) -> int:
+        """Embed every stale live document by the next model, in batches; returns how many. ``held``: inside the
+        swap, holding the projectors off, so neither counted first nor paced, and in one transaction."""
         embedder = await self._model()
-        self._progress.stage(stage, await conn.fetchval(f"SELECT count(*) FROM public.documents WHERE {_STALE}"))
+        total = 0 if held else await conn.fetchval(f"SELECT count(*) FROM public.documents WHERE {_STALE}")
+        self._progress.stage(stage, total)
         after, done, started = ("", "", ""), 0, time.perf_counter()
         while rows := await conn.fetch(_STALE_ROWS, *after, self._batch_size):
             texts = [embedding_text(r["content"], r["symbol_fqn"]) for r in rows]
@@ -293,23 +347,30 @@ class ModelChange:
                 )
                 for r, vector, signs in zip(rows, vectors, tokens, strict=True)
             ]  # fmt: skip
-            async for attempt in AsyncRetrying(  # a projector's batch may hold some of these rows in another order
-                retry=retry_if_exception_type((asyncpg.DeadlockDetectedError, asyncpg.SerializationError)),
-                stop=stop_after_attempt(5),
-                wait=wait_exponential(multiplier=0.1, max=2.0),
-                reraise=True,
-            ):
-                with attempt:
-                    await conn.executemany(_WRITE_NEXT, writes)
+            if held:  # no writer but this one
+                await conn.executemany(_WRITE_NEXT, writes)
+            else:
+                async for attempt in AsyncRetrying(  # a projector's batch may hold some rows, in another order
+                    retry=retry_if_exception_type((asyncpg.DeadlockDetectedError, asyncpg.SerializationError)),
+                    stop=stop_after_attempt(5),
+                    wait=wait_exponential(multiplier=0.1, max=2.0),
+                    reraise=True,
+                ):
+                    with attempt:
+                        await conn.executemany(_WRITE_NEXT, writes)
             after = (rows[-1]["workspace"], rows[-1]["branch"], rows[-1]["id"])
             done += len(rows)
             self._progress.advance(stage, len(rows))
-            await asyncio.sleep(pace_delay(done, time.perf_counter() - started, self._max_rate))
+            if not held:
+                await asyncio.sleep(pace_delay(done, time.perf_counter() - started, self._max_rate))
         return done
 
     async def _build_index(self, conn: asyncpg.Connection) -> None:
         """HNSW over the next vectors: the parent's index first (partitions created from now on get theirs with
-        it), then each partition's, built concurrently with writes and attached to it."""
+        it), then each partition's, built concurrently with writes and attached to it. Each partition's is named
+        for the model, so a later change's never meets this one's."""
+        token = hashlib.md5(self._next.embedding_model.encode(), usedforsecurity=False).hexdigest()[:8]
+        await conn.execute(f"SET lock_timeout = '{int(self._lock_timeout_s * 1000)}ms'")  # the DDL's locks
         await conn.execute(
             f"CREATE INDEX IF NOT EXISTS {NEXT_INDEX} ON ONLY public.documents"
             f" USING hnsw ({NEXT_EMBEDDING} vector_cosine_ops)"
@@ -331,8 +392,8 @@ class ModelChange:
                 f'public."{partition}"',
             )
             if index is None:
-                name = f"{partition}_next_hnsw"
-                # One an interrupted run left half built is invalid: built again.
+                name = f"{partition}_{token}_hnsw"
+                # One an interrupted run left unattached is built again (it may be invalid, half built).
                 await conn.execute(f'DROP INDEX CONCURRENTLY IF EXISTS public."{name}"')
                 await conn.execute(
                     f'CREATE INDEX CONCURRENTLY "{name}" ON public."{partition}"'
@@ -340,6 +401,7 @@ class ModelChange:
                 )
                 await conn.execute(f'ALTER INDEX public.{NEXT_INDEX} ATTACH PARTITION public."{name}"')
             self._progress.advance("index", 1)
+        await conn.execute("RESET lock_timeout")
 
     async def _swap(self, conn: asyncpg.Connection, report: ModelChangeReport) -> None:
         asked = time.perf_counter()
@@ -349,17 +411,15 @@ class ModelChange:
                 # Live projectors write the versions table first in every batch: they wait here until the commit,
                 # then read the new model. Readers are not held off by this lock.
                 await conn.execute("LOCK TABLE public.ontology_versions IN EXCLUSIVE MODE")
-                report.embedded += await self._embed_stale(conn, "swap")
-                left = await conn.fetchval(f"SELECT count(*) FROM public.documents WHERE {_STALE}")
-                if left:
-                    raise ChangeRefused(f"{left} live documents still lack their next vector")
+                # With the projectors held off, what is read here is all there is: every stale row gets its vector.
+                report.embedded += await self._embed_stale(conn, "swap", held=True)
                 # A tombstone, or a row written without a vector since it was embedded, keeps no next one either.
                 await conn.execute(
                     f"UPDATE public.documents SET {NEXT_EMBEDDING} = NULL, token_signs_next = NULL,"
                     " embedding_model_next = NULL"
                     f" WHERE {NEXT_EMBEDDING} IS NOT NULL AND (deleted OR embedding IS NULL)"
                 )
-                await lock_exclusively(conn, ["public.documents"], self._lock_timeout_s)
+                await self._exclusively(conn)
                 for live, following in SWAPPED:
                     await conn.execute(f"ALTER TABLE public.documents RENAME COLUMN {live} TO {live}_retired")
                     await conn.execute(f"ALTER TABLE public.documents RENAME COLUMN {following} TO {live}")
@@ -367,14 +427,13 @@ class ModelChange:
                 await conn.execute(f"ALTER INDEX public.{NEXT_INDEX} RENAME TO {LIVE_INDEX}")
                 await conn.execute(
                     "UPDATE deployment SET embedding_model = $1, embedding_dim = $2, next_embedding_model = NULL,"
-                    " next_embedding_dim = NULL, model_changed_at = now()",
+                    " next_embedding_dim = NULL, model_changed_at = now(), previous_embedding_models ="
+                    " array_append(array_remove(previous_embedding_models, $1), embedding_model)",
                     self._next.embedding_model,
                     self._next.embedding_dim,
                 )
-                versions = await conn.fetch(
-                    "UPDATE public.ontology_versions SET revision = revision + 1, updated_at = now()"
-                    " RETURNING workspace, branch, state_hash, stream_seq, revision"
-                )
+                await conn.execute("UPDATE public.ontology_versions SET revision = revision + 1, updated_at = now()")
+                versions = await conn.fetch(_VERSIONS)
         except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError) as error:
             raise ChangeRefused(
                 f"the swap could not take its locks within {self._lock_timeout_s:g} s ({type(error).__name__}); "
@@ -385,32 +444,15 @@ class ModelChange:
 
     async def _announce(self, versions: list[asyncpg.Record]) -> int:
         """The same versions with a higher revision: to a query worker, the index was rebuilt (its cache of the
-        workspace goes). The KV keeps a newer one it already has."""
+        workspace goes). The KV keeps a newer one it already has, so announcing again is harmless."""
         names = Names(self._settings.subject_prefix)
         nc = await connect(self._nats_url, "ontofabric-reembed", self._settings)
         try:
             publisher = VersionPublisher(nc, await nc.jetstream().key_value(names.version_bucket), names)
-            for r in versions:
-                version = VersionState(unsigned64(r["state_hash"]), r["stream_seq"])
-                await publisher.publish(VersionUpdate(r["workspace"], r["branch"], version, r["revision"]))
+            await announce_records(publisher, [dict(r) for r in versions])
         finally:
             await nc.close()
         return len(versions)
-
-    async def _drop_retired(self, conn: asyncpg.Connection) -> None:
-        """The replaced columns (and their index), after the commit; else the next run drops them."""
-        retired = [f"{live}_retired" for live, _ in SWAPPED] + [EMBEDDED_SEQ]
-        present = [column for column in retired if await _column_type(conn, column) is not None]
-        if not present:
-            return
-        try:
-            async with conn.transaction():
-                await lock_exclusively(conn, ["public.documents"], self._lock_timeout_s)
-                await conn.execute(
-                    "ALTER TABLE public.documents " + ", ".join(f"DROP COLUMN {column}" for column in present)
-                )
-        except Exception as error:
-            log.warning("model_change_retired_not_dropped", columns=present, error=str(error))
 
 
 async def _column_type(conn: asyncpg.Connection, column: str) -> str | None:

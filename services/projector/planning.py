@@ -41,9 +41,8 @@ class Limits:
     max_content_bytes: int
     embedding_dim: int
     embedding_model: str
-    reembed: bool = False
-    """A document of another model is embedded again by the index's (services/projector/reembedding.py), not
-    refused."""
+    reembeddable: frozenset[str] = frozenset()
+    """Models whose documents are embedded again by the index's (services/projector/reembedding.py), not refused."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -93,6 +92,11 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
     return Delta(seq=seq, envelope=envelope)
 
 
+def embedded_by_another(document: SemanticDocument, model: str) -> bool:
+    """Whether the document carries vectors that another model than ``model`` made, by its own account."""
+    return document.embedding is not None and document.embedding_model not in (None, model)
+
+
 def upserted_document(envelope: DeltaEnvelope) -> SemanticDocument | None:
     """The document a delta writes, when it upserts one."""
     return envelope.payload.document if isinstance(envelope.payload, DocumentUpserted) else None
@@ -102,11 +106,7 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
     size = len(document.content.encode("utf-8"))
     if size > limits.max_content_bytes:
         return Rejection("content_too_large", f"content is {size} bytes, limit {limits.max_content_bytes}")
-    if (
-        limits.reembed
-        and document.embedding is not None
-        and document.embedding_model not in (None, limits.embedding_model)
-    ):
+    if embedded_by_another(document, limits.embedding_model) and document.embedding_model in limits.reembeddable:
         return None  # its vectors are replaced before it is written
     if document.embedding is not None and len(document.embedding) != limits.embedding_dim:
         return Rejection(

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from nats.aio.msg import Msg
 
 from ontofabric.contracts import DocumentUpserted, TokenVectors
+from ontofabric.shared.db import IndexModel
 from ontofabric.shared.embedder import Embedder, embedding_text, load_embedder
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 
-from .planning import Delta, Limits, upserted_document
+from .planning import Delta, Limits, embedded_by_another, upserted_document
 
 log = get_logger(__name__)
 
@@ -29,47 +30,48 @@ log = get_logger(__name__)
 class ModelChanged(Exception):
     """The index holds another embedding model's vectors than the batch carries."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"the index holds {model} vectors")
-        self.model = model
+    def __init__(self, index: IndexModel) -> None:
+        super().__init__(f"the index holds {index.model} vectors")
+        self.index = index
 
 
 class Reembedder:
     """The models a projector may embed with (``settings.models()``: the current one, and the next while a change
-    is set), each loaded on first use, and the one the index holds as last seen."""
+    is set), each loaded on first use; the one the index holds as last seen, and the models whose documents are
+    embedded again by it: those the index held before, and this process's. A document of any other model is
+    refused, as before any change: embedding it would be work a stray publisher could ask for."""
 
     def __init__(self, settings: Settings) -> None:
         self._models = settings.models()
         self._loaded: dict[str, Embedder] = {}
         self.model = settings.embedding_model
+        self._accepted = frozenset(self._models)
         self._unknown: set[str] = set()
 
-    def follow(self, model: str) -> bool:
-        """The index holds ``model`` now. False when this process has no such model: its batches wait (and the
-        log says why) until it is restarted with it."""
-        if model not in self._models:
-            if model not in self._unknown:
-                self._unknown.add(model)
-                log.error("embedding_model_unknown", index_model=model, models=sorted(self._models))
+    def follow(self, index: IndexModel) -> bool:
+        """The index holds ``index.model`` now. False when this process has no such model (the log says so once):
+        documents of another model are refused then, until it is restarted with it."""
+        self._accepted = frozenset(self._models) | set(index.previous)
+        if index.model not in self._models:
+            if index.model not in self._unknown:
+                self._unknown.add(index.model)
+                log.error("embedding_model_unknown", index_model=index.model, models=sorted(self._models))
             return False
-        if model != self.model:
-            log.info("embedding_model_followed", previous=self.model, model=model)
-            self.model = model
+        if index.model != self.model:
+            log.info("embedding_model_followed", previous=self.model, model=index.model)
+            self.model = index.model
         return True
 
     def limits(self, base: Limits) -> Limits:
         """``base`` for the model the index holds, letting through documents that are to be embedded again."""
         settings = self._models[self.model]
-        return dataclasses.replace(base, embedding_model=self.model, embedding_dim=settings.embedding_dim, reembed=True)
+        return dataclasses.replace(
+            base, embedding_model=self.model, embedding_dim=settings.embedding_dim, reembeddable=self._accepted
+        )
 
     def stale(self, delta: Delta) -> bool:
         document = upserted_document(delta.envelope)
-        return (
-            document is not None
-            and document.embedding is not None
-            and document.embedding_model is not None
-            and document.embedding_model != self.model
-        )
+        return document is not None and embedded_by_another(document, self.model)
 
     async def refresh(self, accepted: Sequence[tuple[Msg, Delta]]) -> list[tuple[Msg, Delta]]:
         """The batch with every stale document embedded again by the index's model (on a thread)."""

@@ -22,7 +22,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from ontofabric.shared.logging import describe, get_logger
 
-from .planning import Delta, Limits, Rejection, validate_delta
+from .planning import Delta, Limits, Rejection, embedded_by_another, upserted_document, validate_delta
 from .reembedding import ModelChanged, Reembedder
 
 log = get_logger(__name__)
@@ -114,8 +114,10 @@ class ProjectionRunner:
         try:
             written = await self.sink.write([delta for _, delta in accepted], redelivered)
         except Exception as error:
-            if isinstance(error, ModelChanged) and self._reembedder is not None:
-                self._reembedder.follow(error.model)  # the batch comes back and is embedded again for it
+            if isinstance(error, ModelChanged):
+                async for part in self._model_changed(accepted, error):
+                    yield part
+                return
             if self.sink.retryable(error):
                 yield Outcome(retry=[msg for msg, _ in accepted], error=error)
             elif len(accepted) > 1:
@@ -135,6 +137,26 @@ class ProjectionRunner:
             else:
                 outcome.refused.append((msg, refusal))
         yield outcome
+
+    async def _model_changed(self, accepted: list[tuple[Msg, Delta]], error: ModelChanged) -> AsyncIterator[Outcome]:
+        """The index changed model (``ontofabric reembed``): the batch comes back to be embedded again for it, or,
+        where this process cannot, its documents of another model are set aside and the rest written."""
+        if self._reembedder is not None and self._reembedder.follow(error.index):
+            yield Outcome(retry=[msg for msg, _ in accepted], error=error)
+            return
+        model = error.index.model
+        other = [(msg, delta) for msg, delta in accepted if _embedded_by_another(delta, model)]
+        reason = f"{error}; this projector cannot embed by it (set its model, then re-drive this delta)"
+        yield Outcome(refused=[(msg, Rejection("embedding_model_mismatch", reason)) for msg, _ in other])
+        rest = [(msg, delta) for msg, delta in accepted if not _embedded_by_another(delta, model)]
+        if rest:
+            async for part in self._write(rest):
+                yield part
+
+
+def _embedded_by_another(delta: Delta, model: str) -> bool:
+    document = upserted_document(delta.envelope)
+    return document is not None and embedded_by_another(document, model)
 
 
 APPLY_ATTEMPTS = 8

@@ -19,6 +19,7 @@ from .planning import (
     Plan,
     RowState,
     VersionState,
+    embedded_by_another,
     entity_of,
     plan_batch,
     search_text,
@@ -356,14 +357,10 @@ class PostgresProjectionStore:
 async def _check_model(conn: Connection, deltas: Sequence[Delta]) -> None:
     """Vectors of one model only: a model change swapped in commits while no batch holds a version lock, so the
     model read here holds until this batch commits."""
-    carried = set()
-    for delta in deltas:
-        document = upserted_document(delta.envelope)
-        if document is not None and document.embedding is not None and document.embedding_model is not None:
-            carried.add(document.embedding_model)
-    if carried:
+    documents = [d for d in map(upserted_document, (delta.envelope for delta in deltas)) if d is not None]
+    if any(d.embedding is not None for d in documents):
         held = await index_model(conn)
-        if carried != {held}:
+        if any(embedded_by_another(d, held.model) for d in documents):
             raise ModelChanged(held)
 
 

@@ -3,7 +3,9 @@ subject, after the commit that made it (projectors, and a rebuild after its swap
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -15,7 +17,8 @@ from ontofabric.contracts import OntologyVersionChanged
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
-from .store import VersionUpdate
+from .planning import VersionState
+from .store import VersionUpdate, unsigned64
 
 log = get_logger(__name__)
 
@@ -76,3 +79,10 @@ class VersionPublisher:
             return False
         await self._kv.update(key, data, last=entry.revision)
         return True
+
+
+async def announce_records(publisher: VersionPublisher, records: Iterable[Mapping[str, Any]]) -> None:
+    """Announce versions as the versions table holds them (workspace, branch, state_hash, stream_seq, revision)."""
+    for r in records:
+        version = VersionState(unsigned64(r["state_hash"]), r["stream_seq"])
+        await publisher.publish(VersionUpdate(r["workspace"], r["branch"], version, r["revision"]))

@@ -8,7 +8,7 @@ representatives, graph rows) comes from one :class:`DocumentStore`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +89,27 @@ class SearchInput:
     """The model that made ``vector``: an index that holds another model's vectors refuses it."""
 
 
+class ModelChanged(Exception):
+    """The index's vectors are another embedding model's than the query's, and this worker has no such model."""
+
+
+VectorBy = Callable[[str, str], Awaitable[Vector]]
+"""(model, text) -> the text's vector by that model; ModelChanged when this worker has no such model."""
+
+
+async def vector_for_index(query: SearchInput, index_model: str | None, vector_by: VectorBy | None) -> Vector:
+    """The query's vector to compare with an index of ``index_model``'s vectors: its own when the two models agree
+    (or either is not known), else the query embedded again by the index's model: an index that changed model
+    while the query was embedded, or one database of several that has swapped and another not. Two models'
+    vectors are never compared."""
+    assert query.vector is not None, "the pipeline embeds the query for retrievers that need it"
+    if query.model is None or index_model is None or query.model == index_model:
+        return query.vector
+    if vector_by is None:
+        raise ModelChanged(f"the index holds {index_model} vectors; the query was embedded by {query.model}")
+    return await vector_by(index_model, query.text)
+
+
 class Retriever(Protocol):
     """A named source of ranked candidates. Register one in ``retrievers.py``: the pipeline runs, fuses and
     reports every registered retriever by its name (``_meta.retrievers``, ``foundBy``, ``_meta.degraded``)."""
@@ -116,6 +137,8 @@ class StoredDocument:
 class Fetched:
     documents: dict[str, StoredDocument]
     version: str
+    model: str | None = None
+    """The embedding model of the index read (its token signs are that model's)."""
 
 
 @dataclass(frozen=True)
@@ -134,9 +157,9 @@ class DocumentStore(Protocol):
         """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""
         ...
 
-    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str], model: str | None = None) -> Hits:
-        """The dense score (cosine similarity) of each of ``ids`` live in the scope, in no particular order;
-        ``model``: the one that made ``vector`` (as for :class:`SearchInput`)."""
+    async def similarities(self, scope: Scope, query: SearchInput, ids: Sequence[str]) -> Hits:
+        """The dense score (cosine similarity) of each of ``ids`` live in the scope to the query's vector, in no
+        particular order."""
         ...
 
     async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives: ...

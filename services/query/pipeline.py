@@ -9,6 +9,7 @@ retriever at all could run does the caller get an error (:class:`RetrievalUnavai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -152,6 +153,7 @@ class QueryPipeline:
         """The read path, stage by stage."""
         position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
+        embedded = None
         if run.query.listing:
             fused, refinements = await self._list(run, scope)
         else:
@@ -159,6 +161,14 @@ class QueryPipeline:
             refinements = self._plan(run, lists, embedded)
             fused = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
         fetched = await self._fetch(run, scope, fused, refinements)
+        if (
+            embedded is not None
+            and fetched.model not in (None, embedded.model)
+            and refinements.interaction_tokens is not None
+        ):
+            # The token signs read are another model's than the query's tokens (a model change swapped meanwhile).
+            refinements = dataclasses.replace(refinements, interaction_tokens=None)
+            run.degrade("lateInteraction")
         documents = fetched.documents
         candidates = [hit for hit in fused if hit.id in documents]
         candidates = await self._late_interaction(run, refinements, candidates, documents)
@@ -306,7 +316,7 @@ class QueryPipeline:
         others = [c.id for c in lists[KEYWORD].candidates if c.id not in returned]
         if not others:
             return {}
-        work = self._documents.similarities(scope, embedded.vector, others, embedded.model)
+        work = self._documents.similarities(scope, SearchInput(run.text, embedded.vector, embedded.model), others)
         scored = await run.guarded("denseScores", work, stage="denseScores", reserve_s=RETRIEVAL_RESERVE_S)
         if scored is None:
             return None

@@ -26,7 +26,6 @@ from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, format_version, overla
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.checksums import CONTENT_MD5_SQL
 from ontofabric.shared.db import Connection, is_unavailable
-from ontofabric.shared.embedder import Vector
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.placement import Placement
@@ -42,7 +41,9 @@ from .core import (
     Scope,
     SearchInput,
     StoredDocument,
+    VectorBy,
     Visible,
+    vector_for_index,
 )
 from .graph import GraphRows, LinkRow, NodeRow
 
@@ -98,16 +99,6 @@ class Snapshot:
     """The commits that changed each branch read's version so far (absent: none)."""
     model: str | None = None
     """The embedding model of the vectors it reads (None: the scope has no version yet, so no vectors)."""
-
-    def check_model(self, model: str | None) -> None:
-        """Refuse a query vector of another model than the one that made the vectors read (a model change swapped
-        while the query was embedded, or this worker lacks the new model): comparing the two would mean nothing."""
-        if model is not None and self.model is not None and model != self.model:
-            raise ModelChanged(f"the index holds {self.model} vectors; the query was embedded by {model}")
-
-
-class ModelChanged(Exception):
-    """The index's vectors are of another embedding model than the query's."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +183,8 @@ class PostgresSnapshots:
                         _reads.add(1, {"source": "replica", "passed": "behind"})
                         continue
                 _reads.add(1, {"source": "replica" if source.replica else "primary"})
+                if snapshot.model is not None and self._on_model is not None:
+                    self._on_model(snapshot.model)
                 yield snapshot
                 return
 
@@ -227,8 +220,6 @@ class PostgresSnapshots:
                 self._shadowed.put(key, found)
             shadowed = found
         model = rows[0]["model"] if rows else None
-        if model is not None and self._on_model is not None:
-            self._on_model(model)
         return Snapshot(
             conn,
             version,
@@ -264,14 +255,14 @@ class PostgresDense:
     backend = "pgvector"
     needs_embedding = True
 
-    def __init__(self, snapshots: Snapshots, ef_search: int) -> None:
+    def __init__(self, snapshots: Snapshots, ef_search: int, vector_by: VectorBy | None = None) -> None:
         self._snapshots = snapshots
         self._ef_search = ef_search
+        self._vector_by = vector_by
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
-        assert query.vector is not None, "the pipeline embeds the query for retrievers that need it"
         async with self._snapshots.read(scope) as snapshot:
-            snapshot.check_model(query.model)
+            vector = await vector_for_index(query, snapshot.model, self._vector_by)
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             # relaxed_order iterative scans may return rows slightly out of order: re-sort the materialised top-k.
             sql = f"""
@@ -282,7 +273,7 @@ class PostgresDense:
                 SELECT id, 1 - distance AS score FROM nearest WHERE distance <> 'NaN'::float8 ORDER BY distance, id"""
             if limit > self._ef_search:  # the HNSW candidate list must hold at least the rows asked for
                 await snapshot.conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
-            rows = await snapshot.conn.fetch(sql, query.vector, limit, *parameters)
+            rows = await snapshot.conn.fetch(sql, vector, limit, *parameters)
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
 
 
@@ -373,8 +364,9 @@ class PostgresDocuments:
     """The document store: documents, the dense score of given ids, representatives and the graph, and what a
     scope shows (which other indexes' hits are checked against)."""
 
-    def __init__(self, snapshots: Snapshots) -> None:
+    def __init__(self, snapshots: Snapshots, vector_by: VectorBy | None = None) -> None:
         self._snapshots = snapshots
+        self._vector_by = vector_by
 
     async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         async with self._snapshots.read(scope) as snapshot:
@@ -397,13 +389,13 @@ class PostgresDocuments:
             )
             for r in rows
         }
-        return Fetched(documents, snapshot.version)
+        return Fetched(documents, snapshot.version, snapshot.model)
 
-    async def similarities(self, scope: Scope, vector: Vector, ids: Sequence[str], model: str | None = None) -> Hits:
+    async def similarities(self, scope: Scope, query: SearchInput, ids: Sequence[str]) -> Hits:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
         for keyword hits the dense top-k did not reach, so fusion weighs what they are, not a guess."""
         async with self._snapshots.read(scope) as snapshot:
-            snapshot.check_model(model)
+            vector = await vector_for_index(query, snapshot.model, self._vector_by)
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT id, 1 - (embedding <=> $1) AS score FROM documents

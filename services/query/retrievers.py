@@ -8,12 +8,16 @@ from azure.search.documents.aio import SearchClient
 from ontofabric.shared.settings import Settings
 
 from .azure import AzureKeyword
-from .core import Retriever
+from .core import Retriever, VectorBy
 from .postgres import PostgresDense, PostgresDocuments, PostgresKeyword, Snapshots
 
 
 def build_retrievers(
-    settings: Settings, snapshots: Snapshots, documents: PostgresDocuments, azure: SearchClient | None
+    settings: Settings,
+    snapshots: Snapshots,
+    documents: PostgresDocuments,
+    azure: SearchClient | None,
+    vector_by: VectorBy | None = None,
 ) -> list[Retriever]:
     """Dense search on pgvector, and keyword search on the configured backend (``azure`` when it is Azure AI
     Search)."""
@@ -26,4 +30,4 @@ def build_retrievers(
         keyword = PostgresKeyword(
             snapshots, settings.text_search_config, settings.bm25_k1, settings.bm25_b, settings.bm25_k3
         )
-    return [PostgresDense(snapshots, settings.hnsw_ef_search), keyword]
+    return [PostgresDense(snapshots, settings.hnsw_ef_search, vector_by), keyword]

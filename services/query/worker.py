@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,13 +30,14 @@ from ontofabric.contracts import (
     ErrorReply,
     OntologyQuery,
     QueryError,
+    QueryResponse,
     StatusRequest,
 )
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import READER_ROLE, create_pool, index_model, is_unavailable, migrate, wait_until_migrated
 from ontofabric.shared.discovery import announce
-from ontofabric.shared.embedder import Embedder, ServedModel
+from ontofabric.shared.embedder import Embedder, ServedModel, Vector
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -46,9 +47,9 @@ from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
-from .cache import answer_weight
+from .cache import CacheKey, answer_weight
 from .config import PipelineConfig
-from .core import Reranker
+from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import Deadline, ServiceTime, deadline_of
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, PositionUnavailable
@@ -239,12 +240,15 @@ class QueryService:
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
-        # A worker set up for a model change serves the model the index holds: from the start, and from the read
-        # that first sees the change swapped in.
-        on_model = self._embedder.observe if isinstance(self._embedder, ServedModel) else None
-        if on_model is not None:
+        cache: LruCache[CacheKey, QueryResponse] = LruCache(
+            settings.query_cache_entries, settings.query_cache_bytes, answer_weight
+        )
+        served = self._embedder if isinstance(self._embedder, ServedModel) else None
+        on_model, vector_by = None, None
+        if served is not None:  # set up for a model change: it serves the model the index holds
+            on_model, vector_by = following_model(served, cache), vectors_by(served)
             async with self._pools[0].acquire() as conn:
-                on_model(await index_model(conn))
+                on_model((await index_model(conn)).model)
         placed = [
             PostgresSnapshots(
                 pool,
@@ -256,16 +260,16 @@ class QueryService:
             for pool in self._pools
         ]
         snapshots: Snapshots = placed[0] if len(placed) == 1 else PlacedSnapshots(placement, placed)
-        documents = PostgresDocuments(snapshots)
+        documents = PostgresDocuments(snapshots, vector_by)
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
             self._azure = search_client(settings, retries=0)
         self._pipeline = QueryPipeline(
-            build_retrievers(settings, snapshots, documents, self._azure),
+            build_retrievers(settings, snapshots, documents, self._azure, vector_by),
             documents,
             self._embedder,
             tracker,
-            LruCache(settings.query_cache_entries, settings.query_cache_bytes, answer_weight),
+            cache,
             PipelineConfig.from_settings(settings),
             self._reranker,
             self._freshness,
@@ -505,3 +509,29 @@ class QueryService:
         if self._reranker is not None:
             await self._reranker.close()
         log.info("query_worker_stopped")
+
+
+def following_model(served: ServedModel, cache: LruCache[CacheKey, QueryResponse]) -> Callable[[str], None]:
+    """What a read calls with the index's model: the worker embeds queries by it from then on, and forgets the
+    answers the other model ranked (their versions are the same: the change did not change the documents)."""
+
+    def follow(model: str) -> None:
+        before = served.model_name
+        served.observe(model)
+        if served.model_name != before:
+            cache.drop_where(lambda _: True)
+
+    return follow
+
+
+def vectors_by(served: ServedModel) -> VectorBy:
+    """A query's vector by another model than the worker embeds by now, for a read of an index that holds it."""
+
+    async def vector(model: str, text: str) -> Vector:
+        embedder = served.embedder_of(model)
+        if embedder is None:
+            raise ModelChanged(f"the index holds {model} vectors, a model this worker does not have")
+        found, _ = await embedder.embed_query_with_tokens_async(text)
+        return found
+
+    return vector

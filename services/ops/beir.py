@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -82,3 +83,22 @@ def write_beir(dataset: BeirDataset, directory: Path) -> Path:
 def document_text(entry: dict[str, str]) -> str:
     title = (entry.get("title") or "").strip()
     return f"{title}\n{entry['text']}" if title else entry["text"]
+
+
+def sample_dataset(dataset: BeirDataset, queries: int, documents: int, seed: int = 0) -> BeirDataset:
+    """A smaller dataset drawn from ``dataset``, the same for the same arguments: ``queries`` of its judged queries
+    (all if fewer), every document judged for them, and other documents drawn from the corpus up to ``documents``
+    in all (more when the judged ones alone are more). Its name says how it was drawn."""
+    rng = random.Random(seed)
+    judged = sorted(q for q in dataset.qrels if q in dataset.queries)
+    chosen = sorted(rng.sample(judged, min(queries, len(judged))))
+    needed = {d for q in chosen for d in dataset.qrels[q]}
+    others = [e["_id"] for e in dataset.corpus if e["_id"] not in needed]
+    kept = needed | set(rng.sample(others, max(0, min(documents - len(needed), len(others)))))
+    return replace(
+        dataset,
+        name=f"{dataset.name}[{len(chosen)} queries, {len(kept)} documents, seed {seed}]",
+        corpus=[e for e in dataset.corpus if e["_id"] in kept],
+        queries={q: dataset.queries[q] for q in chosen},
+        qrels={q: dataset.qrels[q] for q in chosen},
+    )

@@ -11,6 +11,7 @@ from typing import Any
 from ontofabric.contracts import QueryMeta, SearchResult
 
 from .measures import MEASURES, EarlyExitCalibration, Margin
+from .quality_gate import Verdict
 
 
 @dataclass
@@ -45,6 +46,8 @@ class EvalReport:
     """(id, why) of each corpus entry the document contract refused, e.g. text with a NUL character."""
     early_exit: EarlyExitCalibration | None = None
     margins: list[Margin] = field(default_factory=list)
+    per_query: dict[str, dict[str, float]] = field(default_factory=dict)
+    """configuration -> query id -> nDCG@10: what a quality gate compares (services/ops/quality_gate.py)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,3 +126,23 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
                 else f"; reranking gains {calibration.rerank_gain_when_fired:+.4f} nDCG@10 on those queries"
             )
         )
+
+
+def render_verdicts(verdicts: Sequence[Verdict], min_effect: float) -> str:
+    """The quality gate's table: each configuration against the baseline, and the verdict."""
+    lines = ["| quality gate | baseline nDCG@10 | this run | difference (95 % interval) | better / worse | verdict |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for v in verdicts:
+        m = v.margin
+        lines.append(
+            f"| {v.config} | {v.baseline:.4f} | {v.baseline + m.difference:.4f} | {m.difference:+.4f} "
+            f"({m.ci_low:+.4f} … {m.ci_high:+.4f}) | {m.better} / {m.worse} | {'REGRESSED' if v.regressed else 'ok'} |"
+        )
+    if not verdicts:
+        lines.append("no configuration of the baseline was measured: nothing to judge (failed)")
+    failed = [v.config for v in verdicts if v.regressed]
+    lines.append(
+        f"gate: {'failed' if failed or not verdicts else 'passed'}"
+        + (f" ({', '.join(failed)} lower by more than {min_effect} with an interval below zero)" if failed else "")
+    )
+    return "\n".join(lines)

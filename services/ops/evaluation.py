@@ -317,6 +317,7 @@ async def evaluate(
             else None
         ),
         margins=hybrid_margins(per_query),
+        per_query=per_query,
     )
 
 

@@ -1,0 +1,110 @@
+"""The quality gate: `ontofabric eval --baseline` against the committed baselines in tests/quality/, on samples of
+the shared evaluation sets, through the real pipeline; and the gate's rules on made-up scores.
+
+The evaluation data is read from ONTOFABRIC_EVAL_DATA, else from `shared/eval` beside the checkout; without it the
+end-to-end cases skip. A baseline is made again, after a change that moves quality on purpose, with the command in
+docs/quality.md ("Quality gate").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ontofabric.services.ops.beir import BeirDataset, sample_dataset
+from ontofabric.services.ops.quality_gate import Baseline, BaselineMismatch, judge
+
+ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+BASELINES = Path(__file__).parent / "quality"
+EVAL_DATA = Path(os.environ.get("ONTOFABRIC_EVAL_DATA") or Path(__file__).resolve().parents[2] / "shared" / "eval")
+
+# What CI measures: a sample of each set, small enough for minutes, the same every run.
+GATED = {
+    "cosqa-dev": ("dev", 150, 1500),
+    "scifact-train": ("train", 100, 600),
+}
+GATED_CONFIGS = "hybrid,dense,keyword"
+
+
+def gate_command(name: str) -> list[str]:
+    split, queries, documents = GATED[name]
+    return [
+        ONTOFABRIC, "eval", str(EVAL_DATA / name), "--split", split, "--config", GATED_CONFIGS,
+        "--sample-queries", str(queries), "--sample-documents", str(documents),
+    ]  # fmt: skip
+
+
+def _dataset() -> BeirDataset:
+    corpus = [{"_id": f"d{n}", "title": "", "text": f"text {n}"} for n in range(50)]
+    queries = {f"q{n}": f"query {n}" for n in range(20)}
+    qrels = {f"q{n}": {f"d{n}": 1, f"d{n + 20}": 1} for n in range(20)}
+    return BeirDataset("toy", "test", corpus, queries, qrels)
+
+
+def test_a_sample_is_the_same_for_the_same_seed_and_keeps_every_judged_document() -> None:
+    dataset = _dataset()
+    sample = sample_dataset(dataset, queries=5, documents=15, seed=3)
+    assert sample == sample_dataset(dataset, queries=5, documents=15, seed=3)
+    assert sample != sample_dataset(dataset, queries=5, documents=15, seed=4)
+    assert len(sample.queries) == len(sample.qrels) == 5
+    kept = {entry["_id"] for entry in sample.corpus}
+    assert len(kept) == 15
+    assert {d for judged in sample.qrels.values() for d in judged} <= kept
+    assert sample.name == "toy[5 queries, 15 documents, seed 3]"
+    everything = sample_dataset(dataset, queries=100, documents=5, seed=0)  # the judged documents come first
+    assert len(everything.queries) == 20
+    assert len(everything.corpus) == 40
+
+
+def test_the_gate_fails_a_drop_beyond_noise_and_passes_wobble() -> None:
+    scores = {f"q{n}": 0.2 + 0.6 * (n % 5) / 4 for n in range(200)}
+    baseline = Baseline("toy", "test", {"hybrid": scores, "dense": scores})
+
+    def verdicts(hybrid: dict[str, float]) -> dict[str, bool]:
+        return {v.config: v.regressed for v in judge(baseline, "toy", "test", {"hybrid": hybrid, "dense": scores})}
+
+    assert verdicts(scores) == {"dense": False, "hybrid": False}
+    wobble = {**scores, "q1": scores["q1"] - 0.3, "q2": scores["q2"] + 0.1}  # one query moved: within the floor
+    assert verdicts(wobble) == {"dense": False, "hybrid": False}
+    lower = {q: s - 0.02 for q, s in scores.items()}  # every query a little worse: sure, and past the floor
+    assert verdicts(lower) == {"dense": False, "hybrid": True}
+    missing = {q: s for q, s in scores.items() if q not in {f"q{n}" for n in range(0, 200, 10)}}  # 20 lost: 0
+    assert verdicts(missing)["hybrid"]
+    noisy = {q: s + (0.3 if n % 2 else -0.32) for n, (q, s) in enumerate(scores.items())}  # lower, but by chance
+    assert not verdicts(noisy)["hybrid"]
+    with pytest.raises(BaselineMismatch, match="measured on toy"):
+        judge(baseline, "toy[5 queries]", "test", {"hybrid": scores})
+
+
+def test_a_baseline_reads_back_as_written(tmp_path: Path) -> None:
+    baseline = Baseline("toy", "test", {"hybrid": {"q1": 0.5, "q2": 1.0}})
+    baseline.write(tmp_path / "b.json")
+    assert Baseline.read(tmp_path / "b.json") == baseline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GATED))
+def test_this_build_passes_the_quality_gate(name: str, tmp_path: Path) -> None:
+    if not (EVAL_DATA / name / "corpus.jsonl").is_file():
+        pytest.skip(f"no evaluation data at {EVAL_DATA / name} (set ONTOFABRIC_EVAL_DATA)")
+    measured = tmp_path / "measured.json"
+    result = subprocess.run(
+        [*gate_command(name), "--baseline", str(BASELINES / f"{name}.json"), "--write-baseline", str(measured)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1200,
+    )
+    assert "quality gate" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gate: passed" in result.stdout
+    # The same gate fails a build whose every query came out a little worse than this one.
+    run = Baseline.read(measured)
+    better = Baseline(
+        run.dataset, run.split, {c: {q: s + 0.05 for q, s in qs.items()} for c, qs in run.per_query.items()}
+    )
+    assert all(v.regressed for v in judge(better, run.dataset, run.split, run.per_query))

@@ -153,8 +153,9 @@ class ModelChange:
         return self._following
 
     async def run(self) -> ModelChangeReport:
-        self._next  # noqa: B018 -- refused before connecting to anything
-        with tracer().start_as_current_span("ops.reembed"):
+        following = self._next  # refused here, before connecting to anything, when no next model is set
+        with tracer().start_as_current_span("ops.reembed") as span:
+            span.set_attribute("model", following.embedding_model)
             async with self._connection() as conn:
                 return await self._run(conn)
 

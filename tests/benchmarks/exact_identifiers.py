@@ -1,0 +1,123 @@
+"""Measurement of exact-identifier queries over a code repository (issue #24, item 3): a query that is a symbol's
+name or its fully qualified name should return the chunk that defines the symbol in the top 3.
+
+A source tree (default: the tenacity package as installed, a pinned public Python project) is ingested by the
+reference ingester on the embedded servers. Every class, function and method the chunker finds is asked for twice,
+by its fully qualified name (`tenacity.retry.retry_if_exception`) and by its name alone (`retry_if_exception`),
+with a request that has no options (the default a gateway sends), topK 3, cache off. A name several symbols share
+(`__init__`) is counted apart: there, any of its definitions in the top 3 counts. Printed: the share found in the
+top 3 and at rank 1, with 95 % Wilson intervals, and the misses of each kind.
+
+Run: .venv/bin/python -m tests.benchmarks.exact_identifiers [--tree PATH] [--show 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from collections import Counter, defaultdict
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.ingest.chunking import Chunk, chunk_file
+from ontofabric.services.ingest.ingester import discover
+from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.jetstream import wait_caught_up
+from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.runtime import Endpoints, embedded_servers
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
+
+from .bench_spine import serve_for_ingest
+
+WORKSPACE = "identifiers"
+TOP = 3
+
+
+def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion."""
+    if total == 0:
+        return 0.0, 0.0
+    p = successes / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return centre - half, centre + half
+
+
+def symbols(chunks: list[Chunk]) -> list[Chunk]:
+    """The chunks that define a class, function or method."""
+    return [c for c in chunks if c.chunk_level in ("type", "method") and c.symbol_kind != "docstring"]
+
+
+async def run(endpoints: Endpoints, settings: Settings, tree: Path, show: int) -> None:
+    names = Names(settings.subject_prefix)
+    async with AsyncExitStack() as stack:
+        served = await serve_for_ingest(stack, settings, endpoints)
+        report = await served.ingester.ingest(tree, WORKSPACE)
+        assert report.last_sequence is not None
+        await wait_caught_up(
+            served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 1800
+        )
+        await asyncio.sleep(0.5)  # the query worker's KV watch catches up
+        chunks = [
+            chunk
+            for path in discover(tree)
+            for chunk in chunk_file(str(path.relative_to(tree)), path.read_text(errors="replace"), 1 << 20)
+        ]
+        defined = symbols(chunks)
+        by_name: dict[str, set[str]] = defaultdict(set)
+        for chunk in defined:
+            by_name[chunk.symbol_fqn.rsplit(".", 1)[-1]].add(chunk.document_id)
+        client = QueryClient(served.nc, names, timeout_s=60)
+        found: Counter[str] = Counter()
+        first: Counter[str] = Counter()
+        asked: Counter[str] = Counter()
+        misses: dict[str, list[str]] = defaultdict(list)
+        for chunk in defined:
+            name = chunk.symbol_fqn.rsplit(".", 1)[-1]
+            kinds = [("fqn", chunk.symbol_fqn, {chunk.document_id})]
+            kinds.append(("unique name" if len(by_name[name]) == 1 else "shared name", name, by_name[name]))
+            for kind, text, wanted in kinds:
+                reply = await client.query(WORKSPACE, {"semanticQuery": text, "topK": TOP})
+                assert isinstance(reply, QueryResponse), reply
+                ids = [r.id for r in reply.results]
+                asked[kind] += 1
+                found[kind] += bool(wanted & set(ids))
+                first[kind] += bool(ids) and ids[0] in wanted
+                if not wanted & set(ids):
+                    misses[kind].append(text)
+    print(f"tree {tree}: {len(chunks)} chunks, {len(defined)} symbols ({len(by_name)} names), topK {TOP}, cache off")
+    print("| query | asked | defining chunk in top 3 (95 % interval) | at rank 1 |")
+    print("|---|---|---|---|")
+    for kind in ("fqn", "unique name", "shared name"):
+        if asked[kind]:
+            low, high = wilson(found[kind], asked[kind])
+            print(
+                f"| {kind} | {asked[kind]} | {found[kind] / asked[kind]:.3f} ({low:.3f}-{high:.3f}) "
+                f"| {first[kind] / asked[kind]:.3f} |"
+            )
+    for kind, texts in misses.items():
+        print(f"missed ({kind}, {len(texts)}): {', '.join(texts[:show])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", type=Path, default=None, help="source tree (default: tenacity as installed)")
+    parser.add_argument("--show", type=int, default=10, help="misses listed per kind")
+    args = parser.parse_args()
+    configure_logging("WARNING", "console")
+    if args.tree is None:
+        import tenacity
+
+        args.tree = Path(tenacity.__file__).parent
+    with embedded_servers() as endpoints:
+        settings = Settings(
+            nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
+        )
+        asyncio.run(run(endpoints, settings, args.tree.resolve(), args.show))
+
+
+if __name__ == "__main__":
+    main()

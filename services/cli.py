@@ -70,6 +70,10 @@ errors = Console(stderr=True)
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="Data directory of the embedded servers [env ONTOFABRIC_DATA_DIR].")
 ]
+LockTimeout = Annotated[
+    float,
+    typer.Option(min=0.1, help="Seconds the swap may wait for its locks; past that it gives up, and can be run again."),
+]
 
 
 def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, worker: bool = False) -> Settings:
@@ -703,12 +707,7 @@ def rebuild(
     discard: Annotated[
         bool, typer.Option(help="Drop an interrupted rebuild's shadow tables instead (the live index is untouched).")
     ] = False,
-    lock_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0.1, help="Seconds the swap may wait for its locks; past that it gives up, and can be run again."
-        ),
-    ] = 10.0,
+    lock_timeout: LockTimeout = 10.0,
     force: Annotated[
         bool,
         typer.Option(help="Swap even when live rows exist that the stream does not account for (they are lost)."),
@@ -770,12 +769,7 @@ def reembed(
     discard: Annotated[
         bool, typer.Option(help="Drop an unfinished change's columns and index instead (the live index is untouched).")
     ] = False,
-    lock_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0.1, help="Seconds the swap may wait for its locks; past that it gives up, and can be run again."
-        ),
-    ] = 10.0,
+    lock_timeout: LockTimeout = 10.0,
     max_rate: Annotated[
         float | None,
         typer.Option(min=1.0, help="Embed at most this many documents per second, to leave the database to queries."),

@@ -28,13 +28,14 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, TokenVectors
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.core import Reranker
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_projected
+from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NatsRole, NatsUser, render_config
 from ontofabric.shared.runtime import (
@@ -341,13 +342,14 @@ CORPUS = {  # seven short documents of different kinds, projected into acme by `
 }
 
 
-@pytest.fixture
-async def seeded(deployment: Deployment, projector: ProjectorService, embedder: Embedder) -> int:
-    """CORPUS projected into workspace acme; the stream sequence of its last delta."""
-    workspace = "acme"
+def corpus_deltas(
+    embedder: Embedder, workspace: str = "acme", embedding_model: str | None = None, token_signs: bool = False
+) -> list[DeltaEnvelope]:
+    """CORPUS as upserts into ``workspace``, embedded by ``embedder`` (recorded as ``embedding_model``, with the
+    tokens' sign bits when ``token_signs``)."""
     ids = list(CORPUS)
-    vectors = embedder.embed_documents([CORPUS[i][0] for i in ids])
-    deltas = [
+    vectors, tokens = embedder.embed_with_tokens([CORPUS[i][0] for i in ids])
+    return [
         upsert(
             workspace,
             document(
@@ -357,11 +359,19 @@ async def seeded(deployment: Deployment, projector: ProjectorService, embedder: 
                 chunk_level=CORPUS[i][2],
                 provenance="hand-authored" if i == "guide" else "ingested",
                 embedding=[float(x) for x in vector],
+                embedding_model=embedding_model,
+                token_vectors=TokenVectors.of_signs(embedder.dimension, pack_signs(signs)) if token_signs else None,
                 symbolKind="class" if CORPUS[i][2] == "type" else "function",
             ),
         )
-        for i, vector in zip(ids, vectors, strict=True)
+        for i, vector, signs in zip(ids, vectors, tokens, strict=True)
     ]
+
+
+@pytest.fixture
+async def seeded(deployment: Deployment, projector: ProjectorService, embedder: Embedder) -> int:
+    """CORPUS projected into workspace acme; the stream sequence of its last delta."""
+    deltas = corpus_deltas(embedder)
     acks = await deployment.publisher.publish_many(deltas)
     await deployment.wait_projected(acks[-1].seq)
     return acks[-1].seq

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ontofabric.contracts import ErrorReply, QueryResponse, TokenVectors
+from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.reembed import ChangeRefused, ModelChange
 from ontofabric.services.projector.planning import Limits, Rejection, validate_delta
@@ -23,11 +23,10 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.core import ModelChanged, SearchInput, vector_for_index
 from ontofabric.services.query.worker import QueryService
-from ontofabric.shared.embedder import Embedder, ServedModel, build_embedder, embedding_text, load_embedder
-from ontofabric.shared.late_interaction import pack_signs
+from ontofabric.shared.embedder import Embedder, ServedModel, build_embedder, load_embedder
 from ontofabric.shared.settings import Settings
 
-from .conftest import CORPUS, Deployment, RecordedProgress
+from .conftest import CORPUS, Deployment, RecordedProgress, corpus_deltas
 from .factories import document, projected_minilm, upsert
 
 CURRENT = "all-MiniLM-L6-v2"
@@ -97,25 +96,8 @@ async def test_a_query_vector_is_compared_only_with_vectors_of_its_own_model() -
     assert again.tolist() == [len(NEXT + "text")] * 2
 
 
-async def _publish_corpus(deployment: Deployment, embedder: Embedder, workspace: str = "acme") -> int:
-    ids = list(CORPUS)
-    vectors, tokens = embedder.embed_with_tokens([embedding_text(CORPUS[i][0], None) for i in ids])
-    deltas = [
-        upsert(
-            workspace,
-            document(
-                i,
-                CORPUS[i][0],
-                object_type=CORPUS[i][1],
-                chunk_level=CORPUS[i][2],
-                embedding=[float(x) for x in vector],
-                embedding_model=CURRENT,
-                token_vectors=TokenVectors.of_signs(384, pack_signs(signs)),
-            ),
-        )
-        for i, vector, signs in zip(ids, vectors, tokens, strict=True)
-    ]
-    acks = await deployment.publisher.publish_many(deltas)
+async def _publish_corpus(deployment: Deployment, embedder: Embedder) -> int:
+    acks = await deployment.publisher.publish_many(corpus_deltas(embedder, embedding_model=CURRENT, token_signs=True))
     return acks[-1].seq
 
 

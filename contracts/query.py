@@ -59,6 +59,12 @@ class QueryOptions(StrictRequest):
         "symbol (a file and its classes, a class and its methods, a function and its docstring), so that one "
         "symbol takes one place; false returns every chunk. Default: the deployment's (true).",
     )
+    exact_symbols: bool | None = Field(
+        default=None,
+        description="When the query is one identifier (Retrying, tenacity.retry.Retrying, Retrying.__call__), put "
+        "the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, case ignored "
+        "after exact matches) first, each scoring 1 and found by 'symbol'. Default: the deployment's (true).",
+    )
 
     @field_validator("retrievers")
     @classmethod
@@ -158,7 +164,10 @@ class OntologyQuery(StrictRequest):
 class FoundBy(WireModel):
     """Which retriever found a hit, at which rank (1-based) and with which raw score."""
 
-    retriever: str = Field(description="The retriever's name: dense, keyword, or another the deployment runs.")
+    retriever: str = Field(
+        description="The retriever's name: dense, keyword, or another the deployment runs; symbol for a result "
+        "whose symbolFqn the query named (_meta.exactSymbolMatches)."
+    )
     rank: int
     score: float
 
@@ -296,6 +305,11 @@ class QueryMeta(WireModel):
         default_factory=list,
         description="Chunks left out for a better-ranked result of the same symbol, of those that would have been "
         "among the answer's topK without it.",
+    )
+    exact_symbol_matches: int = Field(
+        default=0,
+        description="Results placed first because the query is their symbol's name (options.exactSymbols); their "
+        "foundBy names 'symbol'.",
     )
     listing: bool = Field(
         default=False,

@@ -252,6 +252,11 @@ class Settings(BaseSettings):
         description="Answers leave out a chunk nested in a better-ranked result of the same symbol (a method in its "
         "class, a docstring in its function), or holding it (_meta.collapsed); requests may turn it off.",
     )
+    exact_symbols: bool = Field(
+        default=True,
+        description="A query that is one identifier (a name or dotted qualified name) gets the chunks defining a "
+        "symbol of that name first (_meta.exactSymbolMatches); requests may turn it off (docs/quality.md).",
+    )
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
     )

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 from ontofabric.services.ingest.chunking import (
+    chunk_file,
     chunk_markdown,
     chunk_python,
     module_name,
     object_type_name,
+    tree_package,
     truncate_utf8,
 )
-from ontofabric.services.ingest.ingester import TOMBSTONE, UNKNOWN, Manifest, event_id, plan_ingest
+from ontofabric.services.ingest.graph import python_graph
+from ontofabric.services.ingest.ingester import TOMBSTONE, UNKNOWN, Manifest, chunk_tree, event_id, plan_ingest
 
 PYTHON = textwrap.dedent(
     '''
@@ -198,3 +202,26 @@ def test_manifests_of_two_racing_ingests_merge_into_what_is_known() -> None:
     # The next ingest of a tree holding a and both sends a again, and removes b and differs.
     plan = plan_ingest({"d:a": "1", "d:both": "1"}, merged)
     assert (plan.upserts, plan.deletes) == (["d:a"], ["d:b", "d:differs"])
+
+
+def test_a_tree_that_is_a_package_names_its_modules_as_python_imports_them(tmp_path: Path) -> None:
+    assert tree_package("tenacity", ["__init__.py", "retry.py"]) == "tenacity"
+    assert tree_package("my-project", ["__init__.py"]) is None  # no importable name
+    assert tree_package("repo", ["pkg/__init__.py", "setup.py"]) is None  # a project holding packages
+    assert module_name("__init__.py", "tenacity") == "tenacity"
+    assert module_name("wait/__init__.py", "tenacity") == "tenacity.wait"
+
+    package = tmp_path / "tenacity"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .retry import Retrying\n\nclass BaseAction:\n    pass\n")
+    (package / "retry.py").write_text("class Retrying:\n    pass\n")
+    names = {c.symbol_fqn for c in chunk_tree(package, 1 << 20)}
+    assert {"tenacity", "tenacity.BaseAction", "tenacity.retry", "tenacity.retry.Retrying"} <= names
+    nodes, links = python_graph({"__init__.py": "from .retry import Retrying\n", "retry.py": ""}, "tenacity")
+    assert {n.object_type for n in nodes} == {"tenacity", "tenacity.retry"}
+    assert [(k.source_type, k.target_type) for k in links] == [("tenacity", "tenacity.retry")]
+    # The fingerprint the ingester compares changes with the name, as the embedded text does.
+    [renamed] = [c for c in chunk_file("retry.py", "class Retrying:\n    pass\n", 1 << 20) if c.chunk_level == "type"]
+    [named] = [c for c in chunk_tree(package, 1 << 20) if c.symbol_fqn == "tenacity.retry.Retrying"]
+    assert renamed.content_hash == named.content_hash
+    assert renamed.fingerprint != named.fingerprint

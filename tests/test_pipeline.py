@@ -19,6 +19,7 @@ from ontofabric.services.query.cache import CacheKey
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import (
     Candidate,
+    Definitions,
     Fetched,
     Hits,
     Representatives,
@@ -103,6 +104,9 @@ class ScriptedRetrieval:
 
     async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
         return Representatives({}, self.fetch_version)
+
+    async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
+        return Definitions({}, self.fetch_version)
 
 
 def pipeline_over(

@@ -64,6 +64,8 @@ TOOLS = (
             "Hybrid search (dense and BM25 keyword retrieval, fused, optionally reranked) over a workspace's "
             "SemanticDocuments: code chunks (files, classes, methods, docstrings) and documentation. Give "
             "semanticQuery, or only filters (objectType, chunkLevel, provenance, symbolKind) to list what they select. "
+            "A semanticQuery that is one identifier (RetryCallState, pkg.mod.Class.method) puts the chunks defining "
+            "that symbol first. "
             "followLinks attaches the types one link away in the ontology graph. The reply's _meta says what ran: "
             "check _meta.degraded first: a part named there failed or was unavailable and the answer is the best of "
             "what still ran (e.g. 'reranker', 'embedder', 'keyword'). _meta.freshness says how far the index is "
@@ -148,6 +150,7 @@ def _render_query(reply: QueryResponse) -> str:
             f"\n{result.rank}. {symbol}"
             + (f" ({where})" if where else "")
             + f" · {result.metadata.get('chunkLevel', '')} · score {result.score:.3f} · id {result.id}"
+            + (" · defines the name asked" if any(f.retriever == "symbol" for f in result.found_by) else "")
         )
         if result.content is not None:
             lines.append(result.content + ("\n[cut: get_document for the rest]" if result.content_truncated else ""))

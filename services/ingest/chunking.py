@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +40,12 @@ class Chunk:
         return hashlib.sha256(self.content.encode("utf-8")).hexdigest()
 
     @property
+    def fingerprint(self) -> str:
+        """Changes with anything the document carries that the ingester derives: its content, its names, its type."""
+        material = "\0".join([self.content, self.symbol_fqn, self.object_type, self.symbol_kind, self.chunk_level])
+        return hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+    @property
     def document_id(self) -> str:
         """Stable across content changes: derived from the symbol key alone."""
         return hashlib.sha256(self.symbol_key.encode("utf-8")).hexdigest()[:32]
@@ -63,12 +69,20 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     return encoded[:max_bytes].decode("utf-8", errors="ignore")
 
 
-def module_name(path: str) -> str:
-    """``services/query/fusion.py`` -> ``services.query.fusion``; a package's ``__init__.py`` names the package."""
-    parts = path.removesuffix(".py").split("/")
+def module_name(path: str, package: str | None = None) -> str:
+    """``services/query/fusion.py`` -> ``services.query.fusion``; a package's ``__init__.py`` names the package.
+    ``package``: the name of the tree itself when it is a package (its root holds ``__init__.py``), which then
+    leads every module's name, as Python imports it (``retry.py`` of tenacity's tree is ``tenacity.retry``)."""
+    parts = [*([package] if package else []), *path.removesuffix(".py").split("/")]
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
     return ".".join(parts)
+
+
+def tree_package(root_name: str, paths: Iterable[str]) -> str | None:
+    """The tree's own package name: its directory's name when the root holds ``__init__.py`` and the name is an
+    identifier Python could import; else None (the tree is a project holding packages)."""
+    return root_name if "__init__.py" in paths and root_name.isidentifier() else None
 
 
 class _Keys:
@@ -83,8 +97,8 @@ class _Keys:
         return key if count == 1 else f"{key}~{count}"
 
 
-def chunk_python(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
-    module = module_name(path)
+def chunk_python(path: str, source: str, max_content_bytes: int, package: str | None = None) -> list[Chunk]:
+    module = module_name(path, package)
     module_type = object_type_name(module)
     file_key = f"python:{path}"
     keys = _Keys()
@@ -183,9 +197,10 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
     return chunks
 
 
-def chunk_file(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
+def chunk_file(path: str, source: str, max_content_bytes: int, package: str | None = None) -> list[Chunk]:
+    """The chunks of one file (``path`` relative to the tree; ``package``: see :func:`module_name`)."""
     if path.endswith(".py"):
-        return chunk_python(path, source, max_content_bytes)
+        return chunk_python(path, source, max_content_bytes, package)
     if path.endswith(".md"):
         return chunk_markdown(path, source, max_content_bytes)
     return []

@@ -158,8 +158,9 @@ def _representable(node: GraphNode) -> bool:
     return True
 
 
-def python_graph(sources: Mapping[str, str]) -> tuple[list[GraphNode], list[GraphLink]]:
-    """Nodes and links of the Python files ``sources`` (relative path -> text)."""
+def python_graph(sources: Mapping[str, str], package: str | None = None) -> tuple[list[GraphNode], list[GraphLink]]:
+    """Nodes and links of the Python files ``sources`` (relative path -> text; ``package``: the tree's own package
+    name, see :func:`chunking.module_name`)."""
     modules: dict[str, _Module] = {}
     for path, source in sorted(sources.items()):
         if not path.endswith(".py"):
@@ -168,7 +169,7 @@ def python_graph(sources: Mapping[str, str]) -> tuple[list[GraphNode], list[Grap
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
             continue
-        fqn = module_name(path)
+        fqn = module_name(path, package)
         modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"))
     resolver = _Resolver(modules)
     for module in modules.values():

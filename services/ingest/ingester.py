@@ -45,7 +45,7 @@ from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, Sto
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 
-from .chunking import Chunk, chunk_file
+from .chunking import Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
 from .graph import GraphLink, GraphNode, python_graph
 
@@ -81,9 +81,14 @@ def read_tree(root: Path) -> dict[str, str]:
     return sources
 
 
+def chunk_sources(root: Path, sources: Mapping[str, str], max_content_bytes: int) -> list[Chunk]:
+    """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them."""
+    package = tree_package(root.resolve().name, sources)
+    return [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
+
+
 def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
-    sources = read_tree(root)
-    return [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes)]
+    return chunk_sources(root, read_tree(root), max_content_bytes)
 
 
 # ---------------------------------------------------------------------------------------------- diff
@@ -271,16 +276,16 @@ class Ingester:
         raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
     async def ingest(self, root: Path, workspace: str, branch: str = MAIN_BRANCH) -> IngestReport:
+        root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         sources = await asyncio.to_thread(read_tree, root)
-        chunks = {
-            c.document_id: c for path, text in sources.items() for c in chunk_file(path, text, self._max_content_bytes)
-        }
-        graph_nodes, graph_links = python_graph(sources)
+        chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes)}
+        graph_nodes, graph_links = python_graph(sources, tree_package(root.name, sources))
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
-        # A document is sent again when its content changed or when what the embedder adds to it would differ
-        # (another model or precision, token vectors switched on or off), so a rerun brings old documents up to date.
-        desired = {f"d:{i}": f"{c.content_hash}|{self._embedding_signature}" for i, c in chunks.items()}
+        # A document is sent again when its content or name changed (both are embedded) or when what the embedder
+        # adds to it would differ (another model or precision, token vectors switched on or off), so a rerun brings
+        # old documents up to date.
+        desired = {f"d:{i}": f"{c.fingerprint}|{self._embedding_signature}" for i, c in chunks.items()}
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
         loaded = await self._manifests.load(workspace, branch)

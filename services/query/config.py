@@ -31,6 +31,7 @@ class PipelineConfig:
     late_interaction_max_query_tokens: int = _default("late_interaction_max_query_tokens")
     expansion_max_types: int = _default("expansion_max_types")
     collapse_nested: bool = _default("collapse_nested")
+    exact_symbols: bool = _default("exact_symbols")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineConfig:

@@ -149,6 +149,13 @@ class Representatives:
     """ontologyVersion of the snapshot read; None when nothing was asked."""
 
 
+@dataclass(frozen=True)
+class Definitions:
+    symbols: dict[str, str]
+    """id -> symbolFqn of each chunk that defines a symbol of the name looked up"""
+    version: str
+
+
 class DocumentStore(Protocol):
     """The source of truth the retrievers' hits are read from. Each call reads one consistent snapshot and says
     which ontologyVersion it saw."""
@@ -168,6 +175,11 @@ class DocumentStore(Protocol):
 
     async def listing(self, scope: Scope, limit: int) -> Hits:
         """The first ``limit`` documents the scope selects, in a stable order (file, symbol, id), each scoring 1."""
+        ...
+
+    async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
+        """At most ``limit`` chunks of the scope that define a symbol (code, not a docstring or a section) whose
+        qualified name is the dotted ``name`` or ends with ``.`` and it, ignoring case; shorter names first."""
         ...
 
 

@@ -61,6 +61,7 @@ from .stages import (
     reranked_order,
     to_results,
 )
+from .symbols import SYMBOL, definitions_first, identifier_of
 
 log = get_logger(__name__)
 
@@ -76,6 +77,9 @@ COSINE_ONLY = (
 EMBED_RESERVE_S = 0.05
 RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
+
+DEFINITIONS_LOOKED_UP = 50
+"""At most this many definitions of a name are read (a common method name may have hundreds)."""
 
 
 class RetrievalUnavailable(Exception):
@@ -153,14 +157,16 @@ class QueryPipeline:
         """The read path, stage by stage."""
         position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
-        embedded = None
+        embedded, definitions = None, dict[str, str]()
         if run.query.listing:
             fused, refinements = await self._list(run, scope)
         else:
-            lists, embedded = await self._search(run, scope)
+            (lists, embedded), definitions = await asyncio.gather(
+                self._search(run, scope), self._definitions(run, scope)
+            )
             refinements = self._plan(run, lists, embedded)
             fused = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
-        fetched = await self._fetch(run, scope, fused, refinements)
+        fetched = await self._fetch(run, scope, fused, refinements, definitions)
         if (
             embedded is not None
             and fetched.model not in (None, embedded.model)
@@ -173,10 +179,11 @@ class QueryPipeline:
         candidates = [hit for hit in fused if hit.id in documents]
         candidates = await self._late_interaction(run, refinements, candidates, documents)
         candidates = await self._rerank(run, refinements, candidates, documents)
+        candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates = self._collapse(run, candidates, documents)
         results = to_results(run.query, candidates, documents)
         await self._expand(run, scope, fetched.version, results)
-        run.settle(consistent=len(documents) == len(fused))
+        run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.keys()))
         run.report(freshness=await self._freshness(run.workspace, run.query.branch, position))
         return results
 
@@ -323,13 +330,28 @@ class QueryPipeline:
         run.read(scored.version)
         return {c.id: c.score for c in scored.candidates}
 
-    async def _fetch(self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements) -> Fetched:
-        """The fused candidates' documents; their snapshot's version is the answer's."""
+    async def _definitions(self, run: QueryRun, scope: Scope) -> dict[str, str]:
+        """When the query is one identifier: the chunks defining a symbol of that name (id -> symbolFqn)."""
+        asked = options_of(run.query).exact_symbols
+        name = identifier_of(run.text) if (self._config.exact_symbols if asked is None else asked) else None
+        if name is None:
+            return {}
+        work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
+        found = await run.guarded("exactSymbol", work, stage="exactSymbol", reserve_s=RETRIEVAL_RESERVE_S)
+        if found is None:
+            return {}
+        run.read(found.version)
+        return found.symbols
+
+    async def _fetch(
+        self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: dict[str, str]
+    ) -> Fetched:
+        """The documents of the fused candidates and of the definitions found; their snapshot's version is the
+        answer's."""
         # Token signs (kilobytes a document) only of the candidates late interaction compares.
         depth = 0 if refinements.interaction_tokens is None else refinements.interaction_depth
-        fetched = await run.timed(
-            "fetch", self._documents.fetch(scope, [f.id for f in fused], [f.id for f in fused[:depth]])
-        )
+        ids = list(dict.fromkeys([*(f.id for f in fused), *definitions]))
+        fetched = await run.timed("fetch", self._documents.fetch(scope, ids, [f.id for f in fused[:depth]]))
         run.read(fetched.version)
         run.report(ontology_version=fetched.version)
         return fetched
@@ -401,6 +423,19 @@ class QueryPipeline:
             return candidates
         run.report(reranked=True, reranker=reranker.name)
         return reranked_order(ranked, sent, candidates)
+
+    def _definitions_first(
+        self, run: QueryRun, definitions: dict[str, str], candidates: list[Fused], documents: dict[str, StoredDocument]
+    ) -> list[Fused]:
+        """The definitions of the symbol the query names ahead of everything else (``symbols.definitions_first``)."""
+        if not definitions:
+            return candidates
+        name = identifier_of(run.text)
+        assert name is not None  # definitions are looked up for identifiers only
+        found = {doc_id: fqn for doc_id, fqn in definitions.items() if doc_id in documents}
+        ordered = definitions_first(name, found, candidates, run.query.top_k)
+        run.report(exact_symbol_matches=sum(SYMBOL in hit.found_by for hit in ordered))
+        return ordered
 
     def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""

@@ -35,6 +35,7 @@ from .core import (
     DENSE,
     KEYWORD,
     Candidate,
+    Definitions,
     Fetched,
     Hits,
     Representatives,
@@ -46,11 +47,14 @@ from .core import (
     vector_for_index,
 )
 from .graph import GraphRows, LinkRow, NodeRow
+from .symbols import last_part
 
 log = get_logger(__name__)
 
 MAIN_SQL = f"'{MAIN_BRANCH}'"
 """The main branch as an SQL literal."""
+SYMBOL_NAME_SQL = r"lower(regexp_replace(symbol_fqn, '^.*[.]', ''))"
+"""The last dotted part of a document's qualified name, lower case: what a name is looked up by."""
 
 
 def where_clause(
@@ -428,6 +432,24 @@ class PostgresDocuments:
                 *parameters,
             )
         return Hits([Candidate(r["id"], 1.0) for r in rows], snapshot.version)
+
+    async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
+        async with self._snapshots.read(scope) as snapshot:
+            where, parameters = where_clause(scope, 4, snapshot.shadowed)
+            # Looked up by the name's last part through documents_symbol_name (infra/migrations/0014), then
+            # matched whole: the qualified name is the name, or ends with "." and the name.
+            rows = await snapshot.conn.fetch(
+                f"""SELECT id, symbol_fqn FROM documents
+                    WHERE {SYMBOL_NAME_SQL} = lower($1)
+                      AND (lower(symbol_fqn) = lower($2) OR right(lower(symbol_fqn), length($2) + 1) = '.' || lower($2))
+                      AND chunk_level IS DISTINCT FROM 'doc' AND {where}
+                    ORDER BY length(symbol_fqn), id LIMIT $3""",
+                last_part(name),
+                name,
+                limit,
+                *parameters,
+            )
+        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version)
 
     async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
         """The version row of each of the workspace's ``branches`` that has one."""

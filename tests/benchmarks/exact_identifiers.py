@@ -4,9 +4,10 @@ name or its fully qualified name should return the chunk that defines the symbol
 A source tree (default: the tenacity package as installed, a pinned public Python project) is ingested by the
 reference ingester on the embedded servers. Every class, function and method the chunker finds is asked for twice,
 by its fully qualified name (`tenacity.retry.retry_if_exception`) and by its name alone (`retry_if_exception`),
-with a request that has no options (the default a gateway sends), topK 3, cache off. A name several symbols share
+with a request that has no options (the default a gateway sends), topK 3, cache off, and again with the exact-symbol
+match turned off (`options.exactSymbols: false`), the reference in the same run. A name several symbols share
 (`__init__`) is counted apart: there, any of its definitions in the top 3 counts. Printed: the share found in the
-top 3 and at rank 1, with 95 % Wilson intervals, and the misses of each kind.
+top 3 and at rank 1, with 95 % Wilson intervals, the query latency of both, and the misses of each kind.
 
 Run: .venv/bin/python -m tests.benchmarks.exact_identifiers [--tree PATH] [--show 10]
 """
@@ -16,13 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import statistics
+import time
 from collections import Counter, defaultdict
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 from ontofabric.contracts import QueryResponse
-from ontofabric.services.ingest.chunking import Chunk, chunk_file
-from ontofabric.services.ingest.ingester import discover
+from ontofabric.services.ingest.chunking import Chunk
+from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
@@ -34,6 +37,7 @@ from .bench_spine import serve_for_ingest
 
 WORKSPACE = "identifiers"
 TOP = 3
+MODES: dict[str, dict[str, object]] = {"exact symbols": {}, "off (reference)": {"options": {"exactSymbols": False}}}
 
 
 def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -61,45 +65,48 @@ async def run(endpoints: Endpoints, settings: Settings, tree: Path, show: int) -
             served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 1800
         )
         await asyncio.sleep(0.5)  # the query worker's KV watch catches up
-        chunks = [
-            chunk
-            for path in discover(tree)
-            for chunk in chunk_file(str(path.relative_to(tree)), path.read_text(errors="replace"), 1 << 20)
-        ]
+        chunks = chunk_tree(tree, 1 << 20)  # named as the ingester names them
         defined = symbols(chunks)
         by_name: dict[str, set[str]] = defaultdict(set)
         for chunk in defined:
             by_name[chunk.symbol_fqn.rsplit(".", 1)[-1]].add(chunk.document_id)
         client = QueryClient(served.nc, names, timeout_s=60)
-        found: Counter[str] = Counter()
-        first: Counter[str] = Counter()
+        found: Counter[tuple[str, str]] = Counter()
+        first: Counter[tuple[str, str]] = Counter()
         asked: Counter[str] = Counter()
-        misses: dict[str, list[str]] = defaultdict(list)
+        latency: dict[str, list[float]] = defaultdict(list)
+        misses: dict[tuple[str, str], list[str]] = defaultdict(list)
         for chunk in defined:
             name = chunk.symbol_fqn.rsplit(".", 1)[-1]
             kinds = [("fqn", chunk.symbol_fqn, {chunk.document_id})]
             kinds.append(("unique name" if len(by_name[name]) == 1 else "shared name", name, by_name[name]))
             for kind, text, wanted in kinds:
-                reply = await client.query(WORKSPACE, {"semanticQuery": text, "topK": TOP})
-                assert isinstance(reply, QueryResponse), reply
-                ids = [r.id for r in reply.results]
                 asked[kind] += 1
-                found[kind] += bool(wanted & set(ids))
-                first[kind] += bool(ids) and ids[0] in wanted
-                if not wanted & set(ids):
-                    misses[kind].append(text)
+                for mode, options in MODES.items():  # interleaved, so both see the same machine
+                    started = time.perf_counter()
+                    reply = await client.query(WORKSPACE, {"semanticQuery": text, "topK": TOP, **options})
+                    latency[mode].append((time.perf_counter() - started) * 1000)
+                    assert isinstance(reply, QueryResponse), reply
+                    ids = [r.id for r in reply.results]
+                    found[mode, kind] += bool(wanted & set(ids))
+                    first[mode, kind] += bool(ids) and ids[0] in wanted
+                    if not wanted & set(ids):
+                        misses[mode, kind].append(text)
     print(f"tree {tree}: {len(chunks)} chunks, {len(defined)} symbols ({len(by_name)} names), topK {TOP}, cache off")
-    print("| query | asked | defining chunk in top 3 (95 % interval) | at rank 1 |")
-    print("|---|---|---|---|")
+    print("| query | asked | mode | defining chunk in top 3 (95 % interval) | at rank 1 |")
+    print("|---|---|---|---|---|")
     for kind in ("fqn", "unique name", "shared name"):
-        if asked[kind]:
-            low, high = wilson(found[kind], asked[kind])
-            print(
-                f"| {kind} | {asked[kind]} | {found[kind] / asked[kind]:.3f} ({low:.3f}-{high:.3f}) "
-                f"| {first[kind] / asked[kind]:.3f} |"
-            )
-    for kind, texts in misses.items():
-        print(f"missed ({kind}, {len(texts)}): {', '.join(texts[:show])}")
+        for mode in MODES:
+            if asked[kind]:
+                low, high = wilson(found[mode, kind], asked[kind])
+                print(
+                    f"| {kind} | {asked[kind]} | {mode} | {found[mode, kind] / asked[kind]:.3f} ({low:.3f}-{high:.3f}) "
+                    f"| {first[mode, kind] / asked[kind]:.3f} |"
+                )
+    for mode, times in latency.items():
+        print(f"{mode}: client-side p50 {statistics.median(times):.1f} ms over {len(times)} queries")
+    for (mode, kind), texts in misses.items():
+        print(f"missed ({mode}, {kind}, {len(texts)}): {', '.join(texts[:show])}")
 
 
 def main() -> None:

@@ -1,0 +1,165 @@
+"""Exact identifiers: a query that is a symbol's name gets the chunks that define it first (services/query/symbols.py),
+decided purely and then through the real path (ingester, projector, query worker, Postgres)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.ingest.ingester import Ingester
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.fusion import Fused, SourceHit
+from ontofabric.services.query.symbols import SYMBOL, definitions_first, identifier_of, match_quality
+from ontofabric.shared.embedder import Embedder
+
+from .conftest import Deployment, Start
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("Retrying", "Retrying"),
+        ("  tenacity.retry.Retrying ", "tenacity.retry.Retrying"),
+        ("`Retrying.__call__`", "Retrying.__call__"),
+        ("Retrying::__call__", "Retrying.__call__"),
+        ("Retrying#__call__", "Retrying.__call__"),
+        ("wait_fixed()", "wait_fixed"),
+        ("retry", "retry"),
+        ("how does retry work", None),
+        ("retry.", None),
+        ("3.14", None),
+        ("a-b", None),
+        ("", None),
+        ("x" * 301, None),
+    ],
+)
+def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
+    assert identifier_of(text) == name
+
+
+def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> None:
+    assert match_quality("tenacity.retry.Retrying", "tenacity.retry.Retrying") == 0
+    assert match_quality("tenacity.retry.Retrying", "retry.Retrying") == 1
+    assert match_quality("tenacity.retry.Retrying", "Retrying") == 1
+    assert match_quality("tenacity.retry.Retrying", "TENACITY.retry.retrying") == 2
+    assert match_quality("tenacity.retry.Retrying", "retrying") == 3
+    assert match_quality("tenacity.retry.Retrying", "ry.Retrying") is None  # parts match whole, not by letters
+    assert match_quality("tenacity.retry.Retrying", "tenacity") is None
+
+
+def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_theirs() -> None:
+    candidates = [
+        Fused("mentions", 0.9, 0.8, {"keyword": SourceHit(1, 7.0)}),
+        Fused("method", 0.5, 0.6, {"dense": SourceHit(2, 0.5)}),
+        Fused("other", 0.4, 0.5),
+    ]
+    definitions = {
+        "function": "pkg.util.area",  # not among the candidates
+        "method": "pkg.shapes.Circle.area",
+        "upper": "pkg.Area",  # only ignoring case
+    }
+    ordered = definitions_first("area", definitions, candidates, limit=10)
+    assert [hit.id for hit in ordered] == ["method", "function", "mentions", "other"]
+    assert [hit.relevance for hit in ordered] == [1.0, 1.0, 0.8, 0.5]
+    assert ordered[0].found_by == {"dense": SourceHit(2, 0.5), SYMBOL: SourceHit(1, 1.0)}
+    assert ordered[1].found_by == {SYMBOL: SourceHit(2, 1.0)}
+    # At most ``limit`` are placed first; one past it keeps its place among the rest.
+    limited = definitions_first("area", definitions, candidates, limit=1)
+    assert [hit.id for hit in limited] == ["method", "mentions", "other"]
+    # A qualified name narrows: only the method ends with Circle.area.
+    assert [hit.id for hit in definitions_first("Circle.area", definitions, candidates, 10)][:2] == [
+        "method",
+        "mentions",
+    ]
+    # Ignoring case only when nothing matches as written.
+    assert [hit.id for hit in definitions_first("AREA", definitions, candidates, 10)][:3] == [
+        "method",
+        "upper",  # the shorter name
+        "function",
+    ]
+    assert definitions_first("volume", definitions, candidates, 10) == candidates
+
+
+SHAPES = {
+    "__init__.py": '"""Shapes and their areas."""\nfrom .circle import Circle\n',
+    "circle.py": '''
+        class Circle:
+            """A round shape."""
+
+            def area(self, radius):
+                return 3.14159 * radius * radius
+        ''',
+    "square.py": """
+        def area(side):
+            return side * side
+        """,
+    # A chunk that says Circle far more often than the class does: what keyword search would rank first.
+    "gallery.py": """
+        def draw_circles(canvas):
+            # Circle after Circle: a Circle per row, each Circle red, the Circle radius from the Circle list.
+            for circle in canvas.circles:
+                canvas.paint(circle, "Circle", "Circle outline", "Circle fill")
+        """,
+}
+
+
+async def _ask(client: QueryClient, text: str, **params: object) -> QueryResponse:
+    reply = await client.query("shapes", {"semanticQuery": text, "topK": 5, **params})
+    assert isinstance(reply, QueryResponse), reply
+    return reply
+
+
+def _names(reply: QueryResponse) -> list[str]:
+    """Each result's qualified name and chunk level: a docstring has its owner's name."""
+    return [f"{r.metadata.get('symbolFqn')} ({r.metadata.get('chunkLevel')})" for r in reply.results]
+
+
+async def test_a_name_finds_its_definition_first_through_the_real_path(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    tree = tmp_path / "shapes"  # a tree that is a package: its modules are named shapes.*
+    for name, text in SHAPES.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(textwrap.dedent(text))
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tree, "shapes")
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+
+    circle = await _ask(client, "Circle")
+    assert _names(circle)[0] == "shapes.circle.Circle (type)"
+    assert circle.results[0].score == 1.0
+    assert circle.meta.exact_symbol_matches == 1
+    assert SYMBOL in {f.retriever for f in circle.results[0].found_by}
+    assert "exactSymbol" in circle.meta.timings_ms
+    assert not circle.meta.degraded
+
+    # Qualified, partly qualified, or written as other languages write members: the method.
+    for text in ("shapes.circle.Circle.area", "Circle.area", "Circle::area", "`Circle.area()`"):
+        assert _names(await _ask(client, text))[0] == "shapes.circle.Circle.area (method)", text
+    # A name two symbols share: both first, the shorter name leading when nothing else tells them apart.
+    area = await _ask(client, "area")
+    assert set(_names(area)[:2]) == {"shapes.circle.Circle.area (method)", "shapes.square.area (method)"}
+    assert area.meta.exact_symbol_matches == 2
+    # Case: the module circle matches as written, so the class Circle, which matches only ignoring case, is not
+    # placed first; a name no symbol is written as matches ignoring case.
+    lower = await _ask(client, "circle")
+    assert (_names(lower)[0], lower.meta.exact_symbol_matches) == ("shapes.circle (file)", 1)
+    upper = await _ask(client, "CIRCLE", options={"collapseNested": False})  # else the module holds the class
+    assert set(_names(upper)[:2]) == {"shapes.circle (file)", "shapes.circle.Circle (type)"}
+    # The request's filters hold: a class is no method.
+    methods = await _ask(client, "Circle", chunkLevel="method")
+    assert "shapes.circle.Circle (type)" not in _names(methods)
+    assert methods.meta.exact_symbol_matches == 0
+    # A question is not a name, and the option turns the match off.
+    assert (await _ask(client, "which shape is round")).meta.exact_symbol_matches == 0
+    off = await _ask(client, "Circle", options={"exactSymbols": False})
+    assert off.meta.exact_symbol_matches == 0
+    assert all(SYMBOL not in {f.retriever for f in r.found_by} for r in off.results)
+    assert "exactSymbol" not in off.meta.timings_ms

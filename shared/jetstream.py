@@ -190,6 +190,16 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     return nc
 
 
+async def close(nc: Client) -> None:
+    """Close ``nc``. A server that drops the connection while nats-py flushes what is pending on closing makes the
+    flush raise (ConnectionResetError) once the client is already closed and its tasks stopped; the connection is
+    gone anyway, so that is no failure of whoever stops."""
+    try:
+        await nc.close()
+    except ConnectionError as error:
+        log.info("nats_closed_with_connection_lost", error=str(error))
+
+
 async def subscriptions_visible(nc: Client) -> None:
     """Return once the server has every subscription made on ``nc`` so far.
 

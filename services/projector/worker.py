@@ -20,6 +20,7 @@ from nats.micro.service import Service
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, index_model, migrate, wait_until_migrated
 from ontofabric.shared.discovery import announce
+from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
@@ -139,7 +140,7 @@ class ProjectorService:
             for pool in pools.values():
                 closing.push_async_callback(pool.close)
             if nc is not None:
-                closing.push_async_callback(nc.close)
+                closing.push_async_callback(close_nats, nc)
             # The batches in hand are finished and acked before the connection goes.
             await asyncio.gather(*(projection.stop() for projection in projections))
         log.info("projector_stopped")
@@ -206,7 +207,7 @@ class AzureProjectorService:
             for client in clients or ():
                 closing.push_async_callback(client.close)
             if nc is not None:
-                closing.push_async_callback(nc.close)
+                closing.push_async_callback(close_nats, nc)
             if puller is not None:
                 await puller.stop()
         log.info("azure_projector_stopped")

@@ -38,6 +38,7 @@ from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import READER_ROLE, create_pool, index_model, is_unavailable, migrate, wait_until_migrated
 from ontofabric.shared.discovery import announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
+from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -498,7 +499,7 @@ class QueryService:
                 await self._freshness.stop()
             self._freshness = None
         if self._nc is not None:
-            await self._nc.close()
+            await close_nats(self._nc)
             self._nc = None
         pools, self._pools, self._replica_pools = [*self._pools, *self._replica_pools], [], []
         for pool in pools:

@@ -175,10 +175,11 @@ class FoundBy(WireModel):
 class SearchResult(WireModel):
     id: str
     score: float = Field(
-        description="Relevance in [0, 1]: the reranker's when _meta.reranked; else, when _meta.lateInteraction is "
-        "set, the blend of fused position and MaxSim similarity (relative to the candidates compared, not "
-        "calibrated); else the fused relevance (for RRF, 1 means ranked first by every retriever that ran). Results "
-        "past the reranker's or late interaction's depth score the lowest relevance it gave times their own."
+        description="When _meta.calibrated: the estimated probability that the result is relevant, on one scale "
+        "whatever ran (Platt scaling over its signals, fitted on judged queries; docs/quality.md), 1 for a "
+        "definition the query names (foundBy symbol), made to descend with rank; minRelevance is then a threshold "
+        "on it. Otherwise (a listing, or no signal to judge by) a relative relevance in [0, 1]: the reranker's, "
+        "late interaction's blend, or the fused one."
     )
     rank: int
     content: str | None = Field(
@@ -193,6 +194,11 @@ class SearchResult(WireModel):
     source_domain: str
     metadata: dict[str, Any]
     found_by: list[FoundBy]
+    signals: dict[str, float] = Field(
+        default_factory=dict,
+        description="What the score was estimated from, those measured: cosine (the dense similarity to the query) "
+        "and keyword (its BM25 score over the best the query could reach, 0 to 1).",
+    )
 
 
 class ExpandedContext(WireModel):
@@ -305,6 +311,10 @@ class QueryMeta(WireModel):
         default_factory=list,
         description="Chunks left out for a better-ranked result of the same symbol, of those that would have been "
         "among the answer's topK without it.",
+    )
+    calibrated: bool = Field(
+        default=False,
+        description="True when every result's score is a calibrated probability of relevance (see score).",
     )
     exact_symbol_matches: int = Field(
         default=0,

@@ -610,7 +610,12 @@ def demo(
 
 @app.command("eval")
 def eval_command(
-    dataset_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="A BEIR-layout dataset directory.")],
+    dataset_dir: Annotated[
+        Path,
+        typer.Argument(
+            exists=True, file_okay=False, help="A BEIR-layout dataset directory, or with --judgments a source tree."
+        ),
+    ],
     split: Annotated[str, typer.Option(help="Judgments to use: qrels/SPLIT.tsv.")] = "test",
     config: Annotated[
         str,
@@ -648,6 +653,22 @@ def eval_command(
     min_effect: Annotated[
         float, typer.Option(min=0.0, help="The smallest drop of mean nDCG@10 the gate fails on.")
     ] = MIN_EFFECT,
+    calibration_points: Annotated[
+        Path | None,
+        typer.Option(
+            dir_okay=False,
+            help="Write each query's leading results (signals, judgment, score) here, for `ontofabric calibrate`.",
+        ),
+    ] = None,
+    judgments: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="Evaluate DATASET_DIR as a source tree: concept queries judged by symbol from this file, and "
+            'relationship queries from a static analysis of the tree (docs/quality.md, "Repository evaluation").',
+        ),
+    ] = None,
 ) -> None:
     """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency, and each
     hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval. With
@@ -658,6 +679,9 @@ def eval_command(
     from .ops.quality_gate import Baseline, BaselineMismatch, judge
 
     settings = _settings("ontofabric-eval", quiet=True)
+    if judgments is not None:
+        _evaluate_tree(settings, dataset_dir, judgments)
+        return
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
     unknown = [c for c in chosen if c not in CONFIGS]
     if unknown:
@@ -691,6 +715,11 @@ def eval_command(
     if write_baseline is not None:
         Baseline(report.dataset, report.split, report.per_query).write(write_baseline)
         console.print(f"wrote {write_baseline}")
+    if calibration_points is not None:
+        from .ops.calibrate import write_points
+
+        write_points(calibration_points, report.calibration_points)
+        console.print(f"wrote {len(report.calibration_points)} calibration points to {calibration_points}")
     if reference is not None:
         try:
             verdicts = judge(reference, report.dataset, report.split, report.per_query, min_effect)
@@ -699,6 +728,60 @@ def eval_command(
         console.print(render_verdicts(verdicts, min_effect), soft_wrap=True, markup=False)
         if not verdicts or any(v.regressed for v in verdicts):
             raise typer.Exit(1)
+
+
+def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path) -> None:
+    from importlib import metadata
+
+    from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report
+
+    try:
+        judgments = Judgments.read(judgments_file)
+    except JudgmentsError as error:
+        _fail(str(error))
+    try:
+        installed = metadata.version(judgments.project)
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed is not None and installed != judgments.version:
+        errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
+    data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
+    data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
+    try:
+        with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
+            assert runtime.endpoints is not None
+            report = asyncio.run(evaluate_tree(settings, runtime.endpoints, tree, judgments, progress))
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    for line in render_tree_report(report):
+        console.print(line, soft_wrap=True, markup=False)
+
+
+@app.command()
+def calibrate(
+    points: Annotated[
+        list[Path],
+        typer.Argument(exists=True, dir_okay=False, help="Files `ontofabric eval --calibration-points` wrote."),
+    ],
+) -> None:
+    """Fit the score calibration (Platt scaling per set of retrievers) on evaluation points, pooled over their
+    datasets: print each model's coefficients as settings, and the expected calibration error per dataset with
+    the current settings, with the fit, and with a fit on the other datasets alone."""
+    from .ops.calibrate import PointsError, fit_models, read_points, render_fits
+    from .query.config import PipelineConfig
+
+    settings = _settings("ontofabric-calibrate", quiet=True)
+    try:
+        read = read_points(points)
+    except PointsError as error:
+        _fail(str(error))
+    fits = fit_models(read, PipelineConfig.from_settings(settings).calibration())
+    if not fits:
+        _fail("no calibration points of the dense, keyword or hybrid configuration")
+    for line in render_fits(fits):
+        console.print(line, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -899,14 +982,24 @@ def show_settings(
     if markdown:
         print("| variable | default | meaning |\n|---|---|---|")
         for name, field in Settings.model_fields.items():
-            default = "(computed)" if field.default_factory is not None else f"`{field.default}`"
+            value = field.default
+            # As the variable is written: a list as JSON.
+            shown = json.dumps(list(value)) if isinstance(value, tuple | list) else value
+            default = "(computed)" if field.default_factory is not None else f"`{shown}`"
             print(f"| `ONTOFABRIC_{name.upper()}` | {default} | {field.description or ''} |")
         return
     settings = Settings()
     table = Table("variable", "value", "meaning")
     for name, field in Settings.model_fields.items():
         value = getattr(settings, name)
-        shown = redacted_url(value) if isinstance(value, str) else str(value)  # SecretStr prints masked
+        # SecretStr prints masked; a list as the variable would be written (JSON).
+        shown = (
+            redacted_url(value)
+            if isinstance(value, str)
+            else json.dumps(list(value))
+            if isinstance(value, tuple | list)
+            else str(value)
+        )
         table.add_row(f"ONTOFABRIC_{name.upper()}", shown, field.description or "")
     console.print(table)
 

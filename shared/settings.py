@@ -257,6 +257,24 @@ class Settings(BaseSettings):
         description="A query that is one identifier (a name or dotted qualified name) gets the chunks defining a "
         "symbol of that name first (_meta.exactSymbolMatches); requests may turn it off (docs/quality.md).",
     )
+    calibrated_scores: bool = Field(
+        default=True,
+        description="Results score the estimated probability that they are relevant (the calibration below); "
+        "false: the pipeline's relative relevance, as before calibration (_meta.calibrated says which).",
+    )
+    calibration_dense: tuple[float, float] = Field(
+        default=(9.328, -7.820),
+        description="Calibrated scores, dense alone: Platt scaling weight of the cosine, then bias (fitted with "
+        'ontofabric calibrate; docs/quality.md, "Calibrated scores").',
+    )
+    calibration_keyword: tuple[float, float] = Field(
+        default=(8.441, -5.372),
+        description="Calibrated scores, keyword alone: weight of the BM25 score over the query's best, then bias.",
+    )
+    calibration_hybrid: tuple[float, float, float] = Field(
+        default=(5.140, 5.505, -6.923),
+        description="Calibrated scores, both retrievers: weights of the cosine and of the keyword score, then bias.",
+    )
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."
     )

@@ -160,7 +160,13 @@ class Deployment:
         """Environment for a worker subprocess of this deployment."""
         values = self.settings.model_dump(exclude_none=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")}
-        env.update({f"ONTOFABRIC_{k.upper()}": str(v) for k, v in values.items()})
+        # As a variable is written: a list as JSON.
+        env.update(
+            {
+                f"ONTOFABRIC_{k.upper()}": json.dumps(v) if isinstance(v, list | tuple) else str(v)
+                for k, v in values.items()
+            }
+        )
         return env
 
     async def wait_projected(self, stream_seq: int, timeout_s: float = 30.0) -> None:

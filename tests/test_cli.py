@@ -17,7 +17,7 @@ import pytest
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
     "up", "projector", "query-worker", "ingest", "query", "mcp", "demo", "eval", "rebuild", "migrate", "contracts",
-    "settings", "gateway-token", "nats-user", "dlq", "status", "compact", "reembed",
+    "settings", "gateway-token", "nats-user", "dlq", "status", "compact", "reembed", "calibrate",
 ]  # fmt: skip
 
 

@@ -234,6 +234,18 @@ async def test_a_small_dataset_through_the_real_path(
     assert report.configs["hybrid"].stages_p50_ms["lateInteraction"] > 0
     assert report.configs["hybrid"].late_interaction_skipped == 0  # short queries
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
+    # Scores calibrated, measured over each answered query's leading results, whose points are kept for
+    # `ontofabric calibrate`.
+    for config in ("dense", "keyword", "hybrid"):
+        assert report.configs[config].uncalibrated == 0, config
+        error = report.configs[config].calibration_error
+        assert error is not None
+        assert 0.0 <= error <= 1.0
+        points = [p for p in report.calibration_points if p.config == config]
+        assert {p.query for p in points} == {"q1", "q2", "q3"}
+        assert all(p.signals for p in points)
+        assert sum(p.relevant for p in points) == 3
+    assert "calibration_points" not in report.to_json()
     # Every hybrid configuration against the stronger retriever, over the four judged queries; here every
     # configuration but the random cross-encoder answers each query alike, a tie, where dense counts as stronger.
     assert [(m.config, m.against) for m in report.margins] == [

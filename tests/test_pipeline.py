@@ -276,7 +276,7 @@ async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:
     pipeline, _ = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}))
     scored = await pipeline.answer(off, "w")
     assert [r.id for r in scored.results] == ["y", "x", "z"]
-    assert scored.results[2].score == pytest.approx(0.2, abs=1e-6)
+    assert scored.results[2].signals == {"cosine": 0.1, "keyword": 0.25}  # its own cosine; 1.0 of 4.0
     assert "denseScores" in scored.meta.timings_ms
 
     assert scored.meta.fusion is not None

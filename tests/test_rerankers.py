@@ -123,8 +123,11 @@ async def test_cohere_adapter_raises_on_every_failure_class(cohere_server: str, 
 
 
 def _pipeline(reranker: Any, timeout_s: float = 1.5, saturation: float = 0.8, depth: int = 20) -> QueryPipeline:
-    config = PipelineConfig(
-        reranker_timeout_ms=round(timeout_s * 1000), early_exit_saturation=saturation, reranker_depth=depth
+    config = PipelineConfig(  # scores as the stages gave them: what these tests look at
+        reranker_timeout_ms=round(timeout_s * 1000),
+        early_exit_saturation=saturation,
+        reranker_depth=depth,
+        calibrated_scores=False,
     )
     return pipeline_over(ScriptedRetrieval(), config=config, reranker=reranker)
 

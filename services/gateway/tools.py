@@ -138,6 +138,8 @@ def _render_query(reply: QueryResponse) -> str:
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(f"{len(reply.results)} results")
+    if meta.calibrated:
+        head.append("scores: estimated probability of relevance")
     if meta.freshness is not None and meta.freshness.pending_deltas:
         head.append(f"{meta.freshness.pending_deltas} deltas not yet indexed ({meta.freshness.pending_ms} ms)")
     if meta.degraded:

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ontofabric.contracts import QueryMeta, SearchResult
+from ontofabric.services.query.calibration import ReliabilityBin
 
+from .calibrate import Point
 from .measures import MEASURES, EarlyExitCalibration, Margin
 from .quality_gate import Verdict
 
@@ -29,6 +31,11 @@ class ConfigResult:
     """Median worker-side time of each pipeline stage (_meta.timingsMs) over the queries where it ran."""
     late_interaction_skipped: int = 0
     """Answers that went without late interaction for the query's length (_meta.skippedLateInteraction)."""
+    uncalibrated: int = 0
+    """Answers whose scores were not calibrated (_meta.calibrated false)."""
+    calibration_error: float | None = None
+    """Expected calibration error of the scores of each query's leading results (evaluation.CALIBRATION_DEPTH)."""
+    reliability: list[ReliabilityBin] = field(default_factory=list)
 
 
 @dataclass
@@ -48,9 +55,13 @@ class EvalReport:
     margins: list[Margin] = field(default_factory=list)
     per_query: dict[str, dict[str, float]] = field(default_factory=dict)
     """configuration -> query id -> nDCG@10: what a quality gate compares (services/ops/quality_gate.py)."""
+    calibration_points: list[Point] = field(default_factory=list)
+    """Each query's leading results with their signals and judgments (``--calibration-points``; not in the JSON)."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        report = asdict(self)
+        del report["calibration_points"]
+        return report
 
 
 def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_retriever: bool) -> dict[str, float]:
@@ -105,6 +116,18 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
         if result.stages_p50_ms:
             stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
             write(f"{name}, worker-side p50 ms per stage: {stages}")
+    for name, result in report.configs.items():
+        if result.calibration_error is None or not result.reliability:
+            continue
+        counted = sum(b.count for b in result.reliability)
+        uncalibrated = f" ({result.uncalibrated} answers not calibrated)" if result.uncalibrated else ""
+        write(
+            f"{name}: expected calibration error {result.calibration_error:.4f} over {counted} results (each "
+            f"query's leading ones){uncalibrated}; reliability (score bin: results, mean score, share relevant): "
+            + "; ".join(
+                f"{b.low:.1f}-{b.high:.1f}: {b.count}, {b.mean_score:.3f}, {b.observed:.3f}" for b in result.reliability
+            )
+        )
     for m in report.margins:
         difference = round(m.difference, 4) + 0.0  # + 0.0: a rounding of -1e-17 prints +0.0000, not -0.0000
         write(

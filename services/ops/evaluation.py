@@ -28,6 +28,7 @@ from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding
+from ontofabric.services.query.calibration import reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
@@ -40,10 +41,13 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .beir import BeirDataset, document_text
+from .calibrate import Point
 from .eval_report import ConfigResult, EvalReport, run_file_scores, write_trec_run
 from .measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin, per_query_ndcg, percentile
 
 DEPTH = 100  # results per query: Recall@100 needs a hundred
+CALIBRATION_DEPTH = 10
+"""The results per query whose scores the calibration is measured (and fitted) on: those an agent reads."""
 
 # Request parameters of each configuration. Only the retrievers, late interaction and reranking differ: candidate
 # depth and fusion are the deployment's defaults, so the figures are those of the settings the workers run with.
@@ -165,7 +169,10 @@ class Evaluation:
         runs_dir: Path | None = None,
         exit_points: list[ExitPoint] | None = None,
         ignore_identical_ids: bool = True,
+        points: list[Point] | None = None,
     ) -> tuple[ConfigResult, dict[str, dict[str, float]]]:
+        """One configuration over the judged queries: its measures, its run, and (into ``points``) each query's
+        leading results with their signals and whether they are relevant, for the calibration."""
         request_base = CONFIGS[config]
         judged = [q for q in dataset.qrels if q in dataset.queries]
         self._progress.stage(config, len(judged))
@@ -175,6 +182,7 @@ class Evaluation:
         latencies: list[float] = []
         stages: dict[str, list[float]] = {}
         result = ConfigResult()
+        collected: list[Point] = []
         for query_id in judged:
             if not dataset.queries[query_id].strip():  # no query the contract accepts: it scores zero, as an error
                 self._progress.advance(config)
@@ -228,8 +236,20 @@ class Evaluation:
             # Ranks decide, not scores. As BEIR does, a document with the query's own id is no answer (ArguAna).
             hits = [r for r in reply.results if not (ignore_identical_ids and r.id == query_id)]
             run[query_id] = {r.id: float(DEPTH - n) for n, r in enumerate(hits)}
+            if not reply.meta.calibrated:
+                result.uncalibrated += 1
+            judgments = dataset.qrels[query_id]
+            collected += [
+                Point(dataset.name, config, query_id, rank, r.signals, judgments.get(r.id, 0) > 0, r.score)
+                for rank, r in enumerate(hits[:CALIBRATION_DEPTH], start=1)
+            ]
             raw[query_id] = run_file_scores(hits, reply.meta, single)
         result.metrics = compute_metrics({q: dataset.qrels[q] for q in judged}, run)
+        result.reliability, result.calibration_error = reliability(
+            [p.score for p in collected], [p.relevant for p in collected]
+        )
+        if points is not None:
+            points += collected
         result.latency_p50_ms = percentile(latencies, 0.5)
         result.latency_p95_ms = percentile(latencies, 0.95)
         result.stages_p50_ms = {stage: round(percentile(times, 0.5), 2) for stage, times in stages.items()}
@@ -284,13 +304,14 @@ async def evaluate(
         results: dict[str, ConfigResult] = {}
         runs: dict[str, dict[str, dict[str, float]]] = {}
         exit_points: list[ExitPoint] = []
+        calibration_points: list[Point] = []
         for config in configs:
             if config == "hybrid-rerank" and settings.reranker == "none":
                 results[config] = ConfigResult(skipped="no reranker configured (ONTOFABRIC_RERANKER)")
                 continue
             points = exit_points if config == DEFAULT_REQUEST else None
             results[config], runs[config] = await evaluation.run(
-                dataset, workspace, config, runs_dir, points, ignore_identical_ids
+                dataset, workspace, config, runs_dir, points, ignore_identical_ids, calibration_points
             )
         loaded = await _live_documents(
             Placement.of(settings, endpoints.database_url).database_url_of(workspace), workspace
@@ -318,6 +339,7 @@ async def evaluate(
         ),
         margins=hybrid_margins(per_query),
         per_query=per_query,
+        calibration_points=calibration_points,
     )
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from ontofabric.shared.settings import Settings
 
+from .calibration import Calibration, Platt
+
 
 def _default(name: str) -> Any:
     return Settings.model_fields[name].default
@@ -32,6 +34,15 @@ class PipelineConfig:
     expansion_max_types: int = _default("expansion_max_types")
     collapse_nested: bool = _default("collapse_nested")
     exact_symbols: bool = _default("exact_symbols")
+    calibrated_scores: bool = _default("calibrated_scores")
+    calibration_dense: tuple[float, float] = _default("calibration_dense")
+    calibration_keyword: tuple[float, float] = _default("calibration_keyword")
+    calibration_hybrid: tuple[float, float, float] = _default("calibration_hybrid")
+
+    def calibration(self) -> Calibration:
+        return Calibration(
+            Platt.of(self.calibration_dense), Platt.of(self.calibration_keyword), Platt.of(self.calibration_hybrid)
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineConfig:

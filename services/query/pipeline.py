@@ -29,6 +29,7 @@ from ontofabric.shared.lru import LruCache
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, drop_stale, drop_workspace, stable_hash
+from .calibration import Measured, model_for, non_increasing, result_signals
 from .config import PipelineConfig
 from .core import (
     DENSE,
@@ -116,6 +117,7 @@ class QueryPipeline:
         self._versions = versions
         self._cache = cache
         self._config = config
+        self._calibration = config.calibration()
         self._metrics = instruments()
         # _meta.backend names the keyword retriever's.
         self.backend = next((r.backend for r in retrievers if r.name == KEYWORD), retrievers[0].backend)
@@ -157,7 +159,7 @@ class QueryPipeline:
         """The read path, stage by stage."""
         position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
-        embedded, definitions = None, dict[str, str]()
+        embedded, definitions, measured = None, dict[str, str](), Measured(None, {})
         if run.query.listing:
             fused, refinements = await self._list(run, scope)
         else:
@@ -165,7 +167,7 @@ class QueryPipeline:
                 self._search(run, scope), self._definitions(run, scope)
             )
             refinements = self._plan(run, lists, embedded)
-            fused = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
+            fused, measured = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
         fetched = await self._fetch(run, scope, fused, refinements, definitions)
         if (
             embedded is not None
@@ -181,7 +183,8 @@ class QueryPipeline:
         candidates = await self._rerank(run, refinements, candidates, documents)
         candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates = self._collapse(run, candidates, documents)
-        results = to_results(run.query, candidates, documents)
+        scores = self._calibrated_scores(run, measured, candidates)
+        results = to_results(run.query, candidates, documents, scores, measured.signals)
         await self._expand(run, scope, fetched.version, results)
         run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.keys()))
         run.report(freshness=await self._freshness(run.workspace, run.query.branch, position))
@@ -287,7 +290,8 @@ class QueryPipeline:
 
     async def _fuse(
         self, run: QueryRun, scope: Scope, lists: dict[str, Hits], embedded: EmbeddedQuery | None, limit: int
-    ) -> list[Fused]:
+    ) -> tuple[list[Fused], Measured]:
+        """The fused candidates, and what each retriever measured of them (for their calibrated scores)."""
         asked = options_of(run.query).fusion or FusionOptions()
         method = asked.method or self._config.fusion_method
         # Adaptive fusion adds cosines on their own scale: a keyword hit dense did not return gets its real one.
@@ -313,7 +317,17 @@ class QueryPipeline:
             hybrid={DENSE, KEYWORD} <= lists.keys(),
             fusion=FusionReport(method=choice.method, parameters=choice.parameters) if choice else None,
         )
-        return fused
+        dense, ceiling = lists.get(DENSE), None if keyword is None else keyword.query_ceiling or keyword.ceiling
+        measured = Measured(
+            model_for(lists, keyword_scaled=bool(ceiling)),
+            result_signals(
+                None if dense is None else dense.candidates,
+                None if keyword is None else keyword.candidates,
+                ceiling,
+                keyword_hits_dense,
+            ),
+        )
+        return fused, measured
 
     async def _keyword_hits_dense(
         self, run: QueryRun, scope: Scope, lists: dict[str, Hits], embedded: EmbeddedQuery
@@ -436,6 +450,30 @@ class QueryPipeline:
         ordered = definitions_first(name, found, candidates, run.query.top_k)
         run.report(exact_symbol_matches=sum(SYMBOL in hit.found_by for hit in ordered))
         return ordered
+
+    def _calibrated_scores(self, run: QueryRun, measured: Measured, candidates: list[Fused]) -> dict[str, float] | None:
+        """Each candidate's probability of being relevant from its signals (1 for a definition the query names),
+        made to descend with rank (``non_increasing``); None, and the pipeline's relative relevance kept, when the
+        deployment turned calibration off or some candidate has no signal a model could judge (a listing; a
+        keyword backend without a ceiling, alone)."""
+        if not self._config.calibrated_scores:
+            run.report(calibrated=False)
+            return None
+        estimates = []
+        for hit in candidates:
+            estimate = (
+                1.0
+                if SYMBOL in hit.found_by
+                else None
+                if measured.model is None
+                else self._calibration.probability(measured.model, measured.signals.get(hit.id, {}))
+            )
+            if estimate is None:
+                run.report(calibrated=False)
+                return None
+            estimates.append(estimate)
+        run.report(calibrated=True)
+        return dict(zip((hit.id for hit in candidates), non_increasing(estimates), strict=True))
 
     def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""

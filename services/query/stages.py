@@ -221,15 +221,24 @@ def collapse_nested(
 
 
 def to_results(
-    query: OntologyQuery, candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
+    query: OntologyQuery,
+    candidates: Sequence[Fused],
+    documents: Mapping[str, StoredDocument],
+    scores: Mapping[str, float] | None = None,
+    signals: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[SearchResult]:
-    """The answer: candidates at or above ``minRelevance``, the first ``topK`` of them. ``hit.relevance`` is each
-    one's score: the fused relevance, or the last stage's that reordered it."""
-    kept = [hit for hit in candidates if query.min_relevance is None or hit.relevance >= query.min_relevance]
+    """The answer: candidates at or above ``minRelevance``, the first ``topK`` of them. Each one's score is its
+    calibrated one from ``scores``, or without them its ``relevance``: the fused one, or the last stage's that
+    reordered it. ``signals``: what each was scored from."""
+
+    def score(hit: Fused) -> float:
+        return scores[hit.id] if scores is not None else hit.relevance
+
+    kept = [hit for hit in candidates if query.min_relevance is None or score(hit) >= query.min_relevance]
     return [
         SearchResult(
             id=hit.id,
-            score=round(hit.relevance, 6),
+            score=round(score(hit), 6),
             rank=rank,
             content=documents[hit.id].content if query.include_content else None,
             object_type=documents[hit.id].object_type,
@@ -239,6 +248,7 @@ def to_results(
                 FoundBy(retriever=name, rank=source.rank, score=round(source.score, 6))
                 for name, source in hit.found_by.items()
             ],
+            signals=dict((signals or {}).get(hit.id, {})),
         )
         for rank, hit in enumerate(kept[: query.top_k], start=1)
     ]

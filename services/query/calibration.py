@@ -1,0 +1,190 @@
+"""Calibrated scores (pure): a result's score as the probability that it is relevant, from what the retrievers
+measured of it, on one scale whatever ran.
+
+The pipeline's own relevance is relative (fusion scales each list to its best hit, late interaction and rerankers
+to the candidates they compare), so a lone weak hit would score 1. What is absolute is what each retriever
+measured: the dense cosine similarity to the query, and the BM25 score over the best one the query could reach
+(every query term matched as often as saturates, ``keyword``, in [0, 1]). Platt scaling (Platt, "Probabilistic
+outputs for support vector machines", 1999) fits a logistic model over those signals per set of retrievers that
+ran (dense, keyword, both), on judged queries: ``ontofabric eval --calibration-points`` collects them and
+``ontofabric calibrate`` fits them (docs/quality.md, "Calibrated scores").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .core import DENSE, Candidate
+from .core import KEYWORD as KEYWORD_RETRIEVER
+
+COSINE = "cosine"
+KEYWORD = "keyword"
+"""The signals' names, in ``SearchResult.signals`` and in the calibration points."""
+
+MODELS = ("dense", "keyword", "hybrid")
+"""One model per set of retrievers that ran; ``hybrid`` reads both signals, the others one each."""
+
+
+@dataclass(frozen=True)
+class Platt:
+    """``sigmoid(weights · signals + bias)``."""
+
+    weights: tuple[float, ...]
+    bias: float
+
+    def probability(self, signals: Sequence[float]) -> float:
+        z = self.bias + sum(w * x for w, x in zip(self.weights, signals, strict=True))
+        return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+    @classmethod
+    def of(cls, coefficients: Sequence[float]) -> Platt:
+        """From a setting's list: the weights, then the bias."""
+        return cls(tuple(coefficients[:-1]), coefficients[-1])
+
+    def coefficients(self) -> list[float]:
+        return [*self.weights, self.bias]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    dense: Platt
+    keyword: Platt
+    hybrid: Platt
+
+    def probability(self, model: str, signals: Mapping[str, float]) -> float | None:
+        """The probability that a result is relevant, by ``model`` (see :func:`model_for` and :func:`judged`);
+        None when the signals it needs are not there."""
+        judgement = judged(model, signals)
+        return None if judgement is None else self.model(judgement[0]).probability(judgement[1])
+
+    def model(self, name: str) -> Platt:
+        return {"dense": self.dense, "keyword": self.keyword, "hybrid": self.hybrid}[name]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the retrievers measured of an answer's candidates, and which model judges them (None: none can)."""
+
+    model: str | None
+    signals: dict[str, dict[str, float]]
+
+
+def judged(model: str, signals: Mapping[str, float]) -> tuple[str, tuple[float, ...]] | None:
+    """The model that judges a result and its inputs: under ``hybrid`` a result the keyword list did not return
+    counts as keyword 0, and one whose cosine is unknown (a keyword hit whose similarity could not be read) goes to
+    the keyword model. None when the signals a model needs are not there."""
+    cosine, keyword = signals.get(COSINE), signals.get(KEYWORD)
+    if model == "hybrid" and cosine is not None:
+        return model, (cosine, keyword or 0.0)
+    if model in ("hybrid", "keyword") and keyword is not None:
+        return "keyword", (keyword,)
+    if model == "dense" and cosine is not None:
+        return model, (cosine,)
+    return None
+
+
+def model_for(ran: Iterable[str], keyword_scaled: bool) -> str | None:
+    """Which model judges an answer's results, from the retrievers that ran; ``keyword_scaled``: the keyword list
+    knows the best score the query could reach (a backend without it, Azure AI Search, gives no keyword signal)."""
+    ran = set(ran)
+    if {DENSE, KEYWORD_RETRIEVER} <= ran:
+        return "hybrid" if keyword_scaled else "dense"
+    if DENSE in ran:
+        return "dense"
+    if KEYWORD_RETRIEVER in ran and keyword_scaled:
+        return "keyword"
+    return None
+
+
+def result_signals(
+    dense: Sequence[Candidate] | None,
+    keyword: Sequence[Candidate] | None,
+    keyword_ceiling: float | None,
+    other_cosines: Mapping[str, float] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Each candidate's signals: its cosine (from the dense list, else ``other_cosines``, read for keyword hits
+    the dense list did not return) and its keyword score over the query's ceiling."""
+    found: dict[str, dict[str, float]] = {}
+    for candidate in dense or ():
+        found.setdefault(candidate.id, {}).setdefault(COSINE, round(candidate.score, 6))
+    for doc_id, cosine in (other_cosines or {}).items():
+        found.setdefault(doc_id, {}).setdefault(COSINE, round(cosine, 6))
+    if keyword_ceiling:
+        for candidate in keyword or ():
+            found.setdefault(candidate.id, {}).setdefault(
+                KEYWORD, round(min(candidate.score / keyword_ceiling, 1.0), 6)
+            )
+    return found
+
+
+def non_increasing(values: Sequence[float]) -> list[float]:
+    """The non-increasing sequence closest to ``values`` in squared error (isotonic regression by pool adjacent
+    violators): an answer's scores descend with its ranks while each stays as near its own estimate as that
+    allows."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [block[0] / block[1] for block in blocks for _ in range(int(block[1]))]
+
+
+def fit_platt(signals: np.ndarray, labels: np.ndarray, l2: float = 1e-4, iterations: int = 100) -> Platt:
+    """Logistic regression by Newton's method on Platt's smoothed targets ((N+ + 1) / (N+ + 2) for a relevant
+    point, 1 / (N- + 2) for the rest), which keeps a separable set from pushing the weights to infinity; ``l2``
+    (not on the bias) steadies the rest."""
+    x = np.hstack([np.asarray(signals, dtype=np.float64), np.ones((len(signals), 1))])
+    y = np.asarray(labels, dtype=np.float64)
+    positives, negatives = float(y.sum()), float(len(y) - y.sum())
+    target = np.where(y > 0, (positives + 1) / (positives + 2), 1 / (negatives + 2))
+    penalty = np.diag([l2] * (x.shape[1] - 1) + [0.0]) * len(y)
+    w = np.zeros(x.shape[1])
+    for _ in range(iterations):
+        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -40, 40)))
+        gradient = x.T @ (p - target) + penalty @ w
+        hessian = (x * (p * (1 - p))[:, None]).T @ x + penalty + 1e-9 * np.eye(x.shape[1])
+        step = np.linalg.solve(hessian, gradient)
+        w -= step
+        if float(np.abs(step).max()) < 1e-10:
+            break
+    return Platt(tuple(round(float(v), 4) for v in w[:-1]), round(float(w[-1]), 4))
+
+
+@dataclass(frozen=True)
+class ReliabilityBin:
+    low: float
+    high: float
+    count: int
+    mean_score: float
+    observed: float
+    """The share of the bin's results that are relevant."""
+
+
+def reliability(
+    scores: Sequence[float] | np.ndarray, labels: Sequence[bool] | np.ndarray, bins: int = 10
+) -> tuple[list[ReliabilityBin], float]:
+    """The reliability table (equal-width score bins, a score of 1 in the last; empty ones left out) and the
+    expected calibration error: the bins' |share relevant - mean score|, weighted by their counts (Naeini, Cooper
+    and Hauskrecht, AAAI 2015)."""
+    score = np.asarray(scores, dtype=np.float64)
+    relevant = np.asarray(labels, dtype=np.float64)
+    if not len(score):
+        return [], 0.0
+    which = np.minimum((score * bins).astype(np.int64), bins - 1)
+    counts = np.bincount(which, minlength=bins)
+    score_sums = np.bincount(which, weights=score, minlength=bins)
+    relevant_sums = np.bincount(which, weights=relevant, minlength=bins)
+    table = [
+        ReliabilityBin(
+            b / bins, (b + 1) / bins, int(counts[b]), score_sums[b] / counts[b], relevant_sums[b] / counts[b]
+        )
+        for b in range(bins)
+        if counts[b]
+    ]
+    return table, float(np.abs(relevant_sums - score_sums).sum() / len(score))

@@ -1,0 +1,174 @@
+"""Calibrated scores: Platt scaling fitted and applied (services/query/calibration.py), the fit over evaluation
+points (services/ops/calibrate.py), and what an answer's scores then mean."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.ops.calibrate import Point, fit_models, read_points, write_points
+from ontofabric.services.query.calibration import (
+    Calibration,
+    Platt,
+    fit_platt,
+    judged,
+    model_for,
+    non_increasing,
+    reliability,
+    result_signals,
+)
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.core import Candidate
+from ontofabric.shared.embedder import Embedder
+
+from .conftest import Deployment, Start
+
+
+def _sample(weights: tuple[float, ...], bias: float, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0, 1, size=(n, len(weights)))
+    p = 1 / (1 + np.exp(-(x @ np.array(weights) + bias)))
+    return x, (rng.uniform(size=n) < p).astype(np.float64)
+
+
+def test_fit_platt_recovers_the_model_that_made_the_labels() -> None:
+    x, y = _sample((6.0, 3.0), -5.0, 20_000, seed=1)
+    fitted = fit_platt(x, y)
+    assert fitted.weights == pytest.approx((6.0, 3.0), abs=0.4)
+    assert fitted.bias == pytest.approx(-5.0, abs=0.3)
+    # Calibrated on new data drawn the same way: the expected calibration error is small.
+    x2, y2 = _sample((6.0, 3.0), -5.0, 20_000, seed=2)
+    error = reliability([fitted.probability(row) for row in x2], [bool(v) for v in y2])[1]
+    assert error < 0.02
+
+
+def test_fit_platt_stays_finite_on_separable_data() -> None:
+    x = np.array([[0.1], [0.2], [0.8], [0.9]])
+    fitted = fit_platt(x, np.array([0.0, 0.0, 1.0, 1.0]))
+    assert all(math.isfinite(v) for v in fitted.coefficients())
+    assert fitted.probability((0.9,)) > 0.5 > fitted.probability((0.1,))
+
+
+def test_reliability_bins_and_expected_calibration_error() -> None:
+    scores = [0.05, 0.05, 0.95, 0.95, 0.55, 1.0]
+    labels = [False, True, True, True, False, True]
+    table, error = reliability(scores, labels)
+    assert [(b.low, b.count) for b in table] == [(0.0, 2), (0.5, 1), (0.9, 3)]
+    assert table[0].observed == 0.5
+    # (2 * |0.5 - 0.05| + 1 * |0 - 0.55| + 3 * |1 - 0.9667|) / 6
+    assert error == pytest.approx((2 * 0.45 + 0.55 + 3 * (1 - (0.95 + 0.95 + 1.0) / 3)) / 6)
+
+
+def test_which_model_judges_what() -> None:
+    assert model_for(["dense", "keyword"], keyword_scaled=True) == "hybrid"
+    assert model_for(["dense", "keyword"], keyword_scaled=False) == "dense"  # Azure: no keyword signal
+    assert model_for(["keyword"], keyword_scaled=True) == "keyword"
+    assert model_for(["keyword"], keyword_scaled=False) is None
+    assert judged("hybrid", {"cosine": 0.5}) == ("hybrid", (0.5, 0.0))  # not in the keyword list: keyword 0
+    assert judged("hybrid", {"keyword": 0.7}) == ("keyword", (0.7,))  # its cosine was not read
+    assert judged("dense", {"keyword": 0.7}) is None
+    calibration = Calibration(Platt((10.0,), -5.0), Platt((4.0,), -2.0), Platt((10.0, 4.0), -7.0))
+    assert calibration.probability("dense", {"cosine": 0.5}) == pytest.approx(0.5)
+    assert calibration.probability("keyword", {"cosine": 0.9}) is None
+
+
+def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores() -> None:
+    signals = result_signals(
+        [Candidate("a", 0.61), Candidate("b", 0.4)],
+        [Candidate("b", 6.0), Candidate("c", 3.0)],
+        keyword_ceiling=12.0,
+        other_cosines={"c": 0.2},
+    )
+    assert signals == {
+        "a": {"cosine": 0.61},
+        "b": {"cosine": 0.4, "keyword": 0.5},
+        "c": {"cosine": 0.2, "keyword": 0.25},
+    }
+    assert result_signals(None, [Candidate("c", 3.0)], keyword_ceiling=None) == {}
+
+
+def test_non_increasing_pools_adjacent_violators() -> None:
+    assert non_increasing([0.9, 0.5, 0.7, 0.1]) == pytest.approx([0.9, 0.6, 0.6, 0.1])
+    assert non_increasing([0.2, 0.4, 0.9]) == pytest.approx([0.5, 0.5, 0.5])
+    assert non_increasing([]) == []
+    rng = random.Random(3)
+    values = [rng.random() for _ in range(50)]
+    fitted = non_increasing(values)
+    assert all(a >= b for a, b in itertools.pairwise(fitted))
+    assert sum(fitted) == pytest.approx(sum(values))  # pooling keeps the mean of each block
+
+
+def test_fit_models_pools_datasets_and_holds_each_out(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    points = []
+    for dataset, shift in (("one", 0.0), ("two", 0.05)):
+        for q in range(400):
+            for rank in range(1, 4):
+                cosine = rng.uniform(0, 1)
+                relevant = rng.random() < 1 / (1 + math.exp(-(8 * (cosine + shift) - 5)))
+                for config, signals in (("dense", {"cosine": cosine}), ("keyword", {"keyword": cosine})):
+                    points.append(Point(dataset, config, f"q{q}", rank, signals, relevant, 0.5))
+    write_points(tmp_path / "points.jsonl", points)
+    assert read_points([tmp_path / "points.jsonl"]) == points
+    flat = Calibration(Platt((0.0,), 3.0), Platt((0.0,), 3.0), Platt((0.0, 0.0), 3.0))  # 0.95 for everything
+    fits = {fit.model: fit for fit in fit_models(points, flat)}
+    assert set(fits) == {"dense", "keyword"}  # no hybrid points
+    dense = fits["dense"]
+    assert dense.points == 2400
+    assert dense.fitted.weights[0] == pytest.approx(8.0, abs=1.0)
+    assert set(dense.error_held_out) == {"one", "two"}
+    for dataset in ("one", "two"):
+        assert dense.error_fitted[dataset] < dense.error_now[dataset]
+        error, low, high = dense.error_held_out[dataset]
+        assert low <= error <= high < dense.error_now[dataset]
+
+
+OFF_TOPIC = ("chocolate cake recipe with fresh strawberries", "qzxv plokm wrtyb fnargle")
+ON_TOPIC = "Read a CSV file into rows with the csv module and return a list of dictionaries."
+CONFIGURATIONS: dict[str, tuple[dict[str, object], float]] = {  # request, the least its on-topic top hit scores
+    "default": ({}, 0.5),
+    "dense alone": ({"options": {"retrievers": ["dense"]}}, 0.5),
+    # BM25 measures the document's text against every query term saturated: a long query is never near it.
+    "keyword alone": ({"options": {"retrievers": ["keyword"]}}, 0.1),
+}
+
+
+async def test_off_topic_and_random_queries_keep_their_top_scores_low(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start
+) -> None:
+    calibrated = await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+
+    async def ask(text: str, **params: object) -> QueryResponse:
+        reply = await client.query("acme", {"semanticQuery": text, **params})
+        assert isinstance(reply, QueryResponse), reply
+        return reply
+
+    for name, (params, likely) in CONFIGURATIONS.items():
+        on_topic = await ask(ON_TOPIC, **params)
+        assert on_topic.meta.calibrated, name
+        assert on_topic.results[0].id == "csv", name
+        assert on_topic.results[0].score > likely, name
+        scores = [r.score for r in on_topic.results]
+        assert scores == sorted(scores, reverse=True), name
+        assert on_topic.results[0].signals, name  # what it was scored from
+        for text in OFF_TOPIC:
+            off = await ask(text, **params)
+            assert off.meta.calibrated or not off.results, (name, text)
+            assert all(r.score < 0.05 for r in off.results), (name, text, [r.score for r in off.results])
+            # minRelevance now means what it says: nothing off-topic is likely relevant.
+            assert (await ask(text, minRelevance=likely, **params)).results == [], (name, text)
+        assert [r.id for r in (await ask(ON_TOPIC, minRelevance=likely, **params)).results] == ["csv"], name
+
+    # A deployment that turns calibration off gets the relative relevance back: a lone weak hit scores 1.
+    await start_query_worker(embedder, query_cache_entries=0, calibrated_scores=False)
+    await calibrated.stop()
+    relative = await ask(OFF_TOPIC[0], options={"retrievers": ["dense"]})
+    assert not relative.meta.calibrated
+    assert relative.results[0].score == 1.0

@@ -1,0 +1,130 @@
+"""Retrieval evaluation on a source tree: relationship questions from a static analysis, concept queries judged by
+symbol, through the real path (services/ops/repository_eval.py)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ontofabric.services.ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, relationship_queries
+from ontofabric.shared.runtime import Endpoints
+from ontofabric.shared.settings import Settings
+
+from .conftest import RecordedProgress
+
+SHAPES = {
+    "__init__.py": "from .base import Shape\nfrom .round import Circle\n",
+    "base.py": '''
+        class Shape:
+            """Something with an area."""
+
+            def area(self):
+                raise NotImplementedError
+
+            def describe(self):
+                return f"{type(self).__name__} of area {self.area()}"
+        ''',
+    "round.py": '''
+        from .base import Shape
+        from .units import to_metres
+
+
+        class Circle(Shape):
+            """A round shape measured by its radius."""
+
+            def __init__(self, radius):
+                self.radius = to_metres(radius)
+
+            def area(self):
+                return 3.14159 * self.radius * self.radius
+        ''',
+    "square.py": """
+        from . import units
+        from .base import Shape
+
+
+        class Square(Shape):
+            def __init__(self, side):
+                self.side = units.to_metres(side)
+        """,
+    "units.py": '''
+        def to_metres(value):
+            """Convert centimetres to metres."""
+            return value / 100
+        ''',
+}
+
+
+def _tree(root: Path) -> Path:
+    tree = root / "shapes"
+    tree.mkdir()
+    for name, text in SHAPES.items():
+        (tree / name).write_text(textwrap.dedent(text))
+    return tree
+
+
+def test_relationship_questions_and_their_answers_come_from_the_syntax(tmp_path: Path) -> None:
+    sources = {name: textwrap.dedent(text) for name, text in SHAPES.items()}
+    questions = {q.text: (q.kind, q.relevant) for q in relationship_queries(sources, "shapes")}
+    assert questions["what subclasses Shape"] == ("subclasses", ["shapes.round.Circle", "shapes.square.Square"])
+    assert questions["what imports shapes.base"] == ("imports", ["shapes", "shapes.round", "shapes.square"])
+    # `from . import units` imports the module too.
+    assert questions["what imports shapes.units"] == ("imports", ["shapes.round", "shapes.square"])
+    # A call by the name imported, and `self.area()` within the class that defines area.
+    assert questions["what calls to_metres"] == ("calls", ["shapes.round.Circle.__init__"])
+    # `area` is defined twice (Shape.area, Circle.area): ambiguous by name, so not asked.
+    assert "what calls area" not in questions
+    # `units.to_metres(...)` through a module attribute is not resolved: the answer lists only what is certain.
+    assert "shapes.square.Square.__init__" not in questions["what calls to_metres"][1]
+
+
+def test_a_judgments_file_that_is_not_one_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"project": "x", "concepts": []}')
+    with pytest.raises(JudgmentsError, match=r"bad\.json"):
+        Judgments.read(bad)
+
+
+@pytest.mark.slow
+async def test_a_tree_evaluated_through_the_real_path(
+    tmp_path: Path,
+    deployment_settings: Settings,
+    servers: Endpoints,
+    deployment: object,
+    nats_logins: dict[str, tuple[str, str]],
+) -> None:
+    tree = _tree(tmp_path)
+    judgments_file = tmp_path / "judgments.json"
+    judgments_file.write_text(
+        json.dumps(
+            {
+                "project": "shapes",
+                "version": "0",
+                "concepts": [
+                    {"id": "c1", "text": "convert centimetres into metres", "relevant": ["shapes.units.to_metres"]},
+                    {"id": "c2", "text": "a round shape with a radius", "relevant": ["shapes.round.Circle"]},
+                    {"id": "c3", "text": "no symbol answers this", "relevant": ["shapes.nowhere"]},
+                ],
+            }
+        )
+    )
+    settings = deployment_settings.model_copy(update={"embedder": "local", "cache_dir": tmp_path / "cache"})
+    endpoints = Endpoints(servers.nats_url, deployment_settings.database_url or "", nats_logins)
+    report = await evaluate_tree(settings, endpoints, tree, Judgments.read(judgments_file), RecordedProgress())
+    assert report.chunks > 5
+    assert report.concept.queries == 3
+    assert report.concept.errors == 0
+    assert report.concept.per_query["c1"] == pytest.approx(1.0)  # its one symbol first
+    assert report.concept.per_query["c3"] == 0.0
+    assert report.concept.metrics["Recall@10"] == pytest.approx(2 / 3)
+    off, on = report.relationships["followLinks off"], report.relationships["followLinks on"]
+    assert off.queries == on.queries == len(relationship_queries(
+        {name: textwrap.dedent(text) for name, text in SHAPES.items()}, "shapes"
+    ))  # fmt: skip
+    assert off.errors == on.errors == 0
+    assert 0.0 < off.metrics["Recall@10"] <= 1.0
+    assert on.metrics["Recall@10"] >= off.metrics["Recall@10"]  # what expansion attaches only adds
+    assert off.interval[0] <= off.metrics["Recall@10"] <= off.interval[1]

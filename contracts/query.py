@@ -99,7 +99,11 @@ class OntologyQuery(StrictRequest):
     )
     top_k: int = Field(default=10, ge=1, le=MAX_TOP_K, description="Number of results, 1-100.")
     min_relevance: float | None = Field(
-        default=None, ge=0.0, le=1.0, description="Drop results whose score (0-1) is below this value."
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Drop results whose score (0-1) is below this value. With calibrated scores (the default, "
+        "_meta.calibrated) it is a probability of relevance: 0.5 keeps what is more likely relevant than not.",
     )
     precision: bool = Field(default=True, description="Rerank the fused candidates when a reranker is set up.")
     include_content: bool = Field(
@@ -176,10 +180,12 @@ class SearchResult(WireModel):
     id: str
     score: float = Field(
         description="When _meta.calibrated: the estimated probability that the result is relevant, on one scale "
-        "whatever ran (Platt scaling over its signals, fitted on judged queries; docs/quality.md), 1 for a "
-        "definition the query names (foundBy symbol), made to descend with rank; minRelevance is then a threshold "
-        "on it. Otherwise (a listing, or no signal to judge by) a relative relevance in [0, 1]: the reranker's, "
-        "late interaction's blend, or the fused one."
+        "whatever retrievers ran (Platt scaling over its signals, fitted on judged queries; docs/quality.md), 1 "
+        "for a definition the query names (foundBy symbol), made to descend with rank; minRelevance is then a "
+        "threshold on it. Late interaction and a reranker change the order, not what a result is scored from. "
+        "Otherwise (a listing; no signal to judge by; an index of another embedding model than the fit's; "
+        "calibration turned off by the deployment) a relative relevance in [0, 1]: the reranker's, late "
+        "interaction's blend, or the fused one."
     )
     rank: int
     content: str | None = Field(

@@ -262,6 +262,11 @@ class Settings(BaseSettings):
         description="Results score the estimated probability that they are relevant (the calibration below); "
         "false: the pipeline's relative relevance, as before calibration (_meta.calibrated says which).",
     )
+    calibration_embedding_model: str = Field(
+        default="all-MiniLM-L6-v2",
+        description="The embedding model the calibration's cosine weights were fitted for: an index of another "
+        "model answers dense and hybrid queries with relative scores (_meta.calibrated false) until refitted.",
+    )
     calibration_dense: tuple[float, float] = Field(
         default=(9.328, -7.820),
         description="Calibrated scores, dense alone: Platt scaling weight of the cosine, then bias (fitted with "

@@ -82,6 +82,9 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
         "function",
     ]
     assert definitions_first("volume", definitions, candidates, 10) == candidates
+    # At the same match, a class or function before a module (which holds it).
+    module_first = definitions_first("area", {"mod": "pkg.area", "fn": "pkg.area.area"}, [], 10, modules={"mod"})
+    assert [hit.id for hit in module_first] == ["fn", "mod"]
 
 
 SHAPES = {
@@ -96,6 +99,11 @@ SHAPES = {
     "square.py": """
         def area(side):
             return side * side
+        """,
+    # A module and its function of the same name: the function is what a name asks for.
+    "volume.py": """
+        def volume(side):
+            return side**3
         """,
     # A chunk that says Circle far more often than the class does: what keyword search would rank first.
     "gallery.py": """
@@ -157,6 +165,11 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     methods = await _ask(client, "Circle", chunkLevel="method")
     assert "shapes.circle.Circle (type)" not in _names(methods)
     assert methods.meta.exact_symbol_matches == 0
+    # The function volume before its module shapes.volume, which would otherwise hold (and hide) it; counted in the
+    # answer, after the module is collapsed into the function.
+    volume = await _ask(client, "volume")
+    assert _names(volume)[0] == "shapes.volume.volume (method)"
+    assert volume.meta.exact_symbol_matches == 1
     # A question is not a name, and the option turns the match off.
     assert (await _ask(client, "which shape is round")).meta.exact_symbol_matches == 0
     off = await _ask(client, "Circle", options={"exactSymbols": False})

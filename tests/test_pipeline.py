@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from ontofabric.contracts import OntologyQuery, QueryMeta, QueryResponse
+from ontofabric.contracts.query import QueryOptions
 from ontofabric.services.query.cache import CacheKey
+from ontofabric.services.query.calibration import non_increasing
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import (
     Candidate,
@@ -58,6 +60,8 @@ class ScriptedRetrieval:
     dense_version: str = "5-a"
     keyword_version: str = "5-a"
     fetch_version: str = "5-a"
+    index_model: str | None = None
+    """The embedding model the store says its vectors are of."""
     missing: set[str] = field(default_factory=set)
     token_signs: dict[str, bytes] = field(default_factory=dict)
     cosines: dict[str, float] = field(default_factory=dict)
@@ -97,7 +101,7 @@ class ScriptedRetrieval:
             for i in ids
             if i not in self.missing
         }
-        return Fetched(documents, self.fetch_version)
+        return Fetched(documents, self.fetch_version, self.index_model)
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         return GraphRows(nodes=[], links=[], version=self.fetch_version)
@@ -522,3 +526,26 @@ def test_the_shape_label_comes_from_the_pipelines_signals(
     base = {"ontologyVersion": "v", "workspace": "w", "branch": "main", "hybrid": True, "reranked": False,
             "cacheHit": False, "backend": "b", "retrievers": [], "timingsMs": {}}  # fmt: skip
     assert shape_of(OntologyQuery.model_validate(query), QueryMeta.model_validate(base | meta)) == shape
+
+
+async def test_scores_are_calibrated_over_the_answer_for_the_model_they_were_fitted_for() -> None:
+    config = PipelineConfig()
+    calibration = config.calibration()
+    query = OntologyQuery.model_validate(
+        {"semanticQuery": "q", "topK": 2, "options": {"lateInteraction": {"weight": 0}}}
+    )
+    reply = await pipeline_over(ScriptedRetrieval()).answer(query, "w")
+    assert reply.meta.calibrated
+    # Each scored from its own signals by the hybrid model (a keyword hit without a cosine by the keyword one), in
+    # the pipeline's order, pooled where that order disagrees so that the scores descend.
+    assert reply.results[0].signals == {"cosine": 0.8, "keyword": 0.75}  # y: dense 0.8, keyword 3.0 of 4.0
+    estimates = [calibration.probability("hybrid", r.signals) for r in reply.results]
+    assert all(e is not None for e in estimates)
+    assert [r.score for r in reply.results] == pytest.approx(non_increasing([e or 0.0 for e in estimates]), abs=1e-6)
+    # An index of another embedding model: the cosine weights do not hold, the scores stay relative.
+    other = await pipeline_over(ScriptedRetrieval(cosines={"z": 0.1}, index_model="another-model")).answer(query, "w")
+    assert not other.meta.calibrated
+    assert [r.score for r in other.results] != [r.score for r in reply.results]  # the fused relevance
+    # Keyword alone does not read cosines: calibrated whatever the model.
+    keyword = query.model_copy(update={"options": QueryOptions(retrievers=["keyword"])})
+    assert (await pipeline_over(ScriptedRetrieval(index_model="another-model")).answer(keyword, "w")).meta.calibrated

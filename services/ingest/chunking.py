@@ -40,12 +40,6 @@ class Chunk:
         return hashlib.sha256(self.content.encode("utf-8")).hexdigest()
 
     @property
-    def fingerprint(self) -> str:
-        """Changes with anything the document carries that the ingester derives: its content, its names, its type."""
-        material = "\0".join([self.content, self.symbol_fqn, self.object_type, self.symbol_kind, self.chunk_level])
-        return hashlib.sha256(material.encode("utf-8")).hexdigest()
-
-    @property
     def document_id(self) -> str:
         """Stable across content changes: derived from the symbol key alone."""
         return hashlib.sha256(self.symbol_key.encode("utf-8")).hexdigest()[:32]

@@ -278,14 +278,17 @@ class Ingester:
     async def ingest(self, root: Path, workspace: str, branch: str = MAIN_BRANCH) -> IngestReport:
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         sources = await asyncio.to_thread(read_tree, root)
+        package = tree_package(root.name, sources)
         chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes)}
-        graph_nodes, graph_links = python_graph(sources, tree_package(root.name, sources))
+        graph_nodes, graph_links = python_graph(sources, package)
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
-        # A document is sent again when its content or name changed (both are embedded) or when what the embedder
-        # adds to it would differ (another model or precision, token vectors switched on or off), so a rerun brings
-        # old documents up to date.
-        desired = {f"d:{i}": f"{c.fingerprint}|{self._embedding_signature}" for i, c in chunks.items()}
+        # A document is sent again when its content changed or when what the embedder adds to it would differ
+        # (another model or precision, token vectors switched on or off), so a rerun brings old documents up to
+        # date. Names follow from the path and the content, but for a tree that is a package also from its name:
+        # that goes in too (only then, so the manifests of other trees keep their values).
+        suffix = f"|{package}" if package else ""
+        desired = {f"d:{i}": f"{c.content_hash}|{self._embedding_signature}{suffix}" for i, c in chunks.items()}
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
         loaded = await self._manifests.load(workspace, branch)

@@ -66,11 +66,14 @@ class EvalReport:
 
 def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_retriever: bool) -> dict[str, float]:
     """The score a run file keeps for each judged result, in the answer's order: the retriever's own where one
-    retriever ran and no later stage reordered its list, else the score the results were ranked by (a reordering
-    stage's relevance, or the fused one), so a tool that sorts the file by score sees the order that was judged
-    (up to ties, which such tools break by document id)."""
+    retriever ran and no later stage reordered its list, else one that falls with the rank (the answer's scores
+    may tie: calibrated ones are pooled to descend), so a tool that sorts the file by score sees the order that
+    was judged (up to the retriever's own ties, which such tools break by document id)."""
     own = single_retriever and meta.late_interaction is None and not meta.reranked
-    return {r.id: r.found_by[0].score if own and len(r.found_by) == 1 else r.score for r in results}
+    return {
+        r.id: r.found_by[0].score if own and len(r.found_by) == 1 else float(len(results) - n)
+        for n, r in enumerate(results)
+    }
 
 
 def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:

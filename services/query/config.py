@@ -35,6 +35,7 @@ class PipelineConfig:
     collapse_nested: bool = _default("collapse_nested")
     exact_symbols: bool = _default("exact_symbols")
     calibrated_scores: bool = _default("calibrated_scores")
+    calibration_embedding_model: str = _default("calibration_embedding_model")
     calibration_dense: tuple[float, float] = _default("calibration_dense")
     calibration_keyword: tuple[float, float] = _default("calibration_keyword")
     calibration_hybrid: tuple[float, float, float] = _default("calibration_hybrid")

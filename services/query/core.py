@@ -154,6 +154,8 @@ class Definitions:
     symbols: dict[str, str]
     """id -> symbolFqn of each chunk that defines a symbol of the name looked up"""
     version: str
+    modules: frozenset[str] = frozenset()
+    """Those of them that are a whole file (a module): after the classes and functions of the same name."""
 
 
 class DocumentStore(Protocol):
@@ -179,7 +181,8 @@ class DocumentStore(Protocol):
 
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
         """At most ``limit`` chunks of the scope that define a symbol (code, not a docstring or a section) whose
-        qualified name is the dotted ``name`` or ends with ``.`` and it, ignoring case; shorter names first."""
+        qualified name is the dotted ``name`` or ends with ``.`` and it, ignoring case; those matching as written
+        first, then classes and functions before modules, then shorter names."""
         ...
 
 

@@ -34,6 +34,7 @@ from .config import PipelineConfig
 from .core import (
     DENSE,
     KEYWORD,
+    Definitions,
     DocumentStore,
     EmbeddedQuery,
     Fetched,
@@ -81,6 +82,7 @@ REFINEMENT_RESERVE_S = 0.01
 
 DEFINITIONS_LOOKED_UP = 50
 """At most this many definitions of a name are read (a common method name may have hundreds)."""
+NO_DEFINITIONS = Definitions({}, "")
 
 
 class RetrievalUnavailable(Exception):
@@ -159,13 +161,16 @@ class QueryPipeline:
         """The read path, stage by stage."""
         position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
-        embedded, definitions, measured = None, dict[str, str](), Measured(None, {})
+        embedded, definitions, measured = None, NO_DEFINITIONS, Measured(None, {})
         if run.query.listing:
             fused, refinements = await self._list(run, scope)
         else:
-            (lists, embedded), definitions = await asyncio.gather(
-                self._search(run, scope), self._definitions(run, scope)
-            )
+            lookup = asyncio.ensure_future(self._definitions(run, scope))  # beside the retrievers
+            try:
+                lists, embedded = await self._search(run, scope)
+                definitions = await lookup
+            finally:
+                lookup.cancel()  # when no retriever could run, its snapshot is not held for nothing
             refinements = self._plan(run, lists, embedded)
             fused, measured = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
         fetched = await self._fetch(run, scope, fused, refinements, definitions)
@@ -183,10 +188,12 @@ class QueryPipeline:
         candidates = await self._rerank(run, refinements, candidates, documents)
         candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates = self._collapse(run, candidates, documents)
-        scores = self._calibrated_scores(run, measured, candidates)
+        scores = self._calibrated_scores(run, measured, candidates, fetched.model)
         results = to_results(run.query, candidates, documents, scores, measured.signals)
+        if definitions.symbols:  # counted in the answer: after collapsing, the cut to topK and minRelevance
+            run.report(exact_symbol_matches=sum(any(f.retriever == SYMBOL for f in r.found_by) for r in results))
         await self._expand(run, scope, fetched.version, results)
-        run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.keys()))
+        run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.symbols.keys()))
         run.report(freshness=await self._freshness(run.workspace, run.query.branch, position))
         return results
 
@@ -344,27 +351,27 @@ class QueryPipeline:
         run.read(scored.version)
         return {c.id: c.score for c in scored.candidates}
 
-    async def _definitions(self, run: QueryRun, scope: Scope) -> dict[str, str]:
-        """When the query is one identifier: the chunks defining a symbol of that name (id -> symbolFqn)."""
+    async def _definitions(self, run: QueryRun, scope: Scope) -> Definitions:
+        """When the query is one identifier: the chunks defining a symbol of that name."""
         asked = options_of(run.query).exact_symbols
         name = identifier_of(run.text) if (self._config.exact_symbols if asked is None else asked) else None
         if name is None:
-            return {}
+            return NO_DEFINITIONS
         work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
         found = await run.guarded("exactSymbol", work, stage="exactSymbol", reserve_s=RETRIEVAL_RESERVE_S)
         if found is None:
-            return {}
+            return NO_DEFINITIONS
         run.read(found.version)
-        return found.symbols
+        return found
 
     async def _fetch(
-        self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: dict[str, str]
+        self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: Definitions
     ) -> Fetched:
         """The documents of the fused candidates and of the definitions found; their snapshot's version is the
         answer's."""
         # Token signs (kilobytes a document) only of the candidates late interaction compares.
         depth = 0 if refinements.interaction_tokens is None else refinements.interaction_depth
-        ids = list(dict.fromkeys([*(f.id for f in fused), *definitions]))
+        ids = list(dict.fromkeys([*(f.id for f in fused), *definitions.symbols]))
         fetched = await run.timed("fetch", self._documents.fetch(scope, ids, [f.id for f in fused[:depth]]))
         run.read(fetched.version)
         run.report(ontology_version=fetched.version)
@@ -439,28 +446,32 @@ class QueryPipeline:
         return reranked_order(ranked, sent, candidates)
 
     def _definitions_first(
-        self, run: QueryRun, definitions: dict[str, str], candidates: list[Fused], documents: dict[str, StoredDocument]
+        self, run: QueryRun, definitions: Definitions, candidates: list[Fused], documents: dict[str, StoredDocument]
     ) -> list[Fused]:
         """The definitions of the symbol the query names ahead of everything else (``symbols.definitions_first``)."""
-        if not definitions:
+        if not definitions.symbols:
             return candidates
         name = identifier_of(run.text)
         assert name is not None  # definitions are looked up for identifiers only
-        found = {doc_id: fqn for doc_id, fqn in definitions.items() if doc_id in documents}
-        ordered = definitions_first(name, found, candidates, run.query.top_k)
-        run.report(exact_symbol_matches=sum(SYMBOL in hit.found_by for hit in ordered))
-        return ordered
+        found = {doc_id: fqn for doc_id, fqn in definitions.symbols.items() if doc_id in documents}
+        return definitions_first(name, found, candidates, run.query.top_k, definitions.modules)
 
-    def _calibrated_scores(self, run: QueryRun, measured: Measured, candidates: list[Fused]) -> dict[str, float] | None:
-        """Each candidate's probability of being relevant from its signals (1 for a definition the query names),
-        made to descend with rank (``non_increasing``); None, and the pipeline's relative relevance kept, when the
-        deployment turned calibration off or some candidate has no signal a model could judge (a listing; a
-        keyword backend without a ceiling, alone)."""
-        if not self._config.calibrated_scores:
+    def _calibrated_scores(
+        self, run: QueryRun, measured: Measured, candidates: list[Fused], index_model: str | None
+    ) -> dict[str, float] | None:
+        """The probability that each result of the answer (the first topK candidates) is relevant, from its
+        signals (1 for a definition the query names), made to descend with rank (``non_increasing``). None, and the
+        pipeline's relative relevance kept, when the deployment turned calibration off, when there is nothing to
+        score, when the index's embedding model is not the one the cosine weights were fitted for, or when some
+        result has no signal a model could judge (a listing; a keyword backend without a ceiling, alone)."""
+        answer = candidates[: run.query.top_k]
+        fitted_for = self._config.calibration_embedding_model
+        other_model = measured.model in ("dense", "hybrid") and index_model not in (None, fitted_for)
+        if not self._config.calibrated_scores or not answer or other_model:
             run.report(calibrated=False)
             return None
         estimates = []
-        for hit in candidates:
+        for hit in answer:
             estimate = (
                 1.0
                 if SYMBOL in hit.found_by
@@ -473,7 +484,7 @@ class QueryPipeline:
                 return None
             estimates.append(estimate)
         run.report(calibrated=True)
-        return dict(zip((hit.id for hit in candidates), non_increasing(estimates), strict=True))
+        return dict(zip((hit.id for hit in answer), non_increasing(estimates), strict=True))
 
     def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""

@@ -439,17 +439,20 @@ class PostgresDocuments:
             # Looked up by the name's last part through documents_symbol_name (infra/migrations/0014), then
             # matched whole: the qualified name is the name, or ends with "." and the name.
             rows = await snapshot.conn.fetch(
-                f"""SELECT id, symbol_fqn FROM documents
+                f"""SELECT id, symbol_fqn, chunk_level FROM documents
                     WHERE {SYMBOL_NAME_SQL} = lower($1)
                       AND (lower(symbol_fqn) = lower($2) OR right(lower(symbol_fqn), length($2) + 1) = '.' || lower($2))
                       AND chunk_level IS DISTINCT FROM 'doc' AND {where}
-                    ORDER BY length(symbol_fqn), id LIMIT $3""",
+                    ORDER BY symbol_fqn = $2 DESC, right(symbol_fqn, length($2) + 1) = '.' || $2 DESC,
+                             chunk_level = 'file', length(symbol_fqn), id
+                    LIMIT $3""",
                 last_part(name),
                 name,
                 limit,
                 *parameters,
             )
-        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version)
+        modules = frozenset(r["id"] for r in rows if r["chunk_level"] == "file")
+        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules)
 
     async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
         """The version row of each of the workspace's ``branches`` that has one."""

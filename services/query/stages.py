@@ -228,13 +228,14 @@ def to_results(
     signals: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[SearchResult]:
     """The answer: candidates at or above ``minRelevance``, the first ``topK`` of them. Each one's score is its
-    calibrated one from ``scores``, or without them its ``relevance``: the fused one, or the last stage's that
-    reordered it. ``signals``: what each was scored from."""
+    calibrated one from ``scores`` (which then holds every candidate the answer may take), or without them its
+    ``relevance``: the fused one, or the last stage's that reordered it. ``signals``: what each was scored from."""
 
     def score(hit: Fused) -> float:
         return scores[hit.id] if scores is not None else hit.relevance
 
-    kept = [hit for hit in candidates if query.min_relevance is None or score(hit) >= query.min_relevance]
+    scored = candidates if scores is None else [hit for hit in candidates if hit.id in scores]
+    kept = [hit for hit in scored if query.min_relevance is None or score(hit) >= query.min_relevance]
     return [
         SearchResult(
             id=hit.id,

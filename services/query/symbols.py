@@ -10,7 +10,7 @@ The lookup itself is the document store's (``DocumentStore.definitions``).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from .fusion import Fused, SourceHit
@@ -49,16 +49,21 @@ def match_quality(symbol_fqn: str, name: str) -> int | None:
 
 
 def definitions_first(
-    name: str, definitions: Mapping[str, str], candidates: Sequence[Fused], limit: int
+    name: str,
+    definitions: Mapping[str, str],
+    candidates: Sequence[Fused],
+    limit: int,
+    modules: Collection[str] = frozenset(),
 ) -> list[Fused]:
     """The chunks whose qualified name matches ``name`` (``definitions``: id -> symbolFqn, as looked up), at most
     ``limit``, ahead of the other candidates, each scoring 1 and found by ``symbol`` besides what found it before.
     Matches ignoring case count only when none matches as written. Among themselves: the better match first, then
-    the order the pipeline gave them, then the shorter name (a module's function before a class's method). The
-    other candidates keep their order and scores. Unchanged when nothing matches."""
+    classes and functions before modules (``modules``: ids of whole files; a module would hold, and so hide, its
+    function of the same name), then the order the pipeline gave them, then the shorter name. The other
+    candidates keep their order and scores. Unchanged when nothing matches."""
     position = {hit.id: i for i, hit in enumerate(candidates)}
     matched = sorted(
-        (quality, position.get(doc_id, len(candidates)), len(fqn), fqn, doc_id)
+        (quality, doc_id in modules, position.get(doc_id, len(candidates)), len(fqn), fqn, doc_id)
         for doc_id, fqn in definitions.items()
         if (quality := match_quality(fqn, name)) is not None
     )

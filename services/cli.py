@@ -167,11 +167,23 @@ def ingest(
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.")],
     branch: Annotated[str, typer.Option(help="Branch to publish into.")] = MAIN_BRANCH,
     wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every delta.")] = True,
+    package: Annotated[
+        str | None,
+        typer.Option(
+            help="The tree's package name, which leads its modules' names (default: the directory's name when the "
+            "tree holds __init__.py at its root; '' for none). Give the same for every checkout of one package."
+        ),
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Chunk a source tree and publish what changed since the last ingest of this workspace and branch."""
+    from .ingest.chunking import tree_package
     from .ingest.ingester import Ingester
 
+    try:
+        tree_package("", [], package)
+    except ValueError as error:
+        _fail(str(error))
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
     endpoints = _endpoints(settings)
     names = Names(settings.subject_prefix)
@@ -188,7 +200,7 @@ def ingest(
                     ingester = Ingester(
                         js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors
                     )
-                    report = await ingester.ingest(path.resolve(), workspace, branch)
+                    report = await ingester.ingest(path.resolve(), workspace, branch, package)
                 finally:
                     cache.close()
                 if wait and report.last_sequence is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ontofabric.services.ingest.chunking import (
     chunk_markdown,
     chunk_python,
@@ -207,6 +209,11 @@ def test_a_tree_that_is_a_package_names_its_modules_as_python_imports_them(tmp_p
     assert tree_package("tenacity", ["__init__.py", "retry.py"]) == "tenacity"
     assert tree_package("my-project", ["__init__.py"]) is None  # no importable name
     assert tree_package("repo", ["pkg/__init__.py", "setup.py"]) is None  # a project holding packages
+    # Named by the ingest: whatever the checkout is called, or no package at all.
+    assert tree_package("tenacity-fix", ["__init__.py"], "tenacity") == "tenacity"
+    assert tree_package("tenacity", ["__init__.py"], "") is None
+    with pytest.raises(ValueError, match="not a package name"):
+        tree_package("x", [], "my-package")
     assert module_name("__init__.py", "tenacity") == "tenacity"
     assert module_name("wait/__init__.py", "tenacity") == "tenacity.wait"
 

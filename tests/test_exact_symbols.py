@@ -129,12 +129,13 @@ def _names(reply: QueryResponse) -> list[str]:
 async def test_a_name_finds_its_definition_first_through_the_real_path(
     deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
 ) -> None:
-    tree = tmp_path / "shapes"  # a tree that is a package: its modules are named shapes.*
+    # A package checked out under another directory name, ingested as the package it is: its modules are shapes.*
+    tree = tmp_path / "shapes-worktree"
     for name, text in SHAPES.items():
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         (tree / name).write_text(textwrap.dedent(text))
     ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
-    report = await ingester.ingest(tree, "shapes")
+    report = await ingester.ingest(tree, "shapes", package="shapes")
     assert report.last_sequence is not None
     await deployment.wait_projected(report.last_sequence)
     await start_query_worker(embedder, query_cache_entries=0)

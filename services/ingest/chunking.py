@@ -73,9 +73,14 @@ def module_name(path: str, package: str | None = None) -> str:
     return ".".join(parts)
 
 
-def tree_package(root_name: str, paths: Iterable[str]) -> str | None:
-    """The tree's own package name: its directory's name when the root holds ``__init__.py`` and the name is an
-    identifier Python could import; else None (the tree is a project holding packages)."""
+def tree_package(root_name: str, paths: Iterable[str], named: str | None = None) -> str | None:
+    """The tree's own package name. ``named``: as the ingest was told (empty: none), for a package checked out
+    under another directory name. Else its directory's name when the root holds ``__init__.py`` and the name is
+    an identifier Python could import; else None (the tree is a project holding packages)."""
+    if named is not None:
+        if named and not all(part.isidentifier() for part in named.split(".")):
+            raise ValueError(f"{named!r} is not a package name Python could import")
+        return named or None
     return root_name if "__init__.py" in paths and root_name.isidentifier() else None
 
 

@@ -81,9 +81,12 @@ def read_tree(root: Path) -> dict[str, str]:
     return sources
 
 
-def chunk_sources(root: Path, sources: Mapping[str, str], max_content_bytes: int) -> list[Chunk]:
-    """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them."""
-    package = tree_package(root.resolve().name, sources)
+def chunk_sources(
+    root: Path, sources: Mapping[str, str], max_content_bytes: int, package: str | None = None
+) -> list[Chunk]:
+    """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
+    :func:`chunking.tree_package`)."""
+    package = tree_package(root.resolve().name, sources, package)
     return [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
 
 
@@ -275,11 +278,16 @@ class Ingester:
                 log.warning("ingest_raced", workspace=workspace, branch=branch, unknown=manifest.unknown)
         raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
-    async def ingest(self, root: Path, workspace: str, branch: str = MAIN_BRANCH) -> IngestReport:
+    async def ingest(
+        self, root: Path, workspace: str, branch: str = MAIN_BRANCH, package: str | None = None
+    ) -> IngestReport:
+        """Publish what changed in the tree at ``root`` since the last ingest of the workspace's branch.
+        ``package``: the tree's package name when it is not its directory's (empty: none; see
+        :func:`chunking.tree_package`)."""
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         sources = await asyncio.to_thread(read_tree, root)
-        package = tree_package(root.name, sources)
-        chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes)}
+        package = tree_package(root.name, sources, package)
+        chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes, package or "")}
         graph_nodes, graph_links = python_graph(sources, package)
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}

@@ -9,7 +9,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -31,6 +31,7 @@ from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wai
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.progress import Progress
 from ontofabric.shared.runtime import (
     NATS_USERS_FILE,
     RUNTIME_FILE,
@@ -708,18 +709,12 @@ def eval_command(
     if reference is not None and (reference.dataset, reference.split) != (dataset.name, dataset.split):
         _fail(f"the baseline was measured on {reference.dataset} ({reference.split}), this run is {dataset.name} "
               f"({dataset.split}): draw the same sample")  # fmt: skip
-    data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
-    data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
-    try:
-        with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
-            assert runtime.endpoints is not None
-            report = asyncio.run(
-                evaluate(settings, runtime.endpoints, dataset, chosen, progress, runs, not keep_identical_ids)
-            )
-    except RuntimeUnavailable as error:
-        _fail(str(error))
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
+    report = _on_scratch_servers(
+        settings,
+        lambda endpoints, progress: evaluate(
+            settings, endpoints, dataset, chosen, progress, runs, not keep_identical_ids
+        ),
+    )
     render_table(report, lambda line: console.print(line, soft_wrap=True, markup=False))
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -742,6 +737,21 @@ def eval_command(
             raise typer.Exit(1)
 
 
+def _on_scratch_servers(settings: Settings, work: Callable[[Endpoints, Progress], Coroutine[Any, Any, T]]) -> T:
+    """``work``'s result, run on embedded servers of a scratch data directory that is deleted afterwards (an
+    evaluation must not touch the deployment's data), with a progress display."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
+    data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
+    try:
+        with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
+            assert runtime.endpoints is not None
+            return asyncio.run(work(runtime.endpoints, progress))
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path) -> None:
     from importlib import metadata
 
@@ -757,16 +767,9 @@ def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path) -> None
         installed = None
     if installed is not None and installed != judgments.version:
         errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
-    data_dir = Path(tempfile.mkdtemp(prefix="ontofabric-eval-"))
-    data_dir.chmod(0o755)  # our own scratch directory: an unprivileged embedded postgres may traverse it
-    try:
-        with EmbeddedRuntime(settings, data_dir) as runtime, RichProgress(console) as progress:
-            assert runtime.endpoints is not None
-            report = asyncio.run(evaluate_tree(settings, runtime.endpoints, tree, judgments, progress))
-    except RuntimeUnavailable as error:
-        _fail(str(error))
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
+    report = _on_scratch_servers(
+        settings, lambda endpoints, progress: evaluate_tree(settings, endpoints, tree, judgments, progress)
+    )
     for line in render_tree_report(report):
         console.print(line, soft_wrap=True, markup=False)
 

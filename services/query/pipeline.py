@@ -472,13 +472,10 @@ class QueryPipeline:
             return None
         estimates = []
         for hit in answer:
-            estimate = (
-                1.0
-                if SYMBOL in hit.found_by
-                else None
-                if measured.model is None
-                else self._calibration.probability(measured.model, measured.signals.get(hit.id, {}))
-            )
+            estimate: float | None = 1.0  # the query names its symbol
+            if SYMBOL not in hit.found_by:
+                signals = measured.signals.get(hit.id, {})
+                estimate = None if measured.model is None else self._calibration.probability(measured.model, signals)
             if estimate is None:
                 run.report(calibrated=False)
                 return None

@@ -244,6 +244,7 @@ def _recall(found: Sequence[str], relevant: Sequence[str]) -> float:
 
 
 def _shape(per_query: dict[str, float], metrics: dict[str, float], errors: int = 0) -> ShapeResult:
+    # The mean's interval by the project's one bootstrap: a margin over a reference of zeros is the mean itself.
     m = margin("run", "zero", per_query, {q: 0.0 for q in per_query})
     interval = (m.ci_low, m.ci_high) if m is not None else (0.0, 0.0)
     return ShapeResult(len(per_query), metrics, interval, per_query, errors)

@@ -28,7 +28,7 @@ import asyncpg
 from pgvector.asyncpg import register_vector
 from rich.console import Console
 
-from ontofabric.contracts import ErrorReply
+from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ops.beir import BeirDataset, load_beir
 from ontofabric.services.ops.evaluation import Evaluation
@@ -78,6 +78,15 @@ class Measure:
             percentile(self.latencies_ms, 0.95),
             len(self.latencies_ms) / self.wall_s,
         )
+
+
+def answered(reply: QueryResponse | ErrorReply, stages: dict[str, list[float]]) -> bool:
+    """Whether ``reply`` is an answer; an answer's stage timings (``_meta.timingsMs``) go into ``stages``."""
+    if isinstance(reply, ErrorReply):
+        return False
+    for stage, ms in reply.meta.timings_ms.items():
+        stages.setdefault(stage, []).append(ms)
+    return True
 
 
 async def drive(queries: Sequence[str], concurrency: int, ask: Callable[[str], Awaitable[bool]]) -> Measure:
@@ -140,12 +149,7 @@ async def report(
     stages: dict[str, list[float]] = {}
 
     async def ask_ontofabric(text: str) -> bool:
-        reply = await client.query(workspace, {"semanticQuery": text, "topK": 10})
-        if isinstance(reply, ErrorReply):
-            return False
-        for stage, ms in reply.meta.timings_ms.items():
-            stages.setdefault(stage, []).append(ms)
-        return True
+        return answered(await client.query(workspace, {"semanticQuery": text, "topK": 10}), stages)
 
     hits = 0
 

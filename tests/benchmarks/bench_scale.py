@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +66,8 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .bench_freshness import first_at_or_after
-from .bench_query_load import RRF_RECIPE, Measure, drive
+from .bench_query_load import RRF_RECIPE, Measure, answered, drive
+from .faults_query import start_worker
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 NOISE_SIGMA = 0.02
@@ -199,23 +198,6 @@ async def copy_reference(pool: asyncpg.Pool, base: Base, count: int, config: str
             spent += time.perf_counter() - began
             progress.advance("COPY reference", batch)
     return spent
-
-
-def start_query_worker(endpoints: Endpoints, data_dir: Path, extra: dict[str, str]) -> subprocess.Popen[bytes]:
-    env = (
-        {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")}
-        | extra
-        | {
-            "ONTOFABRIC_NATS_URL": endpoints.nats_url_as("query"),
-            "ONTOFABRIC_DATABASE_URL": endpoints.database_url,
-            "ONTOFABRIC_QUERY_CACHE_ENTRIES": "0",
-            "ONTOFABRIC_DATA_DIR": str(data_dir),
-            "ONTOFABRIC_LOG_LEVEL": "WARNING",
-        }
-    )
-    return subprocess.Popen(
-        [ONTOFABRIC, "query-worker"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )  # fmt: skip
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -387,7 +369,7 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         client = QueryClient(nc, names, timeout_s=60)
         started = time.perf_counter()
         worker_env = dict(pair.split("=", 1) for pair in args.worker_env)
-        worker = start_query_worker(endpoints, runtime_dir / "query-worker", worker_env)
+        worker = start_worker(endpoints, runtime_dir / "query-worker", worker_env)
         stack.callback(worker.wait, 30)
         stack.callback(worker.terminate)
         print(f"query worker cold start to its first answer: {await cold_start(client, workspace, started):.1f} s",
@@ -397,12 +379,7 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         stages: dict[str, list[float]] = {}
 
         async def ask_ontofabric(text: str) -> bool:
-            reply = await client.query(workspace, {"semanticQuery": text, "topK": 10})
-            if isinstance(reply, ErrorReply):
-                return False
-            for stage, ms in reply.meta.timings_ms.items():
-                stages.setdefault(stage, []).append(ms)
-            return True
+            return answered(await client.query(workspace, {"semanticQuery": text, "topK": 10}), stages)
 
         async def ask_recipe(text: str) -> bool:
             vector = await embedder.on_model_thread(lambda: embedder.embed_query(text))

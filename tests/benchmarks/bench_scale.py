@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 import uuid
@@ -57,7 +56,7 @@ from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.render import RichProgress
 from ontofabric.shared.db import migrate
-from ontofabric.shared.embedder import load_embedder
+from ontofabric.shared.embedder import Embedder, load_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import ack_floor, connect, ensure_jetstream
 from ontofabric.shared.logging import configure_logging
@@ -69,10 +68,11 @@ from .bench_freshness import first_at_or_after
 from .bench_query_load import RRF_RECIPE, Measure, answered, drive
 from .faults_query import start_worker
 
-ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 NOISE_SIGMA = 0.02
 """Per dimension; a unit vector plus this noise over 384 dimensions keeps a cosine of about 0.93 to it."""
 PUBLISH_BATCH = 1000
+STALL_S = 300.0
+"""The projection wait gives up when the projector applies nothing for this long."""
 
 COPY_TABLE = """
 CREATE TABLE scale_copy (
@@ -133,7 +133,9 @@ def as_document(item: Synthetic, model: str) -> SemanticDocument:
     )
 
 
-def load_base(datasets: Sequence[Path], settings: Settings, progress: RichProgress) -> tuple[Base, list[str]]:
+def load_base(
+    datasets: Sequence[Path], settings: Settings, embedder: Embedder, progress: RichProgress
+) -> tuple[Base, list[str]]:
     """The sets' documents embedded (from the cache where it has them) and their queries, shuffled."""
     texts: list[str] = []
     queries: list[str] = []
@@ -142,7 +144,6 @@ def load_base(datasets: Sequence[Path], settings: Settings, progress: RichProgre
         dataset = load_beir(directory, split)
         texts.extend(document_text(entry) for entry in dataset.corpus)
         queries.extend(text for text in dataset.queries.values() if text.strip())
-    embedder = load_embedder(settings)
     cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
     try:
         progress.stage("embed the originals", len(texts))
@@ -176,10 +177,14 @@ async def projected_by(js: JetStreamContext, names: Names, last_seq: int, count:
     """Wait until the projector has applied every delta up to ``last_seq``, showing how far it is."""
     first = last_seq - count
     progress.stage("project", count)
-    done = 0
+    done, moved = 0, time.monotonic()
     while done < count:
         await asyncio.sleep(0.5)
         now = max(0, await ack_floor(js, names.delta_stream, names.postgres_projector_durable) - first)
+        if now > done:
+            moved = time.monotonic()
+        elif time.monotonic() - moved > STALL_S:
+            raise SystemExit(f"the projector applied nothing for {STALL_S:.0f} s at {done} of {count} deltas")
         progress.advance("project", now - done)
         done = now
 
@@ -267,9 +272,10 @@ async def freshness(
     published: dict[int, float] = {}
     done = asyncio.Event()
 
+    stages: dict[str, list[float]] = {}
+
     async def ask(text: str) -> bool:
-        reply = await client.query(workspace, {"semanticQuery": text, "topK": 10})
-        return not isinstance(reply, ErrorReply)
+        return answered(await client.query(workspace, {"semanticQuery": text, "topK": 10}), stages)
 
     async def query_load() -> Measure:
         measures = Measure([], 0.0)
@@ -300,6 +306,8 @@ async def freshness(
     queried = await load
     await subscription.unsubscribe()
     waits = [(at - published[seq]) * 1000 for seq in published if (at := first_at_or_after(announced, seq))]
+    if not waits:
+        return f"freshness: none of {count} documents was announced within 60 s of the last publish"
     p50, p95, _ = queried.row()
     return (
         f"freshness at {achieved:.0f} documents/s ({len(waits)} of {count} announced): p50 "
@@ -332,7 +340,8 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
     levels = [int(c) for c in args.concurrency.split(",")]
     async with AsyncExitStack() as stack:
         progress = stack.enter_context(RichProgress(Console()))
-        base, queries = await asyncio.to_thread(load_base, args.datasets, settings, progress)
+        embedder = load_embedder(settings)  # embeds the originals, then the reference's queries
+        base, queries = await asyncio.to_thread(load_base, args.datasets, settings, embedder, progress)
         needed = args.queries * len(levels)
         if len(queries) < needed + 8:
             raise SystemExit(f"{len(queries)} queries, {needed + 8} needed: lower --queries")
@@ -374,7 +383,6 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         stack.callback(worker.terminate)
         print(f"query worker cold start to its first answer: {await cold_start(client, workspace, started):.1f} s",
               flush=True)  # fmt: skip
-        embedder = load_embedder(settings)
 
         stages: dict[str, list[float]] = {}
 

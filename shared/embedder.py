@@ -212,6 +212,23 @@ class Coalescer(Generic[In, Out]):
                 future.set_result(output)
 
 
+def use_threads_on(executor: ThreadPoolExecutor, threads: int) -> None:
+    """The one thread of ``executor`` computes with ``threads`` CPU threads; every other thread keeps its count.
+
+    PyTorch's count is the calling thread's (OpenMP's), but a thread's first use of torch takes the count last
+    set anywhere: so the model thread is set up first, then this thread's count is set again, to what it was."""
+    import torch  # here: the CLI and the ingester import this module and need no torch to start
+
+    own = torch.get_num_threads()
+
+    def set_up() -> None:
+        torch.get_num_threads()  # the thread's first use of torch, which would later reset what is set here
+        torch.set_num_threads(threads)
+
+    executor.submit(set_up).result()
+    torch.set_num_threads(own)
+
+
 class LocalSentenceTransformer:
     """A sentence-transformers model from a local directory; never touches the network.
 
@@ -220,7 +237,14 @@ class LocalSentenceTransformer:
     vectors are those of the first window."""
 
     def __init__(
-        self, model_name: str, model_path: Path, expected_dimension: int, *, bfloat16: bool = False, windows: int
+        self,
+        model_name: str,
+        model_path: Path,
+        expected_dimension: int,
+        *,
+        bfloat16: bool = False,
+        windows: int,
+        query_threads: int | None = None,
     ) -> None:
         if windows < 1:
             raise ValueError("windows must be at least 1")
@@ -244,6 +268,8 @@ class LocalSentenceTransformer:
             )
         self.dimension = expected_dimension
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
+        if query_threads is not None:
+            use_threads_on(self._executor, query_threads)
         self._queries: Coalescer[str, tuple[Vector, TokenMatrix]] = Coalescer(
             self._embed_queries, self.on_model_thread, MAX_QUERY_BATCH
         )
@@ -324,6 +350,7 @@ def load_embedder(settings: Settings) -> LocalSentenceTransformer:
         settings.embedding_dim,
         bfloat16=wants_bfloat16(settings.embedding_precision),
         windows=settings.embedding_windows,
+        query_threads=settings.query_model_threads,
     )
 
 

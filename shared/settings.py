@@ -150,6 +150,12 @@ class Settings(BaseSettings):
         "the CPU computes it natively (AVX-512 BF16, AMX; `auto` picks it there), at a small quality cost "
         "(docs/benchmarks.md); its vectors are cached apart from float32's.",
     )
+    query_model_threads: int = Field(
+        default=1, ge=1, le=256,
+        description="CPU threads the embedding model uses for queries (their embedding and late interaction, on the "
+        "model's own thread); documents are embedded with every core. One leaves the other cores to PostgreSQL, "
+        "whose keyword search runs beside the query's embedding (docs/benchmarks.md, \"Query model threads\").",
+    )  # fmt: skip
     embedding_windows: int = Field(
         default=4,
         ge=1,

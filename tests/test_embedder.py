@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -353,3 +354,22 @@ async def test_queries_embedded_together_equal_each_embedded_alone(
         assert np.allclose(vector, alone_vector, atol=1e-5)
         assert tokens.shape == alone_tokens.shape
         assert np.allclose(tokens, alone_tokens, atol=1e-4)
+
+
+async def test_queries_compute_with_their_own_thread_count_and_other_threads_keep_theirs() -> None:
+    settings = Settings()
+    before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("one core: there is no smaller thread count to set")
+    embedder = LocalSentenceTransformer(
+        settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim, windows=1, query_threads=1
+    )
+    assert await embedder.on_model_thread(torch.get_num_threads) == 1
+    assert torch.get_num_threads() == before
+    fresh = ThreadPoolExecutor(max_workers=1)  # a thread whose first use of torch comes after the model thread's
+    try:
+        assert fresh.submit(torch.get_num_threads).result() == before
+    finally:
+        fresh.shutdown()
+    vector, _ = await embedder.embed_query_with_tokens_async("read a file")
+    assert np.allclose(vector, embedder.embed_query("read a file"), atol=1e-5)  # the same vector either way

@@ -57,6 +57,26 @@ def max_similarities(query_tokens: TokenMatrix, documents: Sequence[TokenMatrix]
     return [float(s.max(dim=1).values.mean()) for s in per_document]
 
 
+def max_similarities_of_signs(query_tokens: TokenMatrix, documents: Sequence[bytes], dimension: int) -> list[float]:
+    """:func:`max_similarities` over documents' packed sign bits (:func:`pack_signs`), without making float rows
+    of them: a sign row is (2·bits − 1)/√d, so its cosine with a query row is (2·(q·bits) − Σq)/√d, which rises
+    with q·bits; each query token's best over a document is taken on q·bits, then turned into the cosine. About
+    half the time of unpacking each document into float rows (docs/benchmarks.md, "Late interaction on packed
+    bits"); ValueError when a document's bytes are not whole tokens of ``dimension``."""
+    import torch  # here, not at the top: see max_similarities
+
+    if not documents:
+        return []
+    counts = [token_count(data, dimension) for data in documents]
+    rows = np.frombuffer(b"".join(documents), dtype=np.uint8).reshape(sum(counts), bytes_per_token(dimension))
+    bits = torch.from_numpy(np.unpackbits(rows, axis=1, count=dimension)).to(torch.float32)
+    query = torch.from_numpy(np.ascontiguousarray(query_tokens, dtype=np.float32))
+    on_bits = query @ bits.T
+    best = torch.stack([part.max(dim=1).values for part in torch.split(on_bits, counts, dim=1)], dim=1)
+    cosines = (2 * best - query.sum(dim=1, keepdim=True)) / math.sqrt(dimension)
+    return [float(value) for value in cosines.mean(dim=0)]
+
+
 def z_scores(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """Values centred and scaled by their spread; all zero when they have none (equal values leave rounding noise,
     1e-17 rather than 0, which is no spread either)."""

@@ -24,6 +24,7 @@ from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.late_interaction import (
     blend_with_fused_position,
     max_similarities,
+    max_similarities_of_signs,
     pack_signs,
     token_count,
     unpack_signs,
@@ -63,6 +64,20 @@ def test_max_similarity_takes_each_query_tokens_best_match_in_each_document() ->
         [1.0, 0.5, 0.7]  # matches_one: (1 + 0) / 2, a repeat earns nothing more; shorter: (0.6 + 0.8) / 2
     )
     assert max_similarities(query, []) == []
+
+
+@pytest.mark.parametrize("dimension", [384, 13])
+def test_max_similarity_over_packed_signs_equals_it_over_their_unpacked_rows(dimension: int) -> None:
+    rng = np.random.default_rng(11)
+    query = rng.standard_normal((7, dimension)).astype(np.float32)
+    query /= np.linalg.norm(query, axis=1, keepdims=True)
+    packed = [pack_signs(rng.standard_normal((n, dimension)).astype(np.float32)) for n in (1, 40, 3, 256)]
+    expected = max_similarities(query, [unpack_signs(p, dimension) for p in packed])
+    assert max_similarities_of_signs(query, packed, dimension) == pytest.approx(expected, abs=1e-6)
+    assert len(set(expected)) == len(expected)  # distinct documents: a mix-up of documents would show
+    assert max_similarities_of_signs(query, [], dimension) == []
+    with pytest.raises(ValueError, match="whole number"):
+        max_similarities_of_signs(query, [packed[0], b"\x00" * 3], dimension)
 
 
 def test_blending_similarity_into_the_fused_position() -> None:

@@ -11,7 +11,12 @@ from dataclasses import dataclass, replace
 
 from ontofabric.contracts import FoundBy, OntologyQuery, SearchResult
 from ontofabric.contracts.query import LateInteractionOptions, LateInteractionReport, QueryOptions
-from ontofabric.shared.late_interaction import TokenMatrix, blend_with_fused_position, max_similarities, unpack_signs
+from ontofabric.shared.late_interaction import (
+    TokenMatrix,
+    blend_with_fused_position,
+    max_similarities_of_signs,
+    token_count,
+)
 
 from .config import PipelineConfig
 from .core import Candidate, StoredDocument
@@ -119,15 +124,16 @@ def late_interaction(
     keep their order, scaled under the lowest blended relevance. Unchanged (report None) when fewer than two
     leading candidates have token vectors: there is nothing to compare."""
     head = candidates[:depth]
-    unpacked: dict[int, TokenMatrix] = {}
+    dimension = query_tokens.shape[1]
+    stored: dict[int, bytes] = {}
     for position, hit in enumerate(head):
         signs = documents[hit.id].token_signs
         with contextlib.suppress(ValueError):  # not this model's width: rank it as fused rather than fail the query
-            if signs:
-                unpacked[position] = unpack_signs(signs, query_tokens.shape[1])
-    if weight <= 0 or len(unpacked) < 2:
+            if signs and token_count(signs, dimension):
+                stored[position] = signs
+    if weight <= 0 or len(stored) < 2:
         return candidates, None
-    found = dict(zip(unpacked, max_similarities(query_tokens, list(unpacked.values())), strict=True))
+    found = dict(zip(stored, max_similarities_of_signs(query_tokens, list(stored.values()), dimension), strict=True))
     relevances = blend_with_fused_position([found.get(position) for position in range(len(head))], weight)
     order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
     ranked = [replace(head[i], relevance=relevances[i]) for i in order]

@@ -61,8 +61,8 @@ def max_similarities_of_signs(query_tokens: TokenMatrix, documents: Sequence[byt
     """:func:`max_similarities` over documents' packed sign bits (:func:`pack_signs`), without making float rows
     of them: a sign row is (2·bits − 1)/√d, so its cosine with a query row is (2·(q·bits) − Σq)/√d, which rises
     with q·bits; each query token's best over a document is taken on q·bits, then turned into the cosine. About
-    half the time of unpacking each document into float rows (docs/benchmarks.md, "Late interaction on packed
-    bits"); ValueError when a document's bytes are not whole tokens of ``dimension``."""
+    half the time of unpacking each document into float rows (docs/benchmarks.md, "Levers measured at 100,000
+    documents"); ValueError when a document's bytes are not whole tokens of ``dimension``."""
     import torch  # here, not at the top: see max_similarities
 
     if not documents:

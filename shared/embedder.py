@@ -216,7 +216,8 @@ def use_threads_on(executor: ThreadPoolExecutor, threads: int) -> None:
     """The one thread of ``executor`` computes with ``threads`` CPU threads; every other thread keeps its count.
 
     PyTorch's count is the calling thread's (OpenMP's), but a thread's first use of torch takes the count last
-    set anywhere: so the model thread is set up first, then this thread's count is set again, to what it was."""
+    set anywhere: so the model thread is set up first, then this thread's count is set again, to what it was. (A
+    thread whose first use of torch falls between the two, microseconds apart, would keep ``threads``.)"""
     import torch  # here: the CLI and the ingester import this module and need no torch to start
 
     own = torch.get_num_threads()

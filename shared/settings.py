@@ -154,8 +154,8 @@ class Settings(BaseSettings):
         default=1, ge=1, le=256,
         description="CPU threads the embedding model uses for queries (their embedding and late interaction, on the "
         "model's own thread); documents are embedded with every core. One leaves the other cores to PostgreSQL, "
-        "whose keyword search runs beside the query's embedding (docs/benchmarks.md, \"Levers measured at 100,000 "
-        "documents\").",
+        "whose keyword search runs beside the query's embedding (measured on 2 cores: docs/benchmarks.md, \"Levers "
+        "measured at 100,000 documents\"); on more cores, more may pay.",
     )  # fmt: skip
     embedding_windows: int = Field(
         default=4,

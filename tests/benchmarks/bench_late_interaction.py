@@ -1,11 +1,11 @@
 """Benchmark of late interaction and of the embedder's precisions.
 
-Late interaction from stored token signs (what the query worker does for the leading fused candidates: unpack,
-MaxSim, blend) against encoding those candidates at query time, which is what late interaction cost before the
-signs were stored. The embedder's pass over the same documents in float32 (the reference) and bfloat16. Documents
-are pieces of this project's own source, ``--depth`` of them per call (ONTOFABRIC_LATE_INTERACTION_DEPTH by
-default). Prints per-call p50/p95 and their ratio to the reference, and how closely MaxSim over the signs orders the
-documents as MaxSim over float32 token vectors does (Spearman's rank correlation, and the same first document).
+Late interaction from stored token signs (what the query worker does for the leading fused candidates: MaxSim
+over the packed signs, blend) against encoding those candidates at query time, which is what late interaction cost
+before the signs were stored. The embedder's pass over the same documents in float32 (the reference) and bfloat16.
+Documents are pieces of this project's own source, ``--depth`` of them per call (ONTOFABRIC_LATE_INTERACTION_DEPTH
+by default). Prints per-call p50/p95 and their ratio to the reference, and how closely MaxSim over the signs orders
+the documents as MaxSim over float32 token vectors does (Spearman's rank correlation, and the same first document).
 
 Run: .venv/bin/python -m tests.benchmarks.bench_late_interaction [--calls 30] [--depth N]
 """
@@ -24,7 +24,7 @@ from ontofabric.services.query.core import StoredDocument
 from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.stages import late_interaction
 from ontofabric.shared.embedder import LocalSentenceTransformer, cpu_has_bfloat16
-from ontofabric.shared.late_interaction import max_similarities, pack_signs, unpack_signs
+from ontofabric.shared.late_interaction import max_similarities, max_similarities_of_signs, pack_signs, unpack_signs
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.settings import Settings
 
@@ -114,7 +114,7 @@ def main(calls: int, depth: int) -> None:
         timings["the same, right after MaxSim in numpy (how the stage computed it at first)"].append(
             (time.perf_counter() - started) * 1000
         )
-        signs = max_similarities(query_tokens[0], [unpack_signs(stored[p], full.dimension) for p in batch])
+        signs = max_similarities_of_signs(query_tokens[0], [stored[p] for p in batch], full.dimension)
         correlations.append(spearman(floats, signs))
         same_first += int(np.argmax(floats)) == int(np.argmax(signs))
     reference = percentile(timings["embedding, float32 (reference)"], 0.5)

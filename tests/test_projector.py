@@ -19,6 +19,7 @@ from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, Postgres
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
+from ontofabric.shared.jetstream import ack_floor
 from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import SPANS, Deployment, metric_points
@@ -472,6 +473,11 @@ async def test_gauges_say_how_far_each_workspace_and_the_consumer_are_behind(
     durable = deployment.names.postgres_projector_durable
     caught_up = await deployment.publisher.publish(upsert("steady", document("a", "alpha")))
     await deployment.wait_projected(caught_up.seq)
+    # Acked too, not only applied: otherwise it still counts as unacked below, and the floor the lag is measured
+    # from may not have reached it yet.
+    async with asyncio.timeout(30):
+        while await ack_floor(deployment.js, deployment.names.delta_stream, durable) < caught_up.seq:
+            await asyncio.sleep(0.05)
     async with deployment.database_outage():
         behind = [await deployment.publisher.publish(upsert("stalled", document(f"d{i}", "beta"))) for i in range(3)]
         first_stalled_seq = behind[0].seq

@@ -327,6 +327,11 @@ class QueryMeta(WireModel):
         description="Results placed first because the query is their symbol's name (options.exactSymbols); their "
         "foundBy names 'symbol'.",
     )
+    keyword_pruned: bool = Field(
+        default=False,
+        description="True when the keyword retriever read some of the query's commonest terms only for its leading "
+        "candidates (bounded BM25): a document holding none of the rarer terms may be missing from its list.",
+    )
     listing: bool = Field(
         default=False,
         description="True when the request had no semanticQuery: the results are what its filters select, in a "

@@ -124,6 +124,43 @@ async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: De
             " WHERE workspace = 'acme' AND NOT deleted"
         )
         assert (stats["doc_count"], stats["total_length"]) == (live["n"], live["total"]) == (4, live["total"])
+        frequencies = await conn.fetch(
+            "SELECT term, df FROM term_statistics WHERE workspace = 'acme' AND df <> 0 ORDER BY term"
+        )
+        counted = await conn.fetch(
+            "SELECT term, count(*) AS df FROM postings WHERE workspace = 'acme' GROUP BY term ORDER BY term"
+        )
+        assert [tuple(r) for r in frequencies] == [tuple(r) for r in counted]
+        assert await conn.fetchval("SELECT df FROM term_statistics WHERE workspace = 'acme' AND term = 'json'") == 1
+
+
+async def test_common_terms_are_looked_up_only_for_the_leading_documents(
+    deployment: Deployment, pool: asyncpg.Pool
+) -> None:
+    rare = {"r1": "zebra apple", "r2": "zebra", "r3": "zebra apple apple pear"}
+    common = {f"c{i}": f"apple banana number{i}" for i in range(10)}
+    texts = {**rare, **common}
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(texts.items())])
+    async with pool.acquire() as conn:
+        indexed = {k: search_text(document(k, v)) for k, v in texts.items()}
+        expected = await _expected_scores(conn, indexed, "zebra apple")
+    scope, query = Scope("acme", "main"), SearchInput("zebra apple")
+
+    exact = await PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3).search(scope, query, 20)
+    assert {c.id: pytest.approx(c.score, rel=1e-9) for c in exact.candidates} == expected
+    assert not exact.pruned
+
+    # Only "zebra" (3 postings) fits in a budget of 5; "apple" (12) is looked up for the documents zebra found.
+    bounded = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3, full_read_postings=5)
+    hits = await bounded.search(scope, query, 20)
+    assert hits.pruned
+    assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == {k: expected[k] for k in rare}
+    assert (hits.ceiling, hits.query_ceiling) == (pytest.approx(exact.ceiling), pytest.approx(exact.query_ceiling))
+
+    # With one leading document, apple is looked up for the best by zebra alone (the shortest) and no other.
+    narrow = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3, full_read_postings=5, completion_depth=1)
+    assert [c.id for c in (await narrow.search(scope, query, 1)).candidates] == ["r2"]
 
 
 async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, pool: asyncpg.Pool) -> None:

@@ -549,3 +549,14 @@ async def test_scores_are_calibrated_over_the_answer_for_the_model_they_were_fit
     # Keyword alone does not read cosines: calibrated whatever the model.
     keyword = query.model_copy(update={"options": QueryOptions(retrievers=["keyword"])})
     assert (await pipeline_over(ScriptedRetrieval(index_model="another-model")).answer(keyword, "w")).meta.calibrated
+
+
+async def test_meta_says_when_the_keyword_list_was_pruned() -> None:
+    class Pruned(ScriptedRetrieval):
+        async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return replace(await super().keyword(scope, query, limit), pruned=True)
+
+    assert (await pipeline_over(ScriptedRetrieval()).answer(QUERY, "w")).meta.keyword_pruned is False
+    answer = await pipeline_over(Pruned()).answer(QUERY, "w")
+    assert answer.meta.keyword_pruned is True
+    assert answer.meta.model_dump(by_alias=True)["keywordPruned"] is True

@@ -209,7 +209,8 @@ class Shadow:
         return problems if only is not None else problems + await self._keyword_statistics_problems()
 
     async def _keyword_statistics_problems(self) -> list[str]:
-        """BM25 reads postings and per-branch counts: each must agree with the documents they were made from."""
+        """BM25 reads postings, their terms' document frequencies and per-branch counts: each must agree with what it
+        was made from."""
         problems = []
         postings = await self.admin.fetchval(
             f"SELECT count(*) FROM {self._table('postings')} WHERE workspace = $1", self._workspace
@@ -221,6 +222,19 @@ class Shadow:
         )
         if postings != terms:
             problems.append(f"{postings} postings for {terms} distinct terms of live documents")
+        miscounted = await self.admin.fetchval(
+            f"""
+            SELECT count(*)
+              FROM (SELECT branch, term, count(*) AS df FROM {self._table("postings")} WHERE workspace = $1
+                     GROUP BY branch, term) p
+              FULL JOIN (SELECT branch, term, df FROM {self._table("term_statistics")}
+                          WHERE workspace = $1 AND df <> 0) s USING (branch, term)
+             WHERE p.df IS DISTINCT FROM s.df
+            """,
+            self._workspace,
+        )
+        if miscounted:
+            problems.append(f"{miscounted} terms whose document frequency is not their postings' count")
         mismatched = await self.admin.fetch(
             f"""
             SELECT v.branch, v.doc_count, v.total_length, coalesce(d.docs, 0) AS docs, coalesce(d.length, 0) AS length

@@ -89,24 +89,35 @@ GROUP BY d.workspace, d.branch
 """
 
 # Postings follow their document: the old ones (found through the terms of the stored tsvector, before the
-# document is overwritten) are dropped, the new ones built from the new tsvector (none for a tombstone).
+# document is overwritten) are dropped, the new ones built from the new tsvector (none for a tombstone). Each
+# statement moves the terms' document frequencies (term_statistics, infra/migrations/0016) by what it wrote.
 _DROP_POSTINGS = """
-DELETE FROM postings p
-USING (
-    SELECT d.workspace, d.branch, d.id, u.lexeme
+WITH dropped AS (
+    DELETE FROM postings p
+    USING (
+        SELECT d.workspace, d.branch, d.id, u.lexeme
+        FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
+        JOIN documents d USING (workspace, branch, id)
+        CROSS JOIN LATERAL unnest(d.search_vector) u
+    ) AS old
+    WHERE p.workspace = old.workspace AND p.branch = old.branch AND p.term = old.lexeme AND p.doc_id = old.id
+    RETURNING p.workspace, p.branch, p.term)
+UPDATE term_statistics s SET df = s.df - c.documents
+FROM (SELECT workspace, branch, term, count(*) AS documents FROM dropped GROUP BY workspace, branch, term) c
+WHERE s.workspace = c.workspace AND s.branch = c.branch AND s.term = c.term
+"""
+_ADD_POSTINGS = """
+WITH added AS (
+    INSERT INTO postings (workspace, branch, term, doc_id, tf, doc_length)
+    SELECT d.workspace, d.branch, u.lexeme, d.id, coalesce(cardinality(u.positions), 1), d.doc_length
     FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
     JOIN documents d USING (workspace, branch, id)
     CROSS JOIN LATERAL unnest(d.search_vector) u
-) AS old
-WHERE p.workspace = old.workspace AND p.branch = old.branch AND p.term = old.lexeme AND p.doc_id = old.id
-"""
-_ADD_POSTINGS = """
-INSERT INTO postings (workspace, branch, term, doc_id, tf, doc_length)
-SELECT d.workspace, d.branch, u.lexeme, d.id, coalesce(cardinality(u.positions), 1), d.doc_length
-FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace, branch, id)
-JOIN documents d USING (workspace, branch, id)
-CROSS JOIN LATERAL unnest(d.search_vector) u
-WHERE NOT d.deleted
+    WHERE NOT d.deleted
+    RETURNING workspace, branch, term)
+INSERT INTO term_statistics AS s (workspace, branch, term, df)
+SELECT workspace, branch, term, count(*) FROM added GROUP BY workspace, branch, term
+ON CONFLICT (workspace, branch, term) DO UPDATE SET df = s.df + EXCLUDED.df
 """
 
 _UPSERT_NODE = """

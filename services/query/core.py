@@ -76,6 +76,9 @@ class Hits:
     lagging: bool = False
     """The index searched had not yet taken in every delta of the version read (an index of its own, such as
     Azure AI Search): the answer says ``{name}IndexBehind``."""
+    pruned: bool = False
+    """Keyword: some query terms were looked up only for the leading candidates (``PostgresKeyword``), so a
+    document holding only those terms may be missing and the ranking is not exact BM25."""
 
 
 @dataclass(frozen=True)

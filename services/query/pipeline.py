@@ -249,6 +249,8 @@ class QueryPipeline:
             hits = await run.guarded(retriever.name, work, stage=retriever.name, reserve_s=RETRIEVAL_RESERVE_S)
             if hits is not None and hits.lagging:  # its index is behind the version read: say so, do not cache
                 run.degrade(f"{retriever.name}IndexBehind")
+            if hits is not None and hits.pruned:
+                run.report(keyword_pruned=True)
             return hits
 
         try:

@@ -204,8 +204,9 @@ class PostgresSnapshots:
         await held.enter_async_context(conn.transaction(isolation="repeatable_read", readonly=True))
         # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
         # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
-        # version. Both parents at once, in the swap's order. (A hot standby allows this lock mode.)
-        await conn.execute("LOCK TABLE ONLY documents, ONLY postings IN ACCESS SHARE MODE")
+        # version. Every partitioned parent at once, in the swap's order (by name). (A hot standby allows this
+        # lock mode.)
+        await conn.execute("LOCK TABLE ONLY documents, ONLY postings, ONLY term_statistics IN ACCESS SHARE MODE")
         rows = await conn.fetch(
             "SELECT branch, state_hash, stream_seq, revision, (SELECT embedding_model FROM deployment) AS model"
             " FROM ontology_versions"
@@ -287,6 +288,13 @@ class PostgresKeyword:
     A query term repeated n times weighs (k3 + 1)·n / (k3 + n), Okapi's query-term saturation: long queries
     (a paragraph, an argument) say what matters by repeating it, short ones rarely repeat a word on purpose.
 
+    Bounded work, after MaxScore (Turtle & Flood, 1995): the terms are taken rarest first and read in full while
+    their postings add up to at most ``full_read_postings`` (the rarest always); every document found there is a
+    candidate. The other, commoner terms are looked up only for the ``completion_depth`` leading candidates, which
+    then rank by their whole score. What is left out is a document holding none of the rare terms, or one outside
+    the leading candidates: both can only gain the common terms, whose idf is the lowest of the query's. Within
+    the budget the scores are exact BM25; ``Hits.pruned`` says when they were not.
+
     On a branch, N, the average length and document frequencies add up main's and the branch's rows (main's
     rows the branch shadows are counted too): an approximation that is exact on main and close while a
     branch's delta is small beside main.
@@ -297,30 +305,50 @@ class PostgresKeyword:
     needs_embedding = False
 
     def __init__(
-        self, snapshots: Snapshots, text_search_config: str, bm25_k1: float, bm25_b: float, bm25_k3: float
+        self,
+        snapshots: Snapshots,
+        text_search_config: str,
+        bm25_k1: float,
+        bm25_b: float,
+        bm25_k3: float,
+        full_read_postings: int = 1_000_000_000,
+        completion_depth: int = 0,
     ) -> None:
         self._snapshots = snapshots
         self._config = text_search_config
         self._k1 = bm25_k1
         self._b = bm25_b
         self._k3 = bm25_k3
+        self._full_read_postings = full_read_postings
+        self._completion_depth = completion_depth
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         async with self._snapshots.read(scope) as snapshot:
             rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
-        ceiling = float(rows[0]["ceiling"]) if rows else None
-        query_ceiling = float(rows[0]["query_ceiling"]) if rows else None
-        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, ceiling, query_ceiling)
+        first = rows[0] if rows else None
+        return Hits(
+            [Candidate(r["id"], float(r["score"])) for r in rows],
+            snapshot.version,
+            None if first is None else float(first["ceiling"]),
+            None if first is None else float(first["query_ceiling"]),
+            pruned=first is not None and first["pruned"],
+        )
 
     def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
         parameters: list[Any] = [
-            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed, self._k3
+            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed, self._k3,
+            self._full_read_postings, max(self._completion_depth, limit),
         ]  # fmt: skip
         filtered = ""
         if scope.filtered:
             where, more = where_clause(scope, len(parameters) + 1, shadowed)
             parameters += more
             filtered = f"AND EXISTS (SELECT 1 FROM documents WHERE id = s.id AND {where})"
+        # One term's contribution to a posting's document ($6 k1, $7 b).
+        contribution = (
+            "m.weight * p.tf * ($6::float8 + 1)"
+            " / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))"
+        )
         # Every postings read is an index range scan on (workspace, branch, term): LATERAL, kept from being
         # flattened into a join by OFFSET 0, makes it so even before the planner has statistics of a partition.
         # Parameters are cast: an untyped $n beside an integer literal is inferred as integer, and asyncpg would
@@ -340,27 +368,46 @@ class PostgresKeyword:
                        * ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS weight
                 FROM terms t CROSS JOIN stats st
                 CROSS JOIN LATERAL (
-                    SELECT count(*) AS df FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = t.term) f),
-            matched AS (SELECT term, weight FROM term_weight WHERE df > 0),
-            scored AS (
-                SELECT p.doc_id AS id,
-                       sum(m.weight * p.tf * ($6::float8 + 1)
-                           / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
+                    SELECT coalesce(sum(s.df), 0) AS df FROM term_statistics s
+                    WHERE s.workspace = $4 AND s.branch = ANY($5::text[]) AND s.term = t.term) f),
+            -- Rarest first: a term is read in full while the postings read so far stay within $10, the first always.
+            matched AS (
+                SELECT term, weight,
+                       sum(df) OVER (ORDER BY df, term ROWS UNBOUNDED PRECEDING)
+                           <= greatest($10::bigint, min(df) OVER ()) AS in_full
+                FROM term_weight WHERE df > 0),
+            found AS (
+                SELECT p.doc_id AS id, sum({contribution}) AS score
                 FROM matched m CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT branch, doc_id, tf, doc_length FROM postings p
                     WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term
                     OFFSET 0) p
-                WHERE NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
+                WHERE m.in_full AND NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
+                GROUP BY p.doc_id),
+            leaders AS (
+                SELECT s.id, s.score FROM found s
+                WHERE true {filtered}
+                ORDER BY s.score DESC, s.id LIMIT $11),
+            -- The commoner terms, looked up by (term, document) for the leading candidates only.
+            completed AS (
+                SELECT p.doc_id AS id, sum({contribution}) AS score
+                FROM matched m CROSS JOIN stats st
+                CROSS JOIN LATERAL (
+                    SELECT branch, doc_id, tf, doc_length FROM postings p
+                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term
+                      AND p.doc_id = ANY(ARRAY(SELECT id FROM leaders))
+                    OFFSET 0) p
+                WHERE NOT m.in_full AND NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
                 GROUP BY p.doc_id)
             -- The best score a document could reach: over the terms some document has (ceiling), and over every
             -- query term (query_ceiling: a term no document has still counts as missing from every match).
-            SELECT s.id, s.score, (SELECT sum(weight) FROM matched) * ($6::float8 + 1) AS ceiling,
-                   (SELECT sum(weight) FROM term_weight) * ($6::float8 + 1) AS query_ceiling
-            FROM scored s
-            WHERE true {filtered}
-            ORDER BY s.score DESC, s.id LIMIT $3"""
+            SELECT l.id, l.score + coalesce(c.score, 0) AS score,
+                   (SELECT sum(weight) FROM matched) * ($6::float8 + 1) AS ceiling,
+                   (SELECT sum(weight) FROM term_weight) * ($6::float8 + 1) AS query_ceiling,
+                   EXISTS (SELECT 1 FROM matched WHERE NOT in_full) AS pruned
+            FROM leaders l LEFT JOIN completed c USING (id)
+            ORDER BY score DESC, l.id LIMIT $3"""
         return [sql, *parameters]
 
 

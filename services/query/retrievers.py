@@ -28,6 +28,12 @@ def build_retrievers(
         keyword = AzureKeyword(documents, azure, settings.azure_search_timeout_ms / 1000)
     else:
         keyword = PostgresKeyword(
-            snapshots, settings.text_search_config, settings.bm25_k1, settings.bm25_b, settings.bm25_k3
+            snapshots,
+            settings.text_search_config,
+            settings.bm25_k1,
+            settings.bm25_b,
+            settings.bm25_k3,
+            settings.bm25_full_read_postings,
+            settings.bm25_completion_depth,
         )
     return [PostgresDense(snapshots, settings.hnsw_ef_search, vector_by), keyword]

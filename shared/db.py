@@ -184,13 +184,20 @@ async def create_pool(
     schema: str | None = None,
     role: str | None = None,
     command_timeout_s: float | None = None,
+    keep_session: bool = False,
 ) -> asyncpg.Pool:
     """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
 
     ``schema``: the connections read and write that schema's tables in place of ``public``'s (see :func:`migrate`).
     ``role``: the role the connections act as from the start (:data:`READER_ROLE` for the query workers,
     :data:`WRITER_ROLE` for the projectors). ``command_timeout_s``: the client's own limit per statement, for a
-    server that stops answering (``statement_timeout`` runs on the server, and a frozen one never applies it)."""
+    server that stops answering (``statement_timeout`` runs on the server, and a frozen one never applies it).
+    ``keep_session``: a released connection is not reset on the server (asyncpg's RESET ALL and friends, a round
+    trip each time), for users that change no session state: only ``SET LOCAL``, no advisory locks, no LISTEN.
+    An open transaction is still rolled back."""
+
+    async def keep(_: asyncpg.Connection) -> None:
+        return None
 
     async def init(conn: asyncpg.Connection) -> None:
         await register_vector(conn)
@@ -201,6 +208,7 @@ async def create_pool(
         max_size=max_size,
         init=init,
         command_timeout=command_timeout_s,
+        reset=keep if keep_session else None,
         server_settings={
             "hnsw.ef_search": str(settings.hnsw_ef_search),
             # pgvector >= 0.8: keep scanning the graph until enough rows pass the filters.

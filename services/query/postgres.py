@@ -201,12 +201,7 @@ class PostgresSnapshots:
 
     async def _open(self, held: contextlib.AsyncExitStack, pool: asyncpg.Pool, scope: Scope) -> Snapshot:
         conn = await held.enter_async_context(pool.acquire(timeout=self._acquire_timeout_s))
-        await held.enter_async_context(conn.transaction(isolation="repeatable_read", readonly=True))
-        # Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has
-        # committed, or waits for this read, so the snapshot never pairs the new partitions with an older
-        # version. Every partitioned parent at once, in the swap's order (by name). (A hot standby allows this
-        # lock mode.)
-        await conn.execute("LOCK TABLE ONLY documents, ONLY postings, ONLY term_statistics IN ACCESS SHARE MODE")
+        await held.enter_async_context(_read_only_transaction(conn))
         rows = await conn.fetch(
             "SELECT branch, state_hash, stream_seq, revision, (SELECT embedding_model FROM deployment) AS model"
             " FROM ontology_versions"
@@ -233,6 +228,27 @@ class PostgresSnapshots:
             {r["branch"]: int(r["revision"]) for r in rows},
             model,
         )
+
+
+# Before the snapshot is taken (LOCK takes none): a rebuild swapping the workspace's partitions in has committed, or
+# waits for this read, so the snapshot never pairs the new partitions with an older version. Every partitioned
+# parent at once, in the swap's order (by name). A hot standby allows this lock mode. One message, one round trip.
+_BEGIN_READ = (
+    "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;"
+    " LOCK TABLE ONLY documents, ONLY postings, ONLY term_statistics IN ACCESS SHARE MODE"
+)
+
+
+@contextlib.asynccontextmanager
+async def _read_only_transaction(conn: Connection) -> AsyncIterator[None]:
+    """A read-only repeatable-read transaction holding the partitioned parents against a swap; rolled back at the
+    end (it wrote nothing)."""
+    try:
+        await conn.execute(_BEGIN_READ)
+        yield
+    finally:
+        if not conn.is_closed() and conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
 
 
 class Snapshots(Protocol):

@@ -472,6 +472,7 @@ class QueryService:
             max_size=max(4, 2 * settings.query_concurrency),
             role=READER_ROLE,
             command_timeout_s=stalled_s,
+            keep_session=True,  # reads only: transactions and SET LOCAL
         )
 
     async def stop(self, timeout_s: float = 10.0) -> None:

@@ -7,6 +7,7 @@ SQL (which the end-to-end tests exercise against a real server).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from random import Random
 from typing import Any, TypeVar
@@ -105,6 +106,9 @@ class ScriptedRetrieval:
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         return GraphRows(nodes=[], links=[], version=self.fetch_version)
+
+    def session(self, scope: Scope) -> AbstractAsyncContextManager[None]:
+        return nullcontext()  # each scripted read stands alone
 
     async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
         return Representatives({}, self.fetch_version)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -164,6 +165,12 @@ class Definitions:
 class DocumentStore(Protocol):
     """The source of truth the retrievers' hits are read from. Each call reads one consistent snapshot and says
     which ontologyVersion it saw."""
+
+    def session(self, scope: Scope) -> AbstractAsyncContextManager[None]:
+        """A block whose reads of the scope's workspace and branch (this store's and the retrievers', in this task
+        and the tasks it starts) share one snapshot where the store can: one answer, one state, fewer round
+        trips. A store that cannot share reads each call alone."""
+        ...
 
     async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""

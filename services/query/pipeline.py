@@ -161,19 +161,22 @@ class QueryPipeline:
         """The read path, stage by stage."""
         position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
-        embedded, definitions, measured = None, NO_DEFINITIONS, Measured(None, {})
-        if run.query.listing:
-            fused, refinements = await self._list(run, scope)
-        else:
-            lookup = asyncio.ensure_future(self._definitions(run, scope))  # beside the retrievers
-            try:
-                lists, embedded = await self._search(run, scope)
-                definitions = await lookup
-            finally:
-                lookup.cancel()  # when no retriever could run, its snapshot is not held for nothing
-            refinements = self._plan(run, lists, embedded)
-            fused, measured = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
-        fetched = await self._fetch(run, scope, fused, refinements, definitions)
+        # Retrieval's reads up to the fetch share one snapshot where the store can; the refinements after it (late
+        # interaction, a reranker's call) do not hold it.
+        async with self._documents.session(Scope(run.workspace, run.query.branch)):
+            embedded, definitions, measured = None, NO_DEFINITIONS, Measured(None, {})
+            if run.query.listing:
+                fused, refinements = await self._list(run, scope)
+            else:
+                lookup = asyncio.ensure_future(self._definitions(run, scope))  # beside the retrievers
+                try:
+                    lists, embedded = await self._search(run, scope)
+                    definitions = await lookup
+                finally:
+                    lookup.cancel()  # when no retriever could run, its snapshot is not held for nothing
+                refinements = self._plan(run, lists, embedded)
+                fused, measured = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
+            fetched = await self._fetch(run, scope, fused, refinements, definitions)
         if (
             embedded is not None
             and fetched.model not in (None, embedded.model)

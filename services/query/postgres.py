@@ -11,7 +11,9 @@ revert, hide nothing). A query on main reads main's rows only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import json
 import math
 import time
@@ -168,7 +170,41 @@ class PostgresSnapshots:
         return [*sorted(ordered, key=lambda source: source.resting_until > now), self._primary]
 
     @contextlib.asynccontextmanager
-    async def read(self, scope: Scope) -> AsyncIterator[Snapshot]:
+    async def session(self, scope: Scope) -> AsyncIterator[None]:
+        """Reads of the scope's workspace and branch inside the block, in this task and the tasks it starts, share
+        one snapshot, opened by the first of them and ended with the block: the reads see one state, and each is
+        one statement on a held connection instead of a transaction of its own (four round trips). They take
+        turns. After one fails or is cancelled (the transaction may be aborted), the rest read alone. The snapshot
+        holds the partitioned parents' lock until the block ends: keep the block to the reads."""
+        shared = _SharedRead(self, (scope.workspace, scope.branch))
+        token = _SESSION.set(shared)
+        try:
+            yield
+        finally:
+            _SESSION.reset(token)
+            await shared.held.aclose()
+
+    @contextlib.asynccontextmanager
+    async def read(self, scope: Scope, *, alone: bool = False) -> AsyncIterator[Snapshot]:
+        """A snapshot of the scope: the session's, if one is open for it, else one of its own (``alone``: always),
+        ended with the block."""
+        shared = None if alone else _SESSION.get()
+        if shared is not None and shared.owner is self and shared.key == (scope.workspace, scope.branch):
+            async with shared.turn:
+                if not shared.broken:
+                    try:
+                        if shared.snapshot is None:
+                            shared.snapshot = await shared.held.enter_async_context(self._read_alone(scope))
+                        yield shared.snapshot
+                    except BaseException:
+                        shared.broken = True
+                        raise
+                    return
+        async with self._read_alone(scope) as snapshot:
+            yield snapshot
+
+    @contextlib.asynccontextmanager
+    async def _read_alone(self, scope: Scope) -> AsyncIterator[Snapshot]:
         for source in self._sources():
             async with contextlib.AsyncExitStack() as held:
                 if not source.replica:
@@ -251,9 +287,30 @@ async def _read_only_transaction(conn: Connection) -> AsyncIterator[None]:
             await conn.execute("ROLLBACK")
 
 
+class _SharedRead:
+    """The snapshot a session's reads share (``PostgresSnapshots.session``)."""
+
+    def __init__(self, owner: PostgresSnapshots, key: tuple[str, str]) -> None:
+        self.owner = owner
+        self.key = key
+        """(workspace, branch): what a snapshot depends on; filters differ from read to read."""
+        self.turn = asyncio.Lock()
+        """One statement at a time on the one connection."""
+        self.held = contextlib.AsyncExitStack()
+        self.snapshot: Snapshot | None = None
+        self.broken = False
+
+
+_SESSION: contextvars.ContextVar[_SharedRead | None] = contextvars.ContextVar("ontofabric_read_session", default=None)
+
+
 class Snapshots(Protocol):
-    def read(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[Snapshot]:
-        """One consistent read of the scope's workspace."""
+    def read(self, scope: Scope, *, alone: bool = False) -> contextlib.AbstractAsyncContextManager[Snapshot]:
+        """One consistent read of the scope's workspace (``PostgresSnapshots.read``)."""
+        ...
+
+    def session(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[None]:
+        """Reads of the scope inside the block share one snapshot (``PostgresSnapshots.session``)."""
         ...
 
 
@@ -265,8 +322,11 @@ class PlacedSnapshots:
         self._placement = placement
         self._databases = list(databases)
 
-    def read(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[Snapshot]:
-        return self._databases[self._placement.database_of(scope.workspace)].read(scope)
+    def read(self, scope: Scope, *, alone: bool = False) -> contextlib.AbstractAsyncContextManager[Snapshot]:
+        return self._databases[self._placement.database_of(scope.workspace)].read(scope, alone=alone)
+
+    def session(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._databases[self._placement.database_of(scope.workspace)].session(scope)
 
 
 class PostgresDense:
@@ -339,7 +399,9 @@ class PostgresKeyword:
         self._completion_depth = completion_depth
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
-        async with self._snapshots.read(scope) as snapshot:
+        # Alone: it runs while the query is embedded, and a session's snapshot opened now would hold the parents'
+        # lock (which a rebuild's swap waits for) across the embedding.
+        async with self._snapshots.read(scope, alone=True) as snapshot:
             rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
         first = rows[0] if rows else None
         return Hits(
@@ -435,6 +497,9 @@ class PostgresDocuments:
         self._snapshots = snapshots
         self._vector_by = vector_by
 
+    def session(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._snapshots.session(scope)
+
     async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
         async with self._snapshots.read(scope) as snapshot:
             where, parameters = where_clause(scope.unfiltered, 3, snapshot.shadowed)
@@ -497,7 +562,7 @@ class PostgresDocuments:
         return Hits([Candidate(r["id"], 1.0) for r in rows], snapshot.version)
 
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
-        async with self._snapshots.read(scope) as snapshot:
+        async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the retrievers: as the keyword's
             where, parameters = where_clause(scope, 4, snapshot.shadowed)
             # Looked up by the name's last part through documents_symbol_name (infra/migrations/0014), then
             # matched whole: the qualified name is the name, or ends with "." and the name.

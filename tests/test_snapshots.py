@@ -1,0 +1,101 @@
+"""The query worker's reads: a session's reads share one snapshot on one connection, taking turns; a failed read
+leaves the rest of the session reading alone; outside a session every read is a snapshot of its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import numpy as np
+import pytest
+
+from ontofabric.services.projector.planning import Delta
+from ontofabric.services.projector.store import PostgresProjectionStore
+from ontofabric.services.query.core import Scope, SearchInput
+from ontofabric.services.query.postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
+from ontofabric.shared.db import create_pool, migrate
+
+from .conftest import Deployment
+from .factories import document, unit_vector, upsert
+
+SCOPE = Scope("acme", "main")
+
+
+@pytest.fixture
+async def pool(deployment: Deployment) -> AsyncIterator[asyncpg.Pool]:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings, keep_session=True)
+    yield pool
+    await pool.close()
+
+
+async def _write(store: PostgresProjectionStore, seq: int, doc_id: str, text: str) -> None:
+    await store.apply([Delta(seq, upsert("acme", document(doc_id, text, embedding=unit_vector(doc_id))))])
+
+
+async def _backends(pool: asyncpg.Pool) -> int:
+    """Connections of ontofabric's pools to this test's database."""
+    sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'ontofabric' AND datname = current_database()"
+    return int(await pool.fetchval(sql))
+
+
+async def test_reads_in_a_session_share_one_snapshot_and_take_turns(pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    await _write(store, 1, "a", "alpha parser")
+    snapshots = PostgresSnapshots(pool)
+    documents = PostgresDocuments(snapshots)
+    dense = PostgresDense(snapshots, 100)
+    query = SearchInput("parser", np.asarray(unit_vector("a"), dtype=np.float32))
+    async with snapshots.session(SCOPE):
+        first = await documents.fetch(SCOPE, ["a", "b"])
+        await _write(store, 2, "b", "beta parser")  # committed while the session reads
+        # At once, as the pipeline's stages may: they take turns on the session's one connection.
+        near, scored, second = await asyncio.gather(
+            dense.search(SCOPE, query, 10),
+            documents.similarities(SCOPE, query, ["a", "b"]),
+            documents.fetch(SCOPE, ["a", "b"]),
+        )
+        assert [c.id for c in near.candidates] == [c.id for c in scored.candidates] == ["a"]
+        assert set(second.documents) == set(first.documents) == {"a"}
+        assert near.version == scored.version == second.version == first.version
+        held = await _backends(pool)
+        # The keyword retriever reads alone (it runs while the query is embedded): it sees the new document.
+        keyword = PostgresKeyword(snapshots, "english", 1.2, 0.85, 2.0)
+        alone = await keyword.search(SCOPE, query, 10)
+        assert sorted(c.id for c in alone.candidates) == ["a", "b"]
+        assert alone.version != first.version
+    after = await documents.fetch(SCOPE, ["a", "b"])
+    assert set(after.documents) == {"a", "b"}
+    assert after.version == alone.version
+    # The pool's connection for counting, and the session's: none of the reads at once opened another.
+    assert held == 2
+
+
+async def test_after_a_read_fails_the_rest_of_the_session_reads_alone(pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    await _write(store, 1, "a", "alpha parser")
+    snapshots = PostgresSnapshots(pool)
+    documents = PostgresDocuments(snapshots)
+    wrong = SearchInput("parser", np.ones(3, dtype=np.float32))  # not the index's dimension
+    async with snapshots.session(SCOPE):
+        await documents.fetch(SCOPE, ["a"])
+        with pytest.raises(asyncpg.DataError):
+            await documents.similarities(SCOPE, wrong, ["a"])  # aborts the session's transaction
+        await _write(store, 2, "b", "beta parser")
+        # A snapshot of its own now: it sees what committed since.
+        assert set((await documents.fetch(SCOPE, ["a", "b"])).documents) == {"a", "b"}
+    idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in tr%'"
+    assert await pool.fetchval(idle) == 0  # the session ended its transaction
+
+
+async def test_a_session_of_another_branch_does_not_hold_this_ones_reads(pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    await _write(store, 1, "a", "alpha parser")
+    snapshots = PostgresSnapshots(pool)
+    documents = PostgresDocuments(snapshots)
+    async with snapshots.session(Scope("acme", "feature")):
+        before = await documents.fetch(SCOPE, ["a", "b"])
+        await _write(store, 2, "b", "beta parser")
+        assert set((await documents.fetch(SCOPE, ["a", "b"])).documents) == {"a", "b"}
+        assert set(before.documents) == {"a"}

@@ -182,7 +182,10 @@ class PostgresSnapshots:
             yield
         finally:
             _SESSION.reset(token)
-            await shared.held.aclose()
+            try:
+                await shared.held.aclose()
+            except Exception as error:  # what was read stands; the pool drops a connection that failed here
+                log.warning("read_session_end_failed", error=describe(error))
 
     @contextlib.asynccontextmanager
     async def read(self, scope: Scope, *, alone: bool = False) -> AsyncIterator[Snapshot]:

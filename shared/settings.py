@@ -242,13 +242,13 @@ class Settings(BaseSettings):
         "0 counts it once.",
     )  # fmt: skip
     bm25_full_read_postings: int = Field(
-        default=20_000, ge=0,
+        default=50_000, ge=0,
         description="Postings a keyword query reads in full, its rarest terms first (the rarest always); its "
         "commoner terms are then looked up only for the leading documents (docs/benchmarks.md, \"Bounded BM25\"). "
         "Queries within it get exact BM25.",
     )  # fmt: skip
     bm25_completion_depth: int = Field(
-        default=1000, ge=1,
+        default=3000, ge=1,
         description="Leading documents, by the terms read in full, whose commoner terms' postings are looked up "
         "(at least the candidates asked for).",
     )  # fmt: skip

@@ -351,15 +351,16 @@ async def test_a_new_workspace_is_analysed_as_it_is_written(
         rows = await deployment.fetch(
             "SELECT c.relname, c.reltuples FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid"
             " WHERE s.last_analyze IS NOT NULL AND c.relname IN"
-            " ('documents_ws_' || substr(md5('fresh'), 1, 20), 'postings_ws_' || substr(md5('fresh'), 1, 20))"
+            " (SELECT prefix || substr(md5('fresh'), 1, 20)"
+            "    FROM unnest(ARRAY['documents_ws_', 'postings_ws_', 'term_statistics_ws_']) AS prefix)"
         )
         return {r["relname"].split("_ws_")[0]: r["reltuples"] for r in rows}
 
     for _ in range(50):  # the projector analyses after acking, so right after the wait it may still be at it
-        if len(found := await analysed()) == 2:
+        if len(found := await analysed()) == 3:
             break
         await asyncio.sleep(0.1)
-    assert set(found) == {"documents", "postings"}
+    assert set(found) == {"documents", "postings", "term_statistics"}
     # The 80 deltas may come in more than one batch (62 and 18 in one CI run): the partition is analysed once more
     # rows changed than the threshold, and again only when the rest passes autovacuum's rule (50 + 10 %).
     assert ANALYZE_THRESHOLD_ROWS < found["documents"] <= 80
@@ -376,7 +377,7 @@ async def test_a_partition_being_analysed_elsewhere_is_skipped_not_waited_for(de
         async with other.transaction():  # what a concurrent ANALYZE or autovacuum holds
             await other.execute(f"LOCK TABLE {documents_partition} IN SHARE UPDATE EXCLUSIVE MODE")
             busy = await asyncio.wait_for(store.refresh_statistics(["busy"]), timeout=5)
-        assert [p.split("_ws_")[0] for p in busy] == ["postings"]
+        assert [p.split("_ws_")[0] for p in busy] == ["postings", "term_statistics"]
         assert await store.refresh_statistics(["busy"]) == [documents_partition]  # still stale, so next time
         assert await store.refresh_statistics(["busy"]) == []
     finally:

@@ -387,7 +387,7 @@ async def test_each_schema_s_writer_analyses_its_own_partitions(deployment: Depl
         await shadow.apply([Delta(i, upsert("busy", document(f"d{i}", f"text {i}"))) for i in range(1, 81)])
         assert await live.refresh_statistics(["busy"]) == []  # only the shadow's partitions changed
         analysed = await shadow.refresh_statistics(["busy"])
-        assert [name.split("_ws_")[0] for name in analysed] == ["documents", "postings"]
+        assert [name.split("_ws_")[0] for name in analysed] == ["documents", "postings", "term_statistics"]
         rows = await deployment.fetch(
             "SELECT schemaname, last_analyze IS NOT NULL AS analysed FROM pg_stat_user_tables"
             " WHERE relname LIKE 'documents_ws_%'"

@@ -20,6 +20,9 @@ from .conftest import Deployment
 from .factories import document, unit_vector, upsert
 
 SCOPE = Scope("acme", "main")
+IDLE_IN_TRANSACTION = (
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'"
+)
 
 
 @pytest.fixture
@@ -85,8 +88,29 @@ async def test_after_a_read_fails_the_rest_of_the_session_reads_alone(pool: asyn
         await _write(store, 2, "b", "beta parser")
         # A snapshot of its own now: it sees what committed since.
         assert set((await documents.fetch(SCOPE, ["a", "b"])).documents) == {"a", "b"}
-    idle = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in tr%'"
-    assert await pool.fetchval(idle) == 0  # the session ended its transaction
+        # The session's aborted transaction ended before that read went alone: its locks were not held meanwhile.
+        assert await pool.fetchval(IDLE_IN_TRANSACTION) == 0
+    assert await pool.fetchval(IDLE_IN_TRANSACTION) == 0
+
+
+async def test_a_task_that_outlives_its_session_reads_alone(pool: asyncpg.Pool) -> None:
+    store = PostgresProjectionStore(pool, "english")
+    await _write(store, 1, "a", "alpha parser")
+    snapshots = PostgresSnapshots(pool)
+    documents = PostgresDocuments(snapshots)
+    go = asyncio.Event()
+
+    async def late_read() -> set[str]:
+        await go.wait()
+        return set((await documents.fetch(SCOPE, ["a", "b"])).documents)
+
+    async with snapshots.session(SCOPE):
+        await documents.fetch(SCOPE, ["a"])
+        straggler = asyncio.ensure_future(late_read())  # carries the session in its context
+    await _write(store, 2, "b", "beta parser")
+    go.set()
+    assert await straggler == {"a", "b"}
+    assert await pool.fetchval(IDLE_IN_TRANSACTION) == 0
 
 
 async def test_a_session_of_another_branch_does_not_hold_this_ones_reads(pool: asyncpg.Pool) -> None:

@@ -51,5 +51,24 @@ BEGIN
 END
 $$;
 
+-- Projectors of the previous version keep writing postings but not their counts: none may write while these are
+-- counted (stop them before upgrading; a projector of this version waits for this migration).
+LOCK TABLE postings IN SHARE MODE;
 INSERT INTO term_statistics (workspace, branch, term, df)
 SELECT workspace, branch, term, count(*) FROM postings GROUP BY workspace, branch, term;
+
+-- Projectors analyse the new partitions too: every batch changes their rows.
+CREATE OR REPLACE FUNCTION stale_workspace_partitions(p_workspaces text[], p_threshold bigint, p_scale float8)
+RETURNS SETOF text
+LANGUAGE sql STABLE AS $$
+    SELECT format('%I', s.relname)
+      FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+     WHERE s.schemaname = current_schema()
+       AND s.relname IN (
+               -- named as ensure_workspace_partition names them
+               SELECT prefix || substr(md5(w), 1, 20)
+                 FROM unnest(p_workspaces) AS w,
+                      unnest(ARRAY['documents_ws_', 'postings_ws_', 'term_statistics_ws_']) AS prefix)
+       AND s.n_mod_since_analyze > p_threshold + p_scale * greatest(c.reltuples, 0)
+     ORDER BY 1
+$$;

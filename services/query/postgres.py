@@ -182,10 +182,8 @@ class PostgresSnapshots:
             yield
         finally:
             _SESSION.reset(token)
-            try:
-                await shared.held.aclose()
-            except Exception as error:  # what was read stands; the pool drops a connection that failed here
-                log.warning("read_session_end_failed", error=describe(error))
+            async with shared.turn:  # after the read in hand; a task that outlives the block then reads alone
+                await shared.end()
 
     @contextlib.asynccontextmanager
     async def read(self, scope: Scope, *, alone: bool = False) -> AsyncIterator[Snapshot]:
@@ -203,6 +201,9 @@ class PostgresSnapshots:
                         shared.broken = True
                         raise
                     return
+                # Ended before this read goes alone: a snapshot of its own must not wait on a lock (a swap's,
+                # queued behind the session's) that this same answer holds.
+                await shared.end()
         async with self._read_alone(scope) as snapshot:
             yield snapshot
 
@@ -286,7 +287,9 @@ async def _read_only_transaction(conn: Connection) -> AsyncIterator[None]:
         await conn.execute(_BEGIN_READ)
         yield
     finally:
-        if not conn.is_closed() and conn.is_in_transaction():
+        # Whatever happened: cancelled while the LOCK waited, the transaction is open though no answer came back
+        # to say so (outside one, ROLLBACK only warns).
+        if not conn.is_closed():
             await conn.execute("ROLLBACK")
 
 
@@ -302,6 +305,15 @@ class _SharedRead:
         self.held = contextlib.AsyncExitStack()
         self.snapshot: Snapshot | None = None
         self.broken = False
+        """A read failed or was cancelled (its transaction may be aborted), or the session ended: reads go alone."""
+
+    async def end(self) -> None:
+        """Ends the transaction and gives the connection back (again: nothing); later reads go alone."""
+        self.broken = True
+        try:
+            await self.held.aclose()
+        except Exception as error:  # what was read stands; the pool drops a connection that failed here
+            log.warning("read_session_end_failed", error=describe(error))
 
 
 _SESSION: contextvars.ContextVar[_SharedRead | None] = contextvars.ContextVar("ontofabric_read_session", default=None)
@@ -449,7 +461,7 @@ class PostgresKeyword:
                        * ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS weight
                 FROM terms t CROSS JOIN stats st
                 CROSS JOIN LATERAL (
-                    SELECT coalesce(sum(s.df), 0) AS df FROM term_statistics s
+                    SELECT greatest(coalesce(sum(s.df), 0), 0) AS df FROM term_statistics s
                     WHERE s.workspace = $4 AND s.branch = ANY($5::text[]) AND s.term = t.term) f),
             -- Rarest first: a term is read in full while the postings read so far stay within $10, the first always.
             matched AS (
@@ -633,7 +645,7 @@ class PostgresDocuments:
     async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
         """Which of ``ids`` are live and visible in the scope, on which branch and with which content: what another
         index's hits are checked against, so only the text shown here is ever answered from there."""
-        async with self._snapshots.read(scope) as snapshot:
+        async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the embedding, as keyword search
             where, parameters = where_clause(scope, 2, snapshot.shadowed)
             rows = await snapshot.conn.fetch(
                 f"SELECT id, branch, {CONTENT_MD5_SQL} AS content_md5 FROM documents"
@@ -646,7 +658,7 @@ class PostgresDocuments:
 
     async def shadowed(self, scope: Scope) -> tuple[list[str], str]:
         """Main's ids the scope's branch hides (none on main), and the version of the snapshot that says so."""
-        async with self._snapshots.read(scope) as snapshot:
+        async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the embedding, as keyword search
             return snapshot.shadowed, snapshot.version
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import asyncpg
 import numpy as np
@@ -33,8 +34,25 @@ async def pool(deployment: Deployment) -> AsyncIterator[asyncpg.Pool]:
     await pool.close()
 
 
-async def _write(store: PostgresProjectionStore, seq: int, doc_id: str, text: str) -> None:
-    await store.apply([Delta(seq, upsert("acme", document(doc_id, text, embedding=unit_vector(doc_id))))])
+@dataclass(frozen=True)
+class Reads:
+    """A store with document "a" projected, and the query worker's snapshots and document reads over it."""
+
+    pool: asyncpg.Pool
+    store: PostgresProjectionStore
+    snapshots: PostgresSnapshots
+    documents: PostgresDocuments
+
+    async def write(self, seq: int, doc_id: str, text: str) -> None:
+        await self.store.apply([Delta(seq, upsert("acme", document(doc_id, text, embedding=unit_vector(doc_id))))])
+
+
+@pytest.fixture
+async def reads(pool: asyncpg.Pool) -> Reads:
+    snapshots = PostgresSnapshots(pool)
+    reads = Reads(pool, PostgresProjectionStore(pool, "english"), snapshots, PostgresDocuments(snapshots))
+    await reads.write(1, "a", "alpha parser")
+    return reads
 
 
 async def _backends(pool: asyncpg.Pool) -> int:
@@ -43,16 +61,13 @@ async def _backends(pool: asyncpg.Pool) -> int:
     return int(await pool.fetchval(sql))
 
 
-async def test_reads_in_a_session_share_one_snapshot_and_take_turns(pool: asyncpg.Pool) -> None:
-    store = PostgresProjectionStore(pool, "english")
-    await _write(store, 1, "a", "alpha parser")
-    snapshots = PostgresSnapshots(pool)
-    documents = PostgresDocuments(snapshots)
+async def test_reads_in_a_session_share_one_snapshot_and_take_turns(reads: Reads) -> None:
+    pool, snapshots, documents = reads.pool, reads.snapshots, reads.documents
     dense = PostgresDense(snapshots, 100)
     query = SearchInput("parser", np.asarray(unit_vector("a"), dtype=np.float32))
     async with snapshots.session(SCOPE):
         first = await documents.fetch(SCOPE, ["a", "b"])
-        await _write(store, 2, "b", "beta parser")  # committed while the session reads
+        await reads.write(2, "b", "beta parser")  # committed while the session reads
         # At once, as the pipeline's stages may: they take turns on the session's one connection.
         near, scored, second = await asyncio.gather(
             dense.search(SCOPE, query, 10),
@@ -75,17 +90,14 @@ async def test_reads_in_a_session_share_one_snapshot_and_take_turns(pool: asyncp
     assert held == 2
 
 
-async def test_after_a_read_fails_the_rest_of_the_session_reads_alone(pool: asyncpg.Pool) -> None:
-    store = PostgresProjectionStore(pool, "english")
-    await _write(store, 1, "a", "alpha parser")
-    snapshots = PostgresSnapshots(pool)
-    documents = PostgresDocuments(snapshots)
+async def test_after_a_read_fails_the_rest_of_the_session_reads_alone(reads: Reads) -> None:
+    pool, snapshots, documents = reads.pool, reads.snapshots, reads.documents
     wrong = SearchInput("parser", np.ones(3, dtype=np.float32))  # not the index's dimension
     async with snapshots.session(SCOPE):
         await documents.fetch(SCOPE, ["a"])
         with pytest.raises(asyncpg.DataError):
             await documents.similarities(SCOPE, wrong, ["a"])  # aborts the session's transaction
-        await _write(store, 2, "b", "beta parser")
+        await reads.write(2, "b", "beta parser")
         # A snapshot of its own now: it sees what committed since.
         assert set((await documents.fetch(SCOPE, ["a", "b"])).documents) == {"a", "b"}
         # The session's aborted transaction ended before that read went alone: its locks were not held meanwhile.
@@ -93,11 +105,8 @@ async def test_after_a_read_fails_the_rest_of_the_session_reads_alone(pool: asyn
     assert await pool.fetchval(IDLE_IN_TRANSACTION) == 0
 
 
-async def test_a_task_that_outlives_its_session_reads_alone(pool: asyncpg.Pool) -> None:
-    store = PostgresProjectionStore(pool, "english")
-    await _write(store, 1, "a", "alpha parser")
-    snapshots = PostgresSnapshots(pool)
-    documents = PostgresDocuments(snapshots)
+async def test_a_task_that_outlives_its_session_reads_alone(reads: Reads) -> None:
+    pool, snapshots, documents = reads.pool, reads.snapshots, reads.documents
     go = asyncio.Event()
 
     async def late_read() -> set[str]:
@@ -107,19 +116,16 @@ async def test_a_task_that_outlives_its_session_reads_alone(pool: asyncpg.Pool) 
     async with snapshots.session(SCOPE):
         await documents.fetch(SCOPE, ["a"])
         straggler = asyncio.ensure_future(late_read())  # carries the session in its context
-    await _write(store, 2, "b", "beta parser")
+    await reads.write(2, "b", "beta parser")
     go.set()
     assert await straggler == {"a", "b"}
     assert await pool.fetchval(IDLE_IN_TRANSACTION) == 0
 
 
-async def test_a_session_of_another_branch_does_not_hold_this_ones_reads(pool: asyncpg.Pool) -> None:
-    store = PostgresProjectionStore(pool, "english")
-    await _write(store, 1, "a", "alpha parser")
-    snapshots = PostgresSnapshots(pool)
-    documents = PostgresDocuments(snapshots)
+async def test_a_session_of_another_branch_does_not_hold_this_ones_reads(reads: Reads) -> None:
+    snapshots, documents = reads.snapshots, reads.documents
     async with snapshots.session(Scope("acme", "feature")):
         before = await documents.fetch(SCOPE, ["a", "b"])
-        await _write(store, 2, "b", "beta parser")
+        await reads.write(2, "b", "beta parser")
         assert set((await documents.fetch(SCOPE, ["a", "b"])).documents) == {"a", "b"}
         assert set(before.documents) == {"a"}

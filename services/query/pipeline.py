@@ -163,7 +163,7 @@ class QueryPipeline:
         scope = await self._scope(run)
         # Retrieval's reads up to the fetch share one snapshot where the store can; the refinements after it (late
         # interaction, a reranker's call) do not hold it.
-        async with self._documents.session(Scope(run.workspace, run.query.branch)):
+        async with self._documents.session(scope):
             embedded, definitions, measured = None, NO_DEFINITIONS, Measured(None, {})
             if run.query.listing:
                 fused, refinements = await self._list(run, scope)

@@ -437,13 +437,24 @@ class PostgresKeyword:
             where, more = where_clause(scope, len(parameters) + 1, shadowed)
             parameters += more
             filtered = f"AND EXISTS (SELECT 1 FROM documents WHERE id = s.id AND {where})"
-        # One term's contribution to a posting's document ($6 k1, $7 b).
-        contribution = (
-            "m.weight * p.tf * ($6::float8 + 1)"
-            " / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))"
-        )
-        # Every postings read is an index range scan on (workspace, branch, term): LATERAL, kept from being
-        # flattened into a join by OFFSET 0, makes it so even before the planner has statistics of a partition.
+
+        def scores(terms: str, postings: str = "") -> str:
+            """BM25 per document over the matched terms selected by ``terms``, reading only the postings that
+            ``postings`` also selects. Every postings read is an index range scan on (workspace, branch, term):
+            LATERAL, kept from being flattened into a join by OFFSET 0, makes it so even before the planner has
+            statistics of a partition. $6 is k1, $7 b; main's rows the branch shadows ($8) do not count."""
+            return f"""
+                SELECT p.doc_id AS id,
+                       sum(m.weight * p.tf * ($6::float8 + 1)
+                           / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
+                FROM matched m CROSS JOIN stats st
+                CROSS JOIN LATERAL (
+                    SELECT branch, doc_id, tf, doc_length FROM postings p
+                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term {postings}
+                    OFFSET 0) p
+                WHERE {terms} AND NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
+                GROUP BY p.doc_id"""
+
         # Parameters are cast: an untyped $n beside an integer literal is inferred as integer, and asyncpg would
         # round k1, b and k3 without a word.
         sql = f"""
@@ -469,30 +480,13 @@ class PostgresKeyword:
                        sum(df) OVER (ORDER BY df, term ROWS UNBOUNDED PRECEDING)
                            <= greatest($10::bigint, min(df) OVER ()) AS in_full
                 FROM term_weight WHERE df > 0),
-            found AS (
-                SELECT p.doc_id AS id, sum({contribution}) AS score
-                FROM matched m CROSS JOIN stats st
-                CROSS JOIN LATERAL (
-                    SELECT branch, doc_id, tf, doc_length FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term
-                    OFFSET 0) p
-                WHERE m.in_full AND NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
-                GROUP BY p.doc_id),
+            found AS ({scores("m.in_full")}),
             leaders AS (
                 SELECT s.id, s.score FROM found s
                 WHERE true {filtered}
                 ORDER BY s.score DESC, s.id LIMIT $11),
             -- The commoner terms, looked up by (term, document) for the leading candidates only.
-            completed AS (
-                SELECT p.doc_id AS id, sum({contribution}) AS score
-                FROM matched m CROSS JOIN stats st
-                CROSS JOIN LATERAL (
-                    SELECT branch, doc_id, tf, doc_length FROM postings p
-                    WHERE p.workspace = $4 AND p.branch = ANY($5::text[]) AND p.term = m.term
-                      AND p.doc_id = ANY(ARRAY(SELECT id FROM leaders))
-                    OFFSET 0) p
-                WHERE NOT m.in_full AND NOT (p.branch = {MAIN_SQL} AND p.doc_id = ANY($8::text[]))
-                GROUP BY p.doc_id)
+            completed AS ({scores("NOT m.in_full", "AND p.doc_id = ANY(ARRAY(SELECT id FROM leaders))")})
             -- The best score a document could reach: over the terms some document has (ceiling), and over every
             -- query term (query_ceiling: a term no document has still counts as missing from every match).
             SELECT l.id, l.score + coalesce(c.score, 0) AS score,

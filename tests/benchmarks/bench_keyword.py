@@ -46,12 +46,11 @@ from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_scale import load_base, projected_by, publish
+from .bench_scale import WORKSPACE, load_base, projected_by, projected_documents, publish
 
 DEPTH = 100
 """Candidates the worker asks of each retriever (retriever_top_k)."""
 EXACT = "exact"
-WORKSPACE = "scale"
 
 
 def judged_originals(datasets: Sequence[Path]) -> dict[str, set[int]]:
@@ -79,18 +78,6 @@ def judged_recall(found: list[str], relevant: set[int], originals: int) -> float
     return len(relevant & held) / len(relevant)
 
 
-async def projected_documents(database_url: str) -> int:
-    """Live documents of the benchmark's workspace in a kept data directory (0 when there are none)."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        if await conn.fetchval("SELECT to_regclass('ontology_versions')") is None:
-            return 0
-        count = await conn.fetchval("SELECT sum(doc_count) FROM ontology_versions WHERE workspace = $1", WORKSPACE)
-        return int(count or 0)
-    finally:
-        await conn.close()
-
-
 def overlap(found: list[str], exact: list[str], k: int) -> float:
     """Share of exact BM25's top ``k`` that ``found``'s top ``k`` holds (1 when exact found nothing)."""
     wanted = set(exact[:k])
@@ -106,8 +93,8 @@ async def run(endpoints: Endpoints, args: argparse.Namespace) -> None:
         embedder = load_embedder(settings)
         base, queries = await asyncio.to_thread(load_base, args.datasets, settings, embedder, progress)
         already = await projected_documents(endpoints.database_url)
-        if already not in (0, args.documents):
-            raise SystemExit(f"the data directory holds {already} documents, not {args.documents}")
+        if 0 < already < args.documents:  # more: those a bench_scale freshness run added
+            raise SystemExit(f"the data directory holds {already} documents, fewer than {args.documents}")
         if already == 0:
             await migrate(endpoints.database_url, settings)
             nc = await connect(endpoints.nats_url_as("operator"), "bench-keyword")

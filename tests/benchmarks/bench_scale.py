@@ -22,6 +22,10 @@ In the same run:
 
 Run: .venv/bin/python -m tests.benchmarks.bench_scale ../shared/eval/cosqa-dev ../shared/eval/scifact-train
      [--documents 100000] [--concurrency 1,8,32] [--queries 200] [--rate 200] [--freshness-seconds 30]
+     [--data-dir DIR]
+--data-dir keeps the embedded servers' data in DIR: a later run with the same DIR and --documents (of this
+benchmark or of bench_keyword) measures the corpus already projected there instead of loading it again (an hour
+at 1,000,000 documents); projection is then not measured, and the COPY reference only when DIR has none yet.
 Compare ratios, not absolute times: the machines are shared and noisy.
 """
 
@@ -32,7 +36,6 @@ import asyncio
 import random
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -61,7 +64,7 @@ from ontofabric.shared.embedder import Embedder, load_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import ack_floor, connect, ensure_jetstream
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import Endpoints, embedded_servers
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -74,6 +77,8 @@ NOISE_SIGMA = 0.02
 PUBLISH_BATCH = 1000
 STALL_S = 300.0
 """The projection wait gives up when the projector applies nothing for this long."""
+WORKSPACE = "scale"
+"""The corpus's workspace, the same in every run, so that a kept data directory can be measured again."""
 
 COPY_TABLE = """
 CREATE TABLE scale_copy (
@@ -190,6 +195,18 @@ async def projected_by(js: JetStreamContext, names: Names, last_seq: int, count:
         done = now
 
 
+async def projected_documents(database_url: str) -> int:
+    """Live documents of the benchmark's workspace in a kept data directory (0 when there are none)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        if await conn.fetchval("SELECT to_regclass('ontology_versions')") is None:
+            return 0
+        count = await conn.fetchval("SELECT sum(doc_count) FROM ontology_versions WHERE workspace = $1", WORKSPACE)
+        return int(count or 0)
+    finally:
+        await conn.close()
+
+
 async def copy_reference(pool: asyncpg.Pool, base: Base, count: int, config: str, progress: RichProgress) -> float:
     """Seconds COPY takes to write the same rows into the reference table (building the rows is not counted)."""
     async with pool.acquire() as conn:
@@ -214,11 +231,14 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
-async def storage(pool: asyncpg.Pool, workspace: str, documents: int) -> str:
-    """PostgreSQL's bytes per document for the deployment's tables, the token signs' share, and the reference's."""
-    ours = await pool.fetchval(
-        "SELECT sum(pg_total_relation_size(oid)) FROM pg_class"
-        " WHERE relkind = 'r' AND relnamespace = 'public'::regnamespace AND relname <> 'scale_copy'"
+async def storage(pool: asyncpg.Pool, workspace: str, documents: int, reference_rows: int) -> str:
+    """PostgreSQL's bytes per document for the deployment's tables (``documents`` in the workspace), the token
+    signs' share, and the reference table's (``reference_rows`` in it)."""
+    ours = int(
+        await pool.fetchval(
+            "SELECT sum(pg_total_relation_size(oid)) FROM pg_class"
+            " WHERE relkind = 'r' AND relnamespace = 'public'::regnamespace AND relname <> 'scale_copy'"
+        )
     )
     largest = await pool.fetch(
         "SELECT relname, pg_total_relation_size(oid) AS bytes FROM pg_class"
@@ -228,7 +248,8 @@ async def storage(pool: asyncpg.Pool, workspace: str, documents: int) -> str:
     signs = await pool.fetchval(
         "SELECT sum(pg_column_size(token_signs)) FROM documents WHERE workspace = $1", workspace
     )
-    reference = await pool.fetchval("SELECT pg_total_relation_size('scale_copy')")
+    # Per row of its own: a kept corpus may hold more documents than the reference table.
+    reference = await pool.fetchval("SELECT pg_total_relation_size('scale_copy')") / reference_rows * documents
     parts = ", ".join(f"{r['relname']} {r['bytes'] / documents / 1024:.1f}" for r in largest)
     return (
         f"storage per document: {ours / documents / 1024:.1f} KB (largest tables, KB per document: {parts}); "
@@ -337,7 +358,7 @@ def latency_row(level: int, ours: Measure, recipe: Measure) -> str:
 async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace) -> None:
     settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
     names = Names(settings.subject_prefix)
-    workspace = f"scale-{uuid.uuid4().hex[:6]}"
+    workspace = WORKSPACE
     levels = [int(c) for c in args.concurrency.split(",")]
     async with AsyncExitStack() as stack:
         progress = stack.enter_context(RichProgress(Console()))
@@ -346,6 +367,10 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         needed = args.queries * len(levels)
         if len(queries) < needed + 8:
             raise SystemExit(f"{len(queries)} queries, {needed + 8} needed: lower --queries")
+        # A kept corpus may hold more than --documents: those an earlier freshness run added.
+        documents = await projected_documents(endpoints.database_url)
+        if 0 < documents < args.documents:
+            raise SystemExit(f"the data directory holds {documents} documents, fewer than {args.documents}")
         model = settings.embedding_model
         await migrate(endpoints.database_url, settings)
         nc = await connect(endpoints.nats_url_as("operator"), "bench-scale")
@@ -361,20 +386,28 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         )
         stack.push_async_callback(pool.close)
 
-        began = time.perf_counter()
-        last_seq = await publish(js, names, workspace, base, args.documents, model, progress)
-        print(f"published {args.documents} deltas in {time.perf_counter() - began:.0f} s", flush=True)
-
+        projection_s, last_seq = None, 0
+        if documents == 0:
+            began = time.perf_counter()
+            last_seq = await publish(js, names, workspace, base, args.documents, model, progress)
+            print(f"published {args.documents} deltas in {time.perf_counter() - began:.0f} s", flush=True)
         await start_workers(stack, settings, endpoints, Roles(query=False, azure_projector=False))
-        began = time.perf_counter()
-        await projected_by(js, names, last_seq, args.documents, progress)
-        projection_s = time.perf_counter() - began
-        copy_s = await copy_reference(pool, base, args.documents, settings.text_search_config, progress)
+        if documents == 0:
+            began = time.perf_counter()
+            await projected_by(js, names, last_seq, args.documents, progress)
+            projection_s = time.perf_counter() - began
+            documents = args.documents
+        else:
+            print(f"the data directory's {documents} documents, projected in an earlier run: projection not measured")
+        if await pool.fetchval("SELECT to_regclass('scale_copy')") is None:
+            copy_s = await copy_reference(pool, base, args.documents, settings.text_search_config, progress)
+            copied = args.documents / copy_s
+            print(f"COPY into the reference table: {copied:.0f} documents/s ({copy_s:.0f} s)", flush=True)
+            if projection_s is not None:
+                projected = args.documents / projection_s
+                print(f"projection: {projected:.0f} documents/s ({projection_s:.0f} s); ratio {projected / copied:.2f}")
         await pool.execute("VACUUM ANALYZE")
-        projected, copied = args.documents / projection_s, args.documents / copy_s
-        print(f"projection: {projected:.0f} documents/s ({projection_s:.0f} s); COPY into the reference table: "
-              f"{copied:.0f} documents/s ({copy_s:.0f} s); ratio {projected / copied:.2f}", flush=True)  # fmt: skip
-        print(await storage(pool, workspace, args.documents), flush=True)
+        print(await storage(pool, workspace, documents, args.documents), flush=True)
 
         client = QueryClient(nc, names, timeout_s=60)
         started = time.perf_counter()
@@ -429,10 +462,14 @@ def main() -> None:
         "--worker-env", action="append", default=[], metavar="NAME=VALUE",
         help="an environment variable for the query worker only (a lever to measure); repeatable",
     )  # fmt: skip
+    parser.add_argument("--data-dir", type=Path, help="keep the servers' data here, and reuse a corpus loaded there")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
-    with embedded_servers() as endpoints, tempfile.TemporaryDirectory(prefix="bench-scale-") as runtime_dir:
-        asyncio.run(run(endpoints, Path(runtime_dir), args))
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as scratch:
+        runtime_dir = Path(scratch)
+        with EmbeddedRuntime(Settings(), args.data_dir or runtime_dir / "data") as runtime:
+            assert runtime.endpoints is not None
+            asyncio.run(run(runtime.endpoints, runtime_dir, args))
 
 
 if __name__ == "__main__":

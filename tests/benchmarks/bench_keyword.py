@@ -92,9 +92,7 @@ async def run(endpoints: Endpoints, args: argparse.Namespace) -> None:
         progress = stack.enter_context(RichProgress(Console()))
         embedder = load_embedder(settings)
         base, queries = await asyncio.to_thread(load_base, args.datasets, settings, embedder, progress)
-        already = await projected_documents(endpoints.database_url)
-        if 0 < already < args.documents:  # more: those a bench_scale freshness run added
-            raise SystemExit(f"the data directory holds {already} documents, fewer than {args.documents}")
+        already = await projected_documents(endpoints.database_url, args.documents)
         if already == 0:
             await migrate(endpoints.database_url, settings)
             nc = await connect(endpoints.nats_url_as("operator"), "bench-keyword")

@@ -195,16 +195,19 @@ async def projected_by(js: JetStreamContext, names: Names, last_seq: int, count:
         done = now
 
 
-async def projected_documents(database_url: str) -> int:
-    """Live documents of the benchmark's workspace in a kept data directory (0 when there are none)."""
+async def projected_documents(database_url: str, wanted: int) -> int:
+    """Live documents of the benchmark's workspace in a kept data directory: 0 when there are none, else at least
+    ``wanted`` (more: those an earlier freshness run added); fewer stops the run."""
     conn = await asyncpg.connect(database_url)
     try:
         if await conn.fetchval("SELECT to_regclass('ontology_versions')") is None:
             return 0
         count = await conn.fetchval("SELECT sum(doc_count) FROM ontology_versions WHERE workspace = $1", WORKSPACE)
-        return int(count or 0)
     finally:
         await conn.close()
+    if 0 < int(count or 0) < wanted:
+        raise SystemExit(f"the data directory holds {count} documents, fewer than {wanted}")
+    return int(count or 0)
 
 
 async def copy_reference(pool: asyncpg.Pool, base: Base, count: int, config: str, progress: RichProgress) -> float:
@@ -367,10 +370,7 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         needed = args.queries * len(levels)
         if len(queries) < needed + 8:
             raise SystemExit(f"{len(queries)} queries, {needed + 8} needed: lower --queries")
-        # A kept corpus may hold more than --documents: those an earlier freshness run added.
-        documents = await projected_documents(endpoints.database_url)
-        if 0 < documents < args.documents:
-            raise SystemExit(f"the data directory holds {documents} documents, fewer than {args.documents}")
+        documents = await projected_documents(endpoints.database_url, args.documents)
         model = settings.embedding_model
         await migrate(endpoints.database_url, settings)
         nc = await connect(endpoints.nats_url_as("operator"), "bench-scale")

@@ -1,6 +1,9 @@
 """Wire contracts of ontofabric (pydantic v2). JSON Schema for each message lives in ``schemas/``."""
 
 from .deltas import (
+    CALLS,
+    IMPORTS,
+    INHERITS,
     SCHEMA_VERSION,
     DeltaEnvelope,
     DeltaPayload,
@@ -46,7 +49,10 @@ from .query import (
 from .versions import NO_VERSION, OntologyVersionChanged, format_version, overlay_version
 
 __all__ = [
+    "CALLS",
     "CHUNK_LEVELS",
+    "IMPORTS",
+    "INHERITS",
     "MAIN_BRANCH",
     "MAX_TIMEOUT_MS",
     "NO_VERSION",

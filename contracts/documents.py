@@ -119,6 +119,10 @@ class TokenVectors(WireModel):
         return self
 
 
+MAX_CALLS = 512
+MAX_CALLEE_CHARS = 1024
+
+
 class DocumentMetadata(WireModel):
     """Metadata used for filtering and identity; free extra keys are kept as they are."""
 
@@ -131,6 +135,12 @@ class DocumentMetadata(WireModel):
     file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
     chunk_level: ChunkLevel | None = None
     provenance: Provenance | None = None
+    calls: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
+        default=None,
+        max_length=MAX_CALLS,
+        description="Qualified names (symbolFqn) of the symbols this chunk's code calls, as far as its source tells "
+        "them; a question for a symbol's callers finds the chunk by them (OntologyQuery options.exactSymbols).",
+    )
 
 
 class SemanticDocument(WireModel):

@@ -63,7 +63,12 @@ class QueryOptions(StrictRequest):
         default=None,
         description="When the query is one identifier (Retrying, tenacity.retry.Retrying, Retrying.__call__), put "
         "the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, case ignored "
-        "after exact matches) first, each scoring 1 and found by 'symbol'. Default: the deployment's (true).",
+        "after exact matches) first, each scoring 1 and found by 'symbol'. When the query asks one relation of one "
+        "named symbol, put the chunks standing in it first, each scoring 1: its callers (what calls to_seconds, "
+        "callers of Retrying.copy: the chunks whose metadata.calls names it), found by 'caller'; its subclasses "
+        "(what subclasses wait_base: through the graph's interfaces, the nearest first), found by 'subclass'; its "
+        "importers (what imports tenacity._utils: the graph's imports links), found by 'importer'; a type by its "
+        "class chunk, else its file. Default: the deployment's (true).",
     )
 
     @field_validator("retrievers")
@@ -170,7 +175,8 @@ class FoundBy(WireModel):
 
     retriever: str = Field(
         description="The retriever's name: dense, keyword, or another the deployment runs; symbol for a result "
-        "whose symbolFqn the query named (_meta.exactSymbolMatches)."
+        "whose symbolFqn the query named (_meta.exactSymbolMatches); caller, subclass or importer for a result "
+        "standing in the relation the query asked about to the symbol it named (_meta.relationMatches)."
     )
     rank: int
     score: float
@@ -326,6 +332,11 @@ class QueryMeta(WireModel):
         default=0,
         description="Results placed first because the query is their symbol's name (options.exactSymbols); their "
         "foundBy names 'symbol'.",
+    )
+    relation_matches: int = Field(
+        default=0,
+        description="Results placed first because they are callers, subclasses or importers of the symbol the "
+        "query asked that of (options.exactSymbols); their foundBy names 'caller', 'subclass' or 'importer'.",
     )
     keyword_pruned: bool = Field(
         default=False,

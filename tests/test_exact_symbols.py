@@ -1,5 +1,6 @@
-"""Exact identifiers: a query that is a symbol's name gets the chunks that define it first (services/query/symbols.py),
-decided purely and then through the real path (ingester, projector, query worker, Postgres)."""
+"""Exact identifiers: a query that is a symbol's name gets the chunks that define it first, and a query for a symbol's
+callers the chunks that call it (services/query/symbols.py), decided purely and then through the real path
+(ingester, projector, query worker, Postgres)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.fusion import Fused, SourceHit
-from ontofabric.services.query.symbols import SYMBOL, definitions_first, identifier_of, match_quality
+from ontofabric.services.query.names import match_quality
+from ontofabric.services.query.symbols import (
+    CALLER,
+    IMPORTER,
+    SUBCLASS,
+    SYMBOL,
+    definitions_first,
+    identifier_of,
+    related_first,
+    relation_of,
+)
 from ontofabric.shared.embedder import Embedder
 
 from .conftest import Deployment, Start
@@ -39,6 +50,65 @@ from .conftest import Deployment, Start
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
     assert identifier_of(text) == name
+
+
+@pytest.mark.parametrize(
+    ("text", "asked"),
+    [
+        ("what calls to_seconds", (CALLER, "to_seconds")),
+        ("What calls `to_seconds`?", (CALLER, "to_seconds")),
+        ("who calls Retrying::wraps", (CALLER, "Retrying.wraps")),
+        ("which functions call the method BaseRetrying.begin", (CALLER, "BaseRetrying.begin")),
+        ("what code uses wait_fixed()", (CALLER, "wait_fixed")),
+        ("who instantiates the class RetryCallState", (CALLER, "RetryCallState")),
+        ("callers of tenacity.wait.wait_base", (CALLER, "tenacity.wait.wait_base")),
+        ("find all call sites of retry()", (CALLER, "retry")),
+        ("usages of sleep", (CALLER, "sleep")),
+        ("where is sleep called from?", (CALLER, "sleep")),
+        ("functions that call sleep", (CALLER, "sleep")),
+        ("to_seconds callers", (CALLER, "to_seconds")),
+        ("what subclasses wait_base", (SUBCLASS, "wait_base")),
+        ("which classes inherit from the class wait_base?", (SUBCLASS, "wait_base")),
+        ("what implements Reranker", (SUBCLASS, "Reranker")),
+        ("list all implementations of the interface Reranker", (SUBCLASS, "Reranker")),
+        ("subclasses of tenacity.wait.wait_base", (SUBCLASS, "tenacity.wait.wait_base")),
+        ("classes that extend BaseRetrying", (SUBCLASS, "BaseRetrying")),
+        ("what imports tenacity._utils", (IMPORTER, "tenacity._utils")),
+        ("which modules import the module tenacity._utils", (IMPORTER, "tenacity._utils")),
+        ("where is tenacity._utils imported?", (IMPORTER, "tenacity._utils")),
+        ("importers of _utils", (IMPORTER, "_utils")),
+        ("files that import _utils", (IMPORTER, "_utils")),
+        # Not a lookup: another question, words besides the name, the other direction, no name.
+        ("how does backoff work", None),
+        ("what calls to_seconds and why", None),
+        ("what calls the retry loop", None),
+        ("what is imported by tenacity._utils", None),
+        ("which classes does Retrying extend", None),
+        ("what calls 3.14", None),
+        ("to_seconds", None),
+    ],
+)
+def test_relation_of_takes_a_whole_query_that_asks_one_relation_of_one_name(
+    text: str, asked: tuple[str, str] | None
+) -> None:
+    assert relation_of(text) == asked
+
+
+def test_related_chunks_go_first_functions_before_modules_then_pipeline_order() -> None:
+    candidates = [
+        Fused("definition", 0.9, 0.9, {"keyword": SourceHit(1, 7.0)}),
+        Fused("late", 0.5, 0.6, {"dense": SourceHit(2, 0.5)}),
+        Fused("early", 0.6, 0.7, {"dense": SourceHit(1, 0.6)}),
+    ]
+    callers = {"module": "pkg.app", "late": "pkg.app.b", "early": "pkg.app.c", "unranked": "pkg.app.a"}
+    ordered = related_first(callers, candidates, 10, CALLER, modules={"module"})
+    assert [hit.id for hit in ordered] == ["late", "early", "unranked", "module", "definition"]
+    assert [hit.relevance for hit in ordered][:4] == [1.0] * 4
+    assert ordered[0].found_by == {"dense": SourceHit(2, 0.5), CALLER: SourceHit(1, 1.0)}
+    assert [hit.id for hit in related_first(callers, candidates, 1, SUBCLASS)] == ["late", "definition", "early"]
+    # Nearer before farther (a subclass before its own subclasses), whatever the pipeline thought of them.
+    far = related_first(callers, candidates, 10, SUBCLASS, {"module"}, distances={"late": 1, "early": 1})
+    assert [hit.id for hit in far][:4] == ["unranked", "module", "late", "early"]
 
 
 def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> None:
@@ -104,6 +174,20 @@ SHAPES = {
     "volume.py": """
         def volume(side):
             return side**3
+        """,
+    # Callers: through a module imported under its name, and of a class imported from its module.
+    "report.py": """
+        from . import square
+        from .circle import Circle
+
+        def describe(side):
+            return f"a square of area {square.area(side)}"
+
+        def round_one():
+            return Circle()
+
+        class Ring(Circle):
+            hole = 0.5
         """,
     # A chunk that says Circle far more often than the class does: what keyword search would rank first.
     "gallery.py": """
@@ -172,8 +256,35 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert _names(volume)[0] == "shapes.volume.volume (method)"
     assert volume.meta.exact_symbol_matches == 1
     # A question is not a name, and the option turns the match off.
-    assert (await _ask(client, "which shape is round")).meta.exact_symbol_matches == 0
+    other = await _ask(client, "which shape is round")
+    assert (other.meta.exact_symbol_matches, other.meta.relation_matches) == (0, 0)
     off = await _ask(client, "Circle", options={"exactSymbols": False})
     assert off.meta.exact_symbol_matches == 0
     assert all(SYMBOL not in {f.retriever for f in r.found_by} for r in off.results)
     assert "exactSymbol" not in off.meta.timings_ms
+
+    # Callers, from what the ingester read of the code: the chunks calling the symbol first, scoring 1.
+    circle_callers = await _ask(client, "what calls Circle?")
+    assert _names(circle_callers)[0] == "shapes.report.round_one (method)"
+    assert circle_callers.results[0].score == 1.0
+    assert CALLER in {f.retriever for f in circle_callers.results[0].found_by}
+    assert (circle_callers.meta.relation_matches, circle_callers.meta.exact_symbol_matches) == (1, 0)
+    # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
+    assert _names(await _ask(client, "callers of area"))[0] == "shapes.report.describe (method)"
+    assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"
+    assert (await _ask(client, "who calls Circle.area")).meta.relation_matches == 0
+    # The request's filters select callers (a function is no class); the option turns the lookup off.
+    assert (await _ask(client, "what calls Circle", chunkLevel="type")).meta.relation_matches == 0
+    unasked = await _ask(client, "what calls Circle", options={"exactSymbols": False})
+    assert unasked.meta.relation_matches == 0
+    assert all(CALLER not in {f.retriever for f in r.found_by} for r in unasked.results)
+
+    # Subclasses and importers, from the graph, by the chunk that defines each: the class's, the module's file.
+    ring = await _ask(client, "what subclasses Circle")
+    assert (_names(ring)[0], ring.meta.relation_matches) == ("shapes.report.Ring (type)", 1)
+    assert SUBCLASS in {f.retriever for f in ring.results[0].found_by}
+    importers = await _ask(client, "which modules import shapes.circle?")
+    assert set(_names(importers)[:2]) == {"shapes (file)", "shapes.report (file)"}
+    assert importers.meta.relation_matches == 2
+    assert {f.retriever for r in importers.results[:2] for f in r.found_by} >= {IMPORTER}
+    assert (await _ask(client, "what imports square", chunkLevel="type")).meta.relation_matches == 0

@@ -97,6 +97,26 @@ def test_overlay_and_subtypes() -> None:
     assert all("m.Secret" not in link for link in feature.links)  # another branch never leaks in
 
 
+def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_importers() -> None:
+    graph = OntologyGraph(
+        kinds={t: "class" for t in ("a.Base", "a.base", "b.Base", "a.Left", "a.Right", "a.Leaf", "a.Both")},
+        interfaces={
+            "a.Left": ("a.Base",),
+            "a.Right": ("a.Base",),
+            "a.Leaf": ("a.Left",),
+            "a.Both": ("a.Left", "a.Right"),  # reached twice: listed once, at its nearest
+        },
+        links={("a.Left", "imports", "a.Base"), ("a.Right", "calls", "a.Base"), ("a.Base", "imports", "b.Base")},
+    )
+    assert graph.named("Base") == ["a.Base", "b.Base"]  # as written; a.base only matches ignoring case
+    assert graph.named("a.Base") == ["a.Base"]
+    assert graph.named("BASE") == ["a.Base", "a.base", "b.Base"]
+    assert graph.named("Missing") == []
+    assert graph.subtypes("a.Base") == [["a.Left", "a.Right"], ["a.Both", "a.Leaf"]]
+    assert graph.subtypes("a.Leaf") == []
+    assert graph.importers("a.Base") == ["a.Left"]  # a calls link is no import
+
+
 def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> None:
     graph = overlay(_rows(), "main")
     expansions = expand(graph, [("doc-impl", "m.Impl"), ("doc-deep", "m.Deep"), ("doc-base", "m.Base")])
@@ -172,3 +192,73 @@ def test_bases_without_a_name_are_no_interfaces_and_every_name_is_a_valid_object
         NodeUpserted(
             node=OntologyNode(domain=node.domain, name=node.name, kind=node.kind, interfaces=list(node.interfaces))
         )
+
+
+CALLING = {
+    "pkg/__init__.py": "from .core import run\n\n\ndef helper():\n    return run()\n",
+    "pkg/core.py": textwrap.dedent(
+        """
+        import pkg.util as util
+        from . import util as u2
+
+        START = util.clock()
+
+        def run():
+            return run() or util.clock() + u2.clock()
+
+        class Base:
+            def step(self):
+                return util.clock()
+
+            def go(self):
+                return self.step()
+
+        class Child(Base):
+            label = util.name()
+
+            def go(self):
+                return super().go() + self.step() + Base.go(self) + self.missing() + other.step()
+
+            @classmethod
+            def make(cls):
+                return cls.go(None)
+        """
+    ),
+    "pkg/util.py": textwrap.dedent(
+        """
+        import typing
+
+        @typing.overload
+        def clock(x: int) -> int: ...
+        def clock(x=None):
+            return name()
+
+        def name():
+            return "n"
+        """
+    ),
+    "pkg/app.py": "from pkg import run\n\n\ndef main():\n    return run()\n",
+    "pkg/broken.py": "def (:",
+}
+
+
+def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> None:
+    from ontofabric.services.ingest.graph import python_calls
+
+    calls = python_calls(CALLING)
+    assert calls == {
+        ("pkg/__init__.py", "pkg.helper"): ("pkg.core.run",),
+        ("pkg/app.py", "pkg.app.main"): ("pkg.core.run",),  # through the package, which imports it in turn
+        # The module's own statements; a module imported as an alias, under either spelling.
+        ("pkg/core.py", "pkg.core"): ("pkg.util.clock",),
+        ("pkg/core.py", "pkg.core.run"): ("pkg.util.clock",),  # calling itself is no caller
+        ("pkg/core.py", "pkg.core.Base.step"): ("pkg.util.clock",),
+        ("pkg/core.py", "pkg.core.Base.go"): ("pkg.core.Base.step",),
+        ("pkg/core.py", "pkg.core.Child"): ("pkg.util.name",),  # the class's body outside its methods
+        # super() and an inherited self.step reach the base's methods; a method the tree does not define, or a
+        # call through another object, is left out.
+        ("pkg/core.py", "pkg.core.Child.go"): ("pkg.core.Base.go", "pkg.core.Base.step"),
+        ("pkg/core.py", "pkg.core.Child.make"): ("pkg.core.Child.go",),
+        # An overload stub and the definition share one name: what either calls.
+        ("pkg/util.py", "pkg.util.clock"): ("pkg.util.name",),
+    }

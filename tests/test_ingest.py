@@ -94,6 +94,23 @@ async def test_ingest_publishes_only_what_changed(
     }
     assert live == expected
 
+    # A chunk carries the symbols its code calls; another file's change can move them without touching its text,
+    # and then it goes again too.
+    calls = "SELECT metadata -> 'calls' AS calls FROM documents WHERE symbol_fqn = 'pkg.use.make' AND NOT deleted"
+    (tmp_path / "pkg/use.py").write_text("from .shapes import Circle\n\n\ndef make():\n    return Circle()\n")
+    added = await ingester.ingest(tmp_path, "repo")
+    assert (added.upserts, added.deletes) == (2, 0)  # the file and its function
+    assert added.last_sequence is not None
+    await deployment.wait_projected(added.last_sequence)
+    assert [r["calls"] for r in await deployment.fetch(calls)] == ['["pkg.shapes.Circle"]']
+    (tmp_path / "pkg/shapes.py").write_text("class Disc:\n    def area(self, r):\n        return 3.14159 * r * r\n")
+    renamed = await ingester.ingest(tmp_path, "repo")
+    # shapes.py's file, class and method; and make, whose text is as it was but whose call no longer resolves.
+    assert (renamed.upserts, renamed.deletes) == (4, 2)
+    assert renamed.last_sequence is not None
+    await deployment.wait_projected(renamed.last_sequence)
+    assert [r["calls"] for r in await deployment.fetch(calls)] == [None]
+
 
 async def test_a_branch_publishes_only_what_differs_from_main(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path

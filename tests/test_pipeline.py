@@ -110,11 +110,16 @@ class ScriptedRetrieval:
     def session(self, scope: Scope) -> AbstractAsyncContextManager[None]:
         return nullcontext()  # each scripted read stands alone
 
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
+    async def representatives(
+        self, scope: Scope, object_types: Sequence[str], levels: Sequence[str] = ()
+    ) -> Representatives:
         return Representatives({}, self.fetch_version)
 
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
         return Definitions({}, self.fetch_version)
+
+    async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+        return Definitions({}, self.fetch_version, found_by="caller")
 
 
 def pipeline_over(

@@ -34,6 +34,8 @@ class Chunk:
     source_domain: str
     file_path: str
     content: str
+    calls: tuple[str, ...] = ()
+    """Qualified names of the symbols the chunk's code calls (set by the ingester, which sees the whole tree)."""
 
     @property
     def content_hash(self) -> str:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from ontofabric.contracts import OntologyNode, link_key
+from ontofabric.contracts import CALLS, IMPORTS, INHERITS, OntologyNode, link_key
 
 from .chunking import module_name, object_type_name
 
-IMPORTS, INHERITS, CALLS = "imports", "inherits", "calls"
+MAX_REEXPORT_HOPS = 4
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class _Module:
     object_type: str
     tree: ast.Module
     is_package: bool
+    path: str
     defs: dict[str, str] = field(default_factory=dict)
     """Top-level name -> object type it belongs to (a class's own type; a function's module type)."""
     imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)
@@ -113,6 +114,28 @@ class _Resolver:
         written, symbol = module.imports[local]
         return self.module(written if symbol is None else f"{written}.{symbol}")
 
+    def symbol_fqn(self, module: _Module, name: str, hops: int = 0) -> str | None:
+        """The qualified name of the class or function a top-level name of ``module`` stands for: defined there,
+        or imported from the tree (through modules that import it in turn, as a package's ``__init__`` does)."""
+        if name in module.defs:
+            return f"{module.fqn}.{name}"
+        if name not in module.imports or hops >= MAX_REEXPORT_HOPS:
+            return None
+        written, symbol = module.imports[name]
+        target = self.module(written)
+        if target is None or symbol is None or target is module:
+            return None
+        return self.symbol_fqn(target, symbol, hops + 1)
+
+    def named_symbol(self, module: _Module, node: ast.expr) -> str | None:
+        """``Name`` or ``module_alias.Name`` as the qualified name of a class or function of the tree."""
+        if isinstance(node, ast.Name):
+            return self.symbol_fqn(module, node.id)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            target = self.imported_module(module, node.value.id)
+            return self.symbol_fqn(target, node.attr) if target is not None else None
+        return None
+
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
         if isinstance(node, ast.Name):
@@ -158,9 +181,8 @@ def _representable(node: GraphNode) -> bool:
     return True
 
 
-def python_graph(sources: Mapping[str, str], package: str | None = None) -> tuple[list[GraphNode], list[GraphLink]]:
-    """Nodes and links of the Python files ``sources`` (relative path -> text; ``package``: the tree's own package
-    name, see :func:`chunking.module_name`)."""
+def _modules(sources: Mapping[str, str], package: str | None) -> tuple[dict[str, _Module], _Resolver]:
+    """The parsable Python files of ``sources`` with the names each defines and imports at its top level."""
     modules: dict[str, _Module] = {}
     for path, source in sorted(sources.items()):
         if not path.endswith(".py"):
@@ -170,7 +192,7 @@ def python_graph(sources: Mapping[str, str], package: str | None = None) -> tupl
         except (SyntaxError, ValueError):
             continue
         fqn = module_name(path, package)
-        modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"))
+        modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"), path)
     resolver = _Resolver(modules)
     for module in modules.values():
         for statement in module.tree.body:
@@ -188,6 +210,13 @@ def python_graph(sources: Mapping[str, str], package: str | None = None) -> tupl
                 for alias in found.names:
                     if alias.name != "*":
                         module.imports[alias.asname or alias.name] = (written, alias.name)
+    return modules, resolver
+
+
+def python_graph(sources: Mapping[str, str], package: str | None = None) -> tuple[list[GraphNode], list[GraphLink]]:
+    """Nodes and links of the Python files ``sources`` (relative path -> text; ``package``: the tree's own package
+    name, see :func:`chunking.module_name`)."""
+    modules, resolver = _modules(sources, package)
 
     nodes: dict[str, GraphNode] = {}
     links: set[GraphLink] = set()
@@ -236,3 +265,88 @@ def _callers(module: _Module) -> Iterator[tuple[str, list[ast.stmt]]]:
     for qualname, cls in _classes(module.tree.body):
         members = [n for n in cls.body if not isinstance(n, ast.ClassDef)]
         yield object_type_name(f"{module.fqn}.{qualname}"), members
+
+
+@dataclass(frozen=True)
+class _Class:
+    methods: frozenset[str]
+    bases: tuple[str, ...]
+    """The qualified names of its bases that are classes of the tree, in order."""
+
+
+def _method(classes: Mapping[str, _Class], class_fqn: str, name: str, inherited_only: bool = False) -> str | None:
+    """The qualified name of the method ``name`` as ``class_fqn`` resolves it: its own, else the first of its
+    bases' in depth-first order (close to Python's method resolution order for the single inheritance trees use
+    most); ``inherited_only``: as ``super()`` resolves it."""
+    seen: set[str] = set()
+    order = list(classes[class_fqn].bases) if inherited_only else [class_fqn]
+    while order:
+        current = order.pop(0)
+        if current in seen or current not in classes:
+            continue
+        seen.add(current)
+        if name in classes[current].methods:
+            return f"{current}.{name}"
+        order = [*classes[current].bases, *order]
+    return None
+
+
+def _code_scopes(module: _Module) -> Iterator[tuple[str, list[ast.AST], str | None]]:
+    """The code of each chunk :func:`chunking.chunk_python` makes, by its qualified name: the module's own
+    statements, each class's body outside its methods, each function and method whole (nested functions and
+    decorators included), with the class ``self`` stands for in it."""
+    yield module.fqn, [n for n in module.tree.body if not isinstance(n, _DEFINITIONS)], None
+
+    def visit(body: list[ast.stmt], prefix: str, owner: str | None) -> Iterator[tuple[str, list[ast.AST], str | None]]:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                fqn = f"{prefix}.{node.name}"
+                own: list[ast.AST] = [*node.decorator_list, *node.bases, *node.keywords]
+                yield fqn, own + [n for n in node.body if not isinstance(n, _DEFINITIONS)], None
+                yield from visit(node.body, fqn, fqn)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield f"{prefix}.{node.name}", [node], owner
+
+    yield from visit(module.tree.body, module.fqn, None)
+
+
+_DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict[tuple[str, str], tuple[str, ...]]:
+    """For each chunk of code (by its file and the qualified name :func:`chunking.chunk_python` gives it: a
+    package's function can share its name with a module of the package), the classes and
+    functions of the tree its code calls, resolved from the syntax alone: a name its module defines or imports
+    from the tree, ``module.name`` through an imported module, ``Class.name``, and ``self.name``, ``cls.name`` or
+    ``super().name`` through the class and its bases in the tree. A call through any other object (a parameter,
+    an attribute, what a call returned) cannot be told from the syntax and is left out, as is a chunk calling
+    itself."""
+    modules, resolver = _modules(sources, package)
+    classes: dict[str, _Class] = {}
+    for module in modules.values():
+        for qualname, cls in _classes(module.tree.body):
+            methods = frozenset(n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))
+            bases = (resolver.named_symbol(module, b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases)
+            classes[f"{module.fqn}.{qualname}"] = _Class(methods, tuple(b for b in bases if b is not None))
+
+    def callee(module: _Module, func: ast.expr, owner: str | None) -> str | None:
+        if isinstance(func, ast.Attribute):
+            value = func.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls") and owner is not None:
+                return _method(classes, owner, func.attr)
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                return _method(classes, owner, func.attr, inherited_only=True) if owner is not None else None
+            named = resolver.named_symbol(module, value)
+            if named in classes:  # Class.method(...)
+                return _method(classes, named, func.attr)
+        return resolver.named_symbol(module, func)
+
+    calls: dict[tuple[str, str], set[str]] = {}
+    for module in modules.values():
+        for fqn, code, owner in _code_scopes(module):
+            found = calls.setdefault((module.path, fqn), set())  # overloads and a property's setter share a name
+            for call in (c for node in code for c in ast.walk(node) if isinstance(c, ast.Call)):
+                target = callee(module, call.func, owner)
+                if target is not None and target != fqn:
+                    found.add(target)
+    return {key: tuple(sorted(found)) for key, found in calls.items() if found}

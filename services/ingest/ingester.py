@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nats.js import JetStreamContext
@@ -38,6 +38,7 @@ from ontofabric.contracts import (
     TokenVectors,
     split_link_key,
 )
+from ontofabric.contracts.documents import MAX_CALLS
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
@@ -47,7 +48,7 @@ from ontofabric.shared.subjects import Names
 
 from .chunking import Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
-from .graph import GraphLink, GraphNode, python_graph
+from .graph import GraphLink, GraphNode, python_calls, python_graph
 
 log = get_logger(__name__)
 
@@ -85,9 +86,20 @@ def chunk_sources(
     root: Path, sources: Mapping[str, str], max_content_bytes: int, package: str | None = None
 ) -> list[Chunk]:
     """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
-    :func:`chunking.tree_package`)."""
+    :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`)."""
     package = tree_package(root.resolve().name, sources, package)
-    return [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
+    chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
+    calls = python_calls(sources, package)
+    return [
+        replace(chunk, calls=calls[key][:MAX_CALLS])
+        if chunk.chunk_level != "doc" and (key := (chunk.file_path, chunk.symbol_fqn)) in calls
+        else chunk
+        for chunk in chunks
+    ]
+
+
+def _calls_state(chunk: Chunk) -> str:
+    return f"|calls:{hashlib.sha256(chr(10).join(chunk.calls).encode()).hexdigest()[:16]}" if chunk.calls else ""
 
 
 def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
@@ -209,6 +221,7 @@ def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: 
             file_path=chunk.file_path,
             chunk_level=chunk.chunk_level,
             provenance="ingested",
+            calls=list(chunk.calls) or None,
         ),
         embedding=embedded.vector if embedded is not None else None,
         embedding_model=embedding_model if embedded is not None else None,
@@ -294,9 +307,11 @@ class Ingester:
         # A document is sent again when its content changed or when what the embedder adds to it would differ
         # (another model or precision, token vectors switched on or off), so a rerun brings old documents up to
         # date. Names follow from the path and the content, but for a tree that is a package also from its name:
-        # that goes in too (only then, so the manifests of other trees keep their values).
+        # that goes in too (only then, so the manifests of other trees keep their values). So do the calls a chunk
+        # makes, which another file's change can move (only when it makes some, for the same reason).
         suffix = f"|{package}" if package else ""
-        desired = {f"d:{i}": f"{c.content_hash}|{self._embedding_signature}{suffix}" for i, c in chunks.items()}
+        signature = f"{self._embedding_signature}{suffix}"
+        desired = {f"d:{i}": f"{c.content_hash}|{signature}{_calls_state(c)}" for i, c in chunks.items()}
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
         loaded = await self._manifests.load(workspace, branch)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ontofabric.contracts import MAIN_BRANCH
@@ -153,13 +153,26 @@ class Representatives:
     """ontologyVersion of the snapshot read; None when nothing was asked."""
 
 
+EXPANSION_LEVELS = ("type", "method")
+"""What represents a linked type in graph expansion: its class's chunk, else one of its functions."""
+DEFINING_LEVELS = ("type", "file")
+"""What stands for a type found by a relation (a subclass, an importer): the class's chunk, the module's file."""
+
+
 @dataclass(frozen=True)
 class Definitions:
+    """Chunks a lookup found for the symbol a query names: its definitions, or its callers, subclasses or
+    importers."""
+
     symbols: dict[str, str]
-    """id -> symbolFqn of each chunk that defines a symbol of the name looked up"""
+    """id -> symbolFqn of each chunk found"""
     version: str
     modules: frozenset[str] = frozenset()
-    """Those of them that are a whole file (a module): after the classes and functions of the same name."""
+    """Those of them that are a whole file (a module): after the classes and functions."""
+    found_by: str = "symbol"
+    """What they go by in ``foundBy``: symbol (definitions), caller, subclass or importer."""
+    distances: dict[str, int] = field(default_factory=dict)
+    """id -> how far it stands from the named symbol where that varies (a subclass's subclass: 1); nearer first."""
 
 
 class DocumentStore(Protocol):
@@ -181,7 +194,11 @@ class DocumentStore(Protocol):
         particular order."""
         ...
 
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives: ...
+    async def representatives(
+        self, scope: Scope, object_types: Sequence[str], levels: Sequence[str] = EXPANSION_LEVELS
+    ) -> Representatives:
+        """One document of the scope per object type: a chunk of the first of ``levels`` it has one of."""
+        ...
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
 
@@ -193,6 +210,12 @@ class DocumentStore(Protocol):
         """At most ``limit`` chunks of the scope that define a symbol (code, not a docstring or a section) whose
         qualified name is the dotted ``name`` or ends with ``.`` and it, ignoring case; those matching as written
         first, then classes and functions before modules, then shorter names."""
+        ...
+
+    async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+        """At most ``limit`` chunks of the scope whose ``metadata.calls`` names a symbol that ``name`` names (as
+        :meth:`definitions` matches it, wherever in the workspace's branch it is defined), found by ``caller``;
+        functions and methods before modules."""
         ...
 
 

@@ -8,10 +8,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ontofabric.contracts import MAIN_BRANCH
+from ontofabric.contracts import IMPORTS, MAIN_BRANCH
 from ontofabric.shared.lru import LruCache
 
 from .cache import VersionKey, drop_stale, drop_workspace
+from .names import last_part, match_quality
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,11 @@ class OntologyGraph:
     links: set[tuple[str, str, str]] = field(default_factory=set)
     _subtypes: dict[str, set[str]] = field(default_factory=dict)
     _neighbours: dict[str, list[Neighbour]] = field(default_factory=dict)
+    _by_last_part: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for object_type in self.kinds:
+            self._by_last_part.setdefault(last_part(object_type).lower(), []).append(object_type)
         for object_type, bases in self.interfaces.items():
             for base in bases:
                 self._subtypes.setdefault(base, set()).add(object_type)
@@ -68,14 +72,38 @@ class OntologyGraph:
 
     def with_subtypes(self, object_type: str) -> set[str]:
         """The type and every type that implements or derives from it, transitively."""
-        found = {object_type}
+        return {object_type, *(sub for level in self.subtypes(object_type) for sub in level)}
+
+    def subtypes(self, object_type: str) -> list[list[str]]:
+        """Every type that implements or derives from the type, transitively, by distance: those deriving from it
+        directly, then from those, ...; each level by name."""
+        levels: list[list[str]] = []
+        seen = {object_type}
         frontier = [object_type]
         while frontier:
-            for sub in self._subtypes.get(frontier.pop(), ()):
-                if sub not in found:
-                    found.add(sub)
-                    frontier.append(sub)
-        return found
+            nearer = {sub for current in frontier for sub in self._subtypes.get(current, ()) if sub not in seen}
+            frontier = sorted(nearer)
+            seen.update(frontier)
+            if frontier:
+                levels.append(frontier)
+        return levels
+
+    def importers(self, object_type: str) -> list[str]:
+        """The types with an ``imports`` link to the type (the modules importing a module), by name."""
+        return [
+            n.linked_type for n in self.neighbours(object_type) if n.direction == "incoming" and n.link_name == IMPORTS
+        ]
+
+    def named(self, name: str) -> list[str]:
+        """The types a dotted name names, as a query's identifier names symbols (``symbols.match_quality``): the
+        type is the name or ends with ``.`` and it; ignoring case only when none matches as written."""
+        matched = sorted(
+            (quality, object_type)
+            for object_type in self._by_last_part.get(last_part(name).lower(), ())
+            if (quality := match_quality(object_type, name)) is not None
+        )
+        as_written = [t for quality, t in matched if quality <= 1]
+        return as_written or [t for _, t in matched]
 
     def neighbours(self, object_type: str) -> list[Neighbour]:
         """Types one link away, both directions, in a stable order."""

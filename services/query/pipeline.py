@@ -32,6 +32,7 @@ from .cache import CacheKey, drop_stale, drop_workspace, stable_hash
 from .calibration import Measured, model_for, non_increasing, result_signals
 from .config import PipelineConfig
 from .core import (
+    DEFINING_LEVELS,
     DENSE,
     KEYWORD,
     Definitions,
@@ -63,7 +64,16 @@ from .stages import (
     reranked_order,
     to_results,
 )
-from .symbols import SYMBOL, definitions_first, identifier_of
+from .symbols import (
+    CALLER,
+    PLACED_FIRST,
+    SUBCLASS,
+    SYMBOL,
+    definitions_first,
+    identifier_of,
+    related_first,
+    relation_of,
+)
 
 log = get_logger(__name__)
 
@@ -194,7 +204,8 @@ class QueryPipeline:
         scores = self._calibrated_scores(run, measured, candidates, fetched.model)
         results = to_results(run.query, candidates, documents, scores, measured.signals)
         if definitions.symbols:  # counted in the answer: after collapsing, the cut to topK and minRelevance
-            run.report(exact_symbol_matches=sum(any(f.retriever == SYMBOL for f in r.found_by) for r in results))
+            placed = sum(any(f.retriever == definitions.found_by for f in r.found_by) for r in results)
+            run.report(**{"exact_symbol_matches" if definitions.found_by == SYMBOL else "relation_matches": placed})
         await self._expand(run, scope, fetched.version, results)
         run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.symbols.keys()))
         run.report(freshness=await self._freshness(run.workspace, run.query.branch, position))
@@ -357,17 +368,45 @@ class QueryPipeline:
         return {c.id: c.score for c in scored.candidates}
 
     async def _definitions(self, run: QueryRun, scope: Scope) -> Definitions:
-        """When the query is one identifier: the chunks defining a symbol of that name."""
+        """When the query is one identifier: the chunks defining a symbol of that name; when it asks for a named
+        symbol's callers, subclasses or importers: the chunks standing in that relation to it."""
         asked = options_of(run.query).exact_symbols
-        name = identifier_of(run.text) if (self._config.exact_symbols if asked is None else asked) else None
-        if name is None:
+        if not (self._config.exact_symbols if asked is None else asked):
             return NO_DEFINITIONS
-        work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
+        relation = relation_of(run.text)
+        if (name := identifier_of(run.text)) is not None:
+            work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
+        elif relation is not None and relation[0] == CALLER:
+            work = self._documents.callers(scope, relation[1], DEFINITIONS_LOOKED_UP)
+        elif relation is not None:
+            work = self._related_in_graph(run, scope, *relation)
+        else:
+            return NO_DEFINITIONS
         found = await run.guarded("exactSymbol", work, stage="exactSymbol", reserve_s=RETRIEVAL_RESERVE_S)
         if found is None:
             return NO_DEFINITIONS
         run.read(found.version)
         return found
+
+    async def _related_in_graph(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
+        """The subclasses (nearest first) or the importers of the types the name names, from the graph at the
+        announced version, each by its defining chunk (a class's own, a module's file)."""
+        version = self._versions.current(scope.workspace, scope.branch)
+        graph = await self._graphs.get(
+            scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
+        )
+        run.read(graph.version)
+        distance: dict[str, int] = {}
+        for named in graph.named(name):
+            levels = graph.subtypes(named) if relation == SUBCLASS else [graph.importers(named)]
+            for level, types in enumerate(levels):
+                for object_type in types:
+                    distance[object_type] = min(level, distance.get(object_type, level))
+        nearest = sorted(distance, key=lambda t: (distance[t], t))[:DEFINITIONS_LOOKED_UP]
+        found = await self._documents.representatives(scope, nearest, DEFINING_LEVELS)
+        symbols = {doc_id: object_type for object_type, doc_id in found.documents.items()}
+        distances = {doc_id: distance[object_type] for doc_id, object_type in symbols.items()}
+        return Definitions(symbols, found.version or graph.version, found_by=relation, distances=distances)
 
     async def _fetch(
         self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: Definitions
@@ -453,22 +492,28 @@ class QueryPipeline:
     def _definitions_first(
         self, run: QueryRun, definitions: Definitions, candidates: list[Fused], documents: dict[str, StoredDocument]
     ) -> list[Fused]:
-        """The definitions of the symbol the query names ahead of everything else (``symbols.definitions_first``)."""
+        """The definitions of the symbol the query names, or the chunks in the relation to it the query asks
+        about, ahead of everything else (``symbols.definitions_first``, ``symbols.related_first``)."""
         if not definitions.symbols:
             return candidates
+        found = {doc_id: fqn for doc_id, fqn in definitions.symbols.items() if doc_id in documents}
+        if definitions.found_by != SYMBOL:
+            return related_first(
+                found, candidates, run.query.top_k, definitions.found_by, definitions.modules, definitions.distances
+            )
         name = identifier_of(run.text)
         assert name is not None  # definitions are looked up for identifiers only
-        found = {doc_id: fqn for doc_id, fqn in definitions.symbols.items() if doc_id in documents}
         return definitions_first(name, found, candidates, run.query.top_k, definitions.modules)
 
     def _calibrated_scores(
         self, run: QueryRun, measured: Measured, candidates: list[Fused], index_model: str | None
     ) -> dict[str, float] | None:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
-        signals (1 for a definition the query names), made to descend with rank (``non_increasing``). None, and the
-        pipeline's relative relevance kept, when the deployment turned calibration off, when there is nothing to
-        score, when the index's embedding model is not the one the cosine weights were fitted for, or when some
-        result has no signal a model could judge (a listing; a keyword backend without a ceiling, alone)."""
+        signals (1 for a definition of the symbol the query names, or a caller, subclass or importer of it the
+        query asks for), made to descend with rank (``non_increasing``). None, and the pipeline's relative relevance
+        kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
+        model is not the one the cosine weights were fitted for, or when some result has no signal a model could
+        judge (a listing; a keyword backend without a ceiling, alone)."""
         answer = candidates[: run.query.top_k]
         fitted_for = self._config.calibration_embedding_model
         other_model = measured.model in ("dense", "hybrid") and index_model not in (None, fitted_for)
@@ -477,8 +522,8 @@ class QueryPipeline:
             return None
         estimates = []
         for hit in answer:
-            estimate: float | None = 1.0  # the query names its symbol
-            if SYMBOL not in hit.found_by:
+            estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
+            if not PLACED_FIRST & hit.found_by.keys():
                 signals = measured.signals.get(hit.id, {})
                 estimate = None if measured.model is None else self._calibration.probability(measured.model, signals)
             if estimate is None:
@@ -523,7 +568,9 @@ class QueryPipeline:
         # One past the bound, to know whether there were more.
         expansions = expand(graph, [(r.id, r.object_type) for r in results], limit=bound + 1)
         truncated, expansions = len(expansions) > bound, expansions[:bound]
-        representatives = await self._documents.representatives(scope, [e.linked_type for e in expansions])
+        # A linked type is context whatever the request's filters select.
+        linked = [e.linked_type for e in expansions]
+        representatives = await self._documents.representatives(scope.unfiltered, linked)
         run.read(graph.version)
         run.read(representatives.version)
         context = [

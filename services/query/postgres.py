@@ -35,6 +35,7 @@ from ontofabric.shared.telemetry import meter
 
 from .core import (
     DENSE,
+    EXPANSION_LEVELS,
     KEYWORD,
     Candidate,
     Definitions,
@@ -49,7 +50,7 @@ from .core import (
     vector_for_index,
 )
 from .graph import GraphRows, LinkRow, NodeRow
-from .symbols import last_part
+from .names import last_part
 
 log = get_logger(__name__)
 
@@ -57,6 +58,8 @@ MAIN_SQL = f"'{MAIN_BRANCH}'"
 """The main branch as an SQL literal."""
 SYMBOL_NAME_SQL = r"lower(regexp_replace(symbol_fqn, '^.*[.]', ''))"
 """The last dotted part of a document's qualified name, lower case: what a name is looked up by."""
+NAMES_SQL = "(lower(symbol_fqn) = lower($2) OR right(lower(symbol_fqn), length($2) + 1) = '.' || lower($2))"
+"""The qualified name is the name in $2, or ends with "." and it, ignoring case (names.match_quality)."""
 
 
 def where_clause(
@@ -546,17 +549,18 @@ class PostgresDocuments:
             [Candidate(r["id"], float(r["score"])) for r in rows if not math.isnan(r["score"])], snapshot.version
         )
 
-    async def representatives(self, scope: Scope, object_types: Sequence[str]) -> Representatives:
-        """One document per object type: a type-level chunk if there is one, else a method-level one."""
+    async def representatives(
+        self, scope: Scope, object_types: Sequence[str], levels: Sequence[str] = EXPANSION_LEVELS
+    ) -> Representatives:
         if not object_types:
             return Representatives({}, None)
         async with self._snapshots.read(scope) as snapshot:
-            where, parameters = where_clause(scope.unfiltered, 2, snapshot.shadowed)
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT DISTINCT ON (object_type) object_type, id FROM documents
-                WHERE object_type = ANY($1::text[]) AND chunk_level IN ('type', 'method') AND {where}
-                ORDER BY object_type, chunk_level = 'method', id"""
-            rows = await snapshot.conn.fetch(sql, list(object_types), *parameters)
+                WHERE object_type = ANY($1::text[]) AND chunk_level = ANY($2::text[]) AND {where}
+                ORDER BY object_type, array_position($2::text[], chunk_level), id"""
+            rows = await snapshot.conn.fetch(sql, list(object_types), list(levels), *parameters)
         return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
 
     async def listing(self, scope: Scope, limit: int) -> Hits:
@@ -578,8 +582,7 @@ class PostgresDocuments:
             rows = await snapshot.conn.fetch(
                 f"""SELECT id, symbol_fqn, chunk_level FROM documents
                     WHERE {SYMBOL_NAME_SQL} = lower($1)
-                      AND (lower(symbol_fqn) = lower($2) OR right(lower(symbol_fqn), length($2) + 1) = '.' || lower($2))
-                      AND chunk_level IS DISTINCT FROM 'doc' AND {where}
+                      AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY symbol_fqn = $2 DESC, right(symbol_fqn, length($2) + 1) = '.' || $2 DESC,
                              chunk_level = 'file', length(symbol_fqn), id
                     LIMIT $3""",
@@ -590,6 +593,37 @@ class PostgresDocuments:
             )
         modules = frozenset(r["id"] for r in rows if r["chunk_level"] == "file")
         return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules)
+
+    async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+        async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the retrievers, as definitions
+            # The callee is looked up across the branch (a filter selects callers, not what they call); as
+            # definitions match it, ignoring case only when nothing matches as written. The callers through
+            # documents_calls (infra/migrations/0017), whose predicate the statement repeats.
+            anywhere, anywhere_parameters = where_clause(scope.unfiltered, 4, snapshot.shadowed)
+            where, parameters = where_clause(scope, 4 + len(anywhere_parameters), snapshot.shadowed)
+            rows = await snapshot.conn.fetch(
+                f"""WITH named AS (
+                        SELECT DISTINCT symbol_fqn,
+                               symbol_fqn = $2 OR right(symbol_fqn, length($2) + 1) = '.' || $2 AS as_written
+                        FROM documents
+                        WHERE {SYMBOL_NAME_SQL} = lower($1)
+                          AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}),
+                    callees AS (
+                        SELECT symbol_fqn FROM named
+                        WHERE as_written OR NOT EXISTS (SELECT FROM named WHERE as_written))
+                    SELECT id, symbol_fqn, chunk_level FROM documents
+                    WHERE metadata ? 'calls' AND metadata -> 'calls' ?| ARRAY(SELECT symbol_fqn FROM callees)
+                      AND chunk_level IS DISTINCT FROM 'doc' AND {where}
+                    ORDER BY chunk_level = 'file', symbol_fqn, id
+                    LIMIT $3""",
+                last_part(name),
+                name,
+                limit,
+                *anywhere_parameters,
+                *parameters,
+            )
+        modules = frozenset(r["id"] for r in rows if r["chunk_level"] == "file")
+        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules, found_by="caller")
 
     async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
         """The version row of each of the workspace's ``branches`` that has one."""

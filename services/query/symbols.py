@@ -14,10 +14,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from .fusion import Fused, SourceHit
+from .names import match_quality
 from .stages import above_the_rest
 
 SYMBOL = "symbol"
-"""The name this match goes by in ``foundBy``."""
+"""The name a definition placed first goes by in ``foundBy``."""
+CALLER, SUBCLASS, IMPORTER = "caller", "subclass", "importer"
+"""What a chunk placed first because it stands in the asked relation to the named symbol goes by in ``foundBy``."""
+PLACED_FIRST = frozenset({SYMBOL, CALLER, SUBCLASS, IMPORTER})
 
 MAX_IDENTIFIER_CHARS = 300
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -32,19 +36,54 @@ def identifier_of(text: str) -> str | None:
     return name if len(name) <= MAX_IDENTIFIER_CHARS and _IDENTIFIER.fullmatch(name) else None
 
 
-def last_part(name: str) -> str:
-    """What the store looks a name up by: its last dotted part (``__call__`` of ``Retrying.__call__``)."""
-    return name.rsplit(".", 1)[-1]
+_NAME = r"`?(?P<name>[A-Za-z_][\w.:#]*(?:\(\))?)`?"
+_KIND = r"(?:function|method|class|constructor|module|package|interface)"
+_THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
+_ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
+_LISTED = r"(?:(?:find|list|show|get)\s+)?(?:all\s+|the\s+)?"
+_THAT = r"(?:\s+(?:that|which))?"
+_RELATION_QUESTIONS = [
+    (relation, re.compile(pattern, re.IGNORECASE))
+    for relation, pattern in (
+        # what calls f / who uses f / callers of f / where is f called / functions that call f / f callers
+        (CALLER, rf"{_ASKED}\s+(?:calls?|invokes?|uses?|instantiates?)\s+{_THE}"),
+        (CALLER, rf"{_LISTED}(?:callers|call\s+sites|usages|uses|invocations)\s+(?:of|to|for)\s+{_THE}"),
+        (CALLER, rf"where\s+(?:is|are)\s+{_THE}\s+(?:called|used|invoked|instantiated)(?:\s+from)?"),
+        (CALLER, rf"{_LISTED}(?:functions|methods|code){_THAT}\s+(?:calls?|invokes?|uses?)\s+{_THE}"),
+        (CALLER, rf"{_THE}\s+(?:callers|call\s+sites|usages)"),
+        # what subclasses C / which classes inherit from C / implementations of C / classes that extend C
+        (SUBCLASS, rf"{_ASKED}\s+(?:subclass(?:es)?|extends?|inherits?\s+from|derives?\s+from|implements?)\s+{_THE}"),
+        (
+            SUBCLASS,
+            rf"{_LISTED}(?:subclasses|subtypes|implementations|implementers|implementors|derived\s+classes)"
+            rf"\s+(?:of|for)\s+{_THE}",
+        ),
+        (
+            SUBCLASS,
+            rf"{_LISTED}(?:classes|types){_THAT}\s+(?:subclass|extend|inherit\s+from|derive\s+from|implement)\s+{_THE}",
+        ),
+        (SUBCLASS, rf"{_THE}\s+(?:subclasses|subtypes|implementations)"),
+        # what imports M / which modules import M / importers of M / where is M imported / M importers
+        (IMPORTER, rf"{_ASKED}\s+imports?\s+{_THE}"),
+        (IMPORTER, rf"{_LISTED}importers\s+of\s+{_THE}"),
+        (IMPORTER, rf"where\s+(?:is|are)\s+{_THE}\s+imported(?:\s+from)?"),
+        (IMPORTER, rf"{_LISTED}(?:modules|files){_THAT}\s+imports?\s+{_THE}"),
+        (IMPORTER, rf"{_THE}\s+importers"),
+    )
+]
 
 
-def match_quality(symbol_fqn: str, name: str) -> int | None:
-    """How well a symbol's qualified name matches the asked ``name``, best first: 0 it is the name, 1 it ends with
-    it (the name's parts are its last parts), 2 and 3 the same ignoring case; None when neither."""
-    for ignoring_case, (fqn, asked) in enumerate(((symbol_fqn, name), (symbol_fqn.lower(), name.lower()))):
-        if fqn == asked:
-            return 2 * ignoring_case
-        if fqn.endswith("." + asked):
-            return 2 * ignoring_case + 1
+def relation_of(text: str) -> tuple[str, str] | None:
+    """(what the asked-for chunks are to the symbol: caller, subclass or importer; the symbol's dotted name) when
+    the whole query asks that about one identifier: ``what calls to_seconds``, ``callers of `wait_base` ``,
+    ``which classes inherit from wait_base``, ``what imports tenacity._utils``. None for any other text (a question
+    that also asks something else is no lookup)."""
+    question = text.strip().rstrip("?").strip()
+    for relation, pattern in _RELATION_QUESTIONS:
+        found = pattern.fullmatch(question)
+        if found is not None:
+            name = identifier_of(found.group("name"))
+            return None if name is None else (relation, name)
     return None
 
 
@@ -71,9 +110,41 @@ def definitions_first(
         return list(candidates)
     if matched[0][0] <= 1:  # names that match as written: those ignoring case are other symbols
         matched = [m for m in matched if m[0] <= 1]
+    return _placed_first([doc_id for *_, doc_id in matched[:limit]], candidates, SYMBOL)
+
+
+def related_first(
+    related: Mapping[str, str],
+    candidates: Sequence[Fused],
+    limit: int,
+    found_by: str,
+    modules: Collection[str] = frozenset(),
+    distances: Mapping[str, int] | None = None,
+) -> list[Fused]:
+    """The chunks standing in the asked relation to the named symbol (``related``: id -> symbolFqn or object type;
+    ``found_by``: caller, subclass or importer), at most ``limit``, ahead of the other candidates, each scoring 1 and
+    found by ``found_by`` besides what found it before: the nearer first (``distances``: a subclass before its own
+    subclasses), then functions and classes before a module's own statements (``modules``), then the order the
+    pipeline gave them, then by name. The other candidates keep their order and scores."""
+    position = {hit.id: i for i, hit in enumerate(candidates)}
+    distance = distances or {}
+
+    def order(doc_id: str) -> tuple[int, bool, int, str, str]:
+        return (
+            distance.get(doc_id, 0),
+            doc_id in modules,
+            position.get(doc_id, len(candidates)),
+            related[doc_id],
+            doc_id,
+        )
+
+    return _placed_first(sorted(related, key=order)[:limit], candidates, found_by)
+
+
+def _placed_first(ids: Sequence[str], candidates: Sequence[Fused], found_by: str) -> list[Fused]:
     existing = {hit.id: hit for hit in candidates}
     first = []
-    for rank, (*_, doc_id) in enumerate(matched[:limit], start=1):
+    for rank, doc_id in enumerate(ids, start=1):
         hit = existing.get(doc_id) or Fused(doc_id, 0.0, 1.0)
-        first.append(replace(hit, relevance=1.0, found_by={**hit.found_by, SYMBOL: SourceHit(rank, 1.0)}))
+        first.append(replace(hit, relevance=1.0, found_by={**hit.found_by, found_by: SourceHit(rank, 1.0)}))
     return above_the_rest(first, candidates)

@@ -237,6 +237,8 @@ class TreeReport:
     """followLinks off / on -> Recall@10 over all relationship queries"""
     by_kind: dict[str, dict[str, float]]
     """followLinks off / on -> kind -> mean Recall@10"""
+    kinds: dict[str, int] = field(default_factory=dict)
+    """kind -> relationship queries of it"""
 
 
 def _recall(found: Sequence[str], relevant: Sequence[str]) -> float:
@@ -305,21 +307,27 @@ async def evaluate_tree(
                 / max(1, sum(1 for q in relationships if q.kind == kind))
                 for kind in ("calls", "subclasses", "imports")
             }
-    return TreeReport(str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind)
+    kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in ("calls", "subclasses", "imports")}
+    return TreeReport(str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds)
 
 
-def render_tree_report(report: TreeReport, relationship_counts: Mapping[str, int] | None = None) -> list[str]:
+def render_tree_report(report: TreeReport) -> list[str]:
     c = report.concept
     lines = [
         f"{report.project} {report.version}: {report.chunks} chunks; {c.queries} concept queries, "
         f"{report.relationships['followLinks off'].queries} relationship queries (from static analysis)",
         "| shape | measure | mean (95 % interval over queries) | other measures |",
         "|---|---|---|---|",
-        f"| concept | nDCG@10 | {c.metrics['nDCG@10']:.4f} ({c.interval[0]:.4f}-{c.interval[1]:.4f}) | "
-        f"Recall@10 {c.metrics['Recall@10']:.4f}, MRR@10 {c.metrics['MRR@10']:.4f}, errors {c.errors} |",
     ]
+    if c.queries:
+        lines.append(
+            f"| concept | nDCG@10 | {c.metrics['nDCG@10']:.4f} ({c.interval[0]:.4f}-{c.interval[1]:.4f}) | "
+            f"Recall@10 {c.metrics['Recall@10']:.4f}, MRR@10 {c.metrics['MRR@10']:.4f}, errors {c.errors} |"
+        )
     for label, shape in report.relationships.items():
-        kinds = ", ".join(f"{kind} {value:.4f}" for kind, value in report.by_kind[label].items())
+        kinds = ", ".join(
+            f"{kind} {value:.4f} ({report.kinds.get(kind, 0)})" for kind, value in report.by_kind[label].items()
+        )
         lines.append(
             f"| relationship, {label} | Recall@10 | {shape.metrics['Recall@10']:.4f} "
             f"({shape.interval[0]:.4f}-{shape.interval[1]:.4f}) | {kinds}; errors {shape.errors} |"

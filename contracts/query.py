@@ -65,10 +65,12 @@ class QueryOptions(StrictRequest):
         "the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, case ignored "
         "after exact matches) first, each scoring 1 and found by 'symbol'. When the query asks one relation of one "
         "named symbol, put the chunks standing in it first, each scoring 1: its callers (what calls to_seconds, "
-        "callers of Retrying.copy: the chunks whose metadata.calls names it), found by 'caller'; its subclasses "
-        "(what subclasses wait_base: through the graph's interfaces, the nearest first), found by 'subclass'; its "
-        "importers (what imports tenacity._utils: the graph's imports links), found by 'importer'; a type by its "
-        "class chunk, else its file. Default: the deployment's (true).",
+        "callers of Retrying.copy: the chunks whose metadata.calls names it) as 'caller', what it calls (what "
+        "does wraps call) as 'callee'; its subclasses (what subclasses wait_base: through the graph's interfaces, "
+        "the nearest first) as 'subclass', its bases (what does Retrying inherit from) as 'base'; its importers "
+        "(what imports tenacity._utils: the graph's imports links) as 'importer', what it imports (what does "
+        "tenacity.wait import) as 'imported'; a type by its class chunk, else its file. Default: the deployment's "
+        "(true).",
     )
 
     @field_validator("retrievers")
@@ -175,8 +177,9 @@ class FoundBy(WireModel):
 
     retriever: str = Field(
         description="The retriever's name: dense, keyword, or another the deployment runs; symbol for a result "
-        "whose symbolFqn the query named (_meta.exactSymbolMatches); caller, subclass or importer for a result "
-        "standing in the relation the query asked about to the symbol it named (_meta.relationMatches)."
+        "whose symbolFqn the query named (_meta.exactSymbolMatches); caller, callee, subclass, base, importer or "
+        "imported for a result standing in the relation the query asked about to the symbol it named "
+        "(_meta.relationMatches)."
     )
     rank: int
     score: float
@@ -335,8 +338,9 @@ class QueryMeta(WireModel):
     )
     relation_matches: int = Field(
         default=0,
-        description="Results placed first because they are callers, subclasses or importers of the symbol the "
-        "query asked that of (options.exactSymbols); their foundBy names 'caller', 'subclass' or 'importer'.",
+        description="Results placed first because they stand in the relation the query asked about to the symbol "
+        "it named (callers, callees, subclasses, bases, importers, imported modules; options.exactSymbols); their "
+        "foundBy names the relation.",
     )
     keyword_pruned: bool = Field(
         default=False,

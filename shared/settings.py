@@ -273,8 +273,9 @@ class Settings(BaseSettings):
     exact_symbols: bool = Field(
         default=True,
         description="A query that is one identifier (a name or dotted qualified name) gets the chunks defining a "
-        "symbol of that name first (_meta.exactSymbolMatches), and a query asking for one named symbol's callers, "
-        "subclasses or importers those chunks (_meta.relationMatches); requests may turn it off (docs/quality.md).",
+        "symbol of that name first (_meta.exactSymbolMatches), and a query asking one relation of one named symbol "
+        "(its callers or callees, subclasses or bases, importers or imports) those chunks (_meta.relationMatches); "
+        "requests may turn it off (docs/quality.md).",
     )
     calibrated_scores: bool = Field(
         default=True,

@@ -16,7 +16,10 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.fusion import Fused, SourceHit
 from ontofabric.services.query.names import match_quality
 from ontofabric.services.query.symbols import (
+    BASE,
+    CALLEE,
     CALLER,
+    IMPORTED,
     IMPORTER,
     SUBCLASS,
     SYMBOL,
@@ -78,12 +81,23 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("where is tenacity._utils imported?", (IMPORTER, "tenacity._utils")),
         ("importers of _utils", (IMPORTER, "_utils")),
         ("files that import _utils", (IMPORTER, "_utils")),
-        # Not a lookup: another question, words besides the name, the other direction, no name.
+        # The other direction.
+        ("what does wraps call", (CALLEE, "wraps")),
+        ("what functions does Retrying.wraps call?", (CALLEE, "Retrying.wraps")),
+        ("callees of to_seconds", (CALLEE, "to_seconds")),
+        ("what is called by begin", (CALLEE, "begin")),
+        ("what does Retrying inherit from", (BASE, "Retrying")),
+        ("which classes does Retrying extend", (BASE, "Retrying")),
+        ("base classes of Retrying", (BASE, "Retrying")),
+        ("what is Retrying's superclass", (BASE, "Retrying")),
+        ("what does tenacity.wait import", (IMPORTED, "tenacity.wait")),
+        ("what is imported by tenacity._utils", (IMPORTED, "tenacity._utils")),
+        ("dependencies of tenacity.wait", (IMPORTED, "tenacity.wait")),
+        # Not a lookup: another question, words besides the name, no name.
         ("how does backoff work", None),
         ("what calls to_seconds and why", None),
         ("what calls the retry loop", None),
-        ("what is imported by tenacity._utils", None),
-        ("which classes does Retrying extend", None),
+        ("what does the retry loop call", None),
         ("what calls 3.14", None),
         ("to_seconds", None),
     ],
@@ -288,3 +302,14 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert importers.meta.relation_matches == 2
     assert {f.retriever for r in importers.results[:2] for f in r.found_by} >= {IMPORTER}
     assert (await _ask(client, "what imports square", chunkLevel="type")).meta.relation_matches == 0
+
+    # The other direction: what a function calls, what a class derives from, what a module imports.
+    called = await _ask(client, "what does describe call?")
+    assert (_names(called)[0], called.meta.relation_matches) == ("shapes.square.area (method)", 1)
+    assert CALLEE in {f.retriever for f in called.results[0].found_by}
+    bases = await _ask(client, "what does Ring inherit from")
+    assert (_names(bases)[0], bases.meta.relation_matches) == ("shapes.circle.Circle (type)", 1)
+    assert BASE in {f.retriever for f in bases.results[0].found_by}
+    imported = await _ask(client, "what does shapes.report import")
+    assert set(_names(imported)[:3]) == {"shapes (file)", "shapes.circle (file)", "shapes.square (file)"}
+    assert {f.retriever for r in imported.results[:3] for f in r.found_by} >= {IMPORTED}

@@ -114,7 +114,9 @@ def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_i
     assert graph.named("Missing") == []
     assert graph.subtypes("a.Base") == [["a.Left", "a.Right"], ["a.Both", "a.Leaf"]]
     assert graph.subtypes("a.Leaf") == []
-    assert graph.importers("a.Base") == ["a.Left"]  # a calls link is no import
+    assert graph.supertypes("a.Both") == [["a.Left", "a.Right"], ["a.Base"]]
+    assert graph.linked("a.Base", "imports", "incoming") == ["a.Left"]  # a calls link is no import
+    assert graph.linked("a.Base", "imports", "outgoing") == ["b.Base"]
 
 
 def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> None:

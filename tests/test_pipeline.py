@@ -121,6 +121,9 @@ class ScriptedRetrieval:
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         return Definitions({}, self.fetch_version, found_by="caller")
 
+    async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:
+        return Definitions({}, self.fetch_version, found_by="callee")
+
 
 def pipeline_over(
     retrieval: ScriptedRetrieval,

@@ -79,6 +79,11 @@ def test_relationship_questions_and_their_answers_come_from_the_syntax(tmp_path:
     assert "what calls area" not in questions
     # `units.to_metres(...)` through a module attribute is not resolved: the answer lists only what is certain.
     assert "shapes.square.Square.__init__" not in questions["what calls to_metres"][1]
+    # The other direction, from the same pairs.
+    assert questions["what does Circle inherit from"] == ("bases", ["shapes.base.Shape"])
+    assert questions["what does shapes.square import"] == ("imported", ["shapes", "shapes.base", "shapes.units"])
+    assert questions["what does describe call"] == ("callees", ["shapes.base.Shape.area"])
+    assert "what does __init__ call" not in questions  # two __init__ methods: ambiguous
 
 
 def test_a_judgments_file_that_is_not_one_is_named(tmp_path: Path) -> None:

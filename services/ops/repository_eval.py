@@ -5,7 +5,8 @@ that the judgments survive re-chunking.
 - **Concept** queries ("exponential backoff with a cap") come from the judgments file, each with the symbols that
   answer it; measured by nDCG@10, Recall@10 and MRR@10 over the answer's symbols (a symbol's chunks count once,
   at the first rank one of them holds).
-- **Relationship** queries ("what calls to_seconds", "what subclasses wait_base", "what imports tenacity._utils")
+- **Relationship** queries ("what calls to_seconds", "what subclasses wait_base", "what imports tenacity._utils",
+  and the other way: "what does wraps call", "what does Retrying inherit from", "what does tenacity.wait import")
   are made here from a static analysis of the tree (:func:`relationship_queries`), not picked by hand; measured by
   Recall@10 over the answer's symbols together with the types ``_meta.expandedContext`` attaches, asked with
   ``followLinks`` off and on.
@@ -37,6 +38,8 @@ from .measures import compute_metrics, margin, per_query_ndcg
 
 DEPTH = 10
 WORKSPACE = "repository-eval"
+RELATIONSHIP_KINDS = ("calls", "subclasses", "imports", "callees", "bases", "imported")
+"""What calls f, subclasses C, imports M; what f calls, C derives from, M imports."""
 
 
 class JudgmentsError(ValueError):
@@ -72,7 +75,7 @@ class Judgments:
 class RelationshipQuery:
     id: str
     kind: str
-    """calls, subclasses or imports"""
+    """one of RELATIONSHIP_KINDS"""
     text: str
     relevant: list[str]
 
@@ -105,7 +108,9 @@ def relationship_queries(sources: Mapping[str, str], package: str | None) -> lis
     """Relationship questions about a Python tree with their answers, from its syntax alone: which modules import
     a module, which classes of the tree subclass a class of the tree (directly), which functions and methods call a
     function of the tree (by a name the caller's module defines or imports from the tree, or ``self.method`` within
-    a class). Only questions with at least one answer; names several symbols share are left out (ambiguous)."""
+    a class); and the same pairs the other way (what a module imports, what a class derives from directly, what a
+    function calls). Only questions with at least one answer; names several symbols share are left out
+    (ambiguous)."""
     modules: dict[str, ast.Module] = {}
     for path, text in sorted(sources.items()):
         if path.endswith(".py"):
@@ -179,17 +184,32 @@ def relationship_queries(sources: Mapping[str, str], package: str | None) -> lis
         last_parts[fqn.rsplit(".", 1)[-1]] = last_parts.get(fqn.rsplit(".", 1)[-1], 0) + 1
 
     queries = []
-    for target, found in sorted(importers.items()):
-        queries.append(RelationshipQuery(f"imports:{target}", "imports", f"what imports {target}", sorted(found)))
+    for kind, relation, template in (
+        ("imports", importers, "what imports {}"),
+        ("imported", _inverted(importers), "what does {} import"),
+    ):
+        for target, found in sorted(relation.items()):
+            queries.append(RelationshipQuery(f"{kind}:{target}", kind, template.format(target), sorted(found)))
     for kind, relation, template in (
         ("subclasses", subclasses, "what subclasses {}"),
         ("calls", callers, "what calls {}"),
+        ("bases", _inverted(subclasses), "what does {} inherit from"),
+        ("callees", _inverted(callers), "what does {} call"),
     ):
         for target, found in sorted(relation.items()):
             name = target.rsplit(".", 1)[-1]
             if last_parts.get(name, 0) == 1 and found:
                 queries.append(RelationshipQuery(f"{kind}:{target}", kind, template.format(name), sorted(found)))
     return queries
+
+
+def _inverted(relation: Mapping[str, set[str]]) -> dict[str, set[str]]:
+    """The same pairs the other way round (callers of each callee -> callees of each caller)."""
+    inverted: dict[str, set[str]] = {}
+    for target, found in relation.items():
+        for source in found:
+            inverted.setdefault(source, set()).add(target)
+    return inverted
 
 
 def _class_fqn(tree: ast.Module, module: str, wanted: ast.ClassDef) -> str:
@@ -305,9 +325,9 @@ async def evaluate_tree(
             by_kind[label] = {
                 kind: sum(recalls[q.id] for q in relationships if q.kind == kind)
                 / max(1, sum(1 for q in relationships if q.kind == kind))
-                for kind in ("calls", "subclasses", "imports")
+                for kind in RELATIONSHIP_KINDS
             }
-    kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in ("calls", "subclasses", "imports")}
+    kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in RELATIONSHIP_KINDS}
     return TreeReport(str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds)
 
 

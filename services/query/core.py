@@ -218,6 +218,11 @@ class DocumentStore(Protocol):
         functions and methods before modules."""
         ...
 
+    async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:
+        """At most ``limit`` chunks of the scope defining a class or function that the ``metadata.calls`` of a
+        symbol ``name`` names (matched as for :meth:`callers`) name, found by ``callee``."""
+        ...
+
 
 @dataclass(frozen=True)
 class Visible:

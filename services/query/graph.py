@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ontofabric.contracts import IMPORTS, MAIN_BRANCH
+from ontofabric.contracts import MAIN_BRANCH
 from ontofabric.shared.lru import LruCache
 
 from .cache import VersionKey, drop_stale, drop_workspace
@@ -77,21 +77,30 @@ class OntologyGraph:
     def subtypes(self, object_type: str) -> list[list[str]]:
         """Every type that implements or derives from the type, transitively, by distance: those deriving from it
         directly, then from those, ...; each level by name."""
+        return self._levels(object_type, lambda current: self._subtypes.get(current, ()))
+
+    def supertypes(self, object_type: str) -> list[list[str]]:
+        """The graph's types the type implements or derives from, transitively, by distance; each level by name."""
+        return self._levels(
+            object_type, lambda current: [i for i in self.interfaces.get(current, ()) if i in self.kinds]
+        )
+
+    def _levels(self, start: str, step: Callable[[str], Iterable[str]]) -> list[list[str]]:
         levels: list[list[str]] = []
-        seen = {object_type}
-        frontier = [object_type]
+        seen = {start}
+        frontier = [start]
         while frontier:
-            nearer = {sub for current in frontier for sub in self._subtypes.get(current, ()) if sub not in seen}
-            frontier = sorted(nearer)
+            frontier = sorted({found for current in frontier for found in step(current) if found not in seen})
             seen.update(frontier)
             if frontier:
                 levels.append(frontier)
         return levels
 
-    def importers(self, object_type: str) -> list[str]:
-        """The types with an ``imports`` link to the type (the modules importing a module), by name."""
+    def linked(self, object_type: str, link_name: str, direction: Literal["outgoing", "incoming"]) -> list[str]:
+        """The types at the other end of the type's links of that name and direction, by name (``imports``
+        incoming: the modules importing a module)."""
         return [
-            n.linked_type for n in self.neighbours(object_type) if n.direction == "incoming" and n.link_name == IMPORTS
+            n.linked_type for n in self.neighbours(object_type) if n.link_name == link_name and n.direction == direction
         ]
 
     def named(self, name: str) -> list[str]:

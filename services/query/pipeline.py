@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
-from ontofabric.contracts import OntologyQuery, QueryResponse, SearchResult
+from ontofabric.contracts import IMPORTS, OntologyQuery, QueryResponse, SearchResult
 from ontofabric.contracts.query import (
     CollapsedResult,
     DistanceMetricReport,
@@ -65,7 +65,11 @@ from .stages import (
     to_results,
 )
 from .symbols import (
+    BASE,
+    CALLEE,
     CALLER,
+    IMPORTED,
+    IMPORTER,
     PLACED_FIRST,
     SUBCLASS,
     SYMBOL,
@@ -376,8 +380,9 @@ class QueryPipeline:
         relation = relation_of(run.text)
         if (name := identifier_of(run.text)) is not None:
             work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
-        elif relation is not None and relation[0] == CALLER:
-            work = self._documents.callers(scope, relation[1], DEFINITIONS_LOOKED_UP)
+        elif relation is not None and relation[0] in (CALLER, CALLEE):
+            calls = self._documents.callers if relation[0] == CALLER else self._documents.callees
+            work = calls(scope, relation[1], DEFINITIONS_LOOKED_UP)
         elif relation is not None:
             work = self._related_in_graph(run, scope, *relation)
         else:
@@ -389,17 +394,23 @@ class QueryPipeline:
         return found
 
     async def _related_in_graph(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
-        """The subclasses (nearest first) or the importers of the types the name names, from the graph at the
-        announced version, each by its defining chunk (a class's own, a module's file)."""
+        """The subclasses or bases (nearest first), the importers or the imported modules of the types the name
+        names, from the graph at the announced version, each by its defining chunk (a class's own, a module's
+        file)."""
         version = self._versions.current(scope.workspace, scope.branch)
         graph = await self._graphs.get(
             scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
         )
         run.read(graph.version)
         distance: dict[str, int] = {}
+        levels_of: dict[str, Callable[[str], list[list[str]]]] = {
+            SUBCLASS: graph.subtypes,
+            BASE: graph.supertypes,
+            IMPORTER: lambda named: [graph.linked(named, IMPORTS, "incoming")],
+            IMPORTED: lambda named: [graph.linked(named, IMPORTS, "outgoing")],
+        }
         for named in graph.named(name):
-            levels = graph.subtypes(named) if relation == SUBCLASS else [graph.importers(named)]
-            for level, types in enumerate(levels):
+            for level, types in enumerate(levels_of[relation](named)):
                 for object_type in types:
                     distance[object_type] = min(level, distance.get(object_type, level))
         nearest = sorted(distance, key=lambda t: (distance[t], t))[:DEFINITIONS_LOOKED_UP]

@@ -595,25 +595,51 @@ class PostgresDocuments:
         return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules)
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+        # The chunks whose calls name one of the symbols, through documents_calls (infra/migrations/0017), whose
+        # predicate the statement repeats.
+        return await self._calls(
+            scope,
+            name,
+            limit,
+            "",
+            "metadata ? 'calls' AND metadata -> 'calls' ?| ARRAY(SELECT symbol_fqn FROM named_symbols)",
+            "caller",
+        )
+
+    async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:
+        # The classes and functions the symbols' calls name, through documents_symbol_name (0014).
+        return await self._calls(
+            scope,
+            name,
+            limit,
+            """, called AS (
+                SELECT DISTINCT jsonb_array_elements_text(calls) AS fqn FROM named_symbols WHERE calls IS NOT NULL)""",
+            f"""{SYMBOL_NAME_SQL} = ANY(ARRAY(SELECT lower(regexp_replace(fqn, '^.*[.]', '')) FROM called))
+                AND symbol_fqn IN (SELECT fqn FROM called) AND chunk_level IN ('type', 'method')""",
+            "callee",
+        )
+
+    async def _calls(
+        self, scope: Scope, name: str, limit: int, more_ctes: str, condition: str, found_by: str
+    ) -> Definitions:
+        """The chunks of the scope meeting ``condition``, given ``named_symbols``: the symbols ``name`` names (the
+        qualified name, its calls), looked up across the branch (a filter selects the answer, not the symbol it is
+        about) and matched as definitions match them, ignoring case only when nothing matches as written."""
         async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the retrievers, as definitions
-            # The callee is looked up across the branch (a filter selects callers, not what they call); as
-            # definitions match it, ignoring case only when nothing matches as written. The callers through
-            # documents_calls (infra/migrations/0017), whose predicate the statement repeats.
             anywhere, anywhere_parameters = where_clause(scope.unfiltered, 4, snapshot.shadowed)
             where, parameters = where_clause(scope, 4 + len(anywhere_parameters), snapshot.shadowed)
             rows = await snapshot.conn.fetch(
-                f"""WITH named AS (
-                        SELECT DISTINCT symbol_fqn,
+                f"""WITH matched AS (
+                        SELECT DISTINCT symbol_fqn, metadata -> 'calls' AS calls,
                                symbol_fqn = $2 OR right(symbol_fqn, length($2) + 1) = '.' || $2 AS as_written
                         FROM documents
                         WHERE {SYMBOL_NAME_SQL} = lower($1)
                           AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}),
-                    callees AS (
-                        SELECT symbol_fqn FROM named
-                        WHERE as_written OR NOT EXISTS (SELECT FROM named WHERE as_written))
+                    named_symbols AS (
+                        SELECT symbol_fqn, calls FROM matched
+                        WHERE as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written)){more_ctes}
                     SELECT id, symbol_fqn, chunk_level FROM documents
-                    WHERE metadata ? 'calls' AND metadata -> 'calls' ?| ARRAY(SELECT symbol_fqn FROM callees)
-                      AND chunk_level IS DISTINCT FROM 'doc' AND {where}
+                    WHERE {condition} AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY chunk_level = 'file', symbol_fqn, id
                     LIMIT $3""",
                 last_part(name),
@@ -623,7 +649,7 @@ class PostgresDocuments:
                 *parameters,
             )
         modules = frozenset(r["id"] for r in rows if r["chunk_level"] == "file")
-        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules, found_by="caller")
+        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules, found_by=found_by)
 
     async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
         """The version row of each of the workspace's ``branches`` that has one."""

@@ -20,8 +20,11 @@ from .stages import above_the_rest
 SYMBOL = "symbol"
 """The name a definition placed first goes by in ``foundBy``."""
 CALLER, SUBCLASS, IMPORTER = "caller", "subclass", "importer"
-"""What a chunk placed first because it stands in the asked relation to the named symbol goes by in ``foundBy``."""
-PLACED_FIRST = frozenset({SYMBOL, CALLER, SUBCLASS, IMPORTER})
+CALLEE, BASE, IMPORTED = "callee", "base", "imported"
+"""What a chunk placed first because it stands in the asked relation to the named symbol goes by in ``foundBy``:
+what calls it, derives from it, imports it; what it calls, derives from, imports."""
+RELATIONS = frozenset({CALLER, SUBCLASS, IMPORTER, CALLEE, BASE, IMPORTED})
+PLACED_FIRST = RELATIONS | {SYMBOL}
 
 MAX_IDENTIFIER_CHARS = 300
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -69,15 +72,35 @@ _RELATION_QUESTIONS = [
         (IMPORTER, rf"where\s+(?:is|are)\s+{_THE}\s+imported(?:\s+from)?"),
         (IMPORTER, rf"{_LISTED}(?:modules|files){_THAT}\s+imports?\s+{_THE}"),
         (IMPORTER, rf"{_THE}\s+importers"),
+        # the other direction: what does f call / callees of f / what is called by f
+        (CALLEE, rf"{_ASKED}\s+(?:does|do)\s+{_THE}\s+(?:call|invoke)"),
+        (CALLEE, rf"{_LISTED}(?:callees|calls)\s+(?:of|from|in|made\s+by)\s+{_THE}"),
+        (CALLEE, rf"what\s+(?:is|are)\s+(?:called|invoked)\s+(?:by|from|in)\s+{_THE}"),
+        # what does C inherit from / base classes of C / what is C's superclass
+        (BASE, rf"{_ASKED}\s+(?:does|do)\s+{_THE}\s+(?:inherit\s+from|derive\s+from|extend|subclass|implement)"),
+        (
+            BASE,
+            rf"{_LISTED}(?:base\s+class(?:es)?|bases|superclass(?:es)?|parent\s+class(?:es)?|supertypes)"
+            rf"\s+(?:of|for)\s+{_THE}",
+        ),
+        (
+            BASE,
+            rf"what\s+(?:is|are)\s+{_THE}'s\s+(?:base\s+class(?:es)?|bases|superclass(?:es)?|parent\s+class(?:es)?)",
+        ),
+        # what does M import / what is imported by M / dependencies of M
+        (IMPORTED, rf"{_ASKED}\s+(?:does|do)\s+{_THE}\s+import"),
+        (IMPORTED, rf"what\s+(?:is|are)\s+imported\s+(?:by|in|from)\s+{_THE}"),
+        (IMPORTED, rf"{_LISTED}(?:imports|dependencies)\s+(?:of|in)\s+{_THE}"),
     )
 ]
 
 
 def relation_of(text: str) -> tuple[str, str] | None:
-    """(what the asked-for chunks are to the symbol: caller, subclass or importer; the symbol's dotted name) when
-    the whole query asks that about one identifier: ``what calls to_seconds``, ``callers of `wait_base` ``,
-    ``which classes inherit from wait_base``, ``what imports tenacity._utils``. None for any other text (a question
-    that also asks something else is no lookup)."""
+    """(what the asked-for chunks are to the symbol: one of ``RELATIONS``; the symbol's dotted name) when the whole
+    query asks that about one identifier: ``what calls to_seconds``, ``callers of `wait_base` ``, ``which classes
+    inherit from wait_base``, ``what imports tenacity._utils``; ``what does wraps call``, ``base classes of
+    Retrying``, ``what does tenacity.wait import``. None for any other text (a question that also asks something
+    else is no lookup)."""
     question = text.strip().rstrip("?").strip()
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)

@@ -41,9 +41,9 @@ class OntologyNode(WireModel):
 
 
 LINK_KEY_SEPARATOR = "|"
+"""Between a link's source type, name and target type in its key (none of them can hold it)."""
 INHERITS, IMPORTS, CALLS = "inherits", "imports", "calls"
 """Link names the reference ingester gives; a question for a module's importers follows the imports links."""
-"""Between a link's source type, name and target type in its key (none of them can hold it)."""
 
 
 def link_key(source_type: str, name: str, target_type: str) -> str:

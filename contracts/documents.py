@@ -138,8 +138,9 @@ class DocumentMetadata(WireModel):
     calls: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
         default=None,
         max_length=MAX_CALLS,
-        description="Qualified names (symbolFqn) of the symbols this chunk's code calls, as far as its source tells "
-        "them; a question for a symbol's callers finds the chunk by them (OntologyQuery options.exactSymbols).",
+        description="Qualified names (symbolFqn) of the symbols this chunk's own code calls, as far as its source "
+        "tells them (a module's chunk: its top-level statements; a class's: its body outside its methods); a "
+        "question for a symbol's callers or callees is answered from them (OntologyQuery options.exactSymbols).",
     )
 
 

@@ -226,3 +226,15 @@ def test_a_tree_that_is_a_package_names_its_modules_as_python_imports_them(tmp_p
     nodes, links = python_graph({"__init__.py": "from .retry import Retrying\n", "retry.py": ""}, "tenacity")
     assert {n.object_type for n in nodes} == {"tenacity", "tenacity.retry"}
     assert [(k.source_type, k.target_type) for k in links] == [("tenacity", "tenacity.retry")]
+
+
+def test_a_callee_name_the_contract_cannot_carry_is_left_out_and_the_ingest_goes_on(tmp_path: Path) -> None:
+    from ontofabric.services.ingest.ingester import chunk_sources, to_document
+
+    long = "C" * 1100
+    source = f"class {long}:\n    pass\n\n\ndef make():\n    return {long}()\n\n\ndef use():\n    return make()\n"
+    chunks = chunk_sources(tmp_path, {"m.py": source}, 1 << 20)
+    calls = {c.symbol_fqn: c.calls for c in chunks if c.chunk_level == "method"}
+    assert calls == {"m.make": (), "m.use": ("m.make",)}
+    for chunk in chunks:  # each one a valid document
+        to_document(chunk, None, None)

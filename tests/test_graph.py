@@ -264,3 +264,57 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
         # An overload stub and the definition share one name: what either calls.
         ("pkg/util.py", "pkg.util.clock"): ("pkg.util.name",),
     }
+
+
+def test_calls_leave_out_names_a_function_binds_and_a_nested_classs_self() -> None:
+    from ontofabric.services.ingest.graph import python_calls
+
+    source = textwrap.dedent(
+        """
+        import lib.util
+
+        def run():
+            return 1
+
+        def by_parameter(run):
+            return run()
+
+        def by_assignment():
+            run = make_runner()
+            return run()
+
+        def declared_global():
+            global run
+            return run()
+
+        class Outer:
+            def step(self):
+                return 2
+
+            def method(self):
+                class Inner:
+                    def go(self):
+                        return self.step()  # Inner's own, which the tree does not name
+
+                return Inner, lib.util.helper(), self.Nested()
+
+            class Nested:
+                pass
+        """
+    )
+    calls = python_calls({"lib/app.py": source, "lib/util.py": "def helper():\n    return 3\n"})
+    assert calls == {
+        ("lib/app.py", "lib.app.declared_global"): ("lib.app.run",),
+        # Through `import lib.util`; a class nested in the method's class, as a member.
+        ("lib/app.py", "lib.app.Outer.method"): ("lib.app.Outer.Nested", "lib.util.helper"),
+    }
+
+
+def test_a_file_nested_deeper_than_the_parser_goes_is_not_read_and_stops_nothing() -> None:
+    from ontofabric.services.ingest.chunking import chunk_python
+    from ontofabric.services.ingest.graph import python_calls
+
+    source = "def g():\n    return 1\n\ndef f():\n    return " + "+".join(["g()"] * 5000) + "\n"
+    assert python_calls({"deep.py": source}) == {}
+    assert python_graph({"deep.py": source}) == ([], [])
+    assert [c.chunk_level for c in chunk_python("deep.py", source, 1 << 20)] == ["file"]

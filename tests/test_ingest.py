@@ -103,6 +103,7 @@ async def test_ingest_publishes_only_what_changed(
     assert added.last_sequence is not None
     await deployment.wait_projected(added.last_sequence)
     assert [r["calls"] for r in await deployment.fetch(calls)] == ['["pkg.shapes.Circle"]']
+    assert (await ingester.ingest(tmp_path, "repo")).upserts == 0  # the calls read the same: nothing goes again
     (tmp_path / "pkg/shapes.py").write_text("class Disc:\n    def area(self, r):\n        return 3.14159 * r * r\n")
     renamed = await ingester.ingest(tmp_path, "repo")
     # shapes.py's file, class and method; and make, whose text is as it was but whose call no longer resolves.

@@ -35,7 +35,8 @@ class Chunk:
     file_path: str
     content: str
     calls: tuple[str, ...] = ()
-    """Qualified names of the symbols the chunk's code calls (set by the ingester, which sees the whole tree)."""
+    """Qualified names of the symbols the chunk's own code calls (``graph.python_calls``; set by the ingester,
+    which sees the whole tree)."""
 
     @property
     def content_hash(self) -> str:
@@ -119,7 +120,7 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     chunks = [make(file_key, "module", module, "file", module_type, source)]
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return chunks  # unparsable: the file chunk still makes it findable
     lines = source.splitlines(keepends=True)
 

@@ -128,13 +128,21 @@ class _Resolver:
         return self.symbol_fqn(target, symbol, hops + 1)
 
     def named_symbol(self, module: _Module, node: ast.expr) -> str | None:
-        """``Name`` or ``module_alias.Name`` as the qualified name of a class or function of the tree."""
+        """``Name``, ``module_alias.Name`` or ``package.module.Name`` (after ``import package.module``) as the
+        qualified name of a class or function of the tree."""
         if isinstance(node, ast.Name):
             return self.symbol_fqn(module, node.id)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            target = self.imported_module(module, node.value.id)
-            return self.symbol_fqn(target, node.attr) if target is not None else None
-        return None
+        dotted = _dotted(node.value) if isinstance(node, ast.Attribute) else None
+        if dotted is None:
+            return None
+        assert isinstance(node, ast.Attribute)
+        head, _, rest = dotted.partition(".")
+        if head not in module.imports:
+            return None
+        written, symbol = module.imports[head]
+        imported = written if symbol is None else f"{written}.{symbol}"
+        target = self.module(f"{imported}.{rest}" if rest else imported)
+        return self.symbol_fqn(target, node.attr) if target is not None else None
 
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
@@ -189,7 +197,7 @@ def _modules(sources: Mapping[str, str], package: str | None) -> tuple[dict[str,
             continue
         try:
             tree = ast.parse(source)
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, RecursionError):  # nested deeper than the parser goes: not read
             continue
         fqn = module_name(path, package)
         modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"), path)
@@ -269,15 +277,16 @@ def _callers(module: _Module) -> Iterator[tuple[str, list[ast.stmt]]]:
 
 @dataclass(frozen=True)
 class _Class:
-    methods: frozenset[str]
+    members: frozenset[str]
+    """The names its body defines: its methods and the classes nested in it."""
     bases: tuple[str, ...]
     """The qualified names of its bases that are classes of the tree, in order."""
 
 
 def _method(classes: Mapping[str, _Class], class_fqn: str, name: str, inherited_only: bool = False) -> str | None:
-    """The qualified name of the method ``name`` as ``class_fqn`` resolves it: its own, else the first of its
-    bases' in depth-first order (close to Python's method resolution order for the single inheritance trees use
-    most); ``inherited_only``: as ``super()`` resolves it."""
+    """The qualified name of the member ``name`` (a method or nested class) as ``class_fqn`` resolves it: its own,
+    else the first of its bases' in depth-first order (close to Python's method resolution order for the single
+    inheritance trees use most); ``inherited_only``: as ``super()`` resolves it."""
     seen: set[str] = set()
     order = list(classes[class_fqn].bases) if inherited_only else [class_fqn]
     while order:
@@ -285,7 +294,7 @@ def _method(classes: Mapping[str, _Class], class_fqn: str, name: str, inherited_
         if current in seen or current not in classes:
             continue
         seen.add(current)
-        if name in classes[current].methods:
+        if name in classes[current].members:
             return f"{current}.{name}"
         order = [*classes[current].bases, *order]
     return None
@@ -317,17 +326,18 @@ def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict
     """For each chunk of code (by its file and the qualified name :func:`chunking.chunk_python` gives it: a
     package's function can share its name with a module of the package), the classes and
     functions of the tree its code calls, resolved from the syntax alone: a name its module defines or imports
-    from the tree, ``module.name`` through an imported module, ``Class.name``, and ``self.name``, ``cls.name`` or
-    ``super().name`` through the class and its bases in the tree. A call through any other object (a parameter,
-    an attribute, what a call returned) cannot be told from the syntax and is left out, as is a chunk calling
-    itself."""
+    from the tree (unless the function binds that name itself), ``module.name`` through an imported module,
+    ``Class.name``, and ``self.name``, ``cls.name`` or ``super().name`` through the class and its bases in the tree.
+    A call through any other object (a parameter, an attribute, what a call returned) cannot be told from the
+    syntax and is left out, as is a chunk calling itself. A module's chunk holds its own statements' calls only,
+    a class's those of its body outside its methods."""
     modules, resolver = _modules(sources, package)
     classes: dict[str, _Class] = {}
     for module in modules.values():
         for qualname, cls in _classes(module.tree.body):
-            methods = frozenset(n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))
+            members = frozenset(n.name for n in cls.body if isinstance(n, _DEFINITIONS))
             bases = (resolver.named_symbol(module, b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases)
-            classes[f"{module.fqn}.{qualname}"] = _Class(methods, tuple(b for b in bases if b is not None))
+            classes[f"{module.fqn}.{qualname}"] = _Class(members, tuple(b for b in bases if b is not None))
 
     def callee(module: _Module, func: ast.expr, owner: str | None) -> str | None:
         if isinstance(func, ast.Attribute):
@@ -345,8 +355,46 @@ def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict
     for module in modules.values():
         for fqn, code, owner in _code_scopes(module):
             found = calls.setdefault((module.path, fqn), set())  # overloads and a property's setter share a name
-            for call in (c for node in code for c in ast.walk(node) if isinstance(c, ast.Call)):
-                target = callee(module, call.func, owner)
-                if target is not None and target != fqn:
-                    found.add(target)
+            for node in code:
+                shadowed = _local_names(node) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else set()
+                for call, self_class in _calls_in(node, owner):
+                    if isinstance(call.func, ast.Name) and call.func.id in shadowed:
+                        continue  # a parameter or local variable, not the module's name
+                    target = callee(module, call.func, self_class)
+                    if target is not None and target != fqn:
+                        found.add(target)
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
+
+
+def _calls_in(node: ast.AST, owner: str | None) -> Iterator[tuple[ast.Call, str | None]]:
+    """The calls within ``node`` (itself included), each with the class ``self`` stands for there: none inside a
+    class defined within the code (its methods' ``self`` is that class, which the tree does not name). Iterative,
+    as ``ast.walk``: generated code nests expressions deeper than Python's recursion limit."""
+    pending: list[tuple[ast.AST, str | None]] = [(node, owner)]
+    while pending:
+        current, self_class = pending.pop()
+        if isinstance(current, ast.Call):
+            yield current, self_class
+        inner = None if isinstance(current, ast.ClassDef) else self_class
+        pending.extend((child, inner) for child in ast.iter_child_nodes(current))
+
+
+def _local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names a function binds itself (parameters, assignments, loop and ``with`` targets, nested definitions), so
+    that a call of one of them is not taken for the module's symbol of that name; those it declares ``global`` are
+    the module's. An import inside the function is not among them: what it imports resolves as the module's
+    imports do."""
+    arguments = function.args
+    bound = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
+    bound |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+    declared_global: set[str] = set()
+    for node in ast.walk(function):
+        if node is function:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Global):
+            declared_global |= set(node.names)
+    return bound - declared_global

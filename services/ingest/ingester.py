@@ -38,7 +38,7 @@ from ontofabric.contracts import (
     TokenVectors,
     split_link_key,
 )
-from ontofabric.contracts.documents import MAX_CALLS
+from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
@@ -89,9 +89,14 @@ def chunk_sources(
     :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`)."""
     package = tree_package(root.resolve().name, sources, package)
     chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
-    calls = python_calls(sources, package)
+    # What the contract cannot carry (a name past its length, calls past its count) is left out, so that one odd
+    # source never stops an ingest.
+    calls = {
+        key: tuple(name for name in names if len(name) <= MAX_CALLEE_CHARS)[:MAX_CALLS]
+        for key, names in python_calls(sources, package).items()
+    }
     return [
-        replace(chunk, calls=calls[key][:MAX_CALLS])
+        replace(chunk, calls=calls[key])
         if chunk.chunk_level != "doc" and (key := (chunk.file_path, chunk.symbol_fqn)) in calls
         else chunk
         for chunk in chunks

@@ -116,7 +116,7 @@ def relationship_queries(sources: Mapping[str, str], package: str | None) -> lis
         if path.endswith(".py"):
             try:
                 modules[module_name(path, package)] = ast.parse(text)
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, RecursionError):  # nested deeper than the parser goes: not read
                 continue
     defined = {module: _defined(tree, module) for module, tree in modules.items()}
     is_package = {module_name(p, package): p.endswith("__init__.py") for p in sources if p.endswith(".py")}

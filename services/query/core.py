@@ -161,8 +161,8 @@ DEFINING_LEVELS = ("type", "file")
 
 @dataclass(frozen=True)
 class Definitions:
-    """Chunks a lookup found for the symbol a query names: its definitions, or its callers, subclasses or
-    importers."""
+    """Chunks a lookup found for the symbol a query names: its definitions, or the chunks standing in the relation
+    the query asks about to it (its callers, callees, subclasses, bases, importers or imported modules)."""
 
     symbols: dict[str, str]
     """id -> symbolFqn of each chunk found"""
@@ -170,7 +170,7 @@ class Definitions:
     modules: frozenset[str] = frozenset()
     """Those of them that are a whole file (a module): after the classes and functions."""
     found_by: str = "symbol"
-    """What they go by in ``foundBy``: symbol (definitions), caller, subclass or importer."""
+    """What they go by in ``foundBy``: symbol (definitions), or the relation (``symbols.RELATIONS``)."""
     distances: dict[str, int] = field(default_factory=dict)
     """id -> how far it stands from the named symbol where that varies (a subclass's subclass: 1); nearer first."""
 

@@ -372,8 +372,8 @@ class QueryPipeline:
         return {c.id: c.score for c in scored.candidates}
 
     async def _definitions(self, run: QueryRun, scope: Scope) -> Definitions:
-        """When the query is one identifier: the chunks defining a symbol of that name; when it asks for a named
-        symbol's callers, subclasses or importers: the chunks standing in that relation to it."""
+        """When the query is one identifier: the chunks defining a symbol of that name; when it asks one relation
+        of a named symbol (``symbols.relation_of``): the chunks standing in that relation to it."""
         asked = options_of(run.query).exact_symbols
         if not (self._config.exact_symbols if asked is None else asked):
             return NO_DEFINITIONS
@@ -520,8 +520,8 @@ class QueryPipeline:
         self, run: QueryRun, measured: Measured, candidates: list[Fused], index_model: str | None
     ) -> dict[str, float] | None:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
-        signals (1 for a definition of the symbol the query names, or a caller, subclass or importer of it the
-        query asks for), made to descend with rank (``non_increasing``). None, and the pipeline's relative relevance
+        signals (1 for a definition of the symbol the query names, or a chunk in the relation to it the query
+        asks about), made to descend with rank (``non_increasing``). None, and the pipeline's relative relevance
         kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
         model is not the one the cosine weights were fitted for, or when some result has no signal a model could
         judge (a listing; a keyword backend without a ceiling, alone)."""

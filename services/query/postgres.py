@@ -554,7 +554,8 @@ class PostgresDocuments:
     ) -> Representatives:
         if not object_types:
             return Representatives({}, None)
-        async with self._snapshots.read(scope) as snapshot:
+        # Alone: a relation question reads it beside the retrievers (see graph_rows).
+        async with self._snapshots.read(scope, alone=True) as snapshot:
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT DISTINCT ON (object_type) object_type, id FROM documents
@@ -666,9 +667,12 @@ class PostgresDocuments:
         }
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
-        """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python)."""
+        """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python). Read
+        alone, not in the answer's session: a relation question loads it beside the retrievers, and a read that
+        opened the session's snapshot there would hold its lock while they read alone (a rebuild's swap queued
+        behind it would hold them up); the graph is kept per version, so this is rarely read."""
         scope = Scope(workspace, branch)
-        async with self._snapshots.read(scope) as snapshot:
+        async with self._snapshots.read(scope, alone=True) as snapshot:
             conn, branches = snapshot.conn, scope.branches
             nodes = await conn.fetch(
                 "SELECT branch, object_type, kind, interfaces, deleted, transparent FROM ontology_nodes"

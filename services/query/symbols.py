@@ -51,6 +51,7 @@ _RELATION_QUESTIONS = [
         # what calls f / who uses f / callers of f / where is f called / functions that call f / f callers
         (CALLER, rf"{_ASKED}\s+(?:calls?|invokes?|uses?|instantiates?)\s+{_THE}"),
         (CALLER, rf"{_LISTED}(?:callers|call\s+sites|usages|uses|invocations)\s+(?:of|to|for)\s+{_THE}"),
+        (CALLER, rf"{_LISTED}calls\s+to\s+{_THE}"),
         (CALLER, rf"where\s+(?:is|are)\s+{_THE}\s+(?:called|used|invoked|instantiated)(?:\s+from)?"),
         (CALLER, rf"{_LISTED}(?:functions|methods|code){_THAT}\s+(?:calls?|invokes?|uses?)\s+{_THE}"),
         (CALLER, rf"{_THE}\s+(?:callers|call\s+sites|usages)"),
@@ -74,7 +75,7 @@ _RELATION_QUESTIONS = [
         (IMPORTER, rf"{_THE}\s+importers"),
         # the other direction: what does f call / callees of f / what is called by f
         (CALLEE, rf"{_ASKED}\s+(?:does|do)\s+{_THE}\s+(?:call|invoke)"),
-        (CALLEE, rf"{_LISTED}(?:callees|calls)\s+(?:of|from|in|made\s+by)\s+{_THE}"),
+        (CALLEE, rf"{_LISTED}(?:callees\s+(?:of|from|in)|calls\s+(?:made\s+by|from|in))\s+{_THE}"),
         (CALLEE, rf"what\s+(?:is|are)\s+(?:called|invoked)\s+(?:by|from|in)\s+{_THE}"),
         # what does C inherit from / base classes of C / what is C's superclass
         (BASE, rf"{_ASKED}\s+(?:does|do)\s+{_THE}\s+(?:inherit\s+from|derive\s+from|extend|subclass|implement)"),
@@ -104,10 +105,13 @@ def relation_of(text: str) -> tuple[str, str] | None:
     question = text.strip().rstrip("?").strip()
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
-        if found is not None:
-            name = identifier_of(found.group("name"))
-            return None if name is None else (relation, name)
+        name = identifier_of(found.group("name")) if found is not None else None
+        if name is not None and name.lower() not in _NOT_NAMES:  # "what does Foo import from": no name
+            return relation, name
     return None
+
+
+_NOT_NAMES = frozenset({"from", "to", "by", "of", "in", "for", "with", "the", "a", "an", "it", "this", "that"})
 
 
 def definitions_first(
@@ -145,7 +149,7 @@ def related_first(
     distances: Mapping[str, int] | None = None,
 ) -> list[Fused]:
     """The chunks standing in the asked relation to the named symbol (``related``: id -> symbolFqn or object type;
-    ``found_by``: caller, subclass or importer), at most ``limit``, ahead of the other candidates, each scoring 1 and
+    ``found_by``: one of ``RELATIONS``), at most ``limit``, ahead of the other candidates, each scoring 1 and
     found by ``found_by`` besides what found it before: the nearer first (``distances``: a subclass before its own
     subclasses), then functions and classes before a module's own statements (``modules``), then the order the
     pipeline gave them, then by name. The other candidates keep their order and scores."""

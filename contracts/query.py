@@ -87,7 +87,27 @@ FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
 
 def _query_or_filter_schema(schema: dict[str, Any]) -> None:
     """The rule of ``_query_or_filter`` said in the schema too: one of these is required."""
-    schema["anyOf"] = [{"required": [to_camel(name)]} for name in ("semantic_query", *FILTERS)]
+    schema["anyOf"] = [{"required": [to_camel(name)]} for name in ("semantic_query", "related_to", *FILTERS)]
+
+
+Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
+
+
+class RelatedTo(StrictRequest):
+    """A relation of one symbol, asked for by structure rather than in words."""
+
+    relation: Relation = Field(
+        description="callers: the chunks whose code calls the symbol; callees: what its code calls; subclasses: the "
+        "types deriving from it (the nearest first); bases: the types it derives from; importers: the modules "
+        "importing it; imports: the modules it imports."
+    )
+    symbol: str = Field(
+        min_length=1,
+        max_length=300,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+        description="The symbol's name or dotted qualified name (to_seconds, tenacity.wait.wait_base), matched as "
+        "a query that is one identifier matches definitions.",
+    )
 
 
 class OntologyQuery(StrictRequest):
@@ -143,6 +163,13 @@ class OntologyQuery(StrictRequest):
         default=None, description="Defaults to the workspace of the subject the request was sent to."
     )
     options: QueryOptions | None = Field(default=None, description="Retrieval and fusion tuning.")
+    related_to: RelatedTo | None = Field(
+        default=None,
+        description="Put the chunks standing in this relation to the symbol first, each scoring 1, found by the "
+        "relation (caller, callee, subclass, base, importer, imported; _meta.relationMatches), whatever "
+        "options.exactSymbols says; the rest of the answer is ranked for semanticQuery, or, without it, for the "
+        "symbol's name. The same as asking it in words (what calls to_seconds), without depending on the wording.",
+    )
 
     @field_validator("semantic_query")
     @classmethod
@@ -155,11 +182,12 @@ class OntologyQuery(StrictRequest):
 
     @model_validator(mode="after")
     def _query_or_filter(self) -> OntologyQuery:
-        if self.semantic_query is None and all(getattr(self, name) is None for name in FILTERS):
+        if self.semantic_query is None and self.related_to is None and all(getattr(self, n) is None for n in FILTERS):
             # Raised as the field's own error, so that the caller is told which field to give.
             problem = PydanticCustomError(
                 "missing",
-                "semanticQuery is required unless a filter (objectType, chunkLevel, provenance, symbolKind) is given",
+                "semanticQuery is required unless relatedTo or a filter (objectType, chunkLevel, provenance, "
+                "symbolKind) is given",
             )
             raise ValidationError.from_exception_data(
                 type(self).__name__, [InitErrorDetails(type=problem, loc=("semanticQuery",), input=None)]
@@ -168,8 +196,13 @@ class OntologyQuery(StrictRequest):
 
     @property
     def listing(self) -> bool:
-        """No query text: the answer lists what the filters select."""
-        return self.semantic_query is None
+        """No query text and no relation: the answer lists what the filters select."""
+        return self.semantic_query is None and self.related_to is None
+
+    @property
+    def search_text(self) -> str | None:
+        """What the retrievers search for: the query text, else the name of the symbol a relation is asked of."""
+        return self.semantic_query or (self.related_to.symbol if self.related_to is not None else None)
 
 
 class FoundBy(WireModel):

@@ -66,11 +66,24 @@ def test_query_defaults() -> None:
         '{"semanticQuery": "x", "options": {"fusion": {"method": "magic"}}}',
         '{"semanticQuery": "x", "options": {"fusion": {"denseWeight": 1.5}}}',
         '{"semanticQuery": "x", "options": {"surprise": 1}}',
+        '{"relatedTo": {"relation": "friends", "symbol": "f"}}',
+        '{"relatedTo": {"relation": "callers", "symbol": "what calls f"}}',
+        '{"relatedTo": {"relation": "callers"}}',
+        '{"relatedTo": {"relation": "callers", "symbol": "f", "depth": 2}}',
     ],
 )
 def test_invalid_queries_are_rejected(body: str) -> None:
     with pytest.raises(ValidationError):
         OntologyQuery.model_validate_json(body)
+
+
+def test_a_relation_asked_by_structure_needs_no_text_and_is_searched_by_its_symbol() -> None:
+    query = OntologyQuery.model_validate_json('{"relatedTo": {"relation": "callers", "symbol": "pkg.run"}}')
+    assert (query.listing, query.search_text) == (False, "pkg.run")
+    both = OntologyQuery.model_validate_json(
+        '{"semanticQuery": "x", "relatedTo": {"relation": "bases", "symbol": "C"}}'
+    )
+    assert both.search_text == "x"
 
 
 def test_response_serialises_meta_with_underscore() -> None:

@@ -307,6 +307,16 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert all(IMPORTER in {f.retriever for f in r.found_by} for r in importers.results[:2])
     assert (await _ask(client, "what imports square", chunkLevel="type")).meta.relation_matches == 0
 
+    # Asked by structure rather than in words: no text needed, and the option for names does not turn it off.
+    structured = await client.query(
+        "shapes",
+        {"relatedTo": {"relation": "callers", "symbol": "Circle"}, "topK": 5, "options": {"exactSymbols": False}},
+    )
+    assert isinstance(structured, QueryResponse), structured
+    assert (_names(structured)[0], structured.meta.relation_matches) == ("shapes.report.round_one (method)", 1)
+    bases = await _ask(client, "a round shape", relatedTo={"relation": "bases", "symbol": "shapes.report.Ring"})
+    assert (_names(bases)[0], bases.meta.relation_matches) == ("shapes.circle.Circle (type)", 1)
+
     # The other direction: what a function calls, what a class derives from, what a module imports.
     called = await _ask(client, "what does describe call?")
     assert (_names(called)[0], called.meta.relation_matches) == ("shapes.square.area (method)", 1)

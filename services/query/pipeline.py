@@ -65,6 +65,7 @@ from .stages import (
     to_results,
 )
 from .symbols import (
+    ASKED_RELATIONS,
     BASE,
     CALLEE,
     CALLER,
@@ -374,11 +375,15 @@ class QueryPipeline:
     async def _definitions(self, run: QueryRun, scope: Scope) -> Definitions:
         """When the query is one identifier: the chunks defining a symbol of that name; when it asks one relation
         of a named symbol (``symbols.relation_of``): the chunks standing in that relation to it."""
+        related_to = run.query.related_to
         asked = options_of(run.query).exact_symbols
-        if not (self._config.exact_symbols if asked is None else asked):
+        if related_to is None and not (self._config.exact_symbols if asked is None else asked):
             return NO_DEFINITIONS
-        relation = relation_of(run.text)
-        if (name := identifier_of(run.text)) is not None:
+        relation = (
+            relation_of(run.text) if related_to is None else (ASKED_RELATIONS[related_to.relation], related_to.symbol)
+        )
+        name = identifier_of(run.text) if related_to is None else None
+        if name is not None:
             work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
         elif relation is not None and relation[0] in (CALLER, CALLEE):
             calls = self._documents.callers if relation[0] == CALLER else self._documents.callees

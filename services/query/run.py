@@ -49,9 +49,10 @@ class QueryRun:
 
     @property
     def text(self) -> str:
-        """The query text of a search (a listing has none)."""
-        assert self.query.semantic_query is not None, "a listing runs no stage that reads the query text"
-        return self.query.semantic_query
+        """The text of a search (``OntologyQuery.search_text``; a listing has none)."""
+        text = self.query.search_text
+        assert text is not None, "a listing runs no stage that reads the query text"
+        return text
 
     async def timed(self, stage: str, work: Awaitable[T]) -> T:
         """``work``'s result; its wall time goes into ``_meta.timingsMs[stage]``, failed or not."""

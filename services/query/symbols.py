@@ -25,6 +25,15 @@ CALLEE, BASE, IMPORTED = "callee", "base", "imported"
 what calls it, derives from it, imports it; what it calls, derives from, imports."""
 RELATIONS = frozenset({CALLER, SUBCLASS, IMPORTER, CALLEE, BASE, IMPORTED})
 PLACED_FIRST = RELATIONS | {SYMBOL}
+ASKED_RELATIONS = {
+    "callers": CALLER,
+    "callees": CALLEE,
+    "subclasses": SUBCLASS,
+    "bases": BASE,
+    "importers": IMPORTER,
+    "imports": IMPORTED,
+}
+"""OntologyQuery.relatedTo's relations -> what the chunks in them go by."""
 
 MAX_IDENTIFIER_CHARS = 300
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")

@@ -105,6 +105,8 @@ def test_disabled_cache_stores_nothing() -> None:
         ("which classes implement Embedder", True),
         ("what depends on asyncpg", True),
         ("where is encode_token used", True),
+        ("what does encode_token call", True),  # a relation question the lookups answer
+        ("base classes of Embedder", True),
         ("how does reciprocal rank fusion work", False),
         ("parse a markdown file", False),
     ],

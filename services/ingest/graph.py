@@ -107,12 +107,18 @@ class _Resolver:
         submodule = self.module(f"{written}.{symbol}")
         return submodule.object_type if submodule is not None else None
 
-    def imported_module(self, module: _Module, local: str) -> _Module | None:
-        """The tree module a local name stands for (``import x.y as local`` or ``from x import local``)."""
+    def imported_as(self, module: _Module, local: str) -> str | None:
+        """The dotted name a local name was imported as (``x.y`` for ``import x.y as local`` or ``from x import
+        y``); None when it was not imported."""
         if local not in module.imports:
             return None
         written, symbol = module.imports[local]
-        return self.module(written if symbol is None else f"{written}.{symbol}")
+        return written if symbol is None else f"{written}.{symbol}"
+
+    def imported_module(self, module: _Module, local: str) -> _Module | None:
+        """The tree module a local name stands for (``import x.y as local`` or ``from x import local``)."""
+        imported = self.imported_as(module, local)
+        return self.module(imported) if imported is not None else None
 
     def symbol_fqn(self, module: _Module, name: str, hops: int = 0) -> str | None:
         """The qualified name of the class or function a top-level name of ``module`` stands for: defined there,
@@ -137,10 +143,9 @@ class _Resolver:
             return None
         assert isinstance(node, ast.Attribute)
         head, _, rest = dotted.partition(".")
-        if head not in module.imports:
+        imported = self.imported_as(module, head)
+        if imported is None:
             return None
-        written, symbol = module.imports[head]
-        imported = written if symbol is None else f"{written}.{symbol}"
         target = self.module(f"{imported}.{rest}" if rest else imported)
         return self.symbol_fqn(target, node.attr) if target is not None else None
 

@@ -10,6 +10,8 @@ from typing import Literal
 
 from ontofabric.contracts import OntologyQuery, QueryMeta
 
+from .symbols import relation_of
+
 _RELATIONSHIP = re.compile(
     r"\b("
     r"references?|referenced|uses|used by|using|usages?|callers?|calls|called by|what calls|who calls|"
@@ -21,7 +23,9 @@ _RELATIONSHIP = re.compile(
 
 
 def reads_as_relationship_question(text: str) -> bool:
-    return _RELATIONSHIP.search(text) is not None
+    """A mention of a relation anywhere in the text, or a whole relation question the lookups answer
+    (``symbols.relation_of``: "what does f call", "base classes of C")."""
+    return _RELATIONSHIP.search(text) is not None or relation_of(text) is not None
 
 
 QueryShape = Literal["listing", "relationship", "identifier", "concept"]

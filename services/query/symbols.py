@@ -105,6 +105,10 @@ _RELATION_QUESTIONS = [
 ]
 
 
+_NOT_NAMES = frozenset({"from", "to", "by", "of", "in", "for", "with", "the", "a", "an", "it", "this", "that"})
+"""Words a pattern can take for the name (``what does Foo import from``): no name."""
+
+
 def relation_of(text: str) -> tuple[str, str] | None:
     """(what the asked-for chunks are to the symbol: one of ``RELATIONS``; the symbol's dotted name) when the whole
     query asks that about one identifier: ``what calls to_seconds``, ``callers of `wait_base` ``, ``which classes
@@ -115,12 +119,9 @@ def relation_of(text: str) -> tuple[str, str] | None:
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
         name = identifier_of(found.group("name")) if found is not None else None
-        if name is not None and name.lower() not in _NOT_NAMES:  # "what does Foo import from": no name
+        if name is not None and name.lower() not in _NOT_NAMES:
             return relation, name
     return None
-
-
-_NOT_NAMES = frozenset({"from", "to", "by", "of", "in", "for", "with", "the", "a", "an", "it", "this", "that"})
 
 
 def definitions_first(

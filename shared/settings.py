@@ -350,14 +350,25 @@ class Settings(BaseSettings):
     )
 
     # --- reranking -------------------------------------------------------------------------------
-    reranker: Literal["none", "local", "cohere"] = Field(
+    reranker: Literal["none", "local", "onnx", "second-embedder", "cohere"] = Field(
         default="none",
-        description="`local`: a CrossEncoder from reranker_model_path; `cohere`: the HTTP API.",
+        description="`local`: a sentence-transformers CrossEncoder from reranker_model_path; `onnx`: an ONNX "
+        "cross-encoder from reranker_model_path; `second-embedder`: a second ONNX embedder's opinion fused into "
+        'the order (docs/quality.md, "Rerankers"); both `onnx` and `second-embedder` default to the models the '
+        "extra `rerank` installs; `cohere`: the HTTP API.",
+    )
+    second_embedder_weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=10,
+        description="`second-embedder`: the second embedder's weight in the fusion; the order it is given weighs 1.",
     )
     reranker_depth: int = Field(
         default=20, ge=1, le=1000, description="Fused candidates sent to the reranker; the rest follow, in fused order."
     )
-    reranker_model_path: Path | None = Field(default=None, description="Local cross-encoder directory.")
+    reranker_model_path: Path | None = Field(
+        default=None, description="Local model directory (`onnx`, `second-embedder`: model.onnx and tokenizer.json)."
+    )
     reranker_url: str | None = Field(
         default=None, description="Rerank endpoint, e.g. Cohere `.../v2/rerank` or Azure AI Foundry `.../v1/rerank`."
     )

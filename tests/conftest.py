@@ -322,6 +322,49 @@ def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _export_onnx(model: Any, tokenizer_from: Path, path: Path) -> Path:
+    """``model``'s first output exported to ONNX with a tokenizer.json beside it, as shipped ONNX models are."""
+    import shutil
+
+    import torch
+
+    class FirstOutput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+            output = self.model(input_ids=ids, attention_mask=mask, token_type_ids=types)
+            return output[0]  # type: ignore[no-any-return]
+
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    example = torch.ones((2, 8), dtype=torch.long)
+    torch.onnx.export(
+        FirstOutput(), (example, example, torch.zeros_like(example)), str(path / "model.onnx"), input_names=names,
+        output_names=["output"], dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names}, dynamo=False,
+    )  # fmt: skip
+    shutil.copy(tokenizer_from / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_cross_encoder(tiny_cross_encoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny cross-encoder exported to ONNX: its logits."""
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification.from_pretrained(str(tiny_cross_encoder)).eval()
+    return _export_onnx(model, tiny_cross_encoder, tmp_path_factory.mktemp("onnx-cross-encoder"))
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_embedder(tiny_cross_encoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny cross-encoder's BERT exported to ONNX as an embedder: its last hidden state."""
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(str(tiny_cross_encoder)).eval()
+    return _export_onnx(model, tiny_cross_encoder, tmp_path_factory.mktemp("onnx-embedder"))
+
+
 @pytest.fixture
 def runtime(embedded: EmbeddedRuntime | None) -> EmbeddedRuntime:
     if embedded is None:

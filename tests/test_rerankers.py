@@ -1,6 +1,6 @@
 """Rerankers: the Cohere-API adapter against a real local HTTP server answering in Cohere's shape, for success
-and every failure class; a local cross-encoder built inside the test (random weights); and the pipeline keeping
-the fused order whenever a reranker fails."""
+and every failure class; a local cross-encoder built inside the test (random weights), also exported to ONNX;
+and the pipeline keeping the fused order whenever a reranker fails."""
 
 from __future__ import annotations
 
@@ -19,7 +19,18 @@ from ontofabric.contracts import OntologyQuery
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import RerankerError, check_ranking
 from ontofabric.services.query.pipeline import QueryPipeline
-from ontofabric.services.query.rerankers import CohereReranker, LocalCrossEncoder
+from ontofabric.services.query.rerankers import (
+    BUNDLED_CROSS_ENCODER,
+    BUNDLED_SECOND_EMBEDDER,
+    CohereReranker,
+    LocalCrossEncoder,
+    OnnxCrossEncoder,
+    SecondEmbedder,
+    build_reranker,
+    bundled_model,
+    second_opinion,
+)
+from ontofabric.shared.settings import Settings
 
 from .conftest import SPANS, metric_points
 from .test_pipeline import ScriptedRetrieval, pipeline_over
@@ -268,6 +279,85 @@ async def test_local_cross_encoder_loads_batches_and_orders(tiny_cross_encoder: 
     assert [s for _, s in first] == sorted((s for _, s in first), reverse=True)
     assert all(0.0 <= s <= 1.0 for _, s in first)
     assert top_two == first[:2]
+
+
+async def test_onnx_cross_encoder_scores_as_the_same_model_in_pytorch(
+    tiny_cross_encoder: Path, tiny_onnx_cross_encoder: Path
+) -> None:
+    """The ONNX path tokenizes pairs, pads each batch and applies the sigmoid as sentence-transformers does: the
+    same model gives the same scores and order, whatever the batch size."""
+    pytorch = LocalCrossEncoder(tiny_cross_encoder)
+    small_batches = OnnxCrossEncoder(tiny_onnx_cross_encoder, batch_size=1)
+    one_batch = OnnxCrossEncoder(tiny_onnx_cross_encoder, batch_size=32, max_length=16)
+    long_docs = [d * 20 for d in DOCS]
+    try:
+        expected = await pytorch.rerank("search text", DOCS + long_docs, top_n=8)
+        first = await small_batches.rerank("search text", DOCS + long_docs, top_n=8)
+        second = await OnnxCrossEncoder(tiny_onnx_cross_encoder).rerank("search text", DOCS + long_docs, top_n=8)
+        truncated = await one_batch.rerank("search text", long_docs, top_n=4)
+    finally:
+        await pytorch.close()
+        await small_batches.close()
+        await one_batch.close()
+    assert [i for i, _ in first] == [i for i, _ in expected] == [i for i, _ in second]
+    assert [s for _, s in first] == pytest.approx([s for _, s in expected], abs=1e-5)
+    assert all(0.0 <= s <= 1.0 for _, s in first)
+    assert len(truncated) == 4  # pairs past max_length are cut, not refused
+
+
+@pytest.mark.parametrize(
+    ("reranker", "bundled", "adapter"),
+    [("onnx", BUNDLED_CROSS_ENCODER, OnnxCrossEncoder), ("second-embedder", BUNDLED_SECOND_EMBEDDER, SecondEmbedder)],
+)
+def test_onnx_rerankers_load_the_configured_model_or_say_what_is_missing(
+    tiny_onnx_cross_encoder: Path, tiny_onnx_embedder: Path, reranker: Any, bundled: str, adapter: type
+) -> None:
+    path = tiny_onnx_cross_encoder if adapter is OnnxCrossEncoder else tiny_onnx_embedder
+    assert isinstance(build_reranker(Settings(reranker=reranker, reranker_model_path=path)), adapter)
+    if bundled_model(bundled) is None:
+        with pytest.raises(ValueError, match="ONTOFABRIC_RERANKER_MODEL_PATH"):
+            build_reranker(Settings(reranker=reranker))
+
+
+def test_second_opinion_fuses_the_given_order_with_the_second_models() -> None:
+    # Agreement keeps the order, and first in both scores 1.
+    agreeing = second_opinion([0.9, 0.8, 0.7], weight=0.5)
+    assert agreeing[0] == pytest.approx(1.0)
+    assert agreeing == sorted(agreeing, reverse=True)
+    # A candidate the second model puts first rises past its neighbour, not past a clear lead.
+    moved = second_opinion([0.5, 0.4, 0.3, 0.9], weight=0.5)
+    assert moved[3] > moved[2]
+    assert moved[0] > moved[3]
+    # With a weight far above the order's, the second model decides.
+    decided = second_opinion([0.1, 0.2, 0.3], weight=10)
+    assert decided[2] > decided[1] > decided[0]
+    # Ties in the cosine keep the given order; every relevance is in (0, 1].
+    tied = second_opinion([0.5, 0.5, 0.5], weight=0.5)
+    assert tied == sorted(tied, reverse=True)
+    assert all(0 < r <= 1 for r in tied)
+
+
+async def test_second_embedder_ranks_by_its_own_cosines_fused_with_the_order(tiny_onnx_embedder: Path) -> None:
+    """On a tiny BERT whose [CLS] vector is the embedding: the ranking is the fusion of the given order with the
+    model's own cosines."""
+    reranker = SecondEmbedder(tiny_onnx_embedder, weight=10, batch_size=2)
+    try:
+        ranked = await reranker.rerank("search text", DOCS, top_n=len(DOCS))
+        vectors = reranker._vectors(["search text", *DOCS])
+    finally:
+        await reranker.close()
+    cosines = (vectors[1:] @ vectors[0]).tolist()
+    expected = second_opinion(cosines, 10)
+    assert [i for i, _ in ranked] == sorted(range(len(DOCS)), key=lambda i: (-expected[i], i))
+    assert [s for _, s in ranked] == pytest.approx(sorted(expected, reverse=True))
+    assert vectors.shape == (len(DOCS) + 1, 32)
+    assert float(abs((vectors**2).sum(axis=1) - 1).max()) < 1e-9  # unit vectors
+    assert len(set(cosines)) == len(DOCS)  # the model tells the documents apart, so the order is its own
+
+
+def test_second_embedder_refuses_a_model_that_is_not_an_embedder(tiny_onnx_cross_encoder: Path) -> None:
+    with pytest.raises(ValueError, match="not an embedder"):
+        SecondEmbedder(tiny_onnx_cross_encoder)
 
 
 class SlowCrossEncoder(LocalCrossEncoder):

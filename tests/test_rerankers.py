@@ -288,17 +288,17 @@ async def test_onnx_cross_encoder_scores_as_the_same_model_in_pytorch(
     same model gives the same scores and order, whatever the batch size."""
     pytorch = LocalCrossEncoder(tiny_cross_encoder)
     small_batches = OnnxCrossEncoder(tiny_onnx_cross_encoder, batch_size=1)
+    default_batches = OnnxCrossEncoder(tiny_onnx_cross_encoder)
     one_batch = OnnxCrossEncoder(tiny_onnx_cross_encoder, batch_size=32, max_length=16)
     long_docs = [d * 20 for d in DOCS]
     try:
         expected = await pytorch.rerank("search text", DOCS + long_docs, top_n=8)
         first = await small_batches.rerank("search text", DOCS + long_docs, top_n=8)
-        second = await OnnxCrossEncoder(tiny_onnx_cross_encoder).rerank("search text", DOCS + long_docs, top_n=8)
+        second = await default_batches.rerank("search text", DOCS + long_docs, top_n=8)
         truncated = await one_batch.rerank("search text", long_docs, top_n=4)
     finally:
-        await pytorch.close()
-        await small_batches.close()
-        await one_batch.close()
+        for reranker in (pytorch, small_batches, default_batches, one_batch):
+            await reranker.close()
     assert [i for i, _ in first] == [i for i, _ in expected] == [i for i, _ in second]
     assert [s for _, s in first] == pytest.approx([s for _, s in expected], abs=1e-5)
     assert all(0.0 <= s <= 1.0 for _, s in first)

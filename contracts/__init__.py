@@ -29,6 +29,7 @@ from .documents import (
     ChunkLevel,
     DocumentMetadata,
     Provenance,
+    SecondVector,
     SemanticDocument,
     TokenVectors,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "QueryMeta",
     "QueryResponse",
     "SearchResult",
+    "SecondVector",
     "SemanticDocument",
     "StatusReply",
     "StatusRequest",

@@ -119,6 +119,38 @@ class TokenVectors(WireModel):
         return self
 
 
+class SecondVector(WireModel):
+    """The document's vector from a second embedding model, for the second opinion the query worker fuses into
+    the order of its leading candidates (docs/quality.md, "Second vectors"); ranked without it when absent or of
+    another model than the worker's."""
+
+    model: Text = Field(min_length=1, max_length=256, description="The second model that made the vector.")
+    encoding: Literal["float16"] = Field(default="float16", description="Only little-endian float16 so far.")
+    dimension: int = Field(ge=1, le=4096, description="Dimensions of the vector.")
+    data: Base64Bytes = Field(description="Base64 of the vector: 2 bytes a dimension, little-endian float16.")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _strict_base64(cls, value: object) -> object:
+        if isinstance(value, str | bytes):  # as TokenVectors: a corrupted payload is refused, not skipped over
+            base64.b64decode(value, validate=True)
+        return value
+
+    @model_validator(mode="after")
+    def _whole_vector(self) -> SecondVector:
+        if len(self.data) != 2 * self.dimension:
+            raise ValueError(f"{len(self.data)} bytes are not a float16 vector of {self.dimension} dimensions")
+        values = np.frombuffer(self.data, dtype="<f2")
+        if not np.isfinite(values).all() or not values.any():
+            raise ValueError("the second vector must be finite and not zero")
+        return self
+
+    @classmethod
+    def of_half(cls, model: str, data: bytes) -> SecondVector:
+        """From float16 bytes as they are (``data`` itself expects base64, as on the wire)."""
+        return cls(model=model, dimension=len(data) // 2, data=base64.b64encode(data))
+
+
 MAX_CALLS = 512
 MAX_CALLEE_CHARS = 1024
 
@@ -161,5 +193,8 @@ class SemanticDocument(WireModel):
         default=None,
         description="For late interaction, from the model named in embeddingModel (required with them); without "
         "them the document is ranked as fused.",
+    )
+    second_vector: SecondVector | None = Field(
+        default=None, description="A second embedding model's vector, for the query worker's second opinion."
     )
     indexed_at: datetime | None = None

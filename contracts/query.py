@@ -46,6 +46,17 @@ class LateInteractionOptions(StrictRequest):
     depth: int | None = Field(default=None, ge=2, le=200, description="Leading candidates it reorders.")
 
 
+class SecondOpinionOptions(StrictRequest):
+    """The second embedding model's opinion over the candidates' stored second vectors; every field left out
+    takes the default."""
+
+    weight: float | None = Field(
+        default=None, ge=0.0, le=10.0,
+        description="The second model's weight against the order it is given (1); 0 turns the second opinion off.",
+    )  # fmt: skip
+    depth: int | None = Field(default=None, ge=2, le=200, description="Leading candidates it reorders.")
+
+
 class QueryOptions(StrictRequest):
     retrievers: list[Retriever] | None = Field(
         default=None, min_length=1, max_length=2, description="Retrievers to run; default both."
@@ -53,6 +64,11 @@ class QueryOptions(StrictRequest):
     candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
     fusion: FusionOptions | None = None
     late_interaction: LateInteractionOptions | None = None
+    second_opinion: SecondOpinionOptions | None = Field(
+        default=None,
+        description="Where the deployment stores second vectors (a second embedding model's), their opinion "
+        "reorders the leading candidates after late interaction (_meta.secondOpinion).",
+    )
     collapse_nested: bool | None = Field(
         default=None,
         description="Leave out a chunk whose text is inside a better-ranked result's, or holds it, for the same "
@@ -279,6 +295,16 @@ class LateInteractionReport(WireModel):
     with_token_vectors: int
 
 
+class SecondOpinionReport(WireModel):
+    """The second opinion as it ran: its model and weight, how many leading candidates it reordered, and how many
+    of them had a second vector of that model (those without one keep their place in both opinions)."""
+
+    model: str
+    weight: float
+    candidates: int
+    with_second_vectors: int
+
+
 class DistanceMetricReport(WireModel):
     """The vector distance dense search ranked by, against the one the request named."""
 
@@ -351,6 +377,9 @@ class QueryMeta(WireModel):
     fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
     late_interaction: LateInteractionReport | None = Field(
         default=None, description="Late interaction over stored token vectors; null when it did not run."
+    )
+    second_opinion: SecondOpinionReport | None = Field(
+        default=None, description="The second embedding model's opinion; null when it did not run."
     )
     distance_metric: DistanceMetricReport | None = Field(
         default=None, description="The distance dense search ranked by; null when dense search did not run."

@@ -30,6 +30,7 @@ from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wait_projected
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
+from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.runtime import (
@@ -198,8 +199,9 @@ def ingest(
             with RichProgress(console) as progress:
                 cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
                 try:
+                    second = await asyncio.to_thread(second_embedder, settings)
                     ingester = Ingester(
-                        js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors
+                        js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
                     )
                     report = await ingester.ingest(path.resolve(), workspace, branch, package)
                 finally:
@@ -634,8 +636,8 @@ def eval_command(
         str,
         typer.Option(
             help="dense, keyword (each retriever alone), hybrid (a request with no options), hybrid-rerank (the "
-            "same with precision), hybrid-fusion-only and dense-late-interaction (the default request's stages "
-            "apart), or all (comma-separate several)."
+            "same with precision), hybrid-fusion-only, dense-late-interaction and hybrid-no-second-opinion (the "
+            "default request's stages apart), or all (comma-separate several)."
         ),
     ] = "all",
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,

@@ -17,6 +17,7 @@ import ontofabric.services
 from ontofabric.contracts import ErrorReply
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_projected
+from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
@@ -68,8 +69,9 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
         with RichProgress(console) as progress:
             cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
             stack.callback(cache.close)
+            second = await asyncio.to_thread(second_embedder, settings)
             ingester = Ingester(
-                js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors
+                js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
             )
             report = await ingester.ingest(root, WORKSPACE)
         wait_started = time.perf_counter()

@@ -83,6 +83,34 @@ class EmbeddingCache:
                 [(model, h, signs) for h, (_, signs) in entries.items()],
             )
 
+    def vectors(
+        self, model: str, compute: Callable[[Sequence[str]], npt.NDArray[np.float32]], texts: Sequence[str]
+    ) -> npt.NDArray[np.float32]:
+        """Vectors alone (no token signs) of ``texts`` in order, by ``model``, computing only those not cached."""
+        hashes = [text_hash(t) for t in texts]
+        known: dict[str, npt.NDArray[np.float32]] = {}
+        for start in range(0, len(hashes), 500):
+            chunk = list(dict.fromkeys(hashes[start : start + 500]))
+            marks = ",".join("?" * len(chunk))
+            rows = self._db.execute(
+                f"SELECT content_hash, vector FROM embeddings WHERE model = ? AND content_hash IN ({marks})",
+                [model, *chunk],
+            )
+            known.update((h, np.frombuffer(v, dtype=np.float32)) for h, v in rows)
+        first_of = {h: i for i, h in reversed(list(enumerate(hashes))) if h not in known}
+        if first_of:
+            computed = compute([texts[i] for i in first_of.values()])
+            fresh = dict(zip(first_of, computed, strict=True))
+            with self._db:
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO embeddings (model, content_hash, vector) VALUES (?, ?, ?)",
+                    [(model, h, np.asarray(v, dtype=np.float32).tobytes()) for h, v in fresh.items()],
+                )
+            known.update(fresh)
+        if not hashes:
+            return np.zeros((0, 0), np.float32)
+        return np.stack([known[h] for h in hashes])
+
     def embed(
         self,
         embedder: Embedder,

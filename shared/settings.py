@@ -170,6 +170,25 @@ class Settings(BaseSettings):
         description="Ingesters send each document's token vectors, one sign bit per dimension (48 bytes a token at "
         "384 dimensions), for late interaction; false saves that space and ranks by fusion alone.",
     )
+    second_vectors: bool = Field(
+        default=False,
+        description="Ingesters send each document's vector from a second embedding model too (second_vectors_model"
+        "_path; 2 bytes a dimension), and the query worker fuses that model's opinion into the order of its "
+        'leading candidates (docs/quality.md, "Second vectors"). Needs the extra `rerank` or a model path.',
+    )
+    second_vectors_model_path: Path | None = Field(
+        default=None,
+        description="The second model's directory (an ONNX embedder with [CLS] pooling: model.onnx and "
+        "tokenizer.json). Default: bge-small-en-v1.5 as the extra `rerank` installs it.",
+    )
+    second_opinion_weight: float = Field(
+        default=1.0, ge=0, le=10,
+        description="The second model's weight against the order it is given (1) in the fusion of the two; 0 turns "
+        "the second opinion off.",
+    )  # fmt: skip
+    second_opinion_depth: int = Field(
+        default=20, ge=2, le=200, description="Leading candidates the second opinion reorders (docs/quality.md)."
+    )
 
     # --- projector -------------------------------------------------------------------------------
     projector_batch_size: int = Field(

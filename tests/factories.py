@@ -12,6 +12,7 @@ from ontofabric.contracts import (
     DocumentDeleted,
     DocumentMetadata,
     DocumentUpserted,
+    SecondVector,
     SemanticDocument,
     TokenVectors,
 )
@@ -34,6 +35,7 @@ def document(
     embedding: list[float] | None = None,
     token_vectors: TokenVectors | None = None,
     embedding_model: str | None = None,
+    second_vector: SecondVector | None = None,
     **metadata: str,
 ) -> SemanticDocument:
     return SemanticDocument.model_validate(
@@ -48,6 +50,7 @@ def document(
             "embedding": embedding,
             "tokenVectors": token_vectors,
             "embeddingModel": embedding_model,
+            "secondVector": second_vector,
         }
     )
 

@@ -170,6 +170,7 @@ async def test_a_small_dataset_through_the_real_path(
     servers: Endpoints,
     deployment: object,
     tiny_cross_encoder: Path,
+    tiny_onnx_embedder: Path,
     nats_logins: dict[str, tuple[str, str]],
 ) -> None:
     corpus = [
@@ -200,6 +201,10 @@ async def test_a_small_dataset_through_the_real_path(
             "cache_dir": tmp_path / "cache",
             "reranker": "local",
             "reranker_model_path": tiny_cross_encoder,
+            # Second vectors by a random tiny model, weighed too little to move any answer: the path is measured.
+            "second_vectors": True,
+            "second_vectors_model_path": tiny_onnx_embedder,
+            "second_opinion_weight": 0.01,
         }
     )
     endpoints = Endpoints(servers.nats_url, deployment_settings.database_url or "", nats_logins)
@@ -233,6 +238,13 @@ async def test_a_small_dataset_through_the_real_path(
         assert report.configs[config].meta["lateInteraction"] is None, config
         assert "lateInteraction" not in report.configs[config].stages_p50_ms
     assert report.configs["hybrid"].stages_p50_ms["lateInteraction"] > 0
+    # Second vectors went the same way; the configurations that turn the second opinion off go without it.
+    for config in ("hybrid", "hybrid-rerank"):
+        assert report.configs[config].meta["secondOpinion"] == {
+            "model": tiny_onnx_embedder.name, "weight": 0.01, "candidates": 5, "withSecondVectors": 5,
+        }, config  # fmt: skip
+    for config in ("dense", "keyword", "hybrid-fusion-only", "dense-late-interaction", "hybrid-no-second-opinion"):
+        assert report.configs[config].meta["secondOpinion"] is None, config
     assert report.configs["hybrid"].late_interaction_skipped == 0  # short queries
     assert (tmp_path / "cache" / "embeddings.sqlite").exists()  # a second run would not embed again
     # Scores calibrated, measured over each answered query's leading results, whose points are kept for
@@ -251,7 +263,7 @@ async def test_a_small_dataset_through_the_real_path(
     # configuration but the random cross-encoder answers each query alike, a tie, where dense counts as stronger.
     assert [(m.config, m.against) for m in report.margins] == [
         ("hybrid", "dense"), ("hybrid-rerank", "dense"), ("hybrid-fusion-only", "dense"),
-        ("hybrid", "dense-late-interaction"),
+        ("hybrid", "dense-late-interaction"), ("hybrid", "hybrid-no-second-opinion"),
     ]  # fmt: skip
     for m in report.margins:
         assert m.better + m.worse + m.equal == 4

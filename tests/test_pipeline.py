@@ -65,6 +65,10 @@ class ScriptedRetrieval:
     """The embedding model the store says its vectors are of."""
     missing: set[str] = field(default_factory=set)
     token_signs: dict[str, bytes] = field(default_factory=dict)
+    second_vectors: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    """id -> (model, float16 bytes) of the documents that have a second vector."""
+    second_asked: list[tuple[list[str], str | None]] = field(default_factory=list)
+    """Each fetch's second-vector ids and model, as asked."""
     cosines: dict[str, float] = field(default_factory=dict)
     """What dense_scores answers: the cosine of documents the dense list did not return (none: they take the
     dense list's lowest)."""
@@ -94,10 +98,29 @@ class ScriptedRetrieval:
             self.dense_scores_version or self.dense_version,
         )
 
-    async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+    async def fetch(
+        self,
+        scope: Scope,
+        ids: Sequence[str],
+        token_signs_of: Sequence[str] = (),
+        second_vectors_of: Sequence[str] = (),
+        second_model: str | None = None,
+    ) -> Fetched:
+        self.second_asked.append((list(second_vectors_of), second_model))
+
+        def second(i: str) -> bytes | None:
+            model, data = self.second_vectors.get(i, (None, None))
+            return data if i in second_vectors_of and model == second_model else None
+
         documents = {
             i: StoredDocument(
-                i, f"content {i}", "t.T", "tests", {}, self.token_signs.get(i) if i in token_signs_of else None
+                i,
+                f"content {i}",
+                "t.T",
+                "tests",
+                {},
+                self.token_signs.get(i) if i in token_signs_of else None,
+                second(i),
             )
             for i in ids
             if i not in self.missing
@@ -132,6 +155,7 @@ def pipeline_over(
     reranker: Any = None,
     cache: LruCache[CacheKey, QueryResponse] | None = None,
     embedder: Any = None,
+    second: Any = None,
 ) -> QueryPipeline:
     """A pipeline over the scripted retrievers and store, with the fixed embedder, announcing 5-a by default."""
     return QueryPipeline(
@@ -142,6 +166,7 @@ def pipeline_over(
         LruCache(0) if cache is None else cache,
         config or PipelineConfig(),
         reranker,
+        second=second,
     )
 
 

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 from nats.js import JetStreamContext
 
 from ontofabric.contracts import (
@@ -34,6 +36,7 @@ from ontofabric.contracts import (
     NodeUpserted,
     OntologyLink,
     OntologyNode,
+    SecondVector,
     SemanticDocument,
     TokenVectors,
     split_link_key,
@@ -43,6 +46,7 @@ from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
+from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 
@@ -202,14 +206,42 @@ def node_hash(node: GraphNode) -> str:
 class ChunkEmbedding:
     vector: list[float]
     token_vectors: TokenVectors | None
+    second_vector: SecondVector | None = None
 
     @staticmethod
-    def of(embedded: Embedded, dimension: int, token_vectors: bool) -> list[ChunkEmbedding]:
-        """What goes on the wire for each embedded text: its vector, and its tokens' signs unless turned off."""
+    def of(
+        embedded: Embedded, dimension: int, token_vectors: bool, second: SecondVectors | None = None
+    ) -> list[ChunkEmbedding]:
+        """What goes on the wire for each embedded text: its vector, its tokens' signs unless turned off, and its
+        second model's vector when there is one."""
+        seconds = [None] * len(embedded.vectors) if second is None else second.on_the_wire()
         return [
-            ChunkEmbedding([float(x) for x in row], TokenVectors.of_signs(dimension, signs) if token_vectors else None)
-            for row, signs in zip(embedded.vectors, embedded.token_signs, strict=True)
+            ChunkEmbedding(
+                [float(x) for x in row], TokenVectors.of_signs(dimension, signs) if token_vectors else None, extra
+            )
+            for row, signs, extra in zip(embedded.vectors, embedded.token_signs, seconds, strict=True)
         ]
+
+
+@dataclass(frozen=True)
+class SecondVectors:
+    """Texts' vectors by the second embedding model, in the texts' order."""
+
+    model: str
+    vectors: npt.NDArray[np.float32]
+
+    @staticmethod
+    def of(
+        embedder: OnnxEmbedder | None, texts: Sequence[str], cache: EmbeddingCache | None = None
+    ) -> SecondVectors | None:
+        """``texts`` embedded by the second model (through ``cache`` when given); None without a second model."""
+        if embedder is None:
+            return None
+        vectors = embedder.embed(texts) if cache is None else cache.vectors(embedder.name, embedder.embed, texts)
+        return SecondVectors(embedder.name, vectors)
+
+    def on_the_wire(self) -> list[SecondVector | None]:
+        return [SecondVector.of_half(self.model, pack_half(row)) for row in self.vectors]
 
 
 def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: str | None) -> SemanticDocument:
@@ -231,6 +263,7 @@ def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: 
         embedding=embedded.vector if embedded is not None else None,
         embedding_model=embedding_model if embedded is not None else None,
         token_vectors=embedded.token_vectors if embedded is not None else None,
+        second_vector=embedded.second_vector if embedded is not None else None,
     )
 
 
@@ -265,9 +298,11 @@ class Ingester:
         progress: Progress | None = None,
         cache: EmbeddingCache | None = None,
         token_vectors: bool = True,
+        second: OnnxEmbedder | None = None,
     ) -> None:
         self._js = js
         self._token_vectors = token_vectors
+        self._second = second
         self._names = names
         self._embedder = embedder
         self._max_content_bytes = max_content_bytes
@@ -279,7 +314,8 @@ class Ingester:
     def _embedding_signature(self) -> str:
         if self._embedder is None:
             return "no-embedding"
-        return self._embedder.cache_name + ("+token-signs" if self._token_vectors else "")
+        signature = self._embedder.cache_name + ("+token-signs" if self._token_vectors else "")
+        return signature + (f"+second:{self._second.name}" if self._second is not None else "")
 
     async def load_manifest(self, workspace: str, branch: str) -> Manifest:
         return _manifest_of(await self._manifests.load(workspace, branch))
@@ -372,7 +408,8 @@ class Ingester:
             batch = [c.embedding_text for c in chunks[start : start + EMBED_BATCH]]
             embed = self._cache.embed if self._cache is not None else embed_with_signs
             result = await asyncio.to_thread(embed, embedder, batch)
-            embedded.extend(ChunkEmbedding.of(result, embedder.dimension, self._token_vectors))
+            second = await asyncio.to_thread(SecondVectors.of, self._second, batch, self._cache)
+            embedded.extend(ChunkEmbedding.of(result, embedder.dimension, self._token_vectors, second))
             self._progress.advance("embed", len(batch))
         return embedded
 

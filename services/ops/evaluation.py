@@ -27,13 +27,14 @@ from ontofabric.contracts import (
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.services.ingest.ingester import ChunkEmbedding
+from ontofabric.services.ingest.ingester import ChunkEmbedding, SecondVectors
 from ontofabric.services.query.calibration import reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect, wait_caught_up
+from ontofabric.shared.onnx_models import OnnxEmbedder, second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.runtime import Endpoints
@@ -49,27 +50,30 @@ DEPTH = 100  # results per query: Recall@100 needs a hundred
 CALIBRATION_DEPTH = 10
 """The results per query whose scores the calibration is measured (and fitted) on: those an agent reads."""
 
-# Request parameters of each configuration. Only the retrievers, late interaction and reranking differ: candidate
+# Request parameters of each configuration. Only the retrievers, the refinements and reranking differ: candidate
 # depth and fusion are the deployment's defaults, so the figures are those of the settings the workers run with.
 # dense and keyword are each retriever alone; hybrid is a request with no options, what a gateway gets by default;
-# hybrid-rerank is the same with precision asked. The last two take the default request apart: its fusion without
-# the late-interaction stage, and that stage over the dense list alone.
-_NO_LATE_INTERACTION = {"lateInteraction": {"weight": 0.0}}
+# hybrid-rerank is the same with precision asked. The others take the default request apart: its fusion without the
+# refinements after it, late interaction over the dense list alone, and the default request without the second
+# opinion (the same as hybrid where the deployment stores no second vectors).
+_NO_SECOND_OPINION = {"secondOpinion": {"weight": 0.0}}
+_NO_REFINEMENTS = {"lateInteraction": {"weight": 0.0}, **_NO_SECOND_OPINION}
 CONFIGS: dict[str, dict[str, Any]] = {
-    "dense": {"precision": False, "options": {"retrievers": ["dense"], **_NO_LATE_INTERACTION}},
-    "keyword": {"precision": False, "options": {"retrievers": ["keyword"]}},
+    "dense": {"precision": False, "options": {"retrievers": ["dense"], **_NO_REFINEMENTS}},
+    "keyword": {"precision": False, "options": {"retrievers": ["keyword"], **_NO_SECOND_OPINION}},
     "hybrid": {"precision": False},
     "hybrid-rerank": {"precision": True},
-    "hybrid-fusion-only": {"precision": False, "options": _NO_LATE_INTERACTION},
-    "dense-late-interaction": {"precision": False, "options": {"retrievers": ["dense"]}},
+    "hybrid-fusion-only": {"precision": False, "options": _NO_REFINEMENTS},
+    "dense-late-interaction": {"precision": False, "options": {"retrievers": ["dense"], **_NO_SECOND_OPINION}},
+    "hybrid-no-second-opinion": {"precision": False, "options": _NO_SECOND_OPINION},
 }
 DEFAULT_REQUEST = "hybrid"
 
 
 def hybrid_margins(per_query: Mapping[str, Mapping[str, float]]) -> list[Margin]:
     """Each hybrid configuration that ran against the stronger (by mean nDCG@10) of dense and keyword, the target
-    of docs/quality.md, and the default request also against dense with late interaction: what the keyword list and
-    the fusion add once both have that stage.
+    of docs/quality.md, and the default request also against dense with late interaction (what the keyword list and
+    the fusion add once both have that stage) and against itself without the second opinion (what that adds).
 
     The stronger retriever is picked on the same queries the interval resamples, which the interval ignores; on a
     tie it is dense.
@@ -79,7 +83,7 @@ def hybrid_margins(per_query: Mapping[str, Mapping[str, float]]) -> list[Margin]
         values = per_query[config].values()
         return sum(values) / len(values) if values else 0.0
 
-    pairs = [(DEFAULT_REQUEST, "dense-late-interaction")]
+    pairs = [(DEFAULT_REQUEST, "dense-late-interaction"), (DEFAULT_REQUEST, "hybrid-no-second-opinion")]
     if "dense" in per_query and "keyword" in per_query:
         stronger = "keyword" if mean("keyword") > mean("dense") else "dense"
         pairs = [(config, stronger) for config in (DEFAULT_REQUEST, "hybrid-rerank", "hybrid-fusion-only")] + pairs
@@ -101,8 +105,10 @@ class Evaluation:
         token_vectors: bool = True,
         projectors: Sequence[str] = (),
         watermark: Callable[[], Awaitable[int | None]] | None = None,
+        second: OnnxEmbedder | None = None,
     ) -> None:
         self._token_vectors = token_vectors
+        self._second = second
         self._projectors = list(projectors) or [names.postgres_projector_durable]
         """The durables of the projectors the load waits for: every index a configuration may read."""
         self._watermark = watermark
@@ -133,7 +139,8 @@ class Evaluation:
             embeddings: list[ChunkEmbedding | None] = [None] * len(texts)
             if self._embedder is not None:  # on a thread: the projector and the query worker share this loop
                 embedded = await asyncio.to_thread(self._cache.embed, self._embedder, texts)
-                embeddings = list(ChunkEmbedding.of(embedded, self._embedder.dimension, self._token_vectors))
+                second = await asyncio.to_thread(SecondVectors.of, self._second, texts, self._cache)
+                embeddings = list(ChunkEmbedding.of(embedded, self._embedder.dimension, self._token_vectors, second))
             deltas = []
             for entry, text, embedding in zip(entries, texts, embeddings, strict=True):
                 try:
@@ -146,6 +153,7 @@ class Evaluation:
                         embedding=embedding.vector if embedding else None,
                         embedding_model=model if embedding else None,
                         token_vectors=embedding.token_vectors if embedding else None,
+                        second_vector=embedding.second_vector if embedding else None,
                     )
                 except ValidationError as error:  # reported, not fatal: the rest of the corpus is still measured
                     why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
@@ -229,6 +237,7 @@ class Evaluation:
                         "retrievers",
                         "fusion",
                         "late_interaction",
+                        "second_opinion",
                         "degraded",
                         "backend",
                     },
@@ -297,6 +306,7 @@ async def evaluate(
             settings.token_vectors,
             projectors,
             watermark,
+            await asyncio.to_thread(second_embedder, settings),
         )
         started = time.perf_counter()
         workspace, refused = await evaluation.load(dataset)

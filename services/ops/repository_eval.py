@@ -29,6 +29,7 @@ from ontofabric.services.ingest.chunking import module_name, tree_package
 from ontofabric.services.ingest.ingester import Ingester, read_tree
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import close, connect, wait_caught_up
+from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
@@ -285,7 +286,9 @@ async def evaluate_tree(
         nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-eval", settings)
         stack.push_async_callback(close, nc)
         js = nc.jetstream()
-        report = await Ingester(js, names, embedder, settings.max_content_bytes).ingest(tree, WORKSPACE)
+        second = await asyncio.to_thread(second_embedder, settings)
+        ingester = Ingester(js, names, embedder, settings.max_content_bytes, second=second)
+        report = await ingester.ingest(tree, WORKSPACE)
         if report.last_sequence is not None:
             await wait_caught_up(js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600)
         await asyncio.sleep(0.5)  # the query worker's version watch catches up

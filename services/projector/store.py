@@ -61,10 +61,10 @@ UPSERT_DOCUMENT = """
 INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
-    doc_length, indexed_at, stream_seq, event_id, transparent, token_signs, updated_at)
+    doc_length, indexed_at, stream_seq, event_id, transparent, token_signs, second_vector, second_model, updated_at)
 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17, v.tsv,
        (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u), $20, $21, $22, $23,
-       $24, now()
+       $24, $25, $26, now()
 FROM (SELECT index_tsvector($18::regconfig, $19) AS tsv) v
 ON CONFLICT (workspace, branch, id) DO UPDATE SET
     deleted = EXCLUDED.deleted, content = EXCLUDED.content, object_type = EXCLUDED.object_type,
@@ -75,7 +75,7 @@ ON CONFLICT (workspace, branch, id) DO UPDATE SET
     search_vector = EXCLUDED.search_vector, doc_length = EXCLUDED.doc_length, indexed_at = EXCLUDED.indexed_at,
     stream_seq = EXCLUDED.stream_seq,
     event_id = EXCLUDED.event_id, transparent = EXCLUDED.transparent, token_signs = EXCLUDED.token_signs,
-    updated_at = now()
+    second_vector = EXCLUDED.second_vector, second_model = EXCLUDED.second_model, updated_at = now()
 WHERE d.stream_seq < EXCLUDED.stream_seq
 """
 
@@ -352,16 +352,18 @@ class PostgresProjectionStore:
             return (
                 ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, None, None,
                 None, "{}", None, None, self._text_search_config, "", None, delta.seq, event_id,
-                state_after(delta).transparent, None,
+                state_after(delta).transparent, None, None, None,
             )  # fmt: skip
         meta = doc.metadata
         embedding = np.asarray(doc.embedding, dtype=np.float32) if doc.embedding is not None else None
+        second = doc.second_vector
         return (
             ref.workspace, ref.branch, doc.id, False, doc.content, doc.object_type, doc.source_domain,
             meta.symbol_key, meta.symbol_kind, meta.symbol_fqn, meta.content_hash, meta.file_path,
             meta.chunk_level, meta.provenance, json.dumps(meta.model_dump(mode="json", exclude_none=True)),
             embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
             delta.seq, event_id, False, doc.token_vectors.data if doc.token_vectors is not None else None,
+            second.data if second is not None else None, second.model if second is not None else None,
         )  # fmt: skip
 
 

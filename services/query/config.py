@@ -31,6 +31,8 @@ class PipelineConfig:
     late_interaction_weight: float = _default("late_interaction_weight")
     late_interaction_depth: int = _default("late_interaction_depth")
     late_interaction_max_query_tokens: int = _default("late_interaction_max_query_tokens")
+    second_opinion_weight: float = _default("second_opinion_weight")
+    second_opinion_depth: int = _default("second_opinion_depth")
     expansion_max_types: int = _default("expansion_max_types")
     collapse_nested: bool = _default("collapse_nested")
     exact_symbols: bool = _default("exact_symbols")

@@ -135,6 +135,8 @@ class StoredDocument:
     metadata: dict[str, Any]
     token_signs: bytes | None = None
     """Packed sign bits of its token vectors (shared/late_interaction.py), when it was sent with them."""
+    second_vector: bytes | None = None
+    """Its second model's vector (float16 bytes, shared/onnx_models.py), when asked for and of that model."""
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,16 @@ class DocumentStore(Protocol):
         trips. A store that cannot share reads each call alone."""
         ...
 
-    async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
-        """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``."""
+    async def fetch(
+        self,
+        scope: Scope,
+        ids: Sequence[str],
+        token_signs_of: Sequence[str] = (),
+        second_vectors_of: Sequence[str] = (),
+        second_model: str | None = None,
+    ) -> Fetched:
+        """The documents of ``ids`` that are live in the scope, with token signs for those in ``token_signs_of``
+        and, for those in ``second_vectors_of``, their vector by ``second_model`` where they have one."""
         ...
 
     async def similarities(self, scope: Scope, query: SearchInput, ids: Sequence[str]) -> Hits:

@@ -14,6 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import numpy as np
+import numpy.typing as npt
+
 from ontofabric.contracts import IMPORTS, OntologyQuery, QueryResponse, SearchResult
 from ontofabric.contracts.query import (
     CollapsedResult,
@@ -22,10 +25,12 @@ from ontofabric.contracts.query import (
     Freshness,
     FusionOptions,
     FusionReport,
+    SecondOpinionReport,
 )
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, drop_stale, drop_workspace, stable_hash
@@ -62,6 +67,8 @@ from .stages import (
     plan_refinements,
     rerank_text,
     reranked_order,
+    second_opinion_order,
+    second_opinion_weight,
     to_results,
 )
 from .symbols import (
@@ -122,6 +129,7 @@ class QueryPipeline:
         config: PipelineConfig,
         reranker: Reranker | None = None,
         freshness: FreshnessSource | None = None,
+        second: OnnxEmbedder | None = None,
     ) -> None:
         if not retrievers or len({r.name for r in retrievers}) != len(retrievers):
             raise ValueError("the pipeline needs retrievers, each with a name of its own")
@@ -129,6 +137,8 @@ class QueryPipeline:
         self._documents = documents
         self._graphs = GraphCache(documents.graph_rows)
         self._reranker = reranker
+        self._second = second
+        """The second embedding model, when the deployment stores second vectors: the query's own is made here."""
         self._freshness_source = freshness
         self._embedder = embedder
         self._versions = versions
@@ -176,8 +186,22 @@ class QueryPipeline:
         """The read path, stage by stage."""
         position = await self._position()  # before the first read: the answer holds every delta up to it
         scope = await self._scope(run)
+        second_vector = self._second_query_vector(run)
+        try:
+            return await self._retrieve_in(run, scope, position, second_vector)
+        finally:
+            if second_vector is not None:
+                second_vector.cancel()
+
+    async def _retrieve_in(
+        self,
+        run: QueryRun,
+        scope: Scope,
+        position: int | None,
+        second_vector: asyncio.Future[npt.NDArray[np.float32]] | None,
+    ) -> list[SearchResult]:
         # Retrieval's reads up to the fetch share one snapshot where the store can; the refinements after it (late
-        # interaction, a reranker's call) do not hold it.
+        # interaction, the second opinion, a reranker's call) do not hold it.
         async with self._documents.session(scope):
             embedded, definitions, measured = None, NO_DEFINITIONS, Measured(None, {})
             if run.query.listing:
@@ -203,6 +227,7 @@ class QueryPipeline:
         documents = fetched.documents
         candidates = [hit for hit in fused if hit.id in documents]
         candidates = await self._late_interaction(run, refinements, candidates, documents)
+        candidates = await self._second_opinion(run, refinements, candidates, documents, second_vector)
         candidates = await self._rerank(run, refinements, candidates, documents)
         candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates = self._collapse(run, candidates, documents)
@@ -306,7 +331,13 @@ class QueryPipeline:
         signals = keyword_signals(keyword.candidates if keyword else [], ceiling, run.text)
         tokens = None if embedded is None else embedded.tokens
         refinements = plan_refinements(
-            run.query, self._config, signals, tokens, self._reranker is not None, self._collapses(run.query)
+            run.query,
+            self._config,
+            signals,
+            tokens,
+            self._reranker is not None,
+            self._collapses(run.query),
+            second_opinion_available=self._second is not None,
         )
         run.report(
             signals=signals,
@@ -432,7 +463,12 @@ class QueryPipeline:
         # Token signs (kilobytes a document) only of the candidates late interaction compares.
         depth = 0 if refinements.interaction_tokens is None else refinements.interaction_depth
         ids = list(dict.fromkeys([*(f.id for f in fused), *definitions.symbols]))
-        fetched = await run.timed("fetch", self._documents.fetch(scope, ids, [f.id for f in fused[:depth]]))
+        if self._second is not None and refinements.second_weight > 0:  # second vectors, only of its candidates
+            second_of = [f.id for f in fused[: refinements.second_depth]]
+            fetching = self._documents.fetch(scope, ids, [f.id for f in fused[:depth]], second_of, self._second.name)
+        else:
+            fetching = self._documents.fetch(scope, ids, [f.id for f in fused[:depth]])
+        fetched = await run.timed("fetch", fetching)
         run.read(fetched.version)
         run.report(ontology_version=fetched.version)
         return fetched
@@ -476,6 +512,39 @@ class QueryPipeline:
         reordered, report = refined
         run.report(late_interaction=report)
         return reordered
+
+    def _second_query_vector(self, run: QueryRun) -> asyncio.Future[npt.NDArray[np.float32]] | None:
+        """The query's vector by the second model, started beside retrieval when its opinion will be asked."""
+        second = self._second
+        if second is None or run.query.listing or second_opinion_weight(run.query, self._config) <= 0:
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(lambda: second.embed([run.text])[0]))
+
+    async def _second_opinion(
+        self,
+        run: QueryRun,
+        refinements: Refinements,
+        candidates: list[Fused],
+        documents: dict[str, StoredDocument],
+        query_vector: asyncio.Future[npt.NDArray[np.float32]] | None,
+    ) -> list[Fused]:
+        """The second model's opinion fused into the order of the leading candidates; the order given, and
+        ``secondOpinion`` in ``degraded``, when the query's second vector could not be made in time."""
+        second = self._second
+        if second is None or query_vector is None or refinements.second_weight <= 0:
+            return candidates
+
+        async def reordered() -> tuple[list[Fused], SecondOpinionReport | None]:
+            vector = await asyncio.shield(query_vector)  # a timeout here leaves the cancelling to _retrieve
+            weight, depth = refinements.second_weight, refinements.second_depth
+            return second_opinion_order(second.name, vector, candidates, documents, weight, depth)
+
+        refined = await run.guarded("secondOpinion", reordered(), stage="secondOpinion", reserve_s=REFINEMENT_RESERVE_S)
+        if refined is None:
+            return candidates
+        order, report = refined
+        run.report(second_opinion=report)
+        return order
 
     async def _rerank(
         self, run: QueryRun, refinements: Refinements, candidates: list[Fused], documents: dict[str, StoredDocument]

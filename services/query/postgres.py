@@ -512,16 +512,27 @@ class PostgresDocuments:
     def session(self, scope: Scope) -> contextlib.AbstractAsyncContextManager[None]:
         return self._snapshots.session(scope)
 
-    async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+    async def fetch(
+        self,
+        scope: Scope,
+        ids: Sequence[str],
+        token_signs_of: Sequence[str] = (),
+        second_vectors_of: Sequence[str] = (),
+        second_model: str | None = None,
+    ) -> Fetched:
         async with self._snapshots.read(scope) as snapshot:
-            where, parameters = where_clause(scope.unfiltered, 3, snapshot.shadowed)
-            # Token signs (kilobytes a document) only where late interaction will read them.
+            where, parameters = where_clause(scope.unfiltered, 5, snapshot.shadowed)
+            # Token signs (kilobytes a document) only where late interaction will read them; second vectors only
+            # where the second opinion will, and only of its model.
             sql = f"""
                 SELECT id, content, object_type, source_domain, metadata,
-                       CASE WHEN id = ANY($2::text[]) THEN token_signs END AS token_signs
+                       CASE WHEN id = ANY($2::text[]) THEN token_signs END AS token_signs,
+                       CASE WHEN id = ANY($3::text[]) AND second_model = $4 THEN second_vector END AS second_vector
                 FROM documents
                 WHERE id = ANY($1::text[]) AND {where}"""
-            rows = await snapshot.conn.fetch(sql, list(ids), list(token_signs_of), *parameters)
+            rows = await snapshot.conn.fetch(
+                sql, list(ids), list(token_signs_of), list(second_vectors_of), second_model, *parameters
+            )
         documents = {
             r["id"]: StoredDocument(
                 r["id"],
@@ -530,6 +541,7 @@ class PostgresDocuments:
                 r["source_domain"],
                 json.loads(r["metadata"]),
                 r["token_signs"],
+                r["second_vector"],
             )
             for r in rows
         }

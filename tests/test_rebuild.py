@@ -23,6 +23,7 @@ from ontofabric.contracts import (
     OntologyLink,
     OntologyNode,
     OntologyVersionChanged,
+    SecondVector,
     TokenVectors,
 )
 from ontofabric.services.ingest.client import envelope
@@ -62,7 +63,8 @@ from .factories import delete, document, unit_vector, upsert
 
 DOCUMENT_STATE = (
     "SELECT branch, id, deleted, transparent, stream_seq, content, embedding::text AS embedding,"
-    " search_vector::text AS terms, doc_length, token_signs FROM documents WHERE workspace = $1 ORDER BY branch, id"
+    " search_vector::text AS terms, doc_length, token_signs, second_vector, second_model FROM documents"
+    " WHERE workspace = $1 ORDER BY branch, id"
 )
 
 
@@ -89,6 +91,7 @@ async def _publish_history(deployment: Deployment) -> int:
     """A workspace with upserts, overwrites, a delete, a branch and its revert, graph nodes and links; and another
     workspace beside it. Returns the last stream sequence."""
     signs = TokenVectors.of_signs(384, pack_signs(np.random.default_rng(7).standard_normal((9, 384))))
+    second = SecondVector.of_half("second-model", np.random.default_rng(8).standard_normal(384).astype("<f2").tobytes())
     acme = [_upsert("acme", f"d{i}", f"parse the config file {i}") for i in range(12)]
     acme += [
         _upsert("acme", "d3", "parse the config file, rewritten"),
@@ -97,7 +100,7 @@ async def _publish_history(deployment: Deployment) -> int:
         _upsert("acme", "d6", "changed on the branch", branch="feature/x"),
         envelope("acme", DocumentReverted(document_id="d6"), branch="feature/x"),
         upsert("acme", document("signed", "with token signs", embedding=unit_vector("signed"), token_vectors=signs,
-                                embedding_model=deployment.settings.embedding_model)),
+                                embedding_model=deployment.settings.embedding_model, second_vector=second)),
         envelope("acme", NodeUpserted(node=OntologyNode(domain="demo", name="Parser", kind="class", interfaces=[]))),
         envelope("acme", LinkAdded(link=OntologyLink(source_type="demo.Parser", name="uses", target_type="demo.Cfg"))),
     ]  # fmt: skip
@@ -291,15 +294,17 @@ async def test_a_shadow_that_differs_from_the_stream_is_never_swapped_in(
         await deployment.fetch(f"UPDATE \"{schema}\".documents SET content = 'lost' WHERE id = 'd1'")
         await deployment.fetch(f"DELETE FROM \"{schema}\".postings WHERE doc_id = 'd8'")
         await deployment.fetch(f"UPDATE \"{schema}\".documents SET embedding = embedding + embedding WHERE id = 'd3'")
+        await deployment.fetch(f"UPDATE \"{schema}\".documents SET second_vector = NULL WHERE id = 'signed'")
         await prepare(shadow)
 
     monkeypatch.setattr(shadow_module.Shadow, "prepare_for_swap", corrupt_then_prepare)
     with pytest.raises(RebuildFailed) as failure:
         await _rebuild(deployment).run()
     message = str(failure.value)
-    assert "2 rows different: document 'd1' on 'main'" in message
+    assert "3 rows different: document 'd1' on 'main'" in message
     assert "postings for" in message
     assert "document 'd3' on 'main' (index seq" in message  # its vector, though its content is right
+    assert "document 'signed' on 'main' (index seq" in message  # its second vector, gone
     assert await _state(deployment, "acme") == before
     assert await _schemas(deployment) == [schema]  # kept for inspection
     assert await _rebuild(deployment).discard() is True

@@ -64,13 +64,14 @@ def _rows_sql(schema: str, only: bool) -> str:
         SELECT branch, 'document' AS kind, id AS key, stream_seq, deleted, transparent,
                CASE WHEN deleted THEN NULL ELSE {CONTENT_MD5_SQL} END AS content_md5,
                CASE WHEN deleted THEN NULL ELSE md5(vector_send(embedding)) END AS vector_md5,
-               CASE WHEN deleted THEN NULL ELSE md5(token_signs) END AS signs_md5
+               CASE WHEN deleted THEN NULL ELSE md5(token_signs) END AS signs_md5,
+               CASE WHEN deleted THEN NULL ELSE md5(second_vector) END AS second_md5
           FROM {schema}.documents WHERE workspace = $1 {restricted("id")}
         UNION ALL
-        SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL, NULL, NULL
+        SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL
           FROM {schema}.ontology_nodes WHERE workspace = $1 {restricted("object_type")}
         UNION ALL
-        SELECT branch, 'link', {_LINK_KEY}, stream_seq, deleted, transparent, NULL, NULL, NULL
+        SELECT branch, 'link', {_LINK_KEY}, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL
           FROM {schema}.ontology_links WHERE workspace = $1 {restricted(_LINK_KEY)}"""
 
 
@@ -176,7 +177,13 @@ class Shadow:
         records = await self.admin.fetch(_rows_sql(f'"{self._schema}"', only is not None), *args)
         rows = {
             (r["branch"], r["kind"], r["key"]): RowFacts(
-                r["stream_seq"], r["deleted"], r["transparent"], r["content_md5"], r["vector_md5"], r["signs_md5"]
+                r["stream_seq"],
+                r["deleted"],
+                r["transparent"],
+                r["content_md5"],
+                r["vector_md5"],
+                r["signs_md5"],
+                r["second_md5"],
             )
             for r in records
         }

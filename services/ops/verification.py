@@ -31,7 +31,7 @@ RowKey = tuple[str, EntityKind, str]
 @dataclass(frozen=True)
 class RowFacts:
     """What is checked of each row: the delta that wrote it and, for a live document, checksums of its content,
-    its vector and its token signs (None where it has none)."""
+    its vector, its token signs and its second vector (None where it has none)."""
 
     seq: int
     deleted: bool
@@ -39,6 +39,7 @@ class RowFacts:
     content_md5: str | None = None
     vector_md5: str | None = None
     signs_md5: str | None = None
+    second_md5: str | None = None
 
 
 def _md5(data: bytes) -> str:
@@ -53,7 +54,7 @@ def vector_md5(embedding: Sequence[float]) -> str:
 
 def document_facts(seq: int, document: SemanticDocument) -> RowFacts:
     """The facts of a live document row as the projector writes it."""
-    tokens = document.token_vectors
+    tokens, second = document.token_vectors, document.second_vector
     return RowFacts(
         seq,
         deleted=False,
@@ -61,6 +62,7 @@ def document_facts(seq: int, document: SemanticDocument) -> RowFacts:
         content_md5=content_md5(document.content),
         vector_md5=vector_md5(document.embedding) if document.embedding is not None else None,
         signs_md5=_md5(tokens.data) if tokens is not None else None,
+        second_md5=_md5(second.data) if second is not None else None,
     )
 
 
@@ -180,7 +182,12 @@ def _facts(facts: RowFacts) -> str:
     state = "reverted" if facts.transparent else "deleted" if facts.deleted else "live"
     checksums = [
         f"{name} {value[:8]}"
-        for name, value in (("content", facts.content_md5), ("vector", facts.vector_md5), ("signs", facts.signs_md5))
+        for name, value in (
+            ("content", facts.content_md5),
+            ("vector", facts.vector_md5),
+            ("signs", facts.signs_md5),
+            ("second vector", facts.second_md5),
+        )
         if value is not None
     ]
     return f"seq {facts.seq} {state}" + "".join(f", {c}" for c in checksums)

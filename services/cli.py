@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -695,7 +696,7 @@ def eval_command(
 
     settings = _settings("ontofabric-eval", quiet=True)
     if judgments is not None:
-        _evaluate_tree(settings, dataset_dir, judgments)
+        _evaluate_tree(settings, dataset_dir, judgments, json_file)
         return
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
     unknown = [c for c in chosen if c not in CONFIGS]
@@ -754,7 +755,7 @@ def _on_scratch_servers(settings: Settings, work: Callable[[Endpoints, Progress]
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path) -> None:
+def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path, json_file: Path | None) -> None:
     from importlib import metadata
 
     from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report
@@ -774,6 +775,9 @@ def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path) -> None
     )
     for line in render_tree_report(report):
         console.print(line, soft_wrap=True, markup=False)
+    if json_file is not None:  # per query too, for paired comparisons between runs
+        json_file.write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
+        console.print(f"wrote {json_file}")
 
 
 @app.command()

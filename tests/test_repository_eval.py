@@ -3,6 +3,7 @@ symbol, through the real path (services/ops/repository_eval.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -133,3 +134,6 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert 0.0 < off.metrics["Recall@10"] <= 1.0
     assert on.metrics["Recall@10"] >= off.metrics["Recall@10"]  # what expansion attaches only adds
     assert off.interval[0] <= off.metrics["Recall@10"] <= off.interval[1]
+    # What `ontofabric eval TREE --json` writes: the report with each query's measure.
+    written = json.loads(json.dumps(dataclasses.asdict(report)))
+    assert written["concept"]["per_query"]["c1"] == pytest.approx(1.0)

@@ -3,6 +3,7 @@ the loader every user of them shares, the embedder a second vector is made with,
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,11 +90,17 @@ class OnnxEmbedder:
 
 
 def embedder_name(model_path: Path) -> str:
-    """The name vectors of the model at ``model_path`` carry: the bundled one's, else its directory's name."""
+    """The name vectors of the model at ``model_path`` carry: the bundled one's, else its directory's name and the
+    start of its weights' SHA-256, so that two models in folders of the same name, or a model replaced in place,
+    never pass for each other (in the index, the embedding cache and the ingester's manifest)."""
     bundled = bundled_model(BUNDLED_SECOND_EMBEDDER)
     if bundled is not None and model_path.resolve() == bundled.resolve():
         return BUNDLED_SECOND_EMBEDDER_NAME
-    return model_path.name
+    digest = hashlib.sha256()
+    with (model_path / "model.onnx").open("rb") as weights:
+        for block in iter(lambda: weights.read(1 << 20), b""):
+            digest.update(block)
+    return f"{model_path.name}-{digest.hexdigest()[:12]}"
 
 
 def pack_half(vector: npt.NDArray[np.float32]) -> bytes:

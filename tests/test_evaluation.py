@@ -14,6 +14,7 @@ from ontofabric.services.ops.beir import BeirDataset, DatasetError, load_beir, w
 from ontofabric.services.ops.eval_report import run_file_scores, write_trec_run
 from ontofabric.services.ops.evaluation import CONFIGS, evaluate, hybrid_margins
 from ontofabric.services.ops.measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin
+from ontofabric.shared.onnx_models import embedder_name
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
@@ -241,7 +242,7 @@ async def test_a_small_dataset_through_the_real_path(
     # Second vectors went the same way; the configurations that turn the second opinion off go without it.
     for config in ("hybrid", "hybrid-rerank"):
         assert report.configs[config].meta["secondOpinion"] == {
-            "model": tiny_onnx_embedder.name, "weight": 0.01, "candidates": 5, "withSecondVectors": 5,
+            "model": embedder_name(tiny_onnx_embedder), "weight": 0.01, "candidates": 5, "withSecondVectors": 5,
         }, config  # fmt: skip
     for config in ("dense", "keyword", "hybrid-fusion-only", "dense-late-interaction", "hybrid-no-second-opinion"):
         assert report.configs[config].meta["secondOpinion"] is None, config

@@ -22,7 +22,7 @@ from ontofabric.services.query.postgres import PostgresDocuments, PostgresSnapsh
 from ontofabric.services.query.stages import second_opinion, second_opinion_order
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache
-from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half, second_embedder, unpack_half
+from ontofabric.shared.onnx_models import OnnxEmbedder, embedder_name, pack_half, second_embedder, unpack_half
 from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
@@ -92,6 +92,12 @@ def test_the_stage_reorders_the_leading_candidates_by_both_opinions() -> None:
     other_width = _stored({i: _half(1, 0) for i in "abcd"})
     assert second_opinion_order("m", QUERY, candidates, other_width, 1.0, 3) == (candidates, None)
     assert second_opinion_order("m", QUERY, candidates, documents, 0.0, 3) == (candidates, None)
+    # Cosines, not dot products: a sender that scales its vectors moves nothing.
+    scaled = {
+        i: StoredDocument(i, i, "t.T", "tests", {}, None, pack_half(unpack_half(d.second_vector or b"") * (n + 1) * 7))
+        for n, (i, d) in enumerate(documents.items())
+    }
+    assert second_opinion_order("m", QUERY, candidates, scaled, 5.0, 3) == (order, report)
 
 
 class FixedSecondModel:
@@ -139,6 +145,18 @@ async def test_the_pipeline_asks_for_its_model_s_vectors_and_says_what_ran() -> 
     other = await pipeline_over(retrieval, config=config, second=model).answer(OntologyQuery(semantic_query="q"), "w")
     assert other.meta.second_opinion is None
     assert [r.id for r in other.results] == [r.id for r in plain.results]
+
+
+async def test_second_vectors_are_fetched_as_deep_as_late_interaction_reaches() -> None:
+    # Late interaction runs first and may lift a candidate from its own depth into the second opinion's.
+    retrieval = ScriptedRetrieval()
+    model = FixedSecondModel()
+    both = PipelineConfig(second_opinion_depth=2, late_interaction_depth=3, late_interaction_weight=0.2)
+    await pipeline_over(retrieval, config=both, second=model).answer(OntologyQuery(semantic_query="q"), "w")
+    assert len(retrieval.second_asked[-1][0]) == 3
+    without = PipelineConfig(second_opinion_depth=2, late_interaction_weight=0.0)
+    await pipeline_over(retrieval, config=without, second=model).answer(OntologyQuery(semantic_query="q"), "w")
+    assert len(retrieval.second_asked[-1][0]) == 2
 
 
 async def test_a_second_model_that_fails_degrades_to_the_order_before_it() -> None:
@@ -209,4 +227,8 @@ def test_settings_load_the_second_model_only_when_asked(tiny_onnx_embedder: Path
     assert second_embedder(Settings()) is None
     loaded = second_embedder(Settings(second_vectors=True, second_vectors_model_path=tiny_onnx_embedder))
     assert loaded is not None
-    assert loaded.name == tiny_onnx_embedder.name
+    # Named by its folder and its weights: a model replaced in place, or another in a folder of the same name, is
+    # another model.
+    assert loaded.name == embedder_name(tiny_onnx_embedder)
+    assert loaded.name.startswith(f"{tiny_onnx_embedder.name}-")
+    assert len(loaded.name) == len(tiny_onnx_embedder.name) + 13

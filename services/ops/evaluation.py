@@ -73,7 +73,8 @@ DEFAULT_REQUEST = "hybrid"
 def hybrid_margins(per_query: Mapping[str, Mapping[str, float]]) -> list[Margin]:
     """Each hybrid configuration that ran against the stronger (by mean nDCG@10) of dense and keyword, the target
     of docs/quality.md, and the default request also against dense with late interaction (what the keyword list and
-    the fusion add once both have that stage) and against itself without the second opinion (what that adds).
+    the fusion add once both have that stage, and the second opinion where the deployment stores second vectors)
+    and against itself without the second opinion (what that adds).
 
     The stronger retriever is picked on the same queries the interval resamples, which the interval ignores; on a
     tie it is dense.

@@ -65,7 +65,8 @@ def _rows_sql(schema: str, only: bool) -> str:
                CASE WHEN deleted THEN NULL ELSE {CONTENT_MD5_SQL} END AS content_md5,
                CASE WHEN deleted THEN NULL ELSE md5(vector_send(embedding)) END AS vector_md5,
                CASE WHEN deleted THEN NULL ELSE md5(token_signs) END AS signs_md5,
-               CASE WHEN deleted THEN NULL ELSE md5(second_vector) END AS second_md5
+               CASE WHEN deleted THEN NULL
+                    ELSE md5(convert_to(second_model, 'UTF8') || decode('00', 'hex') || second_vector) END AS second_md5
           FROM {schema}.documents WHERE workspace = $1 {restricted("id")}
         UNION ALL
         SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL

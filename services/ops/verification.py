@@ -62,7 +62,7 @@ def document_facts(seq: int, document: SemanticDocument) -> RowFacts:
         content_md5=content_md5(document.content),
         vector_md5=vector_md5(document.embedding) if document.embedding is not None else None,
         signs_md5=_md5(tokens.data) if tokens is not None else None,
-        second_md5=_md5(second.data) if second is not None else None,
+        second_md5=_md5(second.model.encode() + b"\x00" + second.data) if second is not None else None,
     )
 
 

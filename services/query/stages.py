@@ -196,7 +196,9 @@ def second_opinion_order(
     for hit in head:
         stored = documents[hit.id].second_vector
         vector = unpack_half(stored) if stored and len(stored) == 2 * len(query_vector) else None
-        cosines.append(None if vector is None else float(vector @ query_vector))
+        # A cosine whatever the sender's scale: the contract asks for a finite, non-zero vector, not a unit one.
+        norm = 0.0 if vector is None else float(np.linalg.norm(vector) * np.linalg.norm(query_vector))
+        cosines.append(float(vector @ query_vector) / norm if vector is not None and norm > 0 else None)
     found = sum(cosine is not None for cosine in cosines)
     if weight <= 0 or found < 2:
         return candidates, None

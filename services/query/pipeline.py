@@ -520,7 +520,7 @@ class QueryPipeline:
         second = self._second
         if second is None or run.query.listing or second_opinion_weight(run.query, self._config) <= 0:
             return None
-        return asyncio.ensure_future(asyncio.to_thread(lambda: second.embed([run.text])[0]))
+        return asyncio.ensure_future(second.embed_query(run.text))
 
     async def _second_opinion(
         self,

@@ -266,6 +266,11 @@ class QueryService:
         if settings.keyword_backend == "azure-ai-search":
             # No SDK retries: a query has a budget (the timeout), and a failed keyword path degrades, not fails.
             self._azure = search_client(settings, retries=0)
+        # One thread: a query is a few tokens, and the retrievers run beside it.
+        second = await asyncio.to_thread(second_embedder, settings, 1)
+        if second is not None and self._reranker is not None and self._reranker.name == "second-embedder":
+            # Measured each alone (docs/quality.md): together a precision request counts one opinion twice.
+            log.warning("second_opinion_twice", reranker=self._reranker.name, second_vectors=second.name)
         self._pipeline = QueryPipeline(
             build_retrievers(settings, snapshots, documents, self._azure, vector_by),
             documents,
@@ -275,8 +280,7 @@ class QueryService:
             PipelineConfig.from_settings(settings),
             self._reranker,
             self._freshness,
-            # One thread: a query is a few tokens, and the retrievers run beside it.
-            await asyncio.to_thread(second_embedder, settings, 1),
+            second,
         )
         tracker.set_listener(self._pipeline.invalidate)
         self._versions = tracker

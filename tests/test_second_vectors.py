@@ -160,6 +160,19 @@ async def test_second_vectors_are_fetched_as_deep_as_late_interaction_reaches() 
     assert len(retrieval.second_asked[-1][0]) == 2
 
 
+async def test_a_keyword_only_request_gets_the_second_opinion_without_waiting_for_an_embedding() -> None:
+    vectors = {"y": ("second-test", _half(0, 1, 0)), "z": ("second-test", _half(1, 0, 0))}
+    retrieval = ScriptedRetrieval(second_vectors=vectors)
+    keyword_only = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"retrievers": ["keyword"]}})
+    config = PipelineConfig(second_opinion_weight=10.0)
+    reply = await asyncio.wait_for(
+        pipeline_over(retrieval, config=config, second=FixedSecondModel()).answer(keyword_only, "w"), 5
+    )
+    assert reply.meta.second_opinion is not None
+    assert reply.meta.second_opinion.with_second_vectors == 2
+    assert [r.id for r in reply.results] == ["z", "y"]  # keyword put y first; the second model prefers z
+
+
 async def test_a_second_model_that_fails_degrades_to_the_order_before_it() -> None:
     vectors = {i: ("second-test", _half(1, n, 0)) for n, i in enumerate("xyz")}
     retrieval = ScriptedRetrieval(second_vectors=vectors)

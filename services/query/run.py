@@ -42,6 +42,9 @@ class QueryRun:
     """``_meta`` fields as the stages reported them, by their Python names."""
     deadline: float | None = None
     """When the reply is due (the event loop's clock); None: no deadline (evaluation, benchmarks)."""
+    embedded: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the query's embedding is done, failed, or not asked for: work that can wait for the CPU until then
+    (the second model's query vector) does not slow it."""
 
     def time_left(self) -> float:
         """Seconds until the deadline; infinite without one."""

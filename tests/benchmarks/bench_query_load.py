@@ -11,6 +11,7 @@ and the `ts_rank_cd` top 50 with RRF (k 60) and returns the top 10 with their co
 
 Run: .venv/bin/python tests/benchmarks/bench_query_load.py ../shared/eval/cosqa-dev --split dev
      [--sizes 1000,all] [--concurrency 1,4,16] [--queries 120]
+(ONTOFABRIC_SECOND_VECTORS=true: the corpus and the query worker with second vectors; the recipe is the same)
 Compare ratios, not absolute times: the machines are shared and noisy.
 """
 
@@ -39,6 +40,7 @@ from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import connect
 from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
@@ -139,7 +141,11 @@ async def run(endpoints: Endpoints, dataset: BeirDataset, sizes: list[int], leve
         cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
         stack.callback(cache.close)
         progress = stack.enter_context(RichProgress(Console()))
-        loader = Evaluation(nc.jetstream(), client, names, embedder, cache, progress, settings.token_vectors)
+        # With ONTOFABRIC_SECOND_VECTORS set, the documents carry second vectors, as the query worker expects.
+        second = await asyncio.to_thread(second_embedder, settings)
+        loader = Evaluation(
+            nc.jetstream(), client, names, embedder, cache, progress, settings.token_vectors, second=second
+        )
         pool = await asyncpg.create_pool(endpoints.database_url, min_size=2, max_size=20, init=register_vector)
         stack.push_async_callback(pool.close)
 

@@ -138,4 +138,7 @@ def second_embedder(settings: Settings, threads: int = 0) -> OnnxEmbedder | None
     path = settings.second_vectors_model_path or bundled_model(BUNDLED_SECOND_EMBEDDER)
     if path is None:
         raise ValueError("ONTOFABRIC_SECOND_VECTORS needs ONTOFABRIC_SECOND_VECTORS_MODEL_PATH, or the extra `rerank`")
+    missing = [name for name in ("model.onnx", "tokenizer.json") if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"ONTOFABRIC_SECOND_VECTORS_MODEL_PATH {path}: no {' or '.join(missing)} there")
     return OnnxEmbedder(path, embedder_name(path), threads=threads)

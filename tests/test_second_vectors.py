@@ -246,6 +246,8 @@ def test_settings_load_the_second_model_only_when_asked(tiny_onnx_embedder: Path
     assert loaded.name == embedder_name(tiny_onnx_embedder)
     assert loaded.name.startswith(f"{tiny_onnx_embedder.name}-")
     assert len(loaded.name) == len(tiny_onnx_embedder.name) + 13
+    with pytest.raises(ValueError, match=r"no model\.onnx or tokenizer\.json there"):
+        second_embedder(Settings(second_vectors=True, second_vectors_model_path=tiny_onnx_embedder / "absent"))
 
 
 async def test_queries_arriving_together_are_embedded_as_each_alone(tiny_onnx_embedder: Path) -> None:

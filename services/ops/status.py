@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import OntologyVersionChanged
@@ -116,11 +116,14 @@ async def deployment_status(
 
 
 async def _announced(nc: Client, names: Names) -> list[OntologyVersionChanged]:
-    kv = await nc.jetstream().key_value(names.version_bucket)
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+    js = nc.jetstream()
+    kv = await js.key_value(names.version_bucket)
+    # The keys from the bucket's stream's own subject list, not from nats-py's `kv.keys()`: that one watches the
+    # bucket and stops at its first "nothing pending" marker, which under load can come before the first key is
+    # delivered, and then reports no keys at all (a status with no branches).
+    prefix = f"$KV.{names.version_bucket}."
+    info = await js.stream_info(f"KV_{names.version_bucket}", subjects_filter=f"{prefix}>")
+    keys = [subject[len(prefix) :] for subject in info.state.subjects or {}]
     versions = []
     for key in sorted(keys):
         try:

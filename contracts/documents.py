@@ -83,6 +83,14 @@ def _finite_nonzero(vector: list[float]) -> list[float]:
 Embedding = Annotated[list[float], AfterValidator(_finite_nonzero)]
 
 
+def strict_base64(value: object) -> object:
+    """``value`` as it came, once it decodes as base64 with nothing outside the alphabet: Base64Bytes alone skips
+    such characters, and a corrupted payload must be refused instead."""
+    if isinstance(value, str | bytes):
+        base64.b64decode(value, validate=True)
+    return value
+
+
 MAX_TOKENS = 1024
 """More tokens than any supported embedding model reads (MiniLM: 256, BERT-style models: 512)."""
 
@@ -104,10 +112,7 @@ class TokenVectors(WireModel):
     @field_validator("data", mode="before")
     @classmethod
     def _strict_base64(cls, value: object) -> object:
-        # Base64Bytes alone skips characters outside the alphabet; a corrupted payload must be refused instead.
-        if isinstance(value, str | bytes):
-            base64.b64decode(value, validate=True)
-        return value
+        return strict_base64(value)
 
     @model_validator(mode="after")
     def _whole_tokens(self) -> TokenVectors:
@@ -132,9 +137,7 @@ class SecondVector(WireModel):
     @field_validator("data", mode="before")
     @classmethod
     def _strict_base64(cls, value: object) -> object:
-        if isinstance(value, str | bytes):  # as TokenVectors: a corrupted payload is refused, not skipped over
-            base64.b64decode(value, validate=True)
-        return value
+        return strict_base64(value)
 
     @model_validator(mode="after")
     def _whole_vector(self) -> SecondVector:

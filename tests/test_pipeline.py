@@ -234,9 +234,11 @@ async def test_an_answer_read_while_the_index_was_rebuilt_is_not_cached() -> Non
     versions = Announced("5-a")
 
     class RebuiltMidQuery(ScriptedRetrieval):
-        async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
+        async def fetch(
+            self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = (), *second: Any
+        ) -> Fetched:
             versions.rebuilds += 1  # the rebuild's announcement arrives while this query is reading
-            return await super().fetch(scope, ids, token_signs_of)
+            return await super().fetch(scope, ids, token_signs_of, *second)
 
     pipeline, cache = _pipeline(RebuiltMidQuery(), versions)
     reply = await pipeline.answer(QUERY, "w")
@@ -520,8 +522,10 @@ def test_collapse_keeps_what_comparing_every_pair_keeps() -> None:
 
 async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everything() -> None:
     class OneSymbol(ScriptedRetrieval):
-        async def fetch(self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = ()) -> Fetched:
-            fetched = await super().fetch(scope, ids, token_signs_of)
+        async def fetch(
+            self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = (), *second: Any
+        ) -> Fetched:
+            fetched = await super().fetch(scope, ids, token_signs_of, *second)
             levels = {"x": "method", "y": "doc", "z": "type"}
             fqns = {"x": "m.C.f", "y": "m.C.f", "z": "m.Other"}
             return Fetched(

@@ -467,13 +467,12 @@ class QueryPipeline:
         # Token signs (kilobytes a document) only of the candidates late interaction compares.
         depth = 0 if refinements.interaction_tokens is None else refinements.interaction_depth
         ids = list(dict.fromkeys([*(f.id for f in fused), *definitions.symbols]))
-        if self._second is not None and refinements.second_weight > 0:
-            # Second vectors only of the candidates the second opinion may see: its depth, or deeper where late
-            # interaction, which runs first, may lift a candidate from as far down as its own depth.
-            second_of = [f.id for f in fused[: max(refinements.second_depth, depth)]]
-            fetching = self._documents.fetch(scope, ids, [f.id for f in fused[:depth]], second_of, self._second.name)
-        else:
-            fetching = self._documents.fetch(scope, ids, [f.id for f in fused[:depth]])
+        # Second vectors only of the candidates the second opinion may see: its depth, or deeper where late
+        # interaction, which runs first, may lift a candidate from as far down as its own depth.
+        second = self._second if refinements.second_weight > 0 else None
+        second_of = [] if second is None else [f.id for f in fused[: max(refinements.second_depth, depth)]]
+        signs_of = [f.id for f in fused[:depth]]
+        fetching = self._documents.fetch(scope, ids, signs_of, second_of, second.name if second else None)
         fetched = await run.timed("fetch", fetching)
         run.read(fetched.version)
         run.report(ontology_version=fetched.version)

@@ -22,17 +22,13 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 from ontofabric.services.ops.beir import document_text, load_beir
+from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.core import Reranker, StoredDocument
 from ontofabric.services.query.rerankers import OnnxCrossEncoder, SecondEmbedder
 from ontofabric.services.query.stages import rerank_text
 from ontofabric.shared.embedder import load_embedder
 from ontofabric.shared.onnx_models import BUNDLED_CROSS_ENCODER, BUNDLED_SECOND_EMBEDDER, bundled_model
 from ontofabric.shared.settings import Settings
-
-
-def _percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
 def _build(model: str, settings: Settings, threads: int) -> Reranker:
@@ -97,7 +93,7 @@ async def main() -> None:
     print("|---|---|---|---|")
     for name, values in timings.items():
         p50 = statistics.median(values)
-        print(f"| {name} | {p50:.1f} | {_percentile(values, 0.95):.1f} | {p50 / reference_p50:.1f}x |")
+        print(f"| {name} | {p50:.1f} | {percentile(values, 0.95):.1f} | {p50 / reference_p50:.1f}x |")
 
 
 def _stored(entry: dict[str, str]) -> StoredDocument:

@@ -23,14 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ontofabric.services.ops.beir import document_text, load_beir
+from ontofabric.services.ops.measures import percentile
 from ontofabric.shared.embedder import load_embedder
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.settings import Settings
-
-
-def _percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
 def _seconds(work: Callable[[], object]) -> float:
@@ -82,7 +78,7 @@ async def main() -> None:
     print(f"{len(queries)} queries")
     for name, values in timings.items():
         p50 = statistics.median(values)
-        print(f"  {name:<28} p50 {p50:7.1f} ms  p95 {_percentile(values, 0.95):7.1f} ms  ({p50 / reference:.2f}×)")
+        print(f"  {name:<28} p50 {p50:7.1f} ms  p95 {percentile(values, 0.95):7.1f} ms  ({p50 / reference:.2f}×)")
 
 
 if __name__ == "__main__":

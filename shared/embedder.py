@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -25,10 +26,12 @@ import numpy.typing as npt
 
 from .late_interaction import TokenMatrix
 from .logging import get_logger
-from .settings import Precision, Settings
+from .settings import Precision, QueryRuntime, Settings
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+
+    from .onnx_models import OnnxQueryEncoder
 
 log = get_logger(__name__)
 
@@ -246,7 +249,12 @@ class LocalSentenceTransformer:
         bfloat16: bool = False,
         windows: int,
         query_threads: int | None = None,
+        query_runtime: QueryRuntime = "torch",
+        cache_dir: Path | None = None,
     ) -> None:
+        """``query_runtime``: what embeds queries; ``onnx`` exports the model into ``cache_dir`` on first use
+        (:func:`~.onnx_models.query_encoder`) and embeds queries in float32 only: a bfloat16 model's stay on PyTorch,
+        whose vectors the documents have."""
         if windows < 1:
             raise ValueError("windows must be at least 1")
         self.model_name = model_name
@@ -274,7 +282,27 @@ class LocalSentenceTransformer:
         self._queries: Coalescer[str, tuple[Vector, TokenMatrix]] = Coalescer(
             self._embed_queries, self.on_model_thread, MAX_QUERY_BATCH
         )
-        log.info("embedder_loaded", model=model_name, path=str(model_path), dimension=dimension, bfloat16=bfloat16)
+        self._onnx: OnnxQueryEncoder | None = None
+        if query_runtime == "onnx" and not bfloat16:
+            from .onnx_models import query_encoder
+
+            self._onnx = query_encoder(
+                self._model[0].auto_model,
+                model_path,
+                self._model.max_seq_length,
+                query_threads or 0,
+                cache_dir or Path(tempfile.gettempdir()),
+                self._embed_queries_on_torch,
+            )
+        self.query_runtime = "onnx" if self._onnx is not None else "torch"
+        log.info(
+            "embedder_loaded",
+            model=model_name,
+            path=str(model_path),
+            dimension=dimension,
+            bfloat16=bfloat16,
+            query_runtime=self.query_runtime,
+        )
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         return self.embed_with_tokens(texts, batch_size)[0]
@@ -323,10 +351,18 @@ class LocalSentenceTransformer:
         return pieces, owners
 
     def embed_query(self, text: str) -> Vector:
-        row: Vector = self.embed_documents([text])[0]
-        return row
+        return self._embed_queries([text])[0][0]
 
     def _embed_queries(self, texts: list[str]) -> list[tuple[Vector, TokenMatrix]]:
+        if self._onnx is None:
+            return self._embed_queries_on_torch(texts)
+        embedded = self._onnx.embed(texts)
+        longer = [i for i, found in enumerate(embedded) if found is None]  # read in windows, by PyTorch
+        for i, found in zip(longer, self._embed_queries_on_torch([texts[i] for i in longer]), strict=True):
+            embedded[i] = found
+        return [found for found in embedded if found is not None]
+
+    def _embed_queries_on_torch(self, texts: list[str]) -> list[tuple[Vector, TokenMatrix]]:
         vectors, tokens = self.embed_with_tokens(texts)
         return list(zip(vectors, tokens, strict=True))
 
@@ -352,6 +388,8 @@ def load_embedder(settings: Settings) -> LocalSentenceTransformer:
         bfloat16=wants_bfloat16(settings.embedding_precision),
         windows=settings.embedding_windows,
         query_threads=settings.query_model_threads,
+        query_runtime=settings.query_embedding_runtime,
+        cache_dir=settings.cache_dir,
     )
 
 

@@ -1,21 +1,33 @@
-"""Models that ship with their weights as ONNX files, run by ONNX Runtime on CPU (the optional extra ``rerank``):
-the loader every user of them shares, the embedder a second vector is made with, and that vector's wire form."""
+"""Models run by ONNX Runtime on CPU: those that ship with their weights as ONNX files (the optional extra
+``rerank``), with the loader every user of them shares, the embedder a second vector is made with and that vector's
+wire form; and the main embedding model exported from its PyTorch weights, which embeds queries
+(:class:`OnnxQueryEncoder`)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import importlib.util
+import os
+import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from .embedder import MAX_QUERY_BATCH, Coalescer
+from .embedder import MAX_QUERY_BATCH, Coalescer, Vector, unit_rows
+from .late_interaction import TokenMatrix
+from .logging import get_logger
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding
+
+log = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -43,7 +55,8 @@ class OnnxModel:
     """A BERT-style model exported to ONNX (``model.onnx`` and ``tokenizer.json`` in one directory), run by ONNX
     Runtime on CPU: no PyTorch in the path, so an int8 export runs as shipped."""
 
-    def __init__(self, model_path: Path, max_length: int, threads: int = 0) -> None:
+    def __init__(self, model_path: Path, max_length: int, threads: int = 0, weights: Path | None = None) -> None:
+        """``weights``: the ONNX file, when it is not ``model.onnx`` beside the tokenizer."""
         import onnxruntime
         from tokenizers import Tokenizer
 
@@ -54,21 +67,162 @@ class OnnxModel:
         self._tokenizer.enable_padding()
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads  # 0: ONNX Runtime's default, every core
+        options.inter_op_num_threads = 1  # the graph's operators one after another: BERT has no parallel branches
         self._session = onnxruntime.InferenceSession(
-            str(model_path / "model.onnx"), options, providers=["CPUExecutionProvider"]
+            str(weights or model_path / "model.onnx"), options, providers=["CPUExecutionProvider"]
         )
         self._inputs = {i.name for i in self._session.get_inputs()}
         self.output_rank = len(self._session.get_outputs()[0].shape)
 
     def first_output(self, texts: Sequence[str] | Sequence[tuple[str, str]]) -> np.ndarray:
         """The model's first output over a batch of texts (or pairs of texts)."""
-        encoded = self._tokenizer.encode_batch(list(texts))
+        return self.run(self.tokenize(texts))
+
+    def tokenize(self, texts: Sequence[str] | Sequence[tuple[str, str]]) -> list[Encoding]:
+        """The texts as the model reads them: truncated to its length, padded to the longest of the batch."""
+        return list(self._tokenizer.encode_batch(list(texts)))
+
+    def run(self, encoded: Sequence[Encoding]) -> np.ndarray:
+        """The model's first output over tokenized texts (:meth:`tokenize`)."""
         feed = {
             "input_ids": np.array([e.ids for e in encoded], dtype=np.int64),
             "attention_mask": np.array([e.attention_mask for e in encoded], dtype=np.int64),
             "token_type_ids": np.array([e.type_ids for e in encoded], dtype=np.int64),
         }
         return np.asarray(self._session.run(None, {k: v for k, v in feed.items() if k in self._inputs})[0])
+
+
+class OnnxQueryEncoder:
+    """The main embedding model (a sentence-transformers model with mean pooling) run by ONNX Runtime, for queries:
+    each text's unit vector and unit token rows, as :class:`~.embedder.LocalSentenceTransformer` makes them.
+
+    For one short text PyTorch spends most of its time between operators; ONNX Runtime does not (docs/benchmarks.md,
+    "Query embedding on ONNX Runtime"). Its graph is exported from the very weights PyTorch runs, in float32, so
+    the vectors are the same up to float rounding; :func:`query_encoder` checks that before it is used."""
+
+    def __init__(self, weights: Path, model_path: Path, max_length: int, threads: int) -> None:
+        self._model = OnnxModel(model_path, max_length, threads, weights)
+
+    def embed(self, texts: Sequence[str]) -> list[tuple[Vector, TokenMatrix] | None]:
+        """Each text's vector and token rows; None for a text longer than the model reads, which the caller embeds
+        in windows instead."""
+        encoded = self._model.tokenize(texts)
+        fits = [i for i, e in enumerate(encoded) if not e.overflowing]
+        results: list[tuple[Vector, TokenMatrix] | None] = [None] * len(texts)
+        if not fits:
+            return results
+        hidden = np.asarray(self._model.run([encoded[i] for i in fits]), np.float32)
+        for row, i in enumerate(fits):
+            tokens = hidden[row, : sum(encoded[i].attention_mask)]
+            vector: Vector = unit_rows(tokens.mean(axis=0, keepdims=True))[0]
+            results[i] = (vector, unit_rows(tokens))
+        return results
+
+
+def _export(transformer: Any, target: Path) -> None:
+    """Write the transformer (a Hugging Face encoder, float32) to ``target`` as ONNX, whole or not at all."""
+    import torch
+
+    class LastHiddenState(torch.nn.Module):  # type: ignore[misc]  # the exporter passes inputs by position
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformer
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state
+
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    example = torch.ones((1, 8), dtype=torch.long)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)[1])
+    try:
+        # The tracer warns of values it takes as constants (a causal mask when none is given; we always give one):
+        # the export is checked against PyTorch's vectors instead, by query_encoder.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                LastHiddenState().eval(),
+                (example, example, torch.zeros_like(example)),
+                str(partial),
+                input_names=names,
+                output_names=["last_hidden_state"],
+                dynamic_axes={name: {0: "batch", 1: "tokens"} for name in [*names, "last_hidden_state"]},
+                opset_version=17,
+                dynamo=False,
+            )
+        os.replace(partial, target)  # two processes exporting at once each write their own file; one wins
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+AGREEMENT = 1e-4
+"""How far (1 − cosine) an exported model's query vector and token rows may be from PyTorch's."""
+AGREEMENT_PROBES = (
+    "how to read a json file in python",
+    "def flatten(items):\n    return [x for sub in items for x in sub]",
+    "Aspirin lowers the risk of a first myocardial infarction in adults over fifty.",
+    "q",
+)
+
+
+def query_encoder(
+    transformer: Any,
+    model_path: Path,
+    max_length: int,
+    threads: int,
+    cache_dir: Path,
+    reference: Callable[[list[str]], list[tuple[Vector, TokenMatrix]]],
+) -> OnnxQueryEncoder | None:
+    """The model's ONNX export for queries, made once per weights file in ``cache_dir`` (a temporary directory when
+    that cannot be written) and used only when it agrees with ``reference`` (PyTorch's query embedding) on a few
+    texts; a file that does not load or agree is made again. None, with a warning, when ONNX Runtime or the exporter
+    is missing or no export agrees: queries are then embedded by PyTorch."""
+    if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
+        log.warning("query_embedding_on_torch", reason="onnxruntime or onnx is not installed")
+        return None
+    candidates = (model_path / name for name in ("model.safetensors", "pytorch_model.bin"))
+    weights = next((path for path in candidates if path.is_file()), None)
+    digest = hashlib.sha256()
+    if weights is not None:
+        with weights.open("rb") as data:
+            for block in iter(lambda: data.read(1 << 20), b""):
+                digest.update(block)
+    else:
+        digest.update(str(model_path.resolve()).encode())
+    name = f"{model_path.name}-{digest.hexdigest()[:16]}.onnx"
+    expected = reference(list(AGREEMENT_PROBES))
+    for directory in (cache_dir / "onnx", Path(tempfile.gettempdir()) / f"ontofabric-onnx-{os.getuid()}"):
+        target = directory / name
+        for again in (False, True):  # a file that does not load or agree (damaged, stale) is made again, once
+            try:
+                if again or not target.is_file():
+                    target.unlink(missing_ok=True)
+                    _export(transformer, target)
+                    log.info("query_model_exported", path=str(target), bytes=target.stat().st_size)
+                encoder = OnnxQueryEncoder(target, model_path, max_length, threads)
+                gap = _disagreement(encoder.embed(list(AGREEMENT_PROBES)), expected)
+            except Exception as error:
+                log.warning("query_model_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
+                continue
+            if gap <= AGREEMENT:
+                return encoder
+            log.warning("query_model_disagrees", path=str(target), gap=gap)
+    log.warning("query_embedding_on_torch", reason="no ONNX export of the model could be made that agrees with it")
+    return None
+
+
+def _disagreement(
+    found: Sequence[tuple[Vector, TokenMatrix] | None], expected: Sequence[tuple[Vector, TokenMatrix]]
+) -> float:
+    """The largest 1 − cosine between two embeddings of the same texts, over vectors and token rows (2.0 when a
+    text is missing or its token count differs)."""
+    gap = 0.0
+    for mine, theirs in zip(found, expected, strict=True):
+        if mine is None or mine[1].shape != theirs[1].shape:
+            return 2.0
+        gap = max(gap, 1 - float(mine[0] @ theirs[0]), float(np.max(1 - np.sum(mine[1] * theirs[1], axis=1))))
+    return gap
 
 
 class OnnxEmbedder:

@@ -20,6 +20,7 @@ from .subjects import PARTITION_COUNTS
 
 # Arithmetic of a local model; `auto`: bfloat16 where the CPU computes it natively, else float32.
 Precision = Literal["auto", "float32", "bfloat16"]
+QueryRuntime = Literal["onnx", "torch"]
 
 
 class Settings(BaseSettings):
@@ -157,6 +158,13 @@ class Settings(BaseSettings):
         "whose keyword search runs beside the query's embedding (measured on 2 cores: docs/benchmarks.md, \"Levers "
         "measured at 100,000 documents\"); on more cores, more may pay.",
     )  # fmt: skip
+    query_embedding_runtime: QueryRuntime = Field(
+        default="onnx",
+        description="What runs the embedding model for queries: `onnx`, ONNX Runtime over an export of the same "
+        "weights, made on first use in `cache_dir` and used only when its vectors agree with PyTorch's (a query in "
+        'about half the time: docs/benchmarks.md, "Query embedding on ONNX Runtime"); or `torch`. '
+        "Documents are embedded by PyTorch either way, and a bfloat16 model's queries too.",
+    )
     embedding_windows: int = Field(
         default=4,
         ge=1,
@@ -422,7 +430,8 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ontofabric",
-        description="Embedding cache of `ontofabric eval` (safe to delete). Default: $XDG_CACHE_HOME/ontofabric.",
+        description="Embedding cache of `ontofabric eval` and the query model's ONNX export (both safe to delete). "
+        "Default: $XDG_CACHE_HOME/ontofabric.",
     )
 
     # --- operability -----------------------------------------------------------------------------

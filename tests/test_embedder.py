@@ -373,3 +373,85 @@ async def test_queries_compute_with_their_own_thread_count_and_other_threads_kee
         fresh.shutdown()
     vector, _ = await embedder.embed_query_with_tokens_async("read a file")
     assert np.allclose(vector, embedder.embed_query("read a file"), atol=1e-5)  # the same vector either way
+
+
+QUERIES = [
+    "how to read a json file",
+    "def flatten(items): return [x for sub in items for x in sub]",
+    "PostgreSQL full-text search ranks documents by term frequency " * 30,  # longer than one window
+    "q",
+]
+
+
+def query_embedder(cache_dir: Path, *, bfloat16: bool = False) -> LocalSentenceTransformer:
+    settings = Settings()
+    return LocalSentenceTransformer(
+        settings.embedding_model,
+        settings.resolved_model_path(),
+        settings.embedding_dim,
+        bfloat16=bfloat16,
+        windows=4,
+        query_threads=1,
+        query_runtime="onnx",
+        cache_dir=cache_dir,
+    )
+
+
+Embedded = Sequence[tuple[np.ndarray, np.ndarray]]
+
+
+def assert_same_embeddings(found: Embedded, expected: Embedded) -> None:
+    assert len(found) == len(expected)
+    for (vector, tokens), (vector_expected, tokens_expected) in zip(found, expected, strict=True):
+        assert float(vector @ vector_expected) > 1 - 1e-5
+        assert tokens.shape == tokens_expected.shape
+        assert float(np.min(np.sum(tokens * tokens_expected, axis=1))) > 1 - 1e-5
+
+
+def test_queries_on_onnx_runtime_embed_as_pytorch_does(tmp_path: Path) -> None:
+    embedder = query_embedder(tmp_path)
+    assert embedder.query_runtime == "onnx"
+    assert len(list((tmp_path / "onnx").glob("*.onnx"))) == 1
+    # A batch padded to its longest text, and a text read in windows (by PyTorch), each as PyTorch embeds it.
+    assert_same_embeddings(embedder._embed_queries(QUERIES), embedder._embed_queries_on_torch(QUERIES))
+    alone = embedder.embed_query(QUERIES[0])
+    assert float(alone @ embedder.embed_documents([QUERIES[0]])[0]) > 1 - 1e-5
+
+
+def test_the_export_is_made_once_and_a_damaged_one_again(tmp_path: Path) -> None:
+    query_embedder(tmp_path)
+    (exported,) = (tmp_path / "onnx").glob("*.onnx")
+    made = exported.stat().st_mtime_ns
+    assert query_embedder(tmp_path).query_runtime == "onnx"
+    assert exported.stat().st_mtime_ns == made  # read, not made again
+
+    exported.write_bytes(b"not a model")
+    embedder = query_embedder(tmp_path)
+    assert embedder.query_runtime == "onnx"
+    assert exported.stat().st_size > 1_000_000
+    assert_same_embeddings(embedder._embed_queries(QUERIES[:2]), embedder._embed_queries_on_torch(QUERIES[:2]))
+
+
+def test_an_unwritable_cache_exports_elsewhere_and_a_missing_runtime_stays_on_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "temporary"))
+    (tmp_path / "temporary").mkdir()
+    assert query_embedder(blocked).query_runtime == "onnx"
+    assert list((tmp_path / "temporary").glob("ontofabric-onnx-*/*.onnx"))
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    embedder = query_embedder(tmp_path / "other")
+    assert embedder.query_runtime == "torch"
+    assert_same_embeddings(embedder._embed_queries(QUERIES[:1]), embedder._embed_queries_on_torch(QUERIES[:1]))
+
+
+def test_a_bfloat16_model_embeds_its_queries_on_pytorch(tmp_path: Path) -> None:
+    assert query_embedder(tmp_path, bfloat16=True).query_runtime == "torch"
+    assert not (tmp_path / "onnx").exists()
+    assert Settings().query_embedding_runtime == "onnx"

@@ -294,7 +294,7 @@ class LocalSentenceTransformer:
                 cache_dir or Path(tempfile.gettempdir()),
                 self._embed_queries_on_torch,
             )
-        self.query_runtime = "onnx" if self._onnx is not None else "torch"
+        self.query_runtime: QueryRuntime = "onnx" if self._onnx is not None else "torch"
         log.info(
             "embedder_loaded",
             model=model_name,

@@ -192,7 +192,7 @@ def ingest(
     names = Names(settings.subject_prefix)
 
     async def run() -> None:
-        embedder = await asyncio.to_thread(build_embedder, settings)
+        embedder = await asyncio.to_thread(build_embedder, settings, False)  # documents only
         nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-ingest", settings)
         try:
             js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them

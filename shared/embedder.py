@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -291,7 +290,7 @@ class LocalSentenceTransformer:
                 model_path,
                 self._model.max_seq_length,
                 query_threads or 0,
-                cache_dir or Path(tempfile.gettempdir()),
+                cache_dir,
                 self._embed_queries_on_torch,
             )
         self.query_runtime: QueryRuntime = "onnx" if self._onnx is not None else "torch"
@@ -379,8 +378,9 @@ def embedding_text(content: str, symbol_fqn: str | None) -> str:
     return f"{symbol_fqn}\n{content}" if symbol_fqn else content
 
 
-def load_embedder(settings: Settings) -> LocalSentenceTransformer:
-    """The local model ``settings`` name (its current embedding model)."""
+def load_embedder(settings: Settings, for_queries: bool = True) -> LocalSentenceTransformer:
+    """The local model ``settings`` name (its current embedding model). ``for_queries`` False: a process that only
+    embeds documents, which runs no ONNX Runtime session for queries (``query_embedding_runtime``)."""
     return LocalSentenceTransformer(
         settings.embedding_model,
         settings.resolved_model_path(),
@@ -388,7 +388,7 @@ def load_embedder(settings: Settings) -> LocalSentenceTransformer:
         bfloat16=wants_bfloat16(settings.embedding_precision),
         windows=settings.embedding_windows,
         query_threads=settings.query_model_threads,
-        query_runtime=settings.query_embedding_runtime,
+        query_runtime=settings.query_embedding_runtime if for_queries else "torch",
         cache_dir=settings.cache_dir,
     )
 
@@ -398,8 +398,8 @@ class ServedModel:
     (``ontofabric reembed``): every model ``settings.models()`` names is loaded up front, so the switch, when the
     process sees the index hold another model (:meth:`observe`), costs nothing. It is an :class:`Embedder`."""
 
-    def __init__(self, settings: Settings) -> None:
-        self._models = {name: load_embedder(model) for name, model in settings.models().items()}
+    def __init__(self, settings: Settings, for_queries: bool = True) -> None:
+        self._models = {name: load_embedder(model, for_queries) for name, model in settings.models().items()}
         self._active = self._models[settings.embedding_model]
         self._unknown: set[str] = set()
 
@@ -452,11 +452,11 @@ class ServedModel:
         return self._models.get(model)
 
 
-def build_embedder(settings: Settings) -> Embedder | None:
+def build_embedder(settings: Settings, for_queries: bool = True) -> Embedder | None:
     """The deployment's embedder, or None when it is set to ``none`` (keyword-only answers). While a model change
     is set (``next_embedding_model``), one that serves either model: :class:`ServedModel`."""
     if settings.embedder == "none":
         return None
     if settings.next_model() is not None:
-        return ServedModel(settings)
-    return load_embedder(settings)
+        return ServedModel(settings, for_queries)
+    return load_embedder(settings, for_queries)

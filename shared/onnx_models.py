@@ -6,6 +6,8 @@ wire form; and the main embedding model exported from its PyTorch weights, which
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -134,8 +136,9 @@ def _export(transformer: Any, target: Path) -> None:
 
     names = ["input_ids", "attention_mask", "token_type_ids"]
     example = torch.ones((1, 8), dtype=torch.long)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)[1])
+    descriptor, partial_name = tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)
+    os.close(descriptor)
+    partial = Path(partial_name)
     try:
         # The tracer warns of values it takes as constants (a causal mask when none is given; we always give one):
         # the export is checked against PyTorch's vectors instead, by query_encoder.
@@ -151,7 +154,8 @@ def _export(transformer: Any, target: Path) -> None:
                 opset_version=17,
                 dynamo=False,
             )
-        os.replace(partial, target)  # two processes exporting at once each write their own file; one wins
+        partial.chmod(0o644)  # mkstemp's 0600 would keep other users of a shared cache from reading it
+        os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
 
@@ -163,6 +167,7 @@ AGREEMENT_PROBES = (
     "def flatten(items):\n    return [x for sub in items for x in sub]",
     "Aspirin lowers the risk of a first myocardial infarction in adults over fifty.",
     "q",
+    "retry the call with exponential backoff until it succeeds or the deadline passes; " * 10,  # near the limit
 )
 
 
@@ -171,13 +176,15 @@ def query_encoder(
     model_path: Path,
     max_length: int,
     threads: int,
-    cache_dir: Path,
+    cache_dir: Path | None,
     reference: Callable[[list[str]], list[tuple[Vector, TokenMatrix]]],
 ) -> OnnxQueryEncoder | None:
-    """The model's ONNX export for queries, made once per weights file in ``cache_dir`` (a temporary directory when
-    that cannot be written) and used only when it agrees with ``reference`` (PyTorch's query embedding) on a few
-    texts; a file that does not load or agree is made again. None, with a warning, when ONNX Runtime or the exporter
-    is missing or no export agrees: queries are then embedded by PyTorch."""
+    """The model's ONNX export for queries, made once per weights file in ``cache_dir`` and used only when it agrees
+    with ``reference`` (PyTorch's query embedding) on a few texts; a stored file that does not load or agree is made
+    again. One process exports while the others wait for its file (a lock beside it). When ``cache_dir`` is None or
+    cannot be written, the export is made in a private temporary directory, loaded and deleted. None, with a
+    warning, when ONNX Runtime or the exporter is missing or the export does not agree: queries are then embedded
+    by PyTorch."""
     if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
         log.warning("query_embedding_on_torch", reason="onnxruntime or onnx is not installed")
         return None
@@ -192,35 +199,66 @@ def query_encoder(
         digest.update(str(model_path.resolve()).encode())
     name = f"{model_path.name}-{digest.hexdigest()[:16]}.onnx"
     expected = reference(list(AGREEMENT_PROBES))
-    for directory in (cache_dir / "onnx", Path(tempfile.gettempdir()) / f"ontofabric-onnx-{os.getuid()}"):
-        target = directory / name
-        for again in (False, True):  # a file that does not load or agree (damaged, stale) is made again, once
-            try:
-                if again or not target.is_file():
-                    target.unlink(missing_ok=True)
+
+    def checked(target: Path) -> OnnxQueryEncoder | None:
+        try:
+            encoder = OnnxQueryEncoder(target, model_path, max_length, threads)
+            gap = _disagreement(encoder.embed(list(AGREEMENT_PROBES)), expected)
+        except Exception as error:  # a damaged or truncated file, or one ONNX Runtime cannot run
+            log.warning("query_model_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
+            return None
+        if gap <= AGREEMENT:
+            return encoder
+        log.warning("query_model_disagrees", path=str(target), gap=gap)
+        return None
+
+    encoder: OnnxQueryEncoder | None = None
+    try:
+        try:
+            if cache_dir is None:
+                raise PermissionError("no cache directory")
+            directory = cache_dir / "onnx"
+            directory.mkdir(parents=True, exist_ok=True)
+            target = directory / name
+            # Read-only, so that a user who may read the cache but not write it (an image built by another) still
+            # takes the lock; released when the descriptor closes, also when this process dies.
+            with os.fdopen(os.open(directory / f"{name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                for stale in directory.glob(f"{name}*.partial"):  # left by an export that was killed
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
+                encoder = checked(target) if target.is_file() else None
+                if encoder is None:
                     _export(transformer, target)
                     log.info("query_model_exported", path=str(target), bytes=target.stat().st_size)
-                encoder = OnnxQueryEncoder(target, model_path, max_length, threads)
-                gap = _disagreement(encoder.embed(list(AGREEMENT_PROBES)), expected)
-            except Exception as error:
-                log.warning("query_model_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
-                continue
-            if gap <= AGREEMENT:
-                return encoder
-            log.warning("query_model_disagrees", path=str(target), gap=gap)
-    log.warning("query_embedding_on_torch", reason="no ONNX export of the model could be made that agrees with it")
-    return None
+                    encoder = checked(target)
+        except OSError as error:
+            log.warning("query_model_cache_unwritable", cache_dir=str(cache_dir), error=str(error))
+            with tempfile.TemporaryDirectory(prefix="ontofabric-onnx-") as private:  # 0700, this process's alone
+                target = Path(private) / name
+                _export(transformer, target)
+                encoder = checked(target)  # the session holds the model in memory: the file can go
+    except Exception as error:  # the exporter cannot trace this model: PyTorch embeds its queries, as before
+        log.warning("query_embedding_on_torch", reason="the export failed", error=f"{type(error).__name__}: {error}")
+        return None
+    if encoder is None:
+        log.warning("query_embedding_on_torch", reason="the ONNX export does not agree with PyTorch")
+    return encoder
 
 
 def _disagreement(
     found: Sequence[tuple[Vector, TokenMatrix] | None], expected: Sequence[tuple[Vector, TokenMatrix]]
 ) -> float:
     """The largest 1 − cosine between two embeddings of the same texts, over vectors and token rows (2.0 when a
-    text is missing or its token count differs)."""
+    text is missing, its token count differs or a value is not finite)."""
     gap = 0.0
     for mine, theirs in zip(found, expected, strict=True):
-        if mine is None or mine[1].shape != theirs[1].shape:
-            return 2.0
+        if (
+            mine is None
+            or mine[1].shape != theirs[1].shape
+            or not (np.isfinite(mine[0]).all() and np.isfinite(mine[1]).all())
+        ):
+            return 2.0  # NaN would pass any comparison with the bound
         gap = max(gap, 1 - float(mine[0] @ theirs[0]), float(np.max(1 - np.sum(mine[1] * theirs[1], axis=1))))
     return gap
 

@@ -27,6 +27,7 @@ from ontofabric.shared.embedder import (
 )
 from ontofabric.shared.embedding_cache import EmbeddingCache, text_hash
 from ontofabric.shared.late_interaction import pack_signs
+from ontofabric.shared.onnx_models import _disagreement
 from ontofabric.shared.settings import Settings
 
 TEXTS = [
@@ -383,7 +384,7 @@ QUERIES = [
 ]
 
 
-def query_embedder(cache_dir: Path, *, bfloat16: bool = False) -> LocalSentenceTransformer:
+def query_embedder(cache_dir: Path | None, *, bfloat16: bool = False) -> LocalSentenceTransformer:
     settings = Settings()
     return LocalSentenceTransformer(
         settings.embedding_model,
@@ -411,7 +412,8 @@ def assert_same_embeddings(found: Embedded, expected: Embedded) -> None:
 def test_queries_on_onnx_runtime_embed_as_pytorch_does(tmp_path: Path) -> None:
     embedder = query_embedder(tmp_path)
     assert embedder.query_runtime == "onnx"
-    assert len(list((tmp_path / "onnx").glob("*.onnx"))) == 1
+    (exported,) = (tmp_path / "onnx").glob("*.onnx")
+    assert exported.stat().st_mode & 0o777 == 0o644  # readable by the other users of a shared cache
     # A batch padded to its longest text, and a text read in windows (by PyTorch), each as PyTorch embeds it.
     assert_same_embeddings(embedder._embed_queries(QUERIES), embedder._embed_queries_on_torch(QUERIES))
     alone = embedder.embed_query(QUERIES[0])
@@ -422,8 +424,11 @@ def test_the_export_is_made_once_and_a_damaged_one_again(tmp_path: Path) -> None
     query_embedder(tmp_path)
     (exported,) = (tmp_path / "onnx").glob("*.onnx")
     made = exported.stat().st_mtime_ns
+    left_by_a_killed_export = tmp_path / "onnx" / f"{exported.name}abc.partial"
+    left_by_a_killed_export.write_bytes(b"half a model")
     assert query_embedder(tmp_path).query_runtime == "onnx"
     assert exported.stat().st_mtime_ns == made  # read, not made again
+    assert not left_by_a_killed_export.exists()
 
     exported.write_bytes(b"not a model")
     embedder = query_embedder(tmp_path)
@@ -432,26 +437,52 @@ def test_the_export_is_made_once_and_a_damaged_one_again(tmp_path: Path) -> None
     assert_same_embeddings(embedder._embed_queries(QUERIES[:2]), embedder._embed_queries_on_torch(QUERIES[:2]))
 
 
-def test_an_unwritable_cache_exports_elsewhere_and_a_missing_runtime_stays_on_torch(
+def test_without_a_writable_cache_the_export_is_private_and_deleted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "temporary"))
-    (tmp_path / "temporary").mkdir()
-    assert query_embedder(blocked).query_runtime == "onnx"
-    assert list((tmp_path / "temporary").glob("ontofabric-onnx-*/*.onnx"))
+    temporary = tmp_path / "temporary"
+    temporary.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(temporary))
+    for cache_dir in (blocked, None):
+        embedder = query_embedder(cache_dir)
+        assert embedder.query_runtime == "onnx"
+        assert list(temporary.iterdir()) == []  # the session holds the model; no file is left behind
+        assert_same_embeddings(embedder._embed_queries(QUERIES[:1]), embedder._embed_queries_on_torch(QUERIES[:1]))
+
+
+def test_a_missing_runtime_a_bfloat16_model_and_document_only_processes_stay_on_pytorch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert Settings.model_fields["query_embedding_runtime"].default == "onnx"
+    assert query_embedder(tmp_path, bfloat16=True).query_runtime == "torch"
+    documents_only = build_embedder(Settings(cache_dir=tmp_path), for_queries=False)
+    assert isinstance(documents_only, LocalSentenceTransformer)
+    assert documents_only.query_runtime == "torch"
+    assert not (tmp_path / "onnx").exists()
 
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
-    embedder = query_embedder(tmp_path / "other")
+    embedder = query_embedder(tmp_path)
     assert embedder.query_runtime == "torch"
     assert_same_embeddings(embedder._embed_queries(QUERIES[:1]), embedder._embed_queries_on_torch(QUERIES[:1]))
 
 
-def test_a_bfloat16_model_embeds_its_queries_on_pytorch(tmp_path: Path) -> None:
-    assert query_embedder(tmp_path, bfloat16=True).query_runtime == "torch"
-    assert not (tmp_path / "onnx").exists()
-    assert Settings().query_embedding_runtime == "onnx"
+def test_outputs_that_are_not_finite_never_agree() -> None:
+    row = np.full((3, 4), 0.5, np.float32)
+    expected = [(row[0], row)]
+    assert _disagreement([(row[0], row)], expected) < 1e-6
+    broken = np.full((3, 4), np.nan, np.float32)
+    assert _disagreement([(broken[0], broken)], expected) == 2.0
+    assert _disagreement([None], expected) == 2.0
+
+
+def test_a_model_the_exporter_cannot_trace_stays_on_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def cannot_trace(transformer: object, target: Path) -> None:
+        raise RuntimeError("unsupported operator")
+
+    monkeypatch.setattr("ontofabric.shared.onnx_models._export", cannot_trace)
+    assert query_embedder(tmp_path).query_runtime == "torch"

@@ -327,7 +327,7 @@ class ModelChange:
 
     async def _model(self) -> Embedder:
         if self._embedder is None:
-            self._embedder = await asyncio.to_thread(load_embedder, self._next)
+            self._embedder = await asyncio.to_thread(load_embedder, self._next, False)  # documents only
         return self._embedder
 
     async def _embed_stale(self, conn: asyncpg.Connection, stage: str, *, held: bool = False) -> int:

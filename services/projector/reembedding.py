@@ -81,7 +81,7 @@ class Reembedder:
         model = self.model
         embedder = self._loaded.get(model)
         if embedder is None:
-            embedder = self._loaded[model] = await asyncio.to_thread(load_embedder, self._models[model])
+            embedder = self._loaded[model] = await asyncio.to_thread(load_embedder, self._models[model], False)
         documents = [upserted_document(accepted[i][1].envelope) for i in stale]
         texts = [embedding_text(d.content, d.metadata.symbol_fqn) for d in documents if d is not None]
         vectors, tokens = await asyncio.to_thread(embedder.embed_with_tokens, texts)

@@ -190,14 +190,8 @@ def query_encoder(
         return None
     candidates = (model_path / name for name in ("model.safetensors", "pytorch_model.bin"))
     weights = next((path for path in candidates if path.is_file()), None)
-    digest = hashlib.sha256()
-    if weights is not None:
-        with weights.open("rb") as data:
-            for block in iter(lambda: data.read(1 << 20), b""):
-                digest.update(block)
-    else:
-        digest.update(str(model_path.resolve()).encode())
-    name = f"{model_path.name}-{digest.hexdigest()[:16]}.onnx"
+    digest = _sha256(weights) if weights is not None else hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()
+    name = f"{model_path.name}-{digest[:16]}.onnx"
     expected = reference(list(AGREEMENT_PROBES))
 
     def checked(target: Path) -> OnnxQueryEncoder | None:
@@ -306,11 +300,16 @@ def embedder_name(model_path: Path) -> str:
     bundled = bundled_model(BUNDLED_SECOND_EMBEDDER)
     if bundled is not None and model_path.resolve() == bundled.resolve():
         return BUNDLED_SECOND_EMBEDDER_NAME
+    return f"{model_path.name}-{_sha256(model_path / 'model.onnx')[:12]}"
+
+
+def _sha256(path: Path) -> str:
+    """A file's SHA-256, read a megabyte at a time."""
     digest = hashlib.sha256()
-    with (model_path / "model.onnx").open("rb") as weights:
-        for block in iter(lambda: weights.read(1 << 20), b""):
+    with path.open("rb") as data:
+        for block in iter(lambda: data.read(1 << 20), b""):
             digest.update(block)
-    return f"{model_path.name}-{digest.hexdigest()[:12]}"
+    return digest.hexdigest()
 
 
 def pack_half(vector: npt.NDArray[np.float32]) -> bytes:

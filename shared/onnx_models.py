@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -43,6 +44,23 @@ BUNDLED_SECOND_EMBEDDER_NAME = "bge-small-en-v1.5-int8"
 """The name second vectors from the bundled embedder carry, so that vectors of another model are never compared."""
 
 
+TELEMETRY_SWITCH = "ORT_DISABLE_TELEMETRY"
+"""ONNX Runtime's builds for Linux (1.32 here) carry Microsoft's 1DS telemetry client: unless this variable is set
+when the library loads, every process records events (the executable's path, the operating system, a device id)
+in a store under ``~/.cache/Microsoft/DeveloperTools/.onnxruntime`` that the client sends from. A retrieval backend
+sends nothing anywhere it was not told to; an operator's own value of the variable stands."""
+
+
+def onnxruntime_module() -> ModuleType:
+    """``onnxruntime``, loaded with its telemetry off (:data:`TELEMETRY_SWITCH`). Setting the variable after the
+    library has loaded changes nothing, so every use goes through here."""
+    os.environ.setdefault(TELEMETRY_SWITCH, "1")
+    import onnxruntime
+
+    module: ModuleType = onnxruntime
+    return module
+
+
 def bundled_model(name: str) -> Path | None:
     """A shipped model's directory, when the package carrying it is installed."""
     package, inside = BUNDLED_MODELS
@@ -59,8 +77,9 @@ class OnnxModel:
 
     def __init__(self, model_path: Path, max_length: int, threads: int = 0, weights: Path | None = None) -> None:
         """``weights``: the ONNX file, when it is not ``model.onnx`` beside the tokenizer."""
-        import onnxruntime
         from tokenizers import Tokenizer
+
+        onnxruntime = onnxruntime_module()
 
         self._tokenizer = Tokenizer.from_file(str(model_path / "tokenizer.json"))
         # Pad each batch to its longest text, not to the fixed length some exports configure.

@@ -486,3 +486,50 @@ def test_a_model_the_exporter_cannot_trace_stays_on_pytorch(tmp_path: Path, monk
 
     monkeypatch.setattr("ontofabric.shared.onnx_models._export", cannot_trace)
     assert query_embedder(tmp_path).query_runtime == "torch"
+
+
+TELEMETRY_PROBE = """
+import sys
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+graph = helper.make_graph(
+    [helper.make_node("Identity", ["x"], ["y"])], "identity",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+)
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+model.ir_version = 8
+if sys.argv[1] == "project":
+    from ontofabric.shared.onnx_models import onnxruntime_module
+    onnxruntime = onnxruntime_module()
+else:
+    import onnxruntime
+session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+assert session.run(None, {"x": np.ones(1, dtype=np.float32)})[0][0] == 1.0
+"""
+
+
+def _files_after_a_session(home: Path, how: str) -> list[Path]:
+    """What a process that runs one ONNX Runtime session leaves under its home and cache directories."""
+    import os
+    import subprocess
+    import sys
+
+    from ontofabric.shared.onnx_models import TELEMETRY_SWITCH
+
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != TELEMETRY_SWITCH}
+    env |= {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    subprocess.run([sys.executable, "-c", TELEMETRY_PROBE, how], env=env, check=True, timeout=120)
+    return [path for path in home.rglob("*") if path.is_file()]
+
+
+def test_onnx_runtime_records_no_telemetry(tmp_path: Path) -> None:
+    """ONNX Runtime loaded the project's way keeps no telemetry store; loaded plainly, this build does (else the
+    check would prove nothing)."""
+    plain = _files_after_a_session(tmp_path / "plain", "plain")
+    if not any(path.name == "onnxruntime.db" for path in plain):
+        pytest.skip("this onnxruntime build keeps no telemetry store")
+    assert _files_after_a_session(tmp_path / "project", "project") == []

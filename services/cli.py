@@ -487,7 +487,10 @@ def dlq_redrive(
     outcome = _as_operator(data_dir, job)
     for letter, seq in outcome.superseded:
         errors.print(f"left {letter.seq}: the index holds its document at the later sequence {seq} (--force)")
-    errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {len(outcome.superseded)}")
+    for letter in outcome.bodiless:
+        errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")
+    left = len(outcome.superseded) + len(outcome.bodiless)
+    errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {left}")
 
 
 @dlq.command("purge")

@@ -41,8 +41,12 @@ T = TypeVar("T")
 
 log = get_logger(__name__)
 
+DEAD_LETTER_HEADROOM_BYTES = 16 * 1024
+"""Room a stored delta leaves under NATS's default max_payload (1 MiB) for the headers its dead letter adds (about
+700 bytes; the detail is cut at 1,000 characters). A delta filling the whole 1 MiB could be stored but not
+dead-lettered: the server refused the dead letter and nats-py closed the projector's connection for good."""
 # Deltas carry an embedding and up to max_content_bytes of text; JSON makes both larger.
-MAX_DELTA_MESSAGE_BYTES = 1024 * 1024
+MAX_DELTA_MESSAGE_BYTES = 1024 * 1024 - DEAD_LETTER_HEADROOM_BYTES
 
 
 class PermissionDenied(Exception):
@@ -293,6 +297,9 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         if isinstance(config, StreamConfig) and abs((existing.max_age or 0) - (config.max_age or 0)) > 1:
             changes.append("max_age")  # ONTOFABRIC_DELTA_MAX_AGE_DAYS set, changed or unset
             wanted = dataclasses.replace(wanted, max_age=config.max_age or 0)
+        if isinstance(config, StreamConfig) and existing.max_msg_size != config.max_msg_size:
+            changes.append("max_msg_size")  # a delta stream made when deltas could fill the whole max_payload
+            wanted = dataclasses.replace(wanted, max_msg_size=config.max_msg_size)
         if (existing.num_replicas or 1) != settings.nats_replicas:
             changes.append("num_replicas")
             wanted = dataclasses.replace(wanted, num_replicas=settings.nats_replicas)
@@ -438,6 +445,8 @@ class StreamReader:
         connection is down: a pull request sent then would wait in the client's buffer and, with every other one,
         reach the server on reconnect, which would deliver up to max_ack_pending deltas at once. Bounded, a replay
         stops instead (to be resumed): a failure raises, and so does a connection down for a fetch timeout."""
+        if self._connection.is_closed:  # nats-py never reopens a closed client: waiting would be for ever
+            raise ConnectionError(f"the NATS connection of consumer {self.name} is closed")
         if not self._connection.is_connected:
             if self._upto is not None:
                 self._disconnected_for += RECONNECT_POLL_S

@@ -139,6 +139,7 @@ class _ScriptedFetches:
         self._script = script
         self.fetches = 0
         self.is_connected = True
+        self.is_closed = False
 
     async def fetch(self, batch: int, timeout: float) -> list[str]:  # noqa: ASYNC109 (nats-py's signature)
         self.fetches += 1
@@ -187,6 +188,23 @@ async def test_stop_ends_a_backoff_at_once() -> None:
     await _until(lambda: fetches.fetches >= 4)  # the fourth backoff is 1.6 s
     async with asyncio.timeout(0.5):
         await puller.stop()
+
+
+async def test_a_closed_connection_ends_the_loop_instead_of_waiting_for_a_reconnect() -> None:
+    """nats-py closes a client for good on some server errors; it never reconnects, so the loop must not wait."""
+    fetches = _ScriptedFetches([list("ab")])
+    fetches.is_connected, fetches.is_closed = False, True
+
+    async def handle(messages: list[Any]) -> None:
+        raise AssertionError("nothing to handle")
+
+    puller = fetches.puller(handle)
+    puller.start()
+    assert puller._task is not None
+    async with asyncio.timeout(2):
+        with pytest.raises(ConnectionError, match="closed"):
+            await puller._task
+    assert fetches.fetches == 0
 
 
 async def test_nothing_is_fetched_while_the_connection_is_down() -> None:

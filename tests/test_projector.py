@@ -11,6 +11,7 @@ import asyncpg
 import numpy as np
 import pytest
 from nats.js.api import ConsumerInfo
+from nats.js.errors import BadRequestError
 from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
@@ -19,7 +20,7 @@ from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, Postgres
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
-from ontofabric.shared.jetstream import ack_floor
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ack_floor
 from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import SPANS, Deployment, metric_points
@@ -120,6 +121,34 @@ async def test_store_is_idempotent_for_redelivered_and_older_deltas(deployment: 
         assert await _live_rows(deployment, "acme") == snapshot
     finally:
         await pool.close()
+
+
+async def test_the_largest_delta_the_stream_takes_is_dead_lettered_whole_and_projection_goes_on(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A delta filling the stream's limit, whose content is over the deployment's: its dead letter (the same bytes
+    and its headers) still fits in a NATS message. When it did not, the server refused the dead letter and nats-py
+    closed the projector's connection for good."""
+    subject = deployment.names.delta_subject("acme", "main")
+    big = json.loads(upsert("acme", document("huge", "x")).model_dump_json(by_alias=True))
+    envelope = json.dumps(big)
+    room = MAX_DELTA_MESSAGE_BYTES - 64  # the stream's limit counts the message id header too
+    big["payload"]["document"]["content"] = "x" * (room - len(envelope.encode()) + 1)
+    data = json.dumps(big).encode()
+    assert len(data) == room
+    await deployment.js.publish(subject, data, headers={"Nats-Msg-Id": "largest-1"})
+    with pytest.raises(BadRequestError, match="exceeds maximum"):  # 64 bytes more: the stream refuses it
+        await deployment.js.publish(subject, data + b" " * 64, headers={"Nats-Msg-Id": "largest-2"})
+    last = await deployment.publisher.publish(upsert("acme", document("after-huge", "still projected")))
+    await deployment.wait_projected(last.seq)
+
+    assert (await _live_rows(deployment, "acme")).get("after-huge") == "still projected"
+    dead = await deployment.js.subscribe(deployment.names.dlq_subjects, stream=deployment.names.dlq_stream)
+    msg = await dead.next_msg(timeout=5)
+    assert msg.headers is not None
+    assert msg.headers["Ontofabric-Reason"] == "content_too_large"
+    assert msg.data == data
+    assert "Ontofabric-Body-Omitted" not in msg.headers
 
 
 async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(

@@ -61,6 +61,8 @@ class DeadLetter:
     original_seq: int | None
     delivered: int | None
     data: bytes
+    body_omitted: bool = False
+    """Stored without the delta: it did not fit beside the headers (services/projector/consumer.py)."""
 
     @classmethod
     def of(cls, msg: Msg) -> DeadLetter:
@@ -77,6 +79,7 @@ class DeadLetter:
             original_seq=_int(headers.get("Ontofabric-Original-Sequence")),
             delivered=_int(headers.get("Ontofabric-Delivered")),
             data=bytes(msg.data),
+            body_omitted="Ontofabric-Body-Omitted" in headers,
         )
 
     def summary(self) -> dict[str, object]:
@@ -92,6 +95,7 @@ class DeadLetter:
             "originalSeq": self.original_seq,
             "delivered": self.delivered,
             "bytes": len(self.data),
+            "bodyOmitted": self.body_omitted,
         }
 
 
@@ -151,6 +155,8 @@ class Redrive:
     """Re-published, with the delta's new stream sequence (the dead letter is deleted)."""
     superseded: list[tuple[DeadLetter, int]] = field(default_factory=list)
     """Not sent: the index holds the document at this later sequence."""
+    bodiless: list[DeadLetter] = field(default_factory=list)
+    """Not sent: stored without its delta, too large for the stream to take again."""
 
 
 async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
@@ -193,6 +199,9 @@ async def redrive(
     js = nc.jetstream()
     outcome = Redrive()
     for letter in letters:
+        if letter.body_omitted:
+            outcome.bodiless.append(letter)
+            continue
         if database_url_of is not None and letter.workspace is not None:
             later = await later_sequence(database_url_of(letter.workspace), letter)
             if later is not None:

@@ -201,6 +201,37 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival
     assert reranker.calls == 2
 
 
+async def test_an_idle_worker_takes_a_request_whatever_it_took_before(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """After a slow spell (a database frozen for seconds) the worker's average says requests take long; refusing
+    short deadlines on that alone, an idle worker refused every one and never learnt it was fast again."""
+    reranker = SlowReranker(1.0)
+    await start_worker(reranker, query_concurrency=1)
+    assert isinstance(parse_reply((await _request(deployment, _query(), 10_000, 1.6))[0]), QueryResponse)
+    reranker.delay_s = 0.0  # the slow spell is over; the average still says about a second
+    for text in ("descending sort of a list of numbers with sorted", "sort numbers in descending order please"):
+        replies = await _request(deployment, _query(text), 500, 0.5)
+        assert len(replies) == 1
+        assert isinstance(parse_reply(replies[0]), QueryResponse)
+
+
+async def test_publishes_without_a_reply_subject_take_no_place(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """Nobody waits for them: had they been queued, the queue (1 here) would be full and the request refused."""
+    await start_worker(SlowReranker(0.3), query_concurrency=1, query_queue_limit=1)
+    for n in range(10):
+        await deployment.nc.publish(deployment.names.request_subject("query", "acme"), _query(f"no one asks {n}"))
+    replies = await _request(deployment, _query(), 10_000, 1.5)
+    assert len(replies) == 1
+    assert isinstance(parse_reply(replies[0]), QueryResponse)
+
+
 async def test_a_stalled_database_is_unavailable_before_the_deadline(
     seeded: int,
     deployment: Deployment,

@@ -297,6 +297,9 @@ class QueryService:
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
     async def _admit(self, msg: Msg) -> None:
+        if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
+            log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
+            return
         received = asyncio.get_running_loop().time()
         deadline = deadline_of(msg.headers, received, self.settings.query_default_timeout_ms)
         if isinstance(deadline, ErrorDetail):
@@ -308,7 +311,9 @@ class QueryService:
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return
         expected = self._service_time.expected_finish(self._held, concurrency)
-        if expected > ADMISSION_SHARE * deadline.left(received):  # refused now, not when the caller has given up
+        # Refused now, not when the caller has given up. Never by an idle worker: the average may be of a slow
+        # spell that is over (a database frozen for seconds), and only answered requests bring it down again.
+        if self._held and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return

@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import asyncpg
 from nats.aio.msg import Msg
 
 from ontofabric.services.projector.consumer import WorkspaceLag
 from ontofabric.services.projector.planning import Delta, Limits
 from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
+from ontofabric.shared.db import is_transient
 from ontofabric.shared.subjects import Names
 
 from .factories import document, upsert
@@ -87,6 +89,37 @@ async def test_a_passing_failure_sends_the_whole_batch_back_without_isolating() 
     assert [msg.metadata.sequence.stream for msg in part.retry] == [1, 2]
     assert isinstance(part.error, ConnectionError)
     assert sink.writes == [[1, 2]]
+
+
+async def test_a_batch_too_long_for_a_statement_is_written_in_halves_until_each_fits() -> None:
+    """A burst of large documents took longer than statement_timeout as one batch: sent back whole, it failed the
+    same way on every delivery and held every workspace behind it."""
+
+    class TimesOut(ScriptedSink):
+        async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+            self.writes.append([d.seq for d in deltas])
+            if len(deltas) > 2:
+                raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
+            return Written(applied=len(deltas), noops=0)
+
+    sink = TimesOut()
+    parts = await _parts(ProjectionRunner(sink, LIMITS), sink, [_valid(n) for n in range(1, 8)])
+    assert sink.writes == [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3], [1], [2, 3], [4, 5, 6, 7], [4, 5], [6, 7]]
+    assert [_seqs(p.done) for _, p in parts] == [[1], [2, 3], [4, 5], [6, 7]]
+    assert not any(p.retry or p.refused for _, p in parts)
+
+    class AlwaysTimesOut(TimesOut):
+        async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+            self.writes.append([d.seq for d in deltas])
+            raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
+
+        def retryable(self, error: BaseException) -> bool:
+            return is_transient(error)  # as the PostgreSQL sink decides
+
+    slow = AlwaysTimesOut()  # one delta that takes too long alone is sent back to be tried again, not dead-lettered
+    [(_, part)] = await _parts(ProjectionRunner(slow, LIMITS), slow, [_valid(1)])
+    assert _seqs([(msg, None) for msg in part.retry]) == [1]
+    assert not part.refused
 
 
 async def test_a_redelivered_batch_says_so_to_the_sink() -> None:

@@ -118,7 +118,15 @@ class ProjectionRunner:
                 async for part in self._model_changed(accepted, error):
                     yield part
                 return
-            if self.sink.retryable(error):
+            if too_long(error) and len(accepted) > 1:
+                # The batch took longer than a statement may: sent back whole it would fail the same way every
+                # time and hold every workspace behind it. Halves, in stream order, until each fits.
+                half = len(accepted) // 2
+                log.warning("batch_split", index=self.sink.index, error=describe(error), size=len(accepted))
+                for part in (accepted[:half], accepted[half:]):
+                    async for written in self._write(part):
+                        yield written
+            elif self.sink.retryable(error):
                 yield Outcome(retry=[msg for msg, _ in accepted], error=error)
             elif len(accepted) > 1:
                 # One delta the index refuses must not hold back the others: write them one by one.
@@ -152,6 +160,14 @@ class ProjectionRunner:
         if rest:
             async for part in self._write(rest):
                 yield part
+
+
+STATEMENT_TIMEOUT_SQLSTATE = "57014"
+
+
+def too_long(error: BaseException) -> bool:
+    """A statement ended by the server's statement_timeout (or a cancel): too much work at once, not a bad delta."""
+    return getattr(error, "sqlstate", None) == STATEMENT_TIMEOUT_SQLSTATE
 
 
 def _embedded_by_another(delta: Delta, model: str) -> bool:

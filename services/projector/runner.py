@@ -123,9 +123,9 @@ class ProjectionRunner:
                 # time and hold every workspace behind it. Halves, in stream order, until each fits.
                 half = len(accepted) // 2
                 log.warning("batch_split", index=self.sink.index, error=describe(error), size=len(accepted))
-                for part in (accepted[:half], accepted[half:]):
-                    async for written in self._write(part):
-                        yield written
+                for smaller in (accepted[:half], accepted[half:]):
+                    async for settled in self._write(smaller):
+                        yield settled
             elif self.sink.retryable(error):
                 yield Outcome(retry=[msg for msg, _ in accepted], error=error)
             elif len(accepted) > 1:

@@ -206,6 +206,12 @@ class DeltaEnvelope(WireModel):
     workspace: Workspace
     branch: Branch = MAIN_BRANCH
     occurred_at: datetime
-    schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
+    schema_version: int = Field(
+        default=SCHEMA_VERSION,
+        ge=1,
+        le=SCHEMA_VERSION,
+        description="The envelope's version; a later one than this build reads is refused (dead-lettered), not "
+        "read as this one.",
+    )
     producer: Text = Field(min_length=1, max_length=128, description="Who published the event.")
     payload: DeltaPayload

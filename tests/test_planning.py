@@ -46,6 +46,7 @@ def test_valid_delta_is_accepted() -> None:
         (lambda d: json.dumps({**d, "payload": {"type": "document.exploded"}}), "invalid_schema"),
         (lambda d: json.dumps({k: v for k, v in d.items() if k != "workspace"}), "invalid_schema"),
         (lambda d: json.dumps({**d, "workspace": "other"}), "subject_mismatch"),
+        (lambda d: json.dumps({**d, "schemaVersion": 2}), "invalid_schema"),  # a later envelope than this reads
         (
             lambda d: json.dumps(
                 {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "content": "x" * 5000}}}
@@ -79,6 +80,15 @@ def test_rejections_name_their_reason(mutate: object, reason: str) -> None:
     assert isinstance(outcome, Rejection)
     assert outcome.reason == reason
     assert outcome.detail
+
+
+@pytest.mark.parametrize("subject", ["of.delta.zz.ws.main", "of.delta.ws", "of.delta.delta.ws.main", "of.ws.main"])
+def test_a_subject_that_is_not_exactly_the_deltas_workspace_and_branch_is_refused(subject: str) -> None:
+    """Read from its end alone, of.delta.zz.ws.main passed as ws's, while placement and rebuilds read zz."""
+    data = upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json().encode()
+    outcome = validate_delta(data, subject, 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == "subject_mismatch"
 
 
 def test_oversized_message_is_rejected_before_parsing() -> None:

@@ -77,9 +77,10 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
         envelope = DeltaEnvelope.model_validate_json(data)
     except ValidationError as error:
         return Rejection("invalid_schema", _summarise(error))
-    parts = subject.split(".")
-    expected = [encode_token(envelope.workspace), encode_token(envelope.branch)]
-    if parts[-2:] != expected:
+    # Exactly <prefix>.delta.<workspace>.<branch>: a subject with more tokens between names another workspace
+    # to whatever reads the tokens after "delta" (partition placement, a rebuild's replay).
+    expected = f"{encode_token(envelope.workspace)}.{encode_token(envelope.branch)}"
+    if subject.partition(".delta.")[2] != expected:
         return Rejection(
             "subject_mismatch",
             f"subject {subject!r} does not name workspace {envelope.workspace!r} / branch {envelope.branch!r}",

@@ -70,13 +70,13 @@ def test_next_model_settings_come_together_and_name_another_model() -> None:
 def test_a_delta_of_another_model_passes_validation_only_where_it_is_embedded_again() -> None:
     delta = upsert("acme", document("a", "text", embedding=[0.1] * 384, embedding_model=CURRENT)).model_dump_json()
     limits = Limits(max_message_bytes=1 << 20, max_content_bytes=1 << 16, embedding_dim=NEXT_DIM, embedding_model=NEXT)
-    refused = validate_delta(delta.encode(), "p.deltas.acme.main", 1, limits)
+    refused = validate_delta(delta.encode(), "p.delta.acme.main", 1, limits)
     assert isinstance(refused, Rejection)
     assert refused.reason == "embedding_dimension_mismatch"
     limits = Limits(1 << 20, 1 << 16, NEXT_DIM, NEXT, reembeddable=frozenset({CURRENT}))
-    assert not isinstance(validate_delta(delta.encode(), "p.deltas.acme.main", 1, limits), Rejection)
+    assert not isinstance(validate_delta(delta.encode(), "p.delta.acme.main", 1, limits), Rejection)
     stray = upsert("acme", document("a", "text", embedding=[0.1] * 384, embedding_model="stray")).model_dump_json()
-    refused = validate_delta(stray.encode(), "p.deltas.acme.main", 1, limits)  # a model this index never held
+    refused = validate_delta(stray.encode(), "p.delta.acme.main", 1, limits)  # a model this index never held
     assert isinstance(refused, Rejection)
     assert refused.reason == "embedding_dimension_mismatch"
 

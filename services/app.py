@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from ontofabric.shared.embedder import Embedder, build_embedder
+from ontofabric.shared.jetstream import ConnectionLost, connection_lost
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
@@ -63,7 +64,10 @@ async def serve_until_signal(
     roles: Roles,
     on_ready: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
+    """Run the workers of ``roles`` until SIGINT or SIGTERM. Raises ConnectionLost, after stopping them, when one
+    of their NATS connections closed for good: a worker that can no longer receive is better restarted than up."""
     stop = asyncio.Event()
+    lost = connection_lost()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -72,5 +76,12 @@ async def serve_until_signal(
         if on_ready is not None:
             await on_ready()
         log.info("workers_running", projector=roles.projector, query=roles.query)
-        await stop.wait()
-        log.info("workers_stopping")
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        log.info("workers_stopping", reason="signal" if stop.is_set() else "nats_connection_closed")
+    if not stop.is_set():
+        raise ConnectionLost("a NATS connection closed for good (see the log's nats_connection_closed); restart")

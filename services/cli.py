@@ -28,7 +28,15 @@ from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
-from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, connect, wait_projected
+from ontofabric.shared.jetstream import (
+    ConnectionLost,
+    NotSetUp,
+    PermissionDenied,
+    connect,
+    connection_lost,
+    wait_projected,
+)
+from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
 from ontofabric.shared.onnx_models import second_embedder
@@ -97,9 +105,19 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
     return settings
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, code: int = 2) -> NoReturn:
     errors.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+def _serve(
+    settings: Settings, endpoints: Endpoints, roles: Roles, on_ready: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Run workers until a signal; exit 1 when a NATS connection is lost for good (a supervisor restarts them)."""
+    try:
+        asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready))
+    except ConnectionLost as error:
+        _fail(str(error), code=1)
 
 
 def _endpoints(settings: Settings) -> Endpoints:
@@ -132,7 +150,7 @@ def up(data_dir: DataDir = None) -> None:
                         "login (docs/security.md)"
                     )
 
-            asyncio.run(serve_until_signal(settings, endpoints, Roles(), ready))
+            _serve(settings, endpoints, Roles(), ready)
     except RuntimeUnavailable as error:
         _fail(str(error))
 
@@ -142,7 +160,7 @@ def projector(data_dir: DataDir = None) -> None:
     """Run only the Postgres projector (scale out by starting more: they share one durable consumer)."""
     settings = _settings("ontofabric-projector", data_dir, worker=True)
     endpoints = _endpoints(settings)
-    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=True, query=False, azure_projector=False)))
+    _serve(settings, endpoints, Roles(projector=True, query=False, azure_projector=False))
 
 
 @app.command("azure-projector")
@@ -153,7 +171,7 @@ def azure_projector(data_dir: DataDir = None) -> None:
     if settings.azure_search_endpoint is None:
         _fail("ONTOFABRIC_AZURE_SEARCH_ENDPOINT is not set")
     endpoints = _endpoints(settings)
-    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=False, azure_projector=True)))
+    _serve(settings, endpoints, Roles(projector=False, query=False, azure_projector=True))
 
 
 @app.command("query-worker")
@@ -161,7 +179,7 @@ def query_worker(data_dir: DataDir = None) -> None:
     """Run only a query worker (scale out by starting more: they form one queue group)."""
     settings = _settings("ontofabric-query", data_dir, worker=True)
     endpoints = _endpoints(settings)
-    asyncio.run(serve_until_signal(settings, endpoints, Roles(projector=False, query=True, azure_projector=False)))
+    _serve(settings, endpoints, Roles(projector=False, query=True, azure_projector=False))
 
 
 @app.command()
@@ -215,7 +233,7 @@ def ingest(
                 f"({time.perf_counter() - started:.1f}s)"
             )
         finally:
-            await nc.close()
+            await close_nats(nc)
 
     asyncio.run(run())
 
@@ -249,7 +267,7 @@ def query(
                 workspace, json.dumps(request).encode()
             )
         finally:
-            await nc.close()
+            await close_nats(nc)
 
     try:
         raw = asyncio.run(run())
@@ -308,14 +326,30 @@ def mcp(
     async def run() -> None:
         nc = await connect(nats_url, "ontofabric-mcp", settings)
         try:
-            await serve(
-                nc, Names(settings.subject_prefix), workspace or settings.gateway_workspace, settings.gateway_timeout_s,
-                address, tokens,
+            serving = asyncio.ensure_future(
+                serve(
+                    nc, Names(settings.subject_prefix), workspace or settings.gateway_workspace,
+                    settings.gateway_timeout_s, address, tokens,
+                )
             )  # fmt: skip
+            lost = asyncio.ensure_future(connection_lost().wait())
+            try:
+                await asyncio.wait([serving, lost], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                if not serving.done():
+                    serving.cancel()
+            await asyncio.wait([serving])
+            if lost.done() and not lost.cancelled():
+                raise ConnectionLost("the gateway's NATS connection closed for good; restart it")
+            serving.result()
         finally:
-            await nc.close()
+            await close_nats(nc)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ConnectionLost as error:
+        _fail(str(error), code=1)
 
 
 gateway_token = typer.Typer(help="Bearer tokens of the HTTP gateway: who may call it, and which workspaces.")
@@ -403,7 +437,7 @@ def _as_operator(data_dir: Path | None, job: Callable[[Client, Names, Settings, 
         try:
             return await job(nc, Names(settings.subject_prefix), settings, endpoints)
         finally:
-            await nc.close()
+            await close_nats(nc)
 
     return asyncio.run(run())
 
@@ -953,7 +987,7 @@ def compact(
                 databases = Placement.of(settings, endpoints.database_url).databases
                 report = await compact_stream(nc, Names(settings.subject_prefix), settings, progress, databases)
         finally:
-            await nc.close()
+            await close_nats(nc)
         console.print(
             f"snapshots cover the stream through sequence {report.covers}: {report.workspaces} workspaces folded "
             f"from {report.deltas_read} deltas into {report.rows} rows ({report.snapshot_bytes / 1e6:.1f} MB); "

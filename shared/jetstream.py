@@ -53,6 +53,10 @@ class PermissionDenied(Exception):
     """The server refused this connection's credentials a publish or subscription (NATS permissions)."""
 
 
+class ConnectionLost(Exception):
+    """A NATS connection of this process closed for good (:func:`connection_lost`)."""
+
+
 class NotSetUp(Exception):
     """A stream or bucket the deployment needs does not exist yet (a projector's first start creates them)."""
 
@@ -61,6 +65,21 @@ _VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to 
 _Waiting = dict[str, list[tuple[str, "asyncio.Future[str]"]]]
 """Lower-cased subject -> (the subject as sent, the future a refusal of it resolves) of calls in flight."""
 _DENIALS: weakref.WeakKeyDictionary[Client, _Waiting] = weakref.WeakKeyDictionary()
+_CLOSING: weakref.WeakSet[Client] = weakref.WeakSet()
+"""Connections this process is closing itself (:func:`close`): their end is no loss."""
+_LOST: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = weakref.WeakKeyDictionary()
+
+
+def connection_lost() -> asyncio.Event:
+    """Set once a connection made by :func:`connect` on this event loop has closed for good without this process
+    closing it. nats-py does not reconnect after the server ends a connection over a protocol error (a message
+    over max_payload, for one): a worker left so would stay up and serve nothing, so it should exit instead and
+    be restarted."""
+    loop = asyncio.get_running_loop()
+    lost = _LOST.get(loop)
+    if lost is None:
+        lost = _LOST[loop] = asyncio.Event()
+    return lost
 
 
 async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Awaitable[T]) -> T:
@@ -144,6 +163,11 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
+    async def on_closed() -> None:
+        if nc not in _CLOSING:
+            log.error("nats_connection_closed", name=name, error=describe(nc.last_error) if nc.last_error else None)
+            connection_lost().set()
+
     # Several seed URLs, comma-separated: the client connects to any that answers and fails over among them (and
     # the servers they announce). A login written into one of them is used with every one.
     servers = [part.strip() for part in url.split(",") if part.strip()]
@@ -168,6 +192,7 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            closed_cb=on_closed,
             inbox_prefix=inbox_prefix(identity) if identity else "_INBOX",
             tls=tls,
             # TLS from the first byte: otherwise nats-py upgrades only when the server's INFO asks for it, and a server
@@ -187,7 +212,7 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
             connecting.cancel()
     if not connecting.done() or connecting.cancelled():
         await asyncio.wait([connecting])  # let the cancelled attempt end before closing
-        await nc.close()
+        await close(nc)
         raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
     connecting.result()
     _DENIALS[nc] = waiting
@@ -198,6 +223,7 @@ async def close(nc: Client) -> None:
     """Close ``nc``. A server that drops the connection while nats-py flushes what is pending on closing makes the
     flush raise (ConnectionResetError) once the client is already closed and its tasks stopped; the connection is
     gone anyway, so that is no failure of whoever stops."""
+    _CLOSING.add(nc)
     try:
         await nc.close()
     except ConnectionError as error:

@@ -327,6 +327,26 @@ async def test_a_huge_baggage_header_is_ignored_without_a_log_line(
     assert "vvvvvvvvvv" not in "".join(capfd.readouterr())
 
 
+async def test_a_request_with_headers_near_max_payload_is_answered_and_the_worker_stays_connected(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """The reply carries none of the request's headers: echoed, they took it over max_payload, and the server ended
+    the worker's connection for good."""
+    worker = await start_worker(SlowReranker(0.0))
+    nc = deployment.nc
+    headers = {"filler": "f" * (nc.max_payload - 4096), TIMEOUT_HEADER: "10000"}
+    subject = deployment.names.request_subject("query", "acme")
+    reply = await nc.request(subject, _query(), 10, headers=headers)
+    assert isinstance(parse_reply(reply.data), QueryResponse)
+    assert "filler" not in (reply.headers or {})
+    again = await nc.request(subject, _query(), 10)
+    assert isinstance(parse_reply(again.data), QueryResponse)
+    assert worker.connection is not None
+    assert worker.connection.is_connected
+
+
 async def test_a_request_lost_with_its_worker_is_sent_again_in_the_time_left(
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:

@@ -13,16 +13,20 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from ontofabric.services.app import Roles, serve_until_signal
 from ontofabric.shared.jetstream import (
     BatchHandler,
     BatchPuller,
+    ConnectionLost,
     StreamReader,
     backoff_s,
+    close,
     connect,
+    connection_lost,
     delta_stream_config,
     ensure_jetstream,
 )
-from ontofabric.shared.runtime import EmbeddedRuntime, with_login
+from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment
@@ -314,3 +318,37 @@ async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector
                 await js.delete_stream(stream)
         if nc is not deployment.nc:
             await nc.close()
+
+
+async def _broken_by_the_server(url: str) -> Any:
+    """A connection made by connect() that the server then ends for good: a message whose headers take it over
+    max_payload (nats-py checks only the body), after which nats-py does not reconnect."""
+    nc = await connect(url, "test-broken")
+    await nc.publish("test.oversized", b"", headers={"filler": "f" * nc.max_payload})
+    await _until(lambda: nc.is_closed)
+    return nc
+
+
+async def test_a_connection_the_server_ends_is_reported_lost_and_one_closed_here_is_not(
+    deployment: Deployment,
+) -> None:
+    lost = connection_lost()
+    kept = await connect(deployment.nats_url, "test-kept")
+    await close(kept)
+    await asyncio.sleep(0.1)
+    assert not lost.is_set()
+    await _broken_by_the_server(deployment.nats_url)
+    async with asyncio.timeout(5):
+        await lost.wait()
+
+
+async def test_workers_stop_and_say_so_when_a_connection_is_lost_for_good(deployment: Deployment) -> None:
+    endpoints = Endpoints(nats_url=deployment.nats_url, database_url=deployment.settings.database_url or "")
+    nothing = Roles(projector=False, query=False, azure_projector=False)
+    serving = asyncio.create_task(serve_until_signal(deployment.settings, endpoints, nothing))
+    await asyncio.sleep(0.2)
+    assert not serving.done()
+    await _broken_by_the_server(deployment.nats_url)
+    async with asyncio.timeout(5):
+        with pytest.raises(ConnectionLost):
+            await serving

@@ -53,6 +53,7 @@ from ontofabric.shared.db import (
     migrate,
     migrations,
 )
+from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.progress import Progress
@@ -167,7 +168,7 @@ class Rebuild:
                 return existed
         finally:
             await conn.close()
-            await nc.close()
+            await close_nats(nc)
 
     async def run(self) -> RebuildReport:
         with tracer().start_as_current_span("ops.rebuild") as span:
@@ -179,7 +180,7 @@ class Rebuild:
                     return await self._run(nc, admin)
             finally:
                 await admin.close()
-                await nc.close()
+                await close_nats(nc)
 
     async def _run(self, nc: Client, admin: asyncpg.Connection) -> RebuildReport:
         js = nc.jetstream()

@@ -37,6 +37,7 @@ from ontofabric.services.projector.versions import VersionPublisher, announce_re
 from ontofabric.shared.db import migrations
 from ontofabric.shared.discovery import discover
 from ontofabric.shared.embedder import Embedder, embedding_text, load_embedder
+from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.logging import get_logger
@@ -272,7 +273,7 @@ class ModelChange:
             ]
             workers = [*projectors, *await discover(nc, names.query_service)]
         finally:
-            await nc.close()
+            await close_nats(nc)
         # A query worker without an embedder answers by keywords whatever the model; a projector without one could
         # not embed again what an ingester still sends by the old model.
         workers = [w for w in workers if w in projectors or w.details.get("models")]
@@ -452,7 +453,7 @@ class ModelChange:
             publisher = VersionPublisher(nc, await nc.jetstream().key_value(names.version_bucket), names)
             await announce_records(publisher, [dict(r) for r in versions])
         finally:
-            await nc.close()
+            await close_nats(nc)
         return len(versions)
 
 

@@ -396,8 +396,11 @@ class QueryService:
             if msg.reply:
                 log.warning("reply_refused", reply=msg.reply[:200], reason="not an inbox")
             return
+        assert self._nc is not None, "a request arrived, so the worker is connected"
         try:
-            await msg.respond(body)
+            # Not msg.respond: it sends the request's headers back with the reply, and a caller's large headers
+            # would then make the reply exceed max_payload, on which the server ends this worker's connection.
+            await self._nc.publish(msg.reply, body)
         except Exception as error:  # the connection went away: the caller times out and retries elsewhere
             log.warning("reply_failed", error=describe(error))
 

@@ -1,7 +1,8 @@
 """The delta envelope ingesters publish onto JetStream, one event per message.
 
-The event id doubles as the ``Nats-Msg-Id`` header, so JetStream drops a republished event inside its duplicate
-window; the projector's per-row stream sequence makes every later repeat a no-op as well.
+An event id is unique within its workspace; ``<workspace>:<eventId>`` is the ``Nats-Msg-Id`` header (JetStream
+dedupes across the whole stream, every workspace's deltas together), so JetStream drops a republished event inside
+its duplicate window; the projector's per-row stream sequence makes every later repeat a no-op as well.
 """
 
 from __future__ import annotations
@@ -202,7 +203,11 @@ DeltaPayload = Annotated[
 
 
 class DeltaEnvelope(WireModel):
-    event_id: Text = Field(min_length=1, max_length=128, description="Unique per event; sent as Nats-Msg-Id.")
+    event_id: Text = Field(
+        min_length=1,
+        max_length=128,
+        description="Unique per event within its workspace; sent as Nats-Msg-Id <workspace>:<eventId>.",
+    )
     workspace: Workspace
     branch: Branch = MAIN_BRANCH
     occurred_at: datetime

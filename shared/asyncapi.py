@@ -99,8 +99,9 @@ def _messages() -> Json:
                 {
                     "Nats-Msg-Id": {
                         "type": "string",
-                        "description": "The envelope's eventId: JetStream stores a repeat inside its duplicate "
-                        "window once.",
+                        "description": "<workspace>:<eventId> of the envelope: JetStream stores a repeat inside "
+                        "its duplicate window once, and dedupes across every workspace's deltas, whose event ids "
+                        "need only be unique within their workspace.",
                     },
                     "Content-Type": {"type": "string", "const": "application/json"},
                     **_TRACE_HEADERS,

@@ -186,13 +186,24 @@ def test_a_republished_event_is_a_noop_even_with_a_newer_sequence() -> None:
     first = plan_batch(_deltas((1, upserted), (2, deleted)), {}, {})
     ref = EntityRef("ws", "main", "document", "a")
     # The upsert comes back after JetStream's duplicate window, with a new sequence: it must not resurrect "a".
-    again = plan_batch(_deltas((9, upserted)), {ref: RowState(2, True)}, first.versions, {"evt-a", "evt-del"})
+    handled = {("ws", "evt-a"), ("ws", "evt-del")}
+    again = plan_batch(_deltas((9, upserted)), {ref: RowState(2, True)}, first.versions, handled)
     assert again.writes == {}
     assert [d.seq for d in again.noops] == [9]
     # Within one batch the second copy of an event is a no-op as well.
     twice = plan_batch(_deltas((1, upserted), (5, upserted)), {}, {})
     assert [d.seq for d in twice.applied] == [1]
     assert [d.seq for d in twice.noops] == [5]
+
+
+def test_an_event_id_another_workspace_used_is_no_repeat() -> None:
+    """Event ids are unique within a workspace: a tenant's delta is not dropped because another used its id."""
+    ours = upsert("ours", document("a", "one"), event_id="evt-1")
+    theirs = upsert("theirs", document("a", "two"), event_id="evt-1")
+    together = plan_batch(_deltas((1, ours), (2, theirs)), {}, {})
+    assert [d.seq for d in together.applied] == [1, 2]
+    later = plan_batch(_deltas((3, theirs)), {}, {}, {("ours", "evt-1")})
+    assert [d.seq for d in later.applied] == [3]
 
 
 def test_tiny_embeddings_that_vanish_in_float32_are_rejected() -> None:

@@ -357,6 +357,36 @@ async def test_an_event_republished_after_the_duplicate_window_is_a_noop(deploym
         await pool.close()
 
 
+async def test_two_workspaces_may_use_the_same_event_id(deployment: Deployment, projector: ProjectorService) -> None:
+    """Through the stream and the store: neither JetStream's dedupe nor the handled events take one tenant's delta
+    for a repeat of another's."""
+    ours = await deployment.publisher.publish(upsert("ours", document("a", "alpha"), event_id="evt-shared"))
+    theirs = await deployment.publisher.publish(upsert("theirs", document("a", "beta"), event_id="evt-shared"))
+    assert not theirs.duplicate
+    await deployment.wait_projected(theirs.seq)
+    assert await _live_rows(deployment, "ours") == {"a": "alpha"}
+    assert await _live_rows(deployment, "theirs") == {"a": "beta"}
+    assert ours.seq < theirs.seq
+
+
+async def test_events_handled_before_the_table_knew_workspaces_stay_handled_in_every_one(
+    deployment: Deployment,
+) -> None:
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    try:
+        store = PostgresProjectionStore(pool, "english")
+        created = upsert("acme", document("a", "first"), event_id="evt-old")
+        async with pool.acquire() as conn:  # as infra/migrations/0019 leaves a row written before it
+            await conn.execute("INSERT INTO handled_events (workspace, event_id, stream_seq) VALUES ('', 'evt-old', 1)")
+        again = await store.apply([Delta(40, created)])
+        assert again.plan.applied == []
+        fresh = await store.apply([Delta(41, upsert("acme", document("b", "second"), event_id="evt-new"))])
+        assert [d.seq for d in fresh.plan.applied] == [41]
+    finally:
+        await pool.close()
+
+
 async def test_version_announcements_never_go_back(deployment: Deployment) -> None:
     kv = await deployment.js.key_value(deployment.names.version_bucket)
     publisher = VersionPublisher(deployment.nc, kv, deployment.names)

@@ -62,6 +62,12 @@ _RETRYABLE = (
 )
 
 
+def message_id(delta: DeltaEnvelope) -> str:
+    """The delta's ``Nats-Msg-Id``: JetStream dedupes on it across the whole stream, every workspace's deltas
+    together, and an event id is unique within its workspace only."""
+    return f"{delta.workspace}:{delta.event_id}"
+
+
 class PublishFailed(Exception):
     """Some deltas could not be confirmed stored within the retry time. ``stored``: the acknowledgements of those
     that were, in input order (a prefix of the input); ``unconfirmed``: the event ids of the rest, which may or may
@@ -94,7 +100,7 @@ class DeltaPublisher:
         self._retry_for_s = retry_for_s
 
     def _message(self, delta: DeltaEnvelope) -> tuple[str, bytes, dict[str, str]]:
-        headers = {"Nats-Msg-Id": delta.event_id, "Content-Type": "application/json"}
+        headers = {"Nats-Msg-Id": message_id(delta), "Content-Type": "application/json"}
         propagate.inject(headers)  # the trace continues in the projector
         subject = self._names.delta_subject(delta.workspace, delta.branch)
         return subject, delta.model_dump_json(exclude_none=True).encode(), headers

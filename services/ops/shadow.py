@@ -111,19 +111,20 @@ class Shadow:
     async def copy_handled_events(self, conn: asyncpg.Connection, after: int, upto: int | None) -> None:
         """Into the live table, the shadow's handled events of stream sequences in (after, upto]."""
         await conn.execute(
-            "INSERT INTO public.handled_events (event_id, stream_seq)"
-            f" SELECT event_id, stream_seq FROM {self._table('handled_events')}"
+            "INSERT INTO public.handled_events (workspace, event_id, stream_seq)"
+            f" SELECT workspace, event_id, stream_seq FROM {self._table('handled_events')}"
             " WHERE stream_seq > $1 AND ($2::bigint IS NULL OR stream_seq <= $2) ON CONFLICT DO NOTHING",
             after,
             upto,
         )
 
     async def add_handled_events(self, events: dict[str, int]) -> None:
-        """Events a snapshot says were handled, though the shadow never replays them (the stream dropped them)."""
+        """Events a snapshot (of this workspace) says were handled, though the shadow never replays them (the
+        stream dropped them)."""
         await self.admin.executemany(
-            f"INSERT INTO {self._table('handled_events')} (event_id, stream_seq) VALUES ($1, $2)"
+            f"INSERT INTO {self._table('handled_events')} (workspace, event_id, stream_seq) VALUES ($1, $2, $3)"
             " ON CONFLICT DO NOTHING",
-            list(events.items()),
+            [(self._workspace, event_id, seq) for event_id, seq in events.items()],
         )
 
     async def replayed_seq(self) -> int:

@@ -61,7 +61,8 @@ class SnapshotFold:
     def __init__(self, workspace: str, limits: Limits, previous: Snapshot | None = None) -> None:
         self.workspace = workspace
         self._limits = limits
-        self._fold = StateFold(handled_events=set(previous.handled) if previous else frozenset())
+        # A snapshot is one workspace's: its event ids are that workspace's.
+        self._fold = StateFold(handled_events={(workspace, e) for e in previous.handled} if previous else frozenset())
         self._kept: dict[RowKey, tuple[StoredDelta, str]] = {}
         self._kept_events: set[str] = set()
         self._handled = dict(previous.handled) if previous else {}

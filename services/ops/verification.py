@@ -96,7 +96,7 @@ class ExpectedIndex:
 
     def mark_handled(self, event_ids: Collection[str]) -> None:
         """Events a compacted stream no longer holds but the fold handled (from the workspace's snapshot)."""
-        self._fold.mark_handled(set(event_ids))
+        self._fold.mark_handled({(self.workspace, event_id) for event_id in event_ids})
 
     def rows(self, only: Collection[RowKey] | None = None) -> dict[RowKey, RowFacts]:
         """Every row the stream folds to, or only the given ones (those of them it has)."""

@@ -172,6 +172,14 @@ def entity_of(envelope: DeltaEnvelope) -> EntityRef:
     return EntityRef(envelope.workspace, envelope.branch, payload.entity, payload.entity_key)
 
 
+HandledEvent = tuple[str, str]
+"""(workspace, event id): an event id is unique within its workspace only; two tenants may use the same one."""
+
+
+def handled_event(delta: Delta) -> HandledEvent:
+    return delta.envelope.workspace, delta.envelope.event_id
+
+
 def state_after(delta: Delta) -> RowState:
     """The row a delta leaves behind: live, a tombstone, or (a revert) a transparent marker."""
     effect = delta.envelope.payload.effect
@@ -221,7 +229,7 @@ class StateFold:
         self,
         rows: Mapping[EntityRef, RowState] | None = None,
         versions: Mapping[tuple[str, str], VersionState] | None = None,
-        handled_events: Set[str] = frozenset(),
+        handled_events: Set[HandledEvent] = frozenset(),
     ) -> None:
         self.rows: dict[EntityRef, RowState] = dict(rows or {})
         self.changed_versions: dict[tuple[str, str], VersionState] = {}
@@ -229,19 +237,19 @@ class StateFold:
         self._base_versions = versions or {}
         self._seen = set(handled_events)
 
-    def mark_handled(self, event_ids: Set[str]) -> None:
+    def mark_handled(self, events: Set[HandledEvent]) -> None:
         """Events handled before the fold began (a compacted stream's): a later copy of one is a no-op."""
-        self._seen |= event_ids
+        self._seen |= events
 
     def add(self, delta: Delta) -> bool:
         """Fold one delta (later in the stream than every one before); True when it applied."""
         ref = entity_of(delta.envelope)
         previous = self.rows.get(ref)
-        event_id = delta.envelope.event_id
-        if event_id in self._seen or (previous is not None and delta.seq <= previous.seq):
-            self._seen.add(event_id)
+        event = handled_event(delta)
+        if event in self._seen or (previous is not None and delta.seq <= previous.seq):
+            self._seen.add(event)
             return False
-        self._seen.add(event_id)
+        self._seen.add(event)
         new = state_after(delta)
         self.rows[ref] = new
         scope = (ref.workspace, ref.branch)
@@ -258,7 +266,7 @@ def plan_batch(
     deltas: Iterable[Delta],
     current_rows: Mapping[EntityRef, RowState],
     current_versions: Mapping[tuple[str, str], VersionState],
-    handled_events: Set[str] = frozenset(),
+    handled_events: Set[HandledEvent] = frozenset(),
 ) -> Plan:
     """Fold a batch onto the current state of the rows it touches, in stream order (see :class:`StateFold`)."""
     plan = Plan()

@@ -16,11 +16,13 @@ from ontofabric.shared.db import Connection, index_model
 from .planning import (
     Delta,
     EntityRef,
+    HandledEvent,
     Plan,
     RowState,
     VersionState,
     embedded_by_another,
     entity_of,
+    handled_event,
     plan_batch,
     search_text,
     state_after,
@@ -197,12 +199,13 @@ class PostgresProjectionStore:
                 versions, revisions = await self._lock_versions(conn, scopes)
                 await _check_model(conn, deltas)
                 rows = await self._current_rows(conn, refs)
-                handled = await self._handled_events(conn, [d.envelope.event_id for d in deltas])
+                handled = await self._handled_events(conn, {handled_event(d) for d in deltas})
                 plan = plan_batch(deltas, rows, versions, handled)
                 await self._write(conn, plan)
                 await conn.executemany(
-                    "INSERT INTO handled_events (event_id, stream_seq) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-                    [(d.envelope.event_id, d.seq) for d in [*plan.applied, *plan.noops]],
+                    "INSERT INTO handled_events (workspace, event_id, stream_seq) VALUES ($1, $2, $3)"
+                    " ON CONFLICT DO NOTHING",
+                    [(*handled_event(d), d.seq) for d in [*plan.applied, *plan.noops]],
                 )
                 for (workspace, branch), version in plan.versions.items():
                     revisions[(workspace, branch)] = await conn.fetchval(
@@ -244,11 +247,18 @@ class PostgresProjectionStore:
                 analysed.append(row["partition"])
         return analysed
 
-    async def _handled_events(self, conn: Connection, event_ids: list[str]) -> set[str]:
+    async def _handled_events(self, conn: Connection, events: set[HandledEvent]) -> set[HandledEvent]:
+        """Those of ``events`` handled before. A row of workspace '' was handled before the table knew workspaces
+        (infra/migrations/0019) and counts in every workspace."""
+        workspaces, event_ids = [w for w, _ in events], [e for _, e in events]
         records = await conn.fetch(
-            "SELECT event_id FROM handled_events WHERE event_id = ANY($1::text[])", list(set(event_ids))
+            "SELECT h.workspace, h.event_id FROM unnest($1::text[], $2::text[]) AS e(workspace, event_id)"
+            " JOIN handled_events h ON h.event_id = e.event_id AND h.workspace IN (e.workspace, '')",
+            workspaces,
+            event_ids,
         )
-        return {r["event_id"] for r in records}
+        found = {(r["workspace"], r["event_id"]) for r in records}
+        return {(w, e) for w, e in events if (w, e) in found or ("", e) in found}
 
     async def _lock_versions(
         self, conn: Connection, scopes: list[tuple[str, str]]

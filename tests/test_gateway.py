@@ -96,6 +96,9 @@ async def _exercise(client: Client) -> None:
         assert tool.output_schema is not None
         jsonschema.Draft202012Validator.check_schema(tool.input_schema)
         jsonschema.Draft202012Validator.check_schema(tool.output_schema)
+        # What model APIs take as a tool's input schema: an object, without anyOf/oneOf/allOf at its root.
+        assert tool.input_schema["type"] == "object"
+        assert not set(tool.input_schema) & {"anyOf", "oneOf", "allOf"}, tool.name
         described = tool.input_schema["properties"]
         assert all("description" in spec for spec in described.values()), tool.name  # every parameter described
     query = tools["ontology_query"]
@@ -125,6 +128,10 @@ async def _exercise(client: Client) -> None:
     refused = await client.call_tool("ontology_query", {"semanticQuery": "csv", "topK": 0})
     assert refused.is_error is True
     assert "topK" in _text(refused)
+    # Neither a query nor a filter: the rule the input schema cannot say at its root is the worker's to name.
+    empty = await client.call_tool("ontology_query", {"topK": 3})
+    assert empty.is_error is True
+    assert "- semanticQuery:" in _text(empty)
     unknown = await client.call_tool("ontology_query", {"semanticQuery": "csv", "colour": "red"})
     assert unknown.is_error is True
     assert "colour" in _text(unknown)

@@ -47,9 +47,19 @@ class ToolSpec:
         return self.reply.model_json_schema(by_alias=True, mode="serialization")
 
 
+ROOT_COMBINATORS = ("anyOf", "oneOf", "allOf")
+"""Left out at the root of a tool's input schema: the Anthropic API (Bedrock's, Vertex's and OpenAI's too) refuses
+a tool whose input schema has one there, and a client that hands the tool list to it loses the whole session
+(public reports against several MCP servers). The rule they say (ontology_query: a query or a filter) is in the
+tool's description, and the worker still checks it, naming the field."""
+
+
 def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """The request contract's schema, as the worker validates it; the workspace defaults to the gateway's."""
+    """The request contract's schema, as the worker validates it, without root combinators; the workspace defaults
+    to the gateway's."""
     schema = copy.deepcopy(model.model_json_schema(by_alias=True, mode="validation"))
+    for combinator in ROOT_COMBINATORS:
+        schema.pop(combinator, None)
     workspace = schema.get("properties", {}).get("workspace")
     if workspace is not None:
         workspace["description"] = WORKSPACE_DESCRIPTION

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 from collections.abc import AsyncIterator, Iterator
 
@@ -23,8 +24,26 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 """A message line longer than this is skipped whole (the SDK's own reader has no limit; a runaway needs one)."""
 
 
-class LineTooLong(ValueError):
-    """A message line past MAX_LINE_BYTES: skipped, and reported to the session as unreadable."""
+def unreadable(line: bytes | None) -> types.JSONRPCError | None:
+    """The JSON-RPC answer to a line that is no message the SDK reads (None: an over-long line, skipped): a parse
+    error, or an invalid request under the line's id where it has one, so that a caller waiting for that id hears
+    back. A blank line is no message and gets no answer."""
+    if line is not None and not line.strip():
+        return None
+    if line is None:
+        code, message, found = types.INVALID_REQUEST, f"a message over {MAX_LINE_BYTES} bytes, skipped", None
+    else:
+        try:
+            found = json.loads(line)
+        except ValueError as error:
+            return types.JSONRPCError(
+                jsonrpc="2.0", id=None, error=types.ErrorData(code=types.PARSE_ERROR, message=f"not JSON: {error}")
+            )
+        code, message = types.INVALID_REQUEST, "not a JSON-RPC 2.0 request, notification or response"
+    request_id = found.get("id") if isinstance(found, dict) else None
+    if isinstance(request_id, bool) or not isinstance(request_id, int | str):
+        request_id = None
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=types.ErrorData(code=code, message=message))
 
 
 async def next_line(reader: asyncio.StreamReader) -> bytes | None:
@@ -81,17 +100,19 @@ async def stdio_streams() -> AsyncIterator[
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
         incoming_writer, incoming = anyio.create_memory_object_stream[SessionMessage | Exception](0)
         outgoing, outgoing_reader = anyio.create_memory_object_stream[SessionMessage](0)
+        answers = outgoing.clone()
 
         async def read() -> None:
-            async with incoming_writer:
+            async with incoming_writer, answers:
                 while (line := await next_line(reader)) != b"":
-                    if line is None:
-                        await incoming_writer.send(LineTooLong(f"a message over {MAX_LINE_BYTES} bytes, skipped"))
-                        continue
                     try:
+                        if line is None:
+                            raise ValueError("over-long")
                         message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                    except Exception as error:  # the session answers it with a parse error
-                        await incoming_writer.send(error)
+                    except Exception:  # answered here: the SDK's session logs such a line and answers nothing
+                        answer = unreadable(line)
+                        if answer is not None:
+                            await answers.send(SessionMessage(answer))
                         continue
                     await incoming_writer.send(SessionMessage(message))
 

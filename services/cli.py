@@ -30,6 +30,7 @@ from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import (
     ConnectionLost,
+    NatsUnreachable,
     NotSetUp,
     PermissionDenied,
     connect,
@@ -251,17 +252,20 @@ def query(
     data_dir: DataDir = None,
 ) -> None:
     """Send one ontology_query request and print the ranked results and _meta."""
-    from .query.client import QueryClient, parse_reply
+    from .query.client import QueryClient, RequestTooLarge, parse_reply
 
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
-    endpoints = _endpoints(settings)
+    try:
+        nats_url = resolve_nats_url(settings, "client")  # a query needs NATS only, not the database's URL
+    except RuntimeUnavailable as error:
+        _fail(str(error))
     request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
     for key, value in (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance)):
         if value is not None:
             request[key] = value
 
     async def run() -> bytes:
-        nc = await connect(endpoints.nats_url_as("client"), "ontofabric-cli", settings)
+        nc = await connect(nats_url, "ontofabric-cli", settings)
         try:
             return await QueryClient(nc, Names(settings.subject_prefix)).send_raw(
                 workspace, json.dumps(request).encode()
@@ -275,6 +279,8 @@ def query(
         _fail(f"{error} (workspace {workspace!r})")
     except (NoRespondersError, NatsTimeoutError) as error:
         _fail(f"no answer from a query worker ({type(error).__name__}): is `ontofabric up` running?")
+    except RequestTooLarge as error:
+        _fail(str(error))
     reply = parse_reply(raw)
     if as_json:
         console.print_json(raw.decode())
@@ -1070,6 +1076,9 @@ def main() -> None:
     except (PermissionDenied, BadCredentials, NotSetUp) as error:  # an operator's mistake: no traceback
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
+    except NatsUnreachable as error:
+        errors.print(f"[red]error:[/red] {error}: is it running, and is ONTOFABRIC_NATS_URL right?")
+        sys.exit(1)
     except ValidationError as error:
         if error.title != Settings.__name__:
             raise

@@ -53,6 +53,10 @@ class PermissionDenied(Exception):
     """The server refused this connection's credentials a publish or subscription (NATS permissions)."""
 
 
+class NatsUnreachable(Exception):
+    """No NATS server answered a first connection in time."""
+
+
 class ConnectionLost(Exception):
     """A NATS connection of this process closed for good (:func:`connection_lost`)."""
 
@@ -132,10 +136,13 @@ def nats_tls(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
-async def connect(url: str, name: str, settings: Settings | None = None) -> Client:
+async def connect(url: str, name: str, settings: Settings | None = None, wait_for_server: bool = False) -> Client:
     """A client that reconnects for ever and logs connection changes (not its own close). With a user in the URL,
     replies arrive under that user's own inbox prefix, the only one its permissions let it read. ``settings``
-    bring TLS (:func:`nats_tls`)."""
+    bring TLS (:func:`nats_tls`). Raises NatsUnreachable when no server answers the first connection within
+    ``nats_connect_timeout_s``; ``wait_for_server`` (a worker) waits until one does, logging each attempt."""
+    timeout_s = settings.nats_connect_timeout_s if settings else Settings.model_fields["nats_connect_timeout_s"].default
+    first_connect_s = None if wait_for_server else timeout_s
     nc = Client()
     waiting: _Waiting = {}
     authorization_refused = asyncio.Event()
@@ -205,7 +212,7 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     # caller learns at once. Later refusals (a user revoked while connected) are retried, logged each time.
     refused = asyncio.ensure_future(authorization_refused.wait())
     try:
-        await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([connecting, refused], timeout=first_connect_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         refused.cancel()
         if not connecting.done():
@@ -213,7 +220,9 @@ async def connect(url: str, name: str, settings: Settings | None = None) -> Clie
     if not connecting.done() or connecting.cancelled():
         await asyncio.wait([connecting])  # let the cancelled attempt end before closing
         await close(nc)
-        raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
+        if authorization_refused.is_set():
+            raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
+        raise NatsUnreachable(f"no NATS server answered at {redacted_url(url)} within {first_connect_s:g} s")
     connecting.result()
     _DENIALS[nc] = waiting
     return nc

@@ -32,6 +32,12 @@ class Settings(BaseSettings):
         description="NATS server URL, or several seed URLs separated by commas (any that answers will do; a login "
         "in one is used with all). Unset: `ontofabric up`/`demo` start an embedded nats-server.",
     )
+    nats_connect_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long a command (query, mcp, ingest, operators') waits for its first NATS connection before "
+        "it fails; workers wait for the server as long as it takes.",
+    )
     nats_tls_ca: Path | None = Field(
         default=None,
         description="CA certificates (PEM) that sign the NATS server's: set, every NATS connection uses TLS from "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -40,6 +41,24 @@ def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "ontofabric up" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["query", "anything"], ["mcp"]])
+def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path: Path, command: list[str]) -> None:
+    """Neither waits for ever for a server nobody runs; a query needs no database URL to say so."""
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = _env(ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{port}", ONTOFABRIC_NATS_CONNECT_TIMEOUT_S="1.5")
+    started = time.monotonic()
+    result = subprocess.run(
+        [ONTOFABRIC, *command, "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"no NATS server answered at nats://127.0.0.1:{port} within 1.5 s" in result.stderr
+    assert time.monotonic() - started < 30
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

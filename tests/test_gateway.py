@@ -132,6 +132,10 @@ async def _exercise(client: Client) -> None:
     empty = await client.call_tool("ontology_query", {"topK": 3})
     assert empty.is_error is True
     assert "- semanticQuery:" in _text(empty)
+    # Larger than NATS carries: refused by the gateway, naming the size, not a protocol error.
+    huge = await client.call_tool("ontology_query", {"semanticQuery": "x" * (2 * 1024 * 1024)})
+    assert huge.is_error is True
+    assert "too large" in _text(huge)
     unknown = await client.call_tool("ontology_query", {"semanticQuery": "csv", "colour": "red"})
     assert unknown.is_error is True
     assert "colour" in _text(unknown)
@@ -303,6 +307,36 @@ async def test_the_typescript_sdk_over_stdio(deployment: Deployment, served: Que
     assert seen["answer"]["structuredContent"]["results"][0]["id"] == "json"
     assert seen["refused"]["isError"] is True
     assert "topK" in seen["refused"]["content"][0]["text"]
+
+
+async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployment) -> None:
+    """JSON-RPC's errors for lines no SDK reads: a parse error (id null), an invalid request under its own id; the
+    session goes on. Raw lines, as a client with a bug would send them."""
+    gateway = await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--workspace", "acme",
+        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert gateway.stdin is not None
+    assert gateway.stdout is not None
+    initialize = {
+        "jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+    }  # fmt: skip
+    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', b"[1, 2]", json.dumps(initialize).encode()]
+    gateway.stdin.write(b"\n".join(lines) + b"\n")
+    await gateway.stdin.drain()
+    answers: dict[Any, Any] = {}
+    try:
+        async with asyncio.timeout(30):
+            while 1 not in answers:
+                answer = json.loads(await gateway.stdout.readline())
+                answers.setdefault(answer["id"], []).append(answer)
+    finally:
+        gateway.stdin.close()
+        await gateway.wait()
+    assert [a["error"]["code"] for a in answers[None]] == [-32700, -32600]  # not JSON; JSON but no message
+    assert answers[7][0]["error"]["code"] == -32600
+    assert "result" in answers[1][0]
 
 
 async def test_a_line_past_the_limit_is_skipped_whole_and_the_next_one_read() -> None:

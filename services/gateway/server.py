@@ -26,7 +26,7 @@ from starlette.types import ASGIApp
 
 from ontofabric.contracts import ErrorReply
 from ontofabric.contracts.documents import WORKSPACE
-from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.client import QueryClient, RequestTooLarge
 from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
@@ -112,6 +112,8 @@ class Gateway:
             return tool_error(
                 f"error forbidden (not retryable): this gateway's credentials may not read workspace {workspace!r}"
             )
+        except RequestTooLarge as error:
+            return tool_error(f"error invalid_request: the arguments are too large\n- request: {error}")
         try:
             data = json.loads(raw)
             if isinstance(data, dict) and "error" in data:

@@ -84,7 +84,7 @@ class ProjectorService:
             database = placement.database_of_partition(index)
             if database not in self._pools:
                 self._pools[database] = await self._writer_pool(placement.databases[database])
-        nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings)
+        nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings, wait_for_server=True)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
         await migrate_legacy_manifests(js, names)
@@ -175,7 +175,9 @@ class AzureProjectorService:
         except AzureError as error:
             name = settings.azure_search_index
             raise RuntimeError(f"cannot create the Azure AI Search index {name!r}: {error}") from error
-        nc = self._nc = await connect(self._nats_url, "ontofabric-projector-azure-search", settings)
+        nc = self._nc = await connect(
+            self._nats_url, "ontofabric-projector-azure-search", settings, wait_for_server=True
+        )
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
         index = AzureSearchIndex(documents)

@@ -39,6 +39,18 @@ the timeout it is sent (its deadline timer), so silence past that means the requ
 MIN_SECOND_ATTEMPT_S = 1.0
 WAY_BACK_S = 0.25
 """Waited past an attempt's timeout header for its reply to arrive."""
+REQUEST_HEADER_ROOM_BYTES = 4096
+"""Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
+counts them in, nats-py checks the body alone."""
+
+
+class RequestTooLarge(ValueError):
+    """A request body that the NATS server would not take; nothing was sent."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the request takes {size:,} bytes; this NATS server takes at most {limit:,}")
+        self.size = size
+        self.limit = limit
 
 
 class QueryClient:
@@ -50,7 +62,10 @@ class QueryClient:
     async def send_raw(self, workspace: str, body: bytes, operation: Operation = "query") -> bytes:
         """Send a request body as is, within the client's timeout. A request lost with the worker that held it is
         sent again when time is left (at most twice in all); while no worker listens (a restart), it is retried
-        for up to a second."""
+        for up to a second. Raises RequestTooLarge for a body the server would not take."""
+        limit = self._nc.max_payload - REQUEST_HEADER_ROOM_BYTES
+        if len(body) > limit:
+            raise RequestTooLarge(len(body), limit)
         subject = self._names.request_subject(operation, workspace)
         loop = asyncio.get_running_loop()
         ends = loop.time() + self._timeout_s

@@ -236,7 +236,7 @@ class QueryService:
             self._pools.append(await self._reader_pool(database_url, stalled_s))
         for replica_url in self._replica_urls:
             self._replica_pools.append(await self._reader_pool(replica_url, stalled_s, replica=True))
-        nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings)
+        nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings, wait_for_server=True)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
@@ -273,6 +274,38 @@ async def _freeze_the_database(deployment: Deployment) -> list[int]:
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     return frozen
+
+
+class SlowEmbedder:
+    """``embedder`` whose query embeddings take ``delay_s`` longer (a model thread behind other work)."""
+
+    def __init__(self, embedder: Embedder, delay_s: float) -> None:
+        self._embedder = embedder
+        self._delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._embedder, name)
+
+    async def embed_query_with_tokens_async(self, text: str) -> Any:
+        await asyncio.sleep(self._delay_s)
+        return await self._embedder.embed_query_with_tokens_async(text)
+
+
+async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavailable(
+    seeded: int,
+    deployment: Deployment,
+    start_query_worker: Start,
+    embedder: Embedder,
+) -> None:
+    """Nothing could run in the time the caller gave: what it is told is about its time, not an outage."""
+    await start_query_worker(SlowEmbedder(embedder, 3.0), None, query_cache_entries=0)
+    dense_only = {"semanticQuery": LONG_QUERY, "options": {"retrievers": ["dense"]}}
+    replies = await _request(deployment, json.dumps(dense_only).encode(), 1000, 2.0)
+    assert len(replies) == 1
+    reply = parse_reply(replies[0])
+    assert isinstance(reply, ErrorReply), reply
+    assert (reply.error.code, reply.error.retryable) == ("deadline_exceeded", True)
+    assert "embedder" in reply.error.message
 
 
 async def test_callers_hear_back_by_their_deadline_while_the_runners_are_stuck(

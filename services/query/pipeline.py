@@ -110,6 +110,11 @@ NO_DEFINITIONS = Definitions({}, "")
 class RetrievalUnavailable(Exception):
     """No retriever could run; the caller gets a retryable error."""
 
+    def __init__(self, message: str, *, out_of_time: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_time = out_of_time
+        """The retrievers were cut for the request's deadline, not failed: its caller gave too little time."""
+
 
 def cache_key(query: OntologyQuery, workspace: str, version: str, generation: int = 0) -> CacheKey:
     params = query.model_dump(exclude={"semantic_query", "workspace", "branch"}, mode="json")
@@ -309,7 +314,8 @@ class QueryPipeline:
                 embedding.cancel()
         lists = {r.name: hits for r, hits in zip(wanted, found, strict=True) if hits is not None}
         if not lists:
-            raise RetrievalUnavailable(f"no retriever could run ({', '.join(run.degraded)})")
+            out_of_time = "deadline" in run.degraded
+            raise RetrievalUnavailable(f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time)
         for name, hits in lists.items():
             run.read(hits.version)
             self._metrics.candidates(name).add(len(hits.candidates))

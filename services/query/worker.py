@@ -419,7 +419,9 @@ class QueryService:
             if operation == "query":
                 return await self._query(workspace, msg.data, deadline)
             return await (self._document if operation == "document" else self._status)(workspace, msg.data)
-        except (RetrievalUnavailable, PositionUnavailable) as error:
+        except RetrievalUnavailable as error:
+            return error_reply("deadline_exceeded" if error.out_of_time else "unavailable", str(error), retryable=True)
+        except PositionUnavailable as error:
             return error_reply("unavailable", str(error), retryable=True)
         except Exception as error:
             if _unavailable(error):  # the database or JetStream away: another try, maybe on another worker

@@ -64,7 +64,7 @@ from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
 
 from .app import Roles, serve_until_signal
-from .gateway.auth import ALL_WORKSPACES, TokenStore
+from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
 from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
 from .ops.status import DeploymentStatus
@@ -80,7 +80,7 @@ console = Console()
 errors = Console(stderr=True)
 
 DataDir = Annotated[
-    Path | None, typer.Option("--data-dir", help="Data directory of the embedded servers [env ONTOFABRIC_DATA_DIR].")
+    Path | None, typer.Option("--data-dir", help="Data directory of the embedded servers (env ONTOFABRIC_DATA_DIR).")
 ]
 LockTimeout = Annotated[
     float,
@@ -294,7 +294,7 @@ def query(
 def mcp(
     workspace: Annotated[
         str | None,
-        typer.Option(help="Workspace the tools read when a call names none [env ONTOFABRIC_GATEWAY_WORKSPACE]."),
+        typer.Option(help="Workspace the tools read when a call names none (env ONTOFABRIC_GATEWAY_WORKSPACE)."),
     ] = None,
     http: Annotated[
         str | None,
@@ -310,10 +310,12 @@ def mcp(
     address = None
     if http is not None:
         host, _, port = http.rpartition(":")
-        if not host or not port.isdigit():
-            _fail(f"--http takes HOST:PORT, not {http!r}")
+        if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+            _fail(f"--http takes HOST:PORT (a port from 1 to 65535), not {http!r}")
         address = (host.strip("[]"), int(port))
     tokens = TokenStore(settings.resolved_gateway_tokens_file())
+    if address is not None:
+        tokens.grants()  # a tokens file that cannot be read is said now (TokensUnreadable), not at the first call
     if address is not None and not tokens.path.exists():
         if not is_loopback(address[0]):
             _fail(
@@ -1073,7 +1075,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except (PermissionDenied, BadCredentials, NotSetUp) as error:  # an operator's mistake: no traceback
+    except (PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable) as error:  # an operator's: no traceback
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
     except NatsUnreachable as error:

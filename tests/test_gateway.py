@@ -236,6 +236,27 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
             assert after.status_code == 401  # from the next request on
 
 
+async def test_a_tokens_file_that_cannot_be_read_lets_nobody_in_and_says_why(
+    deployment: Deployment, served: QueryService, tmp_path: Path
+) -> None:
+    path = tmp_path / "tokens.json"
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(path)}
+    issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
+    headers = {"Authorization": f"Bearer {issued.stdout.strip()}"}
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    async with _http_gateway(deployment, **tokens) as url, httpx2.AsyncClient(headers=headers) as http:
+        assert (await http.post(url, json=ping)).status_code == 200
+        path.write_text(path.read_text()[:-5])  # an edit cut short
+        broken = await http.post(url, json=ping)
+        assert broken.status_code == 503
+        assert "tokens file cannot be read" in broken.json()["error"]["message"]
+    for command in (["mcp", "--http", f"127.0.0.1:{_free_port()}"], ["gateway-token", "list"]):
+        refused = await _run(deployment, *command, **tokens)
+        assert refused.returncode == 2
+        assert "cannot be read" in refused.stderr
+        assert "Traceback" not in refused.stderr
+
+
 async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(
     deployment: Deployment, served: QueryService, tmp_path: Path
 ) -> None:
@@ -254,6 +275,14 @@ async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployme
     )
     assert refused.returncode == 2
     assert "needs bearer tokens" in refused.stderr
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:٣٣", "8080"])
+async def test_an_http_address_not_host_and_port_is_refused_plainly(deployment: Deployment, address: str) -> None:
+    refused = await _run(deployment, "mcp", "--http", address)
+    assert refused.returncode == 2
+    assert "--http takes HOST:PORT" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 async def test_no_worker_answering_is_a_retryable_error_within_the_timeout(

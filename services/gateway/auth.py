@@ -44,6 +44,10 @@ CALLER: contextvars.ContextVar[Grant | None] = contextvars.ContextVar("ontofabri
 """The grant of the HTTP request being served; None over stdio (the local user's own agent)."""
 
 
+class TokensUnreadable(Exception):
+    """The tokens file exists but is not a list of grants: nobody is let in until it is fixed."""
+
+
 def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -93,7 +97,16 @@ class TokenStore:
             return
         seen = (stat.st_mtime_ns, stat.st_size)
         if seen != self._seen:
-            self._grants = {g["sha256"]: Grant(**g) for g in json.loads(self.path.read_text())}
+            try:
+                grants = [Grant(**g) for g in json.loads(self.path.read_text())]
+                if not all(isinstance(g.sha256, str) and isinstance(g.workspaces, list) for g in grants):
+                    raise TypeError("a grant's sha256 is not text or its workspaces not a list")
+            except (OSError, ValueError, TypeError) as error:  # ValueError: not JSON; TypeError: not grants
+                # Closed, not open and not the last grants read: an edit that broke the file may have been a
+                # revocation.
+                self._grants, self._seen = {}, None
+                raise TokensUnreadable(f"the tokens file {self.path} cannot be read: {error}") from error
+            self._grants = {g.sha256: g for g in grants}
             self._seen = seen
 
 
@@ -113,30 +126,28 @@ class RequireBearer:
             return
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
-        grant = self._store.find(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+        try:
+            grant = self._store.find(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+        except TokensUnreadable as error:
+            log.error("gateway_tokens_unreadable", error=str(error))
+            await _answer(send, 503, -32002, "the gateway's tokens file cannot be read; its operator must fix it", [])
+            return
         if grant is None:
             error = "invalid_token" if header else "invalid_request"
-            body = json.dumps(
-                {
-                    "jsonrpc": "2.0",
-                    "id": None,
-                    "error": {"code": -32001, "message": "unauthorized: send Authorization: Bearer <token>"},
-                }
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"www-authenticate", f'Bearer realm="ontofabric", error="{error}"'.encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            challenge = (b"www-authenticate", f'Bearer realm="ontofabric", error="{error}"'.encode())
+            await _answer(send, 401, -32001, "unauthorized: send Authorization: Bearer <token>", [challenge])
             return
         token_of_request = CALLER.set(grant)
         try:
             await self._app(scope, receive, send)
         finally:
             CALLER.reset(token_of_request)
+
+
+async def _answer(send: Send, status: int, code: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """An HTTP answer carrying a JSON-RPC error (id null: the request was not read)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}}).encode()
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *headers]}
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -58,30 +58,64 @@ async def start_workers(
     return embedder
 
 
+class ServersEnded(Exception):
+    """A server the workers depend on, started by this process, has ended."""
+
+
+SERVER_WATCH_S = 1.0
+
+
+async def _watch(exited: Callable[[], list[str]]) -> str:
+    while not (ended := exited()):
+        await asyncio.sleep(SERVER_WATCH_S)
+    return ", ".join(ended)
+
+
 async def serve_until_signal(
     settings: Settings,
     endpoints: Endpoints,
     roles: Roles,
     on_ready: Callable[[], Awaitable[None]] | None = None,
+    exited: Callable[[], list[str]] | None = None,
 ) -> None:
     """Run the workers of ``roles`` until SIGINT or SIGTERM. Raises ConnectionLost, after stopping them, when one
-    of their NATS connections closed for good: a worker that can no longer receive is better restarted than up."""
+    of their NATS connections closed for good: a worker that can no longer receive is better restarted than up.
+    ``exited``: the servers this process started that have ended (EmbeddedRuntime.exited); when one has, the
+    workers stop and ServersEnded is raised, instead of retrying against it for ever."""
     stop = asyncio.Event()
     lost = connection_lost()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with AsyncExitStack() as stack:
+
+    async def run(stack: AsyncExitStack) -> None:
         await start_workers(stack, settings, endpoints, roles)
         if on_ready is not None:
             await on_ready()
         log.info("workers_running", projector=roles.projector, query=roles.query)
-        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())]
+        await asyncio.Event().wait()
+
+    async with AsyncExitStack() as stack:
+        # Starting is watched too: a worker waits for its servers as long as it takes, and one may end meanwhile.
+        running = asyncio.ensure_future(run(stack))
+        watching = asyncio.ensure_future(_watch(exited) if exited is not None else asyncio.Event().wait())
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait()), watching, running]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
-        log.info("workers_stopping", reason="signal" if stop.is_set() else "nats_connection_closed")
-    if not stop.is_set():
-        raise ConnectionLost("a NATS connection closed for good (see the log's nats_connection_closed); restart")
+            await asyncio.wait(waits)
+        failed = None if running.cancelled() else running.exception()
+        if failed is not None:
+            raise failed  # a worker that could not start
+        ended = watching.result() if not watching.cancelled() else None
+        reason = "signal" if stop.is_set() else "embedded_server_ended" if ended else "nats_connection_closed"
+        if ended:
+            log.error("embedded_server_ended", servers=ended)
+        log.info("workers_stopping", reason=reason)
+    if stop.is_set():
+        return
+    if ended:
+        raise ServersEnded(f"embedded server ended: {ended} (its log is in the data directory); restart")
+    raise ConnectionLost("a NATS connection closed for good (see the log's nats_connection_closed); restart")

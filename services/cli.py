@@ -63,7 +63,7 @@ from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import configure_telemetry
 
-from .app import Roles, serve_until_signal
+from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
 from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
@@ -112,12 +112,17 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _serve(
-    settings: Settings, endpoints: Endpoints, roles: Roles, on_ready: Callable[[], Awaitable[None]] | None = None
+    settings: Settings,
+    endpoints: Endpoints,
+    roles: Roles,
+    on_ready: Callable[[], Awaitable[None]] | None = None,
+    exited: Callable[[], list[str]] | None = None,
 ) -> None:
-    """Run workers until a signal; exit 1 when a NATS connection is lost for good (a supervisor restarts them)."""
+    """Run workers until a signal; exit 1 when a NATS connection is lost for good or an embedded server ended
+    (a supervisor restarts them)."""
     try:
-        asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready))
-    except ConnectionLost as error:
+        asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready, exited))
+    except (ConnectionLost, ServersEnded) as error:
         _fail(str(error), code=1)
 
 
@@ -151,7 +156,7 @@ def up(data_dir: DataDir = None) -> None:
                         "login (docs/security.md)"
                     )
 
-            _serve(settings, endpoints, Roles(), ready)
+            _serve(settings, endpoints, Roles(), ready, runtime.exited)
     except RuntimeUnavailable as error:
         _fail(str(error))
 

@@ -765,6 +765,11 @@ class EmbeddedRuntime:
         reload_nats(directory, self.nats_nodes)
         return seed_file
 
+    def exited(self) -> list[str]:
+        """The embedded servers that have ended on their own (a crash, a kill), with their exit codes."""
+        servers = [*self._servers, *(node.server for node in self.nats_nodes if node.server is not None)]
+        return [f"{s.name} (exit code {s.process.returncode})" for s in servers if not s.alive()]
+
     def postgres_pid(self) -> int:
         """The embedded PostgreSQL's postmaster (a fault harness freezes it and its children)."""
         if self._postgres is None:

@@ -62,6 +62,31 @@ def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path:
 
 
 @pytest.mark.slow
+def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> None:
+    """Not left up with its workers retrying against a server that is gone: exit 1, naming it, for a supervisor."""
+    data_dir = tmp_path / "data"
+    env = _env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none")
+    up = subprocess.Popen(
+        [ONTOFABRIC, "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (data_dir / "runtime.json").exists():
+            assert up.poll() is None, up.stderr.read().decode() if up.stderr else ""
+            assert time.monotonic() < deadline, "ontofabric up did not start"
+            time.sleep(0.2)
+        nats_pid = json.loads((data_dir / "runtime.json").read_text())["natsNodes"][0]["pid"]
+        os.kill(nats_pid, signal.SIGKILL)
+        _, stderr = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    assert up.returncode == 1
+    assert "embedded server ended: nats" in stderr.decode()
+
+
+@pytest.mark.slow
 def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     # A reranker key, recognisable, to a rerank endpoint that refuses connections: it is used and must never show.

@@ -128,8 +128,8 @@ class RequireBearer:
         scheme, _, token = header.partition(" ")
         try:
             grant = self._store.find(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
-        except TokensUnreadable as error:
-            log.error("gateway_tokens_unreadable", error=str(error))
+        except TokensUnreadable as unreadable:
+            log.error("gateway_tokens_unreadable", error=str(unreadable))
             await _answer(send, 503, -32002, "the gateway's tokens file cannot be read; its operator must fix it", [])
             return
         if grant is None:

@@ -65,6 +65,7 @@ from ontofabric.shared.telemetry import configure_telemetry
 
 from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
+from .gateway.stdio import StdioUnusable
 from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
 from .ops.status import DeploymentStatus
@@ -1080,7 +1081,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except (PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable) as error:  # an operator's: no traceback
+    except (PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable) as error:  # no traceback
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
     except NatsUnreachable as error:

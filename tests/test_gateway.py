@@ -368,6 +368,17 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     assert "result" in answers[1][0]
 
 
+async def test_a_gateway_whose_output_is_a_file_says_it_needs_pipes(deployment: Deployment, tmp_path: Path) -> None:
+    with (tmp_path / "out").open("wb") as out:
+        ended = await asyncio.to_thread(
+            subprocess.run, [ONTOFABRIC, "mcp"], env=_gateway_env(deployment), stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert ended.returncode == 2
+    assert "runs on pipes" in ended.stderr
+    assert "Traceback" not in ended.stderr
+
+
 async def test_a_line_past_the_limit_is_skipped_whole_and_the_next_one_read() -> None:
     reader = asyncio.StreamReader(limit=16)
     reader.feed_data(b'{"short": 1}\n' + b"x" * 100 + b'\n{"after": 2}\n' + b"y" * 40 + b"\n")

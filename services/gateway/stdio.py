@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 from collections.abc import AsyncIterator, Iterator
 
 import anyio
@@ -22,6 +23,19 @@ from mcp.shared.message import SessionMessage
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """A message line longer than this is skipped whole (the SDK's own reader has no limit; a runaway needs one)."""
+
+
+class StdioUnusable(Exception):
+    """Standard input or output is a regular file: an MCP client starts the gateway with pipes."""
+
+
+def _check_streamable(fd: int, name: str) -> None:
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode)):
+        raise StdioUnusable(
+            f"the gateway's standard {name} is a file; MCP over stdio runs on pipes, as an agent starts it "
+            "(or serve HTTP with --http)"
+        )
 
 
 def unreadable(line: bytes | None) -> types.JSONRPCError | None:
@@ -86,6 +100,8 @@ async def stdio_streams() -> AsyncIterator[
     """The read and write streams of a session on this process's stdin and stdout. While it runs, descriptor 0
     reads nothing and descriptor 1 is the standard error."""
     loop = asyncio.get_running_loop()
+    _check_streamable(0, "input")
+    _check_streamable(1, "output")
     nothing = os.open(os.devnull, os.O_RDONLY)
     with contextlib.ExitStack() as claims:
         claims.callback(os.close, nothing)

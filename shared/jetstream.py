@@ -171,8 +171,9 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
         log.info("nats_reconnected")
 
     async def on_closed() -> None:
-        if nc not in _CLOSING:
-            log.error("nats_connection_closed", name=name, error=describe(nc.last_error) if nc.last_error else None)
+        # Closed with an error on record and not by close(): the server ended it (a plain nc.close() has none).
+        if nc not in _CLOSING and nc.last_error is not None:
+            log.error("nats_connection_closed", name=name, error=describe(nc.last_error))
             connection_lost().set()
 
     # Several seed URLs, comma-separated: the client connects to any that answers and fails over among them (and

@@ -335,6 +335,8 @@ async def test_a_connection_the_server_ends_is_reported_lost_and_one_closed_here
     lost = connection_lost()
     kept = await connect(deployment.nats_url, "test-kept")
     await close(kept)
+    plain = await connect(deployment.nats_url, "test-plain")
+    await plain.close()  # not through close(): still no loss
     await asyncio.sleep(0.1)
     assert not lost.is_set()
     await _broken_by_the_server(deployment.nats_url)

@@ -26,7 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.gateway.stdio import next_line
-from ontofabric.services.gateway.tools import TOOLS, forwarded
+from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
@@ -402,3 +402,13 @@ def test_the_worker_is_asked_for_half_the_budget_of_a_tool_result(given: object,
     query = next(tool for tool in TOOLS if tool.operation == "query")
     arguments = {"semanticQuery": "x"} | ({} if given is None else {"maxTokens": given})
     assert forwarded(query, arguments).get("maxTokens") == sent  # out of bounds: the worker's error names it
+
+
+def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves() -> None:
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    text = "é" * 3000  # 6,000 bytes, beside a reply of 3,000: together over 1,000 tokens of 4 bytes
+    fitted = fitted_text(query, {"maxTokens": 1000}, text, 3000)
+    assert len(fitted.encode()) <= 1000 * 4 - 3000
+    assert fitted.endswith("the structured result holds the whole answer)")
+    assert fitted_text(query, {"maxTokens": 1000}, "short", 3000) == "short"
+    assert fitted_text(query, {}, text, 3000) == text  # no maxTokens given: nothing to fit to here

@@ -33,7 +33,7 @@ from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .stdio import stdio_streams
-from .tools import TOOLS, ToolSpec, forwarded, render, render_error
+from .tools import TOOLS, ToolSpec, fitted_text, forwarded, render, render_error
 
 log = get_logger(__name__)
 
@@ -122,7 +122,8 @@ class Gateway:
         except ValueError as error:  # ValidationError too: a worker of another version, or a broken reply
             log.warning("reply_unreadable", tool=spec.name, error=str(error)[:300])
             return tool_error("error internal (retryable: try again): the query worker's reply could not be read")
-        return types.CallToolResult(content=[types.TextContent(text=render(reply))], structured_content=data)
+        text = fitted_text(spec, arguments, render(reply), len(raw))
+        return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=data)
 
     async def serve_stdio(self) -> None:
         async with stdio_streams() as (read, write):

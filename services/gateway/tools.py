@@ -24,6 +24,7 @@ from ontofabric.contracts import (
     StatusRequest,
 )
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
+from ontofabric.services.query.budget import BYTES_PER_TOKEN
 from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
@@ -119,11 +120,27 @@ TOOLS = (
 def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
     """The worker's request for a tool call. A tool result carries the reply twice (structured, and as text of
     about the same size or less), so the worker is asked for half the ``maxTokens`` given, never below the least
-    it takes: the whole result then stays within ``maxTokens``."""
+    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`)."""
     max_tokens = arguments.get("maxTokens")
     if spec.operation != "query" or type(max_tokens) is not int or not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
         return arguments  # absent or not allowed: the worker's default, or its error naming the field
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
+
+
+TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds the whole answer)"
+
+
+def fitted_text(spec: ToolSpec, arguments: dict[str, Any], text: str, reply_bytes: int) -> str:
+    """The text beside a reply of ``reply_bytes``, cut to what the ``maxTokens`` given leaves of the tool result.
+    Only a budget under twice the least the worker takes needs it: the worker cannot be asked for half of it."""
+    max_tokens = arguments.get("maxTokens")
+    if spec.operation != "query" or type(max_tokens) is not int:
+        return text
+    room = max_tokens * BYTES_PER_TOKEN - reply_bytes
+    if len(text.encode()) <= room:
+        return text
+    kept = max(0, room - len(TEXT_CUT.encode()))
+    return text.encode()[:kept].decode(errors="ignore") + TEXT_CUT
 
 
 def render(reply: BaseModel) -> str:

@@ -351,7 +351,8 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
         "jsonrpc": "2.0", "id": 1, "method": "initialize",
         "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
     }  # fmt: skip
-    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', b"[1, 2]", json.dumps(initialize).encode()]
+    deep = b'{"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"arguments": ' + b"[" * 100_000
+    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', deep, b"[1, 2]", json.dumps(initialize).encode()]
     gateway.stdin.write(b"\n".join(lines) + b"\n")
     await gateway.stdin.drain()
     answers: dict[Any, Any] = {}
@@ -363,7 +364,8 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     finally:
         gateway.stdin.close()
         await gateway.wait()
-    assert [a["error"]["code"] for a in answers[None]] == [-32700, -32600]  # not JSON; JSON but no message
+    # Not JSON; nested past Python's stack (it ended the gateway); JSON but no message.
+    assert [a["error"]["code"] for a in answers[None]] == [-32700, -32700, -32600]
     assert answers[7][0]["error"]["code"] == -32600
     assert "result" in answers[1][0]
 

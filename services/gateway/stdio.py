@@ -20,6 +20,7 @@ import anyio
 import mcp_types as types
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """A message line longer than this is skipped whole (the SDK's own reader has no limit; a runaway needs one)."""
@@ -38,10 +39,10 @@ def _check_streamable(fd: int, name: str) -> None:
         )
 
 
-def unreadable(line: bytes | None) -> types.JSONRPCError | None:
-    """The JSON-RPC answer to a line that is no message the SDK reads (None: an over-long line, skipped): a parse
-    error, or an invalid request under the line's id where it has one, so that a caller waiting for that id hears
-    back. A blank line is no message and gets no answer."""
+def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JSONRPCError | None:
+    """The JSON-RPC answer to a line that is no message the SDK reads (None: an over-long line, skipped), refused
+    with ``problem``: a parse error, or an invalid request under the line's id where it has one, so that a caller
+    waiting for that id hears back. A blank line is no message and gets no answer."""
     if line is not None and not line.strip():
         return None
     if line is None:
@@ -49,11 +50,13 @@ def unreadable(line: bytes | None) -> types.JSONRPCError | None:
     else:
         try:
             found = json.loads(line)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python's stack
             return types.JSONRPCError(
                 jsonrpc="2.0", id=None, error=types.ErrorData(code=types.PARSE_ERROR, message=f"not JSON: {error}")
             )
         code, message = types.INVALID_REQUEST, "not a JSON-RPC 2.0 request, notification or response"
+        if isinstance(problem, ValidationError) and problem.errors():
+            message += f": {str(problem.errors()[0]['msg'])[:200]}"
     request_id = found.get("id") if isinstance(found, dict) else None
     if isinstance(request_id, bool) or not isinstance(request_id, int | str):
         request_id = None
@@ -125,8 +128,8 @@ async def stdio_streams() -> AsyncIterator[
                         if line is None:
                             raise ValueError("over-long")
                         message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                    except Exception:  # answered here: the SDK's session logs such a line and answers nothing
-                        answer = unreadable(line)
+                    except Exception as problem:  # answered here: the SDK's session logs it and answers nothing
+                        answer = unreadable(line, problem)
                         if answer is not None:
                             await answers.send(SessionMessage(answer))
                         continue

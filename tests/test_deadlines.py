@@ -33,6 +33,7 @@ def test_the_deadline_is_the_callers_timeout_less_a_margin_for_the_way_back() ->
     assert deadline_of(None, 100.0, 10_000) == Deadline(100.0 + 10 - MAX_MARGIN_S, 10_000)
     assert deadline_of({TIMEOUT_HEADER: " 250 "}, 100.0, 10_000) == Deadline(100.0 + 0.25 - 0.0125, 250)
     assert deadline_of({TIMEOUT_HEADER: "1"}, 0.0, 10_000) == Deadline(0.0, 1)  # the margin eats it: refused
+    assert deadline_of({TIMEOUT_HEADER.lower(): "250"}, 100.0, 10_000) == Deadline(100.0 + 0.25 - 0.0125, 250)
     assert isinstance(deadline_of({TIMEOUT_HEADER: "50"}, 0.0, 1), Deadline)
     assert MIN_MARGIN_S < MAX_MARGIN_S
 

@@ -61,10 +61,30 @@ def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
     schema = copy.deepcopy(model.model_json_schema(by_alias=True, mode="validation"))
     for combinator in ROOT_COMBINATORS:
         schema.pop(combinator, None)
+    for properties in [
+        schema.get("properties", {}),
+        *(d.get("properties", {}) for d in schema.get("$defs", {}).values()),
+    ]:
+        for name, spec in properties.items():
+            properties[name] = _left_out_rather_than_null(spec)
     workspace = schema.get("properties", {}).get("workspace")
     if workspace is not None:
         workspace["description"] = WORKSPACE_DESCRIPTION
     return schema
+
+
+def _left_out_rather_than_null(spec: dict[str, Any]) -> dict[str, Any]:
+    """A parameter that may be null and defaults to null, said as its one type: leaving it out means the same, and
+    clients that build arguments from a parameter's ``type`` (the MCP Inspector's command line) find none in an
+    ``anyOf`` with null, and cannot send a number."""
+    options = spec.get("anyOf")
+    if spec.get("default", ...) is not None or not isinstance(options, list) or len(options) != 2:
+        return spec
+    if {"type": "null"} not in options:
+        return spec
+    kept = next(option for option in options if option != {"type": "null"})
+    outer = {key: value for key, value in spec.items() if key not in ("anyOf", "default")}
+    return {**kept, **outer}
 
 
 TOOLS = (

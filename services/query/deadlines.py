@@ -30,8 +30,9 @@ class Deadline:
 
 
 def deadline_of(headers: Mapping[str, str] | None, received: float, default_ms: int) -> Deadline | ErrorDetail:
-    """The request's deadline, or what is wrong with its timeout header."""
-    raw = (headers or {}).get(TIMEOUT_HEADER)
+    """The request's deadline, or what is wrong with its timeout header (its name in any case: some clients write
+    header names in lower case)."""
+    raw = next((value for name, value in (headers or {}).items() if name.lower() == TIMEOUT_HEADER.lower()), None)
     if raw is None:
         timeout_ms = default_ms
     else:

@@ -19,7 +19,9 @@ class DocumentRequest(StrictRequest):
 
     id: DocumentId = Field(description="The document's id, as a result of ontology_query gives it.")
     branch: Branch = Field(default=MAIN_BRANCH, description="Branch to read: main, or main overlaid with the branch.")
-    offset: int = Field(default=0, ge=0, description="First character of the content to return.")
+    offset: int = Field(
+        default=0, ge=0, description="First character of the content to return; at most the content's length."
+    )
     max_chars: int | None = Field(
         default=None,
         ge=1,

@@ -208,6 +208,12 @@ async def test_a_document_whole_or_in_slices(
     refused = parse_reply(await client.send_raw("acme", b'{"id": "csv", "offset": -1}', "document"), DocumentReply)
     assert isinstance(refused, ErrorReply)
     assert (refused.error.code, [d.field for d in refused.error.details]) == ("invalid_request", ["offset"])
+    at_end = await client.document("acme", {"id": "csv", "offset": len(text)})
+    assert isinstance(at_end, DocumentReply)
+    assert at_end.content == ""
+    past = await client.document("acme", {"id": "csv", "offset": len(text) + 1})
+    assert isinstance(past, ErrorReply)
+    assert (past.error.code, [d.field for d in past.error.details]) == ("invalid_request", ["offset"])
 
 
 async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(

@@ -29,6 +29,10 @@ class DocumentNotFound(Exception):
     """No live document of that id on the branch."""
 
 
+class OffsetPastEnd(ValueError):
+    """A slice that starts after the content ends (at its end is an empty slice, the last page's follower)."""
+
+
 class PositionUnavailable(Exception):
     """JetStream did not say how far the index is: the caller may try again."""
 
@@ -54,6 +58,10 @@ class Lookups:
         document = fetched.documents.get(request.id)
         if document is None:
             raise DocumentNotFound(f"no document {request.id!r} in workspace {workspace!r} on {request.branch!r}")
+        if request.offset > len(document.content):
+            raise OffsetPastEnd(
+                f"offset {request.offset} is past the end of {request.id!r}: {len(document.content)} characters"
+            )
         rest = document.content[request.offset :]
         content = rest[: request.max_chars] if request.max_chars else cut_to(rest, self._default_bytes)
         return DocumentReply(

@@ -54,7 +54,7 @@ from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import Deadline, ServiceTime, deadline_of
 from .freshness import DeltaWatch
-from .lookup import DocumentNotFound, Lookups, PositionUnavailable
+from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
@@ -457,6 +457,8 @@ class QueryService:
             reply = (await self._lookups.document(workspace, request)).model_dump_json().encode()
         except DocumentNotFound as error:
             return error_reply("not_found", str(error), [ErrorDetail(field="id", message="no such document")])
+        except OffsetPastEnd as error:
+            return error_reply("invalid_request", str(error), [ErrorDetail(field="offset", message=str(error))])
         if len(reply) > self._nc.max_payload - HEADER_ALLOWANCE_BYTES:
             return error_reply(
                 "invalid_request",

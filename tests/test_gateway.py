@@ -272,6 +272,8 @@ async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(
         assert (await http.post(url, json=ping)).status_code == 200  # no tokens file: the local user's own
         assert (await _run(deployment, "gateway-token", "add", "bob", "--workspace", "acme", **tokens)).returncode == 0
         assert (await http.post(url, json=ping)).status_code == 401
+        (tmp_path / "tokens.json").unlink()  # every token revoked at once: the gateway does not open again
+        assert (await http.post(url, json=ping)).status_code == 401
 
 
 async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployment, tmp_path: Path) -> None:

@@ -113,15 +113,21 @@ class TokenStore:
 class RequireBearer:
     """ASGI middleware: a request without a token on record is answered 401; with one, its grant is the caller.
     Decided per request: while the tokens file does not exist, ``open_without_tokens`` (a gateway on loopback)
-    lets requests through, and from the moment it exists every request needs a token."""
+    lets requests through, and from the moment it exists every request needs a token, also if the file is then
+    deleted (that revokes every token; it does not open the gateway again)."""
 
     def __init__(self, app: ASGIApp, store: TokenStore, open_without_tokens: bool) -> None:
         self._app = app
         self._store = store
         self._open_without_tokens = open_without_tokens
 
+    def _open(self) -> bool:
+        if self._open_without_tokens and self._store.path.exists():
+            self._open_without_tokens = False
+        return self._open_without_tokens
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (self._open_without_tokens and not self._store.path.exists()):
+        if scope["type"] != "http" or self._open():
             await self._app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")

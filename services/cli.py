@@ -34,11 +34,10 @@ from ontofabric.shared.jetstream import (
     NotSetUp,
     PermissionDenied,
     connect,
-    connection_lost,
     wait_projected,
 )
 from ontofabric.shared.jetstream import close as close_nats
-from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.logging import configure_logging, get_logger
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
@@ -65,11 +64,14 @@ from ontofabric.shared.telemetry import configure_telemetry
 
 from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
+from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
 from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
+
+log = get_logger(__name__)
 
 app = typer.Typer(
     help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",
@@ -332,38 +334,33 @@ def mcp(
             f"[yellow]warning:[/yellow] no bearer tokens yet ({tokens.path}): any local process may call until "
             "one is issued"
         )
-    try:
-        nats_url = resolve_nats_url(settings, "client")
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    # A call waits this long at most for a connection; the gateway starts without one (services/gateway/link.py).
+    linking = settings.model_copy(update={"nats_connect_timeout_s": min(3.0, settings.nats_connect_timeout_s)})
 
     async def run() -> None:
-        nc = await connect(nats_url, "ontofabric-mcp", settings)
-        try:
-            serving = asyncio.ensure_future(
-                serve(
-                    nc, Names(settings.subject_prefix), workspace or settings.gateway_workspace,
-                    settings.gateway_timeout_s, address, tokens,
-                )
-            )  # fmt: skip
-            lost = asyncio.ensure_future(connection_lost().wait())
-            try:
-                await asyncio.wait([serving, lost], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                lost.cancel()
-                if not serving.done():
-                    serving.cancel()
-            await asyncio.wait([serving])
-            if lost.done() and not lost.cancelled():
-                raise ConnectionLost("the gateway's NATS connection closed for good; restart it")
-            serving.result()
-        finally:
-            await close_nats(nc)
+        link = NatsLink(
+            lambda: resolve_nats_url(settings, "client"),
+            lambda url: connect(url, "ontofabric-mcp", linking),
+            close_nats,
+        )
 
-    try:
-        asyncio.run(run())
-    except ConnectionLost as error:
-        _fail(str(error), code=1)
+        async def warm_up() -> None:
+            try:
+                await link.client()
+            except NatsUnavailable as error:
+                log.warning("gateway_nats_unavailable", error=str(error))
+
+        warming = asyncio.create_task(warm_up())
+        try:
+            await serve(
+                link, Names(settings.subject_prefix), workspace or settings.gateway_workspace,
+                settings.gateway_timeout_s, address, tokens,
+            )  # fmt: skip
+        finally:
+            warming.cancel()
+            await link.close()
+
+    asyncio.run(run())
 
 
 gateway_token = typer.Typer(help="Bearer tokens of the HTTP gateway: who may call it, and which workspaces.")

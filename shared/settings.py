@@ -35,8 +35,8 @@ class Settings(BaseSettings):
     nats_connect_timeout_s: float = Field(
         default=10.0,
         gt=0,
-        description="How long a command (query, mcp, ingest, operators') waits for its first NATS connection before "
-        "it fails; workers wait for the server as long as it takes.",
+        description="How long a command (query, ingest, operators') waits for its first NATS connection before it "
+        "fails; workers wait for the server as long as it takes; the MCP gateway waits at most 3 s of it per call.",
     )
     nats_tls_ca: Path | None = Field(
         default=None,

@@ -377,6 +377,21 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     assert "result" in answers[1][0]
 
 
+async def test_a_gateway_started_before_nats_answers_every_call_with_a_retryable_error(tmp_path: Path) -> None:
+    """An agent starts the gateway with its session: it must not fail for a NATS that is not there yet."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")},
+        "ONTOFABRIC_NATS_URL": f"nats://127.0.0.1:{_free_port()}", "ONTOFABRIC_NATS_CONNECT_TIMEOUT_S": "1",
+        "ONTOFABRIC_DATA_DIR": str(tmp_path), "ONTOFABRIC_LOG_LEVEL": "WARNING",
+    }  # fmt: skip
+    parameters = StdioServerParameters(command=ONTOFABRIC, args=["mcp", "--workspace", "acme"], env=env)
+    async with Client(parameters) as client:
+        assert {tool.name for tool in (await client.list_tools()).tools} >= {"ontology_query"}
+        answer = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
+        assert answer.is_error is True
+        assert "error unavailable (retryable: try again): no NATS server answered" in _text(answer)
+
+
 async def test_a_gateway_whose_output_is_a_file_says_it_needs_pipes(deployment: Deployment, tmp_path: Path) -> None:
     with (tmp_path / "out").open("wb") as out:
         ended = await asyncio.to_thread(

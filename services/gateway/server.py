@@ -18,7 +18,6 @@ import uvicorn
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
-from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
@@ -32,6 +31,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
+from .link import NatsLink, NatsUnavailable
 from .stdio import stdio_streams
 from .tools import TOOLS, ToolSpec, fitted_text, forwarded, render, render_error
 
@@ -51,8 +51,9 @@ def tool_error(text: str) -> types.CallToolResult:
 class Gateway:
     """The tools, forwarded to the query workers of one deployment (its NATS subject prefix)."""
 
-    def __init__(self, nc: Client, names: Names, workspace: str | None, timeout_s: float) -> None:
-        self._client = QueryClient(nc, names, timeout_s)
+    def __init__(self, link: NatsLink, names: Names, workspace: str | None, timeout_s: float) -> None:
+        self._link = link
+        self._names = names
         self._workspace = workspace
         self._timeout_s = timeout_s
         self.server = Server(
@@ -101,7 +102,10 @@ class Gateway:
         except (TypeError, ValueError) as error:  # not JSON: NaN, or what a client's own parser let through
             return tool_error(f"error invalid_request: the arguments are not JSON ({error})")
         try:
-            raw = await self._client.send_raw(workspace, request, spec.operation)
+            client = QueryClient(await self._link.client(), self._names, self._timeout_s)
+            raw = await client.send_raw(workspace, request, spec.operation)
+        except NatsUnavailable as error:
+            return tool_error(f"error unavailable (retryable: try again): {error}")
         except NoRespondersError:
             return tool_error(
                 f"error unavailable (retryable: try again): no query worker is serving workspace {workspace!r}"
@@ -170,7 +174,7 @@ def is_loopback(host: str) -> bool:
 
 
 async def serve(
-    nc: Client,
+    link: NatsLink,
     names: Names,
     workspace: str | None,
     timeout_s: float,
@@ -178,7 +182,7 @@ async def serve(
     tokens: TokenStore | None = None,
 ) -> None:
     """Serve over stdio, or over HTTP at ``http`` (host, port) with the bearer ``tokens`` (see :mod:`.auth`)."""
-    gateway = Gateway(nc, names, workspace, timeout_s)
+    gateway = Gateway(link, names, workspace, timeout_s)
     if http is None:
         await gateway.serve_stdio()
     else:

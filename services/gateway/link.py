@@ -1,0 +1,89 @@
+"""The gateway's NATS connection, made when a call needs it and made again when the server it knew is gone.
+
+An agent platform starts the gateway with the session, whether or not NATS runs yet, and keeps it for the whole
+session: a gateway that exited because NATS was not there, or that kept reconnecting to a port an `ontofabric up`
+left when it restarted on other ports, would be lost to the agent until the session ends. So the gateway starts
+without a connection, and every call that finds none, or finds one that is closed or has been reconnecting for a
+while, looks the server up again (the settings, else the running `ontofabric up`) and connects; meanwhile calls get
+a retryable error saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client
+
+from ontofabric.shared.logging import get_logger
+
+log = get_logger(__name__)
+
+STALE_AFTER_S = 3.0
+"""A connection reconnecting for longer than this is replaced when the server is found elsewhere."""
+
+
+class NatsUnavailable(Exception):
+    """No NATS server to send the call to now; the message says why. The caller may try again."""
+
+
+class NatsLink:
+    def __init__(
+        self,
+        locate: Callable[[], str],
+        connect: Callable[[str], Awaitable[Client]],
+        close: Callable[[Client], Awaitable[None]],
+        stale_after_s: float = STALE_AFTER_S,
+    ) -> None:
+        self._locate = locate
+        """The server's URL now; raises (with a message for the caller) when there is none to talk to."""
+        self._connect = connect
+        self._close = close
+        self._stale_after_s = stale_after_s
+        self._nc: Client | None = None
+        self._url: str | None = None
+        self._down_since: float | None = None
+        self._lock = asyncio.Lock()
+
+    async def client(self) -> Client:
+        """A connected client, or NatsUnavailable."""
+        nc = self._nc
+        if nc is not None and nc.is_connected:
+            self._down_since = None
+            return nc
+        async with self._lock:
+            return await self._reconnect()
+
+    async def _reconnect(self) -> Client:
+        nc = self._nc
+        if nc is not None and nc.is_connected:  # another call connected it meanwhile
+            return nc
+        now = time.monotonic()
+        if nc is not None and not nc.is_closed:
+            # nats-py is reconnecting to the URL it knew. Give it a moment; then look whether the server moved.
+            self._down_since = self._down_since or now
+            if now - self._down_since < self._stale_after_s:
+                raise NatsUnavailable(f"NATS is not answering (reconnecting for {now - self._down_since:.1f} s)")
+        try:
+            url = self._locate()
+        except Exception as error:
+            raise NatsUnavailable(str(error)) from error
+        if nc is not None and not nc.is_closed and url == self._url:
+            raise NatsUnavailable("NATS is not answering; reconnecting")
+        if nc is not None:
+            self._nc = None
+            await self._close(nc)
+            log.info("gateway_nats_replaced", reason="closed" if nc.is_closed else "server moved")
+        try:
+            self._nc = await self._connect(url)
+        except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
+            raise NatsUnavailable(str(error)) from error
+        self._url, self._down_since = url, None
+        return self._nc
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._nc is not None:
+                await self._close(self._nc)
+                self._nc = None

@@ -1,0 +1,78 @@
+"""The gateway's NATS link against real nats-servers: it starts without a server, connects when one is there, and
+follows a server that moved (an `ontofabric up` restarted on other ports) instead of reconnecting for ever to the
+one it knew."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ontofabric.services.gateway.link import NatsLink, NatsUnavailable
+from ontofabric.shared.jetstream import close, connect
+from ontofabric.shared.nats_auth import NatsUser
+from ontofabric.shared.runtime import free_port
+from ontofabric.shared.settings import Settings
+
+from .conftest import spawn_nats
+
+USERS = {"op": NatsUser("op", "pw", "operator", "ontofabric")}
+
+
+def _url(port: int) -> str:
+    return f"nats://op:pw@127.0.0.1:{port}"
+
+
+async def test_the_link_waits_for_a_server_and_follows_it_when_it_moves(tmp_path: Path) -> None:
+    settings = Settings(nats_connect_timeout_s=1.0)
+    first_port, second_port = free_port(), free_port()
+    where = {"url": _url(first_port)}
+    link = NatsLink(lambda: where["url"], lambda url: connect(url, "test-link", settings), close, stale_after_s=0.5)
+    with pytest.raises(NatsUnavailable, match="no NATS server answered"):
+        await link.client()  # nothing runs yet: said, not waited for
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = spawn_nats(tmp_path / "first", first_port, USERS)
+    try:
+        nc = await link.client()
+        assert nc.connected_url is not None
+        assert nc.connected_url.port == first_port
+        assert await link.client() is nc
+    finally:
+        first.stop()
+    second = spawn_nats(tmp_path / "second", second_port, USERS)
+    try:
+        where["url"] = _url(second_port)
+        async with asyncio.timeout(10):
+            while nc.is_connected:  # until the client has noticed
+                await asyncio.sleep(0.02)
+        with pytest.raises(NatsUnavailable, match="reconnecting"):
+            await link.client()  # lost a moment ago: nats-py may get it back
+        for _ in range(50):
+            try:
+                moved = await link.client()
+                break
+            except NatsUnavailable:
+                await asyncio.sleep(0.1)
+        assert moved.connected_url is not None
+        assert moved.connected_url.port == second_port
+        assert nc.is_closed  # the old one is closed, not left reconnecting
+    finally:
+        await link.close()
+        second.stop()
+
+
+async def test_a_closed_connection_is_replaced_on_the_next_call(tmp_path: Path) -> None:
+    port = free_port()
+    server = spawn_nats(tmp_path, port, USERS)
+    try:
+        link = NatsLink(lambda: _url(port), lambda url: connect(url, "test-link"), close)
+        nc = await link.client()
+        await nc.close()  # as the server ending it over a protocol error leaves it
+        again = await link.client()
+        assert again is not nc
+        assert again.is_connected
+        await link.close()
+    finally:
+        server.stop()

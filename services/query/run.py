@@ -82,7 +82,11 @@ class QueryRun:
             return None
         timed = self.timed(stage, work) if stage is not None else work
         try:
-            return await (timed if math.isinf(budget) else asyncio.wait_for(timed, budget))
+            # asyncio.timeout, not wait_for: wait_for runs the work as a task of its own, and when the answer is
+            # cut while that task ends in an error (a statement cancelled), nobody retrieved the error: asyncio
+            # logged "Task exception was never retrieved" for it, under whichever request ran at collection.
+            async with asyncio.timeout(None if math.isinf(budget) else budget):
+                return await timed
         except Exception as error:
             if isinstance(error, TimeoutError) and reserve_s is not None and self.time_left() <= reserve_s:
                 self.skip_for_deadline(part)

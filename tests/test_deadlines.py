@@ -18,7 +18,15 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail, ErrorReply, QueryResponse
 from ontofabric.services.query.client import QueryClient, parse_reply
-from ontofabric.services.query.deadlines import MAX_MARGIN_S, MIN_MARGIN_S, Deadline, ServiceTime, deadline_of
+from ontofabric.services.query.deadlines import (
+    LAG_HALF_LIFE_S,
+    MAX_MARGIN_S,
+    MIN_MARGIN_S,
+    Deadline,
+    LoopLag,
+    ServiceTime,
+    deadline_of,
+)
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import subscriptions_visible
@@ -36,6 +44,23 @@ def test_the_deadline_is_the_callers_timeout_less_a_margin_for_the_way_back() ->
     assert deadline_of({TIMEOUT_HEADER.lower(): "250"}, 100.0, 10_000) == Deadline(100.0 + 0.25 - 0.0125, 250)
     assert isinstance(deadline_of({TIMEOUT_HEADER: "50"}, 0.0, 1), Deadline)
     assert MIN_MARGIN_S < MAX_MARGIN_S
+
+
+def test_a_loop_that_ran_late_lately_keeps_that_much_more_back_from_each_deadline() -> None:
+    lag = LoopLag()
+    lag.observe(0.2, 10.0)  # a stall of 200 ms
+    lag.observe(0.001, 10.05)
+    assert lag.seconds == pytest.approx(0.2, rel=0.01)  # the largest recent one counts
+    lag.observe(0.0, 10.0 + LAG_HALF_LIFE_S)
+    assert lag.seconds == pytest.approx(0.1, rel=0.01)  # then fades
+    plain = deadline_of({TIMEOUT_HEADER: "1400"}, 0.0, 10_000)
+    kept_back = deadline_of({TIMEOUT_HEADER: "1400"}, 0.0, 10_000, lag_s=0.2)
+    assert isinstance(plain, Deadline)
+    assert isinstance(kept_back, Deadline)
+    assert plain.at - kept_back.at == pytest.approx(0.2)
+    short = deadline_of({TIMEOUT_HEADER: "100"}, 0.0, 10_000, lag_s=5.0)
+    assert isinstance(short, Deadline)
+    assert short.at == pytest.approx(0.1 - 0.005 - 0.025)  # at most a quarter of the timeout
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "abc", "1e3", "2.5", "", "9" * 5000, str(MAX_TIMEOUT_MS + 1), "٣"])

@@ -29,9 +29,31 @@ class Deadline:
         return self.at - now
 
 
-def deadline_of(headers: Mapping[str, str] | None, received: float, default_ms: int) -> Deadline | ErrorDetail:
+LAG_HALF_LIFE_S = 5.0
+"""How fast a stall of the event loop is forgotten: it counts half after this long."""
+MAX_LAG_SHARE = 0.25
+"""The most of a caller's timeout that the event loop's lag adds to the margin."""
+
+
+class LoopLag:
+    """How late the event loop has lately run what was due: the largest recent delay, forgotten with a half-life.
+    A loop that stalls (a large answer built, the GIL held by the model thread on two busy cores) runs a deadline's
+    timer late and reads requests late; its recent lag is kept back from every deadline as margin."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._at = 0.0
+
+    def observe(self, late_s: float, now: float) -> None:
+        faded = self.seconds * 0.5 ** ((now - self._at) / LAG_HALF_LIFE_S) if self._at else 0.0
+        self.seconds, self._at = max(late_s, faded), now
+
+
+def deadline_of(
+    headers: Mapping[str, str] | None, received: float, default_ms: int, lag_s: float = 0.0
+) -> Deadline | ErrorDetail:
     """The request's deadline, or what is wrong with its timeout header (its name in any case: some clients write
-    header names in lower case)."""
+    header names in lower case). ``lag_s``: the event loop's recent lag (:class:`LoopLag`), kept back as well."""
     raw = next((value for name, value in (headers or {}).items() if name.lower() == TIMEOUT_HEADER.lower()), None)
     if raw is None:
         timeout_ms = default_ms
@@ -44,7 +66,7 @@ def deadline_of(headers: Mapping[str, str] | None, received: float, default_ms: 
             )
         timeout_ms = int(text)
     timeout_s = timeout_ms / 1000
-    margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE))
+    margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE)) + min(lag_s, timeout_s * MAX_LAG_SHARE)
     return Deadline(received + max(0.0, timeout_s - margin), timeout_ms)
 
 

@@ -52,7 +52,7 @@ from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey, answer_weight
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
-from .deadlines import Deadline, ServiceTime, deadline_of
+from .deadlines import Deadline, LoopLag, ServiceTime, deadline_of
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -135,6 +135,9 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
     return query
 
 
+LAG_TICK_S = 0.05
+"""How often the worker looks how late its event loop runs (services/query/deadlines.py, LoopLag)."""
+
 # Room left in a NATS message for the reply's headers (correlation, content type, trace context).
 HEADER_ALLOWANCE_BYTES = 16 * 1024
 
@@ -208,6 +211,7 @@ class QueryService:
         self._waiting: asyncio.Queue[Admitted] = asyncio.Queue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
+        self._lag = LoopLag()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
         self._runners: list[asyncio.Task[None]] = []
@@ -289,6 +293,7 @@ class QueryService:
         self._runners = [
             asyncio.create_task(self._run(), name=f"query-runner-{i}") for i in range(settings.query_concurrency)
         ]
+        self._runners.append(asyncio.create_task(self._watch_lag(), name="query-loop-lag"))
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         models = ",".join(settings.models()) if self._embedder is not None else ""
@@ -301,7 +306,7 @@ class QueryService:
             log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
             return
         received = asyncio.get_running_loop().time()
-        deadline = deadline_of(msg.headers, received, self.settings.query_default_timeout_ms)
+        deadline = deadline_of(msg.headers, received, self.settings.query_default_timeout_ms, self._lag.seconds)
         if isinstance(deadline, ErrorDetail):
             await self._reply(msg, error_reply("invalid_request", "the request's timeout is not valid", [deadline]))
             return
@@ -323,6 +328,14 @@ class QueryService:
         # has it is stuck (a database frozen under a statement, a cleanup that waits on it).
         admitted.expiry = asyncio.get_running_loop().call_at(deadline.at, self._expire, admitted)
         self._waiting.put_nowait(admitted)
+
+    async def _watch_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_TICK_S
+            await asyncio.sleep(LAG_TICK_S)
+            now = loop.time()
+            self._lag.observe(max(0.0, now - due), now)
 
     def _expire(self, admitted: Admitted) -> None:
         if admitted.replied:

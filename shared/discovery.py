@@ -1,6 +1,10 @@
 """Which workers are running: each worker process answers NATS service discovery (the nats.micro protocol,
-``$SRV.PING|INFO|STATS.<name>``) under its part's name, saying where it runs and since when; ``ontofabric status``
-pings each name and lists who answers."""
+``$SRV.PING|INFO|STATS[.<name>[.<id>]]``) under its part's name, saying where it runs and since when;
+``ontofabric status`` pings each name and lists who answers.
+
+The answers are our own, not nats.micro's service: its handlers reply with ``msg.respond``, which sends the
+request's headers back with the reply, so one ping carrying large headers took the reply over max_payload and the
+server ended the connection of every worker that answered it (an independent review, 2026-11-28)."""
 
 from __future__ import annotations
 
@@ -8,30 +12,73 @@ import asyncio
 import json
 import os
 import socket
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
 
-from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.micro.service import Service
+
+from .logging import describe, get_logger
+
+log = get_logger(__name__)
 
 DISCOVERY_WAIT_S = 0.5
 """How long replies to a service-discovery ping are gathered."""
 
 
-async def announce(nc: Client, name: str, description: str, **details: str) -> Service:
-    """Answer service discovery as ``name`` until the service is stopped (or the connection closes)."""
-    metadata = {"host": socket.gethostname(), "pid": str(os.getpid()), "started": datetime.now(UTC).isoformat()}
-    return await micro.add_service(
-        nc,
-        name=name,
-        version=package_version("ontofabric"),
-        description=description,
-        metadata={**metadata, **details},
-    )
+@dataclass
+class Announcement:
+    """A worker answering service discovery; :meth:`stop` ends it."""
+
+    subscriptions: list[Subscription]
+
+    async def stop(self) -> None:
+        for subscription in self.subscriptions:
+            await subscription.unsubscribe()
+        self.subscriptions = []
+
+
+async def announce(nc: Client, name: str, description: str, **details: str) -> Announcement:
+    """Answer service discovery as ``name`` until the announcement is stopped (or the connection closes): PING,
+    INFO and STATS, to all services, to ``name``'s and to this one's, with nats.micro's documents."""
+    started = datetime.now(UTC)
+    metadata = {"host": socket.gethostname(), "pid": str(os.getpid()), "started": started.isoformat(), **details}
+    service_id = uuid.uuid4().hex
+    ping = {
+        "type": "io.nats.micro.v1.ping_response", "id": service_id, "name": name,
+        "version": package_version("ontofabric"), "metadata": metadata,
+    }  # fmt: skip
+    answers = {
+        "PING": ping,
+        "INFO": {**ping, "type": "io.nats.micro.v1.info_response", "description": description, "endpoints": []},
+        "STATS": {
+            **ping, "type": "io.nats.micro.v1.stats_response", "endpoints": [],
+            "started": started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+        },
+    }  # fmt: skip
+    subscriptions = []
+    for verb, answer in answers.items():
+        handler = _answering(nc, json.dumps(answer).encode())
+        for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.{service_id}"):
+            subscriptions.append(await nc.subscribe(subject, cb=handler))
+    return Announcement(subscriptions)
+
+
+def _answering(nc: Client, body: bytes) -> Callable[[Msg], Awaitable[None]]:
+    async def answer(msg: Msg) -> None:
+        if not msg.reply:
+            return
+        try:
+            await nc.publish(msg.reply, body)  # without the request's headers (the module's docstring)
+        except Exception as error:  # the connection going away: the pinger hears from the others
+            log.warning("discovery_answer_failed", error=describe(error))
+
+    return answer
 
 
 @dataclass(frozen=True)

@@ -317,6 +317,25 @@ class SlowEmbedder:
         return await self._embedder.embed_query_with_tokens_async(text)
 
 
+async def test_a_discovery_ping_with_headers_near_max_payload_leaves_the_worker_connected(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """Service discovery answers without the request's headers too (nats.micro's handlers echoed them)."""
+    worker = await start_worker(SlowReranker(0.0))
+    nc = deployment.nc
+    headers = {"filler": "f" * (nc.max_payload - 64)}  # the request fits; with an answer beside it, no longer
+    pong = await nc.request(f"$SRV.PING.{deployment.names.query_service}", b"", 5, headers=headers)
+    assert json.loads(pong.data)["type"] == "io.nats.micro.v1.ping_response"
+    info = await nc.request(f"$SRV.INFO.{deployment.names.query_service}", b"", 5)
+    assert json.loads(info.data)["name"] == deployment.names.query_service
+    again = await nc.request(deployment.names.request_subject("query", "acme"), _query(), 10)
+    assert isinstance(parse_reply(again.data), QueryResponse)
+    assert worker.connection is not None
+    assert worker.connection.is_connected
+
+
 async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavailable(
     seeded: int,
     deployment: Deployment,

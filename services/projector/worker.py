@@ -15,11 +15,10 @@ from azure.core.exceptions import AzureError
 from azure.search.documents.aio import SearchClient
 from azure.search.documents.indexes.aio import SearchIndexClient
 from nats.aio.client import Client
-from nats.micro.service import Service
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, index_model, migrate, wait_until_migrated
-from ontofabric.shared.discovery import announce
+from ontofabric.shared.discovery import Announcement, announce
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.logging import get_logger
@@ -68,7 +67,7 @@ class ProjectorService:
         self._projections: list[RunningProjection] = []
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
-        self._service: Service | None = None
+        self._service: Announcement | None = None
 
     async def start(self) -> None:
         try:
@@ -158,7 +157,7 @@ class AzureProjectorService:
         self._puller: RunningProjection | None = None
         self._clients: tuple[SearchIndexClient, SearchClient] | None = None
         self._watermarking: asyncio.Task[None] | None = None
-        self._service: Service | None = None
+        self._service: Announcement | None = None
 
     async def start(self) -> None:
         try:
@@ -215,7 +214,7 @@ class AzureProjectorService:
         log.info("azure_projector_stopped")
 
 
-async def _stop_announcing(service: Service | None) -> None:
+async def _stop_announcing(service: Announcement | None) -> None:
     """No longer answer service discovery (first: a projector stopping is not one to count on)."""
     if service is not None:
         with contextlib.suppress(Exception):  # the connection may be gone already

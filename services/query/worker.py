@@ -19,7 +19,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, NoRespondersError, StaleConnectionError
 from nats.js.errors import ServiceUnavailableError
-from nats.micro.service import Service
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
@@ -36,7 +35,7 @@ from ontofabric.contracts import (
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import READER_ROLE, create_pool, index_model, is_unavailable, migrate, wait_until_migrated
-from ontofabric.shared.discovery import announce
+from ontofabric.shared.discovery import Announcement, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
@@ -198,7 +197,7 @@ class QueryService:
         self._reranker = reranker
         self._nc: Client | None = None
         self._subscriptions: list[Subscription] = []
-        self._service: Service | None = None
+        self._service: Announcement | None = None
         """How ``ontofabric status`` finds this worker: NATS service discovery."""
         self._pools: list[asyncpg.Pool] = []
         """Reader pools of the databases the workspaces are placed on (shared/placement.py), in its order."""

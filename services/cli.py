@@ -215,12 +215,15 @@ def ingest(
     except ValueError as error:
         _fail(str(error))
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
-    endpoints = _endpoints(settings)
+    try:
+        nats_url = resolve_nats_url(settings, "ingest")  # an ingest needs NATS only, not the database's URL
+    except RuntimeUnavailable as error:
+        _fail(str(error))
     names = Names(settings.subject_prefix)
 
     async def run() -> None:
         embedder = await asyncio.to_thread(build_embedder, settings, False)  # documents only
-        nc = await connect(endpoints.nats_url_as("ingest"), "ontofabric-ingest", settings)
+        nc = await connect(nats_url, "ontofabric-ingest", settings)
         try:
             js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them
             started = time.perf_counter()

@@ -43,7 +43,7 @@ def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:
     assert "ontofabric up" in result.stderr
 
 
-@pytest.mark.parametrize("command", [["query", "anything"], ["dlq", "list"]])
+@pytest.mark.parametrize("command", [["query", "anything"], ["ingest", ".", "--workspace", "w"], ["dlq", "list"]])
 def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path: Path, command: list[str]) -> None:
     """No command waits for ever for a server nobody runs; a query needs no database URL to say so. (The MCP
     gateway starts anyway: tests/test_gateway.py.)"""
@@ -54,11 +54,11 @@ def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path:
         ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{port}", ONTOFABRIC_NATS_CONNECT_TIMEOUT_S="1.5",
         ONTOFABRIC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none",  # an operator's command reads both
     )  # fmt: skip
-    if command[0] == "query":
+    if command[0] in ("query", "ingest"):  # both need NATS only
         del env["ONTOFABRIC_DATABASE_URL"]
     started = time.monotonic()
     result = subprocess.run(
-        [ONTOFABRIC, *command, "--data-dir", str(tmp_path)],
+        [ONTOFABRIC, *command, "--data-dir", str(tmp_path)], cwd=tmp_path,
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr

@@ -109,13 +109,16 @@ class Shadow:
         return retired_schema(self._workspace)
 
     async def copy_handled_events(self, conn: asyncpg.Connection, after: int, upto: int | None) -> None:
-        """Into the live table, the shadow's handled events of stream sequences in (after, upto]."""
+        """Into the live table, the shadow's handled events of stream sequences in (after, upto], as the workspace's:
+        the shadow holds no other, and rows it kept from before infra/migrations/0019 (a rebuild resumed across
+        the upgrade) say ''."""
         await conn.execute(
             "INSERT INTO public.handled_events (workspace, event_id, stream_seq)"
-            f" SELECT workspace, event_id, stream_seq FROM {self._table('handled_events')}"
+            f" SELECT $3, event_id, stream_seq FROM {self._table('handled_events')}"
             " WHERE stream_seq > $1 AND ($2::bigint IS NULL OR stream_seq <= $2) ON CONFLICT DO NOTHING",
             after,
             upto,
+            self._workspace,
         )
 
     async def add_handled_events(self, events: dict[str, int]) -> None:

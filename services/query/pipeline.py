@@ -314,7 +314,10 @@ class QueryPipeline:
                 embedding.cancel()
         lists = {r.name: hits for r, hits in zip(wanted, found, strict=True) if hits is not None}
         if not lists:
-            out_of_time = "deadline" in run.degraded
+            # Only when time is all that was missing: each retriever cut, or the embedding it waited for.
+            out_of_time = all(
+                r.name in run.out_of_time or (r.needs_embedding and "embedder" in run.out_of_time) for r in wanted
+            )
             raise RetrievalUnavailable(f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time)
         for name, hits in lists.items():
             run.read(hits.version)

@@ -36,6 +36,8 @@ class QueryRun:
     timings: dict[str, float] = field(default_factory=dict)
     degraded: list[str] = field(default_factory=list)
     """Parts that failed or were unavailable, in the order they did."""
+    out_of_time: set[str] = field(default_factory=set)
+    """Those of them skipped or cut for the deadline (not failed)."""
     versions_read: set[str] = field(default_factory=set)
     """The ontologyVersion of every snapshot the answer read: more than one means it mixes states."""
     reports: dict[str, Any] = field(default_factory=dict)
@@ -100,6 +102,7 @@ class QueryRun:
         if "deadline" not in self.degraded:
             self.degraded.append("deadline")
         self.degraded.append(part)
+        self.out_of_time.add(part)
 
     def degrade(self, part: str, error: BaseException | None = None, **context: Any) -> None:
         if error is not None:

@@ -137,7 +137,8 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
 LAG_TICK_S = 0.05
 """How often the worker looks how late its event loop runs (services/query/deadlines.py, LoopLag)."""
 
-# Room left in a NATS message for the reply's headers (correlation, content type, trace context).
+# Room kept free in a NATS message beside a reply: replies carry no headers now (_reply), so this is slack, kept
+# rather than moving every budget (budget.fit_reply) by 16 KiB.
 HEADER_ALLOWANCE_BYTES = 16 * 1024
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ontofabric.services.gateway.link import NatsLink, NatsUnavailable
+from ontofabric.services.gateway.link import RETRY_AFTER_S, NatsLink, NatsUnavailable
 from ontofabric.shared.jetstream import close, connect
 from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import free_port
@@ -35,6 +35,9 @@ async def test_the_link_waits_for_a_server_and_follows_it_when_it_moves(tmp_path
     (tmp_path / "second").mkdir()
     first = spawn_nats(tmp_path / "first", first_port, USERS)
     try:
+        with pytest.raises(NatsUnavailable, match="no NATS server answered"):
+            await link.client()  # right after a failed attempt: its error, at once, not another attempt
+        await asyncio.sleep(RETRY_AFTER_S)
         nc = await link.client()
         assert nc.connected_url is not None
         assert nc.connected_url.port == first_port

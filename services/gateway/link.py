@@ -22,6 +22,9 @@ log = get_logger(__name__)
 
 STALE_AFTER_S = 3.0
 """A connection reconnecting for longer than this is replaced when the server is found elsewhere."""
+RETRY_AFTER_S = 1.0
+"""After a failed attempt to connect, calls within this long get its error at once: calls that queued behind it
+would otherwise each wait out an attempt of their own."""
 
 
 class NatsUnavailable(Exception):
@@ -44,6 +47,8 @@ class NatsLink:
         self._nc: Client | None = None
         self._url: str | None = None
         self._down_since: float | None = None
+        self._failed: tuple[float, str] | None = None
+        """When the last attempt to connect failed, and why."""
         self._lock = asyncio.Lock()
 
     async def client(self) -> Client:
@@ -60,6 +65,8 @@ class NatsLink:
         if nc is not None and nc.is_connected:  # another call connected it meanwhile
             return nc
         now = time.monotonic()
+        if self._failed is not None and now - self._failed[0] < RETRY_AFTER_S:
+            raise NatsUnavailable(self._failed[1])
         if nc is not None and not nc.is_closed:
             # nats-py is reconnecting to the URL it knew. Give it a moment; then look whether the server moved.
             self._down_since = self._down_since or now
@@ -68,6 +75,7 @@ class NatsLink:
         try:
             url = self._locate()
         except Exception as error:
+            self._failed = (now, str(error))
             raise NatsUnavailable(str(error)) from error
         if nc is not None and not nc.is_closed and url == self._url:
             raise NatsUnavailable("NATS is not answering; reconnecting")
@@ -78,8 +86,9 @@ class NatsLink:
         try:
             self._nc = await self._connect(url)
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
+            self._failed = (time.monotonic(), str(error))
             raise NatsUnavailable(str(error)) from error
-        self._url, self._down_since = url, None
+        self._url, self._down_since, self._failed = url, None, None
         return self._nc
 
     async def close(self) -> None:

@@ -81,8 +81,8 @@ class NatsLink:
             raise NatsUnavailable("NATS is not answering; reconnecting")
         if nc is not None:
             self._nc = None
-            await self._close(nc)
             log.info("gateway_nats_replaced", reason="closed" if nc.is_closed else "server moved")
+            await self._close(nc)
         try:
             self._nc = await self._connect(url)
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call

@@ -16,7 +16,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.freshness import POSITION_TTL_S
 from ontofabric.services.query.rerankers import build_reranker
-from ontofabric.services.query.worker import QueryService
+from ontofabric.services.query.worker import QueryService, parse_request
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 
@@ -346,6 +346,25 @@ async def test_malformed_queries_get_structured_errors_and_the_worker_keeps_serv
             assert field in {d.field for d in reply.error.details}, (body, reply.error.details)
         ok = await _ask(client, "send an http request")
         assert ok.results[0].id == "http"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (rb'{"semanticQuery": "a\ud800b"}', "semanticQuery"),  # an emoji cut in half by a JavaScript client
+        (rb'{"semanticQuery": "ok", "options": {"retrievers": ["x\udfff"]}}', "options.retrievers.0"),
+        (b'{"semanticQuery": }', None),  # not JSON at all: pydantic's own message, no field
+    ],
+)
+def test_half_a_character_is_named_by_its_field(body: bytes, field: str | None) -> None:
+    reply = parse_request(body, "acme", 1000)
+    assert isinstance(reply, bytes)
+    error = ErrorReply.model_validate_json(reply).error
+    assert error.code == "invalid_request"
+    assert error.details[0].field == field
+    whole = parse_request(rb'{"semanticQuery": "a\ud83d\ude00b"}', "acme", 1000)  # a whole pair is a character
+    assert not isinstance(whole, bytes)
+    assert whole.semantic_query == "a\U0001f600b"
 
 
 async def test_an_error_reply_names_the_first_problems_and_counts_the_rest(

@@ -39,6 +39,22 @@ def _check_streamable(fd: int, name: str) -> None:
         )
 
 
+def parsed(line: bytes) -> types.JSONRPCMessage:
+    """The message on a line. JSON whose strings hold a lone UTF-16 surrogate (half of a character, as a
+    JavaScript client cutting an emoji makes) is read too, by Python's parser: the SDK's refuses the whole message,
+    while the worker, given the arguments, names the field that is not text."""
+    try:
+        return types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+    except ValidationError as refused:
+        if not any(e["type"] == "json_invalid" for e in refused.errors()):
+            raise
+        try:
+            found = json.loads(line)
+        except (ValueError, RecursionError):
+            raise refused from None
+        return types.jsonrpc_message_adapter.validate_python(found, by_name=False)
+
+
 def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JSONRPCError | None:
     """The JSON-RPC answer to a line that is no message the SDK reads (None: an over-long line, skipped), refused
     with ``problem``: a parse error, or an invalid request under the line's id where it has one, so that a caller
@@ -127,7 +143,7 @@ async def stdio_streams() -> AsyncIterator[
                     try:
                         if line is None:
                             raise ValueError("over-long")
-                        message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+                        message = parsed(line)
                     except Exception as problem:  # answered here: the SDK's session logs it and answers nothing
                         answer = unreadable(line, problem)
                         if answer is not None:

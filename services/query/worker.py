@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -107,11 +108,37 @@ def workspace_of_subject(subject: str) -> str | None:
 Request = TypeVar("Request", OntologyQuery, DocumentRequest, StatusRequest)
 
 
+def surrogate_field(body: bytes) -> str | None:
+    """Where a body that JSON's grammar allows holds a lone UTF-16 surrogate (``"\\ud800"``: half of a character
+    cut in two, as a JavaScript client slicing an emoji makes), which no Unicode text may: the field's dotted path,
+    or None."""
+    try:
+        found = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    waiting: list[tuple[str, object]] = [("", found)]
+    while waiting:
+        path, value = waiting.pop()
+        if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+            return path or None
+        if isinstance(value, dict):
+            waiting += [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+        elif isinstance(value, list):
+            waiting += [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
+    return None
+
+
 def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | bytes:
     """The validated request, or the error reply to send instead."""
     try:
         request = model.model_validate_json(body)
     except ValidationError as error:
+        field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in error.errors()) else None
+        if field is not None:
+            detail = ErrorDetail(
+                field=_clip(field), message="not valid Unicode: half of a character (a lone surrogate)"
+            )
+            return error_reply("invalid_request", f"the request does not match {model.__name__}", [detail])
         return error_reply("invalid_request", f"the request does not match {model.__name__}", validation_details(error))
     if request.workspace is not None and request.workspace != workspace:
         return error_reply(

@@ -38,7 +38,7 @@ from ontofabric.shared.jetstream import (
 )
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.logging import configure_logging, get_logger
-from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials
+from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials, NatsRole
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.progress import Progress
@@ -136,6 +136,14 @@ def _endpoints(settings: Settings) -> Endpoints:
         _fail(str(error))
 
 
+def _nats_url(settings: Settings, role: NatsRole) -> str:
+    """NATS alone, as ``role``, for a command that needs no database (``_endpoints`` wants both)."""
+    try:
+        return resolve_nats_url(settings, role)
+    except RuntimeUnavailable as error:
+        _fail(str(error))
+
+
 @app.command()
 def up(data_dir: DataDir = None) -> None:
     """Start embedded servers (unless URLs are set), the projector and a query worker; run until Ctrl-C/SIGTERM."""
@@ -215,10 +223,7 @@ def ingest(
     except ValueError as error:
         _fail(str(error))
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
-    try:
-        nats_url = resolve_nats_url(settings, "ingest")  # an ingest needs NATS only, not the database's URL
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    nats_url = _nats_url(settings, "ingest")
     names = Names(settings.subject_prefix)
 
     async def run() -> None:
@@ -266,10 +271,7 @@ def query(
     from .query.client import QueryClient, RequestTooLarge, parse_reply
 
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
-    try:
-        nats_url = resolve_nats_url(settings, "client")  # a query needs NATS only, not the database's URL
-    except RuntimeUnavailable as error:
-        _fail(str(error))
+    nats_url = _nats_url(settings, "client")
     request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
     for key, value in (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance)):
         if value is not None:

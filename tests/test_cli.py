@@ -67,20 +67,31 @@ def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> None:
-    """Not left up with its workers retrying against a server that is gone: exit 1, naming it, for a supervisor."""
-    data_dir = tmp_path / "data"
-    env = _env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none")
+def _start_up(env: dict[str, str], data_dir: Path) -> subprocess.Popen[bytes]:
+    """``ontofabric up`` as a process of its own session, once it has recorded its servers."""
     up = subprocess.Popen(
         [ONTOFABRIC, "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
+    deadline = time.monotonic() + 90
     try:
-        deadline = time.monotonic() + 90
         while not (data_dir / "runtime.json").exists():
             assert up.poll() is None, up.stderr.read().decode() if up.stderr else ""
             assert time.monotonic() < deadline, "ontofabric up did not start"
             time.sleep(0.2)
+    except BaseException:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        raise
+    return up
+
+
+@pytest.mark.slow
+def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> None:
+    """Not left up with its workers retrying against a server that is gone: exit 1, naming it, for a supervisor."""
+    data_dir = tmp_path / "data"
+    up = _start_up(_env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none"), data_dir)
+    try:
         nats_pid = json.loads((data_dir / "runtime.json").read_text())["natsNodes"][0]["pid"]
         os.kill(nats_pid, signal.SIGKILL)
         _, stderr = up.communicate(timeout=60)
@@ -102,15 +113,8 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         ONTOFABRIC_RERANKER_URL="https://127.0.0.1:9/v2/rerank", ONTOFABRIC_RERANKER_API_KEY=reranker_key,
     )  # fmt: skip
     outputs: list[str] = []
-    up = subprocess.Popen(
-        [ONTOFABRIC, "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    up = _start_up(env, data_dir)
     try:
-        deadline = time.monotonic() + 90
-        while not (data_dir / "runtime.json").exists():
-            assert up.poll() is None, up.stderr.read().decode() if up.stderr else ""
-            assert time.monotonic() < deadline, "ontofabric up did not start"
-            time.sleep(0.2)
         source = tmp_path / "src"
         source.mkdir()
         (source / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")

@@ -134,12 +134,9 @@ def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | b
         request = model.model_validate_json(body)
     except ValidationError as error:
         field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in error.errors()) else None
-        if field is not None:
-            detail = ErrorDetail(
-                field=_clip(field), message="not valid Unicode: half of a character (a lone surrogate)"
-            )
-            return error_reply("invalid_request", f"the request does not match {model.__name__}", [detail])
-        return error_reply("invalid_request", f"the request does not match {model.__name__}", validation_details(error))
+        half = "not valid Unicode: half of a character (a lone surrogate)"
+        details = [ErrorDetail(field=_clip(field), message=half)] if field else validation_details(error)
+        return error_reply("invalid_request", f"the request does not match {model.__name__}", details)
     if request.workspace is not None and request.workspace != workspace:
         return error_reply(
             "invalid_request",

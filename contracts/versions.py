@@ -24,6 +24,12 @@ def overlay_version(main: str, branch: str, branch_version: str | None) -> str:
     return main if branch == MAIN_BRANCH else f"{main}+{branch_version or NO_VERSION}"
 
 
+def nothing_indexed(version: str) -> bool:
+    """Whether an answer's ontologyVersion says its workspace and branch have no commit yet (a new workspace, or a
+    name nobody has ingested into)."""
+    return all(part == NO_VERSION for part in version.split("+"))
+
+
 class OntologyVersionChanged(WireModel):
     workspace: str
     branch: str

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ontofabric.contracts import ErrorReply, QueryResponse
+from ontofabric.contracts import ErrorReply, QueryResponse, nothing_indexed
 from ontofabric.services.ops.status import DeploymentStatus
 
 
@@ -40,6 +40,11 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)
     meta = reply.meta
+    if nothing_indexed(meta.ontology_version):
+        console.print(
+            f"[yellow]nothing is indexed in workspace {escape(meta.workspace)!r}, branch {escape(meta.branch)!r}"
+            "[/yellow] (check the name, or `ontofabric status`)"
+        )
     timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())
     console.print(
         f"[dim]_meta[/dim] ontologyVersion={meta.ontology_version} hybrid={meta.hybrid} reranked={meta.reranked}"

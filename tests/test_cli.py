@@ -139,6 +139,12 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         assert reply["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
         assert reply["_meta"]["degraded"] == ["embedder", "reranker"]  # the key was sent, and the call failed
         assert reply["_meta"]["hybrid"] is False
+        unknown = subprocess.run(
+            [ONTOFABRIC, "query", "circle", "--workspace", "goe"], env={**env, "COLUMNS": "200"}, capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert unknown.returncode == 0, unknown.stderr
+        assert "nothing is indexed in workspace 'goe'" in unknown.stdout  # not to be read as "nothing matched"
         # A tenant's own NATS user, added to the running server: it reads geo, and nothing else.
         added = subprocess.run(
             [ONTOFABRIC, "nats-user", "add", "client", "--workspace", "geo"], env=env, capture_output=True,

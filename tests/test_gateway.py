@@ -24,9 +24,10 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+from ontofabric.contracts import NO_VERSION, QueryMeta, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.gateway.stdio import next_line
-from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded
+from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, render
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
@@ -445,3 +446,18 @@ def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves()
     assert fitted.endswith("the structured result holds the whole answer)")
     assert fitted_text(query, {"maxTokens": 1000}, "short", 3000) == "short"
     assert fitted_text(query, {}, text, 3000) == text  # no maxTokens given: nothing to fit to here
+
+
+@pytest.mark.parametrize(
+    ("version", "branch", "said"),
+    [(NO_VERSION, "main", True), (f"{NO_VERSION}+{NO_VERSION}", "fix", True), ("7-00000000000000ab", "main", False),
+     (f"7-00000000000000ab+{NO_VERSION}", "fix", False)],
+)  # fmt: skip
+def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: str, branch: str, said: bool) -> None:
+    """An agent that misspells its workspace must not read "no code matches" from an empty list."""
+    meta = QueryMeta(
+        ontology_version=version, workspace="acme-typo", branch=branch, hybrid=True, reranked=False, cache_hit=False,
+        backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+    )  # fmt: skip
+    text = render(QueryResponse(results=[], _meta=meta))
+    assert ("nothing is indexed in workspace 'acme-typo'" in text) is said

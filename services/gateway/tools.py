@@ -22,6 +22,7 @@ from ontofabric.contracts import (
     QueryResponse,
     StatusReply,
     StatusRequest,
+    nothing_indexed,
 )
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.services.query.budget import BYTES_PER_TOKEN
@@ -188,6 +189,11 @@ def _render_query(reply: QueryResponse) -> str:
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(f"{len(reply.results)} results")
+    if nothing_indexed(meta.ontology_version):
+        head.append(
+            f"nothing is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}: check the name, or whether "
+            "its first ingest is still pending (ontology_status)"
+        )
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")
     if meta.freshness is not None and meta.freshness.pending_deltas:

@@ -41,7 +41,7 @@ from ontofabric.shared.logging import configure_logging, get_logger
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials, NatsRole
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
-from ontofabric.shared.progress import Progress
+from ontofabric.shared.progress import Progress, ProjectionWatch
 from ontofabric.shared.runtime import (
     NATS_USERS_FILE,
     RUNTIME_FILE,
@@ -199,12 +199,27 @@ def query_worker(data_dir: DataDir = None) -> None:
     _serve(settings, endpoints, Roles(projector=False, query=True, azure_projector=False))
 
 
+def _stalled_projection(floor: int, target: int, still_s: float) -> None:
+    errors.print(
+        f"[yellow]warning:[/yellow] the index has stayed at stream seq {floor} for {still_s:.0f} s (this ingest "
+        f"ends at {target}): is a projector running? `ontofabric status` shows the projectors and dead letters."
+    )
+
+
 @app.command()
 def ingest(
     path: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).")],
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.")],
     branch: Annotated[str, typer.Option(help="Branch to publish into.")] = MAIN_BRANCH,
     wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every delta.")] = True,
+    wait_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds to wait for the projector before giving up with exit 1 (the deltas stay stored and are "
+            "projected when a projector runs).",
+        ),
+    ] = 3600.0,
     package: Annotated[
         str | None,
         typer.Option(
@@ -243,7 +258,19 @@ def ingest(
                 finally:
                     cache.close()
                 if wait and report.last_sequence is not None:
-                    await wait_projected(js, names, settings.projector_partitions, report.last_sequence, 3600)
+                    watch = ProjectionWatch(progress, report.last_sequence, _stalled_projection)
+                    try:
+                        await wait_projected(
+                            js, names, settings.projector_partitions, report.last_sequence, wait_timeout,
+                            on_floor=watch,
+                        )  # fmt: skip
+                    except TimeoutError:
+                        _fail(
+                            f"not projected within {wait_timeout:g} s: the index is at stream seq {watch.floor}, this "
+                            f"ingest's last delta is {report.last_sequence}. The deltas are stored; a running "
+                            "projector applies them (`ontofabric status` shows the projectors and dead letters).",
+                            1,
+                        )
             console.print(
                 f"{report.files} files, {report.chunks} chunks: {report.upserts} upserts, {report.deletes} deletes, "
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "

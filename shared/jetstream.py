@@ -373,12 +373,23 @@ async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -
 
 
 async def wait_projected(
-    js: JetStreamContext, names: Names, partitions: int, stream_seq: int, timeout_s: float, poll_s: float = 0.05
+    js: JetStreamContext,
+    names: Names,
+    partitions: int,
+    stream_seq: int,
+    timeout_s: float,
+    poll_s: float = 0.05,
+    on_floor: Callable[[int], object] | None = None,
 ) -> None:
     """Wait until the Postgres index holds ``stream_seq`` (:func:`projected_floor`); TimeoutError after
-    ``timeout_s``."""
+    ``timeout_s``. ``on_floor`` is told the index's position at every look."""
     async with asyncio.timeout(timeout_s):
-        while await projected_floor(js, names, partitions) < stream_seq:
+        while True:
+            floor = await projected_floor(js, names, partitions)
+            if on_floor is not None:
+                on_floor(floor)
+            if floor >= stream_seq:
+                return
             await asyncio.sleep(poll_s)
 
 

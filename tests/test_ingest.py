@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.onnx_models import OnnxEmbedder
+from ontofabric.shared.progress import ProjectionWatch
 
 from .conftest import Deployment
 
@@ -180,3 +183,55 @@ async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly
         for c in chunk_file(name, (ours / name).read_text(), deployment.settings.max_content_bytes)
     }
     assert await _live(deployment) == expected
+
+
+class _Recorded:
+    def __init__(self) -> None:
+        self.stages: dict[str, int] = {}
+        self.done: dict[str, int] = {}
+
+    def stage(self, name: str, total: int) -> None:
+        self.stages[name], self.done[name] = total, 0
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        self.done[name] += amount
+
+
+def test_a_wait_on_the_projector_shows_progress_and_says_once_when_the_index_stops_moving() -> None:
+    progress, said, now = _Recorded(), [], [0.0]
+    watch = ProjectionWatch(progress, 110, lambda *stall: said.append(stall), stalled_after_s=30, clock=lambda: now[0])
+    for at, floor in ((0, 100), (5, 104), (20, 104), (34, 104)):
+        now[0] = at
+        watch(floor)
+    assert progress.stages == {"projected": 10}
+    assert progress.done == {"projected": 4}
+    assert said == []  # still for 29 s
+    now[0] = 35
+    watch(104)
+    now[0] = 90
+    watch(104)
+    assert said == [(104, 110, 30.0)]  # once for one stall
+    for at, floor in ((91, 108), (200, 108), (201, 120)):
+        now[0] = at
+        watch(floor)
+    assert said == [(104, 110, 30.0), (108, 110, 109.0)]  # moved, then stalled again: said again
+    assert progress.done == {"projected": 10}  # never past the target
+    assert watch.floor == 120
+
+
+def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    _write(tmp_path, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    ontofabric = str(Path(sys.executable).parent / "ontofabric")
+    ran = subprocess.run(
+        [ontofabric, "ingest", str(tmp_path), "--workspace", "lonely", "--wait-timeout", "2"], env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 1, ran.stderr
+    assert "not projected within 2 s" in ran.stderr
+    assert "The deltas are stored" in ran.stderr

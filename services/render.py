@@ -108,7 +108,8 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     for row in status.branches:
         waited = f"{row.oldest_pending_ms / 1000:.1f} s" if row.oldest_pending_ms is not None else "-"
         branches.add_row(
-            escape(row.workspace), escape(row.branch), row.ontology_version, str(row.latest_seq or "-"),
+            escape(row.workspace), escape(row.branch), row.ontology_version if row.announced_at else "none yet",
+            str(row.latest_seq or "-"),
             str(row.position), str(row.pending_deltas), waited,
         )  # fmt: skip
     console.print(branches)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.placement import Placement
@@ -39,7 +40,9 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
 
     status = await deployment_status(deployment.nc, deployment.names, placement)
     rows = {(row.workspace, row.branch): row for row in status.branches}
-    assert set(rows) == {("acme", "main"), ("acme", "feature/x")}
+    assert set(rows) == {("acme", "main"), ("acme", "feature/x"), ("globex", "main")}
+    assert (rows[("globex", "main")].ontology_version, rows[("globex", "main")].announced_at) == (NO_VERSION, None)
+    assert rows[("globex", "main")].latest_seq == acks[2].seq  # its one delta was dead-lettered: nothing indexed
     assert rows[("acme", "main")].latest_seq == acks[0].seq
     assert rows[("acme", "main")].ontology_version.startswith(f"{acks[0].seq}-")
     assert all(row.pending_deltas == 0 and row.position == acks[-1].seq for row in rows.values())
@@ -61,6 +64,12 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert main.oldest_pending_ms is not None
     assert status.dead_letters == {}  # globex's, not asked for
     assert status.projectors == []
+    # A workspace whose every delta is pending has no version yet, and is listed all the same.
+    first = await deployment.publisher.publish(upsert("initech", document("d", "delta"), branch="dev.1"))
+    status = await deployment_status(deployment.nc, deployment.names, placement)
+    new = next(row for row in status.branches if row.workspace == "initech")
+    assert (new.branch, new.ontology_version, new.announced_at) == ("dev.1", NO_VERSION, None)
+    assert (new.latest_seq, new.pending_deltas) == (first.seq, 1)
 
     def status_command(*args: str) -> subprocess.CompletedProcess[str]:  # in a thread: the worker answers pings
         command = [ONTOFABRIC, "status", *args]
@@ -71,9 +80,10 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     report = json.loads(shown.stdout)
     assert report["dead_letters"] == {"globex": 1}
     assert {(b["workspace"], b["branch"], b["pending_deltas"]) for b in report["branches"]} == {
-        ("acme", "main", 1), ("acme", "feature/x", 0)
+        ("acme", "main", 1), ("acme", "feature/x", 0), ("globex", "main", 0), ("initech", "dev.1", 1)
     }  # fmt: skip
     assert len(report["query_workers"]) == 1
     table = await asyncio.to_thread(status_command)
     assert table.returncode == 0, table.stderr
     assert "dead letters: globex 1" in table.stdout
+    assert "none yet" in table.stdout  # initech's version

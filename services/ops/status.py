@@ -10,14 +10,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
-from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
 from ontofabric.services.query.freshness import published_after
 from ontofabric.shared.discovery import Worker, discover
 from ontofabric.shared.placement import Placement
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import Names, decode_token
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class BranchStatus:
     workspace: str
     branch: str
     ontology_version: str
-    announced_at: datetime
+    announced_at: datetime | None
+    """None: no version announced yet (every delta of the branch is still pending, or dead-lettered)."""
     latest_seq: int | None
     """The last delta published to this workspace and branch."""
     position: int
@@ -82,22 +84,28 @@ async def deployment_status(
             )
         )
     floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}
-    for version in await _announced(nc, names):
-        if workspace is not None and version.workspace != workspace:
+    announced = await _announced(nc, names)
+    versions: dict[tuple[str, str], tuple[str, datetime | None]] = {
+        (version.workspace, version.branch): (version.ontology_version, version.updated_at) for version in announced
+    }
+    for unannounced in await _published_branches(js, names) - set(versions):
+        versions[unannounced] = (NO_VERSION, None)  # published to, never projected: the projector is down or behind
+    for (branch_workspace, branch), (ontology_version, announced_at) in sorted(versions.items()):
+        if workspace is not None and branch_workspace != workspace:
             continue
-        subject = names.delta_subject(version.workspace, version.branch)
+        subject = names.delta_subject(branch_workspace, branch)
         try:
             latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
         except NotFoundError:
             latest = None
-        position = floors.get(durables[placement.partition_of(version.workspace)], 0)
+        position = floors.get(durables[placement.partition_of(branch_workspace)], 0)
         pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
         status.branches.append(
             BranchStatus(
-                version.workspace,
-                version.branch,
-                version.ontology_version,
-                version.updated_at,
+                branch_workspace,
+                branch,
+                ontology_version,
+                announced_at,
                 latest,
                 position,
                 pending.deltas,
@@ -113,6 +121,22 @@ async def deployment_status(
         discover(nc, names.projector_service), discover(nc, names.query_service)
     )
     return status
+
+
+async def _published_branches(js: JetStreamContext, names: Names) -> set[tuple[str, str]]:
+    """The (workspace, branch) pairs the delta stream holds deltas of, by their subjects (one that is not a
+    canonical ``<prefix>.delta.<workspace>.<branch>`` names none: the projector dead-letters it)."""
+    info = await js.stream_info(names.delta_stream, subjects_filter=names.delta_subjects)
+    found = set()
+    for subject in info.state.subjects or {}:
+        tokens = subject.split(".")[len(names.prefix.split(".")) + 1 :]
+        if len(tokens) != 2:
+            continue
+        try:
+            found.add((decode_token(tokens[0]), decode_token(tokens[1])))
+        except ValueError:
+            continue
+    return found
 
 
 async def _announced(nc: Client, names: Names) -> list[OntologyVersionChanged]:

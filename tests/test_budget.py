@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ontofabric.contracts import QueryMeta, QueryResponse, SearchResult
+from ontofabric.contracts import ExpandedContext, QueryMeta, QueryResponse, SearchResult
+from ontofabric.contracts.query import CollapsedResult
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, TooLarge, cut_to, fit_reply
 
 META = QueryMeta(
@@ -77,6 +78,34 @@ def test_a_budget_too_small_for_every_result_keeps_the_best_ranks() -> None:
     assert [r.id for r in fitted.results] == [f"d{i}" for i in range(len(fitted.results))]
     assert fitted.meta.budget is not None
     assert fitted.meta.budget.results_dropped == 100 - len(fitted.results)
+
+
+def test_what_the_meta_says_about_results_left_out_goes_with_them() -> None:
+    """Chunks collapsed into a result, and context linked from one, leave with it: kept, they filled the least
+    budget there is, so that a deep answer failed, or kept one result in a hundred."""
+    answer = _answer([None] * 100)
+    collapsed = [CollapsedResult(id=f"nested-{i}-{j}", into=f"d{i}") for i in range(100) for j in range(2)]
+    context = [
+        ExpandedContext(
+            linked_type=f"pkg.Linked{i}", link_name="calls", direction="outgoing", linked_from_type="t.T",
+            linked_from_document_id=f"d{i}", representative_document_id=f"r{i}",
+        )
+        for i in range(0, 100, 10)
+    ]  # fmt: skip
+    answer = answer.model_copy(
+        update={"meta": answer.meta.model_copy(update={"collapsed": collapsed, "expanded_context": context})}
+    )
+    fitted, body = _fit(answer, 1000)
+    assert len(body) <= 1000 * BYTES_PER_TOKEN
+    kept = {r.id for r in fitted.results}
+    assert len(kept) >= 5
+    assert fitted.meta.collapsed
+    assert {entry.into for entry in fitted.meta.collapsed} <= kept
+    assert {entry.linked_from_document_id for entry in fitted.meta.expanded_context} <= kept
+    assert fitted.meta.expanded_context_truncated is True
+    whole, _ = _fit(answer, 250_000)
+    assert (whole.meta.collapsed, whole.meta.expanded_context) == (collapsed, context)  # nothing left out
+    assert whole.meta.expanded_context_truncated is False
 
 
 def test_the_message_size_cuts_too_and_says_so() -> None:

@@ -82,8 +82,22 @@ def _with_meta(response: QueryResponse, **update: object) -> QueryResponse:
 def _with_budget(
     response: QueryResponse, report: BudgetReport, results: list[SearchResult] | None = None
 ) -> QueryResponse:
-    fitted = _with_meta(response, budget=report)
-    return fitted if results is None else fitted.model_copy(update={"results": results})
+    """``response`` with ``report`` and, when given, only ``results`` and the ``_meta`` entries about them: a chunk
+    collapsed into a result left out, and context linked from one, go with it."""
+    if results is None:
+        return _with_meta(response, budget=report)
+    kept = {result.id for result in results}
+    meta = response.meta
+    collapsed = [entry for entry in meta.collapsed if entry.into in kept]
+    context = [entry for entry in meta.expanded_context if entry.linked_from_document_id in kept]
+    fitted = _with_meta(
+        response,
+        budget=report,
+        collapsed=collapsed,
+        expanded_context=context,
+        expanded_context_truncated=meta.expanded_context_truncated or len(context) < len(meta.expanded_context),
+    )
+    return fitted.model_copy(update={"results": results})
 
 
 def _without_content(result: SearchResult) -> SearchResult:

@@ -24,10 +24,10 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
-from ontofabric.contracts import NO_VERSION, QueryMeta, QueryResponse
+from ontofabric.contracts import NO_VERSION, ErrorDetail, ErrorReply, QueryError, QueryMeta, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.gateway.stdio import next_line
-from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, render
+from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, render, restated
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
@@ -461,3 +461,17 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     )  # fmt: skip
     text = render(QueryResponse(results=[], _meta=meta))
     assert ("nothing is indexed in workspace 'acme-typo'" in text) is said
+
+
+def test_a_worker_error_about_the_halved_budget_names_the_value_the_caller_gave() -> None:
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    worker_said = ErrorReply(
+        error=QueryError(
+            code="invalid_request", message="even an answer without results exceeds the 4000 bytes it may have",
+            details=[ErrorDetail(field="maxTokens", message="1000 is too small for this answer; ask for more")],
+        )
+    )  # fmt: skip
+    text = render(restated(query, {"semanticQuery": "x", "maxTokens": 2000}, worker_said))
+    assert "- maxTokens: 2000 is too small" in text
+    assert "1000" not in text.split("\n", 1)[1]  # the half the gateway asked for is not the caller's to know
+    assert restated(query, {"semanticQuery": "x", "maxTokens": 10}, worker_said) == worker_said  # sent as given

@@ -33,7 +33,7 @@ from ontofabric.shared.subjects import Names
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsUnavailable
 from .stdio import stdio_streams
-from .tools import TOOLS, ToolSpec, fitted_text, forwarded, render, render_error
+from .tools import TOOLS, ToolSpec, fitted_text, forwarded, render, render_error, restated
 
 log = get_logger(__name__)
 
@@ -121,7 +121,7 @@ class Gateway:
         try:
             data = json.loads(raw)
             if isinstance(data, dict) and "error" in data:
-                return tool_error(render_error(ErrorReply.model_validate(data)))
+                return tool_error(render_error(restated(spec, arguments, ErrorReply.model_validate(data))))
             reply = spec.reply.model_validate(data)
         except ValueError as error:  # ValidationError too: a worker of another version, or a broken reply
             log.warning("reply_unreadable", tool=spec.name, error=str(error)[:300])

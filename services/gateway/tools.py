@@ -148,6 +148,27 @@ def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
 
 
+def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> ErrorReply:
+    """The worker's error in the caller's terms: a ``maxTokens`` it names is the half the gateway asked for
+    (:func:`forwarded`), not the value the caller gave."""
+    given, sent = arguments.get("maxTokens"), forwarded(spec, arguments).get("maxTokens")
+    if given == sent:
+        return reply
+    details = [
+        detail.model_copy(
+            update={
+                "message": f"{given} is too small for this answer: a tool result carries the reply twice (as data "
+                "and as text), so the reply may have half of it; give more, or ask for fewer results (topK) or "
+                "includeContent false"
+            }
+        )
+        if detail.field == "maxTokens"
+        else detail
+        for detail in reply.error.details
+    ]
+    return reply.model_copy(update={"error": reply.error.model_copy(update={"details": details})})
+
+
 TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds the whole answer)"
 
 

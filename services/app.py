@@ -80,8 +80,9 @@ async def serve_until_signal(
 ) -> None:
     """Run the workers of ``roles`` until SIGINT or SIGTERM. Raises ConnectionLost, after stopping them, when one
     of their NATS connections closed for good: a worker that can no longer receive is better restarted than up.
-    ``exited``: the servers this process started that have ended (EmbeddedRuntime.exited); when one has, the
-    workers stop and ServersEnded is raised, instead of retrying against it for ever."""
+    ``exited``: what has become of the servers the workers use, said in full: those this process started that
+    have ended (EmbeddedRuntime.exited), or those of a running ``up`` that moved (``servers_moved`` in the CLI);
+    when there is any, the workers stop and ServersEnded is raised, instead of retrying them for ever."""
     stop = asyncio.Event()
     lost = connection_lost()
     loop = asyncio.get_running_loop()
@@ -117,5 +118,5 @@ async def serve_until_signal(
     if stop.is_set():
         return
     if ended:
-        raise ServersEnded(f"embedded server ended: {ended} (its log is in the data directory); restart")
+        raise ServersEnded(f"{ended}; restart")
     raise ConnectionLost("a NATS connection closed for good (see the log's nats_connection_closed); restart")

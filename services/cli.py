@@ -56,6 +56,7 @@ from ontofabric.shared.runtime import (
     resolve_endpoints,
     resolve_nats_url,
     running_up,
+    servers_moved,
     with_login,
 )
 from ontofabric.shared.settings import Settings, redacted_url
@@ -121,8 +122,10 @@ def _serve(
     on_ready: Callable[[], Awaitable[None]] | None = None,
     exited: Callable[[], list[str]] | None = None,
 ) -> None:
-    """Run workers until a signal; exit 1 when a NATS connection is lost for good or an embedded server ended
-    (a supervisor restarts them)."""
+    """Run workers until a signal; exit 1 when a NATS connection is lost for good, an embedded server ended, or
+    the servers of the ``up`` they were found through moved (a supervisor restarts them)."""
+    if exited is None:
+        exited = servers_moved(settings, endpoints)
     try:
         asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready, exited))
     except (ConnectionLost, ServersEnded) as error:

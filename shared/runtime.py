@@ -768,7 +768,11 @@ class EmbeddedRuntime:
     def exited(self) -> list[str]:
         """The embedded servers that have ended on their own (a crash, a kill), with their exit codes."""
         servers = [*self._servers, *(node.server for node in self.nats_nodes if node.server is not None)]
-        return [f"{s.name} (exit code {s.process.returncode})" for s in servers if not s.alive()]
+        return [
+            f"embedded server ended: {s.name} (exit code {s.process.returncode}; its log is in the data directory)"
+            for s in servers
+            if not s.alive()
+        ]
 
     def postgres_pid(self) -> int:
         """The embedded PostgreSQL's postmaster (a fault harness freezes it and its children)."""
@@ -852,6 +856,31 @@ def _recorded_logins(settings: Settings, recorded: Mapping[str, Any]) -> dict[st
     if settings.nats_url is not None:
         return {}
     return {role: (login[0], login[1]) for role, login in recorded.get("natsLogins", {}).items()}
+
+
+def servers_moved(settings: Settings, endpoints: Endpoints) -> Callable[[], list[str]] | None:
+    """For a worker that found its servers in a running ``up``'s record: what that ``up`` now records elsewhere
+    (it was restarted on other ports), which the worker would otherwise retry for ever. None for a worker given
+    both URLs. No record (``up`` stopped) moves nothing: the worker waits for its servers as for any outage."""
+    if settings.nats_url is not None and settings.database_url is not None:
+        return None
+
+    def moved() -> list[str]:
+        try:
+            recorded = running_up(settings)
+        except (OSError, ValueError):  # unreadable for now: nothing is known to have moved
+            return []
+        servers = (
+            ("nats-server", settings.nats_url, "natsUrl", endpoints.nats_url),
+            ("PostgreSQL", settings.database_url, "databaseUrl", endpoints.database_url),
+        )
+        return [
+            f"the {name} of `ontofabric up` in {settings.data_dir} moved (up was restarted)"
+            for name, configured, key, used in servers
+            if configured is None and recorded.get(key, used) != used
+        ]
+
+    return moved
 
 
 def running_up(settings: Settings) -> dict[str, Any]:

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from ontofabric.shared.jetstream import connect, ensure_jetstream
-from ontofabric.shared.runtime import RUNTIME_FILE, EmbeddedRuntime, RuntimeUnavailable, resolve_endpoints, with_login
+from ontofabric.shared.runtime import (
+    RUNTIME_FILE,
+    EmbeddedRuntime,
+    RuntimeUnavailable,
+    resolve_endpoints,
+    servers_moved,
+    with_login,
+)
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -23,6 +30,24 @@ def test_configured_urls_start_nothing(tmp_path: Path) -> None:
         assert not (tmp_path / RUNTIME_FILE).exists()
         assert not (tmp_path / "nats").exists()
         assert not (tmp_path / "postgres").exists()
+
+
+def test_a_worker_found_through_up_learns_when_up_restarted_on_other_ports(tmp_path: Path) -> None:
+    """Else it retries the old addresses for ever, and no supervisor restarts it."""
+    record = {"pid": os.getpid(), "natsUrl": "nats://127.0.0.1:1", "databaseUrl": "postgresql://u@127.0.0.1:2/d"}
+    (tmp_path / RUNTIME_FILE).write_text(json.dumps(record))
+    settings = Settings(data_dir=tmp_path)
+    moved = servers_moved(settings, resolve_endpoints(settings))
+    assert moved is not None
+    assert moved() == []
+    (tmp_path / RUNTIME_FILE).write_text(json.dumps({**record, "natsUrl": "nats://127.0.0.1:3"}))
+    assert moved() == [f"the nats-server of `ontofabric up` in {tmp_path} moved (up was restarted)"]
+    (tmp_path / RUNTIME_FILE).write_text("{")
+    assert moved() == []  # unreadable: nothing known
+    (tmp_path / RUNTIME_FILE).unlink()
+    assert moved() == []  # up stopped: the worker waits for its servers, as for any outage
+    configured = Settings(data_dir=tmp_path, nats_url="nats://127.0.0.1:1", database_url="postgresql://x/y")
+    assert servers_moved(configured, resolve_endpoints(configured)) is None
 
 
 def test_clients_find_a_running_up_or_say_what_to_do(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@
 An agent platform starts the gateway with the session, whether or not NATS runs yet, and keeps it for the whole
 session: a gateway that exited because NATS was not there, or that kept reconnecting to a port an `ontofabric up`
 left when it restarted on other ports, would be lost to the agent until the session ends. So the gateway starts
-without a connection, and every call that finds none, or finds one that is closed or has been reconnecting for a
-while, looks the server up again (the settings, else the running `ontofabric up`) and connects; meanwhile calls get
-a retryable error saying why.
+without a connection, and every call that finds none, or finds one that is closed or reconnecting, looks the server
+up again (the settings, else the running `ontofabric up`): one found where it was is left to nats-py's reconnecting,
+one found elsewhere is connected to at once; meanwhile calls get a retryable error saying why.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from ontofabric.shared.logging import get_logger
 
 log = get_logger(__name__)
 
-STALE_AFTER_S = 3.0
-"""A connection reconnecting for longer than this is replaced when the server is found elsewhere."""
 RETRY_AFTER_S = 1.0
 """After a failed attempt to connect, calls within this long get its error at once: calls that queued behind it
 would otherwise each wait out an attempt of their own."""
@@ -37,16 +35,13 @@ class NatsLink:
         locate: Callable[[], str],
         connect: Callable[[str], Awaitable[Client]],
         close: Callable[[Client], Awaitable[None]],
-        stale_after_s: float = STALE_AFTER_S,
     ) -> None:
         self._locate = locate
         """The server's URL now; raises (with a message for the caller) when there is none to talk to."""
         self._connect = connect
         self._close = close
-        self._stale_after_s = stale_after_s
         self._nc: Client | None = None
         self._url: str | None = None
-        self._down_since: float | None = None
         self._failed: tuple[float, str] | None = None
         """When the last attempt to connect failed, and why."""
         self._lock = asyncio.Lock()
@@ -55,7 +50,6 @@ class NatsLink:
         """A connected client, or NatsUnavailable."""
         nc = self._nc
         if nc is not None and nc.is_connected:
-            self._down_since = None
             return nc
         async with self._lock:
             return await self._reconnect()
@@ -67,17 +61,12 @@ class NatsLink:
         now = time.monotonic()
         if self._failed is not None and now - self._failed[0] < RETRY_AFTER_S:
             raise NatsUnavailable(self._failed[1])
-        if nc is not None and not nc.is_closed:
-            # nats-py is reconnecting to the URL it knew. Give it a moment; then look whether the server moved.
-            self._down_since = self._down_since or now
-            if now - self._down_since < self._stale_after_s:
-                raise NatsUnavailable(f"NATS is not answering (reconnecting for {now - self._down_since:.1f} s)")
         try:
             url = self._locate()
         except Exception as error:
             self._failed = (now, str(error))
             raise NatsUnavailable(str(error)) from error
-        if nc is not None and not nc.is_closed and url == self._url:
+        if nc is not None and not nc.is_closed and url == self._url:  # where it was: nats-py is reconnecting to it
             raise NatsUnavailable("NATS is not answering; reconnecting")
         if nc is not None:
             self._nc = None
@@ -88,7 +77,7 @@ class NatsLink:
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
             self._failed = (time.monotonic(), str(error))
             raise NatsUnavailable(str(error)) from error
-        self._url, self._down_since, self._failed = url, None, None
+        self._url, self._failed = url, None
         return self._nc
 
     async def close(self) -> None:

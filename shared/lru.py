@@ -23,6 +23,12 @@ class LruCache(Generic[K, V]):
         """What the entries weigh, by ``size`` (0 without one)."""
         self._entries: OrderedDict[K, V] = OrderedDict()
 
+    @property
+    def keeps(self) -> bool:
+        """Whether it keeps anything at all (``max_entries`` above 0): what is put in a cache that keeps nothing
+        need not be made."""
+        return self._max_entries > 0
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -9,7 +9,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ontofabric.contracts import QueryResponse
 from ontofabric.shared.lru import LruCache
 
 
@@ -45,17 +44,6 @@ class CacheKey:
     query_hash: str
     params_hash: str
     generation: int = 0
-
-
-ANSWER_BYTES = 1024
-RESULT_BYTES = 512
-"""Allowances for an answer's _meta and for each result's fields besides its content, in what an answer weighs."""
-
-
-def answer_weight(response: QueryResponse) -> int:
-    """Roughly the bytes an answer holds: its contents (most of it), and allowances for the rest. Cheap: it is
-    counted on every answer cached."""
-    return ANSWER_BYTES + sum(RESULT_BYTES + len(result.content or "") for result in response.results)
 
 
 def stable_hash(value: Any) -> str:

@@ -130,7 +130,7 @@ class QueryPipeline:
         documents: DocumentStore,
         embedder: Embedder | None,
         versions: VersionSource,
-        cache: LruCache[CacheKey, QueryResponse],
+        cache: LruCache[CacheKey, bytes],
         config: PipelineConfig,
         reranker: Reranker | None = None,
         freshness: FreshnessSource | None = None,
@@ -161,9 +161,10 @@ class QueryPipeline:
         announced = self._versions.current(workspace, query.branch)
         generation = self._versions.generation(workspace)
         key = cache_key(query, workspace, announced, generation)
-        cached = self._cache.get(key)
-        if cached is not None:
+        raw = self._cache.get(key)
+        if raw is not None:
             self._metrics.cache_hit.add(1)
+            cached = QueryResponse.model_validate_json(raw)
             # The same version still: the answer holds every delta up to the position now.
             freshness = await self._freshness(workspace, query.branch, await self._position())
             timings = {"total": milliseconds_since(run.started)}
@@ -183,8 +184,10 @@ class QueryPipeline:
         # A deployment without an embedder answers keyword-only every time: those answers are as good as it gets.
         # Any other degraded answer (an embedder that failed this once included) is not kept.
         cacheable = {"embedder"} if self._embedder is None else set()
-        if current and set(run.degraded) <= cacheable:
-            self._cache.put(key, response)
+        if current and set(run.degraded) <= cacheable and self._cache.keeps:
+            # As JSON: one untracked object, where the answer's models are thousands the garbage collector would
+            # walk at every full collection (a full cache made those take 400-900 ms, the worker stopped meanwhile).
+            self._cache.put(key, response.model_dump_json().encode())
         return response
 
     async def _retrieve(self, run: QueryRun) -> list[SearchResult]:

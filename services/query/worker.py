@@ -30,7 +30,6 @@ from ontofabric.contracts import (
     ErrorReply,
     OntologyQuery,
     QueryError,
-    QueryResponse,
     StatusRequest,
 )
 from ontofabric.contracts.documents import WORKSPACE
@@ -49,7 +48,7 @@ from ontofabric.shared.subjects import Names, decode_token
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
-from .cache import CacheKey, answer_weight
+from .cache import CacheKey
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import Deadline, LoopLag, ServiceTime, deadline_of
@@ -270,9 +269,7 @@ class QueryService:
         tracker = VersionTracker(await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
-        cache: LruCache[CacheKey, QueryResponse] = LruCache(
-            settings.query_cache_entries, settings.query_cache_bytes, answer_weight
-        )
+        cache: LruCache[CacheKey, bytes] = LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)
         served = self._embedder if isinstance(self._embedder, ServedModel) else None
         on_model, vector_by = None, None
         if served is not None:  # set up for a model change: it serves the model the index holds
@@ -569,7 +566,7 @@ class QueryService:
         log.info("query_worker_stopped")
 
 
-def following_model(served: ServedModel, cache: LruCache[CacheKey, QueryResponse]) -> Callable[[str], None]:
+def following_model(served: ServedModel, cache: LruCache[CacheKey, bytes]) -> Callable[[str], None]:
     """What a read calls with the index's model: the worker embeds queries by it from then on, and forgets the
     answers the other model ranked (their versions are the same: the change did not change the documents)."""
 

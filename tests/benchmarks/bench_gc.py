@@ -40,6 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging("WARNING")
     embedder = build_embedder(Settings())
+    if embedder is None:
+        parser.error("no embedder is set up (ONTOFABRIC_EMBEDDER=none): the set to freeze would not be a worker's")
     embedder.embed_query("a query, as the worker's warm-up asks")
     started = len(gc.get_objects())
     before = collections_ms(args.collections)

@@ -38,6 +38,7 @@ from ontofabric.shared.jetstream import (
 )
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.logging import configure_logging, get_logger
+from ontofabric.shared.manifest_store import ManifestMissing
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials, NatsRole
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
@@ -257,7 +258,14 @@ def ingest(
                     ingester = Ingester(
                         js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
                     )
-                    report = await ingester.ingest(path.resolve(), workspace, branch, package)
+                    try:
+                        report = await ingester.ingest(path.resolve(), workspace, branch, package)
+                    except ManifestMissing as error:
+                        _fail(
+                            f"{error}. Nothing was published. What this workspace and branch last ingested is unknown; "
+                            'an operator removes the damaged key (docs/security.md, "Ingest manifests") and the '
+                            "next ingest publishes every chunk again."
+                        )
                 finally:
                     cache.close()
                 if wait and report.last_sequence is not None:

@@ -316,17 +316,24 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
     for config in streams:
         stream = config.name if isinstance(config, StreamConfig) else f"KV_{config.bucket}"
         assert stream is not None
+        created = False
         try:
             existing = (await js.stream_info(stream)).config
         except NotFoundError:
             if isinstance(config, StreamConfig):
                 await js.add_stream(config)
-            else:
-                await js.create_key_value(config)
+                log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
+                continue
+            await js.create_key_value(config)  # nats-py makes every bucket allow rollups: taken back below
             log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
-            continue
+            existing, created = (await js.stream_info(stream)).config, True
         changes = []
         wanted = existing
+        if stream == f"KV_{names.manifest_bucket}" and existing.allow_rollup_hdrs:
+            # Tenants' ingesters write their own keys of this bucket; one message with a rollup header would purge
+            # every workspace's manifests, whatever subject permissions allow.
+            changes.append("allow_rollup_hdrs")
+            wanted = dataclasses.replace(wanted, allow_rollup_hdrs=False)
         if isinstance(config, StreamConfig) and existing.republish != config.republish:
             changes.append("republish")  # a stream made before the republish was added
             wanted = dataclasses.replace(wanted, republish=config.republish)
@@ -339,7 +346,7 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         if (existing.num_replicas or 1) != settings.nats_replicas:
             changes.append("num_replicas")
             wanted = dataclasses.replace(wanted, num_replicas=settings.nats_replicas)
-        if changes and reconcile:
+        if changes and (reconcile or created):
             await js.update_stream(wanted)
             log.info("stream_updated", stream=stream, changed=changes)
         elif changes:

@@ -97,8 +97,15 @@ class ManifestStore:
         head_entry = await self._entry(f"{prefix}.head")
         if head_entry is None:
             return StoredManifest(None, 0)
-        head = json.loads(head_entry.value or b"{}")
-        generation, count = str(head["generation"]), int(head["parts"])
+        try:
+            head = json.loads(head_entry.value or b"{}")
+            generation, count = str(head["generation"]), int(head["parts"])
+        except (ValueError, TypeError, KeyError) as error:
+            # Not one an ingester wrote: a JetStream acknowledgement another client had sent to this key, say.
+            raise ManifestMissing(
+                f"the ingest manifest head of {workspace}/{branch} ({prefix}.head, revision {head_entry.revision}) "
+                f"is not one an ingester wrote: {(head_entry.value or b'')[:80]!r}"
+            ) from error
         parts = await asyncio.gather(*(self._get(f"{prefix}.parts.{generation}.{i}") for i in range(count)))
         if any(part is None for part in parts):
             raise ManifestMissing(f"a part of the ingest manifest of {workspace}/{branch} is missing")
@@ -132,10 +139,12 @@ class ManifestStore:
         return await kv.create(f"{prefix}.head", head)
 
     async def _purge(self, prefix: str, generation: str, parts: int) -> None:
-        """Remove a generation's parts; the purge markers expire, so nothing is left."""
-        kv = await self._bucket()
+        """Remove a generation's parts: a purge marker takes each one's place (the bucket keeps one message per
+        key) and expires, so nothing is left. Without the rollup header nats-py's purge sends: the bucket refuses
+        those (``ensure_jetstream``)."""
         for i in range(parts):
-            await kv.purge(f"{prefix}.parts.{generation}.{i}", msg_ttl=PURGE_MARKER_TTL_S)
+            subject = f"$KV.{self._names.manifest_bucket}.{prefix}.parts.{generation}.{i}"
+            await self._js.publish(subject, headers={"KV-Operation": "PURGE"}, msg_ttl=PURGE_MARKER_TTL_S)
 
 
 async def migrate_legacy_manifests(js: JetStreamContext, names: Names) -> int:

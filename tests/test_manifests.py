@@ -3,16 +3,21 @@ ingester confined to its own workspaces' manifests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 
+from ontofabric.contracts import DocumentUpserted
+from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester, Manifest
 from ontofabric.shared.jetstream import NotSetUp, PermissionDenied, refused_promptly
 from ontofabric.shared.manifest_store import (
     ManifestChanged,
+    ManifestMissing,
     ManifestStore,
     StoredManifest,
     migrate_legacy_manifests,
@@ -21,6 +26,7 @@ from ontofabric.shared.runtime import EmbeddedRuntime
 from ontofabric.shared.subjects import encode_token
 
 from .conftest import Deployment, connect_as
+from .factories import document
 
 
 def _manifest(size: int, tag: str = "") -> bytes:
@@ -119,9 +125,26 @@ async def test_an_ingester_reads_and_writes_only_its_own_workspaces_manifests(
             tmp_path, "acme", "feature"
         )
         assert report.upserts == 2
+        # A rollup header on its own key would purge every workspace's keys: the bucket takes none.
+        bucket = deployment.names.manifest_bucket
+        with pytest.raises(nats.js.errors.APIError, match="rollup"):
+            await js.publish(f"$KV.{bucket}.acme.x", b"", headers={"Nats-Rollup": "all"})
+        assert (await operator.load("beta", "main")).data == _manifest(3)
+        # A delta whose acknowledgement it sends to another workspace's manifest head: the server writes it there,
+        # whatever permissions say. The head is then not one an ingester wrote, and loading it says so.
+        beta_head = (await operator.load("beta", "main")).revision
+        delta = envelope("acme", DocumentUpserted(document=document("d", "text")))
+        await nc.publish(deployment.names.delta_subject("acme", "main"), delta.model_dump_json(by_alias=True).encode(),
+                         reply=f"$KV.{bucket}.beta.main.head")  # fmt: skip
+        await nc.flush()
     finally:
         await nc.close()
-    assert (await operator.load("beta", "main")).data == _manifest(3)
+    heads = await deployment.js.key_value(deployment.names.manifest_bucket)
+    async with asyncio.timeout(10):
+        while (await heads.get("beta.main.head")).revision == beta_head:
+            await asyncio.sleep(0.05)
+    with pytest.raises(ManifestMissing, match="is not one an ingester wrote"):
+        await operator.load("beta", "main")
 
 
 async def test_an_ingest_before_any_projector_started_says_what_is_missing(deployment: Deployment) -> None:

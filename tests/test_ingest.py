@@ -185,6 +185,27 @@ async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly
     assert await _live(deployment) == expected
 
 
+async def test_a_tree_that_goes_back_to_an_earlier_state_is_indexed_as_it_is_each_time(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, tmp_path: Path
+) -> None:
+    """A revert, then the change again (or a file deleted, restored, deleted): each ingest's deltas are new events.
+    With ids from the manifest's contents alone, going back repeated earlier ids, which were dropped as repeats."""
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
+    states = {"apples": 'def fruit():\n    return "apples"\n', "bananas": 'def fruit():\n    return "bananas"\n'}
+    indexed: dict[str, dict[str, tuple[str, str]]] = {}
+    for state in ["apples", "bananas", "apples", "bananas", "gone", "apples", "gone"]:
+        (tmp_path / "tog.py").unlink(missing_ok=True)
+        if state != "gone":
+            _write(tmp_path, {"tog.py": states[state]})
+        report = await ingester.ingest(tmp_path, "repo")
+        assert report.last_sequence is not None
+        await deployment.wait_projected(report.last_sequence)
+        live = await _live(deployment)
+        assert live == indexed.setdefault(state, live), state  # as the first time the tree was so
+    assert indexed["gone"] == {}
+    assert indexed["apples"] != indexed["bananas"]
+
+
 class _Recorded:
     def __init__(self) -> None:
         self.stages: dict[str, int] = {}

@@ -193,7 +193,9 @@ def plan_ingest(desired: Mapping[str, str], previous: Manifest, main: Manifest |
 
 
 def event_id(workspace: str, branch: str, base: str, key: str, change: str) -> str:
-    """Deterministic for a rerun from the same manifests (JetStream drops the repeat), new after any change."""
+    """Deterministic for a rerun from the same stored manifest (JetStream drops the repeat), new after any change
+    and after any ingest that saved one: ``base`` names the stored manifest's generation, so a tree that goes back
+    to an earlier state gets new ids, where the same ids were dropped as repeats and left the index stale."""
     material = "|".join([workspace, branch, base, key, change])
     return hashlib.sha256(material.encode()).hexdigest()[:40]
 
@@ -369,7 +371,7 @@ class Ingester:
         vectors = dict(zip([c.document_id for c in documents], await self._embed(documents), strict=True))
         embed_s = time.perf_counter() - embed_started
         model = self._embedder.model_name if self._embedder is not None else None
-        base = previous.digest + (main.digest if main is not None else "")
+        base = loaded.generation + previous.digest + (main.digest if main is not None else "")
 
         def delta(key: str, change: str, payload: DeltaPayload) -> DeltaEnvelope:
             return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))

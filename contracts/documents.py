@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 import numpy as np
@@ -75,8 +75,12 @@ def _finite_nonzero(vector: list[float]) -> list[float]:
     stored = np.asarray(vector, dtype=np.float32)
     if not np.isfinite(stored).all():
         raise ValueError("embedding must contain only finite float32 numbers")
-    if float(np.linalg.norm(stored)) < 1e-12:
+    with np.errstate(over="ignore"):
+        squared_norm = np.dot(stored, stored)  # in float32, as pgvector sums
+    if float(np.sqrt(squared_norm)) < 1e-12:
         raise ValueError("embedding must not be (nearly) the zero vector: cosine distance is undefined")
+    if not np.isfinite(squared_norm):  # the cosine would be NaN
+        raise ValueError("embedding's values are too large: its squared norm overflows float32 (normalise it)")
     return vector
 
 
@@ -178,6 +182,20 @@ class DocumentMetadata(WireModel):
         "question for a symbol's callers or callees is answered from them (OntologyQuery options.exactSymbols).",
     )
 
+    @model_validator(mode="after")
+    def _no_nul_in_free_keys(self) -> DocumentMetadata:
+        """Free keys are stored as they are (jsonb, which cannot hold NUL either): checked like declared ones."""
+        pending: list[tuple[str, object]] = list((self.model_extra or {}).items())
+        while pending:
+            path, value = pending.pop()  # the path holds the keys: a NUL in a key shows there
+            if "\x00" in path or (isinstance(value, str) and "\x00" in value):
+                raise ValueError(f"metadata {path!r}: text must not contain NUL characters")
+            if isinstance(value, dict):
+                pending += [(f"{path}.{key}", item) for key, item in value.items()]
+            elif isinstance(value, list):
+                pending += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        return self
+
 
 class SemanticDocument(WireModel):
     id: DocumentId
@@ -201,3 +219,14 @@ class SemanticDocument(WireModel):
         default=None, description="A second embedding model's vector, for the query worker's second opinion."
     )
     indexed_at: datetime | None = None
+
+    @field_validator("indexed_at")
+    @classmethod
+    def _storable_time(cls, value: datetime | None) -> datetime | None:
+        # Stored in UTC: 0001-01-01T00:00+14:00 is a valid ISO time whose UTC is before year 1.
+        if value is not None and value.tzinfo is not None:
+            try:
+                value.astimezone(UTC)
+            except OverflowError:
+                raise ValueError("indexedAt in UTC falls outside years 1 to 9999") from None
+        return value

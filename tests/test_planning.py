@@ -206,6 +206,28 @@ def test_an_event_id_another_workspace_used_is_no_repeat() -> None:
     assert [d.seq for d in later.applied] == [3]
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"metadata": {"extra": "a\u0000b"}}, "metadata 'extra'"),  # free keys go to jsonb, which holds no NUL
+        ({"metadata": {"nested": {"k\u0000": 1}}}, "metadata 'nested.k\\x00'"),
+        ({"metadata": {"list": ["ok", ["x\u0000"]]}}, "metadata 'list[1][0]'"),
+        ({"indexedAt": "0001-01-01T00:00:00+14:00"}, "indexedAt"),  # valid ISO; before year 1 in UTC
+        ({"indexedAt": "9999-12-31T23:59:59-14:00"}, "indexedAt"),
+        ({"embedding": [3e38] * 384}, "squared norm overflows"),  # finite, but its cosine would be NaN
+    ],
+)
+def test_what_the_database_cannot_store_is_refused_naming_the_field(change: dict[str, object], named: str) -> None:
+    """Each was stored, or dead-lettered as apply_failed with a database error naming no field (a fault harness)."""
+    delta = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
+    delta["payload"]["document"].update(change)
+    data, subject = _raw(json.dumps(delta))
+    outcome = validate_delta(data, subject, 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == "invalid_schema"
+    assert named in outcome.detail
+
+
 def test_tiny_embeddings_that_vanish_in_float32_are_rejected() -> None:
     good = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
     good["payload"]["document"]["embedding"] = [1e-46] * 384

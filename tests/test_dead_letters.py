@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from ontofabric.contracts import DeltaEnvelope
-from ontofabric.services.ops.dead_letters import Selection, dead_letters, parse_when, purge, redrive
+from ontofabric.services.ops.dead_letters import Selection, dead_letters, parse_when, purge, redrive, redriven
+from ontofabric.services.ops.rebuild import Rebuild
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.placement import Placement
 
-from .conftest import Deployment, projected_rows
-from .factories import document, upsert
+from .conftest import Deployment, RecordedProgress, projected_rows
+from .factories import document, unit_vector, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 LIMIT = 200
@@ -92,6 +93,43 @@ async def test_dead_letters_are_listed_redriven_after_a_fix_and_purged(deploymen
     assert [letter.seq for letter in await dead_letters(nc, names, Selection())] == [acme[1].seq]
     assert await purge(nc, names, Selection()) == 1
     assert await dead_letters(nc, names, Selection()) == []
+
+
+async def test_a_workspace_whose_dead_letter_was_redriven_after_a_fix_rebuilds(deployment: Deployment) -> None:
+    """The fix (a larger max_content_bytes) applies to the rebuild's replay too: it applies the original delta, and
+    must still end where the index is, at the re-driven copy (under the original's event id it was a repeat)."""
+    await _project(
+        deployment,
+        LIMIT,
+        upsert("acme", document("big", "short at first", embedding=unit_vector("short"))),
+        upsert("acme", document("big", "long " + "x" * LIMIT, embedding=unit_vector("long"))),
+    )
+    fixed = deployment.settings.model_copy(update={"max_content_bytes": 10 * LIMIT})
+    letters = await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme"))
+    placement = Placement.of(fixed, deployment.database_url)
+    outcome = await redrive(deployment.nc, deployment.names, letters, placement.database_url_of)
+    (sent_seq,) = [seq for _, seq in outcome.sent]
+    projector = ProjectorService(fixed, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        await deployment.wait_projected(sent_seq)
+    finally:
+        await projector.stop()
+    report = await Rebuild(fixed, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()).run()
+    assert report.swapped
+    rows = await projected_rows(deployment, "WHERE workspace = 'acme' AND NOT deleted")
+    assert rows[("acme", "big")][1].startswith("long ")
+
+
+def test_a_redriven_delta_has_an_event_id_of_its_own_and_what_is_not_a_delta_goes_as_it_is() -> None:
+    sent = json.loads(upsert("acme", document("a", "naïve"), event_id="e" * 128).model_dump_json(by_alias=True))
+    sent["payload"]["document"]["content"] = "naïve \ud800"  # half a character: what a dead letter may hold
+    again = json.loads(redriven(json.dumps(sent).encode(), 42))
+    assert again["eventId"] == "e" * 96 + "~redriven:42"
+    assert len(again["eventId"]) <= 128
+    assert again["payload"] == sent["payload"]
+    for body in (b"not json", b"[1]", b'{"eventId": 3}'):
+        assert redriven(body, 42) == body
 
 
 async def test_the_dlq_commands(deployment: Deployment) -> None:

@@ -9,6 +9,7 @@ forced.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -186,13 +187,32 @@ async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
     return int(held) if held is not None and held > (letter.original_seq or 0) else None
 
 
+MAX_EVENT_ID_HEAD = 96
+"""How much of the original event id a re-driven delta's id keeps, so that the suffix fits the contract's 128."""
+
+
+def redriven(data: bytes, dlq_seq: int) -> bytes:
+    """The dead letter's delta under an event id of its own (``<id>~redriven:<dlq seq>``). With the original id,
+    a rebuild or a compaction, replaying under the fixed settings, applied the original at its sequence and took
+    the copy for a repeat, so the row disagreed with the index (which holds the copy's) and the rebuild refused to
+    swap, for good. A body that is not a delta with an event id goes as it is (the projector sets it aside again)."""
+    try:
+        delta = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(delta, dict) or not isinstance(delta.get("eventId"), str):
+        return data
+    delta["eventId"] = f"{delta['eventId'][:MAX_EVENT_ID_HEAD]}~redriven:{dlq_seq}"
+    return json.dumps(delta, separators=(",", ":")).encode()  # ASCII: a lone surrogate stays escaped
+
+
 async def redrive(
     nc: Client,
     names: Names,
     letters: Sequence[DeadLetter],
     database_url_of: Callable[[str], str] | None,
 ) -> Redrive:
-    """Publish each dead letter's delta again on its own subject, then delete the dead letter. With
+    """Publish each dead letter's delta again on its own subject (:func:`redriven`), then delete the dead letter. With
     ``database_url_of`` (workspace -> its database), a delta whose document the index holds at a later sequence
     is left where it is. Re-driving the same dead letter twice within the stream's duplicate window stores it
     once (its message id is the dead letter's)."""
@@ -209,7 +229,7 @@ async def redrive(
                 continue
         ack = await js.publish(
             letter.original_subject,
-            letter.data,
+            redriven(letter.data, letter.seq),
             stream=names.delta_stream,
             headers={
                 "Nats-Msg-Id": f"redrive:{names.dlq_stream}:{letter.seq}",

@@ -27,6 +27,7 @@ from ontofabric.services.query.deadlines import (
     ServiceTime,
     deadline_of,
 )
+from ontofabric.services.query.turns import TurnQueue, ahead_in_turn, places_for_one
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import subscriptions_visible
@@ -155,6 +156,55 @@ async def test_beyond_its_queue_a_worker_refuses_at_once(
         assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
         assert took < 0.4  # at once, not after the slow ones
     assert reranker.calls == len(answered)
+
+
+async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_in_front_of_others(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    reranker = SlowReranker(0.2)
+    await start_worker(reranker, query_concurrency=1, query_queue_limit=15)  # 16 places: 14 for one workspace
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=30)
+    started = time.monotonic()
+
+    async def ask(workspace: str) -> tuple[str, QueryResponse | ErrorReply, float]:
+        reply = await client.query(workspace, {"semanticQuery": LONG_QUERY})
+        return workspace, reply, time.monotonic() - started
+
+    flood = [asyncio.create_task(ask("acme")) for _ in range(20)]
+    await asyncio.sleep(0.1)  # the flood is held (or refused) before the others ask
+    others = [asyncio.create_task(ask("globex")) for _ in range(2)]
+    answers = await asyncio.gather(*flood, *others)
+    refused = [reply for workspace, reply, _ in answers if workspace == "acme" and isinstance(reply, ErrorReply)]
+    assert len(refused) == 6  # beyond the places one workspace may hold
+    assert all(reply.error.code == "overloaded" and "most one may" in reply.error.message for reply in refused)
+    answered = [(workspace, took) for workspace, reply, took in answers if isinstance(reply, QueryResponse)]
+    flooded = sorted(took for workspace, took in answered if workspace == "acme")
+    theirs = [(reply, took) for workspace, reply, took in answers if workspace == "globex"]
+    assert all(isinstance(reply, QueryResponse) for reply, _ in theirs), theirs  # room was kept for them
+    # Served in turn: each right after a request of the flood, not after the whole of it.
+    assert max(took for _, took in theirs) < flooded[4], (theirs, flooded)
+
+
+def test_a_turn_queue_takes_one_key_at_a_time_and_counts_what_is_left() -> None:
+    async def run() -> list[str]:
+        queue: TurnQueue[str] = TurnQueue()
+        for item in ("a1", "a2", "a3", "b1", "c1", "b2"):
+            queue.put_nowait(item[0], item)
+        taken = [await queue.get() for _ in range(6)]
+        assert len(queue) == 0
+        for _ in taken:
+            queue.task_done()
+        await asyncio.wait_for(queue.join(), 1)
+        return taken
+
+    assert asyncio.run(run()) == ["a1", "b1", "c1", "a2", "b2", "a3"]
+    assert (places_for_one(80), places_for_one(2), places_for_one(1)) == (70, 2, 1)
+    assert ahead_in_turn(5, 1, 5) == 5  # alone: behind its own five
+    assert ahead_in_turn(0, 2, 30) == 1  # a second workspace: one turn of the other's
+    assert ahead_in_turn(2, 3, 30) == 8
+    assert ahead_in_turn(20, 2, 30) == 30  # never more than are held
 
 
 async def test_a_request_whose_caller_gave_up_while_it_waited_is_refused_unopened(

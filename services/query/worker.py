@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -44,7 +45,7 @@ from ontofabric.shared.lru import LruCache
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, decode_token
+from ontofabric.shared.subjects import Names, decode_token, workspace_token_of
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
@@ -57,6 +58,7 @@ from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailabl
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
+from .turns import TurnQueue, ahead_in_turn, places_for_one
 from .versions import VersionTracker
 
 log = get_logger(__name__)
@@ -179,6 +181,8 @@ class Admitted:
     msg: Msg
     received: float
     deadline: Deadline
+    workspace: str = ""
+    """The workspace's subject token: whose turn it waits for."""
     replied: bool = False
     expiry: asyncio.TimerHandle | None = None
     taken_at: float | None = None
@@ -231,12 +235,14 @@ class QueryService:
         self._pipeline: QueryPipeline | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
-        self._waiting: asyncio.Queue[Admitted] = asyncio.Queue()
+        self._waiting: TurnQueue[Admitted] = TurnQueue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
         self._lag = LoopLag()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
+        self._held_by: Counter[str] = Counter()
+        """The same by workspace token: one may hold at most ``places_for_one`` of them."""
         self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
         """Requests this worker worked on (errors included; not those refused unopened)."""
@@ -332,11 +338,19 @@ class QueryService:
             await self._reply(msg, error_reply("invalid_request", "the request's timeout is not valid", [deadline]))
             return
         concurrency = self.settings.query_concurrency
-        if self._held >= concurrency + self.settings.query_queue_limit:
+        places = concurrency + self.settings.query_queue_limit
+        if self._held >= places:
             busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return
-        expected = self._service_time.expected_finish(self._held, concurrency)
+        workspace = workspace_token_of(msg.subject) or ""
+        own = self._held_by[workspace]
+        if own >= places_for_one(places):
+            busy = f"this workspace holds {own} of this worker's {places} places, the most one may; retry"
+            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
+            return
+        workspaces = len(self._held_by) + (0 if own else 1)
+        expected = self._service_time.expected_finish(ahead_in_turn(own, workspaces, self._held), concurrency)
         # Refused now, not when the caller has given up. Never by an idle worker: the average may be of a slow
         # spell that is over (a database frozen for seconds), and only answered requests bring it down again.
         if self._held and expected > ADMISSION_SHARE * deadline.left(received):
@@ -344,11 +358,12 @@ class QueryService:
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return
         self._held += 1
-        admitted = Admitted(msg, received, deadline)
+        self._held_by[workspace] += 1
+        admitted = Admitted(msg, received, deadline, workspace)
         # The caller hears back by its deadline even when no runner gets to the request in time, or the one that
         # has it is stuck (a database frozen under a statement, a cleanup that waits on it).
         admitted.expiry = asyncio.get_running_loop().call_at(deadline.at, self._expire, admitted)
-        self._waiting.put_nowait(admitted)
+        self._waiting.put_nowait(workspace, admitted)
 
     async def _watch_lag(self) -> None:
         loop = asyncio.get_running_loop()
@@ -392,6 +407,9 @@ class QueryService:
                 log.exception("request_failed_outside_its_handler", subject=admitted.msg.subject)
             finally:
                 self._held -= 1
+                self._held_by[admitted.workspace] -= 1
+                if not self._held_by[admitted.workspace]:
+                    del self._held_by[admitted.workspace]
                 self._waiting.task_done()
 
     async def _serve(self, admitted: Admitted) -> bool:

@@ -6,12 +6,13 @@ SQL (which the end-to-end tests exercise against a real server).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from random import Random
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import pytest
@@ -232,6 +233,34 @@ async def test_consistent_answer_is_cached_and_labelled_with_its_version() -> No
     again = await pipeline.answer(QUERY, "w")
     assert again.meta.cache_hit is True
     assert again.results == first.results
+
+
+async def test_the_same_question_asked_while_it_is_being_answered_waits_for_that_answer() -> None:
+    """A stampede of one question (an agent retrying, many agents asking alike) does the work once."""
+
+    @dataclass
+    class Slow(ScriptedRetrieval):
+        calls: ClassVar[int] = 0
+        fail: bool = False
+
+        async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            Slow.calls += 1
+            await asyncio.sleep(0.05)
+            if self.fail:
+                raise ConnectionError("database went away")
+            return await super().dense(scope, query, limit)
+
+    pipeline, _ = _pipeline(Slow())
+    answers = await asyncio.gather(*(pipeline.answer(QUERY, "w") for _ in range(5)))
+    assert Slow.calls == 1
+    assert [a.meta.cache_hit for a in answers] == [False, True, True, True, True]
+    assert all(a.results == answers[0].results for a in answers)
+    # One not to be shared (degraded: dense failed) is not handed on: the others make their own.
+    Slow.calls = 0
+    failing, _ = _pipeline(Slow(fail=True))
+    answers = await asyncio.gather(*(failing.answer(QUERY, "w") for _ in range(3)))
+    assert all("dense" in a.meta.degraded and not a.meta.cache_hit for a in answers)
+    assert Slow.calls == 3
 
 
 async def test_an_answer_read_while_the_index_was_rebuilt_is_not_cached() -> None:

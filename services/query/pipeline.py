@@ -148,6 +148,8 @@ class QueryPipeline:
         self._embedder = embedder
         self._versions = versions
         self._cache = cache
+        self._in_flight: dict[CacheKey, asyncio.Future[QueryResponse | None]] = {}
+        """Answers being made, by key: the same question asked meanwhile waits for it instead of making its own."""
         self._config = config
         self._calibration = config.calibration()
         self._metrics = instruments()
@@ -162,16 +164,41 @@ class QueryPipeline:
         generation = self._versions.generation(workspace)
         key = cache_key(query, workspace, announced, generation)
         raw = self._cache.get(key)
-        if raw is not None:
+        being_made = self._in_flight.get(key)
+        shared = QueryResponse.model_validate_json(raw) if raw is not None else None
+        if shared is None and being_made is not None:
+            # Asked again while being answered (a stampede of one question): wait for that answer, once.
+            shared = await asyncio.shield(being_made)
+        if shared is not None:
             self._metrics.cache_hit.add(1)
-            cached = QueryResponse.model_validate_json(raw)
             # The same version still: the answer holds every delta up to the position now.
             freshness = await self._freshness(workspace, query.branch, await self._position())
             timings = {"total": milliseconds_since(run.started)}
-            meta = cached.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
-            return self._recorded(query, cached.model_copy(update={"meta": meta}))
+            meta = shared.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
+            return self._recorded(query, shared.model_copy(update={"meta": meta}))
         self._metrics.cache_miss.add(1)
+        if key in self._in_flight:  # the one it waited for is not to be shared (degraded): its own, alongside
+            return await self._make(run, query, key, announced, generation)
+        making: asyncio.Future[QueryResponse | None] = asyncio.get_running_loop().create_future()
+        self._in_flight[key] = making
+        response = None
+        try:
+            response = await self._make(run, query, key, announced, generation)
+            return response
+        finally:
+            del self._in_flight[key]
+            making.set_result(response if response is not None and self._shareable(run) else None)
 
+    def _shareable(self, run: QueryRun) -> bool:
+        """What may answer the same question again: the announced version's answer, not degraded (a deployment
+        without an embedder answers keyword-only every time: those are as good as it gets)."""
+        cacheable = {"embedder"} if self._embedder is None else set()
+        return set(run.degraded) <= cacheable
+
+    async def _make(
+        self, run: QueryRun, query: OntologyQuery, key: CacheKey, announced: str, generation: int
+    ) -> QueryResponse:
+        """The answer, made; kept in the cache when it is the announced version's."""
         with tracer().start_as_current_span("query.retrieve"):
             results = await self._retrieve(run)
         for part in run.degraded:
@@ -180,11 +207,8 @@ class QueryPipeline:
         # Cache only what is known to be the announced version's answer, read from the index that is still in
         # place (a rebuild keeps the version but replaces the index); a newer commit whose announcement is
         # still on its way is answered truthfully (its own version in _meta) but not cached under the old key.
-        current = response.meta.ontology_version == announced and self._versions.generation(workspace) == generation
-        # A deployment without an embedder answers keyword-only every time: those answers are as good as it gets.
-        # Any other degraded answer (an embedder that failed this once included) is not kept.
-        cacheable = {"embedder"} if self._embedder is None else set()
-        if current and set(run.degraded) <= cacheable and self._cache.keeps:
+        current = response.meta.ontology_version == announced and self._versions.generation(run.workspace) == generation
+        if current and self._shareable(run) and self._cache.keeps:
             # As JSON: one untracked object, where the answer's models are thousands the garbage collector would
             # walk at every full collection (a full cache made those take 400-900 ms, the worker stopped meanwhile).
             self._cache.put(key, response.model_dump_json().encode())

@@ -128,6 +128,9 @@ def test_a_redriven_delta_has_an_event_id_of_its_own_and_what_is_not_a_delta_goe
     assert again["eventId"] == "e" * 96 + "~redriven:42"
     assert len(again["eventId"]) <= 128
     assert again["payload"] == sent["payload"]
+    wide = json.loads(upsert("acme", document("b", "解析" * 1000)).model_dump_json(by_alias=True))
+    body = json.dumps(wide, ensure_ascii=False).encode()
+    assert len(redriven(body, 42)) < len(body) + 50  # as UTF-8: escaped, it took twice the bytes, past max_payload
     for body in (b"not json", b"[1]", b'{"eventId": 3}'):
         assert redriven(body, 42) == body
 

@@ -203,7 +203,10 @@ def redriven(data: bytes, dlq_seq: int) -> bytes:
     if not isinstance(delta, dict) or not isinstance(delta.get("eventId"), str):
         return data
     delta["eventId"] = f"{delta['eventId'][:MAX_EVENT_ID_HEAD]}~redriven:{dlq_seq}"
-    return json.dumps(delta, separators=(",", ":")).encode()  # ASCII: a lone surrogate stays escaped
+    try:  # as UTF-8, as it came: escaped, text other than ASCII would take up to twice the bytes
+        return json.dumps(delta, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # half a character in it, which UTF-8 cannot carry: escaped
+        return json.dumps(delta, separators=(",", ":")).encode()
 
 
 async def redrive(

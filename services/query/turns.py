@@ -3,23 +3,28 @@
 One shared first-come queue let a tenant that floods a worker hold every place and every turn: another tenant's
 few requests, far below capacity, were refused or answered as rarely as the flood's (an independent load harness:
 20 % answered during another workspace's flood). Here each workspace waits behind its own requests, and a runner
-takes the next workspace's in turn; the worker's admission also keeps some places no single workspace may take
-(``places_for_one``).
+takes the next workspace's in turn; and when the worker is full, a workspace holding less takes the place of the
+newest waiting request of the one holding the most (``displaced_by``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
-def places_for_one(places: int) -> int:
-    """How many of a worker's ``places`` (at work and waiting) one workspace may hold: all but an eighth (rounded
-    down), which stay for the others."""
-    return max(1, places - places // 8)
+def displaced_by(held_by: Mapping[str, int], newcomer: str) -> str | None:
+    """When a worker is full: the workspace one of whose waiting requests gives its place to ``newcomer``'s, the
+    one holding the most, if it holds at least two more than ``newcomer`` (so floods, one or several, leave room
+    for a tenant that asks little, and a workspace alone still has every place); None when none does."""
+    if not held_by:
+        return None
+    largest = max(held_by, key=lambda workspace: held_by[workspace])
+    return largest if largest != newcomer and held_by[largest] >= held_by.get(newcomer, 0) + 2 else None
 
 
 def ahead_in_turn(waiting_of_own: int, workspaces: int, held: int) -> int:
@@ -60,6 +65,10 @@ class TurnQueue(Generic[T]):
         else:
             del self._queues[key]
         return item
+
+    def newest(self, key: str, wanted: Callable[[T], bool]) -> T | None:
+        """The newest waiting item of ``key`` that is ``wanted``, left where it is."""
+        return next((item for item in reversed(self._queues.get(key, ())) if wanted(item)), None)
 
     def task_done(self) -> None:
         """One item taken has been dealt with."""

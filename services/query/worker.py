@@ -58,7 +58,7 @@ from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailabl
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
-from .turns import TurnQueue, ahead_in_turn, places_for_one
+from .turns import TurnQueue, ahead_in_turn, displaced_by
 from .versions import VersionTracker
 
 log = get_logger(__name__)
@@ -183,6 +183,8 @@ class Admitted:
     deadline: Deadline
     workspace: str = ""
     """The workspace's subject token: whose turn it waits for."""
+    displaced: bool = False
+    """Its place was given to another workspace's request while it waited (refused, ``overloaded``)."""
     replied: bool = False
     expiry: asyncio.TimerHandle | None = None
     taken_at: float | None = None
@@ -242,7 +244,7 @@ class QueryService:
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
         self._held_by: Counter[str] = Counter()
-        """The same by workspace token: one may hold at most ``places_for_one`` of them."""
+        """The same by workspace token (``_make_room_for``)."""
         self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
         """Requests this worker worked on (errors included; not those refused unopened)."""
@@ -339,22 +341,19 @@ class QueryService:
             return
         concurrency = self.settings.query_concurrency
         places = concurrency + self.settings.query_queue_limit
-        if self._held >= places:
-            busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
-            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
-            return
         workspace = workspace_token_of(msg.subject) or ""
         own = self._held_by[workspace]
-        if own >= places_for_one(places):
-            busy = f"this workspace holds {own} of this worker's {places} places, the most one may; retry"
-            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
-            return
         workspaces = len(self._held_by) + (0 if own else 1)
         expected = self._service_time.expected_finish(ahead_in_turn(own, workspaces, self._held), concurrency)
         # Refused now, not when the caller has given up. Never by an idle worker: the average may be of a slow
         # spell that is over (a database frozen for seconds), and only answered requests bring it down again.
         if self._held and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
+            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
+            return
+        displaced = self._displace_for(workspace) if self._held >= places else None
+        if self._held >= places:
+            busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return
         self._held += 1
@@ -364,6 +363,27 @@ class QueryService:
         # has it is stuck (a database frozen under a statement, a cleanup that waits on it).
         admitted.expiry = asyncio.get_running_loop().call_at(deadline.at, self._expire, admitted)
         self._waiting.put_nowait(workspace, admitted)
+        if displaced is not None:
+            busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
+            await self._reply_once(displaced, error_reply("overloaded", busy, retryable=True))
+
+    def _displace_for(self, workspace: str) -> Admitted | None:
+        """A full worker gives the place of the newest waiting request of the workspace holding the most to
+        ``workspace``, when that holds at least two more (``displaced_by``); that one is to be refused,
+        ``overloaded``, as it would have been had it come after (once the newcomer has the place: nothing else
+        may take it meanwhile). None when no request gives its place."""
+        largest = displaced_by(self._held_by, workspace)
+        victim = None if largest is None else self._waiting.newest(largest, lambda held: not held.replied)
+        if victim is not None:
+            victim.displaced = True
+            self._release(victim)
+        return victim
+
+    def _release(self, admitted: Admitted) -> None:
+        self._held -= 1
+        self._held_by[admitted.workspace] -= 1
+        if not self._held_by[admitted.workspace]:
+            del self._held_by[admitted.workspace]
 
     async def _watch_lag(self) -> None:
         loop = asyncio.get_running_loop()
@@ -406,10 +426,8 @@ class QueryService:
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)
                 log.exception("request_failed_outside_its_handler", subject=admitted.msg.subject)
             finally:
-                self._held -= 1
-                self._held_by[admitted.workspace] -= 1
-                if not self._held_by[admitted.workspace]:
-                    del self._held_by[admitted.workspace]
+                if not admitted.displaced:  # a displaced one gave its place back when it was displaced
+                    self._release(admitted)
                 self._waiting.task_done()
 
     async def _serve(self, admitted: Admitted) -> bool:

@@ -255,12 +255,24 @@ async def test_the_same_question_asked_while_it_is_being_answered_waits_for_that
     assert Slow.calls == 1
     assert [a.meta.cache_hit for a in answers] == [False, True, True, True, True]
     assert all(a.results == answers[0].results for a in answers)
-    # One not to be shared (degraded: dense failed) is not handed on: the others make their own.
+    # One not to be shared (degraded: dense failed) is not handed on: the next waiting makes its own, and the
+    # rest wait for that one in turn, not all at once.
     Slow.calls = 0
     failing, _ = _pipeline(Slow(fail=True))
     answers = await asyncio.gather(*(failing.answer(QUERY, "w") for _ in range(3)))
     assert all("dense" in a.meta.degraded and not a.meta.cache_hit for a in answers)
     assert Slow.calls == 3
+    assert not failing._in_flight
+    # An answer due later than a caller's own is not waited for: that caller makes its own, in its time.
+    Slow.calls = 0
+    pipeline, _ = _pipeline(Slow())
+    now = asyncio.get_running_loop().time()
+    _, early = await asyncio.gather(pipeline.answer(QUERY, "w", now + 10), pipeline.answer(QUERY, "w", now + 1))
+    assert Slow.calls == 2
+    assert not early.meta.cache_hit
+    _, later = await asyncio.gather(pipeline.answer(QUERY, "w2", now + 1), pipeline.answer(QUERY, "w2", now + 10))
+    assert Slow.calls == 3  # one due sooner is waited for
+    assert later.meta.cache_hit
 
 
 async def test_an_answer_read_while_the_index_was_rebuilt_is_not_cached() -> None:

@@ -148,8 +148,9 @@ class QueryPipeline:
         self._embedder = embedder
         self._versions = versions
         self._cache = cache
-        self._in_flight: dict[CacheKey, asyncio.Future[QueryResponse | None]] = {}
-        """Answers being made, by key: the same question asked meanwhile waits for it instead of making its own."""
+        self._in_flight: dict[CacheKey, tuple[asyncio.Future[QueryResponse | None], float | None]] = {}
+        """Answers being made, by key, with their deadline: the same question asked meanwhile waits for it instead
+        of making its own, when that answer is due no later than its own."""
         self._config = config
         self._calibration = config.calibration()
         self._metrics = instruments()
@@ -164,10 +165,14 @@ class QueryPipeline:
         generation = self._versions.generation(workspace)
         key = cache_key(query, workspace, announced, generation)
         raw = self._cache.get(key)
-        being_made = self._in_flight.get(key)
         shared = QueryResponse.model_validate_json(raw) if raw is not None else None
-        if shared is None and being_made is not None:
-            # Asked again while being answered (a stampede of one question): wait for that answer, once.
+        while shared is None and (making := self._in_flight.get(key)) is not None:
+            # Asked again while being answered (a stampede of one question): wait for that answer, if it is due
+            # no later than this one (else this one's deadline would pass waiting); one not fit to share (None)
+            # hands on to whichever of the waiting makes it next.
+            being_made, due = making
+            if deadline is not None and (due is None or due > deadline):
+                break
             shared = await asyncio.shield(being_made)
         if shared is not None:
             self._metrics.cache_hit.add(1)
@@ -177,17 +182,17 @@ class QueryPipeline:
             meta = shared.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, shared.model_copy(update={"meta": meta}))
         self._metrics.cache_miss.add(1)
-        if key in self._in_flight:  # the one it waited for is not to be shared (degraded): its own, alongside
+        if key in self._in_flight:  # one due later than this one is being made: its own, alongside
             return await self._make(run, query, key, announced, generation)
-        making: asyncio.Future[QueryResponse | None] = asyncio.get_running_loop().create_future()
-        self._in_flight[key] = making
+        made: asyncio.Future[QueryResponse | None] = asyncio.get_running_loop().create_future()
+        self._in_flight[key] = (made, deadline)
         response = None
         try:
             response = await self._make(run, query, key, announced, generation)
             return response
         finally:
             del self._in_flight[key]
-            making.set_result(response if response is not None and self._shareable(run) else None)
+            made.set_result(response if response is not None and self._shareable(run) else None)
 
     def _shareable(self, run: QueryRun) -> bool:
         """What may answer the same question again: the announced version's answer, not degraded (a deployment

@@ -30,7 +30,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
@@ -324,9 +324,13 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
                 await js.add_stream(config)
                 log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
                 continue
-            await js.create_key_value(config)  # nats-py makes every bucket allow rollups: taken back below
-            log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
-            existing, created = (await js.stream_info(stream)).config, True
+            try:
+                await js.create_key_value(config)  # nats-py makes every bucket allow rollups: taken back below
+                log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
+                created = True
+            except BadRequestError:  # another process made it meanwhile, and may have taken rollups back already
+                pass
+            existing = (await js.stream_info(stream)).config
         changes = []
         wanted = existing
         if stream == f"KV_{names.manifest_bucket}" and existing.allow_rollup_hdrs:

@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
 
 from ontofabric.services.app import Roles, serve_until_signal
 from ontofabric.shared.jetstream import (
@@ -281,6 +283,45 @@ async def test_a_replay_gives_up_when_the_connection_stays_down() -> None:
         with pytest.raises(ConnectionError, match="unreachable"):
             await read_all()
     assert replay.fetches == 0
+
+
+async def test_the_manifests_bucket_takes_no_rollups_even_when_two_processes_make_it_at_once(
+    deployment: Deployment, embedded: EmbeddedRuntime | None
+) -> None:
+    names = Names(f"{deployment.names.prefix}both")
+    nc = deployment.nc
+    if embedded is not None:
+        login = embedded.nats_logins(names.prefix, ["operator"])["operator"]
+        nc = await connect(with_login(deployment.nats_url_of_server, *login), "tests-both")
+    js = nc.jetstream()
+    bucket = f"KV_{names.manifest_bucket}"
+
+    class LookedJustBefore:
+        """A process that found no bucket a moment before the other made it (and took its rollups back)."""
+
+        def __init__(self) -> None:
+            self.hidden = True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(js, name)
+
+        async def stream_info(self, name: str, *args: Any, **kwargs: Any) -> Any:
+            if name == bucket and self.hidden:
+                self.hidden = False
+                raise NotFoundError
+            return await js.stream_info(name, *args, **kwargs)
+
+    try:
+        await ensure_jetstream(js, names, deployment.settings)
+        assert (await js.stream_info(bucket)).config.allow_rollup_hdrs is False  # at creation, by whoever makes it
+        await ensure_jetstream(cast(JetStreamContext, LookedJustBefore()), names, deployment.settings)
+        assert (await js.stream_info(bucket)).config.allow_rollup_hdrs is False
+    finally:
+        for stream in names.streams:
+            with contextlib.suppress(Exception):
+                await js.delete_stream(stream)
+        if nc is not deployment.nc:
+            await nc.close()
 
 
 async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector(

@@ -184,12 +184,14 @@ class DocumentMetadata(WireModel):
 
     @model_validator(mode="after")
     def _no_nul_in_free_keys(self) -> DocumentMetadata:
-        """Free keys are stored as they are (jsonb, which cannot hold NUL either): checked like declared ones."""
+        """Free keys are stored as they are, as jsonb, which holds neither NUL nor NaN: checked like declared ones."""
         pending: list[tuple[str, object]] = list((self.model_extra or {}).items())
         while pending:
             path, value = pending.pop()  # the path holds the keys: a NUL in a key shows there
             if "\x00" in path or (isinstance(value, str) and "\x00" in value):
                 raise ValueError(f"metadata {path!r}: text must not contain NUL characters")
+            if isinstance(value, float) and not math.isfinite(value):  # stored as JSON, it would become null
+                raise ValueError(f"metadata {path!r}: numbers must be finite")
             if isinstance(value, dict):
                 pending += [(f"{path}.{key}", item) for key, item in value.items()]
             elif isinstance(value, list):

@@ -212,6 +212,7 @@ def test_an_event_id_another_workspace_used_is_no_repeat() -> None:
         ({"metadata": {"extra": "a\u0000b"}}, "metadata 'extra'"),  # free keys go to jsonb, which holds no NUL
         ({"metadata": {"nested": {"k\u0000": 1}}}, "metadata 'nested.k\\x00'"),
         ({"metadata": {"list": ["ok", ["x\u0000"]]}}, "metadata 'list[1][0]'"),
+        ({"metadata": {"weight": float("nan")}}, "metadata 'weight': numbers must be finite"),  # stored as null
         ({"indexedAt": "0001-01-01T00:00:00+14:00"}, "indexedAt"),  # valid ISO; before year 1 in UTC
         ({"indexedAt": "9999-12-31T23:59:59-14:00"}, "indexedAt"),
         ({"embedding": [3e38] * 384}, "squared norm overflows"),  # finite, but its cosine would be NaN

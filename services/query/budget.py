@@ -90,13 +90,7 @@ def _with_budget(
     meta = response.meta
     collapsed = [entry for entry in meta.collapsed if entry.into in kept]
     context = [entry for entry in meta.expanded_context if entry.linked_from_document_id in kept]
-    fitted = _with_meta(
-        response,
-        budget=report,
-        collapsed=collapsed,
-        expanded_context=context,
-        expanded_context_truncated=meta.expanded_context_truncated or len(context) < len(meta.expanded_context),
-    )
+    fitted = _with_meta(response, budget=report, collapsed=collapsed, expanded_context=context)
     return fitted.model_copy(update={"results": results})
 
 

@@ -481,8 +481,8 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     with pytest.raises(RebuildFailed, match=r"not swapping.* live rows the stream does not account for") as failure:
         await job.run()
     assert not failure.value.resumable
-    assert "content_too_large" not in str(failure.value)  # what is named is the rows that would be lost
-    assert "document 'd3' on 'main'" in str(failure.value)
+    assert "document 'd3' on 'main'" in str(failure.value)  # the rows that would be lost, and why: the rejections
+    assert "this replay rejected 2 content_too_large" in str(failure.value)
     assert await _state(deployment, "acme") == before
     assert await _rebuild(deployment).discard() is True
     other_model = deployment.settings.model_copy(update={"embedding_model": "another-model"})

@@ -224,9 +224,13 @@ class Rebuild:
                 )
             unexplained = unexplained_live_rows(await shadow.live_row_seqs(), expected.rows(), covered)
             if unexplained and not self._force:
+                # A row whose delta this replay rejected: a setting other than the projector's, or a check newer
+                # than the release that stored it.
+                rejected = ", ".join(f"{count} {reason}" for reason, count in sorted(report.rejected.items()))
                 raise RebuildFailed(
-                    "not swapping, the swap would lose them: " + " | ".join(unexplained) + " (check the rejected "
-                    "deltas and that this command runs with the projector's settings; --force swaps anyway)",
+                    "not swapping, the swap would lose them: " + " | ".join(unexplained) + " (this replay rejected "
+                    f"{rejected or 'no delta'}; check the rejected deltas and that this command runs with the "
+                    "projector's settings; --force swaps anyway)",
                     resumable=False,
                 )
             await self._swap(js, nc, shadow, expected, report)

@@ -577,7 +577,9 @@ def dlq_redrive(
         errors.print(f"left {letter.seq}: the index holds its document at the later sequence {seq} (--force)")
     for letter in outcome.bodiless:
         errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")
-    left = len(outcome.superseded) + len(outcome.bodiless)
+    for letter, why in outcome.refused:
+        errors.print(f"left {letter.seq}: the delta stream refused it: {why}")
+    left = len(outcome.superseded) + len(outcome.bodiless) + len(outcome.refused)
     errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {left}")
 
 

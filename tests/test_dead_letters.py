@@ -3,6 +3,7 @@ projector after a fix (never over a later state of the document), purged; and th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -119,6 +120,21 @@ async def test_a_workspace_whose_dead_letter_was_redriven_after_a_fix_rebuilds(d
     assert report.swapped
     rows = await projected_rows(deployment, "WHERE workspace = 'acme' AND NOT deleted")
     assert rows[("acme", "big")][1].startswith("long ")
+
+
+async def test_a_dead_letter_the_stream_refuses_is_left_and_the_rest_are_sent(deployment: Deployment) -> None:
+    await _project(
+        deployment,
+        LIMIT,
+        upsert("acme", document("one", "x" * (LIMIT + 1))),
+        upsert("acme", document("two", "y" * (LIMIT + 1))),
+    )
+    first, second = await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme"))
+    grown = dataclasses.replace(first, data=b"z" * (2 * 1024 * 1024))  # past what NATS carries
+    outcome = await redrive(deployment.nc, deployment.names, [grown, second], None)
+    assert [(letter.seq, "MaxPayloadError" in why) for letter, why in outcome.refused] == [(first.seq, True)]
+    assert [letter.seq for letter, _ in outcome.sent] == [second.seq]
+    assert [letter.seq for letter in await dead_letters(deployment.nc, deployment.names, Selection())] == [first.seq]
 
 
 def test_a_redriven_delta_has_an_event_id_of_its_own_and_what_is_not_a_delta_goes_as_it_is() -> None:

@@ -18,11 +18,13 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
+from nats.js.errors import APIError
 from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
 from ontofabric.shared.jetstream import read_in_order
-from ontofabric.shared.logging import get_logger
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names, encode_token
 
 log = get_logger(__name__)
@@ -158,6 +160,8 @@ class Redrive:
     """Not sent: the index holds the document at this later sequence."""
     bodiless: list[DeadLetter] = field(default_factory=list)
     """Not sent: stored without its delta, too large for the stream to take again."""
+    refused: list[tuple[DeadLetter, str]] = field(default_factory=list)
+    """Not sent: the stream refused it (too large now, say), with why; the dead letter stays."""
 
 
 async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
@@ -230,15 +234,19 @@ async def redrive(
             if later is not None:
                 outcome.superseded.append((letter, later))
                 continue
-        ack = await js.publish(
-            letter.original_subject,
-            redriven(letter.data, letter.seq),
-            stream=names.delta_stream,
-            headers={
-                "Nats-Msg-Id": f"redrive:{names.dlq_stream}:{letter.seq}",
-                "Ontofabric-Redriven-From": str(letter.seq),
-            },
-        )
+        try:
+            ack = await js.publish(
+                letter.original_subject,
+                redriven(letter.data, letter.seq),
+                stream=names.delta_stream,
+                headers={
+                    "Nats-Msg-Id": f"redrive:{names.dlq_stream}:{letter.seq}",
+                    "Ontofabric-Redriven-From": str(letter.seq),
+                },
+            )
+        except (MaxPayloadError, APIError) as error:  # this one cannot go; the rest still may
+            outcome.refused.append((letter, describe(error)))
+            continue
         await js.delete_msg(names.dlq_stream, letter.seq)
         log.info("dead_letter_redriven", dlq_seq=letter.seq, seq=ack.seq, reason=letter.reason)
         outcome.sent.append((letter, ack.seq))

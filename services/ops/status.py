@@ -88,7 +88,7 @@ async def deployment_status(
     versions: dict[tuple[str, str], tuple[str, datetime | None]] = {
         (version.workspace, version.branch): (version.ontology_version, version.updated_at) for version in announced
     }
-    for unannounced in await _published_branches(js, names) - set(versions):
+    for unannounced in await _published_branches(js, names, workspace) - set(versions):
         versions[unannounced] = (NO_VERSION, None)  # published to, never projected: the projector is down or behind
     for (branch_workspace, branch), (ontology_version, announced_at) in sorted(versions.items()):
         if workspace is not None and branch_workspace != workspace:
@@ -123,10 +123,13 @@ async def deployment_status(
     return status
 
 
-async def _published_branches(js: JetStreamContext, names: Names) -> set[tuple[str, str]]:
-    """The (workspace, branch) pairs the delta stream holds deltas of, by their subjects (one that is not a
-    canonical ``<prefix>.delta.<workspace>.<branch>`` names none: the projector dead-letters it)."""
-    info = await js.stream_info(names.delta_stream, subjects_filter=names.delta_subjects)
+async def _published_branches(js: JetStreamContext, names: Names, workspace: str | None) -> set[tuple[str, str]]:
+    """The (workspace, branch) pairs the delta stream holds deltas of (of ``workspace`` only, when given), by their
+    subjects (one that is not a canonical ``<prefix>.delta.<workspace>.<branch>`` names none: the projector
+    dead-letters it). One request: the server pages its answer past 100,000 subjects, so beyond that some go
+    unlisted."""
+    subjects = names.delta_subjects if workspace is None else names.workspace_delta_subjects(workspace)
+    info = await js.stream_info(names.delta_stream, subjects_filter=subjects)
     found = set()
     for subject in info.state.subjects or {}:
         tokens = subject.split(".")[len(names.prefix.split(".")) + 1 :]

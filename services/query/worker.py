@@ -244,7 +244,7 @@ class QueryService:
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
         self._held_by: Counter[str] = Counter()
-        """The same by workspace token (``_make_room_for``)."""
+        """The same by workspace token (``_displace_for``)."""
         self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
         """Requests this worker worked on (errors included; not those refused unopened)."""

@@ -72,6 +72,18 @@ class Names:
     def delta_subject(self, workspace: str, branch: str) -> str:
         return f"{self.prefix}.delta.{encode_token(workspace)}.{encode_token(branch)}"
 
+    def scope_of_delta(self, subject: str) -> tuple[str, str] | None:
+        """The workspace and branch a delta subject names; None when it is not ``<prefix>.delta.<ws>.<branch>``
+        with canonical tokens (the projector dead-letters such a delta, ``subject_mismatch``)."""
+        head = f"{self.prefix}.delta."
+        tokens = subject[len(head) :].split(".") if subject.startswith(head) else []
+        if len(tokens) != 2:
+            return None
+        try:
+            return decode_token(tokens[0]), decode_token(tokens[1])
+        except ValueError:
+            return None
+
     def workspace_delta_subjects(self, workspace: str) -> str:
         """Every branch's deltas of one workspace (what a rebuild of that workspace replays)."""
         return f"{self.prefix}.delta.{encode_token(workspace)}.*"

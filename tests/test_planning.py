@@ -91,6 +91,13 @@ def test_a_subject_that_is_not_exactly_the_deltas_workspace_and_branch_is_refuse
     assert outcome.reason == "subject_mismatch"
 
 
+def test_the_scope_a_delta_subject_names_is_read_only_from_a_whole_canonical_one() -> None:
+    names = Names("of")
+    assert names.scope_of_delta(names.delta_subject("ws", "dev.1")) == ("ws", "dev.1")
+    for subject in ["of.delta.zz.ws.main", "of.delta.ws", "of.ws.main", "other.delta.ws.main", "of.delta.w%zz.main"]:
+        assert names.scope_of_delta(subject) is None, subject
+
+
 def test_oversized_message_is_rejected_before_parsing() -> None:
     outcome = validate_delta(b"x" * 100, "of.delta.ws.main", 1, Limits(50, 4096, 384, "m"))
     assert isinstance(outcome, Rejection)

@@ -18,7 +18,7 @@ from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
 from ontofabric.services.query.freshness import published_after
 from ontofabric.shared.discovery import Worker, discover
 from ontofabric.shared.placement import Placement
-from ontofabric.shared.subjects import Names, decode_token
+from ontofabric.shared.subjects import Names
 
 
 @dataclass(frozen=True)
@@ -130,16 +130,8 @@ async def _published_branches(js: JetStreamContext, names: Names, workspace: str
     unlisted."""
     subjects = names.delta_subjects if workspace is None else names.workspace_delta_subjects(workspace)
     info = await js.stream_info(names.delta_stream, subjects_filter=subjects)
-    found = set()
-    for subject in info.state.subjects or {}:
-        tokens = subject.split(".")[len(names.prefix.split(".")) + 1 :]
-        if len(tokens) != 2:
-            continue
-        try:
-            found.add((decode_token(tokens[0]), decode_token(tokens[1])))
-        except ValueError:
-            continue
-    return found
+    scopes = (names.scope_of_delta(subject) for subject in info.state.subjects or {})
+    return {scope for scope in scopes if scope is not None}
 
 
 async def _announced(nc: Client, names: Names) -> list[OntologyVersionChanged]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import pytest
@@ -285,37 +285,19 @@ async def test_a_replay_gives_up_when_the_connection_stays_down() -> None:
     assert replay.fetches == 0
 
 
-async def test_the_manifests_bucket_takes_no_rollups_even_when_two_processes_make_it_at_once(
-    deployment: Deployment, embedded: EmbeddedRuntime | None
-) -> None:
-    names = Names(f"{deployment.names.prefix}both")
+@contextlib.asynccontextmanager
+async def _streams_of(
+    deployment: Deployment, embedded: EmbeddedRuntime | None, names: Names
+) -> AsyncIterator[JetStreamContext]:
+    """JetStream as another deployment's operator (the test deployment's may not make its streams); its streams
+    are deleted after the block."""
     nc = deployment.nc
     if embedded is not None:
         login = embedded.nats_logins(names.prefix, ["operator"])["operator"]
-        nc = await connect(with_login(deployment.nats_url_of_server, *login), "tests-both")
+        nc = await connect(with_login(deployment.nats_url_of_server, *login), f"tests-{names.prefix}")
     js = nc.jetstream()
-    bucket = f"KV_{names.manifest_bucket}"
-
-    class LookedJustBefore:
-        """A process that found no bucket a moment before the other made it (and took its rollups back)."""
-
-        def __init__(self) -> None:
-            self.hidden = True
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(js, name)
-
-        async def stream_info(self, name: str, *args: Any, **kwargs: Any) -> Any:
-            if name == bucket and self.hidden:
-                self.hidden = False
-                raise NotFoundError
-            return await js.stream_info(name, *args, **kwargs)
-
     try:
-        await ensure_jetstream(js, names, deployment.settings)
-        assert (await js.stream_info(bucket)).config.allow_rollup_hdrs is False  # at creation, by whoever makes it
-        await ensure_jetstream(cast(JetStreamContext, LookedJustBefore()), names, deployment.settings)
-        assert (await js.stream_info(bucket)).config.allow_rollup_hdrs is False
+        yield js
     finally:
         for stream in names.streams:
             with contextlib.suppress(Exception):
@@ -324,19 +306,42 @@ async def test_the_manifests_bucket_takes_no_rollups_even_when_two_processes_mak
             await nc.close()
 
 
+async def test_the_manifests_bucket_takes_no_rollups_even_when_two_processes_make_it_at_once(
+    deployment: Deployment, embedded: EmbeddedRuntime | None
+) -> None:
+    names = Names(f"{deployment.names.prefix}both")
+    bucket = f"KV_{names.manifest_bucket}"
+
+    class LookedJustBefore:
+        """A process that found no bucket a moment before the other made it (and took its rollups back)."""
+
+        def __init__(self, js: JetStreamContext) -> None:
+            self.js = js
+            self.hidden = True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.js, name)
+
+        async def stream_info(self, name: str, *args: Any, **kwargs: Any) -> Any:
+            if name == bucket and self.hidden:
+                self.hidden = False
+                raise NotFoundError
+            return await self.js.stream_info(name, *args, **kwargs)
+
+    async with _streams_of(deployment, embedded, names) as js:
+        await ensure_jetstream(js, names, deployment.settings)
+        assert (await js.stream_info(bucket)).config.allow_rollup_hdrs is False  # at creation, by whoever makes it
+        await ensure_jetstream(cast(JetStreamContext, LookedJustBefore(js)), names, deployment.settings)
+        assert (await js.stream_info(bucket)).config.allow_rollup_hdrs is False
+
+
 async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector(
     deployment: Deployment, embedded: EmbeddedRuntime | None
 ) -> None:
     names = Names(f"{deployment.names.prefix}old")
-    # Another deployment's streams: its own operator makes them (the test deployment's may not).
-    nc = deployment.nc
-    if embedded is not None:
-        login = embedded.nats_logins(names.prefix, ["operator"])["operator"]
-        nc = await connect(with_login(deployment.nats_url_of_server, *login), "tests-old")
-    js = nc.jetstream()
-    older = dataclasses.replace(delta_stream_config(names, deployment.settings), republish=None)
-    await js.add_stream(older)
-    try:
+    async with _streams_of(deployment, embedded, names) as js:
+        older = dataclasses.replace(delta_stream_config(names, deployment.settings), republish=None)
+        await js.add_stream(older)
         await ensure_jetstream(js, names, deployment.settings)  # a query worker's start leaves it to the projector
         assert (await js.stream_info(names.delta_stream)).config.republish is None
         await ensure_jetstream(js, names, deployment.settings, reconcile=True)  # a projector's start
@@ -353,12 +358,6 @@ async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector
         assert (await js.stream_info(names.delta_stream)).config.max_age == 2 * 86400
         await ensure_jetstream(js, names, deployment.settings, reconcile=True)
         assert not (await js.stream_info(names.delta_stream)).config.max_age
-    finally:
-        for stream in names.streams:
-            with contextlib.suppress(Exception):
-                await js.delete_stream(stream)
-        if nc is not deployment.nc:
-            await nc.close()
 
 
 async def _broken_by_the_server(url: str) -> Any:

@@ -241,11 +241,16 @@ async def test_the_same_question_asked_while_it_is_being_answered_waits_for_that
     @dataclass
     class Slow(ScriptedRetrieval):
         calls: ClassVar[int] = 0
+        inside: ClassVar[int] = 0
+        most_at_once: ClassVar[int] = 0
         fail: bool = False
 
         async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
             Slow.calls += 1
+            Slow.inside += 1
+            Slow.most_at_once = max(Slow.most_at_once, Slow.inside)
             await asyncio.sleep(0.05)
+            Slow.inside -= 1
             if self.fail:
                 raise ConnectionError("database went away")
             return await super().dense(scope, query, limit)
@@ -257,11 +262,11 @@ async def test_the_same_question_asked_while_it_is_being_answered_waits_for_that
     assert all(a.results == answers[0].results for a in answers)
     # One not to be shared (degraded: dense failed) is not handed on: the next waiting makes its own, and the
     # rest wait for that one in turn, not all at once.
-    Slow.calls = 0
+    Slow.calls = Slow.most_at_once = 0
     failing, _ = _pipeline(Slow(fail=True))
     answers = await asyncio.gather(*(failing.answer(QUERY, "w") for _ in range(3)))
     assert all("dense" in a.meta.degraded and not a.meta.cache_hit for a in answers)
-    assert Slow.calls == 3
+    assert (Slow.calls, Slow.most_at_once) == (3, 1)
     assert not failing._in_flight
     # An answer due later than a caller's own is not waited for: that caller makes its own, in its time.
     Slow.calls = 0

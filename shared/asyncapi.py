@@ -167,7 +167,9 @@ def _messages() -> Json:
                         "type": "string",
                         "pattern": "^[0-9]+$",
                         "description": "How long the caller waits, in milliseconds (1 to 300000): the worker "
-                        "answers or refuses within it.",
+                        "answers or refuses within it. Without it the worker's default deadline bounds the work "
+                        "(ONTOFABRIC_QUERY_DEFAULT_TIMEOUT_MS, 10 s), and the request waits for a free slot at "
+                        "most ONTOFABRIC_QUERY_UNSTATED_MAX_WAIT_MS (250 ms), since the caller's timeout is unknown.",
                     },
                     **_TRACE_HEADERS,
                 }

@@ -254,6 +254,14 @@ class Settings(BaseSettings):
         le=300_000,
         description="Deadline of a request without the `Ontofabric-Timeout-Ms` header (the caller's timeout).",
     )
+    query_unstated_max_wait_ms: int = Field(
+        default=250,
+        ge=1,
+        le=300_000,
+        description="The longest a request without the `Ontofabric-Timeout-Ms` header waits for a free slot; past "
+        "it, or expected past it on arrival, it is refused `overloaded` (retryable). Its caller's own timeout is "
+        "unknown, and NATS clients' defaults are short (nats-py 0.5 s, nats.js 1 s).",
+    )
     retriever_top_k: int = Field(
         default=100, ge=1, le=1000, description="Candidates per retriever (the evaluation runs with this default)."
     )

@@ -39,7 +39,7 @@ LONG_QUERY = "how do I sort a list of numbers in descending order"  # long enoug
 
 
 def test_the_deadline_is_the_callers_timeout_less_a_margin_for_the_way_back() -> None:
-    assert deadline_of(None, 100.0, 10_000) == Deadline(100.0 + 10 - MAX_MARGIN_S, 10_000)
+    assert deadline_of(None, 100.0, 10_000) == Deadline(100.0 + 10 - MAX_MARGIN_S, 10_000, stated=False)
     assert deadline_of({TIMEOUT_HEADER: " 250 "}, 100.0, 10_000) == Deadline(100.0 + 0.25 - 0.0125, 250)
     assert deadline_of({TIMEOUT_HEADER: "1"}, 0.0, 10_000) == Deadline(0.0, 1)  # the margin eats it: refused
     assert deadline_of({TIMEOUT_HEADER.lower(): "250"}, 100.0, 10_000) == Deadline(100.0 + 0.25 - 0.0125, 250)
@@ -282,6 +282,60 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival
     assert "past the request's deadline" in reply.error.message
     await busy
     assert reranker.calls == 2
+
+
+async def test_a_request_that_states_no_timeout_waits_briefly_for_a_slot_then_is_refused(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """Its caller's timeout is unknown (NATS clients default to 0.5-1 s): it waits at most
+    query_unstated_max_wait_ms for a runner, and is refused `overloaded` unopened past it. Before, it was given
+    the default 10 s, so a flood of them queued for seconds while their callers had given up."""
+    reranker = SlowReranker(0.0)
+    await start_worker(reranker, query_concurrency=1, query_unstated_max_wait_ms=200)
+    assert isinstance(parse_reply((await _request(deployment, _query(), None, 0.5))[0]), QueryResponse)
+    reranker.delay_s = 1.2  # the worker still expects a quick answer, so the next one is let in and waits
+    busy = asyncio.create_task(_request(deployment, _query("sort numbers in descending order please now"), None, 2.5))
+    await asyncio.sleep(0.1)  # the runner has it
+    started = time.monotonic()
+    replies = await _request(deployment, _query("descending sort of a list of numbers with sorted"), None, 0.8)
+    assert len(replies) == 1
+    reply = parse_reply(replies[0])
+    assert isinstance(reply, ErrorReply), reply
+    assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
+    assert TIMEOUT_HEADER in reply.error.message
+    assert "waited" in reply.error.message
+    assert reranker.calls == 2  # the refused one was never worked on
+    # The one a runner took in time is answered, though its work lasts past the wait.
+    assert isinstance(parse_reply((await busy)[0]), QueryResponse)
+    assert time.monotonic() - started < 2.5
+    assert reranker.calls == 2
+
+
+async def test_a_request_that_states_no_timeout_is_refused_on_arrival_when_it_would_wait_too_long(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    reranker = SlowReranker(0.6)
+    await start_worker(reranker, query_concurrency=1, query_unstated_max_wait_ms=200)
+    assert isinstance(parse_reply((await _request(deployment, _query(), None, 1.5))[0]), QueryResponse)
+    busy = asyncio.create_task(_request(deployment, _query("sort numbers in descending order please now"), None, 1.5))
+    await asyncio.sleep(0.1)  # at work for 0.6 s; the worker knows a request takes about that long
+    # Heard within 0.15 s: had it been queued, its refusal would have come at the end of its wait, 0.2 s.
+    replies = await _request(deployment, _query("descending sort of a list of numbers with sorted"), None, 0.15)
+    assert len(replies) == 1
+    reply = parse_reply(replies[0])
+    assert isinstance(reply, ErrorReply), reply
+    assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
+    assert "would start this request in about" in reply.error.message
+    assert TIMEOUT_HEADER in reply.error.message
+    # A caller that states its timeout may wait longer than that.
+    stated = await _request(deployment, _query("descending sort of a list of numbers with sorted"), 5_000, 1.5)
+    assert isinstance(parse_reply(stated[0]), QueryResponse)
+    await busy
+    assert reranker.calls == 3
 
 
 async def test_an_idle_worker_takes_a_request_whatever_it_took_before(

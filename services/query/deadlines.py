@@ -24,6 +24,8 @@ class Deadline:
     """The time (the event loop's clock, seconds) by which the reply must be sent."""
     timeout_ms: int
     """What the caller asked for (or the worker's default)."""
+    stated: bool = True
+    """The caller said its timeout (the header); False: the worker's default is a guess at it."""
 
     def left(self, now: float) -> float:
         return self.at - now
@@ -67,7 +69,7 @@ def deadline_of(
         timeout_ms = int(text)
     timeout_s = timeout_ms / 1000
     margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE)) + min(lag_s, timeout_s * MAX_LAG_SHARE)
-    return Deadline(received + max(0.0, timeout_s - margin), timeout_ms)
+    return Deadline(received + max(0.0, timeout_s - margin), timeout_ms, stated=raw is not None)
 
 
 SERVICE_TIME_WEIGHT = 0.1
@@ -83,8 +85,12 @@ class ServiceTime:
     def record(self, took_s: float) -> None:
         self.seconds = took_s if self.seconds == 0 else self.seconds + SERVICE_TIME_WEIGHT * (took_s - self.seconds)
 
+    def expected_wait(self, ahead: int, concurrency: int) -> float:
+        """Seconds until a request with ``ahead`` others held before it would be taken: they leave ``concurrency``
+        at a time."""
+        return max(0, ahead - concurrency + 1) / concurrency * self.seconds
+
     def expected_finish(self, ahead: int, concurrency: int) -> float:
-        """Seconds until a request with ``ahead`` others held before it would be answered: its turn (they leave
-        ``concurrency`` at a time), then its own work."""
-        waits = max(0, ahead - concurrency + 1)
-        return (waits / concurrency + 1) * self.seconds
+        """Seconds until a request with ``ahead`` others held before it would be answered: its turn, then its own
+        work."""
+        return self.expected_wait(ahead, concurrency) + self.seconds

@@ -26,6 +26,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pydantic import ValidationError
 
 from ontofabric.contracts import (
+    TIMEOUT_HEADER,
     DocumentRequest,
     ErrorDetail,
     ErrorReply,
@@ -75,6 +76,11 @@ STALL_MARGIN_S = 1.0
 ADMISSION_SHARE = 0.8
 """A request is admitted when the expected wait and work fit in this share of its time left: the estimate is an
 average, and the rest is room for the slower ones."""
+
+_UNSTATED_WAIT = (
+    f"a request without the {TIMEOUT_HEADER} header waits at most {{:.0f}} ms (its caller's timeout is unknown); "
+    "retry, or send the header to wait longer"
+)
 
 MAX_ERROR_DETAILS = 20
 MAX_DETAIL_CHARS = 200
@@ -185,6 +191,8 @@ class Admitted:
     """The workspace's subject token: whose turn it waits for."""
     displaced: bool = False
     """Its place was given to another workspace's request while it waited (refused, ``overloaded``)."""
+    waits_until: float | None = None
+    """When a request that states no timeout stops waiting for a free slot (refused, ``overloaded``)."""
     replied: bool = False
     expiry: asyncio.TimerHandle | None = None
     taken_at: float | None = None
@@ -344,12 +352,19 @@ class QueryService:
         workspace = workspace_token_of(msg.subject) or ""
         own = self._held_by[workspace]
         workspaces = len(self._held_by) + (0 if own else 1)
-        expected = self._service_time.expected_finish(ahead_in_turn(own, workspaces, self._held), concurrency)
+        ahead = ahead_in_turn(own, workspaces, self._held)
+        expected = self._service_time.expected_finish(ahead, concurrency)
         # Refused now, not when the caller has given up. Never by an idle worker: the average may be of a slow
         # spell that is over (a database frozen for seconds), and only answered requests bring it down again.
         if self._held and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
+            return
+        max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
+        wait = self._service_time.expected_wait(ahead, concurrency)
+        if not deadline.stated and self._held and wait > max_wait_s:
+            busy = f"this worker would start this request in about {wait * 1000:.0f} ms; {_UNSTATED_WAIT}"
+            await self._reply(msg, error_reply("overloaded", busy.format(max_wait_s * 1000), retryable=True))
             return
         displaced = self._displace_for(workspace) if self._held >= places else None
         if self._held >= places:
@@ -359,9 +374,13 @@ class QueryService:
         self._held += 1
         self._held_by[workspace] += 1
         admitted = Admitted(msg, received, deadline, workspace)
+        if not deadline.stated:
+            admitted.waits_until = min(deadline.at, received + max_wait_s)
         # The caller hears back by its deadline even when no runner gets to the request in time, or the one that
-        # has it is stuck (a database frozen under a statement, a cleanup that waits on it).
-        admitted.expiry = asyncio.get_running_loop().call_at(deadline.at, self._expire, admitted)
+        # has it is stuck (a database frozen under a statement, a cleanup that waits on it); one that states no
+        # timeout, when no runner has taken it by waits_until.
+        due = deadline.at if admitted.waits_until is None else admitted.waits_until
+        admitted.expiry = asyncio.get_running_loop().call_at(due, self._expire, admitted)
         self._waiting.put_nowait(workspace, admitted)
         if displaced is not None:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
@@ -396,13 +415,27 @@ class QueryService:
     def _expire(self, admitted: Admitted) -> None:
         if admitted.replied:
             return
-        task = asyncio.create_task(self._refuse_late(admitted))
+        loop = asyncio.get_running_loop()
+        if admitted.waits_until is not None and loop.time() < admitted.deadline.at:  # only its wait ended
+            if admitted.taken_at is not None:  # a runner has it in time: its deadline bounds the work
+                admitted.expiry = loop.call_at(admitted.deadline.at, self._expire, admitted)
+                return
+            refusal = self._refuse_waited(admitted)
+        else:
+            refusal = self._refuse_late(admitted)
+        task = asyncio.create_task(refusal)
         self._expiries.add(task)
         task.add_done_callback(self._expiries.discard)
 
     async def _refuse_late(self, admitted: Admitted) -> None:
         late = admitted.late(asyncio.get_running_loop().time())
         await self._reply_once(admitted, error_reply("deadline_exceeded", late, retryable=True))
+
+    async def _refuse_waited(self, admitted: Admitted) -> None:
+        waited = (asyncio.get_running_loop().time() - admitted.received) * 1000
+        busy = f"waited {waited:.0f} ms for a free slot; {_UNSTATED_WAIT}"
+        limit = self.settings.query_unstated_max_wait_ms
+        await self._reply_once(admitted, error_reply("overloaded", busy.format(limit), retryable=True))
 
     async def _reply_once(self, admitted: Admitted, body: bytes) -> None:
         """The first reply to an admitted request goes out; a later one (the work ending after the deadline's
@@ -437,6 +470,9 @@ class QueryService:
         waited_ms = round((loop.time() - received) * 1000, 3)
         if admitted.replied or deadline.left(loop.time()) <= 0:  # its caller has given up: no work for nobody
             await self._refuse_late(admitted)
+            return False
+        if admitted.waits_until is not None and loop.time() > admitted.waits_until:  # its timer is yet to run
+            await self._refuse_waited(admitted)
             return False
         admitted.taken_at = loop.time()
         try:

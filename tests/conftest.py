@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import uuid
 from collections import Counter
@@ -424,6 +426,23 @@ async def seeded(deployment: Deployment, projector: ProjectorService, embedder: 
     acks = await deployment.publisher.publish_many(deltas)
     await deployment.wait_projected(acks[-1].seq)
     return acks[-1].seq
+
+
+NODE_CLIENTS = Path(__file__).parent / "node"
+
+
+def node_script(name: str, package: str) -> Path:
+    """A client script of tests/node that imports the npm ``package`` (CI installs tests/node's packages; done
+    here when missing). Skips without Node.js and npm."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip(f"Node.js and npm are not installed: {name} cannot run")
+    if not (NODE_CLIENTS / "node_modules" / package).is_dir():
+        subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock"], cwd=NODE_CLIENTS, check=True,
+            capture_output=True, timeout=600,
+        )  # fmt: skip
+    return NODE_CLIENTS / name
 
 
 def spawn_nats(

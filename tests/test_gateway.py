@@ -32,11 +32,10 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 
-from .conftest import Deployment
+from .conftest import Deployment, node_script
 from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
-NODE_CLIENT = Path(__file__).parent / "node"
 
 TEXTS = {
     "csv": "def read_csv(path):\n    'Read a CSV file into a list of rows.'\n    return list(csv.reader(open(path)))\n",
@@ -315,21 +314,8 @@ async def test_no_worker_answering_is_a_retryable_error_within_the_timeout(
         await silent.unsubscribe()
 
 
-def _node_client() -> Path:
-    """The TypeScript SDK installed beside tests/node/client.mjs (CI installs it; done here when missing)."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("Node.js and npm are not installed: the TypeScript MCP SDK client cannot run")
-    if not (NODE_CLIENT / "node_modules" / "@modelcontextprotocol" / "sdk").is_dir():
-        subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock"], cwd=NODE_CLIENT, check=True,
-            capture_output=True, timeout=600,
-        )  # fmt: skip
-    return NODE_CLIENT / "client.mjs"
-
-
 async def test_the_typescript_sdk_over_stdio(deployment: Deployment, served: QueryService) -> None:
-    script = _node_client()
+    script = node_script("client.mjs", "@modelcontextprotocol/sdk")
     arguments = json.dumps({"semanticQuery": "serialise to json", "topK": 2})
     completed = await asyncio.to_thread(
         subprocess.run,

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import socket
 import stat
 import subprocess

@@ -328,6 +328,13 @@ class BudgetReport(WireModel):
     contents_cut: list[str] = Field(default_factory=list, description="Results whose content is cut short.")
     contents_omitted: int = Field(default=0, description="Results sent without their content for want of room.")
     results_dropped: int = Field(default=0, description="Lowest-ranked results left out for want of room.")
+    collapsed_dropped: int = Field(
+        default=0, description="Entries of _meta.collapsed left out for want of room (those of dropped results too)."
+    )
+    context_dropped: int = Field(
+        default=0,
+        description="Entries of _meta.expandedContext left out for want of room (those of dropped results too).",
+    )
 
 
 class Freshness(WireModel):

@@ -104,8 +104,38 @@ def test_what_the_meta_says_about_results_left_out_goes_with_them() -> None:
     assert {entry.linked_from_document_id for entry in fitted.meta.expanded_context} <= kept
     assert len(fitted.meta.expanded_context) < len(context)
     assert fitted.meta.expanded_context_truncated is False  # it says what expansion left out, not the budget
+    assert fitted.meta.budget is not None
+    assert fitted.meta.budget.collapsed_dropped == len(collapsed) - len(fitted.meta.collapsed)
+    assert fitted.meta.budget.context_dropped == len(context) - len(fitted.meta.expanded_context)
     whole, _ = _fit(answer, 250_000)
     assert (whole.meta.collapsed, whole.meta.expanded_context) == (collapsed, context)  # nothing left out
+
+
+def test_a_result_with_more_nested_chunks_than_room_stays_and_its_notes_are_trimmed() -> None:
+    """The notes about results come after the results and their contents: a top hit with 45 chunks collapsed into
+    it (a large class, asked by name) left an answer of 0 results where the results alone fitted."""
+    answer = _answer(["class Context:\n    pass\n"] + [None] * 9)
+    collapsed = [CollapsedResult(id=f"{'c' * 32}{j:02d}", into="d0") for j in range(45)]
+    context = [
+        ExpandedContext(
+            linked_type="pkg.Linked", link_name="calls", direction="outgoing", linked_from_type="t.T",
+            linked_from_document_id="d1", representative_document_id="r1",
+        )
+    ]  # fmt: skip
+    answer = answer.model_copy(
+        update={"meta": answer.meta.model_copy(update={"collapsed": collapsed, "expanded_context": context})}
+    )
+    fitted, body = _fit(answer, 1000)
+    assert len(body) <= 1000 * BYTES_PER_TOKEN
+    assert [r.id for r in fitted.results] == [r.id for r in answer.results]  # every result stays
+    assert fitted.results[0].content == answer.results[0].content
+    assert fitted.meta.budget is not None
+    assert fitted.meta.budget.results_dropped == 0
+    assert 0 < len(fitted.meta.collapsed) < 45
+    assert fitted.meta.collapsed == collapsed[: len(fitted.meta.collapsed)]  # the first, in order
+    assert fitted.meta.budget.collapsed_dropped == 45 - len(fitted.meta.collapsed)
+    assert fitted.meta.expanded_context == []  # d1's comes after every one of d0's
+    assert fitted.meta.budget.context_dropped == 1
 
 
 def test_the_message_size_cuts_too_and_says_so() -> None:

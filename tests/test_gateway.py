@@ -24,7 +24,7 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from ontofabric.contracts import NO_VERSION, ErrorDetail, ErrorReply, QueryError, QueryMeta, QueryResponse
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, render, restated
 from ontofabric.services.projector.worker import ProjectorService
@@ -446,6 +446,19 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     )  # fmt: skip
     text = render(QueryResponse(results=[], _meta=meta))
     assert ("nothing is indexed in workspace 'acme-typo'" in text) is said
+
+
+def test_results_the_budget_left_out_are_said_in_the_text() -> None:
+    """The text is all some agents read: 2 results must not read as all there is when 62 more were cut."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        budget=BudgetReport(max_tokens=1000, estimated_tokens=990, results_dropped=62),
+    )  # fmt: skip
+    text = render(QueryResponse(results=[], _meta=meta))
+    assert "62 more left out to fit maxTokens" in text
+    whole = meta.model_copy(update={"budget": BudgetReport(max_tokens=1000, estimated_tokens=90)})
+    assert "left out" not in render(QueryResponse(results=[], _meta=whole))
 
 
 def test_a_worker_error_about_the_halved_budget_names_the_value_the_caller_gave() -> None:

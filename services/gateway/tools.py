@@ -210,6 +210,11 @@ def _render_query(reply: QueryResponse) -> str:
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(f"{len(reply.results)} results")
+    if meta.budget is not None and meta.budget.results_dropped:
+        head.append(
+            f"{meta.budget.results_dropped} more left out to fit maxTokens (ask with a larger maxTokens or a "
+            "smaller topK)"
+        )
     if nothing_indexed(meta.ontology_version):
         head.append(
             f"nothing is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}: check the name, or whether "

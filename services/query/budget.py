@@ -4,16 +4,19 @@ An agent's client refuses or truncates a tool result past a size of its own (Cla
 refuses a message past its maximum payload. So the worker fits every reply: results keep their rank order; each
 result's content is kept whole while it fits, the first that does not is cut at a line near the limit, and the
 rest go without content (their ids, scores and metadata still listed); only when even those do not fit are the
-lowest-ranked results left out. Tokens are estimated at BYTES_PER_TOKEN bytes of the reply's JSON each.
+lowest-ranked results left out. What ``_meta`` says about the results (the chunks collapsed into them, the context
+linked from them) comes last, in their rank order, as far as room is left: a result with many nested chunks is
+never left out for their sake. Tokens are estimated at BYTES_PER_TOKEN bytes of the reply's JSON each.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 from ontofabric.contracts import QueryResponse, SearchResult
-from ontofabric.contracts.query import BudgetReport
+from ontofabric.contracts.query import BudgetReport, CollapsedResult, ExpandedContext, QueryMeta
 
 BYTES_PER_TOKEN = 4
 """About what tokenizers of English text and code average; an estimate, not a count."""
@@ -51,23 +54,27 @@ def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) 
     TooLarge when nothing fits."""
     budget_bytes = max_tokens * BYTES_PER_TOKEN
     limit = min(budget_bytes, max_payload_bytes)
-    fitted = _with_budget(response, _report(max_tokens, []))
+    fitted = _with_meta(response, budget=_report(max_tokens))
     if len(_encoded(fitted)) > limit:
         if max_payload_bytes < budget_bytes:
             response = _with_meta(response, degraded=[*response.meta.degraded, "replySize"])
         fitted = _cut(response, limit, max_tokens)
     assert fitted.meta.budget is not None
     tokens = math.ceil(len(_encoded(fitted)) / BYTES_PER_TOKEN)  # of the reply as measured: a few bytes over
-    return _encoded(_with_budget(fitted, fitted.meta.budget.model_copy(update={"estimated_tokens": tokens})))
+    return _encoded(_with_meta(fitted, budget=fitted.meta.budget.model_copy(update={"estimated_tokens": tokens})))
 
 
-def _report(max_tokens: int, cut: list[str], omitted: int = 0, dropped: int = 0) -> BudgetReport:
+def _report(
+    max_tokens: int, cut: list[str] | None = None, omitted: int = 0, dropped: int = 0, notes: tuple[int, int] = (0, 0)
+) -> BudgetReport:
     return BudgetReport(
         max_tokens=max_tokens,
         estimated_tokens=WIDEST_ESTIMATE,
-        contents_cut=cut,
+        contents_cut=cut or [],
         contents_omitted=omitted,
         results_dropped=dropped,
+        collapsed_dropped=notes[0],
+        context_dropped=notes[1],
     )
 
 
@@ -79,18 +86,26 @@ def _with_meta(response: QueryResponse, **update: object) -> QueryResponse:
     return response.model_copy(update={"meta": response.meta.model_copy(update=update)})
 
 
+@dataclass(frozen=True)
+class Notes:
+    """What ``_meta`` says about the results, kept with a cut reply: entries of ``collapsed`` and of
+    ``expandedContext``."""
+
+    collapsed: tuple[CollapsedResult, ...] = ()
+    context: tuple[ExpandedContext, ...] = ()
+
+    def dropped(self, meta: QueryMeta) -> tuple[int, int]:
+        return len(meta.collapsed) - len(self.collapsed), len(meta.expanded_context) - len(self.context)
+
+
+NO_NOTES = Notes()
+
+
 def _with_budget(
-    response: QueryResponse, report: BudgetReport, results: list[SearchResult] | None = None
+    response: QueryResponse, report: BudgetReport, results: list[SearchResult], notes: Notes
 ) -> QueryResponse:
-    """``response`` with ``report`` and, when given, only ``results`` and the ``_meta`` entries about them: a chunk
-    collapsed into a result left out, and context linked from one, go with it."""
-    if results is None:
-        return _with_meta(response, budget=report)
-    kept = {result.id for result in results}
-    meta = response.meta
-    collapsed = [entry for entry in meta.collapsed if entry.into in kept]
-    context = [entry for entry in meta.expanded_context if entry.linked_from_document_id in kept]
-    fitted = _with_meta(response, budget=report, collapsed=collapsed, expanded_context=context)
+    """``response`` with ``report``, only ``results`` and, of what ``_meta`` says about results, only ``notes``."""
+    fitted = _with_meta(response, budget=report, collapsed=list(notes.collapsed), expanded_context=list(notes.context))
     return fitted.model_copy(update={"results": results})
 
 
@@ -100,13 +115,39 @@ def _without_content(result: SearchResult) -> SearchResult:
     return result.model_copy(update={"content": None, "content_length": len(result.content)})
 
 
+def _notes_in_room(meta: QueryMeta, results: list[SearchResult], room: int) -> Notes:
+    """Of ``meta``'s entries about ``results``, in the results' rank order, as many as ``room`` bytes take."""
+    rank = {result.id: position for position, result in enumerate(results)}
+    entries: list[tuple[int, CollapsedResult | ExpandedContext]] = [
+        (rank[entry.into], entry) for entry in meta.collapsed if entry.into in rank
+    ]
+    linked = meta.expanded_context
+    entries += [(rank[e.linked_from_document_id], e) for e in linked if e.linked_from_document_id in rank]
+    collapsed: list[CollapsedResult] = []
+    context: list[ExpandedContext] = []
+    for _, entry in sorted(entries, key=lambda ranked: ranked[0]):
+        cost = len(entry.model_dump_json().encode()) + 1  # and a comma
+        if cost > room:
+            break
+        room -= cost
+        if isinstance(entry, CollapsedResult):
+            collapsed.append(entry)
+        else:
+            context.append(entry)
+    return Notes(tuple(collapsed), tuple(context))
+
+
 def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     bare = [_without_content(r) for r in response.results]
+
+    def size(results: list[SearchResult]) -> int:
+        return len(_encoded(_with_budget(response, _report(max_tokens), results, NO_NOTES)))
+
     # The results without their contents, as many (best ranked first) as fit with room for the report.
     kept = len(bare)
-    while kept and len(_encoded(_with_budget(response, _report(max_tokens, []), bare[:kept]))) + RESERVE_BYTES > limit:
+    while kept and size(bare[:kept]) + RESERVE_BYTES > limit:
         kept -= 1
-    skeleton = len(_encoded(_with_budget(response, _report(max_tokens, []), bare[:kept])))
+    skeleton = size(bare[:kept])
     if skeleton > limit:
         raise TooLarge(f"even an answer without results exceeds the {limit} bytes it may have")
     # Then contents, in rank order, in the room left.
@@ -123,17 +164,23 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
             spare = 0
         else:
             results.append(stripped)
-    # The reserve is an estimate: should the report outgrow it, contents go from the lowest rank up.
-    for position in [len(results), *reversed(range(len(results)))]:
-        if position < len(results):
-            results[position] = bare[position]
-        fitted = _with_budget(response, _cut_report(max_tokens, response.results, results), results)
+    # Then what _meta says about them, in the room still left.
+    notes = _notes_in_room(response.meta, results, spare)
+    # The reserve is an estimate: should the report outgrow it, the notes go, then contents from the lowest rank up.
+    for kept_notes in (notes, NO_NOTES):
+        fitted = _with_budget(response, _cut_report(max_tokens, response, results, kept_notes), results, kept_notes)
+        if len(_encoded(fitted)) <= limit:
+            return fitted
+    for position in reversed(range(len(results))):
+        results[position] = bare[position]
+        fitted = _with_budget(response, _cut_report(max_tokens, response, results, NO_NOTES), results, NO_NOTES)
         if len(_encoded(fitted)) <= limit:
             return fitted
     raise TooLarge(f"the answer's report does not fit in {limit} bytes")
 
 
-def _cut_report(max_tokens: int, originals: list[SearchResult], results: list[SearchResult]) -> BudgetReport:
+def _cut_report(max_tokens: int, response: QueryResponse, results: list[SearchResult], notes: Notes) -> BudgetReport:
+    originals = response.results
     cut = [r.id for r in results if r.content_truncated]
     omitted = sum(1 for o, r in zip(originals, results, strict=False) if o.content is not None and r.content is None)
-    return _report(max_tokens, cut, omitted, len(originals) - len(results))
+    return _report(max_tokens, cut, omitted, len(originals) - len(results), notes.dropped(response.meta))

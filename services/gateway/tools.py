@@ -71,7 +71,24 @@ def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
     workspace = schema.get("properties", {}).get("workspace")
     if workspace is not None:
         workspace["description"] = WORKSPACE_DESCRIPTION
-    return schema
+    definitions = schema.pop("$defs", {})
+    return {key: _inlined(value, definitions) for key, value in schema.items()}
+
+
+def _inlined(spec: Any, definitions: dict[str, Any]) -> Any:
+    """``spec`` with each ``$ref`` to ``definitions`` replaced by the definition (its own keys, such as a
+    description, kept over the definition's). Clients that build arguments from a parameter's ``type`` find none
+    beside a ``$ref``: the MCP Inspector's command line sent `options` as a string, and schema sanitisers of
+    function-calling APIs turn an untyped parameter into a string. The request contract is not recursive."""
+    if isinstance(spec, list):
+        return [_inlined(item, definitions) for item in spec]
+    if not isinstance(spec, dict):
+        return spec
+    reference = spec.get("$ref")
+    if isinstance(reference, str) and reference.startswith("#/$defs/"):
+        own = {key: value for key, value in spec.items() if key != "$ref"}
+        spec = {**definitions[reference.removeprefix("#/$defs/")], **own}
+    return {key: _inlined(value, definitions) for key, value in spec.items()}
 
 
 def _left_out_rather_than_null(spec: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from nats.aio.msg import Msg
 
 from ontofabric.contracts import NO_VERSION, ErrorDetail, ErrorReply, QueryError, QueryMeta, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport
@@ -275,6 +276,34 @@ async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(
         assert (await http.post(url, json=ping)).status_code == 401
         (tmp_path / "tokens.json").unlink()  # every token revoked at once: the gateway does not open again
         assert (await http.post(url, json=ping)).status_code == 401
+
+
+async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment: Deployment) -> None:
+    """A worker that takes requests and never answers (slow, or lost mid-request): the gateway sends a call again
+    once its first attempt's share of the timeout has passed, but not for a client that has already gone."""
+    seen: list[bytes] = []
+
+    async def take(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    silent = await deployment.nc.subscribe(deployment.names.request_subject("query", "acme"), cb=take)
+    await deployment.nc.flush()
+    call = {
+        "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+        "params": {"name": "ontology_query", "arguments": {"semanticQuery": "csv"}},
+    }  # fmt: skip
+    headers = {"Accept": "application/json, text/event-stream"}
+    # 4 s: the first attempt has 2.6 s, the second the rest.
+    async with _http_gateway(deployment, "--workspace", "acme", ONTOFABRIC_GATEWAY_TIMEOUT_S="4") as url:
+        async with httpx2.AsyncClient(headers=headers) as http:
+            staying = asyncio.create_task(http.post(url, json=call, timeout=10))
+            with pytest.raises(httpx2.TimeoutException):
+                await http.post(url, json={**call, "id": 2}, timeout=0.5)
+            answer = await staying
+        assert answer.status_code == 200
+        assert answer.json()["result"]["isError"] is True  # no answer within 4 s, said within them
+    await silent.unsubscribe()
+    assert len(seen) == 3  # the staying call twice, the one that left once
 
 
 async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployment, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ timeout, never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from importlib.metadata import version
 from typing import Any
@@ -21,7 +22,7 @@ from mcp.shared.exceptions import MCPError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ontofabric.contracts import ErrorReply
 from ontofabric.contracts.documents import WORKSPACE
@@ -140,9 +141,60 @@ class Gateway:
         while there is a tokens file (see :class:`RequireBearer`).
         """
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
-        app = RequireBearer(app, tokens, open_without_tokens=is_loopback(host))
+        app = RequireBearer(CancelledWithClient(app), tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         await uvicorn.Server(config).serve()
+
+
+class CancelledWithClient:
+    """ASGI middleware: a request whose client goes away before its answer is cancelled, and with it the call to
+    the query workers. Stateless and answering in JSON, the SDK's app never looks at the connection again once it
+    has read the body, so a call whose client had given up ran its whole timeout and was sent to the workers a
+    second time (``QueryClient``'s resend for a worker lost mid-request): five clients that left after 1 s made ten
+    requests to a slow worker. The server says a client has gone by answering ``receive`` with ``http.disconnect``,
+    which it also does once the response is complete: that one is not a departure."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        body_read = asyncio.Event()
+        answered = False
+
+        async def reading() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+            await send(message)
+
+        call = asyncio.ensure_future(self._app(scope, reading, sending))
+
+        async def watch() -> None:
+            await body_read.wait()
+            message = await receive()  # the next one the server has: the client gone, or the answer complete
+            if message["type"] == "http.disconnect" and not answered:
+                log.info("gateway_client_gone", path=scope.get("path"))
+                call.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this request's own task is cancelled: the server stops
+                raise
+            # The client has gone: there is no one to answer.
+        finally:
+            watcher.cancel()
 
 
 def _tool(spec: ToolSpec) -> types.Tool:

@@ -59,7 +59,11 @@ class SecondOpinionOptions(StrictRequest):
 
 class QueryOptions(StrictRequest):
     retrievers: list[Retriever] | None = Field(
-        default=None, min_length=1, max_length=2, description="Retrievers to run; default both."
+        default=None,
+        min_length=1,
+        max_length=2,
+        description="Retrievers to run; default both.",
+        json_schema_extra={"uniqueItems": True},
     )
     candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
     fusion: FusionOptions | None = None

@@ -479,6 +479,24 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     assert ("nothing is indexed in workspace 'acme-typo'" in text) is said
 
 
+def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_says_integer() -> None:
+    """JSON Schema counts 3.0 an integer, and clients keeping numbers as doubles send it so; the worker's
+    contract is strict and refused it ("Input should be a valid integer")."""
+    query, document = (next(tool for tool in TOOLS if tool.operation == op) for op in ("query", "document"))
+    arguments = {"semanticQuery": "x", "topK": 3.0, "minRelevance": 1.0, "options": {"fusion": {"rrfK": 60.0}}}
+    sent = forwarded(query, arguments)
+    assert sent == {"semanticQuery": "x", "topK": 3, "minRelevance": 1.0, "options": {"fusion": {"rrfK": 60}}}
+    assert type(sent["topK"]) is int
+    assert type(sent["minRelevance"]) is float  # a number, not an integer, in the schema
+    assert forwarded(query, {"semanticQuery": "x", "topK": 3.5})["topK"] == 3.5  # the worker names it
+    assert forwarded(document, {"id": "a", "offset": 0.0, "maxChars": 100.0}) == {
+        "id": "a",
+        "offset": 0,
+        "maxChars": 100,
+    }
+    jsonschema.validate(arguments, query.input_schema)  # what the schema let through, the worker now takes
+
+
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:
     """The text is all some agents read: 2 results must not read as all there is when 62 more were cut."""
     meta = QueryMeta(

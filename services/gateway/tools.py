@@ -29,6 +29,12 @@ from ontofabric.services.query.budget import BYTES_PER_TOKEN
 from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
+MAX_TOKENS_DESCRIPTION = (
+    "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
+    "(as data and as text), so the reply gets half. Contents past it are cut or left out, lowest ranks first, and "
+    "_meta.budget says which; the rest of a content can be fetched by id (get_document). Default: the deployment's "
+    "budget (8,000) for the reply, about twice that for the whole result."
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,9 @@ def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
     workspace = schema.get("properties", {}).get("workspace")
     if workspace is not None:
         workspace["description"] = WORKSPACE_DESCRIPTION
+    max_tokens = schema.get("properties", {}).get("maxTokens")
+    if max_tokens is not None:
+        max_tokens["description"] = MAX_TOKENS_DESCRIPTION
     definitions = schema.pop("$defs", {})
     return {key: _inlined(value, definitions) for key, value in schema.items()}
 
@@ -158,11 +167,26 @@ TOOLS = (
 def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
     """The worker's request for a tool call. A tool result carries the reply twice (structured, and as text of
     about the same size or less), so the worker is asked for half the ``maxTokens`` given, never below the least
-    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`)."""
+    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`).
+    A whole number written as a float (3.0) is sent as an integer where the schema says integer: JSON Schema counts
+    it one, and clients that keep numbers as doubles send it so; the worker's contract is strict."""
+    arguments = _whole_numbers(arguments, spec.input_schema)
     max_tokens = arguments.get("maxTokens")
     if spec.operation != "query" or type(max_tokens) is not int or not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
         return arguments  # absent or not allowed: the worker's default, or its error naming the field
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
+
+
+def _whole_numbers(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` with each float that is a whole number where ``schema`` says integer made an int."""
+    if isinstance(value, float) and schema.get("type") == "integer" and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
+        properties = schema["properties"]
+        return {key: _whole_numbers(item, properties.get(key, {})) for key, item in value.items()}
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_whole_numbers(item, schema["items"]) for item in value]
+    return value
 
 
 def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> ErrorReply:

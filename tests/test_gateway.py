@@ -226,6 +226,12 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
                 refused = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=headers)
                 assert refused.status_code == 401
                 assert refused.headers["www-authenticate"].startswith("Bearer ")
+                # RFC 6750, 3.1: no error code for a request that sent no credentials.
+                assert ("error=" in refused.headers["www-authenticate"]) is bool(headers)
+            # No OAuth metadata to discover: not found, rather than a 401 an OAuth client reads as an OAuth error.
+            for metadata in ("oauth-protected-resource", "oauth-authorization-server"):
+                absent = await http.get(url.replace("/mcp", f"/.well-known/{metadata}"))
+                assert absent.status_code == 404
         bearer = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
         async with Client(streamable_http_client(url, http_client=bearer)) as client:
             # Its only workspace is the default; another is refused, and says which it may read.

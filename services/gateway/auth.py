@@ -127,6 +127,11 @@ class RequireBearer:
         return self._open_without_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/.well-known/"):
+            # OAuth discovery (protected resource and authorization server metadata): there is none, and a client
+            # told 401 there reads the body as an OAuth error and reports that, not the token it lacks.
+            await _answer(send, 404, -32601, "no OAuth metadata: tokens are issued by the operator", [])
+            return
         if scope["type"] != "http" or self._open():
             await self._app(scope, receive, send)
             return
@@ -139,8 +144,9 @@ class RequireBearer:
             await _answer(send, 503, -32002, "the gateway's tokens file cannot be read; its operator must fix it", [])
             return
         if grant is None:
-            error = "invalid_token" if header else "invalid_request"
-            challenge = (b"www-authenticate", f'Bearer realm="ontofabric", error="{error}"'.encode())
+            # RFC 6750, 3.1: a request without credentials gets the challenge without an error code.
+            error = ', error="invalid_token"' if header else ""
+            challenge = (b"www-authenticate", f'Bearer realm="ontofabric"{error}'.encode())
             await _answer(send, 401, -32001, "unauthorized: send Authorization: Bearer <token>", [challenge])
             return
         token_of_request = CALLER.set(grant)

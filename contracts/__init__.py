@@ -47,7 +47,7 @@ from .query import (
     QueryResponse,
     SearchResult,
 )
-from .versions import NO_VERSION, OntologyVersionChanged, format_version, nothing_indexed, overlay_version
+from .versions import NO_VERSION, OntologyVersionChanged, format_version, main_only, nothing_indexed, overlay_version
 
 __all__ = [
     "CALLS",
@@ -97,6 +97,7 @@ __all__ = [
     "TokenVectors",
     "format_version",
     "link_key",
+    "main_only",
     "nothing_indexed",
     "overlay_version",
     "split_link_key",

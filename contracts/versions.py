@@ -30,6 +30,13 @@ def nothing_indexed(version: str) -> bool:
     return all(part == NO_VERSION for part in version.split("+"))
 
 
+def main_only(version: str) -> bool:
+    """Whether an answer on a branch read main alone: main has commits, the branch none of its own (a branch that
+    nothing has been ingested into, or a misspelt name; the two look the same)."""
+    parts = version.split("+")
+    return len(parts) == 2 and parts[0] != NO_VERSION and parts[1] == NO_VERSION
+
+
 class OntologyVersionChanged(WireModel):
     workspace: str
     branch: str

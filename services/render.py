@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ontofabric.contracts import ErrorReply, QueryResponse, nothing_indexed
+from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
 from ontofabric.services.ops.status import DeploymentStatus
 
 
@@ -44,6 +44,11 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         console.print(
             f"[yellow]nothing is indexed in workspace {escape(meta.workspace)!r}, branch {escape(meta.branch)!r}"
             "[/yellow] (check the name, or `ontofabric status`)"
+        )
+    elif main_only(meta.ontology_version):
+        console.print(
+            f"[yellow]branch {escape(meta.branch)!r} has nothing of its own indexed: these are main's results[/yellow] "
+            "(check the branch's name, or `ontofabric status`)"
         )
     timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())
     console.print(

@@ -145,6 +145,12 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         )  # fmt: skip
         assert unknown.returncode == 0, unknown.stderr
         assert "nothing is indexed in workspace 'goe'" in unknown.stdout  # not to be read as "nothing matched"
+        typo = subprocess.run(
+            [ONTOFABRIC, "query", "circle", "--workspace", "geo", "--branch", "featur"], env={**env, "COLUMNS": "200"},
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert typo.returncode == 0, typo.stderr
+        assert "branch 'featur' has nothing of its own indexed: these are main's results" in typo.stdout
         # A tenant's own NATS user, added to the running server: it reads geo, and nothing else.
         added = subprocess.run(
             [ONTOFABRIC, "nats-user", "add", "client", "--workspace", "geo"], env=env, capture_output=True,

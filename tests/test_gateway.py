@@ -483,6 +483,9 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     )  # fmt: skip
     text = render(QueryResponse(results=[], _meta=meta))
     assert ("nothing is indexed in workspace 'acme-typo'" in text) is said
+    # A branch with nothing of its own reads main alone: said, since a misspelt branch looks just the same.
+    main_alone = version == f"7-00000000000000ab+{NO_VERSION}"
+    assert (f"branch {branch!r} has nothing of its own indexed: these are main's results" in text) is main_alone
 
 
 def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_says_integer() -> None:

@@ -22,6 +22,7 @@ from ontofabric.contracts import (
     QueryResponse,
     StatusReply,
     StatusRequest,
+    main_only,
     nothing_indexed,
 )
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
@@ -260,6 +261,11 @@ def _render_query(reply: QueryResponse) -> str:
         head.append(
             f"nothing is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}: check the name, or whether "
             "its first ingest is still pending (ontology_status)"
+        )
+    elif main_only(meta.ontology_version):
+        head.append(
+            f"branch {meta.branch!r} has nothing of its own indexed: these are main's results (check the branch's "
+            "name, or ontology_status)"
         )
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")

@@ -284,6 +284,34 @@ async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(
         assert (await http.post(url, json=ping)).status_code == 401
 
 
+async def test_half_a_character_over_http_is_an_error_naming_the_field(
+    deployment: Deployment, served: QueryService
+) -> None:
+    """A JavaScript client that cuts an emoji in two sends a lone surrogate escape: the SDK's parser refused the
+    whole body (400, id null) and the client's SDK threw. Now the caller hears which field, under its id; a whole
+    emoji, escaped as a surrogate pair, is a character like any other."""
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+    def call(request_id: int, query: str) -> bytes:
+        arguments = f'{{"semanticQuery": "{query}"}}'
+        return (
+            f'{{"jsonrpc": "2.0", "id": {request_id}, "method": "tools/call", '
+            f'"params": {{"name": "ontology_query", "arguments": {arguments}}}}}'
+        ).encode()
+
+    async with _http_gateway(deployment, "--workspace", "acme") as url, httpx2.AsyncClient(headers=headers) as http:
+        half = await http.post(url, content=call(7, "read a csv file \\ud83d"))
+        assert half.status_code == 200
+        refused = half.json()
+        assert refused["id"] == 7
+        assert refused["error"]["code"] == -32602
+        assert refused["error"]["message"].startswith("params.arguments.semanticQuery: not valid Unicode")
+        whole = await http.post(url, content=call(8, "read a csv file \\ud83d\\ude00"))
+        assert whole.status_code == 200
+        assert whole.json()["id"] == 8
+        assert whole.json()["result"]["structuredContent"]["results"][0]["id"] == "csv"
+
+
 async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment: Deployment) -> None:
     """A worker that takes requests and never answers (slow, or lost mid-request): the gateway sends a call again
     once its first attempt's share of the timeout has passed, but not for a client that has already gone."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from importlib.metadata import version
 from typing import Any
 
@@ -18,6 +19,7 @@ import mcp_types as types
 import uvicorn
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from mcp.shared.exceptions import MCPError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -27,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ontofabric.contracts import ErrorReply
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
+from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
@@ -141,9 +144,50 @@ class Gateway:
         while there is a tokens file (see :class:`RequireBearer`).
         """
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
-        app = RequireBearer(CancelledWithClient(app), tokens, open_without_tokens=is_loopback(host))
+        app = RequireBearer(CancelledWithClient(HalfCharacters(app)), tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         await uvicorn.Server(config).serve()
+
+
+class HalfCharacters:
+    """ASGI middleware: a body holding half of a character (a lone UTF-16 surrogate escape, as a JavaScript client
+    cutting an emoji writes) is answered with a JSON-RPC error naming the field, under the request's id. The SDK's
+    parser refused it as a whole ("Parse error", HTTP 400, id null), so the client's SDK threw instead of the
+    caller hearing what was wrong, as it does over stdio. Bodies past the SDK's own limit go on to its 413."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> None:
+        self._app = app
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self._app(scope, receive, send)
+            return
+        read: deque[Message] = deque()
+        size, complete = 0, False
+        while not complete and size <= self._max_body_bytes:
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            complete = not message.get("more_body", False)
+        field = surrogate_field(b"".join(m.get("body", b"") for m in read)) if complete else None
+        if field is None:
+
+            async def replay() -> Message:
+                return read.popleft() if read else await receive()
+
+            await self._app(scope, replay, send)
+            return
+        body = json.loads(b"".join(m.get("body", b"") for m in read))
+        request_id = body.get("id") if isinstance(body, dict) else None
+        if isinstance(request_id, bool) or not isinstance(request_id, int | str):
+            request_id = None
+        error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
+        answer = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer})
 
 
 class CancelledWithClient:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import READER_ROLE, create_pool, index_model, is_unavailable, migrate, wait_until_migrated
 from ontofabric.shared.discovery import Announcement, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
+from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
@@ -115,34 +115,13 @@ def workspace_of_subject(subject: str) -> str | None:
 Request = TypeVar("Request", OntologyQuery, DocumentRequest, StatusRequest)
 
 
-def surrogate_field(body: bytes) -> str | None:
-    """Where a body that JSON's grammar allows holds a lone UTF-16 surrogate (``"\\ud800"``: half of a character
-    cut in two, as a JavaScript client slicing an emoji makes), which no Unicode text may: the field's dotted path,
-    or None."""
-    try:
-        found = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    waiting: list[tuple[str, object]] = [("", found)]
-    while waiting:
-        path, value = waiting.pop()
-        if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
-            return path or None
-        if isinstance(value, dict):
-            waiting += [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
-        elif isinstance(value, list):
-            waiting += [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
-    return None
-
-
 def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | bytes:
     """The validated request, or the error reply to send instead."""
     try:
         request = model.model_validate_json(body)
     except ValidationError as error:
         field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in error.errors()) else None
-        half = "not valid Unicode: half of a character (a lone surrogate)"
-        details = [ErrorDetail(field=_clip(field), message=half)] if field else validation_details(error)
+        details = [ErrorDetail(field=_clip(field), message=HALF_CHARACTER)] if field else validation_details(error)
         return error_reply("invalid_request", f"the request does not match {model.__name__}", details)
     if request.workspace is not None and request.workspace != workspace:
         return error_reply(

@@ -1,0 +1,35 @@
+"""Lone UTF-16 surrogates in JSON: half of a character, as a JavaScript client cutting an emoji in two writes it
+(``"\\ud83d"``). JSON's grammar allows the escape, no Unicode text may hold it, and pydantic's parser refuses the
+whole message without saying where; Python's parser reads it, so the field can be named. Pure logic."""
+
+from __future__ import annotations
+
+import json
+import re
+
+HALF_CHARACTER = "not valid Unicode: half of a character (a lone surrogate)"
+"""What is wrong with such a field, as every part that refuses one says it."""
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""The escape of a surrogate, paired or not: a cheap test before parsing."""
+
+
+def surrogate_field(body: bytes) -> str | None:
+    """Where a body that JSON's grammar allows holds a lone UTF-16 surrogate: the field's dotted path (list
+    positions as numbers), or None."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        found = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    waiting: list[tuple[str, object]] = [("", found)]
+    while waiting:
+        path, value = waiting.pop()
+        if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+            return path or None
+        if isinstance(value, dict):
+            waiting += [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+        elif isinstance(value, list):
+            waiting += [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
+    return None

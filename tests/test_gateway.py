@@ -415,7 +415,9 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     cut = rb'{"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "ontology_query", '
     cut += rb'"arguments": {"semanticQuery": "read a csv \ud83d file"}}}'
     initialized = b'{"jsonrpc": "2.0", "method": "notifications/initialized"}'
-    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', deep, b"[1, 2]", json.dumps(initialize).encode()]
+    # Ids that are neither strings nor integers: the SDK took them for notifications and answered nothing.
+    odd = [b'{"jsonrpc": "2.0", "id": null, "method": "ping"}', b'{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}']
+    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', deep, b"[1, 2]", *odd, json.dumps(initialize).encode()]
     lines += [initialized, cut]
     gateway.stdin.write(b"\n".join(lines) + b"\n")
     await gateway.stdin.drain()
@@ -428,8 +430,9 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     finally:
         gateway.stdin.close()
         await gateway.wait()
-    # Not JSON; nested past Python's stack (it ended the gateway); JSON but no message.
-    assert [a["error"]["code"] for a in answers[None]] == [-32700, -32700, -32600]
+    # Not JSON; nested past Python's stack (it ended the gateway); JSON but no message; the two odd ids.
+    assert [a["error"]["code"] for a in answers[None]] == [-32700, -32700, -32600, -32600, -32600]
+    assert all("neither a string nor an integer" in a["error"]["message"] for a in answers[None][3:])
     assert answers[7][0]["error"]["code"] == -32600
     assert "result" in answers[1][0]
     tool = answers[9][0]["result"]

@@ -44,7 +44,7 @@ def parsed(line: bytes) -> types.JSONRPCMessage:
     JavaScript client cutting an emoji makes) is read too, by Python's parser: the SDK's refuses the whole message,
     while the worker, given the arguments, names the field that is not text."""
     try:
-        return types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+        message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
     except ValidationError as refused:
         if not any(e["type"] == "json_invalid" for e in refused.errors()):
             raise
@@ -52,7 +52,23 @@ def parsed(line: bytes) -> types.JSONRPCMessage:
             found = json.loads(line)
         except (ValueError, RecursionError):
             raise refused from None
-        return types.jsonrpc_message_adapter.validate_python(found, by_name=False)
+        message = types.jsonrpc_message_adapter.validate_python(found, by_name=False)
+    if isinstance(message, types.JSONRPCNotification) and b'"id"' in line and _has_id(line):
+        # The SDK takes a message whose id is null, a fraction, a boolean or an object for a notification, and
+        # answers nothing: its caller would wait for an answer to that id for ever.
+        raise ValueError(ODD_ID)
+    return message
+
+
+ODD_ID = "its id is neither a string nor an integer"
+
+
+def _has_id(line: bytes) -> bool:
+    try:
+        found = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(found, dict) and "id" in found
 
 
 def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JSONRPCError | None:
@@ -73,6 +89,8 @@ def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JS
         code, message = types.INVALID_REQUEST, "not a JSON-RPC 2.0 request, notification or response"
         if isinstance(problem, ValidationError) and problem.errors():
             message += f": {str(problem.errors()[0]['msg'])[:200]}"
+        elif isinstance(problem, ValueError) and str(problem) == ODD_ID:
+            message += f": {ODD_ID}"
     request_id = found.get("id") if isinstance(found, dict) else None
     if isinstance(request_id, bool) or not isinstance(request_id, int | str):
         request_id = None

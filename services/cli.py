@@ -1040,8 +1040,8 @@ def compact(
         nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-compact", settings)
         try:
             with RichProgress(console) as progress:
-                databases = Placement.of(settings, endpoints.database_url).databases
-                report = await compact_stream(nc, Names(settings.subject_prefix), settings, progress, databases)
+                placement = Placement.of(settings, endpoints.database_url)
+                report = await compact_stream(nc, Names(settings.subject_prefix), settings, progress, placement)
         finally:
             await close_nats(nc)
         console.print(

@@ -15,6 +15,8 @@ import pytest
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ops.dead_letters import Selection, dead_letters, parse_when, purge, redrive, redriven
 from ontofabric.services.ops.rebuild import Rebuild
+from ontofabric.services.ops.snapshots import CompactionRefused, compact
+from ontofabric.services.projector.snapshots import find_snapshot_store, load_snapshot
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.placement import Placement
 
@@ -176,3 +178,31 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     assert redriven.returncode == 0, redriven.stderr
     assert "re-drove 1" in redriven.stderr
     assert dlq("list", "--json").stdout.strip() == ""  # the projector is not running: nothing dead-lettered again
+
+
+async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_out(deployment: Deployment) -> None:
+    """Once a dead letter is purged (or re-driven), compaction can no longer learn from the dead-letter stream that
+    the projector refused its delta: it refused every later run, for good, and the stream grew without bound. The
+    index's record of handled events tells instead: a dead-lettered delta's event is not there."""
+    long = "x" * (LIMIT + 50)
+    seqs = await _project(
+        deployment,
+        LIMIT,
+        upsert("acme", document("fine", "short")),
+        upsert("acme", document("long", f"long {long}")),
+    )
+    names, nc = deployment.names, deployment.nc
+    assert await purge(nc, names, Selection()) == 1
+    tight = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
+    placement = Placement.of(tight, deployment.database_url)
+    report = await compact(nc, names, tight, RecordedProgress(), placement)
+    assert report.covers == seqs[-1]
+    store = await find_snapshot_store(deployment.js, names)
+    assert store is not None
+    snapshot = await load_snapshot(store, "acme")
+    assert snapshot is not None
+    assert [delta.seq for delta in snapshot.deltas] == [seqs[0]]  # the refused one is not in what the index holds
+    # A delta the projector applied, refused by this run's tighter settings alone, is still refused.
+    await _project(deployment, 10 * LIMIT, upsert("acme", document("medium", f"medium {long}")))
+    with pytest.raises(CompactionRefused, match="the projector applied it"):
+        await compact(nc, names, tight, RecordedProgress(), placement)

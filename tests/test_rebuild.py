@@ -55,6 +55,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.checksums import content_md5
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.late_interaction import pack_signs
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
@@ -768,8 +769,16 @@ def test_a_fold_leaves_out_what_the_projector_set_aside_and_refuses_what_only_it
     fold.add(stored[0])
     fold.add(stored[1], set_aside={2})  # the projector dead-lettered it: the row stays at the first
     assert [d.seq for d in fold.snapshot().deltas] == [1]
+    refusing = SnapshotFold("acme", tight)
+    refusing.add(stored[1])  # refused by these settings, with no dead letter of it
+    assert [r.seq for r in refusing.refused] == [2]
     with pytest.raises(CompactionRefused, match=r"delta 2 .*content_too_large"):
-        SnapshotFold("acme", tight).add(stored[1])  # applied by the projector, refused by these settings
+        refusing.check_refused({big.event_id: 2})  # the index handled it at its own sequence: the projector applied it
+    with pytest.raises(CompactionRefused, match=r"delta 2 "):
+        refusing.check_refused(None)  # the index not read: no telling
+    refusing.check_refused({})  # the index never handled it: dead-lettered, its letter purged since
+    refusing.check_refused({big.event_id: 7})  # handled as another copy of the event, not this one
+    assert refusing.snapshot().deltas == []
     # a snapshot folded with looser settings is not judged again by tighter ones
     loose = SnapshotFold("acme", Limits.from_settings(Settings()))
     for delta in stored:
@@ -820,8 +829,9 @@ async def test_compaction_waits_for_a_running_rebuild_and_runs_as_a_command(
         await conn.close()
     with pytest.raises(CompactionRefused, match="1 rebuild"):
         await compact(
-            deployment.nc, deployment.names, deployment.settings, RecordedProgress(), [deployment.database_url]
-        )
+            deployment.nc, deployment.names, deployment.settings, RecordedProgress(),
+            Placement.of(deployment.settings, deployment.database_url),
+        )  # fmt: skip
     assert (await rebuilding).swapped
     assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == 1  # nothing dropped
 

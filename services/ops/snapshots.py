@@ -15,7 +15,7 @@ workspace's own snapshot.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -36,6 +36,7 @@ from ontofabric.services.projector.snapshots import (
 )
 from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token, workspace_of
@@ -55,6 +56,16 @@ class CompactionRefused(Exception):
     """Compacting now would lose or misstate what the index holds; nothing was dropped."""
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A delta this run's settings refuse, with no dead letter of it to say the projector refused it too."""
+
+    seq: int
+    event_id: str
+    reason: str
+    detail: str
+
+
 class SnapshotFold:
     """A workspace's snapshot folded further with the deltas after it, by the projector's own rule (StateFold)."""
 
@@ -67,6 +78,8 @@ class SnapshotFold:
         self._kept_events: set[str] = set()
         self._handled = dict(previous.handled) if previous else {}
         self.covers = previous.covers if previous else 0
+        self.refused: list[Refused] = []
+        """Deltas only this run's settings are known to refuse: see :meth:`check_refused`."""
         for delta in previous.deltas if previous else ():
             # Folded before, with the settings of that run: read as they are, not judged again by this run's.
             self._fold_delta(delta, Delta(delta.seq, DeltaEnvelope.model_validate_json(delta.data)))
@@ -74,20 +87,31 @@ class SnapshotFold:
     def add(self, stored: StoredDelta, set_aside: Set[int] = frozenset()) -> None:
         """Fold one delta from the stream (after every one before). What the projector never applied stays out:
         a delta it dead-lettered (``set_aside``: the original sequences of its dead letters), and one no
-        settings can apply (unreadable, or of another workspace than its subject). Raises CompactionRefused for
-        a delta only this run's settings refuse: the snapshot would not be what the index holds."""
+        settings can apply (unreadable, or of another workspace than its subject). A delta only this run's
+        settings refuse stays out too, and is kept in ``refused``: :meth:`check_refused` decides."""
         self.covers = max(self.covers, stored.seq)
         if stored.seq in set_aside:
             return
         checked = validate_delta(stored.data, stored.subject, stored.seq, self._limits)
         if isinstance(checked, Delta):
             self._fold_delta(stored, checked)
-        elif checked.reason not in NEVER_APPLIES:
-            raise CompactionRefused(
-                f"delta {stored.seq} of workspace {self.workspace!r} is refused with this command's settings "
-                f"({checked.reason}: {checked.detail}) but the projector has no dead letter of it: run compact "
-                "with the projector's settings (ONTOFABRIC_EMBEDDING_MODEL, _EMBEDDING_DIM, _MAX_CONTENT_BYTES)"
-            )
+        elif checked.reason not in NEVER_APPLIES:  # it parsed: only settings refuse it
+            event_id = DeltaEnvelope.model_validate_json(stored.data).event_id
+            self.refused.append(Refused(stored.seq, event_id, checked.reason, checked.detail))
+
+    def check_refused(self, handled_at: Mapping[str, int] | None) -> None:
+        """Raises CompactionRefused for a delta of ``refused`` that the projector handled: the index records its
+        event at its own sequence (``handled_at``: event id -> the sequence the index handled it at), so the
+        projector's settings let it apply and the snapshot would not be what the index holds. One the index never
+        handled was dead-lettered, its letter purged or re-driven since: it stays out. Without ``handled_at``
+        (the index not read), any is refused."""
+        for refused in self.refused:
+            if handled_at is None or handled_at.get(refused.event_id) == refused.seq:
+                raise CompactionRefused(
+                    f"delta {refused.seq} of workspace {self.workspace!r} is refused with this command's settings "
+                    f"({refused.reason}: {refused.detail}) but the projector applied it: run compact with the "
+                    "projector's settings (ONTOFABRIC_EMBEDDING_MODEL, _EMBEDDING_DIM, _MAX_CONTENT_BYTES)"
+                )
 
     def _fold_delta(self, stored: StoredDelta, checked: Delta) -> None:
         event_id = checked.envelope.event_id
@@ -158,12 +182,13 @@ async def stream_workspaces(nc: Client, names: Names) -> list[str]:
 
 
 async def compact(
-    nc: Client, names: Names, settings: Settings, progress: Progress, databases: Sequence[str] = ()
+    nc: Client, names: Names, settings: Settings, progress: Progress, placement: Placement | None = None
 ) -> CompactionReport:
     """Snapshot every workspace through the index's position, then purge the stream below it. Refused while a
-    rebuild runs on one of ``databases`` (it may not have read what would be dropped). Run one at a time: two at
-    once could each purge past the other's snapshots."""
-    for database_url in databases:
+    rebuild runs on one of ``placement``'s databases (it may not have read what would be dropped), and, without a
+    placement, on meeting a delta only this run's settings refuse. Run one at a time: two at once could each purge
+    past the other's snapshots."""
+    for database_url in placement.databases if placement is not None else ():
         conn = await asyncpg.connect(database_url)
         try:
             running = await running_rebuilds(conn)
@@ -195,6 +220,9 @@ async def compact(
         start = max(done, fold.covers) + 1
         read = await _fold_stream(nc, names, fold, start, upto, set_aside.get(workspace, set()))
         report.deltas_read += read
+        if fold.refused:
+            handled = None if placement is None else await _handled_at(placement, workspace, fold.refused)
+            fold.check_refused(handled)
         if read:
             snapshot = fold.snapshot()
             data = snapshot.encode()
@@ -221,6 +249,20 @@ async def _set_aside(nc: Client, names: Names) -> dict[str, set[int]]:
         if letter.index == "postgres" and letter.workspace is not None and letter.original_seq:
             set_aside.setdefault(letter.workspace, set()).add(letter.original_seq)
     return set_aside
+
+
+async def _handled_at(placement: Placement, workspace: str, refused: Sequence[Refused]) -> dict[str, int]:
+    """The sequences at which the workspace's index handled these deltas' events (those it handled)."""
+    conn = await asyncpg.connect(placement.database_url_of(workspace))
+    try:
+        records = await conn.fetch(
+            "SELECT event_id, stream_seq FROM handled_events WHERE workspace IN ($1, '') AND event_id = ANY($2)",
+            workspace,
+            sorted({r.event_id for r in refused}),
+        )
+    finally:
+        await conn.close()
+    return {r["event_id"]: r["stream_seq"] for r in records}
 
 
 async def _fold_stream(nc: Client, names: Names, fold: SnapshotFold, start: int, upto: int, set_aside: Set[int]) -> int:

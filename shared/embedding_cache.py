@@ -28,13 +28,14 @@ class Embedded:
     vectors: npt.NDArray[np.float32]
     """One L2-normalised row per text."""
     token_signs: list[bytes]
-    """Per text, its token vectors' packed sign bits."""
+    """Per text, its token vectors' packed sign bits; empty when the model's tokens are not as wide as its vectors
+    (a model with a projection after pooling), which late interaction cannot compare with a query's."""
 
 
 def embed_with_signs(embedder: Embedder, texts: Sequence[str], batch_size: int = 64) -> Embedded:
     """One pass of the model over ``texts``: their vectors and their tokens' packed sign bits."""
     vectors, tokens = embedder.embed_with_tokens(texts, batch_size=batch_size)
-    return Embedded(vectors, [pack_signs(t) for t in tokens])
+    return Embedded(vectors, [pack_signs(t) if t.shape[1] == embedder.dimension else b"" for t in tokens])
 
 
 class EmbeddingCache:

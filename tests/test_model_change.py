@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ontofabric.contracts import ErrorReply, QueryResponse
+from ontofabric.services.ingest.ingester import ChunkEmbedding
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.reembed import ChangeRefused, ModelChange
 from ontofabric.services.projector.planning import Limits, Rejection, validate_delta
@@ -24,6 +25,7 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.core import ModelChanged, SearchInput, vector_for_index
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, ServedModel, build_embedder, load_embedder
+from ontofabric.shared.embedding_cache import embed_with_signs
 from ontofabric.shared.settings import Settings
 
 from .conftest import CORPUS, Deployment, RecordedProgress, corpus_deltas
@@ -380,3 +382,18 @@ async def test_an_unfinished_change_is_discarded_and_the_index_keeps_its_model(
     rows = await deployment.fetch("SELECT DISTINCT embedding_model FROM documents WHERE NOT deleted")
     assert [r["embedding_model"] for r in rows] == [CURRENT]
     assert not await job.discard()
+
+
+def test_an_ingester_on_a_model_whose_tokens_are_wider_than_its_vectors_sends_no_token_signs(
+    next_model: Path,
+) -> None:
+    """A model with a projection after pooling (sentence-transformers' Dense layer) makes 256-dimensional vectors
+    from 384-dimensional tokens: the ingester packed those signs as 256-dimensional tokens and failed ("8112 bytes
+    are not a whole number of tokens of 32 bytes"). Late interaction cannot compare them with a query's anyway."""
+    settings = _changing(Settings(), next_model).next_model()
+    assert settings is not None
+    embedder = load_embedder(settings, for_queries=False)
+    embedded = embed_with_signs(embedder, ["def read_csv(path): return list(csv.reader(open(path)))"])
+    assert embedded.token_signs == [b""]
+    (sent,) = ChunkEmbedding.of(embedded, NEXT_DIM, token_vectors=True)
+    assert (len(sent.vector), sent.token_vectors) == (NEXT_DIM, None)

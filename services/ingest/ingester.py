@@ -214,12 +214,14 @@ class ChunkEmbedding:
     def of(
         embedded: Embedded, dimension: int, token_vectors: bool, second: SecondVectors | None = None
     ) -> list[ChunkEmbedding]:
-        """What goes on the wire for each embedded text: its vector, its tokens' signs unless turned off, and its
-        second model's vector when there is one."""
+        """What goes on the wire for each embedded text: its vector, its tokens' signs unless turned off or the
+        model has none as wide as its vectors, and its second model's vector when there is one."""
         seconds = [None] * len(embedded.vectors) if second is None else second.on_the_wire()
         return [
             ChunkEmbedding(
-                [float(x) for x in row], TokenVectors.of_signs(dimension, signs) if token_vectors else None, extra
+                [float(x) for x in row],
+                TokenVectors.of_signs(dimension, signs) if token_vectors and signs else None,
+                extra,
             )
             for row, signs, extra in zip(embedded.vectors, embedded.token_signs, seconds, strict=True)
         ]

@@ -19,6 +19,7 @@ from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.services.ingest.ingester import ChunkEmbedding
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.reembed import ChangeRefused, ModelChange
+from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.projector.planning import Limits, Rejection, validate_delta
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
@@ -26,6 +27,7 @@ from ontofabric.services.query.core import ModelChanged, SearchInput, vector_for
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, ServedModel, build_embedder, load_embedder
 from ontofabric.shared.embedding_cache import embed_with_signs
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 
 from .conftest import CORPUS, Deployment, RecordedProgress, corpus_deltas
@@ -239,6 +241,17 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
         models = await deployment.fetch("SELECT DISTINCT embedding_model FROM documents WHERE NOT deleted")
         assert [r["embedding_model"] for r in models] == [NEXT]
         assert (await _ask(client, "sort numbers from largest to smallest")).results[0].id == "sort"
+
+        # So does a compaction: the index's model decides what it lets through, as for the projector. A delta
+        # of the new model, 256 wide, beside the old one's: before, no settings could compact them both.
+        text = "Send an email when the nightly job fails."
+        newer = following.embed_documents([text])[0]
+        doc = document("mail", text, embedding=[float(x) for x in newer], embedding_model=NEXT)
+        ack = await deployment.publisher.publish(upsert("acme", doc))
+        await deployment.wait_projected(ack.seq)
+        placement = Placement.of(settings, deployment.database_url)
+        compacted = await compact(deployment.nc, deployment.names, settings, RecordedProgress(), placement)
+        assert compacted.covers == ack.seq
 
         again = await ModelChange(settings, deployment.nats_url, deployment.database_url, RecordedProgress()).run()
         assert again.already

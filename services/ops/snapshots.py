@@ -26,6 +26,7 @@ from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
+from ontofabric.services.projector.reembedding import Reembedder
 from ontofabric.services.projector.snapshots import (
     MARKER,
     Snapshot,
@@ -34,6 +35,7 @@ from ontofabric.services.projector.snapshots import (
     load_snapshot,
     snapshot_store,
 )
+from ontofabric.shared.db import index_model
 from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
@@ -188,10 +190,16 @@ async def compact(
     rebuild runs on one of ``placement``'s databases (it may not have read what would be dropped), and, without a
     placement, on meeting a delta only this run's settings refuse. Run one at a time: two at once could each purge
     past the other's snapshots."""
+    limits_of: dict[str, Limits] = {}
+    """Per database: what its projectors let through, following the model its index holds (after ``reembed``,
+    documents of the models it held before are embedded again, not refused)."""
     for database_url in placement.databases if placement is not None else ():
         conn = await asyncpg.connect(database_url)
         try:
             running = await running_rebuilds(conn)
+            reembedder = Reembedder(settings)
+            reembedder.follow(await index_model(conn))
+            limits_of[database_url] = reembedder.limits(Limits.from_settings(settings))
         finally:
             await conn.close()
         if running:
@@ -216,7 +224,8 @@ async def compact(
     for workspace in workspaces:
         token = encode_token(workspace)
         previous = await load_snapshot(store, workspace)
-        fold = SnapshotFold(workspace, limits, previous)
+        database_url = placement.database_url_of(workspace) if placement is not None else None
+        fold = SnapshotFold(workspace, limits_of.get(database_url or "", limits), previous)
         start = max(done, fold.covers) + 1
         read = await _fold_stream(nc, names, fold, start, upto, set_aside.get(workspace, set()))
         report.deltas_read += read

@@ -224,8 +224,8 @@ async def compact(
     for workspace in workspaces:
         token = encode_token(workspace)
         previous = await load_snapshot(store, workspace)
-        database_url = placement.database_url_of(workspace) if placement is not None else None
-        fold = SnapshotFold(workspace, limits_of.get(database_url or "", limits), previous)
+        placed_on = placement.database_url_of(workspace) if placement is not None else ""
+        fold = SnapshotFold(workspace, limits_of.get(placed_on, limits), previous)
         start = max(done, fold.covers) + 1
         read = await _fold_stream(nc, names, fold, start, upto, set_aside.get(workspace, set()))
         report.deltas_read += read

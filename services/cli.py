@@ -70,6 +70,7 @@ from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
 from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
+from .ops.snapshots import index_position
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
 
@@ -570,16 +571,24 @@ def dlq_redrive(
             return Redrive()
         _confirm(f"re-drive {len(letters)}:", selection, yes)
         placement = Placement.of(settings, endpoints.database_url)
-        return await redrive(nc, names, letters, None if force else placement.database_url_of)
+        if force:
+            return await redrive(nc, names, letters, None)
+        position = await index_position(nc.jetstream(), names, settings)
+        return await redrive(nc, names, letters, placement.database_url_of, position)
 
     outcome = _as_operator(data_dir, job)
     for letter, seq in outcome.superseded:
         errors.print(f"left {letter.seq}: the index holds its document at the later sequence {seq} (--force)")
+    for letter, seq in outcome.waiting:
+        errors.print(
+            f"left {letter.seq}: its branch has deltas up to {seq} the index has not applied yet, one of which may "
+            "be a later state of its document: re-drive once the projector has caught up (ontofabric status)"
+        )
     for letter in outcome.bodiless:
         errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")
     for letter, why in outcome.refused:
         errors.print(f"left {letter.seq}: the delta stream refused it: {why}")
-    left = len(outcome.superseded) + len(outcome.bodiless) + len(outcome.refused)
+    left = len(outcome.superseded) + len(outcome.waiting) + len(outcome.bodiless) + len(outcome.refused)
     errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {left}")
 
 

@@ -15,7 +15,7 @@ import pytest
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ops.dead_letters import Selection, dead_letters, parse_when, purge, redrive, redriven
 from ontofabric.services.ops.rebuild import Rebuild
-from ontofabric.services.ops.snapshots import CompactionRefused, compact
+from ontofabric.services.ops.snapshots import CompactionRefused, compact, index_position
 from ontofabric.services.projector.snapshots import find_snapshot_store, load_snapshot
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.placement import Placement
@@ -206,3 +206,30 @@ async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_
     await _project(deployment, 10 * LIMIT, upsert("acme", document("medium", f"medium {long}")))
     with pytest.raises(CompactionRefused, match="the projector applied it"):
         await compact(nc, names, tight, RecordedProgress(), placement)
+
+
+async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_waits(deployment: Deployment) -> None:
+    """While the projector lags, a later state of the document may be in the stream and not yet in the index, so
+    the index check alone let an older state be re-driven over it."""
+    long = "x" * (LIMIT + 50)
+    await _project(deployment, LIMIT, upsert("acme", document("m", f"first {long}")))
+    names, nc = deployment.names, deployment.nc
+    (letter,) = await dead_letters(nc, names, Selection())
+    newer = await deployment.publisher.publish(upsert("acme", document("m", "third, short")))  # no projector runs
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    position = await index_position(deployment.js, names, deployment.settings)
+    assert position < newer.seq
+    outcome = await redrive(nc, names, [letter], placement.database_url_of, position)
+    assert outcome.sent == []
+    assert [(left.seq, last) for left, last in outcome.waiting] == [(letter.seq, newer.seq)]
+    assert [left.seq for left in await dead_letters(nc, names, Selection())] == [letter.seq]  # still there
+    # Caught up: the index holds the later state, so the letter is superseded, not sent.
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        await deployment.wait_projected(newer.seq)
+    finally:
+        await projector.stop()
+    position = await index_position(deployment.js, names, deployment.settings)
+    outcome = await redrive(nc, names, [letter], placement.database_url_of, position)
+    assert [(left.seq, later) for left, later in outcome.superseded] == [(letter.seq, newer.seq)]

@@ -19,7 +19,8 @@ import asyncpg
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
-from nats.js.errors import APIError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
@@ -158,6 +159,9 @@ class Redrive:
     """Re-published, with the delta's new stream sequence (the dead letter is deleted)."""
     superseded: list[tuple[DeadLetter, int]] = field(default_factory=list)
     """Not sent: the index holds the document at this later sequence."""
+    waiting: list[tuple[DeadLetter, int]] = field(default_factory=list)
+    """Not sent: its branch has a later delta in the stream (this sequence, the last) that the index has not applied
+    yet, which may be a later state of the document: the index cannot tell yet."""
     bodiless: list[DeadLetter] = field(default_factory=list)
     """Not sent: stored without its delta, too large for the stream to take again."""
     refused: list[tuple[DeadLetter, str]] = field(default_factory=list)
@@ -218,13 +222,20 @@ async def redrive(
     names: Names,
     letters: Sequence[DeadLetter],
     database_url_of: Callable[[str], str] | None,
+    index_position: int | None = None,
 ) -> Redrive:
     """Publish each dead letter's delta again on its own subject (:func:`redriven`), then delete the dead letter. With
     ``database_url_of`` (workspace -> its database), a delta whose document the index holds at a later sequence
-    is left where it is. Re-driving the same dead letter twice within the stream's duplicate window stores it
-    once (its message id is the dead letter's)."""
+    is left where it is; with ``index_position`` too (the stream sequence every index consumer has settled), so is
+    one whose branch has deltas after it that the index has not applied yet (one may be a later state of its
+    document, which the index check cannot see yet). Re-driving the same dead letter twice within the stream's
+    duplicate window stores it once (its message id is the dead letter's)."""
     js = nc.jetstream()
     outcome = Redrive()
+    last_on: dict[str, int] = {}
+    if database_url_of is not None and index_position is not None:  # before this run publishes anything
+        for subject in {letter.original_subject for letter in letters if letter.original_subject}:
+            last_on[subject] = await _last_sequence(js, names.delta_stream, subject)
     for letter in letters:
         if letter.body_omitted:
             outcome.bodiless.append(letter)
@@ -233,6 +244,10 @@ async def redrive(
             later = await later_sequence(database_url_of(letter.workspace), letter)
             if later is not None:
                 outcome.superseded.append((letter, later))
+                continue
+            last = last_on.get(letter.original_subject, 0)
+            if index_position is not None and last > max(index_position, letter.original_seq or 0):
+                outcome.waiting.append((letter, last))
                 continue
         try:
             ack = await js.publish(
@@ -251,6 +266,14 @@ async def redrive(
         log.info("dead_letter_redriven", dlq_seq=letter.seq, seq=ack.seq, reason=letter.reason)
         outcome.sent.append((letter, ack.seq))
     return outcome
+
+
+async def _last_sequence(js: JetStreamContext, stream: str, subject: str) -> int:
+    """The stream sequence of the last message on ``subject``; 0 when there is none."""
+    try:
+        return int((await js.get_last_msg(stream, subject)).seq or 0)
+    except NotFoundError:
+        return 0
 
 
 async def purge(nc: Client, names: Names, selection: Selection) -> int:

@@ -7,14 +7,17 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
+import asyncpg
 import typer
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -1127,6 +1130,25 @@ def show_settings(
     console.print(table)
 
 
+DATABASE_UNREACHABLE = (
+    ConnectionError,
+    socket.gaierror,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.ClientConfigurationError,
+)
+"""What connecting to a database an operator's command reads (rebuild, compact, dlq redrive) raises when it is
+away, frozen or misnamed: said in a line, not a traceback (when asyncpg raised it: NATS has its own)."""
+
+
+def _raised_in_asyncpg(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, asyncpg.InterfaceError | asyncpg.PostgresConnectionError) or any(
+        f"{os.sep}asyncpg{os.sep}" in frame.filename for frame in frames
+    )
+
+
 def main() -> None:
     try:
         app()
@@ -1137,6 +1159,15 @@ def main() -> None:
         sys.exit(2)
     except NatsUnreachable as error:
         errors.print(f"[red]error:[/red] {error}: is it running, and is ONTOFABRIC_NATS_URL right?")
+        sys.exit(1)
+    except DATABASE_UNREACHABLE as error:
+        if not _raised_in_asyncpg(error):
+            raise
+        said = str(error) or "no answer in time"
+        errors.print(
+            f"[red]error:[/red] PostgreSQL could not be reached ({type(error).__name__}: {said}): is it running, "
+            "and is ONTOFABRIC_DATABASE_URL right?"
+        )
         sys.exit(1)
     except ValidationError as error:
         if error.title != Settings.__name__:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,6 +15,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+
+from ontofabric.services.projector.worker import ProjectorService
+
+from .conftest import Deployment
+from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
@@ -234,3 +240,24 @@ def test_readme_settings_table_is_current() -> None:
     table = subprocess.run([ONTOFABRIC, "settings", "--markdown"], capture_output=True, text=True, check=True).stdout
     stale = [line for line in table.splitlines() if line not in readme]
     assert stale == [], "README's settings table is stale; paste `ontofabric settings --markdown`"
+
+
+@pytest.mark.parametrize("command", [["rebuild", "acme"], ["compact", "--yes"], ["dlq", "redrive", "--yes"]])
+async def test_an_unreachable_database_is_said_without_a_traceback(
+    deployment: Deployment, projector: ProjectorService, command: list[str]
+) -> None:
+    """Operators' commands read PostgreSQL too: with it away they printed asyncpg's traceback."""
+    long = "x" * (deployment.settings.max_content_bytes + 10)  # a dead letter, for redrive to have one
+    ack = await deployment.publisher.publish(upsert("acme", document("big", long)))
+    await deployment.wait_projected(ack.seq)
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**deployment.env(), "ONTOFABRIC_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{port}/none"}
+    result = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, *command], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "PostgreSQL could not be reached" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr

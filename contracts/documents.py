@@ -41,6 +41,8 @@ Branch = Annotated[
     StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$"),
     Field(description="Branch name, git style (may contain '/' and '.'); 'main' is the trunk."),
 ]
+BRANCH: TypeAdapter[str] = TypeAdapter(Branch)
+"""Checks a branch name given outside a request model (a command's option)."""
 ObjectType = Annotated[
     str,
     StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.$-]{0,511}$"),

@@ -22,12 +22,12 @@ import typer
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
-from ontofabric.contracts.documents import WORKSPACE
+from ontofabric.contracts.documents import BRANCH, WORKSPACE
 from ontofabric.shared.db import migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -118,6 +118,24 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
 def _fail(message: str, code: int = 2) -> NoReturn:
     errors.print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)
+
+
+def _workspace_name(value: str | None) -> str | None:
+    """A command's workspace, checked before any work (a usage error, not a traceback after embedding a tree)."""
+    rule = "letters, digits, '.', '_', '-'; at most 128 characters"
+    return None if value is None else _checked(WORKSPACE, value, rule)
+
+
+def _branch_name(value: str | None) -> str | None:
+    rule = "letters, digits, '.', '_', '-', '/'; at most 255 characters"
+    return None if value is None else _checked(BRANCH, value, rule)
+
+
+def _checked(adapter: TypeAdapter[str], value: str, rule: str) -> str:
+    try:
+        return adapter.validate_python(value)
+    except ValidationError:
+        raise typer.BadParameter(f"{value!r} is not a valid name: {rule}, starting with a letter or digit") from None
 
 
 def _serve(
@@ -217,8 +235,8 @@ def _stalled_projection(floor: int, target: int, still_s: float) -> None:
 @app.command()
 def ingest(
     path: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).")],
-    workspace: Annotated[str, typer.Option(help="Workspace to publish into.")],
-    branch: Annotated[str, typer.Option(help="Branch to publish into.")] = MAIN_BRANCH,
+    workspace: Annotated[str, typer.Option(help="Workspace to publish into.", callback=_workspace_name)],
+    branch: Annotated[str, typer.Option(help="Branch to publish into.", callback=_branch_name)] = MAIN_BRANCH,
     wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every delta.")] = True,
     wait_timeout: Annotated[
         float,
@@ -300,8 +318,8 @@ def ingest(
 @app.command()
 def query(
     text: Annotated[str, typer.Argument(help="The semantic query.")],
-    workspace: Annotated[str, typer.Option(help="Workspace to query.")] = "ontofabric",
-    branch: Annotated[str, typer.Option(help="Branch to query.")] = MAIN_BRANCH,
+    workspace: Annotated[str, typer.Option(help="Workspace to query.", callback=_workspace_name)] = "ontofabric",
+    branch: Annotated[str, typer.Option(help="Branch to query.", callback=_branch_name)] = MAIN_BRANCH,
     top_k: Annotated[int, typer.Option("--top-k", min=1, max=100, help="Number of results.")] = 10,
     object_type: Annotated[str | None, typer.Option(help="Only this objectType.")] = None,
     chunk_level: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(CHUNK_LEVELS)}.")] = None,
@@ -463,7 +481,9 @@ dlq = typer.Typer(help="Dead letters: deltas a projector set aside, with the rea
 app.add_typer(dlq, name="dlq")
 
 SequenceArgs = Annotated[list[int] | None, typer.Argument(help="Dead letters by their sequence (all when none).")]
-WorkspaceFilter = Annotated[str | None, typer.Option("--workspace", "-w", help="Only this workspace's.")]
+WorkspaceFilter = Annotated[
+    str | None, typer.Option("--workspace", "-w", help="Only this workspace's.", callback=_workspace_name)
+]
 ReasonFilter = Annotated[str | None, typer.Option(help="Only this reason's (invalid_schema, apply_failed, ...).")]
 SinceFilter = Annotated[str | None, typer.Option(help="Only those stored since: ISO 8601, or an age (30m, 2h, 7d).")]
 UntilFilter = Annotated[str | None, typer.Option(help="Only those stored before: ISO 8601, or an age.")]
@@ -912,7 +932,9 @@ def calibrate(
 
 @app.command()
 def rebuild(
-    workspace: Annotated[str, typer.Argument(help="The workspace whose Postgres index to rebuild.")],
+    workspace: Annotated[
+        str, typer.Argument(help="The workspace whose Postgres index to rebuild.", callback=_workspace_name)
+    ],
     discard: Annotated[
         bool, typer.Option(help="Drop an interrupted rebuild's shadow tables instead (the live index is untouched).")
     ] = False,

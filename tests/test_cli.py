@@ -261,3 +261,21 @@ async def test_an_unreachable_database_is_said_without_a_traceback(
     assert result.returncode == 1, result.stderr
     assert "PostgreSQL could not be reached" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["ingest", ".", "--workspace", "bad ws"], ["ingest", ".", "--workspace", "w", "--branch", "../../etc"],
+     ["rebuild", ""], ["query", "x", "--workspace", "a b"], ["dlq", "list", "--workspace", "a/b"]],
+)  # fmt: skip
+def test_a_workspace_or_branch_that_is_no_valid_name_is_a_usage_error_before_any_work(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Before, ingest embedded the whole tree and then printed pydantic's traceback; rebuild "" a ValueError's."""
+    result = subprocess.run(
+        [ONTOFABRIC, *command, "--data-dir", str(tmp_path)], capture_output=True, text=True, env=_env(),
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "is not a valid name" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr

@@ -26,11 +26,15 @@ from nats.aio.msg import Msg
 
 from ontofabric.contracts import NO_VERSION, ErrorDetail, ErrorReply, QueryError, QueryMeta, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport
+from ontofabric.services.gateway.auth import CALLER, Grant
+from ontofabric.services.gateway.link import NatsLink
+from ontofabric.services.gateway.server import Gateway
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, render, restated
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment, node_script
 from .factories import document, upsert
@@ -535,6 +539,23 @@ def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_s
         "maxChars": 100,
     }
     jsonschema.validate(arguments, query.input_schema)  # what the schema let through, the worker now takes
+
+
+async def test_a_call_without_a_workspace_from_a_token_of_several_names_them() -> None:
+    """A token reading two workspaces has no default: the error says which it may give."""
+
+    async def never(_: object) -> Any:
+        raise AssertionError("no call goes to NATS")
+
+    gateway = Gateway(NatsLink(lambda: "nats://unused", never, never), Names(), None, 1.0)
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    reader = CALLER.set(Grant(sha256="0" * 64, client="carol", workspaces=["alpha", "beta"]))
+    try:
+        refused = await gateway.call(query, {"semanticQuery": "x"})
+    finally:
+        CALLER.reset(reader)
+    assert refused.is_error is True
+    assert "- workspace: give the workspace to read: one of alpha, beta" in _text(refused)
 
 
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:

@@ -91,7 +91,8 @@ class Gateway:
                 f"{workspace!r}\n- workspace: one of {', '.join(caller.workspaces)}"
             )
         if workspace is None:
-            return tool_error("error invalid_request: no workspace\n- workspace: give the workspace to read")
+            readable = f": one of {', '.join(caller.workspaces)}" if caller is not None else ""
+            return tool_error(f"error invalid_request: no workspace\n- workspace: give the workspace to read{readable}")
         if self._workspace is not None and workspace != self._workspace:
             return tool_error(
                 f"error invalid_request: this gateway serves workspace {self._workspace!r} only\n"

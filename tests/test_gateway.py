@@ -444,6 +444,43 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     assert "- semanticQuery: not valid Unicode" in tool["content"][0]["text"]
 
 
+async def test_a_client_that_closes_the_gateways_output_mid_call_ends_the_session_quietly(
+    deployment: Deployment,
+) -> None:
+    """The answer has nowhere to go: the gateway ends, exit 0, instead of a ConnectionResetError traceback, exit 1."""
+    silent = await deployment.nc.subscribe(deployment.names.request_subject("status", "acme"))  # a slow worker
+    await deployment.nc.flush()
+    gateway = await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--workspace", "acme",
+        env=_gateway_env(deployment, ONTOFABRIC_GATEWAY_TIMEOUT_S="1", ONTOFABRIC_LOG_LEVEL="INFO"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert gateway.stdin is not None
+    assert gateway.stdout is not None
+    assert gateway.stderr is not None
+    initialize = {
+        "jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+    }  # fmt: skip
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "ontology_status", "arguments": {}}}
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in (initialize, initialized, call)))
+    await gateway.stdin.drain()
+    assert b'"id":1' in await gateway.stdout.readline()
+    # The read end of its output closed, as a client that went away leaves it.
+    gateway._transport.get_pipe_transport(1).close()  # type: ignore[attr-defined]
+    try:
+        code = await asyncio.wait_for(gateway.wait(), 30)
+        stderr = (await gateway.stderr.read()).decode()
+    finally:
+        if gateway.returncode is None:
+            gateway.kill()
+        await silent.unsubscribe()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr
+    assert "gateway_client_closed_output" in stderr
+
+
 async def test_a_gateway_started_before_nats_answers_every_call_with_a_retryable_error(tmp_path: Path) -> None:
     """An agent starts the gateway with its session: it must not fail for a NATS that is not there yet."""
     env = {

@@ -22,6 +22,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
+from ontofabric.shared.logging import get_logger
+
+log = get_logger(__name__)
+
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """A message line longer than this is skipped whole (the SDK's own reader has no limit; a runaway needs one)."""
 
@@ -173,8 +177,13 @@ async def stdio_streams() -> AsyncIterator[
             async with outgoing_reader:
                 async for session_message in outgoing_reader:
                     json = session_message.message.model_dump_json(by_alias=True, exclude_unset=True)
-                    writer.write(json.encode() + b"\n")
-                    await writer.drain()
+                    try:
+                        writer.write(json.encode() + b"\n")
+                        await writer.drain()
+                    except (BrokenPipeError, ConnectionResetError):  # the client closed its end: the session is over
+                        log.info("gateway_client_closed_output")
+                        tasks.cancel_scope.cancel()
+                        return
 
         try:
             async with anyio.create_task_group() as tasks:

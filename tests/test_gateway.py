@@ -24,7 +24,15 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from nats.aio.msg import Msg
 
-from ontofabric.contracts import NO_VERSION, ErrorDetail, ErrorReply, QueryError, QueryMeta, QueryResponse
+from ontofabric.contracts import (
+    NO_VERSION,
+    ErrorDetail,
+    ErrorReply,
+    QueryError,
+    QueryMeta,
+    QueryResponse,
+    SearchResult,
+)
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.link import NatsLink
@@ -34,6 +42,7 @@ from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, ren
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.jetstream import connect
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment, node_script
@@ -342,6 +351,37 @@ async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment:
         assert answer.json()["result"]["isError"] is True  # no answer within 4 s, said within them
     await silent.unsubscribe()
     assert len(seen) == 3  # the staying call twice, the one that left once
+
+
+async def test_structured_content_is_the_reply_as_the_contract_reads_it(deployment: Deployment) -> None:
+    """A worker of another version may send a value the contract only coerces (a rank as "1"): forwarded as sent,
+    a client checking the outputSchema refused the whole result."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=False, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["keyword"], timings_ms={},
+    )  # fmt: skip
+    result = SearchResult(
+        id="csv", score=0.5, rank=1, content=None, object_type="t.T", source_domain="t", metadata={}, found_by=[]
+    )
+    sent = QueryResponse(results=[result], _meta=meta).model_dump(mode="json")
+    sent["results"][0]["rank"] = "1"
+
+    nc = await connect(deployment.nats_url_as("query"), "test-worker-of-another-version")
+
+    async def answer(msg: Msg) -> None:
+        await nc.publish(msg.reply, json.dumps(sent).encode())
+
+    subject = deployment.names.request_subject("query", "acme")
+    await nc.subscribe(subject, queue=deployment.names.query_queue, cb=answer)
+    await nc.flush()
+    try:
+        async with Client(_stdio(deployment)) as client:  # the SDK checks structuredContent against the schema
+            reply = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
+    finally:
+        await nc.close()
+    assert reply.is_error is False, _text(reply)
+    assert reply.structured_content is not None
+    assert reply.structured_content["results"][0]["rank"] == 1
 
 
 async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployment, tmp_path: Path) -> None:

@@ -132,7 +132,12 @@ class Gateway:
             log.warning("reply_unreadable", tool=spec.name, error=str(error)[:300])
             return tool_error("error internal (retryable: try again): the query worker's reply could not be read")
         text = fitted_text(spec, arguments, render(reply), len(raw))
-        return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=data)
+        # The reply as this gateway's contract reads it, which is what its outputSchema says: a worker of another
+        # version may send a value the contract only coerces ("5" for 5), which a client's check of the schema
+        # refused.
+        return types.CallToolResult(
+            content=[types.TextContent(text=text)], structured_content=reply.model_dump(mode="json")
+        )
 
     async def serve_stdio(self) -> None:
         async with stdio_streams() as (read, write):

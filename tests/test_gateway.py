@@ -83,6 +83,13 @@ async def served(
         await worker.stop()
 
 
+RAW_INITIALIZE = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+}  # fmt: skip
+"""The first message of a session, as a test writing raw lines to the gateway sends it."""
+
+
 def _gateway_env(deployment: Deployment, **extra: str) -> dict[str, str]:
     """A gateway's environment: it connects to NATS as a client, the role a deployment gives it."""
     client = {"ONTOFABRIC_NATS_URL": deployment.nats_url_as("client")}
@@ -449,10 +456,6 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     )  # fmt: skip
     assert gateway.stdin is not None
     assert gateway.stdout is not None
-    initialize = {
-        "jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
-    }  # fmt: skip
     deep = b'{"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"arguments": ' + b"[" * 100_000
     # Half a character (an emoji cut by a JavaScript client; the Python SDK cannot even send it): a tool error
     # naming the field, not a protocol error.
@@ -461,8 +464,8 @@ async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployme
     initialized = b'{"jsonrpc": "2.0", "method": "notifications/initialized"}'
     # Ids that are neither strings nor integers: the SDK took them for notifications and answered nothing.
     odd = [b'{"jsonrpc": "2.0", "id": null, "method": "ping"}', b'{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}']
-    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', deep, b"[1, 2]", *odd, json.dumps(initialize).encode()]
-    lines += [initialized, cut]
+    lines = [b"not json", b"", b'{"jsonrpc": "2.0", "id": 7}', deep, b"[1, 2]", *odd]
+    lines += [json.dumps(RAW_INITIALIZE).encode(), initialized, cut]
     gateway.stdin.write(b"\n".join(lines) + b"\n")
     await gateway.stdin.drain()
     answers: dict[Any, Any] = {}
@@ -498,13 +501,9 @@ async def test_a_client_that_closes_the_gateways_output_mid_call_ends_the_sessio
     assert gateway.stdin is not None
     assert gateway.stdout is not None
     assert gateway.stderr is not None
-    initialize = {
-        "jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
-    }  # fmt: skip
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "ontology_status", "arguments": {}}}
     initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-    gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in (initialize, initialized, call)))
+    gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in (RAW_INITIALIZE, initialized, call)))
     await gateway.stdin.drain()
     assert b'"id":1' in await gateway.stdout.readline()
     # The read end of its output closed, as a client that went away leaves it.

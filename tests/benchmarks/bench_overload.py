@@ -6,8 +6,10 @@ On the demo corpus (this project's source tree), cache off so every request is w
    waiting ``--timeout-ms``. Counted: whole answers received in time (useful), answers whose optional parts were
    cut for the deadline, refusals (``overloaded``, ``deadline_exceeded``), other errors, and callers that heard
    nothing before their timeout.
-   Run twice: as the worker is configured (deadlines carried, queue bounded), and as a reference the way it was
-   before deadlines: requests without the timeout header, a queue that never refuses.
+   Run three times: as the worker is configured (deadlines carried, queue bounded); the same worker with callers
+   that send no timeout header (as NATS clients do unless told: their wait is bounded by
+   query_unstated_max_wait_ms); and as a reference the way it was before deadlines: requests without the timeout
+   header, a queue that never refuses.
 
 Target (the overload issue): useful answers per second at twice capacity >= 80 % of capacity, and no caller
 without a reply or a refusal before its deadline.
@@ -147,9 +149,16 @@ async def run(endpoints: Endpoints, seconds: float, timeout_ms: int, load: float
         capacity, _ = await phase(settings, True, None)
         print(f"capacity: {capacity:.1f} answers/s ({settings.query_concurrency} callers, closed loop, {seconds:g} s)")
         rate = load * capacity
-        unbounded = settings.model_copy(update={"query_queue_limit": 1_000_000, "query_default_timeout_ms": 300_000})
+        unbounded = settings.model_copy(
+            update={
+                "query_queue_limit": 1_000_000,
+                "query_default_timeout_ms": 300_000,
+                "query_unstated_max_wait_ms": 300_000,
+            }
+        )
         for label, worker_settings, header in (
             ("deadlines and a bounded queue", settings, True),
+            ("callers that send no timeout header (the worker as built)", settings, False),
             ("reference: no deadline, unbounded queue", unbounded, False),
         ):
             _, outcome = await phase(worker_settings, header, rate)

@@ -71,9 +71,8 @@ from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
 from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
-from .ops.dead_letters import Redrive, Selection, dead_letters, parse_when, purge, redrive
+from .ops.dead_letters import Redrive, Selection, applied_through, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
-from .ops.snapshots import index_position
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
 
@@ -596,16 +595,17 @@ def dlq_redrive(
         placement = Placement.of(settings, endpoints.database_url)
         if force:
             return await redrive(nc, names, letters, None)
-        position = await index_position(nc.jetstream(), names, settings)
-        return await redrive(nc, names, letters, placement.database_url_of, position)
+        workspaces = {letter.workspace for letter in letters if letter.workspace is not None}
+        floors = await applied_through(nc.jetstream(), names, settings, placement, workspaces)
+        return await redrive(nc, names, letters, placement.database_url_of, floors)
 
     outcome = _as_operator(data_dir, job)
     for letter, seq in outcome.superseded:
         errors.print(f"left {letter.seq}: the index holds its document at the later sequence {seq} (--force)")
     for letter, seq in outcome.waiting:
         errors.print(
-            f"left {letter.seq}: its branch has deltas up to {seq} the index has not applied yet, one of which may "
-            "be a later state of its document: re-drive once the projector has caught up (ontofabric status)"
+            f"left {letter.seq}: its branch has deltas up to {seq} its Postgres projector has not applied yet, one "
+            "of which may be a later state of its document: re-drive once it has caught up (ontofabric status)"
         )
     for letter in outcome.bodiless:
         errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")

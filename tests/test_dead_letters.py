@@ -11,11 +11,20 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import DeltaEnvelope
-from ontofabric.services.ops.dead_letters import Selection, dead_letters, parse_when, purge, redrive, redriven
+from ontofabric.services.ops.dead_letters import (
+    Selection,
+    applied_through,
+    dead_letters,
+    parse_when,
+    purge,
+    redrive,
+    redriven,
+)
 from ontofabric.services.ops.rebuild import Rebuild
-from ontofabric.services.ops.snapshots import CompactionRefused, compact, index_position
+from ontofabric.services.ops.snapshots import CompactionRefused, compact
 from ontofabric.services.projector.snapshots import find_snapshot_store, load_snapshot
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.placement import Placement
@@ -217,9 +226,9 @@ async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_w
     (letter,) = await dead_letters(nc, names, Selection())
     newer = await deployment.publisher.publish(upsert("acme", document("m", "third, short")))  # no projector runs
     placement = Placement.of(deployment.settings, deployment.database_url)
-    position = await index_position(deployment.js, names, deployment.settings)
-    assert position < newer.seq
-    outcome = await redrive(nc, names, [letter], placement.database_url_of, position)
+    floors = await applied_through(deployment.js, names, deployment.settings, placement, {"acme"})
+    assert floors["acme"] < newer.seq
+    outcome = await redrive(nc, names, [letter], placement.database_url_of, floors)
     assert outcome.sent == []
     assert [(left.seq, last) for left, last in outcome.waiting] == [(letter.seq, newer.seq)]
     assert [left.seq for left in await dead_letters(nc, names, Selection())] == [letter.seq]  # still there
@@ -230,6 +239,11 @@ async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_w
         await deployment.wait_projected(newer.seq)
     finally:
         await projector.stop()
-    position = await index_position(deployment.js, names, deployment.settings)
-    outcome = await redrive(nc, names, [letter], placement.database_url_of, position)
+    # A consumer of another partition layout that has applied nothing (being filled, or left over) holds no letter
+    # back: the one that applies the workspace's deltas for this deployment decides.
+    other_layout = ConsumerConfig(durable_name=names.postgres_projector_durables(2)[0], ack_policy=AckPolicy.EXPLICIT)
+    await deployment.js.add_consumer(names.delta_stream, other_layout)
+    floors = await applied_through(deployment.js, names, deployment.settings, placement, {"acme"})
+    assert floors == {"acme": newer.seq}
+    outcome = await redrive(nc, names, [letter], placement.database_url_of, floors)
     assert [(left.seq, later) for left, later in outcome.superseded] == [(letter.seq, newer.seq)]

@@ -773,11 +773,13 @@ def test_a_fold_leaves_out_what_the_projector_set_aside_and_refuses_what_only_it
     refusing.add(stored[1])  # refused by these settings, with no dead letter of it
     assert [r.seq for r in refusing.refused] == [2]
     with pytest.raises(CompactionRefused, match=r"delta 2 .*content_too_large"):
-        refusing.check_refused({big.event_id: 2})  # the index handled it at its own sequence: the projector applied it
+        refusing.check_refused({(big.event_id, 2)})  # handled at its own sequence: the projector applied it
+    with pytest.raises(CompactionRefused, match=r"delta 2 .*content_too_large"):
+        refusing.check_refused({(big.event_id, 7), (big.event_id, 2)})  # a legacy row and a later copy's: either
     with pytest.raises(CompactionRefused, match=r"delta 2 "):
         refusing.check_refused(None)  # the index not read: no telling
-    refusing.check_refused({})  # the index never handled it: dead-lettered, its letter purged since
-    refusing.check_refused({big.event_id: 7})  # handled as another copy of the event, not this one
+    refusing.check_refused(set())  # the index never handled it: dead-lettered, its letter purged since
+    refusing.check_refused({(big.event_id, 7)})  # handled as another copy of the event, not this one
     assert refusing.snapshot().deltas == []
     # a snapshot folded with looser settings is not judged again by tighter ones
     loose = SnapshotFold("acme", Limits.from_settings(Settings()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -26,6 +26,8 @@ from pydantic import ValidationError
 from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
 from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import describe, get_logger
+from ontofabric.shared.placement import Placement
+from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token
 
 log = get_logger(__name__)
@@ -222,18 +224,18 @@ async def redrive(
     names: Names,
     letters: Sequence[DeadLetter],
     database_url_of: Callable[[str], str] | None,
-    index_position: int | None = None,
+    floors: Mapping[str, int] | None = None,
 ) -> Redrive:
     """Publish each dead letter's delta again on its own subject (:func:`redriven`), then delete the dead letter. With
     ``database_url_of`` (workspace -> its database), a delta whose document the index holds at a later sequence
-    is left where it is; with ``index_position`` too (the stream sequence every index consumer has settled), so is
-    one whose branch has deltas after it that the index has not applied yet (one may be a later state of its
-    document, which the index check cannot see yet). Re-driving the same dead letter twice within the stream's
-    duplicate window stores it once (its message id is the dead letter's)."""
+    is left where it is; with ``floors`` too (workspace -> :func:`applied_through`), so is one whose branch has
+    deltas after it that the index has not applied yet (one may be a later state of its document, which the index
+    check cannot see yet). Re-driving the same dead letter twice within the stream's duplicate window stores it
+    once (its message id is the dead letter's)."""
     js = nc.jetstream()
     outcome = Redrive()
     last_on: dict[str, int] = {}
-    if database_url_of is not None and index_position is not None:  # before this run publishes anything
+    if database_url_of is not None and floors is not None:  # before this run publishes anything
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
             last_on[subject] = await _last_sequence(js, names.delta_stream, subject)
     for letter in letters:
@@ -246,7 +248,8 @@ async def redrive(
                 outcome.superseded.append((letter, later))
                 continue
             last = last_on.get(letter.original_subject, 0)
-            if index_position is not None and last > max(index_position, letter.original_seq or 0):
+            floor = floors.get(letter.workspace, 0) if floors is not None else last
+            if last > max(floor, letter.original_seq or 0):
                 outcome.waiting.append((letter, last))
                 continue
         try:
@@ -266,6 +269,23 @@ async def redrive(
         log.info("dead_letter_redriven", dlq_seq=letter.seq, seq=ack.seq, reason=letter.reason)
         outcome.sent.append((letter, ack.seq))
     return outcome
+
+
+async def applied_through(
+    js: JetStreamContext, names: Names, settings: Settings, placement: Placement, workspaces: Set[str]
+) -> dict[str, int]:
+    """Per workspace, the ack floor of the configured Postgres projector consumer that applies it (0 while it does
+    not exist): every delta of the workspace up to it is in the index, or dead-lettered."""
+    durables = names.postgres_projector_durables(settings.projector_partitions)
+    floors: dict[str, int] = {}
+    for durable in {durables[placement.partition_of(workspace)] for workspace in workspaces}:
+        try:
+            info = await js.consumer_info(names.delta_stream, durable)
+        except NotFoundError:
+            floors[durable] = 0
+            continue
+        floors[durable] = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+    return {workspace: floors[durables[placement.partition_of(workspace)]] for workspace in workspaces}
 
 
 async def _last_sequence(js: JetStreamContext, stream: str, subject: str) -> int:

@@ -15,7 +15,7 @@ workspace's own snapshot.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -101,14 +101,14 @@ class SnapshotFold:
             event_id = DeltaEnvelope.model_validate_json(stored.data).event_id
             self.refused.append(Refused(stored.seq, event_id, checked.reason, checked.detail))
 
-    def check_refused(self, handled_at: Mapping[str, int] | None) -> None:
+    def check_refused(self, handled: Set[tuple[str, int]] | None) -> None:
         """Raises CompactionRefused for a delta of ``refused`` that the projector handled: the index records its
-        event at its own sequence (``handled_at``: event id -> the sequence the index handled it at), so the
-        projector's settings let it apply and the snapshot would not be what the index holds. One the index never
-        handled was dead-lettered, its letter purged or re-driven since: it stays out. Without ``handled_at``
-        (the index not read), any is refused."""
+        event at its own sequence (``handled``: the (event id, sequence) pairs the index records for these events,
+        one per workspace row), so the projector's settings let it apply and the snapshot would not be what the
+        index holds. One the index never handled was dead-lettered, its letter purged or re-driven since: it stays
+        out. Without ``handled`` (the index not read), any is refused."""
         for refused in self.refused:
-            if handled_at is None or handled_at.get(refused.event_id) == refused.seq:
+            if handled is None or (refused.event_id, refused.seq) in handled:
                 raise CompactionRefused(
                     f"delta {refused.seq} of workspace {self.workspace!r} is refused with this command's settings "
                     f"({refused.reason}: {refused.detail}) but the projector applied it: run compact with the "
@@ -260,8 +260,9 @@ async def _set_aside(nc: Client, names: Names) -> dict[str, set[int]]:
     return set_aside
 
 
-async def _handled_at(placement: Placement, workspace: str, refused: Sequence[Refused]) -> dict[str, int]:
-    """The sequences at which the workspace's index handled these deltas' events (those it handled)."""
+async def _handled_at(placement: Placement, workspace: str, refused: Sequence[Refused]) -> set[tuple[str, int]]:
+    """The (event id, sequence) pairs the workspace's index records for these deltas' events: its own rows and
+    those from before events were kept per workspace (workspace '', infra/migrations/0019), each."""
     conn = await asyncpg.connect(placement.database_url_of(workspace))
     try:
         records = await conn.fetch(
@@ -271,7 +272,7 @@ async def _handled_at(placement: Placement, workspace: str, refused: Sequence[Re
         )
     finally:
         await conn.close()
-    return {r["event_id"]: r["stream_seq"] for r in records}
+    return {(r["event_id"], r["stream_seq"]) for r in records}
 
 
 async def _fold_stream(nc: Client, names: Names, fold: SnapshotFold, start: int, upto: int, set_aside: Set[int]) -> int:

@@ -38,7 +38,7 @@ from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.link import NatsLink
 from ontofabric.services.gateway.server import Gateway
 from ontofabric.services.gateway.stdio import next_line
-from ontofabric.services.gateway.tools import TOOLS, fitted_text, forwarded, render, restated
+from ontofabric.services.gateway.tools import TOOLS, as_declared, fitted_text, forwarded, render, restated
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
@@ -604,16 +604,15 @@ def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_s
     contract is strict and refused it ("Input should be a valid integer")."""
     query, document = (next(tool for tool in TOOLS if tool.operation == op) for op in ("query", "document"))
     arguments = {"semanticQuery": "x", "topK": 3.0, "minRelevance": 1.0, "options": {"fusion": {"rrfK": 60.0}}}
-    sent = forwarded(query, arguments)
+    sent = as_declared(query, arguments)
     assert sent == {"semanticQuery": "x", "topK": 3, "minRelevance": 1.0, "options": {"fusion": {"rrfK": 60}}}
     assert type(sent["topK"]) is int
     assert type(sent["minRelevance"]) is float  # a number, not an integer, in the schema
-    assert forwarded(query, {"semanticQuery": "x", "topK": 3.5})["topK"] == 3.5  # the worker names it
-    assert forwarded(document, {"id": "a", "offset": 0.0, "maxChars": 100.0}) == {
-        "id": "a",
-        "offset": 0,
-        "maxChars": 100,
-    }
+    assert as_declared(query, {"semanticQuery": "x", "topK": 3.5})["topK"] == 3.5  # the worker names it
+    whole = {"id": "a", "offset": 0, "maxChars": 100}
+    assert as_declared(document, {"id": "a", "offset": 0.0, "maxChars": 100.0}) == whole
+    # The gateway's own budget reads it too: the worker asked for half of maxTokens 4000.0, as of 4000.
+    assert forwarded(query, as_declared(query, {"semanticQuery": "x", "maxTokens": 4000.0}))["maxTokens"] == 2000
     jsonschema.validate(arguments, query.input_schema)  # what the schema let through, the worker now takes
 
 

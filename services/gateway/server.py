@@ -37,7 +37,7 @@ from ontofabric.shared.subjects import Names
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsUnavailable
 from .stdio import stdio_streams
-from .tools import TOOLS, ToolSpec, fitted_text, forwarded, render, render_error, restated
+from .tools import TOOLS, ToolSpec, as_declared, fitted_text, forwarded, render, render_error, restated
 
 log = get_logger(__name__)
 
@@ -83,6 +83,7 @@ class Gateway:
 
     async def call(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
         """One tool call: the request to the workspace's worker, its reply as structured content and as text."""
+        arguments = as_declared(spec, arguments)
         caller = CALLER.get()
         workspace = arguments.get("workspace") or self._workspace or _only_workspace(caller)
         if caller is not None and isinstance(workspace, str) and not caller.allows(workspace):

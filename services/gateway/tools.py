@@ -168,14 +168,19 @@ TOOLS = (
 def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
     """The worker's request for a tool call. A tool result carries the reply twice (structured, and as text of
     about the same size or less), so the worker is asked for half the ``maxTokens`` given, never below the least
-    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`).
-    A whole number written as a float (3.0) is sent as an integer where the schema says integer: JSON Schema counts
-    it one, and clients that keep numbers as doubles send it so; the worker's contract is strict."""
-    arguments = _whole_numbers(arguments, spec.input_schema)
+    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`)."""
     max_tokens = arguments.get("maxTokens")
     if spec.operation != "query" or type(max_tokens) is not int or not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
         return arguments  # absent or not allowed: the worker's default, or its error naming the field
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
+
+
+def as_declared(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments with each whole number written as a float (3.0) made an integer where the tool's schema
+    says integer: JSON Schema counts it one, and clients that keep numbers as doubles send it so, while the worker's
+    contract is strict and the gateway's own budget reads ``maxTokens`` as an integer."""
+    declared: dict[str, Any] = _whole_numbers(arguments, spec.input_schema)
+    return declared
 
 
 def _whole_numbers(value: Any, schema: dict[str, Any]) -> Any:

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -1152,21 +1151,14 @@ def show_settings(
     console.print(table)
 
 
-DATABASE_UNREACHABLE = (
-    ConnectionError,
-    socket.gaierror,
-    TimeoutError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.ClientConfigurationError,
-)
+DATABASE_UNREACHABLE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.ClientConfigurationError)
 """What connecting to a database an operator's command reads (rebuild, compact, dlq redrive) raises when it is
 away, frozen or misnamed: said in a line, not a traceback (when asyncpg raised it: NATS has its own)."""
 
 
 def _raised_in_asyncpg(error: BaseException) -> bool:
     frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, asyncpg.InterfaceError | asyncpg.PostgresConnectionError) or any(
+    return isinstance(error, asyncpg.PostgresConnectionError) or any(
         f"{os.sep}asyncpg{os.sep}" in frame.filename for frame in frames
     )
 

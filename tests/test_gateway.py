@@ -326,6 +326,9 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
         assert refused["id"] == 7
         assert refused["error"]["code"] == -32602
         assert refused["error"]["message"].startswith("params.arguments.semanticQuery: not valid Unicode")
+        # A notification holding one is accepted, as any notification: there is no id to answer.
+        notified = b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"reason": "\\ud83d"}}'
+        assert (await http.post(url, content=notified)).status_code == 202
         whole = await http.post(url, content=call(8, "read a csv file \\ud83d\\ude00"))
         assert whole.status_code == 200
         assert whole.json()["id"] == 8
@@ -631,6 +634,12 @@ async def test_a_call_without_a_workspace_from_a_token_of_several_names_them() -
         CALLER.reset(reader)
     assert refused.is_error is True
     assert "- workspace: give the workspace to read: one of alpha, beta" in _text(refused)
+    reader = CALLER.set(Grant(sha256="0" * 64, client="root", workspaces=["*"]))
+    try:
+        refused = await gateway.call(query, {"semanticQuery": "x"})
+    finally:
+        CALLER.reset(reader)
+    assert "- workspace: give the workspace to read: any" in _text(refused)
 
 
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:
@@ -642,6 +651,9 @@ def test_results_the_budget_left_out_are_said_in_the_text() -> None:
     )  # fmt: skip
     text = render(QueryResponse(results=[], _meta=meta))
     assert "62 more left out to fit maxTokens" in text
+    # When the message size made the cut, a larger maxTokens would not help: said so.
+    capped = render(QueryResponse(results=[], _meta=meta.model_copy(update={"degraded": ["replySize"]})))
+    assert "62 more left out to fit the largest message the NATS server takes" in capped
     whole = meta.model_copy(update={"budget": BudgetReport(max_tokens=1000, estimated_tokens=90)})
     assert "left out" not in render(QueryResponse(results=[], _meta=whole))
 

@@ -92,7 +92,10 @@ class Gateway:
                 f"{workspace!r}\n- workspace: one of {', '.join(caller.workspaces)}"
             )
         if workspace is None:
-            readable = f": one of {', '.join(caller.workspaces)}" if caller is not None else ""
+            readable = ""
+            if caller is not None:
+                any_one = ALL_WORKSPACES in caller.workspaces
+                readable = ": any" if any_one else f": one of {', '.join(caller.workspaces)}"
             return tool_error(f"error invalid_request: no workspace\n- workspace: give the workspace to read{readable}")
         if self._workspace is not None and workspace != self._workspace:
             return tool_error(
@@ -167,7 +170,14 @@ class HalfCharacters:
         self._max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        headers = dict(scope.get("headers", [])) if scope["type"] == "http" else {}
+        declared = headers.get(b"content-length", b"")
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or b"json" not in headers.get(b"content-type", b"").lower()  # the SDK's own 400 says what is wrong
+            or (declared.isdigit() and int(declared) > self._max_body_bytes)  # its 413, before the body is sent
+        ):
             await self._app(scope, receive, send)
             return
         read: deque[Message] = deque()
@@ -188,6 +198,10 @@ class HalfCharacters:
             await self._app(scope, replay, send)
             return
         body = json.loads(b"".join(m.get("body", b"") for m in read))
+        if isinstance(body, dict) and "id" not in body:  # a notification: accepted, nothing to answer
+            await send({"type": "http.response.start", "status": 202, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         request_id = body.get("id") if isinstance(body, dict) else None
         if isinstance(request_id, bool) or not isinstance(request_id, int | str):
             request_id = None

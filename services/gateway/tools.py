@@ -258,10 +258,11 @@ def _render_query(reply: QueryResponse) -> str:
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(f"{len(reply.results)} results")
     if meta.budget is not None and meta.budget.results_dropped:
-        head.append(
-            f"{meta.budget.results_dropped} more left out to fit maxTokens (ask with a larger maxTokens or a "
-            "smaller topK)"
-        )
+        if "replySize" in meta.degraded:  # the message size made the cut, not the budget
+            fit = "to fit the largest message the NATS server takes (ask with a smaller topK or includeContent false)"
+        else:
+            fit = "to fit maxTokens (ask with a larger maxTokens or a smaller topK)"
+        head.append(f"{meta.budget.results_dropped} more left out {fit}")
     if nothing_indexed(meta.ontology_version):
         head.append(
             f"nothing is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}: check the name, or whether "

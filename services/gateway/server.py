@@ -223,7 +223,7 @@ class CancelledWithClient:
         self._app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("method") != "POST":  # a GET stream sees its client go itself
             await self._app(scope, receive, send)
             return
         body_read = asyncio.Event()

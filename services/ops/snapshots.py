@@ -26,7 +26,7 @@ from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
-from ontofabric.services.projector.reembedding import Reembedder
+from ontofabric.services.projector.reembedding import reembedder_for
 from ontofabric.services.projector.snapshots import (
     MARKER,
     Snapshot,
@@ -35,7 +35,6 @@ from ontofabric.services.projector.snapshots import (
     load_snapshot,
     snapshot_store,
 )
-from ontofabric.shared.db import index_model
 from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
@@ -190,6 +189,7 @@ async def compact(
     rebuild runs on one of ``placement``'s databases (it may not have read what would be dropped), and, without a
     placement, on meeting a delta only this run's settings refuse. Run one at a time: two at once could each purge
     past the other's snapshots."""
+    limits = Limits.from_settings(settings)
     limits_of: dict[str, Limits] = {}
     """Per database: what its projectors let through, following the model its index holds (after ``reembed``,
     documents of the models it held before are embedded again, not refused)."""
@@ -197,9 +197,8 @@ async def compact(
         conn = await asyncpg.connect(database_url)
         try:
             running = await running_rebuilds(conn)
-            reembedder = Reembedder(settings)
-            reembedder.follow(await index_model(conn))
-            limits_of[database_url] = reembedder.limits(Limits.from_settings(settings))
+            reembedder = await reembedder_for(settings, conn)
+            limits_of[database_url] = reembedder.limits(limits) if reembedder is not None else limits
         finally:
             await conn.close()
         if running:
@@ -219,7 +218,6 @@ async def compact(
         return report
     workspaces = await stream_workspaces(nc, names)
     progress.stage("compact", len(workspaces))
-    limits = Limits.from_settings(settings)
     set_aside = await _set_aside(nc, names)
     for workspace in workspaces:
         token = encode_token(workspace)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from nats.aio.msg import Msg
 
 from ontofabric.contracts import DocumentUpserted, TokenVectors
-from ontofabric.shared.db import IndexModel
+from ontofabric.shared.db import Connection, IndexModel, index_model
 from ontofabric.shared.embedder import Embedder, embedding_text, load_embedder
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.logging import get_logger
@@ -101,3 +101,14 @@ class Reembedder:
             refreshed[i] = (msg, Delta(delta.seq, envelope))
         log.info("documents_embedded_again", model=model, documents=len(stale))
         return refreshed
+
+
+async def reembedder_for(settings: Settings, conn: Connection) -> Reembedder | None:
+    """What embeds again, for the model the database's index holds, documents another model embedded (a model
+    change); None without a local embedder: those are refused then. The projector's rule, which whatever judges
+    deltas as the projector did (a compaction) follows too."""
+    if settings.embedder == "none":
+        return None
+    reembedder = Reembedder(settings)
+    reembedder.follow(await index_model(conn))
+    return reembedder

@@ -17,7 +17,7 @@ from azure.search.documents.indexes.aio import SearchIndexClient
 from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
-from ontofabric.shared.db import WRITER_ROLE, create_pool, index_model, migrate, wait_until_migrated
+from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
 from ontofabric.shared.discovery import Announcement, announce
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream
@@ -39,7 +39,7 @@ from .azure import (
 from .consumer import DurableProjection, RunningProjection, start_projection
 from .planning import Limits
 from .postgres import PostgresSink
-from .reembedding import Reembedder
+from .reembedding import Reembedder, reembedder_for
 from .runner import ProjectionRunner
 from .snapshots import restore_snapshots
 from .store import PostgresProjectionStore
@@ -111,12 +111,8 @@ class ProjectorService:
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model
         change); None without a local embedder: those are refused then."""
-        if self.settings.embedder == "none":
-            return None
-        reembedder = Reembedder(self.settings)
         async with pool.acquire() as conn:
-            reembedder.follow(await index_model(conn))
-        return reembedder
+            return await reembedder_for(self.settings, conn)
 
     async def _writer_pool(self, database_url: str) -> asyncpg.Pool:
         """A pool acting as the writer role on a database this projector migrated (or waits for, when it writes

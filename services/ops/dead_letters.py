@@ -248,8 +248,7 @@ async def redrive(
                 outcome.superseded.append((letter, later))
                 continue
             last = last_on.get(letter.original_subject, 0)
-            floor = floors.get(letter.workspace, 0) if floors is not None else last
-            if last > max(floor, letter.original_seq or 0):
+            if floors is not None and last > max(floors.get(letter.workspace, 0), letter.original_seq or 0):
                 outcome.waiting.append((letter, last))
                 continue
         try:

@@ -36,7 +36,7 @@ from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsUnavailable
-from .stdio import stdio_streams
+from .stdio import request_id_of, stdio_streams
 from .tools import TOOLS, ToolSpec, as_declared, fitted_text, forwarded, render, render_error, restated
 
 log = get_logger(__name__)
@@ -189,7 +189,8 @@ class HalfCharacters:
                 break
             size += len(message.get("body", b""))
             complete = not message.get("more_body", False)
-        field = surrogate_field(b"".join(m.get("body", b"") for m in read)) if complete else None
+        body = b"".join(m.get("body", b"") for m in read)
+        field = surrogate_field(body) if complete else None
         if field is None:
 
             async def replay() -> Message:
@@ -197,16 +198,13 @@ class HalfCharacters:
 
             await self._app(scope, replay, send)
             return
-        body = json.loads(b"".join(m.get("body", b"") for m in read))
-        if isinstance(body, dict) and "id" not in body:  # a notification: accepted, nothing to answer
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and "id" not in parsed:  # a notification: accepted, nothing to answer
             await send({"type": "http.response.start", "status": 202, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
-        request_id = body.get("id") if isinstance(body, dict) else None
-        if isinstance(request_id, bool) or not isinstance(request_id, int | str):
-            request_id = None
         error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
-        answer = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
+        answer = json.dumps({"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": answer})
 

@@ -95,10 +95,13 @@ def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JS
             message += f": {str(problem.errors()[0]['msg'])[:200]}"
         elif isinstance(problem, ValueError) and str(problem) == ODD_ID:
             message += f": {ODD_ID}"
-    request_id = found.get("id") if isinstance(found, dict) else None
-    if isinstance(request_id, bool) or not isinstance(request_id, int | str):
-        request_id = None
-    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=types.ErrorData(code=code, message=message))
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(found), error=types.ErrorData(code=code, message=message))
+
+
+def request_id_of(message: object) -> int | str | None:
+    """The id to answer a parsed JSON-RPC message under: its own when a string or an integer, else null."""
+    request_id = message.get("id") if isinstance(message, dict) else None
+    return request_id if isinstance(request_id, int | str) and not isinstance(request_id, bool) else None
 
 
 async def next_line(reader: asyncio.StreamReader) -> bytes | None:

@@ -766,7 +766,13 @@ def eval_command(
         ),
     ] = "all",
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
-    runs: Annotated[Path | None, typer.Option(help="Write a TREC run file per configuration into this folder.")] = None,
+    runs: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a TREC run file per configuration into this folder (for a source tree, concept.run: the "
+            "concept queries' symbols)."
+        ),
+    ] = None,
     keep_identical_ids: Annotated[
         bool, typer.Option(help="Count a result whose id is the query's own (BEIR drops those by default).")
     ] = False,
@@ -820,7 +826,13 @@ def eval_command(
 
     settings = _settings("ontofabric-eval", quiet=True)
     if judgments is not None:
-        _evaluate_tree(settings, dataset_dir, judgments, json_file)
+        beir_only = {"--config": config != "all", "--split": split != "test", "--baseline": baseline is not None,
+                     "--write-baseline": write_baseline is not None, "--sample-queries": sample_queries is not None,
+                     "--calibration-points": calibration_points is not None}  # fmt: skip
+        given = [name for name, set_ in beir_only.items() if set_]
+        if given:
+            _fail(f"{given[0]} applies to a BEIR dataset, not to a source tree with --judgments")
+        _evaluate_tree(settings, dataset_dir, judgments, json_file, runs)
         return
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
     unknown = [c for c in chosen if c not in CONFIGS]
@@ -879,9 +891,12 @@ def _on_scratch_servers(settings: Settings, work: Callable[[Endpoints, Progress]
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path, json_file: Path | None) -> None:
+def _evaluate_tree(
+    settings: Settings, tree: Path, judgments_file: Path, json_file: Path | None, runs: Path | None
+) -> None:
     from importlib import metadata
 
+    from .ops.eval_report import write_trec_run
     from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report
 
     try:
@@ -902,6 +917,9 @@ def _evaluate_tree(settings: Settings, tree: Path, judgments_file: Path, json_fi
     if json_file is not None:  # per query too, for paired comparisons between runs
         json_file.write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
         console.print(f"wrote {json_file}")
+    if runs is not None:
+        write_trec_run(runs / "concept.run", report.concept_run, "concept")
+        console.print(f"wrote {runs / 'concept.run'}")
 
 
 @app.command()

@@ -279,3 +279,17 @@ def test_a_workspace_or_branch_that_is_no_valid_name_is_a_usage_error_before_any
     assert result.returncode == 2, result.stderr
     assert "is not a valid name" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("option", [["--baseline", "b.json"], ["--config", "dense"], ["--sample-queries", "5"]])
+def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, option: list[str]) -> None:
+    """Before, these were accepted and silently ignored: a quality gate that gates nothing passes."""
+    (tmp_path / "b.json").write_text("{}")
+    (tmp_path / "j.json").write_text('{"project": "p", "version": "0", "concepts": []}')
+    result = subprocess.run(
+        [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), *option],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert option[0] in result.stderr
+    assert "source tree" in result.stderr

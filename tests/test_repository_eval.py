@@ -125,6 +125,8 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert report.concept.errors == 0
     assert report.concept.per_query["c1"] == pytest.approx(1.0)  # its one symbol first
     assert report.concept.per_query["c3"] == 0.0
+    assert next(iter(report.concept_run["c1"])) == "shapes.units.to_metres"  # what --runs writes, in rank order
+    assert list(report.concept_run["c2"].values()) == sorted(report.concept_run["c2"].values(), reverse=True)
     assert report.concept.metrics["Recall@10"] == pytest.approx(2 / 3)
     off, on = report.relationships["followLinks off"], report.relationships["followLinks on"]
     assert off.queries == on.queries == len(relationship_queries(

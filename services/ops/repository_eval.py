@@ -260,6 +260,8 @@ class TreeReport:
     """followLinks off / on -> kind -> mean Recall@10"""
     kinds: dict[str, int] = field(default_factory=dict)
     """kind -> relationship queries of it"""
+    concept_run: dict[str, dict[str, float]] = field(default_factory=dict)
+    """concept query id -> the answer's symbols in rank order, each with a score that descends (a TREC run)"""
 
 
 def _recall(found: Sequence[str], relevant: Sequence[str]) -> float:
@@ -331,7 +333,9 @@ async def evaluate_tree(
                 for kind in RELATIONSHIP_KINDS
             }
     kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in RELATIONSHIP_KINDS}
-    return TreeReport(str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds)
+    return TreeReport(
+        str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run
+    )
 
 
 def render_tree_report(report: TreeReport) -> list[str]:

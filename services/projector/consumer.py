@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -38,6 +38,10 @@ log = get_logger(__name__)
 FIRST_PAUSE_S = 0.25
 MAX_PAUSE_S = 5.0
 """The projector's pause after a batch the sink could not take, doubling while it cannot, at most this."""
+
+FORGET_SENT_BACK_S = 120.0
+"""How long a delta sent back for a retry holds its workspace's later deltas without coming back to this process:
+well past the longest nak delay (30 s) and ack wait, while one that failed again is sent back anew each time."""
 
 MAX_SPAN_LINKS = 128
 """The OpenTelemetry SDK's default link limit per span; more are dropped."""
@@ -73,6 +77,58 @@ class WorkspaceLag:
             workspace: max(newest - max(self._settled.peek(workspace) or 0, self._floor), 0)
             for workspace, newest in self._published.items()
         }
+
+
+class WorkspaceOrder:
+    """Which deltas must wait for an earlier one of their workspace that was sent back for a retry, so that a
+    workspace's deltas reach the index in stream order, as a replay folds them. Order matters where a later delta
+    cannot tell what an earlier one would have changed: a copy of an event id (stored again past the duplicate
+    window) is a no-op wherever it comes second, so applied before the first copy it would take that copy's place
+    over the deltas between them. Pure bookkeeping, of this process's deliveries: deltas that come back after a
+    crash are not ordered by it (docs/reliability.md)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, dict[int, float]] = {}
+        """workspace token -> sequence sent back -> when"""
+
+    def blocker(self, token: str, in_hand: Iterable[int]) -> int | None:
+        """The earliest delta of the workspace that was sent back and is not among ``in_hand``: every later delta
+        of the workspace waits for it."""
+        waiting = self._waiting.get(token)
+        if not waiting:
+            return None
+        held = set(in_hand)
+        return min((seq for seq in waiting if seq not in held), default=None)
+
+    def sent_back(self, token: str, seq: int, now: float) -> None:
+        self._waiting.setdefault(token, {})[seq] = now
+
+    def settled(self, token: str, seq: int) -> None:
+        waiting = self._waiting.get(token)
+        if waiting is not None:
+            waiting.pop(seq, None)
+            if not waiting:
+                del self._waiting[token]
+
+    def floor(self, seq: int) -> None:
+        """Everything up to the consumer's ack floor is settled (by any process of the consumer)."""
+        self._forget(lambda sent, _: sent <= seq)
+
+    def expire(self, now: float, after_s: float) -> None:
+        """Forget what was sent back longer ago than ``after_s`` (another process took it, or it was deleted from
+        the stream): a workspace never waits for good on a delta this process will not see again."""
+        self._forget(lambda _, when: now - when > after_s)
+
+    def _forget(self, done: Callable[[int, float], bool]) -> None:
+        for token in list(self._waiting):
+            waiting = self._waiting[token]
+            for seq in [seq for seq, when in waiting.items() if done(seq, when)]:
+                del waiting[seq]
+            if not waiting:
+                del self._waiting[token]
+
+    def __len__(self) -> int:
+        return sum(len(waiting) for waiting in self._waiting.values())
 
 
 @dataclass
@@ -163,6 +219,7 @@ class DurableProjection:
         self._metrics = instruments()
         self._failing = 0
         """Batches in a row whose sink write failed for a passing reason (the database away)."""
+        self.order = WorkspaceOrder()
         self.state = _WATCHED.setdefault((self._index, durable), ConsumerState())
 
     def forget(self) -> None:
@@ -174,9 +231,34 @@ class DurableProjection:
         return self._partition is None or self._partition.holds(subject)
 
     def _settled(self, msg: Msg) -> None:
+        self.order.settled(workspace_token_of(msg.subject) or "", msg.metadata.sequence.stream)
         workspace = workspace_of(msg.subject)
         if workspace is not None:
             self.state.workspaces.settled(workspace, msg.metadata.sequence.stream)
+
+    def _in_order(self, messages: Sequence[Msg]) -> tuple[list[Msg], list[Msg]]:
+        """The batch split into what may be written now and what waits for an earlier delta of its workspace that
+        was sent back (and is not in this batch)."""
+        self.order.expire(time.monotonic(), FORGET_SENT_BACK_S)
+        in_hand = [msg.metadata.sequence.stream for msg in messages]
+        blockers: dict[str, int | None] = {}
+        now: list[Msg] = []
+        later: list[Msg] = []
+        for msg in messages:
+            token = workspace_token_of(msg.subject) or ""
+            if token not in blockers:
+                blockers[token] = self.order.blocker(token, in_hand)
+            blocker = blockers[token]
+            (later if blocker is not None and msg.metadata.sequence.stream > blocker else now).append(msg)
+        return now, later
+
+    async def _send_back(self, messages: Sequence[Msg]) -> None:
+        """Nak with backoff: each comes back after a growing delay (at least ``min_retry_s``); until then the
+        later deltas of its workspace wait too."""
+        moment = time.monotonic()
+        for msg in messages:
+            self.order.sent_back(workspace_token_of(msg.subject) or "", msg.metadata.sequence.stream, moment)
+            await msg.nak(delay=max(self._min_retry_s, nak_delay(msg.metadata.num_delivered)))
 
     async def handle(self, messages: Sequence[Msg]) -> None:
         started = time.perf_counter()
@@ -191,10 +273,17 @@ class DurableProjection:
                 await msg.ack()
             self._count(len(elsewhere), "other_partition")
             messages = [msg for msg in messages if self.holds(msg.subject)]
+        messages, later = self._in_order(messages)
+        if later:
+            log.info(
+                "deltas_wait_for_earlier", index=self._index, size=len(later), first=later[0].metadata.sequence.stream
+            )
+            await self._send_back(later)
+            self._count(len(later), "waiting")
         with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             span.set_attribute("index", self._index)
-            settled = retried = False
+            settled, retried = False, bool(later)  # deltas waiting are sent back as if retried
             async for outcome in self._runner.run(messages):
                 await self._settle(outcome)
                 settled |= bool(outcome.done)
@@ -221,7 +310,9 @@ class DurableProjection:
                 log.info("delta_invalid_skipped", index=self._index, seq=msg.metadata.sequence.stream)
         if outcome.retry:
             assert outcome.error is not None
-            await retry_later(outcome.retry, outcome.error, self._index, self._min_retry_s)
+            log.warning("batch_retry", index=self._index, error=describe(outcome.error), size=len(outcome.retry))
+            await self._send_back(outcome.retry)
+            self._count(len(outcome.retry), "retried")
         now = time.time()
         for msg, _ in outcome.done:
             await msg.ack()
@@ -316,6 +407,7 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             state.unacked = info.num_ack_pending or 0
             if info.ack_floor is not None:
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
+                projection.order.floor(info.ack_floor.stream_seq or 0)
         await asyncio.sleep(WATCH_EVERY_S)
 
 

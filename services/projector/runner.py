@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ontofabric.shared.logging import describe, get_logger
+from ontofabric.shared.subjects import workspace_token_of
 
 from .planning import Delta, Limits, Rejection, embedded_by_another, upserted_document, validate_delta
 from .reembedding import ModelChanged, Reembedder
@@ -123,17 +124,15 @@ class ProjectionRunner:
                 # time and hold every workspace behind it. Halves, in stream order, until each fits.
                 half = len(accepted) // 2
                 log.warning("batch_split", index=self.sink.index, error=describe(error), size=len(accepted))
-                for smaller in (accepted[:half], accepted[half:]):
-                    async for settled in self._write(smaller):
-                        yield settled
+                async for settled in self._in_turn([accepted[:half], accepted[half:]]):
+                    yield settled
             elif self.sink.retryable(error):
                 yield Outcome(retry=[msg for msg, _ in accepted], error=error)
             elif len(accepted) > 1:
                 # One delta the index refuses must not hold back the others: write them one by one.
                 log.warning("batch_isolating", index=self.sink.index, error=describe(error), size=len(accepted))
-                for one in accepted:
-                    async for part in self._write([one]):
-                        yield part
+                async for part in self._in_turn([[one] for one in accepted]):
+                    yield part
             else:
                 yield Outcome(refused=[(accepted[0][0], Rejection("apply_failed", describe(error)))])
             return
@@ -145,6 +144,23 @@ class ProjectionRunner:
             else:
                 outcome.refused.append((msg, refusal))
         yield outcome
+
+    async def _in_turn(self, parts: list[list[tuple[Msg, Delta]]]) -> AsyncIterator[Outcome]:
+        """Each part written after the one before; once a write is sent back for a retry, the later deltas of its
+        workspaces go back with it instead of being written past it (a workspace's deltas apply in stream order)."""
+        waiting: set[str] = set()
+        error: BaseException | None = None
+        for part in parts:
+            held = [msg for msg, _ in part if _workspace(msg) in waiting]
+            if held:
+                yield Outcome(retry=held, error=error)
+            rest = [(msg, delta) for msg, delta in part if _workspace(msg) not in waiting]
+            if rest:
+                async for outcome in self._write(rest):
+                    if outcome.retry:
+                        waiting |= {_workspace(msg) for msg in outcome.retry}
+                        error = outcome.error
+                    yield outcome
 
     async def _model_changed(self, accepted: list[tuple[Msg, Delta]], error: ModelChanged) -> AsyncIterator[Outcome]:
         """The index changed model (``ontofabric reembed``): the batch comes back to be embedded again for it, or,
@@ -168,6 +184,10 @@ STATEMENT_TIMEOUT_SQLSTATE = "57014"
 def too_long(error: BaseException) -> bool:
     """A statement ended by the server's statement_timeout (or a cancel): too much work at once, not a bad delta."""
     return getattr(error, "sqlstate", None) == STATEMENT_TIMEOUT_SQLSTATE
+
+
+def _workspace(msg: Msg) -> str:
+    return workspace_token_of(msg.subject) or ""
 
 
 def _embedded_by_another(delta: Delta, model: str) -> bool:

@@ -327,7 +327,7 @@ async def test_a_later_copy_of_an_event_waits_for_the_first_copy_sent_back_for_a
     """A fault harness's finding: the first copy of an event was sent back for a retry, and a later copy (the same
     event id stored again past the duplicate window, under another message id) was applied meanwhile, in the
     first copy's place over the delta published between them; a replay keeps the first copy and the delta after
-    it. A workspace's later deltas now wait for its delta that was sent back."""
+    it. A later copy of an event now waits for the copy that was sent back."""
     projector = ProjectorService(
         deployment.settings.model_copy(update={"statement_timeout_ms": 300}),
         deployment.nats_url_as("projector"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import asyncpg
 from nats.aio.msg import Msg
 
-from ontofabric.services.projector.consumer import WorkspaceLag, WorkspaceOrder
+from ontofabric.services.projector.consumer import SentBack, WorkspaceLag
 from ontofabric.services.projector.planning import Delta, Limits
 from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
 from ontofabric.shared.db import is_transient
@@ -27,8 +27,8 @@ def _msg(seq: int, data: bytes, delivered: int = 1, subject: str = SUBJECT) -> M
     return Msg(_client=None, subject=subject, reply=f"$JS.ACK.S.C.{delivered}.{seq}.{seq}.0.0", data=data)  # type: ignore[arg-type]
 
 
-def _valid(seq: int, workspace: str = "acme") -> Msg:
-    delta = upsert(workspace, document(f"d{seq}", f"text {seq}")).model_dump_json().encode()
+def _valid(seq: int, workspace: str = "acme", event_id: str | None = None) -> Msg:
+    delta = upsert(workspace, document(f"d{seq}", f"text {seq}"), event_id=event_id).model_dump_json().encode()
     return _msg(seq, delta, subject=Names().delta_subject(workspace, "main"))
 
 
@@ -123,47 +123,50 @@ async def test_a_batch_too_long_for_a_statement_is_written_in_halves_until_each_
     assert not part.refused
 
 
-async def test_while_writing_delta_by_delta_a_workspace_sent_back_keeps_its_later_deltas_back() -> None:
-    """The database went away in the middle of an isolation: a workspace's later delta is not written past the one
-    sent back for a retry (it would apply first when the database returns); another workspace's still is."""
+async def test_while_writing_delta_by_delta_a_later_copy_of_an_event_sent_back_goes_back_with_it() -> None:
+    """The database went away for one write in the middle of an isolation: a later copy of that delta's event
+    (stored again past the duplicate window) is not written before it (it would take its place); other deltas,
+    of the same workspace too, are."""
 
-    class GoesAway(ScriptedSink):
+    class AwayOnce(ScriptedSink):
         async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
-            if len(self.writes) == 2:  # the whole batch, then delta 1 alone; delta 2's write finds it away
-                self.down = True
+            self.down = len(self.writes) == 2  # the whole batch, then delta 1 alone; delta 2's write finds it away
             return await super().write(deltas, redelivered)
 
-    sink = GoesAway(bad={1})
-    batch = [_valid(1), _valid(2), _valid(3, "globex"), _valid(4)]
+    sink = AwayOnce(bad={1})
+    batch = [_valid(1), _valid(2, event_id="e"), _valid(3, "globex", "e"), _valid(4, event_id="e"), _valid(5)]
     parts = await _parts(ProjectionRunner(sink, LIMITS), sink, batch)
     assert [(_seqs(p.done), _seqs(p.refused), [m.metadata.sequence.stream for m in p.retry]) for _, p in parts] == [
         ([], [1], []),
         ([], [], [2]),
-        ([], [], [3]),  # tried, and sent back: the database is away
-        ([], [], [4]),  # not tried: acme's delta 2 waits for a retry
+        ([3], [], []),  # another workspace's event of that id
+        ([], [], [4]),  # not written: the copy of 2's event waits for it
+        ([5], [], []),
     ]
-    assert sink.writes == [[1, 2, 3, 4], [1], [2], [3]]
+    assert sink.writes == [[1, 2, 3, 4, 5], [1], [2], [3], [5]]
 
 
-def test_a_workspaces_later_deltas_wait_for_its_delta_sent_back_until_it_settles() -> None:
-    order = WorkspaceOrder()
-    assert order.blocker("acme", []) is None
-    order.sent_back("acme", 5, now=100.0)
-    order.sent_back("acme", 9, now=100.0)
-    assert order.blocker("acme", [7, 8]) == 5  # 7 and 8 wait; so would anything after 5
-    assert order.blocker("acme", [5, 9]) is None  # both back in hand: written in stream order
-    assert order.blocker("acme", [9]) == 5
-    assert order.blocker("globex", [9]) is None
-    order.settled("acme", 5)
-    assert order.blocker("acme", [10]) == 9
-    order.floor(9)  # settled by any process of the consumer
-    assert order.blocker("acme", [10]) is None
-    assert len(order) == 0
-    order.sent_back("acme", 12, now=100.0)
-    order.expire(now=150.0, after_s=60.0)
-    assert order.blocker("acme", [13]) == 12
-    order.expire(now=161.0, after_s=60.0)  # never came back here: the workspace does not wait for good
-    assert order.blocker("acme", [13]) is None
+def test_a_later_copy_of_an_event_waits_for_its_copy_sent_back_until_that_settles() -> None:
+    sent_back = SentBack()
+    event = ("acme", "e")
+    assert sent_back.blocker(event, []) is None
+    sent_back.sent_back(event, 5, now=100.0)
+    sent_back.sent_back(event, 9, now=100.0)
+    assert sent_back.blocker(event, [7, 8]) == 5  # a copy at 7 waits; so would any after 5
+    assert sent_back.blocker(event, [5, 9]) is None  # both back in hand: written in stream order
+    assert sent_back.blocker(event, [9]) == 5
+    assert sent_back.blocker(("globex", "e"), [9]) is None
+    assert sent_back.blocker(("acme", "other"), [9]) is None
+    sent_back.settled(5)
+    assert sent_back.blocker(event, [10]) == 9
+    sent_back.floor(9)  # settled by any process of the consumer
+    assert sent_back.blocker(event, [10]) is None
+    assert len(sent_back) == 0
+    sent_back.sent_back(event, 12, now=100.0)
+    sent_back.expire(now=150.0, after_s=60.0)
+    assert sent_back.blocker(event, [13]) == 12
+    sent_back.expire(now=161.0, after_s=60.0)  # never came back here: a copy does not wait for good
+    assert sent_back.blocker(event, [13]) is None
 
 
 async def test_a_redelivered_batch_says_so_to_the_sink() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -79,56 +80,70 @@ class WorkspaceLag:
         }
 
 
-class WorkspaceOrder:
-    """Which deltas must wait for an earlier one of their workspace that was sent back for a retry, so that a
-    workspace's deltas reach the index in stream order, as a replay folds them. Order matters where a later delta
-    cannot tell what an earlier one would have changed: a copy of an event id (stored again past the duplicate
-    window) is a no-op wherever it comes second, so applied before the first copy it would take that copy's place
-    over the deltas between them. Pure bookkeeping, of this process's deliveries: deltas that come back after a
-    crash are not ordered by it (docs/reliability.md)."""
+EventKey = tuple[str, str]
+"""A delta's workspace (its subject's token) and event id."""
+
+
+def event_key(msg: Msg) -> EventKey | None:
+    """The delta's workspace and event id, read from its body; None when it has none (validation says why)."""
+    try:
+        body = json.loads(msg.data)
+    except ValueError:
+        return None
+    event = body.get("eventId") if isinstance(body, dict) else None
+    return (workspace_token_of(msg.subject) or "", event) if isinstance(event, str) else None
+
+
+class SentBack:
+    """The deltas sent back for a retry, by event, so that a later copy of such an event (stored again past the
+    duplicate window) waits until the copy sent back is in, as a replay folds them: a copy is a no-op wherever it
+    comes second, so applied first it would take the earlier copy's place over the deltas between them. Other
+    deltas need no wait: a document's row keeps the latest by stream sequence, whatever order they come in. Pure
+    bookkeeping, of this process's deliveries: deltas that come back after a crash are not ordered by it
+    (docs/reliability.md)."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, dict[int, float]] = {}
-        """workspace token -> sequence sent back -> when"""
+        self._waiting: dict[EventKey, dict[int, float]] = {}
+        """event -> sequence of a copy sent back -> when"""
+        self._events: dict[int, EventKey] = {}
 
-    def blocker(self, token: str, in_hand: Iterable[int]) -> int | None:
-        """The earliest delta of the workspace that was sent back and is not among ``in_hand``: every later delta
-        of the workspace waits for it."""
-        waiting = self._waiting.get(token)
+    def blocker(self, key: EventKey, in_hand: Iterable[int]) -> int | None:
+        """The earliest copy of the event that was sent back and is not among ``in_hand``: every later copy
+        waits for it."""
+        waiting = self._waiting.get(key)
         if not waiting:
             return None
         held = set(in_hand)
         return min((seq for seq in waiting if seq not in held), default=None)
 
-    def sent_back(self, token: str, seq: int, now: float) -> None:
-        self._waiting.setdefault(token, {})[seq] = now
+    def sent_back(self, key: EventKey, seq: int, now: float) -> None:
+        self._waiting.setdefault(key, {})[seq] = now
+        self._events[seq] = key
 
-    def settled(self, token: str, seq: int) -> None:
-        waiting = self._waiting.get(token)
-        if waiting is not None:
-            waiting.pop(seq, None)
-            if not waiting:
-                del self._waiting[token]
+    def settled(self, seq: int) -> None:
+        self._forget_one(seq)
 
     def floor(self, seq: int) -> None:
         """Everything up to the consumer's ack floor is settled (by any process of the consumer)."""
-        self._forget(lambda sent, _: sent <= seq)
+        for settled in [s for s in self._events if s <= seq]:
+            self._forget_one(settled)
 
     def expire(self, now: float, after_s: float) -> None:
         """Forget what was sent back longer ago than ``after_s`` (another process took it, or it was deleted from
-        the stream): a workspace never waits for good on a delta this process will not see again."""
-        self._forget(lambda _, when: now - when > after_s)
+        the stream): a later copy never waits for good on a delta this process will not see again."""
+        for seq in [s for s, key in self._events.items() if now - self._waiting[key][s] > after_s]:
+            self._forget_one(seq)
 
-    def _forget(self, done: Callable[[int, float], bool]) -> None:
-        for token in list(self._waiting):
-            waiting = self._waiting[token]
-            for seq in [seq for seq, when in waiting.items() if done(seq, when)]:
-                del waiting[seq]
+    def _forget_one(self, seq: int) -> None:
+        key = self._events.pop(seq, None)
+        if key is not None:
+            waiting = self._waiting[key]
+            del waiting[seq]
             if not waiting:
-                del self._waiting[token]
+                del self._waiting[key]
 
     def __len__(self) -> int:
-        return sum(len(waiting) for waiting in self._waiting.values())
+        return len(self._events)
 
 
 @dataclass
@@ -219,7 +234,7 @@ class DurableProjection:
         self._metrics = instruments()
         self._failing = 0
         """Batches in a row whose sink write failed for a passing reason (the database away)."""
-        self.order = WorkspaceOrder()
+        self.sent_back = SentBack()
         self.state = _WATCHED.setdefault((self._index, durable), ConsumerState())
 
     def forget(self) -> None:
@@ -231,33 +246,34 @@ class DurableProjection:
         return self._partition is None or self._partition.holds(subject)
 
     def _settled(self, msg: Msg) -> None:
-        self.order.settled(workspace_token_of(msg.subject) or "", msg.metadata.sequence.stream)
+        self.sent_back.settled(msg.metadata.sequence.stream)
         workspace = workspace_of(msg.subject)
         if workspace is not None:
             self.state.workspaces.settled(workspace, msg.metadata.sequence.stream)
 
     def _in_order(self, messages: Sequence[Msg]) -> tuple[list[Msg], list[Msg]]:
-        """The batch split into what may be written now and what waits for an earlier delta of its workspace that
-        was sent back (and is not in this batch)."""
-        self.order.expire(time.monotonic(), FORGET_SENT_BACK_S)
+        """The batch split into what may be written now and what waits: later copies of an event whose earlier
+        copy was sent back for a retry (and is not in this batch). Bodies are read only while something waits."""
+        self.sent_back.expire(time.monotonic(), FORGET_SENT_BACK_S)
+        if not self.sent_back:
+            return list(messages), []
         in_hand = [msg.metadata.sequence.stream for msg in messages]
-        blockers: dict[str, int | None] = {}
         now: list[Msg] = []
         later: list[Msg] = []
         for msg in messages:
-            token = workspace_token_of(msg.subject) or ""
-            if token not in blockers:
-                blockers[token] = self.order.blocker(token, in_hand)
-            blocker = blockers[token]
+            key = event_key(msg)
+            blocker = None if key is None else self.sent_back.blocker(key, in_hand)
             (later if blocker is not None and msg.metadata.sequence.stream > blocker else now).append(msg)
         return now, later
 
     async def _send_back(self, messages: Sequence[Msg]) -> None:
-        """Nak with backoff: each comes back after a growing delay (at least ``min_retry_s``); until then the
-        later deltas of its workspace wait too."""
+        """Nak with backoff: each comes back after a growing delay (at least ``min_retry_s``); until then later
+        copies of its event wait too."""
         moment = time.monotonic()
         for msg in messages:
-            self.order.sent_back(workspace_token_of(msg.subject) or "", msg.metadata.sequence.stream, moment)
+            key = event_key(msg)
+            if key is not None:
+                self.sent_back.sent_back(key, msg.metadata.sequence.stream, moment)
             await msg.nak(delay=max(self._min_retry_s, nak_delay(msg.metadata.num_delivered)))
 
     async def handle(self, messages: Sequence[Msg]) -> None:
@@ -276,7 +292,7 @@ class DurableProjection:
         messages, later = self._in_order(messages)
         if later:
             log.info(
-                "deltas_wait_for_earlier", index=self._index, size=len(later), first=later[0].metadata.sequence.stream
+                "copies_wait_for_earlier", index=self._index, size=len(later), first=later[0].metadata.sequence.stream
             )
             await self._send_back(later)
             self._count(len(later), "waiting")
@@ -407,7 +423,7 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             state.unacked = info.num_ack_pending or 0
             if info.ack_floor is not None:
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
-                projection.order.floor(info.ack_floor.stream_seq or 0)
+                projection.sent_back.floor(info.ack_floor.stream_seq or 0)
         await asyncio.sleep(WATCH_EVERY_S)
 
 

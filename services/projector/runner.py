@@ -146,19 +146,23 @@ class ProjectionRunner:
         yield outcome
 
     async def _in_turn(self, parts: list[list[tuple[Msg, Delta]]]) -> AsyncIterator[Outcome]:
-        """Each part written after the one before; once a write is sent back for a retry, the later deltas of its
-        workspaces go back with it instead of being written past it (a workspace's deltas apply in stream order)."""
-        waiting: set[str] = set()
+        """Each part written after the one before; once a write is sent back for a retry, a later copy of one of
+        its events (stored again past the duplicate window) goes back with it instead of being written first
+        (see ``SentBack`` in consumer.py)."""
+        waiting: set[tuple[str, str]] = set()
         error: BaseException | None = None
         for part in parts:
-            held = [msg for msg, _ in part if _workspace(msg) in waiting]
+            held = [msg for msg, delta in part if _event(msg, delta) in waiting]
             if held:
                 yield Outcome(retry=held, error=error)
-            rest = [(msg, delta) for msg, delta in part if _workspace(msg) not in waiting]
+            rest = [(msg, delta) for msg, delta in part if _event(msg, delta) not in waiting]
             if rest:
                 async for outcome in self._write(rest):
                     if outcome.retry:
-                        waiting |= {_workspace(msg) for msg in outcome.retry}
+                        sent_back = {msg.metadata.sequence.stream for msg in outcome.retry}
+                        waiting |= {
+                            _event(msg, delta) for msg, delta in rest if msg.metadata.sequence.stream in sent_back
+                        }
                         error = outcome.error
                     yield outcome
 
@@ -186,8 +190,8 @@ def too_long(error: BaseException) -> bool:
     return getattr(error, "sqlstate", None) == STATEMENT_TIMEOUT_SQLSTATE
 
 
-def _workspace(msg: Msg) -> str:
-    return workspace_token_of(msg.subject) or ""
+def _event(msg: Msg, delta: Delta) -> tuple[str, str]:
+    return workspace_token_of(msg.subject) or "", delta.envelope.event_id
 
 
 def _embedded_by_another(delta: Delta, model: str) -> bool:

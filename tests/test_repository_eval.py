@@ -4,13 +4,24 @@ symbol, through the real path (services/ops/repository_eval.py)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from ontofabric.services.ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, relationship_queries
+from ontofabric.services.ingest.chunking import tree_package
+from ontofabric.services.ingest.ingester import read_tree
+from ontofabric.services.ops.repository_eval import (
+    Judgments,
+    JudgmentsError,
+    evaluate_tree,
+    relationship_queries,
+    render_tree_report,
+    unknown_symbols,
+)
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
@@ -126,6 +137,8 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert report.concept.per_query["c1"] == pytest.approx(1.0)  # its one symbol first
     assert report.concept.per_query["c3"] == 0.0
     assert next(iter(report.concept_run["c1"])) == "shapes.units.to_metres"  # what --runs writes, in rank order
+    assert report.unknown_symbols == ["shapes.nowhere"]
+    assert any("shapes.nowhere" in line for line in render_tree_report(report))
     assert list(report.concept_run["c2"].values()) == sorted(report.concept_run["c2"].values(), reverse=True)
     assert report.concept.metrics["Recall@10"] == pytest.approx(2 / 3)
     off, on = report.relationships["followLinks off"], report.relationships["followLinks on"]
@@ -139,3 +152,19 @@ async def test_a_tree_evaluated_through_the_real_path(
     # What `ontofabric eval TREE --json` writes: the report with each query's measure.
     written = json.loads(json.dumps(dataclasses.asdict(report)))
     assert written["concept"]["per_query"]["c1"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("judgments_file", sorted((Path(__file__).parent / "quality").glob("*-concepts.json")))
+def test_every_symbol_the_committed_judgments_name_is_in_the_project_as_installed(judgments_file: Path) -> None:
+    """A judged name with a typo would score zero for ever, silently."""
+    judgments = Judgments.read(judgments_file)
+    try:
+        installed = metadata.version(judgments.project)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{judgments.project} is not installed")
+    if installed != judgments.version:
+        pytest.skip(f"{judgments.project} {installed} is installed; the judgments are of {judgments.version}")
+    tree = Path(importlib.import_module(judgments.project).__file__ or "").parent
+    sources = read_tree(tree)
+    assert unknown_symbols(judgments, sources, tree_package(tree.name, sources)) == []
+    assert len({query.id for query in judgments.concepts}) == len(judgments.concepts)

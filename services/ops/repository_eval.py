@@ -25,7 +25,7 @@ from pathlib import Path
 from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
-from ontofabric.services.ingest.chunking import module_name, tree_package
+from ontofabric.services.ingest.chunking import chunk_file, module_name, tree_package
 from ontofabric.services.ingest.ingester import Ingester, read_tree
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import close, connect, wait_caught_up
@@ -262,6 +262,14 @@ class TreeReport:
     """kind -> relationship queries of it"""
     concept_run: dict[str, dict[str, float]] = field(default_factory=dict)
     """concept query id -> the answer's symbols in rank order, each with a score that descends (a TREC run)"""
+    unknown_symbols: list[str] = field(default_factory=list)
+    """Judged symbols no chunk of the tree carries (a typo, or another version's name): they can never be found."""
+
+
+def unknown_symbols(judgments: Judgments, sources: Mapping[str, str], package: str | None) -> list[str]:
+    """The judged symbols that no chunk of the tree is named by, as the ingester names them."""
+    named = {chunk.symbol_fqn for path, text in sources.items() for chunk in chunk_file(path, text, 1, package)}
+    return sorted({name for query in judgments.concepts for name in query.relevant} - named)
 
 
 def _recall(found: Sequence[str], relevant: Sequence[str]) -> float:
@@ -282,7 +290,9 @@ async def evaluate_tree(
     names = Names(settings.subject_prefix)
     tree = await asyncio.to_thread(tree.resolve)
     sources = await asyncio.to_thread(read_tree, tree)
-    relationships = relationship_queries(sources, tree_package(tree.name, sources))
+    package = tree_package(tree.name, sources)
+    relationships = relationship_queries(sources, package)
+    unknown = unknown_symbols(judgments, sources, package)
     async with AsyncExitStack() as stack:
         embedder = await start_workers(stack, settings, endpoints, Roles())
         nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-eval", settings)
@@ -334,7 +344,7 @@ async def evaluate_tree(
             }
     kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in RELATIONSHIP_KINDS}
     return TreeReport(
-        str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run
+        str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run, unknown
     )
 
 
@@ -358,5 +368,11 @@ def render_tree_report(report: TreeReport) -> list[str]:
         lines.append(
             f"| relationship, {label} | Recall@10 | {shape.metrics['Recall@10']:.4f} "
             f"({shape.interval[0]:.4f}-{shape.interval[1]:.4f}) | {kinds}; errors {shape.errors} |"
+        )
+    if report.unknown_symbols:
+        shown = ", ".join(report.unknown_symbols[:5]) + (" ..." if len(report.unknown_symbols) > 5 else "")
+        lines.append(
+            f"warning: {len(report.unknown_symbols)} judged symbols name no chunk of the tree (they are never found): "
+            f"{shown}"
         )
     return lines

@@ -828,7 +828,8 @@ def eval_command(
     if judgments is not None:
         beir_only = {"--config": config != "all", "--split": split != "test", "--baseline": baseline is not None,
                      "--write-baseline": write_baseline is not None, "--sample-queries": sample_queries is not None,
-                     "--calibration-points": calibration_points is not None}  # fmt: skip
+                     "--calibration-points": calibration_points is not None,
+                     "--keep-identical-ids": keep_identical_ids}  # fmt: skip
         given = [name for name, set_ in beir_only.items() if set_]
         if given:
             _fail(f"{given[0]} applies to a BEIR dataset, not to a source tree with --judgments")

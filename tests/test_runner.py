@@ -4,13 +4,18 @@ projector and Azure tests.)"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
 
 import asyncpg
 from nats.aio.msg import Msg
 
-from ontofabric.services.projector.consumer import SentBack, WorkspaceLag
+from ontofabric.services.projector import consumer
+from ontofabric.services.projector.consumer import DurableProjection, SentBack, WorkspaceLag, event_key
 from ontofabric.services.projector.planning import Delta, Limits
 from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
 from ontofabric.shared.db import is_transient
@@ -25,6 +30,25 @@ SUBJECT = Names().delta_subject("acme", "main")
 def _msg(seq: int, data: bytes, delivered: int = 1, subject: str = SUBJECT) -> Msg:
     """A JetStream delivery: its metadata is read from the ack subject, as from the server's."""
     return Msg(_client=None, subject=subject, reply=f"$JS.ACK.S.C.{delivered}.{seq}.{seq}.0.0", data=data)  # type: ignore[arg-type]
+
+
+class Delivery(Msg):
+    """A delivery whose acknowledgements are recorded instead of sent."""
+
+    settled: list[tuple[str, int]] = []
+
+    async def ack(self) -> None:
+        Delivery.settled.append(("ack", self.metadata.sequence.stream))
+
+    async def nak(self, delay: float | None = None, **_: Any) -> None:
+        Delivery.settled.append(("nak", self.metadata.sequence.stream))
+
+    async def term(self, *_: Any, **__: Any) -> None:
+        Delivery.settled.append(("term", self.metadata.sequence.stream))
+
+
+def _delivery(seq: int, data: bytes, delivered: int = 1) -> Delivery:
+    return Delivery(_client=None, subject=SUBJECT, reply=f"$JS.ACK.S.C.{delivered}.{seq}.{seq}.0.0", data=data)  # type: ignore[arg-type]
 
 
 def _valid(seq: int, workspace: str = "acme", event_id: str | None = None) -> Msg:
@@ -167,6 +191,47 @@ def test_a_later_copy_of_an_event_waits_for_its_copy_sent_back_until_that_settle
     assert sent_back.blocker(event, [13]) == 12
     sent_back.expire(now=161.0, after_s=60.0)  # never came back here: a copy does not wait for good
     assert sent_back.blocker(event, [13]) is None
+
+
+async def test_a_batch_delivered_out_of_stream_order_is_written_in_stream_order() -> None:
+    """A redelivery may bring a later copy of an event before the earlier one: written one delta at a time in the
+    order delivered, the later copy would take the earlier one's place."""
+    sink = ScriptedSink(bad={7})
+    batch = [_valid(9, event_id="e"), _valid(7), _valid(4, event_id="e")]
+    parts = await _parts(ProjectionRunner(sink, LIMITS), sink, batch)
+    assert sink.writes == [[4, 7, 9], [4], [7], [9]]
+    assert [_seqs(p.done) for _, p in parts] == [[4], [], [9]]
+
+
+async def test_a_copy_waits_only_while_its_earlier_copy_is_out_and_waiting_is_no_reason_to_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    monkeypatch.setattr(consumer.asyncio, "sleep", pause)
+    sink = ScriptedSink()
+    runner = ProjectionRunner(sink, LIMITS)
+    projection = DurableProjection(runner, None, Names(), "p", dead_letters_invalid=False)  # type: ignore[arg-type]
+    by_name = json.loads(upsert("acme", document("a", "first"), event_id="e").model_dump_json())
+    by_name["event_id"] = by_name.pop("eventId")  # the contract takes the field's name too
+    copy = json.dumps(by_name).encode()
+    Delivery.settled = []
+    sink.down = True
+    await projection.handle([_delivery(5, copy)])  # sent back: the database is away
+    sink.down = False
+    pauses.clear()
+    await projection.handle([_delivery(9, copy), _delivery(10, b"[" * 100_000)])  # the later copy; a poison
+    assert Delivery.settled == [("nak", 5), ("nak", 9), ("term", 10)]  # the copy waits; the poison is refused
+    assert pauses == []  # the database is there: the next batch is fetched at once
+    await projection.handle([_delivery(5, copy, delivered=2)])
+    await projection.handle([_delivery(9, copy, delivered=2)])
+    assert sink.writes == [[5], [5], [9]]
+    assert Delivery.settled[-2:] == [("ack", 5), ("ack", 9)]
+    assert len(projection.sent_back) == 0
+    assert event_key(_delivery(1, b"[" * 100_000)) is None
 
 
 async def test_a_redelivered_batch_says_so_to_the_sink() -> None:

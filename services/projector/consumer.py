@@ -41,7 +41,7 @@ MAX_PAUSE_S = 5.0
 """The projector's pause after a batch the sink could not take, doubling while it cannot, at most this."""
 
 FORGET_SENT_BACK_S = 120.0
-"""How long a delta sent back for a retry holds its workspace's later deltas without coming back to this process:
+"""How long a delta sent back for a retry holds later copies of its event without coming back to this process:
 well past the longest nak delay (30 s) and ack wait, while one that failed again is sent back anew each time."""
 
 MAX_SPAN_LINKS = 128
@@ -88,9 +88,10 @@ def event_key(msg: Msg) -> EventKey | None:
     """The delta's workspace and event id, read from its body; None when it has none (validation says why)."""
     try:
         body = json.loads(msg.data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
-    event = body.get("eventId") if isinstance(body, dict) else None
+    # The contract takes the field by its name too (validate_by_name), the wire name first.
+    event = (body.get("eventId") or body.get("event_id")) if isinstance(body, dict) else None
     return (workspace_token_of(msg.subject) or "", event) if isinstance(event, str) else None
 
 
@@ -299,7 +300,7 @@ class DurableProjection:
         with tracer().start_as_current_span("projector.batch", links=_ingest_links(messages)) as span:
             span.set_attribute("batch.size", len(messages))
             span.set_attribute("index", self._index)
-            settled, retried = False, bool(later)  # deltas waiting are sent back as if retried
+            settled = retried = False
             async for outcome in self._runner.run(messages):
                 await self._settle(outcome)
                 settled |= bool(outcome.done)

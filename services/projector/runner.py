@@ -99,6 +99,9 @@ class ProjectionRunner:
                 accepted.append((msg, checked))
         if invalid:
             yield Outcome(invalid=invalid)
+        # In stream order: a redelivery may bring a later delta first, and a write split in parts (halves, or one
+        # delta at a time) goes in this order (a copy of an event written before an earlier copy would take its place).
+        accepted.sort(key=lambda pair: pair[1].seq)
         if accepted and self._reembedder is not None:
             try:
                 accepted = await self._reembedder.refresh(accepted)

@@ -9,9 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-
 import asyncpg
+import pytest
 from nats.aio.msg import Msg
 
 from ontofabric.services.projector import consumer

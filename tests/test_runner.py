@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import pytest
@@ -34,7 +34,7 @@ def _msg(seq: int, data: bytes, delivered: int = 1, subject: str = SUBJECT) -> M
 class Delivery(Msg):
     """A delivery whose acknowledgements are recorded instead of sent."""
 
-    settled: list[tuple[str, int]] = []
+    settled: ClassVar[list[tuple[str, int]]] = []
 
     async def ack(self) -> None:
         Delivery.settled.append(("ack", self.metadata.sequence.stream))

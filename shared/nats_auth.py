@@ -79,6 +79,7 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
                 f"{API}.CONSUMER.DELETE.{deltas}.{names.azure_projector_durable}",  # an Azure index lost: replay
                 *[f"{API}.CONSUMER.MSG.NEXT.{deltas}.{durable}" for durable in durables],
+                f"{API}.STREAM.MSG.GET.{deltas}",  # at start, what a crashed process had in hand (consumer.py)
                 *[f"$JS.ACK.{deltas}.{durable}.>" for durable in durables],
                 names.dlq_subjects,
                 f"$KV.{names.version_bucket}.>",

@@ -22,7 +22,7 @@ import nats.errors
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from nats.js.api import PubAck
+from nats.js.api import ConsumerInfo, PubAck
 from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope, QueryResponse
@@ -113,6 +113,50 @@ async def test_killed_projector_restarts_to_the_fold_of_the_stream(deployment: D
     version = (await deployment.fetch("SELECT state_hash, stream_seq FROM ontology_versions"))[0]
     assert version["stream_seq"] == whole.versions[("acme", "main")].stream_seq
     assert version["state_hash"] % (1 << 64) == whole.versions[("acme", "main")].state_hash
+
+
+async def test_a_later_copy_waits_for_the_copy_a_killed_projector_had_in_hand(deployment: Deployment) -> None:
+    """After a crash the deltas the dead process held come back only after the ack wait, behind deltas never
+    delivered: a later copy of one of their events (stored again past the duplicate window) was applied first and
+    took its place over the delta between them. A starting projector now reads what its consumer had in hand."""
+    other = await deployment.publisher.publish(upsert("acme", document("z", "zeta"), event_id="evt-zeta"))
+    first = _start_projector(deployment)
+    try:
+        async with asyncio.timeout(60):
+            while await _acked(deployment) < other.seq:
+                await asyncio.sleep(0.05)
+        first_copy = upsert("acme", document("a", "first"), event_id="evt-first")
+        async with deployment.session() as conn, conn.transaction():
+            await conn.execute("SELECT 1 FROM ontology_versions WHERE workspace = 'acme' FOR UPDATE")
+            held = await deployment.publisher.publish(first_copy)
+            async with asyncio.timeout(30):  # delivered, and its write waits for the lock
+                while (await _consumer(deployment)).delivered.stream_seq < held.seq:
+                    await asyncio.sleep(0.05)
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(10)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    later = upsert("acme", document("a", "second"), event_id="evt-second")
+    between = await deployment.publisher.publish(later)
+    copy = await deployment.js.publish(
+        deployment.names.delta_subject("acme", "main"),
+        first_copy.model_dump_json(exclude_none=True).encode(),
+        headers={"Nats-Msg-Id": "acme:evt-first:stored-again"},
+    )
+    second = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await second.start()
+    try:
+        await deployment.wait_projected(copy.seq, timeout_s=60)
+    finally:
+        await second.stop()
+    # As the stream folds: the first copy, then the delta after it; the later copy changes nothing.
+    zeta = upsert("acme", document("z", "zeta"), event_id="evt-zeta")
+    assert await projected_rows(deployment) == fold([(other.seq, zeta), (held.seq, first_copy), (between.seq, later)])
+
+
+async def _consumer(deployment: Deployment) -> ConsumerInfo:
+    return await deployment.js.consumer_info(deployment.names.delta_stream, deployment.names.postgres_projector_durable)
 
 
 @dataclass

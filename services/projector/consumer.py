@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, get_current_span
@@ -84,15 +85,15 @@ EventKey = tuple[str, str]
 """A delta's workspace (its subject's token) and event id."""
 
 
-def event_key(msg: Msg) -> EventKey | None:
-    """The delta's workspace and event id, read from its body; None when it has none (validation says why)."""
+def event_key(subject: str, data: bytes) -> EventKey | None:
+    """A delta's workspace and event id, read from its body; None when it has none (validation says why)."""
     try:
-        body = json.loads(msg.data)
+        body = json.loads(data)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
     # The contract takes the field by its name too (validate_by_name), the wire name first.
     event = (body.get("eventId") or body.get("event_id")) if isinstance(body, dict) else None
-    return (workspace_token_of(msg.subject) or "", event) if isinstance(event, str) else None
+    return (workspace_token_of(subject) or "", event) if isinstance(event, str) else None
 
 
 class SentBack:
@@ -262,7 +263,7 @@ class DurableProjection:
         now: list[Msg] = []
         later: list[Msg] = []
         for msg in messages:
-            key = event_key(msg)
+            key = event_key(msg.subject, msg.data)
             blocker = None if key is None else self.sent_back.blocker(key, in_hand)
             (later if blocker is not None and msg.metadata.sequence.stream > blocker else now).append(msg)
         return now, later
@@ -272,7 +273,7 @@ class DurableProjection:
         copies of its event wait too."""
         moment = time.monotonic()
         for msg in messages:
-            key = event_key(msg)
+            key = event_key(msg.subject, msg.data)
             if key is not None:
                 self.sent_back.sent_back(key, msg.metadata.sequence.stream, moment)
             await msg.nak(delay=max(self._min_retry_s, nak_delay(msg.metadata.num_delivered)))
@@ -428,6 +429,41 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
         await asyncio.sleep(WATCH_EVERY_S)
 
 
+IN_FLIGHT_LOOKBACK = 2000
+"""Sequences past its consumer's ack floor a starting projector reads to learn what was in hand before it."""
+
+
+async def remember_in_flight(js: JetStreamContext, names: Names, projection: DurableProjection) -> int:
+    """Deltas the consumer had delivered and not settled when a process of it ended (a crash) come back after the
+    ack wait, behind deltas never delivered: each is recorded as sent back, so that a later copy of its event waits
+    for it in this process too. Returns how many were recorded. One the consumer had settled meanwhile (acked past
+    a gap) is forgotten once the ack floor passes it."""
+    try:
+        info = await js.consumer_info(names.delta_stream, projection.durable)
+    except Exception as error:  # an aid to order: the projector starts anyway
+        log.warning("in_flight_unread", consumer=projection.durable, error=describe(error))
+        return 0
+    floor, delivered = info.ack_floor.stream_seq or 0, info.delivered.stream_seq or 0
+    if not info.num_ack_pending or delivered <= floor:
+        return 0
+    moment, recorded = time.monotonic(), 0
+    for seq in range(floor + 1, min(delivered, floor + IN_FLIGHT_LOOKBACK) + 1):
+        try:
+            stored = await js.get_msg(names.delta_stream, seq)
+        except NotFoundError:  # deleted from the stream (compacted, purged)
+            continue
+        except Exception as error:  # as above
+            log.warning("in_flight_unread", consumer=projection.durable, seq=seq, error=describe(error))
+            break
+        key = event_key(stored.subject or "", stored.data or b"")
+        if key is not None and projection.holds(stored.subject or ""):
+            projection.sent_back.sent_back(key, seq, moment)
+            recorded += 1
+    if recorded:
+        log.info("in_flight_remembered", consumer=projection.durable, deltas=recorded, floor=floor)
+    return recorded
+
+
 async def start_projection(
     nc: Client, names: Names, settings: Settings, projection: DurableProjection, batch_size: int
 ) -> RunningProjection:
@@ -449,6 +485,7 @@ async def start_projection(
     )
     # Create, or bring an existing durable up to this configuration (a shorter ack wait than an older version's).
     await js.add_consumer(names.delta_stream, config)
+    await remember_in_flight(js, names, projection)
     subscription = await js.pull_subscribe_bind(durable, names.delta_stream)
     reader = StreamReader(
         subscription,

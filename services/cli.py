@@ -72,6 +72,7 @@ from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
 from .ops.dead_letters import Redrive, Selection, applied_through, dead_letters, parse_when, purge, redrive
 from .ops.quality_gate import MIN_EFFECT
+from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
 
@@ -820,20 +821,19 @@ def eval_command(
     hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval. With
     --baseline, it is also a quality gate."""
     from .ops.beir import DatasetError, load_beir, sample_dataset
-    from .ops.eval_report import render_table, render_verdicts
+    from .ops.eval_report import render_table
     from .ops.evaluation import CONFIGS, evaluate
-    from .ops.quality_gate import Baseline, BaselineMismatch, judge
 
     settings = _settings("ontofabric-eval", quiet=True)
     if judgments is not None:
-        beir_only = {"--config": config != "all", "--split": split != "test", "--baseline": baseline is not None,
-                     "--write-baseline": write_baseline is not None, "--sample-queries": sample_queries is not None,
+        beir_only = {"--config": config != "all", "--split": split != "test",
+                     "--sample-queries": sample_queries is not None,
                      "--calibration-points": calibration_points is not None,
                      "--keep-identical-ids": keep_identical_ids}  # fmt: skip
         given = [name for name, set_ in beir_only.items() if set_]
         if given:
             _fail(f"{given[0]} applies to a BEIR dataset, not to a source tree with --judgments")
-        _evaluate_tree(settings, dataset_dir, judgments, json_file, runs)
+        _evaluate_tree(settings, dataset_dir, judgments, json_file, runs, (baseline, write_baseline, min_effect))
         return
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
     unknown = [c for c in chosen if c not in CONFIGS]
@@ -845,7 +845,7 @@ def eval_command(
         _fail(str(error))
     if sample_queries is not None:
         dataset = sample_dataset(dataset, sample_queries, sample_documents, seed)
-    reference = Baseline.read(baseline) if baseline is not None else None
+    reference = QualityBaseline.read(baseline) if baseline is not None else None
     if reference is not None and (reference.dataset, reference.split) != (dataset.name, dataset.split):
         _fail(f"the baseline was measured on {reference.dataset} ({reference.split}), this run is {dataset.name} "
               f"({dataset.split}): draw the same sample")  # fmt: skip
@@ -860,7 +860,7 @@ def eval_command(
         json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_file}")
     if write_baseline is not None:
-        Baseline(report.dataset, report.split, report.per_query).write(write_baseline)
+        QualityBaseline(report.dataset, report.split, report.per_query).write(write_baseline)
         console.print(f"wrote {write_baseline}")
     if calibration_points is not None:
         from .ops.calibrate import write_points
@@ -868,13 +868,23 @@ def eval_command(
         write_points(calibration_points, report.calibration_points)
         console.print(f"wrote {len(report.calibration_points)} calibration points to {calibration_points}")
     if reference is not None:
-        try:
-            verdicts = judge(reference, report.dataset, report.split, report.per_query, min_effect)
-        except BaselineMismatch as error:
-            _fail(str(error))
-        console.print(render_verdicts(verdicts, min_effect), soft_wrap=True, markup=False)
-        if not verdicts or any(v.regressed for v in verdicts):
-            raise typer.Exit(1)
+        _gate(reference, report.dataset, report.split, report.per_query, min_effect)
+
+
+def _gate(
+    reference: QualityBaseline, dataset: str, split: str, per_query: dict[str, dict[str, float]], min_effect: float
+) -> None:
+    """The quality gate's verdicts printed; exit 1 when a configuration regressed (or none could be judged)."""
+    from .ops.eval_report import render_verdicts
+    from .ops.quality_gate import BaselineMismatch, judge
+
+    try:
+        verdicts = judge(reference, dataset, split, per_query, min_effect)
+    except BaselineMismatch as error:
+        _fail(str(error))
+    console.print(render_verdicts(verdicts, min_effect), soft_wrap=True, markup=False)
+    if not verdicts or any(v.regressed for v in verdicts):
+        raise typer.Exit(1)
 
 
 def _on_scratch_servers(settings: Settings, work: Callable[[Endpoints, Progress], Coroutine[Any, Any, T]]) -> T:
@@ -893,8 +903,15 @@ def _on_scratch_servers(settings: Settings, work: Callable[[Endpoints, Progress]
 
 
 def _evaluate_tree(
-    settings: Settings, tree: Path, judgments_file: Path, json_file: Path | None, runs: Path | None
+    settings: Settings,
+    tree: Path,
+    judgments_file: Path,
+    json_file: Path | None,
+    runs: Path | None,
+    gate: tuple[Path | None, Path | None, float],
 ) -> None:
+    """``gate``: the baseline to judge the concept queries' nDCG@10 against, where to write this run's, and the
+    smallest drop that fails."""
     from importlib import metadata
 
     from .ops.eval_report import write_trec_run
@@ -921,6 +938,15 @@ def _evaluate_tree(
     if runs is not None:
         write_trec_run(runs / "concept.run", report.concept_run, "concept")
         console.print(f"wrote {runs / 'concept.run'}")
+    baseline, write_baseline, min_effect = gate
+    # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
+    measured = {"hybrid": report.concept.per_query}
+    dataset, split = f"{report.project} {report.version}", "concept"
+    if write_baseline is not None:
+        QualityBaseline(dataset, split, measured).write(write_baseline)
+        console.print(f"wrote {write_baseline}")
+    if baseline is not None:
+        _gate(QualityBaseline.read(baseline), dataset, split, measured, min_effect)
 
 
 @app.command()

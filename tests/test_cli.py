@@ -282,11 +282,10 @@ def test_a_workspace_or_branch_that_is_no_valid_name_is_a_usage_error_before_any
 
 
 @pytest.mark.parametrize(
-    "option", [["--baseline", "b.json"], ["--config", "dense"], ["--sample-queries", "5"], ["--keep-identical-ids"]]
+    "option", [["--split", "dev"], ["--config", "dense"], ["--sample-queries", "5"], ["--keep-identical-ids"]]
 )
 def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, option: list[str]) -> None:
-    """Before, these were accepted and silently ignored: a quality gate that gates nothing passes."""
-    (tmp_path / "b.json").write_text("{}")
+    """Before, these were accepted and silently ignored (so was --baseline, which now gates the concept queries)."""
     (tmp_path / "j.json").write_text('{"project": "p", "version": "0", "concepts": []}')
     result = subprocess.run(
         [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), *option],

@@ -301,6 +301,18 @@ async def projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
         await service.stop()
 
 
+@pytest.fixture
+async def impatient_projector(deployment: Deployment) -> AsyncIterator[ProjectorService]:
+    """A projector whose writes give up on a lock after 300 ms: a delta behind a held lock is sent back for a retry."""
+    settings = deployment.settings.model_copy(update={"statement_timeout_ms": 300})
+    service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-layer BERT cross-encoder with random weights and the MiniLM tokenizer, saved like a real model."""

@@ -323,39 +323,32 @@ async def _outage_then_recovery(deployment: Deployment) -> None:
     assert dead.state.messages == 0
 
 
-async def test_a_later_copy_of_an_event_waits_for_the_first_copy_sent_back_for_a_retry(deployment: Deployment) -> None:
+async def test_a_later_copy_of_an_event_waits_for_the_first_copy_sent_back_for_a_retry(
+    deployment: Deployment, impatient_projector: ProjectorService
+) -> None:
     """A fault harness's finding: the first copy of an event was sent back for a retry, and a later copy (the same
     event id stored again past the duplicate window, under another message id) was applied meanwhile, in the
     first copy's place over the delta published between them; a replay keeps the first copy and the delta after
     it. A later copy of an event now waits for the copy that was sent back."""
-    projector = ProjectorService(
-        deployment.settings.model_copy(update={"statement_timeout_ms": 300}),
-        deployment.nats_url_as("projector"),
-        deployment.database_url,
+    other = await deployment.publisher.publish(upsert("acme", document("z", "zeta")))
+    await deployment.wait_projected(other.seq)
+    first_copy = upsert("acme", document("a", "first"), event_id="evt-first")
+    async with deployment.session() as conn, conn.transaction():
+        await conn.execute("SELECT 1 FROM ontology_versions WHERE workspace = 'acme' FOR UPDATE")
+        await deployment.publisher.publish(first_copy)
+        async with asyncio.timeout(30):
+            while (await _projector_consumer(deployment)).num_redelivered < 1:
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(4.0)  # sent back again and again: its next delivery is seconds away
+    await deployment.publisher.publish(upsert("acme", document("a", "second"), event_id="evt-second"))
+    copy = await deployment.js.publish(
+        deployment.names.delta_subject("acme", "main"),
+        first_copy.model_dump_json(exclude_none=True).encode(),
+        headers={"Nats-Msg-Id": "acme:evt-first:stored-again"},
     )
-    await projector.start()
-    try:
-        other = await deployment.publisher.publish(upsert("acme", document("z", "zeta")))
-        await deployment.wait_projected(other.seq)
-        first_copy = upsert("acme", document("a", "first"), event_id="evt-first")
-        async with deployment.session() as conn, conn.transaction():
-            await conn.execute("SELECT 1 FROM ontology_versions WHERE workspace = 'acme' FOR UPDATE")
-            await deployment.publisher.publish(first_copy)
-            async with asyncio.timeout(30):
-                while (await _projector_consumer(deployment)).num_redelivered < 1:
-                    await asyncio.sleep(0.1)
-            await asyncio.sleep(4.0)  # sent back again and again: its next delivery is seconds away
-        await deployment.publisher.publish(upsert("acme", document("a", "second"), event_id="evt-second"))
-        copy = await deployment.js.publish(
-            deployment.names.delta_subject("acme", "main"),
-            first_copy.model_dump_json(exclude_none=True).encode(),
-            headers={"Nats-Msg-Id": "acme:evt-first:stored-again"},
-        )
-        await deployment.wait_projected(copy.seq, timeout_s=60)
-        # As the stream folds: the first copy, then the delta after it; the later copy changes nothing.
-        assert await _live_rows(deployment, "acme") == {"a": "second", "z": "zeta"}
-    finally:
-        await projector.stop()
+    await deployment.wait_projected(copy.seq, timeout_s=60)
+    # As the stream folds: the first copy, then the delta after it; the later copy changes nothing.
+    assert await _live_rows(deployment, "acme") == {"a": "second", "z": "zeta"}
 
 
 async def _projector_consumer(deployment: Deployment) -> ConsumerInfo:

@@ -152,41 +152,32 @@ async def test_every_answer_says_how_far_it_is_behind_the_stream(
 
 
 async def test_a_delta_waiting_for_a_retry_holds_every_answer_below_it(
-    deployment: Deployment, start_query_worker: Start, client: QueryClient
+    deployment: Deployment, impatient_projector: ProjectorService, start_query_worker: Start, client: QueryClient
 ) -> None:
     # A projector whose writes give up quickly on a lock: the delta behind the lock is nak'd and waits, while a
     # later delta of another workspace is applied.
-    projector = ProjectorService(
-        deployment.settings.model_copy(update={"statement_timeout_ms": 300}),
-        deployment.nats_url_as("projector"),
-        deployment.database_url,
-    )
-    await projector.start()
-    try:
-        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
-        other = await deployment.publisher.publish(upsert("globex", document("g", "gamma")))
-        await deployment.wait_projected(other.seq)
-        await start_query_worker(None)
-        async with deployment.session() as conn, conn.transaction():
-            await conn.execute("SELECT 1 FROM ontology_versions WHERE workspace = 'acme' FOR UPDATE")
-            held = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
-            later = await deployment.publisher.publish(upsert("globex", document("h", "delta words")))
-            async with asyncio.timeout(30):
-                while not (answer := await _ask(client, "delta words", workspace="globex")).results:
-                    await asyncio.sleep(0.1)
-            # The later delta is in the answer, but the answer does not claim the one still waiting below it.
-            assert [r.id for r in answer.results] == ["h"]
-            assert answer.meta.freshness is not None
-            assert first.seq <= answer.meta.freshness.indexed_seq < held.seq < later.seq
-            assert answer.meta.freshness.pending_deltas == 1  # globex's later delta, already in, is counted
-        await deployment.wait_projected(later.seq, timeout_s=30)
-        await asyncio.sleep(2 * POSITION_TTL_S)
-        caught_up = await _ask(client, "beta")
-        assert [r.id for r in caught_up.results] == ["b"]
-        assert caught_up.meta.freshness is not None
-        assert (caught_up.meta.freshness.indexed_seq, caught_up.meta.freshness.pending_deltas) == (later.seq, 0)
-    finally:
-        await projector.stop()
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    other = await deployment.publisher.publish(upsert("globex", document("g", "gamma")))
+    await deployment.wait_projected(other.seq)
+    await start_query_worker(None)
+    async with deployment.session() as conn, conn.transaction():
+        await conn.execute("SELECT 1 FROM ontology_versions WHERE workspace = 'acme' FOR UPDATE")
+        held = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+        later = await deployment.publisher.publish(upsert("globex", document("h", "delta words")))
+        async with asyncio.timeout(30):
+            while not (answer := await _ask(client, "delta words", workspace="globex")).results:
+                await asyncio.sleep(0.1)
+        # The later delta is in the answer, but the answer does not claim the one still waiting below it.
+        assert [r.id for r in answer.results] == ["h"]
+        assert answer.meta.freshness is not None
+        assert first.seq <= answer.meta.freshness.indexed_seq < held.seq < later.seq
+        assert answer.meta.freshness.pending_deltas == 1  # globex's later delta, already in, is counted
+    await deployment.wait_projected(later.seq, timeout_s=30)
+    await asyncio.sleep(2 * POSITION_TTL_S)
+    caught_up = await _ask(client, "beta")
+    assert [r.id for r in caught_up.results] == ["b"]
+    assert caught_up.meta.freshness is not None
+    assert (caught_up.meta.freshness.indexed_seq, caught_up.meta.freshness.pending_deltas) == (later.seq, 0)
 
 
 async def test_a_document_whole_or_in_slices(

@@ -790,8 +790,9 @@ def eval_command(
         typer.Option(
             exists=True,
             dir_okay=False,
-            help="The quality gate: compare each configuration with this baseline, query by query, and exit 1 when "
-            'one is worse beyond the bootstrap noise (docs/quality.md, "Quality gate").',
+            help="The quality gate: compare each configuration (with --judgments, the concept queries) with this "
+            "baseline, query by query, and exit 1 when one is worse beyond the bootstrap noise (docs/quality.md, "
+            '"Quality gate").',
         ),
     ] = None,
     write_baseline: Annotated[
@@ -927,6 +928,12 @@ def _evaluate_tree(
         installed = None
     if installed is not None and installed != judgments.version:
         errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
+    baseline, write_baseline, min_effect = gate
+    # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
+    dataset, split = f"{judgments.project} {judgments.version}", "concept"
+    reference = QualityBaseline.read(baseline) if baseline is not None else None  # before it may be written over
+    if reference is not None and (reference.dataset, reference.split) != (dataset, split):
+        _fail(f"the baseline was measured on {reference.dataset} ({reference.split}), these judgments are of {dataset}")
     report = _on_scratch_servers(
         settings, lambda endpoints, progress: evaluate_tree(settings, endpoints, tree, judgments, progress)
     )
@@ -938,15 +945,12 @@ def _evaluate_tree(
     if runs is not None:
         write_trec_run(runs / "concept.run", report.concept_run, "concept")
         console.print(f"wrote {runs / 'concept.run'}")
-    baseline, write_baseline, min_effect = gate
-    # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
     measured = {"hybrid": report.concept.per_query}
-    dataset, split = f"{report.project} {report.version}", "concept"
     if write_baseline is not None:
         QualityBaseline(dataset, split, measured).write(write_baseline)
         console.print(f"wrote {write_baseline}")
-    if baseline is not None:
-        _gate(QualityBaseline.read(baseline), dataset, split, measured, min_effect)
+    if reference is not None:
+        _gate(reference, dataset, split, measured, min_effect)
 
 
 @app.command()

@@ -294,3 +294,16 @@ def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, 
     assert result.returncode != 0
     assert option[0] in result.stderr
     assert "source tree" in result.stderr
+
+
+def test_eval_of_a_source_tree_refuses_a_baseline_of_another_project_before_any_work(tmp_path: Path) -> None:
+    (tmp_path / "j.json").write_text('{"project": "p", "version": "1", "concepts": []}')
+    (tmp_path / "b.json").write_text('{"dataset": "q 1", "split": "concept", "ndcg@10": {}}')
+    result = subprocess.run(
+        [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), "--baseline",
+         str(tmp_path / "b.json")],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "measured on q 1" in result.stderr
+    assert "p 1" in result.stderr

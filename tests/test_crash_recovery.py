@@ -34,7 +34,7 @@ from ontofabric.shared.jetstream import connect
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, NatsNode, nats_url_of, start_postgres, with_login
 from ontofabric.shared.settings import Settings
 
-from .conftest import Deployment, Key, Row, fold, open_deployment, projected_rows, with_database
+from .conftest import Deployment, Key, Row, fold, metric_points, open_deployment, projected_rows, with_database
 from .factories import delete, document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -144,15 +144,22 @@ async def test_a_later_copy_waits_for_the_copy_a_killed_projector_had_in_hand(de
         first_copy.model_dump_json(exclude_none=True).encode(),
         headers={"Nats-Msg-Id": "acme:evt-first:stored-again"},
     )
+    waited_before = _waiting_copies()
     second = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
     await second.start()
     try:
         await deployment.wait_projected(copy.seq, timeout_s=60)
     finally:
         await second.stop()
+    assert _waiting_copies() > waited_before  # the later copy was sent back to wait, not merely lucky timing
     # As the stream folds: the first copy, then the delta after it; the later copy changes nothing.
     zeta = upsert("acme", document("z", "zeta"), event_id="evt-zeta")
     assert await projected_rows(deployment) == fold([(other.seq, zeta), (held.seq, first_copy), (between.seq, later)])
+
+
+def _waiting_copies() -> int:
+    points = metric_points("projector.deltas")
+    return sum(int(p.value) for p in points if p.attributes.get("outcome") == "waiting")
 
 
 async def _consumer(deployment: Deployment) -> ConsumerInfo:

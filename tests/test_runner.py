@@ -14,7 +14,13 @@ import pytest
 from nats.aio.msg import Msg
 
 from ontofabric.services.projector import consumer
-from ontofabric.services.projector.consumer import DurableProjection, SentBack, WorkspaceLag, event_key
+from ontofabric.services.projector.consumer import (
+    DurableProjection,
+    SentBack,
+    WorkspaceLag,
+    event_key,
+    in_flight_candidates,
+)
 from ontofabric.services.projector.planning import Delta, Limits
 from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
 from ontofabric.shared.db import is_transient
@@ -231,6 +237,13 @@ async def test_a_copy_waits_only_while_its_earlier_copy_is_out_and_waiting_is_no
     assert Delivery.settled[-2:] == [("ack", 5), ("ack", 9)]
     assert len(projection.sent_back) == 0
     assert event_key(SUBJECT, b"[" * 100_000) is None
+
+
+def test_a_starting_projector_reads_back_the_top_of_what_was_delivered_and_the_delta_past_the_floor() -> None:
+    assert in_flight_candidates(floor=10, delivered=10) == []
+    assert in_flight_candidates(floor=10, delivered=14, lookback=100) == [11, 12, 13, 14]
+    # A crashed process's batch sits at the top; the one past the floor is unacked by definition.
+    assert in_flight_candidates(floor=0, delivered=2610, lookback=10) == [1, *range(2601, 2611)]
 
 
 async def test_a_redelivered_batch_says_so_to_the_sink() -> None:

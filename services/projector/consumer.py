@@ -25,7 +25,15 @@ from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, get_current_span
 
-from ontofabric.shared.jetstream import BatchPuller, StreamReader, backoff_s, nak_delay
+from ontofabric.shared.jetstream import (
+    MAX_NAK_DELAY_S,
+    BatchPuller,
+    StreamReader,
+    backoff_s,
+    connection_of,
+    nak_delay,
+    refused_promptly,
+)
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
@@ -237,6 +245,8 @@ class DurableProjection:
         self._failing = 0
         """Batches in a row whose sink write failed for a passing reason (the database away)."""
         self.sent_back = SentBack()
+        self.forget_sent_back_s = FORGET_SENT_BACK_S
+        """How long a copy waits for a delta sent back that does not come back here (see FORGET_SENT_BACK_S)."""
         self.state = _WATCHED.setdefault((self._index, durable), ConsumerState())
 
     def forget(self) -> None:
@@ -256,7 +266,7 @@ class DurableProjection:
     def _in_order(self, messages: Sequence[Msg]) -> tuple[list[Msg], list[Msg]]:
         """The batch split into what may be written now and what waits: later copies of an event whose earlier
         copy was sent back for a retry (and is not in this batch). Bodies are read only while something waits."""
-        self.sent_back.expire(time.monotonic(), FORGET_SENT_BACK_S)
+        self.sent_back.expire(time.monotonic(), self.forget_sent_back_s)
         if not self.sent_back:
             return list(messages), []
         in_hand = [msg.metadata.sequence.stream for msg in messages]
@@ -429,8 +439,18 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
         await asyncio.sleep(WATCH_EVERY_S)
 
 
-IN_FLIGHT_LOOKBACK = 2000
-"""Sequences past its consumer's ack floor a starting projector reads to learn what was in hand before it."""
+IN_FLIGHT_LOOKBACK = 1000
+"""Delivered sequences a starting projector reads back from the last its consumer delivered (the default bound of
+unacked deltas), to learn what a process before it had in hand."""
+
+
+def in_flight_candidates(floor: int, delivered: int, lookback: int = IN_FLIGHT_LOOKBACK) -> list[int]:
+    """The sequences that may be in hand unacked: the one just past the ack floor (unacked by definition), and the
+    last ``lookback`` delivered (a crashed process's batch sits at the top, not at the floor)."""
+    if delivered <= floor:
+        return []
+    top = range(max(floor + 1, delivered - lookback + 1), delivered + 1)
+    return ([floor + 1] if floor + 1 < top.start else []) + list(top)
 
 
 async def remember_in_flight(js: JetStreamContext, names: Names, projection: DurableProjection) -> int:
@@ -444,23 +464,23 @@ async def remember_in_flight(js: JetStreamContext, names: Names, projection: Dur
         log.warning("in_flight_unread", consumer=projection.durable, error=describe(error))
         return 0
     floor, delivered = info.ack_floor.stream_seq or 0, info.delivered.stream_seq or 0
-    if not info.num_ack_pending or delivered <= floor:
+    if not info.num_ack_pending:
         return 0
     moment, recorded = time.monotonic(), 0
-    for seq in range(floor + 1, min(delivered, floor + IN_FLIGHT_LOOKBACK) + 1):
+    nc, subject = connection_of(js), f"$JS.API.STREAM.MSG.GET.{names.delta_stream}"
+    for seq in in_flight_candidates(floor, delivered):
         try:
-            stored = await js.get_msg(names.delta_stream, seq)
+            stored = await refused_promptly(nc, subject, js.get_msg(names.delta_stream, seq))
         except NotFoundError:  # deleted from the stream (compacted, purged)
             continue
-        except Exception as error:  # as above
+        except Exception as error:  # as above (a permission refused is said at once)
             log.warning("in_flight_unread", consumer=projection.durable, seq=seq, error=describe(error))
             break
         key = event_key(stored.subject or "", stored.data or b"")
         if key is not None and projection.holds(stored.subject or ""):
             projection.sent_back.sent_back(key, seq, moment)
             recorded += 1
-    if recorded:
-        log.info("in_flight_remembered", consumer=projection.durable, deltas=recorded, floor=floor)
+    log.info("in_flight_remembered", consumer=projection.durable, deltas=recorded, floor=floor, delivered=delivered)
     return recorded
 
 
@@ -485,6 +505,8 @@ async def start_projection(
     )
     # Create, or bring an existing durable up to this configuration (a shorter ack wait than an older version's).
     await js.add_consumer(names.delta_stream, config)
+    # A delta sent back comes back within its nak delay, or after a crash within the ack wait.
+    projection.forget_sent_back_s = max(FORGET_SENT_BACK_S, 2 * (settings.projector_ack_wait_s + MAX_NAK_DELAY_S))
     await remember_in_flight(js, names, projection)
     subscription = await js.pull_subscribe_bind(durable, names.delta_stream)
     reader = StreamReader(

@@ -109,8 +109,8 @@ class SentBack:
     duplicate window) waits until the copy sent back is in, as a replay folds them: a copy is a no-op wherever it
     comes second, so applied first it would take the earlier copy's place over the deltas between them. Other
     deltas need no wait: a document's row keeps the latest by stream sequence, whatever order they come in. Pure
-    bookkeeping, of this process's deliveries: deltas that come back after a crash are not ordered by it
-    (docs/reliability.md)."""
+    bookkeeping, of this process's deliveries, and at its start of what a crashed one held (:func:`remember_in_flight`;
+    docs/reliability.md)."""
 
     def __init__(self) -> None:
         self._waiting: dict[EventKey, dict[int, float]] = {}

@@ -830,7 +830,8 @@ def eval_command(
         beir_only = {"--config": config != "all", "--split": split != "test",
                      "--sample-queries": sample_queries is not None,
                      "--calibration-points": calibration_points is not None,
-                     "--keep-identical-ids": keep_identical_ids}  # fmt: skip
+                     "--keep-identical-ids": keep_identical_ids, "--seed": seed != 0,
+                     "--sample-documents": sample_documents != 2000}  # fmt: skip
         given = [name for name, set_ in beir_only.items() if set_]
         if given:
             _fail(f"{given[0]} applies to a BEIR dataset, not to a source tree with --judgments")
@@ -883,6 +884,15 @@ def _gate(
         verdicts = judge(reference, dataset, split, per_query, min_effect)
     except BaselineMismatch as error:
         _fail(str(error))
+    for config, judged in reference.per_query.items():
+        missing, new = set(judged) - set(per_query.get(config, {})), set(per_query.get(config, {})) - set(judged)
+        if missing or new:  # missing ones score 0 in the verdict; new ones are not judged until the baseline has them
+            errors.print(
+                f"note: {config}: {len(missing)} queries of the baseline were not measured (they count as 0), "
+                f"{len(new)} measured queries are not in the baseline (not judged)",
+                soft_wrap=True,
+                markup=False,
+            )
     console.print(render_verdicts(verdicts, min_effect), soft_wrap=True, markup=False)
     if not verdicts or any(v.regressed for v in verdicts):
         raise typer.Exit(1)
@@ -926,9 +936,11 @@ def _evaluate_tree(
         installed = metadata.version(judgments.project)
     except metadata.PackageNotFoundError:
         installed = None
-    if installed is not None and installed != judgments.version:
-        errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
     baseline, write_baseline, min_effect = gate
+    if installed is not None and installed != judgments.version:
+        if baseline is not None or write_baseline is not None:  # a gate compares like with like only
+            _fail(f"the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
+        errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
     # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
     dataset, split = f"{judgments.project} {judgments.version}", "concept"
     reference = QualityBaseline.read(baseline) if baseline is not None else None  # before it may be written over

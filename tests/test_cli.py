@@ -282,7 +282,8 @@ def test_a_workspace_or_branch_that_is_no_valid_name_is_a_usage_error_before_any
 
 
 @pytest.mark.parametrize(
-    "option", [["--split", "dev"], ["--config", "dense"], ["--sample-queries", "5"], ["--keep-identical-ids"]]
+    "option",
+    [["--split", "dev"], ["--config", "dense"], ["--sample-queries", "5"], ["--keep-identical-ids"], ["--seed", "3"]],
 )
 def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, option: list[str]) -> None:
     """Before, these were accepted and silently ignored (so was --baseline, which now gates the concept queries)."""
@@ -307,3 +308,15 @@ def test_eval_of_a_source_tree_refuses_a_baseline_of_another_project_before_any_
     assert result.returncode == 2
     assert "measured on q 1" in result.stderr
     assert "p 1" in result.stderr
+
+
+def test_eval_of_a_source_tree_gates_only_the_version_its_judgments_are_of(tmp_path: Path) -> None:
+    (tmp_path / "j.json").write_text('{"project": "tenacity", "version": "0.0.1", "concepts": []}')
+    (tmp_path / "b.json").write_text('{"dataset": "tenacity 0.0.1", "split": "concept", "ndcg@10": {}}')
+    result = subprocess.run(
+        [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), "--baseline",
+         str(tmp_path / "b.json")],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "the judgments are of tenacity 0.0.1" in result.stderr

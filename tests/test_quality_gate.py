@@ -82,6 +82,17 @@ def test_the_gate_fails_a_drop_beyond_noise_and_passes_wobble() -> None:
         judge(baseline, "toy[5 queries]", "test", {"hybrid": scores})
 
 
+def test_the_gate_says_when_the_baseline_and_the_run_judge_other_queries(capsys: pytest.CaptureFixture[str]) -> None:
+    from ontofabric.services.cli import _gate
+
+    reference = Baseline("d", "s", {"hybrid": {"a": 1.0, "b": 0.5}})
+    _gate(reference, "d", "s", {"hybrid": {"a": 1.0, "b": 0.5, "c": 0.2}}, 0.005)  # passes: nothing lost
+    captured = capsys.readouterr()
+    assert "0 queries of the baseline were not measured" in captured.err
+    assert "1 measured queries are not in the baseline" in captured.err
+    assert "gate: passed" in captured.out
+
+
 def test_a_baseline_reads_back_as_written(tmp_path: Path) -> None:
     baseline = Baseline("toy", "test", {"hybrid": {"q1": 0.5, "q2": 1.0}})
     baseline.write(tmp_path / "b.json")

@@ -71,7 +71,7 @@ from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
 from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
 from .ops.dead_letters import Redrive, Selection, applied_through, dead_letters, parse_when, purge, redrive
-from .ops.quality_gate import MIN_EFFECT
+from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
@@ -847,10 +847,7 @@ def eval_command(
         _fail(str(error))
     if sample_queries is not None:
         dataset = sample_dataset(dataset, sample_queries, sample_documents, seed)
-    reference = QualityBaseline.read(baseline) if baseline is not None else None
-    if reference is not None and (reference.dataset, reference.split) != (dataset.name, dataset.split):
-        _fail(f"the baseline was measured on {reference.dataset} ({reference.split}), this run is {dataset.name} "
-              f"({dataset.split}): draw the same sample")  # fmt: skip
+    reference = _baseline_for(baseline, dataset.name, dataset.split, "draw the same sample")
     report = _on_scratch_servers(
         settings,
         lambda endpoints, progress: evaluate(
@@ -873,12 +870,25 @@ def eval_command(
         _gate(reference, report.dataset, report.split, report.per_query, min_effect)
 
 
+def _baseline_for(path: Path | None, dataset: str, split: str, hint: str) -> QualityBaseline | None:
+    """The baseline at ``path``, read before the run (which may write over it), refused unless it was measured on
+    ``dataset`` (``split``)."""
+    if path is None:
+        return None
+    reference = QualityBaseline.read(path)
+    try:
+        reference.check(dataset, split)
+    except BaselineMismatch as error:
+        _fail(f"{error}: {hint}")
+    return reference
+
+
 def _gate(
     reference: QualityBaseline, dataset: str, split: str, per_query: dict[str, dict[str, float]], min_effect: float
 ) -> None:
     """The quality gate's verdicts printed; exit 1 when a configuration regressed (or none could be judged)."""
     from .ops.eval_report import render_verdicts
-    from .ops.quality_gate import BaselineMismatch, judge
+    from .ops.quality_gate import judge
 
     try:
         verdicts = judge(reference, dataset, split, per_query, min_effect)
@@ -943,9 +953,7 @@ def _evaluate_tree(
         errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
     # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
     dataset, split = f"{judgments.project} {judgments.version}", "concept"
-    reference = QualityBaseline.read(baseline) if baseline is not None else None  # before it may be written over
-    if reference is not None and (reference.dataset, reference.split) != (dataset, split):
-        _fail(f"the baseline was measured on {reference.dataset} ({reference.split}), these judgments are of {dataset}")
+    reference = _baseline_for(baseline, dataset, split, "use the judgments it was measured with")
     report = _on_scratch_servers(
         settings, lambda endpoints, progress: evaluate_tree(settings, endpoints, tree, judgments, progress)
     )

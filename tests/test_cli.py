@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -287,11 +288,7 @@ def test_a_workspace_or_branch_that_is_no_valid_name_is_a_usage_error_before_any
 )
 def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, option: list[str]) -> None:
     """Before, these were accepted and silently ignored (so was --baseline, which now gates the concept queries)."""
-    (tmp_path / "j.json").write_text('{"project": "p", "version": "0", "concepts": []}')
-    result = subprocess.run(
-        [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), *option],
-        capture_output=True, text=True, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    result = _eval_tree(tmp_path, {"project": "p", "version": "0", "concepts": []}, *option)
     assert result.returncode != 0
     assert option[0] in result.stderr
     assert "source tree" in result.stderr
@@ -300,7 +297,7 @@ def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, 
 @pytest.mark.parametrize(
     ("project", "baseline_of", "said"),
     [
-        ("p 1", "q 1", "the baseline was measured on q 1 (concept), these judgments are of p 1"),  # another project
+        ("p 1", "q 1", "the baseline was measured on q 1 (concept), this run on p 1 (concept)"),  # another project
         ("tenacity 0.0.1", "tenacity 0.0.1", "the judgments are of tenacity 0.0.1"),  # another version installed
     ],
 )
@@ -308,12 +305,15 @@ def test_eval_of_a_source_tree_gates_only_like_with_like_and_says_so_before_any_
     tmp_path: Path, project: str, baseline_of: str, said: str
 ) -> None:
     name, version = project.split()
-    (tmp_path / "j.json").write_text(json.dumps({"project": name, "version": version, "concepts": []}))
     (tmp_path / "b.json").write_text(json.dumps({"dataset": baseline_of, "split": "concept", "ndcg@10": {}}))
-    result = subprocess.run(
-        [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), "--baseline",
-         str(tmp_path / "b.json")],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+    judgments = {"project": name, "version": version, "concepts": []}
+    result = _eval_tree(tmp_path, judgments, "--baseline", str(tmp_path / "b.json"))
     assert result.returncode == 2
     assert said in " ".join(result.stderr.split())
+
+
+def _eval_tree(tmp_path: Path, judgments: dict[str, Any], *options: str) -> subprocess.CompletedProcess[str]:
+    """`ontofabric eval` of ``tmp_path`` as a source tree with these judgments: what it refuses before any work."""
+    (tmp_path / "j.json").write_text(json.dumps(judgments))
+    command = [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), *options]
+    return subprocess.run(command, capture_output=True, text=True, check=False, cwd=tmp_path, timeout=60)

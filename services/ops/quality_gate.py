@@ -39,6 +39,13 @@ class Baseline:
         document = {"dataset": self.dataset, "split": self.split, "ndcg@10": self.per_query}
         path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
+    def check(self, dataset: str, split: str) -> None:
+        """Raise BaselineMismatch unless this baseline was measured on ``dataset`` (``split``)."""
+        if (self.dataset, self.split) != (dataset, split):
+            raise BaselineMismatch(
+                f"the baseline was measured on {self.dataset} ({self.split}), this run on {dataset} ({split})"
+            )
+
     @classmethod
     def read(cls, path: Path) -> Baseline:
         document = json.loads(path.read_text(encoding="utf-8"))
@@ -63,10 +70,7 @@ def judge(
     min_effect: float = MIN_EFFECT,
 ) -> list[Verdict]:
     """A verdict for every configuration both the baseline and this run measured."""
-    if (baseline.dataset, baseline.split) != (dataset, split):
-        raise BaselineMismatch(
-            f"the baseline was measured on {baseline.dataset} ({baseline.split}), this run on {dataset} ({split})"
-        )
+    baseline.check(dataset, split)
     verdicts = []
     for config, reference in sorted(baseline.per_query.items()):
         if config not in per_query or not reference:

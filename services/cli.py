@@ -933,24 +933,20 @@ def _evaluate_tree(
 ) -> None:
     """``gate``: the baseline to judge the concept queries' nDCG@10 against, where to write this run's, and the
     smallest drop that fails."""
-    from importlib import metadata
-
     from .ops.eval_report import write_trec_run
-    from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report
+    from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report, tree_version
 
     try:
         judgments = Judgments.read(judgments_file)
     except JudgmentsError as error:
         _fail(str(error))
-    try:
-        installed = metadata.version(judgments.project)
-    except metadata.PackageNotFoundError:
-        installed = None
+    version = tree_version(tree, judgments.project)
     baseline, write_baseline, min_effect = gate
-    if installed is not None and installed != judgments.version:
+    if version is not None and version != judgments.version:
+        said = f"the judgments are of {judgments.project} {judgments.version}; the tree is {version}"
         if baseline is not None or write_baseline is not None:  # a gate compares like with like only
-            _fail(f"the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
-        errors.print(f"warning: the judgments are of {judgments.project} {judgments.version}; {installed} is installed")
+            _fail(said)
+        errors.print(f"warning: {said}")
     # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
     dataset, split = f"{judgments.project} {judgments.version}", "concept"
     reference = _baseline_for(baseline, dataset, split, "use the judgments it was measured with")

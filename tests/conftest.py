@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import uuid
 from collections import Counter
@@ -455,6 +456,38 @@ def node_script(name: str, package: str) -> Path:
             capture_output=True, timeout=600,
         )  # fmt: skip
     return NODE_CLIENTS / name
+
+
+@pytest.fixture(scope="session")
+def judged_tree(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    """The source tree of a project at the version its judgments were written against: the installed one when it is
+    that version, else that version installed apart (``pip install --target``, no dependencies), so a newer release
+    in the registry cannot turn the judged tests into skips. Without the registry they skip, or fail under
+    ONTOFABRIC_TEST_REQUIRE_TOOLS."""
+    from importlib import import_module
+
+    from ontofabric.services.ops.repository_eval import tree_version
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def tree(project: str, version: str) -> Path:
+        installed = Path(import_module(project).__file__ or "").parent
+        if tree_version(installed, project) == version:
+            return installed
+        if (project, version) not in made:
+            target = tmp_path_factory.mktemp(f"{project}-{version}")
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                 f"{project}=={version}"], capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            if result.returncode != 0:
+                if os.environ.get("ONTOFABRIC_TEST_REQUIRE_TOOLS"):
+                    pytest.fail(f"{project} {version} could not be installed: {result.stderr}")
+                pytest.skip(f"{project} {version} could not be installed: {result.stderr.strip()[-200:]}")
+            made[project, version] = target / project
+        return made[project, version]
+
+    return tree
 
 
 def spawn_nats(

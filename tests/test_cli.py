@@ -295,25 +295,33 @@ def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, 
 
 
 @pytest.mark.parametrize(
-    ("project", "baseline_of", "said"),
+    ("project", "tree_is", "baseline_of", "said"),
     [
-        ("p 1", "q 1", "the baseline was measured on q 1 (concept), this run on p 1 (concept)"),  # another project
-        ("tenacity 0.0.1", "tenacity 0.0.1", "the judgments are of tenacity 0.0.1"),  # another version installed
+        ("p 1", "1", "q 1", "the baseline was measured on q 1 (concept), this run on p 1 (concept)"),  # another project
+        ("p 0.0.1", "2.0", "p 0.0.1", "the judgments are of p 0.0.1; the tree is 2.0"),  # another version
     ],
 )
 def test_eval_of_a_source_tree_gates_only_like_with_like_and_says_so_before_any_work(
-    tmp_path: Path, project: str, baseline_of: str, said: str
+    tmp_path: Path, project: str, tree_is: str, baseline_of: str, said: str
 ) -> None:
     name, version = project.split()
     (tmp_path / "b.json").write_text(json.dumps({"dataset": baseline_of, "split": "concept", "ndcg@10": {}}))
     judgments = {"project": name, "version": version, "concepts": []}
-    result = _eval_tree(tmp_path, judgments, "--baseline", str(tmp_path / "b.json"))
+    # The tree's version is read from the distribution installed beside it, as in site-packages.
+    installed = tmp_path / "site" / f"p-{tree_is}.dist-info"
+    installed.mkdir(parents=True)
+    (installed / "METADATA").write_text(f"Metadata-Version: 2.1\nName: p\nVersion: {tree_is}\n")
+    (tmp_path / "site" / "p").mkdir()
+    result = _eval_tree(tmp_path, judgments, "--baseline", str(tmp_path / "b.json"), tree=tmp_path / "site" / "p")
     assert result.returncode == 2
     assert said in " ".join(result.stderr.split())
 
 
-def _eval_tree(tmp_path: Path, judgments: dict[str, Any], *options: str) -> subprocess.CompletedProcess[str]:
-    """`ontofabric eval` of ``tmp_path`` as a source tree with these judgments: what it refuses before any work."""
+def _eval_tree(
+    tmp_path: Path, judgments: dict[str, Any], *options: str, tree: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`ontofabric eval` of ``tree`` (``tmp_path``) as a source tree with these judgments: what it refuses before
+    any work."""
     (tmp_path / "j.json").write_text(json.dumps(judgments))
-    command = [ONTOFABRIC, "eval", str(tmp_path), "--judgments", str(tmp_path / "j.json"), *options]
+    command = [ONTOFABRIC, "eval", str(tree or tmp_path), "--judgments", str(tmp_path / "j.json"), *options]
     return subprocess.run(command, capture_output=True, text=True, check=False, cwd=tmp_path, timeout=60)

@@ -4,10 +4,9 @@ symbol, through the real path (services/ops/repository_eval.py)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import textwrap
-from importlib import metadata
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,16 +154,12 @@ async def test_a_tree_evaluated_through_the_real_path(
 
 
 @pytest.mark.parametrize("judgments_file", sorted((Path(__file__).parent / "quality").glob("*-concepts.json")))
-def test_every_symbol_the_committed_judgments_name_is_in_the_project_as_installed(judgments_file: Path) -> None:
+def test_every_symbol_the_committed_judgments_name_is_in_the_project_judged(
+    judgments_file: Path, judged_tree: Callable[[str, str], Path]
+) -> None:
     """A judged name with a typo would score zero for ever, silently."""
     judgments = Judgments.read(judgments_file)
-    try:
-        installed = metadata.version(judgments.project)
-    except metadata.PackageNotFoundError:
-        pytest.skip(f"{judgments.project} is not installed")
-    if installed != judgments.version:
-        pytest.skip(f"{judgments.project} {installed} is installed; the judgments are of {judgments.version}")
-    tree = Path(importlib.import_module(judgments.project).__file__ or "").parent
+    tree = judged_tree(judgments.project, judgments.version)
     sources = read_tree(tree)
     assert unknown_symbols(judgments, sources, tree_package(tree.name, sources)) == []
     assert len({query.id for query in judgments.concepts}) == len(judgments.concepts)

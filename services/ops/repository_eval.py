@@ -17,9 +17,11 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import re
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from ontofabric.contracts import ErrorReply, QueryResponse
@@ -70,6 +72,21 @@ class Judgments:
             return cls(raw["project"], raw["version"], concepts)
         except (ValueError, KeyError, TypeError) as error:
             raise JudgmentsError(f"{path}: not a judgments file ({error})") from error
+
+
+def tree_version(tree: Path, project: str) -> str | None:
+    """The version of ``project`` that ``tree`` is, read from the distribution installed beside it (in
+    site-packages, or in a ``pip install --target`` directory); None where none is (a checkout). Not the version
+    the running environment has installed: that may be another copy of the project."""
+    wanted = _distribution_name(project)
+    for distribution in metadata.distributions(path=[str(tree.resolve().parent)]):
+        if _distribution_name(distribution.metadata["Name"] or "") == wanted:
+            return distribution.version
+    return None
+
+
+def _distribution_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
 
 
 @dataclass(frozen=True)

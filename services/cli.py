@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -70,7 +71,17 @@ from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
 from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
-from .ops.dead_letters import Redrive, Selection, applied_through, dead_letters, parse_when, purge, redrive
+from .ops.dead_letters import (
+    DeadLetterWatch,
+    Redrive,
+    Selection,
+    SetAside,
+    applied_through,
+    dead_letters,
+    parse_when,
+    purge,
+    redrive,
+)
 from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
@@ -271,6 +282,7 @@ def ingest(
         nc = await connect(nats_url, "ontofabric-ingest", settings)
         try:
             js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them
+            set_aside = await DeadLetterWatch.start(nc, names, workspace)
             started = time.perf_counter()
             with RichProgress(console) as progress:
                 cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
@@ -308,10 +320,28 @@ def ingest(
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
                 f"({time.perf_counter() - started:.1f}s)"
             )
+            if wait and report.last_sequence is not None:
+                await nc.flush()  # a dead letter is published before its delta counts as projected
+                _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
         finally:
             await close_nats(nc)
 
     asyncio.run(run())
+
+
+def _fail_on_dead_letters(letters: Sequence[SetAside], published: int, workspace: str) -> None:
+    """Exit 1 when a projector set aside some of this ingest's deltas: they are not in the index."""
+    if not letters:
+        return
+    reasons = Counter(letter.reason for letter in letters)
+    first = letters[0]
+    _fail(
+        f"{len(letters)} of the {published} deltas published were dead-lettered, not indexed "
+        f"({', '.join(f'{reason}: {count}' for reason, count in reasons.most_common())}); the first: "
+        f"{first.detail or first.reason}. `ontofabric dlq list --workspace {workspace}` shows them; after a fix, "
+        "`ontofabric dlq redrive` sends them again.",
+        1,
+    )
 
 
 @app.command()

@@ -161,7 +161,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"$KV.{names.manifest_bucket}.{token}.>",
                 f"{API}.DIRECT.GET.{manifests}.$KV.{names.manifest_bucket}.{token}.>",
             ],
-            subscribe=inbox,
+            # Its workspace's dead letters as they are set aside: which of its deltas never reached the index.
+            subscribe=[*inbox, names.dlq_subject(token)],
         )
     if role == "client":
         return Permissions(publish=[f"{names.prefix}.{operation}.{token}" for operation in OPERATIONS], subscribe=inbox)

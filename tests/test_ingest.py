@@ -256,3 +256,40 @@ def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_sa
     assert ran.returncode == 1, ran.stderr
     assert "not projected within 2 s" in ran.stderr
     assert "The deltas are stored" in ran.stderr
+
+
+async def test_ingest_says_which_of_its_deltas_a_projector_dead_lettered_and_exits_1(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """Before, an ingest whose deltas were all set aside (a projector with other limits, another embedding model)
+    reported success: every delta was "projected", none indexed."""
+    settings = deployment.settings.model_copy(update={"max_content_bytes": 2048})  # the ingester's limit: 256 KiB
+    service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await service.start()
+    try:
+        long_body = "\n".join(f"    total += {n}  # a long function" for n in range(120))
+        _write(tmp_path, {
+            "small.py": "def area(r):\n    return 3.14 * r * r\n",
+            "large.py": f"def long_sum():\n    total = 0\n{long_body}\n    return total\n",
+        })  # fmt: skip
+        env = {
+            **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"),
+            "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+        }  # fmt: skip
+        ontofabric = str(Path(sys.executable).parent / "ontofabric")
+        ran = await asyncio.to_thread(
+            subprocess.run, [ontofabric, "ingest", str(tmp_path), "--workspace", "strict"], env=env,
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        said = " ".join(ran.stderr.split())
+        assert ran.returncode == 1, ran.stdout + ran.stderr
+        # The function's chunk and its file's (which holds it).
+        assert "2 of the" in said
+        assert "were dead-lettered, not indexed (content_too_large: 2)" in said
+        assert "the first: content is" in said
+        assert "ontofabric dlq list --workspace strict" in said
+        rows = await deployment.fetch("SELECT symbol_key FROM documents WHERE workspace = 'strict' AND NOT deleted")
+        assert "long_sum" not in {r["symbol_key"].rpartition(".")[2] for r in rows}
+        assert rows, "the small file's chunks were indexed"
+    finally:
+        await service.stop()

@@ -241,6 +241,21 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
             await publisher.publish_many([upsert("beta", document("b", "planted"))])
         assert time.monotonic() - started < 3
         assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.messages == 1
+
+        # It sees its own workspace's dead letters go by (which of its deltas were set aside), no other's.
+        letters: list[str] = []
+
+        async def seen(msg: Msg) -> None:
+            letters.append(msg.subject)
+
+        for workspace in ("acme", "beta"):
+            await ingest_acme.subscribe(deployment.names.dlq_subject(workspace), cb=seen)
+        await ingest_acme.flush()
+        for workspace in ("beta", "acme"):
+            await deployment.nc.publish(deployment.names.dlq_subject(workspace), b"{}")
+        await deployment.nc.flush()
+        await asyncio.sleep(0.3)
+        assert letters == [deployment.names.dlq_subject("acme")]
     finally:
         await acme.close()
         await ingest_acme.close()

@@ -288,6 +288,8 @@ class IngestReport:
     unchanged: int
     last_sequence: int | None
     """Stream sequence of the last delta published; None when nothing changed."""
+    published: frozenset[int]
+    """Stream sequences of every delta published."""
     embed_s: float
     publish_s: float
 
@@ -398,6 +400,7 @@ class Ingester:
             graph_changes=sum(1 for k in [*plan.upserts, *plan.deletes, *plan.reverts] if not k.startswith("d:")),
             unchanged=sum(1 for k in desired if k.startswith("d:")) - len(documents),
             last_sequence=max((a.seq for a in acks), default=None),
+            published=frozenset(a.seq for a in acks),
             embed_s=embed_s,
             publish_s=publish_s,
         )

@@ -74,15 +74,16 @@ class DeadLetter:
     def of(cls, msg: Msg) -> DeadLetter:
         headers = msg.headers or {}
         timestamp = msg.metadata.timestamp
+        why = SetAside.of(msg)
         return cls(
             seq=msg.metadata.sequence.stream,
             stored_at=timestamp if timestamp is not None else datetime.fromtimestamp(0, UTC),
             workspace=Names.workspace_of_dlq_subject(msg.subject),
-            reason=headers.get("Ontofabric-Reason", "unknown"),
-            detail=headers.get("Ontofabric-Detail", ""),
-            index=headers.get("Ontofabric-Index", ""),
+            reason=why.reason,
+            detail=why.detail,
+            index=why.index,
             original_subject=headers.get("Ontofabric-Original-Subject", ""),
-            original_seq=_int(headers.get("Ontofabric-Original-Sequence")),
+            original_seq=why.original_seq,
             delivered=_int(headers.get("Ontofabric-Delivered")),
             data=bytes(msg.data),
             body_omitted="Ontofabric-Body-Omitted" in headers,
@@ -103,6 +104,49 @@ class DeadLetter:
             "bytes": len(self.data),
             "bodyOmitted": self.body_omitted,
         }
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """Which delta a dead letter holds and why, from its headers alone (as a subscriber sees it go by)."""
+
+    original_seq: int | None
+    reason: str
+    detail: str
+    index: str
+
+    @classmethod
+    def of(cls, msg: Msg) -> SetAside:
+        headers = msg.headers or {}
+        return cls(
+            original_seq=_int(headers.get("Ontofabric-Original-Sequence")),
+            reason=headers.get("Ontofabric-Reason", "unknown"),
+            detail=headers.get("Ontofabric-Detail", ""),
+            index=headers.get("Ontofabric-Index", ""),
+        )
+
+
+class DeadLetterWatch:
+    """The dead letters of one workspace as the projectors set them aside. An ingester subscribes before it
+    publishes, so that once its deltas are projected it can say which of them never reached the index."""
+
+    def __init__(self) -> None:
+        self._seen: list[SetAside] = []
+
+    @classmethod
+    async def start(cls, nc: Client, names: Names, workspace: str) -> DeadLetterWatch:
+        watch = cls()
+
+        async def seen(msg: Msg) -> None:
+            watch._seen.append(SetAside.of(msg))
+
+        await nc.subscribe(names.dlq_subject(encode_token(workspace)), cb=seen)
+        await nc.flush()  # subscribed at the server before the first delta goes out
+        return watch
+
+    def of(self, sequences: Set[int]) -> list[SetAside]:
+        """Those of the deltas stored at ``sequences``, in the order they were set aside."""
+        return [letter for letter in self._seen if letter.original_seq in sequences]
 
 
 def _int(value: str | None) -> int | None:

@@ -139,7 +139,7 @@ def _messages() -> Json:
                         "type": "string",
                         "description": "A stable code: oversized, invalid_schema, subject_mismatch, content_too_large,"
                         " embedding_dimension_mismatch, embedding_model_mismatch, token_vectors_dimension_mismatch, "
-                        "apply_failed, index_refused.",
+                        "apply_failed, index_refused, event_id_reused.",
                     },
                     "Ontofabric-Detail": {"type": "string", "maxLength": 1000},
                     "Ontofabric-Index": {"type": "string", "description": "The index that refused it."},

@@ -11,10 +11,12 @@ from ontofabric.services.ingest.client import envelope
 from ontofabric.services.projector.planning import (
     Delta,
     EntityRef,
+    Handled,
     Limits,
     Rejection,
     RowState,
     VersionState,
+    payload_digest,
     plan_batch,
     validate_delta,
 )
@@ -193,7 +195,7 @@ def test_a_republished_event_is_a_noop_even_with_a_newer_sequence() -> None:
     first = plan_batch(_deltas((1, upserted), (2, deleted)), {}, {})
     ref = EntityRef("ws", "main", "document", "a")
     # The upsert comes back after JetStream's duplicate window, with a new sequence: it must not resurrect "a".
-    handled = {("ws", "evt-a"), ("ws", "evt-del")}
+    handled = {("ws", "evt-a"): Handled(1, payload_digest(upserted)), ("ws", "evt-del"): Handled(2, None)}
     again = plan_batch(_deltas((9, upserted)), {ref: RowState(2, True)}, first.versions, handled)
     assert again.writes == {}
     assert [d.seq for d in again.noops] == [9]
@@ -209,8 +211,39 @@ def test_an_event_id_another_workspace_used_is_no_repeat() -> None:
     theirs = upsert("theirs", document("a", "two"), event_id="evt-1")
     together = plan_batch(_deltas((1, ours), (2, theirs)), {}, {})
     assert [d.seq for d in together.applied] == [1, 2]
-    later = plan_batch(_deltas((3, theirs)), {}, {}, {("ours", "evt-1")})
+    later = plan_batch(_deltas((3, theirs)), {}, {}, {("ours", "evt-1"): Handled(1, payload_digest(ours))})
     assert [d.seq for d in later.applied] == [3]
+
+
+def test_another_payload_under_a_handled_event_id_is_set_aside_not_dropped_as_a_repeat() -> None:
+    """Before, a producer that reused an event id for another change lost that change without a trace."""
+    first = upsert("ws", document("a", "one"), event_id="evt-a")
+    reused = upsert("ws", document("a", "two"), event_id="evt-a")
+    handled = {("ws", "evt-a"): Handled(1, payload_digest(first))}
+    later = plan_batch(_deltas((7, reused)), {}, {}, handled)
+    assert (later.applied, later.noops, later.reused) == ([], [], {7: Handled(1, payload_digest(first))})
+    # Within one batch too; the first of the two applies.
+    together = plan_batch(_deltas((1, first), (2, reused)), {}, {})
+    assert ([d.seq for d in together.applied], list(together.reused)) == ([1], [2])
+    # Another branch is another change.
+    elsewhere = plan_batch(
+        _deltas((7, upsert("ws", document("a", "one"), branch="dev", event_id="evt-a"))), {}, {}, handled
+    )
+    assert list(elsewhere.reused) == [7]
+    # An event handled before the index kept digests: a later delta under its id stays a no-op.
+    unknown = plan_batch(_deltas((7, reused)), {}, {}, {("ws", "evt-a"): Handled(1, None)})
+    assert ([d.seq for d in unknown.noops], unknown.reused) == ([7], {})
+
+
+def test_a_copy_whose_vectors_differ_in_the_last_bits_is_still_a_copy() -> None:
+    """The same text embedded again (another batch, another runtime) may give other last bits: still one event."""
+    vector = [0.1, 0.2, 0.3]
+    once = upsert("ws", document("a", "one", embedding=vector, embedding_model="m"), event_id="evt-a")
+    nudged = [x + 1e-7 for x in vector]
+    again = upsert("ws", document("a", "one", embedding=nudged, embedding_model="m"), event_id="evt-a")
+    assert payload_digest(again) == payload_digest(once)
+    twice = plan_batch(_deltas((1, once), (2, again)), {}, {})
+    assert ([d.seq for d in twice.applied], [d.seq for d in twice.noops], twice.reused) == ([1], [2], {})
 
 
 @pytest.mark.parametrize(

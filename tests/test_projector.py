@@ -10,6 +10,7 @@ from collections.abc import Callable
 import asyncpg
 import numpy as np
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerInfo
 from nats.js.errors import BadRequestError
 from opentelemetry import trace
@@ -395,6 +396,31 @@ async def test_two_workspaces_may_use_the_same_event_id(deployment: Deployment, 
     assert await _live_rows(deployment, "ours") == {"a": "alpha"}
     assert await _live_rows(deployment, "theirs") == {"a": "beta"}
     assert ours.seq < theirs.seq
+
+
+async def test_another_change_under_an_event_id_already_handled_is_dead_lettered_not_dropped(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """Before, a producer that reused an event id for another change (past the duplicate window) lost that change
+    without a trace: it was taken for a copy of the first and acked as a no-op."""
+    subject = deployment.names.delta_subject("acme", "main")
+    first = await deployment.publisher.publish(upsert("acme", document("a", "first"), event_id="evt-reused"))
+    await deployment.wait_projected(first.seq)
+    stored_again: list[int] = []
+    for n, content in enumerate(["first", "second"]):  # a true copy, then another change under the same id
+        body = upsert("acme", document("a", content), event_id="evt-reused").model_dump_json(exclude_none=True)
+        ack = await deployment.js.publish(subject, body.encode(), headers={"Nats-Msg-Id": f"acme:evt-reused:{n}"})
+        stored_again.append(ack.seq)
+    await deployment.wait_projected(stored_again[-1])
+    assert await _live_rows(deployment, "acme") == {"a": "first"}
+    dead = await deployment.js.subscribe(deployment.names.dlq_subjects, stream=deployment.names.dlq_stream)
+    letter = await dead.next_msg(timeout=5)
+    assert letter.headers is not None
+    assert letter.headers["Ontofabric-Reason"] == "event_id_reused"
+    assert letter.headers["Ontofabric-Original-Sequence"] == str(stored_again[1])
+    assert f"handled at stream seq {first.seq} with another payload" in letter.headers["Ontofabric-Detail"]
+    with pytest.raises(NatsTimeoutError):  # the true copy was a no-op, not a dead letter
+        await dead.next_msg(timeout=1)
 
 
 async def test_events_handled_before_the_table_knew_workspaces_stay_handled_in_every_one(

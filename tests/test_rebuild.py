@@ -42,10 +42,12 @@ from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differ
 from ontofabric.services.projector.planning import (
     Delta,
     EntityRef,
+    Handled,
     Limits,
     RowState,
     StateFold,
     VersionState,
+    payload_digest,
     plan_batch,
     validate_delta,
 )
@@ -132,7 +134,9 @@ def test_the_expected_index_is_the_fold_the_projector_applies_batch_by_batch() -
     assert expected.rows()[("main", "document", "a")].content_md5 == content_md5("first, again")
     # The projector, two batches: the same versions.
     first = plan_batch(deltas[:2], {}, {})
-    handled = {(d.envelope.workspace, d.envelope.event_id) for d in deltas[:2]}
+    handled = {
+        (d.envelope.workspace, d.envelope.event_id): Handled(d.seq, payload_digest(d.envelope)) for d in deltas[:2]
+    }
     second = plan_batch([*deltas[2:], repeated], _rows_after(deltas[:2]), first.versions, handled)
     assert expected.versions() == {branch: v for (_, branch), v in {**first.versions, **second.versions}.items()}
     with pytest.raises(ValueError, match="workspace 'other'"):

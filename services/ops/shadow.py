@@ -113,8 +113,8 @@ class Shadow:
         the shadow holds no other, and rows it kept from before infra/migrations/0019 (a rebuild resumed across
         the upgrade) say ''."""
         await conn.execute(
-            "INSERT INTO public.handled_events (workspace, event_id, stream_seq)"
-            f" SELECT $3, event_id, stream_seq FROM {self._table('handled_events')}"
+            "INSERT INTO public.handled_events (workspace, event_id, stream_seq, payload_digest)"
+            f" SELECT $3, event_id, stream_seq, payload_digest FROM {self._table('handled_events')}"
             " WHERE stream_seq > $1 AND ($2::bigint IS NULL OR stream_seq <= $2) ON CONFLICT DO NOTHING",
             after,
             upto,

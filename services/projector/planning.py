@@ -30,6 +30,7 @@ RejectReason = Literal[
     "token_vectors_dimension_mismatch",
     "apply_failed",
     "index_refused",
+    "event_id_reused",
 ]
 
 _HASH_MOD = 1 << 64
@@ -180,6 +181,29 @@ def handled_event(delta: Delta) -> HandledEvent:
     return delta.envelope.workspace, delta.envelope.event_id
 
 
+@dataclass(frozen=True)
+class Handled:
+    """How an event was handled: the stream sequence of the delta that carried it, and that delta's
+    :func:`payload_digest` (None for events handled before the index kept digests: infra/migrations/0020)."""
+
+    seq: int
+    digest: str | None
+
+
+_DERIVED_FIELDS = {"embedding", "embedding_model", "token_vectors", "second_vector", "indexed_at"}
+"""A document's fields made from the rest (the same text embedded twice may differ in the last bits) or said
+about it: two copies of one event may differ in them."""
+
+
+def payload_digest(envelope: DeltaEnvelope) -> str:
+    """What an event changes: its branch and payload, without a document's derived fields. A copy of an event
+    (the same id stored again) carries the same; another payload under a handled id is an id reused."""
+    payload = envelope.payload
+    exclude = {"document": _DERIVED_FIELDS} if isinstance(payload, DocumentUpserted) else None
+    text = f"{envelope.branch}\n{payload.model_dump_json(by_alias=True, exclude=exclude)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def state_after(delta: Delta) -> RowState:
     """The row a delta leaves behind: live, a tombstone, or (a revert) a transparent marker."""
     effect = delta.envelope.payload.effect
@@ -211,6 +235,11 @@ class Plan:
     """The last applying delta of each touched row: what the row holds after the batch."""
     applied: list[Delta] = field(default_factory=list)
     noops: list[Delta] = field(default_factory=list)
+    reused: dict[int, Handled] = field(default_factory=dict)
+    """Deltas by stream sequence whose event id was handled with another payload (how it was), left out of the
+    fold: set aside, not dropped as repeats."""
+    digests: dict[int, str] = field(default_factory=dict)
+    """The :func:`payload_digest` of every applied and no-op delta, by stream sequence."""
     versions: dict[tuple[str, str], VersionState] = field(default_factory=dict)
     """New version of every (workspace, branch) whose state changed."""
 
@@ -266,12 +295,21 @@ def plan_batch(
     deltas: Iterable[Delta],
     current_rows: Mapping[EntityRef, RowState],
     current_versions: Mapping[tuple[str, str], VersionState],
-    handled_events: Set[HandledEvent] = frozenset(),
+    handled_events: Mapping[HandledEvent, Handled] | None = None,
 ) -> Plan:
-    """Fold a batch onto the current state of the rows it touches, in stream order (see :class:`StateFold`)."""
+    """Fold a batch onto the current state of the rows it touches, in stream order (see :class:`StateFold`). A
+    delta whose event was handled (before, or earlier in the batch) with another payload is not a copy of it: it
+    goes to ``reused`` instead of being folded as a repeat."""
     plan = Plan()
-    fold = StateFold(current_rows, current_versions, handled_events)
+    handled = dict(handled_events or {})
+    fold = StateFold(current_rows, current_versions, handled.keys())
     for delta in sorted(deltas, key=lambda d: d.seq):
+        digest = payload_digest(delta.envelope)
+        first = handled.setdefault(handled_event(delta), Handled(delta.seq, digest))
+        if first.digest is not None and first.digest != digest:
+            plan.reused[delta.seq] = first
+            continue
+        plan.digests[delta.seq] = digest
         if fold.add(delta):
             plan.writes[entity_of(delta.envelope)] = delta
             plan.applied.append(delta)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ontofabric.shared.db import is_transient
 from ontofabric.shared.logging import describe, get_logger
 
-from .planning import Delta
+from .planning import Delta, Rejection
 from .reembedding import ModelChanged
 from .runner import Written
 from .store import BatchResult, PostgresProjectionStore
@@ -48,7 +48,18 @@ class PostgresSink:
             noops=len(result.plan.noops),
             versions={f"{v.workspace}/{v.branch}": v.version.label for v in result.versions},
         )
-        return Written(applied=len(result.plan.applied), noops=len(result.plan.noops))
+        return Written(
+            applied=len(result.plan.applied),
+            noops=len(result.plan.noops),
+            refused={
+                seq: Rejection(
+                    "event_id_reused",
+                    f"its event id was handled at stream seq {first.seq} with another payload: a copy of an event "
+                    "repeats it; the producer reused the id",
+                )
+                for seq, first in result.plan.reused.items()
+            },
+        )
 
     async def _announce(self, result: BatchResult, redelivered: bool) -> None:
         assert self._versions is not None

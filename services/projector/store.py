@@ -16,6 +16,7 @@ from ontofabric.shared.db import Connection, index_model
 from .planning import (
     Delta,
     EntityRef,
+    Handled,
     HandledEvent,
     Plan,
     RowState,
@@ -203,9 +204,9 @@ class PostgresProjectionStore:
                 plan = plan_batch(deltas, rows, versions, handled)
                 await self._write(conn, plan)
                 await conn.executemany(
-                    "INSERT INTO handled_events (workspace, event_id, stream_seq) VALUES ($1, $2, $3)"
-                    " ON CONFLICT DO NOTHING",
-                    [(*handled_event(d), d.seq) for d in [*plan.applied, *plan.noops]],
+                    "INSERT INTO handled_events (workspace, event_id, stream_seq, payload_digest)"
+                    " VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                    [(*handled_event(d), d.seq, plan.digests[d.seq]) for d in [*plan.applied, *plan.noops]],
                 )
                 for (workspace, branch), version in plan.versions.items():
                     revisions[(workspace, branch)] = await conn.fetchval(
@@ -247,18 +248,20 @@ class PostgresProjectionStore:
                 analysed.append(row["partition"])
         return analysed
 
-    async def _handled_events(self, conn: Connection, events: set[HandledEvent]) -> set[HandledEvent]:
-        """Those of ``events`` handled before. A row of workspace '' was handled before the table knew workspaces
-        (infra/migrations/0019) and counts in every workspace."""
+    async def _handled_events(self, conn: Connection, events: set[HandledEvent]) -> dict[HandledEvent, Handled]:
+        """Those of ``events`` handled before, and how. A row of workspace '' was handled before the table knew
+        workspaces (infra/migrations/0019) and counts in every workspace."""
         workspaces, event_ids = [w for w, _ in events], [e for _, e in events]
         records = await conn.fetch(
-            "SELECT h.workspace, h.event_id FROM unnest($1::text[], $2::text[]) AS e(workspace, event_id)"
+            "SELECT h.workspace, h.event_id, h.stream_seq, h.payload_digest"
+            " FROM unnest($1::text[], $2::text[]) AS e(workspace, event_id)"
             " JOIN handled_events h ON h.event_id = e.event_id AND h.workspace IN (e.workspace, '')",
             workspaces,
             event_ids,
         )
-        found = {(r["workspace"], r["event_id"]) for r in records}
-        return {(w, e) for w, e in events if (w, e) in found or ("", e) in found}
+        found = {(r["workspace"], r["event_id"]): Handled(r["stream_seq"], r["payload_digest"]) for r in records}
+        handled = {(w, e): found.get((w, e)) or found.get(("", e)) for w, e in events}
+        return {event: how for event, how in handled.items() if how is not None}
 
     async def _lock_versions(
         self, conn: Connection, scopes: list[tuple[str, str]]

@@ -23,6 +23,7 @@ from nats.js.errors import ServiceUnavailableError
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from ontofabric.contracts import (
     TIMEOUT_HEADER,
@@ -92,8 +93,13 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
 
 
-def validation_details(error: ValidationError) -> list[ErrorDetail]:
-    problems = error.errors(include_url=False, include_input=False)
+MAX_REQUEST_BYTES = 64 * 1024
+"""A request body longer than this is refused unread. The longest valid request is a few kilobytes (a query of
+2,000 characters, written as \\u escapes, is 12 kB); parsing a megabyte of unknown fields and reporting them
+held the event loop, and every other tenant's deadline, for half a second."""
+
+
+def validation_details(problems: Sequence[ErrorDetails]) -> list[ErrorDetail]:
     details = []
     for problem in problems[:MAX_ERROR_DETAILS]:
         location = ".".join(str(part) for part in problem["loc"]) or None
@@ -117,11 +123,18 @@ Request = TypeVar("Request", OntologyQuery, DocumentRequest, StatusRequest)
 
 def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | bytes:
     """The validated request, or the error reply to send instead."""
+    if len(body) > MAX_REQUEST_BYTES:
+        return error_reply(
+            "invalid_request",
+            f"the request is {len(body):,} bytes; a request takes at most {MAX_REQUEST_BYTES:,}",
+            [ErrorDetail(field=None, message=f"at most {MAX_REQUEST_BYTES:,} bytes")],
+        )
     try:
-        request = model.model_validate_json(body)
+        request = model.model_validate_json(body, by_name=False)  # the wire names only, as the schema says
     except ValidationError as error:
-        field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in error.errors()) else None
-        details = [ErrorDetail(field=_clip(field), message=HALF_CHARACTER)] if field else validation_details(error)
+        problems = error.errors(include_url=False, include_input=False)
+        field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in problems) else None
+        details = [ErrorDetail(field=_clip(field), message=HALF_CHARACTER)] if field else validation_details(problems)
         return error_reply("invalid_request", f"the request does not match {model.__name__}", details)
     if request.workspace is not None and request.workspace != workspace:
         return error_reply(

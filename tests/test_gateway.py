@@ -42,6 +42,7 @@ from ontofabric.services.gateway.tools import TOOLS, as_declared, fitted_text, f
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.half_characters import HALF_CHARACTER
 from ontofabric.shared.jetstream import connect
 from ontofabric.shared.subjects import Names
 
@@ -308,8 +309,10 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
     deployment: Deployment, served: QueryService
 ) -> None:
     """A JavaScript client that cuts an emoji in two sends a lone surrogate escape: the SDK's parser refused the
-    whole body (400, id null) and the client's SDK threw. Now the caller hears which field, under its id; a whole
-    emoji, escaped as a surrogate pair, is a character like any other."""
+    whole body (400, id null) and the client's SDK threw. Now the caller hears which field, under its id: in a
+    tool call as a tool error naming the argument, as over stdio; a whole emoji, escaped as a surrogate pair, is a
+    character like any other. An id that is neither a string nor an integer got 202 and nothing, so its caller
+    waited for ever; it is an invalid request, as over stdio."""
     headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
     def call(request_id: int, query: str) -> bytes:
@@ -324,8 +327,19 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
         assert half.status_code == 200
         refused = half.json()
         assert refused["id"] == 7
-        assert refused["error"]["code"] == -32602
-        assert refused["error"]["message"].startswith("params.arguments.semanticQuery: not valid Unicode")
+        assert refused["result"]["isError"] is True
+        assert refused["result"]["content"][0]["text"].endswith("\n- semanticQuery: " + HALF_CHARACTER)
+        # Outside a tool's arguments: a JSON-RPC error naming the field.
+        listing = b'{"jsonrpc": "2.0", "id": 9, "method": "tools/list", "params": {"cursor": "\\ud83d"}}'
+        refused = (await http.post(url, content=listing)).json()
+        assert (refused["id"], refused["error"]["code"]) == (9, -32602)
+        assert refused["error"]["message"].startswith("params.cursor: not valid Unicode")
+        for odd in ("null", "1.5", "true", "{}", "[1]"):
+            body = f'{{"jsonrpc": "2.0", "id": {odd}, "method": "tools/list"}}'.encode()
+            answer = await http.post(url, content=body)
+            assert answer.status_code == 400, odd
+            assert answer.json()["error"]["code"] == -32600
+            assert "its id is neither a string nor an integer" in answer.json()["error"]["message"]
         # A notification holding one is accepted, as any notification: there is no id to answer.
         notified = b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"reason": "\\ud83d"}}'
         assert (await http.post(url, content=notified)).status_code == 202

@@ -36,7 +36,7 @@ from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsUnavailable
-from .stdio import request_id_of, stdio_streams
+from .stdio import ODD_ID, request_id_of, stdio_streams
 from .tools import TOOLS, ToolSpec, as_declared, fitted_text, forwarded, render, render_error, restated
 
 log = get_logger(__name__)
@@ -154,16 +154,22 @@ class Gateway:
         while there is a tokens file (see :class:`RequireBearer`).
         """
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
-        app = RequireBearer(CancelledWithClient(HalfCharacters(app)), tokens, open_without_tokens=is_loopback(host))
+        app = RequireBearer(CancelledWithClient(MisreadBodies(app)), tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         await uvicorn.Server(config).serve()
 
 
-class HalfCharacters:
-    """ASGI middleware: a body holding half of a character (a lone UTF-16 surrogate escape, as a JavaScript client
-    cutting an emoji writes) is answered with a JSON-RPC error naming the field, under the request's id. The SDK's
-    parser refused it as a whole ("Parse error", HTTP 400, id null), so the client's SDK threw instead of the
-    caller hearing what was wrong, as it does over stdio. Bodies past the SDK's own limit go on to its 413."""
+class MisreadBodies:
+    """ASGI middleware: two bodies the SDK's HTTP transport misreads are answered here, as they are over stdio.
+
+    - Half of a character (a lone UTF-16 surrogate escape, as a JavaScript client cutting an emoji writes): the SDK
+      refused the body as a whole ("Parse error", HTTP 400, id null), so the client's SDK threw instead of the
+      caller hearing what was wrong. A tool call gets a tool error naming the argument, as over stdio; another
+      request a JSON-RPC error naming the field, under its id.
+    - An id that is neither a string nor an integer (null, 1.5, true, an object): the SDK took the message for a
+      notification and answered 202 with nothing, so its caller waited for ever. It gets an invalid request error.
+
+    Bodies past the SDK's own limit go on to its 413."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> None:
         self._app = app
@@ -190,23 +196,54 @@ class HalfCharacters:
             size += len(message.get("body", b""))
             complete = not message.get("more_body", False)
         body = b"".join(m.get("body", b"") for m in read)
-        field = surrogate_field(body) if complete else None
-        if field is None:
+        answer = _answer_to_misread(body) if complete else None
+        if answer is None:
 
             async def replay() -> Message:
                 return read.popleft() if read else await receive()
 
             await self._app(scope, replay, send)
             return
+        status, reply = answer
+        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS if reply else []})
+        await send({"type": "http.response.body", "body": json.dumps(reply).encode() if reply else b""})
+
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_TOOL_ARGUMENTS = "params.arguments."
+
+
+def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
+    """The HTTP status and JSON-RPC answer to a body the SDK would misread (None for no answer: a notification),
+    or None when the SDK reads it right."""
+    field = surrogate_field(body)
+    odd_id = field is None and b'"id"' in body
+    if field is None and not odd_id:
+        return None
+    try:
         parsed = json.loads(body)
-        if isinstance(parsed, dict) and "id" not in parsed:  # a notification: accepted, nothing to answer
-            await send({"type": "http.response.start", "status": 202, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
-        answer = json.dumps({"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": answer})
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    if odd_id:
+        if "id" not in parsed or request_id_of(parsed) is not None:
+            return None
+        error = {
+            "code": types.INVALID_REQUEST,
+            "message": f"not a JSON-RPC 2.0 request, notification or response: {ODD_ID}",
+        }
+        return 400, {"jsonrpc": "2.0", "id": None, "error": error}
+    if "id" not in parsed:  # a notification: accepted, nothing to answer
+        return 202, None
+    assert field is not None
+    if parsed.get("method") == "tools/call" and field.startswith(_TOOL_ARGUMENTS):
+        argument = field.removeprefix(_TOOL_ARGUMENTS)
+        text = f"error invalid_request: the arguments are not text\n- {argument}: {HALF_CHARACTER}"
+        result = tool_error(text).model_dump(mode="json", by_alias=True, exclude_none=True)
+        return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "result": result}
+    error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
+    return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}
 
 
 class CancelledWithClient:

@@ -589,7 +589,7 @@ def dlq_show(
     console.print_json(json.dumps(letter.summary()))
     try:
         console.print_json(letter.data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # shown as it is: not JSON, or too deep
         print(letter.data.decode("utf-8", "replace")[:10_000])
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
+import string
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -158,8 +160,32 @@ def test_a_redriven_delta_has_an_event_id_of_its_own_and_what_is_not_a_delta_goe
     wide = json.loads(upsert("acme", document("b", "解析" * 1000)).model_dump_json(by_alias=True))
     body = json.dumps(wide, ensure_ascii=False).encode()
     assert len(redriven(body, 42)) < len(body) + 50  # as UTF-8: escaped, it took twice the bytes, past max_payload
-    for body in (b"not json", b"[1]", b'{"eventId": 3}'):
+    for body in (b"not json", b"[1]", b'{"eventId": 3}', b"[" * 5000 + b"]" * 5000):
         assert redriven(body, 42) == body
+    # Written under its field name, which the contract reads too: it kept its id, and a replay took it for a repeat.
+    snake = json.dumps({**{k: v for k, v in sent.items() if k != "eventId"}, "event_id": "ev-snake"}).encode()
+    assert json.loads(redriven(snake, 7))["event_id"] == "ev-snake~redriven:7"
+
+
+async def test_a_redrive_whose_message_id_another_took_still_stores_the_delta(deployment: Deployment) -> None:
+    """A red team's finding: a tenant may publish on its own subjects under any message id, among them the one a
+    re-drive of its workspace's dead letter would use; the re-drive was then taken for a repeat, not stored, and the
+    dead letter deleted all the same: the change was lost for good."""
+    await _project(deployment, LIMIT, upsert("acme", document("long", "x" * (LIMIT + 1))))
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    squatter = upsert("acme", document("harmless", "hello")).model_dump_json(by_alias=True).encode()
+    taken = await deployment.js.publish(
+        letter.original_subject,
+        squatter,
+        headers={"Nats-Msg-Id": f"redrive:{deployment.names.dlq_stream}:{letter.seq}"},
+    )
+    outcome = await redrive(deployment.nc, deployment.names, [letter], None)
+    ((_, sent_seq),) = outcome.sent
+    assert sent_seq > taken.seq
+    stored = await deployment.js.get_msg(deployment.names.delta_stream, sent_seq)
+    assert stored.subject == letter.original_subject
+    assert json.loads(stored.data)["eventId"].endswith(f"~redriven:{letter.seq}")
+    assert await dead_letters(deployment.nc, deployment.names, Selection()) == []
 
 
 async def test_the_dlq_commands(deployment: Deployment) -> None:
@@ -187,6 +213,13 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     assert redriven.returncode == 0, redriven.stderr
     assert "re-drove 1" in redriven.stderr
     assert dlq("list", "--json").stdout.strip() == ""  # the projector is not running: nothing dead-lettered again
+    # A body nested deeper than a JSON parser goes is shown as it is, and re-driven as it is.
+    deep = b"[" * 5000 + b"]" * 5000
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), deep, headers={"Ontofabric-Reason": "x"})
+    (entry,) = [json.loads(line) for line in dlq("list", "--json").stdout.splitlines()]
+    shown = dlq("show", str(entry["seq"]))
+    assert shown.returncode == 0, shown.stderr
+    assert "[[[[" in shown.stdout
 
 
 async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_out(deployment: Deployment) -> None:
@@ -215,6 +248,36 @@ async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_
     await _project(deployment, 10 * LIMIT, upsert("acme", document("medium", f"medium {long}")))
     with pytest.raises(CompactionRefused, match="the projector applied it"):
         await compact(nc, names, tight, RecordedProgress(), placement)
+
+
+async def test_compaction_leaves_out_a_delta_the_index_refused_once_its_dead_letter_is_gone(
+    deployment: Deployment,
+) -> None:
+    """A red team's finding: a delta the database refused (``apply_failed``: here a key too long for its index),
+    its dead letter purged, was folded into the snapshot in place of the delta the index holds; the stream lost that
+    one, and every rebuild after refused its swap (``--force`` emptied the row)."""
+    too_long_for_an_index = "".join(random.Random(7).choices(string.ascii_letters, k=4000))
+    seqs = await _project(
+        deployment,
+        10 * LIMIT,
+        upsert("acme", document("x", "first")),
+        upsert("acme", document("x", "second", symbolKey=too_long_for_an_index)),
+    )
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[1])
+    assert await purge(deployment.nc, deployment.names, Selection()) == 1
+    settings = deployment.settings.model_copy(update={"max_content_bytes": 10 * LIMIT})
+    placement = Placement.of(settings, deployment.database_url)
+    await compact(deployment.nc, deployment.names, settings, RecordedProgress(), placement)
+    store = await find_snapshot_store(deployment.js, deployment.names)
+    assert store is not None
+    snapshot = await load_snapshot(store, "acme")
+    assert snapshot is not None
+    assert [delta.seq for delta in snapshot.deltas] == [seqs[0]]
+    report = await Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()).run()
+    assert report.swapped
+    rows = await projected_rows(deployment, "WHERE workspace = 'acme' AND NOT deleted")
+    assert rows[("acme", "x")][1] == "first"
 
 
 async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_waits(deployment: Deployment) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -20,6 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 from pydantic import ValidationError
 
@@ -252,11 +254,15 @@ def redriven(data: bytes, dlq_seq: int) -> bytes:
     swap, for good. A body that is not a delta with an event id goes as it is (the projector sets it aside again)."""
     try:
         delta = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read
         return data
-    if not isinstance(delta, dict) or not isinstance(delta.get("eventId"), str):
+    # Under either name the contract reads: left under its field name, a delta kept its id and a replay took it for
+    # a repeat of the original.
+    names = [name for name in ("eventId", "event_id") if isinstance(delta, dict) and isinstance(delta.get(name), str)]
+    if not names:
         return data
-    delta["eventId"] = f"{delta['eventId'][:MAX_EVENT_ID_HEAD]}~redriven:{dlq_seq}"
+    for name in names:
+        delta[name] = f"{delta[name][:MAX_EVENT_ID_HEAD]}~redriven:{dlq_seq}"
     try:  # as UTF-8, as it came: escaped, text other than ASCII would take up to twice the bytes
         return json.dumps(delta, separators=(",", ":"), ensure_ascii=False).encode()
     except UnicodeEncodeError:  # half a character in it, which UTF-8 cannot carry: escaped
@@ -295,16 +301,15 @@ async def redrive(
             if floors is not None and last > max(floors.get(letter.workspace, 0), letter.original_seq or 0):
                 outcome.waiting.append((letter, last))
                 continue
+        body = redriven(letter.data, letter.seq)
+        message_id = f"redrive:{names.dlq_stream}:{letter.seq}"
         try:
-            ack = await js.publish(
-                letter.original_subject,
-                redriven(letter.data, letter.seq),
-                stream=names.delta_stream,
-                headers={
-                    "Nats-Msg-Id": f"redrive:{names.dlq_stream}:{letter.seq}",
-                    "Ontofabric-Redriven-From": str(letter.seq),
-                },
-            )
+            ack = await _publish_again(js, names, letter, body, message_id)
+            if ack.duplicate and not await _stored_as(js, names, ack.seq, letter.original_subject, body):
+                # Another message holds this id (a tenant can publish under any id on its own subjects): taken
+                # for a repeat, the delta was not stored, and its dead letter would have gone with it.
+                log.warning("redrive_message_id_taken", dlq_seq=letter.seq, message_id=message_id, holder=ack.seq)
+                ack = await _publish_again(js, names, letter, body, f"{message_id}:{secrets.token_hex(8)}")
         except (MaxPayloadError, APIError) as error:  # this one cannot go; the rest still may
             outcome.refused.append((letter, describe(error)))
             continue
@@ -312,6 +317,22 @@ async def redrive(
         log.info("dead_letter_redriven", dlq_seq=letter.seq, seq=ack.seq, reason=letter.reason)
         outcome.sent.append((letter, ack.seq))
     return outcome
+
+
+async def _publish_again(
+    js: JetStreamContext, names: Names, letter: DeadLetter, body: bytes, message_id: str
+) -> PubAck:
+    headers = {"Nats-Msg-Id": message_id, "Ontofabric-Redriven-From": str(letter.seq)}
+    return await js.publish(letter.original_subject, body, stream=names.delta_stream, headers=headers)
+
+
+async def _stored_as(js: JetStreamContext, names: Names, seq: int, subject: str, body: bytes) -> bool:
+    """Whether the delta stream holds ``body`` on ``subject`` at ``seq``: an earlier run's re-drive of the letter."""
+    try:
+        stored = await js.get_msg(names.delta_stream, seq)
+    except NotFoundError:  # gone since (a compaction): not ours to vouch for
+        return False
+    return stored.subject == subject and stored.data == body
 
 
 async def applied_through(

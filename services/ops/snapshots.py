@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope
+from ontofabric.services.projector.consumer import event_key
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
 from ontofabric.services.projector.reembedding import reembedder_for
 from ontofabric.services.projector.snapshots import (
@@ -225,7 +226,12 @@ async def compact(
         placed_on = placement.database_url_of(workspace) if placement is not None else ""
         fold = SnapshotFold(workspace, limits_of.get(placed_on, limits), previous)
         start = max(done, fold.covers) + 1
-        read = await _fold_stream(nc, names, fold, start, upto, set_aside.get(workspace, set()))
+        recorded = None if placement is None else await asyncpg.connect(placement.database_url_of(workspace))
+        try:
+            read = await _fold_stream(nc, names, fold, start, upto, set_aside.get(workspace, set()), recorded)
+        finally:
+            if recorded is not None:
+                await recorded.close()
         report.deltas_read += read
         if fold.refused:
             handled = None if placement is None else await _handled_at(placement, workspace, fold.refused)
@@ -273,12 +279,39 @@ async def _handled_at(placement: Placement, workspace: str, refused: Sequence[Re
     return {(r["event_id"], r["stream_seq"]) for r in records}
 
 
-async def _fold_stream(nc: Client, names: Names, fold: SnapshotFold, start: int, upto: int, set_aside: Set[int]) -> int:
+async def _fold_stream(
+    nc: Client,
+    names: Names,
+    fold: SnapshotFold,
+    start: int,
+    upto: int,
+    set_aside: Set[int],
+    index: asyncpg.Connection | None,
+) -> int:
+    """Fold the workspace's deltas in (start, upto]. With ``index`` (its database), a delta whose event the index
+    never handled stays out too: the projector refused it when it came (``apply_failed``, ``index_refused``), and
+    its dead letter, which said so, was purged or re-driven since. Folded in, it took the place of the delta the
+    index holds, the stream lost that one, and every rebuild after refused its swap."""
     subjects = names.workspace_delta_subjects(fold.workspace)
     read = 0
     async with read_in_order(nc, names.delta_stream, subjects, start, upto, 256, FETCH_TIMEOUT_S) as batches:
         async for batch in batches:
-            for msg in batch:
-                fold.add(StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data), set_aside)
+            stored = [StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data) for msg in batch]
+            never = set() if index is None else await _never_handled(index, fold.workspace, stored)
+            for delta in stored:
+                fold.add(delta, set_aside | never if never else set_aside)
             read += len(batch)
     return read
+
+
+async def _never_handled(index: asyncpg.Connection, workspace: str, stored: Sequence[StoredDelta]) -> set[int]:
+    """The sequences of those deltas whose event the index records no handling of (its own rows, and those from
+    before events were kept per workspace: infra/migrations/0019)."""
+    events = {delta.seq: key[1] for delta in stored if (key := event_key(delta.subject, delta.data)) is not None}
+    records = await index.fetch(
+        "SELECT event_id FROM handled_events WHERE workspace IN ($1, '') AND event_id = ANY($2)",
+        workspace,
+        sorted(set(events.values())),
+    )
+    handled = {r["event_id"] for r in records}
+    return {seq for seq, event in events.items() if event not in handled}

@@ -320,9 +320,19 @@ def ingest(
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
                 f"({time.perf_counter() - started:.1f}s)"
             )
+            if report.too_large:
+                shown = ", ".join(report.too_large[:5]) + (", ..." if len(report.too_large) > 5 else "")
+                errors.print(
+                    f"{len(report.too_large)} documents were not published: as JSON their delta is larger than the "
+                    f"stream takes (text of control characters, escaped six times over?): {shown}",
+                    soft_wrap=True,
+                    markup=False,
+                )
             if wait and report.last_sequence is not None:
                 await nc.flush()  # a dead letter is published before its delta counts as projected
                 _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
+            if report.too_large:
+                raise typer.Exit(1)
         finally:
             await close_nats(nc)
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import pytest
+from nats.js.api import PubAck
+
+from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ingest.chunking import chunk_file
+from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder
@@ -293,3 +301,51 @@ async def test_ingest_says_which_of_its_deltas_a_projector_dead_lettered_and_exi
         assert rows, "the small file's chunks were indexed"
     finally:
         await service.stop()
+
+
+async def test_ingest_skips_what_no_delta_can_carry_and_goes_on(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """A red team's findings: a source file holding NUL, a file name of bytes that are no UTF-8, and text of control
+    characters (six bytes each as JSON, past the stream's limit) each stopped the whole ingest with a traceback."""
+    _write(tmp_path, {"good.py": "def area(r):\n    return 3.14 * r * r\n", "binary.py": "x = 1\0\n"})
+    (tmp_path / "controls.md").write_text("\x01" * 200_000)
+    os.close(os.open(os.fsencode(tmp_path) + b"/bad\xffname.md", os.O_CREAT | os.O_WRONLY))
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tmp_path, "repo")
+    assert report.files == 2  # good.py and controls.md
+    assert report.too_large == ["markdown:controls.md#"]
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    assert {key.split("/")[0] for key in await _live(deployment)} == {"python:good.py"}
+    manifest = await ingester.load_manifest("repo", "main")
+    assert list(manifest.entries.values()).count(UNKNOWN) == 1  # tried again by the next ingest
+
+
+async def test_an_ingest_stopped_part_way_leaves_nothing_the_next_one_cannot_remove(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A red team's finding: an ingest killed while publishing had saved no manifest, so what it had stored was
+    recorded nowhere; once those files were deleted, no later ingest removed their documents."""
+    _write(tmp_path, {"keep.py": "def keep():\n    return 1\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    await ingester.ingest(tmp_path, "repo")
+    _write(tmp_path, {f"extra_{n}.py": f"def extra_{n}():\n    return {n}\n" for n in range(20)})
+    publish_many = DeltaPublisher.publish_many
+
+    async def dies_half_way(self: DeltaPublisher, deltas: Sequence[DeltaEnvelope], **kwargs: Any) -> list[PubAck]:
+        acks = await publish_many(self, deltas[: len(deltas) // 2], **kwargs)
+        await deployment.wait_projected(acks[-1].seq)
+        raise KeyboardInterrupt  # the process killed before it could save its manifest
+
+    monkeypatch.setattr(DeltaPublisher, "publish_many", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        await ingester.ingest(tmp_path, "repo")
+    monkeypatch.undo()
+    assert len(await _live(deployment)) > 2  # some of the extra files' documents are in
+    for n in range(20):
+        (tmp_path / f"extra_{n}.py").unlink()
+    again = await ingester.ingest(tmp_path, "repo")
+    assert again.last_sequence is not None
+    await deployment.wait_projected(again.last_sequence)
+    assert {key.split("/")[0] for key in await _live(deployment)} == {"python:keep.py"}

@@ -44,6 +44,7 @@ from ontofabric.contracts import (
 from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
 from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
@@ -79,10 +80,17 @@ def read_tree(root: Path) -> dict[str, str]:
     """Relative path -> text of every source file under ``root`` (unreadable files are skipped, logged)."""
     sources: dict[str, str] = {}
     for path in discover(root):
+        relative = path.relative_to(root).as_posix()
         try:
-            sources[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError) as error:
-            log.warning("ingest_file_skipped", path=str(path), error=str(error))
+            relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeError, OSError) as error:
+            log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
+            continue
+        if "\0" in text:  # no text field may hold NUL: a binary file under a source suffix
+            log.warning("ingest_file_skipped", path=str(path), error="it holds NUL characters: not text")
+            continue
+        sources[relative] = text
     return sources
 
 
@@ -192,6 +200,20 @@ def plan_ingest(desired: Mapping[str, str], previous: Manifest, main: Manifest |
     return IngestPlan(upserts, deletes, reverts, unchanged, Manifest(target))
 
 
+DELTA_HEADER_ROOM_BYTES = 1024
+"""Room left beside a delta's JSON for the headers it is published with (message id, trace context)."""
+
+
+def fits(delta: DeltaEnvelope, limit: int) -> bool:
+    """Whether the delta, as JSON, takes at most ``limit`` bytes. Serialised only when its text could make it
+    larger: JSON writes a control character in six bytes, and a chunk's limit counts it as one."""
+    payload = delta.payload
+    text = payload.document.content if isinstance(payload, DocumentUpserted) else ""
+    if 6 * len(text.encode()) + 64 * 1024 <= limit:  # the text escaped at worst, and room for the rest
+        return True
+    return len(delta.model_dump_json(exclude_none=True).encode()) <= limit
+
+
 def event_id(workspace: str, branch: str, base: str, key: str, change: str) -> str:
     """Deterministic for a rerun from the same stored manifest (JetStream drops the repeat), new after any change
     and after any ingest that saved one: ``base`` names the stored manifest's generation, so a tree that goes back
@@ -290,6 +312,10 @@ class IngestReport:
     """Stream sequence of the last delta published; None when nothing changed."""
     published: frozenset[int]
     """Stream sequences of every delta published."""
+    too_large: list[str]
+    """The symbol keys of documents not published: as JSON their delta is larger than the stream takes (text
+    escaped six times over: control characters). Their manifest entries are unknown, so the next ingest tries them
+    again."""
     embed_s: float
     publish_s: float
 
@@ -326,11 +352,13 @@ class Ingester:
     async def load_manifest(self, workspace: str, branch: str) -> Manifest:
         return _manifest_of(await self._manifests.load(workspace, branch))
 
-    async def _save_manifest(self, workspace: str, branch: str, manifest: Manifest, loaded: StoredManifest) -> None:
+    async def _save_manifest(
+        self, workspace: str, branch: str, manifest: Manifest, loaded: StoredManifest
+    ) -> StoredManifest:
+        """``manifest`` saved over ``loaded`` (merged with what another ingest saved meanwhile); what was saved."""
         for _ in range(SAVE_ATTEMPTS):
             try:
-                await self._manifests.save(workspace, branch, manifest.to_json(), loaded)
-                return
+                return await self._manifests.save(workspace, branch, manifest.to_json(), loaded)
             except ManifestChanged:
                 # Another ingest of this branch published at the same time: their deltas and ours interleaved.
                 loaded = await self._manifests.load(workspace, branch)
@@ -380,9 +408,22 @@ class Ingester:
         def delta(key: str, change: str, payload: DeltaPayload) -> DeltaEnvelope:
             return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))
 
-        deltas = [delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model)) for key in plan.upserts]
-        deltas += [delta(key, "deleted", _removal(key, revert=False)) for key in plan.deletes]
-        deltas += [delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts]
+        keyed = {
+            key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model)) for key in plan.upserts
+        }
+        keyed |= {key: delta(key, "deleted", _removal(key, revert=False)) for key in plan.deletes}
+        keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
+        limit = min(MAX_DELTA_MESSAGE_BYTES, connection_of(self._js).max_payload) - DELTA_HEADER_ROOM_BYTES
+        too_large = sorted(key for key, sent in keyed.items() if not fits(sent, limit))
+        for key in too_large:
+            log.warning("ingest_document_too_large", key=key, limit=limit)
+        deltas = [sent for key, sent in keyed.items() if key not in too_large]
+        unknown = dict.fromkeys(too_large, UNKNOWN)
+        in_flight = Manifest({**previous.entries, **dict.fromkeys(keyed, UNKNOWN)})
+        if deltas:
+            # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
+            # next one sends it again or removes it (before, what it had stored was nowhere, and stayed for good).
+            loaded = await self._save_manifest(workspace, branch, in_flight, loaded)
         publish_started = time.perf_counter()
         self._progress.stage("publish", len(deltas))
         acks = await DeltaPublisher(self._js, self._names).publish_many(
@@ -390,7 +431,11 @@ class Ingester:
         )
         publish_s = time.perf_counter() - publish_started
         if deltas:
-            await self._save_manifest(workspace, branch, plan.manifest, loaded)
+            done = Manifest({**plan.manifest.entries, **unknown})
+            saved = _manifest_of(loaded)
+            if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
+                done = done.merged_with(saved)
+            await self._save_manifest(workspace, branch, done, loaded)
         return IngestReport(
             files=len(sources),
             chunks=len(chunks),
@@ -401,6 +446,7 @@ class Ingester:
             unchanged=sum(1 for k in desired if k.startswith("d:")) - len(documents),
             last_sequence=max((a.seq for a in acks), default=None),
             published=frozenset(a.seq for a in acks),
+            too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,
             publish_s=publish_s,
         )

@@ -40,7 +40,7 @@ from ontofabric.shared.jetstream import (
     wait_projected,
 )
 from ontofabric.shared.jetstream import close as close_nats
-from ontofabric.shared.logging import configure_logging, get_logger
+from ontofabric.shared.logging import configure_logging, describe, get_logger
 from ontofabric.shared.manifest_store import ManifestMissing
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials, NatsRole
 from ontofabric.shared.onnx_models import second_embedder
@@ -1086,6 +1086,8 @@ def rebuild(
             else "running again will not help as things are; --discard drops the shadow tables"
         )
         _fail(f"{error}\nthe live index is unchanged; {advice}")
+    except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError) as error:  # the database went away
+        _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
     console.print(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import asyncpg
 import pytest
 
 from ontofabric.services.projector.worker import ProjectorService
@@ -325,3 +326,22 @@ def _eval_tree(
     (tmp_path / "j.json").write_text(json.dumps(judgments))
     command = [ONTOFABRIC, "eval", str(tree or tmp_path), "--judgments", str(tmp_path / "j.json"), *options]
     return subprocess.run(command, capture_output=True, text=True, check=False, cwd=tmp_path, timeout=60)
+
+
+def test_a_rebuild_the_database_drops_says_it_can_be_resumed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A red team's finding: PostgreSQL restarted under a rebuild's replay ended it in asyncpg's traceback, not the
+    advice to run it again (which resumes)."""
+    from typer.testing import CliRunner
+
+    from ontofabric.services import cli
+    from ontofabric.services.ops.rebuild import Rebuild
+
+    async def dropped(self: Rebuild) -> None:
+        raise asyncpg.InterfaceError("connection is closed")
+
+    monkeypatch.setattr(Rebuild, "run", dropped)
+    env = {"ONTOFABRIC_NATS_URL": "nats://127.0.0.1:1", "ONTOFABRIC_DATABASE_URL": "postgresql://127.0.0.1:1/x"}
+    result = CliRunner().invoke(cli.app, ["rebuild", "acme", "--data-dir", str(tmp_path)], env=env)
+    assert result.exit_code == 2  # as a RebuildFailed
+    assert "the rebuild was interrupted: InterfaceError: connection is closed" in " ".join(result.output.split())
+    assert "run again to resume" in result.output

@@ -349,3 +349,20 @@ async def test_an_ingest_stopped_part_way_leaves_nothing_the_next_one_cannot_rem
     assert again.last_sequence is not None
     await deployment.wait_projected(again.last_sequence)
     assert {key.split("/")[0] for key in await _live(deployment)} == {"python:keep.py"}
+
+
+async def test_a_section_under_a_very_long_heading_is_indexed(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """A red team's finding: a heading of 3,000 characters made a key longer than PostgreSQL's index takes, and
+    the section was dead-lettered (apply_failed)."""
+    heading = " ".join(f"word{n}" for n in range(500))
+    _write(tmp_path, {"notes.md": f"# {heading}\nThe body of the section.\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tmp_path, "repo")
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    (key,) = await _live(deployment)
+    assert key.startswith("markdown:notes.md#word0-word1-")
+    assert len(key) < 200
+    assert (await deployment.js.stream_info(deployment.names.dlq_stream)).state.messages == 0

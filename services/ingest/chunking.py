@@ -156,6 +156,15 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     return chunks
 
 
+MAX_HEADING_CHARS = 120
+"""A heading names its section's key and qualified name as far as this: a heading of 3,000 characters made a key
+longer than PostgreSQL's index takes, and its section was dead-lettered (``apply_failed``)."""
+
+
+def _shortened(title: str) -> str:
+    return title if len(title) <= MAX_HEADING_CHARS else title[: MAX_HEADING_CHARS - 1] + "…"
+
+
 def _markdown_sections(source: str) -> Iterator[tuple[list[str], str]]:
     """(heading path, section text) for each heading, and for text before the first heading."""
     path: list[str] = []
@@ -168,7 +177,7 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str]]:
         if heading:
             if "".join(current).strip():
                 yield list(path), "".join(current)
-            level, title = len(heading.group(1)), heading.group(2).strip()
+            level, title = len(heading.group(1)), _shortened(heading.group(2).strip())
             path = [*path[: level - 1], *[""] * max(0, level - 1 - len(path)), title]
             current = [line]
         else:

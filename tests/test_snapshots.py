@@ -129,3 +129,30 @@ async def test_a_session_of_another_branch_does_not_hold_this_ones_reads(reads: 
         await reads.write(2, "b", "beta parser")
         assert set((await documents.fetch(SCOPE, ["a", "b"])).documents) == {"a", "b"}
         assert set(before.documents) == {"a"}
+
+
+async def test_a_read_cancelled_twice_still_ends_its_transaction(reads: Reads) -> None:
+    """A red team saw asyncpg report, at error level, connections given back to the pool inside their transaction
+    under load: a read cancelled (its deadline), then cancelled again while its ROLLBACK ran (its answer given up)."""
+    reported: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: reported.append(str(context.get("message"))))
+    try:
+        for _ in range(3):
+
+            async def slow() -> None:
+                async with reads.snapshots.read(SCOPE) as snapshot:
+                    await snapshot.conn.fetch("SELECT pg_sleep(2)")
+
+            read = asyncio.ensure_future(slow())
+            await asyncio.sleep(0.2)
+            read.cancel()
+            await asyncio.sleep(0)  # into its ROLLBACK
+            read.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await read
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []
+    assert await reads.pool.fetchval(IDLE_IN_TRANSACTION) == 0
+    assert set((await reads.documents.fetch(SCOPE, ["a"])).documents) == {"a"}

@@ -17,10 +17,10 @@ import contextvars
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
@@ -293,7 +293,29 @@ async def _read_only_transaction(conn: Connection) -> AsyncIterator[None]:
         # Whatever happened: cancelled while the LOCK waited, the transaction is open though no answer came back
         # to say so (outside one, ROLLBACK only warns).
         if not conn.is_closed():
-            await conn.execute("ROLLBACK")
+            await _whole(conn.execute("ROLLBACK"))
+
+
+T = TypeVar("T")
+
+
+async def _whole(step: Awaitable[T]) -> T:
+    """``step`` awaited to its end even when the task is cancelled again meanwhile (a deadline, then the answer
+    given up), the cancellation passed on after. A ROLLBACK cut short gave the connection back to the pool inside
+    its transaction, and asyncpg's reset said so at error level, once for every such answer under load."""
+    running = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(running)
+            break
+        except asyncio.CancelledError:
+            if running.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 class _SharedRead:

@@ -8,7 +8,16 @@ import pytest
 
 from ontofabric.contracts import ExpandedContext, QueryMeta, QueryResponse, SearchResult
 from ontofabric.contracts.query import CollapsedResult
-from ontofabric.services.query.budget import BYTES_PER_TOKEN, TooLarge, cut_to, fit_reply
+from ontofabric.services.query.budget import (
+    BYTES_PER_TOKEN,
+    NO_NOTES,
+    RESERVE_BYTES,
+    TooLarge,
+    _report,
+    _with_budget,
+    cut_to,
+    fit_reply,
+)
 
 META = QueryMeta(
     ontology_version="1-a", workspace="w", branch="main", hybrid=True, reranked=False, cache_hit=False,
@@ -78,6 +87,23 @@ def test_a_budget_too_small_for_every_result_keeps_the_best_ranks() -> None:
     assert [r.id for r in fitted.results] == [f"d{i}" for i in range(len(fitted.results))]
     assert fitted.meta.budget is not None
     assert fitted.meta.budget.results_dropped == 100 - len(fitted.results)
+
+
+def test_as_many_results_are_kept_as_fit_whatever_their_sizes() -> None:
+    """The count of results kept is added up from each result's size: it must be the largest count that fits, as
+    when each count was tried whole."""
+    answer = _answer([None] * 100)
+    varied = answer.model_copy(update={"results": [
+        r.model_copy(update={"metadata": {"filePath": "f" * (i * 37 % 90), "symbolFqn": "ü" * (i % 7)}})
+        for i, r in enumerate(answer.results)
+    ]})  # fmt: skip
+    for max_tokens in range(1000, 3000, 53):
+        fitted, body = _fit(varied, max_tokens)
+        kept = len(fitted.results)
+        assert len(body) <= max_tokens * BYTES_PER_TOKEN
+        if kept < 100:  # one more would not have fitted with the report's reserve, counted as before: whole
+            more = _with_budget(varied, _report(max_tokens), varied.results[: kept + 1], NO_NOTES)
+            assert len(more.model_dump_json().encode()) + RESERVE_BYTES > max_tokens * BYTES_PER_TOKEN
 
 
 def test_what_the_meta_says_about_results_left_out_goes_with_them() -> None:

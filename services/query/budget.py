@@ -143,11 +143,20 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     def size(results: list[SearchResult]) -> int:
         return len(_encoded(_with_budget(response, _report(max_tokens), results, NO_NOTES)))
 
-    # The results without their contents, as many (best ranked first) as fit with room for the report.
-    kept = len(bare)
-    while kept and size(bare[:kept]) + RESERVE_BYTES > limit:
-        kept -= 1
+    # The results without their contents, as many (best ranked first) as fit with room for the report: counted
+    # from the size of the answer with none and of each result, where trying each count serialised the whole
+    # answer again (100 results: up to a hundred times, a sixth of a loaded worker's event loop), then checked whole.
+    room = limit - RESERVE_BYTES - size([])
+    kept = 0
+    for result in bare:
+        room -= len(result.model_dump_json().encode()) + (1 if kept else 0)  # and the comma before it
+        if room < 0:
+            break
+        kept += 1
     skeleton = size(bare[:kept])
+    while kept and skeleton + RESERVE_BYTES > limit:
+        kept -= 1
+        skeleton = size(bare[:kept])
     if skeleton > limit:
         raise TooLarge(f"even an answer without results exceeds the {limit} bytes it may have")
     # Then contents, in rank order, in the room left.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from ._base import WireModel
 from .documents import MAIN_BRANCH, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
@@ -40,6 +40,20 @@ class OntologyNode(WireModel):
     def object_type(self) -> str:
         return f"{self.domain}.{self.name}" if self.domain else self.name
 
+    @model_validator(mode="after")
+    def _names_an_object_type(self) -> OntologyNode:
+        # Its row is keyed by the object type: one no removal, revert or link can name would stay for good.
+        try:
+            OBJECT_TYPE.validate_python(self.object_type)
+        except ValidationError:
+            raise ValueError(
+                f"domain and name make the objectType {self.object_type[:100]!r}, which is none: a letter or _ "
+                "first, then letters, digits, _ . $ - (at most 512)"
+            ) from None
+        return self
+
+
+OBJECT_TYPE: TypeAdapter[str] = TypeAdapter(ObjectType)
 
 LINK_KEY_SEPARATOR = "|"
 """Between a link's source type, name and target type in its key (none of them can hold it)."""

@@ -100,6 +100,20 @@ def test_the_scope_a_delta_subject_names_is_read_only_from_a_whole_canonical_one
         assert names.scope_of_delta(subject) is None, subject
 
 
+@pytest.mark.parametrize(("domain", "name"), [("my domain", "Foo Bar"), ("d" * 256, "n" * 256), ("", "9lives")])
+def test_a_node_whose_names_make_no_object_type_is_refused_as_it_comes(domain: str, name: str) -> None:
+    """A red team's finding: such a node was stored, and every removal, revert or link naming it was refused (its
+    object type fails the pattern), so it stayed for good."""
+    node = OntologyNode(domain="pkg", name="Fine", kind="class").model_dump(by_alias=True)
+    delta = json.loads(upsert("ws", document("a", "alpha")).model_dump_json())
+    delta["payload"] = {"type": "node.upserted", "node": {**node, "domain": domain, "name": name}}
+    data, subject = _raw(json.dumps(delta))
+    outcome = validate_delta(data, subject, 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == "invalid_schema"
+    assert "which is none" in outcome.detail
+
+
 def test_oversized_message_is_rejected_before_parsing() -> None:
     outcome = validate_delta(b"x" * 100, "of.delta.ws.main", 1, Limits(50, 4096, 384, "m"))
     assert isinstance(outcome, Rejection)

@@ -1086,7 +1086,7 @@ def rebuild(
             else "running again will not help as things are; --discard drops the shadow tables"
         )
         _fail(f"{error}\nthe live index is unchanged; {advice}")
-    except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError) as error:  # the database went away
+    except (asyncpg.InterfaceError, ConnectionResetError) as error:  # the database went away under it
         _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"

@@ -46,6 +46,11 @@ class ManifestChanged(Exception):
 class ManifestMissing(Exception):
     """The head names a part that is not there (removed by hand, or a bucket restored in part)."""
 
+    def __init__(self, message: str, head_revision: int | None = None) -> None:
+        super().__init__(message)
+        self.head_revision = head_revision
+        """The revision of the head read."""
+
 
 @dataclass(frozen=True)
 class StoredManifest:
@@ -93,6 +98,17 @@ class ManifestStore:
         return None if entry is None else entry.value or b""
 
     async def load(self, workspace: str, branch: str) -> StoredManifest:
+        """The manifest the head names. Read while another ingest saves, the parts may be purged between reading
+        the head and them: read again from the new head, as long as the head keeps moving."""
+        while True:
+            try:
+                return await self._load_once(workspace, branch)
+            except ManifestMissing as missing:
+                head = await self._entry(f"{_prefix(workspace, branch)}.head")
+                if head is None or head.revision == missing.head_revision:
+                    raise
+
+    async def _load_once(self, workspace: str, branch: str) -> StoredManifest:
         prefix = _prefix(workspace, branch)
         head_entry = await self._entry(f"{prefix}.head")
         if head_entry is None:
@@ -104,11 +120,14 @@ class ManifestStore:
             # Not one an ingester wrote: a JetStream acknowledgement another client had sent to this key, say.
             raise ManifestMissing(
                 f"the ingest manifest head of {workspace}/{branch} ({prefix}.head, revision {head_entry.revision}) "
-                f"is not one an ingester wrote: {(head_entry.value or b'')[:80]!r}"
+                f"is not one an ingester wrote: {(head_entry.value or b'')[:80]!r}",
+                head_entry.revision,
             ) from error
         parts = await asyncio.gather(*(self._get(f"{prefix}.parts.{generation}.{i}") for i in range(count)))
         if any(part is None for part in parts):
-            raise ManifestMissing(f"a part of the ingest manifest of {workspace}/{branch} is missing")
+            raise ManifestMissing(
+                f"a part of the ingest manifest of {workspace}/{branch} is missing", head_entry.revision
+            )
         data = zlib.decompress(b"".join(part or b"" for part in parts))
         return StoredManifest(data, head_entry.revision or 0, generation, count)
 

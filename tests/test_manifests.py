@@ -75,6 +75,33 @@ async def test_of_two_saves_from_one_manifest_only_the_first_lands(deployment: D
     assert len(await _keys(deployment)) == 2
 
 
+async def test_a_manifest_read_while_another_ingest_replaces_it_is_read_from_the_new_head(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ingests of a branch at once: the parts one read was about to take were purged by the other's save
+    between the head and the parts, and the read stopped with "a part of the ingest manifest is missing"."""
+    store = ManifestStore(deployment.js, deployment.names)
+    base = await store.save("acme", "main", _manifest(3), StoredManifest(None, 0))
+    read_part = ManifestStore._get
+    replaced = False
+
+    async def racing(self: ManifestStore, key: str) -> bytes | None:
+        nonlocal replaced
+        if ".parts." in key and not replaced:  # the other ingest saves right after this one read the head
+            replaced = True
+            await ManifestStore(deployment.js, deployment.names).save("acme", "main", _manifest(4, "a"), base)
+        return await read_part(self, key)
+
+    monkeypatch.setattr(ManifestStore, "_get", racing)
+    assert (await store.load("acme", "main")).data == _manifest(4, "a")
+    monkeypatch.undo()
+    # A head that names missing parts and stays put is still said to be damaged.
+    kv = await deployment.js.key_value(deployment.names.manifest_bucket)
+    await kv.put("acme.main.head", json.dumps({"generation": "gone", "parts": 1}).encode())
+    with pytest.raises(ManifestMissing, match="is missing"):
+        await store.load("acme", "main")
+
+
 async def test_the_manifests_of_the_old_shared_object_store_move_into_the_bucket(
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 from collections.abc import Callable
+from typing import get_args
 
 import asyncpg
 import numpy as np
@@ -16,7 +17,7 @@ from nats.js.errors import BadRequestError
 from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
-from ontofabric.services.projector.planning import Delta, VersionState
+from ontofabric.services.projector.planning import Delta, RejectReason, VersionState
 from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
@@ -204,6 +205,17 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     ]  # fmt: skip
     assert dead_lettered("invalid_schema") == invalid_before + 1  # dead letters counted by reason
     assert fresh_deltas() >= fresh_before + 2  # the two that applied: stored in the stream -> in the index
+
+
+async def test_every_dead_letter_reason_is_counted_from_zero(projector: ProjectorService) -> None:
+    """An operator's finding: a count that first appeared at 1 showed Prometheus no increase, so the dead-letter
+    alert missed a process's first dead letter of each reason."""
+    counted = {
+        p.attributes.get("reason")
+        for p in metric_points("projector.deltas")
+        if p.attributes.get("outcome") == "dead_lettered" and p.attributes.get("index") == "postgres"
+    }
+    assert set(get_args(RejectReason)) <= counted
 
 
 async def test_a_document_keeps_its_vector_in_its_row(deployment: Deployment, projector: ProjectorService) -> None:

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -40,7 +41,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition, workspace_of, workspace_token_of
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
-from .planning import Rejection
+from .planning import Rejection, RejectReason
 from .runner import Outcome, ProjectionRunner
 
 log = get_logger(__name__)
@@ -242,6 +243,10 @@ class DurableProjection:
         self._dead_letters_invalid = dead_letters_invalid
         self._min_retry_s = min_retry_s
         self._metrics = instruments()
+        # Each reason's count is there from the start, at 0: a counter that first appears at 1 shows Prometheus no
+        # increase, and the dead-letter alert missed a process's first dead letter of each reason.
+        for reason in get_args(RejectReason):
+            self._metrics.projector_deltas.add(0, {"outcome": "dead_lettered", "index": self._index, "reason": reason})
         self._failing = 0
         """Batches in a row whose sink write failed for a passing reason (the database away)."""
         self.sent_back = SentBack()

@@ -27,6 +27,7 @@ from ontofabric.services.query.core import (
     Definitions,
     Fetched,
     Hits,
+    Pending,
     Representatives,
     Retriever,
     Scope,
@@ -652,3 +653,44 @@ async def test_meta_says_when_the_keyword_list_was_pruned() -> None:
     answer = await pipeline_over(Pruned()).answer(QUERY, "w")
     assert answer.meta.keyword_pruned is True
     assert answer.meta.model_dump(by_alias=True)["keywordPruned"] is True
+
+
+@dataclass
+class MovingStream:
+    """A freshness source whose position and published deltas the test moves (DeltaWatch's answers, scripted)."""
+
+    at: int
+    published: dict[str, list[int]] = field(default_factory=dict)
+
+    async def position(self) -> int | None:
+        return self.at
+
+    async def pending(self, workspace: str, branches: list[str], position: int) -> Pending | None:
+        seqs = [seq for branch in branches for seq in self.published.get(branch, []) if seq > position]
+        return Pending(len(seqs), 10.0 if seqs else None)
+
+
+async def test_an_answer_made_before_claims_the_position_now_only_when_its_branch_did_not_move() -> None:
+    """A red team's finding: a cached (or shared) answer claimed the position read when it was handed out, past
+    deltas of its branch applied since whose version this worker had not yet been told of."""
+    stream = MovingStream(at=10)
+    cache: LruCache[CacheKey, bytes] = LruCache(10)
+    pipeline = QueryPipeline(
+        ScriptedRetrieval().retrievers(), ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), cache,
+        PipelineConfig(), freshness=stream,
+    )  # fmt: skip
+    made = await pipeline.answer(QUERY, "w")
+    assert made.meta.freshness is not None
+    assert made.meta.freshness.indexed_seq == 10
+    # Another workspace's delta (11) is applied: the branch did not move, the answer holds 11 too.
+    stream.at, stream.published["elsewhere"] = 11, [11]
+    again = await pipeline.answer(QUERY, "w")
+    assert again.meta.cache_hit is True
+    assert again.meta.freshness is not None
+    assert (again.meta.freshness.indexed_seq, again.meta.freshness.pending_deltas) == (11, 0)
+    # A delta of its branch (12) is applied, its version not yet announced: the answer holds up to 10 only.
+    stream.at, stream.published["main"] = 12, [12]
+    stale = await pipeline.answer(QUERY, "w")
+    assert stale.meta.cache_hit is True
+    assert stale.meta.freshness is not None
+    assert (stale.meta.freshness.indexed_seq, stale.meta.freshness.pending_deltas) == (10, 1)

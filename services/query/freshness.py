@@ -6,9 +6,10 @@ a delta waiting for a retry may lie below it. An answer reads the position befor
 every delta up to it.
 
 What has been published past the position is counted from the headers the stream republishes for every delta it
-stores (sequence and time), watched from the worker's start and forgotten once the position passes them. Until the
-position has passed what was published before the watch began (or what it had to forget to stay bounded), the count
-is asked of JetStream instead: a consumer made for it and removed.
+stores (sequence and time), watched from the worker's start and forgotten a minute after a position passed them.
+Below what was published before the watch began, what it did not see (a reconnection), what it had to forget to
+stay bounded, and what it has forgotten, the count is asked of JetStream instead: a consumer made for it and
+removed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ EXACT_COUNT_TTL_S = 1.0
 """How long a count asked of JetStream serves the same branch's later answers."""
 MAX_WATCHED = 100_000
 """Deltas remembered past the position at most; past that the watch starts over from the newest it saw."""
+FORGET_AFTER_S = 60.0
+"""How long the deltas a position passed are remembered after it was read: an answer still working from that
+position (a slow reranker, a deep query, a shared answer) counts past it. One older asks JetStream."""
 
 
 def _epoch(stamp: str) -> float:
@@ -102,9 +106,13 @@ class DeltaWatch:
         """The watch has seen every delta published after this sequence."""
         self._position: tuple[float, int] | None = None
         """The last position read, and when (monotonic)."""
-        self._swept_to = 0
+        self._read: deque[tuple[float, int]] = deque()
+        """Positions read, with when, until FORGET_AFTER_S has passed."""
+        self._forgotten_to = 0
+        """The deltas up to this sequence are no longer remembered: a position below it is counted by JetStream."""
+        self._last_seen = 0
         self._reading: asyncio.Task[int] | None = None
-        self._counted: LruCache[str, tuple[float, Pending]] = LruCache(4096)
+        self._counted: LruCache[tuple[str, int], tuple[float, Pending]] = LruCache(4096)
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._names.published_subjects, cb=self._seen)
@@ -141,12 +149,19 @@ class DeltaWatch:
         self._position = (started, floor)
         return floor
 
-    def _advance(self, floor: int) -> None:
-        """Forget what the position before this one passed: an answer still working from that one counts past it,
-        so only the deltas both positions passed can go."""
-        sweep_to, self._swept_to = self._swept_to, max(self._swept_to, floor)
-        if sweep_to == 0:
+    def _advance(self, floor: int, now: float | None = None) -> None:
+        """Forget what every position read more than FORGET_AFTER_S ago passed. Before, what the position before
+        the last one passed went, and an answer that read its position two reads ago (100 ms: one with a reranker,
+        or a shared one) was told nothing was pending while deltas were."""
+        now = time.monotonic() if now is None else now
+        if not self._read or self._read[-1][1] != floor:
+            self._read.append((now, floor))
+        sweep_to = self._forgotten_to
+        while self._read and now - self._read[0][0] > FORGET_AFTER_S:
+            sweep_to = max(sweep_to, self._read.popleft()[1])
+        if sweep_to <= self._forgotten_to:
             return
+        self._forgotten_to = sweep_to
         for scope in list(self._published):
             published = self._published[scope]
             while published and published[0][0] <= sweep_to:
@@ -163,7 +178,13 @@ class DeltaWatch:
         except (KeyError, ValueError) as error:
             log.warning("published_header_unreadable", subject=msg.subject, error=describe(error))
             return
-        if seq <= self._swept_to:
+        if self._last_seen and seq > self._last_seen + 1:
+            # Deltas stored meanwhile went by unseen (the connection lost and back, or a slow subscriber's dropped
+            # messages): below this one, JetStream counts until the position passes it.
+            log.info("published_deltas_unseen", after=self._last_seen, before=seq)
+            self._complete_after = max(self._complete_after, seq - 1)
+        self._last_seen = max(self._last_seen, seq)
+        if seq <= self._forgotten_to:
             return
         if self._watched >= MAX_WATCHED:  # the rest is counted by JetStream until the position passes seq
             self._published.clear()
@@ -176,7 +197,7 @@ class DeltaWatch:
         """The deltas of the workspace's branches published past ``position``; None when that cannot be told."""
         if self._subscription is None:
             return None
-        if position < self._complete_after:
+        if position < max(self._complete_after, self._forgotten_to):
             return await self._count(workspace, branches, position)
         count, oldest = 0, None
         for branch in branches:
@@ -195,10 +216,10 @@ class DeltaWatch:
         total, oldest_ms = 0, None
         for branch in branches:
             subject = self._names.delta_subject(workspace, branch)
-            counted = self._counted.get(subject)
+            counted = self._counted.get((subject, position))
             if counted is None or time.monotonic() - counted[0] > EXACT_COUNT_TTL_S:
                 counted = (time.monotonic(), await self.published_after(subject, position))
-                self._counted.put(subject, counted)
+                self._counted.put((subject, position), counted)
             pending = counted[1]
             total += pending.deltas
             if pending.oldest_ms is not None:

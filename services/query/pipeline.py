@@ -176,8 +176,7 @@ class QueryPipeline:
             shared = await asyncio.shield(being_made)
         if shared is not None:
             self._metrics.cache_hit.add(1)
-            # The same version still: the answer holds every delta up to the position now.
-            freshness = await self._freshness(workspace, query.branch, await self._position())
+            freshness = await self._shared_freshness(workspace, query.branch, shared.meta.freshness)
             timings = {"total": milliseconds_since(run.started)}
             meta = shared.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, shared.model_copy(update={"meta": meta}))
@@ -521,6 +520,20 @@ class QueryPipeline:
 
     async def _position(self) -> int | None:
         return None if self._freshness_source is None else await self._freshness_source.position()
+
+    async def _shared_freshness(self, workspace: str, branch: str, made: Freshness | None) -> Freshness | None:
+        """An answer made before (cached, or made for the same question asked meanwhile) holds every delta up to
+        the position its maker read; up to the position now only when none of the branches' deltas was published
+        between the two. Before, it claimed the position now, also past deltas of its branch applied since (their
+        version not yet announced to this worker)."""
+        if made is None:
+            return None
+        then = await self._freshness(workspace, branch, made.indexed_seq)
+        position = await self._position()
+        if then is None or then.pending_deltas is None or position is None or position <= made.indexed_seq:
+            return then
+        now = await self._freshness(workspace, branch, position)
+        return now if now is not None and now.pending_deltas == then.pending_deltas else then
 
     async def _freshness(self, workspace: str, branch: str, position: int | None) -> Freshness | None:
         """The position an answer read, and what was published past it on the branches it read; None when the

@@ -1,0 +1,65 @@
+"""How far an answer is behind the stream (services/query/freshness.py, DeltaWatch), on a real nats-server: the
+deltas the stream republishes as they are stored, counted past an answer's position."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ontofabric.services.query.freshness import FORGET_AFTER_S, DeltaWatch
+
+from .conftest import Deployment
+from .factories import document, upsert
+
+
+async def _published(deployment: Deployment, watch: DeltaWatch, count: int) -> list[int]:
+    seqs = [(await deployment.publisher.publish(upsert("acme", document(f"d{n}", "text")))).seq for n in range(count)]
+    async with asyncio.timeout(10):
+        while watch._last_seen < seqs[-1]:
+            await asyncio.sleep(0.01)
+    return seqs
+
+
+async def test_an_answer_working_from_an_older_position_counts_what_was_published_past_it(
+    deployment: Deployment,
+) -> None:
+    """A red team's finding: what the position before the last passed was forgotten, so an answer that had read its
+    position two reads before (100 ms: one with a reranker, or a shared one) was told 0 pending."""
+    watch = DeltaWatch(deployment.nc, deployment.names)
+    await watch.start()
+    try:
+        seqs = await _published(deployment, watch, 3)
+        start = time.monotonic()
+        for step, floor in enumerate(seqs):  # three positions read, 50 ms apart
+            watch._advance(floor, start + 0.05 * step)
+        pending = await watch.pending("acme", ["main"], seqs[0])
+        assert pending is not None
+        assert pending.deltas == 2
+        # A minute on, what those positions passed is forgotten: one that old is counted by JetStream, as rightly.
+        watch._advance(seqs[-1], start + FORGET_AFTER_S + 1)
+        assert watch._forgotten_to == seqs[-1]
+        exact = await watch.pending("acme", ["main"], seqs[0])
+        assert exact is not None
+        assert exact.deltas == 2
+    finally:
+        await watch.stop()
+
+
+async def test_deltas_stored_while_the_watch_was_away_are_counted(deployment: Deployment) -> None:
+    """A red team's finding: deltas published while a worker's connection was down were never counted, and its
+    answers said nothing was pending until the projector passed them."""
+    watch = DeltaWatch(deployment.nc, deployment.names)
+    await watch.start()
+    try:
+        (first,) = await _published(deployment, watch, 1)
+        assert watch._subscription is not None
+        await watch._subscription.unsubscribe()  # away: a connection lost, as the server sees it
+        for n in range(2):
+            await deployment.publisher.publish(upsert("acme", document(f"gap{n}", "text")))
+        watch._subscription = await deployment.nc.subscribe(deployment.names.published_subjects, cb=watch._seen)
+        await _published(deployment, watch, 1)  # back: the next one shows the gap
+        pending = await watch.pending("acme", ["main"], first)
+        assert pending is not None
+        assert pending.deltas == 3
+    finally:
+        await watch.stop()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -23,7 +24,9 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import TypeAdapter, ValidationError
+from pydantic_settings import SettingsError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
@@ -65,7 +68,7 @@ from ontofabric.shared.runtime import (
 )
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
-from ontofabric.shared.telemetry import configure_telemetry
+from ontofabric.shared.telemetry import MetricsUnservable, configure_telemetry
 
 from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
@@ -1165,9 +1168,9 @@ def compact(
 ) -> None:
     """Fold every workspace's deltas up to the index's position into its snapshot, then drop them from the stream.
 
-    Bounds the stream: a rebuild then replays a workspace's snapshot and the deltas after it. Run it more often than
-    ONTOFABRIC_DELTA_MAX_AGE_DAYS, if set, removes deltas by age. The old deltas themselves are gone afterwards
-    (their folds remain), so it asks first."""
+    Bounds the stream: a rebuild then replays a workspace's snapshot and the deltas after it. When
+    ONTOFABRIC_DELTA_MAX_AGE_DAYS is set (deltas removed by age), run it more often than that. The old deltas
+    themselves are gone afterwards (their folds remain), so it asks first."""
     from .ops.snapshots import CompactionRefused
     from .ops.snapshots import compact as compact_stream
 
@@ -1203,8 +1206,9 @@ def migrate_command(data_dir: DataDir = None) -> None:
     """Apply pending database migrations to every database the workspaces are placed on (workers also do this
     when they start)."""
     settings = _settings("ontofabric-migrate", data_dir)
-    endpoints = _endpoints(settings)
-    for database_url in Placement.of(settings, endpoints.database_url).databases:
+    # The database alone: a deployment migrates before any other part runs, NATS included (docs/security.md).
+    primary = settings.database_url or _endpoints(settings).database_url
+    for database_url in Placement.of(settings, primary).databases:
         applied = asyncio.run(migrate(database_url, settings))
         console.print(f"{redacted_url(database_url)}: applied {', '.join(applied) or 'nothing (up to date)'}")
 
@@ -1293,8 +1297,16 @@ def main() -> None:
     except ValidationError as error:
         if error.title != Settings.__name__:
             raise
-        # Without the input: a value that failed may be a secret.
+        # Without the input: a value that failed may be a secret. Escaped: a pattern's brackets are no markup.
         for problem in error.errors(include_input=False, include_url=False):
             variable = "".join(f"ONTOFABRIC_{str(part).upper()}" for part in problem["loc"][:1]) or "settings"
-            errors.print(f"[red]error:[/red] {variable}: {problem['msg']}")
+            errors.print(f"[red]error:[/red] {variable}: {escape(problem['msg'])}")
+        sys.exit(2)
+    except MetricsUnservable as error:
+        errors.print(f"[red]error:[/red] {escape(str(error))}")
+        sys.exit(2)
+    except SettingsError as error:  # a list setting that is not JSON, before any value is checked
+        named = re.search(r'field "(\w+)"', str(error))
+        variable = f"ONTOFABRIC_{named.group(1).upper()}" if named else "settings"
+        errors.print(f"[red]error:[/red] {variable}: not valid JSON (a list setting is written as JSON: [1, 2])")
         sys.exit(2)

@@ -65,13 +65,22 @@ def configure_telemetry(
         HTTPXClientInstrumentor().instrument()
 
 
+class MetricsUnservable(Exception):
+    """The metrics endpoint's address cannot be listened on."""
+
+
 def serve_prometheus(host: str, port: int) -> MetricReader:
     """A reader whose metrics Prometheus scrapes over HTTP at ``http://host:port/metrics`` (port 0: any free one)."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import start_http_server
 
     reader: MetricReader = PrometheusMetricReader()
-    server, _ = start_http_server(port, addr=host)
+    try:
+        server, _ = start_http_server(port, addr=host)
+    except OSError as error:  # the port taken, or no such address: said as the setting, not a traceback
+        raise MetricsUnservable(
+            f"ONTOFABRIC_METRICS_HOST/ONTOFABRIC_METRICS_PORT {host}:{port} cannot be served: {error}"
+        ) from error
     log.info("metrics_served", url=f"http://{host}:{server.server_port}/metrics")
     return reader
 

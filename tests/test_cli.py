@@ -345,3 +345,46 @@ def test_a_rebuild_the_database_drops_says_it_can_be_resumed(monkeypatch: pytest
     assert result.exit_code == 2  # as a RebuildFailed
     assert "the rebuild was interrupted: InterfaceError: connection is closed" in " ".join(result.output.split())
     assert "run again to resume" in result.output
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("ONTOFABRIC_SUBJECT_PREFIX", "a.b", "String should match pattern '^[a-z][a-z0-9_-]{0,30}$'"),
+        ("ONTOFABRIC_CALIBRATION_DENSE", "abc", "ONTOFABRIC_CALIBRATION_DENSE: not valid JSON"),
+    ],
+)  # fmt: skip
+def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:
+    """An operator's review: a pattern's brackets were taken for markup (it printed '^{0,30}$'), and a list setting
+    that was not JSON ended in a traceback."""
+    result = subprocess.run(
+        [ONTOFABRIC, "settings"], capture_output=True, text=True, env=_env(**{variable: value}), check=False, timeout=60
+    )
+    assert result.returncode == 2
+    assert said in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+
+
+def test_a_metrics_port_already_taken_is_said_without_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = _env(ONTOFABRIC_METRICS_PORT=str(port), ONTOFABRIC_METRICS_HOST="127.0.0.1")
+        result = subprocess.run(
+            [ONTOFABRIC, "query-worker", "--data-dir", str(tmp_path)], capture_output=True, text=True, env=env,
+            check=False, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert f"127.0.0.1:{port} cannot be served" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+
+
+async def test_migrate_needs_the_database_alone(deployment: Deployment) -> None:
+    """docs/security.md has a deployment migrate before any other part runs: it refused without a NATS URL."""
+    env = {k: v for k, v in deployment.env().items() if k != "ONTOFABRIC_NATS_URL"}
+    result = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, "migrate"], capture_output=True, text=True, env=env, check=False, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "applied" in result.stdout

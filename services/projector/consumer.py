@@ -396,13 +396,17 @@ async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: R
         headers["Ontofabric-Body-Omitted"] = f"{len(body)} bytes, over the server's max_payload with these headers"
         body = b""
     try:
-        await js.publish(subject, body, headers=headers)
+        stored = await js.publish(subject, body, headers=headers)
     except Exception as error:  # the dead letter is not safe yet: keep the original for another try
         await retry_later([msg], error, index)
         return
     await msg.term()
     instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index, "reason": rejection.reason})
-    log.warning("delta_dead_lettered", index=index, seq=seq, reason=rejection.reason, detail=rejection.detail[:300])
+    # dlq_seq: what `ontofabric dlq show` takes; seq is the delta's own, in the delta stream.
+    log.warning(
+        "delta_dead_lettered", index=index, seq=seq, dlq_seq=stored.seq, reason=rejection.reason,
+        detail=rejection.detail[:300],
+    )  # fmt: skip
 
 
 class RunningProjection:

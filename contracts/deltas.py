@@ -10,10 +10,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from ._base import WireModel
-from .documents import MAIN_BRANCH, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
+from .documents import MAIN_BRANCH, OBJECT_TYPE, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
 
 SCHEMA_VERSION = 1
 
@@ -52,8 +52,6 @@ class OntologyNode(WireModel):
             ) from None
         return self
 
-
-OBJECT_TYPE: TypeAdapter[str] = TypeAdapter(ObjectType)
 
 LINK_KEY_SEPARATOR = "|"
 """Between a link's source type, name and target type in its key (none of them can hold it)."""

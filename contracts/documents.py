@@ -48,6 +48,8 @@ ObjectType = Annotated[
     StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.$-]{0,511}$"),
     Field(description="Ontology object type, '{domain}.{typeName}' (a top-level type may have no domain)."),
 ]
+OBJECT_TYPE: TypeAdapter[str] = TypeAdapter(ObjectType)
+"""Checks an object type made outside a field (a node's, from its domain and name)."""
 SymbolKind = Annotated[
     str,
     StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"),

@@ -285,7 +285,7 @@ def ingest(
         nc = await connect(nats_url, "ontofabric-ingest", settings)
         try:
             js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them
-            set_aside = await DeadLetterWatch.start(nc, names, workspace)
+            set_aside = await DeadLetterWatch.start(nc, names, workspace) if wait else None
             started = time.perf_counter()
             with RichProgress(console) as progress:
                 cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
@@ -331,7 +331,7 @@ def ingest(
                     soft_wrap=True,
                     markup=False,
                 )
-            if wait and report.last_sequence is not None:
+            if set_aside is not None and report.last_sequence is not None:
                 await nc.flush()  # a dead letter is published before its delta counts as projected
                 _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
             if report.too_large:

@@ -39,6 +39,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition, workspace_of, workspace_token_of
+from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
 from .planning import Rejection, RejectReason
@@ -423,9 +424,7 @@ class RunningProjection:
         self._published = published
 
     async def stop(self) -> None:
-        self._watching.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watching
+        await cancel_and_wait(self._watching)
         with contextlib.suppress(Exception):  # the connection may be closing already
             await self._published.unsubscribe()
         await self._puller.stop()

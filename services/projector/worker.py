@@ -26,6 +26,7 @@ from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition
+from ontofabric.shared.tasks import cancel_and_wait
 
 from .azure import (
     MAX_KEYS_PER_LOOKUP,
@@ -196,9 +197,7 @@ class AzureProjectorService:
         self._puller, self._nc, self._clients, self._watermarking = None, None, None, None
         service, self._service = self._service, None
         if watermarking is not None:
-            watermarking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watermarking
+            await cancel_and_wait(watermarking)
         await _stop_announcing(service)
         async with contextlib.AsyncExitStack() as closing:
             for client in clients or ():

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, OntologyVersionChanged, overlay_version
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -65,10 +66,8 @@ class VersionTracker:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            task, self._task = self._task, None
+            await cancel_and_wait(task)
 
     async def _watch_forever(self) -> None:
         while True:

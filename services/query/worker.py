@@ -48,6 +48,7 @@ from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token, workspace_token_of
+from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
@@ -606,9 +607,8 @@ class QueryService:
         with contextlib.suppress(TimeoutError):  # those received are answered; past the timeout, cancelled
             await asyncio.wait_for(self._waiting.join(), timeout_s)
         runners, self._runners = self._runners, []
-        for runner in runners:
-            runner.cancel()
-        await asyncio.gather(*runners, *self._expiries, return_exceptions=True)
+        # Cancelled until they end: one cut in a NATS request may go on to wait for the next request, for ever.
+        await asyncio.gather(*map(cancel_and_wait, runners), *self._expiries, return_exceptions=True)
         if self._versions is not None:
             await self._versions.stop()
             self._versions = None

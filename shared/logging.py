@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -101,6 +102,18 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     # Library chatter stays at WARNING unless we are debugging.
     for noisy in ("nats", "asyncio", "sentence_transformers", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(level if level == "DEBUG" else "WARNING")
+    _no_library_progress_bars()
+
+
+def _no_library_progress_bars() -> None:
+    """transformers draws a progress bar on stderr while it loads a model's weights: in JSON-lines logs that is a
+    line no log reader can parse. Our own commands draw the progress bars that matter. An operator who wants the
+    library's back sets HF_HUB_DISABLE_PROGRESS_BARS=0."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "0" and "transformers" in sys.modules:  # imported already
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 def describe(error: BaseException) -> str:

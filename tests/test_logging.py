@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +64,25 @@ def test_a_dropped_line_raises_nothing_into_the_code_that_logged_it(caplog: pyte
             logger.warning("the same line")
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("transformers_first", [False, True])
+def test_loading_the_model_writes_only_json_lines(transformers_first: bool) -> None:
+    """An operator's finding: transformers drew a "Loading weights" progress bar into the workers' JSON-lines log.
+    Whether transformers was imported before logging was configured or after."""
+    script = (
+        ("import transformers\n" if transformers_first else "")
+        + "from ontofabric.shared.logging import configure_logging\n"
+        "from ontofabric.shared.settings import Settings\n"
+        "configure_logging('INFO', 'json')\n"
+        "from ontofabric.shared.embedder import load_embedder\n"
+        "load_embedder(Settings())\n"
+        "import logging; logging.getLogger('ontofabric.test').warning('loaded')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "ONTOFABRIC_"))}
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    lines = [line for line in ran.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines  # the warning at least
+    for line in lines:
+        json.loads(line)

@@ -66,7 +66,7 @@ from ontofabric.shared.runtime import (
     servers_moved,
     with_login,
 )
-from ontofabric.shared.settings import Settings, redacted_url
+from ontofabric.shared.settings import Settings, redacted_url, unknown_variables
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import MetricsUnservable, configure_telemetry
 
@@ -119,6 +119,8 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
     # Interactive commands keep the terminal for their output unless a log level was asked for.
     level = settings.log_level if not quiet or "ONTOFABRIC_LOG_LEVEL" in os.environ else "WARNING"
     configure_logging(level, settings.log_format)
+    for variable, resembles in unknown_variables(os.environ).items():
+        log.warning("unknown_setting", variable=variable, did_you_mean=resembles)
     serve = worker and settings.metrics_port is not None
     configure_telemetry(
         service,
@@ -1260,6 +1262,9 @@ def show_settings(
         )
         table.add_row(f"ONTOFABRIC_{name.upper()}", shown, field.description or "")
     console.print(table)
+    for variable, resembles in unknown_variables(os.environ).items():
+        guess = f" (did you mean {resembles}?)" if resembles else ""
+        errors.print(f"[yellow]warning:[/yellow] {escape(variable)} is set but is no setting; ignored{guess}")
 
 
 DATABASE_UNREACHABLE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.ClientConfigurationError)

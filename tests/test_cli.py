@@ -365,6 +365,24 @@ def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, 
     assert "Traceback" not in result.stderr
 
 
+def test_a_misspelt_setting_is_named_not_ignored_silently(tmp_path: Path) -> None:
+    """An operator's review: ONTOFABRIC_DATABSE_URL was ignored without a word, and the embedded server used."""
+    env = _env(ONTOFABRIC_DATABSE_URL="postgresql://127.0.0.1:1/x", ONTOFABRIC_IMAGE_EXTRAS="otlp")
+    shown = subprocess.run([ONTOFABRIC, "settings"], capture_output=True, text=True, env=env, check=True, timeout=60)
+    said = " ".join(shown.stderr.split())
+    assert "ONTOFABRIC_DATABSE_URL is set but is no setting; ignored (did you mean ONTOFABRIC_DATABASE_URL?)" in said
+    assert "IMAGE_EXTRAS" not in said  # ours, for the container image's build
+
+    env["ONTOFABRIC_DATABASE_URL"] = "postgresql://127.0.0.1:1/x"  # refused at once: migrate ends quickly
+    logged = subprocess.run(
+        [ONTOFABRIC, "migrate", "--data-dir", str(tmp_path)], capture_output=True, text=True, env=env, check=False,
+        timeout=120,
+    )  # fmt: skip
+    (warning,) = [json.loads(line) for line in logged.stderr.splitlines() if "unknown_setting" in line]
+    assert warning["variable"] == "ONTOFABRIC_DATABSE_URL"
+    assert warning["did_you_mean"] == "ONTOFABRIC_DATABASE_URL"
+
+
 def test_a_metrics_port_already_taken_is_said_without_a_traceback(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

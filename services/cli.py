@@ -66,7 +66,7 @@ from ontofabric.shared.runtime import (
     servers_moved,
     with_login,
 )
-from ontofabric.shared.settings import Settings, redacted_url, unknown_variables
+from ontofabric.shared.settings import Settings, SettingsUnusable, redacted_url, unknown_variables
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import MetricsUnservable, configure_telemetry
 
@@ -1305,9 +1305,10 @@ def main() -> None:
         # Without the input: a value that failed may be a secret. Escaped: a pattern's brackets are no markup.
         for problem in error.errors(include_input=False, include_url=False):
             variable = "".join(f"ONTOFABRIC_{str(part).upper()}" for part in problem["loc"][:1]) or "settings"
-            errors.print(f"[red]error:[/red] {variable}: {escape(problem['msg'])}")
+            said = problem["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+            errors.print(f"[red]error:[/red] {variable}: {escape(said)}")
         sys.exit(2)
-    except MetricsUnservable as error:
+    except (MetricsUnservable, SettingsUnusable) as error:
         errors.print(f"[red]error:[/red] {escape(str(error))}")
         sys.exit(2)
     except SettingsError as error:  # a list setting that is not JSON, before any value is checked

@@ -34,7 +34,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
-from .settings import Settings, redacted_url
+from .settings import Settings, SettingsUnusable, redacted_url
 from .subjects import Names
 
 T = TypeVar("T")
@@ -127,7 +127,9 @@ def nats_tls(settings: Settings) -> ssl.SSLContext | None:
     certificate where one is set (mutual TLS); None without a CA (plain connections)."""
     if settings.nats_tls_ca is None:
         if settings.nats_tls_cert is not None:
-            raise ValueError("ONTOFABRIC_NATS_TLS_CERT needs ONTOFABRIC_NATS_TLS_CA: a server unverified is no TLS")
+            raise SettingsUnusable(
+                "ONTOFABRIC_NATS_TLS_CERT needs ONTOFABRIC_NATS_TLS_CA: a server unverified is no TLS"
+            )
         return None
     context = ssl.create_default_context(cafile=str(settings.nats_tls_ca))
     if settings.nats_tls_cert is not None:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from .embedder import MAX_QUERY_BATCH, Coalescer, Vector, unit_rows
 from .late_interaction import TokenMatrix
 from .logging import get_logger
-from .settings import Settings
+from .settings import Settings, SettingsUnusable
 
 if TYPE_CHECKING:
     from tokenizers import Encoding
@@ -347,8 +347,10 @@ def second_embedder(settings: Settings, threads: int = 0) -> OnnxEmbedder | None
         return None
     path = settings.second_vectors_model_path or bundled_model(BUNDLED_SECOND_EMBEDDER)
     if path is None:
-        raise ValueError("ONTOFABRIC_SECOND_VECTORS needs ONTOFABRIC_SECOND_VECTORS_MODEL_PATH, or the extra `rerank`")
+        raise SettingsUnusable(
+            "ONTOFABRIC_SECOND_VECTORS needs ONTOFABRIC_SECOND_VECTORS_MODEL_PATH, or the extra `rerank`"
+        )
     missing = [name for name in ("model.onnx", "tokenizer.json") if not (path / name).is_file()]
     if missing:
-        raise ValueError(f"ONTOFABRIC_SECOND_VECTORS_MODEL_PATH {path}: no {' or '.join(missing)} there")
+        raise SettingsUnusable(f"ONTOFABRIC_SECOND_VECTORS_MODEL_PATH {path}: no {' or '.join(missing)} there")
     return OnnxEmbedder(path, embedder_name(path), threads=threads)

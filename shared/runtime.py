@@ -35,7 +35,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .logging import get_logger
 from .nats_auth import NATS_ROLES, NatsRole, NatsUser, new_nkey_seed, render_config
-from .settings import Settings, redacted_url
+from .settings import Settings, SettingsUnusable, redacted_url
 from .subjects import encode_token
 
 log = get_logger(__name__)
@@ -705,7 +705,11 @@ class EmbeddedRuntime:
         self.endpoints: Endpoints | None = None
 
     def start(self) -> Endpoints:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file of that name, no permission, a read-only disk
+            said = f"ONTOFABRIC_DATA_DIR {self.data_dir}: cannot be a directory ({error.strerror})"
+            raise SettingsUnusable(said) from error
         nats_url, database_url = self.settings.nats_url, self.settings.database_url
         if nats_url is None or database_url is None:
             self._take_lock()

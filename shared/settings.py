@@ -25,6 +25,11 @@ Precision = Literal["auto", "float32", "bfloat16"]
 QueryRuntime = Literal["onnx", "torch"]
 
 
+class SettingsUnusable(ValueError):
+    """Settings that cannot work with what is installed or on disk (a bundled model missing, a data directory that
+    is a file): the command says so in a line."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ONTOFABRIC_", extra="ignore", frozen=True)
 
@@ -470,7 +475,9 @@ class Settings(BaseSettings):
         default="INFO", description="Log level (interactive commands log warnings only unless this is set)."
     )
     log_format: Literal["json", "console"] = Field(
-        default="json", description="`json`: one structlog JSON object per line; `console`: for humans."
+        default="json",
+        description="`json`: one structlog JSON object per line; `console`: for humans. Model libraries draw no "
+        "progress bars into it (`HF_HUB_DISABLE_PROGRESS_BARS=0` brings them back).",
     )
 
     @model_validator(mode="after")
@@ -483,6 +490,25 @@ class Settings(BaseSettings):
             )
         if self.next_embedding_model is not None and self.next_embedding_model == self.embedding_model:
             raise ValueError("next_embedding_model is the current embedding_model: a change needs another model")
+        return self
+
+    @model_validator(mode="after")
+    def _parts_have_what_they_need(self) -> Self:
+        """A part turned on without what it cannot work without: said at start, not as a traceback from deep in a
+        worker (an operator's review)."""
+        needs = {
+            "keyword_backend=azure-ai-search needs azure_search_endpoint": (
+                self.keyword_backend == "azure-ai-search" and not self.azure_search_endpoint
+            ),
+            "reranker=cohere needs reranker_url": self.reranker == "cohere" and not self.reranker_url,
+            "reranker=local needs reranker_model_path": self.reranker == "local" and self.reranker_model_path is None,
+            "nats_tls_cert needs nats_tls_ca: a server unverified is no TLS": (
+                self.nats_tls_cert is not None and self.nats_tls_ca is None
+            ),
+        }
+        missing = [need for need, unmet in needs.items() if unmet]
+        if missing:
+            raise ValueError("; ".join(missing))
         return self
 
     @model_validator(mode="after")

@@ -352,6 +352,8 @@ def test_a_rebuild_the_database_drops_says_it_can_be_resumed(monkeypatch: pytest
     [
         ("ONTOFABRIC_SUBJECT_PREFIX", "a.b", "String should match pattern '^[a-z][a-z0-9_-]{0,30}$'"),
         ("ONTOFABRIC_CALIBRATION_DENSE", "abc", "ONTOFABRIC_CALIBRATION_DENSE: not valid JSON"),
+        ("ONTOFABRIC_RERANKER", "cohere", "error: settings: reranker=cohere needs reranker_url"),
+        ("ONTOFABRIC_KEYWORD_BACKEND", "azure-ai-search", "azure-ai-search needs azure_search_endpoint"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:
@@ -381,6 +383,17 @@ def test_a_misspelt_setting_is_named_not_ignored_silently(tmp_path: Path) -> Non
     (warning,) = [json.loads(line) for line in logged.stderr.splitlines() if "unknown_setting" in line]
     assert warning["variable"] == "ONTOFABRIC_DATABSE_URL"
     assert warning["did_you_mean"] == "ONTOFABRIC_DATABASE_URL"
+
+
+def test_a_data_directory_that_is_a_file_is_said_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "data").write_text("not a directory")
+    result = subprocess.run(
+        [ONTOFABRIC, "up", "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, env=_env(),
+        check=False, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "data: cannot be a directory (File exists)" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
 
 
 def test_a_metrics_port_already_taken_is_said_without_a_traceback(tmp_path: Path) -> None:

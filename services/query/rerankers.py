@@ -25,7 +25,7 @@ from ontofabric.shared.onnx_models import (
     bundled_model,
     embedder_name,
 )
-from ontofabric.shared.settings import Settings
+from ontofabric.shared.settings import Settings, SettingsUnusable
 
 from .core import Reranker, RerankerError
 from .stages import second_opinion
@@ -177,13 +177,13 @@ def build_reranker(settings: Settings) -> Reranker | None:
         return None
     if settings.reranker == "local":
         if settings.reranker_model_path is None:
-            raise ValueError("ONTOFABRIC_RERANKER=local needs ONTOFABRIC_RERANKER_MODEL_PATH")
+            raise SettingsUnusable("ONTOFABRIC_RERANKER=local needs ONTOFABRIC_RERANKER_MODEL_PATH")
         return LocalCrossEncoder(settings.reranker_model_path)
     if settings.reranker in ("onnx", "second-embedder"):
         bundled = BUNDLED_CROSS_ENCODER if settings.reranker == "onnx" else BUNDLED_SECOND_EMBEDDER
         path = settings.reranker_model_path or bundled_model(bundled)
         if path is None:
-            raise ValueError(
+            raise SettingsUnusable(
                 f"ONTOFABRIC_RERANKER={settings.reranker} needs ONTOFABRIC_RERANKER_MODEL_PATH,"
                 " or the extra `rerank` installed"
             )
@@ -191,7 +191,7 @@ def build_reranker(settings: Settings) -> Reranker | None:
             return OnnxCrossEncoder(path)
         return SecondEmbedder(path, settings.second_embedder_weight)
     if settings.reranker_url is None:
-        raise ValueError("ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL")
+        raise SettingsUnusable("ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL")
     return CohereReranker(
         settings.reranker_url,
         settings.reranker_api_key.get_secret_value() if settings.reranker_api_key else None,

@@ -1,8 +1,9 @@
 """The delta envelope ingesters publish onto JetStream, one event per message.
 
-An event id is unique within its workspace; ``<workspace>:<eventId>`` is the ``Nats-Msg-Id`` header (JetStream
-dedupes across the whole stream, every workspace's deltas together), so JetStream drops a republished event inside
-its duplicate window; the projector's per-row stream sequence makes every later repeat a no-op as well.
+An event id is unique within its workspace; ``<workspace>:<eventId>:<session>`` is the ``Nats-Msg-Id`` header, with
+a random part the publisher draws once (JetStream dedupes across the whole stream, every workspace's deltas together,
+and a foreseeable id could be taken by another tenant), so JetStream drops an event the same publisher sends again
+inside its duplicate window; the projector's handled event ids make every other repeat a no-op.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ class DeltaEnvelope(WireModel):
     event_id: Text = Field(
         min_length=1,
         max_length=128,
-        description="Unique per event within its workspace; sent as Nats-Msg-Id <workspace>:<eventId>.",
+        description="Unique per event within its workspace; sent as Nats-Msg-Id <workspace>:<eventId>:<session>.",
     )
     workspace: Workspace
     branch: Branch = MAIN_BRANCH

@@ -99,9 +99,12 @@ def _messages() -> Json:
                 {
                     "Nats-Msg-Id": {
                         "type": "string",
-                        "description": "<workspace>:<eventId> of the envelope: JetStream stores a repeat inside "
-                        "its duplicate window once, and dedupes across every workspace's deltas, whose event ids "
-                        "need only be unique within their workspace.",
+                        "description": "<workspace>:<eventId>:<session> of the envelope, where <session> is a "
+                        "random part the publisher draws once: JetStream stores a repeat from the same publisher "
+                        "inside its duplicate window once, and dedupes across every workspace's deltas. A message "
+                        "id another tenant can foresee would let it have the server drop the delta as a repeat "
+                        "(a tenant may publish under any id on its own subjects); the projector applies an event "
+                        "id once per workspace whatever the message id.",
                     },
                     "Content-Type": {"type": "string", "const": "application/json"},
                     **_TRACE_HEADERS,

@@ -24,6 +24,7 @@ from pydantic import SecretStr, ValidationError
 
 from ontofabric.contracts import StatusReply
 from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly
@@ -260,6 +261,29 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
         await acme.close()
         await ingest_acme.close()
         await worker.stop()
+
+
+async def test_a_tenant_cannot_have_another_tenants_delta_dropped_as_a_repeat(
+    deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
+) -> None:
+    """A red team's finding: an ingest's event ids can be foreseen, JetStream dedupes message ids across the whole
+    stream, and a tenant may publish under any message id on its own subjects. Junk published in acme under beta's
+    coming message ids had beta's first ingest dropped as repeats: it reported success and indexed nothing."""
+    victim = upsert("beta", document("b", "beta's own"), event_id="beta-first-ingest-0")
+    ingest_acme = await connect_as(deployment, runtime, "ingest", "acme")
+    try:
+        js, own = ingest_acme.jetstream(), deployment.names.delta_subject("acme", "main")
+        for foreseen in (f"beta:{victim.event_id}", victim.event_id, f"beta:{victim.event_id}:"):
+            await js.publish(own, b'{"junk": 1}', headers={"Nats-Msg-Id": foreseen})
+    finally:
+        await ingest_acme.close()
+    ack = await DeltaPublisher(deployment.js, deployment.names).publish(victim)
+    assert not ack.duplicate
+    stored = await deployment.js.get_msg(deployment.names.delta_stream, ack.seq)
+    assert stored.subject == deployment.names.delta_subject("beta", "main")
+    await deployment.wait_projected(ack.seq)
+    rows = await deployment.fetch("SELECT content FROM documents WHERE workspace = 'beta'")
+    assert [row["content"] for row in rows] == ["beta's own"]
 
 
 async def test_workers_cannot_play_each_others_parts(deployment: Deployment, runtime: EmbeddedRuntime) -> None:

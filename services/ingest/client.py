@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -62,16 +63,22 @@ _RETRYABLE = (
 )
 
 
-def message_id(delta: DeltaEnvelope) -> str:
+def message_id(delta: DeltaEnvelope, session: str) -> str:
     """The delta's ``Nats-Msg-Id``: JetStream dedupes on it across the whole stream, every workspace's deltas
-    together, and an event id is unique within its workspace only."""
-    return f"{delta.workspace}:{delta.event_id}"
+    together, and an event id is unique within its workspace only. ``session``: the publisher's own random part.
+    Event ids can be foreseen (an ingest's follow from the tree), and a tenant may publish under any message id on
+    its own subjects: a message id another tenant can foresee lets it have the server drop that tenant's delta as a
+    repeat (a red team did). A repeat from the same publisher, its resend after a lost acknowledgement, is still
+    dropped by JetStream; one from another process (an interrupted ingest run again) is stored again and applied
+    once by the projector, which keeps the event ids it handled."""
+    return f"{delta.workspace}:{delta.event_id}:{session}"
 
 
 class PublishFailed(Exception):
     """Some deltas could not be confirmed stored within the retry time. ``stored``: the acknowledgements of those
     that were, in input order (a prefix of the input); ``unconfirmed``: the event ids of the rest, which may or may
-    not have landed. Publishing the same envelopes again is safe: JetStream drops a repeated event id."""
+    not have landed. Publishing the same envelopes again is safe: JetStream drops a repeat from the same publisher,
+    and the projector applies an event id once."""
 
     def __init__(self, stored: list[PubAck], unconfirmed: list[str], cause: BaseException) -> None:
         self.stored = stored
@@ -85,9 +92,10 @@ class PublishFailed(Exception):
 class DeltaPublisher:
     """Publishes deltas and waits until JetStream has stored them.
 
-    A republished event id is dropped by JetStream within its duplicate window (``PubAck.duplicate``, with the
-    first copy's sequence) and would be a no-op in the projector after it; so across a disconnect, a server restart
-    or a leader change the publisher sends again whatever it has no acknowledgement for, for up to ``retry_for_s``.
+    An event id this publisher sends again is dropped by JetStream within its duplicate window
+    (``PubAck.duplicate``, with the first copy's sequence) and would be a no-op in the projector after it; so across
+    a disconnect, a server restart or a leader change the publisher sends again whatever it has no acknowledgement
+    for, for up to ``retry_for_s``.
     What it still cannot confirm then is reported by event id (:class:`PublishFailed`); nothing is left pending.
     """
 
@@ -98,9 +106,10 @@ class DeltaPublisher:
         self._names = names
         self._ack_timeout_s = ack_timeout_s
         self._retry_for_s = retry_for_s
+        self._session = secrets.token_hex(8)
 
     def _message(self, delta: DeltaEnvelope) -> tuple[str, bytes, dict[str, str]]:
-        headers = {"Nats-Msg-Id": message_id(delta), "Content-Type": "application/json"}
+        headers = {"Nats-Msg-Id": message_id(delta, self._session), "Content-Type": "application/json"}
         propagate.inject(headers)  # the trace continues in the projector
         subject = self._names.delta_subject(delta.workspace, delta.branch)
         return subject, delta.model_dump_json(exclude_none=True).encode(), headers

@@ -2,7 +2,7 @@
 
 The last ingest of each (workspace, branch) is remembered as a manifest (document id -> content hash) in a
 JetStream object store, so any machine can ingest incrementally. Manifests are written only after every delta
-is stored; an interrupted run publishes the same event ids again, which JetStream deduplicates.
+is stored; an interrupted run publishes the same event ids again, which the projector applies once.
 """
 
 from __future__ import annotations

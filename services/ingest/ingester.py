@@ -215,7 +215,7 @@ def fits(delta: DeltaEnvelope, limit: int) -> bool:
 
 
 def event_id(workspace: str, branch: str, base: str, key: str, change: str) -> str:
-    """Deterministic for a rerun from the same stored manifest (JetStream drops the repeat), new after any change
+    """Deterministic for a rerun from the same stored manifest (the projector applies it once), new after any change
     and after any ingest that saved one: ``base`` names the stored manifest's generation, so a tree that goes back
     to an earlier state gets new ids, where the same ids were dropped as repeats and left the index stale."""
     material = "|".join([workspace, branch, base, key, change])

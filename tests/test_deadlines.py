@@ -5,6 +5,7 @@ that would end past the deadline. Worker tests: real NATS and PostgreSQL, a rera
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -82,18 +83,33 @@ def test_the_expected_finish_counts_the_turns_ahead_and_the_work() -> None:
     assert service.seconds == pytest.approx(0.5)  # a moving average, not the last one
 
 
+def test_a_workspaces_own_requests_set_how_long_its_work_is_expected_to_take() -> None:
+    service = ServiceTime()
+    for _ in range(20):
+        service.record(4.0, "flood")
+    service.record(0.02, "light")
+    assert service.seconds > 3  # the runners come free at the rate of every request
+    assert service.expected_finish(1, 16, "light") == pytest.approx(0.02)  # a runner free soon, then its own work
+    assert service.expected_finish(1, 16, "flood") == pytest.approx(4.0)
+    assert service.expected_finish(1, 16, "newcomer") == 0.0  # never served: not refused on a guess
+    assert service.expected_finish(31, 16, "light") == pytest.approx(service.seconds + 0.02)  # 16 ahead, then its own
+
+
 class SlowReranker:
-    """Keeps the given order after ``delay_s``; counts its calls."""
+    """Keeps the given order after ``delay_s`` (for a query that starts with ``slow_prefix``: others at once);
+    counts its calls."""
 
     name = "slow"
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, slow_prefix: str = "") -> None:
         self.delay_s = delay_s
+        self.slow_prefix = slow_prefix
         self.calls = 0
 
     async def rerank(self, query: str, documents: Sequence[str], top_n: int) -> list[tuple[int, float]]:
         self.calls += 1
-        await asyncio.sleep(self.delay_s)
+        if query.startswith(self.slow_prefix):
+            await asyncio.sleep(self.delay_s)
         return [(i, 1.0 - i / len(documents)) for i in range(min(top_n, len(documents)))]
 
     async def close(self) -> None:
@@ -261,6 +277,37 @@ async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
     assert isinstance(reply, ErrorReply)
     assert reply.error.code == "invalid_request"
     assert reply.error.details[0].field == f"header {TIMEOUT_HEADER}"
+
+
+async def test_one_workspaces_costly_requests_do_not_have_anothers_cheap_ones_refused(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A red team's finding: a tenant holding every runner with costly requests (each 4 s) had another tenant's
+    cheap ones refused on arrival, 45 of 47, each expected to take as long as the average request. Here the costly
+    ones take 1.2 s and the cheap ones have 0.8 s: a runner comes free every 0.3 s."""
+    await start_worker(SlowReranker(1.2, slow_prefix="costly"), query_concurrency=4)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    assert isinstance(await client.query("globex", {"semanticQuery": "cheap " + LONG_QUERY}), QueryResponse)
+    stop = asyncio.Event()
+
+    async def costly(start_after_s: float) -> None:
+        await asyncio.sleep(start_after_s)  # staggered: a runner comes free every 0.3 s
+        for n in itertools.count():  # each its own: the same request in flight is answered once for all
+            if stop.is_set():
+                return
+            await client.query("acme", {"semanticQuery": f"costly {start_after_s} {n} {LONG_QUERY}"})
+
+    flood = [asyncio.create_task(costly(0.3 * n)) for n in range(4)]
+    try:
+        await asyncio.sleep(3)  # several costly answers: the worker's average request takes about a second now
+        impatient = QueryClient(deployment.nc, deployment.names, timeout_s=0.8)
+        replies = [await impatient.query("globex", {"semanticQuery": f"cheap {n} {LONG_QUERY}"}) for n in range(3)]
+    finally:
+        stop.set()
+        await asyncio.gather(*flood)
+    assert [getattr(reply, "error", None) for reply in replies] == [None] * 3
 
 
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival(

@@ -346,7 +346,7 @@ class QueryService:
         own = self._held_by[workspace]
         workspaces = len(self._held_by) + (0 if own else 1)
         ahead = ahead_in_turn(own, workspaces, self._held)
-        expected = self._service_time.expected_finish(ahead, concurrency)
+        expected = self._service_time.expected_finish(ahead, concurrency, workspace)
         # Refused now, not when the caller has given up. Never by an idle worker: the average may be of a slow
         # spell that is over (a database frozen for seconds), and only answered requests bring it down again.
         if self._held and expected > ADMISSION_SHARE * deadline.left(received):
@@ -446,7 +446,7 @@ class QueryService:
             started = asyncio.get_running_loop().time()
             try:
                 if await self._serve(admitted):
-                    self._service_time.record(asyncio.get_running_loop().time() - started)
+                    self._service_time.record(asyncio.get_running_loop().time() - started, admitted.workspace)
             except asyncio.CancelledError:
                 raise
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from nats.js.api import PubAck
 
 from ontofabric.contracts import DeltaEnvelope
+from ontofabric.contracts.documents import MAX_SYMBOL_CHARS
 from ontofabric.services.ingest.chunking import chunk_file
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
@@ -366,3 +368,36 @@ async def test_a_section_under_a_very_long_heading_is_indexed(
     assert key.startswith("markdown:notes.md#word0-word1-")
     assert len(key) < 200
     assert (await deployment.js.stream_info(deployment.names.dlq_stream)).state.messages == 0
+
+
+async def test_symbols_with_very_long_names_are_indexed_under_keys_the_contract_carries(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """A function name of 6,000 characters (legal Python) and a Markdown trail of six long headings under a deep
+    path made symbol keys and qualified names longer than PostgreSQL's indexes take; they are shortened, each
+    ending in a hash of the whole, so two that share a long start stay two."""
+    # Hex of hashes, so that PostgreSQL cannot compress the index entry below its limit.
+    long_name = "handler_" + "".join(hashlib.sha256(str(n).encode()).hexdigest() for n in range(100))
+    deep = "/".join(["d" * 100] * 4)
+    headings = "".join(f"{'#' * level} {'heading ' * 14}{level}\nbody {level}\n" for level in range(1, 7))
+    _write(
+        tmp_path,
+        {
+            "long.py": f"def {long_name}a():\n    return 1\n\n\ndef {long_name}b():\n    return 2\n",
+            f"{deep}/notes.md": headings,
+        },
+    )
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tmp_path, "repo")
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    assert (await deployment.js.stream_info(deployment.names.dlq_stream)).state.messages == 0
+    rows = await deployment.fetch(
+        "SELECT symbol_key AS key, symbol_fqn AS fqn FROM documents WHERE workspace = 'repo' AND NOT deleted"
+    )
+    functions = [row for row in rows if "handler_" in row["fqn"]]
+    assert len(functions) == 2  # not one: the hash of the whole tells them apart
+    assert len({row["key"] for row in functions}) == 2
+    assert max(len(row["key"]) for row in rows) <= MAX_SYMBOL_CHARS
+    assert max(len(row["fqn"]) for row in rows) <= MAX_SYMBOL_CHARS
+    assert sum(1 for row in rows if row["key"].startswith("markdown:")) == 6

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from ontofabric.contracts.documents import MAX_SYMBOL_CHARS
 from ontofabric.shared.embedder import embedding_text
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
@@ -50,6 +51,14 @@ class Chunk:
     @property
     def embedding_text(self) -> str:
         return embedding_text(self.content, self.symbol_fqn)
+
+
+def bounded_symbol(name: str) -> str:
+    """A symbol key or qualified name within the contract's limit: a longer one keeps its start and ends in a hash
+    of the whole, so that keys stay unique."""
+    if len(name) <= MAX_SYMBOL_CHARS:
+        return name
+    return f"{name[: MAX_SYMBOL_CHARS - 33]}~{hashlib.sha256(name.encode('utf-8')).hexdigest()[:32]}"
 
 
 def object_type_name(dotted: str) -> str:
@@ -107,9 +116,9 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
 
     def make(key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str) -> Chunk:
         return Chunk(
-            symbol_key=keys.unique(key),
+            symbol_key=bounded_symbol(keys.unique(key)),
             symbol_kind=kind,
-            symbol_fqn=fqn,
+            symbol_fqn=bounded_symbol(fqn),
             chunk_level=level,
             object_type=object_type,
             source_domain="python",
@@ -195,9 +204,9 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
         anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
         chunks.append(
             Chunk(
-                symbol_key=keys.unique(f"markdown:{path}#{anchor}"),
+                symbol_key=bounded_symbol(keys.unique(f"markdown:{path}#{anchor}")),
                 symbol_kind="section",
-                symbol_fqn=" > ".join([path, *trail]),
+                symbol_fqn=bounded_symbol(" > ".join([path, *trail])),
                 chunk_level="doc",
                 object_type=document_type,
                 source_domain="markdown",

@@ -28,11 +28,12 @@ from ontofabric.services.query.deadlines import (
     ServiceTime,
     deadline_of,
 )
-from ontofabric.services.query.turns import TurnQueue, ahead_in_turn, displaced_by
+from ontofabric.services.query.turns import ahead_in_turn, displaced_by
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import subscriptions_visible
 from ontofabric.shared.runtime import EmbeddedRuntime
+from ontofabric.shared.turns import TurnQueue
 
 from .conftest import Deployment, Start, connect_as
 
@@ -469,7 +470,7 @@ class SlowEmbedder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._embedder, name)
 
-    async def embed_query_with_tokens_async(self, text: str) -> Any:
+    async def embed_query_with_tokens_async(self, text: str, turn: str = "") -> Any:
         await asyncio.sleep(self._delay_s)
         return await self._embedder.embed_query_with_tokens_async(text)
 

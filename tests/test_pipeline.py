@@ -193,10 +193,10 @@ class FixedEmbedder:
     def embed_query(self, text: str) -> Vector:
         return np.ones(3, dtype=np.float32)
 
-    async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
+    async def embed_query_with_tokens_async(self, text: str, turn: str = "") -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
         return self.embed_query(text), QUERY_TOKENS
 
-    async def on_model_thread(self, work: Callable[[], T]) -> T:
+    async def on_model_thread(self, work: Callable[[], T], turn: str = "") -> T:
         return work()
 
 
@@ -482,7 +482,7 @@ async def test_a_third_retriever_is_run_fused_and_reported_by_its_name() -> None
 
 async def test_an_answer_without_the_embedder_is_cached_only_where_there_is_none() -> None:
     class FailingEmbedder(FixedEmbedder):
-        async def embed_query_with_tokens_async(self, text: str) -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
+        async def embed_query_with_tokens_async(self, text: str, turn: str = "") -> tuple[Vector, np.ndarray]:  # type: ignore[type-arg]
             raise RuntimeError("model thread gone")
 
     failing: LruCache[CacheKey, bytes] = LruCache(10)

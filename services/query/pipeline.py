@@ -360,7 +360,10 @@ class QueryPipeline:
             run.degrade("embedder")
             return None
         # The model's name together with the call that embeds by it: a model change may switch the embedder.
-        model, embedding_call = self._embedder.model_name, self._embedder.embed_query_with_tokens_async(run.text)
+        model, embedding_call = (
+            self._embedder.model_name,
+            self._embedder.embed_query_with_tokens_async(run.text, run.workspace),
+        )
         embedding = await run.guarded("embedder", embedding_call, stage="embed", reserve_s=EMBED_RESERVE_S)
         if embedding is None:
             return None
@@ -562,7 +565,7 @@ class QueryPipeline:
         )
         refined = await run.guarded(  # on failure keep the fused order: a query never fails for want of a refinement
             "lateInteraction",
-            self._embedder.on_model_thread(work),
+            self._embedder.on_model_thread(work, run.workspace),
             stage="lateInteraction",
             reserve_s=REFINEMENT_RESERVE_S,
         )

@@ -50,6 +50,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import instruments, tracer
+from ontofabric.shared.turns import TurnQueue
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey
@@ -61,7 +62,7 @@ from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailabl
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
-from .turns import TurnQueue, ahead_in_turn, displaced_by
+from .turns import ahead_in_turn, displaced_by
 from .versions import VersionTracker
 
 log = get_logger(__name__)

@@ -28,11 +28,13 @@ class Turns(Generic[T]):
             self._turns.append(key)
         queue.append(item)
 
-    def take(self) -> T | None:
-        """The next item in turn; None when none waits."""
-        if not self._turns:
+    def take(self, eligible: Callable[[str], bool] | None = None) -> T | None:
+        """The next item in turn, of a key that is ``eligible`` (those that are not keep their places); None when
+        none waits."""
+        key = next((key for key in self._turns if eligible is None or eligible(key)), None)
+        if key is None:
             return None
-        key = self._turns.popleft()
+        self._turns.remove(key)
         queue = self._queues[key]
         item = queue.popleft()
         if queue:
@@ -54,7 +56,7 @@ class TurnQueue(Generic[T]):
 
     def __init__(self) -> None:
         self._turns: Turns[T] = Turns()
-        self._available = asyncio.Semaphore(0)
+        self._getters: list[asyncio.Future[None]] = []
         self._unfinished = 0
         self._finished = asyncio.Event()
         self._finished.set()
@@ -63,13 +65,26 @@ class TurnQueue(Generic[T]):
         self._turns.put(key, item)
         self._unfinished += 1
         self._finished.clear()
-        self._available.release()
+        self.wake()
 
-    async def get(self) -> T:
-        await self._available.acquire()
-        item = self._turns.take()
-        assert item is not None  # one item per release
+    async def get(self, eligible: Callable[[str], bool] | None = None) -> T:
+        """The next item in turn of an ``eligible`` key, once there is one (see :meth:`wake`)."""
+        while (item := self._turns.take(eligible)) is None:
+            getter = asyncio.get_running_loop().create_future()
+            self._getters.append(getter)
+            try:
+                await getter
+            finally:
+                if getter in self._getters:
+                    self._getters.remove(getter)
         return item
+
+    def wake(self) -> None:
+        """Have every waiting ``get`` look again: an item came, or what is eligible changed."""
+        getters, self._getters = self._getters, []
+        for getter in getters:
+            if not getter.done():
+                getter.set_result(None)
 
     def newest(self, key: str, wanted: Callable[[T], bool]) -> T | None:
         """The newest waiting item of ``key`` that is ``wanted``, left where it is."""

@@ -28,12 +28,12 @@ from ontofabric.services.query.deadlines import (
     ServiceTime,
     deadline_of,
 )
-from ontofabric.services.query.turns import ahead_in_turn, displaced_by
+from ontofabric.services.query.turns import ahead_in_turn, displaced_by, runners_per_workspace
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import subscriptions_visible
 from ontofabric.shared.runtime import EmbeddedRuntime
-from ontofabric.shared.turns import TurnQueue
+from ontofabric.shared.turns import TurnQueue, Turns
 
 from .conftest import Deployment, Start, connect_as
 
@@ -82,6 +82,20 @@ def test_the_expected_finish_counts_the_turns_ahead_and_the_work() -> None:
     assert service.expected_finish(7, 4) == pytest.approx(0.4 * (1 + 4 / 4))  # four ahead of it in the queue
     service.record(1.4)
     assert service.seconds == pytest.approx(0.5)  # a moving average, not the last one
+
+
+def test_a_workspace_may_hold_all_but_a_quarter_of_the_runners() -> None:
+    assert [runners_per_workspace(n) for n in (1, 2, 3, 4, 8, 16)] == [1, 2, 3, 3, 6, 12]
+
+
+def test_runners_take_the_next_item_of_a_workspace_that_may_run_and_the_others_keep_their_places() -> None:
+    turns: Turns[str] = Turns()
+    for key, item in [("acme", "a1"), ("globex", "g1"), ("acme", "a2"), ("initech", "i1")]:
+        turns.put(key, item)
+    assert turns.take(lambda key: key != "acme") == "g1"
+    assert turns.take() == "a1"  # acme kept its place at the front
+    assert turns.take(lambda key: key == "nobody") is None
+    assert [turns.take(), turns.take(), turns.take()] == ["i1", "a2", None]
 
 
 def test_a_workspaces_own_requests_set_how_long_its_work_is_expected_to_take() -> None:
@@ -309,6 +323,29 @@ async def test_one_workspaces_costly_requests_do_not_have_anothers_cheap_ones_re
         stop.set()
         await asyncio.gather(*flood)
     assert [getattr(reply, "error", None) for reply in replies] == [None] * 3
+
+
+async def test_a_workspace_leaves_a_quarter_of_the_runners_to_the_others(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A red team's finding: a tenant holding every runner with costly requests made another tenant's cheap one wait
+    for one of them to end, however its turn came. Here 4 costly requests (1.2 s each) start together on 4
+    runners: one is kept waiting, and the cheap one, with 0.8 s, is answered at once."""
+    await start_worker(SlowReranker(1.2, slow_prefix="costly"), query_concurrency=4)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    assert isinstance(await client.query("globex", {"semanticQuery": "cheap " + LONG_QUERY}), QueryResponse)
+    flood = [asyncio.create_task(client.query("acme", {"semanticQuery": f"costly {n} {LONG_QUERY}"})) for n in range(4)]
+    await asyncio.sleep(0.2)
+    impatient = QueryClient(deployment.nc, deployment.names, timeout_s=0.8)
+    started = time.monotonic()
+    cheap = await impatient.query("globex", {"semanticQuery": "cheap again " + LONG_QUERY})
+    took = time.monotonic() - started
+    assert getattr(cheap, "error", None) is None
+    assert took < 0.6
+    finished = await asyncio.gather(*flood)
+    assert all(isinstance(reply, QueryResponse) for reply in finished)  # the fourth waited its turn, and ran
 
 
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival(

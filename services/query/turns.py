@@ -27,3 +27,14 @@ def ahead_in_turn(waiting_of_own: int, workspaces: int, held: int) -> int:
     """About how many held requests go before a new one: its workspace's own, each with a turn of every other
     waiting workspace's, never more than are held."""
     return min(held, (waiting_of_own + 1) * max(1, workspaces) - 1)
+
+
+RUNNERS_LEFT_TO_OTHERS = 0.25
+"""The share of a worker's runners one workspace leaves to the others, even alone: a runner cannot be taken back
+from the work it has, so a tenant holding every runner with costly requests made every other tenant wait for one
+of them to end (a red team: 1.5 s and more)."""
+
+
+def runners_per_workspace(concurrency: int) -> int:
+    """How many of ``concurrency`` runners one workspace's requests may hold at once (all, below 4)."""
+    return max(1, concurrency - int(concurrency * RUNNERS_LEFT_TO_OTHERS))

@@ -62,7 +62,7 @@ from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailabl
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
-from .turns import ahead_in_turn, displaced_by
+from .turns import ahead_in_turn, displaced_by, runners_per_workspace
 from .versions import VersionTracker
 
 log = get_logger(__name__)
@@ -247,6 +247,9 @@ class QueryService:
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
         self._held_by: Counter[str] = Counter()
         """The same by workspace token (``_displace_for``)."""
+        self._running: Counter[str] = Counter()
+        """Requests at work, by workspace token: at most ``runners_per_workspace`` each."""
+        self._runners_per_workspace = runners_per_workspace(settings.query_concurrency)
         self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
         """Requests this worker worked on (errors included; not those refused unopened)."""
@@ -441,9 +444,13 @@ class QueryService:
             admitted.expiry.cancel()
         await self._reply(admitted.msg, body)
 
+    def _may_run(self, workspace: str) -> bool:
+        return self._running[workspace] < self._runners_per_workspace
+
     async def _run(self) -> None:
         while True:
-            admitted = await self._waiting.get()
+            admitted = await self._waiting.get(self._may_run)
+            self._running[admitted.workspace] += 1
             started = asyncio.get_running_loop().time()
             try:
                 if await self._serve(admitted):
@@ -455,7 +462,11 @@ class QueryService:
             finally:
                 if not admitted.displaced:  # a displaced one gave its place back when it was displaced
                     self._release(admitted)
+                self._running[admitted.workspace] -= 1
+                if not self._running[admitted.workspace]:
+                    del self._running[admitted.workspace]
                 self._waiting.task_done()
+                self._waiting.wake()  # the workspace may run another now
 
     async def _serve(self, admitted: Admitted) -> bool:
         """Answer an admitted request; False when it was refused unopened (its deadline passed while it waited)."""

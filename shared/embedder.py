@@ -47,6 +47,9 @@ Out = TypeVar("Out")
 # Queries embedded in one forward pass at most. On 2 CPU cores a cosqa query cost 7.6 ms alone, 3.2 ms in a batch
 # of 4 and 2.5 ms in a batch of 16 (docs/benchmarks.md, "Query load").
 MAX_QUERY_BATCH = 32
+MAX_QUERY_BATCH_CHARS = 4096
+"""Characters of queries one batch embeds at most (one longer query goes alone): a batch holds the model thread,
+and 12 queries of 2,000 characters each, read in windows, held it for 2 s while another tenant's query waited."""
 WORKSPACES_BATCHED = 4096
 """Workspaces whose query batching a model keeps (the least recently asked go first)."""
 
@@ -174,10 +177,15 @@ class Coalescer(Generic[In, Out]):
         work: Callable[[list[In]], Sequence[Out]],
         run: Callable[[Callable[[], Sequence[Out]]], Awaitable[Sequence[Out]]],
         max_batch: int,
+        weight: Callable[[In], int] | None = None,
+        max_weight: int | None = None,
     ) -> None:
+        """``weight``, ``max_weight``: a batch weighs at most this much (one item may weigh more alone)."""
         self._work = work
         self._run = run
         self._max_batch = max_batch
+        self._weight = weight
+        self._max_weight = max_weight
         self._waiting: list[tuple[In, asyncio.Future[Out]]] = []
         self._drain: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,14 +203,27 @@ class Coalescer(Generic[In, Out]):
     async def _run_batches(self, waiting: list[tuple[In, asyncio.Future[Out]]]) -> None:
         try:
             while waiting:
-                batch = [(item, future) for item, future in waiting[: self._max_batch] if not future.done()]
-                del waiting[: self._max_batch]  # a caller that gave up (cancelled) costs the model nothing
+                taken = self._batch_size(waiting)
+                batch = [(item, future) for item, future in waiting[:taken] if not future.done()]
+                del waiting[:taken]  # a caller that gave up (cancelled) costs the model nothing
                 if batch:
                     await self._serve(batch)
         except BaseException:  # cancelled, as when the loop closes: no caller may wait for ever
             for _, future in waiting:
                 future.cancel()
             raise
+
+    def _batch_size(self, waiting: list[tuple[In, asyncio.Future[Out]]]) -> int:
+        """How many of the first waiting go in the next batch: up to ``max_batch``, and ``max_weight``."""
+        if self._weight is None or self._max_weight is None:
+            return self._max_batch
+        size, weighed = 0, 0
+        for item, _ in waiting[: self._max_batch]:
+            weighed += self._weight(item)
+            if size and weighed > self._max_weight:
+                break
+            size += 1
+        return size
 
     async def _serve(self, batch: list[tuple[In, asyncio.Future[Out]]]) -> None:
         try:
@@ -452,7 +473,9 @@ class LocalSentenceTransformer:
     async def embed_query_with_tokens_async(self, text: str, turn: str = "") -> tuple[Vector, TokenMatrix]:
         queries = self._queries.get(turn)
         if queries is None:
-            queries = Coalescer(self._embed_queries, partial(self._thread.run, turn=turn), MAX_QUERY_BATCH)
+            queries = Coalescer(
+                self._embed_queries, partial(self._thread.run, turn=turn), MAX_QUERY_BATCH, len, MAX_QUERY_BATCH_CHARS
+            )
             self._queries.put(turn, queries)
         return await queries.submit(text)
 

@@ -293,6 +293,21 @@ async def test_callers_arriving_while_a_batch_runs_share_the_next_one() -> None:
     assert batches == [[0], [1, 2, 3, 4], [5, 6]]  # at most max_batch at once
 
 
+async def test_a_batch_weighs_at_most_its_limit_and_a_heavier_item_goes_alone() -> None:
+    batches: list[list[str]] = []
+
+    def work(items: list[str]) -> list[str]:
+        batches.append(items)
+        return items
+
+    coalescer: Coalescer[str, str] = Coalescer(work, _slow_run, max_batch=8, weight=len, max_weight=10)
+    first = asyncio.create_task(coalescer.submit("a"))
+    await asyncio.sleep(0.01)
+    await asyncio.gather(*(coalescer.submit(text) for text in ["bbbb", "cccc", "dddd", "e" * 30, "f"]))
+    await first
+    assert batches == [["a"], ["bbbb", "cccc"], ["dddd"], ["e" * 30], ["f"]]
+
+
 async def test_a_failing_item_fails_only_its_own_caller() -> None:
     batches: list[list[int]] = []
 

@@ -285,7 +285,7 @@ async def test_a_document_the_index_refuses_is_dead_lettered_with_the_services_r
     acks = await deployment.publisher.publish_many(
         [
             upsert("acme", document("ok-1", "fine")),
-            upsert("acme", document("huge", "fine too", symbol_fqn="q" * 40_000)),
+            upsert("acme", document("huge", "fine too", file_path="q" * 40_000)),
             upsert("acme", document("ok-2", "fine as well")),
         ]
     )

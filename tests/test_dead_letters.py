@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
-import string
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -29,6 +27,7 @@ from ontofabric.services.ops.rebuild import Rebuild
 from ontofabric.services.ops.snapshots import CompactionRefused, compact
 from ontofabric.services.projector.snapshots import find_snapshot_store, load_snapshot
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.db import migrate
 from ontofabric.shared.placement import Placement
 
 from .conftest import Deployment, RecordedProgress, projected_rows
@@ -253,15 +252,31 @@ async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_
 async def test_compaction_leaves_out_a_delta_the_index_refused_once_its_dead_letter_is_gone(
     deployment: Deployment,
 ) -> None:
-    """A red team's finding: a delta the database refused (``apply_failed``: here a key too long for its index),
-    its dead letter purged, was folded into the snapshot in place of the delta the index holds; the stream lost that
-    one, and every rebuild after refused its swap (``--force`` emptied the row)."""
-    too_long_for_an_index = "".join(random.Random(7).choices(string.ascii_letters, k=4000))
+    """A red team's finding: a delta the database refused (``apply_failed``: a key too long for its index, which
+    the contract now refuses first; here a trigger refuses it as PostgreSQL did, program limit exceeded), its dead
+    letter purged, was folded into the snapshot in place of the delta the index holds; the stream lost that one,
+    and every rebuild after refused its swap (``--force`` emptied the row)."""
+    await migrate(deployment.database_url, deployment.settings)
+    await deployment.fetch(
+        """
+        CREATE FUNCTION refuse_marked() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.content = 'refused by the database' THEN
+                RAISE EXCEPTION 'index row size exceeds btree maximum' USING ERRCODE = '54000';
+            END IF;
+            RETURN NEW;
+        END $$
+        """
+    )
+    await deployment.fetch(
+        "CREATE TRIGGER refuse_marked BEFORE INSERT OR UPDATE ON documents"
+        " FOR EACH ROW EXECUTE FUNCTION refuse_marked()"
+    )
     seqs = await _project(
         deployment,
         10 * LIMIT,
         upsert("acme", document("x", "first")),
-        upsert("acme", document("x", "second", symbolKey=too_long_for_an_index)),
+        upsert("acme", document("x", "refused by the database")),
     )
     (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
     assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[1])

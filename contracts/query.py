@@ -434,7 +434,10 @@ class QueryMeta(WireModel):
     budget: BudgetReport | None = Field(
         default=None, description="The reply's size against its budget and what was cut to fit (set by the worker)."
     )
-    timings_ms: dict[str, float] = Field(description="Wall time per pipeline stage, milliseconds.")
+    timings_ms: dict[str, float] = Field(
+        description="Wall time per pipeline stage, milliseconds; queue: the wait in the worker before the pipeline "
+        "ran (not part of total)."
+    )
 
 
 class QueryResponse(WireModel):

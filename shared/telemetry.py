@@ -128,7 +128,9 @@ def instruments() -> Instruments:
     meter = metrics.get_meter("ontofabric")
     return Instruments(
         query_duration=meter.create_histogram(
-            "retrieval.query.duration_ms", unit="ms", description="ontology_query wall time in the worker"
+            "retrieval.query.duration_ms",
+            unit="ms",
+            description="ontology_query wall time in the worker, from its receipt: the wait for a runner included",
         ),
         fusion_duration=meter.create_histogram("retrieval.fusion.duration_ms", unit="ms"),
         cache_hit=meter.create_counter("retrieval.cache.hit"),

@@ -157,10 +157,15 @@ class QueryPipeline:
         # _meta.backend names the keyword retriever's.
         self.backend = next((r.backend for r in retrievers if r.name == KEYWORD), retrievers[0].backend)
 
-    async def answer(self, query: OntologyQuery, workspace: str, deadline: float | None = None) -> QueryResponse:
+    async def answer(
+        self, query: OntologyQuery, workspace: str, deadline: float | None = None, queued_ms: float = 0.0
+    ) -> QueryResponse:
         """``deadline``: when the reply is due (the event loop's clock); optional parts that cannot finish before
-        it are skipped and named in ``_meta.degraded`` with ``deadline``."""
+        it are skipped and named in ``_meta.degraded`` with ``deadline``. ``queued_ms``: how long the request
+        waited in the worker before this, counted in the duration metric (``_meta.timingsMs.queue``)."""
         run = QueryRun(query, workspace, deadline=deadline)
+        if queued_ms:
+            run.timings["queue"] = round(queued_ms, 3)
         announced = self._versions.current(workspace, query.branch)
         generation = self._versions.generation(workspace)
         key = cache_key(query, workspace, announced, generation)
@@ -177,7 +182,7 @@ class QueryPipeline:
         if shared is not None:
             self._metrics.cache_hit.add(1)
             freshness = await self._shared_freshness(workspace, query.branch, shared.meta.freshness)
-            timings = {"total": milliseconds_since(run.started)}
+            timings = run.timings | {"total": milliseconds_since(run.started)}  # the wait in the worker, if any
             meta = shared.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, shared.model_copy(update={"meta": meta}))
         self._metrics.cache_miss.add(1)
@@ -750,7 +755,8 @@ class QueryPipeline:
             "followLinks": query.follow_links,
             "shape": shape_of(query, meta),
         }
-        self._metrics.query_duration.record(meta.timings_ms["total"], attributes)
+        # From the worker's receipt: a worker at capacity shows in the wait, and the latency alert must see it.
+        self._metrics.query_duration.record(meta.timings_ms.get("queue", 0.0) + meta.timings_ms["total"], attributes)
         if "expansion" in meta.timings_ms:
             self._metrics.graph_expansion_duration.record(meta.timings_ms["expansion"])
         return response

@@ -491,7 +491,7 @@ class QueryService:
                 span.set_attribute("ontofabric.queue_ms", waited_ms)
                 try:
                     async with asyncio.timeout_at(deadline.at):
-                        body = await self._answer(msg, deadline)
+                        body = await self._answer(msg, deadline, waited_ms)
                 except TimeoutError:
                     body = error_reply("deadline_exceeded", admitted.late(loop.time()), retryable=True)
         except Exception:  # a caller waiting for a reply gets one, whatever failed
@@ -515,8 +515,9 @@ class QueryService:
         except Exception as error:  # the connection went away: the caller times out and retries elsewhere
             log.warning("reply_failed", error=describe(error))
 
-    async def _answer(self, msg: Msg, deadline: Deadline) -> bytes:
-        """The reply to a request on {prefix}.{query|document|status}.{workspace}."""
+    async def _answer(self, msg: Msg, deadline: Deadline, waited_ms: float = 0.0) -> bytes:
+        """The reply to a request on {prefix}.{query|document|status}.{workspace}; ``waited_ms``: how long it
+        waited for a runner."""
         self.handled += 1
         workspace = workspace_of_subject(msg.subject)
         operation = self.names.operation_of(msg.subject)
@@ -528,7 +529,7 @@ class QueryService:
             )
         try:
             if operation == "query":
-                return await self._query(workspace, msg.data, deadline)
+                return await self._query(workspace, msg.data, deadline, waited_ms)
             return await (self._document if operation == "document" else self._status)(workspace, msg.data)
         except RetrievalUnavailable as error:
             return error_reply("deadline_exceeded" if error.out_of_time else "unavailable", str(error), retryable=True)
@@ -541,13 +542,13 @@ class QueryService:
             log.exception("query_failed", workspace=workspace)
             return error_reply("internal", "the request failed unexpectedly; see the worker log", retryable=True)
 
-    async def _query(self, workspace: str, body: bytes, deadline: Deadline) -> bytes:
+    async def _query(self, workspace: str, body: bytes, deadline: Deadline, waited_ms: float = 0.0) -> bytes:
         assert self._pipeline is not None
         assert self._nc is not None
         query = parse_request(body, workspace, self.settings.max_query_chars)
         if isinstance(query, bytes):
             return query
-        response = await self._pipeline.answer(query, workspace, deadline.at)
+        response = await self._pipeline.answer(query, workspace, deadline.at, waited_ms)
         budget = query.max_tokens or self.settings.answer_max_tokens
         try:
             return fit_reply(response, budget, self._nc.max_payload - HEADER_ALLOWANCE_BYTES)

@@ -195,15 +195,23 @@ def up(data_dir: DataDir = None) -> None:
             endpoints = runtime.endpoints
 
             async def ready() -> None:
+                credentials = runtime.data_dir / RUNTIME_FILE if endpoints.nats_logins else None
+                if settings.log_format == "json":  # stderr is the log stream: a line a log reader can parse
+                    log.info(
+                        "ready", nats=redacted_url(endpoints.nats_url), database=redacted_url(endpoints.database_url),
+                        read_replicas=[redacted_url(url) for url in endpoints.replica_urls],
+                        credentials=str(credentials) if credentials else None,
+                    )  # fmt: skip
+                    return
                 errors.print(
                     f"[green]ready[/green] nats={redacted_url(endpoints.nats_url)} "
                     f"database={redacted_url(endpoints.database_url)} (Ctrl-C stops)"
                 )
                 for replica_url in endpoints.replica_urls:
                     errors.print(f"read replica {redacted_url(replica_url)}")
-                if endpoints.nats_logins:
+                if credentials is not None:
                     errors.print(
-                        f"NATS requires credentials; each role's are in {runtime.data_dir / RUNTIME_FILE} (owner "
+                        f"NATS requires credentials; each role's are in {credentials} (owner "
                         "only): `ingest`, `query` and `mcp` read them there; another client takes the `client` "
                         "login (docs/security.md)"
                     )

@@ -219,7 +219,12 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     assert code == 0
     # Every output of the workers, the commands and the servers, scanned for the secrets they were given.
     assert up.stderr is not None
-    outputs += [up.stderr.read().decode(), *(path.read_text() for path in data_dir.rglob("*.log"))]
+    up_log = up.stderr.read().decode()
+    # stderr is up's JSON-lines log: its "ready" too (a soak found it a banner of six lines wrapped at 80 columns).
+    events = [json.loads(line) for line in up_log.splitlines() if line.strip()]
+    (ready,) = [event for event in events if event["event"] == "ready"]
+    assert ready["credentials"] == str(data_dir / "runtime.json")
+    outputs += [up_log, *(path.read_text() for path in data_dir.rglob("*.log"))]
     for secret in [reranker_key, *passwords, seed]:
         assert not [text for text in outputs if secret in text]
     assert not (data_dir / "runtime.json").exists()

@@ -610,6 +610,7 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
         ({"semanticQuery": "zip", "followLinks": True}, {}, "relationship"),
         ({"semanticQuery": "what calls zip"}, {"couldBenefitFromLinkExpansion": True}, "relationship"),
         ({"semanticQuery": "ZipArchive", "precision": True}, {"skippedRerank": "bm25_saturation"}, "identifier"),
+        ({"semanticQuery": "fit_reply"}, {"exactSymbolMatches": 1}, "identifier"),
         ({"semanticQuery": "compress a directory"}, {}, "concept"),
     ],
 )

@@ -34,12 +34,13 @@ QueryShape = Literal["listing", "relationship", "identifier", "concept"]
 def shape_of(query: OntologyQuery, meta: QueryMeta) -> QueryShape:
     """Seed 000's query shapes (the `shape` label of ``retrieval.query.duration_ms``), told from the pipeline's own
     signals, no classifier of its own: a listing (filters, no text); a relationship question (links followed, a
-    relation asked by structure, or the text reads as one); an exact identifier (the keyword top hit saturated,
-    which only a precision request measures); otherwise a concept query."""
+    relation asked by structure, or the text reads as one); an exact identifier (the query named a symbol, which
+    placed its definitions first, or a precision request's keyword top hit was saturated); otherwise a concept
+    query. (Only the second used to count: with no reranker, the default, no query was ever an identifier.)"""
     if meta.listing:
         return "listing"
     if query.follow_links or query.related_to is not None or meta.could_benefit_from_link_expansion:
         return "relationship"
-    if meta.skipped_rerank == "bm25_saturation":
+    if meta.exact_symbol_matches or meta.skipped_rerank == "bm25_saturation":
         return "identifier"
     return "concept"

@@ -164,9 +164,6 @@ class SecondVector(WireModel):
 
 MAX_CALLS = 512
 MAX_CALLEE_CHARS = 1024
-MAX_SYMBOL_CHARS = 512
-"""symbolKey and symbolFqn, at most: PostgreSQL indexes them with the workspace and branch, in index entries of at
-most about 2,700 bytes (a longer key used to be refused by the database, apply_failed, not by the contract)."""
 
 
 class DocumentMetadata(WireModel):
@@ -174,13 +171,9 @@ class DocumentMetadata(WireModel):
 
     model_config = ConfigDict(extra="allow")
 
-    symbol_key: Text | None = Field(
-        default=None, max_length=MAX_SYMBOL_CHARS, description="Refactor-stable symbol identity."
-    )
+    symbol_key: Text | None = Field(default=None, description="Refactor-stable symbol identity.")
     symbol_kind: Text | None = Field(default=None, description="module, class, function, method, section, ...")
-    symbol_fqn: Text | None = Field(
-        default=None, max_length=MAX_SYMBOL_CHARS, description="Human-readable fully qualified name."
-    )
+    symbol_fqn: Text | None = Field(default=None, description="Human-readable fully qualified name.")
     content_hash: Text | None = Field(default=None, description="sha256 of the content, hex.")
     file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
     chunk_level: ChunkLevel | None = None

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from ontofabric.services.ingest.chunking import (
+    MAX_SYMBOL_CHARS,
+    bounded_symbol,
     chunk_markdown,
     chunk_python,
     module_name,
@@ -238,3 +240,16 @@ def test_a_callee_name_the_contract_cannot_carry_is_left_out_and_the_ingest_goes
     assert calls == {"m.make": (), "m.use": ("m.make",)}
     for chunk in chunks:  # each one a valid document
         to_document(chunk, None, None)
+
+
+def test_a_symbol_too_long_for_the_index_keeps_its_start_a_hash_of_the_whole_and_its_name() -> None:
+    """A lookup by name reads a qualified name's last dotted part: a shortened one keeps it (a review's finding)."""
+    deep = ".".join(f"package{n}" for n in range(100))
+    short, other = bounded_symbol(f"{deep}.Circle.area"), bounded_symbol(f"{deep}.Circle.perimeter")
+    assert len(short) == MAX_SYMBOL_CHARS
+    assert short.startswith("package0.package1.")
+    assert short.endswith(".area")
+    assert short.rsplit(".", 1)[0] != other.rsplit(".", 1)[0]  # the hash of the whole tells them apart
+    assert bounded_symbol("pkg.mod.f") == "pkg.mod.f"
+    huge = bounded_symbol("f" * 6000)  # a name longer than the limit itself: start and hash only
+    assert len(huge) == MAX_SYMBOL_CHARS

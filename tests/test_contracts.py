@@ -13,8 +13,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from ontofabric.contracts import DeltaEnvelope, OntologyQuery, QueryResponse, TokenVectors, schema
-from ontofabric.contracts.documents import MAX_SYMBOL_CHARS
+from ontofabric.contracts import OntologyQuery, QueryResponse, TokenVectors, schema
 from ontofabric.shared import asyncapi
 from ontofabric.shared.subjects import OPERATIONS, Names
 
@@ -189,17 +188,6 @@ def test_a_delta_and_a_query_validate_against_the_documents_schemas() -> None:
     validator("OntologyQuery").validate({"semanticQuery": "parse a file", "topK": 5})
     errors = list(validator("OntologyQuery").iter_errors({"semanticQuery": "x", "topK": "many"}))
     assert errors, "a wrong type must not validate"
-
-
-@pytest.mark.parametrize("field", ["symbolKey", "symbolFqn"])
-def test_a_symbol_longer_than_the_index_takes_is_refused_by_the_contract_naming_it(field: str) -> None:
-    """It used to pass the contract and be refused by PostgreSQL's index (apply_failed), without the field."""
-    delta = json.loads(factories.upsert("acme", factories.document("d1", "x")).model_dump_json(by_alias=True))
-    delta["payload"]["document"]["metadata"][field] = "s" * (MAX_SYMBOL_CHARS + 1)
-    with pytest.raises(ValidationError, match=f"metadata.{field}"):
-        DeltaEnvelope.model_validate(delta)
-    delta["payload"]["document"]["metadata"][field] = "s" * MAX_SYMBOL_CHARS
-    DeltaEnvelope.model_validate(delta)
 
 
 def test_the_asyncapi_cli_finds_the_document_valid(tmp_path: Path) -> None:

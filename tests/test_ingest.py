@@ -16,8 +16,7 @@ import pytest
 from nats.js.api import PubAck
 
 from ontofabric.contracts import DeltaEnvelope
-from ontofabric.contracts.documents import MAX_SYMBOL_CHARS
-from ontofabric.services.ingest.chunking import chunk_file
+from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from ontofabric.contracts.documents import MAX_SYMBOL_CHARS
 from ontofabric.shared.embedder import embedding_text
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
@@ -53,12 +52,21 @@ class Chunk:
         return embedding_text(self.content, self.symbol_fqn)
 
 
+MAX_SYMBOL_CHARS = 512
+"""The longest symbol key or qualified name the ingester makes: PostgreSQL indexes them with the workspace and
+branch, in index entries of at most about 2,700 bytes, and refused a longer one (apply_failed). The contract does
+not bound them: deltas with longer ones, applied before, are in streams and snapshots."""
+
+
 def bounded_symbol(name: str) -> str:
-    """A symbol key or qualified name within the contract's limit: a longer one keeps its start and ends in a hash
-    of the whole, so that keys stay unique."""
+    """A symbol key or qualified name within ``MAX_SYMBOL_CHARS``: a longer one keeps its start, a hash of the whole
+    (so that keys stay unique) and its last dotted part when that is short (what a lookup by name reads)."""
     if len(name) <= MAX_SYMBOL_CHARS:
         return name
-    return f"{name[: MAX_SYMBOL_CHARS - 33]}~{hashlib.sha256(name.encode('utf-8')).hexdigest()[:32]}"
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+    last = name.rsplit(".", 1)[-1] if "." in name else ""
+    tail = f"~{digest}.{last}" if 0 < len(last) <= MAX_SYMBOL_CHARS // 4 else f"~{digest}"
+    return name[: MAX_SYMBOL_CHARS - len(tail)] + tail
 
 
 def object_type_name(dotted: str) -> str:

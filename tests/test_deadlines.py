@@ -371,6 +371,49 @@ async def test_a_request_that_waited_for_a_runner_says_so_and_the_latency_metric
     assert _recorded_duration_ms() - before == pytest.approx(taken, abs=1)
 
 
+async def test_a_workspace_whose_last_requests_were_slow_is_not_locked_out_of_a_busy_worker(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A review's finding: judged by its own average, a workspace whose requests met a slow spell was refused on
+    arrival whenever the worker held anything, and so never brought its average down again."""
+    await start_worker(SlowReranker(1.0, slow_prefix="slow"), query_concurrency=2)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    assert isinstance(await client.query("globex", {"semanticQuery": "slow " + LONG_QUERY}), QueryResponse)
+    busy = asyncio.create_task(client.query("acme", {"semanticQuery": "slow too " + LONG_QUERY}))
+    await asyncio.sleep(0.2)  # the worker holds acme's request: it is not idle
+    impatient = QueryClient(deployment.nc, deployment.names, timeout_s=0.8)
+    reply = await impatient.query("globex", {"semanticQuery": "quick " + LONG_QUERY})
+    assert getattr(reply, "error", None) is None  # it holds nothing: taken, and its average comes down
+    assert isinstance(await busy, QueryResponse)
+
+
+async def test_requests_answered_unopened_free_their_places_for_other_workspaces(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A review's finding: a request refused at its deadline while it waited kept its place until a runner took
+    it, and only its own workspace's runners, all at work, would: another workspace found the worker full while
+    a runner kept for it stood idle."""
+    await start_worker(SlowReranker(1.5, slow_prefix="slow"), query_concurrency=4, query_queue_limit=2)  # 6 places
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    assert isinstance(await client.query("globex", {"semanticQuery": "quick " + LONG_QUERY}), QueryResponse)
+    working = [asyncio.create_task(client.query("acme", {"semanticQuery": f"slow {n} {LONG_QUERY}"})) for n in range(3)]
+    await asyncio.sleep(0.2)  # acme holds its 3 runners of 4
+    hasty = QueryClient(deployment.nc, deployment.names, timeout_s=0.3)
+    waited = await asyncio.gather(
+        *(hasty.query("acme", {"semanticQuery": f"slow w{n} {LONG_QUERY}"}) for n in range(3))
+    )
+    assert all(isinstance(reply, ErrorReply) for reply in waited)  # refused at their deadline, unopened
+    reply = await QueryClient(deployment.nc, deployment.names, timeout_s=1).query(
+        "globex", {"semanticQuery": "quick again " + LONG_QUERY}
+    )
+    assert getattr(reply, "error", None) is None
+    assert all(isinstance(reply, QueryResponse) for reply in await asyncio.gather(*working))
+
+
 async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival(
     seeded: int,
     deployment: Deployment,

@@ -183,8 +183,9 @@ class Admitted:
     deadline: Deadline
     workspace: str = ""
     """The workspace's subject token: whose turn it waits for."""
-    displaced: bool = False
-    """Its place was given to another workspace's request while it waited (refused, ``overloaded``)."""
+    place_freed: bool = False
+    """Its place was freed before a runner took it: given to another workspace's request (refused, ``overloaded``),
+    or left when it was refused unopened at its deadline."""
     waits_until: float | None = None
     """When a request that states no timeout stops waiting for a free slot (refused, ``overloaded``)."""
     replied: bool = False
@@ -351,9 +352,10 @@ class QueryService:
         workspaces = len(self._held_by) + (0 if own else 1)
         ahead = ahead_in_turn(own, workspaces, self._held)
         expected = self._service_time.expected_finish(ahead, concurrency, workspace)
-        # Refused now, not when the caller has given up. Never by an idle worker: the average may be of a slow
-        # spell that is over (a database frozen for seconds), and only answered requests bring it down again.
-        if self._held and expected > ADMISSION_SHARE * deadline.left(received):
+        # Refused now, not when the caller has given up. Never by an idle worker, nor when the workspace holds
+        # nothing: its average may be of a slow spell that is over (a database frozen for seconds), and only its
+        # answered requests bring it down again (a busy worker is seldom idle; a review's finding).
+        if self._held and own and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
             await self._reply(msg, error_reply("overloaded", busy, retryable=True))
             return
@@ -391,7 +393,7 @@ class QueryService:
         largest = displaced_by(self._held_by, workspace)
         victim = None if largest is None else self._waiting.newest(largest, lambda held: not held.replied)
         if victim is not None:
-            victim.displaced = True
+            victim.place_freed = True
             self._release(victim)
         return victim
 
@@ -420,6 +422,11 @@ class QueryService:
             refusal = self._refuse_waited(admitted)
         else:
             refusal = self._refuse_late(admitted)
+        if admitted.taken_at is None and not admitted.place_freed:
+            # Answered unopened: its place is free now, not when a runner gets to it (one of its workspace's, which
+            # may all be at work: the others' runners do not take its requests).
+            admitted.place_freed = True
+            self._release(admitted)
         task = asyncio.create_task(refusal)
         self._expiries.add(task)
         task.add_done_callback(self._expiries.discard)
@@ -460,7 +467,7 @@ class QueryService:
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)
                 log.exception("request_failed_outside_its_handler", subject=admitted.msg.subject)
             finally:
-                if not admitted.displaced:  # a displaced one gave its place back when it was displaced
+                if not admitted.place_freed:  # one whose place was freed early gave it back then
                     self._release(admitted)
                 self._running[admitted.workspace] -= 1
                 if not self._running[admitted.workspace]:

@@ -258,7 +258,8 @@ class ModelThread:
 
     The thread takes its next job itself, under a lock: handed over by the event loop, one at a time, it waited for
     the loop between two jobs (10 % fewer answers a second at 16 in flight). A job whose caller gave up before the
-    thread got to it is not run.
+    thread got to it is not run (a batch of query embeddings is the batching task's job: it runs unless that task
+    gave up).
     """
 
     def __init__(self, executor: ThreadPoolExecutor) -> None:
@@ -291,16 +292,22 @@ class ModelThread:
 
     def _drain(self) -> None:
         """On the model thread: every job in turn, until none is left."""
-        while (job := self._next()) is not None:
-            work, future, loop = job
-            if future.done():  # its caller gave up: the thread is spared the work
-                continue
-            try:
-                result = work()
-            except BaseException as error:  # the caller's to see, as it would from run_in_executor
-                _answer(loop, future, error=error)
-            else:
-                _answer(loop, future, result=result)
+        try:
+            while (job := self._next()) is not None:
+                work, future, loop = job
+                if future.done():  # its caller gave up: the thread is spared the work
+                    continue
+                try:
+                    result = work()
+                except BaseException as error:  # the caller's to see, as it would from run_in_executor
+                    _answer(loop, future, error=error)
+                else:
+                    _answer(loop, future, result=result)
+        except BaseException:  # a bug here: the next job must start the thread again, not wait for ever
+            log.exception("model_thread_failed")
+            with self._lock:
+                self._draining = False
+            raise
 
 
 def _answer(

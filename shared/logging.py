@@ -110,7 +110,8 @@ def _no_library_progress_bars() -> None:
     line no log reader can parse. Our own commands draw the progress bars that matter. An operator who wants the
     library's back sets HF_HUB_DISABLE_PROGRESS_BARS=0."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
-    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "0" and "transformers" in sys.modules:  # imported already
+    wanted = os.environ["HF_HUB_DISABLE_PROGRESS_BARS"].strip().lower() in ("0", "false", "no", "off")
+    if not wanted and "transformers" in sys.modules:  # imported already
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()

@@ -553,53 +553,53 @@ def test_onnx_runtime_records_no_telemetry(tmp_path: Path) -> None:
     assert _files_after_a_session(tmp_path / "project", "project") == []
 
 
+class _Jobs:
+    """Jobs for a model thread, by name: each records that it ran; ``blocker`` first waits for ``release`` (the
+    thread is busy while others queue); ``broken`` raises."""
+
+    def __init__(self, blocker: str) -> None:
+        self.blocker = blocker
+        self.release = threading.Event()
+        self.ran: list[str] = []
+
+    def __call__(self, name: str) -> str:
+        if name == self.blocker:
+            self.release.wait(5)
+        self.ran.append(name)
+        if name == "broken":
+            raise ValueError("no such token")
+        return name
+
+
 async def test_the_model_thread_takes_each_workspaces_jobs_in_turn() -> None:
     """A red team's finding: 16 costly requests of one workspace queued their late interaction first-come on the
     model thread, and another tenant's query embedding waited 2.4 s behind them."""
+    jobs = _Jobs(blocker="flood-0")
     with ThreadPoolExecutor(max_workers=1) as executor:
         thread = ModelThread(executor)
-        release = threading.Event()
-        ran: list[str] = []
-
-        def job(name: str) -> str:
-            if name == "flood-0":
-                release.wait(5)  # the thread is busy while the others queue
-            ran.append(name)
-            return name
-
-        flood = [asyncio.create_task(thread.run(partial(job, f"flood-{n}"), "flood")) for n in range(8)]
+        flood = [asyncio.create_task(thread.run(partial(jobs, f"flood-{n}"), "flood")) for n in range(8)]
         await asyncio.sleep(0.05)
-        light = asyncio.create_task(thread.run(partial(job, "light"), "light"))
+        light = asyncio.create_task(thread.run(partial(jobs, "light"), "light"))
         await asyncio.sleep(0.05)
-        release.set()
+        jobs.release.set()
         assert await light == "light"
         await asyncio.gather(*flood)
     # The one at work when it came, one of the flood's in its turn, then its own: not behind the whole flood.
-    assert ran.index("light") == 2, ran
-    assert [name for name in ran if name != "light"] == [f"flood-{n}" for n in range(8)]  # each turn in order
+    assert jobs.ran.index("light") == 2, jobs.ran
+    assert [name for name in jobs.ran if name != "light"] == [f"flood-{n}" for n in range(8)]  # each turn in order
 
 
 async def test_a_model_thread_job_whose_caller_gave_up_is_not_run_and_an_error_reaches_its_caller() -> None:
+    jobs = _Jobs(blocker="busy")
     with ThreadPoolExecutor(max_workers=1) as executor:
         thread = ModelThread(executor)
-        release = threading.Event()
-        ran: list[str] = []
-
-        def job(name: str) -> str:
-            if name == "busy":
-                release.wait(5)
-            ran.append(name)
-            if name == "broken":
-                raise ValueError("no such token")
-            return name
-
-        busy = [asyncio.create_task(thread.run(partial(job, name), "a")) for name in ("busy", "next")]
+        busy = [asyncio.create_task(thread.run(partial(jobs, name), "a")) for name in ("busy", "next")]
         await asyncio.sleep(0.05)
-        abandoned = asyncio.create_task(thread.run(partial(job, "abandoned"), "a"))
+        abandoned = asyncio.create_task(thread.run(partial(jobs, "abandoned"), "a"))
         await asyncio.sleep(0.05)
         abandoned.cancel()
-        release.set()
+        jobs.release.set()
         await asyncio.gather(*busy)
         with pytest.raises(ValueError, match="no such token"):
-            await thread.run(partial(job, "broken"), "b")
-        assert ran == ["busy", "next", "broken"]
+            await thread.run(partial(jobs, "broken"), "b")
+    assert jobs.ran == ["busy", "next", "broken"]

@@ -1287,6 +1287,14 @@ def _raised_in_asyncpg(error: BaseException) -> bool:
     )
 
 
+_SETTING_NAME = re.compile(r"\b(" + "|".join(sorted(Settings.model_fields, key=len, reverse=True)) + r")\b")
+
+
+def _as_variables(message: str) -> str:
+    """A settings check's message with each setting named as the variable an operator sets."""
+    return _SETTING_NAME.sub(lambda named: f"ONTOFABRIC_{named.group(1).upper()}", message)
+
+
 def main() -> None:
     try:
         app()
@@ -1314,7 +1322,7 @@ def main() -> None:
         for problem in error.errors(include_input=False, include_url=False):
             variable = "".join(f"ONTOFABRIC_{str(part).upper()}" for part in problem["loc"][:1]) or "settings"
             said = problem["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-            errors.print(f"[red]error:[/red] {variable}: {escape(said)}")
+            errors.print(f"[red]error:[/red] {variable}: {escape(_as_variables(said))}")
         sys.exit(2)
     except (MetricsUnservable, SettingsUnusable) as error:
         errors.print(f"[red]error:[/red] {escape(str(error))}")

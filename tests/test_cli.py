@@ -357,8 +357,8 @@ def test_a_rebuild_the_database_drops_says_it_can_be_resumed(monkeypatch: pytest
     [
         ("ONTOFABRIC_SUBJECT_PREFIX", "a.b", "String should match pattern '^[a-z][a-z0-9_-]{0,30}$'"),
         ("ONTOFABRIC_CALIBRATION_DENSE", "abc", "ONTOFABRIC_CALIBRATION_DENSE: not valid JSON"),
-        ("ONTOFABRIC_RERANKER", "cohere", "error: settings: reranker=cohere needs reranker_url"),
-        ("ONTOFABRIC_KEYWORD_BACKEND", "azure-ai-search", "azure-ai-search needs azure_search_endpoint"),
+        ("ONTOFABRIC_RERANKER", "cohere", "error: settings: ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL"),
+        ("ONTOFABRIC_KEYWORD_BACKEND", "azure-ai-search", "azure-ai-search needs ONTOFABRIC_AZURE_SEARCH_ENDPOINT"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:

@@ -93,11 +93,11 @@ async def test_a_query_vector_is_compared_only_with_vectors_of_its_own_model() -
     with pytest.raises(ModelChanged, match=f"holds {NEXT} vectors"):
         await vector_for_index(query, NEXT, None)
 
-    async def vector_by(model: str, text: str) -> np.ndarray:
-        return np.full(2, len(model + text), dtype=np.float32)
+    async def vector_by(model: str, text: str, workspace: str) -> np.ndarray:
+        return np.full(2, len(model + text + workspace), dtype=np.float32)
 
-    again = await vector_for_index(query, NEXT, vector_by)  # embedded again by the index's model
-    assert again.tolist() == [len(NEXT + "text")] * 2
+    again = await vector_for_index(query, NEXT, vector_by, "acme")  # by the index's model, in acme's turn
+    assert again.tolist() == [len(NEXT + "text" + "acme")] * 2
 
 
 async def _publish_corpus(deployment: Deployment, embedder: Embedder) -> int:

@@ -97,11 +97,14 @@ class ModelChanged(Exception):
     """The index's vectors are another embedding model's than the query's, and this worker has no such model."""
 
 
-VectorBy = Callable[[str, str], Awaitable[Vector]]
-"""(model, text) -> the text's vector by that model; ModelChanged when this worker has no such model."""
+VectorBy = Callable[[str, str, str], Awaitable[Vector]]
+"""(model, text, workspace) -> the text's vector by that model, embedded in the workspace's turn; ModelChanged when
+this worker has no such model."""
 
 
-async def vector_for_index(query: SearchInput, index_model: str | None, vector_by: VectorBy | None) -> Vector:
+async def vector_for_index(
+    query: SearchInput, index_model: str | None, vector_by: VectorBy | None, workspace: str = ""
+) -> Vector:
     """The query's vector to compare with an index of ``index_model``'s vectors: its own when the two models agree
     (or either is not known), else the query embedded again by the index's model: an index that changed model
     while the query was embedded, or one database of several that has swapped and another not. Two models'
@@ -111,7 +114,7 @@ async def vector_for_index(query: SearchInput, index_model: str | None, vector_b
         return query.vector
     if vector_by is None:
         raise ModelChanged(f"the index holds {index_model} vectors; the query was embedded by {query.model}")
-    return await vector_by(index_model, query.text)
+    return await vector_by(index_model, query.text, workspace)
 
 
 class Retriever(Protocol):

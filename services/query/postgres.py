@@ -383,7 +383,7 @@ class PostgresDense:
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         async with self._snapshots.read(scope) as snapshot:
-            vector = await vector_for_index(query, snapshot.model, self._vector_by)
+            vector = await vector_for_index(query, snapshot.model, self._vector_by, scope.workspace)
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             # relaxed_order iterative scans may return rows slightly out of order: re-sort the materialised top-k.
             sql = f"""
@@ -580,7 +580,7 @@ class PostgresDocuments:
         """The dense score (cosine similarity) of each of ``ids`` the dense search could have returned, unordered:
         for keyword hits the dense top-k did not reach, so fusion weighs what they are, not a guess."""
         async with self._snapshots.read(scope) as snapshot:
-            vector = await vector_for_index(query, snapshot.model, self._vector_by)
+            vector = await vector_for_index(query, snapshot.model, self._vector_by, scope.workspace)
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT id, 1 - (embedding <=> $1) AS score FROM documents

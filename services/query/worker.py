@@ -666,11 +666,11 @@ def following_model(served: ServedModel, cache: LruCache[CacheKey, bytes]) -> Ca
 def vectors_by(served: ServedModel) -> VectorBy:
     """A query's vector by another model than the worker embeds by now, for a read of an index that holds it."""
 
-    async def vector(model: str, text: str) -> Vector:
+    async def vector(model: str, text: str, workspace: str) -> Vector:
         embedder = served.embedder_of(model)
         if embedder is None:
             raise ModelChanged(f"the index holds {model} vectors, a model this worker does not have")
-        found, _ = await embedder.embed_query_with_tokens_async(text)
+        found, _ = await embedder.embed_query_with_tokens_async(text, workspace)
         return found
 
     return vector

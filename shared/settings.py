@@ -248,7 +248,12 @@ class Settings(BaseSettings):
         ge=0,
         description="What the cached answers may weigh together (their contents, and an allowance per result).",
     )
-    query_concurrency: int = Field(default=16, ge=1, description="Requests one worker handles at once.")
+    query_concurrency: int = Field(
+        default=16,
+        ge=1,
+        description="Requests one worker handles at once; one workspace's requests hold at most three quarters of "
+        "them (all, below 4), so that another workspace finds a runner free.",
+    )
     query_queue_limit: int = Field(
         default=64,
         ge=1,

@@ -618,11 +618,12 @@ def unknown_variables(environ: Mapping[str, str]) -> dict[str, str | None]:
     """``ONTOFABRIC_*`` variables that name no setting (misspelt, or of another version), each with the setting's
     variable it most resembles, if one does: pydantic-settings ignores them, so a typo would go unnoticed."""
     known = {f"ONTOFABRIC_{name.upper()}" for name in Settings.model_fields}
+    ours = known | NOT_SETTINGS
     unknown = [
         name
         for name in environ
         if name.upper().startswith("ONTOFABRIC_")
-        and name.upper() not in known | NOT_SETTINGS
+        and name.upper() not in ours
         and not name.upper().startswith("ONTOFABRIC_TEST_")
     ]
     return {name: next(iter(difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.8)), None) for name in unknown}

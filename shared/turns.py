@@ -65,10 +65,16 @@ class TurnQueue(Generic[T]):
         self._turns.put(key, item)
         self._unfinished += 1
         self._finished.clear()
-        self.wake()
+        # One waiting get looks again, not all: one item came. (What is eligible changes when a taker ends its
+        # work, and that taker looks itself when it asks for its next item.)
+        while self._getters:
+            getter = self._getters.pop(0)
+            if not getter.done():
+                getter.set_result(None)
+                break
 
     async def get(self, eligible: Callable[[str], bool] | None = None) -> T:
-        """The next item in turn of an ``eligible`` key, once there is one (see :meth:`wake`)."""
+        """The next item in turn of an ``eligible`` key, once there is one."""
         while (item := self._turns.take(eligible)) is None:
             getter = asyncio.get_running_loop().create_future()
             self._getters.append(getter)
@@ -78,13 +84,6 @@ class TurnQueue(Generic[T]):
                 if getter in self._getters:
                     self._getters.remove(getter)
         return item
-
-    def wake(self) -> None:
-        """Have every waiting ``get`` look again: an item came, or what is eligible changed."""
-        getters, self._getters = self._getters, []
-        for getter in getters:
-            if not getter.done():
-                getter.set_result(None)
 
     def newest(self, key: str, wanted: Callable[[T], bool]) -> T | None:
         """The newest waiting item of ``key`` that is ``wanted``, left where it is."""

@@ -473,7 +473,6 @@ class QueryService:
                 if not self._running[admitted.workspace]:
                     del self._running[admitted.workspace]
                 self._waiting.task_done()
-                self._waiting.wake()  # the workspace may run another now
 
     async def _serve(self, admitted: Admitted) -> bool:
         """Answer an admitted request; False when it was refused unopened (its deadline passed while it waited)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from collections.abc import Callable
@@ -205,6 +206,32 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     ]  # fmt: skip
     assert dead_lettered("invalid_schema") == invalid_before + 1  # dead letters counted by reason
     assert fresh_deltas() >= fresh_before + 2  # the two that applied: stored in the stream -> in the index
+
+
+async def test_a_dead_letter_the_dlq_refuses_keeps_its_delta_and_the_batchs_others_go_on(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """The dead letters of a batch are published together; one the DLQ stream refuses leaves its delta to come
+    back (never terminated unrecorded), while the others are recorded and the batch's good deltas apply."""
+    names, js = deployment.names, deployment.js
+    dlq = (await js.stream_info(names.dlq_stream)).config
+    await js.update_stream(dataclasses.replace(dlq, max_msg_size=600))
+    subject = deployment.names.delta_subject("acme", "main")
+    for n, junk in enumerate([b"{}", b"[" + b" " * 1000 + b"]", b"null"]):
+        await js.publish(subject, junk, headers={"Nats-Msg-Id": f"junk-{n}"})
+    last = await deployment.publisher.publish(upsert("acme", document("after-junk", "applied")))
+
+    async with asyncio.timeout(30):  # applied past the refused dead letter, out of order
+        while "after-junk" not in await _live_rows(deployment, "acme"):
+            await asyncio.sleep(0.05)
+    dead = await js.subscribe(names.dlq_subjects, stream=names.dlq_stream)
+    recorded = {(await dead.next_msg(timeout=5)).data for _ in range(2)}
+    assert recorded == {b"{}", b"null"}
+    assert await ack_floor(js, names.delta_stream, names.postgres_projector_durables(1)[0]) < last.seq
+
+    await js.update_stream(dataclasses.replace(dlq, max_msg_size=dlq.max_msg_size or -1))
+    await deployment.wait_projected(last.seq)  # the refused one came back and went to the DLQ
+    assert (await dead.next_msg(timeout=5)).data == b"[" + b" " * 1000 + b"]"
 
 
 async def test_every_dead_letter_reason_is_counted_from_zero(projector: ProjectorService) -> None:

@@ -334,11 +334,12 @@ class DurableProjection:
 
     async def _settle(self, outcome: Outcome) -> None:
         """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink."""
-        for msg, rejection in outcome.invalid:
-            self._settled(msg)
-            if self._dead_letters_invalid:
-                await dead_letter(self._js, self._names, msg, rejection, self._index)
-            else:
+        if self._dead_letters_invalid:
+            for msg in await dead_letter(self._js, self._names, outcome.invalid, self._index):
+                self._settled(msg)
+        else:
+            for msg, _ in outcome.invalid:
+                self._settled(msg)
                 await msg.term()
                 self._count(1, "invalid")
                 log.info("delta_invalid_skipped", index=self._index, seq=msg.metadata.sequence.stream)
@@ -354,8 +355,7 @@ class DurableProjection:
             if outcome.applied and msg.metadata.timestamp is not None:  # in the index since the commit
                 stored_ms = (now - msg.metadata.timestamp.timestamp()) * 1000
                 self._metrics.projector_freshness.record(stored_ms, {"index": self._index})
-        for msg, rejection in outcome.refused:
-            await dead_letter(self._js, self._names, msg, rejection, self._index)
+        for msg in await dead_letter(self._js, self._names, outcome.refused, self._index):
             self._settled(msg)
         self._count(outcome.applied, "applied")
         self._count(outcome.noops, "noop")
@@ -376,8 +376,16 @@ def _header_safe(text: str, limit: int = 1000) -> str:
     return " ".join(text.split())[:limit]
 
 
-async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: Rejection, index: str) -> None:
-    """Publish the delta with its reason to the DLQ stream, then terminate it; if the DLQ publish fails, nak."""
+@dataclass(frozen=True)
+class DeadLetter:
+    """A delta as it goes to the DLQ stream: its body, with the reason in headers."""
+
+    subject: str
+    body: bytes
+    headers: dict[str, str]
+
+
+def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: str, max_payload: int) -> DeadLetter:
     seq = msg.metadata.sequence.stream
     headers = {
         "Nats-Msg-Id": f"dlq:{index}:{msg.metadata.stream}:{seq}",
@@ -389,25 +397,43 @@ async def dead_letter(js: JetStreamContext, names: Names, msg: Msg, rejection: R
         "Ontofabric-Original-Sequence": str(seq),
         "Ontofabric-Delivered": str(msg.metadata.num_delivered),
     }
-    subject = names.dlq_subject(workspace_token_of(msg.subject) or "_unknown")
     body = msg.data
     # A delta stored before the stream kept room for these headers may not fit beside them: the server would refuse
     # the dead letter and nats-py would close the connection. It goes without its body, which stays in the stream.
-    if len(body) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 64 > js._nc.max_payload:
+    if len(body) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 64 > max_payload:
         headers["Ontofabric-Body-Omitted"] = f"{len(body)} bytes, over the server's max_payload with these headers"
         body = b""
-    try:
-        stored = await js.publish(subject, body, headers=headers)
-    except Exception as error:  # the dead letter is not safe yet: keep the original for another try
-        await retry_later([msg], error, index)
-        return
-    await msg.term()
-    instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index, "reason": rejection.reason})
-    # dlq_seq: what `ontofabric dlq show` takes; seq is the delta's own, in the delta stream.
-    log.warning(
-        "delta_dead_lettered", index=index, seq=seq, dlq_seq=stored.seq, reason=rejection.reason,
-        detail=rejection.detail[:300],
-    )  # fmt: skip
+    return DeadLetter(names.dlq_subject(workspace_token_of(msg.subject) or "_unknown"), body, headers)
+
+
+async def dead_letter(
+    js: JetStreamContext, names: Names, rejected: Sequence[tuple[Msg, Rejection]], index: str
+) -> list[Msg]:
+    """Publish each delta with its reason to the DLQ stream, then terminate it; a delta whose DLQ publish failed is
+    nak'd for another try. The publishes go out together and their acknowledgements are awaited together: one
+    tenant's flood of malformed deltas holds every other tenant's deltas behind it for as long as this takes.
+    Returns the deltas dead-lettered."""
+    letters = [_dead_letter_message(names, msg, rejection, index, js._nc.max_payload) for msg, rejection in rejected]
+    stored = await asyncio.gather(
+        *(js.publish(letter.subject, letter.body, headers=letter.headers) for letter in letters),
+        return_exceptions=True,
+    )
+    done: list[Msg] = []
+    for (msg, rejection), ack in zip(rejected, stored, strict=True):
+        if isinstance(ack, BaseException):  # the dead letter is not safe yet: keep the original for another try
+            if not isinstance(ack, Exception):
+                raise ack
+            await retry_later([msg], ack, index)
+            continue
+        await msg.term()
+        done.append(msg)
+        instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index, "reason": rejection.reason})
+        # dlq_seq: what `ontofabric dlq show` takes; seq is the delta's own, in the delta stream.
+        log.warning(
+            "delta_dead_lettered", index=index, seq=msg.metadata.sequence.stream, dlq_seq=ack.seq,
+            reason=rejection.reason, detail=rejection.detail[:300],
+        )  # fmt: skip
+    return done
 
 
 class RunningProjection:

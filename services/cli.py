@@ -74,6 +74,7 @@ from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
 from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
+from .ingest.client import PublishFailed
 from .ops.dead_letters import (
     DeadLetterWatch,
     Redrive,
@@ -1305,6 +1306,9 @@ def main() -> None:
         sys.exit(2)
     except NatsUnreachable as error:
         errors.print(f"[red]error:[/red] {error}: is it running, and is ONTOFABRIC_NATS_URL right?")
+        sys.exit(1)
+    except PublishFailed as error:  # what was stored is said; the same command again is safe
+        errors.print(f"[red]error:[/red] {error}")
         sys.exit(1)
     except DATABASE_UNREACHABLE as error:
         if not _raised_in_asyncpg(error):

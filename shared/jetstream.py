@@ -265,7 +265,9 @@ def delta_stream_config(names: Names, settings: Settings) -> StreamConfig:
         duplicate_window=settings.dedupe_window_s,
         max_msg_size=MAX_DELTA_MESSAGE_BYTES,
         max_age=settings.delta_max_age_days * 86400 if settings.delta_max_age_days else None,
-        discard=DiscardPolicy.OLD,
+        max_bytes=settings.delta_stream_max_bytes,
+        # Full, the stream refuses what comes rather than drop history a rebuild replays; age still expires.
+        discard=DiscardPolicy.NEW if settings.delta_stream_max_bytes else DiscardPolicy.OLD,
         num_replicas=settings.nats_replicas,
         description="SemanticDocument and ontology graph deltas",
     )
@@ -278,6 +280,7 @@ def dlq_stream_config(names: Names, settings: Settings) -> StreamConfig:
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         duplicate_window=120.0,
+        max_msgs_per_subject=settings.dead_letters_per_workspace or -1,  # a subject per workspace: its oldest go
         num_replicas=settings.nats_replicas,
         description="Deltas that can never apply, with the reason in headers",
     )
@@ -307,8 +310,8 @@ def manifest_bucket_config(names: Names, settings: Settings) -> KeyValueConfig:
 async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings, reconcile: bool = False) -> None:
     """Create the deployment's streams and buckets where missing. With ``reconcile`` (the projector, whose user
     may update them), also bring existing ones to the configuration: the republish an older stream lacks, the
-    delta stream's age limit, and the number of replicas (JetStream copies a stream to new peers, or drops some,
-    while it keeps serving)."""
+    delta stream's age and size limits, the dead letters kept per workspace, and the number of replicas
+    (JetStream copies a stream to new peers, or drops some, while it keeps serving)."""
     streams: list[StreamConfig | KeyValueConfig] = [
         delta_stream_config(names, settings),
         dlq_stream_config(names, settings),
@@ -346,6 +349,16 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         if isinstance(config, StreamConfig) and abs((existing.max_age or 0) - (config.max_age or 0)) > 1:
             changes.append("max_age")  # ONTOFABRIC_DELTA_MAX_AGE_DAYS set, changed or unset
             wanted = dataclasses.replace(wanted, max_age=config.max_age or 0)
+        if isinstance(config, StreamConfig) and (existing.max_bytes or -1) != (config.max_bytes or -1):
+            changes.append("max_bytes")  # ONTOFABRIC_DELTA_STREAM_MAX_BYTES set, changed or unset
+            wanted = dataclasses.replace(wanted, max_bytes=config.max_bytes or -1)
+        limit = config.max_msgs_per_subject if isinstance(config, StreamConfig) else None
+        if isinstance(config, StreamConfig) and (existing.max_msgs_per_subject or -1) != (limit or -1):
+            changes.append("max_msgs_per_subject")  # ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE
+            wanted = dataclasses.replace(wanted, max_msgs_per_subject=limit or -1)
+        if isinstance(config, StreamConfig) and existing.discard != config.discard:
+            changes.append("discard")
+            wanted = dataclasses.replace(wanted, discard=config.discard)
         if isinstance(config, StreamConfig) and existing.max_msg_size != config.max_msg_size:
             changes.append("max_msg_size")  # a delta stream made when deltas could fill the whole max_payload
             wanted = dataclasses.replace(wanted, max_msg_size=config.max_msg_size)

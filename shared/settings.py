@@ -237,6 +237,19 @@ class Settings(BaseSettings):
         "them into snapshots). Run `compact` more often than this, or a rebuild has no complete history to "
         "replay; a projector further behind than this loses deltas.",
     )
+    delta_stream_max_bytes: int | None = Field(
+        default=None,
+        ge=1024 * 1024,
+        description="The most the delta stream may hold, in bytes (unset: as much as the disk takes). A full "
+        "stream refuses new deltas (ingesters are told, nothing stored is dropped) until `ontofabric compact` "
+        "makes room: a guard against one tenant filling the disk every tenant's deltas are on.",
+    )
+    dead_letters_per_workspace: int = Field(
+        default=100_000,
+        ge=0,
+        description="Dead letters the DLQ stream keeps per workspace; past it a workspace's oldest go (0: no "
+        "limit). A tenant publishing junk fills only its own share.",
+    )
     text_search_config: str = Field(
         default="english", pattern=r"^[a-z_]+$", description="PostgreSQL text search configuration."
     )

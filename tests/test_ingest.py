@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.js.api import PubAck
+from nats.js.api import DiscardPolicy, PubAck
+from nats.js.errors import ServiceUnavailableError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
@@ -265,6 +269,37 @@ def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_sa
     assert ran.returncode == 1, ran.stderr
     assert "not projected within 2 s" in ran.stderr
     assert "The deltas are stored" in ran.stderr
+
+
+async def test_ingest_into_a_full_delta_stream_says_so_at_once_and_exits_1(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """JetStream answers a full stream with 503, which an ingest used to retry for a minute and then report as
+    ServiceUnavailableError, with a traceback."""
+    stream = (await deployment.js.stream_info(deployment.names.delta_stream)).config
+    limited = dataclasses.replace(stream, max_bytes=1024 * 1024, discard=DiscardPolicy.NEW)
+    await deployment.js.update_stream(limited)
+    for size in (100_000, 1_000, 10):  # full to the last bytes
+        with contextlib.suppress(ServiceUnavailableError):
+            for _ in range(200):
+                await deployment.js.publish(deployment.names.delta_subject("other", "main"), b"x" * size)
+    _write(tmp_path, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    ontofabric = str(Path(sys.executable).parent / "ontofabric")
+    began = time.monotonic()
+    ran = await asyncio.to_thread(
+        subprocess.run, [ontofabric, "ingest", str(tmp_path), "--workspace", "late"], env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    said = " ".join(ran.stderr.split())
+    assert ran.returncode == 1, said
+    assert "the delta stream is full" in said, said
+    assert "ontofabric compact" in said
+    assert "Traceback" not in said
+    assert time.monotonic() - began < 30  # not after the publisher's minute of retries
 
 
 async def test_ingest_says_which_of_its_deltas_a_projector_dead_lettered_and_exits_1(

@@ -12,8 +12,8 @@ from typing import Any, cast
 import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ontofabric.services.app import Roles, serve_until_signal
 from ontofabric.shared.jetstream import (
@@ -358,6 +358,39 @@ async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector
         assert (await js.stream_info(names.delta_stream)).config.max_age == 2 * 86400
         await ensure_jetstream(js, names, deployment.settings, reconcile=True)
         assert not (await js.stream_info(names.delta_stream)).config.max_age
+
+
+async def test_each_workspace_keeps_its_own_share_of_dead_letters_and_a_full_delta_stream_refuses_new_ones(
+    deployment: Deployment, embedded: EmbeddedRuntime | None
+) -> None:
+    """A tenant may publish junk on its own subjects, each piece a dead letter, or fill the disk with deltas. Its
+    junk pushes out only its own oldest dead letters; a full delta stream refuses what comes, drops nothing."""
+    names = Names(f"{deployment.names.prefix}lim")
+    async with _streams_of(deployment, embedded, names) as js:
+        await ensure_jetstream(js, names, deployment.settings.model_copy(update={"dead_letters_per_workspace": 0}))
+        bounded = deployment.settings.model_copy(
+            update={"dead_letters_per_workspace": 3, "delta_stream_max_bytes": 1024 * 1024}
+        )
+        await ensure_jetstream(js, names, bounded, reconcile=True)  # a projector's start brings both limits
+        for n in range(5):
+            await js.publish(names.dlq_subject("flooder"), f"junk {n}".encode())
+        await js.publish(names.dlq_subject("quiet"), b"its only dead letter")
+        kept = await js.pull_subscribe(names.dlq_subjects, stream=names.dlq_stream)
+        assert [m.data for m in await kept.fetch(10, timeout=2)] == [
+            b"junk 2", b"junk 3", b"junk 4", b"its only dead letter"
+        ]  # fmt: skip
+
+        subject = names.delta_subject("flooder", "main")
+        for _ in range(10):
+            await js.publish(subject, b"x" * 100_000)
+        with pytest.raises(ServiceUnavailableError, match="maximum bytes exceeded"):
+            await js.publish(subject, b"x" * 100_000)
+        state = (await js.stream_info(names.delta_stream)).state
+        assert (state.first_seq, state.messages) == (1, 10)  # the first ten are all still there
+
+        await ensure_jetstream(js, names, deployment.settings, reconcile=True)  # limits unset: gone again
+        config = (await js.stream_info(names.delta_stream)).config
+        assert (config.max_bytes, config.discard) == (-1, DiscardPolicy.OLD)
 
 
 async def _broken_by_the_server(url: str) -> Any:

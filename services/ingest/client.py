@@ -80,13 +80,31 @@ class PublishFailed(Exception):
     not have landed. Publishing the same envelopes again is safe: JetStream drops a repeat from the same publisher,
     and the projector applies an event id once."""
 
-    def __init__(self, stored: list[PubAck], unconfirmed: list[str], cause: BaseException) -> None:
+    def __init__(
+        self, stored: list[PubAck], unconfirmed: list[str], cause: BaseException, why: str | None = None
+    ) -> None:
         self.stored = stored
         self.unconfirmed = unconfirmed
         super().__init__(
-            f"{len(unconfirmed)} deltas could not be confirmed stored ({type(cause).__name__}), from event id "
-            f"{unconfirmed[0]} on; {len(stored)} before it were. Publishing the same deltas again is safe."
+            f"{len(unconfirmed)} deltas could not be confirmed stored ({why or type(cause).__name__}), from event "
+            f"id {unconfirmed[0]} on; {len(stored)} before it were. Publishing the same deltas again is safe."
         )
+
+
+class StreamFull(PublishFailed):
+    """The delta stream is at its size limit and refuses new deltas, whatever their workspace, until an operator
+    makes room (``ontofabric compact``) or raises the limit; nothing it holds was dropped."""
+
+    def __init__(self, stored: list[PubAck], unconfirmed: list[str], cause: BaseException) -> None:
+        said = getattr(cause, "description", None) or cause
+        why = f"the delta stream is full, {said}: an operator makes room with `ontofabric compact` or raises "
+        super().__init__(stored, unconfirmed, cause, why + "ONTOFABRIC_DELTA_STREAM_MAX_BYTES")
+
+    @staticmethod
+    def said_by(error: BaseException) -> bool:
+        """Whether JetStream refused a publish because the stream is at its size (or count) limit."""
+        said = (getattr(error, "description", None) or "") if isinstance(error, nats.js.errors.APIError) else ""
+        return said.startswith("maximum ") and said.endswith(" exceeded")
 
 
 class DeltaPublisher:
@@ -137,6 +155,8 @@ class DeltaPublisher:
                 await self._publish_window(deltas[len(acks) : len(acks) + PUBLISH_WINDOW], acks, on_stored)
                 wait = RETRY_WAIT_S[0]
             except _RETRYABLE as error:
+                if StreamFull.said_by(error):  # it will not pass in seconds: say so now
+                    raise StreamFull(acks, [d.event_id for d in deltas[len(acks) :]], error) from error
                 if time.monotonic() + wait > give_up_at:
                     raise PublishFailed(acks, [d.event_id for d in deltas[len(acks) :]], error) from error
                 log.warning("publish_retried", confirmed=len(acks), of=len(deltas), error=describe(error))
@@ -148,10 +168,20 @@ class DeltaPublisher:
         self, window: Sequence[DeltaEnvelope], acks: list[PubAck], on_stored: Callable[[PubAck], None] | None
     ) -> None:
         """Publish ``window`` and collect its acknowledgements into ``acks`` in order, up to the first that fails
-        (raised); the rest are cancelled, so that nothing stays pending in the client."""
+        (raised); the rest are cancelled, so that nothing stays pending in the client.
+
+        The first goes alone and is awaited: nats-py (2.x) never completes a ``publish_async`` future the stream
+        answers with an error (a full stream, say), so the window would wait out its ack timeout and be retried as
+        if the server were away; ``publish`` raises the server's error."""
+        first, rest = window[0], window[1:]
+        subject, data, headers = self._message(first)
+        ack = await self._js.publish(subject, data, timeout=self._ack_timeout_s, headers=headers)
+        acks.append(ack)
+        if on_stored is not None:
+            on_stored(ack)
         pending: list[asyncio.Future[PubAck]] = []
         try:
-            for delta in window:
+            for delta in rest:
                 subject, data, headers = self._message(delta)
                 pending.append(await self._js.publish_async(subject, data, headers=headers))
             for future in pending:

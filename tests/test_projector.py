@@ -622,6 +622,24 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None
             await asyncio.sleep(0.1)
 
 
+async def test_gauges_say_what_the_streams_hold_and_the_most_a_capped_one_may(deployment: Deployment) -> None:
+    """A capped delta stream refuses every tenant's new deltas when full: the alert that warns first needs both."""
+    capped = deployment.settings.model_copy(update={"delta_stream_max_bytes": 8 * 1024 * 1024})
+    service = ProjectorService(capped, deployment.nats_url_as("projector"), deployment.database_url)
+    await service.start()  # its start caps the stream
+    try:
+        names = deployment.names
+        ack = await deployment.publisher.publish(upsert("acme", document("a", "x" * 10_000)))
+        await deployment.wait_projected(ack.seq)
+        await _until(lambda: (_gauge("projector.stream.bytes", stream=names.delta_stream) or 0) > 10_000)
+        await _until(lambda: _gauge("projector.stream.max_bytes", stream=names.delta_stream) is not None)
+        assert _gauge("projector.stream.max_bytes", stream=names.delta_stream) == 8 * 1024 * 1024
+        assert _gauge("projector.stream.bytes", stream=names.dlq_stream) is not None
+        assert _gauge("projector.stream.max_bytes", stream=names.dlq_stream) is None  # no limit in bytes
+    finally:
+        await service.stop()
+
+
 async def test_gauges_say_how_far_each_workspace_and_the_consumer_are_behind(
     deployment: Deployment, projector: ProjectorService
 ) -> None:

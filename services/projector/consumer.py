@@ -168,6 +168,8 @@ class ConsumerState:
 
 
 _WATCHED: dict[tuple[str, str], ConsumerState] = {}
+_STREAMS: dict[str, tuple[int, int]] = {}
+"""What each stream the projectors read holds, in bytes, and the most it may (-1: no limit), as last asked."""
 
 
 def _per_consumer(value: Callable[[ConsumerState], int]) -> Callable[[CallbackOptions], list[Observation]]:
@@ -197,6 +199,26 @@ meter().create_observable_gauge(
     "projector.unacked",
     callbacks=[_per_consumer(lambda s: s.unacked)],
     description="deltas delivered and not yet settled",
+)
+
+
+def _observe_stream_bytes(_: CallbackOptions) -> list[Observation]:
+    return [Observation(held, {"stream": stream}) for stream, (held, _most) in _STREAMS.items()]
+
+
+def _observe_stream_limits(_: CallbackOptions) -> list[Observation]:
+    return [Observation(most, {"stream": stream}) for stream, (_held, most) in _STREAMS.items() if most > 0]
+
+
+meter().create_observable_gauge(
+    "projector.stream.bytes",
+    callbacks=[_observe_stream_bytes],
+    description="what the delta and dead-letter streams hold",
+)
+meter().create_observable_gauge(
+    "projector.stream.max_bytes",
+    callbacks=[_observe_stream_limits],
+    description="the most a stream may hold (ONTOFABRIC_DELTA_STREAM_MAX_BYTES); at it, it refuses new deltas",
 )
 meter().create_observable_gauge(
     "projector.workspace.lag",
@@ -470,6 +492,13 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             if info.ack_floor is not None:
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
                 projection.sent_back.floor(info.ack_floor.stream_seq or 0)
+        for stream in (names.delta_stream, names.dlq_stream):
+            try:
+                held = await js.stream_info(stream)
+            except Exception as error:
+                log.debug("stream_watch_failed", stream=stream, error=describe(error))
+            else:
+                _STREAMS[stream] = (held.state.bytes or 0, held.config.max_bytes or -1)
         await asyncio.sleep(WATCH_EVERY_S)
 
 

@@ -107,6 +107,14 @@ class RichProgress:
         self._progress.advance(self._tasks[name], amount)
 
 
+def _size(count: int) -> str:
+    """Bytes as an operator reads them: 1.5 MB, 230 KB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
 def render_status(console: Console, status: DeploymentStatus) -> None:
     """``ontofabric status`` as tables."""
     branches = Table("workspace", "branch", "ontologyVersion", "latest seq", "indexed to", "pending", "oldest pending")
@@ -129,6 +137,12 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
             str(consumer.waiting_pulls), str(consumer.last_active or "-"),
         )  # fmt: skip
     console.print(consumers)
+    streams = "; ".join(
+        f"{stream.name} {stream.messages:,} messages, {_size(stream.bytes)}"
+        + ("" if stream.max_bytes is None else f" of {_size(stream.max_bytes)} ({stream.bytes / stream.max_bytes:.0%})")
+        for stream in status.streams
+    )
+    console.print(f"streams: {streams}")
     projectors = ", ".join(
         " ".join([f"{w.host}:{w.pid}", *w.details.values(), f"(since {w.started})"]) for w in status.projectors
     )

@@ -86,4 +86,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     table = await asyncio.to_thread(status_command)
     assert table.returncode == 0, table.stderr
     assert "dead letters: globex 1" in table.stdout
+    assert f"{deployment.names.dlq_stream} 1 messages" in table.stdout
+    delta_stream = next(stream for stream in report["streams"] if stream["name"] == deployment.names.delta_stream)
+    assert (delta_stream["messages"], delta_stream["max_bytes"]) == (later.seq + 1, None)  # initech's after it
+    assert delta_stream["bytes"] > 0
     assert "none yet" in table.stdout  # initech's version

@@ -48,12 +48,22 @@ class ConsumerStatus:
     last_active: datetime | None
 
 
+@dataclass(frozen=True)
+class StreamStatus:
+    name: str
+    messages: int
+    bytes: int
+    max_bytes: int | None
+    """The most it may hold (ONTOFABRIC_DELTA_STREAM_MAX_BYTES); full, it refuses new messages. None: no limit."""
+
+
 @dataclass
 class DeploymentStatus:
     branches: list[BranchStatus] = field(default_factory=list)
     dead_letters: dict[str, int] = field(default_factory=dict)
     """Per workspace."""
     consumers: list[ConsumerStatus] = field(default_factory=list)
+    streams: list[StreamStatus] = field(default_factory=list)
     projectors: list[Worker] = field(default_factory=list)
     query_workers: list[Worker] = field(default_factory=list)
 
@@ -117,6 +127,11 @@ async def deployment_status(
         owner = names.workspace_of_dlq_subject(subject) or subject
         if workspace is None or owner == workspace:
             status.dead_letters[owner] = count
+    for info in (await js.stream_info(names.delta_stream), dlq):
+        limit = info.config.max_bytes or -1
+        status.streams.append(
+            StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
+        )
     status.projectors, status.query_workers = await asyncio.gather(
         discover(nc, names.projector_service), discover(nc, names.query_service)
     )

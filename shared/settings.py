@@ -287,6 +287,14 @@ class Settings(BaseSettings):
         "it, or expected past it on arrival, it is refused `overloaded` (retryable). Its caller's own timeout is "
         "unknown, and NATS clients' defaults are short (nats-py 0.5 s, nats.js 1 s).",
     )
+    query_short_timeout_ms: int = Field(
+        default=50,
+        ge=0,
+        le=300_000,
+        description="A stated timeout under this is the caller's choice of a near-impossible deadline: its refusals "
+        'for time are counted with timeout="shorter_than_service", which the paging error ratio leaves out. A '
+        "fixed figure, so that a slow spell cannot excuse its own refusals; set it near the worker's idle p50.",
+    )
     retriever_top_k: int = Field(
         default=100, ge=1, le=1000, description="Candidates per retriever (the evaluation runs with this default)."
     )

@@ -76,9 +76,9 @@ def error_reply(
     *,
     timeout_too_short: bool = False,
 ) -> bytes:
-    """The error reply, counted by code; ``timeout_too_short``: a refusal for time that the caller made shorter
-    than this worker's requests take, counted with ``timeout="shorter_than_service"`` (the paging error ratio
-    leaves those out: see :meth:`QueryService._timeout_too_short`)."""
+    """The error reply, counted by code; ``timeout_too_short``: a refusal for time of a request whose caller
+    allowed less than any answer can be expected in, counted with ``timeout="shorter_than_service"`` (the paging
+    error ratio leaves those out: see :meth:`QueryService._timeout_too_short`)."""
     counted = {"code": code} | ({"timeout": "shorter_than_service"} if timeout_too_short else {})
     instruments().query_errors.add(1, counted)
     reply = ErrorReply(error=QueryError(code=code, message=message, retryable=retryable, details=details or []))
@@ -368,7 +368,7 @@ class QueryService:
         # answered requests bring it down again (a busy worker is seldom idle; a review's finding).
         if self._held and own and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
-            short = self._timeout_too_short(deadline, workspace)
+            short = self._timeout_too_short(deadline)
             await self._reply(msg, error_reply("overloaded", busy, retryable=True, timeout_too_short=short))
             return
         max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
@@ -443,17 +443,16 @@ class QueryService:
         self._expiries.add(task)
         task.add_done_callback(self._expiries.discard)
 
-    def _timeout_too_short(self, deadline: Deadline, workspace: str) -> bool:
-        """Whether the caller stated a timeout shorter than this worker's requests of its workspace take on
-        average, queue aside (every workspace's, before it has any). Refused for time, such a request is the
-        caller's choice, not the service failing: a soak whose clients sent 3 % of their requests with 30 ms put
-        the paging error ratio at 2 % while the service was healthy."""
-        usual_s = self._service_time.own(workspace) or self._service_time.seconds
-        return deadline.stated and deadline.timeout_ms < usual_s * 1000
+    def _timeout_too_short(self, deadline: Deadline) -> bool:
+        """Whether the caller stated a timeout under ``query_short_timeout_ms``. Refused for time, such a request is
+        the caller's choice, not the service failing: a soak whose clients sent 3 % of their requests with 30 ms
+        put the paging error ratio at 2 % while the service was healthy. A fixed figure, not the worker's measured
+        service time: that rises in the very slow spell that should page, and would excuse its refusals."""
+        return deadline.stated and deadline.timeout_ms < self.settings.query_short_timeout_ms
 
     async def _refuse_late(self, admitted: Admitted) -> None:
         late = admitted.late(asyncio.get_running_loop().time())
-        short = self._timeout_too_short(admitted.deadline, admitted.workspace)
+        short = self._timeout_too_short(admitted.deadline)
         await self._reply_once(
             admitted, error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short)
         )
@@ -523,7 +522,7 @@ class QueryService:
                         body = await self._answer(msg, deadline, waited_ms)
                 except TimeoutError:
                     late = admitted.late(loop.time())
-                    short = self._timeout_too_short(deadline, admitted.workspace)
+                    short = self._timeout_too_short(deadline)
                     body = error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short)
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)
@@ -565,7 +564,7 @@ class QueryService:
         except RetrievalUnavailable as error:
             if not error.out_of_time:
                 return error_reply("unavailable", str(error), retryable=True)
-            short = self._timeout_too_short(deadline, workspace_token_of(msg.subject) or "")
+            short = self._timeout_too_short(deadline)
             return error_reply("deadline_exceeded", str(error), retryable=True, timeout_too_short=short)
         except PositionUnavailable as error:
             return error_reply("unavailable", str(error), retryable=True)

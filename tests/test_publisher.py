@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from nats.js import JetStreamContext
 
-from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed
+from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed, StreamFull
 from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import ManagedProcess, free_port
@@ -112,3 +112,28 @@ async def test_what_cannot_be_confirmed_is_named_and_nothing_stays_pending(own_n
     finally:
         with contextlib.suppress(ConnectionError):  # nats-py's close flushes into the lost connection
             await nc.close()
+
+
+async def test_a_stream_that_fills_mid_window_is_said_at_once_with_what_was_stored(own_nats: OwnNats) -> None:
+    """nats-py drops a publish_async acknowledgement that is an error: a full stream's refusals mid-window were
+    waited out for the ack timeout, try after try, for the publisher's whole retry time (a review's finding)."""
+    nc = await connect(own_nats.url, "publisher")
+    try:
+        js = nc.jetstream()
+        await ensure_jetstream(js, NAMES, Settings(delta_stream_max_bytes=1024 * 1024))
+        deltas = [upsert("acme", document(f"d{i}", "x" * 20_000)) for i in range(100)]  # 2 MB: half fits
+        publisher = DeltaPublisher(js, NAMES, ack_timeout_s=3, retry_for_s=60)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(StreamFull) as full:
+            await publisher.publish_many(deltas)
+        # One ack timeout (the refusals nats-py dropped), then the next window's first delta hears it: not the
+        # publisher's whole retry time.
+        assert asyncio.get_running_loop().time() - started < 3 + 10
+        stored = full.value.stored
+        assert 10 < len(stored) < len(deltas)
+        assert [d.event_id for d in deltas[len(stored) :]] == full.value.unconfirmed
+        assert (await js.stream_info(NAMES.delta_stream)).state.messages >= len(stored)
+        assert "the delta stream is full" in str(full.value)
+        assert _pending(js) == 0
+    finally:
+        await nc.close()

@@ -185,6 +185,7 @@ async def create_pool(
     role: str | None = None,
     command_timeout_s: float | None = None,
     keep_session: bool = False,
+    idle_in_transaction_s: float | None = None,
 ) -> asyncpg.Pool:
     """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
 
@@ -194,7 +195,11 @@ async def create_pool(
     server that stops answering (``statement_timeout`` runs on the server, and a frozen one never applies it).
     ``keep_session``: a released connection is not reset on the server (asyncpg's RESET ALL and friends, a round
     trip each time), for users that change no session state: only ``SET LOCAL``, no advisory locks, no LISTEN.
-    An open transaction is still rolled back."""
+    An open transaction is still rolled back. ``idle_in_transaction_s``: the server ends a session whose open
+    transaction has waited that long for its client's next statement (a client frozen or cut off mid-transaction
+    keeps its row locks until then; for users whose transactions never wait on anything but the database).
+    Every session has TCP keepalives, so the server finds a client that went away without closing (a half-open
+    connection keeps its locks until then: two hours by Linux's defaults) in about a minute."""
 
     async def keep(_: asyncpg.Connection) -> None:
         return None
@@ -214,6 +219,14 @@ async def create_pool(
             # pgvector >= 0.8: keep scanning the graph until enough rows pass the filters.
             "hnsw.iterative_scan": "relaxed_order",
             "statement_timeout": str(settings.statement_timeout_ms),
+            "tcp_keepalives_idle": "30",
+            "tcp_keepalives_interval": "10",
+            "tcp_keepalives_count": "3",
+            **(
+                {"idle_in_transaction_session_timeout": str(round(idle_in_transaction_s * 1000))}
+                if idle_in_transaction_s is not None
+                else {}
+            ),
             "application_name": "ontofabric",
             **_search_path(schema),
             **({"role": role} if role is not None else {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -18,6 +19,7 @@ from nats.js.errors import BadRequestError
 from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
+from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import Delta, RejectReason, VersionState
 from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.versions import VersionPublisher
@@ -620,6 +622,35 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.1)
+
+
+async def test_a_projector_frozen_inside_its_batch_transaction_does_not_stop_the_others(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A red team froze one of three projectors (SIGSTOP) inside its batch transaction: it kept its workspaces'
+    version rows locked, and no workspace was projected for as long as the freeze lasted. The server now ends a
+    projector's transaction that waits on its client for IDLE_IN_TRANSACTION_S. Here a session of the projector's
+    own pool stands for the frozen one: it locks a version row and waits."""
+    monkeypatch.setattr(projector_worker, "IDLE_IN_TRANSACTION_S", 2.0)
+    service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await service.start()
+    try:
+        first = await deployment.publisher.publish(upsert("acme", document("a", "before the freeze")))
+        await deployment.wait_projected(first.seq)
+        (pool,) = service._pools.values()
+        async with pool.acquire() as frozen:
+            holding = frozen.transaction()
+            await holding.start()
+            await frozen.execute("SELECT 1 FROM ontology_versions WHERE workspace = 'acme' FOR UPDATE")
+            later = await deployment.publisher.publish(upsert("acme", document("b", "during the freeze")))
+            await deployment.wait_projected(later.seq, timeout_s=20)  # without the limit: never, while it waits
+            with pytest.raises((asyncpg.PostgresConnectionError, asyncpg.InterfaceError)):
+                await frozen.execute("SELECT 1")  # the server ended the frozen session
+            with contextlib.suppress(Exception):
+                await holding.rollback()
+        assert (await _live_rows(deployment, "acme"))["b"] == "during the freeze"
+    finally:
+        await service.stop()
 
 
 async def test_gauges_say_what_the_streams_hold_and_the_most_a_capped_one_may(deployment: Deployment) -> None:

@@ -49,6 +49,13 @@ from .versions import VersionPublisher
 log = get_logger(__name__)
 
 
+IDLE_IN_TRANSACTION_S = 10.0
+"""How long the server lets a projector's batch transaction wait for its next statement before ending it. A
+batch's statements follow one another without waiting on anything else; a projector frozen inside one (SIGSTOP,
+a paused VM) held its workspaces' version rows locked, and every other projector's batches, which mix workspaces,
+waited on them for as long as the freeze lasted (a red team's finding: 25 s of no projection anywhere)."""
+
+
 class ProjectorService:
     """The Postgres projector: migrations, pool, and the durable consumers whose deltas go to Postgres, one for
     each partition of the workspaces it applies (``partitions``; by default ``projector_partition``, or all)."""
@@ -126,7 +133,13 @@ class ProjectorService:
         assert writer_url is not None
         await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
         # Each consumer writes on a connection of its own.
-        return await create_pool(writer_url, settings, max_size=max(10, 2 * len(self._partitions)), role=WRITER_ROLE)
+        return await create_pool(
+            writer_url,
+            settings,
+            max_size=max(10, 2 * len(self._partitions)),
+            role=WRITER_ROLE,
+            idle_in_transaction_s=IDLE_IN_TRANSACTION_S,
+        )
 
     async def stop(self) -> None:
         projections, nc, pools, service = self._projections, self._nc, self._pools, self._service

@@ -242,13 +242,15 @@ class Settings(BaseSettings):
         ge=1024 * 1024,
         description="The most the delta stream may hold, in bytes (unset: as much as the disk takes). A full "
         "stream refuses new deltas (ingesters are told, nothing stored is dropped) until `ontofabric compact` "
-        "makes room: a guard against one tenant filling the disk every tenant's deltas are on.",
+        "makes room: a guard against one tenant filling the disk with deltas. Every projector sets it on the "
+        "stream at start: give them all the same.",
     )
     dead_letters_per_workspace: int = Field(
         default=100_000,
         ge=0,
         description="Dead letters the DLQ stream keeps per workspace; past it a workspace's oldest go (0: no "
-        "limit). A tenant publishing junk fills only its own share.",
+        "limit). A tenant publishing junk fills only its own share: a count, each up to about 1 MiB. Every "
+        "projector sets it on the stream at start: give them all the same.",
     )
     text_search_config: str = Field(
         default="english", pattern=r"^[a-z_]+$", description="PostgreSQL text search configuration."

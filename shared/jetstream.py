@@ -30,7 +30,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
@@ -307,6 +307,33 @@ def manifest_bucket_config(names: Names, settings: Settings) -> KeyValueConfig:
     )
 
 
+async def _say_what_a_lower_bound_drops(js: JetStreamContext, stream: str, per_subject: int) -> None:
+    """Warn, per subject, of the oldest messages a new per-subject bound is about to drop (the dead letters of a
+    workspace past ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE, the first time a projector of this release starts)."""
+    held = (await js.stream_info(stream, subjects_filter=">")).state.subjects or {}
+    for subject, count in sorted(held.items()):
+        if count > per_subject:
+            log.warning(
+                "stream_bound_drops_oldest", stream=stream, subject=subject, dropped=count - per_subject,
+                kept=per_subject, setting="ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE",
+            )  # fmt: skip
+
+
+FULL_SOON = 0.85
+"""The share of a capped stream past which a projector's start warns (the alert OntofabricStreamFilling's too)."""
+_SETTING_OF_LIMIT = {
+    "max_bytes": "ONTOFABRIC_DELTA_STREAM_MAX_BYTES",
+    "max_msgs_per_subject": "ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE",
+    "max_age": "ONTOFABRIC_DELTA_MAX_AGE_DAYS",
+    "num_replicas": "ONTOFABRIC_NATS_REPLICAS",
+}
+
+
+def _refused(stream: str, changes: list[str], error: APIError) -> str:
+    named = ", ".join(_SETTING_OF_LIMIT.get(change, change) for change in changes)
+    return f"the NATS server refused {stream} with {named}: {error.description or error}"
+
+
 async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Settings, reconcile: bool = False) -> None:
     """Create the deployment's streams and buckets where missing. With ``reconcile`` (the projector, whose user
     may update them), also bring existing ones to the configuration: the republish an older stream lacks, the
@@ -326,7 +353,11 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
             existing = (await js.stream_info(stream)).config
         except NotFoundError:
             if isinstance(config, StreamConfig):
-                await js.add_stream(config)
+                try:
+                    await js.add_stream(config)
+                except APIError as error:
+                    limits = [k for k in ("max_bytes", "max_msgs_per_subject", "max_age") if getattr(config, k)]
+                    raise SettingsUnusable(_refused(stream, [*limits, "num_replicas"], error)) from error
                 log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
                 continue
             try:
@@ -366,8 +397,20 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
             changes.append("num_replicas")
             wanted = dataclasses.replace(wanted, num_replicas=settings.nats_replicas)
         if changes and (reconcile or created):
-            await js.update_stream(wanted)
+            if "max_msgs_per_subject" in changes and (wanted.max_msgs_per_subject or -1) > 0:
+                await _say_what_a_lower_bound_drops(js, stream, wanted.max_msgs_per_subject or 0)
+            try:
+                await js.update_stream(wanted)
+            except APIError as error:  # a limit the server cannot give (more storage than it has, say)
+                raise SettingsUnusable(_refused(stream, changes, error)) from error
             log.info("stream_updated", stream=stream, changed=changes)
+            held = (await js.stream_info(stream)).state.bytes or 0
+            if (wanted.max_bytes or -1) > 0 and held > FULL_SOON * (wanted.max_bytes or 0):
+                log.warning(
+                    "stream_nearly_full", stream=stream, held_bytes=held, max_bytes=wanted.max_bytes,
+                    note="full, it refuses every new delta: run `ontofabric compact` or raise "
+                    "ONTOFABRIC_DELTA_STREAM_MAX_BYTES",
+                )  # fmt: skip
         elif changes:
             log.warning("stream_differs", stream=stream, differs=changes, note="a projector's start updates it")
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import pytest
+import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy
@@ -29,6 +30,7 @@ from ontofabric.shared.jetstream import (
     ensure_jetstream,
 )
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
+from ontofabric.shared.settings import SettingsUnusable
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment
@@ -368,10 +370,15 @@ async def test_each_workspace_keeps_its_own_share_of_dead_letters_and_a_full_del
     names = Names(f"{deployment.names.prefix}lim")
     async with _streams_of(deployment, embedded, names) as js:
         await ensure_jetstream(js, names, deployment.settings.model_copy(update={"dead_letters_per_workspace": 0}))
+        for n in range(4):  # an older release's, unbounded
+            await js.publish(names.dlq_subject("flooder"), f"old {n}".encode())
         bounded = deployment.settings.model_copy(
             update={"dead_letters_per_workspace": 3, "delta_stream_max_bytes": 1024 * 1024}
         )
-        await ensure_jetstream(js, names, bounded, reconcile=True)  # a projector's start brings both limits
+        with structlog.testing.capture_logs() as logged:
+            await ensure_jetstream(js, names, bounded, reconcile=True)  # a projector's start brings both limits
+        (said,) = [entry for entry in logged if entry["event"] == "stream_bound_drops_oldest"]
+        assert (said["subject"], said["dropped"]) == (names.dlq_subject("flooder"), 1)
         for n in range(5):
             await js.publish(names.dlq_subject("flooder"), f"junk {n}".encode())
         await js.publish(names.dlq_subject("quiet"), b"its only dead letter")
@@ -391,6 +398,11 @@ async def test_each_workspace_keeps_its_own_share_of_dead_letters_and_a_full_del
         await ensure_jetstream(js, names, deployment.settings, reconcile=True)  # limits unset: gone again
         config = (await js.stream_info(names.delta_stream)).config
         assert (config.max_bytes, config.discard) == (-1, DiscardPolicy.OLD)
+
+        # A cap the server cannot give is said naming the setting (it was an APIError traceback at start).
+        beyond = deployment.settings.model_copy(update={"delta_stream_max_bytes": 10**16})
+        with pytest.raises(SettingsUnusable, match="ONTOFABRIC_DELTA_STREAM_MAX_BYTES"):
+            await ensure_jetstream(js, names, beyond, reconcile=True)
 
 
 async def _broken_by_the_server(url: str) -> Any:

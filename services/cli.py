@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ import typer
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NotFoundError
 from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import SettingsError
 from rich.console import Console
@@ -1205,11 +1207,68 @@ def compact(
             f"{report.stream_bytes_after / 1e6:.1f} MB",
             soft_wrap=True,
         )
+        if report.held_back_by is not None:
+            errors.print(
+                f"[yellow]held back[/yellow] by the consumer {report.held_back_by}, not of the configured layout "
+                f"(ONTOFABRIC_PROJECTOR_PARTITIONS={settings.projector_partitions}): a layout being filled, or "
+                "one given up, whose consumers stay until deleted (`ontofabric status` lists them; "
+                "`ontofabric forget-layout N` deletes a layout's)",
+                soft_wrap=True,
+            )
 
     try:
         asyncio.run(run())
     except CompactionRefused as error:
         _fail(str(error))
+
+
+@app.command("forget-layout")
+def forget_layout(
+    partitions: Annotated[int, typer.Argument(help="The layout whose consumers go: its number of partitions.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Delete the Postgres projectors' durable consumers of a partition layout no longer used.
+
+    Each layout (ONTOFABRIC_PROJECTOR_PARTITIONS) has consumers of its own, and they stay after its projectors
+    stop: one left behind holds `ontofabric compact` back at its position for good. Refused for the configured
+    layout, and while a projector of that layout answers."""
+    from ontofabric.shared.discovery import discover
+    from ontofabric.shared.subjects import PARTITION_COUNTS
+
+    if partitions not in PARTITION_COUNTS:
+        _fail(f"layouts have {', '.join(map(str, PARTITION_COUNTS))} partitions, not {partitions}")
+    settings = _settings("ontofabric-forget-layout", data_dir, quiet=True)
+    if partitions == settings.projector_partitions:
+        _fail(f"{partitions} is the configured layout (ONTOFABRIC_PROJECTOR_PARTITIONS): its consumers are in use")
+    if not yes and not typer.confirm(f"delete the consumers of the {partitions}-partition layout?"):
+        raise typer.Exit(1)
+
+    async def job(nc: Client, names: Names, _settings: Settings, _endpoints: Endpoints) -> list[str]:
+        held = "all" if partitions == 1 else f" of {partitions}"
+        running = [
+            worker for worker in await discover(nc, names.projector_service)
+            if worker.details.get("index") == "postgres" and worker.details.get("partitions", "").endswith(held)
+        ]  # fmt: skip
+        if running:
+            raise LayoutInUse(f"{len(running)} projector(s) of that layout answer: stop them first")
+        js = nc.jetstream()
+        deleted = []
+        for durable in names.postgres_projector_durables(partitions):
+            with contextlib.suppress(NotFoundError):
+                await js.delete_consumer(names.delta_stream, durable)
+                deleted.append(durable)
+        return deleted
+
+    try:
+        deleted = _as_operator(data_dir, job)
+    except LayoutInUse as error:
+        _fail(str(error))
+    console.print(f"deleted {', '.join(deleted) or 'nothing (no consumer of that layout)'}")
+
+
+class LayoutInUse(Exception):
+    """Projectors of the layout asked to be forgotten still run."""
 
 
 @app.command("migrate")

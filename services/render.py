@@ -132,8 +132,9 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
         "projector consumer", "ack floor", "undelivered", "unacknowledged", "waiting pulls", "last active"
     )
     for consumer in status.consumers:
+        name = consumer.name if consumer.configured else f"{consumer.name} (another layout)"
         consumers.add_row(
-            consumer.name, str(consumer.ack_floor), str(consumer.undelivered), str(consumer.unacknowledged),
+            name, str(consumer.ack_floor), str(consumer.undelivered), str(consumer.unacknowledged),
             str(consumer.waiting_pulls), str(consumer.last_active or "-"),
         )  # fmt: skip
     console.print(consumers)

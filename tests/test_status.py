@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 from ontofabric.contracts import NO_VERSION
+from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.placement import Placement
 
-from .conftest import Deployment, Start
+from .conftest import Deployment, RecordedProgress, Start
 from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -91,3 +93,43 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert (delta_stream["messages"], delta_stream["max_bytes"]) == (later.seq + 1, None)  # initech's after it
     assert delta_stream["bytes"] > 0
     assert "none yet" in table.stdout  # initech's version
+
+
+async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgotten(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A red team tried 4 partitions and went back to 1: the 4-partition consumers stayed, compaction stopped at
+    their position for good and said nothing, and `status` did not list them."""
+    names, placement = deployment.names, Placement.of(deployment.settings, deployment.database_url)
+    tried = deployment.settings.model_copy(update={"projector_partitions": 2})
+    trial = ProjectorService(tried, deployment.nats_url_as("projector"), deployment.database_url)
+    await trial.start()
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(first.seq)
+    async with asyncio.timeout(30):  # the trial's consumers pass it too
+        while (await projected_floor(deployment.js, names, 2)) < first.seq:
+            await asyncio.sleep(0.05)
+    await trial.stop()  # given up
+    later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+    await deployment.wait_projected(later.seq)
+
+    status = await deployment_status(deployment.nc, names, placement)
+    others = {c.name: c.ack_floor for c in status.consumers if not c.configured}
+    assert others == {durable: first.seq for durable in names.postgres_projector_durables(2)}
+    report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
+    assert report.covers == first.seq
+    assert report.held_back_by in names.postgres_projector_durables(2)
+
+    def forget(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [ONTOFABRIC, "forget-layout", *args, "--yes"]
+        return subprocess.run(command, env=deployment.env(), capture_output=True, text=True, check=False, timeout=60)
+
+    refused = await asyncio.to_thread(forget, "1")
+    assert refused.returncode == 2
+    assert "configured layout" in refused.stderr
+    forgotten = await asyncio.to_thread(forget, "2")
+    assert forgotten.returncode == 0, forgotten.stderr
+    status = await deployment_status(deployment.nc, names, placement)
+    assert [c.name for c in status.consumers] == [names.postgres_projector_durable]
+    report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
+    assert (report.covers, report.held_back_by) == (later.seq, None)

@@ -145,22 +145,30 @@ class CompactionReport:
     purged: int = 0
     stream_bytes_before: int = 0
     stream_bytes_after: int = 0
+    held_back_by: str | None = None
+    """A consumer not of the configured Postgres layout whose position holds compaction back, if one does."""
 
 
-async def index_position(js: JetStreamContext, names: Names, settings: Settings) -> int:
-    """The stream sequence every index consumer has settled: the lowest ack floor of the configured Postgres
-    layout's durables (one missing has settled nothing), of any other layout's that exist (one being filled for a
-    new layout), and of the Azure AI Search projector's."""
+async def index_floors(js: JetStreamContext, names: Names, settings: Settings) -> dict[str, int]:
+    """The ack floor of every index consumer: the configured Postgres layout's durables (one missing has settled
+    nothing: 0), any other layout's that exist (one being filled for a new layout, or one left behind by an old
+    one), and the Azure AI Search projector's."""
     configured = set(names.postgres_projector_durables(settings.projector_partitions))
-    floors = []
+    floors: dict[str, int] = {}
     for durable in [*names.every_postgres_projector_durable, names.azure_projector_durable]:
         try:
             info = await js.consumer_info(names.delta_stream, durable)
         except NotFoundError:
-            floors += [0] if durable in configured else []
+            if durable in configured:
+                floors[durable] = 0
             continue
-        floors.append(int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0)
-    return min(floors)
+        floors[durable] = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+    return floors
+
+
+async def index_position(js: JetStreamContext, names: Names, settings: Settings) -> int:
+    """The stream sequence every index consumer has settled: the lowest of :func:`index_floors`."""
+    return min((await index_floors(js, names, settings)).values())
 
 
 async def stream_workspaces(nc: Client, names: Names) -> list[str]:
@@ -207,9 +215,15 @@ async def compact(
     js = nc.jetstream()
     store = await snapshot_store(js, names, settings)
     done = await compacted_through(store)
-    upto = await index_position(js, names, settings)
+    floors = await index_floors(js, names, settings)
+    upto = min(floors.values())
     stream = (await js.stream_info(names.delta_stream)).state
     report = CompactionReport(covers=max(done, upto), stream_bytes_before=int(stream.bytes or 0))
+    configured = names.postgres_projector_durables(settings.projector_partitions)
+    if upto < min(floors[durable] for durable in configured):
+        # A consumer of another layout (left behind by a layout tried and given up, or being filled for a new
+        # one) holds the stream back: say which, or the stream grows with nothing to show why.
+        report.held_back_by = min(floors, key=lambda durable: floors[durable])
     if stream.first_seq > done + 1:
         raise CompactionRefused(
             f"the stream starts at sequence {stream.first_seq} but the snapshots cover only up to {done}: deltas "

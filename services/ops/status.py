@@ -46,6 +46,9 @@ class ConsumerStatus:
     waiting_pulls: int
     """Fetches waiting for deltas: a live projector idling has one or more."""
     last_active: datetime | None
+    configured: bool = True
+    """False: a Postgres consumer of another partition layout than this deployment's settings (one being filled
+    for a new layout, or one left by a layout given up: it holds compaction back until deleted)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,9 @@ async def deployment_status(
     js = nc.jetstream()
     status = DeploymentStatus()
     durables = names.postgres_projector_durables(placement.partitions)
+    others = [durable for durable in names.every_postgres_projector_durable if durable not in durables]
     # Each projector consumer read once: its position serves the branches below, and the consumer table.
-    for durable in [*durables, names.azure_projector_durable]:
+    for durable in [*durables, names.azure_projector_durable, *others]:
         try:
             info = await js.consumer_info(names.delta_stream, durable)
         except NotFoundError:
@@ -91,6 +95,7 @@ async def deployment_status(
                 int(info.num_ack_pending or 0),
                 int(info.num_waiting or 0),
                 info.delivered.last_active if info.delivered else None,
+                durable not in others,
             )
         )
     floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}

@@ -35,7 +35,9 @@ from .documents import (
 )
 from .lookup import BranchStatus, DocumentReply, DocumentRequest, StatusReply, StatusRequest
 from .query import (
+    CLOCK_ALLOWANCE_MS,
     MAX_TIMEOUT_MS,
+    SENT_AT_HEADER,
     TIMEOUT_HEADER,
     ErrorDetail,
     ErrorReply,
@@ -52,6 +54,7 @@ from .versions import NO_VERSION, OntologyVersionChanged, format_version, main_o
 __all__ = [
     "CALLS",
     "CHUNK_LEVELS",
+    "CLOCK_ALLOWANCE_MS",
     "IMPORTS",
     "INHERITS",
     "MAIN_BRANCH",
@@ -59,6 +62,7 @@ __all__ = [
     "NO_VERSION",
     "PROVENANCES",
     "SCHEMA_VERSION",
+    "SENT_AT_HEADER",
     "TIMEOUT_HEADER",
     "BranchStatus",
     "ChunkLevel",

@@ -453,6 +453,12 @@ TIMEOUT_HEADER = "Ontofabric-Timeout-Ms"
 """Request header: how long the caller waits for the reply, in milliseconds (whole, 1 to 300000). The worker answers
 or refuses within it and does no work for a caller that has given up; without it the worker's default applies."""
 MAX_TIMEOUT_MS = 300_000
+SENT_AT_HEADER = "Ontofabric-Sent-At-Ms"
+"""Optional request header: when the caller sent the request, in whole milliseconds since the Unix epoch (its wall
+clock). A worker that reads the request more than CLOCK_ALLOWANCE_MS after that (it stalled, the request waited in
+its socket) counts the wait against the timeout: no work for a caller that has given up. Send it only from hosts
+whose clocks agree with the workers' within that allowance."""
+CLOCK_ALLOWANCE_MS = 1_000
 
 
 class ErrorDetail(WireModel):

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from ontofabric.contracts.deltas import SCHEMA_VERSION
-from ontofabric.contracts.query import TIMEOUT_HEADER
+from ontofabric.contracts.query import CLOCK_ALLOWANCE_MS, SENT_AT_HEADER, TIMEOUT_HEADER
 from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR
 
 from .jetstream import MAX_DELTA_MESSAGE_BYTES
@@ -173,6 +173,14 @@ def _messages() -> Json:
                         "answers or refuses within it. Without it the worker's default deadline bounds the work "
                         "(ONTOFABRIC_QUERY_DEFAULT_TIMEOUT_MS, 10 s), and the request waits for a free slot at "
                         "most ONTOFABRIC_QUERY_UNSTATED_MAX_WAIT_MS (250 ms), since the caller's timeout is unknown.",
+                    },
+                    SENT_AT_HEADER: {
+                        "type": "string",
+                        "pattern": "^[0-9]+$",
+                        "description": "Optional: when the caller sent the request, in milliseconds since the Unix "
+                        f"epoch. A worker that reads it more than {CLOCK_ALLOWANCE_MS} ms later (it stalled) counts "
+                        "the wait against the timeout, and does no work for a caller that has given up. Send it "
+                        "only where the hosts' clocks agree within that.",
                     },
                     **_TRACE_HEADERS,
                 }

@@ -17,7 +17,14 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail, ErrorReply, QueryResponse
+from ontofabric.contracts import (
+    MAX_TIMEOUT_MS,
+    SENT_AT_HEADER,
+    TIMEOUT_HEADER,
+    ErrorDetail,
+    ErrorReply,
+    QueryResponse,
+)
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.deadlines import (
     LAG_HALF_LIFE_S,
@@ -27,6 +34,7 @@ from ontofabric.services.query.deadlines import (
     LoopLag,
     ServiceTime,
     deadline_of,
+    waited_before_receipt_s,
 )
 from ontofabric.services.query.turns import ahead_in_turn, displaced_by, runners_per_workspace
 from ontofabric.services.query.worker import QueryService
@@ -64,6 +72,27 @@ def test_a_loop_that_ran_late_lately_keeps_that_much_more_back_from_each_deadlin
     short = deadline_of({TIMEOUT_HEADER: "100"}, 0.0, 10_000, lag_s=5.0)
     assert isinstance(short, Deadline)
     assert short.at == pytest.approx(0.1 - 0.005 - 0.025)  # at most a quarter of the timeout
+
+
+def test_a_request_read_long_after_its_caller_sent_it_counts_the_wait() -> None:
+    """A red team froze a query worker for 15 s: once it ran again it answered requests whose callers (2 s
+    timeouts) had long gone, since each deadline ran from when the worker read it."""
+    now = 1_000_000.0
+    sent = {SENT_AT_HEADER: str(round((now - 15.0) * 1000))}
+    assert waited_before_receipt_s(sent, now) == pytest.approx(14.0)  # the clocks' allowance, 1 s, left out
+    assert waited_before_receipt_s({SENT_AT_HEADER: str(round(now * 1000))}, now) == 0.0
+    assert waited_before_receipt_s({SENT_AT_HEADER: str(round((now + 5) * 1000))}, now) == 0.0  # a clock ahead
+    assert waited_before_receipt_s(None, now) == 0.0
+    late = deadline_of({TIMEOUT_HEADER: "2000"}, 50.0, 10_000, waited_before_s=14.0)
+    assert isinstance(late, Deadline)
+    assert late.at == 50.0  # already due: refused unopened
+    fresh = deadline_of({TIMEOUT_HEADER: "2000"}, 50.0, 10_000, waited_before_s=0.5)
+    assert isinstance(fresh, Deadline)
+    assert fresh.at == pytest.approx(50.0 + 2.0 - 0.1 - 0.5)
+    for value in ("soon", "-1", "1.5", "9" * 40):
+        problem = waited_before_receipt_s({SENT_AT_HEADER: value}, now)
+        assert isinstance(problem, ErrorDetail)
+        assert problem.field == f"header {SENT_AT_HEADER}"
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "abc", "1e3", "2.5", "", "9" * 5000, str(MAX_TIMEOUT_MS + 1), "٣"])
@@ -142,7 +171,13 @@ def start_worker(start_query_worker: Start, embedder: Embedder) -> Start:
     return start
 
 
-async def _request(deployment: Deployment, body: bytes, timeout_ms: int | str | None, wait_s: float) -> list[bytes]:
+async def _request(
+    deployment: Deployment,
+    body: bytes,
+    timeout_ms: int | str | None,
+    wait_s: float,
+    more_headers: dict[str, str] | None = None,
+) -> list[bytes]:
     """Publish a query with its own inbox and collect every reply for ``wait_s``, late ones included."""
     nc = deployment.nc
     inbox = nc.new_inbox()
@@ -152,7 +187,7 @@ async def _request(deployment: Deployment, body: bytes, timeout_ms: int | str | 
         replies.append(msg.data)
 
     subscription = await nc.subscribe(inbox, cb=collect)
-    headers = {} if timeout_ms is None else {TIMEOUT_HEADER: str(timeout_ms)}
+    headers = ({} if timeout_ms is None else {TIMEOUT_HEADER: str(timeout_ms)}) | (more_headers or {})
     await nc.publish(deployment.names.request_subject("query", "acme"), body, reply=inbox, headers=headers)
     await asyncio.sleep(wait_s)
     await subscription.unsubscribe()
@@ -263,6 +298,30 @@ async def test_a_request_whose_caller_gave_up_while_it_waited_is_refused_unopene
     assert isinstance(parse_reply((await first)[0]), QueryResponse)
     assert reranker.calls == 1  # nothing was done for the caller who had gone
     assert service.handled == handled + 1
+
+
+async def test_a_request_whose_caller_sent_it_long_before_the_worker_read_it_is_refused_unopened(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    reranker = SlowReranker(0.0)
+    service = await start_worker(reranker)
+    handled = service.handled
+    long_ago = {SENT_AT_HEADER: str(round((time.time() - 15) * 1000))}
+    (late,) = await _request(deployment, _query(), 2000, 1.0, long_ago)
+    reply = parse_reply(late)
+    assert isinstance(reply, ErrorReply)
+    assert (reply.error.code, reply.error.retryable) == ("deadline_exceeded", True)
+    assert service.handled == handled  # no work for a caller that gave up
+    just_now = {SENT_AT_HEADER: str(round(time.time() * 1000))}
+    (answer,) = await _request(deployment, _query(), 2000, 1.5, just_now)
+    assert isinstance(parse_reply(answer), QueryResponse)
+    (malformed,) = await _request(deployment, _query(), 2000, 1.0, {SENT_AT_HEADER: "yesterday"})
+    refused = parse_reply(malformed)
+    assert isinstance(refused, ErrorReply)
+    assert refused.error.code == "invalid_request"
+    assert refused.error.details[0].field == f"header {SENT_AT_HEADER}"
 
 
 async def test_an_optional_stage_that_would_end_past_the_deadline_is_cut_and_named(

@@ -4,6 +4,7 @@ and the CLI use."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, TypeVar
 
 from nats.aio.client import Client
@@ -15,6 +16,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from ontofabric.contracts import (
     MAX_TIMEOUT_MS,
+    SENT_AT_HEADER,
     TIMEOUT_HEADER,
     DocumentReply,
     DocumentRequest,
@@ -82,7 +84,10 @@ class QueryClient:
     async def _attempt(self, subject: str, body: bytes, wait_s: float) -> bytes:
         # The worker answers or refuses within the timeout it is told, and does no work once it has passed.
         told_s = max(wait_s - WAY_BACK_S, wait_s / 2)
-        headers = {TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(told_s * 1000))))}
+        headers = {
+            TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(told_s * 1000)))),
+            SENT_AT_HEADER: str(round(time.time() * 1000)),  # a worker that stalled does no work for us once gone
+        }
         propagate.inject(headers)
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(NoRespondersError),

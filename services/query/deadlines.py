@@ -1,14 +1,16 @@
 """When a request's answer is due: the caller's timeout (header ``Ontofabric-Timeout-Ms``) from the moment the
 worker received it, less a margin for the reply's way back. Relative, as gRPC's ``grpc-timeout``: no clock is
-compared between machines. Pure logic; the worker applies it (refusing what is already late, bounding every stage).
-"""
+compared between machines, unless the caller also says when it sent the request (``Ontofabric-Sent-At-Ms``): then
+a wait before the worker read it, past the clocks' allowance, counts too (a worker that stalled reads requests
+whose callers gave up long ago). Pure logic; the worker applies it (refusing what is already late, bounding every
+stage)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ontofabric.contracts import MAX_TIMEOUT_MS, TIMEOUT_HEADER, ErrorDetail
+from ontofabric.contracts import CLOCK_ALLOWANCE_MS, MAX_TIMEOUT_MS, SENT_AT_HEADER, TIMEOUT_HEADER, ErrorDetail
 from ontofabric.shared.lru import LruCache
 
 MIN_MARGIN_S = 0.005
@@ -52,12 +54,34 @@ class LoopLag:
         self.seconds, self._at = max(late_s, faded), now
 
 
+def _header(headers: Mapping[str, str] | None, wanted: str) -> str | None:
+    """A header's value by its name in any case (some clients write header names in lower case)."""
+    return next((value for name, value in (headers or {}).items() if name.lower() == wanted.lower()), None)
+
+
+def waited_before_receipt_s(headers: Mapping[str, str] | None, now_wall_s: float) -> float | ErrorDetail:
+    """How long the request waited before the worker read it, by the caller's ``Ontofabric-Sent-At-Ms`` and this
+    host's wall clock, less the clocks' allowance; 0 without the header; what is wrong with a malformed one."""
+    raw = _header(headers, SENT_AT_HEADER)
+    if raw is None:
+        return 0.0
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 16):
+        return ErrorDetail(field=f"header {SENT_AT_HEADER}", message="whole milliseconds since the Unix epoch")
+    return max(0.0, now_wall_s - int(text) / 1000 - CLOCK_ALLOWANCE_MS / 1000)
+
+
 def deadline_of(
-    headers: Mapping[str, str] | None, received: float, default_ms: int, lag_s: float = 0.0
+    headers: Mapping[str, str] | None,
+    received: float,
+    default_ms: int,
+    lag_s: float = 0.0,
+    waited_before_s: float = 0.0,
 ) -> Deadline | ErrorDetail:
-    """The request's deadline, or what is wrong with its timeout header (its name in any case: some clients write
-    header names in lower case). ``lag_s``: the event loop's recent lag (:class:`LoopLag`), kept back as well."""
-    raw = next((value for name, value in (headers or {}).items() if name.lower() == TIMEOUT_HEADER.lower()), None)
+    """The request's deadline, or what is wrong with its timeout header. ``lag_s``: the event loop's recent lag
+    (:class:`LoopLag`), kept back as well; ``waited_before_s``: what the request waited before the worker read it
+    (:func:`waited_before_receipt_s`)."""
+    raw = _header(headers, TIMEOUT_HEADER)
     if raw is None:
         timeout_ms = default_ms
     else:
@@ -70,7 +94,7 @@ def deadline_of(
         timeout_ms = int(text)
     timeout_s = timeout_ms / 1000
     margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE)) + min(lag_s, timeout_s * MAX_LAG_SHARE)
-    return Deadline(received + max(0.0, timeout_s - margin), timeout_ms, stated=raw is not None)
+    return Deadline(received + max(0.0, timeout_s - margin - waited_before_s), timeout_ms, stated=raw is not None)
 
 
 SERVICE_TIME_WEIGHT = 0.1

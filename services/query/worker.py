@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
-from .deadlines import Deadline, LoopLag, ServiceTime, deadline_of
+from .deadlines import Deadline, LoopLag, ServiceTime, deadline_of, waited_before_receipt_s
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -352,7 +353,14 @@ class QueryService:
             log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
             return
         received = asyncio.get_running_loop().time()
-        deadline = deadline_of(msg.headers, received, self.settings.query_default_timeout_ms, self._lag.seconds)
+        waited_before = waited_before_receipt_s(msg.headers, time.time())
+        if isinstance(waited_before, ErrorDetail):
+            await self._reply(
+                msg, error_reply("invalid_request", "the request's send time is not valid", [waited_before])
+            )
+            return
+        default_ms = self.settings.query_default_timeout_ms
+        deadline = deadline_of(msg.headers, received, default_ms, self._lag.seconds, waited_before)
         if isinstance(deadline, ErrorDetail):
             await self._reply(msg, error_reply("invalid_request", "the request's timeout is not valid", [deadline]))
             return

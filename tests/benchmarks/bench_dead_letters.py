@@ -20,34 +20,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-import asyncpg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import DocumentDeleted
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
-from ontofabric.shared.db import migrate
-from ontofabric.shared.jetstream import connect, ensure_jetstream, projected_floor
+from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import EmbeddedRuntime, with_login
+from ontofabric.shared.runtime import EmbeddedRuntime
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
+from .bench_partitions import ONTOFABRIC, FreshDeployment, fresh_deployment
+
 PUBLISH_WINDOW = 2_000
 """Junk publishes awaited together: a tenant's flood is pipelined, as nats-py's publish_async makes it."""
-
-
-def _with_database(url: str, name: str) -> str:
-    return url.rsplit("/", 1)[0] + "/" + name
 
 
 async def flood(js: JetStreamContext, subject: str, count: int) -> int:
@@ -79,25 +72,12 @@ async def bare_consumer_s(js: JetStreamContext, names: Names, last_seq: int, bat
 
 async def one_round(runtime: EmbeddedRuntime, base: Settings, junk: int) -> tuple[float, float, float]:
     """Junk deltas/s through the projector, the victim's wait in seconds, and the bare consumer's deltas/s."""
-    assert runtime.endpoints is not None
-    prefix = "d" + uuid.uuid4().hex[:10]
-    logins = runtime.nats_logins(prefix)
-    server_url = runtime.endpoints.database_url
-    admin = await asyncpg.connect(_with_database(server_url, "postgres"))
-    await admin.execute(f'CREATE DATABASE "{prefix}"')
-    database_url = _with_database(server_url, prefix)
-    settings = base.model_copy(update={"subject_prefix": prefix, "database_url": database_url})
-    await migrate(database_url, settings)
-    names = Names(prefix)
-    nc = await connect(with_login(runtime.endpoints.nats_url, *logins["operator"]), "bench")
-    js = nc.jetstream()
-    await ensure_jetstream(js, names, settings)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")} | {
-        "ONTOFABRIC_NATS_URL": with_login(runtime.endpoints.nats_url, *logins["projector"]),
-        "ONTOFABRIC_DATABASE_URL": database_url,
-        "ONTOFABRIC_SUBJECT_PREFIX": prefix,
-        "ONTOFABRIC_LOG_LEVEL": "ERROR",
-    }
+    async with fresh_deployment(runtime, base, "d" + uuid.uuid4().hex[:10]) as deployment:
+        return await _flood_and_wait(deployment, junk)
+
+
+async def _flood_and_wait(deployment: FreshDeployment, junk: int) -> tuple[float, float, float]:
+    js, names, settings, env = deployment.js, deployment.names, deployment.settings, deployment.projector_env
     projector = await asyncio.create_subprocess_exec(ONTOFABRIC, "projector", env=env)
     try:
         durable = names.postgres_projector_durables(1)[0]
@@ -121,9 +101,6 @@ async def one_round(runtime: EmbeddedRuntime, base: Settings, junk: int) -> tupl
     finally:
         projector.terminate()
         await asyncio.wait_for(projector.wait(), 30)
-        await nc.close()
-        await admin.execute(f'DROP DATABASE IF EXISTS "{prefix}" WITH (FORCE)')
-        await admin.close()
     return junk_rate, settled - published, ack.seq / bare_s
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -21,9 +22,13 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+from nats.js import JetStreamContext
 
 from ontofabric.contracts import DeltaEnvelope, DocumentUpserted
 from ontofabric.services.demo import project_root
@@ -60,33 +65,63 @@ def _with_database(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
-async def one_round(
-    runtime: EmbeddedRuntime, base: Settings, documents: list[DocumentUpserted], projectors: int
-) -> tuple[float, int]:
-    """Documents/s projected by ``projectors`` processes, and the deltas published."""
+@dataclass
+class FreshDeployment:
+    settings: Settings
+    names: Names
+    js: JetStreamContext
+    """The operator's."""
+    projector_env: dict[str, str]
+    """The environment of an `ontofabric projector` process of this deployment."""
+
+
+@contextlib.asynccontextmanager
+async def fresh_deployment(
+    runtime: EmbeddedRuntime, base: Settings, prefix: str, **updates: Any
+) -> AsyncIterator[FreshDeployment]:
+    """A deployment of its own on the runtime's servers: its database (dropped after), its streams, an operator's
+    connection, and what a projector process of it needs. ``updates``: settings besides ``base``."""
     assert runtime.endpoints is not None
-    prefix = "b" + uuid.uuid4().hex[:10]
     logins = runtime.nats_logins(prefix)
     server_url = runtime.endpoints.database_url
     admin = await asyncpg.connect(_with_database(server_url, "postgres"))
     await admin.execute(f'CREATE DATABASE "{prefix}"')
     database_url = _with_database(server_url, prefix)
-    settings = base.model_copy(
-        update={"subject_prefix": prefix, "database_url": database_url, "projector_partitions": projectors}
-    )
+    settings = base.model_copy(update={"subject_prefix": prefix, "database_url": database_url, **updates})
     await migrate(database_url, settings)
     names = Names(prefix)
     nats_server = runtime.endpoints.nats_url
     nc = await connect(with_login(nats_server, *logins["operator"]), "bench")
-    js = nc.jetstream()
-    await ensure_jetstream(js, names, settings)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")} | {
-        "ONTOFABRIC_NATS_URL": with_login(nats_server, *logins["projector"]),
-        "ONTOFABRIC_DATABASE_URL": database_url,
-        "ONTOFABRIC_SUBJECT_PREFIX": prefix,
-        "ONTOFABRIC_PROJECTOR_PARTITIONS": str(projectors),
-        "ONTOFABRIC_LOG_LEVEL": "WARNING",
-    }
+    try:
+        js = nc.jetstream()
+        await ensure_jetstream(js, names, settings)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")} | {
+            "ONTOFABRIC_NATS_URL": with_login(nats_server, *logins["projector"]),
+            "ONTOFABRIC_DATABASE_URL": database_url,
+            "ONTOFABRIC_SUBJECT_PREFIX": prefix,
+            "ONTOFABRIC_PROJECTOR_PARTITIONS": str(settings.projector_partitions),
+            "ONTOFABRIC_LOG_LEVEL": "WARNING",
+        }
+        yield FreshDeployment(settings, names, js, env)
+    finally:
+        await nc.close()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{prefix}" WITH (FORCE)')
+        await admin.close()
+
+
+async def one_round(
+    runtime: EmbeddedRuntime, base: Settings, documents: list[DocumentUpserted], projectors: int
+) -> tuple[float, int]:
+    """Documents/s projected by ``projectors`` processes, and the deltas published."""
+    prefix = "b" + uuid.uuid4().hex[:10]
+    async with fresh_deployment(runtime, base, prefix, projector_partitions=projectors) as deployment:
+        return await _project(deployment, documents, projectors)
+
+
+async def _project(
+    deployment: FreshDeployment, documents: list[DocumentUpserted], projectors: int
+) -> tuple[float, int]:
+    js, names, env = deployment.js, deployment.names, deployment.projector_env
     processes = [
         await asyncio.create_subprocess_exec(
             ONTOFABRIC, "projector", env=env | {"ONTOFABRIC_PROJECTOR_PARTITION": str(index)}
@@ -111,9 +146,6 @@ async def one_round(
             process.terminate()
         for process in processes:
             await asyncio.wait_for(process.wait(), 30)
-        await nc.close()
-        await admin.execute(f'DROP DATABASE IF EXISTS "{prefix}" WITH (FORCE)')
-        await admin.close()
     return rate, len(deltas)
 
 

@@ -220,10 +220,11 @@ async def compact(
     stream = (await js.stream_info(names.delta_stream)).state
     report = CompactionReport(covers=max(done, upto), stream_bytes_before=int(stream.bytes or 0))
     configured = names.postgres_projector_durables(settings.projector_partitions)
-    if upto < min(floors[durable] for durable in configured):
+    others = {d: floor for d, floor in floors.items() if d not in configured and d != names.azure_projector_durable}
+    if others and min(others.values()) == upto < min(floors[durable] for durable in configured):
         # A consumer of another layout (left behind by a layout tried and given up, or being filled for a new
         # one) holds the stream back: say which, or the stream grows with nothing to show why.
-        report.held_back_by = min(floors, key=lambda durable: floors[durable])
+        report.held_back_by = min(others, key=lambda durable: others[durable])
     if stream.first_seq > done + 1:
         raise CompactionRefused(
             f"the stream starts at sequence {stream.first_seq} but the snapshots cover only up to {done}: deltas "

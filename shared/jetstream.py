@@ -380,16 +380,16 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
         if isinstance(config, StreamConfig) and abs((existing.max_age or 0) - (config.max_age or 0)) > 1:
             changes.append("max_age")  # ONTOFABRIC_DELTA_MAX_AGE_DAYS set, changed or unset
             wanted = dataclasses.replace(wanted, max_age=config.max_age or 0)
-        if isinstance(config, StreamConfig) and (existing.max_bytes or -1) != (config.max_bytes or -1):
-            changes.append("max_bytes")  # ONTOFABRIC_DELTA_STREAM_MAX_BYTES set, changed or unset
-            wanted = dataclasses.replace(wanted, max_bytes=config.max_bytes or -1)
-        limit = config.max_msgs_per_subject if isinstance(config, StreamConfig) else None
-        if isinstance(config, StreamConfig) and (existing.max_msgs_per_subject or -1) != (limit or -1):
-            changes.append("max_msgs_per_subject")  # ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE
-            wanted = dataclasses.replace(wanted, max_msgs_per_subject=limit or -1)
-        if isinstance(config, StreamConfig) and existing.discard != config.discard:
-            changes.append("discard")
-            wanted = dataclasses.replace(wanted, discard=config.discard)
+        if isinstance(config, StreamConfig):  # the size limits: unset is -1 on the server, None here
+            if (existing.max_bytes or -1) != (config.max_bytes or -1):
+                changes.append("max_bytes")  # ONTOFABRIC_DELTA_STREAM_MAX_BYTES set, changed or unset
+                wanted = dataclasses.replace(wanted, max_bytes=config.max_bytes or -1)
+            if (existing.max_msgs_per_subject or -1) != (config.max_msgs_per_subject or -1):
+                changes.append("max_msgs_per_subject")  # ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE
+                wanted = dataclasses.replace(wanted, max_msgs_per_subject=config.max_msgs_per_subject or -1)
+            if existing.discard != config.discard:
+                changes.append("discard")
+                wanted = dataclasses.replace(wanted, discard=config.discard)
         if isinstance(config, StreamConfig) and existing.max_msg_size != config.max_msg_size:
             changes.append("max_msg_size")  # a delta stream made when deltas could fill the whole max_payload
             wanted = dataclasses.replace(wanted, max_msg_size=config.max_msg_size)
@@ -404,10 +404,10 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
             except APIError as error:  # a limit the server cannot give (more storage than it has, say)
                 raise SettingsUnusable(_refused(stream, changes, error)) from error
             log.info("stream_updated", stream=stream, changed=changes)
-            held = (await js.stream_info(stream)).state.bytes or 0
-            if (wanted.max_bytes or -1) > 0 and held > FULL_SOON * (wanted.max_bytes or 0):
+            cap = wanted.max_bytes or -1
+            if cap > 0 and (held := (await js.stream_info(stream)).state.bytes or 0) > FULL_SOON * cap:
                 log.warning(
-                    "stream_nearly_full", stream=stream, held_bytes=held, max_bytes=wanted.max_bytes,
+                    "stream_nearly_full", stream=stream, held_bytes=held, max_bytes=cap,
                     note="full, it refuses every new delta: run `ontofabric compact` or raise "
                     "ONTOFABRIC_DELTA_STREAM_MAX_BYTES",
                 )  # fmt: skip

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from nats.aio.client import Client
-from nats.js import JetStreamContext
+from nats.js.api import StreamInfo
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
@@ -103,7 +103,9 @@ async def deployment_status(
     versions: dict[tuple[str, str], tuple[str, datetime | None]] = {
         (version.workspace, version.branch): (version.ontology_version, version.updated_at) for version in announced
     }
-    for unannounced in await _published_branches(js, names, workspace) - set(versions):
+    subjects = names.delta_subjects if workspace is None else names.workspace_delta_subjects(workspace)
+    deltas = await js.stream_info(names.delta_stream, subjects_filter=subjects)  # the stream's totals too
+    for unannounced in _published_branches(deltas, names) - set(versions):
         versions[unannounced] = (NO_VERSION, None)  # published to, never projected: the projector is down or behind
     for (branch_workspace, branch), (ontology_version, announced_at) in sorted(versions.items()):
         if workspace is not None and branch_workspace != workspace:
@@ -132,7 +134,7 @@ async def deployment_status(
         owner = names.workspace_of_dlq_subject(subject) or subject
         if workspace is None or owner == workspace:
             status.dead_letters[owner] = count
-    for info in (await js.stream_info(names.delta_stream), dlq):
+    for info in (deltas, dlq):
         limit = info.config.max_bytes or -1
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
@@ -143,13 +145,10 @@ async def deployment_status(
     return status
 
 
-async def _published_branches(js: JetStreamContext, names: Names, workspace: str | None) -> set[tuple[str, str]]:
-    """The (workspace, branch) pairs the delta stream holds deltas of (of ``workspace`` only, when given), by their
-    subjects (one that is not a canonical ``<prefix>.delta.<workspace>.<branch>`` names none: the projector
-    dead-letters it). One request: the server pages its answer past 100,000 subjects, so beyond that some go
-    unlisted."""
-    subjects = names.delta_subjects if workspace is None else names.workspace_delta_subjects(workspace)
-    info = await js.stream_info(names.delta_stream, subjects_filter=subjects)
+def _published_branches(info: StreamInfo, names: Names) -> set[tuple[str, str]]:
+    """The (workspace, branch) pairs the delta stream holds deltas of, by the subjects ``info`` lists (one that
+    is not a canonical ``<prefix>.delta.<workspace>.<branch>`` names none: the projector dead-letters it). The
+    server pages its answer past 100,000 subjects, so beyond that some go unlisted."""
     scopes = (names.scope_of_delta(subject) for subject in info.state.subjects or {})
     return {scope for scope in scopes if scope is not None}
 

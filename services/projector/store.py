@@ -104,10 +104,15 @@ WITH dropped AS (
         CROSS JOIN LATERAL unnest(d.search_vector) u
     ) AS old
     WHERE p.workspace = old.workspace AND p.branch = old.branch AND p.term = old.lexeme AND p.doc_id = old.id
-    RETURNING p.workspace, p.branch, p.term)
+    RETURNING p.workspace, p.branch, p.term),
+counted AS (SELECT workspace, branch, term, count(*) AS documents FROM dropped GROUP BY workspace, branch, term),
+-- A term no document holds any more loses its row: churn through new words must not grow the table for good.
+gone AS (
+    DELETE FROM term_statistics s USING counted c
+    WHERE s.workspace = c.workspace AND s.branch = c.branch AND s.term = c.term AND s.df <= c.documents)
 UPDATE term_statistics s SET df = s.df - c.documents
-FROM (SELECT workspace, branch, term, count(*) AS documents FROM dropped GROUP BY workspace, branch, term) c
-WHERE s.workspace = c.workspace AND s.branch = c.branch AND s.term = c.term
+FROM counted c
+WHERE s.workspace = c.workspace AND s.branch = c.branch AND s.term = c.term AND s.df > c.documents
 """
 _ADD_POSTINGS = """
 WITH added AS (

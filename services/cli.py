@@ -1233,7 +1233,7 @@ def forget_layout(
     Each layout (ONTOFABRIC_PROJECTOR_PARTITIONS) has consumers of its own, and they stay after its projectors
     stop: one left behind holds `ontofabric compact` back at its position for good. Refused for the configured
     layout, and while a projector of that layout answers."""
-    from ontofabric.shared.discovery import discover
+    from ontofabric.shared.discovery import discover, postgres_layout
     from ontofabric.shared.subjects import PARTITION_COUNTS
 
     if partitions not in PARTITION_COUNTS:
@@ -1245,11 +1245,7 @@ def forget_layout(
         raise typer.Exit(1)
 
     async def job(nc: Client, names: Names, _settings: Settings, _endpoints: Endpoints) -> list[str]:
-        held = "all" if partitions == 1 else f" of {partitions}"
-        running = [
-            worker for worker in await discover(nc, names.projector_service)
-            if worker.details.get("index") == "postgres" and worker.details.get("partitions", "").endswith(held)
-        ]  # fmt: skip
+        running = [w for w in await discover(nc, names.projector_service) if postgres_layout(w) == partitions]
         if running:
             raise LayoutInUse(f"{len(running)} projector(s) of that layout answer: stop them first")
         js = nc.jetstream()

@@ -92,6 +92,18 @@ class Worker:
     """What else the worker said of itself (a projector: its index and partitions)."""
 
 
+def postgres_layout(worker: Worker) -> int | None:
+    """The partition layout a Postgres projector announced (its ``partitions`` detail: "all", or "0,2 of 4"); None
+    for another index or an announcement without it."""
+    if worker.details.get("index") != "postgres":
+        return None
+    held = worker.details.get("partitions", "")
+    if held == "all":
+        return 1
+    _, of, count = held.rpartition(" of ")
+    return int(count) if of and count.isdigit() else None
+
+
 async def discover(nc: Client, name: str, wait_s: float = DISCOVERY_WAIT_S) -> list[Worker]:
     """The workers that answer a service-discovery ping of ``name`` within ``wait_s``, the longest running first."""
     replies: list[Msg] = []

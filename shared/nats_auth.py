@@ -132,6 +132,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{API}.CONSUMER.CREATE.{versions}",  # the versions watch: an ordered consumer
                 f"{API}.CONSUMER.INFO.{versions}.*",
                 f"$JS.FC.{versions}.>",
+                # Which partition layouts the running projectors serve (DeltaWatch): their consumers hold the position.
+                f"$SRV.PING.{names.projector_service}",
                 # Answers: to callers' inboxes only (the worker checks too). Not allow_responses, which would let
                 # a request name any subject as its reply and have the worker write there.
                 "_INBOX.>",

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.freshness import FORGET_AFTER_S, DeltaWatch
+from ontofabric.shared.runtime import EmbeddedRuntime
 
-from .conftest import Deployment
+from .conftest import Deployment, connect_as
 from .factories import document, upsert
 
 
@@ -63,3 +65,29 @@ async def test_deltas_stored_while_the_watch_was_away_are_counted(deployment: De
         assert pending.deltas == 3
     finally:
         await watch.stop()
+
+
+async def test_a_worker_configured_with_another_layout_reads_the_running_projectors_position(
+    deployment: Deployment, projector: ProjectorService, runtime: EmbeddedRuntime
+) -> None:
+    """A red team's finding: a query worker whose ONTOFABRIC_PROJECTOR_PARTITIONS differed from the projectors' read
+    the position of consumers no projector moved, and its answers claimed hundreds of deltas pending that were in the
+    index. Here the worker (the query role's own login) is set to 2 partitions, the one projector runs 1."""
+    nc = await connect_as(deployment, runtime, "query")
+    watch = DeltaWatch(nc, deployment.names, partitions=2)
+    await watch.start()
+    try:
+        seqs = await _published(deployment, watch, 3)
+        await deployment.wait_projected(seqs[-1])
+        async with asyncio.timeout(5):  # the first discovery, in the background
+            while 1 not in watch._layouts:
+                await asyncio.sleep(0.05)
+        position = await watch.position()
+        assert position is not None
+        assert position >= seqs[-1]
+        pending = await watch.pending("acme", ["main"], position)
+        assert pending is not None
+        assert pending.deltas == 0
+    finally:
+        await watch.stop()
+        await nc.close()

@@ -3,7 +3,9 @@
 The index's position is the Postgres projector's: its durable consumer's ack floor, the stream sequence up to which
 every delta was acked (in the index) or terminated (dead-lettered). A branch's highest applied sequence would not do:
 a delta waiting for a retry may lie below it. An answer reads the position before its first snapshot, so it holds
-every delta up to it.
+every delta up to it. Each partition layout has consumers of its own, each layout's lowest floor a position of the
+index: the worker reads the configured layout's and those of the layouts the running projectors announce, and
+takes the highest, so a worker configured with another layout than the projectors' still tells the truth.
 
 What has been published past the position is counted from the headers the stream republishes for every delta it
 stores (sequence and time), watched from the worker's start and forgotten a minute after a position passed them.
@@ -26,6 +28,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from ontofabric.shared.discovery import discover, postgres_layout
 from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -46,6 +49,8 @@ MAX_WATCHED = 100_000
 FORGET_AFTER_S = 60.0
 """How long the deltas a position passed are remembered after it was read: an answer still working from that
 position (a slow reranker, a deep query, a shared answer) counts past it. One older asks JetStream."""
+LAYOUT_CHECK_S = 10.0
+"""How often the worker asks which partition layouts the running projectors serve."""
 
 
 def _epoch(stamp: str) -> float:
@@ -98,7 +103,11 @@ class DeltaWatch:
         self._js = nc.jetstream()
         self._names = names
         self._partitions = partitions
-        """The Postgres projectors' partitions, whose consumers' lowest ack floor is the index's position."""
+        """The configured partition layout of the Postgres projectors, whose consumers' lowest ack floor is a position
+        of the index."""
+        self._layouts: frozenset[int] = frozenset({partitions})
+        """The layouts whose positions are read: the configured one and those running projectors announce."""
+        self._following: asyncio.Task[None] | None = None
         self._subscription: Subscription | None = None
         self._published: dict[tuple[str, str], deque[tuple[int, float]]] = {}
         self._watched = 0
@@ -119,8 +128,13 @@ class DeltaWatch:
         # Subscribed first: a delta stored between the two is seen by the watch and also below this sequence.
         info = await self._js.stream_info(self._names.delta_stream)
         self._complete_after = int(info.state.last_seq or 0)
+        # In the background: a discovery ping gathers answers for half a second, which a start need not wait for.
+        self._following = asyncio.create_task(self._follow_layouts())
 
     async def stop(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            self._following = None
         if self._subscription is not None:
             await self._subscription.unsubscribe()
             self._subscription = None
@@ -143,9 +157,39 @@ class DeltaWatch:
         if not task.cancelled() and task.exception() is None:
             self._advance(task.result())
 
+    async def _follow_layouts(self) -> None:
+        while True:
+            try:
+                await self.follow_layouts()
+            except Exception as error:  # NATS away: the layouts known stay
+                log.info("projector_layouts_unknown", error=describe(error))
+            await asyncio.sleep(LAYOUT_CHECK_S)
+
+    async def follow_layouts(self) -> None:
+        """Read, from here on, the positions of the layouts the running Postgres projectors announce, beside the
+        configured one; with none answering, the configured one's alone."""
+        workers = await discover(self._nc, self._names.projector_service)
+        running = {layout for layout in map(postgres_layout, workers) if layout is not None}
+        layouts = frozenset({self._partitions, *running})
+        if layouts == self._layouts:
+            return
+        if running and self._partitions not in running:
+            log.warning(
+                "projector_layout_differs",
+                configured=self._partitions,
+                running=sorted(running),
+                hint="set ONTOFABRIC_PROJECTOR_PARTITIONS alike on every part; freshness reads the running layout's",
+            )
+        self._layouts = layouts
+
     async def _read_position(self) -> int:
+        """The highest of the layouts' positions: each layout's consumers together apply every delta, so all up to
+        any layout's lowest floor is in the index."""
         started = time.monotonic()
-        floor = await projected_floor(self._js, self._names, self._partitions)
+        floors: list[int] = await asyncio.gather(
+            *(projected_floor(self._js, self._names, n) for n in sorted(self._layouts))
+        )
+        floor = max(floors)
         self._position = (started, floor)
         return floor
 

@@ -35,7 +35,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
 from .settings import Settings, SettingsUnusable, redacted_url
-from .subjects import Names
+from .subjects import PARTITION_COUNTS, Names
 
 T = TypeVar("T")
 
@@ -439,6 +439,14 @@ async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -
     the lowest of the partitions' consumers' (each acks the deltas of other partitions as it passes them)."""
     durables = names.postgres_projector_durables(partitions)
     return min(await asyncio.gather(*(ack_floor(js, names.delta_stream, durable) for durable in durables)))
+
+
+async def settled_by_other_layouts(js: JetStreamContext, names: Names, partitions: int) -> int:
+    """The highest stream sequence up to which another partition layout's consumers settled every delta (applied,
+    or dead-lettered); 0 when no other layout has consumers. A layout's consumers start from the stream's first
+    delta: what another layout settled below this, it need not dead-letter again."""
+    others = [count for count in PARTITION_COUNTS if count != partitions]
+    return max(await asyncio.gather(*(projected_floor(js, names, count) for count in others)), default=0)
 
 
 async def wait_projected(

@@ -25,7 +25,7 @@ from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, Postgres
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
-from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ack_floor
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ack_floor, projected_floor
 from ontofabric.shared.late_interaction import pack_signs
 
 from .conftest import SPANS, Deployment, metric_points
@@ -208,6 +208,49 @@ async def test_poison_deltas_are_dead_lettered_and_later_deltas_apply(
     ]  # fmt: skip
     assert dead_lettered("invalid_schema") == invalid_before + 1  # dead letters counted by reason
     assert fresh_deltas() >= fresh_before + 2  # the two that applied: stored in the stream -> in the index
+
+
+async def test_a_new_partition_layout_does_not_dead_letter_again_what_the_old_one_did(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """The scale-out red team: a new layout's consumers replay the stream, and past the DLQ's duplicate window they
+    stored every dead letter again; one an operator had purged came back. What another layout settled is only
+    terminated now."""
+    names = deployment.names
+
+    def counted(outcome: str) -> int:
+        points = metric_points("projector.deltas")
+        return sum(int(p.value) for p in points if p.attributes.get("outcome") == outcome)
+
+    subject = names.delta_subject("acme", "main")
+    await deployment.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "garbage-layouts"})
+    last = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(last.seq)
+    assert (await deployment.js.stream_info(names.dlq_stream)).state.messages == 1
+    await deployment.js.purge_stream(names.dlq_stream)  # the operator handled it
+    dead_lettered, before = counted("dead_lettered"), counted("dead_lettered_before")
+
+    await projector.stop()  # the layout changes from 1 to 2 partitions
+    changed = deployment.settings.model_copy(update={"projector_partitions": 2})
+    trial = ProjectorService(changed, deployment.nats_url_as("projector"), deployment.database_url)
+    await trial.start()
+    try:
+        async with asyncio.timeout(30):
+            while (await projected_floor(deployment.js, names, 2)) < last.seq:
+                await asyncio.sleep(0.05)
+        garbage = await deployment.js.publish(subject, b"{still not json", headers={"Nats-Msg-Id": "garbage-new"})
+        async with asyncio.timeout(30):
+            while (await projected_floor(deployment.js, names, 2)) < garbage.seq:
+                await asyncio.sleep(0.05)
+    finally:
+        await trial.stop()
+    # The old delta: terminated, not stored again. A new one: dead-lettered as ever.
+    assert (counted("dead_lettered"), counted("dead_lettered_before")) == (dead_lettered + 1, before + 1)
+    letters = await deployment.js.subscribe(names.dlq_subjects, stream=names.dlq_stream)
+    only = await letters.next_msg(timeout=5)
+    assert only.data == b"{still not json"
+    with pytest.raises(NatsTimeoutError):
+        await letters.next_msg(timeout=0.5)
 
 
 async def test_a_dead_letter_the_dlq_refuses_keeps_its_delta_and_the_batchs_others_go_on(

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -236,6 +236,10 @@ def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
     return [Link(context) for context in list(distinct.values())[:MAX_SPAN_LINKS]]
 
 
+SETTLED_ELSEWHERE_TTL_S = 5.0
+"""How long a reading of where other layouts' consumers stand serves (read only when a delta is to be dead-lettered)."""
+
+
 class DurableProjection:
     """Settles what the runner made of each batch on JetStream.
 
@@ -243,7 +247,9 @@ class DurableProjection:
     stream does; the others only terminate them). ``min_retry_s``: the shortest wait before a nak'd delta comes
     back (an index whose reads lag its writes needs them visible first). ``partition``: the workspaces this
     consumer applies; the deltas of others are acked as they pass, so its ack floor stays the index's position
-    for every workspace of its partition (None: every workspace)."""
+    for every workspace of its partition (None: every workspace). ``settled_elsewhere``: the stream sequence up to
+    which other consumers of the same index settled every delta (another partition layout's); a delta at or below
+    it that cannot apply was dead-lettered then (or its dead letter handled since), and is only terminated here."""
 
     def __init__(
         self,
@@ -255,6 +261,7 @@ class DurableProjection:
         dead_letters_invalid: bool = True,
         min_retry_s: float = 0.0,
         partition: Partition | None = None,
+        settled_elsewhere: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self._runner = runner
         self.durable = durable
@@ -265,6 +272,9 @@ class DurableProjection:
         self._names = names
         self._dead_letters_invalid = dead_letters_invalid
         self._min_retry_s = min_retry_s
+        self._settled_elsewhere = settled_elsewhere
+        self._elsewhere: tuple[float, int] | None = None
+        """The last reading of ``settled_elsewhere``, and when (monotonic)."""
         self._metrics = instruments()
         # Each reason's count is there from the start, at 0: a counter that first appears at 1 shows Prometheus no
         # increase, and the dead-letter alert missed a process's first dead letter of each reason.
@@ -356,11 +366,12 @@ class DurableProjection:
 
     async def _settle(self, outcome: Outcome) -> None:
         """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink."""
+        invalid = await self._not_dead_lettered_before(outcome.invalid)
         if self._dead_letters_invalid:
-            for msg in await dead_letter(self._js, self._names, outcome.invalid, self._index):
+            for msg in await dead_letter(self._js, self._names, invalid, self._index):
                 self._settled(msg)
         else:
-            for msg, _ in outcome.invalid:
+            for msg, _ in invalid:
                 self._settled(msg)
                 await msg.term()
                 self._count(1, "invalid")
@@ -377,10 +388,34 @@ class DurableProjection:
             if outcome.applied and msg.metadata.timestamp is not None:  # in the index since the commit
                 stored_ms = (now - msg.metadata.timestamp.timestamp()) * 1000
                 self._metrics.projector_freshness.record(stored_ms, {"index": self._index})
-        for msg in await dead_letter(self._js, self._names, outcome.refused, self._index):
+        for msg in await dead_letter(
+            self._js, self._names, await self._not_dead_lettered_before(outcome.refused), self._index
+        ):
             self._settled(msg)
         self._count(outcome.applied, "applied")
         self._count(outcome.noops, "noop")
+
+    async def _not_dead_lettered_before(
+        self, rejected: Sequence[tuple[Msg, Rejection]]
+    ) -> Sequence[tuple[Msg, Rejection]]:
+        """Those of ``rejected`` that no other consumer of this index settled; the others are terminated here. A
+        layout's new consumers replay the stream: past the DLQ's duplicate window their dead letters were stored
+        again, and a dead letter an operator had purged or re-driven came back (a red team, 2026-11-29)."""
+        if not rejected or self._settled_elsewhere is None:
+            return rejected
+        if self._elsewhere is None or time.monotonic() - self._elsewhere[0] > SETTLED_ELSEWHERE_TTL_S:
+            self._elsewhere = (time.monotonic(), await self._settled_elsewhere())
+        floor = self._elsewhere[1]
+        for msg, rejection in rejected:
+            seq = msg.metadata.sequence.stream
+            if seq <= floor:
+                await msg.term()
+                self._settled(msg)
+                self._count(1, "dead_lettered_before")
+                log.info(
+                    "delta_dead_lettered_before", index=self._index, seq=seq, reason=rejection.reason, settled_to=floor
+                )
+        return [(msg, rejection) for msg, rejection in rejected if msg.metadata.sequence.stream > floor]
 
     def _count(self, deltas: int, outcome: str) -> None:
         self._metrics.projector_deltas.add(deltas, {"outcome": outcome, "index": self._index})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import asyncpg
@@ -20,7 +21,7 @@ from ontofabric.shared.azure_search import index_client, index_definition, read_
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
 from ontofabric.shared.discovery import Announcement, announce
 from ontofabric.shared.jetstream import close as close_nats
-from ontofabric.shared.jetstream import connect, ensure_jetstream
+from ontofabric.shared.jetstream import connect, ensure_jetstream, settled_by_other_layouts
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
@@ -105,7 +106,10 @@ class ProjectorService:
             sink = PostgresSink(PostgresProjectionStore(pool, settings.text_search_config), versions)
             runner = ProjectionRunner(sink, Limits.from_settings(settings), reembedders[database])
             partition = Partition(index, count) if count > 1 else None
-            projection = DurableProjection(runner, js, names, durables[index], partition=partition)
+            projection = DurableProjection(
+                runner, js, names, durables[index], partition=partition,
+                settled_elsewhere=functools.partial(settled_by_other_layouts, js, names, count),
+            )  # fmt: skip
             running = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
             self._projections.append(running)
             log.info("projector_started", durable=durables[index], stream=names.delta_stream)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
@@ -240,7 +240,7 @@ class Settings(BaseSettings):
     delta_stream_max_bytes: int | None = Field(
         default=None,
         ge=1024 * 1024,
-        description="The most the delta stream may hold, in bytes (unset: as much as the disk takes). A full "
+        description="The most the delta stream may hold, in bytes (unset or 0: as much as the disk takes). A full "
         "stream refuses new deltas (ingesters are told, nothing stored is dropped) until `ontofabric compact` "
         "makes room: a guard against one tenant filling the disk with deltas. Every projector sets it on the "
         "stream at start: give them all the same.",
@@ -507,6 +507,12 @@ class Settings(BaseSettings):
         description="`json`: one structlog JSON object per line; `console`: for humans. Model libraries draw no "
         "progress bars into it (`HF_HUB_DISABLE_PROGRESS_BARS=0` brings them back).",
     )
+
+    @field_validator("delta_stream_max_bytes", mode="before")
+    @classmethod
+    def _zero_bytes_is_no_limit(cls, value: object) -> object:
+        """0 means no limit, as for the dead-letter bound beside it."""
+        return None if value in (0, "0") else value
 
     @model_validator(mode="after")
     def _next_model_complete(self) -> Self:

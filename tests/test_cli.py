@@ -372,6 +372,20 @@ def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, 
     assert "Traceback" not in result.stderr
 
 
+def test_zero_means_no_limit_for_both_stream_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE=0 meant no limit, ONTOFABRIC_DELTA_STREAM_MAX_BYTES=0 was
+    refused."""
+    from ontofabric.shared.settings import Settings
+
+    monkeypatch.setenv("ONTOFABRIC_DELTA_STREAM_MAX_BYTES", "0")
+    monkeypatch.setenv("ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE", "0")
+    unbounded = Settings()
+    assert (unbounded.delta_stream_max_bytes, unbounded.dead_letters_per_workspace) == (None, 0)
+    monkeypatch.setenv("ONTOFABRIC_DELTA_STREAM_MAX_BYTES", "1024")
+    with pytest.raises(ValueError, match="greater than or equal to 1048576"):
+        Settings()
+
+
 def test_a_misspelt_setting_is_named_not_ignored_silently(tmp_path: Path) -> None:
     """An operator's review: ONTOFABRIC_DATABSE_URL was ignored without a word, and the embedded server used."""
     env = _env(ONTOFABRIC_DATABSE_URL="postgresql://127.0.0.1:1/x", ONTOFABRIC_IMAGE_EXTRAS="otlp")

@@ -712,6 +712,8 @@ async def test_gauges_say_what_the_streams_hold_and_the_most_a_capped_one_may(de
         assert _gauge("projector.stream.max_bytes", stream=names.dlq_stream) is None  # no limit in bytes
     finally:
         await service.stop()
+    # A stopped projector's last reading is not reported as if it were current (a review).
+    assert _gauge("projector.stream.bytes", stream=names.delta_stream) is None
 
 
 async def test_gauges_say_how_far_each_workspace_and_the_consumer_are_behind(

@@ -499,15 +499,24 @@ class RunningProjection:
     workspaces, from the headers the delta stream republishes."""
 
     def __init__(
-        self, projection: DurableProjection, puller: BatchPuller, watching: asyncio.Task[None], published: Subscription
+        self,
+        projection: DurableProjection,
+        puller: BatchPuller,
+        watching: asyncio.Task[None],
+        published: Subscription,
+        js: JetStreamContext,
+        names: Names,
     ) -> None:
         self._projection = projection
         self._puller = puller
         self._watching = watching
         self._published = published
+        self._js = js
+        self._streams = _join_stream_watch(js, names)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._watching)
+        await _leave_stream_watch(self._streams, self._js)
         with contextlib.suppress(Exception):  # the connection may be closing already
             await self._published.unsubscribe()
         await self._puller.stop()
@@ -527,14 +536,52 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             if info.ack_floor is not None:
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
                 projection.sent_back.floor(info.ack_floor.stream_seq or 0)
-        for stream in (names.delta_stream, names.dlq_stream):
-            try:
-                held = await js.stream_info(stream)
-            except Exception as error:
-                log.debug("stream_watch_failed", stream=stream, error=describe(error))
-            else:
-                _STREAMS[stream] = (held.state.bytes or 0, held.config.max_bytes or -1)
         await asyncio.sleep(WATCH_EVERY_S)
+
+
+@dataclass
+class _StreamWatch:
+    """One watch of the streams' bytes per process, whatever the projections in it (each partition's consumer asked
+    both streams' info before: 2n requests every few seconds for n partitions). It asks through the connection of
+    the projection that joined last, and ends, its gauges with it, when the last one stops."""
+
+    streams: tuple[str, ...]
+    joined: list[JetStreamContext] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        while self.joined:
+            for stream in self.streams:
+                try:
+                    held = await self.joined[-1].stream_info(stream)
+                except Exception as error:
+                    log.debug("stream_watch_failed", stream=stream, error=describe(error))
+                else:
+                    _STREAMS[stream] = (held.state.bytes or 0, held.config.max_bytes or -1)
+            await asyncio.sleep(WATCH_EVERY_S)
+
+
+_STREAM_WATCHES: dict[tuple[str, ...], _StreamWatch] = {}
+
+
+def _join_stream_watch(js: JetStreamContext, names: Names) -> _StreamWatch:
+    streams = (names.delta_stream, names.dlq_stream)
+    watch = _STREAM_WATCHES.setdefault(streams, _StreamWatch(streams))
+    watch.joined.append(js)
+    if watch.task is None:
+        watch.task = asyncio.create_task(watch.run(), name=f"watch:{names.delta_stream}")
+    return watch
+
+
+async def _leave_stream_watch(watch: _StreamWatch, js: JetStreamContext) -> None:
+    watch.joined.remove(js)
+    if watch.joined or watch.task is None:
+        return
+    _STREAM_WATCHES.pop(watch.streams, None)
+    await cancel_and_wait(watch.task)
+    watch.task = None
+    for stream in watch.streams:
+        _STREAMS.pop(stream, None)
 
 
 IN_FLIGHT_LOOKBACK = 1000
@@ -628,4 +675,4 @@ async def start_projection(
     watch = await nc.subscribe(names.published_subjects, cb=published)
     puller.start()
     watching = asyncio.create_task(_watch_consumer(js, names, projection), name=f"watch:{durable}")
-    return RunningProjection(projection, puller, watching, watch)
+    return RunningProjection(projection, puller, watching, watch, js, names)

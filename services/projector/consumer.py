@@ -568,7 +568,7 @@ def _join_stream_watch(js: JetStreamContext, names: Names) -> _StreamWatch:
     streams = (names.delta_stream, names.dlq_stream)
     watch = _STREAM_WATCHES.setdefault(streams, _StreamWatch(streams))
     watch.joined.append(js)
-    if watch.task is None:
+    if watch.task is None or watch.task.done() or watch.task.get_loop() is not asyncio.get_running_loop():
         watch.task = asyncio.create_task(watch.run(), name=f"watch:{names.delta_stream}")
     return watch
 

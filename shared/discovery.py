@@ -36,6 +36,10 @@ class Announcement:
     """A worker answering service discovery; :meth:`stop` ends it."""
 
     subscriptions: list[Subscription]
+    id: str = ""
+    """The id this worker answers under."""
+    started: str = ""
+    """When it began to answer, as its answers say (ISO 8601, UTC)."""
 
     async def stop(self) -> None:
         for subscription in self.subscriptions:
@@ -66,7 +70,7 @@ async def announce(nc: Client, name: str, description: str, **details: str) -> A
         handler = _answering(nc, json.dumps(answer).encode())
         for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.{service_id}"):
             subscriptions.append(await nc.subscribe(subject, cb=handler))
-    return Announcement(subscriptions)
+    return Announcement(subscriptions, service_id, metadata["started"])
 
 
 def _answering(nc: Client, body: bytes) -> Callable[[Msg], Awaitable[None]]:
@@ -92,16 +96,25 @@ class Worker:
     """What else the worker said of itself (a projector: its index and partitions)."""
 
 
-def postgres_layout(worker: Worker) -> int | None:
-    """The partition layout a Postgres projector announced (its ``partitions`` detail: "all", or "0,2 of 4"); None
-    for another index or an announcement without it."""
+def postgres_partitions(worker: Worker) -> tuple[int, frozenset[int]] | None:
+    """The partition layout a Postgres projector announced and the partitions of it it applies (its ``partitions``
+    detail: "all", or "0,2 of 4"); None for another index or an announcement without it."""
     if worker.details.get("index") != "postgres":
         return None
     held = worker.details.get("partitions", "")
     if held == "all":
-        return 1
-    _, of, count = held.rpartition(" of ")
-    return int(count) if of and count.isdigit() else None
+        return 1, frozenset({0})
+    indexes, of, count = held.rpartition(" of ")
+    parts = indexes.split(",")
+    if not of or not count.isdigit() or not all(part.isdigit() for part in parts):
+        return None
+    return int(count), frozenset(int(part) for part in parts)
+
+
+def postgres_layout(worker: Worker) -> int | None:
+    """The partition layout a Postgres projector announced; None for another index."""
+    announced = postgres_partitions(worker)
+    return None if announced is None else announced[0]
 
 
 async def discover(nc: Client, name: str, wait_s: float = DISCOVERY_WAIT_S) -> list[Worker]:

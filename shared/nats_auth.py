@@ -108,6 +108,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 f"{API}.CONSUMER.DELETE.{snapshots}.*",
                 f"$JS.FC.{snapshots}.>",
                 "_INBOX.>",  # answers to service discovery, into the asker's inbox
+                # Which other projectors apply its consumers (worker.py, held_elsewhere): one process at a time.
+                f"$SRV.PING.{names.projector_service}",
             ],
             subscribe=[
                 *inbox,

@@ -15,10 +15,12 @@ import asyncpg
 import pytest
 
 from ontofabric.contracts import QueryResponse
+from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ops.rebuild import Rebuild
-from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.projector.worker import ProjectorService, held_elsewhere
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
+from ontofabric.shared.discovery import Announcement, Worker
 from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
@@ -290,3 +292,66 @@ async def test_workspaces_placed_on_two_primaries_are_written_read_and_rebuilt_w
                 await projector.stop()
     finally:
         second.stop()
+
+
+async def test_projectors_sharing_a_consumer_never_apply_a_later_copy_of_an_event_before_its_first(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A red team (churn): three projector processes on one durable consumer, and per document E, then F, then a copy
+    of E stored again by another publisher session (an ingest run again). Each went to another process; when the
+    copy committed first it applied, F was then older than the row and E's first copy a repeat: F was lost for good
+    in 9 of 50 documents, while _meta said the index held it."""
+    others = [
+        ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+        for _ in range(2)
+    ]
+    for other in others:
+        await other.start()
+    again = DeltaPublisher(deployment.js, deployment.names)
+    try:
+        for n in range(40):
+            first = upsert("acme", document(f"x{n}", f"text a{n}"), event_id=f"x{n}-a")
+            await deployment.publisher.publish(first)
+            await deployment.publisher.publish(upsert("acme", document(f"x{n}", f"text b{n}"), event_id=f"x{n}-b"))
+            last = await again.publish(first)
+            await asyncio.sleep(0.05)
+        await deployment.wait_projected(last.seq, timeout_s=60)
+    finally:
+        for other in others:
+            await other.stop()
+    rows = await deployment.fetch("SELECT id, content FROM documents WHERE workspace = 'acme' AND NOT deleted")
+    stale = sorted(r["id"] for r in rows if not r["content"].startswith("text b"))
+    assert (len(rows), stale) == (40, [])
+
+
+async def test_a_projector_standing_by_takes_over_when_the_one_applying_stops(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await standby.start()
+    try:
+        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+        await deployment.wait_projected(first.seq)
+        assert not standby._projections  # the fixture's projector began first: it applies the consumer
+        await projector.stop()
+        later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+        await deployment.wait_projected(later.seq, timeout_s=30)  # HOLDER_LEASE_S and a look later
+        assert list(standby._projections) == [0]
+    finally:
+        await standby.stop()
+
+
+def test_each_consumer_is_left_to_the_process_that_began_applying_it_first() -> None:
+    own = Announcement([], id="b", started="2026-11-29T10:00:01+00:00")
+
+    def peer(worker_id: str, started: str, partitions: str, index: str = "postgres") -> Worker:
+        return Worker(worker_id, "", None, None, started, {"index": index, "partitions": partitions})
+
+    earlier, later = "2026-11-29T10:00:00+00:00", "2026-11-29T10:00:02+00:00"
+    assert held_elsewhere(own, 1, [0], [peer("b", own.started, "all")]) == set()  # itself
+    assert held_elsewhere(own, 1, [0], [peer("c", earlier, "all")]) == {0}
+    assert held_elsewhere(own, 1, [0], [peer("a", later, "all")]) == set()
+    assert held_elsewhere(own, 1, [0], [peer("a", own.started, "all")]) == {0}  # a tie: the lower id
+    assert held_elsewhere(own, 4, [0, 1, 2, 3], [peer("c", earlier, "1,3 of 4")]) == {1, 3}
+    assert held_elsewhere(own, 4, [0, 1], [peer("c", earlier, "0,1 of 2")]) == set()  # another layout's consumers
+    assert held_elsewhere(own, 1, [0], [peer("c", earlier, "", index="azure-ai-search")]) == set()

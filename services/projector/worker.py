@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import asyncpg
 from azure.core.exceptions import AzureError
@@ -19,10 +20,10 @@ from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
-from ontofabric.shared.discovery import Announcement, announce
+from ontofabric.shared.discovery import Announcement, Worker, announce, discover, postgres_partitions
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, settled_by_other_layouts
-from ontofabric.shared.logging import get_logger
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
@@ -57,9 +58,36 @@ a paused VM) held its workspaces' version rows locked, and every other projector
 waited on them for as long as the freeze lasted (a red team's finding: 25 s of no projection anywhere)."""
 
 
+HOLD_CHECK_S = 2.0
+"""How often a Postgres projector asks which other processes apply its consumers."""
+HOLDER_LEASE_S = 6.0
+"""How long a process that answered discovery still counts as applying its consumers after it stops answering: a
+slow answer (a busy event loop) is not a process gone. A standby takes over within about this plus HOLD_CHECK_S."""
+
+
+def held_elsewhere(own: Announcement, layout: int, partitions: Sequence[int], peers: Iterable[Worker]) -> set[int]:
+    """Of this process's ``partitions`` (of ``layout``), those a live Postgres projector that began before it also
+    applies (its start, then its id, decide a tie): each consumer is applied by one process at a time. With several
+    processes taking batches of one consumer, a later copy of an event (stored again by another publisher session)
+    could commit in one before its first copy in another; every change between them was then older than the row,
+    and lost for good (a red team, 2026-11-29)."""
+    mine = (own.started, own.id)
+    held: set[int] = set()
+    for peer in peers:
+        announced = postgres_partitions(peer)
+        if peer.id == own.id or announced is None or announced[0] != layout:
+            continue
+        if (peer.started or "", peer.id) < mine:
+            held |= set(partitions) & announced[1]
+    return held
+
+
 class ProjectorService:
     """The Postgres projector: migrations, pool, and the durable consumers whose deltas go to Postgres, one for
-    each partition of the workspaces it applies (``partitions``; by default ``projector_partition``, or all)."""
+    each partition of the workspaces it applies (``partitions``; by default ``projector_partition``, or all).
+
+    A consumer another process began applying first is left to it: this one stands by, and takes it over when that
+    process no longer answers discovery (:func:`held_elsewhere`)."""
 
     def __init__(
         self, settings: Settings, nats_url: str, database_url: str, partitions: Sequence[int] | None = None
@@ -73,7 +101,14 @@ class ProjectorService:
             partitions = range(settings.projector_partitions) if one is None else [one]
         self._partitions = list(partitions)
         self._nc: Client | None = None
-        self._projections: list[RunningProjection] = []
+        self._projections: dict[int, RunningProjection] = {}
+        """The consumers this process applies now, by partition."""
+        self._new_projection: dict[int, Callable[[], DurableProjection]] = {}
+        self._peers: dict[str, tuple[float, Worker]] = {}
+        """Projectors that answered discovery, by id, with when they last did (monotonic)."""
+        self._holding: asyncio.Task[None] | None = None
+        self._standing_by: set[int] = set()
+        """The partitions this process leaves to an earlier one."""
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
         self._service: Announcement | None = None
@@ -106,19 +141,56 @@ class ProjectorService:
             sink = PostgresSink(PostgresProjectionStore(pool, settings.text_search_config), versions)
             runner = ProjectionRunner(sink, Limits.from_settings(settings), reembedders[database])
             partition = Partition(index, count) if count > 1 else None
-            projection = DurableProjection(
-                runner, js, names, durables[index], partition=partition,
+            self._new_projection[index] = functools.partial(
+                DurableProjection, runner, js, names, durables[index], partition=partition,
                 settled_elsewhere=functools.partial(settled_by_other_layouts, js, names, count),
             )  # fmt: skip
-            running = await start_projection(nc, names, settings, projection, settings.projector_batch_size)
-            self._projections.append(running)
-            log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
         description = "ontofabric Postgres projector"
         models = ",".join(settings.models()) if settings.embedder != "none" else ""
         self._service = await announce(
             nc, names.projector_service, description, index="postgres", partitions=held, models=models
         )
+        await self._hold()  # the first look: only the consumers no earlier process applies start
+        self._holding = asyncio.create_task(self._keep_holding(), name="projector-holding")
+
+    async def _keep_holding(self) -> None:
+        while True:
+            await asyncio.sleep(HOLD_CHECK_S)
+            try:
+                await self._hold()
+            except Exception as error:  # NATS away: the consumers held stay as they are
+                log.warning("projector_holding_failed", error=describe(error))
+
+    async def _hold(self) -> None:
+        """Apply the consumers no earlier process applies, and leave those one does."""
+        nc, service = self._nc, self._service
+        assert nc is not None
+        assert service is not None
+        settings, names = self.settings, self.names
+        now = time.monotonic()
+        for worker in await discover(nc, names.projector_service):
+            self._peers[worker.id] = (now, worker)
+        self._peers = {key: (at, w) for key, (at, w) in self._peers.items() if now - at <= HOLDER_LEASE_S}
+        peers = [worker for _, worker in self._peers.values()]
+        elsewhere = held_elsewhere(service, settings.projector_partitions, self._partitions, peers)
+        durables = names.postgres_projector_durables(settings.projector_partitions)
+        for index in self._partitions:
+            running = self._projections.get(index)
+            if index in elsewhere:
+                if index not in self._standing_by:
+                    self._standing_by.add(index)
+                    log.info("projector_standing_by", durable=durables[index], reason="an earlier process applies it")
+                if running is not None:  # the batch in hand is finished first
+                    del self._projections[index]
+                    await running.stop()
+            elif running is None:
+                self._standing_by.discard(index)
+                projection = self._new_projection[index]()
+                self._projections[index] = await start_projection(
+                    nc, names, settings, projection, settings.projector_batch_size
+                )
+                log.info("projector_started", durable=durables[index], stream=names.delta_stream)
 
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model
@@ -146,8 +218,11 @@ class ProjectorService:
         )
 
     async def stop(self) -> None:
-        projections, nc, pools, service = self._projections, self._nc, self._pools, self._service
-        self._projections, self._nc, self._pools, self._service = [], None, {}, None
+        if self._holding is not None:
+            await cancel_and_wait(self._holding)
+            self._holding = None
+        projections, nc, pools, service = list(self._projections.values()), self._nc, self._pools, self._service
+        self._projections, self._nc, self._pools, self._service = {}, None, {}, None
         await _stop_announcing(service)
         async with contextlib.AsyncExitStack() as closing:  # each closes, whatever the one before raised
             for pool in pools.values():

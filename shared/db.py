@@ -133,7 +133,7 @@ async def wait_until_migrated(
 
 
 async def _deployment_row(conn: Connection) -> asyncpg.Record | None:
-    return await conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
+    return await conn.fetchrow("SELECT embedding_model, embedding_dim, text_search_config FROM deployment")
 
 
 @dataclass(frozen=True)
@@ -152,17 +152,28 @@ async def index_model(conn: Connection) -> IndexModel:
 
 
 async def check_deployment(conn: Connection, settings: Settings, *, record: bool = True) -> Settings:
-    """Record the deployment's model and dimension on first use (unless ``record`` is false: a reader may not).
-    Returns the settings of the model the index holds: ``settings``, or their next model's once a model change
-    has swapped (``ontofabric reembed``). DeploymentMismatch when it is neither."""
+    """Record the deployment's model, dimension and text search configuration on first use (unless ``record`` is
+    false: a reader may not). Returns the settings of the model the index holds: ``settings``, or their next
+    model's once a model change has swapped (``ontofabric reembed``). DeploymentMismatch when it is neither, or
+    when the index's keyword terms were made with another text search configuration."""
     if record:
         await conn.execute(
             "INSERT INTO deployment (embedding_model, embedding_dim) VALUES ($1, $2) ON CONFLICT DO NOTHING",
             settings.embedding_model,
             settings.embedding_dim,
         )
+        await conn.execute(
+            "UPDATE deployment SET text_search_config = $1 WHERE text_search_config IS NULL",
+            settings.text_search_config,
+        )
     row = await _deployment_row(conn)
     assert row is not None
+    recorded = row["text_search_config"]
+    if recorded is not None and recorded != settings.text_search_config:
+        raise DeploymentMismatch(
+            f"the index's keyword terms were made with the text search configuration {recorded}, but this process "
+            f"is set up for {settings.text_search_config}: fix ONTOFABRIC_TEXT_SEARCH_CONFIG (every part the same)"
+        )
     for model in settings.models().values():
         if (row["embedding_model"], row["embedding_dim"]) == (model.embedding_model, model.embedding_dim):
             return model

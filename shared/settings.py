@@ -253,7 +253,10 @@ class Settings(BaseSettings):
         "projector sets it on the stream at start: give them all the same.",
     )
     text_search_config: str = Field(
-        default="english", pattern=r"^[a-z_]+$", description="PostgreSQL text search configuration."
+        default="english",
+        pattern=r"^[a-z_]+$",
+        description="PostgreSQL text search configuration the keyword index is built and searched with. The first "
+        "projector records it with the index; a part set up for another one is refused at start.",
     )
 
     # --- query worker ----------------------------------------------------------------------------

@@ -24,7 +24,14 @@ from ontofabric.services.projector.planning import Delta, RejectReason, VersionS
 from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.db import WRITER_ROLE, create_pool, is_transient, migrate
+from ontofabric.shared.db import (
+    WRITER_ROLE,
+    DeploymentMismatch,
+    create_pool,
+    is_transient,
+    migrate,
+    wait_until_migrated,
+)
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ack_floor, projected_floor
 from ontofabric.shared.late_interaction import pack_signs
 
@@ -740,3 +747,16 @@ async def test_gauges_say_how_far_each_workspace_and_the_consumer_are_behind(
     await deployment.wait_projected(behind[-1].seq, timeout_s=60)
     await _until(lambda: _gauge("projector.workspace.lag", workspace="stalled") == 0)
     await _until(lambda: _gauge("projector.unacked", consumer=durable) == 0)
+
+
+async def test_a_part_set_up_for_another_text_search_configuration_is_refused(deployment: Deployment) -> None:
+    """A red team started a second query worker with ONTOFABRIC_TEXT_SEARCH_CONFIG=simple beside an index made
+    with english: the same keyword query found the document in 12 of 20 answers, by which worker took it."""
+    other = deployment.settings.model_copy(update={"text_search_config": "simple"})
+    await migrate(deployment.database_url, deployment.settings)  # the first projector's start records english
+    recorded = await deployment.fetch("SELECT text_search_config FROM deployment")
+    assert [r["text_search_config"] for r in recorded] == [deployment.settings.text_search_config]
+    with pytest.raises(DeploymentMismatch, match="ONTOFABRIC_TEXT_SEARCH_CONFIG"):
+        await migrate(deployment.database_url, other)  # a projector's start
+    with pytest.raises(DeploymentMismatch, match="made with the text search configuration english"):
+        await wait_until_migrated(deployment.database_url, other, timeout_s=5)  # a query worker's

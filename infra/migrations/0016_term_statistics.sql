@@ -3,7 +3,7 @@
 -- tens of thousands at 100,000 documents); here it is one index lookup a term. Knowing every term's frequency before
 -- reading any postings is also what lets the keyword retriever read the rare terms in full and look the common ones
 -- up only for the documents that can still rank (services/query/postgres.py, PostgresKeyword).
--- A term whose last document went keeps its row, at 0: a later document with it updates the row in place.
+-- A term whose last document went kept its row at 0 here; since migration 0021 the row goes (store.py).
 CREATE TABLE term_statistics (
     workspace text    NOT NULL,
     branch    text    NOT NULL,

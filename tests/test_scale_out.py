@@ -13,10 +13,12 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+import structlog
 
 from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ops.rebuild import Rebuild
+from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.worker import ProjectorService, held_elsewhere
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
@@ -355,3 +357,20 @@ def test_each_consumer_is_left_to_the_process_that_began_applying_it_first() -> 
     assert held_elsewhere(own, 4, [0, 1, 2, 3], [peer("c", earlier, "1,3 of 4")]) == {1, 3}
     assert held_elsewhere(own, 4, [0, 1], [peer("c", earlier, "0,1 of 2")]) == set()  # another layout's consumers
     assert held_elsewhere(own, 1, [0], [peer("c", earlier, "", index="azure-ai-search")]) == set()
+
+
+async def test_a_projector_whose_discovery_ping_reaches_nobody_says_so(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not even its own announcement answering: a NATS login without $SRV.PING.<prefix>-projector (a deployment's
+    own permissions), and the process cannot know whether another applies the same consumers."""
+
+    async def nobody_answers(*_: object, **__: object) -> list[Worker]:
+        return []
+
+    monkeypatch.setattr(projector_worker, "discover", nobody_answers)
+    service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    with structlog.testing.capture_logs() as logged:
+        await service.start()
+        await service.stop()
+    assert [entry["event"] for entry in logged].count("projector_peers_unknown") == 1

@@ -108,6 +108,8 @@ class ProjectorService:
         """Projectors that answered discovery, by id, with when they last did (monotonic)."""
         self._holding: asyncio.Task[None] | None = None
         self._standing_by: set[int] = set()
+        self._heard_itself = True
+        """Whether its last discovery ping reached its own announcement (and so the others')."""
         """The partitions this process leaves to an earlier one."""
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
@@ -169,8 +171,18 @@ class ProjectorService:
         assert service is not None
         settings, names = self.settings, self.names
         now = time.monotonic()
-        for worker in await discover(nc, names.projector_service):
+        answered = await discover(nc, names.projector_service)
+        for worker in answered:
             self._peers[worker.id] = (now, worker)
+        heard_itself = any(worker.id == service.id for worker in answered)
+        if heard_itself != self._heard_itself:  # said once per change, not every look
+            self._heard_itself = heard_itself
+            if not heard_itself:  # its ping went nowhere: its login may not ask, or NATS is away
+                log.warning(
+                    "projector_peers_unknown",
+                    reason="no answer to its own discovery ping, not even its own: another process may apply the "
+                    "same consumers (the projector's NATS login needs $SRV.PING.<prefix>-projector)",
+                )
         self._peers = {key: (at, w) for key, (at, w) in self._peers.items() if now - at <= HOLDER_LEASE_S}
         peers = [worker for _, worker in self._peers.values()]
         elsewhere = held_elsewhere(service, settings.projector_partitions, self._partitions, peers)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
 from ontofabric.services.ops.status import DeploymentStatus
+from ontofabric.shared.discovery import Announcement, Worker, held_elsewhere, postgres_partitions
 
 
 def _snippet(text: str, width: int = 70) -> str:
@@ -145,8 +146,23 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     )
     console.print(f"streams: {streams}")
     projectors = ", ".join(
-        " ".join([f"{w.host}:{w.pid}", *w.details.values(), f"(since {w.started})"]) for w in status.projectors
+        " ".join([f"{w.host}:{w.pid}", *w.details.values(), f"(since {w.started}){standing_by(w, status.projectors)}"])
+        for w in status.projectors
     )
     console.print(f"projectors: {projectors or 'none answering'}")
     workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
     console.print(f"query workers: {workers}")
+
+
+def standing_by(worker: Worker, projectors: list[Worker]) -> str:
+    """ ", standing by" for a Postgres projector whose partitions another that began before it applies (all, or
+    the partitions named); "" for one that applies them."""
+    announced = postgres_partitions(worker)
+    if announced is None:
+        return ""
+    layout, partitions = announced
+    own = Announcement([], worker.id, worker.started or "")
+    held = held_elsewhere(own, layout, partitions, projectors)
+    if not held:
+        return ""
+    return ", standing by" if held == partitions else f", standing by for {','.join(map(str, sorted(held)))}"

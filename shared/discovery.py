@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
@@ -115,6 +115,23 @@ def postgres_layout(worker: Worker) -> int | None:
     """The partition layout a Postgres projector announced; None for another index."""
     announced = postgres_partitions(worker)
     return None if announced is None else announced[0]
+
+
+def held_elsewhere(own: Announcement, layout: int, partitions: Iterable[int], peers: Iterable[Worker]) -> set[int]:
+    """Of this process's ``partitions`` (of ``layout``), those a live Postgres projector that began before it also
+    applies (its start, then its id, decide a tie): each consumer is applied by one process at a time. With several
+    processes taking batches of one consumer, a later copy of an event (stored again by another publisher session)
+    could commit in one before its first copy in another; every change between them was then older than the row,
+    and lost for good (a red team, 2026-11-29; services/projector/worker.py)."""
+    mine = (own.started, own.id)
+    held: set[int] = set()
+    for peer in peers:
+        announced = postgres_partitions(peer)
+        if peer.id == own.id or announced is None or announced[0] != layout:
+            continue
+        if (peer.started or "", peer.id) < mine:
+            held |= set(partitions) & announced[1]
+    return held
 
 
 async def discover(nc: Client, name: str, wait_s: float = DISCOVERY_WAIT_S) -> list[Worker]:

@@ -18,11 +18,13 @@ import structlog
 from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ops.rebuild import Rebuild
+from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector import worker as projector_worker
-from ontofabric.services.projector.worker import ProjectorService, held_elsewhere
+from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
-from ontofabric.shared.discovery import Announcement, Worker
+from ontofabric.services.render import standing_by
+from ontofabric.shared.discovery import Announcement, Worker, held_elsewhere
 from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
@@ -335,6 +337,10 @@ async def test_a_projector_standing_by_takes_over_when_the_one_applying_stops(
         first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
         await deployment.wait_projected(first.seq)
         assert not standby._projections  # the fixture's projector began first: it applies the consumer
+        placement = Placement.of(deployment.settings, deployment.database_url)
+        status = await deployment_status(deployment.nc, deployment.names, placement)
+        said = [standing_by(worker, status.projectors) for worker in status.projectors]
+        assert sorted(said) == ["", ", standing by"]  # as `ontofabric status` shows them
         await projector.stop()
         later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
         await deployment.wait_projected(later.seq, timeout_s=30)  # HOLDER_LEASE_S and a look later

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import asyncpg
 from azure.core.exceptions import AzureError
@@ -20,7 +20,7 @@ from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
-from ontofabric.shared.discovery import Announcement, Worker, announce, discover, postgres_partitions
+from ontofabric.shared.discovery import Announcement, Worker, announce, discover, held_elsewhere
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, settled_by_other_layouts
 from ontofabric.shared.logging import describe, get_logger
@@ -63,23 +63,6 @@ HOLD_CHECK_S = 2.0
 HOLDER_LEASE_S = 6.0
 """How long a process that answered discovery still counts as applying its consumers after it stops answering: a
 slow answer (a busy event loop) is not a process gone. A standby takes over within about this plus HOLD_CHECK_S."""
-
-
-def held_elsewhere(own: Announcement, layout: int, partitions: Sequence[int], peers: Iterable[Worker]) -> set[int]:
-    """Of this process's ``partitions`` (of ``layout``), those a live Postgres projector that began before it also
-    applies (its start, then its id, decide a tie): each consumer is applied by one process at a time. With several
-    processes taking batches of one consumer, a later copy of an event (stored again by another publisher session)
-    could commit in one before its first copy in another; every change between them was then older than the row,
-    and lost for good (a red team, 2026-11-29)."""
-    mine = (own.started, own.id)
-    held: set[int] = set()
-    for peer in peers:
-        announced = postgres_partitions(peer)
-        if peer.id == own.id or announced is None or announced[0] != layout:
-            continue
-        if (peer.started or "", peer.id) < mine:
-            held |= set(partitions) & announced[1]
-    return held
 
 
 class ProjectorService:

@@ -231,6 +231,9 @@ async def test_a_new_partition_layout_does_not_dead_letter_again_what_the_old_on
 
     subject = names.delta_subject("acme", "main")
     await deployment.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "garbage-layouts"})
+    # Applied by this layout; the next one, with a lower content limit, refuses it: not a refusal the delta
+    # decides alone, so it is dead-lettered there, never only terminated (a review).
+    await deployment.publisher.publish(upsert("acme", document("big", "x" * 2000)))
     last = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
     await deployment.wait_projected(last.seq)
     assert (await deployment.js.stream_info(names.dlq_stream)).state.messages == 1
@@ -238,7 +241,7 @@ async def test_a_new_partition_layout_does_not_dead_letter_again_what_the_old_on
     dead_lettered, before = counted("dead_lettered"), counted("dead_lettered_before")
 
     await projector.stop()  # the layout changes from 1 to 2 partitions
-    changed = deployment.settings.model_copy(update={"projector_partitions": 2})
+    changed = deployment.settings.model_copy(update={"projector_partitions": 2, "max_content_bytes": 1024})
     trial = ProjectorService(changed, deployment.nats_url_as("projector"), deployment.database_url)
     await trial.start()
     try:
@@ -251,11 +254,12 @@ async def test_a_new_partition_layout_does_not_dead_letter_again_what_the_old_on
                 await asyncio.sleep(0.05)
     finally:
         await trial.stop()
-    # The old delta: terminated, not stored again. A new one: dead-lettered as ever.
-    assert (counted("dead_lettered"), counted("dead_lettered_before")) == (dead_lettered + 1, before + 1)
+    # The old malformed delta: terminated, not stored again. The new one, and the one only this layout refuses:
+    # dead-lettered.
+    assert (counted("dead_lettered"), counted("dead_lettered_before")) == (dead_lettered + 2, before + 1)
     letters = await deployment.js.subscribe(names.dlq_subjects, stream=names.dlq_stream)
-    only = await letters.next_msg(timeout=5)
-    assert only.data == b"{still not json"
+    stored = [await letters.next_msg(timeout=5) for _ in range(2)]
+    assert sorted((m.headers or {})["Ontofabric-Reason"] for m in stored) == ["content_too_large", "invalid_schema"]
     with pytest.raises(NatsTimeoutError):
         await letters.next_msg(timeout=0.5)
 

@@ -236,6 +236,10 @@ def _ingest_links(messages: Sequence[Msg]) -> list[Link]:
     return [Link(context) for context in list(distinct.values())[:MAX_SPAN_LINKS]]
 
 
+REFUSED_BY_EVERY_PROCESS: frozenset[RejectReason] = frozenset({"invalid_schema", "subject_mismatch"})
+"""Refusals the delta's bytes and subject decide alone. Another layout's floor also covers what it applied, and the
+other refusals depend on a process's settings or its index (a content limit, the model, an event id handled): a
+delta another layout applied and this one refuses is dead-lettered, never only terminated (a review, 2026-11-29)."""
 SETTLED_ELSEWHERE_TTL_S = 5.0
 """How long a reading of where other layouts' consumers stand serves (read only when a delta is to be dead-lettered)."""
 
@@ -398,24 +402,30 @@ class DurableProjection:
     async def _not_dead_lettered_before(
         self, rejected: Sequence[tuple[Msg, Rejection]]
     ) -> Sequence[tuple[Msg, Rejection]]:
-        """Those of ``rejected`` that no other consumer of this index settled; the others are terminated here. A
+        """Those of ``rejected`` to dead-letter here. One whose refusal its bytes decide alone, at or below where
+        another layout's consumers settled everything, was dead-lettered by that layout: it is only terminated. A
         layout's new consumers replay the stream: past the DLQ's duplicate window their dead letters were stored
         again, and a dead letter an operator had purged or re-driven came back (a red team, 2026-11-29)."""
-        if not rejected or self._settled_elsewhere is None:
+        if not any(rejection.reason in REFUSED_BY_EVERY_PROCESS for _, rejection in rejected):
+            return rejected
+        if self._settled_elsewhere is None:
             return rejected
         if self._elsewhere is None or time.monotonic() - self._elsewhere[0] > SETTLED_ELSEWHERE_TTL_S:
             self._elsewhere = (time.monotonic(), await self._settled_elsewhere())
         floor = self._elsewhere[1]
+        left = []
         for msg, rejection in rejected:
             seq = msg.metadata.sequence.stream
-            if seq <= floor:
-                await msg.term()
-                self._settled(msg)
-                self._count(1, "dead_lettered_before")
-                log.info(
-                    "delta_dead_lettered_before", index=self._index, seq=seq, reason=rejection.reason, settled_to=floor
-                )
-        return [(msg, rejection) for msg, rejection in rejected if msg.metadata.sequence.stream > floor]
+            if seq > floor or rejection.reason not in REFUSED_BY_EVERY_PROCESS:
+                left.append((msg, rejection))
+                continue
+            await msg.term()
+            self._settled(msg)
+            self._count(1, "dead_lettered_before")
+            log.info(
+                "delta_dead_lettered_before", index=self._index, seq=seq, reason=rejection.reason, settled_to=floor
+            )
+        return left
 
     def _count(self, deltas: int, outcome: str) -> None:
         self._metrics.projector_deltas.add(deltas, {"outcome": outcome, "index": self._index})

@@ -380,3 +380,28 @@ async def test_a_projector_whose_discovery_ping_reaches_nobody_says_so(
         await service.start()
         await service.stop()
     assert [entry["event"] for entry in logged].count("projector_peers_unknown") == 1
+
+
+async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standby(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A review: a holder frozen past the lease (SIGSTOP) took its consumer back as it woke, being the oldest, and
+    applied new batches beside the standby that had taken over: an update was lost in 2 of 3 tries. Now a process
+    away that long applies nothing until it has looked again, and then answers discovery as the newest."""
+    standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await standby.start()
+    try:
+        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+        await deployment.wait_projected(first.seq)
+        assert not standby._projections
+        assert projector._last_look is not None
+        projector._last_look -= projector_worker.HOLDER_LEASE_S + 1  # as if frozen that long since its last look
+        assert not projector.holding()  # no batch is applied until it has looked again
+        async with asyncio.timeout(20):  # its next look gives its seniority up, and the standby takes over
+            while projector._projections or not standby._projections:
+                await asyncio.sleep(0.1)
+        later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+        await deployment.wait_projected(later.seq)
+        assert projector.holding()  # back, standing by
+    finally:
+        await standby.stop()

@@ -240,6 +240,8 @@ REFUSED_BY_EVERY_PROCESS: frozenset[RejectReason] = frozenset({"invalid_schema",
 """Refusals the delta's bytes and subject decide alone. Another layout's floor also covers what it applied, and the
 other refusals depend on a process's settings or its index (a content limit, the model, an event id handled): a
 delta another layout applied and this one refuses is dead-lettered, never only terminated (a review, 2026-11-29)."""
+LEFT_TO_THE_HOLDER_S = 1.0
+"""How soon a batch this process no longer knows it may apply comes back (to whichever process applies it then)."""
 SETTLED_ELSEWHERE_TTL_S = 5.0
 """How long a reading of where other layouts' consumers stand serves (read only when a delta is to be dead-lettered)."""
 
@@ -266,6 +268,7 @@ class DurableProjection:
         min_retry_s: float = 0.0,
         partition: Partition | None = None,
         settled_elsewhere: Callable[[], Awaitable[int]] | None = None,
+        may_apply: Callable[[], bool] | None = None,
     ) -> None:
         self._runner = runner
         self.durable = durable
@@ -277,6 +280,8 @@ class DurableProjection:
         self._dead_letters_invalid = dead_letters_invalid
         self._min_retry_s = min_retry_s
         self._settled_elsewhere = settled_elsewhere
+        self._may_apply = may_apply
+        """False while this process may no longer be the one applying the consumer (worker.py, ``holding``)."""
         self._elsewhere: tuple[float, int] | None = None
         """The last reading of ``settled_elsewhere``, and when (monotonic)."""
         self._metrics = instruments()
@@ -331,6 +336,11 @@ class DurableProjection:
             await msg.nak(delay=max(self._min_retry_s, nak_delay(msg.metadata.num_delivered)))
 
     async def handle(self, messages: Sequence[Msg]) -> None:
+        if self._may_apply is not None and not self._may_apply():
+            for msg in messages:  # back to the consumer, for the process applying it now
+                await msg.nak(delay=LEFT_TO_THE_HOLDER_S)
+            log.info("batch_left_to_the_holder", index=self._index, size=len(messages))
+            return
         started = time.perf_counter()
         if messages:
             self.state.undelivered = messages[-1].metadata.num_pending

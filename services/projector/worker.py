@@ -92,6 +92,10 @@ class ProjectorService:
         self._holding: asyncio.Task[None] | None = None
         self._standing_by: set[int] = set()
         self._heard_itself = True
+        self._last_look: float | None = None
+        """When its last look at the other projectors ended (monotonic)."""
+        self._announced: tuple[str, dict[str, str]] = ("", {})
+        """What it answers discovery with: its description and details."""
         """Whether its last discovery ping reached its own announcement (and so the others')."""
         """The partitions this process leaves to an earlier one."""
         self._pools: dict[int, asyncpg.Pool] = {}
@@ -129,13 +133,13 @@ class ProjectorService:
             self._new_projection[index] = functools.partial(
                 DurableProjection, runner, js, names, durables[index], partition=partition,
                 settled_elsewhere=functools.partial(settled_by_other_layouts, js, names, count),
+                may_apply=self.holding,
             )  # fmt: skip
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
         description = "ontofabric Postgres projector"
         models = ",".join(settings.models()) if settings.embedder != "none" else ""
-        self._service = await announce(
-            nc, names.projector_service, description, index="postgres", partitions=held, models=models
-        )
+        self._announced = (description, {"index": "postgres", "partitions": held, "models": models})
+        self._service = await announce(nc, names.projector_service, description, **self._announced[1])
         await self._hold()  # the first look: only the consumers no earlier process applies start
         self._holding = asyncio.create_task(self._keep_holding(), name="projector-holding")
 
@@ -147,13 +151,22 @@ class ProjectorService:
             except Exception as error:  # NATS away: the consumers held stay as they are
                 log.warning("projector_holding_failed", error=describe(error))
 
+    def holding(self) -> bool:
+        """Whether this process's last look at the others is recent enough for it to go on applying: one away for
+        longer than the lease (frozen, a paused VM) may have been replaced, and applies nothing more until it has
+        looked again (a review: a woken holder applied new batches beside the one that had taken over, and lost an
+        update)."""
+        return self._last_look is not None and time.monotonic() - self._last_look <= HOLDER_LEASE_S
+
     async def _hold(self) -> None:
         """Apply the consumers no earlier process applies, and leave those one does."""
+        now = time.monotonic()
+        if self._last_look is not None and now - self._last_look > HOLDER_LEASE_S:
+            await self._give_up_seniority(now - self._last_look)
         nc, service = self._nc, self._service
         assert nc is not None
         assert service is not None
         settings, names = self.settings, self.names
-        now = time.monotonic()
         answered = await discover(nc, names.projector_service)
         for worker in answered:
             self._peers[worker.id] = (now, worker)
@@ -177,8 +190,8 @@ class ProjectorService:
                     self._standing_by.add(index)
                     log.info("projector_standing_by", durable=durables[index], reason="an earlier process applies it")
                 if running is not None:  # the batch in hand is finished first
-                    del self._projections[index]
                     await running.stop()
+                    del self._projections[index]
             elif running is None:
                 self._standing_by.discard(index)
                 projection = self._new_projection[index]()
@@ -186,6 +199,20 @@ class ProjectorService:
                     nc, names, settings, projection, settings.projector_batch_size
                 )
                 log.info("projector_started", durable=durables[index], stream=names.delta_stream)
+        self._last_look = time.monotonic()
+
+    async def _give_up_seniority(self, away_s: float) -> None:
+        """Away longer than the lease: a standby may have taken over. Leave every consumer and answer discovery
+        anew, as the newest process, so that one which took over keeps them rather than handing them back."""
+        log.warning("projector_away_past_its_lease", away_s=round(away_s, 1), lease_s=HOLDER_LEASE_S)
+        for index, running in list(self._projections.items()):
+            await running.stop()
+            del self._projections[index]
+        assert self._nc is not None
+        await _stop_announcing(self._service)
+        description, details = self._announced
+        self._service = await announce(self._nc, self.names.projector_service, description, **details)
+        self._standing_by.clear()
 
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model

@@ -91,13 +91,13 @@ class ProjectorService:
         """Projectors that answered discovery, by id, with when they last did (monotonic)."""
         self._holding: asyncio.Task[None] | None = None
         self._standing_by: set[int] = set()
+        """The partitions this process leaves to an earlier one."""
         self._heard_itself = True
+        """Whether its last discovery ping reached its own announcement (and so the others')."""
         self._last_look: float | None = None
         """When its last look at the other projectors ended (monotonic)."""
         self._announced: tuple[str, dict[str, str]] = ("", {})
         """What it answers discovery with: its description and details."""
-        """Whether its last discovery ping reached its own announcement (and so the others')."""
-        """The partitions this process leaves to an earlier one."""
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
         self._service: Announcement | None = None

@@ -255,7 +255,10 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
         for workspace in ("beta", "acme"):
             await deployment.nc.publish(deployment.names.dlq_subject(workspace), b"{}")
         await deployment.nc.flush()
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(10):  # a busy machine may take longer than a moment to deliver it
+            while not letters:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # and beta's, published first, would have come by now
         assert letters == [deployment.names.dlq_subject("acme")]
     finally:
         await acme.close()

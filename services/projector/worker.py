@@ -168,6 +168,10 @@ class ProjectorService:
         assert service is not None
         settings, names = self.settings, self.names
         answered = await discover(nc, names.projector_service)
+        if time.monotonic() - now > HOLDER_LEASE_S:  # frozen during the look itself: what it saw is stale
+            await self._give_up_seniority(time.monotonic() - now)
+            self._last_look = time.monotonic()
+            return
         for worker in answered:
             self._peers[worker.id] = (now, worker)
         heard_itself = any(worker.id == service.id for worker in answered)

@@ -12,7 +12,7 @@ import dataclasses
 import re
 import ssl
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -441,12 +441,17 @@ async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -
     return min(await asyncio.gather(*(ack_floor(js, names.delta_stream, durable) for durable in durables)))
 
 
+async def highest_projected_floor(js: JetStreamContext, names: Names, layouts: Iterable[int]) -> int:
+    """The highest of these partition layouts' positions (:func:`projected_floor`); 0 for none. Each layout's
+    consumers together settle every delta, so every delta up to any layout's lowest floor was settled by it."""
+    return max(await asyncio.gather(*(projected_floor(js, names, count) for count in sorted(set(layouts)))), default=0)
+
+
 async def settled_by_other_layouts(js: JetStreamContext, names: Names, partitions: int) -> int:
     """The highest stream sequence up to which another partition layout's consumers settled every delta (applied,
     or dead-lettered); 0 when no other layout has consumers. A layout's consumers start from the stream's first
     delta: what another layout settled below this, it need not dead-letter again."""
-    others = [count for count in PARTITION_COUNTS if count != partitions]
-    return max(await asyncio.gather(*(projected_floor(js, names, count) for count in others)), default=0)
+    return await highest_projected_floor(js, names, (count for count in PARTITION_COUNTS if count != partitions))
 
 
 async def wait_projected(

@@ -29,7 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from ontofabric.shared.discovery import discover, postgres_layout
-from ontofabric.shared.jetstream import projected_floor
+from ontofabric.shared.jetstream import highest_projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names
@@ -186,10 +186,7 @@ class DeltaWatch:
         """The highest of the layouts' positions: each layout's consumers together apply every delta, so all up to
         any layout's lowest floor is in the index."""
         started = time.monotonic()
-        floors: list[int] = await asyncio.gather(
-            *(projected_floor(self._js, self._names, n) for n in sorted(self._layouts))
-        )
-        floor = max(floors)
+        floor = await highest_projected_floor(self._js, self._names, self._layouts)
         self._position = (started, floor)
         return floor
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
 from ontofabric.services.ops.status import DeploymentStatus
-from ontofabric.shared.discovery import Announcement, Worker, held_elsewhere, postgres_partitions
+from ontofabric.shared.discovery import Worker, held_elsewhere, postgres_partitions
 
 
 def _snippet(text: str, width: int = 70) -> str:
@@ -161,8 +161,7 @@ def standing_by(worker: Worker, projectors: list[Worker]) -> str:
     if announced is None:
         return ""
     layout, partitions = announced
-    own = Announcement([], worker.id, worker.started or "")
-    held = held_elsewhere(own, layout, partitions, projectors)
+    held = held_elsewhere(worker.id, worker.started or "", layout, partitions, projectors)
     if not held:
         return ""
     return ", standing by" if held == partitions else f", standing by for {','.join(map(str, sorted(held)))}"

@@ -117,17 +117,19 @@ def postgres_layout(worker: Worker) -> int | None:
     return None if announced is None else announced[0]
 
 
-def held_elsewhere(own: Announcement, layout: int, partitions: Iterable[int], peers: Iterable[Worker]) -> set[int]:
-    """Of this process's ``partitions`` (of ``layout``), those a live Postgres projector that began before it also
+def held_elsewhere(
+    own_id: str, own_started: str, layout: int, partitions: Iterable[int], peers: Iterable[Worker]
+) -> set[int]:
+    """Of a process's ``partitions`` (of ``layout``), those a live Postgres projector that began before it also
     applies (its start, then its id, decide a tie): each consumer is applied by one process at a time. With several
     processes taking batches of one consumer, a later copy of an event (stored again by another publisher session)
     could commit in one before its first copy in another; every change between them was then older than the row,
     and lost for good (a red team, 2026-11-29; services/projector/worker.py)."""
-    mine = (own.started, own.id)
+    mine = (own_started, own_id)
     held: set[int] = set()
     for peer in peers:
         announced = postgres_partitions(peer)
-        if peer.id == own.id or announced is None or announced[0] != layout:
+        if peer.id == own_id or announced is None or announced[0] != layout:
             continue
         if (peer.started or "", peer.id) < mine:
             held |= set(partitions) & announced[1]

@@ -24,7 +24,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.services.render import standing_by
-from ontofabric.shared.discovery import Announcement, Worker, held_elsewhere
+from ontofabric.shared.discovery import Worker, held_elsewhere
 from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
@@ -350,19 +350,19 @@ async def test_a_projector_standing_by_takes_over_when_the_one_applying_stops(
 
 
 def test_each_consumer_is_left_to_the_process_that_began_applying_it_first() -> None:
-    own = Announcement([], id="b", started="2026-11-29T10:00:01+00:00")
+    mine = ("b", "2026-11-29T10:00:01+00:00")
 
     def peer(worker_id: str, started: str, partitions: str, index: str = "postgres") -> Worker:
         return Worker(worker_id, "", None, None, started, {"index": index, "partitions": partitions})
 
     earlier, later = "2026-11-29T10:00:00+00:00", "2026-11-29T10:00:02+00:00"
-    assert held_elsewhere(own, 1, [0], [peer("b", own.started, "all")]) == set()  # itself
-    assert held_elsewhere(own, 1, [0], [peer("c", earlier, "all")]) == {0}
-    assert held_elsewhere(own, 1, [0], [peer("a", later, "all")]) == set()
-    assert held_elsewhere(own, 1, [0], [peer("a", own.started, "all")]) == {0}  # a tie: the lower id
-    assert held_elsewhere(own, 4, [0, 1, 2, 3], [peer("c", earlier, "1,3 of 4")]) == {1, 3}
-    assert held_elsewhere(own, 4, [0, 1], [peer("c", earlier, "0,1 of 2")]) == set()  # another layout's consumers
-    assert held_elsewhere(own, 1, [0], [peer("c", earlier, "", index="azure-ai-search")]) == set()
+    assert held_elsewhere(*mine, 1, [0], [peer("b", mine[1], "all")]) == set()  # itself
+    assert held_elsewhere(*mine, 1, [0], [peer("c", earlier, "all")]) == {0}
+    assert held_elsewhere(*mine, 1, [0], [peer("a", later, "all")]) == set()
+    assert held_elsewhere(*mine, 1, [0], [peer("a", mine[1], "all")]) == {0}  # a tie: the lower id
+    assert held_elsewhere(*mine, 4, [0, 1, 2, 3], [peer("c", earlier, "1,3 of 4")]) == {1, 3}
+    assert held_elsewhere(*mine, 4, [0, 1], [peer("c", earlier, "0,1 of 2")]) == set()  # another layout's consumers
+    assert held_elsewhere(*mine, 1, [0], [peer("c", earlier, "", index="azure-ai-search")]) == set()
 
 
 async def test_a_projector_whose_discovery_ping_reaches_nobody_says_so(

@@ -416,9 +416,7 @@ class DurableProjection:
         another layout's consumers settled everything, was dead-lettered by that layout: it is only terminated. A
         layout's new consumers replay the stream: past the DLQ's duplicate window their dead letters were stored
         again, and a dead letter an operator had purged or re-driven came back (a red team, 2026-11-29)."""
-        if not any(rejection.reason in REFUSED_BY_EVERY_PROCESS for _, rejection in rejected):
-            return rejected
-        if self._settled_elsewhere is None:
+        if self._settled_elsewhere is None or all(r.reason not in REFUSED_BY_EVERY_PROCESS for _, r in rejected):
             return rejected
         if self._elsewhere is None or time.monotonic() - self._elsewhere[0] > SETTLED_ELSEWHERE_TTL_S:
             self._elsewhere = (time.monotonic(), await self._settled_elsewhere())

@@ -160,16 +160,17 @@ class ProjectorService:
 
     async def _hold(self) -> None:
         """Apply the consumers no earlier process applies, and leave those one does."""
-        now = time.monotonic()
-        if self._last_look is not None and now - self._last_look > HOLDER_LEASE_S:
-            await self._give_up_seniority(now - self._last_look)
         nc, service = self._nc, self._service
         assert nc is not None
         assert service is not None
         settings, names = self.settings, self.names
+        now = time.monotonic()
         answered = await discover(nc, names.projector_service)
-        if time.monotonic() - now > HOLDER_LEASE_S:  # frozen during the look itself: what it saw is stale
-            await self._give_up_seniority(time.monotonic() - now)
+        # Away past the lease, between looks or during this one (what it saw is then stale): a standby may have
+        # taken over. It gives its seniority up, and the next look decides.
+        gaps = [time.monotonic() - now, 0.0 if self._last_look is None else now - self._last_look]
+        if max(gaps) > HOLDER_LEASE_S:
+            await self._give_up_seniority(max(gaps))
             self._last_look = time.monotonic()
             return
         for worker in answered:
@@ -185,7 +186,7 @@ class ProjectorService:
                 )
         self._peers = {key: (at, w) for key, (at, w) in self._peers.items() if now - at <= HOLDER_LEASE_S}
         peers = [worker for _, worker in self._peers.values()]
-        elsewhere = held_elsewhere(service, settings.projector_partitions, self._partitions, peers)
+        elsewhere = held_elsewhere(service.id, service.started, settings.projector_partitions, self._partitions, peers)
         durables = names.postgres_projector_durables(settings.projector_partitions)
         for index in self._partitions:
             running = self._projections.get(index)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -54,7 +55,7 @@ async def recipe_run(
     for query_id in (q for q in dataset.qrels if q in dataset.queries):
         text = dataset.queries[query_id]
         started = time.perf_counter()
-        vector = await embedder.on_model_thread(lambda text=text: embedder.embed_query(text))  # type: ignore[misc]
+        vector = await embedder.on_model_thread(functools.partial(embedder.embed_query, text))
         rows = await pool.fetch(RRF_RECIPE, workspace, vector, text, text_search_config)
         latencies.append((time.perf_counter() - started) * 1000)
         hits = [row["id"] for row in rows if row["id"] != query_id]

@@ -21,7 +21,12 @@ from opentelemetry import trace
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
 from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import Delta, RejectReason, VersionState
-from ontofabric.services.projector.store import ANALYZE_THRESHOLD_ROWS, PostgresProjectionStore, VersionUpdate
+from ontofabric.services.projector.store import (
+    ANALYZE_THRESHOLD_ROWS,
+    Fenced,
+    PostgresProjectionStore,
+    VersionUpdate,
+)
 from ontofabric.services.projector.versions import VersionPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import (
@@ -131,6 +136,38 @@ async def test_store_is_idempotent_for_redelivered_and_older_deltas(deployment: 
         assert older.plan.applied == []
         assert redelivered.versions[0].version == version == older.versions[0].version
         assert await _live_rows(deployment, "acme") == snapshot
+    finally:
+        await pool.close()
+
+
+async def test_a_store_whose_claim_on_its_consumer_was_overtaken_writes_nothing(deployment: Deployment) -> None:
+    """The review of one process per consumer: a process frozen with a batch in hand, replaced meanwhile, committed
+    that batch as it woke, beside the one that took over. Each batch now checks its claim in its transaction."""
+    await migrate(deployment.database_url, deployment.settings)
+    pool = await create_pool(deployment.database_url, deployment.settings)
+    try:
+        first, second = (PostgresProjectionStore(pool, "english", fence="projector-postgres") for _ in range(2))
+        with pytest.raises(Fenced, match="not claimed"):  # a fencing store writes only once it has claimed
+            await first.apply([Delta(1, upsert("acme", document("a", "never")))])
+        assert await first.claim("first")
+        await first.apply([Delta(2, upsert("acme", document("a", "first's")))])
+        assert await second.claim("second")  # took over while the first was away with its next batch in hand
+        with pytest.raises(Fenced, match="claimed by second"):
+            await first.apply([Delta(3, upsert("acme", document("a", "first's, later")))])
+        assert first.fenced
+        assert await _live_rows(deployment, "acme") == {"a": "first's"}
+        await second.apply([Delta(3, upsert("acme", document("a", "second's")))])
+        assert await _live_rows(deployment, "acme") == {"a": "second's"}
+
+        # A claim does not take a consumer from under a batch being written: it waits, then says it could not.
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT 1 FROM projection_fences WHERE durable = 'projector-postgres' FOR SHARE")
+            assert not await first.claim("first")
+        assert await first.claim("first")
+        assert second.fenced is False  # it learns at its next batch
+        with pytest.raises(Fenced):
+            await second.apply([Delta(4, upsert("acme", document("a", "second's, later")))])
+        assert await _live_rows(deployment, "acme") == {"a": "second's"}
     finally:
         await pool.close()
 

@@ -405,3 +405,37 @@ async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standb
         assert projector.holding()  # back, standing by
     finally:
         await standby.stop()
+
+
+async def test_a_projector_whose_consumer_another_process_claimed_leaves_it_and_its_batch(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """Discovery decides which process applies a consumer; the database has the last word. A process that claimed
+    the consumer without being seen (a login without the discovery ping, a host whose clock runs behind) fences the
+    one applying it: that one's next batch goes back unwritten, and it leaves its consumers and answers discovery
+    anew as the newest. Here the other claimant is only a claim, so the projector, alone again, claims it back."""
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(first.seq)
+    durable = deployment.names.postgres_projector_durable
+    pool = await asyncpg.create_pool(deployment.database_url, min_size=1, max_size=2)
+    try:
+        epoch = await pool.fetchval("SELECT epoch FROM projection_fences WHERE durable = $1", durable)
+        await pool.execute(
+            "UPDATE projection_fences SET epoch = epoch + 1, holder = 'unseen' WHERE durable = $1", durable
+        )
+        with structlog.testing.capture_logs() as logged:
+            later = await deployment.publisher.publish(upsert("acme", document("a", "beta")))
+            await deployment.wait_projected(later.seq, timeout_s=30)
+        events = [entry["event"] for entry in logged]
+        refused = [entry for entry in logged if entry["event"] == "batch_retry"]
+        assert refused
+        assert "claimed by unseen" in refused[0]["error"]  # the batch in hand was not written
+        assert events.index("projector_consumer_claimed_elsewhere") < events.index("projector_started")
+        assert "projector_standing_by" not in events  # not behind its own announcement of before
+        row = await pool.fetchrow("SELECT epoch, holder FROM projection_fences WHERE durable = $1", durable)
+        assert row["epoch"] == epoch + 2  # the unseen claim, then the projector's own again
+        assert row["holder"] != "unseen"
+        content = await pool.fetchval("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'a'")
+        assert content == "beta"
+    finally:
+        await pool.close()

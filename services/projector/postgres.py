@@ -12,7 +12,7 @@ from ontofabric.shared.logging import describe, get_logger
 from .planning import Delta, Rejection
 from .reembedding import ModelChanged
 from .runner import Written
-from .store import BatchResult, PostgresProjectionStore
+from .store import BatchResult, Fenced, PostgresProjectionStore
 from .versions import VersionPublisher
 
 log = get_logger(__name__)
@@ -69,7 +69,8 @@ class PostgresSink:
                 await self._versions.publish(update)
 
     def retryable(self, error: BaseException) -> bool:
-        return isinstance(error, NotAnnounced | ModelChanged) or is_transient(error)
+        # Fenced: the batch is left to the process that has claimed the consumer since.
+        return isinstance(error, NotAnnounced | ModelChanged | Fenced) or is_transient(error)
 
     async def settled(self) -> None:
         """Fresh planner statistics for the partitions that changed much: an optimisation, never a reason to

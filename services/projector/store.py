@@ -183,11 +183,65 @@ ANALYZE_SCALE = 0.1
 ANALYZE_TIMEOUT_S = 120
 
 
+class Fenced(Exception):
+    """Another process claimed the consumer after this one: the batch was not written (it goes back to the
+    consumer), and this process is to leave the consumer to the other."""
+
+
+CLAIM_LOCK_TIMEOUT = "1s"
+"""How long a claim waits for the batch transaction of the process it replaces (one frozen inside it holds the
+fence row until it wakes or the server ends it): the claim is tried again at the next look."""
+
+
 class PostgresProjectionStore:
-    def __init__(self, pool: asyncpg.Pool, text_search_config: str) -> None:
+    """Writes batches of deltas into one database. With ``fence`` (a durable consumer's name), only while this
+    store's claim on that consumer is the latest (:meth:`claim`, infra/migrations/0023)."""
+
+    def __init__(self, pool: asyncpg.Pool, text_search_config: str, fence: str | None = None) -> None:
         self._pool = pool
         self._text_search_config = text_search_config
         self._known_workspaces: set[str] = set()
+        self._fence = fence
+        self._epoch: int | None = None
+        """The epoch of this store's claim on ``fence``; None before a claim, or once another claimed it."""
+
+    @property
+    def fenced(self) -> bool:
+        """Whether this store may not write: it fences and has no current claim."""
+        return self._fence is not None and self._epoch is None
+
+    async def claim(self, holder: str) -> bool:
+        """Claim the consumer for ``holder``: every earlier claim's batches are refused from now on. False when the
+        batch of an earlier holder is still being written (the claim waits for it at most CLAIM_LOCK_TIMEOUT)."""
+        assert self._fence is not None
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = '{CLAIM_LOCK_TIMEOUT}'")
+                self._epoch = await conn.fetchval(
+                    "INSERT INTO projection_fences AS f (durable, epoch, holder) VALUES ($1, 1, $2)"
+                    " ON CONFLICT (durable) DO UPDATE SET epoch = f.epoch + 1, holder = EXCLUDED.holder,"
+                    " claimed_at = now() RETURNING epoch",
+                    self._fence,
+                    holder,
+                )
+        except asyncpg.LockNotAvailableError:
+            return False
+        return True
+
+    async def _check_fence(self, conn: Connection) -> None:
+        """First in a batch's transaction: the claim is still the latest, and stays so until the commit (the row
+        is held FOR SHARE; a claim waits for it)."""
+        if self._fence is None:
+            return
+        if self._epoch is None:
+            raise Fenced(f"consumer {self._fence} is not claimed by this process")
+        row = await conn.fetchrow(
+            "SELECT epoch, holder FROM projection_fences WHERE durable = $1 FOR SHARE", self._fence
+        )
+        if row is None or row["epoch"] != self._epoch:
+            mine, self._epoch = self._epoch, None
+            holder = "nobody" if row is None else f"{row['holder']} (epoch {row['epoch']})"
+            raise Fenced(f"consumer {self._fence} was claimed by {holder} after this process (epoch {mine})")
 
     async def apply(self, deltas: Sequence[Delta]) -> BatchResult:
         """Apply a batch atomically. Raises on any database error; nothing is written then."""
@@ -199,6 +253,7 @@ class PostgresProjectionStore:
                 await conn.execute("SELECT ensure_workspace_partition($1)", workspace)
                 self._known_workspaces.add(workspace)
             async with conn.transaction():
+                await self._check_fence(conn)
                 # The changed-row counters reach the statistics views as this commit returns, not a second
                 # later: refresh_statistics right after sees this batch.
                 await conn.execute("SELECT pg_stat_force_next_flush()")

@@ -87,6 +87,8 @@ class ProjectorService:
         self._projections: dict[int, RunningProjection] = {}
         """The consumers this process applies now, by partition."""
         self._new_projection: dict[int, Callable[[], DurableProjection]] = {}
+        self._stores: dict[int, PostgresProjectionStore] = {}
+        """Each partition's store, which holds this process's claim on its consumer."""
         self._peers: dict[str, tuple[float, Worker]] = {}
         """Projectors that answered discovery, by id, with when they last did (monotonic)."""
         self._holding: asyncio.Task[None] | None = None
@@ -127,13 +129,14 @@ class ProjectorService:
         for index in self._partitions:
             database = placement.database_of_partition(index)
             pool = self._pools[database]
-            sink = PostgresSink(PostgresProjectionStore(pool, settings.text_search_config), versions)
+            store = self._stores[index] = PostgresProjectionStore(pool, settings.text_search_config, durables[index])
+            sink = PostgresSink(store, versions)
             runner = ProjectionRunner(sink, Limits.from_settings(settings), reembedders[database])
             partition = Partition(index, count) if count > 1 else None
             self._new_projection[index] = functools.partial(
                 DurableProjection, runner, js, names, durables[index], partition=partition,
                 settled_elsewhere=functools.partial(settled_by_other_layouts, js, names, count),
-                may_apply=self.holding,
+                may_apply=functools.partial(self._may_apply, index),
             )  # fmt: skip
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
         description = "ontofabric Postgres projector"
@@ -158,6 +161,11 @@ class ProjectorService:
         update)."""
         return self._last_look is not None and time.monotonic() - self._last_look <= HOLDER_LEASE_S
 
+    def _may_apply(self, partition: int) -> bool:
+        """Whether this process goes on applying the partition's consumer: it holds, and no other process has
+        claimed the consumer since it did."""
+        return self.holding() and not self._stores[partition].fenced
+
     async def _hold(self) -> None:
         """Apply the consumers no earlier process applies, and leave those one does."""
         nc, service = self._nc, self._service
@@ -170,7 +178,13 @@ class ProjectorService:
         # taken over. It gives its seniority up, and the next look decides.
         gaps = [time.monotonic() - now, 0.0 if self._last_look is None else now - self._last_look]
         if max(gaps) > HOLDER_LEASE_S:
-            await self._give_up_seniority(max(gaps))
+            await self._give_up_seniority("projector_away_past_its_lease", away_s=round(max(gaps), 1))
+            self._last_look = time.monotonic()
+            return
+        claimed = [names.postgres_projector_durables(settings.projector_partitions)[index]
+                   for index in self._projections if self._stores[index].fenced]  # fmt: skip
+        if claimed:  # another process took a consumer over while this one was away: it keeps them
+            await self._give_up_seniority("projector_consumer_claimed_elsewhere", durables=claimed)
             self._last_look = time.monotonic()
             return
         for worker in answered:
@@ -198,6 +212,10 @@ class ProjectorService:
                     await running.stop()
                     del self._projections[index]
             elif running is None:
+                if not await self._stores[index].claim(service.id):
+                    log.info("projector_claim_waiting", durable=durables[index], reason="a batch of the process it "
+                             "replaces is still being written")  # fmt: skip
+                    continue
                 self._standing_by.discard(index)
                 projection = self._new_projection[index]()
                 self._projections[index] = await start_projection(
@@ -206,15 +224,18 @@ class ProjectorService:
                 log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         self._last_look = time.monotonic()
 
-    async def _give_up_seniority(self, away_s: float) -> None:
-        """Away longer than the lease: a standby may have taken over. Leave every consumer and answer discovery
-        anew, as the newest process, so that one which took over keeps them rather than handing them back."""
-        log.warning("projector_away_past_its_lease", away_s=round(away_s, 1), lease_s=HOLDER_LEASE_S)
+    async def _give_up_seniority(self, event: str, **why: object) -> None:
+        """Away longer than the lease (a standby may have taken over), or a consumer claimed by another process:
+        leave every consumer and answer discovery anew, as the newest process, so that one which took over keeps
+        them rather than handing them back."""
+        log.warning(event, lease_s=HOLDER_LEASE_S, **why)
         for index, running in list(self._projections.items()):
             await running.stop()
             del self._projections[index]
         assert self._nc is not None
         await _stop_announcing(self._service)
+        if self._service is not None:  # what it answered before is no earlier process to stand by for
+            self._peers.pop(self._service.id, None)
         description, details = self._announced
         self._service = await announce(self._nc, self.names.projector_service, description, **details)
         self._standing_by.clear()

@@ -43,7 +43,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import HALF_CHARACTER
-from ontofabric.shared.jetstream import connect
+from ontofabric.shared.jetstream import connect, subscriptions_visible
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment, node_script
@@ -358,7 +358,7 @@ async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment:
         seen.append(msg.data)
 
     silent = await deployment.nc.subscribe(deployment.names.request_subject("query", "acme"), cb=take)
-    await deployment.nc.flush()
+    await subscriptions_visible(deployment.nc)
     call = {
         "jsonrpc": "2.0", "id": 1, "method": "tools/call",
         "params": {"name": "ontology_query", "arguments": {"semanticQuery": "csv"}},
@@ -397,7 +397,7 @@ async def test_structured_content_is_the_reply_as_the_contract_reads_it(deployme
 
     subject = deployment.names.request_subject("query", "acme")
     await nc.subscribe(subject, queue=deployment.names.query_queue, cb=answer)
-    await nc.flush()
+    await subscriptions_visible(nc)
     try:
         async with Client(_stdio(deployment)) as client:  # the SDK checks structuredContent against the schema
             reply = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
@@ -437,7 +437,7 @@ async def test_no_worker_answering_is_a_retryable_error_within_the_timeout(
         assert time.monotonic() - started < 5
         # A worker that takes the request and never answers (hung, or killed mid-request): the timeout, not a hang.
         silent = await deployment.nc.subscribe(deployment.names.request_subject("query", "acme"))
-        await deployment.nc.flush()
+        await subscriptions_visible(deployment.nc)
         started = time.monotonic()
         hung = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
         assert hung.is_error is True
@@ -509,7 +509,7 @@ async def test_a_client_that_closes_the_gateways_output_mid_call_ends_the_sessio
 ) -> None:
     """The answer has nowhere to go: the gateway ends, exit 0, instead of a ConnectionResetError traceback, exit 1."""
     silent = await deployment.nc.subscribe(deployment.names.request_subject("status", "acme"))  # a slow worker
-    await deployment.nc.flush()
+    await subscriptions_visible(deployment.nc)
     gateway = await asyncio.create_subprocess_exec(
         ONTOFABRIC, "mcp", "--workspace", "acme",
         env=_gateway_env(deployment, ONTOFABRIC_GATEWAY_TIMEOUT_S="1", ONTOFABRIC_LOG_LEVEL="INFO"),

@@ -27,7 +27,7 @@ from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
-from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly
+from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly, subscriptions_visible
 from ontofabric.shared.nats_auth import BadCredentials, new_nkey_seed
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
 from ontofabric.shared.settings import Settings, redacted_url
@@ -229,7 +229,7 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
             overheard.append(msg.data)
 
         await acme.subscribe("_INBOX.>", cb=overhear)
-        await acme.flush()
+        await subscriptions_visible(acme)
         assert isinstance(await QueryClient(deployment.nc, deployment.names).status("beta", {}), StatusReply)
         await asyncio.sleep(0.3)
         assert overheard == []
@@ -251,7 +251,7 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
 
         for workspace in ("acme", "beta"):
             await ingest_acme.subscribe(deployment.names.dlq_subject(workspace), cb=seen)
-        await ingest_acme.flush()
+        await subscriptions_visible(ingest_acme)
         for workspace in ("beta", "acme"):
             await deployment.nc.publish(deployment.names.dlq_subject(workspace), b"{}")
         await deployment.nc.flush()
@@ -302,8 +302,8 @@ async def test_workers_cannot_play_each_others_parts(deployment: Deployment, run
         await projector.subscribe(names.request_subject("query", "*"), cb=hijack)
         # A query worker's credentials take them only in the queue group.
         await query.subscribe(names.request_subject("query", "*"), cb=hijack)
-        await projector.flush()
-        await query.flush()
+        await subscriptions_visible(projector)
+        await subscriptions_visible(query)
         with pytest.raises(NoRespondersError):  # nobody was let listen
             await deployment.nc.request(names.request_subject("query", "acme"), b"{}", timeout=5)
         # Nor publish deltas.

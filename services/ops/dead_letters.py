@@ -26,7 +26,7 @@ from nats.js.errors import APIError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
-from ontofabric.shared.jetstream import read_in_order
+from ontofabric.shared.jetstream import read_in_order, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
@@ -143,7 +143,7 @@ class DeadLetterWatch:
             watch._seen.append(SetAside.of(msg))
 
         await nc.subscribe(names.dlq_subject(encode_token(workspace)), cb=seen)
-        await nc.flush()  # subscribed at the server before the first delta goes out
+        await subscriptions_visible(nc)  # subscribed at the server before the first delta goes out
         return watch
 
     def of(self, sequences: Set[int]) -> list[SetAside]:

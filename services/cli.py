@@ -226,7 +226,8 @@ def up(data_dir: DataDir = None) -> None:
 
 @app.command()
 def projector(data_dir: DataDir = None) -> None:
-    """Run only the Postgres projector (scale out by starting more: they share one durable consumer)."""
+    """Run only the Postgres projector. Another started beside it stands by and takes over if it goes away; to
+    apply workspaces in parallel, divide them (ONTOFABRIC_PROJECTOR_PARTITIONS, ONTOFABRIC_PROJECTOR_PARTITION)."""
     settings = _settings("ontofabric-projector", data_dir, worker=True)
     endpoints = _endpoints(settings)
     _serve(settings, endpoints, Roles(projector=True, query=False, azure_projector=False))

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -439,3 +440,29 @@ async def test_a_projector_whose_consumer_another_process_claimed_leaves_it_and_
         assert content == "beta"
     finally:
         await pool.close()
+
+
+async def test_a_projector_that_stops_hands_its_consumer_over_without_the_lease(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder stopped (SIGTERM, a rolling upgrade) released its claim as it stopped: the standby takes the
+    consumer over at its next look, not once the holder has been silent for the discovery lease (6 s of no
+    projection at every restart). The lease is made long here so that waiting it out would show."""
+    monkeypatch.setattr(projector_worker, "HOLDER_LEASE_S", 60.0)
+    standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await standby.start()
+    try:
+        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+        await deployment.wait_projected(first.seq)
+        assert not standby._projections
+        stopped = time.monotonic()
+        await projector.stop()
+        released = await deployment.fetch("SELECT released FROM projection_fences")
+        assert [row["released"] for row in released] == [True]
+        later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+        await deployment.wait_projected(later.seq, timeout_s=30)
+        assert standby._projections
+        assert time.monotonic() - stopped < 30  # within a few looks; the lease alone would take 60 s
+        assert [row["released"] for row in await deployment.fetch("SELECT released FROM projection_fences")] == [False]
+    finally:
+        await standby.stop()

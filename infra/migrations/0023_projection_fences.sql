@@ -8,5 +8,8 @@ CREATE TABLE projection_fences (
     durable text PRIMARY KEY,
     epoch bigint NOT NULL,
     holder text NOT NULL,
-    claimed_at timestamptz NOT NULL DEFAULT now()
+    claimed_at timestamptz NOT NULL DEFAULT now(),
+    -- Set by a holder that stopped applying the consumer (a SIGTERM, standing by): a standby then takes it over
+    -- at its next look rather than after the discovery lease.
+    released boolean NOT NULL DEFAULT false
 );

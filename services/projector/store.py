@@ -220,13 +220,31 @@ class PostgresProjectionStore:
                 self._epoch = await conn.fetchval(
                     "INSERT INTO projection_fences AS f (durable, epoch, holder) VALUES ($1, 1, $2)"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = f.epoch + 1, holder = EXCLUDED.holder,"
-                    " claimed_at = now() RETURNING epoch",
+                    " claimed_at = now(), released = false RETURNING epoch",
                     self._fence,
                     holder,
                 )
         except asyncpg.LockNotAvailableError:
             return False
         return True
+
+    async def release(self) -> None:
+        """Say that this store's claim ends (its process stopped applying the consumer), so that a process standing
+        by need not wait for the discovery lease. Nothing when another claimed it since."""
+        epoch, self._epoch = self._epoch, None
+        if self._fence is None or epoch is None:
+            return
+        await self._pool.execute(
+            "UPDATE projection_fences SET released = true WHERE durable = $1 AND epoch = $2", self._fence, epoch
+        )
+
+    async def released_by(self) -> str | None:
+        """The process whose claim on the consumer ended with a release, if the latest claim did."""
+        assert self._fence is not None
+        holder: str | None = await self._pool.fetchval(
+            "SELECT holder FROM projection_fences WHERE durable = $1 AND released", self._fence
+        )
+        return holder
 
     async def _check_fence(self, conn: Connection) -> None:
         """First in a batch's transaction: the claim is still the latest, and stays so until the commit (the row

@@ -94,6 +94,8 @@ class ProjectorService:
         self._holding: asyncio.Task[None] | None = None
         self._standing_by: set[int] = set()
         """The partitions this process leaves to an earlier one."""
+        self._departed: set[str] = set()
+        """Processes that released the consumers this one stands by for: stopped, not to be waited for."""
         self._heard_itself = True
         """Whether its last discovery ping reached its own announcement (and so the others')."""
         self._last_look: float | None = None
@@ -198,7 +200,15 @@ class ProjectorService:
                     reason="no answer to its own discovery ping, not even its own: another process may apply the "
                     "same consumers (the projector's NATS login needs $SRV.PING.<prefix>-projector)",
                 )
-        self._peers = {key: (at, w) for key, (at, w) in self._peers.items() if now - at <= HOLDER_LEASE_S}
+        for index in self._standing_by:  # a holder that stopped said so: no need to wait out its lease
+            released_by = await self._stores[index].released_by()
+            if released_by is not None and released_by != service.id:
+                self._departed.add(released_by)
+        self._peers = {
+            key: (at, w)
+            for key, (at, w) in self._peers.items()
+            if now - at <= HOLDER_LEASE_S and key not in self._departed
+        }
         peers = [worker for _, worker in self._peers.values()]
         elsewhere = held_elsewhere(service.id, service.started, settings.projector_partitions, self._partitions, peers)
         durables = names.postgres_projector_durables(settings.projector_partitions)
@@ -232,6 +242,7 @@ class ProjectorService:
         for index, running in list(self._projections.items()):
             await running.stop()
             del self._projections[index]
+            await self._release(index)  # this process's id ends here: a standby need not wait for it
         assert self._nc is not None
         await _stop_announcing(self._service)
         if self._service is not None:  # what it answered before is no earlier process to stand by for
@@ -239,6 +250,12 @@ class ProjectorService:
         description, details = self._announced
         self._service = await announce(self._nc, self.names.projector_service, description, **details)
         self._standing_by.clear()
+
+    async def _release(self, partition: int) -> None:
+        try:
+            await self._stores[partition].release()
+        except Exception as error:  # the database away: a standby waits out the lease instead
+            log.warning("projector_release_failed", partition=partition, error=describe(error))
 
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model
@@ -279,6 +296,8 @@ class ProjectorService:
                 closing.push_async_callback(close_nats, nc)
             # The batches in hand are finished and acked before the connection goes.
             await asyncio.gather(*(projection.stop() for projection in projections))
+            for index in self._stores:  # then a standby may take the consumers over at once
+                await self._release(index)
         log.info("projector_stopped")
 
 

@@ -466,3 +466,28 @@ async def test_a_projector_that_stops_hands_its_consumer_over_without_the_lease(
         assert [row["released"] for row in await deployment.fetch("SELECT released FROM projection_fences")] == [False]
     finally:
         await standby.stop()
+
+
+async def test_a_projector_that_cannot_write_leaves_its_consumer_to_a_standby_that_can(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder whose database is unreachable from it alone (its own network, its pool gone) still answers
+    discovery: its standby waited for ever while nothing was applied. After FAILING_HANDOVER_S of failed writes
+    it leaves its consumers to the standby."""
+    monkeypatch.setattr(projector_worker, "FAILING_HANDOVER_S", 1.0)
+    standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await standby.start()
+    try:
+        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+        await deployment.wait_projected(first.seq)
+        assert not standby._projections
+        for pool in projector._pools.values():
+            pool.terminate()  # as if this process alone had lost the database
+        with structlog.testing.capture_logs() as logged:
+            later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
+            await deployment.wait_projected(later.seq, timeout_s=40)
+        assert "projector_failing_hands_over" in [entry["event"] for entry in logged]
+        assert standby._projections
+        assert not projector._projections
+    finally:
+        await standby.stop()

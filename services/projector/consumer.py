@@ -291,6 +291,8 @@ class DurableProjection:
             self._metrics.projector_deltas.add(0, {"outcome": "dead_lettered", "index": self._index, "reason": reason})
         self._failing = 0
         """Batches in a row whose sink write failed for a passing reason (the database away)."""
+        self.failing_since: float | None = None
+        """Since when (monotonic) every batch's write has failed for a passing reason; None while they go in."""
         self.sent_back = SentBack()
         self.forget_sent_back_s = FORGET_SENT_BACK_S
         """How long a copy waits for a delta sent back that does not come back here (see FORGET_SENT_BACK_S)."""
@@ -375,6 +377,7 @@ class DurableProjection:
         # The sink is away: the next batch would fail the same way at once. Wait before fetching it, longer each
         # time (the nak'd deltas come back on their own delays meanwhile).
         self._failing = self._failing + 1 if retried and not settled else 0
+        self.failing_since = (self.failing_since or time.monotonic()) if self._failing else None
         if self._failing:
             await asyncio.sleep(backoff_s(self._failing, FIRST_PAUSE_S, MAX_PAUSE_S))
 
@@ -531,6 +534,11 @@ class RunningProjection:
         self._published = published
         self._js = js
         self._streams = _join_stream_watch(js, names)
+
+    @property
+    def failing_since(self) -> float | None:
+        """Since when every batch's write has failed for a passing reason (monotonic); None while they go in."""
+        return self._projection.failing_since
 
     async def stop(self) -> None:
         await cancel_and_wait(self._watching)

@@ -20,7 +20,7 @@ from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
-from ontofabric.shared.discovery import Announcement, Worker, announce, discover, held_elsewhere
+from ontofabric.shared.discovery import Announcement, Worker, announce, discover, held_elsewhere, postgres_partitions
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, settled_by_other_layouts
 from ontofabric.shared.logging import describe, get_logger
@@ -63,6 +63,10 @@ HOLD_CHECK_S = 2.0
 HOLDER_LEASE_S = 6.0
 """How long a process that answered discovery still counts as applying its consumers after it stops answering: a
 slow answer (a busy event loop) is not a process gone. A standby takes over within about this plus HOLD_CHECK_S."""
+FAILING_HANDOVER_S = 30.0
+"""How long a process applies nothing (every write failing for a passing reason: its database unreachable from it)
+before it leaves its consumers to a process standing by, which may reach the database. Where none can, they take
+turns at this pace; nothing is lost either way."""
 
 
 class ProjectorService:
@@ -174,6 +178,7 @@ class ProjectorService:
         assert nc is not None
         assert service is not None
         settings, names = self.settings, self.names
+        durables = names.postgres_projector_durables(settings.projector_partitions)
         now = time.monotonic()
         answered = await discover(nc, names.projector_service)
         # Away past the lease, between looks or during this one (what it saw is then stale): a standby may have
@@ -183,8 +188,7 @@ class ProjectorService:
             await self._give_up_seniority("projector_away_past_its_lease", away_s=round(max(gaps), 1))
             self._last_look = time.monotonic()
             return
-        claimed = [names.postgres_projector_durables(settings.projector_partitions)[index]
-                   for index in self._projections if self._stores[index].fenced]  # fmt: skip
+        claimed = [durables[index] for index in self._projections if self._stores[index].fenced]
         if claimed:  # another process took a consumer over while this one was away: it keeps them
             await self._give_up_seniority("projector_consumer_claimed_elsewhere", durables=claimed)
             self._last_look = time.monotonic()
@@ -201,7 +205,11 @@ class ProjectorService:
                     "same consumers (the projector's NATS login needs $SRV.PING.<prefix>-projector)",
                 )
         for index in self._standing_by:  # a holder that stopped said so: no need to wait out its lease
-            released_by = await self._stores[index].released_by()
+            try:
+                released_by = await self._stores[index].released_by()
+            except Exception as error:  # the database away: the lease decides
+                log.warning("projector_release_unknown", durable=durables[index], error=describe(error))
+                continue
             if released_by is not None and released_by != service.id:
                 self._departed.add(released_by)
         self._peers = {
@@ -210,8 +218,12 @@ class ProjectorService:
             if now - at <= HOLDER_LEASE_S and key not in self._departed
         }
         peers = [worker for _, worker in self._peers.values()]
+        failing = self._failing_beside_a_standby(now, peers)
+        if failing:  # another process may reach the database this one cannot
+            await self._give_up_seniority("projector_failing_hands_over", failing_s=failing)
+            self._last_look = time.monotonic()
+            return
         elsewhere = held_elsewhere(service.id, service.started, settings.projector_partitions, self._partitions, peers)
-        durables = names.postgres_projector_durables(settings.projector_partitions)
         for index in self._partitions:
             running = self._projections.get(index)
             if index in elsewhere:
@@ -222,7 +234,12 @@ class ProjectorService:
                     await running.stop()
                     del self._projections[index]
             elif running is None:
-                if not await self._stores[index].claim(service.id):
+                try:
+                    ours = await self._stores[index].claim(service.id)
+                except Exception as error:  # the database away: the next look tries again
+                    log.warning("projector_claim_failed", durable=durables[index], error=describe(error))
+                    continue
+                if not ours:
                     log.info("projector_claim_waiting", durable=durables[index], reason="a batch of the process it "
                              "replaces is still being written")  # fmt: skip
                     continue
@@ -233,6 +250,21 @@ class ProjectorService:
                 )
                 log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         self._last_look = time.monotonic()
+
+    def _failing_beside_a_standby(self, now: float, peers: list[Worker]) -> dict[str, float]:
+        """The consumers (durable: seconds) whose writes have failed for longer than FAILING_HANDOVER_S here while
+        another process that could apply them is up."""
+        assert self._service is not None
+        layout = self.settings.projector_partitions
+        durables = self.names.postgres_projector_durables(layout)
+        others = [held for peer in peers if peer.id != self._service.id and (held := postgres_partitions(peer))]
+        return {
+            durables[index]: round(now - since, 1)
+            for index, running in self._projections.items()
+            if (since := running.failing_since) is not None
+            and now - since > FAILING_HANDOVER_S
+            and any(count == layout and index in partitions for count, partitions in others)
+        }
 
     async def _give_up_seniority(self, event: str, **why: object) -> None:
         """Away longer than the lease (a standby may have taken over), or a consumer claimed by another process:

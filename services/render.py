@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
 from ontofabric.services.ops.status import DeploymentStatus
-from ontofabric.shared.discovery import Worker, held_elsewhere, postgres_partitions
+from ontofabric.shared.discovery import INSTANCE, Worker, held_elsewhere, postgres_partitions
 
 
 def _snippet(text: str, width: int = 70) -> str:
@@ -146,12 +146,17 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     )
     console.print(f"streams: {streams}")
     projectors = ", ".join(
-        " ".join([f"{w.host}:{w.pid}", *w.details.values(), f"(since {w.started}){standing_by(w, status.projectors)}"])
+        " ".join([f"{w.host}:{w.pid}", *_shown(w.details), f"(since {w.started}){standing_by(w, status.projectors)}"])
         for w in status.projectors
     )
     console.print(f"projectors: {projectors or 'none answering'}")
     workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
     console.print(f"query workers: {workers}")
+
+
+def _shown(details: dict[str, str]) -> list[str]:
+    """A worker's details as status shows them: not the name of its worker object (an id for machines)."""
+    return [value for key, value in details.items() if key != INSTANCE]
 
 
 def standing_by(worker: Worker, projectors: list[Worker]) -> str:

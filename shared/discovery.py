@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
@@ -134,6 +134,43 @@ def held_elsewhere(
         if (peer.started or "", peer.id) < mine:
             held |= set(partitions) & announced[1]
     return held
+
+
+INSTANCE = "instance"
+"""The detail that names the worker object behind an announcement, the same across its announcements (a process
+that gives its seniority up answers anew under another id)."""
+
+
+def remembered_peers(
+    peers: Mapping[str, tuple[float, Worker]], answered: Iterable[Worker], now: float, lease_s: float, gone: Set[str]
+) -> tuple[dict[str, tuple[float, Worker]], set[str]]:
+    """The workers to count on after a look, each with when it last answered (``peers`` before it, ``answered``
+    now, at ``now``), and the ids that are gone from now on. A worker that has not answered for ``lease_s`` is gone
+    (a process away that long gives its seniority up and answers anew: its old id answering again as it wakes is
+    not to be stood by for), and so is an announcement whose worker (its ``instance``) answers under a newer one.
+    Ids in ``gone`` stay out."""
+    current = dict(peers)
+    newest: dict[str, Worker] = {}
+    for worker in answered:
+        if worker.id in gone:
+            continue
+        current[worker.id] = (now, worker)
+        instance = worker.details.get(INSTANCE)
+        if instance:
+            known = newest.get(instance)
+            if known is None or (known.started or "") < (worker.started or ""):
+                newest[instance] = worker
+    kept: dict[str, tuple[float, Worker]] = {}
+    departed: set[str] = set()
+    for key, (at, worker) in current.items():
+        if key in gone:
+            continue
+        renewed = newest.get(worker.details.get(INSTANCE, ""))
+        if now - at > lease_s or (renewed is not None and renewed.id != key):
+            departed.add(key)
+        else:
+            kept[key] = (at, worker)
+    return kept, departed
 
 
 async def discover(nc: Client, name: str, wait_s: float = DISCOVERY_WAIT_S) -> list[Worker]:

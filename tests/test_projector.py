@@ -149,24 +149,37 @@ async def test_a_store_whose_claim_on_its_consumer_was_overtaken_writes_nothing(
         first, second = (PostgresProjectionStore(pool, "english", fence="projector-postgres") for _ in range(2))
         with pytest.raises(Fenced, match="not claimed"):  # a fencing store writes only once it has claimed
             await first.apply([Delta(1, upsert("acme", document("a", "never")))])
-        assert await first.claim("first")
+        assert await first.claim("first", lease_s=60, live=None) == "claimed"
         await first.apply([Delta(2, upsert("acme", document("a", "first's")))])
-        assert await second.claim("second")  # took over while the first was away with its next batch in hand
+        # Another process takes it over only when the first's claim is not live: its process gone from discovery,
+        # or, where discovery cannot be asked, its claim not renewed within the lease.
+        assert await second.claim("second", lease_s=60, live={"first"}) == "held"
+        assert await second.claim("second", lease_s=60, live=None) == "held"
+        assert await first.renew()
+        assert await second.claim("second", lease_s=0, live=None) == "claimed"  # the first away past the lease
         with pytest.raises(Fenced, match="claimed by second"):
             await first.apply([Delta(3, upsert("acme", document("a", "first's, later")))])
         assert first.fenced
+        assert not await first.renew()
         assert await _live_rows(deployment, "acme") == {"a": "first's"}
         await second.apply([Delta(3, upsert("acme", document("a", "second's")))])
         assert await _live_rows(deployment, "acme") == {"a": "second's"}
 
-        # A claim does not take a consumer from under a batch being written: it waits, then says it could not.
+        # A claim does not take a consumer from under a batch being written: it waits, then says so.
         async with pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT 1 FROM projection_fences WHERE durable = 'projector-postgres' FOR SHARE")
-            assert not await first.claim("first")
-        assert await first.claim("first")
-        assert second.fenced is False  # it learns at its next batch
+            assert await first.claim("first", lease_s=0, live=set()) == "busy"
+        # Released, it is anyone's at once; the row deleted and claimed anew, no epoch comes back (a review: a
+        # frozen process whose epoch 1 came round again committed its stale batch).
+        await second.release()
+        assert await first.claim("first", lease_s=60, live={"second"}) == "claimed"
+        assert await second.claim("second", lease_s=60, live=set()) == "claimed"  # the first gone from discovery
+        await pool.execute("DELETE FROM projection_fences")
+        assert await first.claim("first", lease_s=60, live=None) == "claimed"  # the row's first claim
+        await pool.execute("DELETE FROM projection_fences")
+        assert await second.claim("second", lease_s=60, live=None) == "claimed"  # the row's first claim again
         with pytest.raises(Fenced):
-            await second.apply([Delta(4, upsert("acme", document("a", "second's, later")))])
+            await first.apply([Delta(4, upsert("acme", document("a", "first's, stale")))])
         assert await _live_rows(deployment, "acme") == {"a": "second's"}
     finally:
         await pool.close()

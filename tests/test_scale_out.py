@@ -25,7 +25,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.services.render import standing_by
-from ontofabric.shared.discovery import Worker, held_elsewhere
+from ontofabric.shared.discovery import INSTANCE, Worker, held_elsewhere, remembered_peers
 from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
@@ -411,35 +411,128 @@ async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standb
 async def test_a_projector_whose_consumer_another_process_claimed_leaves_it_and_its_batch(
     deployment: Deployment, projector: ProjectorService
 ) -> None:
-    """Discovery decides which process applies a consumer; the database has the last word. A process that claimed
-    the consumer without being seen (a login without the discovery ping, a host whose clock runs behind) fences the
-    one applying it: that one's next batch goes back unwritten, and it leaves its consumers and answers discovery
-    anew as the newest. Here the other claimant is only a claim, so the projector, alone again, claims it back."""
+    """Discovery decides which process should apply a consumer; the database decides which one may. A claim by
+    another process (here only a claim, by a process that is not up) fences the holder: its next batch goes back
+    unwritten, it leaves that consumer, and claims it back at its next look, the claimant not being up."""
     first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
     await deployment.wait_projected(first.seq)
     durable = deployment.names.postgres_projector_durable
     pool = await asyncpg.create_pool(deployment.database_url, min_size=1, max_size=2)
     try:
-        epoch = await pool.fetchval("SELECT epoch FROM projection_fences WHERE durable = $1", durable)
         await pool.execute(
-            "UPDATE projection_fences SET epoch = epoch + 1, holder = 'unseen' WHERE durable = $1", durable
+            "UPDATE projection_fences SET epoch = nextval('projection_fence_epochs'), holder = 'unseen',"
+            " renewed_at = now() WHERE durable = $1",
+            durable,
         )
         with structlog.testing.capture_logs() as logged:
             later = await deployment.publisher.publish(upsert("acme", document("a", "beta")))
             await deployment.wait_projected(later.seq, timeout_s=30)
-        events = [entry["event"] for entry in logged]
         refused = [entry for entry in logged if entry["event"] == "batch_retry"]
         assert refused
         assert "claimed by unseen" in refused[0]["error"]  # the batch in hand was not written
+        events = [entry["event"] for entry in logged]
         assert events.index("projector_consumer_claimed_elsewhere") < events.index("projector_started")
-        assert "projector_standing_by" not in events  # not behind its own announcement of before
-        row = await pool.fetchrow("SELECT epoch, holder FROM projection_fences WHERE durable = $1", durable)
-        assert row["epoch"] == epoch + 2  # the unseen claim, then the projector's own again
+        assert "projector_away_past_its_lease" not in events  # its seniority is kept: only that consumer was left
+        row = await pool.fetchrow("SELECT holder, released FROM projection_fences WHERE durable = $1", durable)
         assert row["holder"] != "unseen"
         content = await pool.fetchval("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'a'")
         assert content == "beta"
     finally:
         await pool.close()
+
+
+async def test_a_projector_that_cannot_see_the_others_does_not_take_a_renewed_consumer(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: a projector whose discovery ping reached nobody (a login without the ping) claimed the consumer
+    at every look while the others claimed it back; each takeover sent a batch back behind later deltas, and 7 of
+    400 documents kept an older update for good. It now takes only a consumer whose claim nobody renews."""
+    blind = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    seeing = projector_worker.discover
+
+    async def unless_blind(nc: object, name: str, *args: object) -> list[Worker]:
+        return [] if nc is blind._nc else await seeing(nc, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(projector_worker, "discover", unless_blind)
+    durable = deployment.names.postgres_projector_durable
+    await blind.start()
+    try:
+        epoch = (await deployment.fetch("SELECT epoch FROM projection_fences WHERE durable = $1", durable))[0]["epoch"]
+        for n in range(8):  # four looks of each
+            ack = await deployment.publisher.publish(upsert("acme", document(f"d{n}", f"text {n}")))
+            await asyncio.sleep(1)
+        await deployment.wait_projected(ack.seq)
+        assert not blind._projections
+        rows = await deployment.fetch("SELECT epoch FROM projection_fences WHERE durable = $1", durable)
+        assert rows[0]["epoch"] == epoch  # nobody claimed it from the holder
+
+        await projector.stop()  # released: the blind process takes it over
+        later = await deployment.publisher.publish(upsert("acme", document("z", "after")))
+        await deployment.wait_projected(later.seq, timeout_s=30)
+        assert blind._projections
+    finally:
+        await blind.stop()
+
+
+async def test_a_consumer_claimed_elsewhere_leaves_the_process_s_other_partitions_applied(
+    deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]]
+) -> None:
+    """A review: fencing one partition's consumer made the process give every consumer up and answer anew, and the
+    workspaces of its other partitions waited 7.5 s. Only the claimed consumer is left now."""
+    settings = deployment_settings.model_copy(update={"projector_partitions": 2})
+    held_elsewhere_ws, own_ws = _spread_workspaces(2, per_partition=1)
+    async with open_deployment(settings, servers.database_url, nats_logins) as deployment:
+        service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+        await service.start()
+        try:
+            durables = deployment.names.postgres_projector_durables(2)
+            first = await deployment.publisher.publish_many(
+                [upsert(held_elsewhere_ws, document("a", "alpha")), upsert(own_ws, document("a", "alpha"))]
+            )
+            await deployment.wait_projected(first[-1].seq)
+            claim = (
+                "UPDATE projection_fences SET epoch = nextval('projection_fence_epochs'), holder = 'unseen',"
+                " renewed_at = now() WHERE durable = $1"
+            )
+            await deployment.fetch(claim + " RETURNING 1", durables[0])
+            with structlog.testing.capture_logs() as logged:
+                blocked = await deployment.publisher.publish(upsert(held_elsewhere_ws, document("b", "beta")))
+                for n in range(4):  # the other claim renewed for 4 s; the other partition goes on meanwhile
+                    ack = await deployment.publisher.publish(upsert(own_ws, document(f"d{n}", f"text {n}")))
+                    await asyncio.sleep(1)
+                    await deployment.fetch(
+                        "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 RETURNING 1", durables[0]
+                    )
+                assert await ack_floor(deployment.js, deployment.names.delta_stream, durables[1]) >= ack.seq
+                await deployment.wait_projected(blocked.seq, timeout_s=30)  # taken back once not renewed
+            events = [entry["event"] for entry in logged]
+            assert "projector_consumer_claimed_elsewhere" in events
+            assert "projector_away_past_its_lease" not in events
+            assert 1 in service._projections
+        finally:
+            await service.stop()
+
+
+def test_an_announcement_past_its_lease_or_answered_anew_is_not_stood_by_for() -> None:
+    def worker(worker_id: str, started: str, instance: str = "1") -> Worker:
+        return Worker(
+            worker_id, "", "host", "7", started, {"index": "postgres", "partitions": "all", INSTANCE: instance}
+        )
+
+    old, new, other = worker("old", "10:00"), worker("new", "10:05"), worker("other", "09:00", instance="2")
+    peers, gone = remembered_peers({}, [old, other], now=0.0, lease_s=6.0, gone=set())
+    assert set(peers) == {"old", "other"}
+    assert gone == set()
+    # The same process answers under a new id (it gave its seniority up): its old announcement is not waited for.
+    peers, gone = remembered_peers(peers, [old, new, other], now=1.0, lease_s=6.0, gone=set())
+    assert set(peers) == {"new", "other"}
+    assert gone == {"old"}
+    # Silent past the lease: gone, and not taken back when it answers again (it gives its seniority up as it wakes).
+    peers, gone = remembered_peers(peers, [new], now=8.0, lease_s=6.0, gone={"old"})
+    assert set(peers) == {"new"}
+    assert gone == {"other"}
+    peers, gone = remembered_peers(peers, [new, other], now=9.0, lease_s=6.0, gone={"old", "other"})
+    assert set(peers) == {"new"}
 
 
 async def test_a_projector_that_stops_hands_its_consumer_over_without_the_lease(

@@ -13,6 +13,7 @@ from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.discovery import INSTANCE
 from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.placement import Placement
 
@@ -53,6 +54,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
     assert len({worker.id for worker in status.query_workers}) == 2
     (running,) = status.projectors  # it answers service discovery too, saying what it projects and embeds with
+    assert running.details.pop(INSTANCE)  # its worker object, the same when it answers anew
     assert running.details == {"index": "postgres", "partitions": "all", "models": ""}  # no embedder
     await second.stop()
     assert len((await deployment_status(deployment.nc, deployment.names, placement)).query_workers) == 1

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import asyncpg
 import numpy as np
@@ -189,8 +190,12 @@ class Fenced(Exception):
 
 
 CLAIM_LOCK_TIMEOUT = "1s"
-"""How long a claim waits for the batch transaction of the process it replaces (one frozen inside it holds the
-fence row until it wakes or the server ends it): the claim is tried again at the next look."""
+"""How long a claim or a renewal waits for a batch transaction holding the fence row (one frozen inside it holds the
+row until it wakes or the server ends it): the next look tries again."""
+
+Claim = Literal["claimed", "held", "busy"]
+"""What a claim came to: the consumer is this process's now; another process holds a live claim on it; a batch of
+the process it replaces is still being written."""
 
 
 class PostgresProjectionStore:
@@ -210,27 +215,58 @@ class PostgresProjectionStore:
         """Whether this store may not write: it fences and has no current claim."""
         return self._fence is not None and self._epoch is None
 
-    async def claim(self, holder: str) -> bool:
-        """Claim the consumer for ``holder``: every earlier claim's batches are refused from now on. False when the
-        batch of an earlier holder is still being written (the claim waits for it at most CLAIM_LOCK_TIMEOUT)."""
+    async def claim(self, holder: str, lease_s: float, live: Collection[str] | None) -> Claim:
+        """Claim the consumer for ``holder`` unless another process holds a live claim on it: from then on every
+        earlier claim's batches are refused. A claim is live while it is not released and its process is among
+        ``live`` (those discovery shows); with ``live`` None (discovery cannot be asked), while it was renewed within
+        ``lease_s`` by the database's clock."""
         assert self._fence is not None
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{CLAIM_LOCK_TIMEOUT}'")
-                self._epoch = await conn.fetchval(
-                    "INSERT INTO projection_fences AS f (durable, epoch, holder) VALUES ($1, 1, $2)"
-                    " ON CONFLICT (durable) DO UPDATE SET epoch = f.epoch + 1, holder = EXCLUDED.holder,"
-                    " claimed_at = now(), released = false RETURNING epoch",
+                epoch = await conn.fetchval(
+                    "INSERT INTO projection_fences AS f (durable, epoch, holder)"
+                    " VALUES ($1, nextval('projection_fence_epochs'), $2)"
+                    " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
+                    " claimed_at = now(), renewed_at = now(), released = false"
+                    " WHERE f.released OR f.holder = EXCLUDED.holder"
+                    " OR CASE WHEN $4::text[] IS NULL THEN f.renewed_at < now() - make_interval(secs => $3::float8)"
+                    " ELSE f.holder <> ALL($4::text[]) END"
+                    " RETURNING epoch",
                     self._fence,
                     holder,
+                    lease_s,
+                    None if live is None else sorted(live),
                 )
         except asyncpg.LockNotAvailableError:
+            return "busy"
+        if epoch is None:
+            return "held"
+        self._epoch = epoch
+        return "claimed"
+
+    async def renew(self) -> bool:
+        """Renew this store's claim; False when another process has claimed the consumer since (the store is
+        fenced then). A batch being written holds the row: that is this process at work, and the next look renews."""
+        if self._fence is None or self._epoch is None:
             return False
-        return True
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = '{CLAIM_LOCK_TIMEOUT}'")
+                renewed = await conn.fetchval(
+                    "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1",
+                    self._fence,
+                    self._epoch,
+                )
+        except asyncpg.LockNotAvailableError:
+            return True
+        if renewed is None:
+            self._epoch = None
+        return renewed is not None
 
     async def release(self) -> None:
         """Say that this store's claim ends (its process stopped applying the consumer), so that a process standing
-        by need not wait for the discovery lease. Nothing when another claimed it since."""
+        by need not wait out the lease. Nothing when another claimed it since."""
         epoch, self._epoch = self._epoch, None
         if self._fence is None or epoch is None:
             return

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 import asyncpg
@@ -20,7 +21,16 @@ from nats.aio.client import Client
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
-from ontofabric.shared.discovery import Announcement, Worker, announce, discover, held_elsewhere, postgres_partitions
+from ontofabric.shared.discovery import (
+    INSTANCE,
+    Announcement,
+    Worker,
+    announce,
+    discover,
+    held_elsewhere,
+    postgres_partitions,
+    remembered_peers,
+)
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, ensure_jetstream, settled_by_other_layouts
 from ontofabric.shared.logging import describe, get_logger
@@ -99,7 +109,7 @@ class ProjectorService:
         self._standing_by: set[int] = set()
         """The partitions this process leaves to an earlier one."""
         self._departed: set[str] = set()
-        """Processes that released the consumers this one stands by for: stopped, not to be waited for."""
+        """Announcements not to be stood by for again: released, past the lease once, or answered anew."""
         self._heard_itself = True
         """Whether its last discovery ping reached its own announcement (and so the others')."""
         self._last_look: float | None = None
@@ -147,7 +157,8 @@ class ProjectorService:
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
         description = "ontofabric Postgres projector"
         models = ",".join(settings.models()) if settings.embedder != "none" else ""
-        self._announced = (description, {"index": "postgres", "partitions": held, "models": models})
+        details = {"index": "postgres", "partitions": held, "models": models, INSTANCE: uuid.uuid4().hex}
+        self._announced = (description, details)
         self._service = await announce(nc, names.projector_service, description, **self._announced[1])
         await self._hold()  # the first look: only the consumers no earlier process applies start
         self._holding = asyncio.create_task(self._keep_holding(), name="projector-holding")
@@ -173,7 +184,8 @@ class ProjectorService:
         return self.holding() and not self._stores[partition].fenced
 
     async def _hold(self) -> None:
-        """Apply the consumers no earlier process applies, and leave those one does."""
+        """Apply the consumers no earlier process applies and no other process holds a live claim on (renewed
+        within the lease, infra/migrations/0023), renew the claims of those it applies, and leave the others."""
         nc, service = self._nc, self._service
         assert nc is not None
         assert service is not None
@@ -188,22 +200,7 @@ class ProjectorService:
             await self._give_up_seniority("projector_away_past_its_lease", away_s=round(max(gaps), 1))
             self._last_look = time.monotonic()
             return
-        claimed = [durables[index] for index in self._projections if self._stores[index].fenced]
-        if claimed:  # another process took a consumer over while this one was away: it keeps them
-            await self._give_up_seniority("projector_consumer_claimed_elsewhere", durables=claimed)
-            self._last_look = time.monotonic()
-            return
-        for worker in answered:
-            self._peers[worker.id] = (now, worker)
-        heard_itself = any(worker.id == service.id for worker in answered)
-        if heard_itself != self._heard_itself:  # said once per change, not every look
-            self._heard_itself = heard_itself
-            if not heard_itself:  # its ping went nowhere: its login may not ask, or NATS is away
-                log.warning(
-                    "projector_peers_unknown",
-                    reason="no answer to its own discovery ping, not even its own: another process may apply the "
-                    "same consumers (the projector's NATS login needs $SRV.PING.<prefix>-projector)",
-                )
+        self._say_whether_heard(any(worker.id == service.id for worker in answered))
         for index in self._standing_by:  # a holder that stopped said so: no need to wait out its lease
             try:
                 released_by = await self._stores[index].released_by()
@@ -212,11 +209,14 @@ class ProjectorService:
                 continue
             if released_by is not None and released_by != service.id:
                 self._departed.add(released_by)
-        self._peers = {
-            key: (at, w)
-            for key, (at, w) in self._peers.items()
-            if now - at <= HOLDER_LEASE_S and key not in self._departed
-        }
+        self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
+        self._departed |= departed
+        for index, applying in list(self._projections.items()):  # renewed for another lease, or left
+            if await self._renewed(index):
+                continue
+            log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
+            await applying.stop()
+            del self._projections[index]
         peers = [worker for _, worker in self._peers.values()]
         failing = self._failing_beside_a_standby(now, peers)
         if failing:  # another process may reach the database this one cannot
@@ -227,19 +227,22 @@ class ProjectorService:
         for index in self._partitions:
             running = self._projections.get(index)
             if index in elsewhere:
-                if index not in self._standing_by:
-                    self._standing_by.add(index)
-                    log.info("projector_standing_by", durable=durables[index], reason="an earlier process applies it")
+                self._stand_by(index, "an earlier process applies it")
                 if running is not None:  # the batch in hand is finished first
                     await running.stop()
                     del self._projections[index]
             elif running is None:
+                # Discovery answered, the claims of the processes it shows hold; blind, the claims renewed lately.
+                live = {worker.id for worker in peers} if self._heard_itself else None
                 try:
-                    ours = await self._stores[index].claim(service.id)
+                    claim = await self._stores[index].claim(service.id, HOLDER_LEASE_S, live)
                 except Exception as error:  # the database away: the next look tries again
                     log.warning("projector_claim_failed", durable=durables[index], error=describe(error))
                     continue
-                if not ours:
+                if claim == "held":
+                    self._stand_by(index, "another process that is up holds its claim on it")
+                    continue
+                if claim == "busy":
                     log.info("projector_claim_waiting", durable=durables[index], reason="a batch of the process it "
                              "replaces is still being written")  # fmt: skip
                     continue
@@ -250,6 +253,37 @@ class ProjectorService:
                 )
                 log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         self._last_look = time.monotonic()
+
+    def _say_whether_heard(self, heard_itself: bool) -> None:
+        """Log once per change whether its own discovery ping reached its own announcement (and so the others')."""
+        if heard_itself == self._heard_itself:
+            return
+        self._heard_itself = heard_itself
+        if not heard_itself:  # its login may not ask, or NATS is away
+            log.warning(
+                "projector_peers_unknown",
+                reason="no answer to its own discovery ping, not even its own: it takes over only consumers whose "
+                "claim no other process renewed within the lease (the projector's NATS login needs "
+                "$SRV.PING.<prefix>-projector)",
+            )
+
+    def _stand_by(self, partition: int, reason: str) -> None:
+        if partition not in self._standing_by:
+            self._standing_by.add(partition)
+            durable = self.names.postgres_projector_durables(self.settings.projector_partitions)[partition]
+            log.info("projector_standing_by", durable=durable, reason=reason)
+
+    async def _renewed(self, partition: int) -> bool:
+        """Whether this process's claim on the partition's consumer still stands, renewed for another lease (a
+        database away cannot tell: the claim stands until a batch or a renewal finds otherwise)."""
+        store = self._stores[partition]
+        if store.fenced:  # a batch found the consumer claimed by another process
+            return False
+        try:
+            return await store.renew()
+        except Exception as error:
+            log.warning("projector_renewal_failed", partition=partition, error=describe(error))
+            return True
 
     def _failing_beside_a_standby(self, now: float, peers: list[Worker]) -> dict[str, float]:
         """The consumers (durable: seconds) whose writes have failed for longer than FAILING_HANDOVER_S here while
@@ -267,7 +301,7 @@ class ProjectorService:
         }
 
     async def _give_up_seniority(self, event: str, **why: object) -> None:
-        """Away longer than the lease (a standby may have taken over), or a consumer claimed by another process:
+        """Away longer than the lease (a standby may have taken over), or its writes failing beside a standby:
         leave every consumer and answer discovery anew, as the newest process, so that one which took over keeps
         them rather than handing them back."""
         log.warning(event, lease_s=HOLDER_LEASE_S, **why)
@@ -279,6 +313,7 @@ class ProjectorService:
         await _stop_announcing(self._service)
         if self._service is not None:  # what it answered before is no earlier process to stand by for
             self._peers.pop(self._service.id, None)
+            self._departed.add(self._service.id)
         description, details = self._announced
         self._service = await announce(self._nc, self.names.projector_service, description, **details)
         self._standing_by.clear()

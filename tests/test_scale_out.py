@@ -383,18 +383,27 @@ async def test_a_projector_whose_discovery_ping_reaches_nobody_says_so(
     assert [entry["event"] for entry in logged].count("projector_peers_unknown") == 1
 
 
-async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standby(
-    deployment: Deployment, projector: ProjectorService
-) -> None:
-    """A review: a holder frozen past the lease (SIGSTOP) took its consumer back as it woke, being the oldest, and
-    applied new batches beside the standby that had taken over: an update was lost in 2 of 3 tries. Now a process
-    away that long applies nothing until it has looked again, and then answers discovery as the newest."""
+@contextlib.asynccontextmanager
+async def _standing_by(deployment: Deployment) -> AsyncIterator[ProjectorService]:
+    """A second projector process beside the running one, standing by once a first delta is projected."""
     standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
     await standby.start()
     try:
         first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
         await deployment.wait_projected(first.seq)
         assert not standby._projections
+        yield standby
+    finally:
+        await standby.stop()
+
+
+async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standby(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A review: a holder frozen past the lease (SIGSTOP) took its consumer back as it woke, being the oldest, and
+    applied new batches beside the standby that had taken over: an update was lost in 2 of 3 tries. Now a process
+    away that long applies nothing until it has looked again, and then answers discovery as the newest."""
+    async with _standing_by(deployment) as standby:
         assert projector._last_look is not None
         projector._last_look -= projector_worker.HOLDER_LEASE_S + 1  # as if frozen that long since its last look
         assert not projector.holding()  # no batch is applied until it has looked again
@@ -404,8 +413,6 @@ async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standb
         later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
         await deployment.wait_projected(later.seq)
         assert projector.holding()  # back, standing by
-    finally:
-        await standby.stop()
 
 
 async def test_a_projector_whose_consumer_another_process_claimed_leaves_it_and_its_batch(
@@ -542,12 +549,7 @@ async def test_a_projector_that_stops_hands_its_consumer_over_without_the_lease(
     consumer over at its next look, not once the holder has been silent for the discovery lease (6 s of no
     projection at every restart). The lease is made long here so that waiting it out would show."""
     monkeypatch.setattr(projector_worker, "HOLDER_LEASE_S", 60.0)
-    standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await standby.start()
-    try:
-        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
-        await deployment.wait_projected(first.seq)
-        assert not standby._projections
+    async with _standing_by(deployment) as standby:
         stopped = time.monotonic()
         await projector.stop()
         released = await deployment.fetch("SELECT released FROM projection_fences")
@@ -557,8 +559,6 @@ async def test_a_projector_that_stops_hands_its_consumer_over_without_the_lease(
         assert standby._projections
         assert time.monotonic() - stopped < 30  # within a few looks; the lease alone would take 60 s
         assert [row["released"] for row in await deployment.fetch("SELECT released FROM projection_fences")] == [False]
-    finally:
-        await standby.stop()
 
 
 async def test_a_projector_that_cannot_write_leaves_its_consumer_to_a_standby_that_can(
@@ -568,12 +568,7 @@ async def test_a_projector_that_cannot_write_leaves_its_consumer_to_a_standby_th
     discovery: its standby waited for ever while nothing was applied. After FAILING_HANDOVER_S of failed writes
     it leaves its consumers to the standby."""
     monkeypatch.setattr(projector_worker, "FAILING_HANDOVER_S", 1.0)
-    standby = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await standby.start()
-    try:
-        first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
-        await deployment.wait_projected(first.seq)
-        assert not standby._projections
+    async with _standing_by(deployment) as standby:
         for pool in projector._pools.values():
             pool.terminate()  # as if this process alone had lost the database
         with structlog.testing.capture_logs() as logged:
@@ -582,5 +577,3 @@ async def test_a_projector_that_cannot_write_leaves_its_consumer_to_a_standby_th
         assert "projector_failing_hands_over" in [entry["event"] for entry in logged]
         assert standby._projections
         assert not projector._projections
-    finally:
-        await standby.stop()

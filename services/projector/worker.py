@@ -184,8 +184,8 @@ class ProjectorService:
         return self.holding() and not self._stores[partition].fenced
 
     async def _hold(self) -> None:
-        """Apply the consumers no earlier process applies and no other process holds a live claim on (renewed
-        within the lease, infra/migrations/0023), renew the claims of those it applies, and leave the others."""
+        """Apply the consumers no earlier process applies and no other process holds a live claim on (its process up
+        in discovery, infra/migrations/0023), renew the claims of those it applies, and leave the others."""
         nc, service = self._nc, self._service
         assert nc is not None
         assert service is not None

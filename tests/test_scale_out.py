@@ -481,6 +481,40 @@ async def test_a_projector_that_cannot_see_the_others_does_not_take_a_renewed_co
         await blind.stop()
 
 
+async def test_a_newer_process_that_claimed_without_hearing_the_holder_gives_the_consumer_back(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-test of the fence: a process whose first look missed the holder's answer claimed the consumer, then
+    heard the older process and stood by, keeping its claim; the older one, fenced, found the claim of a process
+    that was up and stood by too. Nothing was applied for as long as both ran (112 s in the re-test). Standing by
+    for an earlier process now releases the claim, and a claim not renewed within the lease is not live."""
+    newer = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    hearing = projector_worker.discover
+    looks = 0
+
+    async def deaf_at_first(nc: object, name: str, *args: object) -> list[Worker]:
+        nonlocal looks
+        answered = await hearing(nc, name, *args)  # type: ignore[arg-type]
+        if nc is not newer._nc:
+            return answered
+        looks += 1
+        return answered if looks > 1 else [w for w in answered if newer._service and w.id == newer._service.id]
+
+    monkeypatch.setattr(projector_worker, "discover", deaf_at_first)
+    await newer.start()
+    try:
+        assert newer._projections  # it claimed at its first look, the holder unheard
+        for n in range(6):
+            ack = await deployment.publisher.publish(upsert("acme", document(f"d{n}", f"text {n}")))
+            await asyncio.sleep(0.5)
+        await deployment.wait_projected(ack.seq, timeout_s=30)
+        async with asyncio.timeout(20):  # the earlier process applies again, the newer one stands by
+            while newer._projections or not projector._projections:
+                await asyncio.sleep(0.1)
+    finally:
+        await newer.stop()
+
+
 async def test_a_consumer_claimed_elsewhere_leaves_the_process_s_other_partitions_applied(
     deployment_settings: Settings, servers: Endpoints, nats_logins: dict[str, tuple[str, str]]
 ) -> None:

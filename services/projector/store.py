@@ -217,32 +217,31 @@ class PostgresProjectionStore:
 
     async def claim(self, holder: str, lease_s: float, live: Collection[str] | None) -> Claim:
         """Claim the consumer for ``holder`` unless another process holds a live claim on it: from then on every
-        earlier claim's batches are refused. A claim is live while it is not released and its process is among
-        ``live`` (those discovery shows); with ``live`` None (discovery cannot be asked), while it was renewed within
-        ``lease_s`` by the database's clock."""
+        earlier claim's batches are refused. A claim is live while it is not released, was renewed within
+        ``lease_s`` (by the database's clock), and its process is among ``live`` (those discovery shows; None when
+        discovery cannot be asked)."""
         assert self._fence is not None
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{CLAIM_LOCK_TIMEOUT}'")
-                epoch = await conn.fetchval(
+                current = await conn.fetchrow(
+                    "SELECT holder, released, renewed_at >= now() - make_interval(secs => $2::float8) AS renewed"
+                    " FROM projection_fences WHERE durable = $1 FOR UPDATE",
+                    self._fence,
+                    lease_s,
+                )
+                if current is not None and _held_by_another(current, holder, live):
+                    return "held"
+                self._epoch = await conn.fetchval(
                     "INSERT INTO projection_fences AS f (durable, epoch, holder)"
                     " VALUES ($1, nextval('projection_fence_epochs'), $2)"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
-                    " claimed_at = now(), renewed_at = now(), released = false"
-                    " WHERE f.released OR f.holder = EXCLUDED.holder"
-                    " OR CASE WHEN $4::text[] IS NULL THEN f.renewed_at < now() - make_interval(secs => $3::float8)"
-                    " ELSE f.holder <> ALL($4::text[]) END"
-                    " RETURNING epoch",
+                    " claimed_at = now(), renewed_at = now(), released = false RETURNING epoch",
                     self._fence,
                     holder,
-                    lease_s,
-                    None if live is None else sorted(live),
                 )
         except asyncpg.LockNotAvailableError:
             return "busy"
-        if epoch is None:
-            return "held"
-        self._epoch = epoch
         return "claimed"
 
     async def renew(self) -> bool:
@@ -492,6 +491,17 @@ class PostgresProjectionStore:
             delta.seq, event_id, False, doc.token_vectors.data if doc.token_vectors is not None else None,
             second.data if second is not None else None, second.model if second is not None else None,
         )  # fmt: skip
+
+
+def _held_by_another(fence: asyncpg.Record, holder: str, live: Collection[str] | None) -> bool:
+    """Whether a fence row is another process's live claim: not released, renewed within the lease, and its process
+    up in discovery (or discovery not asked)."""
+    return (
+        fence["holder"] != holder
+        and not fence["released"]
+        and fence["renewed"]
+        and (live is None or fence["holder"] in live)
+    )
 
 
 async def _check_model(conn: Connection, deltas: Sequence[Delta]) -> None:

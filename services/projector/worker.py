@@ -184,8 +184,9 @@ class ProjectorService:
         return self.holding() and not self._stores[partition].fenced
 
     async def _hold(self) -> None:
-        """Apply the consumers no earlier process applies and no other process holds a live claim on (its process up
-        in discovery, infra/migrations/0023), renew the claims of those it applies, and leave the others."""
+        """Apply the consumers no earlier process applies and no other process holds a live claim on (renewed
+        within the lease by a process discovery shows, infra/migrations/0023), renew the claims of those it
+        applies, and leave the others."""
         nc, service = self._nc, self._service
         assert nc is not None
         assert service is not None
@@ -201,13 +202,14 @@ class ProjectorService:
             self._last_look = time.monotonic()
             return
         self._say_whether_heard(any(worker.id == service.id for worker in answered))
+        answering = {worker.id for worker in answered}
         for index in self._standing_by:  # a holder that stopped said so: no need to wait out its lease
             try:
                 released_by = await self._stores[index].released_by()
             except Exception as error:  # the database away: the lease decides
                 log.warning("projector_release_unknown", durable=durables[index], error=describe(error))
                 continue
-            if released_by is not None and released_by != service.id:
+            if released_by is not None and released_by not in answering:  # stopped, not standing by
                 self._departed.add(released_by)
         self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
         self._departed |= departed
@@ -228,11 +230,12 @@ class ProjectorService:
             running = self._projections.get(index)
             if index in elsewhere:
                 self._stand_by(index, "an earlier process applies it")
-                if running is not None:  # the batch in hand is finished first
+                if running is not None:  # the batch in hand is finished first, then the claim is the other's
                     await running.stop()
                     del self._projections[index]
+                    await self._release(index)
             elif running is None:
-                # Discovery answered, the claims of the processes it shows hold; blind, the claims renewed lately.
+                # A claim renewed lately holds if its process is up, or where discovery cannot tell (blind).
                 live = {worker.id for worker in peers} if self._heard_itself else None
                 try:
                     claim = await self._stores[index].claim(service.id, HOLDER_LEASE_S, live)

@@ -1,6 +1,6 @@
 -- Who applies each durable consumer of the stream, and since which claim: the fencing token of the process that
 -- applies it. A process claims a consumer as it starts applying it (a new epoch) and renews its claim at every look
--- at the other projectors; every batch's transaction first reads its consumer's row (FOR SHARE) and writes nothing
+-- at the other projectors; every batch's transaction first renews its consumer's row (locking it) and writes nothing
 -- when the epoch is no longer its own. Discovery decides which process should apply a consumer; this row decides
 -- which one may: a process frozen with a batch in hand, replaced meanwhile, cannot commit it as it wakes (a review,
 -- 2026-11-29), and a claim renewed within the lease is not taken over by a process that cannot see its holder in

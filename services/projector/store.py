@@ -190,8 +190,10 @@ class Fenced(Exception):
 
 
 CLAIM_LOCK_TIMEOUT = "1s"
-"""How long a claim or a renewal waits for a batch transaction holding the fence row (one frozen inside it holds the
-row until it wakes or the server ends it): the next look tries again."""
+"""How long a claim waits for a batch transaction holding the fence row (one frozen inside it holds the row until it
+wakes or the server ends it): the next look tries again."""
+RENEW_LOCK_TIMEOUT = "100ms"
+"""How long a look's renewal waits for a batch of its own process: that batch renews the claim as it commits."""
 
 Claim = Literal["claimed", "held", "busy"]
 """What a claim came to: the consumer is this process's now; another process holds a live claim on it; a batch of
@@ -246,12 +248,12 @@ class PostgresProjectionStore:
 
     async def renew(self) -> bool:
         """Renew this store's claim; False when another process has claimed the consumer since (the store is
-        fenced then). A batch being written holds the row: that is this process at work, and the next look renews."""
+        fenced then). A batch being written holds the row: that is this process at work, renewing the claim too."""
         if self._fence is None or self._epoch is None:
             return False
         try:
             async with self._pool.acquire() as conn, conn.transaction():
-                await conn.execute(f"SET LOCAL lock_timeout = '{CLAIM_LOCK_TIMEOUT}'")
+                await conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_TIMEOUT}'")
                 renewed = await conn.fetchval(
                     "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1",
                     self._fence,
@@ -283,15 +285,19 @@ class PostgresProjectionStore:
 
     async def _check_fence(self, conn: Connection) -> None:
         """First in a batch's transaction: the claim is still the latest, and stays so until the commit (the row
-        is held FOR SHARE; a claim waits for it)."""
+        is locked; a claim waits for it). The batch renews the claim too: a holder busy with batches one after
+        another may find no moment between them for the renewal of its look."""
         if self._fence is None:
             return
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
-        row = await conn.fetchrow(
-            "SELECT epoch, holder FROM projection_fences WHERE durable = $1 FOR SHARE", self._fence
+        renewed = await conn.fetchval(
+            "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1",
+            self._fence,
+            self._epoch,
         )
-        if row is None or row["epoch"] != self._epoch:
+        if renewed is None:
+            row = await conn.fetchrow("SELECT epoch, holder FROM projection_fences WHERE durable = $1", self._fence)
             mine, self._epoch = self._epoch, None
             holder = "nobody" if row is None else f"{row['holder']} (epoch {row['epoch']})"
             raise Fenced(f"consumer {self._fence} was claimed by {holder} after this process (epoch {mine})")

@@ -195,6 +195,8 @@ wakes or the server ends it): the next look tries again."""
 RENEW_LOCK_TIMEOUT = "100ms"
 """How long a look's renewal waits for a batch of its own process: that batch renews the claim as it commits."""
 
+_RENEW_CLAIM = "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1"
+
 Claim = Literal["claimed", "held", "busy"]
 """What a claim came to: the consumer is this process's now; another process holds a live claim on it; a batch of
 the process it replaces is still being written."""
@@ -254,11 +256,7 @@ class PostgresProjectionStore:
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_TIMEOUT}'")
-                renewed = await conn.fetchval(
-                    "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1",
-                    self._fence,
-                    self._epoch,
-                )
+                renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch)
         except asyncpg.LockNotAvailableError:
             return True
         if renewed is None:
@@ -291,11 +289,7 @@ class PostgresProjectionStore:
             return
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
-        renewed = await conn.fetchval(
-            "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1",
-            self._fence,
-            self._epoch,
-        )
+        renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch)
         if renewed is None:
             row = await conn.fetchrow("SELECT epoch, holder FROM projection_fences WHERE durable = $1", self._fence)
             mine, self._epoch = self._epoch, None

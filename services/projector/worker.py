@@ -101,6 +101,8 @@ class ProjectorService:
         self._projections: dict[int, RunningProjection] = {}
         """The consumers this process applies now, by partition."""
         self._new_projection: dict[int, Callable[[], DurableProjection]] = {}
+        self._durables = self.names.postgres_projector_durables(settings.projector_partitions)
+        """The consumers of its layout, by partition."""
         self._stores: dict[int, PostgresProjectionStore] = {}
         """Each partition's store, which holds this process's claim on its consumer."""
         self._peers: dict[str, tuple[float, Worker]] = {}
@@ -140,7 +142,7 @@ class ProjectorService:
         await migrate_legacy_manifests(js, names)
         versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
         count = settings.projector_partitions
-        durables = names.postgres_projector_durables(count)
+        durables = self._durables
         reembedders = {database: await self._reembedder(pool) for database, pool in self._pools.items()}
         for index in self._partitions:
             database = placement.database_of_partition(index)
@@ -191,7 +193,7 @@ class ProjectorService:
         assert nc is not None
         assert service is not None
         settings, names = self.settings, self.names
-        durables = names.postgres_projector_durables(settings.projector_partitions)
+        durables = self._durables
         now = time.monotonic()
         answered = await discover(nc, names.projector_service)
         # Away past the lease, between looks or during this one (what it saw is then stale): a standby may have
@@ -273,8 +275,7 @@ class ProjectorService:
     def _stand_by(self, partition: int, reason: str) -> None:
         if partition not in self._standing_by:
             self._standing_by.add(partition)
-            durable = self.names.postgres_projector_durables(self.settings.projector_partitions)[partition]
-            log.info("projector_standing_by", durable=durable, reason=reason)
+            log.info("projector_standing_by", durable=self._durables[partition], reason=reason)
 
     async def _renewed(self, partition: int) -> bool:
         """Whether this process's claim on the partition's consumer still stands, renewed for another lease (a
@@ -285,7 +286,7 @@ class ProjectorService:
         try:
             return await store.renew()
         except Exception as error:
-            log.warning("projector_renewal_failed", partition=partition, error=describe(error))
+            log.warning("projector_renewal_failed", durable=self._durables[partition], error=describe(error))
             return True
 
     def _failing_beside_a_standby(self, now: float, peers: list[Worker]) -> dict[str, float]:
@@ -293,10 +294,9 @@ class ProjectorService:
         another process that could apply them is up."""
         assert self._service is not None
         layout = self.settings.projector_partitions
-        durables = self.names.postgres_projector_durables(layout)
         others = [held for peer in peers if peer.id != self._service.id and (held := postgres_partitions(peer))]
         return {
-            durables[index]: round(now - since, 1)
+            self._durables[index]: round(now - since, 1)
             for index, running in self._projections.items()
             if (since := running.failing_since) is not None
             and now - since > FAILING_HANDOVER_S
@@ -325,7 +325,7 @@ class ProjectorService:
         try:
             await self._stores[partition].release()
         except Exception as error:  # the database away: a standby waits out the lease instead
-            log.warning("projector_release_failed", partition=partition, error=describe(error))
+            log.warning("projector_release_failed", durable=self._durables[partition], error=describe(error))
 
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model

@@ -37,6 +37,8 @@ from .lookup import BranchStatus, DocumentReply, DocumentRequest, StatusReply, S
 from .query import (
     CLOCK_ALLOWANCE_MS,
     MAX_TIMEOUT_MS,
+    RECEIPT_HEADER,
+    RECEIVED,
     SENT_AT_HEADER,
     TIMEOUT_HEADER,
     ErrorDetail,
@@ -61,6 +63,8 @@ __all__ = [
     "MAX_TIMEOUT_MS",
     "NO_VERSION",
     "PROVENANCES",
+    "RECEIPT_HEADER",
+    "RECEIVED",
     "SCHEMA_VERSION",
     "SENT_AT_HEADER",
     "TIMEOUT_HEADER",

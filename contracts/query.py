@@ -459,6 +459,13 @@ clock). A worker that reads the request more than CLOCK_ALLOWANCE_MS after that 
 its socket) counts the wait against the timeout: no work for a caller that has given up. Send it only from hosts
 whose clocks agree with the workers' within that allowance."""
 CLOCK_ALLOWANCE_MS = 1_000
+RECEIPT_HEADER = "Ontofabric-Receipt"
+RECEIVED = "received"
+"""Optional request header ``Ontofabric-Receipt`` (any value): the worker that reads the request sends its caller
+an empty message with the header set to ``received`` before the reply. A caller that gets no receipt soon (a
+second or so) knows the worker holding the request is frozen or gone, not working on it, and can send the request
+again at once rather than after its timeout. Only for callers that read more than one message from the reply
+subject (a plain NATS request takes the first)."""
 
 
 class ErrorDetail(WireModel):

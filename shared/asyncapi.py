@@ -14,7 +14,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from ontofabric.contracts.deltas import SCHEMA_VERSION
-from ontofabric.contracts.query import CLOCK_ALLOWANCE_MS, SENT_AT_HEADER, TIMEOUT_HEADER
+from ontofabric.contracts.query import CLOCK_ALLOWANCE_MS, RECEIPT_HEADER, RECEIVED, SENT_AT_HEADER, TIMEOUT_HEADER
 from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR
 
 from .jetstream import MAX_DELTA_MESSAGE_BYTES
@@ -182,10 +182,26 @@ def _messages() -> Json:
                         "the wait against the timeout, and does no work for a caller that has given up. Send it "
                         "only where the hosts' clocks agree within that.",
                     },
+                    RECEIPT_HEADER: {
+                        "type": "string",
+                        "description": "Optional, any value: the worker that reads the request first sends an "
+                        f"empty Receipt message ({RECEIPT_HEADER}: {RECEIVED}) to the reply subject, then the reply. "
+                        "A caller that reads more than one message there tells a worker frozen or gone (no receipt "
+                        "within a second or so) from one at work, and sends the request again at once.",
+                    },
                     **_TRACE_HEADERS,
                 }
             ),
         ),
+        "Receipt": {
+            **_message(
+                "Receipt",
+                {"type": "string", "maxLength": 0, "description": "Empty."},
+                f"Sent before the reply to a request that carries {RECEIPT_HEADER}: a worker has it.",
+                _headers({RECEIPT_HEADER: {"type": "string", "const": RECEIVED}}, [RECEIPT_HEADER]),
+            ),
+            "contentType": "application/octet-stream",
+        },
         "QueryResponse": _message("QueryResponse", "QueryResponse", "The ranked results and the _meta envelope."),
         "ErrorReply": _message(
             "ErrorReply",
@@ -293,7 +309,7 @@ def _channels(names: Names) -> Json:
             [request_message],
             workspace,
         )
-        channels[f"{operation}Replies"] = _reply_channel([reply_message, "ErrorReply"])
+        channels[f"{operation}Replies"] = _reply_channel([reply_message, "ErrorReply", "Receipt"])
     return channels
 
 

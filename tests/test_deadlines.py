@@ -19,19 +19,29 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from ontofabric.contracts import (
     MAX_TIMEOUT_MS,
+    RECEIPT_HEADER,
+    RECEIVED,
     SENT_AT_HEADER,
     TIMEOUT_HEADER,
     ErrorDetail,
     ErrorReply,
     QueryResponse,
 )
-from ontofabric.services.query.client import QueryClient, parse_reply
+from ontofabric.services.query.client import (
+    FIRST_ATTEMPT_SHARE,
+    RECEIPT_WAIT_S,
+    Attempt,
+    QueryClient,
+    attempt_timeout,
+    parse_reply,
+    send_again_at,
+)
 from ontofabric.services.query.deadlines import (
     LAG_HALF_LIFE_S,
     MAX_MARGIN_S,
     MIN_MARGIN_S,
     Deadline,
-    LoopLag,
+    RecentDelay,
     ServiceTime,
     deadline_of,
     waited_before_receipt_s,
@@ -58,7 +68,7 @@ def test_the_deadline_is_the_callers_timeout_less_a_margin_for_the_way_back() ->
 
 
 def test_a_loop_that_ran_late_lately_keeps_that_much_more_back_from_each_deadline() -> None:
-    lag = LoopLag()
+    lag = RecentDelay()
     lag.observe(0.2, 10.0)  # a stall of 200 ms
     lag.observe(0.001, 10.05)
     assert lag.seconds == pytest.approx(0.2, rel=0.01)  # the largest recent one counts
@@ -787,8 +797,8 @@ async def test_a_request_with_headers_near_max_payload_is_answered_and_the_worke
 async def test_a_request_lost_with_its_worker_is_sent_again_in_the_time_left(
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:
-    """A worker that takes a request and dies with it (here: one that never replies to its first) leaves its
-    caller silent past the timeout it was told; the client sends it again with the time left, to whichever
+    """A worker that takes a request and dies with it (here: one that says it has its first but never replies)
+    leaves its caller silent past the timeout it was told; the client sends it again with the time left, to whichever
     worker takes it. Only when a second attempt still fits (1 s or more)."""
     names = deployment.names
     seen: list[int] = []
@@ -797,6 +807,7 @@ async def test_a_request_lost_with_its_worker_is_sent_again_in_the_time_left(
     async def flaky(msg: Msg) -> None:
         assert msg.headers is not None
         seen.append(int(msg.headers[TIMEOUT_HEADER]))
+        await worker.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})  # it has the request
         if len(seen) > 1:
             await msg.respond(answer)
 
@@ -819,3 +830,75 @@ async def test_a_request_lost_with_its_worker_is_sent_again_in_the_time_left(
         assert len(seen) == 1
     finally:
         await worker.close()
+
+
+def test_a_request_is_sent_again_once_no_attempt_of_it_can_be_expected_to_answer() -> None:
+    """An attempt is expected to say it has the request within the receipt wait, and to answer by its timeout
+    once it has; the request goes out again when no open attempt is within either."""
+    wait = RECEIPT_WAIT_S
+    silent = Attempt(sent_at=0.0, due_at=6.5)
+    assert send_again_at([silent], wait) == wait
+    silent.receipt_at = 0.01
+    assert send_again_at([silent], wait) == 6.5  # it has it: its timeout
+    second = Attempt(sent_at=1.0, due_at=6.0)
+    assert send_again_at([Attempt(sent_at=0.0, due_at=6.5), second], wait) == 1.0 + wait
+    second.done = True  # refused: the first, silent, is all that is awaited
+    assert send_again_at([Attempt(sent_at=0.0, due_at=6.5), second], wait) == wait
+    assert send_again_at([second], wait) is None
+    assert send_again_at([Attempt(sent_at=0.0, due_at=0.5)], wait) == 0.5  # a short attempt: its timeout first
+    assert attempt_timeout(10.0, 8) == 10.0 * FIRST_ATTEMPT_SHARE
+    assert attempt_timeout(10.0, 1) == 10.0  # the last send has all that is left
+    assert attempt_timeout(2.0, 8) == 2.0  # no room for another after a share of it
+
+
+async def test_a_worker_says_it_has_a_request_before_it_answers_when_asked(
+    seeded: int, deployment: Deployment, start_worker: Start
+) -> None:
+    await start_worker(SlowReranker(0.0))
+    nc = deployment.nc
+    subject = deployment.names.request_subject("query", "acme")
+    for headers, expected in (({RECEIPT_HEADER: "1", TIMEOUT_HEADER: "10000"}, 2), ({TIMEOUT_HEADER: "10000"}, 1)):
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        await nc.publish(subject, _query(), reply=inbox, headers=headers)
+        got = [await replies.next_msg(timeout=10) for _ in range(expected)]
+        with pytest.raises(NatsTimeoutError):
+            await replies.next_msg(timeout=0.3)
+        await replies.unsubscribe()
+        if expected == 2:
+            assert (got[0].data, (got[0].headers or {}).get(RECEIPT_HEADER)) == (b"", RECEIVED)
+        assert isinstance(parse_reply(got[-1].data), QueryResponse)
+        assert RECEIPT_HEADER not in (got[-1].headers or {})
+
+
+async def test_a_request_held_by_a_frozen_worker_is_sent_again_when_its_receipt_does_not_come(
+    seeded: int, deployment: Deployment, runtime: EmbeddedRuntime, start_worker: Start
+) -> None:
+    """A worker frozen by its host (SIGSTOP, a paused VM) keeps its place in the queue group until the server's
+    pings time out, minutes later, and takes its share of requests without a word. Here a member that reads one
+    request and is never heard of again: the request is sent again once its receipt is a second late, not when
+    the 65 % of the timeout given to the first attempt has passed."""
+    await start_worker(SlowReranker(0.0))
+    names = deployment.names
+    held: list[tuple[float, dict[str, str]]] = []
+
+    async def frozen(msg: Msg) -> None:
+        held.append((time.monotonic(), dict(msg.headers or {})))
+
+    hole = await connect_as(deployment, runtime, "query")
+    await hole.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=frozen, max_msgs=1)
+    await subscriptions_visible(hole)
+    client = QueryClient(deployment.nc, names, timeout_s=10)
+    try:
+        for _ in range(40):  # the queue group picks a member at random: until the frozen one has taken one
+            started = time.monotonic()
+            reply = await client.query("acme", {"semanticQuery": "retry a call"})
+            took = time.monotonic() - started
+            assert isinstance(reply, QueryResponse)
+            if held:
+                break
+        assert held, "the frozen member never got a request"
+        assert held[0][1].get(RECEIPT_HEADER) is not None
+        assert RECEIPT_WAIT_S <= took < 10 * FIRST_ATTEMPT_SHARE - 1, took
+    finally:
+        await hole.close()

@@ -26,6 +26,8 @@ from nats.aio.msg import Msg
 
 from ontofabric.contracts import (
     NO_VERSION,
+    RECEIPT_HEADER,
+    RECEIVED,
     ErrorDetail,
     ErrorReply,
     QueryError,
@@ -350,15 +352,20 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
 
 
 async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment: Deployment) -> None:
-    """A worker that takes requests and never answers (slow, or lost mid-request): the gateway sends a call again
-    once its first attempt's share of the timeout has passed, but not for a client that has already gone."""
+    """A worker that takes requests, says it has them and never answers (slow, or lost mid-request): the gateway
+    sends a call again once its first attempt's share of the timeout has passed, but not for a client that has
+    already gone."""
     seen: list[bytes] = []
+    worker = await connect(deployment.nats_url_as("query"), "test-slow-worker")  # may answer callers' inboxes
 
     async def take(msg: Msg) -> None:
         seen.append(msg.data)
+        await worker.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
 
-    silent = await deployment.nc.subscribe(deployment.names.request_subject("query", "acme"), cb=take)
-    await subscriptions_visible(deployment.nc)
+    await worker.subscribe(
+        deployment.names.request_subject("query", "acme"), queue=deployment.names.query_queue, cb=take
+    )
+    await subscriptions_visible(worker)
     call = {
         "jsonrpc": "2.0", "id": 1, "method": "tools/call",
         "params": {"name": "ontology_query", "arguments": {"semanticQuery": "csv"}},
@@ -373,7 +380,7 @@ async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment:
             answer = await staying
         assert answer.status_code == 200
         assert answer.json()["result"]["isError"] is True  # no answer within 4 s, said within them
-    await silent.unsubscribe()
+    await worker.close()
     assert len(seen) == 3  # the staying call twice, the one that left once
 
 

@@ -35,15 +35,16 @@ class Deadline:
 
 
 LAG_HALF_LIFE_S = 5.0
-"""How fast a stall of the event loop is forgotten: it counts half after this long."""
+"""How fast a delay is forgotten: it counts half after this long."""
 MAX_LAG_SHARE = 0.25
 """The most of a caller's timeout that the event loop's lag adds to the margin."""
 
 
-class LoopLag:
-    """How late the event loop has lately run what was due: the largest recent delay, forgotten with a half-life.
-    A loop that stalls (a large answer built, the GIL held by the model thread on two busy cores) runs a deadline's
-    timer late and reads requests late; its recent lag is kept back from every deadline as margin."""
+class RecentDelay:
+    """The largest recent delay, forgotten with a half-life. The worker keeps how late its event loop has lately
+    run what was due: a loop that stalls (a large answer built, the GIL held by the model thread on two busy cores)
+    runs a deadline's timer late and reads requests late, so its recent lag is kept back from every deadline as
+    margin. A client keeps how late its requests' receipts came (services/query/client.py)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -54,7 +55,7 @@ class LoopLag:
         self.seconds, self._at = max(late_s, faded), now
 
 
-def _header(headers: Mapping[str, str] | None, wanted: str) -> str | None:
+def header_value(headers: Mapping[str, str] | None, wanted: str) -> str | None:
     """A header's value by its name in any case (some clients write header names in lower case)."""
     return next((value for name, value in (headers or {}).items() if name.lower() == wanted.lower()), None)
 
@@ -62,7 +63,7 @@ def _header(headers: Mapping[str, str] | None, wanted: str) -> str | None:
 def waited_before_receipt_s(headers: Mapping[str, str] | None, now_wall_s: float) -> float | ErrorDetail:
     """How long the request waited before the worker read it, by the caller's ``Ontofabric-Sent-At-Ms`` and this
     host's wall clock, less the clocks' allowance; 0 without the header; what is wrong with a malformed one."""
-    raw = _header(headers, SENT_AT_HEADER)
+    raw = header_value(headers, SENT_AT_HEADER)
     if raw is None:
         return 0.0
     text = raw.strip()
@@ -79,9 +80,9 @@ def deadline_of(
     waited_before_s: float = 0.0,
 ) -> Deadline | ErrorDetail:
     """The request's deadline, or what is wrong with its timeout header. ``lag_s``: the event loop's recent lag
-    (:class:`LoopLag`), kept back as well; ``waited_before_s``: what the request waited before the worker read it
+    (:class:`RecentDelay`), kept back as well; ``waited_before_s``: what the request waited before the worker read it
     (:func:`waited_before_receipt_s`)."""
-    raw = _header(headers, TIMEOUT_HEADER)
+    raw = header_value(headers, TIMEOUT_HEADER)
     if raw is None:
         timeout_ms = default_ms
     else:

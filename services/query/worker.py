@@ -27,6 +27,8 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from ontofabric.contracts import (
+    RECEIPT_HEADER,
+    RECEIVED,
     TIMEOUT_HEADER,
     DocumentRequest,
     ErrorDetail,
@@ -57,7 +59,7 @@ from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
-from .deadlines import Deadline, LoopLag, ServiceTime, deadline_of, waited_before_receipt_s
+from .deadlines import Deadline, RecentDelay, ServiceTime, deadline_of, header_value, waited_before_receipt_s
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -172,7 +174,7 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
 
 
 LAG_TICK_S = 0.05
-"""How often the worker looks how late its event loop runs (services/query/deadlines.py, LoopLag)."""
+"""How often the worker looks how late its event loop runs (services/query/deadlines.py, RecentDelay)."""
 
 # Room kept free in a NATS message beside a reply: replies carry no headers now (_reply), so this is slack, kept
 # rather than moving every budget (budget.fit_reply) by 16 KiB.
@@ -255,7 +257,7 @@ class QueryService:
         self._waiting: TurnQueue[Admitted] = TurnQueue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
-        self._lag = LoopLag()
+        self._lag = RecentDelay()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
         self._held_by: Counter[str] = Counter()
@@ -352,6 +354,9 @@ class QueryService:
         if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
             log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
             return
+        if header_value(msg.headers, RECEIPT_HEADER) is not None:
+            # First, before any refusal or work: silence then tells the caller this worker is frozen or gone.
+            await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
         received = asyncio.get_running_loop().time()
         waited_before = waited_before_receipt_s(msg.headers, time.time())
         if isinstance(waited_before, ErrorDetail):
@@ -538,7 +543,7 @@ class QueryService:
         await self._reply_once(admitted, body)
         return True
 
-    async def _reply(self, msg: Msg, body: bytes) -> None:
+    async def _reply(self, msg: Msg, body: bytes, headers: dict[str, str] | None = None) -> None:
         if not msg.reply.startswith("_INBOX."):
             # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
             # make this worker write there (NATS permissions allow it no other subject, docs/security.md).
@@ -549,7 +554,7 @@ class QueryService:
         try:
             # Not msg.respond: it sends the request's headers back with the reply, and a caller's large headers
             # would then make the reply exceed max_payload, on which the server ends this worker's connection.
-            await self._nc.publish(msg.reply, body)
+            await self._nc.publish(msg.reply, body, headers=headers)
         except Exception as error:  # the connection went away: the caller times out and retries elsewhere
             log.warning("reply_failed", error=describe(error))
 

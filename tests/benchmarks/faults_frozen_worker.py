@@ -1,0 +1,158 @@
+"""Fault scenario of the read path: one of two query worker processes is frozen (SIGSTOP, as a paused VM or a
+stuck host leaves it) while callers keep asking, half of them with receipts asked for and half without.
+
+A frozen worker keeps its place in the queue group: the NATS server drops its connection only when its pings go
+unanswered, minutes later, and meanwhile hands it its share of the requests. A caller that asks for receipts
+(``QueryClient`` by default) sends a request again once its receipt is a second late; one that does not waits
+until the first attempt's share of its timeout has passed. Both kinds of caller run at once, against the same
+workers, so the comparison is within one run.
+
+On a part of this project's source tree (``services/query``: a few hundred chunks, embedded in seconds), cache
+off. Each caller asks, waits for the reply or its timeout (10 s), and asks again at once. Timeline (``--seconds
+45``): steady, then worker B frozen from 20 % of the run for ``--freeze-s`` (20 s), then thawed. Reported per
+phase (by when a request was sent) and kind of caller: requests, outcomes, and the replies' p50/p95/p99/max.
+
+Run: .venv/bin/python -m tests.benchmarks.faults_frozen_worker [--seconds 45] [--clients 8] [--freeze-s 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import tempfile
+import time
+import uuid
+from collections import Counter
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from ontofabric.services.app import Roles
+from ontofabric.services.demo import project_root
+from ontofabric.services.ingest.ingester import chunk_tree
+from ontofabric.services.ops.measures import percentile
+from ontofabric.services.query.client import QueryClient
+from ontofabric.shared.embedder import build_embedder
+from ontofabric.shared.jetstream import wait_caught_up
+from ontofabric.shared.logging import configure_logging
+from ontofabric.shared.runtime import EmbeddedRuntime
+from ontofabric.shared.settings import Settings
+from ontofabric.shared.subjects import Names
+
+from .bench_overload import ask, outcome_of
+from .bench_spine import queries_from, serve_for_ingest
+from .faults_query import ANSWERED, NO_REPLY, TIMEOUT_S, start_worker, stop_workers
+
+KINDS = ("receipts", "no receipts")
+
+
+@dataclass
+class Request:
+    kind: str
+    sent: float
+    """Seconds since the run began."""
+    outcome: str
+    took_s: float
+
+
+async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: float) -> None:
+    endpoints = runtime.endpoints
+    assert endpoints is not None
+    settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
+    names = Names(settings.subject_prefix)
+    workspace = f"frozen-{uuid.uuid4().hex[:6]}"
+    tree = project_root() / "services" / "query"
+    async with AsyncExitStack() as stack:
+        embedder = await asyncio.to_thread(build_embedder, settings)
+        served = await serve_for_ingest(stack, settings, endpoints, Roles(query=False), embedder)
+        report = await served.ingester.ingest(tree, workspace)
+        assert report.last_sequence is not None
+        await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 600)
+        texts = queries_from(chunk_tree(tree, settings.max_content_bytes), 2000)
+        subject = names.request_subject("query", workspace)
+        workers = [start_worker(endpoints, runtime.data_dir / f"worker-{n}") for n in range(2)]
+        stack.callback(stop_workers, workers)
+        while (await ask(served.nc, subject, "read a file", TIMEOUT_S, True))[0] not in ANSWERED:
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(5)  # which worker answered is not visible here: time for the other's model to load
+
+        by_kind = {
+            kind: QueryClient(served.nc, names, timeout_s=TIMEOUT_S, receipts=kind == "receipts") for kind in KINDS
+        }
+        requests: list[Request] = []
+        began = time.perf_counter()
+        end = began + seconds
+
+        async def caller(offset: int) -> None:
+            kind = KINDS[offset % 2]
+            i = offset
+            while time.perf_counter() < end:
+                sent = time.perf_counter() - began
+                try:
+                    reply = await by_kind[kind].query(workspace, {"semanticQuery": texts[i % len(texts)]})
+                    outcome = outcome_of(reply)
+                except NatsTimeout:
+                    outcome = NO_REPLY
+                except NoRespondersError:
+                    outcome = "no responders"
+                requests.append(Request(kind, sent, outcome, time.perf_counter() - began - sent))
+                i += clients
+
+        async def freeze() -> tuple[float, float]:
+            frozen_at = 0.2 * seconds
+            await asyncio.sleep(frozen_at)
+            os.killpg(workers[1].pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(freeze_s)
+            finally:
+                os.killpg(workers[1].pid, signal.SIGCONT)
+            return frozen_at, frozen_at + freeze_s
+
+        callers = [asyncio.create_task(caller(n)) for n in range(clients)]
+        frozen_at, thawed_at = await freeze()
+        await asyncio.gather(*callers)
+
+    print(
+        f"corpus: {report.chunks} chunks; {clients} callers (half with receipts), {TIMEOUT_S:g} s timeout, 2 query "
+        f"workers, one frozen from {frozen_at:.0f} s to {thawed_at:.0f} s; {seconds:g} s"
+    )
+    phases = [
+        ("steady", 0.0, frozen_at),
+        (f"worker B frozen {freeze_s:g} s", frozen_at, thawed_at),
+        ("after", thawed_at, seconds),
+    ]
+    for label, start, stop in phases:
+        for kind in KINDS:
+            chosen = [r for r in requests if r.kind == kind and start <= r.sent < stop]
+            counts = Counter(r.outcome for r in chosen)
+            answered = [r.took_s * 1000 for r in chosen if r.outcome in ANSWERED]
+            spread = (
+                ", ".join(f"p{int(q * 100)} {percentile(answered, q):.0f}" for q in (0.5, 0.95, 0.99))
+                + f", max {max(answered):.0f} ms"
+                if answered
+                else "no answers"
+            )
+            print(f"{label}, {kind}: {len(chosen)} requests; answers {spread}; {dict(sorted(counts.items()))}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=45.0, help="length of the run")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent callers, half of each kind")
+    parser.add_argument("--freeze-s", type=float, default=20.0, help="how long worker B stays frozen")
+    args = parser.parse_args()
+    configure_logging("ERROR", "console")
+    with (
+        tempfile.TemporaryDirectory(prefix="ontofabric-frozen-") as data_dir,
+        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
+    ):
+        asyncio.run(run(runtime, args.seconds, args.clients, args.freeze_s))
+
+
+if __name__ == "__main__":
+    main()

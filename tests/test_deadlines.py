@@ -836,16 +836,18 @@ def test_a_request_is_sent_again_once_no_attempt_of_it_can_be_expected_to_answer
     """An attempt is expected to say it has the request within the receipt wait, and to answer by its timeout
     once it has; the request goes out again when no open attempt is within either."""
     wait = RECEIPT_WAIT_S
-    silent = Attempt(sent_at=0.0, due_at=6.5)
+    silent = Attempt(0.0, 6.5)
     assert send_again_at([silent], wait) == wait
     silent.receipt_at = 0.01
-    assert send_again_at([silent], wait) == 6.5  # it has it: its timeout
-    second = Attempt(sent_at=1.0, due_at=6.0)
-    assert send_again_at([Attempt(sent_at=0.0, due_at=6.5), second], wait) == 1.0 + wait
+    assert send_again_at([silent], wait) == 0.01 + 6.5  # it has it: the time it was told, from when it read it
+    second = Attempt(1.0, 5.0)
+    assert send_again_at([Attempt(0.0, 6.5), second], wait) == 1.0 + wait
     second.done = True  # refused: the first, silent, is all that is awaited
-    assert send_again_at([Attempt(sent_at=0.0, due_at=6.5), second], wait) == wait
+    assert send_again_at([Attempt(0.0, 6.5), second], wait) == wait
     assert send_again_at([second], wait) is None
-    assert send_again_at([Attempt(sent_at=0.0, due_at=0.5)], wait) == 0.5  # a short attempt: its timeout first
+    assert send_again_at([Attempt(0.0, 0.5)], wait) == 0.5  # a short attempt: its timeout first
+    assert send_again_at([Attempt(0.0, 6.5, expects_receipt=False)], wait) == 6.5  # no receipt to wait for
+    assert send_again_at([Attempt(0.0, 6.5, listened_since=3.0)], wait) == 3.0 + wait  # the client was deaf
     assert attempt_timeout(10.0, 8) == 10.0 * FIRST_ATTEMPT_SHARE
     assert attempt_timeout(10.0, 1) == 10.0  # the last send has all that is left
     assert attempt_timeout(2.0, 8) == 2.0  # no room for another after a share of it
@@ -902,3 +904,107 @@ async def test_a_request_held_by_a_frozen_worker_is_sent_again_when_its_receipt_
         assert RECEIPT_WAIT_S <= took < 10 * FIRST_ATTEMPT_SHARE - 1, took
     finally:
         await hole.close()
+
+
+async def _member(deployment: Deployment, runtime: EmbeddedRuntime, answer: Any) -> tuple[Any, list[float]]:
+    """A member of the query workers' queue group for workspace acme, run by ``answer(connection, msg, index)``
+    (the how-manieth request it reads); and the times it read each."""
+    names = deployment.names
+    member = await connect_as(deployment, runtime, "query")
+    read: list[float] = []
+
+    async def take(msg: Msg) -> None:
+        read.append(time.monotonic())
+        asyncio.get_running_loop().create_task(answer(member, msg, len(read) - 1))
+
+    await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
+    await subscriptions_visible(member)
+    return member, read
+
+
+async def test_a_worker_that_sends_no_receipts_is_not_sent_each_slow_request_again(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A worker of an earlier release answers without a receipt: once one such reply has come, silence on that
+    connection is not taken for a frozen worker (the first slow request was sent twice, the next ones once)."""
+    ok = b'{"error": {"code": "not_found", "message": "none", "retryable": false}}'
+
+    async def slow(member: Any, msg: Msg, index: int) -> None:
+        await asyncio.sleep(1.6)
+        await member.publish(msg.reply, ok)
+
+    nc = await connect_as(deployment, runtime, "client")  # a connection of its own: nothing learned before
+    member, read = await _member(deployment, runtime, slow)
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=10)
+        assert await client.send_raw("acme", b"{}") == ok
+        assert len(read) == 2  # no receipt after 1 s: sent again (to the same worker, the only one)
+        assert await client.send_raw("acme", b"{}") == ok
+        assert len(read) == 3
+    finally:
+        await member.close()
+        await nc.close()
+
+
+async def test_a_worker_whose_receipts_come_late_is_not_sent_each_request_again(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A worker whose event loop runs late sends its receipts late: counted even when they come after the request
+    had its answer from another attempt, they make the connection wait longer before it sends again."""
+    ok = b'{"error": {"code": "not_found", "message": "none", "retryable": false}}'
+
+    async def late(member: Any, msg: Msg, index: int) -> None:
+        if index != 1:  # the second request it reads it takes at once: the first request's answer
+            await asyncio.sleep(2.5)
+        await member.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+        await asyncio.sleep(0.1)
+        await member.publish(msg.reply, ok)
+
+    nc = await connect_as(deployment, runtime, "client")
+    member, read = await _member(deployment, runtime, late)
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=10)
+        assert await client.send_raw("acme", b"{}") == ok
+        assert len(read) == 2  # the first time it could not be told from a frozen worker
+        await asyncio.sleep(2.0)  # the first send's receipt comes, after its request had its answer
+        assert await client.send_raw("acme", b"{}") == ok
+        assert len(read) == 3
+    finally:
+        await member.close()
+        await nc.close()
+
+
+async def test_a_request_nobody_listens_to_any_more_is_not_sent_again_and_again(
+    deployment: Deployment, runtime: EmbeddedRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker that had the request froze and then no worker listened (each send: no responders): a few sends
+    with growing pauses, then none; the caller hears at its timeout. A review found it sent about 850 a second."""
+    nc = await connect_as(deployment, runtime, "client")
+    names = deployment.names
+    member = await connect_as(deployment, runtime, "query")
+
+    async def freeze_and_leave(msg: Msg) -> None:  # takes the first request, then no worker listens
+        await subscription.unsubscribe()
+
+    subscription = await member.subscribe(
+        names.request_subject("query", "acme"), queue=names.query_queue, cb=freeze_and_leave
+    )
+    await subscriptions_visible(member)
+    sends = 0
+    publish = nc.publish
+
+    async def counted(*args: Any, **kwargs: Any) -> None:
+        nonlocal sends
+        sends += 1
+        await publish(*args, **kwargs)
+
+    monkeypatch.setattr(nc, "publish", counted)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NatsTimeoutError):
+            await QueryClient(nc, names, timeout_s=4).send_raw("acme", b"{}")
+        assert 3.9 < time.monotonic() - started < 5
+        assert sends <= 1 + 5 + 2, sends  # the first, five after no responders, at most two more
+    finally:
+        await member.close()
+        await nc.close()

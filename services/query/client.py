@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -56,19 +57,28 @@ least. A worker sends one as it reads a request, so an attempt silent that long 
 queue group's requests until the server's pings time out, minutes later. The silent attempt stays open: its answer
 is still taken if it comes first."""
 RECEIPT_WAIT_FACTOR = 3.0
-"""The wait is at least this many times the latest slow receipt on the connection: workers whose event loops run
-late (on busy cores) are not sent more of the same work."""
+"""The wait is at least this many times the latest slow receipt on the connection (late ones included, that came
+after their request had its answer from elsewhere): workers whose event loops run late are not sent more of the
+same work."""
+MAX_RECEIPT_DELAY_S = 2.0
+"""A receipt later than this counts as this late: a worker that was frozen for a while and wakes sends its receipts
+late by the freeze, which would stop frozen workers being noticed for as long."""
+RECEIPTLESS_HOLD_S = 60.0
+"""After a reply that came without a receipt before it (a worker of an earlier release), silence is not taken for a
+frozen worker on that connection for this long: such a worker would be sent every slow request again and again."""
 MAX_SENDS = 8
 """Sends of one request in all, while a send still fits in the time left (MIN_SECOND_ATTEMPT_S). Within a queue
 group each send goes to any worker, the frozen one too: with one of two frozen, a request fails only when every
-send goes to it (1 in 256 with eight). A send to a frozen worker costs it nothing when it wakes (the request has
-waited past its timeout: refused unopened)."""
+send goes to it (1 in 256 with eight, which takes a timeout of 8 s or more)."""
 NO_RESPONDER_RETRIES = 5
 NO_RESPONDER_BACKOFF_S = 0.03
 """While no worker listens (a restart), a request is sent again NO_RESPONDER_RETRIES times, after 30 ms, 60 ms,
-... (about a second in all)."""
+... (about a second in all); then no more."""
 STATUS_HEADER = "Status"
 """Where nats-py puts a server status line (503: no responders)."""
+CLIENT_STALL_S = 0.1
+"""A wait that ended this much later than it was due: the client's own event loop stalled, and receipts may be
+waiting unread in its socket; the silent attempts' receipt waits are made as much longer."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -83,24 +93,38 @@ class RequestTooLarge(ValueError):
         self.limit = limit
 
 
-@dataclass
+@dataclass(eq=False)
 class Attempt:
-    """One send of a request: when it went, until when its worker owes the reply, whether it said it has it."""
+    """One send of a request: when it went, the time its worker was told, whether it said it has it."""
 
     sent_at: float
-    due_at: float
+    told_s: float
     """The timeout it was sent with, and the way back."""
     receipt_asked: bool = True
+    expects_receipt: bool = True
+    """Its silence past the receipt wait is taken for a frozen worker (receipts asked for, and trusted)."""
     receipt_at: float | None = None
     done: bool = False
     """Answered or refused; nothing more is awaited from it."""
+    listened_since: float = 0.0
+    """Whence its receipt wait counts: the send, or when the client could hear again (its connection back, its
+    event loop running after a stall)."""
+
+    def __post_init__(self) -> None:
+        self.listened_since = max(self.listened_since, self.sent_at)
+
+    @property
+    def due_at(self) -> float:
+        """By when its worker owes the reply: the time it was told, from when it read the request (its receipt) or
+        else from the send."""
+        return (self.receipt_at if self.receipt_at is not None else self.sent_at) + self.told_s
 
     def heard_until(self, receipt_wait_s: float) -> float:
         """Until when this attempt's silence is expected: a receipt comes within ``receipt_wait_s`` of the send,
         the reply by ``due_at``."""
-        if self.receipt_at is not None or not self.receipt_asked:
+        if self.receipt_at is not None or not self.expects_receipt:
             return self.due_at
-        return min(self.due_at, self.sent_at + receipt_wait_s)
+        return min(self.due_at, self.listened_since + receipt_wait_s)
 
 
 def send_again_at(attempts: Sequence[Attempt], receipt_wait_s: float) -> float | None:
@@ -127,6 +151,10 @@ def retryable_refusal(body: bytes) -> bool:
         return False
 
 
+def is_receipt(msg: Msg) -> bool:
+    return header_value(msg.headers, RECEIPT_HEADER) == RECEIVED and not msg.data
+
+
 def request_headers(timeout_s: float, receipt: bool = True) -> dict[str, str]:
     """A request's headers: the timeout the worker is told (less the way back), when it was sent, the receipt
     asked for, and the trace context."""
@@ -144,34 +172,61 @@ def request_headers(timeout_s: float, receipt: bool = True) -> dict[str, str]:
 
 class ReplyInbox:
     """Where a connection's QueryClient requests get their replies: one subscription for all of them, routed by
-    reply subject (as nats-py's own request does), and how late their receipts came lately. A subscription per
-    request would cost a SUB, an UNSUB and a task each. Holds no reference to its connection, which keys it in a
-    WeakKeyDictionary."""
+    reply subject (as nats-py's own request does), and what their receipts said of the workers lately. A
+    subscription per request would cost a SUB, an UNSUB and a task each. Holds no reference to its connection,
+    which keys it in a WeakKeyDictionary."""
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
-        self._routes: dict[str, Callable[[Msg], None]] = {}
+        self._routes: dict[str, tuple[Attempt, Callable[[Msg], None]]] = {}
+        self._ended: dict[str, Attempt] = {}
+        """Attempts of requests that ended before their workers owed a reply: their late receipts still count."""
         self._subscribing = asyncio.Lock()
         self._subscribed = False
-        self.receipt_delays = RecentDelay()
+        self._receipt_delays = RecentDelay()
+        self._receiptless_at: float | None = None
 
-    async def open(self, nc: Client, route: Callable[[Msg], None]) -> str:
+    def receipt_wait_s(self, now: float) -> float:
+        return max(RECEIPT_WAIT_S, RECEIPT_WAIT_FACTOR * self._receipt_delays.at(now))
+
+    def trusts_receipts(self, now: float) -> bool:
+        """Whether silence can be taken for a frozen worker: no reply came without its receipt lately."""
+        return self._receiptless_at is None or now - self._receiptless_at > RECEIPTLESS_HOLD_S
+
+    def heard(self, attempt: Attempt, msg: Msg, now: float) -> None:
+        """What a message says of the workers: how late a receipt came, or that a worker sends none."""
+        if is_receipt(msg):
+            if attempt.receipt_at is None:
+                attempt.receipt_at = now
+                self._receipt_delays.observe(min(now - attempt.sent_at, MAX_RECEIPT_DELAY_S), now)
+        elif attempt.receipt_asked and attempt.receipt_at is None and header_value(msg.headers, STATUS_HEADER) is None:
+            self._receiptless_at = now
+
+    async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
         """A new reply subject whose messages go to ``route`` until :meth:`close`."""
         async with self._subscribing:
             if not self._subscribed:
                 await nc.subscribe(f"{self._prefix}*", cb=self._route)
                 self._subscribed = True
         subject = f"{self._prefix}{uuid.uuid4().hex}"
-        self._routes[subject] = route
+        self._routes[subject] = (attempt, route)
         return subject
 
-    def close(self, subject: str) -> None:
-        self._routes.pop(subject, None)
+    def close(self, subject: str, now: float) -> None:
+        opened = self._routes.pop(subject, None)
+        if opened is not None and opened[0].receipt_at is None and opened[0].due_at > now:
+            self._ended[subject] = opened[0]
+        while self._ended and next(iter(self._ended.values())).due_at <= now:  # roughly in the order they end
+            del self._ended[next(iter(self._ended))]
 
     async def _route(self, msg: Msg) -> None:
-        route = self._routes.get(msg.subject)
-        if route is not None:  # else a reply to a request that has ended
-            route(msg)
+        opened = self._routes.get(msg.subject)
+        if opened is not None:
+            opened[1](msg)
+            return
+        ended = self._ended.pop(msg.subject, None)
+        if ended is not None:  # a receipt after its request had its answer from elsewhere: the worker was slow
+            self.heard(ended, msg, asyncio.get_running_loop().time())
 
 
 _INBOXES: WeakKeyDictionary[Client, ReplyInbox] = WeakKeyDictionary()
@@ -190,9 +245,10 @@ class QueryClient:
         """Send a request body as is, within the client's timeout, and return the first reply. A request is sent
         again, while time is left, when no worker has it: its receipt did not come (the worker is frozen or gone)
         or its worker went silent past the timeout it was told (it died with the request). Earlier attempts stay
-        open, and a retryable refusal is returned only when no other attempt answers. While no worker listens (a
-        restart), it is retried for up to a second. Raises RequestTooLarge for a body the server would not take,
-        NoRespondersError when no worker listens, nats' TimeoutError when no reply came in time."""
+        open, and a retryable refusal is returned only when no other attempt is still expected to answer. While
+        no worker listens (a restart), it is retried for up to a second. Raises RequestTooLarge for a body the
+        server would not take, NoRespondersError when no worker listens, nats' TimeoutError when no reply came in
+        time."""
         limit = self._nc.max_payload - REQUEST_HEADER_ROOM_BYTES
         if len(body) > limit:
             raise RequestTooLarge(len(body), limit)
@@ -204,32 +260,75 @@ class QueryClient:
         loop = asyncio.get_running_loop()
         ends = loop.time() + self._timeout_s
         inbox = _INBOXES.get(self._nc) or _INBOXES.setdefault(self._nc, ReplyInbox(f"{self._nc.new_inbox()}."))
-        delays = inbox.receipt_delays
-        replies: asyncio.Queue[tuple[Attempt, Msg]] = asyncio.Queue()
+        replies: deque[tuple[Attempt, Msg]] = deque()
+        arrived = asyncio.Event()
         attempts: list[Attempt] = []
         reply_subjects: list[str] = []
         refused: bytes | None = None
         no_responders = 0
+        may_send = True
 
         async def send() -> None:
             now = loop.time()
             told_s = attempt_timeout(ends - now, MAX_SENDS - len(attempts))
-            attempt = Attempt(sent_at=now, due_at=now + told_s, receipt_asked=self._receipts)
-            reply_subject = await inbox.open(self._nc, lambda msg: replies.put_nowait((attempt, msg)))
-            reply_subjects.append(reply_subject)
+            trusted = self._receipts and inbox.trusts_receipts(now)
+            attempt = Attempt(now, told_s, receipt_asked=self._receipts, expects_receipt=trusted)
+
+            def route(msg: Msg) -> None:
+                replies.append((attempt, msg))
+                arrived.set()
+
+            reply_subjects.append(await inbox.open(self._nc, attempt, route))
             attempts.append(attempt)
-            await self._nc.publish(subject, body, reply=reply_subject, headers=request_headers(told_s, self._receipts))
+            headers = request_headers(told_s, self._receipts)
+            await self._nc.publish(subject, body, reply=reply_subjects[-1], headers=headers)
+
+        def restart_receipt_waits(now: float) -> None:
+            """The client could not hear for a while: its silent attempts' waits start again from now."""
+            for attempt in attempts:
+                attempt.listened_since = max(attempt.listened_since, now)
 
         try:
             await send()
             while True:
+                if replies:
+                    attempt, msg = replies.popleft()
+                    inbox.heard(attempt, msg, loop.time())
+                    if is_receipt(msg):
+                        continue
+                    attempt.done = True
+                    if header_value(msg.headers, STATUS_HEADER) == NO_RESPONDERS_STATUS:
+                        attempts.remove(attempt)  # it reached no worker: not a send of the budget
+                        no_responders += 1
+                        backoff_s = NO_RESPONDER_BACKOFF_S * 2 ** (no_responders - 1)
+                        if no_responders <= NO_RESPONDER_RETRIES and loop.time() + backoff_s < ends:
+                            await asyncio.sleep(backoff_s)
+                            await send()
+                        else:
+                            may_send = False
+                            if all(a.done for a in attempts):
+                                raise NoRespondersError
+                        continue
+                    answer = bytes(msg.data)
+                    again_at = send_again_at(attempts, inbox.receipt_wait_s(loop.time()))
+                    if retryable_refusal(answer) and again_at is not None and again_at > loop.time():
+                        refused = answer  # another attempt is still expected to answer
+                        continue
+                    return answer
                 now = loop.time()
-                receipt_wait_s = max(RECEIPT_WAIT_S, RECEIPT_WAIT_FACTOR * delays.seconds)
-                again_at = send_again_at(attempts, receipt_wait_s)
+                if not self._nc.is_connected:
+                    # Nothing can be heard while the connection is down, and sends would wait in its buffer to
+                    # reach the workers all at once when it is back.
+                    await asyncio.sleep(min(CLIENT_STALL_S, max(0.0, ends - now)))
+                    restart_receipt_waits(loop.time())
+                    if loop.time() >= ends:
+                        return _out_of_time(refused)
+                    continue
+                again_at = send_again_at(attempts, inbox.receipt_wait_s(now))
                 if refused is not None and (again_at is None or again_at <= now):
                     return refused  # no other attempt is expected to answer: the refusal is the answer
                 if again_at is not None and again_at <= now:
-                    if len(attempts) < MAX_SENDS and ends - now >= MIN_SECOND_ATTEMPT_S:
+                    if may_send and len(attempts) < MAX_SENDS and ends - now >= MIN_SECOND_ATTEMPT_S:
                         silent = "no receipt" if all(a.receipt_at is None for a in attempts) else "no reply"
                         log.warning("query_request_resent", subject=subject, sends=len(attempts) + 1, reason=silent)
                         await send()
@@ -237,37 +336,20 @@ class QueryClient:
                     again_at = ends  # no room for another send: the open attempts have the rest
                 wake = min(ends, again_at or ends)
                 if wake <= now:
-                    if refused is not None:
-                        return refused
-                    raise NatsTimeoutError
+                    return _out_of_time(refused)
+                arrived.clear()
                 try:
-                    attempt, msg = await asyncio.wait_for(replies.get(), wake - now)
+                    async with asyncio.timeout(wake - now):
+                        await arrived.wait()
                 except TimeoutError:
-                    continue
-                if header_value(msg.headers, RECEIPT_HEADER) == RECEIVED and not msg.data:
-                    if attempt.receipt_at is None:
-                        attempt.receipt_at = loop.time()
-                        delays.observe(attempt.receipt_at - attempt.sent_at, attempt.receipt_at)
-                    continue
-                attempt.done = True
-                if header_value(msg.headers, STATUS_HEADER) == NO_RESPONDERS_STATUS:
-                    attempts.remove(attempt)  # it reached no worker: not a send of the budget
-                    no_responders += 1
-                    backoff_s = NO_RESPONDER_BACKOFF_S * 2 ** (no_responders - 1)
-                    if no_responders <= NO_RESPONDER_RETRIES and loop.time() + backoff_s < ends:
-                        await asyncio.sleep(backoff_s)
-                        await send()
-                    elif not attempts:
-                        raise NoRespondersError
-                    continue
-                data = bytes(msg.data)
-                if retryable_refusal(data) and (send_again_at(attempts, receipt_wait_s) or 0) > loop.time():
-                    refused = data  # another attempt is still expected to answer
-                    continue
-                return data
+                    late = loop.time() - wake
+                    if late > CLIENT_STALL_S:  # this loop stalled: receipts may wait unread, so longer waits
+                        for attempt in attempts:
+                            attempt.listened_since += late
         finally:
+            now = loop.time()
             for reply_subject in reply_subjects:
-                inbox.close(reply_subject)
+                inbox.close(reply_subject, now)
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
         return parse_reply(await self._send(workspace, OntologyQuery, query, "query"), QueryResponse)
@@ -283,6 +365,13 @@ class QueryClient:
     ) -> bytes:
         validated = request if isinstance(request, model) else model.model_validate(request)
         return await self.send_raw(workspace, validated.model_dump_json(exclude_none=True).encode(), operation)
+
+
+def _out_of_time(refused: bytes | None) -> bytes:
+    """At the client's timeout: a retryable refusal held back for an attempt that never answered, or nothing."""
+    if refused is not None:
+        return refused
+    raise NatsTimeoutError
 
 
 def parse_reply(data: bytes, reply: type[Reply] = QueryResponse) -> Reply | ErrorReply:  # type: ignore[assignment]

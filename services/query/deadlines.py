@@ -51,8 +51,11 @@ class RecentDelay:
         self._at = 0.0
 
     def observe(self, late_s: float, now: float) -> None:
-        faded = self.seconds * 0.5 ** ((now - self._at) / LAG_HALF_LIFE_S) if self._at else 0.0
-        self.seconds, self._at = max(late_s, faded), now
+        self.seconds, self._at = max(late_s, self.at(now)), now
+
+    def at(self, now: float) -> float:
+        """The delay as it counts at ``now``, faded since it was last observed."""
+        return self.seconds * 0.5 ** ((now - self._at) / LAG_HALF_LIFE_S) if self._at else 0.0
 
 
 def header_value(headers: Mapping[str, str] | None, wanted: str) -> str | None:

@@ -354,7 +354,7 @@ class QueryService:
         if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
             log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
             return
-        if header_value(msg.headers, RECEIPT_HEADER) is not None:
+        if header_value(msg.headers, RECEIPT_HEADER) is not None and msg.reply.startswith("_INBOX."):
             # First, before any refusal or work: silence then tells the caller this worker is frozen or gone.
             await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
         received = asyncio.get_running_loop().time()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -14,7 +14,7 @@ from weakref import WeakKeyDictionary
 
 from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import propagate
 from pydantic import BaseModel, ValidationError
@@ -64,8 +64,11 @@ MAX_RECEIPT_DELAY_S = 2.0
 """A receipt later than this counts as this late: a worker that was frozen for a while and wakes sends its receipts
 late by the freeze, which would stop frozen workers being noticed for as long."""
 RECEIPTLESS_HOLD_S = 60.0
-"""After a reply that came without a receipt before it (a worker of an earlier release), silence is not taken for a
-frozen worker on that connection for this long: such a worker would be sent every slow request again and again."""
+"""Silence is taken for a frozen worker only on a connection that has had a receipt, and not for this long after a
+reply that came without its receipt (a worker of an earlier release): such a worker would be sent every slow
+request again and again."""
+ENDED_KEPT_S = 10.0
+"""How long a request's silent attempts are remembered after it had its answer, for their late receipts."""
 MAX_SENDS = 8
 """Sends of one request in all, while a send still fits in the time left (MIN_SECOND_ATTEMPT_S). Within a queue
 group each send goes to any worker, the frozen one too: with one of two frozen, a request fails only when every
@@ -78,7 +81,9 @@ STATUS_HEADER = "Status"
 """Where nats-py puts a server status line (503: no responders)."""
 CLIENT_STALL_S = 0.1
 """A wait that ended this much later than it was due: the client's own event loop stalled, and receipts may be
-waiting unread in its socket; the silent attempts' receipt waits are made as much longer."""
+waiting unread in its socket. Before deciding, the client gives its reader STALL_CATCH_UP_S to hand them over
+(from the socket through nats-py's reader and the subscription's task: a few turns of the loop)."""
+STALL_CATCH_UP_S = 0.02
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -101,8 +106,6 @@ class Attempt:
     told_s: float
     """The timeout it was sent with, and the way back."""
     receipt_asked: bool = True
-    expects_receipt: bool = True
-    """Its silence past the receipt wait is taken for a frozen worker (receipts asked for, and trusted)."""
     receipt_at: float | None = None
     done: bool = False
     """Answered or refused; nothing more is awaited from it."""
@@ -119,15 +122,15 @@ class Attempt:
         else from the send."""
         return (self.receipt_at if self.receipt_at is not None else self.sent_at) + self.told_s
 
-    def heard_until(self, receipt_wait_s: float) -> float:
-        """Until when this attempt's silence is expected: a receipt comes within ``receipt_wait_s`` of the send,
-        the reply by ``due_at``."""
-        if self.receipt_at is not None or not self.expects_receipt:
+    def heard_until(self, receipt_wait_s: float | None) -> float:
+        """Until when this attempt's silence is expected: a receipt comes within ``receipt_wait_s`` of the send
+        (None: receipts are not trusted on this connection), the reply by ``due_at``."""
+        if self.receipt_at is not None or not self.receipt_asked or receipt_wait_s is None:
             return self.due_at
         return min(self.due_at, self.listened_since + receipt_wait_s)
 
 
-def send_again_at(attempts: Sequence[Attempt], receipt_wait_s: float) -> float | None:
+def send_again_at(attempts: Sequence[Attempt], receipt_wait_s: float | None) -> float | None:
     """When the request is to be sent again: once no open attempt can still be expected to answer. None when
     every attempt is done (nothing is awaited)."""
     open_attempts = [a.heard_until(receipt_wait_s) for a in attempts if not a.done]
@@ -179,27 +182,38 @@ class ReplyInbox:
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
         self._routes: dict[str, tuple[Attempt, Callable[[Msg], None]]] = {}
-        self._ended: dict[str, Attempt] = {}
-        """Attempts of requests that ended before their workers owed a reply: their late receipts still count."""
+        self._ended: OrderedDict[str, tuple[Attempt, float]] = OrderedDict()
+        """Silent attempts of requests that had their answer, until when they are kept: their late receipts count."""
         self._subscribing = asyncio.Lock()
         self._subscribed = False
         self._receipt_delays = RecentDelay()
+        self._receipt_seen = False
         self._receiptless_at: float | None = None
 
-    def receipt_wait_s(self, now: float) -> float:
+    def receipt_wait_s(self, now: float) -> float | None:
+        """How long an attempt may go without its receipt; None while silence is not to be taken for a frozen
+        worker on this connection: no receipt yet, or a reply without one lately."""
+        if not self._receipt_seen or (
+            self._receiptless_at is not None and now - self._receiptless_at <= RECEIPTLESS_HOLD_S
+        ):
+            return None
         return max(RECEIPT_WAIT_S, RECEIPT_WAIT_FACTOR * self._receipt_delays.at(now))
 
-    def trusts_receipts(self, now: float) -> bool:
-        """Whether silence can be taken for a frozen worker: no reply came without its receipt lately."""
-        return self._receiptless_at is None or now - self._receiptless_at > RECEIPTLESS_HOLD_S
-
-    def heard(self, attempt: Attempt, msg: Msg, now: float) -> None:
-        """What a message says of the workers: how late a receipt came, or that a worker sends none."""
+    def heard(self, attempt: Attempt, msg: Msg, now: float, *, ended: bool = False) -> None:
+        """What a message says of the workers: how late a receipt came, or that a worker sends none (not said by a
+        reply to a request that had its answer elsewhere: its receipt may have been dropped with the request)."""
         if is_receipt(msg):
+            self._receipt_seen = True
             if attempt.receipt_at is None:
                 attempt.receipt_at = now
-                self._receipt_delays.observe(min(now - attempt.sent_at, MAX_RECEIPT_DELAY_S), now)
-        elif attempt.receipt_asked and attempt.receipt_at is None and header_value(msg.headers, STATUS_HEADER) is None:
+                # From when the client could hear it: its own outages and stalls are not the worker's delay.
+                self._receipt_delays.observe(min(now - attempt.listened_since, MAX_RECEIPT_DELAY_S), now)
+        elif (
+            not ended
+            and attempt.receipt_asked
+            and attempt.receipt_at is None
+            and header_value(msg.headers, STATUS_HEADER) is None
+        ):
             self._receiptless_at = now
 
     async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
@@ -214,10 +228,12 @@ class ReplyInbox:
 
     def close(self, subject: str, now: float) -> None:
         opened = self._routes.pop(subject, None)
-        if opened is not None and opened[0].receipt_at is None and opened[0].due_at > now:
-            self._ended[subject] = opened[0]
-        while self._ended and next(iter(self._ended.values())).due_at <= now:  # roughly in the order they end
-            del self._ended[next(iter(self._ended))]
+        if opened is not None:
+            attempt = opened[0]
+            if attempt.receipt_asked and attempt.receipt_at is None and not attempt.done:
+                self._ended[subject] = (attempt, min(attempt.due_at, now + ENDED_KEPT_S))
+        while self._ended and next(iter(self._ended.values()))[1] <= now:  # kept at most ENDED_KEPT_S: in order
+            self._ended.popitem(last=False)
 
     async def _route(self, msg: Msg) -> None:
         opened = self._routes.get(msg.subject)
@@ -226,7 +242,7 @@ class ReplyInbox:
             return
         ended = self._ended.pop(msg.subject, None)
         if ended is not None:  # a receipt after its request had its answer from elsewhere: the worker was slow
-            self.heard(ended, msg, asyncio.get_running_loop().time())
+            self.heard(ended[0], msg, asyncio.get_running_loop().time(), ended=True)
 
 
 _INBOXES: WeakKeyDictionary[Client, ReplyInbox] = WeakKeyDictionary()
@@ -271,8 +287,7 @@ class QueryClient:
         async def send() -> None:
             now = loop.time()
             told_s = attempt_timeout(ends - now, MAX_SENDS - len(attempts))
-            trusted = self._receipts and inbox.trusts_receipts(now)
-            attempt = Attempt(now, told_s, receipt_asked=self._receipts, expects_receipt=trusted)
+            attempt = Attempt(now, told_s, receipt_asked=self._receipts)
 
             def route(msg: Msg) -> None:
                 replies.append((attempt, msg))
@@ -302,12 +317,9 @@ class QueryClient:
                         no_responders += 1
                         backoff_s = NO_RESPONDER_BACKOFF_S * 2 ** (no_responders - 1)
                         if no_responders <= NO_RESPONDER_RETRIES and loop.time() + backoff_s < ends:
-                            await asyncio.sleep(backoff_s)
-                            await send()
+                            await asyncio.sleep(backoff_s)  # then sent again below, once nothing is open
                         else:
                             may_send = False
-                            if all(a.done for a in attempts):
-                                raise NoRespondersError
                         continue
                     answer = bytes(msg.data)
                     again_at = send_again_at(attempts, inbox.receipt_wait_s(loop.time()))
@@ -315,39 +327,48 @@ class QueryClient:
                         refused = answer  # another attempt is still expected to answer
                         continue
                     return answer
+                if self._nc.is_closed:
+                    raise ConnectionClosedError
                 now = loop.time()
+                if now >= ends:
+                    return _out_of_time(refused)
                 if not self._nc.is_connected:
                     # Nothing can be heard while the connection is down, and sends would wait in its buffer to
-                    # reach the workers all at once when it is back.
-                    await asyncio.sleep(min(CLIENT_STALL_S, max(0.0, ends - now)))
+                    # reach the workers all at once when it is back; the receipt waits start when it is.
+                    await asyncio.sleep(min(CLIENT_STALL_S, ends - now))
                     restart_receipt_waits(loop.time())
-                    if loop.time() >= ends:
-                        return _out_of_time(refused)
                     continue
                 again_at = send_again_at(attempts, inbox.receipt_wait_s(now))
-                if refused is not None and (again_at is None or again_at <= now):
-                    return refused  # no other attempt is expected to answer: the refusal is the answer
-                if again_at is not None and again_at <= now:
-                    if may_send and len(attempts) < MAX_SENDS and ends - now >= MIN_SECOND_ATTEMPT_S:
+                if again_at is None:  # nothing open: each attempt refused, or none left after "no responders"
+                    if refused is not None:
+                        return refused
+                    if not may_send:
+                        raise NoRespondersError
+                    await send()
+                    continue
+                if again_at <= now:  # no open attempt is expected to answer any more
+                    if refused is not None:
+                        return refused
+                    if not may_send:
+                        raise NoRespondersError  # the one that had it is gone, and no worker listens
+                    if len(attempts) < MAX_SENDS and ends - now >= MIN_SECOND_ATTEMPT_S:
                         silent = "no receipt" if all(a.receipt_at is None for a in attempts) else "no reply"
                         log.warning("query_request_resent", subject=subject, sends=len(attempts) + 1, reason=silent)
                         await send()
                         continue
                     again_at = ends  # no room for another send: the open attempts have the rest
-                wake = min(ends, again_at or ends)
-                if wake <= now:
-                    return _out_of_time(refused)
+                wake = min(ends, again_at)
                 arrived.clear()
                 try:
                     async with asyncio.timeout(wake - now):
                         await arrived.wait()
                 except TimeoutError:
-                    late = loop.time() - wake
-                    if late > CLIENT_STALL_S:  # this loop stalled: receipts may wait unread, so longer waits
-                        for attempt in attempts:
-                            attempt.listened_since += late
+                    if loop.time() - wake > CLIENT_STALL_S:  # this loop stalled: receipts may wait unread
+                        await asyncio.sleep(STALL_CATCH_UP_S)
         finally:
             now = loop.time()
+            for attempt, msg in replies:  # arrived with the answer, unread: what they say of the workers counts
+                inbox.heard(attempt, msg, now, ended=True)
             for reply_subject in reply_subjects:
                 inbox.close(reply_subject, now)
 

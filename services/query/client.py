@@ -72,7 +72,7 @@ ENDED_KEPT_S = 10.0
 MAX_SENDS = 8
 """Sends of one request in all, while a send still fits in the time left (MIN_SECOND_ATTEMPT_S). Within a queue
 group each send goes to any worker, the frozen one too: with one of two frozen, a request fails only when every
-send goes to it (1 in 256 with eight, which takes a timeout of 8 s or more)."""
+send goes to it (1 in 256 with eight, which takes a timeout of a little over 8 s: seven fit in 8 s, four in 5 s)."""
 NO_RESPONDER_RETRIES = 5
 NO_RESPONDER_BACKOFF_S = 0.03
 """While no worker listens (a restart), a request is sent again NO_RESPONDER_RETRIES times, after 30 ms, 60 ms,

@@ -21,16 +21,11 @@ import argparse
 import asyncio
 import os
 import signal
-import tempfile
 import time
 import uuid
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from pathlib import Path
-
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 
 from ontofabric.services.app import Roles
 from ontofabric.services.demo import project_root
@@ -44,9 +39,9 @@ from ontofabric.shared.runtime import EmbeddedRuntime
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_overload import ask, outcome_of
+from .bench_overload import ask
 from .bench_spine import queries_from, serve_for_ingest
-from .faults_query import ANSWERED, NO_REPLY, TIMEOUT_S, start_worker, stop_workers
+from .faults_query import ANSWERED, TIMEOUT_S, outcome_through, run_scenario, start_worker, stop_workers
 
 KINDS = ("receipts", "no receipts")
 
@@ -93,13 +88,7 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: 
             i = offset
             while time.perf_counter() < end:
                 sent = time.perf_counter() - began
-                try:
-                    reply = await by_kind[kind].query(workspace, {"semanticQuery": texts[i % len(texts)]})
-                    outcome = outcome_of(reply)
-                except NatsTimeout:
-                    outcome = NO_REPLY
-                except NoRespondersError:
-                    outcome = "no responders"
+                outcome = await outcome_through(by_kind[kind], workspace, texts[i % len(texts)])
                 requests.append(Request(kind, sent, outcome, time.perf_counter() - began - sent))
                 i += clients
 
@@ -147,11 +136,7 @@ def main() -> None:
     parser.add_argument("--freeze-s", type=float, default=20.0, help="how long worker B stays frozen")
     args = parser.parse_args()
     configure_logging("ERROR", "console")
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-frozen-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        asyncio.run(run(runtime, args.seconds, args.clients, args.freeze_s))
+    run_scenario("ontofabric-frozen-", lambda runtime: run(runtime, args.seconds, args.clients, args.freeze_s))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,11 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -63,6 +64,25 @@ class Request:
     """Seconds since the run began."""
     outcome: str
     took_s: float
+
+
+async def outcome_through(client: QueryClient, workspace: str, text: str) -> str:
+    """What one query through ``client`` came to: an answer, a refusal's code, or no reply in time."""
+    try:
+        return outcome_of(await client.query(workspace, {"semanticQuery": text}))
+    except NatsTimeout:
+        return NO_REPLY
+    except NoRespondersError:
+        return "no responders"
+
+
+def run_scenario(prefix: str, scenario: Callable[[EmbeddedRuntime], Coroutine[Any, Any, None]]) -> None:
+    """Runs a fault scenario against embedded servers in a fresh data directory, removed afterwards."""
+    with (
+        tempfile.TemporaryDirectory(prefix=prefix) as data_dir,
+        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
+    ):
+        asyncio.run(scenario(runtime))
 
 
 def start_worker(
@@ -131,12 +151,7 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, stall_s: f
             i = offset
             while time.perf_counter() < end:
                 sent = time.perf_counter() - began
-                try:
-                    outcome = outcome_of(await client.query(workspace, {"semanticQuery": texts[i % len(texts)]}))
-                except NatsTimeout:
-                    outcome = NO_REPLY
-                except NoRespondersError:
-                    outcome = "no responders"
+                outcome = await outcome_through(client, workspace, texts[i % len(texts)])
                 requests.append(Request(sent, outcome, time.perf_counter() - began - sent))
                 if outcome not in ANSWERED and outcome != NO_REPLY:
                     await asyncio.sleep(0.1)
@@ -206,11 +221,7 @@ def main() -> None:
     parser.add_argument("--stall-s", type=float, default=10.0, help="how long PostgreSQL stays frozen")
     args = parser.parse_args()
     configure_logging("WARNING", "console")
-    with (
-        tempfile.TemporaryDirectory(prefix="ontofabric-faults-") as data_dir,
-        EmbeddedRuntime(Settings(), Path(data_dir)) as runtime,
-    ):
-        asyncio.run(run(runtime, args.seconds, args.clients, args.stall_s))
+    run_scenario("ontofabric-faults-", lambda runtime: run(runtime, args.seconds, args.clients, args.stall_s))
 
 
 if __name__ == "__main__":

@@ -691,3 +691,38 @@ def test_a_worker_error_about_the_halved_budget_names_the_value_the_caller_gave(
     assert "- maxTokens: 2000 is too small" in text
     assert "1000" not in text.split("\n", 1)[1]  # the half the gateway asked for is not the caller's to know
     assert restated(query, {"semanticQuery": "x", "maxTokens": 10}, worker_said) == worker_said  # sent as given
+
+
+async def test_a_call_whose_connection_goes_away_under_it_is_a_retryable_error(deployment: Deployment) -> None:
+    """The gateway replaces its NATS connection when the server moves (`ontofabric up` restarted); a call still on
+    the old one met ConnectionClosedError, which reached the MCP client as a bare JSON-RPC error (a red team's
+    finding). It is the retryable `unavailable` now."""
+    names = deployment.names
+    worker = await connect(deployment.nats_url_as("query"), "test-silent-worker")
+
+    async def take(msg: Msg) -> None:  # has the request, and never answers
+        await worker.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+
+    await worker.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
+    await subscriptions_visible(worker)
+    opened: list[Any] = []
+
+    async def open_connection(url: str) -> Any:
+        opened.append(await connect(url, "test-gateway"))
+        return opened[-1]
+
+    async def close(nc: Any) -> None:
+        await nc.close()
+
+    link = NatsLink(lambda: deployment.nats_url_as("client"), open_connection, close)
+    gateway = Gateway(link, names, "acme", 10.0)
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    try:
+        call = asyncio.create_task(gateway.call(query, {"semanticQuery": "x"}))
+        await asyncio.sleep(1.0)
+        await opened[0].close()
+        result = await asyncio.wait_for(call, 15)
+    finally:
+        await worker.close()
+    assert result.is_error is True
+    assert "error unavailable (retryable: try again): the connection to NATS was lost" in _text(result)

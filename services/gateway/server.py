@@ -21,7 +21,13 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from mcp.shared.exceptions import MCPError
-from nats.errors import NoRespondersError
+from nats.errors import (
+    ConnectionClosedError,
+    ConnectionDrainingError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,6 +46,8 @@ from .stdio import ODD_ID, request_id_of, stdio_streams
 from .tools import TOOLS, ToolSpec, as_declared, fitted_text, forwarded, render, render_error, restated
 
 log = get_logger(__name__)
+NATS_CONNECTION_LOST = (ConnectionClosedError, ConnectionDrainingError, OutboundBufferLimitError, StaleConnectionError)
+"""What a call meets when the connection it was sent on goes away under it."""
 
 INSTRUCTIONS = (
     "ontofabric answers questions about a code base and its ontology: ontology_query searches it (hybrid retrieval "
@@ -121,6 +129,8 @@ class Gateway:
             )
         except (NatsTimeoutError, TimeoutError):
             return tool_error(f"error unavailable (retryable: try again): no answer within {self._timeout_s:g} s")
+        except NATS_CONNECTION_LOST as error:  # the link replaced it (the server moved) while the call was on it
+            return tool_error(f"error unavailable (retryable: try again): the connection to NATS was lost ({error})")
         except PermissionDenied:
             return tool_error(
                 f"error forbidden (not retryable): this gateway's credentials may not read workspace {workspace!r}"

@@ -84,9 +84,6 @@ CLIENT_STALL_S = 0.1
 waiting unread in its socket. Before deciding, the client gives its reader STALL_CATCH_UP_S to hand them over
 (from the socket through nats-py's reader and the subscription's task: a few turns of the loop)."""
 STALL_CATCH_UP_S = 0.02
-SERVER_PING_S = 0.5
-"""Before a request is sent again, its NATS server must answer a ping within this: a frozen server (nats-py still
-calls the connection up) is an outage, and sends would pile up in the client's buffer."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -355,11 +352,6 @@ class QueryClient:
                     if not may_send:
                         raise NoRespondersError  # the one that had it is gone, and no worker listens
                     if len(attempts) < MAX_SENDS and ends - now >= MIN_SECOND_ATTEMPT_S:
-                        if not await self._server_answers():
-                            # A server that does not answer is an outage, not a frozen worker: sends would
-                            # only wait in the buffer (nats-py takes a frozen server for a connected one).
-                            restart_receipt_waits(loop.time())
-                            continue
                         silent = "no receipt" if all(a.receipt_at is None for a in attempts) else "no reply"
                         log.warning("query_request_resent", subject=subject, sends=len(attempts) + 1, reason=silent)
                         await send()
@@ -379,14 +371,6 @@ class QueryClient:
                 inbox.heard(attempt, msg, now, ended=True)
             for reply_subject in reply_subjects:
                 inbox.close(reply_subject, now)
-
-    async def _server_answers(self) -> bool:
-        """Whether the NATS server answers a ping within SERVER_PING_S."""
-        try:
-            await self._nc.flush(timeout=SERVER_PING_S)  # type: ignore[arg-type]
-        except Exception:  # a timeout, or the connection going: either way not now
-            return False
-        return True
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
         return parse_reply(await self._send(workspace, OntologyQuery, query, "query"), QueryResponse)

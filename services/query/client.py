@@ -16,6 +16,7 @@ from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import Header
 from opentelemetry import propagate
 from pydantic import BaseModel, ValidationError
 
@@ -77,8 +78,6 @@ NO_RESPONDER_RETRIES = 5
 NO_RESPONDER_BACKOFF_S = 0.03
 """While no worker listens (a restart), a request is sent again NO_RESPONDER_RETRIES times, after 30 ms, 60 ms,
 ... (about a second in all); then no more."""
-STATUS_HEADER = "Status"
-"""Where nats-py puts a server status line (503: no responders)."""
 CLIENT_STALL_S = 0.1
 """A wait that ended this much later than it was due: the client's own event loop stalled, and receipts may be
 waiting unread in its socket. Before deciding, the client gives its reader STALL_CATCH_UP_S to hand them over
@@ -212,7 +211,7 @@ class ReplyInbox:
             not ended
             and attempt.receipt_asked
             and attempt.receipt_at is None
-            and header_value(msg.headers, STATUS_HEADER) is None
+            and header_value(msg.headers, Header.STATUS) is None
         ):
             self._receiptless_at = now
 
@@ -312,7 +311,7 @@ class QueryClient:
                     if is_receipt(msg):
                         continue
                     attempt.done = True
-                    if header_value(msg.headers, STATUS_HEADER) == NO_RESPONDERS_STATUS:
+                    if header_value(msg.headers, Header.STATUS) == NO_RESPONDERS_STATUS:
                         attempts.remove(attempt)  # it reached no worker: not a send of the budget
                         no_responders += 1
                         backoff_s = NO_RESPONDER_BACKOFF_S * 2 ** (no_responders - 1)

@@ -173,6 +173,11 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
     return query
 
 
+def _answerable(msg: Msg) -> bool:
+    """Whether the request's reply subject is a caller's inbox, the only place a worker answers to."""
+    return msg.reply.startswith("_INBOX.")
+
+
 LAG_TICK_S = 0.05
 """How often the worker looks how late its event loop runs (services/query/deadlines.py, RecentDelay)."""
 
@@ -354,7 +359,7 @@ class QueryService:
         if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
             log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
             return
-        if header_value(msg.headers, RECEIPT_HEADER) is not None and msg.reply.startswith("_INBOX."):
+        if header_value(msg.headers, RECEIPT_HEADER) is not None and _answerable(msg):
             # First, before any refusal or work: silence then tells the caller this worker is frozen or gone.
             await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
         received = asyncio.get_running_loop().time()
@@ -544,7 +549,7 @@ class QueryService:
         return True
 
     async def _reply(self, msg: Msg, body: bytes, headers: dict[str, str] | None = None) -> None:
-        if not msg.reply.startswith("_INBOX."):
+        if not _answerable(msg):
             # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
             # make this worker write there (NATS permissions allow it no other subject, docs/security.md).
             if msg.reply:

@@ -272,104 +272,8 @@ class QueryClient:
         return await refused_promptly(self._nc, subject, self._exchange(subject, body))
 
     async def _exchange(self, subject: str, body: bytes) -> bytes:
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + self._timeout_s
         inbox = _INBOXES.get(self._nc) or _INBOXES.setdefault(self._nc, ReplyInbox(f"{self._nc.new_inbox()}."))
-        replies: deque[tuple[Attempt, Msg]] = deque()
-        arrived = asyncio.Event()
-        attempts: list[Attempt] = []
-        reply_subjects: list[str] = []
-        refused: bytes | None = None
-        no_responders = 0
-        may_send = True
-
-        async def send() -> None:
-            now = loop.time()
-            told_s = attempt_timeout(ends - now, MAX_SENDS - len(attempts))
-            attempt = Attempt(now, told_s, receipt_asked=self._receipts)
-
-            def route(msg: Msg) -> None:
-                replies.append((attempt, msg))
-                arrived.set()
-
-            reply_subjects.append(await inbox.open(self._nc, attempt, route))
-            attempts.append(attempt)
-            headers = request_headers(told_s, self._receipts)
-            await self._nc.publish(subject, body, reply=reply_subjects[-1], headers=headers)
-
-        def restart_receipt_waits(now: float) -> None:
-            """The client could not hear for a while: its silent attempts' waits start again from now."""
-            for attempt in attempts:
-                attempt.listened_since = max(attempt.listened_since, now)
-
-        try:
-            await send()
-            while True:
-                if replies:
-                    attempt, msg = replies.popleft()
-                    inbox.heard(attempt, msg, loop.time())
-                    if is_receipt(msg):
-                        continue
-                    attempt.done = True
-                    if header_value(msg.headers, Header.STATUS) == NO_RESPONDERS_STATUS:
-                        attempts.remove(attempt)  # it reached no worker: not a send of the budget
-                        no_responders += 1
-                        backoff_s = NO_RESPONDER_BACKOFF_S * 2 ** (no_responders - 1)
-                        if no_responders <= NO_RESPONDER_RETRIES and loop.time() + backoff_s < ends:
-                            await asyncio.sleep(backoff_s)  # then sent again below, once nothing is open
-                        else:
-                            may_send = False
-                        continue
-                    answer = bytes(msg.data)
-                    again_at = send_again_at(attempts, inbox.receipt_wait_s(loop.time()))
-                    if retryable_refusal(answer) and again_at is not None and again_at > loop.time():
-                        refused = answer  # another attempt is still expected to answer
-                        continue
-                    return answer
-                if self._nc.is_closed:
-                    raise ConnectionClosedError
-                now = loop.time()
-                if now >= ends:
-                    return _out_of_time(refused)
-                if not self._nc.is_connected:
-                    # Nothing can be heard while the connection is down, and sends would wait in its buffer to
-                    # reach the workers all at once when it is back; the receipt waits start when it is.
-                    await asyncio.sleep(min(CLIENT_STALL_S, ends - now))
-                    restart_receipt_waits(loop.time())
-                    continue
-                again_at = send_again_at(attempts, inbox.receipt_wait_s(now))
-                if again_at is None:  # nothing open: each attempt refused, or none left after "no responders"
-                    if refused is not None:
-                        return refused
-                    if not may_send:
-                        raise NoRespondersError
-                    await send()
-                    continue
-                if again_at <= now:  # no open attempt is expected to answer any more
-                    if refused is not None:
-                        return refused
-                    if not may_send:
-                        raise NoRespondersError  # the one that had it is gone, and no worker listens
-                    if len(attempts) < MAX_SENDS and ends - now >= MIN_SECOND_ATTEMPT_S:
-                        silent = "no receipt" if all(a.receipt_at is None for a in attempts) else "no reply"
-                        log.warning("query_request_resent", subject=subject, sends=len(attempts) + 1, reason=silent)
-                        await send()
-                        continue
-                    again_at = ends  # no room for another send: the open attempts have the rest
-                wake = min(ends, again_at)
-                arrived.clear()
-                try:
-                    async with asyncio.timeout(wake - now):
-                        await arrived.wait()
-                except TimeoutError:
-                    if loop.time() - wake > CLIENT_STALL_S:  # this loop stalled: receipts may wait unread
-                        await asyncio.sleep(STALL_CATCH_UP_S)
-        finally:
-            now = loop.time()
-            for attempt, msg in replies:  # arrived with the answer, unread: what they say of the workers counts
-                inbox.heard(attempt, msg, now, ended=True)
-            for reply_subject in reply_subjects:
-                inbox.close(reply_subject, now)
+        return await Exchange(self._nc, inbox, subject, body, self._timeout_s, self._receipts).run()
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
         return parse_reply(await self._send(workspace, OntologyQuery, query, "query"), QueryResponse)
@@ -385,6 +289,129 @@ class QueryClient:
     ) -> bytes:
         validated = request if isinstance(request, model) else model.model_validate(request)
         return await self.send_raw(workspace, validated.model_dump_json(exclude_none=True).encode(), operation)
+
+
+class Exchange:
+    """One request's sends and what came back for them, until its answer (:meth:`QueryClient.send_raw`)."""
+
+    def __init__(
+        self, nc: Client, inbox: ReplyInbox, subject: str, body: bytes, timeout_s: float, receipts: bool
+    ) -> None:
+        self._nc = nc
+        self._inbox = inbox
+        self._subject = subject
+        self._body = body
+        self._receipts = receipts
+        self._loop = asyncio.get_running_loop()
+        self._ends = self._loop.time() + timeout_s
+        self._replies: deque[tuple[Attempt, Msg]] = deque()
+        self._arrived = asyncio.Event()
+        self._attempts: list[Attempt] = []
+        self._reply_subjects: list[str] = []
+        self._refused: bytes | None = None
+        """A retryable refusal held back while another attempt is still expected to answer."""
+        self._no_responders = 0
+        self._may_send = True
+        """False once "no responders" came too often: no worker listens, and no send more is made."""
+
+    async def run(self) -> bytes:
+        try:
+            await self._send()
+            while True:
+                if self._replies:
+                    answer = await self._take(*self._replies.popleft())
+                    if answer is not None:
+                        return answer
+                    continue
+                if self._nc.is_closed:
+                    raise ConnectionClosedError
+                now = self._loop.time()
+                if now >= self._ends:
+                    return _out_of_time(self._refused)
+                if not self._nc.is_connected:
+                    await self._wait_for_connection(now)
+                    continue
+                again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(now))
+                if again_at is None or again_at <= now:  # no attempt is open, or none is expected to answer
+                    if self._refused is not None:
+                        return self._refused
+                    if not self._may_send:
+                        raise NoRespondersError  # the one that had it is gone, and no worker listens
+                    if again_at is None:  # the first send, or the next after "no responders"
+                        await self._send()
+                        continue
+                    if len(self._attempts) < MAX_SENDS and self._ends - now >= MIN_SECOND_ATTEMPT_S:
+                        silent = "no receipt" if all(a.receipt_at is None for a in self._attempts) else "no reply"
+                        log.warning(
+                            "query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=silent
+                        )
+                        await self._send()
+                        continue
+                    again_at = self._ends  # no room for another send: the open attempts have the rest
+                await self._wait(now, min(self._ends, again_at))
+        finally:
+            self._close()
+
+    async def _send(self) -> None:
+        now = self._loop.time()
+        told_s = attempt_timeout(self._ends - now, MAX_SENDS - len(self._attempts))
+        attempt = Attempt(now, told_s, receipt_asked=self._receipts)
+
+        def route(msg: Msg) -> None:
+            self._replies.append((attempt, msg))
+            self._arrived.set()
+
+        self._reply_subjects.append(await self._inbox.open(self._nc, attempt, route))
+        self._attempts.append(attempt)
+        headers = request_headers(told_s, self._receipts)
+        await self._nc.publish(self._subject, self._body, reply=self._reply_subjects[-1], headers=headers)
+
+    async def _take(self, attempt: Attempt, msg: Msg) -> bytes | None:
+        """The answer to return, or None: a receipt, "no responders", or a refusal held back."""
+        self._inbox.heard(attempt, msg, self._loop.time())
+        if is_receipt(msg):
+            return None
+        attempt.done = True
+        if header_value(msg.headers, Header.STATUS) == NO_RESPONDERS_STATUS:
+            self._attempts.remove(attempt)  # it reached no worker: not a send of the budget
+            self._no_responders += 1
+            backoff_s = NO_RESPONDER_BACKOFF_S * 2 ** (self._no_responders - 1)
+            if self._no_responders <= NO_RESPONDER_RETRIES and self._loop.time() + backoff_s < self._ends:
+                await asyncio.sleep(backoff_s)  # then sent again, once nothing is open
+            else:
+                self._may_send = False
+            return None
+        answer = bytes(msg.data)
+        again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(self._loop.time()))
+        if retryable_refusal(answer) and again_at is not None and again_at > self._loop.time():
+            self._refused = answer  # another attempt is still expected to answer
+            return None
+        return answer
+
+    async def _wait_for_connection(self, now: float) -> None:
+        """Nothing can be heard while the connection is down, and sends would wait in its buffer to reach the
+        workers all at once when it is back; the silent attempts' receipt waits start again when it is."""
+        await asyncio.sleep(min(CLIENT_STALL_S, self._ends - now))
+        listening = self._loop.time()
+        for attempt in self._attempts:
+            attempt.listened_since = max(attempt.listened_since, listening)
+
+    async def _wait(self, now: float, wake: float) -> None:
+        """Until a reply or receipt arrives, or ``wake``."""
+        self._arrived.clear()
+        try:
+            async with asyncio.timeout(wake - now):
+                await self._arrived.wait()
+        except TimeoutError:
+            if self._loop.time() - wake > CLIENT_STALL_S:  # this loop stalled: receipts may wait unread
+                await asyncio.sleep(STALL_CATCH_UP_S)
+
+    def _close(self) -> None:
+        now = self._loop.time()
+        for attempt, msg in self._replies:  # arrived with the answer, unread: what they say of the workers counts
+            self._inbox.heard(attempt, msg, now, ended=True)
+        for reply_subject in self._reply_subjects:
+            self._inbox.close(reply_subject, now)
 
 
 def _out_of_time(refused: bytes | None) -> bytes:

@@ -30,6 +30,7 @@ from pydantic_settings import SettingsError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperOption
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
@@ -94,6 +95,17 @@ from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
 
 log = get_logger(__name__)
+
+_typed_for_help = TyperOption.display_type_rich
+
+
+def _no_type_for_flags(option: TyperOption, ctx: Any) -> str | None:
+    """Typer's help shows ``<bool>`` beside a flag, which reads as if it took a value (``--write true`` is then
+    refused): a flag is shown bare."""
+    return None if option.is_flag else _typed_for_help(option, ctx)
+
+
+TyperOption.display_type_rich = _no_type_for_flags  # type: ignore[method-assign,assignment]
 
 app = typer.Typer(
     help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",

@@ -41,6 +41,7 @@ def test_every_command_has_help(command: str) -> None:
     result = subprocess.run([ONTOFABRIC, command, "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+    assert "<bool>" not in result.stdout  # a flag takes no value, so its help shows none
 
 
 def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,11 +51,13 @@ from ontofabric.services.query.deadlines import (
 from ontofabric.services.query.turns import ahead_in_turn, displaced_by, runners_per_workspace
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.jetstream import subscriptions_visible
-from ontofabric.shared.runtime import EmbeddedRuntime
+from ontofabric.shared.jetstream import close, connect, subscriptions_visible
+from ontofabric.shared.nats_auth import NatsUser
+from ontofabric.shared.runtime import EmbeddedRuntime, free_port
+from ontofabric.shared.subjects import Names
 from ontofabric.shared.turns import TurnQueue, Turns
 
-from .conftest import Deployment, Start, connect_as, metric_points
+from .conftest import Deployment, Start, connect_as, metric_points, spawn_nats
 
 LONG_QUERY = "how do I sort a list of numbers in descending order"  # long enough that the reranker is not skipped
 
@@ -909,6 +912,44 @@ async def test_a_request_held_by_a_frozen_worker_is_sent_again_when_its_receipt_
         assert RECEIPT_WAIT_S <= took < 10 * FIRST_ATTEMPT_SHARE - 1, took
     finally:
         await hole.close()
+
+
+async def test_a_request_is_not_sent_again_into_a_frozen_nats_server(tmp_path: Path) -> None:
+    """A nats-server frozen by its host reads nothing, and nats-py still calls the connection connected: copies
+    sent for want of a receipt would wait in its socket and reach the workers together when it wakes (a red team
+    saw up to eight of one request). The client sends again only once the server has been heard since the last
+    send (a ping), and waits for the receipt from when the server answered."""
+    port, names = free_port(), Names("ontofabric")
+    users = {role: NatsUser(role, "pw", role, names.prefix) for role in ("client", "query")}
+    server = spawn_nats(tmp_path, port, users)
+    caller = await connect(f"nats://client:pw@127.0.0.1:{port}", "test-caller")
+    member = await connect(f"nats://query:pw@127.0.0.1:{port}", "test-member")
+    read: list[float] = []
+
+    async def take(msg: Msg) -> None:
+        read.append(time.monotonic())
+        await member.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+        await member.publish(msg.reply, b'{"answer":1}')
+
+    try:
+        await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
+        await subscriptions_visible(member)
+        client = QueryClient(caller, names, timeout_s=10)
+        assert await client.send_raw("acme", b"{}") == b'{"answer":1}'  # receipts are relied on from now
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            asking = asyncio.create_task(client.send_raw("acme", b"{}"))
+            await asyncio.sleep(3.5)  # three receipt waits
+            assert caller.is_connected  # as nats-py sees it
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert await asking == b'{"answer":1}'
+        await asyncio.sleep(0.5)  # copies, had there been any, reach the member
+        assert len(read) == 2, [round(t - read[0], 2) for t in read]
+    finally:
+        await close(caller)
+        await close(member)
+        server.stop()
 
 
 async def _member(deployment: Deployment, runtime: EmbeddedRuntime, answer: Any) -> tuple[Any, list[float]]:

@@ -4,6 +4,7 @@ and the CLI use."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -83,6 +84,13 @@ CLIENT_STALL_S = 0.1
 waiting unread in its socket. Before deciding, the client gives its reader STALL_CATCH_UP_S to hand them over
 (from the socket through nats-py's reader and the subscription's task: a few turns of the loop)."""
 STALL_CATCH_UP_S = 0.02
+SERVER_STALL_S = 0.5
+"""A ping the server answered this much later than it was sent: the server itself was not reading (frozen, or its
+host paused). What was sent before it reached the workers only then, so its receipts are waited for from then."""
+PROBE_TIMEOUT_S = 600.0
+"""How long a ping of the server is waited for. Longer than nats-py's own pings take to call the connection stale
+and reconnect (two unanswered, two minutes apart by default), which drops the ping: nats-py 2.16 cancels a timed-out
+flush's future but leaves it queued, and the pong that comes later breaks the connection's reader."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -105,6 +113,8 @@ class Attempt:
     told_s: float
     """The timeout it was sent with, and the way back."""
     receipt_asked: bool = True
+    connection: int = 0
+    """Which of the client's connections to the server it went out on (nats-py's count of reconnects)."""
     receipt_at: float | None = None
     done: bool = False
     """Answered or refused; nothing more is awaited from it."""
@@ -188,6 +198,15 @@ class ReplyInbox:
         self._receipt_delays = RecentDelay()
         self._receipt_seen = False
         self._receiptless_at: float | None = None
+        self._read_until = -math.inf
+        """What this connection sent before this moment the server has read: a ping sent then had its pong."""
+        self.server_back_at = -math.inf
+        """When the server last answered a ping SERVER_STALL_S late or later: it had not been reading till then."""
+        self._probing: int | None = None
+        """The connection a ping of the server is out on, if one is."""
+        self._probe_waiters: list[Callable[[], None]] = []
+        self._unasked_at = -math.inf
+        """When a ping of the server last failed."""
 
     def receipt_wait_s(self, now: float) -> float | None:
         """How long an attempt may go without its receipt; None while silence is not to be taken for a frozen
@@ -205,8 +224,10 @@ class ReplyInbox:
             self._receipt_seen = True
             if attempt.receipt_at is None:
                 attempt.receipt_at = now
-                # From when the client could hear it: its own outages and stalls are not the worker's delay.
-                self._receipt_delays.observe(min(now - attempt.listened_since, MAX_RECEIPT_DELAY_S), now)
+                # From when the client could hear it: its own outages and stalls, and the server's, are not the
+                # worker's delay.
+                since = max(attempt.listened_since, self.server_back_at)
+                self._receipt_delays.observe(min(now - since, MAX_RECEIPT_DELAY_S), now)
         elif (
             not ended
             and attempt.receipt_asked
@@ -214,6 +235,44 @@ class ReplyInbox:
             and header_value(msg.headers, Header.STATUS) is None
         ):
             self._receiptless_at = now
+
+    def server_has_read(self, nc: Client, attempt: Attempt, wake: Callable[[], None]) -> bool:
+        """Whether the server has read ``attempt``: a ping sent after it had its pong (the server reads a connection
+        in order; a message it sent meanwhile says nothing of what it has read). An attempt out on an earlier
+        connection may have been lost with it, and one out before a ping failed cannot be asked about: True.
+        Otherwise a ping goes out, unless one is out already (one at a time, so a frozen server gets one), and
+        ``wake`` is called when it is answered or fails: a request is not sent again into a frozen server, whose
+        socket would hand every copy to the workers when it wakes."""
+        connection = nc.stats["reconnects"]
+        if attempt.connection != connection or max(self._read_until, self._unasked_at) >= attempt.sent_at:
+            return True
+        self._probe_waiters.append(wake)
+        if self._probing != connection:  # none out, or out on an earlier connection, which dropped it
+            self._probing = connection
+            _PROBES.add(asyncio.get_running_loop().create_task(self._probe(nc, connection)))
+        return False
+
+    async def _probe(self, nc: Client, connection: int) -> None:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            # nats-py writes the ping ahead of publishes it still holds back, as it does only while the socket is
+            # full: the pong then comes late, and the receipt waits start again from it (server_back_at).
+            await nc.flush(timeout=PROBE_TIMEOUT_S)  # type: ignore[arg-type]  # nats-py annotates it int
+        except Exception:  # closed, or no pong in PROBE_TIMEOUT_S: the server cannot be asked; judged as before
+            self._unasked_at = loop.time()
+        else:
+            now = loop.time()
+            self._read_until = max(self._read_until, sent)
+            if now - sent >= SERVER_STALL_S:
+                self.server_back_at = now
+        finally:
+            _PROBES.discard(asyncio.current_task())
+            if self._probing == connection:
+                self._probing = None
+            waiters, self._probe_waiters = self._probe_waiters, []
+            for wake in waiters:
+                wake()
 
     async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
         """A new reply subject whose messages go to ``route`` until :meth:`close`."""
@@ -245,6 +304,8 @@ class ReplyInbox:
 
 
 _INBOXES: WeakKeyDictionary[Client, ReplyInbox] = WeakKeyDictionary()
+_PROBES: set[asyncio.Task[None]] = set()
+"""Pings of the server under way (asyncio keeps only weak references to tasks)."""
 
 
 class QueryClient:
@@ -318,6 +379,7 @@ class Exchange:
         try:
             await self._send()
             while True:
+                self._listen_since(self._inbox.server_back_at)
                 if self._replies:
                     answer = await self._take(*self._replies.popleft())
                     if answer is not None:
@@ -341,6 +403,9 @@ class Exchange:
                         await self._send()
                         continue
                     if len(self._attempts) < MAX_SENDS and self._ends - now >= MIN_SECOND_ATTEMPT_S:
+                        if not self._inbox.server_has_read(self._nc, self._attempts[-1], self._arrived.set):
+                            await self._wait(now, self._ends)  # until the server answers the ping
+                            continue
                         silent = "no receipt" if all(a.receipt_at is None for a in self._attempts) else "no reply"
                         log.warning(
                             "query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=silent
@@ -355,7 +420,7 @@ class Exchange:
     async def _send(self) -> None:
         now = self._loop.time()
         told_s = attempt_timeout(self._ends - now, MAX_SENDS - len(self._attempts))
-        attempt = Attempt(now, told_s, receipt_asked=self._receipts)
+        attempt = Attempt(now, told_s, receipt_asked=self._receipts, connection=self._nc.stats["reconnects"])
 
         def route(msg: Msg) -> None:
             self._replies.append((attempt, msg))
@@ -392,9 +457,13 @@ class Exchange:
         """Nothing can be heard while the connection is down, and sends would wait in its buffer to reach the
         workers all at once when it is back; the silent attempts' receipt waits start again when it is."""
         await asyncio.sleep(min(CLIENT_STALL_S, self._ends - now))
-        listening = self._loop.time()
+        self._listen_since(self._loop.time())
+
+    def _listen_since(self, moment: float) -> None:
+        """The attempts' receipt waits count from ``moment`` at the earliest: till then nothing could be heard (the
+        connection was down, or the server was not reading)."""
         for attempt in self._attempts:
-            attempt.listened_since = max(attempt.listened_since, listening)
+            attempt.listened_since = max(attempt.listened_since, moment)
 
     async def _wait(self, now: float, wake: float) -> None:
         """Until a reply or receipt arrives, or ``wake``."""

@@ -663,6 +663,26 @@ async def test_a_call_without_a_workspace_from_a_token_of_several_names_them() -
     assert "- workspace: give the workspace to read: any" in _text(refused)
 
 
+async def test_a_call_that_cannot_get_a_connection_in_its_time_is_a_retryable_error_by_then() -> None:
+    """Getting the connection counts against the call's time: a connect that does not return (under the link's
+    lock, where every call waits) held calls with no answer at all, their HTTP requests open (a red team's
+    reading of the code, shown with a stub)."""
+
+    async def hangs(_: object) -> Any:
+        await asyncio.Event().wait()
+
+    gateway = Gateway(NatsLink(lambda: "nats://elsewhere", hangs, hangs), Names(), "acme", 1.0)
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    started = time.monotonic()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(gateway.call(query, {"semanticQuery": "x"}) for _ in range(3))), 10
+    )
+    assert time.monotonic() - started < 2.0
+    for result in results:
+        assert result.is_error is True
+        assert "error unavailable (retryable: try again): no connection to NATS within 1 s" in _text(result)
+
+
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:
     """The text is all some agents read: 2 results must not read as all there is when 62 more were cut."""
     meta = QueryMeta(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,33 @@ async def test_a_closed_connection_is_replaced_on_the_next_call(tmp_path: Path) 
         await link.close()
     finally:
         server.stop()
+
+
+async def test_a_replaced_connection_whose_close_does_not_return_holds_no_call_up() -> None:
+    """Closing a connection to a server that is gone can wait on its socket; calls wait for the link's lock, so the
+    old connection is closed in the background while the new one is made."""
+
+    class Gone:
+        is_connected = False
+        is_closed = False
+
+    class Here:
+        is_connected = True
+        is_closed = False
+
+    where = {"url": "nats://first"}
+    closes_begun: list[object] = []
+
+    async def open_connection(url: str) -> Any:
+        return Gone() if url == "nats://first" else Here()
+
+    async def close_never(nc: object) -> None:
+        closes_begun.append(nc)
+        await asyncio.Event().wait()
+
+    link = NatsLink(lambda: where["url"], open_connection, close_never)
+    gone = await link.client()
+    where["url"] = "nats://second"  # the server moved: the next call replaces the connection
+    here = await asyncio.wait_for(link.client(), 2)
+    assert isinstance(here, Here)
+    assert closes_begun == [gone]

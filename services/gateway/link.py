@@ -25,6 +25,10 @@ RETRY_AFTER_S = 1.0
 would otherwise each wait out an attempt of their own."""
 
 
+CLOSE_WAIT_S = 5.0
+"""At the gateway's end, how long closes of replaced connections still under way are waited for."""
+
+
 class NatsUnavailable(Exception):
     """No NATS server to send the call to now; the message says why. The caller may try again."""
 
@@ -45,6 +49,8 @@ class NatsLink:
         self._failed: tuple[float, str] | None = None
         """When the last attempt to connect failed, and why."""
         self._lock = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
+        """Closes of replaced connections under way."""
 
     async def client(self) -> Client:
         """A connected client, or NatsUnavailable."""
@@ -71,7 +77,11 @@ class NatsLink:
         if nc is not None:
             self._nc = None
             log.info("gateway_nats_replaced", reason="closed" if nc.is_closed else "server moved")
-            await self._close(nc)
+            # In the background: closing a connection to a server that is gone can wait on its socket, and calls
+            # wait for this lock.
+            closing = asyncio.get_running_loop().create_task(self._close(nc))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         try:
             self._nc = await self._connect(url)
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
@@ -85,3 +95,5 @@ class NatsLink:
             if self._nc is not None:
                 await self._close(self._nc)
                 self._nc = None
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=CLOSE_WAIT_S)

@@ -118,8 +118,17 @@ class Gateway:
             request = json.dumps(forwarded(spec, arguments)).encode()
         except (TypeError, ValueError) as error:  # not JSON: NaN, or what a client's own parser let through
             return tool_error(f"error invalid_request: the arguments are not JSON ({error})")
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self._timeout_s
         try:
-            client = QueryClient(await self._link.client(), self._names, self._timeout_s)
+            try:
+                # The connection counts against the call's time: one being made or replaced under the link's lock
+                # (a connect, a close that waits on a dead socket) would otherwise hold every call with no answer.
+                async with asyncio.timeout_at(ends):
+                    nc = await self._link.client()
+            except TimeoutError:
+                raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s") from None
+            client = QueryClient(nc, self._names, ends - loop.time())
             raw = await client.send_raw(workspace, request, spec.operation)
         except NatsUnavailable as error:
             return tool_error(f"error unavailable (retryable: try again): {error}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from pydantic import BaseModel
@@ -63,9 +64,10 @@ a tool whose input schema has one there, and a client that hands the tool list t
 tool's description, and the worker still checks it, naming the field."""
 
 
+@cache  # read on every call (as_declared), and pydantic makes it anew each time it is asked: 3 ms
 def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The request contract's schema, as the worker validates it, without root combinators; the workspace defaults
-    to the gateway's."""
+    to the gateway's. One dict per model, shared: read it, do not change it."""
     schema = copy.deepcopy(model.model_json_schema(by_alias=True, mode="validation"))
     for combinator in ROOT_COMBINATORS:
         schema.pop(combinator, None)

@@ -89,8 +89,9 @@ SERVER_STALL_S = 0.5
 host paused). What was sent before it reached the workers only then, so its receipts are waited for from then."""
 PROBE_TIMEOUT_S = 600.0
 """How long a ping of the server is waited for. Longer than nats-py's own pings take to call the connection stale
-and reconnect (two unanswered, two minutes apart by default), which drops the ping: nats-py 2.16 cancels a timed-out
-flush's future but leaves it queued, and the pong that comes later breaks the connection's reader."""
+and reconnect (within six minutes at its defaults: two minutes apart, two left unanswered), which drops the ping:
+nats-py 2.16 cancels a timed-out flush's future but leaves it queued, and the pong that comes later breaks the
+connection's reader."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -184,9 +185,9 @@ def request_headers(timeout_s: float, receipt: bool = True) -> dict[str, str]:
 
 class ReplyInbox:
     """Where a connection's QueryClient requests get their replies: one subscription for all of them, routed by
-    reply subject (as nats-py's own request does), and what their receipts said of the workers lately. A
-    subscription per request would cost a SUB, an UNSUB and a task each. Holds no reference to its connection,
-    which keys it in a WeakKeyDictionary."""
+    reply subject (as nats-py's own request does), what their receipts said of the workers lately, and what pings
+    said of the server. A subscription per request would cost a SUB, an UNSUB and a task each. Holds no reference
+    to its connection, which keys it in a WeakKeyDictionary (a ping under way does, until it ends)."""
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix

@@ -1,5 +1,7 @@
 """Fault scenario of the read path: one of two query worker processes is frozen (SIGSTOP, as a paused VM or a
-stuck host leaves it) while callers keep asking, half of them with receipts asked for and half without.
+stuck host leaves it) while callers keep asking, half of them with receipts asked for and half without. With
+``--freeze nats`` the nats-server is frozen instead: nats-py still calls its connections connected, and what a
+client sends meanwhile waits in the server's socket.
 
 A frozen worker keeps its place in the queue group: the NATS server drops its connection only when its pings go
 unanswered, minutes later, and meanwhile hands it its share of the requests. A caller that asks for receipts
@@ -10,9 +12,12 @@ workers, so the comparison is within one run.
 On a part of this project's source tree (``services/query``: a few hundred chunks, embedded in seconds), cache
 off. Each caller asks, waits for the reply or its timeout (10 s), and asks again at once. Timeline (``--seconds
 45``): steady, then worker B frozen from 20 % of the run for ``--freeze-s`` (20 s), then thawed. Reported per
-phase (by when a request was sent) and kind of caller: requests, outcomes, and the replies' p50/p95/p99/max.
+phase (by when a request was sent) and kind of caller: requests, outcomes, the replies' p50/p95/p99/max, and the
+messages each kind's connection sent in that phase (each kind has a connection of its own; a request sent again
+in a later phase counts there).
 
 Run: .venv/bin/python -m tests.benchmarks.faults_frozen_worker [--seconds 45] [--clients 8] [--freeze-s 20]
+[--freeze worker|nats]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.embedder import build_embedder
-from ontofabric.shared.jetstream import wait_caught_up
+from ontofabric.shared.jetstream import close, connect, wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime
 from ontofabric.shared.settings import Settings
@@ -55,7 +60,7 @@ class Request:
     took_s: float
 
 
-async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: float) -> None:
+async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: float, frozen: str) -> None:
     endpoints = runtime.endpoints
     assert endpoints is not None
     settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
@@ -76,9 +81,21 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: 
             await asyncio.sleep(0.5)
         await asyncio.sleep(5)  # which worker answered is not visible here: time for the other's model to load
 
+        connections = {kind: await connect(settings.nats_url or "", f"frozen-{n}") for n, kind in enumerate(KINDS)}
+        for nc in connections.values():
+            stack.push_async_callback(close, nc)
         by_kind = {
-            kind: QueryClient(served.nc, names, timeout_s=TIMEOUT_S, receipts=kind == "receipts") for kind in KINDS
+            kind: QueryClient(nc, names, timeout_s=TIMEOUT_S, receipts=kind == "receipts")
+            for kind, nc in connections.items()
         }
+        sent_at_phase: list[dict[str, int]] = []  # each connection's messages sent, as each phase begins
+
+        def mark_phase() -> None:
+            sent_at_phase.append({kind: nc.stats["out_msgs"] for kind, nc in connections.items()})
+
+        node = runtime.nats_nodes[0].server
+        assert node is not None
+        frozen_pid = node.process.pid if frozen == "nats" else os.getpgid(workers[1].pid)
         requests: list[Request] = []
         began = time.perf_counter()
         end = began + seconds
@@ -92,31 +109,43 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: 
                 requests.append(Request(kind, sent, outcome, time.perf_counter() - began - sent))
                 i += clients
 
+        def signal_frozen(signal_number: int) -> None:
+            if frozen == "nats":
+                os.kill(frozen_pid, signal_number)
+            else:
+                os.killpg(frozen_pid, signal_number)
+
         async def freeze() -> tuple[float, float]:
             frozen_at = 0.2 * seconds
             await asyncio.sleep(frozen_at)
-            os.killpg(workers[1].pid, signal.SIGSTOP)
+            mark_phase()
+            signal_frozen(signal.SIGSTOP)
             try:
                 await asyncio.sleep(freeze_s)
             finally:
-                os.killpg(workers[1].pid, signal.SIGCONT)
+                signal_frozen(signal.SIGCONT)
+            mark_phase()
             return frozen_at, frozen_at + freeze_s
 
+        mark_phase()
         callers = [asyncio.create_task(caller(n)) for n in range(clients)]
         frozen_at, thawed_at = await freeze()
         await asyncio.gather(*callers)
+        mark_phase()
 
+    what = "the nats-server" if frozen == "nats" else "worker B"
     print(
         f"corpus: {report.chunks} chunks; {clients} callers (half with receipts), {TIMEOUT_S:g} s timeout, 2 query "
-        f"workers, one frozen from {frozen_at:.0f} s to {thawed_at:.0f} s; {seconds:g} s"
+        f"workers, {what} frozen from {frozen_at:.0f} s to {thawed_at:.0f} s; {seconds:g} s"
     )
     phases = [
         ("steady", 0.0, frozen_at),
-        (f"worker B frozen {freeze_s:g} s", frozen_at, thawed_at),
+        (f"{what} frozen {freeze_s:g} s", frozen_at, thawed_at),
         ("after", thawed_at, seconds),
     ]
-    for label, start, stop in phases:
+    for n, (label, start, stop) in enumerate(phases):
         for kind in KINDS:
+            sent = sent_at_phase[n + 1][kind] - sent_at_phase[n][kind]
             chosen = [r for r in requests if r.kind == kind and start <= r.sent < stop]
             counts = Counter(r.outcome for r in chosen)
             answered = [r.took_s * 1000 for r in chosen if r.outcome in ANSWERED]
@@ -126,17 +155,25 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: 
                 if answered
                 else "no answers"
             )
-            print(f"{label}, {kind}: {len(chosen)} requests; answers {spread}; {dict(sorted(counts.items()))}")
+            print(
+                f"{label}, {kind}: {len(chosen)} requests, {sent} messages sent; answers {spread}; "
+                f"{dict(sorted(counts.items()))}"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=45.0, help="length of the run")
     parser.add_argument("--clients", type=int, default=8, help="concurrent callers, half of each kind")
-    parser.add_argument("--freeze-s", type=float, default=20.0, help="how long worker B stays frozen")
+    parser.add_argument("--freeze-s", type=float, default=20.0, help="how long it stays frozen")
+    parser.add_argument(
+        "--freeze", choices=("worker", "nats"), default="worker", help="what is frozen: worker B or the nats-server"
+    )
     args = parser.parse_args()
     configure_logging("ERROR", "console")
-    run_scenario("ontofabric-frozen-", lambda runtime: run(runtime, args.seconds, args.clients, args.freeze_s))
+    run_scenario(
+        "ontofabric-frozen-", lambda runtime: run(runtime, args.seconds, args.clients, args.freeze_s, args.freeze)
+    )
 
 
 if __name__ == "__main__":

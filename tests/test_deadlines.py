@@ -952,6 +952,42 @@ async def test_a_request_is_not_sent_again_into_a_frozen_nats_server(tmp_path: P
         server.stop()
 
 
+async def test_a_request_waiting_on_a_frozen_server_is_sent_again_once_a_new_one_has_taken_its_place(
+    tmp_path: Path,
+) -> None:
+    """The server frozen, then killed and started again (a watchdog): the ping the request waited on is dropped
+    with the connection, without a word from nats-py. The request is sent again on the new connection, rather
+    than waiting out its timeout (a review's finding)."""
+    port, names = free_port(), Names("ontofabric")
+    users = {role: NatsUser(role, "pw", role, names.prefix) for role in ("client", "query")}
+    server = spawn_nats(tmp_path, port, users)
+    caller = await connect(f"nats://client:pw@127.0.0.1:{port}", "test-caller")
+    member = await connect(f"nats://query:pw@127.0.0.1:{port}", "test-member")
+
+    async def take(msg: Msg) -> None:
+        await member.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+        await member.publish(msg.reply, b'{"answer":1}')
+
+    try:
+        await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
+        await subscriptions_visible(member)
+        client = QueryClient(caller, names, timeout_s=10)
+        assert await client.send_raw("acme", b"{}") == b'{"answer":1}'  # receipts are relied on from now
+        os.kill(server.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        asking = asyncio.create_task(client.send_raw("acme", b"{}"))
+        await asyncio.sleep(2.0)  # the request's receipt is late, and its ping unanswered
+        server.process.kill()
+        server.process.wait()
+        server = spawn_nats(tmp_path, port, users)
+        assert await asking == b'{"answer":1}'
+        assert time.monotonic() - started < 6.0, time.monotonic() - started
+    finally:
+        await close(caller)
+        await close(member)
+        server.stop()
+
+
 async def _member(deployment: Deployment, runtime: EmbeddedRuntime, answer: Any) -> tuple[Any, list[float]]:
     """A member of the query workers' queue group for workspace acme, run by ``answer(connection, msg, index)``
     (the how-manieth request it reads); and the times it read each."""

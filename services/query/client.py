@@ -88,10 +88,13 @@ SERVER_STALL_S = 0.5
 """A ping the server answered this much later than it was sent: the server itself was not reading (frozen, or its
 host paused). What was sent before it reached the workers only then, so its receipts are waited for from then."""
 PROBE_TIMEOUT_S = 600.0
-"""How long a ping of the server is waited for. Longer than nats-py's own pings take to call the connection stale
-and reconnect (within six minutes at its defaults: two minutes apart, two left unanswered), which drops the ping:
-nats-py 2.16 cancels a timed-out flush's future but leaves it queued, and the pong that comes later breaks the
-connection's reader."""
+"""How long a ping of the server is waited for at least: longer than nats-py's own pings take to call the connection
+stale and reconnect (within six minutes at its defaults: two minutes apart, two left unanswered), which drops the
+ping (see :func:`probe_timeout_s`). Never less: nats-py 2.16 cancels a timed-out flush's future but leaves it queued,
+and the pong that comes later breaks the connection's reader."""
+PROBE_POLL_S = 0.25
+"""How often a ping under way, and a request waiting for it, look whether the connection was lost or replaced
+meanwhile: nats-py then drops the ping without a word."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -205,7 +208,8 @@ class ReplyInbox:
         """When the server last answered a ping SERVER_STALL_S late or later: it had not been reading till then."""
         self._probing: int | None = None
         """The connection a ping of the server is out on, if one is."""
-        self._probe_waiters: list[Callable[[], None]] = []
+        self._probe_waiters: set[Callable[[], None]] = set()
+        """Who waits for the ping under way: each exchange's wake once, until it ends."""
         self._unasked_at = -math.inf
         """When a ping of the server last failed."""
 
@@ -242,16 +246,20 @@ class ReplyInbox:
         in order; a message it sent meanwhile says nothing of what it has read). An attempt out on an earlier
         connection may have been lost with it, and one out before a ping failed cannot be asked about: True.
         Otherwise a ping goes out, unless one is out already (one at a time, so a frozen server gets one), and
-        ``wake`` is called when it is answered or fails: a request is not sent again into a frozen server, whose
-        socket would hand every copy to the workers when it wakes."""
+        ``wake`` is called when it is answered, fails or is dropped with its connection (until :meth:`forget`): a
+        request is not sent again into a frozen server, whose socket would hand every copy to the workers when it
+        wakes."""
         connection = nc.stats["reconnects"]
         if attempt.connection != connection or max(self._read_until, self._unasked_at) >= attempt.sent_at:
             return True
-        self._probe_waiters.append(wake)
+        self._probe_waiters.add(wake)
         if self._probing != connection:  # none out, or out on an earlier connection, which dropped it
             self._probing = connection
             _PROBES.add(asyncio.get_running_loop().create_task(self._probe(nc, connection)))
         return False
+
+    def forget(self, wake: Callable[[], None]) -> None:
+        self._probe_waiters.discard(wake)
 
     async def _probe(self, nc: Client, connection: int) -> None:
         loop = asyncio.get_running_loop()
@@ -259,8 +267,16 @@ class ReplyInbox:
         try:
             # nats-py writes the ping ahead of publishes it still holds back, as it does only while the socket is
             # full: the pong then comes late, and the receipt waits start again from it (server_back_at).
-            await nc.flush(timeout=PROBE_TIMEOUT_S)  # type: ignore[arg-type]  # nats-py annotates it int
-        except Exception:  # closed, or no pong in PROBE_TIMEOUT_S: the server cannot be asked; judged as before
+            flush = loop.create_task(nc.flush(timeout=probe_timeout_s(nc)))  # type: ignore[arg-type]
+            while not flush.done():
+                await asyncio.wait({flush}, timeout=PROBE_POLL_S)
+                if not flush.done() and (nc.is_closed or nc.stats["reconnects"] != connection):
+                    # nats-py dropped the connection's pings with it: this pong will not come, and no later one
+                    # can find the cancelled ping's future (the trap of PROBE_TIMEOUT_S).
+                    flush.cancel()
+                    return
+            flush.result()
+        except Exception:  # closed, or no pong in the probe's time: the server cannot be asked; judged as before
             self._unasked_at = loop.time()
         else:
             now = loop.time()
@@ -271,8 +287,7 @@ class ReplyInbox:
             _PROBES.discard(asyncio.current_task())
             if self._probing == connection:
                 self._probing = None
-            waiters, self._probe_waiters = self._probe_waiters, []
-            for wake in waiters:
+            for wake in list(self._probe_waiters):
                 wake()
 
     async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
@@ -302,6 +317,12 @@ class ReplyInbox:
         ended = self._ended.pop(msg.subject, None)
         if ended is not None:  # a receipt after its request had its answer from elsewhere: the worker was slow
             self.heard(ended[0], msg, asyncio.get_running_loop().time(), ended=True)
+
+
+def probe_timeout_s(nc: Client) -> float:
+    """PROBE_TIMEOUT_S, or longer for a connection whose own pings would take longer to call it stale."""
+    options = nc.options
+    return float(max(PROBE_TIMEOUT_S, options["ping_interval"] * (options["max_outstanding_pings"] + 2)))
 
 
 _INBOXES: WeakKeyDictionary[Client, ReplyInbox] = WeakKeyDictionary()
@@ -405,7 +426,7 @@ class Exchange:
                         continue
                     if len(self._attempts) < MAX_SENDS and self._ends - now >= MIN_SECOND_ATTEMPT_S:
                         if not self._inbox.server_has_read(self._nc, self._attempts[-1], self._arrived.set):
-                            await self._wait(now, self._ends)  # until the server answers the ping
+                            await self._wait(now, min(self._ends, now + PROBE_POLL_S))  # the ping's answer
                             continue
                         silent = "no receipt" if all(a.receipt_at is None for a in self._attempts) else "no reply"
                         log.warning(
@@ -421,7 +442,9 @@ class Exchange:
     async def _send(self) -> None:
         now = self._loop.time()
         told_s = attempt_timeout(self._ends - now, MAX_SENDS - len(self._attempts))
-        attempt = Attempt(now, told_s, receipt_asked=self._receipts, connection=self._nc.stats["reconnects"])
+        # Sent while reconnecting, it goes out on the next connection.
+        connection = self._nc.stats["reconnects"] + (0 if self._nc.is_connected else 1)
+        attempt = Attempt(now, told_s, receipt_asked=self._receipts, connection=connection)
 
         def route(msg: Msg) -> None:
             self._replies.append((attempt, msg))
@@ -477,6 +500,7 @@ class Exchange:
                 await asyncio.sleep(STALL_CATCH_UP_S)
 
     def _close(self) -> None:
+        self._inbox.forget(self._arrived.set)
         now = self._loop.time()
         for attempt, msg in self._replies:  # arrived with the answer, unread: what they say of the workers counts
             self._inbox.heard(attempt, msg, now, ended=True)

@@ -105,3 +105,33 @@ async def test_a_replaced_connection_whose_close_does_not_return_holds_no_call_u
     here = await asyncio.wait_for(link.client(), 2)
     assert isinstance(here, Here)
     assert closes_begun == [gone]
+
+
+async def test_a_call_that_stops_waiting_cancels_no_connect_the_others_wait_for() -> None:
+    """A call's time runs out while the connection is being made: it stops waiting, and the connect goes on for
+    the calls behind it (cancelled, it was started again from scratch, and the client it had half made was left
+    open)."""
+
+    class Here:
+        is_connected = True
+        is_closed = False
+
+    release = asyncio.Event()
+    connects: list[str] = []
+
+    async def slow_connect(url: str) -> Any:
+        connects.append(url)
+        await release.wait()
+        return Here()
+
+    async def close(nc: object) -> None:
+        pass
+
+    link = NatsLink(lambda: "nats://here", slow_connect, close)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(link.client(), 0.1)  # the first call's time runs out
+    second = asyncio.create_task(link.client())
+    await asyncio.sleep(0.05)
+    release.set()
+    assert isinstance(await asyncio.wait_for(second, 2), Here)
+    assert connects == ["nats://here"]

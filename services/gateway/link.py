@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from nats.aio.client import Client
 
@@ -26,7 +27,7 @@ would otherwise each wait out an attempt of their own."""
 
 
 CLOSE_WAIT_S = 5.0
-"""At the gateway's end, how long closes of replaced connections still under way are waited for."""
+"""At the gateway's end, how long a connect or the closes of replaced connections still under way are waited for."""
 
 
 class NatsUnavailable(Exception):
@@ -37,8 +38,8 @@ class NatsLink:
     def __init__(
         self,
         locate: Callable[[], str],
-        connect: Callable[[str], Awaitable[Client]],
-        close: Callable[[Client], Awaitable[None]],
+        connect: Callable[[str], Coroutine[Any, Any, Client]],
+        close: Callable[[Client], Coroutine[Any, Any, None]],
     ) -> None:
         self._locate = locate
         """The server's URL now; raises (with a message for the caller) when there is none to talk to."""
@@ -48,21 +49,26 @@ class NatsLink:
         self._url: str | None = None
         self._failed: tuple[float, str] | None = None
         """When the last attempt to connect failed, and why."""
-        self._lock = asyncio.Lock()
+        self._reconnecting: asyncio.Task[Client] | None = None
+        """The one look-up and connect under way, which every call that finds no connection waits for. A task of
+        its own: a call whose time runs out stops waiting, and cancels nothing the others wait for (nor a connect
+        half made, whose client would be left open)."""
         self._closing: set[asyncio.Task[None]] = set()
-        """Closes of replaced connections under way."""
+        """Closes of replaced connections under way: beside the calls, as a close can wait on a dead socket."""
 
     async def client(self) -> Client:
         """A connected client, or NatsUnavailable."""
         nc = self._nc
         if nc is not None and nc.is_connected:
             return nc
-        async with self._lock:
-            return await self._reconnect()
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+            self._reconnecting.add_done_callback(_retrieved)
+        return await asyncio.shield(self._reconnecting)
 
     async def _reconnect(self) -> Client:
         nc = self._nc
-        if nc is not None and nc.is_connected:  # another call connected it meanwhile
+        if nc is not None and nc.is_connected:  # connected again meanwhile
             return nc
         now = time.monotonic()
         if self._failed is not None and now - self._failed[0] < RETRY_AFTER_S:
@@ -77,11 +83,10 @@ class NatsLink:
         if nc is not None:
             self._nc = None
             log.info("gateway_nats_replaced", reason="closed" if nc.is_closed else "server moved")
-            # In the background: closing a connection to a server that is gone can wait on its socket, and calls
-            # wait for this lock.
             closing = asyncio.get_running_loop().create_task(self._close(nc))
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
+            closing.add_done_callback(_retrieved)
         try:
             self._nc = await self._connect(url)
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
@@ -91,9 +96,20 @@ class NatsLink:
         return self._nc
 
     async def close(self) -> None:
-        async with self._lock:
-            if self._nc is not None:
-                await self._close(self._nc)
-                self._nc = None
-        if self._closing:
-            await asyncio.wait(self._closing, timeout=CLOSE_WAIT_S)
+        under_way = {task for task in (self._reconnecting,) if task is not None} | self._closing
+        if under_way:
+            await asyncio.wait(under_way, timeout=CLOSE_WAIT_S)
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+        if self._nc is not None:
+            await self._close(self._nc)
+            self._nc = None
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A connect's or a close's outcome read even when no call waits for it any more; an unexpected error logged
+    (asyncio would only say that nobody read it)."""
+    if not task.cancelled() and task.exception() is not None:
+        error = task.exception()
+        if not isinstance(error, NatsUnavailable):
+            log.warning("gateway_nats_task_failed", error=repr(error))

@@ -122,12 +122,14 @@ class Gateway:
         ends = loop.time() + self._timeout_s
         try:
             try:
-                # The connection counts against the call's time: one being made or replaced under the link's lock
-                # (a connect, a close that waits on a dead socket) would otherwise hold every call with no answer.
+                # The connection counts against the call's time: a connect that hangs would otherwise hold every
+                # call that waits for it with no answer.
                 async with asyncio.timeout_at(ends):
                     nc = await self._link.client()
             except TimeoutError:
                 raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s") from None
+            if loop.time() >= ends:
+                raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s")
             client = QueryClient(nc, self._names, ends - loop.time())
             raw = await client.send_raw(workspace, request, spec.operation)
         except NatsUnavailable as error:

@@ -105,7 +105,8 @@ def _no_type_for_flags(option: TyperOption, ctx: Any) -> str | None:
     return None if option.is_flag else _typed_for_help(option, ctx)
 
 
-TyperOption.display_type_rich = _no_type_for_flags  # type: ignore[method-assign,assignment]
+if hasattr(TyperOption, "display_type_rich"):  # older typer has none (and shows no type beside a flag)
+    TyperOption.display_type_rich = _no_type_for_flags  # type: ignore[method-assign,assignment]
 
 app = typer.Typer(
     help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",

@@ -404,7 +404,9 @@ class Settings(BaseSettings):
         "HTTP call needs one. Unset: `gateway-tokens.json` in the data directory.",
     )
     gateway_timeout_s: float = Field(
-        default=10.0, gt=0, description="How long the MCP gateway waits for a query worker's reply."
+        default=10.0,
+        gt=0,
+        description="How long an MCP gateway call may take: its NATS connection and the query worker's reply.",
     )
 
     # --- Azure AI Search (optional) --------------------------------------------------------------

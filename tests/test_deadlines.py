@@ -5,12 +5,14 @@ that would end past the deadline. Worker tests: real NATS and PostgreSQL, a rera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import close, connect, subscriptions_visible
 from ontofabric.shared.nats_auth import NatsUser
-from ontofabric.shared.runtime import EmbeddedRuntime, free_port
+from ontofabric.shared.runtime import EmbeddedRuntime, ManagedProcess, free_port
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.turns import TurnQueue, Turns
 
@@ -914,11 +916,31 @@ async def test_a_request_held_by_a_frozen_worker_is_sent_again_when_its_receipt_
         await hole.close()
 
 
-async def test_a_request_is_not_sent_again_into_a_frozen_nats_server(tmp_path: Path) -> None:
-    """A nats-server frozen by its host reads nothing, and nats-py still calls the connection connected: copies
-    sent for want of a receipt would wait in its socket and reach the workers together when it wakes (a red team
-    saw up to eight of one request). The client sends again only once the server has been heard since the last
-    send (a ping), and waits for the receipt from when the server answered."""
+@dataclass
+class _OwnServer:
+    """A nats-server of the test's own, a lone member of the queue group that sends its receipt and then its
+    answer (the times it read each request in ``read``), and a client that has had a receipt, so relies on them."""
+
+    directory: Path
+    port: int
+    users: dict[str, NatsUser]
+    server: ManagedProcess
+    client: QueryClient
+    caller: Any
+    read: list[float]
+
+    def signal(self, number: int) -> None:
+        os.kill(self.server.process.pid, number)
+
+    def restart(self) -> None:
+        """Killed (frozen or not) and started again on the same port."""
+        self.server.process.kill()
+        self.server.process.wait()
+        self.server = spawn_nats(self.directory, self.port, self.users)
+
+
+@contextlib.asynccontextmanager
+async def _own_server(tmp_path: Path) -> AsyncIterator[_OwnServer]:
     port, names = free_port(), Names("ontofabric")
     users = {role: NatsUser(role, "pw", role, names.prefix) for role in ("client", "query")}
     server = spawn_nats(tmp_path, port, users)
@@ -931,25 +953,34 @@ async def test_a_request_is_not_sent_again_into_a_frozen_nats_server(tmp_path: P
         await member.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
         await member.publish(msg.reply, b'{"answer":1}')
 
+    own = _OwnServer(tmp_path, port, users, server, QueryClient(caller, names, timeout_s=10), caller, read)
     try:
         await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
         await subscriptions_visible(member)
-        client = QueryClient(caller, names, timeout_s=10)
-        assert await client.send_raw("acme", b"{}") == b'{"answer":1}'  # receipts are relied on from now
-        os.kill(server.process.pid, signal.SIGSTOP)
-        try:
-            asking = asyncio.create_task(client.send_raw("acme", b"{}"))
-            await asyncio.sleep(3.5)  # three receipt waits
-            assert caller.is_connected  # as nats-py sees it
-        finally:
-            os.kill(server.process.pid, signal.SIGCONT)
-        assert await asking == b'{"answer":1}'
-        await asyncio.sleep(0.5)  # copies, had there been any, reach the member
-        assert len(read) == 2, [round(t - read[0], 2) for t in read]
+        assert await own.client.send_raw("acme", b"{}") == b'{"answer":1}'  # receipts are relied on from now
+        yield own
     finally:
         await close(caller)
         await close(member)
-        server.stop()
+        own.server.stop()
+
+
+async def test_a_request_is_not_sent_again_into_a_frozen_nats_server(tmp_path: Path) -> None:
+    """A nats-server frozen by its host reads nothing, and nats-py still calls the connection connected: copies
+    sent for want of a receipt would wait in its socket and reach the workers together when it wakes (a red team
+    saw up to eight of one request). The client sends again only once the server has read the last send (a ping
+    after it answered), and waits for the receipt from when the server answered."""
+    async with _own_server(tmp_path) as own:
+        own.signal(signal.SIGSTOP)
+        try:
+            asking = asyncio.create_task(own.client.send_raw("acme", b"{}"))
+            await asyncio.sleep(3.5)  # three receipt waits
+            assert own.caller.is_connected  # as nats-py sees it
+        finally:
+            own.signal(signal.SIGCONT)
+        assert await asking == b'{"answer":1}'
+        await asyncio.sleep(0.5)  # copies, had there been any, reach the member
+        assert len(own.read) == 2, [round(t - own.read[0], 2) for t in own.read]
 
 
 async def test_a_request_waiting_on_a_frozen_server_is_sent_again_once_a_new_one_has_taken_its_place(
@@ -958,34 +989,14 @@ async def test_a_request_waiting_on_a_frozen_server_is_sent_again_once_a_new_one
     """The server frozen, then killed and started again (a watchdog): the ping the request waited on is dropped
     with the connection, without a word from nats-py. The request is sent again on the new connection, rather
     than waiting out its timeout (a review's finding)."""
-    port, names = free_port(), Names("ontofabric")
-    users = {role: NatsUser(role, "pw", role, names.prefix) for role in ("client", "query")}
-    server = spawn_nats(tmp_path, port, users)
-    caller = await connect(f"nats://client:pw@127.0.0.1:{port}", "test-caller")
-    member = await connect(f"nats://query:pw@127.0.0.1:{port}", "test-member")
-
-    async def take(msg: Msg) -> None:
-        await member.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
-        await member.publish(msg.reply, b'{"answer":1}')
-
-    try:
-        await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
-        await subscriptions_visible(member)
-        client = QueryClient(caller, names, timeout_s=10)
-        assert await client.send_raw("acme", b"{}") == b'{"answer":1}'  # receipts are relied on from now
-        os.kill(server.process.pid, signal.SIGSTOP)
+    async with _own_server(tmp_path) as own:
+        own.signal(signal.SIGSTOP)
         started = time.monotonic()
-        asking = asyncio.create_task(client.send_raw("acme", b"{}"))
+        asking = asyncio.create_task(own.client.send_raw("acme", b"{}"))
         await asyncio.sleep(2.0)  # the request's receipt is late, and its ping unanswered
-        server.process.kill()
-        server.process.wait()
-        server = spawn_nats(tmp_path, port, users)
+        own.restart()
         assert await asking == b'{"answer":1}'
         assert time.monotonic() - started < 6.0, time.monotonic() - started
-    finally:
-        await close(caller)
-        await close(member)
-        server.stop()
 
 
 async def _member(deployment: Deployment, runtime: EmbeddedRuntime, answer: Any) -> tuple[Any, list[float]]:

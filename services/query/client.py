@@ -246,9 +246,8 @@ class ReplyInbox:
         in order; a message it sent meanwhile says nothing of what it has read). An attempt out on an earlier
         connection may have been lost with it, and one out before a ping failed cannot be asked about: True.
         Otherwise a ping goes out, unless one is out already (one at a time, so a frozen server gets one), and
-        ``wake`` is called when it is answered, fails or is dropped with its connection (until :meth:`forget`): a
-        request is not sent again into a frozen server, whose socket would hand every copy to the workers when it
-        wakes."""
+        ``wake`` is called when it is answered, fails or is dropped with its connection: a request is not sent
+        again into a frozen server, whose socket would hand every copy to the workers when it wakes."""
         connection = nc.stats["reconnects"]
         if attempt.connection != connection or max(self._read_until, self._unasked_at) >= attempt.sent_at:
             return True
@@ -279,15 +278,18 @@ class ReplyInbox:
         except Exception:  # closed, or no pong in the probe's time: the server cannot be asked; judged as before
             self._unasked_at = loop.time()
         else:
-            now = loop.time()
-            self._read_until = max(self._read_until, sent)
-            if now - sent >= SERVER_STALL_S:
-                self.server_back_at = now
+            # nats-py's flush returns at once, without a ping, while it reconnects: that says nothing.
+            if nc.is_connected and nc.stats["reconnects"] == connection:
+                now = loop.time()
+                self._read_until = max(self._read_until, sent)
+                if now - sent >= SERVER_STALL_S:
+                    self.server_back_at = now
         finally:
             _PROBES.discard(asyncio.current_task())
             if self._probing == connection:
                 self._probing = None
-            for wake in list(self._probe_waiters):
+            waiters, self._probe_waiters = self._probe_waiters, set()
+            for wake in waiters:
                 wake()
 
     async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
@@ -442,9 +444,7 @@ class Exchange:
     async def _send(self) -> None:
         now = self._loop.time()
         told_s = attempt_timeout(self._ends - now, MAX_SENDS - len(self._attempts))
-        # Sent while reconnecting, it goes out on the next connection.
-        connection = self._nc.stats["reconnects"] + (0 if self._nc.is_connected else 1)
-        attempt = Attempt(now, told_s, receipt_asked=self._receipts, connection=connection)
+        attempt = Attempt(now, told_s, receipt_asked=self._receipts)
 
         def route(msg: Msg) -> None:
             self._replies.append((attempt, msg))
@@ -453,6 +453,8 @@ class Exchange:
         self._reply_subjects.append(await self._inbox.open(self._nc, attempt, route))
         self._attempts.append(attempt)
         headers = request_headers(told_s, self._receipts)
+        # Read with nothing awaited before the publish; sent while reconnecting, it goes out on the next connection.
+        attempt.connection = self._nc.stats["reconnects"] + (0 if self._nc.is_connected else 1)
         await self._nc.publish(self._subject, self._body, reply=self._reply_subjects[-1], headers=headers)
 
     async def _take(self, attempt: Attempt, msg: Msg) -> bytes | None:

@@ -26,6 +26,10 @@ RETRY_AFTER_S = 1.0
 would otherwise each wait out an attempt of their own."""
 
 
+CONNECT_LIMIT_S = 30.0
+"""The longest a look-up and connect may take before the calls that follow start another. The connect given has
+its own limit (``ONTOFABRIC_NATS_CONNECT_TIMEOUT_S``); this bounds what comes after it (closing what it half made),
+since every call waits for the one under way."""
 CLOSE_WAIT_S = 5.0
 """At the gateway's end, how long a connect or the closes of replaced connections still under way are waited for."""
 
@@ -55,12 +59,15 @@ class NatsLink:
         half made, whose client would be left open)."""
         self._closing: set[asyncio.Task[None]] = set()
         """Closes of replaced connections under way: beside the calls, as a close can wait on a dead socket."""
+        self._closed = False
 
     async def client(self) -> Client:
         """A connected client, or NatsUnavailable."""
         nc = self._nc
         if nc is not None and nc.is_connected:
             return nc
+        if self._closed:
+            raise NatsUnavailable("the gateway is stopping")
         if self._reconnecting is None or self._reconnecting.done():
             self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
             self._reconnecting.add_done_callback(_retrieved)
@@ -88,7 +95,8 @@ class NatsLink:
             closing.add_done_callback(self._closing.discard)
             closing.add_done_callback(_retrieved)
         try:
-            self._nc = await self._connect(url)
+            async with asyncio.timeout(CONNECT_LIMIT_S):
+                self._nc = await self._connect(url)
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
             self._failed = (time.monotonic(), str(error))
             raise NatsUnavailable(str(error)) from error
@@ -96,11 +104,13 @@ class NatsLink:
         return self._nc
 
     async def close(self) -> None:
+        self._closed = True  # no connect starts from now
         under_way = {task for task in (self._reconnecting,) if task is not None} | self._closing
         if under_way:
             await asyncio.wait(under_way, timeout=CLOSE_WAIT_S)
-        if self._reconnecting is not None:
+        if self._reconnecting is not None and not self._reconnecting.done():
             self._reconnecting.cancel()
+            await asyncio.wait({self._reconnecting})
         if self._nc is not None:
             await self._close(self._nc)
             self._nc = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 
@@ -135,3 +136,21 @@ async def test_a_call_that_stops_waiting_cancels_no_connect_the_others_wait_for(
     release.set()
     assert isinstance(await asyncio.wait_for(second, 2), Here)
     assert connects == ["nats://here"]
+
+
+async def test_a_call_waiting_for_a_connect_when_the_gateway_stops_hears_so() -> None:
+    """close() gives a connect under way CLOSE_WAIT_S, then stops it: a call waiting for it is told the gateway is
+    stopping (it got the connect's CancelledError), and no connect starts after."""
+
+    async def hangs(_: object) -> Any:
+        await asyncio.Event().wait()
+
+    link = NatsLink(lambda: "nats://here", hangs, hangs)
+    waiting = asyncio.create_task(link.client())
+    await asyncio.sleep(0.05)
+    with patch("ontofabric.services.gateway.link.CLOSE_WAIT_S", 0.1):
+        await link.close()
+    with pytest.raises(NatsUnavailable, match="stopping"):
+        await waiting
+    with pytest.raises(NatsUnavailable, match="stopping"):
+        await link.client()

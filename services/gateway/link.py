@@ -71,7 +71,14 @@ class NatsLink:
         if self._reconnecting is None or self._reconnecting.done():
             self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
             self._reconnecting.add_done_callback(_retrieved)
-        return await asyncio.shield(self._reconnecting)
+        reconnecting = self._reconnecting
+        try:
+            return await asyncio.shield(reconnecting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if reconnecting.cancelled() and task is not None and not task.cancelling():  # close() stopped it
+                raise NatsUnavailable("the gateway is stopping") from None
+            raise
 
     async def _reconnect(self) -> Client:
         nc = self._nc

@@ -96,17 +96,22 @@ from .render import RichProgress, render_reply, render_status
 
 log = get_logger(__name__)
 
-_typed_for_help = TyperOption.display_type_rich
+
+def _show_flags_bare() -> None:
+    """Typer 0.29's help shows ``<bool>`` beside a flag, which reads as if it took a value (``--write true`` is
+    then refused): a flag is shown bare. Older typer has no such method, and shows no type beside a flag."""
+    typed = getattr(TyperOption, "display_type_rich", None)
+    if typed is None:
+        return
+
+    def bare_flags(option: TyperOption, ctx: Any) -> str | None:
+        shown: str | None = None if option.is_flag else typed(option, ctx)
+        return shown
+
+    TyperOption.display_type_rich = bare_flags  # type: ignore[method-assign,assignment]
 
 
-def _no_type_for_flags(option: TyperOption, ctx: Any) -> str | None:
-    """Typer's help shows ``<bool>`` beside a flag, which reads as if it took a value (``--write true`` is then
-    refused): a flag is shown bare."""
-    return None if option.is_flag else _typed_for_help(option, ctx)
-
-
-if hasattr(TyperOption, "display_type_rich"):  # older typer has none (and shows no type beside a flag)
-    TyperOption.display_type_rich = _no_type_for_flags  # type: ignore[method-assign,assignment]
+_show_flags_bare()
 
 app = typer.Typer(
     help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",

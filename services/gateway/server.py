@@ -126,10 +126,10 @@ class Gateway:
                 # call that waits for it with no answer.
                 async with asyncio.timeout_at(ends):
                     nc = await self._link.client()
+                if loop.time() >= ends:
+                    raise TimeoutError  # none left for the request
             except TimeoutError:
                 raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s") from None
-            if loop.time() >= ends:
-                raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s")
             client = QueryClient(nc, self._names, ends - loop.time())
             raw = await client.send_raw(workspace, request, spec.operation)
         except NatsUnavailable as error:

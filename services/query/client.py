@@ -492,7 +492,7 @@ class Exchange:
             attempt.listened_since = max(attempt.listened_since, moment)
 
     async def _wait(self, now: float, wake: float) -> None:
-        """Until a reply or receipt arrives, or ``wake``."""
+        """Until a reply or a receipt arrives (or the ping waited for ends), or ``wake``."""
         self._arrived.clear()
         try:
             async with asyncio.timeout(wake - now):

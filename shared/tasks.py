@@ -1,9 +1,12 @@
-"""Stopping the background loops a worker runs (watches, gauges, watermarks)."""
+"""Background tasks: kept until they end, and stopped (the loops a worker runs: watches, gauges, watermarks)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 CANCEL_AGAIN_AFTER_S = 1.0
 """How long a cancelled task has to end before it is cancelled again: its clean-up (a database session's end, a
@@ -22,3 +25,12 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
         await asyncio.wait({task}, timeout=CANCEL_AGAIN_AFTER_S)
     if not task.cancelled():
         task.result()
+
+
+def start_held(coroutine: Coroutine[Any, Any, T], held: set[asyncio.Task[Any]]) -> asyncio.Task[T]:
+    """``coroutine`` as a task, kept in ``held`` until it ends: asyncio keeps only weak references to tasks, and one
+    nothing else refers to may be collected before it ends."""
+    task = asyncio.get_running_loop().create_task(coroutine)
+    held.add(task)
+    task.add_done_callback(held.discard)
+    return task

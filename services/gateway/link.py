@@ -18,6 +18,7 @@ from typing import Any
 from nats.aio.client import Client
 
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.tasks import start_held
 
 log = get_logger(__name__)
 
@@ -97,10 +98,7 @@ class NatsLink:
         if nc is not None:
             self._nc = None
             log.info("gateway_nats_replaced", reason="closed" if nc.is_closed else "server moved")
-            closing = asyncio.get_running_loop().create_task(self._close(nc))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-            closing.add_done_callback(_retrieved)
+            start_held(self._close(nc), self._closing).add_done_callback(_retrieved)
         try:
             async with asyncio.timeout(CONNECT_LIMIT_S):
                 self._nc = await self._connect(url)

@@ -51,7 +51,7 @@ from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token, workspace_token_of
-from ontofabric.shared.tasks import cancel_and_wait
+from ontofabric.shared.tasks import cancel_and_wait, start_held
 from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
 
@@ -457,9 +457,7 @@ class QueryService:
             # may all be at work: the others' runners do not take its requests).
             admitted.place_freed = True
             self._release(admitted)
-        task = asyncio.create_task(refusal)
-        self._expiries.add(task)
-        task.add_done_callback(self._expiries.discard)
+        start_held(refusal, self._expiries)
 
     def _timeout_too_short(self, deadline: Deadline) -> bool:
         """Whether the caller stated a timeout under ``query_short_timeout_ms``. Refused for time, such a request is

@@ -38,6 +38,7 @@ from ontofabric.contracts import (
 from ontofabric.shared.jetstream import refused_promptly
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, Operation
+from ontofabric.shared.tasks import start_held
 
 from .deadlines import RecentDelay, header_value
 
@@ -186,11 +187,79 @@ def request_headers(timeout_s: float, receipt: bool = True) -> dict[str, str]:
     return headers
 
 
+class ServerReads:
+    """What pings said of the server a connection talks to: what it has read of what was sent, and when it came
+    back after not reading (frozen, its host paused)."""
+
+    def __init__(self) -> None:
+        self._read_until = -math.inf
+        """What this connection sent before this moment the server has read: a ping sent then had its pong."""
+        self.back_at = -math.inf
+        """When the server last answered a ping SERVER_STALL_S late or later: it had not been reading till then."""
+        self._probing: int | None = None
+        """The connection a ping of the server is out on, if one is."""
+        self._probe_waiters: set[Callable[[], None]] = set()
+        """Who waits for the ping under way: each exchange's wake once, until it ends."""
+        self._unasked_at = -math.inf
+        """When a ping of the server last failed."""
+
+    def has_read(self, nc: Client, attempt: Attempt, wake: Callable[[], None]) -> bool:
+        """Whether the server has read ``attempt``: a ping sent after it had its pong (the server reads a connection
+        in order; a message it sent meanwhile says nothing of what it has read). An attempt out on an earlier
+        connection may have been lost with it, and one out before a ping failed cannot be asked about: True.
+        Otherwise a ping goes out, unless one is out already (one at a time, so a frozen server gets one), and
+        ``wake`` is called when it is answered, fails or is dropped with its connection: a request is not sent
+        again into a frozen server, whose socket would hand every copy to the workers when it wakes."""
+        connection = nc.stats["reconnects"]
+        if attempt.connection != connection or max(self._read_until, self._unasked_at) >= attempt.sent_at:
+            return True
+        self._probe_waiters.add(wake)
+        if self._probing != connection:  # none out, or out on an earlier connection, which dropped it
+            self._probing = connection
+            start_held(self._probe(nc, connection), _PROBES)
+        return False
+
+    def forget(self, wake: Callable[[], None]) -> None:
+        self._probe_waiters.discard(wake)
+
+    async def _probe(self, nc: Client, connection: int) -> None:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            # nats-py writes the ping ahead of publishes it still holds back, as it does only while the socket is
+            # full: the pong then comes late, and the receipt waits start again from it (back_at).
+            flush = loop.create_task(nc.flush(timeout=probe_timeout_s(nc)))  # type: ignore[arg-type]
+            while not flush.done():
+                await asyncio.wait({flush}, timeout=PROBE_POLL_S)
+                if not flush.done() and (nc.is_closed or nc.stats["reconnects"] != connection):
+                    # nats-py dropped the connection's pings with it: this pong will not come, and no later one
+                    # can find the cancelled ping's future (the trap of PROBE_TIMEOUT_S).
+                    flush.cancel()
+                    return
+            flush.result()
+        except Exception:  # closed, or no pong in the probe's time: the server cannot be asked; judged as before
+            self._unasked_at = loop.time()
+        else:
+            # nats-py's flush returns at once, without a ping, while it reconnects: that says nothing.
+            if nc.is_connected and nc.stats["reconnects"] == connection:
+                now = loop.time()
+                self._read_until = max(self._read_until, sent)
+                if now - sent >= SERVER_STALL_S:
+                    self.back_at = now
+        finally:
+            if self._probing == connection:
+                self._probing = None
+            waiters, self._probe_waiters = self._probe_waiters, set()
+            for wake in waiters:
+                wake()
+
+
 class ReplyInbox:
     """Where a connection's QueryClient requests get their replies: one subscription for all of them, routed by
     reply subject (as nats-py's own request does), what their receipts said of the workers lately, and what pings
-    said of the server. A subscription per request would cost a SUB, an UNSUB and a task each. Holds no reference
-    to its connection, which keys it in a WeakKeyDictionary (a ping under way does, until it ends)."""
+    said of the server (:class:`ServerReads`). A subscription per request would cost a SUB, an UNSUB and a task
+    each. Holds no reference to its connection, which keys it in a WeakKeyDictionary (a ping under way does, until
+    it ends)."""
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
@@ -202,16 +271,7 @@ class ReplyInbox:
         self._receipt_delays = RecentDelay()
         self._receipt_seen = False
         self._receiptless_at: float | None = None
-        self._read_until = -math.inf
-        """What this connection sent before this moment the server has read: a ping sent then had its pong."""
-        self.server_back_at = -math.inf
-        """When the server last answered a ping SERVER_STALL_S late or later: it had not been reading till then."""
-        self._probing: int | None = None
-        """The connection a ping of the server is out on, if one is."""
-        self._probe_waiters: set[Callable[[], None]] = set()
-        """Who waits for the ping under way: each exchange's wake once, until it ends."""
-        self._unasked_at = -math.inf
-        """When a ping of the server last failed."""
+        self.server = ServerReads()
 
     def receipt_wait_s(self, now: float) -> float | None:
         """How long an attempt may go without its receipt; None while silence is not to be taken for a frozen
@@ -231,7 +291,7 @@ class ReplyInbox:
                 attempt.receipt_at = now
                 # From when the client could hear it: its own outages and stalls, and the server's, are not the
                 # worker's delay.
-                since = max(attempt.listened_since, self.server_back_at)
+                since = max(attempt.listened_since, self.server.back_at)
                 self._receipt_delays.observe(min(now - since, MAX_RECEIPT_DELAY_S), now)
         elif (
             not ended
@@ -240,57 +300,6 @@ class ReplyInbox:
             and header_value(msg.headers, Header.STATUS) is None
         ):
             self._receiptless_at = now
-
-    def server_has_read(self, nc: Client, attempt: Attempt, wake: Callable[[], None]) -> bool:
-        """Whether the server has read ``attempt``: a ping sent after it had its pong (the server reads a connection
-        in order; a message it sent meanwhile says nothing of what it has read). An attempt out on an earlier
-        connection may have been lost with it, and one out before a ping failed cannot be asked about: True.
-        Otherwise a ping goes out, unless one is out already (one at a time, so a frozen server gets one), and
-        ``wake`` is called when it is answered, fails or is dropped with its connection: a request is not sent
-        again into a frozen server, whose socket would hand every copy to the workers when it wakes."""
-        connection = nc.stats["reconnects"]
-        if attempt.connection != connection or max(self._read_until, self._unasked_at) >= attempt.sent_at:
-            return True
-        self._probe_waiters.add(wake)
-        if self._probing != connection:  # none out, or out on an earlier connection, which dropped it
-            self._probing = connection
-            _PROBES.add(asyncio.get_running_loop().create_task(self._probe(nc, connection)))
-        return False
-
-    def forget(self, wake: Callable[[], None]) -> None:
-        self._probe_waiters.discard(wake)
-
-    async def _probe(self, nc: Client, connection: int) -> None:
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
-        try:
-            # nats-py writes the ping ahead of publishes it still holds back, as it does only while the socket is
-            # full: the pong then comes late, and the receipt waits start again from it (server_back_at).
-            flush = loop.create_task(nc.flush(timeout=probe_timeout_s(nc)))  # type: ignore[arg-type]
-            while not flush.done():
-                await asyncio.wait({flush}, timeout=PROBE_POLL_S)
-                if not flush.done() and (nc.is_closed or nc.stats["reconnects"] != connection):
-                    # nats-py dropped the connection's pings with it: this pong will not come, and no later one
-                    # can find the cancelled ping's future (the trap of PROBE_TIMEOUT_S).
-                    flush.cancel()
-                    return
-            flush.result()
-        except Exception:  # closed, or no pong in the probe's time: the server cannot be asked; judged as before
-            self._unasked_at = loop.time()
-        else:
-            # nats-py's flush returns at once, without a ping, while it reconnects: that says nothing.
-            if nc.is_connected and nc.stats["reconnects"] == connection:
-                now = loop.time()
-                self._read_until = max(self._read_until, sent)
-                if now - sent >= SERVER_STALL_S:
-                    self.server_back_at = now
-        finally:
-            _PROBES.discard(asyncio.current_task())
-            if self._probing == connection:
-                self._probing = None
-            waiters, self._probe_waiters = self._probe_waiters, set()
-            for wake in waiters:
-                wake()
 
     async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
         """A new reply subject whose messages go to ``route`` until :meth:`close`."""
@@ -403,7 +412,7 @@ class Exchange:
         try:
             await self._send()
             while True:
-                self._listen_since(self._inbox.server_back_at)
+                self._listen_since(self._inbox.server.back_at)
                 if self._replies:
                     answer = await self._take(*self._replies.popleft())
                     if answer is not None:
@@ -427,7 +436,7 @@ class Exchange:
                         await self._send()
                         continue
                     if len(self._attempts) < MAX_SENDS and self._ends - now >= MIN_SECOND_ATTEMPT_S:
-                        if not self._inbox.server_has_read(self._nc, self._attempts[-1], self._arrived.set):
+                        if not self._inbox.server.has_read(self._nc, self._attempts[-1], self._arrived.set):
                             await self._wait(now, min(self._ends, now + PROBE_POLL_S))  # the ping's answer
                             continue
                         silent = "no receipt" if all(a.receipt_at is None for a in self._attempts) else "no reply"
@@ -502,7 +511,7 @@ class Exchange:
                 await asyncio.sleep(STALL_CATCH_UP_S)
 
     def _close(self) -> None:
-        self._inbox.forget(self._arrived.set)
+        self._inbox.server.forget(self._arrived.set)
         now = self._loop.time()
         for attempt, msg in self._replies:  # arrived with the answer, unread: what they say of the workers counts
             self._inbox.heard(attempt, msg, now, ended=True)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from nats.js.api import DiscardPolicy, PubAck
 from nats.js.errors import ServiceUnavailableError
@@ -24,7 +25,7 @@ from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.embedder import Embedder, embedding_text
 from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
 
@@ -82,6 +83,14 @@ async def test_ingest_publishes_only_what_changed(
     # Each chunk's token signs, one row of 48 bytes per token the model read from its embedding text.
     assert all(r["token_signs"] and len(r["token_signs"]) % 48 == 0 for r in embedded)
     assert len({r["token_signs"] for r in embedded}) == 7
+    # Each document carries its own chunk's vector, whatever order the chunks were embedded in (shortest first).
+    rows = await deployment.fetch(
+        "SELECT content, symbol_fqn, embedding::real[] AS embedding FROM documents ORDER BY length(content) DESC"
+    )
+    own = embedder.embed_documents([embedding_text(r["content"], r["symbol_fqn"]) for r in rows])
+    assert [float(np.dot(np.asarray(r["embedding"]), v)) for r, v in zip(rows, own, strict=True)] == pytest.approx(
+        [1.0] * 7, abs=1e-5
+    )
 
     unchanged = await ingester.ingest(tmp_path, "repo")
     assert (unchanged.upserts, unchanged.deletes, unchanged.unchanged) == (0, 0, 7)

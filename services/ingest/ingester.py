@@ -43,7 +43,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs
+from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, shortest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
@@ -456,13 +456,18 @@ class Ingester:
             return [None] * len(chunks)
         embedder = self._embedder
         self._progress.stage("embed", len(chunks))
-        embedded: list[ChunkEmbedding | None] = []
-        for start in range(0, len(chunks), EMBED_BATCH):
-            batch = [c.embedding_text for c in chunks[start : start + EMBED_BATCH]]
+        texts = [c.embedding_text for c in chunks]
+        order = shortest_first(texts)
+        embedded: list[ChunkEmbedding | None] = [None] * len(chunks)
+        for start in range(0, len(order), EMBED_BATCH):
+            indexes = order[start : start + EMBED_BATCH]
+            batch = [texts[i] for i in indexes]
             embed = self._cache.embed if self._cache is not None else embed_with_signs
             result = await asyncio.to_thread(embed, embedder, batch)
             second = await asyncio.to_thread(SecondVectors.of, self._second, batch, self._cache)
-            embedded.extend(ChunkEmbedding.of(result, embedder.dimension, self._token_vectors, second))
+            made = ChunkEmbedding.of(result, embedder.dimension, self._token_vectors, second)
+            for i, chunk_embedding in zip(indexes, made, strict=True):
+                embedded[i] = chunk_embedding
             self._progress.advance("embed", len(batch))
         return embedded
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import re
 import threading
@@ -66,6 +67,13 @@ class Embedder(Protocol):
     @property
     def cache_name(self) -> str:
         """What the embedding cache keys vectors by: the model, and its arithmetic where that changes the vectors."""
+        ...
+
+    @property
+    def vectors_name(self) -> str:
+        """What the vectors are, for telling whether stored ones must be made again: the model and how it reads a
+        long text, not its arithmetic (bfloat16's vectors are float32's to a cosine of 0.9999), so that ingesters
+        on CPUs with and without native bfloat16 send nothing again for it."""
         ...
 
     @property
@@ -348,7 +356,12 @@ class LocalSentenceTransformer:
 
     A text longer than the model reads is embedded in up to ``windows`` consecutive windows of its
     ``max_seq_length`` (1: only the first, as sentence-transformers does), pooled into one vector; its token
-    vectors are those of the first window."""
+    vectors are those of the first window.
+
+    Queries are embedded in float32. Documents are too, unless ``bfloat16``: then by a bfloat16 copy of the model,
+    loaded when the first document is embedded (a query worker never loads it). Its vectors are float32's to a
+    cosine of 0.9999 and come about twice as fast where the CPU computes bfloat16 natively (docs/benchmarks.md,
+    "Ingest embedding")."""
 
     def __init__(
         self,
@@ -363,16 +376,19 @@ class LocalSentenceTransformer:
         cache_dir: Path | None = None,
     ) -> None:
         """``query_runtime``: what embeds queries; ``onnx`` exports the model into ``cache_dir`` on first use
-        (:func:`~.onnx_models.query_encoder`) and embeds queries in float32 only: a bfloat16 model's stay on PyTorch,
-        whose vectors the documents have."""
+        (:func:`~.onnx_models.query_encoder`)."""
         if windows < 1:
             raise ValueError("windows must be at least 1")
         self.model_name = model_name
         # Vectors that differ are cached apart, so no setting is served another's: bfloat16 vectors are near
         # float32's but not equal, and a long text read in windows differs from its first window alone.
-        self.cache_name = model_name + ("@bfloat16" if bfloat16 else "") + (f"+windows{windows}" if windows > 1 else "")
+        read = f"+windows{windows}" if windows > 1 else ""
+        self.cache_name = model_name + ("@bfloat16" if bfloat16 else "") + read
+        self.vectors_name = model_name + read
         self._windows = windows
-        self._model = load_sentence_transformer(model_path, bfloat16)
+        self._model = load_sentence_transformer(model_path, bfloat16=False)
+        self._documents_model: SentenceTransformer | None = None if bfloat16 else self._model
+        self._documents_model_lock = threading.Lock()
         dimension = self._model.get_embedding_dimension()
         if dimension != expected_dimension:
             raise EmbedderMismatch(
@@ -394,7 +410,7 @@ class LocalSentenceTransformer:
         # long queries made every batch as slow as theirs.
         self._queries: LruCache[str, Coalescer[str, tuple[Vector, TokenMatrix]]] = LruCache(WORKSPACES_BATCHED)
         self._onnx: OnnxQueryEncoder | None = None
-        if query_runtime == "onnx" and not bfloat16:
+        if query_runtime == "onnx":
             from .onnx_models import query_encoder
 
             self._onnx = query_encoder(
@@ -411,7 +427,7 @@ class LocalSentenceTransformer:
             model=model_name,
             path=str(model_path),
             dimension=dimension,
-            bfloat16=bfloat16,
+            documents_bfloat16=bfloat16,
             query_runtime=self.query_runtime,
         )
 
@@ -421,10 +437,23 @@ class LocalSentenceTransformer:
     def embed_with_tokens(
         self, texts: Sequence[str], batch_size: int = 64
     ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
+        return self._encode(self._for_documents(), texts, batch_size)
+
+    def _for_documents(self) -> SentenceTransformer:
+        with self._documents_model_lock:
+            if self._documents_model is None:  # the weights checked at start, not read again from disk
+                import torch
+
+                self._documents_model = copy.deepcopy(self._model).to(torch.bfloat16)
+            return self._documents_model
+
+    def _encode(
+        self, model: SentenceTransformer, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
         if not texts:
             return np.zeros((0, self.dimension), np.float32), []
         pieces, owners = self._read_in_windows(texts)
-        encoded = self._model.encode(pieces, batch_size=batch_size, output_value=None)
+        encoded = model.encode(pieces, batch_size=batch_size, output_value=None)
         # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
         window_vectors = unit_rows(np.stack([np.asarray(e["sentence_embedding"].float(), np.float32) for e in encoded]))
         # Batched rows are padded to the longest text: keep the tokens the attention mask says are real.
@@ -474,7 +503,7 @@ class LocalSentenceTransformer:
         return [found for found in embedded if found is not None]
 
     def _embed_queries_on_torch(self, texts: list[str]) -> list[tuple[Vector, TokenMatrix]]:
-        vectors, tokens = self.embed_with_tokens(texts)
+        vectors, tokens = self._encode(self._model, texts)
         return list(zip(vectors, tokens, strict=True))
 
     async def embed_query_with_tokens_async(self, text: str, turn: str = "") -> tuple[Vector, TokenMatrix]:
@@ -528,6 +557,10 @@ class ServedModel:
     @property
     def cache_name(self) -> str:
         return self._active.cache_name
+
+    @property
+    def vectors_name(self) -> str:
+        return self._active.vectors_name
 
     @property
     def dimension(self) -> int:

@@ -160,9 +160,11 @@ class Settings(BaseSettings):
     )
     embedding_precision: Precision = Field(
         default="float32",
-        description="Arithmetic of the embedder. bfloat16 embeds batches of documents in about half the time where "
-        "the CPU computes it natively (AVX-512 BF16, AMX; `auto` picks it there), at a small quality cost "
-        "(docs/benchmarks.md); its vectors are cached apart from float32's.",
+        description="Arithmetic the embedder reads documents in (queries are always embedded in float32). bfloat16 "
+        "embeds them in about half the time where the CPU computes it natively (AVX-512 BF16, AMX; `auto` picks it "
+        "there, float32 elsewhere), with vectors float32's to a cosine of 0.9999 and the default request's nDCG@10 "
+        "0.001 lower on the evaluation sets, within their noise (docs/benchmarks.md, Ingest embedding). Its vectors "
+        "are cached apart from float32's, but an ingest does not send documents again for a change of precision.",
     )
     query_model_threads: int = Field(
         default=1, ge=1, le=256,
@@ -176,7 +178,7 @@ class Settings(BaseSettings):
         description="What runs the embedding model for queries: `onnx`, ONNX Runtime over an export of the same "
         "weights, made on first use in `cache_dir` and used only when its vectors agree with PyTorch's (a query in "
         'about half the time: docs/benchmarks.md, "Query embedding on ONNX Runtime"); or `torch`. '
-        "Documents are embedded by PyTorch either way, and a bfloat16 model's queries too.",
+        "Documents are embedded by PyTorch either way.",
     )
     embedding_windows: int = Field(
         default=4,

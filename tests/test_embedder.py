@@ -71,12 +71,29 @@ def test_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, native: bool) -> 
     assert wants_bfloat16("bfloat16") is True
 
 
-def test_the_settings_decide_the_arithmetic_the_model_runs_in() -> None:
+def test_the_settings_decide_the_arithmetic_documents_are_read_in_and_queries_keep_float32() -> None:
     assert Settings().embedding_precision == "float32"  # stored vectors keep float32 unless asked
     for precision, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        built = build_embedder(Settings(embedding_precision=precision))
+        built = build_embedder(Settings(embedding_precision=precision, query_embedding_runtime="torch"))
         assert isinstance(built, LocalSentenceTransformer)
-        assert next(built._model.parameters()).dtype is dtype
+        built.embed_query("a query")
+        # A process that only answers queries never loads the bfloat16 copy.
+        assert built._documents_model is (built._model if precision == "float32" else None)
+        built.embed_documents(TEXTS[:1])
+        assert built._documents_model is not None  # loaded by the documents' embedding itself
+        assert next(built._documents_model.parameters()).dtype is dtype
+        assert next(built._model.parameters()).dtype is torch.float32
+        # Stored vectors say which model and reading made them, not the arithmetic: no ingest sends them again
+        # for that alone (an ingester on a CPU without native bfloat16 beside one with it).
+        assert built.vectors_name == "all-MiniLM-L6-v2+windows4"
+
+
+def test_a_bfloat16_embedder_embeds_queries_as_a_float32_one_does(
+    embedders: dict[bool, LocalSentenceTransformer],
+) -> None:
+    for query in ["how are deltas dead-lettered", "PostgreSQL full-text search ranks documents " * 40]:
+        full, half = (embedders[b].embed_query(query) for b in (False, True))
+        assert np.array_equal(full, half)
 
 
 def test_bfloat16_and_float32_embed_alike(embedders: dict[bool, LocalSentenceTransformer]) -> None:
@@ -470,11 +487,12 @@ def test_without_a_writable_cache_the_export_is_private_and_deleted(
         assert_same_embeddings(embedder._embed_queries(QUERIES[:1]), embedder._embed_queries_on_torch(QUERIES[:1]))
 
 
-def test_a_missing_runtime_a_bfloat16_model_and_document_only_processes_stay_on_pytorch(
+def test_a_missing_runtime_and_document_only_processes_stay_on_pytorch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert Settings.model_fields["query_embedding_runtime"].default == "onnx"
-    assert query_embedder(tmp_path, bfloat16=True).query_runtime == "torch"
+    # Queries are embedded in float32 whatever documents are read in.
+    assert query_embedder(tmp_path / "half", bfloat16=True).query_runtime == "onnx"
     documents_only = build_embedder(Settings(cache_dir=tmp_path), for_queries=False)
     assert isinstance(documents_only, LocalSentenceTransformer)
     assert documents_only.query_runtime == "torch"

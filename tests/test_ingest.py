@@ -25,9 +25,10 @@ from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.embedder import Embedder, embedding_text
+from ontofabric.shared.embedder import Embedder, build_embedder, embedding_text
 from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
+from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
 
@@ -95,6 +96,13 @@ async def test_ingest_publishes_only_what_changed(
     unchanged = await ingester.ingest(tmp_path, "repo")
     assert (unchanged.upserts, unchanged.deletes, unchanged.unchanged) == (0, 0, 7)
     assert unchanged.last_sequence is None
+    # The embedder's arithmetic alone (an ingester on a CPU with or without native bfloat16) sends nothing again.
+    for precision in ("float32", "bfloat16"):
+        other = build_embedder(Settings(embedding_precision=precision), for_queries=False)
+        again = await Ingester(deployment.js, deployment.names, other, deployment.settings.max_content_bytes).ingest(
+            tmp_path, "repo"
+        )
+        assert (again.upserts, again.unchanged) == (0, 7), precision
 
     # What the embedder adds changed (token vectors off): every document goes again, though no content changed.
     plain = Ingester(

@@ -182,6 +182,7 @@ QUERY_TOKENS = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=np.float32)
 class FixedEmbedder:
     model_name = "fixed"
     cache_name = "fixed"
+    vectors_name = "fixed"
     dimension = 3
 
     def embed_documents(self, texts: object, batch_size: int = 64) -> np.ndarray:  # type: ignore[type-arg]

@@ -346,7 +346,7 @@ class Ingester:
     def _embedding_signature(self) -> str:
         if self._embedder is None:
             return "no-embedding"
-        signature = self._embedder.cache_name + ("+token-signs" if self._token_vectors else "")
+        signature = self._embedder.vectors_name + ("+token-signs" if self._token_vectors else "")
         return signature + (f"+second:{self._second.name}" if self._second is not None else "")
 
     async def load_manifest(self, workspace: str, branch: str) -> Manifest:

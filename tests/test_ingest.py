@@ -84,7 +84,7 @@ async def test_ingest_publishes_only_what_changed(
     # Each chunk's token signs, one row of 48 bytes per token the model read from its embedding text.
     assert all(r["token_signs"] and len(r["token_signs"]) % 48 == 0 for r in embedded)
     assert len({r["token_signs"] for r in embedded}) == 7
-    # Each document carries its own chunk's vector, whatever order the chunks were embedded in (shortest first).
+    # Each document carries its own chunk's vector, whatever order the chunks were embedded in (longest first).
     rows = await deployment.fetch(
         "SELECT content, symbol_fqn, embedding::real[] AS embedding FROM documents ORDER BY length(content) DESC"
     )

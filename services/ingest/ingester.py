@@ -43,7 +43,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, shortest_first
+from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
@@ -457,7 +457,7 @@ class Ingester:
         embedder = self._embedder
         self._progress.stage("embed", len(chunks))
         texts = [c.embedding_text for c in chunks]
-        order = shortest_first(texts)
+        order = longest_first(texts)
         embedded: list[ChunkEmbedding | None] = [None] * len(chunks)
         for start in range(0, len(order), EMBED_BATCH):
             indexes = order[start : start + EMBED_BATCH]

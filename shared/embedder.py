@@ -359,9 +359,9 @@ class LocalSentenceTransformer:
     vectors are those of the first window.
 
     Queries are embedded in float32. Documents are too, unless ``bfloat16``: then by a bfloat16 copy of the model,
-    loaded when the first document is embedded (a query worker never loads it). Its vectors are float32's to a
-    cosine of 0.9999 and come about twice as fast where the CPU computes bfloat16 natively (docs/benchmarks.md,
-    "Ingest embedding")."""
+    made from its weights when the first document is embedded (a query worker never makes it). Its vectors are
+    float32's to a cosine of 0.9999 and come about twice as fast where the CPU computes bfloat16 natively
+    (docs/benchmarks.md, "Ingest embedding")."""
 
     def __init__(
         self,

@@ -206,9 +206,10 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
 async def test_a_code_symbols_own_name_outweighs_its_words_in_other_code(
     deployment: Deployment, pool: asyncpg.Pool
 ) -> None:
-    """A code symbol's own name is read ``NAME_REPEATS`` times more than the rest (a field weight, as BM25F gives a
-    title): the function named for what a query asks comes before code that only uses its words. A document
-    section's headings are read once."""
+    """A code symbol's own name is read ``NAME_REPEATS`` times more than the rest (a weight for the name, after
+    BM25F's title field): the function named for what a query asks comes before code that only uses its words.
+    Other kinds of symbol (a section's headings, an external ingester's page) and symbols of no kind are read
+    once."""
     texts = {
         "named": (
             "pkg.backoff.wait_exponential",
@@ -232,5 +233,7 @@ async def test_a_code_symbols_own_name_outweighs_its_words_in_other_code(
     )
     assert [c.id for c in hits.candidates] == ["named", "user"]
 
-    section = document("s", "How long to wait.", symbolFqn="README.md > Exponential wait", symbolKind="section")
-    assert search_text(section) == analyse("README.md > Exponential wait\nHow long to wait.")
+    others = [("README.md > Exponential wait", "section"), ("docs/wait.md", "page"), ("a.wait_exponential", None)]
+    for fqn, kind in others:
+        other = document("s", "How long to wait.", symbolFqn=fqn, **({"symbolKind": kind} if kind else {}))
+        assert search_text(other) == analyse(f"{fqn}\nHow long to wait."), kind  # read once

@@ -201,39 +201,3 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
     branch_d1 = (await documents.similarities(Scope("acme", "feature"), query, ["d1"])).candidates[0].score
     assert main_d1 == pytest.approx(float(np.dot(vector, unit_vector("d1"))), abs=1e-6)
     assert branch_d1 == pytest.approx(float(np.dot(vector, unit_vector("d1 branch"))), abs=1e-6)
-
-
-async def test_a_code_symbols_own_name_outweighs_its_words_in_other_code(
-    deployment: Deployment, pool: asyncpg.Pool
-) -> None:
-    """A code symbol's own name is read ``NAME_REPEATS`` times more than the rest (a weight for the name, after
-    BM25F's title field): the function named for what a query asks comes before code that only uses its words.
-    Other kinds of symbol (a section's headings, an external ingester's page) and symbols of no kind are read
-    once."""
-    texts = {
-        "named": (
-            "pkg.backoff.wait_exponential",
-            "function",
-            "The delay before the next attempt: doubled each time, up to the most the caller allows.",
-        ),
-        "user": (
-            "pkg.retry.run",
-            "function",
-            "def run(call):\n    # wait, then wait longer: an exponential wait between exponential retries\n"
-            "    for attempt in range(5):\n        pause(exponential(attempt))  # wait\n        call()",
-        ),
-    }
-    store = PostgresProjectionStore(pool, "english")
-    await store.apply([
-        Delta(i + 1, upsert("acme", document(k, content, symbolFqn=fqn, symbolKind=kind)))
-        for i, (k, (fqn, kind, content)) in enumerate(texts.items())
-    ])  # fmt: skip
-    hits = await PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3).search(
-        Scope("acme", "main"), SearchInput("exponential wait"), 10
-    )
-    assert [c.id for c in hits.candidates] == ["named", "user"]
-
-    others = [("README.md > Exponential wait", "section"), ("docs/wait.md", "page"), ("a.wait_exponential", None)]
-    for fqn, kind in others:
-        other = document("s", "How long to wait.", symbolFqn=fqn, **({"symbolKind": kind} if kind else {}))
-        assert search_text(other) == analyse(f"{fqn}\nHow long to wait."), kind  # read once

@@ -319,23 +319,7 @@ def plan_batch(
     return plan
 
 
-NAME_REPEATS = 8
-"""Times the keyword index reads a code symbol's own name besides its qualified name: a weight for the name, after
-BM25F's title field, though within the one text (so the document also reads longer). Over the 186 concept queries
-of three projects, 2, 4, 8 and 16 gained +0.007, +0.011, +0.013 and +0.009 nDCG@10 on the default request; chosen
-on two projects, 8 won for each third (docs/quality.md, "Held-out concept queries")."""
-NAMED_KINDS = frozenset({"module", "class", "function", "method", "docstring"})
-"""The kinds of symbol whose own name is weighed: those the Python ingester makes, on which it was measured. Other
-kinds (a document section, an external ingester's page or member) keep their qualified name read once: their last
-dotted part need not be a name (``docs/setup.md``, ``Send(System.Net.Http.HttpRequestMessage)``)."""
-
-
 def search_text(document: SemanticDocument) -> str:
-    """The text the keyword index is built from, analysed: the symbol's qualified name, a code symbol's own name
-    (the last part of it) :data:`NAME_REPEATS` times more, then the content."""
+    """The text the keyword index is built from: the symbol's qualified name, then the content, analysed."""
     name = document.metadata.symbol_fqn or ""
-    if not name:
-        return analyse(document.content)
-    named = document.metadata.symbol_kind in NAMED_KINDS
-    own = [name.rsplit(".", 1)[-1]] * NAME_REPEATS if named else []
-    return analyse("\n".join([name, *own, document.content]))
+    return analyse(f"{name}\n{document.content}" if name else document.content)

@@ -85,7 +85,7 @@ def test_the_settings_decide_the_arithmetic_documents_are_read_in_and_queries_ke
         assert next(built._model.parameters()).dtype is torch.float32
         # Stored vectors say which model and reading made them, not the arithmetic: no ingest sends them again
         # for that alone (an ingester on a CPU without native bfloat16 beside one with it).
-        assert built.vectors_name == "all-MiniLM-L6-v2+windows4"
+        assert built.vectors_name == build_embedder(Settings(embedding_precision="float32")).cache_name
 
 
 def test_a_bfloat16_embedder_embeds_queries_as_a_float32_one_does(

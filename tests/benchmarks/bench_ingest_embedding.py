@@ -38,7 +38,8 @@ def corpus_texts(source: Path | None, limit: int) -> tuple[str, list[str]]:
     """The first ``limit`` texts an ingest of ``source`` would embed (None: this project's own tree)."""
     if source is None:
         root = project_root()
-        return "this project's source", [c.embedding_text for c in chunk_sources(root, read_tree(root), 10**6)][:limit]
+        chunks = chunk_sources(root, read_tree(root), Settings().max_content_bytes)
+        return "this project's source", [c.embedding_text for c in chunks][:limit]
     dataset = load_beir(source, next(p.stem for p in sorted((source / "qrels").glob("*.tsv"))))
     return dataset.name, [document_text(d) for d in dataset.corpus[:limit]]
 

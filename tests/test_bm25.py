@@ -10,7 +10,7 @@ import asyncpg
 import numpy as np
 import pytest
 
-from ontofabric.services.projector.planning import Delta, search_text
+from ontofabric.services.projector.planning import NAME_REPEATS, Delta, name_weight, search_text
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.query.core import Scope, SearchInput
 from ontofabric.services.query.postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
@@ -46,12 +46,17 @@ async def _lexemes(conn: asyncpg.Connection, text: str) -> dict[str, int]:
     return {r["lexeme"]: r["tf"] for r in rows}
 
 
-async def _expected_scores(conn: asyncpg.Connection, indexed: dict[str, str], query: str) -> dict[str, float]:
-    """BM25 by hand; ``indexed`` is the text the projector indexed for each document (already analysed)."""
-    docs = {doc_id: await _lexemes(conn, text) for doc_id, text in indexed.items()}
+async def _expected_scores(
+    conn: asyncpg.Connection, indexed: dict[str, str], query: str, weights: dict[str, str] | None = None
+) -> dict[str, float]:
+    """BM25 by hand; ``indexed`` is the text the projector indexed for each document (already analysed), and
+    ``weights`` a document's own-name repeats, which count in its term frequencies and not in its length."""
+    lengths = {doc_id: sum((await _lexemes(conn, text)).values()) for doc_id, text in indexed.items()}
+    weights = weights or {}
+    docs = {doc_id: await _lexemes(conn, f"{weights.get(doc_id, '')}\n{text}") for doc_id, text in indexed.items()}
     terms = await _lexemes(conn, analyse(query))
     n = len(docs)
-    avgdl = sum(sum(d.values()) for d in docs.values()) / n
+    avgdl = sum(lengths.values()) / n
     scores: dict[str, float] = {}
     for term, repeats in terms.items():
         df = sum(1 for d in docs.values() if term in d)
@@ -61,7 +66,7 @@ async def _expected_scores(conn: asyncpg.Connection, indexed: dict[str, str], qu
         for doc_id, tfs in docs.items():
             tf = tfs.get(term, 0)
             if tf:
-                length = sum(tfs.values())
+                length = lengths[doc_id]
                 scores[doc_id] = scores.get(doc_id, 0.0) + idf * tf * (K1 + 1) / (
                     tf + K1 * (1 - B + B * length / avgdl)
                 )
@@ -87,6 +92,59 @@ async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncp
             expected = await _expected_scores(conn, {k: search_text(document(k, v)) for k, v in TEXTS.items()}, query)
         assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
         assert [c.id for c in hits.candidates] == sorted(expected, key=lambda d: (-expected[d], d))
+
+
+async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
+    deployment: Deployment, pool: asyncpg.Pool
+) -> None:
+    """A code symbol's own name is read ``NAME_REPEATS`` times more than its other words, as BM25F weighs a title
+    field: the function named for what a query asks comes before code that only uses its words. The repeats add to
+    the name's term frequencies and not to the document's length, so the symbol's other words score as they would
+    without them."""
+    texts = {
+        "named": (
+            "pkg.backoff.wait_exponential",
+            "function",
+            "The delay before the next attempt: doubled each time, up to the most the caller allows.",
+        ),
+        "user": (
+            "pkg.retry.run",
+            "function",
+            "def run(call):\n    # wait, then wait longer: an exponential wait between exponential retries\n"
+            "    for attempt in range(5):\n        pause(exponential(attempt))  # wait\n        call()",
+        ),
+        "module": ("pkg.units", "module", "Convert centimetres into metres and back."),
+        "converter": ("pkg.units.to_metres", "function", "def to_metres(cm): convert centimetres: divide by 100"),
+    }
+    documents = {k: document(k, content, symbolFqn=fqn, symbolKind=kind) for k, (fqn, kind, content) in texts.items()}
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", doc)) for i, doc in enumerate(documents.values())])
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+    hits = await keyword.search(Scope("acme", "main"), SearchInput("exponential wait"), 10)
+    assert [c.id for c in hits.candidates] == ["named", "user"]
+
+    async with pool.acquire() as conn:  # a snake_case name's parts are read twice each time, as anywhere
+        repeats = {"wait": 2 * NAME_REPEATS, "exponenti": 2 * NAME_REPEATS}  # stemmed
+        assert await _lexemes(conn, name_weight(documents["named"])) == repeats
+        indexed = {k: search_text(doc) for k, doc in documents.items()}
+        weights = {k: name_weight(doc) for k, doc in documents.items()}
+        unweighted = {k: sum((await _lexemes(conn, text)).values()) for k, text in indexed.items()}
+        stored = dict(await conn.fetch("SELECT id, doc_length FROM documents WHERE workspace = 'acme'"))
+        assert stored == unweighted  # the repeats lengthen no document
+        for query in ("exponential wait", "convert centimetres into metres", "the next attempt"):
+            expected = await _expected_scores(conn, indexed, query, weights)
+            hits = await keyword.search(Scope("acme", "main"), SearchInput(query), 10)
+            assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
+
+    others = [
+        ("README.md > Exponential wait", "section"),
+        ("docs/wait.md", "page"),
+        ("a.wait_exponential", None),
+    ]
+    for fqn, kind in others:
+        other = document("s", "How long to wait.", symbolFqn=fqn, **({"symbolKind": kind} if kind else {}))
+        assert name_weight(other) == "", kind
+        assert search_text(other) == analyse(f"{fqn}\nHow long to wait."), kind
 
 
 async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: Deployment, pool: asyncpg.Pool) -> None:

@@ -10,7 +10,8 @@ import asyncpg
 import numpy as np
 import pytest
 
-from ontofabric.services.projector.planning import NAME_REPEATS, Delta, name_weight, search_text
+from ontofabric.services.ingest.chunking import bounded_symbol
+from ontofabric.services.projector.planning import NAME_REPEATS, Delta, own_name_repeats, search_text
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.query.core import Scope, SearchInput
 from ontofabric.services.query.postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
@@ -51,9 +52,14 @@ async def _expected_scores(
 ) -> dict[str, float]:
     """BM25 by hand; ``indexed`` is the text the projector indexed for each document (already analysed), and
     ``weights`` a document's own-name repeats, which count in its term frequencies and not in its length."""
-    lengths = {doc_id: sum((await _lexemes(conn, text)).values()) for doc_id, text in indexed.items()}
-    weights = weights or {}
-    docs = {doc_id: await _lexemes(conn, f"{weights.get(doc_id, '')}\n{text}") for doc_id, text in indexed.items()}
+    docs: dict[str, dict[str, int]] = {}
+    lengths: dict[str, int] = {}
+    for doc_id, text in indexed.items():
+        tfs = await _lexemes(conn, text)
+        lengths[doc_id] = sum(tfs.values())
+        for term, tf in (await _lexemes(conn, (weights or {}).get(doc_id, ""))).items():
+            tfs[term] = tfs.get(term, 0) + tf
+        docs[doc_id] = tfs
     terms = await _lexemes(conn, analyse(query))
     n = len(docs)
     avgdl = sum(lengths.values()) / n
@@ -115,6 +121,9 @@ async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
         ),
         "module": ("pkg.units", "module", "Convert centimetres into metres and back."),
         "converter": ("pkg.units.to_metres", "function", "def to_metres(cm): convert centimetres: divide by 100"),
+        # A name the content already holds nearly as often as a lexeme's positions may be (256): the repeats
+        # still lengthen nothing.
+        "crowded": ("pkg.polling.poll", "function", "def poll():\n" + "    poll()\n" * 250),
     }
     documents = {k: document(k, content, symbolFqn=fqn, symbolKind=kind) for k, (fqn, kind, content) in texts.items()}
     store = PostgresProjectionStore(pool, "english")
@@ -125,9 +134,9 @@ async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
 
     async with pool.acquire() as conn:  # a snake_case name's parts are read twice each time, as anywhere
         repeats = {"wait": 2 * NAME_REPEATS, "exponenti": 2 * NAME_REPEATS}  # stemmed
-        assert await _lexemes(conn, name_weight(documents["named"])) == repeats
+        assert await _lexemes(conn, own_name_repeats(documents["named"])) == repeats
         indexed = {k: search_text(doc) for k, doc in documents.items()}
-        weights = {k: name_weight(doc) for k, doc in documents.items()}
+        weights = {k: own_name_repeats(doc) for k, doc in documents.items()}
         unweighted = {k: sum((await _lexemes(conn, text)).values()) for k, text in indexed.items()}
         stored = dict(await conn.fetch("SELECT id, doc_length FROM documents WHERE workspace = 'acme'"))
         assert stored == unweighted  # the repeats lengthen no document
@@ -140,10 +149,12 @@ async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
         ("README.md > Exponential wait", "section"),
         ("docs/wait.md", "page"),
         ("a.wait_exponential", None),
+        ("Acme.Client.Send(System.Net.Http.HttpRequestMessage)", "method"),  # not an identifier
+        (bounded_symbol("pkg.mod." + "wait_" * 120), "function"),  # cut short to a digest
     ]
     for fqn, kind in others:
         other = document("s", "How long to wait.", symbolFqn=fqn, **({"symbolKind": kind} if kind else {}))
-        assert name_weight(other) == "", kind
+        assert own_name_repeats(other) == "", kind
         assert search_text(other) == analyse(f"{fqn}\nHow long to wait."), kind
 
 

@@ -321,15 +321,15 @@ def plan_batch(
 
 def search_text(document: SemanticDocument) -> str:
     """The text the keyword index is built from: the symbol's qualified name, then the content, analysed. The
-    Postgres index reads it after :func:`name_weight`; the Azure index reads it alone."""
+    Postgres index reads it after :func:`own_name_repeats`; the Azure index reads it alone."""
     name = document.metadata.symbol_fqn or ""
     return analyse(f"{name}\n{document.content}" if name else document.content)
 
 
 NAME_REPEATS = 8
 """Times the keyword index reads a code symbol's own name besides its qualified name and content: a weight for the
-name, as BM25F weighs a title field. The repeats add to the name's term frequencies, not to the document's length,
-so the other words of a named symbol score as they would without them (docs/quality.md, "Held-out concept
+name, after BM25F's weighted title field. The repeats add to the name's term frequencies, not to the document's
+length, so the other words of a named symbol score as they would without them (docs/quality.md, "Held-out concept
 queries")."""
 NAMED_KINDS = frozenset({"module", "class", "function", "method", "docstring"})
 """The kinds of symbol whose own name is weighed: those the Python ingester makes, on which it was measured (a
@@ -337,10 +337,12 @@ docstring's is its owner's, a module's its file's). Other kinds (a document sect
 or member) need not end in a name (``docs/setup.md``, ``Send(System.Net.Http.HttpRequestMessage)``)."""
 
 
-def name_weight(document: SemanticDocument) -> str:
+def own_name_repeats(document: SemanticDocument) -> str:
     """The repeats of a code symbol's own name that :data:`NAME_REPEATS` adds to its keyword index, analysed, or
-    the empty string for any other document."""
+    the empty string for any other document, and for a last part that is not an identifier (a member named with
+    its parameters, a name cut short to a digest by the ingester)."""
     name = document.metadata.symbol_fqn
     if not name or document.metadata.symbol_kind not in NAMED_KINDS:
         return ""
-    return analyse("\n".join([name.rsplit(".", 1)[-1]] * NAME_REPEATS))
+    own = name.rsplit(".", 1)[-1]
+    return analyse("\n".join([own] * NAME_REPEATS)) if own.isidentifier() else ""

@@ -25,7 +25,7 @@ from .planning import (
     embedded_by_another,
     entity_of,
     handled_event,
-    name_weight,
+    own_name_repeats,
     plan_batch,
     search_text,
     state_after,
@@ -67,12 +67,11 @@ INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
     doc_length, indexed_at, stream_seq, event_id, transparent, token_signs, second_vector, second_model, updated_at)
-SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17, v.tsv,
-       (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u)
-         - (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.weight) u),
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17,
+       v.name_repeats || v.tsv, (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u),
        $20, $21, $22, $23, $24, $25, $26, now()
-FROM (SELECT index_tsvector($18::regconfig, $27 || E'\n' || $19) AS tsv,
-             index_tsvector($18::regconfig, $27) AS weight) v
+-- The own name's repeats ($27, planning.own_name_repeats) join the term frequencies but not the length.
+FROM (SELECT index_tsvector($18::regconfig, $19) AS tsv, index_tsvector($18::regconfig, $27) AS name_repeats) v
 ON CONFLICT (workspace, branch, id) DO UPDATE SET
     deleted = EXCLUDED.deleted, content = EXCLUDED.content, object_type = EXCLUDED.object_type,
     source_domain = EXCLUDED.source_domain, symbol_key = EXCLUDED.symbol_key, symbol_kind = EXCLUDED.symbol_kind,
@@ -493,7 +492,7 @@ class PostgresProjectionStore:
             embedding, doc.embedding_model, self._text_search_config, search_text(doc), doc.indexed_at,
             delta.seq, event_id, False, doc.token_vectors.data if doc.token_vectors is not None else None,
             second.data if second is not None else None, second.model if second is not None else None,
-            name_weight(doc),
+            own_name_repeats(doc),
         )  # fmt: skip
 
 

@@ -140,6 +140,13 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert any("shapes.nowhere" in line for line in render_tree_report(report))
     assert list(report.concept_run["c2"].values()) == sorted(report.concept_run["c2"].values(), reverse=True)
     assert report.concept.metrics["Recall@10"] == pytest.approx(2 / 3)
+    # The answers' scores against the judgments: every result counted, c1's and c2's symbols relevant among them.
+    assert report.concept_uncalibrated == 0
+    assert sum(b.count for b in report.concept_reliability) >= sum(len(run) for run in report.concept_run.values())
+    assert sum(b.count * b.observed for b in report.concept_reliability) >= 2 - 1e-9
+    assert report.concept_calibration_error is not None
+    assert 0.0 <= report.concept_calibration_error <= 1.0
+    assert any(line.startswith("concept: expected calibration error") for line in render_tree_report(report))
     off, on = report.relationships["followLinks off"], report.relationships["followLinks on"]
     assert off.queries == on.queries == len(relationship_queries(
         {name: textwrap.dedent(text) for name, text in SHAPES.items()}, "shapes"

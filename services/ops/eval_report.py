@@ -120,17 +120,8 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
             stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in result.stages_p50_ms.items())
             write(f"{name}, worker-side p50 ms per stage: {stages}")
     for name, result in report.configs.items():
-        if result.calibration_error is None or not result.reliability:
-            continue
-        counted = sum(b.count for b in result.reliability)
-        uncalibrated = f" ({result.uncalibrated} answers not calibrated)" if result.uncalibrated else ""
-        write(
-            f"{name}: expected calibration error {result.calibration_error:.4f} over {counted} results (each "
-            f"query's leading ones){uncalibrated}; reliability (score bin: results, mean score, share relevant): "
-            + "; ".join(
-                f"{b.low:.1f}-{b.high:.1f}: {b.count}, {b.mean_score:.3f}, {b.observed:.3f}" for b in result.reliability
-            )
-        )
+        if result.calibration_error is not None and result.reliability:
+            write(calibration_summary(name, result.calibration_error, result.reliability, result.uncalibrated))
     for m in report.margins:
         difference = round(m.difference, 4) + 0.0  # + 0.0: a rounding of -1e-17 prints +0.0000, not -0.0000
         write(
@@ -172,3 +163,15 @@ def render_verdicts(verdicts: Sequence[Verdict], min_effect: float) -> str:
         + (f" ({', '.join(failed)} lower by more than {min_effect} with an interval below zero)" if failed else "")
     )
     return "\n".join(lines)
+
+
+def calibration_summary(name: str, error: float, table: list[ReliabilityBin], uncalibrated: int) -> str:
+    """One line: the expected calibration error of the scores of each query's leading results, and the
+    reliability table."""
+    counted = sum(b.count for b in table)
+    not_calibrated = f" ({uncalibrated} answers not calibrated)" if uncalibrated else ""
+    return (
+        f"{name}: expected calibration error {error:.4f} over {counted} results (each query's leading ones)"
+        f"{not_calibrated}; reliability (score bin: results, mean score, share relevant): "
+        + "; ".join(f"{b.low:.1f}-{b.high:.1f}: {b.count}, {b.mean_score:.3f}, {b.observed:.3f}" for b in table)
+    )

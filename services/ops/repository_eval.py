@@ -29,6 +29,7 @@ from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.chunking import chunk_file, module_name, tree_package
 from ontofabric.services.ingest.ingester import Ingester, read_tree
+from ontofabric.services.query.calibration import ReliabilityBin, reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import close, connect, wait_caught_up
 from ontofabric.shared.onnx_models import second_embedder
@@ -37,6 +38,7 @@ from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
+from .eval_report import calibration_summary
 from .measures import compute_metrics, margin, per_query_ndcg
 
 DEPTH = 10
@@ -281,6 +283,12 @@ class TreeReport:
     """concept query id -> the answer's symbols in rank order, each with a score that descends (a TREC run)"""
     unknown_symbols: list[str] = field(default_factory=list)
     """Judged symbols no chunk of the tree carries (a typo, or another version's name): they can never be found."""
+    concept_calibration_error: float | None = None
+    """Expected calibration error of the concept answers' scores (every result, judged relevant when its symbol is
+    one the query's judgments name)."""
+    concept_reliability: list[ReliabilityBin] = field(default_factory=list)
+    concept_uncalibrated: int = 0
+    """Concept answers whose scores were not calibrated (_meta.calibrated false)."""
 
 
 def unknown_symbols(judgments: Judgments, sources: Mapping[str, str], package: str | None) -> list[str]:
@@ -331,12 +339,18 @@ async def evaluate_tree(
 
         progress.stage("queries", len(judgments.concepts) + 2 * len(relationships))
         run: dict[str, dict[str, float]] = {}
-        errors = 0
+        errors = uncalibrated = 0
+        scores: list[float] = []
+        relevant: list[bool] = []
         for query in judgments.concepts:
             reply = await ask(query.text)
             errors += reply is None
             found = [] if reply is None else symbols_of(reply)
             run[query.id] = {name: float(DEPTH - rank) for rank, name in enumerate(found)}
+            if reply is not None:
+                uncalibrated += not reply.meta.calibrated
+                scores += [r.score for r in reply.results]
+                relevant += [r.metadata.get("symbolFqn") in query.relevant for r in reply.results]
         qrels = {c.id: dict.fromkeys(c.relevant, 1) for c in judgments.concepts}
         concept = _shape(per_query_ndcg(qrels, run), compute_metrics(qrels, run), errors)
 
@@ -360,9 +374,11 @@ async def evaluate_tree(
                 for kind in RELATIONSHIP_KINDS
             }
     kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in RELATIONSHIP_KINDS}
+    table, calibration_error = reliability(scores, relevant)
     return TreeReport(
-        str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run, unknown
-    )
+        str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run, unknown,
+        calibration_error if scores else None, table, uncalibrated,
+    )  # fmt: skip
 
 
 def render_tree_report(report: TreeReport) -> list[str]:
@@ -385,6 +401,12 @@ def render_tree_report(report: TreeReport) -> list[str]:
         lines.append(
             f"| relationship, {label} | Recall@10 | {shape.metrics['Recall@10']:.4f} "
             f"({shape.interval[0]:.4f}-{shape.interval[1]:.4f}) | {kinds}; errors {shape.errors} |"
+        )
+    if report.concept_calibration_error is not None:
+        lines.append(
+            calibration_summary(
+                "concept", report.concept_calibration_error, report.concept_reliability, report.concept_uncalibrated
+            )
         )
     if report.unknown_symbols:
         shown = ", ".join(report.unknown_symbols[:5]) + (" ..." if len(report.unknown_symbols) > 5 else "")

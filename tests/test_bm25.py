@@ -48,16 +48,16 @@ async def _lexemes(conn: asyncpg.Connection, text: str) -> dict[str, int]:
 
 
 async def _expected_scores(
-    conn: asyncpg.Connection, indexed: dict[str, str], query: str, weights: dict[str, str] | None = None
+    conn: asyncpg.Connection, indexed: dict[str, str], query: str, name_repeats: dict[str, str] | None = None
 ) -> dict[str, float]:
     """BM25 by hand; ``indexed`` is the text the projector indexed for each document (already analysed), and
-    ``weights`` a document's own-name repeats, which count in its term frequencies and not in its length."""
+    ``name_repeats`` a document's own-name repeats, which count in its term frequencies and not in its length."""
     docs: dict[str, dict[str, int]] = {}
     lengths: dict[str, int] = {}
     for doc_id, text in indexed.items():
         tfs = await _lexemes(conn, text)
         lengths[doc_id] = sum(tfs.values())
-        for term, tf in (await _lexemes(conn, (weights or {}).get(doc_id, ""))).items():
+        for term, tf in (await _lexemes(conn, (name_repeats or {}).get(doc_id, ""))).items():
             tfs[term] = tfs.get(term, 0) + tf
         docs[doc_id] = tfs
     terms = await _lexemes(conn, analyse(query))
@@ -103,10 +103,10 @@ async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncp
 async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
     deployment: Deployment, pool: asyncpg.Pool
 ) -> None:
-    """A code symbol's own name is read ``NAME_REPEATS`` times more than its other words, as BM25F weighs a title
-    field: the function named for what a query asks comes before code that only uses its words. The repeats add to
-    the name's term frequencies and not to the document's length, so the symbol's other words score as they would
-    without them."""
+    """A code symbol's own name is read ``NAME_REPEATS`` times more than its other words, after BM25F's weighted
+    title field: the function named for what a query asks comes before code that only uses its words. The repeats
+    add to the name's term frequencies and not to the document's length, so the symbol's other words score as they
+    would without them."""
     texts = {
         "named": (
             "pkg.backoff.wait_exponential",
@@ -136,12 +136,12 @@ async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
         repeats = {"wait": 2 * NAME_REPEATS, "exponenti": 2 * NAME_REPEATS}  # stemmed
         assert await _lexemes(conn, own_name_repeats(documents["named"])) == repeats
         indexed = {k: search_text(doc) for k, doc in documents.items()}
-        weights = {k: own_name_repeats(doc) for k, doc in documents.items()}
+        repeated = {k: own_name_repeats(doc) for k, doc in documents.items()}
         unweighted = {k: sum((await _lexemes(conn, text)).values()) for k, text in indexed.items()}
         stored = dict(await conn.fetch("SELECT id, doc_length FROM documents WHERE workspace = 'acme'"))
         assert stored == unweighted  # the repeats lengthen no document
         for query in ("exponential wait", "convert centimetres into metres", "the next attempt"):
-            expected = await _expected_scores(conn, indexed, query, weights)
+            expected = await _expected_scores(conn, indexed, query, repeated)
             hits = await keyword.search(Scope("acme", "main"), SearchInput(query), 10)
             assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
 

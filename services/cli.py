@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -904,13 +903,15 @@ def eval_command(
     if judgments is not None:
         beir_only = {"--config": config != "all", "--split": split != "test",
                      "--sample-queries": sample_queries is not None,
-                     "--calibration-points": calibration_points is not None,
                      "--keep-identical-ids": keep_identical_ids, "--seed": seed != 0,
                      "--sample-documents": sample_documents != 2000}  # fmt: skip
         given = [name for name, set_ in beir_only.items() if set_]
         if given:
             _fail(f"{given[0]} applies to a BEIR dataset, not to a source tree with --judgments")
-        _evaluate_tree(settings, dataset_dir, judgments, json_file, runs, (baseline, write_baseline, min_effect))
+        _evaluate_tree(
+            settings, dataset_dir, judgments, json_file, runs, (baseline, write_baseline, min_effect),
+            calibration_points,
+        )  # fmt: skip
         return
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
     unknown = [c for c in chosen if c not in CONFIGS]
@@ -1005,9 +1006,11 @@ def _evaluate_tree(
     json_file: Path | None,
     runs: Path | None,
     gate: tuple[Path | None, Path | None, float],
+    calibration_points: Path | None,
 ) -> None:
     """``gate``: the baseline to judge the concept queries' nDCG@10 against, where to write this run's, and the
-    smallest drop that fails."""
+    smallest drop that fails. ``calibration_points``: where to write the concept answers' results for
+    ``ontofabric calibrate``."""
     from .ops.eval_report import write_trec_run
     from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report, tree_version
 
@@ -1031,11 +1034,16 @@ def _evaluate_tree(
     for line in render_tree_report(report):
         console.print(line, soft_wrap=True, markup=False)
     if json_file is not None:  # per query too, for paired comparisons between runs
-        json_file.write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
+        json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_file}")
     if runs is not None:
         write_trec_run(runs / "concept.run", report.concept_run, "concept")
         console.print(f"wrote {runs / 'concept.run'}")
+    if calibration_points is not None:
+        from .ops.calibrate import write_points
+
+        write_points(calibration_points, report.calibration_points)
+        console.print(f"wrote {len(report.calibration_points)} calibration points to {calibration_points}")
     measured = {"hybrid": report.concept.per_query}
     if write_baseline is not None:
         QualityBaseline(dataset, split, measured).write(write_baseline)

@@ -3,7 +3,6 @@ symbol, through the real path (services/ops/repository_eval.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import textwrap
 from collections.abc import Callable
@@ -147,6 +146,15 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert report.concept_calibration_error is not None
     assert 0.0 <= report.concept_calibration_error <= 1.0
     assert any(line.startswith("concept: expected calibration error") for line in render_tree_report(report))
+    # The same results as points for `ontofabric calibrate` (--calibration-points), each with the signals it reads.
+    points = report.calibration_points
+    assert len(points) == sum(b.count for b in report.concept_reliability)
+    assert sum(p.relevant for p in points) == round(sum(b.count * b.observed for b in report.concept_reliability))
+    assert {p.dataset for p in points} == {"shapes 0"}
+    assert {p.query for p in points} <= {"c1", "c2", "c3"}
+    assert all(p.signals for p in points)
+    assert [p.rank for p in points if p.query == "c1"][:2] == [1, 2]
+    assert "calibration_points" not in report.to_json()
     off, on = report.relationships["followLinks off"], report.relationships["followLinks on"]
     assert off.queries == on.queries == len(relationship_queries(
         {name: textwrap.dedent(text) for name, text in SHAPES.items()}, "shapes"
@@ -156,7 +164,7 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert on.metrics["Recall@10"] >= off.metrics["Recall@10"]  # what expansion attaches only adds
     assert off.interval[0] <= off.metrics["Recall@10"] <= off.interval[1]
     # What `ontofabric eval TREE --json` writes: the report with each query's measure.
-    written = json.loads(json.dumps(dataclasses.asdict(report)))
+    written = json.loads(json.dumps(report.to_json()))
     assert written["concept"]["per_query"]["c1"] == pytest.approx(1.0)
 
 

@@ -20,9 +20,10 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
@@ -38,6 +39,7 @@ from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
+from .calibrate import Point
 from .eval_report import calibration_summary
 from .measures import compute_metrics, margin, per_query_ndcg
 
@@ -289,6 +291,14 @@ class TreeReport:
     concept_reliability: list[ReliabilityBin] = field(default_factory=list)
     concept_uncalibrated: int = 0
     """Concept answers whose scores were not calibrated (_meta.calibrated false)."""
+    calibration_points: list[Point] = field(default_factory=list)
+    """Every result of the concept answers with its signals and judgment (``--calibration-points``; not in the
+    JSON)."""
+
+    def to_json(self) -> dict[str, Any]:
+        report = asdict(self)
+        del report["calibration_points"]
+        return report
 
 
 def unknown_symbols(judgments: Judgments, sources: Mapping[str, str], package: str | None) -> list[str]:
@@ -340,8 +350,8 @@ async def evaluate_tree(
         progress.stage("queries", len(judgments.concepts) + 2 * len(relationships))
         run: dict[str, dict[str, float]] = {}
         errors = uncalibrated = 0
-        scores: list[float] = []
-        relevant: list[bool] = []
+        points: list[Point] = []
+        dataset = f"{judgments.project} {judgments.version}"
         for query in judgments.concepts:
             reply = await ask(query.text)
             errors += reply is None
@@ -349,8 +359,11 @@ async def evaluate_tree(
             run[query.id] = {name: float(DEPTH - rank) for rank, name in enumerate(found)}
             if reply is not None:
                 uncalibrated += not reply.meta.calibrated
-                scores += [r.score for r in reply.results]
-                relevant += [r.metadata.get("symbolFqn") in query.relevant for r in reply.results]
+                points += [
+                    Point(dataset, "hybrid", query.id, rank, r.signals, r.metadata.get("symbolFqn") in query.relevant,
+                          r.score)
+                    for rank, r in enumerate(reply.results, start=1)
+                ]  # fmt: skip
         qrels = {c.id: dict.fromkeys(c.relevant, 1) for c in judgments.concepts}
         concept = _shape(per_query_ndcg(qrels, run), compute_metrics(qrels, run), errors)
 
@@ -374,10 +387,10 @@ async def evaluate_tree(
                 for kind in RELATIONSHIP_KINDS
             }
     kinds = {kind: sum(1 for q in relationships if q.kind == kind) for kind in RELATIONSHIP_KINDS}
-    table, calibration_error = reliability(scores, relevant)
+    table, calibration_error = reliability([p.score for p in points], [p.relevant for p in points])
     return TreeReport(
         str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run, unknown,
-        calibration_error if scores else None, table, uncalibrated,
+        calibration_error if points else None, table, uncalibrated, points,
     )  # fmt: skip
 
 

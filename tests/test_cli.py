@@ -136,8 +136,8 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         assert "2 upserts" in ingest.stdout
         for _ in range(50):  # the query worker learns the new version through its KV watch
             query = subprocess.run(
-                [ONTOFABRIC, "query", "circle area radius", "--workspace", "geo", "--json"], env=env,
-                capture_output=True, text=True, timeout=60, check=False,
+                [ONTOFABRIC, "query", "the area of a circle from its radius", "--workspace", "geo", "--json"],
+                env=env, capture_output=True, text=True, timeout=60, check=False,
             )  # fmt: skip
             assert query.returncode == 0, query.stderr
             outputs += [query.stdout, query.stderr]
@@ -148,6 +148,15 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         assert reply["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
         assert reply["_meta"]["degraded"] == ["embedder", "reranker"]  # the key was sent, and the call failed
         assert reply["_meta"]["hybrid"] is False
+        # A short query that the keyword list answers to saturation (the function's own name) needs no reranker.
+        short = subprocess.run(
+            [ONTOFABRIC, "query", "circle area radius", "--workspace", "geo", "--json"], env=env,
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert short.returncode == 0, short.stderr
+        outputs += [short.stdout, short.stderr]
+        short_meta = json.loads(short.stdout)["_meta"]
+        assert (short_meta["skippedRerank"], short_meta["degraded"]) == ("bm25_saturation", ["embedder"])
         unknown = subprocess.run(
             [ONTOFABRIC, "query", "circle", "--workspace", "goe"], env={**env, "COLUMNS": "200"}, capture_output=True,
             text=True, timeout=60, check=False,

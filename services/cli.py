@@ -1026,7 +1026,7 @@ def _evaluate_tree(
             _fail(said)
         errors.print(f"warning: {said}")
     # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
-    dataset, split = f"{judgments.project} {judgments.version}", "concept"
+    dataset, split = judgments.dataset, "concept"
     reference = _baseline_for(baseline, dataset, split, "use the judgments it was measured with")
     report = _on_scratch_servers(
         settings, lambda endpoints, progress: evaluate_tree(settings, endpoints, tree, judgments, progress)

@@ -68,6 +68,11 @@ class Judgments:
     """The project's version the judgments were written against (the tree's is checked, when it says)."""
     concepts: list[ConceptQuery]
 
+    @property
+    def dataset(self) -> str:
+        """What reports, calibration points and quality-gate baselines call the judged tree: project and version."""
+        return f"{self.project} {self.version}"
+
     @classmethod
     def read(cls, path: Path) -> Judgments:
         try:
@@ -351,7 +356,6 @@ async def evaluate_tree(
         run: dict[str, dict[str, float]] = {}
         errors = uncalibrated = 0
         points: list[Point] = []
-        dataset = f"{judgments.project} {judgments.version}"
         for query in judgments.concepts:
             reply = await ask(query.text)
             errors += reply is None
@@ -360,8 +364,8 @@ async def evaluate_tree(
             if reply is not None:
                 uncalibrated += not reply.meta.calibrated
                 points += [
-                    Point(dataset, "hybrid", query.id, rank, r.signals, r.metadata.get("symbolFqn") in query.relevant,
-                          r.score)
+                    Point(judgments.dataset, "hybrid", query.id, rank, r.signals,
+                          r.metadata.get("symbolFqn") in query.relevant, r.score)
                     for rank, r in enumerate(reply.results, start=1)
                 ]  # fmt: skip
         qrels = {c.id: dict.fromkeys(c.relevant, 1) for c in judgments.concepts}

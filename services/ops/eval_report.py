@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ontofabric.contracts import QueryMeta, SearchResult
 from ontofabric.services.query.calibration import ReliabilityBin
@@ -14,6 +14,9 @@ from ontofabric.services.query.calibration import ReliabilityBin
 from .calibrate import Point
 from .measures import MEASURES, EarlyExitCalibration, Margin
 from .quality_gate import Verdict
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass
@@ -59,9 +62,14 @@ class EvalReport:
     """Each query's leading results with their signals and judgments (``--calibration-points``; not in the JSON)."""
 
     def to_json(self) -> dict[str, Any]:
-        report = asdict(self)
-        del report["calibration_points"]
-        return report
+        return json_without_points(self)
+
+
+def json_without_points(report: DataclassInstance) -> dict[str, Any]:
+    """A report as JSON without its ``calibration_points``, which ``--calibration-points`` writes apart."""
+    fields = asdict(report)
+    del fields["calibration_points"]
+    return fields
 
 
 def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_retriever: bool) -> dict[str, float]:

@@ -20,7 +20,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .calibrate import Point
-from .eval_report import calibration_summary
+from .eval_report import calibration_summary, json_without_points
 from .measures import compute_metrics, margin, per_query_ndcg
 
 DEPTH = 10
@@ -301,9 +301,7 @@ class TreeReport:
     JSON)."""
 
     def to_json(self) -> dict[str, Any]:
-        report = asdict(self)
-        del report["calibration_points"]
-        return report
+        return json_without_points(self)
 
 
 def unknown_symbols(judgments: Judgments, sources: Mapping[str, str], package: str | None) -> list[str]:

@@ -713,7 +713,8 @@ def status(
     data_dir: DataDir = None,
 ) -> None:
     """Per workspace and branch: the announced version, the deltas not yet in the index and how long the oldest has
-    waited; dead letters per workspace; the projectors' consumers; the query workers answering."""
+    waited; dead letters per workspace; the projectors' consumers; the query workers answering; per workspace, the
+    documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again)."""
     from .ops.status import deployment_status
 
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:

@@ -152,6 +152,12 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     console.print(f"projectors: {projectors or 'none answering'}")
     workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
     console.print(f"query workers: {workers}")
+    analysis = status.analysis
+    other = ", ".join(f"{escape(ws)} {count:,}" for ws, count in analysis.other.items())
+    advice = " (`ontofabric rebuild WORKSPACE` indexes them again)" if other else ""
+    console.print(f"documents of another keyword analysis than {analysis.version}: {other or 'none'}{advice}")
+    for unread in analysis.unread:
+        console.print(f"  not counted on {escape(unread)}")
 
 
 def _shown(details: dict[str, str]) -> list[str]:

@@ -9,16 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import structlog
+
 from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops.snapshots import compact
-from ontofabric.services.ops.status import deployment_status
+from ontofabric.services.ops.status import analysis_status, deployment_status
+from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.discovery import INSTANCE
 from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.placement import Placement
 
 from .conftest import Deployment, RecordedProgress, Start
-from .factories import document, upsert
+from .factories import delete, document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 
@@ -53,6 +56,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     (consumer,) = status.consumers
     assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
     assert len({worker.id for worker in status.query_workers}) == 2
+    assert (status.analysis.other, status.analysis.unread) == ({}, [])  # every document by this build's analysis
     (running,) = status.projectors  # it answers service discovery too, saying what it projects and embeds with
     assert running.details.pop(INSTANCE)  # its worker object, the same when it answers anew
     assert running.details == {"index": "postgres", "partitions": "all", "models": ""}  # no embedder
@@ -79,9 +83,12 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         command = [ONTOFABRIC, "status", *args]
         return subprocess.run(command, env=deployment.env(), capture_output=True, text=True, check=False, timeout=60)
 
+    # A document projected by an earlier release (before its keyword analysis changed) is counted, with the advice.
+    await deployment.fetch("UPDATE documents SET analysis_version = 0 WHERE workspace = 'acme' AND id = 'a'")
     shown = await asyncio.to_thread(status_command, "--json")
     assert shown.returncode == 0, shown.stderr
     report = json.loads(shown.stdout)
+    assert report["analysis"] == {"version": ANALYSIS_VERSION, "other": {"acme": 1}, "unread": []}
     assert report["dead_letters"] == {"globex": 1}
     assert {(b["workspace"], b["branch"], b["pending_deltas"]) for b in report["branches"]} == {
         ("acme", "main", 1), ("acme", "feature/x", 0), ("globex", "main", 0), ("initech", "dev.1", 1)
@@ -95,6 +102,9 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert (delta_stream["messages"], delta_stream["max_bytes"]) == (later.seq + 1, None)  # initech's after it
     assert delta_stream["bytes"] > 0
     assert "none yet" in table.stdout  # initech's version
+    assert f"documents of another keyword analysis than {ANALYSIS_VERSION}: acme 1 (`ontofabric rebuild" in table.stdout
+    globex_only = await deployment_status(deployment.nc, deployment.names, placement, workspace="globex")
+    assert globex_only.analysis.other == {}
 
 
 async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgotten(
@@ -135,3 +145,36 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     assert [c.name for c in status.consumers] == [names.postgres_projector_durable]
     report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
     assert (report.covers, report.held_back_by) == (later.seq, None)
+
+
+async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unreachable_database_is_named(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    acks = await deployment.publisher.publish_many(
+        [upsert("acme", document(f"d{n}", f"text {n}")) for n in range(3)] + [upsert("globex", document("g", "g"))]
+    )
+    await deployment.wait_projected(acks[-1].seq)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    assert (await analysis_status(placement)).other == {}
+    # Rows of an earlier release read 0; a later release's read more: both are another analysis than this one's.
+    await deployment.fetch("UPDATE documents SET analysis_version = 0 WHERE id IN ('d0', 'd1')")
+    await deployment.fetch(f"UPDATE documents SET analysis_version = {ANALYSIS_VERSION + 1} WHERE id = 'g'")
+    assert (await analysis_status(placement)).other == {"acme": 2, "globex": 1}
+    assert (await analysis_status(placement, "globex")).other == {"globex": 1}
+    deleted = await deployment.publisher.publish(delete("acme", "d0"))  # a deleted document has no index to redo
+    await deployment.wait_projected(deleted.seq)
+    assert (await analysis_status(placement)).other == {"acme": 1, "globex": 1}
+    # The projector says so as it starts, for the workspaces it applies.
+    with structlog.testing.capture_logs() as logged:
+        again = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+        await again.start()
+        await again.stop()
+    warned = {e["workspace"]: e["documents"] for e in logged if e["event"] == "documents_of_another_analysis"}
+    assert warned == {"acme": 1, "globex": 1}
+
+    nowhere = Placement.of(deployment.settings, "postgresql://nobody:secret@127.0.0.1:9/none")
+    unread = await analysis_status(nowhere)
+    assert unread.other == {}
+    (reason,) = unread.unread
+    assert "127.0.0.1:9" in reason
+    assert "secret" not in reason  # the URL's password is not shown

@@ -1,6 +1,7 @@
 """The deployment at a glance, for operators: per workspace and branch the announced version, the latest delta,
 the deltas published past the index's position and how long the oldest has waited; dead letters per workspace;
-the projectors' consumers; the projectors and query workers that answer service discovery."""
+the projectors' consumers; the projectors and query workers that answer service discovery; the documents whose
+keyword index an older analysis made."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ import json
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
+import asyncpg
 from nats.aio.client import Client
 from nats.js.api import StreamInfo
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
+from ontofabric.services.projector.planning import ANALYSIS_VERSION
+from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.query.freshness import published_after
 from ontofabric.shared.discovery import Worker, discover
+from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.settings import redacted_url
 from ontofabric.shared.subjects import Names
 
 
@@ -60,6 +66,21 @@ class StreamStatus:
     """The most it may hold (ONTOFABRIC_DELTA_STREAM_MAX_BYTES); full, it refuses new messages. None: no limit."""
 
 
+DATABASE_WAIT_S = 5.0
+"""How long status waits for each database to connect and count, before saying it could not."""
+
+
+@dataclass
+class AnalysisStatus:
+    version: int = ANALYSIS_VERSION
+    """The keyword analysis of this build (services/projector/planning.py, ANALYSIS_VERSION)."""
+    other: dict[str, int] = field(default_factory=dict)
+    """Per workspace, the live documents another analysis indexed: projected before an upgrade, they rank by the
+    old one until ``ontofabric rebuild WORKSPACE``."""
+    unread: list[str] = field(default_factory=list)
+    """The databases that could not be counted, and why."""
+
+
 @dataclass
 class DeploymentStatus:
     branches: list[BranchStatus] = field(default_factory=list)
@@ -69,6 +90,7 @@ class DeploymentStatus:
     streams: list[StreamStatus] = field(default_factory=list)
     projectors: list[Worker] = field(default_factory=list)
     query_workers: list[Worker] = field(default_factory=list)
+    analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str, indent=2)
@@ -139,9 +161,27 @@ async def deployment_status(
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
         )
-    status.projectors, status.query_workers = await asyncio.gather(
-        discover(nc, names.projector_service), discover(nc, names.query_service)
+    status.projectors, status.query_workers, status.analysis = await asyncio.gather(
+        discover(nc, names.projector_service), discover(nc, names.query_service), analysis_status(placement, workspace)
     )
+    return status
+
+
+async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:
+    """The documents of another keyword analysis than this build's, counted on each database (or on
+    ``workspace``'s), which has an index for it (infra/migrations/0024)."""
+    status = AnalysisStatus()
+    urls = placement.databases if workspace is None else (placement.database_url_of(workspace),)
+    for url in urls:
+        try:
+            async with asyncio.timeout(DATABASE_WAIT_S):
+                conn = await asyncpg.connect(url)
+                try:
+                    status.other.update(await documents_of_another_analysis(conn, workspace))
+                finally:
+                    await conn.close()
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+            status.unread.append(f"{redacted_url(url)}: {describe(error)}")
     return status
 
 

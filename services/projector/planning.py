@@ -326,6 +326,12 @@ def search_text(document: SemanticDocument) -> str:
     return analyse(f"{name}\n{document.content}" if name else document.content)
 
 
+ANALYSIS_VERSION = 1
+"""What the projector derives from a document for the keyword index (:func:`search_text`, :func:`own_name_repeats`),
+by version: raised with every change to it, so that the documents indexed before can be counted (``ontofabric
+status``) and brought up to date (``ontofabric rebuild``). 1: the own name weighed (2026-11-30); 0 is what rows
+written before the version was recorded read (infra/migrations/0024)."""
+
 NAME_REPEATS = 8
 """Times the keyword index reads a code symbol's own name besides its qualified name and content: a weight for the
 name, after BM25F's weighted title field. The repeats add to the name's term frequencies, not to the document's

@@ -15,6 +15,7 @@ from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
 from ontofabric.shared.db import Connection, index_model
 
 from .planning import (
+    ANALYSIS_VERSION,
     Delta,
     EntityRef,
     Handled,
@@ -62,14 +63,15 @@ class BatchResult:
     """Current version of every (workspace, branch) the batch touched, changed or not."""
 
 
-UPSERT_DOCUMENT = """
+UPSERT_DOCUMENT = f"""
 INSERT INTO documents AS d (
     workspace, branch, id, deleted, content, object_type, source_domain, symbol_key, symbol_kind, symbol_fqn,
     content_hash, file_path, chunk_level, provenance, metadata, embedding, embedding_model, search_vector,
-    doc_length, indexed_at, stream_seq, event_id, transparent, token_signs, second_vector, second_model, updated_at)
+    doc_length, indexed_at, stream_seq, event_id, transparent, token_signs, second_vector, second_model, updated_at,
+    analysis_version)
 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17,
        v.name_repeats || v.tsv, (SELECT coalesce(sum(coalesce(cardinality(u.positions), 1)), 0) FROM unnest(v.tsv) u),
-       $20, $21, $22, $23, $24, $25, $26, now()
+       $20, $21, $22, $23, $24, $25, $26, now(), {ANALYSIS_VERSION}
 -- The own name's repeats ($27, planning.own_name_repeats) join the term frequencies but not the length.
 FROM (SELECT index_tsvector($18::regconfig, $19) AS tsv, index_tsvector($18::regconfig, $27) AS name_repeats) v
 ON CONFLICT (workspace, branch, id) DO UPDATE SET
@@ -81,7 +83,8 @@ ON CONFLICT (workspace, branch, id) DO UPDATE SET
     search_vector = EXCLUDED.search_vector, doc_length = EXCLUDED.doc_length, indexed_at = EXCLUDED.indexed_at,
     stream_seq = EXCLUDED.stream_seq,
     event_id = EXCLUDED.event_id, transparent = EXCLUDED.transparent, token_signs = EXCLUDED.token_signs,
-    second_vector = EXCLUDED.second_vector, second_model = EXCLUDED.second_model, updated_at = now()
+    second_vector = EXCLUDED.second_vector, second_model = EXCLUDED.second_model, updated_at = now(),
+    analysis_version = EXCLUDED.analysis_version
 WHERE d.stream_seq < EXCLUDED.stream_seq
 """
 
@@ -494,6 +497,19 @@ class PostgresProjectionStore:
             second.data if second is not None else None, second.model if second is not None else None,
             own_name_repeats(doc),
         )  # fmt: skip
+
+
+async def documents_of_another_analysis(conn: Connection, workspace: str | None = None) -> dict[str, int]:
+    """Per workspace (or of ``workspace`` only), the live documents whose keyword index another analysis than this
+    build's made (:data:`ANALYSIS_VERSION`): what was projected before an upgrade, until ``ontofabric rebuild``."""
+    records = await conn.fetch(
+        "SELECT workspace, count(*) AS documents FROM documents"
+        " WHERE NOT deleted AND (analysis_version < $1 OR analysis_version > $1)"  # two ranges of the index
+        " AND ($2::text IS NULL OR workspace = $2) GROUP BY workspace ORDER BY workspace",
+        ANALYSIS_VERSION,
+        workspace,
+    )
+    return {r["workspace"]: r["documents"] for r in records}
 
 
 def _held_by_another(fence: asyncpg.Record, holder: str, live: Collection[str] | None) -> bool:

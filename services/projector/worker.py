@@ -50,12 +50,12 @@ from .azure import (
     replay_if_index_lost,
 )
 from .consumer import DurableProjection, RunningProjection, start_projection
-from .planning import Limits
+from .planning import ANALYSIS_VERSION, Limits
 from .postgres import PostgresSink
 from .reembedding import Reembedder, reembedder_for
 from .runner import ProjectionRunner
 from .snapshots import restore_snapshots
-from .store import PostgresProjectionStore
+from .store import PostgresProjectionStore, documents_of_another_analysis
 from .versions import VersionPublisher
 
 log = get_logger(__name__)
@@ -136,6 +136,7 @@ class ProjectorService:
             database = placement.database_of_partition(index)
             if database not in self._pools:
                 self._pools[database] = await self._writer_pool(placement.databases[database])
+        await self._report_another_analysis(placement)
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings, wait_for_server=True)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
@@ -326,6 +327,19 @@ class ProjectorService:
             await self._stores[partition].release()
         except Exception as error:  # the database away: a standby waits out the lease instead
             log.warning("projector_release_failed", durable=self._durables[partition], error=describe(error))
+
+    async def _report_another_analysis(self, placement: Placement) -> None:
+        """Warn of the workspaces it applies whose documents another analysis indexed (an index projected before
+        an upgrade): their keyword ranking is mixed until they are rebuilt."""
+        for pool in self._pools.values():
+            async with pool.acquire() as conn:
+                counts = await documents_of_another_analysis(conn)
+            for workspace, documents in counts.items():
+                if placement.partition_of(workspace) in self._partitions:
+                    log.warning(
+                        "documents_of_another_analysis", workspace=workspace, documents=documents,
+                        analysis=ANALYSIS_VERSION, advice=f"ontofabric rebuild {workspace}",
+                    )  # fmt: skip
 
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model

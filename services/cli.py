@@ -297,6 +297,14 @@ def ingest(
             "tree holds __init__.py at its root; '' for none). Give the same for every checkout of one package."
         ),
     ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Leave out files and directories whose path relative to the tree matches this shell pattern "
+            "(`*` crosses `/`; repeatable): `--exclude tests --exclude '*_pb2.py'`. What an earlier ingest "
+            "published of them is deleted, as for files gone from the tree."
+        ),
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Chunk a source tree and publish what changed since the last ingest of this workspace and branch."""
@@ -326,7 +334,7 @@ def ingest(
                         js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
                     )
                     try:
-                        report = await ingester.ingest(path.resolve(), workspace, branch, package)
+                        report = await ingester.ingest(path.resolve(), workspace, branch, package, exclude or ())
                     except ManifestMissing as error:
                         _fail(
                             f"{error}. Nothing was published. What this workspace and branch last ingested is unknown; "

@@ -45,6 +45,11 @@ def project_root() -> Path:
     return Path(ontofabric.services.__file__).resolve().parent.parent
 
 
+DEMO_EXCLUDE = ("tests",)
+"""What the demo leaves out of a checkout: the test suite, which no demo query asks about, was 37 % of the chunks
+to embed on a fresh machine (docs/benchmarks.md, "Demo wall time"), and grows with every change."""
+
+
 @dataclass(frozen=True)
 class DemoTimings:
     total_s: float
@@ -73,7 +78,7 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
             ingester = Ingester(
                 js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
             )
-            report = await ingester.ingest(root, WORKSPACE)
+            report = await ingester.ingest(root, WORKSPACE, exclude=DEMO_EXCLUDE)
         wait_started = time.perf_counter()
         if report.last_sequence is not None:
             await wait_projected(js, names, settings.projector_partitions, report.last_sequence, timeout_s=600)

@@ -23,7 +23,7 @@ from nats.js.errors import ServiceUnavailableError
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
 from ontofabric.services.ingest.client import DeltaPublisher
-from ontofabric.services.ingest.ingester import UNKNOWN, Ingester
+from ontofabric.services.ingest.ingester import UNKNOWN, Ingester, excluded, read_tree
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, build_embedder, embedding_text
 from ontofabric.shared.onnx_models import OnnxEmbedder
@@ -452,3 +452,65 @@ async def test_symbols_with_very_long_names_are_indexed_under_keys_the_contract_
     assert max(len(row["key"]) for row in rows) <= MAX_SYMBOL_CHARS
     assert max(len(row["fqn"]) for row in rows) <= MAX_SYMBOL_CHARS
     assert sum(1 for row in rows if row["key"].startswith("markdown:")) == 6
+
+
+def test_excluded_paths_are_matched_whole_and_a_directory_takes_all_it_holds(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/core.py": "x = 1\n",
+            "pkg/core_pb2.py": "y = 2\n",
+            "pkg/migrations/m1.py": "z = 3\n",
+            "tests/test_core.py": "def test(): pass\n",
+            "docs/guide.md": "# Guide\n",
+            "README.md": "# Readme\n",
+        },
+    )
+    assert set(read_tree(tmp_path)) == {
+        "pkg/__init__.py", "pkg/core.py", "pkg/core_pb2.py", "pkg/migrations/m1.py", "tests/test_core.py",
+        "docs/guide.md", "README.md",
+    }  # fmt: skip
+    kept = read_tree(tmp_path, ["tests/", "*_pb2.py", "*/migrations", "docs/*.md"])
+    assert set(kept) == {"pkg/__init__.py", "pkg/core.py", "README.md"}
+    assert set(read_tree(tmp_path, ["core.py", "test"])) == set(read_tree(tmp_path))  # whole paths, not parts
+    assert excluded("pkg/a/b/gen_pb2.py", ["*_pb2.py"])
+    assert not excluded("Tests/x.py", ["tests"])  # case-sensitive, as paths are
+
+
+async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_published(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    tree = tmp_path / "tree"
+    _write(
+        tree,
+        {
+            "geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n",
+            "tests/test_geometry.py": "def test_area():\n    assert circle_area(1) > 3\n",
+            "vendor/lib.py": "def vendored():\n    return 1\n",
+        },
+    )
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    ontofabric = str(Path(sys.executable).parent / "ontofabric")
+
+    def ingest(*options: str) -> set[str]:
+        ran = subprocess.run(
+            [ontofabric, "ingest", str(tree), "--workspace", "repo", *options], env=env,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        return {line for line in ran.stdout.splitlines() if "files," in line}
+
+    await asyncio.to_thread(ingest, "--exclude", "tests", "--exclude", "vendor/*")
+    files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
+    assert {r["file_path"] for r in files} == {"geometry.py"}
+    await asyncio.to_thread(ingest)  # all of it
+    files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
+    assert {r["file_path"] for r in files} == {"geometry.py", "tests/test_geometry.py", "vendor/lib.py"}
+    (report,) = await asyncio.to_thread(ingest, "--exclude", "tests")  # the tests' chunks go again
+    assert "0 upserts, 2 deletes" in report
+    files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
+    assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}

@@ -8,11 +8,12 @@ is stored; an interrupted run publishes the same event ids again, which the proj
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -64,22 +65,33 @@ SOURCE_SUFFIXES = (".py", ".md")
 EMBED_BATCH = 64
 
 
-def discover(root: Path) -> Iterator[Path]:
-    """Source files under ``root``, in a stable order, skipping hidden and generated directories."""
+def excluded(relative: str, patterns: Collection[str]) -> bool:
+    """Whether a path relative to the tree (POSIX, no leading ``./``) matches one of ``patterns``: shell-style
+    (``fnmatch``, case-sensitive; ``*`` also crosses ``/``), against the whole relative path of the file or of
+    a directory, which takes all of it out (``tests``, ``docs/*.md``, ``*/migrations``, ``*_pb2.py``)."""
+    return any(fnmatch.fnmatchcase(relative, pattern.strip("/")) for pattern in patterns)
+
+
+def discover(root: Path, exclude: Collection[str] = ()) -> Iterator[Path]:
+    """Source files under ``root``, in a stable order, skipping hidden and generated directories and what
+    ``exclude`` names (:func:`excluded`)."""
     for directory, subdirectories, files in os.walk(root):
+        here = Path(directory).relative_to(root).as_posix()
+        prefix = "" if here == "." else f"{here}/"
         subdirectories[:] = sorted(
             d for d in subdirectories if not d.startswith(".") and d not in SKIPPED_DIRECTORIES
-            and not d.endswith(".egg-info")
+            and not d.endswith(".egg-info") and not excluded(prefix + d, exclude)
         )  # fmt: skip
         for name in sorted(files):
-            if name.endswith(SOURCE_SUFFIXES):
+            if name.endswith(SOURCE_SUFFIXES) and not excluded(prefix + name, exclude):
                 yield Path(directory) / name
 
 
-def read_tree(root: Path) -> dict[str, str]:
-    """Relative path -> text of every source file under ``root`` (unreadable files are skipped, logged)."""
+def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
+    """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`);
+    unreadable files are skipped, logged."""
     sources: dict[str, str] = {}
-    for path in discover(root):
+    for path in discover(root, exclude):
         relative = path.relative_to(root).as_posix()
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
@@ -367,13 +379,19 @@ class Ingester:
         raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
     async def ingest(
-        self, root: Path, workspace: str, branch: str = MAIN_BRANCH, package: str | None = None
+        self,
+        root: Path,
+        workspace: str,
+        branch: str = MAIN_BRANCH,
+        package: str | None = None,
+        exclude: Collection[str] = (),
     ) -> IngestReport:
         """Publish what changed in the tree at ``root`` since the last ingest of the workspace's branch.
         ``package``: the tree's package name when it is not its directory's (empty: none; see
-        :func:`chunking.tree_package`)."""
+        :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
+        published of them is deleted, as for a file gone from the tree."""
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
-        sources = await asyncio.to_thread(read_tree, root)
+        sources = await asyncio.to_thread(read_tree, root, exclude)
         package = tree_package(root.name, sources, package)
         chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes, package or "")}
         graph_nodes, graph_links = python_graph(sources, package)

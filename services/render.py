@@ -153,9 +153,11 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
     console.print(f"query workers: {workers}")
     analysis = status.analysis
-    other = ", ".join(f"{escape(ws)} {count:,}" for ws, count in analysis.other.items())
+    counts = analysis.documents_of_another_analysis
+    other = ", ".join(f"{escape(ws)} {count:,}" for ws, count in counts.items())
     advice = " (`ontofabric rebuild WORKSPACE` indexes them again)" if other else ""
-    console.print(f"documents of another keyword analysis than {analysis.version}: {other or 'none'}{advice}")
+    nothing = "none counted" if analysis.unread else "none"
+    console.print(f"documents of another keyword analysis than {analysis.version}: {other or nothing}{advice}")
     for unread in analysis.unread:
         console.print(f"  not counted on {escape(unread)}")
 

@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import structlog
 
 from ontofabric.contracts import NO_VERSION
+from ontofabric.services.ops import status as status_module
 from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
@@ -19,6 +21,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.discovery import INSTANCE
 from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment, RecordedProgress, Start
 from .factories import delete, document, upsert
@@ -56,7 +59,10 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     (consumer,) = status.consumers
     assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
     assert len({worker.id for worker in status.query_workers}) == 2
-    assert (status.analysis.other, status.analysis.unread) == ({}, [])  # every document by this build's analysis
+    assert (status.analysis.documents_of_another_analysis, status.analysis.unread) == (
+        {},
+        [],
+    )  # every document by this build's analysis
     (running,) = status.projectors  # it answers service discovery too, saying what it projects and embeds with
     assert running.details.pop(INSTANCE)  # its worker object, the same when it answers anew
     assert running.details == {"index": "postgres", "partitions": "all", "models": ""}  # no embedder
@@ -88,7 +94,9 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     shown = await asyncio.to_thread(status_command, "--json")
     assert shown.returncode == 0, shown.stderr
     report = json.loads(shown.stdout)
-    assert report["analysis"] == {"version": ANALYSIS_VERSION, "other": {"acme": 1}, "unread": []}
+    assert report["analysis"] == {
+        "version": ANALYSIS_VERSION, "documents_of_another_analysis": {"acme": 1}, "unread": []
+    }  # fmt: skip
     assert report["dead_letters"] == {"globex": 1}
     assert {(b["workspace"], b["branch"], b["pending_deltas"]) for b in report["branches"]} == {
         ("acme", "main", 1), ("acme", "feature/x", 0), ("globex", "main", 0), ("initech", "dev.1", 1)
@@ -104,7 +112,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert "none yet" in table.stdout  # initech's version
     assert f"documents of another keyword analysis than {ANALYSIS_VERSION}: acme 1 (`ontofabric rebuild" in table.stdout
     globex_only = await deployment_status(deployment.nc, deployment.names, placement, workspace="globex")
-    assert globex_only.analysis.other == {}
+    assert globex_only.analysis.documents_of_another_analysis == {}
 
 
 async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgotten(
@@ -151,30 +159,66 @@ async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unr
     deployment: Deployment, projector: ProjectorService
 ) -> None:
     acks = await deployment.publisher.publish_many(
-        [upsert("acme", document(f"d{n}", f"text {n}")) for n in range(3)] + [upsert("globex", document("g", "g"))]
+        [upsert("acme", document(f"d{n}", f"text {n}")) for n in range(3)] + [upsert("wayne", document("w", "w"))]
     )
     await deployment.wait_projected(acks[-1].seq)
     placement = Placement.of(deployment.settings, deployment.database_url)
-    assert (await analysis_status(placement)).other == {}
+
+    async def counted(workspace: str | None = None) -> dict[str, int]:
+        return (await analysis_status(placement, workspace)).documents_of_another_analysis
+
+    assert await counted() == {}
     # Rows of an earlier release read 0; a later release's read more: both are another analysis than this one's.
-    await deployment.fetch("UPDATE documents SET analysis_version = 0 WHERE id IN ('d0', 'd1')")
-    await deployment.fetch(f"UPDATE documents SET analysis_version = {ANALYSIS_VERSION + 1} WHERE id = 'g'")
-    assert (await analysis_status(placement)).other == {"acme": 2, "globex": 1}
-    assert (await analysis_status(placement, "globex")).other == {"globex": 1}
-    deleted = await deployment.publisher.publish(delete("acme", "d0"))  # a deleted document has no index to redo
-    await deployment.wait_projected(deleted.seq)
-    assert (await analysis_status(placement)).other == {"acme": 1, "globex": 1}
-    # The projector says so as it starts, for the workspaces it applies.
-    with structlog.testing.capture_logs() as logged:
-        again = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-        await again.start()
-        await again.stop()
-    warned = {e["workspace"]: e["documents"] for e in logged if e["event"] == "documents_of_another_analysis"}
-    assert warned == {"acme": 1, "globex": 1}
+    await deployment.fetch("UPDATE documents SET analysis_version = 0 WHERE id IN ('d0', 'd1', 'd2')")
+    await deployment.fetch(f"UPDATE documents SET analysis_version = {ANALYSIS_VERSION + 1} WHERE id = 'w'")
+    assert await counted() == {"acme": 3, "wayne": 1}
+    assert await counted("wayne") == {"wayne": 1}
+    # A document projected again is indexed by this analysis; a deleted one has no index to redo.
+    again = await deployment.publisher.publish_many(
+        [upsert("acme", document("d1", "text 1, again")), delete("acme", "d0")]
+    )
+    await deployment.wait_projected(again[-1].seq)
+    assert await counted() == {"acme": 1, "wayne": 1}
+
+    # The projector says so, beside its start, for the workspaces it applies.
+    two = deployment.settings.model_copy(update={"projector_partitions": 2})
+    partition = Placement.of(two, deployment.database_url).partition_of("acme")
+    assert Placement.of(two, deployment.database_url).partition_of("wayne") != partition  # the test's premise
+    for partitions, expected in (([0, 1], {"acme": 1, "wayne": 1}), ([partition], {"acme": 1})):
+        with structlog.testing.capture_logs() as logged:
+            partitioned = ProjectorService(
+                two, deployment.nats_url_as("projector"), deployment.database_url, partitions
+            )
+            await partitioned.start()
+            async with asyncio.timeout(10):
+                while not any(e["event"] == "documents_of_another_analysis" for e in logged):
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # any other workspace's line follows at once
+            await partitioned.stop()
+        warned = {e["workspace"]: e["documents"] for e in logged if e["event"] == "documents_of_another_analysis"}
+        assert warned == expected
 
     nowhere = Placement.of(deployment.settings, "postgresql://nobody:secret@127.0.0.1:9/none")
     unread = await analysis_status(nowhere)
-    assert unread.other == {}
+    assert unread.documents_of_another_analysis == {}
     (reason,) = unread.unread
     assert "127.0.0.1:9" in reason
     assert "secret" not in reason  # the URL's password is not shown
+
+
+async def test_a_database_that_never_answers_costs_status_its_wait_and_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def accept_and_say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3600)
+
+    silent = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    monkeypatch.setattr(status_module, "DATABASE_WAIT_S", 0.5)
+    placement = Placement.of(Settings(), f"postgresql://nobody@127.0.0.1:{port}/none")
+    try:
+        async with asyncio.timeout(5):
+            status = await analysis_status(placement)
+    finally:
+        silent.close()
+    assert status.unread == [f"postgresql://nobody@127.0.0.1:{port}/none: no answer within 0.5 s"]

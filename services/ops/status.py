@@ -74,11 +74,11 @@ DATABASE_WAIT_S = 5.0
 class AnalysisStatus:
     version: int = ANALYSIS_VERSION
     """The keyword analysis of this build (services/projector/planning.py, ANALYSIS_VERSION)."""
-    other: dict[str, int] = field(default_factory=dict)
-    """Per workspace, the live documents another analysis indexed: projected before an upgrade, they rank by the
-    old one until ``ontofabric rebuild WORKSPACE``."""
+    documents_of_another_analysis: dict[str, int] = field(default_factory=dict)
+    """Per workspace, its live documents that another analysis indexed: projected before an upgrade, they rank by
+    the old one until ``ontofabric rebuild WORKSPACE``."""
     unread: list[str] = field(default_factory=list)
-    """The databases that could not be counted, and why."""
+    """The databases that could not be counted, and why: their workspaces' counts are unknown."""
 
 
 @dataclass
@@ -168,21 +168,43 @@ async def deployment_status(
 
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:
-    """The documents of another keyword analysis than this build's, counted on each database (or on
-    ``workspace``'s), which has an index for it (infra/migrations/0024)."""
+    """The documents of another keyword analysis than this build's, counted on each database at once (or on
+    ``workspace``'s) through an index for it (infra/migrations/0025). Each database counts only the workspaces
+    placed on it: one a layout change moved away may have left rows behind that no rebuild of it reaches."""
     status = AnalysisStatus()
-    urls = placement.databases if workspace is None else (placement.database_url_of(workspace),)
-    for url in urls:
-        try:
-            async with asyncio.timeout(DATABASE_WAIT_S):
-                conn = await asyncpg.connect(url)
-                try:
-                    status.other.update(await documents_of_another_analysis(conn, workspace))
-                finally:
-                    await conn.close()
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-            status.unread.append(f"{redacted_url(url)}: {describe(error)}")
+    databases = range(len(placement.databases)) if workspace is None else [placement.database_of(workspace)]
+    counted = await asyncio.gather(*(_count_another_analysis(placement.databases[d], workspace) for d in databases))
+    for database, (counts, unread) in zip(databases, counted, strict=True):
+        if unread is not None:
+            status.unread.append(unread)
+        for counted_workspace, documents in counts.items():
+            if placement.database_of(counted_workspace) == database:
+                status.documents_of_another_analysis[counted_workspace] = documents
+    status.documents_of_another_analysis = dict(sorted(status.documents_of_another_analysis.items()))
     return status
+
+
+async def _count_another_analysis(url: str, workspace: str | None) -> tuple[dict[str, int], str | None]:
+    """The counts of one database, or why there are none. Never longer than DATABASE_WAIT_S: a connection that
+    stops answering is dropped, not closed politely (asyncpg's close waits for the server's answer)."""
+    conn: asyncpg.Connection | None = None
+    try:
+        async with asyncio.timeout(DATABASE_WAIT_S):
+            conn = await asyncpg.connect(url)
+            counts = await documents_of_another_analysis(conn, workspace)
+            await conn.close()
+            conn = None
+            return counts, None
+    except TimeoutError:
+        why = f"no answer within {DATABASE_WAIT_S:g} s"
+    except (asyncpg.UndefinedColumnError, asyncpg.UndefinedTableError):
+        why = "not migrated to this build's schema (`ontofabric migrate`, or start a projector of this build)"
+    except Exception as error:  # a status line must not fail the command: say why it is missing
+        why = describe(error)
+    finally:
+        if conn is not None:
+            conn.terminate()
+    return {}, f"{redacted_url(url)}: {why}"
 
 
 def _published_branches(info: StreamInfo, names: Names) -> set[tuple[str, str]]:

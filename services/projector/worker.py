@@ -108,6 +108,7 @@ class ProjectorService:
         self._peers: dict[str, tuple[float, Worker]] = {}
         """Projectors that answered discovery, by id, with when they last did (monotonic)."""
         self._holding: asyncio.Task[None] | None = None
+        self._analysis_report: asyncio.Task[None] | None = None
         self._standing_by: set[int] = set()
         """The partitions this process leaves to an earlier one."""
         self._departed: set[str] = set()
@@ -136,7 +137,8 @@ class ProjectorService:
             database = placement.database_of_partition(index)
             if database not in self._pools:
                 self._pools[database] = await self._writer_pool(placement.databases[database])
-        await self._report_another_analysis(placement)
+        # Beside projection, not before it: a diagnostic must neither hold up nor fail a start.
+        self._analysis_report = asyncio.create_task(self._report_another_analysis(placement), name="analysis-report")
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings, wait_for_server=True)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
@@ -330,12 +332,18 @@ class ProjectorService:
 
     async def _report_another_analysis(self, placement: Placement) -> None:
         """Warn of the workspaces it applies whose documents another analysis indexed (an index projected before
-        an upgrade): their keyword ranking is mixed until they are rebuilt."""
-        for pool in self._pools.values():
-            async with pool.acquire() as conn:
-                counts = await documents_of_another_analysis(conn)
+        an upgrade): their keyword ranking is mixed until they are rebuilt. Only those placed on the database read:
+        a layout change may have left rows behind that no rebuild of the workspace reaches."""
+        for database, pool in list(self._pools.items()):
+            try:
+                async with pool.acquire() as conn:
+                    counts = await documents_of_another_analysis(conn)
+            except Exception as error:  # the count is advice; projection goes on without it
+                log.warning("analysis_not_counted", database=database, error=describe(error))
+                continue
             for workspace, documents in counts.items():
-                if placement.partition_of(workspace) in self._partitions:
+                applied = placement.partition_of(workspace) in self._partitions
+                if applied and placement.database_of(workspace) == database:
                     log.warning(
                         "documents_of_another_analysis", workspace=workspace, documents=documents,
                         analysis=ANALYSIS_VERSION, advice=f"ontofabric rebuild {workspace}",
@@ -367,9 +375,10 @@ class ProjectorService:
         )
 
     async def stop(self) -> None:
-        if self._holding is not None:
-            await cancel_and_wait(self._holding)
-            self._holding = None
+        for task in (self._holding, self._analysis_report):
+            if task is not None:
+                await cancel_and_wait(task)
+        self._holding = self._analysis_report = None
         projections, nc, pools, service = list(self._projections.values()), self._nc, self._pools, self._service
         self._projections, self._nc, self._pools, self._service = {}, None, {}, None
         await _stop_announcing(service)

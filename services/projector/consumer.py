@@ -615,6 +615,10 @@ IN_FLIGHT_LOOKBACK = 1000
 unacked deltas), to learn what a process before it had in hand."""
 
 
+IN_FLIGHT_READS_AT_ONCE = 50
+"""Stored deltas a starting projector asks for at a time while it reads back what was in flight."""
+
+
 def in_flight_candidates(floor: int, delivered: int, lookback: int = IN_FLIGHT_LOOKBACK) -> list[int]:
     """The sequences that may be in hand unacked: the one just past the ack floor (unacked by definition), and the
     last ``lookback`` delivered (a crashed process's batch sits at the top, not at the floor)."""
@@ -639,18 +643,26 @@ async def remember_in_flight(js: JetStreamContext, names: Names, projection: Dur
         return 0
     moment, recorded = time.monotonic(), 0
     nc, subject = connection_of(js), f"$JS.API.STREAM.MSG.GET.{names.delta_stream}"
-    for seq in in_flight_candidates(floor, delivered):
-        try:
-            stored = await refused_promptly(nc, subject, js.get_msg(names.delta_stream, seq))
-        except NotFoundError:  # deleted from the stream (compacted, purged)
-            continue
-        except Exception as error:  # as above (a permission refused is said at once)
-            log.warning("in_flight_unread", consumer=projection.durable, seq=seq, error=describe(error))
+    candidates = in_flight_candidates(floor, delivered)
+    # Read a group at a time: one by one, the round trips of a full lookback held the start up (a second on a
+    # server a millisecond away).
+    for start in range(0, len(candidates), IN_FLIGHT_READS_AT_ONCE):
+        group = candidates[start : start + IN_FLIGHT_READS_AT_ONCE]
+        reads = [refused_promptly(nc, subject, js.get_msg(names.delta_stream, seq)) for seq in group]
+        failed = False
+        for seq, stored in zip(group, await asyncio.gather(*reads, return_exceptions=True), strict=True):
+            if isinstance(stored, NotFoundError):  # deleted from the stream (compacted, purged)
+                continue
+            if isinstance(stored, BaseException):  # as above (a permission refused is said at once)
+                log.warning("in_flight_unread", consumer=projection.durable, seq=seq, error=describe(stored))
+                failed = True
+                break
+            key = event_key(stored.subject or "", stored.data or b"")
+            if key is not None and projection.holds(stored.subject or ""):
+                projection.sent_back.sent_back(key, seq, moment)
+                recorded += 1
+        if failed:
             break
-        key = event_key(stored.subject or "", stored.data or b"")
-        if key is not None and projection.holds(stored.subject or ""):
-            projection.sent_back.sent_back(key, seq, moment)
-            recorded += 1
     log.info("in_flight_remembered", consumer=projection.durable, deltas=recorded, floor=floor, delivered=delivered)
     return recorded
 

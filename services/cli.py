@@ -300,19 +300,22 @@ def ingest(
     exclude: Annotated[
         list[str] | None,
         typer.Option(
-            help="Leave out files and directories whose path relative to the tree matches this shell pattern "
-            "(`*` crosses `/`; repeatable): `--exclude tests --exclude '*_pb2.py'`. What an earlier ingest "
-            "published of them is deleted, as for files gone from the tree."
+            metavar="PATTERN",
+            help="Leave out what matches this shell pattern, as .gitignore reads one (repeatable): without `/` a "
+            "file or directory name at any depth (`tests`, `'*_pb2.py'`), with `/` a path from the tree's root "
+            "(`docs/*.md`). What an earlier ingest published of it is deleted (on a branch: hidden); give the same "
+            "patterns to every ingest of a workspace and its branches.",
         ),
     ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Chunk a source tree and publish what changed since the last ingest of this workspace and branch."""
     from .ingest.chunking import tree_package
-    from .ingest.ingester import Ingester
+    from .ingest.ingester import ExclusionRefused, Ingester, exclusion_patterns
 
     try:
         tree_package("", [], package)
+        exclusion_patterns(path, exclude or ())  # refused before the model loads
     except ValueError as error:
         _fail(str(error))
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
@@ -335,6 +338,8 @@ def ingest(
                     )
                     try:
                         report = await ingester.ingest(path.resolve(), workspace, branch, package, exclude or ())
+                    except ExclusionRefused as error:
+                        _fail(str(error))
                     except ManifestMissing as error:
                         _fail(
                             f"{error}. Nothing was published. What this workspace and branch last ingested is unknown; "

@@ -46,8 +46,9 @@ def project_root() -> Path:
 
 
 DEMO_EXCLUDE = ("tests",)
-"""What the demo leaves out of a checkout: the test suite, which no demo query asks about, was 37 % of the chunks
-to embed on a fresh machine (docs/benchmarks.md, "Demo wall time"), and grows with every change."""
+"""What the demo leaves out of a checkout (any directory named so): the test suite, which no demo query asks about,
+was 37 % of the chunks to embed on a fresh machine (docs/benchmarks.md, "Demo wall time"), and grows with every
+change."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,14 @@ from nats.js.errors import ServiceUnavailableError
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
 from ontofabric.services.ingest.client import DeltaPublisher
-from ontofabric.services.ingest.ingester import UNKNOWN, Ingester, excluded, read_tree
+from ontofabric.services.ingest.ingester import (
+    UNKNOWN,
+    ExclusionRefused,
+    Ingester,
+    excluded,
+    exclusion_patterns,
+    read_tree,
+)
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, build_embedder, embedding_text
 from ontofabric.shared.onnx_models import OnnxEmbedder
@@ -454,7 +461,7 @@ async def test_symbols_with_very_long_names_are_indexed_under_keys_the_contract_
     assert sum(1 for row in rows if row["key"].startswith("markdown:")) == 6
 
 
-def test_excluded_paths_are_matched_whole_and_a_directory_takes_all_it_holds(tmp_path: Path) -> None:
+def test_exclusions_read_as_gitignore_reads_them(tmp_path: Path) -> None:
     _write(
         tmp_path,
         {
@@ -462,20 +469,31 @@ def test_excluded_paths_are_matched_whole_and_a_directory_takes_all_it_holds(tmp
             "pkg/core.py": "x = 1\n",
             "pkg/core_pb2.py": "y = 2\n",
             "pkg/migrations/m1.py": "z = 3\n",
+            "pkg/tests/test_inner.py": "def test(): pass\n",
             "tests/test_core.py": "def test(): pass\n",
             "docs/guide.md": "# Guide\n",
             "README.md": "# Readme\n",
         },
     )
-    assert set(read_tree(tmp_path)) == {
-        "pkg/__init__.py", "pkg/core.py", "pkg/core_pb2.py", "pkg/migrations/m1.py", "tests/test_core.py",
-        "docs/guide.md", "README.md",
-    }  # fmt: skip
-    kept = read_tree(tmp_path, ["tests/", "*_pb2.py", "*/migrations", "docs/*.md"])
-    assert set(kept) == {"pkg/__init__.py", "pkg/core.py", "README.md"}
-    assert set(read_tree(tmp_path, ["core.py", "test"])) == set(read_tree(tmp_path))  # whole paths, not parts
-    assert excluded("pkg/a/b/gen_pb2.py", ["*_pb2.py"])
+    everything = set(read_tree(tmp_path))
+    assert len(everything) == 8
+
+    def kept(*written: str) -> set[str]:
+        return set(read_tree(tmp_path, exclusion_patterns(tmp_path, written)))
+
+    # Without a slash, a name at any depth; with one, a path from the root; a directory takes all it holds.
+    assert kept("tests") == everything - {"tests/test_core.py", "pkg/tests/test_inner.py"}
+    assert kept("*_pb2.py", "docs/*.md") == everything - {"pkg/core_pb2.py", "docs/guide.md"}
+    assert kept("pkg/migrations") == everything - {"pkg/migrations/m1.py"}
+    assert kept("tests/") == kept("tests")  # a trailing slash is dropped
+    assert kept("./tests") == kept("tests\\") == kept("tests")  # as a shell completes it, or Windows writes it
+    assert kept(str(tmp_path / "docs")) == everything - {"docs/guide.md"}  # an absolute path inside the tree
+    assert kept("test", "core") == everything  # whole names, not parts of them
+    assert excluded("pkg/tests/x.py", ["tests"])
     assert not excluded("Tests/x.py", ["tests"])  # case-sensitive, as paths are
+    for nothing in ("", ".", "../elsewhere", "/elsewhere"):
+        with pytest.raises(ExclusionRefused):
+            exclusion_patterns(tmp_path, [nothing])
 
 
 async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_published(
@@ -512,5 +530,14 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     assert {r["file_path"] for r in files} == {"geometry.py", "tests/test_geometry.py", "vendor/lib.py"}
     (report,) = await asyncio.to_thread(ingest, "--exclude", "tests")  # the tests' chunks go again
     assert "0 upserts, 2 deletes" in report
+    files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
+    assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    # One pattern too broad would have deleted the whole index: refused, nothing sent.
+    refused = await asyncio.to_thread(
+        subprocess.run, [ontofabric, "ingest", str(tree), "--workspace", "repo", "--exclude", "*.py"], env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "leaves out every source file" in refused.stderr
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}

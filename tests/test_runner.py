@@ -271,3 +271,55 @@ def test_a_workspaces_lag_is_its_newest_delta_past_what_was_settled_there_or_the
     assert lag.lags() == {"acme": 0, "beta": 1}
     lag.settled("gamma", 20)  # settled before its headers arrived: stored all the same
     assert lag.lags() == {"acme": 0, "gamma": 0}  # beta, the least recently published to, is forgotten
+
+
+@dataclass
+class _StoredDeltas:
+    """A JetStream context's reads of stored deltas, as remember_in_flight makes them: the group logic alone (what
+    the server stores and delivers is tests/test_crash_recovery.py's)."""
+
+    floor: int
+    delivered: int
+    failing: int | None = None
+    gone: int | None = None
+    asked: list[int] = field(default_factory=list)
+    _nc: object = field(default_factory=lambda: type("Connection", (), {})())  # made by no connect(): no refusals
+
+    async def consumer_info(self, stream: str, durable: str) -> Any:
+        info = {"ack_floor": {"stream_seq": self.floor}, "delivered": {"stream_seq": self.delivered}}
+        return json.loads(json.dumps(info), object_hook=lambda d: type("Info", (), {**d, "num_ack_pending": 1}))
+
+    async def get_msg(self, stream: str, seq: int) -> Any:
+        self.asked.append(seq)
+        if seq == self.gone:
+            raise consumer.NotFoundError
+        if seq == self.failing:
+            raise TimeoutError("no answer")
+        body = json.dumps(upsert("acme", document(f"d{seq}", "text")).model_dump(mode="json", by_alias=True))
+        return type("Stored", (), {"subject": "p.delta.acme.main", "data": body.encode()})
+
+
+@pytest.mark.parametrize(("failing", "recorded"), [(None, 39), (30, 28)])
+async def test_in_flight_deltas_are_read_back_in_groups_until_the_first_that_fails(
+    failing: int | None, recorded: int
+) -> None:
+    stored = _StoredDeltas(floor=0, delivered=40, failing=failing, gone=7)  # 40 candidates: three groups of 16
+    remembered: list[int] = []
+
+    class Projection:
+        durable = "d"
+
+        class sent_back:
+            @staticmethod
+            def sent_back(key: Any, seq: int, now: float) -> None:
+                remembered.append(seq)
+
+        @staticmethod
+        def holds(subject: str) -> bool:
+            return True
+
+    count = await consumer.remember_in_flight(stored, Names("p"), Projection)  # type: ignore[arg-type]
+    assert count == recorded == len(remembered)
+    expected = [seq for seq in range(1, 41) if seq != 7 and (failing is None or seq < failing)]
+    assert remembered == expected  # in stream order, the deleted one skipped, none past the failure
+    assert max(stored.asked) == (40 if failing is None else 32)  # the failing one's group is the last asked

@@ -12,8 +12,9 @@ import fnmatch
 import hashlib
 import json
 import os
+import posixpath
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -65,11 +66,43 @@ SOURCE_SUFFIXES = (".py", ".md")
 EMBED_BATCH = 64
 
 
+class ExclusionRefused(ValueError):
+    """An ``--exclude`` that names nothing in the tree, or that would leave nothing of it."""
+
+
+def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
+    """``patterns`` as :func:`excluded` reads them: ``\\`` as ``/``, without a leading ``./`` or a trailing ``/``,
+    an absolute one made relative to ``root``. ExclusionRefused for one that can match nothing in the tree (empty,
+    ``.``, outside it)."""
+    normal = []
+    for written in patterns:
+        pattern = written.replace("\\", "/")
+        if pattern.startswith("/"):
+            try:
+                pattern = Path(pattern).relative_to(root.resolve()).as_posix()
+            except ValueError:
+                raise ExclusionRefused(f"--exclude {written!r} is outside the tree {root}") from None
+        pattern = posixpath.normpath(pattern) if pattern else ""
+        if pattern in ("", ".") or pattern.startswith("../"):
+            raise ExclusionRefused(f"--exclude {written!r} names no path inside the tree")
+        normal.append(pattern)
+    return tuple(normal)
+
+
 def excluded(relative: str, patterns: Collection[str]) -> bool:
-    """Whether a path relative to the tree (POSIX, no leading ``./``) matches one of ``patterns``: shell-style
-    (``fnmatch``, case-sensitive; ``*`` also crosses ``/``), against the whole relative path of the file or of
-    a directory, which takes all of it out (``tests``, ``docs/*.md``, ``*/migrations``, ``*_pb2.py``)."""
-    return any(fnmatch.fnmatchcase(relative, pattern.strip("/")) for pattern in patterns)
+    """Whether a path relative to the tree (POSIX) is left out by one of ``patterns`` (normalised by
+    :func:`exclusion_patterns`), shell-style (``fnmatch``, case-sensitive), as ``.gitignore`` reads a pattern: one
+    without ``/`` matches a file or directory name at any depth (``tests``, ``*_pb2.py``); one with ``/`` matches
+    the path from the tree's root, its ``*`` crossing ``/`` too (``docs/*.md``, ``src/*/migrations``). What is in
+    an excluded directory is excluded."""
+    parts = relative.split("/")
+    for pattern in patterns:
+        if "/" in pattern:
+            if any(fnmatch.fnmatchcase("/".join(parts[: n + 1]), pattern) for n in range(len(parts))):
+                return True
+        elif any(fnmatch.fnmatchcase(part, pattern) for part in parts):
+            return True
+    return False
 
 
 def discover(root: Path, exclude: Collection[str] = ()) -> Iterator[Path]:
@@ -391,8 +424,15 @@ class Ingester:
         :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
         published of them is deleted, as for a file gone from the tree."""
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
+        exclude = exclusion_patterns(root, exclude)
         sources = await asyncio.to_thread(read_tree, root, exclude)
-        package = tree_package(root.name, sources, package)
+        if exclude and not sources and await asyncio.to_thread(lambda: next(discover(root), None) is not None):
+            # One word too many would delete the whole workspace's index.
+            raise ExclusionRefused(
+                f"--exclude {' '.join(exclude)} leaves out every source file of {root}: nothing sent"
+            )
+        # The package is the tree's whether or not its __init__.py is excluded: names must not change with that.
+        package = tree_package(root.name, ["__init__.py"] if (root / "__init__.py").is_file() else [], package)
         chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes, package or "")}
         graph_nodes, graph_links = python_graph(sources, package)
         nodes = {n.object_type: n for n in graph_nodes}

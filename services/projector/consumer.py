@@ -615,8 +615,9 @@ IN_FLIGHT_LOOKBACK = 1000
 unacked deltas), to learn what a process before it had in hand."""
 
 
-IN_FLIGHT_READS_AT_ONCE = 50
-"""Stored deltas a starting projector asks for at a time while it reads back what was in flight."""
+IN_FLIGHT_READS_AT_ONCE = 16
+"""Stored deltas a starting projector asks for at a time while it reads back what was in flight: 16 of the
+largest (1 MiB, a third more as the server's JSON) stay well under a connection's pending limit (64 MB)."""
 
 
 def in_flight_candidates(floor: int, delivered: int, lookback: int = IN_FLIGHT_LOOKBACK) -> list[int]:
@@ -651,6 +652,8 @@ async def remember_in_flight(js: JetStreamContext, names: Names, projection: Dur
         reads = [refused_promptly(nc, subject, js.get_msg(names.delta_stream, seq)) for seq in group]
         failed = False
         for seq, stored in zip(group, await asyncio.gather(*reads, return_exceptions=True), strict=True):
+            if isinstance(stored, asyncio.CancelledError):
+                raise stored
             if isinstance(stored, NotFoundError):  # deleted from the stream (compacted, purged)
                 continue
             if isinstance(stored, BaseException):  # as above (a permission refused is said at once)

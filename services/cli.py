@@ -949,7 +949,7 @@ def eval_command(
         json_file.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_file}")
     if write_baseline is not None:
-        QualityBaseline(report.dataset, report.split, report.per_query).write(write_baseline)
+        QualityBaseline(report.dataset, report.split, report.per_query, report.setup).write(write_baseline)
         console.print(f"wrote {write_baseline}")
     if calibration_points is not None:
         from .ops.calibrate import write_points
@@ -957,7 +957,7 @@ def eval_command(
         write_points(calibration_points, report.calibration_points)
         console.print(f"wrote {len(report.calibration_points)} calibration points to {calibration_points}")
     if reference is not None:
-        _gate(reference, report.dataset, report.split, report.per_query, min_effect)
+        _gate(reference, report.dataset, report.split, report.per_query, min_effect, report.setup)
 
 
 def _baseline_for(path: Path | None, dataset: str, split: str, hint: str) -> QualityBaseline | None:
@@ -974,7 +974,12 @@ def _baseline_for(path: Path | None, dataset: str, split: str, hint: str) -> Qua
 
 
 def _gate(
-    reference: QualityBaseline, dataset: str, split: str, per_query: dict[str, dict[str, float]], min_effect: float
+    reference: QualityBaseline,
+    dataset: str,
+    split: str,
+    per_query: dict[str, dict[str, float]],
+    min_effect: float,
+    setup: dict[str, str],
 ) -> None:
     """The quality gate's verdicts printed; exit 1 when a configuration regressed (or none could be judged)."""
     from .ops.eval_report import render_verdicts
@@ -984,6 +989,8 @@ def _gate(
         verdicts = judge(reference, dataset, split, per_query, min_effect)
     except BaselineMismatch as error:
         _fail(str(error))
+    for difference in reference.setup_differences(setup):
+        errors.print(f"note: the baseline ran with another setup: {difference}", soft_wrap=True, markup=False)
     for config, judged in reference.per_query.items():
         missing, new = set(judged) - set(per_query.get(config, {})), set(per_query.get(config, {})) - set(judged)
         if missing or new:  # missing ones score 0 in the verdict; new ones are not judged until the baseline has them
@@ -1060,10 +1067,10 @@ def _evaluate_tree(
         console.print(f"wrote {len(report.calibration_points)} calibration points to {calibration_points}")
     measured = {"hybrid": report.concept.per_query}
     if write_baseline is not None:
-        QualityBaseline(dataset, split, measured).write(write_baseline)
+        QualityBaseline(dataset, split, measured, report.setup).write(write_baseline)
         console.print(f"wrote {write_baseline}")
     if reference is not None:
-        _gate(reference, dataset, split, measured, min_effect)
+        _gate(reference, dataset, split, measured, min_effect, report.setup)
 
 
 @app.command()

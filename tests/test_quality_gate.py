@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from ontofabric.services.ops.beir import BeirDataset, sample_dataset
+from ontofabric.services.ops.eval_report import retrieval_setup, setup_line
 from ontofabric.services.ops.quality_gate import Baseline, BaselineMismatch, judge
+from ontofabric.shared.settings import Settings
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 BASELINES = Path(__file__).parent / "quality"
@@ -85,17 +87,51 @@ def test_the_gate_says_when_the_baseline_and_the_run_judge_other_queries(capsys:
     from ontofabric.services.cli import _gate
 
     reference = Baseline("d", "s", {"hybrid": {"a": 1.0, "b": 0.5}})
-    _gate(reference, "d", "s", {"hybrid": {"a": 1.0, "b": 0.5, "c": 0.2}}, 0.005)  # passes: nothing lost
+    _gate(reference, "d", "s", {"hybrid": {"a": 1.0, "b": 0.5, "c": 0.2}}, 0.005, {})  # passes: nothing lost
     captured = capsys.readouterr()
     assert "0 queries of the baseline were not measured" in captured.err
     assert "1 measured queries are not in the baseline" in captured.err
     assert "gate: passed" in captured.out
+    assert "another setup" not in captured.err  # a baseline that kept none says nothing of it
+
+
+def test_the_gate_names_each_setting_the_baseline_ran_with_otherwise(capsys: pytest.CaptureFixture[str]) -> None:
+    from ontofabric.services.cli import _gate
+
+    measured_with = retrieval_setup(Settings())
+    reference = Baseline("d", "s", {"hybrid": {"a": 1.0}}, measured_with)
+    _gate(reference, "d", "s", {"hybrid": {"a": 1.0}}, 0.005, measured_with)
+    assert "another setup" not in capsys.readouterr().err
+    changed = retrieval_setup(Settings(embedding_precision="bfloat16", late_interaction_weight=0.0))
+    _gate(reference, "d", "s", {"hybrid": {"a": 1.0}}, 0.005, changed)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "another setup" in line]
+    assert notes == [
+        "note: the baseline ran with another setup: embeddingPrecision: float32 -> bfloat16",
+        "note: the baseline ran with another setup: late_interaction_weight: (default) -> 0.0",
+    ]
+
+
+def test_a_setup_names_what_changes_answers_and_not_where_the_run_was() -> None:
+    setup = retrieval_setup(
+        Settings(
+            late_interaction_weight=0.0, database_url="postgresql://u:secret@db/x", log_level="DEBUG",
+            data_dir=Path("elsewhere"), second_vectors=False,
+        )
+    )  # fmt: skip
+    assert setup == {
+        "embeddingModel": Settings().embedding_model, "embeddingPrecision": "float32", "secondVectors": "off",
+        "reranker": "none", "late_interaction_weight": "0.0",
+    }  # fmt: skip
+    assert setup_line(setup).endswith("settings changed: late_interaction_weight=0.0")
 
 
 def test_a_baseline_reads_back_as_written(tmp_path: Path) -> None:
     baseline = Baseline("toy", "test", {"hybrid": {"q1": 0.5, "q2": 1.0}})
     baseline.write(tmp_path / "b.json")
     assert Baseline.read(tmp_path / "b.json") == baseline
+    with_setup = Baseline("toy", "test", {"hybrid": {"q1": 0.5}}, {"embeddingModel": "m", "reranker": "none"})
+    with_setup.write(tmp_path / "c.json")
+    assert Baseline.read(tmp_path / "c.json") == with_setup
 
 
 @pytest.mark.slow
@@ -142,6 +178,9 @@ def test_this_build_passes_the_quality_gate_on_source_trees(
     # A baseline every query of which was better fails the same run.
     run = Baseline.read(measured)
     assert run.dataset == Baseline.read(baseline).dataset
+    assert run.setup is not None
+    assert run.setup["embeddingModel"] == Settings().embedding_model
+    assert setup_line(run.setup) in result.stdout
     assert all(v.regressed for v in judge(
         Baseline(run.dataset, run.split, {c: {q: s + 0.05 for q, s in qs.items()} for c, qs in run.per_query.items()}),
         run.dataset, run.split, run.per_query,

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from ontofabric.contracts import QueryMeta, SearchResult
 from ontofabric.services.query.calibration import ReliabilityBin
+from ontofabric.shared.embedder import wants_bfloat16
+from ontofabric.shared.settings import Settings
 
 from .calibrate import Point
 from .measures import MEASURES, EarlyExitCalibration, Margin
@@ -17,6 +19,32 @@ from .quality_gate import Verdict
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+_NOT_A_SETUP = ("url", "urls", "endpoint", "file", "dir", "path", "token", "tokens", "key", "seed", "password")
+"""Ends of setting names that say where a process runs or what it logs in with, not how it retrieves."""
+_NOT_A_SETUP_PART = ("log", "metrics", "trace", "subject")
+"""Starts of the names of its logs, metrics, traces and subjects, which do not change an answer either."""
+
+
+def retrieval_setup(settings: Settings) -> dict[str, str]:
+    """What a measurement ran with, for its report and its quality-gate baseline: the embedding model and the
+    precision it computed in on this CPU, the second vectors and reranker, and every other setting this run
+    changed from its default (where it runs and its credentials left out), so two runs can be told apart."""
+    setup = {
+        "embeddingModel": settings.embedding_model,
+        "embeddingPrecision": "bfloat16" if wants_bfloat16(settings.embedding_precision) else "float32",
+        "secondVectors": "on" if settings.second_vectors else "off",
+        "reranker": settings.reranker,
+    }
+    told = {"embedding_model", "embedding_precision", "second_vectors", "reranker"}
+    for name, spec in Settings.model_fields.items():
+        value = getattr(settings, name)
+        where = name.rsplit("_", 1)[-1] in _NOT_A_SETUP or name.split("_", 1)[0] in _NOT_A_SETUP_PART
+        if spec.default_factory is not None or value == spec.default or where or name in told:
+            continue
+        if isinstance(value, bool | int | float | str):
+            setup[name] = str(value)
+    return setup
 
 
 @dataclass
@@ -60,9 +88,21 @@ class EvalReport:
     """configuration -> query id -> nDCG@10: what a quality gate compares (services/ops/quality_gate.py)."""
     calibration_points: list[Point] = field(default_factory=list)
     """Each query's leading results with their signals and judgments (``--calibration-points``; not in the JSON)."""
+    setup: dict[str, str] = field(default_factory=dict)
+    """What it ran with (:func:`retrieval_setup`)."""
 
     def to_json(self) -> dict[str, Any]:
         return json_without_points(self)
+
+
+def setup_line(setup: dict[str, str]) -> str:
+    """:func:`retrieval_setup` as a line of a report."""
+    head = ("embeddingModel", "embeddingPrecision", "secondVectors", "reranker")
+    changed = ", ".join(f"{name}={value}" for name, value in setup.items() if name not in head)
+    return (
+        f"run with {setup.get('embeddingModel')} in {setup.get('embeddingPrecision')}, second vectors "
+        f"{setup.get('secondVectors')}, reranker {setup.get('reranker')}; settings changed: {changed or 'none'}"
+    )
 
 
 def json_without_points(report: DataclassInstance) -> dict[str, Any]:
@@ -96,6 +136,8 @@ def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> No
 def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
     header = ["config", *MEASURES, "p50 ms", "p95 ms", "degraded", "errors"]
     write(f"{report.dataset} ({report.split}): {report.documents} documents, {report.queries} judged queries")
+    if report.setup:
+        write(setup_line(report.setup))
     if report.refused_documents:
         first, why = report.refused_documents[0]
         write(

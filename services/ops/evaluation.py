@@ -43,7 +43,7 @@ from ontofabric.shared.subjects import Names
 
 from .beir import BeirDataset, document_text
 from .calibrate import Point
-from .eval_report import ConfigResult, EvalReport, run_file_scores, write_trec_run
+from .eval_report import ConfigResult, EvalReport, retrieval_setup, run_file_scores, write_trec_run
 from .measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin, per_query_ndcg, percentile
 
 DEPTH = 100  # results per query: Recall@100 needs a hundred
@@ -278,6 +278,7 @@ async def evaluate(
     ignore_identical_ids: bool = True,
 ) -> EvalReport:
     """Start a projector and a query worker (cache off), load the dataset, run each configuration."""
+    setup = retrieval_setup(settings)
     # Cache off (every query measured), and queries as long as some BEIR sets have (ArguAna's are paragraphs).
     settings = settings.model_copy(
         update={"query_cache_entries": 0, "max_query_chars": max(settings.max_query_chars, 100_000)}
@@ -351,6 +352,7 @@ async def evaluate(
         margins=hybrid_margins(per_query),
         per_query=per_query,
         calibration_points=calibration_points,
+        setup=setup,
     )
 
 

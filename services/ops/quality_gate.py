@@ -33,10 +33,14 @@ class Baseline:
     split: str
     per_query: dict[str, dict[str, float]]
     """configuration -> query id -> nDCG@10."""
+    setup: dict[str, str] | None = None
+    """What it was measured with (``eval_report.retrieval_setup``); None in baselines written before it was kept."""
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        document = {"dataset": self.dataset, "split": self.split, "ndcg@10": self.per_query}
+        document: dict[str, object] = {"dataset": self.dataset, "split": self.split, "ndcg@10": self.per_query}
+        if self.setup is not None:
+            document["setup"] = self.setup
         path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
     def check(self, dataset: str, split: str) -> None:
@@ -49,7 +53,20 @@ class Baseline:
     @classmethod
     def read(cls, path: Path) -> Baseline:
         document = json.loads(path.read_text(encoding="utf-8"))
-        return cls(document["dataset"], document["split"], document["ndcg@10"])
+        return cls(document["dataset"], document["split"], document["ndcg@10"], document.get("setup"))
+
+    def setup_differences(self, setup: Mapping[str, str]) -> list[str]:
+        """How ``setup`` (this run's) differs from the baseline's, one ``name: baseline -> run`` each: a gate
+        compares the builds of two runs, and a setting that differs makes another comparison."""
+        if self.setup is None:
+            return []
+        names = sorted(set(self.setup) | set(setup))
+        default = "(default)"
+        return [
+            f"{name}: {self.setup.get(name, default)} -> {setup.get(name, default)}"
+            for name in names
+            if self.setup.get(name) != setup.get(name)
+        ]
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .calibrate import Point
-from .eval_report import calibration_summary, json_without_points
+from .eval_report import calibration_summary, json_without_points, retrieval_setup, setup_line
 from .measures import compute_metrics, margin, per_query_ndcg
 
 DEPTH = 10
@@ -299,6 +299,8 @@ class TreeReport:
     calibration_points: list[Point] = field(default_factory=list)
     """Every result of the concept answers with its signals and judgment (``--calibration-points``; not in the
     JSON)."""
+    setup: dict[str, str] = field(default_factory=dict)
+    """What it ran with (:func:`eval_report.retrieval_setup`)."""
 
     def to_json(self) -> dict[str, Any]:
         return json_without_points(self)
@@ -324,6 +326,7 @@ def _shape(per_query: dict[str, float], metrics: dict[str, float], errors: int =
 async def evaluate_tree(
     settings: Settings, endpoints: Endpoints, tree: Path, judgments: Judgments, progress: Progress
 ) -> TreeReport:
+    setup = retrieval_setup(settings)
     settings = settings.model_copy(update={"query_cache_entries": 0})
     names = Names(settings.subject_prefix)
     tree = await asyncio.to_thread(tree.resolve)
@@ -392,7 +395,7 @@ async def evaluate_tree(
     table, calibration_error = reliability([p.score for p in points], [p.relevant for p in points])
     return TreeReport(
         str(tree), judgments.project, judgments.version, report.chunks, concept, shapes, by_kind, kinds, run, unknown,
-        calibration_error if points else None, table, uncalibrated, points,
+        calibration_error if points else None, table, uncalibrated, points, setup,
     )  # fmt: skip
 
 
@@ -401,6 +404,7 @@ def render_tree_report(report: TreeReport) -> list[str]:
     lines = [
         f"{report.project} {report.version}: {report.chunks} chunks; {c.queries} concept queries, "
         f"{report.relationships['followLinks off'].queries} relationship queries (from static analysis)",
+        *([setup_line(report.setup)] if report.setup else []),
         "| shape | measure | mean (95 % interval over queries) | other measures |",
         "|---|---|---|---|",
     ]

@@ -304,7 +304,8 @@ def ingest(
             help="Leave out what matches this shell pattern, as .gitignore reads one (repeatable): without `/` a "
             "file or directory name at any depth (`tests`, `'*_pb2.py'`), with `/` a path from the tree's root "
             "(`docs/*.md`). What an earlier ingest published of it is deleted (on a branch: hidden); give the same "
-            "patterns to every ingest of a workspace and its branches.",
+            "patterns to every ingest of a workspace and its branches (a note says when they differ from the last "
+            "ingest's, or from main's).",
         ),
     ] = None,
     data_dir: DataDir = None,
@@ -315,7 +316,7 @@ def ingest(
 
     try:
         tree_package("", [], package)
-        exclusion_patterns(path, exclude or ())  # refused before the model loads
+        exclude_patterns = exclusion_patterns(path, exclude or ())  # refused before the model loads
     except ValueError as error:
         _fail(str(error))
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
@@ -367,6 +368,18 @@ def ingest(
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
                 f"({time.perf_counter() - started:.1f}s)"
             )
+            if report.exclusions_before is not None:
+                errors.print(
+                    f"note: the last ingest of {workspace}/{branch} excluded {_patterns(report.exclusions_before)}, "
+                    f"this one {_patterns(exclude_patterns)}: the difference is published (or deleted) now",
+                    soft_wrap=True, markup=False,
+                )  # fmt: skip
+            if report.main_exclusions is not None:
+                errors.print(
+                    f"note: {workspace}/{MAIN_BRANCH} was last ingested excluding {_patterns(report.main_exclusions)}, "
+                    f"this branch {_patterns(exclude_patterns)}: the difference shows as the branch's changes",
+                    soft_wrap=True, markup=False,
+                )  # fmt: skip
             if report.too_large:
                 shown = ", ".join(report.too_large[:5]) + (", ..." if len(report.too_large) > 5 else "")
                 errors.print(
@@ -384,6 +397,10 @@ def ingest(
             await close_nats(nc)
 
     asyncio.run(run())
+
+
+def _patterns(patterns: Sequence[str]) -> str:
+    return " ".join(patterns) if patterns else "nothing"
 
 
 def _fail_on_dead_letters(letters: Sequence[SetAside], published: int, workspace: str) -> None:

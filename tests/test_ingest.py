@@ -514,22 +514,26 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     }  # fmt: skip
     ontofabric = str(Path(sys.executable).parent / "ontofabric")
 
-    def ingest(*options: str) -> set[str]:
+    def ingest(*options: str) -> tuple[set[str], str]:
         ran = subprocess.run(
             [ontofabric, "ingest", str(tree), "--workspace", "repo", *options], env=env,
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         assert ran.returncode == 0, ran.stderr
-        return {line for line in ran.stdout.splitlines() if "files," in line}
+        return {line for line in ran.stdout.splitlines() if "files," in line}, ran.stderr
 
-    await asyncio.to_thread(ingest, "--exclude", "tests", "--exclude", "vendor/*")
+    _, said = await asyncio.to_thread(ingest, "--exclude", "tests", "--exclude", "./vendor/*")
+    assert "note:" not in said  # the first ingest: nothing to differ from
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py"}
-    await asyncio.to_thread(ingest)  # all of it
+    _, said = await asyncio.to_thread(ingest)  # all of it, and the ingest says its patterns changed
+    assert "the last ingest of repo/main excluded tests vendor/*, this one nothing" in said
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "tests/test_geometry.py", "vendor/lib.py"}
-    (report,) = await asyncio.to_thread(ingest, "--exclude", "tests")  # the tests' chunks go again
+    (report,), said = await asyncio.to_thread(ingest, "--exclude", "tests")  # the tests' chunks go again
     assert "0 upserts, 2 deletes" in report
+    assert "excluded nothing, this one tests" in said
+    assert "note:" not in (await asyncio.to_thread(ingest, "--exclude", "tests/"))[1]  # the same pattern
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
     # One pattern too broad would have deleted the whole index: refused, nothing sent.
@@ -541,3 +545,5 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     assert "leaves out every source file" in refused.stderr
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    _, said = await asyncio.to_thread(ingest, "--branch", "feature/x")  # a branch that keeps what main left out
+    assert "repo/main was last ingested excluding tests, this branch nothing" in said

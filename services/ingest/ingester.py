@@ -187,6 +187,8 @@ class Manifest:
     """
 
     entries: dict[str, str] = field(default_factory=dict)
+    exclude: tuple[str, ...] = ()
+    """The ``--exclude`` patterns of the ingest that saved it (normalised), so the next can say when they differ."""
 
     @property
     def unknown(self) -> int:
@@ -197,13 +199,17 @@ class Manifest:
         return hashlib.sha256(json.dumps(self.entries, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": 2, "entries": self.entries}, sort_keys=True).encode()
+        document: dict[str, object] = {"version": 2, "entries": self.entries}
+        if self.exclude:  # only then: a manifest without exclusions reads as before, for earlier releases too
+            document["exclude"] = list(self.exclude)
+        return json.dumps(document, sort_keys=True).encode()
 
     def merged_with(self, other: Manifest) -> Manifest:
         """What the index may hold after two ingests published from one manifest at once: a key both left alike
         is known; any other key is UNKNOWN, so the next ingest sends it again or removes it."""
         mine, theirs = self.entries, other.entries
-        return Manifest({k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()})
+        merged = {k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()}
+        return Manifest(merged, self.exclude)
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -211,7 +217,7 @@ class Manifest:
         entries = dict(stored["entries"])
         if stored.get("version", 1) == 1:  # version 1 knew only documents and keyed them by bare id
             entries = {f"d:{key}": value for key, value in entries.items()}
-        return cls(entries)
+        return cls(entries, tuple(stored.get("exclude", ())))
 
 
 def _manifest_of(stored: StoredManifest) -> Manifest:
@@ -363,6 +369,11 @@ class IngestReport:
     again."""
     embed_s: float
     publish_s: float
+    exclusions_before: tuple[str, ...] | None = None
+    """The ``--exclude`` patterns of the branch's previous ingest, when they differ from this one's (what they
+    left out is published now, or what they kept deleted); None when they are the same, or there was none."""
+    main_exclusions: tuple[str, ...] | None = None
+    """On a branch, main's last patterns when they differ from this ingest's: the difference shows as changes."""
 
 
 class Ingester:
@@ -424,12 +435,12 @@ class Ingester:
         :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
         published of them is deleted, as for a file gone from the tree."""
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
-        exclude = exclusion_patterns(root, exclude)
-        sources = await asyncio.to_thread(read_tree, root, exclude)
-        if exclude and not sources and await asyncio.to_thread(lambda: next(discover(root), None) is not None):
+        patterns = exclusion_patterns(root, exclude)
+        sources = await asyncio.to_thread(read_tree, root, patterns)
+        if patterns and not sources and await asyncio.to_thread(lambda: next(discover(root), None) is not None):
             # One word too many would delete the whole workspace's index.
             raise ExclusionRefused(
-                f"--exclude {' '.join(exclude)} leaves out every source file of {root}: nothing sent"
+                f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
             )
         # The package is the tree's whether or not its __init__.py is excluded: names must not change with that.
         package = tree_package(root.name, ["__init__.py"] if (root / "__init__.py").is_file() else [], package)
@@ -449,6 +460,7 @@ class Ingester:
         desired.update({f"l:{key}": "1" for key in links})
         loaded = await self._manifests.load(workspace, branch)
         previous = _manifest_of(loaded)
+        patterns_changed = loaded.data is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         plan = plan_ingest(desired, previous, main)
         log.info(
@@ -477,7 +489,7 @@ class Ingester:
             log.warning("ingest_document_too_large", key=key, limit=limit)
         deltas = [sent for key, sent in keyed.items() if key not in too_large]
         unknown = dict.fromkeys(too_large, UNKNOWN)
-        in_flight = Manifest({**previous.entries, **dict.fromkeys(keyed, UNKNOWN)})
+        in_flight = Manifest({**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, patterns)
         if deltas:
             # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
             # next one sends it again or removes it (before, what it had stored was nowhere, and stayed for good).
@@ -489,11 +501,13 @@ class Ingester:
         )
         publish_s = time.perf_counter() - publish_started
         if deltas:
-            done = Manifest({**plan.manifest.entries, **unknown})
+            done = Manifest({**plan.manifest.entries, **unknown}, patterns)
             saved = _manifest_of(loaded)
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
             await self._save_manifest(workspace, branch, done, loaded)
+        elif patterns_changed:  # nothing changed but the patterns
+            await self._save_manifest(workspace, branch, Manifest(previous.entries, patterns), loaded)
         return IngestReport(
             files=len(sources),
             chunks=len(chunks),
@@ -507,6 +521,8 @@ class Ingester:
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,
             publish_s=publish_s,
+            exclusions_before=previous.exclude if patterns_changed else None,
+            main_exclusions=main.exclude if main is not None and main.entries and main.exclude != patterns else None,
         )
 
     async def _embed(self, chunks: Sequence[Chunk]) -> list[ChunkEmbedding | None]:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import asyncpg
 import typer
@@ -92,6 +93,9 @@ from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .render import RichProgress, render_reply, render_status
+
+if TYPE_CHECKING:
+    from .ingest.ingester import IngestReport
 
 log = get_logger(__name__)
 
@@ -316,7 +320,7 @@ def ingest(
 
     try:
         tree_package("", [], package)
-        exclude_patterns = exclusion_patterns(path, exclude or ())  # refused before the model loads
+        exclusion_patterns(path, exclude or ())  # refused before the model loads
     except ValueError as error:
         _fail(str(error))
     settings = _settings("ontofabric-ingest", data_dir, quiet=True)
@@ -349,6 +353,7 @@ def ingest(
                         )
                 finally:
                     cache.close()
+                _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
                 if wait and report.last_sequence is not None:
                     watch = ProjectionWatch(progress, report.last_sequence, _stalled_projection)
                     try:
@@ -368,18 +373,6 @@ def ingest(
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
                 f"({time.perf_counter() - started:.1f}s)"
             )
-            if report.exclusions_before is not None:
-                errors.print(
-                    f"note: the last ingest of {workspace}/{branch} excluded {_patterns(report.exclusions_before)}, "
-                    f"this one {_patterns(exclude_patterns)}: the difference is published (or deleted) now",
-                    soft_wrap=True, markup=False,
-                )  # fmt: skip
-            if report.main_exclusions is not None:
-                errors.print(
-                    f"note: {workspace}/{MAIN_BRANCH} was last ingested excluding {_patterns(report.main_exclusions)}, "
-                    f"this branch {_patterns(exclude_patterns)}: the difference shows as the branch's changes",
-                    soft_wrap=True, markup=False,
-                )  # fmt: skip
             if report.too_large:
                 shown = ", ".join(report.too_large[:5]) + (", ..." if len(report.too_large) > 5 else "")
                 errors.print(
@@ -399,8 +392,25 @@ def ingest(
     asyncio.run(run())
 
 
-def _patterns(patterns: Sequence[str]) -> str:
-    return " ".join(patterns) if patterns else "nothing"
+def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
+    """Say when this ingest's --exclude patterns differ from the branch's last ingest's, or from main's."""
+
+    def shown(patterns: Sequence[str]) -> str:
+        return shlex.join(patterns) if patterns else "nothing"
+
+    now = shown(report.exclusions)
+    if report.exclusions_before is not None:
+        errors.print(
+            f"note: the last ingest of {workspace}/{branch} excluded {shown(report.exclusions_before)}; this one "
+            f"excludes {now}, and the index follows this one",
+            soft_wrap=True, markup=False,
+        )  # fmt: skip
+    if report.main_exclusions is not None:
+        errors.print(
+            f"note: {workspace}/{MAIN_BRANCH} was last ingested excluding {shown(report.main_exclusions)}; this "
+            f"ingest of {branch} excludes {now}, and what they differ in shows as the branch's own changes",
+            soft_wrap=True, markup=False,
+        )  # fmt: skip
 
 
 def _fail_on_dead_letters(letters: Sequence[SetAside], published: int, workspace: str) -> None:

@@ -196,10 +196,12 @@ def test_a_manifest_of_the_first_format_reads_as_document_keys() -> None:
     assert (plan.upserts, plan.deletes) == ([], [])  # nothing changed, so nothing to publish or remove
     assert Manifest.from_json(Manifest({"n:pkg.a": "h"}).to_json()).entries == {"n:pkg.a": "h"}
     # The patterns an ingest excluded go with it, only when there were some (earlier manifests read as before).
-    assert b"exclude" not in Manifest({"n:pkg.a": "h"}).to_json()
+    assert Manifest.from_json(Manifest({"n:pkg.a": "h"}).to_json()).exclude is None  # not recorded: unknown
+    assert Manifest.from_json(Manifest({"n:pkg.a": "h"}, ()).to_json()).exclude == ()  # recorded: none
     kept = Manifest.from_json(Manifest({"d:a": "1"}, ("tests", "*_pb2.py")).to_json())
     assert kept == Manifest({"d:a": "1"}, ("tests", "*_pb2.py"))
     assert kept.merged_with(Manifest({"d:a": "2"})).exclude == ("tests", "*_pb2.py")
+    assert kept.digest == Manifest({"d:a": "1"}).digest  # event ids do not move with the patterns
 
 
 def test_manifests_of_two_racing_ingests_merge_into_what_is_known() -> None:

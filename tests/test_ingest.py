@@ -527,15 +527,20 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py"}
     _, said = await asyncio.to_thread(ingest)  # all of it, and the ingest says its patterns changed
-    assert "the last ingest of repo/main excluded tests vendor/*, this one nothing" in said
+    assert "the last ingest of repo/main excluded tests 'vendor/*'; this one excludes nothing" in said
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "tests/test_geometry.py", "vendor/lib.py"}
     (report,), said = await asyncio.to_thread(ingest, "--exclude", "tests")  # the tests' chunks go again
     assert "0 upserts, 2 deletes" in report
-    assert "excluded nothing, this one tests" in said
-    assert "note:" not in (await asyncio.to_thread(ingest, "--exclude", "tests/"))[1]  # the same pattern
-    files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
-    assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    assert "excluded nothing; this one excludes tests" in said
+    # Patterns that change nothing in the index are recorded all the same; the same set in another order or
+    # spelling is the same.
+    (report,), said = await asyncio.to_thread(ingest, "--exclude", "tests", "--exclude", "nomatch")
+    assert "0 upserts, 0 deletes" in report
+    assert "excluded tests; this one excludes nomatch tests" in said
+    assert "note:" not in (await asyncio.to_thread(ingest, "--exclude", "tests/", "--exclude", "nomatch"))[1]
+    same = ("--exclude", "nomatch", "--exclude", "tests", "--exclude", "./tests")
+    assert "note:" not in (await asyncio.to_thread(ingest, *same))[1]
     # One pattern too broad would have deleted the whole index: refused, nothing sent.
     refused = await asyncio.to_thread(
         subprocess.run, [ontofabric, "ingest", str(tree), "--workspace", "repo", "--exclude", "*.py"], env=env,
@@ -545,5 +550,9 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     assert "leaves out every source file" in refused.stderr
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
-    _, said = await asyncio.to_thread(ingest, "--branch", "feature/x")  # a branch that keeps what main left out
-    assert "repo/main was last ingested excluding tests, this branch nothing" in said
+    # A branch ingested with other patterns than main's is told so; with main's, it is not.
+    _, said = await asyncio.to_thread(ingest, "--branch", "feature/x")
+    assert "repo/main was last ingested excluding nomatch tests; this ingest of feature/x excludes nothing" in said
+    _, said = await asyncio.to_thread(ingest, "--branch", "feature/x", "--exclude", "tests", "--exclude", "nomatch")
+    assert "repo/main was last" not in said
+    assert "the last ingest of repo/feature/x excluded nothing; this one excludes nomatch tests" in said

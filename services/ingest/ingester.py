@@ -71,9 +71,9 @@ class ExclusionRefused(ValueError):
 
 
 def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
-    """``patterns`` as :func:`excluded` reads them: ``\\`` as ``/``, without a leading ``./`` or a trailing ``/``,
-    an absolute one made relative to ``root``. ExclusionRefused for one that can match nothing in the tree (empty,
-    ``.``, outside it)."""
+    """``patterns`` as :func:`excluded` reads them, each once and sorted (the same set of patterns reads the
+    same): ``\\`` as ``/``, without a leading ``./`` or a trailing ``/``, an absolute one made relative to
+    ``root``. ExclusionRefused for one that can match nothing in the tree (empty, ``.``, outside it)."""
     normal = []
     for written in patterns:
         pattern = written.replace("\\", "/")
@@ -86,7 +86,7 @@ def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
         if pattern in ("", ".") or pattern.startswith("../"):
             raise ExclusionRefused(f"--exclude {written!r} names no path inside the tree")
         normal.append(pattern)
-    return tuple(normal)
+    return tuple(sorted(set(normal)))
 
 
 def excluded(relative: str, patterns: Collection[str]) -> bool:
@@ -187,8 +187,9 @@ class Manifest:
     """
 
     entries: dict[str, str] = field(default_factory=dict)
-    exclude: tuple[str, ...] = ()
-    """The ``--exclude`` patterns of the ingest that saved it (normalised), so the next can say when they differ."""
+    exclude: tuple[str, ...] | None = None
+    """The ``--exclude`` patterns of the ingest that saved it (normalised), so the next can say when they differ;
+    None where they were not recorded (no manifest, or one saved before they were)."""
 
     @property
     def unknown(self) -> int:
@@ -200,7 +201,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         document: dict[str, object] = {"version": 2, "entries": self.entries}
-        if self.exclude:  # only then: a manifest without exclusions reads as before, for earlier releases too
+        if self.exclude is not None:  # an earlier release ignores the key (and drops it if it saves)
             document["exclude"] = list(self.exclude)
         return json.dumps(document, sort_keys=True).encode()
 
@@ -217,7 +218,8 @@ class Manifest:
         entries = dict(stored["entries"])
         if stored.get("version", 1) == 1:  # version 1 knew only documents and keyed them by bare id
             entries = {f"d:{key}": value for key, value in entries.items()}
-        return cls(entries, tuple(stored.get("exclude", ())))
+        recorded = stored.get("exclude")
+        return cls(entries, None if recorded is None else tuple(recorded))
 
 
 def _manifest_of(stored: StoredManifest) -> Manifest:
@@ -369,9 +371,11 @@ class IngestReport:
     again."""
     embed_s: float
     publish_s: float
+    exclusions: tuple[str, ...] = ()
+    """This ingest's ``--exclude`` patterns, normalised."""
     exclusions_before: tuple[str, ...] | None = None
     """The ``--exclude`` patterns of the branch's previous ingest, when they differ from this one's (what they
-    left out is published now, or what they kept deleted); None when they are the same, or there was none."""
+    left out is published now, or what they kept deleted); None when they are the same, or not recorded."""
     main_exclusions: tuple[str, ...] | None = None
     """On a branch, main's last patterns when they differ from this ingest's: the difference shows as changes."""
 
@@ -460,7 +464,7 @@ class Ingester:
         desired.update({f"l:{key}": "1" for key in links})
         loaded = await self._manifests.load(workspace, branch)
         previous = _manifest_of(loaded)
-        patterns_changed = loaded.data is not None and previous.exclude != patterns
+        patterns_changed = previous.exclude is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         plan = plan_ingest(desired, previous, main)
         log.info(
@@ -489,7 +493,8 @@ class Ingester:
             log.warning("ingest_document_too_large", key=key, limit=limit)
         deltas = [sent for key, sent in keyed.items() if key not in too_large]
         unknown = dict.fromkeys(too_large, UNKNOWN)
-        in_flight = Manifest({**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, patterns)
+        # The previous patterns until the ingest is done: one stopped part way says again that they changed.
+        in_flight = Manifest({**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude)
         if deltas:
             # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
             # next one sends it again or removes it (before, what it had stored was nowhere, and stayed for good).
@@ -506,8 +511,11 @@ class Ingester:
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
             await self._save_manifest(workspace, branch, done, loaded)
-        elif patterns_changed:  # nothing changed but the patterns
-            await self._save_manifest(workspace, branch, Manifest(previous.entries, patterns), loaded)
+        elif patterns_changed:  # nothing changed but the patterns: recorded if no other ingest saved meanwhile
+            try:
+                await self._manifests.save(workspace, branch, Manifest(previous.entries, patterns).to_json(), loaded)
+            except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
+                log.info("ingest_patterns_not_recorded", workspace=workspace, branch=branch)
         return IngestReport(
             files=len(sources),
             chunks=len(chunks),
@@ -521,8 +529,11 @@ class Ingester:
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,
             publish_s=publish_s,
+            exclusions=patterns,
             exclusions_before=previous.exclude if patterns_changed else None,
-            main_exclusions=main.exclude if main is not None and main.entries and main.exclude != patterns else None,
+            main_exclusions=(
+                main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None
+            ),
         )
 
     async def _embed(self, chunks: Sequence[Chunk]) -> list[ChunkEmbedding | None]:

@@ -398,19 +398,19 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
     def shown(patterns: Sequence[str]) -> str:
         return shlex.join(patterns) if patterns else "nothing"
 
-    now = shown(report.exclusions)
+    now, notes = shown(report.exclusions), []
     if report.exclusions_before is not None:
-        errors.print(
-            f"note: the last ingest of {workspace}/{branch} excluded {shown(report.exclusions_before)}; this one "
-            f"excludes {now}, and the index follows this one",
-            soft_wrap=True, markup=False,
-        )  # fmt: skip
+        notes.append(
+            f"the last ingest of {workspace}/{branch} excluded {shown(report.exclusions_before)}; this one excludes "
+            f"{now}, and the index follows this one"
+        )
     if report.main_exclusions is not None:
-        errors.print(
-            f"note: {workspace}/{MAIN_BRANCH} was last ingested excluding {shown(report.main_exclusions)}; this "
-            f"ingest of {branch} excludes {now}, and what they differ in shows as the branch's own changes",
-            soft_wrap=True, markup=False,
-        )  # fmt: skip
+        notes.append(
+            f"{workspace}/{MAIN_BRANCH} was last ingested excluding {shown(report.main_exclusions)}; this ingest of "
+            f"{branch} excludes {now}, and what they differ in shows as the branch's own changes"
+        )
+    for note in notes:
+        errors.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
 def _fail_on_dead_letters(letters: Sequence[SetAside], published: int, workspace: str) -> None:

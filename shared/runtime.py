@@ -343,18 +343,32 @@ def start_nats(directory: Path, prefix: str, nodes: int = 1) -> list[NatsNode]:
     of deployment ``prefix`` has a user (:func:`ensure_nats_users`); a connection without credentials is refused."""
     directory.mkdir(parents=True, exist_ok=True)
     ensure_nats_users(directory, prefix)
-    layout = _nats_layout(directory, nodes)
-    try:
-        for node in layout:
-            start_nats_node(directory, node, layout)
-        wait_jetstream_current(layout)
-    except BaseException:
-        for node in layout:
-            if node.server is not None:
-                node.server.stop(5)
-        raise
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        layout = _nats_layout(directory, nodes)
+        try:
+            for node in layout:
+                start_nats_node(directory, node, layout)
+            wait_jetstream_current(layout)
+            break
+        except BaseException as error:
+            for node in layout:
+                if node.server is not None:
+                    node.server.stop(5)
+            if not (_port_taken(error) and attempt < PORT_ATTEMPTS):
+                raise
+            log.warning("embedded_nats_port_taken", attempt=attempt)  # fresh ports for every node, from the start
     log.info("embedded_nats_started", url=nats_url_of(layout), store=str(directory), nodes=nodes)
     return layout
+
+
+PORT_ATTEMPTS = 3
+"""Starts of an embedded server on fresh ports when a port picked free was taken before the server bound it."""
+
+
+def _port_taken(error: BaseException) -> bool:
+    """Whether a server failed to start because another process took the port picked for it meanwhile
+    (:func:`free_port` can only tell that it was free when asked)."""
+    return isinstance(error, RuntimeUnavailable) and "address already in use" in str(error).lower()
 
 
 def nats_url_of(nodes: Sequence[NatsNode]) -> str:
@@ -551,8 +565,19 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
 
 
 def _run_postgres(bin_dir: Path, directory: Path, port: int | None, user: str | None) -> tuple[ManagedProcess, int]:
-    """Start the server on ``directory``'s data and return once it accepts connections, with its port."""
-    port = port or free_port()  # a given port: the same server again after a stop
+    """Start the server on ``directory``'s data and return once it accepts connections, with its port (a fresh
+    one again when the one picked was taken meanwhile, unless it was given)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_postgres_on(bin_dir, directory, port or free_port(), user)
+        except RuntimeUnavailable as error:
+            if port is not None or not (_port_taken(error) and attempt < PORT_ATTEMPTS):
+                raise
+            log.warning("embedded_postgres_port_taken", attempt=attempt)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _run_postgres_on(bin_dir: Path, directory: Path, port: int, user: str | None) -> tuple[ManagedProcess, int]:
     argv = [
         str(bin_dir / "postgres"),
         "-D", str(directory / "pgdata"),

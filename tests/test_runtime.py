@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
+import structlog
 
+from ontofabric.shared import runtime
 from ontofabric.shared.jetstream import connect, ensure_jetstream
 from ontofabric.shared.runtime import (
     RUNTIME_FILE,
@@ -113,3 +116,27 @@ async def test_an_embedded_cluster_forms_and_every_node_learns_new_users(tmp_pat
             assert b"Authorization Violation" in answer
         finally:
             writer.close()
+
+
+@pytest.mark.parametrize("server", ["nats", "postgres"])
+def test_a_port_taken_between_its_pick_and_the_server_s_start_is_picked_again(
+    server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port found free can be taken by another process before the server binds it (a suite run lost a
+    cluster test to that): the server starts again on fresh ports."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    picks = iter([busy])
+    real = runtime.free_port
+    monkeypatch.setattr(runtime, "free_port", lambda: next(picks, 0) or real())
+    elsewhere = {"database_url": "postgresql://db.example/x"} if server == "nats" else {"nats_url": "nats://x:1"}
+    try:
+        with structlog.testing.capture_logs() as logged, EmbeddedRuntime(Settings(**elsewhere), tmp_path) as started:
+            assert started.endpoints is not None
+            url = started.endpoints.nats_url if server == "nats" else started.endpoints.database_url
+            assert f":{busy}" not in url
+    finally:
+        taken.close()
+    assert [e["attempt"] for e in logged if e["event"] == f"embedded_{server}_port_taken"] == [1]

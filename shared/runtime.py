@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .logging import get_logger
@@ -343,32 +343,43 @@ def start_nats(directory: Path, prefix: str, nodes: int = 1) -> list[NatsNode]:
     of deployment ``prefix`` has a user (:func:`ensure_nats_users`); a connection without credentials is refused."""
     directory.mkdir(parents=True, exist_ok=True)
     ensure_nats_users(directory, prefix)
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        layout = _nats_layout(directory, nodes)
-        try:
-            for node in layout:
-                start_nats_node(directory, node, layout)
-            wait_jetstream_current(layout)
-            break
-        except BaseException as error:
-            for node in layout:
-                if node.server is not None:
-                    node.server.stop(5)
-            if not (_port_taken(error) and attempt < PORT_ATTEMPTS):
-                raise
-            log.warning("embedded_nats_port_taken", attempt=attempt)  # fresh ports for every node, from the start
+    # Fresh ports for every node, from the start, when one was taken.
+    layout = _on_fresh_ports("nats", lambda: _start_nats_layout(directory, nodes))
     log.info("embedded_nats_started", url=nats_url_of(layout), store=str(directory), nodes=nodes)
     return layout
 
+
+def _start_nats_layout(directory: Path, nodes: int) -> list[NatsNode]:
+    layout = _nats_layout(directory, nodes)
+    try:
+        for node in layout:
+            start_nats_node(directory, node, layout)
+        wait_jetstream_current(layout)
+    except BaseException:
+        for node in layout:
+            if node.server is not None:
+                node.server.stop(5)
+        raise
+    return layout
+
+
+T = TypeVar("T")
 
 PORT_ATTEMPTS = 3
 """Starts of an embedded server on fresh ports when a port picked free was taken before the server bound it."""
 
 
-def _port_taken(error: BaseException) -> bool:
-    """Whether a server failed to start because another process took the port picked for it meanwhile
-    (:func:`free_port` can only tell that it was free when asked)."""
-    return isinstance(error, RuntimeUnavailable) and "address already in use" in str(error).lower()
+def _on_fresh_ports(server: str, start: Callable[[], T]) -> T:
+    """``start()`` (which picks its ports), again when it failed because another process took a port picked for
+    it meanwhile (:func:`free_port` can only tell that it was free when asked); any other failure is raised."""
+    for attempt in range(1, PORT_ATTEMPTS):
+        try:
+            return start()
+        except RuntimeUnavailable as error:
+            if "address already in use" not in str(error).lower():
+                raise
+            log.warning("embedded_server_port_taken", server=server, attempt=attempt)
+    return start()
 
 
 def nats_url_of(nodes: Sequence[NatsNode]) -> str:
@@ -567,14 +578,9 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
 def _run_postgres(bin_dir: Path, directory: Path, port: int | None, user: str | None) -> tuple[ManagedProcess, int]:
     """Start the server on ``directory``'s data and return once it accepts connections, with its port (a fresh
     one again when the one picked was taken meanwhile, unless it was given)."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        try:
-            return _run_postgres_on(bin_dir, directory, port or free_port(), user)
-        except RuntimeUnavailable as error:
-            if port is not None or not (_port_taken(error) and attempt < PORT_ATTEMPTS):
-                raise
-            log.warning("embedded_postgres_port_taken", attempt=attempt)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    if port is not None:
+        return _run_postgres_on(bin_dir, directory, port, user)
+    return _on_fresh_ports("postgres", lambda: _run_postgres_on(bin_dir, directory, free_port(), user))
 
 
 def _run_postgres_on(bin_dir: Path, directory: Path, port: int, user: str | None) -> tuple[ManagedProcess, int]:

@@ -139,4 +139,5 @@ def test_a_port_taken_between_its_pick_and_the_server_s_start_is_picked_again(
             assert f":{busy}" not in url
     finally:
         taken.close()
-    assert [e["attempt"] for e in logged if e["event"] == f"embedded_{server}_port_taken"] == [1]
+    taken_ports = [(e["server"], e["attempt"]) for e in logged if e["event"] == "embedded_server_port_taken"]
+    assert taken_ports == [(server, 1)]

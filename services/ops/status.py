@@ -169,29 +169,29 @@ async def deployment_status(
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:
     """The documents of another keyword analysis than this build's, counted on each database at once (or on
-    ``workspace``'s) through an index for it (infra/migrations/0025). Each database counts only the workspaces
-    placed on it: one a layout change moved away may have left rows behind that no rebuild of it reaches."""
+    ``workspace``'s) through an index for it (infra/migrations/0025)."""
     status = AnalysisStatus()
     databases = range(len(placement.databases)) if workspace is None else [placement.database_of(workspace)]
-    counted = await asyncio.gather(*(_count_another_analysis(placement.databases[d], workspace) for d in databases))
-    for database, (counts, unread) in zip(databases, counted, strict=True):
+    counted = await asyncio.gather(*(_count_another_analysis(placement, d, workspace) for d in databases))
+    for counts, unread in counted:
+        status.documents_of_another_analysis.update(counts)
         if unread is not None:
             status.unread.append(unread)
-        for counted_workspace, documents in counts.items():
-            if placement.database_of(counted_workspace) == database:
-                status.documents_of_another_analysis[counted_workspace] = documents
     status.documents_of_another_analysis = dict(sorted(status.documents_of_another_analysis.items()))
     return status
 
 
-async def _count_another_analysis(url: str, workspace: str | None) -> tuple[dict[str, int], str | None]:
+async def _count_another_analysis(
+    placement: Placement, database: int, workspace: str | None
+) -> tuple[dict[str, int], str | None]:
     """The counts of one database, or why there are none. Never longer than DATABASE_WAIT_S: a connection that
     stops answering is dropped, not closed politely (asyncpg's close waits for the server's answer)."""
+    url = placement.databases[database]
     conn: asyncpg.Connection | None = None
     try:
         async with asyncio.timeout(DATABASE_WAIT_S):
             conn = await asyncpg.connect(url)
-            counts = await documents_of_another_analysis(conn, workspace)
+            counts = await documents_of_another_analysis(conn, placement, database, workspace)
             await conn.close()
             conn = None
             return counts, None

@@ -13,6 +13,7 @@ import numpy as np
 from ontofabric.contracts import EntityKind, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted, split_link_key
 from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
 from ontofabric.shared.db import Connection, index_model
+from ontofabric.shared.placement import Placement
 
 from .planning import (
     ANALYSIS_VERSION,
@@ -499,9 +500,13 @@ class PostgresProjectionStore:
         )  # fmt: skip
 
 
-async def documents_of_another_analysis(conn: Connection, workspace: str | None = None) -> dict[str, int]:
-    """Per workspace (or of ``workspace`` only), the live documents whose keyword index another analysis than this
-    build's made (:data:`ANALYSIS_VERSION`): what was projected before an upgrade, until ``ontofabric rebuild``."""
+async def documents_of_another_analysis(
+    conn: Connection, placement: Placement, database: int, workspace: str | None = None
+) -> dict[str, int]:
+    """Per workspace placed on ``database`` (the connection's; or of ``workspace`` only), the live documents whose
+    keyword index another analysis than this build's made (:data:`ANALYSIS_VERSION`): what was projected before
+    an upgrade, until ``ontofabric rebuild``. A workspace placed elsewhere is left out: a layout change may have
+    left rows of it behind that no rebuild of it reaches."""
     records = await conn.fetch(
         "SELECT workspace, count(*) AS documents FROM documents"
         " WHERE NOT deleted AND (analysis_version < $1 OR analysis_version > $1)"  # two ranges of the index
@@ -509,7 +514,7 @@ async def documents_of_another_analysis(conn: Connection, workspace: str | None 
         ANALYSIS_VERSION,
         workspace,
     )
-    return {r["workspace"]: r["documents"] for r in records}
+    return {r["workspace"]: r["documents"] for r in records if placement.database_of(r["workspace"]) == database}
 
 
 def _held_by_another(fence: asyncpg.Record, holder: str, live: Collection[str] | None) -> bool:

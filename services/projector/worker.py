@@ -332,18 +332,16 @@ class ProjectorService:
 
     async def _report_another_analysis(self, placement: Placement) -> None:
         """Warn of the workspaces it applies whose documents another analysis indexed (an index projected before
-        an upgrade): their keyword ranking is mixed until they are rebuilt. Only those placed on the database read:
-        a layout change may have left rows behind that no rebuild of the workspace reaches."""
+        an upgrade): their keyword ranking is mixed until they are rebuilt."""
         for database, pool in list(self._pools.items()):
             try:
                 async with pool.acquire() as conn:
-                    counts = await documents_of_another_analysis(conn)
+                    counts = await documents_of_another_analysis(conn, placement, database)
             except Exception as error:  # the count is advice; projection goes on without it
                 log.warning("analysis_not_counted", database=database, error=describe(error))
                 continue
             for workspace, documents in counts.items():
-                applied = placement.partition_of(workspace) in self._partitions
-                if applied and placement.database_of(workspace) == database:
+                if placement.partition_of(workspace) in self._partitions:
                     log.warning(
                         "documents_of_another_analysis", workspace=workspace, documents=documents,
                         analysis=ANALYSIS_VERSION, advice=f"ontofabric rebuild {workspace}",

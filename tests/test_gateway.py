@@ -45,7 +45,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import HALF_CHARACTER
-from ontofabric.shared.jetstream import connect, subscriptions_visible
+from ontofabric.shared.jetstream import PermissionDenied, connect, subscriptions_visible
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment, node_script
@@ -681,6 +681,22 @@ async def test_a_call_that_cannot_get_a_connection_in_its_time_is_a_retryable_er
     for result in results:
         assert result.is_error is True
         assert "error unavailable (retryable: try again): no connection to NATS within 1 s" in _text(result)
+
+
+async def test_refused_nats_credentials_are_an_error_not_worth_retrying() -> None:
+    """An agent told "retryable" calls again and again; wrong credentials need an operator (a tester's finding)."""
+
+    async def refuses(_: object) -> Any:
+        raise PermissionDenied("the NATS server at nats://elsewhere refused these credentials")
+
+    gateway = Gateway(NatsLink(lambda: "nats://elsewhere", refuses, refuses), Names(), "acme", 1.0)
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    for _ in range(2):  # the attempt, then its error again within the link's pause
+        result = await gateway.call(query, {"semanticQuery": "x"})
+        assert result.is_error is True
+        assert "error forbidden (not retryable" in _text(result)
+        assert "refused these credentials" in _text(result)
+        assert "try again" not in _text(result)
 
 
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:

@@ -11,7 +11,7 @@ from unittest.mock import patch
 
 import pytest
 
-from ontofabric.services.gateway.link import RETRY_AFTER_S, NatsLink, NatsUnavailable
+from ontofabric.services.gateway.link import RETRY_AFTER_S, NatsLink, NatsRefused, NatsUnavailable
 from ontofabric.shared.jetstream import close, connect
 from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import free_port
@@ -61,6 +61,21 @@ async def test_the_link_waits_for_a_server_and_follows_it_when_it_moves(tmp_path
     finally:
         await link.close()
         second.stop()
+
+
+async def test_refused_credentials_are_told_apart_from_an_unreachable_server(tmp_path: Path) -> None:
+    # An agent told "retryable" tries again, which changes nothing while the gateway's credentials are wrong.
+    port = free_port()
+    server = spawn_nats(tmp_path, port, USERS)
+    try:
+        link = NatsLink(lambda: f"nats://op:wrong@127.0.0.1:{port}", lambda url: connect(url, "test-link"), close)
+        with pytest.raises(NatsRefused, match="refused these credentials"):
+            await link.client()
+        with pytest.raises(NatsRefused, match="refused these credentials"):
+            await link.client()  # the same error within RETRY_AFTER_S, without another attempt
+        await link.close()
+    finally:
+        server.stop()
 
 
 async def test_a_closed_connection_is_replaced_on_the_next_call(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.tasks import start_held
 
@@ -39,6 +40,11 @@ class NatsUnavailable(Exception):
     """No NATS server to send the call to now; the message says why. The caller may try again."""
 
 
+class NatsRefused(NatsUnavailable):
+    """The NATS server refused this gateway's credentials: trying again changes nothing until an operator mends them
+    (every call still tries, so a mended deployment is found)."""
+
+
 class NatsLink:
     def __init__(
         self,
@@ -52,8 +58,9 @@ class NatsLink:
         self._close = close
         self._nc: Client | None = None
         self._url: str | None = None
-        self._failed: tuple[float, str] | None = None
-        """When the last attempt to connect failed, and why."""
+        self._failed: tuple[float, type[NatsUnavailable], str] | None = None
+        """When the last attempt to connect failed, and why (raised anew each time: a stored exception raised again
+        would grow its traceback)."""
         self._reconnecting: asyncio.Task[Client] | None = None
         """The one look-up and connect under way, which every call that finds no connection waits for. A task of
         its own: a call whose time runs out stops waiting, and cancels nothing the others wait for (nor a connect
@@ -87,11 +94,12 @@ class NatsLink:
             return nc
         now = time.monotonic()
         if self._failed is not None and now - self._failed[0] < RETRY_AFTER_S:
-            raise NatsUnavailable(self._failed[1])
+            _, kind, why = self._failed
+            raise kind(why)
         try:
             url = self._locate()
         except Exception as error:
-            self._failed = (now, str(error))
+            self._failed = (now, NatsUnavailable, str(error))
             raise NatsUnavailable(str(error)) from error
         if nc is not None and not nc.is_closed and url == self._url:  # where it was: nats-py is reconnecting to it
             raise NatsUnavailable("NATS is not answering; reconnecting")
@@ -103,8 +111,9 @@ class NatsLink:
             async with asyncio.timeout(CONNECT_LIMIT_S):
                 self._nc = await self._connect(url)
         except Exception as error:  # unreachable, refused credentials: said to the caller, tried again next call
-            self._failed = (time.monotonic(), str(error))
-            raise NatsUnavailable(str(error)) from error
+            kind = NatsRefused if isinstance(error, PermissionDenied) else NatsUnavailable
+            self._failed = (time.monotonic(), kind, str(error))
+            raise kind(str(error)) from error
         self._url, self._failed = url, None
         return self._nc
 

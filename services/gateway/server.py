@@ -41,7 +41,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
-from .link import NatsLink, NatsUnavailable
+from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import ODD_ID, request_id_of, stdio_streams
 from .tools import TOOLS, ToolSpec, as_declared, fitted_text, forwarded, render, render_error, restated
 
@@ -132,6 +132,8 @@ class Gateway:
                 raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s") from None
             client = QueryClient(nc, self._names, ends - loop.time())
             raw = await client.send_raw(workspace, request, spec.operation)
+        except NatsRefused as error:  # before NatsUnavailable, which it is a kind of
+            return tool_error(f"error forbidden (not retryable: the gateway's NATS credentials need mending): {error}")
         except NatsUnavailable as error:
             return tool_error(f"error unavailable (retryable: try again): {error}")
         except NoRespondersError:

@@ -480,7 +480,10 @@ def query(
 def mcp(
     workspace: Annotated[
         str | None,
-        typer.Option(help="Workspace the tools read when a call names none (env ONTOFABRIC_GATEWAY_WORKSPACE)."),
+        typer.Option(
+            help="Workspace the tools read when a call names none (env ONTOFABRIC_GATEWAY_WORKSPACE).",
+            callback=_workspace_name,
+        ),
     ] = None,
     http: Annotated[
         str | None,
@@ -493,6 +496,12 @@ def mcp(
     from .gateway.server import is_loopback, serve
 
     settings = _settings("ontofabric-mcp", data_dir, quiet=True, worker=True)
+    if workspace is None and settings.gateway_workspace is not None:
+        # Refused now: a gateway started with a bad name would answer every call with an error no agent can mend.
+        try:
+            _workspace_name(settings.gateway_workspace)
+        except typer.BadParameter as error:
+            _fail(f"ONTOFABRIC_GATEWAY_WORKSPACE: {error}")
     address = None
     if http is not None:
         host, _, port = http.rpartition(":")

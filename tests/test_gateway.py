@@ -559,6 +559,22 @@ async def test_a_gateway_started_before_nats_answers_every_call_with_a_retryable
         assert "error unavailable (retryable: try again): no NATS server answered" in _text(answer)
 
 
+@pytest.mark.parametrize("given", [["--workspace", "bad name!"], []])
+def test_a_gateway_given_a_workspace_no_call_could_read_refuses_to_start(given: list[str], tmp_path: Path) -> None:
+    """It started, and then answered every call with an error about a name the agent never gave (a tester's
+    finding): the operator who gave it hears now."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ONTOFABRIC_")},
+        "ONTOFABRIC_DATA_DIR": str(tmp_path), "ONTOFABRIC_GATEWAY_WORKSPACE": "../other",
+    }  # fmt: skip
+    ended = subprocess.run(
+        [ONTOFABRIC, "mcp", *given], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+    )
+    assert ended.returncode == 2, ended.stderr
+    assert ("'bad name!'" if given else "ONTOFABRIC_GATEWAY_WORKSPACE: '../other'") in ended.stderr
+    assert "is not a valid name" in ended.stderr
+
+
 async def test_a_gateway_whose_output_is_a_file_says_it_needs_pipes(deployment: Deployment, tmp_path: Path) -> None:
     with (tmp_path / "out").open("wb") as out:
         ended = await asyncio.to_thread(

@@ -36,6 +36,7 @@ from .documents import (
 from .lookup import BranchStatus, DocumentReply, DocumentRequest, StatusReply, StatusRequest
 from .query import (
     CLOCK_ALLOWANCE_MS,
+    MAX_REQUEST_BYTES,
     MAX_TIMEOUT_MS,
     RECEIPT_HEADER,
     RECEIVED,
@@ -60,6 +61,7 @@ __all__ = [
     "IMPORTS",
     "INHERITS",
     "MAIN_BRANCH",
+    "MAX_REQUEST_BYTES",
     "MAX_TIMEOUT_MS",
     "NO_VERSION",
     "PROVENANCES",

@@ -449,6 +449,11 @@ ErrorCode = Literal["invalid_request", "not_found", "unavailable", "overloaded",
 """``overloaded``: the worker's queue was full, refused at once; ``deadline_exceeded``: no answer could be made
 before the request's deadline (it waited too long, or the stages it needs took too long). Both are retryable."""
 
+MAX_REQUEST_BYTES = 64 * 1024
+"""A request body longer than this is refused unread. The longest valid request is a few kilobytes (a query of
+2,000 characters, written as \\u escapes, is 12 kB); parsing a megabyte of unknown fields and reporting them
+held a worker's event loop, and every other tenant's deadline, for half a second."""
+
 TIMEOUT_HEADER = "Ontofabric-Timeout-Ms"
 """Request header: how long the caller waits for the reply, in milliseconds (whole, 1 to 300000). The worker answers
 or refuses within it and does no work for a caller that has given up; without it the worker's default applies."""

@@ -40,7 +40,16 @@ from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.link import NatsLink
 from ontofabric.services.gateway.server import Gateway
 from ontofabric.services.gateway.stdio import next_line
-from ontofabric.services.gateway.tools import TOOLS, as_declared, fitted_text, forwarded, render, restated
+from ontofabric.services.gateway.tools import (
+    TOOLS,
+    ArgumentsRefused,
+    as_declared,
+    fitted_text,
+    forwarded,
+    render,
+    request_body,
+    restated,
+)
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
@@ -184,6 +193,10 @@ async def _exercise(client: Client) -> None:
     too_small = await client.call_tool("ontology_query", {"semanticQuery": "csv", "maxTokens": 10})
     assert too_small.is_error is True
     assert "- maxTokens:" in _text(too_small)
+    # 12,000 CJK characters are 36 kB in UTF-8, 72 kB escaped: the error is the query's length, not a size.
+    wide = await client.call_tool("ontology_query", {"semanticQuery": "検索" * 6_000})
+    assert wide.is_error is True
+    assert "- semanticQuery: at most" in _text(wide), _text(wide)
 
 
 async def test_the_python_sdk_over_stdio(deployment: Deployment, served: QueryService) -> None:
@@ -609,6 +622,21 @@ def test_the_worker_is_asked_for_half_the_budget_of_a_tool_result(given: object,
     query = next(tool for tool in TOOLS if tool.operation == "query")
     arguments = {"semanticQuery": "x"} | ({} if given is None else {"maxTokens": given})
     assert forwarded(query, arguments).get("maxTokens") == sent  # out of bounds: the worker's error names it
+
+
+def test_a_request_is_sent_as_utf_8_and_refused_before_sending_when_no_worker_would_read_it() -> None:
+    wide = request_body({"semanticQuery": "検索" * 6_000})
+    assert len(wide) < 40_000  # not 72,000 as \\u escapes
+    assert json.loads(wide) == {"semanticQuery": "検索" * 6_000}
+    half = request_body({"semanticQuery": "a\ud83d"})  # half of an emoji: escaped, for the worker to name it
+    assert half == b'{"semanticQuery": "a\\ud83d"}'
+    with pytest.raises(ArgumentsRefused, match="a request takes at most 65,536") as too_large:
+        request_body({"semanticQuery": "x" * 2_000_000})
+    assert "- request: 2,000,021 bytes as JSON" in str(too_large.value)  # {"semanticQuery": "..."}
+    with pytest.raises(ArgumentsRefused, match=r"- options\.minRelevance: a finite number"):
+        request_body({"semanticQuery": "x", "options": {"minRelevance": float("nan")}})
+    with pytest.raises(ArgumentsRefused, match="- filters\\[1\\]: a finite number"):
+        request_body({"filters": [1.0, float("inf")]})
 
 
 def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves() -> None:

@@ -11,12 +11,12 @@ import pytest
 from opentelemetry import trace
 from pydantic import SecretStr
 
-from ontofabric.contracts import DocumentReply, ErrorReply, QueryResponse, StatusReply
+from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, QueryResponse, StatusReply
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, parse_reply
 from ontofabric.services.query.freshness import POSITION_TTL_S
 from ontofabric.services.query.rerankers import build_reranker
-from ontofabric.services.query.worker import MAX_REQUEST_BYTES, QueryService, parse_request
+from ontofabric.services.query.worker import QueryService, parse_request
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 

@@ -43,7 +43,18 @@ from ontofabric.shared.subjects import Names
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import ODD_ID, request_id_of, stdio_streams
-from .tools import TOOLS, ToolSpec, as_declared, fitted_text, forwarded, render, render_error, restated
+from .tools import (
+    TOOLS,
+    ArgumentsRefused,
+    ToolSpec,
+    as_declared,
+    fitted_text,
+    forwarded,
+    render,
+    render_error,
+    request_body,
+    restated,
+)
 
 log = get_logger(__name__)
 NATS_CONNECTION_LOST = (ConnectionClosedError, ConnectionDrainingError, OutboundBufferLimitError, StaleConnectionError)
@@ -115,8 +126,10 @@ class Gateway:
         except ValidationError as error:
             return tool_error(f"error invalid_request: bad workspace\n- workspace: {error.errors()[0]['msg']}")
         try:
-            request = json.dumps(forwarded(spec, arguments)).encode()
-        except (TypeError, ValueError) as error:  # not JSON: NaN, or what a client's own parser let through
+            request = request_body(forwarded(spec, arguments))
+        except ArgumentsRefused as error:
+            return tool_error(str(error))
+        except (TypeError, ValueError) as error:  # not JSON: what a client's own parser let through
             return tool_error(f"error invalid_request: the arguments are not JSON ({error})")
         loop = asyncio.get_running_loop()
         ends = loop.time() + self._timeout_s

@@ -9,6 +9,8 @@ reply, which is already fitted to the request's budget (``maxTokens``).
 from __future__ import annotations
 
 import copy
+import json
+import math
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -26,7 +28,7 @@ from ontofabric.contracts import (
     main_only,
     nothing_indexed,
 )
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
+from ontofabric.contracts.query import MAX_REQUEST_BYTES, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.services.query.budget import BYTES_PER_TOKEN
 from ontofabric.shared.subjects import Operation
 
@@ -175,6 +177,46 @@ def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
     if spec.operation != "query" or type(max_tokens) is not int or not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
         return arguments  # absent or not allowed: the worker's default, or its error naming the field
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
+
+
+class ArgumentsRefused(ValueError):
+    """Arguments the worker could not be sent: the message is the tool error's, naming the field."""
+
+
+def request_body(request: dict[str, Any]) -> bytes:
+    """The worker's request as JSON in UTF-8, as the worker measures it: escaping every other character as
+    ``\\uXXXX`` made a request of 12,000 CJK characters twice its size, refused for a size the caller never sent (a
+    tester's finding). A lone half of a character stays escaped, for the worker's error to name its field."""
+    field = _not_finite(request)
+    if field is not None:  # Python's JSON reads NaN and Infinity; no JSON client can mean them
+        raise ArgumentsRefused(f"error invalid_request: a number is not finite\n- {field}: a finite number")
+    try:
+        body = json.dumps(request, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        body = json.dumps(request).encode()
+    if len(body) > MAX_REQUEST_BYTES:
+        raise ArgumentsRefused(
+            f"error invalid_request: the arguments are too large\n- request: {len(body):,} bytes as JSON; a request "
+            f"takes at most {MAX_REQUEST_BYTES:,}"
+        )
+    return body
+
+
+def _not_finite(value: Any, path: str = "") -> str | None:
+    """The dotted name of the first number in ``value`` that is NaN or infinite, if any."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "request"
+    if isinstance(value, dict):
+        children = [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+    else:
+        return None
+    for name, item in children:
+        found = _not_finite(item, name)
+        if found is not None:
+            return found
+    return None
 
 
 def as_declared(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:

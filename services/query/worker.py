@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from ontofabric.contracts import (
+    MAX_REQUEST_BYTES,
     RECEIPT_HEADER,
     RECEIVED,
     TIMEOUT_HEADER,
@@ -107,12 +108,6 @@ a request holds (60,000 unknown fields once made an error too large to send)."""
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
-
-
-MAX_REQUEST_BYTES = 64 * 1024
-"""A request body longer than this is refused unread. The longest valid request is a few kilobytes (a query of
-2,000 characters, written as \\u escapes, is 12 kB); parsing a megabyte of unknown fields and reporting them
-held the event loop, and every other tenant's deadline, for half a second."""
 
 
 def validation_details(problems: Sequence[ErrorDetails]) -> list[ErrorDetail]:

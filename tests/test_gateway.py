@@ -46,6 +46,7 @@ from ontofabric.services.gateway.tools import (
     as_declared,
     fitted_text,
     forwarded,
+    json_bytes,
     render,
     request_body,
     restated,
@@ -193,6 +194,10 @@ async def _exercise(client: Client) -> None:
     too_small = await client.call_tool("ontology_query", {"semanticQuery": "csv", "maxTokens": 10})
     assert too_small.is_error is True
     assert "- maxTokens:" in _text(too_small)
+    # At the least budget the whole result, as JSON, stays within it.
+    least = await client.call_tool("ontology_query", {"semanticQuery": "a function", "maxTokens": 1000})
+    assert least.is_error is False, _text(least)
+    assert len(least.model_dump_json(by_alias=True, exclude_none=True).encode()) <= 1000 * 4
     # 12,000 CJK characters are 36 kB in UTF-8, 72 kB escaped: the error is the query's length, not a size.
     wide = await client.call_tool("ontology_query", {"semanticQuery": "検索" * 6_000})
     assert wide.is_error is True
@@ -642,11 +647,15 @@ def test_a_request_is_sent_as_utf_8_and_refused_before_sending_when_no_worker_wo
 def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves() -> None:
     query = next(tool for tool in TOOLS if tool.operation == "query")
     text = "é" * 3000  # 6,000 bytes, beside a reply of 3,000: together over 1,000 tokens of 4 bytes
-    fitted = fitted_text(query, {"maxTokens": 1000}, text, 3000)
+    fitted = fitted_text(query, {"maxTokens": 1000}, text, lambda: 3000)
     assert len(fitted.encode()) <= 1000 * 4 - 3000
     assert fitted.endswith("the structured result holds the whole answer)")
-    assert fitted_text(query, {"maxTokens": 1000}, "short", 3000) == "short"
-    assert fitted_text(query, {}, text, 3000) == text  # no maxTokens given: nothing to fit to here
+    assert fitted_text(query, {"maxTokens": 1000}, "short", lambda: 3000) == "short"
+    assert fitted_text(query, {}, text, lambda: 3000) == text  # no maxTokens given: nothing to fit to here
+    # Newlines and quotes take two bytes each in the JSON sent: counted raw, a result overran its budget by 2 %.
+    lines = '1. "x"\n' * 1000  # 7,000 characters, 10,000 bytes as JSON
+    fitted = fitted_text(query, {"maxTokens": 1000}, lines, lambda: 1000)
+    assert 1000 * 4 - 1000 - 2 < json_bytes(fitted) <= 1000 * 4 - 1000  # as much as fits: within an escape of it
 
 
 @pytest.mark.parametrize(

@@ -171,13 +171,17 @@ class Gateway:
         except ValueError as error:  # ValidationError too: a worker of another version, or a broken reply
             log.warning("reply_unreadable", tool=spec.name, error=str(error)[:300])
             return tool_error("error internal (retryable: try again): the query worker's reply could not be read")
-        text = fitted_text(spec, arguments, render(reply), len(raw))
         # The reply as this gateway's contract reads it, which is what its outputSchema says: a worker of another
         # version may send a value the contract only coerces ("5" for 5), which a client's check of the schema
         # refused.
-        return types.CallToolResult(
-            content=[types.TextContent(text=text)], structured_content=reply.model_dump(mode="json")
-        )
+        structured = reply.model_dump(mode="json")
+
+        def envelope_bytes() -> int:  # the result without its text, as JSON with every default written (an upper bound)
+            empty = types.CallToolResult(content=[types.TextContent(text="")], structured_content=structured)
+            return len(empty.model_dump_json(by_alias=True, exclude_none=True).encode())
+
+        text = fitted_text(spec, arguments, render(reply), envelope_bytes)
+        return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
     async def serve_stdio(self) -> None:
         async with stdio_streams() as (read, write):

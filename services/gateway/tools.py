@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -263,17 +264,28 @@ def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> Er
 TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds the whole answer)"
 
 
-def fitted_text(spec: ToolSpec, arguments: dict[str, Any], text: str, reply_bytes: int) -> str:
-    """The text beside a reply of ``reply_bytes``, cut to what the ``maxTokens`` given leaves of the tool result.
-    Only a budget under twice the least the worker takes needs it: the worker cannot be asked for half of it."""
+def fitted_text(spec: ToolSpec, arguments: dict[str, Any], text: str, envelope_bytes: Callable[[], int]) -> str:
+    """The text of a tool result cut to what ``maxTokens`` leaves of it beside the rest of the result
+    (``envelope_bytes``: the result as sent, its text empty), the text measured as JSON writes it (its newlines and
+    quotes escaped: counting them raw let a result overrun a small budget by 2 %, a tester's finding). Only a budget
+    under twice the least the worker takes needs it: the worker cannot be asked for half of it."""
     max_tokens = arguments.get("maxTokens")
     if spec.operation != "query" or type(max_tokens) is not int:
         return text
-    room = max_tokens * BYTES_PER_TOKEN - reply_bytes
-    if len(text.encode()) <= room:
+    room = max_tokens * BYTES_PER_TOKEN - envelope_bytes()
+    if json_bytes(text) <= room:
         return text
-    kept = max(0, room - len(TEXT_CUT.encode()))
-    return text.encode()[:kept].decode(errors="ignore") + TEXT_CUT
+    room -= json_bytes(TEXT_CUT)
+    kept, cut = 0, len(text)  # the longest start of the text that fits, by bisection (escapes vary in size)
+    while kept < cut:
+        middle = (kept + cut + 1) // 2
+        kept, cut = (middle, cut) if json_bytes(text[:middle]) <= room else (kept, middle - 1)
+    return text[:kept] + TEXT_CUT
+
+
+def json_bytes(text: str) -> int:
+    """The bytes ``text`` takes inside a JSON string as the MCP SDK writes it (UTF-8, escapes where JSON needs them)."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass")) - 2
 
 
 def render(reply: BaseModel) -> str:

@@ -106,6 +106,25 @@ def test_as_many_results_are_kept_as_fit_whatever_their_sizes() -> None:
             assert len(more.model_dump_json().encode()) + RESERVE_BYTES > max_tokens * BYTES_PER_TOKEN
 
 
+def test_a_result_too_large_to_list_alone_leaves_its_place_to_those_below_it() -> None:
+    """Metadata of any size is valid: a first hit with a 40 kB field once emptied the whole answer (a tester's
+    finding). It alone is left out, with its contents; the results below it that fit are listed as before."""
+    answer = _answer(["def f(): pass\n"] * 6)
+    huge = answer.results[0].model_copy(update={"metadata": {"filePath": "f0.py", "notes": "n" * 40_000}})
+    answer = answer.model_copy(update={"results": [huge, *answer.results[1:]]})
+    for max_tokens in (1000, 8000):
+        fitted, body = _fit(answer, max_tokens)
+        assert len(body) <= max_tokens * BYTES_PER_TOKEN
+        assert [r.id for r in fitted.results] == ["d1", "d2", "d3", "d4", "d5"]
+        assert [r.rank for r in fitted.results] == [2, 3, 4, 5, 6]  # the gap shows where it was
+        assert all(r.content == "def f(): pass\n" for r in fitted.results)
+        assert fitted.meta.budget is not None
+        assert (fitted.meta.budget.results_dropped, fitted.meta.budget.contents_omitted) == (1, 0)
+    # One that fits alone is not skipped for those below it: the best ranks are kept, as above.
+    fitted, _ = _fit(answer, 12_000)
+    assert [r.id for r in fitted.results] == [f"d{i}" for i in range(6)]
+
+
 def test_what_the_meta_says_about_results_left_out_goes_with_them() -> None:
     """Chunks collapsed into a result, and context linked from one, leave with it: kept, they filled the least
     budget there is, so that a deep answer failed, or kept one result in a hundred."""

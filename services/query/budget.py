@@ -4,9 +4,10 @@ An agent's client refuses or truncates a tool result past a size of its own (Cla
 refuses a message past its maximum payload. So the worker fits every reply: results keep their rank order; each
 result's content is kept whole while it fits, the first that does not is cut at a line near the limit, and the
 rest go without content (their ids, scores and metadata still listed); only when even those do not fit are the
-lowest-ranked results left out. What ``_meta`` says about the results (the chunks collapsed into them, the context
-linked from them) comes last, in their rank order, as far as room is left: a result with many nested chunks is
-never left out for their sake. Tokens are estimated at BYTES_PER_TOKEN bytes of the reply's JSON each.
+lowest-ranked results left out (and a result too large to list even alone, by its metadata, on its own). What
+``_meta`` says about the results (the chunks collapsed into them, the context linked from them) comes last, in
+their rank order, as far as room is left: a result with many nested chunks is never left out for their sake.
+Tokens are estimated at BYTES_PER_TOKEN bytes of the reply's JSON each.
 """
 
 from __future__ import annotations
@@ -146,23 +147,29 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     # The results without their contents, as many (best ranked first) as fit with room for the report: counted
     # from the size of the answer with none and of each result, where trying each count serialised the whole
     # answer again (100 results: up to a hundred times, a sixth of a loaded worker's event loop), then checked whole.
-    room = limit - RESERVE_BYTES - size([])
-    kept = 0
-    for result in bare:
-        room -= len(result.model_dump_json().encode()) + (1 if kept else 0)  # and the comma before it
+    # A result too large to list even alone (metadata of any size is valid) is left out, not every result below it
+    # with it: a tester's first hit with a 40 kB metadata field emptied the whole answer.
+    alone = limit - RESERVE_BYTES - size([])
+    room, kept = alone, list[int]()
+    for position, result in enumerate(bare):
+        cost = len(result.model_dump_json().encode())
+        if cost > alone:
+            continue
+        room -= cost + (1 if kept else 0)  # and the comma before it
         if room < 0:
             break
-        kept += 1
-    skeleton = size(bare[:kept])
+        kept.append(position)
+    skeleton = size([bare[k] for k in kept])
     while kept and skeleton + RESERVE_BYTES > limit:
-        kept -= 1
-        skeleton = size(bare[:kept])
+        kept.pop()
+        skeleton = size([bare[k] for k in kept])
     if skeleton > limit:
         raise TooLarge(f"even an answer without results exceeds the {limit} bytes it may have")
     # Then contents, in rank order, in the room left.
     spare = limit - skeleton - RESERVE_BYTES
     results: list[SearchResult] = []
-    for original, stripped in zip(response.results[:kept], bare[:kept], strict=True):
+    for position in kept:
+        original, stripped = response.results[position], bare[position]
         content = original.content
         cost = 0 if content is None else _json_size(content) - len("null")
         if content is None or cost <= spare:
@@ -177,19 +184,26 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     notes = _notes_in_room(response.meta, results, spare)
     # The reserve is an estimate: should the report outgrow it, the notes go, then contents from the lowest rank up.
     for kept_notes in (notes, NO_NOTES):
-        fitted = _with_budget(response, _cut_report(max_tokens, response, results, kept_notes), results, kept_notes)
+        fitted = _with_budget(
+            response, _cut_report(max_tokens, response, kept, results, kept_notes), results, kept_notes
+        )
         if len(_encoded(fitted)) <= limit:
             return fitted
-    for position in reversed(range(len(results))):
-        results[position] = bare[position]
-        fitted = _with_budget(response, _cut_report(max_tokens, response, results, NO_NOTES), results, NO_NOTES)
+    for index in reversed(range(len(results))):
+        results[index] = bare[kept[index]]
+        fitted = _with_budget(response, _cut_report(max_tokens, response, kept, results, NO_NOTES), results, NO_NOTES)
         if len(_encoded(fitted)) <= limit:
             return fitted
     raise TooLarge(f"the answer's report does not fit in {limit} bytes")
 
 
-def _cut_report(max_tokens: int, response: QueryResponse, results: list[SearchResult], notes: Notes) -> BudgetReport:
+def _cut_report(
+    max_tokens: int, response: QueryResponse, kept: list[int], results: list[SearchResult], notes: Notes
+) -> BudgetReport:
+    """``results``: what is left of the results at positions ``kept`` of ``response``'s."""
     originals = response.results
     cut = [r.id for r in results if r.content_truncated]
-    omitted = sum(1 for o, r in zip(originals, results, strict=False) if o.content is not None and r.content is None)
+    omitted = sum(
+        1 for k, r in zip(kept, results, strict=True) if originals[k].content is not None and r.content is None
+    )
     return _report(max_tokens, cut, omitted, len(originals) - len(results), notes.dropped(response.meta))

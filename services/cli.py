@@ -679,11 +679,22 @@ def dlq_show(
     if not letters:
         _fail(f"no dead letter at sequence {sequence}")
     (letter,) = letters
-    console.print_json(json.dumps(letter.summary()))
+    _print_json(json.dumps(letter.summary()))
     try:
-        console.print_json(letter.data.decode())
+        _print_json(letter.data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # shown as it is: not JSON, or too deep
         print(letter.data.decode("utf-8", "replace")[:10_000])
+
+
+def _print_json(text: str) -> None:
+    """``text``, JSON, indented; with every character escaped when it holds half of one (valid JSON, as a malformed
+    delta may be), which no terminal can print: the command stopped half-way with a traceback."""
+    try:
+        json.dumps(json.loads(text), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        console.print_json(text, ensure_ascii=True)
+        return
+    console.print_json(text)
 
 
 def _confirm(what: str, selection: Selection, yes: bool) -> None:

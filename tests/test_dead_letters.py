@@ -219,6 +219,14 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     shown = dlq("show", str(entry["seq"]))
     assert shown.returncode == 0, shown.stderr
     assert "[[[[" in shown.stdout
+    # Half a character, as a malformed delta may hold: valid JSON that no terminal can print raw (a tester's
+    # finding: the command stopped half-way with a traceback). It stays escaped.
+    half = b'{"payload": {"documentId": "x\\ud800y", "content": "na\xc3\xafve"}}'
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), half, headers={"Ontofabric-Reason": "x"})
+    entry = [json.loads(line) for line in dlq("list", "--json").stdout.splitlines()][-1]
+    shown = dlq("show", str(entry["seq"]))
+    assert shown.returncode == 0, shown.stderr
+    assert '"x\\ud800y"' in shown.stdout
 
 
 async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_out(deployment: Deployment) -> None:

@@ -99,6 +99,13 @@ def test_unparsable_python_still_yields_the_file() -> None:
     assert [c.chunk_level for c in chunks] == ["file"]
 
 
+def test_a_docstring_escaping_half_a_character_is_chunked_as_text_a_delta_can_carry() -> None:
+    source = 'def f():\n    """lone \\udc00 half; a pair \\ud83d\\ude00 whole"""\n    return 1\n'
+    (doc,) = [c for c in chunk_python("m.py", source, 1000) if c.chunk_level == "doc"]
+    assert doc.content == "lone \ufffd half; a pair \U0001f600 whole"
+    doc.content.encode("utf-8")  # what the ingest stopped on
+
+
 def test_markdown_is_split_by_heading_outside_code_fences() -> None:
     source = textwrap.dedent(
         """\

@@ -76,6 +76,13 @@ def object_type_name(dotted: str) -> str:
     return valid[:MAX_OBJECT_TYPE_CHARS]
 
 
+def whole_characters(text: str) -> str:
+    """``text`` with an escaped surrogate pair made the character it stands for and a lone half made U+FFFD. A
+    docstring is the value of a string literal, and ``"\\udc00"`` is valid Python: no text of a delta can hold it (a
+    tester's tree with one such docstring stopped the whole ingest with a traceback)."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def truncate_utf8(text: str, max_bytes: int) -> str:
     encoded = text.encode("utf-8")
     if len(encoded) <= max_bytes:
@@ -149,6 +156,7 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     def docstring(owner: ast.AST, owner_key: str, owner_fqn: str, object_type: str) -> None:
         text = ast.get_docstring(owner)  # type: ignore[arg-type]
         if text and text.strip():
+            text = whole_characters(text)
             chunks.append(make(f"{owner_key}:doc", "docstring", owner_fqn, "doc", object_type, text))
 
     docstring(tree, file_key, module, module_type)

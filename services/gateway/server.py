@@ -180,7 +180,7 @@ class Gateway:
             empty = types.CallToolResult(content=[types.TextContent(text="")], structured_content=structured)
             return len(empty.model_dump_json(by_alias=True, exclude_none=True).encode())
 
-        text = fitted_text(spec, arguments, render(reply), envelope_bytes)
+        text = fitted_text(spec, arguments, render(reply, arguments), envelope_bytes)
         return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
     async def serve_stdio(self) -> None:

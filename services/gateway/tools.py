@@ -31,6 +31,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.query import MAX_REQUEST_BYTES, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.services.query.budget import BYTES_PER_TOKEN
+from ontofabric.services.query.symbols import BASE, CALLEE, CALLER, IMPORTED, IMPORTER, SUBCLASS, SYMBOL
 from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
@@ -288,10 +289,10 @@ def json_bytes(text: str) -> int:
     return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass")) - 2
 
 
-def render(reply: BaseModel) -> str:
-    """A reply as compact text for the model."""
+def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:
+    """A reply as compact text for the model; ``arguments``: the call's, which the text may answer to."""
     if isinstance(reply, QueryResponse):
-        return _render_query(reply)
+        return _render_query(reply, (arguments or {}).get("relatedTo"))
     if isinstance(reply, DocumentReply):
         return _render_document(reply)
     if isinstance(reply, StatusReply):
@@ -308,7 +309,18 @@ def render_error(reply: ErrorReply) -> str:
     return "\n".join(lines)
 
 
-def _render_query(reply: QueryResponse) -> str:
+STANDING = {
+    CALLER: "calls",
+    CALLEE: "is called by",
+    SUBCLASS: "derives from",
+    BASE: "is a base of",
+    IMPORTER: "imports",
+    IMPORTED: "is imported by",
+}
+"""How a result placed first for a relation stands to the symbol asked about, by the name ``foundBy`` gives it."""
+
+
+def _render_query(reply: QueryResponse, related_to: object = None) -> str:
     meta = reply.meta
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
@@ -329,6 +341,12 @@ def _render_query(reply: QueryResponse) -> str:
             f"branch {meta.branch!r} has nothing of its own indexed: these are main's results (check the branch's "
             "name, or ontology_status)"
         )
+    if isinstance(related_to, dict) and not meta.relation_matches:
+        # The answer then holds search results alone: said, so that they do not read as the relation's.
+        head.append(
+            f"nothing indexed stands in relation {related_to.get('relation')!r} to {related_to.get('symbol')!r}: "
+            "these are search results"
+        )
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")
     if meta.freshness is not None and meta.freshness.pending_deltas:
@@ -343,7 +361,10 @@ def _render_query(reply: QueryResponse) -> str:
             f"\n{result.rank}. {symbol}"
             + (f" ({where})" if where else "")
             + f" · {result.metadata.get('chunkLevel', '')} · score {result.score:.3f} · id {result.id}"
-            + (" · defines the name asked" if any(f.retriever == "symbol" for f in result.found_by) else "")
+            + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
+            + "".join(
+                f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING
+            )
         )
         if result.content is not None:
             lines.append(result.content + ("\n[cut: get_document for the rest]" if result.content_truncated else ""))

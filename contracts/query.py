@@ -138,8 +138,10 @@ class OntologyQuery(StrictRequest):
     semantic_query: str | None = Field(
         default=None,
         min_length=1,
-        description="Natural-language or keyword query. Left out, the answer lists the documents the filters "
-        "(objectType, chunkLevel, provenance, symbolKind) select, in a stable order (file, symbol, id).",
+        description="Natural-language or keyword query, of at most the deployment's ONTOFABRIC_MAX_QUERY_CHARS "
+        "characters (2,000 unless set; a longer one is refused, naming this field). Left out, the answer lists the "
+        "documents the filters (objectType, chunkLevel, provenance, symbolKind) select, in a stable order (file, "
+        "symbol, id).",
     )
     object_type: ObjectType | None = Field(
         default=None, description="Restrict results to this object type and the types that implement or derive from it."

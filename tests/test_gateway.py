@@ -22,6 +22,7 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from nats.aio.msg import Msg
 
 from ontofabric.contracts import (
@@ -124,6 +125,8 @@ async def _exercise(client: Client) -> None:
     """What every client must see: the tools, their schemas, and each tool answering or refusing clearly."""
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
     assert set(tools) == {"ontology_query", "get_document", "ontology_status"}
+    with pytest.raises(MCPError, match="unknown cursor"):  # one page: a cursor the gateway never gave is refused
+        await client.list_tools(cursor="bogus", cache_mode="refresh")
     for tool in tools.values():
         assert tool.annotations is not None
         assert (tool.annotations.read_only_hint, tool.annotations.idempotent_hint) == (True, True)
@@ -773,6 +776,11 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     assert found.endswith("· id a · calls the symbol asked")
     assert "nothing indexed stands" not in found
     assert "nothing indexed stands" not in render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "x"})
+    # A filter that selects nothing says what the filter's values look like.
+    empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
+    assert "no document has objectType 'method'" in empty
+    assert "symbolKind (class, function, method)" in empty
+    assert "no document has" not in render(QueryResponse(results=[hit], _meta=meta), {"objectType": "t.T"})
 
 
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:

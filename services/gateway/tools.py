@@ -292,7 +292,7 @@ def json_bytes(text: str) -> int:
 def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:
     """A reply as compact text for the model; ``arguments``: the call's, which the text may answer to."""
     if isinstance(reply, QueryResponse):
-        return _render_query(reply, (arguments or {}).get("relatedTo"))
+        return _render_query(reply, arguments or {})
     if isinstance(reply, DocumentReply):
         return _render_document(reply)
     if isinstance(reply, StatusReply):
@@ -320,8 +320,8 @@ STANDING = {
 """How a result placed first for a relation stands to the symbol asked about, by the name ``foundBy`` gives it."""
 
 
-def _render_query(reply: QueryResponse, related_to: object = None) -> str:
-    meta = reply.meta
+def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
+    meta, related_to, object_type = reply.meta, arguments.get("relatedTo"), arguments.get("objectType")
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(f"{len(reply.results)} results")
@@ -346,6 +346,12 @@ def _render_query(reply: QueryResponse, related_to: object = None) -> str:
         head.append(
             f"nothing indexed stands in relation {related_to.get('relation')!r} to {related_to.get('symbol')!r}: "
             "these are search results"
+        )
+    if not reply.results and isinstance(object_type, str):
+        # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
+        head.append(
+            f"no document has objectType {object_type!r} or a type deriving from it: an objectType is a module's or "
+            "a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
         )
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")

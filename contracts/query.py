@@ -139,7 +139,8 @@ class OntologyQuery(StrictRequest):
         default=None,
         min_length=1,
         description="Natural-language or keyword query, of at most the deployment's ONTOFABRIC_MAX_QUERY_CHARS "
-        "characters (2,000 unless set; a longer one is refused, naming this field). Left out, the answer lists the "
+        "characters (2,000 unless set; a longer one is refused, naming this field) and within the 64 KiB a whole "
+        "request may take as JSON. Left out, the answer lists the "
         "documents the filters (objectType, chunkLevel, provenance, symbolKind) select, in a stable order (file, "
         "symbol, id).",
     )
@@ -333,7 +334,11 @@ class BudgetReport(WireModel):
     estimated_tokens: int = Field(description="The reply's size in bytes of JSON / 4, rounded up.")
     contents_cut: list[str] = Field(default_factory=list, description="Results whose content is cut short.")
     contents_omitted: int = Field(default=0, description="Results sent without their content for want of room.")
-    results_dropped: int = Field(default=0, description="Lowest-ranked results left out for want of room.")
+    results_dropped: int = Field(
+        default=0,
+        description="Results left out for want of room: the lowest-ranked, and any too large to list even alone "
+        "(by its metadata), whatever its rank.",
+    )
     collapsed_dropped: int = Field(
         default=0, description="Entries of _meta.collapsed left out for want of room (those of dropped results too)."
     )

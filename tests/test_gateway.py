@@ -43,6 +43,7 @@ from ontofabric.services.gateway.link import NatsLink
 from ontofabric.services.gateway.server import Gateway
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import (
+    TEXT_CUT,
     TOOLS,
     ArgumentsRefused,
     as_declared,
@@ -127,6 +128,7 @@ async def _exercise(client: Client) -> None:
     assert set(tools) == {"ontology_query", "get_document", "ontology_status"}
     with pytest.raises(MCPError, match="unknown cursor"):  # one page: a cursor the gateway never gave is refused
         await client.list_tools(cursor="bogus", cache_mode="refresh")
+    assert (await client.list_tools(cursor="", cache_mode="refresh")).tools  # an empty cursor reads as none
     for tool in tools.values():
         assert tool.annotations is not None
         assert (tool.annotations.read_only_hint, tool.annotations.idempotent_hint) == (True, True)
@@ -198,10 +200,10 @@ async def _exercise(client: Client) -> None:
     too_small = await client.call_tool("ontology_query", {"semanticQuery": "csv", "maxTokens": 10})
     assert too_small.is_error is True
     assert "- maxTokens:" in _text(too_small)
-    # At the least budget the whole result, as JSON, stays within it.
-    least = await client.call_tool("ontology_query", {"semanticQuery": "a function", "maxTokens": 1000})
+    # From twice the least (the worker's reply is then at its least) the whole result, as JSON, stays within it.
+    least = await client.call_tool("ontology_query", {"semanticQuery": "a function", "maxTokens": 2000, "topK": 50})
     assert least.is_error is False, _text(least)
-    assert len(least.model_dump_json(by_alias=True, exclude_none=True).encode()) <= 1000 * 4
+    assert len(least.model_dump_json(by_alias=True, exclude_none=True).encode()) <= 2000 * 4
     # 12,000 CJK characters are 36 kB in UTF-8, 72 kB escaped: the error is the query's length, not a size.
     wide = await client.call_tool("ontology_query", {"semanticQuery": "検索" * 6_000})
     assert wide.is_error is True
@@ -644,7 +646,7 @@ def test_a_request_is_sent_as_utf_8_and_refused_before_sending_when_no_worker_wo
     assert "- request: 2,000,021 bytes as JSON" in str(too_large.value)  # {"semanticQuery": "..."}
     with pytest.raises(ArgumentsRefused, match=r"- options\.minRelevance: a finite number"):
         request_body({"semanticQuery": "x", "options": {"minRelevance": float("nan")}})
-    with pytest.raises(ArgumentsRefused, match="- filters\\[1\\]: a finite number"):
+    with pytest.raises(ArgumentsRefused, match=r"- filters\.1: a finite number"):
         request_body({"filters": [1.0, float("inf")]})
 
 
@@ -660,6 +662,9 @@ def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves()
     lines = '1. "x"\n' * 1000  # 7,000 characters, 10,000 bytes as JSON
     fitted = fitted_text(query, {"maxTokens": 1000}, lines, lambda: 1000)
     assert 1000 * 4 - 1000 - 2 < json_bytes(fitted) <= 1000 * 4 - 1000  # as much as fits: within an escape of it
+    # A reply that fills the budget alone leaves no room: the marker alone, and no claim of a cut for no text.
+    assert fitted_text(query, {"maxTokens": 1000}, lines, lambda: 4000) == TEXT_CUT.lstrip()
+    assert fitted_text(query, {"maxTokens": 1000}, "", lambda: 4100) == ""
 
 
 @pytest.mark.parametrize(
@@ -769,18 +774,35 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
         found_by=[FoundBy(retriever="keyword", rank=1, score=3.0)],
     )  # fmt: skip
     alone = render(QueryResponse(results=[hit], _meta=meta), asked)
-    assert "nothing indexed stands in relation 'callers' to 'retry_if_exception': these are search results" in alone
+    assert "no result here stands in relation 'callers' to 'retry_if_exception': these are search results" in alone
     assert "the symbol asked" not in alone
     caller = hit.model_copy(update={"found_by": [FoundBy(retriever="caller", rank=1, score=1.0)]})
     found = render(QueryResponse(results=[caller], _meta=meta.model_copy(update={"relation_matches": 1})), asked)
     assert found.endswith("· id a · calls the symbol asked")
-    assert "nothing indexed stands" not in found
-    assert "nothing indexed stands" not in render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "x"})
+    assert "stands in relation" not in found
+    assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "x"})
+    # A lookup that could not run says nothing of the relation (DEGRADED says the rest); no results, no "these".
+    lost = meta.model_copy(update={"degraded": ["exactSymbol"]})
+    assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=lost), asked)
+    none = render(QueryResponse(results=[], _meta=meta), asked)
+    assert none.endswith("no result here stands in relation 'callers' to 'retry_if_exception'")
     # A filter that selects nothing says what the filter's values look like.
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
-    assert "no document has objectType 'method'" in empty
+    assert "nothing matched objectType 'method'" in empty
     assert "symbolKind (class, function, method)" in empty
-    assert "no document has" not in render(QueryResponse(results=[hit], _meta=meta), {"objectType": "t.T"})
+    assert "nothing matched" not in render(QueryResponse(results=[hit], _meta=meta), {"objectType": "t.T"})
+    # Not when something else may have emptied the answer: the budget, another filter, minRelevance, no index.
+    cut = meta.model_copy(update={"budget": BudgetReport(max_tokens=1000, estimated_tokens=90, results_dropped=1)})
+    for other_cause in (
+        render(QueryResponse(results=[], _meta=cut), {"objectType": "t.T"}),
+        render(QueryResponse(results=[], _meta=meta), {"objectType": "t.T", "symbolKind": "method"}),
+        render(QueryResponse(results=[], _meta=meta), {"objectType": "t.T", "minRelevance": 0.9}),
+        render(
+            QueryResponse(results=[], _meta=meta.model_copy(update={"ontology_version": NO_VERSION})),
+            {"objectType": "t.T"},
+        ),
+    ):
+        assert "nothing matched" not in other_cause
 
 
 def test_results_the_budget_left_out_are_said_in_the_text() -> None:

@@ -90,7 +90,7 @@ class Gateway:
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
-        if params is not None and params.cursor is not None:  # one page, no cursor given out: the spec's -32602
+        if params is not None and params.cursor:  # one page, no cursor given out: the spec's -32602 ("" reads as none)
             raise MCPError(
                 code=types.INVALID_PARAMS, message=f"unknown cursor {params.cursor!r}: the list has one page"
             )

@@ -23,6 +23,7 @@ from ontofabric.contracts import (
     DocumentRequest,
     ErrorReply,
     OntologyQuery,
+    QueryMeta,
     QueryResponse,
     StatusReply,
     StatusRequest,
@@ -39,7 +40,8 @@ MAX_TOKENS_DESCRIPTION = (
     "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
     "(as data and as text), so the reply gets half. Contents past it are cut or left out, lowest ranks first, and "
     "_meta.budget says which; the rest of a content can be fetched by id (get_document). Default: the deployment's "
-    "budget (8,000) for the reply, about twice that for the whole result."
+    "budget (8,000) for the reply, about twice that for the whole result. Under about 1,100 the reply alone, which "
+    "takes no less than 1,000, may leave the result a few percent over."
 )
 
 
@@ -211,7 +213,7 @@ def _not_finite(value: Any, path: str = "") -> str | None:
     if isinstance(value, dict):
         children = [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
     elif isinstance(value, list):
-        children = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        children = [(f"{path}.{index}" if path else str(index), item) for index, item in enumerate(value)]
     else:
         return None
     for name, item in children:
@@ -277,6 +279,8 @@ def fitted_text(spec: ToolSpec, arguments: dict[str, Any], text: str, envelope_b
     if json_bytes(text) <= room:
         return text
     room -= json_bytes(TEXT_CUT)
+    if room < 0:  # the reply alone fills the budget (the worker takes no less than the least): the result overruns
+        return TEXT_CUT.lstrip() if text else ""
     kept, cut = 0, len(text)  # the longest start of the text that fits, by bisection (escapes vary in size)
     while kept < cut:
         middle = (kept + cut + 1) // 2
@@ -341,17 +345,16 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"branch {meta.branch!r} has nothing of its own indexed: these are main's results (check the branch's "
             "name, or ontology_status)"
         )
-    if isinstance(related_to, dict) and not meta.relation_matches:
-        # The answer then holds search results alone: said, so that they do not read as the relation's.
-        head.append(
-            f"nothing indexed stands in relation {related_to.get('relation')!r} to {related_to.get('symbol')!r}: "
-            "these are search results"
-        )
-    if not reply.results and isinstance(object_type, str):
+    if isinstance(related_to, dict) and not meta.relation_matches and "exactSymbol" not in meta.degraded:
+        # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so
+        # that they do not read as the relation's.
+        relation = f"no result here stands in relation {related_to.get('relation')!r} to {related_to.get('symbol')!r}"
+        head.append(relation + (": these are search results" if reply.results else ""))
+    if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
         head.append(
-            f"no document has objectType {object_type!r} or a type deriving from it: an objectType is a module's or "
-            "a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
+            f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
+            "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
         )
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")
@@ -384,6 +387,17 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
     if meta.collapsed:
         lines.append(f"\n{len(meta.collapsed)} nested chunks of the same symbols left out")
     return "\n".join(lines)
+
+
+def _object_type_alone_selected_nothing(meta: QueryMeta, arguments: dict[str, Any]) -> bool:
+    """Whether an empty answer is objectType's doing alone: not the budget's, another filter's, minRelevance's, an
+    empty index's or a narrowing that could not run."""
+    return (
+        not (meta.budget is not None and meta.budget.results_dropped)
+        and all(arguments.get(name) is None for name in ("chunkLevel", "provenance", "symbolKind", "minRelevance"))
+        and not nothing_indexed(meta.ontology_version)
+        and "objectTypeNarrowing" not in meta.degraded
+    )
 
 
 def _render_document(reply: DocumentReply) -> str:

@@ -366,6 +366,11 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
             assert answer.status_code == 400, odd
             assert answer.json()["error"]["code"] == -32600
             assert "its id is neither a string nor an integer" in answer.json()["error"]["message"]
+        batch = await http.post(url, content=b'[{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}]')
+        assert batch.status_code == 400
+        assert batch.json()["error"] == {
+            "code": -32600, "message": "a batch (a JSON array) is not taken: send each request alone"
+        }  # fmt: skip
         # A notification holding one is accepted, as any notification: there is no id to answer.
         notified = b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"reason": "\\ud83d"}}'
         assert (await http.post(url, content=notified)).status_code == 202

@@ -204,7 +204,7 @@ class Gateway:
 
 
 class MisreadBodies:
-    """ASGI middleware: two bodies the SDK's HTTP transport misreads are answered here, as they are over stdio.
+    """ASGI middleware: three bodies the SDK's HTTP transport misreads are answered here, as they are over stdio.
 
     - Half of a character (a lone UTF-16 surrogate escape, as a JavaScript client cutting an emoji writes): the SDK
       refused the body as a whole ("Parse error", HTTP 400, id null), so the client's SDK threw instead of the
@@ -212,6 +212,8 @@ class MisreadBodies:
       request a JSON-RPC error naming the field, under its id.
     - An id that is neither a string nor an integer (null, 1.5, true, an object): the SDK took the message for a
       notification and answered 202 with nothing, so its caller waited for ever. It gets an invalid request error.
+    - A batch (JSON-RPC's array of requests, which MCP no longer has): an invalid request, as over stdio, where the
+      SDK answered an invalid-params error holding a validation dump.
 
     Bodies past the SDK's own limit go on to its 413."""
 
@@ -260,6 +262,17 @@ _TOOL_ARGUMENTS = "params.arguments."
 def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     """The HTTP status and JSON-RPC answer to a body the SDK would misread (None for no answer: a notification),
     or None when the SDK reads it right."""
+    if body.lstrip()[:1] == b"[":  # a batch: the SDK answered -32602 with a pydantic dump here, -32600 over stdio
+        try:
+            batch = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if isinstance(batch, list):
+            error = {
+                "code": types.INVALID_REQUEST,
+                "message": "a batch (a JSON array) is not taken: send each request alone",
+            }
+            return 400, {"jsonrpc": "2.0", "id": None, "error": error}
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:

@@ -31,7 +31,7 @@ from ontofabric.contracts import (
     nothing_indexed,
 )
 from ontofabric.contracts.query import MAX_REQUEST_BYTES, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
-from ontofabric.services.query.budget import BYTES_PER_TOKEN
+from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.symbols import BASE, CALLEE, CALLER, IMPORTED, IMPORTER, SUBCLASS, SYMBOL
 from ontofabric.shared.subjects import Operation
 
@@ -275,22 +275,13 @@ def fitted_text(spec: ToolSpec, arguments: dict[str, Any], text: str, envelope_b
     max_tokens = arguments.get("maxTokens")
     if spec.operation != "query" or type(max_tokens) is not int:
         return text
-    room = max_tokens * BYTES_PER_TOKEN - envelope_bytes()
-    if json_bytes(text) <= room:
+    room = max_tokens * BYTES_PER_TOKEN - envelope_bytes() + len('""')  # the envelope holds the text's quotes
+    if json_size(text) <= room:
         return text
-    room -= json_bytes(TEXT_CUT)
-    if room < 0:  # the reply alone fills the budget (the worker takes no less than the least): the result overruns
+    room -= json_size(TEXT_CUT) - len('""')
+    if room < len('""'):  # the reply alone fills the budget (the worker takes no less than the least): it overruns
         return TEXT_CUT.lstrip() if text else ""
-    kept, cut = 0, len(text)  # the longest start of the text that fits, by bisection (escapes vary in size)
-    while kept < cut:
-        middle = (kept + cut + 1) // 2
-        kept, cut = (middle, cut) if json_bytes(text[:middle]) <= room else (kept, middle - 1)
-    return text[:kept] + TEXT_CUT
-
-
-def json_bytes(text: str) -> int:
-    """The bytes ``text`` takes inside a JSON string as the MCP SDK writes it (UTF-8, escapes where JSON needs them)."""
-    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass")) - 2
+    return cut_to(text, room) + TEXT_CUT
 
 
 def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:

@@ -33,8 +33,10 @@ class TooLarge(Exception):
     """Even an answer without results does not fit: the budget is smaller than the answer's ``_meta``."""
 
 
-def _json_size(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False).encode())
+def json_size(text: str) -> int:
+    """The bytes ``text`` takes as a JSON string, its quotes included, as pydantic and the MCP SDK write it (UTF-8,
+    escapes where JSON needs them)."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 def cut_to(text: str, max_bytes: int) -> str:
@@ -43,7 +45,7 @@ def cut_to(text: str, max_bytes: int) -> str:
     low, high = 0, len(text)
     while low < high:  # the longest prefix that fits
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if _json_size(text[:middle]) <= max_bytes else (low, middle - 1)
+        low, high = (middle, high) if json_size(text[:middle]) <= max_bytes else (low, middle - 1)
     head = text[:low]
     line_end = head.rfind("\n")
     return head[: line_end + 1] if line_end >= len(head) * 3 // 4 else head
@@ -171,7 +173,7 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     for position in kept:
         original, stripped = response.results[position], bare[position]
         content = original.content
-        cost = 0 if content is None else _json_size(content) - len("null")
+        cost = 0 if content is None else json_size(content) - len("null")
         if content is None or cost <= spare:
             results.append(original)
             spare -= cost

@@ -441,7 +441,7 @@ def query(
     data_dir: DataDir = None,
 ) -> None:
     """Send one ontology_query request and print the ranked results and _meta."""
-    from .query.client import QueryClient, RequestTooLarge, parse_reply
+    from .query.client import QueryClient, RequestTooLarge, parse_reply, request_json
 
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
     nats_url = _nats_url(settings, "client")
@@ -453,9 +453,7 @@ def query(
     async def run() -> bytes:
         nc = await connect(nats_url, "ontofabric-cli", settings)
         try:
-            return await QueryClient(nc, Names(settings.subject_prefix)).send_raw(
-                workspace, json.dumps(request).encode()
-            )
+            return await QueryClient(nc, Names(settings.subject_prefix)).send_raw(workspace, request_json(request))
         finally:
             await close_nats(nc)
 

@@ -169,6 +169,13 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         )  # fmt: skip
         assert typo.returncode == 0, typo.stderr
         assert "branch 'featur' has nothing of its own indexed: these are main's results" in typo.stdout
+        # 12,000 CJK characters are 36 kB as UTF-8: refused for the query's length, not as a 72 kB request.
+        wide = subprocess.run(
+            [ONTOFABRIC, "query", "検索" * 6_000, "--workspace", "geo", "--json"], env=env, capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert "semanticQuery" in wide.stdout + wide.stderr, wide.stdout + wide.stderr
+        assert "72," not in wide.stdout + wide.stderr
         # A tenant's own NATS user, added to the running server: it reads geo, and nothing else.
         added = subprocess.run(
             [ONTOFABRIC, "nats-user", "add", "client", "--workspace", "geo"], env=env, capture_output=True,

@@ -9,7 +9,6 @@ reply, which is already fitted to the request's budget (``maxTokens``).
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.query import MAX_REQUEST_BYTES, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
+from ontofabric.services.query.client import request_json
 from ontofabric.services.query.symbols import BASE, CALLEE, CALLER, IMPORTED, IMPORTER, SUBCLASS, SYMBOL
 from ontofabric.shared.subjects import Operation
 
@@ -188,16 +188,12 @@ class ArgumentsRefused(ValueError):
 
 
 def request_body(request: dict[str, Any]) -> bytes:
-    """The worker's request as JSON in UTF-8, as the worker measures it: escaping every other character as
-    ``\\uXXXX`` made a request of 12,000 CJK characters twice its size, refused for a size the caller never sent (a
-    tester's finding). A lone half of a character stays escaped, for the worker's error to name its field."""
+    """The worker's request as JSON in UTF-8 (:func:`request_json`), refused here, naming the field, when a number in
+    it is not finite or it is past the protocol's size limit."""
     field = _not_finite(request)
     if field is not None:  # Python's JSON reads NaN and Infinity; no JSON client can mean them
         raise ArgumentsRefused(f"error invalid_request: a number is not finite\n- {field}: a finite number")
-    try:
-        body = json.dumps(request, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        body = json.dumps(request).encode()
+    body = request_json(request)
     if len(body) > MAX_REQUEST_BYTES:
         raise ArgumentsRefused(
             f"error invalid_request: the arguments are too large\n- request: {len(body):,} bytes as JSON; a request "

@@ -13,7 +13,7 @@ from pydantic import SecretStr
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, QueryResponse, StatusReply
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.query.client import QueryClient, parse_reply
+from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse_reply
 from ontofabric.services.query.freshness import POSITION_TTL_S
 from ontofabric.services.query.rerankers import build_reranker
 from ontofabric.services.query.worker import QueryService, parse_request
@@ -385,7 +385,13 @@ async def test_a_body_longer_than_any_request_is_refused_unread(
     fields = ", ".join(f'"u{i:05d}": 1' for i in range(60_000))
     body = f'{{"semanticQuery": "sort", {fields}}}'.encode()
     assert MAX_REQUEST_BYTES < len(body) < deployment.nc.max_payload
-    reply = ErrorReply.model_validate_json(await client.send_raw("acme", body))
+    with pytest.raises(RequestTooLarge, match="a request takes at most 65,536"):
+        await client.send_raw("acme", body)  # our client refuses it unsent, with the one limit whatever the size
+    with pytest.raises(RequestTooLarge, match="a request takes at most 65,536"):
+        await client.send_raw("acme", b" " * 2_000_000)
+    # Another client sends it all the same: the worker refuses it unread.
+    answer = await deployment.nc.request(deployment.names.request_subject("query", "acme"), body, timeout=10)
+    reply = ErrorReply.model_validate_json(answer.data)
     assert reply.error.code == "invalid_request"
     assert reply.error.message == f"the request is {len(body):,} bytes; a request takes at most {MAX_REQUEST_BYTES:,}"
     ok = await _ask(client, "send an http request")

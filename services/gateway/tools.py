@@ -29,7 +29,7 @@ from ontofabric.contracts import (
     main_only,
     nothing_indexed,
 )
-from ontofabric.contracts.query import MAX_REQUEST_BYTES, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
 from ontofabric.services.query.symbols import BASE, CALLEE, CALLER, IMPORTED, IMPORTER, SUBCLASS, SYMBOL
@@ -189,17 +189,11 @@ class ArgumentsRefused(ValueError):
 
 def request_body(request: dict[str, Any]) -> bytes:
     """The worker's request as JSON in UTF-8 (:func:`request_json`), refused here, naming the field, when a number in
-    it is not finite or it is past the protocol's size limit."""
+    it is not finite (its size is the query client's to check)."""
     field = _not_finite(request)
     if field is not None:  # Python's JSON reads NaN and Infinity; no JSON client can mean them
         raise ArgumentsRefused(f"error invalid_request: a number is not finite\n- {field}: a finite number")
-    body = request_json(request)
-    if len(body) > MAX_REQUEST_BYTES:
-        raise ArgumentsRefused(
-            f"error invalid_request: the arguments are too large\n- request: {len(body):,} bytes as JSON; a request "
-            f"takes at most {MAX_REQUEST_BYTES:,}"
-        )
-    return body
+    return request_json(request)
 
 
 def _not_finite(value: Any, path: str = "") -> str | None:

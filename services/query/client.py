@@ -23,6 +23,7 @@ from opentelemetry import propagate
 from pydantic import BaseModel, ValidationError
 
 from ontofabric.contracts import (
+    MAX_REQUEST_BYTES,
     MAX_TIMEOUT_MS,
     RECEIPT_HEADER,
     RECEIVED,
@@ -103,10 +104,11 @@ counts them in, nats-py checks the body alone."""
 
 
 class RequestTooLarge(ValueError):
-    """A request body that the NATS server would not take; nothing was sent."""
+    """A request body no worker would read (the protocol's limit) or the NATS server would not take; nothing was
+    sent."""
 
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"the request takes {size:,} bytes; this NATS server takes at most {limit:,}")
+        super().__init__(f"the request takes {size:,} bytes as JSON; a request takes at most {limit:,}")
         self.size = size
         self.limit = limit
 
@@ -368,9 +370,10 @@ class QueryClient:
         or its worker went silent past the timeout it was told (it died with the request). Earlier attempts stay
         open, and a retryable refusal is returned only when no other attempt is still expected to answer. While
         no worker listens (a restart), it is retried for up to a second. Raises RequestTooLarge for a body the
-        server would not take, NoRespondersError when no worker listens, nats' TimeoutError when no reply came in
-        time."""
-        limit = self._nc.max_payload - REQUEST_HEADER_ROOM_BYTES
+        server would not take or no worker would read, NoRespondersError when no worker listens, nats' TimeoutError
+        when no reply came in time."""
+        # One limit whatever the size: the gateway once quoted the server's for 2 MB and the worker's for 100 kB.
+        limit = min(self._nc.max_payload - REQUEST_HEADER_ROOM_BYTES, MAX_REQUEST_BYTES)
         if len(body) > limit:
             raise RequestTooLarge(len(body), limit)
         subject = self._names.request_subject(operation, workspace)

@@ -950,6 +950,14 @@ def eval_command(
             'relationship queries from a static analysis of the tree (docs/quality.md, "Repository evaluation").',
         ),
     ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="PATTERN",
+            help="With --judgments: leave out of the index and of the relationship questions what matches this "
+            "shell pattern, as `ingest --exclude` reads one (repeatable; `tests`, `'*_pb2.py'`, `docs/*.md`).",
+        ),
+    ] = None,
 ) -> None:
     """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency, and each
     hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval. With
@@ -959,6 +967,8 @@ def eval_command(
     from .ops.evaluation import CONFIGS, evaluate
 
     settings = _settings("ontofabric-eval", quiet=True)
+    if exclude and judgments is None:
+        _fail("--exclude applies to a source tree with --judgments, not to a BEIR dataset")
     if judgments is not None:
         beir_only = {"--config": config != "all", "--split": split != "test",
                      "--sample-queries": sample_queries is not None,
@@ -969,7 +979,7 @@ def eval_command(
             _fail(f"{given[0]} applies to a BEIR dataset, not to a source tree with --judgments")
         _evaluate_tree(
             settings, dataset_dir, judgments, json_file, runs, (baseline, write_baseline, min_effect),
-            calibration_points,
+            calibration_points, exclude or (),
         )  # fmt: skip
         return
     chosen = list(CONFIGS) if config == "all" else [c.strip() for c in config.split(",")]
@@ -1073,16 +1083,19 @@ def _evaluate_tree(
     runs: Path | None,
     gate: tuple[Path | None, Path | None, float],
     calibration_points: Path | None,
+    exclude: Sequence[str],
 ) -> None:
     """``gate``: the baseline to judge the concept queries' nDCG@10 against, where to write this run's, and the
     smallest drop that fails. ``calibration_points``: where to write the concept answers' results for
-    ``ontofabric calibrate``."""
+    ``ontofabric calibrate``. ``exclude``: as ``ingest --exclude``."""
+    from .ingest.ingester import ExclusionRefused, exclusion_patterns
     from .ops.eval_report import write_trec_run
     from .ops.repository_eval import Judgments, JudgmentsError, evaluate_tree, render_tree_report, tree_version
 
     try:
         judgments = Judgments.read(judgments_file)
-    except JudgmentsError as error:
+        exclusion_patterns(tree, exclude)  # refused before the servers start
+    except (JudgmentsError, ExclusionRefused) as error:
         _fail(str(error))
     version = tree_version(tree, judgments.project)
     baseline, write_baseline, min_effect = gate
@@ -1094,9 +1107,13 @@ def _evaluate_tree(
     # The default request's concept queries are what is gated, under the configuration name a BEIR run gives it.
     dataset, split = judgments.dataset, "concept"
     reference = _baseline_for(baseline, dataset, split, "use the judgments it was measured with")
-    report = _on_scratch_servers(
-        settings, lambda endpoints, progress: evaluate_tree(settings, endpoints, tree, judgments, progress)
-    )
+    try:
+        report = _on_scratch_servers(
+            settings,
+            lambda endpoints, progress: evaluate_tree(settings, endpoints, tree, judgments, progress, exclude),
+        )
+    except ExclusionRefused as error:  # it left out every source file
+        _fail(str(error))
     for line in render_tree_report(report):
         console.print(line, soft_wrap=True, markup=False)
     if json_file is not None:  # per query too, for paired comparisons between runs

@@ -318,6 +318,29 @@ def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, 
 
 
 @pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--exclude", "../elsewhere"], "--exclude '../elsewhere' names no path inside the tree"),
+        (["--exclude", "."], "--exclude '.' names no path inside the tree"),
+    ],
+)
+def test_eval_of_a_source_tree_refuses_an_exclusion_that_names_nothing_in_it(
+    tmp_path: Path, options: list[str], said: str
+) -> None:
+    result = _eval_tree(tmp_path, {"project": "p", "version": "0", "concepts": []}, *options)
+    assert result.returncode == 2
+    assert said in " ".join(result.stderr.split())
+
+
+def test_eval_of_a_beir_set_refuses_an_exclusion(tmp_path: Path) -> None:
+    """--exclude reads a source tree; on a BEIR set it would be ignored."""
+    command = [ONTOFABRIC, "eval", str(tmp_path), "--exclude", "tests"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "--exclude applies to a source tree" in " ".join(result.stderr.split())
+
+
+@pytest.mark.parametrize(
     ("project", "tree_is", "baseline_of", "said"),
     [
         ("p 1", "1", "q 1", "the baseline was measured on q 1 (concept), this run on p 1 (concept)"),  # another project

@@ -112,6 +112,13 @@ async def test_a_tree_evaluated_through_the_real_path(
     nats_logins: dict[str, tuple[str, str]],
 ) -> None:
     tree = _tree(tmp_path)
+    # Left out by --exclude: none of its chunks is indexed, none of its relations asked.
+    (tree / "tests").mkdir()
+    (tree / "tests" / "test_round.py").write_text(
+        "from shapes.base import Shape\nfrom shapes.round import Circle\nfrom shapes.units import to_metres\n\n\n"
+        "class Disc(Shape):\n    pass\n\n\ndef test_a_round_shape_with_a_radius():\n"
+        "    assert Circle(to_metres(100)).area() > 0\n"
+    )
     judgments_file = tmp_path / "judgments.json"
     judgments_file.write_text(
         json.dumps(
@@ -122,23 +129,27 @@ async def test_a_tree_evaluated_through_the_real_path(
                     {"id": "c1", "text": "convert centimetres into metres", "relevant": ["shapes.units.to_metres"]},
                     {"id": "c2", "text": "a round shape with a radius", "relevant": ["shapes.round.Circle"]},
                     {"id": "c3", "text": "no symbol answers this", "relevant": ["shapes.nowhere"]},
+                    {"id": "c4", "text": "a disc", "relevant": ["shapes.tests.test_round.Disc"]},
                 ],
             }
         )
     )
     settings = deployment_settings.model_copy(update={"embedder": "local", "cache_dir": tmp_path / "cache"})
     endpoints = Endpoints(servers.nats_url, deployment_settings.database_url or "", nats_logins)
-    report = await evaluate_tree(settings, endpoints, tree, Judgments.read(judgments_file), RecordedProgress())
+    report = await evaluate_tree(
+        settings, endpoints, tree, Judgments.read(judgments_file), RecordedProgress(), exclude=["tests"]
+    )
     assert report.chunks > 5
-    assert report.concept.queries == 3
+    assert report.concept.queries == 4
+    assert not any(".tests." in symbol for run in report.concept_run.values() for symbol in run)
     assert report.concept.errors == 0
     assert report.concept.per_query["c1"] == pytest.approx(1.0)  # its one symbol first
     assert report.concept.per_query["c3"] == 0.0
     assert next(iter(report.concept_run["c1"])) == "shapes.units.to_metres"  # what --runs writes, in rank order
-    assert report.unknown_symbols == ["shapes.nowhere"]
+    assert report.unknown_symbols == ["shapes.nowhere", "shapes.tests.test_round.Disc"]
     assert any("shapes.nowhere" in line for line in render_tree_report(report))
     assert list(report.concept_run["c2"].values()) == sorted(report.concept_run["c2"].values(), reverse=True)
-    assert report.concept.metrics["Recall@10"] == pytest.approx(2 / 3)
+    assert report.concept.metrics["Recall@10"] == pytest.approx(2 / 4)
     # The answers' scores against the judgments: every result counted, c1's and c2's symbols relevant among them.
     assert report.concept_uncalibrated == 0
     assert sum(b.count for b in report.concept_reliability) >= sum(len(run) for run in report.concept_run.values())
@@ -151,7 +162,7 @@ async def test_a_tree_evaluated_through_the_real_path(
     assert len(points) == sum(b.count for b in report.concept_reliability)
     assert sum(p.relevant for p in points) == round(sum(b.count * b.observed for b in report.concept_reliability))
     assert {p.dataset for p in points} == {"shapes 0"}
-    assert {p.query for p in points} <= {"c1", "c2", "c3"}
+    assert {p.query for p in points} <= {"c1", "c2", "c3", "c4"}
     assert all(p.signals for p in points)
     assert [p.rank for p in points if p.query == "c1"][:2] == [1, 2]
     assert "calibration_points" not in report.to_json()

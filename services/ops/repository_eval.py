@@ -18,7 +18,7 @@ import ast
 import asyncio
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -29,7 +29,7 @@ from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.chunking import chunk_file, module_name, tree_package
-from ontofabric.services.ingest.ingester import Ingester, read_tree
+from ontofabric.services.ingest.ingester import Ingester, exclusion_patterns, read_tree
 from ontofabric.services.query.calibration import ReliabilityBin, reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import close, connect, wait_caught_up
@@ -324,14 +324,23 @@ def _shape(per_query: dict[str, float], metrics: dict[str, float], errors: int =
 
 
 async def evaluate_tree(
-    settings: Settings, endpoints: Endpoints, tree: Path, judgments: Judgments, progress: Progress
+    settings: Settings,
+    endpoints: Endpoints,
+    tree: Path,
+    judgments: Judgments,
+    progress: Progress,
+    exclude: Collection[str] = (),
 ) -> TreeReport:
+    """``exclude``: paths of the tree left out of the index and of the questions, as ``ingest --exclude`` reads
+    them (a judged symbol in one is reported unknown)."""
     setup = retrieval_setup(settings)
     settings = settings.model_copy(update={"query_cache_entries": 0})
     names = Names(settings.subject_prefix)
     tree = await asyncio.to_thread(tree.resolve)
-    sources = await asyncio.to_thread(read_tree, tree)
-    package = tree_package(tree.name, sources)
+    patterns = exclusion_patterns(tree, exclude)
+    sources = await asyncio.to_thread(read_tree, tree, patterns)
+    # Named as the ingester names them: by the tree's own __init__.py, excluded or not.
+    package = tree_package(tree.name, ["__init__.py"] if (tree / "__init__.py").is_file() else [])
     relationships = relationship_queries(sources, package)
     unknown = unknown_symbols(judgments, sources, package)
     async with AsyncExitStack() as stack:
@@ -341,7 +350,7 @@ async def evaluate_tree(
         js = nc.jetstream()
         second = await asyncio.to_thread(second_embedder, settings)
         ingester = Ingester(js, names, embedder, settings.max_content_bytes, second=second)
-        report = await ingester.ingest(tree, WORKSPACE)
+        report = await ingester.ingest(tree, WORKSPACE, exclude=patterns)
         if report.last_sequence is not None:
             await wait_caught_up(js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600)
         await asyncio.sleep(0.5)  # the query worker's version watch catches up

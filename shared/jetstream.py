@@ -138,6 +138,11 @@ def nats_tls(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
+def refused_login(error: BaseException | None) -> bool:
+    """Whether ``error`` (nats-py's, or what its error callback got) is the server refusing the credentials."""
+    return error is not None and "authorization violation" in str(error).lower()
+
+
 async def connect(url: str, name: str, settings: Settings | None = None, wait_for_server: bool = False) -> Client:
     """A client that reconnects for ever and logs connection changes (not its own close). With a user in the URL,
     replies arrive under that user's own inbox prefix, the only one its permissions let it read. ``settings``
@@ -150,7 +155,7 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
     authorization_refused = asyncio.Event()
 
     async def on_error(error: Exception) -> None:
-        if "authorization violation" in str(error).lower() and not nc.is_connected:
+        if refused_login(error) and not nc.is_connected:
             authorization_refused.set()
         violation = _VIOLATION.search(str(error))
         if violation is not None:

@@ -5,6 +5,7 @@ one it knew."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -13,7 +14,7 @@ import pytest
 
 from ontofabric.services.gateway.link import RETRY_AFTER_S, NatsLink, NatsRefused, NatsUnavailable
 from ontofabric.shared.jetstream import close, connect
-from ontofabric.shared.nats_auth import NatsUser
+from ontofabric.shared.nats_auth import NatsUser, render_config
 from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
@@ -75,6 +76,44 @@ async def test_refused_credentials_are_told_apart_from_an_unreachable_server(tmp
             await link.client()  # the same error within RETRY_AFTER_S, without another attempt
         await link.close()
     finally:
+        server.stop()
+
+
+async def test_a_login_revoked_while_connected_is_refused_not_retryable_until_it_is_mended(tmp_path: Path) -> None:
+    """nats-py retries a revoked login for ever; calls were told "unavailable, retryable" meanwhile, and an agent
+    retried what only an operator can mend (an earlier stop's note)."""
+    port = free_port()
+    users = {**USERS, "gw": NatsUser("gw", "gwpw", "client", "ontofabric")}
+    server = spawn_nats(tmp_path, port, users)
+    config = tmp_path / "nats.conf"
+    link = NatsLink(lambda: f"nats://gw:gwpw@127.0.0.1:{port}", lambda url: connect(url, "test-link"), close)
+    try:
+        nc = await link.client()
+        written = config.read_text()
+        config.write_text(render_config("127.0.0.1", port, str(tmp_path / "js"), USERS))  # gw revoked
+        server.process.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    await link.client()
+                except NatsRefused as refused:
+                    assert "refused" in str(refused)
+                    break
+                except NatsUnavailable:  # disconnected, not yet refused a login
+                    pass
+                await asyncio.sleep(0.05)
+        assert not nc.is_closed  # nats-py goes on trying, so the mend below is found
+        config.write_text(written)
+        server.process.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    assert await link.client() is nc
+                    break
+                except NatsUnavailable:
+                    await asyncio.sleep(0.1)
+    finally:
+        await link.close()
         server.stop()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from ontofabric.shared.jetstream import PermissionDenied
+from ontofabric.shared.jetstream import PermissionDenied, refused_login
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.tasks import start_held
 
@@ -102,6 +102,8 @@ class NatsLink:
             self._failed = (now, NatsUnavailable, str(error))
             raise NatsUnavailable(str(error)) from error
         if nc is not None and not nc.is_closed and url == self._url:  # where it was: nats-py is reconnecting to it
+            if refused_login(nc.last_error):  # a user revoked, say; nats-py goes on trying, which finds a mend
+                raise NatsRefused("the NATS server refused the gateway's credentials on its last try to reconnect")
             raise NatsUnavailable("NATS is not answering; reconnecting")
         if nc is not None:
             self._nc = None

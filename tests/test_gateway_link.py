@@ -96,12 +96,13 @@ async def test_a_login_revoked_while_connected_is_refused_not_retryable_until_it
             while True:
                 try:
                     await link.client()
-                except NatsRefused as refused:
-                    assert "refused" in str(refused)
+                except NatsRefused:
                     break
                 except NatsUnavailable:  # disconnected, not yet refused a login
                     pass
                 await asyncio.sleep(0.05)
+        with pytest.raises(NatsRefused, match="refused the gateway's credentials"):
+            await link.client()
         assert not nc.is_closed  # nats-py goes on trying, so the mend below is found
         config.write_text(written)
         server.process.send_signal(signal.SIGHUP)

@@ -690,9 +690,37 @@ async def test_an_answer_made_before_claims_the_position_now_only_when_its_branc
     assert again.meta.cache_hit is True
     assert again.meta.freshness is not None
     assert (again.meta.freshness.indexed_seq, again.meta.freshness.pending_deltas) == (11, 0)
-    # A delta of its branch (12) is applied, its version not yet announced: the answer holds up to 10 only.
+    # A delta of its branch (12) is applied, its version not yet announced: the cached answer holds up to 11
+    # only, so it is made anew (its own snapshot holds 12; a real index's version would then differ from the one
+    # announced, and that answer would not be cached under the old key).
     stream.at, stream.published["main"] = 12, [12]
-    stale = await pipeline.answer(QUERY, "w")
-    assert stale.meta.cache_hit is True
-    assert stale.meta.freshness is not None
-    assert (stale.meta.freshness.indexed_seq, stale.meta.freshness.pending_deltas) == (10, 1)
+    anew = await pipeline.answer(QUERY, "w")
+    assert anew.meta.cache_hit is False
+    assert anew.meta.freshness is not None
+    assert (anew.meta.freshness.indexed_seq, anew.meta.freshness.pending_deltas) == (12, 0)
+
+
+async def test_a_cached_answer_whose_pending_deltas_were_settled_since_is_made_anew() -> None:
+    """An independent tester's finding: an answer made right after the projector applied a delta, before it acked
+    it, read the position below it; cached, it said "1 pending" with a growing pendingMs until the next version,
+    and a client waiting for indexedSeq to pass its write waited as long."""
+    stream = MovingStream(at=10, published={"main": [11]})  # 11 applied and announced, not yet acked
+    cache: LruCache[CacheKey, bytes] = LruCache(10)
+    pipeline = QueryPipeline(
+        ScriptedRetrieval().retrievers(), ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), cache,
+        PipelineConfig(), freshness=stream,
+    )  # fmt: skip
+    made = await pipeline.answer(QUERY, "w")
+    assert made.meta.freshness is not None
+    assert (made.meta.freshness.indexed_seq, made.meta.freshness.pending_deltas) == (10, 1)
+    again = await pipeline.answer(QUERY, "w")  # nothing moved: the cached answer, as it was
+    assert again.meta.cache_hit is True
+    assert again.meta.freshness == made.meta.freshness
+    stream.at = 11  # acked
+    anew = await pipeline.answer(QUERY, "w")
+    assert anew.meta.cache_hit is False
+    assert anew.meta.freshness is not None
+    assert (anew.meta.freshness.indexed_seq, anew.meta.freshness.pending_deltas) == (11, 0)
+    cached = await pipeline.answer(QUERY, "w")  # and cached so
+    assert cached.meta.cache_hit is True
+    assert cached.meta.freshness == anew.meta.freshness

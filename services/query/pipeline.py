@@ -171,6 +171,13 @@ class QueryPipeline:
         key = cache_key(query, workspace, announced, generation)
         raw = self._cache.get(key)
         shared = QueryResponse.model_validate_json(raw) if raw is not None else None
+        if shared is not None:
+            freshness, settled_since = await self._shared_freshness(workspace, query.branch, shared.meta.freshness)
+            if settled_since:
+                # Its maker read the position before the projector had acked deltas the answer may well hold (the
+                # version's own, announced before its ack): a client waiting for indexedSeq to pass its write would
+                # wait for the next version. Made anew once, it reads the position now.
+                shared = None
         while shared is None and (making := self._in_flight.get(key)) is not None:
             # Asked again while being answered (a stampede of one question): wait for that answer, if it is due
             # no later than this one (else this one's deadline would pass waiting); one not fit to share (None)
@@ -179,9 +186,10 @@ class QueryPipeline:
             if deadline is not None and (due is None or due > deadline):
                 break
             shared = await asyncio.shield(being_made)
+            if shared is not None:
+                freshness, _ = await self._shared_freshness(workspace, query.branch, shared.meta.freshness)
         if shared is not None:
             self._metrics.cache_hit.add(1)
-            freshness = await self._shared_freshness(workspace, query.branch, shared.meta.freshness)
             timings = run.timings | {"total": milliseconds_since(run.started)}  # the wait in the worker, if any
             meta = shared.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, shared.model_copy(update={"meta": meta}))
@@ -529,19 +537,24 @@ class QueryPipeline:
     async def _position(self) -> int | None:
         return None if self._freshness_source is None else await self._freshness_source.position()
 
-    async def _shared_freshness(self, workspace: str, branch: str, made: Freshness | None) -> Freshness | None:
+    async def _shared_freshness(
+        self, workspace: str, branch: str, made: Freshness | None
+    ) -> tuple[Freshness | None, bool]:
         """An answer made before (cached, or made for the same question asked meanwhile) holds every delta up to
         the position its maker read; up to the position now only when none of the branches' deltas was published
         between the two. Before, it claimed the position now, also past deltas of its branch applied since (their
-        version not yet announced to this worker)."""
+        version not yet announced to this worker). Also whether some of the branches' deltas pending past the
+        maker's position are settled now: whether the answer holds them, only a new answer can tell."""
         if made is None:
-            return None
+            return None, False
         then = await self._freshness(workspace, branch, made.indexed_seq)
         position = await self._position()
         if then is None or then.pending_deltas is None or position is None or position <= made.indexed_seq:
-            return then
+            return then, False
         now = await self._freshness(workspace, branch, position)
-        return now if now is not None and now.pending_deltas == then.pending_deltas else then
+        if now is not None and now.pending_deltas == then.pending_deltas:
+            return now, False
+        return then, now is not None and now.pending_deltas is not None
 
     async def _freshness(self, workspace: str, branch: str, position: int | None) -> Freshness | None:
         """The position an answer read, and what was published past it on the branches it read; None when the

@@ -310,8 +310,10 @@ class Reranker(Protocol):
 
 
 def check_ranking(ranking: Sequence[tuple[int, float]], documents: int) -> list[tuple[int, float]]:
-    """The reranker port's promise, enforced whatever the adapter: at least one document ranked, each index into
-    the documents at most once, every relevance a number in [0, 1], best first. Anything else is a failed call."""
+    """The reranker port's promise, enforced whatever the adapter: every document sent ranked (the pipeline asks
+    for all of them), each index into the documents once, every relevance a number in [0, 1], best first. Anything
+    else is a failed call: a ranking of some documents says nothing of where the others belong, and one moved to
+    the top past those it was never compared with is no reranked answer."""
     if documents and not ranking:
         raise RerankerError("the reranker ranked none of the documents")
     indexes = [i for i, _ in ranking]
@@ -319,4 +321,6 @@ def check_ranking(ranking: Sequence[tuple[int, float]], documents: int) -> list[
         raise RerankerError("the reranker returned indexes outside the documents sent, or repeated ones")
     if any(not (math.isfinite(score) and 0.0 <= score <= 1.0) for _, score in ranking):
         raise RerankerError("the reranker returned a relevance that is not a number in [0, 1]")
+    if len(ranking) != documents:
+        raise RerankerError(f"the reranker ranked {len(ranking)} of the {documents} documents sent")
     return sorted(ranking, key=lambda pair: -pair[1])

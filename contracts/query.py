@@ -370,7 +370,9 @@ class QueryMeta(WireModel):
     ontology_version: str = Field(description="Version of the data the answer was computed from.")
     workspace: str
     branch: str
-    hybrid: bool = Field(description="True only when dense and keyword retrieval both ran and were fused.")
+    hybrid: bool = Field(
+        description="True only when dense and keyword retrieval both ran, both found candidates, and were fused."
+    )
     reranked: bool = Field(description="True only when a reranker reordered the results.")
     reranker: str | None = Field(default=None, description="Which reranker reordered them (cross-encoder, cohere).")
     skipped_rerank: str | None = Field(

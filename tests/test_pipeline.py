@@ -446,6 +446,21 @@ def test_only_the_same_version_at_a_higher_revision_is_a_rebuild() -> None:
     assert not is_rebuild("5-a", 3, "6-b", 4)  # a change
 
 
+async def test_an_answer_is_hybrid_only_when_both_retrievers_found_something() -> None:
+    """An independent tester's finding: "the of and" (stop words alone: nothing for keyword search to look up)
+    was answered from the dense list alone and said hybrid."""
+
+    class NoTerms(ScriptedRetrieval):
+        async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return Hits([], self.keyword_version)
+
+    reply = await pipeline_over(NoTerms()).answer(QUERY, "w")
+    assert reply.results
+    assert reply.meta.retrievers == ["dense", "keyword"]  # both ran
+    assert reply.meta.hybrid is False
+    assert (await pipeline_over(ScriptedRetrieval()).answer(QUERY, "w")).meta.hybrid is True
+
+
 async def test_a_third_retriever_is_run_fused_and_reported_by_its_name() -> None:
     """A retriever is a registered part: a toy one joins without any change to the pipeline."""
     retrieval = ScriptedRetrieval()

@@ -433,7 +433,8 @@ class QueryPipeline:
         self._metrics.fusion_duration.record(run.timings["fusion"])
         run.report(
             retrievers=list(lists),
-            hybrid={DENSE, KEYWORD} <= lists.keys(),
+            # Fused only when both found something: a query of stop words alone gives keyword nothing to search.
+            hybrid=all(name in lists and lists[name].candidates for name in (DENSE, KEYWORD)),
             fusion=FusionReport(method=choice.method, parameters=choice.parameters) if choice else None,
         )
         dense, ceiling = lists.get(DENSE), None if keyword is None else keyword.query_ceiling or keyword.ceiling

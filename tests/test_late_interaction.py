@@ -22,7 +22,7 @@ from ontofabric.services.query.stages import late_interaction
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.embedder import build_embedder
 from ontofabric.shared.late_interaction import (
-    blend_with_fused_position,
+    blend_with_fused_relevance,
     max_similarities,
     max_similarities_of_signs,
     pack_signs,
@@ -80,28 +80,55 @@ def test_max_similarity_over_packed_signs_equals_it_over_their_unpacked_rows(dim
         max_similarities_of_signs(query, [packed[0], b"\x00" * 3], dimension)
 
 
-def test_blending_similarity_into_the_fused_position() -> None:
+EVENLY = [1.0 - n / 10 for n in range(10)]
+"""Fused relevances one step apart, as fused positions are."""
+
+
+def test_blending_similarity_into_the_fused_relevance() -> None:
     similarities: list[float | None] = [0.1, 0.2, 0.9, 0.3]
-    kept = blend_with_fused_position(similarities, weight=0.0)
+    kept = blend_with_fused_relevance(similarities, EVENLY[:4], weight=0.0)
     assert kept == sorted(kept, reverse=True)  # weight 0: the fused order as it was
     assert len(set(kept)) == 4
-    followed = blend_with_fused_position(similarities, weight=1.0)
+    followed = blend_with_fused_relevance(similarities, EVENLY[:4], weight=1.0)
     assert max(range(4), key=lambda i: followed[i]) == 2  # weight 1: the similarity alone
     assert all(0.0 < v < 1.0 for v in kept + followed)
-    assert blend_with_fused_position([0.4, 0.4, 0.4], 1.0) == [0.5, 0.5, 0.5]  # no spread: no signal
-    assert blend_with_fused_position([0.7], 0.2) == [0.5]
-    assert blend_with_fused_position([], 0.2) == []
+    assert blend_with_fused_relevance([0.4, 0.4, 0.4], [0.5, 0.5, 0.5], 1.0) == [0.5, 0.5, 0.5]  # no signal
+    assert blend_with_fused_relevance([0.7], [0.3], 0.2) == [0.5]
+    assert blend_with_fused_relevance([], [], 0.2) == []
 
 
-def test_a_candidate_without_token_vectors_keeps_its_position_only() -> None:
-    blended = blend_with_fused_position([0.1, None, 0.9, 0.1], weight=1.0)
-    assert blended[1] == pytest.approx(0.5)  # the mean similarity: neither lifted nor sunk
-    assert blended[2] > blended[1] > blended[0]
+def test_a_candidate_without_token_vectors_is_neither_lifted_nor_sunk() -> None:
+    """Before 2026-11-30 it took the mean similarity: the fusion's first, found first by both retrievers but sent
+    without token vectors, fell to fourth below three the fusion scored near zero (an independent tester)."""
+    relevances = [0.72, 0.05, 0.04, 0.03, 0.02]
+    similarities: list[float | None] = [None, 0.6, 0.7, 0.65, 0.2]
+    blended = blend_with_fused_relevance(similarities, relevances, weight=1.0)
+    assert max(range(5), key=lambda i: blended[i]) == 0
+    fused_only = blend_with_fused_relevance(similarities, relevances, weight=0.0)
+    assert blended[0] == pytest.approx(fused_only[0])  # its own fused standing, whatever the weight
+
+
+def test_a_candidate_far_ahead_in_the_fusion_is_not_overtaken_for_its_tokens_alone() -> None:
+    """Positions alone hid how far ahead the first was: a keyword match scored 0.9 by the fusion fell below a
+    candidate it scored near zero whose tokens matched the query better (an independent tester's finding)."""
+    relevances = [0.9, 0.06, 0.05, 0.05, 0.04, 0.04, 0.03, 0.03, 0.02, 0.02]
+    similarities: list[float | None] = [0.1, 0.3, 0.3, 0.9, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
+    relevance = blend_with_fused_relevance(similarities, relevances, Settings().late_interaction_weight)
+    order = sorted(range(10), key=lambda i: -relevance[i])
+    assert order[0] == 0
+    assert order[1] == 3  # among the near-equals, the strong token match leads
+    # Second in the fusion, a strong match overtakes a first it is level with, not one far ahead of it (by
+    # positions alone it overtook both).
+    similarities = [0.1, 0.9, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
+    level = blend_with_fused_relevance(similarities, [0.5, 0.49, 0.2, 0.19, 0.18, 0.17, 0.16, 0.15, 0.14, 0.13], 0.2)
+    assert max(range(10), key=lambda i: level[i]) == 1
+    behind = blend_with_fused_relevance(similarities, relevances, 0.2)
+    assert max(range(10), key=lambda i: behind[i]) == 0
 
 
 def test_at_the_deployment_weight_a_strong_match_climbs_but_does_not_jump_the_queue() -> None:
     similarities: list[float | None] = [0.3, 0.31, 0.29, 0.3, 0.32, 0.9, 0.3, 0.28, 0.31, 0.3]
-    relevance = blend_with_fused_position(similarities, Settings().late_interaction_weight)
+    relevance = blend_with_fused_relevance(similarities, EVENLY, Settings().late_interaction_weight)
     order = sorted(range(10), key=lambda i: -relevance[i])
     assert order.index(5) == 3  # from sixth to fourth
     assert order[:3] == [0, 1, 2]

@@ -22,7 +22,7 @@ from ontofabric.contracts.query import (
 )
 from ontofabric.shared.late_interaction import (
     TokenMatrix,
-    blend_with_fused_position,
+    blend_with_fused_relevance,
     max_similarities_of_signs,
     token_count,
 )
@@ -142,7 +142,7 @@ def late_interaction(
     weight: float,
     depth: int,
 ) -> tuple[list[Fused], LateInteractionReport | None]:
-    """The leading ``depth`` candidates reordered by their fused position blended with their MaxSim similarity to
+    """The leading ``depth`` candidates reordered by their fused relevance blended with their MaxSim similarity to
     the query's tokens (over their stored token signs), each with the blend as its relevance; those after them
     keep their order, scaled under the lowest blended relevance. Unchanged (report None) when fewer than two
     leading candidates have token vectors: there is nothing to compare."""
@@ -157,7 +157,9 @@ def late_interaction(
     if weight <= 0 or len(stored) < 2:
         return candidates, None
     found = dict(zip(stored, max_similarities_of_signs(query_tokens, list(stored.values()), dimension), strict=True))
-    relevances = blend_with_fused_position([found.get(position) for position in range(len(head))], weight)
+    relevances = blend_with_fused_relevance(
+        [found.get(position) for position in range(len(head))], [hit.relevance for hit in head], weight
+    )
     order = sorted(range(len(head)), key=lambda i: (-relevances[i], i))
     ranked = [replace(head[i], relevance=relevances[i]) for i in order]
     report = LateInteractionReport(weight=weight, candidates=len(head), with_token_vectors=len(found))
@@ -220,7 +222,7 @@ def reranked_order(
     ranking: Sequence[tuple[int, float]], sent: Sequence[Fused], candidates: Sequence[Fused]
 ) -> list[Fused]:
     """A reranker's checked ranking of the ``sent`` candidates, each with its relevance; the candidates past its
-    depth, or that it left out, follow below the ranked ones."""
+    depth follow below the ranked ones."""
     return above_the_rest([replace(sent[i], relevance=score) for i, score in ranking], candidates)
 
 

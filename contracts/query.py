@@ -381,7 +381,13 @@ class QueryMeta(WireModel):
     skipped_late_interaction: str | None = Field(
         default=None,
         description="Why late interaction did not run by default: long_query (more embedding-model tokens than the "
-        "deployment compares; a request that sets lateInteraction.weight runs it anyway).",
+        "deployment compares; a request that sets lateInteraction.weight runs it anyway); not_embedded (the request "
+        "set lateInteraction.weight, but the query was not embedded: keyword retrieval alone, or the embedder away).",
+    )
+    skipped_second_opinion: str | None = Field(
+        default=None,
+        description="Why the second opinion a request asked for (secondOpinion.weight above 0) did not run: "
+        "not_configured (this deployment keeps no second vectors).",
     )
     cache_hit: bool
     degraded: list[str] = Field(

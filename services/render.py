@@ -69,6 +69,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         )
     elif meta.skipped_late_interaction:
         console.print(f"[dim]lateInteraction[/dim] skipped: {meta.skipped_late_interaction}")
+    if meta.skipped_second_opinion:
+        console.print(f"[dim]secondOpinion[/dim] skipped: {meta.skipped_second_opinion}")
     for context in meta.expanded_context:
         arrow = "->" if context.direction == "outgoing" else "<-"
         console.print(

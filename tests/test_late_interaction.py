@@ -199,6 +199,13 @@ async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
         OntologyQuery.model_validate({"semanticQuery": "q", "options": {"retrievers": ["keyword"]}}), "w"
     )
     assert keyword_only.meta.late_interaction is None  # no embedding pass, no query tokens
+    assert keyword_only.meta.skipped_late_interaction is None  # not asked for: nothing to say
+    asked_alone = OntologyQuery.model_validate(
+        {"semanticQuery": "q", "options": {"retrievers": ["keyword"], "lateInteraction": {"weight": 0.9}}}
+    )
+    unheard = await _pipeline(retrieval).answer(asked_alone, "w")  # an independent tester's finding: said nothing
+    assert unheard.meta.late_interaction is None
+    assert unheard.meta.skipped_late_interaction == "not_embedded"
     assert reply.meta.skipped_late_interaction is None
     # A query of more tokens than the deployment compares keeps the fused order, and says why.
     shorter = PipelineConfig(late_interaction_weight=0.9, late_interaction_max_query_tokens=len(QUERY_TOKENS) - 1)

@@ -124,11 +124,17 @@ async def test_the_pipeline_asks_for_its_model_s_vectors_and_says_what_ran() -> 
     retrieval = ScriptedRetrieval(second_vectors=vectors)
     plain = await pipeline_over(retrieval).answer(OntologyQuery(semantic_query="q"), "w")
     assert plain.meta.second_opinion is None
+    assert plain.meta.skipped_second_opinion is None  # not asked for
     assert retrieval.second_asked[-1] == ([], None)
+    # Asked for where no second model runs: said, not dropped in silence (an independent tester's finding).
+    asked = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"secondOpinion": {"weight": 5}}})
+    unheard = await pipeline_over(retrieval).answer(asked, "w")
+    assert (unheard.meta.second_opinion, unheard.meta.skipped_second_opinion) == (None, "not_configured")
     model = FixedSecondModel()
     config = PipelineConfig(second_opinion_weight=10.0)
     reply = await pipeline_over(retrieval, config=config, second=model).answer(OntologyQuery(semantic_query="q"), "w")
     assert reply.meta.second_opinion is not None
+    assert reply.meta.skipped_second_opinion is None
     assert reply.meta.second_opinion.model == "second-test"
     assert reply.meta.second_opinion.with_second_vectors == 3
     assert "secondOpinion" in reply.meta.timings_ms

@@ -214,7 +214,7 @@ class Evaluation:
                 continue
             if reply.meta.degraded:
                 result.degraded += 1
-            if reply.meta.skipped_late_interaction:
+            if reply.meta.skipped_late_interaction == "long_query":
                 result.late_interaction_skipped += 1
             for stage, ms in reply.meta.timings_ms.items():
                 stages.setdefault(stage, []).append(ms)

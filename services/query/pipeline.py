@@ -399,10 +399,14 @@ class QueryPipeline:
             self._collapses(run.query),
             second_opinion_available=self._second is not None,
         )
+        second_asked = options_of(run.query).second_opinion
         run.report(
             signals=signals,
             skipped_rerank=refinements.skipped_rerank,
             skipped_late_interaction=refinements.skipped_late_interaction,
+            skipped_second_opinion=(
+                "not_configured" if second_asked and second_asked.weight and self._second is None else None
+            ),
             could_benefit_from_link_expansion=not run.query.follow_links and reads_as_relationship_question(run.text),
         )
         return refinements

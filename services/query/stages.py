@@ -110,7 +110,7 @@ def plan_refinements(
     weight = config.late_interaction_weight if asked.weight is None else asked.weight
     depth = asked.depth or config.late_interaction_depth
     tokens = query_tokens if weight > 0 else None  # none: late interaction does not run
-    skipped = None
+    skipped = "not_embedded" if query_tokens is None and asked.weight else None  # asked for, and not possible
     if tokens is not None and len(tokens) > config.late_interaction_max_query_tokens and asked.weight is None:
         # On long queries it reordered the fused list worse than the fusion alone (docs/quality.md, "Late
         # interaction"); a request that sets its weight itself still gets it.

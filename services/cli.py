@@ -312,11 +312,18 @@ def ingest(
             "ingest's, or from main's).",
         ),
     ] = None,
+    allow_empty: Annotated[
+        bool,
+        typer.Option(
+            help="Ingest a tree with no source file even when that deletes every document the last ingest of the "
+            "workspace and branch published (refused otherwise: a wrong path or a volume not mounted)."
+        ),
+    ] = False,
     data_dir: DataDir = None,
 ) -> None:
     """Chunk a source tree and publish what changed since the last ingest of this workspace and branch."""
     from .ingest.chunking import tree_package
-    from .ingest.ingester import ExclusionRefused, Ingester, exclusion_patterns
+    from .ingest.ingester import EmptyTreeRefused, ExclusionRefused, Ingester, exclusion_patterns
 
     try:
         tree_package("", [], package)
@@ -342,8 +349,10 @@ def ingest(
                         js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
                     )
                     try:
-                        report = await ingester.ingest(path.resolve(), workspace, branch, package, exclude or ())
-                    except ExclusionRefused as error:
+                        report = await ingester.ingest(
+                            path.resolve(), workspace, branch, package, exclude or (), allow_empty
+                        )
+                    except (ExclusionRefused, EmptyTreeRefused) as error:
                         _fail(str(error))
                     except ManifestMissing as error:
                         _fail(

@@ -556,3 +556,26 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     _, said = await asyncio.to_thread(ingest, "--branch", "feature/x", "--exclude", "tests", "--exclude", "nomatch")
     assert "repo/main was last" not in said
     assert "the last ingest of repo/feature/x excluded nothing; this one excludes nomatch tests" in said
+    # A tree with no source file (a wrong path, a volume not mounted) would delete the whole index: refused,
+    # nothing sent (an independent tester's finding: it deleted every document, exit 0); asked for, it empties it.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def ingest_empty(*options: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [ontofabric, "ingest", str(empty), "--workspace", "repo", *options], env=env,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    refused = await asyncio.to_thread(ingest_empty)
+    assert refused.returncode == 2
+    assert "holds no source file" in refused.stderr
+    assert "would delete the 4 documents the last ingest of repo/main published" in " ".join(refused.stderr.split())
+    files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
+    assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    emptied = await asyncio.to_thread(ingest_empty, "--allow-empty")
+    assert emptied.returncode == 0, emptied.stderr
+    assert "0 upserts, 4 deletes" in emptied.stdout
+    assert not await deployment.fetch(
+        "SELECT 1 FROM documents WHERE workspace = 'repo' AND branch = 'main' AND NOT deleted"
+    )

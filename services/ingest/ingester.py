@@ -70,6 +70,11 @@ class ExclusionRefused(ValueError):
     """An ``--exclude`` that names nothing in the tree, or that would leave nothing of it."""
 
 
+class EmptyTreeRefused(ValueError):
+    """A tree with no source file, whose ingest would delete everything the last one published (a wrong path, a
+    volume not mounted): refused unless asked for."""
+
+
 def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
     """``patterns`` as :func:`excluded` reads them, each once and sorted (the same set of patterns reads the
     same): ``\\`` as ``/``, without a leading ``./`` or a trailing ``/``, an absolute one made relative to
@@ -433,11 +438,13 @@ class Ingester:
         branch: str = MAIN_BRANCH,
         package: str | None = None,
         exclude: Collection[str] = (),
+        allow_empty: bool = False,
     ) -> IngestReport:
         """Publish what changed in the tree at ``root`` since the last ingest of the workspace's branch.
         ``package``: the tree's package name when it is not its directory's (empty: none; see
         :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
-        published of them is deleted, as for a file gone from the tree."""
+        published of them is deleted, as for a file gone from the tree. A tree with no source file that would
+        delete documents is refused (EmptyTreeRefused) unless ``allow_empty``."""
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         patterns = exclusion_patterns(root, exclude)
         sources = await asyncio.to_thread(read_tree, root, patterns)
@@ -467,6 +474,13 @@ class Ingester:
         patterns_changed = previous.exclude is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         plan = plan_ingest(desired, previous, main)
+        deleted = sum(1 for key in plan.deletes if key.startswith("d:"))
+        if not sources and deleted and not allow_empty:
+            raise EmptyTreeRefused(
+                f"{root} holds no source file this ingester reads (.py, .md): its ingest would delete the {deleted} "
+                f"documents the last ingest of {workspace}/{branch} published. Nothing sent; check the path, or "
+                "pass --allow-empty to empty the branch on purpose"
+            )
         log.info(
             "ingest_planned", workspace=workspace, branch=branch, files=len(sources), chunks=len(chunks),
             upserts=len(plan.upserts), deletes=len(plan.deletes), reverts=len(plan.reverts),

@@ -35,7 +35,7 @@ from typer.core import TyperOption
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
 from ontofabric.shared.db import migrate
-from ontofabric.shared.embedder import build_embedder
+from ontofabric.shared.embedder import ModelMissing, build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import (
     ConnectionLost,
@@ -1475,7 +1475,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except (PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable) as error:  # no traceback
+    except (PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable, ModelMissing) as error:
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
     except NatsUnreachable as error:

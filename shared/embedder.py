@@ -160,8 +160,17 @@ def wants_bfloat16(precision: Precision) -> bool:
     return precision == "bfloat16" or (precision == "auto" and cpu_has_bfloat16())
 
 
+class ModelMissing(Exception):
+    """No model where a setting points: said in a line, not as the Hub client's traceback about repo ids."""
+
+
 def load_sentence_transformer(model_path: Path, bfloat16: bool) -> SentenceTransformer:
     """A sentence-transformers model from a local directory, on CPU, never touching the network."""
+    if not (model_path / "config.json").is_file():
+        raise ModelMissing(
+            f"no embedding model at {model_path} (no config.json there): ONTOFABRIC_EMBEDDING_MODEL_PATH, and "
+            "ONTOFABRIC_NEXT_EMBEDDING_MODEL_PATH during a model change, name a sentence-transformers model's directory"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch

@@ -553,6 +553,26 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _urls_have_ports_a_connection_can_use(self) -> Self:
+        """A port that is no number failed as a traceback from deep in a driver (an independent tester); said at
+        start instead, without the URL (it may hold a password)."""
+        given = {
+            "database_url": [self.database_url],
+            "query_database_url": [self.query_database_url],
+            "projector_database_url": [self.projector_database_url],
+            "partition_databases": self.partition_database_urls(),
+            "query_replica_urls": self.replica_urls(),
+            "nats_url": (self.nats_url or "").split(","),
+        }
+        for name, urls in given.items():
+            for url in urls:
+                try:
+                    urlsplit((url or "").strip()).port  # noqa: B018 - reading it is the check
+                except ValueError:
+                    raise ValueError(f"{name}: a port is not a number from 0 to 65535") from None
+        return self
+
+    @model_validator(mode="after")
     def _secrets_only_over_tls(self) -> Self:
         keyed = {"reranker_url": self.reranker_api_key, "azure_search_endpoint": self.azure_search_api_key}
         for url_field, key in keyed.items():

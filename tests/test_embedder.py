@@ -21,9 +21,11 @@ from ontofabric.shared.embedder import (
     Coalescer,
     EmbedderMismatch,
     LocalSentenceTransformer,
+    ModelMissing,
     ModelThread,
     build_embedder,
     cpu_has_bfloat16,
+    load_sentence_transformer,
     pool_windows,
     wants_bfloat16,
     window_spans,
@@ -621,3 +623,11 @@ async def test_a_model_thread_job_whose_caller_gave_up_is_not_run_and_an_error_r
         with pytest.raises(ValueError, match="no such token"):
             await thread.run(partial(jobs, "broken"), "b")
     assert jobs.ran == ["busy", "next", "broken"]
+
+
+def test_a_model_path_that_holds_no_model_is_said_in_a_line(tmp_path: Path) -> None:
+    """An independent tester's finding: a path that is no directory, or an empty one, ended in the Hub client's
+    traceback about repo ids (for `up`, `query-worker`, `ingest` and `reembed`)."""
+    for where in (tmp_path / "nonexistent", tmp_path):
+        with pytest.raises(ModelMissing, match="no embedding model at .*ONTOFABRIC_EMBEDDING_MODEL_PATH"):
+            load_sentence_transformer(where, bfloat16=False)

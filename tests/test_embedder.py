@@ -629,5 +629,5 @@ def test_a_model_path_that_holds_no_model_is_said_in_a_line(tmp_path: Path) -> N
     """An independent tester's finding: a path that is no directory, or an empty one, ended in the Hub client's
     traceback about repo ids (for `up`, `query-worker`, `ingest` and `reembed`)."""
     for where in (tmp_path / "nonexistent", tmp_path):
-        with pytest.raises(ModelMissing, match="no embedding model at .*ONTOFABRIC_EMBEDDING_MODEL_PATH"):
+        with pytest.raises(ModelMissing, match=r"no embedding model at .*ONTOFABRIC_EMBEDDING_MODEL_PATH"):
             load_sentence_transformer(where, bfloat16=False)

@@ -462,7 +462,8 @@ class LocalSentenceTransformer:
         if not texts:
             return np.zeros((0, self.dimension), np.float32), []
         pieces, owners = self._read_in_windows(texts)
-        encoded = model.encode(pieces, batch_size=batch_size, output_value=None)
+        # No progress bar: sentence-transformers draws one when its logger is at INFO or DEBUG, into the JSON log.
+        encoded = model.encode(pieces, batch_size=batch_size, output_value=None, show_progress_bar=False)
         # Normalised here, in float32: normalised in bfloat16, lengths come out up to 0.2 % off one.
         window_vectors = unit_rows(np.stack([np.asarray(e["sentence_embedding"].float(), np.float32) for e in encoded]))
         # Batched rows are padded to the longest text: keep the tokens the attention mask says are real.

@@ -66,17 +66,18 @@ def test_a_dropped_line_raises_nothing_into_the_code_that_logged_it(caplog: pyte
         logger.removeHandler(handler)
 
 
-@pytest.mark.parametrize("transformers_first", [False, True])
-def test_loading_the_model_writes_only_json_lines(transformers_first: bool) -> None:
+@pytest.mark.parametrize(("transformers_first", "level"), [(False, "INFO"), (True, "INFO"), (False, "DEBUG")])
+def test_loading_the_model_writes_only_json_lines(transformers_first: bool, level: str) -> None:
     """An operator's finding: transformers drew a "Loading weights" progress bar into the workers' JSON-lines log.
-    Whether transformers was imported before logging was configured or after."""
+    Whether transformers was imported before logging was configured or after. At DEBUG, sentence-transformers drew
+    its "Batches" bar for every document embedded (an independent tester's finding)."""
     script = (
         ("import transformers\n" if transformers_first else "")
         + "from ontofabric.shared.logging import configure_logging\n"
         "from ontofabric.shared.settings import Settings\n"
-        "configure_logging('INFO', 'json')\n"
+        f"configure_logging({level!r}, 'json')\n"
         "from ontofabric.shared.embedder import load_embedder\n"
-        "load_embedder(Settings())\n"
+        "load_embedder(Settings()).embed_documents(['def f(): pass'])\n"
         "import logging; logging.getLogger('ontofabric.test').warning('loaded')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "ONTOFABRIC_"))}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -82,10 +85,19 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     console.print(f"[dim]timings[/dim] {timings}")
 
 
-class RichProgress:
-    """The Progress port (shared/progress.py) drawn as rich progress bars."""
+PLAIN_PROGRESS_EVERY_S = 10.0
+"""Where no terminal shows bars (a pipe, a log file, CI): how often a stage's progress is written as a line."""
 
-    def __init__(self, console: Console) -> None:
+
+class RichProgress:
+    """The Progress port (shared/progress.py) drawn as rich progress bars on a terminal; elsewhere, where rich
+    would draw them only once the command ends, a line per stage when it starts, every PLAIN_PROGRESS_EVERY_S
+    while it runs, and when it is done."""
+
+    def __init__(self, console: Console, clock: Callable[[], float] = time.monotonic) -> None:
+        self._console = console
+        self._plain = not console.is_terminal
+        self._clock = clock
         self._progress = Progress(
             TextColumn("{task.description:>8}"),
             BarColumn(),
@@ -95,19 +107,47 @@ class RichProgress:
             transient=False,
         )
         self._tasks: dict[str, TaskID] = {}
+        self._lines: dict[str, _PlainStage] = {}
 
     def __enter__(self) -> RichProgress:
-        self._progress.start()
+        if not self._plain:
+            self._progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
+        if not self._plain:
+            self._progress.stop()
 
     def stage(self, name: str, total: int) -> None:
+        if self._plain:
+            now = self._clock()
+            self._lines[name] = _PlainStage(total, now, now)
+            self._console.print(f"{name}: 0/{total}", markup=False, highlight=False)
+            return
         self._tasks[name] = self._progress.add_task(name, total=total)
 
     def advance(self, name: str, amount: int = 1) -> None:
-        self._progress.advance(self._tasks[name], amount)
+        if not self._plain:
+            self._progress.advance(self._tasks[name], amount)
+            return
+        stage = self._lines[name]
+        was_done = stage.done >= stage.total
+        stage.done += amount
+        now = self._clock()
+        finished = stage.done >= stage.total and not was_done
+        if finished or now - stage.said_at >= PLAIN_PROGRESS_EVERY_S:
+            stage.said_at = now
+            self._console.print(
+                f"{name}: {stage.done}/{stage.total} ({now - stage.started:.0f} s)", markup=False, highlight=False
+            )
+
+
+@dataclass
+class _PlainStage:
+    total: int
+    started: float
+    said_at: float
+    done: int = 0
 
 
 def _size(count: int) -> str:

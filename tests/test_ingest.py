@@ -277,6 +277,32 @@ def test_a_wait_on_the_projector_shows_progress_and_says_once_when_the_index_sto
     assert watch.floor == 120
 
 
+def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
+    """An independent tester's finding: under a pipe (nohup, CI, systemd) rich drew the bars only when the command
+    ended, so an ingest of a cold cache was silent for three minutes."""
+    import io
+
+    from rich.console import Console
+
+    from ontofabric.services.render import PLAIN_PROGRESS_EVERY_S, RichProgress
+
+    out, now = io.StringIO(), [0.0]
+    with RichProgress(Console(file=out, force_terminal=False), clock=lambda: now[0]) as progress:
+        progress.stage("embed", 100)
+        assert out.getvalue() == "embed: 0/100\n"  # said at once, not at the end
+        progress.advance("embed", 10)
+        now[0] = PLAIN_PROGRESS_EVERY_S
+        progress.advance("embed", 30)
+        assert out.getvalue().splitlines()[-1] == f"embed: 40/100 ({PLAIN_PROGRESS_EVERY_S:.0f} s)"
+        progress.advance("embed", 1)  # within the interval: no line
+        assert len(out.getvalue().splitlines()) == 2
+        now[0] += 1
+        progress.advance("embed", 59)  # done: said whatever the interval
+        assert out.getvalue().splitlines()[-1] == f"embed: 100/100 ({PLAIN_PROGRESS_EVERY_S + 1:.0f} s)"
+        progress.advance("embed", 1)  # past the total: no second "done"
+        assert len(out.getvalue().splitlines()) == 3
+
+
 def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(
     deployment: Deployment, tmp_path: Path
 ) -> None:

@@ -1215,11 +1215,9 @@ def rebuild(
                 return
             report = asyncio.run(job.run())
     except RebuildFailed as error:
-        advice = (
-            "run again to resume"
-            if error.resumable
-            else "running again will not help as things are; --discard drops the shadow tables"
-        )
+        advice = "run again to resume" if error.resumable else "running again will not help as things are"
+        if not error.resumable and error.shadow:
+            advice += "; --discard drops the shadow tables"
         _fail(f"{error}\nthe live index is unchanged; {advice}")
     except (asyncpg.InterfaceError, ConnectionResetError) as error:  # the database went away under it
         _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
@@ -1263,7 +1261,7 @@ def reembed(
     settings = _settings("ontofabric-reembed", data_dir, quiet=True)
     endpoints = _endpoints(settings)
     placement = Placement.of(settings, endpoints.database_url)
-    database = ""
+    database, changed = "", 0
     try:
         with RichProgress(console) as progress:
             jobs = [
@@ -1288,9 +1286,10 @@ def reembed(
                     f"{report.versions} versions announced",
                     soft_wrap=True,
                 )
+                changed += 1
     except ChangeRefused as error:
-        _fail(f"{database}: {error}\nthis database's index still answers with the model it held (databases listed "
-              "above have changed)")  # fmt: skip
+        others = f"the {changed} listed above have changed" if changed else "no other database has changed"
+        _fail(f"{database}: {error}\nthis database's index still answers with the model it held ({others})")
 
 
 @app.command()

@@ -105,7 +105,10 @@ async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Aw
     except asyncio.CancelledError:
         current = asyncio.current_task()
         if refused.done() and (current is None or not current.cancelling()):
-            raise PermissionDenied(f"the server refused these credentials the subject {refused.result()!r}") from None
+            raise PermissionDenied(
+                f"the NATS server refused these credentials the subject {refused.result()!r}: their user may not "
+                "use it (another workspace's subject, or another role's)"
+            ) from None
         raise
     finally:
         for key in keys:

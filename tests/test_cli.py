@@ -392,6 +392,27 @@ def test_a_rebuild_the_database_drops_says_it_can_be_resumed(monkeypatch: pytest
     assert "run again to resume" in result.output
 
 
+def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An independent tester's finding: `rebuild nosuchws` advised --discard, which then found nothing to discard."""
+    from typer.testing import CliRunner
+
+    from ontofabric.services import cli
+    from ontofabric.services.ops.rebuild import Rebuild
+    from ontofabric.services.ops.shadow import RebuildFailed
+
+    async def refused(self: Rebuild) -> None:
+        raise RebuildFailed("the stream holds no deltas of workspace 'nosuchws'", resumable=False, shadow=False)
+
+    monkeypatch.setattr(Rebuild, "run", refused)
+    env = {"ONTOFABRIC_NATS_URL": "nats://127.0.0.1:1", "ONTOFABRIC_DATABASE_URL": "postgresql://127.0.0.1:1/x"}
+    result = CliRunner().invoke(cli.app, ["rebuild", "nosuchws", "--data-dir", str(tmp_path)], env=env)
+    assert result.exit_code == 2
+    assert "running again will not help as things are" in " ".join(result.output.split())
+    assert "--discard" not in result.output
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "said"),
     [

@@ -876,3 +876,23 @@ async def test_a_call_whose_connection_goes_away_under_it_is_a_retryable_error(d
         await worker.close()
     assert result.is_error is True
     assert "error unavailable (retryable: try again): the connection to NATS was lost" in _text(result)
+
+
+def test_the_status_text_of_a_branch_whose_deltas_were_compacted_away() -> None:
+    """An independent tester's finding: after `ontofabric compact` the text said "last delta seq None"."""
+    from ontofabric.contracts.lookup import BranchStatus, StatusReply
+    from ontofabric.services.gateway.tools import _render_status
+
+    main = BranchStatus(
+        branch="main", ontology_version="9-ab", documents=3, latest_seq=None, pending_deltas=0, pending_ms=None,
+        last_change=None,
+    )  # fmt: skip
+    reply = StatusReply(
+        workspace="acme", branch="main", ontology_version="9-ab", indexed_seq=9, branches=[main], pending_deltas=0,
+        dead_letters=0,
+    )  # fmt: skip
+    text = _render_status(reply)
+    assert "None" not in text
+    assert "3 documents, no delta of it in the stream, 0 pending" in text
+    later = _render_status(reply.model_copy(update={"branches": [main.model_copy(update={"latest_seq": 12})]}))
+    assert "last delta seq 12" in later

@@ -396,8 +396,10 @@ def _render_status(reply: StatusReply) -> str:
     ]
     for branch in reply.branches:
         waited = f", oldest {branch.pending_ms} ms" if branch.pending_ms is not None else ""
+        # None once compaction folded its deltas into a snapshot: no number to print.
+        last = "no delta of it in the stream" if branch.latest_seq is None else f"last delta seq {branch.latest_seq}"
         lines.append(
-            f"- {branch.branch}: {branch.documents} documents, last delta seq {branch.latest_seq}, "
-            f"{branch.pending_deltas} pending{waited}, last change {branch.last_change}"
+            f"- {branch.branch}: {branch.documents} documents, {last}, {branch.pending_deltas} pending{waited}, "
+            f"last change {branch.last_change or 'none yet'}"
         )
     return "\n".join(lines)

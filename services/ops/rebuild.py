@@ -259,13 +259,15 @@ class Rebuild:
                 resumable=False,
             )
         if not state.subjects and snapshot is None:
-            raise RebuildFailed(f"the stream holds no deltas of workspace {self._workspace!r}", resumable=False)
+            raise RebuildFailed(
+                f"the stream holds no deltas of workspace {self._workspace!r}", resumable=False, shadow=False
+            )
         return snapshot, compacted
 
     async def _check_live_schema(self, conn: asyncpg.Connection) -> None:
         """The shadow is built by this command's migrations for its model: the live schema must be their twin."""
         if await conn.fetchval("SELECT to_regclass('public.schema_migrations')") is None:
-            raise RebuildFailed("the database holds no ontofabric index to rebuild", resumable=False)
+            raise RebuildFailed("the database holds no ontofabric index to rebuild", resumable=False, shadow=False)
         live = await conn.fetchval("SELECT max(version) FROM public.schema_migrations")
         ours = max(m.version for m in migrations())
         if live != ours:

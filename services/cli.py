@@ -1407,6 +1407,10 @@ def contracts(
     from ontofabric.shared import asyncapi
 
     if write:
+        if not (schema.SCHEMA_DIR.parent.parent / "pyproject.toml").is_file():
+            # An installed package's copy: rewriting it changes nothing anyone commits, and a reinstall undoes it.
+            _fail(f"--write rewrites a checkout's contracts; {schema.SCHEMA_DIR.parent} is an installed copy (run it "
+                  "from an editable install of the checkout)")  # fmt: skip
         for path in [*schema.write(), asyncapi.write()]:
             console.print(f"wrote {path}")
         return

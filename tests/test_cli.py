@@ -503,3 +503,19 @@ async def test_migrate_needs_the_database_alone(deployment: Deployment) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "applied" in result.stdout
+
+
+def test_contracts_write_refuses_an_installed_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An independent tester's finding: in a wheel install it rewrote the schemas inside site-packages."""
+    from typer.testing import CliRunner
+
+    from ontofabric.contracts import schema
+    from ontofabric.services import cli
+
+    installed = tmp_path / "site-packages" / "ontofabric" / "contracts" / "schemas"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(schema, "SCHEMA_DIR", installed)
+    result = CliRunner().invoke(cli.app, ["contracts", "--write"])
+    assert result.exit_code == 2
+    assert "is an installed copy" in " ".join(result.output.split())
+    assert list(installed.iterdir()) == []

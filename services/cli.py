@@ -500,7 +500,7 @@ def mcp(
 ) -> None:
     """Run the MCP gateway: ontology_query, get_document and ontology_status for coding agents, over stdio (the
     default, for an agent's local configuration) or streamable HTTP; it forwards every call to the query workers."""
-    from .gateway.server import is_loopback, serve
+    from .gateway.server import ListenRefused, is_loopback, serve
 
     settings = _settings("ontofabric-mcp", data_dir, quiet=True, worker=True)
     if workspace is None and settings.gateway_workspace is not None:
@@ -554,7 +554,10 @@ def mcp(
             warming.cancel()
             await link.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ListenRefused as error:
+        _fail(str(error))
 
 
 gateway_token = typer.Typer(help="Bearer tokens of the HTTP gateway: who may call it, and which workspaces.")

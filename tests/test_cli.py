@@ -519,3 +519,18 @@ def test_contracts_write_refuses_an_installed_copy(monkeypatch: pytest.MonkeyPat
     assert result.exit_code == 2
     assert "is an installed copy" in " ".join(result.output.split())
     assert list(installed.iterdir()) == []
+
+
+def test_an_http_gateway_on_a_port_in_use_says_so_in_a_line(tmp_path: Path) -> None:
+    """An independent tester's finding: uvicorn's own 'ERROR: [Errno 98]' line, not JSON, and exit 3."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [ONTOFABRIC, "mcp", "--http", f"127.0.0.1:{port}", "--data-dir", str(tmp_path)],
+            capture_output=True, text=True, env=_env(), timeout=60, check=False,
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert f"the gateway cannot listen on 127.0.0.1:{port}" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections import deque
 from importlib.metadata import version
 from typing import Any
@@ -200,7 +201,17 @@ class Gateway:
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
         app = RequireBearer(CancelledWithClient(MisreadBodies(app)), tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
-        await uvicorn.Server(config).serve()
+        # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
+        try:
+            listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except OSError as error:
+            raise ListenRefused(f"the gateway cannot listen on {host}:{port}: {error.strerror or error}") from None
+        with listening:
+            await uvicorn.Server(config).serve(sockets=[listening])
+
+
+class ListenRefused(Exception):
+    """The HTTP gateway's address cannot be listened on (in use, not this machine's, not permitted)."""
 
 
 class MisreadBodies:

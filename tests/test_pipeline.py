@@ -687,15 +687,20 @@ class MovingStream:
         return Pending(len(seqs), 10.0 if seqs else None)
 
 
+def _caching_pipeline(stream: MovingStream) -> QueryPipeline:
+    """A pipeline with a cache, its freshness read from ``stream``."""
+    cache: LruCache[CacheKey, bytes] = LruCache(10)
+    return QueryPipeline(
+        ScriptedRetrieval().retrievers(), ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), cache,
+        PipelineConfig(), freshness=stream,
+    )  # fmt: skip
+
+
 async def test_an_answer_made_before_claims_the_position_now_only_when_its_branch_did_not_move() -> None:
     """A red team's finding: a cached (or shared) answer claimed the position read when it was handed out, past
     deltas of its branch applied since whose version this worker had not yet been told of."""
     stream = MovingStream(at=10)
-    cache: LruCache[CacheKey, bytes] = LruCache(10)
-    pipeline = QueryPipeline(
-        ScriptedRetrieval().retrievers(), ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), cache,
-        PipelineConfig(), freshness=stream,
-    )  # fmt: skip
+    pipeline = _caching_pipeline(stream)
     made = await pipeline.answer(QUERY, "w")
     assert made.meta.freshness is not None
     assert made.meta.freshness.indexed_seq == 10
@@ -720,11 +725,7 @@ async def test_a_cached_answer_whose_pending_deltas_were_settled_since_is_made_a
     it, read the position below it; cached, it said "1 pending" with a growing pendingMs until the next version,
     and a client waiting for indexedSeq to pass its write waited as long."""
     stream = MovingStream(at=10, published={"main": [11]})  # 11 applied and announced, not yet acked
-    cache: LruCache[CacheKey, bytes] = LruCache(10)
-    pipeline = QueryPipeline(
-        ScriptedRetrieval().retrievers(), ScriptedRetrieval(), FixedEmbedder(), Announced("5-a"), cache,
-        PipelineConfig(), freshness=stream,
-    )  # fmt: skip
+    pipeline = _caching_pipeline(stream)
     made = await pipeline.answer(QUERY, "w")
     assert made.meta.freshness is not None
     assert (made.meta.freshness.indexed_seq, made.meta.freshness.pending_deltas) == (10, 1)

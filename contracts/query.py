@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -32,8 +32,25 @@ class FusionOptions(StrictRequest):
         description="rrf: reciprocal rank fusion; convex: weighted sum of min-max normalised scores with a fixed "
         "dense weight; adaptive: convex with the weight set per query from the keyword list's saturation.",
     )
-    rrf_k: int | None = Field(default=None, ge=1, le=1000, description="RRF constant k.")
-    dense_weight: float | None = Field(default=None, ge=0.0, le=1.0, description="convex: weight of dense scores.")
+    rrf_k: int | None = Field(
+        default=None, ge=1, le=1000,
+        description="RRF constant k: rrf, and adaptive where it falls back to rrf (lists other than dense and "
+        "keyword); refused with method convex.",
+    )  # fmt: skip
+    dense_weight: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="convex: weight of dense scores; refused with method rrf or adaptive (which sets its own).",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _parameters_of_the_method_asked(self) -> Self:
+        """A parameter of another method than the one asked for would be ignored in silence (an independent
+        tester's finding): refused, naming it."""
+        if self.method == "convex" and self.rrf_k is not None:
+            raise ValueError("rrfK applies to method rrf (and adaptive's fall-back to it), not convex")
+        if self.method in ("rrf", "adaptive") and self.dense_weight is not None:
+            raise ValueError(f"denseWeight applies to method convex, not {self.method}")
+        return self
 
 
 class LateInteractionOptions(StrictRequest):

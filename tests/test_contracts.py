@@ -65,6 +65,10 @@ def test_query_defaults() -> None:
         '{"semanticQuery": "x", "options": {"candidates": 0}}',
         '{"semanticQuery": "x", "options": {"fusion": {"method": "magic"}}}',
         '{"semanticQuery": "x", "options": {"fusion": {"denseWeight": 1.5}}}',
+        # Another method's parameter was ignored in silence (an independent tester's finding).
+        '{"semanticQuery": "x", "options": {"fusion": {"method": "convex", "rrfK": 10}}}',
+        '{"semanticQuery": "x", "options": {"fusion": {"method": "rrf", "denseWeight": 0.3}}}',
+        '{"semanticQuery": "x", "options": {"fusion": {"method": "adaptive", "denseWeight": 0.3}}}',
         '{"semanticQuery": "x", "options": {"surprise": 1}}',
         '{"relatedTo": {"relation": "friends", "symbol": "f"}}',
         '{"relatedTo": {"relation": "callers", "symbol": "what calls f"}}',

@@ -263,8 +263,9 @@ class SearchResult(WireModel):
     score: float = Field(
         description="When _meta.calibrated: the estimated probability that the result is relevant, on one scale "
         "whatever retrievers ran (Platt scaling over its signals, fitted on judged queries; docs/quality.md), 1 "
-        "for a definition the query names (foundBy symbol), made to descend with rank; minRelevance is then a "
-        "threshold on it. Late interaction and a reranker change the order, not what a result is scored from. "
+        "for a definition the query names (foundBy symbol); minRelevance is then a threshold on it. Each result's "
+        "own, whatever its rank: the fusion, late interaction and a reranker change the order, not what a result "
+        "is scored from, so a result may score higher than one ranked before it. "
         "Otherwise (a listing; no signal to judge by; an index of another embedding model than the fit's; "
         "calibration turned off by the deployment) a relative relevance in [0, 1]: the reranker's, late "
         "interaction's blend, or the fused one."
@@ -399,7 +400,8 @@ class QueryMeta(WireModel):
         default=None,
         description="Why late interaction did not run by default: long_query (more embedding-model tokens than the "
         "deployment compares; a request that sets lateInteraction.weight runs it anyway); not_embedded (the request "
-        "set lateInteraction.weight, but the query was not embedded: keyword retrieval alone, or the embedder away).",
+        "set lateInteraction.weight, but the query was not embedded: keyword retrieval alone, or the embedder away); "
+        "no_token_vectors (fewer than two of the leading candidates have stored token vectors).",
     )
     skipped_second_opinion: str | None = Field(
         default=None,

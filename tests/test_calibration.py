@@ -3,7 +3,6 @@ points (services/ops/calibrate.py), and what an answer's scores then mean."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from pathlib import Path
@@ -19,7 +18,6 @@ from ontofabric.services.query.calibration import (
     fit_platt,
     judged,
     model_for,
-    non_increasing,
     reliability,
     result_signals,
 )
@@ -93,17 +91,6 @@ def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores(
     assert result_signals(None, [Candidate("c", 3.0)], keyword_ceiling=None) == {}
 
 
-def test_non_increasing_pools_adjacent_violators() -> None:
-    assert non_increasing([0.9, 0.5, 0.7, 0.1]) == pytest.approx([0.9, 0.6, 0.6, 0.1])
-    assert non_increasing([0.2, 0.4, 0.9]) == pytest.approx([0.5, 0.5, 0.5])
-    assert non_increasing([]) == []
-    rng = random.Random(3)
-    values = [rng.random() for _ in range(50)]
-    fitted = non_increasing(values)
-    assert all(a >= b for a, b in itertools.pairwise(fitted))
-    assert sum(fitted) == pytest.approx(sum(values))  # pooling keeps the mean of each block
-
-
 def test_fit_models_pools_datasets_and_holds_each_out(tmp_path: Path) -> None:
     rng = random.Random(5)
     points = []
@@ -155,8 +142,9 @@ async def test_off_topic_and_random_queries_keep_their_top_scores_low(
         assert on_topic.meta.calibrated, name
         assert on_topic.results[0].id == "csv", name
         assert on_topic.results[0].score > likely, name
-        scores = [r.score for r in on_topic.results]
-        assert scores == sorted(scores, reverse=True), name
+        # minRelevance keeps exactly the results scored at or above it, wherever they rank.
+        kept = await ask(ON_TOPIC, minRelevance=0.01, **params)
+        assert [r.id for r in kept.results] == [r.id for r in on_topic.results if r.score >= 0.01], name
         assert on_topic.results[0].signals, name  # what it was scored from
         for text in OFF_TOPIC:
             off = await ask(text, **params)

@@ -206,6 +206,10 @@ async def test_the_pipeline_runs_it_on_what_it_fetched_and_says_so() -> None:
     unheard = await _pipeline(retrieval).answer(asked_alone, "w")  # an independent tester's finding: said nothing
     assert unheard.meta.late_interaction is None
     assert unheard.meta.skipped_late_interaction == "not_embedded"
+    # Nothing to compare: no leading candidate has token vectors (a second tester's finding: said nothing).
+    bare = await _pipeline(ScriptedRetrieval(token_signs={})).answer(OntologyQuery(semantic_query="q"), "w")
+    assert bare.meta.late_interaction is None
+    assert bare.meta.skipped_late_interaction == "no_token_vectors"
     assert reply.meta.skipped_late_interaction is None
     # A query of more tokens than the deployment compares keeps the fused order, and says why.
     shorter = PipelineConfig(late_interaction_weight=0.9, late_interaction_max_query_tokens=len(QUERY_TOKENS) - 1)

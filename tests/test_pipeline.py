@@ -20,7 +20,6 @@ import pytest
 from ontofabric.contracts import OntologyQuery, QueryMeta
 from ontofabric.contracts.query import QueryOptions
 from ontofabric.services.query.cache import CacheKey
-from ontofabric.services.query.calibration import non_increasing
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import (
     Candidate,
@@ -647,11 +646,11 @@ async def test_scores_are_calibrated_over_the_answer_for_the_model_they_were_fit
     reply = await pipeline_over(ScriptedRetrieval()).answer(query, "w")
     assert reply.meta.calibrated
     # Each scored from its own signals by the hybrid model (a keyword hit without a cosine by the keyword one), in
-    # the pipeline's order, pooled where that order disagrees so that the scores descend.
+    # the pipeline's order, each its own estimate whatever its rank.
     assert reply.results[0].signals == {"cosine": 0.8, "keyword": 0.75}  # y: dense 0.8, keyword 3.0 of 4.0
     estimates = [calibration.probability("hybrid", r.signals) for r in reply.results]
     assert all(e is not None for e in estimates)
-    assert [r.score for r in reply.results] == pytest.approx(non_increasing([e or 0.0 for e in estimates]), abs=1e-6)
+    assert [r.score for r in reply.results] == pytest.approx(estimates, abs=1e-6)
     # An index of another embedding model: the cosine weights do not hold, the scores stay relative.
     other = await pipeline_over(ScriptedRetrieval(cosines={"z": 0.1}, index_model="another-model")).answer(query, "w")
     assert not other.meta.calibrated

@@ -121,20 +121,6 @@ def result_signals(
     return found
 
 
-def non_increasing(values: Sequence[float]) -> list[float]:
-    """The non-increasing sequence closest to ``values`` in squared error (isotonic regression by pool adjacent
-    violators): an answer's scores descend with its ranks while each stays as near its own estimate as that
-    allows."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for value in values:
-        blocks.append([value, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [block[0] / block[1] for block in blocks for _ in range(int(block[1]))]
-
-
 def fit_platt(signals: np.ndarray, labels: np.ndarray, l2: float = 1e-4, iterations: int = 100) -> Platt:
     """Logistic regression by Newton's method on Platt's smoothed targets ((N+ + 1) / (N+ + 2) for a relevant
     point, 1 / (N- + 2) for the rest), which keeps a separable set from pushing the weights to infinity; ``l2``

@@ -34,7 +34,7 @@ from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, drop_stale, drop_workspace, stable_hash
-from .calibration import Measured, model_for, non_increasing, result_signals
+from .calibration import Measured, model_for, result_signals
 from .config import PipelineConfig
 from .core import (
     DEFINING_LEVELS,
@@ -596,6 +596,8 @@ class QueryPipeline:
             return candidates
         reordered, report = refined
         run.report(late_interaction=report)
+        if report is None and candidates:  # asked for, and fewer than two leading candidates had token vectors
+            run.report(skipped_late_interaction="no_token_vectors")
         return reordered
 
     def _second_query_vector(self, run: QueryRun) -> asyncio.Future[npt.NDArray[np.float32]] | None:
@@ -687,7 +689,9 @@ class QueryPipeline:
     ) -> dict[str, float] | None:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
         signals (1 for a definition of the symbol the query names, or a chunk in the relation to it the query
-        asks about), made to descend with rank (``non_increasing``). None, and the pipeline's relative relevance
+        asks about), each its own whatever its rank (a stage that reorders may place it above one scored higher;
+        pooled to descend, a weak result shared a strong one's score, and minRelevance kept the one and dropped the
+        other: an independent tester's finding). None, and the pipeline's relative relevance
         kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
         model is not the one the cosine weights were fitted for, or when some result has no signal a model could
         judge (a listing; a keyword backend without a ceiling, alone)."""
@@ -708,7 +712,7 @@ class QueryPipeline:
                 return None
             estimates.append(estimate)
         run.report(calibrated=True)
-        return dict(zip((hit.id for hit in answer), non_increasing(estimates), strict=True))
+        return dict(zip((hit.id for hit in answer), estimates, strict=True))
 
     def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""

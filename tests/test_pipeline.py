@@ -739,3 +739,24 @@ async def test_a_cached_answer_whose_pending_deltas_were_settled_since_is_made_a
     cached = await pipeline.answer(QUERY, "w")  # and cached so
     assert cached.meta.cache_hit is True
     assert cached.meta.freshness == anew.meta.freshness
+
+
+def test_a_fusion_parameter_the_deployment_s_method_ignores_is_named() -> None:
+    """A second honesty tester's finding: without a method, denseWeight under the default adaptive fusion (or rrfK
+    under convex) was accepted and ignored; with a method the contract refuses it."""
+    from ontofabric.services.query.stages import unused_fusion_parameter
+
+    def asked(fusion: dict[str, object]) -> OntologyQuery:
+        return OntologyQuery.model_validate({"semanticQuery": "q", "options": {"fusion": fusion}})
+
+    weight = unused_fusion_parameter(asked({"denseWeight": 0.9}), "adaptive")
+    assert weight is not None
+    assert weight.field == "options.fusion.denseWeight"
+    assert "fuses by adaptive" in weight.message
+    assert unused_fusion_parameter(asked({"denseWeight": 0.9}), "convex") is None
+    k = unused_fusion_parameter(asked({"rrfK": 5}), "convex")
+    assert k is not None
+    assert k.field == "options.fusion.rrfK"
+    assert unused_fusion_parameter(asked({"rrfK": 5}), "adaptive") is None  # its fall-back to rrf reads it
+    assert unused_fusion_parameter(asked({"method": "convex", "denseWeight": 0.9}), "adaptive") is None
+    assert unused_fusion_parameter(OntologyQuery(semantic_query="q"), "adaptive") is None

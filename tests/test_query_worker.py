@@ -322,6 +322,8 @@ MALFORMED = [
     (b'{"semanticQuery": "x", "surprise": true}', "surprise"),
     (b'{"semanticQuery": "x", "workspace": "someone-else"}', "workspace"),
     (json.dumps({"semanticQuery": "x" * 5000}).encode(), "semanticQuery"),
+    (b'{"semanticQuery": "x", "options": {"fusion": {"method": "convex", "rrfK": 5}}}', "options.fusion"),
+    (b'{"semanticQuery": "x", "options": {"fusion": {"denseWeight": 0.9}}}', "options.fusion.denseWeight"),
 ]
 
 

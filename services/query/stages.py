@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
-from ontofabric.contracts import FoundBy, OntologyQuery, SearchResult
+from ontofabric.contracts import ErrorDetail, FoundBy, OntologyQuery, SearchResult
 from ontofabric.contracts.query import (
     LateInteractionOptions,
     LateInteractionReport,
@@ -81,6 +81,26 @@ class Refinements:
     def none(cls, fused_limit: int) -> Refinements:
         """Nothing reorders the candidates (a listing)."""
         return cls(False, None, None, 0.0, 0, None, fused_limit)
+
+
+def unused_fusion_parameter(query: OntologyQuery, default_method: str) -> ErrorDetail | None:
+    """A fusion parameter the deployment's method would ignore, for a request that names no method (the contract
+    refuses another method's parameter beside a method named): said rather than dropped in silence."""
+    asked = options_of(query).fusion
+    if asked is None or asked.method is not None:
+        return None
+    if default_method == "convex" and asked.rrf_k is not None:
+        return ErrorDetail(
+            field="options.fusion.rrfK",
+            message="this deployment fuses by convex, which has no rrfK; name method rrf (or adaptive) to use it",
+        )
+    if default_method in ("rrf", "adaptive") and asked.dense_weight is not None:
+        return ErrorDetail(
+            field="options.fusion.denseWeight",
+            message=f"this deployment fuses by {default_method}, which takes no denseWeight; name method convex "
+            "to use it",
+        )
+    return None
 
 
 def second_opinion_weight(query: OntologyQuery, config: PipelineConfig) -> float:

@@ -66,6 +66,7 @@ from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailabl
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
+from .stages import unused_fusion_parameter
 from .turns import ahead_in_turn, displaced_by, runners_per_workspace
 from .versions import VersionTracker
 
@@ -592,6 +593,9 @@ class QueryService:
         query = parse_request(body, workspace, self.settings.max_query_chars)
         if isinstance(query, bytes):
             return query
+        unused = unused_fusion_parameter(query, self.settings.fusion_method)
+        if unused is not None:
+            return error_reply("invalid_request", unused.message, [unused])
         response = await self._pipeline.answer(query, workspace, deadline.at, waited_ms)
         budget = query.max_tokens or self.settings.answer_max_tokens
         try:

@@ -91,8 +91,8 @@ PLAIN_PROGRESS_EVERY_S = 10.0
 
 class RichProgress:
     """The Progress port (shared/progress.py) drawn as rich progress bars on a terminal; elsewhere, where rich
-    would draw them only once the command ends, a line per stage when it starts, every PLAIN_PROGRESS_EVERY_S
-    while it runs, and when it is done."""
+    would draw them only once the command ends, a line per stage when it starts, at most every
+    PLAIN_PROGRESS_EVERY_S as it advances, and when it is done."""
 
     def __init__(self, console: Console, clock: Callable[[], float] = time.monotonic) -> None:
         self._console = console

@@ -166,9 +166,10 @@ class ModelMissing(Exception):
 
 def load_sentence_transformer(model_path: Path, bfloat16: bool) -> SentenceTransformer:
     """A sentence-transformers model from a local directory, on CPU, never touching the network."""
-    if not (model_path / "config.json").is_file():
+    if not any((model_path / name).is_file() for name in ("config.json", "modules.json")):
         raise ModelMissing(
-            f"no embedding model at {model_path} (no config.json there): ONTOFABRIC_EMBEDDING_MODEL_PATH, and "
+            f"no embedding model at {model_path} (no config.json or modules.json there): "
+            "ONTOFABRIC_EMBEDDING_MODEL_PATH, and "
             "ONTOFABRIC_NEXT_EMBEDDING_MODEL_PATH during a model change, name a sentence-transformers model's directory"
         )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -115,7 +115,8 @@ def blend_with_fused_relevance(
     not the fused positions: a candidate far ahead in the fusion (first in both lists, say) is not overtaken by
     one the fusion put near zero for its tokens alone, as it was when only positions counted (an independent
     tester's finding; nDCG@10 the same either way, docs/quality.md). A candidate without a similarity (no stored
-    token vectors) takes its fused z-score for one, so late interaction neither lifts nor sinks it. The mix
+    token vectors), and every candidate when the similarities have no spread, takes its fused z-score for one, so
+    late interaction neither lifts nor sinks it. The mix
     orders; the sigmoid keeps the [0, 1] promise of a result's score. The result is relative to the candidates
     given, not a calibrated probability."""
     count = len(similarities)
@@ -124,7 +125,8 @@ def blend_with_fused_relevance(
     fused = z_scores(np.asarray(relevances, dtype=np.float64))
     similarity = fused.copy()
     known = [i for i, s in enumerate(similarities) if s is not None]
-    if known:
-        similarity[known] = z_scores(np.asarray([similarities[i] for i in known], dtype=np.float64))
+    measured = z_scores(np.asarray([similarities[i] for i in known], dtype=np.float64))
+    if measured.any():  # similarities with no spread say nothing: those candidates keep their fused standing too
+        similarity[known] = measured
     mixed = (1.0 - weight) * fused + weight * similarity
     return [float(v) for v in 1.0 / (1.0 + np.exp(-mixed))]

@@ -567,9 +567,12 @@ class Settings(BaseSettings):
         for name, urls in given.items():
             for url in urls:
                 try:
-                    urlsplit((url or "").strip()).port  # noqa: B018 - reading it is the check
-                except ValueError:
-                    raise ValueError(f"{name}: a port is not a number from 0 to 65535") from None
+                    # A PostgreSQL URL may list several hosts (h1:5432,h2:5433): each port is checked.
+                    hosts = urlsplit((url or "").strip()).netloc.rpartition("@")[2].split(",")
+                    for host in hosts:
+                        urlsplit(f"//{host}").port  # noqa: B018 - reading it is the check
+                except ValueError as error:  # its message names the port or the bracket, not the URL
+                    raise ValueError(f"{name}: {error}") from None
         return self
 
     @model_validator(mode="after")

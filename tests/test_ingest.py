@@ -596,9 +596,21 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     refused = await asyncio.to_thread(ingest_empty)
     assert refused.returncode == 2
     assert "holds no source file" in refused.stderr
-    assert "would delete the 4 documents the last ingest of repo/main published" in " ".join(refused.stderr.split())
+    assert "would take 4 documents out of repo/main" in " ".join(refused.stderr.split())
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    # A branch whose main was never ingested: its documents would go as reverts, not deletes (the review's case).
+    alone = await asyncio.to_thread(
+        subprocess.run, [ontofabric, "ingest", str(tree), "--workspace", "solo", "--branch", "feature/y"], env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    refused = await asyncio.to_thread(
+        subprocess.run, [ontofabric, "ingest", str(empty), "--workspace", "solo", "--branch", "feature/y"], env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "out of solo/feature/y" in " ".join(refused.stderr.split())
     emptied = await asyncio.to_thread(ingest_empty, "--allow-empty")
     assert emptied.returncode == 0, emptied.stderr
     assert "0 upserts, 4 deletes" in emptied.stdout

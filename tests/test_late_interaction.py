@@ -106,6 +106,9 @@ def test_a_candidate_without_token_vectors_is_neither_lifted_nor_sunk() -> None:
     assert max(range(5), key=lambda i: blended[i]) == 0
     fused_only = blend_with_fused_relevance(similarities, relevances, weight=0.0)
     assert blended[0] == pytest.approx(fused_only[0])  # its own fused standing, whatever the weight
+    # Equal similarities say nothing: the fused order stands (the review's case: the first fell below the second).
+    level = blend_with_fused_relevance([0.5, None, 0.5, 0.5], [0.9, 0.85, 0.1, 0.1], 0.2)
+    assert level == pytest.approx(blend_with_fused_relevance([0.5, None, 0.5, 0.5], [0.9, 0.85, 0.1, 0.1], 0.0))
 
 
 def test_a_candidate_far_ahead_in_the_fusion_is_not_overtaken_for_its_tokens_alone() -> None:

@@ -140,6 +140,7 @@ async def test_a_tree_evaluated_through_the_real_path(
         settings, endpoints, tree, Judgments.read(judgments_file), RecordedProgress(), exclude=["tests"]
     )
     assert report.chunks > 5
+    assert report.setup["exclude"] == "tests"  # in the report and a baseline written from it
     assert report.concept.queries == 4
     assert not any(".tests." in symbol for run in report.concept_run.values() for symbol in run)
     assert report.concept.errors == 0

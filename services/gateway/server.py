@@ -202,16 +202,39 @@ class Gateway:
         app = RequireBearer(CancelledWithClient(MisreadBodies(app)), tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
+        listening = listen_on(host, port)
         try:
-            listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        except OSError as error:
-            raise ListenRefused(f"the gateway cannot listen on {host}:{port}: {error.strerror or error}") from None
-        with listening:
-            await uvicorn.Server(config).serve(sockets=[listening])
+            await uvicorn.Server(config).serve(sockets=listening)
+        finally:
+            for sock in listening:
+                sock.close()
 
 
 class ListenRefused(Exception):
     """The HTTP gateway's address cannot be listened on (in use, not this machine's, not permitted)."""
+
+
+def listen_on(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to (``localhost``: IPv4 and IPv6 alike), as asyncio's
+    own server binds them; ListenRefused, naming the address, when one cannot be."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    sockets: list[socket.socket] = []
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, protocol, _, address in dict.fromkeys(found):
+            sock = socket.socket(family, kind, protocol)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # the IPv4 address gets its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)
+            sock.setblocking(False)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        raise ListenRefused(f"the gateway cannot listen on {shown}: {error.strerror or error}") from None
+    return sockets
 
 
 class MisreadBodies:

@@ -474,12 +474,13 @@ class Ingester:
         patterns_changed = previous.exclude is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         plan = plan_ingest(desired, previous, main)
-        deleted = sum(1 for key in plan.deletes if key.startswith("d:"))
-        if not sources and deleted and not allow_empty:
+        # On a branch, what goes is main's documents hidden (deletes) and the branch's own taken back (reverts).
+        gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
+        if not sources and gone and not allow_empty:
             raise EmptyTreeRefused(
-                f"{root} holds no source file this ingester reads (.py, .md): its ingest would delete the {deleted} "
-                f"documents the last ingest of {workspace}/{branch} published. Nothing sent; check the path, or "
-                "pass --allow-empty to empty the branch on purpose"
+                f"{root} holds no source file this ingester reads (.py, .md): its ingest would take {gone} documents "
+                f"out of {workspace}/{branch}. Nothing sent; check the path, or pass --allow-empty to empty the "
+                "branch on purpose"
             )
         log.info(
             "ingest_planned", workspace=workspace, branch=branch, files=len(sources), chunks=len(chunks),

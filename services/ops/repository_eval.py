@@ -338,6 +338,8 @@ async def evaluate_tree(
     names = Names(settings.subject_prefix)
     tree = await asyncio.to_thread(tree.resolve)
     patterns = exclusion_patterns(tree, exclude)
+    if patterns:  # another set of documents: a baseline of another exclusion is another setup
+        setup["exclude"] = " ".join(patterns)
     sources = await asyncio.to_thread(read_tree, tree, patterns)
     # Named as the ingester names them: by the tree's own __init__.py, excluded or not.
     package = tree_package(tree.name, ["__init__.py"] if (tree / "__init__.py").is_file() else [])

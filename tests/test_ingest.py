@@ -234,7 +234,7 @@ async def test_a_tree_that_goes_back_to_an_earlier_state_is_indexed_as_it_is_eac
         (tmp_path / "tog.py").unlink(missing_ok=True)
         if state != "gone":
             _write(tmp_path, {"tog.py": states[state]})
-        report = await ingester.ingest(tmp_path, "repo")
+        report = await ingester.ingest(tmp_path, "repo", allow_empty=state == "gone")  # emptied on purpose
         assert report.last_sequence is not None
         await deployment.wait_projected(report.last_sequence)
         live = await _live(deployment)

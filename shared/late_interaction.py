@@ -116,9 +116,8 @@ def blend_with_fused_relevance(
     one the fusion put near zero for its tokens alone, as it was when only positions counted (an independent
     tester's finding; nDCG@10 the same either way, docs/quality.md). A candidate without a similarity (no stored
     token vectors), and every candidate when the similarities have no spread, takes its fused z-score for one, so
-    late interaction neither lifts nor sinks it. The mix
-    orders; the sigmoid keeps the [0, 1] promise of a result's score. The result is relative to the candidates
-    given, not a calibrated probability."""
+    late interaction neither lifts nor sinks it. The mix orders; the sigmoid keeps the [0, 1] promise of a result's
+    score. The result is relative to the candidates given, not a calibrated probability."""
     count = len(similarities)
     if count < 2:
         return [0.5] * count

@@ -144,6 +144,12 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
     return sources
 
 
+def own_package(root: Path, named: str | None = None) -> str | None:
+    """The package name a tree's modules are named after (:func:`chunking.tree_package`), read from the tree's
+    own ``__init__.py`` whether or not an ``--exclude`` leaves it out: names must not change with that."""
+    return tree_package(root.name, ["__init__.py"] if (root / "__init__.py").is_file() else [], named)
+
+
 def chunk_sources(
     root: Path, sources: Mapping[str, str], max_content_bytes: int, package: str | None = None
 ) -> list[Chunk]:
@@ -453,8 +459,7 @@ class Ingester:
             raise ExclusionRefused(
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
             )
-        # The package is the tree's whether or not its __init__.py is excluded: names must not change with that.
-        package = tree_package(root.name, ["__init__.py"] if (root / "__init__.py").is_file() else [], package)
+        package = own_package(root, package)
         chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes, package or "")}
         graph_nodes, graph_links = python_graph(sources, package)
         nodes = {n.object_type: n for n in graph_nodes}

@@ -28,8 +28,8 @@ from typing import Any
 from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
-from ontofabric.services.ingest.chunking import chunk_file, module_name, tree_package
-from ontofabric.services.ingest.ingester import Ingester, exclusion_patterns, read_tree
+from ontofabric.services.ingest.chunking import chunk_file, module_name
+from ontofabric.services.ingest.ingester import Ingester, exclusion_patterns, own_package, read_tree
 from ontofabric.services.query.calibration import ReliabilityBin, reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import close, connect, wait_caught_up
@@ -341,8 +341,7 @@ async def evaluate_tree(
     if patterns:  # another set of documents: a baseline of another exclusion is another setup
         setup["exclude"] = " ".join(patterns)
     sources = await asyncio.to_thread(read_tree, tree, patterns)
-    # Named as the ingester names them: by the tree's own __init__.py, excluded or not.
-    package = tree_package(tree.name, ["__init__.py"] if (tree / "__init__.py").is_file() else [])
+    package = own_package(tree)  # as the ingester names them
     relationships = relationship_queries(sources, package)
     unknown = unknown_symbols(judgments, sources, package)
     async with AsyncExitStack() as stack:

@@ -140,18 +140,23 @@ def test_what_the_meta_says_about_results_left_out_goes_with_them() -> None:
     answer = answer.model_copy(
         update={"meta": answer.meta.model_copy(update={"collapsed": collapsed, "expanded_context": context})}
     )
-    fitted, body = _fit(answer, 1200)  # room for some notes beside the results, whatever _meta's own fields weigh
-    assert len(body) <= 1200 * BYTES_PER_TOKEN
-    kept = {r.id for r in fitted.results}
-    assert len(kept) >= 5
-    assert fitted.meta.collapsed
-    assert {entry.into for entry in fitted.meta.collapsed} <= kept
-    assert {entry.linked_from_document_id for entry in fitted.meta.expanded_context} <= kept
-    assert len(fitted.meta.expanded_context) < len(context)
-    assert fitted.meta.expanded_context_truncated is False  # it says what expansion left out, not the budget
-    assert fitted.meta.budget is not None
-    assert fitted.meta.budget.collapsed_dropped == len(collapsed) - len(fitted.meta.collapsed)
-    assert fitted.meta.budget.context_dropped == len(context) - len(fitted.meta.expanded_context)
+    # Results fill the budget first and notes the room they leave, which moves with _meta's own size: budgets a
+    # result's size apart leave every amount of room once, some of them room for notes.
+    kept_notes = 0
+    for max_tokens in range(1200, 1260, 4):
+        fitted, body = _fit(answer, max_tokens)
+        assert len(body) <= max_tokens * BYTES_PER_TOKEN
+        kept = {r.id for r in fitted.results}
+        assert len(kept) >= 5
+        assert {entry.into for entry in fitted.meta.collapsed} <= kept
+        assert {entry.linked_from_document_id for entry in fitted.meta.expanded_context} <= kept
+        assert len(fitted.meta.expanded_context) < len(context)
+        assert fitted.meta.expanded_context_truncated is False  # it says what expansion left out, not the budget
+        assert fitted.meta.budget is not None
+        assert fitted.meta.budget.collapsed_dropped == len(collapsed) - len(fitted.meta.collapsed)
+        assert fitted.meta.budget.context_dropped == len(context) - len(fitted.meta.expanded_context)
+        kept_notes += bool(fitted.meta.collapsed)
+    assert kept_notes
     whole, _ = _fit(answer, 250_000)
     assert (whole.meta.collapsed, whole.meta.expanded_context) == (collapsed, context)  # nothing left out
 

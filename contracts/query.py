@@ -305,6 +305,17 @@ class ExpandedContext(WireModel):
     )
 
 
+class RelationAsked(WireModel):
+    """The relation of one symbol a request asked about, and whether the workspace knows the symbol."""
+
+    relation: Relation = Field(description="In relatedTo's words, whether asked by relatedTo or in the query's.")
+    symbol: str
+    symbol_indexed: bool = Field(
+        description="False when no chunk of the workspace and branch defines a symbol of this name: the answer "
+        "then says nothing of the relation (check the name)."
+    )
+
+
 class FusionReport(WireModel):
     """The fusion that ran, with the parameters it used for this query."""
 
@@ -448,6 +459,12 @@ class QueryMeta(WireModel):
         description="Results placed first because they stand in the relation the query asked about to the symbol "
         "it named (callers, callees, subclasses, bases, importers, imported modules; options.exactSymbols); their "
         "foundBy names the relation.",
+    )
+    relation: RelationAsked | None = Field(
+        default=None,
+        description="The relation of one symbol the request asked about (relatedTo, or a query asking one relation "
+        "in words: what calls X) and whether that symbol is indexed; null when none was asked, or the lookup did "
+        "not run (options.exactSymbols false without relatedTo, or exactSymbol in degraded).",
     )
     keyword_pruned: bool = Field(
         default=False,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ontofabric.contracts import QueryResponse
+from ontofabric.contracts.query import RelationAsked
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
@@ -275,7 +276,8 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert volume.meta.exact_symbol_matches == 1
     # A question is not a name, and the option turns the match off.
     other = await _ask(client, "which shape is round")
-    assert (other.meta.exact_symbol_matches, other.meta.relation_matches) == (0, 0)
+    assert (other.meta.exact_symbol_matches, other.meta.relation_matches, other.meta.relation) == (0, 0, None)
+    assert circle.meta.relation is None  # a name is no relation
     off = await _ask(client, "Circle", options={"exactSymbols": False})
     assert off.meta.exact_symbol_matches == 0
     assert all(SYMBOL not in {f.retriever for f in r.found_by} for r in off.results)
@@ -287,14 +289,27 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert circle_callers.results[0].score == 1.0
     assert CALLER in {f.retriever for f in circle_callers.results[0].found_by}
     assert (circle_callers.meta.relation_matches, circle_callers.meta.exact_symbol_matches) == (1, 0)
+    assert circle_callers.meta.relation == RelationAsked(relation="callers", symbol="Circle", symbol_indexed=True)
     # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
     assert _names(await _ask(client, "callers of area"))[0] == "shapes.report.describe (method)"
     assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"
-    assert (await _ask(client, "who calls Circle.area")).meta.relation_matches == 0
+    uncalled = await _ask(client, "who calls Circle.area")
+    assert (uncalled.meta.relation_matches, uncalled.meta.relation) == (
+        0,
+        RelationAsked(relation="callers", symbol="Circle.area", symbol_indexed=True),
+    )
+    # A name nothing defines is told apart from a symbol nothing calls: a misspelling, not an answer.
+    misspelt = await _ask(client, "who calls Circel")
+    assert (misspelt.meta.relation_matches, misspelt.meta.relation) == (
+        0,
+        RelationAsked(relation="callers", symbol="Circel", symbol_indexed=False),
+    )
+    assert misspelt.results
+    assert not misspelt.meta.degraded
     # The request's filters select callers (a function is no class); the option turns the lookup off.
     assert (await _ask(client, "what calls Circle", chunkLevel="type")).meta.relation_matches == 0
     unasked = await _ask(client, "what calls Circle", options={"exactSymbols": False})
-    assert unasked.meta.relation_matches == 0
+    assert (unasked.meta.relation_matches, unasked.meta.relation) == (0, None)
     assert all(CALLER not in {f.retriever for f in r.found_by} for r in unasked.results)
 
     # Subclasses and importers, from the graph, by the chunk that defines each: the class's, the module's file.
@@ -305,7 +320,12 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert set(_names(importers)[:2]) == {"shapes (file)", "shapes.report (file)"}
     assert importers.meta.relation_matches == 2
     assert all(IMPORTER in {f.retriever for f in r.found_by} for r in importers.results[:2])
-    assert (await _ask(client, "what imports square", chunkLevel="type")).meta.relation_matches == 0
+    filtered = await _ask(client, "what imports square", chunkLevel="type")
+    # The filter selects no importer (a module is no type) and hides the module square itself: it is still known.
+    assert (filtered.meta.relation_matches, filtered.meta.relation) == (
+        0,
+        RelationAsked(relation="importers", symbol="square", symbol_indexed=True),
+    )
 
     # Asked by structure rather than in words: no text needed, and the option for names does not turn it off.
     structured = await client.query(
@@ -316,6 +336,11 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert (_names(structured)[0], structured.meta.relation_matches) == ("shapes.report.round_one (method)", 1)
     bases = await _ask(client, "a round shape", relatedTo={"relation": "bases", "symbol": "shapes.report.Ring"})
     assert (_names(bases)[0], bases.meta.relation_matches) == ("shapes.circle.Circle (type)", 1)
+    unknown = await _ask(client, "a round shape", relatedTo={"relation": "subclasses", "symbol": "Elipse"})
+    assert unknown.meta.relation == RelationAsked(relation="subclasses", symbol="Elipse", symbol_indexed=False)
+    # A function has no subclasses, but it is indexed.
+    none = await _ask(client, "a round shape", relatedTo={"relation": "subclasses", "symbol": "describe"})
+    assert none.meta.relation == RelationAsked(relation="subclasses", symbol="describe", symbol_indexed=True)
 
     # The other direction: what a function calls, what a class derives from, what a module imports.
     called = await _ask(client, "what does describe call?")

@@ -37,7 +37,7 @@ from ontofabric.contracts import (
     QueryResponse,
     SearchResult,
 )
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, RelationAsked
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.link import NatsLink
 from ontofabric.services.gateway.server import Gateway
@@ -775,6 +775,7 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     meta = QueryMeta(
         ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
         cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        relation=RelationAsked(relation="callers", symbol="retry_if_exception", symbol_indexed=True),
     )  # fmt: skip
     asked = {"relatedTo": {"relation": "callers", "symbol": "retry_if_exception"}}
     hit = SearchResult(
@@ -784,16 +785,26 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     alone = render(QueryResponse(results=[hit], _meta=meta), asked)
     assert "no result here stands in relation 'callers' to 'retry_if_exception': these are search results" in alone
     assert "the symbol asked" not in alone
+    # The same asked in words: the worker's _meta.relation says so, not the arguments.
+    worded = render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "who calls retry_if_exception"})
+    assert "no result here stands in relation 'callers' to 'retry_if_exception'" in worded
     caller = hit.model_copy(update={"found_by": [FoundBy(retriever="caller", rank=1, score=1.0)]})
     found = render(QueryResponse(results=[caller], _meta=meta.model_copy(update={"relation_matches": 1})), asked)
     assert found.endswith("· id a · calls the symbol asked")
     assert "stands in relation" not in found
-    assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "x"})
-    # A lookup that could not run says nothing of the relation (DEGRADED says the rest); no results, no "these".
-    lost = meta.model_copy(update={"degraded": ["exactSymbol"]})
+    plain = meta.model_copy(update={"relation": None})
+    assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=plain), {"semanticQuery": "x"})
+    # A lookup that could not run reports no relation and says nothing of it (DEGRADED says the rest).
+    lost = plain.model_copy(update={"degraded": ["exactSymbol"]})
     assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=lost), asked)
     none = render(QueryResponse(results=[], _meta=meta), asked)
     assert none.endswith("no result here stands in relation 'callers' to 'retry_if_exception'")
+    # A name nothing defines: a misspelling to check, not a symbol nobody calls.
+    unknown = RelationAsked(relation="callers", symbol="retry_if_exceptoin", symbol_indexed=False)
+    misspelt = render(QueryResponse(results=[hit], _meta=meta.model_copy(update={"relation": unknown})), asked)
+    assert "no symbol named 'retry_if_exceptoin' is indexed in workspace 'acme', branch 'main'" in misspelt
+    assert "these are search results for the name (check the name's spelling" in misspelt
+    assert "stands in relation" not in misspelt
     # A filter that selects nothing says what the filter's values look like.
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
     assert "nothing matched objectType 'method'" in empty

@@ -306,7 +306,7 @@ STANDING = {
 
 
 def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
-    meta, related_to, object_type = reply.meta, arguments.get("relatedTo"), arguments.get("objectType")
+    meta, object_type = reply.meta, arguments.get("objectType")
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(f"{len(reply.results)} results")
@@ -326,10 +326,18 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"branch {meta.branch!r} has nothing of its own indexed: these are main's results (check the branch's "
             "name, or ontology_status)"
         )
-    if isinstance(related_to, dict) and not meta.relation_matches and "exactSymbol" not in meta.degraded:
+    asked = meta.relation
+    if asked is not None and not asked.symbol_indexed:
+        head.append(
+            f"no symbol named {asked.symbol!r} is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}, "
+            f"so nothing was found as its {asked.relation}"
+            + (": these are search results for the name" if reply.results else "")
+            + " (check the name's spelling, or ask by the qualified name a result shows)"
+        )
+    elif asked is not None and not meta.relation_matches:
         # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so
-        # that they do not read as the relation's.
-        relation = f"no result here stands in relation {related_to.get('relation')!r} to {related_to.get('symbol')!r}"
+        # that they do not read as the relation's, whether relatedTo or the query's words asked it.
+        relation = f"no result here stands in relation {asked.relation!r} to {asked.symbol!r}"
         head.append(relation + (": these are search results" if reply.results else ""))
     if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.

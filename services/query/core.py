@@ -178,6 +178,8 @@ class Definitions:
     """What they go by in ``foundBy``: symbol (definitions), or the relation (``symbols.RELATIONS``)."""
     distances: dict[str, int] = field(default_factory=dict)
     """id -> how far it stands from the named symbol where that varies (a subclass's subclass: 1); nearer first."""
+    symbol_indexed: bool = True
+    """False when a relation's lookup found nothing and no chunk defines a symbol of the name it was asked of."""
 
 
 class DocumentStore(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import numpy as np
@@ -25,6 +25,7 @@ from ontofabric.contracts.query import (
     Freshness,
     FusionOptions,
     FusionReport,
+    RelationAsked,
     SecondOpinionReport,
 )
 from ontofabric.shared.embedder import Embedder
@@ -79,6 +80,7 @@ from .symbols import (
     IMPORTED,
     IMPORTER,
     PLACED_FIRST,
+    RELATION_ASKED,
     SUBCLASS,
     SYMBOL,
     definitions_first,
@@ -488,11 +490,29 @@ class QueryPipeline:
             work = self._related_in_graph(run, scope, *relation)
         else:
             return NO_DEFINITIONS
+        if name is None and relation is not None:
+            work = self._checking_the_name(scope, relation[1], work)
         found = await run.guarded("exactSymbol", work, stage="exactSymbol", reserve_s=RETRIEVAL_RESERVE_S)
         if found is None:
             return NO_DEFINITIONS
         run.read(found.version)
+        if name is None and relation is not None:
+            run.report(
+                relation=RelationAsked(
+                    relation=RELATION_ASKED[relation[0]], symbol=relation[1], symbol_indexed=found.symbol_indexed
+                )
+            )
         return found
+
+    async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:
+        """A relation's lookup; when it finds nothing, whether any chunk defines a symbol of that name (a filter
+        may hide it, not undefine it): nothing for a name nothing defines is a misspelt name, not a symbol without
+        that relation."""
+        found = await lookup
+        if found.symbols:
+            return found
+        defined = await self._documents.definitions(scope.unfiltered, name, 1)
+        return dataclasses.replace(found, symbol_indexed=bool(defined.symbols))
 
     async def _related_in_graph(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
         """The subclasses or bases (nearest first), the importers or the imported modules of the types the name

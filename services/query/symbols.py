@@ -34,6 +34,8 @@ ASKED_RELATIONS = {
     "imports": IMPORTED,
 }
 """OntologyQuery.relatedTo's relations -> what the chunks in them go by."""
+RELATION_ASKED = {found_by: relation for relation, found_by in ASKED_RELATIONS.items()}
+"""What chunks placed first for a relation go by -> the relation in relatedTo's words (``_meta.relation``)."""
 
 MAX_IDENTIFIER_CHARS = 300
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")

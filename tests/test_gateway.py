@@ -281,6 +281,14 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
                 assert refused.headers["www-authenticate"].startswith("Bearer ")
                 # RFC 6750, 3.1: no error code for a request that sent no credentials.
                 assert ("error=" in refused.headers["www-authenticate"]) is bool(headers)
+            # Two credentials in one request (a tester's: the last one won): refused, not guessed between.
+            twice = await http.post(
+                url,
+                json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                headers=[("Authorization", "Bearer not-a-token"), ("Authorization", f"Bearer {token}")],
+            )
+            assert twice.status_code == 400
+            assert "more than one Authorization header" in twice.json()["error"]["message"]
             # No OAuth metadata to discover: not found, rather than a 401 an OAuth client reads as an OAuth error.
             for metadata in ("oauth-protected-resource", "oauth-authorization-server"):
                 absent = await http.get(url.replace("/mcp", f"/.well-known/{metadata}"))

@@ -135,7 +135,12 @@ class RequireBearer:
         if scope["type"] != "http" or self._open():
             await self._app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        headers = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(headers) > 1:
+            # Which of two credentials a request means is not the gateway's to guess (each proxy keeps another).
+            await _answer(send, 400, -32600, "more than one Authorization header: send one", [])
+            return
+        header = (headers[0] if headers else b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
         try:
             grant = self._store.find(token.strip()) if scheme.lower() == "bearer" and token.strip() else None

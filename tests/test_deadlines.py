@@ -50,7 +50,7 @@ from ontofabric.services.query.deadlines import (
     deadline_of,
     waited_before_receipt_s,
 )
-from ontofabric.services.query.turns import ahead_in_turn, displaced_by, runners_per_workspace
+from ontofabric.services.query.turns import ahead_in_turn, displaced_by, runners_per_workspace, runners_serving
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import close, connect, subscriptions_visible
@@ -131,6 +131,18 @@ def test_the_expected_finish_counts_the_turns_ahead_and_the_work() -> None:
 
 def test_a_workspace_may_hold_all_but_a_quarter_of_the_runners() -> None:
     assert [runners_per_workspace(n) for n in (1, 2, 3, 4, 8, 16)] == [1, 2, 3, 3, 6, 12]
+
+
+def test_a_workspace_holding_alone_waits_for_its_own_share_of_the_runners() -> None:
+    service = ServiceTime()
+    service.record(0.12)
+    # One workspace holding 13 requests on 16 runners: 12 of them at work, one waiting, the newcomer after it.
+    alone = runners_serving(1, 16)
+    assert alone == 12
+    assert service.expected_wait(13, alone) == pytest.approx(0.12 * 2 / 12)
+    assert service.expected_wait(13, 16) == 0.0  # what was estimated before: no wait
+    # Others holding requests too: every runner serves the requests ahead of it.
+    assert runners_serving(2, 16) == 16
 
 
 def test_runners_take_the_next_item_of_a_workspace_that_may_run_and_the_others_keep_their_places() -> None:

@@ -67,7 +67,7 @@ from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
 from .retrievers import build_retrievers
 from .stages import unused_fusion_parameter
-from .turns import ahead_in_turn, displaced_by, runners_per_workspace
+from .turns import ahead_in_turn, displaced_by, runners_per_workspace, runners_serving
 from .versions import VersionTracker
 
 log = get_logger(__name__)
@@ -376,7 +376,8 @@ class QueryService:
         own = self._held_by[workspace]
         workspaces = len(self._held_by) + (0 if own else 1)
         ahead = ahead_in_turn(own, workspaces, self._held)
-        expected = self._service_time.expected_finish(ahead, concurrency, workspace)
+        runners = runners_serving(workspaces, concurrency)
+        expected = self._service_time.expected_finish(ahead, runners, workspace)
         # Refused now, not when the caller has given up. Never by an idle worker, nor when the workspace holds
         # nothing: its average may be of a slow spell that is over (a database frozen for seconds), and only its
         # answered requests bring it down again (a busy worker is seldom idle; a review's finding).
@@ -386,7 +387,7 @@ class QueryService:
             await self._reply(msg, error_reply("overloaded", busy, retryable=True, timeout_too_short=short))
             return
         max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
-        wait = self._service_time.expected_wait(ahead, concurrency)
+        wait = self._service_time.expected_wait(ahead, runners)
         if not deadline.stated and self._held and wait > max_wait_s:
             busy = f"this worker would start this request in about {wait * 1000:.0f} ms; {_UNSTATED_WAIT}"
             await self._reply(msg, error_reply("overloaded", busy.format(max_wait_s * 1000), retryable=True))

@@ -14,6 +14,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import DeltaEnvelope
+from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ops.dead_letters import (
     Selection,
     applied_through,
@@ -257,13 +258,16 @@ async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_
         await compact(nc, names, tight, RecordedProgress(), placement)
 
 
+@pytest.mark.parametrize("fixed_under_the_same_event", [False, True])
 async def test_compaction_leaves_out_a_delta_the_index_refused_once_its_dead_letter_is_gone(
-    deployment: Deployment,
+    deployment: Deployment, fixed_under_the_same_event: bool
 ) -> None:
     """A red team's finding: a delta the database refused (``apply_failed``: a key too long for its index, which
     the contract now refuses first; here a trigger refuses it as PostgreSQL did, program limit exceeded), its dead
     letter purged, was folded into the snapshot in place of the delta the index holds; the stream lost that one,
-    and every rebuild after refused its swap (``--force`` emptied the row)."""
+    and every rebuild after refused its swap (``--force`` emptied the row). A fault tester's variant: the producer
+    sends the fix under the refused delta's event id, the index handles the event at the fix's sequence, and the
+    refused one counted as handled for its event id alone."""
     await migrate(deployment.database_url, deployment.settings)
     await deployment.fetch(
         """
@@ -284,11 +288,19 @@ async def test_compaction_leaves_out_a_delta_the_index_refused_once_its_dead_let
         deployment,
         10 * LIMIT,
         upsert("acme", document("x", "first")),
-        upsert("acme", document("x", "refused by the database")),
+        upsert("acme", document("x", "refused by the database"), event_id="the-edit"),
     )
+    if fixed_under_the_same_event:
+        # Sent by the producer after a restart: another publisher session, so no JetStream repeat.
+        again = DeltaPublisher(deployment.js, deployment.names)
+        deployment_again = dataclasses.replace(deployment, publisher=again)
+        seqs += await _project(
+            deployment_again, 10 * LIMIT, upsert("acme", document("x", "the edit, fixed"), event_id="the-edit")
+        )
     (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
     assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[1])
     assert await purge(deployment.nc, deployment.names, Selection()) == 1
+    kept, content = ([seqs[2]], "the edit, fixed") if fixed_under_the_same_event else ([seqs[0]], "first")
     settings = deployment.settings.model_copy(update={"max_content_bytes": 10 * LIMIT})
     placement = Placement.of(settings, deployment.database_url)
     await compact(deployment.nc, deployment.names, settings, RecordedProgress(), placement)
@@ -296,11 +308,11 @@ async def test_compaction_leaves_out_a_delta_the_index_refused_once_its_dead_let
     assert store is not None
     snapshot = await load_snapshot(store, "acme")
     assert snapshot is not None
-    assert [delta.seq for delta in snapshot.deltas] == [seqs[0]]
+    assert [delta.seq for delta in snapshot.deltas] == kept
     report = await Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()).run()
     assert report.swapped
     rows = await projected_rows(deployment, "WHERE workspace = 'acme' AND NOT deleted")
-    assert rows[("acme", "x")][1] == "first"
+    assert rows[("acme", "x")][1] == content
 
 
 async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_waits(deployment: Deployment) -> None:

@@ -14,7 +14,8 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import DeltaEnvelope
-from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.contracts.deltas import NodeRemoved, NodeUpserted, OntologyNode
+from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ops.dead_letters import (
     Selection,
     applied_through,
@@ -345,3 +346,24 @@ async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_w
     assert floors == {"acme": newer.seq}
     outcome = await redrive(nc, names, [letter], placement.database_url_of, floors)
     assert [(left.seq, later) for left, later in outcome.superseded] == [(letter.seq, newer.seq)]
+
+
+async def test_a_graph_dead_letter_the_index_holds_a_later_state_of_is_not_redriven(deployment: Deployment) -> None:
+    """A fault tester's finding: only documents were checked, so a redrive brought back a node (and a link) that
+    later deltas had removed."""
+    node = OntologyNode(domain="d", name="G2", kind="class")  # objectType d.G2
+    first = await _project(
+        deployment, LIMIT, envelope("acme", NodeUpserted(node=node.model_copy(update={"name": "G"})), event_id="used")
+    )
+    # The same event id with another node, from another publisher session (no JetStream repeat): event_id_reused.
+    again = dataclasses.replace(deployment, publisher=DeltaPublisher(deployment.js, deployment.names))
+    reused = await _project(again, LIMIT, envelope("acme", NodeUpserted(node=node), event_id="used"))
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert (letter.reason, letter.original_seq) == ("event_id_reused", reused[0])
+    removed = await _project(deployment, LIMIT, envelope("acme", NodeRemoved(object_type="d.G2")))
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    floors = await applied_through(deployment.js, deployment.names, deployment.settings, placement, {"acme"})
+    outcome = await redrive(deployment.nc, deployment.names, [letter], placement.database_url_of, floors)
+    assert outcome.sent == []
+    assert [(left.seq, later) for left, later in outcome.superseded] == [(letter.seq, removed[0])]
+    assert first[0] < reused[0] < removed[0]

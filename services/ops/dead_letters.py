@@ -25,7 +25,8 @@ from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 from pydantic import ValidationError
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted
+from ontofabric.contracts import DeltaEnvelope
+from ontofabric.contracts.deltas import split_link_key
 from ontofabric.shared.jetstream import read_in_order, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
@@ -216,28 +217,30 @@ class Redrive:
     """Not sent: the stream refused it (too large now, say), with why; the dead letter stays."""
 
 
+_HELD_AT = {
+    "document": "SELECT stream_seq FROM documents WHERE workspace = $1 AND branch = $2 AND id = $3",
+    "node": "SELECT stream_seq FROM ontology_nodes WHERE workspace = $1 AND branch = $2 AND object_type = $3",
+    "link": "SELECT stream_seq FROM ontology_links WHERE workspace = $1 AND branch = $2"
+    " AND source_type = $3 AND link_name = $4 AND target_type = $5",
+}
+"""The sequence at which the index holds a row of each kind (tombstones and reverts keep theirs)."""
+
+
 async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
-    """The stream sequence at which the index holds the dead letter's document, when later than the dead letter's
-    own; None when it does not, or the delta is not a document's (graph deltas are not checked)."""
+    """The stream sequence at which the index holds the dead letter's row (a document, a graph node or link, on
+    the letter's branch), when later than the dead letter's own; None when it does not. Documents alone were
+    checked, and a fault tester's redrive brought back a removed node and link, and a revert over a later branch
+    edit."""
     try:
         delta = DeltaEnvelope.model_validate_json(letter.data)
     except ValidationError:
         return None
     payload = delta.payload
-    if isinstance(payload, DocumentUpserted):
-        document_id = payload.document.id
-    elif isinstance(payload, DocumentDeleted):
-        document_id = payload.document_id
-    else:
-        return None
+    key = payload.entity_key
+    columns = split_link_key(key) if payload.entity == "link" else (key,)
     conn = await asyncpg.connect(database_url)
     try:
-        held = await conn.fetchval(
-            "SELECT stream_seq FROM documents WHERE workspace = $1 AND branch = $2 AND id = $3",
-            delta.workspace,
-            delta.branch,
-            document_id,
-        )
+        held = await conn.fetchval(_HELD_AT[payload.entity], delta.workspace, delta.branch, *columns)
     finally:
         await conn.close()
     return int(held) if held is not None and held > (letter.original_seq or 0) else None

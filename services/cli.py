@@ -726,7 +726,8 @@ def dlq_redrive(
     data_dir: DataDir = None,
 ) -> None:
     """Publish the matching dead letters' deltas again, so the projectors apply them (after a fix), and delete the
-    dead letters. A delta whose row (document, graph node or link) the index already holds at a later sequence is left unless --force."""
+    dead letters. A delta whose row (document, graph node or link) the index already holds at a later sequence is
+    left unless --force."""
     selection = _selection(sequences, workspace, reason, since, until)
 
     async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Redrive:

@@ -171,9 +171,18 @@ class DocumentMetadata(WireModel):
 
     model_config = ConfigDict(extra="allow")
 
-    symbol_key: Text | None = Field(default=None, description="Refactor-stable symbol identity.")
+    symbol_key: Text | None = Field(
+        default=None,
+        description="Refactor-stable symbol identity. Keep it within 512 characters, as the reference ingester "
+        "does: it is an index key, and one the database cannot index (past about 2,000 bytes that do not "
+        "compress) is dead-lettered apply_failed.",
+    )
     symbol_kind: Text | None = Field(default=None, description="module, class, function, method, section, ...")
-    symbol_fqn: Text | None = Field(default=None, description="Human-readable fully qualified name.")
+    symbol_fqn: Text | None = Field(
+        default=None,
+        description="Human-readable fully qualified name; within 512 characters, as symbolKey (its last part is "
+        "an index key).",
+    )
     content_hash: Text | None = Field(default=None, description="sha256 of the content, hex.")
     file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
     chunk_level: ChunkLevel | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
+import string
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -367,3 +369,14 @@ async def test_a_graph_dead_letter_the_index_holds_a_later_state_of_is_not_redri
     assert outcome.sent == []
     assert [(left.seq, later) for left, later in outcome.superseded] == [(letter.seq, removed[0])]
     assert first[0] < reused[0] < removed[0]
+
+
+async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(deployment: Deployment) -> None:
+    """A fault tester's 12 kB qualified name of random characters: PostgreSQL refused the index entry, and the
+    dead letter said only that, naming no field."""
+    name = "".join(random.Random(7).choices(string.ascii_letters + string.digits, k=12_000))  # compresses little
+    seqs = await _project(deployment, LIMIT, upsert("acme", document("long", "text", symbolFqn=name)))
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[0])
+    assert "metadata.symbolFqn is 12000 bytes" in letter.detail
+    assert "metadata.symbolKey" not in letter.detail  # its own key is short

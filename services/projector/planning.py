@@ -104,6 +104,26 @@ def upserted_document(envelope: DeltaEnvelope) -> SemanticDocument | None:
     return envelope.payload.document if isinstance(envelope.payload, DocumentUpserted) else None
 
 
+INDEX_KEY_BYTES = 2000
+"""About what PostgreSQL's btree takes of one key (a third of a page, 2,704 bytes, after compression, with the
+workspace and branch): a longer symbol key or qualified name may be refused when the statement runs."""
+
+
+def long_index_keys(delta: Delta) -> str:
+    """When an upserted document's symbol key or qualified name is longer than an index key may be: what to say
+    beside the database's refusal, which names no field (a fault tester's 12 kB name); '' otherwise. Not refused
+    before the statement: names as long that compress well were applied, and are in streams and snapshots."""
+    document = upserted_document(delta.envelope)
+    if document is None:
+        return ""
+    fields = {"symbolKey": document.metadata.symbol_key, "symbolFqn": document.metadata.symbol_fqn}
+    sizes = {name: len(value.encode("utf-8")) for name, value in fields.items() if value is not None}
+    named = [f"metadata.{name} is {size} bytes" for name, size in sizes.items() if size > INDEX_KEY_BYTES]
+    if not named:
+        return ""
+    return f" ({', '.join(named)}: an index key takes about {INDEX_KEY_BYTES} bytes at most)"
+
+
 def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection | None:
     size = len(document.content.encode("utf-8"))
     if size > limits.max_content_bytes:

@@ -23,7 +23,15 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import workspace_token_of
 
-from .planning import Delta, Limits, Rejection, embedded_by_another, upserted_document, validate_delta
+from .planning import (
+    Delta,
+    Limits,
+    Rejection,
+    embedded_by_another,
+    long_index_keys,
+    upserted_document,
+    validate_delta,
+)
 from .reembedding import ModelChanged, Reembedder
 
 log = get_logger(__name__)
@@ -137,7 +145,8 @@ class ProjectionRunner:
                 async for part in self._in_turn([[one] for one in accepted]):
                     yield part
             else:
-                yield Outcome(refused=[(accepted[0][0], Rejection("apply_failed", describe(error)))])
+                msg, delta = accepted[0]
+                yield Outcome(refused=[(msg, Rejection("apply_failed", describe(error) + long_index_keys(delta)))])
             return
         outcome = Outcome(applied=written.applied, noops=written.noops)
         for msg, delta in accepted:

@@ -427,6 +427,57 @@ async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment:
     assert len(seen) == 3  # the staying call twice, the one that left once
 
 
+async def test_an_http_call_its_client_cancels_is_answered_at_once_and_not_sent_again(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """notifications/cancelled comes in a POST of its own, which the stateless app read apart from the call: a
+    tester's aborted call ran its whole timeout, resent to the workers. Another client's cancellation of the same
+    id cancels nothing."""
+    seen: list[bytes] = []
+    worker = await connect(deployment.nats_url_as("query"), "test-slow-worker")
+
+    async def take(msg: Msg) -> None:
+        seen.append(msg.data)
+        await worker.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+
+    await worker.subscribe(
+        deployment.names.request_subject("query", "acme"), queue=deployment.names.query_queue, cb=take
+    )
+    await subscriptions_visible(worker)
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    alice = (await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)).stdout.strip()
+    bob = (await _run(deployment, "gateway-token", "add", "bob", "--workspace", "acme", **tokens)).stdout.strip()
+
+    def call(request_id: int) -> dict[str, object]:
+        arguments = {"semanticQuery": f"csv {request_id}"}
+        params = {"name": "ontology_query", "arguments": arguments}
+        return {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+
+    def cancel(request_id: int) -> dict[str, object]:
+        params = {"requestId": request_id, "reason": "aborted"}
+        return {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params}
+
+    accept = {"Accept": "application/json, text/event-stream"}
+    async with _http_gateway(deployment, ONTOFABRIC_GATEWAY_TIMEOUT_S="4", **tokens) as url:
+        as_alice = httpx2.AsyncClient(headers={**accept, "Authorization": f"Bearer {alice}"})
+        as_bob = httpx2.AsyncClient(headers={**accept, "Authorization": f"Bearer {bob}"})
+        async with as_alice, as_bob:
+            staying = asyncio.create_task(as_alice.post(url, json=call(1), timeout=10))
+            cancelled = asyncio.create_task(as_alice.post(url, json=call(2), timeout=10))
+            await asyncio.sleep(0.5)
+            assert (await as_bob.post(url, json=cancel(1))).status_code == 202  # not bob's call
+            assert (await as_alice.post(url, json=cancel(2))).status_code == 202
+            answered = await asyncio.wait_for(cancelled, 2)  # not after the 4 s timeout
+            assert answered.json() == {
+                "jsonrpc": "2.0", "id": 2, "error": {"code": -32600, "message": "cancelled by its client"}
+            }  # fmt: skip
+            answer = await staying
+        assert answer.json()["result"]["isError"] is True  # no answer within 4 s, said within them
+    await worker.close()
+    asked = [json.loads(data)["semanticQuery"] for data in seen]
+    assert sorted(asked) == ["csv 1", "csv 1", "csv 2"]  # the staying call twice, the cancelled one once
+
+
 async def test_structured_content_is_the_reply_as_the_contract_reads_it(deployment: Deployment) -> None:
     """A worker of another version may send a value the contract only coerces (a rank as "1"): forwarded as sent,
     a client checking the outputSchema refused the whole result."""

@@ -337,40 +337,62 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}
 
 
+PEEKED_BODY_BYTES = 64 * 1024
+"""How much of a POST's body the gateway reads for its JSON-RPC id and method; a larger one is not cancellable."""
+
+
 class CancelledWithClient:
-    """ASGI middleware: a request whose client goes away before its answer is cancelled, and with it the call to
-    the query workers. Stateless and answering in JSON, the SDK's app never looks at the connection again once it
-    has read the body, so a call whose client had given up ran its whole timeout and was sent to the workers a
-    second time (``QueryClient``'s resend for a worker lost mid-request): five clients that left after 1 s made ten
-    requests to a slow worker. The server says a client has gone by answering ``receive`` with ``http.disconnect``,
-    which it also does once the response is complete: that one is not a departure."""
+    """ASGI middleware: a request whose client goes away before its answer, or cancels it, is cancelled, and with
+    it the call to the query workers.
+
+    - Gone: stateless and answering in JSON, the SDK's app never looks at the connection again once it has read the
+      body, so a call whose client had given up ran its whole timeout and was sent to the workers a second time
+      (``QueryClient``'s resend for a worker lost mid-request): five clients that left after 1 s made ten requests
+      to a slow worker. The server says a client has gone by answering ``receive`` with ``http.disconnect``, which
+      it also does once the response is complete: that one is not a departure.
+    - Cancelled: ``notifications/cancelled`` comes in a POST of its own, which a stateless app reads apart from the
+      call it names, so the call ran on (a tester's TypeScript client aborted after 1 s; the gateway resent to the
+      workers for 10 s). The call it names is cancelled here and answered with an error its client no longer reads
+      (HTTP needs an answer). Only a caller with a token: calls are told apart by the caller's client name and
+      their id, and without tokens one client could cancel another's call of the same id; and only when one call
+      of that caller holds the id."""
 
     def __init__(self, app: ASGIApp) -> None:
         self._app = app
+        self._calls: dict[tuple[str, int | str], list[asyncio.Future[None]]] = {}
+        self._cancelled: set[asyncio.Future[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":  # a GET stream sees its client go itself
             await self._app(scope, receive, send)
             return
         body_read = asyncio.Event()
-        answered = False
+        body = bytearray()
+        answered = started = False
 
         async def reading() -> Message:
             message = await receive()
+            if message["type"] == "http.request" and len(body) <= PEEKED_BODY_BYTES:
+                body.extend(message.get("body", b""))
             if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 body_read.set()
             return message
 
         async def sending(message: Message) -> None:
-            nonlocal answered
+            nonlocal answered, started
+            started = True
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 answered = True
             await send(message)
 
         call = asyncio.ensure_future(self._app(scope, reading, sending))
+        caller = CALLER.get()
+        key: tuple[str, int | str] | None = None
 
         async def watch() -> None:
+            nonlocal key
             await body_read.wait()
+            key = self._read(caller, bytes(body), call)
             message = await receive()  # the next one the server has: the client gone, or the answer complete
             if message["type"] == "http.disconnect" and not answered:
                 log.info("gateway_client_gone", path=scope.get("path"))
@@ -383,9 +405,45 @@ class CancelledWithClient:
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # this request's own task is cancelled: the server stops
                 raise
-            # The client has gone: there is no one to answer.
+            # The client has gone, or cancelled the call: nobody reads an answer, but a connection still open needs
+            # one.
+            if call in self._cancelled and not started:
+                error = {"code": types.INVALID_REQUEST, "message": "cancelled by its client"}
+                await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
+                reply = {"jsonrpc": "2.0", "id": None if key is None else key[1], "error": error}
+                await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
         finally:
             watcher.cancel()
+            self._cancelled.discard(call)
+            if key is not None:
+                self._calls[key].remove(call)
+                if not self._calls[key]:
+                    del self._calls[key]
+
+    def _read(self, caller: Grant | None, body: bytes, call: asyncio.Future[None]) -> tuple[str, int | str] | None:
+        """Registers a request under its caller and id, and returns that key; cancels the call a cancellation names."""
+        if caller is None or not body or len(body) > PEEKED_BODY_BYTES:
+            return None
+        try:
+            message = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(message, dict):
+            return None
+        request_id = request_id_of(message)
+        if request_id is not None and "method" in message:
+            key = (caller.client, request_id)
+            self._calls.setdefault(key, []).append(call)
+            return key
+        params = message.get("params")
+        if message.get("method") == "notifications/cancelled" and isinstance(params, dict):
+            named = request_id_of({"id": params.get("requestId")})
+            held = [] if named is None else self._calls.get((caller.client, named), [])
+            if len(held) == 1:
+                log.info("gateway_call_cancelled_by_client", request_id=named, reason=params.get("reason"))
+                self._cancelled.add(held[0])
+                held[0].cancel()
+        return None
 
 
 def _tool(spec: ToolSpec) -> types.Tool:

@@ -269,10 +269,13 @@ class Settings(BaseSettings):
         description="What the cached answers may weigh together (their contents, and an allowance per result).",
     )
     query_concurrency: int = Field(
-        default=16,
+        default=4,
         ge=1,
         description="Requests one worker handles at once; one workspace's requests hold at most three quarters of "
-        "them (all, below 4), so that another workspace finds a runner free.",
+        "them (all, below 4), so that another workspace finds a runner free. A worker's work is its event loop, "
+        "one model thread and its database sessions: more at once only share them, each answer comes later, and "
+        'admission under short deadlines misjudges (docs/benchmarks.md, "Overload"); raise it where requests '
+        "wait on another machine (a remote reranker), and scale out with more workers.",
     )
     query_queue_limit: int = Field(
         default=64,

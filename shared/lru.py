@@ -58,6 +58,12 @@ class LruCache(Generic[K, V]):
         """The entry, without making it recently used."""
         return self._entries.get(key)
 
+    def pop(self, key: K) -> V | None:
+        """The entry, forgotten."""
+        value = self._entries.get(key)
+        self._forget(key)
+        return value
+
     def items(self) -> list[tuple[K, V]]:
         """Every entry, least recently used first."""
         return list(self._entries.items())

@@ -23,6 +23,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from ontofabric.contracts import (
@@ -394,10 +395,9 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
         assert whole.json()["result"]["structuredContent"]["results"][0]["id"] == "csv"
 
 
-async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment: Deployment) -> None:
-    """A worker that takes requests, says it has them and never answers (slow, or lost mid-request): the gateway
-    sends a call again once its first attempt's share of the timeout has passed, but not for a client that has
-    already gone."""
+async def _worker_that_never_answers(deployment: Deployment) -> tuple[NatsClient, list[bytes]]:
+    """A query worker of workspace acme that takes requests, says it has them and never answers (slow, or lost
+    mid-request); the requests it took."""
     seen: list[bytes] = []
     worker = await connect(deployment.nats_url_as("query"), "test-slow-worker")  # may answer callers' inboxes
 
@@ -409,6 +409,14 @@ async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment:
         deployment.names.request_subject("query", "acme"), queue=deployment.names.query_queue, cb=take
     )
     await subscriptions_visible(worker)
+    return worker, seen
+
+
+async def test_an_http_call_whose_client_went_away_is_not_sent_again(deployment: Deployment) -> None:
+    """A worker that takes requests, says it has them and never answers (slow, or lost mid-request): the gateway
+    sends a call again once its first attempt's share of the timeout has passed, but not for a client that has
+    already gone."""
+    worker, seen = await _worker_that_never_answers(deployment)
     call = {
         "jsonrpc": "2.0", "id": 1, "method": "tools/call",
         "params": {"name": "ontology_query", "arguments": {"semanticQuery": "csv"}},
@@ -433,17 +441,7 @@ async def test_an_http_call_its_client_cancels_is_answered_at_once_and_not_sent_
     """notifications/cancelled comes in a POST of its own, which the stateless app read apart from the call: a
     tester's aborted call ran its whole timeout, resent to the workers. Another client's cancellation of the same
     id cancels nothing."""
-    seen: list[bytes] = []
-    worker = await connect(deployment.nats_url_as("query"), "test-slow-worker")
-
-    async def take(msg: Msg) -> None:
-        seen.append(msg.data)
-        await worker.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
-
-    await worker.subscribe(
-        deployment.names.request_subject("query", "acme"), queue=deployment.names.query_queue, cb=take
-    )
-    await subscriptions_visible(worker)
+    worker, seen = await _worker_that_never_answers(deployment)
     tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
     alice = (await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)).stdout.strip()
     bob = (await _run(deployment, "gateway-token", "add", "bob", "--workspace", "acme", **tokens)).stdout.strip()

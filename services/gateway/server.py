@@ -39,6 +39,7 @@ from ontofabric.services.query.client import QueryClient, RequestTooLarge
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
@@ -339,6 +340,12 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
 
 PEEKED_BODY_BYTES = 64 * 1024
 """How much of a POST's body the gateway reads for its JSON-RPC id and method; a larger one is not cancellable."""
+CALLS_REMEMBERED = 4096
+"""How many ended calls, and cancellations of calls not yet seen, the gateway remembers (by caller and id)."""
+RECENT_END_S = 60.0
+"""A cancellation naming a call of its caller that ended this recently is late, whatever else holds the id."""
+EARLY_CANCEL_S = 5.0
+"""How long a cancellation naming no call yet waits for the call to take its id."""
 
 
 class CancelledWithClient:
@@ -354,13 +361,19 @@ class CancelledWithClient:
       call it names, so the call ran on (a tester's TypeScript client aborted after 1 s; the gateway resent to the
       workers for 10 s). The call it names is cancelled here and answered with an error its client no longer reads
       (HTTP needs an answer). Only a caller with a token: calls are told apart by the caller's client name and
-      their id, and without tokens one client could cancel another's call of the same id; and only when one call
-      of that caller holds the id."""
+      their id, and without tokens one client could cancel another's call of the same id. Two sessions on one token
+      number their calls alike, and a cancellation may come after its call has ended (MCP allows it): one naming
+      an id held by more than one call, or by a call of that caller that ended within ``RECENT_END_S``, cancels
+      nothing (a review's finding: a late one cancelled the other session's call). One that names no call yet (its
+      body still arriving) cancels the call that takes the id within ``EARLY_CANCEL_S``. A gateway cancels only
+      the calls it serves: behind a load balancer, a cancellation sent to another gateway does nothing."""
 
     def __init__(self, app: ASGIApp) -> None:
         self._app = app
         self._calls: dict[tuple[str, int | str], list[asyncio.Future[None]]] = {}
         self._cancelled: set[asyncio.Future[None]] = set()
+        self._ended: LruCache[tuple[str, int | str], float] = LruCache(CALLS_REMEMBERED)
+        self._early: LruCache[tuple[str, int | str], float] = LruCache(CALLS_REMEMBERED)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":  # a GET stream sees its client go itself
@@ -419,6 +432,7 @@ class CancelledWithClient:
                 self._calls[key].remove(call)
                 if not self._calls[key]:
                     del self._calls[key]
+                self._ended.put(key, asyncio.get_running_loop().time())
 
     def _read(self, caller: Grant | None, body: bytes, call: asyncio.Future[None]) -> tuple[str, int | str] | None:
         """Registers a request under its caller and id, and returns that key; cancels the call a cancellation names."""
@@ -430,20 +444,36 @@ class CancelledWithClient:
             return None
         if not isinstance(message, dict):
             return None
+        now = asyncio.get_running_loop().time()
         request_id = request_id_of(message)
         if request_id is not None and "method" in message:
             key = (caller.client, request_id)
             self._calls.setdefault(key, []).append(call)
+            early = self._early.pop(key)
+            if early is not None and now - early <= EARLY_CANCEL_S and len(self._calls[key]) == 1:
+                self._cancel(call, request_id, "cancelled before its body was read")
             return key
         params = message.get("params")
-        if message.get("method") == "notifications/cancelled" and isinstance(params, dict):
-            named = request_id_of({"id": params.get("requestId")})
-            held = [] if named is None else self._calls.get((caller.client, named), [])
-            if len(held) == 1:
-                log.info("gateway_call_cancelled_by_client", request_id=named, reason=params.get("reason"))
-                self._cancelled.add(held[0])
-                held[0].cancel()
+        if message.get("method") != "notifications/cancelled" or not isinstance(params, dict):
+            return None
+        named = request_id_of({"id": params.get("requestId")})
+        if named is None:
+            return None
+        key = (caller.client, named)
+        held = self._calls.get(key, [])
+        ended = self._ended.get(key)
+        if ended is not None and now - ended <= RECENT_END_S:
+            return None  # late, for its own call that has ended; any call holding the id now is another session's
+        if len(held) == 1:
+            self._cancel(held[0], named, params.get("reason"))
+        elif not held:
+            self._early.put(key, now)
         return None
+
+    def _cancel(self, call: asyncio.Future[None], request_id: int | str, reason: object) -> None:
+        log.info("gateway_call_cancelled_by_client", request_id=request_id, reason=reason)
+        self._cancelled.add(call)
+        call.cancel()
 
 
 def _tool(spec: ToolSpec) -> types.Tool:

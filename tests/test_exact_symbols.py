@@ -4,13 +4,16 @@ callers the chunks that call it (services/query/symbols.py), decided purely and 
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from ontofabric.contracts import QueryResponse
+from ontofabric.contracts.deltas import NodeUpserted, OntologyNode
 from ontofabric.contracts.query import RelationAsked
+from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
@@ -341,6 +344,17 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # A function has no subclasses, but it is indexed.
     none = await _ask(client, "a round shape", relatedTo={"relation": "subclasses", "symbol": "describe"})
     assert none.meta.relation == RelationAsked(relation="subclasses", symbol="describe", symbol_indexed=True)
+    # A type the graph names is known although no chunk defines it (an ingester's node without a chunk).
+    ghost = await deployment.publisher.publish(
+        envelope("shapes", NodeUpserted(node=OntologyNode(domain="shapes.ghost", name="Ghost", kind="class")))
+    )
+    await deployment.wait_projected(ghost.seq)
+    for _ in range(50):  # until the worker has the version announced
+        known = await _ask(client, "a round shape", relatedTo={"relation": "subclasses", "symbol": "Ghost"})
+        if known.meta.relation is not None and known.meta.relation.symbol_indexed:
+            break
+        await asyncio.sleep(0.1)
+    assert known.meta.relation == RelationAsked(relation="subclasses", symbol="Ghost", symbol_indexed=True)
 
     # The other direction: what a function calls, what a class derives from, what a module imports.
     called = await _ask(client, "what does describe call?")

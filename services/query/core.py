@@ -178,8 +178,9 @@ class Definitions:
     """What they go by in ``foundBy``: symbol (definitions), or the relation (``symbols.RELATIONS``)."""
     distances: dict[str, int] = field(default_factory=dict)
     """id -> how far it stands from the named symbol where that varies (a subclass's subclass: 1); nearer first."""
-    symbol_indexed: bool = True
-    """False when a relation's lookup found nothing and no chunk defines a symbol of the name it was asked of."""
+    symbol_indexed: bool | None = None
+    """For a relation's lookup: whether the name it was asked of is known (the graph names such a type, or a chunk
+    defines such a symbol); None until told."""
 
 
 class DocumentStore(Protocol):

@@ -499,7 +499,7 @@ class QueryPipeline:
         if name is None and relation is not None:
             run.report(
                 relation=RelationAsked(
-                    relation=RELATION_ASKED[relation[0]], symbol=relation[1], symbol_indexed=found.symbol_indexed
+                    relation=RELATION_ASKED[relation[0]], symbol=relation[1], symbol_indexed=bool(found.symbol_indexed)
                 )
             )
         return found
@@ -509,8 +509,8 @@ class QueryPipeline:
         may hide it, not undefine it): nothing for a name nothing defines is a misspelt name, not a symbol without
         that relation."""
         found = await lookup
-        if found.symbols:
-            return found
+        if found.symbols or found.symbol_indexed:
+            return dataclasses.replace(found, symbol_indexed=True)
         defined = await self._documents.definitions(scope.unfiltered, name, 1)
         return dataclasses.replace(found, symbol_indexed=bool(defined.symbols))
 
@@ -530,7 +530,8 @@ class QueryPipeline:
             IMPORTER: lambda named: [graph.linked(named, IMPORTS, "incoming")],
             IMPORTED: lambda named: [graph.linked(named, IMPORTS, "outgoing")],
         }
-        for named in graph.named(name):
+        types_named = graph.named(name)
+        for named in types_named:
             for level, types in enumerate(levels_of[relation](named)):
                 for object_type in types:
                     distance[object_type] = min(level, distance.get(object_type, level))
@@ -538,7 +539,12 @@ class QueryPipeline:
         found = await self._documents.representatives(scope, nearest, DEFINING_LEVELS)
         symbols = {doc_id: object_type for object_type, doc_id in found.documents.items()}
         distances = {doc_id: distance[object_type] for doc_id, object_type in symbols.items()}
-        return Definitions(symbols, found.version or graph.version, found_by=relation, distances=distances)
+        # A type the graph names is known, whether or not a chunk defines it by that name (an ingester's nodes
+        # without symbolFqn).
+        known = True if types_named else None
+        return Definitions(
+            symbols, found.version or graph.version, found_by=relation, distances=distances, symbol_indexed=known
+        )
 
     async def _fetch(
         self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: Definitions

@@ -378,5 +378,5 @@ async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(d
     seqs = await _project(deployment, LIMIT, upsert("acme", document("long", "text", symbolFqn=name)))
     (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
     assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[0])
-    assert "metadata.symbolFqn is 12000 bytes" in letter.detail
+    assert "metadata.symbolFqn's last part is 12000 bytes" in letter.detail
     assert "metadata.symbolKey" not in letter.detail  # its own key is short

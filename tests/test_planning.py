@@ -16,6 +16,7 @@ from ontofabric.services.projector.planning import (
     Rejection,
     RowState,
     VersionState,
+    long_index_keys,
     payload_digest,
     plan_batch,
     validate_delta,
@@ -291,3 +292,16 @@ def test_tiny_embeddings_that_vanish_in_float32_are_rejected() -> None:
     assert isinstance(outcome, Rejection)
     assert outcome.reason == "invalid_schema"
     assert "zero vector" in outcome.detail
+
+
+def test_a_long_name_is_named_only_beside_the_databases_refusal_of_an_index_entry() -> None:
+    class IndexEntryTooLarge(Exception):
+        sqlstate = "54000"  # as asyncpg's ProgramLimitExceededError carries it
+
+    long = Delta(1, upsert("ws", document("a", "x", symbolFqn="pkg." + "n" * 3000)))
+    hint = long_index_keys(long, IndexEntryTooLarge())
+    assert "metadata.symbolFqn's last part is 3000 bytes" in hint
+    assert "symbolKey" not in hint
+    assert long_index_keys(long, ValueError("another refusal")) == ""  # not blamed for what it did not cause
+    indexed_part_short = Delta(2, upsert("ws", document("b", "x", symbolFqn="p" * 3000 + ".short")))
+    assert long_index_keys(indexed_part_short, IndexEntryTooLarge()) == ""

@@ -323,8 +323,8 @@ async def _never_handled(index: asyncpg.Connection, workspace: str, stored: Sequ
     """The sequences of those deltas the index records no handling of at their own sequence (its own rows, and
     those from before events were kept per workspace: infra/migrations/0019). By event id alone, a refused delta
     whose fix came later under the same event id counted as handled, was folded in place of the fix, and the fix
-    was compacted away (a fault tester's finding). A repeat of a handled event stays out too, as the projector
-    applied nothing of it."""
+    was compacted away (a fault tester's finding). A repeat of an event handled in this workspace stays out too, as
+    the projector applied nothing of it."""
     events = {delta.seq: key[1] for delta in stored if (key := event_key(delta.subject, delta.data)) is not None}
     records = await index.fetch(
         "SELECT event_id, stream_seq FROM handled_events WHERE workspace IN ($1, '') AND event_id = ANY($2)",

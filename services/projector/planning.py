@@ -109,16 +109,25 @@ INDEX_KEY_BYTES = 2000
 workspace and branch): a longer symbol key or qualified name may be refused when the statement runs."""
 
 
-def long_index_keys(delta: Delta) -> str:
-    """When an upserted document's symbol key or qualified name is longer than an index key may be: what to say
-    beside the database's refusal, which names no field (a fault tester's 12 kB name); '' otherwise. Not refused
-    before the statement: names as long that compress well were applied, and are in streams and snapshots."""
+INDEX_ROW_TOO_LARGE = "54000"
+"""PostgreSQL's SQLSTATE program_limit_exceeded: among others, an index entry larger than the index takes."""
+
+
+def long_index_keys(delta: Delta, error: BaseException) -> str:
+    """When the database refused an upserted document for an index entry too large, and its symbol key or the
+    last part of its qualified name (what infra/migrations/0014 indexes) is longer than an index key may be: what
+    to say beside the refusal, which names no field (a fault tester's 12 kB name); '' otherwise. Not refused before
+    the statement: names as long that compress well were applied, and are in streams and snapshots."""
     document = upserted_document(delta.envelope)
-    if document is None:
+    if document is None or getattr(error, "sqlstate", None) != INDEX_ROW_TOO_LARGE:
         return ""
-    fields = {"symbolKey": document.metadata.symbol_key, "symbolFqn": document.metadata.symbol_fqn}
-    sizes = {name: len(value.encode("utf-8")) for name, value in fields.items() if value is not None}
-    named = [f"metadata.{name} is {size} bytes" for name, size in sizes.items() if size > INDEX_KEY_BYTES]
+    fqn = document.metadata.symbol_fqn
+    keys = {
+        "metadata.symbolKey": document.metadata.symbol_key,
+        "metadata.symbolFqn's last part": None if fqn is None else fqn.rsplit(".", 1)[-1],
+    }
+    sizes = {name: len(key.encode("utf-8")) for name, key in keys.items() if key is not None}
+    named = [f"{name} is {size} bytes" for name, size in sizes.items() if size > INDEX_KEY_BYTES]
     if not named:
         return ""
     return f" ({', '.join(named)}: an index key takes about {INDEX_KEY_BYTES} bytes at most)"

@@ -146,7 +146,9 @@ class ProjectionRunner:
                     yield part
             else:
                 msg, delta = accepted[0]
-                yield Outcome(refused=[(msg, Rejection("apply_failed", describe(error) + long_index_keys(delta)))])
+                yield Outcome(
+                    refused=[(msg, Rejection("apply_failed", describe(error) + long_index_keys(delta, error)))]
+                )
             return
         outcome = Outcome(applied=written.applied, noops=written.noops)
         for msg, delta in accepted:

@@ -269,7 +269,7 @@ class Settings(BaseSettings):
         description="What the cached answers may weigh together (their contents, and an allowance per result).",
     )
     query_concurrency: int = Field(
-        default=4,
+        default=8,
         ge=1,
         description="Requests one worker handles at once; one workspace's requests hold at most three quarters of "
         "them (all, below 4), so that another workspace finds a runner free. A worker's work is its event loop, "

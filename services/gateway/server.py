@@ -294,6 +294,15 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _TOOL_ARGUMENTS = "params.arguments."
 
 
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object; None when it is not one (not JSON, nested past the parser, an array ...)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     """The HTTP status and JSON-RPC answer to a body the SDK would misread (None for no answer: a notification),
     or None when the SDK reads it right."""
@@ -312,11 +321,8 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:
         return None
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(parsed, dict):
+    parsed = _json_object(body)
+    if parsed is None:
         return None
     if odd_id:
         if "id" not in parsed or request_id_of(parsed) is not None:
@@ -436,13 +442,10 @@ class CancelledWithClient:
 
     def _read(self, caller: Grant | None, body: bytes, call: asyncio.Future[None]) -> tuple[str, int | str] | None:
         """Registers a request under its caller and id, and returns that key; cancels the call a cancellation names."""
-        if caller is None or not body or len(body) > PEEKED_BODY_BYTES:
+        if caller is None or len(body) > PEEKED_BODY_BYTES:
             return None
-        try:
-            message = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(message, dict):
+        message = _json_object(body)
+        if message is None:
             return None
         now = asyncio.get_running_loop().time()
         request_id = request_id_of(message)

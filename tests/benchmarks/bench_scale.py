@@ -15,14 +15,15 @@ In the same run:
     ``--concurrency``, against the reference: the query embedded in this process, then pgvector-python's
     single-SQL RRF recipe (dense top 50 and ts_rank_cd top 50, k 60, hnsw.ef_search 100) over the same rows, with
     the GIN index it reads built on them for these runs only (the deployment keeps none);
-(c) freshness, publish to ontologyVersion, while documents arrive at ``--rate`` a second and queries run 8 at a time;
+(c) freshness, publish to ontologyVersion, while documents arrive at ``--rate`` a second and queries run
+    ``--freshness-in-flight`` at a time (8);
 (d) the query worker's peak RSS; PostgreSQL bytes per document, token signs' share of them, and the reference
     table's bytes per document;
 (e) the query worker's cold start: from starting the process to its first answer.
 
 Run: .venv/bin/python -m tests.benchmarks.bench_scale ../shared/eval/cosqa-dev ../shared/eval/scifact-train
      [--documents 100000] [--concurrency 1,8,32] [--queries 200] [--rate 200] [--freshness-seconds 30]
-     [--data-dir DIR]
+     [--freshness-in-flight 8] [--data-dir DIR]
 --data-dir keeps the embedded servers' data in DIR: a later run with the same DIR and --documents (of this
 benchmark or of bench_keyword) measures the corpus already projected there instead of loading it again (an hour
 at 1,000,000 documents); projection is then not measured, and the COPY reference only when DIR has none yet.
@@ -285,8 +286,10 @@ async def freshness(
     seconds: float,
     client: QueryClient,
     queries: list[str],
+    in_flight: int,
 ) -> str:
-    """Publish at ``rate`` documents/s for ``seconds`` with 8 queries in flight; publish → ontologyVersion."""
+    """Publish at ``rate`` documents/s for ``seconds`` with ``in_flight`` queries in flight (0: none);
+    publish → ontologyVersion."""
     announced: list[tuple[int, float]] = []
 
     async def on_version(msg: Msg) -> None:
@@ -306,9 +309,9 @@ async def freshness(
         measures = Measure([], 0.0)
         began = time.perf_counter()
         cursor = 0
-        while not done.is_set():
-            measure = await drive(queries[cursor : cursor + 8], 8, ask)
-            cursor = (cursor + 8) % max(len(queries) - 8, 1)
+        while in_flight and not done.is_set():
+            measure = await drive(queries[cursor : cursor + in_flight], in_flight, ask)
+            cursor = (cursor + in_flight) % max(len(queries) - in_flight, 1)
             measures.latencies_ms.extend(measure.latencies_ms)
             measures.errors += measure.errors
         measures.wall_s = time.perf_counter() - began
@@ -333,11 +336,16 @@ async def freshness(
     waits = [(at - published[seq]) * 1000 for seq in published if (at := first_at_or_after(announced, seq))]
     if not waits:
         return f"freshness: none of {count} documents was announced within 60 s of the last publish"
+    report = (
+        f"freshness at {achieved:.0f} documents/s ({len(waits)} of {count} announced): p50 "
+        f"{percentile(waits, 0.5):.1f} ms, p95 {percentile(waits, 0.95):.1f} ms, max {max(waits):.1f} ms"
+    )
+    if not in_flight:
+        return f"{report}; no queries meanwhile"
     p50, p95, _ = queried.row()
     return (
-        f"freshness at {achieved:.0f} documents/s ({len(waits)} of {count} announced): p50 "
-        f"{percentile(waits, 0.5):.1f} ms, p95 {percentile(waits, 0.95):.1f} ms, max {max(waits):.1f} ms; "
-        f"queries meanwhile, 8 in flight: p50 {p50:.1f} ms, p95 {p95:.1f} ms ({queried.errors} errors)"
+        f"{report}; queries meanwhile, {in_flight} in flight: p50 {p50:.1f} ms, p95 {p95:.1f} ms "
+        f"({queried.errors} errors)"
     )
 
 
@@ -444,7 +452,7 @@ async def run(endpoints: Endpoints, runtime_dir: Path, args: argparse.Namespace)
         print(f"query worker peak RSS: {peak_rss_mb(worker.pid):.0f} MB", flush=True)
         report = await freshness(
             nc, js, names, workspace, base, args.documents, model, args.rate, args.freshness_seconds, client,
-            queries[needed:],
+            queries[needed:], args.freshness_in_flight,
         )  # fmt: skip
         print(report, flush=True)
         print(f"query worker peak RSS after the freshness run: {peak_rss_mb(worker.pid):.0f} MB", flush=True)
@@ -458,6 +466,9 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200, help="distinct queries per concurrency level")
     parser.add_argument("--rate", type=float, default=200.0, help="documents/s during the freshness run")
     parser.add_argument("--freshness-seconds", type=float, default=30.0, help="how long the freshness run lasts")
+    parser.add_argument(
+        "--freshness-in-flight", type=int, default=8, help="queries in flight during the freshness run (0: none)"
+    )
     parser.add_argument(
         "--worker-env", action="append", default=[], metavar="NAME=VALUE",
         help="an environment variable for the query worker only (a lever to measure); repeatable",

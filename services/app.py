@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ontofabric.shared.embedder import Embedder, build_embedder
 from ontofabric.shared.jetstream import ConnectionLost, connection_lost
 from ontofabric.shared.logging import get_logger
+from ontofabric.shared.priority import lower_process_priority
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 
@@ -100,6 +101,11 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
 
     async def run(stack: AsyncExitStack) -> None:
+        if settings.query_niceness > 0 and roles == Roles(projector=False, query=True, azure_projector=False):
+            # Before any thread starts: the model's threads inherit it. Where a projector shares the process, its
+            # event loop is the queries' too, and only the database sessions are reniced (in the reader pools).
+            log.info("query_worker_priority", niceness=settings.query_niceness,
+                     threads=lower_process_priority(settings.query_niceness))  # fmt: skip
         await start_workers(stack, settings, endpoints, roles)
         keep_out_of_collections()
         if on_ready is not None:

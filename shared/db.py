@@ -12,6 +12,7 @@ from asyncpg.pool import PoolConnectionProxy
 from pgvector.asyncpg import register_vector
 
 from .logging import get_logger
+from .priority import lower_session_priority
 from .settings import Settings
 
 log = get_logger(__name__)
@@ -197,6 +198,7 @@ async def create_pool(
     command_timeout_s: float | None = None,
     keep_session: bool = False,
     idle_in_transaction_s: float | None = None,
+    niceness: int = 0,
 ) -> asyncpg.Pool:
     """A pool whose connections speak pgvector and search HNSW with filters applied (iterative scans).
 
@@ -210,13 +212,22 @@ async def create_pool(
     transaction has waited that long for its client's next statement (a client frozen or cut off mid-transaction
     keeps its row locks until then; for users whose transactions never wait on anything but the database).
     Every session has TCP keepalives, so the server finds a client that went away without closing (a half-open
-    connection keeps its locks until then: two hours by Linux's defaults) in about a minute."""
+    connection keeps its locks until then: two hours by Linux's defaults) in about a minute. ``niceness`` above
+    0: each session's server process runs at that niceness where the server runs on this host
+    (:func:`~ontofabric.shared.priority.lower_session_priority`)."""
 
     async def keep(_: asyncpg.Connection) -> None:
         return None
 
+    said_unchanged = False  # a session left at its priority is logged once, not at every connection
+
     async def init(conn: asyncpg.Connection) -> None:
+        nonlocal said_unchanged
         await register_vector(conn)
+        if niceness > 0 and not await lower_session_priority(conn, niceness) and not said_unchanged:
+            said_unchanged = True
+            log.info("database_session_priority_unchanged", niceness=niceness,
+                     reason="the server is not on this host, or runs as another user")  # fmt: skip
 
     pool = await asyncpg.create_pool(
         database_url,

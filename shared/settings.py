@@ -283,6 +283,15 @@ class Settings(BaseSettings):
         description="Requests one worker holds waiting beyond those it handles; more are refused at once with "
         "`overloaded` (retryable), and a waiting one whose deadline passes is refused, never worked on.",
     )
+    query_niceness: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="CPU priority of query work where it shares a host's cores with a projector (0-19, as `nice`; "
+        "0 leaves it be): the database sessions of the query workers, when their server runs on this host, and "
+        "a `query-worker` process itself run at this niceness, so that under query load the projector still "
+        'keeps the index fresh (docs/benchmarks.md, "Freshness while queries take every core").',
+    )
     query_default_timeout_ms: int = Field(
         default=10_000,
         ge=1,

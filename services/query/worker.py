@@ -653,6 +653,7 @@ class QueryService:
             role=READER_ROLE,
             command_timeout_s=stalled_s,
             keep_session=True,  # reads only: transactions and SET LOCAL
+            niceness=settings.query_niceness,
         )
 
     async def stop(self, timeout_s: float = 10.0) -> None:

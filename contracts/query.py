@@ -534,6 +534,14 @@ class QueryError(WireModel):
     message: str
     retryable: bool = False
     details: list[ErrorDetail] = Field(default_factory=list)
+    retry_after_ms: int | None = Field(
+        default=None,
+        ge=1,
+        description="With `overloaded`: about how long until the refusing worker expects to start a request like "
+        "this one (those it holds ahead of it leaving), in milliseconds. A retry sooner is likely refused again by "
+        "that worker; another may answer at once. Absent when it expects no wait (the request's own deadline was "
+        "too short for its work) or has answered nothing yet to expect by.",
+    )
 
 
 class ErrorReply(WireModel):

@@ -252,6 +252,25 @@ async def test_beyond_its_queue_a_worker_refuses_at_once(
     assert reranker.calls == len(answered)
 
 
+async def test_a_refusal_at_capacity_says_how_long_the_worker_expects_to_be_busy(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    reranker = SlowReranker(0.5)
+    await start_worker(reranker, query_concurrency=1, query_queue_limit=1)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    # Nothing answered yet, nothing to estimate by: a refusal then states no wait.
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)  # about 0.5 s
+    answers = await asyncio.gather(*(client.query("acme", {"semanticQuery": LONG_QUERY}) for _ in range(4)))
+    refused = [reply for reply in answers if isinstance(reply, ErrorReply)]
+    assert len(refused) == 2, answers  # one at work, one waiting
+    for reply in refused:
+        # Two held before it, leaving through one runner, about 0.5 s each.
+        assert reply.error.retry_after_ms is not None, reply.error
+        assert 600 <= reply.error.retry_after_ms <= 2500, reply.error
+
+
 async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_in_front_of_others(
     seeded: int,
     deployment: Deployment,
@@ -518,6 +537,9 @@ async def test_a_request_that_would_wait_past_its_deadline_is_refused_on_arrival
     assert isinstance(reply, ErrorReply)
     assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
     assert "past the request's deadline" in reply.error.message
+    # The one at work takes about 0.6 s, by the first request's time: the wait it states is about that.
+    assert reply.error.retry_after_ms is not None, reply.error
+    assert 300 <= reply.error.retry_after_ms <= 1500, reply.error
     await busy
     assert reranker.calls == 2
 
@@ -569,6 +591,8 @@ async def test_a_request_that_states_no_timeout_is_refused_on_arrival_when_it_wo
     assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
     assert "would start this request in about" in reply.error.message
     assert TIMEOUT_HEADER in reply.error.message
+    assert reply.error.retry_after_ms is not None, reply.error
+    assert 300 <= reply.error.retry_after_ms <= 1500, reply.error
     # A caller that states its timeout may wait longer than that.
     stated = await _request(deployment, _query("descending sort of a list of numbers with sorted"), 5_000, 1.5)
     assert isinstance(parse_reply(stated[0]), QueryResponse)

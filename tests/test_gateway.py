@@ -911,6 +911,14 @@ def test_a_worker_error_about_the_halved_budget_names_the_value_the_caller_gave(
     assert restated(query, {"semanticQuery": "x", "maxTokens": 10}, worker_said) == worker_said  # sent as given
 
 
+def test_a_busy_workers_refusal_tells_the_agent_when_to_try_again() -> None:
+    busy = "this worker is at capacity (8 at work, its queue full); retry"
+    stated = ErrorReply(error=QueryError(code="overloaded", message=busy, retryable=True, retry_after_ms=750))
+    assert render(stated).startswith("error overloaded (retryable: try again in about 750 ms): this worker")
+    unstated = ErrorReply(error=QueryError(code="overloaded", message=busy, retryable=True))
+    assert render(unstated).startswith("error overloaded (retryable: try again): this worker")
+
+
 async def test_a_call_whose_connection_goes_away_under_it_is_a_retryable_error(deployment: Deployment) -> None:
     """The gateway replaces its NATS connection when the server moves (`ontofabric up` restarted); a call still on
     the old one met ConnectionClosedError, which reached the MCP client as a bare JSON-RPC error (a red team's

@@ -289,7 +289,8 @@ def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:
 
 def render_error(reply: ErrorReply) -> str:
     error = reply.error
-    lines = [f"error {error.code}{' (retryable: try again)' if error.retryable else ''}: {error.message}"]
+    after = f" in about {error.retry_after_ms} ms" if error.retry_after_ms is not None else ""
+    lines = [f"error {error.code}{f' (retryable: try again{after})' if error.retryable else ''}: {error.message}"]
     lines += [f"- {detail.field or 'request'}: {detail.message}" for detail in error.details]
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -80,14 +81,19 @@ def error_reply(
     retryable: bool = False,
     *,
     timeout_too_short: bool = False,
+    retry_after_s: float = 0.0,
 ) -> bytes:
     """The error reply, counted by code; ``timeout_too_short``: a refusal for time of a request whose caller
     allowed less than any answer can be expected in, counted with ``timeout="shorter_than_service"`` (the paging
-    error ratio leaves those out: see :meth:`QueryService._timeout_too_short`)."""
+    error ratio leaves those out: see :meth:`QueryService._timeout_too_short`). ``retry_after_s``: the expected
+    wait a busy worker's refusal states (``retryAfterMs``, in whole milliseconds rounded up), when there is one."""
     counted = {"code": code} | ({"timeout": "shorter_than_service"} if timeout_too_short else {})
     instruments().query_errors.add(1, counted)
-    reply = ErrorReply(error=QueryError(code=code, message=message, retryable=retryable, details=details or []))
-    return reply.model_dump_json().encode()
+    retry_after_ms = math.ceil(retry_after_s * 1000) if retry_after_s > 0 else None
+    error = QueryError(
+        code=code, message=message, retryable=retryable, details=details or [], retry_after_ms=retry_after_ms
+    )
+    return ErrorReply(error=error).model_dump_json().encode()
 
 
 TRACE_CONTEXT = TraceContextTextMapPropagator()
@@ -374,28 +380,28 @@ class QueryService:
         places = concurrency + self.settings.query_queue_limit
         workspace = workspace_token_of(msg.subject) or ""
         own = self._held_by[workspace]
-        workspaces = len(self._held_by) + (0 if own else 1)
-        ahead = ahead_in_turn(own, workspaces, self._held)
-        runners = runners_serving(workspaces, concurrency)
+        ahead, runners = self._turn_of(workspace)
         expected = self._service_time.expected_finish(ahead, runners, workspace)
+        wait = self._service_time.expected_wait(ahead, runners)
         # Refused now, not when the caller has given up. Never by an idle worker, nor when the workspace holds
         # nothing: its average may be of a slow spell that is over (a database frozen for seconds), and only its
         # answered requests bring it down again (a busy worker is seldom idle; a review's finding).
         if self._held and own and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
             short = self._timeout_too_short(deadline)
-            await self._reply(msg, error_reply("overloaded", busy, retryable=True, timeout_too_short=short))
+            refusal = error_reply("overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=wait)
+            await self._reply(msg, refusal)
             return
         max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
-        wait = self._service_time.expected_wait(ahead, runners)
         if not deadline.stated and self._held and wait > max_wait_s:
             busy = f"this worker would start this request in about {wait * 1000:.0f} ms; {_UNSTATED_WAIT}"
-            await self._reply(msg, error_reply("overloaded", busy.format(max_wait_s * 1000), retryable=True))
+            refusal = error_reply("overloaded", busy.format(max_wait_s * 1000), retryable=True, retry_after_s=wait)
+            await self._reply(msg, refusal)
             return
         displaced = self._displace_for(workspace) if self._held >= places else None
         if self._held >= places:
             busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
-            await self._reply(msg, error_reply("overloaded", busy, retryable=True))
+            await self._reply(msg, error_reply("overloaded", busy, retryable=True, retry_after_s=wait))
             return
         self._held += 1
         self._held_by[workspace] += 1
@@ -410,7 +416,19 @@ class QueryService:
         self._waiting.put_nowait(workspace, admitted)
         if displaced is not None:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
-            await self._reply_once(displaced, error_reply("overloaded", busy, retryable=True))
+            refusal = error_reply("overloaded", busy, retryable=True, retry_after_s=self._wait_of(displaced.workspace))
+            await self._reply_once(displaced, refusal)
+
+    def _turn_of(self, workspace: str) -> tuple[int, int]:
+        """For a request of ``workspace`` arriving now: how many of those held go before it, and through how many
+        runners they leave."""
+        own = self._held_by[workspace]
+        workspaces = len(self._held_by) + (0 if own else 1)
+        return ahead_in_turn(own, workspaces, self._held), runners_serving(workspaces, self.settings.query_concurrency)
+
+    def _wait_of(self, workspace: str) -> float:
+        """Seconds a request of ``workspace`` arriving now would wait for a runner, by what the worker holds."""
+        return self._service_time.expected_wait(*self._turn_of(workspace))
 
     def _displace_for(self, workspace: str) -> Admitted | None:
         """A full worker gives the place of the newest waiting request of the workspace holding the most to
@@ -474,7 +492,10 @@ class QueryService:
         waited = (asyncio.get_running_loop().time() - admitted.received) * 1000
         busy = f"waited {waited:.0f} ms for a free slot; {_UNSTATED_WAIT}"
         limit = self.settings.query_unstated_max_wait_ms
-        await self._reply_once(admitted, error_reply("overloaded", busy.format(limit), retryable=True))
+        retry_after_s = self._wait_of(admitted.workspace)
+        await self._reply_once(
+            admitted, error_reply("overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s)
+        )
 
     async def _reply_once(self, admitted: Admitted, body: bytes) -> None:
         """The first reply to an admitted request goes out; a later one (the work ending after the deadline's

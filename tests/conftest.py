@@ -6,6 +6,7 @@ ONTOFABRIC_TEST_NATS_URL and ONTOFABRIC_TEST_DATABASE_URL to run against servers
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -31,9 +33,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, TokenVectors
+from ontofabric.contracts import DeltaEnvelope, DocumentDeleted, DocumentUpserted, QueryResponse, TokenVectors
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.core import Reranker
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder, build_embedder
@@ -404,6 +407,20 @@ CORPUS = {  # seven short documents of different kinds, projected into acme by `
     "zip": ("Compress a directory into a zip archive.", "io.Files", "type"),
     "guide": ("How to install the package and run the tests.", "docs.Guide", "doc"),
 }
+
+
+async def answered_once_up(
+    client: QueryClient, workspace: str, query: dict[str, Any], within_s: float, *, with_results: bool = False
+) -> QueryResponse:
+    """The first answer of a query worker starting meanwhile (in another process): asked every half second while
+    none listens, or none answers (with results, if ``with_results``), for up to ``within_s``."""
+    async with asyncio.timeout(within_s):
+        while True:
+            with contextlib.suppress(nats.errors.NoRespondersError):
+                reply = await client.query(workspace, query)
+                if isinstance(reply, QueryResponse) and (reply.results or not with_results):
+                    return reply
+            await asyncio.sleep(0.5)
 
 
 def corpus_deltas(

@@ -21,11 +21,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
-import nats.errors
 import pytest
 import yaml
 
-from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.discovery import discover
@@ -33,7 +31,7 @@ from ontofabric.shared.jetstream import connect, wait_projected
 from ontofabric.shared.runtime import Endpoints, _spawn, _wait_until, free_port, nats_server_binary
 from ontofabric.shared.subjects import Names
 
-from .conftest import with_database
+from .conftest import answered_once_up, with_database
 from .factories import document, upsert
 
 ROOT = Path(__file__).parent.parent
@@ -151,13 +149,8 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
                 )
                 await wait_projected(js, names, 1, acks[-1].seq, 60)
                 client = QueryClient(nc, names, timeout_s=5)
-                async with asyncio.timeout(120):
-                    while True:
-                        with contextlib.suppress(nats.errors.NoRespondersError):
-                            reply = await client.query("acme", {"semanticQuery": "zip archive", "topK": 5})
-                            if isinstance(reply, QueryResponse) and reply.results:
-                                break
-                        await asyncio.sleep(0.5)
+                query = {"semanticQuery": "zip archive", "topK": 5}
+                reply = await answered_once_up(client, "acme", query, 120, with_results=True)
                 assert {r.id for r in reply.results} == {f"doc-{n}" for n in range(5)}
                 async with asyncio.timeout(30):
                     while len(await discover(nc, names.query_service)) < 2:

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import nats.errors
 import pytest
 
-from ontofabric.contracts import QueryResponse
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.db import create_pool, migrate
 from ontofabric.shared.priority import is_fresh_backend, process_started_at
 
-from .conftest import Deployment
+from .conftest import Deployment, answered_once_up
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness per thread is Linux's")
 
@@ -96,12 +93,7 @@ async def test_a_query_worker_with_a_niceness_runs_it_and_so_do_its_database_ses
     worker = await asyncio.create_subprocess_exec(ONTOFABRIC, "query-worker", env=env, start_new_session=True)
     try:
         client = QueryClient(deployment.nc, deployment.names, timeout_s=5)
-        async with asyncio.timeout(90):  # the worker starting, then answering
-            while True:
-                with contextlib.suppress(nats.errors.NoRespondersError):
-                    if isinstance(await client.query("acme", {"semanticQuery": "anything"}), QueryResponse):
-                        break
-                await asyncio.sleep(0.5)
+        await answered_once_up(client, "acme", {"semanticQuery": "anything"}, 90)
         threads = [int(tid) for tid in os.listdir(f"/proc/{worker.pid}/task")]
         assert len(threads) > 1  # the model's threads among them
         assert {niceness(tid) for tid in threads} == {6}

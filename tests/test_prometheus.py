@@ -7,7 +7,6 @@ ONTOFABRIC_TEST_REQUIRE_TOOLS so that CI fails rather than skips without it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -18,14 +17,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 import pytest
 
-from ontofabric.contracts import QueryResponse
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.runtime import free_port
 
-from .conftest import Deployment
+from .conftest import Deployment, answered_once_up
 
 RULES = Path(__file__).parent.parent / "infra" / "prometheus"
 DASHBOARD = Path(__file__).parent.parent / "infra" / "grafana" / "dashboards" / "ontofabric.json"
@@ -89,12 +86,7 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
     )
     try:
         client = QueryClient(deployment.nc, deployment.names, timeout_s=5)
-        async with asyncio.timeout(90):  # the worker starting, then answering
-            while True:
-                with contextlib.suppress(nats.errors.NoRespondersError):
-                    if isinstance(await client.query("acme", {"semanticQuery": "anything"}), QueryResponse):
-                        break
-                await asyncio.sleep(0.5)
+        await answered_once_up(client, "acme", {"semanticQuery": "anything"}, 90)
         series = "retrieval_query_duration_ms_milliseconds_count"
         async with asyncio.timeout(60):  # scraped
             while not (found := (await asyncio.to_thread(_ask, web_port, "/api/v1/query", query=series))["result"]):

@@ -105,6 +105,7 @@ RAW_INITIALIZE = {
     "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
 }  # fmt: skip
 """The first message of a session, as a test writing raw lines to the gateway sends it."""
+NOT_A_MESSAGE = "not a JSON-RPC 2.0 request, notification or response"
 
 
 def _gateway_env(deployment: Deployment, **extra: str) -> dict[str, str]:
@@ -393,6 +394,71 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
         assert whole.status_code == 200
         assert whole.json()["id"] == 8
         assert whole.json()["result"]["structuredContent"]["results"][0]["id"] == "csv"
+
+
+ILL_FORMED: list[tuple[dict[str, Any], int, str]] = [
+    # Arguments sent as a JSON string (a client encoding them twice), an initialize without its protocol version,
+    # a call without a tool name: the SDK answered each with "Invalid request parameters", naming nothing.
+    (
+        {"jsonrpc": "2.0", "id": 21, "method": "tools/call",
+         "params": {"name": "ontology_query", "arguments": '{"semanticQuery": "csv"}'}},
+        -32602, "params.arguments: Input should be a valid dictionary",
+    ),
+    (
+        {"jsonrpc": "2.0", "id": 22, "method": "initialize",
+         "params": {"capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}},
+        -32602, "params.protocolVersion: Field required",
+    ),
+    ({"jsonrpc": "2.0", "id": 23, "method": "tools/call", "params": {"arguments": {}}}, -32602, "params.name: Field"),
+    # A broken envelope: over HTTP the SDK answered a validation dump under id null.
+    ({"jsonrpc": "1.0", "id": 24, "method": "tools/list"}, -32600, f"{NOT_A_MESSAGE}: jsonrpc: Input should be"),
+    ({"jsonrpc": "2.0", "id": 25, "method": "tools/call", "params": ["a"]}, -32600, f"{NOT_A_MESSAGE}: params: Input"),
+]  # fmt: skip
+"""Requests whose refusal names the field, over stdio and HTTP alike: (request, code, the message's start)."""
+
+
+async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deployment: Deployment) -> None:
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    async with _http_gateway(deployment, "--workspace", "acme") as url, httpx2.AsyncClient(headers=headers) as http:
+        for request, code, message in ILL_FORMED:
+            answer = await http.post(url, json=request)
+            assert answer.status_code == (200 if code == -32602 else 400), request
+            assert answer.json()["id"] == request["id"]
+            assert answer.json()["error"]["code"] == code
+            assert answer.json()["error"]["message"].startswith(message), answer.json()
+        listing = await http.post(url, json={"jsonrpc": "2.0", "id": 26, "method": "tools/list"})
+        assert {tool["name"] for tool in listing.json()["result"]["tools"]} >= {"ontology_query"}
+
+
+async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(deployment: Deployment) -> None:
+    """The same refusals as over HTTP, and a request before initialize is told so (the SDK: "Invalid request
+    parameters"); the session goes on."""
+    gateway = await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--workspace", "acme",
+        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert gateway.stdin is not None
+    assert gateway.stdout is not None
+    early = {"jsonrpc": "2.0", "id": 20, "method": "tools/list"}
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
+    messages = [early, RAW_INITIALIZE, initialized, *(request for request, _, _ in ILL_FORMED), listing]
+    gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+    await gateway.stdin.drain()
+    answers: dict[Any, Any] = {}
+    try:
+        async with asyncio.timeout(30):
+            while 26 not in answers:
+                answer = json.loads(await gateway.stdout.readline())
+                answers[answer["id"]] = answer
+    finally:
+        gateway.stdin.close()
+        await gateway.wait()
+    assert answers[20]["error"] == {"code": -32600, "message": "tools/list before initialize: initialize first"}
+    for request, code, message in ILL_FORMED:
+        assert answers[request["id"]]["error"]["code"] == code
+        assert answers[request["id"]]["error"]["message"].startswith(message), answers[request["id"]]
+    assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 
 
 async def _worker_that_never_answers(deployment: Deployment) -> tuple[NatsClient, list[bytes]]:

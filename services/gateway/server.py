@@ -44,7 +44,7 @@ from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsRefused, NatsUnavailable
-from .stdio import ODD_ID, request_id_of, stdio_streams
+from .stdio import ODD_ID, params_problem, request_id_of, stdio_streams, unreadable
 from .tools import (
     TOOLS,
     ArgumentsRefused,
@@ -325,8 +325,10 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     if parsed is None:
         return None
     if odd_id:
-        if "id" not in parsed or request_id_of(parsed) is not None:
+        if "id" not in parsed:
             return None
+        if request_id_of(parsed) is not None:
+            return _answer_to_ill_formed(parsed, body)
         error = {
             "code": types.INVALID_REQUEST,
             "message": f"not a JSON-RPC 2.0 request, notification or response: {ODD_ID}",
@@ -342,6 +344,23 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
         return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "result": result}
     error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
     return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}
+
+
+def _answer_to_ill_formed(request: dict[str, Any], body: bytes) -> tuple[int, dict[str, Any]] | None:
+    """The answer to a request whose envelope or params the SDK refuses without naming the field (a pydantic dump
+    under id null, or "Invalid request parameters"), as stdio answers it (stdio.unreadable, SessionOpening); None
+    when the SDK reads it right."""
+    try:
+        types.jsonrpc_message_adapter.validate_python(request, by_name=False)
+    except ValidationError as refused:
+        answer = unreadable(body, refused)
+        assert answer is not None
+        return 400, answer.model_dump(mode="json", by_alias=True, exclude_none=True)
+    problem = params_problem(request)
+    if problem is None:
+        return None
+    error = {"code": types.INVALID_PARAMS, "message": problem}
+    return 200, {"jsonrpc": "2.0", "id": request_id_of(request), "error": error}
 
 
 PEEKED_BODY_BYTES = 64 * 1024

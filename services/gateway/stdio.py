@@ -21,6 +21,7 @@ import mcp_types as types
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from ontofabric.shared.logging import get_logger
 
@@ -92,16 +93,60 @@ def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JS
             )
         code, message = types.INVALID_REQUEST, "not a JSON-RPC 2.0 request, notification or response"
         if isinstance(problem, ValidationError) and problem.errors():
-            message += f": {str(problem.errors()[0]['msg'])[:200]}"
+            first = problem.errors()[0]  # its location's first part is the message type tried: left out
+            message += f": {'.'.join(str(part) for part in first['loc'][1:]) or 'message'}: {str(first['msg'])[:200]}"
         elif isinstance(problem, ValueError) and str(problem) == ODD_ID:
             message += f": {ODD_ID}"
     return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(found), error=types.ErrorData(code=code, message=message))
+
+
+def params_problem(message: object) -> str | None:
+    """What is wrong with a request's params by the SDK's own request types, naming the field (``params.arguments:
+    Input should be a valid dictionary``): the SDK answers only "Invalid request parameters". None when they are
+    right, for a method the SDK does not know (it answers those itself), and for what is no request."""
+    if not isinstance(message, dict) or "id" not in message or not isinstance(message.get("method"), str):
+        return None
+    try:
+        types.client_request_adapter.validate_python(message, by_name=False)
+    except ValidationError as refused:
+        by_type: dict[object, list[ErrorDetails]] = {}
+        for error in refused.errors():
+            by_type.setdefault(error["loc"][0], []).append(error)
+        for errors in by_type.values():
+            if not any(error["loc"][1:2] == ("method",) for error in errors):  # the request type of this method
+                first = errors[0]
+                return f"{'.'.join(str(part) for part in first['loc'][1:]) or 'params'}: {first['msg']}"
+    return None
 
 
 def request_id_of(message: object) -> int | str | None:
     """The id to answer a parsed JSON-RPC message under: its own when a string or an integer, else null."""
     request_id = message.get("id") if isinstance(message, dict) else None
     return request_id if isinstance(request_id, int | str) and not isinstance(request_id, bool) else None
+
+
+class SessionOpening:
+    """Requests the SDK's session would refuse with only "Invalid request parameters", refused here saying why:
+    params that do not fit their method (naming the field), and, before ``initialize``, any request but a ping."""
+
+    def __init__(self) -> None:
+        self._initialized = False
+
+    def refusal(self, message: types.JSONRPCMessage) -> types.JSONRPCError | None:
+        if not isinstance(message, types.JSONRPCRequest):
+            return None
+        problem = params_problem(message.model_dump(by_alias=True, exclude_unset=True))
+        if problem is not None:
+            return _error(message.id, types.INVALID_PARAMS, problem)
+        if message.method == "initialize":
+            self._initialized = True
+        elif not self._initialized and message.method != "ping":
+            return _error(message.id, types.INVALID_REQUEST, f"{message.method} before initialize: initialize first")
+        return None
+
+
+def _error(request_id: types.RequestId, code: int, message: str) -> types.JSONRPCError:
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=types.ErrorData(code=code, message=message))
 
 
 async def next_line(reader: asyncio.StreamReader) -> bytes | None:
@@ -162,6 +207,8 @@ async def stdio_streams() -> AsyncIterator[
         outgoing, outgoing_reader = anyio.create_memory_object_stream[SessionMessage](0)
         answers = outgoing.clone()
 
+        session = SessionOpening()
+
         async def read() -> None:
             async with incoming_writer, answers:
                 while (line := await next_line(reader)) != b"":
@@ -173,6 +220,10 @@ async def stdio_streams() -> AsyncIterator[
                         answer = unreadable(line, problem)
                         if answer is not None:
                             await answers.send(SessionMessage(answer))
+                        continue
+                    refusal = session.refusal(message)
+                    if refusal is not None:
+                        await answers.send(SessionMessage(refusal))
                         continue
                     await incoming_writer.send(SessionMessage(message))
 

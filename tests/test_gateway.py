@@ -426,8 +426,16 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
             assert answer.json()["id"] == request["id"]
             assert answer.json()["error"]["code"] == code
             assert answer.json()["error"]["message"].startswith(message), answer.json()
-        listing = await http.post(url, json={"jsonrpc": "2.0", "id": 26, "method": "tools/list"})
-        assert {tool["name"] for tool in listing.json()["result"]["tools"]} >= {"ontology_query"}
+        listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
+        # A protocol version no SDK release has: the SDK asked for `params._meta` envelope keys instead.
+        unknown = await http.post(url, json=listing, headers={"MCP-Protocol-Version": "1999-01-01"})
+        assert unknown.status_code == 400
+        assert unknown.json()["id"] == 26
+        assert "MCP-Protocol-Version header names '1999-01-01'" in unknown.json()["error"]["message"]
+        assert unknown.json()["error"]["data"]["requested"] == "1999-01-01"
+        assert "2025-06-18" in unknown.json()["error"]["data"]["supported"]
+        known = await http.post(url, json=listing, headers={"MCP-Protocol-Version": "2025-06-18"})
+        assert {tool["name"] for tool in known.json()["result"]["tools"]} >= {"ontology_query"}
 
 
 async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(deployment: Deployment) -> None:

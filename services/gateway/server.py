@@ -22,6 +22,7 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from mcp.shared.exceptions import MCPError
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
 from nats.errors import (
     ConnectionClosedError,
     ConnectionDrainingError,
@@ -239,7 +240,7 @@ def listen_on(host: str, port: int) -> list[socket.socket]:
 
 
 class MisreadBodies:
-    """ASGI middleware: three bodies the SDK's HTTP transport misreads are answered here, as they are over stdio.
+    """ASGI middleware: bodies the SDK's HTTP transport misreads are answered here, as they are over stdio.
 
     - Half of a character (a lone UTF-16 surrogate escape, as a JavaScript client cutting an emoji writes): the SDK
       refused the body as a whole ("Parse error", HTTP 400, id null), so the client's SDK threw instead of the
@@ -249,6 +250,11 @@ class MisreadBodies:
       notification and answered 202 with nothing, so its caller waited for ever. It gets an invalid request error.
     - A batch (JSON-RPC's array of requests, which MCP no longer has): an invalid request, as over stdio, where the
       SDK answered an invalid-params error holding a validation dump.
+    - A request whose envelope or params do not fit (``jsonrpc`` "1.0", ``params`` an array, ``arguments`` a
+      string, no tool name): the SDK answered a validation dump under id null, or "Invalid request parameters"; it
+      gets the error stdio gives, naming the field, under its id.
+    - An ``MCP-Protocol-Version`` header naming no version the SDK speaks: the SDK asked for ``params._meta``
+      envelope keys; the answer names the header, the versions spoken and the one asked for.
 
     Bodies past the SDK's own limit go on to its 413."""
 
@@ -277,7 +283,8 @@ class MisreadBodies:
             size += len(message.get("body", b""))
             complete = not message.get("more_body", False)
         body = b"".join(m.get("body", b"") for m in read)
-        answer = _answer_to_misread(body) if complete else None
+        version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
+        answer = None if not complete else _answer_to_unknown_version(version, body) or _answer_to_misread(body)
         if answer is None:
 
             async def replay() -> Message:
@@ -344,6 +351,20 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
         return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "result": result}
     error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
     return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}
+
+
+def _answer_to_unknown_version(version: str, body: bytes) -> tuple[int, dict[str, Any]] | None:
+    """The answer to a request whose ``MCP-Protocol-Version`` header names no version the SDK speaks: the SDK took
+    it for a newer one and asked for ``params._meta`` envelope keys, naming neither the header nor the versions."""
+    supported = [*HANDSHAKE_PROTOCOL_VERSIONS, *MODERN_PROTOCOL_VERSIONS]
+    if not version or version in supported:
+        return None
+    error = {
+        "code": types.UNSUPPORTED_PROTOCOL_VERSION,
+        "message": f"the MCP-Protocol-Version header names {version!r}, a version this server does not speak",
+        "data": {"supported": supported, "requested": version},
+    }
+    return 400, {"jsonrpc": "2.0", "id": request_id_of(_json_object(body)), "error": error}
 
 
 def _answer_to_ill_formed(request: dict[str, Any], body: bytes) -> tuple[int, dict[str, Any]] | None:

@@ -23,6 +23,32 @@ def surrogate_field(body: bytes) -> str | None:
         found = json.loads(body)
     except (ValueError, RecursionError):
         return None
+    return _field_holding_surrogate(found)
+
+
+NOT_UTF8 = "not valid UTF-8"
+"""What is wrong with a field whose bytes are no UTF-8 (text a client sent in another encoding)."""
+
+
+def not_utf8(body: bytes) -> tuple[object, str] | None:
+    """A JSON object whose bytes are not all UTF-8, which JSON must be: the object read with each stray byte kept
+    apart (as a lone surrogate), and the dotted path of the first field holding one ("" for a key); None when
+    the body is UTF-8 or is no JSON object even so."""
+    try:
+        body.decode()
+        return None
+    except UnicodeDecodeError:
+        pass
+    try:
+        found = json.loads(body.decode(errors="surrogateescape"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(found, dict):
+        return None
+    return found, _field_holding_surrogate(found) or ""
+
+
+def _field_holding_surrogate(found: object) -> str | None:
     waiting: list[tuple[str, object]] = [("", found)]
     while waiting:
         path, value = waiting.pop()

@@ -415,6 +415,11 @@ ILL_FORMED: list[tuple[dict[str, Any], int, str]] = [
     ({"jsonrpc": "2.0", "id": 25, "method": "tools/call", "params": ["a"]}, -32600, f"{NOT_A_MESSAGE}: params: Input"),
 ]  # fmt: skip
 """Requests whose refusal names the field, over stdio and HTTP alike: (request, code, the message's start)."""
+LATIN_1 = (
+    b'{"jsonrpc": "2.0", "id": 27, "method": "tools/call", "params": {"name": "ontology_query", '
+    b'"arguments": {"semanticQuery": "caf\xe9 menu parser"}}}'
+)
+"""A call whose text a client sent in Latin-1, not UTF-8: the SDK answered a parse error under id null."""
 
 
 async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deployment: Deployment) -> None:
@@ -426,6 +431,9 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
             assert answer.json()["id"] == request["id"]
             assert answer.json()["error"]["code"] == code
             assert answer.json()["error"]["message"].startswith(message), answer.json()
+        latin = (await http.post(url, content=LATIN_1)).json()
+        assert (latin["id"], latin["error"]["code"]) == (27, -32602)
+        assert latin["error"]["message"] == "params.arguments.semanticQuery: not valid UTF-8"
         listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
         # A protocol version no SDK release has: the SDK asked for `params._meta` envelope keys instead.
         unknown = await http.post(url, json=listing, headers={"MCP-Protocol-Version": "1999-01-01"})
@@ -450,8 +458,9 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     early = {"jsonrpc": "2.0", "id": 20, "method": "tools/list"}
     initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
     listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
-    messages = [early, RAW_INITIALIZE, initialized, *(request for request, _, _ in ILL_FORMED), listing]
+    messages = [early, RAW_INITIALIZE, initialized, *(request for request, _, _ in ILL_FORMED)]
     gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+    gateway.stdin.write(LATIN_1 + b"\n" + json.dumps(listing).encode() + b"\n")
     await gateway.stdin.drain()
     answers: dict[Any, Any] = {}
     try:
@@ -466,6 +475,7 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     for request, code, message in ILL_FORMED:
         assert answers[request["id"]]["error"]["code"] == code
         assert answers[request["id"]]["error"]["message"].startswith(message), answers[request["id"]]
+    assert answers[27]["error"] == {"code": -32602, "message": "params.arguments.semanticQuery: not valid UTF-8"}
     assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 
 

@@ -45,7 +45,7 @@ from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsRefused, NatsUnavailable
-from .stdio import ODD_ID, params_problem, request_id_of, stdio_streams, unreadable
+from .stdio import ODD_ID, not_utf8_error, params_problem, request_id_of, stdio_streams, unreadable
 from .tools import (
     TOOLS,
     ArgumentsRefused,
@@ -253,6 +253,8 @@ class MisreadBodies:
     - A request whose envelope or params do not fit (``jsonrpc`` "1.0", ``params`` an array, ``arguments`` a
       string, no tool name): the SDK answered a validation dump under id null, or "Invalid request parameters"; it
       gets the error stdio gives, naming the field, under its id.
+    - Bytes that are not UTF-8 (text a client sent in another encoding): the SDK answered a parse error under id
+      null; it gets an error under its id naming the field, as over stdio.
     - An ``MCP-Protocol-Version`` header naming no version the SDK speaks: the SDK asked for ``params._meta``
       envelope keys; the answer names the header, the versions spoken and the one asked for.
 
@@ -313,6 +315,8 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     """The HTTP status and JSON-RPC answer to a body the SDK would misread (None for no answer: a notification),
     or None when the SDK reads it right."""
+    if (refused := not_utf8_error(body)) is not None:
+        return 400, refused.model_dump(mode="json", by_alias=True, exclude_none=True)
     if body.lstrip()[:1] == b"[":  # a batch: the SDK answered -32602 with a pydantic dump here, -32600 over stdio
         try:
             batch = json.loads(body)

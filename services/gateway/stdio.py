@@ -23,6 +23,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from ontofabric.shared.half_characters import NOT_UTF8, not_utf8
 from ontofabric.shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -88,7 +89,7 @@ def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JS
         try:
             found = json.loads(line)
         except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than Python's stack
-            return types.JSONRPCError(
+            return not_utf8_error(line) or types.JSONRPCError(
                 jsonrpc="2.0", id=None, error=types.ErrorData(code=types.PARSE_ERROR, message=f"not JSON: {error}")
             )
         code, message = types.INVALID_REQUEST, "not a JSON-RPC 2.0 request, notification or response"
@@ -98,6 +99,18 @@ def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JS
         elif isinstance(problem, ValueError) and str(problem) == ODD_ID:
             message += f": {ODD_ID}"
     return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(found), error=types.ErrorData(code=code, message=message))
+
+
+def not_utf8_error(body: bytes) -> types.JSONRPCError | None:
+    """The answer to a JSON-RPC message whose bytes are not all UTF-8, under its id, naming the field: the SDK
+    answered a parse error under id null, and its caller never heard back. None for any other body."""
+    found = not_utf8(body)
+    if found is None:
+        return None
+    message, field = found
+    code = types.INVALID_PARAMS if field.startswith("params.") else types.INVALID_REQUEST
+    error = types.ErrorData(code=code, message=f"{field or 'a key'}: {NOT_UTF8}")
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(message), error=error)
 
 
 def params_problem(message: object) -> str | None:

@@ -479,6 +479,32 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 
 
+async def test_a_first_request_in_the_per_request_envelope_needs_no_initialize_over_stdio(
+    deployment: Deployment,
+) -> None:
+    """The protocol of 2026-07-28 on carries its version in every request (``params._meta``) and has no
+    ``initialize``: the check for requests before ``initialize`` must leave such a connection alone."""
+    gateway = await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--workspace", "acme",
+        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert gateway.stdin is not None
+    assert gateway.stdout is not None
+    envelope = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": envelope}}
+    gateway.stdin.write(json.dumps(listing).encode() + b"\n")
+    await gateway.stdin.drain()
+    try:
+        answer = json.loads(await asyncio.wait_for(gateway.stdout.readline(), 30))
+    finally:
+        gateway.stdin.close()
+        await gateway.wait()
+    assert {tool["name"] for tool in answer["result"]["tools"]} >= {"ontology_query"}, answer
+
+
 async def _worker_that_never_answers(deployment: Deployment) -> tuple[NatsClient, list[bytes]]:
     """A query worker of workspace acme that takes requests, says it has them and never answers (slow, or lost
     mid-request); the requests it took."""

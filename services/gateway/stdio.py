@@ -15,6 +15,7 @@ import json
 import os
 import stat
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import anyio
 import mcp_types as types
@@ -140,22 +141,50 @@ def request_id_of(message: object) -> int | str | None:
 
 class SessionOpening:
     """Requests the SDK's session would refuse with only "Invalid request parameters", refused here saying why:
-    params that do not fit their method (naming the field), and, before ``initialize``, any request but a ping."""
+    params that do not fit their method (naming the field), and a request of the handshake era before
+    ``initialize``. The SDK sets a connection's era by its first request: one carrying the per-request protocol
+    envelope (``params._meta``, 2026-07-28 on) needs no ``initialize``, and its connection is left to the SDK, as
+    is any request carrying the envelope (the SDK says which era the connection serves)."""
 
     def __init__(self) -> None:
-        self._initialized = False
+        self._opened = False
+        """Whether ``initialize`` came, or the first request carried the envelope."""
+        self._first = True
 
     def refusal(self, message: types.JSONRPCMessage) -> types.JSONRPCError | None:
         if not isinstance(message, types.JSONRPCRequest):
             return None
-        problem = params_problem(message.model_dump(by_alias=True, exclude_unset=True))
+        request = message.model_dump(by_alias=True, exclude_unset=True)
+        first, self._first = self._first, False
+        if first and _carries_envelope(request):
+            self._opened = True
+        problem = params_problem(request)
         if problem is not None:
             return _error(message.id, types.INVALID_PARAMS, problem)
         if message.method == "initialize":
-            self._initialized = True
-        elif not self._initialized and message.method != "ping":
+            self._opened = True
+        elif not self._opened and not _carries_envelope(request) and _of_the_handshake_era(request):
             return _error(message.id, types.INVALID_REQUEST, f"{message.method} before initialize: initialize first")
         return None
+
+
+def _carries_envelope(request: dict[str, Any]) -> bool:
+    meta = request.get("params", {}).get("_meta") if isinstance(request.get("params"), dict) else None
+    return isinstance(meta, dict) and types.PROTOCOL_VERSION_META_KEY in meta
+
+
+_NEEDING_NO_INITIALIZE = (types.PingRequest, types.DiscoverRequest, types.SubscriptionsListenRequest)
+"""A ping, and the requests of the envelope era (which the SDK answers itself on a connection of either era)."""
+
+
+def _of_the_handshake_era(request: dict[str, Any]) -> bool:
+    """Whether the request is of a method of the handshake era that needs ``initialize`` first (one of a method
+    the SDK does not know, it answers itself)."""
+    try:
+        known = types.client_request_adapter.validate_python(request, by_name=False)
+    except ValidationError:
+        return False
+    return not isinstance(known, _NEEDING_NO_INITIALIZE)
 
 
 def _error(request_id: types.RequestId, code: int, message: str) -> types.JSONRPCError:

@@ -539,8 +539,9 @@ class QueryError(WireModel):
         ge=1,
         description="With `overloaded`: about how long until the refusing worker expects to start a request like "
         "this one (those it holds ahead of it leaving), in milliseconds. A retry sooner is likely refused again by "
-        "that worker; another may answer at once. Absent when it expects no wait (the request's own deadline was "
-        "too short for its work) or has answered nothing yet to expect by.",
+        "that worker; another worker of the same queue group may answer at once. null when it expects no wait "
+        "(the request's own deadline was too short for its work), has answered nothing yet to expect by, and on "
+        "every other error.",
     )
 
 

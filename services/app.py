@@ -101,11 +101,13 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
 
     async def run(stack: AsyncExitStack) -> None:
-        if settings.query_niceness > 0 and roles == Roles(projector=False, query=True, azure_projector=False):
+        if settings.query_niceness > 0 and roles.query and not roles.projector and not roles.azure_projector:
             # Before any thread starts: the model's threads inherit it. Where a projector shares the process, its
             # event loop is the queries' too, and only the database sessions are reniced (in the reader pools).
-            log.info("query_worker_priority", niceness=settings.query_niceness,
-                     threads=lower_process_priority(settings.query_niceness))  # fmt: skip
+            threads, autogroup = lower_process_priority(settings.query_niceness)
+            (log.info if autogroup in ("lowered", "not_leader", "unavailable") else log.warning)(
+                "query_worker_priority", niceness=settings.query_niceness, threads=threads, autogroup=autogroup
+            )
         await start_workers(stack, settings, endpoints, roles)
         keep_out_of_collections()
         if on_ready is not None:

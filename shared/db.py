@@ -11,7 +11,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 from pgvector.asyncpg import register_vector
 
-from .logging import get_logger
+from .logging import describe, get_logger
 from .priority import lower_session_priority
 from .settings import Settings
 
@@ -224,10 +224,17 @@ async def create_pool(
     async def init(conn: asyncpg.Connection) -> None:
         nonlocal said_unchanged
         await register_vector(conn)
-        if niceness > 0 and not await lower_session_priority(conn, niceness) and not said_unchanged:
-            said_unchanged = True
-            log.info("database_session_priority_unchanged", niceness=niceness,
-                     reason="the server is not on this host, or runs as another user")  # fmt: skip
+        if niceness > 0:
+            try:
+                became: str = await lower_session_priority(conn, niceness)
+            except Exception as error:  # a best effort: never a reason to lose the connection
+                became = describe(error)
+            if became != "lowered" and not said_unchanged:
+                said_unchanged = True
+                # Refused: the server runs as another user, and this process may not renice its processes.
+                (log.warning if became != "remote" else log.info)(
+                    "database_session_priority_unchanged", niceness=niceness, reason=became
+                )
 
     pool = await asyncpg.create_pool(
         database_url,

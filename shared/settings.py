@@ -288,9 +288,10 @@ class Settings(BaseSettings):
         ge=0,
         le=19,
         description="CPU priority of query work where it shares a host's cores with a projector (0-19, as `nice`; "
-        "0 leaves it be): the database sessions of the query workers, when their server runs on this host, and "
-        "a `query-worker` process itself run at this niceness, so that under query load the projector still "
-        'keeps the index fresh (docs/benchmarks.md, "Freshness while queries take every core").',
+        "0 leaves it be; 5-10 suggested): the database sessions of the query workers, when their server runs on "
+        "this host as the same user (or the worker may renice others' processes), and a `query-worker` process "
+        "itself run at this niceness, so that under query load the projector still keeps the index fresh "
+        '(docs/scaling.md, "One host").',
     )
     query_default_timeout_ms: int = Field(
         default=10_000,

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.db import create_pool, migrate
-from ontofabric.shared.priority import is_fresh_backend, process_started_at
+from ontofabric.shared.priority import is_fresh_backend, lower_session_priority, process_started_at
 
 from .conftest import Deployment, answered_once_up
 
@@ -44,9 +46,37 @@ def test_only_a_postgres_process_started_since_counts_as_a_fresh_session() -> No
     assert not is_fresh_backend(2**22 + 1, 0.0)
 
 
+async def skip_unless_reniceable(database_url: str) -> None:
+    """The database's sessions can be lowered only where its server runs on this host, as this user (or this
+    process may renice others'): not so for servers of ONTOFABRIC_TEST_DATABASE_URL elsewhere."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        address, pid = await conn.fetchrow("SELECT inet_server_addr(), pg_backend_pid()")
+        if address is not None and not address.is_loopback:
+            pytest.skip("the test database's server is not on this host")
+        if process_started_at(pid) is None:  # read while its session is open
+            pytest.skip("the test database's server runs in another process namespace")
+    finally:
+        await conn.close()
+
+
+class _Remote:
+    """A connection to a server elsewhere whose session's process id happens to be a local PostgreSQL's."""
+
+    def __init__(self, pid: int, address: str) -> None:
+        self._pid, self._address = pid, ipaddress.ip_address(address)
+
+    async def fetchrow(self, query: str) -> dict[str, object]:
+        return {"address": self._address, "pid": self._pid}
+
+    def get_server_pid(self) -> int:
+        return self._pid
+
+
 @pytest.mark.servers
 async def test_the_sessions_of_a_pool_with_a_niceness_run_at_it_and_others_do_not(deployment: Deployment) -> None:
     settings = deployment.settings
+    await skip_unless_reniceable(deployment.database_url)
     await migrate(deployment.database_url, settings)  # pgvector, which the pools' sessions speak
     nice = await create_pool(deployment.database_url, settings, min_size=2, max_size=2, niceness=7)
     plain = await create_pool(deployment.database_url, settings, min_size=1, max_size=1)
@@ -59,6 +89,10 @@ async def test_the_sessions_of_a_pool_with_a_niceness_run_at_it_and_others_do_no
             # of another host's id alone.
             assert is_fresh_backend(first.get_server_pid(), time.time() - 60)
             assert not is_fresh_backend(first.get_server_pid(), time.time() + 60)
+            # The same local process, but the server said to be at another address: another host's session.
+            other_host = _Remote(other.get_server_pid(), "10.0.0.1")
+            assert await lower_session_priority(other_host, 9) == "remote"  # type: ignore[arg-type]
+            assert niceness(other.get_server_pid()) == 0
     finally:
         await nice.close()
         await plain.close()
@@ -68,7 +102,7 @@ def test_a_process_is_reniced_thread_by_thread_and_its_later_threads_inherit_it(
     code = (
         "import os, threading; from ontofabric.shared.priority import lower_process_priority as lower\n"
         "started = threading.Event(); waiting = threading.Thread(target=started.wait, daemon=True)\n"
-        "waiting.start(); reniced = lower(5)\n"
+        "waiting.start(); reniced, _ = lower(5)\n"
         "later = []; t = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, 0))); "
         "t.start(); t.join()\n"
         "print(reniced, os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, waiting.native_id), "
@@ -84,6 +118,7 @@ def test_a_process_is_reniced_thread_by_thread_and_its_later_threads_inherit_it(
 async def test_a_query_worker_with_a_niceness_runs_it_and_so_do_its_database_sessions(
     deployment: Deployment,
 ) -> None:
+    await skip_unless_reniceable(deployment.database_url)
     env = deployment.env() | {
         "ONTOFABRIC_NATS_URL": deployment.nats_url_as("query"),
         "ONTOFABRIC_QUERY_NICENESS": "6",

@@ -488,11 +488,13 @@ class QueryService:
             admitted, error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short)
         )
 
-    async def _refuse_waited(self, admitted: Admitted) -> None:
+    async def _refuse_waited(self, admitted: Admitted, *, runner_free: bool = False) -> None:
+        """``runner_free``: a runner took it just past its wait, so one is free now and no wait is stated; else the
+        wait of a request arriving now, by what the worker holds once this one's place is freed."""
         waited = (asyncio.get_running_loop().time() - admitted.received) * 1000
         busy = f"waited {waited:.0f} ms for a free slot; {_UNSTATED_WAIT}"
         limit = self.settings.query_unstated_max_wait_ms
-        retry_after_s = self._wait_of(admitted.workspace)
+        retry_after_s = 0.0 if runner_free else self._wait_of(admitted.workspace)
         await self._reply_once(
             admitted, error_reply("overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s)
         )
@@ -539,7 +541,7 @@ class QueryService:
             await self._refuse_late(admitted)
             return False
         if admitted.waits_until is not None and loop.time() > admitted.waits_until:  # its timer is yet to run
-            await self._refuse_waited(admitted)
+            await self._refuse_waited(admitted, runner_free=True)
             return False
         admitted.taken_at = loop.time()
         try:

@@ -475,6 +475,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--data-dir", type=Path, help="keep the servers' data here, and reuse a corpus loaded there")
     args = parser.parse_args()
+    if args.freshness_in_flight < 0:
+        parser.error("--freshness-in-flight is 0 or more")
     configure_logging("WARNING", "console")
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as scratch:
         runtime_dir = Path(scratch)

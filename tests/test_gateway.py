@@ -108,6 +108,14 @@ RAW_INITIALIZE = {
 NOT_A_MESSAGE = "not a JSON-RPC 2.0 request, notification or response"
 
 
+async def _stdio_gateway(deployment: Deployment) -> asyncio.subprocess.Process:
+    """``ontofabric mcp`` over stdio for workspace acme, its input and output piped to the test."""
+    return await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--workspace", "acme",
+        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
 def _gateway_env(deployment: Deployment, **extra: str) -> dict[str, str]:
     """A gateway's environment: it connects to NATS as a client, the role a deployment gives it."""
     client = {"ONTOFABRIC_NATS_URL": deployment.nats_url_as("client")}
@@ -449,10 +457,7 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
 async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(deployment: Deployment) -> None:
     """The same refusals as over HTTP, and a request before initialize is told so (the SDK: "Invalid request
     parameters"); the session goes on."""
-    gateway = await asyncio.create_subprocess_exec(
-        ONTOFABRIC, "mcp", "--workspace", "acme",
-        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    gateway = await _stdio_gateway(deployment)
     assert gateway.stdin is not None
     assert gateway.stdout is not None
     early = {"jsonrpc": "2.0", "id": 20, "method": "tools/list"}
@@ -484,10 +489,7 @@ async def test_a_first_request_in_the_per_request_envelope_needs_no_initialize_o
 ) -> None:
     """The protocol of 2026-07-28 on carries its version in every request (``params._meta``) and has no
     ``initialize``: the check for requests before ``initialize`` must leave such a connection alone."""
-    gateway = await asyncio.create_subprocess_exec(
-        ONTOFABRIC, "mcp", "--workspace", "acme",
-        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    gateway = await _stdio_gateway(deployment)
     assert gateway.stdin is not None
     assert gateway.stdout is not None
     envelope = {
@@ -676,10 +678,7 @@ async def test_the_typescript_sdk_over_stdio(deployment: Deployment, served: Que
 async def test_every_unreadable_line_over_stdio_is_answered(deployment: Deployment, served: QueryService) -> None:
     """JSON-RPC's errors for lines no SDK reads: a parse error (id null), an invalid request under its own id; the
     session goes on. Raw lines, as a client with a bug would send them."""
-    gateway = await asyncio.create_subprocess_exec(
-        ONTOFABRIC, "mcp", "--workspace", "acme",
-        env=_gateway_env(deployment), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    gateway = await _stdio_gateway(deployment)
     assert gateway.stdin is not None
     assert gateway.stdout is not None
     deep = b'{"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"arguments": ' + b"[" * 100_000

@@ -45,7 +45,7 @@ from ontofabric.shared.subjects import Names
 
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsRefused, NatsUnavailable
-from .stdio import ODD_ID, not_utf8_error, params_problem, request_id_of, stdio_streams, unreadable
+from .stdio import ODD_ID, checked_request, not_utf8_error, request_id_of, stdio_streams, unreadable
 from .tools import (
     TOOLS,
     ArgumentsRefused,
@@ -381,8 +381,8 @@ def _answer_to_ill_formed(request: dict[str, Any], body: bytes) -> tuple[int, di
         answer = unreadable(body, refused)
         assert answer is not None
         return 400, answer.model_dump(mode="json", by_alias=True, exclude_none=True)
-    problem = params_problem(request)
-    if problem is None:
+    problem = checked_request(request)
+    if not isinstance(problem, str):
         return None
     error = {"code": types.INVALID_PARAMS, "message": problem}
     return 200, {"jsonrpc": "2.0", "id": request_id_of(request), "error": error}

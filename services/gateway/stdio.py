@@ -114,14 +114,14 @@ def not_utf8_error(body: bytes) -> types.JSONRPCError | None:
     return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(message), error=error)
 
 
-def params_problem(message: object) -> str | None:
-    """What is wrong with a request's params by the SDK's own request types, naming the field (``params.arguments:
-    Input should be a valid dictionary``): the SDK answers only "Invalid request parameters". None when they are
-    right, for a method the SDK does not know (it answers those itself), and for what is no request."""
+def checked_request(message: object) -> types.ClientRequest | str | None:
+    """A request read by the SDK's own request types: the request, or what is wrong with its params, naming the
+    field (``params.arguments: Input should be a valid dictionary``; the SDK answers only "Invalid request
+    parameters"). None for a method the SDK does not know (it answers those itself) and for what is no request."""
     if not isinstance(message, dict) or "id" not in message or not isinstance(message.get("method"), str):
         return None
     try:
-        types.client_request_adapter.validate_python(message, by_name=False)
+        return types.client_request_adapter.validate_python(message, by_name=False)
     except ValidationError as refused:
         by_type: dict[object, list[ErrorDetails]] = {}
         for error in refused.errors():
@@ -155,36 +155,27 @@ class SessionOpening:
         if not isinstance(message, types.JSONRPCRequest):
             return None
         request = message.model_dump(by_alias=True, exclude_unset=True)
+        envelope = _carries_envelope(request)
         first, self._first = self._first, False
-        if first and _carries_envelope(request):
-            self._opened = True
-        problem = params_problem(request)
-        if problem is not None:
-            return _error(message.id, types.INVALID_PARAMS, problem)
+        self._opened |= first and envelope
+        checked = checked_request(request)
+        if isinstance(checked, str):
+            return _error(message.id, types.INVALID_PARAMS, checked)
         if message.method == "initialize":
             self._opened = True
-        elif not self._opened and not _carries_envelope(request) and _of_the_handshake_era(request):
+        elif not (self._opened or envelope or checked is None or isinstance(checked, _NEEDING_NO_INITIALIZE)):
             return _error(message.id, types.INVALID_REQUEST, f"{message.method} before initialize: initialize first")
         return None
 
 
 def _carries_envelope(request: dict[str, Any]) -> bool:
-    meta = request.get("params", {}).get("_meta") if isinstance(request.get("params"), dict) else None
+    params = request.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
     return isinstance(meta, dict) and types.PROTOCOL_VERSION_META_KEY in meta
 
 
 _NEEDING_NO_INITIALIZE = (types.PingRequest, types.DiscoverRequest, types.SubscriptionsListenRequest)
 """A ping, and the requests of the envelope era (which the SDK answers itself on a connection of either era)."""
-
-
-def _of_the_handshake_era(request: dict[str, Any]) -> bool:
-    """Whether the request is of a method of the handshake era that needs ``initialize`` first (one of a method
-    the SDK does not know, it answers itself)."""
-    try:
-        known = types.client_request_adapter.validate_python(request, by_name=False)
-    except ValidationError:
-        return False
-    return not isinstance(known, _NEEDING_NO_INITIALIZE)
 
 
 def _error(request_id: types.RequestId, code: int, message: str) -> types.JSONRPCError:

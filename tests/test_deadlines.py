@@ -33,9 +33,12 @@ from ontofabric.contracts import (
 )
 from ontofabric.services.query.client import (
     FIRST_ATTEMPT_SHARE,
+    MAX_SENDS,
+    PUSHBACK_JITTER,
     RECEIPT_WAIT_S,
     Attempt,
     QueryClient,
+    RetryBudget,
     attempt_timeout,
     parse_reply,
     send_again_at,
@@ -233,7 +236,7 @@ async def test_beyond_its_queue_a_worker_refuses_at_once(
 ) -> None:
     reranker = SlowReranker(0.5)
     await start_worker(reranker, query_concurrency=1, query_queue_limit=1)
-    client = QueryClient(deployment.nc, deployment.names, timeout_s=10)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
     started = time.monotonic()
 
     async def ask() -> tuple[QueryResponse | ErrorReply, float]:
@@ -268,7 +271,7 @@ async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_i
 ) -> None:
     reranker = SlowReranker(0.2)
     await start_worker(reranker, query_concurrency=1, query_queue_limit=15)  # 16 places
-    client = QueryClient(deployment.nc, deployment.names, timeout_s=30)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=30, pushback=False)
     started = time.monotonic()
 
     async def ask(workspace: str) -> tuple[str, QueryResponse | ErrorReply, float]:
@@ -1062,6 +1065,87 @@ async def _reads_after_each_request(
 
 
 NOT_FOUND = b'{"error": {"code": "not_found", "message": "none", "retryable": false}}'
+
+
+def _busy(retry_after_ms: int | None) -> bytes:
+    stated = "" if retry_after_ms is None else f', "retryAfterMs": {retry_after_ms}'
+    return f'{{"error": {{"code": "overloaded", "message": "busy", "retryable": true{stated}}}}}'.encode()
+
+
+def test_the_retry_budget_allows_a_share_of_the_requests_on_top_of_a_few_a_second() -> None:
+    budget = RetryBudget(share=0.2, min_per_s=0.5, window_s=10)  # 5 in reserve
+    assert [budget.take_retry(0.0) for _ in range(6)] == [True] * 5 + [False]
+    for _ in range(10):
+        budget.asked(1.0)
+    assert [budget.take_retry(1.0) for _ in range(3)] == [True, True, False]  # a fifth of the 10 asked
+    assert not budget.take_retry(9.9)
+    # The first five retries are forgotten: 2 of the 7 allowed are taken.
+    assert [budget.take_retry(10.1) for _ in range(6)] == [True] * 5 + [False]
+    assert [budget.take_retry(11.1) for _ in range(3)] == [False] * 3  # the 10 asked are forgotten too: 5 in all
+
+
+async def _pushed_back(
+    deployment: Deployment, runtime: EmbeddedRuntime, replies: Sequence[bytes], timeout_s: float, requests: int = 1
+) -> tuple[list[bytes], list[list[float]]]:
+    """What a client on a connection of its own gets for ``requests`` requests, one after another, to a lone member
+    that answers its reads with ``replies`` in turn (the last one again and again); and when each request's reads
+    came, from its send."""
+    reads: list[list[float]] = []
+
+    async def answer(member: Any, msg: Msg, index: int) -> None:
+        await msg.respond(replies[min(index, len(replies) - 1)])
+
+    nc = await connect_as(deployment, runtime, "client")
+    member, read = await _member(deployment, runtime, answer)
+    got: list[bytes] = []
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=timeout_s)
+        for _ in range(requests):
+            began, first = time.monotonic(), len(read)
+            got.append(await client.send_raw("acme", b"{}"))
+            reads.append([at - began for at in read[first:]])
+        return got, reads
+    finally:
+        await member.close()
+        await nc.close()
+
+
+async def test_a_refusal_that_states_its_wait_is_waited_out_and_the_request_sent_again(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A worker refusing ``overloaded`` with ``retryAfterMs`` expects a runner free by then: the client sends the
+    request again after that wait, within the caller's time, rather than hand the refusal back at once (gRPC's
+    server pushback)."""
+    got, reads = await _pushed_back(deployment, runtime, [_busy(300), NOT_FOUND], timeout_s=5)
+    assert got == [NOT_FOUND]
+    [(first, second)] = reads
+    assert 0.3 <= second - first <= 0.3 * (1 + PUSHBACK_JITTER) + 0.2
+
+
+async def test_a_refusal_whose_wait_does_not_fit_in_the_time_left_is_returned_at_once(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    started = time.monotonic()
+    got, reads = await _pushed_back(deployment, runtime, [_busy(1500), NOT_FOUND], timeout_s=1.5)
+    assert got == [_busy(1500)]
+    assert len(reads[0]) == 1
+    assert time.monotonic() - started < 1.0  # not after the caller's time
+    got, reads = await _pushed_back(deployment, runtime, [_busy(None), NOT_FOUND], timeout_s=5)
+    assert got == [_busy(None)]  # no wait stated: nothing to wait out
+    assert len(reads[0]) == 1
+
+
+async def test_refusals_are_not_retried_once_the_connections_retry_budget_is_spent(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A worker that refuses everything (sustained overload) has each request sent again, up to MAX_SENDS in all,
+    while the connection's budget lasts (100 retries in 10 s, and a fifth of the requests asked); then once."""
+    got, reads = await _pushed_back(deployment, runtime, [_busy(1)], timeout_s=5, requests=20)
+    assert got == [_busy(1)] * 20
+    sends = [len(times) for times in reads]
+    assert sends[:14] == [MAX_SENDS] * 14, sends
+    assert sends[-3:] == [1, 1, 1], sends
+    assert 100 <= sum(sends) - len(sends) <= 100 + 0.2 * len(sends), sends
 
 
 async def test_a_worker_that_sends_no_receipts_is_not_sent_each_slow_request_again(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -33,6 +34,7 @@ from ontofabric.contracts import (
     DocumentRequest,
     ErrorReply,
     OntologyQuery,
+    QueryError,
     QueryResponse,
     StatusReply,
     StatusRequest,
@@ -98,6 +100,17 @@ and the pong that comes later breaks the connection's reader."""
 PROBE_POLL_S = 0.25
 """How often a ping under way, and a request waiting for it, look whether the connection was lost or replaced
 meanwhile: nats-py then drops the ping without a word."""
+PUSHBACK_MIN_LEFT_S = 0.1
+"""A refusal's stated wait (``retryAfterMs``) is waited out and the request sent again only when this much of the
+caller's time is left after it; else the refusal is returned at once."""
+PUSHBACK_JITTER = 0.2
+"""The wait is stretched by up to this share at random, so that callers refused together do not all come back at the
+same moment."""
+RETRY_SHARE = 0.2
+MIN_RETRIES_PER_S = 10.0
+RETRY_WINDOW_S = 10.0
+"""The retry budget (:class:`RetryBudget`): Finagle's defaults (20 % of requests on top of 10 retries a second,
+each counted for 10 s)."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -161,14 +174,50 @@ def attempt_timeout(left_s: float, sends_left: int) -> float:
     return left_s * FIRST_ATTEMPT_SHARE if another_fits else left_s
 
 
-def retryable_refusal(body: bytes) -> bool:
-    """A worker's retryable error reply (overloaded, deadline_exceeded): another worker may still answer."""
+def retryable_refusal(body: bytes) -> QueryError | None:
+    """A worker's retryable error reply (overloaded, deadline_exceeded), read: another worker may still answer, or
+    the same one after the wait it states."""
     if not body.startswith(b'{"error"'):
-        return False
+        return None
     try:
-        return ErrorReply.model_validate_json(body).error.retryable
+        error = ErrorReply.model_validate_json(body).error
     except ValidationError:
-        return False
+        return None
+    return error if error.retryable else None
+
+
+class RetryBudget:
+    """Whether a refusal's stated wait may be waited out and the request sent again: Finagle's retry budget. Over
+    the last ``window_s``, retries may number ``share`` of the requests asked plus ``min_per_s`` a second. A burst
+    that passes is retried; while the workers refuse more than that (sustained overload), the callers do not add
+    their retries to the load."""
+
+    def __init__(
+        self, share: float = RETRY_SHARE, min_per_s: float = MIN_RETRIES_PER_S, window_s: float = RETRY_WINDOW_S
+    ) -> None:
+        self._share = share
+        self._reserve = min_per_s * window_s
+        self._window_s = window_s
+        self._requests: deque[float] = deque()
+        self._retries: deque[float] = deque()
+
+    def asked(self, now: float) -> None:
+        """A request was asked (its first send)."""
+        self._forget(now)
+        self._requests.append(now)
+
+    def take_retry(self, now: float) -> bool:
+        """Whether a retry may go now; if so, it is counted."""
+        self._forget(now)
+        if len(self._retries) >= self._reserve + self._share * len(self._requests):
+            return False
+        self._retries.append(now)
+        return True
+
+    def _forget(self, now: float) -> None:
+        for times in (self._requests, self._retries):
+            while times and times[0] <= now - self._window_s:
+                times.popleft()
 
 
 def is_receipt(msg: Msg) -> bool:
@@ -286,6 +335,8 @@ class ReplyInbox:
         self._receipt_seen = False
         self._receiptless_at: float | None = None
         self.server = ServerReads()
+        self.retries = RetryBudget()
+        """Shared by every request on the connection, as Finagle's is by every request of a client."""
 
     def receipt_wait_s(self, now: float) -> float | None:
         """How long an attempt may go without its receipt; None while silence is not to be taken for a frozen
@@ -356,20 +407,26 @@ _PROBES: set[asyncio.Task[None]] = set()
 
 
 class QueryClient:
-    def __init__(self, nc: Client, names: Names, timeout_s: float = 10.0, *, receipts: bool = True) -> None:
+    def __init__(
+        self, nc: Client, names: Names, timeout_s: float = 10.0, *, receipts: bool = True, pushback: bool = True
+    ) -> None:
         """``receipts`` False: no receipt is asked for, and a request is sent again only when its worker stays
-        silent past the timeout it was told (what tests/benchmarks/faults_frozen_worker.py compares against)."""
+        silent past the timeout it was told (what tests/benchmarks/faults_frozen_worker.py compares against).
+        ``pushback`` False: an ``overloaded`` refusal is returned as it comes, its stated wait not waited out."""
         self._nc = nc
         self._names = names
         self._timeout_s = timeout_s
         self._receipts = receipts
+        self._pushback = pushback
 
     async def send_raw(self, workspace: str, body: bytes, operation: Operation = "query") -> bytes:
         """Send a request body as is, within the client's timeout, and return the first reply. A request is sent
         again, while time is left, when no worker has it: its receipt did not come (the worker is frozen or gone)
         or its worker went silent past the timeout it was told (it died with the request). Earlier attempts stay
-        open, and a retryable refusal is returned only when no other attempt is still expected to answer. While
-        no worker listens (a restart), it is retried for up to a second. Raises RequestTooLarge for a body the
+        open, and a retryable refusal is returned only when no other attempt is still expected to answer. A refusal
+        that states a wait (``retryAfterMs``) is waited out and the request sent again, when the time left allows
+        and the connection's RetryBudget does. While no worker listens (a restart), it is retried for up to a
+        second. Raises RequestTooLarge for a body the
         server would not take or no worker would read, NoRespondersError when no worker listens, nats' TimeoutError
         when no reply came in time."""
         # One limit whatever the size: the gateway once quoted the server's for 2 MB and the worker's for 100 kB.
@@ -382,7 +439,8 @@ class QueryClient:
 
     async def _exchange(self, subject: str, body: bytes) -> bytes:
         inbox = _INBOXES.get(self._nc) or _INBOXES.setdefault(self._nc, ReplyInbox(f"{self._nc.new_inbox()}."))
-        return await Exchange(self._nc, inbox, subject, body, self._timeout_s, self._receipts).run()
+        exchange = Exchange(self._nc, inbox, subject, body, self._timeout_s, self._receipts, self._pushback)
+        return await exchange.run()
 
     async def query(self, workspace: str, query: OntologyQuery | dict[str, Any]) -> QueryResponse | ErrorReply:
         return parse_reply(await self._send(workspace, OntologyQuery, query, "query"), QueryResponse)
@@ -404,13 +462,23 @@ class Exchange:
     """One request's sends and what came back for them, until its answer (:meth:`QueryClient.send_raw`)."""
 
     def __init__(
-        self, nc: Client, inbox: ReplyInbox, subject: str, body: bytes, timeout_s: float, receipts: bool
+        self,
+        nc: Client,
+        inbox: ReplyInbox,
+        subject: str,
+        body: bytes,
+        timeout_s: float,
+        receipts: bool,
+        pushback: bool = True,
     ) -> None:
         self._nc = nc
         self._inbox = inbox
         self._subject = subject
         self._body = body
         self._receipts = receipts
+        self._pushback = pushback
+        self._resend_at: float | None = None
+        """When a refusal's stated wait is over and the request goes out again."""
         self._loop = asyncio.get_running_loop()
         self._ends = self._loop.time() + timeout_s
         self._replies: deque[tuple[Attempt, Msg]] = deque()
@@ -425,6 +493,7 @@ class Exchange:
 
     async def run(self) -> bytes:
         try:
+            self._inbox.retries.asked(self._loop.time())
             await self._send()
             while True:
                 self._listen_since(self._inbox.server.back_at)
@@ -442,6 +511,19 @@ class Exchange:
                     await self._wait_for_connection(now)
                     continue
                 again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(now))
+                if again_at is None and self._resend_at is not None:  # refused, with a wait to wait out
+                    if now < self._resend_at:
+                        await self._wait(now, self._resend_at)
+                        continue
+                    self._resend_at = None
+                    log.info(
+                        "query_request_resent",
+                        subject=self._subject,
+                        sends=len(self._attempts) + 1,
+                        reason="refused with a wait",
+                    )
+                    await self._send()
+                    continue
                 if again_at is None or again_at <= now:  # no attempt is open, or none is expected to answer
                     if self._refused is not None:
                         return self._refused
@@ -497,11 +579,31 @@ class Exchange:
                 self._may_send = False
             return None
         answer = bytes(msg.data)
-        again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(self._loop.time()))
-        if retryable_refusal(answer) and again_at is not None and again_at > self._loop.time():
+        refusal = retryable_refusal(answer)
+        if refusal is None:
+            return answer
+        now = self._loop.time()
+        again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(now))
+        if again_at is not None and again_at > now:
             self._refused = answer  # another attempt is still expected to answer
             return None
+        if again_at is None and (resend_at := self._pushed_back_until(refusal, now)) is not None:
+            self._refused = answer  # returned if the request is not answered after all
+            self._resend_at = resend_at
+            return None
         return answer
+
+    def _pushed_back_until(self, refusal: QueryError, now: float) -> float | None:
+        """When to send the request again after a refusal stating its wait, or None: not asked to, no send or not
+        enough time left after the wait, or the connection's retry budget spent."""
+        if not self._pushback or refusal.retry_after_ms is None or not self._may_send:
+            return None
+        if len(self._attempts) >= MAX_SENDS:
+            return None
+        resend_at = now + refusal.retry_after_ms / 1000 * (1 + PUSHBACK_JITTER * random.random())
+        if self._ends - resend_at < PUSHBACK_MIN_LEFT_S or not self._inbox.retries.take_retry(now):
+            return None
+        return resend_at
 
     async def _wait_for_connection(self, now: float) -> None:
         """Nothing can be heard while the connection is down, and sends would wait in its buffer to reach the

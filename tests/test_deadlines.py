@@ -1126,13 +1126,39 @@ async def test_a_refusal_whose_wait_does_not_fit_in_the_time_left_is_returned_at
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:
     started = time.monotonic()
-    got, reads = await _pushed_back(deployment, runtime, [_busy(1500), NOT_FOUND], timeout_s=1.5)
-    assert got == [_busy(1500)]
+    got, reads = await _pushed_back(deployment, runtime, [_busy(1200), NOT_FOUND], timeout_s=1.5)
+    assert got == [_busy(1200)]  # 0.3 s would be left: less than PUSHBACK_MIN_LEFT_S
     assert len(reads[0]) == 1
     assert time.monotonic() - started < 1.0  # not after the caller's time
     got, reads = await _pushed_back(deployment, runtime, [_busy(None), NOT_FOUND], timeout_s=5)
     assert got == [_busy(None)]  # no wait stated: nothing to wait out
     assert len(reads[0]) == 1
+
+
+async def test_a_send_after_a_refusals_wait_is_sent_again_like_any_other_when_its_worker_freezes(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A review's finding: the refusal waited out was returned as soon as the send after it went without its
+    receipt, instead of that send being made again as a silent one is."""
+
+    async def answer(member: Any, msg: Msg, index: int) -> None:
+        if index == 2:  # frozen: it has the request and says nothing
+            return
+        await member.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+        await member.publish(msg.reply, _busy(200) if index == 1 else NOT_FOUND)
+
+    nc = await connect_as(deployment, runtime, "client")
+    member, read = await _member(deployment, runtime, answer)
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=10)
+        assert await client.send_raw("acme", b"{}") == NOT_FOUND  # a receipt: silence means something from now on
+        began = time.monotonic()
+        assert await client.send_raw("acme", b"{}") == NOT_FOUND
+        assert len(read) == 4
+        assert time.monotonic() - began < 0.2 * (1 + PUSHBACK_JITTER) + RECEIPT_WAIT_S + 1.0
+    finally:
+        await member.close()
+        await nc.close()
 
 
 async def test_refusals_are_not_retried_once_the_connections_retry_budget_is_spent(

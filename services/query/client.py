@@ -100,9 +100,10 @@ and the pong that comes later breaks the connection's reader."""
 PROBE_POLL_S = 0.25
 """How often a ping under way, and a request waiting for it, look whether the connection was lost or replaced
 meanwhile: nats-py then drops the ping without a word."""
-PUSHBACK_MIN_LEFT_S = 0.1
+PUSHBACK_MIN_LEFT_S = 0.5
 """A refusal's stated wait (``retryAfterMs``) is waited out and the request sent again only when this much of the
-caller's time is left after it; else the refusal is returned at once."""
+caller's time is left after it (the worker is told half of it, less the way back: about what one answer takes
+under load); else the refusal is returned at once."""
 PUSHBACK_JITTER = 0.2
 """The wait is stretched by up to this share at random, so that callers refused together do not all come back at the
 same moment."""
@@ -190,34 +191,37 @@ class RetryBudget:
     """Whether a refusal's stated wait may be waited out and the request sent again: Finagle's retry budget. Over
     the last ``window_s``, retries may number ``share`` of the requests asked plus ``min_per_s`` a second. A burst
     that passes is retried; while the workers refuse more than that (sustained overload), the callers do not add
-    their retries to the load."""
+    their retries to the load. Counted by the second, so its memory does not grow with the request rate."""
 
     def __init__(
         self, share: float = RETRY_SHARE, min_per_s: float = MIN_RETRIES_PER_S, window_s: float = RETRY_WINDOW_S
     ) -> None:
         self._share = share
         self._reserve = min_per_s * window_s
-        self._window_s = window_s
-        self._requests: deque[float] = deque()
-        self._retries: deque[float] = deque()
+        self._seconds = math.ceil(window_s)
+        self._counts: deque[list[int]] = deque()
+        """[second, requests asked, retries taken] for each second of the window that had any."""
 
     def asked(self, now: float) -> None:
         """A request was asked (its first send)."""
-        self._forget(now)
-        self._requests.append(now)
+        self._this_second(now)[1] += 1
 
     def take_retry(self, now: float) -> bool:
         """Whether a retry may go now; if so, it is counted."""
-        self._forget(now)
-        if len(self._retries) >= self._reserve + self._share * len(self._requests):
+        counts = self._this_second(now)
+        asked = sum(c[1] for c in self._counts)
+        if sum(c[2] for c in self._counts) >= self._reserve + self._share * asked:
             return False
-        self._retries.append(now)
+        counts[2] += 1
         return True
 
-    def _forget(self, now: float) -> None:
-        for times in (self._requests, self._retries):
-            while times and times[0] <= now - self._window_s:
-                times.popleft()
+    def _this_second(self, now: float) -> list[int]:
+        second = math.floor(now)
+        while self._counts and self._counts[0][0] <= second - self._seconds:
+            self._counts.popleft()
+        if not self._counts or self._counts[-1][0] != second:
+            self._counts.append([second, 0, 0])
+        return self._counts[-1]
 
 
 def is_receipt(msg: Msg) -> bool:
@@ -479,6 +483,9 @@ class Exchange:
         self._pushback = pushback
         self._resend_at: float | None = None
         """When a refusal's stated wait is over and the request goes out again."""
+        self._pushed_back: bytes | None = None
+        """The last refusal whose wait was waited out: returned when the sends after it end with nothing better (no
+        answer in the caller's time, or no worker listening)."""
         self._loop = asyncio.get_running_loop()
         self._ends = self._loop.time() + timeout_s
         self._replies: deque[tuple[Attempt, Msg]] = deque()
@@ -506,7 +513,7 @@ class Exchange:
                     raise ConnectionClosedError
                 now = self._loop.time()
                 if now >= self._ends:
-                    return _out_of_time(self._refused)
+                    return _out_of_time(self._refused or self._pushed_back)
                 if not self._nc.is_connected:
                     await self._wait_for_connection(now)
                     continue
@@ -516,6 +523,9 @@ class Exchange:
                         await self._wait(now, self._resend_at)
                         continue
                     self._resend_at = None
+                    if self._ends - now < PUSHBACK_MIN_LEFT_S:  # the wait ran late (a stall, a reconnection)
+                        assert self._pushed_back is not None
+                        return self._pushed_back
                     log.info(
                         "query_request_resent",
                         subject=self._subject,
@@ -528,6 +538,8 @@ class Exchange:
                     if self._refused is not None:
                         return self._refused
                     if not self._may_send:
+                        if self._pushed_back is not None:
+                            return self._pushed_back
                         raise NoRespondersError  # the one that had it is gone, and no worker listens
                     if again_at is None:  # the first send, or the next after "no responders"
                         await self._send()
@@ -588,7 +600,7 @@ class Exchange:
             self._refused = answer  # another attempt is still expected to answer
             return None
         if again_at is None and (resend_at := self._pushed_back_until(refusal, now)) is not None:
-            self._refused = answer  # returned if the request is not answered after all
+            self._pushed_back = answer
             self._resend_at = resend_at
             return None
         return answer

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import time
-import uuid
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -34,20 +33,15 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from ontofabric.contracts import TIMEOUT_HEADER, ErrorReply, QueryResponse
-from ontofabric.services.app import Roles
-from ontofabric.services.demo import project_root
-from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import parse_reply
 from ontofabric.services.query.worker import QueryService
-from ontofabric.shared.embedder import build_embedder
-from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_spine import queries_from, serve_for_ingest
+from .bench_spine import serve_tree
 
 
 @dataclass
@@ -120,18 +114,13 @@ async def run(endpoints: Endpoints, seconds: float, timeout_ms: int, load: float
         nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
     )
     names = Names(settings.subject_prefix)
-    workspace = f"overload-{uuid.uuid4().hex[:6]}"
     async with AsyncExitStack() as stack:
-        embedder = await asyncio.to_thread(build_embedder, settings)  # one copy, for the ingest and each worker
-        served = await serve_for_ingest(stack, settings, endpoints, Roles(query=False), embedder)
-        report = await served.ingester.ingest(project_root(), workspace)
-        assert report.last_sequence is not None
-        await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 600)
-        texts = queries_from(chunk_tree(project_root(), settings.max_content_bytes), 2000)
+        corpus = await serve_tree(stack, settings, endpoints, "overload")
+        served, embedder, workspace, texts = corpus.served, corpus.embedder, corpus.workspace, corpus.texts
         subject = names.request_subject("query", workspace)
         timeout_s = timeout_ms / 1000
         print(
-            f"corpus: {report.chunks} chunks; {len(texts)} distinct queries; query_concurrency "
+            f"corpus: {corpus.chunks} chunks; {len(texts)} distinct queries; query_concurrency "
             f"{settings.query_concurrency}, queue limit {settings.query_queue_limit}"
         )
 

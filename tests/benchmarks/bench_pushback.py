@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-import uuid
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -31,21 +30,17 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
 from ontofabric.contracts import QueryResponse
-from ontofabric.services.app import Roles
-from ontofabric.services.demo import project_root
-from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
-from ontofabric.shared.embedder import build_embedder
-from ontofabric.shared.jetstream import close, connect, subscriptions_visible, wait_caught_up
+from ontofabric.shared.jetstream import close, connect, subscriptions_visible
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .bench_overload import closed_loop
-from .bench_spine import queries_from, serve_for_ingest
+from .bench_spine import serve_tree
 
 
 @dataclass
@@ -122,14 +117,9 @@ async def run(endpoints: Endpoints, args: argparse.Namespace) -> None:
         nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
     )
     names = Names(settings.subject_prefix)
-    workspace = f"pushback-{uuid.uuid4().hex[:6]}"
     async with AsyncExitStack() as stack:
-        embedder = await asyncio.to_thread(build_embedder, settings)
-        served = await serve_for_ingest(stack, settings, endpoints, Roles(query=False), embedder)
-        report = await served.ingester.ingest(project_root(), workspace)
-        assert report.last_sequence is not None
-        await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 600)
-        texts = queries_from(chunk_tree(project_root(), settings.max_content_bytes), 2000)
+        corpus = await serve_tree(stack, settings, endpoints, "pushback")
+        served, embedder, workspace, texts = corpus.served, corpus.embedder, corpus.workspace, corpus.texts
         worker = QueryService(settings, endpoints.nats_url_as("query"), endpoints.database_url, embedder)
         await worker.start()
         stack.push_async_callback(worker.stop)
@@ -137,7 +127,7 @@ async def run(endpoints: Endpoints, args: argparse.Namespace) -> None:
         await closed_loop(served.nc, subject, texts, 4, 3)  # warm up
         capacity = await closed_loop(served.nc, subject, texts, settings.query_concurrency, args.seconds)
         print(
-            f"corpus: {report.chunks} chunks; query_concurrency {settings.query_concurrency}, queue limit "
+            f"corpus: {corpus.chunks} chunks; query_concurrency {settings.query_concurrency}, queue limit "
             f"{settings.query_queue_limit}; capacity {capacity:.1f} answers/s; callers wait {args.timeout_ms} ms"
         )
         for pattern in ("bursts", "sustained"):

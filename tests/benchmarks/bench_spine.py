@@ -18,6 +18,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import asyncpg
 from nats.aio.client import Client
@@ -185,6 +186,35 @@ async def serve_for_ingest(
     stack.callback(cache.close)
     js = nc.jetstream()
     return Served(nc, js, Ingester(js, names, embedder, settings.max_content_bytes, cache=cache))
+
+
+@dataclass(frozen=True)
+class ServedCorpus:
+    """A tree ingested into a new workspace and projected, and natural-language queries from its chunks."""
+
+    served: Served
+    embedder: Embedder | None
+    workspace: str
+    chunks: int
+    texts: list[str]
+
+
+async def serve_tree(
+    stack: AsyncExitStack, settings: Settings, endpoints: Endpoints, prefix: str, tree: Path | None = None
+) -> ServedCorpus:
+    """The workers but a query worker (a benchmark starts its own), with ``tree`` (default: this project's source)
+    ingested into a workspace named ``prefix`` and a random suffix, caught up; the model is loaded once, for the
+    ingest and whichever query workers the benchmark starts in its process."""
+    names = Names(settings.subject_prefix)
+    tree = tree or project_root()
+    workspace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    embedder = await asyncio.to_thread(build_embedder, settings)
+    served = await serve_for_ingest(stack, settings, endpoints, Roles(query=False), embedder)
+    report = await served.ingester.ingest(tree, workspace)
+    assert report.last_sequence is not None
+    await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 600)
+    texts = queries_from(chunk_tree(tree, settings.max_content_bytes), 2000)
+    return ServedCorpus(served, embedder, workspace, report.chunks, texts)
 
 
 def main() -> None:

@@ -27,25 +27,21 @@ import asyncio
 import os
 import signal
 import time
-import uuid
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from ontofabric.services.app import Roles
 from ontofabric.services.demo import project_root
-from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
-from ontofabric.shared.embedder import build_embedder
-from ontofabric.shared.jetstream import close, connect, wait_caught_up
+from ontofabric.shared.jetstream import close, connect
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .bench_overload import ask
-from .bench_spine import queries_from, serve_for_ingest
+from .bench_spine import serve_tree
 from .faults_query import ANSWERED, TIMEOUT_S, outcome_through, run_scenario, start_worker, stop_workers
 
 KINDS = ("receipts", "no receipts")
@@ -65,15 +61,10 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: 
     assert endpoints is not None
     settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
     names = Names(settings.subject_prefix)
-    workspace = f"frozen-{uuid.uuid4().hex[:6]}"
     tree = project_root() / "services" / "query"
     async with AsyncExitStack() as stack:
-        embedder = await asyncio.to_thread(build_embedder, settings)
-        served = await serve_for_ingest(stack, settings, endpoints, Roles(query=False), embedder)
-        report = await served.ingester.ingest(tree, workspace)
-        assert report.last_sequence is not None
-        await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 600)
-        texts = queries_from(chunk_tree(tree, settings.max_content_bytes), 2000)
+        corpus = await serve_tree(stack, settings, endpoints, "frozen", tree)
+        served, workspace, texts = corpus.served, corpus.workspace, corpus.texts
         subject = names.request_subject("query", workspace)
         workers = [start_worker(endpoints, runtime.data_dir / f"worker-{n}") for n in range(2)]
         stack.callback(stop_workers, workers)
@@ -135,7 +126,7 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, freeze_s: 
 
     what = "the nats-server" if frozen == "nats" else "worker B"
     print(
-        f"corpus: {report.chunks} chunks; {clients} callers (half with receipts), {TIMEOUT_S:g} s timeout, 2 query "
+        f"corpus: {corpus.chunks} chunks; {clients} callers (half with receipts), {TIMEOUT_S:g} s timeout, 2 query "
         f"workers, {what} frozen from {frozen_at:.0f} s to {thawed_at:.0f} s; {seconds:g} s"
     )
     phases = [

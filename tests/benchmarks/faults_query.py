@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
@@ -37,20 +36,15 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ontofabric.services.app import Roles
-from ontofabric.services.demo import project_root
-from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.ops.measures import percentile
 from ontofabric.services.query.client import QueryClient
-from ontofabric.shared.embedder import build_embedder
-from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .bench_overload import ask, outcome_of
-from .bench_spine import queries_from, serve_for_ingest
+from .bench_spine import serve_tree
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 TIMEOUT_S = 10.0
@@ -126,14 +120,9 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, stall_s: f
     postgres = runtime.postgres_pid()
     settings = Settings(nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url)
     names = Names(settings.subject_prefix)
-    workspace = f"faults-{uuid.uuid4().hex[:6]}"
     async with AsyncExitStack() as stack:
-        embedder = await asyncio.to_thread(build_embedder, settings)
-        served = await serve_for_ingest(stack, settings, endpoints, Roles(query=False), embedder)
-        report = await served.ingester.ingest(project_root(), workspace)
-        assert report.last_sequence is not None
-        await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 600)
-        texts = queries_from(chunk_tree(project_root(), settings.max_content_bytes), 2000)
+        corpus = await serve_tree(stack, settings, endpoints, "faults")
+        served, workspace, texts = corpus.served, corpus.workspace, corpus.texts
         subject = names.request_subject("query", workspace)
         workers = [start_worker(endpoints, runtime.data_dir / f"worker-{n}") for n in range(2)]
         stack.callback(stop_workers, workers)
@@ -187,7 +176,7 @@ async def run(runtime: EmbeddedRuntime, seconds: float, clients: int, stall_s: f
         ("whole run", 0.0, seconds),
     ]
     print(
-        f"corpus: {report.chunks} chunks; {clients} callers, {TIMEOUT_S:g} s timeout, 2 query workers "
+        f"corpus: {corpus.chunks} chunks; {clients} callers, {TIMEOUT_S:g} s timeout, 2 query workers "
         f"(query_concurrency {settings.query_concurrency}, queue limit {settings.query_queue_limit}); {seconds:g} s"
     )
     lost_with_worker = [

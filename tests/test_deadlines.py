@@ -1072,6 +1072,12 @@ def _busy(retry_after_ms: int | None) -> bytes:
     return f'{{"error": {{"code": "overloaded", "message": "busy", "retryable": true{stated}}}}}'.encode()
 
 
+def _resent(reason: str) -> int:
+    """How many requests the client sent again for ``reason`` (the counter query.client.resent)."""
+    points = metric_points("query.client.resent")
+    return sum(point.value for point in points if point.attributes.get("reason") == reason)
+
+
 def test_the_retry_budget_allows_a_share_of_the_requests_on_top_of_a_few_a_second() -> None:
     budget = RetryBudget(share=0.2, min_per_s=0.5, window_s=10)  # 5 in reserve
     assert [budget.take_retry(0.0) for _ in range(6)] == [True] * 5 + [False]
@@ -1116,10 +1122,12 @@ async def test_a_refusal_that_states_its_wait_is_waited_out_and_the_request_sent
     """A worker refusing ``overloaded`` with ``retryAfterMs`` expects a runner free by then: the client sends the
     request again after that wait, within the caller's time, rather than hand the refusal back at once (gRPC's
     server pushback)."""
+    waited_out = _resent("waited_out")
     got, reads = await _pushed_back(deployment, runtime, [_busy(300), NOT_FOUND], timeout_s=5)
     assert got == [NOT_FOUND]
     [(first, second)] = reads
     assert 0.3 <= second - first <= 0.3 * (1 + PUSHBACK_JITTER) + 0.2
+    assert _resent("waited_out") == waited_out + 1
 
 
 async def test_a_refusal_whose_wait_does_not_fit_in_the_time_left_is_returned_at_once(
@@ -1153,8 +1161,10 @@ async def test_a_send_after_a_refusals_wait_is_sent_again_like_any_other_when_it
         client = QueryClient(nc, deployment.names, timeout_s=10)
         assert await client.send_raw("acme", b"{}") == NOT_FOUND  # a receipt: silence means something from now on
         began = time.monotonic()
+        resent = (_resent("waited_out"), _resent("no_receipt"))
         assert await client.send_raw("acme", b"{}") == NOT_FOUND
         assert len(read) == 4
+        assert (_resent("waited_out"), _resent("no_receipt")) == (resent[0] + 1, resent[1] + 1)
         assert time.monotonic() - began < 0.2 * (1 + PUSHBACK_JITTER) + RECEIPT_WAIT_S + 1.0
     finally:
         await member.close()
@@ -1166,8 +1176,10 @@ async def test_refusals_are_not_retried_once_the_connections_retry_budget_is_spe
 ) -> None:
     """A worker that refuses everything (sustained overload) has each request sent again, up to MAX_SENDS in all,
     while the connection's budget lasts (100 retries in 10 s, and a fifth of the requests asked); then once."""
+    declined = sum(point.value for point in metric_points("query.client.retries_declined"))
     got, reads = await _pushed_back(deployment, runtime, [_busy(1)], timeout_s=5, requests=20)
     assert got == [_busy(1)] * 20
+    assert sum(point.value for point in metric_points("query.client.retries_declined")) > declined
     sends = [len(times) for times in reads]
     assert sends[:14] == [MAX_SENDS] * 14, sends
     assert sends[-3:] == [1, 1, 1], sends

@@ -43,11 +43,22 @@ from ontofabric.shared.jetstream import refused_promptly
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, Operation
 from ontofabric.shared.tasks import start_held
+from ontofabric.shared.telemetry import meter
 
 from .deadlines import RecentDelay, header_value
 
 Reply = TypeVar("Reply", QueryResponse, DocumentReply, StatusReply)
 log = get_logger(__name__)
+
+_resent = meter().create_counter(
+    "query.client.resent",
+    description="requests the client sent again, by reason: no_receipt or no_reply (its worker went silent), "
+    "waited_out (an overloaded refusal's stated wait)",
+)
+_not_retried = meter().create_counter(
+    "query.client.retries_declined",
+    description="overloaded refusals stating a wait that the client returned at once: its retry budget was spent",
+)
 
 
 FIRST_ATTEMPT_SHARE = 0.65
@@ -532,6 +543,7 @@ class Exchange:
                         sends=len(self._attempts) + 1,
                         reason="refused with a wait",
                     )
+                    _resent.add(1, {"reason": "waited_out"})
                     await self._send()
                     continue
                 if again_at is None or again_at <= now:  # no attempt is open, or none is expected to answer
@@ -548,10 +560,12 @@ class Exchange:
                         if not self._inbox.server.has_read(self._nc, self._attempts[-1], self._arrived.set):
                             await self._wait(now, min(self._ends, now + PROBE_POLL_S))  # the ping's answer
                             continue
-                        silent = "no receipt" if all(a.receipt_at is None for a in self._attempts) else "no reply"
+                        open_attempts = [a for a in self._attempts if not a.done]  # a refused one said nothing of this
+                        silent = "no receipt" if all(a.receipt_at is None for a in open_attempts) else "no reply"
                         log.warning(
                             "query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=silent
                         )
+                        _resent.add(1, {"reason": silent.replace(" ", "_")})
                         await self._send()
                         continue
                     again_at = self._ends  # no room for another send: the open attempts have the rest
@@ -613,7 +627,10 @@ class Exchange:
         if len(self._attempts) >= MAX_SENDS:
             return None
         resend_at = now + refusal.retry_after_ms / 1000 * (1 + PUSHBACK_JITTER * random.random())
-        if self._ends - resend_at < PUSHBACK_MIN_LEFT_S or not self._inbox.retries.take_retry(now):
+        if self._ends - resend_at < PUSHBACK_MIN_LEFT_S:
+            return None
+        if not self._inbox.retries.take_retry(now):
+            _not_retried.add(1)
             return None
         return resend_at
 

@@ -393,6 +393,43 @@ async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
     assert reply.error.details[0].field == f"header {TIMEOUT_HEADER}"
 
 
+async def test_a_request_that_gave_its_place_to_another_workspace_states_its_wait_and_is_answered_after_it(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A full worker gives the newest waiting request of the workspace holding the most to a newcomer of another
+    workspace; the one refused says how long until a runner would take it, and the project's client, waiting that
+    out, has it answered in its caller's time."""
+    await start_worker(SlowReranker(0.3), query_concurrency=1, query_queue_limit=3)  # 4 places
+    warm = QueryClient(deployment.nc, deployment.names, timeout_s=20)
+    for n in range(2):  # answered requests: the worker knows how long one takes
+        assert isinstance(await warm.query("acme", {"semanticQuery": f"warm {n} {LONG_QUERY}"}), QueryResponse)
+
+    async def flood(client: QueryClient, round_: str) -> list[QueryResponse | ErrorReply]:
+        held = [
+            asyncio.create_task(client.query("acme", {"semanticQuery": f"{round_} {n} {LONG_QUERY}"})) for n in range(4)
+        ]
+        await asyncio.sleep(0.1)  # the four places are taken
+        other = await client.query("globex", {"semanticQuery": f"{round_} other {LONG_QUERY}"})
+        assert isinstance(other, QueryResponse), other
+        return await asyncio.gather(*held)
+
+    refused = [
+        reply
+        for reply in await flood(QueryClient(deployment.nc, deployment.names, timeout_s=20, pushback=False), "plain")
+        if isinstance(reply, ErrorReply)
+    ]
+    assert len(refused) == 1, refused
+    assert "gave this request's place" in refused[0].error.message
+    assert refused[0].error.retry_after_ms is not None, refused[0].error
+    assert refused[0].error.retry_after_ms >= 300, refused[0].error  # at least the one at work, about 0.3 s
+    waited_out = _resent("waited_out")
+    replies = await flood(QueryClient(deployment.nc, deployment.names, timeout_s=20), "waited")
+    assert all(isinstance(reply, QueryResponse) for reply in replies), replies
+    assert _resent("waited_out") == waited_out + 1
+
+
 async def test_one_workspaces_costly_requests_do_not_have_anothers_cheap_ones_refused(
     seeded: int,
     deployment: Deployment,

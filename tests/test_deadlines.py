@@ -48,6 +48,7 @@ from ontofabric.services.query.deadlines import (
     MAX_MARGIN_S,
     MIN_MARGIN_S,
     Deadline,
+    PacedReturns,
     RecentDelay,
     ServiceTime,
     deadline_of,
@@ -156,6 +157,15 @@ def test_runners_take_the_next_item_of_a_workspace_that_may_run_and_the_others_k
     assert turns.take() == "a1"  # acme kept its place at the front
     assert turns.take(lambda key: key == "nobody") is None
     assert [turns.take(), turns.take(), turns.take()] == ["i1", "a2", None]
+
+
+def test_refused_requests_are_told_to_come_back_a_runners_turn_apart() -> None:
+    """A burst refused at once is told to come back spread over the time the runners take to come free, not all at
+    the same moment; never past the horizon, and a refusal on its own is told its own wait."""
+    returns = PacedReturns()
+    waits = [returns.stated_wait(10.0, 0.1, 0.05, horizon=0.3) for _ in range(9)]  # a runner free every 50 ms
+    assert waits == pytest.approx([0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.4, 0.4])
+    assert returns.stated_wait(20.0, 0.1, 0.05, horizon=0.3) == pytest.approx(0.1)
 
 
 def test_a_workspaces_own_requests_set_how_long_its_work_is_expected_to_take() -> None:

@@ -61,7 +61,15 @@ from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
-from .deadlines import Deadline, RecentDelay, ServiceTime, deadline_of, header_value, waited_before_receipt_s
+from .deadlines import (
+    Deadline,
+    PacedReturns,
+    RecentDelay,
+    ServiceTime,
+    deadline_of,
+    header_value,
+    waited_before_receipt_s,
+)
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
@@ -264,6 +272,7 @@ class QueryService:
         self._waiting: TurnQueue[Admitted] = TurnQueue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
+        self._returns = PacedReturns()
         self._lag = RecentDelay()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
@@ -389,19 +398,22 @@ class QueryService:
         if self._held and own and expected > ADMISSION_SHARE * deadline.left(received):
             busy = f"this worker would answer in about {expected * 1000:.0f} ms, past the request's deadline; retry"
             short = self._timeout_too_short(deadline)
-            refusal = error_reply("overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=wait)
+            paced = self._paced(wait, runners)
+            refusal = error_reply("overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced)
             await self._reply(msg, refusal)
             return
         max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
         if not deadline.stated and self._held and wait > max_wait_s:
             busy = f"this worker would start this request in about {wait * 1000:.0f} ms; {_UNSTATED_WAIT}"
-            refusal = error_reply("overloaded", busy.format(max_wait_s * 1000), retryable=True, retry_after_s=wait)
+            paced = self._paced(wait, runners)
+            refusal = error_reply("overloaded", busy.format(max_wait_s * 1000), retryable=True, retry_after_s=paced)
             await self._reply(msg, refusal)
             return
         displaced = self._displace_for(workspace) if self._held >= places else None
         if self._held >= places:
             busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
-            await self._reply(msg, error_reply("overloaded", busy, retryable=True, retry_after_s=wait))
+            paced = self._paced(wait, runners)
+            await self._reply(msg, error_reply("overloaded", busy, retryable=True, retry_after_s=paced))
             return
         self._held += 1
         self._held_by[workspace] += 1
@@ -427,8 +439,20 @@ class QueryService:
         return ahead_in_turn(own, workspaces, self._held), runners_serving(workspaces, self.settings.query_concurrency)
 
     def _wait_of(self, workspace: str) -> float:
-        """Seconds a request of ``workspace`` arriving now would wait for a runner, by what the worker holds."""
-        return self._service_time.expected_wait(*self._turn_of(workspace))
+        """The wait to state to a request of ``workspace`` refused now: how long one arriving now would wait for a
+        runner, by what the worker holds, paced behind the waits stated before (PacedReturns)."""
+        ahead, runners = self._turn_of(workspace)
+        return self._paced(self._service_time.expected_wait(ahead, runners), runners)
+
+    def _paced(self, wait: float, runners: int) -> float:
+        """``wait`` as stated to a request refused now: see PacedReturns. Nothing before a request has been
+        answered (no time to pace by)."""
+        if wait <= 0:
+            return wait
+        # No later than a request is worked on by default: the callers told so far may never come back.
+        horizon = self.settings.query_default_timeout_ms / 1000
+        turn = self._service_time.seconds / runners
+        return self._returns.stated_wait(asyncio.get_running_loop().time(), wait, turn, horizon)
 
     def _displace_for(self, workspace: str) -> Admitted | None:
         """A full worker gives the place of the newest waiting request of the workspace holding the most to

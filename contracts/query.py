@@ -538,10 +538,11 @@ class QueryError(WireModel):
         default=None,
         ge=1,
         description="With `overloaded`: about how long until the refusing worker expects to start a request like "
-        "this one (those it holds ahead of it leaving), in milliseconds. A retry sooner is likely refused again by "
-        "that worker; another worker of the same queue group may answer at once. null when it expects no wait "
-        "(the request's own deadline was too short for its work), has answered nothing yet to expect by, and on "
-        "every other error.",
+        "this one (those it holds ahead of it leaving), in milliseconds, and past the moments it told the requests "
+        "it refused just before, one runner's turn apart, so that a burst refused together is not told to come "
+        "back all at once. A retry sooner is likely refused again by that worker; another worker of the same queue "
+        "group may answer at once. null when it expects no wait (the request's own deadline was too short for its "
+        "work), has answered nothing yet to expect by, and on every other error.",
     )
 
 

@@ -441,9 +441,8 @@ class QueryClient:
         open, and a retryable refusal is returned only when no other attempt is still expected to answer. A refusal
         that states a wait (``retryAfterMs``) is waited out and the request sent again, when the time left allows
         and the connection's RetryBudget does. While no worker listens (a restart), it is retried for up to a
-        second. Raises RequestTooLarge for a body the
-        server would not take or no worker would read, NoRespondersError when no worker listens, nats' TimeoutError
-        when no reply came in time."""
+        second. Raises RequestTooLarge for a body the server would not take or no worker would read,
+        NoRespondersError when no worker listens, nats' TimeoutError when no reply came in time."""
         # One limit whatever the size: the gateway once quoted the server's for 2 MB and the worker's for 100 kB.
         limit = min(self._nc.max_payload - REQUEST_HEADER_ROOM_BYTES, MAX_REQUEST_BYTES)
         if len(body) > limit:
@@ -537,14 +536,7 @@ class Exchange:
                     if self._ends - now < PUSHBACK_MIN_LEFT_S:  # the wait ran late (a stall, a reconnection)
                         assert self._pushed_back is not None
                         return self._pushed_back
-                    log.info(
-                        "query_request_resent",
-                        subject=self._subject,
-                        sends=len(self._attempts) + 1,
-                        reason="refused with a wait",
-                    )
-                    _resent.add(1, {"reason": "waited_out"})
-                    await self._send()
+                    await self._send_again("waited_out")
                     continue
                 if again_at is None or again_at <= now:  # no attempt is open, or none is expected to answer
                     if self._refused is not None:
@@ -561,17 +553,21 @@ class Exchange:
                             await self._wait(now, min(self._ends, now + PROBE_POLL_S))  # the ping's answer
                             continue
                         open_attempts = [a for a in self._attempts if not a.done]  # a refused one said nothing of this
-                        silent = "no receipt" if all(a.receipt_at is None for a in open_attempts) else "no reply"
-                        log.warning(
-                            "query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=silent
-                        )
-                        _resent.add(1, {"reason": silent.replace(" ", "_")})
-                        await self._send()
+                        silent = "no_receipt" if all(a.receipt_at is None for a in open_attempts) else "no_reply"
+                        await self._send_again(silent)
                         continue
                     again_at = self._ends  # no room for another send: the open attempts have the rest
                 await self._wait(now, min(self._ends, again_at))
         finally:
             self._close()
+
+    async def _send_again(self, reason: str) -> None:
+        """Another send of the request, logged and counted: its worker went silent (``no_receipt``, ``no_reply``:
+        a warning) or it was refused with a wait now waited out (``waited_out``)."""
+        level = log.info if reason == "waited_out" else log.warning
+        level("query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=reason)
+        _resent.add(1, {"reason": reason})
+        await self._send()
 
     async def _send(self) -> None:
         now = self._loop.time()

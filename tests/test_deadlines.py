@@ -1218,6 +1218,30 @@ async def test_a_send_after_a_refusals_wait_is_sent_again_like_any_other_when_it
         await nc.close()
 
 
+async def test_a_request_refused_with_a_wait_by_a_worker_that_then_stops_says_no_worker_is_serving(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """The worker that stated a wait leaves meanwhile (a restart, a scale-down) and none takes its place: the caller
+    hears that no worker is serving, not the old refusal with its stale wait."""
+
+    async def answer(member: Any, msg: Msg, index: int) -> None:
+        await msg.respond(_busy(300))
+        await member.drain()
+
+    nc = await connect_as(deployment, runtime, "client")
+    member, read = await _member(deployment, runtime, answer)
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=5)
+        began = time.monotonic()
+        with pytest.raises(NoRespondersError):
+            await client.send_raw("acme", b"{}")
+        assert len(read) == 1
+        assert time.monotonic() - began < 0.3 * (1 + PUSHBACK_JITTER) + 1.5  # the no-responders retries, not 5 s
+    finally:
+        await member.close()
+        await nc.close()
+
+
 async def test_refusals_are_not_retried_once_the_connections_retry_budget_is_spent(
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:

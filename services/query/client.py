@@ -494,8 +494,8 @@ class Exchange:
         self._resend_at: float | None = None
         """When a refusal's stated wait is over and the request goes out again."""
         self._pushed_back: bytes | None = None
-        """The last refusal whose wait was waited out: returned when the sends after it end with nothing better (no
-        answer in the caller's time, or no worker listening)."""
+        """The last refusal whose wait was waited out: returned when the sends after it have no answer in the
+        caller's time. Once no worker listens any more, NoRespondersError says so instead."""
         self._loop = asyncio.get_running_loop()
         self._ends = self._loop.time() + timeout_s
         self._replies: deque[tuple[Attempt, Msg]] = deque()
@@ -541,10 +541,8 @@ class Exchange:
                 if again_at is None or again_at <= now:  # no attempt is open, or none is expected to answer
                     if self._refused is not None:
                         return self._refused
-                    if not self._may_send:
-                        if self._pushed_back is not None:
-                            return self._pushed_back
-                        raise NoRespondersError  # the one that had it is gone, and no worker listens
+                    if not self._may_send:  # no worker listens: any that had it, or refused it, is gone
+                        raise NoRespondersError
                     if again_at is None:  # the first send, or the next after "no responders"
                         await self._send()
                         continue

@@ -500,6 +500,7 @@ def mcp(
 ) -> None:
     """Run the MCP gateway: ontology_query, get_document and ontology_status for coding agents, over stdio (the
     default, for an agent's local configuration) or streamable HTTP; it forwards every call to the query workers."""
+    from .gateway.admission import Intake
     from .gateway.server import ListenRefused, is_loopback, serve
 
     settings = _settings("ontofabric-mcp", data_dir, quiet=True, worker=True)
@@ -549,6 +550,7 @@ def mcp(
             await serve(
                 link, Names(settings.subject_prefix), workspace or settings.gateway_workspace,
                 settings.gateway_timeout_s, address, tokens,
+                Intake(settings.gateway_max_held, settings.gateway_max_late_ms / 1000),
             )  # fmt: skip
         finally:
             warming.cancel()

@@ -423,6 +423,18 @@ class Settings(BaseSettings):
         gt=0,
         description="How long an MCP gateway call may take: its NATS connection and the query worker's reply.",
     )
+    gateway_max_held: int = Field(
+        default=256,
+        ge=1,
+        description="Requests an HTTP gateway holds at once; beyond them a tool call is refused at once, `overloaded` "
+        "and retryable (other requests get 503 with Retry-After).",
+    )
+    gateway_max_late_ms: int = Field(
+        default=500,
+        ge=1,
+        description="How late an HTTP gateway's event loop may run (its backlog of work) before requests are refused "
+        "as beyond `ONTOFABRIC_GATEWAY_MAX_HELD`: a call read late has had its time spent before it started.",
+    )
 
     # --- Azure AI Search (optional) --------------------------------------------------------------
     azure_search_endpoint: str | None = Field(

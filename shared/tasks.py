@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+LATENESS_TICK_S = 0.05
+"""How often :func:`watch_lateness` looks how late the event loop runs."""
 CANCEL_AGAIN_AFTER_S = 1.0
 """How long a cancelled task has to end before it is cancelled again: its clean-up (a database session's end, a
 watch's unsubscribe) takes far less, and a second cancellation would cut it."""
@@ -34,3 +36,14 @@ def start_held(coroutine: Coroutine[Any, Any, T], held: set[asyncio.Task[Any]]) 
     held.add(task)
     task.add_done_callback(held.discard)
     return task
+
+
+async def watch_lateness(observe: Callable[[float, float], None], tick_s: float = LATENESS_TICK_S) -> None:
+    """Runs until cancelled: every ``tick_s``, ``observe(late_s, now)`` with how late the event loop ran a timer due
+    then (a loop with a backlog of ready work runs every timer late by it)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + tick_s
+        await asyncio.sleep(tick_s)
+        now = loop.time()
+        observe(max(0.0, now - due), now)

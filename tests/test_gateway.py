@@ -588,6 +588,47 @@ async def test_an_http_call_its_client_cancels_is_answered_at_once_and_not_sent_
     assert sorted(asked) == ["csv 1", "csv 1", "csv 2"]  # the staying call twice, the cancelled one once
 
 
+async def test_an_http_gateway_holding_its_limit_refuses_more_at_once_and_takes_calls_again_when_they_end(
+    deployment: Deployment,
+) -> None:
+    """A tester's sustained overload held thousands of calls in one gateway until it fell behind for good; beyond
+    ONTOFABRIC_GATEWAY_MAX_HELD a tool call is now a retryable tool error at once, another request 503 with
+    Retry-After, and a notification is still taken."""
+    worker, seen = await _worker_that_never_answers(deployment)
+    accept = {"Accept": "application/json, text/event-stream"}
+
+    def call(request_id: int) -> dict[str, object]:
+        params = {"name": "ontology_query", "arguments": {"semanticQuery": f"csv {request_id}"}}
+        return {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+
+    settings = {"ONTOFABRIC_GATEWAY_TIMEOUT_S": "2", "ONTOFABRIC_GATEWAY_MAX_HELD": "2"}
+    gateway = _http_gateway(deployment, "--workspace", "acme", **settings)
+    async with gateway as url, httpx2.AsyncClient(headers=accept, timeout=10) as http:
+        held = [asyncio.create_task(http.post(url, json=call(i))) for i in (1, 2)]
+        while len(seen) < 2:
+            await asyncio.sleep(0.05)
+        began = time.monotonic()
+        refused = await http.post(url, json=call(3))
+        assert time.monotonic() - began < 1.0  # not after the 2 s the held calls take
+        assert refused.status_code == 200
+        assert refused.json()["id"] == 3
+        assert refused.json()["result"]["isError"] is True
+        text = refused.json()["result"]["content"][0]["text"]
+        assert text.startswith("error overloaded (retryable: try again in about 1000 ms)"), text
+        ping = await http.post(url, json={"jsonrpc": "2.0", "id": 4, "method": "ping"})
+        assert ping.status_code == 503
+        assert ping.headers["retry-after"] == "1"
+        assert ping.json()["id"] == 4
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 9}}
+        assert (await http.post(url, json=cancel)).status_code == 202
+        for answer in await asyncio.gather(*held):
+            assert "no answer within 2 s" in answer.json()["result"]["content"][0]["text"]
+        after = await http.post(url, json={"jsonrpc": "2.0", "id": 5, "method": "ping"})
+        assert after.status_code == 200
+    await worker.close()
+    assert not any(b"csv 3" in data for data in seen)
+
+
 async def test_structured_content_is_the_reply_as_the_contract_reads_it(deployment: Deployment) -> None:
     """A worker of another version may send a value the contract only coerces (a rank as "1"): forwarded as sent,
     a client checking the outputSchema refused the whole result."""

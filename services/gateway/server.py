@@ -42,7 +42,9 @@ from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import cancel_and_wait, watch_lateness
 
+from .admission import ARRIVED, MIN_RETRY_AFTER_S, AdmitRequests, Intake, LoopLag, refused_requests
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import ODD_ID, checked_request, not_utf8_error, request_id_of, stdio_streams, unreadable
@@ -139,7 +141,14 @@ class Gateway:
         except (TypeError, ValueError) as error:  # not JSON: what a client's own parser let through
             return tool_error(f"error invalid_request: the arguments are not JSON ({error})")
         loop = asyncio.get_running_loop()
-        ends = loop.time() + self._timeout_s
+        arrived = ARRIVED.get(loop.time())
+        ends = arrived + self._timeout_s
+        if loop.time() - arrived > self._timeout_s / 2:  # most of its time went before the gateway could read it
+            refused_requests.add(1, {"reason": "waited"})
+            return tool_error(
+                f"error overloaded (retryable: try again in about {round(MIN_RETRY_AFTER_S * 1000)} ms): the call "
+                f"waited {(loop.time() - arrived) * 1000:.0f} ms for this gateway to read it"
+            )
         try:
             try:
                 # The connection counts against the call's time: a connect that hangs would otherwise hold every
@@ -194,7 +203,7 @@ class Gateway:
         async with stdio_streams() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
-    async def serve_http(self, host: str, port: int, tokens: TokenStore) -> None:
+    async def serve_http(self, host: str, port: int, tokens: TokenStore, intake: Intake) -> None:
         """Streamable HTTP at ``http://HOST:PORT/mcp``, stateless, answering in JSON: the tools never call back to
         the client, so any request can go to any gateway (several behind a load balancer need no sticky sessions).
         Every request needs a bearer token on record and reads only that token's workspaces; on loopback, only
@@ -202,12 +211,16 @@ class Gateway:
         """
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
         app = RequireBearer(CancelledWithClient(MisreadBodies(app)), tokens, open_without_tokens=is_loopback(host))
+        lag = LoopLag()
+        app = AdmitRequests(app, intake, lag)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
         listening = listen_on(host, port)
+        watching = asyncio.create_task(watch_lateness(lag.observe), name="gateway-loop-lag")
         try:
             await uvicorn.Server(config).serve(sockets=listening)
         finally:
+            await cancel_and_wait(watching)
             for sock in listening:
                 sock.close()
 
@@ -558,12 +571,15 @@ async def serve(
     timeout_s: float,
     http: tuple[str, int] | None,
     tokens: TokenStore | None = None,
+    intake: Intake | None = None,
 ) -> None:
-    """Serve over stdio, or over HTTP at ``http`` (host, port) with the bearer ``tokens`` (see :mod:`.auth`)."""
+    """Serve over stdio, or over HTTP at ``http`` (host, port) with the bearer ``tokens`` (see :mod:`.auth`), taking
+    on what ``intake`` allows (see :mod:`.admission`)."""
     gateway = Gateway(link, names, workspace, timeout_s)
     if http is None:
         await gateway.serve_stdio()
     else:
         assert tokens is not None, "an HTTP gateway takes its tokens"
+        assert intake is not None, "an HTTP gateway takes its intake"
         log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp", tokens=str(tokens.path))
-        await gateway.serve_http(*http, tokens)
+        await gateway.serve_http(*http, tokens, intake)

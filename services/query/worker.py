@@ -53,7 +53,7 @@ from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, decode_token, workspace_token_of
-from ontofabric.shared.tasks import cancel_and_wait, start_held
+from ontofabric.shared.tasks import cancel_and_wait, start_held, watch_lateness
 from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
 
@@ -187,9 +187,6 @@ def _answerable(msg: Msg) -> bool:
     """Whether the request's reply subject is a caller's inbox, the only place a worker answers to."""
     return msg.reply.startswith("_INBOX.")
 
-
-LAG_TICK_S = 0.05
-"""How often the worker looks how late its event loop runs (services/query/deadlines.py, RecentDelay)."""
 
 # Room kept free in a NATS message beside a reply: replies carry no headers now (_reply), so this is slack, kept
 # rather than moving every budget (budget.fit_reply) by 16 KiB.
@@ -358,7 +355,7 @@ class QueryService:
         self._runners = [
             asyncio.create_task(self._run(), name=f"query-runner-{i}") for i in range(settings.query_concurrency)
         ]
-        self._runners.append(asyncio.create_task(self._watch_lag(), name="query-loop-lag"))
+        self._runners.append(asyncio.create_task(watch_lateness(self._lag.observe), name="query-loop-lag"))
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         models = ",".join(settings.models()) if self._embedder is not None else ""
@@ -471,14 +468,6 @@ class QueryService:
         self._held_by[admitted.workspace] -= 1
         if not self._held_by[admitted.workspace]:
             del self._held_by[admitted.workspace]
-
-    async def _watch_lag(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + LAG_TICK_S
-            await asyncio.sleep(LAG_TICK_S)
-            now = loop.time()
-            self._lag.observe(max(0.0, now - due), now)
 
     def _expire(self, admitted: Admitted) -> None:
         if admitted.replied:

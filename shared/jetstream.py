@@ -66,8 +66,9 @@ class NotSetUp(Exception):
 
 
 _VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to "([^"]+)"', re.IGNORECASE)
-_Waiting = dict[str, list[tuple[str, "asyncio.Future[str]"]]]
-"""Lower-cased subject -> (the subject as sent, the future a refusal of it resolves) of calls in flight."""
+_Waiting = dict[str, dict["asyncio.Future[str]", str]]
+"""Lower-cased subject -> the future a refusal of it resolves -> the subject as sent, of calls in flight (a gateway
+holds hundreds on one subject: each ends in constant time)."""
 _DENIALS: weakref.WeakKeyDictionary[Client, _Waiting] = weakref.WeakKeyDictionary()
 _CLOSING: weakref.WeakSet[Client] = weakref.WeakSet()
 """Connections this process is closing itself (:func:`close`): their end is no loss."""
@@ -97,7 +98,7 @@ async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Aw
     keys = {subject.lower(): subject for subject in named}  # nats-py lower-cases the server's error line
     refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     for key, subject in keys.items():
-        waiting.setdefault(key, []).append((subject, refused))
+        waiting.setdefault(key, {})[refused] = subject
     task = asyncio.ensure_future(call)
     refused.add_done_callback(lambda _: task.cancel())
     try:
@@ -112,10 +113,9 @@ async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Aw
         raise
     finally:
         for key in keys:
-            entries = [entry for entry in waiting.get(key, []) if entry[1] is not refused]
-            if entries:
-                waiting[key] = entries
-            else:
+            entries = waiting.get(key, {})
+            entries.pop(refused, None)
+            if not entries:
                 waiting.pop(key, None)
 
 
@@ -162,11 +162,11 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
             authorization_refused.set()
         violation = _VIOLATION.search(str(error))
         if violation is not None:
-            entries = waiting.get(violation.group(1).lower(), [])
+            entries = waiting.get(violation.group(1).lower(), {})
             # Subjects that differ only in case cannot be told apart in the lower-cased report: then none is
             # failed early (the refused one times out), rather than failing one that was allowed.
-            if len({subject for subject, _ in entries}) == 1:
-                for subject, refused in entries:
+            if len(set(entries.values())) == 1:
+                for refused, subject in list(entries.items()):
                     if not refused.done():
                         refused.set_result(subject)
             log.warning("nats_permission_denied", subject=violation.group(1))

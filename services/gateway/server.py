@@ -210,9 +210,9 @@ class Gateway:
         while there is a tokens file (see :class:`RequireBearer`).
         """
         app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
-        app = RequireBearer(CancelledWithClient(MisreadBodies(app)), tokens, open_without_tokens=is_loopback(host))
         lag = LoopLag()
-        app = AdmitRequests(app, intake, lag)
+        app = AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag)
+        app = RequireBearer(app, tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
         listening = listen_on(host, port)

@@ -107,7 +107,8 @@ def summary(out: Path, bounded: bool, seconds: float, rss: tuple[float, float, f
     """One phase's line, from what the load wrote."""
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     calls = [line for line in lines if line["kind"] == "call"]
-    pings = [line["seconds"] * 1000 for line in lines if line["kind"] == "ping"]
+    pings = [line["seconds"] * 1000 for line in lines if line["kind"] == "ping" and line["ok"]] or [float("nan")]
+    pings_failed = sum(line["kind"] == "ping" and not line["ok"] for line in lines)
     outcomes = Counter(call["outcome"] for call in calls)
     refused_by = Counter(
         "gateway" if "this gateway" in call["text"] or "for this gateway" in call["text"] else "worker"
@@ -123,7 +124,7 @@ def summary(out: Path, bounded: bool, seconds: float, rss: tuple[float, float, f
         f"{percentile(every, 0.95):.2f} s, max {every[-1]:.2f} s; past {GATEWAY_TIMEOUT_S + 1:g} s: {late}; "
         f"outcomes {dict(outcomes.most_common())}, overloaded by {dict(refused_by)}; ping p50 "
         f"{percentile(pings, 0.5):.0f} ms, p95 {percentile(pings, 0.95):.0f} ms, max {max(pings):.0f} ms "
-        f"({len(pings)} pings); gateway RSS {rss[0]:.0f}, peak {rss[1]:.0f}, end {rss[2]:.0f} MB; CPU "
+        f"({pings_failed} failed); gateway RSS {rss[0]:.0f}, peak {rss[1]:.0f}, end {rss[2]:.0f} MB; CPU "
         f"{cpu_s / seconds:.2f} of a core"
     )
 

@@ -426,14 +426,15 @@ class Settings(BaseSettings):
     gateway_max_held: int = Field(
         default=256,
         ge=1,
-        description="Requests an HTTP gateway holds at once; beyond them a tool call is refused at once, `overloaded` "
-        "and retryable (other requests get 503 with Retry-After).",
+        description="Requests an HTTP gateway holds at once, a token at most half of them; beyond them a tool call "
+        "is refused at once, `overloaded` and retryable (initialize, ping, tools/list and notifications are always "
+        "taken).",
     )
     gateway_max_late_ms: int = Field(
         default=500,
         ge=1,
-        description="How late an HTTP gateway's event loop may run (its backlog of work) before requests are refused "
-        "as beyond `ONTOFABRIC_GATEWAY_MAX_HELD`: a call read late has had its time spent before it started.",
+        description="How late an HTTP gateway's event loop may run (its backlog of work), three looks in a row, before "
+        "tool calls are refused as beyond `ONTOFABRIC_GATEWAY_MAX_HELD`: a call read late has had its time spent.",
     )
 
     # --- Azure AI Search (optional) --------------------------------------------------------------

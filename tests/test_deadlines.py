@@ -1236,7 +1236,7 @@ async def test_a_request_refused_with_a_wait_by_a_worker_that_then_stops_says_no
         with pytest.raises(NoRespondersError):
             await client.send_raw("acme", b"{}")
         assert len(read) == 1
-        assert time.monotonic() - began < 0.3 * (1 + PUSHBACK_JITTER) + 1.5  # the no-responders retries, not 5 s
+        assert time.monotonic() - began < 4.0  # the wait and the no-responders retries (about 1.3 s), not the 5 s
     finally:
         await member.close()
         await nc.close()

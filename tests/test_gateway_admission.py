@@ -36,16 +36,16 @@ def test_the_loop_counts_as_late_only_when_its_last_looks_all_found_it_late() ->
 def test_the_intake_refuses_beyond_its_held_requests_a_callers_share_and_while_the_loop_runs_late() -> None:
     intake = Intake(max_held=4, max_late_s=0.5)
     assert intake.refusal("alice", 0.1) is None
-    intake.held, intake.held_by["alice"] = 2, 2
+    intake.held_by["alice"] = 2
     assert intake.refusal("alice", 0.1) == ("held", "the token of 'alice' holds 2 requests, its share of this gateway")
     assert intake.refusal("bob", 0.1) is None
     assert intake.refusal("", 0.1) is None  # without tokens, every caller is one
-    intake.held = 4
+    intake.held_by[""] = 2  # callers without a token: 4 in all
     assert intake.refusal("bob", 0.1) == (
         "held",
         "this gateway holds 4 requests, its limit (ONTOFABRIC_GATEWAY_MAX_HELD)",
     )
-    intake.held = 1
+    intake.held_by.clear()
     assert intake.refusal("bob", 0.7) == ("late", "this gateway's event loop runs 700 ms late")
     assert intake.retry_after_ms(0.1) == 1000
     assert intake.retry_after_ms(0.7) == 1400

@@ -26,6 +26,7 @@ from ontofabric.shared.tasks import LATENESS_TICK_S
 from ontofabric.shared.telemetry import meter
 
 from .auth import CALLER
+from .bodies import peek_body, replaying
 
 log = get_logger(__name__)
 
@@ -76,9 +77,12 @@ class Intake:
 
     max_held: int
     max_late_s: float
-    held: int = 0
     held_by: Counter[str] = field(default_factory=Counter)
     """Requests held per caller (a token's client name; "" without tokens)."""
+
+    @property
+    def held(self) -> int:
+        return sum(self.held_by.values())
 
     @property
     def share(self) -> int:
@@ -125,23 +129,21 @@ class AdmitRequests:
         late_s = self.lag.late_s(now)
         refusal = self.intake.refusal(caller, late_s)
         if refusal is not None:
-            read: deque[Message] = deque()
-            request_id = await _tool_call_id(receive, read)
+            read, body = await peek_body(receive, PEEKED_BYTES)
+            request_id = None if body is None else _tool_call_id(body)
             if request_id is not None:
                 reason, words = refusal
                 refused_requests.add(1, {"reason": reason})
                 log.warning("gateway_call_refused", reason=reason, held=self.intake.held, late_ms=round(late_s * 1000))
                 await _refuse(send, request_id, words, self.intake.retry_after_ms(late_s))
                 return
-            receive = _replaying(read, receive)
-        self.intake.held += 1
+            receive = replaying(read, receive)
         self.intake.held_by[caller] += 1
         arrived = ARRIVED.set(now)
         try:
             await self._app(scope, receive, send)
         finally:
             ARRIVED.reset(arrived)
-            self.intake.held -= 1
             self.intake.held_by[caller] -= 1
             if not self.intake.held_by[caller]:
                 del self.intake.held_by[caller]
@@ -192,28 +194,11 @@ def _body_within(receive: Receive, deadline: float) -> Receive:
     return receiving
 
 
-def _replaying(read: deque[Message], receive: Receive) -> Receive:
-    async def replay() -> Message:
-        return read.popleft() if read else await receive()
-
-    return replay
-
-
-async def _tool_call_id(receive: Receive, read: deque[Message]) -> int | str | None:
-    """The id of the request if it is a tool call, read from its first PEEKED_BYTES (kept in ``read`` to replay);
-    None for anything else, or a body too long or ill-formed to tell (the SDK's to answer)."""
-    size, complete = 0, False
-    while not complete and size <= PEEKED_BYTES:
-        message = await receive()
-        read.append(message)
-        if message["type"] != "http.request":
-            return None
-        size += len(message.get("body", b""))
-        complete = not message.get("more_body", False)
-    if not complete:
-        return None
+def _tool_call_id(body: bytes) -> int | str | None:
+    """The id of the request if it is a tool call; None for anything else, or a body ill-formed (the SDK's to
+    answer)."""
     try:
-        request = json.loads(b"".join(m.get("body", b"") for m in read))
+        request = json.loads(body)
     except (ValueError, RecursionError):
         return None
     if not isinstance(request, dict) or request.get("method") != "tools/call":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections import deque
 from importlib.metadata import version
 from typing import Any
 
@@ -46,6 +45,7 @@ from ontofabric.shared.tasks import cancel_and_wait, watch_lateness
 
 from .admission import ARRIVED, MIN_RETRY_AFTER_S, AdmitRequests, Intake, LoopLag, refused_requests
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
+from .bodies import peek_body, replaying
 from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import ODD_ID, checked_request, not_utf8_error, request_id_of, stdio_streams, unreadable
 from .tools import (
@@ -288,24 +288,11 @@ class MisreadBodies:
         ):
             await self._app(scope, receive, send)
             return
-        read: deque[Message] = deque()
-        size, complete = 0, False
-        while not complete and size <= self._max_body_bytes:
-            message = await receive()
-            read.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            complete = not message.get("more_body", False)
-        body = b"".join(m.get("body", b"") for m in read)
+        read, body = await peek_body(receive, self._max_body_bytes)
         version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
-        answer = None if not complete else _answer_to_unknown_version(version, body) or _answer_to_misread(body)
+        answer = None if body is None else _answer_to_unknown_version(version, body) or _answer_to_misread(body)
         if answer is None:
-
-            async def replay() -> Message:
-                return read.popleft() if read else await receive()
-
-            await self._app(scope, replay, send)
+            await self._app(scope, replaying(read, receive), send)
             return
         status, reply = answer
         await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS if reply else []})

@@ -143,11 +143,15 @@ class Gateway:
         loop = asyncio.get_running_loop()
         arrived = ARRIVED.get(loop.time())
         ends = arrived + self._timeout_s
-        if loop.time() - arrived > self._timeout_s / 2:  # most of its time went before the gateway could read it
+        waited_s = loop.time() - arrived
+        if waited_s > self._timeout_s / 2:  # most of its time went before the gateway could read it
             refused_requests.add(1, {"reason": "waited"})
+            log.warning("gateway_call_refused", reason="waited", waited_ms=round(waited_s * 1000))
+            # The calls ahead of it took that long to read: one sent sooner would queue behind them.
+            retry_after_ms = round(max(MIN_RETRY_AFTER_S, waited_s) * 1000)
             return tool_error(
-                f"error overloaded (retryable: try again in about {round(MIN_RETRY_AFTER_S * 1000)} ms): the call "
-                f"waited {(loop.time() - arrived) * 1000:.0f} ms for this gateway to read it"
+                f"error overloaded (retryable: try again in about {retry_after_ms} ms): the call "
+                f"waited {waited_s * 1000:.0f} ms for this gateway to read it"
             )
         try:
             try:

@@ -119,6 +119,23 @@ def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_i
     assert graph.linked("a.Base", "imports", "outgoing") == ["b.Base"]
 
 
+def test_a_type_named_only_by_other_rows_is_known_to_every_relation() -> None:
+    """A tester removed the node r.util while r.Sub still derived from it and r.Svc imported it: expansion, the
+    importers and the objectType filter still followed those rows, but "what subclasses util" found nothing and
+    called the name unknown. A type a link or a base names answers every relation alike, a node's or not."""
+    graph = OntologyGraph(
+        kinds={"r.Svc": "module", "r.Sub": "class"},
+        interfaces={"r.Sub": ("r.util", "Exception")},
+        links={("r.Svc", "imports", "r.util")},
+    )
+    assert graph.named("util") == ["r.util"]
+    assert graph.subtypes("r.util") == [["r.Sub"]]
+    assert graph.linked("r.util", "imports", "incoming") == ["r.Svc"]
+    assert graph.named("Exception") == ["Exception"]  # a base outside the tree: its subclasses in it
+    assert graph.subtypes("Exception") == [["r.Sub"]]
+    assert graph.supertypes("r.Sub") == []  # what a class inherits from: the graph's own types only
+
+
 def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> None:
     graph = overlay(_rows(), "main")
     expansions = expand(graph, [("doc-impl", "m.Impl"), ("doc-deep", "m.Deep"), ("doc-base", "m.Base")])

@@ -61,7 +61,15 @@ class OntologyGraph:
     _by_last_part: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for object_type in self.kinds:
+        # Every type a row names is known by name, a node's or not: a link's end and a base may name a type with no
+        # node (one outside the tree, or one whose node was removed while links and bases still name it), and the
+        # relations asked of it follow them as expansion and the objectType filter do.
+        mentioned = {
+            *self.kinds,
+            *(base for bases in self.interfaces.values() for base in bases),
+            *(end for source, _, target in self.links for end in (source, target)),
+        }
+        for object_type in sorted(mentioned):
             self._by_last_part.setdefault(last_part(object_type).lower(), []).append(object_type)
         for object_type, bases in self.interfaces.items():
             for base in bases:

@@ -588,6 +588,27 @@ async def test_an_http_call_its_client_cancels_is_answered_at_once_and_not_sent_
     assert sorted(asked) == ["csv 1", "csv 1", "csv 2"]  # the staying call twice, the cancelled one once
 
 
+async def test_a_typescript_clients_timeout_cancels_its_call_through_a_gateway_without_tokens(
+    deployment: Deployment,
+) -> None:
+    """The SDK's timeout sends notifications/cancelled; through a gateway open on loopback (no tokens) it cancelled
+    nothing, since no caller was told apart, and the call was sent to the workers again while its POST stayed
+    open. The session id the gateway gives at initialize tells the client's calls apart."""
+    script = node_script("http_timeout.mjs", "@modelcontextprotocol/sdk")
+    worker, seen = await _worker_that_never_answers(deployment)
+    # 4 s: a call not cancelled is sent again after 2.6 s, while the client stays 4.5 s.
+    async with _http_gateway(deployment, "--workspace", "acme", ONTOFABRIC_GATEWAY_TIMEOUT_S="4") as url:
+        completed = await asyncio.to_thread(
+            subprocess.run, ["node", str(script), url, "500", "4500"], capture_output=True, text=True, timeout=60
+        )
+    await worker.close()
+    assert completed.returncode == 0, completed.stderr
+    ended = json.loads(completed.stdout)
+    assert "timed out" in ended["error"].lower(), ended
+    assert len(ended["sessionId"] or "") == 32
+    assert len(seen) == 1  # asked once: cancelled, not sent again
+
+
 async def test_an_http_gateway_holding_its_limit_refuses_more_at_once_and_takes_calls_again_when_they_end(
     deployment: Deployment,
 ) -> None:

@@ -43,8 +43,11 @@ async def _post(
     message: dict[str, Any],
     work_s: float = WORK_S,
     gap_s: float = 0,
+    session: str | None = None,
+    answer_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> dict[str, Any] | None:
-    """The answer's JSON (None for an empty one); with ``gap_s``, the body comes in two parts that far apart."""
+    """The answer's JSON (None for an empty one); with ``gap_s``, the body comes in two parts that far apart.
+    ``session``: the Mcp-Session-Id the request carries; ``answer_headers`` is given the answer's headers."""
     body = json.dumps(message).encode()
     parts = [body] if not gap_s else [body[: len(body) // 2], body[len(body) // 2 :]]
     incoming: asyncio.Queue[Message] = asyncio.Queue()
@@ -63,11 +66,14 @@ async def _post(
     feeding = asyncio.ensure_future(feed())
     token = CALLER.set(caller)
     try:
-        scope = {"type": "http", "method": "POST", "path": "/mcp", "work_s": work_s}
+        headers = [] if session is None else [(b"mcp-session-id", session.encode())]
+        scope = {"type": "http", "method": "POST", "path": "/mcp", "work_s": work_s, "headers": headers}
         await gateway(scope, incoming.get, send)
     finally:
         CALLER.reset(token)
         await feeding
+    if answer_headers is not None:
+        answer_headers.extend(h for m in sent if m["type"] == "http.response.start" for h in m["headers"])
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return json.loads(body) if body else None
 
@@ -124,3 +130,51 @@ async def test_a_cancellation_that_comes_before_its_calls_body_is_whole_still_ca
     answer, took = await call
     assert answer == {"jsonrpc": "2.0", "id": 4, "error": CANCELLED}
     assert took < WORK_S
+
+
+def _session_ids(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    return [value.decode() for name, value in headers if name == b"mcp-session-id"]
+
+
+async def test_an_initialize_answer_names_a_new_session_and_no_other_answer_does() -> None:
+    gateway = CancelledWithClient(_app)
+    initialize = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}
+    first: list[tuple[bytes, bytes]] = []
+    second: list[tuple[bytes, bytes]] = []
+    called: list[tuple[bytes, bytes]] = []
+    await _post(gateway, None, initialize, work_s=0, answer_headers=first)
+    await _post(gateway, None, initialize, work_s=0, answer_headers=second)
+    await _post(gateway, None, _call(1), work_s=0, session=_session_ids(first)[0], answer_headers=called)
+    assert len(_session_ids(first)) == len(_session_ids(second)) == 1
+    assert _session_ids(first) != _session_ids(second)
+    assert len(_session_ids(first)[0]) == 32
+    assert _session_ids(called) == []
+
+
+async def test_a_session_without_a_token_cancels_its_own_call_only() -> None:
+    """A TypeScript client's timeout through a gateway open on loopback cancelled nothing: without a token no
+    caller was told apart. Its session id, given at initialize, tells it apart."""
+    gateway = CancelledWithClient(_app)
+    call = asyncio.ensure_future(_timed(_post(gateway, None, _call(5), session="one")))
+    await asyncio.sleep(0.1)
+    await _post(gateway, None, _cancel(5), session="two")  # another session's id 5
+    await _post(gateway, None, _cancel(5))  # no session: nobody's
+    await _post(gateway, ALICE, _cancel(5), session="one")  # a token's session "one" is not the open one
+    assert not call.done()
+    await _post(gateway, None, _cancel(5), session="one")
+    answer, took = await call
+    assert answer == {"jsonrpc": "2.0", "id": 5, "error": CANCELLED}
+    assert took < WORK_S / 2
+
+
+async def test_two_sessions_on_one_token_each_cancel_their_own_call_of_the_same_id() -> None:
+    """Before sessions, two calls of one token holding the same id were both spared: neither could be cancelled."""
+    gateway = CancelledWithClient(_app)
+    mine = asyncio.ensure_future(_timed(_post(gateway, ALICE, _call(6), session="mine")))
+    theirs = asyncio.ensure_future(_post(gateway, ALICE, _call(6), session="theirs"))
+    await asyncio.sleep(0.1)
+    await _post(gateway, ALICE, _cancel(6), session="mine")
+    answer, took = await mine
+    assert answer == {"jsonrpc": "2.0", "id": 6, "error": CANCELLED}
+    assert took < WORK_S / 2
+    assert (await theirs) == {"jsonrpc": "2.0", "id": 6, "result": {}}

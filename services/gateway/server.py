@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import socket
 from importlib.metadata import version
 from typing import Any
@@ -400,6 +401,11 @@ RECENT_END_S = 60.0
 """A cancellation naming a call of its caller that ended this recently is late, whatever else holds the id."""
 EARLY_CANCEL_S = 5.0
 """How long a cancellation naming no call yet waits for the call to take its id."""
+SESSION_HEADER = b"mcp-session-id"
+SESSION_ID_CHARACTERS = frozenset(range(0x21, 0x7F))
+"""What MCP allows in a session id (visible ASCII); a header with anything else, or longer than 128, is not read."""
+CallKey = tuple[str, str, int | str]
+"""A call as a cancellation names it: its token's client name, its session and its JSON-RPC id ("" for none)."""
 
 
 class CancelledWithClient:
@@ -414,20 +420,26 @@ class CancelledWithClient:
     - Cancelled: ``notifications/cancelled`` comes in a POST of its own, which a stateless app reads apart from the
       call it names, so the call ran on (a tester's TypeScript client aborted after 1 s; the gateway resent to the
       workers for 10 s). The call it names is cancelled here and answered with an error its client no longer reads
-      (HTTP needs an answer). Only a caller with a token: calls are told apart by the caller's client name and
-      their id, and without tokens one client could cancel another's call of the same id. Two sessions on one token
-      number their calls alike, and a cancellation may come after its call has ended (MCP allows it): one naming
-      an id held by more than one call, or by a call of that caller that ended within ``RECENT_END_S``, cancels
-      nothing (a review's finding: a late one cancelled the other session's call). One that names no call yet (its
-      body still arriving) cancels the call that takes the id within ``EARLY_CANCEL_S``. A gateway cancels only
-      the calls it serves: behind a load balancer, a cancellation sent to another gateway does nothing."""
+      (HTTP needs an answer). Only a caller with a token or a session (below): calls are told apart by the caller's
+      client name, session and id, and without either one client could cancel another's call of the same id.
+      Sessions without an id on one token number their calls alike, and a cancellation may come after its call
+      has ended (MCP allows it): one naming an id held by more than one call, or by a call of that caller that
+      ended within ``RECENT_END_S``, cancels nothing (a review's finding: a late one cancelled the other session's
+      call). One that names no call yet (its body still arriving) cancels the call that takes the id within
+      ``EARLY_CANCEL_S``. A gateway cancels only the calls it serves: behind a load balancer, a cancellation sent
+      to another gateway does nothing.
+    - Sessions: the answer to ``initialize`` carries an ``Mcp-Session-Id`` of its own (random), which MCP clients
+      send with every request after it. It keeps no state (any gateway serves any session, and none is ever
+      unknown): it only tells calls apart, so that a client without a token can cancel its own calls and two
+      sessions on one token no longer number theirs alike (a TypeScript client's timeout had cancelled nothing
+      through a gateway open on loopback)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self._app = app
-        self._calls: dict[tuple[str, int | str], list[asyncio.Future[None]]] = {}
+        self._calls: dict[CallKey, list[asyncio.Future[None]]] = {}
         self._cancelled: set[asyncio.Future[None]] = set()
-        self._ended: LruCache[tuple[str, int | str], float] = LruCache(CALLS_REMEMBERED)
-        self._early: LruCache[tuple[str, int | str], float] = LruCache(CALLS_REMEMBERED)
+        self._ended: LruCache[CallKey, float] = LruCache(CALLS_REMEMBERED)
+        self._early: LruCache[CallKey, float] = LruCache(CALLS_REMEMBERED)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":  # a GET stream sees its client go itself
@@ -447,6 +459,8 @@ class CancelledWithClient:
 
         async def sending(message: Message) -> None:
             nonlocal answered, started
+            if message["type"] == "http.response.start" and message.get("status") == 200:
+                message = _with_session(message, bytes(body))
             started = True
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 answered = True
@@ -454,12 +468,12 @@ class CancelledWithClient:
 
         call = asyncio.ensure_future(self._app(scope, reading, sending))
         caller = CALLER.get()
-        key: tuple[str, int | str] | None = None
+        key: CallKey | None = None
 
         async def watch() -> None:
             nonlocal key
             await body_read.wait()
-            key = self._read(caller, bytes(body), call)
+            key = self._read(caller, _session_of(scope), bytes(body), call)
             message = await receive()  # the next one the server has: the client gone, or the answer complete
             if message["type"] == "http.disconnect" and not answered:
                 log.info("gateway_client_gone", path=scope.get("path"))
@@ -477,7 +491,7 @@ class CancelledWithClient:
             if call in self._cancelled and not started:
                 error = {"code": types.INVALID_REQUEST, "message": "cancelled by its client"}
                 await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
-                reply = {"jsonrpc": "2.0", "id": None if key is None else key[1], "error": error}
+                reply = {"jsonrpc": "2.0", "id": None if key is None else key[2], "error": error}
                 await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
         finally:
             watcher.cancel()
@@ -488,17 +502,21 @@ class CancelledWithClient:
                     del self._calls[key]
                 self._ended.put(key, asyncio.get_running_loop().time())
 
-    def _read(self, caller: Grant | None, body: bytes, call: asyncio.Future[None]) -> tuple[str, int | str] | None:
-        """Registers a request under its caller and id, and returns that key; cancels the call a cancellation names."""
-        if caller is None or len(body) > PEEKED_BODY_BYTES:
+    def _read(
+        self, caller: Grant | None, session: str | None, body: bytes, call: asyncio.Future[None]
+    ) -> CallKey | None:
+        """Registers a request under its caller, session and id, and returns that key; cancels the call a
+        cancellation names. Neither a token nor a session: nobody is told apart, nothing is registered."""
+        if (caller is None and session is None) or len(body) > PEEKED_BODY_BYTES:
             return None
+        client = "" if caller is None else caller.client
         message = _json_object(body)
         if message is None:
             return None
         now = asyncio.get_running_loop().time()
         request_id = request_id_of(message)
         if request_id is not None and "method" in message:
-            key = (caller.client, request_id)
+            key = (client, session or "", request_id)
             self._calls.setdefault(key, []).append(call)
             early = self._early.pop(key)
             if early is not None and now - early <= EARLY_CANCEL_S and len(self._calls[key]) == 1:
@@ -510,7 +528,7 @@ class CancelledWithClient:
         named = request_id_of({"id": params.get("requestId")})
         if named is None:
             return None
-        key = (caller.client, named)
+        key = (client, session or "", named)
         held = self._calls.get(key, [])
         ended = self._ended.get(key)
         if ended is not None and now - ended <= RECENT_END_S:
@@ -525,6 +543,29 @@ class CancelledWithClient:
         log.info("gateway_call_cancelled_by_client", request_id=request_id, reason=reason)
         self._cancelled.add(call)
         call.cancel()
+
+
+def _session_of(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == SESSION_HEADER:
+            held: bytes = value
+            if 0 < len(held) <= 128 and all(byte in SESSION_ID_CHARACTERS for byte in held):
+                return held.decode("ascii")
+            return None
+    return None
+
+
+def _with_session(start: Message, body: bytes) -> Message:
+    """The answer to an ``initialize`` with a new session id, unless the app gave it one."""
+    headers = list(start.get("headers", ()))
+    if any(name.lower() == SESSION_HEADER for name, _ in headers):
+        return start
+    if b'"initialize"' not in body:  # every answer passes here: most need no parse
+        return start
+    request = _json_object(body) if len(body) <= PEEKED_BODY_BYTES else None
+    if request is None or request.get("method") != "initialize":
+        return start
+    return {**start, "headers": [*headers, (SESSION_HEADER, secrets.token_hex(16).encode())]}
 
 
 def _tool(spec: ToolSpec) -> types.Tool:

@@ -104,11 +104,14 @@ async def test_expansion_attaches_one_representative_per_linked_type(
             _link("app.Cart", "calls", "app.Prices"),
             _link("app.Audit", "imports", "app.Checkout"),
             _link("app.Checkout", "calls", "app.Ghost"),  # a linked type nothing is indexed for
+            _link("app.Checkout", "imports", "app.util"),
             upsert("acme", _doc(embedder, "checkout", "checkout pays for the cart", "app.Checkout")),
             upsert("acme", _doc(embedder, "cart", "cart holds items to pay for", "app.Cart")),
             upsert("acme", _doc(embedder, "prices-type", "class Prices: price list", "app.Prices", "type")),
             upsert("acme", _doc(embedder, "prices-method", "def price(item): look up", "app.Prices")),
             upsert("acme", _doc(embedder, "audit", "audit trail of payments", "app.Audit", "method")),
+            upsert("acme", _doc(embedder, "util-a", "def a(): helper", "app.util", "method")),
+            upsert("acme", _doc(embedder, "util-file", "helpers for the shop", "app.util", "file")),
         ],
     )
     plain = await _ask(worker, "pay for the cart", topK=2)
@@ -116,12 +119,14 @@ async def test_expansion_attaches_one_representative_per_linked_type(
     reply = await _ask(worker, "pay for the cart", topK=2, followLinks=True)
     assert {r.id for r in reply.results} == {"checkout", "cart"}
     context = {c.linked_type: c for c in reply.meta.expanded_context}
-    assert set(context) == {"app.Prices", "app.Audit", "app.Ghost"}  # Prices once, though both hits link to it
+    assert set(context) == {"app.Prices", "app.Audit", "app.Ghost", "app.util"}  # Prices once, though linked twice
     assert context["app.Prices"].representative_document_id == "prices-type"  # a type chunk before a method one
     assert context["app.Prices"].link_name == "calls"
     assert context["app.Audit"].direction == "incoming"
     assert context["app.Audit"].representative_document_id == "audit"
     assert context["app.Ghost"].representative_document_id is None  # the node appears, with no chunk
+    # A module by its file, as a relation lookup answers for it, not by whichever of its functions sorts first.
+    assert context["app.util"].representative_document_id == "util-file"
     assert [r.id for r in reply.results] == [r.id for r in plain.results]  # context never re-ranks
     assert "expansion" in reply.meta.timings_ms
 

@@ -158,8 +158,9 @@ class Representatives:
     """ontologyVersion of the snapshot read; None when nothing was asked."""
 
 
-EXPANSION_LEVELS = ("type", "method")
-"""What represents a linked type in graph expansion: its class's chunk, else one of its functions."""
+EXPANSION_LEVELS = ("type", "file", "method")
+"""What represents a linked type in graph expansion: its class's chunk, else its module's file, else one of its
+functions (a type an ingester chunks no other way)."""
 DEFINING_LEVELS = ("type", "file")
 """What stands for a type found by a relation (a subclass, an importer): the class's chunk, the module's file."""
 

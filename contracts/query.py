@@ -314,8 +314,9 @@ class RelationAsked(WireModel):
     relation: Relation = Field(description="In relatedTo's words, whether asked by relatedTo or in the query's.")
     symbol: str
     symbol_indexed: bool = Field(
-        description="False when no chunk of the workspace and branch defines a symbol of this name: the answer "
-        "then says nothing of the relation (check the name)."
+        description="False when neither a chunk of the workspace and branch defines a symbol of this name nor "
+        "its ontology graph names a type so (a node, a base, a link's end): the answer then says nothing of the "
+        "relation (check the name)."
     )
 
 

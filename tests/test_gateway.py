@@ -274,6 +274,23 @@ async def test_the_python_sdk_over_streamable_http(deployment: Deployment, serve
         await _exercise(client)
 
 
+async def test_the_python_sdks_handshake_over_streamable_http_holds_no_event_stream(
+    deployment: Deployment, served: QueryService
+) -> None:
+    """With the session id given at initialize, the SDK's client in its handshake mode opened a GET stream for
+    messages the server would send unasked and held it while connected (none is ever sent, and the limit on
+    requests held counts POSTs): a review's finding. The GET is answered 405, as MCP allows."""
+    async with _http_gateway(deployment, "--workspace", "acme") as url:
+        async with Client(streamable_http_client(url), mode="legacy") as client:
+            await _exercise(client)
+        async with httpx2.AsyncClient() as http:
+            refused = await http.get(url, headers={"Accept": "text/event-stream"})
+            elsewhere = await http.get(url.replace("/mcp", "/.well-known/oauth-protected-resource"))
+    assert refused.status_code == 405
+    assert refused.headers["allow"] == "POST"
+    assert elsewhere.status_code == 404  # other paths as the SDK serves them: no discovery to find
+
+
 async def test_over_http_a_bearer_token_reads_only_its_workspaces(
     deployment: Deployment, served: QueryService, tmp_path: Path
 ) -> None:

@@ -205,6 +205,12 @@ async def test_a_call_read_after_half_its_time_is_refused_without_asking_a_worke
         ARRIVED.reset(arrived)
     assert refused.is_error is True
     text = refused.content[0].text  # type: ignore[union-attr]
-    # Come back once what held it has been read: about as long as it waited.
+    # Come back once what held it has been read: about as long as it waited, at most a call's time.
     assert text.startswith("error overloaded (retryable: try again in about 12"), text
     assert "ms): the call waited 12" in text
+    arrived = ARRIVED.set(asyncio.get_running_loop().time() - 30)
+    try:
+        stalled = await gateway.call(query, {"semanticQuery": "x"})
+    finally:
+        ARRIVED.reset(arrived)
+    assert stalled.content[0].text.startswith("error overloaded (retryable: try again in about 2000 ms)")  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from ontofabric.services.gateway.auth import CALLER, Grant
@@ -111,22 +112,34 @@ async def test_a_call_is_cancelled_by_its_own_caller_only() -> None:
     assert (await anonymous) == {"jsonrpc": "2.0", "id": 2, "result": {}}
 
 
-async def test_a_late_cancellation_spares_another_sessions_call_of_the_same_id() -> None:
-    """A review's finding: two sessions on one token number their calls alike, and MCP lets a cancellation come
-    after its call has ended; one session's late cancellation cancelled the other's call."""
+CALLERS = pytest.mark.parametrize(
+    ("caller", "session"), [(ALICE, None), (None, "s1"), (ALICE, "s1")], ids=["token", "session", "both"]
+)
+
+
+@CALLERS
+async def test_a_late_cancellation_spares_another_call_of_the_same_id(
+    caller: Grant | None, session: str | None
+) -> None:
+    """A review's finding: two sessions on one token (without session ids) number their calls alike, and MCP lets a
+    cancellation come after its call has ended; one session's late cancellation cancelled the other's call."""
     gateway = CancelledWithClient(_app)
-    assert await _post(gateway, ALICE, _call(3), work_s=0.01) == {"jsonrpc": "2.0", "id": 3, "result": {}}
-    other = asyncio.ensure_future(_post(gateway, ALICE, _call(3)))
+    ended = await _post(gateway, caller, _call(3), work_s=0.01, session=session)
+    assert ended == {"jsonrpc": "2.0", "id": 3, "result": {}}
+    other = asyncio.ensure_future(_post(gateway, caller, _call(3), session=session))
     await asyncio.sleep(0.1)
-    await _post(gateway, ALICE, _cancel(3))
+    await _post(gateway, caller, _cancel(3), session=session)
     assert (await other) == {"jsonrpc": "2.0", "id": 3, "result": {}}
 
 
-async def test_a_cancellation_that_comes_before_its_calls_body_is_whole_still_cancels_it() -> None:
+@CALLERS
+async def test_a_cancellation_that_comes_before_its_calls_body_is_whole_still_cancels_it(
+    caller: Grant | None, session: str | None
+) -> None:
     gateway = CancelledWithClient(_app)
-    call = asyncio.ensure_future(_timed(_post(gateway, ALICE, _call(4), gap_s=0.3)))
+    call = asyncio.ensure_future(_timed(_post(gateway, caller, _call(4), gap_s=0.3, session=session)))
     await asyncio.sleep(0.1)
-    await _post(gateway, ALICE, _cancel(4))
+    await _post(gateway, caller, _cancel(4), session=session)
     answer, took = await call
     assert answer == {"jsonrpc": "2.0", "id": 4, "error": CANCELLED}
     assert took < WORK_S

@@ -147,9 +147,15 @@ class Gateway:
         waited_s = loop.time() - arrived
         if waited_s > self._timeout_s / 2:  # most of its time went before the gateway could read it
             refused_requests.add(1, {"reason": "waited"})
-            log.warning("gateway_call_refused", reason="waited", waited_ms=round(waited_s * 1000))
-            # The calls ahead of it took that long to read: one sent sooner would queue behind them.
-            retry_after_ms = round(max(MIN_RETRY_AFTER_S, waited_s) * 1000)
+            log.warning(
+                "gateway_call_refused",
+                reason="waited",
+                waited_ms=round(waited_s * 1000),
+                caller=None if caller is None else caller.client,
+            )
+            # The calls ahead of it took that long to read: one sent sooner would queue behind them. (Its own slow
+            # upload counts too: at most a call's time.)
+            retry_after_ms = round(min(max(MIN_RETRY_AFTER_S, waited_s), self._timeout_s) * 1000)
             return tool_error(
                 f"error overloaded (retryable: try again in about {retry_after_ms} ms): the call "
                 f"waited {waited_s * 1000:.0f} ms for this gateway to read it"
@@ -214,10 +220,12 @@ class Gateway:
         Every request needs a bearer token on record and reads only that token's workspaces; on loopback, only
         while there is a tokens file (see :class:`RequireBearer`).
         """
-        app: ASGIApp = self.server.streamable_http_app(host=host, stateless_http=True, json_response=True)
+        app: ASGIApp = self.server.streamable_http_app(
+            streamable_http_path=MCP_PATH, host=host, stateless_http=True, json_response=True
+        )
         lag = LoopLag()
         app = AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag)
-        app = RequireBearer(app, tokens, open_without_tokens=is_loopback(host))
+        app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
         listening = listen_on(host, port)
@@ -255,6 +263,29 @@ def listen_on(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise ListenRefused(f"the gateway cannot listen on {shown}: {error.strerror or error}") from None
     return sockets
+
+
+MCP_PATH = "/mcp"
+"""Where the SDK's app serves MCP (its default)."""
+
+
+class NoEventStreams:
+    """ASGI middleware: a GET for a stream of messages the server sends unasked is answered 405, as MCP allows. The
+    tools never call back, so the stream would stay silent; the stateless SDK app held one open per client for as
+    long as it stayed connected, past the limit on requests held (which counts POSTs), once the gateway gave
+    session ids (a review's finding: 100 Python clients, 100 open connections)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "GET" or scope.get("path") != MCP_PATH:
+            await self._app(scope, receive, send)  # other paths as the SDK serves them (a discovery's 404)
+            return
+        error = {"code": types.INVALID_REQUEST, "message": "Method Not Allowed: this server sends nothing unasked"}
+        body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+        await send({"type": "http.response.start", "status": 405, "headers": [*_JSON_HEADERS, (b"allow", b"POST")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class MisreadBodies:
@@ -613,5 +644,5 @@ async def serve(
     else:
         assert tokens is not None, "an HTTP gateway takes its tokens"
         assert intake is not None, "an HTTP gateway takes its intake"
-        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}/mcp", tokens=str(tokens.path))
+        log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}{MCP_PATH}", tokens=str(tokens.path))
         await gateway.serve_http(*http, tokens, intake)

@@ -30,10 +30,12 @@ from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
 from ontofabric.services.ops.rebuild import (
+    COMPACTION_LOCK,
     Rebuild,
     RebuildFailed,
     pace_delay,
     retired_schema,
+    running_compactions,
     running_rebuilds,
     shadow_schema,
 )
@@ -826,6 +828,35 @@ async def test_a_rebuild_interrupted_before_a_compaction_resumes_from_the_snapsh
     assert 0 < resumed.resumed_from < acks[-1].seq
     assert resumed.restored > 0
     assert await _state(deployment, "acme") == before
+
+
+async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compaction_runs(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """Two compactions at once could each write a workspace's snapshot over the other's later one, and one purge
+    what only the overwritten snapshot held; a rebuild starting during a compaction could miss what it purges.
+    The lock a compaction holds on each database refuses both."""
+    last = await _publish_history(deployment)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    other = await asyncpg.connect(deployment.database_url)  # as a compaction running elsewhere holds it
+    try:
+        assert await other.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK)
+        assert await running_compactions(other) == 1
+        with pytest.raises(CompactionRefused, match="another compaction is running"):
+            await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
+        with pytest.raises(RebuildFailed, match="a compaction is running"):
+            await _rebuild(deployment).run()
+        assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == 1  # none dropped
+    finally:
+        await other.close()
+    report = await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
+    assert report.covers == last
+    conn = await asyncpg.connect(deployment.database_url)
+    try:
+        assert await running_compactions(conn) == 0  # released when it ends
+    finally:
+        await conn.close()
+    assert (await _rebuild(deployment).run()).swapped
 
 
 async def test_compaction_waits_for_a_running_rebuild_and_runs_as_a_command(

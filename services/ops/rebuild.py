@@ -66,11 +66,13 @@ from .shadow import RebuildFailed, Shadow, drop_schema, retired_schema, shadow_s
 from .verification import ExpectedIndex, RowKey, row_key, unexplained_live_rows
 
 __all__ = [
+    "COMPACTION_LOCK",
     "Rebuild",
     "RebuildFailed",
     "RebuildReport",
     "pace_delay",
     "retired_schema",
+    "running_compactions",
     "running_rebuilds",
     "shadow_schema",
 ]
@@ -85,13 +87,27 @@ REBUILD_LOCK = "ontofabric.rebuild"
 """The first key of the session advisory lock a rebuild (or discard) of a workspace holds for its whole run."""
 
 
+COMPACTION_LOCK = "ontofabric.compact"
+"""The first key of the session advisory lock a compaction holds on each database for its whole run (second key 0)."""
+
+
 async def running_rebuilds(conn: asyncpg.Connection) -> int:
     """How many rebuilds hold their lock on this database now (any session's)."""
+    return await _holding(conn, REBUILD_LOCK)
+
+
+async def running_compactions(conn: asyncpg.Connection) -> int:
+    """How many compactions hold their lock on this database now (any session's)."""
+    return await _holding(conn, COMPACTION_LOCK)
+
+
+async def _holding(conn: asyncpg.Connection, first_key: str) -> int:
+    """Sessions holding a two-key advisory lock whose first key is ``hashtext(first_key)``."""
     return int(
         await conn.fetchval(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
             " AND classid::bigint = (hashtext($1)::bigint + 4294967296) % 4294967296",
-            REBUILD_LOCK,
+            first_key,
         )
     )
 
@@ -177,6 +193,10 @@ class Rebuild:
             admin = await asyncpg.connect(self._database_url)
             try:
                 async with self._exclusive(admin):
+                    # Each takes its own lock, then looks for the other's: of two that start together, at least
+                    # one sees the other. A compaction running may purge what this replay has yet to read.
+                    if await running_compactions(admin):
+                        raise RebuildFailed("a compaction is running: rebuild after it finishes")
                     return await self._run(nc, admin)
             finally:
                 await admin.close()

@@ -14,6 +14,7 @@ workspace's own snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token, workspace_of
 
 from .dead_letters import Selection, dead_letters
-from .rebuild import running_rebuilds
+from .rebuild import COMPACTION_LOCK, running_rebuilds
 from .verification import RowKey, row_key
 
 log = get_logger(__name__)
@@ -195,9 +196,22 @@ async def compact(
     nc: Client, names: Names, settings: Settings, progress: Progress, placement: Placement | None = None
 ) -> CompactionReport:
     """Snapshot every workspace through the index's position, then purge the stream below it. Refused while a
-    rebuild runs on one of ``placement``'s databases (it may not have read what would be dropped), and, without a
-    placement, on meeting a delta only this run's settings refuse. Run one at a time: two at once could each purge
-    past the other's snapshots."""
+    rebuild runs on one of ``placement``'s databases (it may not have read what would be dropped), or another
+    compaction (two at once: one could write a workspace's snapshot over the other's later one, and the other
+    purge what it alone held), and, without a placement, on meeting a delta only this run's settings refuse.
+    Without a placement nothing is locked."""
+    async with contextlib.AsyncExitStack() as held:
+        for database_url in sorted(set(placement.databases)) if placement is not None else ():
+            conn = await asyncpg.connect(database_url)
+            held.push_async_callback(conn.close)  # the session's end releases its lock
+            if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK):
+                raise CompactionRefused("another compaction is running: compact after it finishes")
+        return await _compact(nc, names, settings, progress, placement)
+
+
+async def _compact(
+    nc: Client, names: Names, settings: Settings, progress: Progress, placement: Placement | None
+) -> CompactionReport:
     limits = Limits.from_settings(settings)
     limits_of: dict[str, Limits] = {}
     """Per database: what its projectors let through, following the model its index holds (after ``reembed``,
@@ -205,7 +219,7 @@ async def compact(
     for database_url in placement.databases if placement is not None else ():
         conn = await asyncpg.connect(database_url)
         try:
-            running = await running_rebuilds(conn)
+            running = await running_rebuilds(conn)  # after the lock: a rebuild starting now sees it and stops
             reembedder = await reembedder_for(settings, conn)
             limits_of[database_url] = reembedder.limits(limits) if reembedder is not None else limits
         finally:

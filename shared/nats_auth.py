@@ -77,7 +77,8 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 *[f"{API}.STREAM.UPDATE.{stream}" for stream in (deltas, names.dlq_stream, versions, manifests)],
                 *[f"{API}.CONSUMER.INFO.{deltas}.{durable}" for durable in durables],
                 *[f"{API}.CONSUMER.CREATE.{deltas}.{durable}.>" for durable in durables],
-                f"{API}.CONSUMER.DELETE.{deltas}.{names.azure_projector_durable}",  # an Azure index lost: replay
+                # An index lost (or a new one) behind a consumer that has delivered: read from the first delta again
+                *[f"{API}.CONSUMER.DELETE.{deltas}.{durable}" for durable in durables],
                 *[f"{API}.CONSUMER.MSG.NEXT.{deltas}.{durable}" for durable in durables],
                 f"{API}.STREAM.MSG.GET.{deltas}",  # at start, what a crashed process had in hand (consumer.py)
                 *[f"$JS.ACK.{deltas}.{durable}.>" for durable in durables],

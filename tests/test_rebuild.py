@@ -30,7 +30,6 @@ from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
 from ontofabric.services.ops.rebuild import (
-    COMPACTION_LOCK,
     Rebuild,
     RebuildFailed,
     pace_delay,
@@ -54,7 +53,13 @@ from ontofabric.services.projector.planning import (
     plan_batch,
     validate_delta,
 )
-from ontofabric.services.projector.snapshots import Snapshot, StoredDelta, find_snapshot_store, load_snapshot
+from ontofabric.services.projector.snapshots import (
+    COMPACTION_LOCK,
+    Snapshot,
+    StoredDelta,
+    find_snapshot_store,
+    load_snapshot,
+)
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.checksums import content_md5
@@ -64,7 +69,7 @@ from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .conftest import Deployment, RecordedProgress
+from .conftest import Deployment, RecordedProgress, with_database
 from .factories import delete, document, unit_vector, upsert
 
 DOCUMENT_STATE = (
@@ -830,6 +835,54 @@ async def test_a_rebuild_interrupted_before_a_compaction_resumes_from_the_snapsh
     assert await _state(deployment, "acme") == before
 
 
+@pytest.mark.parametrize("compacted", [False, True], ids=["stream", "compacted-stream"])
+async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_from_nothing(
+    deployment: Deployment, compacted: bool
+) -> None:
+    """The database behind a consumer that had delivered was lost and replaced by an empty one: the projector read
+    on from the consumer's position, and the new index never held what came before (on a compacted stream, what
+    only the snapshots hold). It now fills it from the snapshots and the stream's first delta."""
+    url = deployment.database_url
+    first = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
+    await first.start()
+    try:
+        await _publish_history(deployment)
+        if compacted:
+            placement = Placement.of(deployment.settings, url)
+            await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
+        acks = await deployment.publisher.publish_many([_upsert("acme", "late", "written after the compaction")])
+        await deployment.wait_projected(acks[-1].seq)
+        before = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
+    finally:
+        await first.stop()
+    database = deployment.settings.subject_prefix
+    admin = await asyncpg.connect(with_database(url, "postgres"))
+    try:
+        await admin.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
+        await admin.execute(f'CREATE DATABASE "{database}"')
+    finally:
+        await admin.close()
+    second = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
+    compacting = await asyncpg.connect(url)  # as a compaction running then holds it: the fill waits for it
+    try:
+        assert await compacting.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK)
+        await second.start()
+        await asyncio.sleep(1.0)
+        assert await deployment.fetch("SELECT 1 FROM ontology_versions") == []
+    finally:
+        await compacting.close()
+    try:
+        async with asyncio.timeout(30):  # the next look fills it; until then the consumer stands where it was
+            while await deployment.fetch("SELECT 1 FROM projection_fences WHERE fill <> 'done'"):
+                await asyncio.sleep(0.1)
+        await deployment.wait_projected(acks[-1].seq)
+        after = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
+    finally:
+        await second.stop()
+    assert after == before
+    assert len(after["acme"]["documents"]) > 10
+
+
 async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compaction_runs(
     deployment: Deployment, projector: ProjectorService
 ) -> None:
@@ -842,9 +895,9 @@ async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compactio
     try:
         assert await other.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK)
         assert await running_compactions(other) == 1
-        with pytest.raises(CompactionRefused, match="another compaction is running"):
+        with pytest.raises(CompactionRefused, match="another compaction, or a projector filling"):
             await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
-        with pytest.raises(RebuildFailed, match="a compaction is running"):
+        with pytest.raises(RebuildFailed, match="a compaction, or a projector filling"):
             await _rebuild(deployment).run()
         assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == 1  # none dropped
     finally:

@@ -37,6 +37,7 @@ from ontofabric.services.projector.planning import Delta, Limits, VersionState, 
 from ontofabric.services.projector.reembedding import Reembedder
 from ontofabric.services.projector.runner import ProjectionRunner, project
 from ontofabric.services.projector.snapshots import (
+    COMPACTION_LOCK,
     Snapshot,
     compacted_through,
     find_snapshot_store,
@@ -85,10 +86,6 @@ CATCH_UP_ROUNDS = 5
 
 REBUILD_LOCK = "ontofabric.rebuild"
 """The first key of the session advisory lock a rebuild (or discard) of a workspace holds for its whole run."""
-
-
-COMPACTION_LOCK = "ontofabric.compact"
-"""The first key of the session advisory lock a compaction holds on each database for its whole run (second key 0)."""
 
 
 async def running_rebuilds(conn: asyncpg.Connection) -> int:
@@ -196,7 +193,10 @@ class Rebuild:
                     # Each takes its own lock, then looks for the other's: of two that start together, at least
                     # one sees the other. A compaction running may purge what this replay has yet to read.
                     if await running_compactions(admin):
-                        raise RebuildFailed("a compaction is running: rebuild after it finishes")
+                        raise RebuildFailed(
+                            "a compaction, or a projector filling an index from nothing, is running: rebuild after it"
+                            " finishes"
+                        )
                     return await self._run(nc, admin)
             finally:
                 await admin.close()

@@ -30,6 +30,7 @@ from ontofabric.services.projector.consumer import event_key
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
 from ontofabric.services.projector.reembedding import reembedder_for
 from ontofabric.services.projector.snapshots import (
+    COMPACTION_LOCK,
     MARKER,
     Snapshot,
     StoredDelta,
@@ -45,7 +46,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token, workspace_of
 
 from .dead_letters import Selection, dead_letters
-from .rebuild import COMPACTION_LOCK, running_rebuilds
+from .rebuild import running_rebuilds
 from .verification import RowKey, row_key
 
 log = get_logger(__name__)
@@ -205,7 +206,10 @@ async def compact(
             conn = await asyncpg.connect(database_url)
             held.push_async_callback(conn.close)  # the session's end releases its lock
             if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK):
-                raise CompactionRefused("another compaction is running: compact after it finishes")
+                raise CompactionRefused(
+                    "another compaction, or a projector filling an index from nothing, is running: compact after it"
+                    " finishes"
+                )
         return await _compact(nc, names, settings, progress, placement)
 
 

@@ -28,7 +28,6 @@ from typing import Any
 from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
 from azure.search.documents.aio import SearchClient
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from ontofabric.shared.azure_search import DOCUMENT, WATERMARK, WATERMARK_KEY, entry_key
 from ontofabric.shared.checksums import content_md5
@@ -36,6 +35,7 @@ from ontofabric.shared.jetstream import ack_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 
+from .consumer import restart_consumer
 from .planning import Delta, EntityRef, Rejection, RowState, StateFold, entity_of, search_text, upserted_document
 from .runner import Written
 
@@ -281,11 +281,6 @@ async def replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
     """An index without a watermark behind a consumer that has delivered deltas was lost (deleted, or recreated
     empty), or never got its first watermark: the consumer starts over from the stream's first delta, which the
     sequence rule makes safe to apply again (on a compacted stream, after the snapshots: worker.py)."""
-    try:
-        info = await js.consumer_info(names.delta_stream, names.azure_projector_durable)
-    except NotFoundError:
-        return
-    # Delivered, not acked: with the first delta still being retried the ack floor stays 0 while later ones went in.
-    if info.delivered is not None and (info.delivered.stream_seq or 0) > 0:
-        log.warning("azure_index_lost_replaying", index=INDEX, delivered=info.delivered.stream_seq)
-        await js.delete_consumer(names.delta_stream, names.azure_projector_durable)
+    delivered = await restart_consumer(js, names, names.azure_projector_durable)
+    if delivered:
+        log.warning("azure_index_lost_replaying", index=INDEX, delivered=delivered)

@@ -670,6 +670,21 @@ async def remember_in_flight(js: JetStreamContext, names: Names, projection: Dur
     return recorded
 
 
+async def restart_consumer(js: JetStreamContext, names: Names, durable: str) -> int:
+    """Delete the durable consumer when it has delivered deltas, so that the next start reads the stream from its
+    first delta again (an index filled from nothing; the sequence rule makes a delta applied twice harmless).
+    Returns the stream sequence it had delivered up to (0: nothing to restart)."""
+    try:
+        info = await js.consumer_info(names.delta_stream, durable)
+    except NotFoundError:
+        return 0
+    # Delivered, not acked: with the first delta still being retried the ack floor stays 0 while later ones went in.
+    delivered = int((info.delivered.stream_seq or 0) if info.delivered is not None else 0)
+    if delivered:
+        await js.delete_consumer(names.delta_stream, durable)
+    return delivered
+
+
 async def start_projection(
     nc: Client, names: Names, settings: Settings, projection: DurableProjection, batch_size: int
 ) -> RunningProjection:

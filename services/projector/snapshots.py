@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -27,6 +27,9 @@ from .runner import Projected, ProjectionRunner, project
 log = get_logger(__name__)
 
 FORMAT = 1
+COMPACTION_LOCK = "ontofabric.compact"
+"""The first key of the session advisory lock (second key 0) a compaction holds on each database for its whole run,
+and a projector while it fills an index from nothing: the stream must not lose what such an index has yet to read."""
 MARKER = "_compacted"
 """The object naming the sequence every snapshot covers (workspace objects are named by subject tokens, which
 never start with ``_`` followed by a letter other than an escape)."""
@@ -152,14 +155,19 @@ async def project_snapshot(
         yield len(batch), await project(runner, batch)
 
 
-async def restore_snapshots(nc: Client, names: Names, runner: ProjectionRunner, batch_size: int) -> int:
-    """Every workspace's snapshot through ``runner``, for an index being filled from nothing while the stream
-    starts after what compaction dropped (the consumer then reads the rest). Returns the deltas restored."""
+async def restore_snapshots(
+    nc: Client, names: Names, runner: ProjectionRunner, batch_size: int, holds: Callable[[str], bool] | None = None
+) -> int:
+    """Every workspace's snapshot through ``runner`` (those whose subject token ``holds``: a partition's), for an
+    index being filled from nothing while the stream starts after what compaction dropped (the consumer then reads
+    the rest). Returns the deltas restored."""
     store = await find_snapshot_store(nc.jetstream(), names)
     if store is None or await compacted_through(store) == 0:
         return 0
     restored = refused = 0
-    for name in await stored_snapshots(store):
+    for name in await stored_snapshots(store):  # each named by its workspace's subject token
+        if holds is not None and not holds(name):
+            continue
         result = await store.get(name)
         snapshot = Snapshot.decode(result.data or b"")
         async for size, projected in project_snapshot(nc, names, runner, snapshot, batch_size):

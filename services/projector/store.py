@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +35,7 @@ from .planning import (
     upserted_document,
 )
 from .reembedding import ModelChanged
+from .snapshots import COMPACTION_LOCK
 
 _SIGNED = 1 << 63
 
@@ -202,6 +204,7 @@ RENEW_LOCK_TIMEOUT = "100ms"
 """How long a look's renewal waits for a batch of its own process: that batch renews the claim as it commits."""
 
 _RENEW_CLAIM = "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1"
+_SET_FILL = "UPDATE projection_fences SET fill = $3 WHERE durable = $1 AND epoch = $2"
 
 Claim = Literal["claimed", "held", "busy"]
 """What a claim came to: the consumer is this process's now; another process holds a live claim on it; a batch of
@@ -219,6 +222,8 @@ class PostgresProjectionStore:
         self._fence = fence
         self._epoch: int | None = None
         """The epoch of this store's claim on ``fence``; None before a claim, or once another claimed it."""
+        self._fill = "done"
+        """What its row says of filling the index from nothing (infra/migrations/0026), as of its last claim."""
 
     @property
     def fenced(self) -> bool:
@@ -242,17 +247,48 @@ class PostgresProjectionStore:
                 )
                 if current is not None and _held_by_another(current, holder, live):
                     return "held"
-                self._epoch = await conn.fetchval(
-                    "INSERT INTO projection_fences AS f (durable, epoch, holder)"
-                    " VALUES ($1, nextval('projection_fence_epochs'), $2)"
+                claimed = await conn.fetchrow(
+                    "INSERT INTO projection_fences AS f (durable, epoch, holder, fill)"
+                    " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
-                    " claimed_at = now(), renewed_at = now(), released = false RETURNING epoch",
+                    " claimed_at = now(), renewed_at = now(), released = false RETURNING epoch, fill",
                     self._fence,
                     holder,
                 )
+                assert claimed is not None  # an upsert returns its row
+                self._epoch, self._fill = claimed["epoch"], claimed["fill"]
         except asyncpg.LockNotAvailableError:
             return "busy"
         return "claimed"
+
+    async def needs_filling(self, holds: Callable[[str], bool]) -> bool:
+        """After a claim: whether the index is to be filled from nothing before the consumer reads on (see
+        infra/migrations/0026). Decided once, when the consumer's row is new, by whether the index holds a version
+        of any workspace ``holds`` (the consumer's partition); a fill stopped half-way stays to do."""
+        if self._fill == "unknown":
+            async with self._pool.acquire() as conn:
+                workspaces = await conn.fetch("SELECT DISTINCT workspace FROM ontology_versions")
+                self._fill = "done" if any(holds(row["workspace"]) for row in workspaces) else "pending"
+                await conn.execute(_SET_FILL, self._fence, self._epoch, self._fill)
+        return self._fill == "pending"
+
+    @contextlib.asynccontextmanager
+    async def compactions_held_off(self) -> AsyncIterator[bool]:
+        """The compaction lock on this database, held within the block when it could be taken (a compaction
+        running holds it: False)."""
+        async with self._pool.acquire() as conn:
+            taken = bool(await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK))
+            try:
+                yield taken
+            finally:
+                if taken:  # before the connection goes back to the pool; a broken one's session ends with it
+                    with contextlib.suppress(Exception):
+                        await conn.execute("SELECT pg_advisory_unlock(hashtext($1), 0)", COMPACTION_LOCK)
+
+    async def filled(self) -> None:
+        async with self._pool.acquire() as conn:
+            await conn.execute(_SET_FILL, self._fence, self._epoch, "done")
+        self._fill = "done"
 
     async def renew(self) -> bool:
         """Renew this store's claim; False when another process has claimed the consumer since (the store is

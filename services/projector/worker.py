@@ -11,7 +11,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import asyncpg
 from azure.core.exceptions import AzureError
@@ -37,7 +37,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, Partition
+from ontofabric.shared.subjects import Names, Partition, encode_token, partition_of_token
 from ontofabric.shared.tasks import cancel_and_wait
 
 from .azure import (
@@ -49,7 +49,7 @@ from .azure import (
     Watermark,
     replay_if_index_lost,
 )
-from .consumer import DurableProjection, RunningProjection, start_projection
+from .consumer import DurableProjection, RunningProjection, restart_consumer, start_projection
 from .planning import ANALYSIS_VERSION, Limits
 from .postgres import PostgresSink
 from .reembedding import Reembedder, reembedder_for
@@ -79,6 +79,10 @@ before it leaves its consumers to a process standing by, which may reach the dat
 turns at this pace; nothing is lost either way."""
 
 
+class FillDeferred(Exception):
+    """An index to fill from nothing waits for the next look (a compaction holds the stream's start)."""
+
+
 class ProjectorService:
     """The Postgres projector: migrations, pool, and the durable consumers whose deltas go to Postgres, one for
     each partition of the workspaces it applies (``partitions``; by default ``projector_partition``, or all).
@@ -105,6 +109,9 @@ class ProjectorService:
         """The consumers of its layout, by partition."""
         self._stores: dict[int, PostgresProjectionStore] = {}
         """Each partition's store, which holds this process's claim on its consumer."""
+        self._runners: dict[int, ProjectionRunner] = {}
+        """Each partition's runner: what fills its index from the snapshots (the consumer's projection has its own
+        reference)."""
         self._peers: dict[str, tuple[float, Worker]] = {}
         """Projectors that answered discovery, by id, with when they last did (monotonic)."""
         self._holding: asyncio.Task[None] | None = None
@@ -152,7 +159,9 @@ class ProjectorService:
             pool = self._pools[database]
             store = self._stores[index] = PostgresProjectionStore(pool, settings.text_search_config, durables[index])
             sink = PostgresSink(store, versions)
-            runner = ProjectionRunner(sink, Limits.from_settings(settings), reembedders[database])
+            runner = self._runners[index] = ProjectionRunner(
+                sink, Limits.from_settings(settings), reembedders[database]
+            )
             partition = Partition(index, count) if count > 1 else None
             self._new_projection[index] = functools.partial(
                 DurableProjection, runner, js, names, durables[index], partition=partition,
@@ -255,12 +264,47 @@ class ProjectorService:
                              "replaces is still being written")  # fmt: skip
                     continue
                 self._standing_by.discard(index)
-                projection = self._new_projection[index]()
-                self._projections[index] = await start_projection(
-                    nc, names, settings, projection, settings.projector_batch_size
-                )
+                async with contextlib.AsyncExitStack() as filling:
+                    try:
+                        await filling.enter_async_context(self._filled_if_new(index))
+                    except Exception as error:  # a compaction running, NATS or the database away: the next look
+                        log.warning("projector_fill_deferred", durable=durables[index], error=describe(error))
+                        continue
+                    projection = self._new_projection[index]()
+                    self._projections[index] = await start_projection(
+                        nc, names, settings, projection, settings.projector_batch_size
+                    )
                 log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         self._last_look = time.monotonic()
+
+    @contextlib.asynccontextmanager
+    async def _filled_if_new(self, partition: int) -> AsyncIterator[None]:
+        """Around the consumer's start: an index that holds nothing of the consumer's workspaces when its consumer
+        is first claimed on this database (a database lost and replaced by an empty one, a new primary for a new
+        layout) is filled from nothing, the snapshots of a compacted stream and then the stream from its first
+        delta, rather than read on from where the consumer had got to for the index before (infra/migrations/0026).
+        Compactions are held off until the consumer reads from the start again: one could purge what the index has
+        yet to read. Done once the consumer has started; a fill stopped before is done again (it is idempotent)."""
+        count, store, durable = self.settings.projector_partitions, self._stores[partition], self._durables[partition]
+
+        def holds(token: str) -> bool:
+            return count == 1 or partition_of_token(token, count) == partition
+
+        if not await store.needs_filling(lambda workspace: holds(encode_token(workspace))):
+            yield
+            return
+        assert self._nc is not None
+        async with store.compactions_held_off() as held_off:
+            if not held_off:
+                raise FillDeferred("a compaction is running: the index is filled after it")
+            delivered = await restart_consumer(self._nc.jetstream(), self.names, durable)
+            batch = self.settings.projector_batch_size
+            restored = await restore_snapshots(self._nc, self.names, self._runners[partition], batch, holds)
+            yield
+        await store.filled()
+        # A new deployment's first start fills nothing; a lost index filled again is worth an operator's look.
+        said = log.warning if delivered or restored else log.info
+        said("projector_index_filled_from_nothing", durable=durable, delivered_before=delivered, restored=restored)
 
     def _say_whether_heard(self, heard_itself: bool) -> None:
         """Log once per change whether its own discovery ping reached its own announcement (and so the others')."""

@@ -181,6 +181,14 @@ async def test_a_store_whose_claim_on_its_consumer_was_overtaken_writes_nothing(
         with pytest.raises(Fenced):
             await first.apply([Delta(4, upsert("acme", document("a", "first's, stale")))])
         assert await _live_rows(deployment, "acme") == {"a": "second's"}
+        # A database replaced by an empty one starts its epochs again: a claim is its epoch and its holder, so a
+        # process frozen across the change does not pass for the holder of a new claim with its epoch (a review).
+        assert await first.claim("first", lease_s=0, live=set()) == "claimed"
+        await pool.execute("UPDATE projection_fences SET holder = 'second'")  # the same epoch, another holder
+        assert not await first.renew()
+        with pytest.raises(Fenced):
+            await first.apply([Delta(5, upsert("acme", document("a", "first's, across the change")))])
+        assert await _live_rows(deployment, "acme") == {"a": "second's"}
     finally:
         await pool.close()
 

@@ -862,6 +862,15 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
         await admin.execute(f'CREATE DATABASE "{database}"')
     finally:
         await admin.close()
+    # The consumer's floor says what the lost index had read: compacting by it would purge all this one lacks.
+    with pytest.raises(CompactionRefused, match="has not been filled on its database"):
+        await compact(
+            deployment.nc,
+            deployment.names,
+            deployment.settings,
+            RecordedProgress(),
+            Placement.of(deployment.settings, url),
+        )
     second = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
     compacting = await asyncpg.connect(url)  # as a compaction running then holds it: the fill waits for it
     try:
@@ -881,6 +890,16 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
         await second.stop()
     assert after == before
     assert len(after["acme"]["documents"]) > 10
+    async with deployment.session() as conn:  # as a fill stopped half-way leaves it
+        await conn.execute("UPDATE projection_fences SET fill = 'pending'")
+    with pytest.raises(CompactionRefused, match="has not been filled on its database"):
+        await compact(
+            deployment.nc,
+            deployment.names,
+            deployment.settings,
+            RecordedProgress(),
+            Placement.of(deployment.settings, url),
+        )
 
 
 async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compaction_runs(

@@ -220,16 +220,24 @@ async def _compact(
     limits_of: dict[str, Limits] = {}
     """Per database: what its projectors let through, following the model its index holds (after ``reembed``,
     documents of the models it held before are embedded again, not refused)."""
-    for database_url in placement.databases if placement is not None else ():
+    placed = placement.databases if placement is not None else ()
+    for database_url in placed:
+        assert placement is not None
         conn = await asyncpg.connect(database_url)
         try:
             running = await running_rebuilds(conn)  # after the lock: a rebuild starting now sees it and stops
+            if running:
+                raise CompactionRefused(f"{running} rebuild(s) running: compact after they finish")
+            unfilled = await _unfilled(conn, names, settings, placement, database_url)
+            if unfilled:
+                raise CompactionRefused(
+                    f"the index of consumer {unfilled[0]} has not been filled on its database (a new or lost "
+                    "database its projector has yet to fill from the stream): compact once it has"
+                )
             reembedder = await reembedder_for(settings, conn)
             limits_of[database_url] = reembedder.limits(limits) if reembedder is not None else limits
         finally:
             await conn.close()
-        if running:
-            raise CompactionRefused(f"{running} rebuild(s) running: compact after they finish")
     js = nc.jetstream()
     store = await snapshot_store(js, names, settings)
     done = await compacted_through(store)
@@ -286,6 +294,24 @@ async def _compact(
     report.stream_bytes_after = int(after.state.bytes or 0)
     log.info("stream_compacted", covers=upto, workspaces=report.workspaces, purged=report.purged)
     return report
+
+
+async def _unfilled(
+    conn: asyncpg.Connection, names: Names, settings: Settings, placement: Placement, database_url: str
+) -> list[str]:
+    """The configured consumers placed on this database whose index is not known filled there: no projector has
+    claimed them on it (a database replaced by an empty one), or its fill from nothing is not done. Their consumers'
+    floors say what the lost index had read, not this one: compacting by them would purge what it has yet to read,
+    and fold none of it, since this index handled none of it (infra/migrations/0026; a review's finding)."""
+    durables = names.postgres_projector_durables(settings.projector_partitions)
+    if await conn.fetchval("SELECT to_regclass('projection_fences')") is None:  # not even migrated yet
+        return durables
+    here = [
+        d for i, d in enumerate(durables) if placement.databases[placement.database_of_partition(i)] == database_url
+    ]
+    rows = await conn.fetch("SELECT durable, fill FROM projection_fences WHERE durable = ANY($1::text[])", here)
+    filled = {row["durable"] for row in rows if row["fill"] == "done"}
+    return [durable for durable in here if durable not in filled]
 
 
 async def _set_aside(nc: Client, names: Names) -> dict[str, set[int]]:

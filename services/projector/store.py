@@ -203,8 +203,12 @@ wakes or the server ends it): the next look tries again."""
 RENEW_LOCK_TIMEOUT = "100ms"
 """How long a look's renewal waits for a batch of its own process: that batch renews the claim as it commits."""
 
-_RENEW_CLAIM = "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 RETURNING 1"
-_SET_FILL = "UPDATE projection_fences SET fill = $3 WHERE durable = $1 AND epoch = $2"
+# A claim is its epoch and its holder: epochs come from the database's sequence, which starts again on a database
+# replaced by an empty one, where a process frozen across the change could otherwise pass for a new claim's holder.
+_RENEW_CLAIM = (
+    "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 AND holder = $3 RETURNING 1"
+)
+_SET_FILL = "UPDATE projection_fences SET fill = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3"
 
 Claim = Literal["claimed", "held", "busy"]
 """What a claim came to: the consumer is this process's now; another process holds a live claim on it; a batch of
@@ -222,6 +226,8 @@ class PostgresProjectionStore:
         self._fence = fence
         self._epoch: int | None = None
         """The epoch of this store's claim on ``fence``; None before a claim, or once another claimed it."""
+        self._holder = ""
+        """The process that made this store's claim (its discovery id)."""
         self._fill = "done"
         """What its row says of filling the index from nothing (infra/migrations/0026), as of its last claim."""
 
@@ -256,7 +262,7 @@ class PostgresProjectionStore:
                     holder,
                 )
                 assert claimed is not None  # an upsert returns its row
-                self._epoch, self._fill = claimed["epoch"], claimed["fill"]
+                self._epoch, self._holder, self._fill = claimed["epoch"], holder, claimed["fill"]
         except asyncpg.LockNotAvailableError:
             return "busy"
         return "claimed"
@@ -269,7 +275,7 @@ class PostgresProjectionStore:
             async with self._pool.acquire() as conn:
                 workspaces = await conn.fetch("SELECT DISTINCT workspace FROM ontology_versions")
                 self._fill = "done" if any(holds(row["workspace"]) for row in workspaces) else "pending"
-                await conn.execute(_SET_FILL, self._fence, self._epoch, self._fill)
+                await conn.execute(_SET_FILL, self._fence, self._epoch, self._holder, self._fill)
         return self._fill == "pending"
 
     @contextlib.asynccontextmanager
@@ -287,7 +293,7 @@ class PostgresProjectionStore:
 
     async def filled(self) -> None:
         async with self._pool.acquire() as conn:
-            await conn.execute(_SET_FILL, self._fence, self._epoch, "done")
+            await conn.execute(_SET_FILL, self._fence, self._epoch, self._holder, "done")
         self._fill = "done"
 
     async def renew(self) -> bool:
@@ -298,7 +304,7 @@ class PostgresProjectionStore:
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_TIMEOUT}'")
-                renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch)
+                renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch, self._holder)
         except asyncpg.LockNotAvailableError:
             return True
         if renewed is None:
@@ -312,7 +318,10 @@ class PostgresProjectionStore:
         if self._fence is None or epoch is None:
             return
         await self._pool.execute(
-            "UPDATE projection_fences SET released = true WHERE durable = $1 AND epoch = $2", self._fence, epoch
+            "UPDATE projection_fences SET released = true WHERE durable = $1 AND epoch = $2 AND holder = $3",
+            self._fence,
+            epoch,
+            self._holder,
         )
 
     async def released_by(self) -> str | None:
@@ -331,7 +340,7 @@ class PostgresProjectionStore:
             return
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
-        renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch)
+        renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch, self._holder)
         if renewed is None:
             row = await conn.fetchrow("SELECT epoch, holder FROM projection_fences WHERE durable = $1", self._fence)
             mine, self._epoch = self._epoch, None

@@ -294,10 +294,13 @@ class ProjectorService:
             yield
             return
         assert self._nc is not None
+        # First, lock or not: with the consumer gone its floor no longer says the index read what the lost one had
+        # (how far projection has got, and compaction, read the floors; compaction also refuses while a fill is not
+        # done).
+        delivered = await restart_consumer(self._nc.jetstream(), self.names, durable)
         async with store.compactions_held_off() as held_off:
             if not held_off:
-                raise FillDeferred("a compaction is running: the index is filled after it")
-            delivered = await restart_consumer(self._nc.jetstream(), self.names, durable)
+                raise FillDeferred("a compaction, or another fill on the database, holds the lock: filled after it")
             batch = self.settings.projector_batch_size
             restored = await restore_snapshots(self._nc, self.names, self._runners[partition], batch, holds)
             yield

@@ -835,6 +835,12 @@ async def test_a_rebuild_interrupted_before_a_compaction_resumes_from_the_snapsh
     assert await _state(deployment, "acme") == before
 
 
+async def _compaction_refused_unfilled(deployment: Deployment) -> None:
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    with pytest.raises(CompactionRefused, match="has not been filled on its database"):
+        await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
+
+
 @pytest.mark.parametrize("compacted", [False, True], ids=["stream", "compacted-stream"])
 async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_from_nothing(
     deployment: Deployment, compacted: bool
@@ -863,14 +869,7 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
     finally:
         await admin.close()
     # The consumer's floor says what the lost index had read: compacting by it would purge all this one lacks.
-    with pytest.raises(CompactionRefused, match="has not been filled on its database"):
-        await compact(
-            deployment.nc,
-            deployment.names,
-            deployment.settings,
-            RecordedProgress(),
-            Placement.of(deployment.settings, url),
-        )
+    await _compaction_refused_unfilled(deployment)
     second = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
     compacting = await asyncpg.connect(url)  # as a compaction running then holds it: the fill waits for it
     try:
@@ -881,7 +880,7 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
     finally:
         await compacting.close()
     try:
-        async with asyncio.timeout(30):  # the next look fills it; until then the consumer stands where it was
+        async with asyncio.timeout(30):  # the next look fills it
             while await deployment.fetch("SELECT 1 FROM projection_fences WHERE fill <> 'done'"):
                 await asyncio.sleep(0.1)
         await deployment.wait_projected(acks[-1].seq)
@@ -892,14 +891,7 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
     assert len(after["acme"]["documents"]) > 10
     async with deployment.session() as conn:  # as a fill stopped half-way leaves it
         await conn.execute("UPDATE projection_fences SET fill = 'pending'")
-    with pytest.raises(CompactionRefused, match="has not been filled on its database"):
-        await compact(
-            deployment.nc,
-            deployment.names,
-            deployment.settings,
-            RecordedProgress(),
-            Placement.of(deployment.settings, url),
-        )
+    await _compaction_refused_unfilled(deployment)
 
 
 async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compaction_runs(

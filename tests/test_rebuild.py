@@ -54,11 +54,11 @@ from ontofabric.services.projector.planning import (
     validate_delta,
 )
 from ontofabric.services.projector.snapshots import (
-    COMPACTION_LOCK,
     Snapshot,
     StoredDelta,
     find_snapshot_store,
     load_snapshot,
+    take_compaction_lock,
 )
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.projector.worker import ProjectorService
@@ -873,7 +873,7 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
     second = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
     compacting = await asyncpg.connect(url)  # as a compaction running then holds it: the fill waits for it
     try:
-        assert await compacting.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK)
+        assert await take_compaction_lock(compacting)
         await second.start()
         await asyncio.sleep(1.0)
         assert await deployment.fetch("SELECT 1 FROM ontology_versions") == []
@@ -904,7 +904,7 @@ async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compactio
     placement = Placement.of(deployment.settings, deployment.database_url)
     other = await asyncpg.connect(deployment.database_url)  # as a compaction running elsewhere holds it
     try:
-        assert await other.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK)
+        assert await take_compaction_lock(other)
         assert await running_compactions(other) == 1
         with pytest.raises(CompactionRefused, match="another compaction, or a projector filling"):
             await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)

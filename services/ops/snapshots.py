@@ -30,13 +30,13 @@ from ontofabric.services.projector.consumer import event_key
 from ontofabric.services.projector.planning import Delta, Limits, StateFold, validate_delta
 from ontofabric.services.projector.reembedding import reembedder_for
 from ontofabric.services.projector.snapshots import (
-    COMPACTION_LOCK,
     MARKER,
     Snapshot,
     StoredDelta,
     compacted_through,
     load_snapshot,
     snapshot_store,
+    take_compaction_lock,
 )
 from ontofabric.shared.jetstream import read_in_order
 from ontofabric.shared.logging import get_logger
@@ -205,7 +205,7 @@ async def compact(
         for database_url in sorted(set(placement.databases)) if placement is not None else ():
             conn = await asyncpg.connect(database_url)
             held.push_async_callback(conn.close)  # the session's end releases its lock
-            if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK):
+            if not await take_compaction_lock(conn):
                 raise CompactionRefused(
                     "another compaction, or a projector filling an index from nothing, is running: compact after it"
                     " finishes"

@@ -18,6 +18,7 @@ from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
+from ontofabric.shared.db import Connection
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token
@@ -30,6 +31,14 @@ FORMAT = 1
 COMPACTION_LOCK = "ontofabric.compact"
 """The first key of the session advisory lock (second key 0) a compaction holds on each database for its whole run,
 and a projector while it fills an index from nothing: the stream must not lose what such an index has yet to read."""
+
+
+async def take_compaction_lock(conn: Connection) -> bool:
+    """The compaction lock for ``conn``'s session, unless another session holds it (False). The session's end
+    releases it."""
+    return bool(await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK))
+
+
 MARKER = "_compacted"
 """The object naming the sequence every snapshot covers (workspace objects are named by subject tokens, which
 never start with ``_`` followed by a letter other than an escape)."""

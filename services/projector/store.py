@@ -35,7 +35,7 @@ from .planning import (
     upserted_document,
 )
 from .reembedding import ModelChanged
-from .snapshots import COMPACTION_LOCK
+from .snapshots import COMPACTION_LOCK, take_compaction_lock
 
 _SIGNED = 1 << 63
 
@@ -283,7 +283,7 @@ class PostgresProjectionStore:
         """The compaction lock on this database, held within the block when it could be taken (a compaction
         running holds it: False)."""
         async with self._pool.acquire() as conn:
-            taken = bool(await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), 0)", COMPACTION_LOCK))
+            taken = await take_compaction_lock(conn)
             try:
                 yield taken
             finally:

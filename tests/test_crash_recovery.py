@@ -122,8 +122,8 @@ async def test_a_later_copy_waits_for_the_copy_a_killed_projector_had_in_hand(de
     other = await deployment.publisher.publish(upsert("acme", document("z", "zeta"), event_id="evt-zeta"))
     first = _start_projector(deployment)
     try:
-        async with asyncio.timeout(60):
-            while await _acked(deployment) < other.seq:
+        async with asyncio.timeout(60):  # in the index, and its position said there: the next holder reads on
+            while await _acked(deployment) < other.seq or await _position(deployment) < other.seq:
                 await asyncio.sleep(0.05)
         first_copy = upsert("acme", document("a", "first"), event_id="evt-first")
         async with deployment.session() as conn, conn.transaction():
@@ -160,6 +160,12 @@ async def test_a_later_copy_waits_for_the_copy_a_killed_projector_had_in_hand(de
 def _waiting_copies() -> int:
     points = metric_points("projector.deltas")
     return sum(int(p.value) for p in points if p.attributes.get("outcome") == "waiting")
+
+
+async def _position(deployment: Deployment) -> int:
+    """Where the index's database says it stands (infra/migrations/0027); 0 before the first look says."""
+    rows = await deployment.fetch("SELECT position FROM projection_fences")
+    return int(rows[0]["position"] or 0) if rows else 0
 
 
 async def _consumer(deployment: Deployment) -> ConsumerInfo:

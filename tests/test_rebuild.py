@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 import numpy as np
 import pytest
+import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import (
@@ -29,6 +30,7 @@ from ontofabric.contracts import (
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
+from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.rebuild import (
     Rebuild,
     RebuildFailed,
@@ -856,9 +858,12 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
         if compacted:
             placement = Placement.of(deployment.settings, url)
             await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
+        malformed = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
         acks = await deployment.publisher.publish_many([_upsert("acme", "late", "written after the compaction")])
         await deployment.wait_projected(acks[-1].seq)
         before = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
+        letters = await dead_letters(deployment.nc, deployment.names, Selection())
+        assert [letter.original_seq for letter in letters] == [malformed.seq]
     finally:
         await first.stop()
     database = deployment.settings.subject_prefix
@@ -880,18 +885,83 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
     finally:
         await compacting.close()
     try:
-        async with asyncio.timeout(30):  # the next look fills it
-            while await deployment.fetch("SELECT 1 FROM projection_fences WHERE fill <> 'done'"):
-                await asyncio.sleep(0.1)
-        await deployment.wait_projected(acks[-1].seq)
+        with structlog.testing.capture_logs() as logged:
+            async with asyncio.timeout(30):  # the next look fills it
+                while await deployment.fetch("SELECT 1 FROM projection_fences WHERE fill <> 'done'"):
+                    await asyncio.sleep(0.1)
+            await deployment.wait_projected(acks[-1].seq)
         after = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
     finally:
         await second.stop()
     assert after == before
+    # The malformed delta, read again, keeps its one dead letter (the stream's duplicate window aside).
+    events = [entry["event"] for entry in logged]
+    assert "delta_dead_lettered_before" in events
+    assert "delta_dead_lettered" not in events
+    assert await dead_letters(deployment.nc, deployment.names, Selection()) == letters
     assert len(after["acme"]["documents"]) > 10
     async with deployment.session() as conn:  # as a fill stopped half-way leaves it
         await conn.execute("UPDATE projection_fences SET fill = 'pending'")
     await _compaction_refused_unfilled(deployment)
+
+
+@pytest.mark.parametrize("running", [True, False], ids=["under-a-running-projector", "while-none-runs"])
+async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_time(
+    deployment: Deployment, running: bool
+) -> None:
+    """A replica promoted without the last commits, or a backup restored: the database went back under a consumer
+    that had acked deltas it no longer holds. The projector read on from the consumer's position, and the index
+    never held them again; it now reads the stream again from the index's own position, kept in the database,
+    without dead-lettering again what it had dead-lettered."""
+    url, database = deployment.database_url, deployment.settings.subject_prefix
+
+    def new_projector() -> ProjectorService:
+        return ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
+
+    projector = new_projector()
+    await projector.start()
+    admin = await asyncpg.connect(with_database(url, "postgres"))
+    try:
+        last = await _publish_history(deployment)
+        async with asyncio.timeout(30):  # a look says where the index stands
+            while (await deployment.fetch("SELECT position FROM projection_fences"))[0]["position"] != last:
+                await asyncio.sleep(0.1)
+        async with deployment.database_outage():
+            await admin.execute(f'CREATE DATABASE "{database}_backup" TEMPLATE "{database}"')
+        later = await deployment.publisher.publish_many(
+            [_upsert("acme", "after", "written after the backup"), _upsert("acme", "d1", "changed after the backup")]
+        )
+        malformed = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
+        last_of_all = await deployment.publisher.publish(delete("acme", "d2"))
+        await deployment.wait_projected(last_of_all.seq)
+        before = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
+        letters = await dead_letters(deployment.nc, deployment.names, Selection())
+        assert [letter.original_seq for letter in letters] == [malformed.seq]
+        assert later[-1].seq < malformed.seq
+        if not running:
+            await projector.stop()
+        with structlog.testing.capture_logs() as logged:
+            async with deployment.database_outage():
+                await admin.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
+                await admin.execute(f'CREATE DATABASE "{database}" TEMPLATE "{database}_backup"')
+            assert await _state(deployment, "acme") != before["acme"]  # gone back
+            if not running:
+                projector = new_projector()
+                await projector.start()
+            async with asyncio.timeout(30):
+                while await _state(deployment, "acme") != before["acme"]:
+                    await asyncio.sleep(0.2)
+        assert {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")} == before
+        events = [entry["event"] for entry in logged]
+        assert ("projector_database_went_back" in events) == running
+        assert events.count("projector_reads_again") == 1
+        assert "delta_dead_lettered_before" in events  # the malformed one, read again, is not dead-lettered again
+        assert "delta_dead_lettered" not in events
+        assert await dead_letters(deployment.nc, deployment.names, Selection()) == letters
+    finally:
+        await projector.stop()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}_backup"')
+        await admin.close()
 
 
 async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compaction_runs(

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import NamedTuple, get_args
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -164,6 +164,8 @@ class ConsumerState:
 
     undelivered: int = 0
     unacked: int = 0
+    ack_floor: int | None = None
+    """The consumer's ack floor as last asked (None: not yet): the index holds every delta up to it."""
     workspaces: WorkspaceLag = field(default_factory=WorkspaceLag)
 
 
@@ -297,6 +299,7 @@ class DurableProjection:
         self.forget_sent_back_s = FORGET_SENT_BACK_S
         """How long a copy waits for a delta sent back that does not come back here (see FORGET_SENT_BACK_S)."""
         self.state = _WATCHED.setdefault((self._index, durable), ConsumerState())
+        self.state.ack_floor = None  # a consumer made anew starts behind where the last one was
 
     def forget(self) -> None:
         """Stop reporting this consumer's gauges (it has stopped)."""
@@ -540,6 +543,11 @@ class RunningProjection:
         """Since when every batch's write has failed for a passing reason (monotonic); None while they go in."""
         return self._projection.failing_since
 
+    @property
+    def ack_floor(self) -> int | None:
+        """The consumer's ack floor as its watch last read it (None: not yet)."""
+        return self._projection.state.ack_floor
+
     async def stop(self) -> None:
         await cancel_and_wait(self._watching)
         await _leave_stream_watch(self._streams, self._js)
@@ -560,6 +568,7 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             state.undelivered = info.num_pending or 0
             state.unacked = info.num_ack_pending or 0
             if info.ack_floor is not None:
+                state.ack_floor = info.ack_floor.stream_seq or 0
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
                 projection.sent_back.floor(info.ack_floor.stream_seq or 0)
         await asyncio.sleep(WATCH_EVERY_S)
@@ -670,35 +679,54 @@ async def remember_in_flight(js: JetStreamContext, names: Names, projection: Dur
     return recorded
 
 
-async def restart_consumer(js: JetStreamContext, names: Names, durable: str) -> int:
-    """Delete the durable consumer when it has delivered deltas, so that the next start reads the stream from its
-    first delta again (an index filled from nothing; the sequence rule makes a delta applied twice harmless).
-    Returns the stream sequence it had delivered up to (0: nothing to restart)."""
+class ConsumerPosition(NamedTuple):
+    floor: int
+    """The stream sequence up to which it had settled every delta."""
+    delivered: int
+    """The stream sequence up to which it had delivered (0: none)."""
+
+
+async def restart_consumer(js: JetStreamContext, names: Names, durable: str) -> ConsumerPosition:
+    """Delete the durable consumer when it has delivered deltas, so that the next start reads the stream again,
+    from its first delta or where :func:`start_projection` is told (the sequence rule makes a delta applied twice
+    harmless). Returns where it stood (delivered 0: nothing to restart)."""
     try:
         info = await js.consumer_info(names.delta_stream, durable)
     except NotFoundError:
-        return 0
+        return ConsumerPosition(0, 0)
+    floor = int((info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0)
     # Delivered, not acked: with the first delta still being retried the ack floor stays 0 while later ones went in.
     delivered = int((info.delivered.stream_seq or 0) if info.delivered is not None else 0)
     if delivered:
         await js.delete_consumer(names.delta_stream, durable)
-    return delivered
+    return ConsumerPosition(floor, delivered)
 
 
 async def start_projection(
-    nc: Client, names: Names, settings: Settings, projection: DurableProjection, batch_size: int
+    nc: Client,
+    names: Names,
+    settings: Settings,
+    projection: DurableProjection,
+    batch_size: int,
+    start_seq: int | None = None,
 ) -> RunningProjection:
-    """A projector's durable pull consumer of every delta, from the stream's first, read and handed to
-    ``projection`` in a task of its own. Deltas are acked one by one after they are in the sink; an unacked one
-    comes back after the ack wait (kept from running out while its batch is being handled), for ever."""
+    """A projector's durable pull consumer of every delta, from the stream's first (or, made anew, from
+    ``start_seq``), read and handed to ``projection`` in a task of its own. Deltas are acked one by one after they
+    are in the sink; an unacked one comes back after the ack wait (kept from running out while its batch is being
+    handled), for ever."""
     js = nc.jetstream()
     durable = projection.durable
+    try:  # where an existing consumer starts cannot be changed: kept as it is
+        start = (await js.consumer_info(names.delta_stream, durable)).config.opt_start_seq
+    except NotFoundError:
+        start = start_seq
     config = ConsumerConfig(
         name=durable,  # with the name, nats-py creates through CONSUMER.CREATE.<stream>.<name>.<filter>
         durable_name=durable,
         filter_subject=names.delta_subjects,
         ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
+        deliver_policy=DeliverPolicy.ALL if not start else DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start or None,
         ack_wait=settings.projector_ack_wait_s,
         max_deliver=-1,
         max_ack_pending=max(4 * settings.projector_batch_size, 1000),

@@ -14,6 +14,7 @@ import numpy as np
 from ontofabric.contracts import EntityKind, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted, split_link_key
 from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
 from ontofabric.shared.db import Connection, index_model
+from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
 
 from .planning import (
@@ -36,6 +37,8 @@ from .planning import (
 )
 from .reembedding import ModelChanged
 from .snapshots import COMPACTION_LOCK, take_compaction_lock
+
+log = get_logger(__name__)
 
 _SIGNED = 1 << 63
 
@@ -205,8 +208,15 @@ RENEW_LOCK_TIMEOUT = "100ms"
 
 # A claim is its epoch and its holder: epochs come from the database's sequence, which starts again on a database
 # replaced by an empty one, where a process frozen across the change could otherwise pass for a new claim's holder.
-_RENEW_CLAIM = (
-    "UPDATE projection_fences SET renewed_at = now() WHERE durable = $1 AND epoch = $2 AND holder = $3 RETURNING 1"
+# A batch's renewal counts its commit, on a row that holds every commit this claim made (infra/migrations/0027).
+_RENEW_CLAIM_IN_BATCH = (
+    "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1"
+    " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits = $4 RETURNING 1"
+)
+# A look's: the position too. A batch committing meanwhile may have counted one more; a database gone back has fewer.
+_RENEW_CLAIM_AT_A_LOOK = (
+    "UPDATE projection_fences SET renewed_at = now(), position = greatest(position, $5)"
+    " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4 RETURNING 1"
 )
 _SET_FILL = "UPDATE projection_fences SET fill = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3"
 
@@ -230,6 +240,14 @@ class PostgresProjectionStore:
         """The process that made this store's claim (its discovery id)."""
         self._fill = "done"
         """What its row says of filling the index from nothing (infra/migrations/0026), as of its last claim."""
+        self._commits = 0
+        """The batches committed under the consumer's row, as this claim counts them (infra/migrations/0027)."""
+        self.position: int | None = None
+        """Where its row says the index stands on the consumer's stream, as of its last claim (None: not known)."""
+        self.read_before = 0
+        """The highest floor the consumer had reached before it was last made to read again behind it."""
+        self.went_back = False
+        """Whether a batch or a look found the row behind this claim's commits: the database went back in time."""
 
     @property
     def fenced(self) -> bool:
@@ -257,12 +275,17 @@ class PostgresProjectionStore:
                     "INSERT INTO projection_fences AS f (durable, epoch, holder, fill)"
                     " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
-                    " claimed_at = now(), renewed_at = now(), released = false RETURNING epoch, fill",
+                    " claimed_at = now(), renewed_at = now(), released = false"
+                    " RETURNING epoch, fill, commits, position, read_before",
                     self._fence,
                     holder,
                 )
                 assert claimed is not None  # an upsert returns its row
                 self._epoch, self._holder, self._fill = claimed["epoch"], holder, claimed["fill"]
+                self._commits, self.position, self.read_before = (
+                    claimed["commits"], claimed["position"], claimed["read_before"]
+                )  # fmt: skip
+                self.went_back = False
         except asyncpg.LockNotAvailableError:
             return "busy"
         return "claimed"
@@ -296,32 +319,55 @@ class PostgresProjectionStore:
             await conn.execute(_SET_FILL, self._fence, self._epoch, self._holder, "done")
         self._fill = "done"
 
-    async def renew(self) -> bool:
-        """Renew this store's claim; False when another process has claimed the consumer since (the store is
-        fenced then). A batch being written holds the row: that is this process at work, renewing the claim too."""
+    async def read_again(self, position: int, floor: int) -> None:
+        """Say, before the consumer is made to read the stream again from just after ``position``, where it had
+        got to (``floor``): what it settled up to there needs no dead letter again."""
+        async with self._pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE projection_fences SET position = $4, read_before = greatest(read_before, $5)"
+                " WHERE durable = $1 AND epoch = $2 AND holder = $3",
+                self._fence,
+                self._epoch,
+                self._holder,
+                position,
+                floor,
+            )
+        self.position, self.read_before = position, max(self.read_before, floor)
+
+    async def renew(self, floor: int | None = None) -> bool:
+        """Renew this store's claim, and with the consumer's ack floor (read from JetStream before this call) say
+        that the index holds everything up to it; False when another process has claimed the consumer since, or
+        the database went back behind this claim's commits (the store is fenced then). A batch being written
+        holds the row: that is this process at work, renewing the claim too."""
         if self._fence is None or self._epoch is None:
             return False
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_TIMEOUT}'")
-                renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch, self._holder)
+                renewed = await conn.fetchval(
+                    _RENEW_CLAIM_AT_A_LOOK, self._fence, self._epoch, self._holder, self._commits, floor
+                )
+                if renewed is None:
+                    await self._lost_claim(conn)
         except asyncpg.LockNotAvailableError:
             return True
-        if renewed is None:
-            self._epoch = None
         return renewed is not None
 
-    async def release(self) -> None:
+    async def release(self, floor: int | None = None) -> None:
         """Say that this store's claim ends (its process stopped applying the consumer), so that a process standing
-        by need not wait out the lease. Nothing when another claimed it since."""
+        by need not wait out the lease, and where the index stands (the consumer's ack floor once its batches are
+        settled): the next holder reads on from there. Nothing when another claimed it since."""
         epoch, self._epoch = self._epoch, None
         if self._fence is None or epoch is None:
             return
         await self._pool.execute(
-            "UPDATE projection_fences SET released = true WHERE durable = $1 AND epoch = $2 AND holder = $3",
+            "UPDATE projection_fences SET released = true, position = greatest(position, $5)"
+            " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4",
             self._fence,
             epoch,
             self._holder,
+            self._commits,
+            floor,
         )
 
     async def released_by(self) -> str | None:
@@ -340,12 +386,26 @@ class PostgresProjectionStore:
             return
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
-        renewed = await conn.fetchval(_RENEW_CLAIM, self._fence, self._epoch, self._holder)
+        renewed = await conn.fetchval(_RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits)
         if renewed is None:
-            row = await conn.fetchrow("SELECT epoch, holder FROM projection_fences WHERE durable = $1", self._fence)
-            mine, self._epoch = self._epoch, None
-            holder = "nobody" if row is None else f"{row['holder']} (epoch {row['epoch']})"
-            raise Fenced(f"consumer {self._fence} was claimed by {holder} after this process (epoch {mine})")
+            raise Fenced(await self._lost_claim(conn))
+
+    async def _lost_claim(self, conn: Connection) -> str:
+        """This store's claim no longer stands: fence the store, and say why (logged when the database went back)."""
+        row = await conn.fetchrow(
+            "SELECT epoch, holder, commits FROM projection_fences WHERE durable = $1", self._fence
+        )
+        mine, self._epoch = self._epoch, None
+        if row is not None and (row["epoch"], row["holder"]) == (mine, self._holder):
+            self.went_back = True
+            log.warning(
+                "projector_database_went_back", durable=self._fence, commits=self._commits, found=row["commits"],
+                action="the consumer is claimed again and reads the stream again from the index's position",
+            )  # fmt: skip
+            return f"the database of consumer {self._fence} went back: it holds {row['commits']} of this claim's " \
+                f"{self._commits} batches"  # fmt: skip
+        holder = "nobody" if row is None else f"{row['holder']} (epoch {row['epoch']})"
+        return f"consumer {self._fence} was claimed by {holder} after this process (epoch {mine})"
 
     async def apply(self, deltas: Sequence[Delta]) -> BatchResult:
         """Apply a batch atomically. Raises on any database error; nothing is written then."""
@@ -381,6 +441,8 @@ class PostgresProjectionStore:
                         signed64(version.state_hash),
                         version.stream_seq,
                     )
+            if self._fence is not None:  # committed, with its count
+                self._commits += 1
         current = {**versions, **plan.versions}
         return BatchResult(
             plan=plan,

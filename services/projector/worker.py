@@ -18,6 +18,7 @@ from azure.core.exceptions import AzureError
 from azure.search.documents.aio import SearchClient
 from azure.search.documents.indexes.aio import SearchIndexClient
 from nats.aio.client import Client
+from nats.js.errors import NotFoundError
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
 from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
@@ -31,8 +32,8 @@ from ontofabric.shared.discovery import (
     postgres_partitions,
     remembered_peers,
 )
+from ontofabric.shared.jetstream import ack_floor, connect, ensure_jetstream, settled_by_other_layouts
 from ontofabric.shared.jetstream import close as close_nats
-from ontofabric.shared.jetstream import connect, ensure_jetstream, settled_by_other_layouts
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
@@ -165,7 +166,7 @@ class ProjectorService:
             partition = Partition(index, count) if count > 1 else None
             self._new_projection[index] = functools.partial(
                 DurableProjection, runner, js, names, durables[index], partition=partition,
-                settled_elsewhere=functools.partial(settled_by_other_layouts, js, names, count),
+                settled_elsewhere=functools.partial(self._settled_before, index),
                 may_apply=functools.partial(self._may_apply, index),
             )  # fmt: skip
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
@@ -228,9 +229,10 @@ class ProjectorService:
         self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
         self._departed |= departed
         for index, applying in list(self._projections.items()):  # renewed for another lease, or left
-            if await self._renewed(index):
+            if await self._renewed(index, applying.ack_floor):
                 continue
-            log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
+            if not self._stores[index].went_back:  # one gone back is claimed again below, and logged by the store
+                log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
             await applying.stop()
             del self._projections[index]
         peers = [worker for _, worker in self._peers.values()]
@@ -266,48 +268,95 @@ class ProjectorService:
                 self._standing_by.discard(index)
                 async with contextlib.AsyncExitStack() as filling:
                     try:
-                        await filling.enter_async_context(self._filled_if_new(index))
+                        start_seq = await filling.enter_async_context(self._read_from_the_index(index))
                     except Exception as error:  # a compaction running, NATS or the database away: the next look
                         log.warning("projector_fill_deferred", durable=durables[index], error=describe(error))
                         continue
                     projection = self._new_projection[index]()
                     self._projections[index] = await start_projection(
-                        nc, names, settings, projection, settings.projector_batch_size
+                        nc, names, settings, projection, settings.projector_batch_size, start_seq
                     )
                 log.info("projector_started", durable=durables[index], stream=names.delta_stream)
         self._last_look = time.monotonic()
 
     @contextlib.asynccontextmanager
-    async def _filled_if_new(self, partition: int) -> AsyncIterator[None]:
-        """Around the consumer's start: an index that holds nothing of the consumer's workspaces when its consumer
+    async def _read_from_the_index(self, partition: int) -> AsyncIterator[int | None]:
+        """Around the consumer's start, which begins where it yields (None: where the consumer is, or the stream's
+        first delta for a new one). An index that holds nothing of the consumer's workspaces when its consumer
         is first claimed on this database (a database lost and replaced by an empty one, a new primary for a new
         layout) is filled from nothing, the snapshots of a compacted stream and then the stream from its first
         delta, rather than read on from where the consumer had got to for the index before (infra/migrations/0026).
         Compactions are held off until the consumer reads from the start again: one could purge what the index has
-        yet to read. Done once the consumer has started; a fill stopped before is done again (it is idempotent)."""
+        yet to read. Done once the consumer has started; a fill stopped before is done again (it is idempotent).
+        Otherwise the consumer reads from the index's own position (:meth:`_read_again_if_behind`)."""
         count, store, durable = self.settings.projector_partitions, self._stores[partition], self._durables[partition]
 
         def holds(token: str) -> bool:
             return count == 1 or partition_of_token(token, count) == partition
 
         if not await store.needs_filling(lambda workspace: holds(encode_token(workspace))):
-            yield
+            yield await self._read_again_if_behind(partition)
             return
         assert self._nc is not None
+        js = self._nc.jetstream()
+        # What the lost index's consumer had settled needs no dead letter again: said before the consumer goes.
+        await store.read_again(0, await ack_floor(js, self.names.delta_stream, durable))
         # First, lock or not: with the consumer gone its floor no longer says the index read what the lost one had
         # (how far projection has got, and compaction, read the floors; compaction also refuses while a fill is not
         # done).
-        delivered = await restart_consumer(self._nc.jetstream(), self.names, durable)
+        delivered = (await restart_consumer(js, self.names, durable)).delivered
         async with store.compactions_held_off() as held_off:
             if not held_off:
                 raise FillDeferred("a compaction, or another fill on the database, holds the lock: filled after it")
             batch = self.settings.projector_batch_size
             restored = await restore_snapshots(self._nc, self.names, self._runners[partition], batch, holds)
-            yield
+            yield None
         await store.filled()
         # A new deployment's first start fills nothing; a lost index filled again is worth an operator's look.
         said = log.warning if delivered or restored else log.info
         said("projector_index_filled_from_nothing", durable=durable, delivered_before=delivered, restored=restored)
+
+    async def _read_again_if_behind(self, partition: int) -> int | None:
+        """Where a claimed consumer is to read from: the index's own position, kept in its database with every
+        look (infra/migrations/0027), when the consumer had settled past it. The database went back under the
+        consumer (a replica promoted without the last commits, a backup restored), or the last holder stopped
+        without saying where the index stood (a crash): the deltas between are read again (the sequence rule makes
+        those the index holds harmless) rather than never held. None: read on from where the consumer is."""
+        assert self._nc is not None
+        store, durable, js = self._stores[partition], self._durables[partition], self._nc.jetstream()
+        position = store.position
+        if position is None:  # not known yet: the consumer's floor is taken as the index's, at the next look
+            return None
+        try:
+            floor: int | None = (await js.consumer_info(self.names.delta_stream, durable)).ack_floor.stream_seq or 0
+        except NotFoundError:  # deleted while it was being read again: made anew from the same place
+            floor = None
+        if floor is not None and floor <= position:
+            return None
+        if floor is not None:
+            await store.read_again(position, floor)  # before the consumer goes: its floor is the dead letters' mark
+            await restart_consumer(js, self.names, durable)
+            log.warning(
+                "projector_reads_again", durable=durable, position=position, floor=floor, went_back=store.went_back,
+                reason="the consumer had settled deltas past the index's position: its database went back, or its "
+                "last holder stopped without saying where the index stood",
+            )  # fmt: skip
+        first = int((await js.stream_info(self.names.delta_stream)).state.first_seq or 0)
+        if first > position + 1:
+            log.error(
+                "projector_index_behind_the_stream", durable=durable, position=position, stream_starts_at=first,
+                action="the stream no longer holds deltas this index lacks (compacted or aged out): rebuild the "
+                "workspaces of this consumer (ontofabric rebuild WORKSPACE)",
+            )  # fmt: skip
+        return position + 1 if position else None
+
+    async def _settled_before(self, partition: int) -> int:
+        """The stream sequence up to which every delta of the partition's consumer that no index can apply was
+        dead-lettered already: by another partition layout's consumers, or by this consumer before it was made to
+        read again behind itself (a fill, a database gone back)."""
+        assert self._nc is not None
+        elsewhere = await settled_by_other_layouts(self._nc.jetstream(), self.names, self.settings.projector_partitions)
+        return max(elsewhere, self._stores[partition].read_before)
 
     def _say_whether_heard(self, heard_itself: bool) -> None:
         """Log once per change whether its own discovery ping reached its own announcement (and so the others')."""
@@ -327,14 +376,15 @@ class ProjectorService:
             self._standing_by.add(partition)
             log.info("projector_standing_by", durable=self._durables[partition], reason=reason)
 
-    async def _renewed(self, partition: int) -> bool:
-        """Whether this process's claim on the partition's consumer still stands, renewed for another lease (a
-        database away cannot tell: the claim stands until a batch or a renewal finds otherwise)."""
+    async def _renewed(self, partition: int, floor: int | None) -> bool:
+        """Whether this process's claim on the partition's consumer still stands, renewed for another lease with the
+        consumer's ``floor`` as the index's position (a database away cannot tell: the claim stands until a batch or
+        a renewal finds otherwise)."""
         store = self._stores[partition]
-        if store.fenced:  # a batch found the consumer claimed by another process
+        if store.fenced:  # a batch found the consumer claimed by another process, or its database gone back
             return False
         try:
-            return await store.renew()
+            return await store.renew(floor)
         except Exception as error:
             log.warning("projector_renewal_failed", durable=self._durables[partition], error=describe(error))
             return True
@@ -371,9 +421,17 @@ class ProjectorService:
         self._service = await announce(self._nc, self.names.projector_service, description, **details)
         self._standing_by.clear()
 
-    async def _release(self, partition: int) -> None:
+    async def _release(self, partition: int, nc: Client | None = None) -> None:
+        """After the partition's consumer stopped here: release its claim, saying where the index stands."""
+        store, durable, nc = self._stores[partition], self._durables[partition], nc or self._nc
+        floor = None
+        if nc is not None and not store.fenced:
+            try:
+                floor = await ack_floor(nc.jetstream(), self.names.delta_stream, durable)
+            except Exception as error:  # NATS away: released without it (the next holder reads again from the last)
+                log.warning("projector_position_unknown", durable=durable, error=describe(error))
         try:
-            await self._stores[partition].release()
+            await store.release(floor)
         except Exception as error:  # the database away: a standby waits out the lease instead
             log.warning("projector_release_failed", durable=self._durables[partition], error=describe(error))
 
@@ -435,7 +493,7 @@ class ProjectorService:
             # The batches in hand are finished and acked before the connection goes.
             await asyncio.gather(*(projection.stop() for projection in projections))
             for index in self._stores:  # then a standby may take the consumers over at once
-                await self._release(index)
+                await self._release(index, nc)
         log.info("projector_stopped")
 
 

@@ -587,6 +587,22 @@ async def test_a_lost_index_is_filled_from_the_snapshots_of_a_compacted_stream_a
     assert all(_entry(azure, i) is not None for i in [*CORPUS, "late"])
 
 
+async def test_compaction_keeps_what_an_azure_index_being_filled_again_has_yet_to_read(
+    deployment: Deployment, azure: AzureSearchServer, projector: ProjectorService
+) -> None:
+    """The Azure AI Search projector deletes its consumer to fill a lost index again, and reads the snapshots
+    before making it anew: a compaction meanwhile took no account of it, and purged what the index had yet to
+    read. With an endpoint configured, its consumer missing has settled nothing."""
+    acks = await deployment.publisher.publish_many([upsert("acme", document(i, text)) for i, text in CORPUS.items()])
+    await deployment.wait_projected(acks[-1].seq)  # the Postgres index holds them; no Azure consumer exists
+    report = await compact(deployment.nc, deployment.names, _settings(deployment, azure), RecordedProgress())
+    assert (report.covers, report.purged) == (0, 0)
+    assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == 1
+    # Without an endpoint there is no Azure index to wait for.
+    report = await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    assert report.covers == acks[-1].seq
+
+
 async def test_a_lost_index_is_filled_again_while_the_first_delta_is_still_retried(
     deployment: Deployment, azure: AzureSearchServer, azure_projector: AzureProjectorService
 ) -> None:

@@ -154,8 +154,11 @@ class CompactionReport:
 async def index_floors(js: JetStreamContext, names: Names, settings: Settings) -> dict[str, int]:
     """The ack floor of every index consumer: the configured Postgres layout's durables (one missing has settled
     nothing: 0), any other layout's that exist (one being filled for a new layout, or one left behind by an old
-    one), and the Azure AI Search projector's."""
+    one), and the Azure AI Search projector's (missing, 0 too when an Azure AI Search endpoint is configured: its
+    projector deletes it to fill a lost index again, and reads the snapshots meanwhile)."""
     configured = set(names.postgres_projector_durables(settings.projector_partitions))
+    if settings.azure_search_endpoint:
+        configured.add(names.azure_projector_durable)
     floors: dict[str, int] = {}
     for durable in [*names.every_postgres_projector_durable, names.azure_projector_durable]:
         try:

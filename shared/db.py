@@ -187,6 +187,16 @@ async def check_deployment(conn: Connection, settings: Settings, *, record: bool
     )
 
 
+STALL_MARGIN_S = 1.0
+
+
+def stalled_after_s(settings: Settings) -> float:
+    """How long a statement may go unanswered before its server counts as stopped: the server's own
+    ``statement_timeout`` and a second for the way. A server frozen by its host never applies its timeout, and a
+    connection whose path lost its state (a firewall's, a load balancer's) never hears back at all."""
+    return settings.statement_timeout_ms / 1000 + STALL_MARGIN_S
+
+
 async def create_pool(
     database_url: str,
     settings: Settings,

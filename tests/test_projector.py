@@ -9,6 +9,7 @@ import json
 import random
 from collections.abc import Callable
 from typing import get_args
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import numpy as np
@@ -763,6 +764,84 @@ async def test_a_projector_frozen_inside_its_batch_transaction_does_not_stop_the
         assert (await _live_rows(deployment, "acme"))["b"] == "during the freeze"
     finally:
         await service.stop()
+
+
+class SeveringProxy:
+    """A TCP path to a server that can lose its connections' state, as a firewall or a load balancer that forgets
+    a flow does: the connections it held stay open at both ends and nothing sent on them arrives any more (no
+    reset, no close); connections made after pass."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._live: list[list[bool]] = []
+        """Per connection held, a flag: whether its bytes still pass."""
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._ends: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def sever(self) -> None:
+        for passing in self._live:
+            passing[0] = False
+
+    async def close(self) -> None:
+        """Close every connection, severed or not: both ends hear it."""
+        assert self._server is not None
+        self._server.close()
+        for pipe in self._pipes:
+            pipe.cancel()
+        for end in self._ends:
+            end.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
+        self._ends += [writer, upstream_writer]
+        passing = [True]
+        self._live.append(passing)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(65536):
+                    if passing[0]:  # severed: read and dropped, as a path that lost the flow drops its packets
+                        sink.write(data)
+                        await sink.drain()
+            if passing[0]:  # one end closed: the other hears it, unless the path lost the flow
+                sink.close()
+
+        for task in (pipe(reader, upstream_writer), pipe(upstream_reader, writer)):
+            self._pipes.add(asyncio.ensure_future(task))
+
+
+async def test_a_projector_whose_database_connections_lost_their_path_goes_on_over_new_ones(
+    deployment: Deployment,
+) -> None:
+    """A connection whose path lost its state (a firewall's, a load balancer's) never hears back: a statement sent
+    on it waited for ever, with the consumer's batch, and its deltas, in hand (the projector kept telling JetStream
+    it was working on them). A statement unanswered past the server's own limit is now given up, its connection
+    replaced, and the batch sent back."""
+    url = urlsplit(deployment.database_url)
+    proxy = SeveringProxy(url.hostname or "127.0.0.1", url.port or 5432)
+    port = await proxy.start()
+    proxied = urlunsplit(url._replace(netloc=f"{url.netloc.rpartition('@')[0]}@127.0.0.1:{port}"))
+    settings = deployment.settings.model_copy(update={"database_url": proxied, "statement_timeout_ms": 1000})
+    service = ProjectorService(settings, deployment.nats_url_as("projector"), proxied)
+    await service.start()
+    try:
+        first = await deployment.publisher.publish(upsert("acme", document("a", "before")))
+        await deployment.wait_projected(first.seq)
+        proxy.sever()
+        later = await deployment.publisher.publish(upsert("acme", document("b", "after the path was lost")))
+        await deployment.wait_projected(later.seq, timeout_s=30)  # before: never
+        assert (await _live_rows(deployment, "acme"))["b"] == "after the path was lost"
+    finally:
+        stopping = asyncio.ensure_future(service.stop())
+        stopped, _ = await asyncio.wait({stopping}, timeout=30)
+        await proxy.close()  # a stop held by a connection that never hears back ends as the connection closes
+        await stopping
+        assert stopped, "the projector's stop waited on a connection that never hears back"
 
 
 async def test_gauges_say_what_the_streams_hold_and_the_most_a_capped_one_may(deployment: Deployment) -> None:

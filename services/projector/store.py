@@ -13,7 +13,7 @@ import numpy as np
 
 from ontofabric.contracts import EntityKind, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted, split_link_key
 from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
-from ontofabric.shared.db import Connection, index_model
+from ontofabric.shared.db import STALL_MARGIN_S, Connection, index_model
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
 
@@ -468,7 +468,7 @@ class PostgresProjectionStore:
                     async with conn.transaction():
                         await conn.execute("SET LOCAL lock_timeout = '100ms'")
                         await conn.execute(f"SET LOCAL statement_timeout = '{ANALYZE_TIMEOUT_S}s'")
-                        await conn.execute(f"ANALYZE {row['partition']}")
+                        await conn.execute(f"ANALYZE {row['partition']}", timeout=ANALYZE_TIMEOUT_S + STALL_MARGIN_S)
                 except asyncpg.LockNotAvailableError:
                     continue
                 analysed.append(row["partition"])

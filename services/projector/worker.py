@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
-from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, wait_until_migrated
+from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, stalled_after_s, wait_until_migrated
 from ontofabric.shared.discovery import (
     INSTANCE,
     Announcement,
@@ -468,12 +468,15 @@ class ProjectorService:
         writer_url = settings.projector_database_url if own_login else database_url
         assert writer_url is not None
         await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
-        # Each consumer writes on a connection of its own.
+        # Each consumer writes on a connection of its own. A statement unanswered past the server's own limit is
+        # given up (its batch goes back to the consumer, its connection is replaced): a connection whose path lost
+        # its state never hears back, and held the consumer's batch, and its deltas, for good.
         return await create_pool(
             writer_url,
             settings,
             max_size=max(10, 2 * len(self._partitions)),
             role=WRITER_ROLE,
+            command_timeout_s=stalled_after_s(settings),
             idle_in_transaction_s=IDLE_IN_TRANSACTION_S,
         )
 

@@ -41,7 +41,15 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.shared.azure_search import search_client
-from ontofabric.shared.db import READER_ROLE, create_pool, index_model, is_unavailable, migrate, wait_until_migrated
+from ontofabric.shared.db import (
+    READER_ROLE,
+    create_pool,
+    index_model,
+    is_unavailable,
+    migrate,
+    stalled_after_s,
+    wait_until_migrated,
+)
 from ontofabric.shared.discovery import Announcement, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
@@ -105,7 +113,6 @@ def error_reply(
 
 
 TRACE_CONTEXT = TraceContextTextMapPropagator()
-STALL_MARGIN_S = 1.0
 ADMISSION_SHARE = 0.8
 """A request is admitted when the expected wait and work fit in this share of its time left: the estimate is an
 average, and the rest is room for the slower ones."""
@@ -296,9 +303,8 @@ class QueryService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        # The server's statement_timeout, and a second for the way: past it, a database that stopped answering is
-        # `unavailable` (a server frozen by its host never applies its own timeout).
-        stalled_s = settings.statement_timeout_ms / 1000 + STALL_MARGIN_S
+        # Past it, a database that stopped answering is `unavailable`.
+        stalled_s = stalled_after_s(settings)
         placement = Placement.of(settings, self._database_url)
         for database_url in placement.databases:
             self._pools.append(await self._reader_pool(database_url, stalled_s))

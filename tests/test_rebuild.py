@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from ontofabric.contracts import (
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ops import rebuild as rebuild_module
 from ontofabric.services.ops import shadow as shadow_module
+from ontofabric.services.ops import snapshots as snapshots_module
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.rebuild import (
     Rebuild,
@@ -43,6 +46,7 @@ from ontofabric.services.ops.rebuild import (
 from ontofabric.services.ops.snapshots import CompactionRefused, SnapshotFold, compact
 from ontofabric.services.ops.status import analysis_status
 from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differences, document_facts
+from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import (
     Delta,
     EntityRef,
@@ -905,6 +909,40 @@ async def test_a_projector_fills_a_database_lost_and_replaced_by_an_empty_one_fr
     await _compaction_refused_unfilled(deployment)
 
 
+@contextlib.asynccontextmanager
+async def _database_copies(deployment: Deployment) -> AsyncIterator[tuple[Callable[[], Awaitable[None]], ...]]:
+    """Two steps on the deployment's database, as a backup restored (or a replica promoted without the last commits)
+    takes it back in time: take a copy of it, then put the copy in its place. Its connections are cut at each."""
+    url, database = deployment.database_url, deployment.settings.subject_prefix
+    admin = await asyncpg.connect(with_database(url, "postgres"))
+
+    async def take() -> None:
+        async with deployment.database_outage():
+            await admin.execute(f'CREATE DATABASE "{database}_copy" TEMPLATE "{database}"')
+
+    async def put_back() -> None:
+        async with deployment.database_outage():
+            await admin.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
+            await admin.execute(f'CREATE DATABASE "{database}" TEMPLATE "{database}_copy"')
+
+    try:
+        yield take, put_back
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}_copy"')
+        await admin.close()
+
+
+async def _position_reaches(deployment: Deployment, seq: int) -> None:
+    """Until the projector has said, at a look, that the index holds everything up to ``seq``."""
+    async with asyncio.timeout(30):
+        while (await deployment.fetch("SELECT position FROM projection_fences"))[0]["position"] != seq:
+            await asyncio.sleep(0.1)
+
+
+def _new_projector(deployment: Deployment) -> ProjectorService:
+    return ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+
+
 @pytest.mark.parametrize("running", [True, False], ids=["under-a-running-projector", "while-none-runs"])
 async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_time(
     deployment: Deployment, running: bool
@@ -913,55 +951,114 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
     that had acked deltas it no longer holds. The projector read on from the consumer's position, and the index
     never held them again; it now reads the stream again from the index's own position, kept in the database,
     without dead-lettering again what it had dead-lettered."""
-    url, database = deployment.database_url, deployment.settings.subject_prefix
-
-    def new_projector() -> ProjectorService:
-        return ProjectorService(deployment.settings, deployment.nats_url_as("projector"), url)
-
-    projector = new_projector()
+    projector = _new_projector(deployment)
     await projector.start()
-    admin = await asyncpg.connect(with_database(url, "postgres"))
     try:
-        last = await _publish_history(deployment)
-        async with asyncio.timeout(30):  # a look says where the index stands
-            while (await deployment.fetch("SELECT position FROM projection_fences"))[0]["position"] != last:
-                await asyncio.sleep(0.1)
-        async with deployment.database_outage():
-            await admin.execute(f'CREATE DATABASE "{database}_backup" TEMPLATE "{database}"')
-        later = await deployment.publisher.publish_many(
-            [_upsert("acme", "after", "written after the backup"), _upsert("acme", "d1", "changed after the backup")]
-        )
-        malformed = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
-        last_of_all = await deployment.publisher.publish(delete("acme", "d2"))
-        await deployment.wait_projected(last_of_all.seq)
-        before = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
-        letters = await dead_letters(deployment.nc, deployment.names, Selection())
-        assert [letter.original_seq for letter in letters] == [malformed.seq]
-        assert later[-1].seq < malformed.seq
-        if not running:
-            await projector.stop()
-        with structlog.testing.capture_logs() as logged:
-            async with deployment.database_outage():
-                await admin.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
-                await admin.execute(f'CREATE DATABASE "{database}" TEMPLATE "{database}_backup"')
-            assert await _state(deployment, "acme") != before["acme"]  # gone back
+        async with _database_copies(deployment) as (take_copy, put_copy_back):
+            await _position_reaches(deployment, await _publish_history(deployment))
+            await take_copy()
+            later = await deployment.publisher.publish_many(
+                [_upsert("acme", "after", "written after the copy"), _upsert("acme", "d1", "changed after the copy")]
+            )
+            malformed = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
+            last_of_all = await deployment.publisher.publish(delete("acme", "d2"))
+            await deployment.wait_projected(last_of_all.seq)
+            before = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
+            letters = await dead_letters(deployment.nc, deployment.names, Selection())
+            assert [letter.original_seq for letter in letters] == [malformed.seq]
+            assert later[-1].seq < malformed.seq
             if not running:
-                projector = new_projector()
-                await projector.start()
-            async with asyncio.timeout(30):
-                while await _state(deployment, "acme") != before["acme"]:
-                    await asyncio.sleep(0.2)
-        assert {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")} == before
-        events = [entry["event"] for entry in logged]
-        assert ("projector_database_went_back" in events) == running
-        assert events.count("projector_reads_again") == 1
-        assert "delta_dead_lettered_before" in events  # the malformed one, read again, is not dead-lettered again
-        assert "delta_dead_lettered" not in events
-        assert await dead_letters(deployment.nc, deployment.names, Selection()) == letters
+                await projector.stop()
+            with structlog.testing.capture_logs() as logged:
+                await put_copy_back()
+                assert await _state(deployment, "acme") != before["acme"]  # gone back
+                if not running:
+                    projector = _new_projector(deployment)
+                    await projector.start()
+                async with asyncio.timeout(30):
+                    while await _state(deployment, "acme") != before["acme"]:
+                        await asyncio.sleep(0.2)
+            assert {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")} == before
     finally:
         await projector.stop()
-        await admin.execute(f'DROP DATABASE IF EXISTS "{database}_backup"')
-        await admin.close()
+    events = [entry["event"] for entry in logged]
+    assert ("projector_database_went_back" in events) == running
+    (reading_again,) = [entry for entry in logged if entry["event"] == "projector_reads_again"]
+    assert reading_again["went_back"] == running
+    assert "delta_dead_lettered_before" in events  # the malformed one, read again, is not dead-lettered again
+    assert "delta_dead_lettered" not in events
+    assert await dead_letters(deployment.nc, deployment.names, Selection()) == letters
+
+
+async def test_a_claim_whose_reading_again_failed_half_way_says_no_position_as_it_stops(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: a claim on a database gone back whose reading again did not get through (NATS away as the
+    consumer was to be made anew) left the consumer as it was; a stop before the next look then wrote the
+    consumer's floor as the index's position, and what the database had lost was never read again."""
+    projector = _new_projector(deployment)
+    await projector.start()
+    try:
+        async with _database_copies(deployment) as (take_copy, put_copy_back):
+            last = await _publish_history(deployment)
+            await _position_reaches(deployment, last)
+            await take_copy()
+            after = await deployment.publisher.publish(_upsert("acme", "after", "written after the copy"))
+            await deployment.wait_projected(after.seq)
+            before = await _state(deployment, "acme")
+            await projector.stop()
+            await put_copy_back()
+
+            async def nats_away(*_: object) -> None:
+                raise TimeoutError("nats: timeout")
+
+            monkeypatch.setattr(projector_worker, "restart_consumer", nats_away)
+            projector = _new_projector(deployment)
+            await projector.start()  # its first look claims; reading again waits for the next look
+            await projector.stop()
+            monkeypatch.undo()
+            assert (await deployment.fetch("SELECT position FROM projection_fences"))[0]["position"] == last
+            projector = _new_projector(deployment)
+            await projector.start()
+            async with asyncio.timeout(30):
+                while await _state(deployment, "acme") != before:
+                    await asyncio.sleep(0.2)
+    finally:
+        await projector.stop()
+
+
+async def test_a_compaction_folds_no_further_than_a_database_gone_back_holds(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: a compaction run after the database went back (before its projector read again) purged by the
+    consumer's floor what the index no longer held, and folded none of it either (the index records no handling
+    of it): no index, stream or snapshot held those deltas any more. It now folds no further than the position the
+    index's database says."""
+    monkeypatch.setattr(snapshots_module, "POSITION_WAIT_S", 1.0)  # no projector runs to say another
+    projector = _new_projector(deployment)
+    await projector.start()
+    try:
+        async with _database_copies(deployment) as (take_copy, put_copy_back):
+            last = await _publish_history(deployment)
+            await _position_reaches(deployment, last)
+            await take_copy()
+            after = await deployment.publisher.publish(_upsert("acme", "after", "written after the copy"))
+            await deployment.wait_projected(after.seq)
+            before = await _state(deployment, "acme")
+            await projector.stop()
+            await put_copy_back()
+            placement = Placement.of(deployment.settings, deployment.database_url)
+            report = await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
+            assert report.covers == last
+            projector = _new_projector(deployment)
+            with structlog.testing.capture_logs() as logged:
+                await projector.start()
+                async with asyncio.timeout(30):
+                    while await _state(deployment, "acme") != before:
+                        await asyncio.sleep(0.2)
+    finally:
+        await projector.stop()
+    assert "projector_index_behind_the_stream" not in [entry["event"] for entry in logged]
 
 
 async def test_a_compaction_and_a_rebuild_each_refuse_to_start_while_a_compaction_runs(

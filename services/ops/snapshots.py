@@ -14,6 +14,7 @@ workspace's own snapshot.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Sequence, Set
@@ -52,6 +53,9 @@ from .verification import RowKey, row_key
 log = get_logger(__name__)
 
 FETCH_TIMEOUT_S = 5.0
+POSITION_WAIT_S = 10.0
+"""How long a compaction waits for a running projector to say its index's position (it does at every look, every
+2 s) before it folds only up to the position its database holds."""
 NEVER_APPLIES = frozenset({"oversized", "invalid_schema", "subject_mismatch"})
 """Rejections whatever the settings (the message limit is the stream's): such a delta never reached an index."""
 
@@ -245,6 +249,8 @@ async def _compact(
     store = await snapshot_store(js, names, settings)
     done = await compacted_through(store)
     floors = await index_floors(js, names, settings)
+    if placement is not None:
+        floors = await _bounded_by_positions(names, settings, placement, floors)
     upto = min(floors.values())
     stream = (await js.stream_info(names.delta_stream)).state
     report = CompactionReport(covers=max(done, upto), stream_bytes_before=int(stream.bytes or 0))
@@ -315,6 +321,45 @@ async def _unfilled(
     rows = await conn.fetch("SELECT durable, fill FROM projection_fences WHERE durable = ANY($1::text[])", here)
     filled = {row["durable"] for row in rows if row["fill"] == "done"}
     return [durable for durable in here if durable not in filled]
+
+
+async def _bounded_by_positions(
+    names: Names, settings: Settings, placement: Placement, floors: dict[str, int]
+) -> dict[str, int]:
+    """The floors, each configured consumer's no further than where its index's database says it stands
+    (infra/migrations/0027). A database that went back in time (a replica promoted without the last commits, a
+    backup restored) no longer holds what the consumer acked: compacting by the floor would purge it from the
+    stream, and fold none of it either, since the index records no handling of it (a review's finding). A position
+    behind the floor is waited for while a projector says it (up to ``POSITION_WAIT_S``); a position not known (a
+    row from before the migration) leaves the floor as it is."""
+    bounded = dict(floors)
+    durables = names.postgres_projector_durables(settings.projector_partitions)
+    for database_url in sorted(set(placement.databases)):
+        here = [
+            d for i, d in enumerate(durables) if placement.databases[placement.database_of_partition(i)] == database_url
+        ]
+        conn = await asyncpg.connect(database_url)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + POSITION_WAIT_S
+            while True:
+                rows = await conn.fetch(
+                    "SELECT durable, position FROM projection_fences WHERE durable = ANY($1::text[])", here
+                )
+                behind = {
+                    row["durable"]: int(row["position"])
+                    for row in rows
+                    if row["position"] is not None and row["position"] < floors.get(row["durable"], 0)
+                }
+                if not behind or loop.time() >= deadline:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            await conn.close()
+        for durable, position in behind.items():
+            log.info("compaction_bounded_by_position", durable=durable, floor=floors[durable], position=position)
+            bounded[durable] = position
+    return bounded
 
 
 async def _set_aside(nc: Client, names: Names) -> dict[str, set[int]]:

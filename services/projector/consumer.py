@@ -164,8 +164,6 @@ class ConsumerState:
 
     undelivered: int = 0
     unacked: int = 0
-    ack_floor: int | None = None
-    """The consumer's ack floor as last asked (None: not yet): the index holds every delta up to it."""
     workspaces: WorkspaceLag = field(default_factory=WorkspaceLag)
 
 
@@ -299,7 +297,6 @@ class DurableProjection:
         self.forget_sent_back_s = FORGET_SENT_BACK_S
         """How long a copy waits for a delta sent back that does not come back here (see FORGET_SENT_BACK_S)."""
         self.state = _WATCHED.setdefault((self._index, durable), ConsumerState())
-        self.state.ack_floor = None  # a consumer made anew starts behind where the last one was
 
     def forget(self) -> None:
         """Stop reporting this consumer's gauges (it has stopped)."""
@@ -543,11 +540,6 @@ class RunningProjection:
         """Since when every batch's write has failed for a passing reason (monotonic); None while they go in."""
         return self._projection.failing_since
 
-    @property
-    def ack_floor(self) -> int | None:
-        """The consumer's ack floor as its watch last read it (None: not yet)."""
-        return self._projection.state.ack_floor
-
     async def stop(self) -> None:
         await cancel_and_wait(self._watching)
         await _leave_stream_watch(self._streams, self._js)
@@ -568,7 +560,6 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             state.undelivered = info.num_pending or 0
             state.unacked = info.num_ack_pending or 0
             if info.ack_floor is not None:
-                state.ack_floor = info.ack_floor.stream_seq or 0
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
                 projection.sent_back.floor(info.ack_floor.stream_seq or 0)
         await asyncio.sleep(WATCH_EVERY_S)

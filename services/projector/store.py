@@ -208,9 +208,11 @@ RENEW_LOCK_TIMEOUT = "100ms"
 
 # A claim is its epoch and its holder: epochs come from the database's sequence, which starts again on a database
 # replaced by an empty one, where a process frozen across the change could otherwise pass for a new claim's holder.
-# A batch's renewal counts its commit, on a row that holds every commit this claim made (infra/migrations/0027).
+# A batch's renewal counts its commit, on a row that holds every commit this claim made (infra/migrations/0027),
+# and says the position its process last read (a look's own renewal waits only briefly for a batch's lock: under
+# steady load it seldom gets it).
 _RENEW_CLAIM_IN_BATCH = (
-    "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1"
+    "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1, position = greatest(position, $5)"
     " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits = $4 RETURNING 1"
 )
 # A look's: the position too. A batch committing meanwhile may have counted one more; a database gone back has fewer.
@@ -247,7 +249,14 @@ class PostgresProjectionStore:
         self.read_before = 0
         """The highest floor the consumer had reached before it was last made to read again behind it."""
         self.went_back = False
-        """Whether a batch or a look found the row behind this claim's commits: the database went back in time."""
+        """Whether a batch or a look found the row behind this claim's commits: the database went back in time
+        (until the consumer is claimed again and its reading again is logged)."""
+        self.in_step = False
+        """Whether the consumer reads from this index's position, as checked after this claim (worker.py): only
+        then is its ack floor the index's position. Before (a check that failed half-way), it may be past what
+        the database holds."""
+        self._floor: int | None = None
+        """The consumer's ack floor as last read for a renewal, written by the batches too."""
 
     @property
     def fenced(self) -> bool:
@@ -285,7 +294,7 @@ class PostgresProjectionStore:
                 self._commits, self.position, self.read_before = (
                     claimed["commits"], claimed["position"], claimed["read_before"]
                 )  # fmt: skip
-                self.went_back = False
+                self.in_step, self._floor = False, None
         except asyncpg.LockNotAvailableError:
             return "busy"
         return "claimed"
@@ -341,6 +350,7 @@ class PostgresProjectionStore:
         holds the row: that is this process at work, renewing the claim too."""
         if self._fence is None or self._epoch is None:
             return False
+        floor = self._floor = floor if self.in_step else None
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_TIMEOUT}'")
@@ -360,6 +370,7 @@ class PostgresProjectionStore:
         epoch, self._epoch = self._epoch, None
         if self._fence is None or epoch is None:
             return
+        floor = floor if self.in_step else None
         await self._pool.execute(
             "UPDATE projection_fences SET released = true, position = greatest(position, $5)"
             " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4",
@@ -386,7 +397,9 @@ class PostgresProjectionStore:
             return
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
-        renewed = await conn.fetchval(_RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits)
+        renewed = await conn.fetchval(
+            _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor
+        )
         if renewed is None:
             raise Fenced(await self._lost_claim(conn))
 

@@ -229,7 +229,7 @@ class ProjectorService:
         self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
         self._departed |= departed
         for index, applying in list(self._projections.items()):  # renewed for another lease, or left
-            if await self._renewed(index, applying.ack_floor):
+            if await self._renewed(index):
                 continue
             if not self._stores[index].went_back:  # one gone back is claimed again below, and logged by the store
                 log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
@@ -272,6 +272,7 @@ class ProjectorService:
                     except Exception as error:  # a compaction running, NATS or the database away: the next look
                         log.warning("projector_fill_deferred", durable=durables[index], error=describe(error))
                         continue
+                    self._stores[index].in_step = True
                     projection = self._new_projection[index]()
                     self._projections[index] = await start_projection(
                         nc, names, settings, projection, settings.projector_batch_size, start_seq
@@ -336,8 +337,9 @@ class ProjectorService:
         if floor is not None:
             await store.read_again(position, floor)  # before the consumer goes: its floor is the dead letters' mark
             await restart_consumer(js, self.names, durable)
+            went_back, store.went_back = store.went_back, False
             log.warning(
-                "projector_reads_again", durable=durable, position=position, floor=floor, went_back=store.went_back,
+                "projector_reads_again", durable=durable, position=position, floor=floor, went_back=went_back,
                 reason="the consumer had settled deltas past the index's position: its database went back, or its "
                 "last holder stopped without saying where the index stood",
             )  # fmt: skip
@@ -376,13 +378,19 @@ class ProjectorService:
             self._standing_by.add(partition)
             log.info("projector_standing_by", durable=self._durables[partition], reason=reason)
 
-    async def _renewed(self, partition: int, floor: int | None) -> bool:
+    async def _renewed(self, partition: int) -> bool:
         """Whether this process's claim on the partition's consumer still stands, renewed for another lease with the
-        consumer's ``floor`` as the index's position (a database away cannot tell: the claim stands until a batch or
-        a renewal finds otherwise)."""
-        store = self._stores[partition]
+        consumer's ack floor, read first, as the index's position (a database away cannot tell: the claim stands
+        until a batch or a renewal finds otherwise)."""
+        store, durable = self._stores[partition], self._durables[partition]
         if store.fenced:  # a batch found the consumer claimed by another process, or its database gone back
             return False
+        assert self._nc is not None
+        floor = None
+        try:
+            floor = await ack_floor(self._nc.jetstream(), self.names.delta_stream, durable)
+        except Exception as error:  # NATS away: renewed without it
+            log.warning("projector_position_unknown", durable=durable, error=describe(error))
         try:
             return await store.renew(floor)
         except Exception as error:
@@ -425,7 +433,7 @@ class ProjectorService:
         """After the partition's consumer stopped here: release its claim, saying where the index stands."""
         store, durable, nc = self._stores[partition], self._durables[partition], nc or self._nc
         floor = None
-        if nc is not None and not store.fenced:
+        if nc is not None and store.in_step and not store.fenced:
             try:
                 floor = await ack_floor(nc.jetstream(), self.names.delta_stream, durable)
             except Exception as error:  # NATS away: released without it (the next holder reads again from the last)

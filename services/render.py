@@ -172,12 +172,14 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     letters = ", ".join(f"{escape(ws)} {count}" for ws, count in status.dead_letters.items()) or "none"
     console.print(f"dead letters: {letters}")
     consumers = Table(
-        "projector consumer", "ack floor", "undelivered", "unacknowledged", "waiting pulls", "last active"
-    )
+        "projector consumer", "ack floor", "index position", "undelivered", "unacknowledged", "waiting pulls",
+        "last active",
+    )  # fmt: skip
     for consumer in status.consumers:
         name = consumer.name if consumer.configured else f"{consumer.name} (another layout)"
+        position = "-" if consumer.index_position is None else str(consumer.index_position)
         consumers.add_row(
-            name, str(consumer.ack_floor), str(consumer.undelivered), str(consumer.unacknowledged),
+            name, str(consumer.ack_floor), position, str(consumer.undelivered), str(consumer.unacknowledged),
             str(consumer.waiting_pulls), str(consumer.last_active or "-"),
         )  # fmt: skip
     console.print(consumers)

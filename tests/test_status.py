@@ -58,6 +58,11 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert status.dead_letters == {"globex": 1}
     (consumer,) = status.consumers
     assert (consumer.name, consumer.ack_floor) == (deployment.names.postgres_projector_durable, acks[-1].seq)
+    async with asyncio.timeout(30):  # the projector says its index's position at its looks
+        while (await deployment_status(deployment.nc, deployment.names, placement)).consumers[0].index_position != (
+            acks[-1].seq
+        ):
+            await asyncio.sleep(0.2)
     assert len({worker.id for worker in status.query_workers}) == 2
     assert (status.analysis.documents_of_another_analysis, status.analysis.unread) == (
         {},

@@ -6,6 +6,7 @@ keyword index an older analysis made."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -55,6 +56,11 @@ class ConsumerStatus:
     configured: bool = True
     """False: a Postgres consumer of another partition layout than this deployment's settings (one being filled
     for a new layout, or one left by a layout given up: it holds compaction back until deleted)."""
+    index_position: int | None = None
+    """Where its index's database says the index stands (infra/migrations/0027), written by its projector every
+    few seconds; None: not known (not read, or not said yet). Well behind ``ack_floor`` while its projector runs:
+    the database went back in time (a replica promoted, a backup restored), and the projector reads again from
+    there."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,8 @@ async def deployment_status(
                 durable not in others,
             )
         )
+    positions = await _index_positions(placement, durables)
+    status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}
     announced = await _announced(nc, names)
     versions: dict[tuple[str, str], tuple[str, datetime | None]] = {
@@ -165,6 +173,33 @@ async def deployment_status(
         discover(nc, names.projector_service), discover(nc, names.query_service), analysis_status(placement, workspace)
     )
     return status
+
+
+async def _index_positions(placement: Placement, durables: list[str]) -> dict[str, int]:
+    """Each configured consumer's index position, as its database says; those of a database that cannot be read
+    within DATABASE_WAIT_S are left out (the analysis counts say why)."""
+
+    async def read(url: str) -> dict[str, int]:
+        conn: asyncpg.Connection | None = None
+        try:
+            async with asyncio.timeout(DATABASE_WAIT_S):
+                conn = await asyncpg.connect(url)
+                rows = await conn.fetch(
+                    "SELECT durable, position FROM projection_fences"
+                    " WHERE durable = ANY($1::text[]) AND position IS NOT NULL",
+                    durables,
+                )
+                await conn.close()
+                conn = None
+                return {row["durable"]: int(row["position"]) for row in rows}
+        except Exception:  # a status line must not fail the command
+            return {}
+        finally:
+            if conn is not None:
+                conn.terminate()
+
+    read_each = await asyncio.gather(*(read(url) for url in sorted(set(placement.databases))))
+    return {durable: position for positions in read_each for durable, position in positions.items()}
 
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:

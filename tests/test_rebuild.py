@@ -950,7 +950,10 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
     """A replica promoted without the last commits, or a backup restored: the database went back under a consumer
     that had acked deltas it no longer holds. The projector read on from the consumer's position, and the index
     never held them again; it now reads the stream again from the index's own position, kept in the database,
-    without dead-lettering again what it had dead-lettered."""
+    without dead-lettering again what it had dead-lettered. A workspace new since the copy is made again (a
+    running holder remembered its partition as made, and dead-lettered its documents), and the versions go on
+    being announced (the database numbered them from an earlier count, which the versions bucket refused)."""
+    workspaces = ("acme", "other", "fresh")
     projector = _new_projector(deployment)
     await projector.start()
     try:
@@ -958,12 +961,16 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
             await _position_reaches(deployment, await _publish_history(deployment))
             await take_copy()
             later = await deployment.publisher.publish_many(
-                [_upsert("acme", "after", "written after the copy"), _upsert("acme", "d1", "changed after the copy")]
+                [
+                    _upsert("acme", "after", "written after the copy"),
+                    _upsert("acme", "d1", "changed after the copy"),
+                    _upsert("fresh", "f1", "a workspace new since the copy"),
+                ]
             )
             malformed = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
             last_of_all = await deployment.publisher.publish(delete("acme", "d2"))
             await deployment.wait_projected(last_of_all.seq)
-            before = {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")}
+            before = {workspace: await _state(deployment, workspace) for workspace in workspaces}
             letters = await dead_letters(deployment.nc, deployment.names, Selection())
             assert [letter.original_seq for letter in letters] == [malformed.seq]
             assert later[-1].seq < malformed.seq
@@ -978,7 +985,16 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
                 async with asyncio.timeout(30):
                     while await _state(deployment, "acme") != before["acme"]:
                         await asyncio.sleep(0.2)
-            assert {workspace: await _state(deployment, workspace) for workspace in ("acme", "other")} == before
+            assert {workspace: await _state(deployment, workspace) for workspace in workspaces} == before
+            newest = await deployment.publisher.publish(_upsert("acme", "newest", "after the reading again"))
+            await deployment.wait_projected(newest.seq)
+            kv = await deployment.js.key_value(deployment.names.version_bucket)
+            async with asyncio.timeout(10):  # announced after the commit
+                while True:
+                    entry = await kv.get(deployment.names.version_key("acme", "main"))
+                    if OntologyVersionChanged.model_validate_json(entry.value or b"").stream_seq == newest.seq:
+                        break
+                    await asyncio.sleep(0.1)
     finally:
         await projector.stop()
     events = [entry["event"] for entry in logged]

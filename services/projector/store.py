@@ -211,9 +211,10 @@ RENEW_LOCK_TIMEOUT = "100ms"
 # A batch's renewal counts its commit, on a row that holds every commit this claim made (infra/migrations/0027),
 # and says the position its process last read (a look's own renewal waits only briefly for a batch's lock: under
 # steady load it seldom gets it).
+# A count ahead of this claim's is a commit whose answer was lost (the connection cut at COMMIT): adopted.
 _RENEW_CLAIM_IN_BATCH = (
     "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1, position = greatest(position, $5)"
-    " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits = $4 RETURNING 1"
+    " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4 RETURNING commits"
 )
 # A look's: the position too. A batch committing meanwhile may have counted one more; a database gone back has fewer.
 _RENEW_CLAIM_AT_A_LOOK = (
@@ -295,6 +296,8 @@ class PostgresProjectionStore:
                     claimed["commits"], claimed["position"], claimed["read_before"]
                 )  # fmt: skip
                 self.in_step, self._floor = False, None
+                # A database gone back may lack partitions this process made since: each is made again as needed.
+                self._known_workspaces.clear()
         except asyncpg.LockNotAvailableError:
             return "busy"
         return "claimed"
@@ -328,7 +331,7 @@ class PostgresProjectionStore:
             await conn.execute(_SET_FILL, self._fence, self._epoch, self._holder, "done")
         self._fill = "done"
 
-    async def read_again(self, position: int, floor: int) -> None:
+    async def read_again(self, position: int, floor: int = 0) -> None:
         """Say, before the consumer is made to read the stream again from just after ``position``, where it had
         got to (``floor``): what it settled up to there needs no dead letter again."""
         async with self._pool.acquire() as conn:
@@ -389,19 +392,35 @@ class PostgresProjectionStore:
         )
         return holder
 
-    async def _check_fence(self, conn: Connection) -> None:
+    async def version_revisions(self, holds: Callable[[str], bool]) -> dict[tuple[str, str], int]:
+        """The revision of each version of the workspaces ``holds`` (the consumer's partition)."""
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch("SELECT workspace, branch, revision FROM ontology_versions")
+        return {(r["workspace"], r["branch"]): r["revision"] for r in rows if holds(r["workspace"])}
+
+    async def raise_revisions(self, revisions: dict[tuple[str, str], int]) -> None:
+        """Number these versions at least so far (a database gone back numbers them from an earlier count)."""
+        async with self._pool.acquire() as conn:
+            await conn.executemany(
+                "UPDATE ontology_versions SET revision = $3 WHERE workspace = $1 AND branch = $2 AND revision < $3",
+                [(workspace, branch, revision) for (workspace, branch), revision in revisions.items()],
+            )
+
+    async def _check_fence(self, conn: Connection) -> int | None:
         """First in a batch's transaction: the claim is still the latest, and stays so until the commit (the row
         is locked; a claim waits for it). The batch renews the claim too: a holder busy with batches one after
-        another may find no moment between them for the renewal of its look."""
+        another may find no moment between them for the renewal of its look. Returns the row's count of commits
+        with this batch's (None: no fence)."""
         if self._fence is None:
-            return
+            return None
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
-        renewed = await conn.fetchval(
+        commits: int | None = await conn.fetchval(
             _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor
         )
-        if renewed is None:
+        if commits is None:
             raise Fenced(await self._lost_claim(conn))
+        return commits
 
     async def _lost_claim(self, conn: Connection) -> str:
         """This store's claim no longer stands: fence the store, and say why (logged when the database went back)."""
@@ -430,7 +449,7 @@ class PostgresProjectionStore:
                 await conn.execute("SELECT ensure_workspace_partition($1)", workspace)
                 self._known_workspaces.add(workspace)
             async with conn.transaction():
-                await self._check_fence(conn)
+                commits = await self._check_fence(conn)
                 # The changed-row counters reach the statistics views as this commit returns, not a second
                 # later: refresh_statistics right after sees this batch.
                 await conn.execute("SELECT pg_stat_force_next_flush()")
@@ -454,8 +473,8 @@ class PostgresProjectionStore:
                         signed64(version.state_hash),
                         version.stream_seq,
                     )
-            if self._fence is not None:  # committed, with its count
-                self._commits += 1
+            if commits is not None:  # committed, with its count
+                self._commits = commits
         current = {**versions, **plan.versions}
         return BatchResult(
             plan=plan,

@@ -60,6 +60,17 @@ class VersionPublisher:
             raise VersionNotAnnounced(f"{key}: the versions bucket kept changing under {CAS_ATTEMPTS} tries") from error
         await self._nc.publish(self._names.version_event_subject(update.workspace, update.branch), data)
 
+    async def announced_revision(self, workspace: str, branch: str) -> int | None:
+        """The revision of the version the bucket holds for this branch; None when it holds none (or not a version)."""
+        try:
+            entry = await self._kv.get(self._names.version_key(workspace, branch))
+        except KeyNotFoundError:
+            return None
+        try:
+            return OntologyVersionChanged.model_validate_json(entry.value or b"").revision
+        except ValidationError:
+            return None
+
     async def _put_if_newer(self, key: str, record: OntologyVersionChanged, data: bytes) -> bool:
         try:
             entry = await self._kv.get(key)

@@ -72,6 +72,7 @@ waited on them for as long as the freeze lasted (a red team's finding: 25 s of n
 HOLD_CHECK_S = 2.0
 """How often a Postgres projector asks which other processes apply its consumers."""
 HOLDER_LEASE_S = 6.0
+FLOOR_READ_S = 1.0
 """How long a process that answered discovery still counts as applying its consumers after it stops answering: a
 slow answer (a busy event loop) is not a process gone. A standby takes over within about this plus HOLD_CHECK_S."""
 FAILING_HANDOVER_S = 30.0
@@ -130,6 +131,7 @@ class ProjectorService:
         self._pools: dict[int, asyncpg.Pool] = {}
         """Writer pools by the index of their database in the placement."""
         self._service: Announcement | None = None
+        self._versions: VersionPublisher | None = None
 
     async def start(self) -> None:
         try:
@@ -151,7 +153,7 @@ class ProjectorService:
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
         await migrate_legacy_manifests(js, names)
-        versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
+        versions = self._versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
         count = settings.projector_partitions
         durables = self._durables
         reembedders = {database: await self._reembedder(pool) for database, pool in self._pools.items()}
@@ -228,8 +230,9 @@ class ProjectorService:
                 self._departed.add(released_by)
         self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
         self._departed |= departed
+        floors = await self._floors(list(self._projections))
         for index, applying in list(self._projections.items()):  # renewed for another lease, or left
-            if await self._renewed(index):
+            if await self._renewed(index, floors.get(index)):
                 continue
             if not self._stores[index].went_back:  # one gone back is claimed again below, and logged by the store
                 log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
@@ -310,7 +313,11 @@ class ProjectorService:
             if not held_off:
                 raise FillDeferred("a compaction, or another fill on the database, holds the lock: filled after it")
             batch = self.settings.projector_batch_size
+            first = int((await js.stream_info(self.names.delta_stream)).state.first_seq or 0)
             restored = await restore_snapshots(self._nc, self.names, self._runners[partition], batch, holds)
+            # The snapshots hold what the stream no longer does: a holder's crash before its first look reads
+            # again from there, not from nothing.
+            await store.read_again(max(first - 1, 0))
             yield None
         await store.filled()
         # A new deployment's first start fills nothing; a lost index filled again is worth an operator's look.
@@ -336,6 +343,7 @@ class ProjectorService:
             return None
         if floor is not None:
             await store.read_again(position, floor)  # before the consumer goes: its floor is the dead letters' mark
+            await self._revisions_above_announced(partition)
             await restart_consumer(js, self.names, durable)
             went_back, store.went_back = store.went_back, False
             log.warning(
@@ -351,6 +359,23 @@ class ProjectorService:
                 "workspaces of this consumer (ontofabric rebuild WORKSPACE)",
             )  # fmt: skip
         return position + 1 if position else None
+
+    async def _revisions_above_announced(self, partition: int) -> None:
+        """Before the consumer reads again: the partition's versions numbered at least as far as the versions bucket
+        announced them. A database gone back numbers them from an earlier count, and the bucket, which keeps the
+        highest revision announced, refused every later version of a branch until the count passed it again (a
+        review's finding)."""
+        assert self._versions is not None
+        store, count = self._stores[partition], self.settings.projector_partitions
+        revisions = await store.version_revisions(
+            lambda workspace: count == 1 or partition_of_token(encode_token(workspace), count) == partition
+        )
+        behind = {}
+        for (workspace, branch), revision in revisions.items():
+            announced = await self._versions.announced_revision(workspace, branch)
+            if announced is not None and announced > revision:
+                behind[(workspace, branch)] = announced
+        await store.raise_revisions(behind)
 
     async def _settled_before(self, partition: int) -> int:
         """The stream sequence up to which every delta of the partition's consumer that no index can apply was
@@ -378,19 +403,35 @@ class ProjectorService:
             self._standing_by.add(partition)
             log.info("projector_standing_by", durable=self._durables[partition], reason=reason)
 
-    async def _renewed(self, partition: int) -> bool:
+    async def _floors(self, partitions: list[int], nc: Client | None = None) -> dict[int, int]:
+        """The ack floors of these partitions' consumers, read at once and for at most FLOOR_READ_S: a slow
+        JetStream API (a leader election) must not hold a look past the lease. Those not read are left out."""
+        nc = nc or self._nc
+        if nc is None or not partitions:
+            return {}
+        js = nc.jetstream()
+        reads = [ack_floor(js, self.names.delta_stream, self._durables[index]) for index in partitions]
+        read: list[int | BaseException]
+        try:
+            async with asyncio.timeout(FLOOR_READ_S):
+                read = await asyncio.gather(*reads, return_exceptions=True)
+        except TimeoutError:
+            read = [TimeoutError(f"no answer within {FLOOR_READ_S:g} s")] * len(partitions)
+        floors = {}
+        for index, floor in zip(partitions, read, strict=True):
+            if isinstance(floor, BaseException):  # NATS away: renewed or released without it
+                log.warning("projector_position_unknown", durable=self._durables[index], error=describe(floor))
+            else:
+                floors[index] = floor
+        return floors
+
+    async def _renewed(self, partition: int, floor: int | None) -> bool:
         """Whether this process's claim on the partition's consumer still stands, renewed for another lease with the
-        consumer's ack floor, read first, as the index's position (a database away cannot tell: the claim stands
-        until a batch or a renewal finds otherwise)."""
-        store, durable = self._stores[partition], self._durables[partition]
+        consumer's ack ``floor`` (read before) as the index's position (a database away cannot tell: the claim
+        stands until a batch or a renewal finds otherwise)."""
+        store = self._stores[partition]
         if store.fenced:  # a batch found the consumer claimed by another process, or its database gone back
             return False
-        assert self._nc is not None
-        floor = None
-        try:
-            floor = await ack_floor(self._nc.jetstream(), self.names.delta_stream, durable)
-        except Exception as error:  # NATS away: renewed without it
-            log.warning("projector_position_unknown", durable=durable, error=describe(error))
         try:
             return await store.renew(floor)
         except Exception as error:
@@ -431,13 +472,9 @@ class ProjectorService:
 
     async def _release(self, partition: int, nc: Client | None = None) -> None:
         """After the partition's consumer stopped here: release its claim, saying where the index stands."""
-        store, durable, nc = self._stores[partition], self._durables[partition], nc or self._nc
-        floor = None
-        if nc is not None and store.in_step and not store.fenced:
-            try:
-                floor = await ack_floor(nc.jetstream(), self.names.delta_stream, durable)
-            except Exception as error:  # NATS away: released without it (the next holder reads again from the last)
-                log.warning("projector_position_unknown", durable=durable, error=describe(error))
+        store = self._stores[partition]
+        # NATS away: released without it (the next holder reads again from the last position said).
+        floor = (await self._floors([partition], nc)).get(partition) if store.in_step and not store.fenced else None
         try:
             await store.release(floor)
         except Exception as error:  # the database away: a standby waits out the lease instead

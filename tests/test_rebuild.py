@@ -961,12 +961,11 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
             await _position_reaches(deployment, await _publish_history(deployment))
             await take_copy()
             later = await deployment.publisher.publish_many(
-                [
-                    _upsert("acme", "after", "written after the copy"),
-                    _upsert("acme", "d1", "changed after the copy"),
-                    _upsert("fresh", "f1", "a workspace new since the copy"),
-                ]
+                [_upsert("acme", "after", "written after the copy"), _upsert("acme", "d1", "changed after the copy")]
             )
+            for i in range(3):  # a batch each: the new workspace's version is announced at revisions 1, 2, 3
+                fresh = await deployment.publisher.publish(_upsert("fresh", f"f{i}", f"a workspace new since {i}"))
+                await deployment.wait_projected(fresh.seq)
             malformed = await deployment.js.publish(deployment.names.delta_subject("acme", "main"), b"{not json")
             last_of_all = await deployment.publisher.publish(delete("acme", "d2"))
             await deployment.wait_projected(last_of_all.seq)
@@ -986,15 +985,16 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
                     while await _state(deployment, "acme") != before["acme"]:
                         await asyncio.sleep(0.2)
             assert {workspace: await _state(deployment, workspace) for workspace in workspaces} == before
-            newest = await deployment.publisher.publish(_upsert("acme", "newest", "after the reading again"))
-            await deployment.wait_projected(newest.seq)
             kv = await deployment.js.key_value(deployment.names.version_bucket)
-            async with asyncio.timeout(10):  # announced after the commit
-                while True:
-                    entry = await kv.get(deployment.names.version_key("acme", "main"))
-                    if OntologyVersionChanged.model_validate_json(entry.value or b"").stream_seq == newest.seq:
-                        break
-                    await asyncio.sleep(0.1)
+            for workspace in ("acme", "fresh"):  # the re-read counted fewer commits than were announced
+                newest = await deployment.publisher.publish(_upsert(workspace, "newest", "after the reading again"))
+                await deployment.wait_projected(newest.seq)
+                async with asyncio.timeout(10):  # announced after the commit
+                    while True:
+                        entry = await kv.get(deployment.names.version_key(workspace, "main"))
+                        if OntologyVersionChanged.model_validate_json(entry.value or b"").stream_seq == newest.seq:
+                            break
+                        await asyncio.sleep(0.1)
     finally:
         await projector.stop()
     events = [entry["event"] for entry in logged]

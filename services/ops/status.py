@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.store import documents_of_another_analysis
+from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_after
 from ontofabric.shared.discovery import Worker, discover
 from ontofabric.shared.logging import describe
@@ -251,16 +252,9 @@ def _published_branches(info: StreamInfo, names: Names) -> set[tuple[str, str]]:
 
 
 async def _announced(nc: Client, names: Names) -> list[OntologyVersionChanged]:
-    js = nc.jetstream()
-    kv = await js.key_value(names.version_bucket)
-    # The keys from the bucket's stream's own subject list, not from nats-py's `kv.keys()`: that one watches the
-    # bucket and stops at its first "nothing pending" marker, which under load can come before the first key is
-    # delivered, and then reports no keys at all (a status with no branches).
-    prefix = f"$KV.{names.version_bucket}."
-    info = await js.stream_info(f"KV_{names.version_bucket}", subjects_filter=f"{prefix}>")
-    keys = [subject[len(prefix) :] for subject in info.state.subjects or {}]
+    kv = await nc.jetstream().key_value(names.version_bucket)
     versions = []
-    for key in sorted(keys):
+    for key in await version_keys(nc, names):  # a status with no branches came of `kv.keys()`
         try:
             entry = await kv.get(key)
             versions.append(OntologyVersionChanged.model_validate_json(entry.value or b""))

@@ -392,18 +392,20 @@ class PostgresProjectionStore:
         )
         return holder
 
-    async def version_revisions(self, holds: Callable[[str], bool]) -> dict[tuple[str, str], int]:
-        """The revision of each version of the workspaces ``holds`` (the consumer's partition)."""
-        async with self._pool.acquire() as conn:
-            rows = await conn.fetch("SELECT workspace, branch, revision FROM ontology_versions")
-        return {(r["workspace"], r["branch"]): r["revision"] for r in rows if holds(r["workspace"])}
-
     async def raise_revisions(self, revisions: dict[tuple[str, str], int]) -> None:
-        """Number these versions at least so far (a database gone back numbers them from an earlier count)."""
+        """Number these versions at least so far (a database gone back numbers them from an earlier count, and may
+        hold no row of a branch made since: one is made, empty, as a batch makes it)."""
+        if not revisions:
+            return
+        scopes = sorted(revisions)  # in the order batches lock them
         async with self._pool.acquire() as conn:
-            await conn.executemany(
-                "UPDATE ontology_versions SET revision = $3 WHERE workspace = $1 AND branch = $2 AND revision < $3",
-                [(workspace, branch, revision) for (workspace, branch), revision in revisions.items()],
+            await conn.execute(
+                "INSERT INTO ontology_versions AS v (workspace, branch, revision)"
+                " SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])"
+                " ON CONFLICT (workspace, branch) DO UPDATE SET revision = greatest(v.revision, EXCLUDED.revision)",
+                [workspace for workspace, _ in scopes],
+                [branch for _, branch in scopes],
+                [revisions[scope] for scope in scopes],
             )
 
     async def _check_fence(self, conn: Connection) -> int | None:

@@ -3,7 +3,8 @@ subject, after the commit that made it (projectors, and a rebuild after its swap
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +24,7 @@ from .store import VersionUpdate, unsigned64
 log = get_logger(__name__)
 
 CAS_ATTEMPTS = 20
+READS_AT_ONCE = 32
 
 
 class VersionNotAnnounced(Exception):
@@ -60,16 +62,23 @@ class VersionPublisher:
             raise VersionNotAnnounced(f"{key}: the versions bucket kept changing under {CAS_ATTEMPTS} tries") from error
         await self._nc.publish(self._names.version_event_subject(update.workspace, update.branch), data)
 
-    async def announced_revision(self, workspace: str, branch: str) -> int | None:
-        """The revision of the version the bucket holds for this branch; None when it holds none (or not a version)."""
-        try:
-            entry = await self._kv.get(self._names.version_key(workspace, branch))
-        except KeyNotFoundError:
-            return None
-        try:
-            return OntologyVersionChanged.model_validate_json(entry.value or b"").revision
-        except ValidationError:
-            return None
+    async def announced_revisions(self, holds: Callable[[str], bool]) -> dict[tuple[str, str], int]:
+        """The revision of every version the bucket holds for the workspaces ``holds``, read a few at a time."""
+        keys = [
+            key for key in await version_keys(self._nc, self._names) if holds(self._names.parse_version_key(key)[0])
+        ]
+        reading = asyncio.Semaphore(READS_AT_ONCE)
+
+        async def revision(key: str) -> int | None:
+            async with reading:
+                try:
+                    entry = await self._kv.get(key)
+                    return OntologyVersionChanged.model_validate_json(entry.value or b"").revision
+                except (KeyNotFoundError, ValidationError):  # gone since, or not a version
+                    return None
+
+        read = await asyncio.gather(*(revision(key) for key in keys))
+        return {self._names.parse_version_key(k): r for k, r in zip(keys, read, strict=True) if r is not None}
 
     async def _put_if_newer(self, key: str, record: OntologyVersionChanged, data: bytes) -> bool:
         try:
@@ -90,6 +99,15 @@ class VersionPublisher:
             return False
         await self._kv.update(key, data, last=entry.revision)
         return True
+
+
+async def version_keys(nc: Client, names: Names) -> list[str]:
+    """The keys of the versions bucket, from its stream's own subject list: nats-py's `kv.keys()` watches the bucket
+    and stops at its first "nothing pending" marker, which under load can come before the first key is delivered,
+    and then reports no keys at all."""
+    prefix = f"$KV.{names.version_bucket}."
+    info = await nc.jetstream().stream_info(f"KV_{names.version_bucket}", subjects_filter=f"{prefix}>")
+    return sorted(subject[len(prefix) :] for subject in info.state.subjects or {})
 
 
 async def announce_records(publisher: VersionPublisher, records: Iterable[Mapping[str, Any]]) -> None:

@@ -55,7 +55,7 @@ from .planning import ANALYSIS_VERSION, Limits
 from .postgres import PostgresSink
 from .reembedding import Reembedder, reembedder_for
 from .runner import ProjectionRunner
-from .snapshots import restore_snapshots
+from .snapshots import compacted_through, find_snapshot_store, restore_snapshots
 from .store import PostgresProjectionStore, documents_of_another_analysis
 from .versions import VersionPublisher
 
@@ -72,9 +72,11 @@ waited on them for as long as the freeze lasted (a red team's finding: 25 s of n
 HOLD_CHECK_S = 2.0
 """How often a Postgres projector asks which other processes apply its consumers."""
 HOLDER_LEASE_S = 6.0
-FLOOR_READ_S = 1.0
 """How long a process that answered discovery still counts as applying its consumers after it stops answering: a
 slow answer (a busy event loop) is not a process gone. A standby takes over within about this plus HOLD_CHECK_S."""
+FLOOR_READ_S = 1.0
+"""How long a look waits for its consumers' ack floors (read at once): a slow JetStream API (a leader election)
+must not hold it past the lease; a floor not read leaves the index's position where it was."""
 FAILING_HANDOVER_S = 30.0
 """How long a process applies nothing (every write failing for a passing reason: its database unreachable from it)
 before it leaves its consumers to a process standing by, which may reach the database. Where none can, they take
@@ -314,10 +316,12 @@ class ProjectorService:
                 raise FillDeferred("a compaction, or another fill on the database, holds the lock: filled after it")
             batch = self.settings.projector_batch_size
             first = int((await js.stream_info(self.names.delta_stream)).state.first_seq or 0)
+            snapshots = await find_snapshot_store(js, self.names)
+            covered = 0 if snapshots is None else await compacted_through(snapshots)
             restored = await restore_snapshots(self._nc, self.names, self._runners[partition], batch, holds)
             # The snapshots hold what the stream no longer does: a holder's crash before its first look reads
-            # again from there, not from nothing.
-            await store.read_again(max(first - 1, 0))
+            # again from there, not from nothing (no further than they cover: an age limit drops deltas too).
+            await store.read_again(min(max(first - 1, 0), covered))
             yield None
         await store.filled()
         # A new deployment's first start fills nothing; a lost index filled again is worth an operator's look.
@@ -366,16 +370,11 @@ class ProjectorService:
         highest revision announced, refused every later version of a branch until the count passed it again (a
         review's finding)."""
         assert self._versions is not None
-        store, count = self._stores[partition], self.settings.projector_partitions
-        revisions = await store.version_revisions(
+        count = self.settings.projector_partitions
+        announced = await self._versions.announced_revisions(
             lambda workspace: count == 1 or partition_of_token(encode_token(workspace), count) == partition
         )
-        behind = {}
-        for (workspace, branch), revision in revisions.items():
-            announced = await self._versions.announced_revision(workspace, branch)
-            if announced is not None and announced > revision:
-                behind[(workspace, branch)] = announced
-        await store.raise_revisions(behind)
+        await self._stores[partition].raise_revisions(announced)
 
     async def _settled_before(self, partition: int) -> int:
         """The stream sequence up to which every delta of the partition's consumer that no index can apply was

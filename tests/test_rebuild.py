@@ -943,6 +943,32 @@ def _new_projector(deployment: Deployment) -> ProjectorService:
     return ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
 
 
+async def _gone_back_while_stopped(
+    deployment: Deployment,
+    projector: ProjectorService,
+    take_copy: Callable[[], Awaitable[None]],
+    put_copy_back: Callable[[], Awaitable[None]],
+) -> tuple[int, dict[str, Any]]:
+    """History projected and said, a copy taken, one more delta projected, the projector stopped, the copy put
+    back: the index lacks that delta. Returns the history's last sequence and acme's state before the copy went
+    back."""
+    last = await _publish_history(deployment)
+    await _position_reaches(deployment, last)
+    await take_copy()
+    after = await deployment.publisher.publish(_upsert("acme", "after", "written after the copy"))
+    await deployment.wait_projected(after.seq)
+    before = await _state(deployment, "acme")
+    await projector.stop()
+    await put_copy_back()
+    return last, before
+
+
+async def _state_becomes(deployment: Deployment, workspace: str, expected: dict[str, Any]) -> None:
+    async with asyncio.timeout(30):
+        while await _state(deployment, workspace) != expected:
+            await asyncio.sleep(0.2)
+
+
 @pytest.mark.parametrize("running", [True, False], ids=["under-a-running-projector", "while-none-runs"])
 async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_time(
     deployment: Deployment, running: bool
@@ -981,9 +1007,7 @@ async def test_a_projector_reads_again_what_its_database_lost_by_going_back_in_t
                 if not running:
                     projector = _new_projector(deployment)
                     await projector.start()
-                async with asyncio.timeout(30):
-                    while await _state(deployment, "acme") != before["acme"]:
-                        await asyncio.sleep(0.2)
+                await _state_becomes(deployment, "acme", before["acme"])
             assert {workspace: await _state(deployment, workspace) for workspace in workspaces} == before
             kv = await deployment.js.key_value(deployment.names.version_bucket)
             for workspace in ("acme", "fresh"):  # the re-read counted fewer commits than were announced
@@ -1016,14 +1040,7 @@ async def test_a_claim_whose_reading_again_failed_half_way_says_no_position_as_i
     await projector.start()
     try:
         async with _database_copies(deployment) as (take_copy, put_copy_back):
-            last = await _publish_history(deployment)
-            await _position_reaches(deployment, last)
-            await take_copy()
-            after = await deployment.publisher.publish(_upsert("acme", "after", "written after the copy"))
-            await deployment.wait_projected(after.seq)
-            before = await _state(deployment, "acme")
-            await projector.stop()
-            await put_copy_back()
+            last, before = await _gone_back_while_stopped(deployment, projector, take_copy, put_copy_back)
 
             async def nats_away(*_: object) -> None:
                 raise TimeoutError("nats: timeout")
@@ -1036,9 +1053,7 @@ async def test_a_claim_whose_reading_again_failed_half_way_says_no_position_as_i
             assert (await deployment.fetch("SELECT position FROM projection_fences"))[0]["position"] == last
             projector = _new_projector(deployment)
             await projector.start()
-            async with asyncio.timeout(30):
-                while await _state(deployment, "acme") != before:
-                    await asyncio.sleep(0.2)
+            await _state_becomes(deployment, "acme", before)
     finally:
         await projector.stop()
 
@@ -1055,23 +1070,14 @@ async def test_a_compaction_folds_no_further_than_a_database_gone_back_holds(
     await projector.start()
     try:
         async with _database_copies(deployment) as (take_copy, put_copy_back):
-            last = await _publish_history(deployment)
-            await _position_reaches(deployment, last)
-            await take_copy()
-            after = await deployment.publisher.publish(_upsert("acme", "after", "written after the copy"))
-            await deployment.wait_projected(after.seq)
-            before = await _state(deployment, "acme")
-            await projector.stop()
-            await put_copy_back()
+            last, before = await _gone_back_while_stopped(deployment, projector, take_copy, put_copy_back)
             placement = Placement.of(deployment.settings, deployment.database_url)
             report = await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress(), placement)
             assert report.covers == last
             projector = _new_projector(deployment)
             with structlog.testing.capture_logs() as logged:
                 await projector.start()
-                async with asyncio.timeout(30):
-                    while await _state(deployment, "acme") != before:
-                        await asyncio.sleep(0.2)
+                await _state_becomes(deployment, "acme", before)
     finally:
         await projector.stop()
     assert "projector_index_behind_the_stream" not in [entry["event"] for entry in logged]

@@ -312,12 +312,9 @@ async def _unfilled(
     claimed them on it (a database replaced by an empty one), or its fill from nothing is not done. Their consumers'
     floors say what the lost index had read, not this one: compacting by them would purge what it has yet to read,
     and fold none of it, since this index handled none of it (infra/migrations/0026; a review's finding)."""
-    durables = names.postgres_projector_durables(settings.projector_partitions)
     if await conn.fetchval("SELECT to_regclass('projection_fences')") is None:  # not even migrated yet
-        return durables
-    here = [
-        d for i, d in enumerate(durables) if placement.databases[placement.database_of_partition(i)] == database_url
-    ]
+        return names.postgres_projector_durables(settings.projector_partitions)
+    here = _durables_on(names, settings, placement, database_url)
     rows = await conn.fetch("SELECT durable, fill FROM projection_fences WHERE durable = ANY($1::text[])", here)
     filled = {row["durable"] for row in rows if row["fill"] == "done"}
     return [durable for durable in here if durable not in filled]
@@ -333,11 +330,8 @@ async def _bounded_by_positions(
     behind the floor is waited for while a projector says it (up to ``POSITION_WAIT_S``); a position not known (a
     row from before the migration) leaves the floor as it is."""
     bounded = dict(floors)
-    durables = names.postgres_projector_durables(settings.projector_partitions)
     for database_url in sorted(set(placement.databases)):
-        here = [
-            d for i, d in enumerate(durables) if placement.databases[placement.database_of_partition(i)] == database_url
-        ]
+        here = _durables_on(names, settings, placement, database_url)
         conn = await asyncpg.connect(database_url)
         try:
             loop = asyncio.get_running_loop()
@@ -360,6 +354,14 @@ async def _bounded_by_positions(
             log.info("compaction_bounded_by_position", durable=durable, floor=floors[durable], position=position)
             bounded[durable] = position
     return bounded
+
+
+def _durables_on(names: Names, settings: Settings, placement: Placement, database_url: str) -> list[str]:
+    """The configured consumers whose partitions are placed on this database."""
+    durables = names.postgres_projector_durables(settings.projector_partitions)
+    return [
+        d for i, d in enumerate(durables) if placement.databases[placement.database_of_partition(i)] == database_url
+    ]
 
 
 async def _set_aside(nc: Client, names: Names) -> dict[str, set[int]]:

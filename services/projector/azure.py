@@ -281,6 +281,6 @@ async def replay_if_index_lost(js: JetStreamContext, names: Names) -> None:
     """An index without a watermark behind a consumer that has delivered deltas was lost (deleted, or recreated
     empty), or never got its first watermark: the consumer starts over from the stream's first delta, which the
     sequence rule makes safe to apply again (on a compacted stream, after the snapshots: worker.py)."""
-    delivered = (await restart_consumer(js, names, names.azure_projector_durable)).delivered
+    delivered = await restart_consumer(js, names, names.azure_projector_durable)
     if delivered:
         log.warning("azure_index_lost_replaying", index=INDEX, delivered=delivered)

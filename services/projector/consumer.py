@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, get_args
+from typing import get_args
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -670,27 +670,19 @@ async def remember_in_flight(js: JetStreamContext, names: Names, projection: Dur
     return recorded
 
 
-class ConsumerPosition(NamedTuple):
-    floor: int
-    """The stream sequence up to which it had settled every delta."""
-    delivered: int
-    """The stream sequence up to which it had delivered (0: none)."""
-
-
-async def restart_consumer(js: JetStreamContext, names: Names, durable: str) -> ConsumerPosition:
+async def restart_consumer(js: JetStreamContext, names: Names, durable: str) -> int:
     """Delete the durable consumer when it has delivered deltas, so that the next start reads the stream again,
     from its first delta or where :func:`start_projection` is told (the sequence rule makes a delta applied twice
-    harmless). Returns where it stood (delivered 0: nothing to restart)."""
+    harmless). Returns the stream sequence it had delivered up to (0: nothing to restart)."""
     try:
         info = await js.consumer_info(names.delta_stream, durable)
     except NotFoundError:
-        return ConsumerPosition(0, 0)
-    floor = int((info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0)
+        return 0
     # Delivered, not acked: with the first delta still being retried the ack floor stays 0 while later ones went in.
     delivered = int((info.delivered.stream_seq or 0) if info.delivered is not None else 0)
     if delivered:
         await js.delete_consumer(names.delta_stream, durable)
-    return ConsumerPosition(floor, delivered)
+    return delivered
 
 
 async def start_projection(

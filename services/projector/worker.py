@@ -295,11 +295,7 @@ class ProjectorService:
         Compactions are held off until the consumer reads from the start again: one could purge what the index has
         yet to read. Done once the consumer has started; a fill stopped before is done again (it is idempotent).
         Otherwise the consumer reads from the index's own position (:meth:`_read_again_if_behind`)."""
-        count, store, durable = self.settings.projector_partitions, self._stores[partition], self._durables[partition]
-
-        def holds(token: str) -> bool:
-            return count == 1 or partition_of_token(token, count) == partition
-
+        store, durable, holds = self._stores[partition], self._durables[partition], self._holds(partition)
         if not await store.needs_filling(lambda workspace: holds(encode_token(workspace))):
             yield await self._read_again_if_behind(partition)
             return
@@ -310,7 +306,7 @@ class ProjectorService:
         # First, lock or not: with the consumer gone its floor no longer says the index read what the lost one had
         # (how far projection has got, and compaction, read the floors; compaction also refuses while a fill is not
         # done).
-        delivered = (await restart_consumer(js, self.names, durable)).delivered
+        delivered = await restart_consumer(js, self.names, durable)
         async with store.compactions_held_off() as held_off:
             if not held_off:
                 raise FillDeferred("a compaction, or another fill on the database, holds the lock: filled after it")
@@ -370,11 +366,14 @@ class ProjectorService:
         highest revision announced, refused every later version of a branch until the count passed it again (a
         review's finding)."""
         assert self._versions is not None
-        count = self.settings.projector_partitions
-        announced = await self._versions.announced_revisions(
-            lambda workspace: count == 1 or partition_of_token(encode_token(workspace), count) == partition
-        )
+        holds = self._holds(partition)
+        announced = await self._versions.announced_revisions(lambda workspace: holds(encode_token(workspace)))
         await self._stores[partition].raise_revisions(announced)
+
+    def _holds(self, partition: int) -> Callable[[str], bool]:
+        """Whether a workspace, by its subject token, is of the partition's consumer."""
+        count = self.settings.projector_partitions
+        return lambda token: count == 1 or partition_of_token(token, count) == partition
 
     async def _settled_before(self, partition: int) -> int:
         """The stream sequence up to which every delta of the partition's consumer that no index can apply was

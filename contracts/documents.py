@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import json
 import math
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Annotated, Literal
 
 import numpy as np
@@ -164,10 +166,43 @@ class SecondVector(WireModel):
 
 MAX_CALLS = 512
 MAX_CALLEE_CHARS = 1024
+MAX_METADATA_BYTES = 32 * 1024
+"""A document's metadata as the index stores and returns it (jsonb writes a number out in full: 1e308 is 309
+digits). Every answer and every document read carries it: a fault tester's 24 kB delta of 4,000 × 1e300 grew to
+1.2 MB on each read, and one under a megabyte to 50 MB that stalled other workspaces' queries."""
+
+
+def stored_json_bytes(value: object, limit: int | None = None) -> int:
+    """The size of ``value`` (parsed JSON) as PostgreSQL's jsonb writes it back, numbers in positional notation;
+    counting stops past ``limit``."""
+    size = 0
+    pending = [value]
+    while pending and (limit is None or size <= limit):
+        item = pending.pop()
+        if isinstance(item, dict):
+            size += 2 + 4 * len(item) - (2 if item else 0)  # braces, ': ' and ', '
+            size += sum(stored_json_bytes(str(key)) for key in item)
+            pending += item.values()
+        elif isinstance(item, list):
+            size += 2 + 2 * len(item) - (2 if item else 0)
+            pending += item
+        elif isinstance(item, str):
+            size += len(json.dumps(item, ensure_ascii=False).encode("utf-8"))
+        elif isinstance(item, bool) or item is None:
+            size += 4 if item in (True, None) else 5
+        elif isinstance(item, int):
+            size += (item < 0) + int(item.bit_length() * math.log10(2)) + 1  # str() refuses past 4,300 digits
+        elif isinstance(item, float):
+            sign, digits, exponent = Decimal(repr(item)).as_tuple()
+            assert isinstance(exponent, int), "finite numbers only"  # NaN and infinity are refused before
+            size += sign + (len(digits) + exponent if exponent >= 0 else max(len(digits) + exponent, 1) + 1 - exponent)
+    return size
 
 
 class DocumentMetadata(WireModel):
-    """Metadata used for filtering and identity; free extra keys are kept as they are."""
+    """Metadata used for filtering and identity; free extra keys are kept as they are. The whole is at most 32 KiB
+    as the index stores it, where a number takes its digits in full (1e300: 301 bytes); a delta over it is
+    dead-lettered invalid_schema."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -196,8 +231,9 @@ class DocumentMetadata(WireModel):
     )
 
     @model_validator(mode="after")
-    def _no_nul_in_free_keys(self) -> DocumentMetadata:
-        """Free keys are stored as they are, as jsonb, which holds neither NUL nor NaN: checked like declared ones."""
+    def _storable(self) -> DocumentMetadata:
+        """Free keys are stored as they are, as jsonb, which holds neither NUL nor NaN: checked like declared ones;
+        the whole within MAX_METADATA_BYTES as stored."""
         pending: list[tuple[str, object]] = list((self.model_extra or {}).items())
         while pending:
             path, value = pending.pop()  # the path holds the keys: a NUL in a key shows there
@@ -209,6 +245,12 @@ class DocumentMetadata(WireModel):
                 pending += [(f"{path}.{key}", item) for key, item in value.items()]
             elif isinstance(value, list):
                 pending += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        stored = stored_json_bytes(self.model_dump(mode="json", exclude_none=True), MAX_METADATA_BYTES)
+        if stored > MAX_METADATA_BYTES:
+            raise ValueError(
+                f"metadata is over {MAX_METADATA_BYTES} bytes as stored (numbers are stored in full: 1e300 takes "
+                "301 bytes)"
+            )
         return self
 
 

@@ -256,6 +256,21 @@ def test_a_callee_name_the_contract_cannot_carry_is_left_out_and_the_ingest_goes
         to_document(chunk, None, None)
 
 
+def test_calls_past_their_share_of_the_metadata_are_left_out_and_the_ingest_goes_on(tmp_path: Path) -> None:
+    """400 callees of 200 characters each are within the contract's count and length, not its metadata bound."""
+    from ontofabric.services.ingest.ingester import CALLS_BYTES, chunk_sources, to_document
+
+    names = [f"f{n:03d}_" + "x" * 195 for n in range(400)]
+    source = "".join(f"def {name}():\n    pass\n\n\n" for name in names)
+    source += "def use():\n" + "".join(f"    {name}()\n" for name in names)
+    chunks = chunk_sources(tmp_path, {"m.py": source}, 1 << 20)
+    (use,) = [c for c in chunks if c.symbol_fqn == "m.use"]
+    assert use.calls == tuple(f"m.{name}" for name in names[: len(use.calls)])  # the first ones, in order
+    assert CALLS_BYTES // 210 <= len(use.calls) < 400
+    for chunk in chunks:
+        to_document(chunk, None, None)
+
+
 def test_a_symbol_too_long_for_the_index_keeps_its_start_a_hash_of_the_whole_and_its_name() -> None:
     """A lookup by name reads a qualified name's last dotted part: a shortened one keeps it (a review's finding)."""
     deep = ".".join(f"package{n}" for n in range(100))

@@ -12,11 +12,13 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.contracts.deltas import NodeRemoved, NodeUpserted, OntologyNode
+from ontofabric.contracts.documents import MAX_METADATA_BYTES, DocumentMetadata, stored_json_bytes
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ops.dead_letters import (
     Selection,
@@ -380,3 +382,42 @@ async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(d
     assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[0])
     assert "metadata.symbolFqn's last part is 12000 bytes" in letter.detail
     assert "metadata.symbolKey" not in letter.detail  # its own key is short
+
+
+async def test_metadata_is_bounded_as_the_index_stores_it(deployment: Deployment) -> None:
+    """A fault tester's delta of 960 kB held 160,000 × 1e308 in a free key: jsonb writes each in full, so every read
+    of the document carried 50 MB, and other workspaces' queries went unanswered meanwhile. The bound counts the
+    metadata as stored; what is within it is stored at the size counted."""
+    numbers = [1.5e3, 1e20, -2.5e-7, 0.125, 7, -12345678901234567890]
+    kept = json.loads(upsert("acme", document("kept", "text")).model_dump_json())
+    kept["payload"]["document"]["metadata"].update({"n": numbers, "note": "é\n", "deep": {"a": [True, None]}})
+    over = json.loads(upsert("acme", document("over", "text")).model_dump_json())
+    over["payload"]["document"]["metadata"]["n"] = [1e300] * 120  # 1.2 kB as sent, 36 kB as stored
+    subject = deployment.names.delta_subject("acme", "main")
+    settings = deployment.settings
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        for delta in (over, kept):
+            ack = await deployment.js.publish(
+                subject, json.dumps(delta).encode(), headers={"Nats-Msg-Id": delta["eventId"]}
+            )
+        await deployment.wait_projected(ack.seq)
+    finally:
+        await projector.stop()
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert letter.reason == "invalid_schema"
+    assert f"metadata is over {MAX_METADATA_BYTES} bytes as stored" in letter.detail
+    conn = await asyncpg.connect(deployment.database_url)
+    try:
+        stored, size = await conn.fetchrow(
+            "SELECT metadata::text, octet_length(metadata::text) FROM documents WHERE id = 'kept'"
+        )
+        assert await conn.fetchval("SELECT count(*) FROM documents WHERE id = 'over'") == 0
+    finally:
+        await conn.close()
+    sent = DocumentMetadata.model_validate(kept["payload"]["document"]["metadata"])
+    assert size == stored_json_bytes(sent.model_dump(mode="json", exclude_none=True))
+    assert json.loads(stored)["n"] == [1500.0, 100000000000000000000, -2.5e-7, 0.125, 7, -12345678901234567890]
+    assert "100000000000000000000" in stored  # written in full
+    assert "-0.00000025" in stored

@@ -43,7 +43,7 @@ from ontofabric.contracts import (
     TokenVectors,
     split_link_key,
 )
-from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS
+from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS, MAX_METADATA_BYTES, stored_json_bytes
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
@@ -157,18 +157,32 @@ def chunk_sources(
     :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`)."""
     package = tree_package(root.resolve().name, sources, package)
     chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
-    # What the contract cannot carry (a name past its length, calls past its count) is left out, so that one odd
-    # source never stops an ingest.
-    calls = {
-        key: tuple(name for name in names if len(name) <= MAX_CALLEE_CHARS)[:MAX_CALLS]
-        for key, names in python_calls(sources, package).items()
-    }
+    calls = {key: carried_calls(names) for key, names in python_calls(sources, package).items()}
     return [
         replace(chunk, calls=calls[key])
         if chunk.chunk_level != "doc" and (key := (chunk.file_path, chunk.symbol_fqn)) in calls
         else chunk
         for chunk in chunks
     ]
+
+
+CALLS_BYTES = MAX_METADATA_BYTES // 2
+"""The share of a document's metadata its calls may take; the rest is its names and paths."""
+
+
+def carried_calls(names: Sequence[str]) -> tuple[str, ...]:
+    """The calls the contract can carry, in order: what it cannot (a name past its length, calls past their count
+    or their share of the metadata) is left out, so that one odd source never stops an ingest."""
+    kept: list[str] = []
+    size = 0
+    for name in names:
+        if len(name) > MAX_CALLEE_CHARS:
+            continue
+        size += stored_json_bytes(name) + 2
+        if size > CALLS_BYTES or len(kept) == MAX_CALLS:
+            break
+        kept.append(name)
+    return tuple(kept)
 
 
 def _calls_state(chunk: Chunk) -> str:

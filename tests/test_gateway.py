@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import socket
 import stat
 import subprocess
@@ -40,6 +41,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, RelationAsked
 from ontofabric.services.gateway.auth import CALLER, Grant
+from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
 from ontofabric.services.gateway.server import Gateway
 from ontofabric.services.gateway.stdio import next_line
@@ -247,11 +249,17 @@ async def _run(deployment: Deployment, *args: str, **env: str) -> subprocess.Com
 
 
 @contextlib.asynccontextmanager
-async def _http_gateway(deployment: Deployment, *args: str, **env: str) -> AsyncIterator[str]:
-    """``ontofabric mcp --http`` on a free port, as a process; yields its URL once it listens."""
+async def _http_gateway(deployment: Deployment, *args: str, files: int | None = None, **env: str) -> AsyncIterator[str]:
+    """``ontofabric mcp --http`` on a free port, as a process (with at most ``files`` descriptors open); yields its
+    URL once it listens."""
     port = _free_port()
+
+    def limited() -> None:
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
     gateway = await asyncio.create_subprocess_exec(
-        ONTOFABRIC, "mcp", *args, "--http", f"127.0.0.1:{port}",
+        ONTOFABRIC, "mcp", *args, "--http", f"127.0.0.1:{port}", preexec_fn=limited,
         env=_gateway_env(deployment, **env), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -289,6 +297,41 @@ async def test_the_python_sdks_handshake_over_streamable_http_holds_no_event_str
     assert refused.status_code == 405
     assert refused.headers["allow"] == "POST"
     assert elsewhere.status_code == 404  # other paths as the SDK serves them: no discovery to find
+
+
+async def test_connections_that_send_no_request_are_bounded_in_number_and_time(
+    deployment: Deployment, served: QueryService
+) -> None:
+    """A fault tester's connections that sent half a header and then nothing held the gateway's descriptors for
+    good, without a token: at the process's limit no connection was accepted and an authorised call went
+    unanswered. Past half its descriptors a connection is closed as it comes; one that sends no whole request
+    headers within HEADERS_READ_S is closed then."""
+    async with _http_gateway(deployment, "--workspace", "acme", files=256) as url:  # at most 128 connections
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        held = []
+        for _ in range(140):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
+            held.append((reader, writer))
+
+        async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+            try:
+                return await asyncio.wait_for(reader.read(), seconds) == b""
+            except ConnectionError:  # reset
+                return True
+            except TimeoutError:
+                return False
+
+        at_once = await asyncio.gather(*(closed_within(reader, 1.0) for reader, _ in held))
+        assert 12 <= sum(at_once) <= 14  # the 129th on (the listening socket's probe has gone)
+        later = await asyncio.gather(
+            *(closed_within(r, HEADERS_READ_S + 3) for (r, _), c in zip(held, at_once, strict=True) if not c)
+        )
+        assert all(later)
+        for _, writer in held:
+            writer.close()
+        async with Client(url) as client:
+            assert (await client.list_tools()).tools
 
 
 async def test_over_http_a_bearer_token_reads_only_its_workspaces(

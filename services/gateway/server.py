@@ -47,6 +47,7 @@ from ontofabric.shared.tasks import cancel_and_wait, watch_lateness
 from .admission import ARRIVED, MIN_RETRY_AFTER_S, AdmitRequests, Intake, LoopLag, refused_requests
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .bodies import peek_body, replaying
+from .connections import BoundedConnections
 from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import ODD_ID, checked_request, not_utf8_error, request_id_of, stdio_streams, unreadable
 from .tools import (
@@ -226,7 +227,7 @@ class Gateway:
         lag = LoopLag()
         app = AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag)
         app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host))
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
         listening = listen_on(host, port)
         watching = asyncio.create_task(watch_lateness(lag.observe), name="gateway-loop-lag")

@@ -31,7 +31,7 @@ class SettingsUnusable(ValueError):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ONTOFABRIC_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="ONTOFABRIC_", extra="ignore", frozen=True, allow_inf_nan=False)
 
     # --- connections -----------------------------------------------------------------------------
     nats_url: str | None = Field(

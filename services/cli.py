@@ -573,7 +573,12 @@ def _token_store(data_dir: Path | None) -> TokenStore:
 
 @gateway_token.command("add")
 def gateway_token_add(
-    client: Annotated[str, typer.Argument(help="Who the token is for (a name; issuing again replaces its token).")],
+    client: Annotated[
+        str,
+        typer.Argument(
+            help="Who the token is for: a name of letters, digits and . _ @ + - (issuing again replaces its token)."
+        ),
+    ],
     workspace: Annotated[
         list[str], typer.Option("--workspace", "-w", help="A workspace it may read (repeat; '*' for all).")
     ],
@@ -587,7 +592,10 @@ def gateway_token_add(
             except ValidationError:
                 _fail(f"{name!r} is not a workspace name")
     store = _token_store(data_dir)
-    token = store.add(client, workspace)
+    try:
+        token = store.add(client, workspace)
+    except ValueError as refused:
+        _fail(str(refused))
     errors.print(f"token of {client!r} for {', '.join(sorted(set(workspace)))} (kept hashed in {store.path}):")
     print(token)
 

@@ -13,6 +13,7 @@ import contextvars
 import hashlib
 import hmac
 import json
+import re
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +27,10 @@ from ontofabric.shared.runtime import write_private
 log = get_logger(__name__)
 
 ALL_WORKSPACES = "*"
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+"""A token holder's name: it keys the token, its share of the gateway and its calls' cancellations. A tester's empty
+name escaped the share (no name was taken for no token), and one with a tab and a newline forged a line of
+``gateway-token list``."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,12 @@ class TokenStore:
         return next((g for g in self._grants.values() if hmac.compare_digest(g.sha256, digest)), None)
 
     def add(self, client: str, workspaces: Sequence[str]) -> str:
-        """Issue a token to ``client`` (replacing its previous one); returns the token, which is not kept."""
+        """Issue a token to ``client`` (replacing its previous one); returns the token, which is not kept.
+        ValueError for a name that is not :data:`CLIENT_NAME`."""
+        if CLIENT_NAME.fullmatch(client) is None:
+            raise ValueError(
+                f"{client!r} is no client name: a letter or digit, then up to 127 letters, digits and . _ @ + -"
+            )
         token = secrets.token_urlsafe(32)
         grants = {g.client: g for g in self.grants() if g.client != client}
         grants[client] = Grant(_digest(token), client, sorted(set(workspaces)))

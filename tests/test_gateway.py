@@ -294,9 +294,14 @@ async def test_the_python_sdks_handshake_over_streamable_http_holds_no_event_str
         async with httpx2.AsyncClient() as http:
             refused = await http.get(url, headers={"Accept": "text/event-stream"})
             elsewhere = await http.get(url.replace("/mcp", "/.well-known/oauth-protected-resource"))
+            others = {m: await http.request(m, url) for m in ("DELETE", "PUT", "PATCH", "OPTIONS", "HEAD")}
     assert refused.status_code == 405
     assert refused.headers["allow"] == "POST"
     assert elsewhere.status_code == 404  # other paths as the SDK serves them: no discovery to find
+    # A tester's: the SDK's 405 to a PUT allowed GET and DELETE, which it refused too, and its DELETE's named none.
+    assert {method: (a.status_code, a.headers.get("allow")) for method, a in others.items()} == dict.fromkeys(
+        others, (405, "POST")
+    )
 
 
 async def test_connections_that_send_no_request_are_bounded_in_number_and_time(
@@ -338,6 +343,12 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
     deployment: Deployment, served: QueryService, tmp_path: Path
 ) -> None:
     tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    # A tester's: an empty name escaped the per-token share, one with a tab and a newline forged a listed line.
+    for odd in ("", "mallory\tacme\nroot", "-x", "a" * 129):
+        refused = await _run(deployment, "gateway-token", "add", "--workspace", "acme", "--", odd, **tokens)
+        assert refused.returncode == 2, odd
+        assert "is no client name" in refused.stderr
+    assert not (tmp_path / "tokens.json").exists()
     issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
     assert issued.returncode == 0, issued.stderr
     token = issued.stdout.strip()
@@ -455,6 +466,13 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
         assert batch.json()["error"] == {
             "code": -32600, "message": "a batch (a JSON array) is not taken: send each request alone"
         }  # fmt: skip
+        for lone in (b"null", b"123", b'""', b"true"):  # a tester's: the SDK's validation dump of four union members
+            answer = await http.post(url, content=lone)
+            assert answer.status_code == 400, lone
+            assert answer.json()["error"] == {
+                "code": -32600,
+                "message": f"{NOT_A_MESSAGE}: message: Input should be an object",
+            }
         # A notification holding one is accepted, as any notification: there is no id to answer.
         notified = b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"reason": "\\ud83d"}}'
         assert (await http.post(url, content=notified)).status_code == 202

@@ -271,7 +271,8 @@ MCP_PATH = "/mcp"
 
 
 class NoEventStreams:
-    """ASGI middleware: a GET for a stream of messages the server sends unasked is answered 405, as MCP allows. The
+    """ASGI middleware: every method but POST is answered 405 (``Allow: POST``). A GET for a stream of messages the
+    server sends unasked, as MCP allows: the
     tools never call back, so the stream would stay silent; the stateless SDK app held one open per client for as
     long as it stayed connected, past the limit on requests held (which counts POSTs), once the gateway gave
     session ids (a review's finding: 100 Python clients, 100 open connections)."""
@@ -280,13 +281,17 @@ class NoEventStreams:
         self._app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "GET" or scope.get("path") != MCP_PATH:
+        method = scope.get("method")
+        if scope["type"] != "http" or method == "POST" or scope.get("path") != MCP_PATH:
             await self._app(scope, receive, send)  # other paths as the SDK serves them (a discovery's 404)
             return
-        error = {"code": types.INVALID_REQUEST, "message": "Method Not Allowed: this server sends nothing unasked"}
+        # Every other method too, each 405 saying what is allowed: the SDK's said GET and DELETE to a PUT while
+        # answering both 405 itself, and its DELETE's said nothing (a tester's; RFC 9110, 15.5.6).
+        why = {"GET": "this server sends nothing unasked", "DELETE": "this server keeps no session to end"}
+        error = {"code": types.INVALID_REQUEST, "message": f"Method Not Allowed: {why.get(str(method), 'POST only')}"}
         body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
         await send({"type": "http.response.start", "status": 405, "headers": [*_JSON_HEADERS, (b"allow", b"POST")]})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
 
 
 class MisreadBodies:
@@ -298,8 +303,9 @@ class MisreadBodies:
       request a JSON-RPC error naming the field, under its id.
     - An id that is neither a string nor an integer (null, 1.5, true, an object): the SDK took the message for a
       notification and answered 202 with nothing, so its caller waited for ever. It gets an invalid request error.
-    - A batch (JSON-RPC's array of requests, which MCP no longer has): an invalid request, as over stdio, where the
-      SDK answered an invalid-params error holding a validation dump.
+    - A batch (JSON-RPC's array of requests, which MCP no longer has), or JSON that is no object at all (``null``,
+      ``123``): an invalid request, as over stdio, where the SDK answered an invalid-params error holding a
+      validation dump.
     - A request whose envelope or params do not fit (``jsonrpc`` "1.0", ``params`` an array, ``arguments`` a
       string, no tool name): the SDK answered a validation dump under id null, or "Invalid request parameters"; it
       gets the error stdio gives, naming the field, under its id.
@@ -354,17 +360,16 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     or None when the SDK reads it right."""
     if (refused := not_utf8_error(body)) is not None:
         return 400, refused.model_dump(mode="json", by_alias=True, exclude_none=True)
-    if body.lstrip()[:1] == b"[":  # a batch: the SDK answered -32602 with a pydantic dump here, -32600 over stdio
+    if body.lstrip()[:1] != b"{":  # a batch or a lone value: the SDK answered -32602 with a pydantic dump
         try:
-            batch = json.loads(body)
+            found = json.loads(body)
         except (ValueError, RecursionError):
-            return None
-        if isinstance(batch, list):
-            error = {
-                "code": types.INVALID_REQUEST,
-                "message": "a batch (a JSON array) is not taken: send each request alone",
-            }
-            return 400, {"jsonrpc": "2.0", "id": None, "error": error}
+            return None  # not JSON: the SDK's parse error says so
+        if isinstance(found, list):
+            message = "a batch (a JSON array) is not taken: send each request alone"
+        else:
+            message = "not a JSON-RPC 2.0 request, notification or response: message: Input should be an object"
+        return 400, {"jsonrpc": "2.0", "id": None, "error": {"code": types.INVALID_REQUEST, "message": message}}
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:

@@ -363,6 +363,9 @@ async def test_a_request_whose_caller_sent_it_long_before_the_worker_read_it_is_
     reply = parse_reply(late)
     assert isinstance(reply, ErrorReply)
     assert (reply.error.code, reply.error.retryable) == ("deadline_exceeded", True)
+    # A tester's: it said "waited 0 ms for a free slot", naming no header, where a caller's clock may be behind.
+    assert "was sent 15" in reply.error.message
+    assert f"by its {SENT_AT_HEADER} header" in reply.error.message
     assert service.handled == handled  # no work for a caller that gave up
     just_now = {SENT_AT_HEADER: str(round(time.time() * 1000))}
     (answer,) = await _request(deployment, _query(), 2000, 1.5, just_now)

@@ -30,6 +30,8 @@ class Deadline:
     """What the caller asked for (or the worker's default)."""
     stated: bool = True
     """The caller said its timeout (the header); False: the worker's default is a guess at it."""
+    waited_before_s: float = 0.0
+    """What the request waited before the worker read it, by its send time (past the clocks' allowance)."""
 
     def left(self, now: float) -> float:
         return self.at - now
@@ -99,7 +101,8 @@ def deadline_of(
         timeout_ms = int(text)
     timeout_s = timeout_ms / 1000
     margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE)) + min(lag_s, timeout_s * MAX_LAG_SHARE)
-    return Deadline(received + max(0.0, timeout_s - margin - waited_before_s), timeout_ms, stated=raw is not None)
+    at = received + max(0.0, timeout_s - margin - waited_before_s)
+    return Deadline(at, timeout_ms, stated=raw is not None, waited_before_s=waited_before_s)
 
 
 SERVICE_TIME_WEIGHT = 0.1

@@ -28,9 +28,11 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from ontofabric.contracts import (
+    CLOCK_ALLOWANCE_MS,
     MAX_REQUEST_BYTES,
     RECEIPT_HEADER,
     RECEIVED,
+    SENT_AT_HEADER,
     TIMEOUT_HEADER,
     DocumentRequest,
     ErrorDetail,
@@ -230,7 +232,14 @@ class Admitted:
         """Why it is refused at its deadline."""
         if self.taken_at is None:
             waited = (now - self.received) * 1000
-            return f"waited {waited:.0f} ms for a free slot, past the request's {self.deadline.timeout_ms} ms"
+            before = self.deadline.waited_before_s * 1000
+            sent = (
+                f"was sent {before + CLOCK_ALLOWANCE_MS:.0f} ms before this worker read it (by its {SENT_AT_HEADER} "
+                f"header: a clock behind this worker's by more than {CLOCK_ALLOWANCE_MS} ms reads as that) and "
+                if before
+                else ""
+            )  # a tester's: a send time far in the past read "waited 0 ms for a free slot", naming no header
+            return f"{sent}waited {waited:.0f} ms for a free slot, past the request's {self.deadline.timeout_ms} ms"
         waited = (self.taken_at - self.received) * 1000
         return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms)"
 

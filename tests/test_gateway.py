@@ -410,6 +410,18 @@ async def test_a_tokens_file_that_cannot_be_read_lets_nobody_in_and_says_why(
         assert refused.returncode == 2
         assert "cannot be read" in " ".join(refused.stderr.split())  # the console wraps long lines (the path)
         assert "Traceback" not in refused.stderr
+    # A tester's: a data directory that is a file ended each of these in a traceback (NotADirectoryError).
+    under_a_file = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(path / "tokens.json")}
+    for command in (
+        ["mcp", "--http", f"127.0.0.1:{_free_port()}"],
+        ["gateway-token", "list"],
+        ["gateway-token", "add", "bob", "--workspace", "acme"],
+        ["gateway-token", "revoke", "alice"],
+    ):
+        refused = await _run(deployment, *command, **under_a_file)
+        assert refused.returncode == 2, command
+        assert "Not a directory" in " ".join(refused.stderr.split())
+        assert "Traceback" not in refused.stderr
 
 
 async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(

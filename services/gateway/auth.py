@@ -95,8 +95,11 @@ class TokenStore:
         return len(kept) < len(grants)
 
     def _write(self, grants: Iterable[Grant]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_private(self.path, json.dumps([asdict(g) for g in grants], indent=1))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_private(self.path, json.dumps([asdict(g) for g in grants], indent=1))
+        except OSError as error:
+            raise TokensUnreadable(f"the tokens file {self.path} cannot be written: {error}") from error
         self._seen = None
 
     def _reload(self) -> None:
@@ -105,6 +108,9 @@ class TokenStore:
         except FileNotFoundError:
             self._grants, self._seen = {}, None
             return
+        except OSError as error:  # a tester's: a data directory that is a file ended in a traceback
+            self._grants, self._seen = {}, None
+            raise TokensUnreadable(f"the tokens file {self.path} cannot be read: {error}") from error
         seen = (stat.st_mtime_ns, stat.st_size)
         if seen != self._seen:
             try:

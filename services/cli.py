@@ -29,7 +29,6 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import SettingsError
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from typer.core import TyperOption
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
@@ -92,7 +91,7 @@ from .ops.dead_letters import (
 from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
-from .render import RichProgress, render_reply, render_status
+from .render import RichProgress, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
     from .ingest.ingester import IngestReport
@@ -398,7 +397,15 @@ def ingest(
         finally:
             await close_nats(nc)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess what was sent
+        errors.print(
+            "interrupted: the deltas published so far are stored and a running projector applies them; the same "
+            "ingest again is safe and sends the rest",
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
 
 
 def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
@@ -730,14 +737,18 @@ def dlq_redrive(
     since: SinceFilter = None,
     until: UntilFilter = None,
     force: Annotated[
-        bool, typer.Option(help="Also those whose document the index holds at a later sequence (older state wins).")
+        bool,
+        typer.Option(
+            help="Also those whose row the index holds at a later sequence (the older state wins), and those whose "
+            "branch has deltas the projector has not applied yet (one of which may be a later state)."
+        ),
     ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     data_dir: DataDir = None,
 ) -> None:
     """Publish the matching dead letters' deltas again, so the projectors apply them (after a fix), and delete the
     dead letters. A delta whose row (document, graph node or link) the index already holds at a later sequence is
-    left unless --force."""
+    left unless --force, and so is one whose branch has deltas the projector has not applied yet."""
     selection = _selection(sequences, workspace, reason, since, until)
 
     async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Redrive:
@@ -1449,7 +1460,10 @@ def show_settings(
             print(f"| `ONTOFABRIC_{name.upper()}` | {default} | {field.description or ''} |")
         return
     settings = Settings()
-    table = Table("variable", "value", "meaning")
+    table = whole_table("variable", "value", "meaning")
+    # Whole on one line, to be copied: piped at 80 columns, 80 of 103 names ended in an ellipsis (a tester's).
+    table.columns[0].no_wrap = True
+    table.columns[0].min_width = max(len(f"ONTOFABRIC_{name}") for name in Settings.model_fields)
     for name, field in Settings.model_fields.items():
         value = getattr(settings, name)
         # SecretStr prints masked; a list as the variable would be written (JSON).

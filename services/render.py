@@ -158,9 +158,20 @@ def _size(count: int) -> str:
     return f"{count} B"
 
 
+def whole_table(*headers: str) -> Table:
+    """A table whose cells wrap rather than end in an ellipsis: piped, a console is 80 columns wide, and a tester's
+    ``status`` showed versions and consumer names cut short (``915-d5a5…``)."""
+    table = Table()
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    return table
+
+
 def render_status(console: Console, status: DeploymentStatus) -> None:
     """``ontofabric status`` as tables."""
-    branches = Table("workspace", "branch", "ontologyVersion", "latest seq", "indexed to", "pending", "oldest pending")
+    branches = whole_table(
+        "workspace", "branch", "ontologyVersion", "latest seq", "indexed to", "pending", "oldest pending"
+    )
     for row in status.branches:
         waited = f"{row.oldest_pending_ms / 1000:.1f} s" if row.oldest_pending_ms is not None else "-"
         branches.add_row(
@@ -171,7 +182,7 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     console.print(branches)
     letters = ", ".join(f"{escape(ws)} {count}" for ws, count in status.dead_letters.items()) or "none"
     console.print(f"dead letters: {letters}")
-    consumers = Table(
+    consumers = whole_table(
         "projector consumer", "ack floor", "index position", "undelivered", "unacknowledged", "waiting pulls",
         "last active",
     )  # fmt: skip

@@ -512,7 +512,8 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ontofabric",
-        description="Embedding cache of `ontofabric eval` and the query model's ONNX export (both safe to delete). "
+        description="Embedding cache of `ontofabric ingest`, `demo` and `eval`, and the query model's ONNX export "
+        "(both safe to delete; an empty cache embeds everything again, minutes for the demo). "
         "Default: $XDG_CACHE_HOME/ontofabric.",
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -19,6 +20,7 @@ import asyncpg
 import pytest
 
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
 from .factories import document, upsert
@@ -110,6 +112,31 @@ def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> No
             up.wait()
     assert up.returncode == 1
     assert "embedded server ended: nats" in stderr.decode()
+
+
+def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) -> None:
+    """A tester's: Ctrl-C ended an ingest with exit 130 and not a word. Here it waits on a NATS server that never
+    says hello."""
+    (tmp_path / "m.py").write_text("def f():\n    return 1\n")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        env = _env(
+            ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{silent.getsockname()[1]}", ONTOFABRIC_EMBEDDER="none",
+            ONTOFABRIC_DATA_DIR=str(tmp_path / "data"),
+        )  # fmt: skip
+        ingest = subprocess.Popen(
+            [ONTOFABRIC, "ingest", str(tmp_path), "--workspace", "w"], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        silent.settimeout(60)
+        accepted, _ = silent.accept()  # it is connecting
+        with accepted:
+            ingest.send_signal(signal.SIGINT)
+            _, stderr = ingest.communicate(timeout=30)
+    assert ingest.returncode == 130
+    assert "interrupted: the deltas published so far are stored" in " ".join(stderr.split())
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.slow
@@ -257,6 +284,17 @@ def test_demo_runs_and_exits_zero() -> None:
     assert "cacheHit=True" in result.stdout
     assert "lateInteraction weight=0.2 candidates=" in result.stdout  # what ran, as the _meta envelope says
     assert "demo wall time" in result.stdout
+
+
+def test_settings_piped_at_80_columns_name_every_variable_whole() -> None:
+    """A tester's: piped, 80 of 103 names ended in an ellipsis (ONTOFABRIC_NATS_CONNECT…)."""
+    shown = subprocess.run(
+        [ONTOFABRIC, "settings"], capture_output=True, text=True, env=_env(COLUMNS="80"), check=False, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    named = set(re.findall(r"\bONTOFABRIC_[A-Z0-9_]+\b", shown.stdout))
+    assert named >= {f"ONTOFABRIC_{name.upper()}" for name in Settings.model_fields}
+    assert "…" not in shown.stdout
 
 
 def test_readme_settings_table_is_current() -> None:

@@ -150,6 +150,17 @@ def test_names() -> None:
     assert truncate_utf8("héllo", 2) == "h"
 
 
+def test_a_chunk_longer_than_the_content_limit_keeps_its_start_and_says_how_long_it_was() -> None:
+    """A tester's 2 MB file was cut without a word: the ingester now logs each cut chunk (``ingest_chunk_cut``)."""
+    source = "def small():\n    return 1\n\n\ndef large():\n    return '" + "x" * 300 + "'\n"
+    chunks = {c.symbol_fqn: c for c in chunk_python("m.py", source, 200)}
+    assert chunks["m.small"].cut_from_bytes is None
+    assert (chunks["m.large"].cut_from_bytes or 0) > 200
+    assert len(chunks["m.large"].content.encode()) == 200
+    (whole,) = chunk_markdown("a.md", "# A\n\nshort\n", 200)
+    assert whole.cut_from_bytes is None
+
+
 def _desired(chunks: list) -> dict[str, str]:  # type: ignore[type-arg]
     return {f"d:{c.document_id}": c.content_hash for c in chunks}
 

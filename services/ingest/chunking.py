@@ -37,6 +37,8 @@ class Chunk:
     calls: tuple[str, ...] = ()
     """Qualified names of the symbols the chunk's own code calls (``graph.python_calls``; set by the ingester,
     which sees the whole tree)."""
+    cut_from_bytes: int | None = None
+    """The text's size when it was longer than the content limit and ``content`` is its start; None when whole."""
 
     @property
     def content_hash(self) -> str:
@@ -90,6 +92,12 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     return encoded[:max_bytes].decode("utf-8", errors="ignore")
 
 
+def cut_from(text: str, max_bytes: int) -> int | None:
+    """The text's size in bytes when :func:`truncate_utf8` cuts it, else None."""
+    size = len(text.encode("utf-8"))
+    return size if size > max_bytes else None
+
+
 def module_name(path: str, package: str | None = None) -> str:
     """``services/query/fusion.py`` -> ``services.query.fusion``; a package's ``__init__.py`` names the package.
     ``package``: the name of the tree itself when it is a package (its root holds ``__init__.py``), which then
@@ -139,6 +147,7 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
             source_domain="python",
             file_path=path,
             content=truncate_utf8(content, max_content_bytes),
+            cut_from_bytes=cut_from(content, max_content_bytes),
         )
 
     chunks = [make(file_key, "module", module, "file", module_type, source)]
@@ -228,6 +237,7 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
                 source_domain="markdown",
                 file_path=path,
                 content=truncate_utf8(text, max_content_bytes),
+                cut_from_bytes=cut_from(text, max_content_bytes),
             )
         )
     return chunks

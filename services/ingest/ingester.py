@@ -158,6 +158,16 @@ def chunk_sources(
     package = tree_package(root.resolve().name, sources, package)
     chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
     calls = {key: carried_calls(names) for key, names in python_calls(sources, package).items()}
+    for chunk in chunks:
+        if chunk.cut_from_bytes is not None:  # a tester's 2 MB file was cut without a word
+            log.warning(
+                "ingest_chunk_cut",
+                path=chunk.file_path,
+                symbol=chunk.symbol_fqn,
+                size_bytes=chunk.cut_from_bytes,
+                kept_bytes=max_content_bytes,
+                reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
+            )
     return [
         replace(chunk, calls=calls[key])
         if chunk.chunk_level != "doc" and (key := (chunk.file_path, chunk.symbol_fqn)) in calls

@@ -181,7 +181,10 @@ def stored_json_bytes(value: object, limit: int | None = None) -> int:
         item = pending.pop()
         if isinstance(item, dict):
             size += 2 + 4 * len(item) - (2 if item else 0)  # braces, ': ' and ', '
-            size += sum(stored_json_bytes(str(key)) for key in item)
+            for key in item:
+                size += stored_json_bytes(str(key))
+                if limit is not None and size > limit:
+                    return size
             pending += item.values()
         elif isinstance(item, list):
             size += 2 + 2 * len(item) - (2 if item else 0)
@@ -191,7 +194,8 @@ def stored_json_bytes(value: object, limit: int | None = None) -> int:
         elif isinstance(item, bool) or item is None:
             size += 4 if item in (True, None) else 5
         elif isinstance(item, int):
-            size += (item < 0) + int(item.bit_length() * math.log10(2)) + 1  # str() refuses past 4,300 digits
+            most = int(item.bit_length() * math.log10(2)) + 1  # digits of 2 ** bit_length: str() refuses past 4,300
+            size += (item < 0) + max(1, most - (abs(item) < 10 ** (most - 1)))
         elif isinstance(item, float):
             sign, digits, exponent = Decimal(repr(item)).as_tuple()
             assert isinstance(exponent, int), "finite numbers only"  # NaN and infinity are refused before

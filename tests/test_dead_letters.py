@@ -388,7 +388,7 @@ async def test_metadata_is_bounded_as_the_index_stores_it(deployment: Deployment
     """A fault tester's delta of 960 kB held 160,000 × 1e308 in a free key: jsonb writes each in full, so every read
     of the document carried 50 MB, and other workspaces' queries went unanswered meanwhile. The bound counts the
     metadata as stored; what is within it is stored at the size counted."""
-    numbers = [1.5e3, 1e20, -2.5e-7, 0.125, 7, -12345678901234567890]
+    numbers = [1.5e3, 1e20, -2.5e-7, 0.125, 7, 9, 2**63, -12345678901234567890]  # 9: a review's, counted as 2
     kept = json.loads(upsert("acme", document("kept", "text")).model_dump_json())
     kept["payload"]["document"]["metadata"].update({"n": numbers, "note": "é\n", "deep": {"a": [True, None]}})
     over = json.loads(upsert("acme", document("over", "text")).model_dump_json())
@@ -418,6 +418,15 @@ async def test_metadata_is_bounded_as_the_index_stores_it(deployment: Deployment
         await conn.close()
     sent = DocumentMetadata.model_validate(kept["payload"]["document"]["metadata"])
     assert size == stored_json_bytes(sent.model_dump(mode="json", exclude_none=True))
-    assert json.loads(stored)["n"] == [1500.0, 100000000000000000000, -2.5e-7, 0.125, 7, -12345678901234567890]
+    assert json.loads(stored)["n"] == [
+        1500.0,
+        100000000000000000000,
+        -2.5e-7,
+        0.125,
+        7,
+        9,
+        2**63,
+        -12345678901234567890,
+    ]
     assert "100000000000000000000" in stored  # written in full
     assert "-0.00000025" in stored

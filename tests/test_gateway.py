@@ -256,7 +256,7 @@ async def _http_gateway(deployment: Deployment, *args: str, files: int | None = 
 
     def limited() -> None:
         if files is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (files, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
     gateway = await asyncio.create_subprocess_exec(
         ONTOFABRIC, "mcp", *args, "--http", f"127.0.0.1:{port}", preexec_fn=limited,
@@ -485,6 +485,10 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
                 "code": -32600,
                 "message": f"{NOT_A_MESSAGE}: message: Input should be an object",
             }
+        bom = await http.post(
+            url, content=b"\xef\xbb\xbf" + json.dumps({"jsonrpc": "2.0", "id": 3, "method": "ping"}).encode()
+        )
+        assert bom.json()["error"]["code"] == -32700  # the SDK's parse error, not "should be an object" (a review's)
         # A notification holding one is accepted, as any notification: there is no id to answer.
         notified = b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"reason": "\\ud83d"}}'
         assert (await http.post(url, content=notified)).status_code == 202
@@ -528,6 +532,7 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
             assert answer.status_code == (200 if code == -32602 else 400), request
             assert answer.json()["id"] == request["id"]
             assert answer.json()["error"]["code"] == code
+            assert "mcp-session-id" not in answer.headers  # a failed initialize opens no session
             assert answer.json()["error"]["message"].startswith(message), answer.json()
         latin = (await http.post(url, content=LATIN_1)).json()
         assert (latin["id"], latin["error"]["code"]) == (27, -32602)

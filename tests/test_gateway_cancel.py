@@ -30,7 +30,10 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
     request = json.loads(body)
     if "id" in request:
         await asyncio.sleep(scope["work_s"])
-        answer = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": {}}).encode()
+        outcome = (
+            {"error": {"code": -32602, "message": "no"}} if request.get("params", {}).get("fail") else {"result": {}}
+        )
+        answer = json.dumps({"jsonrpc": "2.0", "id": request["id"], **outcome}).encode()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": answer})
     else:
@@ -162,6 +165,12 @@ async def test_an_initialize_answer_names_a_new_session_and_no_other_answer_does
     assert _session_ids(first) != _session_ids(second)
     assert len(_session_ids(first)[0]) == 32
     assert _session_ids(called) == []
+    # A tester's: an initialize the server refused (its params wrong) got a session id all the same.
+    refused: list[tuple[bytes, bytes]] = []
+    failing = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"fail": True}}
+    answer = await _post(gateway, None, failing, work_s=0, answer_headers=refused)
+    assert "error" in (answer or {})
+    assert _session_ids(refused) == []
 
 
 async def test_a_session_without_a_token_cancels_its_own_call_only() -> None:

@@ -23,9 +23,21 @@ HEADERS_READ_S = 10.0
 body's own limit is admission's BODY_READ_S)."""
 
 
+DESCRIPTORS_WANTED = 65536
+
+
 def connection_limit() -> int:
-    """Half the process's file descriptors: the other half stays for NATS, logs and what the libraries open."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """Half the process's file descriptors, once their soft limit is raised as far as the hard one allows (up to
+    DESCRIPTORS_WANTED: a common soft limit of 1,024 would hold a team's gateway to 512 connections); the other
+    half stays for NATS, logs and what the libraries open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = DESCRIPTORS_WANTED if hard == resource.RLIM_INFINITY else min(hard, DESCRIPTORS_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass  # kept as it is
     return 4096 if soft == resource.RLIM_INFINITY else max(16, soft // 2)
 
 
@@ -33,7 +45,8 @@ class BoundedConnections(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, with a deadline for each request's headers and a bound on open connections
     (a connection past it is closed as it comes)."""
 
-    limit: ClassVar[int] = connection_limit()
+    limit: ClassVar[int] = 512
+    """Set by the gateway as it starts (:func:`connection_limit`)."""
     headers_read_s: ClassVar[float] = HEADERS_READ_S
 
     _refused = False

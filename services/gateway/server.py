@@ -47,7 +47,7 @@ from ontofabric.shared.tasks import cancel_and_wait, watch_lateness
 from .admission import ARRIVED, MIN_RETRY_AFTER_S, AdmitRequests, Intake, LoopLag, refused_requests
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .bodies import peek_body, replaying
-from .connections import BoundedConnections
+from .connections import BoundedConnections, connection_limit
 from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import ODD_ID, checked_request, not_utf8_error, request_id_of, stdio_streams, unreadable
 from .tools import (
@@ -227,6 +227,7 @@ class Gateway:
         lag = LoopLag()
         app = AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag)
         app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host))
+        BoundedConnections.limit = connection_limit()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
         listening = listen_on(host, port)
@@ -362,7 +363,7 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
         return 400, refused.model_dump(mode="json", by_alias=True, exclude_none=True)
     if body.lstrip()[:1] != b"{":  # a batch or a lone value: the SDK answered -32602 with a pydantic dump
         try:
-            found = json.loads(body)
+            found = json.loads(body.decode("utf-8"))  # not bytes: json reads a BOM or UTF-16 there, the SDK does not
         except (ValueError, RecursionError):
             return None  # not JSON: the SDK's parse error says so
         if isinstance(found, list):
@@ -494,11 +495,17 @@ class CancelledWithClient:
                 body_read.set()
             return message
 
+        held: Message | None = None  # the start of an answer to initialize, until its body says how it went
+
         async def sending(message: Message) -> None:
-            nonlocal answered, started
-            if message["type"] == "http.response.start" and message.get("status") == 200:
-                message = _with_session(message, bytes(body))
+            nonlocal answered, started, held
             started = True
+            if message["type"] == "http.response.start" and message.get("status") == 200 and _initialize(body):
+                held = message
+                return
+            if held is not None:
+                start, held = _with_session(held, message.get("body", b"")), None
+                await send(start)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 answered = True
             await send(message)
@@ -592,15 +599,22 @@ def _session_of(scope: Scope) -> str | None:
     return None
 
 
-def _with_session(start: Message, body: bytes) -> Message:
-    """The answer to an ``initialize`` with a new session id, unless the app gave it one."""
+def _initialize(body: bytearray) -> bool:
+    """Whether a request's body is an ``initialize``."""
+    if b'"initialize"' not in body:  # every answer passes here: most need no parse
+        return False
+    request = _json_object(bytes(body)) if len(body) <= PEEKED_BODY_BYTES else None
+    return request is not None and request.get("method") == "initialize"
+
+
+def _with_session(start: Message, answer: bytes) -> Message:
+    """The start of an answer to ``initialize`` with a new session id, unless the app gave it one or the answer is
+    an error (a tester's: a failed initialize got a session to use)."""
     headers = list(start.get("headers", ()))
     if any(name.lower() == SESSION_HEADER for name, _ in headers):
         return start
-    if b'"initialize"' not in body:  # every answer passes here: most need no parse
-        return start
-    request = _json_object(body) if len(body) <= PEEKED_BODY_BYTES else None
-    if request is None or request.get("method") != "initialize":
+    reply = _json_object(answer)
+    if reply is not None and "error" in reply:
         return start
     return {**start, "headers": [*headers, (SESSION_HEADER, secrets.token_hex(16).encode())]}
 

@@ -230,18 +230,18 @@ class Admitted:
 
     def late(self, now: float) -> str:
         """Why it is refused at its deadline."""
+        before = self.deadline.waited_before_s * 1000
+        sent = (
+            f"; it was sent {before + CLOCK_ALLOWANCE_MS:.0f} ms before this worker read it (by its {SENT_AT_HEADER} "
+            f"header: a clock behind this worker's by more than {CLOCK_ALLOWANCE_MS} ms reads as that)"
+            if before
+            else ""
+        )  # a tester's: a send time far in the past read "waited 0 ms for a free slot", naming no header
         if self.taken_at is None:
             waited = (now - self.received) * 1000
-            before = self.deadline.waited_before_s * 1000
-            sent = (
-                f"was sent {before + CLOCK_ALLOWANCE_MS:.0f} ms before this worker read it (by its {SENT_AT_HEADER} "
-                f"header: a clock behind this worker's by more than {CLOCK_ALLOWANCE_MS} ms reads as that) and "
-                if before
-                else ""
-            )  # a tester's: a send time far in the past read "waited 0 ms for a free slot", naming no header
-            return f"{sent}waited {waited:.0f} ms for a free slot, past the request's {self.deadline.timeout_ms} ms"
+            return f"waited {waited:.0f} ms for a free slot, past the request's {self.deadline.timeout_ms} ms{sent}"
         waited = (self.taken_at - self.received) * 1000
-        return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms)"
+        return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms){sent}"
 
 
 class QueryService:

@@ -136,7 +136,10 @@ class RelatedTo(StrictRequest):
     relation: Relation = Field(
         description="callers: the chunks whose code calls the symbol; callees: what its code calls; subclasses: the "
         "types deriving from it (the nearest first); bases: the types it derives from; importers: the modules "
-        "importing it; imports: the modules it imports."
+        "importing it; imports: the modules it imports. Calls are read from the source's syntax: a call by a name "
+        "the module defines or imports, through a module, a class, self, cls or super(); one through a parameter, "
+        "an attribute or what another call returned is not found, so an empty answer is no proof that nothing "
+        "calls the symbol."
     )
     symbol: str = Field(
         min_length=1,
@@ -433,8 +436,15 @@ class QueryMeta(WireModel):
         default=False, description="True when the hits link to more types than expansion attaches (a set bound)."
     )
     backend: str = Field(description="Keyword backend that served the query.")
-    retrievers: list[str] = Field(description="Retrievers whose candidates were fused, by name.")
-    fusion: FusionReport | None = Field(default=None, description="How the lists were fused; null for one list.")
+    retrievers: list[str] = Field(
+        description="Retrievers that ran, by name, each list fused even when it came back empty (keyword search "
+        "finds nothing for a query of stop words or unknown words): hybrid says whether two lists held candidates."
+    )
+    fusion: FusionReport | None = Field(
+        default=None,
+        description="How the lists of the retrievers that ran were combined, also when one was empty (hybrid "
+        "false); null when one retriever ran.",
+    )
     late_interaction: LateInteractionReport | None = Field(
         default=None, description="Late interaction over stored token vectors; null when it did not run."
     )

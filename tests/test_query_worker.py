@@ -220,6 +220,11 @@ async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     assert text.startswith(first.content)
     assert first.content.endswith("\n")  # at a line's end
     assert 3000 < len(json.dumps(first.content, ensure_ascii=False).encode()) <= 4000
+    assert len(first.model_dump_json().encode()) <= 4000  # the whole reply: a tester's was over by its envelope
+    # Left out of a query's answer, the text's length is said (a tester found it null).
+    listed = await client.query("acme", {"semanticQuery": "quoted text lines", "includeContent": False})
+    assert isinstance(listed, QueryResponse), listed
+    assert [(r.content, r.content_length) for r in listed.results] == [(None, len(text))]
     rest = await client.document("acme", {"id": "long", "offset": len(first.content), "maxChars": len(text)})
     assert isinstance(rest, DocumentReply), rest
     assert (first.content + rest.content, rest.truncated) == (text, False)

@@ -19,7 +19,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.shared.subjects import Names, encode_token
 
-from .budget import cut_to
+from .budget import cut_to, json_size
 from .core import Scope
 from .freshness import DeltaWatch
 from .postgres import BranchState, PostgresDocuments
@@ -35,6 +35,10 @@ class OffsetPastEnd(ValueError):
 
 class PositionUnavailable(Exception):
     """JetStream did not say how far the index is: the caller may try again."""
+
+
+MIN_DEFAULT_SLICE_BYTES = 1_000
+"""The least of a document's text a slice without maxChars carries, however much its metadata takes."""
 
 
 class Lookups:
@@ -63,18 +67,23 @@ class Lookups:
                 f"offset {request.offset} is past the end of {request.id!r}: {len(document.content)} characters"
             )
         rest = document.content[request.offset :]
-        content = rest[: request.max_chars] if request.max_chars else cut_to(rest, self._default_bytes)
-        return DocumentReply(
+        reply = DocumentReply(
             id=document.id,
             object_type=document.object_type,
             source_domain=document.source_domain,
             metadata=document.metadata,
-            content=content,
+            content="",
             offset=request.offset,
             content_length=len(document.content),
-            truncated=len(content) < len(rest),
+            truncated=False,
             ontology_version=fetched.version,
         )
+        if request.max_chars:
+            content = rest[: request.max_chars]
+        else:  # what the rest of the reply leaves of the budget (a tester's reply was 530 bytes over it)
+            envelope = len(reply.model_dump_json(by_alias=True).encode("utf-8")) - json_size("")
+            content = cut_to(rest, max(MIN_DEFAULT_SLICE_BYTES, self._default_bytes - envelope))
+        return reply.model_copy(update={"content": content, "truncated": len(content) < len(rest)})
 
     async def status(self, workspace: str, request: StatusRequest) -> StatusReply:
         branches = [MAIN_BRANCH] if request.branch == MAIN_BRANCH else [MAIN_BRANCH, request.branch]

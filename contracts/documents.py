@@ -166,7 +166,7 @@ class SecondVector(WireModel):
 
 MAX_CALLS = 512
 MAX_CALLEE_CHARS = 1024
-MAX_METADATA_BYTES = 32 * 1024
+MAX_METADATA_BYTES = 64 * 1024
 """A document's metadata as the index stores and returns it (jsonb writes a number out in full: 1e308 is 309
 digits). Every answer and every document read carries it: a fault tester's 24 kB delta of 4,000 × 1e300 grew to
 1.2 MB on each read, and one under a megabyte to 50 MB that stalled other workspaces' queries."""
@@ -204,7 +204,7 @@ def stored_json_bytes(value: object, limit: int | None = None) -> int:
 
 
 class DocumentMetadata(WireModel):
-    """Metadata used for filtering and identity; free extra keys are kept as they are. The whole is at most 32 KiB
+    """Metadata used for filtering and identity; free extra keys are kept as they are. The whole is at most 64 KiB
     as the index stores it, where a number takes its digits in full (1e300: 301 bytes); a delta over it is
     dead-lettered invalid_schema."""
 

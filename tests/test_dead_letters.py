@@ -392,7 +392,7 @@ async def test_metadata_is_bounded_as_the_index_stores_it(deployment: Deployment
     kept = json.loads(upsert("acme", document("kept", "text")).model_dump_json())
     kept["payload"]["document"]["metadata"].update({"n": numbers, "note": "é\n", "deep": {"a": [True, None]}})
     over = json.loads(upsert("acme", document("over", "text")).model_dump_json())
-    over["payload"]["document"]["metadata"]["n"] = [1e300] * 120  # 1.2 kB as sent, 36 kB as stored
+    over["payload"]["document"]["metadata"]["n"] = [1e300] * 240  # 2.4 kB as sent, 72 kB as stored
     subject = deployment.names.delta_subject("acme", "main")
     settings = deployment.settings
     projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)

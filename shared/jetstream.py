@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iter
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -207,6 +209,9 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
             token=token,
             max_reconnect_attempts=-1,
             reconnect_time_wait=1,
+            # A publish past the client's buffer waits for its flush; without a limit it waited for ever on a
+            # connection that was lost meanwhile (a fault tester's ingest, its server killed mid-publish).
+            flush_timeout=FLUSH_TIMEOUT_S,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
@@ -462,6 +467,18 @@ async def settled_by_other_layouts(js: JetStreamContext, names: Names, partition
     return await highest_projected_floor(js, names, (count for count in PARTITION_COUNTS if count != partitions))
 
 
+FLUSH_TIMEOUT_S = 10.0
+NATS_AWAY = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.ServiceUnavailableError,
+)
+"""What a JetStream request raises while its server is away or restarting: worth asking again."""
+NATS_AWAY_RETRY_S = 1.0
+
+
 async def wait_projected(
     js: JetStreamContext,
     names: Names,
@@ -472,10 +489,17 @@ async def wait_projected(
     on_floor: Callable[[int], object] | None = None,
 ) -> None:
     """Wait until the Postgres index holds ``stream_seq`` (:func:`projected_floor`); TimeoutError after
-    ``timeout_s``. ``on_floor`` is told the index's position at every look."""
+    ``timeout_s``, and only then. ``on_floor`` is told the index's position at every look. A look NATS does not
+    answer (an outage, a restart) is tried again: nats-py's timeout is asyncio's, and an ingest took a JetStream
+    request's for its own and said it had waited out an hour after seconds (a fault tester's)."""
     async with asyncio.timeout(timeout_s):
         while True:
-            floor = await projected_floor(js, names, partitions)
+            try:
+                floor = await projected_floor(js, names, partitions)
+            except NATS_AWAY as error:
+                log.warning("projection_wait_unanswered", error=describe(error))
+                await asyncio.sleep(max(poll_s, NATS_AWAY_RETRY_S))
+                continue
             if on_floor is not None:
                 on_floor(floor)
             if floor >= stream_seq:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed, StreamFull
-from ontofabric.shared.jetstream import connect, ensure_jetstream
+from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_projected
 from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import ManagedProcess, free_port
 from ontofabric.shared.settings import Settings
@@ -135,5 +136,31 @@ async def test_a_stream_that_fills_mid_window_is_said_at_once_with_what_was_stor
         assert (await js.stream_info(NAMES.delta_stream)).state.messages >= len(stored)
         assert "the delta stream is full" in str(full.value)
         assert _pending(js) == 0
+    finally:
+        await nc.close()
+
+
+async def test_a_wait_for_projection_outlasts_a_server_that_does_not_answer_for_a_while(own_nats: OwnNats) -> None:
+    """A fault tester's ingest said it had waited out its hour after seconds of a frozen server: the JetStream
+    request's timeout, asyncio's too, was taken for the wait's own."""
+    nc = await connect(own_nats.url, "operator")
+    try:
+        js = nc.jetstream(timeout=1)
+        await ensure_jetstream(js, NAMES, Settings())
+        (durable,) = NAMES.postgres_projector_durables(1)
+        await js.add_consumer(NAMES.delta_stream, ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT))
+        ack = await DeltaPublisher(js, NAMES).publish(upsert("acme", document("a", "alpha")))
+        subscription = await js.pull_subscribe_bind(durable, NAMES.delta_stream)
+        (msg,) = await subscription.fetch(1)
+        await msg.ack_sync()
+        own_nats.server.process.send_signal(signal.SIGSTOP)
+        frozen_s = 4.0
+        try:
+            waiting = asyncio.create_task(wait_projected(js, NAMES, 1, ack.seq, timeout_s=60))
+            await asyncio.sleep(frozen_s)
+            assert not waiting.done(), waiting  # before: TimeoutError, as if the 60 s had passed
+        finally:
+            own_nats.server.process.send_signal(signal.SIGCONT)
+        await asyncio.wait_for(waiting, 30)
     finally:
         await nc.close()

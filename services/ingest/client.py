@@ -175,7 +175,10 @@ class DeltaPublisher:
         if the server were away; ``publish`` raises the server's error."""
         first, rest = window[0], window[1:]
         subject, data, headers = self._message(first)
-        ack = await self._js.publish(subject, data, timeout=self._ack_timeout_s, headers=headers)
+        # Each call bounded as a whole: nats-py's timeout covers the answer, not the flush before it, which waited
+        # for ever on a connection lost meanwhile (a fault tester's ingest, its server killed mid-publish).
+        sent = self._js.publish(subject, data, timeout=self._ack_timeout_s, headers=headers)
+        ack = await asyncio.wait_for(sent, 2 * self._ack_timeout_s)
         acks.append(ack)
         if on_stored is not None:
             on_stored(ack)
@@ -183,7 +186,8 @@ class DeltaPublisher:
         try:
             for delta in rest:
                 subject, data, headers = self._message(delta)
-                pending.append(await self._js.publish_async(subject, data, headers=headers))
+                queued = self._js.publish_async(subject, data, headers=headers)
+                pending.append(await asyncio.wait_for(queued, self._ack_timeout_s))
             for future in pending:
                 ack = await asyncio.wait_for(asyncio.shield(future), self._ack_timeout_s)
                 acks.append(ack)

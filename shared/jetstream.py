@@ -492,11 +492,15 @@ async def wait_projected(
     ``timeout_s``, and only then. ``on_floor`` is told the index's position at every look. A look NATS does not
     answer (an outage, a restart) is tried again: nats-py's timeout is asyncio's, and an ingest took a JetStream
     request's for its own and said it had waited out an hour after seconds (a fault tester's)."""
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(timeout_s) as deadline:
         while True:
             try:
                 floor = await projected_floor(js, names, partitions)
             except NATS_AWAY as error:
+                # The deadline may have passed as a partition's look failed: gathered, the failure can come out in
+                # place of the deadline's cancellation (a review's), which must still end the wait.
+                if deadline.expired():
+                    raise TimeoutError from error
                 log.warning("projection_wait_unanswered", error=describe(error))
                 await asyncio.sleep(max(poll_s, NATS_AWAY_RETRY_S))
                 continue

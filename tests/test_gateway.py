@@ -1091,6 +1091,21 @@ async def test_refused_nats_credentials_are_an_error_not_worth_retrying() -> Non
         assert "try again" not in _text(result)
 
 
+def test_the_text_says_content_was_left_out_for_size_only_when_it_was() -> None:
+    """A review's: once a result left out on request carried its length, every one read "left out for size"."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+    )  # fmt: skip
+    hit = SearchResult(
+        id="a", score=0.5, rank=1, content=None, content_length=1234, object_type="t.T", source_domain="t",
+        metadata={}, found_by=[FoundBy(retriever="keyword", rank=1, score=3.0)],
+    )  # fmt: skip
+    reply = QueryResponse(results=[hit], _meta=meta)
+    assert "left out for size: 1234 characters" in render(reply, {"semanticQuery": "x"})
+    assert "left out for size" not in render(reply, {"semanticQuery": "x", "includeContent": False})
+
+
 def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_does() -> None:
     """A text-only client could not tell a relation's results from search results (a tester's finding): 5 hits
     scored 0.93 for the callers of a function nothing calls read as its callers."""

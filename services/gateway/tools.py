@@ -367,7 +367,7 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         )
         if result.content is not None:
             lines.append(result.content + ("\n[cut: get_document for the rest]" if result.content_truncated else ""))
-        elif result.content_length is not None:
+        elif result.content_length is not None and arguments.get("includeContent") is not False:
             lines.append(f"[content left out for size: {result.content_length} characters, get_document]")
     for context in meta.expanded_context:
         lines.append(

@@ -175,10 +175,9 @@ class DeltaPublisher:
         if the server were away; ``publish`` raises the server's error."""
         first, rest = window[0], window[1:]
         subject, data, headers = self._message(first)
-        # Each call bounded as a whole: nats-py's timeout covers the answer, not the flush before it, which waited
-        # for ever on a connection lost meanwhile (a fault tester's ingest, its server killed mid-publish).
-        sent = self._js.publish(subject, data, timeout=self._ack_timeout_s, headers=headers)
-        ack = await asyncio.wait_for(sent, 2 * self._ack_timeout_s)
+        # The flush before each publish is bounded by the connection's flush timeout (shared/jetstream.py), the
+        # answer by ack_timeout_s.
+        ack = await self._js.publish(subject, data, timeout=self._ack_timeout_s, headers=headers)
         acks.append(ack)
         if on_stored is not None:
             on_stored(ack)
@@ -186,8 +185,7 @@ class DeltaPublisher:
         try:
             for delta in rest:
                 subject, data, headers = self._message(delta)
-                queued = self._js.publish_async(subject, data, headers=headers)
-                pending.append(await asyncio.wait_for(queued, self._ack_timeout_s))
+                pending.append(await self._js.publish_async(subject, data, headers=headers))
             for future in pending:
                 ack = await asyncio.wait_for(asyncio.shield(future), self._ack_timeout_s)
                 acks.append(ack)

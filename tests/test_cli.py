@@ -125,16 +125,18 @@ def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) ->
             ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{silent.getsockname()[1]}", ONTOFABRIC_EMBEDDER="none",
             ONTOFABRIC_DATA_DIR=str(tmp_path / "data"),
         )  # fmt: skip
+        # Ctrl-C as a terminal sends it: to a process whose SIGINT is not ignored. A child inherits an ignored
+        # SIGINT (a test before this one may have left the runner so), and Python then never raises it.
         ingest = subprocess.Popen(
             [ONTOFABRIC, "ingest", str(tmp_path), "--workspace", "w"], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
+            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         silent.settimeout(60)
         accepted, _ = silent.accept()  # it is connecting
         with accepted:
             ingest.send_signal(signal.SIGINT)
             _, stderr = ingest.communicate(timeout=30)
-    assert ingest.returncode == 130
+    assert ingest.returncode == 130, stderr
     assert "interrupted: the deltas published so far are stored" in " ".join(stderr.split())
     assert "Traceback" not in stderr
 

@@ -126,7 +126,8 @@ def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) ->
             ONTOFABRIC_DATA_DIR=str(tmp_path / "data"),
         )  # fmt: skip
         # Ctrl-C as a terminal sends it: to a process whose SIGINT is not ignored. A child inherits an ignored
-        # SIGINT (a test before this one may have left the runner so), and Python then never raises it.
+        # SIGINT (a runner started in the background by a non-interactive shell has it so), and Python then never
+        # raises it.
         ingest = subprocess.Popen(
             [ONTOFABRIC, "ingest", str(tmp_path), "--workspace", "w"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

@@ -16,7 +16,7 @@ from nats.js.api import PubAck
 from opentelemetry import propagate
 
 from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
-from ontofabric.shared.jetstream import connection_of, refused_promptly
+from ontofabric.shared.jetstream import NATS_AWAY, connection_of, refused_promptly
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 
@@ -52,12 +52,9 @@ RETRY_WAIT_S = (0.1, 2.0)
 
 # What a later attempt may get through: no acknowledgement in time, the stream's leader away, the connection down.
 _RETRYABLE = (
-    asyncio.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.errors.StaleConnectionError,
+    *NATS_AWAY,
+    asyncio.TimeoutError,  # nats-py's own is one; so is an acknowledgement waited for here
     nats.errors.OutboundBufferLimitError,
-    nats.errors.ConnectionReconnectingError,
-    nats.js.errors.ServiceUnavailableError,
     nats.js.errors.NoStreamResponseError,  # a clustered stream between two leaders answers 503
     OSError,  # the socket, mid-write
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -1499,6 +1500,19 @@ _SETTING_NAME = re.compile(r"\b(" + "|".join(sorted(Settings.model_fields, key=l
 def _as_variables(message: str) -> str:
     """A settings check's message with each setting named as the variable an operator sets."""
     return _SETTING_NAME.sub(lambda named: f"ONTOFABRIC_{named.group(1).upper()}", message)
+
+
+def _summaries_on_one_line(*groups: typer.Typer) -> None:
+    """Typer's rich help lists a command by its docstring's first paragraph with the docstring's line breaks kept,
+    which cuts sentences mid-line in `--help`; each command's summary is that paragraph joined instead."""
+    for group in groups:
+        for command in group.registered_commands:
+            text = command.help or (command.callback.__doc__ if command.callback else None)
+            if command.short_help is None and text:
+                command.short_help = " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
+
+
+_summaries_on_one_line(app, gateway_token, dlq, nats_user)
 
 
 def main() -> None:

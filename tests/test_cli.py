@@ -46,6 +46,18 @@ def test_every_command_has_help(command: str) -> None:
     assert "<bool>" not in result.stdout  # a flag takes no value, so its help shows none
 
 
+@pytest.mark.parametrize("group", [[], ["dlq"], ["gateway-token"], ["nats-user"]])
+def test_command_summaries_are_not_cut_at_their_docstrings_line_breaks(group: list[str]) -> None:
+    """Wide enough for every summary, each command's row is one line: a docstring's own line breaks are not kept."""
+    result = subprocess.run(
+        [ONTOFABRIC, *group, "--help"], capture_output=True, text=True, env=_env(COLUMNS="400"), check=False
+    )
+    assert result.returncode == 0, result.stderr
+    panel = [row for row in result.stdout.split("Commands")[1].splitlines() if row.startswith("│")]
+    assert panel
+    assert all(re.match(r"│ [a-z-]+ +\S", row) for row in panel), "\n".join(panel)
+
+
 def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:
     result = subprocess.run(
         [ONTOFABRIC, "query", "anything", "--data-dir", str(tmp_path)], capture_output=True, text=True, check=False

@@ -593,6 +593,11 @@ class Settings(BaseSettings):
         }
         for name, urls in given.items():
             for url in urls:
+                # asyncpg reads only URLs (no libpq key=value string): anything else failed at its first use, a
+                # replica's long after start.
+                scheme = urlsplit((url or "").strip()).scheme
+                if url and name != "nats_url" and scheme not in ("postgresql", "postgres"):
+                    raise ValueError(f"{name}: not a PostgreSQL URL (postgresql://user@host:5432/database)")
                 try:
                     # A PostgreSQL URL may list several hosts (h1:5432,h2:5433): each port is checked.
                     hosts = urlsplit((url or "").strip()).netloc.rpartition("@")[2].split(",")

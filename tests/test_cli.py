@@ -476,6 +476,9 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         # An independent tester's: a traceback from deep in the driver, at start of every server command.
         ("ONTOFABRIC_DATABASE_URL", "postgresql://u:secret@127.0.0.1:notaport/db", "URL: Port could not be cast"),
         ("ONTOFABRIC_NATS_URL", "nats://127.0.0.1:4222,nats://u:secret@h:99999", "NATS_URL: Port out of range"),
+        # Taken at start, where asyncpg refuses it only when it first connects (a replica's may be much later).
+        ("ONTOFABRIC_QUERY_REPLICA_URLS", "garbage", "QUERY_REPLICA_URLS: not a PostgreSQL URL"),
+        ("ONTOFABRIC_DATABASE_URL", "host=db user=u password=secret", "DATABASE_URL: not a PostgreSQL URL"),
         # A tester's: taken, then every tool call failed with "cannot convert float infinity to integer".
         ("ONTOFABRIC_GATEWAY_TIMEOUT_S", "inf", "ONTOFABRIC_GATEWAY_TIMEOUT_S: Input should be a finite number"),
     ],

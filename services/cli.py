@@ -363,6 +363,12 @@ def ingest(
                 finally:
                     cache.close()
                 _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
+                if report.files == 0 and not allow_empty:  # a first ingest of a wrong path said only "0 files"
+                    errors.print(
+                        f"warning: {path} holds no source file this ingester reads (.py, .md): nothing to index",
+                        soft_wrap=True,
+                        markup=False,
+                    )
                 if wait and report.last_sequence is not None:
                     watch = ProjectionWatch(progress, report.last_sequence, _stalled_projection)
                     try:

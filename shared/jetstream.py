@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import re
 import ssl
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import TypeVar
@@ -148,6 +149,15 @@ def refused_login(error: BaseException | None) -> bool:
     return error is not None and "authorization violation" in str(error).lower()
 
 
+@dataclasses.dataclass
+class _Outage:
+    """The error last logged by a connection, and how many times it came again unlogged."""
+
+    error: str | None = None
+    logged_at: float = 0.0
+    repeats: int = 0
+
+
 async def connect(url: str, name: str, settings: Settings | None = None, wait_for_server: bool = False) -> Client:
     """A client that reconnects for ever and logs connection changes (not its own close). With a user in the URL,
     replies arrive under that user's own inbox prefix, the only one its permissions let it read. ``settings``
@@ -158,6 +168,7 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
     nc = Client()
     waiting: _Waiting = {}
     authorization_refused = asyncio.Event()
+    outage = _Outage()
 
     async def on_error(error: Exception) -> None:
         if refused_login(error) and not nc.is_connected:
@@ -173,14 +184,21 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
                         refused.set_result(subject)
             log.warning("nats_permission_denied", subject=violation.group(1))
             return
-        log.warning("nats_error", error=str(error))
+        said, now = str(error), time.monotonic()
+        # While the server is gone every reconnect attempt (once a second) fails alike: said once a minute.
+        if said == outage.error and now - outage.logged_at < ERROR_REPEAT_S:
+            outage.repeats += 1
+            return
+        log.warning("nats_error", error=said, **({"repeats_since": outage.repeats} if outage.repeats else {}))
+        outage.error, outage.logged_at, outage.repeats = said, now, 0
 
     async def on_disconnect() -> None:
         if not nc.is_closed:
             log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
-        log.info("nats_reconnected")
+        log.info("nats_reconnected", **({"errors_not_logged": outage.repeats} if outage.repeats else {}))
+        outage.error, outage.repeats = None, 0
 
     async def on_closed() -> None:
         # Closed with an error on record and not by close(): the server ended it (a plain nc.close() has none).
@@ -468,6 +486,7 @@ async def settled_by_other_layouts(js: JetStreamContext, names: Names, partition
 
 
 FLUSH_TIMEOUT_S = 10.0
+ERROR_REPEAT_S = 60.0  # how often a connection's same error is logged again while it lasts
 NATS_AWAY = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,

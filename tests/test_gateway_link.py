@@ -11,6 +11,7 @@ from typing import Any
 from unittest.mock import patch
 
 import pytest
+import structlog
 
 from ontofabric.services.gateway.link import RETRY_AFTER_S, NatsLink, NatsRefused, NatsUnavailable
 from ontofabric.shared.jetstream import close, connect
@@ -209,3 +210,26 @@ async def test_a_call_waiting_for_a_connect_when_the_gateway_stops_hears_so() ->
         await waiting
     with pytest.raises(NatsUnavailable, match="stopping"):
         await link.client()
+
+
+async def test_a_server_gone_for_a_while_is_logged_once_not_at_every_reconnect_attempt(tmp_path: Path) -> None:
+    """A tester's: an idle gateway logged a `nats_error` line about once a second while its server was gone."""
+    port = free_port()
+    server = spawn_nats(tmp_path, port, USERS)
+    nc = await connect(_url(port), "test-outage", Settings(nats_connect_timeout_s=2.0))
+    try:
+        with structlog.testing.capture_logs() as logged:
+            server.stop()
+            await asyncio.sleep(5)  # about four reconnect attempts, each refused alike
+            server = spawn_nats(tmp_path, port, USERS)
+            async with asyncio.timeout(15):
+                while not nc.is_connected:
+                    await asyncio.sleep(0.05)
+        said = [entry["error"] for entry in logged if entry["event"] == "nats_error"]
+        assert len(said) == len(set(said)), said  # the dropped connection's error, then the refusal once
+        back = [entry for entry in logged if entry["event"] == "nats_reconnected"]
+        assert back
+        assert back[0]["errors_not_logged"] >= 2
+    finally:
+        await close(nc)
+        server.stop()

@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Set
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version as package_version
@@ -47,9 +47,44 @@ class Announcement:
         self.subscriptions = []
 
 
-async def announce(nc: Client, name: str, description: str, **details: str) -> Announcement:
+@dataclass
+class Endpoint:
+    """A subject a worker answers requests on, and what it has answered there (nats.micro's endpoint stats)."""
+
+    name: str
+    subject: str
+    queue_group: str
+    requests: int = 0
+    errors: int = 0
+    last_error: str = ""
+    processing_ns: int = 0
+
+    def record(self, seconds: float, error: str | None) -> None:
+        """One answer, given ``seconds`` after its request arrived; ``error``: its error code, if it is one."""
+        self.requests += 1
+        self.processing_ns += max(0, round(seconds * 1e9))
+        if error is not None:
+            self.errors += 1
+            self.last_error = error
+
+    def info(self) -> dict[str, object]:
+        return {"name": self.name, "subject": self.subject, "queue_group": self.queue_group, "metadata": None}
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "name": self.name, "subject": self.subject, "queue_group": self.queue_group,
+            "num_requests": self.requests, "num_errors": self.errors, "last_error": self.last_error,
+            "processing_time": self.processing_ns,
+            "average_processing_time": self.processing_ns // self.requests if self.requests else 0,
+        }  # fmt: skip
+
+
+async def announce(
+    nc: Client, name: str, description: str, details: Mapping[str, str], endpoints: Sequence[Endpoint] = ()
+) -> Announcement:
     """Answer service discovery as ``name`` until the announcement is stopped (or the connection closes): PING,
-    INFO and STATS, to all services, to ``name``'s and to this one's, with nats.micro's documents."""
+    INFO and STATS, to all services, to ``name``'s and to this one's, with nats.micro's documents; ``details`` go
+    into its metadata, INFO lists ``endpoints``, STATS says what each has answered so far."""
     started = datetime.now(UTC)
     metadata = {"host": socket.gethostname(), "pid": str(os.getpid()), "started": started.isoformat(), **details}
     service_id = uuid.uuid4().hex
@@ -57,28 +92,33 @@ async def announce(nc: Client, name: str, description: str, **details: str) -> A
         "type": "io.nats.micro.v1.ping_response", "id": service_id, "name": name,
         "version": package_version("ontofabric"), "metadata": metadata,
     }  # fmt: skip
-    answers = {
-        "PING": ping,
-        "INFO": {**ping, "type": "io.nats.micro.v1.info_response", "description": description, "endpoints": []},
-        "STATS": {
-            **ping, "type": "io.nats.micro.v1.stats_response", "endpoints": [],
-            "started": started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
-        },
+    info = {
+        **ping, "type": "io.nats.micro.v1.info_response", "description": description,
+        "endpoints": [endpoint.info() for endpoint in endpoints],
     }  # fmt: skip
+    stats = {
+        **ping, "type": "io.nats.micro.v1.stats_response",
+        "started": started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+    }  # fmt: skip
+    answers: dict[str, Callable[[], bytes]] = {
+        "PING": lambda: json.dumps(ping).encode(),
+        "INFO": lambda: json.dumps(info).encode(),
+        "STATS": lambda: json.dumps({**stats, "endpoints": [endpoint.stats() for endpoint in endpoints]}).encode(),
+    }
     subscriptions = []
     for verb, answer in answers.items():
-        handler = _answering(nc, json.dumps(answer).encode())
+        handler = _answering(nc, answer)
         for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.{service_id}"):
             subscriptions.append(await nc.subscribe(subject, cb=handler))
     return Announcement(subscriptions, service_id, metadata["started"])
 
 
-def _answering(nc: Client, body: bytes) -> Callable[[Msg], Awaitable[None]]:
+def _answering(nc: Client, body: Callable[[], bytes]) -> Callable[[Msg], Awaitable[None]]:
     async def answer(msg: Msg) -> None:
         if not msg.reply:
             return
         try:
-            await nc.publish(msg.reply, body)  # without the request's headers (the module's docstring)
+            await nc.publish(msg.reply, body())  # without the request's headers (the module's docstring)
         except Exception as error:  # the connection going away: the pinger hears from the others
             log.warning("discovery_answer_failed", error=describe(error))
 

@@ -749,6 +749,18 @@ async def test_a_discovery_ping_with_headers_near_max_payload_leaves_the_worker_
     assert isinstance(parse_reply(again.data), QueryResponse)
     assert worker.connection is not None
     assert worker.connection.is_connected
+    # A conformance tester's: INFO and STATS listed no endpoints, so `nats micro stats` counted nothing.
+    prefix, queue = deployment.names.prefix, deployment.names.query_queue
+    listed = json.loads(info.data)["endpoints"]
+    assert {(e["name"], e["subject"], e["queue_group"]) for e in listed} == {
+        (operation, f"{prefix}.{operation}.*", queue) for operation in ("query", "document", "status")
+    }
+    await nc.request(deployment.names.request_subject("query", "acme"), b"{}", 10)  # no query: refused
+    stats = await nc.request(f"$SRV.STATS.{deployment.names.query_service}", b"", 5)
+    query = next(e for e in json.loads(stats.data)["endpoints"] if e["name"] == "query")
+    assert (query["num_requests"], query["num_errors"], query["last_error"]) == (2, 1, "invalid_request")
+    assert query["processing_time"] > 0
+    assert query["average_processing_time"] == query["processing_time"] // 2
 
 
 async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavailable(

@@ -178,7 +178,7 @@ class ProjectorService:
         models = ",".join(settings.models()) if settings.embedder != "none" else ""
         details = {"index": "postgres", "partitions": held, "models": models, INSTANCE: uuid.uuid4().hex}
         self._announced = (description, details)
-        self._service = await announce(nc, names.projector_service, description, **self._announced[1])
+        self._service = await announce(nc, names.projector_service, description, self._announced[1])
         await self._hold()  # the first look: only the consumers no earlier process applies start
         self._holding = asyncio.create_task(self._keep_holding(), name="projector-holding")
 
@@ -465,7 +465,7 @@ class ProjectorService:
             self._peers.pop(self._service.id, None)
             self._departed.add(self._service.id)
         description, details = self._announced
-        self._service = await announce(self._nc, self.names.projector_service, description, **details)
+        self._service = await announce(self._nc, self.names.projector_service, description, details)
         self._standing_by.clear()
 
     async def _release(self, partition: int, nc: Client | None = None) -> None:
@@ -590,7 +590,7 @@ class AzureProjectorService:
         watermark = Watermark(index, js, names, recorded or 0)
         self._watermarking = asyncio.create_task(watermark.keep(), name="azure-watermark")
         description = "ontofabric Azure AI Search projector"
-        self._service = await announce(nc, names.projector_service, description, index="azure-ai-search")
+        self._service = await announce(nc, names.projector_service, description, {"index": "azure-ai-search"})
         log.info("azure_projector_started", durable=durable, index=settings.azure_search_index)
 
     async def stop(self) -> None:

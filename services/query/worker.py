@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections import Counter
@@ -52,7 +53,7 @@ from ontofabric.shared.db import (
     stalled_after_s,
     wait_until_migrated,
 )
-from ontofabric.shared.discovery import Announcement, announce
+from ontofabric.shared.discovery import Announcement, Endpoint, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import close as close_nats
@@ -62,7 +63,7 @@ from ontofabric.shared.lru import LruCache
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, decode_token, workspace_token_of
+from ontofabric.shared.subjects import OPERATIONS, Names, decode_token, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait, start_held, watch_lateness
 from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
@@ -90,6 +91,13 @@ from .turns import ahead_in_turn, displaced_by, runners_per_workspace, runners_s
 from .versions import VersionTracker
 
 log = get_logger(__name__)
+
+
+def _error_code(body: bytes) -> str | None:
+    """The code of an error reply; None for an answer."""
+    if not body.startswith(b'{"error":'):
+        return None
+    return str(json.loads(body)["error"]["code"])
 
 
 def error_reply(
@@ -273,6 +281,7 @@ class QueryService:
         self._nc: Client | None = None
         self._subscriptions: list[Subscription] = []
         self._service: Announcement | None = None
+        self._endpoints: dict[str, Endpoint] = {}
         """How ``ontofabric status`` finds this worker: NATS service discovery."""
         self._pools: list[asyncpg.Pool] = []
         """Reader pools of the databases the workspaces are placed on (shared/placement.py), in its order."""
@@ -374,7 +383,13 @@ class QueryService:
         subjects = names.request_subjects
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         models = ",".join(settings.models()) if self._embedder is not None else ""
-        self._service = await announce(nc, names.query_service, "ontofabric query worker", models=models)
+        self._endpoints = {
+            operation: Endpoint(operation, f"{names.prefix}.{operation}.*", names.query_queue)
+            for operation in OPERATIONS
+        }
+        self._service = await announce(
+            nc, names.query_service, "ontofabric query worker", {"models": models}, list(self._endpoints.values())
+        )
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
@@ -535,7 +550,7 @@ class QueryService:
         admitted.replied = True
         if admitted.expiry is not None:
             admitted.expiry.cancel()
-        await self._reply(admitted.msg, body)
+        await self._reply(admitted.msg, body, received=admitted.received)
 
     def _may_run(self, workspace: str) -> bool:
         return self._running[workspace] < self._runners_per_workspace
@@ -594,7 +609,14 @@ class QueryService:
         await self._reply_once(admitted, body)
         return True
 
-    async def _reply(self, msg: Msg, body: bytes, headers: dict[str, str] | None = None) -> None:
+    async def _reply(
+        self, msg: Msg, body: bytes, headers: dict[str, str] | None = None, received: float | None = None
+    ) -> None:
+        """``received``: when the request arrived, for the service-discovery stats (a refusal at arrival: now)."""
+        endpoint = self._endpoints.get(self.names.operation_of(msg.subject) or "")
+        if endpoint is not None and headers is None:  # an answer, not the receipt
+            took = 0.0 if received is None else asyncio.get_running_loop().time() - received
+            endpoint.record(took, _error_code(body))
         if not _answerable(msg):
             # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
             # make this worker write there (NATS permissions allow it no other subject, docs/security.md).

@@ -27,7 +27,7 @@ Json = dict[str, Any]
 _WORKSPACE = {
     "description": "The workspace, encoded as one subject token: [A-Za-z0-9-] kept, any other character as _hh "
     "(code point below 256) or _uhhhhhh, so `feature/x.y` is `feature_2fx_2ey`.",
-    "examples": ["acme", "team_2fsearch"],
+    "examples": ["acme", "team_2esearch"],  # team.search: a workspace name holds no slash, a branch may
 }
 _BRANCH = {
     "description": "The branch, encoded as one subject token like the workspace (`main` for the trunk).",

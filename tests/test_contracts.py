@@ -14,8 +14,9 @@ import pytest
 from pydantic import ValidationError
 
 from ontofabric.contracts import OntologyQuery, QueryResponse, TokenVectors, schema
+from ontofabric.contracts.documents import BRANCH, WORKSPACE
 from ontofabric.shared import asyncapi
-from ontofabric.shared.subjects import OPERATIONS, Names
+from ontofabric.shared.subjects import OPERATIONS, Names, decode_token
 
 from . import factories
 
@@ -149,6 +150,16 @@ def test_the_committed_asyncapi_document_matches_the_contracts(tmp_path: Path) -
     stale = tmp_path / "asyncapi.json"
     stale.write_text(asyncapi.DOCUMENT_PATH.read_text().replace('"ontofabric.query.', '"ontofabric.ask.'))
     assert asyncapi.drifted(stale)
+
+
+def test_the_asyncapi_examples_of_workspaces_and_branches_are_names_a_request_may_use() -> None:
+    """A conformance tester's: the workspace example decoded to `team/search`, which no workspace may be named."""
+    names = {"workspace": WORKSPACE, "branch": BRANCH}
+    document = json.loads(asyncapi.DOCUMENT_PATH.read_text())
+    for channel in document["channels"].values():
+        for parameter, described in (channel.get("parameters") or {}).items():
+            for example in described.get("examples", []) if parameter in names else []:
+                names[parameter].validate_python(decode_token(example))
 
 
 def _matches(address: str, subject: str) -> bool:

@@ -51,6 +51,9 @@ def test_query_defaults() -> None:
         '{"semanticQuery": "x", "topK": 0}',
         '{"semanticQuery": "x", "topK": 101}',
         '{"semanticQuery": "x", "topK": "10"}',
+        '{"semanticQuery": "x", "topK": 5.5}',
+        '{"semanticQuery": "x", "topK": 1e300}',
+        '{"semanticQuery": "x", "topK": true}',
         '{"semanticQuery": "x", "linkDepth": 2}',
         '{"semanticQuery": "x", "chunkLevel": "paragraph"}',
         '{"semanticQuery": "x", "provenance": "scraped"}',
@@ -80,6 +83,14 @@ def test_query_defaults() -> None:
 def test_invalid_queries_are_rejected(body: str) -> None:
     with pytest.raises(ValidationError):
         OntologyQuery.model_validate_json(body)
+
+
+def test_a_whole_number_written_with_a_point_is_an_integer_as_json_schema_counts_it() -> None:
+    """A conformance tester's: `topK: 5.0` was refused over NATS, and taken by the gateway."""
+    body = '{"semanticQuery": "x", "topK": 5.0, "options": {"candidates": 40.0, "fusion": {"rrfK": 60.0}}}'
+    query = OntologyQuery.model_validate_json(body)
+    assert (query.top_k, query.options.candidates, query.options.fusion.rrf_k) == (5, 40, 60)
+    assert type(query.top_k) is int
 
 
 def test_a_relation_asked_by_structure_needs_no_text_and_is_searched_by_its_symbol() -> None:

@@ -123,8 +123,15 @@ FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
 
 
 def _query_or_filter_schema(schema: dict[str, Any]) -> None:
-    """The rule of ``_query_or_filter`` said in the schema too: one of these is required."""
-    schema["anyOf"] = [{"required": [to_camel(name)]} for name in ("semantic_query", "related_to", *FILTERS)]
+    """The rule of ``_query_or_filter`` said in the schema too: one of these is required, and not null (a null
+    one is as good as left out); and what ``_has_text`` refuses in semanticQuery (a conformance tester's: all
+    three were valid by the schema and refused)."""
+    schema["anyOf"] = [
+        {"required": [key], "properties": {key: {"not": {"type": "null"}}}}
+        for key in map(to_camel, ("semantic_query", "related_to", *FILTERS))
+    ]
+    text = next(option for option in schema["properties"]["semanticQuery"]["anyOf"] if option.get("type") == "string")
+    text["pattern"] = "^[^\\u0000]*[^\\u0000\\s][^\\u0000]*$"  # some text that is not whitespace, and no NUL
 
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]

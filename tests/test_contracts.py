@@ -199,6 +199,19 @@ def test_every_subject_the_services_use_has_a_channel() -> None:
     assert names.published_subjects == f"{names.prefix}.published.>"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [{"semanticQuery": None}, {"semanticQuery": " \t"}, {"semanticQuery": "\u0000abc"}, {"chunkLevel": None}],
+)
+def test_what_the_worker_refuses_as_a_query_the_schema_refuses_too(body: dict[str, object]) -> None:
+    """A conformance tester's: these were valid by the committed schema, and refused by the worker."""
+    with pytest.raises(ValidationError):
+        OntologyQuery.model_validate(body)
+    published = json.loads((schema.SCHEMA_DIR / "ontology-query.schema.json").read_text())
+    assert not jsonschema.Draft202012Validator(published).is_valid(body)
+    assert jsonschema.Draft202012Validator(published).is_valid({**body, "semanticQuery": "parse a file"})
+
+
 def test_a_delta_and_a_query_validate_against_the_documents_schemas() -> None:
     document = json.loads(asyncapi.render())
     components = document["components"]

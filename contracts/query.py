@@ -99,7 +99,8 @@ class QueryOptions(StrictRequest):
     exact_symbols: bool | None = Field(
         default=None,
         description="When the query is one identifier (Retrying, tenacity.retry.Retrying, Retrying.__call__), put "
-        "the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, case ignored "
+        "the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, or the symbolFqn "
+        "without its private parts as a package re-exports it: httpx.Client for httpx._client.Client; case ignored "
         "after exact matches) first, each scoring 1 and found by 'symbol'. When the query asks one relation of one "
         "named symbol, put the chunks standing in it first, each scoring 1: its callers (what calls to_seconds, "
         "callers of Retrying.copy: the chunks whose metadata.calls names it) as 'caller', what it calls (what "

@@ -137,8 +137,15 @@ def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> N
     assert match_quality("tenacity.retry.Retrying", "tenacity.retry.Retrying") == 0
     assert match_quality("tenacity.retry.Retrying", "retry.Retrying") == 1
     assert match_quality("tenacity.retry.Retrying", "Retrying") == 1
-    assert match_quality("tenacity.retry.Retrying", "TENACITY.retry.retrying") == 2
-    assert match_quality("tenacity.retry.Retrying", "retrying") == 3
+    assert match_quality("tenacity.retry.Retrying", "TENACITY.retry.retrying") == 3
+    assert match_quality("tenacity.retry.Retrying", "retrying") == 4
+    # A private module's class by the name its package re-exports it under (an agent tester's `httpx.Client`).
+    assert match_quality("httpx._client.Client", "httpx.Client") == 2
+    assert match_quality("httpx._client.AsyncClient.send", "httpx.AsyncClient.send") == 2
+    assert match_quality("httpx._client.Client", "HTTPX.client") == 5
+    assert match_quality("httpx._client._Private", "httpx._Private") == 2  # the last part is the name asked
+    assert match_quality("httpx.__about__.x", "httpx.x") is None  # a dunder part is not private
+    assert match_quality("_pkg.mod.C", "mod.C") == 1
     assert match_quality("tenacity.retry.Retrying", "ry.Retrying") is None  # parts match whole, not by letters
     assert match_quality("tenacity.retry.Retrying", "tenacity") is None
 
@@ -180,7 +187,12 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
 
 
 SHAPES = {
-    "__init__.py": '"""Shapes and their areas."""\nfrom .circle import Circle\n',
+    "__init__.py": '"""Shapes and their areas."""\nfrom ._base import Outline\nfrom .circle import Circle\n',
+    # A private module's class, which the package re-exports.
+    "_base.py": """
+        class Outline:
+            stroke = 1
+        """,
     "circle.py": '''
         class Circle:
             """A round shape."""
@@ -258,6 +270,9 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # Qualified, partly qualified, or written as other languages write members: the method.
     for text in ("shapes.circle.Circle.area", "Circle.area", "Circle::area", "`Circle.area()`"):
         assert _names(await _ask(client, text))[0] == "shapes.circle.Circle.area (method)", text
+    # By the name its package publishes it under: without the private module.
+    published = await _ask(client, "shapes.Outline")
+    assert (_names(published)[0], published.meta.exact_symbol_matches) == ("shapes._base.Outline (type)", 1)
     # A name two symbols share: both first, the shorter name leading when nothing else tells them apart.
     area = await _ask(client, "area")
     assert set(_names(area)[:2]) == {"shapes.circle.Circle.area (method)", "shapes.square.area (method)"}

@@ -12,7 +12,7 @@ from ontofabric.contracts import MAIN_BRANCH
 from ontofabric.shared.lru import LruCache
 
 from .cache import VersionKey, drop_stale, drop_workspace
-from .names import last_part, match_quality
+from .names import AS_WRITTEN, last_part, match_quality
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class OntologyGraph:
             for object_type in self._by_last_part.get(last_part(name).lower(), ())
             if (quality := match_quality(object_type, name)) is not None
         )
-        as_written = [t for quality, t in matched if quality <= 1]
+        as_written = [t for quality, t in matched if quality < AS_WRITTEN]
         return as_written or [t for _, t in matched]
 
     def neighbours(self, object_type: str) -> list[Neighbour]:

@@ -3,18 +3,39 @@ store's lookups, the ordering of definitions and the graph's."""
 
 from __future__ import annotations
 
+import re
+
+PRIVATE_PART = r"[.]_[^_.][^.]*(?=[.])"
+"""A module or class part of a qualified name that is private by Python's convention (``._client`` of
+``httpx._client.Client``), neither the first part nor the last; the same pattern in SQL (PostgreSQL's regular
+expressions read it alike)."""
+_PRIVATE_PART = re.compile(PRIVATE_PART)
+
 
 def last_part(name: str) -> str:
     """What the store looks a name up by: its last dotted part (``__call__`` of ``Retrying.__call__``)."""
     return name.rsplit(".", 1)[-1]
 
 
+def published_name(symbol_fqn: str) -> str:
+    """The qualified name without its private parts: the name a package that re-exports the symbol publishes it
+    by (``httpx.Client`` for ``httpx._client.Client``)."""
+    return _PRIVATE_PART.sub("", symbol_fqn)
+
+
 def match_quality(symbol_fqn: str, name: str) -> int | None:
     """How well a symbol's qualified name matches the asked ``name``, best first: 0 it is the name, 1 it ends with
-    it (the name's parts are its last parts), 2 and 3 the same ignoring case; None when neither."""
+    it (the name's parts are its last parts), 2 it is the name without its private parts (``published_name``); 3,
+    4 and 5 the same ignoring case; None when none of these. Below ``AS_WRITTEN``: matched as written."""
     for ignoring_case, (fqn, asked) in enumerate(((symbol_fqn, name), (symbol_fqn.lower(), name.lower()))):
         if fqn == asked:
-            return 2 * ignoring_case
+            return AS_WRITTEN * ignoring_case
         if fqn.endswith("." + asked):
-            return 2 * ignoring_case + 1
+            return AS_WRITTEN * ignoring_case + 1
+        if published_name(fqn) == asked:
+            return AS_WRITTEN * ignoring_case + 2
     return None
+
+
+AS_WRITTEN = 3
+"""The match qualities below this match the name as written (case and all)."""

@@ -50,7 +50,7 @@ from .core import (
     vector_for_index,
 )
 from .graph import GraphRows, LinkRow, NodeRow
-from .names import last_part
+from .names import PRIVATE_PART, last_part
 
 log = get_logger(__name__)
 
@@ -58,8 +58,14 @@ MAIN_SQL = f"'{MAIN_BRANCH}'"
 """The main branch as an SQL literal."""
 SYMBOL_NAME_SQL = r"lower(regexp_replace(symbol_fqn, '^.*[.]', ''))"
 """The last dotted part of a document's qualified name, lower case: what a name is looked up by."""
-NAMES_SQL = "(lower(symbol_fqn) = lower($2) OR right(lower(symbol_fqn), length($2) + 1) = '.' || lower($2))"
-"""The qualified name is the name in $2, or ends with "." and it, ignoring case (names.match_quality)."""
+PUBLISHED_SQL = f"regexp_replace(symbol_fqn, '{PRIVATE_PART}', '', 'g')"
+"""The qualified name without its private parts (names.published_name)."""
+NAMES_SQL = (
+    "(lower(symbol_fqn) = lower($2) OR right(lower(symbol_fqn), length($2) + 1) = '.' || lower($2)"
+    f" OR lower({PUBLISHED_SQL}) = lower($2))"
+)
+"""The qualified name is the name in $2, or ends with "." and it, or is it without its private parts, ignoring
+case (names.match_quality)."""
 
 
 def where_clause(
@@ -626,7 +632,7 @@ class PostgresDocuments:
                     WHERE {SYMBOL_NAME_SQL} = lower($1)
                       AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY symbol_fqn = $2 DESC, right(symbol_fqn, length($2) + 1) = '.' || $2 DESC,
-                             chunk_level = 'file', length(symbol_fqn), id
+                             {PUBLISHED_SQL} = $2 DESC, chunk_level = 'file', length(symbol_fqn), id
                     LIMIT $3""",
                 last_part(name),
                 name,
@@ -673,7 +679,8 @@ class PostgresDocuments:
             rows = await snapshot.conn.fetch(
                 f"""WITH matched AS (
                         SELECT DISTINCT symbol_fqn, metadata -> 'calls' AS calls,
-                               symbol_fqn = $2 OR right(symbol_fqn, length($2) + 1) = '.' || $2 AS as_written
+                               symbol_fqn = $2 OR right(symbol_fqn, length($2) + 1) = '.' || $2
+                                   OR {PUBLISHED_SQL} = $2 AS as_written
                         FROM documents
                         WHERE {SYMBOL_NAME_SQL} = lower($1)
                           AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}),

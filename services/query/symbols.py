@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from .fusion import Fused, SourceHit
-from .names import match_quality
+from .names import AS_WRITTEN, match_quality
 from .stages import above_the_rest
 
 SYMBOL = "symbol"
@@ -147,8 +147,8 @@ def definitions_first(
     )
     if not matched:
         return list(candidates)
-    if matched[0][0] <= 1:  # names that match as written: those ignoring case are other symbols
-        matched = [m for m in matched if m[0] <= 1]
+    if matched[0][0] < AS_WRITTEN:  # names that match as written: those ignoring case are other symbols
+        matched = [m for m in matched if m[0] < AS_WRITTEN]
     return _placed_first([doc_id for *_, doc_id in matched[:limit]], candidates, SYMBOL)
 
 

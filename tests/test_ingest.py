@@ -487,6 +487,20 @@ async def test_symbols_with_very_long_names_are_indexed_under_keys_the_contract_
     assert sum(1 for row in rows if row["key"].startswith("markdown:")) == 6
 
 
+def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> None:
+    """A tenant tester's: a link to the deployment's runtime.json (its passwords) or to another workspace's tree
+    was followed, and its target indexed into the workspace the tree was ingested into."""
+    secrets = tmp_path / "data"
+    secrets.mkdir()
+    (secrets / "runtime.json").write_text('{"password": "hunter2"}')
+    tree = tmp_path / "tree"
+    _write(tree, {"app.py": "x = 1\r\ny = 2\r\n", "docs/guide.md": "# Guide\n"})
+    (tree / "notes.md").symlink_to(secrets / "runtime.json")
+    (tree / "guide.md").symlink_to(tree / "docs" / "guide.md")  # inside the tree too: a link is not its file
+    os.mkfifo(tree / "pipe.py")  # would never end
+    assert read_tree(tree) == {"app.py": "x = 1\ny = 2\n", "docs/guide.md": "# Guide\n"}  # newlines as before
+
+
 def test_exclusions_read_as_gitignore_reads_them(tmp_path: Path) -> None:
     _write(
         tmp_path,

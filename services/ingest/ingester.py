@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import hashlib
+import io
 import json
 import os
 import posixpath
+import stat
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -133,7 +135,7 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
         relative = path.relative_to(root).as_posix()
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
-            text = path.read_text(encoding="utf-8")
+            text = read_regular_file(path)
         except (UnicodeError, OSError) as error:
             log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
             continue
@@ -142,6 +144,21 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
             continue
         sources[relative] = text
     return sources
+
+
+def read_regular_file(path: Path) -> str:
+    """The text of the file at ``path`` (UTF-8, newlines as ``Path.read_text`` reads them) when it is a regular
+    file and no symbolic link; OSError otherwise. A link may lead out of the tree, into another workspace's files
+    or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
+    tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
+    and checked on the open file, so that the file cannot be swapped for a link in between."""
+    if path.is_symlink():
+        raise OSError(f"{path.name}: a symbolic link (links are not followed)")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with io.TextIOWrapper(os.fdopen(descriptor, "rb"), encoding="utf-8") as opened:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(f"{path.name}: not a regular file")
+        return opened.read()
 
 
 def own_package(root: Path, named: str | None = None) -> str | None:

@@ -614,6 +614,11 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
     assert everything.meta.collapsed == []
     # Only what the answer would have shown is reported: with topK 1, the left-out chunk was never in it.
     assert (await pipeline.answer(QUERY.model_copy(update={"top_k": 1}), "w")).meta.collapsed == []
+    # Nor one that went into a result minRelevance dropped (an agent tester's: `into` named no result).
+    held = next(r.score for r in collapsed.results if r.id == first)
+    above = await pipeline.answer(QUERY.model_copy(update={"min_relevance": held + 1e-6}), "w")
+    assert first not in {r.id for r in above.results}
+    assert above.meta.collapsed == []
     off = pipeline_over(OneSymbol(), config=PipelineConfig(collapse_nested=False))
     assert len((await off.answer(QUERY, "w")).results) == 3
 

@@ -281,9 +281,12 @@ class QueryPipeline:
         candidates = await self._second_opinion(run, refinements, candidates, documents, second_vector)
         candidates = await self._rerank(run, refinements, candidates, documents)
         candidates = self._definitions_first(run, definitions, candidates, documents)
-        candidates = self._collapse(run, candidates, documents)
+        candidates, collapsed = self._collapse(run, candidates, documents)
         scores = self._calibrated_scores(run, measured, candidates, fetched.model)
         results = to_results(run.query, candidates, documents, scores, measured.signals)
+        if collapsed:  # into a result the answer holds: minRelevance may have dropped the one it went into
+            shown = {result.id for result in results}
+            run.report(collapsed=[CollapsedResult(id=left, into=into) for left, into in collapsed if into in shown])
         if definitions.symbols:  # counted in the answer: after collapsing, the cut to topK and minRelevance
             placed = sum(any(f.retriever == definitions.found_by for f in r.found_by) for r in results)
             run.report(**{"exact_symbol_matches" if definitions.found_by == SYMBOL else "relation_matches": placed})
@@ -740,15 +743,17 @@ class QueryPipeline:
         run.report(calibrated=True)
         return dict(zip((hit.id for hit in answer), estimates, strict=True))
 
-    def _collapse(self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]) -> list[Fused]:
-        """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes."""
+    def _collapse(
+        self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]
+    ) -> tuple[list[Fused], list[tuple[str, str]]]:
+        """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes.
+        Also the chunks left out that would have been in the answer (within its first topK without collapsing),
+        each with the one it went into."""
         if run.query.listing or not self._collapses(run.query):  # a listing's order says nothing of rank
-            return candidates
+            return candidates, []
         kept, left_out = collapse_nested(candidates, documents)
-        # Reported are the chunks that would have been in the answer: within its first topK without collapsing.
         answer = {hit.id for hit in candidates[: run.query.top_k]}
-        run.report(collapsed=[CollapsedResult(id=left, into=holder) for left, holder in left_out if left in answer])
-        return kept
+        return kept, [(left, holder) for left, holder in left_out if left in answer]
 
     def _collapses(self, query: OntologyQuery) -> bool:
         asked = options_of(query).collapse_nested

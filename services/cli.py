@@ -388,6 +388,14 @@ def ingest(
                 f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
                 f"({time.perf_counter() - started:.1f}s)"
             )
+            if report.unparsed:  # an agent tester's file, broken mid-edit, lost its symbols without a word
+                shown = "; ".join(report.unparsed[:5]) + ("; ..." if len(report.unparsed) > 5 else "")
+                errors.print(
+                    f"warning: {len(report.unparsed)} Python files could not be parsed, so only their whole text is "
+                    f"indexed (no symbols, calls or graph of theirs until they parse): {shown}",
+                    soft_wrap=True,
+                    markup=False,
+                )
             if report.too_large:
                 shown = ", ".join(report.too_large[:5]) + (", ..." if len(report.too_large) > 5 else "")
                 errors.print(

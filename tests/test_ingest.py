@@ -243,6 +243,17 @@ async def test_a_tree_that_goes_back_to_an_earlier_state_is_indexed_as_it_is_eac
     assert indexed["apples"] != indexed["bananas"]
 
 
+async def test_a_python_file_that_does_not_parse_is_indexed_whole_and_named_in_the_report(
+    deployment: Deployment, embedder: Embedder, tmp_path: Path
+) -> None:
+    """An agent tester's: a file broken mid-edit lost every symbol's chunk, and the ingest said nothing."""
+    _write(tmp_path, {"good.py": "def fine():\n    return 1\n", "broken.py": "def get(:\n    return 2\n"})
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tmp_path, "repo")
+    assert report.unparsed == ("broken.py (line 1: invalid syntax)",)
+    assert report.chunks == 3  # good.py's file and function; broken.py's file only
+
+
 class _Recorded:
     def __init__(self) -> None:
         self.stages: dict[str, int] = {}

@@ -11,7 +11,7 @@ import ast
 import hashlib
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ontofabric.shared.embedder import embedding_text
@@ -39,6 +39,8 @@ class Chunk:
     which sees the whole tree)."""
     cut_from_bytes: int | None = None
     """The text's size when it was longer than the content limit and ``content`` is its start; None when whole."""
+    parse_error: str | None = None
+    """A Python file's chunk: why its source could not be parsed, so that it has no chunk of a symbol nor calls."""
 
     @property
     def content_hash(self) -> str:
@@ -153,8 +155,10 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     chunks = [make(file_key, "module", module, "file", module_type, source)]
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
-        return chunks  # unparsable: the file chunk still makes it findable
+    except SyntaxError as error:  # the file chunk still makes it findable
+        return [replace(chunks[0], parse_error=f"line {error.lineno}: {error.msg}")]
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser goes
+        return [replace(chunks[0], parse_error=str(error) or "nested too deeply")]
     lines = source.splitlines(keepends=True)
 
     def segment(node: ast.AST) -> str:

@@ -176,6 +176,8 @@ def chunk_sources(
     chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
     calls = {key: carried_calls(names) for key, names in python_calls(sources, package).items()}
     for chunk in chunks:
+        if chunk.parse_error is not None:
+            log.warning("ingest_file_unparsed", path=chunk.file_path, error=chunk.parse_error)
         if chunk.cut_from_bytes is not None:  # a tester's 2 MB file was cut without a word
             log.warning(
                 "ingest_chunk_cut",
@@ -430,6 +432,9 @@ class IngestReport:
     left out is published now, or what they kept deleted); None when they are the same, or not recorded."""
     main_exclusions: tuple[str, ...] | None = None
     """On a branch, main's last patterns when they differ from this ingest's: the difference shows as changes."""
+    unparsed: tuple[str, ...] = ()
+    """The Python files whose source could not be parsed, each with why (``a.py (line 3: invalid syntax)``):
+    indexed as whole files, without their symbols' chunks, calls or graph."""
 
 
 class Ingester:
@@ -591,6 +596,7 @@ class Ingester:
             embed_s=embed_s,
             publish_s=publish_s,
             exclusions=patterns,
+            unparsed=tuple(f"{c.file_path} ({c.parse_error})" for c in chunks.values() if c.parse_error is not None),
             exclusions_before=previous.exclude if patterns_changed else None,
             main_exclusions=(
                 main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None

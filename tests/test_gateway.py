@@ -31,6 +31,7 @@ from ontofabric.contracts import (
     NO_VERSION,
     RECEIPT_HEADER,
     RECEIVED,
+    DocumentReply,
     ErrorDetail,
     ErrorReply,
     FoundBy,
@@ -1049,6 +1050,13 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     # A branch with nothing of its own reads main alone: said, since a misspelt branch looks just the same.
     main_alone = version == f"7-00000000000000ab+{NO_VERSION}"
     assert (f"branch {branch!r} has nothing of its own indexed: these are main's results" in text) is main_alone
+    # And a document read on such a branch (an agent tester's: main's document came back without a word).
+    document = DocumentReply(
+        id="d1", object_type="python.function", source_domain="python", metadata={}, content="x", offset=0,
+        content_length=1, truncated=False, ontology_version=version,
+    )  # fmt: skip
+    read = render(document, {"id": "d1", "branch": branch})
+    assert (f"branch {branch!r} has nothing of its own indexed: this is main's document" in read) is main_alone
 
 
 def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_says_integer() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ontofabric.contracts import (
+    MAIN_BRANCH,
     DocumentReply,
     DocumentRequest,
     ErrorReply,
@@ -279,7 +280,7 @@ def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:
     if isinstance(reply, QueryResponse):
         return _render_query(reply, arguments or {})
     if isinstance(reply, DocumentReply):
-        return _render_document(reply)
+        return _render_document(reply, str((arguments or {}).get("branch") or MAIN_BRANCH))
     if isinstance(reply, StatusReply):
         return _render_status(reply)
     if isinstance(reply, ErrorReply):
@@ -390,10 +391,15 @@ def _object_type_alone_selected_nothing(meta: QueryMeta, arguments: dict[str, An
     )
 
 
-def _render_document(reply: DocumentReply) -> str:
+def _render_document(reply: DocumentReply, branch: str) -> str:
     end = reply.offset + len(reply.content)
     head = f"{reply.metadata.get('symbolFqn') or reply.object_type} · id {reply.id} · characters {reply.offset}-{end}"
     head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
+    if main_only(reply.ontology_version):  # an agent tester's misspelt branch read main's without a word
+        head += (
+            f"\nbranch {branch!r} has nothing of its own indexed: this is main's document (check the branch's name, "
+            "or ontology_status)"
+        )
     return f"{head}\n{reply.content}"
 
 

@@ -40,7 +40,7 @@ from ontofabric.contracts import (
     QueryResponse,
     SearchResult,
 )
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, RelationAsked
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, Freshness, RelationAsked
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
@@ -1057,6 +1057,18 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     )  # fmt: skip
     read = render(document, {"id": "d1", "branch": branch})
     assert (f"branch {branch!r} has nothing of its own indexed: this is main's document" in read) is main_alone
+
+
+def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> None:
+    """An agent tester's: "1 results", "1 deltas not yet indexed"."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        freshness=Freshness(indexed_seq=7, pending_deltas=1, pending_ms=12.0),
+    )  # fmt: skip
+    text = render(QueryResponse(results=[], _meta=meta))
+    assert " · 0 results · " in text
+    assert " · 1 delta not yet indexed (12.0 ms)" in text
 
 
 def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_says_integer() -> None:

@@ -311,7 +311,7 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
     meta, object_type = reply.meta, arguments.get("objectType")
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
-    head.append(f"{len(reply.results)} results")
+    head.append(_counted(len(reply.results), "result"))
     if meta.budget is not None and meta.budget.results_dropped:
         if "replySize" in meta.degraded:  # the message size made the cut, not the budget
             fit = "to fit the largest message the NATS server takes (ask with a smaller topK or includeContent false)"
@@ -350,7 +350,9 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")
     if meta.freshness is not None and meta.freshness.pending_deltas:
-        head.append(f"{meta.freshness.pending_deltas} deltas not yet indexed ({meta.freshness.pending_ms} ms)")
+        head.append(
+            f"{_counted(meta.freshness.pending_deltas, 'delta')} not yet indexed ({meta.freshness.pending_ms} ms)"
+        )
     if meta.degraded:
         head.append(f"DEGRADED: {', '.join(meta.degraded)}")
     lines = [" · ".join(head)]
@@ -376,8 +378,13 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             + (f" (document {context.representative_document_id})" if context.representative_document_id else "")
         )
     if meta.collapsed:
-        lines.append(f"\n{len(meta.collapsed)} nested chunks of the same symbols left out")
+        lines.append(f"\n{_counted(len(meta.collapsed), 'nested chunk')} of the same symbols left out")
     return "\n".join(lines)
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 result``, ``2 results``: what an agent reads is written as a person would."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _object_type_alone_selected_nothing(meta: QueryMeta, arguments: dict[str, Any]) -> bool:
@@ -406,15 +413,15 @@ def _render_document(reply: DocumentReply, branch: str) -> str:
 def _render_status(reply: StatusReply) -> str:
     lines = [
         f"workspace {reply.workspace} · branch {reply.branch} · ontologyVersion {reply.ontology_version} · "
-        f"indexed to stream seq {reply.indexed_seq} · {reply.pending_deltas} deltas pending · "
-        f"{reply.dead_letters} dead letters"
+        f"indexed to stream seq {reply.indexed_seq} · {_counted(reply.pending_deltas, 'delta')} pending · "
+        f"{_counted(reply.dead_letters, 'dead letter')}"
     ]
     for branch in reply.branches:
         waited = f", oldest {branch.pending_ms} ms" if branch.pending_ms is not None else ""
         # None once compaction folded its deltas into a snapshot: no number to print.
         last = "no delta of it in the stream" if branch.latest_seq is None else f"last delta seq {branch.latest_seq}"
         lines.append(
-            f"- {branch.branch}: {branch.documents} documents, {last}, {branch.pending_deltas} pending{waited}, "
-            f"last change {branch.last_change or 'none yet'}"
+            f"- {branch.branch}: {_counted(branch.documents, 'document')}, {last}, {branch.pending_deltas} "
+            f"pending{waited}, last change {branch.last_change or 'none yet'}"
         )
     return "\n".join(lines)

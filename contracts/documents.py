@@ -166,6 +166,7 @@ class SecondVector(WireModel):
 
 MAX_CALLS = 512
 MAX_CALLEE_CHARS = 1024
+MAX_DEFINES = 512
 MAX_METADATA_BYTES = 64 * 1024
 """A document's metadata as the index stores and returns it (jsonb writes a number out in full: 1e308 is 309
 digits). Every answer and every document read carries it: a fault tester's 24 kB delta of 4,000 × 1e300 grew to
@@ -232,6 +233,14 @@ class DocumentMetadata(WireModel):
         description="Qualified names (symbolFqn) of the symbols this chunk's own code calls, as far as its source "
         "tells them (a module's chunk: its top-level statements; a class's: its body outside its methods); a "
         "question for a symbol's callers or callees is answered from them (OntologyQuery options.exactSymbols).",
+    )
+
+    defines: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
+        default=None,
+        max_length=MAX_DEFINES,
+        description="Names this chunk's own statements assign at its level (a module's chunk: its constants and other "
+        "module variables, which have no chunk of their own); a query that is one of these names, alone or after "
+        "its module's name, puts the chunk first as it does a symbol's definition (options.exactSymbols).",
     )
 
     @model_validator(mode="after")

@@ -269,7 +269,7 @@ def test_a_callee_name_the_contract_cannot_carry_is_left_out_and_the_ingest_goes
 
 def test_calls_past_their_share_of_the_metadata_are_left_out_and_the_ingest_goes_on(tmp_path: Path) -> None:
     """400 callees of 200 characters each are within the contract's count and length, not its metadata bound."""
-    from ontofabric.services.ingest.ingester import CALLS_BYTES, chunk_sources, to_document
+    from ontofabric.services.ingest.ingester import CALLS_BYTES, DEFINES_BYTES, chunk_sources, to_document
 
     names = [f"f{n:03d}_" + "x" * 195 for n in range(400)]
     source = "".join(f"def {name}():\n    pass\n\n\n" for name in names)
@@ -280,6 +280,13 @@ def test_calls_past_their_share_of_the_metadata_are_left_out_and_the_ingest_goes
     assert CALLS_BYTES // 210 <= len(use.calls) < 400
     for chunk in chunks:
         to_document(chunk, None, None)
+    # And names assigned past theirs, beside calls past theirs: one module chunk carrying both is still valid.
+    source += "".join(f"{name.upper()} = 1\n" for name in names) + "".join(f"{name}()\n" for name in names)
+    (module,) = [c for c in chunk_sources(tmp_path, {"m.py": source}, 1 << 20) if c.symbol_fqn == "m"]
+    document = to_document(module, None, None)
+    assert document.metadata.calls
+    assert document.metadata.defines
+    assert DEFINES_BYTES // 210 <= len(document.metadata.defines) < 400
 
 
 def test_a_symbol_too_long_for_the_index_keeps_its_start_a_hash_of_the_whole_and_its_name() -> None:
@@ -293,3 +300,17 @@ def test_a_symbol_too_long_for_the_index_keeps_its_start_a_hash_of_the_whole_and
     assert bounded_symbol("pkg.mod.f") == "pkg.mod.f"
     huge = bounded_symbol("f" * 6000)  # a name longer than the limit itself: start and hash only
     assert len(huge) == MAX_SYMBOL_CHARS
+
+
+def test_a_module_and_a_class_carry_the_names_their_own_statements_assign() -> None:
+    """An agent tester's: a module constant (DEFAULT_TIMEOUT_CONFIG) has no chunk of its own, and a query for it
+    found only the code using it."""
+    source = (
+        "import os\nLIMIT = 5\nA, (B, *C) = 1, (2, 3)\nTYPED: int = 1\nDECLARED: int\n"
+        "try:\n    FAST = True\nexcept ImportError:\n    FAST = False\n"
+        "class K:\n    size = 3\n    def f(self):\n        local = 1\n"
+    )
+    chunks = {c.symbol_fqn: c for c in chunk_python("m.py", source, 10_000)}
+    assert chunks["m"].defines == ("LIMIT", "A", "B", "C", "TYPED", "FAST")
+    assert chunks["m.K"].defines == ("size",)
+    assert chunks["m.K.f"].defines == ()

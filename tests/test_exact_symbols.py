@@ -201,6 +201,9 @@ SHAPES = {
                 return 3.14159 * radius * radius
         ''',
     "square.py": """
+        UNIT = "cm"  # a module constant: no chunk of its own
+
+
         def area(side):
             return side * side
         """,
@@ -273,6 +276,14 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # By the name its package publishes it under: without the private module.
     published = await _ask(client, "shapes.Outline")
     assert (_names(published)[0], published.meta.exact_symbol_matches) == ("shapes._base.Outline (type)", 1)
+    # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an
+    # agent tester's DEFAULT_TIMEOUT_CONFIG), by the name alone or under its module's or class's.
+    for text in ("UNIT", "square.UNIT", "shapes.square.UNIT"):
+        constant = await _ask(client, text)
+        assert (_names(constant)[0], constant.meta.exact_symbol_matches) == ("shapes.square (file)", 1), text
+    for text in ("stroke", "Outline.stroke", "shapes.Outline.stroke"):
+        assert _names(await _ask(client, text))[0] == "shapes._base.Outline (type)", text
+    assert (await _ask(client, "circle.UNIT")).meta.exact_symbol_matches == 0  # another module's name
     # A name two symbols share: both first, the shorter name leading when nothing else tells them apart.
     area = await _ask(client, "area")
     assert set(_names(area)[:2]) == {"shapes.circle.Circle.area (method)", "shapes.square.area (method)"}

@@ -39,6 +39,9 @@ class Chunk:
     which sees the whole tree)."""
     cut_from_bytes: int | None = None
     """The text's size when it was longer than the content limit and ``content`` is its start; None when whole."""
+    defines: tuple[str, ...] = ()
+    """The names the chunk's own statements assign at its level (a module's constants, a class's attributes):
+    they have no chunk of their own, so a query for one finds them here (``assigned_names``)."""
     parse_error: str | None = None
     """A Python file's chunk: why its source could not be parsed, so that it has no chunk of a symbol nor calls."""
 
@@ -180,7 +183,8 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
                 name = f"{qualname}.{node.name}" if qualname else node.name
                 class_type = object_type_name(f"{module}.{name}")
                 key = f"python:{path}/{name}#"
-                chunks.append(make(key, "class", f"{module}.{name}", "type", class_type, segment(node)))
+                made = make(key, "class", f"{module}.{name}", "type", class_type, segment(node))
+                chunks.append(replace(made, defines=assigned_names(node.body)))
                 docstring(node, key, f"{module}.{name}", class_type)
                 visit(node.body, name, class_type, True)
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -190,8 +194,37 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
                 chunks.append(make(key, kind, f"{module}.{name}", "method", owner_type, segment(node)))
                 docstring(node, key, f"{module}.{name}", owner_type)
 
+    chunks[0] = replace(chunks[0], defines=assigned_names(tree.body))
     visit(tree.body, "", module_type, False)
     return chunks
+
+
+def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
+    """The names a module's or a class's own statements assign, in order, each once: ``X = ...``, ``X: int = ...``,
+    ``A, B = ...``, also under a module-level ``if``, ``try`` or ``with`` (``try: X = a except: X = b``); not what
+    a function or a nested class assigns, nor imports."""
+    names: dict[str, None] = {}
+
+    def targets(node: ast.expr) -> Iterator[str]:
+        if isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Tuple | ast.List):
+            for element in node.elts:
+                yield from targets(element.value if isinstance(element, ast.Starred) else element)
+
+    pending = list(body)
+    while pending:
+        statement = pending.pop(0)
+        if isinstance(statement, ast.Assign):
+            names.update(dict.fromkeys(name for target in statement.targets for name in targets(target)))
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            names.update(dict.fromkeys(targets(statement.target)))
+        elif isinstance(statement, ast.If | ast.With | ast.AsyncWith):
+            pending[:0] = [*statement.body, *getattr(statement, "orelse", [])]
+        elif isinstance(statement, ast.Try | ast.TryStar):
+            handlers = [line for handler in statement.handlers for line in handler.body]
+            pending[:0] = [*statement.body, *handlers, *statement.orelse, *statement.finalbody]
+    return tuple(names)
 
 
 MAX_HEADING_CHARS = 120

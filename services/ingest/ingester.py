@@ -45,7 +45,13 @@ from ontofabric.contracts import (
     TokenVectors,
     split_link_key,
 )
-from ontofabric.contracts.documents import MAX_CALLEE_CHARS, MAX_CALLS, MAX_METADATA_BYTES, stored_json_bytes
+from ontofabric.contracts.documents import (
+    MAX_CALLEE_CHARS,
+    MAX_CALLS,
+    MAX_DEFINES,
+    MAX_METADATA_BYTES,
+    stored_json_bytes,
+)
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
@@ -199,23 +205,40 @@ CALLS_BYTES = MAX_METADATA_BYTES // 2
 """The share of a document's metadata its calls may take; the rest is its names and paths."""
 
 
+DEFINES_BYTES = MAX_METADATA_BYTES // 4
+"""The share of a document's metadata the names it assigns may take (beside its calls' half)."""
+
+
 def carried_calls(names: Sequence[str]) -> tuple[str, ...]:
     """The calls the contract can carry, in order: what it cannot (a name past its length, calls past their count
     or their share of the metadata) is left out, so that one odd source never stops an ingest."""
+    return _carried(names, CALLS_BYTES, MAX_CALLS)
+
+
+def carried_defines(names: Sequence[str]) -> tuple[str, ...]:
+    """The assigned names the contract can carry, in order, as :func:`carried_calls` keeps calls."""
+    return _carried(names, DEFINES_BYTES, MAX_DEFINES)
+
+
+def _carried(names: Sequence[str], share_bytes: int, count: int) -> tuple[str, ...]:
     kept: list[str] = []
     size = 0
     for name in names:
         if len(name) > MAX_CALLEE_CHARS:
             continue
         size += stored_json_bytes(name) + 2
-        if size > CALLS_BYTES or len(kept) == MAX_CALLS:
+        if size > share_bytes or len(kept) == count:
             break
         kept.append(name)
     return tuple(kept)
 
 
-def _calls_state(chunk: Chunk) -> str:
-    return f"|calls:{hashlib.sha256(chr(10).join(chunk.calls).encode()).hexdigest()[:16]}" if chunk.calls else ""
+def _derived_state(chunk: Chunk) -> str:
+    """What the manifest keeps of a chunk's calls and assigned names, beside its content: nothing when it has none,
+    so that chunks without them keep the values they had before either was carried."""
+    calls = f"|calls:{hashlib.sha256(chr(10).join(chunk.calls).encode()).hexdigest()[:16]}" if chunk.calls else ""
+    defines = carried_defines(chunk.defines)
+    return calls + (f"|defines:{hashlib.sha256(chr(10).join(defines).encode()).hexdigest()[:16]}" if defines else "")
 
 
 def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
@@ -392,6 +415,7 @@ def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: 
             chunk_level=chunk.chunk_level,
             provenance="ingested",
             calls=list(chunk.calls) or None,
+            defines=list(carried_defines(chunk.defines)) or None,
         ),
         embedding=embedded.vector if embedded is not None else None,
         embedding_model=embedding_model if embedded is not None else None,
@@ -517,7 +541,7 @@ class Ingester:
         # calls a chunk makes, which another file's change can move (only when it makes some, for the same reason).
         suffix = f"|{package}" if package else ""
         signature = f"{self._embedding_signature}{suffix}"
-        desired = {f"d:{i}": f"{c.content_hash}|{signature}{_calls_state(c)}" for i, c in chunks.items()}
+        desired = {f"d:{i}": f"{c.content_hash}|{signature}{_derived_state(c)}" for i, c in chunks.items()}
         desired.update({f"n:{t}": node_hash(n) for t, n in nodes.items()})
         desired.update({f"l:{key}": "1" for key in links})
         loaded = await self._manifests.load(workspace, branch)

@@ -639,8 +639,22 @@ class PostgresDocuments:
                 limit,
                 *parameters,
             )
-        modules = frozenset(r["id"] for r in rows if r["chunk_level"] == "file")
-        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules)
+            # And the chunks assigning the name at their level (a module's constant, a class's attribute: no
+            # chunk of their own), through documents_defines (0028), named as the name under its chunk's.
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
+            assigning = await snapshot.conn.fetch(
+                f"""SELECT id, symbol_fqn || '.' || $1 AS symbol_fqn, chunk_level FROM documents
+                    WHERE metadata ? 'defines' AND metadata -> 'defines' ? $1 AND symbol_fqn IS NOT NULL
+                      AND {where}
+                    ORDER BY length(symbol_fqn), id
+                    LIMIT $2""",
+                last_part(name),
+                limit,
+                *parameters,
+            )
+        found = {r["id"]: r["symbol_fqn"] for r in assigning} | {r["id"]: r["symbol_fqn"] for r in rows}
+        modules = frozenset(r["id"] for r in [*rows, *assigning] if r["chunk_level"] == "file")
+        return Definitions(found, snapshot.version, modules)
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         # The chunks whose calls name one of the symbols, through documents_calls (infra/migrations/0017), whose

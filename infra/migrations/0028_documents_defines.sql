@@ -1,0 +1,6 @@
+-- Names a chunk assigns at its level (metadata.defines: a module's constants, a class's attributes, which have no
+-- chunk of their own): a query that is such a name finds the chunk assigning it (services/query/postgres.py
+-- DocumentStore.definitions). Only chunks that assign something are indexed, as with documents_calls (0017).
+-- Declared on the parent, so every workspace partition, and a rebuild's shadow, gets one.
+CREATE INDEX IF NOT EXISTS documents_defines
+    ON documents USING gin ((metadata -> 'defines')) WHERE metadata ? 'defines';

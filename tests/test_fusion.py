@@ -155,6 +155,23 @@ def test_adaptive_fusion_does_not_let_one_weak_keyword_hit_win() -> None:
     assert zero[0].id == "d0"
 
 
+def test_adaptive_fusion_lets_the_keyword_list_lead_for_a_query_that_is_one_identifier() -> None:
+    """An agent tester's: a name written once, in one long file, was its only keyword hit, saturated 0.077, and
+    came 34th under dense's cosines for a name the model never learned. As one identifier, the keyword list leads."""
+    from ontofabric.services.query.fusion import adaptive_fusion
+
+    dense = [Candidate(f"x{i}", 0.45 - 0.002 * i) for i in range(50)] + [Candidate("file", 0.2)]
+    lone = [Candidate("file", 0.77)]
+    as_words, weight_as_words, _ = adaptive_fusion(dense, lone, keyword_ceiling=10.0)
+    as_name, weight_as_name, gap = adaptive_fusion(dense, lone, keyword_ceiling=10.0, lexical=True)
+    assert [hit.id for hit in as_words].index("file") > 10
+    assert (as_name[0].id, weight_as_name, gap) == ("file", pytest.approx(0.05), 1.0)
+    assert weight_as_words > 0.9
+    # With no keyword hit at all, dense alone still orders the answer.
+    nothing, weight_of_nothing, _ = adaptive_fusion(dense, [], keyword_ceiling=None, lexical=True)
+    assert (nothing[0].id, weight_of_nothing) == ("x0", pytest.approx(0.95))
+
+
 def test_adaptive_fusion_trusts_a_decisive_keyword_list_more() -> None:
     from ontofabric.services.query.fusion import adaptive_fusion
 

@@ -348,7 +348,7 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
     assert rrf.meta.fusion is not None
     assert (rrf.meta.fusion.method, rrf.meta.fusion.parameters) == ("rrf", {"k": 10})
 
-    default = await pipeline.answer(QUERY, "w")
+    default = await pipeline.answer(OntologyQuery(semantic_query="a question"), "w")
     assert default.meta.fusion is not None
     assert default.meta.fusion.method == "adaptive"
     assert default.meta.fusion.parameters == {
@@ -356,8 +356,12 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
         "keywordGap": pytest.approx(2 / 3, abs=1e-3),
         "keywordHitsDenseScored": 0,
     }
+    # A query that is one identifier: the keyword list, which holds it as written, leads.
+    named = await pipeline.answer(QUERY, "w")
+    assert named.meta.fusion is not None
+    assert named.meta.fusion.parameters["denseWeight"] == pytest.approx(0.05)
     assert default.meta.signals == {
-        "queryTokens": 1.0,
+        "queryTokens": 2.0,
         "keywordSaturation": 0.75,
         "keywordGap": pytest.approx(2 / 3, abs=1e-3),
     }
@@ -367,7 +371,9 @@ async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:
     # Dense returned x (0.9) and y (0.8); keyword y (3.0) and z (1.0) of a best reachable 4.0, so the dense weight is
     # 1/3. Taking dense's lowest cosine, z would score 0.8/3 + 1/6 = 0.43 and pass x (0.3); its own cosine 0.1
     # gives it 0.2, below x.
-    off = OntologyQuery.model_validate({"semanticQuery": "q", "options": {"lateInteraction": {"weight": 0}}})
+    off = OntologyQuery.model_validate(
+        {"semanticQuery": "a question", "options": {"lateInteraction": {"weight": 0}}}  # no identifier: see below
+    )
     pipeline, _ = _pipeline(ScriptedRetrieval(cosines={"z": 0.1}))
     scored = await pipeline.answer(off, "w")
     assert [r.id for r in scored.results] == ["y", "x", "z"]

@@ -111,8 +111,14 @@ def adaptive_fusion(
     limit: int | None = None,
     query_ceiling: float | None = None,
     keyword_hits_dense: Mapping[str, float] | None = None,
+    lexical: bool = False,
 ) -> tuple[list[Fused], float, float]:
     """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95].
+
+    ``lexical``: the query is one identifier, which a keyword hit holds as written: the keyword list leads (a gap
+    of 1) whenever it has hits. Its top hit's saturation says little there: one rare name written once in a long
+    file scores low by BM25's length normalisation, and took a weight of 0.08 against dense, whose cosine for a
+    name it never learned is noise (an agent tester's name, found only in one file, came 34th).
 
     Scores are used on absolute scales, not stretched per list: cosine similarity for dense, and BM25 divided by
     the best score any document could reach for the query (its saturation) for keyword. A keyword list whose top
@@ -126,7 +132,7 @@ def adaptive_fusion(
     hit still without one (it has no embedding) then takes the lowest cosine of all. Not looked up, every
     keyword-only hit takes the dense list's lowest cosine, an upper bound that lets them crowd out its tail.
     """
-    gap = keyword_gap(keyword, query_ceiling or keyword_ceiling)
+    gap = 1.0 if lexical and keyword else keyword_gap(keyword, query_ceiling or keyword_ceiling)
     weight = min(0.95, max(0.05, 1.0 - gap))
     top = max((c.score for c in keyword), default=0.0)
     ceiling = keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else (top if top > 0 else 1.0)
@@ -169,6 +175,7 @@ def fuse(
     limit: int | None = None,
     query_ceiling: float | None = None,
     keyword_hits_dense: Mapping[str, float] | None = None,
+    lexical: bool = False,
 ) -> tuple[list[Fused], FusionChoice | None]:
     """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None).
 
@@ -178,7 +185,13 @@ def fuse(
         return reciprocal_rank_fusion(ranked_lists, k=rrf_k, limit=limit), None
     if method == "adaptive" and set(ranked_lists) == {DENSE, KEYWORD}:
         fused, weight, gap = adaptive_fusion(
-            ranked_lists[DENSE], ranked_lists[KEYWORD], keyword_ceiling, limit, query_ceiling, keyword_hits_dense
+            ranked_lists[DENSE],
+            ranked_lists[KEYWORD],
+            keyword_ceiling,
+            limit,
+            query_ceiling,
+            keyword_hits_dense,
+            lexical,
         )
         parameters = {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)}
         if keyword_hits_dense is not None:

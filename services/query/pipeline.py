@@ -437,6 +437,7 @@ class QueryPipeline:
             limit=limit,
             query_ceiling=keyword.query_ceiling if keyword else None,
             keyword_hits_dense=keyword_hits_dense,
+            lexical=identifier_of(run.text) is not None,
         )
         run.timings["fusion"] = milliseconds_since(started)
         self._metrics.fusion_duration.record(run.timings["fusion"])

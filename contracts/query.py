@@ -13,6 +13,8 @@ from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, 
 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
+RELATIONS_READ = 50
+"""At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds)."""
 MAX_TOKENS_LIMIT = 250_000
 MIN_MAX_TOKENS = 1_000
 """The smallest budget a request may ask for: room for ``_meta`` and a few results without their contents."""
@@ -481,6 +483,12 @@ class QueryMeta(WireModel):
         description="Results placed first because they stand in the relation the query asked about to the symbol "
         "it named (callers, callees, subclasses, bases, importers, imported modules; options.exactSymbols); their "
         "foundBy names the relation.",
+    )
+    relation_found: int = Field(
+        default=0,
+        description="How many chunks within the request's filters stand in the asked relation, as far as the lookup "
+        f"reads ({RELATIONS_READ}: that many means at least as many); relationMatches of them are in the answer, "
+        "and a larger topK shows more.",
     )
     relation: RelationAsked | None = Field(
         default=None,

@@ -13,6 +13,7 @@ import pytest
 from ontofabric.contracts import QueryResponse
 from ontofabric.contracts.deltas import NodeUpserted, OntologyNode
 from ontofabric.contracts.query import RelationAsked
+from ontofabric.services.gateway.tools import render
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
@@ -347,7 +348,11 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert SUBCLASS in {f.retriever for f in ring.results[0].found_by}
     importers = await _ask(client, "which modules import shapes.circle?")
     assert set(_names(importers)[:2]) == {"shapes (file)", "shapes.report (file)"}
-    assert importers.meta.relation_matches == 2
+    assert (importers.meta.relation_matches, importers.meta.relation_found) == (2, 2)
+    # Fewer shown than found: the answer says how many there are (an agent tester's "3 of 13").
+    one = await _ask(client, "which modules import shapes.circle?", topK=1)
+    assert (one.meta.relation_matches, one.meta.relation_found) == (1, 2)
+    assert "1 of the 2 chunks standing in relation 'importers' to 'shapes.circle' shown" in render(one)
     assert all(IMPORTER in {f.retriever for f in r.found_by} for r in importers.results[:2])
     filtered = await _ask(client, "what imports square", chunkLevel="type")
     # The filter selects no importer (a module is no type) and hides the module square itself: it is still known.

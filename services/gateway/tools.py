@@ -30,7 +30,7 @@ from ontofabric.contracts import (
     main_only,
     nothing_indexed,
 )
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
 from ontofabric.services.query.symbols import BASE, CALLEE, CALLER, IMPORTED, IMPORTER, SUBCLASS, SYMBOL
@@ -335,6 +335,12 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"so nothing was found as its {asked.relation}"
             + (": these are search results for the name" if reply.results else "")
             + " (check the name's spelling, or ask by the qualified name a result shows)"
+        )
+    elif asked is not None and meta.relation_found > meta.relation_matches > 0:  # an agent tester's: 3 of 13
+        more = f"{meta.relation_found} or more" if meta.relation_found >= RELATIONS_READ else str(meta.relation_found)
+        head.append(
+            f"{meta.relation_matches} of the {more} chunks standing in relation {asked.relation!r} to "
+            f"{asked.symbol!r} shown: ask with a larger topK for the rest"
         )
     elif asked is not None and not meta.relation_matches:
         # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from ontofabric.contracts import IMPORTS, OntologyQuery, QueryResponse, SearchResult
 from ontofabric.contracts.query import (
+    RELATIONS_READ,
     CollapsedResult,
     DistanceMetricReport,
     ExpandedContext,
@@ -104,8 +105,7 @@ EMBED_RESERVE_S = 0.05
 RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
-DEFINITIONS_LOOKED_UP = 50
-"""At most this many definitions of a name are read (a common method name may have hundreds)."""
+DEFINITIONS_LOOKED_UP = RELATIONS_READ
 NO_DEFINITIONS = Definitions({}, "")
 
 
@@ -290,6 +290,8 @@ class QueryPipeline:
         if definitions.symbols:  # counted in the answer: after collapsing, the cut to topK and minRelevance
             placed = sum(any(f.retriever == definitions.found_by for f in r.found_by) for r in results)
             run.report(**{"exact_symbol_matches" if definitions.found_by == SYMBOL else "relation_matches": placed})
+        if definitions.found_by != SYMBOL:
+            run.report(relation_found=len(definitions.symbols))
         await self._expand(run, scope, fetched.version, results)
         run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.symbols.keys()))
         run.report(freshness=await self._freshness(run.workspace, run.query.branch, position))

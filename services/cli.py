@@ -79,6 +79,7 @@ from .gateway.link import NatsLink, NatsUnavailable
 from .gateway.stdio import StdioUnusable
 from .ingest.client import PublishFailed
 from .ops.dead_letters import (
+    DeadLetter,
     DeadLetterWatch,
     Redrive,
     Selection,
@@ -768,8 +769,7 @@ def dlq_redrive(
 
     async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Redrive:
         letters = await dead_letters(nc, names, selection)
-        for letter in letters:
-            print(f"{letter.seq}\t{letter.workspace}\t{letter.reason}\t{letter.detail[:120]}")
+        _list_letters(letters)
         if not letters:
             return Redrive()
         _confirm(f"re-drive {len(letters)}:", selection, yes)
@@ -808,9 +808,31 @@ def dlq_purge(
 ) -> None:
     """Delete the matching dead letters for good (every one when no filter is given)."""
     selection = _selection(sequences, workspace, reason, since, until)
-    _confirm("delete", selection, yes)
-    deleted = _as_operator(data_dir, lambda nc, names, *_: purge(nc, names, selection))
+
+    async def job(nc: Client, names: Names, *_: object) -> int:
+        # Listed first, as redrive lists: the question said "these?" and showed none (an operator tester's).
+        letters = await dead_letters(nc, names, selection)
+        _list_letters(letters)
+        if not letters:
+            return 0
+        _confirm(f"delete {len(letters)}:", selection, yes)
+        return await purge(nc, names, selection, letters)  # those listed: one stored since was not shown
+
+    deleted = _as_operator(data_dir, job)
     errors.print(f"deleted {deleted} dead letter(s)")
+
+
+LETTERS_LISTED = 50
+"""How many dead letters ``redrive`` and ``purge`` list before asking; ``dlq list`` shows the rest."""
+
+
+def _list_letters(letters: Sequence[DeadLetter]) -> None:
+    for letter in letters[:LETTERS_LISTED]:
+        print(f"{letter.seq}\t{letter.workspace}\t{letter.reason}\t{letter.detail[:120]}")
+    if len(letters) > LETTERS_LISTED:
+        print(f"... and {len(letters) - LETTERS_LISTED} more (ontofabric dlq list)")
+    if not letters:
+        errors.print("no dead letter matches")
 
 
 @app.command()

@@ -108,9 +108,11 @@ async def test_dead_letters_are_listed_redriven_after_a_fix_and_purged(deploymen
     remaining = await dead_letters(nc, names, Selection())
     assert [letter.seq for letter in remaining] == [acme[1].seq, letters[2].seq]  # the re-driven one is gone
 
+    # Every one of those read, and none stored after: what `dlq purge` listed before asking is what goes.
+    read = await dead_letters(nc, names, Selection())
+    assert await purge(nc, names, Selection(), read[:1]) == 1
+    assert [letter.seq for letter in await dead_letters(nc, names, Selection())] == [letters[2].seq]
     assert await purge(nc, names, Selection(workspace="globex")) == 1
-    assert [letter.seq for letter in await dead_letters(nc, names, Selection())] == [acme[1].seq]
-    assert await purge(nc, names, Selection()) == 1
     assert await dead_letters(nc, names, Selection()) == []
 
 
@@ -211,8 +213,13 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     assert '"content_too_large"' in shown.stdout
     assert '"long"' in shown.stdout
     assert dlq("list", "--since", "sometime").returncode != 0
-    refused = dlq("purge", stdin="n\n")  # asks first
+    refused = dlq("purge", stdin="n\n")  # asks first, saying what it would delete (an operator tester's)
     assert refused.returncode == 1
+    assert f"{entry['seq']}\tacme\tcontent_too_large" in refused.stdout
+    assert "delete 1: every dead letter?" in refused.stdout
+    nothing = dlq("purge", "--reason", "no_such_reason")
+    assert (nothing.returncode, nothing.stdout) == (0, "")  # nothing to ask about
+    assert "no dead letter matches" in nothing.stderr
     assert dlq("list", "--json").stdout.strip()
     redriven = dlq("redrive", str(entry["seq"]), "--yes")
     assert redriven.returncode == 0, redriven.stderr

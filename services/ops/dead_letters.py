@@ -363,14 +363,18 @@ async def _last_sequence(js: JetStreamContext, stream: str, subject: str) -> int
         return 0
 
 
-async def purge(nc: Client, names: Names, selection: Selection) -> int:
-    """Delete the selected dead letters; how many."""
+async def purge(nc: Client, names: Names, selection: Selection, letters: Sequence[DeadLetter] | None = None) -> int:
+    """Delete the selected dead letters (``letters``: those already read of them, and no later one); how many."""
     js = nc.jetstream()
-    if selection.everything:
+    if selection.everything and letters is None:
         state = (await js.stream_info(names.dlq_stream)).state
         await js.purge_stream(names.dlq_stream)
         return int(state.messages or 0)
-    letters = await dead_letters(nc, names, selection)
+    if selection.everything and letters:  # up to the last one read, at once: one stored since stays
+        await js.purge_stream(names.dlq_stream, seq=max(letter.seq for letter in letters) + 1)
+        return len(letters)
+    if letters is None:
+        letters = await dead_letters(nc, names, selection)
     for letter in letters:
         await js.delete_msg(names.dlq_stream, letter.seq)
     return len(letters)

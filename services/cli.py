@@ -1283,6 +1283,13 @@ def rebuild(
         _fail(f"{error}\nthe live index is unchanged; {advice}")
     except (asyncpg.InterfaceError, ConnectionResetError) as error:  # the database went away under it
         _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
+    except KeyboardInterrupt:  # an operator tester's: exit 130 without a word of what became of the rebuild
+        errors.print(
+            f"interrupted: the swap into the live index happens whole or not at all; run `ontofabric rebuild "
+            f"{workspace}` again to resume, or with --discard to drop what was replayed",
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
     console.print(
@@ -1352,6 +1359,13 @@ def reembed(
     except ChangeRefused as error:
         others = f"the {changed} listed above have changed" if changed else "no other database has changed"
         _fail(f"{database}: {error}\nthis database's index still answers with the model it held ({others})")
+    except KeyboardInterrupt:
+        errors.print(
+            "interrupted: each database's swap happens whole or not at all; run `ontofabric reembed` again to resume, "
+            "or with --discard to drop the unfinished change",
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
 
 
 @app.command()

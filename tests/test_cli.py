@@ -154,6 +154,32 @@ def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) ->
     assert "Traceback" not in stderr
 
 
+def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path) -> None:
+    """An operator tester's: Ctrl-C ended a rebuild with exit 130 and not a word. Here it waits on a NATS server
+    that never says hello."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        env = _env(
+            ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{silent.getsockname()[1]}", ONTOFABRIC_EMBEDDER="none",
+            ONTOFABRIC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none", ONTOFABRIC_DATA_DIR=str(tmp_path),
+        )  # fmt: skip
+        rebuild = subprocess.Popen(
+            [ONTOFABRIC, "rebuild", "acme"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal sends it: see above
+        )  # fmt: skip
+        silent.settimeout(60)
+        accepted, _ = silent.accept()
+        with accepted:
+            rebuild.send_signal(signal.SIGINT)
+            _, stderr = rebuild.communicate(timeout=30)
+    assert rebuild.returncode == 130, stderr
+    said = " ".join(stderr.split())
+    assert "interrupted:" in said
+    assert "run `ontofabric rebuild acme` again to resume, or with --discard" in said
+    assert "Traceback" not in stderr
+
+
 @pytest.mark.slow
 def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"

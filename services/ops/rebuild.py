@@ -304,7 +304,8 @@ class Rebuild:
             raise RebuildFailed(
                 "an embedding model change is under way (`ontofabric reembed`): rebuild when it has swapped, or "
                 "after `ontofabric reembed --discard`",
-                resumable=True,
+                resumable=False,  # nothing of this rebuild to resume (an operator tester's)
+                shadow=False,
             )
         try:
             held = await check_deployment(conn, self._settings)

@@ -100,17 +100,18 @@ class QueryOptions(StrictRequest):
     )
     exact_symbols: bool | None = Field(
         default=None,
-        description="When the query is one identifier (Retrying, tenacity.retry.Retrying, Retrying.__call__), put "
-        "the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, or the symbolFqn "
-        "without its private parts as a package re-exports it: httpx.Client for httpx._client.Client; case ignored "
-        "after exact matches) first, each scoring 1 and found by 'symbol'. When the query asks one relation of one "
-        "named symbol, put the chunks standing in it first, each scoring 1: its callers (what calls to_seconds, "
-        "callers of Retrying.copy: the chunks whose metadata.calls names it) as 'caller', what it calls (what "
-        "does wraps call) as 'callee'; its subclasses (what subclasses wait_base: through the graph's interfaces, "
-        "the nearest first) as 'subclass', its bases (what does Retrying inherit from) as 'base'; its importers "
-        "(what imports tenacity._utils: the graph's imports links) as 'importer', what it imports (what does "
-        "tenacity.wait import) as 'imported'; a type by its class chunk, else its file. Default: the deployment's "
-        "(true).",
+        description="When the query is one identifier (Retrying, tenacity.retry.Retrying, Retrying.__call__), put"
+        " the chunks defining a symbol of that name (its symbolFqn, or the symbolFqn's last parts, or the "
+        "symbolFqn without its private parts as a package re-exports it: httpx.Client for httpx._client.Client; "
+        "case ignored after exact matches), or assigning it at their level (metadata.defines: a module's "
+        "constant, a class's attribute, matched as written) first, each scoring 1 and found by 'symbol'. When the"
+        " query asks one relation of one named symbol, put the chunks standing in it first, each scoring 1: its "
+        "callers (what calls to_seconds, callers of Retrying.copy: the chunks whose metadata.calls names it) as "
+        "'caller', what it calls (what does wraps call) as 'callee'; its subclasses (what subclasses wait_base: "
+        "through the graph's interfaces, the nearest first) as 'subclass', its bases (what does Retrying inherit "
+        "from) as 'base'; its importers (what imports tenacity._utils: the graph's imports links) as 'importer', "
+        "what it imports (what does tenacity.wait import) as 'imported'; a type by its class chunk, else its "
+        "file. Default: the deployment's (true).",
     )
 
     @field_validator("retrievers")

@@ -311,6 +311,6 @@ def test_a_module_and_a_class_carry_the_names_their_own_statements_assign() -> N
         "class K:\n    size = 3\n    def f(self):\n        local = 1\n"
     )
     chunks = {c.symbol_fqn: c for c in chunk_python("m.py", source, 10_000)}
-    assert chunks["m"].defines == ("LIMIT", "A", "B", "C", "TYPED", "FAST")
+    assert chunks["m"].defines == ("LIMIT", "A", "B", "C", "TYPED", "DECLARED", "FAST")
     assert chunks["m.K"].defines == ("size",)
     assert chunks["m.K.f"].defines == ()

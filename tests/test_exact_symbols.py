@@ -285,6 +285,10 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     for text in ("stroke", "Outline.stroke", "shapes.Outline.stroke"):
         assert _names(await _ask(client, text))[0] == "shapes._base.Outline (type)", text
     assert (await _ask(client, "circle.UNIT")).meta.exact_symbol_matches == 0  # another module's name
+    # A review's: a misspelt module before an assigned name is no known symbol.
+    misspelt = await _ask(client, "what calls nosuchmodule.UNIT")
+    assert misspelt.meta.relation is not None
+    assert not misspelt.meta.relation.symbol_indexed
     # A name two symbols share: both first, the shorter name leading when nothing else tells them apart.
     area = await _ask(client, "area")
     assert set(_names(area)[:2]) == {"shapes.circle.Circle.area (method)", "shapes.square.area (method)"}

@@ -200,7 +200,8 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
 
 
 def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
-    """The names a module's or a class's own statements assign, in order, each once: ``X = ...``, ``X: int = ...``,
+    """The names a module's or a class's own statements assign or declare, in order, each once: ``X = ...``,
+    ``X: int = ...``, ``X: int``,
     ``A, B = ...``, also under a module-level ``if``, ``try`` or ``with`` (``try: X = a except: X = b``); not what
     a function or a nested class assigns, nor imports."""
     names: dict[str, None] = {}
@@ -217,7 +218,7 @@ def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
         statement = pending.pop(0)
         if isinstance(statement, ast.Assign):
             names.update(dict.fromkeys(name for target in statement.targets for name in targets(target)))
-        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+        elif isinstance(statement, ast.AnnAssign):  # with or without a value: a dataclass's or a model's field
             names.update(dict.fromkeys(targets(statement.target)))
         elif isinstance(statement, ast.If | ast.With | ast.AsyncWith):
             pending[:0] = [*statement.body, *getattr(statement, "orelse", [])]

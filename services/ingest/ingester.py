@@ -157,7 +157,8 @@ def read_regular_file(path: Path) -> str:
     file and no symbolic link; OSError otherwise. A link may lead out of the tree, into another workspace's files
     or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
     tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
-    and checked on the open file, so that the file cannot be swapped for a link in between."""
+    and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
+    above it swapped for one while the ingest walks the tree is not guarded against)."""
     if path.is_symlink():
         raise OSError(f"{path.name}: a symbolic link (links are not followed)")
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

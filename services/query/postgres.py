@@ -641,14 +641,20 @@ class PostgresDocuments:
             )
             # And the chunks assigning the name at their level (a module's constant, a class's attribute: no
             # chunk of their own), through documents_defines (0028), named as the name under its chunk's.
-            where, parameters = where_clause(scope, 3, snapshot.shadowed)
+            # Matched as written (a jsonb key is): the name under the chunk's is the asked one, ends with it, or is
+            # it without private parts, as symbols match (NAMES_SQL); so a qualified name is not lost among the
+            # many modules assigning a common last part (log, logger), nor a misspelt one taken for known.
             assigning = await snapshot.conn.fetch(
-                f"""SELECT id, symbol_fqn || '.' || $1 AS symbol_fqn, chunk_level FROM documents
-                    WHERE metadata ? 'defines' AND metadata -> 'defines' ? $1 AND symbol_fqn IS NOT NULL
-                      AND {where}
-                    ORDER BY length(symbol_fqn), id
-                    LIMIT $2""",
+                f"""SELECT id, named AS symbol_fqn, chunk_level
+                    FROM (SELECT id, chunk_level, symbol_fqn || '.' || $1 AS named FROM documents
+                          WHERE metadata ? 'defines' AND metadata -> 'defines' ? $1 AND symbol_fqn IS NOT NULL
+                            AND chunk_level IS DISTINCT FROM 'doc' AND {where}) assigned
+                    WHERE named = $2 OR right(named, length($2) + 1) = '.' || $2
+                          OR regexp_replace(named, '{PRIVATE_PART}', '', 'g') = $2
+                    ORDER BY named = $2 DESC, right(named, length($2) + 1) = '.' || $2 DESC, length(named), id
+                    LIMIT $3""",
                 last_part(name),
+                name,
                 limit,
                 *parameters,
             )

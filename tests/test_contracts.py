@@ -201,7 +201,14 @@ def test_every_subject_the_services_use_has_a_channel() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [{"semanticQuery": None}, {"semanticQuery": " \t"}, {"semanticQuery": "\u0000abc"}, {"chunkLevel": None}],
+    [
+        {"semanticQuery": None},
+        {"semanticQuery": " \t"},
+        {"semanticQuery": "\u0000abc"},
+        {"chunkLevel": None},
+        # Whitespace as the worker's str.strip() reads it, not as a regular expression's \s (a review's).
+        {"semanticQuery": "\x1c\x85"},
+    ],
 )
 def test_what_the_worker_refuses_as_a_query_the_schema_refuses_too(body: dict[str, object]) -> None:
     """A conformance tester's: these were valid by the committed schema, and refused by the worker."""

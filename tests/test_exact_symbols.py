@@ -134,6 +134,15 @@ def test_related_chunks_go_first_functions_before_modules_then_pipeline_order() 
     assert [hit.id for hit in far][:4] == ["unranked", "module", "late", "early"]
 
 
+def test_code_shaped_names_are_those_only_code_writes() -> None:
+    from ontofabric.services.query.symbols import code_shaped
+
+    for name in ("DEFAULT_TIMEOUT", "httpx.Client", "utf8", "getValue", "HTTPError", "_private"):
+        assert code_shaped(name), name
+    for name in ("pagination", "Retrying", "authentication", "x"):
+        assert not code_shaped(name), name
+
+
 def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> None:
     assert match_quality("tenacity.retry.Retrying", "tenacity.retry.Retrying") == 0
     assert match_quality("tenacity.retry.Retrying", "retry.Retrying") == 1

@@ -356,8 +356,11 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
         "keywordGap": pytest.approx(2 / 3, abs=1e-3),
         "keywordHitsDenseScored": 0,
     }
-    # A query that is one identifier: the keyword list, which holds it as written, leads.
-    named = await pipeline.answer(QUERY, "w")
+    # A query that is one identifier written as code writes one: the keyword list, which holds it as written, leads.
+    named = await pipeline.answer(OntologyQuery(semantic_query="any_thing"), "w")
+    plain = await pipeline.answer(QUERY, "w")  # one plain word may be a question: weighed as any query
+    assert plain.meta.fusion is not None
+    assert plain.meta.fusion.parameters["denseWeight"] == pytest.approx(1 / 3, abs=1e-3)
     assert named.meta.fusion is not None
     assert named.meta.fusion.parameters["denseWeight"] == pytest.approx(0.05)
     assert default.meta.signals == {

@@ -115,10 +115,11 @@ def adaptive_fusion(
 ) -> tuple[list[Fused], float, float]:
     """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95].
 
-    ``lexical``: the query is one identifier, which a keyword hit holds as written: the keyword list leads (a gap
-    of 1) whenever it has hits. Its top hit's saturation says little there: one rare name written once in a long
-    file scores low by BM25's length normalisation, and took a weight of 0.08 against dense, whose cosine for a
-    name it never learned is noise (an agent tester's name, found only in one file, came 34th).
+    ``lexical``: the query is one identifier written as code writes one (``symbols.code_shaped``), which a keyword
+    hit holds as written: the keyword list leads (a gap of 1) whenever it has hits. Its top hit's saturation says
+    little there: one rare name written once in a long file scores low by BM25's length normalisation, and took a
+    weight of 0.08 against dense, whose cosine for a name it never learned is noise (an agent tester's name, found
+    only in one file, came 34th).
 
     Scores are used on absolute scales, not stretched per list: cosine similarity for dense, and BM25 divided by
     the best score any document could reach for the query (its saturation) for keyword. A keyword list whose top

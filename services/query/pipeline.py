@@ -84,6 +84,7 @@ from .symbols import (
     RELATION_ASKED,
     SUBCLASS,
     SYMBOL,
+    code_shaped,
     definitions_first,
     identifier_of,
     related_first,
@@ -439,7 +440,7 @@ class QueryPipeline:
             limit=limit,
             query_ceiling=keyword.query_ceiling if keyword else None,
             keyword_hits_dense=keyword_hits_dense,
-            lexical=identifier_of(run.text) is not None,
+            lexical=(name := identifier_of(run.text)) is not None and code_shaped(name),
         )
         run.timings["fusion"] = milliseconds_since(started)
         self._metrics.fusion_duration.record(run.timings["fusion"])

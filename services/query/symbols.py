@@ -50,6 +50,13 @@ def identifier_of(text: str) -> str | None:
     return name if len(name) <= MAX_IDENTIFIER_CHARS and _IDENTIFIER.fullmatch(name) else None
 
 
+def code_shaped(name: str) -> bool:
+    """Whether an identifier is written as only code writes one: with ``_``, ``.``, a digit, or a capital after its
+    first letter (``DEFAULT_TIMEOUT``, ``httpx.Client``, ``utf8``, ``getValue``); a plain word (``pagination``,
+    ``Retrying``) may be a question in one word."""
+    return any(c in "_." or c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
+
+
 _NAME = r"`?(?P<name>[A-Za-z_][\w.:#]*(?:\(\))?)`?"
 _KIND = r"(?:function|method|class|constructor|module|package|interface)"
 _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"

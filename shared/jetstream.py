@@ -151,10 +151,9 @@ def refused_login(error: BaseException | None) -> bool:
 
 @dataclasses.dataclass
 class _Outage:
-    """The error last logged by a connection, and how many times it came again unlogged."""
+    """When a connection last logged each error since it was last connected, and how many came again unlogged."""
 
-    error: str | None = None
-    logged_at: float = 0.0
+    logged: dict[str, float] = dataclasses.field(default_factory=dict)
     repeats: int = 0
 
 
@@ -185,12 +184,13 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
             log.warning("nats_permission_denied", subject=violation.group(1))
             return
         said, now = str(error), time.monotonic()
-        # While the server is gone every reconnect attempt (once a second) fails alike: said once a minute.
-        if said == outage.error and now - outage.logged_at < ERROR_REPEAT_S:
+        # While the server is gone every reconnect attempt (once a second) fails alike: each error said once a
+        # minute (by its text: with several servers their errors alternate).
+        if now - outage.logged.get(said, -ERROR_REPEAT_S) < ERROR_REPEAT_S:
             outage.repeats += 1
             return
-        log.warning("nats_error", error=said, **({"repeats_since": outage.repeats} if outage.repeats else {}))
-        outage.error, outage.logged_at, outage.repeats = said, now, 0
+        log.warning("nats_error", error=said)
+        outage.logged[said] = now
 
     async def on_disconnect() -> None:
         if not nc.is_closed:
@@ -198,7 +198,8 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected", **({"errors_not_logged": outage.repeats} if outage.repeats else {}))
-        outage.error, outage.repeats = None, 0
+        outage.logged.clear()
+        outage.repeats = 0
 
     async def on_closed() -> None:
         # Closed with an error on record and not by close(): the server ended it (a plain nc.close() has none).

@@ -384,8 +384,8 @@ class QueryService:
         self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
         models = ",".join(settings.models()) if self._embedder is not None else ""
         self._endpoints = {
-            operation: Endpoint(operation, f"{names.prefix}.{operation}.*", names.query_queue)
-            for operation in OPERATIONS
+            operation: Endpoint(operation, subject, names.query_queue)
+            for operation, subject in zip(OPERATIONS, subjects, strict=True)
         }
         self._service = await announce(
             nc, names.query_service, "ontofabric query worker", {"models": models}, list(self._endpoints.values())

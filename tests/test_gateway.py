@@ -468,7 +468,27 @@ async def test_a_batch_under_the_protocol_version_that_has_batches_is_answered_w
         notified = await http.post(url, json=[{"jsonrpc": "2.0", "method": "notifications/initialized"}])
         assert (notified.status_code, notified.content) == (202, b"")
         empty = await http.post(url, json=[])
-        assert empty.json() == [{"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "an empty batch"}}]
+        assert empty.json() == {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "an empty batch"}}
+        # A review's: bounded; initialize is refused in a batch, as MCP says; a refusal of the HTTP request itself
+        # (a foreign origin) answers the batch as it answers a request alone, not a 500.
+        pings = [{"jsonrpc": "2.0", "id": n, "method": "ping"} for n in range(17)]
+        assert (await http.post(url, json=pings)).json()["error"][
+            "message"
+        ] == "a batch of at most 16 messages is taken"
+        opening = {"jsonrpc": "2.0", "id": 9, "method": "initialize", "params": {}}
+        (refused,) = (await http.post(url, json=[opening])).json()
+        assert (refused["id"], refused["error"]["code"]) == (9, -32600)
+        foreign = await http.post(url, json=pings[:2], headers={"Origin": "http://elsewhere.example"})
+        alone = await http.post(url, json=pings[0], headers={"Origin": "http://elsewhere.example"})
+        assert (foreign.status_code, foreign.content) == (alone.status_code, alone.content)
+        assert foreign.status_code == 403
+    # Each message is admitted as a request of its own: a batch does not get past the gateway's limit.
+    limited = _http_gateway(deployment, "--workspace", "acme", ONTOFABRIC_GATEWAY_MAX_HELD="1")
+    async with limited as url, httpx2.AsyncClient(headers=headers) as http:
+        calls = [{"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": call} for n in range(3)]
+        answers = (await http.post(url, json=calls)).json()
+    refusals = [a for a in answers if a["result"]["content"][0]["text"].startswith("error overloaded")]
+    assert 1 <= len(refusals) < 3
 
 
 async def test_half_a_character_over_http_is_an_error_naming_the_field(

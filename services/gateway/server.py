@@ -13,7 +13,6 @@ import asyncio
 import json
 import secrets
 import socket
-from collections import deque
 from importlib.metadata import version
 from typing import Any
 
@@ -226,7 +225,7 @@ class Gateway:
             streamable_http_path=MCP_PATH, host=host, stateless_http=True, json_response=True
         )
         lag = LoopLag()
-        app = AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag)
+        app = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag))
         app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host))
         BoundedConnections.limit = connection_limit()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
@@ -335,10 +334,6 @@ class MisreadBodies:
             return
         read, body = await peek_body(receive, self._max_body_bytes)
         version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
-        batch = _json_array(body) if body is not None and version in BATCH_VERSIONS else None
-        if batch is not None:
-            await self._answer_batch(scope, batch, send, receive)
-            return
         answer = None if body is None else _answer_to_unknown_version(version, body) or _answer_to_misread(body)
         if answer is None:
             await self._app(scope, replaying(read, receive), send)
@@ -347,40 +342,121 @@ class MisreadBodies:
         await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS if reply else []})
         await send({"type": "http.response.body", "body": json.dumps(reply).encode() if reply else b""})
 
-    async def _answer_batch(self, scope: Scope, batch: list[Any], send: Send, receive: Receive) -> None:
-        """A JSON-RPC batch, which MCP's 2025-03-26 revision requires a server to take (later ones dropped it; a
-        conformance tester's finding): each message is answered as if it came alone, one after another, so that a
-        batch holds one request's place (the limits count requests), and the answers go back together; a batch of
-        notifications only gets 202."""
-        answers: list[Any] = []
-        if not batch:
-            refused = {"code": types.INVALID_REQUEST, "message": "an empty batch"}
-            answers.append({"jsonrpc": "2.0", "id": None, "error": refused})
-        for message in batch:
-            if isinstance(message, list):  # not taken for a batch of its own
-                refused = {"code": types.INVALID_REQUEST, "message": "a batch within a batch"}
-                answers.append({"jsonrpc": "2.0", "id": None, "error": refused})
-                continue
-            body = json.dumps(message).encode()
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-            alone = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-            sent: list[Message] = []
-
-            async def capture(reply: Message, into: list[Message] = sent) -> None:
-                into.append(reply)
-
-            await self(alone, replaying(deque([{"type": "http.request", "body": body}]), receive), capture)
-            answered = b"".join(reply.get("body", b"") for reply in sent if reply["type"] == "http.response.body")
-            if answered:
-                answers.append(json.loads(answered))
-        status, reply = (200, json.dumps(answers).encode()) if answers else (202, b"")
-        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS if answers else []})
-        await send({"type": "http.response.body", "body": reply})
-
 
 BATCH_VERSIONS = ("2025-03-26", "")
 """The protocol versions whose requests may come as a JSON-RPC batch; none named (no MCP-Protocol-Version header):
 a server assumes 2025-03-26 (MCP 2025-06-18, "Protocol Version Header")."""
+MAX_BATCH = 16
+"""The most messages one batch may hold: each is worked on at once, as that many requests would be."""
+
+
+class Batches:
+    """ASGI middleware: a JSON-RPC batch, which MCP's 2025-03-26 revision requires a server to take (later ones
+    dropped it; a conformance tester's finding). Each message goes on through the rest of the app as a request of
+    its own, all at once: each is admitted (or refused overloaded), timed from its arrival, cancellable and
+    answered as if it came alone (a review found a first version, inside MisreadBodies, let a batch past the
+    admission, ran its calls one after another on the first one's clock, and had no bound). The answers go back
+    together; a batch of notifications only gets 202. At most ``MAX_BATCH`` messages; ``initialize`` is refused
+    in a batch, as MCP says. A refusal of the HTTP request itself (an origin or a host the SDK refuses) answers
+    the whole batch as it would a request alone. Other protocol versions get MisreadBodies' refusal."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> None:
+        self._app = app
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope.get("headers", [])) if scope["type"] == "http" else {}
+        declared = headers.get(b"content-length", b"")
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or headers.get(b"mcp-protocol-version", b"").decode("latin-1") not in BATCH_VERSIONS
+            or b"json" not in headers.get(b"content-type", b"").lower()
+            or (declared.isdigit() and int(declared) > self._max_body_bytes)
+        ):
+            await self._app(scope, receive, send)
+            return
+        read, body = await peek_body(receive, self._max_body_bytes)
+        batch = None if body is None else _json_array(body)
+        if batch is None:
+            await self._app(scope, replaying(read, receive), send)
+            return
+        if not batch or len(batch) > MAX_BATCH:
+            why = "an empty batch" if not batch else f"a batch of at most {MAX_BATCH} messages is taken"
+            await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": _invalid(why)})
+            return
+        client_gone = asyncio.Event()
+        watching = asyncio.create_task(_until_gone(receive, client_gone), name="batch-client")
+        try:
+            replies = await asyncio.gather(*(self._alone(scope, message, client_gone) for message in batch))
+        finally:
+            watching.cancel()
+        answers = []
+        for status, reply_headers, answered in replies:
+            if not answered:
+                continue  # a notification's 202
+            try:
+                answers.append(json.loads(answered))
+            except ValueError:  # the SDK's plain-text refusal of the request itself: the batch's answer
+                await send({"type": "http.response.start", "status": status, "headers": reply_headers})
+                await send({"type": "http.response.body", "body": answered})
+                return
+        if answers:
+            await _answer_json(send, 200, answers)
+        else:
+            await send({"type": "http.response.start", "status": 202, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def _alone(
+        self, scope: Scope, message: Any, client_gone: asyncio.Event
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``message`` answered as a request of its own: the status, headers and body of the answer."""
+        if isinstance(message, list):
+            return (
+                200,
+                [],
+                json.dumps({"jsonrpc": "2.0", "id": None, "error": _invalid("a batch within a batch")}).encode(),
+            )
+        if isinstance(message, dict) and message.get("method") == "initialize":
+            refused = _invalid("initialize may not be part of a batch (MCP 2025-03-26): send it alone")
+            return 200, [], json.dumps({"jsonrpc": "2.0", "id": request_id_of(message), "error": refused}).encode()
+        body = json.dumps(message).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        alone = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        sent: list[Message] = []
+        handed = False
+
+        async def receive() -> Message:
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await client_gone.wait()  # the batch's client went away: each message's call with it
+            return {"type": "http.disconnect"}
+
+        async def capture(reply: Message) -> None:
+            sent.append(reply)
+
+        await self._app(alone, receive, capture)
+        start = next((reply for reply in sent if reply["type"] == "http.response.start"), {})
+        answered = b"".join(reply.get("body", b"") for reply in sent if reply["type"] == "http.response.body")
+        return int(start.get("status", 500)), list(start.get("headers", [])), answered
+
+
+async def _until_gone(receive: Receive, client_gone: asyncio.Event) -> None:
+    """Sets ``client_gone`` when the batch's client goes away (its body is read: what comes next is that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    client_gone.set()
+
+
+def _invalid(message: str) -> dict[str, Any]:
+    return {"code": types.INVALID_REQUEST, "message": message}
+
+
+async def _answer_json(send: Send, status: int, answer: Any) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+    await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
 def _json_array(body: bytes) -> list[Any] | None:

@@ -40,7 +40,7 @@ from ontofabric.contracts import (
     QueryResponse,
     SearchResult,
 )
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, Freshness, RelationAsked
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, ExpandedContext, Freshness, RelationAsked
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
@@ -1089,6 +1089,28 @@ def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> No
     text = render(QueryResponse(results=[], _meta=meta))
     assert " · 0 results · " in text
     assert " · 1 delta not yet indexed (12.0 ms)" in text
+
+
+def test_the_text_says_a_name_defines_nothing_and_draws_links_as_they_point() -> None:
+    """A tester's: a made-up name got ten unrelated results with no word that nothing defines it; and an incoming
+    link was drawn as an outgoing one, so that Argument inheriting from Parameter read the other way round."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={"exactSymbol": 1.0},
+        expanded_context=[
+            ExpandedContext(
+                linked_type="click.core.Argument", link_name="inherits", direction="incoming",
+                linked_from_type="click.core.Parameter", linked_from_document_id="d1", representative_document_id=None,
+            )
+        ],
+    )  # fmt: skip
+    text = render(QueryResponse(results=[], _meta=meta), {"semanticQuery": "FrobnicateWidget"})
+    assert "no chunk defining a symbol named 'FrobnicateWidget' is indexed in workspace 'acme'" in text
+    assert "linked: click.core.Parameter <-inherits<- click.core.Argument" in text
+    found = meta.model_copy(update={"exact_symbol_matches": 1})
+    assert "no chunk defining" not in render(QueryResponse(results=[], _meta=found), {"semanticQuery": "Circle"})
+    question = render(QueryResponse(results=[], _meta=meta), {"semanticQuery": "how are widgets made"})
+    assert "no chunk defining" not in question
 
 
 def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_says_integer() -> None:

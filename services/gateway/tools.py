@@ -33,7 +33,16 @@ from ontofabric.contracts import (
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
-from ontofabric.services.query.symbols import BASE, CALLEE, CALLER, IMPORTED, IMPORTER, SUBCLASS, SYMBOL
+from ontofabric.services.query.symbols import (
+    BASE,
+    CALLEE,
+    CALLER,
+    IMPORTED,
+    IMPORTER,
+    SUBCLASS,
+    SYMBOL,
+    identifier_of,
+)
 from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
@@ -328,6 +337,16 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"branch {meta.branch!r} has nothing of its own indexed: these are main's results (check the branch's "
             "name, or ontology_status)"
         )
+    named = identifier_of(str(arguments.get("semanticQuery") or ""))
+    # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
+    if named is not None and _no_definition_placed(meta) and "exactSymbol" in meta.timings_ms:
+        filtered = any(
+            arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
+        )
+        head.append(
+            f"no chunk defining a symbol named {named!r}{' within the filters' if filtered else ''} is indexed in "
+            f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
+        )
     asked = meta.relation
     if asked is not None and not asked.symbol_indexed:
         head.append(
@@ -379,13 +398,21 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         elif result.content_length is not None and arguments.get("includeContent") is not False:
             lines.append(f"[content left out for size: {result.content_length} characters, get_document]")
     for context in meta.expanded_context:
+        # The arrow points as the link does, as `ontofabric query` draws it: a tester read "Parameter -inherits->
+        # Argument" for an incoming link, Argument inheriting from Parameter.
+        arrow = "->" if context.direction == "outgoing" else "<-"
         lines.append(
-            f"\nlinked: {context.linked_from_type} -{context.link_name}-> {context.linked_type}"
+            f"\nlinked: {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
             + (f" (document {context.representative_document_id})" if context.representative_document_id else "")
         )
     if meta.collapsed:
         lines.append(f"\n{_counted(len(meta.collapsed), 'nested chunk')} of the same symbols left out")
     return "\n".join(lines)
+
+
+def _no_definition_placed(meta: QueryMeta) -> bool:
+    """Whether a query that was one name got no definition of it placed first (and asked no relation)."""
+    return meta.relation is None and not meta.exact_symbol_matches
 
 
 def _counted(count: int, noun: str) -> str:

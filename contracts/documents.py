@@ -167,6 +167,7 @@ class SecondVector(WireModel):
 MAX_CALLS = 512
 MAX_CALLEE_CHARS = 1024
 MAX_DEFINES = 512
+MAX_ALIASES = 64
 MAX_METADATA_BYTES = 64 * 1024
 """A document's metadata as the index stores and returns it (jsonb writes a number out in full: 1e308 is 309
 digits). Every answer and every document read carries it: a fault tester's 24 kB delta of 4,000 × 1e300 grew to
@@ -241,6 +242,14 @@ class DocumentMetadata(WireModel):
         description="Names this chunk's own statements assign at its level (a module's chunk: its constants and other "
         "module variables, which have no chunk of their own); a query that is one of these names, alone or after "
         "its module's name, puts the chunk first as it does a symbol's definition (options.exactSymbols).",
+    )
+
+    aliases: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
+        default=None,
+        max_length=MAX_ALIASES,
+        description="Other qualified names of this chunk's symbol: those a package publishes it under (click.Option "
+        "for click.core.Option, re-exported by click/__init__.py); a query that is one of them, as written, puts the "
+        "chunk first as it does a symbol's definition (options.exactSymbols).",
     )
 
     @model_validator(mode="after")

@@ -283,9 +283,12 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # Qualified, partly qualified, or written as other languages write members: the method.
     for text in ("shapes.circle.Circle.area", "Circle.area", "Circle::area", "`Circle.area()`"):
         assert _names(await _ask(client, text))[0] == "shapes.circle.Circle.area (method)", text
-    # By the name its package publishes it under: without the private module.
+    # By the name its package publishes it under: without the private module; re-exported from a public one (a
+    # tester's click.Option for click.core.Option).
     published = await _ask(client, "shapes.Outline")
     assert (_names(published)[0], published.meta.exact_symbol_matches) == ("shapes._base.Outline (type)", 1)
+    exported = await _ask(client, "shapes.Circle")
+    assert (_names(exported)[0], exported.meta.exact_symbol_matches) == ("shapes.circle.Circle (type)", 1)
     # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an
     # agent tester's DEFAULT_TIMEOUT_CONFIG), by the name alone or under its module's or class's.
     for text in ("UNIT", "square.UNIT", "shapes.square.UNIT"):

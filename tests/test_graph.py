@@ -335,3 +335,21 @@ def test_a_file_nested_deeper_than_the_parser_goes_is_not_read_and_stops_nothing
     assert python_calls({"deep.py": source}) == {}
     assert python_graph({"deep.py": source}) == ([], [])
     assert [c.chunk_level for c in chunk_python("deep.py", source, 1 << 20)] == ["file"]
+
+
+def test_a_package_publishes_what_its_init_imports_from_the_tree_under_its_own_name() -> None:
+    """A tester's: click.Option (re-exported by click/__init__.py) found nothing: the class is click.core.Option."""
+    from ontofabric.services.ingest.graph import python_exports
+
+    sources = {
+        "__init__.py": "from .core import Option as Option\nfrom .core import Group as Grp\nfrom . import core\n"
+        "import os\nfrom .utils import helper, missing\n",
+        "core.py": "class Option: ...\nclass Group: ...\n",
+        "utils.py": "def helper(): ...\n",
+        "sub/__init__.py": "from ..core import Option\n",
+    }
+    assert python_exports(sources, "pkg") == {
+        "pkg.core.Option": ("pkg.Option", "pkg.sub.Option"),
+        "pkg.core.Group": ("pkg.Grp",),
+        "pkg.utils.helper": ("pkg.helper",),
+    }

@@ -4,3 +4,7 @@
 -- Declared on the parent, so every workspace partition, and a rebuild's shadow, gets one.
 CREATE INDEX IF NOT EXISTS documents_defines
     ON documents USING gin ((metadata -> 'defines')) WHERE metadata ? 'defines';
+-- And the other qualified names a chunk's symbol is published under (metadata.aliases: click.Option for
+-- click.core.Option), matched whole.
+CREATE INDEX IF NOT EXISTS documents_aliases
+    ON documents USING gin ((metadata -> 'aliases')) WHERE metadata ? 'aliases';

@@ -42,6 +42,9 @@ class Chunk:
     defines: tuple[str, ...] = ()
     """The names the chunk's own statements assign at its level (a module's constants, a class's attributes):
     they have no chunk of their own, so a query for one finds them here (``assigned_names``)."""
+    aliases: tuple[str, ...] = ()
+    """The names a package re-exports the chunk's symbol under (``click.Option`` for ``click.core.Option``; set by
+    the ingester, which sees the whole tree: ``graph.python_exports``)."""
     parse_error: str | None = None
     """A Python file's chunk: why its source could not be parsed, so that it has no chunk of a symbol nor calls."""
 

@@ -327,6 +327,23 @@ def _code_scopes(module: _Module) -> Iterator[tuple[str, list[ast.AST], str | No
 _DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
+def python_exports(sources: Mapping[str, str], package: str | None = None) -> dict[str, tuple[str, ...]]:
+    """For each class or function of the tree a package re-exports (its ``__init__`` imports it from the tree:
+    ``from .core import Option``), the names it is published under there (``click.Option`` for
+    ``click.core.Option``), in order; a name imported under another (``as``) is published under that one."""
+    modules, resolver = _modules(sources, package)
+    exported: dict[str, dict[str, None]] = {}
+    for module in modules.values():
+        if not module.is_package:
+            continue
+        for local, (_, symbol) in module.imports.items():
+            target = resolver.symbol_fqn(module, local) if symbol is not None else None
+            published = f"{module.fqn}.{local}"
+            if target is not None and target != published:
+                exported.setdefault(target, {})[published] = None
+    return {target: tuple(names) for target, names in exported.items()}
+
+
 def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict[tuple[str, str], tuple[str, ...]]:
     """For each chunk of code (by its file and the qualified name :func:`chunking.chunk_python` gives it: a
     package's function can share its name with a module of the package), the classes and

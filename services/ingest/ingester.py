@@ -46,6 +46,7 @@ from ontofabric.contracts import (
     split_link_key,
 )
 from ontofabric.contracts.documents import (
+    MAX_ALIASES,
     MAX_CALLEE_CHARS,
     MAX_CALLS,
     MAX_DEFINES,
@@ -63,7 +64,7 @@ from ontofabric.shared.subjects import Names
 
 from .chunking import Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
-from .graph import GraphLink, GraphNode, python_calls, python_graph
+from .graph import GraphLink, GraphNode, python_calls, python_exports, python_graph
 
 log = get_logger(__name__)
 
@@ -182,6 +183,7 @@ def chunk_sources(
     package = tree_package(root.resolve().name, sources, package)
     chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
     calls = {key: carried_calls(names) for key, names in python_calls(sources, package).items()}
+    exports = {fqn: carried_aliases(names) for fqn, names in python_exports(sources, package).items()}
     for chunk in chunks:
         if chunk.parse_error is not None:
             log.warning("ingest_file_unparsed", path=chunk.file_path, error=chunk.parse_error)
@@ -195,8 +197,9 @@ def chunk_sources(
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
     return [
-        replace(chunk, calls=calls[key])
-        if chunk.chunk_level != "doc" and (key := (chunk.file_path, chunk.symbol_fqn)) in calls
+        replace(chunk, calls=calls.get(key, ()), aliases=exports.get(chunk.symbol_fqn, ()))
+        if chunk.chunk_level != "doc"
+        and ((key := (chunk.file_path, chunk.symbol_fqn)) in calls or chunk.symbol_fqn in exports)
         else chunk
         for chunk in chunks
     ]
@@ -208,6 +211,8 @@ CALLS_BYTES = MAX_METADATA_BYTES // 2
 
 DEFINES_BYTES = MAX_METADATA_BYTES // 4
 """The share of a document's metadata the names it assigns may take (beside its calls' half)."""
+ALIASES_BYTES = MAX_METADATA_BYTES // 16
+"""The share of a document's metadata the names its symbol is published under may take."""
 
 
 def carried_calls(names: Sequence[str]) -> tuple[str, ...]:
@@ -219,6 +224,11 @@ def carried_calls(names: Sequence[str]) -> tuple[str, ...]:
 def carried_defines(names: Sequence[str]) -> tuple[str, ...]:
     """The assigned names the contract can carry, in order, as :func:`carried_calls` keeps calls."""
     return _carried(names, DEFINES_BYTES, MAX_DEFINES)
+
+
+def carried_aliases(names: Sequence[str]) -> tuple[str, ...]:
+    """The published names the contract can carry, in order, as :func:`carried_calls` keeps calls."""
+    return _carried(names, ALIASES_BYTES, MAX_ALIASES)
 
 
 def _carried(names: Sequence[str], share_bytes: int, count: int) -> tuple[str, ...]:
@@ -238,8 +248,12 @@ def _derived_state(chunk: Chunk) -> str:
     """What the manifest keeps of a chunk's calls and assigned names, beside its content: nothing when it has none,
     so that chunks without them keep the values they had before either was carried."""
     calls = f"|calls:{hashlib.sha256(chr(10).join(chunk.calls).encode()).hexdigest()[:16]}" if chunk.calls else ""
-    defines = carried_defines(chunk.defines)
-    return calls + (f"|defines:{hashlib.sha256(chr(10).join(defines).encode()).hexdigest()[:16]}" if defines else "")
+    derived = {"defines": carried_defines(chunk.defines), "aliases": chunk.aliases}
+    return calls + "".join(
+        f"|{kind}:{hashlib.sha256(chr(10).join(names).encode()).hexdigest()[:16]}"
+        for kind, names in derived.items()
+        if names
+    )
 
 
 def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
@@ -417,6 +431,7 @@ def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: 
             provenance="ingested",
             calls=list(chunk.calls) or None,
             defines=list(carried_defines(chunk.defines)) or None,
+            aliases=list(chunk.aliases) or None,
         ),
         embedding=embedded.vector if embedded is not None else None,
         embedding_model=embedding_model if embedded is not None else None,

@@ -658,8 +658,21 @@ class PostgresDocuments:
                 limit,
                 *parameters,
             )
-        found = {r["id"]: r["symbol_fqn"] for r in assigning} | {r["id"]: r["symbol_fqn"] for r in rows}
-        modules = frozenset(r["id"] for r in [*rows, *assigning] if r["chunk_level"] == "file")
+            # And the chunks whose symbol a package publishes under the name (metadata.aliases, through
+            # documents_aliases, 0028), as written: named by it, so they match it whole.
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
+            published = await snapshot.conn.fetch(
+                f"""SELECT id, $1::text AS symbol_fqn, chunk_level FROM documents
+                    WHERE metadata ? 'aliases' AND metadata -> 'aliases' ? $1
+                      AND chunk_level IS DISTINCT FROM 'doc' AND {where}
+                    ORDER BY id
+                    LIMIT $2""",
+                name,
+                limit,
+                *parameters,
+            )
+        found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
+        modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         return Definitions(found, snapshot.version, modules)
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:

@@ -289,6 +289,9 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert (_names(published)[0], published.meta.exact_symbol_matches) == ("shapes._base.Outline (type)", 1)
     exported = await _ask(client, "shapes.Circle")
     assert (_names(exported)[0], exported.meta.exact_symbol_matches) == ("shapes.circle.Circle (type)", 1)
+    # And its relations by that name (a tester's callers of click.echo: "no symbol named ... is indexed").
+    assert _names(await _ask(client, "what calls shapes.Circle"))[0] == "shapes.report.round_one (method)"
+    assert _names(await _ask(client, "what subclasses shapes.Circle"))[0] == "shapes.report.Ring (type)"
     # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an
     # agent tester's DEFAULT_TIMEOUT_CONFIG), by the name alone or under its module's or class's.
     for text in ("UNIT", "square.UNIT", "shapes.square.UNIT"):

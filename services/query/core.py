@@ -182,6 +182,9 @@ class Definitions:
     symbol_indexed: bool | None = None
     """For a relation's lookup: whether the name it was asked of is known (the graph names such a type, or a chunk
     defines such a symbol); None until told."""
+    published_as: str | None = None
+    """For a definitions lookup: the qualified name of the symbol a package publishes under the name asked
+    (``click.core.Option`` for ``click.Option``), when one does."""
 
 
 class DocumentStore(Protocol):
@@ -225,8 +228,10 @@ class DocumentStore(Protocol):
 
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
         """At most ``limit`` chunks of the scope that define a symbol (code, not a docstring or a section) whose
-        qualified name is the dotted ``name`` or ends with ``.`` and it, ignoring case; those matching as written
-        first, then classes and functions before modules, then shorter names."""
+        qualified name is the dotted ``name``, ends with ``.`` and it, or is it without private parts, ignoring
+        case; those matching as written first, then classes and functions before modules, then shorter names.
+        Also those assigning the name at their level (``metadata.defines``) and those whose symbol a package
+        publishes under it (``metadata.aliases``), as written."""
         ...
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:

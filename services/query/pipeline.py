@@ -490,11 +490,8 @@ class QueryPipeline:
         name = identifier_of(run.text) if related_to is None else None
         if name is not None:
             work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
-        elif relation is not None and relation[0] in (CALLER, CALLEE):
-            calls = self._documents.callers if relation[0] == CALLER else self._documents.callees
-            work = calls(scope, relation[1], DEFINITIONS_LOOKED_UP)
         elif relation is not None:
-            work = self._related_in_graph(run, scope, *relation)
+            work = self._related(run, scope, *relation)
         else:
             return NO_DEFINITIONS
         if name is None and relation is not None:
@@ -510,6 +507,18 @@ class QueryPipeline:
                 )
             )
         return found
+
+    async def _related(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
+        """The chunks standing in ``relation`` to the symbol ``name`` names; a dotted name a package publishes a
+        symbol under (``click.echo``: ``click.utils.echo``) stands for that symbol (a tester's callers of
+        click.echo were told no such symbol is indexed)."""
+        if "." in name:
+            published = await self._documents.definitions(scope.unfiltered, name, 1)
+            name = published.published_as or name
+        if relation in (CALLER, CALLEE):
+            calls = self._documents.callers if relation == CALLER else self._documents.callees
+            return await calls(scope, name, DEFINITIONS_LOOKED_UP)
+        return await self._related_in_graph(run, scope, relation, name)
 
     async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:
         """A relation's lookup; when it finds nothing, whether any chunk defines a symbol of that name (a filter

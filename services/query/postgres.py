@@ -662,7 +662,7 @@ class PostgresDocuments:
             # documents_aliases, 0028), as written: named by it, so they match it whole.
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             published = await snapshot.conn.fetch(
-                f"""SELECT id, $1::text AS symbol_fqn, chunk_level FROM documents
+                f"""SELECT id, $1::text AS symbol_fqn, symbol_fqn AS own, chunk_level FROM documents
                     WHERE metadata ? 'aliases' AND metadata -> 'aliases' ? $1
                       AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY id
@@ -673,7 +673,8 @@ class PostgresDocuments:
             )
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
-        return Definitions(found, snapshot.version, modules)
+        own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
+        return Definitions(found, snapshot.version, modules, published_as=own)
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         # The chunks whose calls name one of the symbols, through documents_calls (infra/migrations/0017), whose

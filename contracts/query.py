@@ -492,6 +492,10 @@ class QueryMeta(WireModel):
         "it named (callers, callees, subclasses, bases, importers, imported modules; options.exactSymbols); their "
         "foundBy names the relation.",
     )
+    below_min_relevance: int = Field(
+        default=0,
+        description="Results the answer would have held (within topK) that minRelevance left out; 0 without it.",
+    )
     relation_found: int = Field(
         default=0,
         description="How many chunks within the request's filters stand in the asked relation, as far as the lookup "

@@ -19,6 +19,7 @@ import pytest
 
 from ontofabric.contracts import OntologyQuery, QueryMeta
 from ontofabric.contracts.query import QueryOptions
+from ontofabric.services.gateway.tools import render
 from ontofabric.services.query.cache import CacheKey
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import (
@@ -413,6 +414,10 @@ async def test_min_relevance_drops_weak_results() -> None:
     strict = await pipeline.answer(OntologyQuery(semantic_query="anything", min_relevance=cut), "w")
     assert 0 < len(strict.results) < len(everything.results)
     assert all(r.score >= cut for r in strict.results)
+    # Said, so that an answer emptied by it is not read as nothing there (a tester's).
+    assert strict.meta.below_min_relevance == len(everything.results) - len(strict.results)
+    assert everything.meta.below_min_relevance == 0
+    assert "left out: " in render(strict, {"semanticQuery": "anything", "minRelevance": cut})
 
 
 @dataclass

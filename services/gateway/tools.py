@@ -374,6 +374,11 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         )
     if meta.calibrated:
         head.append("scores: estimated probability of relevance")
+    if meta.below_min_relevance:
+        head.append(
+            f"left out: {_counted(meta.below_min_relevance, 'more result')} scoring below minRelevance "
+            f"{arguments.get('minRelevance')} (ask with a lower one to see them)"
+        )
     if meta.freshness is not None and meta.freshness.pending_deltas:
         head.append(
             f"{_counted(meta.freshness.pending_deltas, 'delta')} not yet indexed ({meta.freshness.pending_ms} ms)"

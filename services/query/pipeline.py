@@ -285,6 +285,9 @@ class QueryPipeline:
         candidates, collapsed = self._collapse(run, candidates, documents)
         scores = self._calibrated_scores(run, measured, candidates, fetched.model)
         results = to_results(run.query, candidates, documents, scores, measured.signals)
+        if run.query.min_relevance is not None:  # a tester's agent read "0 results" as nothing there
+            scored = len(candidates) if scores is None else sum(hit.id in scores for hit in candidates)
+            run.report(below_min_relevance=max(0, min(run.query.top_k, scored) - len(results)))
         if collapsed:  # into a result the answer holds: minRelevance may have dropped the one it went into
             shown = {result.id for result in results}
             run.report(collapsed=[CollapsedResult(id=left, into=into) for left, into in collapsed if into in shown])

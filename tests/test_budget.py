@@ -79,6 +79,16 @@ def test_contents_past_the_budget_are_cut_then_left_out_and_every_result_stays()
     assert fitted.meta.degraded == []  # the caller's own bound: not a failure
 
 
+def test_a_content_below_one_left_out_is_left_out_too() -> None:
+    """A tester's: the first result's content was left out (too little room for a slice of it) and the second's,
+    shorter, kept: contents go lowest ranks first."""
+    long, short = "def step(): return 1\n" * 60, "x = 1\n"
+    for budget in range(300, 1200, 10):
+        fitted, _ = _fit(_answer([long, short, short]), budget)
+        kept = [r.content is not None for r in fitted.results]
+        assert kept == sorted(kept, reverse=True), (budget, kept)  # no content after one left out
+
+
 def test_a_budget_too_small_for_every_result_keeps_the_best_ranks() -> None:
     answer = _answer([None] * 100)
     fitted, body = _fit(answer, 1000)

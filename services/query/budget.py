@@ -167,21 +167,24 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
         skeleton = size([bare[k] for k in kept])
     if skeleton > limit:
         raise TooLarge(f"even an answer without results exceeds the {limit} bytes it may have")
-    # Then contents, in rank order, in the room left.
+    # Then contents, in rank order, in the room left: once one is cut or left out, so is every one ranked below it
+    # (a tester saw the first result's content left out and the second's kept, which fitted the little room left).
     spare = limit - skeleton - RESERVE_BYTES
     results: list[SearchResult] = []
+    whole = True  # every content so far kept whole
     for position in kept:
         original, stripped = response.results[position], bare[position]
         content = original.content
         cost = 0 if content is None else json_size(content) - len("null")
-        if content is None or cost <= spare:
+        if content is None or (whole and cost <= spare):
             results.append(original)
             spare -= cost
-        elif spare >= MIN_SLICE_BYTES:
+        elif whole and spare >= MIN_SLICE_BYTES:
             results.append(stripped.model_copy(update={"content": cut_to(content, spare), "content_truncated": True}))
-            spare = 0
+            spare, whole = 0, False
         else:
             results.append(stripped)
+            whole = False
     # Then what _meta says about them, in the room still left.
     notes = _notes_in_room(response.meta, results, spare)
     # The reserve is an estimate: should the report outgrow it, the notes go, then contents from the lowest rank up.

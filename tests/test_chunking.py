@@ -314,3 +314,19 @@ def test_a_module_and_a_class_carry_the_names_their_own_statements_assign() -> N
     assert chunks["m"].defines == ("LIMIT", "A", "B", "C", "TYPED", "DECLARED", "FAST")
     assert chunks["m.K"].defines == ("size",)
     assert chunks["m.K.f"].defines == ()
+
+
+def test_overload_stubs_of_a_function_defined_below_them_are_not_chunks_of_their_own() -> None:
+    """An agent tester's: each @overload stub was Command.main once more in an answer, with the implementation's
+    calls. A stub with no implementation beside it (a protocol's) stays."""
+    source = (
+        "import typing as t\nfrom typing import overload\n"
+        "class K:\n    @t.overload\n    def f(self, x: int) -> int: ...\n"
+        "    @overload\n    def f(self, x: str) -> str: ...\n"
+        "    def f(self, x):\n        return x\n"
+        "@overload\ndef only(x: int) -> int: ...\n"
+    )
+    chunks = [(c.symbol_fqn, c.chunk_level) for c in chunk_python("m.py", source, 10_000)]
+    assert chunks == [("m", "file"), ("m.K", "type"), ("m.K.f", "method"), ("m.only", "method")]
+    (implementation,) = [c for c in chunk_python("m.py", source, 10_000) if c.symbol_fqn == "m.K.f"]
+    assert "return x" in implementation.content

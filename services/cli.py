@@ -25,6 +25,7 @@ import typer
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import SettingsError
@@ -338,6 +339,24 @@ def ingest(
     async def run() -> None:
         embedder = await asyncio.to_thread(build_embedder, settings, False)  # documents only
         nc = await connect(nats_url, "ontofabric-ingest", settings)
+        followed: list[tuple[str, Client]] = []
+
+        async def moved() -> JetStreamContext | None:
+            """A connection to where the NATS server is recorded now, when it moved (`up` restarted on other
+            ports); None while it is where it was, or cannot be reached."""
+            try:
+                url = resolve_nats_url(settings, "ingest")
+            except RuntimeUnavailable:
+                return None
+            if url == (followed[-1][0] if followed else nats_url):
+                return None
+            try:
+                fresh = await connect(url, "ontofabric-ingest", settings)
+            except (NatsUnreachable, PermissionDenied):
+                return None
+            followed.append((url, fresh))
+            return fresh.jetstream()
+
         try:
             js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them
             set_aside = await DeadLetterWatch.start(nc, names, workspace) if wait else None
@@ -375,7 +394,7 @@ def ingest(
                     try:
                         await wait_projected(
                             js, names, settings.projector_partitions, report.last_sequence, wait_timeout,
-                            on_floor=watch,
+                            on_floor=watch, moved=moved,
                         )  # fmt: skip
                     except TimeoutError:
                         _fail(
@@ -405,12 +424,21 @@ def ingest(
                     soft_wrap=True,
                     markup=False,
                 )
-            if set_aside is not None and report.last_sequence is not None:
+            if set_aside is not None and report.last_sequence is not None and followed:
+                errors.print(
+                    "warning: the NATS server moved during the wait (`ontofabric up` restarted?), and this ingest's "
+                    f"watch for dead letters with it: `ontofabric dlq list --workspace {workspace}` lists any",
+                    soft_wrap=True,
+                    markup=False,
+                )
+            elif set_aside is not None and report.last_sequence is not None:
                 await nc.flush()  # a dead letter is published before its delta counts as projected
                 _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
             if report.too_large:
                 raise typer.Exit(1)
         finally:
+            for _, connection in followed:
+                await close_nats(connection)
             await close_nats(nc)
 
     try:

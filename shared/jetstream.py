@@ -507,11 +507,15 @@ async def wait_projected(
     timeout_s: float,
     poll_s: float = 0.05,
     on_floor: Callable[[int], object] | None = None,
+    moved: Callable[[], Awaitable[JetStreamContext | None]] | None = None,
 ) -> None:
     """Wait until the Postgres index holds ``stream_seq`` (:func:`projected_floor`); TimeoutError after
     ``timeout_s``, and only then. ``on_floor`` is told the index's position at every look. A look NATS does not
     answer (an outage, a restart) is tried again: nats-py's timeout is asyncio's, and an ingest took a JetStream
-    request's for its own and said it had waited out an hour after seconds (a fault tester's)."""
+    request's for its own and said it had waited out an hour after seconds (a fault tester's). ``moved``, asked
+    after such a look: a connection to where the server is now, when it moved (an ``ontofabric up`` restarted on
+    other ports), else None; the wait goes on there (an operator tester's ingest looked at the old port until its
+    timeout, and then named a stale position)."""
     async with asyncio.timeout(timeout_s) as deadline:
         while True:
             try:
@@ -522,6 +526,11 @@ async def wait_projected(
                 if deadline.expired():
                     raise TimeoutError from error
                 log.warning("projection_wait_unanswered", error=describe(error))
+                elsewhere = await moved() if moved is not None else None
+                if elsewhere is not None:
+                    log.info("projection_wait_followed_the_server")
+                    js = elsewhere
+                    continue
                 await asyncio.sleep(max(poll_s, NATS_AWAY_RETRY_S))
                 continue
             if on_floor is not None:

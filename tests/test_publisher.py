@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -164,3 +165,43 @@ async def test_a_wait_for_projection_outlasts_a_server_that_does_not_answer_for_
         await asyncio.wait_for(waiting, 30)
     finally:
         await nc.close()
+
+
+async def test_a_wait_for_projection_follows_a_server_that_moved(own_nats: OwnNats, tmp_path: Path) -> None:
+    """An operator tester's: `up` restarted on other ports while an ingest waited, and the wait looked at the old
+    port until its timeout. ``moved`` hands it a connection to where the server is now: here a second server,
+    whose projector has the delta."""
+
+    async def projected_server(url: str) -> tuple[Client, int]:
+        nc = await connect(url, "operator")
+        js = nc.jetstream(timeout=1)
+        await ensure_jetstream(js, NAMES, Settings())
+        (durable,) = NAMES.postgres_projector_durables(1)
+        await js.add_consumer(NAMES.delta_stream, ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT))
+        ack = await DeltaPublisher(js, NAMES).publish(upsert("acme", document("a", "alpha")))
+        (msg,) = await (await js.pull_subscribe_bind(durable, NAMES.delta_stream)).fetch(1)
+        await msg.ack_sync()
+        return nc, ack.seq
+
+    old = await connect(own_nats.url, "operator")
+    second_port = free_port()
+    (tmp_path / "second").mkdir()
+    second = spawn_nats(tmp_path / "second", second_port, own_nats.users)
+    elsewhere, seq = await projected_server(f"nats://op:pw@127.0.0.1:{second_port}")
+    asked: list[bool] = []
+
+    async def moved() -> JetStreamContext | None:
+        asked.append(True)
+        return elsewhere.jetstream(timeout=1)
+
+    try:
+        js = old.jetstream(timeout=1)
+        await ensure_jetstream(js, NAMES, Settings())  # nothing projected here
+        own_nats.kill()
+        await asyncio.wait_for(wait_projected(js, NAMES, 1, seq, timeout_s=60, moved=moved), 30)
+        assert asked
+    finally:
+        await old.close()
+        await elsewhere.close()
+        second.stop()
+        own_nats.restart()

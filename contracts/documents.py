@@ -205,6 +205,10 @@ def stored_json_bytes(value: object, limit: int | None = None) -> int:
     return size
 
 
+SymbolNames = list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]]
+"""Qualified names a document's metadata lists (its calls, the names it assigns, its symbol's other names)."""
+
+
 class DocumentMetadata(WireModel):
     """Metadata used for filtering and identity; free extra keys are kept as they are. The whole is at most 64 KiB
     as the index stores it, where a number takes its digits in full (1e300: 301 bytes); a delta over it is
@@ -228,23 +232,21 @@ class DocumentMetadata(WireModel):
     file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
     chunk_level: ChunkLevel | None = None
     provenance: Provenance | None = None
-    calls: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
+    calls: SymbolNames | None = Field(
         default=None,
         max_length=MAX_CALLS,
         description="Qualified names (symbolFqn) of the symbols this chunk's own code calls, as far as its source "
         "tells them (a module's chunk: its top-level statements; a class's: its body outside its methods); a "
         "question for a symbol's callers or callees is answered from them (OntologyQuery options.exactSymbols).",
     )
-
-    defines: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
+    defines: SymbolNames | None = Field(
         default=None,
         max_length=MAX_DEFINES,
         description="Names this chunk's own statements assign at its level (a module's chunk: its constants and other "
         "module variables, which have no chunk of their own); a query that is one of these names, alone or after "
         "its module's name, puts the chunk first as it does a symbol's definition (options.exactSymbols).",
     )
-
-    aliases: list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]] | None = Field(
+    aliases: SymbolNames | None = Field(
         default=None,
         max_length=MAX_ALIASES,
         description="Other qualified names of this chunk's symbol: those a package publishes it under (click.Option "

@@ -411,8 +411,8 @@ def ingest(
             if report.unparsed:  # an agent tester's file, broken mid-edit, lost its symbols without a word
                 shown = "; ".join(report.unparsed[:5]) + ("; ..." if len(report.unparsed) > 5 else "")
                 errors.print(
-                    f"warning: {len(report.unparsed)} Python files could not be parsed, so only their whole text is "
-                    f"indexed (no symbols, calls or graph of theirs until they parse): {shown}",
+                    f"warning: Python files that could not be parsed, so only their whole text is indexed (no "
+                    f"symbols, calls or graph of theirs until they parse): {shown}",
                     soft_wrap=True,
                     markup=False,
                 )

@@ -322,14 +322,8 @@ class MisreadBodies:
         self._max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = dict(scope.get("headers", [])) if scope["type"] == "http" else {}
-        declared = headers.get(b"content-length", b"")
-        if (
-            scope["type"] != "http"
-            or scope.get("method") != "POST"
-            or b"json" not in headers.get(b"content-type", b"").lower()  # the SDK's own 400 says what is wrong
-            or (declared.isdigit() and int(declared) > self._max_body_bytes)  # its 413, before the body is sent
-        ):
+        headers = _json_post(scope, self._max_body_bytes)
+        if headers is None:
             await self._app(scope, receive, send)
             return
         read, body = await peek_body(receive, self._max_body_bytes)
@@ -365,15 +359,8 @@ class Batches:
         self._max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = dict(scope.get("headers", [])) if scope["type"] == "http" else {}
-        declared = headers.get(b"content-length", b"")
-        if (
-            scope["type"] != "http"
-            or scope.get("method") != "POST"
-            or headers.get(b"mcp-protocol-version", b"").decode("latin-1") not in BATCH_VERSIONS
-            or b"json" not in headers.get(b"content-type", b"").lower()
-            or (declared.isdigit() and int(declared) > self._max_body_bytes)
-        ):
+        headers = _json_post(scope, self._max_body_bytes)
+        if headers is None or headers.get(b"mcp-protocol-version", b"").decode("latin-1") not in BATCH_VERSIONS:
             await self._app(scope, receive, send)
             return
         read, body = await peek_body(receive, self._max_body_bytes)
@@ -468,6 +455,18 @@ def _json_array(body: bytes) -> list[Any] | None:
     except (ValueError, RecursionError):
         return None
     return found if isinstance(found, list) else None
+
+
+def _json_post(scope: Scope, max_body_bytes: int) -> dict[bytes, bytes] | None:
+    """The headers of a POST of JSON whose declared length is within ``max_body_bytes``; None for any other request
+    (the SDK's own 400 says what is wrong with another content type, its 413 answers one too large before its
+    body is sent)."""
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        return None
+    headers = dict(scope.get("headers", []))
+    declared = headers.get(b"content-length", b"")
+    too_large = declared.isdigit() and int(declared) > max_body_bytes
+    return None if b"json" not in headers.get(b"content-type", b"").lower() or too_large else headers
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]

@@ -373,7 +373,7 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
         )
     if meta.calibrated:
-        head.append("scores: estimated probability of relevance")
+        head.append("scores: estimated probability of relevance, each its own (the ranking is the order)")
     if meta.below_min_relevance:
         head.append(
             f"left out: {_counted(meta.below_min_relevance, 'more result')} scoring below minRelevance "

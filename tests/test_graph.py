@@ -4,8 +4,11 @@ the per-version graph cache (pure)."""
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Mapping
+from pathlib import Path
 
 from ontofabric.services.ingest.graph import GraphLink, python_graph
+from ontofabric.services.ingest.ingester import chunk_sources
 from ontofabric.services.query.graph import GraphCache, GraphRows, LinkRow, NodeRow, OntologyGraph, expand, overlay
 
 SOURCES = {
@@ -261,10 +264,42 @@ CALLING = {
 }
 
 
+def _by_name(calls: Mapping[tuple[str, str, int], tuple[str, ...]]) -> dict[tuple[str, str], tuple[str, ...]]:
+    """The calls by file and qualified name, where each name is defined once with calls."""
+    named = {(path, fqn): found for (path, fqn, _), found in calls.items()}
+    assert len(named) == len(calls)
+    return named
+
+
+def test_a_propertys_getter_and_setter_each_call_what_they_call() -> None:
+    """A tester's: the getter of rich's Text.plain was said to call strip_control_codes, which only its setter
+    calls: both were keyed by their shared name."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    source = textwrap.dedent(
+        """
+        def clean(text):
+            return text
+
+        class Text:
+            @property
+            def plain(self):
+                return self._text
+
+            @plain.setter
+            def plain(self, value):
+                self._text = clean(value)
+        """
+    )
+    assert python_calls({"t.py": source}) == {("t.py", "t.Text.plain", 11): ("t.clean",)}
+    chunks = {c.line: c for c in chunk_sources(Path("."), {"t.py": source}, 10_000) if c.symbol_fqn == "t.Text.plain"}
+    assert (chunks[7].calls, chunks[11].calls) == ((), ("t.clean",))
+
+
 def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> None:
     from ontofabric.services.ingest.graph import python_calls
 
-    calls = python_calls(CALLING)
+    calls = _by_name(python_calls(CALLING))
     assert calls == {
         ("pkg/__init__.py", "pkg.helper"): ("pkg.core.run",),
         ("pkg/app.py", "pkg.app.main"): ("pkg.core.run",),  # through the package, which imports it in turn
@@ -278,7 +313,7 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
         # call through another object, is left out.
         ("pkg/core.py", "pkg.core.Child.go"): ("pkg.core.Base.go", "pkg.core.Base.step"),
         ("pkg/core.py", "pkg.core.Child.make"): ("pkg.core.Child.go",),
-        # An overload stub and the definition share one name: what either calls.
+        # An overload stub and the definition share one name: each its own (the stub calls nothing).
         ("pkg/util.py", "pkg.util.clock"): ("pkg.util.name",),
     }
 
@@ -319,7 +354,7 @@ def test_calls_leave_out_names_a_function_binds_and_a_nested_classs_self() -> No
                 pass
         """
     )
-    calls = python_calls({"lib/app.py": source, "lib/util.py": "def helper():\n    return 3\n"})
+    calls = _by_name(python_calls({"lib/app.py": source, "lib/util.py": "def helper():\n    return 3\n"}))
     assert calls == {
         ("lib/app.py", "lib.app.declared_global"): ("lib.app.run",),
         # Through `import lib.util`; a class nested in the method's class, as a member.

@@ -39,6 +39,9 @@ class Chunk:
     which sees the whole tree)."""
     cut_from_bytes: int | None = None
     """The text's size when it was longer than the content limit and ``content`` is its start; None when whole."""
+    line: int = 0
+    """The line of a class's or function's ``class`` or ``def`` statement (0 for any other chunk): what tells a
+    property's getter from its setter, which share a qualified name."""
     defines: tuple[str, ...] = ()
     """The names the chunk's own statements assign at its level (a module's constants, a class's attributes):
     they have no chunk of their own, so a query for one finds them here (``assigned_names``)."""
@@ -196,14 +199,15 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
                 class_type = object_type_name(f"{module}.{name}")
                 key = f"python:{path}/{name}#"
                 made = make(key, "class", f"{module}.{name}", "type", class_type, segment(node))
-                chunks.append(replace(made, defines=assigned_names(node.body)))
+                chunks.append(replace(made, defines=assigned_names(node.body), line=node.lineno))
                 docstring(node, key, f"{module}.{name}", class_type)
                 visit(node.body, name, class_type, True)
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = f"{qualname}.{node.name}" if qualname else node.name
                 key = f"python:{path}/{name}()."
                 kind = "method" if in_class else "function"
-                chunks.append(make(key, kind, f"{module}.{name}", "method", owner_type, segment(node)))
+                made = make(key, kind, f"{module}.{name}", "method", owner_type, segment(node))
+                chunks.append(replace(made, line=node.lineno))
                 docstring(node, key, f"{module}.{name}", owner_type)
 
     chunks[0] = replace(chunks[0], defines=assigned_names(tree.body))

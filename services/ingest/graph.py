@@ -305,21 +305,26 @@ def _method(classes: Mapping[str, _Class], class_fqn: str, name: str, inherited_
     return None
 
 
-def _code_scopes(module: _Module) -> Iterator[tuple[str, list[ast.AST], str | None]]:
-    """The code of each chunk :func:`chunking.chunk_python` makes, by its qualified name: the module's own
+Scope = tuple[str, int, list[ast.AST], str | None]
+"""A chunk's code: its qualified name, the line of its ``class`` or ``def`` (0 for a module's own statements), the
+code, and the class ``self`` stands for in it."""
+
+
+def _code_scopes(module: _Module) -> Iterator[Scope]:
+    """The code of each chunk :func:`chunking.chunk_python` makes, by its qualified name and line: the module's own
     statements, each class's body outside its methods, each function and method whole (nested functions and
     decorators included), with the class ``self`` stands for in it."""
-    yield module.fqn, [n for n in module.tree.body if not isinstance(n, _DEFINITIONS)], None
+    yield module.fqn, 0, [n for n in module.tree.body if not isinstance(n, _DEFINITIONS)], None
 
-    def visit(body: list[ast.stmt], prefix: str, owner: str | None) -> Iterator[tuple[str, list[ast.AST], str | None]]:
+    def visit(body: list[ast.stmt], prefix: str, owner: str | None) -> Iterator[Scope]:
         for node in body:
             if isinstance(node, ast.ClassDef):
                 fqn = f"{prefix}.{node.name}"
                 own: list[ast.AST] = [*node.decorator_list, *node.bases, *node.keywords]
-                yield fqn, own + [n for n in node.body if not isinstance(n, _DEFINITIONS)], None
+                yield fqn, node.lineno, own + [n for n in node.body if not isinstance(n, _DEFINITIONS)], None
                 yield from visit(node.body, fqn, fqn)
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                yield f"{prefix}.{node.name}", [node], owner
+                yield f"{prefix}.{node.name}", node.lineno, [node], owner
 
     yield from visit(module.tree.body, module.fqn, None)
 
@@ -344,9 +349,10 @@ def python_exports(sources: Mapping[str, str], package: str | None = None) -> di
     return {target: tuple(names) for target, names in exported.items()}
 
 
-def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict[tuple[str, str], tuple[str, ...]]:
-    """For each chunk of code (by its file and the qualified name :func:`chunking.chunk_python` gives it: a
-    package's function can share its name with a module of the package), the classes and
+def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict[tuple[str, str, int], tuple[str, ...]]:
+    """For each chunk of code (by its file, the qualified name :func:`chunking.chunk_python` gives it: a package's
+    function can share its name with a module of the package, and the line of its ``class`` or ``def``: a
+    property's getter and setter share their name, and each calls what it calls), the classes and
     functions of the tree its code calls, resolved from the syntax alone: a name its module defines or imports
     from the tree (unless the function binds that name itself), ``module.name`` through an imported module,
     ``Class.name``, and ``self.name``, ``cls.name`` or ``super().name`` through the class and its bases in the tree.
@@ -373,10 +379,10 @@ def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict
                 return _method(classes, named, func.attr)
         return resolver.named_symbol(module, func)
 
-    calls: dict[tuple[str, str], set[str]] = {}
+    calls: dict[tuple[str, str, int], set[str]] = {}
     for module in modules.values():
-        for fqn, code, owner in _code_scopes(module):
-            found = calls.setdefault((module.path, fqn), set())  # overloads and a property's setter share a name
+        for fqn, line, code, owner in _code_scopes(module):
+            found = calls.setdefault((module.path, fqn, line), set())
             for node in code:
                 shadowed = _local_names(node) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else set()
                 for call, self_class in _calls_in(node, owner):

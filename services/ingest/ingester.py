@@ -199,7 +199,7 @@ def chunk_sources(
     return [
         replace(chunk, calls=calls.get(key, ()), aliases=exports.get(chunk.symbol_fqn, ()))
         if chunk.chunk_level != "doc"
-        and ((key := (chunk.file_path, chunk.symbol_fqn)) in calls or chunk.symbol_fqn in exports)
+        and ((key := (chunk.file_path, chunk.symbol_fqn, chunk.line)) in calls or chunk.symbol_fqn in exports)
         else chunk
         for chunk in chunks
     ]

@@ -98,6 +98,11 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("what does tenacity.wait import", (IMPORTED, "tenacity.wait")),
         ("what is imported by tenacity._utils", (IMPORTED, "tenacity._utils")),
         ("dependencies of tenacity.wait", (IMPORTED, "tenacity.wait")),
+        # Asked as a question (a tester's "what are the base classes of Live" was no lookup).
+        ("what are the base classes of Live", (BASE, "Live")),
+        ("what are the callers of cell_len?", (CALLER, "cell_len")),
+        ("which are the subclasses of JupyterMixin", (SUBCLASS, "JupyterMixin")),
+        ("what is the superclass of Live", (BASE, "Live")),
         # Not a lookup: another question, words besides the name, no name.
         ("how does backoff work", None),
         ("what calls to_seconds and why", None),

@@ -1089,6 +1089,12 @@ def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> No
     text = render(QueryResponse(results=[], _meta=meta))
     assert " · 0 results · " in text
     assert " · 1 delta not yet indexed (12.0 ms)" in text
+    # And a function is called a function (its chunk level is "method"; a rich tester's).
+    function = SearchResult(
+        id="d1", score=0.5, rank=1, object_type="m", source_domain="python", found_by=[],
+        metadata={"symbolFqn": "m.f", "symbolKind": "function", "chunkLevel": "method"},
+    )  # fmt: skip
+    assert "1. m.f · function · score 0.500" in render(QueryResponse(results=[function], _meta=meta))
 
 
 def test_the_text_says_a_name_defines_nothing_and_draws_links_as_they_point() -> None:

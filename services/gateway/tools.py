@@ -392,7 +392,9 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         lines.append(
             f"\n{result.rank}. {symbol}"
             + (f" ({where})" if where else "")
-            + f" · {result.metadata.get('chunkLevel', '')} · score {result.score:.3f} · id {result.id}"
+            # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
+            + f" · {result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')}"
+            + f" · score {result.score:.3f} · id {result.id}"
             + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
             + "".join(
                 f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING

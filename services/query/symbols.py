@@ -61,7 +61,7 @@ _NAME = r"`?(?P<name>[A-Za-z_][\w.:#]*(?:\(\))?)`?"
 _KIND = r"(?:function|method|class|constructor|module|package|interface)"
 _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
-_LISTED = r"(?:(?:find|list|show|get)\s+)?(?:all\s+|the\s+)?"
+_LISTED = r"(?:(?:find|list|show|get|(?:what|which)\s+(?:is|are))\s+)?(?:all\s+|the\s+)?"  # what are the bases of C
 _THAT = r"(?:\s+(?:that|which))?"
 _RELATION_QUESTIONS = [
     (relation, re.compile(pattern, re.IGNORECASE))

@@ -1091,7 +1091,7 @@ def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> No
     assert " · 1 delta not yet indexed (12.0 ms)" in text
     # And a function is called a function (its chunk level is "method"; a rich tester's).
     function = SearchResult(
-        id="d1", score=0.5, rank=1, object_type="m", source_domain="python", found_by=[],
+        id="d1", score=0.5, rank=1, content=None, object_type="m", source_domain="python", found_by=[],
         metadata={"symbolFqn": "m.f", "symbolKind": "function", "chunkLevel": "method"},
     )  # fmt: skip
     assert "1. m.f · function · score 0.500" in render(QueryResponse(results=[function], _meta=meta))

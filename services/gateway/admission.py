@@ -125,7 +125,7 @@ class AdmitRequests:
         now = loop.time()
         grant = CALLER.get()
         caller = grant.client if grant is not None else ""
-        receive = _body_within(receive, now + BODY_READ_S)
+        receive = body_within(receive, now + BODY_READ_S)
         late_s = self.lag.late_s(now)
         refusal = self.intake.refusal(caller, late_s)
         if refusal is not None:
@@ -174,7 +174,7 @@ meter().create_observable_gauge(
 )
 
 
-def _body_within(receive: Receive, deadline: float) -> Receive:
+def body_within(receive: Receive, deadline: float) -> Receive:
     """``receive``, with a body that has not arrived whole by ``deadline`` read as the client gone."""
     whole = False
 

@@ -44,7 +44,16 @@ from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.tasks import cancel_and_wait, watch_lateness
 
-from .admission import ARRIVED, MIN_RETRY_AFTER_S, AdmitRequests, Intake, LoopLag, refused_requests
+from .admission import (
+    ARRIVED,
+    BODY_READ_S,
+    MIN_RETRY_AFTER_S,
+    AdmitRequests,
+    Intake,
+    LoopLag,
+    body_within,
+    refused_requests,
+)
 from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .bodies import peek_body, replaying
 from .connections import BoundedConnections, connection_limit
@@ -354,15 +363,21 @@ class Batches:
     in a batch, as MCP says. A refusal of the HTTP request itself (an origin or a host the SDK refuses) answers
     the whole batch as it would a request alone. Other protocol versions get MisreadBodies' refusal."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE, body_read_s: float = BODY_READ_S
+    ) -> None:
         self._app = app
         self._max_body_bytes = max_body_bytes
+        self._body_read_s = body_read_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = _json_post(scope, self._max_body_bytes)
         if headers is None or headers.get(b"mcp-protocol-version", b"").decode("latin-1") not in BATCH_VERSIONS:
             await self._app(scope, receive, send)
             return
+        # Within admission's time for a body: read here, before admission, it was not bounded (a tester's 200-byte
+        # body, 18 bytes of it sent, held its request open for minutes).
+        receive = body_within(receive, asyncio.get_running_loop().time() + self._body_read_s)
         read, body = await peek_body(receive, self._max_body_bytes)
         batch = None if body is None else _json_array(body)
         if batch is None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ontofabric.contracts import ExpandedContext, QueryMeta, QueryResponse, SearchResult
+from ontofabric.contracts import ExpandedContext, FoundBy, QueryMeta, QueryResponse, SearchResult
 from ontofabric.contracts.query import CollapsedResult
 from ontofabric.services.query.budget import (
     BYTES_PER_TOKEN,
@@ -87,6 +87,22 @@ def test_a_content_below_one_left_out_is_left_out_too() -> None:
         fitted, _ = _fit(_answer([long, short, short]), budget)
         kept = [r.content is not None for r in fitted.results]
         assert kept == sorted(kept, reverse=True), (budget, kept)  # no content after one left out
+
+
+def test_the_counts_of_results_placed_first_count_only_those_kept() -> None:
+    """A tester's: 3 results left of 50 by maxTokens, and exactSymbolMatches still said 50."""
+    answer = _answer(["x = 1\n" * 40 for _ in range(30)])
+    placed = [FoundBy(retriever="symbol", rank=1, score=1.0)]
+    results = [r.model_copy(update={"found_by": placed}) for r in answer.results]
+    named = answer.model_copy(
+        update={"results": results, "meta": answer.meta.model_copy(update={"exact_symbol_matches": 30})}
+    )
+    fitted, _ = _fit(named, 500)
+    assert fitted.meta.budget is not None
+    assert fitted.meta.budget.results_dropped > 0
+    assert fitted.meta.exact_symbol_matches == len(fitted.results)
+    whole, _ = _fit(named, 100_000)
+    assert whole.meta.exact_symbol_matches == 30
 
 
 def test_a_budget_too_small_for_every_result_keeps_the_best_ranks() -> None:

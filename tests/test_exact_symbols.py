@@ -297,6 +297,11 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # And its relations by that name (a tester's callers of click.echo: "no symbol named ... is indexed").
     assert _names(await _ask(client, "what calls shapes.Circle"))[0] == "shapes.report.round_one (method)"
     assert _names(await _ask(client, "what subclasses shapes.Circle"))[0] == "shapes.report.Ring (type)"
+    # A member by its class's published name (a tester's click.Group.command "not indexed").
+    member = await _ask(client, "shapes.Circle.area")
+    assert (_names(member)[0], member.meta.exact_symbol_matches) == ("shapes.circle.Circle.area (method)", 1)
+    unused = await _ask(client, "who calls shapes.Circle.area")
+    assert unused.meta.relation == RelationAsked(relation="callers", symbol="shapes.Circle.area", symbol_indexed=True)
     # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an
     # agent tester's DEFAULT_TIMEOUT_CONFIG), by the name alone or under its module's or class's.
     for text in ("UNIT", "square.UNIT", "shapes.square.UNIT"):

@@ -482,6 +482,12 @@ async def test_a_batch_under_the_protocol_version_that_has_batches_is_answered_w
         alone = await http.post(url, json=pings[0], headers={"Origin": "http://elsewhere.example"})
         assert (foreign.status_code, foreign.content) == (alone.status_code, alone.content)
         assert foreign.status_code == 403
+        # And one refused as JSON for its Accept header (a tester got 200, with an error per message).
+        streams_only = {"Accept": "text/event-stream"}
+        refused_batch = await http.post(url, json=pings[:2], headers=streams_only)
+        refused_alone = await http.post(url, json=pings[0], headers=streams_only)
+        assert (refused_batch.status_code, refused_batch.content) == (refused_alone.status_code, refused_alone.content)
+        assert refused_batch.status_code == 406
     # Each message is admitted as a request of its own: a batch does not get past the gateway's limit.
     limited = _http_gateway(deployment, "--workspace", "acme", ONTOFABRIC_GATEWAY_MAX_HELD="1")
     async with limited as url, httpx2.AsyncClient(headers=headers) as http:

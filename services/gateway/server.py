@@ -349,6 +349,9 @@ class MisreadBodies:
 BATCH_VERSIONS = ("2025-03-26", "")
 """The protocol versions whose requests may come as a JSON-RPC batch; none named (no MCP-Protocol-Version header):
 a server assumes 2025-03-26 (MCP 2025-06-18, "Protocol Version Header")."""
+REQUEST_REFUSALS = frozenset({403, 406, 415, 421})
+"""Statuses by which the SDK refuses an HTTP request for its headers (origin, Accept, content type, host), whatever
+message it carries: in a batch, the batch's answer (a tester got 200 and an error per message instead)."""
 MAX_BATCH = 16
 """The most messages one batch may hold: each is worked on at once, as that many requests would be."""
 
@@ -399,7 +402,11 @@ class Batches:
                 continue  # a notification's 202
             try:
                 answers.append(json.loads(answered))
-            except ValueError:  # the SDK's plain-text refusal of the request itself: the batch's answer
+            except ValueError:
+                refused_itself = True
+            else:
+                refused_itself = status in REQUEST_REFUSALS
+            if refused_itself:  # the HTTP request's refusal (its headers'), not a message's: the batch's answer
                 await send({"type": "http.response.start", "status": status, "headers": reply_headers})
                 await send({"type": "http.response.body", "body": answered})
                 return

@@ -510,6 +510,15 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     (tree / "guide.md").symlink_to(tree / "docs" / "guide.md")  # inside the tree too: a link is not its file
     os.mkfifo(tree / "pipe.py")  # would never end
     assert read_tree(tree) == {"app.py": "x = 1\ny = 2\n", "docs/guide.md": "# Guide\n"}  # newlines as before
+    # Decoded as Python decodes source (a tester's): a byte-order mark dropped, a coding line followed.
+    (tree / "bom.py").write_bytes(b"\xef\xbb\xbfdef bom(): pass\n")
+    (tree / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nname = '\xe9t\xe9'\n")
+    (tree / "odd.py").write_bytes(b"# -*- coding: no-such-codec -*-\nx = 1\n")
+    (tree / "bom.md").write_bytes(b"\xef\xbb\xbf# Title\n")
+    read = read_tree(tree)
+    assert (read["bom.py"], read["bom.md"]) == ("def bom(): pass\n", "# Title\n")
+    assert read["latin.py"] == "# -*- coding: latin-1 -*-\nname = '\u00e9t\u00e9'\n"
+    assert "odd.py" not in read  # skipped, logged
 
 
 def test_exclusions_read_as_gitignore_reads_them(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import os
 import posixpath
 import stat
 import time
+import tokenize
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -143,7 +144,7 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
             text = read_regular_file(path)
-        except (UnicodeError, OSError) as error:
+        except (UnicodeError, OSError, SyntaxError) as error:  # SyntaxError: a coding line naming no codec
             log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
             continue
         if "\0" in text:  # no text field may hold NUL: a binary file under a source suffix
@@ -154,8 +155,10 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
 
 
 def read_regular_file(path: Path) -> str:
-    """The text of the file at ``path`` (UTF-8, newlines as ``Path.read_text`` reads them) when it is a regular
-    file and no symbolic link; OSError otherwise. A link may lead out of the tree, into another workspace's files
+    """The text of the file at ``path`` when it is a regular file and no symbolic link; OSError otherwise. Decoded
+    as Python decodes a source file (UTF-8, a leading byte-order mark dropped, or what a ``coding`` line names:
+    a tester's file with a BOM was taken for unparsable, one in Latin-1 skipped), newlines as ``Path.read_text``
+    reads them. A link may lead out of the tree, into another workspace's files
     or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
     tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
     and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
@@ -163,10 +166,12 @@ def read_regular_file(path: Path) -> str:
     if path.is_symlink():
         raise OSError(f"{path.name}: a symbolic link (links are not followed)")
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with io.TextIOWrapper(os.fdopen(descriptor, "rb"), encoding="utf-8") as opened:
+    with os.fdopen(descriptor, "rb") as opened:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise OSError(f"{path.name}: not a regular file")
-        return opened.read()
+        data = opened.read()
+    encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0] if path.suffix == ".py" else "utf-8-sig"
+    return io.TextIOWrapper(io.BytesIO(data), encoding=encoding).read()
 
 
 def own_package(root: Path, named: str | None = None) -> str | None:

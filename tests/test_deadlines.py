@@ -654,8 +654,10 @@ async def test_an_idle_worker_takes_a_request_whatever_it_took_before(
     await start_worker(reranker, query_concurrency=1)
     assert isinstance(parse_reply((await _request(deployment, _query(), 10_000, 1.6))[0]), QueryResponse)
     reranker.delay_s = 0.0  # the slow spell is over; the average still says about a second
+    # 1 s deadlines: the average (about 1 s) is past ADMISSION_SHARE of them, so a worker judging by it alone
+    # refuses them; 500 ms ones left a loaded machine too little time to answer (one full run of 2026-12-01).
     for text in ("descending sort of a list of numbers with sorted", "sort numbers in descending order please"):
-        replies = await _request(deployment, _query(text), 500, 0.5)
+        replies = await _request(deployment, _query(text), 1000, 1.2)
         assert len(replies) == 1
         assert isinstance(parse_reply(replies[0]), QueryResponse)
 

@@ -137,32 +137,37 @@ async def test_while_the_loop_runs_late_a_tool_call_is_a_retryable_tool_error_un
         assert (status, answer["read"]) == (200, request)
 
 
+class SlowBody:
+    """A request whose body's first part comes and the rest never does, to an app that reads twice."""
+
+    def __init__(self, first: bytes) -> None:
+        self.seen: list[Message] = []
+        self._parts: list[Message] = [{"type": "http.request", "body": first, "more_body": True}]
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.seen.append(await receive())
+        self.seen.append(await receive())
+
+    async def receive(self) -> Message:
+        if self._parts:
+            return self._parts.pop(0)
+        await asyncio.sleep(3600)  # the rest never comes
+        raise AssertionError
+
+    async def send(self, message: Message) -> None:
+        raise AssertionError("nothing to answer")
+
+
 async def test_a_body_that_does_not_arrive_in_time_is_read_as_its_client_gone(monkeypatch: Any) -> None:
     """A slow upload would hold its place for as long as its client likes (a reviewer's probe filled the gateway
     with two)."""
     monkeypatch.setattr(admission, "BODY_READ_S", 0.2)
     intake = Intake(max_held=10, max_late_s=0.5)
-    seen: list[Message] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append(await receive())
-        seen.append(await receive())
-
-    admit = AdmitRequests(app, intake, LoopLag())
-    parts: list[Message] = [{"type": "http.request", "body": b'{"jsonrpc"', "more_body": True}]
-
-    async def receive() -> Message:
-        if parts:
-            return parts.pop(0)
-        await asyncio.sleep(3600)  # the rest never comes
-        raise AssertionError
-
-    async def send(message: Message) -> None:
-        raise AssertionError("nothing to answer")
-
+    slow = SlowBody(b'{"jsonrpc"')
+    admit = AdmitRequests(slow.app, intake, LoopLag())
     scope = {"type": "http", "method": "POST", "path": "/mcp", "headers": []}
-    await asyncio.wait_for(admit(scope, receive, send), 2)
-    assert [message["type"] for message in seen] == ["http.request", "http.disconnect"]
+    await asyncio.wait_for(admit(scope, slow.receive, slow.send), 2)
+    assert [message["type"] for message in slow.seen] == ["http.request", "http.disconnect"]
     assert intake.held == 0
 
 
@@ -172,28 +177,12 @@ async def test_a_body_read_for_a_batch_does_not_arrive_in_time_either(version: b
     minutes (every initialize, which names no version, and every 2025-03-26 client's request)."""
     from ontofabric.services.gateway.server import Batches
 
-    seen: list[Message] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append(await receive())
-        seen.append(await receive())
-
-    parts: list[Message] = [{"type": "http.request", "body": b'[{"jsonrpc"', "more_body": True}]
-
-    async def receive() -> Message:
-        if parts:
-            return parts.pop(0)
-        await asyncio.sleep(3600)  # the rest never comes
-        raise AssertionError
-
-    async def send(message: Message) -> None:
-        raise AssertionError("nothing to answer")
-
+    slow = SlowBody(b'[{"jsonrpc"')
     headers = [(b"content-type", b"application/json"), (b"content-length", b"200")]
     headers += [(b"mcp-protocol-version", version)] if version is not None else []
     scope = {"type": "http", "method": "POST", "path": "/mcp", "headers": headers}
-    await asyncio.wait_for(Batches(app, body_read_s=0.2)(scope, receive, send), 2)
-    assert [message["type"] for message in seen] == ["http.request", "http.disconnect"]
+    await asyncio.wait_for(Batches(slow.app, body_read_s=0.2)(scope, slow.receive, slow.send), 2)
+    assert [message["type"] for message in slow.seen] == ["http.request", "http.disconnect"]
 
 
 async def test_a_request_taken_is_held_while_it_runs_and_carries_its_arrival() -> None:

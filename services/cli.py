@@ -346,7 +346,7 @@ def ingest(
             ports); None while it is where it was, or cannot be reached."""
             try:
                 url = resolve_nats_url(settings, "ingest")
-            except RuntimeUnavailable:
+            except (RuntimeUnavailable, ValueError, OSError):  # none recorded, or a record not readable now
                 return None
             if url == (followed[-1][0] if followed else nats_url):
                 return None

@@ -1123,6 +1123,10 @@ def test_the_text_says_a_name_defines_nothing_and_draws_links_as_they_point() ->
     assert "no chunk defining" not in render(QueryResponse(results=[], _meta=found), {"semanticQuery": "Circle"})
     question = render(QueryResponse(results=[], _meta=meta), {"semanticQuery": "how are widgets made"})
     assert "no chunk defining" not in question
+    # Nor for a plain word, which may be a topic, nor when the lookup failed (a review's).
+    assert "no chunk defining" not in render(QueryResponse(results=[], _meta=meta), {"semanticQuery": "pagination"})
+    failed = meta.model_copy(update={"degraded": ["exactSymbol"]})
+    assert "no chunk defining" not in render(QueryResponse(results=[], _meta=failed), {"semanticQuery": "Frob_x"})
 
 
 def test_whole_numbers_written_as_floats_are_sent_as_integers_where_the_schema_says_integer() -> None:

@@ -514,11 +514,13 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     (tree / "bom.py").write_bytes(b"\xef\xbb\xbfdef bom(): pass\n")
     (tree / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nname = '\xe9t\xe9'\n")
     (tree / "odd.py").write_bytes(b"# -*- coding: no-such-codec -*-\nx = 1\n")
+    (tree / "rot.py").write_bytes(b"# coding: rot13\nk = 1\n")  # a codec, not a text one: skipped, not a crash
     (tree / "bom.md").write_bytes(b"\xef\xbb\xbf# Title\n")
     read = read_tree(tree)
     assert (read["bom.py"], read["bom.md"]) == ("def bom(): pass\n", "# Title\n")
     assert read["latin.py"] == "# -*- coding: latin-1 -*-\nname = '\u00e9t\u00e9'\n"
     assert "odd.py" not in read  # skipped, logged
+    assert "rot.py" not in read
 
 
 def test_exclusions_read_as_gitignore_reads_them(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from ontofabric.services.query.symbols import (
     IMPORTER,
     SUBCLASS,
     SYMBOL,
+    code_shaped,
     identifier_of,
 )
 from ontofabric.shared.subjects import Operation
@@ -339,7 +340,8 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         )
     named = identifier_of(str(arguments.get("semanticQuery") or ""))
     # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
-    if named is not None and _no_definition_placed(meta) and "exactSymbol" in meta.timings_ms:
+    lookup_ran = "exactSymbol" in meta.timings_ms and "exactSymbol" not in meta.degraded  # ran, and did not fail
+    if named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:
         filtered = any(
             arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
         )

@@ -144,7 +144,8 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
             text = read_regular_file(path)
-        except (UnicodeError, OSError, SyntaxError) as error:  # SyntaxError: a coding line naming no codec
+        # SyntaxError: a coding line naming no codec; LookupError: one naming no text codec (rot13, a review's).
+        except (UnicodeError, OSError, SyntaxError, LookupError) as error:
             log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
             continue
         if "\0" in text:  # no text field may hold NUL: a binary file under a source suffix

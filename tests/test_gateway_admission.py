@@ -234,3 +234,50 @@ async def test_a_call_read_after_half_its_time_is_refused_without_asking_a_worke
     finally:
         ARRIVED.reset(arrived)
     assert stalled.content[0].text.startswith("error overloaded (retryable: try again in about 2000 ms)")  # type: ignore[union-attr]
+
+
+async def test_a_request_read_before_admission_counts_from_its_arrival_and_a_failing_message_is_its_own() -> None:
+    """A review's: read for a possible batch, a body's upload time was left out of its call's; and one message
+    raising left the others running with nobody to cancel them."""
+    from ontofabric.services.gateway.server import Batches
+
+    arrived: list[float] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        arrived.append(ARRIVED.get())
+        message = json.loads((await receive())["body"])
+        if message["method"] == "boom":
+            raise RuntimeError("boom")
+        body = json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {}}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    batch = json.dumps([{"jsonrpc": "2.0", "id": 1, "method": "boom"}, {"jsonrpc": "2.0", "id": 2, "method": "ping"}])
+    parts: list[Message] = [
+        {"type": "http.request", "body": batch[:10].encode(), "more_body": True},
+        {"type": "http.request", "body": batch[10:].encode(), "more_body": False},
+    ]
+
+    async def receive() -> Message:
+        if parts:
+            if len(parts) == 1:
+                await asyncio.sleep(0.3)  # the rest of the body comes late
+            return parts.pop(0)
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/mcp", "headers": [(b"content-type", b"application/json")]}
+    started = asyncio.get_running_loop().time()
+    admit = AdmitRequests(app, Intake(max_held=10, max_late_s=5.0), LoopLag())
+    await asyncio.wait_for(Batches(admit)(scope, receive, send), 5)
+    assert len(arrived) == 2
+    assert all(at - started < 0.1 for at in arrived)  # from when the request came, not when its body was whole
+    answers = json.loads(sent[-1]["body"])
+    assert answers[0]["id"] == 1
+    assert answers[0]["error"]["code"] == -32603
+    assert answers[1] == {"jsonrpc": "2.0", "id": 2, "result": {}}

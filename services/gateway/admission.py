@@ -32,6 +32,9 @@ log = get_logger(__name__)
 
 ARRIVED: ContextVar[float] = ContextVar("ontofabric_gateway_arrived")
 """The event loop's time when the HTTP request of the call under way reached the gateway: its time counts from then."""
+READ_FROM: ContextVar[float | None] = ContextVar("ontofabric_gateway_read_from", default=None)
+"""When a middleware before admission began to read the request (Batches): the request arrived then, not when
+admission saw it (a review found a slow upload's time left out of its call's)."""
 
 MIN_RETRY_AFTER_S = 1.0
 """What a refused caller is told to wait at least; more while the loop runs later than half of it."""
@@ -122,7 +125,8 @@ class AdmitRequests:
             await self._app(scope, receive, send)
             return
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        read_from = READ_FROM.get()
+        now = loop.time() if read_from is None else read_from
         grant = CALLER.get()
         caller = grant.client if grant is not None else ""
         receive = body_within(receive, now + BODY_READ_S)

@@ -48,6 +48,7 @@ from .admission import (
     ARRIVED,
     BODY_READ_S,
     MIN_RETRY_AFTER_S,
+    READ_FROM,
     AdmitRequests,
     Intake,
     LoopLag,
@@ -379,13 +380,21 @@ class Batches:
             await self._app(scope, receive, send)
             return
         # Within admission's time for a body: read here, before admission, it was not bounded (a tester's 200-byte
-        # body, 18 bytes of it sent, held its request open for minutes).
-        receive = body_within(receive, asyncio.get_running_loop().time() + self._body_read_s)
+        # body, 18 bytes of it sent, held its request open for minutes). Admission counts from now.
+        started = asyncio.get_running_loop().time()
+        receive = body_within(receive, started + self._body_read_s)
         read, body = await peek_body(receive, self._max_body_bytes)
         batch = None if body is None else _json_array(body)
-        if batch is None:
-            await self._app(scope, replaying(read, receive), send)
-            return
+        read_from = READ_FROM.set(started)
+        try:
+            if batch is None:
+                await self._app(scope, replaying(read, receive), send)
+            else:
+                await self._answer(scope, batch, send, receive)
+        finally:
+            READ_FROM.reset(read_from)
+
+    async def _answer(self, scope: Scope, batch: list[Any], send: Send, receive: Receive) -> None:
         if not batch or len(batch) > MAX_BATCH:
             why = "an empty batch" if not batch else f"a batch of at most {MAX_BATCH} messages is taken"
             await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": _invalid(why)})
@@ -446,7 +455,13 @@ class Batches:
         async def capture(reply: Message) -> None:
             sent.append(reply)
 
-        await self._app(alone, receive, capture)
+        try:
+            await self._app(alone, receive, capture)
+        except Exception:  # one message's failure is its answer, and stops none of the others (a review's)
+            log.exception("gateway_batch_message_failed")
+            refused = {"code": types.INTERNAL_ERROR, "message": "this message failed in the gateway; see its log"}
+            answer = {"jsonrpc": "2.0", "id": request_id_of(message), "error": refused}
+            return 200, [], json.dumps(answer).encode()
         start = next((reply for reply in sent if reply["type"] == "http.response.start"), {})
         answered = b"".join(reply.get("body", b"") for reply in sent if reply["type"] == "http.response.body")
         return int(start.get("status", 500)), list(start.get("headers", [])), answered

@@ -330,3 +330,24 @@ def test_overload_stubs_of_a_function_defined_below_them_are_not_chunks_of_their
     assert chunks == [("m", "file"), ("m.K", "type"), ("m.K.f", "method"), ("m.only", "method")]
     (implementation,) = [c for c in chunk_python("m.py", source, 10_000) if c.symbol_fqn == "m.K.f"]
     assert "return x" in implementation.content
+
+
+def test_a_class_or_function_under_a_module_level_if_or_try_is_a_chunk_of_its_own() -> None:
+    """A tester's: urllib3's 32 definitions under `if typing.TYPE_CHECKING:`, a version check or a `try` were not
+    indexed, and a question for one was told to check its spelling."""
+    source = (
+        "import typing\nif typing.TYPE_CHECKING:\n    class Base:\n        pass\nelse:\n    Base = object\n"
+        "try:\n    import brotli\n\n    class Decoder:\n        def decompress(self, data):\n            return data\n"
+        "except ImportError:\n    pass\n"
+        "class K:\n    if True:\n        def f(self):\n            return 1\n"
+        "def outer():\n    if True:\n        def inner():\n            return 2\n"
+    )
+    chunks = {(c.symbol_fqn, c.chunk_level) for c in chunk_python("m.py", source, 10_000)}
+    assert {
+        ("m.Base", "type"),
+        ("m.Decoder", "type"),
+        ("m.Decoder.decompress", "method"),
+        ("m.K.f", "method"),
+    } <= chunks
+    assert ("m.inner", "method") not in chunks  # a function's own block stays in its chunk
+    assert ("m.outer.inner", "method") not in chunks

@@ -183,7 +183,8 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
 
     docstring(tree, file_key, module, module_type)
 
-    def visit(body: list[ast.stmt], qualname: str, owner_type: str, in_class: bool) -> None:
+    def visit(block: list[ast.stmt], qualname: str, owner_type: str, in_class: bool) -> None:
+        body = at_level(block)  # an `if TYPE_CHECKING:` block's classes too (a tester's urllib3 had 32 unseen)
         implemented = {
             n.name for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and not _overload(n)
         }
@@ -239,19 +240,31 @@ def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
             for element in node.elts:
                 yield from targets(element.value if isinstance(element, ast.Starred) else element)
 
-    pending = list(body)
-    while pending:
-        statement = pending.pop(0)
+    for statement in at_level(body):
         if isinstance(statement, ast.Assign):
             names.update(dict.fromkeys(name for target in statement.targets for name in targets(target)))
         elif isinstance(statement, ast.AnnAssign):  # with or without a value: a dataclass's or a model's field
             names.update(dict.fromkeys(targets(statement.target)))
-        elif isinstance(statement, ast.If | ast.With | ast.AsyncWith):
+    return tuple(names)
+
+
+def at_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """A module's or a class's own statements, in order, those under an ``if``, ``try`` or ``with`` among them (an
+    ``if TYPE_CHECKING:`` block's classes, a ``try: import x`` fallback's functions): what a module or class
+    defines there is its own, where a function's body is not. The ``if``, ``try`` and ``with`` themselves are
+    left out."""
+    flat: list[ast.stmt] = []
+    pending = list(body)
+    while pending:
+        statement = pending.pop(0)
+        if isinstance(statement, ast.If | ast.With | ast.AsyncWith):
             pending[:0] = [*statement.body, *getattr(statement, "orelse", [])]
         elif isinstance(statement, ast.Try | ast.TryStar):
             handlers = [line for handler in statement.handlers for line in handler.body]
             pending[:0] = [*statement.body, *handlers, *statement.orelse, *statement.finalbody]
-    return tuple(names)
+        else:
+            flat.append(statement)
+    return flat
 
 
 MAX_HEADING_CHARS = 120

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS, OntologyNode, link_key
 
-from .chunking import module_name, object_type_name
+from .chunking import at_level, module_name, object_type_name
 
 MAX_REEXPORT_HOPS = 4
 
@@ -64,7 +64,7 @@ def _split(object_type: str) -> tuple[str, str]:
 
 
 def _classes(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.ClassDef]]:
-    for node in body:
+    for node in at_level(body):
         if isinstance(node, ast.ClassDef):
             qualname = f"{prefix}{node.name}"
             yield qualname, node
@@ -208,7 +208,7 @@ def _modules(sources: Mapping[str, str], package: str | None) -> tuple[dict[str,
         modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"), path)
     resolver = _Resolver(modules)
     for module in modules.values():
-        for statement in module.tree.body:
+        for statement in at_level(module.tree.body):
             if isinstance(statement, ast.ClassDef):
                 module.defs[statement.name] = object_type_name(f"{module.fqn}.{statement.name}")
             elif isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -314,14 +314,15 @@ def _code_scopes(module: _Module) -> Iterator[Scope]:
     """The code of each chunk :func:`chunking.chunk_python` makes, by its qualified name and line: the module's own
     statements, each class's body outside its methods, each function and method whole (nested functions and
     decorators included), with the class ``self`` stands for in it."""
-    yield module.fqn, 0, [n for n in module.tree.body if not isinstance(n, _DEFINITIONS)], None
+    yield module.fqn, 0, [n for n in at_level(module.tree.body) if not isinstance(n, _DEFINITIONS)], None
 
     def visit(body: list[ast.stmt], prefix: str, owner: str | None) -> Iterator[Scope]:
-        for node in body:
+        for node in at_level(body):
             if isinstance(node, ast.ClassDef):
                 fqn = f"{prefix}.{node.name}"
                 own: list[ast.AST] = [*node.decorator_list, *node.bases, *node.keywords]
-                yield fqn, node.lineno, own + [n for n in node.body if not isinstance(n, _DEFINITIONS)], None
+                statements = [n for n in at_level(node.body) if not isinstance(n, _DEFINITIONS)]
+                yield fqn, node.lineno, [*own, *statements], None
                 yield from visit(node.body, fqn, fqn)
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 yield f"{prefix}.{node.name}", node.lineno, [node], owner
@@ -341,7 +342,12 @@ def python_exports(sources: Mapping[str, str], package: str | None = None) -> di
     for module in modules.values():
         if not module.is_package:
             continue
-        for local, (_, symbol) in module.imports.items():
+        # The package's own imports, not a function's (a review's): what its module level binds.
+        bound = (
+            a.asname or a.name for s in at_level(module.tree.body) if isinstance(s, ast.ImportFrom) for a in s.names
+        )
+        for local in dict.fromkeys(bound):
+            symbol = module.imports.get(local, ("", None))[1]
             target = resolver.symbol_fqn(module, local) if symbol is not None else None
             published = f"{module.fqn}.{local}"
             if target is not None and target != published:
@@ -363,7 +369,7 @@ def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict
     classes: dict[str, _Class] = {}
     for module in modules.values():
         for qualname, cls in _classes(module.tree.body):
-            members = frozenset(n.name for n in cls.body if isinstance(n, _DEFINITIONS))
+            members = frozenset(n.name for n in at_level(cls.body) if isinstance(n, _DEFINITIONS))
             bases = (resolver.named_symbol(module, b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases)
             classes[f"{module.fqn}.{qualname}"] = _Class(members, tuple(b for b in bases if b is not None))
 

@@ -1234,28 +1234,33 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
         found_by=[FoundBy(retriever="keyword", rank=1, score=3.0)],
     )  # fmt: skip
     alone = render(QueryResponse(results=[hit], _meta=meta), asked)
-    assert "no result here stands in relation 'callers' to 'retry_if_exception': these are search results" in alone
+    said = (
+        "no result here was found standing in relation 'callers' to 'retry_if_exception' by reading the code's syntax"
+    )
+    assert said in alone
+    assert "does not see a call through a variable or an attribute: these are search results" in alone
     assert "the symbol asked" not in alone
     # The same asked in words: the worker's _meta.relation says so, not the arguments.
     worded = render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "who calls retry_if_exception"})
-    assert "no result here stands in relation 'callers' to 'retry_if_exception'" in worded
+    assert said in worded
     caller = hit.model_copy(update={"found_by": [FoundBy(retriever="caller", rank=1, score=1.0)]})
     found = render(QueryResponse(results=[caller], _meta=meta.model_copy(update={"relation_matches": 1})), asked)
     assert found.endswith("· id a · calls the symbol asked")
-    assert "stands in relation" not in found
+    assert "standing in relation" not in found
     plain = meta.model_copy(update={"relation": None})
-    assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=plain), {"semanticQuery": "x"})
+    assert "standing in relation" not in render(QueryResponse(results=[hit], _meta=plain), {"semanticQuery": "x"})
     # A lookup that could not run reports no relation and says nothing of it (DEGRADED says the rest).
     lost = plain.model_copy(update={"degraded": ["exactSymbol"]})
-    assert "stands in relation" not in render(QueryResponse(results=[hit], _meta=lost), asked)
+    assert "standing in relation" not in render(QueryResponse(results=[hit], _meta=lost), asked)
     none = render(QueryResponse(results=[], _meta=meta), asked)
-    assert none.endswith("no result here stands in relation 'callers' to 'retry_if_exception'")
+    assert none.endswith("does not see a call through a variable or an attribute")
+    assert said in none
     # A name nothing defines: a misspelling to check, not a symbol nobody calls.
     unknown = RelationAsked(relation="callers", symbol="retry_if_exceptoin", symbol_indexed=False)
     misspelt = render(QueryResponse(results=[hit], _meta=meta.model_copy(update={"relation": unknown})), asked)
     assert "no symbol named 'retry_if_exceptoin' is indexed in workspace 'acme', branch 'main'" in misspelt
     assert "these are search results for the name (check the name's spelling" in misspelt
-    assert "stands in relation" not in misspelt
+    assert "standing in relation" not in misspelt
     # A filter that selects nothing says what the filter's values look like.
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
     assert "nothing matched objectType 'method'" in empty

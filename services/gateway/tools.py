@@ -366,7 +366,9 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
     elif asked is not None and not meta.relation_matches:
         # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so
         # that they do not read as the relation's, whether relatedTo or the query's words asked it.
-        relation = f"no result here stands in relation {asked.relation!r} to {asked.symbol!r}"
+        relation = f"no result here was found standing in relation {asked.relation!r} to {asked.symbol!r}"
+        if asked.relation in ("callers", "callees"):  # a tester read "nothing calls it" above a result calling it
+            relation += " by reading the code's syntax, which does not see a call through a variable or an attribute"
         head.append(relation + (": these are search results" if reply.results else ""))
     if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.

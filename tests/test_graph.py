@@ -271,6 +271,28 @@ def _by_name(calls: Mapping[tuple[str, str, int], tuple[str, ...]]) -> dict[tupl
     return named
 
 
+def test_what_an_overload_stubs_signature_calls_is_its_implementations() -> None:
+    """tenacity's `retry` stubs call retry_if_exception_type() in their defaults; left out as chunks, their calls
+    went with them until they were given to the implementation."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    source = textwrap.dedent(
+        """
+        import typing as t
+
+        def default():
+            return 1
+
+        @t.overload
+        def retry(x: int = default()) -> int: ...
+
+        def retry(x=None):
+            return x
+        """
+    )
+    assert python_calls({"r.py": source}) == {("r.py", "r.retry", 10): ("r.default",)}
+
+
 def test_a_propertys_getter_and_setter_each_call_what_they_call() -> None:
     """A tester's: the getter of rich's Text.plain was said to call strip_control_codes, which only its setter
     calls: both were keyed by their shared name."""
@@ -313,7 +335,8 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
         # call through another object, is left out.
         ("pkg/core.py", "pkg.core.Child.go"): ("pkg.core.Base.go", "pkg.core.Base.step"),
         ("pkg/core.py", "pkg.core.Child.make"): ("pkg.core.Child.go",),
-        # An overload stub and the definition share one name: each its own (the stub calls nothing).
+        # An overload stub and the definition share one name: the stub is no chunk, and what it calls is the
+        # definition's.
         ("pkg/util.py", "pkg.util.clock"): ("pkg.util.name",),
     }
 

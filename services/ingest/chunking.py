@@ -186,12 +186,12 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     def visit(block: list[ast.stmt], qualname: str, owner_type: str, in_class: bool) -> None:
         body = at_level(block)  # an `if TYPE_CHECKING:` block's classes too (a tester's urllib3 had 32 unseen)
         implemented = {
-            n.name for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and not _overload(n)
+            n.name for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and not is_overload(n)
         }
         for node in body:
             if (
                 isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-                and _overload(node)
+                and is_overload(node)
                 and node.name in implemented
             ):
                 continue  # a typing stub of a function defined below it: the same symbol again, without its code
@@ -216,10 +216,12 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     return chunks
 
 
-def _overload(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+def is_overload(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """Whether ``@overload`` (``typing.overload``, ``t.overload``) declares the function: a signature for type
     checkers, whose body is ``...``. Chunked, each stub was the same symbol once more in an answer and took the
-    implementation's calls (an agent tester's 'what calls echo': three chunks of Command.main)."""
+    implementation's calls (an agent tester's 'what calls echo': three chunks of Command.main). Left to the file's
+    chunk, what a stub's signature calls (a default: ``retry=retry_if_exception_type()``) is its
+    implementation's (``graph._code_scopes``)."""
     return any(
         (isinstance(d, ast.Name) and d.id == "overload") or (isinstance(d, ast.Attribute) and d.attr == "overload")
         for d in function.decorator_list

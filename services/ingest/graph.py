@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS, OntologyNode, link_key
 
-from .chunking import at_level, module_name, object_type_name
+from .chunking import at_level, is_overload, module_name, object_type_name
 
 MAX_REEXPORT_HOPS = 4
 
@@ -317,7 +317,15 @@ def _code_scopes(module: _Module) -> Iterator[Scope]:
     yield module.fqn, 0, [n for n in at_level(module.tree.body) if not isinstance(n, _DEFINITIONS)], None
 
     def visit(body: list[ast.stmt], prefix: str, owner: str | None) -> Iterator[Scope]:
-        for node in at_level(body):
+        level = at_level(body)
+        # An overload stub beside its implementation is no chunk of its own: what its signature calls (a
+        # default's call) is the implementation's, as before stubs were left out (tenacity's `retry`).
+        implemented = {
+            n.name: n.lineno
+            for n in level
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and not is_overload(n)
+        }
+        for node in level:
             if isinstance(node, ast.ClassDef):
                 fqn = f"{prefix}.{node.name}"
                 own: list[ast.AST] = [*node.decorator_list, *node.bases, *node.keywords]
@@ -325,7 +333,8 @@ def _code_scopes(module: _Module) -> Iterator[Scope]:
                 yield fqn, node.lineno, [*own, *statements], None
                 yield from visit(node.body, fqn, fqn)
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                yield f"{prefix}.{node.name}", node.lineno, [node], owner
+                line = implemented.get(node.name, node.lineno) if is_overload(node) else node.lineno
+                yield f"{prefix}.{node.name}", line, [node], owner
 
     yield from visit(module.tree.body, module.fqn, None)
 

@@ -106,7 +106,6 @@ EMBED_RESERVE_S = 0.05
 RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
-DEFINITIONS_LOOKED_UP = RELATIONS_READ
 NO_DEFINITIONS = Definitions({}, "")
 
 
@@ -492,7 +491,7 @@ class QueryPipeline:
         )
         name = identifier_of(run.text) if related_to is None else None
         if name is not None:
-            work = self._documents.definitions(scope, name, DEFINITIONS_LOOKED_UP)
+            work = self._documents.definitions(scope, name, RELATIONS_READ)
         elif relation is not None:
             work = self._related(run, scope, *relation)
         else:
@@ -520,7 +519,7 @@ class QueryPipeline:
             name = published.published_as or name
         if relation in (CALLER, CALLEE):
             calls = self._documents.callers if relation == CALLER else self._documents.callees
-            return await calls(scope, name, DEFINITIONS_LOOKED_UP)
+            return await calls(scope, name, RELATIONS_READ)
         return await self._related_in_graph(run, scope, relation, name)
 
     async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:
@@ -554,7 +553,7 @@ class QueryPipeline:
             for level, types in enumerate(levels_of[relation](named)):
                 for object_type in types:
                     distance[object_type] = min(level, distance.get(object_type, level))
-        nearest = sorted(distance, key=lambda t: (distance[t], t))[:DEFINITIONS_LOOKED_UP]
+        nearest = sorted(distance, key=lambda t: (distance[t], t))[:RELATIONS_READ]
         found = await self._documents.representatives(scope, nearest, DEFINING_LEVELS)
         symbols = {doc_id: object_type for object_type, doc_id in found.documents.items()}
         distances = {doc_id: distance[object_type] for doc_id, object_type in symbols.items()}

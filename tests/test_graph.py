@@ -139,6 +139,18 @@ def test_a_type_named_only_by_other_rows_is_known_to_every_relation() -> None:
     assert graph.supertypes("r.Sub") == []  # what a class inherits from: the graph's own types only
 
 
+def test_a_name_the_graphs_own_type_bears_is_that_type_not_an_outside_base_of_the_same_name() -> None:
+    """An agent tester's "what subclasses Response" over starlette listed a class deriving from httpx.Response as
+    deriving from the symbol asked: a type of the graph's own goes before an outside base of its name."""
+    graph = OntologyGraph(
+        kinds={"s.responses.Response": "class", "s.responses.JSONResponse": "class", "s.testclient.Denial": "class"},
+        interfaces={"s.responses.JSONResponse": ("s.responses.Response",), "s.testclient.Denial": ("httpx.Response",)},
+    )
+    assert graph.named("Response") == ["s.responses.Response"]
+    assert graph.named("httpx.Response") == ["httpx.Response"]  # asked by its own name, the outside base still is
+    assert graph.subtypes(graph.named("Response")[0]) == [["s.responses.JSONResponse"]]
+
+
 def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> None:
     graph = overlay(_rows(), "main")
     expansions = expand(graph, [("doc-impl", "m.Impl"), ("doc-deep", "m.Deep"), ("doc-base", "m.Base")])

@@ -40,7 +40,14 @@ from ontofabric.contracts import (
     QueryResponse,
     SearchResult,
 )
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, BudgetReport, ExpandedContext, Freshness, RelationAsked
+from ontofabric.contracts.query import (
+    MAX_TOKENS_LIMIT,
+    BudgetReport,
+    CollapsedResult,
+    ExpandedContext,
+    Freshness,
+    RelationAsked,
+)
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
@@ -1101,6 +1108,14 @@ def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> No
         metadata={"symbolFqn": "m.f", "symbolKind": "function", "chunkLevel": "method"},
     )  # fmt: skip
     assert "1. m.f · function · score 0.500" in render(QueryResponse(results=[function], _meta=meta))
+    # Nested chunks left out count those a cut reply had no room to name (a starlette tester's: 5, said as none).
+    cut = meta.model_copy(
+        update={
+            "collapsed": [CollapsedResult(id="d2", into="d1")],
+            "budget": BudgetReport(max_tokens=100, estimated_tokens=99, collapsed_dropped=4),
+        }
+    )
+    assert "\n5 nested chunks of the same symbols left out" in render(QueryResponse(results=[function], _meta=cut))
 
 
 def test_the_text_says_a_name_defines_nothing_and_draws_links_as_they_point() -> None:

@@ -416,8 +416,10 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"\nlinked: {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
             + (f" (document {context.representative_document_id})" if context.representative_document_id else "")
         )
-    if meta.collapsed:
-        lines.append(f"\n{_counted(len(meta.collapsed), 'nested chunk')} of the same symbols left out")
+    # With the entries a cut reply had no room for: a tester's answer folded 5 into a module chunk, and said none.
+    collapsed = len(meta.collapsed) + (meta.budget.collapsed_dropped if meta.budget is not None else 0)
+    if collapsed:
+        lines.append(f"\n{_counted(collapsed, 'nested chunk')} of the same symbols left out")
     return "\n".join(lines)
 
 

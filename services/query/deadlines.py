@@ -126,7 +126,12 @@ class ServiceTime:
     seconds: float = 0.0
     _own: LruCache[str, float] = field(default_factory=lambda: LruCache(WORKSPACES_TIMED))
 
-    def record(self, took_s: float, workspace: str = "") -> None:
+    def record(self, took_s: float, workspace: str = "", cut: bool = False) -> None:
+        """``cut``: its deadline ended the work, which would have taken longer, and no less than the workspace's
+        average: counted as that, or each cut pulls the averages down and the worker admits more than it can
+        answer (a load tester's requests were taken up with 170 ms left of 2 s, and cut again)."""
+        if cut:
+            took_s = max(took_s, self.own(workspace))
         self.seconds = _moved(self.seconds, took_s)
         self._own.put(workspace, _moved(self._own.get(workspace) or 0.0, took_s))
 

@@ -382,6 +382,12 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
             for metadata in ("oauth-protected-resource", "oauth-authorization-server"):
                 absent = await http.get(url.replace("/mcp", f"/.well-known/{metadata}"))
                 assert absent.status_code == 404
+            # Nor the endpoints an OAuth client falls back to without metadata (a tester's MCP Inspector, told 401
+            # at /register, reported "Dynamic Client Registration rejected" for a mistyped token).
+            for endpoint in ("/register", "/authorize", "/token"):
+                absent = await http.post(url.replace("/mcp", endpoint), json={})
+                assert absent.status_code == 404, endpoint
+                assert "no OAuth here" in absent.json()["error"]["message"]
         bearer = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
         async with Client(streamable_http_client(url, http_client=bearer)) as client:
             # Its only workspace is the default; another is refused, and says which it may read.
@@ -604,6 +610,18 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
             assert answer.json()["error"]["code"] == code
             assert "mcp-session-id" not in answer.headers  # a failed initialize opens no session
             assert answer.json()["error"]["message"].startswith(message), answer.json()
+        # Without an id: the SDK answered -32602 with a pydantic dump of every message type (a tester's).
+        for message_without_id in (
+            {"foo": 1}, {"jsonrpc": "2.0"}, {"method": "ping"},
+            {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": [1]},
+        ):  # fmt: skip
+            answer = await http.post(url, json=message_without_id)
+            assert answer.status_code == 400, message_without_id
+            assert (answer.json()["id"], answer.json()["error"]["code"]) == (None, -32600)
+            assert answer.json()["error"]["message"].startswith(f"{NOT_A_MESSAGE}: "), answer.text
+            assert "pydantic" not in answer.text
+        cancelled = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+        assert (await http.post(url, json=cancelled)).status_code == 202  # a notification as MCP writes one
         latin = (await http.post(url, content=LATIN_1)).json()
         assert (latin["id"], latin["error"]["code"]) == (27, -32602)
         assert latin["error"]["message"] == "params.arguments.semanticQuery: not valid UTF-8"

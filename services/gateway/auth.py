@@ -132,10 +132,11 @@ class RequireBearer:
     lets requests through, and from the moment it exists every request needs a token, also if the file is then
     deleted (that revokes every token; it does not open the gateway again)."""
 
-    def __init__(self, app: ASGIApp, store: TokenStore, open_without_tokens: bool) -> None:
+    def __init__(self, app: ASGIApp, store: TokenStore, open_without_tokens: bool, served_path: str) -> None:
         self._app = app
         self._store = store
         self._open_without_tokens = open_without_tokens
+        self._served = (served_path, served_path + "/")
 
     def _open(self) -> bool:
         if self._open_without_tokens and self._store.path.exists():
@@ -143,10 +144,13 @@ class RequireBearer:
         return self._open_without_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/.well-known/"):
-            # OAuth discovery (protected resource and authorization server metadata): there is none, and a client
-            # told 401 there reads the body as an OAuth error and reports that, not the token it lacks.
-            await _answer(send, 404, -32601, "no OAuth metadata: tokens are issued by the operator", [])
+        if scope["type"] == "http" and scope.get("path") not in self._served:
+            # Nothing else is served: not OAuth discovery (protected resource and authorization server metadata),
+            # nor the endpoints a client falls back to without it (/register, /authorize, /token: MCP 2025-03-26).
+            # A client told 401 there reads the body as an OAuth error and reports that (a tester's Inspector said
+            # "Dynamic Client Registration rejected"), not the token it lacks.
+            message = f"not found: MCP is served at {self._served[0]}; no OAuth here, tokens are issued by the operator"
+            await _answer(send, 404, -32601, message, [])
             return
         if scope["type"] != "http" or self._open():
             await self._app(scope, receive, send)

@@ -236,7 +236,7 @@ class Gateway:
         )
         lag = LoopLag()
         app = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag))
-        app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host))
+        app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host), served_path=MCP_PATH)
         BoundedConnections.limit = connection_limit()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
@@ -319,7 +319,7 @@ class MisreadBodies:
       validation dump.
     - A request whose envelope or params do not fit (``jsonrpc`` "1.0", ``params`` an array, ``arguments`` a
       string, no tool name): the SDK answered a validation dump under id null, or "Invalid request parameters"; it
-      gets the error stdio gives, naming the field, under its id.
+      gets the error stdio gives, naming the field, under its id (id null for a message that has none).
     - Bytes that are not UTF-8 (text a client sent in another encoding): the SDK answered a parse error under id
       null; it gets an error under its id naming the field, as over stdio.
     - An ``MCP-Protocol-Version`` header naming no version the SDK speaks: the SDK asked for ``params._meta``
@@ -537,7 +537,10 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:
-        return None
+        # Without an id, a notification or nothing the SDK reads: it answered the latter -32602 with a pydantic
+        # dump of every message type (a tester's {"method": "ping"}), where stdio names the field.
+        parsed = _json_object(body)
+        return None if parsed is None else _answer_to_ill_framed(parsed, body)
     parsed = _json_object(body)
     if parsed is None:
         return None
@@ -577,16 +580,24 @@ def _answer_to_unknown_version(version: str, body: bytes) -> tuple[int, dict[str
     return 400, {"jsonrpc": "2.0", "id": request_id_of(_json_object(body)), "error": error}
 
 
+def _answer_to_ill_framed(message: dict[str, Any], body: bytes) -> tuple[int, dict[str, Any]] | None:
+    """The answer to a message whose envelope the SDK refuses without naming the field (a pydantic dump under id
+    null), as stdio answers it (stdio.unreadable); None when the envelope is one the SDK reads."""
+    try:
+        types.jsonrpc_message_adapter.validate_python(message, by_name=False)
+    except ValidationError as refused:
+        answer = unreadable(body, refused)
+        assert answer is not None
+        return 400, {"id": None, **answer.model_dump(mode="json", by_alias=True, exclude_none=True)}  # id null kept
+    return None
+
+
 def _answer_to_ill_formed(request: dict[str, Any], body: bytes) -> tuple[int, dict[str, Any]] | None:
     """The answer to a request whose envelope or params the SDK refuses without naming the field (a pydantic dump
     under id null, or "Invalid request parameters"), as stdio answers it (stdio.unreadable, SessionOpening); None
     when the SDK reads it right."""
-    try:
-        types.jsonrpc_message_adapter.validate_python(request, by_name=False)
-    except ValidationError as refused:
-        answer = unreadable(body, refused)
-        assert answer is not None
-        return 400, answer.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if (ill_framed := _answer_to_ill_framed(request, body)) is not None:
+        return ill_framed
     problem = checked_request(request)
     if not isinstance(problem, str):
         return None

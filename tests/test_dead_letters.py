@@ -380,6 +380,47 @@ async def test_a_graph_dead_letter_the_index_holds_a_later_state_of_is_not_redri
     assert first[0] < reused[0] < removed[0]
 
 
+async def test_a_redrive_judges_later_states_by_the_index_before_it_not_by_its_own_redrives(
+    deployment: Deployment,
+) -> None:
+    """A consistency tester's: two dead letters of one document, an older change and a newer, with others between
+    them. The projector applied the older one's re-drive while the run went on, and the newer was then left for
+    "the index holds its document at a later sequence": that sequence was the run's own. The older change won."""
+    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        acks = await deployment.publisher.publish_many(
+            [upsert("acme", document("x", "v1"), event_id="e1"), upsert("acme", document("x", "v2"), event_id="e2")]
+        )
+        again = DeltaPublisher(deployment.js, deployment.names)  # another session: no JetStream repeat
+        acks += await again.publish_many([upsert("acme", document("x", "R1 older change"), event_id="e1")])
+        # Between the two letters, others the re-drive takes its time over (each dead-lettered again then).
+        acks += await deployment.publisher.publish_many(
+            [upsert("acme", document(f"big{n}", "z" * (2 * LIMIT))) for n in range(40)]
+        )
+        later = DeltaPublisher(deployment.js, deployment.names)
+        acks += await later.publish_many([upsert("acme", document("x", "R2 newer change"), event_id="e2")])
+        await deployment.wait_projected(acks[-1].seq)
+        letters = await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme"))
+        reused = [letter for letter in letters if letter.reason == "event_id_reused"]
+        assert [letter.original_seq for letter in reused] == [acks[2].seq, acks[-1].seq]
+        placement = Placement.of(deployment.settings, deployment.database_url)
+        floors = await applied_through(deployment.js, deployment.names, deployment.settings, placement, {"acme"})
+        outcome = await redrive(deployment.nc, deployment.names, letters, placement.database_url_of, floors)
+        assert outcome.superseded == []
+        assert {letter.seq for letter, _ in outcome.sent} >= {letter.seq for letter in reused}
+        await deployment.wait_projected(max(seq for _, seq in outcome.sent))
+    finally:
+        await projector.stop()
+    conn = await asyncpg.connect(deployment.database_url)
+    try:
+        content = await conn.fetchval("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'x'")
+    finally:
+        await conn.close()
+    assert content == "R2 newer change"
+
+
 async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(deployment: Deployment) -> None:
     """A fault tester's 12 kB qualified name of random characters: PostgreSQL refused the index entry, and the
     dead letter said only that, naming no field."""

@@ -280,15 +280,23 @@ async def redrive(
     floors: Mapping[str, int] | None = None,
 ) -> Redrive:
     """Publish each dead letter's delta again on its own subject (:func:`redriven`), then delete the dead letter. With
-    ``database_url_of`` (workspace -> its database), a delta whose document the index holds at a later sequence
-    is left where it is; with ``floors`` too (workspace -> :func:`applied_through`), so is one whose branch has
-    deltas after it that the index has not applied yet (one may be a later state of its document, which the index
-    check cannot see yet). Re-driving the same dead letter twice within the stream's duplicate window stores it
-    once (its message id is the dead letter's)."""
+    ``database_url_of`` (workspace -> its database), a delta whose document the index held at a later sequence
+    when the run began is left where it is; with ``floors`` too (workspace -> :func:`applied_through`), so is one
+    whose branch has deltas after it that the index has not applied yet (one may be a later state of its document,
+    which the index check cannot see yet). Re-driving the same dead letter twice within the stream's duplicate
+    window stores it once (its message id is the dead letter's)."""
     js = nc.jetstream()
     outcome = Redrive()
     last_on: dict[str, int] = {}
-    if database_url_of is not None and floors is not None:  # before this run publishes anything
+    held_later: dict[int, int | None] = {}
+    # Both read before this run publishes anything: read as it went, the index held a document at the sequence of
+    # this run's own re-drive of an older change, and the newer change's letter was left for it (a consistency
+    # tester's; the older change won).
+    if database_url_of is not None:
+        for letter in letters:
+            if not letter.body_omitted and letter.workspace is not None:
+                held_later[letter.seq] = await later_sequence(database_url_of(letter.workspace), letter)
+    if database_url_of is not None and floors is not None:
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
             last_on[subject] = await _last_sequence(js, names.delta_stream, subject)
     for letter in letters:
@@ -296,7 +304,7 @@ async def redrive(
             outcome.bodiless.append(letter)
             continue
         if database_url_of is not None and letter.workspace is not None:
-            later = await later_sequence(database_url_of(letter.workspace), letter)
+            later = held_later[letter.seq]
             if later is not None:
                 outcome.superseded.append((letter, later))
                 continue

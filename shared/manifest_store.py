@@ -43,6 +43,10 @@ class ManifestChanged(Exception):
     """Another save of the same workspace and branch landed since this one's manifest was loaded."""
 
 
+class ManifestUnsaved(Exception):
+    """The manifest could not be saved while the NATS server stayed away (the retry time passed)."""
+
+
 class ManifestMissing(Exception):
     """The head names a part that is not there (removed by hand, or a bucket restored in part)."""
 

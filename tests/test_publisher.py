@@ -17,6 +17,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed, StreamFull
+from ontofabric.services.ingest.ingester import Ingester
+from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_projected
 from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import ManagedProcess, free_port
@@ -205,3 +207,46 @@ async def test_a_wait_for_projection_follows_a_server_that_moved(own_nats: OwnNa
         await elsewhere.close()
         second.stop()
         own_nats.restart()
+
+
+class FreezesAtEmbedding:
+    """An ingest's progress that freezes the NATS server (SIGSTOP) when embedding begins, and thaws it
+    ``frozen_s`` later: the ingest's first save of its manifest then meets a server that does not answer."""
+
+    def __init__(self, own_nats: OwnNats, frozen_s: float) -> None:
+        self._own_nats = own_nats
+        self._frozen_s = frozen_s
+        self.froze = False
+
+    def stage(self, name: str, total: int) -> None:
+        if name == "embed" and not self.froze:
+            self.froze = True
+            process = self._own_nats.server.process
+            process.send_signal(signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(self._frozen_s, process.send_signal, signal.SIGCONT)
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        return None
+
+
+async def test_an_ingest_saves_its_manifest_through_a_server_that_does_not_answer_for_a_while(
+    own_nats: OwnNats, tmp_path: Path, embedder: Embedder
+) -> None:
+    """A fault tester's: the NATS server stopped for 20 s while an ingest embedded, and the ingest ended in a
+    traceback from saving its manifest (nats: timeout); publishing the deltas retried, saving did not."""
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "shapes.py").write_text("def area(r):\n    return 3.14 * r * r\n")
+    nc = await connect(own_nats.url, "operator")
+    try:
+        js = nc.jetstream(timeout=1)
+        await ensure_jetstream(js, NAMES, Settings())
+        progress = FreezesAtEmbedding(own_nats, frozen_s=4.0)
+        ingester = Ingester(js, NAMES, embedder, Settings().max_content_bytes, progress=progress)
+        report = await asyncio.wait_for(ingester.ingest(tmp_path / "tree", "acme"), 60)
+        assert progress.froze
+        assert report.upserts == report.chunks == 2
+        saved = await ingester.load_manifest("acme", "main")
+        assert len([key for key in saved.entries if key.startswith("d:")]) == 2
+        assert not saved.unknown  # the second save, after publishing, went through too
+    finally:
+        await nc.close()

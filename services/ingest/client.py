@@ -51,7 +51,7 @@ RETRY_WAIT_S = (0.1, 2.0)
 """The first and the longest wait between attempts to publish what is not confirmed yet."""
 
 # What a later attempt may get through: no acknowledgement in time, the stream's leader away, the connection down.
-_RETRYABLE = (
+RETRYABLE = (
     *NATS_AWAY,
     asyncio.TimeoutError,  # nats-py's own is one; so is an acknowledgement waited for here
     nats.errors.OutboundBufferLimitError,
@@ -151,7 +151,7 @@ class DeltaPublisher:
             try:
                 await self._publish_window(deltas[len(acks) : len(acks) + PUBLISH_WINDOW], acks, on_stored)
                 wait = RETRY_WAIT_S[0]
-            except _RETRYABLE as error:
+            except RETRYABLE as error:
                 if StreamFull.said_by(error):  # it will not pass in seconds: say so now
                     raise StreamFull(acks, [d.event_id for d in deltas[len(acks) :]], error) from error
                 if time.monotonic() + wait > give_up_at:

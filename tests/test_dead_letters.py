@@ -421,6 +421,25 @@ async def test_a_redrive_judges_later_states_by_the_index_before_it_not_by_its_o
     assert content == "R2 newer change"
 
 
+async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_unknown(deployment: Deployment) -> None:
+    """A consistency tester's: a delta on "acm_65" (no name's canonical token; "acme" is) was dead-lettered under
+    that token, which `dlq list --workspace` cannot select; the contract's "_unknown" is for such a subject."""
+    delta = upsert("acme", document("odd", "text"))
+    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        odd = deployment.names.delta_subject("acme", "main").replace(".acme.", ".acm_65.")
+        ack = await deployment.js.publish(odd, delta.model_dump_json().encode(), headers={"Nats-Msg-Id": "odd"})
+        await deployment.wait_projected(ack.seq)
+    finally:
+        await projector.stop()
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert (letter.reason, letter.workspace, letter.original_subject) == ("subject_mismatch", None, odd)
+    stored = await deployment.js.get_msg(deployment.names.dlq_stream, letter.seq)
+    assert stored.subject == deployment.names.dlq_subject("_unknown")
+
+
 async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(deployment: Deployment) -> None:
     """A fault tester's 12 kB qualified name of random characters: PostgreSQL refused the index entry, and the
     dead letter said only that, naming no field."""

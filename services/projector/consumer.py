@@ -481,7 +481,10 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
     if len(body) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 64 > max_payload:
         headers["Ontofabric-Body-Omitted"] = f"{len(body)} bytes, over the server's max_payload with these headers"
         body = b""
-    return DeadLetter(names.dlq_subject(workspace_token_of(msg.subject) or "_unknown"), body, headers)
+    # Under the workspace's own token, when the subject names one canonically: a consistency tester's delta on
+    # "tEab57_63" (not the token of any name) went to a dead-letter subject no workspace selects.
+    token = workspace_token_of(msg.subject) if workspace_of(msg.subject) is not None else None
+    return DeadLetter(names.dlq_subject(token or "_unknown"), body, headers)
 
 
 async def dead_letter(

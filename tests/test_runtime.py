@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,39 @@ def test_a_port_taken_between_its_pick_and_the_server_s_start_is_picked_again(
         taken.close()
     taken_ports = [(e["server"], e["attempt"]) for e in logged if e["event"] == "embedded_server_port_taken"]
     assert taken_ports == [(server, 1)]
+
+
+def test_a_server_that_does_not_stop_is_killed_with_every_process_it_started(tmp_path: Path) -> None:
+    """A fault tester's PostgreSQL, frozen (SIGSTOP) as `up` stopped: the postmaster alone was killed, and its 12
+    backends, frozen, kept its shared memory, so the next `up` could not start PostgreSQL."""
+    pid_file = tmp_path / "child.pid"
+    server = runtime._spawn(
+        "frozen",
+        ["sh", "-c", f"trap '' TERM; sleep 300 & echo $! > {pid_file}; wait"],
+        tmp_path / "frozen.log",
+        signal.SIGTERM,
+    )
+    for _ in range(100):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    # Frozen, the server and what it started: none answers (a server that takes its stop signal, as PostgreSQL
+    # does, stays frozen; this one ignores it).
+    os.killpg(server.process.pid, signal.SIGSTOP)
+    server.stop(timeout=0.5)
+    assert not server.alive()
+    for _ in range(100):  # the child is reaped by init once killed
+        if not _exists(child):
+            break
+        time.sleep(0.05)
+    assert not _exists(child)
+
+
+def _exists(pid: int) -> bool:
+    """Whether a process of that id exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False

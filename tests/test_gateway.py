@@ -622,6 +622,12 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
             assert "pydantic" not in answer.text
         cancelled = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
         assert (await http.post(url, json=cancelled)).status_code == 202  # a notification as MCP writes one
+        # Past the SDK's limit on a body (4 MiB): its 413 was plain text (a tester's).
+        padded = b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+        oversized = await http.post(url, content=padded)
+        assert oversized.status_code == 413
+        assert oversized.json()["error"]["code"] == -32600
+        assert "bytes, more than the 4194304 this gateway reads" in oversized.json()["error"]["message"]
         latin = (await http.post(url, content=LATIN_1)).json()
         assert (latin["id"], latin["error"]["code"]) == (27, -32602)
         assert latin["error"]["message"] == "params.arguments.semanticQuery: not valid UTF-8"

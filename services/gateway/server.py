@@ -325,7 +325,7 @@ class MisreadBodies:
     - An ``MCP-Protocol-Version`` header naming no version the SDK speaks: the SDK asked for ``params._meta``
       envelope keys; the answer names the header, the versions spoken and the one asked for.
 
-    Bodies past the SDK's own limit go on to its 413."""
+    A body whose declared length is past the SDK's own limit is answered 413 with a JSON-RPC error, unread."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> None:
         self._app = app
@@ -334,6 +334,13 @@ class MisreadBodies:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = _json_post(scope, self._max_body_bytes)
         if headers is None:
+            declared = _declared_length(scope)
+            if declared is not None and declared > self._max_body_bytes:
+                # The SDK's 413 was plain text; a JSON-RPC client reads an error (a tester's 6 MB call).
+                message = f"the request is {declared} bytes, more than the {self._max_body_bytes} this gateway reads"
+                error = {"code": types.INVALID_REQUEST, "message": message}
+                await _answer_json(send, 413, {"jsonrpc": "2.0", "id": None, "error": error})
+                return
             await self._app(scope, receive, send)
             return
         read, body = await peek_body(receive, self._max_body_bytes)
@@ -496,14 +503,22 @@ def _json_array(body: bytes) -> list[Any] | None:
 
 def _json_post(scope: Scope, max_body_bytes: int) -> dict[bytes, bytes] | None:
     """The headers of a POST of JSON whose declared length is within ``max_body_bytes``; None for any other request
-    (the SDK's own 400 says what is wrong with another content type, its 413 answers one too large before its
-    body is sent)."""
+    (the SDK's own 400 says what is wrong with another content type; MisreadBodies answers one too large before
+    its body is sent)."""
     if scope["type"] != "http" or scope.get("method") != "POST":
         return None
     headers = dict(scope.get("headers", []))
-    declared = headers.get(b"content-length", b"")
-    too_large = declared.isdigit() and int(declared) > max_body_bytes
+    declared = _declared_length(scope)
+    too_large = declared is not None and declared > max_body_bytes
     return None if b"json" not in headers.get(b"content-type", b"").lower() or too_large else headers
+
+
+def _declared_length(scope: Scope) -> int | None:
+    """The body's length as a POST's ``Content-Length`` states it; None when it states none."""
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        return None
+    declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+    return int(declared) if declared.isdigit() else None
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]

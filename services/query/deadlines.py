@@ -128,12 +128,13 @@ class ServiceTime:
 
     def record(self, took_s: float, workspace: str = "", cut: bool = False) -> None:
         """``cut``: its deadline ended the work, which would have taken longer, and no less than the workspace's
-        average: counted as that, or each cut pulls the averages down and the worker admits more than it can
-        answer (a load tester's requests were taken up with 170 ms left of 2 s, and cut again)."""
-        if cut:
-            took_s = max(took_s, self.own(workspace))
+        average: its own average counts it as that, or each cut pulls it down and the worker admits more than it
+        can answer (a load tester's requests were taken up with 170 ms left of 2 s, and cut again). The average
+        over every request counts what it took: its runner came free then (a review's: counted at a costly
+        tenant's average, short deadlines of that tenant raised every other tenant's expected wait)."""
         self.seconds = _moved(self.seconds, took_s)
-        self._own.put(workspace, _moved(self._own.get(workspace) or 0.0, took_s))
+        own = max(took_s, self.own(workspace)) if cut else took_s
+        self._own.put(workspace, _moved(self._own.get(workspace) or 0.0, own))
 
     def own(self, workspace: str) -> float:
         """A workspace's own average; 0 before it has been served (nobody is refused on a guess)."""

@@ -149,6 +149,12 @@ def test_a_name_the_graphs_own_type_bears_is_that_type_not_an_outside_base_of_th
     assert graph.named("Response") == ["s.responses.Response"]
     assert graph.named("httpx.Response") == ["httpx.Response"]  # asked by its own name, the outside base still is
     assert graph.subtypes(graph.named("Response")[0]) == [["s.responses.JSONResponse"]]
+    # One the name names better than any own type stays: the stdlib module beside an own pkg.logging (a review's).
+    modules = OntologyGraph(
+        kinds={"pkg.logging": "module", "pkg.cli": "module"},
+        links={("pkg.cli", "imports", "pkg.logging"), ("pkg.logging", "imports", "logging")},
+    )
+    assert modules.named("logging") == ["logging", "pkg.logging"]
 
 
 def test_expansion_deduplicates_linked_types_and_skips_the_hits_own_types() -> None:

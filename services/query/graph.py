@@ -113,17 +113,20 @@ class OntologyGraph:
 
     def named(self, name: str) -> list[str]:
         """The types a dotted name names, as a query's identifier names symbols (``symbols.match_quality``): the
-        type is the name or ends with ``.`` and it; ignoring case only when none matches as written. Types with a
-        node of their own go before types only a base or a link names: "what subclasses Response" in a tree
-        defining a Response is about that one, not about httpx.Response, which one of its classes derives from
-        (an agent tester's answer listed that class as deriving from the symbol asked)."""
+        type is the name or ends with ``.`` and it; ignoring case only when none matches as written. A type only a
+        base or a link names is left out for a type with a node of its own that matches as well: "what subclasses
+        Response" in a tree defining a Response is about that one, not about httpx.Response, which one of its
+        classes derives from (an agent tester's answer listed that class as deriving from the symbol asked)."""
         matched = sorted(
             (quality, object_type)
             for object_type in self._by_last_part.get(last_part(name).lower(), ())
             if (quality := match_quality(object_type, name)) is not None
         )
-        named = [t for quality, t in matched if quality < AS_WRITTEN] or [t for _, t in matched]
-        return [t for t in named if t in self.kinds] or named
+        named = [(q, t) for q, t in matched if q < AS_WRITTEN] or matched
+        # An outside type goes only for an own type matching at least as well: asked as `logging`, the stdlib
+        # module a link names still answers beside an own `pkg.logging` (a review's).
+        own = min((q for q, t in named if t in self.kinds), default=None)
+        return [t for q, t in named if t in self.kinds or own is None or q < own]
 
     def neighbours(self, object_type: str) -> list[Neighbour]:
         """Types one link away, both directions, in a stable order."""

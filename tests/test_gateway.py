@@ -614,6 +614,7 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
         for message_without_id in (
             {"foo": 1}, {"jsonrpc": "2.0"}, {"method": "ping"},
             {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": [1]},
+            {"method": "tools/call", "params": {"name": "x", "arguments": {"id": "a"}}},  # "id" only inside it
         ):  # fmt: skip
             answer = await http.post(url, json=message_without_id)
             assert answer.status_code == 400, message_without_id

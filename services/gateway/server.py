@@ -560,8 +560,8 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     if parsed is None:
         return None
     if odd_id:
-        if "id" not in parsed:
-            return None
+        if "id" not in parsed:  # "id" only inside it (an argument's name): no id of its own
+            return _answer_to_ill_framed(parsed, body)
         if request_id_of(parsed) is not None:
             return _answer_to_ill_formed(parsed, body)
         error = {

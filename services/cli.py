@@ -811,6 +811,8 @@ def dlq_redrive(
     outcome = _as_operator(data_dir, job)
     for letter, seq in outcome.superseded:
         errors.print(f"left {letter.seq}: the index holds its document at the later sequence {seq} (--force)")
+    for letter, latest in outcome.outdone:
+        errors.print(f"left {letter.seq}: dead letter {latest.seq} holds a later state of its row (--force)")
     for letter, seq in outcome.waiting:
         errors.print(
             f"left {letter.seq}: its branch has deltas up to {seq} its Postgres projector has not applied yet, one "
@@ -820,7 +822,8 @@ def dlq_redrive(
         errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")
     for letter, why in outcome.refused:
         errors.print(f"left {letter.seq}: the delta stream refused it: {why}")
-    left = len(outcome.superseded) + len(outcome.waiting) + len(outcome.bodiless) + len(outcome.refused)
+    left = len(outcome.superseded) + len(outcome.outdone) + len(outcome.waiting)
+    left += len(outcome.bodiless) + len(outcome.refused)
     errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {left}")
 
 

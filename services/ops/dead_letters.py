@@ -211,6 +211,8 @@ class Redrive:
     waiting: list[tuple[DeadLetter, int]] = field(default_factory=list)
     """Not sent: its branch has a later delta in the stream (this sequence, the last) that the index has not applied
     yet, which may be a later state of the document: the index cannot tell yet."""
+    outdone: list[tuple[DeadLetter, DeadLetter]] = field(default_factory=list)
+    """Not sent: another dead letter of the run, sent in its place, holds a later state of its row."""
     bodiless: list[DeadLetter] = field(default_factory=list)
     """Not sent: stored without its delta, too large for the stream to take again."""
     refused: list[tuple[DeadLetter, str]] = field(default_factory=list)
@@ -226,21 +228,29 @@ _HELD_AT = {
 """The sequence at which the index holds a row of each kind (tombstones and reverts keep theirs)."""
 
 
+def row_of(letter: DeadLetter) -> tuple[str, str, str, str] | None:
+    """The index row a dead letter's delta writes: (workspace, branch, kind, key); None for a body that is no
+    delta."""
+    try:
+        delta = DeltaEnvelope.model_validate_json(letter.data)
+    except ValidationError:
+        return None
+    return delta.workspace, delta.branch, delta.payload.entity, delta.payload.entity_key
+
+
 async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
     """The stream sequence at which the index holds the dead letter's row (a document, a graph node or link, on
     the letter's branch), when later than the dead letter's own; None when it does not. Documents alone were
     checked, and a fault tester's redrive brought back a removed node and link, and a revert over a later branch
     edit."""
-    try:
-        delta = DeltaEnvelope.model_validate_json(letter.data)
-    except ValidationError:
+    row = row_of(letter)
+    if row is None:
         return None
-    payload = delta.payload
-    key = payload.entity_key
-    columns = split_link_key(key) if payload.entity == "link" else (key,)
+    workspace, branch, entity, key = row
+    columns = split_link_key(key) if entity == "link" else (key,)
     conn = await asyncpg.connect(database_url)
     try:
-        held = await conn.fetchval(_HELD_AT[payload.entity], delta.workspace, delta.branch, *columns)
+        held = await conn.fetchval(_HELD_AT[entity], workspace, branch, *columns)
     finally:
         await conn.close()
     return int(held) if held is not None and held > (letter.original_seq or 0) else None
@@ -292,10 +302,16 @@ async def redrive(
     # Both read before this run publishes anything: read as it went, the index held a document at the sequence of
     # this run's own re-drive of an older change, and the newer change's letter was left for it (a consistency
     # tester's; the older change won).
+    latest: dict[tuple[str, str, str, str], DeadLetter] = {}
     if database_url_of is not None:
         for letter in letters:
             if not letter.body_omitted and letter.workspace is not None:
                 held_later[letter.seq] = await later_sequence(database_url_of(letter.workspace), letter)
+                # Of the run's letters of one row, the latest state alone goes: sent in the order of the dead
+                # letters, one set aside again after a first re-drive came after the newer (a review's).
+                row = row_of(letter)
+                if row is not None and (row not in latest or _later(letter, latest[row])):
+                    latest[row] = letter
     if database_url_of is not None and floors is not None:
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
             last_on[subject] = await _last_sequence(js, names.delta_stream, subject)
@@ -304,6 +320,10 @@ async def redrive(
             outcome.bodiless.append(letter)
             continue
         if database_url_of is not None and letter.workspace is not None:
+            row = row_of(letter)
+            if row is not None and latest[row] is not letter:
+                outcome.outdone.append((letter, latest[row]))
+                continue
             later = held_later[letter.seq]
             if later is not None:
                 outcome.superseded.append((letter, later))
@@ -328,6 +348,11 @@ async def redrive(
         log.info("dead_letter_redriven", dlq_seq=letter.seq, seq=ack.seq, reason=letter.reason)
         outcome.sent.append((letter, ack.seq))
     return outcome
+
+
+def _later(letter: DeadLetter, than: DeadLetter) -> bool:
+    """Whether ``letter``'s delta came after ``than``'s on the delta stream."""
+    return (letter.original_seq or 0, letter.seq) > (than.original_seq or 0, than.seq)
 
 
 async def _publish_again(

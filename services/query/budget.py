@@ -43,11 +43,14 @@ def json_size(text: str) -> int:
 
 def cut_to(text: str, max_bytes: int) -> str:
     """The longest start of ``text`` whose JSON string takes at most ``max_bytes``, ended at a line break when one
-    lies in its last quarter."""
+    lies in its last quarter; ``text`` itself when it fits (a tester's docstrings lost their last line, and were
+    said to be cut, in 81 of 333 documents read)."""
     low, high = 0, len(text)
     while low < high:  # the longest prefix that fits
         middle = (low + high + 1) // 2
         low, high = (middle, high) if json_size(text[:middle]) <= max_bytes else (low, middle - 1)
+    if low == len(text):
+        return text
     head = text[:low]
     line_end = head.rfind("\n")
     return head[: line_end + 1] if line_end >= len(head) * 3 // 4 else head

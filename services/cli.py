@@ -48,7 +48,7 @@ from ontofabric.shared.jetstream import (
 )
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.logging import configure_logging, describe, get_logger
-from ontofabric.shared.manifest_store import ManifestChanged, ManifestMissing, ManifestUnsaved
+from ontofabric.shared.manifest_store import ManifestChanged, ManifestMissing, ManifestUnavailable
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials, NatsRole
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
@@ -1607,7 +1607,7 @@ def main() -> None:
     except NatsUnreachable as error:
         errors.print(f"[red]error:[/red] {error}: is it running, and is ONTOFABRIC_NATS_URL right?")
         sys.exit(1)
-    except (PublishFailed, ManifestUnsaved, ManifestChanged) as error:  # the same command again is safe
+    except (PublishFailed, ManifestUnavailable, ManifestChanged) as error:  # the same command again is safe
         errors.print(f"[red]error:[/red] {escape(str(error))}")
         sys.exit(1)
     except DATABASE_UNREACHABLE as error:

@@ -498,6 +498,20 @@ NATS_AWAY = (
 """What a JetStream request raises while its server is away or restarting: worth asking again."""
 NATS_AWAY_RETRY_S = 1.0
 
+RETRY_FOR_S = 60.0
+"""How long a write to JetStream is tried again while its server does not answer."""
+RETRY_WAIT_S = (0.1, 2.0)
+"""The first and the longest wait between attempts to write what is not confirmed yet (a delta, a manifest)."""
+
+# What a later attempt may get through: no acknowledgement in time, the stream's leader away, the connection down.
+RETRYABLE = (
+    *NATS_AWAY,
+    asyncio.TimeoutError,  # nats-py's own is one; so is an acknowledgement waited for here
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError,  # a clustered stream between two leaders answers 503
+    OSError,  # the socket, mid-write
+)
+
 
 async def wait_projected(
     js: JetStreamContext,

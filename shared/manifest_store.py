@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
@@ -28,11 +31,12 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .jetstream import NotSetUp, connection_of, refused_promptly
-from .logging import get_logger
+from .jetstream import RETRY_FOR_S, RETRY_WAIT_S, RETRYABLE, NotSetUp, connection_of, refused_promptly
+from .logging import describe, get_logger
 from .subjects import Names, decode_token, encode_token
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 PART_BYTES = 256 * 1024
 """Well below nats-server's default 1 MB message limit."""
@@ -43,8 +47,8 @@ class ManifestChanged(Exception):
     """Another save of the same workspace and branch landed since this one's manifest was loaded."""
 
 
-class ManifestUnsaved(Exception):
-    """The manifest could not be saved while the NATS server stayed away (the retry time passed)."""
+class ManifestUnavailable(Exception):
+    """The manifest could not be read or saved while the NATS server stayed away (the retry time passed)."""
 
 
 class ManifestMissing(Exception):
@@ -101,7 +105,28 @@ class ManifestStore:
         entry = await self._entry(key)
         return None if entry is None else entry.value or b""
 
+    async def _retried(self, attempt: Callable[[], Awaitable[T]], doing: str, workspace: str, branch: str) -> T:
+        """``attempt()``, made again while the NATS server does not answer, as a delta's publish is (a fault
+        tester's ingest, the server stopped for 20 s while it embedded, ended in a traceback saving its manifest);
+        past the retry time, :class:`ManifestUnavailable`."""
+        wait, give_up_at = RETRY_WAIT_S[0], time.monotonic() + RETRY_FOR_S
+        while True:
+            try:
+                return await attempt()
+            except RETRYABLE as error:
+                if time.monotonic() + wait > give_up_at:
+                    raise ManifestUnavailable(
+                        f"the ingest manifest of {workspace}/{branch} could not be {doing} within {RETRY_FOR_S:.0f} "
+                        f"s ({describe(error)}): is the NATS server running? The same ingest again is safe"
+                    ) from error
+                log.warning("manifest_retried", workspace=workspace, branch=branch, doing=doing, error=describe(error))
+                await asyncio.sleep(wait)
+                wait = min(RETRY_WAIT_S[1], wait * 2)
+
     async def load(self, workspace: str, branch: str) -> StoredManifest:
+        return await self._retried(lambda: self._load(workspace, branch), "read", workspace, branch)
+
+    async def _load(self, workspace: str, branch: str) -> StoredManifest:
         """The manifest the head names. Read while another ingest saves, the parts may be purged between reading
         the head and them: read again from the new head, as long as the head keeps moving."""
         while True:
@@ -144,12 +169,19 @@ class ManifestStore:
         head = json.dumps({"generation": generation, "parts": len(chunks)}).encode()
         keys = [f"{prefix}.parts.{generation}.{i}" for i in range(len(chunks))]
         subjects = [f"$KV.{self._names.manifest_bucket}.{key}" for key in [*keys, f"{prefix}.head"]]
-        try:
-            writes = self._write(prefix, keys, chunks, head, loaded.revision)
-            revision = await refused_promptly(connection_of(self._js), subjects, writes)
-        except KeyWrongLastSequenceError as error:
-            await self._purge(prefix, generation, len(chunks))
-            raise ManifestChanged(f"another ingest of {workspace}/{branch} saved its manifest first") from error
+
+        async def attempt() -> int:
+            try:
+                writes = self._write(prefix, keys, chunks, head, loaded.revision)
+                return await refused_promptly(connection_of(self._js), subjects, writes)
+            except KeyWrongLastSequenceError as error:
+                now = await self._entry(f"{prefix}.head")
+                if now is not None and now.value == head:  # this save's own swap, its answer lost on the way
+                    return now.revision or 0
+                await self._purge(prefix, generation, len(chunks))
+                raise ManifestChanged(f"another ingest of {workspace}/{branch} saved its manifest first") from error
+
+        revision = await self._retried(attempt, "saved", workspace, branch)
         await self._purge(prefix, loaded.generation, loaded.parts)
         return StoredManifest(data, revision, generation, len(chunks))
 

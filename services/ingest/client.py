@@ -16,7 +16,7 @@ from nats.js.api import PubAck
 from opentelemetry import propagate
 
 from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
-from ontofabric.shared.jetstream import NATS_AWAY, connection_of, refused_promptly
+from ontofabric.shared.jetstream import RETRY_FOR_S, RETRY_WAIT_S, RETRYABLE, connection_of, refused_promptly
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 
@@ -46,18 +46,6 @@ def envelope(
 
 PUBLISH_WINDOW = 256
 """Acknowledgements outstanding at once (nats-py allows 4,000 per connection)."""
-RETRY_FOR_S = 60.0
-RETRY_WAIT_S = (0.1, 2.0)
-"""The first and the longest wait between attempts to publish what is not confirmed yet."""
-
-# What a later attempt may get through: no acknowledgement in time, the stream's leader away, the connection down.
-RETRYABLE = (
-    *NATS_AWAY,
-    asyncio.TimeoutError,  # nats-py's own is one; so is an acknowledgement waited for here
-    nats.errors.OutboundBufferLimitError,
-    nats.js.errors.NoStreamResponseError,  # a clustered stream between two leaders answers 503
-    OSError,  # the socket, mid-write
-)
 
 
 def message_id(delta: DeltaEnvelope, session: str) -> str:

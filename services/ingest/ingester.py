@@ -57,14 +57,14 @@ from ontofabric.contracts.documents import (
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
-from ontofabric.shared.logging import describe, get_logger
-from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, ManifestUnsaved, StoredManifest
+from ontofabric.shared.logging import get_logger
+from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
 from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 
 from .chunking import Chunk, chunk_file, tree_package
-from .client import RETRY_FOR_S, RETRY_WAIT_S, RETRYABLE, DeltaPublisher, envelope
+from .client import DeltaPublisher, envelope
 from .graph import GraphLink, GraphNode, python_calls, python_exports, python_graph
 
 log = get_logger(__name__)
@@ -518,32 +518,16 @@ class Ingester:
     async def _save_manifest(
         self, workspace: str, branch: str, manifest: Manifest, loaded: StoredManifest
     ) -> StoredManifest:
-        """``manifest`` saved over ``loaded`` (merged with what another ingest saved meanwhile); what was saved.
-        While the NATS server is away it is tried again for as long as a publish is (a fault tester's ingest, the
-        server stopped for 20 s, ended in a traceback here: the deltas' publishing retried, this did not)."""
-        raced, wait, give_up_at = 0, RETRY_WAIT_S[0], time.monotonic() + RETRY_FOR_S
-        while True:
+        """``manifest`` saved over ``loaded`` (merged with what another ingest saved meanwhile); what was saved."""
+        for _ in range(SAVE_ATTEMPTS):
             try:
-                if raced:
-                    # Another ingest of this branch published at the same time: their deltas and ours interleaved.
-                    loaded = await self._manifests.load(workspace, branch)
-                    manifest = manifest.merged_with(_manifest_of(loaded))
-                    log.warning("ingest_raced", workspace=workspace, branch=branch, unknown=manifest.unknown)
                 return await self._manifests.save(workspace, branch, manifest.to_json(), loaded)
-            except ManifestChanged as changed:
-                raced += 1
-                if raced == SAVE_ATTEMPTS:
-                    message = f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving"
-                    raise ManifestChanged(message) from changed
-            except RETRYABLE as error:
-                if time.monotonic() + wait > give_up_at:
-                    raise ManifestUnsaved(
-                        f"{workspace}/{branch}: the ingest's manifest could not be saved within {RETRY_FOR_S:.0f} s "
-                        f"({describe(error)}): is the NATS server running? The same ingest again is safe"
-                    ) from error
-                log.warning("manifest_save_retried", workspace=workspace, branch=branch, error=describe(error))
-                await asyncio.sleep(wait)
-                wait = min(RETRY_WAIT_S[1], wait * 2)
+            except ManifestChanged:
+                # Another ingest of this branch published at the same time: their deltas and ours interleaved.
+                loaded = await self._manifests.load(workspace, branch)
+                manifest = manifest.merged_with(_manifest_of(loaded))
+                log.warning("ingest_raced", workspace=workspace, branch=branch, unknown=manifest.unknown)
+        raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
     async def ingest(
         self,

@@ -117,13 +117,35 @@ class ManagedProcess:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             log.warning("embedded_server_kill", server=self.name)
-            # Its whole process group (it leads one: start_new_session), not the server alone: a fault tester's
-            # PostgreSQL, frozen as `up` stopped, left 12 backends that kept its shared memory, and the next `up`
-            # could not start.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+            # With every process it started, not the server alone: a fault tester's PostgreSQL, frozen as `up`
+            # stopped, left 12 backends that kept its shared memory, and the next `up` could not start. Each
+            # backend leads a session of its own (PostgreSQL calls setsid), so they are found by their parent.
+            for pid in [*descendants(self.process.pid), self.process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.process.wait(5)
         log.info("embedded_server_stopped", server=self.name, returncode=self.process.returncode)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs in turn, as /proc shows them now (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces and parentheses
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    pending = list(children.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found.append(child)
+        pending.extend(children.get(child, []))
+    return found
 
 
 def _spawn(

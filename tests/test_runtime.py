@@ -147,11 +147,12 @@ def test_a_port_taken_between_its_pick_and_the_server_s_start_is_picked_again(
 
 def test_a_server_that_does_not_stop_is_killed_with_every_process_it_started(tmp_path: Path) -> None:
     """A fault tester's PostgreSQL, frozen (SIGSTOP) as `up` stopped: the postmaster alone was killed, and its 12
-    backends, frozen, kept its shared memory, so the next `up` could not start PostgreSQL."""
+    backends, frozen, kept its shared memory, so the next `up` could not start PostgreSQL. Each backend leads a
+    session of its own (PostgreSQL calls setsid), as the child here does: killing the server's group missed them."""
     pid_file = tmp_path / "child.pid"
     server = runtime._spawn(
         "frozen",
-        ["sh", "-c", f"trap '' TERM; sleep 300 & echo $! > {pid_file}; wait"],
+        ["sh", "-c", f"trap '' TERM; setsid sleep 300 & echo $! > {pid_file}; wait"],
         tmp_path / "frozen.log",
         signal.SIGTERM,
     )
@@ -162,7 +163,8 @@ def test_a_server_that_does_not_stop_is_killed_with_every_process_it_started(tmp
     child = int(pid_file.read_text())
     # Frozen, the server and what it started: none answers (a server that takes its stop signal, as PostgreSQL
     # does, stays frozen; this one ignores it).
-    os.killpg(server.process.pid, signal.SIGSTOP)
+    for pid in (server.process.pid, child):
+        os.kill(pid, signal.SIGSTOP)
     server.stop(timeout=0.5)
     assert not server.alive()
     for _ in range(100):  # the child is reaped by init once killed

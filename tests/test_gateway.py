@@ -1140,7 +1140,9 @@ def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> No
             "budget": BudgetReport(max_tokens=100, estimated_tokens=99, collapsed_dropped=4),
         }
     )
-    assert "\n5 nested chunks of the same symbols left out" in render(QueryResponse(results=[function], _meta=cut))
+    text = render(QueryResponse(results=[function], _meta=cut))
+    assert "\nleft out, nested in or holding result 1: d2" in text  # its id, for get_document
+    assert "\n4 more chunks nested in or holding these results left out" in text
 
 
 def test_the_text_says_a_name_defines_nothing_and_draws_links_as_they_point() -> None:

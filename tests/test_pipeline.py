@@ -38,7 +38,7 @@ from ontofabric.services.query.fusion import Fused
 from ontofabric.services.query.graph import GraphRows, LinkRow
 from ontofabric.services.query.hints import shape_of
 from ontofabric.services.query.pipeline import QueryPipeline
-from ontofabric.services.query.stages import collapse_nested, holds, nested
+from ontofabric.services.query.stages import code_before_its_docstring, collapse_nested, holds, nested
 from ontofabric.services.query.versions import is_rebuild
 from ontofabric.shared.embedder import Vector
 from ontofabric.shared.lru import LruCache
@@ -556,6 +556,32 @@ def test_a_chunk_nested_in_a_better_ranked_one_of_its_symbol_is_left_out() -> No
     assert left_out == [("method", "doc"), ("class", "doc")]
 
 
+def test_a_docstring_ranked_above_its_own_code_gives_the_code_its_place() -> None:
+    """A tester's agent got NativeTemplate.render's docstring first and the method itself, which holds it, only as
+    an id in _meta. A class's or a module's docstring stays: its code holds every method of it, and may be long."""
+    documents = {
+        d.id: d
+        for d in (
+            _chunk("f doc", "pkg.a.A.f", "doc"),
+            _chunk("other", "pkg.a.B", "type"),
+            _chunk("B doc", "pkg.a.B.g", "doc"),
+            _chunk("f", "pkg.a.A.f", "method"),
+            _chunk("class doc", "pkg.a.A", "doc"),
+            _chunk("class", "pkg.a.A", "type"),
+            _chunk("g", "pkg.a.B.g", "method"),
+        )
+    }
+    order = ["f doc", "other", "B doc", "f", "class doc", "class", "g"]
+    candidates = [Fused(i, 1.0, 1.0 - n / 10) for n, i in enumerate(order)]
+    moved = code_before_its_docstring(candidates, documents)
+    assert [hit.id for hit in moved] == ["f", "f doc", "other", "g", "B doc", "class doc", "class"]
+    assert (moved[0].relevance, moved[3].relevance) == (1.0, 0.8)  # each docstring's place and relevance
+    kept, left_out = collapse_nested(moved, documents)
+    assert [hit.id for hit in kept] == ["f", "other", "class doc"]
+    # B holds g, ranked above it; the class holds f, and its own docstring.
+    assert left_out == [("f doc", "f"), ("g", "other"), ("B doc", "other"), ("class", "f")]
+
+
 def test_a_docstring_or_a_section_holds_nothing() -> None:
     module_doc = _chunk("module doc", "pkg.a", "doc")  # a module's docstring is not its classes
     class_doc = _chunk("class doc", "pkg.a.A", "doc")
@@ -621,13 +647,15 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
         OntologyQuery.model_validate({"semanticQuery": "anything", "options": {"collapseNested": False}}), "w"
     )
     assert sorted(r.id for r in everything.results) == ["x", "y", "z"]
-    first = next(r.id for r in everything.results if r.id in "xy")
-    second = "x" if first == "y" else "y"
+    # The method holds its docstring and keeps the better place of the two, whichever it was.
+    first, second = "x", "y"
     assert sorted(r.id for r in collapsed.results) == sorted([first, "z"])
     assert [(c.id, c.into) for c in collapsed.meta.collapsed] == [(second, first)]
     assert everything.meta.collapsed == []
-    # Only what the answer would have shown is reported: with topK 1, the left-out chunk was never in it.
-    assert (await pipeline.answer(QUERY.model_copy(update={"top_k": 1}), "w")).meta.collapsed == []
+    # Only what the answer would have shown is reported: with topK 1, the docstring when it was first.
+    one = (await pipeline.answer(QUERY.model_copy(update={"top_k": 1}), "w")).meta.collapsed
+    shown_first = everything.results[0].id
+    assert [(c.id, c.into) for c in one] == ([("y", "x")] if shown_first == "y" else [])
     # Nor one that went into a result minRelevance dropped (an agent tester's: `into` named no result).
     held = next(r.score for r in collapsed.results if r.id == first)
     above = await pipeline.answer(QUERY.model_copy(update={"min_relevance": held + 1e-6}), "w")

@@ -416,10 +416,15 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"\nlinked: {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
             + (f" (document {context.representative_document_id})" if context.representative_document_id else "")
         )
-    # With the entries a cut reply had no room for: a tester's answer folded 5 into a module chunk, and said none.
-    collapsed = len(meta.collapsed) + (meta.budget.collapsed_dropped if meta.budget is not None else 0)
-    if collapsed:
-        lines.append(f"\n{_counted(collapsed, 'nested chunk')} of the same symbols left out")
+    # With their ids, for get_document (a tester's agent saw only a count, and a method's docstring stood for its
+    # code), and with the entries a cut reply had no room for (another's answer folded 5 and said none).
+    rank_of = {result.id: result.rank for result in reply.results}
+    for rank in sorted({rank_of[c.into] for c in meta.collapsed if c.into in rank_of}):
+        ids = [c.id for c in meta.collapsed if rank_of.get(c.into) == rank]
+        lines.append(f"\nleft out, nested in or holding result {rank}: {', '.join(ids)}")
+    dropped = meta.budget.collapsed_dropped if meta.budget is not None else 0
+    if dropped:
+        lines.append(f"\n{_counted(dropped, 'more chunk')} nested in or holding these results left out")
     return "\n".join(lines)
 
 

@@ -62,6 +62,7 @@ from .hints import reads_as_relationship_question, shape_of
 from .run import QueryRun, milliseconds_since
 from .stages import (
     Refinements,
+    code_before_its_docstring,
     collapse_nested,
     keyword_signals,
     late_interaction,
@@ -766,7 +767,7 @@ class QueryPipeline:
         each with the one it went into."""
         if run.query.listing or not self._collapses(run.query):  # a listing's order says nothing of rank
             return candidates, []
-        kept, left_out = collapse_nested(candidates, documents)
+        kept, left_out = collapse_nested(code_before_its_docstring(candidates, documents), documents)
         answer = {hit.id for hit in candidates[: run.query.top_k]}
         return kept, [(left, holder) for left, holder in left_out if left in answer]
 

@@ -277,6 +277,32 @@ def _dot_prefixes(name: str) -> list[str]:
     return [name[:i] for i, char in enumerate(name) if char == "."]
 
 
+def code_before_its_docstring(candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]) -> list[Fused]:
+    """The candidates in their order, but a function's or method's code ranked below its own docstring moved up to
+    just before it, with the docstring's relevance when that is higher: collapsing then keeps the code, whose text
+    holds the docstring, where it kept the docstring and left the code out (a tester's agent got a method's
+    docstring, and the method itself only as an id in ``_meta``). A class's or a module's docstring stays before
+    its code: that holds every method of it, would fold those ranked below into itself, and may be long enough
+    for the answer's budget to cut the one asked about."""
+    code_at: dict[tuple[str, str], int] = {}
+    for position, hit in enumerate(candidates):
+        symbol = _symbol_of(documents[hit.id])
+        if symbol is not None and symbol[2] == "method":
+            code_at.setdefault((symbol[0], symbol[1]), position)
+    moved: set[int] = set()
+    order: list[Fused] = []
+    for position, hit in enumerate(candidates):
+        if position in moved:
+            continue
+        symbol = _symbol_of(documents[hit.id])
+        code = code_at.get((symbol[0], symbol[1])) if symbol is not None and symbol[2] == "doc" else None
+        if code is not None and code > position and code not in moved:
+            moved.add(code)
+            order.append(replace(candidates[code], relevance=max(candidates[code].relevance, hit.relevance)))
+        order.append(hit)
+    return order
+
+
 def collapse_nested(
     candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
 ) -> tuple[list[Fused], list[tuple[str, str]]]:

@@ -426,6 +426,39 @@ async def test_a_redrive_judges_later_states_by_the_index_before_it_not_by_its_o
     assert content == "R2 newer change"
 
 
+async def test_a_redrive_of_an_older_change_is_no_later_state_for_a_newer_ones_letter(deployment: Deployment) -> None:
+    """A verifier re-drove an older change's letter alone, then the newer change's: the index held the document at
+    the first re-drive's sequence, later than the newer change's own, and its letter was left for it. A re-drive
+    carries the sequence its change was first published at, and is judged by that."""
+    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        acks = await deployment.publisher.publish_many(
+            [upsert("acme", document("x", "v1"), event_id="e1"), upsert("acme", document("x", "v2"), event_id="e2")]
+        )
+        for event_id, text in (("e1", "R1 older change"), ("e2", "R2 newer change")):
+            again = DeltaPublisher(deployment.js, deployment.names)  # another session: no JetStream repeat
+            acks += await again.publish_many([upsert("acme", document("x", text), event_id=event_id)])
+        await deployment.wait_projected(acks[-1].seq)
+        older, newer = await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme"))
+        placement = Placement.of(deployment.settings, deployment.database_url)
+        runs = []
+        for letter in (older, newer):
+            floors = await applied_through(deployment.js, deployment.names, deployment.settings, placement, {"acme"})
+            runs.append(await redrive(deployment.nc, deployment.names, [letter], placement.database_url_of, floors))
+            await deployment.wait_projected(runs[-1].sent[0][1])
+        assert [(len(run.sent), run.superseded) for run in runs] == [(1, []), (1, [])]
+    finally:
+        await projector.stop()
+    conn = await asyncpg.connect(deployment.database_url)
+    try:
+        content = await conn.fetchval("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'x'")
+    finally:
+        await conn.close()
+    assert content == "R2 newer change"
+
+
 async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_unknown(deployment: Deployment) -> None:
     """A consistency tester's: a delta on "acm_65" (no name's canonical token; "acme" is) was dead-lettered under
     that token, which `dlq list --workspace` cannot select; the contract's "_unknown" is for such a subject."""

@@ -238,11 +238,10 @@ def row_of(letter: DeadLetter) -> tuple[str, str, str, str] | None:
     return delta.workspace, delta.branch, delta.payload.entity, delta.payload.entity_key
 
 
-async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
+async def held_sequence(database_url: str, letter: DeadLetter) -> int | None:
     """The stream sequence at which the index holds the dead letter's row (a document, a graph node or link, on
-    the letter's branch), when later than the dead letter's own; None when it does not. Documents alone were
-    checked, and a fault tester's redrive brought back a removed node and link, and a revert over a later branch
-    edit."""
+    the letter's branch); None when it holds none. Documents alone were checked, and a fault tester's redrive
+    brought back a removed node and link, and a revert over a later branch edit."""
     row = row_of(letter)
     if row is None:
         return None
@@ -253,7 +252,23 @@ async def later_sequence(database_url: str, letter: DeadLetter) -> int | None:
         held = await conn.fetchval(_HELD_AT[entity], workspace, branch, *columns)
     finally:
         await conn.close()
-    return int(held) if held is not None and held > (letter.original_seq or 0) else None
+    return None if held is None else int(held)
+
+
+REDRIVEN_ORIGIN_HEADER = "Ontofabric-Redriven-Origin"
+"""On a re-driven delta: the stream sequence its change was first published at, kept through re-drives of
+re-drives. A re-drive is a later message, not a later state: a verifier re-drove an older change's letter alone,
+and the newer change's letter was then left for it."""
+
+
+async def _origin(js: JetStreamContext, names: Names, seq: int) -> int:
+    """The stream sequence the change stored at ``seq`` was first published at: ``seq``, or a re-drive's origin."""
+    try:
+        stored = await js.get_msg(names.delta_stream, seq)
+    except NotFoundError:  # compacted away: a change of its own, as far as can be told
+        return seq
+    said = (stored.headers or {}).get(REDRIVEN_ORIGIN_HEADER, "")
+    return int(said) if said.isdigit() else seq
 
 
 MAX_EVENT_ID_HEAD = 96
@@ -290,11 +305,12 @@ async def redrive(
     floors: Mapping[str, int] | None = None,
 ) -> Redrive:
     """Publish each dead letter's delta again on its own subject (:func:`redriven`), then delete the dead letter. With
-    ``database_url_of`` (workspace -> its database), a delta whose document the index held at a later sequence
-    when the run began is left where it is; with ``floors`` too (workspace -> :func:`applied_through`), so is one
-    whose branch has deltas after it that the index has not applied yet (one may be a later state of its document,
-    which the index check cannot see yet). Re-driving the same dead letter twice within the stream's duplicate
-    window stores it once (its message id is the dead letter's)."""
+    ``database_url_of`` (workspace -> its database), a delta whose document the index held at a later state when
+    the run began (a change first published later; a re-drive is of its change's time) is left where it is, and
+    so is each of the run's letters of one row but the latest; with ``floors`` too (workspace ->
+    :func:`applied_through`), so is one whose branch has deltas after it that the index has not applied yet (one
+    may be a later state of its document, which the index check cannot see yet). Re-driving the same dead letter
+    twice within the stream's duplicate window stores it once (its message id is the dead letter's)."""
     js = nc.jetstream()
     outcome = Redrive()
     last_on: dict[str, int] = {}
@@ -303,14 +319,21 @@ async def redrive(
     # this run's own re-drive of an older change, and the newer change's letter was left for it (a consistency
     # tester's; the older change won).
     latest: dict[tuple[str, str, str, str], DeadLetter] = {}
+    origins = {
+        letter.seq: await _origin(js, names, letter.original_seq) if letter.original_seq else 0
+        for letter in letters
+        if not letter.body_omitted
+    }
     if database_url_of is not None:
         for letter in letters:
             if not letter.body_omitted and letter.workspace is not None:
-                held_later[letter.seq] = await later_sequence(database_url_of(letter.workspace), letter)
+                held = await held_sequence(database_url_of(letter.workspace), letter)
+                newer = held is not None and await _origin(js, names, held) > origins[letter.seq]
+                held_later[letter.seq] = held if newer else None
                 # Of the run's letters of one row, the latest state alone goes: sent in the order of the dead
                 # letters, one set aside again after a first re-drive came after the newer (a review's).
                 row = row_of(letter)
-                if row is not None and (row not in latest or _later(letter, latest[row])):
+                if row is not None and (row not in latest or _later(letter, latest[row], origins)):
                     latest[row] = letter
     if database_url_of is not None and floors is not None:
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
@@ -335,12 +358,14 @@ async def redrive(
         body = redriven(letter.data, letter.seq)
         message_id = f"redrive:{names.dlq_stream}:{letter.seq}"
         try:
-            ack = await _publish_again(js, names, letter, body, message_id)
+            origin = origins[letter.seq]
+            ack = await _publish_again(js, names, letter, body, message_id, origin)
             if ack.duplicate and not await _stored_as(js, names, ack.seq, letter.original_subject, body):
                 # Another message holds this id (a tenant can publish under any id on its own subjects): taken
                 # for a repeat, the delta was not stored, and its dead letter would have gone with it.
                 log.warning("redrive_message_id_taken", dlq_seq=letter.seq, message_id=message_id, holder=ack.seq)
-                ack = await _publish_again(js, names, letter, body, f"{message_id}:{secrets.token_hex(8)}")
+                retried_id = f"{message_id}:{secrets.token_hex(8)}"
+                ack = await _publish_again(js, names, letter, body, retried_id, origin)
         except (MaxPayloadError, APIError) as error:  # this one cannot go; the rest still may
             outcome.refused.append((letter, describe(error)))
             continue
@@ -350,15 +375,17 @@ async def redrive(
     return outcome
 
 
-def _later(letter: DeadLetter, than: DeadLetter) -> bool:
-    """Whether ``letter``'s delta came after ``than``'s on the delta stream."""
-    return (letter.original_seq or 0, letter.seq) > (than.original_seq or 0, than.seq)
+def _later(letter: DeadLetter, than: DeadLetter, origins: Mapping[int, int]) -> bool:
+    """Whether ``letter``'s change came after ``than``'s (by when each was first published)."""
+    return (origins[letter.seq], letter.seq) > (origins[than.seq], than.seq)
 
 
 async def _publish_again(
-    js: JetStreamContext, names: Names, letter: DeadLetter, body: bytes, message_id: str
+    js: JetStreamContext, names: Names, letter: DeadLetter, body: bytes, message_id: str, origin: int
 ) -> PubAck:
     headers = {"Nats-Msg-Id": message_id, "Ontofabric-Redriven-From": str(letter.seq)}
+    if origin:
+        headers[REDRIVEN_ORIGIN_HEADER] = str(origin)
     return await js.publish(letter.original_subject, body, stream=names.delta_stream, headers=headers)
 
 

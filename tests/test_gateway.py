@@ -370,6 +370,9 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
                 assert refused.headers["www-authenticate"].startswith("Bearer ")
                 # RFC 6750, 3.1: no error code for a request that sent no credentials.
                 assert ("error=" in refused.headers["www-authenticate"]) is bool(headers)
+                # A bearer token not on record is told so, not told to send one (a verifier's).
+                mistyped = headers.get("Authorization", "").startswith("Bearer ")
+                assert ("the token sent is not on record" in refused.json()["error"]["message"]) is mistyped
             # Two credentials in one request (a tester's: the last one won): refused, not guessed between.
             twice = await http.post(
                 url,

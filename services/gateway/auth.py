@@ -172,7 +172,11 @@ class RequireBearer:
             # RFC 6750, 3.1: a request without credentials gets the challenge without an error code.
             error = ', error="invalid_token"' if header else ""
             challenge = (b"www-authenticate", f'Bearer realm="ontofabric"{error}'.encode())
-            await _answer(send, 401, -32001, "unauthorized: send Authorization: Bearer <token>", [challenge])
+            # Which of the two it is, said: a verifier's wrong token was told to send one.
+            sent = scheme.lower() == "bearer" and token.strip()
+            said = "the token sent is not on record (mistyped, revoked, or another gateway's)" if sent else ""
+            message = f"unauthorized: {said or 'send Authorization: Bearer <token>'}"
+            await _answer(send, 401, -32001, message, [challenge])
             return
         token_of_request = CALLER.set(grant)
         try:

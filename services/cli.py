@@ -859,7 +859,8 @@ LETTERS_LISTED = 50
 
 def _list_letters(letters: Sequence[DeadLetter]) -> None:
     for letter in letters[:LETTERS_LISTED]:
-        print(f"{letter.seq}\t{letter.workspace}\t{letter.reason}\t{letter.detail[:120]}")
+        # A subject that names no workspace is the contract's _unknown, not Python's None (a verifier's).
+        print(f"{letter.seq}\t{letter.workspace or '_unknown'}\t{letter.reason}\t{letter.detail[:120]}")
     if len(letters) > LETTERS_LISTED:
         print(f"... and {len(letters) - LETTERS_LISTED} more (ontofabric dlq list)")
     if not letters:

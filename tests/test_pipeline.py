@@ -573,8 +573,9 @@ def test_a_docstring_ranked_above_its_own_code_gives_the_code_its_place() -> Non
     }
     order = ["f doc", "other", "B doc", "f", "class doc", "class", "g"]
     candidates = [Fused(i, 1.0, 1.0 - n / 10) for n, i in enumerate(order)]
-    moved = code_before_its_docstring(candidates, documents)
+    moved, stands_for = code_before_its_docstring(candidates, documents)
     assert [hit.id for hit in moved] == ["f", "f doc", "other", "g", "B doc", "class doc", "class"]
+    assert stands_for == {"f": "f doc", "g": "B doc"}
     assert (moved[0].relevance, moved[3].relevance) == (1.0, 0.8)  # each docstring's place and relevance
     kept, left_out = collapse_nested(moved, documents)
     assert [hit.id for hit in kept] == ["f", "other", "class doc"]
@@ -647,10 +648,14 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
         OntologyQuery.model_validate({"semanticQuery": "anything", "options": {"collapseNested": False}}), "w"
     )
     assert sorted(r.id for r in everything.results) == ["x", "y", "z"]
-    # The method holds its docstring and keeps the better place of the two, whichever it was.
+    # The method holds its docstring and keeps the better place of the two, whichever it was, and the better score
+    # (a review's: with its own lower one, minRelevance could drop the symbol whose docstring it stood for).
     first, second = "x", "y"
     assert sorted(r.id for r in collapsed.results) == sorted([first, "z"])
     assert [(c.id, c.into) for c in collapsed.meta.collapsed] == [(second, first)]
+    alone = {r.id: r.score for r in everything.results}
+    assert next(r.score for r in collapsed.results if r.id == "x") == max(alone["x"], alone["y"]), alone
+    assert collapsed.meta.calibrated
     assert everything.meta.collapsed == []
     # Only what the answer would have shown is reported: with topK 1, the docstring when it was first.
     one = (await pipeline.answer(QUERY.model_copy(update={"top_k": 1}), "w")).meta.collapsed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 
 import numpy as np
@@ -282,8 +282,8 @@ class QueryPipeline:
         candidates = await self._second_opinion(run, refinements, candidates, documents, second_vector)
         candidates = await self._rerank(run, refinements, candidates, documents)
         candidates = self._definitions_first(run, definitions, candidates, documents)
-        candidates, collapsed = self._collapse(run, candidates, documents)
-        scores = self._calibrated_scores(run, measured, candidates, fetched.model)
+        candidates, collapsed, stands_for = self._collapse(run, candidates, documents)
+        scores = self._calibrated_scores(run, measured, candidates, fetched.model, stands_for)
         results = to_results(run.query, candidates, documents, scores, measured.signals)
         if run.query.min_relevance is not None:  # a tester's agent read "0 results" as nothing there
             scored = len(candidates) if scores is None else sum(hit.id in scores for hit in candidates)
@@ -730,7 +730,12 @@ class QueryPipeline:
         return definitions_first(name, found, candidates, run.query.top_k, definitions.modules)
 
     def _calibrated_scores(
-        self, run: QueryRun, measured: Measured, candidates: list[Fused], index_model: str | None
+        self,
+        run: QueryRun,
+        measured: Measured,
+        candidates: list[Fused],
+        index_model: str | None,
+        stands_for: Mapping[str, str] | None = None,
     ) -> dict[str, float] | None:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
         signals (1 for a definition of the symbol the query names, or a chunk in the relation to it the query
@@ -739,7 +744,8 @@ class QueryPipeline:
         other: an independent tester's finding). None, and the pipeline's relative relevance
         kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
         model is not the one the cosine weights were fitted for, or when some result has no signal a model could
-        judge (a listing; a keyword backend without a ceiling, alone)."""
+        judge (a listing; a keyword backend without a ceiling, alone). ``stands_for``: a function's code in its
+        docstring's place (``code_before_its_docstring``) scores the better of the two, as one symbol."""
         answer = candidates[: run.query.top_k]
         fitted_for = self._config.calibration_embedding_model
         other_model = measured.model in ("dense", "hybrid") and index_model not in (None, fitted_for)
@@ -750,8 +756,10 @@ class QueryPipeline:
         for hit in answer:
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if not PLACED_FIRST & hit.found_by.keys():
-                signals = measured.signals.get(hit.id, {})
-                estimate = None if measured.model is None else self._calibration.probability(measured.model, signals)
+                estimate = self._probability(measured, hit.id)
+                docstring = (stands_for or {}).get(hit.id)
+                if estimate is not None and docstring is not None:
+                    estimate = max(estimate, self._probability(measured, docstring) or 0.0)
             if estimate is None:
                 run.report(calibrated=False)
                 return None
@@ -759,17 +767,23 @@ class QueryPipeline:
         run.report(calibrated=True)
         return dict(zip((hit.id for hit in answer), estimates, strict=True))
 
+    def _probability(self, measured: Measured, doc_id: str) -> float | None:
+        """The calibrated probability that the candidate is relevant, from its signals; None when none applies."""
+        signals = measured.signals.get(doc_id, {})
+        return None if measured.model is None else self._calibration.probability(measured.model, signals)
+
     def _collapse(
         self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]
-    ) -> tuple[list[Fused], list[tuple[str, str]]]:
+    ) -> tuple[list[Fused], list[tuple[str, str]], dict[str, str]]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes.
         Also the chunks left out that would have been in the answer (within its first topK without collapsing),
-        each with the one it went into."""
+        each with the one it went into; and each function's code moved to its docstring's place, with it."""
         if run.query.listing or not self._collapses(run.query):  # a listing's order says nothing of rank
-            return candidates, []
-        kept, left_out = collapse_nested(code_before_its_docstring(candidates, documents), documents)
+            return candidates, [], {}
+        moved, stands_for = code_before_its_docstring(candidates, documents)
+        kept, left_out = collapse_nested(moved, documents)
         answer = {hit.id for hit in candidates[: run.query.top_k]}
-        return kept, [(left, holder) for left, holder in left_out if left in answer]
+        return kept, [(left, holder) for left, holder in left_out if left in answer], stands_for
 
     def _collapses(self, query: OntologyQuery) -> bool:
         asked = options_of(query).collapse_nested

@@ -277,11 +277,14 @@ def _dot_prefixes(name: str) -> list[str]:
     return [name[:i] for i, char in enumerate(name) if char == "."]
 
 
-def code_before_its_docstring(candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]) -> list[Fused]:
+def code_before_its_docstring(
+    candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
+) -> tuple[list[Fused], dict[str, str]]:
     """The candidates in their order, but a function's or method's code ranked below its own docstring moved up to
     just before it, with the docstring's relevance when that is higher: collapsing then keeps the code, whose text
     holds the docstring, where it kept the docstring and left the code out (a tester's agent got a method's
-    docstring, and the method itself only as an id in ``_meta``). A class's or a module's docstring stays before
+    docstring, and the method itself only as an id in ``_meta``); and, for each code moved, the docstring it
+    stands for (its score is the better of the two: one symbol). A class's or a module's docstring stays before
     its code: that holds every method of it, would fold those ranked below into itself, and may be long enough
     for the answer's budget to cut the one asked about."""
     code_at: dict[tuple[str, str], int] = {}
@@ -291,6 +294,7 @@ def code_before_its_docstring(candidates: Sequence[Fused], documents: Mapping[st
             code_at.setdefault((symbol[0], symbol[1]), position)
     moved: set[int] = set()
     order: list[Fused] = []
+    stands_for: dict[str, str] = {}
     for position, hit in enumerate(candidates):
         if position in moved:
             continue
@@ -299,8 +303,9 @@ def code_before_its_docstring(candidates: Sequence[Fused], documents: Mapping[st
         if code is not None and code > position and code not in moved:
             moved.add(code)
             order.append(replace(candidates[code], relevance=max(candidates[code].relevance, hit.relevance)))
+            stands_for[candidates[code].id] = hit.id
         order.append(hit)
-    return order
+    return order, stands_for
 
 
 def collapse_nested(

@@ -459,6 +459,35 @@ async def test_a_redrive_of_an_older_change_is_no_later_state_for_a_newer_ones_l
     assert content == "R2 newer change"
 
 
+async def test_what_a_tenant_puts_in_its_own_deltas_does_not_steer_a_redrive(deployment: Deployment) -> None:
+    """A review's: a letter was keyed by the workspace its body claims, so another tenant's delta naming acme's row
+    left acme's own letter unsent; and a forged Ontofabric-Redriven-Origin of "²" failed the whole redrive."""
+    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        own = await deployment.publisher.publish_many([upsert("acme", document("x", "z" * (2 * LIMIT)))])
+        claimed = upsert("acme", document("x", "from globex"))
+        forged = {"Nats-Msg-Id": "forged", "Ontofabric-Redriven-Origin": "²"}
+        subject = deployment.names.delta_subject("globex", "main")
+        ack = await deployment.js.publish(subject, claimed.model_dump_json().encode(), headers=forged)
+        await deployment.wait_projected(ack.seq)
+        letters = await dead_letters(deployment.nc, deployment.names, Selection())
+        assert [(letter.workspace, letter.reason) for letter in letters] == [
+            ("acme", "content_too_large"), ("globex", "subject_mismatch")
+        ]  # fmt: skip
+        assert letters[0].original_seq == own[0].seq
+        placement = Placement.of(deployment.settings, deployment.database_url)
+        floors = await applied_through(
+            deployment.js, deployment.names, deployment.settings, placement, {"acme", "globex"}
+        )
+        outcome = await redrive(deployment.nc, deployment.names, letters, placement.database_url_of, floors)
+    finally:
+        await projector.stop()
+    assert outcome.outdone == []
+    assert [letter.seq for letter, _ in outcome.sent] == [letter.seq for letter in letters]
+
+
 async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_unknown(deployment: Deployment) -> None:
     """A consistency tester's: a delta on "acm_65" (no name's canonical token; "acme" is) was dead-lettered under
     that token, which `dlq list --workspace` cannot select; the contract's "_unknown" is for such a subject."""

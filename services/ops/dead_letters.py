@@ -230,10 +230,13 @@ _HELD_AT = {
 
 def row_of(letter: DeadLetter) -> tuple[str, str, str, str] | None:
     """The index row a dead letter's delta writes: (workspace, branch, kind, key); None for a body that is no
-    delta."""
+    delta, or names another workspace than the subject it came on (a review's: another tenant's letter, keyed by
+    what its body claims, left the named tenant's own letter unsent)."""
     try:
         delta = DeltaEnvelope.model_validate_json(letter.data)
     except ValidationError:
+        return None
+    if letter.workspace is None or delta.workspace != letter.workspace:
         return None
     return delta.workspace, delta.branch, delta.payload.entity, delta.payload.entity_key
 
@@ -262,13 +265,15 @@ and the newer change's letter was then left for it."""
 
 
 async def _origin(js: JetStreamContext, names: Names, seq: int) -> int:
-    """The stream sequence the change stored at ``seq`` was first published at: ``seq``, or a re-drive's origin."""
+    """The stream sequence the change stored at ``seq`` was first published at: ``seq``, or a re-drive's origin,
+    never after ``seq`` (a tenant may put any header on its own deltas: one is read as a count of up to 19 ASCII
+    digits, or not at all; a review's "²" made int() fail the whole redrive)."""
     try:
         stored = await js.get_msg(names.delta_stream, seq)
     except NotFoundError:  # compacted away: a change of its own, as far as can be told
         return seq
-    said = (stored.headers or {}).get(REDRIVEN_ORIGIN_HEADER, "")
-    return int(said) if said.isdigit() else seq
+    said = str((stored.headers or {}).get(REDRIVEN_ORIGIN_HEADER, ""))  # text other than ASCII comes as a Header
+    return min(int(said), seq) if said.isascii() and said.isdigit() and len(said) <= 19 else seq
 
 
 MAX_EVENT_ID_HEAD = 96

@@ -12,6 +12,7 @@ markers that expire (per-message TTL), so the bucket does not grow with every sa
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -182,7 +183,11 @@ class ManifestStore:
                 raise ManifestChanged(f"another ingest of {workspace}/{branch} saved its manifest first") from error
 
         revision = await self._retried(attempt, "saved", workspace, branch)
-        await self._purge(prefix, loaded.generation, loaded.parts)
+        try:  # saved: the previous generation's parts are only left behind if this cannot be done
+            purge = functools.partial(self._purge, prefix, loaded.generation, loaded.parts)
+            await self._retried(purge, "cleaned up", workspace, branch)
+        except ManifestUnavailable as unavailable:
+            log.warning("manifest_parts_left", workspace=workspace, branch=branch, error=str(unavailable))
         return StoredManifest(data, revision, generation, len(chunks))
 
     async def _write(self, prefix: str, keys: list[str], chunks: list[bytes], head: bytes, last: int) -> int:

@@ -118,10 +118,14 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             log.warning("embedded_server_kill", server=self.name)
             # With every process it started, not the server alone: a fault tester's PostgreSQL, frozen as `up`
-            # stopped, left 12 backends that kept its shared memory, and the next `up` could not start. Each
-            # backend leads a session of its own (PostgreSQL calls setsid), so they are found by their parent.
-            for pid in [*descendants(self.process.pid), self.process.pid]:
-                with contextlib.suppress(ProcessLookupError):
+            # stopped, left 12 backends that kept its shared memory, and the next `up` could not start. Its
+            # process group (it leads one), and its descendants by parent: each PostgreSQL backend leads a session
+            # of its own (setsid). One that is gone, or not ours to signal, is passed over.
+            started = descendants(self.process.pid)  # first: once the server dies they are init's children
+            with contextlib.suppress(OSError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            for pid in [*started, self.process.pid]:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             self.process.wait(5)
         log.info("embedded_server_stopped", server=self.name, returncode=self.process.returncode)
@@ -139,13 +143,15 @@ def descendants(pid: int) -> list[int]:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces and parentheses
         children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
+    found: dict[int, None] = {}
     pending = list(children.get(pid, []))
     while pending:
         child = pending.pop()
-        found.append(child)
+        if child in found or child == pid:  # a parent read as another's child as ids were reused mid-scan
+            continue
+        found[child] = None
         pending.extend(children.get(child, []))
-    return found
+    return list(found)
 
 
 def _spawn(

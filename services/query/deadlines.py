@@ -119,9 +119,9 @@ def _moved(average: float, took_s: float) -> float:
 @dataclass
 class ServiceTime:
     """Moving averages of how long a worker takes per request: over every request (how fast its runners come free)
-    and per workspace (how long a newcomer's own work takes). A red team's finding: judged by the average over
-    every request, one tenant's costly requests had another's cheap ones refused (45 of 47, each expected to take
-    the 4 s the costly ones took)."""
+    and per workspace, each operation apart (how long a newcomer's own work takes). A red team's finding: judged
+    by the average over every request, one tenant's costly requests had another's cheap ones refused (45 of 47,
+    each expected to take the 4 s the costly ones took)."""
 
     seconds: float = 0.0
     _own: LruCache[str, float] = field(default_factory=lambda: LruCache(WORKSPACES_TIMED))

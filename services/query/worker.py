@@ -417,7 +417,8 @@ class QueryService:
         workspace = workspace_token_of(msg.subject) or ""
         own = self._held_by[workspace]
         ahead, runners = self._turn_of(workspace)
-        expected = self._service_time.expected_finish(ahead, runners, workspace)
+        timed_as = self._timed_as(msg, workspace)
+        expected = self._service_time.expected_finish(ahead, runners, timed_as)
         wait = self._service_time.expected_wait(ahead, runners)
         # Refused now, not when the caller has given up. Never by an idle worker, nor when the workspace holds
         # nothing: its average may be of a slow spell that is over (a database frozen for seconds), and only its
@@ -427,7 +428,7 @@ class QueryService:
             # 200 ms request as a contradiction).
             busy = (
                 f"this worker would answer in about {expected * 1000:.0f} ms ({wait * 1000:.0f} ms waiting for a "
-                f"runner, then about {self._service_time.own(workspace) * 1000:.0f} ms of this workspace's work), "
+                f"runner, then about {self._service_time.own(timed_as) * 1000:.0f} ms of this workspace's work), "
                 f"more than {ADMISSION_SHARE:.0%} of the {deadline.left(received) * 1000:.0f} ms the request has left; "
                 + ("retry" if wait > 0 else "retry with a longer timeout")
             )
@@ -464,6 +465,11 @@ class QueryService:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
             refusal = error_reply("overloaded", busy, retryable=True, retry_after_s=self._wait_of(displaced.workspace))
             await self._reply_once(displaced, refusal)
+
+    def _timed_as(self, msg: Msg, workspace: str) -> str:
+        """Whose average work a request is judged by and counts in: its workspace's, per operation (a review's: a
+        document read of a few ms was refused by its workspace's queries' average of seconds)."""
+        return f"{workspace} {self.names.operation_of(msg.subject) or ''}"
 
     def _turn_of(self, workspace: str) -> tuple[int, int]:
         """For a request of ``workspace`` arriving now: how many of those held go before it, and through how many
@@ -571,7 +577,7 @@ class QueryService:
                 finished = await self._serve(admitted)
                 if finished is not None:
                     took = asyncio.get_running_loop().time() - started
-                    self._service_time.record(took, admitted.workspace, cut=not finished)
+                    self._service_time.record(took, self._timed_as(admitted.msg, admitted.workspace), cut=not finished)
             except asyncio.CancelledError:
                 raise
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)
@@ -596,9 +602,8 @@ class QueryService:
         if admitted.waits_until is not None and loop.time() > admitted.waits_until:  # its timer is yet to run
             await self._refuse_waited(admitted, runner_free=True)
             return None
-        left, own = deadline.left(loop.time()), self._service_time.own(admitted.workspace)
-        querying = self.names.operation_of(msg.subject) == "query"  # a document or status read is quick whatever
-        if querying and self._held_by[admitted.workspace] > 1 and own > left:
+        left, own = deadline.left(loop.time()), self._service_time.own(self._timed_as(msg, admitted.workspace))
+        if self._held_by[admitted.workspace] > 1 and own > left:
             # Taken up with less time left than its workspace's work takes: refused now rather than worked on
             # until its deadline cuts it (a load tester's: taken up with 170 ms of 2 s left, for work of 1 s),
             # while others wait for the runner. Only while its workspace holds more (as on arrival): one holding

@@ -1145,7 +1145,7 @@ def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> No
     )
     text = render(QueryResponse(results=[function], _meta=cut))
     assert "\nleft out, nested in or holding result 1: d2" in text  # its id, for get_document
-    assert "\n4 more chunks nested in or holding these results left out" in text
+    assert "\n4 more chunks left out as nested in or holding a result, not named for room" in text
 
 
 def test_the_text_says_a_name_defines_nothing_and_draws_links_as_they_point() -> None:

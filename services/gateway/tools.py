@@ -424,7 +424,9 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         lines.append(f"\nleft out, nested in or holding result {rank}: {', '.join(ids)}")
     dropped = meta.budget.collapsed_dropped if meta.budget is not None else 0
     if dropped:
-        lines.append(f"\n{_counted(dropped, 'more chunk')} nested in or holding these results left out")
+        lines.append(
+            f"\n{_counted(dropped, 'more chunk')} left out as nested in or holding a result, not named for room"
+        )
     return "\n".join(lines)
 
 

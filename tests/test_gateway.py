@@ -1300,6 +1300,21 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     none = render(QueryResponse(results=[], _meta=meta), asked)
     assert none.endswith("does not see a call through a variable or an attribute")
     assert said in none
+    # Importers of a function: imports are read between modules, said (an agent tester's "where is X imported").
+    importers = meta.model_copy(
+        update={"relation": RelationAsked(relation="importers", symbol="get_coro_name", symbol_indexed=True)}
+    )
+    assert "(imports are read between modules: for a class or function, ask what calls it)" in render(
+        QueryResponse(results=[hit], _meta=importers), asked
+    )
+    # Some shown, the rest cut: by the budget (ask a larger maxTokens) or by topK (an agent tester's, told "topK").
+    found_some = meta.model_copy(update={"relation_matches": 1, "relation_found": 8})
+    by_top_k = render(QueryResponse(results=[caller], _meta=found_some), asked)
+    assert "1 of the 8 chunks standing in relation 'callers'" in by_top_k
+    assert "ask with a larger topK for the rest" in by_top_k
+    budget = BudgetReport(max_tokens=2000, estimated_tokens=1990, results_dropped=7)
+    by_budget = render(QueryResponse(results=[caller], _meta=found_some.model_copy(update={"budget": budget})), asked)
+    assert "ask with a larger maxTokens for the rest" in by_budget
     # A name nothing defines: a misspelling to check, not a symbol nobody calls.
     unknown = RelationAsked(relation="callers", symbol="retry_if_exceptoin", symbol_indexed=False)
     misspelt = render(QueryResponse(results=[hit], _meta=meta.model_copy(update={"relation": unknown})), asked)

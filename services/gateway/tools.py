@@ -359,9 +359,11 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         )
     elif asked is not None and meta.relation_found > meta.relation_matches > 0:  # an agent tester's: 3 of 13
         more = f"{meta.relation_found} or more" if meta.relation_found >= RELATIONS_READ else str(meta.relation_found)
+        # Which limit cut them: a tester's answer said "larger topK" with topK 30 and 28 results cut for size.
+        budget_cut = meta.budget is not None and meta.budget.results_dropped > 0
         head.append(
             f"{meta.relation_matches} of the {more} chunks standing in relation {asked.relation!r} to "
-            f"{asked.symbol!r} shown: ask with a larger topK for the rest"
+            f"{asked.symbol!r} shown: ask with a larger {'maxTokens' if budget_cut else 'topK'} for the rest"
         )
     elif asked is not None and not meta.relation_matches:
         # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so
@@ -369,6 +371,8 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         relation = f"no result here was found standing in relation {asked.relation!r} to {asked.symbol!r}"
         if asked.relation in ("callers", "callees"):  # a tester read "nothing calls it" above a result calling it
             relation += " by reading the code's syntax, which does not see a call through a variable or an attribute"
+        elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
+            relation += " (imports are read between modules: for a class or function, ask what calls it)"
         head.append(relation + (": these are search results" if reply.results else ""))
     if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.

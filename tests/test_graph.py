@@ -206,6 +206,29 @@ async def test_graph_cache_loads_once_per_version() -> None:
     assert len(loads) == 5
 
 
+def test_a_base_written_through_a_package_that_re_exports_it_is_the_trees_class() -> None:
+    """An agent tester's anyio: `class TaskGroup(abc.TaskGroup)` after `from .. import abc`, whose __init__
+    re-exports the class from `abc._tasks`, was taken for an outside base named `abc.TaskGroup`, so "what
+    subclasses TaskGroup" found none of the 24 backend classes written so."""
+    nodes, links = python_graph(
+        {
+            "lib/__init__.py": "",
+            "lib/abc/__init__.py": "from ._tasks import TaskGroup as TaskGroup\nfrom ._more import *\n",
+            "lib/abc/_tasks.py": "class TaskGroup:\n    pass\n",
+            "lib/api.py": "from .abc import TaskGroup\n",  # re-exported twice over
+            "lib/_backends/__init__.py": "",
+            "lib/_backends/_asyncio.py": (
+                "from .. import abc\nfrom ..api import TaskGroup as Base\n\n"
+                "class TaskGroup(abc.TaskGroup):\n    pass\n\nclass Other(Base):\n    pass\n"
+            ),
+        }
+    )
+    by_type = {n.object_type: n for n in nodes}
+    assert by_type["lib._backends._asyncio.TaskGroup"].interfaces == ("lib.abc._tasks.TaskGroup",)
+    assert by_type["lib._backends._asyncio.Other"].interfaces == ("lib.abc._tasks.TaskGroup",)
+    assert GraphLink("lib._backends._asyncio.TaskGroup", "inherits", "lib.abc._tasks.TaskGroup") in links
+
+
 def test_bases_without_a_name_are_no_interfaces_and_every_name_is_a_valid_object_type() -> None:
     from ontofabric.contracts import NodeUpserted, OntologyNode
 

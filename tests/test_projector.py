@@ -76,6 +76,25 @@ async def test_deltas_are_projected_and_version_is_announced(
     assert len(partitions) == 1
 
 
+async def test_a_consumer_deleted_behind_the_projectors_back_is_made_again_from_the_index(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A fault tester deleted the projector's durable consumer while `up` ran: projection stopped for every
+    workspace, the fetches failing without naming why, and the index's position read as 0, until a restart."""
+    first = await deployment.publisher.publish_many([upsert("acme", document(f"d{i}", f"one {i}")) for i in range(3)])
+    await deployment.wait_projected(first[-1].seq)
+    (durable,) = deployment.names.postgres_projector_durables(1)
+    await deployment.js.delete_consumer(deployment.names.delta_stream, durable)
+    second = await deployment.publisher.publish_many([upsert("acme", document("d9", "after the deletion"))])
+    await deployment.wait_projected(second[-1].seq, timeout_s=30)
+    assert await _live_rows(deployment, "acme") == {
+        "d0": "one 0",
+        "d1": "one 1",
+        "d2": "one 2",
+        "d9": "after the deletion",
+    }
+
+
 async def test_the_batch_span_links_each_delta_to_its_ingest_trace(
     deployment: Deployment, projector: ProjectorService
 ) -> None:

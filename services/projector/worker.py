@@ -232,7 +232,14 @@ class ProjectorService:
                 self._departed.add(released_by)
         self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
         self._departed |= departed
-        floors = await self._floors(list(self._projections))
+        missing: set[int] = set()
+        floors = await self._floors(list(self._projections), missing=missing)
+        for index in missing:
+            # Deleted behind this process's back (a fault tester's: projection stopped for every workspace, the
+            # fetches failing unnamed, and status read the index as at 0): stopped, and made again below from the
+            # index's own position, as a claim does.
+            log.error("projector_consumer_missing", durable=durables[index], action="made again from the index")
+            await self._projections.pop(index).stop()
         for index, applying in list(self._projections.items()):  # renewed for another lease, or left
             if await self._renewed(index, floors.get(index)):
                 continue
@@ -401,14 +408,24 @@ class ProjectorService:
             self._standing_by.add(partition)
             log.info("projector_standing_by", durable=self._durables[partition], reason=reason)
 
-    async def _floors(self, partitions: list[int], nc: Client | None = None) -> dict[int, int]:
+    async def _floors(
+        self, partitions: list[int], nc: Client | None = None, missing: set[int] | None = None
+    ) -> dict[int, int]:
         """The ack floors of these partitions' consumers, read at once and for at most FLOOR_READ_S: a slow
-        JetStream API (a leader election) must not hold a look past the lease. Those not read are left out."""
+        JetStream API (a leader election) must not hold a look past the lease. Those not read are left out; those
+        whose consumer does not exist are added to ``missing`` (when given), not read as 0."""
         nc = nc or self._nc
         if nc is None or not partitions:
             return {}
         js = nc.jetstream()
-        reads = [ack_floor(js, self.names.delta_stream, self._durables[index]) for index in partitions]
+
+        async def floor_of(durable: str) -> int:
+            if missing is None:
+                return await ack_floor(js, self.names.delta_stream, durable)
+            info = await js.consumer_info(self.names.delta_stream, durable)  # NotFoundError: gone
+            return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+
+        reads = [floor_of(self._durables[index]) for index in partitions]
         read: list[int | BaseException]
         try:
             async with asyncio.timeout(FLOOR_READ_S):
@@ -417,7 +434,9 @@ class ProjectorService:
             read = [TimeoutError(f"no answer within {FLOOR_READ_S:g} s")] * len(partitions)
         floors = {}
         for index, floor in zip(partitions, read, strict=True):
-            if isinstance(floor, BaseException):  # NATS away: renewed or released without it
+            if isinstance(floor, NotFoundError) and missing is not None:
+                missing.add(index)
+            elif isinstance(floor, BaseException):  # NATS away: renewed or released without it
                 log.warning("projector_position_unknown", durable=self._durables[index], error=describe(floor))
             else:
                 floors[index] = floor

@@ -169,6 +169,8 @@ def whole_table(*headers: str) -> Table:
 
 def render_status(console: Console, status: DeploymentStatus) -> None:
     """``ontofabric status`` as tables."""
+    for problem in status.problems:  # first: the rest of the report reads wrong without them
+        console.print(f"[red]problem:[/red] {escape(problem)}")
     branches = whole_table(
         "workspace", "branch", "ontologyVersion", "latest seq", "indexed to", "pending", "oldest pending"
     )

@@ -20,6 +20,7 @@ from nats.js.errors import BadRequestError
 from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
+from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import Delta, RejectReason, VersionState
 from ontofabric.services.projector.store import (
@@ -40,6 +41,7 @@ from ontofabric.shared.db import (
 )
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ack_floor, projected_floor
 from ontofabric.shared.late_interaction import pack_signs
+from ontofabric.shared.placement import Placement
 
 from .conftest import SPANS, Deployment, metric_points
 from .factories import delete, document, unit_vector, upsert
@@ -93,6 +95,25 @@ async def test_a_consumer_deleted_behind_the_projectors_back_is_made_again_from_
         "d2": "one 2",
         "d9": "after the deletion",
     }
+
+
+async def test_a_versions_bucket_deleted_behind_the_projectors_back_is_made_again_and_status_says_so(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A fault tester deleted the versions bucket while `up` ran: every batch was retried for ever as 'no response
+    from stream', naming no bucket, and `ontofabric status` ended in a traceback (BucketNotFoundError)."""
+    first = await deployment.publisher.publish_many([upsert("acme", document("d0", "one"))])
+    await deployment.wait_projected(first[-1].seq)
+    await deployment.js.delete_key_value(deployment.names.version_bucket)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    status = await deployment_status(deployment.nc, deployment.names, placement)
+    assert any(f"the versions bucket {deployment.names.version_bucket} does not exist" in p for p in status.problems)
+    second = await deployment.publisher.publish_many([upsert("acme", document("d1", "two"))])
+    await deployment.wait_projected(second[-1].seq, timeout_s=30)
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    entry = await kv.get(deployment.names.version_key("acme", "main"))
+    assert OntologyVersionChanged.model_validate_json(entry.value or b"").stream_seq == second[-1].seq
+    assert (await deployment_status(deployment.nc, deployment.names, placement)).problems == []
 
 
 async def test_the_batch_span_links_each_delta_to_its_ingest_trace(

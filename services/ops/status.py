@@ -14,7 +14,7 @@ from datetime import datetime
 import asyncpg
 from nats.aio.client import Client
 from nats.js.api import StreamInfo
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
@@ -98,6 +98,8 @@ class DeploymentStatus:
     projectors: list[Worker] = field(default_factory=list)
     query_workers: list[Worker] = field(default_factory=list)
     analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
+    problems: list[str] = field(default_factory=list)
+    """What is missing that the rest of the report is read from (a fault tester's status ended in a traceback)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str, indent=2)
@@ -130,7 +132,20 @@ async def deployment_status(
     positions = await _index_positions(placement, durables)
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}
-    announced = await _announced(nc, names)
+    try:
+        announced = await _announced(nc, names)
+    except BucketNotFoundError:
+        announced = []
+        status.problems.append(
+            f"the versions bucket {names.version_bucket} does not exist, so no version reads as announced: a "
+            "projector makes it again when it starts, or when it next announces one"
+        )
+    for durable in durables:
+        if durable not in floors:
+            status.problems.append(
+                f"the projector consumer {durable} does not exist, so its workspaces read as indexed to 0: a running "
+                "projector makes it again within seconds; is one running?"
+            )
     versions: dict[tuple[str, str], tuple[str, datetime | None]] = {
         (version.workspace, version.branch): (version.ontology_version, version.updated_at) for version in announced
     }

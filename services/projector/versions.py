@@ -4,18 +4,19 @@ subject, after the commit that made it (projectors, and a rebuild after its swap
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.errors import NoRespondersError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoStreamResponseError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt
 
 from ontofabric.contracts import OntologyVersionChanged
-from ontofabric.shared.logging import get_logger
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 
 from .planning import VersionState
@@ -34,10 +35,14 @@ class VersionNotAnnounced(Exception):
 class VersionPublisher:
     """Compare-and-set on the KV revision, so two projector workers can never leave an older version behind."""
 
-    def __init__(self, nc: Client, kv: KeyValue, names: Names) -> None:
+    def __init__(
+        self, nc: Client, kv: KeyValue, names: Names, remake: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         self._nc = nc
         self._kv = kv
         self._names = names
+        self._remake = remake
+        """Makes the bucket again where it is missing (a projector's; None: others only report it)."""
 
     async def publish(self, update: VersionUpdate) -> None:
         record = OntologyVersionChanged(
@@ -60,6 +65,16 @@ class VersionPublisher:
                         return  # this version, or a newer one, is announced already
         except RetryError as error:
             raise VersionNotAnnounced(f"{key}: the versions bucket kept changing under {CAS_ATTEMPTS} tries") from error
+        except (NoStreamResponseError, NoRespondersError, BucketNotFoundError) as error:
+            # Deleted behind the projector's back (a fault tester's: every batch retried for ever, the bucket
+            # unnamed): made again where it is missing; the batch comes back and announces.
+            bucket = self._names.version_bucket
+            if self._remake is not None:
+                log.error("versions_bucket_unanswered", bucket=bucket, error=describe(error), action="made again")
+                await self._remake()
+            raise VersionNotAnnounced(
+                f"{key}: the versions bucket {bucket} did not answer ({describe(error)})"
+            ) from error
         await self._nc.publish(self._names.version_event_subject(update.workspace, update.branch), data)
 
     async def announced_revisions(self, holds: Callable[[str], bool]) -> dict[tuple[str, str], int]:

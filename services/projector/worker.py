@@ -155,7 +155,8 @@ class ProjectorService:
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
         await migrate_legacy_manifests(js, names)
-        versions = self._versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names)
+        remake = functools.partial(ensure_jetstream, js, names, self.settings)
+        versions = self._versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names, remake)
         count = settings.projector_partitions
         durables = self._durables
         reembedders = {database: await self._reembedder(pool) for database, pool in self._pools.items()}

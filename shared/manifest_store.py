@@ -118,7 +118,8 @@ class ManifestStore:
                 if time.monotonic() + wait > give_up_at:
                     raise ManifestUnavailable(
                         f"the ingest manifest of {workspace}/{branch} could not be {doing} within {RETRY_FOR_S:.0f} "
-                        f"s ({describe(error)}): is the NATS server running? The same ingest again is safe"
+                        f"s ({describe(error)}): is the NATS server running, with room in its JetStream store (its log "
+                        "says)? The same ingest again is safe"
                     ) from error
                 log.warning("manifest_retried", workspace=workspace, branch=branch, doing=doing, error=describe(error))
                 await asyncio.sleep(wait)

@@ -3,12 +3,14 @@ projector after a fix (never over a later state of the document), purged; and th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
 import string
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -359,6 +361,23 @@ async def test_a_dead_letter_whose_branch_the_projector_has_not_caught_up_with_w
     assert [(left.seq, later) for left, later in outcome.superseded] == [(letter.seq, newer.seq)]
 
 
+@contextlib.asynccontextmanager
+async def _projecting(deployment: Deployment) -> AsyncIterator[None]:
+    """A projector taking documents up to LIMIT bytes, running while the block does."""
+    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
+    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        yield
+    finally:
+        await projector.stop()
+
+
+async def _content_of(deployment: Deployment, doc_id: str) -> str:
+    rows = await projected_rows(deployment, "WHERE workspace = 'acme' AND NOT deleted")
+    return str(rows[("acme", doc_id)][1])
+
+
 async def test_a_graph_dead_letter_the_index_holds_a_later_state_of_is_not_redriven(deployment: Deployment) -> None:
     """A fault tester's finding: only documents were checked, so a redrive brought back a node (and a link) that
     later deltas had removed."""
@@ -386,10 +405,7 @@ async def test_a_redrive_judges_later_states_by_the_index_before_it_not_by_its_o
     """A consistency tester's: two dead letters of one document, an older change and a newer, with others between
     them. The projector applied the older one's re-drive while the run went on, and the newer was then left for
     "the index holds its document at a later sequence": that sequence was the run's own. The older change won."""
-    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
-    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await projector.start()
-    try:
+    async with _projecting(deployment):
         acks = await deployment.publisher.publish_many(
             [upsert("acme", document("x", "v1"), event_id="e1"), upsert("acme", document("x", "v2"), event_id="e2")]
         )
@@ -416,24 +432,14 @@ async def test_a_redrive_judges_later_states_by_the_index_before_it_not_by_its_o
         assert [(left.seq, latest.seq) for left, latest in outcome.outdone] == [(reused[0].seq, reused[1].seq)]
         assert reused[1].seq in {letter.seq for letter, _ in outcome.sent}
         await deployment.wait_projected(max(seq for _, seq in outcome.sent))
-    finally:
-        await projector.stop()
-    conn = await asyncpg.connect(deployment.database_url)
-    try:
-        content = await conn.fetchval("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'x'")
-    finally:
-        await conn.close()
-    assert content == "R2 newer change"
+    assert await _content_of(deployment, "x") == "R2 newer change"
 
 
 async def test_a_redrive_of_an_older_change_is_no_later_state_for_a_newer_ones_letter(deployment: Deployment) -> None:
     """A verifier re-drove an older change's letter alone, then the newer change's: the index held the document at
     the first re-drive's sequence, later than the newer change's own, and its letter was left for it. A re-drive
     carries the sequence its change was first published at, and is judged by that."""
-    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
-    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await projector.start()
-    try:
+    async with _projecting(deployment):
         acks = await deployment.publisher.publish_many(
             [upsert("acme", document("x", "v1"), event_id="e1"), upsert("acme", document("x", "v2"), event_id="e2")]
         )
@@ -449,23 +455,13 @@ async def test_a_redrive_of_an_older_change_is_no_later_state_for_a_newer_ones_l
             runs.append(await redrive(deployment.nc, deployment.names, [letter], placement.database_url_of, floors))
             await deployment.wait_projected(runs[-1].sent[0][1])
         assert [(len(run.sent), run.superseded) for run in runs] == [(1, []), (1, [])]
-    finally:
-        await projector.stop()
-    conn = await asyncpg.connect(deployment.database_url)
-    try:
-        content = await conn.fetchval("SELECT content FROM documents WHERE workspace = 'acme' AND id = 'x'")
-    finally:
-        await conn.close()
-    assert content == "R2 newer change"
+    assert await _content_of(deployment, "x") == "R2 newer change"
 
 
 async def test_what_a_tenant_puts_in_its_own_deltas_does_not_steer_a_redrive(deployment: Deployment) -> None:
     """A review's: a letter was keyed by the workspace its body claims, so another tenant's delta naming acme's row
     left acme's own letter unsent; and a forged Ontofabric-Redriven-Origin of "²" failed the whole redrive."""
-    settings = deployment.settings.model_copy(update={"max_content_bytes": LIMIT})
-    projector = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await projector.start()
-    try:
+    async with _projecting(deployment):
         own = await deployment.publisher.publish_many([upsert("acme", document("x", "z" * (2 * LIMIT)))])
         claimed = upsert("acme", document("x", "from globex"))
         forged = {"Nats-Msg-Id": "forged", "Ontofabric-Redriven-Origin": "²"}
@@ -482,8 +478,6 @@ async def test_what_a_tenant_puts_in_its_own_deltas_does_not_steer_a_redrive(dep
             deployment.js, deployment.names, deployment.settings, placement, {"acme", "globex"}
         )
         outcome = await redrive(deployment.nc, deployment.names, letters, placement.database_url_of, floors)
-    finally:
-        await projector.stop()
     assert outcome.outdone == []
     assert [letter.seq for letter, _ in outcome.sent] == [letter.seq for letter in letters]
 

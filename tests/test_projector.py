@@ -102,7 +102,9 @@ async def test_a_versions_bucket_deleted_behind_the_projectors_back_is_made_agai
 ) -> None:
     """A fault tester deleted the versions bucket while `up` ran: every batch was retried for ever as 'no response
     from stream', naming no bucket, and `ontofabric status` ended in a traceback (BucketNotFoundError)."""
-    first = await deployment.publisher.publish_many([upsert("acme", document("d0", "one"))])
+    first = await deployment.publisher.publish_many(
+        [upsert("acme", document("d0", "one")), upsert("globex", document("g0", "other"))]
+    )
     await deployment.wait_projected(first[-1].seq)
     await deployment.js.delete_key_value(deployment.names.version_bucket)
     placement = Placement.of(deployment.settings, deployment.database_url)
@@ -113,6 +115,9 @@ async def test_a_versions_bucket_deleted_behind_the_projectors_back_is_made_agai
     kv = await deployment.js.key_value(deployment.names.version_bucket)
     entry = await kv.get(deployment.names.version_key("acme", "main"))
     assert OntologyVersionChanged.model_validate_json(entry.value or b"").stream_seq == second[-1].seq
+    # And what the index holds of the others, announced again (a verifier's: globex read "none yet" for good).
+    other = await kv.get(deployment.names.version_key("globex", "main"))
+    assert OntologyVersionChanged.model_validate_json(other.value or b"").stream_seq == first[-1].seq
     assert (await deployment_status(deployment.nc, deployment.names, placement)).problems == []
 
 

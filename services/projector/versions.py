@@ -42,7 +42,9 @@ class VersionPublisher:
         self._kv = kv
         self._names = names
         self._remake = remake
-        """Makes the bucket again where it is missing (a projector's; None: others only report it)."""
+        """Makes the bucket again where it is missing, and announces into it what the index holds (a projector's;
+        None: others only report it)."""
+        self._remaking = False
 
     async def publish(self, update: VersionUpdate) -> None:
         record = OntologyVersionChanged(
@@ -69,9 +71,13 @@ class VersionPublisher:
             # Deleted behind the projector's back (a fault tester's: every batch retried for ever, the bucket
             # unnamed): made again where it is missing; the batch comes back and announces.
             bucket = self._names.version_bucket
-            if self._remake is not None:
+            if self._remake is not None and not self._remaking:  # the remake announces through here in turn
                 log.error("versions_bucket_unanswered", bucket=bucket, error=describe(error), action="made again")
-                await self._remake()
+                self._remaking = True
+                try:
+                    await self._remake()
+                finally:
+                    self._remaking = False
             raise VersionNotAnnounced(
                 f"{key}: the versions bucket {bucket} did not answer ({describe(error)})"
             ) from error

@@ -57,7 +57,7 @@ from .reembedding import Reembedder, reembedder_for
 from .runner import ProjectionRunner
 from .snapshots import compacted_through, find_snapshot_store, restore_snapshots
 from .store import PostgresProjectionStore, documents_of_another_analysis
-from .versions import VersionPublisher
+from .versions import VersionPublisher, announce_records
 
 log = get_logger(__name__)
 
@@ -71,6 +71,8 @@ waited on them for as long as the freeze lasted (a red team's finding: 25 s of n
 
 HOLD_CHECK_S = 2.0
 """How often a Postgres projector asks which other processes apply its consumers."""
+_VERSIONS_HELD = "SELECT workspace, branch, state_hash, stream_seq, revision FROM ontology_versions"
+"""Every version a database holds, as announce_records reads them."""
 HOLDER_LEASE_S = 6.0
 """How long a process that answered discovery still counts as applying its consumers after it stops answering: a
 slow answer (a busy event loop) is not a process gone. A standby takes over within about this plus HOLD_CHECK_S."""
@@ -155,8 +157,8 @@ class ProjectorService:
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings, reconcile=True)
         await migrate_legacy_manifests(js, names)
-        remake = functools.partial(ensure_jetstream, js, names, self.settings)
-        versions = self._versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names, remake)
+        versions = VersionPublisher(nc, await js.key_value(names.version_bucket), names, self._versions_bucket_again)
+        self._versions = versions
         count = settings.projector_partitions
         durables = self._durables
         reembedders = {database: await self._reembedder(pool) for database, pool in self._pools.items()}
@@ -331,6 +333,17 @@ class ProjectorService:
         # A new deployment's first start fills nothing; a lost index filled again is worth an operator's look.
         said = log.warning if delivered or restored else log.info
         said("projector_index_filled_from_nothing", durable=durable, delivered_before=delivered, restored=restored)
+
+    async def _versions_bucket_again(self) -> None:
+        """The deployment's streams and buckets made again where missing, and every version the databases hold
+        announced into the versions bucket: made empty, it read "none yet" for every workspace not ingested since,
+        across restarts too (a verifier's). Announcing a version the bucket holds, or a newer one of, is a no-op."""
+        assert self._nc is not None
+        assert self._versions is not None
+        await ensure_jetstream(self._nc.jetstream(), self.names, self.settings)
+        for pool in self._pools.values():
+            rows = await pool.fetch(_VERSIONS_HELD)
+            await announce_records(self._versions, [dict(r) for r in rows])
 
     async def _read_again_if_behind(self, partition: int) -> int | None:
         """Where a claimed consumer is to read from: the index's own position, kept in its database with every

@@ -241,13 +241,10 @@ def row_of(letter: DeadLetter) -> tuple[str, str, str, str] | None:
     return delta.workspace, delta.branch, delta.payload.entity, delta.payload.entity_key
 
 
-async def held_sequence(database_url: str, letter: DeadLetter) -> int | None:
-    """The stream sequence at which the index holds the dead letter's row (a document, a graph node or link, on
-    the letter's branch); None when it holds none. Documents alone were checked, and a fault tester's redrive
-    brought back a removed node and link, and a revert over a later branch edit."""
-    row = row_of(letter)
-    if row is None:
-        return None
+async def held_sequence(database_url: str, row: tuple[str, str, str, str]) -> int | None:
+    """The stream sequence at which the index holds a dead letter's row (:func:`row_of`: a document, a graph node
+    or link, on the letter's branch); None when it holds none. Documents alone were checked, and a fault tester's
+    redrive brought back a removed node and link, and a revert over a later branch edit."""
     workspace, branch, entity, key = row
     columns = split_link_key(key) if entity == "link" else (key,)
     conn = await asyncpg.connect(database_url)
@@ -329,17 +326,19 @@ async def redrive(
         for letter in letters
         if not letter.body_omitted
     }
+    rows = {letter.seq: row_of(letter) for letter in letters if not letter.body_omitted}
     if database_url_of is not None:
         for letter in letters:
-            if not letter.body_omitted and letter.workspace is not None:
-                held = await held_sequence(database_url_of(letter.workspace), letter)
-                newer = held is not None and await _origin(js, names, held) > origins[letter.seq]
-                held_later[letter.seq] = held if newer else None
-                # Of the run's letters of one row, the latest state alone goes: sent in the order of the dead
-                # letters, one set aside again after a first re-drive came after the newer (a review's).
-                row = row_of(letter)
-                if row is not None and (row not in latest or _later(letter, latest[row], origins)):
-                    latest[row] = letter
+            row = rows.get(letter.seq)
+            if row is None or letter.workspace is None:
+                continue
+            held = await held_sequence(database_url_of(letter.workspace), row)
+            newer = held is not None and await _origin(js, names, held) > origins[letter.seq]
+            held_later[letter.seq] = held if newer else None
+            # Of the run's letters of one row, the latest state alone goes: sent in the order of the dead letters,
+            # one set aside again after a first re-drive came after the newer (a review's).
+            if row not in latest or _later(letter, latest[row], origins):
+                latest[row] = letter
     if database_url_of is not None and floors is not None:
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
             last_on[subject] = await _last_sequence(js, names.delta_stream, subject)
@@ -348,11 +347,11 @@ async def redrive(
             outcome.bodiless.append(letter)
             continue
         if database_url_of is not None and letter.workspace is not None:
-            row = row_of(letter)
+            row = rows[letter.seq]
             if row is not None and latest[row] is not letter:
                 outcome.outdone.append((letter, latest[row]))
                 continue
-            later = held_later[letter.seq]
+            later = held_later.get(letter.seq)
             if later is not None:
                 outcome.superseded.append((letter, later))
                 continue

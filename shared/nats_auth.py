@@ -60,7 +60,7 @@ class NatsUser:
 
 def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | None = None) -> Permissions:
     """What ``user`` playing ``role`` in the deployment ``names`` may do."""
-    deltas, versions = names.delta_stream, f"KV_{names.version_bucket}"
+    deltas, versions = names.delta_stream, names.version_stream
     manifests, legacy = f"KV_{names.manifest_bucket}", f"OBJ_{names.legacy_manifest_bucket}"
     snapshots = f"OBJ_{names.snapshot_bucket}"
     postgres_durables = names.every_postgres_projector_durable

@@ -123,6 +123,11 @@ class Names:
     def version_bucket(self) -> str:
         return f"{self.prefix}_versions"
 
+    @property
+    def version_stream(self) -> str:
+        """The stream that holds the versions bucket."""
+        return f"KV_{self.version_bucket}"
+
     @staticmethod
     def version_key(workspace: str, branch: str) -> str:
         return f"{encode_token(workspace)}.{encode_token(branch)}"
@@ -212,7 +217,7 @@ class Names:
         return [
             self.delta_stream,
             self.dlq_stream,
-            f"KV_{self.version_bucket}",
+            self.version_stream,
             f"KV_{self.manifest_bucket}",
             f"OBJ_{self.legacy_manifest_bucket}",
             f"OBJ_{self.snapshot_bucket}",

@@ -304,6 +304,35 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
     assert "fib2" in {r.id for r in third.results}
 
 
+async def test_a_versions_bucket_made_again_is_watched_again(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    """A versions bucket deleted and made again by the projector starts its sequence anew; the watch's consumer,
+    made again past the last sequence it had read, heard nothing more: the worker took the old version for the
+    announced one, and no answer of the new one was cached again (a fault tester: until a restart)."""
+    await start_query_worker(embedder)
+    first = await _ask(client, "fibonacci numbers")
+    assert (await _ask(client, "fibonacci numbers")).meta.cache_hit
+    kv = await deployment.js.key_value(deployment.names.version_bucket)
+    key = deployment.names.version_key("acme", "main")
+    announced = (await kv.get(key)).value or b""
+    for _ in range(30):  # the history of a bucket in use: a longer sequence than the one made again will have
+        await kv.put(key, announced)
+    await deployment.js.delete_key_value(deployment.names.version_bucket)
+    text = "Fibonacci numbers with an iterative loop, fast and simple."
+    vector = [float(x) for x in embedder.embed_documents([text])[0]]
+    ack = await deployment.publisher.publish(upsert("acme", document("fib2", text, embedding=vector)))
+    await deployment.wait_projected(ack.seq, timeout_s=30)  # the projector makes the bucket again to announce
+    async with asyncio.timeout(15):
+        while (later := await _ask(client, "fibonacci numbers")).meta.ontology_version == first.meta.ontology_version:
+            await asyncio.sleep(0.1)
+    assert later.meta.ontology_version.startswith(f"{ack.seq}-")
+    assert "fib2" in {r.id for r in later.results}
+    async with asyncio.timeout(15):  # once the new version's announcement is heard, its answers are kept
+        while not (await _ask(client, "fibonacci numbers")).meta.cache_hit:
+            await asyncio.sleep(0.1)
+
+
 async def test_two_workers_in_the_queue_group_both_serve(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

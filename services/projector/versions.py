@@ -127,7 +127,7 @@ async def version_keys(nc: Client, names: Names) -> list[str]:
     and stops at its first "nothing pending" marker, which under load can come before the first key is delivered,
     and then reports no keys at all."""
     prefix = f"$KV.{names.version_bucket}."
-    info = await nc.jetstream().stream_info(f"KV_{names.version_bucket}", subjects_filter=f"{prefix}>")
+    info = await nc.jetstream().stream_info(names.version_stream, subjects_filter=f"{prefix}>")
     return sorted(subject[len(prefix) :] for subject in info.state.subjects or {})
 
 

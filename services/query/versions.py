@@ -2,6 +2,11 @@
 
 A watch first delivers the latest value of every key, so a worker started later still learns the current
 version of every workspace and branch before it answers its first query.
+
+A bucket deleted and made again (the projector remakes it, docs/reliability.md) starts its sequence anew, and the
+watch's consumer, made again by nats-py at the sequence after the last it read, would skip every announcement the
+new bucket holds: answers cached under a version the index has left would be served as current. So the tracker
+looks at the bucket's stream now and then and watches again from the start when it is not the one it watched.
 """
 
 from __future__ import annotations
@@ -9,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from datetime import datetime
 
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
@@ -19,6 +27,10 @@ from ontofabric.shared.subjects import Names
 from ontofabric.shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
+
+LOOK_EVERY_S = 2.0
+"""How often the tracker asks whether the bucket it watches is still the one there: about the delay with which a
+new version reaches a worker after the bucket was made again."""
 
 VersionListener = Callable[[str, str, str, bool], None]
 """Called with (workspace, branch, new version, rebuilt). ``rebuilt``: the version is the same, announced again with a
@@ -33,8 +45,10 @@ def is_rebuild(known_version: str | None, known_revision: int | None, version: s
 
 
 class VersionTracker:
-    def __init__(self, kv: KeyValue, names: Names) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, names: Names, look_every_s: float = LOOK_EVERY_S) -> None:
+        self._js = js
         self._kv = kv
+        self._look_every_s = look_every_s
         self._names = names
         self._on_change: VersionListener | None = None
         self._versions: dict[tuple[str, str], str] = {}
@@ -70,23 +84,52 @@ class VersionTracker:
             await cancel_and_wait(task)
 
     async def _watch_forever(self) -> None:
+        failures = 0
         while True:
             try:
+                made = await self._bucket_made()
                 watcher = await self._kv.watchall()
                 try:
-                    async for entry in watcher:
-                        if entry is None:  # every current value has been delivered
-                            self._ready.set()
-                            continue
-                        self._apply(entry.key, entry.value)
+                    await self._follow(watcher, made)
                 finally:
                     with contextlib.suppress(Exception):
                         await watcher.stop()  # type: ignore[no-untyped-call]
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                log.warning("version_watch_restart", error=str(error))
-                await asyncio.sleep(1.0)
+                failures += 1
+                log.warning("version_watch_restart", error=str(error) or type(error).__name__, failures=failures)
+                await asyncio.sleep(min(1.0 * failures, 10.0))  # a missing bucket waits for the projector to remake it
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher, made: datetime | None) -> None:
+        """Apply the watch's entries until the bucket watched is no longer the one there."""
+        reading = asyncio.create_task(self._read(watcher), name="version-watch-read")
+        try:
+            while not reading.done():
+                await asyncio.wait({reading}, timeout=self._look_every_s)
+                if not reading.done() and (now := await self._bucket_made()) != made:
+                    log.warning("versions_bucket_replaced", made=str(made), now=str(now))
+                    return
+            reading.result()
+        finally:
+            await cancel_and_wait(reading)
+
+    async def _read(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is None:  # every current value has been delivered
+                self._ready.set()
+                continue
+            self._apply(entry.key, entry.value)
+
+    async def _bucket_made(self) -> datetime | None:
+        """When the bucket's stream was made (None: there is none), which tells a bucket made again from the one
+        watched."""
+        try:
+            info = await self._js.stream_info(self._names.version_stream)
+        except NotFoundError:
+            return None
+        return info.created
 
     def _apply(self, key: str, value: bytes | None) -> None:
         if not value:

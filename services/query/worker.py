@@ -331,7 +331,7 @@ class QueryService:
         nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings, wait_for_server=True)
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
-        tracker = VersionTracker(await js.key_value(names.version_bucket), names)
+        tracker = VersionTracker(js, await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
         cache: LruCache[CacheKey, bytes] = LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)

@@ -63,6 +63,7 @@ from ontofabric.services.gateway.tools import (
     render,
     request_body,
     restated,
+    shorter_texts,
 )
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.budget import json_size
@@ -1093,6 +1094,42 @@ def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves()
     # A reply that fills the budget alone leaves no room: the marker alone, and no claim of a cut for no text.
     assert fitted_text(query, {"maxTokens": 1000}, lines, lambda: 4000) == TEXT_CUT.lstrip()
     assert fitted_text(query, {"maxTokens": 1000}, "", lambda: 4100) == ""
+
+
+def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
+    """A click tester's agent, reading the text alone, got for maxTokens 1000 a cut marker and no result, not even
+    an id to read on; and linked types dropped for room were not said, so "none" read like "cut"."""
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        budget=BudgetReport(max_tokens=500, estimated_tokens=999, results_dropped=8, context_dropped=10),
+    )  # fmt: skip
+    results = [
+        SearchResult(
+            id=f"d{rank}", score=0.5, rank=rank, content="x = 1\n" * 300, object_type="m", source_domain="python",
+            found_by=[], metadata={"symbolFqn": f"m.f{rank}", "symbolKind": "function"},
+        )
+        for rank in (1, 2)
+    ]  # fmt: skip
+    reply = QueryResponse(results=results, _meta=meta)
+    arguments = {"semanticQuery": "f", "maxTokens": 1000}
+    whole = render(reply, arguments)
+    assert "10 linked types of followLinks left out to fit maxTokens" in whole
+    shorter = shorter_texts(reply, arguments)
+    # Room for the notes and the results' lines: contents left out, said so.
+    roomy = fitted_text(query, arguments, whole, lambda: 4000 - json_size(shorter[0]) - 200, shorter)
+    assert roomy.startswith(shorter[0])
+    assert "id d1" in roomy
+    assert "id d2" in roomy
+    assert "x = 1" not in roomy
+    assert roomy.endswith("or get_document by id)")
+    # No room at all (the worker's least reply fills the budget): the first result's line still, a few % over.
+    tight = fitted_text(query, arguments, whole, lambda: 4000, shorter)
+    assert tight.startswith("1. m.f1 · function · score 0.500 · id d1")
+    assert "id d2" not in tight
+    assert json_size(tight) < 0.05 * 4000
+    assert fitted_text(query, arguments, "short", lambda: 3000, shorter) == "short"
 
 
 @pytest.mark.parametrize(

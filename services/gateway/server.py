@@ -71,6 +71,7 @@ from .tools import (
     render_error,
     request_body,
     restated,
+    shorter_texts,
 )
 
 log = get_logger(__name__)
@@ -218,7 +219,7 @@ class Gateway:
             empty = types.CallToolResult(content=[types.TextContent(text="")], structured_content=structured)
             return len(empty.model_dump_json(by_alias=True, exclude_none=True).encode())
 
-        text = fitted_text(spec, arguments, render(reply, arguments), envelope_bytes)
+        text = fitted_text(spec, arguments, render(reply, arguments), envelope_bytes, shorter_texts(reply, arguments))
         return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
     async def serve_stdio(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -25,6 +25,7 @@ from ontofabric.contracts import (
     OntologyQuery,
     QueryMeta,
     QueryResponse,
+    SearchResult,
     StatusReply,
     StatusRequest,
     main_only,
@@ -266,29 +267,60 @@ def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> Er
 
 
 TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds the whole answer)"
+CONTENTS_LEFT_OUT = (
+    "\n… (contents left out of this text to fit maxTokens: each is in the structured result, or get_document by id)"
+)
 
 
-def fitted_text(spec: ToolSpec, arguments: dict[str, Any], text: str, envelope_bytes: Callable[[], int]) -> str:
+def fitted_text(
+    spec: ToolSpec,
+    arguments: dict[str, Any],
+    text: str,
+    envelope_bytes: Callable[[], int],
+    shorter: Sequence[str] = (),
+) -> str:
     """The text of a tool result cut to what ``maxTokens`` leaves of it beside the rest of the result
     (``envelope_bytes``: the result as sent, its text empty), the text measured as JSON writes it (its newlines and
     quotes escaped: counting them raw let a result overrun a small budget by 2 %, a tester's finding). Only a budget
-    under twice the least the worker takes needs it: the worker cannot be asked for half of it."""
+    under twice the least the worker takes needs it: the worker cannot be asked for half of it.
+
+    ``shorter``: the same answer with less in it, fullest first (:func:`render` without contents, then the results'
+    lines alone). The first that fits is sent, else as many of the last one's lines as fit, and at least its first
+    (a few percent over the least budget): an agent reading the text alone got a budget of 1,000 as a cut marker
+    and no result, not even an id to read on (a tester's finding)."""
     max_tokens = arguments.get("maxTokens")
     if spec.operation != "query" or type(max_tokens) is not int:
         return text
     room = max_tokens * BYTES_PER_TOKEN - envelope_bytes() + len('""')  # the envelope holds the text's quotes
     if json_size(text) <= room:
         return text
+    shorter = [candidate for candidate in shorter if candidate]
+    if shorter:
+        *fuller, last = shorter
+        fitting = (c + CONTENTS_LEFT_OUT for c in fuller if json_size(c + CONTENTS_LEFT_OUT) <= room)
+        return next(fitting, None) or _first_lines(last, room - json_size(TEXT_CUT) + len('""')) + TEXT_CUT
     room -= json_size(TEXT_CUT) - len('""')
     if room < len('""'):  # the reply alone fills the budget (the worker takes no less than the least): it overruns
         return TEXT_CUT.lstrip() if text else ""
     return cut_to(text, room) + TEXT_CUT
 
 
-def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:
-    """A reply as compact text for the model; ``arguments``: the call's, which the text may answer to."""
+def _first_lines(text: str, room: int) -> str:
+    """The lines of ``text`` that fit ``room`` (as JSON), and the first one whatever its size."""
+    first, *rest = text.split("\n")
+    kept = [first]
+    for line in rest:
+        if json_size("\n".join([*kept, line])) > room:
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def render(reply: BaseModel, arguments: dict[str, Any] | None = None, contents: bool = True) -> str:
+    """A reply as compact text for the model; ``arguments``: the call's, which the text may answer to;
+    ``contents``: with the results' contents (else their lines and the notes alone, for :func:`fitted_text`)."""
     if isinstance(reply, QueryResponse):
-        return _render_query(reply, arguments or {})
+        return _render_query(reply, arguments or {}, contents)
     if isinstance(reply, DocumentReply):
         return _render_document(reply, str((arguments or {}).get("branch") or MAIN_BRANCH))
     if isinstance(reply, StatusReply):
@@ -296,6 +328,14 @@ def render(reply: BaseModel, arguments: dict[str, Any] | None = None) -> str:
     if isinstance(reply, ErrorReply):
         return render_error(reply)
     raise TypeError(f"no rendering of {type(reply).__name__}")
+
+
+def shorter_texts(reply: BaseModel, arguments: dict[str, Any]) -> list[str]:
+    """What :func:`fitted_text` may send of a query's answer when its whole text does not fit: without contents,
+    then the results' own lines (each with its id)."""
+    if not isinstance(reply, QueryResponse):
+        return []
+    return [render(reply, arguments, contents=False), "\n".join(_result_line(r).lstrip() for r in reply.results)]
 
 
 def render_error(reply: ErrorReply) -> str:
@@ -317,7 +357,7 @@ STANDING = {
 """How a result placed first for a relation stands to the symbol asked about, by the name ``foundBy`` gives it."""
 
 
-def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
+def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: bool = True) -> str:
     meta, object_type = reply.meta, arguments.get("objectType")
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
@@ -395,23 +435,17 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
         head.append(f"DEGRADED: {', '.join(meta.degraded)}")
     lines = [" · ".join(head)]
     for result in reply.results:
-        symbol = result.metadata.get("symbolFqn") or result.object_type
-        where = result.metadata.get("filePath")
-        lines.append(
-            f"\n{result.rank}. {symbol}"
-            + (f" ({where})" if where else "")
-            # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
-            + f" · {result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')}"
-            + f" · score {result.score:.3f} · id {result.id}"
-            + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
-            + "".join(
-                f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING
-            )
-        )
+        lines.append(_result_line(result))
+        if not contents:
+            continue
         if result.content is not None:
             lines.append(result.content + ("\n[cut: get_document for the rest]" if result.content_truncated else ""))
         elif result.content_length is not None and arguments.get("includeContent") is not False:
             lines.append(f"[content left out for size: {result.content_length} characters, get_document]")
+    if meta.budget is not None and meta.budget.context_dropped:  # a tester could not tell "none" from "cut"
+        lines.append(
+            f"\n{_counted(meta.budget.context_dropped, 'linked type')} of followLinks left out to fit maxTokens"
+        )
     for context in meta.expanded_context:
         # The arrow points as the link does, as `ontofabric query` draws it: a tester read "Parameter -inherits->
         # Argument" for an incoming link, Argument inheriting from Parameter.
@@ -432,6 +466,20 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any]) -> str:
             f"\n{_counted(dropped, 'more chunk')} left out as nested in or holding a result, not named for room"
         )
     return "\n".join(lines)
+
+
+def _result_line(result: SearchResult) -> str:
+    symbol = result.metadata.get("symbolFqn") or result.object_type
+    where = result.metadata.get("filePath")
+    return (
+        f"\n{result.rank}. {symbol}"
+        + (f" ({where})" if where else "")
+        # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
+        + f" · {result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')}"
+        + f" · score {result.score:.3f} · id {result.id}"
+        + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
+        + "".join(f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING)
+    )
 
 
 def _no_definition_placed(meta: QueryMeta) -> bool:

@@ -71,7 +71,7 @@ from ontofabric.shared.runtime import (
     with_login,
 )
 from ontofabric.shared.settings import Settings, SettingsUnusable, redacted_url, unknown_variables
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import NO_WORKSPACE, Names
 from ontofabric.shared.telemetry import MetricsUnservable, configure_telemetry
 
 from .app import Roles, ServersEnded, serve_until_signal
@@ -674,8 +674,21 @@ dlq = typer.Typer(help="Dead letters: deltas a projector set aside, with the rea
 app.add_typer(dlq, name="dlq")
 
 SequenceArgs = Annotated[list[int] | None, typer.Argument(help="Dead letters by their sequence (all when none).")]
+
+
+def _workspace_filter(value: str | None) -> str | None:
+    """A workspace's name, or the one dead letters of no workspace are listed under (a verifier's: refused)."""
+    return value if value == NO_WORKSPACE else _workspace_name(value)
+
+
 WorkspaceFilter = Annotated[
-    str | None, typer.Option("--workspace", "-w", help="Only this workspace's.", callback=_workspace_name)
+    str | None,
+    typer.Option(
+        "--workspace",
+        "-w",
+        help=f"Only this workspace's ({NO_WORKSPACE}: of no workspace).",
+        callback=_workspace_filter,
+    ),
 ]
 ReasonFilter = Annotated[str | None, typer.Option(help="Only this reason's (invalid_schema, apply_failed, ...).")]
 SinceFilter = Annotated[str | None, typer.Option(help="Only those stored since: ISO 8601, or an age (30m, 2h, 7d).")]
@@ -860,7 +873,7 @@ LETTERS_LISTED = 50
 def _list_letters(letters: Sequence[DeadLetter]) -> None:
     for letter in letters[:LETTERS_LISTED]:
         # A subject that names no workspace is the contract's _unknown, not Python's None (a verifier's).
-        print(f"{letter.seq}\t{letter.workspace or '_unknown'}\t{letter.reason}\t{letter.detail[:120]}")
+        print(f"{letter.seq}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{letter.detail[:120]}")
     if len(letters) > LETTERS_LISTED:
         print(f"... and {len(letters) - LETTERS_LISTED} more (ontofabric dlq list)")
     if not letters:

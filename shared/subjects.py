@@ -112,7 +112,7 @@ class Names:
 
     @staticmethod
     def workspace_of_dlq_subject(subject: str) -> str | None:
-        """The workspace a dead letter's subject names; None when it names none (``_unknown``)."""
+        """The workspace a dead letter's subject names; None when it names none (:data:`NO_WORKSPACE`)."""
         try:
             return decode_token(subject.rsplit(".", 1)[-1])
         except ValueError:
@@ -223,6 +223,10 @@ class Names:
             f"OBJ_{self.snapshot_bucket}",
         ]
 
+
+NO_WORKSPACE = "_unknown"
+"""The dead-letter subject's last token, and the name operators select it by, for deltas whose subject names no
+workspace: no workspace is named so (a name starts with a letter or digit)."""
 
 PARTITION_COUNTS = (1, 2, 4, 8, 16)
 """How many partitions the Postgres projectors may divide the workspaces into."""

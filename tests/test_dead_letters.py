@@ -16,6 +16,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+import typer
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from ontofabric.contracts import DeltaEnvelope
@@ -499,6 +500,14 @@ async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_un
     assert (letter.reason, letter.workspace, letter.original_subject) == ("subject_mismatch", None, odd)
     stored = await deployment.js.get_msg(deployment.names.dlq_stream, letter.seq)
     assert stored.subject == deployment.names.dlq_subject("_unknown")
+    # Selected by that name (a verifier's `dlq list --workspace _unknown` was refused as no workspace name).
+    assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="_unknown")) == [letter]
+    assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme")) == []
+    from ontofabric.services.cli import _workspace_filter
+
+    assert _workspace_filter("_unknown") == "_unknown"
+    with pytest.raises(typer.BadParameter):
+        _workspace_filter("_other")
 
 
 async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(deployment: Deployment) -> None:

@@ -31,7 +31,7 @@ from ontofabric.shared.jetstream import read_in_order, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, encode_token
+from ontofabric.shared.subjects import NO_WORKSPACE, Names, encode_token
 
 log = get_logger(__name__)
 
@@ -175,7 +175,7 @@ class Selection:
 
     def matches(self, letter: DeadLetter) -> bool:
         return (
-            (self.workspace is None or letter.workspace == self.workspace)
+            (self.workspace is None or (letter.workspace or NO_WORKSPACE) == self.workspace)
             and (self.reason is None or letter.reason == self.reason)
             and (self.since is None or letter.stored_at >= self.since)
             and (self.until is None or letter.stored_at < self.until)
@@ -190,7 +190,11 @@ async def dead_letters(nc: Client, names: Names, selection: Selection) -> list[D
     first, last = int(state.first_seq or 0), int(state.last_seq or 0)
     if selection.sequences:
         first, last = max(first, min(selection.sequences)), min(last, max(selection.sequences))
-    subjects = names.dlq_subject(encode_token(selection.workspace)) if selection.workspace else names.dlq_subjects
+    subjects = names.dlq_subjects
+    if selection.workspace == NO_WORKSPACE:
+        subjects = names.dlq_subject(NO_WORKSPACE)
+    elif selection.workspace is not None:
+        subjects = names.dlq_subject(encode_token(selection.workspace))
     found: list[DeadLetter] = []
     if state.messages == 0 or first > last:
         return found

@@ -38,7 +38,7 @@ from ontofabric.shared.jetstream import (
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import Names, Partition, workspace_of, workspace_token_of
+from ontofabric.shared.subjects import NO_WORKSPACE, Names, Partition, workspace_of, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
@@ -484,7 +484,7 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
     # Under the workspace's own token, when the subject names one canonically: a consistency tester's delta on
     # "tEab57_63" (not the token of any name) went to a dead-letter subject no workspace selects.
     token = workspace_token_of(msg.subject) if workspace_of(msg.subject) is not None else None
-    return DeadLetter(names.dlq_subject(token or "_unknown"), body, headers)
+    return DeadLetter(names.dlq_subject(token or NO_WORKSPACE), body, headers)
 
 
 async def dead_letter(

@@ -632,7 +632,19 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
         oversized = await http.post(url, content=padded)
         assert oversized.status_code == 413
         assert oversized.json()["error"]["code"] == -32600
-        assert "bytes, more than the 4194304 this gateway reads" in oversized.json()["error"]["message"]
+        assert (
+            f"is {len(padded)} bytes, more than the 4194304 bytes this gateway reads"
+            in oversized.json()["error"]["message"]
+        )
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: sent chunked
+            for start in range(0, len(padded), 1 << 20):
+                yield padded[start : start + (1 << 20)]
+
+        chunked = await http.post(url, content=chunks())
+        assert chunked.status_code == 413, chunked.text  # it was the SDK's plain text (a verifier's)
+        assert chunked.json()["error"]["code"] == -32600
+        assert "more than the 4194304 bytes this gateway reads" in chunked.json()["error"]["message"]
         latin = (await http.post(url, content=LATIN_1)).json()
         assert (latin["id"], latin["error"]["code"]) == (27, -32602)
         assert latin["error"]["message"] == "params.arguments.semanticQuery: not valid UTF-8"

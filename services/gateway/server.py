@@ -326,7 +326,8 @@ class MisreadBodies:
     - An ``MCP-Protocol-Version`` header naming no version the SDK speaks: the SDK asked for ``params._meta``
       envelope keys; the answer names the header, the versions spoken and the one asked for.
 
-    A body whose declared length is past the SDK's own limit is answered 413 with a JSON-RPC error, unread."""
+    A body past the SDK's own limit is answered 413 with a JSON-RPC error: unread when its declared length says so,
+    else once that much of it came."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> None:
         self._app = app
@@ -338,13 +339,15 @@ class MisreadBodies:
             declared = _declared_length(scope)
             if declared is not None and declared > self._max_body_bytes:
                 # The SDK's 413 was plain text; a JSON-RPC client reads an error (a tester's 6 MB call).
-                message = f"the request is {declared} bytes, more than the {self._max_body_bytes} this gateway reads"
-                error = {"code": types.INVALID_REQUEST, "message": message}
-                await _answer_json(send, 413, {"jsonrpc": "2.0", "id": None, "error": error})
+                await self._too_large(send, f"{declared} bytes")
                 return
             await self._app(scope, receive, send)
             return
         read, body = await peek_body(receive, self._max_body_bytes)
+        if body is None and read and read[-1]["type"] == "http.request":  # past the limit, and more to come
+            # A body sent in chunks states no length: the SDK read it and answered plain text (a verifier's).
+            await self._too_large(send, f"over {sum(len(m.get('body', b'')) for m in read)} bytes")
+            return
         version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
         answer = None if body is None else _answer_to_unknown_version(version, body) or _answer_to_misread(body)
         if answer is None:
@@ -353,6 +356,11 @@ class MisreadBodies:
         status, reply = answer
         await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS if reply else []})
         await send({"type": "http.response.body", "body": json.dumps(reply).encode() if reply else b""})
+
+    async def _too_large(self, send: Send, size: str) -> None:
+        message = f"the request is {size}, more than the {self._max_body_bytes} bytes this gateway reads"
+        error = {"code": types.INVALID_REQUEST, "message": message}
+        await _answer_json(send, 413, {"jsonrpc": "2.0", "id": None, "error": error})
 
 
 BATCH_VERSIONS = ("2025-03-26", "")

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -67,6 +67,16 @@ class RateLimited(logging.Filter):
         return True
 
 
+def _library_warning_without_traceback(_: Any, level: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Another library's warning states its error in a line: asyncpg's pool, while its database did not answer,
+    logged a 34-line traceback every 40 s (an ops tester's). Errors, and any line at DEBUG, keep theirs."""
+    exc_info = event.get("exc_info")
+    if level == "warning" and isinstance(exc_info, tuple) and isinstance(exc_info[1], BaseException):
+        del event["exc_info"]
+        event.setdefault("error", describe(exc_info[1]))
+    return event
+
+
 def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
@@ -87,7 +97,7 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=shared,
+            foreign_pre_chain=shared if level == "DEBUG" else [*shared, _library_warning_without_traceback],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,

@@ -87,3 +87,26 @@ def test_loading_the_model_writes_only_json_lines(transformers_first: bool, leve
     assert lines  # the warning at least
     for line in lines:
         json.loads(line)
+
+
+@pytest.mark.parametrize(("level", "traceback_kept"), [("INFO", False), ("DEBUG", True)])
+def test_another_librarys_warning_states_its_error_in_a_line(level: str, traceback_kept: bool) -> None:
+    """An ops tester's: asyncpg's pool logged a 34-line traceback every 40 s while its database did not answer.
+    Its errors, and every line at DEBUG, keep theirs."""
+    script = (
+        "import logging\n"
+        "from ontofabric.shared.logging import configure_logging\n"
+        f"configure_logging({level!r}, 'json')\n"
+        "log = logging.getLogger('asyncpg.pool')\n"
+        "try:\n"
+        "    raise TimeoutError('the database did not answer')\n"
+        "except TimeoutError:\n"
+        "    log.warning('Failed to restore the pool connection floor; retrying', exc_info=True)\n"
+        "    log.error('gave up', exc_info=True)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    warning, error = (json.loads(line) for line in ran.stderr.splitlines())
+    assert ("exception" in warning) is traceback_kept
+    if not traceback_kept:
+        assert warning["error"] == "TimeoutError: the database did not answer"
+    assert "Traceback" in error["exception"]

@@ -93,6 +93,14 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
                 await asyncio.sleep(0.5)
         assert found[0]["metric"]["shape"] == "concept"
         assert found[0]["metric"]["job"] == "ontofabric-query"
+        # Counted from 0 at start: a first burst of errors or degraded answers is an increase Prometheus sees (an ops
+        # tester's 88 refusals were a series born at 58 and 30, and no rate).
+        for seeded in (
+            'retrieval_query_errors_total{code="overloaded",timeout=""}',
+            'retrieval_degraded_total{sink="reranker"}',
+        ):
+            (sample,) = (await asyncio.to_thread(_ask, web_port, "/api/v1/query", query=seeded))["result"]
+            assert sample["value"][1] == "0", seeded
         up = await asyncio.to_thread(_ask, web_port, "/api/v1/query", query="up")
         assert [sample["value"][1] for sample in up["result"]] == ["1"]
         async with asyncio.timeout(30):  # every rule evaluated, none failing

@@ -273,6 +273,23 @@ def test_a_workspaces_lag_is_its_newest_delta_past_what_was_settled_there_or_the
     assert lag.lags() == {"acme": 0, "gamma": 0}  # beta, the least recently published to, is forgotten
 
 
+async def test_a_workspace_whose_deltas_fail_since_before_a_start_shows_its_lag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ops tester's: a projector knew a workspace only from headers republished since it started, so one whose
+    deltas kept failing across a restart was not behind at all for the workspace alert."""
+
+    async def no_pause(_: float) -> None:
+        pass
+
+    monkeypatch.setattr(consumer.asyncio, "sleep", no_pause)
+    sink = ScriptedSink(down=True)
+    runner = ProjectionRunner(sink, LIMITS)
+    projection = DurableProjection(runner, None, Names(), "restarted", dead_letters_invalid=False)  # type: ignore[arg-type]
+    await projection.handle([_delivery(40, _valid(40).data, delivered=3)])  # sent back: the database is away
+    assert projection.state.workspaces.lags() == {"acme": 40}
+
+
 @dataclass
 class _StoredDeltas:
     """A JetStream context's reads of stored deltas, as remember_in_flight makes them: the group logic alone (what

@@ -355,6 +355,9 @@ class DurableProjection:
                 await msg.ack()
             self._count(len(elsewhere), "other_partition")
             messages = [msg for msg in messages if self.holds(msg.subject)]
+        for msg in messages:  # stored, though its republished headers came before this process did (a restart)
+            if (workspace := workspace_of(msg.subject)) is not None:
+                self.state.workspaces.published(workspace, msg.metadata.sequence.stream)
         messages, later = self._in_order(messages)
         if later:
             log.info(

@@ -1130,18 +1130,18 @@ def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     assert "10 linked types of followLinks left out to fit maxTokens" in whole
     shorter = shorter_texts(reply, arguments)
     # Room for the notes and the results' lines: contents left out, said so.
-    roomy = fitted_text(query, arguments, whole, lambda: 4000 - json_size(shorter[0]) - 200, shorter)
+    roomy = fitted_text(query, arguments, whole, lambda: 4000 - json_size(shorter[0]) - 200, lambda: shorter)
     assert roomy.startswith(shorter[0])
     assert "id d1" in roomy
     assert "id d2" in roomy
     assert "x = 1" not in roomy
     assert roomy.endswith("or get_document by id)")
     # No room at all (the worker's least reply fills the budget): the first result's line still, a few % over.
-    tight = fitted_text(query, arguments, whole, lambda: 4000, shorter)
+    tight = fitted_text(query, arguments, whole, lambda: 4000, lambda: shorter)
     assert tight.startswith("1. m.f1 · function · score 0.500 · id d1")
     assert "id d2" not in tight
     assert json_size(tight) < 0.05 * 4000
-    assert fitted_text(query, arguments, "short", lambda: 3000, shorter) == "short"
+    assert fitted_text(query, arguments, "short", lambda: 3000, lambda: shorter) == "short"
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,8 @@ class Gateway:
             empty = types.CallToolResult(content=[types.TextContent(text="")], structured_content=structured)
             return len(empty.model_dump_json(by_alias=True, exclude_none=True).encode())
 
-        text = fitted_text(spec, arguments, render(reply, arguments), envelope_bytes, shorter_texts(reply, arguments))
+        text = render(reply, arguments)
+        text = fitted_text(spec, arguments, text, envelope_bytes, lambda: shorter_texts(reply, arguments))
         return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
     async def serve_stdio(self) -> None:

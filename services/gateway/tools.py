@@ -277,14 +277,14 @@ def fitted_text(
     arguments: dict[str, Any],
     text: str,
     envelope_bytes: Callable[[], int],
-    shorter: Sequence[str] = (),
+    shorter: Callable[[], Sequence[str]] = tuple,
 ) -> str:
     """The text of a tool result cut to what ``maxTokens`` leaves of it beside the rest of the result
     (``envelope_bytes``: the result as sent, its text empty), the text measured as JSON writes it (its newlines and
     quotes escaped: counting them raw let a result overrun a small budget by 2 %, a tester's finding). Only a budget
     under twice the least the worker takes needs it: the worker cannot be asked for half of it.
 
-    ``shorter``: the same answer with less in it, fullest first (:func:`render` without contents, then the results'
+    ``shorter()``: the same answer with less in it, fullest first (:func:`render` without contents, then the results'
     lines alone). The first that fits is sent, else as many of the last one's lines as fit, and at least its first
     (a few percent over the least budget): an agent reading the text alone got a budget of 1,000 as a cut marker
     and no result, not even an id to read on (a tester's finding)."""
@@ -294,9 +294,8 @@ def fitted_text(
     room = max_tokens * BYTES_PER_TOKEN - envelope_bytes() + len('""')  # the envelope holds the text's quotes
     if json_size(text) <= room:
         return text
-    shorter = [candidate for candidate in shorter if candidate]
-    if shorter:
-        *fuller, last = shorter
+    if candidates := [candidate for candidate in shorter() if candidate]:
+        *fuller, last = candidates
         fitting = (c + CONTENTS_LEFT_OUT for c in fuller if json_size(c + CONTENTS_LEFT_OUT) <= room)
         return next(fitting, None) or _first_lines(last, room - json_size(TEXT_CUT) + len('""')) + TEXT_CUT
     room -= json_size(TEXT_CUT) - len('""')

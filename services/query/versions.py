@@ -5,8 +5,9 @@ version of every workspace and branch before it answers its first query.
 
 A bucket deleted and made again (the projector remakes it, docs/reliability.md) starts its sequence anew, and the
 watch's consumer, made again by nats-py at the sequence after the last it read, would skip every announcement the
-new bucket holds: answers cached under a version the index has left would be served as current. So the tracker
-looks at the bucket's stream now and then and watches again from the start when it is not the one it watched.
+new bucket holds: the worker took the old version for the announced one and cached no answer of a newer one until
+a restart. So the tracker looks at the bucket's stream now and then and watches again from the start when it is
+not the one it watched.
 """
 
 from __future__ import annotations

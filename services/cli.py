@@ -682,11 +682,14 @@ def _workspace_filter(value: str | None) -> str | None:
 
 
 WorkspaceFilter = Annotated[
+    str | None, typer.Option("--workspace", "-w", help="Only this workspace's.", callback=_workspace_name)
+]
+LettersOf = Annotated[
     str | None,
     typer.Option(
         "--workspace",
         "-w",
-        help=f"Only this workspace's ({NO_WORKSPACE}: of no workspace).",
+        help=f"Only this workspace's ({NO_WORKSPACE}: those whose subject names no workspace).",
         callback=_workspace_filter,
     ),
 ]
@@ -729,7 +732,7 @@ def _as_operator(data_dir: Path | None, job: Callable[[Client, Names, Settings, 
 @dlq.command("list")
 def dlq_list(
     sequences: SequenceArgs = None,
-    workspace: WorkspaceFilter = None,
+    workspace: LettersOf = None,
     reason: ReasonFilter = None,
     since: SinceFilter = None,
     until: UntilFilter = None,
@@ -789,7 +792,7 @@ def _confirm(what: str, selection: Selection, yes: bool) -> None:
 @dlq.command("redrive")
 def dlq_redrive(
     sequences: SequenceArgs = None,
-    workspace: WorkspaceFilter = None,
+    workspace: LettersOf = None,
     reason: ReasonFilter = None,
     since: SinceFilter = None,
     until: UntilFilter = None,
@@ -833,17 +836,19 @@ def dlq_redrive(
         )
     for letter in outcome.bodiless:
         errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")
+    for letter in outcome.nowhere:
+        errors.print(f"left {letter.seq}: its subject names no workspace, so it would be set aside again (dlq purge)")
     for letter, why in outcome.refused:
         errors.print(f"left {letter.seq}: the delta stream refused it: {why}")
     left = len(outcome.superseded) + len(outcome.outdone) + len(outcome.waiting)
-    left += len(outcome.bodiless) + len(outcome.refused)
+    left += len(outcome.bodiless) + len(outcome.nowhere) + len(outcome.refused)
     errors.print(f"re-drove {len(outcome.sent)} dead letter(s), left {left}")
 
 
 @dlq.command("purge")
 def dlq_purge(
     sequences: SequenceArgs = None,
-    workspace: WorkspaceFilter = None,
+    workspace: LettersOf = None,
     reason: ReasonFilter = None,
     since: SinceFilter = None,
     until: UntilFilter = None,

@@ -503,6 +503,9 @@ async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_un
     # Selected by that name (a verifier's `dlq list --workspace _unknown` was refused as no workspace name).
     assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="_unknown")) == [letter]
     assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme")) == []
+    # Not re-driven: the projector would set it aside again, under a new sequence, for ever (a review's).
+    outcome = await redrive(deployment.nc, deployment.names, [letter], None)
+    assert (outcome.nowhere, outcome.sent) == ([letter], [])
     from ontofabric.services.cli import _workspace_filter
 
     assert _workspace_filter("_unknown") == "_unknown"

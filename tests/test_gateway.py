@@ -51,7 +51,7 @@ from ontofabric.contracts.query import (
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
-from ontofabric.services.gateway.server import Gateway
+from ontofabric.services.gateway.server import Gateway, MisreadBodies
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import (
     TEXT_CUT,
@@ -1108,6 +1108,31 @@ def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves()
     assert fitted_text(query, {"maxTokens": 1000}, "", lambda: 4100) == ""
 
 
+@pytest.mark.parametrize("last_more", [True, False])
+async def test_a_body_past_the_limit_without_a_length_is_refused_as_json_however_it_ends(last_more: bool) -> None:
+    """A chunked body states no length: past the limit it went on to the SDK, whose 413 is plain text; and a review
+    found a body whose last piece carried it past the limit still did (uvicorn hands the end with the data)."""
+    pieces = [b"x" * 1000, b"y" * 10] + ([b"z"] if last_more else [])
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+    sent: list[dict[str, Any]] = []
+    reached: list[bool] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(True)
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]}
+    await MisreadBodies(inner, max_body_bytes=1000)(scope, receive, send)
+    assert reached == []
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == -32600
+
+
 def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     """A click tester's agent, reading the text alone, got for maxTokens 1000 a cut marker and no result, not even
     an id to read on; and linked types dropped for room were not said, so "none" read like "cut"."""
@@ -1138,10 +1163,19 @@ def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     assert roomy.endswith("or get_document by id)")
     # No room at all (the worker's least reply fills the budget): the first result's line still, a few % over.
     tight = fitted_text(query, arguments, whole, lambda: 4000, lambda: shorter)
-    assert tight.startswith("1. m.f1 · function · score 0.500 · id d1")
+    assert tight.startswith("1. m.f1 · id d1\n")
     assert "id d2" not in tight
     assert json_size(tight) < 0.05 * 4000
     assert fitted_text(query, arguments, "short", lambda: 3000, lambda: shorter) == "short"
+    # Without results the notes are the whole text: cut as before, not said to be cut while sent whole (a review's).
+    empty = QueryResponse(results=[], _meta=meta)
+    notes = render(empty, arguments)
+    assert shorter_texts(empty, arguments) == []
+    fitted_notes = fitted_text(
+        query, arguments, notes, lambda: 4000 - json_size(notes) + 10, lambda: shorter_texts(empty, arguments)
+    )
+    assert fitted_notes.endswith(TEXT_CUT)
+    assert json_size(fitted_notes) <= json_size(notes) - 8  # within the room
 
 
 @pytest.mark.parametrize(

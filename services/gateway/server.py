@@ -345,9 +345,10 @@ class MisreadBodies:
             await self._app(scope, receive, send)
             return
         read, body = await peek_body(receive, self._max_body_bytes)
-        if body is None and read and read[-1]["type"] == "http.request":  # past the limit, and more to come
+        size = sum(len(m.get("body", b"")) for m in read if m["type"] == "http.request")
+        if size > self._max_body_bytes and read[-1]["type"] == "http.request":  # not a client that left
             # A body sent in chunks states no length: the SDK read it and answered plain text (a verifier's).
-            await self._too_large(send, f"over {sum(len(m.get('body', b'')) for m in read)} bytes")
+            await self._too_large(send, f"{size} bytes" if body is not None else f"over {size} bytes")
             return
         version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
         answer = None if body is None else _answer_to_unknown_version(version, body) or _answer_to_misread(body)

@@ -331,10 +331,11 @@ def render(reply: BaseModel, arguments: dict[str, Any] | None = None, contents: 
 
 def shorter_texts(reply: BaseModel, arguments: dict[str, Any]) -> list[str]:
     """What :func:`fitted_text` may send of a query's answer when its whole text does not fit: without contents,
-    then the results' own lines (each with its id)."""
-    if not isinstance(reply, QueryResponse):
+    then each result's symbol and id alone. None without results: the whole text is the notes, cut as they are."""
+    if not isinstance(reply, QueryResponse) or not reply.results:
         return []
-    return [render(reply, arguments, contents=False), "\n".join(_result_line(r).lstrip() for r in reply.results)]
+    ids = [f"{r.rank}. {r.metadata.get('symbolFqn') or r.object_type} · id {r.id}" for r in reply.results]
+    return [render(reply, arguments, contents=False), "\n".join(ids)]
 
 
 def render_error(reply: ErrorReply) -> str:

@@ -190,10 +190,8 @@ async def dead_letters(nc: Client, names: Names, selection: Selection) -> list[D
     first, last = int(state.first_seq or 0), int(state.last_seq or 0)
     if selection.sequences:
         first, last = max(first, min(selection.sequences)), min(last, max(selection.sequences))
-    subjects = names.dlq_subjects
-    if selection.workspace == NO_WORKSPACE:
-        subjects = names.dlq_subject(NO_WORKSPACE)
-    elif selection.workspace is not None:
+    subjects = names.dlq_subjects  # those of no workspace too: an earlier version filed some under odd tokens
+    if selection.workspace not in (None, NO_WORKSPACE):
         subjects = names.dlq_subject(encode_token(selection.workspace))
     found: list[DeadLetter] = []
     if state.messages == 0 or first > last:
@@ -219,6 +217,8 @@ class Redrive:
     """Not sent: another dead letter of the run, sent in its place, holds a later state of its row."""
     bodiless: list[DeadLetter] = field(default_factory=list)
     """Not sent: stored without its delta, too large for the stream to take again."""
+    nowhere: list[DeadLetter] = field(default_factory=list)
+    """Not sent: its subject names no workspace, so the projector would set it aside again (a review's)."""
     refused: list[tuple[DeadLetter, str]] = field(default_factory=list)
     """Not sent: the stream refused it (too large now, say), with why; the dead letter stays."""
 
@@ -349,6 +349,9 @@ async def redrive(
     for letter in letters:
         if letter.body_omitted:
             outcome.bodiless.append(letter)
+            continue
+        if letter.workspace is None:
+            outcome.nowhere.append(letter)
             continue
         if database_url_of is not None and letter.workspace is not None:
             row = rows[letter.seq]

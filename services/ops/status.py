@@ -26,7 +26,7 @@ from ontofabric.shared.discovery import Worker, discover
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import NO_WORKSPACE, Names
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,10 @@ async def deployment_status(
         )
     dlq = await js.stream_info(names.dlq_stream, subjects_filter=names.dlq_subjects)
     for subject, count in sorted((dlq.state.subjects or {}).items()):
-        owner = names.workspace_of_dlq_subject(subject) or subject
+        # Named as `dlq list --workspace` selects them (a subject of an earlier version's odd token among them).
+        owner = names.workspace_of_dlq_subject(subject) or NO_WORKSPACE
         if workspace is None or owner == workspace:
-            status.dead_letters[owner] = count
+            status.dead_letters[owner] = status.dead_letters.get(owner, 0) + count
     for info in (deltas, dlq):
         limit = info.config.max_bytes or -1
         status.streams.append(

@@ -23,7 +23,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, OntologyVersionChanged, overlay_version
-from ontofabric.shared.logging import get_logger
+from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.tasks import cancel_and_wait
 
@@ -90,12 +90,13 @@ class VersionTracker:
             try:
                 made = await self._bucket_made()
                 watcher = await self._kv.watchall()
+                failures = 0
                 try:
                     await self._follow(watcher, made)
                 finally:
                     with contextlib.suppress(Exception):
                         await watcher.stop()  # type: ignore[no-untyped-call]
-                failures = 0
+                await asyncio.sleep(0.1)  # a watch that ended by itself is not made again in a busy loop
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -109,7 +110,14 @@ class VersionTracker:
         try:
             while not reading.done():
                 await asyncio.wait({reading}, timeout=self._look_every_s)
-                if not reading.done() and (now := await self._bucket_made()) != made:
+                if reading.done():
+                    break
+                try:
+                    now = await self._bucket_made()
+                except Exception as error:  # not known now (NATS slow, say): the watch goes on (a review's)
+                    log.debug("versions_bucket_unread", error=describe(error))
+                    continue
+                if now != made:
                     log.warning("versions_bucket_replaced", made=str(made), now=str(now))
                     return
             reading.result()

@@ -282,9 +282,19 @@ def _stalled_projection(floor: int, target: int, still_s: float) -> None:
     )
 
 
+def _source_tree(value: Path) -> Path:
+    """A directory: a pipe or a device passed as PATH was read as an empty tree (an ingest tester's)."""
+    if not value.is_dir():
+        raise typer.BadParameter(f"{value} is not a directory")
+    return value
+
+
 @app.command()
 def ingest(
-    path: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).")],
+    path: Annotated[
+        Path,
+        typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).", callback=_source_tree),
+    ],
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.", callback=_workspace_name)],
     branch: Annotated[str, typer.Option(help="Branch to publish into.", callback=_branch_name)] = MAIN_BRANCH,
     wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every delta.")] = True,
@@ -413,6 +423,15 @@ def ingest(
                 errors.print(
                     f"warning: Python files that could not be parsed, so only their whole text is indexed (no "
                     f"symbols, calls or graph of theirs until they parse): {shown}",
+                    soft_wrap=True,
+                    markup=False,
+                )
+            if report.unread:  # a directory not listed was dropped, its documents deleted (an ingest tester's)
+                shown = ", ".join(report.unread[:5]) + (", ..." if len(report.unread) > 5 else "")
+                errors.print(
+                    f"warning: {len(report.unread)} paths could not be read (access denied?): {shown}. Nothing was "
+                    "deleted, since what they held may still be there; give the ingester access to them, or "
+                    "--exclude them, and ingest again",
                     soft_wrap=True,
                     markup=False,
                 )

@@ -628,3 +628,19 @@ def test_an_http_gateway_on_a_port_in_use_says_so_in_a_line(tmp_path: Path) -> N
     assert result.returncode == 2
     assert f"the gateway cannot listen on 127.0.0.1:{port}" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
+
+
+def test_ingest_refuses_a_path_that_is_no_directory(tmp_path: Path) -> None:
+    """An ingest tester's pipe named fifo.py, passed as PATH, was read as an empty tree: with --allow-empty, it would
+    have emptied the branch."""
+    from typer.testing import CliRunner
+
+    from ontofabric.services import cli
+
+    pipe = tmp_path / "fifo.py"
+    os.mkfifo(pipe)
+    result = CliRunner().invoke(
+        cli.app, ["ingest", str(pipe), "--workspace", "acme", "--allow-empty"], env={"COLUMNS": "300"}
+    )
+    assert result.exit_code == 2
+    assert "is not a directory" in result.output

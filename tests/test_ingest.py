@@ -558,6 +558,66 @@ def test_exclusions_read_as_gitignore_reads_them(tmp_path: Path) -> None:
             exclusion_patterns(tmp_path, [nothing])
 
 
+def test_exclude_reads_backslash_escapes_as_gitignore_does(tmp_path: Path) -> None:
+    """An ingest tester's `--exclude 'st\\*r.py'` was read as the path `st/*r.py`, and `a\\[1\\]` as a character
+    class: both excluded nothing, where .gitignore names the files themselves."""
+    _write(tmp_path, {"st*r.py": "", "star.py": "", "a[1]/b.py": "", "a1/b.py": "", "#x.py": ""})
+
+    def kept(*written: str) -> set[str]:
+        return set(read_tree(tmp_path, exclusion_patterns(tmp_path, written)))
+
+    assert kept("st\\*r.py") == {"star.py", "a[1]/b.py", "a1/b.py", "#x.py"}
+    assert kept("a\\[1\\]") == {"st*r.py", "star.py", "a1/b.py", "#x.py"}
+    assert kept("\\#x.py") == {"st*r.py", "star.py", "a[1]/b.py", "a1/b.py"}
+    assert kept("st*r.py") == {"a[1]/b.py", "a1/b.py", "#x.py"}  # unescaped, a pattern as before
+
+
+def test_directories_of_tools_output_are_left_out_unless_they_are_packages(tmp_path: Path) -> None:
+    """pip's `operations/build` package was left out as build output (an ingest tester's)."""
+    _write(
+        tmp_path,
+        {
+            "pkg/operations/build/__init__.py": "", "pkg/operations/build/wheel.py": "",
+            "build/lib/pkg/x.py": "", "dist/y.py": "", ".tox/z.py": "", "pkg/core.py": "",
+        },
+    )  # fmt: skip
+    assert set(read_tree(tmp_path)) == {
+        "pkg/operations/build/__init__.py",
+        "pkg/operations/build/wheel.py",
+        "pkg/core.py",
+    }
+
+
+async def test_a_directory_that_cannot_be_listed_deletes_nothing(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ingest tester's directory made unlistable (a mount point gone, access taken away) was left out without
+    a word and everything an earlier ingest had published of it deleted, exit 0. (Run as root, a mode cannot take
+    the listing away: the listing fails here as it does without access.)"""
+    _write(tmp_path, {"a.py": "def f():\n    return 1\n", "nolist/x.py": "def g():\n    return 2\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    first = await ingester.ingest(tmp_path, "repo")
+    assert first.upserts == 4
+    (tmp_path / "a.py").unlink()  # gone for good: its deletion waits with the rest
+    scandir = os.scandir
+
+    def refusing(path: Any) -> Any:
+        if Path(os.fsdecode(path)).name == "nolist":
+            raise PermissionError(13, "Permission denied", os.fsdecode(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    unread = await ingester.ingest(tmp_path, "repo")
+    assert unread.unread == ("nolist",)
+    assert (unread.upserts, unread.deletes, unread.last_sequence) == (0, 0, None)
+    monkeypatch.setattr(os, "scandir", scandir)
+    readable = await ingester.ingest(tmp_path, "repo")  # everything read: a.py's two documents go now
+    assert (readable.unread, readable.upserts, readable.deletes) == ((), 0, 2)
+    assert readable.last_sequence is not None
+    await deployment.wait_projected(readable.last_sequence)
+    assert set(await _live(deployment)) == {"python:nolist/x.py", "python:nolist/x.py/g()."}
+
+
 async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_published(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path
 ) -> None:

@@ -8,12 +8,14 @@ is stored; an interrupted run publishes the same event ids again, which the proj
 from __future__ import annotations
 
 import asyncio
+import errno
 import fnmatch
 import hashlib
 import io
 import json
 import os
 import posixpath
+import re
 import stat
 import time
 import tokenize
@@ -72,6 +74,9 @@ log = get_logger(__name__)
 SKIPPED_DIRECTORIES = {
     "__pycache__", "node_modules", "build", "dist", "site-packages", "venv", ".venv", ".git", ".tox", ".eggs",
 }  # fmt: skip
+"""Directories of tools' output, left out at any depth (as are hidden ones and ``*.egg-info``), unless they hold
+an ``__init__.py``: then they are a package of the tree (pip's ``operations/build`` was left out, an ingest
+tester's)."""
 SOURCE_SUFFIXES = (".py", ".md")
 EMBED_BATCH = 64
 
@@ -85,13 +90,29 @@ class EmptyTreeRefused(ValueError):
     volume not mounted): refused unless asked for."""
 
 
+def _unescaped(written: str) -> str:
+    """A pattern's backslashes as ``.gitignore`` reads them, for :mod:`fnmatch`: one before ``*``, ``?``, ``[``,
+    ``]`` or ``\\`` makes it that character itself (``st\\*r.py`` names the file ``st*r.py``: an ingest tester's was
+    read as the path ``st/*r.py``), before ``!``, ``#`` or a space the character alone; any other is ``/`` (a
+    Windows path)."""
+
+    def one(match: re.Match[str]) -> str:
+        char = match.group(1)  # empty for a backslash at the end
+        if char and char in "*?[]\\":
+            return f"[{char}]"
+        return char if char and char in "!# " else "/" + char
+
+    return re.sub(r"\\(.?)", one, written, flags=re.DOTALL)
+
+
 def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
     """``patterns`` as :func:`excluded` reads them, each once and sorted (the same set of patterns reads the
-    same): ``\\`` as ``/``, without a leading ``./`` or a trailing ``/``, an absolute one made relative to
-    ``root``. ExclusionRefused for one that can match nothing in the tree (empty, ``.``, outside it)."""
+    same): backslashes as :func:`_unescaped` reads them, without a leading ``./`` or a trailing ``/``, an absolute
+    one made relative to ``root``. ExclusionRefused for one that can match nothing in the tree (empty, ``.``,
+    outside it)."""
     normal = []
     for written in patterns:
-        pattern = written.replace("\\", "/")
+        pattern = _unescaped(written)
         if pattern.startswith("/"):
             try:
                 pattern = Path(pattern).relative_to(root.resolve()).as_posix()
@@ -120,26 +141,45 @@ def excluded(relative: str, patterns: Collection[str]) -> bool:
     return False
 
 
-def discover(root: Path, exclude: Collection[str] = ()) -> Iterator[Path]:
+def _tools_output(directory: Path, name: str) -> bool:
+    """Whether a directory is left out as hidden or as tools' output (:data:`SKIPPED_DIRECTORIES`)."""
+    if name.startswith("."):
+        return True
+    generated = name in SKIPPED_DIRECTORIES or name.endswith(".egg-info")
+    return generated and not (directory / name / "__init__.py").is_file()
+
+
+def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None = None) -> Iterator[Path]:
     """Source files under ``root``, in a stable order, skipping hidden and generated directories and what
-    ``exclude`` names (:func:`excluded`)."""
-    for directory, subdirectories, files in os.walk(root):
+    ``exclude`` names (:func:`excluded`). A directory that cannot be listed is logged and, relative to ``root``,
+    added to ``unread``."""
+
+    def unlisted(error: OSError) -> None:
+        log.warning("ingest_directory_unread", path=repr(str(error.filename)), error=str(error))
+        if unread is not None and error.filename is not None:
+            unread.append(Path(os.fsdecode(error.filename)).relative_to(root).as_posix())
+
+    for directory, subdirectories, files in os.walk(root, onerror=unlisted):
         here = Path(directory).relative_to(root).as_posix()
         prefix = "" if here == "." else f"{here}/"
-        subdirectories[:] = sorted(
-            d for d in subdirectories if not d.startswith(".") and d not in SKIPPED_DIRECTORIES
-            and not d.endswith(".egg-info") and not excluded(prefix + d, exclude)
-        )  # fmt: skip
+        kept = []
+        for name in sorted(subdirectories):
+            if _tools_output(Path(directory), name):
+                log.debug("ingest_directory_skipped", path=prefix + name)
+            elif not excluded(prefix + name, exclude):
+                kept.append(name)
+        subdirectories[:] = kept
         for name in sorted(files):
             if name.endswith(SOURCE_SUFFIXES) and not excluded(prefix + name, exclude):
                 yield Path(directory) / name
 
 
-def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
+def read_tree(root: Path, exclude: Collection[str] = (), unread: list[str] | None = None) -> dict[str, str]:
     """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`);
-    unreadable files are skipped, logged."""
+    files that are not text, or no regular file, are skipped, logged. What could not be read for want of access
+    (or a failing disk), a file or a directory, is also added to ``unread``: it may still hold what it held."""
     sources: dict[str, str] = {}
-    for path in discover(root, exclude):
+    for path in discover(root, exclude, unread):
         relative = path.relative_to(root).as_posix()
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
@@ -147,6 +187,8 @@ def read_tree(root: Path, exclude: Collection[str] = ()) -> dict[str, str]:
         # SyntaxError: a coding line naming no codec; LookupError: one naming no text codec (rot13, a review's).
         except (UnicodeError, OSError, SyntaxError, LookupError) as error:
             log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
+            if unread is not None and (isinstance(error, PermissionError) or getattr(error, "errno", 0) == errno.EIO):
+                unread.append(relative)
             continue
         if "\0" in text:  # no text field may hold NUL: a binary file under a source suffix
             log.warning("ingest_file_skipped", path=str(path), error="it holds NUL characters: not text")
@@ -166,6 +208,8 @@ def read_regular_file(path: Path) -> str:
     above it swapped for one while the ingest walks the tree is not guarded against)."""
     if path.is_symlink():
         raise OSError(f"{path.name}: a symbolic link (links are not followed)")
+    if not stat.S_ISREG(path.lstat().st_mode):  # said so before opening: a socket's open failed "no such device"
+        raise OSError(f"{path.name}: not a regular file")
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(descriptor, "rb") as opened:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -336,6 +380,14 @@ class IngestPlan:
     """The manifest once this plan is published."""
 
 
+def with_unseen_kept(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> dict[str, str]:
+    """``desired``, with what the branch holds now of every key the tree did not give: kept as it is, neither
+    deleted nor sent again (for an ingest that could not read part of the tree). Main's keys a branch hides stay
+    hidden."""
+    held = {**(main.entries if main is not None else {}), **previous.entries}
+    return {**{key: value for key, value in held.items() if value != TOMBSTONE}, **desired}
+
+
 def plan_ingest(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> IngestPlan:
     """What to publish so the branch holds ``desired`` (key -> hash): on main everything that changed; on a
     branch (``main`` given) only what differs from main, as overrides, tombstones and reverts."""
@@ -481,6 +533,9 @@ class IngestReport:
     unparsed: tuple[str, ...] = ()
     """The Python files whose source could not be parsed, each with why (``a.py (line 3: invalid syntax)``):
     indexed as whole files, without their symbols' chunks, calls or graph."""
+    unread: tuple[str, ...] = ()
+    """Files and directories that could not be read (access denied, a failing disk), relative to the tree: while
+    there are any, the ingest deletes nothing."""
 
 
 class Ingester:
@@ -542,10 +597,12 @@ class Ingester:
         ``package``: the tree's package name when it is not its directory's (empty: none; see
         :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
         published of them is deleted, as for a file gone from the tree. A tree with no source file that would
-        delete documents is refused (EmptyTreeRefused) unless ``allow_empty``."""
+        delete documents is refused (EmptyTreeRefused) unless ``allow_empty``. When part of the tree could not be
+        read (``IngestReport.unread``), nothing is deleted: what was not seen may still be there."""
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         patterns = exclusion_patterns(root, exclude)
-        sources = await asyncio.to_thread(read_tree, root, patterns)
+        unread: list[str] = []
+        sources = await asyncio.to_thread(read_tree, root, patterns, unread)
         if patterns and not sources and await asyncio.to_thread(lambda: next(discover(root), None) is not None):
             # One word too many would delete the whole workspace's index.
             raise ExclusionRefused(
@@ -570,6 +627,8 @@ class Ingester:
         previous = _manifest_of(loaded)
         patterns_changed = previous.exclude is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
+        if unread:  # a directory not listed was left out, and its documents deleted (an ingest tester's)
+            desired = with_unseen_kept(desired, previous, main)
         plan = plan_ingest(desired, previous, main)
         # On a branch, what goes is main's documents hidden (deletes) and the branch's own taken back (reverts).
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
@@ -643,6 +702,7 @@ class Ingester:
             publish_s=publish_s,
             exclusions=patterns,
             unparsed=tuple(f"{c.file_path} ({c.parse_error})" for c in chunks.values() if c.parse_error is not None),
+            unread=tuple(unread),
             exclusions_before=previous.exclude if patterns_changed else None,
             main_exclusions=(
                 main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None

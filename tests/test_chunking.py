@@ -18,7 +18,16 @@ from ontofabric.services.ingest.chunking import (
     truncate_utf8,
 )
 from ontofabric.services.ingest.graph import python_graph
-from ontofabric.services.ingest.ingester import TOMBSTONE, UNKNOWN, Manifest, chunk_tree, event_id, plan_ingest
+from ontofabric.services.ingest.ingester import (
+    TOMBSTONE,
+    UNKNOWN,
+    Manifest,
+    as_far_as_read,
+    chunk_tree,
+    event_id,
+    plan_ingest,
+    without_removals,
+)
 
 PYTHON = textwrap.dedent(
     '''
@@ -196,6 +205,22 @@ def test_branch_plan_holds_only_the_delta_over_main() -> None:
     # Nothing changed since: nothing to publish.
     third = plan_ingest({"d:a": "1", "d:b": "1", "d:c": "1", "d:d": "1"}, second.manifest, main)
     assert (third.upserts, third.deletes, third.reverts) == ([], [], [])
+
+
+def test_a_plan_made_with_part_of_the_tree_unread_takes_nothing_out_and_sends_only_new_text() -> None:
+    """A review's: with a file unread, an unchanged file's calls and a class's bases (read from the whole tree)
+    came out otherwise and were sent, and on a branch a key unknown on both sides was reverted."""
+    previous = Manifest({"d:a": "h1|sig|calls:b.g", "d:b": "h2|sig", "d:gone": "h3|sig", "n:a.A": "b.B", "l:x": "1"})
+    desired = {"d:a": "h1|sig|", "d:new": "h4|sig", "n:a.A": "B", "n:a.C": "", "l:y": "1"}  # b.py not read
+    plan = without_removals(plan_ingest(as_far_as_read(desired, previous), previous), previous)
+    assert (plan.upserts, plan.deletes, plan.reverts) == (["d:new"], [], [])
+    assert plan.manifest.entries == {**previous.entries, "d:new": "h4|sig"}  # the next full read removes d:gone
+    # A branch: main's unknown key, unknown on the branch too, is not reverted; a hidden one stays hidden.
+    main = Manifest({"d:u": UNKNOWN, "d:m": "h5|sig", "d:hidden": "h6|sig"})
+    branch = Manifest({"d:u": UNKNOWN, "d:own": "h7|sig", "d:hidden": TOMBSTONE})
+    on_branch = without_removals(plan_ingest(as_far_as_read({}, branch, main), branch, main), branch)
+    assert (on_branch.upserts, on_branch.deletes, on_branch.reverts) == ([], [], [])
+    assert on_branch.manifest.entries == branch.entries
 
 
 def test_event_ids_repeat_for_a_rerun_and_change_after_a_round_trip() -> None:

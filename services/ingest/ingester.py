@@ -81,6 +81,11 @@ SOURCE_SUFFIXES = (".py", ".md")
 EMBED_BATCH = 64
 
 
+GONE_OR_NO_FILE = (None, errno.ENOENT, errno.ELOOP, errno.ENOTDIR)
+"""Why a source file read fails when it is rightly no document (gone since the walk, a link, no regular file, no
+text: errors without an errno); any other (access denied, a failing disk or mount) leaves it unread."""
+
+
 class ExclusionRefused(ValueError):
     """An ``--exclude`` that names nothing in the tree, or that would leave nothing of it."""
 
@@ -145,8 +150,12 @@ def _tools_output(directory: Path, name: str) -> bool:
     """Whether a directory is left out as hidden or as tools' output (:data:`SKIPPED_DIRECTORIES`)."""
     if name.startswith("."):
         return True
-    generated = name in SKIPPED_DIRECTORIES or name.endswith(".egg-info")
-    return generated and not (directory / name / "__init__.py").is_file()
+    if name not in SKIPPED_DIRECTORIES and not name.endswith(".egg-info"):
+        return False
+    try:
+        return not (directory / name / "__init__.py").is_file()
+    except OSError:  # not to be looked into: as it was before packages were told apart (a review's traceback)
+        return True
 
 
 def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None = None) -> Iterator[Path]:
@@ -164,9 +173,11 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
         prefix = "" if here == "." else f"{here}/"
         kept = []
         for name in sorted(subdirectories):
+            if excluded(prefix + name, exclude):
+                continue
             if _tools_output(Path(directory), name):
                 log.debug("ingest_directory_skipped", path=prefix + name)
-            elif not excluded(prefix + name, exclude):
+            else:
                 kept.append(name)
         subdirectories[:] = kept
         for name in sorted(files):
@@ -176,8 +187,9 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
 
 def read_tree(root: Path, exclude: Collection[str] = (), unread: list[str] | None = None) -> dict[str, str]:
     """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`);
-    files that are not text, or no regular file, are skipped, logged. What could not be read for want of access
-    (or a failing disk), a file or a directory, is also added to ``unread``: it may still hold what it held."""
+    files that are not text, or no regular file, are skipped, logged. What could not be read otherwise (access
+    denied, a failing disk or mount), a file or a directory, is also added to ``unread``: it may still hold what
+    it held."""
     sources: dict[str, str] = {}
     for path in discover(root, exclude, unread):
         relative = path.relative_to(root).as_posix()
@@ -187,7 +199,7 @@ def read_tree(root: Path, exclude: Collection[str] = (), unread: list[str] | Non
         # SyntaxError: a coding line naming no codec; LookupError: one naming no text codec (rot13, a review's).
         except (UnicodeError, OSError, SyntaxError, LookupError) as error:
             log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
-            if unread is not None and (isinstance(error, PermissionError) or getattr(error, "errno", 0) == errno.EIO):
+            if unread is not None and getattr(error, "errno", None) not in GONE_OR_NO_FILE:
                 unread.append(relative)
             continue
         if "\0" in text:  # no text field may hold NUL: a binary file under a source suffix
@@ -380,12 +392,32 @@ class IngestPlan:
     """The manifest once this plan is published."""
 
 
-def with_unseen_kept(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> dict[str, str]:
-    """``desired``, with what the branch holds now of every key the tree did not give: kept as it is, neither
-    deleted nor sent again (for an ingest that could not read part of the tree). Main's keys a branch hides stay
-    hidden."""
+def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> dict[str, str]:
+    """``desired`` for an ingest that could not read part of the tree: a document's new or changed text is sent,
+    and what is read from the whole tree stays as the branch holds it, since part of it is missing (an unchanged
+    document's calls, the graph: a review found a file's calls and bases lost to the one not read). Keys the tree
+    did not give are left to :func:`without_removals`."""
     held = {**(main.entries if main is not None else {}), **previous.entries}
-    return {**{key: value for key, value in held.items() if value != TOMBSTONE}, **desired}
+    kept = {}
+    for key, value in desired.items():
+        before = held.get(key)
+        if key.startswith("d:") and (before is None or before.split("|")[0] != value.split("|")[0]):
+            kept[key] = value  # its text is new: sent
+        elif before is not None and before != TOMBSTONE:
+            kept[key] = before
+    return kept
+
+
+def without_removals(plan: IngestPlan, previous: Manifest) -> IngestPlan:
+    """``plan`` with nothing taken out of the branch (no delete, tombstone or revert), its manifest keeping what
+    the branch held of those keys, so that the next ingest that reads the whole tree removes what is gone."""
+    entries = dict(plan.manifest.entries)
+    for key in [*plan.deletes, *plan.reverts]:
+        if key in previous.entries:
+            entries[key] = previous.entries[key]
+        else:  # a tombstone it would have added
+            entries.pop(key, None)
+    return replace(plan, deletes=[], reverts=[], manifest=Manifest(entries, plan.manifest.exclude))
 
 
 def plan_ingest(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> IngestPlan:
@@ -603,7 +635,7 @@ class Ingester:
         patterns = exclusion_patterns(root, exclude)
         unread: list[str] = []
         sources = await asyncio.to_thread(read_tree, root, patterns, unread)
-        if patterns and not sources and await asyncio.to_thread(lambda: next(discover(root), None) is not None):
+        if patterns and not sources and not unread and await asyncio.to_thread(lambda: any(discover(root))):
             # One word too many would delete the whole workspace's index.
             raise ExclusionRefused(
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
@@ -628,8 +660,9 @@ class Ingester:
         patterns_changed = previous.exclude is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         if unread:  # a directory not listed was left out, and its documents deleted (an ingest tester's)
-            desired = with_unseen_kept(desired, previous, main)
-        plan = plan_ingest(desired, previous, main)
+            plan = without_removals(plan_ingest(as_far_as_read(desired, previous, main), previous, main), previous)
+        else:
+            plan = plan_ingest(desired, previous, main)
         # On a branch, what goes is main's documents hidden (deletes) and the branch's own taken back (reverts).
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:

@@ -767,7 +767,7 @@ def dlq_list(
             print(json.dumps(letter.summary()))
         else:
             stamp = letter.stored_at.strftime("%Y-%m-%d %H:%M:%S")
-            print(f"{letter.seq}\t{stamp}\t{letter.workspace}\t{letter.reason}\t{letter.detail[:120]}")
+            print(f"{letter.seq}\t{stamp}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{letter.detail[:120]}")
     if len(letters) > limit:
         errors.print(f"{len(letters) - limit} more (--limit)")
     if not as_json:

@@ -502,6 +502,7 @@ async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_un
     assert stored.subject == deployment.names.dlq_subject("_unknown")
     # Selected by that name (a verifier's `dlq list --workspace _unknown` was refused as no workspace name).
     assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="_unknown")) == [letter]
+    assert letter.summary()["workspace"] == "_unknown"  # as `dlq list --json` and `dlq show` print it, not null
     assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="acme")) == []
     # Not re-driven: the projector would set it aside again, under a new sequence, for ever (a review's).
     outcome = await redrive(deployment.nc, deployment.names, [letter], None)

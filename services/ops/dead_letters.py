@@ -97,7 +97,7 @@ class DeadLetter:
         return {
             "seq": self.seq,
             "storedAt": self.stored_at.isoformat(),
-            "workspace": self.workspace,
+            "workspace": self.workspace or NO_WORKSPACE,  # as the filters and the contract name it
             "reason": self.reason,
             "detail": self.detail,
             "index": self.index,

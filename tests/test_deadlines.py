@@ -382,6 +382,17 @@ async def test_a_request_whose_caller_sent_it_long_before_the_worker_read_it_is_
     just_now = {SENT_AT_HEADER: str(round(time.time() * 1000))}
     (answer,) = await _request(deployment, _query(), 2000, 1.5, just_now)
     assert isinstance(parse_reply(answer), QueryResponse)
+    # So too while the worker holds its workspace's requests, their work timed: it was refused "overloaded ...
+    # retry with a longer timeout" (an MCP fault tester's, after a frozen NATS server), as if any work were more
+    # than 80 % of none.
+    reranker.delay_s = 1.0
+    busy = asyncio.create_task(_request(deployment, _query("sorting numbers in descending order"), 10_000, 3.0))
+    await asyncio.sleep(0.3)  # at work
+    (spent,) = await _request(deployment, _query(), 2000, 1.0, {SENT_AT_HEADER: str(round((time.time() - 15) * 1000))})
+    refused_late = parse_reply(spent)
+    assert isinstance(refused_late, ErrorReply)
+    assert refused_late.error.code == "deadline_exceeded", refused_late.error.message
+    assert isinstance(parse_reply((await busy)[0]), QueryResponse)
     (malformed,) = await _request(deployment, _query(), 2000, 1.0, {SENT_AT_HEADER: "yesterday"})
     refused = parse_reply(malformed)
     assert isinstance(refused, ErrorReply)

@@ -432,6 +432,13 @@ class QueryService:
         concurrency = self.settings.query_concurrency
         places = concurrency + self.settings.query_queue_limit
         workspace = workspace_token_of(msg.subject) or ""
+        if deadline.left(received) <= 0:  # spent before it reached this worker (a NATS server frozen, say)
+            # Before the admission's estimate: with the workspace's requests held, any work is more than 80 % of
+            # nothing, and it was refused "overloaded ... retry with a longer timeout" (an MCP fault tester's).
+            late = Admitted(msg, received, deadline, workspace).late(received)
+            short = self._timeout_too_short(deadline)
+            await self._reply(msg, error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short))
+            return
         own = self._held_by[workspace]
         ahead, runners = self._turn_of(workspace)
         timed_as = self._timed_as(msg, workspace)

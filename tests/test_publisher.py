@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,18 @@ class OwnNats:
 
     def restart(self) -> None:
         self.server = spawn_nats(self.directory, self.port, self.users)
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once the kernel says the server is stopped: the signal is delivered asynchronously,
+        and a request sent at once was answered now and then in that window (a flaky run of the full suite)."""
+        pid = self.server.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(1000):
+            threads = Path(f"/proc/{pid}/task").iterdir()
+            if all((thread / "stat").read_text().rsplit(") ", 1)[1][:1] == "T" for thread in threads):
+                return
+            time.sleep(0.001)
+        raise AssertionError(f"nats-server {pid} did not stop")
 
 
 @pytest.fixture
@@ -156,7 +170,7 @@ async def test_a_wait_for_projection_outlasts_a_server_that_does_not_answer_for_
         subscription = await js.pull_subscribe_bind(durable, NAMES.delta_stream)
         (msg,) = await subscription.fetch(1)
         await msg.ack_sync()
-        own_nats.server.process.send_signal(signal.SIGSTOP)
+        own_nats.freeze()
         frozen_s = 4.0
         try:
             waiting = asyncio.create_task(wait_projected(js, NAMES, 1, ack.seq, timeout_s=60))

@@ -183,7 +183,7 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
                         refused.set_result(subject)
             log.warning("nats_permission_denied", subject=violation.group(1))
             return
-        said, now = str(error), time.monotonic()
+        said, now = describe(error), time.monotonic()  # some errors have no text of their own
         # While the server is gone every reconnect attempt (once a second) fails alike: each error said once a
         # minute (by its text: with several servers their errors alternate).
         if now - outage.logged.get(said, -ERROR_REPEAT_S) < ERROR_REPEAT_S:

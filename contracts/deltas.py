@@ -11,7 +11,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic.config import JsonDict
 
 from ._base import WireModel
 from .documents import MAIN_BRANCH, OBJECT_TYPE, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
@@ -22,6 +23,21 @@ EntityKind = Literal["document", "node", "link"]
 """What a delta writes: a document, a graph node or a link (one row of a workspace's branch)."""
 Effect = Literal["live", "removed", "reverted"]
 """What the row is after the delta: live, a tombstone, or (on a branch) transparent, letting main's show through."""
+
+
+def _type_required(schema: JsonDict) -> None:
+    """``type`` picks the payload's kind, so the wire needs it (a tester's ajv passed a payload without it, which the
+    projector dead-lettered); in Python it defaults to the class's own."""
+    required = schema.setdefault("required", [])
+    assert isinstance(required, list)
+    if "type" not in required:
+        required.insert(0, "type")
+
+
+class Payload(WireModel):
+    """One kind of delta payload, told apart by ``type``."""
+
+    model_config = ConfigDict(json_schema_extra=_type_required)
 
 
 class OntologyNode(WireModel):
@@ -83,7 +99,7 @@ class OntologyLink(WireModel):
         return link_key(self.source_type, self.name, self.target_type)
 
 
-class DocumentUpserted(WireModel):
+class DocumentUpserted(Payload):
     type: Literal["document.upserted"] = "document.upserted"
     document: SemanticDocument
 
@@ -95,7 +111,7 @@ class DocumentUpserted(WireModel):
         return self.document.id
 
 
-class DocumentDeleted(WireModel):
+class DocumentDeleted(Payload):
     type: Literal["document.deleted"] = "document.deleted"
     document_id: DocumentId
 
@@ -107,7 +123,7 @@ class DocumentDeleted(WireModel):
         return self.document_id
 
 
-class DocumentReverted(WireModel):
+class DocumentReverted(Payload):
     """On a branch: the branch no longer changes this document, main's version shows through again.
 
     Unlike a delete (a tombstone that hides main's document on the branch), a revert leaves nothing on the branch.
@@ -125,7 +141,7 @@ class DocumentReverted(WireModel):
         return self.document_id
 
 
-class NodeUpserted(WireModel):
+class NodeUpserted(Payload):
     type: Literal["node.upserted"] = "node.upserted"
     node: OntologyNode
 
@@ -137,7 +153,7 @@ class NodeUpserted(WireModel):
         return self.node.object_type
 
 
-class NodeRemoved(WireModel):
+class NodeRemoved(Payload):
     type: Literal["node.removed"] = "node.removed"
     object_type: ObjectType
 
@@ -149,7 +165,7 @@ class NodeRemoved(WireModel):
         return self.object_type
 
 
-class NodeReverted(WireModel):
+class NodeReverted(Payload):
     """On a branch: main's node shows through again (see DocumentReverted)."""
 
     type: Literal["node.reverted"] = "node.reverted"
@@ -163,7 +179,7 @@ class NodeReverted(WireModel):
         return self.object_type
 
 
-class LinkAdded(WireModel):
+class LinkAdded(Payload):
     type: Literal["link.added"] = "link.added"
     link: OntologyLink
 
@@ -175,7 +191,7 @@ class LinkAdded(WireModel):
         return self.link.key
 
 
-class LinkRemoved(WireModel):
+class LinkRemoved(Payload):
     type: Literal["link.removed"] = "link.removed"
     link: OntologyLink
 
@@ -187,7 +203,7 @@ class LinkRemoved(WireModel):
         return self.link.key
 
 
-class LinkReverted(WireModel):
+class LinkReverted(Payload):
     """On a branch: main's link (or its absence) shows through again (see DocumentReverted)."""
 
     type: Literal["link.reverted"] = "link.reverted"

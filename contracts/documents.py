@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from ._base import WireModel
 
@@ -278,18 +279,37 @@ class DocumentMetadata(WireModel):
         return self
 
 
+def _model_named_with_vectors(schema: JsonDict) -> None:
+    """Vectors name the model that made them (a tester's vectors without a name were indexed unchecked)."""
+    schema["allOf"] = [
+        {
+            "if": {"required": [name], "properties": {name: {"type": "array" if name == "embedding" else "object"}}},
+            "then": {"required": ["embeddingModel"], "properties": {"embeddingModel": {"type": "string"}}},
+        }
+        for name in ("embedding", "tokenVectors")
+    ]
+
+
 class SemanticDocument(WireModel):
+    model_config = ConfigDict(json_schema_extra=_model_named_with_vectors)
+
     id: DocumentId
     content: Text
     object_type: ObjectType
     source_domain: Text = Field(min_length=1, max_length=256)
     metadata: DocumentMetadata = Field(default_factory=DocumentMetadata)
     embedding: Embedding | None = Field(
-        default=None, description="Dense vector; its length must equal the deployment's dimension."
+        default=None,
+        description="Dense vector; its length must equal the deployment's dimension. The deployment's embedding model "
+        "(ONTOFABRIC_EMBEDDING_MODEL; all-MiniLM-L6-v2 by default, mean-pooled to unit length) reading the symbolFqn, "
+        "a newline and the content (the content alone without a symbolFqn); a text longer than the model reads is "
+        "embedded in windows (README, ONTOFABRIC_EMBEDDING_WINDOWS). Without one, the document is found by keyword "
+        "search only.",
     )
     embedding_model: Text | None = Field(
         default=None,
-        description="Model that produced the embedding and token vectors; checked against the deployment's model.",
+        description="Model that produced the embedding and token vectors; required with them, and checked against "
+        "the deployment's model (another, or none, is dead-lettered embedding_model_mismatch).",
     )
     token_vectors: TokenVectors | None = Field(
         default=None,

@@ -20,7 +20,11 @@ class DocumentRequest(StrictRequest):
     id: DocumentId = Field(description="The document's id, as a result of ontology_query gives it.")
     branch: Branch = Field(default=MAIN_BRANCH, description="Branch to read: main, or main overlaid with the branch.")
     offset: int = Field(
-        default=0, ge=0, description="First character of the content to return; at most the content's length."
+        default=0,
+        ge=0,
+        description="First character of the content to return; at most the content's length. Characters here are "
+        "Unicode code points, as JSON Schema's maxLength counts them, not UTF-16 code units (a JavaScript string's "
+        "length counts a character outside the BMP, an emoji, twice: count with Array.from(text).length).",
     )
     max_chars: int | None = Field(
         default=None,
@@ -39,9 +43,12 @@ class DocumentReply(WireModel):
     object_type: str
     source_domain: str
     metadata: dict[str, Any]
-    content: str = Field(description="The content from offset, at most maxChars characters.")
+    content: str = Field(description="The content from offset, at most maxChars characters (code points).")
     offset: int
-    content_length: int = Field(description="The whole content's length in characters.")
+    content_length: int = Field(
+        description="The whole content's length in characters (code points); the next slice starts at offset plus "
+        "content's length in code points."
+    )
     truncated: bool = Field(description="True when content stops before the end of the text.")
     ontology_version: str = Field(description="Version of the data the document was read from.")
 

@@ -298,7 +298,8 @@ class SearchResult(WireModel):
     )
     content_truncated: bool = Field(default=False, description="The content is the start of the text only.")
     content_length: int | None = Field(
-        default=None, description="The whole text's length in characters, when content is cut or left out."
+        default=None,
+        description="The whole text's length in characters (Unicode code points), when content is cut or left out.",
     )
     object_type: str
     source_domain: str

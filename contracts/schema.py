@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -36,11 +36,27 @@ MESSAGES: dict[str, tuple[type[BaseModel], Mode]] = {
 }
 
 
+DIALECT = "https://json-schema.org/draft/2020-12/schema"
+"""What the files are written in (``$defs``): said, so that a validator need not guess (ajv's default is draft-07)."""
+
+
+def openapi_discriminators_removed(node: Any) -> Any:
+    """pydantic writes OpenAPI's discriminator object, which no JSON Schema dialect has (ajv's strict mode refused
+    it, a tester's), nor AsyncAPI's Schema Object (it takes a property name whose values name schemas); each
+    alternative's ``const`` of ``type`` already tells them apart."""
+    if isinstance(node, dict):
+        return {key: openapi_discriminators_removed(value) for key, value in node.items() if key != "discriminator"}
+    if isinstance(node, list):
+        return [openapi_discriminators_removed(item) for item in node]
+    return node
+
+
 def render() -> dict[str, str]:
     """File name -> JSON text for every message schema."""
     rendered: dict[str, str] = {}
     for name, (model, mode) in MESSAGES.items():
-        schema = model.model_json_schema(by_alias=True, mode=mode)
+        schema = openapi_discriminators_removed(model.model_json_schema(by_alias=True, mode=mode))
+        schema["$schema"] = DIALECT
         schema["$id"] = f"urn:ontofabric:contracts:{name}"
         rendered[f"{name}.schema.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     return rendered

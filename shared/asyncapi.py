@@ -15,7 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from ontofabric.contracts.deltas import SCHEMA_VERSION
 from ontofabric.contracts.query import CLOCK_ALLOWANCE_MS, RECEIPT_HEADER, RECEIVED, SENT_AT_HEADER, TIMEOUT_HEADER
-from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR
+from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR, openapi_discriminators_removed
 
 from .jetstream import MAX_DELTA_MESSAGE_BYTES
 from .subjects import Names
@@ -55,18 +55,8 @@ def _payload_schemas() -> Json:
         reference = keys[(model, mode)]["$ref"].rsplit("/", 1)[-1]
         if reference != _component(name):
             schemas[_component(name)] = {"$ref": f"#/components/schemas/{reference}"}
-    cleaned: Json = _openapi_discriminators_removed(schemas)
+    cleaned: Json = openapi_discriminators_removed(schemas)
     return cleaned
-
-
-def _openapi_discriminators_removed(node: Any) -> Any:
-    """pydantic writes OpenAPI's discriminator object, where AsyncAPI's Schema Object takes a property name whose
-    values name schemas; ours are not schema names, and each alternative's ``const`` already tells them apart."""
-    if isinstance(node, dict):
-        return {key: _openapi_discriminators_removed(value) for key, value in node.items() if key != "discriminator"}
-    if isinstance(node, list):
-        return [_openapi_discriminators_removed(item) for item in node]
-    return node
 
 
 def _message(title: str, payload: str | Json, summary: str, headers: Json | None = None) -> Json:

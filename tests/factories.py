@@ -17,6 +17,10 @@ from ontofabric.contracts import (
     TokenVectors,
 )
 from ontofabric.services.ingest.client import envelope
+from ontofabric.shared.settings import Settings
+
+DEPLOYMENT_MODEL: str = Settings.model_fields["embedding_model"].default
+"""The model a test's vectors are said to come from, unless it names another: vectors name theirs."""
 
 
 def unit_vector(seed: str, dim: int = 384) -> list[float]:
@@ -49,7 +53,7 @@ def document(
             ),
             "embedding": embedding,
             "tokenVectors": token_vectors,
-            "embeddingModel": embedding_model,
+            "embeddingModel": embedding_model or (DEPLOYMENT_MODEL if embedding is not None else None),
             "secondVector": second_vector,
         }
     )

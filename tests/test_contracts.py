@@ -219,6 +219,27 @@ def test_what_the_worker_refuses_as_a_query_the_schema_refuses_too(body: dict[st
     assert jsonschema.Draft202012Validator(published).is_valid({**body, "semanticQuery": "parse a file"})
 
 
+def test_what_the_projector_refuses_as_a_delta_the_schema_refuses_too() -> None:
+    """A tester's TypeScript ingester, written from the schemas: a payload without its type and a vector of no
+    named model passed ajv, and the projector dead-lettered the one and indexed the other unchecked (now refused)."""
+    published = json.loads((schema.SCHEMA_DIR / "delta-envelope.schema.json").read_text())
+    assert published["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert "discriminator" not in json.dumps(published)  # OpenAPI's, which strict validators refuse
+    validator = jsonschema.Draft202012Validator(published)
+    delta = factories.upsert("acme", factories.document("a", "alpha", embedding=factories.unit_vector("a")))
+    good = json.loads(delta.model_dump_json())
+    assert validator.is_valid(good)
+    untyped = json.loads(json.dumps(good))
+    del untyped["payload"]["type"]
+    unnamed = json.loads(json.dumps(good))
+    unnamed["payload"]["document"]["embeddingModel"] = None
+    for refused in (untyped, unnamed):
+        assert not validator.is_valid(refused)
+    without_vectors = json.loads(json.dumps(unnamed))
+    without_vectors["payload"]["document"]["embedding"] = None
+    assert validator.is_valid(without_vectors)
+
+
 def test_a_delta_and_a_query_validate_against_the_documents_schemas() -> None:
     document = json.loads(asyncapi.render())
     components = document["components"]

@@ -23,9 +23,9 @@ from ontofabric.services.projector.planning import (
 )
 from ontofabric.shared.subjects import Names
 
-from .factories import delete, document, unit_vector, upsert
+from .factories import DEPLOYMENT_MODEL, delete, document, unit_vector, upsert
 
-LIMITS = Limits(max_message_bytes=1 << 20, max_content_bytes=4096, embedding_dim=384, embedding_model="m")
+LIMITS = Limits(max_message_bytes=1 << 20, max_content_bytes=4096, embedding_dim=384, embedding_model=DEPLOYMENT_MODEL)
 NAMES = Names("of")
 
 
@@ -65,6 +65,12 @@ def test_valid_delta_is_accepted() -> None:
         (
             lambda d: json.dumps(
                 {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "embeddingModel": "other"}}}
+            ),
+            "embedding_model_mismatch",
+        ),
+        (  # a tester's vectors of no named model were indexed as the deployment's
+            lambda d: json.dumps(
+                {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "embeddingModel": None}}}
             ),
             "embedding_model_mismatch",
         ),

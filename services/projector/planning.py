@@ -144,11 +144,14 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
             "embedding_dimension_mismatch",
             f"embedding has {len(document.embedding)} dimensions, the deployment uses {limits.embedding_dim}",
         )
-    if (
-        document.embedding is not None
-        and document.embedding_model is not None
-        and document.embedding_model != limits.embedding_model
-    ):
+    if document.embedding is not None and document.embedding_model is None:
+        # Unnamed, another model's vectors of the same width would be indexed as this one's (a tester's were).
+        return Rejection(
+            "embedding_model_mismatch",
+            f"embedding without embeddingModel: name the model that made it; the deployment uses "
+            f"{limits.embedding_model!r}",
+        )
+    if document.embedding is not None and document.embedding_model != limits.embedding_model:
         return Rejection(
             "embedding_model_mismatch",
             f"embedding made by {document.embedding_model!r}, the deployment uses {limits.embedding_model!r}",

@@ -1054,6 +1054,23 @@ async def test_a_gateway_whose_output_is_a_file_says_it_needs_pipes(deployment: 
     assert "Traceback" not in ended.stderr
 
 
+async def test_a_gateway_given_dev_null_reads_nothing_and_ends(deployment: Deployment) -> None:
+    """A tester's gateway with /dev/null for its input (as a service manager starts it) logged the event loop's
+    traceback and hung; /dev/null as output is refused as a file is."""
+    ended = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, "mcp"], env=_gateway_env(deployment), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (ended.returncode, ended.stdout) == (0, "")
+    assert "Traceback" not in ended.stderr
+    refused = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, "mcp"], env=_gateway_env(deployment), stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "/dev/null?" in refused.stderr
+
+
 async def test_a_line_past_the_limit_is_skipped_whole_and_the_next_one_read() -> None:
     reader = asyncio.StreamReader(limit=16)
     reader.feed_data(b'{"short": 1}\n' + b"x" * 100 + b'\n{"after": 2}\n' + b"y" * 40 + b"\n")

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import stat
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -44,6 +45,18 @@ def _check_streamable(fd: int, name: str) -> None:
             f"the gateway's standard {name} is a file; MCP over stdio runs on pipes, as an agent starts it "
             "(or serve HTTP with --http)"
         )
+
+
+def _watchable(fd: int) -> bool:
+    """Whether the event loop can wait on ``fd``: epoll refuses a device that is always ready, as /dev/null is."""
+    if not hasattr(select, "epoll"):  # not Linux: the loop's selector is another, and takes what it takes
+        return True
+    with select.epoll() as poll:
+        try:
+            poll.register(fd, select.EPOLLIN | select.EPOLLOUT)
+        except PermissionError:
+            return False
+    return True
 
 
 def parsed(line: bytes) -> types.JSONRPCMessage:
@@ -229,9 +242,20 @@ async def stdio_streams() -> AsyncIterator[
         claims.callback(os.close, nothing)
         wire_in, wire_out = claims.enter_context(_claimed(0, nothing)), claims.enter_context(_claimed(1, 2))
         reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
-        read_transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(wire_in), "rb")
-        )
+        if not _watchable(wire_out):
+            raise StdioUnusable(
+                "the gateway's standard output is a device it cannot write MCP to (/dev/null?); MCP over stdio runs "
+                "on pipes, as an agent starts it (or serve HTTP with --http)"
+            )
+        read_transport: asyncio.ReadTransport | None = None
+        if _watchable(wire_in):
+            read_transport, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(wire_in), "rb")
+            )
+        else:
+            # /dev/null, as a service manager gives it: nothing to read, as from an empty pipe (a tester's gateway
+            # logged the event loop's traceback and hung).
+            reader.feed_eof()
         transport, protocol = await loop.connect_write_pipe(
             asyncio.streams.FlowControlMixin, os.fdopen(os.dup(wire_out), "wb")
         )
@@ -279,5 +303,6 @@ async def stdio_streams() -> AsyncIterator[
                 yield incoming, outgoing
                 tasks.cancel_scope.cancel()
         finally:
-            read_transport.close()
+            if read_transport is not None:
+                read_transport.close()
             transport.close()

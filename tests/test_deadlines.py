@@ -20,6 +20,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from structlog.testing import capture_logs
 
 from ontofabric.contracts import (
     MAX_TIMEOUT_MS,
@@ -31,6 +32,7 @@ from ontofabric.contracts import (
     ErrorReply,
     QueryResponse,
 )
+from ontofabric.services.query import client as client_module
 from ontofabric.services.query.client import (
     FIRST_ATTEMPT_SHARE,
     MAX_SENDS,
@@ -360,6 +362,35 @@ async def test_a_request_whose_caller_gave_up_while_it_waited_is_refused_unopene
     assert isinstance(parse_reply((await first)[0]), QueryResponse)
     assert reranker.calls == 1  # nothing was done for the caller who had gone
     assert service.handled == handled + 1
+
+
+async def test_a_client_whose_clock_is_behind_the_workers_is_answered(
+    seeded: int, deployment: Deployment, start_worker: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clock tester's CLI 7 s or more behind its worker had every request refused deadline_exceeded (retryable,
+    and refused again each time). The refusal names the send time's header; the client, with time left by its own
+    clock, sends the request again without it, and so every request on the connection for a while."""
+    await start_worker(SlowReranker(0.0))
+
+    class Behind:
+        @staticmethod
+        def time() -> float:
+            return time.time() - 30
+
+    monkeypatch.setattr(client_module, "time", Behind)
+    nc = await connect(deployment.nats_url_as("client"), "behind")  # its own: what it learns stays on it
+    try:
+        client = QueryClient(nc, deployment.names, timeout_s=5)
+        with capture_logs() as logged:
+            first = await client.query("acme", {"semanticQuery": "sort numbers"})
+            second = await client.query("acme", {"semanticQuery": "sort numbers"})
+        assert isinstance(first, QueryResponse), first
+        assert isinstance(second, QueryResponse), second
+        events = [entry["event"] for entry in logged]
+        assert events.count("query_clocks_disagree") == 1
+        assert events.count("query_request_resent") == 1  # the first, once; the second went without the header
+    finally:
+        await close(nc)
 
 
 async def test_a_request_whose_caller_sent_it_long_before_the_worker_read_it_is_refused_unopened(

@@ -53,7 +53,8 @@ log = get_logger(__name__)
 _resent = meter().create_counter(
     "query.client.resent",
     description="requests the client sent again, by reason: no_receipt or no_reply (its worker went silent), "
-    "waited_out (an overloaded refusal's stated wait)",
+    "waited_out (an overloaded refusal's stated wait), clock (a worker whose clock disagrees took the request for "
+    "an old one)",
 )
 _not_retried = meter().create_counter(
     "query.client.retries_declined",
@@ -123,6 +124,10 @@ MIN_RETRIES_PER_S = 10.0
 RETRY_WINDOW_S = 10.0
 """The retry budget (:class:`RetryBudget`): Finagle's defaults (20 % of requests on top of 10 retries a second,
 each counted for 10 s)."""
+CLOCK_DOUBT_S = 600.0
+"""How long a connection sends no send time (SENT_AT_HEADER) after a worker read one as older than the request
+really was: their clocks disagree (a tester's client 7 s behind had every request refused). Then it tries again,
+in case the clocks were set right meanwhile."""
 REQUEST_HEADER_ROOM_BYTES = 4096
 """Of the server's max_payload, what a request leaves for its headers (the timeout, trace context): the server
 counts them in, nats-py checks the body alone."""
@@ -250,15 +255,14 @@ def request_json(request: dict[str, Any]) -> bytes:
         return json.dumps(request).encode()
 
 
-def request_headers(timeout_s: float, receipt: bool = True) -> dict[str, str]:
-    """A request's headers: the timeout the worker is told (less the way back), when it was sent, the receipt
-    asked for, and the trace context."""
+def request_headers(timeout_s: float, receipt: bool = True, sent_at: bool = True) -> dict[str, str]:
+    """A request's headers: the timeout the worker is told (less the way back), when it was sent (unless
+    ``sent_at`` is False: the clocks disagree), the receipt asked for, and the trace context."""
     # The worker answers or refuses within the timeout it is told, and does no work once it has passed.
     told_s = max(timeout_s - WAY_BACK_S, timeout_s / 2)
-    headers = {
-        TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(told_s * 1000)))),
-        SENT_AT_HEADER: str(round(time.time() * 1000)),  # a worker that stalled does no work for us once gone
-    }
+    headers = {TIMEOUT_HEADER: str(max(1, min(MAX_TIMEOUT_MS, round(told_s * 1000))))}
+    if sent_at:  # a worker that stalled does no work for us once gone
+        headers[SENT_AT_HEADER] = str(round(time.time() * 1000))
     if receipt:
         headers[RECEIPT_HEADER] = "requested"
     propagate.inject(headers)
@@ -352,6 +356,17 @@ class ReplyInbox:
         self.server = ServerReads()
         self.retries = RetryBudget()
         """Shared by every request on the connection, as Finagle's is by every request of a client."""
+        self.clock_doubted_until = 0.0
+        """Until when requests go without a send time (CLOCK_DOUBT_S)."""
+
+    def doubt_clocks(self, now: float, read_as: str) -> None:
+        if now >= self.clock_doubted_until:
+            log.warning(
+                "query_clocks_disagree", read_as=read_as, for_s=CLOCK_DOUBT_S,
+                note=f"a worker took a request for older than it was: sent without {SENT_AT_HEADER} meanwhile; "
+                "synchronise the clocks (NTP)",
+            )  # fmt: skip
+        self.clock_doubted_until = now + CLOCK_DOUBT_S
 
     def receipt_wait_s(self, now: float) -> float | None:
         """How long an attempt may go without its receipt; None while silence is not to be taken for a frozen
@@ -493,6 +508,7 @@ class Exchange:
         self._pushback = pushback
         self._resend_at: float | None = None
         """When a refusal's stated wait is over and the request goes out again."""
+        self._resend_reason = "waited_out"
         self._pushed_back: bytes | None = None
         """The last refusal whose wait was waited out: returned when the sends after it have no answer in the
         caller's time. Once no worker listens any more, NoRespondersError says so instead."""
@@ -536,7 +552,7 @@ class Exchange:
                     if self._ends - now < PUSHBACK_MIN_LEFT_S:  # the wait ran late (a stall, a reconnection)
                         assert self._pushed_back is not None
                         return self._pushed_back
-                    await self._send_again("waited_out")
+                    await self._send_again(self._resend_reason)
                     continue
                 if again_at is None or again_at <= now:  # no attempt is open, or none is expected to answer
                     if self._refused is not None:
@@ -562,7 +578,7 @@ class Exchange:
     async def _send_again(self, reason: str) -> None:
         """Another send of the request, logged and counted: its worker went silent (``no_receipt``, ``no_reply``:
         a warning) or it was refused with a wait now waited out (``waited_out``)."""
-        level = log.info if reason == "waited_out" else log.warning
+        level = log.info if reason in ("waited_out", "clock") else log.warning
         level("query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=reason)
         _resent.add(1, {"reason": reason})
         await self._send()
@@ -578,7 +594,7 @@ class Exchange:
 
         self._reply_subjects.append(await self._inbox.open(self._nc, attempt, route))
         self._attempts.append(attempt)
-        headers = request_headers(told_s, self._receipts)
+        headers = request_headers(told_s, self._receipts, sent_at=now >= self._inbox.clock_doubted_until)
         # Read with nothing awaited before the publish; sent while reconnecting, it goes out on the next connection.
         attempt.connection = self._nc.stats["reconnects"] + (0 if self._nc.is_connected else 1)
         await self._nc.publish(self._subject, self._body, reply=self._reply_subjects[-1], headers=headers)
@@ -603,13 +619,18 @@ class Exchange:
         if refusal is None:
             return answer
         now = self._loop.time()
+        read_as = _sent_at_misread(refusal, attempt, now)
+        if read_as is not None:
+            self._inbox.doubt_clocks(now, read_as)
+            if len(self._attempts) < MAX_SENDS and self._ends - now >= PUSHBACK_MIN_LEFT_S:
+                self._pushed_back, self._resend_at, self._resend_reason = answer, now, "clock"
+                return None
         again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(now))
         if again_at is not None and again_at > now:
             self._refused = answer  # another attempt is still expected to answer
             return None
         if again_at is None and (resend_at := self._pushed_back_until(refusal, now)) is not None:
-            self._pushed_back = answer
-            self._resend_at = resend_at
+            self._pushed_back, self._resend_at, self._resend_reason = answer, resend_at, "waited_out"
             return None
         return answer
 
@@ -657,6 +678,15 @@ class Exchange:
             self._inbox.heard(attempt, msg, now, ended=True)
         for reply_subject in self._reply_subjects:
             self._inbox.close(reply_subject, now)
+
+
+def _sent_at_misread(refusal: QueryError, attempt: Attempt, now: float) -> str | None:
+    """What a worker read the send time as, when it refused the attempt for time that, by this client's own clock,
+    it still had: the two clocks disagree (a worker ahead, or this host behind). None otherwise."""
+    if refusal.code != "deadline_exceeded" or now - attempt.sent_at >= attempt.told_s / 2:
+        return None
+    field = f"header {SENT_AT_HEADER}"
+    return next((detail.message for detail in refusal.details if detail.field == field), None)
 
 
 def _out_of_time(refused: bytes | None) -> bytes:

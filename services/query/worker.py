@@ -267,6 +267,19 @@ class Admitted:
         waited = (self.taken_at - self.received) * 1000
         return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms){sent}"
 
+    def refused_late(self, now: float, timeout_too_short: bool) -> bytes:
+        """The ``deadline_exceeded`` reply; when the send time took part, a detail names its header: a caller that
+        reads the reply with time left knows its clock and this worker's disagree (QueryClient then sends the
+        request again without it)."""
+        before = self.deadline.waited_before_s
+        details = (
+            [ErrorDetail(field=f"header {SENT_AT_HEADER}", message=f"read as sent {before * 1000:.0f} ms before")]
+            if before
+            else None
+        )
+        late = self.late(now)
+        return error_reply("deadline_exceeded", late, details, retryable=True, timeout_too_short=timeout_too_short)
+
 
 class QueryService:
     """The query worker process: pool, embedder, version watch, and a subscription to every workspace's query
@@ -435,9 +448,8 @@ class QueryService:
         if deadline.left(received) <= 0:  # spent before it reached this worker (a NATS server frozen, say)
             # Before the admission's estimate: with the workspace's requests held, any work is more than 80 % of
             # nothing, and it was refused "overloaded ... retry with a longer timeout" (an MCP fault tester's).
-            late = Admitted(msg, received, deadline, workspace).late(received)
             short = self._timeout_too_short(deadline)
-            await self._reply(msg, error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short))
+            await self._reply(msg, Admitted(msg, received, deadline, workspace).refused_late(received, short))
             return
         own = self._held_by[workspace]
         ahead, runners = self._turn_of(workspace)
@@ -562,11 +574,8 @@ class QueryService:
         return deadline.stated and deadline.timeout_ms < self.settings.query_short_timeout_ms
 
     async def _refuse_late(self, admitted: Admitted) -> None:
-        late = admitted.late(asyncio.get_running_loop().time())
         short = self._timeout_too_short(admitted.deadline)
-        await self._reply_once(
-            admitted, error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short)
-        )
+        await self._reply_once(admitted, admitted.refused_late(asyncio.get_running_loop().time(), short))
 
     async def _refuse_waited(self, admitted: Admitted, *, runner_free: bool = False) -> None:
         """``runner_free``: a runner took it just past its wait, so one is free now and no wait is stated; else the
@@ -657,9 +666,7 @@ class QueryService:
                     async with asyncio.timeout_at(deadline.at):
                         body = await self._answer(msg, deadline, waited_ms)
                 except TimeoutError:
-                    late = admitted.late(loop.time())
-                    short = self._timeout_too_short(deadline)
-                    body = error_reply("deadline_exceeded", late, retryable=True, timeout_too_short=short)
+                    body = admitted.refused_late(loop.time(), self._timeout_too_short(deadline))
                     finished = False
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)

@@ -35,15 +35,17 @@ from typer.core import TyperOption
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
-from ontofabric.shared.db import migrate
+from ontofabric.shared.db import DeploymentMismatch, migrate
 from ontofabric.shared.embedder import ModelMissing, build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import (
+    ANY_SUBJECT,
     ConnectionLost,
     NatsUnreachable,
     NotSetUp,
     PermissionDenied,
     connect,
+    refused_promptly,
     wait_projected,
 )
 from ontofabric.shared.jetstream import close as close_nats
@@ -194,6 +196,8 @@ def _serve(
         asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready, exited))
     except (ConnectionLost, ServersEnded) as error:
         _fail(str(error), code=1)
+    except DeploymentMismatch as error:  # a setting that does not fit the database: said, not a traceback
+        _fail(str(error), code=2)
 
 
 def _endpoints(settings: Settings) -> Endpoints:
@@ -741,7 +745,7 @@ def _as_operator(data_dir: Path | None, job: Callable[[Client, Names, Settings, 
     async def run() -> T:
         nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-dlq", settings)
         try:
-            return await job(nc, Names(settings.subject_prefix), settings, endpoints)
+            return await refused_promptly(nc, ANY_SUBJECT, job(nc, Names(settings.subject_prefix), settings, endpoints))
         finally:
             await close_nats(nc)
 

@@ -90,10 +90,16 @@ def connection_lost() -> asyncio.Event:
     return lost
 
 
+ANY_SUBJECT = ""
+"""For :func:`refused_promptly`: whatever subject the server refuses on the connection (an operator command's many
+requests: a tester's `status` with a client's login waited out a timeout and ended in a traceback)."""
+
+
 async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Awaitable[T]) -> T:
-    """``call`` (requests or publishes to ``subjects`` on ``nc``), failing with PermissionDenied as soon as the
-    server refuses one of the subjects. The server drops a refused message without a reply and reports the refusal
-    only to the connection's error callback, so the caller would otherwise wait for its whole timeout."""
+    """``call`` (requests or publishes to ``subjects`` on ``nc``, or to any with ANY_SUBJECT), failing with
+    PermissionDenied as soon as the server refuses one of the subjects. The server drops a refused message without
+    a reply and reports the refusal only to the connection's error callback, so the caller would otherwise wait for
+    its whole timeout."""
     waiting = _DENIALS.get(nc)
     if waiting is None:  # a connection not made by connect(): nothing reports refusals
         return await call
@@ -110,7 +116,7 @@ async def refused_promptly(nc: Client, subjects: str | Collection[str], call: Aw
         current = asyncio.current_task()
         if refused.done() and (current is None or not current.cancelling()):
             raise PermissionDenied(
-                f"the NATS server refused these credentials the subject {refused.result()!r}: their user may not "
+                f"the NATS server refused these credentials on the subject {refused.result()!r}: their user may not "
                 "use it (another workspace's subject, or another role's)"
             ) from None
         raise
@@ -181,6 +187,9 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
                 for refused, subject in list(entries.items()):
                     if not refused.done():
                         refused.set_result(subject)
+            for refused in list(waiting.get(ANY_SUBJECT, {})):
+                if not refused.done():
+                    refused.set_result(violation.group(1))
             log.warning("nats_permission_denied", subject=violation.group(1))
             return
         said, now = describe(error), time.monotonic()  # some errors have no text of their own
@@ -358,6 +367,7 @@ _SETTING_OF_LIMIT = {
     "max_msgs_per_subject": "ONTOFABRIC_DEAD_LETTERS_PER_WORKSPACE",
     "max_age": "ONTOFABRIC_DELTA_MAX_AGE_DAYS",
     "num_replicas": "ONTOFABRIC_NATS_REPLICAS",
+    "duplicate_window": "ONTOFABRIC_DEDUPE_WINDOW_S",
 }
 
 
@@ -389,6 +399,8 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
                     await js.add_stream(config)
                 except APIError as error:
                     limits = [k for k in ("max_bytes", "max_msgs_per_subject", "max_age") if getattr(config, k)]
+                    if config.duplicate_window == settings.dedupe_window_s:  # the delta stream's, from the setting
+                        limits.append("duplicate_window")
                     raise SettingsUnusable(_refused(stream, [*limits, "num_replicas"], error)) from error
                 log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
                 continue

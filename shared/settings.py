@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, Self
@@ -31,7 +32,11 @@ class SettingsUnusable(ValueError):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ONTOFABRIC_", extra="ignore", frozen=True, allow_inf_nan=False)
+    # An empty variable is unset (compose files write `NAME=`): an empty ONTOFABRIC_DATABASE_URL went to
+    # 127.0.0.1:5432 instead of starting the embedded server (a configuration tester's).
+    model_config = SettingsConfigDict(
+        env_prefix="ONTOFABRIC_", extra="ignore", frozen=True, allow_inf_nan=False, env_ignore_empty=True
+    )
 
     # --- connections -----------------------------------------------------------------------------
     nats_url: str | None = Field(
@@ -271,6 +276,7 @@ class Settings(BaseSettings):
     query_concurrency: int = Field(
         default=8,
         ge=1,
+        le=4096,
         description="Requests one worker handles at once; one workspace's requests hold at most three quarters of "
         "them (all, below 4), so that another workspace finds a runner free. A worker's work is its event loop, "
         "one model thread and its database sessions: more at once only share them, each answer comes later, and "
@@ -406,7 +412,9 @@ class Settings(BaseSettings):
         "maxTokens): an agent's client takes the reply and a text rendering of it, and Claude Code refuses tool "
         "results over 25,000 tokens.",
     )
-    statement_timeout_ms: int = Field(default=5000, ge=1, description="PostgreSQL statement_timeout per query.")
+    statement_timeout_ms: int = Field(
+        default=5000, ge=1, le=2**31 - 1, description="PostgreSQL statement_timeout per query."
+    )
 
     # --- MCP gateway -------------------------------------------------------------------------------
     gateway_workspace: str | None = Field(
@@ -573,10 +581,28 @@ class Settings(BaseSettings):
             "nats_tls_cert needs nats_tls_ca: a server unverified is no TLS": (
                 self.nats_tls_cert is not None and self.nats_tls_ca is None
             ),
+            "azure_search_endpoint needs azure_search_api_key": (
+                bool(self.azure_search_endpoint) and self.azure_search_api_key is None
+            ),
         }
         missing = [need for need, unmet in needs.items() if unmet]
         if missing:
             raise ValueError("; ".join(missing))
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files_readable(self) -> Self:
+        """A CA file missing or not PEM ended a command in a traceback at its first connection (a configuration
+        tester's); said at start instead."""
+        if self.nats_tls_ca is not None:
+            try:
+                ssl.create_default_context(cafile=str(self.nats_tls_ca))
+            except (OSError, ssl.SSLError) as error:
+                reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+                raise ValueError(f"nats_tls_ca {self.nats_tls_ca}: no CA certificates (PEM) read ({reason})") from None
+        for name, path in {"nats_tls_cert": self.nats_tls_cert, "nats_tls_key": self.nats_tls_key}.items():
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {path}: no such file")
         return self
 
     @model_validator(mode="after")

@@ -507,6 +507,12 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_DATABASE_URL", "host=db user=u password=secret", "DATABASE_URL: not a PostgreSQL URL"),
         # A tester's: taken, then every tool call failed with "cannot convert float infinity to integer".
         ("ONTOFABRIC_GATEWAY_TIMEOUT_S", "inf", "ONTOFABRIC_GATEWAY_TIMEOUT_S: Input should be a finite number"),
+        # A configuration tester's: tracebacks at start (PostgreSQL's integer range), from the first connection
+        # (the CA file), from the Azure projector (the key), and a worker that hung making its runners.
+        ("ONTOFABRIC_STATEMENT_TIMEOUT_MS", "2147483648", "less than or equal to 2147483647"),
+        ("ONTOFABRIC_NATS_TLS_CA", "/nonexistent/ca.pem", "no CA certificates (PEM) read (No such file or directory)"),
+        ("ONTOFABRIC_AZURE_SEARCH_ENDPOINT", "https://x.search.windows.net", "needs ONTOFABRIC_AZURE_SEARCH_API_KEY"),
+        ("ONTOFABRIC_QUERY_CONCURRENCY", "99999999999999999999", "less than or equal to 4096"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:
@@ -543,6 +549,18 @@ def test_zero_means_no_limit_for_both_stream_bounds(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("ONTOFABRIC_DELTA_STREAM_MAX_BYTES", "1024")
     with pytest.raises(ValueError, match="greater than or equal to 1048576"):
         Settings()
+
+
+def test_an_empty_variable_is_a_setting_left_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configuration tester's `ONTOFABRIC_DATABASE_URL=` (as compose files write it) went to 127.0.0.1:5432
+    instead of the embedded server, and an empty ONTOFABRIC_NATS_URL lost runtime.json's login."""
+    from ontofabric.shared.settings import Settings
+
+    monkeypatch.setenv("ONTOFABRIC_DATABASE_URL", "")
+    monkeypatch.setenv("ONTOFABRIC_NATS_URL", "")
+    monkeypatch.setenv("ONTOFABRIC_QUERY_CONCURRENCY", "")
+    settings = Settings()
+    assert (settings.database_url, settings.nats_url, settings.query_concurrency) == (None, None, 8)
 
 
 def test_a_misspelt_setting_is_named_not_ignored_silently(tmp_path: Path) -> None:

@@ -949,3 +949,9 @@ async def test_a_part_set_up_for_another_text_search_configuration_is_refused(de
         await migrate(deployment.database_url, other)  # a projector's start
     with pytest.raises(DeploymentMismatch, match="made with the text search configuration english"):
         await wait_until_migrated(deployment.database_url, other, timeout_s=5)  # a query worker's
+    # A configuration tester's fresh deployment took a name PostgreSQL does not know, and every batch failed.
+    unknown = deployment.settings.model_copy(update={"text_search_config": "nosuchconfig"})
+    with pytest.raises(DeploymentMismatch, match=r"no text search configuration 'nosuchconfig'; it has .*english"):
+        await migrate(deployment.database_url, unknown)
+    with pytest.raises(DeploymentMismatch, match="no text search configuration 'nosuchconfig'"):
+        await wait_until_migrated(deployment.database_url, unknown, timeout_s=5)

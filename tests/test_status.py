@@ -227,3 +227,14 @@ async def test_a_database_that_never_answers_costs_status_its_wait_and_no_more(
     finally:
         silent.close()
     assert status.unread == [f"postgresql://nobody@127.0.0.1:{port}/none: no answer within 0.5 s"]
+
+
+async def test_status_with_a_login_of_another_role_is_refused_at_once(deployment: Deployment) -> None:
+    """A configuration tester's `status` with a client's login waited about 7 s and ended in a traceback."""
+    env = deployment.env() | {"ONTOFABRIC_NATS_URL": deployment.nats_url_as("client")}
+    ended = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, "status"], env=env, capture_output=True, text=True, check=False, timeout=60
+    )
+    assert ended.returncode == 2
+    assert "refused these credentials on the subject" in " ".join(ended.stderr.split())
+    assert "Traceback" not in ended.stderr

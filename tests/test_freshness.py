@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.query.freshness import FORGET_AFTER_S, DeltaWatch
+from ontofabric.services.query.freshness import FORGET_AFTER_S, DeltaWatch, age_ms
 from ontofabric.shared.runtime import EmbeddedRuntime
 
 from .conftest import Deployment, connect_as
@@ -91,3 +91,9 @@ async def test_a_worker_configured_with_another_layout_reads_the_running_project
     finally:
         await watch.stop()
         await nc.close()
+
+
+def test_an_age_read_by_a_clock_behind_the_servers_is_not_negative() -> None:
+    """A clock tester's worker 300 s behind its NATS server said a delta had been pending for -282,729.6 ms."""
+    assert age_ms(time.time() + 300) == 0.0
+    assert 1_900 <= age_ms(time.time() - 2) <= 2_500

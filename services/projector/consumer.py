@@ -407,7 +407,8 @@ class DurableProjection:
             await msg.ack()
             self._settled(msg)
             if outcome.applied and msg.metadata.timestamp is not None:  # in the index since the commit
-                stored_ms = (now - msg.metadata.timestamp.timestamp()) * 1000
+                # Never below 0: a histogram refuses it, and a projector's clock behind the server's lost them all.
+                stored_ms = max(0.0, (now - msg.metadata.timestamp.timestamp()) * 1000)
                 self._metrics.projector_freshness.record(stored_ms, {"index": self._index})
         for msg in await dead_letter(
             self._js, self._names, await self._not_dead_lettered_before(outcome.refused), self._index

@@ -60,6 +60,12 @@ def _epoch(stamp: str) -> float:
     return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
+def age_ms(stored_at: float) -> float:
+    """How long ago the NATS server stored a message, by this host's clock; never below 0: a clock behind the
+    server's made it a negative age (a clock tester's status said a delta had been pending for -276 s)."""
+    return max(0.0, round((time.time() - stored_at) * 1000, 1))
+
+
 async def published_after(js: JetStreamContext, stream: str, subject: str, seq: int, name: str) -> Pending:
     """The subject's messages stored after ``seq``, and how long ago the first was: a consumer of its own named
     ``name``, made and removed here, counts them. Named, because the create request of an unnamed consumer could
@@ -92,7 +98,7 @@ async def published_after(js: JetStreamContext, stream: str, subject: str, seq: 
     except NotFoundError:  # removed since (the stream's limits): the count stands, its age is unknown
         return Pending(count, None)
     assert first.time is not None
-    return Pending(count, round((time.time() - first.time.timestamp()) * 1000, 1))
+    return Pending(count, age_ms(first.time.timestamp()))
 
 
 class DeltaWatch:
@@ -250,7 +256,7 @@ class DeltaWatch:
                     break
                 covered += 1
             count += len(published) - covered
-        return Pending(count, None if oldest is None else round((time.time() - oldest) * 1000, 1))
+        return Pending(count, None if oldest is None else age_ms(oldest))
 
     async def _count(self, workspace: str, branches: list[str], position: int) -> Pending:
         """What the watch may have missed, asked of JetStream, each branch's count reused for a while."""

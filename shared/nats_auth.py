@@ -207,15 +207,15 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
 def render_config(
     host: str,
     port: int,
-    store_dir: str,
+    store_dir: str | None,
     users: Mapping[str, NatsUser],
     server_name: str = "ontofabric-embedded",
     extra: Mapping[str, object] | None = None,
 ) -> str:
-    """A nats-server configuration: JetStream, and ``users`` (passwords inline: the file must be readable by its
-    owner only), and ``extra`` top-level blocks (a cluster's). The users stay in the server's global account, where
-    streams made before authentication was on are kept: a data directory from an earlier version keeps its
-    deltas."""
+    """A nats-server configuration: JetStream storing in ``store_dir`` (None: JetStream off), ``users``
+    (passwords inline: the file must be readable by its owner only), and ``extra`` top-level blocks (a cluster's,
+    monitoring). The users stay in the server's global account, where streams made before authentication was on
+    are kept: a data directory from an earlier version keeps its deltas."""
     entries = []
     for user in users.values():
         permissions = user.permissions()
@@ -230,7 +230,7 @@ def render_config(
         "host": host,
         "port": port,
         "server_name": server_name,
-        "jetstream": {"store_dir": store_dir},
+        **({"jetstream": {"store_dir": store_dir}} if store_dir is not None else {}),
         "authorization": {"users": entries},
         **(extra or {}),
     }

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -269,7 +271,8 @@ class NatsNode:
     cluster_port: int | None = None
     """The port its cluster peers reach it on; None for a server alone."""
     monitor_port: int | None = None
-    """Its monitoring endpoint (``/healthz`` says when its JetStream is current); only in a cluster."""
+    """Its monitoring endpoint: ``/healthz`` says when its JetStream is current (in a cluster), and when a stream
+    could not write to its store (:func:`store_write_error`)."""
     server: ManagedProcess | None = None
     pid: int = 0
 
@@ -295,7 +298,7 @@ def _nats_layout(directory: Path, nodes: int) -> list[NatsNode]:
     """One server keeps its files in ``directory`` itself (as before clusters existed); each of a cluster's in
     ``node-<n>`` below it, beside the users they share."""
     if nodes == 1:
-        return [NatsNode("ontofabric-embedded", directory, free_port())]
+        return [NatsNode("ontofabric-embedded", directory, free_port(), monitor_port=free_port())]
     return [
         NatsNode(f"ontofabric-{n}", directory / f"node-{n}", free_port(), free_port(), free_port())
         for n in range(1, nodes + 1)
@@ -326,11 +329,15 @@ def _cluster_blocks(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) 
     }
 
 
-def _write_nats_config(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> None:
-    """Render ``node``'s configuration from the users on record."""
-    extra = _cluster_blocks(directory, node, nodes) if len(nodes) > 1 else None
+def _write_nats_config(directory: Path, node: NatsNode, nodes: Sequence[NatsNode], *, jetstream: bool = True) -> None:
+    """Render ``node``'s configuration from the users on record (``jetstream`` False: with JetStream off)."""
+    if len(nodes) > 1:
+        extra: dict[str, object] | None = _cluster_blocks(directory, node, nodes)
+    else:  # a node recorded before single servers had monitoring has none
+        extra = {"http": f"127.0.0.1:{node.monitor_port}"} if node.monitor_port is not None else None
     users = _nats_users(directory)
-    text = render_config("127.0.0.1", node.port, str(node.home / "jetstream"), users, node.name, extra)
+    store = str(node.home / "jetstream") if jetstream else None
+    text = render_config("127.0.0.1", node.port, store, users, node.name, extra)
     node.home.mkdir(parents=True, exist_ok=True)
     write_private(node.home / NATS_CONFIG_FILE, text)
 
@@ -366,7 +373,7 @@ def start_nats_node(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) 
 def wait_jetstream_current(nodes: Sequence[NatsNode], timeout: float = 60) -> None:
     """Return once every node of a cluster reports its JetStream current (a server alone is once it accepts)."""
     for node in nodes:
-        if node.monitor_port is not None and node.server is not None:
+        if node.cluster_port is not None and node.monitor_port is not None and node.server is not None:
             _wait_until(lambda node=node: _jetstream_current(node), node.server, timeout)  # type: ignore[misc]
 
 
@@ -422,20 +429,138 @@ def nats_url_of(nodes: Sequence[NatsNode]) -> str:
 _RELOADED = "Reloaded server configuration"
 
 
+_RELOADING = threading.Lock()
+"""One reload at a time within a process: the store watch's and a new user's would interleave their files."""
+
+
 def reload_nats(directory: Path, nodes: Sequence[NatsNode]) -> None:
     """Re-render each node's configuration from the users on record and wait until each running server has loaded
     it; the servers are left running whatever happens."""
-    for node in nodes:
-        _write_nats_config(directory, node, nodes)
-        log_path = node.home / NATS_LOG_FILE
-        reloads = log_path.read_text(errors="replace").count(_RELOADED)
-        os.kill(node.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 30
-        while log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
-            if not _pid_alive(node.pid) or time.monotonic() > deadline:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                raise RuntimeUnavailable(f"{node.name} did not reload its configuration; log:\n{tail}")
-            time.sleep(0.02)
+    with _RELOADING:
+        for node in nodes:
+            _reload_node(directory, node, nodes)
+
+
+def _reload_node(directory: Path, node: NatsNode, nodes: Sequence[NatsNode], *, jetstream: bool = True) -> None:
+    _write_nats_config(directory, node, nodes, jetstream=jetstream)
+    log_path = node.home / NATS_LOG_FILE
+    reloads = log_path.read_text(errors="replace").count(_RELOADED)
+    os.kill(node.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while log_path.read_text(errors="replace").count(_RELOADED) <= reloads:
+        if not _pid_alive(node.pid) or time.monotonic() > deadline:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeUnavailable(f"{node.name} did not reload its configuration; log:\n{tail}")
+        time.sleep(0.02)
+
+
+def store_write_error(node: NatsNode) -> str | None:
+    """What a stream of ``node`` could not write to its store, as its ``/healthz`` says; None when nothing (or no
+    monitoring). Since nats-server 2.14 a stream that failed a write (a full disk) keeps the error and stores
+    nothing more, with no reply to publishers, until its store is opened again: space freed does not end it (a
+    disk tester's, and nats-server's filestore.go, setWriteErr)."""
+    if node.monitor_port is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz", timeout=2) as response:
+            response.read()
+            return None
+    except urllib.error.HTTPError as refused:
+        try:
+            said = str(json.loads(refused.read() or b"{}").get("error", ""))
+        except ValueError:
+            return None
+        return said if "write error" in said else None
+    except OSError:
+        return None
+
+
+def restart_jetstream(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> None:
+    """Turn ``node``'s JetStream off and on again by two reloads of its configuration: it opens every stream's
+    store anew, the data on disk kept, and clients stay connected (publishes fail for that moment)."""
+    with _RELOADING:
+        try:
+            _reload_node(directory, node, nodes, jetstream=False)
+        finally:
+            _reload_node(directory, node, nodes)
+
+
+def low_disk(path: Path) -> str:
+    """A note when the disk holding ``path`` is nearly full (under STORE_ROOM_BYTES free), else "": a disk tester's
+    PostgreSQL, out of room for its write-ahead log, stopped, and started again said only that its password could
+    not be set, with a hint of corruption."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; the disk holding it has only {free / 1024 / 1024:.1f} MiB free" if free < STORE_ROOM_BYTES else ""
+
+
+STORE_WATCH_S = 10.0
+"""How often ``up`` asks its nats-servers whether a stream failed to write to its store."""
+STORE_ROOM_BYTES = 64 * 1024 * 1024
+"""Free space on a store's disk before its streams are opened again: less, and the next write fails alike."""
+STORE_FULL_SAID_S = 60.0
+
+
+class NatsStoreWatch:
+    """Asks the embedded nats-servers every STORE_WATCH_S, on a thread of its own, whether a stream failed to write
+    to its store (:func:`store_write_error`, a full disk); once its disk has room again, has it open its stores
+    anew (:func:`restart_jetstream`). A disk tester's ``up`` stored no delta after the disk was freed, until it
+    was restarted, while ``status`` said all was well and ingests failed naming only a timeout."""
+
+    def __init__(self, directory: Path, nodes: Sequence[NatsNode]) -> None:
+        self._directory = directory
+        self._nodes = nodes
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nats-store-watch", daemon=True)
+        self._said_full: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(STORE_WATCH_S):
+            self.look()
+
+    def look(self) -> list[str]:
+        """Look once; the names of the servers whose stores were opened again."""
+        reopened = []
+        for node in list(self._nodes):
+            error = store_write_error(node)
+            if error is None or self._stopping.is_set():
+                continue
+            free = shutil.disk_usage(node.home).free
+            if free < STORE_ROOM_BYTES or node.cluster_port is not None:
+                # In a cluster JetStream is not turned off by a reload: its operator restarts that server.
+                note = (
+                    "no delta is stored until its disk has room; then its streams are opened again"
+                    if node.cluster_port is None
+                    else "no delta is stored: once its disk has room, restart this server (`ontofabric up`)"
+                )
+                now = time.monotonic()
+                if now - self._said_full.get(node.name, -STORE_FULL_SAID_S) >= STORE_FULL_SAID_S:
+                    self._said_full[node.name] = now
+                    log.error(
+                        "nats_store_cannot_write", server=node.name, error=error, free_bytes=free, store=str(node.home),
+                        note=note,
+                    )  # fmt: skip
+                continue
+            log.warning("nats_jetstream_restarting", server=node.name, error=error, free_bytes=free)
+            try:
+                restart_jetstream(self._directory, node, self._nodes)
+            except (RuntimeUnavailable, OSError) as failed:
+                log.error("nats_jetstream_restart_failed", server=node.name, error=str(failed))
+                continue
+            log.info("nats_jetstream_restarted", server=node.name)
+            self._said_full.pop(node.name, None)
+            reopened.append(node.name)
+        return reopened
 
 
 def remove_nats_user(directory: Path, name: str) -> bool:
@@ -704,7 +829,7 @@ def _require_password(bin_dir: Path, pgdata: Path, password: str, user: str | No
     # Single-user mode exits 0 even when the statement failed: its error is in the output.
     if single.returncode != 0 or "ERROR:" in single.stderr or "ERROR:" in single.stdout:
         problem = (single.stderr + single.stdout).replace(password, "***").strip()
-        raise RuntimeUnavailable(f"could not set the PostgreSQL password in {pgdata}:\n{problem}")
+        raise RuntimeUnavailable(f"could not set the PostgreSQL password in {pgdata}{low_disk(pgdata)}:\n{problem}")
     hba = pgdata / "pg_hba.conf"
     hba.write_text(
         "# Written by ontofabric: the superuser's password, over loopback TCP only (read replicas stream from it).\n"
@@ -766,6 +891,7 @@ class EmbeddedRuntime:
         self._postgres: ManagedProcess | None = None
         self._lock: IO[str] | None = None
         self.endpoints: Endpoints | None = None
+        self.store_watch: NatsStoreWatch | None = None
 
     def start(self) -> Endpoints:
         try:
@@ -781,6 +907,8 @@ class EmbeddedRuntime:
             if nats_url is None:
                 nodes = self.settings.nats_cluster_nodes
                 self.nats_nodes = start_nats(self.data_dir / "nats", self.settings.subject_prefix, nodes)
+                self.store_watch = NatsStoreWatch(self.data_dir / "nats", self.nats_nodes)
+                self.store_watch.start()
                 nats_url = nats_url_of(self.nats_nodes)
                 logins = self.nats_logins(self.settings.subject_prefix)
             replica_urls = self.settings.replica_urls()
@@ -836,7 +964,8 @@ class EmbeddedRuntime:
         """The embedded servers that have ended on their own (a crash, a kill), with their exit codes."""
         servers = [*self._servers, *(node.server for node in self.nats_nodes if node.server is not None)]
         return [
-            f"embedded server ended: {s.name} (exit code {s.process.returncode}; its log is in the data directory)"
+            f"embedded server ended: {s.name} (exit code {s.process.returncode}; its log is in the data "
+            f"directory){low_disk(self.data_dir)}"
             for s in servers
             if not s.alive()
         ]
@@ -866,6 +995,9 @@ class EmbeddedRuntime:
         self._lock = lock
 
     def stop(self) -> None:
+        if self.store_watch is not None:
+            self.store_watch.stop()
+            self.store_watch = None
         if self._servers or self.nats_nodes:
             (self.data_dir / RUNTIME_FILE).unlink(missing_ok=True)
         for server in reversed(self._servers):

@@ -81,7 +81,9 @@ def serve_prometheus(host: str, port: int) -> MetricReader:
         raise MetricsUnservable(
             f"ONTOFABRIC_METRICS_HOST/ONTOFABRIC_METRICS_PORT {host}:{port} cannot be served: {error}"
         ) from error
-    log.info("metrics_served", url=f"http://{host}:{server.server_port}/metrics")
+    # A port picked for it is said at any log level: nothing else tells where to scrape (a tester's `mcp`, whose
+    # level is warning, said nothing).
+    (log.warning if port == 0 else log.info)("metrics_served", url=f"http://{host}:{server.server_port}/metrics")
     return reader
 
 

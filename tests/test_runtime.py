@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 import structlog
 
@@ -181,3 +186,62 @@ def _exists(pid: int) -> bool:
             return stat.read().split(") ", 1)[1][:1] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def _small_disk(directory: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``directory`` (root only; skipped where mounting is not allowed)."""
+    directory.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+async def test_a_nats_store_whose_disk_filled_stores_again_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk tester's: once a stream failed to write to a full disk, nats-server (2.14 and later) kept the error,
+    and no delta was stored after the disk was freed, until `up` was restarted. The runtime's store watch opens the
+    stores again once there is room."""
+    monkeypatch.setattr(runtime, "STORE_ROOM_BYTES", 8 * 1024 * 1024)  # of this small disk
+    settings = Settings(database_url="postgresql://db.example/x")
+    with _small_disk(tmp_path / "disk", "48m") as disk, EmbeddedRuntime(settings, disk) as embedded:
+        assert embedded.store_watch is not None
+        names = Names(settings.subject_prefix)
+        nc = await connect(with_login(embedded.nats_nodes[0].url, *embedded.nats_logins(names.prefix)["operator"]), "t")
+        try:
+            js = nc.jetstream(timeout=2)
+            await ensure_jetstream(js, names, settings)
+            filler = disk / "filler"
+            with filler.open("wb") as out:
+                os.posix_fallocate(out.fileno(), 0, shutil.disk_usage(disk).free - 2 * 1024 * 1024)
+            subject, body = names.delta_subject("acme", "main"), b"x" * 64 * 1024
+
+            async def fill() -> None:
+                for _ in range(200):  # 12.5 MB: more than the 2 MB left
+                    await js.publish(subject, body)
+
+            with pytest.raises(TimeoutError):
+                await fill()
+            assert runtime.store_write_error(embedded.nats_nodes[0]) is not None  # what the watch reads
+            assert embedded.store_watch.look() == []  # no room yet: nothing to do
+            assert "MiB free" in runtime.low_disk(disk)  # what a server's failure to start says then
+            filler.unlink()
+            assert runtime.low_disk(disk) == ""
+            with pytest.raises(TimeoutError):  # the disk has room, and still nothing is stored
+                await js.publish(subject, body)
+            async with asyncio.timeout(runtime.STORE_WATCH_S * 3):
+                while True:
+                    with contextlib.suppress(TimeoutError, nats.errors.Error):
+                        await js.publish(subject, body)
+                        break
+                    await asyncio.sleep(0.5)
+            assert runtime.store_write_error(embedded.nats_nodes[0]) is None
+        finally:
+            await nc.close()

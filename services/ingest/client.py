@@ -143,7 +143,14 @@ class DeltaPublisher:
                 if StreamFull.said_by(error):  # it will not pass in seconds: say so now
                     raise StreamFull(acks, [d.event_id for d in deltas[len(acks) :]], error) from error
                 if time.monotonic() + wait > give_up_at:
-                    raise PublishFailed(acks, [d.event_id for d in deltas[len(acks) :]], error) from error
+                    # A server that stores nothing does not answer: a disk tester's full disk was named only so.
+                    why = (
+                        f"{type(error).__name__}: the NATS server did not answer; a server whose store cannot be "
+                        "written (a full disk) stores nothing and says so only in its log"
+                        if isinstance(error, TimeoutError)
+                        else None
+                    )
+                    raise PublishFailed(acks, [d.event_id for d in deltas[len(acks) :]], error, why) from error
                 log.warning("publish_retried", confirmed=len(acks), of=len(deltas), error=describe(error))
                 await asyncio.sleep(wait)
                 wait = min(RETRY_WAIT_S[1], wait * 2)

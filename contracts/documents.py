@@ -309,7 +309,8 @@ class SemanticDocument(WireModel):
     embedding_model: Text | None = Field(
         default=None,
         description="Model that produced the embedding and token vectors; required with them, and checked against "
-        "the deployment's model (another, or none, is dead-lettered embedding_model_mismatch).",
+        "the deployment's model (another is dead-lettered embedding_model_mismatch; an embedding of no named model "
+        "is not used, and the document is found by keyword search only).",
     )
     token_vectors: TokenVectors | None = Field(
         default=None,

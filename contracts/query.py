@@ -6,6 +6,7 @@ from typing import Any, Literal, Self
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
@@ -76,13 +77,21 @@ class SecondOpinionOptions(StrictRequest):
     depth: int | None = Field(default=None, ge=2, le=200, description="Leading candidates it reorders.")
 
 
+def _unique_when_given(schema: JsonDict) -> None:
+    """uniqueItems on the list's own branch, beside its type: beside anyOf, ajv's strict types refused it."""
+    branches = schema.get("anyOf")
+    for branch in branches if isinstance(branches, list) else []:
+        if isinstance(branch, dict) and branch.get("type") == "array":
+            branch["uniqueItems"] = True
+
+
 class QueryOptions(StrictRequest):
     retrievers: list[Retriever] | None = Field(
         default=None,
         min_length=1,
         max_length=2,
         description="Retrievers to run; default both.",
-        json_schema_extra={"uniqueItems": True},
+        json_schema_extra=_unique_when_given,
     )
     candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
     fusion: FusionOptions | None = None

@@ -40,14 +40,19 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 """What the files are written in (``$defs``): said, so that a validator need not guess (ajv's default is draft-07)."""
 
 
-def openapi_discriminators_removed(node: Any) -> Any:
-    """pydantic writes OpenAPI's discriminator object, which no JSON Schema dialect has (ajv's strict mode refused
-    it, a tester's), nor AsyncAPI's Schema Object (it takes a property name whose values name schemas); each
-    alternative's ``const`` of ``type`` already tells them apart."""
+def portable(node: Any) -> Any:
+    """A schema as validators of any language read it (a tester's ajv in strict mode refused ours): without
+    OpenAPI's discriminator object, which no JSON Schema dialect has, nor AsyncAPI's Schema Object (each
+    alternative's ``const`` of ``type`` tells them apart), and with base64 text as ``contentEncoding``, JSON
+    Schema's word for it, rather than pydantic's ``format`` of that name, which validators do not know."""
     if isinstance(node, dict):
-        return {key: openapi_discriminators_removed(value) for key, value in node.items() if key != "discriminator"}
+        converted = {key: portable(value) for key, value in node.items() if key != "discriminator"}
+        if converted.get("format") == "base64":
+            del converted["format"]
+            converted["contentEncoding"] = "base64"
+        return converted
     if isinstance(node, list):
-        return [openapi_discriminators_removed(item) for item in node]
+        return [portable(item) for item in node]
     return node
 
 
@@ -55,7 +60,7 @@ def render() -> dict[str, str]:
     """File name -> JSON text for every message schema."""
     rendered: dict[str, str] = {}
     for name, (model, mode) in MESSAGES.items():
-        schema = openapi_discriminators_removed(model.model_json_schema(by_alias=True, mode=mode))
+        schema = portable(model.model_json_schema(by_alias=True, mode=mode))
         schema["$schema"] = DIALECT
         schema["$id"] = f"urn:ontofabric:contracts:{name}"
         rendered[f"{name}.schema.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"

@@ -196,8 +196,6 @@ def _serve(
         asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready, exited))
     except (ConnectionLost, ServersEnded) as error:
         _fail(str(error), code=1)
-    except DeploymentMismatch as error:  # a setting that does not fit the database: said, not a traceback
-        _fail(str(error), code=2)
 
 
 def _endpoints(settings: Settings) -> Endpoints:
@@ -1643,7 +1641,9 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except (PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable, ModelMissing) as error:
+    except (
+        PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable, ModelMissing, DeploymentMismatch
+    ) as error:  # fmt: skip
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)
     except NatsUnreachable as error:

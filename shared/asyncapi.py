@@ -15,7 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from ontofabric.contracts.deltas import SCHEMA_VERSION
 from ontofabric.contracts.query import CLOCK_ALLOWANCE_MS, RECEIPT_HEADER, RECEIVED, SENT_AT_HEADER, TIMEOUT_HEADER
-from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR, openapi_discriminators_removed
+from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR, portable
 
 from .jetstream import MAX_DELTA_MESSAGE_BYTES
 from .subjects import Names
@@ -55,7 +55,7 @@ def _payload_schemas() -> Json:
         reference = keys[(model, mode)]["$ref"].rsplit("/", 1)[-1]
         if reference != _component(name):
             schemas[_component(name)] = {"$ref": f"#/components/schemas/{reference}"}
-    cleaned: Json = openapi_discriminators_removed(schemas)
+    cleaned: Json = portable(schemas)
     return cleaned
 
 

@@ -157,9 +157,10 @@ async def check_deployment(conn: Connection, settings: Settings, *, record: bool
     false: a reader may not). Returns the settings of the model the index holds: ``settings``, or their next
     model's once a model change has swapped (``ontofabric reembed``). DeploymentMismatch when it is neither, or
     when the index's keyword terms were made with another text search configuration."""
-    known = await conn.fetch("SELECT cfgname FROM pg_ts_config ORDER BY cfgname")
+    # As the statements resolve it, on the search path; recorded unknown, it failed every batch for ever, each
+    # retried (a configuration tester's).
+    known = await conn.fetch("SELECT cfgname FROM pg_ts_config WHERE pg_ts_config_is_visible(oid) ORDER BY cfgname")
     if settings.text_search_config not in (row["cfgname"] for row in known):
-        # Recorded, it would have failed every batch for ever, each retried (a configuration tester's).
         raise DeploymentMismatch(
             f"ONTOFABRIC_TEXT_SEARCH_CONFIG: PostgreSQL has no text search configuration "
             f"{settings.text_search_config!r}; it has {', '.join(row['cfgname'] for row in known)}"

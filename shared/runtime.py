@@ -501,6 +501,10 @@ STORE_WATCH_S = 10.0
 STORE_ROOM_BYTES = 64 * 1024 * 1024
 """Free space on a store's disk before its streams are opened again: less, and the next write fails alike."""
 STORE_FULL_SAID_S = 60.0
+STORE_RETRY_S = (30.0, 600.0)
+"""The wait before the stores are opened again after an attempt that did not end the error, doubling to the most."""
+ROOM_ERRORS = ("no space left on device", "disk quota exceeded")
+"""The write errors that room ends; any other (a disk gone read-only, a file's owner) needs its operator."""
 
 
 class NatsStoreWatch:
@@ -515,6 +519,8 @@ class NatsStoreWatch:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nats-store-watch", daemon=True)
         self._said_full: dict[str, float] = {}
+        self._retry_at: dict[str, tuple[float, float]] = {}
+        """A server's stores opened again: not again before then, and the wait after that."""
 
     def start(self) -> None:
         self._thread.start()
@@ -522,7 +528,7 @@ class NatsStoreWatch:
     def stop(self) -> None:
         self._stopping.set()
         if self._thread.is_alive():
-            self._thread.join(30)
+            self._thread.join(5)  # a reload under way ends once its server is stopped
 
     def _run(self) -> None:
         while not self._stopping.wait(STORE_WATCH_S):
@@ -533,17 +539,23 @@ class NatsStoreWatch:
         reopened = []
         for node in list(self._nodes):
             error = store_write_error(node)
-            if error is None or self._stopping.is_set():
+            if error is None:
+                self._retry_at.pop(node.name, None)
                 continue
+            if self._stopping.is_set():
+                continue
+            now = time.monotonic()
             free = shutil.disk_usage(node.home).free
-            if free < STORE_ROOM_BYTES or node.cluster_port is not None:
-                # In a cluster JetStream is not turned off by a reload: its operator restarts that server.
+            for_room = any(said in error.lower() for said in ROOM_ERRORS)
+            retry_at, wait = self._retry_at.get(node.name, (now, STORE_RETRY_S[0]))
+            if free < STORE_ROOM_BYTES or node.cluster_port is not None or not for_room or now < retry_at:
+                # In a cluster JetStream is not turned off by a reload, and an error room does not end needs more
+                # than a reopening: their operator restarts the server once the cause is gone.
                 note = (
                     "no delta is stored until its disk has room; then its streams are opened again"
-                    if node.cluster_port is None
-                    else "no delta is stored: once its disk has room, restart this server (`ontofabric up`)"
+                    if node.cluster_port is None and for_room
+                    else "no delta is stored: restart this server (`ontofabric up`) once the cause is mended"
                 )
-                now = time.monotonic()
                 if now - self._said_full.get(node.name, -STORE_FULL_SAID_S) >= STORE_FULL_SAID_S:
                     self._said_full[node.name] = now
                     log.error(
@@ -552,6 +564,7 @@ class NatsStoreWatch:
                     )  # fmt: skip
                 continue
             log.warning("nats_jetstream_restarting", server=node.name, error=error, free_bytes=free)
+            self._retry_at[node.name] = (now + wait, min(wait * 2, STORE_RETRY_S[1]))
             try:
                 restart_jetstream(self._directory, node, self._nodes)
             except (RuntimeUnavailable, OSError) as failed:
@@ -719,7 +732,7 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
             **_as_user(user),
         )
         if initdb.returncode != 0:
-            raise RuntimeUnavailable(f"initdb failed in {pgdata}:\n{initdb.stderr.strip()}")
+            raise RuntimeUnavailable(f"initdb failed in {pgdata}{low_disk(pgdata.parent)}:\n{initdb.stderr.strip()}")
     password_file = directory / "password"
     if not password_file.exists():
         write_private(password_file, secrets.token_urlsafe(24))
@@ -920,6 +933,10 @@ class EmbeddedRuntime:
                     replica, url = start_postgres_replica(self.data_dir / f"postgres-replica-{number}", database_url)
                     self._servers.append(replica)
                     replica_urls += (url,)
+        except OSError as error:  # a file of the data directory not written: a full disk, most likely
+            self.stop()
+            said = f"the data directory {self.data_dir}: {error.strerror or error}{low_disk(self.data_dir)}"
+            raise RuntimeUnavailable(said) from error
         except BaseException:
             self.stop()
             raise

@@ -221,7 +221,7 @@ def test_what_the_worker_refuses_as_a_query_the_schema_refuses_too(body: dict[st
 
 def test_what_the_projector_refuses_as_a_delta_the_schema_refuses_too() -> None:
     """A tester's TypeScript ingester, written from the schemas: a payload without its type and a vector of no
-    named model passed ajv, and the projector dead-lettered the one and indexed the other unchecked (now refused)."""
+    named model passed ajv, and the projector dead-lettered the one and indexed the other unchecked (now unused)."""
     published = json.loads((schema.SCHEMA_DIR / "delta-envelope.schema.json").read_text())
     assert published["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert "discriminator" not in json.dumps(published)  # OpenAPI's, which strict validators refuse

@@ -7,7 +7,10 @@ import contextlib
 import dataclasses
 import json
 import random
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import get_args
 from urllib.parse import urlsplit, urlunsplit
 
@@ -955,3 +958,9 @@ async def test_a_part_set_up_for_another_text_search_configuration_is_refused(de
         await migrate(deployment.database_url, unknown)
     with pytest.raises(DeploymentMismatch, match="no text search configuration 'nosuchconfig'"):
         await wait_until_migrated(deployment.database_url, unknown, timeout_s=5)
+    env = deployment.env() | {"ONTOFABRIC_TEXT_SEARCH_CONFIG": "nosuchconfig"}  # `ontofabric migrate` says it too
+    command = [str(Path(sys.executable).parent / "ontofabric"), "migrate"]
+    ended = await asyncio.to_thread(subprocess.run, command, env=env, capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 2
+    assert "no text search configuration 'nosuchconfig'" in " ".join(ended.stderr.split())
+    assert "Traceback" not in ended.stderr

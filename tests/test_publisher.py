@@ -59,9 +59,10 @@ class OwnNats:
         pid = self.server.process.pid
         os.kill(pid, signal.SIGSTOP)
         for _ in range(1000):
-            threads = Path(f"/proc/{pid}/task").iterdir()
-            if all((thread / "stat").read_text().rsplit(") ", 1)[1][:1] == "T" for thread in threads):
-                return
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                threads = Path(f"/proc/{pid}/task").iterdir()
+                if all((thread / "stat").read_text().rsplit(") ", 1)[1][:1] == "T" for thread in threads):
+                    return
             time.sleep(0.001)
         raise AssertionError(f"nats-server {pid} did not stop")
 

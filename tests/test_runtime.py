@@ -245,3 +245,43 @@ async def test_a_nats_store_whose_disk_filled_stores_again_once_there_is_room(
             assert runtime.store_write_error(embedded.nats_nodes[0]) is None
         finally:
             await nc.close()
+
+
+def test_a_runtime_on_a_full_disk_says_so(tmp_path: Path) -> None:
+    """A verifier's `up` on a disk with no byte free ended in a traceback (OSError from writing the server's
+    configuration)."""
+    settings = Settings(database_url="postgresql://db.example/x")
+    with _small_disk(tmp_path / "disk", "16m") as disk:
+        with EmbeddedRuntime(settings, disk):
+            pass  # its files made
+        with (disk / "filler").open("wb") as out, contextlib.suppress(OSError):  # to the last byte
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+        with pytest.raises(RuntimeUnavailable, match="No space left on device; the disk holding it has only"):
+            EmbeddedRuntime(settings, disk).start()
+
+
+def test_the_store_watch_reopens_stores_only_for_room_and_not_again_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review's: reopening ends only an error that room ends, and one that came back is not reopened every 10 s
+    (JetStream off and on each time); any other write error is named for its operator."""
+    errors = {"n": "JetStream stream '$G > S' write error: write /x/1.blk: read-only file system"}
+    reopened: list[str] = []
+    monkeypatch.setattr(runtime, "store_write_error", lambda node: errors.get(node.name))
+    monkeypatch.setattr(runtime, "restart_jetstream", lambda directory, node, nodes: reopened.append(node.name))
+    monkeypatch.setattr(runtime, "STORE_ROOM_BYTES", 0)
+    watch = runtime.NatsStoreWatch(tmp_path, [runtime.NatsNode("n", tmp_path, 1)])
+    with structlog.testing.capture_logs() as logged:
+        assert watch.look() == []
+    assert [entry["event"] for entry in logged] == ["nats_store_cannot_write"]
+    assert "restart this server" in logged[0]["note"]
+    errors["n"] = "JetStream stream '$G > S' write error: write /x/1.blk: no space left on device"
+    assert watch.look() == ["n"]
+    assert watch.look() == []  # the error again at once: not before the wait
+    assert reopened == ["n"]
+    del errors["n"]  # healthy: the wait starts anew
+    assert watch.look() == []
+    errors["n"] = "JetStream stream '$G > S' write error: write /x/2.blk: no space left on device"
+    assert watch.look() == ["n"]

@@ -13,7 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
-import select
+import selectors
 import stat
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -47,14 +47,13 @@ def _check_streamable(fd: int, name: str) -> None:
         )
 
 
-def _watchable(fd: int) -> bool:
-    """Whether the event loop can wait on ``fd``: epoll refuses a device that is always ready, as /dev/null is."""
-    if not hasattr(select, "epoll"):  # not Linux: the loop's selector is another, and takes what it takes
-        return True
-    with select.epoll() as poll:
+def _watchable(fd: int, events: int) -> bool:
+    """Whether the event loop's selector can wait on ``fd``: epoll (and kqueue) refuse a device that is always
+    ready, as /dev/null is."""
+    with selectors.DefaultSelector() as selector:
         try:
-            poll.register(fd, select.EPOLLIN | select.EPOLLOUT)
-        except PermissionError:
+            selector.register(fd, events)
+        except (OSError, ValueError):
             return False
     return True
 
@@ -242,13 +241,13 @@ async def stdio_streams() -> AsyncIterator[
         claims.callback(os.close, nothing)
         wire_in, wire_out = claims.enter_context(_claimed(0, nothing)), claims.enter_context(_claimed(1, 2))
         reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
-        if not _watchable(wire_out):
+        if not _watchable(wire_out, selectors.EVENT_WRITE):
             raise StdioUnusable(
                 "the gateway's standard output is a device it cannot write MCP to (/dev/null?); MCP over stdio runs "
                 "on pipes, as an agent starts it (or serve HTTP with --http)"
             )
         read_transport: asyncio.ReadTransport | None = None
-        if _watchable(wire_in):
+        if _watchable(wire_in, selectors.EVENT_READ):
             read_transport, _ = await loop.connect_read_pipe(
                 lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(wire_in), "rb")
             )

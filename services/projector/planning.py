@@ -62,6 +62,8 @@ class Delta:
 
     seq: int
     envelope: DeltaEnvelope
+    unnamed_vector_dropped: bool = False
+    """Its document came with a vector of no named model, which is not used (:func:`validate_delta`)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,19 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
             f"subject {subject!r} does not name workspace {envelope.workspace!r} / branch {envelope.branch!r}",
         )
     document = upserted_document(envelope)
+    dropped = False
+    if document is not None and document.embedding is not None and document.embedding_model is None:
+        # Another model's vector of the same width could not be told from this one's (a tester's was indexed as
+        # such): not used, and the document indexed as one sent without. Not refused: such deltas were applied
+        # before, and a replay, a rebuild or a compaction judges the stream's deltas as the projector does now.
+        document = document.model_copy(update={"embedding": None})
+        envelope = envelope.model_copy(update={"payload": DocumentUpserted(document=document)})
+        dropped = True
     if document is not None:
         problem = _document_problem(document, limits)
         if problem is not None:
             return problem
-    return Delta(seq=seq, envelope=envelope)
+    return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped)
 
 
 def embedded_by_another(document: SemanticDocument, model: str) -> bool:
@@ -143,13 +153,6 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
         return Rejection(
             "embedding_dimension_mismatch",
             f"embedding has {len(document.embedding)} dimensions, the deployment uses {limits.embedding_dim}",
-        )
-    if document.embedding is not None and document.embedding_model is None:
-        # Unnamed, another model's vectors of the same width would be indexed as this one's (a tester's were).
-        return Rejection(
-            "embedding_model_mismatch",
-            f"embedding without embeddingModel: name the model that made it; the deployment uses "
-            f"{limits.embedding_model!r}",
         )
     if document.embedding is not None and document.embedding_model != limits.embedding_model:
         return Rejection(

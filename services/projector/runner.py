@@ -105,6 +105,13 @@ class ProjectionRunner:
                 invalid.append((msg, checked))
             else:
                 accepted.append((msg, checked))
+        unnamed = [delta for _, delta in accepted if delta.unnamed_vector_dropped]
+        if unnamed:
+            first = unnamed[0].envelope
+            log.warning(
+                "embedding_without_model_not_used", documents=len(unnamed), workspace=first.workspace,
+                event_id=first.event_id, note="vectors must name their model (embeddingModel): found by keyword only",
+            )  # fmt: skip
         if invalid:
             yield Outcome(invalid=invalid)
         # In stream order: a redelivery may bring a later delta first, and a write split in parts (halves, or one

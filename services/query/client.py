@@ -619,13 +619,13 @@ class Exchange:
         if refusal is None:
             return answer
         now = self._loop.time()
+        again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(now))
         read_as = _sent_at_misread(refusal, attempt, now)
         if read_as is not None:
-            self._inbox.doubt_clocks(now, read_as)
-            if len(self._attempts) < MAX_SENDS and self._ends - now >= PUSHBACK_MIN_LEFT_S:
+            self._inbox.doubt_clocks(now, read_as)  # the next sends go without the header, whatever comes of this
+            if again_at is None and self._resends_for_clocks(now):
                 self._pushed_back, self._resend_at, self._resend_reason = answer, now, "clock"
                 return None
-        again_at = send_again_at(self._attempts, self._inbox.receipt_wait_s(now))
         if again_at is not None and again_at > now:
             self._refused = answer  # another attempt is still expected to answer
             return None
@@ -633,6 +633,16 @@ class Exchange:
             self._pushed_back, self._resend_at, self._resend_reason = answer, resend_at, "waited_out"
             return None
         return answer
+
+    def _resends_for_clocks(self, now: float) -> bool:
+        """Whether a request refused for a send time misread is sent again without it at once: within the sends,
+        the time left and the connection's retry budget, as the other resends (requests in flight when the
+        clocks are found to disagree are each refused alike)."""
+        if not self._pushback or not self._may_send or len(self._attempts) >= MAX_SENDS:
+            return False
+        if self._ends - now < PUSHBACK_MIN_LEFT_S:
+            return False
+        return self._inbox.retries.take_retry(now)
 
     def _pushed_back_until(self, refusal: QueryError, now: float) -> float | None:
         """When to send the request again after a refusal stating its wait, or None: not asked to, no send or not

@@ -272,8 +272,9 @@ class Admitted:
         reads the reply with time left knows its clock and this worker's disagree (QueryClient then sends the
         request again without it)."""
         before = self.deadline.waited_before_s
+        sent_ms = before * 1000 + CLOCK_ALLOWANCE_MS  # as the message says it
         details = (
-            [ErrorDetail(field=f"header {SENT_AT_HEADER}", message=f"read as sent {before * 1000:.0f} ms before")]
+            [ErrorDetail(field=f"header {SENT_AT_HEADER}", message=f"read as sent {sent_ms:.0f} ms before")]
             if before
             else None
         )

@@ -438,6 +438,12 @@ class Settings(BaseSettings):
         "is refused at once, `overloaded` and retryable (initialize, ping, tools/list and notifications are always "
         "taken).",
     )
+    gateway_allowed_origins: str | None = Field(
+        default=None,
+        description="Origins (`https://host[:port]`, comma-separated) whose browser pages may call an HTTP gateway "
+        "listening beyond loopback; any other request that states an Origin is refused 403 (MCP: servers must "
+        "check Origin, against DNS rebinding). Agents send none. On loopback the MCP SDK allows localhost's.",
+    )
     gateway_max_late_ms: int = Field(
         default=500,
         ge=1,

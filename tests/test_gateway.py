@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
 import jsonschema
@@ -258,9 +259,11 @@ async def _run(deployment: Deployment, *args: str, **env: str) -> subprocess.Com
 
 
 @contextlib.asynccontextmanager
-async def _http_gateway(deployment: Deployment, *args: str, files: int | None = None, **env: str) -> AsyncIterator[str]:
-    """``ontofabric mcp --http`` on a free port, as a process (with at most ``files`` descriptors open); yields its
-    URL once it listens."""
+async def _http_gateway(
+    deployment: Deployment, *args: str, files: int | None = None, host: str = "127.0.0.1", **env: str
+) -> AsyncIterator[str]:
+    """``ontofabric mcp --http`` on a free port of ``host``, as a process (with at most ``files`` descriptors open);
+    yields its URL (on loopback) once it listens."""
     port = _free_port()
 
     def limited() -> None:
@@ -268,7 +271,7 @@ async def _http_gateway(deployment: Deployment, *args: str, files: int | None = 
             resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
     gateway = await asyncio.create_subprocess_exec(
-        ONTOFABRIC, "mcp", *args, "--http", f"127.0.0.1:{port}", preexec_fn=limited,
+        ONTOFABRIC, "mcp", *args, "--http", f"{host}:{port}", preexec_fn=limited,
         env=_gateway_env(deployment, **env), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -892,6 +895,59 @@ async def test_an_http_gateway_beyond_loopback_needs_tokens(deployment: Deployme
     )
     assert refused.returncode == 2
     assert "needs bearer tokens" in refused.stderr
+
+
+async def _exchange_raw(url: str, request: bytes, wait_s: float = 30) -> bytes:
+    """Bytes written to the gateway as they are, and all it sends back until it closes the connection."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(wait_s):
+            return await reader.read(-1)
+    finally:
+        writer.close()
+
+
+async def test_an_http_request_a_proxy_could_frame_otherwise_is_refused_and_its_connection_closed(
+    deployment: Deployment, served: QueryService
+) -> None:
+    """A red team's request with Content-Length and Transfer-Encoding both was answered, and the bytes after its
+    chunked body read as a second request on the same connection (RFC 9112, 6.3: close it). A body slower than
+    the gateway reads was answered 500 "Error handling POST request" with an error-level traceback; /mcp/ was
+    redirected to whatever Host the request named."""
+    ping = b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+    async with _http_gateway(deployment, "--workspace", "acme") as url:
+        host = urlsplit(url).netloc.encode()
+        head = b"POST /mcp HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: application/json\r\n"
+        head += b"Accept: application/json, text/event-stream\r\n"
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(ping), ping)
+        both = head + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(chunked) + chunked
+        answered = await _exchange_raw(url, both + head + b"Content-Length: %d\r\n\r\n" % len(ping) + ping)
+        assert answered.startswith(b"HTTP/1.1 400"), answered[:200]
+        assert answered.count(b"HTTP/1.1 ") == 1  # the connection closed after the refusal
+        slow = await _exchange_raw(url, head + b"Content-Length: %d\r\n\r\n" % (len(ping) + 10) + ping)
+        assert slow.startswith(b"HTTP/1.1 408"), slow[:200]
+        slashed = await _exchange_raw(url, b"GET /mcp/ HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+        assert slashed.startswith(b"HTTP/1.1 404"), slashed[:200]
+
+
+async def test_beyond_loopback_a_browser_page_of_an_origin_not_allowed_is_refused(
+    deployment: Deployment, served: QueryService, tmp_path: Path
+) -> None:
+    """A red team's gateway on 0.0.0.0 answered a request from Origin http://evil.example (MCP's transport: servers
+    must check Origin, against DNS rebinding); the SDK checks it on loopback only."""
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    token = (await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)).stdout.strip()
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    allowed = {"ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS": "https://agents.example, https://ide.example:8443/"}
+    async with _http_gateway(deployment, host="0.0.0.0", **tokens, **allowed) as url, httpx2.AsyncClient() as http:
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert (await http.post(url, json=ping, headers=bearer)).status_code == 200  # an agent states no Origin
+        for origin, status in [("http://evil.example", 403), ("https://ide.example:8443", 200)]:
+            answered = await http.post(url, json=ping, headers={**bearer, "Origin": origin})
+            assert answered.status_code == status, (origin, answered.text)
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:٣٣", "8080"])

@@ -227,18 +227,23 @@ class Gateway:
         async with stdio_streams() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
-    async def serve_http(self, host: str, port: int, tokens: TokenStore, intake: Intake) -> None:
+    async def serve_http(
+        self, host: str, port: int, tokens: TokenStore, intake: Intake, allowed_origins: frozenset[str] = frozenset()
+    ) -> None:
         """Streamable HTTP at ``http://HOST:PORT/mcp``, stateless, answering in JSON: the tools never call back to
         the client, so any request can go to any gateway (several behind a load balancer need no sticky sessions).
         Every request needs a bearer token on record and reads only that token's workspaces; on loopback, only
         while there is a tokens file (see :class:`RequireBearer`).
         """
-        app: ASGIApp = self.server.streamable_http_app(
+        sdk_app = self.server.streamable_http_app(
             streamable_http_path=MCP_PATH, host=host, stateless_http=True, json_response=True
         )
+        # /mcp/ was redirected to whatever Host the request named, before the SDK's Host check (a red team's).
+        sdk_app.router.redirect_slashes = False
         lag = LoopLag()
-        app = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(app)), intake, lag))
+        app: ASGIApp = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(sdk_app)), intake, lag))
         app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host), served_path=MCP_PATH)
+        app = RequestFraming(app, None if is_loopback(host) else allowed_origins)
         BoundedConnections.limit = connection_limit()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
@@ -281,6 +286,42 @@ def listen_on(host: str, port: int) -> list[socket.socket]:
 
 MCP_PATH = "/mcp"
 """Where the SDK's app serves MCP (its default)."""
+
+
+class RequestFraming:
+    """ASGI middleware, outermost: requests a proxy in front could read otherwise than the gateway, or that come from
+    a browser page the gateway does not know.
+
+    - ``Content-Length`` beside ``Transfer-Encoding``: refused 400, and the connection closed. RFC 9112 (6.3) has a
+      server close it after answering such a request; a red team's second request, sent on in the same bytes, was
+      read and answered as a request of its own, where a proxy framing by the length would have seen one.
+    - Beyond loopback, a request stating an ``Origin`` not in ``allowed_origins``: refused 403 (MCP's transport:
+      servers must check Origin, against DNS rebinding). ``allowed_origins`` None: on loopback, where the SDK
+      checks Origin and Host itself."""
+
+    def __init__(self, app: ASGIApp, allowed_origins: frozenset[str] | None) -> None:
+        self._app = app
+        self._allowed_origins = allowed_origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            message = "a request states both Content-Length and Transfer-Encoding (RFC 9112, 6.3)"
+            error = {"code": types.INVALID_REQUEST, "message": message}
+            await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": error}, close=True)
+            return
+        origin = headers.get(b"origin")
+        if self._allowed_origins is not None and origin is not None:
+            stated = origin.decode("latin-1").rstrip("/")
+            if stated not in self._allowed_origins:
+                message = f"Origin {stated} is not allowed here (ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS)"
+                error = {"code": types.INVALID_REQUEST, "message": message}
+                await _answer_json(send, 403, {"jsonrpc": "2.0", "id": None, "error": error})
+                return
+        await self._app(scope, receive, send)
 
 
 class NoEventStreams:
@@ -345,6 +386,13 @@ class MisreadBodies:
             await self._app(scope, receive, send)
             return
         read, body = await peek_body(receive, self._max_body_bytes)
+        if read and read[-1]["type"] == "http.disconnect":
+            # The body did not come whole in time (or its client left, which reads no answer): the SDK answered a
+            # slow body 500 "Error handling POST request", with an error-level traceback each (a red team's).
+            message = "the request's body did not arrive whole in time"
+            error = {"code": types.INVALID_REQUEST, "message": message}
+            await _answer_json(send, 408, {"jsonrpc": "2.0", "id": None, "error": error}, close=True)
+            return
         size = sum(len(m.get("body", b"")) for m in read if m["type"] == "http.request")
         if size > self._max_body_bytes and read[-1]["type"] == "http.request":  # not a client that left
             # A body sent in chunks states no length: the SDK read it and answered plain text (a verifier's).
@@ -496,8 +544,10 @@ def _invalid(message: str) -> dict[str, Any]:
     return {"code": types.INVALID_REQUEST, "message": message}
 
 
-async def _answer_json(send: Send, status: int, answer: Any) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+async def _answer_json(send: Send, status: int, answer: Any, close: bool = False) -> None:
+    """``close``: the connection ends after this answer."""
+    headers = [*_JSON_HEADERS, (b"connection", b"close")] if close else _JSON_HEADERS
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
@@ -855,9 +905,10 @@ async def serve(
     http: tuple[str, int] | None,
     tokens: TokenStore | None = None,
     intake: Intake | None = None,
+    allowed_origins: frozenset[str] = frozenset(),
 ) -> None:
     """Serve over stdio, or over HTTP at ``http`` (host, port) with the bearer ``tokens`` (see :mod:`.auth`), taking
-    on what ``intake`` allows (see :mod:`.admission`)."""
+    on what ``intake`` allows (see :mod:`.admission`); beyond loopback, browser pages of ``allowed_origins`` only."""
     gateway = Gateway(link, names, workspace, timeout_s)
     if http is None:
         await gateway.serve_stdio()
@@ -865,4 +916,4 @@ async def serve(
         assert tokens is not None, "an HTTP gateway takes its tokens"
         assert intake is not None, "an HTTP gateway takes its intake"
         log.info("gateway_listening", url=f"http://{http[0]}:{http[1]}{MCP_PATH}", tokens=str(tokens.path))
-        await gateway.serve_http(*http, tokens, intake)
+        await gateway.serve_http(*http, tokens, intake, allowed_origins)

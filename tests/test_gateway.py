@@ -948,6 +948,16 @@ async def test_beyond_loopback_a_browser_page_of_an_origin_not_allowed_is_refuse
         for origin, status in [("http://evil.example", 403), ("https://ide.example:8443", 200)]:
             answered = await http.post(url, json=ping, headers={**bearer, "Origin": origin})
             assert answered.status_code == status, (origin, answered.text)
+        # A browser page of an allowed origin asks first (CORS: its bearer token needs a preflight), then reads.
+        asked = {"Origin": "https://ide.example:8443", "Access-Control-Request-Method": "POST"}
+        preflight = await http.options(url, headers={**asked, "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == "https://ide.example:8443"
+        assert "authorization" in preflight.headers["access-control-allow-headers"]
+        read = await http.post(url, json=ping, headers={**bearer, "Origin": "https://ide.example:8443"})
+        assert read.headers["access-control-allow-origin"] == "https://ide.example:8443"
+        twice = [("Origin", "http://evil.example"), ("Origin", "https://ide.example:8443"), *bearer.items()]
+        assert (await http.post(url, json=ping, headers=twice)).status_code == 403  # not the last one's to say
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:٣٣", "8080"])

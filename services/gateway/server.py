@@ -295,9 +295,11 @@ class RequestFraming:
     - ``Content-Length`` beside ``Transfer-Encoding``: refused 400, and the connection closed. RFC 9112 (6.3) has a
       server close it after answering such a request; a red team's second request, sent on in the same bytes, was
       read and answered as a request of its own, where a proxy framing by the length would have seen one.
-    - Beyond loopback, a request stating an ``Origin`` not in ``allowed_origins``: refused 403 (MCP's transport:
-      servers must check Origin, against DNS rebinding). ``allowed_origins`` None: on loopback, where the SDK
-      checks Origin and Host itself."""
+    - Beyond loopback, a request stating an ``Origin`` not in ``allowed_origins`` (or more than one): refused 403
+      (MCP's transport: servers must check Origin, against DNS rebinding). One allowed is answered as CORS has a
+      browser page ask: its preflight (OPTIONS) at once, and the answer readable by it; without that a page could
+      not call at all, its bearer token needing a preflight (a verifier's). ``allowed_origins`` None: on loopback,
+      where the SDK checks Origin and Host itself."""
 
     def __init__(self, app: ASGIApp, allowed_origins: frozenset[str] | None) -> None:
         self._app = app
@@ -313,15 +315,36 @@ class RequestFraming:
             error = {"code": types.INVALID_REQUEST, "message": message}
             await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": error}, close=True)
             return
-        origin = headers.get(b"origin")
-        if self._allowed_origins is not None and origin is not None:
-            stated = origin.decode("latin-1").rstrip("/")
-            if stated not in self._allowed_origins:
-                message = f"Origin {stated} is not allowed here (ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS)"
-                error = {"code": types.INVALID_REQUEST, "message": message}
-                await _answer_json(send, 403, {"jsonrpc": "2.0", "id": None, "error": error})
-                return
-        await self._app(scope, receive, send)
+        origins = [value.decode("latin-1") for name, value in scope["headers"] if name == b"origin"]
+        if self._allowed_origins is None or not origins:
+            await self._app(scope, receive, send)
+            return
+        stated = origins[0].rstrip("/")
+        if len(origins) > 1 or stated not in self._allowed_origins:
+            message = f"Origin {', '.join(origins)} is not allowed here (ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS)"
+            error = {"code": types.INVALID_REQUEST, "message": message}
+            await _answer_json(send, 403, {"jsonrpc": "2.0", "id": None, "error": error})
+            return
+        allowed = [(b"access-control-allow-origin", origins[0].encode("latin-1")), (b"vary", b"Origin")]
+        if scope.get("method") == "OPTIONS":
+            asked = headers.get(b"access-control-request-headers", b"")
+            preflight = [
+                *allowed,
+                (b"access-control-allow-methods", b"POST"),
+                (b"access-control-allow-headers", asked or b"authorization, content-type, mcp-protocol-version"),
+                (b"access-control-max-age", b"600"),
+            ]
+            await send({"type": "http.response.start", "status": 204, "headers": preflight})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def readable(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                exposed = [(b"access-control-expose-headers", b"mcp-session-id, www-authenticate")]
+                message = {**message, "headers": [*message.get("headers", []), *allowed, *exposed]}
+            await send(message)
+
+        await self._app(scope, receive, readable)
 
 
 class NoEventStreams:

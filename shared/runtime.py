@@ -540,7 +540,11 @@ class NatsStoreWatch:
         for node in list(self._nodes):
             error = store_write_error(node)
             if error is None:
-                self._retry_at.pop(node.name, None)
+                # Forgotten after a healthy spell as long as its wait: healthy looks between sparse failures (or
+                # a look that could not ask) do not start the doubling anew.
+                retry_at, wait = self._retry_at.get(node.name, (0.0, 0.0))
+                if time.monotonic() > retry_at + wait:
+                    self._retry_at.pop(node.name, None)
                 continue
             if self._stopping.is_set():
                 continue
@@ -553,6 +557,7 @@ class NatsStoreWatch:
                 # than a reopening: their operator restarts the server once the cause is gone.
                 note = (
                     "no delta is stored until its disk has room; then its streams are opened again"
+                    + (f" (next at most {wait:.0f} s after the last)" if free >= STORE_ROOM_BYTES else "")
                     if node.cluster_port is None and for_room
                     else "no delta is stored: restart this server (`ontofabric up`) once the cause is mended"
                 )
@@ -935,7 +940,7 @@ class EmbeddedRuntime:
                     replica_urls += (url,)
         except OSError as error:  # a file of the data directory not written: a full disk, most likely
             self.stop()
-            said = f"the data directory {self.data_dir}: {error.strerror or error}{low_disk(self.data_dir)}"
+            said = f"the embedded servers could not start: {error}{low_disk(self.data_dir)}"
             raise RuntimeUnavailable(said) from error
         except BaseException:
             self.stop()

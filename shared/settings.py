@@ -235,7 +235,11 @@ class Settings(BaseSettings):
         default=256 * 1024, ge=1024, description="Deltas whose document content is larger are dead-lettered."
     )
     dedupe_window_s: float = Field(
-        default=600.0, gt=0, le=86_400, description="JetStream duplicate window for Nats-Msg-Id deduplication."
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="JetStream duplicate window for Nats-Msg-Id deduplication (at most a day: the server keeps every "
+        "id of the window in memory).",
     )
     delta_max_age_days: float | None = Field(
         default=None,

@@ -80,6 +80,18 @@ def test_valid_delta_is_accepted() -> None:
             ),
             "embedding_dimension_mismatch",
         ),
+        (  # of no named model too: a vector of another width was refused so before (a review's)
+            lambda d: json.dumps(
+                {
+                    **d,
+                    "payload": {
+                        **d["payload"],
+                        "document": {**d["payload"]["document"], "embedding": [0.5] * 12, "embeddingModel": None},
+                    },
+                }
+            ),
+            "embedding_dimension_mismatch",
+        ),
         (
             lambda d: json.dumps(
                 {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "embeddingModel": "other"}}}

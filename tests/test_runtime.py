@@ -277,11 +277,22 @@ def test_the_store_watch_reopens_stores_only_for_room_and_not_again_at_once(
         assert watch.look() == []
     assert [entry["event"] for entry in logged] == ["nats_store_cannot_write"]
     assert "restart this server" in logged[0]["note"]
+    now = [1000.0]
+    monkeypatch.setattr(runtime.time, "monotonic", lambda: now[0])
     errors["n"] = "JetStream stream '$G > S' write error: write /x/1.blk: no space left on device"
     assert watch.look() == ["n"]
     assert watch.look() == []  # the error again at once: not before the wait
-    assert reopened == ["n"]
-    del errors["n"]  # healthy: the wait starts anew
-    assert watch.look() == []
+    del errors["n"]
+    now[0] += 20
+    assert watch.look() == []  # healthy a while, the wait not forgotten: sparse failures do not start it anew
     errors["n"] = "JetStream stream '$G > S' write error: write /x/2.blk: no space left on device"
+    now[0] += 15  # past the first wait (30 s)
+    assert watch.look() == ["n"]
+    now[0] += 40  # within the doubled wait (60 s)
+    assert watch.look() == []
+    assert reopened == ["n", "n"]
+    del errors["n"]
+    now[0] += 200  # healthy longer than its wait: forgotten
+    assert watch.look() == []
+    errors["n"] = "JetStream stream '$G > S' write error: write /x/3.blk: no space left on device"
     assert watch.look() == ["n"]

@@ -15,6 +15,7 @@ import secrets
 import socket
 from importlib.metadata import version
 from typing import Any
+from urllib.parse import urlsplit
 
 import mcp_types as types
 import uvicorn
@@ -238,7 +239,8 @@ class Gateway:
         sdk_app = self.server.streamable_http_app(
             streamable_http_path=MCP_PATH, host=host, stateless_http=True, json_response=True
         )
-        # /mcp/ was redirected to whatever Host the request named, before the SDK's Host check (a red team's).
+        # /mcp/ was redirected to whatever Host the request named, before the SDK's Host check (a red team's);
+        # RequestFraming serves it as /mcp instead.
         sdk_app.router.redirect_slashes = False
         lag = LoopLag()
         app: ASGIApp = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(sdk_app)), intake, lag))
@@ -303,12 +305,14 @@ class RequestFraming:
 
     def __init__(self, app: ASGIApp, allowed_origins: frozenset[str] | None) -> None:
         self._app = app
-        self._allowed_origins = allowed_origins
+        self._allowed_origins = None if allowed_origins is None else frozenset(map(web_origin, allowed_origins))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        if scope.get("path") == f"{MCP_PATH}/":  # a client configured so was redirected, and followed it
+            scope = {**scope, "path": MCP_PATH, "raw_path": MCP_PATH.encode()}
         headers = dict(scope["headers"])
         if b"transfer-encoding" in headers and b"content-length" in headers:
             message = "a request states both Content-Length and Transfer-Encoding (RFC 9112, 6.3)"
@@ -319,8 +323,7 @@ class RequestFraming:
         if self._allowed_origins is None or not origins:
             await self._app(scope, receive, send)
             return
-        stated = origins[0].rstrip("/")
-        if len(origins) > 1 or stated not in self._allowed_origins:
+        if len(origins) > 1 or web_origin(origins[0]) not in self._allowed_origins:
             message = f"Origin {', '.join(origins)} is not allowed here (ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS)"
             error = {"code": types.INVALID_REQUEST, "message": message}
             await _answer_json(send, 403, {"jsonrpc": "2.0", "id": None, "error": error})
@@ -345,6 +348,20 @@ class RequestFraming:
             await send(message)
 
         await self._app(scope, receive, readable)
+
+
+def web_origin(text: str) -> str:
+    """An origin as browsers state it: scheme and host in lower case, without a default port or a trailing slash
+    (a setting written ``https://IDE.example:443/`` matches what a browser sends)."""
+    parts = urlsplit(text.strip().rstrip("/"))
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+    try:
+        port = parts.port
+    except ValueError:
+        return text
+    default = {"http": 80, "https": 443}.get(scheme)
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}" + (f":{port}" if port is not None and port != default else "")
 
 
 class NoEventStreams:

@@ -90,7 +90,12 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
         )
     document = upserted_document(envelope)
     dropped = False
-    if document is not None and document.embedding is not None and document.embedding_model is None:
+    if (
+        document is not None
+        and document.embedding is not None
+        and document.embedding_model is None
+        and len(document.embedding) == limits.embedding_dim  # another width is refused as ever (below)
+    ):
         # Another model's vector of the same width could not be told from this one's (a tester's was indexed as
         # such): not used, and the document indexed as one sent without. Not refused: such deltas were applied
         # before, and a replay, a rebuild or a compaction judges the stream's deltas as the projector does now.
@@ -167,10 +172,10 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
         )
     if tokens is not None and document.embedding_model != limits.embedding_model:
         # Another model's tokens of the same width would be compared with this model's query tokens: noise.
+        made_by = "of no named model" if document.embedding_model is None else f"made by {document.embedding_model!r}"
         return Rejection(
             "embedding_model_mismatch",
-            f"token vectors made by {document.embedding_model!r} (embeddingModel), the deployment uses "
-            f"{limits.embedding_model!r}",
+            f"token vectors {made_by} (embeddingModel), the deployment uses {limits.embedding_model!r}",
         )
     return None
 

@@ -619,11 +619,10 @@ def mcp(
 
         warming = asyncio.create_task(warm_up())
         try:
-            origins = frozenset(o.strip().rstrip("/") for o in (settings.gateway_allowed_origins or "").split(","))
             await serve(
                 link, Names(settings.subject_prefix), workspace or settings.gateway_workspace,
                 settings.gateway_timeout_s, address, tokens,
-                Intake(settings.gateway_max_held, settings.gateway_max_late_ms / 1000), origins - {""},
+                Intake(settings.gateway_max_held, settings.gateway_max_late_ms / 1000), settings.allowed_origins(),
             )  # fmt: skip
         finally:
             warming.cancel()

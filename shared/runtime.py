@@ -342,14 +342,29 @@ def _write_nats_config(directory: Path, node: NatsNode, nodes: Sequence[NatsNode
     write_private(node.home / NATS_CONFIG_FILE, text)
 
 
+def _health(node: NatsNode, timeout_s: float) -> tuple[int, dict[str, Any]] | None:
+    """What ``node``'s ``/healthz`` answers: its status and JSON body; None when it cannot be asked (no monitoring,
+    not answering)."""
+    if node.monitor_port is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz", timeout=timeout_s) as answer:
+            return int(answer.status), {}
+    except urllib.error.HTTPError as refused:
+        try:
+            body = json.loads(refused.read() or b"{}")
+        except ValueError:
+            body = {}
+        return refused.code, body if isinstance(body, dict) else {}
+    except OSError:
+        return None
+
+
 def _jetstream_current(node: NatsNode) -> bool:
     """Whether ``node``'s monitoring endpoint says its JetStream is up and current (a meta leader, its streams
     caught up)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz", timeout=1) as response:
-            return int(response.status) == 200
-    except OSError:
-        return False
+    health = _health(node, timeout_s=1)
+    return health is not None and health[0] == 200
 
 
 def start_nats_node(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> None:
@@ -459,20 +474,9 @@ def store_write_error(node: NatsNode) -> str | None:
     monitoring). Since nats-server 2.14 a stream that failed a write (a full disk) keeps the error and stores
     nothing more, with no reply to publishers, until its store is opened again: space freed does not end it (a
     disk tester's, and nats-server's filestore.go, setWriteErr)."""
-    if node.monitor_port is None:
-        return None
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/healthz", timeout=2) as response:
-            response.read()
-            return None
-    except urllib.error.HTTPError as refused:
-        try:
-            said = str(json.loads(refused.read() or b"{}").get("error", ""))
-        except ValueError:
-            return None
-        return said if "write error" in said else None
-    except OSError:
-        return None
+    health = _health(node, timeout_s=2)
+    said = str(health[1].get("error", "")) if health is not None else ""
+    return said if "write error" in said else None
 
 
 def restart_jetstream(directory: Path, node: NatsNode, nodes: Sequence[NatsNode]) -> None:
@@ -538,17 +542,16 @@ class NatsStoreWatch:
         """Look once; the names of the servers whose stores were opened again."""
         reopened = []
         for node in list(self._nodes):
-            error = store_write_error(node)
+            error, now = store_write_error(node), time.monotonic()
             if error is None:
                 # Forgotten after a healthy spell as long as its wait: healthy looks between sparse failures (or
                 # a look that could not ask) do not start the doubling anew.
                 retry_at, wait = self._retry_at.get(node.name, (0.0, 0.0))
-                if time.monotonic() > retry_at + wait:
+                if now > retry_at + wait:
                     self._retry_at.pop(node.name, None)
                 continue
             if self._stopping.is_set():
                 continue
-            now = time.monotonic()
             free = shutil.disk_usage(node.home).free
             for_room = any(said in error.lower() for said in ROOM_ERRORS)
             retry_at, wait = self._retry_at.get(node.name, (now, STORE_RETRY_S[0]))

@@ -700,6 +700,10 @@ class Settings(BaseSettings):
         """The read replicas of ``query_replica_urls``, in order."""
         return _url_list(self.query_replica_urls)
 
+    def allowed_origins(self) -> frozenset[str]:
+        """The origins of ``gateway_allowed_origins`` (the gateway compares them as browsers state them)."""
+        return frozenset(_url_list(self.gateway_allowed_origins))
+
     def partition_database_urls(self) -> tuple[str, ...]:
         """The primaries of ``partition_databases``, in order (none: database_url holds every workspace)."""
         return _url_list(self.partition_databases)

@@ -58,7 +58,8 @@ _resent = meter().create_counter(
 )
 _not_retried = meter().create_counter(
     "query.client.retries_declined",
-    description="overloaded refusals stating a wait that the client returned at once: its retry budget was spent",
+    description="refusals the client returned at once rather than sending again (a stated wait, a send time "
+    "misread): its retry budget was spent",
 )
 
 
@@ -577,7 +578,8 @@ class Exchange:
 
     async def _send_again(self, reason: str) -> None:
         """Another send of the request, logged and counted: its worker went silent (``no_receipt``, ``no_reply``:
-        a warning) or it was refused with a wait now waited out (``waited_out``)."""
+        a warning), it was refused with a wait now waited out (``waited_out``), or for a send time misread
+        (``clock``)."""
         level = log.info if reason in ("waited_out", "clock") else log.warning
         level("query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=reason)
         _resent.add(1, {"reason": reason})
@@ -623,7 +625,7 @@ class Exchange:
         read_as = _sent_at_misread(refusal, attempt, now)
         if read_as is not None:
             self._inbox.doubt_clocks(now, read_as)  # the next sends go without the header, whatever comes of this
-            if again_at is None and self._resends_for_clocks(now):
+            if again_at is None and self._may_resend(now, now):
                 self._pushed_back, self._resend_at, self._resend_reason = answer, now, "clock"
                 return None
         if again_at is not None and again_at > now:
@@ -634,30 +636,25 @@ class Exchange:
             return None
         return answer
 
-    def _resends_for_clocks(self, now: float) -> bool:
-        """Whether a request refused for a send time misread is sent again without it at once: within the sends,
-        the time left and the connection's retry budget, as the other resends (requests in flight when the
-        clocks are found to disagree are each refused alike)."""
-        if not self._pushback or not self._may_send or len(self._attempts) >= MAX_SENDS:
-            return False
-        if self._ends - now < PUSHBACK_MIN_LEFT_S:
-            return False
-        return self._inbox.retries.take_retry(now)
-
     def _pushed_back_until(self, refusal: QueryError, now: float) -> float | None:
-        """When to send the request again after a refusal stating its wait, or None: not asked to, no send or not
-        enough time left after the wait, or the connection's retry budget spent."""
-        if not self._pushback or refusal.retry_after_ms is None or not self._may_send:
-            return None
-        if len(self._attempts) >= MAX_SENDS:
+        """When to send the request again after a refusal stating its wait, or None (:meth:`_may_resend`)."""
+        if refusal.retry_after_ms is None:
             return None
         resend_at = now + refusal.retry_after_ms / 1000 * (1 + PUSHBACK_JITTER * random.random())
+        return resend_at if self._may_resend(resend_at, now) else None
+
+    def _may_resend(self, resend_at: float, now: float) -> bool:
+        """Whether a refused request may go again at ``resend_at`` (after a stated wait, or at once without a send
+        time misread): asked to, a send left, enough of the caller's time left after it, and the connection's
+        retry budget not spent (requests in flight when the clocks are found to disagree are refused alike)."""
+        if not self._pushback or not self._may_send or len(self._attempts) >= MAX_SENDS:
+            return False
         if self._ends - resend_at < PUSHBACK_MIN_LEFT_S:
-            return None
+            return False
         if not self._inbox.retries.take_retry(now):
             _not_retried.add(1)
-            return None
-        return resend_at
+            return False
+        return True
 
     async def _wait_for_connection(self, now: float) -> None:
         """Nothing can be heard while the connection is down, and sends would wait in its buffer to reach the

@@ -163,11 +163,19 @@ class _Outage:
     repeats: int = 0
 
 
-async def connect(url: str, name: str, settings: Settings | None = None, wait_for_server: bool = False) -> Client:
+async def connect(
+    url: str,
+    name: str,
+    settings: Settings | None = None,
+    wait_for_server: bool = False,
+    on_unread: Callable[[nats.errors.SlowConsumerError], Awaitable[bool]] | None = None,
+) -> Client:
     """A client that reconnects for ever and logs connection changes (not its own close). With a user in the URL,
     replies arrive under that user's own inbox prefix, the only one its permissions let it read. ``settings``
     bring TLS (:func:`nats_tls`). Raises NatsUnreachable when no server answers the first connection within
-    ``nats_connect_timeout_s``; ``wait_for_server`` (a worker) waits until one does, logging each attempt."""
+    ``nats_connect_timeout_s``; ``wait_for_server`` (a worker) waits until one does, logging each attempt.
+    ``on_unread`` gets each message nats-py drops unread, past a subscription's pending limits; one it does not
+    take (False) is logged as any error."""
     timeout_s = settings.nats_connect_timeout_s if settings else Settings.model_fields["nats_connect_timeout_s"].default
     first_connect_s = None if wait_for_server else timeout_s
     nc = Client()
@@ -176,6 +184,8 @@ async def connect(url: str, name: str, settings: Settings | None = None, wait_fo
     outage = _Outage()
 
     async def on_error(error: Exception) -> None:
+        if on_unread is not None and isinstance(error, nats.errors.SlowConsumerError) and await on_unread(error):
+            return
         if refused_login(error) and not nc.is_connected:
             authorization_refused.set()
         violation = _VIOLATION.search(str(error))

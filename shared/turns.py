@@ -1,5 +1,6 @@
 """Work taken one key at a time in turn (pure, on asyncio): a key that floods waits behind its own items, not in
-front of the others'. The query worker's waiting requests and the model thread's jobs are kept so, by workspace.
+front of the others'. The query worker's requests (as they arrive, and once admitted) and the model thread's jobs
+are kept so, by workspace.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class Turns(Generic[T]):
         """The newest waiting item of ``key`` that is ``wanted``, left where it is."""
         return next((item for item in reversed(self._queues.get(key, ())) if wanted(item)), None)
 
+    def waiting(self, key: str) -> int:
+        """How many items of ``key`` wait."""
+        queue = self._queues.get(key)
+        return 0 if queue is None else len(queue)
+
     def __len__(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
@@ -88,6 +94,10 @@ class TurnQueue(Generic[T]):
     def newest(self, key: str, wanted: Callable[[T], bool]) -> T | None:
         """The newest waiting item of ``key`` that is ``wanted``, left where it is."""
         return self._turns.newest(key, wanted)
+
+    def waiting(self, key: str) -> int:
+        """How many items of ``key`` wait."""
+        return self._turns.waiting(key)
 
     def task_done(self) -> None:
         """One item taken has been dealt with."""

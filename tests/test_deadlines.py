@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ from ontofabric.services.query.deadlines import (
     waited_before_receipt_s,
 )
 from ontofabric.services.query.turns import ahead_in_turn, displaced_by, runners_per_workspace, runners_serving
-from ontofabric.services.query.worker import QueryService
+from ontofabric.services.query.worker import TURNED_AWAY_SAID_EVERY_S, QueryService, TurnedAway
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import close, connect, subscriptions_visible
 from ontofabric.shared.nats_auth import NatsUser
@@ -316,6 +317,92 @@ async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_i
     assert all(isinstance(reply, QueryResponse) for reply, _ in theirs), theirs  # room was kept for them
     # Served in turn: each right after a request of the flood, not after the whole of it.
     assert max(took for _, took in theirs) < flooded[4], (theirs, flooded)
+
+
+FLOOD = """
+import asyncio, sys, time
+from ontofabric.shared.jetstream import connect
+
+async def main(url: str, subject: str, seconds: str, per_second: str) -> None:
+    nc = await connect(url, "flood")
+    inbox, body = nc.new_inbox(), b'{"semanticQuery": "sorting numbers in descending order"}'
+    sent, started = 0, time.monotonic()
+    print("flooding", flush=True)
+    while (took := time.monotonic() - started) < float(seconds):
+        for _ in range(100):
+            await nc.publish(subject, body, reply=inbox)
+        sent += 100
+        await asyncio.sleep(max(0.0, sent / float(per_second) - took))
+    await nc.flush()
+    print(sent, flush=True)
+    await nc.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+"""Publishes queries at a rate for a while, never waiting for an answer (an answer would come to its inbox, which
+nothing reads); prints how many."""
+FLOOD_PER_SECOND = int(os.environ.get("ONTOFABRIC_TEST_FLOOD_PER_SECOND", "20000"))
+"""Faster than a worker read requests before they were taken in turn (on this kind of machine it held up another
+workspace's requests at 20,000 a second, and now at 40,000 it does not: docs/benchmarks.md, "A flood of one
+workspace's requests")."""
+
+
+async def test_a_workspace_sending_faster_than_a_worker_reads_does_not_hold_up_another_workspaces_requests(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A red team's tenant published queries at 10,000 a second without waiting for its answers: another tenant's
+    requests waited behind them unread, neither answered nor refused, until seconds after the flood ended."""
+    await start_worker(SlowReranker(0.0))
+    subject = deployment.names.request_subject("query", "acme")
+    flood = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        FLOOD,
+        deployment.nats_url_as("client"),
+        subject,
+        "6",
+        str(FLOOD_PER_SECOND),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert flood.stdout is not None
+    try:
+        assert (await asyncio.wait_for(flood.stdout.readline(), 60)).strip() == b"flooding"
+        await asyncio.sleep(1.0)  # what the worker has not read piles up
+        client = QueryClient(deployment.nc, deployment.names, timeout_s=2, pushback=False)
+        replies: list[QueryResponse | ErrorReply | str] = []
+        for _ in range(6):
+            asked = time.monotonic()
+            try:
+                replies.append(await client.query("globex", {"semanticQuery": "sort numbers"}))
+            except NatsTimeoutError:
+                replies.append("no reply")
+            await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - asked)))
+        sent = int(await asyncio.wait_for(flood.stdout.readline(), 60))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            flood.kill()
+        await flood.wait()
+    assert sent > 6 * FLOOD_PER_SECOND / 2
+    assert sum(isinstance(reply, QueryResponse) for reply in replies) >= 5, replies
+
+
+async def test_requests_turned_away_as_they_arrive_are_logged_together() -> None:
+    with capture_logs() as logged:
+        away = TurnedAway("query_requests_refused_unread", refused="overloaded")
+        for _ in range(1000):
+            away.note("ontofabric.query.acme")
+        away.note("ontofabric.query.globex")
+        assert [entry["requests"] for entry in logged] == [1]  # the first at once
+        await asyncio.sleep(TURNED_AWAY_SAID_EVERY_S + 0.2)
+        assert [entry["requests"] for entry in logged] == [1, 1000]  # the rest in one line
+        assert (logged[-1]["subjects"], logged[-1]["most_on"], logged[-1]["most"]) == (2, "ontofabric.query.acme", 999)
+        await asyncio.sleep(TURNED_AWAY_SAID_EVERY_S + 0.2)
+        assert len(logged) == 2  # none since: nothing to say
+        assert away.due is None  # and nothing due
+        away.note("ontofabric.query.acme")
+        assert len(logged) == 3  # at once again
 
 
 def test_a_turn_queue_takes_one_key_at_a_time_and_counts_what_is_left() -> None:

@@ -13,7 +13,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, get_args
 
 import asyncpg
@@ -21,7 +21,7 @@ from azure.search.documents.aio import SearchClient
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import ConnectionClosedError, NoRespondersError, StaleConnectionError
+from nats.errors import ConnectionClosedError, NoRespondersError, SlowConsumerError, StaleConnectionError
 from nats.js.errors import ServiceUnavailableError
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -123,6 +123,20 @@ def error_reply(
     return ErrorReply(error=error).model_dump_json().encode()
 
 
+READ_TOO_SLOWLY = (
+    ErrorReply(
+        error=QueryError(
+            code="overloaded",
+            message="this worker reads this workspace's requests more slowly than they arrive; retry",
+            retryable=True,
+        )
+    )
+    .model_dump_json()
+    .encode()
+)
+"""The refusal of a request turned away as it arrives (``QueryService._refuse_arriving``), made once: under a flood
+it is sent as fast as requests are read."""
+
 DEGRADED_PARTS_COUNTED = ("reranker", "embedder", "dense", "keyword", "lateInteraction", "deadline")
 """The degraded parts whose counts are there from the start (others appear when they first fail)."""
 
@@ -142,6 +156,23 @@ TRACE_CONTEXT = TraceContextTextMapPropagator()
 ADMISSION_SHARE = 0.8
 """A request is admitted when the expected wait and work fit in this share of its time left: the estimate is an
 average, and the rest is room for the slower ones."""
+
+UNREAD_MESSAGES = 4096
+UNREAD_BYTES = 32 * 1024 * 1024
+"""Requests delivered to a worker and not yet read, at most (its subscriptions' pending limits in nats-py). A red
+team's tenant published queries at 10,000 a second without waiting for answers: the worker read them more slowly
+than they came, and every other tenant's request waited behind the backlog for seconds after the flood ended,
+neither answered nor refused. Read at tens of thousands a second, this many wait a tenth of a second; one more is
+refused at once, ``overloaded`` (:meth:`QueryService._refuse_unread`)."""
+ARRIVED_AT_LEAST = 64
+"""Requests of one workspace read and not yet admitted, at most: as many as the worker holds (``query_concurrency``
+and ``query_queue_limit``), and never fewer than this. One more is refused at once, ``overloaded``, as admission
+would refuse it or another of the workspace's. They wait only while the worker reads faster than it admits: a burst
+that arrives in one read, or a flood. Admission takes them in turns of at most this many a workspace; a longer turn
+admitting a flood (1,024 were tried) leaves the worker reading more slowly than the flood arrives, and every other
+workspace's requests wait unread behind it."""
+TURNED_AWAY_SAID_EVERY_S = 1.0
+"""Requests turned away as they arrive are logged, and counted in the metrics, at most this often (TurnedAway)."""
 
 _UNSTATED_WAIT = (
     f"a request without the {TIMEOUT_HEADER} header waits at most {{:.0f}} ms (its caller's timeout is unknown); "
@@ -234,6 +265,42 @@ def _unavailable(error: BaseException) -> bool:
 
 
 @dataclass
+class TurnedAway:
+    """Requests turned away as they arrive: the first said (``event``) and counted (as the error ``refused``, when
+    they were refused) at once, those after it together every TURNED_AWAY_SAID_EVERY_S while they come. One by one,
+    a flood would cost the worker more than the flood itself."""
+
+    event: str
+    refused: str | None = None
+    """The error code they were refused with; None: nobody was answered."""
+    counts: Counter[str] = field(default_factory=Counter)
+    """By subject, since the last line."""
+    due: asyncio.TimerHandle | None = None
+    """The next line, while requests are turned away."""
+
+    def note(self, subject: str) -> None:
+        self.counts[subject] += 1
+        if self.due is None:
+            self.say()
+
+    def say(self, then_again: bool = True) -> None:
+        """Those noted since the last line, in one; and again in TURNED_AWAY_SAID_EVERY_S, unless not
+        ``then_again`` (the worker stops) or none came meanwhile."""
+        if self.due is not None:
+            self.due.cancel()
+            self.due = None
+        if not self.counts:
+            return
+        total, (busiest, most) = self.counts.total(), self.counts.most_common(1)[0]
+        if self.refused is not None:
+            instruments().query_errors.add(total, {"code": self.refused})
+        log.warning(self.event, requests=total, subjects=len(self.counts), most_on=busiest, most=most)
+        self.counts.clear()
+        if then_again:
+            self.due = asyncio.get_running_loop().call_later(TURNED_AWAY_SAID_EVERY_S, self.say)
+
+
+@dataclass
 class Admitted:
     """A request taken into the queue: answered by a runner, or refused when its deadline comes first."""
 
@@ -286,8 +353,11 @@ class QueryService:
     """The query worker process: pool, embedder, version watch, and a subscription to every workspace's query
     subject in the workers' queue group.
 
-    Admission: nats-py hands a subscription's messages to its callback one at a time, and the callback only
-    queues them (``query_queue_limit`` at most; beyond it a request is refused at once, ``overloaded``), so the
+    Admission: nats-py hands a subscription's messages to its callback one at a time; the callback (``_intake``)
+    only puts each in its workspace's turn, so that a workspace sending faster than the worker reads waits behind
+    its own requests, not in front of the others' (at most UNREAD_MESSAGES wait unread, and as many of a workspace
+    as the worker holds wait in turn: beyond either, a request is refused at once, ``overloaded``). One task admits
+    them in turn: each is queued (``query_queue_limit`` at most; beyond it refused at once, ``overloaded``), so the
     subscription never backs up where nobody sees the wait. ``query_concurrency`` runners take requests from the
     queue; one whose deadline has passed while it waited is refused (``deadline_exceeded``) without any work, and
     every answer is bounded by its request's deadline."""
@@ -321,6 +391,9 @@ class QueryService:
         self._pipeline: QueryPipeline | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
+        self._arrived: TurnQueue[tuple[Msg, float]] = TurnQueue()
+        """Requests read and not yet admitted, with when each was read, in turn by workspace (``_intake``)."""
+        self._arrived_at_most = max(ARRIVED_AT_LEAST, settings.query_concurrency + settings.query_queue_limit)
         self._waiting: TurnQueue[Admitted] = TurnQueue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
@@ -336,6 +409,8 @@ class QueryService:
         self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
         """Requests this worker worked on (errors included; not those refused unopened)."""
+        self._without_reply = TurnedAway("query_without_reply_subject_dropped")
+        self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded")
 
     async def start(self) -> None:
         count_from_zero()
@@ -359,7 +434,9 @@ class QueryService:
             self._pools.append(await self._reader_pool(database_url, stalled_s))
         for replica_url in self._replica_urls:
             self._replica_pools.append(await self._reader_pool(replica_url, stalled_s, replica=True))
-        nc = self._nc = await connect(self._nats_url, "ontofabric-query", settings, wait_for_server=True)
+        nc = self._nc = await connect(
+            self._nats_url, "ontofabric-query", settings, wait_for_server=True, on_unread=self._refuse_unread
+        )
         js = nc.jetstream()
         await ensure_jetstream(js, names, settings)
         tracker = VersionTracker(js, await js.key_value(names.version_bucket), names)
@@ -411,8 +488,18 @@ class QueryService:
             asyncio.create_task(self._run(), name=f"query-runner-{i}") for i in range(settings.query_concurrency)
         ]
         self._runners.append(asyncio.create_task(watch_lateness(self._lag.observe), name="query-loop-lag"))
+        self._runners.append(asyncio.create_task(self._admit_in_turn(), name="query-admission"))
         subjects = names.request_subjects
-        self._subscriptions = [await nc.subscribe(s, queue=names.query_queue, cb=self._admit) for s in subjects]
+        self._subscriptions = [
+            await nc.subscribe(
+                subject,
+                queue=names.query_queue,
+                cb=self._intake,
+                pending_msgs_limit=UNREAD_MESSAGES,
+                pending_bytes_limit=UNREAD_BYTES,
+            )
+            for subject in subjects
+        ]
         models = ",".join(settings.models()) if self._embedder is not None else ""
         self._endpoints = {
             operation: Endpoint(operation, subject, names.query_queue)
@@ -424,14 +511,50 @@ class QueryService:
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
-    async def _admit(self, msg: Msg) -> None:
+    async def _intake(self, msg: Msg) -> None:
+        """A request as it is read: into its workspace's turn, or refused at once when as many of that workspace wait
+        there as the worker would hold (ARRIVED_AT_LEAST). As little as possible here: this is as fast as the worker
+        reads."""
+        now = asyncio.get_running_loop().time()
         if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
-            log.warning("query_without_reply_subject_dropped", subject=msg.subject, size=len(msg.data))
+            self._without_reply.note(msg.subject)
             return
         if header_value(msg.headers, RECEIPT_HEADER) is not None and _answerable(msg):
             # First, before any refusal or work: silence then tells the caller this worker is frozen or gone.
             await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
-        received = asyncio.get_running_loop().time()
+        workspace = workspace_token_of(msg.subject) or ""
+        if self._arrived.waiting(workspace) >= self._arrived_at_most:
+            await self._refuse_arriving(msg)
+            return
+        self._arrived.put_nowait(workspace, (msg, now))
+
+    async def _refuse_unread(self, dropped: SlowConsumerError) -> bool:
+        """A request nats-py dropped unread, UNREAD_MESSAGES (or UNREAD_BYTES) waiting before it: refused at once.
+        False for a message of another subscription."""
+        if dropped.sub not in self._subscriptions or self._nc is None:
+            return False
+        if dropped.reply:
+            await self._refuse_arriving(Msg(self._nc, dropped.subject, dropped.reply))
+        return True
+
+    async def _refuse_arriving(self, msg: Msg) -> None:
+        """Refused as cheaply as it can be, not through ``_reply``: the service-discovery stats do not count it."""
+        self._refused_unread.note(msg.subject)
+        if _answerable(msg) and self._nc is not None:
+            with contextlib.suppress(Exception):  # the connection went away: the caller times out and retries
+                await self._nc.publish(msg.reply, READ_TOO_SLOWLY)
+
+    async def _admit_in_turn(self) -> None:
+        while True:
+            msg, received = await self._arrived.get()
+            try:
+                await self._admit(msg, received)
+            except Exception:  # nothing one request does may end the admission
+                log.exception("request_failed_outside_its_handler", subject=msg.subject)
+            finally:
+                self._arrived.task_done()
+
+    async def _admit(self, msg: Msg, received: float) -> None:
         waited_before = waited_before_receipt_s(msg.headers, time.time())
         if isinstance(waited_before, ErrorDetail):
             await self._reply(
@@ -806,7 +929,10 @@ class QueryService:
         for subscription in subscriptions:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
+        self._without_reply.say(then_again=False)
+        self._refused_unread.say(then_again=False)
         with contextlib.suppress(TimeoutError):  # those received are answered; past the timeout, cancelled
+            await asyncio.wait_for(self._arrived.join(), timeout_s)
             await asyncio.wait_for(self._waiting.join(), timeout_s)
         runners, self._runners = self._runners, []
         # Cancelled until they end: one cut in a NATS request may go on to wait for the next request, for ever.

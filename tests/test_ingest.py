@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from nats.js.api import DiscardPolicy, PubAck
 from nats.js.errors import ServiceUnavailableError
+from structlog.testing import capture_logs
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
@@ -514,13 +515,26 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     (tree / "bom.py").write_bytes(b"\xef\xbb\xbfdef bom(): pass\n")
     (tree / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nname = '\xe9t\xe9'\n")
     (tree / "odd.py").write_bytes(b"# -*- coding: no-such-codec -*-\nx = 1\n")
-    (tree / "rot.py").write_bytes(b"# coding: rot13\nk = 1\n")  # a codec, not a text one: skipped, not a crash
+    (tree / "rot.py").write_bytes(b"# coding: rot13\nk = 1\n")  # a codec, not a text one: no crash
     (tree / "bom.md").write_bytes(b"\xef\xbb\xbf# Title\n")
-    read = read_tree(tree)
+    # A Unicode tester's: a file saved as UTF-16, or with one Windows-1252 byte, was skipped, and so its documents
+    # deleted from the index, with exit 0.
+    (tree / "wide.py").write_bytes("def brew(): return 'caf\u00e9'\r\n".encode("utf-16"))
+    (tree / "wider.md").write_bytes("# Caf\u00e9 \U0001f680\n".encode("utf-32"))
+    (tree / "stray.md").write_bytes(b"# Guide\nEnd of the page \x96 bye\n")
+    (tree / "stray.py").write_bytes(b"x = 1  # caf\xe9\n")
+    (tree / "binary.md").write_bytes(b"# \x00\x01\x02")
+    with capture_logs() as logged:
+        read = read_tree(tree)
     assert (read["bom.py"], read["bom.md"]) == ("def bom(): pass\n", "# Title\n")
     assert read["latin.py"] == "# -*- coding: latin-1 -*-\nname = '\u00e9t\u00e9'\n"
-    assert "odd.py" not in read  # skipped, logged
-    assert "rot.py" not in read
+    assert (read["wide.py"], read["wider.md"]) == ("def brew(): return 'caf\u00e9'\n", "# Caf\u00e9 \U0001f680\n")
+    # Not valid in their encoding: read as UTF-8, each byte that is not replaced, and said so.
+    assert (read["stray.md"], read["stray.py"]) == ("# Guide\nEnd of the page \ufffd bye\n", "x = 1  # caf\ufffd\n")
+    assert (read["odd.py"], read["rot.py"]) == ("# -*- coding: no-such-codec -*-\nx = 1\n", "# coding: rot13\nk = 1\n")
+    not_utf8 = sorted(entry["path"] for entry in logged if entry["event"] == "ingest_file_not_utf8")
+    assert not_utf8 == ["odd.py", "rot.py", "stray.md", "stray.py"]
+    assert "binary.md" not in read  # NUL: not text at all
 
 
 def test_exclusions_read_as_gitignore_reads_them(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ is stored; an interrupted run publishes the same event ids again, which the proj
 from __future__ import annotations
 
 import asyncio
+import codecs
 import errno
 import fnmatch
 import hashlib
@@ -211,9 +212,8 @@ def read_tree(root: Path, exclude: Collection[str] = (), unread: list[str] | Non
 
 def read_regular_file(path: Path) -> str:
     """The text of the file at ``path`` when it is a regular file and no symbolic link; OSError otherwise. Decoded
-    as Python decodes a source file (UTF-8, a leading byte-order mark dropped, or what a ``coding`` line names:
-    a tester's file with a BOM was taken for unparsable, one in Latin-1 skipped), newlines as ``Path.read_text``
-    reads them. A link may lead out of the tree, into another workspace's files
+    by :func:`decoded` (a tester's file with a byte-order mark was taken for unparsable, one in Latin-1 with its
+    coding line skipped). A link may lead out of the tree, into another workspace's files
     or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
     tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
     and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
@@ -227,8 +227,40 @@ def read_regular_file(path: Path) -> str:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise OSError(f"{path.name}: not a regular file")
         data = opened.read()
-    encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0] if path.suffix == ".py" else "utf-8-sig"
-    return io.TextIOWrapper(io.BytesIO(data), encoding=encoding).read()
+    return decoded(data, python=path.suffix == ".py", name=path.name)
+
+
+UNICODE_MARKS = (
+    (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"),
+)  # fmt: skip
+"""Byte-order marks of the encodings besides UTF-8 a file is read in by its mark alone (UTF-32's first: its
+little-endian mark begins with UTF-16's)."""
+
+
+def decoded(data: bytes, python: bool, name: str = "") -> str:
+    """A source file's text, newlines as ``Path.read_text`` reads them: in the encoding its byte-order mark names
+    (UTF-8, UTF-16 or UTF-32), else as Python decodes a source file (``python``: what a ``coding`` line names) or
+    UTF-8, a UTF-8 byte-order mark dropped. A file that is not valid in that encoding (a stray Windows-1252 byte,
+    Latin-1 text without a coding line, a coding line naming no text codec) is read as UTF-8 with each byte that is
+    not replaced by U+FFFD, logged: a text with a bad byte, not a file gone. It was skipped, and so deleted from
+    the index, at the first bad byte (a tester's 62 KB page, for one byte at its end)."""
+    encoding = next((codec for mark, codec in UNICODE_MARKS if data.startswith(mark)), None)
+    try:
+        if encoding is None and python:  # SyntaxError: a coding line naming no codec, or lines that are no UTF-8
+            encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
+        return io.TextIOWrapper(io.BytesIO(data), encoding=encoding or "utf-8-sig").read()
+    except (SyntaxError, UnicodeError, LookupError) as error:  # LookupError: a codec that is no text codec
+        text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig", errors="replace").read()
+        log.warning(
+            "ingest_file_not_utf8",
+            path=name,
+            encoding=encoding or "utf-8",
+            error=str(error)[:200],
+            replaced=text.count("\ufffd"),
+            reason="read as UTF-8, with U+FFFD for each byte that is not",
+        )
+        return text
 
 
 def own_package(root: Path, named: str | None = None) -> str | None:

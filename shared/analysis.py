@@ -6,15 +6,27 @@ followed by its parts, so an exact identifier still matches as a whole and ``wri
 (``read_file``, which the parser splits itself, gets its parts once more, which weighs identifier words up).
 Hyphens between word characters become spaces, so hyphenated words count as their parts only. Lexemes of one
 character are dropped in SQL (``index_tsvector`` in the migrations).
+
+Text other than ASCII is made comparable first (:func:`comparable`): PostgreSQL's parser, in the C locale the
+embedded server runs, lowercases ASCII only, takes a run of Chinese or Japanese characters for one word, and
+compares code points, so a Unicode tester's ``Café`` did not find ``café``, a decomposed ``Résumé`` (as macOS
+writes names) not the composed one, ``ＡＰＩ`` not ``API``, a word with an invisible mark in it not the word, and
+``连接池`` not the sentence it stands in.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 _INNER_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
+_INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200c-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]")
+"""Format characters that change no word (soft hyphen, joiners, direction marks, the byte-order mark): removed.
+The zero-width space separates words: it becomes a space."""
+_CJK_RUN = re.compile("[\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]{2,}")
+"""Runs of Han ideographs, hiragana and katakana, which are written without spaces between words."""
 
 
 def identifier_parts(identifier: str) -> list[str]:
@@ -36,6 +48,29 @@ def expand_identifiers(text: str) -> str:
     return _IDENTIFIER.sub(expand, text)
 
 
+def _bigrams(match: re.Match[str]) -> str:
+    run = match.group(0)
+    return " " + " ".join(run[i : i + 2] for i in range(len(run) - 1)) + " "
+
+
+def comparable(text: str) -> str:
+    """``text`` in the form two spellings of the same words share: compatibility-normalised (NFKC, as Python
+    reads identifiers: composed accents, full-width and ligature forms as their plain letters), invisible format
+    characters removed, and each run of Chinese or Japanese characters as its overlapping pairs (``数据库`` ->
+    ``数据 据库``, as Lucene's CJK analysis indexes them: a word of that writing found within a sentence). ASCII
+    text is returned as it is."""
+    if text.isascii():
+        return text
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text).replace("\u200b", " "))
+    return _CJK_RUN.sub(_bigrams, text)
+
+
+def folded(text: str) -> str:
+    """``text`` case-folded as Unicode folds it (``Straße`` -> ``strasse``), a dotted capital I as ``i``."""
+    return text.lower() if text.isascii() else text.casefold().replace("i\u0307", "i")
+
+
 def analyse(text: str) -> str:
-    """The text the keyword index (and a keyword query) is built from."""
-    return expand_identifiers(_INNER_HYPHEN.sub(" ", text))
+    """The text the keyword index (and a keyword query) is built from: comparable, identifiers expanded (which
+    reads their case), then case-folded."""
+    return folded(expand_identifiers(_INNER_HYPHEN.sub(" ", comparable(text))))

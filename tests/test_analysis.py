@@ -4,24 +4,52 @@ from __future__ import annotations
 
 import pytest
 
-from ontofabric.shared.analysis import analyse, identifier_parts
+from ontofabric.shared.analysis import analyse, comparable, identifier_parts
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("writeBoolean(self, n)", "writeBoolean write Boolean(self, n)"),
+        ("writeBoolean(self, n)", "writeboolean write boolean(self, n)"),
         ("os.path.join(a)", "os.path.join os path join(a)"),
-        ("getHTTPResponse", "getHTTPResponse get HTTP Response"),
+        ("getHTTPResponse", "gethttpresponse get http response"),
         ("read_file", "read_file read file"),
         ("base64", "base64 base 64"),
         ("low-density lipoprotein", "low density lipoprotein"),
         ("plain words stay", "plain words stay"),
-        ("mRNA", "mRNA"),
+        ("mRNA", "mrna"),
+        # What a Unicode tester's spellings of one word did not find of each other (the parser, in the C locale,
+        # lowercases ASCII only):
+        ("Café CAFÉ café", "café café café"),
+        ("Re\u0301sume\u0301 Résumé", "résumé résumé"),  # decomposed, as macOS writes names, and composed
+        ("ＡＰＩ ﬁle", "api file"),  # full-width and ligature forms
+        ("İstanbul Straße", "istanbul strasse"),
+        ("\u200fretry\u200e soft\u00adhyphen zero\u200bwidth", "retry softhyphen zero width"),
+        ("Über writeBoolean", "über writeboolean write boolean"),  # folded after identifiers are split by case
     ],
 )
 def test_analyse(text: str, expected: str) -> None:
     assert analyse(text) == expected
+
+
+def test_chinese_and_japanese_are_read_in_overlapping_pairs() -> None:
+    """A run of them is one word to the parser: a Unicode tester's ``连接池`` did not find the docstring
+    ``数据库连接池管理模块。``, only the whole sentence did."""
+    assert comparable("数据库连接池管理模块。").split() == [
+        "数据",
+        "据库",
+        "库连",
+        "连接",
+        "接池",
+        "池管",
+        "管理",
+        "理模",
+        "模块",
+        "。",
+    ]
+    assert set(analyse("连接池").split()) <= set(analyse("数据库连接池管理模块。负责创建和回收连接。").split())
+    assert analyse("インストール").split() == ["イン", "ンス", "スト", "トー", "ール"]
+    assert comparable("plain ASCII, unchanged") == "plain ASCII, unchanged"
 
 
 def test_identifier_parts_drop_single_characters() -> None:

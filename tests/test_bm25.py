@@ -158,6 +158,36 @@ async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
         assert search_text(other) == analyse(f"{fqn}\nHow long to wait."), kind
 
 
+async def test_spellings_of_one_word_and_words_within_chinese_find_each_other(
+    deployment: Deployment, pool: asyncpg.Pool
+) -> None:
+    """A Unicode tester's: in the embedded server's C locale none of these found the document spelled the other
+    way (the parser lowercases ASCII only, compares code points, and takes a Chinese sentence for one word)."""
+    texts = {
+        "accents": "Ein Café in Zürich: das Résumé",
+        "decomposed": "Re\u0301sume\u0301 of the cafe\u0301 menu",  # as macOS writes names
+        "wide": "the ＡＰＩ of the İstanbul office",
+        "marked": "\u200fretry\u200e after a zero\u200bwidth space",
+        "chinese": "数据库连接池管理模块。负责创建和回收连接。",
+        "japanese": "インストールガイド",
+        "other": "plain text about nothing here",
+    }
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(texts.items())])
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+
+    async def found(query: str) -> set[str]:
+        return {hit.id for hit in (await keyword.search(Scope("acme", "main"), SearchInput(query), 10)).candidates}
+
+    assert await found("CAFÉ") == {"accents", "decomposed"}
+    assert await found("zurich ZÜRICH") == {"accents"}  # accents are kept: zurich is another word
+    assert await found("résumé") == {"accents", "decomposed"}
+    assert await found("API istanbul") == {"wide"}
+    assert await found("retry width") == {"marked"}
+    assert await found("连接池") == {"chinese"}
+    assert await found("インストール") == {"japanese"}
+
+
 async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: Deployment, pool: asyncpg.Pool) -> None:
     store = PostgresProjectionStore(pool, "english")
     seq = 0

@@ -366,11 +366,12 @@ def search_text(document: SemanticDocument) -> str:
     return analyse(f"{name}\n{document.content}" if name else document.content)
 
 
-ANALYSIS_VERSION = 1
+ANALYSIS_VERSION = 2
 """What the projector derives from a document for the keyword index (:func:`search_text`, :func:`own_name_repeats`),
 by version: raised with every change to it, so that the documents indexed before can be counted (``ontofabric
-status``) and brought up to date (``ontofabric rebuild``). 1: the own name weighed (2026-11-30); 0 is what rows
-written before the version was recorded read (infra/migrations/0024)."""
+status``) and brought up to date (``ontofabric rebuild``). 1: the own name weighed (2026-11-30); 2: text other than
+ASCII made comparable and case-folded (shared/analysis.py, 2026-12-02: a document all ASCII is indexed as under 1);
+0 is what rows written before the version was recorded read (infra/migrations/0024)."""
 
 NAME_REPEATS = 8
 """Times the keyword index reads a code symbol's own name besides its qualified name and content: a weight for the

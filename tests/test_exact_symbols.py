@@ -54,6 +54,11 @@ from .conftest import Deployment, Start
         ("a-b", None),
         ("", None),
         ("x" * 301, None),
+        # Identifiers in any script, read as Python reads them (NFKC): a Unicode tester's were asked as words.
+        ("获取连接", "获取连接"),
+        ("préparer_café()", "préparer_café"),
+        ("Re\u0301sume\u0301.ｆｕｌｌ", "Résumé.full"),
+        ("²x", None),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:

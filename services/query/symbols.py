@@ -10,6 +10,7 @@ The lookup itself is the document store's (``DocumentStore.definitions``).
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
@@ -38,7 +39,8 @@ RELATION_ASKED = {found_by: relation for relation, found_by in ASKED_RELATIONS.i
 """What chunks placed first for a relation go by -> the relation in relatedTo's words (``_meta.relation``)."""
 
 MAX_IDENTIFIER_CHARS = 300
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
+"""Dotted names of Python identifiers, letters of any script (a Unicode tester's ``获取连接`` was asked as words)."""
 _SEPARATOR = re.compile(r"::|#")
 
 
@@ -47,6 +49,7 @@ def identifier_of(text: str) -> str | None:
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
     backticks or with a call's ``()``. None for any other text: words around a name make it a question, not a name."""
     name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
+    name = unicodedata.normalize("NFKC", name)  # as Python reads an identifier, and so the ingester names symbols
     return name if len(name) <= MAX_IDENTIFIER_CHARS and _IDENTIFIER.fullmatch(name) else None
 
 
@@ -57,7 +60,7 @@ def code_shaped(name: str) -> bool:
     return any(c in "_." or c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
-_NAME = r"`?(?P<name>[A-Za-z_][\w.:#]*(?:\(\))?)`?"
+_NAME = r"`?(?P<name>[^\W\d][\w.:#]*(?:\(\))?)`?"
 _KIND = r"(?:function|method|class|constructor|module|package|interface)"
 _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package

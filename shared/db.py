@@ -76,8 +76,19 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
                 " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
             )
             applied = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+            known = migrations()
+            if newer := sorted(applied - {migration.version for migration in known}):
+                # Not refused: going back a release after a migration is an operator's way out of a bad upgrade,
+                # and the migrations only add. But it should not pass unsaid (an upgrade tester's old release started
+                # on a newer schema without a word, and its ingest later failed with a traceback).
+                log.warning(
+                    "database_of_a_newer_release",
+                    unknown_migrations=newer,
+                    latest_known=known[-1].version,
+                    advice="run the newer release: this one writes rows without what its migrations added",
+                )
             done = []
-            for migration in migrations():
+            for migration in known:
                 if migration.version in applied:
                     continue
                 sql = migration.sql.replace("{{embedding_dim}}", str(settings.embedding_dim))

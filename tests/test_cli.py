@@ -18,8 +18,10 @@ from urllib.parse import unquote, urlsplit
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.shared.db import migrate
 from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
@@ -615,6 +617,20 @@ async def test_migrate_needs_the_database_alone(deployment: Deployment) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "applied" in result.stdout
+
+
+async def test_a_database_a_newer_release_migrated_is_said_to_be_so(deployment: Deployment) -> None:
+    """An upgrade tester's old release started on a newer schema without a word (its ingest later failed with a
+    traceback). Not refused: going back a release is a way out of a bad upgrade, and migrations only add."""
+    await migrate(deployment.database_url, deployment.settings)
+    await deployment.fetch("INSERT INTO schema_migrations (version, name) VALUES (9999, '9999_newer.sql')")
+    try:
+        with capture_logs() as logged:
+            assert await migrate(deployment.database_url, deployment.settings) == []
+    finally:
+        await deployment.fetch("DELETE FROM schema_migrations WHERE version = 9999")
+    (said,) = [entry for entry in logged if entry["event"] == "database_of_a_newer_release"]
+    assert said["unknown_migrations"] == [9999]
 
 
 def test_contracts_write_refuses_an_installed_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

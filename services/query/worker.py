@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -127,7 +128,7 @@ READ_TOO_SLOWLY = (
     ErrorReply(
         error=QueryError(
             code="overloaded",
-            message="this worker reads this workspace's requests more slowly than they arrive; retry",
+            message="this worker is reading requests more slowly than they arrive; retry",
             retryable=True,
         )
     )
@@ -164,13 +165,16 @@ team's tenant published queries at 10,000 a second without waiting for answers: 
 than they came, and every other tenant's request waited behind the backlog for seconds after the flood ended,
 neither answered nor refused. Read at tens of thousands a second, this many wait a tenth of a second; one more is
 refused at once, ``overloaded`` (:meth:`QueryService._refuse_unread`)."""
-ARRIVED_AT_LEAST = 64
-"""Requests of one workspace read and not yet admitted, at most: as many as the worker holds (``query_concurrency``
-and ``query_queue_limit``), and never fewer than this. One more is refused at once, ``overloaded``, as admission
-would refuse it or another of the workspace's. They wait only while the worker reads faster than it admits: a burst
-that arrives in one read, or a flood. Admission takes them in turns of at most this many a workspace; a longer turn
-admitting a flood (1,024 were tried) leaves the worker reading more slowly than the flood arrives, and every other
-workspace's requests wait unread behind it."""
+ARRIVED_PER_WORKSPACE = 1024
+"""Requests of one workspace read and not yet admitted, at most; one more is refused at once, ``overloaded``, without
+a wait stated. They wait only while the worker reads faster than it admits: a burst that arrives in one read, which
+admission then takes (beyond the places it holds, refused with the wait to come back after: a verifier's burst of
+200 through QueryClient was answered whole only so), or a flood, whose excess costs the worker one prepared
+refusal each."""
+ADMITTED_BETWEEN_READS = 64
+"""Requests admitted one after another before the worker reads again. Admitting a flood's requests without reading
+between them (1,024, or without end), it read more slowly than they came, and every other workspace's requests
+waited unread behind them; reading after each one, it admitted one request per read, and theirs waited in turn."""
 TURNED_AWAY_SAID_EVERY_S = 1.0
 """Requests turned away as they arrive are logged, and counted in the metrics, at most this often (TurnedAway)."""
 
@@ -355,8 +359,8 @@ class QueryService:
 
     Admission: nats-py hands a subscription's messages to its callback one at a time; the callback (``_intake``)
     only puts each in its workspace's turn, so that a workspace sending faster than the worker reads waits behind
-    its own requests, not in front of the others' (at most UNREAD_MESSAGES wait unread, and as many of a workspace
-    as the worker holds wait in turn: beyond either, a request is refused at once, ``overloaded``). One task admits
+    its own requests, not in front of the others' (at most UNREAD_MESSAGES wait unread, and ARRIVED_PER_WORKSPACE of
+    a workspace in turn: beyond either, a request is refused at once, ``overloaded``). One task admits
     them in turn: each is queued (``query_queue_limit`` at most; beyond it refused at once, ``overloaded``), so the
     subscription never backs up where nobody sees the wait. ``query_concurrency`` runners take requests from the
     queue; one whose deadline has passed while it waited is refused (``deadline_exceeded``) without any work, and
@@ -391,9 +395,9 @@ class QueryService:
         self._pipeline: QueryPipeline | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
-        self._arrived: TurnQueue[tuple[Msg, float]] = TurnQueue()
-        """Requests read and not yet admitted, with when each was read, in turn by workspace (``_intake``)."""
-        self._arrived_at_most = max(ARRIVED_AT_LEAST, settings.query_concurrency + settings.query_queue_limit)
+        self._arrived: TurnQueue[tuple[Msg, float, float | ErrorDetail]] = TurnQueue()
+        """Requests read and not yet admitted, with when each was read and how long it had waited before (its send
+        time's header read then: ``waited_before_receipt_s``), in turn by workspace (``_intake``)."""
         self._waiting: TurnQueue[Admitted] = TurnQueue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
@@ -409,8 +413,11 @@ class QueryService:
         self._runners: list[asyncio.Task[None]] = []
         self.handled = 0
         """Requests this worker worked on (errors included; not those refused unopened)."""
+        self._request_subscriptions: list[Subscription] = []
+        """The request subscriptions, kept until they are drained (``_refuse_unread``)."""
         self._without_reply = TurnedAway("query_without_reply_subject_dropped")
         self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded")
+        self._refused_arriving = TurnedAway("query_requests_refused_arriving", refused="overloaded")
 
     async def start(self) -> None:
         count_from_zero()
@@ -490,7 +497,7 @@ class QueryService:
         self._runners.append(asyncio.create_task(watch_lateness(self._lag.observe), name="query-loop-lag"))
         self._runners.append(asyncio.create_task(self._admit_in_turn(), name="query-admission"))
         subjects = names.request_subjects
-        self._subscriptions = [
+        self._subscriptions = self._request_subscriptions = [
             await nc.subscribe(
                 subject,
                 queue=names.query_queue,
@@ -512,9 +519,8 @@ class QueryService:
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
     async def _intake(self, msg: Msg) -> None:
-        """A request as it is read: into its workspace's turn, or refused at once when as many of that workspace wait
-        there as the worker would hold (ARRIVED_AT_LEAST). As little as possible here: this is as fast as the worker
-        reads."""
+        """A request as it is read: into its workspace's turn, or refused at once when ARRIVED_PER_WORKSPACE of that
+        workspace wait there. As little as possible here: this is as fast as the worker reads."""
         now = asyncio.get_running_loop().time()
         if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
             self._without_reply.note(msg.subject)
@@ -523,39 +529,48 @@ class QueryService:
             # First, before any refusal or work: silence then tells the caller this worker is frozen or gone.
             await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
         workspace = workspace_token_of(msg.subject) or ""
-        if self._arrived.waiting(workspace) >= self._arrived_at_most:
-            await self._refuse_arriving(msg)
+        if self._arrived.waiting(workspace) >= ARRIVED_PER_WORKSPACE:
+            await self._refuse_arriving(msg, self._refused_arriving)
             return
-        self._arrived.put_nowait(workspace, (msg, now))
+        self._arrived.put_nowait(workspace, (msg, now, waited_before_receipt_s(msg.headers, time.time())))
 
     async def _refuse_unread(self, dropped: SlowConsumerError) -> bool:
         """A request nats-py dropped unread, UNREAD_MESSAGES (or UNREAD_BYTES) waiting before it: refused at once.
         False for a message of another subscription."""
-        if dropped.sub not in self._subscriptions or self._nc is None:
+        if dropped.sub not in self._request_subscriptions or self._nc is None:
             return False
-        if dropped.reply:
-            await self._refuse_arriving(Msg(self._nc, dropped.subject, dropped.reply))
+        msg = Msg(self._nc, dropped.subject, dropped.reply)
+        if not msg.reply:
+            self._without_reply.note(msg.subject)
+        elif _answerable(msg):
+            # Its headers are gone with it: a receipt first, whether asked for or not (one not asked for is
+            # ignored), or the caller's client takes the refusal for a worker of a release that sends none, and
+            # stops watching for frozen workers for a minute (a review's finding).
+            await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
+            await self._refuse_arriving(msg, self._refused_unread)
         return True
 
-    async def _refuse_arriving(self, msg: Msg) -> None:
+    async def _refuse_arriving(self, msg: Msg, tally: TurnedAway) -> None:
         """Refused as cheaply as it can be, not through ``_reply``: the service-discovery stats do not count it."""
-        self._refused_unread.note(msg.subject)
         if _answerable(msg) and self._nc is not None:
+            tally.note(msg.subject)
             with contextlib.suppress(Exception):  # the connection went away: the caller times out and retries
                 await self._nc.publish(msg.reply, READ_TOO_SLOWLY)
 
     async def _admit_in_turn(self) -> None:
-        while True:
-            msg, received = await self._arrived.get()
+        """Each workspace's requests in turn, the worker reading between any ADMITTED_BETWEEN_READS of them."""
+        for admitted in itertools.count(1):
+            msg, received, waited_before = await self._arrived.get()
             try:
-                await self._admit(msg, received)
+                await self._admit(msg, received, waited_before)
             except Exception:  # nothing one request does may end the admission
                 log.exception("request_failed_outside_its_handler", subject=msg.subject)
             finally:
                 self._arrived.task_done()
+            if admitted % ADMITTED_BETWEEN_READS == 0:
+                await asyncio.sleep(0)  # get() takes the next at once while one waits
 
-    async def _admit(self, msg: Msg, received: float) -> None:
-        waited_before = waited_before_receipt_s(msg.headers, time.time())
+    async def _admit(self, msg: Msg, received: float, waited_before: float | ErrorDetail) -> None:
         if isinstance(waited_before, ErrorDetail):
             await self._reply(
                 msg, error_reply("invalid_request", "the request's send time is not valid", [waited_before])
@@ -929,8 +944,9 @@ class QueryService:
         for subscription in subscriptions:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
-        self._without_reply.say(then_again=False)
-        self._refused_unread.say(then_again=False)
+        self._request_subscriptions = []
+        for tally in (self._without_reply, self._refused_unread, self._refused_arriving):
+            tally.say(then_again=False)
         with contextlib.suppress(TimeoutError):  # those received are answered; past the timeout, cancelled
             await asyncio.wait_for(self._arrived.join(), timeout_s)
             await asyncio.wait_for(self._waiting.join(), timeout_s)

@@ -19,21 +19,27 @@ from __future__ import annotations
 import re
 import unicodedata
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
+"""Identifiers in any script, dotted (a review's: ``préparer_café`` was cut at its accents)."""
 _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 _INNER_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
 _INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200c-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]")
 """Format characters that change no word (soft hyphen, joiners, direction marks, the byte-order mark): removed.
 The zero-width space separates words: it becomes a space."""
-_CJK_RUN = re.compile("[\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]{2,}")
-"""Runs of Han ideographs, hiragana and katakana, which are written without spaces between words."""
+_CJK_RUN = re.compile(
+    "[\u3005-\u3007\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]{2,}"
+)
+"""Runs of Han ideographs, hiragana and katakana, which are written without spaces between words, with the marks
+written among them (々 as in 佐々木: a review's)."""
 
 
 def identifier_parts(identifier: str) -> list[str]:
-    """``getHTTPResponse`` -> [get, HTTP, Response]; ``os.path.join`` -> [os, path, join]; parts of 2+ chars."""
+    """``getHTTPResponse`` -> [get, HTTP, Response]; ``os.path.join`` -> [os, path, join]; parts of 2+ chars. A
+    piece between ``.`` and ``_`` with letters other than ASCII is a part as it is (``préparer_café`` -> [préparer,
+    café]): its case is not split."""
     parts: list[str] = []
     for piece in re.split(r"[._]+", identifier):
-        parts.extend(p for p in _PART.findall(piece) if len(p) > 1)
+        parts.extend(p for p in (_PART.findall(piece) if piece.isascii() else [piece]) if len(p) > 1)
     return parts
 
 

@@ -26,6 +26,7 @@ from ontofabric.shared.analysis import analyse, comparable, identifier_parts
         ("İstanbul Straße", "istanbul strasse"),
         ("\u200fretry\u200e soft\u00adhyphen zero\u200bwidth", "retry softhyphen zero width"),
         ("Über writeBoolean", "über writeboolean write boolean"),  # folded after identifiers are split by case
+        ("préparer_café", "préparer_café préparer café"),  # a review's: it was cut at its accents
     ],
 )
 def test_analyse(text: str, expected: str) -> None:
@@ -50,6 +51,7 @@ def test_chinese_and_japanese_are_read_in_overlapping_pairs() -> None:
     assert set(analyse("连接池").split()) <= set(analyse("数据库连接池管理模块。负责创建和回收连接。").split())
     assert analyse("インストール").split() == ["イン", "ンス", "スト", "トー", "ール"]
     assert comparable("plain ASCII, unchanged") == "plain ASCII, unchanged"
+    assert set(analyse("佐々木").split()) <= set(analyse("佐々木さんの本を読んだ").split())  # 々 is one of them
 
 
 def test_identifier_parts_drop_single_characters() -> None:

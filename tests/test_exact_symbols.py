@@ -58,6 +58,7 @@ from .conftest import Deployment, Start
         ("获取连接", "获取连接"),
         ("préparer_café()", "préparer_café"),
         ("Re\u0301sume\u0301.ｆｕｌｌ", "Résumé.full"),
+        ("｀Retrying：：__call__（）｀", "Retrying.__call__"),  # as Chinese and Japanese keyboards write them
         ("²x", None),
     ],
 )
@@ -147,9 +148,11 @@ def test_related_chunks_go_first_functions_before_modules_then_pipeline_order() 
 def test_code_shaped_names_are_those_only_code_writes() -> None:
     from ontofabric.services.query.symbols import code_shaped
 
-    for name in ("DEFAULT_TIMEOUT", "httpx.Client", "utf8", "getValue", "HTTPError", "_private"):
+    for name in ("DEFAULT_TIMEOUT", "httpx.Client", "utf8", "getValue", "HTTPError", "_private", "get_数据"):
         assert code_shaped(name), name
-    for name in ("pagination", "Retrying", "authentication", "x"):
+    # A phrase of Chinese or Japanese is written without spaces: with a name or a number in it, it is still words
+    # (a review's: such questions had the keyword list lead the fusion).
+    for name in ("pagination", "Retrying", "authentication", "x", "如何使用Redis缓存", "配置3个工作进程"):
         assert not code_shaped(name), name
 
 

@@ -238,27 +238,41 @@ UNICODE_MARKS = (
 little-endian mark begins with UTF-16's)."""
 
 
+NOT_TEXT_SHARE = 0.1
+"""A file of which more than this share of characters cannot be read in its encoding is not text (a verifier's
+binary file without NUL was indexed as noise); Latin-1 prose without a coding line stays well under it."""
+
+
 def decoded(data: bytes, python: bool, name: str = "") -> str:
     """A source file's text, newlines as ``Path.read_text`` reads them: in the encoding its byte-order mark names
     (UTF-8, UTF-16 or UTF-32), else as Python decodes a source file (``python``: what a ``coding`` line names) or
     UTF-8, a UTF-8 byte-order mark dropped. A file that is not valid in that encoding (a stray Windows-1252 byte,
-    Latin-1 text without a coding line, a coding line naming no text codec) is read as UTF-8 with each byte that is
-    not replaced by U+FFFD, logged: a text with a bad byte, not a file gone. It was skipped, and so deleted from
-    the index, at the first bad byte (a tester's 62 KB page, for one byte at its end)."""
-    encoding = next((codec for mark, codec in UNICODE_MARKS if data.startswith(mark)), None)
+    Latin-1 text without a coding line, a coding line naming no text codec) is read in its mark's encoding, or
+    UTF-8, with each byte that is not replaced by U+FFFD, logged: a text with a bad byte, not a file gone. It was
+    skipped, and so deleted from the index, at the first bad byte (a tester's 62 KB page, for one byte at its end).
+    UnicodeError when more than NOT_TEXT_SHARE of it would be replaced: not text."""
+    marked = next((codec for mark, codec in UNICODE_MARKS if data.startswith(mark)), None)
+    encoding = marked
     try:
         if encoding is None and python:  # SyntaxError: a coding line naming no codec, or lines that are no UTF-8
             encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
         return io.TextIOWrapper(io.BytesIO(data), encoding=encoding or "utf-8-sig").read()
     except (SyntaxError, UnicodeError, LookupError) as error:  # LookupError: a codec that is no text codec
-        text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig", errors="replace").read()
+        text = io.TextIOWrapper(io.BytesIO(data), encoding=marked or "utf-8-sig", errors="replace").read()
+        if "\0" in text:  # not text: skipped as such (read_tree)
+            return text
+        replaced = text.count("\ufffd")  # with any the file held already
+        if replaced > NOT_TEXT_SHARE * len(text):
+            raise UnicodeError(
+                f"{name}: not text ({replaced} of its {len(text)} characters could not be read)"
+            ) from None
         log.warning(
-            "ingest_file_not_utf8",
+            "ingest_file_not_utf8" if marked is None else "ingest_file_not_valid",
             path=name,
             encoding=encoding or "utf-8",
             error=str(error)[:200],
-            replaced=text.count("\ufffd"),
-            reason="read as UTF-8, with U+FFFD for each byte that is not",
+            replaced=replaced,
+            reason=f"read as {marked or 'UTF-8'}, with U+FFFD for each byte that is not",
         )
         return text
 

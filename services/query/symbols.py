@@ -42,22 +42,28 @@ MAX_IDENTIFIER_CHARS = 300
 _IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
 """Dotted names of Python identifiers, letters of any script (a Unicode tester's ``获取连接`` was asked as words)."""
 _SEPARATOR = re.compile(r"::|#")
+_CJK = re.compile("[\u3005-\u3007\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 
 
 def identifier_of(text: str) -> str | None:
     """The dotted name a query asks for when the whole query is one identifier: ``Retrying``,
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
     backticks or with a call's ``()``. None for any other text: words around a name make it a question, not a name."""
+    text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
     name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
-    name = unicodedata.normalize("NFKC", name)  # as Python reads an identifier, and so the ingester names symbols
     return name if len(name) <= MAX_IDENTIFIER_CHARS and _IDENTIFIER.fullmatch(name) else None
 
 
 def code_shaped(name: str) -> bool:
     """Whether an identifier is written as only code writes one: with ``_``, ``.``, a digit, or a capital after its
     first letter (``DEFAULT_TIMEOUT``, ``httpx.Client``, ``utf8``, ``getValue``); a plain word (``pagination``,
-    ``Retrying``) may be a question in one word."""
-    return any(c in "_." or c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
+    ``Retrying``) may be a question in one word, and so may a phrase of Chinese, Japanese or Korean, written
+    without spaces, with a name or a number in it (``如何使用Redis缓存``: a review's)."""
+    if any(c in "_." for c in name):
+        return True
+    if _CJK.search(name):
+        return False
+    return any(c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
 _NAME = r"`?(?P<name>[^\W\d][\w.:#]*(?:\(\))?)`?"

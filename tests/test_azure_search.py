@@ -111,8 +111,8 @@ def test_a_refused_entry_leaves_a_tombstone_of_its_sequence() -> None:
 
 
 def test_a_query_is_a_bag_of_terms_on_azure() -> None:
-    assert escape_query('C++ "exact" -flag a|b (x)') == r"C\+\+ \"exact\" \-flag a\|b \(x\)"
-    assert escape_query("readCsvFile") == "readCsvFile read Csv File"  # analysed as the index was
+    assert escape_query('C++ "exact" -flag a|b (x)') == r"c\+\+ \"exact\" \-flag a\|b \(x\)"
+    assert escape_query("readCsvFile") == "readcsvfile read csv file"  # analysed (and case-folded) as the index was
 
 
 def test_the_scope_filter_says_what_a_query_may_see() -> None:

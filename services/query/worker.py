@@ -172,9 +172,10 @@ admission then takes (beyond the places it holds, refused with the wait to come 
 200 through QueryClient was answered whole only so), or a flood, whose excess costs the worker one prepared
 refusal each."""
 ADMITTED_BETWEEN_READS = 64
-"""Requests admitted one after another before the worker reads again. Admitting a flood's requests without reading
-between them (1,024, or without end), it read more slowly than they came, and every other workspace's requests
-waited unread behind them; reading after each one, it admitted one request per read, and theirs waited in turn."""
+"""Requests admitted one after another before the worker reads again: admitting a flood's requests without end, it
+reads more slowly than they come, and every other workspace's requests wait unread behind them; reading after each
+one, it admits one request per read. (Measured only under other load: docs/benchmarks.md, "A flood of one
+workspace's requests".)"""
 TURNED_AWAY_SAID_EVERY_S = 1.0
 """Requests turned away as they arrive are logged, and counted in the metrics, at most this often (TurnedAway)."""
 

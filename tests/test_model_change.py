@@ -180,7 +180,10 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
         assert report.swapped
         assert report.previous_model == CURRENT
         assert report.model == NEXT
-        assert report.embedded >= len(CORPUS) + 1  # the rewritten document once more
+        # The rewritten document once more, unless the rewrite was projected before the fill read it (in 4 of 6
+        # runs on 2026-12-02, where this asserted one more and failed the suite): either way its vector below is the
+        # new text's.
+        assert report.embedded >= len(CORPUS)
         # Every answer came, all but those in flight across the swap with the dense leg, and none mixed models.
         print(dict(answers))
         assert not [k for k in answers if k.startswith("error")], answers

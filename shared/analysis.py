@@ -19,18 +19,20 @@ from __future__ import annotations
 import re
 import unicodedata
 
-_IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
-"""Identifiers in any script, dotted (a review's: ``préparer_café`` was cut at its accents)."""
+IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
+"""Identifiers in any script, dotted (a review's: ``préparer_café`` was cut at its accents); the query worker's
+name lookup reads a query by it too (services/query/symbols.py)."""
 _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 _INNER_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
 _INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200c-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]")
 """Format characters that change no word (soft hyphen, joiners, direction marks, the byte-order mark): removed.
 The zero-width space separates words: it becomes a space."""
-_CJK_RUN = re.compile(
-    "[\u3005-\u3007\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]{2,}"
+CHINESE_AND_JAPANESE = (
+    "\u3005-\u3007\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
 )
-"""Runs of Han ideographs, hiragana and katakana, which are written without spaces between words, with the marks
-written among them (々 as in 佐々木: a review's)."""
+"""Han ideographs, hiragana and katakana, written without spaces between words, with the marks written among them
+(々 as in 佐々木: a review's), as ranges of a regular expression's character class."""
+_CJK_RUN = re.compile(f"[{CHINESE_AND_JAPANESE}]{{2,}}")
 
 
 def identifier_parts(identifier: str) -> list[str]:
@@ -51,7 +53,7 @@ def expand_identifiers(text: str) -> str:
         parts = identifier_parts(token)
         return f"{token} {' '.join(parts)}" if len(parts) > 1 else token
 
-    return _IDENTIFIER.sub(expand, text)
+    return IDENTIFIER.sub(expand, text)
 
 
 def _bigrams(match: re.Match[str]) -> str:

@@ -14,6 +14,8 @@ import unicodedata
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
+from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
+
 from .fusion import Fused, SourceHit
 from .names import AS_WRITTEN, match_quality
 from .stages import above_the_rest
@@ -39,10 +41,8 @@ RELATION_ASKED = {found_by: relation for relation, found_by in ASKED_RELATIONS.i
 """What chunks placed first for a relation go by -> the relation in relatedTo's words (``_meta.relation``)."""
 
 MAX_IDENTIFIER_CHARS = 300
-_IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
-"""Dotted names of Python identifiers, letters of any script (a Unicode tester's ``获取连接`` was asked as words)."""
 _SEPARATOR = re.compile(r"::|#")
-_CJK = re.compile("[\u3005-\u3007\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_CJK = re.compile(f"[{CHINESE_AND_JAPANESE}\uac00-\ud7af]")  # and Korean
 
 
 def identifier_of(text: str) -> str | None:
@@ -51,7 +51,7 @@ def identifier_of(text: str) -> str | None:
     backticks or with a call's ``()``. None for any other text: words around a name make it a question, not a name."""
     text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
     name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
-    return name if len(name) <= MAX_IDENTIFIER_CHARS and _IDENTIFIER.fullmatch(name) else None
+    return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
 
 
 def code_shaped(name: str) -> bool:

@@ -884,6 +884,37 @@ async def test_publishes_without_a_reply_subject_take_no_place(
     assert isinstance(parse_reply(replies[0]), QueryResponse)
 
 
+async def test_a_request_the_admission_fails_on_is_answered_internal_and_the_next_is_served(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fault in the admission itself (here its estimate of the wait) is the worker's: its caller hears so at once
+    rather than waiting out its timeout, and the admission goes on with the next request."""
+    service = await start_worker(SlowReranker(0.0))
+    estimate = service._service_time.expected_finish
+    failures = iter([RuntimeError("the estimate failed")])
+
+    def failing_once(*args: Any) -> float:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return estimate(*args)
+
+    monkeypatch.setattr(service._service_time, "expected_finish", failing_once)
+    with capture_logs() as logs:
+        first = await _request(deployment, _query(), 10_000, 1.0)
+    assert len(first) == 1
+    error = parse_reply(first[0])
+    assert isinstance(error, ErrorReply)
+    assert (error.error.code, error.error.retryable) == ("internal", True)
+    assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == ["request_failed_outside_its_handler"]
+    second = await _request(deployment, _query(), 10_000, 1.5)
+    assert len(second) == 1
+    assert isinstance(parse_reply(second[0]), QueryResponse)
+
+
 async def test_a_stalled_database_is_unavailable_before_the_deadline(
     seeded: int,
     deployment: Deployment,

@@ -566,6 +566,12 @@ class QueryService:
                 await self._admit(msg, received, waited_before)
             except Exception:  # nothing one request does may end the admission
                 log.exception("request_failed_outside_its_handler", subject=msg.subject)
+                # Nor leave its caller to its timeout: the failure came before the request took a place (past
+                # that, only another request's refusal is sent, and its sending suppresses what fails).
+                failed = error_reply(
+                    "internal", "the request could not be admitted; see the worker log", retryable=True
+                )
+                await self._reply(msg, failed)
             finally:
                 self._arrived.task_done()
             if admitted % ADMITTED_BETWEEN_READS == 0:

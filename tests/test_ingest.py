@@ -510,7 +510,11 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     (tree / "notes.md").symlink_to(secrets / "runtime.json")
     (tree / "guide.md").symlink_to(tree / "docs" / "guide.md")  # inside the tree too: a link is not its file
     os.mkfifo(tree / "pipe.py")  # would never end
-    assert read_tree(tree) == {"app.py": "x = 1\ny = 2\n", "docs/guide.md": "# Guide\n"}  # newlines as before
+    (tree / "elsewhere").symlink_to(secrets, target_is_directory=True)  # a directory's link: not gone into, said
+    with capture_logs() as logged:
+        assert read_tree(tree) == {"app.py": "x = 1\ny = 2\n", "docs/guide.md": "# Guide\n"}  # newlines as before
+    skipped = [entry["path"].strip("'").rsplit("/", 1)[-1] for entry in logged if entry["event"].endswith("_skipped")]
+    assert sorted(skipped) == ["elsewhere", "guide.md", "notes.md", "pipe.py"]
     # Decoded as Python decodes source (a tester's): a byte-order mark dropped, a coding line followed.
     (tree / "bom.py").write_bytes(b"\xef\xbb\xbfdef bom(): pass\n")
     (tree / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nname = '\xe9t\xe9'\n")

@@ -178,6 +178,9 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
                 continue
             if _tools_output(Path(directory), name):
                 log.debug("ingest_directory_skipped", path=prefix + name)
+            elif os.path.islink(os.path.join(directory, name)):  # listed, not gone into: said, as for a file
+                link = "a symbolic link (links are not followed)"
+                log.warning("ingest_directory_skipped", path=prefix + name, error=link)
             else:
                 kept.append(name)
         subdirectories[:] = kept
@@ -687,8 +690,15 @@ class Ingester:
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
             )
         package = own_package(root, package)
-        chunks = {c.document_id: c for c in chunk_sources(root, sources, self._max_content_bytes, package or "")}
-        graph_nodes, graph_links = python_graph(sources, package)
+        # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
+        # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
+        chunked, (graph_nodes, graph_links) = await asyncio.to_thread(
+            lambda: (
+                chunk_sources(root, sources, self._max_content_bytes, package or ""),
+                python_graph(sources, package),
+            )
+        )
+        chunks = {c.document_id: c for c in chunked}
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
         # A document is sent again when its content changed or when what the embedder adds to it would differ

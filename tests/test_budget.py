@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from unittest.mock import ANY
 
 import pytest
 
 from ontofabric.contracts import ExpandedContext, FoundBy, QueryMeta, QueryResponse, SearchResult
-from ontofabric.contracts.query import CollapsedResult
+from ontofabric.contracts.query import CollapsedResult, Freshness
 from ontofabric.services.query.budget import (
     BYTES_PER_TOKEN,
     NO_NOTES,
     RESERVE_BYTES,
+    VARYING_META_BYTES,
     TooLarge,
     _report,
     _with_budget,
@@ -23,6 +25,10 @@ META = QueryMeta(
     ontology_version="1-a", workspace="w", branch="main", hybrid=True, reranked=False, cache_hit=False,
     backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
 )  # fmt: skip
+
+
+HELD = VARYING_META_BYTES // BYTES_PER_TOKEN
+"""The tokens a budget holds for what two answers to one question may differ by."""
 
 
 def _answer(contents: list[str | None]) -> QueryResponse:
@@ -56,8 +62,8 @@ def test_an_answer_within_its_budget_is_whole_and_says_its_size() -> None:
 def test_contents_past_the_budget_are_cut_then_left_out_and_every_result_stays() -> None:
     line = "def step(): return 1\n"
     answer = _answer([line * 60 for _ in range(10)])  # about 1,300 bytes of JSON each
-    fitted, body = _fit(answer, 1000)  # 4,000 bytes
-    assert len(body) <= 1000 * BYTES_PER_TOKEN
+    fitted, body = _fit(answer, HELD + 1000)  # 4,000 bytes beside the room held for what varies
+    assert len(body) <= (HELD + 1000) * BYTES_PER_TOKEN
     assert [r.id for r in fitted.results] == [r.id for r in answer.results]  # every result, in its rank
     whole = [r for r in fitted.results if r.content == line * 60]
     assert [r.id for r in whole] == [r.id for r in fitted.results[: len(whole)]]  # the best ranks whole
@@ -75,7 +81,7 @@ def test_contents_past_the_budget_are_cut_then_left_out_and_every_result_stays()
     assert fitted.meta.budget.contents_cut == [cut.id]
     assert fitted.meta.budget.contents_omitted == len(rest)
     assert fitted.meta.budget.results_dropped == 0
-    assert fitted.meta.budget.estimated_tokens <= 1000
+    assert fitted.meta.budget.estimated_tokens <= HELD + 1000
     assert fitted.meta.degraded == []  # the caller's own bound: not a failure
 
 
@@ -129,7 +135,8 @@ def test_as_many_results_are_kept_as_fit_whatever_their_sizes() -> None:
         assert len(body) <= max_tokens * BYTES_PER_TOKEN
         if kept < 100:  # one more would not have fitted with the report's reserve, counted as before: whole
             more = _with_budget(varied, _report(max_tokens), varied.results[: kept + 1], NO_NOTES)
-            assert len(more.model_dump_json().encode()) + RESERVE_BYTES > max_tokens * BYTES_PER_TOKEN
+            held = RESERVE_BYTES + VARYING_META_BYTES
+            assert len(more.model_dump_json().encode()) + held > max_tokens * BYTES_PER_TOKEN
 
 
 def test_a_result_too_large_to_list_alone_leaves_its_place_to_those_below_it() -> None:
@@ -201,8 +208,8 @@ def test_a_result_with_more_nested_chunks_than_room_stays_and_its_notes_are_trim
     answer = answer.model_copy(
         update={"meta": answer.meta.model_copy(update={"collapsed": collapsed, "expanded_context": context})}
     )
-    fitted, body = _fit(answer, 1000)
-    assert len(body) <= 1000 * BYTES_PER_TOKEN
+    fitted, body = _fit(answer, HELD + 1000)
+    assert len(body) <= (HELD + 1000) * BYTES_PER_TOKEN
     assert [r.id for r in fitted.results] == [r.id for r in answer.results]  # every result stays
     assert fitted.results[0].content == answer.results[0].content
     assert fitted.meta.budget is not None
@@ -250,3 +257,20 @@ def test_a_cut_text_fits_its_room_as_json(text: str) -> None:
         assert len(head) > 0
     # A text that fits is whole, its last line kept (a tester's docstrings lost theirs on every default read).
     assert cut_to(text.rstrip("\n") + "\nlast line", 100_000) == text.rstrip("\n") + "\nlast line"
+
+
+def test_an_answer_from_the_cache_is_cut_as_the_first_answer_was() -> None:
+    """What varies between two answers to one question (their timings, cacheHit, freshness) does not move the cut."""
+    line = "def step(): return 1\n"
+    first = _answer([line * (3 + i * 7 % 40) for i in range(30)])
+    stages = ["embed", "dense", "keyword", "fetch", "denseScores", "fusion", "lateInteraction", "exactSymbol"]
+    timings = {stage: 12345.678 for stage in [*stages, "secondOpinion", "graphExpansion", "queue", "total"]}
+    first = first.model_copy(update={"meta": first.meta.model_copy(update={"timings_ms": timings})})
+    cached_meta = {"cache_hit": True, "timings_ms": {"total": 0.4}, "freshness": Freshness(indexed_seq=7)}
+    cached = first.model_copy(update={"meta": first.meta.model_copy(update=cached_meta)})
+    for max_tokens in range(1000, 4000, 37):
+        (made, made_body), (again, again_body) = _fit(first, max_tokens), _fit(cached, max_tokens)
+        assert max(len(made_body), len(again_body)) <= max_tokens * BYTES_PER_TOKEN
+        assert again.results == made.results, max_tokens
+        assert made.meta.budget is not None
+        assert again.meta.budget == made.meta.budget.model_copy(update={"estimated_tokens": ANY})

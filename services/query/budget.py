@@ -29,6 +29,11 @@ RESERVE_BYTES = 512
 """Room kept for what the cutting itself adds to ``_meta`` (the budget report, the ids of cut contents)."""
 WIDEST_ESTIMATE = 99_999_999
 """Sizes are measured with this in ``estimatedTokens``: the real figure, written last, is never wider."""
+VARYING_META_BYTES = 768
+"""Room held for what two answers to one question differ by in ``_meta``: the timings, ``cacheHit`` and the
+freshness. Whether and where to cut is decided without them, so that a question asked again gets the results it got
+the first time, from the cache or not (a property tester's: a cached answer listed a result more than the first,
+its ``_meta`` holding one timing where the first held twelve). Twelve timings take about 300 bytes."""
 
 
 class TooLarge(Exception):
@@ -63,10 +68,10 @@ def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) 
     budget_bytes = max_tokens * BYTES_PER_TOKEN
     limit = min(budget_bytes, max_payload_bytes)
     fitted = _with_meta(response, budget=_report(max_tokens))
-    if len(_encoded(fitted)) > limit:
+    if len(_encoded(_steady(fitted))) + VARYING_META_BYTES > limit:
         if max_payload_bytes < budget_bytes:
             response = _with_meta(response, degraded=[*response.meta.degraded, "replySize"])
-        fitted = _cut(response, limit, max_tokens)
+        fitted = _cut_steadily(response, limit, max_tokens)
     assert fitted.meta.budget is not None
     tokens = math.ceil(len(_encoded(fitted)) / BYTES_PER_TOKEN)  # of the reply as measured: a few bytes over
     return _encoded(_with_meta(fitted, budget=fitted.meta.budget.model_copy(update={"estimated_tokens": tokens})))
@@ -155,6 +160,24 @@ def _notes_in_room(meta: QueryMeta, results: list[SearchResult], room: int) -> N
         else:
             context.append(entry)
     return Notes(tuple(collapsed), tuple(context))
+
+
+def _steady(response: QueryResponse) -> QueryResponse:
+    """``response`` without what another answer to the same question may say otherwise (VARYING_META_BYTES)."""
+    return _with_meta(response, cache_hit=False, timings_ms={}, freshness=None)
+
+
+def _cut_steadily(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
+    """``response`` cut as its steady part (:func:`_steady`) is cut to ``limit`` less VARYING_META_BYTES; cut to
+    ``limit`` as it is when what varies outgrows that room (timings of stages minutes long, say)."""
+    try:
+        steady = _cut(_steady(response), limit - VARYING_META_BYTES, max_tokens)
+    except TooLarge:
+        return _cut(response, limit, max_tokens)
+    assert steady.meta.budget is not None
+    notes = Notes(tuple(steady.meta.collapsed), tuple(steady.meta.expanded_context))
+    fitted = _with_budget(response, steady.meta.budget, steady.results, notes)
+    return fitted if len(_encoded(fitted)) <= limit else _cut(response, limit, max_tokens)
 
 
 def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:

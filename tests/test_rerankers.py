@@ -28,6 +28,7 @@ from ontofabric.services.query.rerankers import (
 )
 from ontofabric.services.query.stages import second_opinion
 from ontofabric.shared.onnx_models import BUNDLED_CROSS_ENCODER, BUNDLED_SECOND_EMBEDDER, OnnxEmbedder, bundled_model
+from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
 from .conftest import SPANS, metric_points
@@ -172,6 +173,14 @@ async def test_each_rerank_call_records_its_duration_and_its_cost_at_the_configu
     assert reply.meta.reranked is True
     assert spent() - before == pytest.approx(0.002 + 3 * 0.0001)  # one call, the three candidates sent
     assert calls() == called + 1
+    # A call that failed (an error status; nothing listening) is timed, not charged (an operator's finding).
+    for url in (f"{cohere_server}/broken/v2/rerank", f"http://127.0.0.1:{free_port()}/v2/rerank"):
+        failing = CohereReranker(url, None, "m", timeout_s=2)
+        before, called = spent(), calls()
+        reply = await pipeline_over(ScriptedRetrieval(), config=config, reranker=failing).answer(QUERY, "priced")
+        await failing.close()
+        assert reply.meta.degraded == ["reranker"]
+        assert (spent(), calls()) == (pytest.approx(before), called + 1)
 
 
 async def test_a_reranker_that_ranks_some_of_the_candidates_is_a_failed_call(cohere_server: str) -> None:

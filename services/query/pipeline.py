@@ -697,15 +697,25 @@ class QueryPipeline:
         sent = candidates[: self._config.reranker_depth]
         texts = [rerank_text(documents[f.id]) for f in sent]
 
+        failed = False  # the reranker raised: no connection, an error status, a body it could not read
+
         async def ranking() -> list[tuple[int, float]]:
-            answer = await asyncio.wait_for(
-                reranker.rerank(run.text, texts, len(texts)), self._config.reranker_timeout_ms / 1000
-            )
+            nonlocal failed
+            try:
+                answer = await asyncio.wait_for(
+                    reranker.rerank(run.text, texts, len(texts)), self._config.reranker_timeout_ms / 1000
+                )
+            except Exception as error:
+                failed = not isinstance(error, TimeoutError)
+                raise
             return check_ranking(answer, len(sent))
 
         ranked = await run.guarded("reranker", ranking(), stage="rerank", reserve_s=REFINEMENT_RESERVE_S)
         if "rerank" in run.timings:  # it was called
             self._metrics.rerank_duration.record(run.timings["rerank"], {"reranker": reranker.name})
+        if "rerank" in run.timings and not failed:
+            # Charged when it answered, or was cut by time (the provider may have served it): not when it failed
+            # (an operator's: a reranker nobody listened at was charged for every call).
             cost = self._config.reranker_cost_per_call_usd + self._config.reranker_cost_per_document_usd * len(sent)
             self._metrics.rerank_cost.add(cost, {"workspace": run.workspace, "reranker": reranker.name})
         if ranked is None:

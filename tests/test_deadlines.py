@@ -1060,6 +1060,31 @@ async def test_refusals_for_time_the_caller_made_near_impossible_are_counted_apa
     assert after_late.get("shorter_than_service", 0) == after_short.get("shorter_than_service", 0)
 
 
+async def test_a_request_refused_while_it_waited_is_counted_once(
+    seeded: int,
+    deployment: Deployment,
+    start_query_worker: Start,
+    embedder: Embedder,
+) -> None:
+    """An operator's finding: a request whose deadline passed while it waited for the runner was refused by its
+    timer, and counted again when the runner came to it (the reply it made then was dropped): the paging error
+    ratio counted deadline_exceeded twice."""
+    await start_query_worker(SlowEmbedder(embedder, 1.0), None, query_cache_entries=0, query_concurrency=1)
+
+    def counted() -> int:
+        points = metric_points("retrieval.query.errors")
+        return sum(int(p.value) for p in points if p.attributes.get("code") == "deadline_exceeded")
+
+    before = counted()
+    slow = asyncio.create_task(_request(deployment, _query("the runner is busy with this one"), 10_000, 2.5))
+    await asyncio.sleep(0.2)
+    (refused,) = await _request(deployment, _query("this one waits past its deadline"), 400, 2.0)
+    assert parse_reply(refused).error.code == "deadline_exceeded"  # type: ignore[union-attr]
+    (answered,) = await slow
+    assert isinstance(parse_reply(answered), QueryResponse)
+    assert counted() == before + 1
+
+
 async def test_callers_hear_back_by_their_deadline_while_the_runners_are_stuck(
     seeded: int,
     deployment: Deployment,

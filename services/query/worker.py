@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar, get_args
 
 import asyncpg
@@ -645,8 +646,10 @@ class QueryService:
         self._waiting.put_nowait(workspace, admitted)
         if displaced is not None:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
-            refusal = error_reply("overloaded", busy, retryable=True, retry_after_s=self._wait_of(displaced.workspace))
-            await self._reply_once(displaced, refusal)
+            paced = self._wait_of(displaced.workspace)
+            await self._reply_once(
+                displaced, lambda: error_reply("overloaded", busy, retryable=True, retry_after_s=paced)
+            )
 
     def _timed_as(self, msg: Msg, workspace: str) -> str:
         """Whose average work a request is judged by and counts in: its workspace's, per operation (a review's: a
@@ -721,7 +724,7 @@ class QueryService:
 
     async def _refuse_late(self, admitted: Admitted) -> None:
         short = self._timeout_too_short(admitted.deadline)
-        await self._reply_once(admitted, admitted.refused_late(asyncio.get_running_loop().time(), short))
+        await self._reply_once(admitted, lambda: admitted.refused_late(asyncio.get_running_loop().time(), short))
 
     async def _refuse_waited(self, admitted: Admitted, *, runner_free: bool = False) -> None:
         """``runner_free``: a runner took it just past its wait, so one is free now and no wait is stated; else the
@@ -731,18 +734,21 @@ class QueryService:
         limit = self.settings.query_unstated_max_wait_ms
         retry_after_s = 0.0 if runner_free else self._wait_of(admitted.workspace)
         await self._reply_once(
-            admitted, error_reply("overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s)
+            admitted, lambda: error_reply("overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s)
         )
 
-    async def _reply_once(self, admitted: Admitted, body: bytes) -> None:
+    async def _reply_once(self, admitted: Admitted, body: bytes | Callable[[], bytes]) -> None:
         """The first reply to an admitted request goes out; a later one (the work ending after the deadline's
-        refusal) is dropped."""
+        refusal) is dropped. ``body``: the reply, or what makes it, only when it is sent: an error reply is
+        counted as it is made (an operator's: ``deadline_exceeded`` was counted twice, by the deadline's timer and
+        by the runner its deadline cut)."""
         if admitted.replied:
             return
         admitted.replied = True
         if admitted.expiry is not None:
             admitted.expiry.cancel()
-        await self._reply(admitted.msg, body, received=admitted.received)
+        made = body if isinstance(body, bytes) else body()
+        await self._reply(admitted.msg, made, received=admitted.received)
 
     def _may_run(self, workspace: str) -> bool:
         return self._running[workspace] < self._runners_per_workspace
@@ -794,11 +800,13 @@ class QueryService:
             paced = self._wait_of(admitted.workspace)
             short = self._timeout_too_short(deadline)
             await self._reply_once(
-                admitted, error_reply("overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced)
+                admitted,
+                lambda: error_reply("overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced),
             )
             return None
         admitted.taken_at = loop.time()
         finished = True
+        body: bytes | Callable[[], bytes]
         try:
             # The caller's trace continues here: its context travels in the request's headers. Only the trace
             # context is read: baggage is not used, and its parser logs every oversized header a caller sends.
@@ -811,12 +819,13 @@ class QueryService:
                 try:
                     async with asyncio.timeout_at(deadline.at):
                         body = await self._answer(msg, deadline, waited_ms)
-                except TimeoutError:
-                    body = admitted.refused_late(loop.time(), self._timeout_too_short(deadline))
+                except TimeoutError:  # its timer may have refused it already: counted as sent (_reply_once)
+                    short = self._timeout_too_short(deadline)
+                    body = partial(admitted.refused_late, loop.time(), short)
                     finished = False
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)
-            body = error_reply("internal", "the query failed unexpectedly; see the worker log", retryable=True)
+            body = partial(error_reply, "internal", "the query failed unexpectedly; see the worker log", retryable=True)
         await self._reply_once(admitted, body)
         return finished
 

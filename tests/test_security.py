@@ -21,6 +21,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from pydantic import SecretStr, ValidationError
+from structlog.testing import capture_logs
 
 from ontofabric.contracts import StatusReply
 from ontofabric.services.ingest.client import DeltaPublisher
@@ -28,7 +29,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly, subscriptions_visible
-from ontofabric.shared.nats_auth import BadCredentials, new_nkey_seed
+from ontofabric.shared.nats_auth import MAX_SUBSCRIPTIONS_PER_CONNECTION, BadCredentials, new_nkey_seed
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
@@ -264,6 +265,34 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
         await acme.close()
         await ingest_acme.close()
         await worker.stop()
+
+
+async def test_a_connection_holds_a_bounded_number_of_subscriptions(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A hostile tester's client held 200,000 subscriptions under its own inbox, and the server's memory grew
+    fifteenfold; past MAX_SUBSCRIPTIONS_PER_CONNECTION the server refuses one more (on which nats-py closes the
+    connection). A part of the deployment holds a few dozen."""
+    acme = await connect_as(deployment, runtime, "client", "acme")
+    try:
+        with capture_logs() as logged:
+            for _ in range(MAX_SUBSCRIPTIONS_PER_CONNECTION + 1):
+                await acme.subscribe(acme.new_inbox())
+            await acme.flush(timeout=10)
+            for _ in range(100):  # the server's error arrives after the flush's answer, or just before
+                if any("maximum subscriptions" in str(entry.get("error", "")).lower() for entry in logged):
+                    break
+                await asyncio.sleep(0.05)
+        assert any("maximum subscriptions" in str(entry.get("error", "")).lower() for entry in logged), logged
+    finally:
+        await acme.close()
+    again = await connect_as(deployment, runtime, "client", "acme")  # a limit of a connection, not of the tenant
+    try:
+        await again.subscribe(again.new_inbox())
+        await again.flush(timeout=10)
+        assert again.is_connected
+    finally:
+        await again.close()
 
 
 async def test_a_tenant_cannot_have_another_tenants_delta_dropped_as_a_repeat(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, Self
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
@@ -579,6 +580,28 @@ subject (a plain NATS request takes the first)."""
 class ErrorDetail(WireModel):
     field: str | None = Field(description="Request field the problem is about, camelCase; null for the body.")
     message: str
+
+
+MAX_ERROR_DETAILS = 20
+MAX_DETAIL_CHARS = 200
+"""An error reply names the first problems, each cut short, and counts the rest: it always fits a message, whatever
+a request holds (60,000 unknown fields once made an error too large to send)."""
+
+
+def clipped(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
+
+
+def validation_details(problems: Sequence[ErrorDetails]) -> list[ErrorDetail]:
+    """A request's problems as an error reply names them (unknown fields as such), the first MAX_ERROR_DETAILS."""
+    details = []
+    for problem in problems[:MAX_ERROR_DETAILS]:
+        location = ".".join(str(part) for part in problem["loc"]) or None
+        message = "unknown parameter" if problem["type"] == "extra_forbidden" else problem["msg"]
+        details.append(ErrorDetail(field=clipped(location) if location else None, message=clipped(message)))
+    if len(problems) > MAX_ERROR_DETAILS:
+        details.append(ErrorDetail(field=None, message=f"and {len(problems) - MAX_ERROR_DETAILS} more problems"))
+    return details
 
 
 class QueryError(WireModel):

@@ -1095,6 +1095,11 @@ async def test_a_gateway_started_before_nats_answers_every_call_with_a_retryable
         answer = await client.call_tool("ontology_query", {"semanticQuery": "csv"})
         assert answer.is_error is True
         assert "error unavailable (retryable: try again): no NATS server answered" in _text(answer)
+        # An argument that can never pass is named as it is with a worker to ask, not to be tried again (a tester's).
+        wrong = await client.call_tool("ontology_query", {"semanticQuery": "csv", "topK": "lots"})
+        assert wrong.is_error is True
+        assert _text(wrong).startswith("error invalid_request"), _text(wrong)
+        assert "- topK: Input should be a valid integer" in _text(wrong)
 
 
 @pytest.mark.parametrize("given", [["--workspace", "bad name!"], []])

@@ -35,8 +35,9 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ontofabric.contracts import ErrorReply
+from ontofabric.contracts import ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
+from ontofabric.contracts.query import validation_details
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
@@ -188,9 +189,11 @@ class Gateway:
         except NatsRefused as error:  # before NatsUnavailable, which it is a kind of
             return tool_error(f"error forbidden (not retryable: the gateway's NATS credentials need mending): {error}")
         except NatsUnavailable as error:
-            return tool_error(f"error unavailable (retryable: try again): {error}")
+            return invalid_here(spec, arguments, request) or tool_error(
+                f"error unavailable (retryable: try again): {error}"
+            )
         except NoRespondersError:
-            return tool_error(
+            return invalid_here(spec, arguments, request) or tool_error(
                 f"error unavailable (retryable: try again): no query worker is serving workspace {workspace!r}"
             )
         except (NatsTimeoutError, TimeoutError):
@@ -920,6 +923,20 @@ def _tool(spec: ToolSpec) -> types.Tool:
             title=spec.title, read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
         ),
     )
+
+
+def invalid_here(spec: ToolSpec, arguments: dict[str, Any], request: bytes) -> types.CallToolResult | None:
+    """The tool error naming what the contract refuses in ``request``, when no worker could be asked to say so (an
+    install tester's: an argument that can never pass was answered "unavailable, try again"); None for a valid one.
+    What a worker's settings decide (a query's length) is the worker's to say."""
+    try:
+        spec.request.model_validate_json(request, by_name=False)
+    except ValidationError as error:
+        details = validation_details(error.errors(include_url=False, include_input=False))
+        message = f"the request does not match {spec.request.__name__}"
+        refused = ErrorReply(error=QueryError(code="invalid_request", message=message, details=details))
+        return tool_error(render_error(restated(spec, arguments, refused)))
+    return None
 
 
 def _only_workspace(caller: Grant | None) -> str | None:

@@ -28,7 +28,6 @@ from nats.js.errors import ServiceUnavailableError
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
-from pydantic_core import ErrorDetails
 
 from ontofabric.contracts import (
     CLOCK_ALLOWANCE_MS,
@@ -45,7 +44,7 @@ from ontofabric.contracts import (
     StatusRequest,
 )
 from ontofabric.contracts.documents import WORKSPACE
-from ontofabric.contracts.query import ErrorCode
+from ontofabric.contracts.query import ErrorCode, clipped, validation_details
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import (
     READER_ROLE,
@@ -185,26 +184,6 @@ _UNSTATED_WAIT = (
     "retry, or send the header to wait longer"
 )
 
-MAX_ERROR_DETAILS = 20
-MAX_DETAIL_CHARS = 200
-"""An error reply names the first problems, each cut short, and counts the rest: it always fits a message, whatever
-a request holds (60,000 unknown fields once made an error too large to send)."""
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
-
-
-def validation_details(problems: Sequence[ErrorDetails]) -> list[ErrorDetail]:
-    details = []
-    for problem in problems[:MAX_ERROR_DETAILS]:
-        location = ".".join(str(part) for part in problem["loc"]) or None
-        message = "unknown parameter" if problem["type"] == "extra_forbidden" else problem["msg"]
-        details.append(ErrorDetail(field=_clip(location) if location else None, message=_clip(message)))
-    if len(problems) > MAX_ERROR_DETAILS:
-        details.append(ErrorDetail(field=None, message=f"and {len(problems) - MAX_ERROR_DETAILS} more problems"))
-    return details
-
 
 def workspace_of_subject(subject: str) -> str | None:
     """The workspace a query subject names, or None when its token does not decode to a valid name."""
@@ -230,7 +209,7 @@ def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | b
     except ValidationError as error:
         problems = error.errors(include_url=False, include_input=False)
         field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in problems) else None
-        details = [ErrorDetail(field=_clip(field), message=HALF_CHARACTER)] if field else validation_details(problems)
+        details = [ErrorDetail(field=clipped(field), message=HALF_CHARACTER)] if field else validation_details(problems)
         return error_reply("invalid_request", f"the request does not match {model.__name__}", details)
     if request.workspace is not None and request.workspace != workspace:
         return error_reply(

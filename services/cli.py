@@ -214,8 +214,26 @@ def _nats_url(settings: Settings, role: NatsRole) -> str:
 
 
 @app.command()
-def up(data_dir: DataDir = None) -> None:
-    """Start embedded servers (unless URLs are set), the projector and a query worker; run until Ctrl-C/SIGTERM."""
+def up(
+    data_dir: DataDir = None,
+    with_projector: Annotated[
+        bool,
+        typer.Option(
+            "--projector/--no-projector",
+            help="Run the projector (and the Azure one, where set up) in this process; without, `ontofabric "
+            "projector` processes apply the deltas, and can be restarted or failed over alone.",
+        ),
+    ] = True,
+    with_query_worker: Annotated[
+        bool,
+        typer.Option(
+            "--query-worker/--no-query-worker",
+            help="Run a query worker in this process; without, `ontofabric query-worker` processes answer.",
+        ),
+    ] = True,
+) -> None:
+    """Start embedded servers (unless URLs are set), the projector and a query worker; run until Ctrl-C/SIGTERM.
+    With --no-projector --no-query-worker: the servers alone, for workers run as processes of their own."""
     settings = _settings("ontofabric-up", data_dir, worker=True)
     try:
         with EmbeddedRuntime(settings) as runtime:
@@ -244,7 +262,8 @@ def up(data_dir: DataDir = None) -> None:
                         "login (docs/security.md)"
                     )
 
-            _serve(settings, endpoints, Roles(), ready, runtime.exited)
+            roles = Roles(projector=with_projector, query=with_query_worker, azure_projector=with_projector)
+            _serve(settings, endpoints, roles, ready, runtime.exited)
     except RuntimeUnavailable as error:
         _fail(str(error))
 
@@ -543,7 +562,10 @@ def query(
     except PermissionDenied as error:
         _fail(f"{error} (workspace {workspace!r})")
     except (NoRespondersError, NatsTimeoutError) as error:
-        _fail(f"no answer from a query worker ({type(error).__name__}): is `ontofabric up` running?")
+        _fail(
+            f"no answer from a query worker ({type(error).__name__}): is `ontofabric up` running, or with "
+            "--no-query-worker, an `ontofabric query-worker`?"
+        )
     except RequestTooLarge as error:
         _fail(str(error))
     reply = parse_reply(raw)

@@ -92,10 +92,10 @@ def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path:
     assert "Traceback" not in result.stderr
 
 
-def _start_up(env: dict[str, str], data_dir: Path) -> subprocess.Popen[bytes]:
+def _start_up(env: dict[str, str], data_dir: Path, *options: str) -> subprocess.Popen[bytes]:
     """``ontofabric up`` as a process of its own session, once it has recorded its servers."""
     up = subprocess.Popen(
-        [ONTOFABRIC, "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        [ONTOFABRIC, "up", *options], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
     deadline = time.monotonic() + 90
     try:
@@ -126,6 +126,50 @@ def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> No
             up.wait()
     assert up.returncode == 1
     assert "embedded server ended: nats" in stderr.decode()
+
+
+@pytest.mark.slow
+def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> None:
+    """A rolling-restart tester's: `up` always ran a projector, which became the active one, so restarting or failing
+    over the projector took the servers down with it."""
+    data_dir = tmp_path / "data"
+    env = _env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none")
+    up = _start_up(env, data_dir, "--no-projector", "--no-query-worker")
+    workers: list[subprocess.Popen[bytes]] = []
+
+    def query() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [ONTOFABRIC, "query", "the area of a circle", "--workspace", "geo", "--json"], env=env,
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    try:
+        alone = query()
+        assert alone.returncode != 0
+        assert "no answer from a query worker" in " ".join(alone.stderr.split()), alone.stderr
+        for command in ("projector", "query-worker"):
+            workers.append(subprocess.Popen([ONTOFABRIC, command], env=env, stderr=subprocess.DEVNULL))
+        source = tmp_path / "src"
+        source.mkdir()
+        (source / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
+        ingest = subprocess.run(
+            [ONTOFABRIC, "ingest", str(source), "--workspace", "geo"], env=env, capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert ingest.returncode == 0, ingest.stderr
+        for _ in range(100):  # the worker may still be starting, then learns the version through its KV watch
+            answered = query()
+            if answered.returncode == 0 and json.loads(answered.stdout)["results"]:
+                break
+            time.sleep(0.3)
+        assert json.loads(answered.stdout)["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait(timeout=30)
+        os.killpg(up.pid, signal.SIGTERM)
+        up.wait(timeout=60)
+    assert up.returncode == 0
 
 
 def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) -> None:

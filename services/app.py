@@ -35,6 +35,13 @@ async def start_workers(
     stack: AsyncExitStack, settings: Settings, endpoints: Endpoints, roles: Roles, embedder: Embedder | None = None
 ) -> Embedder | None:
     """Start the chosen workers; ``stack`` stops them in reverse order. Returns the query embedder."""
+    reranker = None
+    if roles.query:
+        # The models first: loading them holds the interpreter for seconds, and a projector started before them
+        # missed its holding looks (a demo logged it away past its lease, and no answer to its own ping).
+        if embedder is None and settings.embedder != "none":
+            embedder = await asyncio.to_thread(build_embedder, settings)
+        reranker = await asyncio.to_thread(build_reranker, settings)
     if roles.projector:
         projector = ProjectorService(settings, endpoints.nats_url_as("projector"), endpoints.database_url)
         await projector.start()
@@ -44,9 +51,6 @@ async def start_workers(
         await azure.start()
         stack.push_async_callback(azure.stop)
     if roles.query:
-        if embedder is None and settings.embedder != "none":
-            embedder = await asyncio.to_thread(build_embedder, settings)
-        reranker = await asyncio.to_thread(build_reranker, settings)
         query = QueryService(
             settings,
             endpoints.nats_url_as("query"),

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, NoRespondersError, SlowConsumerError, StaleConnectionError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import ServiceUnavailableError
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -58,8 +59,15 @@ from ontofabric.shared.db import (
 from ontofabric.shared.discovery import Announcement, Endpoint, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
+from ontofabric.shared.jetstream import (
+    ANY_SUBJECT,
+    PermissionDenied,
+    connect,
+    ensure_jetstream,
+    refused_promptly,
+    subscriptions_visible,
+)
 from ontofabric.shared.jetstream import close as close_nats
-from ontofabric.shared.jetstream import connect, ensure_jetstream, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.onnx_models import second_embedder
@@ -123,6 +131,9 @@ def error_reply(
     )
     return ErrorReply(error=error).model_dump_json().encode()
 
+
+STREAMS_LOOKED_FOR_EVERY_S = 1.0
+"""How often a worker started before any projector looks for the streams it waits for."""
 
 READ_TOO_SLOWLY = (
     ErrorReply(
@@ -426,7 +437,7 @@ class QueryService:
             self._nats_url, "ontofabric-query", settings, wait_for_server=True, on_unread=self._refuse_unread
         )
         js = nc.jetstream()
-        await ensure_jetstream(js, names, settings)
+        await self._streams_made(nc, settings)
         tracker = VersionTracker(js, await js.key_value(names.version_bucket), names)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
         await self._freshness.start()
@@ -499,6 +510,23 @@ class QueryService:
         await subscriptions_visible(nc)
         log.info("query_worker_started", subjects=subjects, queue=names.query_queue)
 
+    async def _streams_made(self, nc: Client, settings: Settings) -> None:
+        """The deployment's streams and buckets, made where missing, or, where this worker's NATS user may not
+        make them (docs/security.md), waited for until a projector has: a worker started before any projector
+        stopped with a traceback (a servers-alone `up`'s test)."""
+        said = False
+        while True:
+            try:
+                await refused_promptly(nc, ANY_SUBJECT, ensure_jetstream(nc.jetstream(), self.names, settings))
+                return
+            except (PermissionDenied, NatsTimeoutError) as error:
+                if not said:
+                    log.warning(
+                        "query_worker_waiting_for_streams", reason="no projector has made them", error=describe(error)
+                    )
+                    said = True
+                await asyncio.sleep(STREAMS_LOOKED_FOR_EVERY_S)
+
     async def _intake(self, msg: Msg) -> None:
         """A request as it is read: into its workspace's turn, or refused at once when ARRIVED_PER_WORKSPACE of that
         workspace wait there. As little as possible here: this is as fast as the worker reads."""
@@ -547,11 +575,10 @@ class QueryService:
             except Exception:  # nothing one request does may end the admission
                 log.exception("request_failed_outside_its_handler", subject=msg.subject)
                 # Nor leave its caller to its timeout: the failure came before the request took a place (past
-                # that, only another request's refusal is sent, and its sending suppresses what fails).
-                failed = error_reply(
-                    "internal", "the request could not be admitted; see the worker log", retryable=True
-                )
-                await self._reply(msg, failed)
+                # that, only another request's refusal is made and sent). Nor may answering it end the admission.
+                with contextlib.suppress(Exception):
+                    failed = "the request could not be admitted; see the worker log"
+                    await self._reply(msg, error_reply("internal", failed, retryable=True))
             finally:
                 self._arrived.task_done()
             if admitted % ADMITTED_BETWEEN_READS == 0:
@@ -723,10 +750,10 @@ class QueryService:
         by the runner its deadline cut)."""
         if admitted.replied:
             return
+        made = body if isinstance(body, bytes) else body()  # first: should it fail, the request's timer answers
         admitted.replied = True
         if admitted.expiry is not None:
             admitted.expiry.cancel()
-        made = body if isinstance(body, bytes) else body()
         await self._reply(admitted.msg, made, received=admitted.received)
 
     def _may_run(self, workspace: str) -> bool:

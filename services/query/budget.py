@@ -68,7 +68,7 @@ def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) 
     budget_bytes = max_tokens * BYTES_PER_TOKEN
     limit = min(budget_bytes, max_payload_bytes)
     fitted = _with_meta(response, budget=_report(max_tokens))
-    if len(_encoded(_steady(fitted))) + VARYING_META_BYTES > limit:
+    if len(_encoded(_steady(fitted))) + VARYING_META_BYTES > limit or len(_encoded(fitted)) > limit:
         if max_payload_bytes < budget_bytes:
             response = _with_meta(response, degraded=[*response.meta.degraded, "replySize"])
         fitted = _cut_steadily(response, limit, max_tokens)

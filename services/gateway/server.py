@@ -35,7 +35,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ontofabric.contracts import ErrorReply, QueryError
+from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.contracts.query import validation_details
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
@@ -929,6 +929,9 @@ def invalid_here(spec: ToolSpec, arguments: dict[str, Any], request: bytes) -> t
     """The tool error naming what the contract refuses in ``request``, when no worker could be asked to say so (an
     install tester's: an argument that can never pass was answered "unavailable, try again"); None for a valid one.
     What a worker's settings decide (a query's length) is the worker's to say."""
+    if len(request) > MAX_REQUEST_BYTES:  # not parsed here either, as no worker parses it (a review's)
+        too_large = RequestTooLarge(len(request), MAX_REQUEST_BYTES)
+        return tool_error(f"error invalid_request: the arguments are too large\n- request: {too_large}")
     try:
         spec.request.model_validate_json(request, by_name=False)
     except ValidationError as error:

@@ -234,7 +234,8 @@ def up(
 ) -> None:
     """Start embedded servers (unless URLs are set), the projector and a query worker; run until Ctrl-C/SIGTERM.
     With --no-projector --no-query-worker: the servers alone, for workers run as processes of their own."""
-    settings = _settings("ontofabric-up", data_dir, worker=True)
+    # Without workers it serves no metrics: the port is theirs (a review's: the projector beside it failed to start).
+    settings = _settings("ontofabric-up", data_dir, worker=with_projector or with_query_worker)
     try:
         with EmbeddedRuntime(settings) as runtime:
             assert runtime.endpoints is not None

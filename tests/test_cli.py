@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import migrate
+from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment
@@ -128,13 +129,26 @@ def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> No
     assert "embedded server ended: nats" in stderr.decode()
 
 
+def _ingest_geometry(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``ontofabric ingest`` of a tree of one file, one function, into workspace geo."""
+    source = tmp_path / "src"
+    source.mkdir(exist_ok=True)
+    (source / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
+    return subprocess.run(
+        [ONTOFABRIC, "ingest", str(source), "--workspace", "geo"], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> None:
     """A rolling-restart tester's: `up` always ran a projector, which became the active one, so restarting or failing
     over the projector took the servers down with it."""
     data_dir = tmp_path / "data"
     env = _env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none")
-    up = _start_up(env, data_dir, "--no-projector", "--no-query-worker")
+    # The workers' metrics port: `up` without workers leaves it to them (a review's).
+    metered = {**env, "ONTOFABRIC_METRICS_PORT": str(free_port())}
+    up = _start_up(metered, data_dir, "--no-projector", "--no-query-worker")
     workers: list[subprocess.Popen[bytes]] = []
 
     def query() -> subprocess.CompletedProcess[str]:
@@ -147,22 +161,24 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
         alone = query()
         assert alone.returncode != 0
         assert "no answer from a query worker" in " ".join(alone.stderr.split()), alone.stderr
-        for command in ("projector", "query-worker"):
-            workers.append(subprocess.Popen([ONTOFABRIC, command], env=env, stderr=subprocess.DEVNULL))
-        source = tmp_path / "src"
-        source.mkdir()
-        (source / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
-        ingest = subprocess.run(
-            [ONTOFABRIC, "ingest", str(source), "--workspace", "geo"], env=env, capture_output=True, text=True,
-            timeout=120, check=False,
-        )  # fmt: skip
+        # The query worker first: it waits for the streams a projector makes (it stopped with a traceback).
+        for command, its_env in (("query-worker", env), ("projector", metered)):
+            workers.append(subprocess.Popen([ONTOFABRIC, command], env=its_env, stderr=subprocess.DEVNULL))
+            time.sleep(3 if command == "query-worker" else 0)
+        for _ in range(60):  # until the projector has made the streams
+            ingest = _ingest_geometry(tmp_path, env)
+            if "does not exist" not in ingest.stderr:
+                break
+            time.sleep(1)
         assert ingest.returncode == 0, ingest.stderr
         for _ in range(100):  # the worker may still be starting, then learns the version through its KV watch
             answered = query()
             if answered.returncode == 0 and json.loads(answered.stdout)["results"]:
                 break
             time.sleep(0.3)
+        assert answered.returncode == 0, answered.stderr
         assert json.loads(answered.stdout)["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
+        assert [worker.poll() for worker in workers] == [None, None]
     finally:
         for worker in workers:
             worker.terminate()
@@ -238,13 +254,7 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     outputs: list[str] = []
     up = _start_up(env, data_dir)
     try:
-        source = tmp_path / "src"
-        source.mkdir()
-        (source / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
-        ingest = subprocess.run(
-            [ONTOFABRIC, "ingest", str(source), "--workspace", "geo"], env=env, capture_output=True, text=True,
-            timeout=120, check=False,
-        )  # fmt: skip
+        ingest = _ingest_geometry(tmp_path, env)
         assert ingest.returncode == 0, ingest.stderr
         outputs += [ingest.stdout, ingest.stderr]
         assert "2 upserts" in ingest.stdout

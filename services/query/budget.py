@@ -68,12 +68,14 @@ def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) 
     budget_bytes = max_tokens * BYTES_PER_TOKEN
     limit = min(budget_bytes, max_payload_bytes)
     fitted = _with_meta(response, budget=_report(max_tokens))
-    if len(_encoded(_steady(fitted))) + VARYING_META_BYTES > limit or len(_encoded(fitted)) > limit:
+    size = len(_encoded(fitted))  # measured once: every reply passes here
+    if size > limit or len(_encoded(_steady(fitted))) + VARYING_META_BYTES > limit:
         if max_payload_bytes < budget_bytes:
             response = _with_meta(response, degraded=[*response.meta.degraded, "replySize"])
         fitted = _cut_steadily(response, limit, max_tokens)
+        size = len(_encoded(fitted))
     assert fitted.meta.budget is not None
-    tokens = math.ceil(len(_encoded(fitted)) / BYTES_PER_TOKEN)  # of the reply as measured: a few bytes over
+    tokens = math.ceil(size / BYTES_PER_TOKEN)  # of the reply as measured: a few bytes over
     return _encoded(_with_meta(fitted, budget=fitted.meta.budget.model_copy(update={"estimated_tokens": tokens})))
 
 

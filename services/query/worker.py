@@ -654,7 +654,7 @@ class QueryService:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
             paced = self._wait_of(displaced.workspace)
             await self._reply_once(
-                displaced, lambda: error_reply("overloaded", busy, retryable=True, retry_after_s=paced)
+                displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)
             )
 
     def _timed_as(self, msg: Msg, workspace: str) -> str:
@@ -730,7 +730,7 @@ class QueryService:
 
     async def _refuse_late(self, admitted: Admitted) -> None:
         short = self._timeout_too_short(admitted.deadline)
-        await self._reply_once(admitted, lambda: admitted.refused_late(asyncio.get_running_loop().time(), short))
+        await self._reply_once(admitted, partial(admitted.refused_late, asyncio.get_running_loop().time(), short))
 
     async def _refuse_waited(self, admitted: Admitted, *, runner_free: bool = False) -> None:
         """``runner_free``: a runner took it just past its wait, so one is free now and no wait is stated; else the
@@ -740,7 +740,8 @@ class QueryService:
         limit = self.settings.query_unstated_max_wait_ms
         retry_after_s = 0.0 if runner_free else self._wait_of(admitted.workspace)
         await self._reply_once(
-            admitted, lambda: error_reply("overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s)
+            admitted,
+            partial(error_reply, "overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s),
         )
 
     async def _reply_once(self, admitted: Admitted, body: bytes | Callable[[], bytes]) -> None:
@@ -807,7 +808,7 @@ class QueryService:
             short = self._timeout_too_short(deadline)
             await self._reply_once(
                 admitted,
-                lambda: error_reply("overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced),
+                partial(error_reply, "overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced),
             )
             return None
         admitted.taken_at = loop.time()

@@ -788,7 +788,7 @@ async def test_an_http_call_its_client_cancels_is_answered_at_once_and_not_sent_
             assert (await as_alice.post(url, json=cancel(2))).status_code == 202
             answered = await asyncio.wait_for(cancelled, 2)  # not after the 4 s timeout
             assert answered.json() == {
-                "jsonrpc": "2.0", "id": 2, "error": {"code": -32600, "message": "cancelled by its client"}
+                "jsonrpc": "2.0", "id": 2, "error": {"code": -32800, "message": "cancelled by its client"}
             }  # fmt: skip
             answer = await staying
         assert answer.json()["result"]["isError"] is True  # no answer within 4 s, said within them

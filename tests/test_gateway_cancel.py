@@ -90,7 +90,7 @@ def _cancel(request_id: int) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request_id}}
 
 
-CANCELLED = {"code": -32600, "message": "cancelled by its client"}
+CANCELLED = {"code": -32800, "message": "cancelled by its client"}
 
 
 async def _timed(work: Any) -> tuple[Any, float]:

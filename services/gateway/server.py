@@ -21,6 +21,7 @@ import mcp_types as types
 import uvicorn
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
+from mcp.server.streamable_http import REQUEST_CANCELLED
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
@@ -37,8 +38,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
-from ontofabric.contracts.query import validation_details
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
+from ontofabric.services.query.requests import read_request
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
@@ -826,7 +827,9 @@ class CancelledWithClient:
             # The client has gone, or cancelled the call: nobody reads an answer, but a connection still open needs
             # one.
             if call in self._cancelled and not started:
-                error = {"code": types.INVALID_REQUEST, "message": "cancelled by its client"}
+                # The code the SDK's own HTTP transport answers a cancelled request with (LSP's RequestCancelled):
+                # the request was valid, so not INVALID_REQUEST, as this said until a tester's note.
+                error = {"code": REQUEST_CANCELLED, "message": "cancelled by its client"}
                 await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
                 reply = {"jsonrpc": "2.0", "id": None if key is None else key[2], "error": error}
                 await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
@@ -932,13 +935,9 @@ def invalid_here(spec: ToolSpec, arguments: dict[str, Any], request: bytes) -> t
     if len(request) > MAX_REQUEST_BYTES:  # not parsed here either, as no worker parses it (a review's)
         too_large = RequestTooLarge(len(request), MAX_REQUEST_BYTES)
         return tool_error(f"error invalid_request: the arguments are too large\n- request: {too_large}")
-    try:
-        spec.request.model_validate_json(request, by_name=False)
-    except ValidationError as error:
-        details = validation_details(error.errors(include_url=False, include_input=False))
-        message = f"the request does not match {spec.request.__name__}"
-        refused = ErrorReply(error=QueryError(code="invalid_request", message=message, details=details))
-        return tool_error(render_error(restated(spec, arguments, refused)))
+    refused = read_request(spec.request, request)
+    if isinstance(refused, QueryError):
+        return tool_error(render_error(restated(spec, arguments, ErrorReply(error=refused))))
     return None
 
 

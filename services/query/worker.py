@@ -32,7 +32,6 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import (
     CLOCK_ALLOWANCE_MS,
-    MAX_REQUEST_BYTES,
     RECEIPT_HEADER,
     RECEIVED,
     SENT_AT_HEADER,
@@ -45,7 +44,7 @@ from ontofabric.contracts import (
     StatusRequest,
 )
 from ontofabric.contracts.documents import WORKSPACE
-from ontofabric.contracts.query import ErrorCode, clipped, validation_details
+from ontofabric.contracts.query import ErrorCode
 from ontofabric.shared.azure_search import search_client
 from ontofabric.shared.db import (
     READER_ROLE,
@@ -58,7 +57,6 @@ from ontofabric.shared.db import (
 )
 from ontofabric.shared.discovery import Announcement, Endpoint, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
-from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import (
     ANY_SUBJECT,
     PermissionDenied,
@@ -95,6 +93,7 @@ from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
+from .requests import read_request
 from .retrievers import build_retrievers
 from .stages import unused_fusion_parameter
 from .turns import ahead_in_turn, displaced_by, runners_per_workspace, runners_serving
@@ -209,19 +208,9 @@ Request = TypeVar("Request", OntologyQuery, DocumentRequest, StatusRequest)
 
 def parse_body(model: type[Request], body: bytes, workspace: str) -> Request | bytes:
     """The validated request, or the error reply to send instead."""
-    if len(body) > MAX_REQUEST_BYTES:
-        return error_reply(
-            "invalid_request",
-            f"the request is {len(body):,} bytes; a request takes at most {MAX_REQUEST_BYTES:,}",
-            [ErrorDetail(field=None, message=f"at most {MAX_REQUEST_BYTES:,} bytes")],
-        )
-    try:
-        request = model.model_validate_json(body, by_name=False)  # the wire names only, as the schema says
-    except ValidationError as error:
-        problems = error.errors(include_url=False, include_input=False)
-        field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in problems) else None
-        details = [ErrorDetail(field=clipped(field), message=HALF_CHARACTER)] if field else validation_details(problems)
-        return error_reply("invalid_request", f"the request does not match {model.__name__}", details)
+    request = read_request(model, body)
+    if isinstance(request, QueryError):
+        return error_reply(request.code, request.message, request.details)
     if request.workspace is not None and request.workspace != workspace:
         return error_reply(
             "invalid_request",

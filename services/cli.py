@@ -96,6 +96,7 @@ from .ops.dead_letters import (
 from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
+from .projector.consumer import REFUSED_BY_EVERY_PROCESS
 from .render import RichProgress, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
@@ -236,6 +237,12 @@ def up(
     With --no-projector --no-query-worker: the servers alone, for workers run as processes of their own."""
     # Without workers it serves no metrics: the port is theirs (a review's: the projector beside it failed to start).
     settings = _settings("ontofabric-up", data_dir, worker=with_projector or with_query_worker)
+    if not (with_projector or with_query_worker) and settings.nats_url and settings.database_url:
+        # A tester's: with both servers elsewhere it started nothing and sat there as if it served.
+        _fail(
+            "nothing to run: --no-projector --no-query-worker runs the embedded servers alone, and "
+            "ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL name servers of their own"
+        )
     try:
         with EmbeddedRuntime(settings) as runtime:
             assert runtime.endpoints is not None
@@ -860,6 +867,14 @@ def dlq_redrive(
         _list_letters(letters)
         if not letters:
             return Redrive()
+        refused_as_sent = Counter(letter.reason for letter in letters if letter.reason in REFUSED_BY_EVERY_PROCESS)
+        if refused_as_sent:  # an operator tester's: re-driven without a word, and set aside again at once
+            errors.print(
+                f"{refused_as_sent.total()} of them ({', '.join(sorted(refused_as_sent))}) were refused for what "
+                "their delta holds, whatever a projector's settings: re-driven, the same bytes are set aside again "
+                "unless the projectors read the contract differently since (an upgrade). Publish a corrected delta "
+                "from its producer instead, and purge these."
+            )
         _confirm(f"re-drive {len(letters)}:", selection, yes)
         placement = Placement.of(settings, endpoints.database_url)
         if force:

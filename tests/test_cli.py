@@ -179,6 +179,13 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
         assert answered.returncode == 0, answered.stderr
         assert json.loads(answered.stdout)["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
         assert [worker.poll() for worker in workers] == [None, None]
+        # One projector answers: `up` ran none of its own (else a second one stood by beside the process's).
+        status = subprocess.run(
+            [ONTOFABRIC, "status", "--json"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert status.returncode == 0, status.stderr
+        found = json.loads(status.stdout)
+        assert (len(found["projectors"]), len(found["query_workers"])) == (1, 1), found
     finally:
         for worker in workers:
             worker.terminate()
@@ -186,6 +193,20 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
         os.killpg(up.pid, signal.SIGTERM)
         up.wait(timeout=60)
     assert up.returncode == 0
+
+
+def test_up_with_nothing_to_run_is_refused(tmp_path: Path) -> None:
+    """Both servers elsewhere and neither worker: `up` would start nothing and wait as if it served."""
+    env = _env(
+        ONTOFABRIC_DATA_DIR=str(tmp_path / "data"), ONTOFABRIC_NATS_URL="nats://127.0.0.1:1",
+        ONTOFABRIC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none",
+    )  # fmt: skip
+    refused = subprocess.run(
+        [ONTOFABRIC, "up", "--no-projector", "--no-query-worker"], env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "nothing to run" in refused.stderr
 
 
 def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) -> None:

@@ -227,7 +227,19 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     redriven = dlq("redrive", str(entry["seq"]), "--yes")
     assert redriven.returncode == 0, redriven.stderr
     assert "re-drove 1" in redriven.stderr
+    assert "refused for what their delta holds" not in redriven.stderr  # a content limit is a setting's
     assert dlq("list", "--json").stdout.strip() == ""  # the projector is not running: nothing dead-lettered again
+    # One refused for what it holds is re-driven as asked, with a word that it will be set aside again.
+    as_set_aside = {
+        "Ontofabric-Reason": "invalid_schema",
+        "Ontofabric-Original-Subject": deployment.names.delta_subject("acme", "main"),
+    }
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), b"{}", headers=as_set_aside)
+    hopeless = dlq("redrive", "--yes", "--force")  # --force: the re-drive above is not projected yet
+    assert hopeless.returncode == 0, hopeless.stderr
+    said = " ".join(hopeless.stderr.split())
+    assert "1 of them (invalid_schema) were refused for what their delta holds" in said
+    assert "re-drove 1" in said
     # A body nested deeper than a JSON parser goes is shown as it is, and re-driven as it is.
     deep = b"[" * 5000 + b"]" * 5000
     await deployment.js.publish(deployment.names.dlq_subject("acme"), deep, headers={"Ontofabric-Reason": "x"})

@@ -4,6 +4,7 @@ projector and Azure tests.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -288,6 +289,53 @@ async def test_a_workspace_whose_deltas_fail_since_before_a_start_shows_its_lag(
     projection = DurableProjection(runner, None, Names(), "restarted", dead_letters_invalid=False)  # type: ignore[arg-type]
     await projection.handle([_delivery(40, _valid(40).data, delivered=3)])  # sent back: the database is away
     assert projection.state.workspaces.lags() == {"acme": 40}
+
+
+async def test_a_consumers_gauges_are_left_out_while_jetstream_cannot_tell_its_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An operator tester's: with NATS away the lag gauges kept their last value, 0, as if all were caught up."""
+    clock = [1000.0]
+    answers: list[bool] = [True, False, False, False, False, True]
+
+    class Watched:
+        async def consumer_info(self, stream: str, durable: str) -> Any:
+            if not answers.pop(0):
+                raise TimeoutError("no answer")
+            info = {"num_pending": 7, "num_ack_pending": 2, "ack_floor": {"stream_seq": 3}}
+            return json.loads(json.dumps(info), object_hook=lambda d: type("Info", (), d))
+
+    seen: list[tuple[list[int], dict[str, int]]] = []
+
+    def gauges() -> tuple[list[int], dict[str, int]]:
+        lag = [int(o.value) for o in consumer._per_consumer(lambda s: s.undelivered)(None) if o.attributes
+               and o.attributes["consumer"] == "unread"]  # fmt: skip
+        workspaces = {
+            str(o.attributes["workspace"]): int(o.value)
+            for o in consumer._observe_workspace_lag(None)  # type: ignore[arg-type]
+            if o.attributes and o.attributes["workspace"] == "unread-ws"
+        }
+        return lag, workspaces
+
+    async def one_watch_period(_: float) -> None:
+        seen.append(gauges())
+        clock[0] += consumer.WATCH_EVERY_S
+        if not answers:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(consumer.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(consumer.asyncio, "sleep", one_watch_period)
+    projection = DurableProjection(
+        ProjectionRunner(ScriptedSink(), LIMITS), None, Names(), "unread", dead_letters_invalid=False
+    )  # type: ignore[arg-type]
+    projection.state.workspaces.published("unread-ws", 9)
+    with pytest.raises(asyncio.CancelledError):
+        await consumer._watch_consumer(Watched(), Names(), projection)  # type: ignore[arg-type]
+    seen.append(gauges())
+    told, unknown = ([7], {"unread-ws": 6}), ([], {})
+    # Read; unread for 0, 5 and 10 s (the last values kept through a passing failure), then for 15 s (left out);
+    # read again.
+    assert seen == [told, told, told, told, unknown, told, told]
 
 
 @dataclass

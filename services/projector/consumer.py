@@ -158,6 +158,10 @@ class SentBack:
         return len(self._events)
 
 
+UNKNOWN_AFTER_S = 3 * WATCH_EVERY_S
+"""How long a consumer's state may go unread before its gauges are left out, rather than report a last value."""
+
+
 @dataclass
 class ConsumerState:
     """What the gauges report for one (index, consumer)."""
@@ -165,6 +169,13 @@ class ConsumerState:
     undelivered: int = 0
     unacked: int = 0
     workspaces: WorkspaceLag = field(default_factory=WorkspaceLag)
+    unread_since: float | None = None
+    """Since when (monotonic) JetStream has not told this consumer's state; None while it does."""
+
+    def known(self, now: float) -> bool:
+        """Whether the gauges may report it: while NATS is away its lag is not known, and a last value (0 after a
+        quiet spell) read as all caught up (an operator tester's; the discovery alerts said NATS was away)."""
+        return self.unread_since is None or now - self.unread_since < UNKNOWN_AFTER_S
 
 
 _WATCHED: dict[tuple[str, str], ConsumerState] = {}
@@ -174,18 +185,22 @@ _STREAMS: dict[str, tuple[int, int]] = {}
 
 def _per_consumer(value: Callable[[ConsumerState], int]) -> Callable[[CallbackOptions], list[Observation]]:
     def observe(_: CallbackOptions) -> list[Observation]:
+        now = time.monotonic()
         return [
             Observation(value(state), {"index": index, "consumer": consumer})
             for (index, consumer), state in _WATCHED.items()
+            if state.known(now)
         ]
 
     return observe
 
 
 def _observe_workspace_lag(_: CallbackOptions) -> list[Observation]:
+    now = time.monotonic()
     return [
         Observation(lag, {"index": index, "workspace": workspace})
         for (index, _consumer), state in _WATCHED.items()
+        if state.known(now)
         for workspace, lag in state.workspaces.lags().items()
     ]
 
@@ -562,9 +577,12 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
     while True:
         try:
             info = await js.consumer_info(names.delta_stream, projection.durable)
-        except Exception as error:  # JetStream away for a moment: the gauges keep their last values
+        except Exception as error:  # JetStream away: the gauges keep their last values a while (ConsumerState.known)
             log.debug("consumer_watch_failed", consumer=projection.durable, error=describe(error))
+            if state.unread_since is None:
+                state.unread_since = time.monotonic()
         else:
+            state.unread_since = None
             state.undelivered = info.num_pending or 0
             state.unacked = info.num_ack_pending or 0
             if info.ack_floor is not None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
+from typing import TypeVar
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
@@ -13,7 +15,7 @@ from pgvector.asyncpg import register_vector
 
 from .logging import describe, get_logger
 from .priority import lower_session_priority
-from .settings import Settings
+from .settings import Settings, redacted_url
 
 log = get_logger(__name__)
 
@@ -107,6 +109,31 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
             await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
     finally:
         await conn.close()
+
+
+T = TypeVar("T")
+
+DATABASE_RETRY_S = 1.0
+"""How often a worker starting tries its database again while it cannot serve (away, starting, out of slots)."""
+
+
+async def once_the_database_serves(database_url: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    """``attempt()``, tried again every DATABASE_RETRY_S while it fails because the database cannot serve now
+    (:func:`is_unavailable`: away, starting up, every connection slot taken), as a worker waits for its NATS
+    server; anything else (a wrong password, no such database) is raised at once. A fault tester's: a worker or
+    projector started while PostgreSQL refused new connections ("too many clients") ended with a traceback, and
+    under a supervisor would have restarted in a loop. Each new reason is logged once."""
+    said = None
+    while True:
+        try:
+            return await attempt()
+        except Exception as error:
+            if not is_unavailable(error):
+                raise
+            if describe(error) != said:
+                said = describe(error)
+                log.warning("waiting_for_database", database=redacted_url(database_url), error=said)
+        await asyncio.sleep(DATABASE_RETRY_S)
 
 
 async def wait_until_migrated(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from urllib.parse import urlsplit
 
@@ -17,8 +18,10 @@ from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse
 from ontofabric.services.query.freshness import POSITION_TTL_S
 from ontofabric.services.query.rerankers import build_reranker
 from ontofabric.services.query.worker import QueryService, parse_request
+from ontofabric.shared import db
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.runtime import free_port
 
 from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points
 from .factories import document, upsert
@@ -706,3 +709,76 @@ async def test_no_secret_reaches_a_reply_a_span_or_a_log(
     ]
     assert len(SPANS.get_finished_spans()) > 3
     assert [secret for secret in secrets if any(secret in output for output in outputs)] == []
+
+
+async def _forward(port: int, target: tuple[str, int]) -> asyncio.Server:
+    """A TCP listener on ``port`` that passes each connection on to ``target``: the database, once it serves."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*target)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    return await asyncio.start_server(serve, "127.0.0.1", port)
+
+
+async def test_workers_started_while_their_database_cannot_serve_wait_for_it(
+    deployment: Deployment, embedder: Embedder, client: QueryClient
+) -> None:
+    """A fault tester's: a query worker and a projector started while PostgreSQL refused connections (every slot
+    taken) ended with a traceback. Here nothing listens at the database's address until a few seconds on."""
+    real = urlsplit(deployment.database_url)
+    assert real.hostname is not None
+    assert real.port is not None
+    port = free_port()
+    login = real.netloc.rsplit("@", 1)[0] + "@" if "@" in real.netloc else ""
+    later = real._replace(netloc=f"{login}127.0.0.1:{port}").geturl()
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), later)
+    worker = QueryService(deployment.settings, deployment.nats_url_as("query"), later, embedder)
+    starting = [asyncio.ensure_future(projector.start()), asyncio.ensure_future(worker.start())]
+    server = None
+    try:
+        await asyncio.sleep(3)
+        assert [task.done() for task in starting] == [False, False]  # waiting, not ended
+        server = await _forward(port, (real.hostname, real.port))
+        await asyncio.wait_for(asyncio.gather(*starting), 60)
+        (ack,) = await deployment.publisher.publish_many(
+            [upsert("acme", document("late", "a database that came late"))]
+        )
+        await deployment.wait_projected(ack.seq)
+        reply = await _ask(client, "a database that came late", topK=1)
+        assert reply.results[0].id == "late"
+    finally:
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
+        await worker.stop()
+        await projector.stop()
+        if server is not None:
+            server.close()
+
+
+async def test_a_starting_worker_waits_while_every_slot_is_taken_and_not_for_a_wrong_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the fault tester met ("too many clients") is waited out; a refusal that stays (a wrong password) is
+    said at once."""
+    monkeypatch.setattr(db, "DATABASE_RETRY_S", 0.01)
+    failures: list[Exception] = [asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already")] * 3
+
+    async def attempt() -> str:
+        if failures:
+            raise failures.pop()
+        return "pool"
+
+    assert await db.once_the_database_serves("postgresql://u:secret@h/d", attempt) == "pool"
+    failures.append(asyncpg.exceptions.InvalidPasswordError("password authentication failed"))
+    with pytest.raises(asyncpg.exceptions.InvalidPasswordError):
+        await db.once_the_database_serves("postgresql://u:secret@h/d", attempt)

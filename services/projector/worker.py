@@ -21,7 +21,14 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from ontofabric.shared.azure_search import index_client, index_definition, read_watermark, search_client
-from ontofabric.shared.db import WRITER_ROLE, create_pool, migrate, stalled_after_s, wait_until_migrated
+from ontofabric.shared.db import (
+    WRITER_ROLE,
+    create_pool,
+    migrate,
+    once_the_database_serves,
+    stalled_after_s,
+    wait_until_migrated,
+)
 from ontofabric.shared.discovery import (
     INSTANCE,
     Announcement,
@@ -150,7 +157,8 @@ class ProjectorService:
         for index in self._partitions:
             database = placement.database_of_partition(index)
             if database not in self._pools:
-                self._pools[database] = await self._writer_pool(placement.databases[database])
+                url = placement.databases[database]
+                self._pools[database] = await once_the_database_serves(url, functools.partial(self._writer_pool, url))
         # Beside projection, not before it: a diagnostic must neither hold up nor fail a start.
         self._analysis_report = asyncio.create_task(self._report_another_analysis(placement), name="analysis-report")
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings, wait_for_server=True)

@@ -52,6 +52,7 @@ from ontofabric.shared.db import (
     index_model,
     is_unavailable,
     migrate,
+    once_the_database_serves,
     stalled_after_s,
     wait_until_migrated,
 )
@@ -419,7 +420,9 @@ class QueryService:
         stalled_s = stalled_after_s(settings)
         placement = Placement.of(settings, self._database_url)
         for database_url in placement.databases:
-            self._pools.append(await self._reader_pool(database_url, stalled_s))
+            self._pools.append(
+                await once_the_database_serves(database_url, partial(self._reader_pool, database_url, stalled_s))
+            )
         for replica_url in self._replica_urls:
             self._replica_pools.append(await self._reader_pool(replica_url, stalled_s, replica=True))
         nc = self._nc = await connect(

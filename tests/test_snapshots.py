@@ -15,7 +15,7 @@ from ontofabric.services.projector.planning import Delta
 from ontofabric.services.projector.store import PostgresProjectionStore
 from ontofabric.services.query.core import Scope, SearchInput
 from ontofabric.services.query.postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
-from ontofabric.shared.db import create_pool, migrate
+from ontofabric.shared.db import create_pool, is_unavailable, migrate
 
 from .conftest import Deployment
 from .factories import document, unit_vector, upsert
@@ -156,3 +156,26 @@ async def test_a_read_cancelled_twice_still_ends_its_transaction(reads: Reads) -
     assert reported == []
     assert await reads.pool.fetchval(IDLE_IN_TRANSACTION) == 0
     assert set((await reads.documents.fetch(SCOPE, ["a"])).documents) == {"a"}
+
+
+async def test_a_read_whose_backend_is_terminated_fails_with_its_own_error(reads: Reads) -> None:
+    """Not with the one its clean-up met: asyncpg's pool takes a connection its server ended back at once, and
+    every call on it raises then, the clean-up's ``is_closed()`` too (a fault tester's log said "released back to
+    the pool" for reads that had failed for the server's reason)."""
+
+    async def read_after_its_backend_ended() -> None:
+        async with reads.snapshots.read(SCOPE, alone=True) as snapshot:
+            terminated = await reads.pool.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND state LIKE 'idle in transaction%'"
+            )
+            assert terminated == 1
+            await asyncio.sleep(0.2)  # asyncpg has heard of it
+            await snapshot.conn.fetchval("SELECT 1")
+
+    # Which error the statement meets depends on when asyncpg hears of the end.
+    with pytest.raises(Exception) as failed:  # noqa: PT011
+        await read_after_its_backend_ended()
+    assert "is_closed" not in str(failed.value)
+    assert is_unavailable(failed.value)  # answered `unavailable`, retryable
+    assert set((await reads.documents.fetch(SCOPE, ["a"])).documents) == {"a"}  # a new connection serves

@@ -298,8 +298,18 @@ async def _read_only_transaction(conn: Connection) -> AsyncIterator[None]:
     finally:
         # Whatever happened: cancelled while the LOCK waited, the transaction is open though no answer came back
         # to say so (outside one, ROLLBACK only warns).
-        if not conn.is_closed():
+        if not _gone(conn):
             await _whole(conn.execute("ROLLBACK"))
+
+
+def _gone(conn: Connection) -> bool:
+    """Whether the connection is closed. One its server ended (a backend terminated) asyncpg's pool takes back at
+    once, and every call on it then raises, ``is_closed()`` too: that error replaced the read's own, and the
+    worker logged "released back to the pool" instead of why the read failed (a fault tester's)."""
+    try:
+        return conn.is_closed()
+    except asyncpg.InterfaceError:
+        return True
 
 
 T = TypeVar("T")

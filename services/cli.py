@@ -1142,7 +1142,7 @@ def eval_command(
     """Load a BEIR dataset through the real path and report nDCG@10, Recall@10/@100, MRR@10 and latency, and each
     hybrid configuration's margin over the stronger retriever with a 95 % paired-bootstrap interval. With
     --baseline, it is also a quality gate."""
-    from .ops.beir import DatasetError, load_beir, sample_dataset
+    from .ops.beir import DatasetError, judged_outside, load_beir, sample_dataset
     from .ops.eval_report import render_table
     from .ops.evaluation import CONFIGS, evaluate
 
@@ -1170,6 +1170,12 @@ def eval_command(
         dataset = load_beir(dataset_dir, split)
     except DatasetError as error:
         _fail(str(error))
+    if outside := judged_outside(dataset):
+        query, doc = outside[0]
+        errors.print(
+            f"warning: {len(outside)} judgments name documents corpus.jsonl does not hold (e.g. {query!r} → "
+            f"{doc!r}): each counts as a relevant document never found, as trec_eval and BEIR count it"
+        )
     if sample_queries is not None:
         dataset = sample_dataset(dataset, sample_queries, sample_documents, seed)
     reference = _baseline_for(baseline, dataset.name, dataset.split, "draw the same sample")

@@ -10,7 +10,7 @@ import pytest
 
 from ontofabric.contracts import FoundBy, QueryMeta, QueryResponse, SearchResult
 from ontofabric.contracts.query import LateInteractionReport
-from ontofabric.services.ops.beir import BeirDataset, DatasetError, load_beir, write_beir
+from ontofabric.services.ops.beir import BeirDataset, DatasetError, judged_outside, load_beir, write_beir
 from ontofabric.services.ops.eval_report import run_file_scores, write_trec_run
 from ontofabric.services.ops.evaluation import CONFIGS, evaluate, hybrid_margins
 from ontofabric.services.ops.measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin
@@ -68,6 +68,43 @@ def test_dataset_errors_are_clear(tmp_path: Path) -> None:
     (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n1\t7\t1.5\n")
     with pytest.raises(DatasetError, match=r"test\.tsv:2: score '1\.5' is no integer"):
         load_beir(root, "test")
+
+
+def test_qrels_in_the_shapes_real_sets_have_are_read_and_others_named(tmp_path: Path) -> None:
+    """An evaluation tester's: a row separated by spaces was dropped without a word (its query gone, the numbers
+    wrong); a byte order mark or a file without the header line was refused, the first with a misleading message."""
+    corpus = [{"_id": "7", "title": "", "text": "t"}, {"_id": "8", "title": "", "text": "u"}]
+    root = _write_dataset(tmp_path, corpus, {"1": "x", "2": "y"}, [("1", "7")])
+    qrels, queries = root / "qrels" / "test.tsv", root / "queries.jsonl"
+    expected = {"1": {"7": 1, "8": 0}, "2": {"8": 2}}
+    for shape in (
+        "query-id\tcorpus-id\tscore\n1\t7\t1\n1 8 0\n2\t8\t2\t\n",  # spaces on one line, a trailing tab
+        "\ufeffquery-id\tcorpus-id\tscore\r\n1\t7\t1\r\n1\t8\t0\r\n2\t8\t2\r\n\r\n",  # BOM, CRLF, a blank end
+        "1\t7\t1\n1\t8\t0\n2\t8\t2\n",  # no header line
+        "1 0 7 1\n1 0 8 0\n2 0 8 2\n",  # TREC's four columns
+    ):
+        qrels.write_text(shape, encoding="utf-8")
+        assert load_beir(root, "test").qrels == expected, shape
+    queries.write_text('\ufeff{"_id": "1", "text": "x"}\n{"_id": "2", "text": "y"}\n', encoding="utf-8")
+    assert load_beir(root, "test").queries == {"1": "x", "2": "y"}
+    for shape, error in (
+        ("1\t7\n", r"test\.tsv:1: expected query-id, corpus-id and score"),
+        ("1\t7\t1\n1\t7\t0\n", r"test\.tsv:2: '1' and '7' are judged twice, 1 and 0"),
+        ("query-id\tcorpus-id\tscore\n", r"judges no document relevant"),
+        ("1\t7\t0\n", r"judges no document relevant"),
+    ):
+        qrels.write_text(shape, encoding="utf-8")
+        with pytest.raises(DatasetError, match=error):
+            load_beir(root, "test")
+    qrels.write_text("1\t7\t1\n1\t7\t1\n1\tgone\t1\n", encoding="utf-8")  # the same judgment twice is one
+    dataset = load_beir(root, "test")
+    assert dataset.qrels == {"1": {"7": 1, "gone": 1}}
+    assert judged_outside(dataset) == [("1", "gone")]
+    queries.write_text('{"_id": "1", "text": "x"}\n{"_id": "1", "text": "another"}\n', encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"query id '1' is repeated with another text"):
+        load_beir(root, "test")
+    with pytest.raises(DatasetError, match=r"the splits here: test"):
+        load_beir(root, "dev")
 
 
 def _answer(found: list[tuple[str, float, float]], late_interaction: bool) -> QueryResponse:

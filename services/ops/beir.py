@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import random
 from dataclasses import dataclass, replace
@@ -28,32 +27,77 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
     qrels_file = directory / "qrels" / f"{split}.tsv"
     for required in (corpus_file, queries_file, qrels_file):
         if not required.is_file():
-            raise DatasetError(f"{required} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv)")
+            splits = sorted(path.stem for path in (directory / "qrels").glob("*.tsv"))
+            there = f"; the splits here: {', '.join(splits)}" if required == qrels_file and splits else ""
+            raise DatasetError(
+                f"{required} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv){there}"
+            )
     corpus = _read_entries(corpus_file)
-    queries = {q["_id"]: q["text"] for q in _read_entries(queries_file)}
-    qrels: dict[str, dict[str, int]] = {}
-    with qrels_file.open(encoding="utf-8") as rows:
-        reader = csv.reader(rows, delimiter="\t")
-        header = next(reader, None)
-        if header is None or header[:2] != ["query-id", "corpus-id"]:
-            raise DatasetError(f"{qrels_file} must start with the header 'query-id corpus-id score'")
-        for row in reader:
-            if len(row) >= 3:
-                try:
-                    qrels.setdefault(row[0], {})[row[1]] = int(row[2])
-                except ValueError:
-                    raise DatasetError(f"{qrels_file}:{reader.line_num}: score {row[2]!r} is no integer") from None
+    queries: dict[str, str] = {}
+    for query in _read_entries(queries_file):
+        if queries.setdefault(query["_id"], query["text"]) != query["text"]:
+            raise DatasetError(f"{queries_file}: query id {query['_id']!r} is repeated with another text")
+    qrels = _read_qrels(qrels_file)
     unknown = [q for q in qrels if q not in queries]
     if unknown:
-        raise DatasetError(f"{len(unknown)} judged queries are not in queries.jsonl, e.g. {unknown[0]!r}")
+        raise DatasetError(
+            f"{len(unknown)} queries judged in {qrels_file} are not in queries.jsonl, e.g. {unknown[0]!r}"
+        )
+    if not any(score > 0 for judged in qrels.values() for score in judged.values()):
+        raise DatasetError(f"{qrels_file} judges no document relevant (a score above 0): nothing to measure")
     return BeirDataset(directory.name, split, corpus, queries, qrels)
+
+
+QRELS_HEADER = ["query-id", "corpus-id", "score"]
+
+
+def _read_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """query id -> document id -> score, from BEIR's tab-separated ``query-id corpus-id score`` (the header line
+    optional), or TREC's ``query-id iteration corpus-id score``; fields split by tabs, or by spaces where a line has
+    no tabs. A line of another shape, a score that is no integer, or a pair judged twice with different scores is a
+    DatasetError naming the line: such a line was once dropped without a word, and the numbers came out wrong."""
+    qrels: dict[str, dict[str, int]] = {}
+    with path.open(encoding="utf-8-sig") as lines:  # -sig: a byte order mark is no part of the header
+        for number, line in enumerate(lines, start=1):
+            fields = line.rstrip("\r\n").split("\t") if "\t" in line else line.split()
+            fields = [field.strip() for field in fields]
+            while fields and not fields[-1]:  # a trailing tab
+                fields.pop()
+            if not fields:
+                continue
+            if number == 1 and fields[:2] == QRELS_HEADER[:2]:
+                continue
+            if len(fields) == 4:  # TREC: query, iteration (unused), document, score
+                fields = [fields[0], fields[2], fields[3]]
+            if len(fields) != 3 or not all(fields):
+                raise DatasetError(
+                    f"{path}:{number}: expected query-id, corpus-id and score separated by tabs, got {line.strip()!r}"
+                )
+            query, doc, score_text = fields
+            try:
+                score = int(score_text)
+            except ValueError:
+                raise DatasetError(f"{path}:{number}: score {score_text!r} is no integer") from None
+            judged = qrels.setdefault(query, {})
+            if judged.setdefault(doc, score) != score:
+                raise DatasetError(
+                    f"{path}:{number}: {query!r} and {doc!r} are judged twice, {judged[doc]} and {score}"
+                )
+    return qrels
+
+
+def judged_outside(dataset: BeirDataset) -> list[tuple[str, str]]:
+    """The (query, document) judgments of documents the corpus does not hold: they count against the measures
+    (as trec_eval and BEIR count them), so a typo in a hand-made qrels file lowers every figure."""
+    held = {entry["_id"] for entry in dataset.corpus}
+    return [(q, d) for q, docs in dataset.qrels.items() for d in docs if d not in held]
 
 
 def _read_entries(path: Path) -> list[dict[str, str]]:
     """The ``_id``, ``title`` and ``text`` of each JSON line, as text: some BEIR-layout writers emit numeric ids
     (qrels ids are always text) or null titles. A line that is no object with an ``_id`` is a DatasetError."""
     entries = []
-    with path.open(encoding="utf-8") as lines:
+    with path.open(encoding="utf-8-sig") as lines:  # -sig: a byte order mark is no part of the first line
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue

@@ -99,7 +99,8 @@ class ManifestStore:
             return None
         except NoRespondersError:
             raise NotSetUp(
-                f"the bucket {bucket} does not exist: start a projector (`ontofabric up`) once to create the streams"
+                f"the bucket {bucket} does not exist: start a projector once to create the streams (`ontofabric up`, "
+                "or `ontofabric projector` beside `up --no-projector`)"
             ) from None
 
     async def _get(self, key: str) -> bytes | None:

@@ -473,7 +473,8 @@ class Settings(BaseSettings):
     keyword_backend: Literal["postgres", "azure-ai-search"] = Field(
         default="postgres",
         description="Where the query worker's keyword path searches: `postgres` (BM25 over postings) or "
-        "`azure-ai-search` (needs azure_search_endpoint); callers see the same contract, `_meta.backend` says which.",
+        "`azure-ai-search` (needs azure_search_endpoint); callers see the same contract, `_meta.backend` (and the "
+        "metrics' `backend` label) says which: `postgres-bm25` or `azure-ai-search`.",
     )
 
     # --- reranking -------------------------------------------------------------------------------

@@ -178,7 +178,8 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
         waited = f"{row.oldest_pending_ms / 1000:.1f} s" if row.oldest_pending_ms is not None else "-"
         branches.add_row(
             escape(row.workspace), escape(row.branch), row.ontology_version if row.announced_at else "none yet",
-            str(row.latest_seq or "-"),
+            # None once announced: compacted away (or past the stream's age); "-" read as nothing published.
+            str(row.latest_seq) if row.latest_seq else "not in stream" if row.announced_at else "-",
             str(row.position), str(row.pending_deltas), waited,
         )  # fmt: skip
     console.print(branches)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from rich.console import Console
 
 from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops import status as status_module
@@ -18,6 +19,7 @@ from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.render import render_status
 from ontofabric.shared.discovery import INSTANCE
 from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.placement import Placement
@@ -158,6 +160,12 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     assert [c.name for c in status.consumers] == [names.postgres_projector_durable]
     report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
     assert (report.covers, report.held_back_by) == (later.seq, None)
+    # The branch's deltas are in its snapshot now: "-" read as nothing ever published (a docs tester's).
+    (compacted,) = (await deployment_status(deployment.nc, names, placement)).branches
+    assert compacted.latest_seq is None
+    shown = Console(record=True, width=200)
+    render_status(shown, await deployment_status(deployment.nc, names, placement))
+    assert "not in stream" in shown.export_text()
 
 
 async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unreachable_database_is_named(

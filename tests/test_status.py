@@ -217,6 +217,11 @@ async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unr
     (reason,) = unread.unread
     assert "127.0.0.1:9" in reason
     assert "secret" not in reason  # the URL's password is not shown
+    # Said first, as a problem: the positions below are missing (a fault tester's, every connection slot taken).
+    problems = (await deployment_status(deployment.nc, deployment.names, nowhere)).problems
+    assert [p for p in problems if "could not be read" in p] == [
+        f"a database could not be read ({reason}): its index positions and counts are missing"
+    ]
 
 
 async def test_a_database_that_never_answers_costs_status_its_wait_and_no_more(

@@ -189,6 +189,8 @@ async def deployment_status(
     status.projectors, status.query_workers, status.analysis = await asyncio.gather(
         discover(nc, names.projector_service), discover(nc, names.query_service), analysis_status(placement, workspace)
     )
+    for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
+        status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
 
 

@@ -11,7 +11,7 @@ import pytest
 from ontofabric.contracts import FoundBy, QueryMeta, QueryResponse, SearchResult
 from ontofabric.contracts.query import LateInteractionReport
 from ontofabric.services.ops.beir import BeirDataset, DatasetError, judged_outside, load_beir, write_beir
-from ontofabric.services.ops.eval_report import run_file_scores, write_trec_run
+from ontofabric.services.ops.eval_report import run_file_scores, run_file_stem, write_trec_run
 from ontofabric.services.ops.evaluation import CONFIGS, evaluate, hybrid_margins
 from ontofabric.services.ops.measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin
 from ontofabric.shared.onnx_models import embedder_name
@@ -129,6 +129,9 @@ def test_a_run_file_keeps_the_order_that_was_judged(tmp_path: Path) -> None:
     assert run_file_scores(reordered.results, reordered.meta, single_retriever=True) == {"b": 2.0, "a": 1.0}
     as_found = _answer([("a", 0.9, 0.52), ("b", 0.7, 0.41)], late_interaction=False)
     assert run_file_scores(as_found.results, as_found.meta, single_retriever=True) == {"a": 0.52, "b": 0.41}
+    assert run_file_stem("scifact-train[60 queries, 1500 documents, seed 0]") == (
+        "scifact-train-60-queries-1500-documents-seed-0"
+    )
     write_trec_run(tmp_path / "x.run", {"q": {"b": 0.5, "a": 0.5, "c": 0.7}}, "tag")
     lines = (tmp_path / "x.run").read_text().splitlines()
     assert [line.split()[2:4] for line in lines] == [["b", "1"], ["a", "2"], ["c", "3"]]  # as given, not re-sorted

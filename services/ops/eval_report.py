@@ -3,6 +3,7 @@ calibration; as a table, as JSON, and as TREC run files."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -122,6 +123,12 @@ def run_file_scores(results: Sequence[SearchResult], meta: QueryMeta, single_ret
         r.id: r.found_by[0].score if own and len(r.found_by) == 1 else float(len(results) - n)
         for n, r in enumerate(results)
     }
+
+
+def run_file_stem(dataset: str) -> str:
+    """A dataset's name as a run file's name begins: a sample's name (``scifact[60 queries, ...]``) held spaces,
+    commas and brackets, awkward to hand to trec_eval or a shell (an evaluation tester's)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", dataset).strip("-") or "dataset"
 
 
 def write_trec_run(path: Path, run: dict[str, dict[str, float]], tag: str) -> None:

@@ -43,7 +43,7 @@ from ontofabric.shared.subjects import Names
 
 from .beir import BeirDataset, document_text
 from .calibrate import Point
-from .eval_report import ConfigResult, EvalReport, retrieval_setup, run_file_scores, write_trec_run
+from .eval_report import ConfigResult, EvalReport, retrieval_setup, run_file_scores, run_file_stem, write_trec_run
 from .measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin, per_query_ndcg, percentile
 
 DEPTH = 100  # results per query: Recall@100 needs a hundred
@@ -264,7 +264,7 @@ class Evaluation:
         result.latency_p95_ms = percentile(latencies, 0.95)
         result.stages_p50_ms = {stage: round(percentile(times, 0.5), 2) for stage, times in stages.items()}
         if runs_dir is not None:
-            write_trec_run(runs_dir / f"{dataset.name}.{config}.run", raw, config)
+            write_trec_run(runs_dir / f"{run_file_stem(dataset.name)}.{config}.run", raw, config)
         return result, run
 
 

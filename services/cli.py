@@ -1407,8 +1407,10 @@ def rebuild(
         raise typer.Exit(130) from None
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
+    # After a compaction most rows come from the snapshot: "0 deltas replayed, 972 changed a row" read as a puzzle.
+    restored = f"{report.restored} from its snapshot and " if report.restored else ""
     console.print(
-        f"rebuilt {workspace!r}: {report.replayed} deltas replayed in {report.replay_s:.1f}s{resumed}, "
+        f"rebuilt {workspace!r}: {restored}{report.replayed} deltas replayed in {report.replay_s:.1f}s{resumed}, "
         f"{report.changed} changed a row, rejected: {rejected}; {report.rows} rows verified against the stream; "
         f"swapped in holding the projectors off for {report.swap_lock_s * 1000:.0f} ms "
         f"and queries for {report.parents_lock_s * 1000:.0f} ms",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -13,6 +14,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 from pgvector.asyncpg import register_vector
 
+from .jetstream import backoff_s
 from .logging import describe, get_logger
 from .priority import lower_session_priority
 from .settings import Settings, redacted_url
@@ -113,27 +115,38 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
 
 T = TypeVar("T")
 
-DATABASE_RETRY_S = 1.0
-"""How often a worker starting tries its database again while it cannot serve (away, starting, out of slots)."""
+DATABASE_RETRY_FIRST_S, DATABASE_RETRY_CAP_S = 0.5, 5.0
+"""How often a worker starting tries its database again while it cannot serve: half a second, then twice that, ...
+at most every 5 s (a server out of connection slots is not asked a hundred times a minute)."""
+DATABASE_WAIT_SAID_EVERY_S = 30.0
+"""How often a worker still waiting says so again: a host name mistyped looks like a database not up yet."""
+
+
+def _misconfigured(error: BaseException) -> bool:
+    """A failure to connect that waiting cannot mend: the URL or its TLS files are wrong (a review's: a mistyped
+    scheme, ``sslmode`` or certificate path kept a worker waiting for ever)."""
+    return isinstance(error, asyncpg.ClientConfigurationError | FileNotFoundError | PermissionError | ssl.SSLError)
 
 
 async def once_the_database_serves(database_url: str, attempt: Callable[[], Awaitable[T]]) -> T:
-    """``attempt()``, tried again every DATABASE_RETRY_S while it fails because the database cannot serve now
+    """``attempt()`` on ``database_url``, tried again while it fails because the database cannot serve now
     (:func:`is_unavailable`: away, starting up, every connection slot taken), as a worker waits for its NATS
-    server; anything else (a wrong password, no such database) is raised at once. A fault tester's: a worker or
-    projector started while PostgreSQL refused new connections ("too many clients") ended with a traceback, and
-    under a supervisor would have restarted in a loop. Each new reason is logged once."""
-    said = None
+    server; anything else (a wrong password, no such database, a URL or TLS setting that cannot work) is raised at
+    once. A fault tester's: a worker or projector started while PostgreSQL refused new connections ("too many
+    clients") ended with a traceback, and under a supervisor would have restarted in a loop."""
+    loop = asyncio.get_running_loop()
+    said, said_at, attempts = None, -DATABASE_WAIT_SAID_EVERY_S, 0
     while True:
         try:
             return await attempt()
         except Exception as error:
-            if not is_unavailable(error):
+            if not is_unavailable(error) or _misconfigured(error):
                 raise
-            if describe(error) != said:
-                said = describe(error)
-                log.warning("waiting_for_database", database=redacted_url(database_url), error=said)
-        await asyncio.sleep(DATABASE_RETRY_S)
+            attempts += 1
+            if describe(error) != said or loop.time() - said_at >= DATABASE_WAIT_SAID_EVERY_S:
+                said, said_at = describe(error), loop.time()
+                log.warning("database_not_serving", database=redacted_url(database_url), error=said, attempts=attempts)
+        await asyncio.sleep(backoff_s(attempts, DATABASE_RETRY_FIRST_S, DATABASE_RETRY_CAP_S))
 
 
 async def wait_until_migrated(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from functools import partial
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -770,7 +771,7 @@ async def test_a_starting_worker_waits_while_every_slot_is_taken_and_not_for_a_w
 ) -> None:
     """What the fault tester met ("too many clients") is waited out; a refusal that stays (a wrong password) is
     said at once."""
-    monkeypatch.setattr(db, "DATABASE_RETRY_S", 0.01)
+    monkeypatch.setattr(db, "DATABASE_RETRY_FIRST_S", 0.01)
     failures: list[Exception] = [asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already")] * 3
 
     async def attempt() -> str:
@@ -782,3 +783,10 @@ async def test_a_starting_worker_waits_while_every_slot_is_taken_and_not_for_a_w
     failures.append(asyncpg.exceptions.InvalidPasswordError("password authentication failed"))
     with pytest.raises(asyncpg.exceptions.InvalidPasswordError):
         await db.once_the_database_serves("postgresql://u:secret@h/d", attempt)
+    # Nor for settings that cannot work, which asyncpg raises as errors a database away would raise too (a review's:
+    # they kept a worker waiting for ever).
+    for unusable in ("postgres-sql://u@127.0.0.1:1/d", "postgresql://u@127.0.0.1:1/d?sslmode=verify_full",
+                     "postgresql://u@127.0.0.1:1/d?sslmode=verify-full&sslrootcert=/no/such/root.crt"):  # fmt: skip
+        with pytest.raises((asyncpg.ClientConfigurationError, OSError)) as raised:
+            await asyncio.wait_for(db.once_the_database_serves(unusable, partial(asyncpg.connect, unusable)), 10)
+        assert not isinstance(raised.value, TimeoutError), unusable  # raised, not waited on until cut

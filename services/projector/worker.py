@@ -157,8 +157,7 @@ class ProjectorService:
         for index in self._partitions:
             database = placement.database_of_partition(index)
             if database not in self._pools:
-                url = placement.databases[database]
-                self._pools[database] = await once_the_database_serves(url, functools.partial(self._writer_pool, url))
+                self._pools[database] = await self._writer_pool(placement.databases[database])
         # Beside projection, not before it: a diagnostic must neither hold up nor fail a start.
         self._analysis_report = asyncio.create_task(self._report_another_analysis(placement), name="analysis-report")
         nc = self._nc = await connect(self._nats_url, "ontofabric-projector", settings, wait_for_server=True)
@@ -547,15 +546,19 @@ class ProjectorService:
         through a login of that role only)."""
         settings = self.settings
         own_login = settings.projector_database_url is not None and not settings.partition_database_urls()
+        # Each step waits while its database cannot serve yet (every connection slot taken, not up yet).
         if not own_login:
-            await migrate(database_url, settings)
+            await once_the_database_serves(database_url, functools.partial(migrate, database_url, settings))
         writer_url = settings.projector_database_url if own_login else database_url
         assert writer_url is not None
-        await wait_until_migrated(writer_url, settings, role=WRITER_ROLE)
+        await once_the_database_serves(
+            writer_url, functools.partial(wait_until_migrated, writer_url, settings, role=WRITER_ROLE)
+        )
         # Each consumer writes on a connection of its own. A statement unanswered past the server's own limit is
         # given up (its batch goes back to the consumer, its connection is replaced): a connection whose path lost
         # its state never hears back, and held the consumer's batch, and its deltas, for good.
-        return await create_pool(
+        pool = functools.partial(
+            create_pool,
             writer_url,
             settings,
             max_size=max(10, 2 * len(self._partitions)),
@@ -563,6 +566,7 @@ class ProjectorService:
             command_timeout_s=stalled_after_s(settings),
             idle_in_transaction_s=IDLE_IN_TRANSACTION_S,
         )
+        return await once_the_database_serves(writer_url, pool)
 
     async def stop(self) -> None:
         for task in (self._holding, self._analysis_report):

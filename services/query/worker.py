@@ -420,9 +420,7 @@ class QueryService:
         stalled_s = stalled_after_s(settings)
         placement = Placement.of(settings, self._database_url)
         for database_url in placement.databases:
-            self._pools.append(
-                await once_the_database_serves(database_url, partial(self._reader_pool, database_url, stalled_s))
-            )
+            self._pools.append(await self._reader_pool(database_url, stalled_s))
         for replica_url in self._replica_urls:
             self._replica_pools.append(await self._reader_pool(replica_url, stalled_s, replica=True))
         nc = self._nc = await connect(
@@ -931,13 +929,14 @@ class QueryService:
         """A pool acting as the reader role, whatever the URL's own rights: no query path can write. A replica's
         connects on first use: one that is down is passed over by the reads, not fatal here."""
         settings, url = self.settings, database_url
-        if not replica:
+        if not replica:  # each step waits while its database cannot serve yet (every slot taken, not up yet)
             if settings.query_database_url is not None and not settings.partition_database_urls():
                 url = settings.query_database_url  # a login of the reader role only: it waits for a migrator
             else:
-                await migrate(database_url, settings)
-            await wait_until_migrated(url, settings)
-        return await create_pool(
+                await once_the_database_serves(database_url, partial(migrate, database_url, settings))
+            await once_the_database_serves(url, partial(wait_until_migrated, url, settings))
+        pool = partial(
+            create_pool,
             url,
             settings,
             min_size=0 if replica else 2,
@@ -947,6 +946,7 @@ class QueryService:
             keep_session=True,  # reads only: transactions and SET LOCAL
             niceness=settings.query_niceness,
         )
+        return await (pool() if replica else once_the_database_serves(url, pool))
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """No new requests; those already received are answered (for up to ``timeout_s``), the rest cancelled,

@@ -82,6 +82,8 @@ def test_qrels_in_the_shapes_real_sets_have_are_read_and_others_named(tmp_path: 
         "\ufeffquery-id\tcorpus-id\tscore\r\n1\t7\t1\r\n1\t8\t0\r\n2\t8\t2\r\n\r\n",  # BOM, CRLF, a blank end
         "1\t7\t1\n1\t8\t0\n2\t8\t2\n",  # no header line
         "1 0 7 1\n1 0 8 0\n2 0 8 2\n",  # TREC's four columns
+        "query-id\tcorpus-id\tscore\titeration\n1\t7\t1\t0\n1\t8\t0\t0\n2\t8\t2\t0\n",  # an extra column
+        'query-id\tcorpus-id\tscore\n"1"\t"7"\t1\n1\t8\t0\n2\t8\t2\n',  # quoted, as csv writes a field
     ):
         qrels.write_text(shape, encoding="utf-8")
         assert load_beir(root, "test").qrels == expected, shape
@@ -92,6 +94,8 @@ def test_qrels_in_the_shapes_real_sets_have_are_read_and_others_named(tmp_path: 
         ("1\t7\t1\n1\t7\t0\n", r"test\.tsv:2: '1' and '7' are judged twice, 1 and 0"),
         ("query-id\tcorpus-id\tscore\n", r"judges no document relevant"),
         ("1\t7\t0\n", r"judges no document relevant"),
+        ("q 1 7 1\n", r"test\.tsv:1: expected query-id, corpus-id and score"),  # an id with a space: not TREC's
+        ("query_id\tdoc_id\trelevance\n1\t7\t1\n", r"test\.tsv:1: score 'relevance' is no integer \(a header"),
     ):
         qrels.write_text(shape, encoding="utf-8")
         with pytest.raises(DatasetError, match=error):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from dataclasses import dataclass, replace
@@ -49,41 +50,60 @@ def load_beir(directory: Path, split: str) -> BeirDataset:
 
 
 QRELS_HEADER = ["query-id", "corpus-id", "score"]
+TREC_ITERATIONS = ("0", "Q0")
 
 
 def _read_qrels(path: Path) -> dict[str, dict[str, int]]:
-    """query id -> document id -> score, from BEIR's tab-separated ``query-id corpus-id score`` (the header line
-    optional), or TREC's ``query-id iteration corpus-id score``; fields split by tabs, or by spaces where a line has
-    no tabs. A line of another shape, a score that is no integer, or a pair judged twice with different scores is a
-    DatasetError naming the line: such a line was once dropped without a word, and the numbers came out wrong."""
+    """query id -> document id -> score. BEIR writes ``query-id corpus-id score`` with tabs under that header line,
+    and is read as BEIR reads it (its first three columns); without the header, three columns are read as BEIR's
+    and four as TREC's ``query-id iteration corpus-id score`` when the iteration is 0 or Q0. A line with no tab is
+    split at spaces. A line of another shape, a score that is no integer, or a pair judged twice with different
+    scores is a DatasetError naming the line: such a line was once dropped without a word, and the numbers came
+    out wrong (an evaluation tester's)."""
     qrels: dict[str, dict[str, int]] = {}
-    with path.open(encoding="utf-8-sig") as lines:  # -sig: a byte order mark is no part of the header
+    headed: bool | None = None  # decided by the first line that holds anything
+    with path.open(encoding="utf-8-sig", newline="") as lines:  # -sig: a byte order mark is no part of the header
         for number, line in enumerate(lines, start=1):
-            fields = line.rstrip("\r\n").split("\t") if "\t" in line else line.split()
-            fields = [field.strip() for field in fields]
-            while fields and not fields[-1]:  # a trailing tab
-                fields.pop()
+            fields = _qrels_fields(line)
             if not fields:
                 continue
-            if number == 1 and fields[:2] == QRELS_HEADER[:2]:
-                continue
-            if len(fields) == 4:  # TREC: query, iteration (unused), document, score
+            first = headed is None
+            if first:
+                headed = fields[:2] == QRELS_HEADER[:2]
+                if headed:
+                    continue
+            if headed:
+                fields = fields[:3]
+            elif len(fields) == 4 and fields[1] in TREC_ITERATIONS:
                 fields = [fields[0], fields[2], fields[3]]
-            if len(fields) != 3 or not all(fields):
+            if len(fields) != 3:
                 raise DatasetError(
-                    f"{path}:{number}: expected query-id, corpus-id and score separated by tabs, got {line.strip()!r}"
+                    f"{path}:{number}: expected query-id, corpus-id and score (or TREC's four columns, with no header "
+                    f"line), got {line.strip()!r}"
                 )
             query, doc, score_text = fields
             try:
                 score = int(score_text)
             except ValueError:
-                raise DatasetError(f"{path}:{number}: score {score_text!r} is no integer") from None
+                header = " (a header line must be 'query-id corpus-id score')" if first else ""
+                raise DatasetError(f"{path}:{number}: score {score_text!r} is no integer{header}") from None
             judged = qrels.setdefault(query, {})
             if judged.setdefault(doc, score) != score:
                 raise DatasetError(
                     f"{path}:{number}: {query!r} and {doc!r} are judged twice, {judged[doc]} and {score}"
                 )
     return qrels
+
+
+def _qrels_fields(line: str) -> list[str]:
+    """A qrels line's fields: tab-separated as BEIR writes them (quoted where a field needs it), else split at
+    spaces; trailing empty fields (a trailing tab) dropped."""
+    text = line.rstrip("\r\n")
+    fields = next(csv.reader([text], delimiter="\t")) if "\t" in text else text.split()
+    fields = [field.strip() for field in fields]
+    while fields and not fields[-1]:
+        fields.pop()
+    return fields
 
 
 def judged_outside(dataset: BeirDataset) -> list[tuple[str, str]]:

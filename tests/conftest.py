@@ -560,3 +560,12 @@ async def start_query_worker(deployment: Deployment) -> AsyncIterator[Start]:
     yield start
     for service in started:
         await service.stop()
+
+
+async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    """Pass what ``source`` reads on to ``sink`` until it ends, then close ``sink``: one direction of a TCP path."""
+    with contextlib.suppress(ConnectionError):
+        while data := await source.read(65536):
+            sink.write(data)
+            await sink.drain()
+    sink.close()

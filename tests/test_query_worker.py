@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from functools import partial
 from urllib.parse import urlsplit
@@ -24,7 +23,7 @@ from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.runtime import free_port
 
-from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points
+from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
 from .factories import document, upsert
 
 
@@ -717,15 +716,7 @@ async def _forward(port: int, target: tuple[str, int]) -> asyncio.Server:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(*target)
-
-        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await source.read(65536):
-                    sink.write(data)
-                    await sink.drain()
-            sink.close()
-
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+        await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
 
     return await asyncio.start_server(serve, "127.0.0.1", port)
 

@@ -29,7 +29,7 @@ from ontofabric.shared.runtime import (
 )
 from ontofabric.shared.settings import Settings
 
-from .conftest import spawn_nats
+from .conftest import pump, spawn_nats
 
 pytestmark = pytest.mark.slow  # starts servers of its own
 
@@ -197,13 +197,6 @@ async def _tls_in_front_of(port: int, pki: Pki) -> AsyncIterator[int]:
     certificate, and passes the bytes on once the client is satisfied)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(str(pki.server_cert), str(pki.server_key))
-
-    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await source.read(65536):
-                sink.write(data)
-                await sink.drain()
-        sink.close()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await reader.readexactly(8)

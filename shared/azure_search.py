@@ -75,10 +75,12 @@ def index_client(settings: Settings, retries: int) -> SearchIndexClient:
     return SearchIndexClient(endpoint, credential, retry_total=retries)
 
 
-def search_client(settings: Settings, retries: int) -> SearchClient:
-    """A client of the configured index's documents; ``retries``: the SDK's own, of a failed call."""
+def search_client(settings: Settings, retries: int, read_timeout_s: float | None = None) -> SearchClient:
+    """A client of the configured index's documents; ``retries``: the SDK's own, of a failed call;
+    ``read_timeout_s``: how long a call waits for the service to send anything (None: the SDK's 300 s)."""
     endpoint, credential = _service(settings)
-    return SearchClient(endpoint, settings.azure_search_index, credential, retry_total=retries)
+    timeouts = {} if read_timeout_s is None else {"read_timeout": read_timeout_s}
+    return SearchClient(endpoint, settings.azure_search_index, credential, retry_total=retries, **timeouts)
 
 
 async def read_watermark(client: SearchClient) -> int | None:

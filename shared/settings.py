@@ -468,7 +468,10 @@ class Settings(BaseSettings):
         description="Index the Azure projector writes and the azure-ai-search keyword backend reads.",
     )
     azure_search_timeout_ms: int = Field(
-        default=1500, ge=1, description="Per-call limit of a keyword search on Azure; a slower one degrades."
+        default=1500,
+        ge=1,
+        description="Limit of a keyword search on Azure, its two calls together (the index's watermark, read first "
+        "so the search sees at least what it vouches for, then the search); a slower one degrades.",
     )
     keyword_backend: Literal["postgres", "azure-ai-search"] = Field(
         default="postgres",

@@ -379,6 +379,10 @@ class AzureSearchServer:
         self.api_key = api_key
         self.endpoint = ""
         self.delay_s = 0.0  # added to every request, before any injected failure
+        self.hanging = False
+        """While True, a request is taken in and never answered (until the server stops): a connection lost
+        without a reset."""
+        self._stopping = asyncio.Event()
         self.requests: Counter[str] = Counter()  # by route name; failed and retried attempts count too
         # (route or None for any, requests of that route to let through first, status, Retry-After seconds)
         self._failures: deque[tuple[str | None, int, int, float | None]] = deque()
@@ -414,6 +418,7 @@ class AzureSearchServer:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self._stopping.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -428,6 +433,9 @@ class AzureSearchServer:
                 raise ODataError(405 if matches else 404, f"No route for {request.method} {request.path}")
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            if self.hanging:
+                await self._stopping.wait()
+                raise ODataError(503, "The server is stopping.")
             if self._failures and self._failures[0][0] in (None, route):
                 target, let_through, status, retry_after = self._failures.popleft()
                 if let_through:

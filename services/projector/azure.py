@@ -56,6 +56,10 @@ MIN_RETRY_S = 2.0
 """Shortest wait before a nak'd batch comes back: past the service's refresh of what searches see."""
 RETRIES = 2
 """The SDK's own retries of a failed call (429 with Retry-After, 5xx) before the batch is nak'd for later."""
+READ_TIMEOUT_S = 30.0
+"""How long the projector's calls wait for the service to send anything before the connection counts as lost
+(and the call is retried): the SDK's default, 300 s, held a batch that long, three times over with its retries,
+on a connection nothing answered on (an Azure path tester's), with no word said."""
 
 # Statuses of a refused item that a later try can succeed with (throttling, the service busy or failing).
 _TRANSIENT_STATUSES = frozenset({409, 422, 429, 500, 502, 503, 504})
@@ -149,12 +153,18 @@ def tombstone(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class EntriesThrottled(Exception):
+    """Some entries of a batch were answered with a status a later try can get past (a 207 whose items say 429 or
+    503): the batch goes back, as for a throttled request."""
+
+
 def is_transient(error: BaseException) -> bool:
     """A failure a later try can get past: the connection, a timeout, throttling or a 5xx. A 4xx says the request
     itself is wrong (a bad key, a missing index) and is not retried as if it were the data's fault either."""
     if isinstance(error, HttpResponseError) and error.status_code is not None:
         return error.status_code in _TRANSIENT_STATUSES
-    return isinstance(error, ServiceRequestError | ServiceResponseError | asyncio.TimeoutError | OSError)
+    transient = (EntriesThrottled, ServiceRequestError, ServiceResponseError, asyncio.TimeoutError, OSError)
+    return isinstance(error, transient)
 
 
 class AzureSearchIndex:
@@ -228,7 +238,8 @@ class AzureSink:
         refused = await self._index.upload([entry for _, entry in plan.entries])
         retry = {key for key, (status, _) in refused.items() if status in _TRANSIENT_STATUSES}
         if retry:
-            raise HttpResponseError(message=f"{len(retry)} entries throttled, e.g. {refused[next(iter(retry))]}")
+            # Not an error someone must look at (logged as one until an Azure path tester's): the service is busy.
+            raise EntriesThrottled(f"{len(retry)} entries throttled, e.g. {refused[next(iter(retry))]}")
         # A refused document must not stay searchable in an older version: a tombstone at its sequence.
         if await self._index.upload([tombstone(entry) for _, entry in plan.entries if entry["key"] in refused]):
             raise HttpResponseError(message="the tombstones of refused entries were refused too")

@@ -48,6 +48,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition, encode_token, partition_of_token
 from ontofabric.shared.tasks import cancel_and_wait
 
+from . import azure as azure_sink
 from .azure import (
     MAX_KEYS_PER_LOOKUP,
     MIN_RETRY_S,
@@ -611,7 +612,8 @@ class AzureProjectorService:
 
     async def _start(self) -> None:
         settings, names = self.settings, self.names
-        indexes, documents = self._clients = index_client(settings, RETRIES), search_client(settings, RETRIES)
+        documents = search_client(settings, RETRIES, read_timeout_s=azure_sink.READ_TIMEOUT_S)
+        indexes, _ = self._clients = index_client(settings, RETRIES), documents
         try:
             await indexes.create_or_update_index(index_definition(settings.azure_search_index))
         except AzureError as error:

@@ -158,7 +158,9 @@ class Settings(BaseSettings):
         "on every worker before the change, and they serve whichever model the index holds.",
     )
     next_embedding_model_path: Path | None = Field(
-        default=None, description="Local directory of the next model (required with it)."
+        default=None,
+        description="Local directory of the next model (required with it): a sentence-transformers model with its "
+        "weights, as documents are embedded (the extra `rerank`'s ONNX-only model cannot be one).",
     )
     next_embedding_dim: int | None = Field(
         default=None, ge=1, le=16000, description="Vector dimension of the next model (required with it)."

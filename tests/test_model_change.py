@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -398,6 +399,24 @@ async def test_an_unfinished_change_is_discarded_and_the_index_keeps_its_model(
     rows = await deployment.fetch("SELECT DISTINCT embedding_model FROM documents WHERE NOT deleted")
     assert [r["embedding_model"] for r in rows] == [CURRENT]
     assert not await job.discard()
+
+
+async def test_a_next_model_that_cannot_load_is_refused_before_anything_changes(
+    deployment: Deployment, projector: ProjectorService, next_model: Path, tmp_path: Path
+) -> None:
+    """A model tester's: another dimension than the model makes, or a directory without weights, ended in a
+    traceback naming the live model's setting, with the change left begun (columns added, the deployment row set),
+    and every later change refused until --discard."""
+    wrong_dimension = _changing(deployment.settings, next_model).model_copy(update={"next_embedding_dim": 300})
+    (tmp_path / "config.json").write_text("{}")
+    no_weights = _changing(deployment.settings, tmp_path)
+    for settings, said in ((wrong_dimension, "(ONTOFABRIC_NEXT_EMBEDDING_DIM)"), (no_weights, "cannot be loaded")):
+        job = ModelChange(settings, deployment.nats_url, deployment.database_url, RecordedProgress(), force=True)
+        with pytest.raises(ChangeRefused, match=re.escape(said)):
+            await job.run()
+        assert await _next_columns(deployment) == []
+        rows = await deployment.fetch("SELECT embedding_model, next_embedding_model FROM deployment")
+        assert tuple(rows[0]) == (CURRENT, None)
 
 
 def test_an_ingester_on_a_model_whose_tokens_are_wider_than_its_vectors_sends_no_token_signs(

@@ -36,7 +36,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from ontofabric.services.projector.versions import VersionPublisher, announce_records
 from ontofabric.shared.db import migrations
 from ontofabric.shared.discovery import discover
-from ontofabric.shared.embedder import Embedder, embedding_text, load_embedder
+from ontofabric.shared.embedder import Embedder, EmbedderMismatch, ModelMissing, embedding_text, load_embedder
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect
 from ontofabric.shared.late_interaction import pack_signs
@@ -191,6 +191,7 @@ class ModelChange:
         if planned is None:  # no change under way: whatever columns an earlier one left are stale
             await self._drop_columns(conn, _LEFTOVERS)
         await self._check_workers()
+        await self._model()  # before anything is written: a model that cannot load leaves no change half begun
         await self._add_columns(conn)
         started = time.perf_counter()
         for _ in range(FILL_ROUNDS):  # until what the projectors rewrote meanwhile is little enough for the swap
@@ -328,7 +329,16 @@ class ModelChange:
 
     async def _model(self) -> Embedder:
         if self._embedder is None:
-            self._embedder = await asyncio.to_thread(load_embedder, self._next, False)  # documents only
+            try:
+                self._embedder = await asyncio.to_thread(load_embedder, self._next, False)  # documents only
+            except (EmbedderMismatch, ModelMissing, OSError, ValueError) as error:
+                # A model tester's: a traceback naming the live dimension's setting, and the change left begun.
+                said = str(error).replace("(ONTOFABRIC_EMBEDDING_DIM)", "(ONTOFABRIC_NEXT_EMBEDDING_DIM)")
+                raise ChangeRefused(
+                    f"the next model cannot be loaded: {said} (ONTOFABRIC_NEXT_EMBEDDING_MODEL_PATH must hold a "
+                    "sentence-transformers model with its weights, ONTOFABRIC_NEXT_EMBEDDING_DIM its dimension); "
+                    "nothing was changed"
+                ) from error
         return self._embedder
 
     async def _embed_stale(self, conn: asyncpg.Connection, stage: str, *, held: bool = False) -> int:

@@ -176,10 +176,12 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     )
     for row in status.branches:
         waited = f"{row.oldest_pending_ms / 1000:.1f} s" if row.oldest_pending_ms is not None else "-"
+        latest = str(row.latest_seq) if row.latest_seq else "-"
+        if not row.latest_seq and row.announced_at:  # compacted away (or past the stream's age): "-" read as none
+            latest = "not in stream"
         branches.add_row(
             escape(row.workspace), escape(row.branch), row.ontology_version if row.announced_at else "none yet",
-            # None once announced: compacted away (or past the stream's age); "-" read as nothing published.
-            str(row.latest_seq) if row.latest_seq else "not in stream" if row.announced_at else "-",
+            latest,
             str(row.position), str(row.pending_deltas), waited,
         )  # fmt: skip
     console.print(branches)

@@ -161,10 +161,11 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
     assert (report.covers, report.held_back_by) == (later.seq, None)
     # The branch's deltas are in its snapshot now: "-" read as nothing ever published (a docs tester's).
-    (compacted,) = (await deployment_status(deployment.nc, names, placement)).branches
+    status = await deployment_status(deployment.nc, names, placement)
+    (compacted,) = status.branches
     assert compacted.latest_seq is None
     shown = Console(record=True, width=200)
-    render_status(shown, await deployment_status(deployment.nc, names, placement))
+    render_status(shown, status)
     assert "not in stream" in shown.export_text()
 
 

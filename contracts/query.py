@@ -480,6 +480,12 @@ class QueryMeta(WireModel):
     second_opinion: SecondOpinionReport | None = Field(
         default=None, description="The second embedding model's opinion; null when it did not run."
     )
+    embedding_model: str | None = Field(
+        default=None,
+        description="The embedding model the query was embedded by (dense search and late interaction compare it only "
+        "with what that model embedded; during a model change, the model the index held); null when the query was "
+        "not embedded.",
+    )
     distance_metric: DistanceMetricReport | None = Field(
         default=None, description="The distance dense search ranked by; null when dense search did not run."
     )

@@ -153,6 +153,7 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
         assert before.results[0].id == "sort"
         assert before.meta.hybrid
         assert served.model_name == CURRENT
+        assert before.meta.embedding_model == CURRENT  # note 70: no answer said which model embedded it
 
         answers: Counter[str] = Counter()
         stop = asyncio.Event()
@@ -216,6 +217,7 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
         assert after.results[0].id == "sort"
         assert after.meta.hybrid
         assert served.model_name == NEXT
+        assert after.meta.embedding_model == NEXT
 
         # An ingester still on the old model: the projector embeds its document again by the new one.
         text = "Rotate the log files every night and keep a week of them."
@@ -377,6 +379,10 @@ async def test_a_second_change_goes_back_past_what_the_first_left(
             "SELECT DISTINCT embedding_model, vector_dims(embedding) AS dims FROM documents WHERE NOT deleted"
         )
         assert [tuple(r) for r in documents] == [(CURRENT, 384)]
+        # The 256-dimensional model made no token signs; going back to MiniLM makes them again (a model tester's:
+        # late interaction stayed off until every document was ingested again).
+        unsigned = await deployment.fetch("SELECT id FROM documents WHERE NOT deleted AND token_signs IS NULL")
+        assert unsigned == []
         rows = await deployment.fetch("SELECT embedding_model, previous_embedding_models FROM deployment")
         assert tuple(rows[0]) == (CURRENT, [NEXT])
         assert await _next_columns(deployment) == []

@@ -82,7 +82,7 @@ async def test_a_filter_alone_lists_what_it_selects(
     meta = listing.meta
     assert (meta.listing, meta.hybrid, meta.retrievers, meta.fusion, meta.reranked) == (True, False, [], None, False)
     assert meta.skipped_rerank == "listing"
-    assert meta.distance_metric is None
+    assert (meta.distance_metric, meta.embedding_model) == (None, None)  # a listing embeds no query
     assert meta.degraded == []
     assert "listing" in meta.timings_ms
     first = await client.query("acme", {"chunkLevel": "method", "topK": 2})

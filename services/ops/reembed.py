@@ -143,6 +143,9 @@ class ModelChange:
         self._batch_size = batch_size
         self._force = force
         self._embedder: Embedder | None = None
+        self._signs_for_all = False
+        """Every document gets token signs by the next model, not only those that had them: the index holds none,
+        since the current model made none (a model whose tokens are wider than its vectors)."""
 
     @property
     def _next(self) -> Settings:
@@ -193,6 +196,10 @@ class ModelChange:
         await self._check_workers()
         await self._model()  # before anything is written: a model that cannot load leaves no change half begun
         await self._add_columns(conn)
+        # Without this, changing back from a model that made no token signs left late interaction off for good.
+        self._signs_for_all = self._settings.token_vectors and not await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM public.documents WHERE NOT deleted AND token_signs IS NOT NULL)"
+        )
         started = time.perf_counter()
         for _ in range(FILL_ROUNDS):  # until what the projectors rewrote meanwhile is little enough for the swap
             report.rounds += 1
@@ -341,6 +348,11 @@ class ModelChange:
                 ) from error
         return self._embedder
 
+    def _signed(self, had_signs: bool, token_width: int, embedder: Embedder) -> bool:
+        """Whether a document's next vector comes with token signs: where it had them (an ingester sends them unless
+        told not to) or the index holds none, and where the next model's tokens are as wide as its vectors."""
+        return (had_signs or self._signs_for_all) and token_width == embedder.dimension
+
     async def _embed_stale(self, conn: asyncpg.Connection, stage: str, *, held: bool = False) -> int:
         """Embed every stale live document by the next model, in batches; returns how many. ``held``: inside the
         swap, holding the projectors off, so neither counted first nor paced, and in one transaction."""
@@ -354,7 +366,7 @@ class ModelChange:
             writes = [
                 (
                     r["workspace"], r["branch"], r["id"], r["stream_seq"], vector,
-                    pack_signs(signs) if r["had_signs"] and signs.shape[1] == embedder.dimension else None,
+                    pack_signs(signs) if self._signed(r["had_signs"], signs.shape[1], embedder) else None,
                     embedder.model_name,
                 )
                 for r, vector, signs in zip(rows, vectors, tokens, strict=True)

@@ -393,7 +393,9 @@ class QueryPipeline:
             return None
         requested = run.query.distance_metric
         note = None if requested == "cosine" else COSINE_ONLY
-        run.report(distance_metric=DistanceMetricReport(requested=requested, ran="cosine", note=note))
+        run.report(
+            distance_metric=DistanceMetricReport(requested=requested, ran="cosine", note=note), embedding_model=model
+        )
         return EmbeddedQuery(*embedding, model=model)
 
     def _plan(self, run: QueryRun, lists: dict[str, Hits], embedded: EmbeddedQuery | None) -> Refinements:

@@ -10,12 +10,14 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -162,6 +164,33 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
 def _fail(message: str, code: int = 2) -> NoReturn:
     errors.print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A supervisor's SIGTERM ends a one-shot command as Ctrl-C does, saying what became of its work (a model
+    tester's: SIGTERM ended `reembed` without a word)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(error: KeyboardInterrupt) -> typer.Exit:
+    """The exit a shell gives for the signal: 130 for Ctrl-C, 143 for SIGTERM."""
+    return typer.Exit(143 if isinstance(error, Terminated) else 130)
 
 
 def _workspace_name(value: str | None) -> str | None:
@@ -490,14 +519,15 @@ def ingest(
             await close_nats(nc)
 
     try:
-        asyncio.run(run())
-    except KeyboardInterrupt:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess what was sent
+        with _sigterm_as_interrupt():
+            asyncio.run(run())
+    except KeyboardInterrupt as error:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess
         errors.print(
             "interrupted: the deltas published so far are stored and a running projector applies them; the same "
             "ingest again is safe and sends the rest",
             soft_wrap=True,
         )
-        raise typer.Exit(130) from None
+        raise _interrupted(error) from None
 
 
 def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
@@ -952,7 +982,9 @@ def status(
 ) -> None:
     """Per workspace and branch: the announced version, the deltas not yet in the index and how long the oldest has
     waited; dead letters per workspace; the projectors' consumers; the query workers answering; per workspace, the
-    documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again)."""
+    documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again). Exit 1
+    when it lists problems (a projector consumer or the versions bucket missing, a database that could not be read),
+    2 when it cannot be read at all."""
     from .ops.status import deployment_status
 
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:
@@ -961,8 +993,10 @@ def status(
     report = _as_operator(data_dir, job)
     if as_json:
         print(report.to_json())
-        return
-    render_status(console, report)
+    else:
+        render_status(console, report)
+    if report.problems:  # for a health check: the status could be read, and says something is wrong
+        raise typer.Exit(1)
 
 
 nats_user = typer.Typer(help="Users of the embedded nats-server: a role, confined to one workspace or not.")
@@ -1375,7 +1409,7 @@ def rebuild(
     settings = _settings("ontofabric-rebuild", data_dir, quiet=True)
     endpoints = _endpoints(settings)
     try:
-        with RichProgress(console) as progress:
+        with _sigterm_as_interrupt(), RichProgress(console) as progress:
             job = Rebuild(
                 settings,
                 endpoints.nats_url_as("operator"),
@@ -1398,13 +1432,13 @@ def rebuild(
         _fail(f"{error}\nthe live index is unchanged; {advice}")
     except (asyncpg.InterfaceError, ConnectionResetError) as error:  # the database went away under it
         _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
-    except KeyboardInterrupt:  # an operator tester's: exit 130 without a word of what became of the rebuild
+    except KeyboardInterrupt as error:  # an operator tester's: exit 130 without a word of what became of it
         errors.print(
             f"interrupted: the swap into the live index happens whole or not at all; run `ontofabric rebuild "
             f"{workspace}` again to resume, or with --discard to drop what was replayed",
             soft_wrap=True,
         )
-        raise typer.Exit(130) from None
+        raise _interrupted(error) from None
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
     # After a compaction most rows come from the snapshot: "0 deltas replayed, 972 changed a row" read as a puzzle.
@@ -1449,7 +1483,7 @@ def reembed(
     placement = Placement.of(settings, endpoints.database_url)
     database, changed = "", 0
     try:
-        with RichProgress(console) as progress:
+        with _sigterm_as_interrupt(), RichProgress(console) as progress:
             jobs = [
                 ModelChange(settings, endpoints.nats_url_as("operator"), url, progress, lock_timeout_s=lock_timeout,
                             max_rate=max_rate, force=force)
@@ -1476,13 +1510,13 @@ def reembed(
     except ChangeRefused as error:
         others = f"the {changed} listed above have changed" if changed else "no other database has changed"
         _fail(f"{database}: {error}\nthis database's index still answers with the model it held ({others})")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         errors.print(
             "interrupted: each database's swap happens whole or not at all; run `ontofabric reembed` again to resume, "
             "or with --discard to drop the unfinished change",
             soft_wrap=True,
         )
-        raise typer.Exit(130) from None
+        raise _interrupted(error) from None
 
 
 @app.command()

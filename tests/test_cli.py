@@ -237,9 +237,10 @@ def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) ->
     assert "Traceback" not in stderr
 
 
-def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path) -> None:
-    """An operator tester's: Ctrl-C ended a rebuild with exit 130 and not a word. Here it waits on a NATS server
-    that never says hello."""
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path, stop: signal.Signals, code: int) -> None:
+    """An operator tester's: Ctrl-C ended a rebuild with exit 130 and not a word; a model tester's: SIGTERM (a
+    supervisor's stop) ended `reembed` without one. Here it waits on a NATS server that never says hello."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -254,9 +255,9 @@ def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path) -> 
         silent.settimeout(60)
         accepted, _ = silent.accept()
         with accepted:
-            rebuild.send_signal(signal.SIGINT)
+            rebuild.send_signal(stop)
             _, stderr = rebuild.communicate(timeout=30)
-    assert rebuild.returncode == 130, stderr
+    assert rebuild.returncode == code, stderr
     said = " ".join(stderr.split())
     assert "interrupted:" in said
     assert "run `ontofabric rebuild acme` again to resume, or with --discard" in said

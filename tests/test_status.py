@@ -23,6 +23,7 @@ from ontofabric.services.render import render_status
 from ontofabric.shared.discovery import INSTANCE
 from ontofabric.shared.jetstream import projected_floor
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
 from .conftest import Deployment, RecordedProgress, Start
@@ -120,6 +121,14 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert f"documents of another keyword analysis than {ANALYSIS_VERSION}: acme 1 (`ontofabric rebuild" in table.stdout
     globex_only = await deployment_status(deployment.nc, deployment.names, placement, workspace="globex")
     assert globex_only.analysis.documents_of_another_analysis == {}
+    # A status that lists problems exits 1, for a health check (note 70: it exited 0).
+    unread_env = deployment.env() | {"ONTOFABRIC_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{free_port()}/none"}
+    command = [ONTOFABRIC, "status"]
+    unread = await asyncio.to_thread(
+        subprocess.run, command, env=unread_env, capture_output=True, text=True, check=False, timeout=60
+    )
+    assert unread.returncode == 1, unread.stderr
+    assert "could not be read" in " ".join(unread.stdout.split())
 
 
 async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgotten(

@@ -982,9 +982,10 @@ def status(
 ) -> None:
     """Per workspace and branch: the announced version, the deltas not yet in the index and how long the oldest has
     waited; dead letters per workspace; the projectors' consumers; the query workers answering; per workspace, the
-    documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again). Exit 1
-    when it lists problems (a projector consumer or the versions bucket missing, a database that could not be read),
-    2 when it cannot be read at all."""
+    documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again).
+
+    Exits 1 when it lists problems (a projector consumer or the versions bucket missing, a database that could not be
+    read), 2 when it cannot be read at all."""
     from .ops.status import deployment_status
 
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:

@@ -170,7 +170,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
+_terminated = threading.Event()
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    """As Ctrl-C: asyncio.run's own SIGINT handler cancels the main task cleanly (raised anywhere, a background
+    task's traceback was logged); else KeyboardInterrupt where the main thread is."""
+    _terminated.set()
+    on_interrupt = signal.getsignal(signal.SIGINT)
+    if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
+        on_interrupt(signal.SIGINT, frame)
+        return
     raise Terminated
 
 
@@ -190,7 +200,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _interrupted(error: KeyboardInterrupt) -> typer.Exit:
     """The exit a shell gives for the signal: 130 for Ctrl-C, 143 for SIGTERM."""
-    return typer.Exit(143 if isinstance(error, Terminated) else 130)
+    return typer.Exit(143 if isinstance(error, Terminated) or _terminated.is_set() else 130)
 
 
 def _workspace_name(value: str | None) -> str | None:

@@ -166,11 +166,8 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
-
-
 _terminated = threading.Event()
+"""Set by SIGTERM, which then ends a one-shot command as Ctrl-C does."""
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
@@ -181,7 +178,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
         on_interrupt(signal.SIGINT, frame)
         return
-    raise Terminated
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -198,9 +195,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupted(error: KeyboardInterrupt) -> typer.Exit:
+def _interrupted() -> typer.Exit:
     """The exit a shell gives for the signal: 130 for Ctrl-C, 143 for SIGTERM."""
-    return typer.Exit(143 if isinstance(error, Terminated) or _terminated.is_set() else 130)
+    return typer.Exit(143 if _terminated.is_set() else 130)
 
 
 def _workspace_name(value: str | None) -> str | None:
@@ -531,13 +528,13 @@ def ingest(
     try:
         with _sigterm_as_interrupt():
             asyncio.run(run())
-    except KeyboardInterrupt as error:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess
+    except KeyboardInterrupt:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess
         errors.print(
             "interrupted: the deltas published so far are stored and a running projector applies them; the same "
             "ingest again is safe and sends the rest",
             soft_wrap=True,
         )
-        raise _interrupted(error) from None
+        raise _interrupted() from None
 
 
 def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
@@ -1443,13 +1440,13 @@ def rebuild(
         _fail(f"{error}\nthe live index is unchanged; {advice}")
     except (asyncpg.InterfaceError, ConnectionResetError) as error:  # the database went away under it
         _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
-    except KeyboardInterrupt as error:  # an operator tester's: exit 130 without a word of what became of it
+    except KeyboardInterrupt:  # an operator tester's: exit 130 without a word of what became of it
         errors.print(
             f"interrupted: the swap into the live index happens whole or not at all; run `ontofabric rebuild "
             f"{workspace}` again to resume, or with --discard to drop what was replayed",
             soft_wrap=True,
         )
-        raise _interrupted(error) from None
+        raise _interrupted() from None
     resumed = f", resumed after sequence {report.resumed_from}" if report.resumed_from else ""
     rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(report.rejected.items())) or "none"
     # After a compaction most rows come from the snapshot: "0 deltas replayed, 972 changed a row" read as a puzzle.
@@ -1521,13 +1518,13 @@ def reembed(
     except ChangeRefused as error:
         others = f"the {changed} listed above have changed" if changed else "no other database has changed"
         _fail(f"{database}: {error}\nthis database's index still answers with the model it held ({others})")
-    except KeyboardInterrupt as error:
+    except KeyboardInterrupt:
         errors.print(
             "interrupted: each database's swap happens whole or not at all; run `ontofabric reembed` again to resume, "
             "or with --discard to drop the unfinished change",
             soft_wrap=True,
         )
-        raise _interrupted(error) from None
+        raise _interrupted() from None
 
 
 @app.command()

@@ -263,11 +263,12 @@ def _disagreement(
     found: Sequence[tuple[Vector, TokenMatrix] | None], expected: Sequence[tuple[Vector, TokenMatrix]]
 ) -> float:
     """The largest 1 − cosine between two embeddings of the same texts, over vectors and token rows (2.0 when a
-    text is missing, its token count differs or a value is not finite)."""
+    text is missing, its shape differs or a value is not finite)."""
     gap = 0.0
     for mine, theirs in zip(found, expected, strict=True):
         if (
             mine is None
+            or mine[0].shape != theirs[0].shape  # an export of the transformer alone, for a model that projects
             or mine[1].shape != theirs[1].shape
             or not (np.isfinite(mine[0]).all() and np.isfinite(mine[1]).all())
         ):

@@ -516,6 +516,9 @@ def test_outputs_that_are_not_finite_never_agree() -> None:
     broken = np.full((3, 4), np.nan, np.float32)
     assert _disagreement([(broken[0], broken)], expected) == 2.0
     assert _disagreement([None], expected) == 2.0
+    # A model that projects its vectors after the transformer: an export of the transformer alone is wider (CI's
+    # log, 2026-12-03: a ValueError from the product instead of a plain disagreement).
+    assert _disagreement([(np.full(6, 0.5, np.float32), row)], expected) == 2.0
 
 
 def test_a_model_the_exporter_cannot_trace_stays_on_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

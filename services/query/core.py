@@ -80,6 +80,9 @@ class Hits:
     pruned: bool = False
     """Keyword: some query terms were looked up only for the leading candidates (``PostgresKeyword``), so a
     document holding only those terms may be missing and the ranking is not exact BM25."""
+    embedding_model: str | None = None
+    """Dense: the model whose vectors were compared, when not the query's own (the index had changed model, and the
+    query was embedded again by the index's)."""
 
 
 @dataclass(frozen=True)

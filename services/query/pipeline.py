@@ -376,6 +376,8 @@ class QueryPipeline:
             raise RetrievalUnavailable(f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time)
         for name, hits in lists.items():
             run.read(hits.version)
+            if hits.embedding_model is not None:  # embedded again by the index's model: that one ranked it
+                run.report(embedding_model=hits.embedding_model)
             self._metrics.candidates(name).add(len(hits.candidates))
         return lists, embedded
 

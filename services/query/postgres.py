@@ -411,7 +411,8 @@ class PostgresDense:
             if limit > self._ef_search:  # the HNSW candidate list must hold at least the rows asked for
                 await snapshot.conn.execute(f"SET LOCAL hnsw.ef_search = {int(limit)}")
             rows = await snapshot.conn.fetch(sql, vector, limit, *parameters)
-        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version)
+        compared = snapshot.model if snapshot.model not in (None, query.model) else None
+        return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, embedding_model=compared)
 
 
 class PostgresKeyword:

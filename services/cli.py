@@ -103,6 +103,7 @@ from .render import RichProgress, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
     from .ingest.ingester import IngestReport
+    from .ops.adopt import Adopted
 
 log = get_logger(__name__)
 
@@ -1618,6 +1619,46 @@ def forget_layout(
 
 class LayoutInUse(Exception):
     """Projectors of the layout asked to be forgotten still run."""
+
+
+@app.command("adopt-stream")
+def adopt_stream(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Empty the Postgres index and have the projectors fill it again from the delta stream as it is now.
+
+    For a projector that refuses the stream (`ontofabric status` says why): its JetStream store was lost and made
+    again, or restored from a backup older than the database. Running projectors refill the index within seconds
+    (the snapshots of a compacted stream, then the stream from its first delta); answers are partial meanwhile. A
+    workspace the stream no longer holds stays empty until it is ingested again. The Azure AI Search index is not
+    touched."""
+    from .ops.adopt import AdoptRefused
+    from .ops.adopt import adopt_stream as adopt
+
+    settings = _settings("ontofabric-adopt-stream", data_dir, quiet=True)
+    endpoints = _endpoints(settings)
+    if not yes and not typer.confirm("empty the index and fill it again from the delta stream as it is now?"):
+        raise typer.Exit(1)
+
+    async def run() -> Adopted:
+        nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-adopt-stream", settings)
+        try:
+            return await adopt(nc, Names(settings.subject_prefix), Placement.of(settings, endpoints.database_url))
+        finally:
+            await close_nats(nc)
+
+    try:
+        adopted = asyncio.run(run())
+    except AdoptRefused as error:
+        _fail(str(error))
+    console.print(
+        f"emptied the index on {adopted.databases} database(s) ({adopted.documents} documents) and deleted "
+        f"{len(adopted.consumers)} consumer(s): running projectors fill it again from the stream's sequences "
+        f"{adopted.stream_first}..{adopted.stream_last}; `ontofabric status` shows their progress. Ingest again "
+        "every workspace the stream no longer holds.",
+        soft_wrap=True,
+    )
 
 
 @app.command("migrate")

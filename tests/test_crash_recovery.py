@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -593,3 +594,103 @@ async def test_an_agent_through_the_gateway_is_answered_while_each_cluster_node_
         finally:
             await worker.stop()
             await projector.stop()
+
+
+@contextlib.asynccontextmanager
+async def _stopped(runtime: EmbeddedRuntime, node: NatsNode) -> AsyncIterator[Path]:
+    """``node`` killed (SIGKILL) for the block, which is given its JetStream store's directory, and started again
+    on it afterwards."""
+    _kill(node)
+    yield node.home / "jetstream"
+    await asyncio.to_thread(runtime.restart_nats_node, node)
+
+
+async def _refusal(deployment: Deployment) -> str:
+    """The reason the projector's row gives for refusing the stream, once it gives one."""
+    async with asyncio.timeout(30):
+        while not (rows := await deployment.fetch("SELECT refused FROM projection_fences WHERE refused IS NOT NULL")):
+            await asyncio.sleep(0.2)
+    return str(rows[0]["refused"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replaced_by", ["an older backup", "nothing"])
+async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
+    servers: Endpoints, tmp_path: Path, replaced_by: str
+) -> None:
+    """JetStream's store replaced under the index, by a backup taken before the index's last 20 deltas or by
+    nothing (a lost disk), then written to past the index's position. Before, the projector read on from the
+    index's position: the new deltas were skipped, or made no-ops by the sequence rule, without a word (a disaster
+    recovery tester's, 2026-12-02). Now it applies nothing of that stream and `status` names the problem; after
+    `adopt-stream` the index is refilled from the stream as it is, and ends as its fold."""
+    from ontofabric.services.ops.adopt import adopt_stream
+    from ontofabric.services.ops.status import deployment_status
+    from ontofabric.shared.jetstream import ensure_jetstream
+    from ontofabric.shared.placement import Placement
+
+    async with _deployment_on_own_nats(servers, tmp_path, nodes=1) as (runtime, deployment):
+        (node,) = runtime.nats_nodes
+        names, backup = deployment.names, tmp_path / "backup"
+
+        async def projecting(deltas: list[DeltaEnvelope]) -> list[PubAck]:
+            service = ProjectorService(
+                deployment.settings, deployment.nats_url_as("projector"), deployment.database_url
+            )
+            await service.start()
+            try:
+                acks = await deployment.publisher.publish_many(deltas)
+                await deployment.wait_projected(acks[-1].seq)
+                return acks
+            finally:
+                await service.stop()
+
+        kept = [upsert("acme", document(f"a{n}", f"first {n}")) for n in range(20)]
+        kept_acks = await projecting(kept)
+        async with _stopped(runtime, node) as store:
+            shutil.copytree(store, backup)
+        lost = [upsert("acme", document(f"a{n}", f"second {n}")) for n in range(10)]
+        lost += [delete("acme", f"a{n}") for n in range(10, 15)]
+        lost += [upsert("acme", document(f"b{n}", f"second {n}")) for n in range(5)]
+        position = (await projecting(lost))[-1].seq
+        assert position == 40
+        async with _stopped(runtime, node) as store:
+            shutil.rmtree(store)
+            if replaced_by == "an older backup":
+                shutil.copytree(backup, store)
+        await ensure_jetstream(deployment.js, names, deployment.settings)  # a lost store: made again, as `up` does
+        later = [upsert("acme", document(f"b{n}", f"third {n}")) for n in range(5)]
+        later += [upsert("acme", document(f"c{n}", f"third {n}")) for n in range(40)]
+        later_acks = await deployment.publisher.publish_many(later)
+        assert later_acks[-1].seq > position  # past what the index read: a check of sequences alone passes it
+        before = await _projected(deployment)
+
+        service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+        await service.start()
+        try:
+            reason = await _refusal(deployment)
+            print(replaced_by, "->", reason)
+            assert ("is not the one this index read" if replaced_by == "an older backup" else "was made at") in reason
+            await asyncio.sleep(3)  # a look or two: still nothing applied
+            assert await _projected(deployment) == before
+            placement = Placement.of(deployment.settings, deployment.database_url)
+            status = await deployment_status(deployment.nc, names, placement)
+            assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
+
+            adopted = await adopt_stream(deployment.nc, names, placement)
+            assert adopted.documents == 20 - 5 + 5  # what the index held: a0..a9, a15..a19, b0..b4
+            assert adopted.stream_last == later_acks[-1].seq
+            stream = [*zip(kept_acks, kept, strict=True)] if replaced_by == "an older backup" else []
+            stream += zip(later_acks, later, strict=True)
+            await deployment.wait_projected(later_acks[-1].seq, timeout_s=60)
+            lost_docs, stale, extra = _divergence(fold((a.seq, d) for a, d in stream), await _projected(deployment))
+            assert (lost_docs, stale, extra) == ([], [], [])
+            assert not await deployment.fetch("SELECT refused FROM projection_fences WHERE refused IS NOT NULL")
+            status = await deployment_status(deployment.nc, names, placement)
+            assert not status.problems, status.problems
+
+            # And it follows the adopted stream: the next change is applied.
+            ack = await deployment.publisher.publish(upsert("acme", document("c0", "fourth")))
+            await deployment.wait_projected(ack.seq)
+            assert (await _projected(deployment))[("acme", "c0")] == (False, "fourth", ack.seq)
+        finally:
+            await service.stop()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from ontofabric.contracts import NO_VERSION, LinkAdded, NodeUpserted, OntologyLink, OntologyNode
 from ontofabric.services.ingest.client import envelope
+from ontofabric.services.projector.following import Followed, mark_of, mark_of_stored, refusal
 from ontofabric.services.projector.planning import (
     Delta,
     EntityRef,
@@ -337,3 +339,25 @@ def test_a_long_name_is_named_only_beside_the_databases_refusal_of_an_index_entr
     assert long_index_keys(long, ValueError("another refusal")) == ""  # not blamed for what it did not cause
     indexed_part_short = Delta(2, upsert("ws", document("b", "x", symbolFqn="p" * 3000 + ".short")))
     assert long_index_keys(indexed_part_short, IndexEntryTooLarge()) == ""
+
+
+def test_a_stream_is_followed_only_while_it_is_the_one_the_index_read() -> None:
+    made = datetime(2026, 12, 1, tzinfo=UTC)
+    followed = Followed(made, 40, mark_of("acme", "e40"))
+    stored = json.dumps({"workspace": "acme", "eventId": "e40", "payload": {}}).encode()
+    assert mark_of_stored(stored) == followed.mark
+    assert mark_of_stored(b"not json") is None
+    assert mark_of_stored(b'{"workspace": "acme"}') is None
+    # The same stream, read on; its mark compacted away or deleted (found None): nothing says otherwise.
+    assert refusal(followed, 40, made, 65, followed.mark) is None
+    assert refusal(followed, 40, made, 65, None) is None
+    # Nothing recorded yet (a new index, or one from before the check): followed from here on.
+    assert refusal(Followed(), None, made, 0, None) is None
+    assert refusal(Followed(), 12, made, 12, None) is None
+    # Made again (a lost store), even once written past the index's position.
+    assert "was made at" in str(refusal(followed, 40, made + timedelta(hours=1), 65, None))
+    # Behind what the index read: by its position, or by its mark.
+    assert "ends at sequence 20, before the 40" in str(refusal(followed, 40, made, 20, None))
+    assert "ends at sequence 30, before the 40" in str(refusal(Followed(made, 40, "m"), 35, made, 30, None))
+    # Another delta where the index applied its last: an older backup restored, then written to.
+    assert "sequence 40 is not the one" in str(refusal(followed, 40, made, 65, mark_of("acme", "other")))

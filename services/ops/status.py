@@ -129,8 +129,13 @@ async def deployment_status(
                 durable not in others,
             )
         )
-    positions = await _index_positions(placement, durables)
+    positions, refusals = await _index_positions(placement, durables)
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
+    for durable, reason in sorted(refusals.items()):
+        status.problems.append(
+            f"the projector consumer {durable} applies nothing: {reason}. `ontofabric adopt-stream` empties the "
+            "index and fills it again from the stream as it is (docs/reliability.md)"
+        )
     floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}
     try:
         announced = await _announced(nc, names)
@@ -194,31 +199,33 @@ async def deployment_status(
     return status
 
 
-async def _index_positions(placement: Placement, durables: list[str]) -> dict[str, int]:
-    """Each configured consumer's index position, as its database says; those of a database that cannot be read
-    within DATABASE_WAIT_S are left out (the analysis counts say why)."""
+async def _index_positions(placement: Placement, durables: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Each configured consumer's index position, and why its projector refuses the delta stream where it does
+    (services/projector/following.py), as its database says; those of a database that cannot be read within
+    DATABASE_WAIT_S are left out (the analysis counts say why)."""
 
-    async def read(url: str) -> dict[str, int]:
+    async def read(url: str) -> list[asyncpg.Record]:
         conn: asyncpg.Connection | None = None
         try:
             async with asyncio.timeout(DATABASE_WAIT_S):
                 conn = await asyncpg.connect(url)
-                rows = await conn.fetch(
-                    "SELECT durable, position FROM projection_fences"
-                    " WHERE durable = ANY($1::text[]) AND position IS NOT NULL",
-                    durables,
+                rows: list[asyncpg.Record] = await conn.fetch(
+                    "SELECT durable, position, refused FROM projection_fences WHERE durable = ANY($1::text[])", durables
                 )
                 await conn.close()
                 conn = None
-                return {row["durable"]: int(row["position"]) for row in rows}
+                return rows
         except Exception:  # a status line must not fail the command
-            return {}
+            return []
         finally:
             if conn is not None:
                 conn.terminate()
 
-    read_each = await asyncio.gather(*(read(url) for url in sorted(set(placement.databases))))
-    return {durable: position for positions in read_each for durable, position in positions.items()}
+    rows = [
+        row for read_each in await asyncio.gather(*map(read, sorted(set(placement.databases)))) for row in read_each
+    ]
+    positions = {row["durable"]: int(row["position"]) for row in rows if row["position"] is not None}
+    return positions, {row["durable"]: row["refused"] for row in rows if row["refused"] is not None}
 
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:

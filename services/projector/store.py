@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 import asyncpg
@@ -17,6 +19,7 @@ from ontofabric.shared.db import STALL_MARGIN_S, Connection, index_model
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
 
+from .following import Followed, mark_of
 from .planning import (
     ANALYSIS_VERSION,
     Delta,
@@ -212,14 +215,18 @@ RENEW_LOCK_TIMEOUT = "100ms"
 # and says the position its process last read (a look's own renewal waits only briefly for a batch's lock: under
 # steady load it seldom gets it).
 # A count ahead of this claim's is a commit whose answer was lost (the connection cut at COMMIT): adopted.
+# It marks the batch's last delta too (following.py), unless one further on was marked before (a redelivery).
 _RENEW_CLAIM_IN_BATCH = (
-    "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1, position = greatest(position, $5)"
+    "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1, position = greatest(position, $5),"
+    " mark_seq = CASE WHEN $6::bigint > coalesce(mark_seq, 0) THEN $6 ELSE mark_seq END,"
+    " mark = CASE WHEN $6::bigint > coalesce(mark_seq, 0) THEN $7 ELSE mark END"
     " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4 RETURNING commits"
 )
 # A look's: the position too. A batch committing meanwhile may have counted one more; a database gone back has fewer.
 _RENEW_CLAIM_AT_A_LOOK = (
     "UPDATE projection_fences SET renewed_at = now(), position = greatest(position, $5)"
-    " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4 RETURNING 1"
+    " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4"
+    " RETURNING position, stream_created, mark_seq, mark"
 )
 _SET_FILL = "UPDATE projection_fences SET fill = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3"
 
@@ -246,7 +253,10 @@ class PostgresProjectionStore:
         self._commits = 0
         """The batches committed under the consumer's row, as this claim counts them (infra/migrations/0027)."""
         self.position: int | None = None
-        """Where its row says the index stands on the consumer's stream, as of its last claim (None: not known)."""
+        """Where its row says the index stands on the consumer's stream, as of its last claim or renewal (None: not
+        known)."""
+        self.followed = Followed()
+        """What its row says of the stream the index follows (following.py), as of its last claim or renewal."""
         self.read_before = 0
         """The highest floor the consumer had reached before it was last made to read again behind it."""
         self.went_back = False
@@ -286,7 +296,7 @@ class PostgresProjectionStore:
                     " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
                     " claimed_at = now(), renewed_at = now(), released = false"
-                    " RETURNING epoch, fill, commits, position, read_before",
+                    " RETURNING epoch, fill, commits, position, read_before, stream_created, mark_seq, mark",
                     self._fence,
                     holder,
                 )
@@ -295,6 +305,7 @@ class PostgresProjectionStore:
                 self._commits, self.position, self.read_before = (
                     claimed["commits"], claimed["position"], claimed["read_before"]
                 )  # fmt: skip
+                self.followed = Followed(claimed["stream_created"], claimed["mark_seq"], claimed["mark"])
                 self.in_step, self._floor = False, None
                 # A database gone back may lack partitions this process made since: each is made again as needed.
                 self._known_workspaces.clear()
@@ -357,14 +368,42 @@ class PostgresProjectionStore:
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_TIMEOUT}'")
-                renewed = await conn.fetchval(
+                renewed = await conn.fetchrow(
                     _RENEW_CLAIM_AT_A_LOOK, self._fence, self._epoch, self._holder, self._commits, floor
                 )
                 if renewed is None:
                     await self._lost_claim(conn)
+                    return False
         except asyncpg.LockNotAvailableError:
             return True
-        return renewed is not None
+        self.position = renewed["position"]
+        self.followed = Followed(renewed["stream_created"], renewed["mark_seq"], renewed["mark"])
+        return True
+
+    async def follow(self, created: datetime | None) -> None:
+        """Record the stream the index follows (made at ``created``), as checked after a claim or at a look
+        (following.py): no refusal stands."""
+        async with self._pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE projection_fences SET stream_created = $4, refused = NULL"
+                " WHERE durable = $1 AND epoch = $2 AND holder = $3",
+                self._fence,
+                self._epoch,
+                self._holder,
+                created,
+            )
+        self.followed = dataclasses.replace(self.followed, created=created)
+
+    async def refuse(self, reason: str) -> None:
+        """Say why the index does not read the stream now (`ontofabric status` shows it)."""
+        async with self._pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE projection_fences SET refused = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3",
+                self._fence,
+                self._epoch,
+                self._holder,
+                reason,
+            )
 
     async def release(self, floor: int | None = None) -> None:
         """Say that this store's claim ends (its process stopped applying the consumer), so that a process standing
@@ -408,7 +447,7 @@ class PostgresProjectionStore:
                 [revisions[scope] for scope in scopes],
             )
 
-    async def _check_fence(self, conn: Connection) -> int | None:
+    async def _check_fence(self, conn: Connection, deltas: Sequence[Delta]) -> int | None:
         """First in a batch's transaction: the claim is still the latest, and stays so until the commit (the row
         is locked; a claim waits for it). The batch renews the claim too: a holder busy with batches one after
         another may find no moment between them for the renewal of its look. Returns the row's count of commits
@@ -417,9 +456,12 @@ class PostgresProjectionStore:
             return None
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
+        last = max(deltas, key=lambda delta: delta.seq, default=None)
+        mark = None if last is None else mark_of(last.envelope.workspace, last.envelope.event_id)
         commits: int | None = await conn.fetchval(
-            _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor
-        )
+            _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor,
+            None if last is None else last.seq, mark,
+        )  # fmt: skip
         if commits is None:
             raise Fenced(await self._lost_claim(conn))
         return commits
@@ -451,7 +493,7 @@ class PostgresProjectionStore:
                 await conn.execute("SELECT ensure_workspace_partition($1)", workspace)
                 self._known_workspaces.add(workspace)
             async with conn.transaction():
-                commits = await self._check_fence(conn)
+                commits = await self._check_fence(conn, deltas)
                 # The changed-row counters reach the statistics views as this commit returns, not a second
                 # later: refresh_statistics right after sees this batch.
                 await conn.execute("SELECT pg_stat_force_next_flush()")

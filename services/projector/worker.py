@@ -59,6 +59,7 @@ from .azure import (
     replay_if_index_lost,
 )
 from .consumer import DurableProjection, RunningProjection, restart_consumer, start_projection
+from .following import mark_of_stored, refusal
 from .planning import ANALYSIS_VERSION, Limits
 from .postgres import PostgresSink
 from .reembedding import Reembedder, reembedder_for
@@ -144,6 +145,8 @@ class ProjectorService:
         """Writer pools by the index of their database in the placement."""
         self._service: Announcement | None = None
         self._versions: VersionPublisher | None = None
+        self._refused: dict[int, str] = {}
+        """The partitions whose index does not read the delta stream as it is, with why (following.py)."""
 
     async def start(self) -> None:
         try:
@@ -253,6 +256,9 @@ class ProjectorService:
             await self._projections.pop(index).stop()
         for index, applying in list(self._projections.items()):  # renewed for another lease, or left
             if await self._renewed(index, floors.get(index)):
+                if await self._refuses_the_stream(index, unchecked=False):  # its deltas wait in the stream, unacked
+                    await applying.stop()
+                    del self._projections[index]
                 continue
             if not self._stores[index].went_back:  # one gone back is claimed again below, and logged by the store
                 log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
@@ -289,6 +295,8 @@ class ProjectorService:
                              "replaces is still being written")  # fmt: skip
                     continue
                 self._standing_by.discard(index)
+                if await self._refuses_the_stream(index, unchecked=True):  # or not known yet: the next look
+                    continue
                 async with contextlib.AsyncExitStack() as filling:
                     try:
                         start_seq = await filling.enter_async_context(self._read_from_the_index(index))
@@ -321,6 +329,8 @@ class ProjectorService:
         js = self._nc.jetstream()
         # What the lost index's consumer had settled needs no dead letter again: said before the consumer goes.
         await store.read_again(0, await ack_floor(js, self.names.delta_stream, durable))
+        # Versions numbered on from those announced: the bucket refuses a revision it has passed.
+        await self._revisions_above_announced(partition)
         # First, lock or not: with the consumer gone its floor no longer says the index read what the lost one had
         # (how far projection has got, and compaction, read the floors; compaction also refuses while a fill is not
         # done).
@@ -341,6 +351,46 @@ class ProjectorService:
         # A new deployment's first start fills nothing; a lost index filled again is worth an operator's look.
         said = log.warning if delivered or restored else log.info
         said("projector_index_filled_from_nothing", durable=durable, delivered_before=delivered, restored=restored)
+
+    async def _refuses_the_stream(self, partition: int, unchecked: bool) -> bool:
+        """Whether the partition's index must not read the delta stream as it is: another stream, or one behind what
+        the index has read (following.py). Said once in the log, and in its row for `ontofabric status`, until an
+        operator adopts the stream. Otherwise the stream's creation is recorded where it was not. ``unchecked``:
+        the answer when NATS or the database cannot tell (a projection running goes on; a claim waits)."""
+        try:
+            return await self._check_the_stream(partition)
+        except Exception as error:
+            log.warning("projector_stream_unchecked", durable=self._durables[partition], error=describe(error))
+            return unchecked
+
+    async def _check_the_stream(self, partition: int) -> bool:
+        assert self._nc is not None
+        js, store, durable = self._nc.jetstream(), self._stores[partition], self._durables[partition]
+        stream = await js.stream_info(self.names.delta_stream)
+        first, last = int(stream.state.first_seq or 0), int(stream.state.last_seq or 0)
+        followed, position = store.followed, store.position
+
+        found = None
+        if followed.mark_seq is not None and first <= followed.mark_seq <= last:  # else compacted away, or not there
+            with contextlib.suppress(NotFoundError):  # deleted
+                found = mark_of_stored((await js.get_msg(self.names.delta_stream, followed.mark_seq)).data or b"")
+        reason = refusal(followed, position, stream.created, last, found)
+        if reason is not None:
+            if self._refused.get(partition) != reason:
+                self._refused[partition] = reason
+                await store.refuse(reason)
+                log.error(
+                    "projector_refuses_the_stream", durable=durable, reason=reason, position=position,
+                    stream_first=first, stream_last=last,
+                    action="nothing is applied until an operator adopts the stream as it is: `ontofabric "
+                    "adopt-stream` empties the index and fills it again from the stream (docs/reliability.md)",
+                )  # fmt: skip
+            return True
+        if self._refused.pop(partition, None) is not None:
+            log.info("projector_follows_the_stream", durable=durable)
+        if followed.created != stream.created:
+            await store.follow(stream.created)
+        return False
 
     async def _versions_bucket_again(self) -> None:
         """The deployment's streams and buckets made again where missing, and every version the databases hold

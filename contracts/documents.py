@@ -294,7 +294,10 @@ class SemanticDocument(WireModel):
     model_config = ConfigDict(json_schema_extra=_model_named_with_vectors)
 
     id: DocumentId
-    content: Text
+    content: Text = Field(
+        description="The text that is searched and returned. At most ONTOFABRIC_MAX_CONTENT_BYTES bytes of UTF-8 "
+        "(262,144 by default, a deployment's setting): a longer one is dead-lettered `content_too_large`."
+    )
     object_type: ObjectType
     source_domain: Text = Field(min_length=1, max_length=256)
     metadata: DocumentMetadata = Field(default_factory=DocumentMetadata)

@@ -584,7 +584,10 @@ subject (a plain NATS request takes the first)."""
 
 
 class ErrorDetail(WireModel):
-    field: str | None = Field(description="Request field the problem is about, camelCase; null for the body.")
+    field: str | None = Field(
+        description="What the problem is about: a request field, camelCase (a nested one as a dotted path); "
+        "`header <Name>` for a request header; null for the body as a whole."
+    )
     message: str
 
 

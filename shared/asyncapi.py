@@ -79,6 +79,38 @@ def _headers(properties: Json, required: list[str] | None = None) -> Json:
     return schema
 
 
+_REQUEST_HEADERS = _headers(
+    {
+        TIMEOUT_HEADER: {
+            "type": "string",
+            "pattern": "^[0-9]+$",
+            "description": "How long the caller waits, in milliseconds (1 to 300000): the worker answers or refuses "
+            "within it. Without it the worker's default deadline bounds the work (ONTOFABRIC_QUERY_DEFAULT_TIMEOUT_MS, "
+            "10 s), and the request waits for a free slot at most ONTOFABRIC_QUERY_UNSTATED_MAX_WAIT_MS (250 ms), "
+            "since the caller's timeout is unknown. Spaces around the digits are ignored, as in HTTP; anything else "
+            "is refused (invalid_request, field `header Ontofabric-Timeout-Ms`).",
+        },
+        SENT_AT_HEADER: {
+            "type": "string",
+            "pattern": "^[0-9]+$",
+            "description": "Optional: when the caller sent the request, in milliseconds since the Unix epoch. A "
+            f"worker that reads it more than {CLOCK_ALLOWANCE_MS} ms later (it stalled) counts the wait against the "
+            "timeout, and does no work for a caller that has given up. Send it only where the hosts' clocks agree "
+            "within that. Spaces around the digits are ignored.",
+        },
+        RECEIPT_HEADER: {
+            "type": "string",
+            "description": "Optional, any value: the worker that reads the request first sends an empty Receipt "
+            f"message ({RECEIPT_HEADER}: {RECEIVED}) to the reply subject, then the reply. A caller that reads more "
+            "than one message there tells a worker frozen or gone (no receipt within a second or so) from one at "
+            "work, and sends the request again at once.",
+        },
+        **_TRACE_HEADERS,
+    }
+)
+"""The headers every request to the query workers may carry (query, document and status alike)."""
+
+
 def _messages() -> Json:
     return {
         "DeltaEnvelope": _message(
@@ -150,39 +182,7 @@ def _messages() -> Json:
             "A workspace and branch's new ontologyVersion, after the commit that made it: caches keyed by an "
             "older version stop being read.",
         ),
-        "OntologyQuery": _message(
-            "OntologyQuery",
-            "OntologyQuery",
-            "A hybrid retrieval request.",
-            _headers(
-                {
-                    TIMEOUT_HEADER: {
-                        "type": "string",
-                        "pattern": "^[0-9]+$",
-                        "description": "How long the caller waits, in milliseconds (1 to 300000): the worker "
-                        "answers or refuses within it. Without it the worker's default deadline bounds the work "
-                        "(ONTOFABRIC_QUERY_DEFAULT_TIMEOUT_MS, 10 s), and the request waits for a free slot at "
-                        "most ONTOFABRIC_QUERY_UNSTATED_MAX_WAIT_MS (250 ms), since the caller's timeout is unknown.",
-                    },
-                    SENT_AT_HEADER: {
-                        "type": "string",
-                        "pattern": "^[0-9]+$",
-                        "description": "Optional: when the caller sent the request, in milliseconds since the Unix "
-                        f"epoch. A worker that reads it more than {CLOCK_ALLOWANCE_MS} ms later (it stalled) counts "
-                        "the wait against the timeout, and does no work for a caller that has given up. Send it "
-                        "only where the hosts' clocks agree within that.",
-                    },
-                    RECEIPT_HEADER: {
-                        "type": "string",
-                        "description": "Optional, any value: the worker that reads the request first sends an "
-                        f"empty Receipt message ({RECEIPT_HEADER}: {RECEIVED}) to the reply subject, then the reply. "
-                        "A caller that reads more than one message there tells a worker frozen or gone (no receipt "
-                        "within a second or so) from one at work, and sends the request again at once.",
-                    },
-                    **_TRACE_HEADERS,
-                }
-            ),
-        ),
+        "OntologyQuery": _message("OntologyQuery", "OntologyQuery", "A hybrid retrieval request.", _REQUEST_HEADERS),
         "Receipt": {
             **_message(
                 "Receipt",
@@ -198,9 +198,15 @@ def _messages() -> Json:
             "ErrorReply",
             "A refused or failed request: a stable code, whether it is retryable, and the fields at fault.",
         ),
-        "DocumentRequest": _message("DocumentRequest", "DocumentRequest", "One document by id."),
+        "DocumentRequest": _message("DocumentRequest", "DocumentRequest", "One document by id.", _REQUEST_HEADERS),
         "DocumentReply": _message("DocumentReply", "DocumentReply", "The document, or why there is none."),
-        "StatusRequest": _message("StatusRequest", "StatusRequest", "A workspace's index status."),
+        "StatusRequest": _message(
+            "StatusRequest",
+            "StatusRequest",
+            "A workspace's index status. An ingester may ask it of its own workspace: its deltas are indexed (or "
+            "dead-lettered) once indexedSeq reaches the sequence of the last one's publish acknowledgement.",
+            _REQUEST_HEADERS,
+        ),
         "StatusReply": _message("StatusReply", "StatusReply", "Per branch: version, freshness and lag."),
         "Snapshot": _message(
             "Snapshot",
@@ -231,7 +237,10 @@ def _channel(address: str, description: str, messages: list[str], parameters: Js
 def _reply_channel(messages: list[str]) -> Json:
     return {
         "address": None,
-        "description": "The requester's inbox (the request's NATS reply subject).",
+        "description": "The requester's inbox: the request's NATS reply subject, which must start with `_INBOX.` "
+        "(a worker answers no other subject). On a deployment with NATS logins each user may only subscribe under "
+        "`_INBOX.<its user name>.`, so a client sets that as its inbox prefix (nats.js `inboxPrefix`, nats-py "
+        "`inbox_prefix`); for an nkey user the name is its public key.",
         "messages": {name: {"$ref": f"#/components/messages/{name}"} for name in messages},
     }
 

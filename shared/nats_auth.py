@@ -165,6 +165,9 @@ def role_permissions(role: NatsRole, names: Names, user: str, workspace: str | N
                 # The manifests of what was published: keys under the workspace's token, read by key subject.
                 f"$KV.{names.manifest_bucket}.{token}.>",
                 f"{API}.DIRECT.GET.{manifests}.$KV.{names.manifest_bucket}.{token}.>",
+                # Its workspace's status: its deltas are indexed once indexedSeq reaches its last publish's sequence
+                # (an ingester of another language needs no consumer's name, nor the JetStream API).
+                f"{names.prefix}.status.{token}",
             ],
             # Its workspace's dead letters as they are set aside: which of its deltas never reached the index.
             subscribe=[*inbox, names.dlq_subject(token)],

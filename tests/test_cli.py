@@ -31,7 +31,8 @@ from .factories import document, upsert
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
     "up", "projector", "query-worker", "ingest", "query", "mcp", "demo", "eval", "rebuild", "migrate", "contracts",
-    "settings", "gateway-token", "nats-user", "dlq", "status", "compact", "reembed", "calibrate",
+    "settings", "gateway-token", "nats-user", "dlq", "status", "compact", "reembed", "calibrate", "forget-layout",
+    "adopt-stream",
 ]  # fmt: skip
 
 

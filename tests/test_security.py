@@ -244,6 +244,13 @@ async def test_a_tenant_reaches_only_its_own_workspace(deployment: Deployment, r
         assert time.monotonic() - started < 3
         assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.messages == 1
 
+        # It asks its own workspace's status (to know when its deltas are indexed), no other's, and no query.
+        asking = QueryClient(ingest_acme, deployment.names, timeout_s=10)
+        assert isinstance(await asking.status("acme", {}), StatusReply)
+        for workspace, operation in (("beta", "status"), ("acme", "query"), ("acme", "document")):
+            with pytest.raises(PermissionDenied):
+                await asking.send_raw(workspace, b"{}", operation)
+
         # It sees its own workspace's dead letters go by (which of its deltas were set aside), no other's.
         letters: list[str] = []
 

@@ -14,7 +14,14 @@ from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
 from ontofabric.services.ops.status import DeploymentStatus
-from ontofabric.shared.discovery import INSTANCE, Worker, held_elsewhere, postgres_partitions
+from ontofabric.shared.discovery import (
+    INSTANCE,
+    SCHEMA,
+    Worker,
+    held_elsewhere,
+    postgres_partitions,
+    release_schema,
+)
 
 
 def _snippet(text: str, width: int = 70) -> str:
@@ -224,12 +231,15 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
 
 def _shown(details: dict[str, str]) -> list[str]:
     """A worker's details as status shows them: not the name of its worker object (an id for machines)."""
-    return [value for key, value in details.items() if key != INSTANCE]
+    return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE]
 
 
 def standing_by(worker: Worker, projectors: list[Worker]) -> str:
     """ ", standing by" for a Postgres projector whose partitions another that began before it applies (all, or
-    the partitions named); "" for one that applies them."""
+    the partitions named); "" for one that applies them. Which one applies is decided among processes of this
+    release: one of another release is said to be that (an earlier one applies without taking part)."""
+    if worker.details.get(SCHEMA) != release_schema():
+        return ", of another release"
     announced = postgres_partitions(worker)
     if announced is None:
         return ""

@@ -86,7 +86,10 @@ async def announce(
     INFO and STATS, to all services, to ``name``'s and to this one's, with nats.micro's documents; ``details`` go
     into its metadata, INFO lists ``endpoints``, STATS says what each has answered so far."""
     started = datetime.now(UTC)
-    metadata = {"host": socket.gethostname(), "pid": str(os.getpid()), "started": started.isoformat(), **details}
+    metadata = {
+        "host": socket.gethostname(), "pid": str(os.getpid()), "started": started.isoformat(),
+        SCHEMA: release_schema(), **details,
+    }  # fmt: skip
     service_id = uuid.uuid4().hex
     ping = {
         "type": "io.nats.micro.v1.ping_response", "id": service_id, "name": name,
@@ -179,6 +182,17 @@ def held_elsewhere(
 INSTANCE = "instance"
 """The detail that names the worker object behind an announcement, the same across its announcements (a process
 that gives its seniority up answers anew under another id)."""
+SCHEMA = "schema"
+"""The detail that names the latest database migration the worker's release knows: the package's version number
+is the same across releases, and a projector of an earlier release beside a current one writes rows by its own
+rules (an upgrade tester's). Absent from releases before it was announced."""
+
+
+def release_schema() -> str:
+    """This release's :data:`SCHEMA` detail."""
+    from .db import migrations  # the migrations' package, read once a worker announces itself
+
+    return str(migrations()[-1].version)
 
 
 def remembered_peers(

@@ -19,9 +19,10 @@ from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.render import render_status
-from ontofabric.shared.discovery import INSTANCE
-from ontofabric.shared.jetstream import projected_floor
+from ontofabric.services.render import render_status, standing_by
+from ontofabric.shared.discovery import INSTANCE, SCHEMA, announce, release_schema
+from ontofabric.shared.jetstream import close as close_nats
+from ontofabric.shared.jetstream import connect, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
@@ -72,8 +73,28 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         [],
     )  # every document by this build's analysis
     (running,) = status.projectors  # it answers service discovery too, saying what it projects and embeds with
+    assert standing_by(running, status.projectors) == ""
     assert running.details.pop(INSTANCE)  # its worker object, the same when it answers anew
+    assert running.details.pop(SCHEMA) == release_schema()  # the latest migration its release knows
     assert running.details == {"index": "postgres", "partitions": "all", "models": ""}  # no embedder
+    assert not status.problems
+
+    # A projector of another release beside it: the package's version number does not tell them apart, and one of
+    # an earlier release applied batches while status said it stood by (an upgrade tester's).
+    details = {"index": "postgres", "partitions": "all", SCHEMA: "27"}
+    as_projector = await connect(deployment.nats_url_as("projector"), "an-earlier-release", deployment.settings)
+    earlier = await announce(as_projector, deployment.names.projector_service, "ontofabric Postgres projector", details)
+    try:
+        status = await deployment_status(deployment.nc, deployment.names, placement)
+        (problem,) = status.problems
+        assert "more than one release" in problem
+        assert "schema 27: " in problem
+        assert f"schema {release_schema()}: " in problem
+        older = next(worker for worker in status.projectors if worker.details[SCHEMA] == "27")
+        assert standing_by(older, status.projectors) == ", of another release"
+    finally:
+        await earlier.stop()
+        await close_nats(as_projector)
     await second.stop()
     assert len((await deployment_status(deployment.nc, deployment.names, placement)).query_workers) == 1
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
@@ -22,7 +23,7 @@ from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_after
-from ontofabric.shared.discovery import Worker, discover
+from ontofabric.shared.discovery import SCHEMA, Worker, discover
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
@@ -194,9 +195,29 @@ async def deployment_status(
     status.projectors, status.query_workers, status.analysis = await asyncio.gather(
         discover(nc, names.projector_service), discover(nc, names.query_service), analysis_status(placement, workspace)
     )
+    releases = releases_answering([*status.projectors, *status.query_workers])
+    if len(releases) > 1:
+        status.problems.append(
+            "workers of more than one release answer ("
+            + "; ".join(f"{schema}: {', '.join(workers)}" for schema, workers in releases.items())
+            + "): a projector of an earlier release writes rows by its own rules and may take no part in claims; "
+            "stop the workers of the earlier release"
+        )
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
+
+
+def releases_answering(workers: Sequence[Worker]) -> dict[str, list[str]]:
+    """The workers (host:pid) by the release they announce, as "schema N" (the latest migration it knows), or
+    "an earlier release" for those that announce none."""
+    releases: dict[str, list[str]] = {}
+    for worker in workers:
+        schema = worker.details.get(SCHEMA)
+        releases.setdefault(f"schema {schema}" if schema else "an earlier release", []).append(
+            f"{worker.host}:{worker.pid}"
+        )
+    return dict(sorted(releases.items()))
 
 
 async def _index_positions(placement: Placement, durables: list[str]) -> tuple[dict[str, int], dict[str, str]]:

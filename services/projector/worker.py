@@ -329,8 +329,6 @@ class ProjectorService:
         js = self._nc.jetstream()
         # What the lost index's consumer had settled needs no dead letter again: said before the consumer goes.
         await store.read_again(0, await ack_floor(js, self.names.delta_stream, durable))
-        # Versions numbered on from those announced: the bucket refuses a revision it has passed.
-        await self._revisions_above_announced(partition)
         # First, lock or not: with the consumer gone its floor no longer says the index read what the lost one had
         # (how far projection has got, and compaction, read the floors; compaction also refuses while a fill is not
         # done).
@@ -338,6 +336,9 @@ class ProjectorService:
         async with store.compactions_held_off() as held_off:
             if not held_off:
                 raise FillDeferred("a compaction, or another fill on the database, holds the lock: filled after it")
+            # Versions numbered on from those announced: the bucket refuses a revision it has passed (an index
+            # emptied by adopt-stream, while the bucket kept what the lost one had announced).
+            await self._revisions_above_announced(partition)
             batch = self.settings.projector_batch_size
             first = int((await js.stream_info(self.names.delta_stream)).state.first_seq or 0)
             snapshots = await find_snapshot_store(js, self.names)

@@ -495,8 +495,12 @@ class PostgresProjectionStore:
             async with conn.transaction():
                 commits = await self._check_fence(conn, deltas)
                 # The changed-row counters reach the statistics views as this commit returns, not a second
-                # later: refresh_statistics right after sees this batch.
-                await conn.execute("SELECT pg_stat_force_next_flush()")
+                # later: refresh_statistics right after sees this batch. And the analysis its rows are written by,
+                # which an earlier release does not say (infra/migrations/0030).
+                await conn.execute(
+                    "SELECT pg_stat_force_next_flush(), set_config('ontofabric.analysis_version', $1, true)",
+                    str(ANALYSIS_VERSION),
+                )
                 versions, revisions = await self._lock_versions(conn, scopes)
                 await _check_model(conn, deltas)
                 rows = await self._current_rows(conn, refs)

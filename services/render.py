@@ -126,10 +126,22 @@ class RichProgress:
             self._progress.stop()
 
     def stage(self, name: str, total: int) -> None:
+        """A stage begins, of ``total`` steps; one begun before goes on with ``total`` more (a rebuild's replay
+        rounds: a tester's rebuild showed its replay four times over)."""
         if self._plain:
+            again = self._lines.get(name)
+            if again is not None:
+                again.total += total
+                self._console.print(f"{name}: {again.done}/{again.total}", markup=False, highlight=False)
+                return
             now = self._clock()
             self._lines[name] = _PlainStage(total, now, now)
             self._console.print(f"{name}: 0/{total}", markup=False, highlight=False)
+            return
+        task = self._tasks.get(name)
+        if task is not None:
+            done = next(shown.completed for shown in self._progress.tasks if shown.id == task)
+            self._progress.update(task, total=done + total)
             return
         self._tasks[name] = self._progress.add_task(name, total=total)
 

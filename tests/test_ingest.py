@@ -313,6 +313,19 @@ def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
         assert out.getvalue().splitlines()[-1] == f"embed: 100/100 ({PLAIN_PROGRESS_EVERY_S + 1:.0f} s)"
         progress.advance("embed", 1)  # past the total: no second "done"
         assert len(out.getvalue().splitlines()) == 3
+        # The same stage again (a rebuild's next replay round) goes on from where it was, on one count.
+        progress.stage("embed", 10)
+        assert out.getvalue().splitlines()[-1] == "embed: 101/110"
+        progress.advance("embed", 9)
+        assert out.getvalue().splitlines()[-1] == f"embed: 110/110 ({PLAIN_PROGRESS_EVERY_S + 1:.0f} s)"
+    # Drawn as bars: one bar, its total grown.
+    drawn = RichProgress(Console(file=io.StringIO(), force_terminal=True))
+    with drawn:
+        drawn.stage("replay", 10)
+        drawn.advance("replay", 10)
+        drawn.stage("replay", 5)
+        (bar,) = drawn._progress.tasks
+        assert (bar.completed, bar.total) == (10, 15)
 
 
 def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(

@@ -229,7 +229,10 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
         for w in status.projectors
     )
     console.print(f"projectors: {projectors or 'none answering'}")
-    workers = ", ".join(f"{w.host}:{w.pid} (since {w.started})" for w in status.query_workers) or "none answering"
+    workers = ", ".join(
+        " ".join([f"{w.host}:{w.pid}", *_shown(w.details), f"(since {w.started})"]) for w in status.query_workers
+    )
+    workers = workers or "none answering"
     console.print(f"query workers: {workers}")
     analysis = status.analysis
     counts = analysis.documents_of_another_analysis
@@ -242,8 +245,9 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
 
 
 def _shown(details: dict[str, str]) -> list[str]:
-    """A worker's details as status shows them: not the name of its worker object (an id for machines)."""
-    return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE]
+    """A worker's details as status shows them (its embedding models, a projector's index and partitions): not the
+    name of its worker object (an id for machines), nor an empty one."""
+    return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE and value]
 
 
 def standing_by(worker: Worker, projectors: list[Worker]) -> str:

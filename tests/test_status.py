@@ -134,6 +134,9 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     table = await asyncio.to_thread(status_command)
     assert table.returncode == 0, table.stderr
     assert "dead letters: globex 1" in table.stdout
+    # Each query worker with its release (and its embedding models, none here): before, only where it ran.
+    (workers_line,) = [line for line in table.stdout.splitlines() if line.startswith("query workers: ")]
+    assert f" schema {release_schema()} (since " in workers_line
     assert f"{deployment.names.dlq_stream} 1 messages" in table.stdout
     delta_stream = next(stream for stream in report["streams"] if stream["name"] == deployment.names.delta_stream)
     assert (delta_stream["messages"], delta_stream["max_bytes"]) == (later.seq + 1, None)  # initech's after it

@@ -200,6 +200,13 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     shown = Console(record=True, width=200)
     render_status(shown, status)
     assert "not in stream" in shown.export_text()
+    assert not status.problems
+    # The snapshots lost (their object store deleted): what the stream no longer holds is nowhere, and status says
+    # so (a disaster recovery tester's: nothing named it, and rebuild and compact refused with sequences).
+    await deployment.js.delete_object_store(names.snapshot_bucket)
+    (problem,) = (await deployment_status(deployment.nc, names, placement)).problems
+    assert f"starts at sequence {later.seq + 1}" in problem
+    assert "snapshots cover nothing" in problem
 
 
 async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unreachable_database_is_named(

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
+from ontofabric.services.projector.snapshots import compacted_through, find_snapshot_store
 from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_after
@@ -181,6 +182,17 @@ async def deployment_status(
                 pending.oldest_ms,
             )
         )
+    first = int(deltas.state.first_seq or 0)
+    if first > 1:  # compacted, or aged out: the snapshots must hold what went
+        snapshots = await find_snapshot_store(js, names)
+        covered = 0 if snapshots is None else await compacted_through(snapshots)
+        if covered < first - 1:
+            held = f"through sequence {covered}" if covered else "nothing"
+            status.problems.append(
+                f"the delta stream starts at sequence {first} and the snapshots cover {held}: deltas "
+                f"{covered + 1}..{first - 1} are nowhere (the snapshot store lost, or deltas aged out before a "
+                "compaction), so a rebuild or an index filled from nothing lacks them; ingest the workspaces again"
+            )
     dlq = await js.stream_info(names.dlq_stream, subjects_filter=names.dlq_subjects)
     for subject, count in sorted((dlq.state.subjects or {}).items()):
         # Named as `dlq list --workspace` selects them (a subject of an earlier version's odd token among them).

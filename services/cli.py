@@ -1636,20 +1636,14 @@ def adopt_stream(
     from .ops.adopt import AdoptRefused
     from .ops.adopt import adopt_stream as adopt
 
-    settings = _settings("ontofabric-adopt-stream", data_dir, quiet=True)
-    endpoints = _endpoints(settings)
     if not yes and not typer.confirm("empty the index and fill it again from the delta stream as it is now?"):
         raise typer.Exit(1)
 
-    async def run() -> Adopted:
-        nc = await connect(endpoints.nats_url_as("operator"), "ontofabric-adopt-stream", settings)
-        try:
-            return await adopt(nc, Names(settings.subject_prefix), Placement.of(settings, endpoints.database_url))
-        finally:
-            await close_nats(nc)
+    async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Adopted:
+        return await adopt(nc, names, Placement.of(settings, endpoints.database_url))
 
     try:
-        adopted = asyncio.run(run())
+        adopted = _as_operator(data_dir, job)
     except AdoptRefused as error:
         _fail(str(error))
     console.print(

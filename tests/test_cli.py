@@ -755,3 +755,32 @@ def test_ingest_refuses_a_path_that_is_no_directory(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert "is not a directory" in result.output
+
+
+async def test_adopt_stream_empties_the_index_and_the_running_projector_fills_it_again(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    acks = await deployment.publisher.publish_many([upsert("acme", document(f"d{n}", f"text {n}")) for n in range(5)])
+    await deployment.wait_projected(acks[-1].seq)
+    before = await deployment.fetch("SELECT id, content, stream_seq FROM documents ORDER BY id")
+
+    def adopt(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [ONTOFABRIC, "adopt-stream", *args]
+        return subprocess.run(
+            command, env=deployment.env(), input="n\n", capture_output=True, text=True, check=False, timeout=60
+        )
+
+    declined = await asyncio.to_thread(adopt)
+    assert declined.returncode == 1
+    assert await deployment.fetch("SELECT id, content, stream_seq FROM documents ORDER BY id") == before  # untouched
+    adopted = await asyncio.to_thread(adopt, "--yes")
+    assert adopted.returncode == 0, adopted.stderr
+    said = " ".join(adopted.stdout.split())
+    assert "emptied the index on 1 database(s) (5 documents)" in said
+    assert f"sequences 1..{acks[-1].seq}" in said
+    async with asyncio.timeout(30):  # the running projector claims again and fills the index from the stream
+        while await deployment.fetch("SELECT id, content, stream_seq FROM documents ORDER BY id") != before:
+            await asyncio.sleep(0.2)
+    later = await deployment.publisher.publish(upsert("acme", document("d0", "text 0, later")))
+    await deployment.wait_projected(later.seq)
+    assert (await deployment.fetch("SELECT content FROM documents WHERE id = 'd0'"))[0]["content"] == "text 0, later"

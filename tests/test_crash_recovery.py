@@ -614,7 +614,7 @@ async def _refusal(deployment: Deployment) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replaced_by", ["an older backup", "nothing"])
+@pytest.mark.parametrize("replaced_by", ["an older backup", "nothing", "an older backup under a running projector"])
 async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     servers: Endpoints, tmp_path: Path, replaced_by: str
 ) -> None:
@@ -622,7 +622,9 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     nothing (a lost disk), then written to past the index's position. Before, the projector read on from the
     index's position: the new deltas were skipped, or made no-ops by the sequence rule, without a word (a disaster
     recovery tester's, 2026-12-02). Now it applies nothing of that stream and `status` names the problem; after
-    `adopt-stream` the index is refilled from the stream as it is, and ends as its fold."""
+    `adopt-stream` the index is refilled from the stream as it is, and ends as its fold. Under a projector running
+    as the stream is written past its position, the refusal stands: a tester's ingest republished the delta at the
+    index's mark (event ids derived from what is published), and the check passed again."""
     from ontofabric.services.ops.adopt import adopt_stream
     from ontofabric.services.ops.status import deployment_status
     from ontofabric.shared.jetstream import ensure_jetstream
@@ -655,22 +657,35 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
         assert position == 40
         async with _stopped(runtime, node) as store:
             shutil.rmtree(store)
-            if replaced_by == "an older backup":
+            if replaced_by != "nothing":
                 shutil.copytree(backup, store)
         await ensure_jetstream(deployment.js, names, deployment.settings)  # a lost store: made again, as `up` does
+        before = await _projected(deployment)
         later = [upsert("acme", document(f"b{n}", f"third {n}")) for n in range(5)]
         later += [upsert("acme", document(f"c{n}", f"third {n}")) for n in range(40)]
+        # The last of the lost history again, at the same sequence (40) and with the same event id.
+        later[19] = lost[-1].model_copy(update={"occurred_at": later[19].occurred_at})
+        service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+        running = replaced_by == "an older backup under a running projector"
+        if running:
+            await service.start()
+            assert "ends at sequence 20, before the 40" in await _refusal(deployment)
         later_acks = await deployment.publisher.publish_many(later)
         assert later_acks[-1].seq > position  # past what the index read: a check of sequences alone passes it
-        before = await _projected(deployment)
-
-        service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-        await service.start()
+        if not running:
+            await service.start()
         try:
             reason = await _refusal(deployment)
             print(replaced_by, "->", reason)
-            assert ("is not the one this index read" if replaced_by == "an older backup" else "was made at") in reason
-            await asyncio.sleep(3)  # a look or two: still nothing applied
+            expected = {
+                "an older backup": "is not the one this index read",
+                "nothing": "was made at",
+                "an older backup under a running projector": "ends at sequence 20, before the 40",
+            }
+            assert expected[replaced_by] in reason
+            await asyncio.sleep(3)  # a look or two: still nothing applied, and the same reason
+            assert await _projected(deployment) == before
+            assert await _refusal(deployment) == reason
             assert await _projected(deployment) == before
             placement = Placement.of(deployment.settings, deployment.database_url)
             status = await deployment_status(deployment.nc, names, placement)
@@ -679,7 +694,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             adopted = await adopt_stream(deployment.nc, names, placement)
             assert adopted.documents == 20 - 5 + 5  # what the index held: a0..a9, a15..a19, b0..b4
             assert adopted.stream_last == later_acks[-1].seq
-            stream = [*zip(kept_acks, kept, strict=True)] if replaced_by == "an older backup" else []
+            stream = [*zip(kept_acks, kept, strict=True)] if replaced_by != "nothing" else []
             stream += zip(later_acks, later, strict=True)
             await deployment.wait_projected(later_acks[-1].seq, timeout_s=60)
             lost_docs, stale, extra = _divergence(fold((a.seq, d) for a, d in stream), await _projected(deployment))

@@ -9,7 +9,7 @@ import pytest
 
 from ontofabric.contracts import NO_VERSION, LinkAdded, NodeUpserted, OntologyLink, OntologyNode
 from ontofabric.services.ingest.client import envelope
-from ontofabric.services.projector.following import Followed, mark_of, mark_of_stored, refusal
+from ontofabric.services.projector.following import Followed, delta_mark, refusal
 from ontofabric.services.projector.planning import (
     Delta,
     EntityRef,
@@ -343,11 +343,11 @@ def test_a_long_name_is_named_only_beside_the_databases_refusal_of_an_index_entr
 
 def test_a_stream_is_followed_only_while_it_is_the_one_the_index_read() -> None:
     made = datetime(2026, 12, 1, tzinfo=UTC)
-    followed = Followed(made, 40, mark_of("acme", "e40"))
-    stored = json.dumps({"workspace": "acme", "eventId": "e40", "payload": {}}).encode()
-    assert mark_of_stored(stored) == followed.mark
-    assert mark_of_stored(b"not json") is None
-    assert mark_of_stored(b'{"workspace": "acme"}') is None
+    data = json.dumps({"workspace": "acme", "eventId": "e40", "payload": {}}).encode()
+    followed = Followed(made, 40, delta_mark("t.delta.acme.main", data))
+    # The same event id with other bytes (an ingester that derives ids from what it publishes) is another delta.
+    assert delta_mark("t.delta.acme.main", data + b" ") != followed.mark
+    assert delta_mark("t.delta.acme.other", data) != followed.mark
     # The same stream, read on; its mark compacted away or deleted (found None): nothing says otherwise.
     assert refusal(followed, 40, made, 65, followed.mark) is None
     assert refusal(followed, 40, made, 65, None) is None
@@ -360,4 +360,11 @@ def test_a_stream_is_followed_only_while_it_is_the_one_the_index_read() -> None:
     assert "ends at sequence 20, before the 40" in str(refusal(followed, 40, made, 20, None))
     assert "ends at sequence 30, before the 40" in str(refusal(Followed(made, 40, "m"), 35, made, 30, None))
     # Another delta where the index applied its last: an older backup restored, then written to.
-    assert "sequence 40 is not the one" in str(refusal(followed, 40, made, 65, mark_of("acme", "other")))
+    assert "sequence 40 is not the one" in str(refusal(followed, 40, made, 65, delta_mark("t.delta.acme.main", b"{}")))
+
+
+def test_a_validated_delta_carries_the_digest_of_its_bytes() -> None:
+    data, subject = _raw(upsert("ws", document("a", "alpha")).model_dump_json())
+    delta = validate_delta(data, subject, 7, LIMITS)
+    assert isinstance(delta, Delta)
+    assert delta.mark == delta_mark(subject, data)

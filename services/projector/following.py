@@ -4,15 +4,17 @@ An index holds, for each delta it applied, the stream sequence it came at; a con
 position. Both hold only while the stream is the one the index read. A JetStream store lost and made again starts
 its sequences at 1 under an index past them; one restored from a backup older than the database numbers new deltas
 with sequences the index has already read. Either way every later change was skipped without a word (a disaster
-recovery tester's, 2026-12-02). The index therefore records the stream it follows: when it was made, and which
-delta it applied last, at which sequence (its mark, written by each batch with its rows). A stream made at another
-time, one that ends before what the index read, or one with another delta at the mark is refused until an
-operator adopts it (``ontofabric adopt-stream``).
+recovery tester's, 2026-12-02). The index therefore records the stream it follows: when it was made, and a digest
+of the last delta it applied, with its sequence (its mark, written by each batch with its rows). A stream made at
+another time, one that ends before what the index read, or one with another delta at the mark is refused, and the
+refusal stands until an operator adopts the stream (``ontofabric adopt-stream``): a stream once found to be
+another does not become the index's own by being written to (a tester's restored backup, written past the index's
+position, passed the check again once an ingester had republished the same delta at the mark).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -26,23 +28,13 @@ class Followed:
     mark_seq: int | None = None
     """The sequence of the last delta the index applied."""
     mark: str | None = None
-    """That delta, by :func:`mark_of`."""
+    """That delta, by :func:`delta_mark`."""
 
 
-def mark_of(workspace: str, event_id: str) -> str:
-    """A delta as a mark: its event id, which is unique within its workspace."""
-    return f"{workspace}:{event_id}"
-
-
-def mark_of_stored(data: bytes) -> str | None:
-    """The mark of a delta as the stream holds it (None: not a delta that names its event)."""
-    try:
-        delta = json.loads(data)
-    except ValueError:
-        return None
-    if isinstance(delta, dict) and isinstance(delta.get("workspace"), str) and isinstance(delta.get("eventId"), str):
-        return mark_of(delta["workspace"], delta["eventId"])
-    return None
+def delta_mark(subject: str, data: bytes) -> str:
+    """A digest of a delta as the stream holds it: its subject and its bytes. Not its event id: an ingester that
+    derives ids from what it publishes (the reference one does) sends the same id again for another history."""
+    return hashlib.sha256(subject.encode() + b"\0" + data).hexdigest()[:32]
 
 
 def refusal(

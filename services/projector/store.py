@@ -19,7 +19,7 @@ from ontofabric.shared.db import STALL_MARGIN_S, Connection, index_model
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
 
-from .following import Followed, mark_of
+from .following import Followed
 from .planning import (
     ANALYSIS_VERSION,
     Delta,
@@ -226,7 +226,7 @@ _RENEW_CLAIM_IN_BATCH = (
 _RENEW_CLAIM_AT_A_LOOK = (
     "UPDATE projection_fences SET renewed_at = now(), position = greatest(position, $5)"
     " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4"
-    " RETURNING position, stream_created, mark_seq, mark"
+    " RETURNING position, stream_created, mark_seq, mark, refused"
 )
 _SET_FILL = "UPDATE projection_fences SET fill = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3"
 
@@ -257,6 +257,9 @@ class PostgresProjectionStore:
         known)."""
         self.followed = Followed()
         """What its row says of the stream the index follows (following.py), as of its last claim or renewal."""
+        self.refused: str | None = None
+        """Why its row says the stream is refused (following.py), as of its last claim or renewal: it stands until
+        an operator adopts the stream."""
         self.read_before = 0
         """The highest floor the consumer had reached before it was last made to read again behind it."""
         self.went_back = False
@@ -296,7 +299,7 @@ class PostgresProjectionStore:
                     " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
                     " claimed_at = now(), renewed_at = now(), released = false"
-                    " RETURNING epoch, fill, commits, position, read_before, stream_created, mark_seq, mark",
+                    " RETURNING epoch, fill, commits, position, read_before, stream_created, mark_seq, mark, refused",
                     self._fence,
                     holder,
                 )
@@ -306,6 +309,7 @@ class PostgresProjectionStore:
                     claimed["commits"], claimed["position"], claimed["read_before"]
                 )  # fmt: skip
                 self.followed = Followed(claimed["stream_created"], claimed["mark_seq"], claimed["mark"])
+                self.refused = claimed["refused"]
                 self.in_step, self._floor = False, None
                 # A database gone back may lack partitions this process made since: each is made again as needed.
                 self._known_workspaces.clear()
@@ -378,15 +382,15 @@ class PostgresProjectionStore:
             return True
         self.position = renewed["position"]
         self.followed = Followed(renewed["stream_created"], renewed["mark_seq"], renewed["mark"])
+        self.refused = renewed["refused"]
         return True
 
     async def follow(self, created: datetime | None) -> None:
         """Record the stream the index follows (made at ``created``), as checked after a claim or at a look
-        (following.py): no refusal stands."""
+        (following.py)."""
         async with self._pool.acquire() as conn:
             await conn.execute(
-                "UPDATE projection_fences SET stream_created = $4, refused = NULL"
-                " WHERE durable = $1 AND epoch = $2 AND holder = $3",
+                "UPDATE projection_fences SET stream_created = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3",
                 self._fence,
                 self._epoch,
                 self._holder,
@@ -395,7 +399,8 @@ class PostgresProjectionStore:
         self.followed = dataclasses.replace(self.followed, created=created)
 
     async def refuse(self, reason: str) -> None:
-        """Say why the index does not read the stream now (`ontofabric status` shows it)."""
+        """Say why the index does not read the stream (`ontofabric status` shows it): until an operator adopts the
+        stream, which deletes the row."""
         async with self._pool.acquire() as conn:
             await conn.execute(
                 "UPDATE projection_fences SET refused = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3",
@@ -457,10 +462,10 @@ class PostgresProjectionStore:
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
         last = max(deltas, key=lambda delta: delta.seq, default=None)
-        mark = None if last is None else mark_of(last.envelope.workspace, last.envelope.event_id)
+        marked = None if last is None or last.mark is None else last
         commits: int | None = await conn.fetchval(
             _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor,
-            None if last is None else last.seq, mark,
+            None if marked is None else marked.seq, None if marked is None else marked.mark,
         )  # fmt: skip
         if commits is None:
             raise Fenced(await self._lost_claim(conn))

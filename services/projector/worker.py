@@ -59,7 +59,7 @@ from .azure import (
     replay_if_index_lost,
 )
 from .consumer import DurableProjection, RunningProjection, restart_consumer, start_projection
-from .following import mark_of_stored, refusal
+from .following import delta_mark, refusal
 from .planning import ANALYSIS_VERSION, Limits
 from .postgres import PostgresSink
 from .reembedding import Reembedder, reembedder_for
@@ -372,14 +372,18 @@ class ProjectorService:
         followed, position = store.followed, store.position
 
         found = None
-        if followed.mark_seq is not None and first <= followed.mark_seq <= last:  # else compacted away, or not there
-            with contextlib.suppress(NotFoundError):  # deleted
-                found = mark_of_stored((await js.get_msg(self.names.delta_stream, followed.mark_seq)).data or b"")
-        reason = refusal(followed, position, stream.created, last, found)
+        if store.refused is None and followed.mark_seq is not None and first <= followed.mark_seq <= last:
+            with contextlib.suppress(NotFoundError):  # deleted (else compacted away, or not there)
+                stored = await js.get_msg(self.names.delta_stream, followed.mark_seq)
+                found = delta_mark(stored.subject or "", stored.data or b"")
+        # Refused once, refused until adopted: written to since, it is still not the stream the index read.
+        reason = store.refused or refusal(followed, position, stream.created, last, found)
         if reason is not None:
             if self._refused.get(partition) != reason:
                 self._refused[partition] = reason
-                await store.refuse(reason)
+                if store.refused != reason:
+                    await store.refuse(reason)
+                    store.refused = reason
                 log.error(
                     "projector_refuses_the_stream", durable=durable, reason=reason, position=position,
                     stream_first=first, stream_last=last,

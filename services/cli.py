@@ -344,7 +344,8 @@ def query_worker(data_dir: DataDir = None) -> None:
 def _stalled_projection(floor: int, target: int, still_s: float) -> None:
     errors.print(
         f"[yellow]warning:[/yellow] the index has stayed at stream seq {floor} for {still_s:.0f} s (this ingest "
-        f"ends at {target}): is a projector running? `ontofabric status` shows the projectors and dead letters."
+        f"ends at {target}): is a projector running, and following the stream? `ontofabric status` shows the "
+        "projectors, their problems and the dead letters."
     )
 
 
@@ -1648,11 +1649,23 @@ def adopt_stream(
         _fail(str(error))
     console.print(
         f"emptied the index on {adopted.databases} database(s) ({adopted.documents} documents) and deleted "
-        f"{len(adopted.consumers)} consumer(s): running projectors fill it again from the stream's sequences "
-        f"{adopted.stream_first}..{adopted.stream_last}; `ontofabric status` shows their progress. Ingest again "
-        "every workspace the stream no longer holds.",
+        f"{len(adopted.consumers)} consumer(s): running projectors fill it again from the snapshots and the "
+        f"stream's sequences {adopted.stream_first}..{adopted.stream_last}; `ontofabric status` shows their "
+        "progress.",
         soft_wrap=True,
     )
+    if adopted.snapshots_dropped is not None:
+        errors.print(
+            f"deleted the snapshots through sequence {adopted.snapshots_dropped}: they were folded from another "
+            "stream than this one",
+            soft_wrap=True,
+        )
+    if adopted.gone:
+        errors.print(
+            f"the stream no longer holds {len(adopted.gone)} workspace(s) the index held, empty until ingested "
+            f"again: {', '.join(escape(workspace) for workspace in adopted.gone)}",
+            soft_wrap=True,
+        )
 
 
 @app.command("migrate")
@@ -1747,13 +1760,17 @@ def _as_variables(message: str) -> str:
 
 
 def _summaries_on_one_line(*groups: typer.Typer) -> None:
-    """Typer's rich help lists a command by its docstring's first paragraph with the docstring's line breaks kept,
-    which cuts sentences mid-line in `--help`; each command's summary is that paragraph joined instead."""
+    """Typer's rich help shows a command's docstring with its line breaks kept, which cuts sentences mid-line in
+    `--help` (a tester's: "made / again"); each paragraph is joined instead, and the summary is the first."""
     for group in groups:
         for command in group.registered_commands:
             text = command.help or (command.callback.__doc__ if command.callback else None)
-            if command.short_help is None and text:
-                command.short_help = " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
+            if not text:
+                continue
+            paragraphs = [" ".join(paragraph.split()) for paragraph in inspect.cleandoc(text).split("\n\n")]
+            command.help = "\n\n".join(paragraphs)
+            if command.short_help is None:
+                command.short_help = paragraphs[0]
 
 
 _summaries_on_one_line(app, gateway_token, dlq, nats_user)

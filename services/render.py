@@ -20,7 +20,6 @@ from ontofabric.shared.discovery import (
     Worker,
     held_elsewhere,
     postgres_partitions,
-    release_schema,
 )
 
 
@@ -250,12 +249,19 @@ def _shown(details: dict[str, str]) -> list[str]:
     return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE and value]
 
 
+def _schema(worker: Worker) -> int:
+    """The latest migration the worker's release knows; 0 for a release that does not say."""
+    schema = worker.details.get(SCHEMA, "")
+    return int(schema) if schema.isdigit() else 0
+
+
 def standing_by(worker: Worker, projectors: list[Worker]) -> str:
     """ ", standing by" for a Postgres projector whose partitions another that began before it applies (all, or
-    the partitions named); "" for one that applies them. Which one applies is decided among processes of this
-    release: one of another release is said to be that (an earlier one applies without taking part)."""
-    if worker.details.get(SCHEMA) != release_schema():
-        return ", of another release"
+    the partitions named); "" for one that applies them. Which one applies is decided among processes of one
+    release: one of an earlier release than the newest answering is said to be that (one from before the fences
+    applies without taking part, an upgrade tester's)."""
+    if _schema(worker) < max(map(_schema, projectors), default=0):
+        return ", of an earlier release"
     announced = postgres_partitions(worker)
     if announced is None:
         return ""

@@ -50,6 +50,16 @@ def test_every_command_has_help(command: str) -> None:
     assert "<bool>" not in result.stdout  # a flag takes no value, so its help shows none
 
 
+def test_a_commands_help_paragraphs_are_not_cut_at_their_docstrings_line_breaks() -> None:
+    """A tester's `adopt-stream --help` read "made / again": each paragraph is wrapped as one."""
+    result = subprocess.run(
+        [ONTOFABRIC, "compact", "--help"], capture_output=True, text=True, env=_env(COLUMNS="400"), check=False
+    )
+    assert result.returncode == 0, result.stderr
+    (paragraph,) = [line for line in result.stdout.splitlines() if "Bounds the stream" in line]
+    assert paragraph.rstrip().endswith("so it asks first.")
+
+
 @pytest.mark.parametrize("group", [[], ["dlq"], ["gateway-token"], ["nats-user"]])
 def test_command_summaries_are_not_cut_at_their_docstrings_line_breaks(group: list[str]) -> None:
     """Wide enough for every summary, each command's row is one line: a docstring's own line breaks are not kept."""

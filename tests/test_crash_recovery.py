@@ -35,7 +35,17 @@ from ontofabric.shared.jetstream import connect
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, NatsNode, nats_url_of, start_postgres, with_login
 from ontofabric.shared.settings import Settings
 
-from .conftest import Deployment, Key, Row, fold, metric_points, open_deployment, projected_rows, with_database
+from .conftest import (
+    Deployment,
+    Key,
+    RecordedProgress,
+    Row,
+    fold,
+    metric_points,
+    open_deployment,
+    projected_rows,
+    with_database,
+)
 from .factories import delete, document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -614,7 +624,10 @@ async def _refusal(deployment: Deployment) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replaced_by", ["an older backup", "nothing", "an older backup under a running projector"])
+@pytest.mark.parametrize(
+    "replaced_by",
+    ["an older backup", "nothing", "an older backup under a running projector", "a new stream beside its snapshots"],
+)
 async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     servers: Endpoints, tmp_path: Path, replaced_by: str
 ) -> None:
@@ -626,6 +639,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     as the stream is written past its position, the refusal stands: a tester's ingest republished the delta at the
     index's mark (event ids derived from what is published), and the check passed again."""
     from ontofabric.services.ops.adopt import adopt_stream
+    from ontofabric.services.ops.snapshots import compact
     from ontofabric.services.ops.status import deployment_status
     from ontofabric.shared.jetstream import ensure_jetstream
     from ontofabric.shared.placement import Placement
@@ -648,17 +662,25 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
 
         kept = [upsert("acme", document(f"a{n}", f"first {n}")) for n in range(20)]
         kept_acks = await projecting(kept)
+        placement = Placement.of(deployment.settings, deployment.database_url)
+        alone = replaced_by == "a new stream beside its snapshots"
+        if alone:  # snapshots through 20, which outlive the stream
+            await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
         async with _stopped(runtime, node) as store:
             shutil.copytree(store, backup)
         lost = [upsert("acme", document(f"a{n}", f"second {n}")) for n in range(10)]
         lost += [delete("acme", f"a{n}") for n in range(10, 15)]
         lost += [upsert("acme", document(f"b{n}", f"second {n}")) for n in range(5)]
+        lost[15] = upsert("beta", document("x", "a workspace only the lost deltas held"))
         position = (await projecting(lost))[-1].seq
         assert position == 40
-        async with _stopped(runtime, node) as store:
-            shutil.rmtree(store)
-            if replaced_by != "nothing":
-                shutil.copytree(backup, store)
+        if alone:
+            await deployment.js.delete_stream(names.delta_stream)
+        else:
+            async with _stopped(runtime, node) as store:
+                shutil.rmtree(store)
+                if replaced_by != "nothing":
+                    shutil.copytree(backup, store)
         await ensure_jetstream(deployment.js, names, deployment.settings)  # a lost store: made again, as `up` does
         before = await _projected(deployment)
         later = [upsert("acme", document(f"b{n}", f"third {n}")) for n in range(5)]
@@ -680,6 +702,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             expected = {
                 "an older backup": "is not the one this index read",
                 "nothing": "was made at",
+                "a new stream beside its snapshots": "was made at",
                 "an older backup under a running projector": "ends at sequence 20, before the 40",
             }
             assert expected[replaced_by] in reason
@@ -687,14 +710,16 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             assert await _projected(deployment) == before
             assert await _refusal(deployment) == reason
             assert await _projected(deployment) == before
-            placement = Placement.of(deployment.settings, deployment.database_url)
             status = await deployment_status(deployment.nc, names, placement)
             assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
 
             adopted = await adopt_stream(deployment.nc, names, placement)
-            assert adopted.documents == 20 - 5 + 5  # what the index held: a0..a9, a15..a19, b0..b4
+            assert adopted.documents == 20  # what the index held: a0..a9, a15..a19, b1..b4, beta's x
+            assert adopted.gone == ["beta"]  # to be ingested again
+            assert adopted.snapshots_dropped == (20 if alone else None)  # restored, they would shadow the stream
             assert adopted.stream_last == later_acks[-1].seq
-            stream = [*zip(kept_acks, kept, strict=True)] if replaced_by != "nothing" else []
+            backed_up = replaced_by in ("an older backup", "an older backup under a running projector")
+            stream = [*zip(kept_acks, kept, strict=True)] if backed_up else []
             stream += zip(later_acks, later, strict=True)
             await deployment.wait_projected(later_acks[-1].seq, timeout_s=60)
             lost_docs, stale, extra = _divergence(fold((a.seq, d) for a, d in stream), await _projected(deployment))

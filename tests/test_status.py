@@ -91,7 +91,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         assert "schema 27: " in problem
         assert f"schema {release_schema()}: " in problem
         older = next(worker for worker in status.projectors if worker.details[SCHEMA] == "27")
-        assert standing_by(older, status.projectors) == ", of another release"
+        assert standing_by(older, status.projectors) == ", of an earlier release"
     finally:
         await earlier.stop()
         await close_nats(as_projector)

@@ -296,7 +296,10 @@ async def _compact(
         progress.advance("compact", 1)
     if await compacted_through(store) > upto:
         raise CompactionRefused("another compaction ran meanwhile and got further: nothing was dropped by this one")
-    await store.put(MARKER, json.dumps({"covers": upto, "at": datetime.now(UTC).isoformat()}).encode())
+    # And the stream they were folded from (services/projector/following.py): `adopt-stream` drops snapshots of another.
+    made = (await js.stream_info(names.delta_stream)).created
+    marker = {"covers": upto, "at": datetime.now(UTC).isoformat(), "streamCreated": made and made.isoformat()}
+    await store.put(MARKER, json.dumps(marker).encode())
     await js.purge_stream(names.delta_stream, seq=upto + 1)
     after = await js.stream_info(names.delta_stream)
     report.purged = int(stream.messages or 0) - int(after.state.messages or 0)

@@ -144,6 +144,17 @@ async def compacted_through(store: ObjectStore) -> int:
     return int(json.loads(result.data or b"{}").get("covers", 0))
 
 
+async def compacted_from(store: ObjectStore) -> str | None:
+    """When the stream the snapshots were folded from was made (ISO 8601), as the last compaction wrote it; None
+    when not said (never compacted, or by a release before 2026-12-03)."""
+    try:
+        result = await store.get(MARKER)
+    except ObjectNotFoundError:
+        return None
+    made = json.loads(result.data or b"{}").get("streamCreated")
+    return made if isinstance(made, str) else None
+
+
 async def stored_snapshots(store: ObjectStore) -> list[str]:
     """The names of the workspaces' snapshot objects (not the marker)."""
     try:

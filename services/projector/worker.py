@@ -94,6 +94,11 @@ before it leaves its consumers to a process standing by, which may reach the dat
 turns at this pace; nothing is lost either way."""
 
 
+STREAM_CHECK_S = 1.0
+"""How long a look waits for its check of the stream a partition's index follows (as FLOOR_READ_S: a slow
+JetStream API must not hold the look past the lease); not checked, a running projection goes on."""
+
+
 class FillDeferred(Exception):
     """An index to fill from nothing waits for the next look (a compaction holds the stream's start)."""
 
@@ -359,7 +364,8 @@ class ProjectorService:
         operator adopts the stream. Otherwise the stream's creation is recorded where it was not. ``unchecked``:
         the answer when NATS or the database cannot tell (a projection running goes on; a claim waits)."""
         try:
-            return await self._check_the_stream(partition)
+            async with asyncio.timeout(STREAM_CHECK_S):
+                return await self._check_the_stream(partition)
         except Exception as error:
             log.warning("projector_stream_unchecked", durable=self._durables[partition], error=describe(error))
             return unchecked
@@ -380,10 +386,10 @@ class ProjectorService:
         reason = store.refused or refusal(followed, position, stream.created, last, found)
         if reason is not None:
             if self._refused.get(partition) != reason:
-                self._refused[partition] = reason
                 if store.refused != reason:
                     await store.refuse(reason)
                     store.refused = reason
+                self._refused[partition] = reason  # once said in its row: else the next look says it again
                 log.error(
                     "projector_refuses_the_stream", durable=durable, reason=reason, position=position,
                     stream_first=first, stream_last=last,

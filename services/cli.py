@@ -1634,26 +1634,32 @@ def adopt_stream(
     (the snapshots of a compacted stream, then the stream from its first delta); answers are partial meanwhile. A
     workspace the stream no longer holds stays empty until it is ingested again. The Azure AI Search index is not
     touched."""
+    from ontofabric.shared.discovery import discover, postgres_partitions
+
     from .ops.adopt import AdoptRefused
     from .ops.adopt import adopt_stream as adopt
 
     if not yes and not typer.confirm("empty the index and fill it again from the delta stream as it is now?"):
         raise typer.Exit(1)
 
-    async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Adopted:
-        return await adopt(nc, names, Placement.of(settings, endpoints.database_url))
+    async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> tuple[Adopted, bool]:
+        adopted = await adopt(nc, names, Placement.of(settings, endpoints.database_url))
+        projectors = await discover(nc, names.projector_service)
+        return adopted, any(postgres_partitions(worker) is not None for worker in projectors)
 
     try:
-        adopted = _as_operator(data_dir, job)
+        adopted, filling = _as_operator(data_dir, job)
     except AdoptRefused as error:
         _fail(str(error))
+    snapshots = "the snapshots and " if adopted.snapshots_kept else ""
     console.print(
         f"emptied the index on {adopted.databases} database(s) ({adopted.documents} documents) and deleted "
-        f"{len(adopted.consumers)} consumer(s): running projectors fill it again from the snapshots and the "
-        f"stream's sequences {adopted.stream_first}..{adopted.stream_last}; `ontofabric status` shows their "
-        "progress.",
+        f"{len(adopted.consumers)} consumer(s): Postgres projectors fill it again from {snapshots}the stream's "
+        f"sequences {adopted.stream_first}..{adopted.stream_last}; `ontofabric status` shows their progress.",
         soft_wrap=True,
     )
+    if not filling:  # a tester's operator read "running projectors" with none running
+        errors.print("no Postgres projector answers: the index stays empty until one starts", soft_wrap=True)
     if adopted.snapshots_dropped is not None:
         errors.print(
             f"deleted the snapshots through sequence {adopted.snapshots_dropped}: they were folded from another "

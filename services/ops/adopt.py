@@ -67,6 +67,8 @@ class Adopted:
     tester's operator had to remember which)."""
     snapshots_dropped: int | None
     """Through which sequence the deleted snapshots of another stream covered; None: none deleted."""
+    snapshots_kept: bool
+    """Whether snapshots of this stream are there for the refill."""
 
 
 async def adopt_stream(nc: Client, names: Names, placement: Placement) -> Adopted:
@@ -127,6 +129,7 @@ async def adopt_stream(nc: Client, names: Names, placement: Placement) -> Adopte
         int(stream.state.last_seq or 0),
         sorted(held - kept),
         foreign,
+        snapshots is not None and foreign is None,
     )
 
 

@@ -135,8 +135,9 @@ async def deployment_status(
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     for durable, reason in sorted(refusals.items()):
         status.problems.append(
-            f"the projector consumer {durable} applies nothing: {reason}. `ontofabric adopt-stream` empties the "
-            "index and fills it again from the stream as it is (docs/reliability.md)"
+            f"the projector consumer {durable} applies nothing: as its projector found when it refused the stream, "
+            f"{reason}. `ontofabric adopt-stream` empties the index and fills it again from the stream as it is "
+            "(docs/reliability.md)"
         )
     floors = {consumer.name: consumer.ack_floor for consumer in status.consumers}
     try:

@@ -200,13 +200,26 @@ async def test_a_branch_publishes_only_what_differs_from_main(
 
 
 async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly_its_tree(
-    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     _write(ours, {"a.py": "def a():\n    return 1\n", "common.py": "def c():\n    return 1\n"})
     _write(theirs, {"b.py": "def b():\n    return 2\n", "common.py": "def c():\n    return 2\n"})
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
-    # Both plan from the same (empty) manifest and publish interleaved; only one manifest save can land first.
+    # Both plan from the same (empty) manifest and publish interleaved; only one manifest save can land first. Each
+    # waits for the other's load: on a busy machine one ingest had finished before the other loaded (the full
+    # suite, 2026-12-03), and there was no race to test.
+    real_load, both_loaded, loads = ingester._manifests.load, asyncio.Barrier(2), 0
+
+    async def planned_together(workspace: str, branch: str) -> Any:
+        nonlocal loads
+        loads += 1
+        loaded = await real_load(workspace, branch)
+        if loads <= 2:
+            await both_loaded.wait()
+        return loaded
+
+    monkeypatch.setattr(ingester._manifests, "load", planned_together)
     await asyncio.gather(ingester.ingest(ours, "repo"), ingester.ingest(theirs, "repo"))
     # Every chunk of either tree may be in the index in either version: none is known any more.
     raced = (await ingester.load_manifest("repo", "main")).entries

@@ -363,8 +363,8 @@ def test_a_stream_is_followed_only_while_it_is_the_one_the_index_read() -> None:
     assert "sequence 40 is not the one" in str(refusal(followed, 40, made, 65, delta_mark("t.delta.acme.main", b"{}")))
 
 
-def test_a_validated_delta_carries_the_digest_of_its_bytes() -> None:
+def test_a_validated_delta_carries_its_bytes_for_the_mark() -> None:
     data, subject = _raw(upsert("ws", document("a", "alpha")).model_dump_json())
     delta = validate_delta(data, subject, 7, LIMITS)
     assert isinstance(delta, Delta)
-    assert delta.mark == delta_mark(subject, data)
+    assert delta.stored == (subject, data)  # a batch's last is marked by delta_mark(subject, data)

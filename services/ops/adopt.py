@@ -24,8 +24,7 @@ from nats.js.object_store import ObjectStore
 
 from ontofabric.services.ops.rebuild import running_rebuilds
 from ontofabric.services.projector.snapshots import (
-    compacted_from,
-    compacted_through,
+    compaction_marker,
     find_snapshot_store,
     stored_snapshots,
     take_compaction_lock,
@@ -137,8 +136,7 @@ async def _of_another_stream(snapshots: ObjectStore, stream: StreamInfo) -> int 
     """Through which sequence the snapshots cover when they were folded from another stream than ``stream``: they
     cover more than it ever held, or their marker names another stream's making. None: they are its own (or their
     marker does not say, as one written before 2026-12-03)."""
-    covers = await compacted_through(snapshots)
-    made = await compacted_from(snapshots)
+    covers, made = await compaction_marker(snapshots)
     if covers > int(stream.state.last_seq or 0):
         return covers
     if made is not None and stream.created is not None and made != stream.created.isoformat():

@@ -20,8 +20,6 @@ from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import encode_token
 
-from .following import delta_mark
-
 RejectReason = Literal[
     "oversized",
     "invalid_schema",
@@ -66,8 +64,9 @@ class Delta:
     envelope: DeltaEnvelope
     unnamed_vector_dropped: bool = False
     """Its document came with a vector of no named model, which is not used (:func:`validate_delta`)."""
-    mark: str | None = None
-    """A digest of it as the stream holds it (following.py): what a batch records of its last delta."""
+    stored: tuple[str, bytes] | None = None
+    """Its subject and bytes as the stream holds them: a batch records a digest of its last delta's
+    (following.py)."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
         problem = _document_problem(document, limits)
         if problem is not None:
             return problem
-    return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped, mark=delta_mark(subject, data))
+    return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped, stored=(subject, data))
 
 
 def embedded_by_another(document: SemanticDocument, model: str) -> bool:

@@ -137,22 +137,19 @@ async def load_snapshot(store: ObjectStore, workspace: str) -> Snapshot | None:
 
 async def compacted_through(store: ObjectStore) -> int:
     """The stream sequence through which every workspace's deltas are in its snapshot (0: never compacted)."""
+    return (await compaction_marker(store))[0]
+
+
+async def compaction_marker(store: ObjectStore) -> tuple[int, str | None]:
+    """What the last compaction wrote: the sequence the snapshots cover (0: never compacted), and when the stream
+    they were folded from was made (ISO 8601; None when not said, as by a release before 2026-12-03)."""
     try:
         result = await store.get(MARKER)
     except ObjectNotFoundError:
-        return 0
-    return int(json.loads(result.data or b"{}").get("covers", 0))
-
-
-async def compacted_from(store: ObjectStore) -> str | None:
-    """When the stream the snapshots were folded from was made (ISO 8601), as the last compaction wrote it; None
-    when not said (never compacted, or by a release before 2026-12-03)."""
-    try:
-        result = await store.get(MARKER)
-    except ObjectNotFoundError:
-        return None
-    made = json.loads(result.data or b"{}").get("streamCreated")
-    return made if isinstance(made, str) else None
+        return 0, None
+    marker = json.loads(result.data or b"{}")
+    made = marker.get("streamCreated")
+    return int(marker.get("covers", 0)), made if isinstance(made, str) else None
 
 
 async def stored_snapshots(store: ObjectStore) -> list[str]:

@@ -19,7 +19,7 @@ from ontofabric.shared.db import STALL_MARGIN_S, Connection, index_model
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.placement import Placement
 
-from .following import Followed
+from .following import Followed, delta_mark
 from .planning import (
     ANALYSIS_VERSION,
     Delta,
@@ -228,7 +228,6 @@ _RENEW_CLAIM_AT_A_LOOK = (
     " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4"
     " RETURNING position, stream_created, mark_seq, mark, refused"
 )
-_SET_FILL = "UPDATE projection_fences SET fill = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3"
 
 Claim = Literal["claimed", "held", "busy"]
 """What a claim came to: the consumer is this process's now; another process holds a live claim on it; a batch of
@@ -325,7 +324,7 @@ class PostgresProjectionStore:
             async with self._pool.acquire() as conn:
                 workspaces = await conn.fetch("SELECT DISTINCT workspace FROM ontology_versions")
                 self._fill = "done" if any(holds(row["workspace"]) for row in workspaces) else "pending"
-                await conn.execute(_SET_FILL, self._fence, self._epoch, self._holder, self._fill)
+                await self._set_on_claim("fill", self._fill, conn)
         return self._fill == "pending"
 
     @contextlib.asynccontextmanager
@@ -342,8 +341,7 @@ class PostgresProjectionStore:
                         await conn.execute("SELECT pg_advisory_unlock(hashtext($1), 0)", COMPACTION_LOCK)
 
     async def filled(self) -> None:
-        async with self._pool.acquire() as conn:
-            await conn.execute(_SET_FILL, self._fence, self._epoch, self._holder, "done")
+        await self._set_on_claim("fill", "done")
         self._fill = "done"
 
     async def read_again(self, position: int, floor: int = 0) -> None:
@@ -388,27 +386,24 @@ class PostgresProjectionStore:
     async def follow(self, created: datetime | None) -> None:
         """Record the stream the index follows (made at ``created``), as checked after a claim or at a look
         (following.py)."""
-        async with self._pool.acquire() as conn:
-            await conn.execute(
-                "UPDATE projection_fences SET stream_created = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3",
-                self._fence,
-                self._epoch,
-                self._holder,
-                created,
-            )
+        await self._set_on_claim("stream_created", created)
         self.followed = dataclasses.replace(self.followed, created=created)
 
     async def refuse(self, reason: str) -> None:
         """Say why the index does not read the stream (`ontofabric status` shows it): until an operator adopts the
         stream, which deletes the row."""
-        async with self._pool.acquire() as conn:
-            await conn.execute(
-                "UPDATE projection_fences SET refused = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3",
-                self._fence,
-                self._epoch,
-                self._holder,
-                reason,
-            )
+        await self._set_on_claim("refused", reason)
+
+    async def _set_on_claim(
+        self, column: Literal["fill", "stream_created", "refused"], value: object, conn: Connection | None = None
+    ) -> None:
+        """One column of the consumer's row, while this store's claim is the latest."""
+        sql = f"UPDATE projection_fences SET {column} = $4 WHERE durable = $1 AND epoch = $2 AND holder = $3"
+        if conn is not None:
+            await conn.execute(sql, self._fence, self._epoch, self._holder, value)
+            return
+        async with self._pool.acquire() as acquired:
+            await acquired.execute(sql, self._fence, self._epoch, self._holder, value)
 
     async def release(self, floor: int | None = None) -> None:
         """Say that this store's claim ends (its process stopped applying the consumer), so that a process standing
@@ -461,12 +456,12 @@ class PostgresProjectionStore:
             return None
         if self._epoch is None:
             raise Fenced(f"consumer {self._fence} is not claimed by this process")
+        # Hashed here, for the batch's last delta only: not at every delta's validation.
         last = max(deltas, key=lambda delta: delta.seq, default=None)
-        marked = None if last is None or last.mark is None else last
+        mark_seq, mark = (last.seq, delta_mark(*last.stored)) if last and last.stored else (None, None)
         commits: int | None = await conn.fetchval(
-            _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor,
-            None if marked is None else marked.seq, None if marked is None else marked.mark,
-        )  # fmt: skip
+            _RENEW_CLAIM_IN_BATCH, self._fence, self._epoch, self._holder, self._commits, self._floor, mark_seq, mark
+        )
         if commits is None:
             raise Fenced(await self._lost_claim(conn))
         return commits

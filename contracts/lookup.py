@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import Field
 
 from ._base import StrictRequest, WireModel
-from .documents import MAIN_BRANCH, Branch, DocumentId, Workspace
+from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, DocumentId, Workspace
 
 MAX_SLICE_CHARS = 1_000_000
 
@@ -84,6 +84,7 @@ class StatusReply(WireModel):
     )
     branches: list[BranchStatus] = Field(description="main, and the branch when it is not main.")
     pending_deltas: int = Field(description="Deltas of those branches not yet in the index.")
+    stream_refused: bool = Field(default=False, description=STREAM_REFUSED)
     dead_letters: int = Field(
         description="The workspace's deltas dead-lettered and not re-driven or purged (all branches)."
     )

@@ -11,7 +11,7 @@ from pydantic.config import JsonDict
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
-from .documents import MAIN_BRANCH, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
+from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
@@ -429,6 +429,7 @@ class Freshness(WireModel):
     pending_ms: float | None = Field(
         default=None, description="How long ago the oldest of them was published; null when none is pending."
     )
+    stream_refused: bool = Field(default=False, description=STREAM_REFUSED)
 
 
 class QueryMeta(WireModel):

@@ -641,6 +641,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     from ontofabric.services.ops.adopt import adopt_stream
     from ontofabric.services.ops.snapshots import compact
     from ontofabric.services.ops.status import deployment_status
+    from ontofabric.services.query.freshness import DeltaWatch
     from ontofabric.shared.jetstream import ensure_jetstream
     from ontofabric.shared.placement import Placement
 
@@ -712,6 +713,9 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             assert await _projected(deployment) == before
             status = await deployment_status(deployment.nc, names, placement)
             assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
+            watch = DeltaWatch(deployment.nc, names)  # what query workers tell every answer
+            await watch.follow_layouts()
+            assert watch.stream_refused()
 
             adopted = await adopt_stream(deployment.nc, names, placement)
             assert adopted.documents == 20  # what the index held: a0..a9, a15..a19, b1..b4, beta's x
@@ -727,6 +731,8 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             assert not await deployment.fetch("SELECT refused FROM projection_fences WHERE refused IS NOT NULL")
             status = await deployment_status(deployment.nc, names, placement)
             assert not status.problems, status.problems
+            await watch.follow_layouts()
+            assert not watch.stream_refused()
 
             # And it follows the adopted stream: the next change is applied.
             ack = await deployment.publisher.publish(upsert("acme", document("c0", "fourth")))

@@ -1606,3 +1606,24 @@ def test_the_status_text_of_a_branch_whose_deltas_were_compacted_away() -> None:
     assert "3 documents, no delta of it in the stream, 0 pending" in text
     later = _render_status(reply.model_copy(update={"branches": [main.model_copy(update={"latest_seq": 12})]}))
     assert "last delta seq 12" in later
+
+
+def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None:
+    """With the stream refused and nothing published since, the text an agent read looked as fresh as ever."""
+    from ontofabric.contracts.lookup import StatusReply
+    from ontofabric.services.gateway.tools import _render_status
+
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        freshness=Freshness(indexed_seq=7, pending_deltas=0),
+    )  # fmt: skip
+    assert "STALE" not in render(QueryResponse(results=[], _meta=meta))
+    refused = meta.model_copy(update={"freshness": Freshness(indexed_seq=7, pending_deltas=0, stream_refused=True)})
+    assert "STALE: the index has stopped following the delta stream" in render(QueryResponse(results=[], _meta=refused))
+    reply = StatusReply(
+        workspace="acme", branch="main", ontology_version="7-ab", indexed_seq=7, branches=[], pending_deltas=0,
+        dead_letters=0,
+    )  # fmt: skip
+    assert "STALE" not in _render_status(reply)
+    assert "adopt-stream" in _render_status(reply.model_copy(update={"stream_refused": True}))

@@ -729,9 +729,13 @@ class MovingStream:
 
     at: int
     published: dict[str, list[int]] = field(default_factory=dict)
+    refused: bool = False
 
     async def position(self) -> int | None:
         return self.at
+
+    def stream_refused(self) -> bool:
+        return self.refused
 
     async def pending(self, workspace: str, branches: list[str], position: int) -> Pending | None:
         seqs = [seq for branch in branches for seq in self.published.get(branch, []) if seq > position]
@@ -791,6 +795,26 @@ async def test_a_cached_answer_whose_pending_deltas_were_settled_since_is_made_a
     cached = await pipeline.answer(QUERY, "w")  # and cached so
     assert cached.meta.cache_hit is True
     assert cached.meta.freshness == anew.meta.freshness
+
+
+async def test_every_answer_says_while_the_index_does_not_follow_the_stream_also_from_the_cache() -> None:
+    """A disaster recovery tester's: while a projector refused a replaced stream, answers said only that pending
+    deltas grew. Each answer says it, a cached one too, and stops saying it once the stream is adopted."""
+    stream = MovingStream(at=10)
+    pipeline = _caching_pipeline(stream)
+    made = await pipeline.answer(QUERY, "w")
+    assert made.meta.freshness is not None
+    assert made.meta.freshness.stream_refused is False
+    stream.refused = True
+    cached = await pipeline.answer(QUERY, "w")
+    assert cached.meta.cache_hit is True
+    assert cached.meta.freshness is not None
+    assert cached.meta.freshness.stream_refused is True
+    assert cached.meta.model_dump(by_alias=True)["freshness"]["streamRefused"] is True
+    stream.refused = False
+    again = await pipeline.answer(QUERY, "w")
+    assert again.meta.freshness is not None
+    assert again.meta.freshness.stream_refused is False
 
 
 def test_a_fusion_parameter_the_deployment_s_method_ignores_is_named() -> None:

@@ -151,9 +151,9 @@ TOOLS = (
             "followLinks attaches the types one link away in the ontology graph. The reply's _meta says what ran: "
             "check _meta.degraded first: a part named there failed or was unavailable and the answer is the best of "
             "what still ran (e.g. 'reranker', 'embedder', 'keyword'). _meta.freshness says how far the index is "
-            "behind (pendingDeltas, pendingMs); _meta.budget says which contents were cut to fit maxTokens, which "
-            "bounds this whole tool result (fetch the rest with get_document); _meta.collapsed lists chunks left "
-            "out because a better-ranked result holds the same symbol."
+            "behind (pendingDeltas, pendingMs; streamRefused: it has stopped following); _meta.budget says which "
+            "contents were cut to fit maxTokens, which bounds this whole tool result (fetch the rest with "
+            "get_document); _meta.collapsed lists chunks left out because a better-ranked result holds the same symbol."
         ),
         operation="query",
         request=OntologyQuery,
@@ -176,7 +176,8 @@ TOOLS = (
         description=(
             "For a workspace and branch: the ontologyVersion, the stream sequence the index has handled against the "
             "last one published, how many deltas are pending and for how long, the dead letters, and the time of the "
-            "last change. Pending deltas mean recent edits are not searchable yet."
+            "last change. Pending deltas mean recent edits are not searchable yet; streamRefused, that none will be "
+            "until an operator acts."
         ),
         operation="status",
         request=StatusRequest,
@@ -267,6 +268,10 @@ def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> Er
 
 
 TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds the whole answer)"
+NOT_FOLLOWING = (
+    "STALE: the index has stopped following the delta stream (its projector refuses a stream that is not the one it "
+    "read); nothing new is indexed until an operator runs `ontofabric adopt-stream`"
+)
 CONTENTS_LEFT_OUT = (
     "\n… (contents left out of this text to fit maxTokens: each is in the structured result, or get_document by id)"
 )
@@ -431,6 +436,8 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
         head.append(
             f"{_counted(meta.freshness.pending_deltas, 'delta')} not yet indexed ({meta.freshness.pending_ms} ms)"
         )
+    if meta.freshness is not None and meta.freshness.stream_refused:
+        head.append(NOT_FOLLOWING)
     if meta.degraded:
         head.append(f"DEGRADED: {', '.join(meta.degraded)}")
     lines = [" · ".join(head)]
@@ -521,6 +528,8 @@ def _render_status(reply: StatusReply) -> str:
         f"indexed to stream seq {reply.indexed_seq} · {_counted(reply.pending_deltas, 'delta')} pending · "
         f"{_counted(reply.dead_letters, 'dead letter')}"
     ]
+    if reply.stream_refused:
+        lines.append(NOT_FOLLOWING)
     for branch in reply.branches:
         waited = f", oldest {branch.pending_ms} ms" if branch.pending_ms is not None else ""
         # None once compaction folded its deltas into a snapshot: no number to print.

@@ -31,6 +31,7 @@ from ontofabric.shared.db import (
 )
 from ontofabric.shared.discovery import (
     INSTANCE,
+    REFUSED,
     Announcement,
     Worker,
     announce,
@@ -259,16 +260,21 @@ class ProjectorService:
             # index's own position, as a claim does.
             log.error("projector_consumer_missing", durable=durables[index], action="made again from the index")
             await self._projections.pop(index).stop()
+        renewed: list[int] = []
         for index, applying in list(self._projections.items()):  # renewed for another lease, or left
             if await self._renewed(index, floors.get(index)):
-                if await self._refuses_the_stream(index, unchecked=False):  # its deltas wait in the stream, unacked
-                    await applying.stop()
-                    del self._projections[index]
+                renewed.append(index)
                 continue
             if not self._stores[index].went_back:  # one gone back is claimed again below, and logged by the store
                 log.warning("projector_consumer_claimed_elsewhere", durable=durables[index])
             await applying.stop()
             del self._projections[index]
+        # The streams of those renewed checked together: one after another, each bounded by STREAM_CHECK_S, many
+        # partitions behind a slow JetStream would stretch a look towards the lease.
+        checks = [self._refuses_the_stream(index, unchecked=False) for index in renewed]
+        for index, refuses in zip(renewed, await asyncio.gather(*checks), strict=True):
+            if refuses:  # its deltas wait in the stream, unacked
+                await self._projections.pop(index).stop()
         peers = [worker for _, worker in self._peers.values()]
         failing = self._failing_beside_a_standby(now, peers)
         if failing:  # another process may reach the database this one cannot
@@ -370,6 +376,14 @@ class ProjectorService:
             log.warning("projector_stream_unchecked", durable=self._durables[partition], error=describe(error))
             return unchecked
 
+    def _announce_refusals(self) -> None:
+        """Say in discovery which partitions' stream this process refuses: query workers tell every answer."""
+        details = self._announced[1]
+        if self._refused:
+            details[REFUSED] = ",".join(map(str, sorted(self._refused)))
+        else:
+            details.pop(REFUSED, None)
+
     async def _check_the_stream(self, partition: int) -> bool:
         assert self._nc is not None
         js, store, durable = self._nc.jetstream(), self._stores[partition], self._durables[partition]
@@ -390,6 +404,7 @@ class ProjectorService:
                     await store.refuse(reason)
                     store.refused = reason
                 self._refused[partition] = reason  # once said in its row: else the next look says it again
+                self._announce_refusals()
                 log.error(
                     "projector_refuses_the_stream", durable=durable, reason=reason, position=position,
                     stream_first=first, stream_last=last,
@@ -398,6 +413,7 @@ class ProjectorService:
                 )  # fmt: skip
             return True
         if self._refused.pop(partition, None) is not None:
+            self._announce_refusals()
             log.info("projector_follows_the_stream", durable=durable)
         if followed.created != stream.created:
             await store.follow(stream.created)
@@ -487,6 +503,8 @@ class ProjectorService:
             )
 
     def _stand_by(self, partition: int, reason: str) -> None:
+        if self._refused.pop(partition, None) is not None:  # the process that applies it says whether it refuses
+            self._announce_refusals()
         if partition not in self._standing_by:
             self._standing_by.add(partition)
             log.info("projector_standing_by", durable=self._durables[partition], reason=reason)

@@ -299,6 +299,11 @@ class FreshnessSource(Protocol):
         """The deltas of the workspace's branches published past ``position``; None when that cannot be told."""
         ...
 
+    def stream_refused(self) -> bool:
+        """Whether the index's projector refuses the delta stream (not the one the index read): the position then
+        stays where it is until an operator adopts the stream."""
+        ...
+
 
 class VersionSource(Protocol):
     def current(self, workspace: str, branch: str) -> str: ...

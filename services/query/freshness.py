@@ -28,7 +28,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ontofabric.shared.discovery import discover, postgres_layout
+from ontofabric.shared.discovery import discover, postgres_layout, refuses_the_stream
 from ontofabric.shared.jetstream import highest_projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -113,6 +113,8 @@ class DeltaWatch:
         of the index."""
         self._layouts: frozenset[int] = frozenset({partitions})
         """The layouts whose positions are read: the configured one and those running projectors announce."""
+        self._refused = False
+        """Whether a running Postgres projector announced, at the last look, that it refuses the delta stream."""
         self._following: asyncio.Task[None] | None = None
         self._subscription: Subscription | None = None
         self._published: dict[tuple[str, str], deque[tuple[int, float]]] = {}
@@ -173,9 +175,11 @@ class DeltaWatch:
 
     async def follow_layouts(self) -> None:
         """Read, from here on, the positions of the layouts the running Postgres projectors announce, beside the
-        configured one; with none answering, the configured one's alone."""
+        configured one; with none answering, the configured one's alone. Whether one refuses the stream, too."""
         workers = await discover(self._nc, self._names.projector_service)
-        running = {layout for layout in map(postgres_layout, workers) if layout is not None}
+        postgres = [worker for worker in workers if postgres_layout(worker) is not None]
+        self._refused = any(map(refuses_the_stream, postgres))
+        running = {layout for layout in map(postgres_layout, postgres) if layout is not None}
         layouts = frozenset({self._partitions, *running})
         if layouts == self._layouts:
             return
@@ -187,6 +191,11 @@ class DeltaWatch:
                 hint="set ONTOFABRIC_PROJECTOR_PARTITIONS alike on every part; freshness reads the running layout's",
             )
         self._layouts = layouts
+
+    def stream_refused(self) -> bool:
+        """Whether a running Postgres projector refuses the delta stream (as of the last look at them, at most
+        LAYOUT_CHECK_S ago): the index then no longer follows it, whatever the position says."""
+        return self._refused
 
     async def _read_position(self) -> int:
         """The highest of the layouts' positions: each layout's consumers together apply every delta, so all up to

@@ -101,6 +101,7 @@ class Lookups:
             indexed_seq=position,
             branches=reports,
             pending_deltas=sum(r.pending_deltas for r in reports),
+            stream_refused=self._freshness.stream_refused(),
             dead_letters=await self._dead_letters(workspace),
         )
 

@@ -616,9 +616,12 @@ class QueryPipeline:
         if self._freshness_source is None or position is None:
             return None
         pending = await self._freshness_source.pending(workspace, Scope(workspace, branch).branches, position)
+        refused = self._freshness_source.stream_refused()
         if pending is None:
-            return Freshness(indexed_seq=position)
-        return Freshness(indexed_seq=position, pending_deltas=pending.deltas, pending_ms=pending.oldest_ms)
+            return Freshness(indexed_seq=position, stream_refused=refused)
+        return Freshness(
+            indexed_seq=position, pending_deltas=pending.deltas, pending_ms=pending.oldest_ms, stream_refused=refused
+        )
 
     async def _late_interaction(
         self, run: QueryRun, refinements: Refinements, candidates: list[Fused], documents: dict[str, StoredDocument]

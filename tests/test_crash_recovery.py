@@ -713,6 +713,12 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             assert await _projected(deployment) == before
             status = await deployment_status(deployment.nc, names, placement)
             assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
+            # Also to a status run without the deployment's partition layout (it said: a consumer is missing).
+            other_layout = Placement.of(
+                deployment.settings.model_copy(update={"projector_partitions": 2}), deployment.database_url
+            )
+            status = await deployment_status(deployment.nc, names, other_layout)
+            assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
             watch = DeltaWatch(deployment.nc, names)  # what query workers tell every answer
             await watch.follow_layouts()
             assert watch.stream_refused()

@@ -131,7 +131,7 @@ async def deployment_status(
                 durable not in others,
             )
         )
-    positions, refusals = await _index_positions(placement, durables)
+    positions, refusals = await _index_positions(placement, names.every_postgres_projector_durable)
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     for durable, reason in sorted(refusals.items()):
         status.problems.append(
@@ -234,9 +234,10 @@ def releases_answering(workers: Sequence[Worker]) -> dict[str, list[str]]:
 
 
 async def _index_positions(placement: Placement, durables: list[str]) -> tuple[dict[str, int], dict[str, str]]:
-    """Each configured consumer's index position, and why its projector refuses the delta stream where it does
-    (services/projector/following.py), as its database says; those of a database that cannot be read within
-    DATABASE_WAIT_S are left out (the analysis counts say why)."""
+    """Each consumer's index position, and why its projector refuses the delta stream where it does
+    (services/projector/following.py), as its database says (of every layout: a status run without the
+    deployment's ONTOFABRIC_PROJECTOR_PARTITIONS names the running layout's refusals too); those of a database that
+    cannot be read within DATABASE_WAIT_S are left out (the analysis counts say why)."""
 
     async def read(url: str) -> list[asyncpg.Record]:
         conn: asyncpg.Connection | None = None

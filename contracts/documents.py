@@ -39,9 +39,9 @@ WORKSPACE: TypeAdapter[str] = TypeAdapter(Workspace)
 MAIN_BRANCH = "main"
 """The trunk: every other branch stores only its delta over it."""
 STREAM_REFUSED = (
-    "True when the index has stopped following the delta stream: its projector refuses the stream as not the one the "
-    "index read (the stream's store lost and made again, or restored from an older copy), applies nothing, and "
-    "indexedSeq stays where it is until an operator runs `ontofabric adopt-stream`. Answers still come from the "
+    "True when the workspace's index has stopped following the delta stream: the projector of its partition refuses "
+    "the stream as not the one the index read (the stream's store lost and made again, or restored from an older "
+    "copy) and applies nothing of it until an operator runs `ontofabric adopt-stream`. Answers still come from the "
     "index as it was. Said within about ten seconds of the refusal."
 )
 

@@ -16,6 +16,7 @@ from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_i
 from ontofabric.services.ops.status import DeploymentStatus
 from ontofabric.shared.discovery import (
     INSTANCE,
+    REFUSED,
     SCHEMA,
     Worker,
     held_elsewhere,
@@ -244,9 +245,10 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
 
 
 def _shown(details: dict[str, str]) -> list[str]:
-    """A worker's details as status shows them (its embedding models, a projector's index and partitions): not the
-    name of its worker object (an id for machines), nor an empty one."""
-    return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE and value]
+    """A worker's details as status shows them (its embedding models, a projector's index and partitions, those whose
+    stream it refuses): not the name of its worker object (an id for machines), nor an empty one."""
+    named = (SCHEMA, REFUSED)
+    return [f"{key} {value}" if key in named else value for key, value in details.items() if key != INSTANCE and value]
 
 
 def _schema(worker: Worker) -> int:

@@ -87,6 +87,7 @@ async def announce(
     into its metadata, read at each answer (a worker may change what it says of itself: a projector, the partitions
     whose stream it refuses), INFO lists ``endpoints``, STATS says what each has answered so far."""
     started = datetime.now(UTC)
+    release = package_version("ontofabric")  # once: each answer would read the package's metadata from disk
     own = {
         "host": socket.gethostname(),
         "pid": str(os.getpid()),
@@ -98,7 +99,7 @@ async def announce(
     def ping() -> dict[str, object]:
         return {
             "type": "io.nats.micro.v1.ping_response", "id": service_id, "name": name,
-            "version": package_version("ontofabric"), "metadata": {**own, **details},
+            "version": release, "metadata": {**own, **details},
         }  # fmt: skip
 
     def info() -> dict[str, object]:
@@ -206,9 +207,9 @@ absent while it follows every stream it applies): the stream is not the one its 
 (services/projector/following.py). Query workers say so in every answer's freshness."""
 
 
-def refuses_the_stream(worker: Worker) -> bool:
-    """Whether a projector's announcement says it refuses the delta stream for some of its partitions."""
-    return bool(worker.details.get(REFUSED))
+def refused_partitions(worker: Worker) -> frozenset[int]:
+    """The partitions (of its layout) whose delta stream a Postgres projector's announcement says it refuses."""
+    return frozenset(int(part) for part in worker.details.get(REFUSED, "").split(",") if part.isdigit())
 
 
 def release_schema() -> str:

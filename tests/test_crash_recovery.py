@@ -638,10 +638,13 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     `adopt-stream` the index is refilled from the stream as it is, and ends as its fold. Under a projector running
     as the stream is written past its position, the refusal stands: a tester's ingest republished the delta at the
     index's mark (event ids derived from what is published), and the check passed again."""
+    from rich.console import Console
+
     from ontofabric.services.ops.adopt import adopt_stream
     from ontofabric.services.ops.snapshots import compact
     from ontofabric.services.ops.status import deployment_status
     from ontofabric.services.query.freshness import DeltaWatch
+    from ontofabric.services.render import render_status
     from ontofabric.shared.jetstream import ensure_jetstream
     from ontofabric.shared.placement import Placement
 
@@ -719,9 +722,13 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             )
             status = await deployment_status(deployment.nc, names, other_layout)
             assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
+            assert not [problem for problem in status.problems if "does not exist" in problem]
+            shown = Console(record=True, width=400)
+            render_status(shown, status)
+            assert "postgres all refused 0" in shown.export_text()  # the projector names what it refuses
             watch = DeltaWatch(deployment.nc, names)  # what query workers tell every answer
             await watch.follow_layouts()
-            assert watch.stream_refused()
+            assert watch.stream_refused("acme")
 
             adopted = await adopt_stream(deployment.nc, names, placement)
             assert adopted.documents == 20  # what the index held: a0..a9, a15..a19, b1..b4, beta's x
@@ -738,7 +745,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             status = await deployment_status(deployment.nc, names, placement)
             assert not status.problems, status.problems
             await watch.follow_layouts()
-            assert not watch.stream_refused()
+            assert not watch.stream_refused("acme")
 
             # And it follows the adopted stream: the next change is applied.
             ack = await deployment.publisher.publish(upsert("acme", document("c0", "fourth")))

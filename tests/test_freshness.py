@@ -97,3 +97,38 @@ def test_an_age_read_by_a_clock_behind_the_servers_is_not_negative() -> None:
     """A clock tester's worker 300 s behind its NATS server said a delta had been pending for -282,729.6 ms."""
     assert age_ms(time.time() + 300) == 0.0
     assert 1_900 <= age_ms(time.time() - 2) <= 2_500
+
+
+async def test_a_refused_stream_is_said_for_the_workspaces_of_the_refused_partitions_only(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A review's: every workspace's answers said the index had stopped following, also those whose partition's
+    projector follows it. Two projectors of a 2-partition layout announce over real NATS, one refusing its
+    partition; a query worker (its own login) tells the workspaces apart, and stops saying it once the refusing one
+    says no more."""
+    from ontofabric.shared.discovery import REFUSED, announce
+    from ontofabric.shared.subjects import encode_token, partition_of_token
+
+    names = deployment.names
+    following = {"index": "postgres", "partitions": "0 of 2"}
+    refusing = {"index": "postgres", "partitions": "1 of 2", REFUSED: "1"}
+    projectors = await connect_as(deployment, runtime, "projector")
+    announcements = [
+        await announce(projectors, names.projector_service, "a projector", details) for details in (following, refusing)
+    ]
+    await projectors.flush()  # the subscriptions in place before the first ping
+    workspaces = {partition_of_token(encode_token(w), 2): w for w in (f"ws{n}" for n in range(20))}
+    nc = await connect_as(deployment, runtime, "query")
+    watch = DeltaWatch(nc, names, partitions=2)
+    try:
+        await watch.follow_layouts()
+        assert watch.stream_refused(workspaces[1])
+        assert not watch.stream_refused(workspaces[0])
+        del refusing[REFUSED]  # adopted: the projector follows again, and says so in its next answer
+        await watch.follow_layouts()
+        assert not watch.stream_refused(workspaces[1])
+    finally:
+        for announcement in announcements:
+            await announcement.stop()
+        await projectors.close()
+        await nc.close()

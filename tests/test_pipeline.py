@@ -734,7 +734,7 @@ class MovingStream:
     async def position(self) -> int | None:
         return self.at
 
-    def stream_refused(self) -> bool:
+    def stream_refused(self, workspace: str) -> bool:
         return self.refused
 
     async def pending(self, workspace: str, branches: list[str], position: int) -> Pending | None:

@@ -149,7 +149,7 @@ async def deployment_status(
             "projector makes it again when it starts, or when it next announces one"
         )
     for durable in durables:
-        if durable not in floors and durable not in refusals:  # a refused stream's consumer is not made
+        if durable not in floors and not refusals:  # a refused stream's consumers are not made, of any layout
             status.problems.append(
                 f"the projector consumer {durable} does not exist, so its workspaces read as indexed to 0: a running "
                 "projector makes it again within seconds; is one running?"

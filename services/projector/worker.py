@@ -218,9 +218,9 @@ class ProjectorService:
         return self._last_look is not None and time.monotonic() - self._last_look <= HOLDER_LEASE_S
 
     def _may_apply(self, partition: int) -> bool:
-        """Whether this process goes on applying the partition's consumer: it holds, and no other process has
-        claimed the consumer since it did."""
-        return self.holding() and not self._stores[partition].fenced
+        """Whether this process goes on applying the partition's consumer: it holds, no other process has claimed
+        the consumer since it did, and it has not found the stream refused (the batch in hand is not written)."""
+        return self.holding() and not self._stores[partition].fenced and partition not in self._refused
 
     async def _hold(self) -> None:
         """Apply the consumers no earlier process applies and no other process holds a live claim on (renewed

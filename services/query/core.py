@@ -299,9 +299,9 @@ class FreshnessSource(Protocol):
         """The deltas of the workspace's branches published past ``position``; None when that cannot be told."""
         ...
 
-    def stream_refused(self) -> bool:
-        """Whether the index's projector refuses the delta stream (not the one the index read): the position then
-        stays where it is until an operator adopts the stream."""
+    def stream_refused(self, workspace: str) -> bool:
+        """Whether the projector of the workspace's index refuses the delta stream (not the one the index read):
+        nothing new reaches the workspace's answers until an operator adopts the stream."""
         ...
 
 

@@ -28,11 +28,11 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ontofabric.shared.discovery import discover, postgres_layout, refuses_the_stream
+from ontofabric.shared.discovery import discover, postgres_layout, refused_partitions
 from ontofabric.shared.jetstream import highest_projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import Names, encode_token, partition_of_token
 
 from .core import Pending
 
@@ -113,8 +113,9 @@ class DeltaWatch:
         of the index."""
         self._layouts: frozenset[int] = frozenset({partitions})
         """The layouts whose positions are read: the configured one and those running projectors announce."""
-        self._refused = False
-        """Whether a running Postgres projector announced, at the last look, that it refuses the delta stream."""
+        self._refused: frozenset[tuple[int, int]] = frozenset()
+        """The partitions, as (layout, partition), whose delta stream running Postgres projectors announced at the
+        last look that they refuse."""
         self._following: asyncio.Task[None] | None = None
         self._subscription: Subscription | None = None
         self._published: dict[tuple[str, str], deque[tuple[int, float]]] = {}
@@ -177,9 +178,14 @@ class DeltaWatch:
         """Read, from here on, the positions of the layouts the running Postgres projectors announce, beside the
         configured one; with none answering, the configured one's alone. Whether one refuses the stream, too."""
         workers = await discover(self._nc, self._names.projector_service)
-        postgres = [worker for worker in workers if postgres_layout(worker) is not None]
-        self._refused = any(map(refuses_the_stream, postgres))
-        running = {layout for layout in map(postgres_layout, postgres) if layout is not None}
+        running: set[int] = set()
+        refused: set[tuple[int, int]] = set()
+        for worker in workers:
+            layout = postgres_layout(worker)
+            if layout is not None:
+                running.add(layout)
+                refused |= {(layout, partition) for partition in refused_partitions(worker)}
+        self._refused = frozenset(refused)
         layouts = frozenset({self._partitions, *running})
         if layouts == self._layouts:
             return
@@ -192,10 +198,11 @@ class DeltaWatch:
             )
         self._layouts = layouts
 
-    def stream_refused(self) -> bool:
-        """Whether a running Postgres projector refuses the delta stream (as of the last look at them, at most
-        LAYOUT_CHECK_S ago): the index then no longer follows it, whatever the position says."""
-        return self._refused
+    def stream_refused(self, workspace: str) -> bool:
+        """Whether a running Postgres projector refuses the delta stream of the workspace's partition (as of the
+        last look at them, at most LAYOUT_CHECK_S ago): its index then no longer follows it."""
+        token = encode_token(workspace)
+        return any(partition_of_token(token, layout) == partition for layout, partition in self._refused)
 
     async def _read_position(self) -> int:
         """The highest of the layouts' positions: each layout's consumers together apply every delta, so all up to

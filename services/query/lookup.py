@@ -101,7 +101,7 @@ class Lookups:
             indexed_seq=position,
             branches=reports,
             pending_deltas=sum(r.pending_deltas for r in reports),
-            stream_refused=self._freshness.stream_refused(),
+            stream_refused=self._freshness.stream_refused(workspace),
             dead_letters=await self._dead_letters(workspace),
         )
 

@@ -616,7 +616,7 @@ class QueryPipeline:
         if self._freshness_source is None or position is None:
             return None
         pending = await self._freshness_source.pending(workspace, Scope(workspace, branch).branches, position)
-        refused = self._freshness_source.stream_refused()
+        refused = self._freshness_source.stream_refused(workspace)
         if pending is None:
             return Freshness(indexed_seq=position, stream_refused=refused)
         return Freshness(

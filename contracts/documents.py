@@ -44,6 +44,11 @@ STREAM_REFUSED = (
     "copy) and applies nothing of it until an operator runs `ontofabric adopt-stream`. Answers still come from the "
     "index as it was. Said within about ten seconds of the refusal."
 )
+NOT_FOLLOWING = (
+    "STALE: the index has stopped following the delta stream (its projector refuses a stream that is not the one it "
+    "read); nothing new is indexed until an operator runs `ontofabric adopt-stream`"
+)
+"""What a person or an agent reading an answer's text is told when ``streamRefused`` is true."""
 
 Branch = Annotated[
     str,

@@ -13,10 +13,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
+from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.services.ops.status import DeploymentStatus
 from ontofabric.shared.discovery import (
     INSTANCE,
-    REFUSED,
     SCHEMA,
     Worker,
     held_elsewhere,
@@ -61,6 +61,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
             f"[yellow]branch {escape(meta.branch)!r} has nothing of its own indexed: these are main's results[/yellow] "
             "(check the branch's name, or `ontofabric status`)"
         )
+    if meta.freshness is not None and meta.freshness.stream_refused:
+        console.print(f"[yellow]{escape(NOT_FOLLOWING)}[/yellow]")
     timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())
     console.print(
         f"[dim]_meta[/dim] ontologyVersion={meta.ontology_version} hybrid={meta.hybrid} reranked={meta.reranked}"
@@ -245,10 +247,9 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
 
 
 def _shown(details: dict[str, str]) -> list[str]:
-    """A worker's details as status shows them (its embedding models, a projector's index and partitions, those whose
-    stream it refuses): not the name of its worker object (an id for machines), nor an empty one."""
-    named = (SCHEMA, REFUSED)
-    return [f"{key} {value}" if key in named else value for key, value in details.items() if key != INSTANCE and value]
+    """A worker's details as status shows them (its embedding models, a projector's index and partitions): not the
+    name of its worker object (an id for machines), nor an empty one."""
+    return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE and value]
 
 
 def _schema(worker: Worker) -> int:

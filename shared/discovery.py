@@ -84,51 +84,36 @@ async def announce(
 ) -> Announcement:
     """Answer service discovery as ``name`` until the announcement is stopped (or the connection closes): PING,
     INFO and STATS, to all services, to ``name``'s and to this one's, with nats.micro's documents; ``details`` go
-    into its metadata, read at each answer (a worker may change what it says of itself: a projector, the partitions
-    whose stream it refuses), INFO lists ``endpoints``, STATS says what each has answered so far."""
+    into its metadata, INFO lists ``endpoints``, STATS says what each has answered so far."""
     started = datetime.now(UTC)
-    release = package_version("ontofabric")  # once: each answer would read the package's metadata from disk
-    own = {
-        "host": socket.gethostname(),
-        "pid": str(os.getpid()),
-        "started": started.isoformat(),
-        SCHEMA: release_schema(),
-    }
+    metadata = {
+        "host": socket.gethostname(), "pid": str(os.getpid()), "started": started.isoformat(),
+        SCHEMA: release_schema(), **details,
+    }  # fmt: skip
     service_id = uuid.uuid4().hex
-
-    def ping() -> dict[str, object]:
-        return {
-            "type": "io.nats.micro.v1.ping_response", "id": service_id, "name": name,
-            "version": release, "metadata": {**own, **details},
-        }  # fmt: skip
-
-    def info() -> dict[str, object]:
-        endpoints_info = [endpoint.info() for endpoint in endpoints]
-        return {
-            **ping(),
-            "type": "io.nats.micro.v1.info_response",
-            "description": description,
-            "endpoints": endpoints_info,
-        }
-
-    def stats() -> dict[str, object]:
-        return {
-            **ping(), "type": "io.nats.micro.v1.stats_response",
-            "started": started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
-            "endpoints": [endpoint.stats() for endpoint in endpoints],
-        }  # fmt: skip
-
+    ping = {
+        "type": "io.nats.micro.v1.ping_response", "id": service_id, "name": name,
+        "version": package_version("ontofabric"), "metadata": metadata,
+    }  # fmt: skip
+    info = {
+        **ping, "type": "io.nats.micro.v1.info_response", "description": description,
+        "endpoints": [endpoint.info() for endpoint in endpoints],
+    }  # fmt: skip
+    stats = {
+        **ping, "type": "io.nats.micro.v1.stats_response",
+        "started": started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+    }  # fmt: skip
     answers: dict[str, Callable[[], bytes]] = {
-        "PING": lambda: json.dumps(ping()).encode(),
-        "INFO": lambda: json.dumps(info()).encode(),
-        "STATS": lambda: json.dumps(stats()).encode(),
+        "PING": lambda: json.dumps(ping).encode(),
+        "INFO": lambda: json.dumps(info).encode(),
+        "STATS": lambda: json.dumps({**stats, "endpoints": [endpoint.stats() for endpoint in endpoints]}).encode(),
     }
     subscriptions = []
     for verb, answer in answers.items():
         handler = _answering(nc, answer)
         for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.{service_id}"):
             subscriptions.append(await nc.subscribe(subject, cb=handler))
-    return Announcement(subscriptions, service_id, own["started"])
+    return Announcement(subscriptions, service_id, metadata["started"])
 
 
 def _answering(nc: Client, body: Callable[[], bytes]) -> Callable[[Msg], Awaitable[None]]:
@@ -201,15 +186,6 @@ SCHEMA = "schema"
 """The detail that names the latest database migration the worker's release knows: the package's version number
 is the same across releases, and a projector of an earlier release beside a current one writes rows by its own
 rules (an upgrade tester's). Absent from releases before it was announced."""
-REFUSED = "refused"
-"""The detail in which a Postgres projector names the partitions whose delta stream it refuses (comma-separated;
-absent while it follows every stream it applies): the stream is not the one its index read
-(services/projector/following.py). Query workers say so in every answer's freshness."""
-
-
-def refused_partitions(worker: Worker) -> frozenset[int]:
-    """The partitions (of its layout) whose delta stream a Postgres projector's announcement says it refuses."""
-    return frozenset(int(part) for part in worker.details.get(REFUSED, "").split(",") if part.isdigit())
 
 
 def release_schema() -> str:

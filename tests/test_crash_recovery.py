@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import shutil
@@ -638,13 +639,12 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
     `adopt-stream` the index is refilled from the stream as it is, and ends as its fold. Under a projector running
     as the stream is written past its position, the refusal stands: a tester's ingest republished the delta at the
     index's mark (event ids derived from what is published), and the check passed again."""
-    from rich.console import Console
-
     from ontofabric.services.ops.adopt import adopt_stream
     from ontofabric.services.ops.snapshots import compact
     from ontofabric.services.ops.status import deployment_status
     from ontofabric.services.query.freshness import DeltaWatch
-    from ontofabric.services.render import render_status
+    from ontofabric.services.query.postgres import refused_consumers
+    from ontofabric.shared.db import READER_ROLE, create_pool
     from ontofabric.shared.jetstream import ensure_jetstream
     from ontofabric.shared.placement import Placement
 
@@ -692,6 +692,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
         # The last of the lost history again, at the same sequence (40) and with the same event id.
         later[19] = lost[-1].model_copy(update={"occurred_at": later[19].occurred_at})
         service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+        reader = await create_pool(deployment.database_url, deployment.settings, role=READER_ROLE)
         running = replaced_by == "an older backup under a running projector"
         if running:
             await service.start()
@@ -723,11 +724,9 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             status = await deployment_status(deployment.nc, names, other_layout)
             assert any("applies nothing" in problem and "adopt-stream" in problem for problem in status.problems)
             assert not [problem for problem in status.problems if "does not exist" in problem]
-            shown = Console(record=True, width=400)
-            render_status(shown, status)
-            assert "postgres all refused 0" in shown.export_text()  # the projector names what it refuses
-            watch = DeltaWatch(deployment.nc, names)  # what query workers tell every answer
-            await watch.follow_layouts()
+            # What query workers tell every answer, from the claim rows (as their reader role reads them).
+            watch = DeltaWatch(deployment.nc, names, refusals=functools.partial(refused_consumers, [reader]))
+            await watch.follow_refusals()
             assert watch.stream_refused("acme")
 
             adopted = await adopt_stream(deployment.nc, names, placement)
@@ -744,7 +743,7 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             assert not await deployment.fetch("SELECT refused FROM projection_fences WHERE refused IS NOT NULL")
             status = await deployment_status(deployment.nc, names, placement)
             assert not status.problems, status.problems
-            await watch.follow_layouts()
+            await watch.follow_refusals()
             assert not watch.stream_refused("acme")
 
             # And it follows the adopted stream: the next change is applied.
@@ -753,3 +752,4 @@ async def test_a_stream_store_replaced_under_the_index_is_refused_until_adopted(
             assert (await _projected(deployment))[("acme", "c0")] == (False, "fourth", ack.seq)
         finally:
             await service.stop()
+            await reader.close()

@@ -4,6 +4,7 @@ deltas the stream republishes as they are stored, counted past an answer's posit
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from ontofabric.services.projector.worker import ProjectorService
@@ -102,33 +103,32 @@ def test_an_age_read_by_a_clock_behind_the_servers_is_not_negative() -> None:
 async def test_a_refused_stream_is_said_for_the_workspaces_of_the_refused_partitions_only(
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:
-    """A review's: every workspace's answers said the index had stopped following, also those whose partition's
-    projector follows it. Two projectors of a 2-partition layout announce over real NATS, one refusing its
-    partition; a query worker (its own login) tells the workspaces apart, and stops saying it once the refusing one
-    says no more."""
-    from ontofabric.shared.discovery import REFUSED, announce
+    """Answers said only that pending deltas grew while a projector refused a replaced stream. A query worker (its
+    own NATS login and database role) reads the refusals from the claim rows, whether or not a projector runs, and
+    says them for the workspaces of the refused partition only (a review: every workspace's, at first), until the
+    row no longer holds one (adopt-stream deletes it)."""
+    from ontofabric.services.query.postgres import refused_consumers
+    from ontofabric.shared.db import READER_ROLE, create_pool, migrate
     from ontofabric.shared.subjects import encode_token, partition_of_token
 
-    names = deployment.names
-    following = {"index": "postgres", "partitions": "0 of 2"}
-    refusing = {"index": "postgres", "partitions": "1 of 2", REFUSED: "1"}
-    projectors = await connect_as(deployment, runtime, "projector")
-    announcements = [
-        await announce(projectors, names.projector_service, "a projector", details) for details in (following, refusing)
-    ]
-    await projectors.flush()  # the subscriptions in place before the first ping
+    durables = deployment.names.postgres_projector_durables(2)
+    await migrate(deployment.database_url, deployment.settings)
+    await deployment.fetch(
+        "INSERT INTO projection_fences (durable, epoch, holder, refused) VALUES ($1, 1, 'h', NULL), "
+        "($2, 1, 'h', 'the delta stream was made at ..., not at ...')",
+        *durables,
+    )
     workspaces = {partition_of_token(encode_token(w), 2): w for w in (f"ws{n}" for n in range(20))}
     nc = await connect_as(deployment, runtime, "query")
-    watch = DeltaWatch(nc, names, partitions=2)
+    pool = await create_pool(deployment.database_url, deployment.settings, role=READER_ROLE)
+    watch = DeltaWatch(nc, deployment.names, partitions=2, refusals=functools.partial(refused_consumers, [pool]))
     try:
-        await watch.follow_layouts()
+        await watch.follow_refusals()
         assert watch.stream_refused(workspaces[1])
         assert not watch.stream_refused(workspaces[0])
-        del refusing[REFUSED]  # adopted: the projector follows again, and says so in its next answer
-        await watch.follow_layouts()
+        await deployment.fetch("DELETE FROM projection_fences WHERE durable = $1", durables[1])
+        await watch.follow_refusals()
         assert not watch.stream_refused(workspaces[1])
     finally:
-        for announcement in announcements:
-            await announcement.stop()
-        await projectors.close()
+        await pool.close()
         await nc.close()

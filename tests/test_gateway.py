@@ -1610,8 +1610,11 @@ def test_the_status_text_of_a_branch_whose_deltas_were_compacted_away() -> None:
 
 def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None:
     """With the stream refused and nothing published since, the text an agent read looked as fresh as ever."""
+    from rich.console import Console
+
     from ontofabric.contracts.lookup import StatusReply
     from ontofabric.services.gateway.tools import _render_status
+    from ontofabric.services.render import render_reply
 
     meta = QueryMeta(
         ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
@@ -1621,6 +1624,11 @@ def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None
     assert "STALE" not in render(QueryResponse(results=[], _meta=meta))
     refused = meta.model_copy(update={"freshness": Freshness(indexed_seq=7, pending_deltas=0, stream_refused=True)})
     assert "STALE: the index has stopped following the delta stream" in render(QueryResponse(results=[], _meta=refused))
+    # And `ontofabric query`'s table (a tester's: only --json said it).
+    for meta_shown, stale in ((meta, False), (refused, True)):
+        console = Console(record=True, width=300)
+        render_reply(console, {"semanticQuery": "q"}, QueryResponse(results=[], _meta=meta_shown))
+        assert ("STALE" in console.export_text()) is stale
     reply = StatusReply(
         workspace="acme", branch="main", ontology_version="7-ab", indexed_seq=7, branches=[], pending_deltas=0,
         dead_letters=0,

@@ -304,3 +304,21 @@ async def test_status_with_a_login_of_another_role_is_refused_at_once(deployment
     assert ended.returncode == 2
     assert "refused these credentials on the subject" in " ".join(ended.stderr.split())
     assert "Traceback" not in ended.stderr
+
+
+async def test_status_of_a_deployment_whose_streams_were_deleted_says_so(deployment: Deployment) -> None:
+    """A tester deleted the delta stream while NATS ran: `ontofabric status` ended in a traceback (stream not found)
+    where it lists what is wrong. Each stream missing is a problem; the rest is shown."""
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    names = deployment.names
+    for stream in (names.delta_stream, names.dlq_stream):
+        await deployment.js.delete_stream(stream)
+    status = await deployment_status(deployment.nc, names, placement)
+    lost = next(problem for problem in status.problems if f"stream {names.delta_stream} does not exist" in problem)
+    assert "adopt-stream" in lost
+    assert any(f"stream {names.dlq_stream} does not exist" in problem for problem in status.problems)
+    assert (status.branches, status.streams, status.dead_letters) == ([], [], {})
+    shown = Console(record=True, width=400)
+    render_status(shown, status)  # and it renders
+    assert "adopt-stream" in shown.export_text()

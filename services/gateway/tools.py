@@ -31,6 +31,7 @@ from ontofabric.contracts import (
     main_only,
     nothing_indexed,
 )
+from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
@@ -268,10 +269,6 @@ def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> Er
 
 
 TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds the whole answer)"
-NOT_FOLLOWING = (
-    "STALE: the index has stopped following the delta stream (its projector refuses a stream that is not the one it "
-    "read); nothing new is indexed until an operator runs `ontofabric adopt-stream`"
-)
 CONTENTS_LEFT_OUT = (
     "\n… (contents left out of this text to fit maxTokens: each is in the structured result, or get_document by id)"
 )

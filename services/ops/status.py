@@ -14,6 +14,7 @@ from datetime import datetime
 
 import asyncpg
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
@@ -158,49 +159,58 @@ async def deployment_status(
         (version.workspace, version.branch): (version.ontology_version, version.updated_at) for version in announced
     }
     subjects = names.delta_subjects if workspace is None else names.workspace_delta_subjects(workspace)
-    deltas = await js.stream_info(names.delta_stream, subjects_filter=subjects)  # the stream's totals too
-    for unannounced in _published_branches(deltas, names) - set(versions):
-        versions[unannounced] = (NO_VERSION, None)  # published to, never projected: the projector is down or behind
-    for (branch_workspace, branch), (ontology_version, announced_at) in sorted(versions.items()):
-        if workspace is not None and branch_workspace != workspace:
-            continue
-        subject = names.delta_subject(branch_workspace, branch)
-        try:
-            latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
-        except NotFoundError:
-            latest = None
-        position = floors.get(durables[placement.partition_of(branch_workspace)], 0)
-        pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
-        status.branches.append(
-            BranchStatus(
-                branch_workspace,
-                branch,
-                ontology_version,
-                announced_at,
-                latest,
-                position,
-                pending.deltas,
-                pending.oldest_ms,
+    # The stream's totals too.
+    refused = (
+        "; the projectors then refuse the new one where the index had read the lost one, until an operator runs "
+        "`ontofabric adopt-stream`"
+    )
+    deltas = await _stream(js, names.delta_stream, subjects, status, then=refused)
+    if deltas is not None:
+        for unannounced in _published_branches(deltas, names) - set(versions):
+            # Published to, never projected: the projector is down or behind.
+            versions[unannounced] = (NO_VERSION, None)
+        for (branch_workspace, branch), (ontology_version, announced_at) in sorted(versions.items()):
+            if workspace is not None and branch_workspace != workspace:
+                continue
+            subject = names.delta_subject(branch_workspace, branch)
+            try:
+                latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
+            except NotFoundError:
+                latest = None
+            position = floors.get(durables[placement.partition_of(branch_workspace)], 0)
+            pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
+            status.branches.append(
+                BranchStatus(
+                    branch_workspace,
+                    branch,
+                    ontology_version,
+                    announced_at,
+                    latest,
+                    position,
+                    pending.deltas,
+                    pending.oldest_ms,
+                )
             )
-        )
-    first = int(deltas.state.first_seq or 0)
-    if first > 1:  # compacted, or aged out: the snapshots must hold what went
-        snapshots = await find_snapshot_store(js, names)
-        covered = 0 if snapshots is None else await compacted_through(snapshots)
-        if covered < first - 1:
-            held = f"through sequence {covered}" if covered else "nothing"
-            status.problems.append(
-                f"the delta stream starts at sequence {first} and the snapshots cover {held}: deltas "
-                f"{covered + 1}..{first - 1} are nowhere (the snapshot store lost, or deltas aged out before a "
-                "compaction), so a rebuild or an index filled from nothing lacks them; ingest the workspaces again"
-            )
-    dlq = await js.stream_info(names.dlq_stream, subjects_filter=names.dlq_subjects)
-    for subject, count in sorted((dlq.state.subjects or {}).items()):
+        first = int(deltas.state.first_seq or 0)
+        if first > 1:  # compacted, or aged out: the snapshots must hold what went
+            snapshots = await find_snapshot_store(js, names)
+            covered = 0 if snapshots is None else await compacted_through(snapshots)
+            if covered < first - 1:
+                held = f"through sequence {covered}" if covered else "nothing"
+                status.problems.append(
+                    f"the delta stream starts at sequence {first} and the snapshots cover {held}: deltas "
+                    f"{covered + 1}..{first - 1} are nowhere (the snapshot store lost, or deltas aged out before a "
+                    "compaction), so a rebuild or an index filled from nothing lacks them; ingest the workspaces again"
+                )
+    dlq = await _stream(js, names.dlq_stream, names.dlq_subjects, status)
+    for subject, count in sorted((dlq.state.subjects or {}).items() if dlq is not None else ()):
         # Named as `dlq list --workspace` selects them (a subject of an earlier version's odd token among them).
         owner = names.workspace_of_dlq_subject(subject) or NO_WORKSPACE
         if workspace is None or owner == workspace:
             status.dead_letters[owner] = status.dead_letters.get(owner, 0) + count
     for info in (deltas, dlq):
+        if info is None:
+            continue
         limit = info.config.max_bytes or -1
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
@@ -219,6 +229,21 @@ async def deployment_status(
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
+
+
+async def _stream(
+    js: JetStreamContext, name: str, subjects: str, status: DeploymentStatus, then: str = ""
+) -> StreamInfo | None:
+    """The stream's state with its subjects' counts; None, and a problem said (with ``then``), when it does not
+    exist (deleted while NATS runs: a tester's status ended in a traceback)."""
+    try:
+        return await js.stream_info(name, subjects_filter=subjects)
+    except NotFoundError:
+        status.problems.append(
+            f"the stream {name} does not exist: a projector, a query worker or `ontofabric up` makes it again when "
+            f"it starts{then}"
+        )
+        return None
 
 
 def releases_answering(workers: Sequence[Worker]) -> dict[str, list[str]]:

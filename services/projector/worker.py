@@ -31,7 +31,6 @@ from ontofabric.shared.db import (
 )
 from ontofabric.shared.discovery import (
     INSTANCE,
-    REFUSED,
     Announcement,
     Worker,
     announce,
@@ -376,14 +375,6 @@ class ProjectorService:
             log.warning("projector_stream_unchecked", durable=self._durables[partition], error=describe(error))
             return unchecked
 
-    def _announce_refusals(self) -> None:
-        """Say in discovery which partitions' stream this process refuses: query workers tell every answer."""
-        details = self._announced[1]
-        if self._refused:
-            details[REFUSED] = ",".join(map(str, sorted(self._refused)))
-        else:
-            details.pop(REFUSED, None)
-
     async def _check_the_stream(self, partition: int) -> bool:
         assert self._nc is not None
         js, store, durable = self._nc.jetstream(), self._stores[partition], self._durables[partition]
@@ -404,7 +395,6 @@ class ProjectorService:
                     await store.refuse(reason)
                     store.refused = reason
                 self._refused[partition] = reason  # once said in its row: else the next look says it again
-                self._announce_refusals()
                 log.error(
                     "projector_refuses_the_stream", durable=durable, reason=reason, position=position,
                     stream_first=first, stream_last=last,
@@ -413,7 +403,6 @@ class ProjectorService:
                 )  # fmt: skip
             return True
         if self._refused.pop(partition, None) is not None:
-            self._announce_refusals()
             log.info("projector_follows_the_stream", durable=durable)
         if followed.created != stream.created:
             await store.follow(stream.created)
@@ -503,8 +492,6 @@ class ProjectorService:
             )
 
     def _stand_by(self, partition: int, reason: str) -> None:
-        if self._refused.pop(partition, None) is not None:  # the process that applies it says whether it refuses
-            self._announce_refusals()
         if partition not in self._standing_by:
             self._standing_by.add(partition)
             log.info("projector_standing_by", durable=self._durables[partition], reason=reason)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from nats.aio.client import Client
@@ -28,7 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ontofabric.shared.discovery import discover, postgres_layout, refused_partitions
+from ontofabric.shared.discovery import discover, postgres_layout
 from ontofabric.shared.jetstream import highest_projected_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -50,7 +51,7 @@ FORGET_AFTER_S = 60.0
 """How long the deltas a position passed are remembered after it was read: an answer still working from that
 position (a slow reranker, a deep query, a shared answer) counts past it. One older asks JetStream."""
 LAYOUT_CHECK_S = 10.0
-"""How often the worker asks which partition layouts the running projectors serve."""
+"""How often the worker asks which partition layouts the running projectors serve, and which refuse the stream."""
 
 
 def _epoch(stamp: str) -> float:
@@ -104,7 +105,13 @@ async def published_after(js: JetStreamContext, stream: str, subject: str, seq: 
 class DeltaWatch:
     """The index's position, and the deltas published past it, for every answer of this worker."""
 
-    def __init__(self, nc: Client, names: Names, partitions: int = 1) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        names: Names,
+        partitions: int = 1,
+        refusals: Callable[[], Awaitable[frozenset[str]]] | None = None,
+    ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._names = names
@@ -113,9 +120,11 @@ class DeltaWatch:
         of the index."""
         self._layouts: frozenset[int] = frozenset({partitions})
         """The layouts whose positions are read: the configured one and those running projectors announce."""
+        self._refusals = refusals
+        """Reads the durable consumers whose projector refuses the delta stream (the databases' claim rows)."""
         self._refused: frozenset[tuple[int, int]] = frozenset()
-        """The partitions, as (layout, partition), whose delta stream running Postgres projectors announced at the
-        last look that they refuse."""
+        """The partitions, as (layout, partition), of the layouts read whose projector refused the delta stream, as
+        of the last look."""
         self._following: asyncio.Task[None] | None = None
         self._subscription: Subscription | None = None
         self._published: dict[tuple[str, str], deque[tuple[int, float]]] = {}
@@ -172,20 +181,14 @@ class DeltaWatch:
                 await self.follow_layouts()
             except Exception as error:  # NATS away: the layouts known stay
                 log.info("projector_layouts_unknown", error=describe(error))
+            await self.follow_refusals()
             await asyncio.sleep(LAYOUT_CHECK_S)
 
     async def follow_layouts(self) -> None:
         """Read, from here on, the positions of the layouts the running Postgres projectors announce, beside the
         configured one; with none answering, the configured one's alone. Whether one refuses the stream, too."""
         workers = await discover(self._nc, self._names.projector_service)
-        running: set[int] = set()
-        refused: set[tuple[int, int]] = set()
-        for worker in workers:
-            layout = postgres_layout(worker)
-            if layout is not None:
-                running.add(layout)
-                refused |= {(layout, partition) for partition in refused_partitions(worker)}
-        self._refused = frozenset(refused)
+        running = {layout for layout in map(postgres_layout, workers) if layout is not None}
         layouts = frozenset({self._partitions, *running})
         if layouts == self._layouts:
             return
@@ -198,9 +201,21 @@ class DeltaWatch:
             )
         self._layouts = layouts
 
+    async def follow_refusals(self) -> None:
+        """Read which partitions of the layouts read refuse the delta stream."""
+        if self._refusals is None:
+            return
+        refused = await self._refusals()
+        self._refused = frozenset(
+            (layout, partition)
+            for layout in self._layouts
+            for partition, durable in enumerate(self._names.postgres_projector_durables(layout))
+            if durable in refused
+        )
+
     def stream_refused(self, workspace: str) -> bool:
-        """Whether a running Postgres projector refuses the delta stream of the workspace's partition (as of the
-        last look at them, at most LAYOUT_CHECK_S ago): its index then no longer follows it."""
+        """Whether the projector of the workspace's partition refused the delta stream (as of the last look, at most
+        LAYOUT_CHECK_S ago): its index then no longer follows it, until an operator adopts the stream."""
         token = encode_token(workspace)
         return any(partition_of_token(token, layout) == partition for layout, partition in self._refused)
 

@@ -844,3 +844,24 @@ async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[s
         keys,
     )
     return sorted(r["id"] for r in found)
+
+
+REFUSALS_WAIT_S = 2.0
+"""How long the read of the refused consumers waits for a database: past it, that database's are not known."""
+
+
+async def refused_consumers(pools: Sequence[asyncpg.Pool]) -> frozenset[str]:
+    """The durable consumers whose projector refuses the delta stream as not the one its index read, as the
+    databases' claim rows say (services/projector/following.py): a refusal stands there until an operator adopts
+    the stream, whether or not a projector is running. A database that does not answer in time adds none."""
+
+    async def read(pool: asyncpg.Pool) -> list[str]:
+        try:
+            async with asyncio.timeout(REFUSALS_WAIT_S), pool.acquire() as conn:
+                rows = await conn.fetch("SELECT durable FROM projection_fences WHERE refused IS NOT NULL")
+        except Exception as error:  # a database away: the next look asks again
+            log.info("refusals_unread", error=describe(error))
+            return []
+        return [str(row["durable"]) for row in rows]
+
+    return frozenset(durable for durables in await asyncio.gather(*map(read, pools)) for durable in durables)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -93,7 +94,7 @@ from .deadlines import (
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
 from .pipeline import QueryPipeline, RetrievalUnavailable
-from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots
+from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots, refused_consumers
 from .requests import read_request
 from .retrievers import build_retrievers
 from .stages import unused_fusion_parameter
@@ -429,7 +430,8 @@ class QueryService:
         js = nc.jetstream()
         await self._streams_made(nc, settings)
         tracker = VersionTracker(js, await js.key_value(names.version_bucket), names)
-        self._freshness = DeltaWatch(nc, names, settings.projector_partitions)
+        refusals = functools.partial(refused_consumers, self._pools)
+        self._freshness = DeltaWatch(nc, names, settings.projector_partitions, refusals)
         await self._freshness.start()
         cache: LruCache[CacheKey, bytes] = LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)
         served = self._embedder if isinstance(self._embedder, ServedModel) else None

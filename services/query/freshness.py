@@ -289,14 +289,19 @@ class DeltaWatch:
             count += len(published) - covered
         return Pending(count, None if oldest is None else age_ms(oldest))
 
-    async def _count(self, workspace: str, branches: list[str], position: int) -> Pending:
-        """What the watch may have missed, asked of JetStream, each branch's count reused for a while."""
+    async def _count(self, workspace: str, branches: list[str], position: int) -> Pending | None:
+        """What the watch may have missed, asked of JetStream, each branch's count reused for a while; None when
+        JetStream cannot count it (the stream deleted under a running NATS: a tester's queries failed `internal`)."""
         total, oldest_ms = 0, None
         for branch in branches:
             subject = self._names.delta_subject(workspace, branch)
             counted = self._counted.get((subject, position))
             if counted is None or time.monotonic() - counted[0] > EXACT_COUNT_TTL_S:
-                counted = (time.monotonic(), await self.published_after(subject, position))
+                try:
+                    counted = (time.monotonic(), await self.published_after(subject, position))
+                except Exception as error:  # the answer says it cannot tell, and is answered
+                    log.warning("pending_deltas_uncounted", subject=subject, error=describe(error))
+                    return None
                 self._counted.put((subject, position), counted)
             pending = counted[1]
             total += pending.deltas

@@ -129,5 +129,8 @@ class Lookups:
 
     async def _dead_letters(self, workspace: str) -> int:
         subject = self._names.dlq_subject(encode_token(workspace))
-        state = (await self._js.stream_info(self._names.dlq_stream, subjects_filter=subject)).state
+        try:
+            state = (await self._js.stream_info(self._names.dlq_stream, subjects_filter=subject)).state
+        except NotFoundError:  # the stream deleted under a running NATS: it holds none (`ontofabric status` says so)
+            return 0
         return int((state.subjects or {}).get(subject, 0))

@@ -42,7 +42,7 @@ STREAM_REFUSED = (
     "True when the workspace's index has stopped following the delta stream: the projector of its partition refuses "
     "the stream as not the one the index read (the stream's store lost and made again, or restored from an older "
     "copy) and applies nothing of it until an operator runs `ontofabric adopt-stream`. Answers still come from the "
-    "index as it was. Said within about ten seconds of the refusal."
+    "index as it was. Said within about 15 s of the refusal."
 )
 NOT_FOLLOWING = (
     "STALE: the index has stopped following the delta stream (its projector refuses a stream that is not the one it "

@@ -124,15 +124,21 @@ async def test_a_refused_stream_is_said_for_the_workspaces_of_the_refused_partit
     )
     workspaces = {partition_of_token(encode_token(w), 2): w for w in (f"ws{n}" for n in range(20))}
     nc = await connect_as(deployment, runtime, "query")
-    pool = await create_pool(deployment.database_url, deployment.settings, role=READER_ROLE)
-    watch = DeltaWatch(nc, deployment.names, partitions=2, refusals=functools.partial(refused_consumers, [pool]))
+    pools = [await create_pool(deployment.database_url, deployment.settings, role=READER_ROLE)]
+    watch = DeltaWatch(nc, deployment.names, partitions=2, refusals=functools.partial(refused_consumers, pools))
     try:
-        await watch.follow_refusals()
+        await watch.start()  # the first look before the first answer
         assert watch.stream_refused(workspaces[1])
         assert not watch.stream_refused(workspaces[0])
         await deployment.fetch("DELETE FROM projection_fences WHERE durable = $1", durables[1])
+        # The database unreadable (a review: read as none refused): the refusals stay as last read.
+        await pools[0].close()
+        await watch.follow_refusals()
+        assert watch.stream_refused(workspaces[1])
+        pools[0] = await create_pool(deployment.database_url, deployment.settings, role=READER_ROLE)
         await watch.follow_refusals()
         assert not watch.stream_refused(workspaces[1])
     finally:
-        await pool.close()
+        await watch.stop()
+        await pools[0].close()
         await nc.close()

@@ -149,8 +149,11 @@ async def deployment_status(
             f"the versions bucket {names.version_bucket} does not exist, so no version reads as announced: a "
             "projector makes it again when it starts, or when it next announces one"
         )
+    # A refused stream's consumers are not made; nor, beside another layout's refusal, those of a layout not in use
+    # (status run without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS).
+    unused = bool(refusals) and not any(durable in floors for durable in durables)
     for durable in durables:
-        if durable not in floors and not refusals:  # a refused stream's consumers are not made, of any layout
+        if durable not in floors and durable not in refusals and not unused:
             status.problems.append(
                 f"the projector consumer {durable} does not exist, so its workspaces read as indexed to 0: a running "
                 "projector makes it again within seconds; is one running?"

@@ -388,15 +388,20 @@ class ProjectorService:
                 stored = await js.get_msg(self.names.delta_stream, followed.mark_seq)
                 found = delta_mark(stored.subject or "", stored.data or b"")
         # Refused once, refused until adopted: written to since, it is still not the stream the index read.
-        reason = store.refused or refusal(followed, position, stream.created, last, found)
+        earlier = store.refused
+        reason = earlier or refusal(followed, position, stream.created, last, found)
         if reason is not None:
-            if self._refused.get(partition) != reason:
-                if store.refused != reason:
-                    await store.refuse(reason)
-                    store.refused = reason
-                self._refused[partition] = reason  # once said in its row: else the next look says it again
+            first_said = self._refused.get(partition) != reason
+            self._refused[partition] = reason  # from now on no batch of it is written (_may_apply)
+            if store.refused != reason:  # a write that fails (the row's lock held past the check's bound): next look
+                await store.refuse(reason)
+                store.refused = reason
+            if first_said:
+                # A reason read from the row is as found then: the stream may have been written to since (a
+                # tester read "ends at 18" beside stream_last 26 in one line).
                 log.error(
-                    "projector_refuses_the_stream", durable=durable, reason=reason, position=position,
+                    "projector_refuses_the_stream", durable=durable, reason=reason,
+                    reason_found="when the stream was first refused" if earlier else "now", position=position,
                     stream_first=first, stream_last=last,
                     action="nothing is applied until an operator adopts the stream as it is: `ontofabric "
                     "adopt-stream` empties the index and fills it again from the stream (docs/reliability.md)",

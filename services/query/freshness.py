@@ -110,7 +110,7 @@ class DeltaWatch:
         nc: Client,
         names: Names,
         partitions: int = 1,
-        refusals: Callable[[], Awaitable[frozenset[str]]] | None = None,
+        refusals: Callable[[], Awaitable[frozenset[str] | None]] | None = None,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -146,6 +146,7 @@ class DeltaWatch:
         # Subscribed first: a delta stored between the two is seen by the watch and also below this sequence.
         info = await self._js.stream_info(self._names.delta_stream)
         self._complete_after = int(info.state.last_seq or 0)
+        await self.follow_refusals()  # before the first answer: a worker started beside a refusal says it at once
         # In the background: a discovery ping gathers answers for half a second, which a start need not wait for.
         self._following = asyncio.create_task(self._follow_layouts())
 
@@ -202,10 +203,12 @@ class DeltaWatch:
         self._layouts = layouts
 
     async def follow_refusals(self) -> None:
-        """Read which partitions of the layouts read refuse the delta stream."""
+        """Read which partitions of the layouts read refuse the delta stream; as they were when that cannot be read."""
         if self._refusals is None:
             return
         refused = await self._refusals()
+        if refused is None:
+            return
         self._refused = frozenset(
             (layout, partition)
             for layout in self._layouts

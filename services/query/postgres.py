@@ -850,18 +850,22 @@ REFUSALS_WAIT_S = 2.0
 """How long the read of the refused consumers waits for a database: past it, that database's are not known."""
 
 
-async def refused_consumers(pools: Sequence[asyncpg.Pool]) -> frozenset[str]:
+async def refused_consumers(pools: Sequence[asyncpg.Pool]) -> frozenset[str] | None:
     """The durable consumers whose projector refuses the delta stream as not the one its index read, as the
     databases' claim rows say (services/projector/following.py): a refusal stands there until an operator adopts
-    the stream, whether or not a projector is running. A database that does not answer in time adds none."""
+    the stream, whether or not a projector is running. None when a database does not answer in time (a review:
+    read as none refused, a pool busy for 2 s said the index followed)."""
 
-    async def read(pool: asyncpg.Pool) -> list[str]:
+    async def read(pool: asyncpg.Pool) -> list[str] | None:
         try:
             async with asyncio.timeout(REFUSALS_WAIT_S), pool.acquire() as conn:
                 rows = await conn.fetch("SELECT durable FROM projection_fences WHERE refused IS NOT NULL")
-        except Exception as error:  # a database away: the next look asks again
-            log.info("refusals_unread", error=describe(error))
-            return []
+        except Exception as error:  # a database away, or busy: the next look asks again
+            log.warning("refusals_unread", error=describe(error))
+            return None
         return [str(row["durable"]) for row in rows]
 
-    return frozenset(durable for durables in await asyncio.gather(*map(read, pools)) for durable in durables)
+    read_each = await asyncio.gather(*map(read, pools))
+    if any(durables is None for durables in read_each):
+        return None
+    return frozenset(durable for durables in read_each if durables is not None for durable in durables)

@@ -187,7 +187,7 @@ class DeltaWatch:
 
     async def follow_layouts(self) -> None:
         """Read, from here on, the positions of the layouts the running Postgres projectors announce, beside the
-        configured one; with none answering, the configured one's alone. Whether one refuses the stream, too."""
+        configured one; with none answering, the configured one's alone."""
         workers = await discover(self._nc, self._names.projector_service)
         running = {layout for layout in map(postgres_layout, workers) if layout is not None}
         layouts = frozenset({self._partitions, *running})
@@ -219,6 +219,8 @@ class DeltaWatch:
     def stream_refused(self, workspace: str) -> bool:
         """Whether the projector of the workspace's partition refused the delta stream (as of the last look, at most
         LAYOUT_CHECK_S ago): its index then no longer follows it, until an operator adopts the stream."""
+        if not self._refused:  # on every answer: nothing to work out while no projector refuses
+            return False
         token = encode_token(workspace)
         return any(partition_of_token(token, layout) == partition for layout, partition in self._refused)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import json
 import math
@@ -430,7 +429,7 @@ class QueryService:
         js = nc.jetstream()
         await self._streams_made(nc, settings)
         tracker = VersionTracker(js, await js.key_value(names.version_bucket), names)
-        refusals = functools.partial(refused_consumers, self._pools)
+        refusals = partial(refused_consumers, self._pools)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions, refusals)
         await self._freshness.start()
         cache: LruCache[CacheKey, bytes] = LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)

@@ -28,7 +28,6 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import SettingsError
 from rich.console import Console
@@ -1583,13 +1582,16 @@ def forget_layout(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Delete the Postgres projectors' durable consumers of a partition layout no longer used.
+    """Delete the Postgres projectors' durable consumers of a partition layout no longer used, and their claims.
 
     Each layout (ONTOFABRIC_PROJECTOR_PARTITIONS) has consumers of its own, and they stay after its projectors
-    stop: one left behind holds `ontofabric compact` back at its position for good. Refused for the configured
-    layout, and while a projector of that layout answers."""
-    from ontofabric.shared.discovery import discover, postgres_layout
+    stop: one left behind holds `ontofabric compact` back at its position for good. Its claim rows in the
+    databases go too (a refusal of the stream left in one kept `ontofabric status` reporting it). Refused for the
+    configured layout, and while a projector of that layout answers."""
     from ontofabric.shared.subjects import PARTITION_COUNTS
+
+    from .ops.layouts import ClaimsNotDeleted, Forgotten, LayoutInUse
+    from .ops.layouts import forget_layout as forget
 
     if partitions not in PARTITION_COUNTS:
         _fail(f"layouts have {', '.join(map(str, PARTITION_COUNTS))} partitions, not {partitions}")
@@ -1599,27 +1601,18 @@ def forget_layout(
     if not yes and not typer.confirm(f"delete the consumers of the {partitions}-partition layout?"):
         raise typer.Exit(1)
 
-    async def job(nc: Client, names: Names, _settings: Settings, _endpoints: Endpoints) -> list[str]:
-        running = [w for w in await discover(nc, names.projector_service) if postgres_layout(w) == partitions]
-        if running:
-            raise LayoutInUse(f"{len(running)} projector(s) of that layout answer: stop them first")
-        js = nc.jetstream()
-        deleted = []
-        for durable in names.postgres_projector_durables(partitions):
-            with contextlib.suppress(NotFoundError):
-                await js.delete_consumer(names.delta_stream, durable)
-                deleted.append(durable)
-        return deleted
+    async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Forgotten:
+        return await forget(nc, names, Placement.of(settings, endpoints.database_url), partitions)
 
     try:
-        deleted = _as_operator(data_dir, job)
-    except LayoutInUse as error:
+        forgotten = _as_operator(data_dir, job)
+    except (LayoutInUse, ClaimsNotDeleted) as error:
         _fail(str(error))
-    console.print(f"deleted {', '.join(deleted) or 'nothing (no consumer of that layout)'}")
-
-
-class LayoutInUse(Exception):
-    """Projectors of the layout asked to be forgotten still run."""
+    console.print(
+        f"deleted {', '.join(forgotten.consumers) or 'nothing (no consumer of that layout)'}; "
+        f"{forgotten.claims} claim row(s)",
+        soft_wrap=True,
+    )
 
 
 @app.command("adopt-stream")

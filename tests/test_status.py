@@ -187,10 +187,23 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     refused = await asyncio.to_thread(forget, "1")
     assert refused.returncode == 2
     assert "configured layout" in refused.stderr
+    # A refusal of the stream left in the given-up layout's claim row stayed in status after forget-layout (note
+    # 73): its claim rows go with its consumers.
+    trial_durables = names.postgres_projector_durables(2)
+    await deployment.fetch(
+        "UPDATE projection_fences SET refused = 'a test refusal' WHERE durable = $1", trial_durables[0]
+    )
+    assert any("a test refusal" in p for p in (await deployment_status(deployment.nc, names, placement)).problems)
     forgotten = await asyncio.to_thread(forget, "2")
     assert forgotten.returncode == 0, forgotten.stderr
+    assert "; 2 claim row(s)" in forgotten.stdout
+    claims = await deployment.fetch(
+        "SELECT durable FROM projection_fences WHERE durable = ANY($1::text[])", trial_durables
+    )
+    assert claims == []
     status = await deployment_status(deployment.nc, names, placement)
     assert [c.name for c in status.consumers] == [names.postgres_projector_durable]
+    assert not status.problems
     report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
     assert (report.covers, report.held_back_by) == (later.seq, None)
     # The branch's deltas are in its snapshot now: "-" read as nothing ever published (a docs tester's).

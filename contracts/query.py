@@ -293,10 +293,10 @@ class SearchResult(WireModel):
     id: str
     score: float = Field(
         description="When _meta.calibrated: the estimated probability that the result is relevant, on one scale "
-        "whatever retrievers ran (Platt scaling over its signals, fitted on judged queries; docs/quality.md), 1 "
-        "for a definition the query names (foundBy symbol); minRelevance is then a threshold on it. Each result's "
-        "own, whatever its rank: the fusion, late interaction and a reranker change the order, not what a result "
-        "is scored from, so a result may score higher than one ranked before it. "
+        "whatever retrievers ran (Platt scaling over its signals and its rank, fitted on judged queries; "
+        "docs/quality.md), 1 for a definition the query names (foundBy symbol); minRelevance is then a threshold "
+        "on it. Each result's own: it follows the order, but a result whose signals are much stronger than those "
+        "of one ranked before it may score higher. "
         "Otherwise (a listing; no signal to judge by; an index of another embedding model than the fit's; "
         "calibration turned off by the deployment) a relative relevance in [0, 1]: the reranker's, late "
         "interaction's blend, or the fused one."

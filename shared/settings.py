@@ -393,18 +393,21 @@ class Settings(BaseSettings):
         description="The embedding model the calibration's cosine weights were fitted for: an index of another "
         "model answers dense and hybrid queries with relative scores (_meta.calibrated false) until refitted.",
     )
-    calibration_dense: tuple[float, float] = Field(
-        default=(9.328, -7.820),
-        description="Calibrated scores, dense alone: Platt scaling weight of the cosine, then bias (fitted with "
-        'ontofabric calibrate; docs/quality.md, "Calibrated scores").',
+    calibration_dense: tuple[float, float, float] | tuple[float, float] = Field(
+        default=(9.3304, -2.542, -4.8349),
+        description="Calibrated scores, dense alone: Platt scaling weights of the cosine and of the cosine times "
+        'log2(1 + rank), then the bias (fitted with ontofabric calibrate; docs/quality.md, "Calibrated scores"). '
+        "Two numbers, as fitted before 2026-12-03: the cosine's weight and the bias, the rank not read.",
     )
-    calibration_keyword: tuple[float, float] = Field(
-        default=(8.441, -5.372),
-        description="Calibrated scores, keyword alone: weight of the BM25 score over the query's best, then bias.",
+    calibration_keyword: tuple[float, float, float] | tuple[float, float] = Field(
+        default=(10.9398, -3.3408, -4.0142),
+        description="Calibrated scores, keyword alone: weights of the BM25 score over the query's best and of it "
+        "times log2(1 + rank), then the bias (or, as before 2026-12-03, the first and the bias).",
     )
-    calibration_hybrid: tuple[float, float, float] = Field(
-        default=(5.140, 5.505, -6.923),
-        description="Calibrated scores, both retrievers: weights of the cosine and of the keyword score, then bias.",
+    calibration_hybrid: tuple[float, float, float, float, float] | tuple[float, float, float] = Field(
+        default=(5.9745, 5.9282, -1.6629, -1.6391, -4.6781),
+        description="Calibrated scores, both retrievers: weights of the cosine and of the keyword score, of each "
+        "times log2(1 + rank), then the bias (or, as before 2026-12-03, the first two and the bias).",
     )
     hnsw_ef_search: int = Field(
         default=100, ge=1, le=1000, description="HNSW candidate list size per search (pgvector hnsw.ef_search)."

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ontofabric.contracts import QueryResponse
+from ontofabric.services.ops.beir import BeirDataset, load_beir, write_beir
 from ontofabric.services.ops.calibrate import Point, fit_models, read_points, write_points
 from ontofabric.services.query.calibration import (
     Calibration,
@@ -22,9 +23,11 @@ from ontofabric.services.query.calibration import (
     result_signals,
 )
 from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import Candidate
 from ontofabric.shared.embedder import Embedder
 
+from .benchmarks.unanswerable_set import with_unanswerable
 from .conftest import Deployment, Start
 
 
@@ -68,12 +71,26 @@ def test_which_model_judges_what() -> None:
     assert model_for(["dense", "keyword"], keyword_scaled=False) == "dense"  # Azure: no keyword signal
     assert model_for(["keyword"], keyword_scaled=True) == "keyword"
     assert model_for(["keyword"], keyword_scaled=False) is None
-    assert judged("hybrid", {"cosine": 0.5}) == ("hybrid", (0.5, 0.0))  # not in the keyword list: keyword 0
-    assert judged("hybrid", {"keyword": 0.7}) == ("keyword", (0.7,))  # its cosine was not read
-    assert judged("dense", {"keyword": 0.7}) is None
-    calibration = Calibration(Platt((10.0,), -5.0), Platt((4.0,), -2.0), Platt((10.0, 4.0), -7.0))
-    assert calibration.probability("dense", {"cosine": 0.5}) == pytest.approx(0.5)
-    assert calibration.probability("keyword", {"cosine": 0.9}) is None
+    # The signals, then each times log2(1 + rank); keyword 0 when the keyword list did not return it.
+    assert judged("hybrid", {"cosine": 0.5}, 1) == ("hybrid", (0.5, 0.0, 0.5, 0.0))
+    assert judged("hybrid", {"cosine": 0.5, "keyword": 0.25}, 3) == ("hybrid", (0.5, 0.25, 1.0, 0.5))
+    assert judged("hybrid", {"keyword": 0.7}, 1) == ("keyword", (0.7, 0.7))  # its cosine was not read
+    assert judged("dense", {"keyword": 0.7}, 1) is None
+    # Past the depth the points were taken at, a result is judged as the last of it.
+    assert (
+        judged("dense", {"cosine": 1.0}, 50) == judged("dense", {"cosine": 1.0}, 10) == ("dense", (1.0, math.log2(11)))
+    )
+    # A setting of the earlier form (a weight per signal, then the bias) does not read the rank.
+    calibration = Calibration(Platt.of([10.0, -5.0]), Platt.of([4.0, -2.0]), Platt.of([10.0, 4.0, -7.0]))
+    assert calibration.probability("dense", {"cosine": 0.5}, 1) == pytest.approx(0.5)
+    assert calibration.probability("dense", {"cosine": 0.5}, 7) == pytest.approx(0.5)
+    assert calibration.probability("keyword", {"cosine": 0.9}, 1) is None
+    by_rank = Calibration(Platt.of([10.0, -4.0, -3.0]), Platt.of([4.0, -2.0]), Platt.of([10.0, 4.0, -7.0]))
+    assert by_rank.model("dense").coefficients() == [10.0, -4.0, -3.0]
+    assert by_rank.probability("dense", {"cosine": 0.5}, 1) == pytest.approx(1 / (1 + math.exp(-(5 - 2 - 3))))
+    assert by_rank.probability("dense", {"cosine": 0.5}, 3) == pytest.approx(1 / (1 + math.exp(-(5 - 4 - 3))))
+    # What fits the rank cannot lift a result without signal: nothing measured, nothing but the bias.
+    assert by_rank.probability("dense", {"cosine": 0.0}, 1) == by_rank.probability("dense", {"cosine": 0.0}, 9)
 
 
 def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores() -> None:
@@ -103,7 +120,7 @@ def test_fit_models_pools_datasets_and_holds_each_out(tmp_path: Path) -> None:
                     points.append(Point(dataset, config, f"q{q}", rank, signals, relevant, 0.5))
     write_points(tmp_path / "points.jsonl", points)
     assert read_points([tmp_path / "points.jsonl"]) == points
-    flat = Calibration(Platt((0.0,), 3.0), Platt((0.0,), 3.0), Platt((0.0, 0.0), 3.0))  # 0.95 for everything
+    flat = Calibration(Platt.of([0.0, 3.0]), Platt.of([0.0, 3.0]), Platt.of([0.0, 0.0, 3.0]))  # 0.95 for all
     fits = {fit.model: fit for fit in fit_models(points, flat)}
     assert set(fits) == {"dense", "keyword"}  # no hybrid points
     dense = fits["dense"]
@@ -114,6 +131,37 @@ def test_fit_models_pools_datasets_and_holds_each_out(tmp_path: Path) -> None:
         assert dense.error_fitted[dataset] < dense.error_now[dataset]
         error, low, high = dense.error_held_out[dataset]
         assert low <= error <= high < dense.error_now[dataset]
+
+
+def test_fit_models_reads_each_points_rank() -> None:
+    """Where the order knows more than the signals (late interaction, the fusion), a result's rank says how much
+    its signals count: the fit learns that from the points' ranks, and its estimates then fall with the rank."""
+    rng = random.Random(11)
+    points = []
+    for q in range(600):
+        for rank in range(1, 11):
+            cosine = rng.uniform(0.2, 0.8)
+            relevant = rng.random() < 1 / (1 + math.exp(-(9 * cosine - 2.5 * cosine * math.log2(1 + rank) - 4)))
+            points.append(Point("one", "dense", f"q{q}", rank, {"cosine": cosine}, relevant, 0.5))
+    (dense,) = [fit for fit in fit_models(points, PipelineConfig().calibration()) if fit.model == "dense"]
+    assert dense.fitted.coefficients() == pytest.approx([9.0, -2.5, -4.0], abs=1.2)
+    calibration = Calibration(dense.fitted, Platt.of([1.0, 0.0]), Platt.of([1.0, 1.0, 0.0]))
+    estimates = [calibration.probability("dense", {"cosine": 0.6}, rank) for rank in range(1, 12)]
+    assert estimates == sorted(estimates, reverse=True)
+    assert estimates[0] > 2 * estimates[9]
+    assert estimates[10] == estimates[9]  # past the points' depth, as at it
+
+
+def test_a_set_with_unanswerable_queries_judges_them_relevant_to_nothing(tmp_path: Path) -> None:
+    """What the calibration is fitted on (tests/benchmarks/unanswerable_set.py): another set's questions added,
+    each judged, none with anything relevant, the set's own kept as they were."""
+    code = BeirDataset("code", "dev", [{"_id": "f", "title": "", "text": "def f(): ..."}], {"q": "a function"},
+                       {"q": {"f": 1}})  # fmt: skip
+    science = BeirDataset("science", "train", [], {"1": "cells divide", "2": "stars burn", "3": "x"},
+                          {"1": {"d": 1}, "2": {"e": 1}})  # fmt: skip
+    built = load_beir(write_beir(with_unanswerable(code, science, 5, seed=1), tmp_path / "set"), "dev")
+    assert built.queries == {"q": "a function", "off-1": "cells divide", "off-2": "stars burn"}
+    assert built.qrels == {"q": {"f": 1}, "off-1": {"f": 0}, "off-2": {"f": 0}}
 
 
 OFF_TOPIC = ("chocolate cake recipe with fresh strawberries", "qzxv plokm wrtyb fnargle")

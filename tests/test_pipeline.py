@@ -697,10 +697,10 @@ async def test_scores_are_calibrated_over_the_answer_for_the_model_they_were_fit
     )
     reply = await pipeline_over(ScriptedRetrieval()).answer(query, "w")
     assert reply.meta.calibrated
-    # Each scored from its own signals by the hybrid model (a keyword hit without a cosine by the keyword one), in
-    # the pipeline's order, each its own estimate whatever its rank.
+    # Each scored from its own signals and its rank by the hybrid model (a keyword hit without a cosine by the
+    # keyword one), in the pipeline's order.
     assert reply.results[0].signals == {"cosine": 0.8, "keyword": 0.75}  # y: dense 0.8, keyword 3.0 of 4.0
-    estimates = [calibration.probability("hybrid", r.signals) for r in reply.results]
+    estimates = [calibration.probability("hybrid", r.signals, r.rank) for r in reply.results]
     assert all(e is not None for e in estimates)
     assert [r.score for r in reply.results] == pytest.approx(estimates, abs=1e-6)
     # An index of another embedding model: the cosine weights do not hold, the scores stay relative.

@@ -72,12 +72,12 @@ def _inputs(model: str, points: Sequence[Point]) -> _Judged:
     """The points ``model`` judges (as ``Calibration.probability`` chooses)."""
     rows, labels, queries = [], [], []
     for point in points:
-        judgement = judged(model, point.signals)
+        judgement = judged(model, point.signals, point.rank)
         if judgement is not None and judgement[0] == model:
             rows.append(judgement[1])
             labels.append(point.relevant)
             queries.append(f"{point.dataset}/{point.query}")
-    width = 2 if model == "hybrid" else 1
+    width = 4 if model == "hybrid" else 2  # the signals, and each times the place
     return _Judged(np.array(rows, dtype=np.float64).reshape(-1, width), np.array(labels, dtype=np.float64), queries)
 
 

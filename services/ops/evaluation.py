@@ -28,7 +28,7 @@ from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding, SecondVectors
-from ontofabric.services.query.calibration import reliability
+from ontofabric.services.query.calibration import POSITION_DEPTH, reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
@@ -47,7 +47,7 @@ from .eval_report import ConfigResult, EvalReport, retrieval_setup, run_file_sco
 from .measures import ExitPoint, Margin, calibrate_early_exit, compute_metrics, margin, per_query_ndcg, percentile
 
 DEPTH = 100  # results per query: Recall@100 needs a hundred
-CALIBRATION_DEPTH = 10
+CALIBRATION_DEPTH = POSITION_DEPTH
 """The results per query whose scores the calibration is measured (and fitted) on: those an agent reads."""
 
 # Request parameters of each configuration. Only the retrievers, the refinements and reranking differ: candidate

@@ -8,6 +8,11 @@ measured: the dense cosine similarity to the query, and the BM25 score over the 
 outputs for support vector machines", 1999) fits a logistic model over those signals per set of retrievers that
 ran (dense, keyword, both), on judged queries: ``ontofabric eval --calibration-points`` collects them and
 ``ontofabric calibrate`` fits them (docs/quality.md, "Calibrated scores").
+
+Each signal also enters multiplied by the result's place in the answer (``log2(1 + rank)``, ranks past
+``POSITION_DEPTH`` counting as that one): the order holds what the signals alone do not (late interaction, the
+fusion of both lists), so a result's estimate follows its rank more closely, while a weak match stays weak at any
+rank, its signals being small (a place of its own would lift every answer's first result, an off-topic one too).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ KEYWORD = "keyword"
 
 MODELS = ("dense", "keyword", "hybrid")
 """One model per set of retrievers that ran; ``hybrid`` reads both signals, the others one each."""
+POSITION_DEPTH = 10
+"""How deep the calibration points go in each answer (``ontofabric eval``'s ``CALIBRATION_DEPTH``): a result past it
+is judged as if at it, the fit knowing nothing deeper."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +50,10 @@ class Platt:
 
     @classmethod
     def of(cls, coefficients: Sequence[float]) -> Platt:
-        """From a setting's list: the weights, then the bias."""
-        return cls(tuple(coefficients[:-1]), coefficients[-1])
+        """From a setting's list: the weights (each signal's, then each signal's times the place), then the bias.
+        A list without the place's weights (as fitted before 2026-12-03) reads them as 0."""
+        weights = tuple(coefficients[:-1])
+        return cls(weights if len(weights) % 2 == 0 else weights + (0.0,) * len(weights), coefficients[-1])
 
     def coefficients(self) -> list[float]:
         return [*self.weights, self.bias]
@@ -55,10 +65,10 @@ class Calibration:
     keyword: Platt
     hybrid: Platt
 
-    def probability(self, model: str, signals: Mapping[str, float]) -> float | None:
-        """The probability that a result is relevant, by ``model`` (see :func:`model_for` and :func:`judged`);
-        None when the signals it needs are not there."""
-        judgement = judged(model, signals)
+    def probability(self, model: str, signals: Mapping[str, float], rank: int) -> float | None:
+        """The probability that a result at ``rank`` in its answer is relevant, by ``model`` (see :func:`model_for`
+        and :func:`judged`); None when the signals it needs are not there."""
+        judgement = judged(model, signals, rank)
         return None if judgement is None else self.model(judgement[0]).probability(judgement[1])
 
     def model(self, name: str) -> Platt:
@@ -73,18 +83,24 @@ class Measured:
     signals: dict[str, dict[str, float]]
 
 
-def judged(model: str, signals: Mapping[str, float]) -> tuple[str, tuple[float, ...]] | None:
-    """The model that judges a result and its inputs: under ``hybrid`` a result the keyword list did not return
-    counts as keyword 0, and one whose cosine is unknown (a keyword hit whose similarity could not be read) goes to
-    the keyword model. None when the signals a model needs are not there."""
+def judged(model: str, signals: Mapping[str, float], rank: int) -> tuple[str, tuple[float, ...]] | None:
+    """The model that judges a result at ``rank`` and its inputs: the signals, then each times the place. Under
+    ``hybrid`` a result the keyword list did not return counts as keyword 0, and one whose cosine is unknown (a
+    keyword hit whose similarity could not be read) goes to the keyword model. None when the signals a model needs
+    are not there."""
     cosine, keyword = signals.get(COSINE), signals.get(KEYWORD)
     if model == "hybrid" and cosine is not None:
-        return model, (cosine, keyword or 0.0)
+        return model, _with_place((cosine, keyword or 0.0), rank)
     if model in ("hybrid", "keyword") and keyword is not None:
-        return "keyword", (keyword,)
+        return "keyword", _with_place((keyword,), rank)
     if model == "dense" and cosine is not None:
-        return model, (cosine,)
+        return model, _with_place((cosine,), rank)
     return None
+
+
+def _with_place(signals: tuple[float, ...], rank: int) -> tuple[float, ...]:
+    place = math.log2(1 + min(max(rank, 1), POSITION_DEPTH))
+    return signals + tuple(value * place for value in signals)
 
 
 def model_for(ran: Iterable[str], keyword_scaled: bool) -> str | None:

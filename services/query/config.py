@@ -38,9 +38,9 @@ class PipelineConfig:
     exact_symbols: bool = _default("exact_symbols")
     calibrated_scores: bool = _default("calibrated_scores")
     calibration_embedding_model: str = _default("calibration_embedding_model")
-    calibration_dense: tuple[float, float] = _default("calibration_dense")
-    calibration_keyword: tuple[float, float] = _default("calibration_keyword")
-    calibration_hybrid: tuple[float, float, float] = _default("calibration_hybrid")
+    calibration_dense: tuple[float, ...] = _default("calibration_dense")
+    calibration_keyword: tuple[float, ...] = _default("calibration_keyword")
+    calibration_hybrid: tuple[float, ...] = _default("calibration_hybrid")
 
     def calibration(self) -> Calibration:
         return Calibration(

@@ -755,10 +755,10 @@ class QueryPipeline:
         stands_for: Mapping[str, str] | None = None,
     ) -> dict[str, float] | None:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
-        signals (1 for a definition of the symbol the query names, or a chunk in the relation to it the query
-        asks about), each its own whatever its rank (a stage that reorders may place it above one scored higher;
-        pooled to descend, a weak result shared a strong one's score, and minRelevance kept the one and dropped the
-        other: an independent tester's finding). None, and the pipeline's relative relevance
+        signals and its place in the answer (1 for a definition of the symbol the query names, or a chunk in the
+        relation to it the query asks about). Each is its own estimate: one ranked lower can score higher where its
+        signals are much stronger (pooled to descend, a weak result shared a strong one's score, and minRelevance
+        kept the one and dropped the other: an independent tester's finding). None, and the relative relevance
         kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
         model is not the one the cosine weights were fitted for, or when some result has no signal a model could
         judge (a listing; a keyword backend without a ceiling, alone). ``stands_for``: a function's code in its
@@ -770,13 +770,13 @@ class QueryPipeline:
             run.report(calibrated=False)
             return None
         estimates = []
-        for hit in answer:
+        for rank, hit in enumerate(answer, start=1):
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if not PLACED_FIRST & hit.found_by.keys():
-                estimate = self._probability(measured, hit.id)
+                estimate = self._probability(measured, hit.id, rank)
                 docstring = (stands_for or {}).get(hit.id)
                 if estimate is not None and docstring is not None:
-                    estimate = max(estimate, self._probability(measured, docstring) or 0.0)
+                    estimate = max(estimate, self._probability(measured, docstring, rank) or 0.0)
             if estimate is None:
                 run.report(calibrated=False)
                 return None
@@ -784,10 +784,11 @@ class QueryPipeline:
         run.report(calibrated=True)
         return dict(zip((hit.id for hit in answer), estimates, strict=True))
 
-    def _probability(self, measured: Measured, doc_id: str) -> float | None:
-        """The calibrated probability that the candidate is relevant, from its signals; None when none applies."""
+    def _probability(self, measured: Measured, doc_id: str, rank: int) -> float | None:
+        """The calibrated probability that the candidate at ``rank`` is relevant, from its signals; None when none
+        applies."""
         signals = measured.signals.get(doc_id, {})
-        return None if measured.model is None else self._calibration.probability(measured.model, signals)
+        return None if measured.model is None else self._calibration.probability(measured.model, signals, rank)
 
     def _collapse(
         self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]

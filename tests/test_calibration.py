@@ -81,11 +81,14 @@ def test_which_model_judges_what() -> None:
         judged("dense", {"cosine": 1.0}, 50) == judged("dense", {"cosine": 1.0}, 10) == ("dense", (1.0, math.log2(11)))
     )
     # A setting of the earlier form (a weight per signal, then the bias) does not read the rank.
-    calibration = Calibration(Platt.of([10.0, -5.0]), Platt.of([4.0, -2.0]), Platt.of([10.0, 4.0, -7.0]))
+    calibration = Calibration(Platt.of([10.0, -5.0], 1), Platt.of([4.0, -2.0], 1), Platt.of([10.0, 4.0, -7.0], 2))
     assert calibration.probability("dense", {"cosine": 0.5}, 1) == pytest.approx(0.5)
     assert calibration.probability("dense", {"cosine": 0.5}, 7) == pytest.approx(0.5)
+    assert calibration.probability("hybrid", {"cosine": 0.5, "keyword": 0.5}, 4) == pytest.approx(0.5)
     assert calibration.probability("keyword", {"cosine": 0.9}, 1) is None
-    by_rank = Calibration(Platt.of([10.0, -4.0, -3.0]), Platt.of([4.0, -2.0]), Platt.of([10.0, 4.0, -7.0]))
+    with pytest.raises(ValueError, match="4 coefficients for 2 signal"):
+        Platt.of([1.0, 2.0, 3.0, 4.0], 2)
+    by_rank = Calibration(Platt.of([10.0, -4.0, -3.0], 1), Platt.of([4.0, -2.0], 1), Platt.of([10.0, 4.0, -7.0], 2))
     assert by_rank.model("dense").coefficients() == [10.0, -4.0, -3.0]
     assert by_rank.probability("dense", {"cosine": 0.5}, 1) == pytest.approx(1 / (1 + math.exp(-(5 - 2 - 3))))
     assert by_rank.probability("dense", {"cosine": 0.5}, 3) == pytest.approx(1 / (1 + math.exp(-(5 - 4 - 3))))
@@ -120,7 +123,7 @@ def test_fit_models_pools_datasets_and_holds_each_out(tmp_path: Path) -> None:
                     points.append(Point(dataset, config, f"q{q}", rank, signals, relevant, 0.5))
     write_points(tmp_path / "points.jsonl", points)
     assert read_points([tmp_path / "points.jsonl"]) == points
-    flat = Calibration(Platt.of([0.0, 3.0]), Platt.of([0.0, 3.0]), Platt.of([0.0, 0.0, 3.0]))  # 0.95 for all
+    flat = Calibration(Platt.of([0.0, 3.0], 1), Platt.of([0.0, 3.0], 1), Platt.of([0.0, 0.0, 3.0], 2))  # 0.95
     fits = {fit.model: fit for fit in fit_models(points, flat)}
     assert set(fits) == {"dense", "keyword"}  # no hybrid points
     dense = fits["dense"]
@@ -145,7 +148,7 @@ def test_fit_models_reads_each_points_rank() -> None:
             points.append(Point("one", "dense", f"q{q}", rank, {"cosine": cosine}, relevant, 0.5))
     (dense,) = [fit for fit in fit_models(points, PipelineConfig().calibration()) if fit.model == "dense"]
     assert dense.fitted.coefficients() == pytest.approx([9.0, -2.5, -4.0], abs=1.2)
-    calibration = Calibration(dense.fitted, Platt.of([1.0, 0.0]), Platt.of([1.0, 1.0, 0.0]))
+    calibration = Calibration(dense.fitted, Platt.of([1.0, 0.0], 1), Platt.of([1.0, 1.0, 0.0], 2))
     estimates = [calibration.probability("dense", {"cosine": 0.6}, rank) for rank in range(1, 12)]
     assert estimates == sorted(estimates, reverse=True)
     assert estimates[0] > 2 * estimates[9]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -703,6 +704,13 @@ async def test_scores_are_calibrated_over_the_answer_for_the_model_they_were_fit
     estimates = [calibration.probability("hybrid", r.signals, r.rank) for r in reply.results]
     assert all(e is not None for e in estimates)
     assert [r.score for r in reply.results] == pytest.approx(estimates, abs=1e-6)
+    # A deployment's setting of the form fitted before the rank was read (a weight per signal, then the bias).
+    earlier = PipelineConfig(calibration_hybrid=(5.140, 5.505, -6.923))
+    reply = await pipeline_over(ScriptedRetrieval(), config=earlier).answer(query, "w")
+    signals = reply.results[0].signals
+    assert reply.results[0].score == pytest.approx(
+        1 / (1 + math.exp(-(5.140 * signals["cosine"] + 5.505 * signals["keyword"] - 6.923))), abs=1e-6
+    )
     # An index of another embedding model: the cosine weights do not hold, the scores stay relative.
     other = await pipeline_over(ScriptedRetrieval(cosines={"z": 0.1}, index_model="another-model")).answer(query, "w")
     assert not other.meta.calibrated

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ontofabric.services.query.calibration import MODELS, Calibration, Platt, fit_platt, judged, reliability
+from ontofabric.services.query.calibration import (
+    MODELS,
+    SIGNALS,
+    Calibration,
+    Platt,
+    fit_platt,
+    judged,
+    reliability,
+)
 
 CONFIG_OF_MODEL = {"dense": "dense", "keyword": "keyword", "hybrid": "hybrid"}
 """The ``ontofabric eval`` configuration whose results each calibration model judges."""
@@ -77,7 +85,7 @@ def _inputs(model: str, points: Sequence[Point]) -> _Judged:
             rows.append(judgement[1])
             labels.append(point.relevant)
             queries.append(f"{point.dataset}/{point.query}")
-    width = 4 if model == "hybrid" else 2  # the signals, and each times the place
+    width = 2 * SIGNALS[model]  # the signals, and each times the place
     return _Judged(np.array(rows, dtype=np.float64).reshape(-1, width), np.array(labels, dtype=np.float64), queries)
 
 

@@ -32,6 +32,8 @@ KEYWORD = "keyword"
 
 MODELS = ("dense", "keyword", "hybrid")
 """One model per set of retrievers that ran; ``hybrid`` reads both signals, the others one each."""
+SIGNALS = {"dense": 1, "keyword": 1, "hybrid": 2}
+"""How many signals each model reads (each enters twice: alone and times the place)."""
 POSITION_DEPTH = 10
 """How deep the calibration points go in each answer (``ontofabric eval``'s ``CALIBRATION_DEPTH``): a result past it
 is judged as if at it, the fit knowing nothing deeper."""
@@ -49,11 +51,16 @@ class Platt:
         return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
 
     @classmethod
-    def of(cls, coefficients: Sequence[float]) -> Platt:
-        """From a setting's list: the weights (each signal's, then each signal's times the place), then the bias.
-        A list without the place's weights (as fitted before 2026-12-03) reads them as 0."""
+    def of(cls, coefficients: Sequence[float], signals: int) -> Platt:
+        """From a setting's list for a model of ``signals`` signals: the weights (each signal's, then each signal's
+        times the place), then the bias. A list without the place's weights (as fitted before 2026-12-03) reads
+        them as 0."""
         weights = tuple(coefficients[:-1])
-        return cls(weights if len(weights) % 2 == 0 else weights + (0.0,) * len(weights), coefficients[-1])
+        if len(weights) == signals:
+            weights += (0.0,) * signals
+        if len(weights) != 2 * signals:
+            raise ValueError(f"{len(coefficients)} coefficients for {signals} signal(s): expected {2 * signals + 1}")
+        return cls(weights, coefficients[-1])
 
     def coefficients(self) -> list[float]:
         return [*self.weights, self.bias]

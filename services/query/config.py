@@ -7,7 +7,7 @@ from typing import Any
 
 from ontofabric.shared.settings import Settings
 
-from .calibration import Calibration, Platt
+from .calibration import SIGNALS, Calibration, Platt
 
 
 def _default(name: str) -> Any:
@@ -44,7 +44,9 @@ class PipelineConfig:
 
     def calibration(self) -> Calibration:
         return Calibration(
-            Platt.of(self.calibration_dense), Platt.of(self.calibration_keyword), Platt.of(self.calibration_hybrid)
+            Platt.of(self.calibration_dense, SIGNALS["dense"]),
+            Platt.of(self.calibration_keyword, SIGNALS["keyword"]),
+            Platt.of(self.calibration_hybrid, SIGNALS["hybrid"]),
         )
 
     @classmethod

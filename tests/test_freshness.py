@@ -7,8 +7,12 @@ import asyncio
 import functools
 import time
 
+import structlog
+from nats.js.errors import NotFoundError
+
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.query.freshness import FORGET_AFTER_S, DeltaWatch, age_ms
+from ontofabric.services.query.core import Pending
+from ontofabric.services.query.freshness import FORGET_AFTER_S, UNCOUNTED_RETRY_S, DeltaWatch, age_ms
 from ontofabric.shared.runtime import EmbeddedRuntime
 
 from .conftest import Deployment, connect_as
@@ -47,7 +51,24 @@ async def test_an_answer_working_from_an_older_position_counts_what_was_publishe
         # The stream deleted under a running NATS: JetStream cannot count, and the answer says it cannot tell
         # (a tester's queries failed `internal` meanwhile).
         await deployment.js.delete_stream(deployment.names.delta_stream)
+        with structlog.testing.capture_logs() as logged:
+            assert await watch.pending("acme", ["main"], seqs[0] - 1) is None
+            # The answers after it do not ask again for a while, nor warn each time (every answer did: note 73).
+            asked: list[tuple[str, int]] = []
+
+            async def still_deleted(subject: str, seq: int) -> Pending:
+                asked.append((subject, seq))
+                raise NotFoundError
+
+            watch.published_after = still_deleted  # type: ignore[method-assign]
+            assert await watch.pending("acme", ["main"], seqs[0] - 1) is None
+            assert asked == []
+        assert [e["event"] for e in logged] == ["pending_deltas_uncounted"]
+        assert logged[0]["retry_in_s"] == UNCOUNTED_RETRY_S
+        # After the hold-off, JetStream is asked again.
+        watch._uncounted_until = time.monotonic()
         assert await watch.pending("acme", ["main"], seqs[0] - 1) is None
+        assert len(asked) == 1
     finally:
         await watch.stop()
 

@@ -45,6 +45,9 @@ POSITION_WAIT_S = 0.5
 """How long an answer waits for the position before it goes on without (JetStream slow or away)."""
 EXACT_COUNT_TTL_S = 1.0
 """How long a count asked of JetStream serves the same branch's later answers."""
+UNCOUNTED_RETRY_S = 5.0
+"""After JetStream could not count, how long answers say they cannot tell without asking it again (with the
+stream deleted, every answer asked and logged a warning: note 73)."""
 MAX_WATCHED = 100_000
 """Deltas remembered past the position at most; past that the watch starts over from the newest it saw."""
 FORGET_AFTER_S = 60.0
@@ -140,6 +143,7 @@ class DeltaWatch:
         self._last_seen = 0
         self._reading: asyncio.Task[int] | None = None
         self._counted: LruCache[tuple[str, int], tuple[float, Pending]] = LruCache(4096)
+        self._uncounted_until = 0.0
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._names.published_subjects, cb=self._seen)
@@ -302,10 +306,15 @@ class DeltaWatch:
             subject = self._names.delta_subject(workspace, branch)
             counted = self._counted.get((subject, position))
             if counted is None or time.monotonic() - counted[0] > EXACT_COUNT_TTL_S:
+                if time.monotonic() < self._uncounted_until:
+                    return None
                 try:
                     counted = (time.monotonic(), await self.published_after(subject, position))
                 except Exception as error:  # the answer says it cannot tell, and is answered
-                    log.warning("pending_deltas_uncounted", subject=subject, error=describe(error))
+                    self._uncounted_until = time.monotonic() + UNCOUNTED_RETRY_S
+                    log.warning(
+                        "pending_deltas_uncounted", subject=subject, error=describe(error), retry_in_s=UNCOUNTED_RETRY_S
+                    )
                     return None
                 self._counted.put((subject, position), counted)
             pending = counted[1]

@@ -283,7 +283,7 @@ class DurableProjection:
         min_retry_s: float = 0.0,
         partition: Partition | None = None,
         settled_elsewhere: Callable[[], Awaitable[int]] | None = None,
-        may_apply: Callable[[], bool] | None = None,
+        held_back: Callable[[], str | None] | None = None,
     ) -> None:
         self._runner = runner
         self.durable = durable
@@ -295,8 +295,8 @@ class DurableProjection:
         self._dead_letters_invalid = dead_letters_invalid
         self._min_retry_s = min_retry_s
         self._settled_elsewhere = settled_elsewhere
-        self._may_apply = may_apply
-        """False while this process may no longer be the one applying the consumer (worker.py, ``holding``)."""
+        self._held_back = held_back
+        """Why this process does not apply the consumer's batches now, None while it does (worker.py)."""
         self._elsewhere: tuple[float, int] | None = None
         """The last reading of ``settled_elsewhere``, and when (monotonic)."""
         self._metrics = instruments()
@@ -357,10 +357,11 @@ class DurableProjection:
             await msg.nak(delay=max(self._min_retry_s, nak_delay(msg.metadata.num_delivered)))
 
     async def handle(self, messages: Sequence[Msg]) -> None:
-        if self._may_apply is not None and not self._may_apply():
-            for msg in messages:  # back to the consumer, for the process applying it now
+        why = None if self._held_back is None else self._held_back()
+        if why is not None:
+            for msg in messages:  # back to the consumer, for the process applying it now (or after an adoption)
                 await msg.nak(delay=LEFT_TO_THE_HOLDER_S)
-            log.info("batch_left_to_the_holder", index=self._index, size=len(messages))
+            log.info("batch_sent_back", index=self._index, size=len(messages), reason=why)
             return
         started = time.perf_counter()
         if messages:

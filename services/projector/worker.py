@@ -190,7 +190,7 @@ class ProjectorService:
             self._new_projection[index] = functools.partial(
                 DurableProjection, runner, js, names, durables[index], partition=partition,
                 settled_elsewhere=functools.partial(self._settled_before, index),
-                may_apply=functools.partial(self._may_apply, index),
+                held_back=functools.partial(self._held_back, index),
             )  # fmt: skip
         held = "all" if count == 1 else f"{','.join(map(str, self._partitions))} of {count}"
         description = "ontofabric Postgres projector"
@@ -216,10 +216,15 @@ class ProjectorService:
         update)."""
         return self._last_look is not None and time.monotonic() - self._last_look <= HOLDER_LEASE_S
 
-    def _may_apply(self, partition: int) -> bool:
-        """Whether this process goes on applying the partition's consumer: it holds, no other process has claimed
-        the consumer since it did, and it has not found the stream refused (the batch in hand is not written)."""
-        return self.holding() and not self._stores[partition].fenced and partition not in self._refused
+    def _held_back(self, partition: int) -> str | None:
+        """Why this process does not apply the partition's consumer now (the batch in hand is not written): it has
+        found the stream refused, or it no longer holds, or another process has claimed the consumer since it did.
+        None: it goes on applying it. (A refused batch was logged as left to the holder: note 73.)"""
+        if partition in self._refused:
+            return "stream_refused"
+        if not self.holding() or self._stores[partition].fenced:
+            return "left_to_the_holder"
+        return None
 
     async def _hold(self) -> None:
         """Apply the consumers no earlier process applies and no other process holds a live claim on (renewed
@@ -392,7 +397,7 @@ class ProjectorService:
         reason = earlier or refusal(followed, position, stream.created, last, found)
         if reason is not None:
             first_said = self._refused.get(partition) != reason
-            self._refused[partition] = reason  # from now on no batch of it is written (_may_apply)
+            self._refused[partition] = reason  # from now on no batch of it is written (_held_back)
             if store.refused != reason:  # a write that fails (the row's lock held past the check's bound): next look
                 await store.refuse(reason)
                 store.refused = reason

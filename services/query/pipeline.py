@@ -769,10 +769,13 @@ class QueryPipeline:
         if not self._config.calibrated_scores or not answer or other_model:
             run.report(calibrated=False)
             return None
-        estimates = []
-        for rank, hit in enumerate(answer, start=1):
+        estimates, rank = [], 0
+        for hit in answer:
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if not PLACED_FIRST & hit.found_by.keys():
+                # Its place among the ranked results: definitions placed before them are no part of the order
+                # the fit saw (a review's: each one placed first lowered every other result's score).
+                rank += 1
                 estimate = self._probability(measured, hit.id, rank)
                 docstring = (stands_for or {}).get(hit.id)
                 if estimate is not None and docstring is not None:

@@ -14,8 +14,11 @@ from ontofabric.contracts import QueryResponse
 from ontofabric.services.ops.beir import BeirDataset, load_beir, write_beir
 from ontofabric.services.ops.calibrate import Point, fit_models, read_points, write_points
 from ontofabric.services.query.calibration import (
+    POSITION_DEPTH,
+    SIGNALS,
     Calibration,
     Platt,
+    fit_monotone,
     fit_platt,
     judged,
     model_for,
@@ -153,6 +156,33 @@ def test_fit_models_reads_each_points_rank() -> None:
     assert estimates == sorted(estimates, reverse=True)
     assert estimates[0] > 2 * estimates[9]
     assert estimates[10] == estimates[9]  # past the points' depth, as at it
+
+
+def _weights_by_place(platt: Platt, signals: int) -> list[float]:
+    """Each signal's weight at each place 1..POSITION_DEPTH + 1."""
+    w = platt.weights
+    return [w[i] + w[signals + i] * math.log2(1 + min(r, POSITION_DEPTH)) for i in range(signals) for r in range(1, 12)]
+
+
+def test_a_stronger_match_never_scores_lower_at_the_same_rank() -> None:
+    """A review's: keyword alone's fitted weight turned negative from rank 9 (an exact match there scored below a
+    weak one). The fit holds each signal's weight at or above 0 at every place; the defaults are such a fit."""
+    rng = np.random.default_rng(3)
+    n = 30_000
+    signal, rank = rng.uniform(0, 1, n), rng.integers(1, 11, n)
+    place = np.log2(1 + rank)
+    # Relevance whose dependence on the signal fades, and reverses, with depth: a free fit follows it below 0.
+    p = 1 / (1 + np.exp(-(9 * signal - 3.5 * signal * place - 3)))
+    labels = (rng.uniform(size=n) < p).astype(np.float64)
+    inputs = np.column_stack([signal, signal * place])
+    free = fit_platt(inputs, labels)
+    assert min(_weights_by_place(free, 1)) < -0.5  # the premise
+    held = fit_monotone(inputs, labels, 1)
+    assert min(_weights_by_place(held, 1)) >= -1e-3
+    assert held.weights[0] > 5  # still a strong signal near the top
+    defaults = PipelineConfig().calibration()
+    for model in ("dense", "keyword", "hybrid"):
+        assert min(_weights_by_place(defaults.model(model), SIGNALS[model])) >= -1e-3, model
 
 
 def test_a_set_with_unanswerable_queries_judges_them_relevant_to_nothing(tmp_path: Path) -> None:

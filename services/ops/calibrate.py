@@ -20,7 +20,7 @@ from ontofabric.services.query.calibration import (
     SIGNALS,
     Calibration,
     Platt,
-    fit_platt,
+    fit_monotone,
     judged,
     reliability,
 )
@@ -137,7 +137,7 @@ def fit_models(points: Sequence[Point], current: Calibration) -> list[ModelFit]:
         pooled = _inputs(model, mine)
         if not len(pooled.labels):
             continue
-        fitted = fit_platt(pooled.signals, pooled.labels)
+        fitted = fit_monotone(pooled.signals, pooled.labels, SIGNALS[model])
         now, in_sample, held_out = {}, {}, {}
         for dataset in datasets:
             own = _inputs(model, [p for p in mine if p.dataset == dataset])
@@ -147,7 +147,7 @@ def fit_models(points: Sequence[Point], current: Calibration) -> list[ModelFit]:
             now[dataset] = _error(current.model(model), own)
             in_sample[dataset] = _error(fitted, own)
             if len(others.labels) and others.labels.sum() > 0:
-                probabilities = _probabilities(fit_platt(others.signals, others.labels), own)
+                probabilities = _probabilities(fit_monotone(others.signals, others.labels, SIGNALS[model]), own)
                 error = reliability(probabilities, own.labels)[1]
                 held_out[dataset] = (error, *error_interval(probabilities, own.labels, own.queries))
         fits.append(ModelFit(model, fitted, len(pooled.labels), int(pooled.labels.sum()), now, in_sample, held_out))

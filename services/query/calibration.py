@@ -165,6 +165,45 @@ def fit_platt(signals: np.ndarray, labels: np.ndarray, l2: float = 1e-4, iterati
     return Platt(tuple(round(float(v), 4) for v in w[:-1]), round(float(w[-1]), 4))
 
 
+def fit_monotone(inputs: np.ndarray, labels: np.ndarray, signals: int) -> Platt:
+    """Platt scaling over a model's inputs (its ``signals``, then each times the place), such that each signal's
+    weight at every place, ``w + v * log2(1 + rank)``, stays at or above 0: a stronger match never scores lower at
+    the same rank. The free fit can break that (a review's: keyword alone weighed its score negatively from rank 9
+    on, so an exact match there scored below a weak one); a signal whose weight falls below 0 at one end of the
+    places is refitted with its weight held at 0 there (linear in the place, it is then at or above 0 throughout),
+    and one still negative is left out."""
+    ends = {"first": 1.0, "deepest": math.log2(1 + POSITION_DEPTH)}
+    held: dict[int, str | None] = {}  # signal -> the end its weight is held at 0 at; None: left out
+    while True:
+        columns: list[np.ndarray] = []
+        layout: list[tuple[int, str | None]] = []
+        for i in range(signals):
+            alone, placed = inputs[:, i], inputs[:, signals + i]
+            if i not in held:
+                columns += [alone, placed]
+                layout.append((i, None))
+            elif (end := held[i]) is not None:  # w * signal + v * signal * place with v = -w / place_at_end
+                columns.append(alone - placed / ends[end])
+                layout.append((i, end))
+        fitted = fit_platt(np.column_stack(columns) if columns else np.zeros((len(labels), 0)), labels)
+        weights, placed_weights, k = [0.0] * signals, [0.0] * signals, 0
+        for i, end in layout:
+            if end is None:
+                weights[i], placed_weights[i] = fitted.weights[k], fitted.weights[k + 1]
+                k += 2
+            else:
+                weights[i], placed_weights[i] = fitted.weights[k], round(-fitted.weights[k] / ends[end], 4)
+                k += 1
+        broken: dict[int, str | None] = {}
+        for i in range(signals):
+            at = {end: weights[i] + placed_weights[i] * place for end, place in ends.items()}
+            if min(at.values()) < -1e-3:
+                broken[i] = None if i in held else min(at, key=lambda end: at[end])
+        if not broken:
+            return Platt((*weights, *placed_weights), fitted.bias)
+        held |= broken
+
+
 @dataclass(frozen=True)
 class ReliabilityBin:
     low: float

@@ -22,12 +22,14 @@ from ontofabric.services.query.calibration import (
     fit_platt,
     judged,
     model_for,
+    ranked_places,
     reliability,
     result_signals,
 )
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import Candidate
+from ontofabric.services.query.symbols import PLACED_FIRST
 from ontofabric.shared.embedder import Embedder
 
 from .benchmarks.unanswerable_set import with_unanswerable
@@ -97,6 +99,11 @@ def test_which_model_judges_what() -> None:
     assert by_rank.probability("dense", {"cosine": 0.5}, 3) == pytest.approx(1 / (1 + math.exp(-(5 - 4 - 3))))
     # What fits the rank cannot lift a result without signal: nothing measured, nothing but the bias.
     assert by_rank.probability("dense", {"cosine": 0.0}, 1) == by_rank.probability("dense", {"cosine": 0.0}, 9)
+
+
+def test_results_placed_first_are_no_places() -> None:
+    found_by = [{"symbol"}, {"dense"}, {"keyword", "dense"}, {"caller"}, {"keyword"}]
+    assert ranked_places(found_by, PLACED_FIRST) == [None, 1, 2, None, 3]
 
 
 def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores() -> None:

@@ -36,7 +36,7 @@ from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, drop_stale, drop_workspace, stable_hash
-from .calibration import Measured, model_for, result_signals
+from .calibration import Measured, model_for, ranked_places, result_signals
 from .config import PipelineConfig
 from .core import (
     DEFINING_LEVELS,
@@ -769,13 +769,10 @@ class QueryPipeline:
         if not self._config.calibrated_scores or not answer or other_model:
             run.report(calibrated=False)
             return None
-        estimates, rank = [], 0
-        for hit in answer:
+        estimates = []
+        for hit, rank in zip(answer, ranked_places((hit.found_by for hit in answer), PLACED_FIRST), strict=True):
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
-            if not PLACED_FIRST & hit.found_by.keys():
-                # Its place among the ranked results: definitions placed before them are no part of the order
-                # the fit saw (a review's: each one placed first lowered every other result's score).
-                rank += 1
+            if rank is not None:
                 estimate = self._probability(measured, hit.id, rank)
                 docstring = (stands_for or {}).get(hit.id)
                 if estimate is not None and docstring is not None:

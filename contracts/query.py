@@ -293,7 +293,8 @@ class SearchResult(WireModel):
     id: str
     score: float = Field(
         description="When _meta.calibrated: the estimated probability that the result is relevant, on one scale "
-        "whatever retrievers ran (Platt scaling over its signals and its rank, fitted on judged queries; "
+        "whatever retrievers ran (Platt scaling over its signals and its place among the ranked results, before "
+        "minRelevance drops any, fitted on judged queries; "
         "docs/quality.md), 1 for a definition the query names (foundBy symbol); minRelevance is then a threshold "
         "on it. Each result's own: it follows the order, but a result whose signals are much stronger than those "
         "of one ranked before it may score higher. "

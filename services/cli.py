@@ -1598,7 +1598,9 @@ def forget_layout(
     settings = _settings("ontofabric-forget-layout", data_dir, quiet=True)
     if partitions == settings.projector_partitions:
         _fail(f"{partitions} is the configured layout (ONTOFABRIC_PROJECTOR_PARTITIONS): its consumers are in use")
-    if not yes and not typer.confirm(f"delete the consumers of the {partitions}-partition layout?"):
+    if not yes and not typer.confirm(
+        f"delete the consumers of the {partitions}-partition layout and their claim rows?"
+    ):
         raise typer.Exit(1)
 
     async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Forgotten:

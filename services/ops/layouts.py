@@ -21,6 +21,9 @@ from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
 from ontofabric.shared.subjects import Names
 
+LOCK_TIMEOUT = "30s"
+"""How long deleting a database's claim rows waits for a batch holding one."""
+
 
 class LayoutInUse(Exception):
     """Projectors of the layout asked to be forgotten still run."""
@@ -57,15 +60,18 @@ async def forget_layout(nc: Client, names: Names, placement: Placement, partitio
             conn = await asyncpg.connect(url)
             try:
                 if await conn.fetchval("SELECT to_regclass('projection_fences')") is not None:
-                    deleted = await conn.fetch(
-                        "DELETE FROM projection_fences WHERE durable = ANY($1::text[]) RETURNING durable", durables
-                    )
+                    async with conn.transaction():
+                        await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                        deleted = await conn.fetch(
+                            "DELETE FROM projection_fences WHERE durable = ANY($1::text[]) RETURNING durable", durables
+                        )
                     claims += len(deleted)
             finally:
                 await conn.close()
         except (OSError, asyncpg.PostgresError) as error:
             raise ClaimsNotDeleted(
-                f"deleted {', '.join(consumers) or 'no consumer'}, but the claim rows on {redacted_url(url)} could "
-                f"not be deleted ({type(error).__name__}: {error}); run forget-layout again"
+                f"deleted {', '.join(consumers) or 'no consumer'} and {claims} claim row(s) before, but the claim rows "
+                f"on {redacted_url(url)} could not be deleted ({type(error).__name__}: {error}); run forget-layout "
+                "again"
             ) from error
     return Forgotten(consumers, claims)

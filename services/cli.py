@@ -1371,9 +1371,10 @@ def calibrate(
         typer.Argument(exists=True, dir_okay=False, help="Files `ontofabric eval --calibration-points` wrote."),
     ],
 ) -> None:
-    """Fit the score calibration (Platt scaling per set of retrievers) on evaluation points, pooled over their
-    datasets: print each model's coefficients as settings, and the expected calibration error per dataset with
-    the current settings, with the fit, and with a fit on the other datasets alone."""
+    """Fit the score calibration (Platt scaling per set of retrievers, over each result's signals and its place in
+    the answer) on evaluation points, pooled over their datasets: print each model's coefficients as settings, and
+    the expected calibration error per dataset with the current settings, with the fit, and with a fit on the other
+    datasets alone."""
     from .ops.calibrate import PointsError, fit_models, read_points, render_fits
     from .query.config import PipelineConfig
 

@@ -400,7 +400,7 @@ class Settings(BaseSettings):
         "Two numbers, as fitted before 2026-12-03: the cosine's weight and the bias, the rank not read.",
     )
     calibration_keyword: tuple[float, float, float] | tuple[float, float] = Field(
-        default=(11.0777, -3.2022, -4.1495),
+        default=(11.0777, -3.2021, -4.1495),
         description="Calibrated scores, keyword alone: weights of the BM25 score over the query's best and of it "
         "times log2(1 + rank), then the bias (or, as before 2026-12-03, the first and the bias).",
     )

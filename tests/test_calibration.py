@@ -185,11 +185,11 @@ def test_a_stronger_match_never_scores_lower_at_the_same_rank() -> None:
     free = fit_platt(inputs, labels)
     assert min(_weights_by_place(free, 1)) < -0.5  # the premise
     held = fit_monotone(inputs, labels, 1)
-    assert min(_weights_by_place(held, 1)) >= -1e-3
+    assert min(_weights_by_place(held, 1)) >= -1e-9
     assert held.weights[0] > 5  # still a strong signal near the top
     defaults = PipelineConfig().calibration()
     for model in ("dense", "keyword", "hybrid"):
-        assert min(_weights_by_place(defaults.model(model), SIGNALS[model])) >= -1e-3, model
+        assert min(_weights_by_place(defaults.model(model), SIGNALS[model])) >= -1e-9, model
 
 
 def test_a_set_with_unanswerable_queries_judges_them_relevant_to_nothing(tmp_path: Path) -> None:

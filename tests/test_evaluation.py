@@ -303,6 +303,10 @@ async def test_a_small_dataset_through_the_real_path(
         assert {p.query for p in points} == {"q1", "q2", "q3"}
         assert all(p.signals for p in points)
         assert sum(p.relevant for p in points) == 3
+        # At the place the answer scored each at: q2's own document, left out as BEIR does, took the first.
+        places = {q: [p.rank for p in points if p.query == q] for q in ("q1", "q2", "q3")}
+        assert places["q2"] == list(range(2, 2 + len(places["q2"]))), (config, places)
+        assert places["q1"] == list(range(1, 1 + len(places["q1"]))), (config, places)
     assert "calibration_points" not in report.to_json()
     # Every hybrid configuration against the stronger retriever, over the four judged queries; here every
     # configuration but the random cross-encoder answers each query alike, a tie, where dense counts as stronger.

@@ -65,8 +65,12 @@ async def test_an_answer_working_from_an_older_position_counts_what_was_publishe
             assert asked == []
         assert [e["event"] for e in logged] == ["pending_deltas_uncounted"]
         assert logged[0]["retry_in_s"] == UNCOUNTED_RETRY_S
-        # After the hold-off, JetStream is asked again.
-        watch._uncounted_until = time.monotonic()
+        # Another branch is asked (a failure to count one says nothing of another), and after the hold-off the
+        # first again.
+        assert await watch.pending("acme", ["other"], seqs[0] - 1) is None
+        assert [subject for subject, _ in asked] == [deployment.names.delta_subject("acme", "other")]
+        asked.clear()
+        watch._uncounted_until.put(deployment.names.delta_subject("acme", "main"), time.monotonic())
         assert await watch.pending("acme", ["main"], seqs[0] - 1) is None
         assert len(asked) == 1
     finally:

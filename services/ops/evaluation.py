@@ -254,10 +254,10 @@ class Evaluation:
             # the query names) was not scored by the calibration, and is no point of it.
             found_by = ({f.retriever for f in r.found_by} for r in reply.results)
             places = dict(zip((r.id for r in reply.results), ranked_places(found_by, PLACED_FIRST), strict=True))
+            scored = [(r, place) for r in hits if (place := places[r.id]) is not None]
             collected += [
                 Point(dataset.name, config, query_id, place, r.signals, judgments.get(r.id, 0) > 0, r.score)
-                for r in hits[:CALIBRATION_DEPTH]
-                if (place := places[r.id]) is not None
+                for r, place in scored[:CALIBRATION_DEPTH]
             ]
             raw[query_id] = run_file_scores(hits, reply.meta, single)
         result.metrics = compute_metrics({q: dataset.qrels[q] for q in judged}, run)

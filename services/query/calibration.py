@@ -208,12 +208,16 @@ def fit_monotone(inputs: np.ndarray, labels: np.ndarray, signals: int) -> Platt:
                 weights[i], placed_weights[i] = fitted.weights[k], fitted.weights[k + 1]
                 k += 2
             else:
-                weights[i], placed_weights[i] = fitted.weights[k], round(-fitted.weights[k] / ends[end], 4)
+                # Rounded toward 0, so that the weight at that end is not below 0 by a rounding (a review's).
+                weights[i], placed_weights[i] = (
+                    fitted.weights[k],
+                    math.trunc(-fitted.weights[k] / ends[end] * 1e4) / 1e4,
+                )
                 k += 1
         broken: dict[int, str | None] = {}
         for i in range(signals):
             at = {end: weights[i] + placed_weights[i] * place for end, place in ends.items()}
-            if min(at.values()) < -1e-3:
+            if min(at.values()) < -1e-9:
                 broken[i] = None if i in held else min(at, key=lambda end: at[end])
         if not broken:
             return Platt((*weights, *placed_weights), fitted.bias)

@@ -46,8 +46,8 @@ POSITION_WAIT_S = 0.5
 EXACT_COUNT_TTL_S = 1.0
 """How long a count asked of JetStream serves the same branch's later answers."""
 UNCOUNTED_RETRY_S = 5.0
-"""After JetStream could not count, how long answers say they cannot tell without asking it again (with the
-stream deleted, every answer asked and logged a warning: note 73)."""
+"""After JetStream could not count a branch's deltas, how long its answers say they cannot tell without asking it
+again (with the stream deleted, every answer asked and logged a warning: note 73)."""
 MAX_WATCHED = 100_000
 """Deltas remembered past the position at most; past that the watch starts over from the newest it saw."""
 FORGET_AFTER_S = 60.0
@@ -143,7 +143,8 @@ class DeltaWatch:
         self._last_seen = 0
         self._reading: asyncio.Task[int] | None = None
         self._counted: LruCache[tuple[str, int], tuple[float, Pending]] = LruCache(4096)
-        self._uncounted_until = 0.0
+        self._uncounted_until: LruCache[str, float] = LruCache(4096)
+        """Per branch's subject: until when a count JetStream failed is not asked again."""
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._names.published_subjects, cb=self._seen)
@@ -306,12 +307,12 @@ class DeltaWatch:
             subject = self._names.delta_subject(workspace, branch)
             counted = self._counted.get((subject, position))
             if counted is None or time.monotonic() - counted[0] > EXACT_COUNT_TTL_S:
-                if time.monotonic() < self._uncounted_until:
+                if time.monotonic() < (self._uncounted_until.get(subject) or 0.0):
                     return None
                 try:
                     counted = (time.monotonic(), await self.published_after(subject, position))
                 except Exception as error:  # the answer says it cannot tell, and is answered
-                    self._uncounted_until = time.monotonic() + UNCOUNTED_RETRY_S
+                    self._uncounted_until.put(subject, time.monotonic() + UNCOUNTED_RETRY_S)
                     log.warning(
                         "pending_deltas_uncounted", subject=subject, error=describe(error), retry_in_s=UNCOUNTED_RETRY_S
                     )

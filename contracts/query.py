@@ -319,7 +319,8 @@ class SearchResult(WireModel):
     signals: dict[str, float] = Field(
         default_factory=dict,
         description="What the score was estimated from, those measured: cosine (the dense similarity to the query) "
-        "and keyword (its BM25 score over the best the query could reach, 0 to 1).",
+        "and keyword (its BM25 score over the best the query could reach, 0 to 1). A function's code that took its "
+        "docstring's place (the docstring folded into it) shows its docstring's where those scored higher.",
     )
 
 

@@ -742,6 +742,35 @@ async def test_definitions_placed_first_do_not_lower_the_scores_of_the_results_a
         assert result.score == pytest.approx(expected, abs=1e-6), (result.id, place)
 
 
+async def test_code_scored_from_its_docstring_shows_the_docstrings_signals() -> None:
+    """A tester's: a method that took its docstring's place scored from the docstring's signals (the better of the
+    two) but showed its own, so its score could not be worked out from what the answer said."""
+
+    @dataclass
+    class MethodAndDocstring(ScriptedRetrieval):
+        async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return Hits([Candidate("f doc", 0.9), Candidate("other", 0.7), Candidate("f", 0.5)], self.dense_version)
+
+        async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return Hits([Candidate("f doc", 3.0)], self.keyword_version, ceiling=4.0)
+
+        async def fetch(self, scope: Scope, ids: Sequence[str], *args: Any, **kwargs: Any) -> Fetched:
+            chunks = (_chunk("f doc", "pkg.a.A.f", "doc"), _chunk("f", "pkg.a.A.f", "method"),
+                      _chunk("other", "pkg.a.B", "type"))  # fmt: skip
+            return Fetched({c.id: c for c in chunks if c.id in ids}, self.fetch_version, self.index_model)
+
+    query = OntologyQuery.model_validate(
+        {"semanticQuery": "what does f do", "topK": 3, "options": {"lateInteraction": {"weight": 0}}}
+    )
+    reply = await pipeline_over(MethodAndDocstring()).answer(query, "w")
+    assert [r.id for r in reply.results] == ["f", "other"]  # the docstring folded into its method, in its place
+    method = reply.results[0]
+    assert method.signals == {"cosine": 0.9, "keyword": 0.75}  # the docstring's, which it was scored from
+    calibration = PipelineConfig().calibration()
+    for result in reply.results:
+        assert result.score == pytest.approx(calibration.probability("hybrid", result.signals, result.rank), abs=1e-6)
+
+
 async def test_meta_says_when_the_keyword_list_was_pruned() -> None:
     class Pruned(ScriptedRetrieval):
         async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:

@@ -283,8 +283,10 @@ class QueryPipeline:
         candidates = await self._rerank(run, refinements, candidates, documents)
         candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates, collapsed, stands_for = self._collapse(run, candidates, documents)
-        scores = self._calibrated_scores(run, measured, candidates, fetched.model, stands_for)
-        results = to_results(run.query, candidates, documents, scores, measured.signals)
+        scores, scored_from = self._calibrated_scores(run, measured, candidates, fetched.model, stands_for)
+        # A result scored from its docstring's signals shows those (a tester's: scores not reproducible from them).
+        signals = measured.signals | {hit: measured.signals.get(doc, {}) for hit, doc in scored_from.items()}
+        results = to_results(run.query, candidates, documents, scores, signals)
         if run.query.min_relevance is not None:  # a tester's agent read "0 results" as nothing there
             scored = len(candidates) if scores is None else sum(hit.id in scores for hit in candidates)
             run.report(below_min_relevance=max(0, min(run.query.top_k, scored) - len(results)))
@@ -753,7 +755,7 @@ class QueryPipeline:
         candidates: list[Fused],
         index_model: str | None,
         stands_for: Mapping[str, str] | None = None,
-    ) -> dict[str, float] | None:
+    ) -> tuple[dict[str, float] | None, dict[str, str]]:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
         signals and its place in the answer (1 for a definition of the symbol the query names, or a chunk in the
         relation to it the query asks about). Each is its own estimate: one ranked lower can score higher where its
@@ -762,27 +764,30 @@ class QueryPipeline:
         kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
         model is not the one the cosine weights were fitted for, or when some result has no signal a model could
         judge (a listing; a keyword backend without a ceiling, alone). ``stands_for``: a function's code in its
-        docstring's place (``code_before_its_docstring``) scores the better of the two, as one symbol."""
+        docstring's place (``code_before_its_docstring``) scores the better of the two, as one symbol; the second
+        mapping holds each result scored from its docstring's signals, and that docstring."""
         answer = candidates[: run.query.top_k]
         fitted_for = self._config.calibration_embedding_model
         other_model = measured.model in ("dense", "hybrid") and index_model not in (None, fitted_for)
         if not self._config.calibrated_scores or not answer or other_model:
             run.report(calibrated=False)
-            return None
-        estimates = []
+            return None, {}
+        estimates, scored_from = [], {}
         for hit, rank in zip(answer, ranked_places((hit.found_by for hit in answer), PLACED_FIRST), strict=True):
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if rank is not None:
                 estimate = self._probability(measured, hit.id, rank)
                 docstring = (stands_for or {}).get(hit.id)
                 if estimate is not None and docstring is not None:
-                    estimate = max(estimate, self._probability(measured, docstring, rank) or 0.0)
+                    own_docstring = self._probability(measured, docstring, rank)
+                    if own_docstring is not None and own_docstring > estimate:
+                        estimate, scored_from[hit.id] = own_docstring, docstring
             if estimate is None:
                 run.report(calibrated=False)
-                return None
+                return None, {}
             estimates.append(estimate)
         run.report(calibrated=True)
-        return dict(zip((hit.id for hit in answer), estimates, strict=True))
+        return dict(zip((hit.id for hit in answer), estimates, strict=True)), scored_from
 
     def _probability(self, measured: Measured, doc_id: str, rank: int) -> float | None:
         """The calibrated probability that the candidate at ``rank`` is relevant, from its signals; None when none

@@ -6,6 +6,7 @@ Every field documents its default; ``ontofabric settings`` prints the effective 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import ssl
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
@@ -568,6 +569,27 @@ class Settings(BaseSettings):
         description="`json`: one structlog JSON object per line; `console`: for humans. Model libraries draw no "
         "progress bars into it (`HF_HUB_DISABLE_PROGRESS_BARS=0` brings them back).",
     )
+
+    @field_validator("calibration_dense", "calibration_keyword", "calibration_hybrid", mode="before")
+    @classmethod
+    def _calibration_lengths(cls, value: object, info: ValidationInfo) -> object:
+        """Name the lengths a model's list may have (a tester read "at most 3 items" for a list of 5 allowed), and
+        say when it is no JSON (as for every other list setting)."""
+        signals = 2 if info.field_name == "calibration_hybrid" else 1
+        if isinstance(value, str):  # from the environment: pydantic-settings leaves a union of lists undecoded
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(
+                    f"not valid JSON: {value!r} (a list of numbers, as ontofabric calibrate prints)"
+                ) from None
+        if not isinstance(value, list | tuple) or len(value) not in (2 * signals + 1, signals + 1):
+            given = f"{len(value)} numbers" if isinstance(value, list | tuple) else f"{value!r} is no list"
+            raise ValueError(
+                f"{given}: a list of {2 * signals + 1} (each signal's weight, each times log2(1 + rank), then the "
+                f"bias), or of {signals + 1} as fitted before 2026-12-03 (each signal's weight, then the bias)"
+            )
+        return value
 
     @field_validator("delta_stream_max_bytes", mode="before")
     @classmethod

@@ -586,6 +586,8 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
     [
         ("ONTOFABRIC_SUBJECT_PREFIX", "a.b", "String should match pattern '^[a-z][a-z0-9_-]{0,30}$'"),
         ("ONTOFABRIC_CALIBRATION_DENSE", "abc", "ONTOFABRIC_CALIBRATION_DENSE: not valid JSON"),
+        # A tester's: pydantic's union said "at most 3 items" of a list of 4, where 5 are taken too.
+        ("ONTOFABRIC_CALIBRATION_HYBRID", "[1, 2, 3, 4]", "HYBRID: 4 numbers: a list of 5 (each signal's weight"),
         ("ONTOFABRIC_RERANKER", "cohere", "error: settings: ONTOFABRIC_RERANKER=cohere needs ONTOFABRIC_RERANKER_URL"),
         ("ONTOFABRIC_KEYWORD_BACKEND", "azure-ai-search", "azure-ai-search needs ONTOFABRIC_AZURE_SEARCH_ENDPOINT"),
         # An independent tester's: a traceback from deep in the driver, at start of every server command.

@@ -22,14 +22,13 @@ from ontofabric.services.query.calibration import (
     fit_platt,
     judged,
     model_for,
-    ranked_places,
     reliability,
     result_signals,
 )
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import Candidate
-from ontofabric.services.query.symbols import PLACED_FIRST
+from ontofabric.services.query.symbols import ranked_places
 from ontofabric.shared.embedder import Embedder
 
 from .benchmarks.unanswerable_set import with_unanswerable
@@ -103,7 +102,7 @@ def test_which_model_judges_what() -> None:
 
 def test_results_placed_first_are_no_places() -> None:
     found_by = [{"symbol"}, {"dense"}, {"keyword", "dense"}, {"caller"}, {"keyword"}]
-    assert ranked_places(found_by, PLACED_FIRST) == [None, 1, 2, None, 3]
+    assert ranked_places(found_by) == [None, 1, 2, None, 3]
 
 
 def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores() -> None:

@@ -28,9 +28,9 @@ from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.client import DeltaPublisher, envelope
 from ontofabric.services.ingest.ingester import ChunkEmbedding, SecondVectors
-from ontofabric.services.query.calibration import POSITION_DEPTH, ranked_places, reliability
+from ontofabric.services.query.calibration import POSITION_DEPTH, reliability
 from ontofabric.services.query.client import QueryClient
-from ontofabric.services.query.symbols import PLACED_FIRST
+from ontofabric.services.query.symbols import places_of
 from ontofabric.shared.azure_search import read_watermark, search_client
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -252,8 +252,7 @@ class Evaluation:
             judgments = dataset.qrels[query_id]
             # Each at the place the answer scored it at (its own id dropped or not); one placed first (a definition
             # the query names) was not scored by the calibration, and is no point of it.
-            found_by = ({f.retriever for f in r.found_by} for r in reply.results)
-            places = dict(zip((r.id for r in reply.results), ranked_places(found_by, PLACED_FIRST), strict=True))
+            places = dict(zip((r.id for r in reply.results), places_of(reply.results), strict=True))
             scored = [(r, place) for r in hits if (place := places[r.id]) is not None]
             collected += [
                 Point(dataset.name, config, query_id, place, r.signals, judgments.get(r.id, 0) > 0, r.score)

@@ -30,9 +30,9 @@ from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.chunking import chunk_file, module_name
 from ontofabric.services.ingest.ingester import Ingester, exclusion_patterns, own_package, read_tree
-from ontofabric.services.query.calibration import ReliabilityBin, ranked_places, reliability
+from ontofabric.services.query.calibration import ReliabilityBin, reliability
 from ontofabric.services.query.client import QueryClient
-from ontofabric.services.query.symbols import PLACED_FIRST
+from ontofabric.services.query.symbols import places_of
 from ontofabric.shared.jetstream import close, connect, wait_caught_up
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.progress import Progress
@@ -375,11 +375,10 @@ async def evaluate_tree(
             run[query.id] = {name: float(DEPTH - rank) for rank, name in enumerate(found)}
             if reply is not None:
                 uncalibrated += not reply.meta.calibrated
-                found_by = ({f.retriever for f in r.found_by} for r in reply.results)
                 points += [  # at the place each was scored at; one placed first was not scored
                     Point(judgments.dataset, "hybrid", query.id, place, r.signals,
                           r.metadata.get("symbolFqn") in query.relevant, r.score)
-                    for r, place in zip(reply.results, ranked_places(found_by, PLACED_FIRST), strict=True)
+                    for r, place in zip(reply.results, places_of(reply.results), strict=True)
                     if place is not None
                 ]  # fmt: skip
         qrels = {c.id: dict.fromkeys(c.relevant, 1) for c in judgments.concepts}

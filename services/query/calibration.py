@@ -18,7 +18,7 @@ rank, its signals being small (a place of its own would lift every answer's firs
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,22 +103,6 @@ def judged(model: str, signals: Mapping[str, float], rank: int) -> tuple[str, tu
     if model == "dense" and cosine is not None:
         return model, _with_place((cosine,), rank)
     return None
-
-
-def ranked_places(found_by: Iterable[Collection[str]], placed_first: Collection[str]) -> list[int | None]:
-    """Each result's place as the calibration reads it, from the retrievers that found each, in the answer's order:
-    its place among the ranked results, None for one placed before them (a definition the query names, a chunk in
-    the relation it asks about): those are no part of the order the fit saw, and counted as places they lowered
-    every later result's score (a review's)."""
-    places: list[int | None] = []
-    ranked = 0
-    for names in found_by:
-        if any(name in placed_first for name in names):
-            places.append(None)
-        else:
-            ranked += 1
-            places.append(ranked)
-    return places
 
 
 def _with_place(signals: tuple[float, ...], rank: int) -> tuple[float, ...]:

@@ -36,7 +36,7 @@ from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.telemetry import instruments, tracer
 
 from .cache import CacheKey, drop_stale, drop_workspace, stable_hash
-from .calibration import Measured, model_for, ranked_places, result_signals
+from .calibration import Measured, model_for, result_signals
 from .config import PipelineConfig
 from .core import (
     DEFINING_LEVELS,
@@ -81,13 +81,13 @@ from .symbols import (
     CALLER,
     IMPORTED,
     IMPORTER,
-    PLACED_FIRST,
     RELATION_ASKED,
     SUBCLASS,
     SYMBOL,
     code_shaped,
     definitions_first,
     identifier_of,
+    ranked_places,
     related_first,
     relation_of,
 )
@@ -284,8 +284,9 @@ class QueryPipeline:
         candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates, collapsed, stands_for = self._collapse(run, candidates, documents)
         scores, scored_from = self._calibrated_scores(run, measured, candidates, fetched.model, stands_for)
-        # A result scored from its docstring's signals shows those (a tester's: scores not reproducible from them).
-        signals = measured.signals | {hit: measured.signals.get(doc, {}) for hit, doc in scored_from.items()}
+        signals = measured.signals
+        if scored_from:  # a result scored from its docstring's shows those (a tester's: scores not reproducible)
+            signals = signals | {hit: signals.get(doc, {}) for hit, doc in scored_from.items()}
         results = to_results(run.query, candidates, documents, scores, signals)
         if run.query.min_relevance is not None:  # a tester's agent read "0 results" as nothing there
             scored = len(candidates) if scores is None else sum(hit.id in scores for hit in candidates)
@@ -773,7 +774,7 @@ class QueryPipeline:
             run.report(calibrated=False)
             return None, {}
         estimates, scored_from = [], {}
-        for hit, rank in zip(answer, ranked_places((hit.found_by for hit in answer), PLACED_FIRST), strict=True):
+        for hit, rank in zip(answer, ranked_places(hit.found_by for hit in answer), strict=True):
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if rank is not None:
                 estimate = self._probability(measured, hit.id, rank)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from ontofabric.contracts import SearchResult
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -28,6 +29,29 @@ CALLEE, BASE, IMPORTED = "callee", "base", "imported"
 what calls it, derives from it, imports it; what it calls, derives from, imports."""
 RELATIONS = frozenset({CALLER, SUBCLASS, IMPORTER, CALLEE, BASE, IMPORTED})
 PLACED_FIRST = RELATIONS | {SYMBOL}
+
+
+def ranked_places(found_by: Iterable[Collection[str]]) -> list[int | None]:
+    """Each result's place as the calibration reads it, from the retrievers that found each, in the answer's order:
+    its place among the ranked results, None for one placed before them (a definition the query names, a chunk in
+    the relation it asks about): those are no part of the order the fit saw, and counted as places they lowered
+    every later result's score (a review's)."""
+    places: list[int | None] = []
+    ranked = 0
+    for names in found_by:
+        if PLACED_FIRST.isdisjoint(names):
+            ranked += 1
+            places.append(ranked)
+        else:
+            places.append(None)
+    return places
+
+
+def places_of(results: Sequence[SearchResult]) -> list[int | None]:
+    """:func:`ranked_places` of an answer's results, as the evaluations read them back."""
+    return ranked_places({found.retriever for found in result.found_by} for result in results)
+
+
 ASKED_RELATIONS = {
     "callers": CALLER,
     "callees": CALLEE,

@@ -105,6 +105,15 @@ def test_results_placed_first_are_no_places() -> None:
     assert ranked_places(found_by) == [None, 1, 2, None, 3]
 
 
+def test_results_placed_first_keep_the_place_the_retrievers_gave_them() -> None:
+    """A tester's: a definition that was the retrievers' own first hit lifted the next result to place 1."""
+    found_by = [{"symbol", "dense"}, {"dense"}, {"keyword"}, {"caller"}, {"keyword"}]
+    # The definition was ranked second before it was placed first, the caller not at all.
+    assert ranked_places(found_by, [1, 0, 2, None, 3]) == [None, 1, 3, None, 4]
+    assert ranked_places(found_by, [0, 1, 2, None, 3]) == [None, 2, 3, None, 4]
+    assert ranked_places(found_by, [None, 0, 1, None, 2]) == [None, 1, 2, None, 3]
+
+
 def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores() -> None:
     signals = result_signals(
         [Candidate("a", 0.61), Candidate("b", 0.4)],

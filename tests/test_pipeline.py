@@ -742,6 +742,27 @@ async def test_definitions_placed_first_do_not_lower_the_scores_of_the_results_a
         assert result.score == pytest.approx(expected, abs=1e-6), (result.id, place)
 
 
+async def test_a_definition_the_retrievers_ranked_first_keeps_the_next_result_in_second_place() -> None:
+    """A tester's: the result after a definition the retrievers had ranked first scored as if in first place (0.63)
+    with exact symbols on, and 0.34 with them off. Its score is now the same either way."""
+
+    @dataclass
+    class RankedDefinition(ScriptedRetrieval):
+        async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
+            return Definitions({"y": "shapes.circle_area"}, self.fetch_version)  # the fused first
+
+    asked = {"semanticQuery": "circle_area", "topK": 3, "options": {"lateInteraction": {"weight": 0}}}
+    exact = OntologyQuery.model_validate(asked)
+    without = OntologyQuery.model_validate(
+        {**asked, "options": {"lateInteraction": {"weight": 0}, "exactSymbols": False}}
+    )
+    placed = await pipeline_over(RankedDefinition()).answer(exact, "w")
+    ranked = await pipeline_over(RankedDefinition()).answer(without, "w")
+    assert [r.id for r in placed.results] == [r.id for r in ranked.results] == ["y", "z", "x"]
+    assert placed.results[0].score == 1.0
+    assert [r.score for r in placed.results[1:]] == pytest.approx([r.score for r in ranked.results[1:]], abs=1e-9)
+
+
 async def test_code_scored_from_its_docstring_shows_the_docstrings_signals() -> None:
     """A tester's: a method that took its docstring's place scored from the docstring's signals (the better of the
     two) but showed its own, so its score could not be worked out from what the answer said."""

@@ -281,9 +281,12 @@ class QueryPipeline:
         candidates = await self._late_interaction(run, refinements, candidates, documents)
         candidates = await self._second_opinion(run, refinements, candidates, documents, second_vector)
         candidates = await self._rerank(run, refinements, candidates, documents)
+        ranked_before = {hit.id: index for index, hit in enumerate(candidates)}
         candidates = self._definitions_first(run, definitions, candidates, documents)
         candidates, collapsed, stands_for = self._collapse(run, candidates, documents)
-        scores, scored_from = self._calibrated_scores(run, measured, candidates, fetched.model, stands_for)
+        scores, scored_from = self._calibrated_scores(
+            run, measured, candidates, fetched.model, ranked_before, stands_for
+        )
         signals = measured.signals
         if scored_from:  # a result scored from its docstring's shows those (a tester's: scores not reproducible)
             signals = signals | {hit: signals.get(doc, {}) for hit, doc in scored_from.items()}
@@ -755,11 +758,13 @@ class QueryPipeline:
         measured: Measured,
         candidates: list[Fused],
         index_model: str | None,
+        ranked_before: Mapping[str, int],
         stands_for: Mapping[str, str] | None = None,
     ) -> tuple[dict[str, float] | None, dict[str, str]]:
         """The probability that each result of the answer (the first topK candidates) is relevant, from its
         signals and its place in the answer (1 for a definition of the symbol the query names, or a chunk in the
-        relation to it the query asks about). Each is its own estimate: one ranked lower can score higher where its
+        relation to it the query asks about; ``ranked_before``: each candidate's index before those were placed
+        first, where the places are counted). Each is its own estimate: one ranked lower can score higher where its
         signals are much stronger (pooled to descend, a weak result shared a strong one's score, and minRelevance
         kept the one and dropped the other: an independent tester's finding). None, and the relative relevance
         kept, when the deployment turned calibration off, when there is nothing to score, when the index's embedding
@@ -774,7 +779,8 @@ class QueryPipeline:
             run.report(calibrated=False)
             return None, {}
         estimates, scored_from = [], {}
-        for hit, rank in zip(answer, ranked_places(hit.found_by for hit in answer), strict=True):
+        places = ranked_places((hit.found_by for hit in answer), [ranked_before.get(hit.id) for hit in answer])
+        for hit, rank in zip(answer, places, strict=True):
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if rank is not None:
                 estimate = self._probability(measured, hit.id, rank)

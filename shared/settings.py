@@ -452,7 +452,9 @@ class Settings(BaseSettings):
         default=None,
         description="Origins (`https://host[:port]`, comma-separated) whose browser pages may call an HTTP gateway "
         "listening beyond loopback; any other request that states an Origin is refused 403 (MCP: servers must "
-        "check Origin, against DNS rebinding). Agents send none. On loopback the MCP SDK allows localhost's.",
+        "check Origin, against DNS rebinding). Agents send none. On loopback the MCP SDK allows pages served from "
+        "loopback (`http://localhost:PORT`, `127.0.0.1`, `[::1]`), whose preflights the gateway answers, and no "
+        "other.",
     )
     gateway_max_late_ms: int = Field(
         default=500,

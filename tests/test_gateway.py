@@ -964,6 +964,42 @@ async def test_beyond_loopback_a_browser_page_of_an_origin_not_allowed_is_refuse
         assert (await http.post(url, json=ping, headers=twice)).status_code == 403  # not the last one's to say
 
 
+async def test_on_loopback_a_page_served_from_loopback_gets_its_preflight_and_the_rest_is_as_the_sdk_says(
+    deployment: Deployment, served: QueryService, tmp_path: Path
+) -> None:
+    """An outside tester's: a page of http://localhost:6274 (the MCP Inspector's direct connection) had its
+    preflight refused 401 for want of the token it asks leave to send, so it could never call a local gateway."""
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    token = (await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)).stdout.strip()
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    async with _http_gateway(deployment, **tokens) as url, httpx2.AsyncClient() as http:
+        asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        preflight = await http.options(url, headers={**asked, "Origin": "http://localhost:6274"})
+        assert preflight.status_code == 204, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:6274"
+        bearer = {"Authorization": f"Bearer {token}"}
+        read = await http.post(url, json=ping, headers={**bearer, "Origin": "http://localhost:6274"})
+        assert (read.status_code, read.headers["access-control-allow-origin"]) == (200, "http://localhost:6274")
+        # Another page: no preflight answered, and the SDK refuses its call.
+        other = await http.options(url, headers={**asked, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        assert (await http.post(url, json=ping, headers={**bearer, "Origin": "http://evil.example"})).status_code == 403
+        # A media type is the same in capitals; a body of another type, or compressed, is told so as JSON-RPC.
+        capitals = await http.post(
+            url, content=json.dumps(ping), headers={**bearer, "Content-Type": "Application/JSON"}
+        )
+        assert capitals.status_code == 200, capitals.text
+        for refused_headers, says in (
+            ({"Content-Type": "text/plain"}, "Content-Type must be application/json, not text/plain"),
+            ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, "Content-Encoding gzip is not read"),
+        ):
+            refused = await http.post(url, content=json.dumps(ping), headers={**bearer, **refused_headers})
+            assert refused.status_code == 415
+            assert refused.json()["error"]["message"].startswith(says), refused.text
+        unauthorised = await http.post(url, content="x", headers={"Content-Type": "text/plain"})
+        assert unauthorised.status_code == 401  # the token is asked for first
+
+
 @pytest.mark.parametrize("address", ["127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:٣٣", "8080"])
 async def test_an_http_address_not_host_and_port_is_refused_plainly(deployment: Deployment, address: str) -> None:
     refused = await _run(deployment, "mcp", "--http", address)

@@ -248,7 +248,9 @@ class Gateway:
         sdk_app.router.redirect_slashes = False
         lag = LoopLag()
         app: ASGIApp = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(sdk_app)), intake, lag))
-        app = RequireBearer(NoEventStreams(app), tokens, open_without_tokens=is_loopback(host), served_path=MCP_PATH)
+        app = RequireBearer(
+            NoEventStreams(PostedJson(app)), tokens, open_without_tokens=is_loopback(host), served_path=MCP_PATH
+        )
         app = RequestFraming(app, None if is_loopback(host) else allowed_origins)
         BoundedConnections.limit = connection_limit()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
@@ -305,7 +307,9 @@ class RequestFraming:
       (MCP's transport: servers must check Origin, against DNS rebinding). One allowed is answered as CORS has a
       browser page ask: its preflight (OPTIONS) at once, and the answer readable by it; without that a page could
       not call at all, its bearer token needing a preflight (a verifier's). ``allowed_origins`` None: on loopback,
-      where the SDK checks Origin and Host itself."""
+      where the SDK checks Origin and Host itself, and pages served from loopback (its own rule) are answered so:
+      their preflight had been refused 401 for want of the token it asks leave to send (an outside tester's, the
+      MCP Inspector's direct connection)."""
 
     def __init__(self, app: ASGIApp, allowed_origins: frozenset[str] | None) -> None:
         self._app = app
@@ -324,10 +328,14 @@ class RequestFraming:
             await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": error}, close=True)
             return
         origins = [value.decode("latin-1") for name, value in scope["headers"] if name == b"origin"]
-        if self._allowed_origins is None or not origins:
+        if self._allowed_origins is None:  # on loopback the SDK refuses other pages than loopback ones itself
+            if len(origins) != 1 or not origins[0].startswith(LOOPBACK_PAGES):
+                await self._app(scope, receive, send)
+                return
+        elif not origins:
             await self._app(scope, receive, send)
             return
-        if len(origins) > 1 or web_origin(origins[0]) not in self._allowed_origins:
+        elif len(origins) > 1 or web_origin(origins[0]) not in self._allowed_origins:
             message = f"Origin {', '.join(origins)} is not allowed here (ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS)"
             error = {"code": types.INVALID_REQUEST, "message": message}
             await _answer_json(send, 403, {"jsonrpc": "2.0", "id": None, "error": error})
@@ -352,6 +360,10 @@ class RequestFraming:
             await send(message)
 
         await self._app(scope, receive, readable)
+
+
+LOOPBACK_PAGES = ("http://127.0.0.1:", "http://localhost:", "http://[::1]:")
+"""The origins the MCP SDK lets call a gateway on loopback (``streamable_http_app``'s defaults there)."""
 
 
 def web_origin(text: str) -> str:
@@ -390,6 +402,36 @@ class NoEventStreams:
         body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
         await send({"type": "http.response.start", "status": 405, "headers": [*_JSON_HEADERS, (b"allow", b"POST")]})
         await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+
+
+class PostedJson:
+    """ASGI middleware: a POST to the MCP path is read only as a JSON body sent as it is, and told so otherwise with
+    a JSON-RPC error (415), where the SDK answered a compressed body "Parse error", a body of another type a plain-text
+    400 on loopback, and a media type in capitals (``Application/JSON``, the same type by RFC 9110, 8.3.1) 415 (an
+    outside tester's three). The media type goes on in lower case."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") != MCP_PATH:
+            await self._app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"").decode("latin-1").strip()
+        stated = headers.get(b"content-type", b"").decode("latin-1")
+        media_type, separator, parameters = stated.partition(";")
+        if encoding.lower() not in ("", "identity"):
+            refused = f"Content-Encoding {encoding} is not read here: send the body uncompressed"
+        elif media_type.strip().lower() != "application/json":
+            refused = f"Content-Type must be application/json, not {stated.strip() or 'none'}"
+        else:
+            typed = ("application/json" + separator + parameters).encode("latin-1")
+            others = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+            await self._app({**scope, "headers": [*others, (b"content-type", typed)]}, receive, send)
+            return
+        error = {"code": types.INVALID_REQUEST, "message": refused}
+        await _answer_json(send, 415, {"jsonrpc": "2.0", "id": None, "error": error}, close=True)  # body unread
 
 
 class MisreadBodies:

@@ -1019,6 +1019,16 @@ async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavaila
     assert isinstance(reply, ErrorReply), reply
     assert (reply.error.code, reply.error.retryable) == ("deadline_exceeded", True)
     assert "embedder" in reply.error.message
+    # A timeout no retriever is ever given time in: the same again cannot be answered, so it is not retryable, and
+    # the reply says what is needed (an outside tester's 20 ms requests, retryable, looped in a retrying client).
+    for asked, timeout_ms in ((dense_only, 50), ({"semanticQuery": LONG_QUERY}, 20)):
+        (hopeless,) = await _request(deployment, json.dumps(asked).encode(), timeout_ms, 2.0)
+        refused = parse_reply(hopeless)
+        assert isinstance(refused, ErrorReply), refused
+        assert (refused.error.code, refused.error.retryable) == ("deadline_exceeded", False), refused.error.message
+        least = 50 if asked is dense_only else 20
+        assert f"ask with more than {least} ms" in refused.error.message
+        assert refused.error.details[0].field == "Ontofabric-Timeout-Ms"
 
 
 async def test_refusals_for_time_the_caller_made_near_impossible_are_counted_apart(

@@ -111,12 +111,15 @@ NO_DEFINITIONS = Definitions({}, "")
 
 
 class RetrievalUnavailable(Exception):
-    """No retriever could run; the caller gets a retryable error."""
+    """No retriever could run; the caller gets a retryable error, unless its timeout could never leave one time."""
 
-    def __init__(self, message: str, *, out_of_time: bool = False) -> None:
+    def __init__(self, message: str, *, out_of_time: bool = False, least_ms: float = 0.0) -> None:
         super().__init__(message)
         self.out_of_time = out_of_time
         """The retrievers were cut for the request's deadline, not failed: its caller gave too little time."""
+        self.least_ms = least_ms
+        """The timeout at or under which none of the asked retrievers is given any time (each must end its reserve
+        before the deadline, and one that reads the query's vector the embedding's reserve too)."""
 
 
 def cache_key(query: OntologyQuery, workspace: str, version: str, generation: int = 0) -> CacheKey:
@@ -379,7 +382,10 @@ class QueryPipeline:
             out_of_time = all(
                 r.name in run.out_of_time or (r.needs_embedding and "embedder" in run.out_of_time) for r in wanted
             )
-            raise RetrievalUnavailable(f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time)
+            least_s = min(EMBED_RESERVE_S if r.needs_embedding else RETRIEVAL_RESERVE_S for r in wanted)
+            raise RetrievalUnavailable(
+                f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time, least_ms=least_s * 1000
+            )
         for name, hits in lists.items():
             run.read(hits.version)
             if hits.embedding_model is not None:  # embedded again by the index's model: that one ranked it

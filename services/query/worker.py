@@ -869,6 +869,15 @@ class QueryService:
             if not error.out_of_time:
                 return error_reply("unavailable", str(error), retryable=True)
             short = self._timeout_too_short(deadline)
+            if deadline.stated and deadline.timeout_ms <= error.least_ms:
+                # The same timeout again can never be answered: a caller retrying it would loop (an outside tester's).
+                hopeless = (
+                    f"{error}: a timeout of {deadline.timeout_ms} ms leaves the asked retrievers no time (each must "
+                    f"end well before the deadline); ask with more than {error.least_ms:.0f} ms, and an answer needs "
+                    "more still"
+                )
+                details = [ErrorDetail(field=TIMEOUT_HEADER, message=f"more than {error.least_ms:.0f} ms needed")]
+                return error_reply("deadline_exceeded", hopeless, details, timeout_too_short=short)
             return error_reply("deadline_exceeded", str(error), retryable=True, timeout_too_short=short)
         except PositionUnavailable as error:
             return error_reply("unavailable", str(error), retryable=True)

@@ -136,8 +136,13 @@ def test_keyword_gap_measures_how_far_the_top_hit_stands_out() -> None:
     assert keyword_gap(flat, 10.0) == pytest.approx(0.0)
     decisive = [Candidate("a", 10.0)] + [Candidate(str(i), 2.0) for i in range(9)]
     assert keyword_gap(decisive, 20.0) == pytest.approx(0.8)
-    short = [Candidate("a", 10.0), Candidate("b", 5.0)]  # two hits: the gap over what is there
-    assert keyword_gap(short, 20.0) == pytest.approx(0.5)
+    # A list that ran out: the places it did not fill score 0, and the top hit's saturation bounds the gap.
+    short = [Candidate("a", 10.0), Candidate("b", 5.0)]
+    assert keyword_gap(short, 20.0) == pytest.approx(0.5)  # its saturation
+    assert keyword_gap(short, 10.0) == pytest.approx((10 - 5 / 9) / 10)
+    five_alike = [Candidate(str(i), 4.0) for i in range(5)]  # the only documents holding a rare word, alike
+    assert keyword_gap(five_alike, 4.0) == pytest.approx(5 / 9)
+    assert keyword_gap(five_alike, None) == 0.0
     # A lone hit: its saturation stands in, so a weak lone match is no decisive one.
     assert keyword_gap([Candidate("only", 3.0)], 10.0) == pytest.approx(0.3)
     assert keyword_gap([Candidate("only", 3.0)], None) == 0.0
@@ -153,6 +158,20 @@ def test_adaptive_fusion_does_not_let_one_weak_keyword_hit_win() -> None:
     assert weight == pytest.approx(0.55)
     zero, _, _ = adaptive_fusion(dense, [Candidate("k1", 0.0)], keyword_ceiling=None)  # no division by zero
     assert zero[0].id == "d0"
+
+
+def test_adaptive_fusion_finds_the_few_documents_that_alone_hold_a_rare_word() -> None:
+    """An outside tester's: five documents sent without vectors, the only ones holding a rare word and alike in
+    BM25, stood out by nothing (a gap of 0 over the hits there were), and dense's cosines of unrelated code filled
+    the answer."""
+    from ontofabric.services.query.fusion import adaptive_fusion
+
+    dense = [Candidate(f"code{i}", 0.22 - 0.001 * i) for i in range(50)]
+    rare = [Candidate(f"bare{i}", 7.5) for i in range(5)]
+    fused, weight, gap = adaptive_fusion(dense, rare, keyword_ceiling=7.5, keyword_hits_dense={})
+    assert {hit.id for hit in fused[:5]} == {f"bare{i}" for i in range(5)}
+    assert gap == pytest.approx(5 / 9)
+    assert weight == pytest.approx(4 / 9)
 
 
 def test_adaptive_fusion_lets_the_keyword_list_lead_for_a_query_that_is_one_identifier() -> None:

@@ -489,6 +489,24 @@ async def test_without_an_embedder_answers_are_keyword_only_and_say_so(
     assert [f.retriever for f in reply.results[0].found_by] == ["keyword"]
 
 
+async def test_the_few_documents_sent_without_vectors_that_hold_a_rare_word_lead_its_answer(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An outside tester's: five documents published without vectors (as a producer in another language may), the
+    only ones holding a made-up word and alike in BM25, were all missing from the default request's answer for it;
+    dense's cosines of unrelated code filled it."""
+    await start_query_worker(embedder, query_cache_entries=0)
+    bare = [
+        upsert("acme", document(f"bare{i}", f"The blorpfive setting controls how widget number {i} renders."))
+        for i in range(5)
+    ]
+    acks = await deployment.publisher.publish_many(bare)
+    await deployment.wait_projected(acks[-1].seq)
+    reply = await _ask(client, "blorpfive", topK=5)
+    assert {r.id for r in reply.results} == {f"bare{i}" for i in range(5)}, [r.id for r in reply.results]
+    assert reply.meta.hybrid is True
+
+
 async def test_a_late_worker_knows_the_current_version(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

@@ -90,18 +90,23 @@ def convex_fusion(
 
 
 def keyword_gap(keyword: Sequence[Candidate], ceiling: float | None, depth: int = 10) -> float:
-    """How far the keyword top hit stands out, in [0, 1]: (s1 - mean(s2..s10)) / s1 over the hits there are.
+    """How far the keyword top hit stands out, in [0, 1]: (s1 - mean(s2..s10)) / s1.
 
-    A lone hit has nothing to stand out from: its saturation (s1 over the best reachable score) stands in, so one
-    weak match does not take the weight a decisive one would.
+    A list shorter than ``depth`` ran out of documents holding any query term: the places it did not fill score 0,
+    and its top hit's saturation (s1 over the best reachable score) bounds the gap, so a few weak matches do not
+    take the weight a decisive one would. A lone hit's gap is its saturation. (Read over the hits there were, five
+    documents that alone hold a rare word, equally, stood out by nothing: the weight went to dense, whose cosine
+    cannot reach a document sent without vectors, and none of the five was in the answer: an outside tester's.)
     """
     if not keyword or keyword[0].score <= 0:
         return 0.0
     top = keyword[0].score
-    if len(keyword) == 1:
-        return max(0.0, min(1.0, top / ceiling)) if ceiling and ceiling > 0 else 0.0
     rest = [c.score for c in keyword[1:depth]]
-    return max(0.0, min(1.0, (top - sum(rest) / len(rest)) / top))
+    stands_out = (top - sum(rest) / max(len(rest), depth - 1)) / top
+    if len(keyword) < depth:
+        saturation = top / ceiling if ceiling and ceiling > 0 else 0.0
+        stands_out = min(stands_out, saturation)
+    return max(0.0, min(1.0, stands_out))
 
 
 def adaptive_fusion(

@@ -34,6 +34,7 @@ class StrictRequest(BaseModel):
         extra="forbid",
         strict=True,
         frozen=True,
+        allow_inf_nan=False,  # NaN and Infinity are no JSON; read as numbers they failed a bound, not as what they are
     )
 
     @model_validator(mode="before")

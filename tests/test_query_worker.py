@@ -427,6 +427,21 @@ def test_half_a_character_is_named_by_its_field(body: bytes, field: str | None) 
     assert whole.semantic_query == "a\U0001f600b"
 
 
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"semanticQuery": "x", "options": {"fusion": {"denseWeight": NaN}}}', "options.fusion.denseWeight"),
+        (b'{"semanticQuery": "x", "minRelevance": -Infinity}', "minRelevance"),
+    ],
+)
+def test_nan_and_infinity_are_refused_as_what_they_are(body: bytes, field: str) -> None:
+    """An outside tester's: NaN, which no JSON holds, was read as a number and refused for a bound (at most 1)."""
+    reply = parse_request(body, "acme", 1000)
+    assert isinstance(reply, bytes)
+    detail = ErrorReply.model_validate_json(reply).error.details[0]
+    assert (detail.field, detail.message) == (field, "Input should be a finite number")
+
+
 async def test_an_error_reply_names_the_first_problems_and_counts_the_rest(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

@@ -83,6 +83,44 @@ def free_port() -> int:
         return port
 
 
+LAST_PORTS_FILE = "ports.json"
+"""Beside an embedded server's files: the ports it had when it last started, which it takes again when they are
+free, so that a restarted ``up`` keeps its URLs (an outside tester's: every restart moved both servers, the URLs
+``nats-user add`` had printed went stale, and workers run apart had to be restarted too)."""
+
+
+def last_ports(directory: Path, count: int) -> list[int] | None:
+    """The ``count`` ports the server kept in ``directory`` had when it last started, when each is free now."""
+    try:
+        ports = json.loads((directory / LAST_PORTS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    valid = isinstance(ports, list) and len(ports) == count
+    if not valid or not all(type(port) is int and 0 < port < 65536 for port in ports):
+        return None
+    return ports if all(_is_free(port) for port in ports) else None
+
+
+def remember_ports(directory: Path, ports: Sequence[int]) -> None:
+    """Keep ``ports`` for the server's next start in ``directory`` (:func:`last_ports`); a failure only costs that."""
+    try:
+        write_private(directory / LAST_PORTS_FILE, json.dumps(list(ports)))
+    except OSError as error:
+        log.warning("embedded_ports_not_kept", directory=str(directory), error=str(error))
+
+
+def _is_free(port: int) -> bool:
+    """Whether nothing listens on loopback's ``port`` (one in TIME_WAIT after its server stopped counts free, as
+    the servers bind with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def _die_with_parent(sig: signal.Signals) -> Callable[[], None]:
     """preexec_fn: the kernel sends ``sig`` to the child when we die, so a killed parent leaves no servers."""
 
@@ -294,15 +332,24 @@ class NatsNode:
         )  # fmt: skip
 
 
-def _nats_layout(directory: Path, nodes: int) -> list[NatsNode]:
+def _nats_layout(directory: Path, nodes: int, reuse: bool = False) -> list[NatsNode]:
     """One server keeps its files in ``directory`` itself (as before clusters existed); each of a cluster's in
-    ``node-<n>`` below it, beside the users they share."""
+    ``node-<n>`` below it, beside the users they share. ``reuse``: on the ports of the last start when all are
+    free."""
+    count = 2 if nodes == 1 else 3 * nodes
+    kept = last_ports(directory, count) if reuse else None
+    ports = iter(kept) if kept is not None else iter(free_port() for _ in range(count))
     if nodes == 1:
-        return [NatsNode("ontofabric-embedded", directory, free_port(), monitor_port=free_port())]
+        return [NatsNode("ontofabric-embedded", directory, next(ports), monitor_port=next(ports))]
     return [
-        NatsNode(f"ontofabric-{n}", directory / f"node-{n}", free_port(), free_port(), free_port())
+        NatsNode(f"ontofabric-{n}", directory / f"node-{n}", next(ports), next(ports), next(ports))
         for n in range(1, nodes + 1)
     ]
+
+
+def _ports_of(layout: Sequence[NatsNode]) -> list[int]:
+    """The ports of ``layout`` in the order :func:`_nats_layout` takes them."""
+    return [port for node in layout for port in (node.port, node.cluster_port, node.monitor_port) if port is not None]
 
 
 CLUSTER_FILE = "cluster.json"
@@ -398,13 +445,14 @@ def start_nats(directory: Path, prefix: str, nodes: int = 1) -> list[NatsNode]:
     directory.mkdir(parents=True, exist_ok=True)
     ensure_nats_users(directory, prefix)
     # Fresh ports for every node, from the start, when one was taken.
-    layout = _on_fresh_ports("nats", lambda: _start_nats_layout(directory, nodes))
+    layout = _on_fresh_ports("nats", lambda reuse: _start_nats_layout(directory, nodes, reuse))
+    remember_ports(directory, _ports_of(layout))
     log.info("embedded_nats_started", url=nats_url_of(layout), store=str(directory), nodes=nodes)
     return layout
 
 
-def _start_nats_layout(directory: Path, nodes: int) -> list[NatsNode]:
-    layout = _nats_layout(directory, nodes)
+def _start_nats_layout(directory: Path, nodes: int, reuse: bool) -> list[NatsNode]:
+    layout = _nats_layout(directory, nodes, reuse)
     try:
         for node in layout:
             start_nats_node(directory, node, layout)
@@ -423,17 +471,18 @@ PORT_ATTEMPTS = 3
 """Starts of an embedded server on fresh ports when a port picked free was taken before the server bound it."""
 
 
-def _on_fresh_ports(server: str, start: Callable[[], T]) -> T:
-    """``start()`` (which picks its ports), again when it failed because another process took a port picked for
-    it meanwhile (:func:`free_port` can only tell that it was free when asked); any other failure is raised."""
+def _on_fresh_ports(server: str, start: Callable[[bool], T]) -> T:
+    """``start(reuse)`` (which picks its ports: those of the last start, where ``reuse`` and they are free), again
+    on fresh ports when it failed because another process took a port picked for it meanwhile (a port can only be
+    told free when asked); any other failure is raised."""
     for attempt in range(1, PORT_ATTEMPTS):
         try:
-            return start()
+            return start(attempt == 1)
         except RuntimeUnavailable as error:
             if "address already in use" not in str(error).lower():
                 raise
             log.warning("embedded_server_port_taken", server=server, attempt=attempt)
-    return start()
+    return start(False)
 
 
 def nats_url_of(nodes: Sequence[NatsNode]) -> str:
@@ -758,7 +807,14 @@ def _run_postgres(bin_dir: Path, directory: Path, port: int | None, user: str | 
     one again when the one picked was taken meanwhile, unless it was given)."""
     if port is not None:
         return _run_postgres_on(bin_dir, directory, port, user)
-    return _on_fresh_ports("postgres", lambda: _run_postgres_on(bin_dir, directory, free_port(), user))
+
+    def start(reuse: bool) -> tuple[ManagedProcess, int]:
+        kept = last_ports(directory, 1) if reuse else None
+        return _run_postgres_on(bin_dir, directory, kept[0] if kept else free_port(), user)
+
+    server, port = _on_fresh_ports("postgres", start)
+    remember_ports(directory, [port])
+    return server, port
 
 
 def _run_postgres_on(bin_dir: Path, directory: Path, port: int, user: str | None) -> tuple[ManagedProcess, int]:

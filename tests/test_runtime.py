@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import nats.errors
 import pytest
@@ -123,6 +124,28 @@ async def test_an_embedded_cluster_forms_and_every_node_learns_new_users(tmp_pat
             assert b"Authorization Violation" in answer
         finally:
             writer.close()
+
+
+def test_a_restarted_runtime_keeps_its_ports_while_they_are_free(tmp_path: Path) -> None:
+    """An outside tester's: every restart of `up` moved both servers to new ports, so the URLs `nats-user add` had
+    printed went stale and workers run apart had to be restarted. A port taken meanwhile: a fresh one."""
+
+    def urls() -> tuple[str, str]:
+        with EmbeddedRuntime(Settings(), tmp_path) as started:
+            assert started.endpoints is not None
+            return started.endpoints.nats_url, started.endpoints.database_url
+
+    first = urls()
+    assert urls() == first
+    nats_port = urlsplit(first[0].split(",")[0]).port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", nats_port))
+        taken.listen()
+        moved = urls()
+    assert urlsplit(moved[0]).port != nats_port
+    assert moved[1] == first[1]  # the database's port was free: kept
+    (tmp_path / "postgres" / "ports.json").write_text("[0, 1")  # unreadable: a fresh port
+    assert urlsplit(urls()[1]).port not in (0, None)
 
 
 @pytest.mark.parametrize("server", ["nats", "postgres"])

@@ -353,29 +353,31 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
     default = await pipeline.answer(OntologyQuery(semantic_query="a question"), "w")
     assert default.meta.fusion is not None
     assert default.meta.fusion.method == "adaptive"
+    # Two keyword hits (3 and 1, the best reachable 4): the list ran out, so its gap is (3 - 1/9) / 3 over the
+    # places it did not fill, bounded by the top hit's saturation, 3/4.
     assert default.meta.fusion.parameters == {
-        "denseWeight": pytest.approx(1 / 3, abs=1e-3),
-        "keywordGap": pytest.approx(2 / 3, abs=1e-3),
+        "denseWeight": pytest.approx(1 / 4, abs=1e-3),
+        "keywordGap": pytest.approx(3 / 4, abs=1e-3),
         "keywordHitsDenseScored": 0,
     }
     # A query that is one identifier written as code writes one: the keyword list, which holds it as written, leads.
     named = await pipeline.answer(OntologyQuery(semantic_query="any_thing"), "w")
     plain = await pipeline.answer(QUERY, "w")  # one plain word may be a question: weighed as any query
     assert plain.meta.fusion is not None
-    assert plain.meta.fusion.parameters["denseWeight"] == pytest.approx(1 / 3, abs=1e-3)
+    assert plain.meta.fusion.parameters["denseWeight"] == pytest.approx(1 / 4, abs=1e-3)
     assert named.meta.fusion is not None
     assert named.meta.fusion.parameters["denseWeight"] == pytest.approx(0.05)
     assert default.meta.signals == {
         "queryTokens": 2.0,
         "keywordSaturation": 0.75,
-        "keywordGap": pytest.approx(2 / 3, abs=1e-3),
+        "keywordGap": pytest.approx(3 / 4, abs=1e-3),
     }
 
 
 async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:
     # Dense returned x (0.9) and y (0.8); keyword y (3.0) and z (1.0) of a best reachable 4.0, so the dense weight is
-    # 1/3. Taking dense's lowest cosine, z would score 0.8/3 + 1/6 = 0.43 and pass x (0.3); its own cosine 0.1
-    # gives it 0.2, below x.
+    # 1/4 (the keyword gap is y's saturation, 3/4). Taking dense's lowest cosine, z would score 0.8/4 + 3/16 = 0.39
+    # and pass x (0.225); its own cosine 0.1 gives it 0.21, below x.
     off = OntologyQuery.model_validate(
         {"semanticQuery": "a question", "options": {"lateInteraction": {"weight": 0}}}  # no identifier: see below
     )

@@ -435,3 +435,57 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert set(_names(imported)[:3]) == {"shapes (file)", "shapes.circle (file)", "shapes.square (file)"}
     assert imported.meta.relation_matches == 3
     assert all(IMPORTED in {f.retriever for f in r.found_by} for r in imported.results[:3])
+
+
+RETRYING = {
+    "__init__.py": """
+        class BaseRetrying:
+            def copy(self):
+                return type(self)()
+
+
+        class Retrying(BaseRetrying):
+            def again(self):
+                return self.copy()
+
+
+        def fresh(retrying: Retrying):
+            return BaseRetrying.copy(retrying)
+        """,
+}
+
+
+async def test_a_member_a_class_inherits_is_found_through_its_base(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """An outside tester's: "callers of Retrying.copy", the tool description's own example, was told no symbol of
+    that name is indexed, as tenacity's Retrying inherits copy from BaseRetrying."""
+    tree = tmp_path / "retrying"
+    for name, text in RETRYING.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(textwrap.dedent(text))
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tree, "retrying", package="retrying")
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+
+    async def ask(text: str, **params: object) -> QueryResponse:
+        reply = await client.query("retrying", {"semanticQuery": text, "topK": 5, **params})
+        assert isinstance(reply, QueryResponse), reply
+        return reply
+
+    named = await ask("Retrying.copy")
+    assert named.results[0].metadata.get("symbolFqn") == "retrying.BaseRetrying.copy"
+    assert named.meta.exact_symbol_matches == 1
+    by_structure = {"relatedTo": {"relation": "callers", "symbol": "Retrying.copy"}}
+    for callers in (await ask("callers of Retrying.copy"), await ask("a copy", **by_structure)):
+        found = {r.metadata.get("symbolFqn") for r in callers.results if CALLER in {f.retriever for f in r.found_by}}
+        assert found == {"retrying.Retrying.again", "retrying.fresh"}
+        assert callers.meta.relation is not None
+        assert callers.meta.relation.symbol_indexed
+    # A member neither the class nor a base defines is no symbol.
+    missing = await ask("who calls Retrying.paste")
+    assert missing.meta.relation is not None
+    assert not missing.meta.relation.symbol_indexed

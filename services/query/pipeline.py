@@ -508,7 +508,7 @@ class QueryPipeline:
         )
         name = identifier_of(run.text) if related_to is None else None
         if name is not None:
-            work = self._documents.definitions(scope, name, RELATIONS_READ)
+            work = self._definitions_of(scope, name)
         elif relation is not None:
             work = self._related(run, scope, *relation)
         else:
@@ -527,13 +527,46 @@ class QueryPipeline:
             )
         return found
 
+    async def _definitions_of(self, scope: Scope, name: str) -> Definitions:
+        """The chunks defining the symbol ``name`` names; for a member its class inherits (``Retrying.copy``), the
+        member's definition in the nearest base defining it, named as asked."""
+        found = await self._documents.definitions(scope, name, RELATIONS_READ)
+        if found.symbols:
+            return found
+        inherited = await self._inherited(scope, name)
+        if inherited is None:
+            return found
+        through = await self._documents.definitions(scope, inherited, RELATIONS_READ)
+        return dataclasses.replace(through, symbols={doc_id: name for doc_id in through.symbols})
+
+    async def _inherited(self, scope: Scope, name: str) -> str | None:
+        """The qualified name of what ``Class.member`` names through the class's bases in the graph, the nearest
+        defining it first, when the class does not define it itself; None otherwise. An outside tester's "callers
+        of Retrying.copy" (the tool description's own example) was told no such symbol is indexed: tenacity's
+        ``Retrying`` inherits ``copy`` from ``BaseRetrying``."""
+        owner, dot, member = name.rpartition(".")
+        if not dot or not owner or not member:
+            return None
+        version = self._versions.current(scope.workspace, scope.branch)
+        graph = await self._graphs.get(
+            scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
+        )
+        for named in graph.named(owner):
+            for level in graph.supertypes(named):
+                for base in level:
+                    if (await self._documents.definitions(scope.unfiltered, f"{base}.{member}", 1)).symbols:
+                        return f"{base}.{member}"
+        return None
+
     async def _related(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
         """The chunks standing in ``relation`` to the symbol ``name`` names; a dotted name a package publishes a
         symbol under (``click.echo``: ``click.utils.echo``) stands for that symbol (a tester's callers of
-        click.echo were told no such symbol is indexed)."""
+        click.echo were told no such symbol is indexed), and a member a class inherits for the base's."""
         if "." in name:
             published = await self._documents.definitions(scope.unfiltered, name, 1)
             name = published.published_as or name
+            if not published.symbols and relation in (CALLER, CALLEE):
+                name = await self._inherited(scope, name) or name
         if relation in (CALLER, CALLEE):
             calls = self._documents.callers if relation == CALLER else self._documents.callees
             return await calls(scope, name, RELATIONS_READ)
@@ -546,8 +579,8 @@ class QueryPipeline:
         found = await lookup
         if found.symbols or found.symbol_indexed:
             return dataclasses.replace(found, symbol_indexed=True)
-        defined = await self._documents.definitions(scope.unfiltered, name, 1)
-        return dataclasses.replace(found, symbol_indexed=bool(defined.symbols))
+        defined = bool((await self._documents.definitions(scope.unfiltered, name, 1)).symbols)
+        return dataclasses.replace(found, symbol_indexed=defined or await self._inherited(scope, name) is not None)
 
     async def _related_in_graph(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
         """The subclasses or bases (nearest first), the importers or the imported modules of the types the name

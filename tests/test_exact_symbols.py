@@ -259,6 +259,20 @@ SHAPES = {
 }
 
 
+async def _projected(
+    deployment: Deployment, embedder: Embedder, tree: Path, files: dict[str, str], package: str
+) -> None:
+    """``files`` written under ``tree``, ingested as the package ``package`` into the workspace of that name, and
+    projected."""
+    for name, text in files.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(textwrap.dedent(text))
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tree, package, package=package)
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+
+
 async def _ask(client: QueryClient, text: str, **params: object) -> QueryResponse:
     reply = await client.query("shapes", {"semanticQuery": text, "topK": 5, **params})
     assert isinstance(reply, QueryResponse), reply
@@ -274,14 +288,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
 ) -> None:
     # A package checked out under another directory name, ingested as the package it is: its modules are shapes.*
-    tree = tmp_path / "shapes-worktree"
-    for name, text in SHAPES.items():
-        (tree / name).parent.mkdir(parents=True, exist_ok=True)
-        (tree / name).write_text(textwrap.dedent(text))
-    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
-    report = await ingester.ingest(tree, "shapes", package="shapes")
-    assert report.last_sequence is not None
-    await deployment.wait_projected(report.last_sequence)
+    await _projected(deployment, embedder, tmp_path / "shapes-worktree", SHAPES, "shapes")
     await start_query_worker(embedder, query_cache_entries=0)
     client = QueryClient(deployment.nc, deployment.names)
 
@@ -460,14 +467,7 @@ async def test_a_member_a_class_inherits_is_found_through_its_base(
 ) -> None:
     """An outside tester's: "callers of Retrying.copy", the tool description's own example, was told no symbol of
     that name is indexed, as tenacity's Retrying inherits copy from BaseRetrying."""
-    tree = tmp_path / "retrying"
-    for name, text in RETRYING.items():
-        (tree / name).parent.mkdir(parents=True, exist_ok=True)
-        (tree / name).write_text(textwrap.dedent(text))
-    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
-    report = await ingester.ingest(tree, "retrying", package="retrying")
-    assert report.last_sequence is not None
-    await deployment.wait_projected(report.last_sequence)
+    await _projected(deployment, embedder, tmp_path / "retrying", RETRYING, "retrying")
     await start_query_worker(embedder, query_cache_entries=0)
     client = QueryClient(deployment.nc, deployment.names)
 

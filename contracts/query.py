@@ -561,8 +561,8 @@ class QueryResponse(WireModel):
 ErrorCode = Literal["invalid_request", "not_found", "unavailable", "overloaded", "deadline_exceeded", "internal"]
 """``overloaded``: the worker's queue was full, refused at once; ``deadline_exceeded``: no answer could be made
 before the request's deadline (it waited too long, or the stages it needs took too long). Both are retryable,
-but for a ``deadline_exceeded`` whose timeout could never leave a retriever time (``retryable`` false, the
-timeout header named in ``details``): the same request again would fail the same way."""
+but for a ``deadline_exceeded`` whose timeout leaves no retriever any time (``retryable`` false, the timeout
+header named in ``details``): the same request again could only be answered from the cache."""
 
 MAX_REQUEST_BYTES = 64 * 1024
 """A request body longer than this is refused unread. The longest valid request is a few kilobytes (a query of

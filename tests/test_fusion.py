@@ -143,6 +143,12 @@ def test_keyword_gap_measures_how_far_the_top_hit_stands_out() -> None:
     five_alike = [Candidate(str(i), 4.0) for i in range(5)]  # the only documents holding a rare word, alike
     assert keyword_gap(five_alike, 4.0) == pytest.approx(5 / 9)
     assert keyword_gap(five_alike, None) == 0.0
+    # Without a ceiling (a backend stating none) the gap is over the hits, as before (a review's).
+    weak = [Candidate("a", 10.0)] + [Candidate(str(i), 2.0) for i in range(4)]
+    assert keyword_gap(weak, None) == pytest.approx(0.8)
+    # One more weak hit, the list's tenth, moves nothing (a review's: the bound held below ten hits only).
+    nine = [Candidate("a", 10.0)] + [Candidate(str(i), 0.5) for i in range(8)]
+    assert keyword_gap(nine, 40.0) == pytest.approx(keyword_gap([*nine, Candidate("z", 0.5)], 40.0))
     # A lone hit: its saturation stands in, so a weak lone match is no decisive one.
     assert keyword_gap([Candidate("only", 3.0)], 10.0) == pytest.approx(0.3)
     assert keyword_gap([Candidate("only", 3.0)], None) == 0.0

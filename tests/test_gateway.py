@@ -996,6 +996,9 @@ async def test_on_loopback_a_page_served_from_loopback_gets_its_preflight_and_th
             refused = await http.post(url, content=json.dumps(ping), headers={**bearer, **refused_headers})
             assert refused.status_code == 415
             assert refused.json()["error"]["message"].startswith(says), refused.text
+        twice = [*bearer.items(), ("Content-Type", "application/json"), ("Content-Encoding", "gzip")]
+        twice.append(("Content-Encoding", "identity"))  # every one stated counts, not the last (a review's)
+        assert (await http.post(url, content=json.dumps(ping), headers=twice)).status_code == 415
         unauthorised = await http.post(url, content="x", headers={"Content-Type": "text/plain"})
         assert unauthorised.status_code == 401  # the token is asked for first
 

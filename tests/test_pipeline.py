@@ -36,7 +36,7 @@ from ontofabric.services.query.core import (
     StoredDocument,
 )
 from ontofabric.services.query.fusion import Fused
-from ontofabric.services.query.graph import GraphRows, LinkRow
+from ontofabric.services.query.graph import GraphRows, LinkRow, NodeRow
 from ontofabric.services.query.hints import shape_of
 from ontofabric.services.query.pipeline import QueryPipeline
 from ontofabric.services.query.stages import code_before_its_docstring, collapse_nested, holds, nested
@@ -763,6 +763,65 @@ async def test_a_definition_the_retrievers_ranked_first_keeps_the_next_result_in
     assert [r.id for r in placed.results] == [r.id for r in ranked.results] == ["y", "z", "x"]
     assert placed.results[0].score == 1.0
     assert [r.score for r in placed.results[1:]] == pytest.approx([r.score for r in ranked.results[1:]], abs=1e-9)
+
+
+async def test_code_moved_to_its_docstrings_place_is_ranked_there_beside_a_definition_placed_first() -> None:
+    """A review's: code moved up to its docstring's place kept its own, later index, so it counted a definition
+    placed first that it had not been ranked below (two results at place 2, none at 1)."""
+
+    @dataclass
+    class DocstringDefinitionCode(ScriptedRetrieval):
+        async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            ranked = [Candidate("f doc", 0.9), Candidate("other", 0.7), Candidate("d", 0.6), Candidate("f", 0.5)]
+            return Hits(ranked, self.dense_version)
+
+        async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return Hits([], self.keyword_version)
+
+        async def fetch(self, scope: Scope, ids: Sequence[str], *args: Any, **kwargs: Any) -> Fetched:
+            chunks = (_chunk("f doc", "pkg.a.A.f", "doc"), _chunk("f", "pkg.a.A.f", "method"),
+                      _chunk("other", "pkg.a.B", "type"), _chunk("d", "pkg.b.d", "method", "pkg/b.py"))  # fmt: skip
+            return Fetched({c.id: c for c in chunks if c.id in ids}, self.fetch_version, self.index_model)
+
+        async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
+            return Definitions({"d": "pkg.b.d"}, self.fetch_version)
+
+    query = OntologyQuery.model_validate(
+        {"semanticQuery": "pkg.b.d", "topK": 3, "options": {"lateInteraction": {"weight": 0}}}
+    )
+    reply = await pipeline_over(DocstringDefinitionCode()).answer(query, "w")
+    assert [r.id for r in reply.results] == ["d", "f", "other"]
+    calibration = PipelineConfig().calibration()
+    model = "hybrid" if reply.meta.hybrid else "dense"  # keyword found nothing: dense's model
+    for place, result in enumerate(reply.results[1:], start=1):
+        expected = calibration.probability(model, result.signals, place)
+        assert result.score == pytest.approx(expected, abs=1e-6), (result.id, place)
+
+
+async def test_a_filter_hiding_a_class_s_own_member_lets_no_base_s_stand_in_for_it() -> None:
+    """A review's: with the override a class defines hidden by the request's filter, the base's definition was
+    placed first as the definition of the member asked."""
+
+    @dataclass
+    class Overridden(ScriptedRetrieval):
+        async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
+            nodes = [NodeRow("main", "pkg.Base", "class", (), False, False),
+                     NodeRow("main", "pkg.Sub", "class", ("pkg.Base",), False, False)]  # fmt: skip
+            return GraphRows(nodes=nodes, links=[], version=self.fetch_version)
+
+        async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
+            defined = {"pkg.Sub.copy": ("x", "hand-authored"), "pkg.Base.copy": ("y", "ingested")}
+            for fqn, (doc_id, provenance) in defined.items():
+                if fqn.endswith(name) and scope.provenance in (None, provenance):
+                    return Definitions({doc_id: fqn}, self.fetch_version)
+            return Definitions({}, self.fetch_version)
+
+    filtered = OntologyQuery.model_validate({"semanticQuery": "Sub.copy", "topK": 3, "provenance": "ingested"})
+    reply = await pipeline_over(Overridden()).answer(filtered, "w")
+    assert not any("symbol" in {f.retriever for f in r.found_by} for r in reply.results)
+    # Without the filter, the class's own. (tests/test_exact_symbols.py: a member only the base defines.)
+    own = await pipeline_over(Overridden()).answer(OntologyQuery(semantic_query="Sub.copy"), "w")
+    assert own.results[0].id == "x"
 
 
 async def test_code_scored_from_its_docstring_shows_the_docstrings_signals() -> None:

@@ -418,10 +418,11 @@ class PostedJson:
             await self._app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        encoding = headers.get(b"content-encoding", b"").decode("latin-1").strip()
+        encodings = [v.decode("latin-1").strip() for n, v in scope["headers"] if n == b"content-encoding"]
+        encoding = ", ".join(e for e in encodings if e.lower() not in ("", "identity"))  # every one stated counts
         stated = headers.get(b"content-type", b"").decode("latin-1")
         media_type, separator, parameters = stated.partition(";")
-        if encoding.lower() not in ("", "identity"):
+        if encoding:
             refused = f"Content-Encoding {encoding} is not read here: send the body uncompressed"
         elif media_type.strip().lower() != "application/json":
             refused = f"Content-Type must be application/json, not {stated.strip() or 'none'}"

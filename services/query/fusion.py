@@ -92,21 +92,26 @@ def convex_fusion(
 def keyword_gap(keyword: Sequence[Candidate], ceiling: float | None, depth: int = 10) -> float:
     """How far the keyword top hit stands out, in [0, 1]: (s1 - mean(s2..s10)) / s1.
 
-    A list shorter than ``depth`` ran out of documents holding any query term: the places it did not fill score 0,
-    and its top hit's saturation (s1 over the best reachable score) bounds the gap, so a few weak matches do not
-    take the weight a decisive one would. A lone hit's gap is its saturation. (Read over the hits there were, five
-    documents that alone hold a rare word, equally, stood out by nothing: the weight went to dense, whose cosine
-    cannot reach a document sent without vectors, and none of the five was in the answer: an outside tester's.)
+    A list shorter than ``depth`` ran out of documents holding any query term. Read over the places it did not fill
+    too (as 0), it stands out further, up to its top hit's saturation (s1 over the best reachable score), so a few
+    weak matches do not take the weight a decisive one would; that is its gap where it is more than the gap over
+    the hits there are. A lone hit's gap is its saturation. (Read over the hits there were alone, five documents
+    that alone hold a rare word, equally, stood out by nothing: the weight went to dense, whose cosine cannot reach
+    a document sent without vectors, and none of the five was in the answer: an outside tester's.) Without a
+    ceiling (a keyword backend that states none) nothing bounds the zero places, and the gap is over the hits.
     """
     if not keyword or keyword[0].score <= 0:
         return 0.0
     top = keyword[0].score
+    saturation = min(1.0, top / ceiling) if ceiling and ceiling > 0 else 0.0
+    if len(keyword) == 1:
+        return max(0.0, saturation)
     rest = [c.score for c in keyword[1:depth]]
-    stands_out = (top - sum(rest) / max(len(rest), depth - 1)) / top
+    over_the_hits = (top - sum(rest) / len(rest)) / top
     if len(keyword) < depth:
-        saturation = top / ceiling if ceiling and ceiling > 0 else 0.0
-        stands_out = min(stands_out, saturation)
-    return max(0.0, min(1.0, stands_out))
+        with_the_places_unfilled = (top - sum(rest) / (depth - 1)) / top
+        over_the_hits = max(over_the_hits, min(with_the_places_unfilled, saturation))
+    return max(0.0, min(1.0, over_the_hits))
 
 
 def adaptive_fusion(

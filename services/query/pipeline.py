@@ -110,6 +110,11 @@ REFINEMENT_RESERVE_S = 0.01
 NO_DEFINITIONS = Definitions({}, "")
 
 
+def _earliest(*indexes: int | None) -> int | None:
+    """The least of those known; None when none is."""
+    return min((index for index in indexes if index is not None), default=None)
+
+
 class RetrievalUnavailable(Exception):
     """No retriever could run; the caller gets a retryable error, unless its timeout could never leave one time."""
 
@@ -382,7 +387,8 @@ class QueryPipeline:
             out_of_time = all(
                 r.name in run.out_of_time or (r.needs_embedding and "embedder" in run.out_of_time) for r in wanted
             )
-            least_s = min(EMBED_RESERVE_S if r.needs_embedding else RETRIEVAL_RESERVE_S for r in wanted)
+            reserves = (EMBED_RESERVE_S if r.needs_embedding else RETRIEVAL_RESERVE_S for r in wanted)
+            least_s = min(reserves, default=RETRIEVAL_RESERVE_S)
             raise RetrievalUnavailable(
                 f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time, least_ms=least_s * 1000
             )
@@ -531,8 +537,8 @@ class QueryPipeline:
         """The chunks defining the symbol ``name`` names; for a member its class inherits (``Retrying.copy``), the
         member's definition in the nearest base defining it, named as asked."""
         found = await self._documents.definitions(scope, name, RELATIONS_READ)
-        if found.symbols:
-            return found
+        if found.symbols or (await self._documents.definitions(scope.unfiltered, name, 1)).symbols:
+            return found  # the class's own, which a filter may hide: no base's stands in for it (a review's)
         inherited = await self._inherited(scope, name)
         if inherited is None:
             return found
@@ -818,7 +824,11 @@ class QueryPipeline:
             run.report(calibrated=False)
             return None, {}
         estimates, scored_from = [], {}
-        places = ranked_places((hit.found_by for hit in answer), [ranked_before.get(hit.id) for hit in answer])
+        # Code moved to its docstring's place was ranked there (a review's: by its own index, it counted a
+        # definition placed first that it had not been ranked below).
+        moved_to = {code: ranked_before.get(docstring) for code, docstring in (stands_for or {}).items()}
+        before = [_earliest(ranked_before.get(hit.id), moved_to.get(hit.id)) for hit in answer]
+        places = ranked_places((hit.found_by for hit in answer), before)
         for hit, rank in zip(answer, places, strict=True):
             estimate: float | None = 1.0  # the query names its symbol, or asks a relation of it
             if rank is not None:

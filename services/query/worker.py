@@ -870,7 +870,8 @@ class QueryService:
                 return error_reply("unavailable", str(error), retryable=True)
             short = self._timeout_too_short(deadline)
             if deadline.stated and deadline.timeout_ms <= error.least_ms:
-                # The same timeout again can never be answered: a caller retrying it would loop (an outside tester's).
+                # The same timeout again can only be answered from the cache: a caller retrying it would loop (an
+                # outside tester's).
                 hopeless = (
                     f"{error}: a timeout of {deadline.timeout_ms} ms leaves the asked retrievers no time (each must "
                     f"end well before the deadline); ask with more than {error.least_ms:.0f} ms, and an answer needs "

@@ -1001,6 +1001,11 @@ async def test_on_loopback_a_page_served_from_loopback_gets_its_preflight_and_th
         assert (await http.post(url, content=json.dumps(ping), headers=twice)).status_code == 415
         unauthorised = await http.post(url, content="x", headers={"Content-Type": "text/plain"})
         assert unauthorised.status_code == 401  # the token is asked for first
+    # Without a tokens file the gateway is open to all, and no page is answered: any program serving pages on the
+    # host could otherwise read through it (a review's).
+    async with _http_gateway(deployment) as open_url, httpx2.AsyncClient() as http:
+        asked = {"Access-Control-Request-Method": "POST", "Origin": "http://localhost:6274"}
+        assert "access-control-allow-origin" not in (await http.options(open_url, headers=asked)).headers
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:٣٣", "8080"])

@@ -138,7 +138,8 @@ class RequireBearer:
         self._open_without_tokens = open_without_tokens
         self._served = (served_path, served_path + "/")
 
-    def _open(self) -> bool:
+    def open_to_all(self) -> bool:
+        """Whether requests go through without a token now (a gateway on loopback before any tokens file)."""
         if self._open_without_tokens and self._store.path.exists():
             self._open_without_tokens = False
         return self._open_without_tokens
@@ -152,7 +153,7 @@ class RequireBearer:
             message = f"not found: MCP is served at {self._served[0]}; no OAuth here, tokens are issued by the operator"
             await _answer(send, 404, -32601, message, [])
             return
-        if scope["type"] != "http" or self._open():
+        if scope["type"] != "http" or self.open_to_all():
             await self._app(scope, receive, send)
             return
         headers = [value for name, value in scope["headers"] if name == b"authorization"]

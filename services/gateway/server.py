@@ -13,6 +13,7 @@ import asyncio
 import json
 import secrets
 import socket
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 from urllib.parse import urlsplit
@@ -248,10 +249,12 @@ class Gateway:
         sdk_app.router.redirect_slashes = False
         lag = LoopLag()
         app: ASGIApp = Batches(AdmitRequests(CancelledWithClient(MisreadBodies(sdk_app)), intake, lag))
-        app = RequireBearer(
+        bearer = RequireBearer(
             NoEventStreams(PostedJson(app)), tokens, open_without_tokens=is_loopback(host), served_path=MCP_PATH
         )
-        app = RequestFraming(app, None if is_loopback(host) else allowed_origins)
+        app = RequestFraming(
+            bearer, None if is_loopback(host) else allowed_origins, pages_need_tokens=lambda: not bearer.open_to_all()
+        )
         BoundedConnections.limit = connection_limit()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", http=BoundedConnections)
         # Bound here, not by uvicorn: a port in use was its plain-text log line and exit 3 (an independent tester).
@@ -307,13 +310,17 @@ class RequestFraming:
       (MCP's transport: servers must check Origin, against DNS rebinding). One allowed is answered as CORS has a
       browser page ask: its preflight (OPTIONS) at once, and the answer readable by it; without that a page could
       not call at all, its bearer token needing a preflight (a verifier's). ``allowed_origins`` None: on loopback,
-      where the SDK checks Origin and Host itself, and pages served from loopback (its own rule) are answered so:
-      their preflight had been refused 401 for want of the token it asks leave to send (an outside tester's, the
-      MCP Inspector's direct connection)."""
+      where the SDK checks Origin and Host itself, and pages served from loopback (its own rule) are answered so
+      while they need a token (``pages_need_tokens``: a tokens file exists): their preflight had been refused 401
+      for want of the token it asks leave to send (an outside tester's, the MCP Inspector's direct connection).
+      Open to all, no page is answered so: any program serving pages on the host could read through it."""
 
-    def __init__(self, app: ASGIApp, allowed_origins: frozenset[str] | None) -> None:
+    def __init__(
+        self, app: ASGIApp, allowed_origins: frozenset[str] | None, pages_need_tokens: Callable[[], bool]
+    ) -> None:
         self._app = app
         self._allowed_origins = None if allowed_origins is None else frozenset(map(web_origin, allowed_origins))
+        self._pages_need_tokens = pages_need_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -329,7 +336,8 @@ class RequestFraming:
             return
         origins = [value.decode("latin-1") for name, value in scope["headers"] if name == b"origin"]
         if self._allowed_origins is None:  # on loopback the SDK refuses other pages than loopback ones itself
-            if len(origins) != 1 or not origins[0].startswith(LOOPBACK_PAGES):
+            loopback_page = len(origins) == 1 and origins[0].startswith(LOOPBACK_PAGES)
+            if not loopback_page or not self._pages_need_tokens():  # open to all: no page reads it (a review's)
                 await self._app(scope, receive, send)
                 return
         elif not origins:

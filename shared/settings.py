@@ -453,8 +453,8 @@ class Settings(BaseSettings):
         description="Origins (`https://host[:port]`, comma-separated) whose browser pages may call an HTTP gateway "
         "listening beyond loopback; any other request that states an Origin is refused 403 (MCP: servers must "
         "check Origin, against DNS rebinding). Agents send none. On loopback the MCP SDK allows pages served from "
-        "loopback (`http://localhost:PORT`, `127.0.0.1`, `[::1]`), whose preflights the gateway answers, and no "
-        "other.",
+        "loopback (`http://localhost:PORT`, `127.0.0.1`, `[::1]`), and no other; the gateway answers their "
+        "preflights while there is a tokens file.",
     )
     gateway_max_late_ms: int = Field(
         default=500,

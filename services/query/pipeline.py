@@ -108,6 +108,8 @@ RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
 NO_DEFINITIONS = Definitions({}, "")
+BASES_LOOKED_UP = 16
+"""The most bases a member a class inherits is looked for in (one indexed statement each, nearest first)."""
 
 
 def _earliest(*indexes: int | None) -> int | None:
@@ -557,11 +559,10 @@ class QueryPipeline:
         graph = await self._graphs.get(
             scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
         )
-        for named in graph.named(owner):
-            for level in graph.supertypes(named):
-                for base in level:
-                    if (await self._documents.definitions(scope.unfiltered, f"{base}.{member}", 1)).symbols:
-                        return f"{base}.{member}"
+        bases = [base for named in graph.named(owner) for level in graph.supertypes(named) for base in level]
+        for base in list(dict.fromkeys(bases))[:BASES_LOOKED_UP]:
+            if (await self._documents.definitions(scope.unfiltered, f"{base}.{member}", 1)).symbols:
+                return f"{base}.{member}"
         return None
 
     async def _related(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:

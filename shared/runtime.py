@@ -101,6 +101,13 @@ def last_ports(directory: Path, count: int) -> list[int] | None:
     return ports if all(_is_free(port) for port in ports) else None
 
 
+def ports_for(directory: Path, count: int, reuse: bool) -> list[int]:
+    """``count`` ports for the server kept in ``directory``: those of its last start where ``reuse`` and they are
+    all free, else fresh ones."""
+    kept = last_ports(directory, count) if reuse else None
+    return kept if kept is not None else [free_port() for _ in range(count)]
+
+
 def remember_ports(directory: Path, ports: Sequence[int]) -> None:
     """Keep ``ports`` for the server's next start in ``directory`` (:func:`last_ports`); a failure only costs that."""
     try:
@@ -336,9 +343,7 @@ def _nats_layout(directory: Path, nodes: int, reuse: bool = False) -> list[NatsN
     """One server keeps its files in ``directory`` itself (as before clusters existed); each of a cluster's in
     ``node-<n>`` below it, beside the users they share. ``reuse``: on the ports of the last start when all are
     free."""
-    count = 2 if nodes == 1 else 3 * nodes
-    kept = last_ports(directory, count) if reuse else None
-    ports = iter(kept) if kept is not None else iter(free_port() for _ in range(count))
+    ports = iter(ports_for(directory, 2 if nodes == 1 else 3 * nodes, reuse))
     if nodes == 1:
         return [NatsNode("ontofabric-embedded", directory, next(ports), monitor_port=next(ports))]
     return [
@@ -804,15 +809,13 @@ def start_postgres(directory: Path, port: int | None = None) -> tuple[ManagedPro
 
 def _run_postgres(bin_dir: Path, directory: Path, port: int | None, user: str | None) -> tuple[ManagedProcess, int]:
     """Start the server on ``directory``'s data and return once it accepts connections, with its port (a fresh
-    one again when the one picked was taken meanwhile, unless it was given)."""
+    one again when the one picked was taken meanwhile, unless it was given; first the one of its last start)."""
     if port is not None:
         return _run_postgres_on(bin_dir, directory, port, user)
 
-    def start(reuse: bool) -> tuple[ManagedProcess, int]:
-        kept = last_ports(directory, 1) if reuse else None
-        return _run_postgres_on(bin_dir, directory, kept[0] if kept else free_port(), user)
-
-    server, port = _on_fresh_ports("postgres", start)
+    server, port = _on_fresh_ports(
+        "postgres", lambda reuse: _run_postgres_on(bin_dir, directory, ports_for(directory, 1, reuse)[0], user)
+    )
     remember_ports(directory, [port])
     return server, port
 

@@ -539,8 +539,10 @@ class QueryPipeline:
         """The chunks defining the symbol ``name`` names; for a member its class inherits (``Retrying.copy``), the
         member's definition in the nearest base defining it, named as asked."""
         found = await self._documents.definitions(scope, name, RELATIONS_READ)
-        if found.symbols or (await self._documents.definitions(scope.unfiltered, name, 1)).symbols:
-            return found  # the class's own, which a filter may hide: no base's stands in for it (a review's)
+        if found.symbols or "." not in name:  # only a member's name can be inherited
+            return found
+        if scope.filtered and (await self._documents.definitions(scope.unfiltered, name, 1)).symbols:
+            return found  # the class's own, which a filter hides: no base's stands in for it (a review's)
         inherited = await self._inherited(scope, name)
         if inherited is None:
             return found

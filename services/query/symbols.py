@@ -43,7 +43,7 @@ def ranked_places(
     first that the retrievers ranked keeps its place there, so the results it was ranked above do not move up a
     place for being placed first (a tester's: a definition that was the retrievers' own first hit lifted the next
     result from place 2 to place 1, 0.34 to 0.63)."""
-    found = [frozenset(names) for names in found_by]
+    found = list(found_by)
     before = list(ranked_before) if ranked_before is not None else [None] * len(found)
     placed_and_ranked = sorted(
         index

@@ -91,6 +91,34 @@ def test_python_chunks_follow_the_syntax_tree() -> None:
     assert all(c.file_path == "pkg/reader.py" and c.source_domain == "python" for c in chunks.values())
 
 
+def test_every_chunk_states_the_lines_of_the_file_its_text_comes_from() -> None:
+    chunks = _by_key(chunk_python("pkg/reader.py", PYTHON, 100_000))
+    assert {key: c.lines for key, c in chunks.items()} == {
+        "python:pkg/reader.py": (1, 25),
+        "python:pkg/reader.py:doc": (2, 2),
+        "python:pkg/reader.py/Reader#": (7, 21),
+        "python:pkg/reader.py/Reader#:doc": (8, 8),
+        "python:pkg/reader.py/Reader.parse().": (10, 13),  # from its decorator
+        "python:pkg/reader.py/Reader.parse().:doc": (12, 12),
+        "python:pkg/reader.py/Reader.size().": (15, 17),
+        "python:pkg/reader.py/Reader.size().~2": (19, 21),
+        "python:pkg/reader.py/fetch().": (24, 25),
+    }
+    lines = PYTHON.split("\n")
+    for chunk in chunks.values():
+        if chunk.chunk_level != "doc":
+            first, last = chunk.lines or (0, 0)
+            assert chunk.content == "\n".join(lines[first - 1 : last]) + "\n", chunk.symbol_key
+    assert chunk_python("broken.py", "def oops(:\n\n", 1000)[0].lines == (1, 2)  # unparsed: the file's lines
+
+
+def test_a_form_feed_or_line_separator_in_a_comment_does_not_move_the_lines_below_it() -> None:
+    # str.splitlines ends a line at each: the class below was cut from the wrong lines.
+    source = "x = 1  # page\x0c break\ny = 2  # a \u2028 separator\r\n\r\nclass Below:\r    pass\n"
+    (below,) = [c for c in chunk_python("m.py", source, 1000) if c.symbol_kind == "class"]
+    assert (below.lines, below.content) == ((4, 5), "class Below:\r    pass\n")
+
+
 def test_identity_survives_body_edits_and_content_hash_does_not() -> None:
     before = _by_key(chunk_python("pkg/reader.py", PYTHON, 100_000))
     after = _by_key(
@@ -146,6 +174,7 @@ def test_markdown_is_split_by_heading_outside_code_fences() -> None:
         "docs/guide.md > Title",
     ]
     assert "# not a heading" in chunks[1].content
+    assert [c.lines for c in chunks] == [(1, 2), (3, 9), (10, 12), (13, 15), (16, 17)]
     assert len({c.symbol_key for c in chunks}) == 5
     assert {c.object_type for c in chunks} == {"docs.guide"}
     assert {c.chunk_level for c in chunks} == {"doc"}

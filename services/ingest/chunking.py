@@ -22,6 +22,7 @@ _OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
 MAX_OBJECT_TYPE_CHARS = 512  # the contract's limit (contracts/documents.py ObjectType)
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Chunk:
     the ingester, which sees the whole tree: ``graph.python_exports``)."""
     parse_error: str | None = None
     """A Python file's chunk: why its source could not be parsed, so that it has no chunk of a symbol nor calls."""
+    lines: tuple[int, int] | None = None
+    """The first and last line (1-based, inclusive) of the file that the chunk's text comes from: a class or
+    function from its first decorator, a docstring its string literal, a file all of it. What lets an agent open
+    the file where the result is, rather than grep for the symbol."""
 
     @property
     def content_hash(self) -> str:
@@ -63,6 +68,13 @@ class Chunk:
     @property
     def embedding_text(self) -> str:
         return embedding_text(self.content, self.symbol_fqn)
+
+
+def file_lines(source: str) -> list[str]:
+    """The lines of a file as Python and editors count them, each with its end: ``str.splitlines`` also ends a
+    line at a form feed, U+2028 and other separators, which a comment or a string may hold, and every chunk below
+    one was cut from the wrong lines and numbered wrong."""
+    return _LINE.findall(source)
 
 
 MAX_SYMBOL_CHARS = 512
@@ -148,7 +160,9 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     file_key = f"python:{path}"
     keys = _Keys()
 
-    def make(key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str) -> Chunk:
+    def make(
+        key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str, lines: tuple[int, int]
+    ) -> Chunk:
         return Chunk(
             symbol_key=bounded_symbol(keys.unique(key)),
             symbol_kind=kind,
@@ -159,27 +173,32 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
             file_path=path,
             content=truncate_utf8(content, max_content_bytes),
             cut_from_bytes=cut_from(content, max_content_bytes),
+            lines=lines,
         )
 
-    chunks = [make(file_key, "module", module, "file", module_type, source)]
+    lines = file_lines(source)
+    chunks = [make(file_key, "module", module, "file", module_type, source, (1, max(1, len(lines))))]
     try:
         tree = ast.parse(source)
     except SyntaxError as error:  # the file chunk still makes it findable
         return [replace(chunks[0], parse_error=f"line {error.lineno}: {error.msg}")]
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser goes
         return [replace(chunks[0], parse_error=str(error) or "nested too deeply")]
-    lines = source.splitlines(keepends=True)
+
+    def span(node: ast.AST) -> tuple[int, int]:
+        first = min([getattr(node, "lineno", 1)] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        return first, getattr(node, "end_lineno", None) or first
 
     def segment(node: ast.AST) -> str:
-        first = min([getattr(node, "lineno", 1)] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        last = getattr(node, "end_lineno", None) or first
+        first, last = span(node)
         return "".join(lines[first - 1 : last])
 
     def docstring(owner: ast.AST, owner_key: str, owner_fqn: str, object_type: str) -> None:
         text = ast.get_docstring(owner)  # type: ignore[arg-type]
         if text and text.strip():
             text = whole_characters(text)
-            chunks.append(make(f"{owner_key}:doc", "docstring", owner_fqn, "doc", object_type, text))
+            literal = owner.body[0]  # type: ignore[attr-defined]  # where get_docstring found it
+            chunks.append(make(f"{owner_key}:doc", "docstring", owner_fqn, "doc", object_type, text, span(literal)))
 
     docstring(tree, file_key, module, module_type)
 
@@ -199,7 +218,7 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
                 name = f"{qualname}.{node.name}" if qualname else node.name
                 class_type = object_type_name(f"{module}.{name}")
                 key = f"python:{path}/{name}#"
-                made = make(key, "class", f"{module}.{name}", "type", class_type, segment(node))
+                made = make(key, "class", f"{module}.{name}", "type", class_type, segment(node), span(node))
                 chunks.append(replace(made, defines=assigned_names(node.body), line=node.lineno))
                 docstring(node, key, f"{module}.{name}", class_type)
                 visit(node.body, name, class_type, True)
@@ -207,7 +226,7 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
                 name = f"{qualname}.{node.name}" if qualname else node.name
                 key = f"python:{path}/{name}()."
                 kind = "method" if in_class else "function"
-                made = make(key, kind, f"{module}.{name}", "method", owner_type, segment(node))
+                made = make(key, kind, f"{module}.{name}", "method", owner_type, segment(node), span(node))
                 chunks.append(replace(made, line=node.lineno))
                 docstring(node, key, f"{module}.{name}", owner_type)
 
@@ -278,32 +297,34 @@ def _shortened(title: str) -> str:
     return title if len(title) <= MAX_HEADING_CHARS else title[: MAX_HEADING_CHARS - 1] + "…"
 
 
-def _markdown_sections(source: str) -> Iterator[tuple[list[str], str]]:
-    """(heading path, section text) for each heading, and for text before the first heading."""
+def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int, int]]]:
+    """(heading path, section text, its first and last line) for each heading, and for text before the first
+    heading."""
     path: list[str] = []
     current: list[str] = []
+    first = 1
     in_fence = False
-    for line in source.splitlines(keepends=True):
+    for number, line in enumerate(file_lines(source), start=1):
         if _FENCE.match(line):
             in_fence = not in_fence
         heading = None if in_fence else _HEADING.match(line.rstrip("\n"))
         if heading:
             if "".join(current).strip():
-                yield list(path), "".join(current)
+                yield list(path), "".join(current), (first, number - 1)
             level, title = len(heading.group(1)), _shortened(heading.group(2).strip())
             path = [*path[: level - 1], *[""] * max(0, level - 1 - len(path)), title]
-            current = [line]
+            current, first = [line], number
         else:
             current.append(line)
     if "".join(current).strip():
-        yield list(path), "".join(current)
+        yield list(path), "".join(current), (first, first + len(current) - 1)
 
 
 def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
     document_type = object_type_name(path.removesuffix(".md").replace("/", "."))
     keys = _Keys()
     chunks = []
-    for headings, text in _markdown_sections(source):
+    for headings, text, lines in _markdown_sections(source):
         trail = [h for h in headings if h]
         anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
         chunks.append(
@@ -317,6 +338,7 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
                 file_path=path,
                 content=truncate_utf8(text, max_content_bytes),
                 cut_from_bytes=cut_from(text, max_content_bytes),
+                lines=lines,
             )
         )
     return chunks

@@ -51,6 +51,7 @@ from .query import (
     QueryMeta,
     QueryResponse,
     SearchResult,
+    source_place,
 )
 from .versions import NO_VERSION, OntologyVersionChanged, format_version, main_only, nothing_indexed, overlay_version
 
@@ -110,5 +111,6 @@ __all__ = [
     "main_only",
     "nothing_indexed",
     "overlay_version",
+    "source_place",
     "split_link_key",
 ]

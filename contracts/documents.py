@@ -217,6 +217,9 @@ def stored_json_bytes(value: object, limit: int | None = None) -> int:
     return size
 
 
+MAX_LINE = 2**31 - 1
+"""The largest line number a document's metadata states (PostgreSQL's integer)."""
+
 SymbolNames = list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHARS)]]
 """Qualified names a document's metadata lists (its calls, the names it assigns, its symbol's other names)."""
 
@@ -242,6 +245,17 @@ class DocumentMetadata(WireModel):
     )
     content_hash: Text | None = Field(default=None, description="sha256 of the content, hex.")
     file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
+    start_line: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_LINE,
+        description="The first line (1-based) of the file at filePath that the content comes from: where an agent "
+        "opens it. The reference ingester gives every chunk one (a class or function from its first decorator, a "
+        "docstring its string literal).",
+    )
+    end_line: int | None = Field(
+        default=None, ge=1, le=MAX_LINE, description="The last line (inclusive); only with startLine, not before it."
+    )
     chunk_level: ChunkLevel | None = None
     provenance: Provenance | None = None
     calls: SymbolNames | None = Field(
@@ -265,6 +279,12 @@ class DocumentMetadata(WireModel):
         "for click.core.Option, re-exported by click/__init__.py); a query that is one of them, as written, puts the "
         "chunk first as it does a symbol's definition (options.exactSymbols).",
     )
+
+    @model_validator(mode="after")
+    def _lines_in_order(self) -> DocumentMetadata:
+        if self.end_line is not None and (self.start_line is None or self.end_line < self.start_line):
+            raise ValueError("metadata endLine: only with startLine, and not before it")
+        return self
 
     @model_validator(mode="after")
     def _storable(self) -> DocumentMetadata:

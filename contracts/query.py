@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Self
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -600,6 +600,17 @@ MAX_ERROR_DETAILS = 20
 MAX_DETAIL_CHARS = 200
 """An error reply names the first problems, each cut short, and counts the rest: it always fits a message, whatever
 a request holds (60,000 unknown fields once made an error too large to send)."""
+
+
+def source_place(metadata: Mapping[str, Any]) -> str | None:
+    """Where a result's text is, as editors and agents open it: ``wait.py:45-60`` (its file and lines), ``wait.py``
+    without lines, None without a file. Lines another ingester stored as anything but numbers are left out."""
+    path, start, end = metadata.get("filePath"), metadata.get("startLine"), metadata.get("endLine")
+    if not isinstance(path, str) or not path:
+        return None
+    if type(start) is not int:
+        return path
+    return f"{path}:{start}" + (f"-{end}" if type(end) is int and end > start else "")
 
 
 def clipped(text: str) -> str:

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed
+from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed, source_place
 from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.services.ops.status import DeploymentStatus
 from ontofabric.shared.discovery import (
@@ -47,7 +47,9 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         symbol = result.metadata.get("symbolFqn") or result.object_type
         found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
         level = str(result.metadata.get("chunkLevel", ""))
-        cell = f"[bold]{symbol}[/bold]\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
+        where = source_place(result.metadata)
+        cell = f"[bold]{escape(symbol)}[/bold]" + (f" {escape(where)}" if where else "")
+        cell += f"\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)
     meta = reply.meta

@@ -1339,6 +1339,33 @@ def test_an_empty_answer_from_a_workspace_with_nothing_indexed_says_so(version: 
     assert (f"branch {branch!r} has nothing of its own indexed: this is main's document" in read) is main_alone
 
 
+def test_a_result_names_its_file_and_lines_where_an_agent_opens_it() -> None:
+    """An agent tester's: results carried no lines, and its agent grepped for the symbol to open it."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+    )  # fmt: skip
+
+    def line(metadata: dict[str, object]) -> str:
+        result = SearchResult(
+            id="d1", score=0.5, rank=1, content=None, object_type="m", source_domain="python", found_by=[],
+            metadata={"symbolFqn": "m.f", "symbolKind": "function", **metadata},
+        )  # fmt: skip
+        return render(QueryResponse(results=[result], _meta=meta)).split("\n1. ")[1].split(" · ")[0]
+
+    assert line({"filePath": "pkg/m.py", "startLine": 12, "endLine": 30}) == "m.f (pkg/m.py:12-30)"
+    assert line({"filePath": "pkg/m.py", "startLine": 12, "endLine": 12}) == "m.f (pkg/m.py:12)"
+    assert line({"filePath": "pkg/m.py"}) == "m.f (pkg/m.py)"  # indexed before lines were carried
+    assert line({"filePath": "pkg/m.py", "startLine": "12"}) == "m.f (pkg/m.py)"  # another ingester's free key
+    assert line({"startLine": 12}) == "m.f"
+    document = DocumentReply(
+        id="d1", object_type="m", source_domain="python", content="x", offset=0, content_length=1, truncated=False,
+        ontology_version="7-00000000000000ab",
+        metadata={"symbolFqn": "m.f", "filePath": "pkg/m.py", "startLine": 12, "endLine": 30},
+    )  # fmt: skip
+    assert render(document, {"id": "d1"}).startswith("m.f (pkg/m.py:12-30) · id d1 · characters 0-1 of 1")
+
+
 def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> None:
     """An agent tester's: "1 results", "1 deltas not yet indexed"."""
     meta = QueryMeta(

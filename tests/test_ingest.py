@@ -34,6 +34,7 @@ from ontofabric.services.ingest.ingester import (
 )
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, build_embedder, embedding_text
+from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
 from ontofabric.shared.settings import Settings
@@ -255,6 +256,49 @@ async def test_a_tree_that_goes_back_to_an_earlier_state_is_indexed_as_it_is_eac
         assert live == indexed.setdefault(state, live), state  # as the first time the tree was so
     assert indexed["gone"] == {}
     assert indexed["apples"] != indexed["bananas"]
+
+
+async def test_chunks_an_edit_above_moves_go_again_with_their_new_lines_and_their_cached_vectors(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent tester's: results carried no lines, and its agent grepped for the symbol to open it."""
+    tree = tmp_path / "tree"
+    _write(tree, {"m.py": "def first():\n    return 1\n\n\ndef second():\n    return 2\n"})
+    _write(tree, {"notes.md": "# Notes\nsome\n\n## More\nmore\n"})
+    cache = EmbeddingCache(tmp_path / "embeddings.sqlite")
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes, cache=cache)
+    stored = (
+        "SELECT symbol_fqn, (metadata ->> 'startLine')::int AS start, (metadata ->> 'endLine')::int AS end,"
+        " embedding FROM documents WHERE workspace = 'repo' AND NOT deleted"
+    )
+
+    async def lines_after(report: Any) -> dict[str, tuple[int, int]]:
+        assert report.last_sequence is not None
+        await deployment.wait_projected(report.last_sequence)
+        return {r["symbol_fqn"]: (r["start"], r["end"]) for r in await deployment.fetch(stored)}
+
+    assert await lines_after(await ingester.ingest(tree, "repo")) == {
+        "m": (1, 6), "m.first": (1, 2), "m.second": (5, 6), "notes.md > Notes": (1, 3),
+        "notes.md > Notes > More": (4, 5),
+    }  # fmt: skip
+    vectors = {r["symbol_fqn"]: r["embedding"] for r in await deployment.fetch(stored)}
+    # A comment between the two functions: the file's text changed, second's lines alone; first stays as it was.
+    (tree / "m.py").write_text("def first():\n    return 1\n\n# between\n\ndef second():\n    return 2\n")
+    embedded: list[str] = []
+    model_pass = embedder.embed_with_tokens
+    monkeypatch.setattr(
+        embedder, "embed_with_tokens", lambda texts, **kw: (embedded.extend(texts), model_pass(texts, **kw))[1]
+    )
+    moved = await ingester.ingest(tree, "repo")
+    assert (moved.upserts, moved.unchanged) == (2, 3)
+    assert embedded == [embedding_text((tree / "m.py").read_text(), "m")]  # second's vectors came from the cache
+    assert (await lines_after(moved))["m.second"] == (6, 7)
+    assert {r["symbol_fqn"]: r["embedding"] for r in await deployment.fetch(stored)}["m.second"] == vectors["m.second"]
+    assert (await ingester.ingest(tree, "repo")).upserts == 0
 
 
 async def test_a_python_file_that_does_not_parse_is_indexed_whole_and_named_in_the_report(

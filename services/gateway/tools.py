@@ -30,6 +30,7 @@ from ontofabric.contracts import (
     StatusRequest,
     main_only,
     nothing_indexed,
+    source_place,
 )
 from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
@@ -142,7 +143,8 @@ TOOLS = (
         title="Search the ontology",
         description=(
             "Hybrid search (dense and BM25 keyword retrieval, fused, optionally reranked) over a workspace's "
-            "SemanticDocuments: code chunks (files, classes, methods, docstrings) and documentation. Give "
+            "SemanticDocuments: code chunks (files, classes, methods, docstrings) and documentation, each with its "
+            "file and lines (metadata filePath, startLine, endLine; path:12-30 in the text). Give "
             "semanticQuery, or only filters (objectType, chunkLevel, provenance, symbolKind) to list what they select. "
             "A semanticQuery that is one identifier (RetryCallState, pkg.mod.Class.method) puts the chunks defining "
             "that symbol first; one that asks a relation of one symbol (what calls retry_with, what does wraps "
@@ -474,7 +476,7 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
 
 def _result_line(result: SearchResult) -> str:
     symbol = result.metadata.get("symbolFqn") or result.object_type
-    where = result.metadata.get("filePath")
+    where = source_place(result.metadata)
     return (
         f"\n{result.rank}. {symbol}"
         + (f" ({where})" if where else "")
@@ -509,7 +511,9 @@ def _object_type_alone_selected_nothing(meta: QueryMeta, arguments: dict[str, An
 
 def _render_document(reply: DocumentReply, branch: str) -> str:
     end = reply.offset + len(reply.content)
-    head = f"{reply.metadata.get('symbolFqn') or reply.object_type} · id {reply.id} · characters {reply.offset}-{end}"
+    where = source_place(reply.metadata)
+    head = f"{reply.metadata.get('symbolFqn') or reply.object_type}" + (f" ({where})" if where else "")
+    head += f" · id {reply.id} · characters {reply.offset}-{end}"
     head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
     if main_only(reply.ontology_version):  # an agent tester's misspelt branch read main's without a word
         head += (

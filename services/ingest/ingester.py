@@ -356,14 +356,21 @@ def _carried(names: Sequence[str], share_bytes: int, count: int) -> tuple[str, .
 
 
 def _derived_state(chunk: Chunk) -> str:
-    """What the manifest keeps of a chunk's calls and assigned names, beside its content: nothing when it has none,
-    so that chunks without them keep the values they had before either was carried."""
+    """What the manifest keeps of a chunk's calls, assigned names and lines, beside its content: nothing of calls
+    or names when it has none, so that chunks without them keep the values they had before either was carried.
+    Lines move when an edit above the chunk adds or removes some: it goes again with its new lines, its vectors
+    from the embedding cache (its text is unchanged)."""
     calls = f"|calls:{hashlib.sha256(chr(10).join(chunk.calls).encode()).hexdigest()[:16]}" if chunk.calls else ""
+    lines = f"|lines:{chunk.lines[0]}-{chunk.lines[1]}" if chunk.lines is not None else ""
     derived = {"defines": carried_defines(chunk.defines), "aliases": chunk.aliases}
-    return calls + "".join(
-        f"|{kind}:{hashlib.sha256(chr(10).join(names).encode()).hexdigest()[:16]}"
-        for kind, names in derived.items()
-        if names
+    return (
+        calls
+        + lines
+        + "".join(
+            f"|{kind}:{hashlib.sha256(chr(10).join(names).encode()).hexdigest()[:16]}"
+            for kind, names in derived.items()
+            if names
+        )
     )
 
 
@@ -566,6 +573,8 @@ def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: 
             symbol_fqn=chunk.symbol_fqn,
             content_hash=chunk.content_hash,
             file_path=chunk.file_path,
+            start_line=chunk.lines[0] if chunk.lines is not None else None,
+            end_line=chunk.lines[1] if chunk.lines is not None else None,
             chunk_level=chunk.chunk_level,
             provenance="ingested",
             calls=list(chunk.calls) or None,

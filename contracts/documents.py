@@ -229,7 +229,7 @@ class DocumentMetadata(WireModel):
     as the index stores it, where a number takes its digits in full (1e300: 301 bytes); a delta over it is
     dead-lettered invalid_schema."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"dependentRequired": {"endLine": ["startLine"]}})
 
     symbol_key: Text | None = Field(
         default=None,
@@ -247,6 +247,7 @@ class DocumentMetadata(WireModel):
     file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
     start_line: int | None = Field(
         default=None,
+        strict=True,  # a line number, not true or "12"
         ge=1,
         le=MAX_LINE,
         description="The first line (1-based) of the file at filePath that the content comes from: where an agent "
@@ -254,7 +255,11 @@ class DocumentMetadata(WireModel):
         "docstring its string literal).",
     )
     end_line: int | None = Field(
-        default=None, ge=1, le=MAX_LINE, description="The last line (inclusive); only with startLine, not before it."
+        default=None,
+        strict=True,
+        ge=1,
+        le=MAX_LINE,
+        description="The last line (inclusive); only with startLine, not before it.",
     )
     chunk_level: ChunkLevel | None = None
     provenance: Provenance | None = None

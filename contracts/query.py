@@ -608,7 +608,7 @@ def source_place(metadata: Mapping[str, Any]) -> str | None:
     path, start, end = metadata.get("filePath"), metadata.get("startLine"), metadata.get("endLine")
     if not isinstance(path, str) or not path:
         return None
-    if type(start) is not int:
+    if type(start) is not int or start < 1:
         return path
     return f"{path}:{start}" + (f"-{end}" if type(end) is int and end > start else "")
 

@@ -48,7 +48,7 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
         level = str(result.metadata.get("chunkLevel", ""))
         where = source_place(result.metadata)
-        cell = f"[bold]{escape(symbol)}[/bold]" + (f" {escape(where)}" if where else "")
+        cell = f"[bold]{escape(str(symbol))}[/bold]" + (f" {escape(where)}" if where else "")
         cell += f"\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)

@@ -110,6 +110,9 @@ def test_every_chunk_states_the_lines_of_the_file_its_text_comes_from() -> None:
             first, last = chunk.lines or (0, 0)
             assert chunk.content == "\n".join(lines[first - 1 : last]) + "\n", chunk.symbol_key
     assert chunk_python("broken.py", "def oops(:\n\n", 1000)[0].lines == (1, 2)  # unparsed: the file's lines
+    # A decorator's expression may start below its `@`: the chunk starts at the `@`.
+    (wrapped,) = [c for c in chunk_python("w.py", "x = 1\n@(\n    deco\n)\ndef f():\n    pass\n", 1000) if c.line]
+    assert (wrapped.lines, wrapped.content) == ((2, 6), "@(\n    deco\n)\ndef f():\n    pass\n")
 
 
 def test_a_form_feed_or_line_separator_in_a_comment_does_not_move_the_lines_below_it() -> None:

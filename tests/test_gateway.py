@@ -1281,7 +1281,8 @@ def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     results = [
         SearchResult(
             id=f"d{rank}", score=0.5, rank=rank, content="x = 1\n" * 300, object_type="m", source_domain="python",
-            found_by=[], metadata={"symbolFqn": f"m.f{rank}", "symbolKind": "function"},
+            found_by=[], metadata={"symbolFqn": f"m.f{rank}", "symbolKind": "function", "filePath": "m.py",
+                                   "startLine": 10 * rank, "endLine": 10 * rank + 5},
         )
         for rank in (1, 2)
     ]  # fmt: skip
@@ -1299,7 +1300,7 @@ def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     assert roomy.endswith("or get_document by id)")
     # No room at all (the worker's least reply fills the budget): the first result's line still, a few % over.
     tight = fitted_text(query, arguments, whole, lambda: 4000, lambda: shorter)
-    assert tight.startswith("1. m.f1 · id d1\n")
+    assert tight.startswith("1. m.f1 (m.py:10-15) · id d1\n")  # where to open it, too
     assert "id d2" not in tight
     assert json_size(tight) < 0.05 * 4000
     assert fitted_text(query, arguments, "short", lambda: 3000, lambda: shorter) == "short"
@@ -1357,6 +1358,7 @@ def test_a_result_names_its_file_and_lines_where_an_agent_opens_it() -> None:
     assert line({"filePath": "pkg/m.py", "startLine": 12, "endLine": 12}) == "m.f (pkg/m.py:12)"
     assert line({"filePath": "pkg/m.py"}) == "m.f (pkg/m.py)"  # indexed before lines were carried
     assert line({"filePath": "pkg/m.py", "startLine": "12"}) == "m.f (pkg/m.py)"  # another ingester's free key
+    assert line({"filePath": "pkg/m.py", "startLine": 0, "endLine": 5}) == "m.f (pkg/m.py)"
     assert line({"startLine": 12}) == "m.f"
     document = DocumentReply(
         id="d1", object_type="m", source_domain="python", content="x", offset=0, content_length=1, truncated=False,

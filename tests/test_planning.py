@@ -309,6 +309,8 @@ def test_a_copy_whose_vectors_differ_in_the_last_bits_is_still_a_copy() -> None:
         ({"metadata": {"startLine": 5, "endLine": 3}}, "not before it"),
         ({"metadata": {"startLine": 0}}, "startLine"),
         ({"metadata": {"startLine": 2**31}}, "startLine"),
+        ({"metadata": {"startLine": True}}, "startLine"),  # a line number, not true nor "12"
+        ({"metadata": {"startLine": "12"}}, "startLine"),
     ],
 )
 def test_what_the_database_cannot_store_is_refused_naming_the_field(change: dict[str, object], named: str) -> None:

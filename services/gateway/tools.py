@@ -338,7 +338,7 @@ def shorter_texts(reply: BaseModel, arguments: dict[str, Any]) -> list[str]:
     then each result's symbol and id alone. None without results: the whole text is the notes, cut as they are."""
     if not isinstance(reply, QueryResponse) or not reply.results:
         return []
-    ids = [f"{r.rank}. {r.metadata.get('symbolFqn') or r.object_type} · id {r.id}" for r in reply.results]
+    ids = [_result_line(r, briefly=True) for r in reply.results]
     return [render(reply, arguments, contents=False), "\n".join(ids)]
 
 
@@ -474,12 +474,16 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
     return "\n".join(lines)
 
 
-def _result_line(result: SearchResult) -> str:
+def _result_line(result: SearchResult, briefly: bool = False) -> str:
+    """A result's line in the text: its rank, symbol, place, kind, score and id; ``briefly``, rank, symbol, place
+    and id alone (what an answer too large for its budget still names)."""
     symbol = result.metadata.get("symbolFqn") or result.object_type
     where = source_place(result.metadata)
+    named = f"{result.rank}. {symbol}" + (f" ({where})" if where else "")
+    if briefly:
+        return f"{named} · id {result.id}"
     return (
-        f"\n{result.rank}. {symbol}"
-        + (f" ({where})" if where else "")
+        f"\n{named}"
         # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
         + f" · {result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')}"
         + f" · score {result.score:.3f} · id {result.id}"

@@ -187,7 +187,12 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
 
     def span(node: ast.AST) -> tuple[int, int]:
         first = min([getattr(node, "lineno", 1)] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        return first, getattr(node, "end_lineno", None) or first
+        last = getattr(node, "end_lineno", None) or first
+        if getattr(node, "decorator_list", None):
+            # A decorator's line is its expression's, which may start below its `@` (`@(` then a newline).
+            at = next((n for n in range(first, 0, -1) if lines[n - 1].lstrip().startswith("@")), first)
+            first = at
+        return first, last
 
     def segment(node: ast.AST) -> str:
         first, last = span(node)

@@ -16,6 +16,7 @@ from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, Q
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse_reply
 from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S
+from ontofabric.services.query.requests import repeated_key
 from ontofabric.services.query.rerankers import build_reranker
 from ontofabric.services.query.worker import QueryService, parse_request
 from ontofabric.shared import db
@@ -391,6 +392,8 @@ MALFORMED = [
     (json.dumps({"semanticQuery": "x" * 5000}).encode(), "semanticQuery"),
     (b'{"semanticQuery": "x", "options": {"fusion": {"method": "convex", "rrfK": 5}}}', "options.fusion"),
     (b'{"semanticQuery": "x", "options": {"fusion": {"denseWeight": 0.9}}}', "options.fusion.denseWeight"),
+    (b'{"semanticQuery": "x", "topK": 1, "topK": 50}', "topK"),  # which one was read, the client cannot know
+    (b'{"semanticQuery": "x", "options": {"candidates": 5, "candidates": 50}}', "options.candidates"),
 ]
 
 
@@ -425,6 +428,19 @@ def test_half_a_character_is_named_by_its_field(body: bytes, field: str | None) 
     whole = parse_request(rb'{"semanticQuery": "a\ud83d\ude00b"}', "acme", 1000)  # a whole pair is a character
     assert not isinstance(whole, bytes)
     assert whole.semantic_query == "a\U0001f600b"
+
+
+def test_a_key_given_twice_is_named_with_its_path() -> None:
+    """A fault harness's: ``{"topK": 1, "topK": 50}`` was answered with 50 results, the last value read in silence."""
+    assert repeated_key(b'{"a": [{"b": 1}, {"c": 1, "c": 2}]}') == "a.1.c"
+    assert repeated_key(b'{"a": {"b": 1}, "c": {"b": 2}}') is None  # one name in two objects is no repeat
+    assert repeated_key(b'{"a": 1, "a": {"b": 1, "b": 2}}') == "a"  # the outer first
+    assert repeated_key(b'{"a": 1') is None  # not JSON: the contract's parser says so
+    reply = parse_request(b'{"semanticQuery": "x", "topK": 1, "topK": 50}', "acme", 1000)
+    assert isinstance(reply, bytes)
+    error = ErrorReply.model_validate_json(reply).error
+    assert (error.code, error.message) == ("invalid_request", "the request names 'topK' twice")
+    assert [(d.field, d.message) for d in error.details] == [("topK", "given twice: a request names each field once")]
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ itself when no worker can be asked, said the same way by both."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+import json
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -24,7 +25,7 @@ def read_request(model: type[Model], body: bytes) -> Model | QueryError:
             details=[ErrorDetail(field=None, message=f"at most {MAX_REQUEST_BYTES:,} bytes")],
         )
     try:
-        return model.model_validate_json(body, by_name=False)  # the wire names only, as the schema says
+        request = model.model_validate_json(body, by_name=False)  # the wire names only, as the schema says
     except ValidationError as error:
         problems = error.errors(include_url=False, include_input=False)
         field = surrogate_field(body) if any(e["type"] == "json_invalid" for e in problems) else None
@@ -32,3 +33,52 @@ def read_request(model: type[Model], body: bytes) -> Model | QueryError:
         return QueryError(
             code="invalid_request", message=f"the request does not match {model.__name__}", details=details
         )
+    repeated = repeated_key(body)
+    if repeated is not None:
+        return QueryError(
+            code="invalid_request",
+            message=f"the request names {repeated!r} twice",
+            details=[ErrorDetail(field=clipped(repeated), message="given twice: a request names each field once")],
+        )
+    return request
+
+
+def repeated_key(body: bytes) -> str | None:
+    """The first key an object of the JSON ``body`` holds twice, with its path (``options.candidates``,
+    ``relatedTo.symbol``; a list's items by index, as ``validation_details`` names them); None when
+    none is. The contract's parser keeps the last, so a client that sent two values never learned which one was
+    read (a fault harness's ``{"topK": 1, "topK": 50}``)."""
+    repeats = False
+
+    def checked(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal repeats
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) == len(keys):
+            return dict(pairs)
+        repeats = True
+        return _Repeats(pairs, next(key for n, key in enumerate(keys) if key in keys[:n]))
+
+    try:
+        parsed = json.loads(body, object_pairs_hook=checked)
+        return _path_of_repeat(parsed, "") if repeats else None
+    except (ValueError, RecursionError):  # what the contract's parser accepted, this one need not: left to it
+        return None
+
+
+class _Repeats(dict[str, Any]):
+    """An object that held ``repeated`` twice (its last value kept, as the contract's parser keeps it)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]], repeated: str) -> None:
+        super().__init__(pairs)
+        self.repeated = repeated
+
+
+def _path_of_repeat(value: Any, path: str) -> str | None:
+    if isinstance(value, _Repeats):
+        return f"{path}.{value.repeated}" if path else value.repeated
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _path_of_repeat(item, f"{path}.{key}" if path else str(key))  # as validation_details names places
+        if found is not None:
+            return found
+    return None

@@ -183,6 +183,51 @@ def test_markdown_is_split_by_heading_outside_code_fences() -> None:
     assert {c.chunk_level for c in chunks} == {"doc"}
 
 
+def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_front_matter() -> None:
+    """An outside tester's: a ``` line inside a ```` fence closed it, the fence's `# ...` line became a section, and
+    so did a `# comment` of YAML front matter."""
+    source = textwrap.dedent(
+        """\
+        ---
+        title: x
+        # a yaml comment
+        ---
+        # Real
+        text
+        ````
+        ```
+        # inside a four-backtick fence
+        ```
+        ````
+        ## After fences
+           ### Indented up to three spaces
+        body
+        ~~~
+        # in a tilde fence
+        ~~~
+        """
+    )
+    chunks = chunk_markdown("f.md", source, 100_000)
+    assert [(c.symbol_fqn, c.lines) for c in chunks] == [
+        ("f.md", (1, 4)),
+        ("f.md > Real", (5, 11)),
+        ("f.md > Real > After fences", (12, 12)),
+        ("f.md > Real > After fences > Indented up to three spaces", (13, 17)),
+    ]
+
+
+def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:
+    """An outside tester's: a 4,000-line function said lines 4-4006 of a text that stopped at line 3545."""
+    source = "x = 1\n\n\ndef f():\n" + "".join(f"    v{i} = {i}  # filler line {i}\n" for i in range(3000))
+    function = next(c for c in chunk_python("big.py", source, 20_000) if c.symbol_kind == "function")
+    assert function.cut_from_bytes is not None
+    first, last = function.lines or (0, 0)
+    assert first == 4
+    assert last == first + function.content.count("\n")  # the last of them in part
+    assert source.split("\n")[last - 1].startswith(function.content.rsplit("\n", 1)[1])
+    assert chunk_python("empty.py", "", 1000)[0].lines is None  # an empty file has no line to state
+
+
 def test_names() -> None:
     assert module_name("services/query/__init__.py") == "services.query"
     assert module_name("setup.py") == "setup"

@@ -20,8 +20,9 @@ ChunkLevel = Literal["file", "type", "method", "doc"]
 
 _OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
 MAX_OBJECT_TYPE_CHARS = 512  # the contract's limit (contracts/documents.py ObjectType)
-_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-_FENCE = re.compile(r"^\s*(```|~~~)")
+_HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_FRONT_MATTER_END = re.compile(r"^(---|\.\.\.)\s*$")
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
@@ -115,6 +116,16 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     return encoded[:max_bytes].decode("utf-8", errors="ignore")
 
 
+def lines_kept(lines: tuple[int, int] | None, kept: str, cut: bool) -> tuple[int, int] | None:
+    """The lines a chunk states: its text's in the file, or, when its text was cut to the content limit, those the
+    start it keeps reaches (the last one perhaps in part). A tester's 4,000-line function said lines 4-4006 of a
+    text that stopped at line 3545."""
+    if lines is None or not cut:
+        return lines
+    first = lines[0]
+    return first, max(first, min(lines[1], first + len(file_lines(kept)) - 1))
+
+
 def cut_from(text: str, max_bytes: int) -> int | None:
     """The text's size in bytes when :func:`truncate_utf8` cuts it, else None."""
     size = len(text.encode("utf-8"))
@@ -161,8 +172,9 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     keys = _Keys()
 
     def make(
-        key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str, lines: tuple[int, int]
+        key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str, span: tuple[int, int] | None
     ) -> Chunk:
+        kept, cut = truncate_utf8(content, max_content_bytes), cut_from(content, max_content_bytes)
         return Chunk(
             symbol_key=bounded_symbol(keys.unique(key)),
             symbol_kind=kind,
@@ -171,13 +183,13 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
             object_type=object_type,
             source_domain="python",
             file_path=path,
-            content=truncate_utf8(content, max_content_bytes),
-            cut_from_bytes=cut_from(content, max_content_bytes),
-            lines=lines,
+            content=kept,
+            cut_from_bytes=cut,
+            lines=lines_kept(span, kept, cut is not None),
         )
 
-    lines = file_lines(source)
-    chunks = [make(file_key, "module", module, "file", module_type, source, (1, max(1, len(lines))))]
+    lines = file_lines(source)  # an empty file has none to state
+    chunks = [make(file_key, "module", module, "file", module_type, source, (1, len(lines)) if lines else None)]
     try:
         tree = ast.parse(source)
     except SyntaxError as error:  # the file chunk still makes it findable
@@ -308,11 +320,23 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
     path: list[str] = []
     current: list[str] = []
     first = 1
-    in_fence = False
-    for number, line in enumerate(file_lines(source), start=1):
-        if _FENCE.match(line):
-            in_fence = not in_fence
-        heading = None if in_fence else _HEADING.match(line.rstrip("\n"))
+    lines = file_lines(source)
+    fence = ""  # the open code fence's marker: only the same character, as many or more, closes it (CommonMark)
+    # YAML front matter (a first line `---` up to a `---` or `...`) is no text of headings: `# a comment` in it was.
+    front_matter_ends = 0
+    if lines and lines[0].rstrip() == "---":
+        front_matter_ends = next((n for n, line in enumerate(lines[1:], 2) if _FRONT_MATTER_END.match(line)), 0)
+    for number, line in enumerate(lines, start=1):
+        marker = _FENCE.match(line)
+        heading = None
+        if fence:
+            run = marker.group(1) if marker else ""
+            if run[:1] == fence[0] and len(run) >= len(fence) and not line[marker.end() if marker else 0 :].strip():
+                fence = ""
+        elif marker:
+            fence = marker.group(1)
+        elif number > front_matter_ends:
+            heading = _HEADING.match(line.rstrip("\n"))
         if heading:
             if "".join(current).strip():
                 yield list(path), "".join(current), (first, number - 1)
@@ -341,9 +365,9 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
                 object_type=document_type,
                 source_domain="markdown",
                 file_path=path,
-                content=truncate_utf8(text, max_content_bytes),
-                cut_from_bytes=cut_from(text, max_content_bytes),
-                lines=lines,
+                content=(kept := truncate_utf8(text, max_content_bytes)),
+                cut_from_bytes=(cut := cut_from(text, max_content_bytes)),
+                lines=lines_kept(lines, kept, cut is not None),
             )
         )
     return chunks

@@ -185,7 +185,7 @@ def test_markdown_is_split_by_heading_outside_code_fences() -> None:
 
 def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_front_matter() -> None:
     """An outside tester's: a ``` line inside a ```` fence closed it, the fence's `# ...` line became a section, and
-    so did a `# comment` of YAML front matter."""
+    so did a `# comment` of YAML front matter; a setext heading (`Title` over `=====`) was no heading at all."""
     source = textwrap.dedent(
         """\
         ---
@@ -205,6 +205,17 @@ def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_
         ~~~
         # in a tilde fence
         ~~~
+        Setext title
+        ============
+        - a list item
+        ---
+        Setext second
+        -------------
+        text
+
+        ---
+        after a thematic break
+        |---|---|
         """
     )
     chunks = chunk_markdown("f.md", source, 100_000)
@@ -213,7 +224,10 @@ def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_
         ("f.md > Real", (5, 11)),
         ("f.md > Real > After fences", (12, 12)),
         ("f.md > Real > After fences > Indented up to three spaces", (13, 17)),
+        ("f.md > Setext title", (18, 21)),
+        ("f.md > Setext title > Setext second", (22, 28)),
     ]
+    assert chunks[4].content.startswith("Setext title\n====")
 
 
 def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:

@@ -23,6 +23,8 @@ MAX_OBJECT_TYPE_CHARS = 512  # the contract's limit (contracts/documents.py Obje
 _HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _FRONT_MATTER_END = re.compile(r"^(---|\.\.\.)\s*$")
+_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)[ \t]*\r?\n?$")  # a setext heading's, under its title
+_NO_TITLE = re.compile(r"^\s*([-*+>|]|\d+[.)](\s|$)|$)")  # a list item, a quote, a table row, a blank line
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
@@ -326,9 +328,12 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
     front_matter_ends = 0
     if lines and lines[0].rstrip() == "---":
         front_matter_ends = next((n for n, line in enumerate(lines[1:], 2) if _FRONT_MATTER_END.match(line)), 0)
+    titled = False  # the line before is text a setext underline makes a heading of (`Title` over `=====`)
     for number, line in enumerate(lines, start=1):
         marker = _FENCE.match(line)
-        heading = None
+        heading: tuple[int, str] | None = None
+        taken = 0  # the lines before this one the heading takes: its title's, for a setext heading
+        under, titled = titled, False
         if fence:
             run = marker.group(1) if marker else ""
             if run[:1] == fence[0] and len(run) >= len(fence) and not line[marker.end() if marker else 0 :].strip():
@@ -336,13 +341,21 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
         elif marker:
             fence = marker.group(1)
         elif number > front_matter_ends:
-            heading = _HEADING.match(line.rstrip("\n"))
+            atx = _HEADING.match(line.rstrip("\n"))
+            underline = _UNDERLINE.match(line) if under and not atx else None
+            if atx:
+                heading = len(atx.group(1)), atx.group(2)
+            elif underline:
+                heading, taken = (1 if underline.group(1)[0] == "=" else 2, current[-1]), 1
+            else:
+                titled = not _NO_TITLE.match(line)
         if heading:
-            if "".join(current).strip():
-                yield list(path), "".join(current), (first, number - 1)
-            level, title = len(heading.group(1)), _shortened(heading.group(2).strip())
+            before = current[: len(current) - taken]
+            if "".join(before).strip():
+                yield list(path), "".join(before), (first, number - taken - 1)
+            level, title = heading[0], _shortened(heading[1].strip())
             path = [*path[: level - 1], *[""] * max(0, level - 1 - len(path)), title]
-            current, first = [line], number
+            current, first = [*current[len(before) :], line], number - taken
         else:
             current.append(line)
     if "".join(current).strip():

@@ -51,6 +51,14 @@ class DocumentReply(WireModel):
     )
     truncated: bool = Field(description="True when content stops before the end of the text.")
     ontology_version: str = Field(description="Version of the data the document was read from.")
+    slice_lines: list[int] | None = Field(
+        default=None,
+        min_length=2,
+        max_length=2,
+        description="The first and last line of the file that content spans (the last perhaps in part), when the "
+        "document states its lines (metadata startLine) and its text is the file's own (not a docstring's); "
+        "null otherwise, or for an empty slice.",
+    )
 
 
 class StatusRequest(StrictRequest):

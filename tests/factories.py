@@ -40,7 +40,7 @@ def document(
     token_vectors: TokenVectors | None = None,
     embedding_model: str | None = None,
     second_vector: SecondVector | None = None,
-    **metadata: str,
+    **metadata: object,
 ) -> SemanticDocument:
     return SemanticDocument.model_validate(
         {

@@ -1365,7 +1365,13 @@ def test_a_result_names_its_file_and_lines_where_an_agent_opens_it() -> None:
         ontology_version="7-00000000000000ab",
         metadata={"symbolFqn": "m.f", "filePath": "pkg/m.py", "startLine": 12, "endLine": 30},
     )  # fmt: skip
-    assert render(document, {"id": "d1"}).startswith("m.f (pkg/m.py:12-30) · id d1 · characters 0-1 of 1")
+    assert render(document, {"id": "d1"}).startswith("m.f (pkg/m.py:12-30) · id d1 · characters 0-1 of 1\n")
+    sliced = document.model_copy(
+        update={"offset": 400, "content_length": 900, "truncated": True, "slice_lines": [20, 21]}
+    )
+    assert render(sliced, {"id": "d1"}).startswith(
+        "m.f (pkg/m.py:12-30) · id d1 · characters 400-401 of 900 (more: ask with offset) · lines 20-21 of the file\n"
+    )
 
 
 def test_counts_in_the_text_an_agent_reads_are_written_as_a_person_would() -> None:

@@ -16,6 +16,7 @@ from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, Q
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse_reply
 from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S
+from ontofabric.services.query.lookup import slice_lines
 from ontofabric.services.query.requests import repeated_key
 from ontofabric.services.query.rerankers import build_reranker
 from ontofabric.services.query.worker import QueryService, parse_request
@@ -211,11 +212,23 @@ async def test_a_document_whole_or_in_slices(
     assert (past.error.code, [d.field for d in past.error.details]) == ("invalid_request", ["offset"])
 
 
+def test_a_slice_states_the_lines_of_the_file_it_spans() -> None:
+    text, where = "a\nbb\nc\nd\n", {"startLine": 10, "endLine": 13}
+    assert slice_lines(where, text, 0, len(text)) == [10, 13]
+    assert slice_lines(where, text, 2, 3) == [11, 11]  # "bb\n": a newline ends its line, opens none
+    assert slice_lines(where, text, 2, 4) == [11, 12]  # "bb\nc": the last in part
+    assert slice_lines({"startLine": 10, "endLine": 11}, text, 0, len(text)) == [10, 11]  # within what it states
+    assert slice_lines(where, text, len(text), 0) is None  # an empty slice
+    assert slice_lines({**where, "symbolKind": "docstring"}, text, 0, 3) is None  # cleaned text, not the file's
+    assert slice_lines({"startLine": "10"}, text, 0, 3) is None
+    assert slice_lines({}, text, 0, 3) is None
+
+
 async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
 ) -> None:
     text = "".join(f'line {i}: ünïcödé "quoted" text\n' for i in range(400))  # about 14,000 bytes of JSON
-    ack = await deployment.publisher.publish(upsert("acme", document("long", text)))
+    ack = await deployment.publisher.publish(upsert("acme", document("long", text, startLine=101, endLine=500)))
     await deployment.wait_projected(ack.seq)
     await start_query_worker(None, answer_max_tokens=1000)  # 4,000 bytes
     first = await client.document("acme", {"id": "long"})
@@ -223,6 +236,9 @@ async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     assert first.truncated is True
     assert text.startswith(first.content)
     assert first.content.endswith("\n")  # at a line's end
+    # Each slice says which lines of the file it spans (an outside tester's agent read a slice as the section's start).
+    shown = first.content.count("\n")
+    assert first.slice_lines == [101, 100 + shown]
     assert 3000 < len(json.dumps(first.content, ensure_ascii=False).encode()) <= 4000
     assert len(first.model_dump_json().encode()) <= 4000  # the whole reply: a tester's was over by its envelope
     # Left out of a query's answer, the text's length is said (a tester found it null).
@@ -232,6 +248,10 @@ async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     rest = await client.document("acme", {"id": "long", "offset": len(first.content), "maxChars": len(text)})
     assert isinstance(rest, DocumentReply), rest
     assert (first.content + rest.content, rest.truncated) == (text, False)
+    assert rest.slice_lines == [101 + shown, 500]
+    part = await client.document("acme", {"id": "long", "offset": len(first.content) + 3, "maxChars": 1})
+    assert isinstance(part, DocumentReply), part
+    assert part.slice_lines == [101 + shown, 101 + shown]  # a character inside a line: that line
 
 
 async def test_the_status_says_how_far_the_index_is_behind_its_stream(

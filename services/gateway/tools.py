@@ -167,7 +167,8 @@ TOOLS = (
         title="Read a document",
         description=(
             "One document by id, as ontology_query returns ids, whole or a slice of its content (offset, "
-            "maxChars): to read a hit returned without content, or the rest of a cut one."
+            "maxChars): to read a hit returned without content, or the rest of a cut one. A slice says which lines "
+            "of the file it spans (sliceLines)."
         ),
         operation="document",
         request=DocumentRequest,
@@ -519,6 +520,8 @@ def _render_document(reply: DocumentReply, branch: str) -> str:
     head = f"{reply.metadata.get('symbolFqn') or reply.object_type}" + (f" ({where})" if where else "")
     head += f" · id {reply.id} · characters {reply.offset}-{end}"
     head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
+    if reply.slice_lines is not None and (reply.offset > 0 or reply.truncated):  # a slice: where it is
+        head += f" · lines {reply.slice_lines[0]}-{reply.slice_lines[1]} of the file"
     if main_only(reply.ontology_version):  # an agent tester's misspelt branch read main's without a word
         head += (
             f"\nbranch {branch!r} has nothing of its own indexed: this is main's document (check the branch's name, "

@@ -4,6 +4,9 @@ from JetStream."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -39,6 +42,18 @@ class PositionUnavailable(Exception):
 
 MIN_DEFAULT_SLICE_BYTES = 1_000
 """The least of a document's text a slice without maxChars carries, however much its metadata takes."""
+
+
+def slice_lines(metadata: Mapping[str, Any], text: str, offset: int, length: int) -> list[int] | None:
+    """The file's lines ``text[offset : offset + length]`` spans, counted from the document's ``startLine``; None
+    when it states none, when its text is not the file's own (a docstring's is cleaned), or for an empty slice. An
+    outside tester's agent read a slice 100,000 characters into a section as starting at the section's first line."""
+    start, end = metadata.get("startLine"), metadata.get("endLine")
+    if type(start) is not int or start < 1 or metadata.get("symbolKind") == "docstring" or length <= 0:
+        return None
+    first = start + text.count("\n", 0, offset)
+    last = first + text.count("\n", offset, offset + length - 1)  # a final newline ends its line, opens none
+    return [first, min(last, end) if type(end) is int and end >= first else last]
 
 
 class Lookups:
@@ -83,7 +98,13 @@ class Lookups:
         else:  # what the rest of the reply leaves of the budget (a tester's reply was 530 bytes over it)
             envelope = len(reply.model_dump_json(by_alias=True).encode("utf-8")) - json_size("")
             content = cut_to(rest, max(MIN_DEFAULT_SLICE_BYTES, self._default_bytes - envelope))
-        return reply.model_copy(update={"content": content, "truncated": len(content) < len(rest)})
+        return reply.model_copy(
+            update={
+                "content": content,
+                "truncated": len(content) < len(rest),
+                "slice_lines": slice_lines(document.metadata, document.content, request.offset, len(content)),
+            }
+        )
 
     async def status(self, workspace: str, request: StatusRequest) -> StatusReply:
         branches = [MAIN_BRANCH] if request.branch == MAIN_BRANCH else [MAIN_BRANCH, request.branch]

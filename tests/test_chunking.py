@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ontofabric.services.ingest.chunking import (
+    MAX_HEADING_CHARS,
     MAX_SYMBOL_CHARS,
     bounded_symbol,
     chunk_markdown,
@@ -230,6 +231,21 @@ def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_
     assert chunks[4].content.startswith("Setext title\n====")
 
 
+def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_read_at_once() -> None:
+    source = "# C#\ntext\n## Setup ##\nmore\n#\n- item\n---\n**Bold** title\n---\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_markdown("h.md", source, 100_000)] == [
+        ("h.md > C#", (1, 2)),
+        ("h.md > C# > Setup", (3, 7)),  # a lone # is no section; `---` under a list item no heading
+        ("h.md > C# > **Bold** title", (8, 9)),
+    ]
+    # A review's: the heading expression backtracked over spaces, 46 s for 4,000 of them (hours for these).
+    (long,) = chunk_markdown("l.md", "# a" + " " * 20_000 + "b\n", 100_000)
+    assert long.symbol_fqn == "l.md > a" + " " * (MAX_HEADING_CHARS - 2) + "…"
+    # A fence's marker inside YAML front matter opens no fence.
+    front = "---\nx: |\n  ```\n---\n# A\ntext\n# B\n"
+    assert [c.symbol_fqn for c in chunk_markdown("f.md", front, 100_000)] == ["f.md", "f.md > A", "f.md > B"]
+
+
 def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:
     """An outside tester's: a 4,000-line function said lines 4-4006 of a text that stopped at line 3545."""
     source = "x = 1\n\n\ndef f():\n" + "".join(f"    v{i} = {i}  # filler line {i}\n" for i in range(3000))
@@ -240,6 +256,10 @@ def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() ->
     assert last == first + function.content.count("\n")  # the last of them in part
     assert source.split("\n")[last - 1].startswith(function.content.rsplit("\n", 1)[1])
     assert chunk_python("empty.py", "", 1000)[0].lines is None  # an empty file has no line to state
+    # A docstring's text is cleaned, not the file's lines: cut, it keeps its literal's.
+    docstring = 'def g():\n    """\n' + "".join(f"    line {i} of the docstring\n" for i in range(100)) + '    """\n'
+    (doc,) = [c for c in chunk_python("d.py", docstring, 200) if c.symbol_kind == "docstring"]
+    assert (doc.cut_from_bytes is not None, doc.lines) == (True, (2, 103))
 
 
 def test_names() -> None:

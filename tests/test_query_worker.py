@@ -222,6 +222,7 @@ def test_a_slice_states_the_lines_of_the_file_it_spans() -> None:
     assert slice_lines({**where, "symbolKind": "docstring"}, text, 0, 3) is None  # cleaned text, not the file's
     assert slice_lines({"startLine": "10"}, text, 0, 3) is None
     assert slice_lines({}, text, 0, 3) is None
+    assert slice_lines({"startLine": 1}, "a\rb\r\nc\r", 5, 2) == [3, 3]  # line ends counted as the ingester counts
 
 
 async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(

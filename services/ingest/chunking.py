@@ -20,11 +20,11 @@ ChunkLevel = Literal["file", "type", "method", "doc"]
 
 _OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
 MAX_OBJECT_TYPE_CHARS = 512  # the contract's limit (contracts/documents.py ObjectType)
-_HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_HEADING = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*))?$")  # its closing #s taken off apart (_heading_title)
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _FRONT_MATTER_END = re.compile(r"^(---|\.\.\.)\s*$")
 _UNDERLINE = re.compile(r"^ {0,3}(=+|-+)[ \t]*\r?\n?$")  # a setext heading's, under its title
-_NO_TITLE = re.compile(r"^\s*([-*+>|]|\d+[.)](\s|$)|$)")  # a list item, a quote, a table row, a blank line
+_NO_TITLE = re.compile(r"^\s*([-*+](\s|$)|[>|]|\d+[.)](\s|$)|$)")  # a list item, quote, table row, blank line
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
@@ -187,7 +187,8 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
             file_path=path,
             content=kept,
             cut_from_bytes=cut,
-            lines=lines_kept(span, kept, cut is not None),
+            # A docstring's text is cleaned (its first line dropped, indents taken off): its literal's lines stand.
+            lines=lines_kept(span, kept, cut is not None and kind != "docstring"),
         )
 
     lines = file_lines(source)  # an empty file has none to state
@@ -312,6 +313,14 @@ MAX_HEADING_CHARS = 120
 longer than PostgreSQL's index takes, and its section was dead-lettered (``apply_failed``)."""
 
 
+def _heading_title(written: str | None) -> str:
+    """An ATX heading's title without its closing #s (`## Title ##`), which count only after a space. Apart from the
+    regular expression: one that took them off too backtracked for minutes over a line of spaces."""
+    title = (written or "").strip()
+    bare = title.rstrip("#")
+    return bare.rstrip() if bare == "" or bare[-1] in " \t" else title
+
+
 def _shortened(title: str) -> str:
     return title if len(title) <= MAX_HEADING_CHARS else title[: MAX_HEADING_CHARS - 1] + "…"
 
@@ -334,21 +343,24 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
         heading: tuple[int, str] | None = None
         taken = 0  # the lines before this one the heading takes: its title's, for a setext heading
         under, titled = titled, False
-        if fence:
+        if number <= front_matter_ends:
+            pass
+        elif fence:
             run = marker.group(1) if marker else ""
             if run[:1] == fence[0] and len(run) >= len(fence) and not line[marker.end() if marker else 0 :].strip():
                 fence = ""
         elif marker:
             fence = marker.group(1)
-        elif number > front_matter_ends:
-            atx = _HEADING.match(line.rstrip("\n"))
+        else:
+            atx = _HEADING.match(line.rstrip("\r\n"))
+            title = _heading_title(atx.group(2)) if atx else ""  # a heading without one is no section of its own
             underline = _UNDERLINE.match(line) if under and not atx else None
-            if atx:
-                heading = len(atx.group(1)), atx.group(2)
+            if atx and title:
+                heading = len(atx.group(1)), title
             elif underline:
                 heading, taken = (1 if underline.group(1)[0] == "=" else 2, current[-1]), 1
             else:
-                titled = not _NO_TITLE.match(line)
+                titled = not atx and not _NO_TITLE.match(line)
         if heading:
             before = current[: len(current) - taken]
             if "".join(before).strip():

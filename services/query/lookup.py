@@ -4,6 +4,7 @@ from JetStream."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from ontofabric.contracts import (
     StatusRequest,
     overlay_version,
 )
+from ontofabric.contracts.documents import MAX_LINE
 from ontofabric.shared.subjects import Names, encode_token
 
 from .budget import cut_to, json_size
@@ -44,6 +46,10 @@ MIN_DEFAULT_SLICE_BYTES = 1_000
 """The least of a document's text a slice without maxChars carries, however much its metadata takes."""
 
 
+_LINE_END = re.compile(r"\r\n|\r|\n")
+"""A line's end, as the ingester counts lines (``chunking.file_lines``)."""
+
+
 def slice_lines(metadata: Mapping[str, Any], text: str, offset: int, length: int) -> list[int] | None:
     """The file's lines ``text[offset : offset + length]`` spans, counted from the document's ``startLine``; None
     when it states none, when its text is not the file's own (a docstring's is cleaned), or for an empty slice. An
@@ -51,8 +57,8 @@ def slice_lines(metadata: Mapping[str, Any], text: str, offset: int, length: int
     start, end = metadata.get("startLine"), metadata.get("endLine")
     if type(start) is not int or start < 1 or metadata.get("symbolKind") == "docstring" or length <= 0:
         return None
-    first = start + text.count("\n", 0, offset)
-    last = first + text.count("\n", offset, offset + length - 1)  # a final newline ends its line, opens none
+    first = start + len(_LINE_END.findall(text, 0, offset))
+    last = first + len(_LINE_END.findall(text, offset, offset + length - 1))  # a final end ends its line, opens none
     return [first, min(last, end) if type(end) is int and end >= first else last]
 
 
@@ -92,6 +98,7 @@ class Lookups:
             content_length=len(document.content),
             truncated=False,
             ontology_version=fetched.version,
+            slice_lines=[MAX_LINE, MAX_LINE],  # its largest, measured in the envelope below; set after
         )
         if request.max_chars:
             content = rest[: request.max_chars]

@@ -336,7 +336,8 @@ def render(reply: BaseModel, arguments: dict[str, Any] | None = None, contents: 
 
 def shorter_texts(reply: BaseModel, arguments: dict[str, Any]) -> list[str]:
     """What :func:`fitted_text` may send of a query's answer when its whole text does not fit: without contents,
-    then each result's symbol and id alone. None without results: the whole text is the notes, cut as they are."""
+    then each result's symbol, place and id alone. None without results: the whole text is the notes, cut as they
+    are."""
     if not isinstance(reply, QueryResponse) or not reply.results:
         return []
     ids = [_result_line(r, briefly=True) for r in reply.results]

@@ -36,6 +36,7 @@ from typer.core import TyperOption
 
 from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorReply, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
+from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.shared.db import DeploymentMismatch, migrate
 from ontofabric.shared.embedder import ModelMissing, build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -583,6 +584,18 @@ def query(
     object_type: Annotated[str | None, typer.Option(help="Only this objectType.")] = None,
     chunk_level: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(CHUNK_LEVELS)}.")] = None,
     provenance: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(PROVENANCES)}.")] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=MIN_MAX_TOKENS,
+            max=MAX_TOKENS_LIMIT,
+            help="The reply's budget in estimated tokens (default: the worker's, 8,000): results past it are "
+            "dropped and said so in _meta.budget.",
+        ),
+    ] = None,
+    content: Annotated[
+        bool, typer.Option(help="With each result's text; --no-content for ids, scores and metadata alone.")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON reply.")] = False,
     data_dir: DataDir = None,
 ) -> None:
@@ -592,7 +605,8 @@ def query(
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
     nats_url = _nats_url(settings, "client")
     request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
-    for key, value in (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance)):
+    asked = (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance))
+    for key, value in (*asked, ("maxTokens", max_tokens), ("includeContent", None if content else False)):
         if value is not None:
             request[key] = value
 

@@ -314,6 +314,16 @@ def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
         outputs += [short.stdout, short.stderr]
         short_meta = json.loads(short.stdout)["_meta"]
         assert (short_meta["skippedRerank"], short_meta["degraded"]) == ("bm25_saturation", ["embedder"])
+        # The reply's budget and contents as the contract names them (a tester could not raise the budget here).
+        bare = subprocess.run(
+            [ONTOFABRIC, "query", "circle area radius", "--workspace", "geo", "--json", "--max-tokens", "20000",
+             "--no-content"], env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert bare.returncode == 0, bare.stderr
+        bare_reply = json.loads(bare.stdout)
+        assert bare_reply["_meta"]["budget"]["maxTokens"] == 20000
+        assert bare_reply["results"]
+        assert all(r["content"] is None for r in bare_reply["results"])
         unknown = subprocess.run(
             [ONTOFABRIC, "query", "circle", "--workspace", "goe"], env={**env, "COLUMNS": "200"}, capture_output=True,
             text=True, timeout=60, check=False,

@@ -244,6 +244,13 @@ def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_re
     # A fence's marker inside YAML front matter opens no fence.
     front = "---\nx: |\n  ```\n---\n# A\ntext\n# B\n"
     assert [c.symbol_fqn for c in chunk_markdown("f.md", front, 100_000)] == ["f.md", "f.md > A", "f.md > B"]
+    # A setext title of several lines is all of them, as CommonMark reads it: its last line alone was the title,
+    # and the others stayed in the section above.
+    several = "# A\ntext\n\nA title written\nover two lines\n---\nbody\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_markdown("s.md", several, 100_000)] == [
+        ("s.md > A", (1, 3)),
+        ("s.md > A > A title written over two lines", (4, 7)),
+    ]
 
 
 def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:

@@ -25,6 +25,7 @@ _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _FRONT_MATTER_END = re.compile(r"^(---|\.\.\.)\s*$")
 _UNDERLINE = re.compile(r"^ {0,3}(=+|-+)[ \t]*\r?\n?$")  # a setext heading's, under its title
 _NO_TITLE = re.compile(r"^\s*([-*+](\s|$)|[>|]|\d+[.)](\s|$)|$)")  # a list item, quote, table row, blank line
+_BREAK = re.compile(r"^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")  # a thematic break (`---`, `* * *`): no title either
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
@@ -337,12 +338,14 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
     front_matter_ends = 0
     if lines and lines[0].rstrip() == "---":
         front_matter_ends = next((n for n, line in enumerate(lines[1:], 2) if _FRONT_MATTER_END.match(line)), 0)
-    titled = False  # the line before is text a setext underline makes a heading of (`Title` over `=====`)
+    # How many lines just before this one are a paragraph a setext underline makes a heading of (`Title` over
+    # `=====`): all of them are its title, as CommonMark reads it (the last alone was, and the rest stayed above).
+    paragraph = 0
     for number, line in enumerate(lines, start=1):
         marker = _FENCE.match(line)
         heading: tuple[int, str] | None = None
         taken = 0  # the lines before this one the heading takes: its title's, for a setext heading
-        under, titled = titled, False
+        under, paragraph = paragraph, 0
         if number <= front_matter_ends:
             pass
         elif fence:
@@ -358,9 +361,10 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
             if atx and title:
                 heading = len(atx.group(1)), title
             elif underline:
-                heading, taken = (1 if underline.group(1)[0] == "=" else 2, current[-1]), 1
-            else:
-                titled = not atx and not _NO_TITLE.match(line)
+                title = " ".join(written.strip() for written in current[-under:])
+                heading, taken = (1 if underline.group(1)[0] == "=" else 2, title), under
+            elif not atx and not _NO_TITLE.match(line) and not _BREAK.match(line.rstrip("\r\n")):
+                paragraph = under + 1
         if heading:
             before = current[: len(current) - taken]
             if "".join(before).strip():

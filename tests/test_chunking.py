@@ -251,6 +251,9 @@ def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_re
         ("s.md > A", (1, 3)),
         ("s.md > A > A title written over two lines", (4, 7)),
     ]
+    # "```js```" is inline code, no fence: the heading after it was read as the fence's text.
+    inline = "# A\n```js``` is inline code here\n# B\n~~~ a ~ tilde fence's info may hold ~\n# in it\n~~~\n"
+    assert [c.symbol_fqn for c in chunk_markdown("i.md", inline, 100_000)] == ["i.md > A", "i.md > B"]
 
 
 def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:

@@ -352,8 +352,8 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
             run = marker.group(1) if marker else ""
             if run[:1] == fence[0] and len(run) >= len(fence) and not line[marker.end() if marker else 0 :].strip():
                 fence = ""
-        elif marker:
-            fence = marker.group(1)
+        elif marker and not (marker.group(1)[0] == "`" and "`" in line[marker.end() :]):
+            fence = marker.group(1)  # a backtick fence's info string holds no backtick: "```js```" is inline code
         else:
             atx = _HEADING.match(line.rstrip("\r\n"))
             title = _heading_title(atx.group(2)) if atx else ""  # a heading without one is no section of its own

@@ -254,6 +254,17 @@ def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_re
     # "```js```" is inline code, no fence: the heading after it was read as the fence's text.
     inline = "# A\n```js``` is inline code here\n# B\n~~~ a ~ tilde fence's info may hold ~\n# in it\n~~~\n"
     assert [c.symbol_fqn for c in chunk_markdown("i.md", inline, 100_000)] == ["i.md > A", "i.md > B"]
+    # An outside tester's: a `# TODO` in an HTML comment became a section, and every section below it nested in it.
+    # Nor are headings read in <pre>, <script> or the like up to their closing tag, or in a <div> up to a blank line.
+    html = "# A\n<!--\n# TODO\n-->\n## Install\n<div>\n# in a div\n</div>\n\n# B\n<!-- one line -->\n# C\n"
+    html += "<pre>\n# in pre\n\n# still in pre\n</pre>\n# D\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_markdown("h.md", html, 100_000)] == [
+        ("h.md > A", (1, 4)),
+        ("h.md > A > Install", (5, 9)),
+        ("h.md > B", (10, 11)),
+        ("h.md > C", (12, 17)),
+        ("h.md > D", (18, 18)),
+    ]
 
 
 def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:

@@ -25,6 +25,23 @@ _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _FRONT_MATTER_END = re.compile(r"^(---|\.\.\.)\s*$")
 _UNDERLINE = re.compile(r"^ {0,3}(=+|-+)[ \t]*\r?\n?$")  # a setext heading's, under its title
 _NO_TITLE = re.compile(r"^\s*([-*+](\s|$)|[>|]|\d+[.)](\s|$)|$)")  # a list item, quote, table row, blank line
+# HTML blocks that hold no headings (CommonMark's kinds 1, 2 and 6): each with the end that closes it; None is a
+# blank line. A `# TODO` in a comment was read as a heading, and every section below it as nested in it.
+_HTML_BLOCKS: tuple[tuple[re.Pattern[str], re.Pattern[str] | None], ...] = (
+    (
+        re.compile(r"^ {0,3}<(script|pre|style|textarea)(\s|>|$)", re.I),
+        re.compile(r"</(script|pre|style|textarea)>", re.I),
+    ),
+    (re.compile(r"^ {0,3}<!--"), re.compile(r"-->")),
+    (
+        re.compile(
+            r"^ {0,3}</?(address|article|aside|blockquote|details|dialog|div|dl|fieldset|figcaption|figure|footer|form"
+            r"|h[1-6]|header|hr|li|main|nav|ol|p|section|summary|table|tbody|td|tfoot|th|thead|tr|ul)(\s|/?>|$)",
+            re.I,
+        ),
+        None,
+    ),
+)
 _BREAK = re.compile(r"^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")  # a thematic break (`---`, `* * *`): no title either
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
@@ -326,6 +343,15 @@ def _shortened(title: str) -> str:
     return title if len(title) <= MAX_HEADING_CHARS else title[: MAX_HEADING_CHARS - 1] + "…"
 
 
+def _html_block(line: str) -> tuple[re.Pattern[str] | None] | None:
+    """The end of the HTML block ``line`` opens and does not close itself (``(None,)``: a blank line), or None."""
+    for start, end in _HTML_BLOCKS:
+        opened = start.match(line)
+        if opened:
+            return None if end is not None and end.search(line, opened.end()) else (end,)
+    return None
+
+
 def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int, int]]]:
     """(heading path, section text, its first and last line) for each heading, and for text before the first
     heading."""
@@ -341,6 +367,7 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
     # How many lines just before this one are a paragraph a setext underline makes a heading of (`Title` over
     # `=====`): all of them are its title, as CommonMark reads it (the last alone was, and the rest stayed above).
     paragraph = 0
+    html: tuple[re.Pattern[str] | None] | None = None  # the open HTML block's end (None in it: a blank line)
     for number, line in enumerate(lines, start=1):
         marker = _FENCE.match(line)
         heading: tuple[int, str] | None = None
@@ -352,8 +379,14 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
             run = marker.group(1) if marker else ""
             if run[:1] == fence[0] and len(run) >= len(fence) and not line[marker.end() if marker else 0 :].strip():
                 fence = ""
+        elif html is not None:
+            (end,) = html
+            if end.search(line) if end is not None else not line.strip():
+                html = None
         elif marker and not (marker.group(1)[0] == "`" and "`" in line[marker.end() :]):
             fence = marker.group(1)  # a backtick fence's info string holds no backtick: "```js```" is inline code
+        elif opened := _html_block(line):
+            html = opened
         else:
             atx = _HEADING.match(line.rstrip("\r\n"))
             title = _heading_title(atx.group(2)) if atx else ""  # a heading without one is no section of its own

@@ -244,7 +244,11 @@ class DocumentMetadata(WireModel):
         "an index key).",
     )
     content_hash: Text | None = Field(default=None, description="sha256 of the content, hex.")
-    file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
+    file_path: Text | None = Field(
+        default=None,
+        description="Source path relative to the ingested root. On a branch, a document of a file hides main's "
+        "documents of that file: a producer sends every document of a file a branch changes.",
+    )
     start_line: int | None = Field(
         default=None,
         strict=True,  # a line number, not true or "12"

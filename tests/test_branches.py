@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from ontofabric.contracts import (
     QueryResponse,
 )
 from ontofabric.services.ingest.client import envelope
+from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
@@ -236,3 +238,43 @@ async def test_a_failing_expansion_degrades_and_results_still_return() -> None:
     assert reply.results
     narrowed = await pipeline.answer(OntologyQuery(semantic_query="anything", object_type="t.T"), "w")
     assert narrowed.meta.degraded == ["objectTypeNarrowing"]
+
+
+async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes_that_file_later(
+    deployment: Deployment, worker: QueryClient, tmp_path: Path
+) -> None:
+    """An outside tester's: the branch held only the chunks it changed, so the others of that file came from main
+    as main was later. After main added lines at the top, the branch's unchanged function stated main's lines;
+    main's new function showed on the branch; main deleting the file took the branch's unchanged function too."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.py").write_text("def alpha():\n    return 1\n\n\ndef beta():\n    return 2\n")
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+
+    async def ingested(branch: str = "main") -> None:
+        result = await ingester.ingest(tree, "acme", branch)
+        if result.last_sequence is not None:
+            await deployment.wait_projected(result.last_sequence)
+
+    async def places(branch: str) -> dict[str, tuple[object, object]]:
+        reply = await _ask(worker, "alpha beta delta", branch=branch, chunkLevel="method")
+        return {
+            r.metadata["symbolFqn"]: (r.metadata.get("startLine"), r.metadata.get("endLine")) for r in reply.results
+        }
+
+    await ingested()
+    (tree / "a.py").write_text("def alpha():\n    return 1\n\n\ndef beta():\n    return 22\n")
+    await ingested("feat")
+    # The branch holds all of a.py, though alpha is as main has it: 3 documents, not 2.
+    rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE branch = 'feat' AND NOT deleted")
+    assert rows[0]["n"] == 3
+    (tree / "a.py").write_text("# one\n# two\n\ndef alpha():\n    return 1\n\n\ndef beta():\n    return 2\n\n\n"
+                               "def delta():\n    return 4\n")  # fmt: skip
+    await ingested()
+    assert await places("main") == {"a.alpha": (4, 5), "a.beta": (8, 9), "a.delta": (12, 13)}
+    assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}  # the branch's a.py, none of main's
+    (tree / "a.py").unlink()
+    (tree / "other.py").write_text("X = 1\n")
+    await ingested()
+    assert await places("main") == {}
+    assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}

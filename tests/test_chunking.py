@@ -339,6 +339,18 @@ def test_branch_plan_holds_only_the_delta_over_main() -> None:
     assert (third.upserts, third.deletes, third.reverts) == ([], [], [])
 
 
+def test_a_branch_that_changes_a_file_holds_every_document_of_it() -> None:
+    """So that main's later changes to the file (lines moved, documents added, the file deleted) do not show
+    through on the branch: a query there reads main's documents of the file as hidden (an outside tester's)."""
+    main = Manifest({"d:mod": "1", "d:f": "1", "d:g": "1", "d:other": "1"})
+    files = {"d:mod": "a.py", "d:f": "a.py", "d:g": "a.py", "d:other": "b.py", "d:new": "c.py"}
+    plan = plan_ingest({"d:mod": "2", "d:f": "1", "d:g": "2", "d:other": "1"}, Manifest(), main, files)
+    assert (plan.upserts, plan.deletes) == (["d:f", "d:g", "d:mod"], [])  # f as main has it, and not b.py's
+    # Back as main has it: the whole file reverts, and main's shows through again.
+    back = plan_ingest(main.entries, plan.manifest, main, files)
+    assert (back.upserts, back.reverts, back.manifest.entries) == ([], ["d:f", "d:g", "d:mod"], {})
+
+
 def test_a_plan_made_with_part_of_the_tree_unread_takes_nothing_out_and_sends_only_new_text() -> None:
     """A review's: with a file unread, an unchanged file's calls and a class's bases (read from the whole tree)
     came out otherwise and were sent, and on a branch a key unknown on both sides was reverted."""

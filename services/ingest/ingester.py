@@ -476,12 +476,24 @@ def without_removals(plan: IngestPlan, previous: Manifest) -> IngestPlan:
     return replace(plan, deletes=[], reverts=[], manifest=Manifest(entries, plan.manifest.exclude))
 
 
-def plan_ingest(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> IngestPlan:
+def plan_ingest(
+    desired: Mapping[str, str],
+    previous: Manifest,
+    main: Manifest | None = None,
+    files: Mapping[str, str | None] | None = None,
+) -> IngestPlan:
     """What to publish so the branch holds ``desired`` (key -> hash): on main everything that changed; on a
-    branch (``main`` given) only what differs from main, as overrides, tombstones and reverts."""
+    branch (``main`` given) what differs from main, as overrides, tombstones and reverts, and with a document that
+    differs every other document of its file (``files``: each document key's file). A query on the branch reads
+    main's documents of such a file as hidden (services/query/postgres.py, ``_shadowed_ids``): its chunks that
+    matched main's at this ingest showed main's later changes, lines included, and went with main's deletion of
+    the file (an outside tester's)."""
     base = main.entries if main is not None else {}
     target = {k: h for k, h in desired.items() if base.get(k) != h}
     if main is not None:
+        owned = {files.get(k) for k in target if files is not None} - {None}
+        if owned and files is not None:
+            target.update({k: h for k, h in desired.items() if files.get(k) in owned})
         target.update({k: TOMBSTONE for k in base if k not in desired})
     upserts = sorted(k for k, h in target.items() if h != TOMBSTONE and previous.entries.get(k) != h)
     tombstones = sorted(k for k, h in target.items() if h == TOMBSTONE and previous.entries.get(k) != TOMBSTONE)
@@ -724,10 +736,12 @@ class Ingester:
         previous = _manifest_of(loaded)
         patterns_changed = previous.exclude is not None and previous.exclude != patterns
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
+        files = {f"d:{i}": c.file_path for i, c in chunks.items()}
         if unread:  # a directory not listed was left out, and its documents deleted (an ingest tester's)
-            plan = without_removals(plan_ingest(as_far_as_read(desired, previous, main), previous, main), previous)
+            read = as_far_as_read(desired, previous, main)
+            plan = without_removals(plan_ingest(read, previous, main, files), previous)
         else:
-            plan = plan_ingest(desired, previous, main)
+            plan = plan_ingest(desired, previous, main, files)
         # On a branch, what goes is main's documents hidden (deletes) and the branch's own taken back (reverts).
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:

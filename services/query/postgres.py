@@ -828,20 +828,27 @@ class PostgresDocuments:
 
 
 async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:
-    """Main's ids the branch hides: its rows' ids, and main's rows with the symbol key of one of its rows."""
+    """Main's ids the branch hides: its rows' ids, main's rows with the symbol key of one of its rows, and main's
+    rows of a file the branch holds a document of (the reference ingester sends every document of a file a branch
+    changes: ``plan_ingest``), so that main's later changes to that file (moved lines, new chunks, the file
+    deleted) do not show through on the branch."""
     rows = await conn.fetch(
-        "SELECT id, symbol_key FROM documents WHERE workspace = $1 AND branch = $2 AND NOT transparent",
+        "SELECT id, symbol_key, file_path, deleted FROM documents"
+        " WHERE workspace = $1 AND branch = $2 AND NOT transparent",
         workspace,
         branch,
     )
     ids = [r["id"] for r in rows]
     keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
+    files = sorted({r["file_path"] for r in rows if r["file_path"] is not None and not r["deleted"]})
     found = await conn.fetch(
         f"SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[]) UNION"
-        f" SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])",
+        f" SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])"
+        f" UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND file_path = ANY($4::text[])",
         workspace,
         ids,
         keys,
+        files,
     )
     return sorted(r["id"] for r in found)
 

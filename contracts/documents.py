@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic.config import JsonDict
 
-from ._base import WireModel
+from ._base import JsonWalk, WireModel
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
 CHUNK_LEVELS: tuple[ChunkLevel, ...] = ("file", "type", "method", "doc")
@@ -299,17 +299,12 @@ class DocumentMetadata(WireModel):
     def _storable(self) -> DocumentMetadata:
         """Free keys are stored as they are, as jsonb, which holds neither NUL nor NaN: checked like declared ones;
         the whole within MAX_METADATA_BYTES as stored."""
-        pending: list[tuple[str, object]] = list((self.model_extra or {}).items())
-        while pending:
-            path, value = pending.pop()  # the path holds the keys: a NUL in a key shows there
-            if "\x00" in path or (isinstance(value, str) and "\x00" in value):
-                raise ValueError(f"metadata {path!r}: text must not contain NUL characters")
+        walk = JsonWalk(list((self.model_extra or {}).items()))
+        for place, value in walk:
+            if "\x00" in str(walk.step(place)) or (isinstance(value, str) and "\x00" in value):
+                raise ValueError(f"metadata {walk.place(place, brackets=True)!r}: text must not contain NUL characters")
             if isinstance(value, float) and not math.isfinite(value):  # stored as JSON, it would become null
-                raise ValueError(f"metadata {path!r}: numbers must be finite")
-            if isinstance(value, dict):
-                pending += [(f"{path}.{key}", item) for key, item in value.items()]
-            elif isinstance(value, list):
-                pending += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+                raise ValueError(f"metadata {walk.place(place, brackets=True)!r}: numbers must be finite")
         stored = stored_json_bytes(self.model_dump(mode="json", exclude_none=True), MAX_METADATA_BYTES)
         if stored > MAX_METADATA_BYTES:
             raise ValueError(

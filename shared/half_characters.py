@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 
+from ontofabric.contracts._base import JsonWalk
+
 HALF_CHARACTER = "not valid Unicode: half of a character (a lone surrogate)"
 """What is wrong with such a field, as every part that refuses one says it."""
 
@@ -49,13 +51,13 @@ def not_utf8(body: bytes) -> tuple[object, str] | None:
 
 
 def _field_holding_surrogate(found: object) -> str | None:
-    waiting: list[tuple[str, object]] = [("", found)]
-    while waiting:
-        path, value = waiting.pop()
+    if isinstance(found, dict):
+        walk = JsonWalk(list(found.items()))
+    elif isinstance(found, list):
+        walk = JsonWalk(list(enumerate(found)))
+    else:
+        return None
+    for place, value in walk:
         if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
-            return path or None
-        if isinstance(value, dict):
-            waiting += [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
-        elif isinstance(value, list):
-            waiting += [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
+            return walk.place(place, brackets=False)
     return None

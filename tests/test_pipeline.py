@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import tracemalloc
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -977,3 +978,19 @@ def test_a_fusion_parameter_the_deployment_s_method_ignores_is_named() -> None:
     assert unused_fusion_parameter(asked({"rrfK": 5}), "adaptive") is None  # its fall-back to rrf reads it
     assert unused_fusion_parameter(asked({"method": "convex", "denseWeight": 0.9}), "adaptive") is None
     assert unused_fusion_parameter(OntologyQuery(semantic_query="q"), "adaptive") is None
+
+
+def test_a_name_of_many_dots_costs_collapsing_little() -> None:
+    """An audit's: every dotted prefix of a stored name was made, so a symbolFqn of 60,000 dots took 1.8 GB and
+    3 s of every query that found its document. Such a name is read as no symbol; a deep real one keeps its
+    outermost prefixes."""
+    dots = _chunk("dots", "m" + "." * 60_000, "method")
+    deep = _chunk("deep", ".".join(f"p{i}" for i in range(100)), "method")
+    holder = _chunk("holder", ".".join(f"p{i}" for i in range(10)), "type")
+    documents = {d.id: d for d in (dots, deep, holder)}
+    tracemalloc.start()
+    kept, left_out = collapse_nested([Fused(i, 1.0, 1.0) for i in ("dots", "holder", "deep")], documents)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 5_000_000, peak
+    assert ([k.id for k in kept], left_out) == (["dots", "holder"], [("deep", "holder")])

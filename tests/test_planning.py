@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -374,3 +375,19 @@ def test_a_validated_delta_carries_its_bytes_for_the_mark() -> None:
     delta = validate_delta(data, subject, 7, LIMITS)
     assert isinstance(delta, Delta)
     assert delta.stored == (subject, data)  # a batch's last is marked by delta_mark(subject, data)
+
+
+def test_a_long_key_over_a_long_list_costs_validation_little() -> None:
+    """An audit's: every item's place was made as text before the size check, copying the key into each, and a
+    delta of 240 KB (a key of 80,000 characters over a list of 80,000 items) took over 3 GB. It is refused for its
+    size, having cost about what it weighs."""
+    delta = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
+    delta["payload"]["document"]["metadata"]["k" * 40_000] = [0] * 40_000
+    data, subject = _raw(json.dumps(delta))
+    tracemalloc.start()
+    rejected = validate_delta(data, subject, 1, LIMITS)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert isinstance(rejected, Rejection)
+    assert "metadata is over" in rejected.detail
+    assert peak < 50_000_000, peak

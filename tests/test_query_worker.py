@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from functools import partial
 from urllib.parse import urlsplit
 
@@ -23,6 +24,7 @@ from ontofabric.services.query.worker import QueryService, parse_request
 from ontofabric.shared import db
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.half_characters import not_utf8, surrogate_field
 from ontofabric.shared.runtime import free_port
 
 from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
@@ -870,3 +872,21 @@ async def test_a_starting_worker_waits_while_every_slot_is_taken_and_not_for_a_w
         with pytest.raises((asyncpg.ClientConfigurationError, OSError)) as raised:
             await asyncio.wait_for(db.once_the_database_serves(unusable, partial(asyncpg.connect, unusable)), 10)
         assert not isinstance(raised.value, TimeoutError), unusable  # raised, not waited on until cut
+
+
+def test_a_long_key_over_a_long_list_costs_naming_a_field_little() -> None:
+    """An audit's: the place of every value was made as text to find the one to name, copying a long key into
+    each of its many items: a request within the 64 KiB limit took 0.23 s and 490 MB, a gateway's larger body
+    gigabytes. Half a character, a byte that is no UTF-8, and a key given twice are named at about what the
+    body weighs."""
+    items = b"[" + b",".join([b"0"] * 15_000) + b"]"
+    key = b"k" * 30_000
+    half = b'{"semanticQuery": "\\ud800", "' + key + b'": ' + items + b"}"
+    stray = b'{"semanticQuery": "\xff", "' + key + b'": ' + items + b"}"
+    twice = b'{"a": 1, "a": 2, "' + key + b'": ' + items + b"}"
+    tracemalloc.start()
+    named = (surrogate_field(half), not_utf8(stray), repeated_key(twice))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (named[0], named[1] and named[1][1], named[2]) == ("semanticQuery", "semanticQuery", "a")
+    assert peak < 20_000_000, peak

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, QueryError
+from ontofabric.contracts._base import JsonWalk
 from ontofabric.contracts.query import ErrorDetail, clipped, validation_details
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 
@@ -60,7 +61,7 @@ def repeated_key(body: bytes) -> str | None:
 
     try:
         parsed = json.loads(body, object_pairs_hook=checked)
-        return _path_of_repeat(parsed, "") if repeats else None
+        return _path_of_repeat(parsed) if repeats else None
     except (ValueError, RecursionError):  # what the contract's parser accepted, this one need not: left to it
         return None
 
@@ -73,12 +74,12 @@ class _Repeats(dict[str, Any]):
         self.repeated = repeated
 
 
-def _path_of_repeat(value: Any, path: str) -> str | None:
-    if isinstance(value, _Repeats):
-        return f"{path}.{value.repeated}" if path else value.repeated
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _path_of_repeat(item, f"{path}.{key}" if path else str(key))  # as validation_details names places
-        if found is not None:
-            return found
+def _path_of_repeat(value: Any) -> str | None:
+    """The place of the first object that held a key twice, in document order, the outer first (as
+    validation_details names places). Built only for it: one made for every value copied a long key into each of
+    its many items (an audit's)."""
+    walk = JsonWalk([("", value)])
+    for place, item in walk:
+        if isinstance(item, _Repeats):
+            return ".".join(part for part in (walk.place(place, brackets=False), item.repeated) if part)
     return None

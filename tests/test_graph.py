@@ -436,6 +436,21 @@ def test_a_file_nested_deeper_than_the_parser_goes_is_not_read_and_stops_nothing
     assert [c.chunk_level for c in chunk_python("deep.py", source, 1 << 20)] == ["file"]
 
 
+def test_a_long_dotted_name_is_read_and_stops_nothing() -> None:
+    """An audit's: a base or a call written as a chain of 2,000 names (a file of 4 KB, which the parser reads)
+    stopped the whole ingest with a RecursionError."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    chain = ".".join(["a"] * 2000)
+    base = {"pkg/__init__.py": "", "pkg/m.py": f"import a\n\n\nclass C({chain}):\n    pass\n\n\n{chain}()\n"}
+    nodes, _ = python_graph(base)
+    (interfaces,) = [n.interfaces for n in nodes if n.name == "C"]
+    assert len(interfaces) == 1  # the chain, as far as an object type's name goes
+    assert interfaces[0].startswith("a.a.a.")
+    assert python_calls(base) == {}
+    assert len(chunk_sources(Path("."), base, 1 << 20)) == 3  # the file, the class, and the package's file
+
+
 def test_a_package_publishes_what_its_init_imports_from_the_tree_under_its_own_name() -> None:
     """A tester's: click.Option (re-exported by click/__init__.py) found nothing: the class is click.core.Option."""
     from ontofabric.services.ingest.graph import python_exports

@@ -313,14 +313,14 @@ def at_level(body: list[ast.stmt]) -> list[ast.stmt]:
     defines there is its own, where a function's body is not. The ``if``, ``try`` and ``with`` themselves are
     left out."""
     flat: list[ast.stmt] = []
-    pending = list(body)
+    pending = body[::-1]  # the next on top: taking from the front made a module of 300,000 lines take seconds
     while pending:
-        statement = pending.pop(0)
+        statement = pending.pop()
         if isinstance(statement, ast.If | ast.With | ast.AsyncWith):
-            pending[:0] = [*statement.body, *getattr(statement, "orelse", [])]
+            pending += [*statement.body, *getattr(statement, "orelse", [])][::-1]
         elif isinstance(statement, ast.Try | ast.TryStar):
             handlers = [line for handler in statement.handlers for line in handler.body]
-            pending[:0] = [*statement.body, *handlers, *statement.orelse, *statement.finalbody]
+            pending += [*statement.body, *handlers, *statement.orelse, *statement.finalbody][::-1]
         else:
             flat.append(statement)
     return flat

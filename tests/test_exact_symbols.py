@@ -60,6 +60,14 @@ from .conftest import Deployment, Start
         ("Re\u0301sume\u0301.ｆｕｌｌ", "Résumé.full"),
         ("｀Retrying：：__call__（）｀", "Retrying.__call__"),  # as Chinese and Japanese keyboards write them
         ("²x", None),
+        # With the kind of symbol it names (an outside tester's `class retry_base` got the docstring first).
+        ("class retry_base", "retry_base"),
+        ("def `wraps()`", "wraps"),
+        ("the Retrying class", "Retrying"),
+        ("async def fetch", "fetch"),
+        ("module tenacity.wait", "tenacity.wait"),
+        ("class loader for plugins", None),
+        ("the class", None),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
@@ -294,6 +302,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
 
     circle = await _ask(client, "Circle")
     assert _names(circle)[0] == "shapes.circle.Circle (type)"
+    assert _names(await _ask(client, "class Circle"))[0] == "shapes.circle.Circle (type)"  # with its kind
     assert circle.results[0].score == 1.0
     assert circle.meta.exact_symbol_matches == 1
     assert SYMBOL in {f.retriever for f in circle.results[0].found_by}
@@ -301,7 +310,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert not circle.meta.degraded
 
     # Qualified, partly qualified, or written as other languages write members: the method.
-    for text in ("shapes.circle.Circle.area", "Circle.area", "Circle::area", "`Circle.area()`"):
+    for text in ("shapes.circle.Circle.area", "Circle.area", "Circle::area", "`Circle.area()`", "def Circle.area"):
         assert _names(await _ask(client, text))[0] == "shapes.circle.Circle.area (method)", text
     # By the name its package publishes it under: without the private module; re-exported from a public one (a
     # tester's click.Option for click.core.Option).

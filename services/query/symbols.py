@@ -82,6 +82,12 @@ RELATION_ASKED = {found_by: relation for relation, found_by in ASKED_RELATIONS.i
 """What chunks placed first for a relation go by -> the relation in relatedTo's words (``_meta.relation``)."""
 
 MAX_IDENTIFIER_CHARS = 300
+_KIND_WORD = r"(?:class|def|async\s+def|function|method|module|package|interface|constant)"
+_KINDED = re.compile(
+    rf"(?:the\s+)?{_KIND_WORD}\s+(?P<before>\S+)|(?:the\s+)?(?P<after>\S+)\s+{_KIND_WORD}", re.IGNORECASE
+)
+"""A name with the kind of symbol it names, before or after it (an outside tester's ``class retry_base`` found the
+class's docstring first, and its code not in the top 3)."""
 _SEPARATOR = re.compile(r"::|#")
 _CJK = re.compile(f"[{CHINESE_AND_JAPANESE}\uac00-\ud7af]")  # and Korean
 
@@ -91,6 +97,10 @@ def identifier_of(text: str) -> str | None:
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
     backticks or with a call's ``()``. None for any other text: words around a name make it a question, not a name."""
     text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
+    kinded = _KINDED.fullmatch(text.strip())  # `class retry_base`, `def wraps`: the kind is no question
+    named = kinded and (kinded.group("before") or kinded.group("after"))
+    if named and not re.fullmatch(rf"the|{_KIND_WORD}", named, re.IGNORECASE):
+        text = named
     name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
     return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
 

@@ -249,6 +249,7 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "a.py").write_text("def alpha():\n    return 1\n\n\ndef beta():\n    return 2\n")
+    (tree / "gone.py").write_text("def gamma():\n    return 3\n")
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
 
     async def ingested(branch: str = "main") -> None:
@@ -257,24 +258,29 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
             await deployment.wait_projected(result.last_sequence)
 
     async def places(branch: str) -> dict[str, tuple[object, object]]:
-        reply = await _ask(worker, "alpha beta delta", branch=branch, chunkLevel="method")
+        reply = await _ask(worker, "return", branch=branch, chunkLevel="method")
         return {
             r.metadata["symbolFqn"]: (r.metadata.get("startLine"), r.metadata.get("endLine")) for r in reply.results
         }
 
     await ingested()
     (tree / "a.py").write_text("def alpha():\n    return 1\n\n\ndef beta():\n    return 22\n")
+    (tree / "gone.py").unlink()
     await ingested("feat")
+    (tree / "gone.py").write_text("def gamma():\n    return 3\n\n\ndef delta_gone():\n    return 5\n")
     # The branch holds all of a.py, though alpha is as main has it: 3 documents, not 2.
     rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE branch = 'feat' AND NOT deleted")
     assert rows[0]["n"] == 3
     (tree / "a.py").write_text("# one\n# two\n\ndef alpha():\n    return 1\n\n\ndef beta():\n    return 2\n\n\n"
                                "def delta():\n    return 4\n")  # fmt: skip
     await ingested()
-    assert await places("main") == {"a.alpha": (4, 5), "a.beta": (8, 9), "a.delta": (12, 13)}
-    assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}  # the branch's a.py, none of main's
+    assert await places("main") == {
+        "a.alpha": (4, 5), "a.beta": (8, 9), "a.delta": (12, 13), "gone.gamma": (1, 2), "gone.delta_gone": (5, 6),
+    }  # fmt: skip
+    # The branch's a.py, none of main's; and nothing of gone.py, which it deleted, though main added to it.
+    assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
     (tree / "a.py").unlink()
     (tree / "other.py").write_text("X = 1\n")
     await ingested()
-    assert await places("main") == {}
+    assert await places("main") == {"gone.gamma": (1, 2), "gone.delta_gone": (5, 6)}
     assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}

@@ -841,14 +841,23 @@ async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[s
     ids = [r["id"] for r in rows]
     keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
     files = sorted({r["file_path"] for r in rows if r["file_path"] is not None and not r["deleted"]})
+    # A file the branch deleted: its module's chunk (one per Python file) tombstoned. Main's chunks of it, those
+    # main adds later too, are hidden.
+    tombstones = [r["id"] for r in rows if r["deleted"]]
     found = await conn.fetch(
-        f"SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[]) UNION"
-        f" SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])"
-        f" UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND file_path = ANY($4::text[])",
+        f"""
+        WITH deleted_files AS (
+            SELECT file_path FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($5::text[])
+            AND symbol_kind = 'module' AND file_path IS NOT NULL)
+        SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[])
+        UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])
+        UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL}
+            AND (file_path = ANY($4::text[]) OR file_path IN (SELECT file_path FROM deleted_files))""",
         workspace,
         ids,
         keys,
         files,
+        tombstones,
     )
     return sorted(r["id"] for r in found)
 

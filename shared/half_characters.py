@@ -59,5 +59,5 @@ def _field_holding_surrogate(found: object) -> str | None:
         return None
     for place, value in walk:
         if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
-            return walk.place(place, brackets=False)
+            return walk.place(place, brackets=False) or None  # a key's "": none to name
     return None

@@ -265,6 +265,14 @@ def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_re
         ("h.md > C", (12, 17)),
         ("h.md > D", (18, 18)),
     ]
+    # A block that closes on its own line ends there too, and is no part of a setext title below it (a review's
+    # changelog: "<!-- auto-changelog-above --> 1.2.4 / 2021-08-05").
+    closed = "# A\n<!-- auto -->\n1.2.4\n-----\n<pre>x</pre>\nTitle\n-----\n"
+    assert [c.symbol_fqn for c in chunk_markdown("c.md", closed, 100_000)] == [
+        "c.md > A",
+        "c.md > A > 1.2.4",
+        "c.md > A > Title",
+    ]
 
 
 def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() -> None:

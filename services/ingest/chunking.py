@@ -343,6 +343,9 @@ def _shortened(title: str) -> str:
     return title if len(title) <= MAX_HEADING_CHARS else title[: MAX_HEADING_CHARS - 1] + "…"
 
 
+_HTML_START = re.compile("|".join(start.pattern for start, _ in _HTML_BLOCKS), re.IGNORECASE)
+
+
 def _html_block(line: str) -> tuple[re.Pattern[str] | None] | None:
     """The end of the HTML block ``line`` opens and does not close itself (``(None,)``: a blank line), or None."""
     for start, end in _HTML_BLOCKS:
@@ -385,8 +388,8 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
                 html = None
         elif marker and not (marker.group(1)[0] == "`" and "`" in line[marker.end() :]):
             fence = marker.group(1)  # a backtick fence's info string holds no backtick: "```js```" is inline code
-        elif opened := _html_block(line):
-            html = opened
+        elif _HTML_START.match(line):
+            html = _html_block(line)  # None when it closes on its own line; either way no text of a title
         else:
             atx = _HEADING.match(line.rstrip("\r\n"))
             title = _heading_title(atx.group(2)) if atx else ""  # a heading without one is no section of its own

@@ -68,6 +68,14 @@ from .conftest import Deployment, Start
         ("module tenacity.wait", "tenacity.wait"),
         ("class loader for plugins", None),
         ("the class", None),
+        # Words that read as words, not a name with its kind (a review's).
+        ("package manager", None),
+        ("base class", None),
+        ("class inheritance", None),
+        ("module loading", None),
+        ("function composition", None),
+        ("async def", None),
+        ("class Manager", "Manager"),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:

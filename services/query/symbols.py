@@ -82,12 +82,15 @@ RELATION_ASKED = {found_by: relation for relation, found_by in ASKED_RELATIONS.i
 """What chunks placed first for a relation go by -> the relation in relatedTo's words (``_meta.relation``)."""
 
 MAX_IDENTIFIER_CHARS = 300
-_KIND_WORD = r"(?:class|def|async\s+def|function|method|module|package|interface|constant)"
 _KINDED = re.compile(
-    rf"(?:the\s+)?{_KIND_WORD}\s+(?P<before>\S+)|(?:the\s+)?(?P<after>\S+)\s+{_KIND_WORD}", re.IGNORECASE
+    r"(?:the\s+)?(?P<kind>class|def|async\s+def|function|method|module|package|interface|constant)\s+(?P<before>\S+)"
+    r"|(?:the\s+)?(?P<after>\S+)\s+(?P<after_kind>class|function|method|module|package|interface|constant)",
+    re.IGNORECASE,
 )
 """A name with the kind of symbol it names, before or after it (an outside tester's ``class retry_base`` found the
-class's docstring first, and its code not in the top 3)."""
+class's docstring first, and its code not in the top 3). Taken as a name only where it reads as one, not as
+words (:func:`_named_with_kind`)."""
+
 _SEPARATOR = re.compile(r"::|#")
 _CJK = re.compile(f"[{CHINESE_AND_JAPANESE}\uac00-\ud7af]")  # and Korean
 
@@ -97,12 +100,27 @@ def identifier_of(text: str) -> str | None:
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
     backticks or with a call's ``()``. None for any other text: words around a name make it a question, not a name."""
     text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
-    kinded = _KINDED.fullmatch(text.strip())  # `class retry_base`, `def wraps`: the kind is no question
-    named = kinded and (kinded.group("before") or kinded.group("after"))
-    if named and not re.fullmatch(rf"the|{_KIND_WORD}", named, re.IGNORECASE):
-        text = named
+    text = _named_with_kind(text) or text
     name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
     return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
+
+
+def _named_with_kind(text: str) -> str | None:
+    """The name in ``class retry_base``, ``def wraps``, ``module tenacity.wait`` or ``the Retrying class``; None
+    where the words read as words (a review's ``package manager``, ``base class``, ``class inheritance``): after
+    ``def`` any name, after or before ``class`` a code-shaped or capitalised one, with the other kinds a code-shaped
+    one."""
+    kinded = _KINDED.fullmatch(text.strip())
+    if kinded is None:
+        return None
+    name = kinded.group("before") or kinded.group("after")
+    kind = " ".join((kinded.group("kind") or kinded.group("after_kind")).lower().split())
+    bare = name.strip("`").removesuffix("()")
+    if kind in ("def", "async def") and kinded.group("before"):
+        return name
+    if code_shaped(bare) or (kind == "class" and bare[:1].isupper()):
+        return name
+    return None
 
 
 def code_shaped(name: str) -> bool:

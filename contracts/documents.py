@@ -244,10 +244,14 @@ class DocumentMetadata(WireModel):
         "an index key).",
     )
     content_hash: Text | None = Field(default=None, description="sha256 of the content, hex.")
-    file_path: Text | None = Field(
+    file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
+    whole_file: bool | None = Field(
         default=None,
-        description="Source path relative to the ingested root. On a branch, a document of a file hides main's "
-        "documents of that file: a producer sends every document of a file a branch changes.",
+        strict=True,
+        description="On a branch: its producer sends every document of its file (filePath) that the branch holds, "
+        "as the reference ingester does for each file a branch changes; a query on the branch then hides main's "
+        "documents of that file, so main's later changes to it (lines moved, documents added, the file deleted) "
+        "do not show through. Without it, a branch document hides main's of its id or symbolKey only.",
     )
     start_line: int | None = Field(
         default=None,

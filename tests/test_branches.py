@@ -284,3 +284,22 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
     await ingested()
     assert await places("main") == {"gone.gamma": (1, 2), "gone.delta_gone": (5, 6)}
     assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
+
+
+async def test_a_branch_document_hides_mains_of_its_file_only_when_its_producer_says_it_holds_the_whole_file(
+    deployment: Deployment, worker: QueryClient
+) -> None:
+    """A review's: hiding by file for every branch document took main's other chunks of the file away from a
+    producer that sends only the chunks it changes, and from branches ingested before the mark existed."""
+    await _publish(
+        deployment,
+        [upsert("acme", document(name, f"parse the {name} record", filePath="f.py")) for name in ("one", "two")],
+    )
+    changed = document("one", "parse the one record again", filePath="f.py")
+    await _publish(deployment, [upsert("acme", changed, branch="partial")])
+    partial = await _ask(worker, "parse record", branch="partial")
+    assert sorted(r.id for r in partial.results) == ["one", "two"]  # two is main's, shown through
+    whole = document("one", "parse the one record again", filePath="f.py", wholeFile=True)
+    await _publish(deployment, [upsert("acme", whole, branch="whole")])
+    held = await _ask(worker, "parse record", branch="whole")
+    assert [r.id for r in held.results] == ["one"]  # the branch's f.py has no two

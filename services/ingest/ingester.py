@@ -573,7 +573,10 @@ class SecondVectors:
         return [SecondVector.of_half(self.model, pack_half(row)) for row in self.vectors]
 
 
-def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: str | None) -> SemanticDocument:
+def to_document(
+    chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: str | None, whole_file: bool = False
+) -> SemanticDocument:
+    """``whole_file``: on a branch, which sends every chunk of each file it changes (``plan_ingest``)."""
     return SemanticDocument(
         id=chunk.document_id,
         content=chunk.content,
@@ -592,6 +595,7 @@ def to_document(chunk: Chunk, embedded: ChunkEmbedding | None, embedding_model: 
             calls=list(chunk.calls) or None,
             defines=list(carried_defines(chunk.defines)) or None,
             aliases=list(chunk.aliases) or None,
+            whole_file=whole_file or None,
         ),
         embedding=embedded.vector if embedded is not None else None,
         embedding_model=embedding_model if embedded is not None else None,
@@ -766,7 +770,8 @@ class Ingester:
             return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))
 
         keyed = {
-            key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model)) for key in plan.upserts
+            key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model, main is not None))
+            for key in plan.upserts
         }
         keyed |= {key: delta(key, "deleted", _removal(key, revert=False)) for key in plan.deletes}
         keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
@@ -854,10 +859,11 @@ def _upsert(
     links: Mapping[str, GraphLink],
     vectors: Mapping[str, ChunkEmbedding | None],
     model: str | None,
+    on_branch: bool,
 ) -> DeltaPayload:
     kind, name = key[0], key[2:]
     if kind == "d":
-        return DocumentUpserted(document=to_document(chunks[name], vectors[name], model))
+        return DocumentUpserted(document=to_document(chunks[name], vectors[name], model, whole_file=on_branch))
     if kind == "n":
         node = nodes[name]
         return NodeUpserted(

@@ -103,7 +103,7 @@ def where_clause(
 class Snapshot:
     """One consistent read: its connection (in a read-only repeatable-read transaction), the ontologyVersion it
     sees, and main's document ids the branch hides in it (same id, or same symbol key, as a non-transparent row
-    of the branch; none on main)."""
+    of the branch, or of a file the branch holds whole or deleted: ``_shadowed_ids``; none on main)."""
 
     conn: Connection
     version: str
@@ -829,18 +829,21 @@ class PostgresDocuments:
 
 async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:
     """Main's ids the branch hides: its rows' ids, main's rows with the symbol key of one of its rows, and main's
-    rows of a file the branch holds a document of (the reference ingester sends every document of a file a branch
-    changes: ``plan_ingest``), so that main's later changes to that file (moved lines, new chunks, the file
-    deleted) do not show through on the branch."""
+    rows of a file the branch holds a document of marked ``wholeFile`` (the reference ingester sends every
+    document of a file a branch changes: ``plan_ingest``) or deleted the module of, so that main's later changes
+    to that file (moved lines, new chunks, the file deleted) do not show through on the branch. Documents
+    without the mark (another producer's, or sent before it existed) hide by id and symbol key only."""
     rows = await conn.fetch(
-        "SELECT id, symbol_key, file_path, deleted FROM documents"
+        "SELECT id, symbol_key, file_path, deleted, metadata @> '{\"wholeFile\": true}' AS whole_file FROM documents"
         " WHERE workspace = $1 AND branch = $2 AND NOT transparent",
         workspace,
         branch,
     )
     ids = [r["id"] for r in rows]
     keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
-    files = sorted({r["file_path"] for r in rows if r["file_path"] is not None and not r["deleted"]})
+    files = sorted(
+        {r["file_path"] for r in rows if r["file_path"] is not None and r["whole_file"] and not r["deleted"]}
+    )
     # A file the branch deleted: its module's chunk (one per Python file) tombstoned. Main's chunks of it, those
     # main adds later too, are hidden.
     tombstones = [r["id"] for r in rows if r["deleted"]]

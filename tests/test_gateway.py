@@ -546,6 +546,13 @@ async def test_half_a_character_over_http_is_an_error_naming_the_field(
         refused = (await http.post(url, content=listing)).json()
         assert (refused["id"], refused["error"]["code"]) == (9, -32602)
         assert refused["error"]["message"].startswith("params.cursor: not valid Unicode")
+        # A long key is named as far as a detail goes (a verifier's 32,000-character key came back whole).
+        long_key = (
+            b'{"jsonrpc": "2.0", "id": 10, "method": "tools/list", "params": {"' + b"k" * 32_000 + b'": "\\ud83d"}}'
+        )
+        named = (await http.post(url, content=long_key)).json()["error"]["message"]
+        assert named.startswith("params.kkk")
+        assert len(named) < 1000
         for odd in ("null", "1.5", "true", "{}", "[1]"):
             body = f'{{"jsonrpc": "2.0", "id": {odd}, "method": "tools/list"}}'.encode()
             answer = await http.post(url, content=body)

@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
+from ontofabric.contracts.query import clipped
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
 from ontofabric.services.query.requests import read_request
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
@@ -730,10 +731,10 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     assert field is not None
     if parsed.get("method") == "tools/call" and field.startswith(_TOOL_ARGUMENTS):
         argument = field.removeprefix(_TOOL_ARGUMENTS)
-        text = f"error invalid_request: the arguments are not text\n- {argument}: {HALF_CHARACTER}"
+        text = f"error invalid_request: the arguments are not text\n- {clipped(argument)}: {HALF_CHARACTER}"
         result = tool_error(text).model_dump(mode="json", by_alias=True, exclude_none=True)
         return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "result": result}
-    error = {"code": types.INVALID_PARAMS, "message": f"{field}: {HALF_CHARACTER}"}
+    error = {"code": types.INVALID_PARAMS, "message": f"{clipped(field)}: {HALF_CHARACTER}"}
     return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "error": error}
 
 

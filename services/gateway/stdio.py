@@ -25,6 +25,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from ontofabric.contracts.query import clipped
 from ontofabric.shared.half_characters import NOT_UTF8, not_utf8
 from ontofabric.shared.logging import get_logger
 
@@ -122,7 +123,7 @@ def not_utf8_error(body: bytes) -> types.JSONRPCError | None:
         return None
     message, field = found
     code = types.INVALID_PARAMS if field.startswith("params.") else types.INVALID_REQUEST
-    error = types.ErrorData(code=code, message=f"{field or 'a key'}: {NOT_UTF8}")
+    error = types.ErrorData(code=code, message=f"{clipped(field) if field else 'a key'}: {NOT_UTF8}")
     return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(message), error=error)
 
 

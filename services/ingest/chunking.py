@@ -343,15 +343,13 @@ def _shortened(title: str) -> str:
     return title if len(title) <= MAX_HEADING_CHARS else title[: MAX_HEADING_CHARS - 1] + "…"
 
 
-_HTML_START = re.compile("|".join(start.pattern for start, _ in _HTML_BLOCKS), re.IGNORECASE)
-
-
-def _html_block(line: str) -> tuple[re.Pattern[str] | None] | None:
-    """The end of the HTML block ``line`` opens and does not close itself (``(None,)``: a blank line), or None."""
+def _html_block(line: str) -> tuple[re.Pattern[str] | None, bool] | None:
+    """For a line that starts an HTML block: the end that closes it (None: a blank line), and whether the line
+    closes it itself; None for any other line."""
     for start, end in _HTML_BLOCKS:
         opened = start.match(line)
         if opened:
-            return None if end is not None and end.search(line, opened.end()) else (end,)
+            return end, end is not None and end.search(line, opened.end()) is not None
     return None
 
 
@@ -370,7 +368,7 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
     # How many lines just before this one are a paragraph a setext underline makes a heading of (`Title` over
     # `=====`): all of them are its title, as CommonMark reads it (the last alone was, and the rest stayed above).
     paragraph = 0
-    html: tuple[re.Pattern[str] | None] | None = None  # the open HTML block's end (None in it: a blank line)
+    html: tuple[re.Pattern[str] | None, bool] | None = None  # the open HTML block (_html_block), if any
     for number, line in enumerate(lines, start=1):
         marker = _FENCE.match(line)
         heading: tuple[int, str] | None = None
@@ -383,13 +381,13 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
             if run[:1] == fence[0] and len(run) >= len(fence) and not line[marker.end() if marker else 0 :].strip():
                 fence = ""
         elif html is not None:
-            (end,) = html
+            end = html[0]
             if end.search(line) if end is not None else not line.strip():
                 html = None
         elif marker and not (marker.group(1)[0] == "`" and "`" in line[marker.end() :]):
             fence = marker.group(1)  # a backtick fence's info string holds no backtick: "```js```" is inline code
-        elif _HTML_START.match(line):
-            html = _html_block(line)  # None when it closes on its own line; either way no text of a title
+        elif (started := _html_block(line)) is not None:
+            html = None if started[1] else started  # closed on its own line or not, no text of a title
         else:
             atx = _HEADING.match(line.rstrip("\r\n"))
             title = _heading_title(atx.group(2)) if atx else ""  # a heading without one is no section of its own

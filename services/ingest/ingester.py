@@ -491,8 +491,8 @@ def plan_ingest(
     base = main.entries if main is not None else {}
     target = {k: h for k, h in desired.items() if base.get(k) != h}
     if main is not None:
-        owned = {files.get(k) for k in target if files is not None} - {None}
-        if owned and files is not None:
+        if files is not None:
+            owned = {files[k] for k in target if files.get(k) is not None}
             target.update({k: h for k, h in desired.items() if files.get(k) in owned})
         target.update({k: TOMBSTONE for k in base if k not in desired})
     upserts = sorted(k for k, h in target.items() if h != TOMBSTONE and previous.entries.get(k) != h)

@@ -114,6 +114,12 @@ class DocumentUpserted(Payload):
 class DocumentDeleted(Payload):
     type: Literal["document.deleted"] = "document.deleted"
     document_id: DocumentId
+    deleted_file: Text | None = Field(
+        default=None,
+        description="On a branch: the document's file (its filePath), which the branch deleted whole; a query on the "
+        "branch then hides main's documents of that file, those main adds later too. Without it, a branch tombstone "
+        "hides main's document of its id only. Ignored on main.",
+    )
 
     entity: ClassVar[EntityKind] = "document"
     effect: ClassVar[Effect] = "removed"

@@ -19,7 +19,7 @@ from ontofabric.contracts import (
     QueryResponse,
 )
 from ontofabric.services.ingest.client import envelope
-from ontofabric.services.ingest.ingester import Ingester
+from ontofabric.services.ingest.ingester import Ingester, Manifest
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
@@ -284,6 +284,58 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
     await ingested()
     assert await places("main") == {"gone.gamma": (1, 2), "gone.delta_gone": (5, 6)}
     assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
+
+
+async def test_a_branch_that_took_a_section_out_of_a_file_or_deleted_it_keeps_mains_later_changes_out(
+    deployment: Deployment, worker: QueryClient, tmp_path: Path
+) -> None:
+    """Note 77's: a file the branch changed only by taking its last section out was not held whole, and a
+    Markdown file it deleted had no module whose tombstone said so: main's later sections showed on the branch."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    guide = "# Guide\n\nguide steps\n\n## Install\n\ninstall steps\n\n## Remove\n\nremove steps\n"
+    (tree / "guide.md").write_text(guide)
+    (tree / "notes.md").write_text("# Notes\n\nnote steps\n")
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+
+    async def ingested(branch: str = "main") -> None:
+        result = await ingester.ingest(tree, "acme", branch)
+        if result.last_sequence is not None:
+            await deployment.wait_projected(result.last_sequence)
+
+    async def sections(branch: str) -> dict[str, object]:
+        reply = await _ask(worker, "steps", branch=branch)
+        return {r.metadata["symbolFqn"]: r.metadata.get("startLine") for r in reply.results}
+
+    await ingested()
+    # Main's manifest as an earlier release saved it, without the documents' files: an ingest that sends nothing
+    # records them, so that the branch can tell which files it changed.
+    loaded = await ingester._manifests.load("acme", "main")
+    recorded = Manifest.from_json(loaded.data or b"")
+    await ingester._manifests.save("acme", "main", Manifest(recorded.entries, recorded.exclude).to_json(), loaded)
+    assert (await ingester.load_manifest("acme", "main")).files == {}
+    await ingested()
+    assert (await ingester.load_manifest("acme", "main")).files == recorded.files != {}
+    (tree / "guide.md").write_text(guide.split("## Remove")[0])
+    (tree / "notes.md").unlink()
+    await ingested("feat")
+    (tree / "guide.md").write_text("# Guide\n\nintro\n\nguide steps\n\n## Install\n\ninstall steps\n\n## Remove\n\n"
+                                   "remove steps\n\n## Upgrade\n\nupgrade steps\n")  # fmt: skip
+    (tree / "notes.md").write_text("# Notes\n\nnote steps\n\n## More\n\nmore steps\n")
+    await ingested()
+    assert await sections("main") == {
+        "guide.md > Guide": 1, "guide.md > Guide > Install": 7, "guide.md > Guide > Remove": 11,
+        "guide.md > Guide > Upgrade": 15, "notes.md > Notes": 1, "notes.md > Notes > More": 5,
+    }  # fmt: skip
+    assert await sections("feat") == {"guide.md > Guide": 1, "guide.md > Guide > Install": 5}
+    # The branch takes notes.md back, changed: its own, and main's section it never had is hidden no more
+    # than any other of main's documents of a file the branch holds.
+    (tree / "notes.md").write_text("# Notes\n\nnote steps, the branch's\n")
+    (tree / "guide.md").write_text(guide.split("## Remove")[0])
+    await ingested("feat")
+    assert await sections("feat") == {
+        "guide.md > Guide": 1, "guide.md > Guide > Install": 5, "notes.md > Notes": 1,
+    }  # fmt: skip
 
 
 async def test_a_branch_document_hides_mains_of_its_file_only_when_its_producer_says_it_holds_the_whole_file(

@@ -359,6 +359,30 @@ def test_a_branch_that_changes_a_file_holds_every_document_of_it() -> None:
     assert (back.upserts, back.reverts, back.manifest.entries) == ([], ["d:f", "d:g", "d:mod"], {})
 
 
+def test_a_branch_that_only_takes_documents_out_of_a_file_or_deletes_it_says_so() -> None:
+    """Note 77's: a file a branch changed only by losing a document (its last section, a cut tail) was not held
+    whole, and a Markdown file it deleted had no module to say so; main's later changes showed through on it."""
+    main_files = {"d:intro": "a.md", "d:usage": "a.md", "d:last": "a.md", "d:top": "b.md", "d:end": "b.md"}
+    main = Manifest(dict.fromkeys(main_files, "1"), files=main_files)
+    files = {"d:intro": "a.md", "d:usage": "a.md"}  # a.md lost its last section; b.md is gone
+    plan = plan_ingest({"d:intro": "1", "d:usage": "1"}, Manifest(), main, files)
+    assert (plan.upserts, plan.deletes) == (["d:intro", "d:usage"], ["d:end", "d:last", "d:top"])
+    assert plan.deleted_files == {"d:end": "b.md", "d:top": "b.md"}
+    saved = Manifest.from_json(plan.manifest.to_json())
+    assert saved.files == {"d:intro": "a.md", "d:usage": "a.md", "d:end": "b.md", "d:top": "b.md"}
+    assert plan_ingest({"d:intro": "1", "d:usage": "1"}, saved, main, files).deletes == []  # said once
+    # Tombstones sent before files were recorded name no file: they go again, naming it.
+    before = Manifest({**saved.entries})
+    assert plan_ingest({"d:intro": "1", "d:usage": "1"}, before, main, files).deletes == ["d:end", "d:top"]
+    # b.md back on the branch, changed: its tombstones no longer say the file is deleted.
+    files_back = {**files, "d:top": "b.md"}
+    back = plan_ingest({"d:intro": "1", "d:usage": "1", "d:top": "2"}, saved, main, files_back)
+    assert (back.upserts, back.deletes, back.deleted_files) == (["d:top"], ["d:end"], {})
+    # Main's manifest saved before files were recorded: as before, a tombstone of the key only.
+    unrecorded = plan_ingest({"d:intro": "1", "d:usage": "1"}, Manifest(), Manifest(main.entries), files)
+    assert (unrecorded.upserts, unrecorded.deleted_files) == ([], {})
+
+
 def test_a_plan_made_with_part_of_the_tree_unread_takes_nothing_out_and_sends_only_new_text() -> None:
     """A review's: with a file unread, an unchanged file's calls and a class's bases (read from the whole tree)
     came out otherwise and were sent, and on a branch a key unknown on both sides was reverted."""

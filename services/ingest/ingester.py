@@ -400,6 +400,10 @@ class Manifest:
     exclude: tuple[str, ...] | None = None
     """The ``--exclude`` patterns of the ingest that saved it (normalised), so the next can say when they differ;
     None where they were not recorded (no manifest, or one saved before they were)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Document key -> its file, for the keys of ``entries`` whose file is known: what tells a branch which file
+    it changed when it only removes a document (a file's last section), or deletes a whole file, of main's.
+    Empty in a manifest saved before it was recorded."""
 
     @property
     def unknown(self) -> int:
@@ -413,6 +417,12 @@ class Manifest:
         document: dict[str, object] = {"version": 2, "entries": self.entries}
         if self.exclude is not None:  # an earlier release ignores the key (and drops it if it saves)
             document["exclude"] = list(self.exclude)
+        keys_by_file: dict[str, list[str]] = {}  # each path once, not once a key
+        for key, path in self.files.items():
+            if key in self.entries:
+                keys_by_file.setdefault(path, []).append(key)
+        if keys_by_file:  # likewise ignored by an earlier release
+            document["files"] = {path: sorted(keys) for path, keys in keys_by_file.items()}
         return json.dumps(document, sort_keys=True).encode()
 
     def merged_with(self, other: Manifest) -> Manifest:
@@ -420,7 +430,7 @@ class Manifest:
         is known; any other key is UNKNOWN, so the next ingest sends it again or removes it."""
         mine, theirs = self.entries, other.entries
         merged = {k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()}
-        return Manifest(merged, self.exclude)
+        return Manifest(merged, self.exclude, {**other.files, **self.files})
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -429,7 +439,8 @@ class Manifest:
         if stored.get("version", 1) == 1:  # version 1 knew only documents and keyed them by bare id
             entries = {f"d:{key}": value for key, value in entries.items()}
         recorded = stored.get("exclude")
-        return cls(entries, None if recorded is None else tuple(recorded))
+        files = {key: path for path, keys in stored.get("files", {}).items() for key in keys}
+        return cls(entries, None if recorded is None else tuple(recorded), files)
 
 
 def _manifest_of(stored: StoredManifest) -> Manifest:
@@ -446,6 +457,8 @@ class IngestPlan:
     unchanged: int
     manifest: Manifest
     """The manifest once this plan is published."""
+    deleted_files: dict[str, str] = field(default_factory=dict)
+    """On a branch: each of ``deletes`` of a file the branch deleted whole, with that file (its delta says so)."""
 
 
 def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> dict[str, str]:
@@ -467,13 +480,17 @@ def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifes
 def without_removals(plan: IngestPlan, previous: Manifest) -> IngestPlan:
     """``plan`` with nothing taken out of the branch (no delete, tombstone or revert), its manifest keeping what
     the branch held of those keys, so that the next ingest that reads the whole tree removes what is gone."""
-    entries = dict(plan.manifest.entries)
+    entries, files = dict(plan.manifest.entries), dict(plan.manifest.files)
     for key in [*plan.deletes, *plan.reverts]:
+        files.pop(key, None)
         if key in previous.entries:
             entries[key] = previous.entries[key]
+            if key in previous.files:
+                files[key] = previous.files[key]
         else:  # a tombstone it would have added
             entries.pop(key, None)
-    return replace(plan, deletes=[], reverts=[], manifest=Manifest(entries, plan.manifest.exclude))
+    manifest = Manifest(entries, plan.manifest.exclude, files)
+    return replace(plan, deletes=[], reverts=[], manifest=manifest, deleted_files={})
 
 
 def plan_ingest(
@@ -484,23 +501,40 @@ def plan_ingest(
 ) -> IngestPlan:
     """What to publish so the branch holds ``desired`` (key -> hash): on main everything that changed; on a
     branch (``main`` given) what differs from main, as overrides, tombstones and reverts, and with a document that
-    differs every other document of its file (``files``: each document key's file). A query on the branch reads
-    main's documents of such a file as hidden (services/query/postgres.py, ``_shadowed_ids``): its chunks that
-    matched main's at this ingest showed main's later changes, lines included, and went with main's deletion of
-    the file (an outside tester's)."""
+    differs, or one of main's that is gone, every other document of its file (``files``: each document key's
+    file; main's keys' files from its manifest). A query on the branch reads main's documents of such a file as
+    hidden (services/query/postgres.py, ``_shadowed_ids``), and those of a file the branch deleted, which its
+    tombstones name: its chunks that matched main's at this ingest showed main's later changes, lines included,
+    and went with main's deletion of the file (an outside tester's)."""
     base = main.entries if main is not None else {}
     target = {k: h for k, h in desired.items() if base.get(k) != h}
+    deleted_files: dict[str, str] = {}
     if main is not None:
+        removed = [k for k in base if k not in desired]
         if files is not None:
+            present = {path for path in files.values() if path is not None}
             owned = {files[k] for k in target if files.get(k) is not None}
+            owned |= {main.files[k] for k in removed if main.files.get(k) in present}  # only a section taken out
             target.update({k: h for k, h in desired.items() if files.get(k) in owned})
-        target.update({k: TOMBSTONE for k in base if k not in desired})
+            deleted_files = {k: main.files[k] for k in removed if k in main.files and main.files[k] not in present}
+        target.update({k: TOMBSTONE for k in removed})
     upserts = sorted(k for k, h in target.items() if h != TOMBSTONE and previous.entries.get(k) != h)
-    tombstones = sorted(k for k, h in target.items() if h == TOMBSTONE and previous.entries.get(k) != TOMBSTONE)
+    # A tombstone goes again when the file it names changes (one sent before files were recorded names none).
+    tombstones = sorted(
+        k
+        for k, h in target.items()
+        if h == TOMBSTONE and (previous.entries.get(k) != TOMBSTONE or previous.files.get(k) != deleted_files.get(k))
+    )
     gone = sorted(k for k in previous.entries if k not in target)
     deletes, reverts = (tombstones, gone) if main is not None else (gone, [])
     unchanged = len(desired) - sum(1 for k in upserts if k in desired)
-    return IngestPlan(upserts, deletes, reverts, unchanged, Manifest(target))
+    known = files or {}
+    recorded = {
+        k: path
+        for k, h in target.items()
+        if (path := deleted_files.get(k) if h == TOMBSTONE else known.get(k)) is not None
+    }
+    return IngestPlan(upserts, deletes, reverts, unchanged, Manifest(target, files=recorded), deleted_files)
 
 
 DELTA_HEADER_ROOM_BYTES = 1024
@@ -773,8 +807,8 @@ class Ingester:
             key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model, main is not None))
             for key in plan.upserts
         }
-        keyed |= {key: delta(key, "deleted", _removal(key, revert=False)) for key in plan.deletes}
-        keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
+        keyed |= {key: delta(key, "deleted", _removal(key, plan.deleted_files.get(key))) for key in plan.deletes}
+        keyed |= {key: delta(key, "reverted", _removal(key, None, revert=True)) for key in plan.reverts}
         limit = min(MAX_DELTA_MESSAGE_BYTES, connection_of(self._js).max_payload) - DELTA_HEADER_ROOM_BYTES
         too_large = sorted(key for key, sent in keyed.items() if not fits(sent, limit))
         for key in too_large:
@@ -782,7 +816,10 @@ class Ingester:
         deltas = [sent for key, sent in keyed.items() if key not in too_large]
         unknown = dict.fromkeys(too_large, UNKNOWN)
         # The previous patterns until the ingest is done: one stopped part way says again that they changed.
-        in_flight = Manifest({**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude)
+        in_flight = Manifest(
+            {**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude,
+            {**previous.files, **plan.manifest.files},
+        )  # fmt: skip
         if deltas:
             # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
             # next one sends it again or removes it (before, what it had stored was nowhere, and stayed for good).
@@ -794,16 +831,19 @@ class Ingester:
         )
         publish_s = time.perf_counter() - publish_started
         if deltas:
-            done = Manifest({**plan.manifest.entries, **unknown}, patterns)
+            done = Manifest({**plan.manifest.entries, **unknown}, patterns, plan.manifest.files)
             saved = _manifest_of(loaded)
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
             await self._save_manifest(workspace, branch, done, loaded)
-        elif patterns_changed:  # nothing changed but the patterns: recorded if no other ingest saved meanwhile
+        elif patterns_changed or plan.manifest.files != previous.files:
+            # Nothing sent, but the patterns changed or the documents' files were not recorded (a manifest saved
+            # before they were, which a branch needs of main's): recorded if no other ingest saved meanwhile.
+            unchanged_manifest = Manifest(previous.entries, patterns, plan.manifest.files)
             try:
-                await self._manifests.save(workspace, branch, Manifest(previous.entries, patterns).to_json(), loaded)
+                await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
             except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
-                log.info("ingest_patterns_not_recorded", workspace=workspace, branch=branch)
+                log.info("ingest_manifest_not_recorded", workspace=workspace, branch=branch)
         return IngestReport(
             files=len(sources),
             chunks=len(chunks),
@@ -872,10 +912,14 @@ def _upsert(
     return LinkAdded(link=_link_of(links[name].key))
 
 
-def _removal(key: str, revert: bool) -> DeltaPayload:
+def _removal(key: str, deleted_file: str | None, revert: bool = False) -> DeltaPayload:
     kind, name = key[0], key[2:]
     if kind == "d":
-        return DocumentReverted(document_id=name) if revert else DocumentDeleted(document_id=name)
+        return (
+            DocumentReverted(document_id=name)
+            if revert
+            else DocumentDeleted(document_id=name, deleted_file=deleted_file)
+        )
     if kind == "n":
         return NodeReverted(object_type=name) if revert else NodeRemoved(object_type=name)
     return LinkReverted(link=_link_of(name)) if revert else LinkRemoved(link=_link_of(name))

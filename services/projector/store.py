@@ -13,7 +13,15 @@ from typing import Literal
 import asyncpg
 import numpy as np
 
-from ontofabric.contracts import EntityKind, LinkAdded, LinkRemoved, LinkReverted, NodeUpserted, split_link_key
+from ontofabric.contracts import (
+    DocumentDeleted,
+    EntityKind,
+    LinkAdded,
+    LinkRemoved,
+    LinkReverted,
+    NodeUpserted,
+    split_link_key,
+)
 from ontofabric.contracts.deltas import LINK_KEY_SEPARATOR
 from ontofabric.shared.db import STALL_MARGIN_S, Connection, index_model
 from ontofabric.shared.logging import get_logger
@@ -667,9 +675,11 @@ class PostgresProjectionStore:
     def document_row(self, ref: EntityRef, delta: Delta) -> tuple[object, ...]:
         event_id = delta.envelope.event_id
         doc = upserted_document(delta.envelope)
-        if doc is None:  # a tombstone or revert keeps identity and sequence only
+        if doc is None:  # a tombstone or revert keeps identity and sequence only, and the file a branch deleted
+            payload = delta.envelope.payload
+            deleted_file = payload.deleted_file if isinstance(payload, DocumentDeleted) else None
             return (
-                ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, None, None,
+                ref.workspace, ref.branch, ref.key, True, "", None, None, None, None, None, None, deleted_file, None,
                 None, "{}", None, None, self._text_search_config, "", None, delta.seq, event_id,
                 state_after(delta).transparent, None, None, None, "",
             )  # fmt: skip

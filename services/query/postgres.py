@@ -830,9 +830,10 @@ class PostgresDocuments:
 async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:
     """Main's ids the branch hides: its rows' ids, main's rows with the symbol key of one of its rows, and main's
     rows of a file the branch holds a document of marked ``wholeFile`` (the reference ingester sends every
-    document of a file a branch changes: ``plan_ingest``) or deleted the module of, so that main's later changes
-    to that file (moved lines, new chunks, the file deleted) do not show through on the branch. Documents
-    without the mark (another producer's, or sent before it existed) hide by id and symbol key only."""
+    document of a file a branch changes: ``plan_ingest``), or deleted (a tombstone naming it ``deletedFile``, or
+    the module's tombstoned), so that main's later changes to that file (moved lines, new chunks, the file
+    deleted) do not show through on the branch. Documents without the mark (another producer's, or sent before
+    it existed) hide by id and symbol key only. A tombstone's row holds a file only when it names one."""
     rows = await conn.fetch(
         "SELECT id, symbol_key, file_path, deleted, metadata @> '{\"wholeFile\": true}' AS whole_file FROM documents"
         " WHERE workspace = $1 AND branch = $2 AND NOT transparent",
@@ -841,9 +842,7 @@ async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[s
     )
     ids = [r["id"] for r in rows]
     keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
-    files = sorted(
-        {r["file_path"] for r in rows if r["file_path"] is not None and r["whole_file"] and not r["deleted"]}
-    )
+    files = sorted({r["file_path"] for r in rows if r["file_path"] is not None and (r["whole_file"] or r["deleted"])})
     # A file the branch deleted: its module's chunk (one per Python file) tombstoned. Main's chunks of it, those
     # main adds later too, are hidden.
     tombstones = [r["id"] for r in rows if r["deleted"]]

@@ -414,7 +414,9 @@ def ingest(
     names = Names(settings.subject_prefix)
 
     async def run() -> None:
-        embedder = await asyncio.to_thread(build_embedder, settings, False)  # documents only
+        # Documents only, and loaded when the first text the embedding cache lacks is embedded: an ingest that
+        # sends nothing new did wait ~5 s for it.
+        embedder = build_embedder(settings, for_queries=False, on_demand=True)
         nc = await connect(nats_url, "ontofabric-ingest", settings)
         followed: list[tuple[str, Client]] = []
 

@@ -390,11 +390,7 @@ class LocalSentenceTransformer:
         if windows < 1:
             raise ValueError("windows must be at least 1")
         self.model_name = model_name
-        # Vectors that differ are cached apart, so no setting is served another's: bfloat16 vectors are near
-        # float32's but not equal, and a long text read in windows differs from its first window alone.
-        read = f"+windows{windows}" if windows > 1 else ""
-        self.cache_name = model_name + ("@bfloat16" if bfloat16 else "") + read
-        self.vectors_name = model_name + read
+        self.cache_name, self.vectors_name = embedder_names(model_name, bfloat16, windows)
         self._windows = windows
         self._model = load_sentence_transformer(model_path, bfloat16=False)
         self._documents_model: SentenceTransformer | None = None if bfloat16 else self._model
@@ -536,6 +532,59 @@ def embedding_text(content: str, symbol_fqn: str | None) -> str:
     return f"{symbol_fqn}\n{content}" if symbol_fqn else content
 
 
+def embedder_names(model_name: str, bfloat16: bool, windows: int) -> tuple[str, str]:
+    """An embedder's ``cache_name`` and ``vectors_name``. Vectors that differ are cached apart, so no setting is
+    served another's: bfloat16 vectors are near float32's but not equal, and a long text read in windows differs
+    from its first window alone."""
+    read = f"+windows{windows}" if windows > 1 else ""
+    return model_name + ("@bfloat16" if bfloat16 else "") + read, model_name + read
+
+
+class LoadedOnDemand:
+    """The deployment's local model, loaded when it first embeds (``for_queries`` False, as an ingest loads it):
+    an ingest with nothing to embed, or whose texts the embedding cache holds (a branch checked out again, an
+    edit undone), does not wait the seconds the model takes to load. Its names, known before, are the model's
+    (:func:`embedder_names`). It is an :class:`Embedder`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self.model_name = settings.embedding_model
+        bfloat16 = wants_bfloat16(settings.embedding_precision)
+        self.cache_name, self.vectors_name = embedder_names(self.model_name, bfloat16, settings.embedding_windows)
+        self.dimension = settings.embedding_dim
+        self._model: LocalSentenceTransformer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def model(self) -> LocalSentenceTransformer:
+        with self._lock:
+            if self._model is None:
+                self._model = load_embedder(self._settings, for_queries=False)
+            return self._model
+
+    def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
+        return self.model().embed_documents(texts, batch_size)
+
+    def embed_with_tokens(
+        self, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
+        return self.model().embed_with_tokens(texts, batch_size)
+
+    def embed_query(self, text: str) -> Vector:
+        return self.model().embed_query(text)
+
+    def embed_query_with_tokens_async(
+        self, text: str, turn: str = ""
+    ) -> Coroutine[Any, Any, tuple[Vector, TokenMatrix]]:
+        return self.model().embed_query_with_tokens_async(text, turn)
+
+    def on_model_thread(self, work: Callable[[], T], turn: str = "") -> Coroutine[Any, Any, T]:
+        return self.model().on_model_thread(work, turn)
+
+
 def load_embedder(settings: Settings, for_queries: bool = True) -> LocalSentenceTransformer:
     """The local model ``settings`` name (its current embedding model). ``for_queries`` False: a process that only
     embeds documents, which runs no ONNX Runtime session for queries (``query_embedding_runtime``)."""
@@ -616,11 +665,14 @@ class ServedModel:
         return self._models.get(model)
 
 
-def build_embedder(settings: Settings, for_queries: bool = True) -> Embedder | None:
+def build_embedder(settings: Settings, for_queries: bool = True, on_demand: bool = False) -> Embedder | None:
     """The deployment's embedder, or None when it is set to ``none`` (keyword-only answers). While a model change
-    is set (``next_embedding_model``), one that serves either model: :class:`ServedModel`."""
+    is set (``next_embedding_model``), one that serves either model: :class:`ServedModel`. ``on_demand`` (with
+    ``for_queries`` False): loaded when it first embeds (:class:`LoadedOnDemand`), but for a model change."""
     if settings.embedder == "none":
         return None
     if settings.next_model() is not None:
         return ServedModel(settings, for_queries)
+    if on_demand and not for_queries:
+        return LoadedOnDemand(settings)
     return load_embedder(settings, for_queries)

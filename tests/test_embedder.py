@@ -19,7 +19,9 @@ import torch
 from ontofabric.shared import embedder as embedder_module
 from ontofabric.shared.embedder import (
     Coalescer,
+    Embedder,
     EmbedderMismatch,
+    LoadedOnDemand,
     LocalSentenceTransformer,
     ModelMissing,
     ModelThread,
@@ -634,3 +636,21 @@ def test_a_model_path_that_holds_no_model_is_said_in_a_line(tmp_path: Path) -> N
     for where in (tmp_path / "nonexistent", tmp_path):
         with pytest.raises(ModelMissing, match=r"no embedding model at .*ONTOFABRIC_EMBEDDING_MODEL_PATH"):
             load_sentence_transformer(where, bfloat16=False)
+
+
+def test_an_embedder_loaded_on_demand_loads_only_for_a_text_the_cache_lacks(embedder: Embedder, tmp_path: Path) -> None:
+    """An ingest that sends nothing new, or whose texts the cache holds, waited ~5 s for the model to load."""
+    on_demand = LoadedOnDemand(Settings(cache_dir=tmp_path))
+    names = (on_demand.model_name, on_demand.cache_name, on_demand.vectors_name, on_demand.dimension)
+    assert names == (embedder.model_name, embedder.cache_name, embedder.vectors_name, embedder.dimension)
+    cache = EmbeddingCache(tmp_path / "embeddings.sqlite")
+    known = cache.embed(embedder, ["def first():\n    return 1"])
+    again = cache.embed(on_demand, ["def first():\n    return 1"])
+    assert not on_demand.loaded
+    assert np.array_equal(again.vectors, known.vectors)
+    assert again.token_signs == known.token_signs
+    fresh = cache.embed(on_demand, ["def second():\n    return 2"])
+    assert on_demand.loaded
+    expected = embedder.embed_documents(["def second():\n    return 2"])[0]
+    assert float(fresh.vectors[0] @ expected) == pytest.approx(1.0, abs=1e-5)
+    cache.close()

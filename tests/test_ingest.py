@@ -33,7 +33,7 @@ from ontofabric.services.ingest.ingester import (
     read_tree,
 )
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.embedder import Embedder, build_embedder, embedding_text
+from ontofabric.shared.embedder import Embedder, LoadedOnDemand, build_embedder, embedding_text
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
@@ -106,12 +106,14 @@ async def test_ingest_publishes_only_what_changed(
     assert (unchanged.upserts, unchanged.deletes, unchanged.unchanged) == (0, 0, 7)
     assert unchanged.last_sequence is None
     # The embedder's arithmetic alone (an ingester on a CPU with or without native bfloat16) sends nothing again.
+    # Nor does it load the model, which an ingest loads when it first embeds.
     for precision in ("float32", "bfloat16"):
-        other = build_embedder(Settings(embedding_precision=precision), for_queries=False)
+        other = build_embedder(Settings(embedding_precision=precision), for_queries=False, on_demand=True)
+        assert isinstance(other, LoadedOnDemand)
         again = await Ingester(deployment.js, deployment.names, other, deployment.settings.max_content_bytes).ingest(
             tmp_path, "repo"
         )
-        assert (again.upserts, again.unchanged) == (0, 7), precision
+        assert (again.upserts, again.unchanged, other.loaded) == (0, 7, False), precision
 
     # What the embedder adds changed (token vectors off): every document goes again, though no content changed.
     plain = Ingester(

@@ -205,8 +205,23 @@ def _representable(node: GraphNode) -> bool:
     return True
 
 
-def _modules(sources: Mapping[str, str], package: str | None) -> tuple[dict[str, _Module], _Resolver]:
-    """The parsable Python files of ``sources`` with the names each defines and imports at its top level."""
+@dataclass(frozen=True)
+class PythonTree:
+    """A tree's parsable Python files, each parsed once, with the names each defines and imports at its top
+    level (:func:`read_python`): what the graph, the calls and the exports are read from. Each of the three had
+    parsed every file again, and the parses were most of an unchanged re-ingest's reading."""
+
+    modules: dict[str, _Module]
+    resolver: _Resolver
+
+
+def _tree_of(sources: Mapping[str, str] | PythonTree, package: str | None) -> PythonTree:
+    return sources if isinstance(sources, PythonTree) else read_python(sources, package)
+
+
+def read_python(sources: Mapping[str, str], package: str | None = None) -> PythonTree:
+    """The parsable Python files of ``sources`` (relative path -> text; ``package``: the tree's own package name,
+    see :func:`chunking.module_name`)."""
     modules: dict[str, _Module] = {}
     for path, source in sorted(sources.items()):
         if not path.endswith(".py"):
@@ -234,13 +249,16 @@ def _modules(sources: Mapping[str, str], package: str | None) -> tuple[dict[str,
                 for alias in found.names:
                     if alias.name != "*":
                         module.imports[alias.asname or alias.name] = (written, alias.name)
-    return modules, resolver
+    return PythonTree(modules, resolver)
 
 
-def python_graph(sources: Mapping[str, str], package: str | None = None) -> tuple[list[GraphNode], list[GraphLink]]:
-    """Nodes and links of the Python files ``sources`` (relative path -> text; ``package``: the tree's own package
-    name, see :func:`chunking.module_name`)."""
-    modules, resolver = _modules(sources, package)
+def python_graph(
+    sources: Mapping[str, str] | PythonTree, package: str | None = None
+) -> tuple[list[GraphNode], list[GraphLink]]:
+    """Nodes and links of the Python files ``sources`` (relative path -> text, or as :func:`read_python` read
+    them; ``package``: the tree's own package name, see :func:`chunking.module_name`, for sources as text)."""
+    tree = _tree_of(sources, package)
+    modules, resolver = tree.modules, tree.resolver
 
     nodes: dict[str, GraphNode] = {}
     links: set[GraphLink] = set()
@@ -353,11 +371,12 @@ def _code_scopes(module: _Module) -> Iterator[Scope]:
 _DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-def python_exports(sources: Mapping[str, str], package: str | None = None) -> dict[str, tuple[str, ...]]:
+def python_exports(sources: Mapping[str, str] | PythonTree, package: str | None = None) -> dict[str, tuple[str, ...]]:
     """For each class or function of the tree a package re-exports (its ``__init__`` imports it from the tree:
     ``from .core import Option``), the names it is published under there (``click.Option`` for
     ``click.core.Option``), in order; a name imported under another (``as``) is published under that one."""
-    modules, resolver = _modules(sources, package)
+    tree = _tree_of(sources, package)
+    modules, resolver = tree.modules, tree.resolver
     exported: dict[str, dict[str, None]] = {}
     for module in modules.values():
         if not module.is_package:
@@ -375,7 +394,9 @@ def python_exports(sources: Mapping[str, str], package: str | None = None) -> di
     return {target: tuple(names) for target, names in exported.items()}
 
 
-def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict[tuple[str, str, int], tuple[str, ...]]:
+def python_calls(
+    sources: Mapping[str, str] | PythonTree, package: str | None = None
+) -> dict[tuple[str, str, int], tuple[str, ...]]:
     """For each chunk of code (by its file, the qualified name :func:`chunking.chunk_python` gives it: a package's
     function can share its name with a module of the package, and the line of its ``class`` or ``def``: a
     property's getter and setter share their name, and each calls what it calls), the classes and
@@ -385,7 +406,8 @@ def python_calls(sources: Mapping[str, str], package: str | None = None) -> dict
     A call through any other object (a parameter, an attribute, what a call returned) cannot be told from the
     syntax and is left out, as is a chunk calling itself. A module's chunk holds its own statements' calls only,
     a class's those of its body outside its methods."""
-    modules, resolver = _modules(sources, package)
+    tree = _tree_of(sources, package)
+    modules, resolver = tree.modules, tree.resolver
     classes: dict[str, _Class] = {}
     for module in modules.values():
         for qualname, cls in _classes(module.tree.body):

@@ -68,7 +68,7 @@ from ontofabric.shared.subjects import Names
 
 from .chunking import Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
-from .graph import GraphLink, GraphNode, python_calls, python_exports, python_graph
+from .graph import GraphLink, GraphNode, PythonTree, python_calls, python_exports, python_graph, read_python
 
 log = get_logger(__name__)
 
@@ -287,14 +287,20 @@ def own_package(root: Path, named: str | None = None) -> str | None:
 
 
 def chunk_sources(
-    root: Path, sources: Mapping[str, str], max_content_bytes: int, package: str | None = None
+    root: Path,
+    sources: Mapping[str, str],
+    max_content_bytes: int,
+    package: str | None = None,
+    python: PythonTree | None = None,
 ) -> list[Chunk]:
     """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
-    :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`)."""
+    :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`).
+    ``python``: the sources as :func:`graph.read_python` read them with that package, when already read."""
     package = tree_package(root.resolve().name, sources, package)
     chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
-    calls = {key: carried_calls(names) for key, names in python_calls(sources, package).items()}
-    exports = {fqn: carried_aliases(names) for fqn, names in python_exports(sources, package).items()}
+    python = python if python is not None else read_python(sources, package)
+    calls = {key: carried_calls(names) for key, names in python_calls(python).items()}
+    exports = {fqn: carried_aliases(names) for fqn, names in python_exports(python).items()}
     for chunk in chunks:
         if chunk.parse_error is not None:
             log.warning("ingest_file_unparsed", path=chunk.file_path, error=chunk.parse_error)
@@ -749,14 +755,14 @@ class Ingester:
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
             )
         package = own_package(root, package)
+
         # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
         # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
-        chunked, (graph_nodes, graph_links) = await asyncio.to_thread(
-            lambda: (
-                chunk_sources(root, sources, self._max_content_bytes, package or ""),
-                python_graph(sources, package),
-            )
-        )
+        def read() -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]]]:
+            python = read_python(sources, package)  # parsed once for the calls, the exports and the graph
+            return chunk_sources(root, sources, self._max_content_bytes, package or "", python), python_graph(python)
+
+        chunked, (graph_nodes, graph_links) = await asyncio.to_thread(read)
         chunks = {c.document_id: c for c in chunked}
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}

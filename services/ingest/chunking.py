@@ -185,7 +185,10 @@ class _Keys:
         return key if count == 1 else f"{key}~{count}"
 
 
-def chunk_python(path: str, source: str, max_content_bytes: int, package: str | None = None) -> list[Chunk]:
+def chunk_python(
+    path: str, source: str, max_content_bytes: int, package: str | None = None, tree: ast.Module | None = None
+) -> list[Chunk]:
+    """``tree``: ``source`` parsed, when it already is (parsing is most of what reading a tree costs)."""
     module = module_name(path, package)
     module_type = object_type_name(module)
     file_key = f"python:{path}"
@@ -212,7 +215,7 @@ def chunk_python(path: str, source: str, max_content_bytes: int, package: str | 
     lines = file_lines(source)  # an empty file has none to state
     chunks = [make(file_key, "module", module, "file", module_type, source, (1, len(lines)) if lines else None)]
     try:
-        tree = ast.parse(source)
+        tree = tree if tree is not None else ast.parse(source)
     except SyntaxError as error:  # the file chunk still makes it findable
         return [replace(chunks[0], parse_error=f"line {error.lineno}: {error.msg}")]
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser goes
@@ -436,10 +439,13 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
     return chunks
 
 
-def chunk_file(path: str, source: str, max_content_bytes: int, package: str | None = None) -> list[Chunk]:
-    """The chunks of one file (``path`` relative to the tree; ``package``: see :func:`module_name`)."""
+def chunk_file(
+    path: str, source: str, max_content_bytes: int, package: str | None = None, tree: ast.Module | None = None
+) -> list[Chunk]:
+    """The chunks of one file (``path`` relative to the tree; ``package``: see :func:`module_name`; ``tree``: a
+    Python file's, when already parsed)."""
     if path.endswith(".py"):
-        return chunk_python(path, source, max_content_bytes, package)
+        return chunk_python(path, source, max_content_bytes, package, tree)
     if path.endswith(".md"):
         return chunk_markdown(path, source, max_content_bytes)
     return []

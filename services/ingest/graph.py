@@ -205,7 +205,7 @@ def _representable(node: GraphNode) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@dataclass
 class PythonTree:
     """A tree's parsable Python files, each parsed once, with the names each defines and imports at its top
     level (:func:`read_python`): what the graph, the calls and the exports are read from. Each of the three had
@@ -213,6 +213,15 @@ class PythonTree:
 
     modules: dict[str, _Module]
     resolver: _Resolver
+
+    def parsed(self, path: str) -> ast.Module | None:
+        """The file's tree (None where it could not be parsed, or is no Python file of the tree)."""
+        module = self._by_path.get(path)
+        return module.tree if module is not None else None
+
+    @functools.cached_property
+    def _by_path(self) -> dict[str, _Module]:
+        return {module.path: module for module in self.modules.values()}
 
 
 def _tree_of(sources: Mapping[str, str] | PythonTree, package: str | None) -> PythonTree:

@@ -297,8 +297,12 @@ def chunk_sources(
     :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`).
     ``python``: the sources as :func:`graph.read_python` read them with that package, when already read."""
     package = tree_package(root.resolve().name, sources, package)
-    chunks = [chunk for path, text in sources.items() for chunk in chunk_file(path, text, max_content_bytes, package)]
     python = python if python is not None else read_python(sources, package)
+    chunks = [
+        chunk
+        for path, text in sources.items()
+        for chunk in chunk_file(path, text, max_content_bytes, package, python.parsed(path))
+    ]
     calls = {key: carried_calls(names) for key, names in python_calls(python).items()}
     exports = {fqn: carried_aliases(names) for fqn, names in python_exports(python).items()}
     for chunk in chunks:
@@ -758,11 +762,11 @@ class Ingester:
 
         # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
         # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
-        def read() -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]]]:
+        def reading() -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]]]:
             python = read_python(sources, package)  # parsed once for the calls, the exports and the graph
             return chunk_sources(root, sources, self._max_content_bytes, package or "", python), python_graph(python)
 
-        chunked, (graph_nodes, graph_links) = await asyncio.to_thread(read)
+        chunked, (graph_nodes, graph_links) = await asyncio.to_thread(reading)
         chunks = {c.document_id: c for c in chunked}
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}

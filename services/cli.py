@@ -445,8 +445,9 @@ def ingest(
                 try:
                     second = await asyncio.to_thread(second_embedder, settings)
                     ingester = Ingester(
-                        js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
-                    )
+                        js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors,
+                        second, settings.ingest_max_file_bytes,
+                    )  # fmt: skip
                     try:
                         report = await ingester.ingest(
                             path.resolve(), workspace, branch, package, exclude or (), allow_empty
@@ -490,8 +491,8 @@ def ingest(
             if report.unparsed:  # an agent tester's file, broken mid-edit, lost its symbols without a word
                 shown = "; ".join(report.unparsed[:5]) + ("; ..." if len(report.unparsed) > 5 else "")
                 errors.print(
-                    f"warning: Python files that could not be parsed, so only their whole text is indexed (no "
-                    f"symbols, calls or graph of theirs until they parse): {shown}",
+                    f"warning: files that could not be parsed, or were too large to, so only their whole text is "
+                    f"indexed (no symbols, sections, calls or graph of theirs until they parse): {shown}",
                     soft_wrap=True,
                     markup=False,
                 )

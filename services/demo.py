@@ -77,8 +77,9 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
             stack.callback(cache.close)
             second = await asyncio.to_thread(second_embedder, settings)
             ingester = Ingester(
-                js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second
-            )
+                js, names, embedder, settings.max_content_bytes, progress, cache, settings.token_vectors, second,
+                settings.ingest_max_file_bytes,
+            )  # fmt: skip
             report = await ingester.ingest(root, WORKSPACE, exclude=DEMO_EXCLUDE)
         wait_started = time.perf_counter()
         if report.last_sequence is not None:

@@ -237,6 +237,13 @@ class Settings(BaseSettings):
     max_content_bytes: int = Field(
         default=256 * 1024, ge=1024, description="Deltas whose document content is larger are dead-lettered."
     )
+    ingest_max_file_bytes: int = Field(
+        default=1024 * 1024,
+        ge=0,
+        description="`ontofabric ingest` reads a larger source file as its file's chunk alone (its start, as a file "
+        "that does not parse): no symbols, sections, calls or graph of it, which for a generated file of a few MB "
+        "took tens of seconds and hundreds of MB to read, and as many chunks to embed. 0: no limit.",
+    )
     dedupe_window_s: float = Field(
         default=600.0,
         gt=0,

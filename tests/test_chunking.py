@@ -24,9 +24,11 @@ from ontofabric.services.ingest.ingester import (
     UNKNOWN,
     Manifest,
     as_far_as_read,
+    chunk_sources,
     chunk_tree,
     event_id,
     plan_ingest,
+    python_of,
     without_removals,
 )
 
@@ -138,6 +140,34 @@ def test_identity_survives_body_edits_and_content_hash_does_not() -> None:
 def test_unparsable_python_still_yields_the_file() -> None:
     chunks = chunk_python("broken.py", "def oops(:\n", 1000)
     assert [c.chunk_level for c in chunks] == ["file"]
+
+
+def test_a_file_over_the_size_limit_is_read_as_one_chunk_without_symbols_sections_calls_or_graph(
+    tmp_path: Path,
+) -> None:
+    """An audit's 1.8 MB file of statements took 17-22 s and 800 MB to read, at every ingest; a generated file of
+    many classes is as many chunks to embed."""
+    big = "".join(f"class C{i}(Base):\n    def m(self):\n        return helper()\n" for i in range(40))
+    sources = {
+        "gen.py": f"from small import Base, helper\n{big}",
+        "small.py": "class Base:\n    pass\n\n\ndef helper():\n    return 1\n",
+        "long.md": "# One\n\ntext\n\n## Two\n\n" + "more text\n" * 200,
+    }
+    limit = 1500  # gen.py and long.md are over it
+    chunks = chunk_sources(tmp_path, sources, 1 << 20, max_file_bytes=limit)
+    by_file = {path: [c for c in chunks if c.file_path == path] for path in sources}
+    (gen,) = by_file["gen.py"]
+    assert (gen.chunk_level, gen.content, gen.calls) == ("file", sources["gen.py"], ())
+    assert gen.parse_error is not None
+    assert gen.parse_error.startswith(f"{len(sources['gen.py']):,} bytes, over ONTOFABRIC_INGEST_MAX_FILE_BYTES")
+    (long,) = by_file["long.md"]
+    assert (long.symbol_fqn, long.lines, long.parse_error) == ("long.md", (1, 206), gen.parse_error.replace(
+        f"{len(sources['gen.py']):,}", f"{len(sources['long.md']):,}"))  # fmt: skip
+    assert {c.symbol_fqn for c in by_file["small.py"]} == {"small", "small.Base", "small.helper"}
+    nodes, _ = python_graph(python_of(sources, None, limit))
+    assert [n.object_type for n in nodes] == ["small", "small.Base"]
+    # 0, the default: no limit, as before (the file, 40 classes and 40 methods).
+    assert sum(1 for c in chunk_sources(tmp_path, sources, 1 << 20) if c.file_path == "gen.py") == 81
 
 
 def test_a_docstring_escaping_half_a_character_is_chunked_as_text_a_delta_can_carry() -> None:

@@ -71,7 +71,8 @@ class Chunk:
     """The names a package re-exports the chunk's symbol under (``click.Option`` for ``click.core.Option``; set by
     the ingester, which sees the whole tree: ``graph.python_exports``)."""
     parse_error: str | None = None
-    """A Python file's chunk: why its source could not be parsed, so that it has no chunk of a symbol nor calls."""
+    """A file's chunk: why its source could not be parsed (or, over the ingest's size limit, was not), so that it
+    has no chunk of a symbol or section, nor calls."""
     lines: tuple[int, int] | None = None
     """The first and last line (1-based, inclusive) of the file that the chunk's text comes from: a class or
     function from its first decorator, a docstring its string literal, a file all of it. What lets an agent open
@@ -186,9 +187,15 @@ class _Keys:
 
 
 def chunk_python(
-    path: str, source: str, max_content_bytes: int, package: str | None = None, tree: ast.Module | None = None
+    path: str,
+    source: str,
+    max_content_bytes: int,
+    package: str | None = None,
+    tree: ast.Module | None = None,
+    unread: str | None = None,
 ) -> list[Chunk]:
-    """``tree``: ``source`` parsed, when it already is (parsing is most of what reading a tree costs)."""
+    """``tree``: ``source`` parsed, when it already is (parsing is most of what reading a tree costs). ``unread``:
+    why the file is not to be parsed (:func:`chunk_file`)."""
     module = module_name(path, package)
     module_type = object_type_name(module)
     file_key = f"python:{path}"
@@ -214,6 +221,8 @@ def chunk_python(
 
     lines = file_lines(source)  # an empty file has none to state
     chunks = [make(file_key, "module", module, "file", module_type, source, (1, len(lines)) if lines else None)]
+    if unread is not None:
+        return [replace(chunks[0], parse_error=unread)]
     try:
         tree = tree if tree is not None else ast.parse(source)
     except SyntaxError as error:  # the file chunk still makes it findable
@@ -415,11 +424,15 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
         yield list(path), "".join(current), (first, first + len(current) - 1)
 
 
-def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk]:
+def chunk_markdown(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
+    """``unread``: why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk."""
     document_type = object_type_name(path.removesuffix(".md").replace("/", "."))
     keys = _Keys()
     chunks = []
-    for headings, text, lines in _markdown_sections(source):
+    whole: list[tuple[list[str], str, tuple[int, int]]] = (
+        [([], source, (1, len(file_lines(source))))] if source.strip() else []
+    )
+    for headings, text, lines in _markdown_sections(source) if unread is None else whole:
         trail = [h for h in headings if h]
         anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
         chunks.append(
@@ -434,18 +447,25 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int) -> list[Chunk
                 content=(kept := truncate_utf8(text, max_content_bytes)),
                 cut_from_bytes=(cut := cut_from(text, max_content_bytes)),
                 lines=lines_kept(lines, kept, cut is not None),
+                parse_error=unread,
             )
         )
     return chunks
 
 
 def chunk_file(
-    path: str, source: str, max_content_bytes: int, package: str | None = None, tree: ast.Module | None = None
+    path: str,
+    source: str,
+    max_content_bytes: int,
+    package: str | None = None,
+    tree: ast.Module | None = None,
+    unread: str | None = None,
 ) -> list[Chunk]:
     """The chunks of one file (``path`` relative to the tree; ``package``: see :func:`module_name`; ``tree``: a
-    Python file's, when already parsed)."""
+    Python file's, when already parsed). ``unread``: why the file is not to be parsed or cut into sections (a
+    file over the ingest's size limit): its one chunk, with the reason as its ``parse_error``."""
     if path.endswith(".py"):
-        return chunk_python(path, source, max_content_bytes, package, tree)
+        return chunk_python(path, source, max_content_bytes, package, tree, unread)
     if path.endswith(".md"):
-        return chunk_markdown(path, source, max_content_bytes)
+        return chunk_markdown(path, source, max_content_bytes, unread)
     return []

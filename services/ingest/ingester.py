@@ -286,22 +286,43 @@ def own_package(root: Path, named: str | None = None) -> str | None:
     return tree_package(root.name, ["__init__.py"] if (root / "__init__.py").is_file() else [], named)
 
 
+def too_large(sources: Mapping[str, str], max_file_bytes: int) -> dict[str, str]:
+    """The files of ``sources`` over ``max_file_bytes`` (0: none is), each with why it is read as one chunk."""
+    if not max_file_bytes:
+        return {}
+    sizes = {path: len(text.encode("utf-8", "surrogatepass")) for path, text in sources.items()}
+    return {
+        path: f"{size:,} bytes, over ONTOFABRIC_INGEST_MAX_FILE_BYTES ({max_file_bytes:,}): read as one chunk"
+        for path, size in sizes.items()
+        if size > max_file_bytes
+    }
+
+
+def python_of(sources: Mapping[str, str], package: str | None, max_file_bytes: int) -> PythonTree:
+    """:func:`graph.read_python` of the files of ``sources`` within ``max_file_bytes`` (:func:`too_large`)."""
+    unread = too_large(sources, max_file_bytes)
+    return read_python({path: text for path, text in sources.items() if path not in unread}, package)
+
+
 def chunk_sources(
     root: Path,
     sources: Mapping[str, str],
     max_content_bytes: int,
     package: str | None = None,
     python: PythonTree | None = None,
+    max_file_bytes: int = 0,
 ) -> list[Chunk]:
     """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
     :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`).
-    ``python``: the sources as :func:`graph.read_python` read them with that package, when already read."""
+    ``python``: the sources as :func:`graph.read_python` read them with that package, when already read (without
+    the files over ``max_file_bytes``, which are read as one chunk each: :func:`too_large`)."""
     package = tree_package(root.resolve().name, sources, package)
-    python = python if python is not None else read_python(sources, package)
+    unread = too_large(sources, max_file_bytes)
+    python = python if python is not None else python_of(sources, package, max_file_bytes)
     chunks = [
         chunk
         for path, text in sources.items()
-        for chunk in chunk_file(path, text, max_content_bytes, package, python.parsed(path))
+        for chunk in chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
     ]
     calls = {key: carried_calls(names) for key, names in python_calls(python).items()}
     exports = {fqn: carried_aliases(names) for fqn, names in python_exports(python).items()}
@@ -681,8 +702,8 @@ class IngestReport:
     main_exclusions: tuple[str, ...] | None = None
     """On a branch, main's last patterns when they differ from this ingest's: the difference shows as changes."""
     unparsed: tuple[str, ...] = ()
-    """The Python files whose source could not be parsed, each with why (``a.py (line 3: invalid syntax)``):
-    indexed as whole files, without their symbols' chunks, calls or graph."""
+    """The files whose source could not be parsed, or was not for its size, each with why (``a.py (line 3:
+    invalid syntax)``): indexed as whole files, without their symbols' or sections' chunks, calls or graph."""
     unread: tuple[str, ...] = ()
     """Files and directories that could not be read (access denied, a failing disk), relative to the tree: while
     there are any, the ingest deletes nothing."""
@@ -699,8 +720,11 @@ class Ingester:
         cache: EmbeddingCache | None = None,
         token_vectors: bool = True,
         second: OnnxEmbedder | None = None,
+        max_file_bytes: int = 0,
     ) -> None:
+        """``max_file_bytes``: a larger file is read as one chunk (:func:`too_large`); 0, no limit."""
         self._js = js
+        self._max_file_bytes = max_file_bytes
         self._token_vectors = token_vectors
         self._second = second
         self._names = names
@@ -763,8 +787,9 @@ class Ingester:
         # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
         # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
         def reading() -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]]]:
-            python = read_python(sources, package)  # parsed once for the calls, the exports and the graph
-            return chunk_sources(root, sources, self._max_content_bytes, package or "", python), python_graph(python)
+            python = python_of(sources, package, self._max_file_bytes)  # parsed once for all that reads them
+            chunked = chunk_sources(root, sources, self._max_content_bytes, package or "", python, self._max_file_bytes)
+            return chunked, python_graph(python)
 
         chunked, (graph_nodes, graph_links) = await asyncio.to_thread(reading)
         chunks = {c.document_id: c for c in chunked}

@@ -351,7 +351,14 @@ async def evaluate_tree(
         stack.push_async_callback(close, nc)
         js = nc.jetstream()
         second = await asyncio.to_thread(second_embedder, settings)
-        ingester = Ingester(js, names, embedder, settings.max_content_bytes, second=second)
+        ingester = Ingester(
+            js,
+            names,
+            embedder,
+            settings.max_content_bytes,
+            second=second,
+            max_file_bytes=settings.ingest_max_file_bytes,
+        )
         report = await ingester.ingest(tree, WORKSPACE, exclude=patterns)
         if report.last_sequence is not None:
             await wait_caught_up(js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600)

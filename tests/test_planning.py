@@ -281,6 +281,9 @@ def test_another_payload_under_a_handled_event_id_is_set_aside_not_dropped_as_a_
     # An event handled before the index kept digests: a later delta under its id stays a no-op.
     unknown = plan_batch(_deltas((7, reused)), {}, {}, {("ws", "evt-a"): Handled(1, None)})
     assert ([d.seq for d in unknown.noops], unknown.reused) == ([7], {})
+    # The same message redelivered, its digest made by an earlier release (a field added since): a repeat.
+    redelivered = plan_batch(_deltas((1, reused)), {}, {}, handled)
+    assert ([d.seq for d in redelivered.noops], redelivered.reused) == ([1], {})
 
 
 def test_a_copy_whose_vectors_differ_in_the_last_bits_is_still_a_copy() -> None:

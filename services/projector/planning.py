@@ -342,14 +342,16 @@ def plan_batch(
 ) -> Plan:
     """Fold a batch onto the current state of the rows it touches, in stream order (see :class:`StateFold`). A
     delta whose event was handled (before, or earlier in the batch) with another payload is not a copy of it: it
-    goes to ``reused`` instead of being folded as a repeat."""
+    goes to ``reused`` instead of being folded as a repeat. The same stream sequence is the same message, a
+    redelivery, whatever its digest reads now: a release that adds a field to a payload changes the digests of
+    the events a release before it handled (a reviewer's: a batch redelivered across the upgrade was set aside)."""
     plan = Plan()
     handled = dict(handled_events or {})
     fold = StateFold(current_rows, current_versions, handled.keys())
     for delta in sorted(deltas, key=lambda d: d.seq):
         digest = payload_digest(delta.envelope)
         first = handled.setdefault(handled_event(delta), Handled(delta.seq, digest))
-        if first.digest is not None and first.digest != digest:
+        if first.digest is not None and first.digest != digest and first.seq != delta.seq:
             plan.reused[delta.seq] = first
             continue
         plan.digests[delta.seq] = digest

@@ -32,6 +32,7 @@ from ontofabric.services.ingest.ingester import (
     exclusion_patterns,
     read_tree,
 )
+from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, LoadedOnDemand, build_embedder, embedding_text
 from ontofabric.shared.embedding_cache import EmbeddingCache
@@ -237,6 +238,40 @@ async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly
         for c in chunk_file(name, (ours / name).read_text(), deployment.settings.max_content_bytes)
     }
     assert await _live(deployment) == expected
+
+
+async def test_two_racing_ingests_of_a_branch_one_deleting_a_file_the_other_changing_it_reuse_no_event_id(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's: both tombstoned main's section under one event id, one naming the file it deleted and one
+    not, and the second was set aside as an event id reused."""
+    main, ours, theirs = tmp_path / "main", tmp_path / "ours", tmp_path / "theirs"
+    for tree in (main, ours, theirs):
+        _write(tree, {"g.md": "# G\n\ng steps\n"})
+    _write(main, {"f.md": "# F\n\nf steps\n"})
+    _write(theirs, {"f.md": "# F2\n\nf steps\n"})  # the same file, its one section renamed
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    first = await ingester.ingest(main, "repo")
+    assert first.last_sequence is not None
+    await deployment.wait_projected(first.last_sequence)
+    real_load, both_loaded, loads = ingester._manifests.load, asyncio.Barrier(2), 0
+
+    async def planned_together(workspace: str, branch: str) -> Any:
+        nonlocal loads
+        loaded = await real_load(workspace, branch)
+        if branch == "feat" and (loads := loads + 1) <= 2:
+            await both_loaded.wait()
+        return loaded
+
+    monkeypatch.setattr(ingester._manifests, "load", planned_together)
+    raced = await asyncio.gather(ingester.ingest(ours, "repo", "feat"), ingester.ingest(theirs, "repo", "feat"))
+    await deployment.wait_projected(max(r.last_sequence or 0 for r in raced))
+    assert [letter.reason for letter in await dead_letters(deployment.nc, deployment.names, Selection())] == []
+    again = await ingester.ingest(ours, "repo", "feat")
+    assert again.last_sequence is not None
+    await deployment.wait_projected(again.last_sequence)
+    rows = await deployment.fetch("SELECT deleted, file_path FROM documents WHERE branch = 'feat' AND NOT transparent")
+    assert [(r["deleted"], r["file_path"]) for r in rows] == [(True, "f.md")]  # ours: f.md deleted, named
 
 
 async def test_a_tree_that_goes_back_to_an_earlier_state_is_indexed_as_it_is_each_time(

@@ -842,8 +842,12 @@ class Ingester:
             key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model, main is not None))
             for key in plan.upserts
         }
-        keyed |= {key: delta(key, "deleted", _removal(key, plan.deleted_files.get(key))) for key in plan.deletes}
-        keyed |= {key: delta(key, "reverted", _removal(key, None, revert=True)) for key in plan.reverts}
+        # A tombstone naming its file is another change than one naming none: two ingests racing from one
+        # manifest gave both one event id, and the second was set aside as an id reused (a reviewer's).
+        for key in plan.deletes:
+            file = plan.deleted_files.get(key)
+            keyed[key] = delta(key, "deleted" if file is None else f"deleted|{file}", _removal(key, file))
+        keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
         limit = min(MAX_DELTA_MESSAGE_BYTES, connection_of(self._js).max_payload) - DELTA_HEADER_ROOM_BYTES
         too_large = sorted(key for key, sent in keyed.items() if not fits(sent, limit))
         for key in too_large:
@@ -947,7 +951,7 @@ def _upsert(
     return LinkAdded(link=_link_of(links[name].key))
 
 
-def _removal(key: str, deleted_file: str | None, revert: bool = False) -> DeltaPayload:
+def _removal(key: str, deleted_file: str | None = None, revert: bool = False) -> DeltaPayload:
     kind, name = key[0], key[2:]
     if kind == "d":
         return (

@@ -116,6 +116,8 @@ class DocumentDeleted(Payload):
     document_id: DocumentId
     deleted_file: Text | None = Field(
         default=None,
+        min_length=1,
+        max_length=4096,  # a path as long as Linux allows: each branch snapshot reads these back
         description="On a branch: the document's file (its filePath), which the branch deleted whole; a query on the "
         "branch then hides main's documents of that file, those main adds later too. Without it, a branch tombstone "
         "hides main's document of its id only. Ignored on main.",

@@ -20,6 +20,7 @@ from ontofabric.services.ingest.chunking import (
 )
 from ontofabric.services.ingest.graph import python_graph
 from ontofabric.services.ingest.ingester import (
+    DELETED_FILE,
     TOMBSTONE,
     UNKNOWN,
     Manifest,
@@ -399,11 +400,15 @@ def test_a_branch_that_only_takes_documents_out_of_a_file_or_deletes_it_says_so(
     assert (plan.upserts, plan.deletes) == (["d:intro", "d:usage"], ["d:end", "d:last", "d:top"])
     assert plan.deleted_files == {"d:end": "b.md", "d:top": "b.md"}
     saved = Manifest.from_json(plan.manifest.to_json())
-    assert saved.files == {"d:intro": "a.md", "d:usage": "a.md", "d:end": "b.md", "d:top": "b.md"}
+    assert saved.files == {"d:intro": "a.md", "d:usage": "a.md", "d:last": "a.md", "d:end": "b.md", "d:top": "b.md"}
+    assert (saved.entries["d:last"], saved.entries["d:end"]) == (TOMBSTONE, DELETED_FILE)
     assert plan_ingest({"d:intro": "1", "d:usage": "1"}, saved, main, files).deletes == []  # said once
     # Tombstones sent before files were recorded name no file: they go again, naming it.
-    before = Manifest({**saved.entries})
+    before = Manifest({k: TOMBSTONE if v == DELETED_FILE else v for k, v in saved.entries.items()})
     assert plan_ingest({"d:intro": "1", "d:usage": "1"}, before, main, files).deletes == ["d:end", "d:top"]
+    # Main's manifest saved again by a release that records no files: the branch's own record stands in.
+    again = plan_ingest({"d:intro": "1", "d:usage": "1"}, saved, Manifest(main.entries), files)
+    assert (again.upserts, again.deletes, again.reverts) == ([], [], [])
     # b.md back on the branch, changed: its tombstones no longer say the file is deleted.
     files_back = {**files, "d:top": "b.md"}
     back = plan_ingest({"d:intro": "1", "d:usage": "1", "d:top": "2"}, saved, main, files_back)

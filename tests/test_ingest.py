@@ -527,6 +527,23 @@ async def test_ingest_skips_what_no_delta_can_carry_and_goes_on(
     assert list(manifest.entries.values()).count(UNKNOWN) == 1  # tried again by the next ingest
 
 
+async def test_an_ingest_that_sends_nothing_saves_no_manifest_though_a_new_file_is_too_large_to_send(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """A reviewer's: the too-large document's file counted as a file to record, which the manifest never holds,
+    so every ingest saved it again."""
+    _write(tmp_path, {"good.py": "def area(r):\n    return 3.14 * r * r\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    await ingester.ingest(tmp_path, "repo")
+    (tmp_path / "controls.md").write_text("\x01" * 200_000)
+    generations = set()
+    for _ in range(3):
+        report = await ingester.ingest(tmp_path, "repo")
+        assert (report.too_large, report.last_sequence) == (["markdown:controls.md#"], None)
+        generations.add((await ingester._manifests.load("repo", "main")).generation)
+    assert len(generations) == 1
+
+
 async def test_an_ingest_stopped_part_way_leaves_nothing_the_next_one_cannot_remove(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -413,15 +413,20 @@ def chunk_tree(root: Path, max_content_bytes: int) -> list[Chunk]:
 
 
 TOMBSTONE = "-"
+"""A manifest value: the branch hides main's entity of this key."""
+DELETED_FILE = "-f"
+"""A manifest value: the branch hides main's document of this key, and every other of its file, which the branch
+deleted (its tombstone names the file: ``deletedFile``)."""
+REMOVED = (TOMBSTONE, DELETED_FILE)
 UNKNOWN = "?"
 """The hash of a key two racing ingests disagreed on: it matches nothing, so the next ingest sends it again."""
 SAVE_ATTEMPTS = 5
-"""A manifest value: the branch hides main's entity of this key."""
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """What the last ingest left on a branch: entity key -> content hash (or TOMBSTONE on a branch).
+    """What the last ingest left on a branch: entity key -> content hash (or, on a branch, TOMBSTONE or
+    DELETED_FILE).
 
     Keys name the entity kind: ``d:<document id>``, ``n:<object type>``, ``l:<source>|<link>|<target>``. On a
     branch the manifest holds only the branch's delta over main, as the branch stores it.
@@ -503,7 +508,7 @@ def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifes
         before = held.get(key)
         if key.startswith("d:") and (before is None or before.split("|")[0] != value.split("|")[0]):
             kept[key] = value  # its text is new: sent
-        elif before is not None and before != TOMBSTONE:
+        elif before is not None and before not in REMOVED:
             kept[key] = before
     return kept
 
@@ -539,32 +544,31 @@ def plan_ingest(
     and went with main's deletion of the file (an outside tester's)."""
     base = main.entries if main is not None else {}
     target = {k: h for k, h in desired.items() if base.get(k) != h}
+    # Each key's file: the tree's, else main's manifest's, else the branch's own record (main's manifest saved by
+    # a release that records none would otherwise take back what the branch holds, a reviewer's).
+    file_of = {
+        **previous.files,
+        **(main.files if main is not None else {}),
+        **{k: f for k, f in (files or {}).items() if f},
+    }
     deleted_files: dict[str, str] = {}
     if main is not None:
         removed = [k for k in base if k not in desired]
         if files is not None:
             present = {path for path in files.values() if path is not None}
             owned = {files[k] for k in target if files.get(k) is not None}
-            owned |= {main.files[k] for k in removed if main.files.get(k) in present}  # only a section taken out
+            owned |= {file_of[k] for k in removed if file_of.get(k) in present}  # only a section taken out
             target.update({k: h for k, h in desired.items() if files.get(k) in owned})
-            deleted_files = {k: main.files[k] for k in removed if k in main.files and main.files[k] not in present}
-        target.update({k: TOMBSTONE for k in removed})
-    upserts = sorted(k for k, h in target.items() if h != TOMBSTONE and previous.entries.get(k) != h)
-    # A tombstone goes again when the file it names changes (one sent before files were recorded names none).
-    tombstones = sorted(
-        k
-        for k, h in target.items()
-        if h == TOMBSTONE and (previous.entries.get(k) != TOMBSTONE or previous.files.get(k) != deleted_files.get(k))
-    )
+            deleted_files = {k: file_of[k] for k in removed if k in file_of and file_of[k] not in present}
+        target.update({k: DELETED_FILE if k in deleted_files else TOMBSTONE for k in removed})
+    upserts = sorted(k for k, h in target.items() if h not in REMOVED and previous.entries.get(k) != h)
+    # A tombstone goes again when what it says changes: a file deleted, or back (one sent before files were
+    # recorded is TOMBSTONE, and goes again once, naming its file).
+    tombstones = sorted(k for k, h in target.items() if h in REMOVED and previous.entries.get(k) != h)
     gone = sorted(k for k in previous.entries if k not in target)
     deletes, reverts = (tombstones, gone) if main is not None else (gone, [])
     unchanged = len(desired) - sum(1 for k in upserts if k in desired)
-    known = files or {}
-    recorded = {
-        k: path
-        for k, h in target.items()
-        if (path := deleted_files.get(k) if h == TOMBSTONE else known.get(k)) is not None
-    }
+    recorded = {k: file_of[k] for k in target if k in file_of}
     return IngestPlan(upserts, deletes, reverts, unchanged, Manifest(target, files=recorded), deleted_files)
 
 
@@ -875,7 +879,7 @@ class Ingester:
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
             await self._save_manifest(workspace, branch, done, loaded)
-        elif patterns_changed or plan.manifest.files != previous.files:
+        elif patterns_changed or _files_of_entries(plan.manifest.files, previous) != previous.files:
             # Nothing sent, but the patterns changed or the documents' files were not recorded (a manifest saved
             # before they were, which a branch needs of main's): recorded if no other ingest saved meanwhile.
             unchanged_manifest = Manifest(previous.entries, patterns, plan.manifest.files)
@@ -949,6 +953,12 @@ def _upsert(
             node=OntologyNode(domain=node.domain, name=node.name, kind=node.kind, interfaces=list(node.interfaces))
         )
     return LinkAdded(link=_link_of(links[name].key))
+
+
+def _files_of_entries(files: Mapping[str, str], manifest: Manifest) -> dict[str, str]:
+    """``files`` of the keys ``manifest`` holds: what it records of them once saved (a key too large to send is
+    in a plan's files but not in the manifest, which was saved again at every ingest: a reviewer's)."""
+    return {key: path for key, path in files.items() if key in manifest.entries}
 
 
 def _removal(key: str, deleted_file: str | None = None, revert: bool = False) -> DeltaPayload:

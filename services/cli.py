@@ -38,7 +38,7 @@ from ontofabric.contracts import CHUNK_LEVELS, MAIN_BRANCH, PROVENANCES, ErrorRe
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.shared.db import DeploymentMismatch, migrate
-from ontofabric.shared.embedder import ModelMissing, build_embedder
+from ontofabric.shared.embedder import EmbedderMismatch, ModelMissing, build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import (
     ANY_SUBJECT,
@@ -1801,7 +1801,8 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except (
-        PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable, ModelMissing, DeploymentMismatch
+        PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable, ModelMissing, DeploymentMismatch,
+        EmbedderMismatch,
     ) as error:  # fmt: skip
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)

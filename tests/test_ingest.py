@@ -34,7 +34,7 @@ from ontofabric.services.ingest.ingester import (
 )
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.embedder import Embedder, LoadedOnDemand, build_embedder, embedding_text
+from ontofabric.shared.embedder import Embedder, EmbedderMismatch, LoadedOnDemand, build_embedder, embedding_text
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
@@ -238,6 +238,24 @@ async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly
         for c in chunk_file(name, (ours / name).read_text(), deployment.settings.max_content_bytes)
     }
     assert await _live(deployment) == expected
+
+
+async def test_an_ingest_whose_vectors_all_come_from_the_cache_still_checks_their_dimension(
+    deployment: Deployment, embedder: Embedder, tmp_path: Path
+) -> None:
+    """A reviewer's: with the model loaded on demand, a wrong ONTOFABRIC_EMBEDDING_DIM was no longer found at start,
+    and cached vectors of another dimension were sent, for the projector to dead-letter."""
+    _write(tmp_path / "tree", {"a.py": "def a():\n    return 1\n"})
+    cache = EmbeddingCache(tmp_path / "embeddings.sqlite")
+    filled = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes, cache=cache)
+    await filled.ingest(tmp_path / "tree", "repo")
+    wrong = LoadedOnDemand(Settings(embedding_dim=768))
+    ingester = Ingester(deployment.js, deployment.names, wrong, deployment.settings.max_content_bytes, cache=cache)
+    with pytest.raises(EmbedderMismatch, match="have 384 dimensions; the deployment is set to 768"):
+        await ingester.ingest(tmp_path / "tree", "other")
+    assert not wrong.loaded
+    assert (await ingester.load_manifest("other", "main")).entries == {}  # nothing sent, nothing recorded
+    cache.close()
 
 
 async def test_two_racing_ingests_of_a_branch_one_deleting_a_file_the_other_changing_it_reuse_no_event_id(

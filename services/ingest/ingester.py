@@ -57,7 +57,7 @@ from ontofabric.contracts.documents import (
     MAX_METADATA_BYTES,
     stored_json_bytes,
 )
-from ontofabric.shared.embedder import Embedder
+from ontofabric.shared.embedder import Embedder, EmbedderMismatch
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
 from ontofabric.shared.logging import get_logger
@@ -922,6 +922,11 @@ class Ingester:
             batch = [texts[i] for i in indexes]
             embed = self._cache.embed if self._cache is not None else embed_with_signs
             result = await asyncio.to_thread(embed, embedder, batch)
+            if result.vectors.shape[1] != embedder.dimension:  # vectors from the cache, the model not loaded
+                raise EmbedderMismatch(
+                    f"{embedder.model_name}'s vectors have {result.vectors.shape[1]} dimensions; the deployment is "
+                    f"set to {embedder.dimension} (ONTOFABRIC_EMBEDDING_DIM). Nothing was published"
+                )
             second = await asyncio.to_thread(SecondVectors.of, self._second, batch, self._cache)
             made = ChunkEmbedding.of(result, embedder.dimension, self._token_vectors, second)
             for i, chunk_embedding in zip(indexes, made, strict=True):

@@ -120,7 +120,7 @@ class DocumentDeleted(Payload):
         max_length=4096,  # a path as long as Linux allows: each branch snapshot reads these back
         description="On a branch: the document's file (its filePath), which the branch deleted whole; a query on the "
         "branch then hides main's documents of that file, those main adds later too. Without it, a branch tombstone "
-        "hides main's document of its id only. Ignored on main.",
+        "hides main's document of its id only. Ignored on main. An index key, as a document's filePath is.",
     )
 
     entity: ClassVar[EntityKind] = "document"

@@ -244,7 +244,12 @@ class DocumentMetadata(WireModel):
         "an index key).",
     )
     content_hash: Text | None = Field(default=None, description="sha256 of the content, hex.")
-    file_path: Text | None = Field(default=None, description="Source path relative to the ingested root.")
+    file_path: Text | None = Field(
+        default=None,
+        description="Source path relative to the ingested root. An index key (a branch hides main's documents by "
+        "file): one the database cannot index (past about 2,000 bytes that do not compress) is dead-lettered "
+        "apply_failed, as a symbolKey is.",
+    )
     whole_file: bool | None = Field(
         default=None,
         strict=True,

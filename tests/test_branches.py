@@ -286,6 +286,46 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
     assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
 
 
+async def test_a_file_only_calling_what_a_branch_moved_follows_main(
+    deployment: Deployment, worker: QueryClient, tmp_path: Path
+) -> None:
+    """An outside tester's: moving a function on a branch changed the calls of the chunks calling it, and each of
+    their files was taken whole: main's later changes to those files, whose text the branch never changed,
+    stopped showing on the branch."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    calling = "import u\n\n\ndef g():\n    return u.f()\n\n\ndef h():\n    return 2\n"
+    (tree / "u.py").write_text("def f():\n    return 1\n")
+    (tree / "n.py").write_text("X = 1\n")
+    (tree / "w.py").write_text(calling)
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+
+    async def ingested(branch: str = "main") -> None:
+        result = await ingester.ingest(tree, "acme", branch)
+        if result.last_sequence is not None:
+            await deployment.wait_projected(result.last_sequence)
+
+    async def places(branch: str) -> dict[str, tuple[object, object]]:
+        reply = await _ask(worker, "return", branch=branch, chunkLevel="method")
+        return {
+            r.metadata["symbolFqn"]: (r.metadata.get("startLine"), r.metadata.get("endLine")) for r in reply.results
+        }
+
+    await ingested()
+    (tree / "u.py").write_text("from n import f\n")
+    (tree / "n.py").write_text("X = 1\n\n\ndef f():\n    return 1\n")
+    await ingested("feat")
+    rows = await deployment.fetch(
+        "SELECT symbol_fqn, metadata -> 'calls' AS calls, metadata ? 'wholeFile' AS whole FROM documents"
+        " WHERE branch = 'feat' AND file_path = 'w.py'"
+    )
+    assert [(r["symbol_fqn"], r["calls"], r["whole"]) for r in rows] == [("w.g", '["n.f"]', False)]
+    (tree / "w.py").write_text(f"# main, later\n{calling}\n\ndef k():\n    return 3\n")
+    await ingested()
+    # Main's later w.py shows on the branch: k, and h where main has it; g is the branch's (its calls, its lines).
+    assert await places("feat") == {"n.f": (4, 5), "w.g": (4, 5), "w.h": (9, 10), "w.k": (13, 14)}
+
+
 async def test_a_branch_that_took_a_section_out_of_a_file_or_deleted_it_keeps_mains_later_changes_out(
     deployment: Deployment, worker: QueryClient, tmp_path: Path
 ) -> None:

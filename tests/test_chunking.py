@@ -390,6 +390,20 @@ def test_a_branch_that_changes_a_file_holds_every_document_of_it() -> None:
     assert (back.upserts, back.reverts, back.manifest.entries) == ([], ["d:f", "d:g", "d:mod"], {})
 
 
+def test_a_file_whose_documents_differ_only_in_what_other_files_make_of_them_follows_main() -> None:
+    """An outside tester's: a function moved on a branch changed the calls of every chunk calling it, and each of
+    their files was taken whole, so main's later changes to those files stopped showing on the branch."""
+    main = Manifest({"d:utils": "u|sig", "d:nap": "n|sig", "d:wait": "w|sig", "d:caller": "c|sig|calls:utils.f"})
+    files = {"d:utils": "utils.py", "d:nap": "nap.py", "d:wait": "wait.py", "d:caller": "wait.py"}
+    moved = {"d:utils": "u2|sig", "d:nap": "n2|sig", "d:wait": "w|sig", "d:caller": "c|sig|calls:nap.f"}
+    plan = plan_ingest(moved, Manifest(), main, files)
+    assert plan.upserts == ["d:caller", "d:nap", "d:utils"]  # the caller overrides main's by id; wait.py's rest not
+    assert plan.whole_file == {"d:nap", "d:utils"}
+    # A caller whose text changed too makes its file the branch's.
+    edited = plan_ingest({**moved, "d:caller": "c2|sig|calls:nap.f"}, Manifest(), main, files)
+    assert edited.whole_file == {"d:caller", "d:nap", "d:utils", "d:wait"}
+
+
 def test_a_branch_that_only_takes_documents_out_of_a_file_or_deletes_it_says_so() -> None:
     """Note 77's: a file a branch changed only by losing a document (its last section, a cut tail) was not held
     whole, and a Markdown file it deleted had no module to say so; main's later changes showed through on it."""

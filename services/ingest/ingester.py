@@ -495,6 +495,8 @@ class IngestPlan:
     """The manifest once this plan is published."""
     deleted_files: dict[str, str] = field(default_factory=dict)
     """On a branch: each of ``deletes`` of a file the branch deleted whole, with that file (its delta says so)."""
+    whole_file: frozenset[str] = frozenset()
+    """On a branch: the keys of ``upserts`` of a file the branch holds whole (their documents say so)."""
 
 
 def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> dict[str, str]:
@@ -506,7 +508,7 @@ def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifes
     kept = {}
     for key, value in desired.items():
         before = held.get(key)
-        if key.startswith("d:") and (before is None or before.split("|")[0] != value.split("|")[0]):
+        if key.startswith("d:") and _text(before) != _text(value):
             kept[key] = value  # its text is new: sent
         elif before is not None and before not in REMOVED:
             kept[key] = before
@@ -552,13 +554,19 @@ def plan_ingest(
         **{k: f for k, f in (files or {}).items() if f},
     }
     deleted_files: dict[str, str] = {}
+    whole_file: frozenset[str] = frozenset()
     if main is not None:
         removed = [k for k in base if k not in desired]
         if files is not None:
             present = {path for path in files.values() if path is not None}
-            owned = {files[k] for k in target if files.get(k) is not None}
+            # A file is the branch's when its text differs from main's: a document of it new, changed or gone. One
+            # whose documents differ only in what other files make of them (the calls of a function that moved)
+            # follows main, those documents overriding main's by id (an outside tester's: moving a function took
+            # every file calling it whole, and main's later changes to those files stopped showing on the branch).
+            owned = {files[k] for k in target if files.get(k) is not None and _text(target[k]) != _text(base.get(k))}
             owned |= {file_of[k] for k in removed if file_of.get(k) in present}  # only a section taken out
             target.update({k: h for k, h in desired.items() if files.get(k) in owned})
+            whole_file = frozenset(k for k in target if files.get(k) in owned)
             deleted_files = {k: file_of[k] for k in removed if k in file_of and file_of[k] not in present}
         target.update({k: DELETED_FILE if k in deleted_files else TOMBSTONE for k in removed})
     upserts = sorted(k for k, h in target.items() if h not in REMOVED and previous.entries.get(k) != h)
@@ -569,7 +577,13 @@ def plan_ingest(
     deletes, reverts = (tombstones, gone) if main is not None else (gone, [])
     unchanged = len(desired) - sum(1 for k in upserts if k in desired)
     recorded = {k: file_of[k] for k in target if k in file_of}
-    return IngestPlan(upserts, deletes, reverts, unchanged, Manifest(target, files=recorded), deleted_files)
+    manifest = Manifest(target, files=recorded)
+    return IngestPlan(upserts, deletes, reverts, unchanged, manifest, deleted_files, whole_file)
+
+
+def _text(value: str | None) -> str | None:
+    """The part of a manifest value that is the document's text (its content hash), without what is derived."""
+    return None if value is None else value.split("|", 1)[0]
 
 
 DELTA_HEADER_ROOM_BYTES = 1024
@@ -843,7 +857,7 @@ class Ingester:
             return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))
 
         keyed = {
-            key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model, main is not None))
+            key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model, key in plan.whole_file))
             for key in plan.upserts
         }
         # A tombstone naming its file is another change than one naming none: two ingests racing from one
@@ -947,11 +961,11 @@ def _upsert(
     links: Mapping[str, GraphLink],
     vectors: Mapping[str, ChunkEmbedding | None],
     model: str | None,
-    on_branch: bool,
+    whole_file: bool,
 ) -> DeltaPayload:
     kind, name = key[0], key[2:]
     if kind == "d":
-        return DocumentUpserted(document=to_document(chunks[name], vectors[name], model, whole_file=on_branch))
+        return DocumentUpserted(document=to_document(chunks[name], vectors[name], model, whole_file=whole_file))
     if kind == "n":
         node = nodes[name]
         return NodeUpserted(

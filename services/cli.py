@@ -543,7 +543,8 @@ def ingest(
 
 
 def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
-    """Say when this ingest's --exclude patterns differ from the branch's last ingest's, or from main's."""
+    """Say when this ingest's --exclude patterns differ from the branch's last ingest's, or from main's, and when a
+    branch's modules are named after main's package, not the tree's directory."""
 
     def shown(patterns: Sequence[str]) -> str:
         return shlex.join(patterns) if patterns else "nothing"
@@ -558,6 +559,11 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
         notes.append(
             f"{workspace}/{MAIN_BRANCH} was last ingested excluding {shown(report.main_exclusions)}; this ingest of "
             f"{branch} excludes {now}, and what they differ in shows as the branch's own changes"
+        )
+    if report.package_of_main is not None:
+        notes.append(
+            f"the modules are named after {report.package_of_main}, as {workspace}/{MAIN_BRANCH} names them, not after "
+            f"this tree's directory; pass --package to name them otherwise"
         )
     for note in notes:
         errors.print(f"note: {note}", soft_wrap=True, markup=False)

@@ -258,6 +258,28 @@ async def test_an_ingest_whose_vectors_all_come_from_the_cache_still_checks_thei
     cache.close()
 
 
+async def test_a_branch_checked_out_in_a_directory_of_another_name_names_its_modules_as_main_does(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """An outside tester's: a branch ingested from a git worktree named `tenacity2` renamed every module, sent
+    every chunk again and held every file whole, without a word."""
+    files = {"__init__.py": "from .core import run\n", "core.py": "def run():\n    return 1\n"}
+    _write(tmp_path / "pkg", files)
+    _write(tmp_path / "pkg-feature", {**files, "core.py": "def run():\n    return 2\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    await ingester.ingest(tmp_path / "pkg", "repo")
+    assert (await ingester.load_manifest("repo", "main")).package == "pkg"
+    report = await ingester.ingest(tmp_path / "pkg-feature", "repo", "feat")
+    assert (report.package_of_main, report.upserts, report.unchanged) == ("pkg", 2, 1)  # core.py's file and run
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    rows = await deployment.fetch("SELECT symbol_fqn FROM documents WHERE branch = 'feat' ORDER BY symbol_fqn")
+    assert [r["symbol_fqn"] for r in rows] == ["pkg.core", "pkg.core.run"]
+    # Named on purpose, it is as named.
+    named = await ingester.ingest(tmp_path / "pkg-feature", "repo", "other", package="feature")
+    assert (named.package_of_main, named.unchanged) == (None, 0)
+
+
 async def test_two_racing_ingests_of_a_branch_one_deleting_a_file_the_other_changing_it_reuse_no_event_id(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -440,6 +440,9 @@ class Manifest:
     """Document key -> its file, for the keys of ``entries`` whose file is known: what tells a branch which file
     it changed when it only removes a document (a file's last section), or deletes a whole file, of main's.
     Empty in a manifest saved before it was recorded."""
+    package: str | None = None
+    """The package the ingest that saved it named the tree's modules after ("" for none), so that a branch's
+    checkout in a directory of another name is named as main was; None where not recorded."""
 
     @property
     def unknown(self) -> int:
@@ -459,6 +462,8 @@ class Manifest:
                 keys_by_file.setdefault(path, []).append(key)
         if keys_by_file:  # likewise ignored by an earlier release
             document["files"] = {path: sorted(keys) for path, keys in keys_by_file.items()}
+        if self.package is not None:
+            document["package"] = self.package
         return json.dumps(document, sort_keys=True).encode()
 
     def merged_with(self, other: Manifest) -> Manifest:
@@ -466,7 +471,7 @@ class Manifest:
         is known; any other key is UNKNOWN, so the next ingest sends it again or removes it."""
         mine, theirs = self.entries, other.entries
         merged = {k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()}
-        return Manifest(merged, self.exclude, {**other.files, **self.files})
+        return Manifest(merged, self.exclude, {**other.files, **self.files}, self.package)
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -476,7 +481,7 @@ class Manifest:
             entries = {f"d:{key}": value for key, value in entries.items()}
         recorded = stored.get("exclude")
         files = {key: path for path, keys in stored.get("files", {}).items() for key in keys}
-        return cls(entries, None if recorded is None else tuple(recorded), files)
+        return cls(entries, None if recorded is None else tuple(recorded), files, stored.get("package"))
 
 
 def _manifest_of(stored: StoredManifest) -> Manifest:
@@ -527,7 +532,7 @@ def without_removals(plan: IngestPlan, previous: Manifest) -> IngestPlan:
                 files[key] = previous.files[key]
         else:  # a tombstone it would have added
             entries.pop(key, None)
-    manifest = Manifest(entries, plan.manifest.exclude, files)
+    manifest = Manifest(entries, plan.manifest.exclude, files, plan.manifest.package)
     return replace(plan, deletes=[], reverts=[], manifest=manifest, deleted_files={})
 
 
@@ -725,6 +730,9 @@ class IngestReport:
     unread: tuple[str, ...] = ()
     """Files and directories that could not be read (access denied, a failing disk), relative to the tree: while
     there are any, the ingest deletes nothing."""
+    package_of_main: str | None = None
+    """On a branch: the package its modules were named after, main's, when the tree's directory has another name
+    and no package was given."""
 
 
 class Ingester:
@@ -800,7 +808,15 @@ class Ingester:
             raise ExclusionRefused(
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
             )
-        package = own_package(root, package)
+        main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
+        named, package_of_main = package, None
+        package = own_package(root, named)
+        is_package = await asyncio.to_thread((root / "__init__.py").is_file)
+        if named is None and is_package and main is not None and main.package and main.package != package:
+            # A branch checked out in a directory of another name (a git worktree, `tenacity2`; `repo-feature`
+            # names no package) named every module after it, or after none: every chunk sent again, every file
+            # held whole (an outside tester's).
+            package = package_of_main = main.package
 
         # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
         # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
@@ -826,7 +842,6 @@ class Ingester:
         loaded = await self._manifests.load(workspace, branch)
         previous = _manifest_of(loaded)
         patterns_changed = previous.exclude is not None and previous.exclude != patterns
-        main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
         files = {f"d:{i}": c.file_path for i, c in chunks.items()}
         if unread:  # a directory not listed was left out, and its documents deleted (an ingest tester's)
             read = as_far_as_read(desired, previous, main)
@@ -875,7 +890,7 @@ class Ingester:
         # The previous patterns until the ingest is done: one stopped part way says again that they changed.
         in_flight = Manifest(
             {**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude,
-            {**previous.files, **plan.manifest.files},
+            {**previous.files, **plan.manifest.files}, previous.package,
         )  # fmt: skip
         if deltas:
             # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
@@ -888,15 +903,20 @@ class Ingester:
         )
         publish_s = time.perf_counter() - publish_started
         if deltas:
-            done = Manifest({**plan.manifest.entries, **unknown}, patterns, plan.manifest.files)
+            done = Manifest({**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package or "")
             saved = _manifest_of(loaded)
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
             await self._save_manifest(workspace, branch, done, loaded)
-        elif patterns_changed or _files_of_entries(plan.manifest.files, previous) != previous.files:
-            # Nothing sent, but the patterns changed or the documents' files were not recorded (a manifest saved
-            # before they were, which a branch needs of main's): recorded if no other ingest saved meanwhile.
-            unchanged_manifest = Manifest(previous.entries, patterns, plan.manifest.files)
+        elif (
+            patterns_changed
+            or _files_of_entries(plan.manifest.files, previous) != previous.files
+            or previous.package != (package or "")
+        ):
+            # Nothing sent, but the patterns changed or the documents' files or the package were not recorded (a
+            # manifest saved before they were, which a branch needs of main's): recorded if no other ingest saved
+            # meanwhile.
+            unchanged_manifest = Manifest(previous.entries, patterns, plan.manifest.files, package or "")
             try:
                 await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
             except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
@@ -917,6 +937,7 @@ class Ingester:
             exclusions=patterns,
             unparsed=tuple(f"{c.file_path} ({c.parse_error})" for c in chunks.values() if c.parse_error is not None),
             unread=tuple(unread),
+            package_of_main=package_of_main,
             exclusions_before=previous.exclude if patterns_changed else None,
             main_exclusions=(
                 main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None

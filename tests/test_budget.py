@@ -274,3 +274,20 @@ def test_an_answer_from_the_cache_is_cut_as_the_first_answer_was() -> None:
         assert again.results == made.results, max_tokens
         assert made.meta.budget is not None
         assert again.meta.budget == made.meta.budget.model_copy(update={"estimated_tokens": ANY})
+
+
+def test_the_best_ranked_result_keeps_a_slice_of_its_content_when_listing_every_result_would_leave_none() -> None:
+    """A tester's: with topK 5 and maxTokens 1,500 every result was listed and not one kept its content."""
+    answer = _answer(["def step(): return 1\n" * 100 for _ in range(20)])
+    heavy = answer.model_copy(update={"results": [
+        r.model_copy(update={"metadata": {"filePath": f"f{r.id}.py", "symbolFqn": "pkg.module." + "x" * 300}})
+        for r in answer.results
+    ]})  # fmt: skip
+    for max_tokens in range(HELD + 700, HELD + 2000, 50):
+        fitted, body = _fit(heavy, max_tokens)
+        assert len(body) <= max_tokens * BYTES_PER_TOKEN
+        first = fitted.results[0]
+        assert first.content is not None, max_tokens
+        assert len(first.content) >= 300, max_tokens
+        assert fitted.meta.budget is not None
+        assert fitted.meta.budget.results_dropped == 20 - len(fitted.results)

@@ -4,7 +4,8 @@ An agent's client refuses or truncates a tool result past a size of its own (Cla
 refuses a message past its maximum payload. So the worker fits every reply: results keep their rank order; each
 result's content is kept whole while it fits, the first that does not is cut at a line near the limit, and the
 rest go without content (their ids, scores and metadata still listed); only when even those do not fit are the
-lowest-ranked results left out (and a result too large to list even alone, by its metadata, on its own). What
+lowest-ranked results left out (and a result too large to list even alone, by its metadata, on its own), but
+for a slice of the best-ranked result's content (MIN_SLICE_BYTES), whose room is held first. What
 ``_meta`` says about the results (the chunks collapsed into them, the context linked from them) comes last, in
 their rank order, as far as room is left: a result with many nested chunks is never left out for their sake.
 Tokens are estimated at BYTES_PER_TOKEN bytes of the reply's JSON each.
@@ -194,7 +195,11 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     # A result too large to list even alone (metadata of any size is valid) is left out, not every result below it
     # with it: a tester's first hit with a 40 kB metadata field emptied the whole answer.
     alone = limit - RESERVE_BYTES - size([])
-    room, kept = alone, list[int]()
+    # Room held for a slice of the best-ranked result's content: a caller asking for many results on a small
+    # budget got every result listed and not one content, the first's included (a tester's).
+    first = response.results[0].content if response.results else None
+    held = 0 if first is None else min(json_size(first) - len("null"), MIN_SLICE_BYTES)
+    room, kept = alone - held, list[int]()
     for position, result in enumerate(bare):
         cost = len(result.model_dump_json().encode())
         if cost > alone:

@@ -560,6 +560,12 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
             f"{workspace}/{MAIN_BRANCH} was last ingested excluding {shown(report.main_exclusions)}; this ingest of "
             f"{branch} excludes {now}, and what they differ in shows as the branch's own changes"
         )
+    if report.main_never_ingested:
+        notes.append(
+            f"{workspace}/{MAIN_BRANCH} has no ingest manifest (not ingested by `ontofabric ingest`): {branch} holds "
+            f"every file as its own, and none of main's later changes will show on it; ingest main first, then "
+            f"{branch} again"
+        )
     if report.package_of_main is not None:
         notes.append(
             f"the modules are named after {report.package_of_main}, as {workspace}/{MAIN_BRANCH} names them, not after "

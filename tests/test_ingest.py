@@ -267,8 +267,13 @@ async def test_a_branch_checked_out_in_a_directory_of_another_name_names_its_mod
     _write(tmp_path / "pkg", files)
     _write(tmp_path / "pkg-feature", {**files, "core.py": "def run():\n    return 2\n"})
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    early = await ingester.ingest(tmp_path / "pkg", "repo", "early")  # a tester's: said nothing
+    assert (early.main_never_ingested, early.upserts) == (True, 3)
     await ingester.ingest(tmp_path / "pkg", "repo")
     assert (await ingester.load_manifest("repo", "main")).package == "pkg"
+    # Ingested again once main is, the branch follows main: its chunks reverted, none of them unchanged.
+    again = await ingester.ingest(tmp_path / "pkg", "repo", "early")
+    assert (again.main_never_ingested, again.reverts, again.unchanged) == (False, 3, 0)
     report = await ingester.ingest(tmp_path / "pkg-feature", "repo", "feat")
     assert (report.package_of_main, report.upserts, report.unchanged) == ("pkg", 2, 1)  # core.py's file and run
     assert report.last_sequence is not None

@@ -58,6 +58,18 @@ async def _ask(client: QueryClient, text: str, **params: object) -> QueryRespons
     return reply
 
 
+async def _ingested(deployment: Deployment, ingester: Ingester, tree: Path, branch: str = "main") -> None:
+    result = await ingester.ingest(tree, "acme", branch)
+    if result.last_sequence is not None:
+        await deployment.wait_projected(result.last_sequence)
+
+
+async def _places(worker: QueryClient, branch: str) -> dict[str, tuple[object, object]]:
+    """Each method's qualified name, with its lines, as the branch shows them."""
+    reply = await _ask(worker, "return", branch=branch, chunkLevel="method")
+    return {r.metadata["symbolFqn"]: (r.metadata.get("startLine"), r.metadata.get("endLine")) for r in reply.results}
+
+
 def _node(object_type: str, *interfaces: str, branch: str = "main") -> DeltaEnvelope:
     domain, _, name = object_type.rpartition(".")
     node = OntologyNode(domain=domain, name=name, kind="class", interfaces=list(interfaces))
@@ -252,38 +264,27 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
     (tree / "gone.py").write_text("def gamma():\n    return 3\n")
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
 
-    async def ingested(branch: str = "main") -> None:
-        result = await ingester.ingest(tree, "acme", branch)
-        if result.last_sequence is not None:
-            await deployment.wait_projected(result.last_sequence)
-
-    async def places(branch: str) -> dict[str, tuple[object, object]]:
-        reply = await _ask(worker, "return", branch=branch, chunkLevel="method")
-        return {
-            r.metadata["symbolFqn"]: (r.metadata.get("startLine"), r.metadata.get("endLine")) for r in reply.results
-        }
-
-    await ingested()
+    await _ingested(deployment, ingester, tree)
     (tree / "a.py").write_text("def alpha():\n    return 1\n\n\ndef beta():\n    return 22\n")
     (tree / "gone.py").unlink()
-    await ingested("feat")
+    await _ingested(deployment, ingester, tree, "feat")
     (tree / "gone.py").write_text("def gamma():\n    return 3\n\n\ndef delta_gone():\n    return 5\n")
     # The branch holds all of a.py, though alpha is as main has it: 3 documents, not 2.
     rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE branch = 'feat' AND NOT deleted")
     assert rows[0]["n"] == 3
     (tree / "a.py").write_text("# one\n# two\n\ndef alpha():\n    return 1\n\n\ndef beta():\n    return 2\n\n\n"
                                "def delta():\n    return 4\n")  # fmt: skip
-    await ingested()
-    assert await places("main") == {
+    await _ingested(deployment, ingester, tree)
+    assert await _places(worker, "main") == {
         "a.alpha": (4, 5), "a.beta": (8, 9), "a.delta": (12, 13), "gone.gamma": (1, 2), "gone.delta_gone": (5, 6),
     }  # fmt: skip
     # The branch's a.py, none of main's; and nothing of gone.py, which it deleted, though main added to it.
-    assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
+    assert await _places(worker, "feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
     (tree / "a.py").unlink()
     (tree / "other.py").write_text("X = 1\n")
-    await ingested()
-    assert await places("main") == {"gone.gamma": (1, 2), "gone.delta_gone": (5, 6)}
-    assert await places("feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
+    await _ingested(deployment, ingester, tree)
+    assert await _places(worker, "main") == {"gone.gamma": (1, 2), "gone.delta_gone": (5, 6)}
+    assert await _places(worker, "feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
 
 
 async def test_a_file_only_calling_what_a_branch_moved_follows_main(
@@ -300,30 +301,19 @@ async def test_a_file_only_calling_what_a_branch_moved_follows_main(
     (tree / "w.py").write_text(calling)
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
 
-    async def ingested(branch: str = "main") -> None:
-        result = await ingester.ingest(tree, "acme", branch)
-        if result.last_sequence is not None:
-            await deployment.wait_projected(result.last_sequence)
-
-    async def places(branch: str) -> dict[str, tuple[object, object]]:
-        reply = await _ask(worker, "return", branch=branch, chunkLevel="method")
-        return {
-            r.metadata["symbolFqn"]: (r.metadata.get("startLine"), r.metadata.get("endLine")) for r in reply.results
-        }
-
-    await ingested()
+    await _ingested(deployment, ingester, tree)
     (tree / "u.py").write_text("from n import f\n")
     (tree / "n.py").write_text("X = 1\n\n\ndef f():\n    return 1\n")
-    await ingested("feat")
+    await _ingested(deployment, ingester, tree, "feat")
     rows = await deployment.fetch(
         "SELECT symbol_fqn, metadata -> 'calls' AS calls, metadata ? 'wholeFile' AS whole FROM documents"
         " WHERE branch = 'feat' AND file_path = 'w.py'"
     )
     assert [(r["symbol_fqn"], r["calls"], r["whole"]) for r in rows] == [("w.g", '["n.f"]', False)]
     (tree / "w.py").write_text(f"# main, later\n{calling}\n\ndef k():\n    return 3\n")
-    await ingested()
+    await _ingested(deployment, ingester, tree)
     # Main's later w.py shows on the branch: k, and h where main has it; g is the branch's (its calls, its lines).
-    assert await places("feat") == {"n.f": (4, 5), "w.g": (4, 5), "w.h": (9, 10), "w.k": (13, 14)}
+    assert await _places(worker, "feat") == {"n.f": (4, 5), "w.g": (4, 5), "w.h": (9, 10), "w.k": (13, 14)}
 
 
 async def test_a_branch_that_took_a_section_out_of_a_file_or_deleted_it_keeps_mains_later_changes_out(
@@ -338,31 +328,26 @@ async def test_a_branch_that_took_a_section_out_of_a_file_or_deleted_it_keeps_ma
     (tree / "notes.md").write_text("# Notes\n\nnote steps\n")
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
 
-    async def ingested(branch: str = "main") -> None:
-        result = await ingester.ingest(tree, "acme", branch)
-        if result.last_sequence is not None:
-            await deployment.wait_projected(result.last_sequence)
-
     async def sections(branch: str) -> dict[str, object]:
         reply = await _ask(worker, "steps", branch=branch)
         return {r.metadata["symbolFqn"]: r.metadata.get("startLine") for r in reply.results}
 
-    await ingested()
+    await _ingested(deployment, ingester, tree)
     # Main's manifest as an earlier release saved it, without the documents' files: an ingest that sends nothing
     # records them, so that the branch can tell which files it changed.
     loaded = await ingester._manifests.load("acme", "main")
     recorded = Manifest.from_json(loaded.data or b"")
     await ingester._manifests.save("acme", "main", Manifest(recorded.entries, recorded.exclude).to_json(), loaded)
     assert (await ingester.load_manifest("acme", "main")).files == {}
-    await ingested()
+    await _ingested(deployment, ingester, tree)
     assert (await ingester.load_manifest("acme", "main")).files == recorded.files != {}
     (tree / "guide.md").write_text(guide.split("## Remove")[0])
     (tree / "notes.md").unlink()
-    await ingested("feat")
+    await _ingested(deployment, ingester, tree, "feat")
     (tree / "guide.md").write_text("# Guide\n\nintro\n\nguide steps\n\n## Install\n\ninstall steps\n\n## Remove\n\n"
                                    "remove steps\n\n## Upgrade\n\nupgrade steps\n")  # fmt: skip
     (tree / "notes.md").write_text("# Notes\n\nnote steps\n\n## More\n\nmore steps\n")
-    await ingested()
+    await _ingested(deployment, ingester, tree)
     assert await sections("main") == {
         "guide.md > Guide": 1, "guide.md > Guide > Install": 7, "guide.md > Guide > Remove": 11,
         "guide.md > Guide > Upgrade": 15, "notes.md > Notes": 1, "notes.md > Notes > More": 5,
@@ -372,7 +357,7 @@ async def test_a_branch_that_took_a_section_out_of_a_file_or_deleted_it_keeps_ma
     # than any other of main's documents of a file the branch holds.
     (tree / "notes.md").write_text("# Notes\n\nnote steps, the branch's\n")
     (tree / "guide.md").write_text(guide.split("## Remove")[0])
-    await ingested("feat")
+    await _ingested(deployment, ingester, tree, "feat")
     assert await sections("feat") == {
         "guide.md > Guide": 1, "guide.md > Guide > Install": 5, "notes.md > Notes": 1,
     }  # fmt: skip

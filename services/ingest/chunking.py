@@ -429,10 +429,11 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int, unread: str |
     document_type = object_type_name(path.removesuffix(".md").replace("/", "."))
     keys = _Keys()
     chunks = []
-    whole: list[tuple[list[str], str, tuple[int, int]]] = (
-        [([], source, (1, len(file_lines(source))))] if source.strip() else []
-    )
-    for headings, text, lines in _markdown_sections(source) if unread is None else whole:
+    if unread is None:
+        sections: Iterable[tuple[list[str], str, tuple[int, int]]] = _markdown_sections(source)
+    else:  # one chunk, its path the only heading
+        sections = [([], source, (1, len(file_lines(source))))] if source.strip() else []
+    for headings, text, lines in sections:
         trail = [h for h in headings if h]
         anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
         chunks.append(

@@ -498,10 +498,14 @@ class IngestPlan:
     unchanged: int
     manifest: Manifest
     """The manifest once this plan is published."""
-    deleted_files: dict[str, str] = field(default_factory=dict)
-    """On a branch: each of ``deletes`` of a file the branch deleted whole, with that file (its delta says so)."""
     whole_file: frozenset[str] = frozenset()
     """On a branch: the keys of ``upserts`` of a file the branch holds whole (their documents say so)."""
+
+    @property
+    def deleted_files(self) -> dict[str, str]:
+        """On a branch: each of ``deletes`` of a file the branch deleted whole, with that file (its delta says so)."""
+        entries, files = self.manifest.entries, self.manifest.files
+        return {k: files[k] for k in self.deletes if entries.get(k) == DELETED_FILE and k in files}
 
 
 def as_far_as_read(desired: Mapping[str, str], previous: Manifest, main: Manifest | None = None) -> dict[str, str]:
@@ -533,7 +537,7 @@ def without_removals(plan: IngestPlan, previous: Manifest) -> IngestPlan:
         else:  # a tombstone it would have added
             entries.pop(key, None)
     manifest = Manifest(entries, plan.manifest.exclude, files, plan.manifest.package)
-    return replace(plan, deletes=[], reverts=[], manifest=manifest, deleted_files={})
+    return replace(plan, deletes=[], reverts=[], manifest=manifest)
 
 
 def plan_ingest(
@@ -583,7 +587,7 @@ def plan_ingest(
     unchanged = len(desired) - sum(1 for k in upserts if k in desired)
     recorded = {k: file_of[k] for k in target if k in file_of}
     manifest = Manifest(target, files=recorded)
-    return IngestPlan(upserts, deletes, reverts, unchanged, manifest, deleted_files, whole_file)
+    return IngestPlan(upserts, deletes, reverts, unchanged, manifest, whole_file)
 
 
 def _text(value: str | None) -> str | None:
@@ -879,8 +883,9 @@ class Ingester:
         }
         # A tombstone naming its file is another change than one naming none: two ingests racing from one
         # manifest gave both one event id, and the second was set aside as an id reused (a reviewer's).
+        deleted_files = plan.deleted_files
         for key in plan.deletes:
-            file = plan.deleted_files.get(key)
+            file = deleted_files.get(key)
             keyed[key] = delta(key, "deleted" if file is None else f"deleted|{file}", _removal(key, file))
         keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
         limit = min(MAX_DELTA_MESSAGE_BYTES, connection_of(self._js).max_payload) - DELTA_HEADER_ROOM_BYTES

@@ -36,7 +36,7 @@ from .turns import Turns
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
-    from .onnx_models import OnnxQueryEncoder
+    from .onnx_models import OnnxSentenceEncoder
 
 log = get_logger(__name__)
 
@@ -153,6 +153,42 @@ def pool_windows(vectors: npt.NDArray[np.float32], token_counts: Sequence[int]) 
     mean = (vectors * weights[:, None]).sum(axis=0) / weights.sum()
     pooled: Vector = unit_rows((vectors[0] + mean)[None, :])[0]
     return pooled
+
+
+def pieces_in_windows(
+    texts: Sequence[str],
+    tokenized: Sequence[tuple[Sequence[tuple[int, int]], Sequence[int | None]]],
+    width: int,
+    windows: int,
+) -> tuple[list[str], list[int]]:
+    """The pieces a model reads of ``texts`` (a text that fits in ``width`` tokens is one piece, as it is; a longer
+    one its :func:`window_spans`), and the text each piece belongs to. ``tokenized``: each text's token offsets and
+    word ids, without special tokens."""
+    pieces: list[str] = []
+    owners: list[int] = []
+    for index, (text, (offsets, word_ids)) in enumerate(zip(texts, tokenized, strict=True)):
+        spans = [(0, len(text))]
+        if len(offsets) > width:
+            spans = window_spans(offsets, word_ids, width, windows)
+        pieces.extend(text[start:end] for start, end in spans)
+        owners.extend([index] * len(spans))
+    return pieces, owners
+
+
+def pool_pieces(
+    piece_vectors: npt.NDArray[np.float32], piece_tokens: Sequence[TokenMatrix], owners: Sequence[int]
+) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
+    """Each text's vector and token rows from those of its pieces (:func:`pieces_in_windows`), in text order."""
+    windows_of: dict[int, list[int]] = {}
+    for piece, owner in enumerate(owners):
+        windows_of.setdefault(owner, []).append(piece)
+    vectors, tokens = [], []
+    for read in windows_of.values():
+        vectors.append(pool_windows(piece_vectors[read], [len(piece_tokens[i]) for i in read]))
+        # Late interaction compares the first window's tokens: those of every window ranked no better
+        # (docs/quality.md, "Long documents") and would take up to four times the space.
+        tokens.append(piece_tokens[read[0]])
+    return np.stack(vectors), tokens
 
 
 def wants_bfloat16(precision: Precision) -> bool:
@@ -415,7 +451,7 @@ class LocalSentenceTransformer:
         # Batched by workspace, each batch in its workspace's turn on the thread: batched together, one tenant's
         # long queries made every batch as slow as theirs.
         self._queries: LruCache[str, Coalescer[str, tuple[Vector, TokenMatrix]]] = LruCache(WORKSPACES_BATCHED)
-        self._onnx: OnnxQueryEncoder | None = None
+        self._onnx: OnnxSentenceEncoder | None = None
         if query_runtime == "onnx":
             from .onnx_models import query_encoder
 
@@ -424,6 +460,7 @@ class LocalSentenceTransformer:
                 model_path,
                 self._model.max_seq_length,
                 query_threads or 0,
+                windows,
                 cache_dir,
                 self._embed_queries_on_torch,
             )
@@ -468,16 +505,7 @@ class LocalSentenceTransformer:
             unit_rows(np.asarray(e["token_embeddings"][: int(e["attention_mask"].sum())].float(), np.float32))
             for e in encoded
         ]  # .float(): bfloat16 has no numpy dtype
-        windows_of: dict[int, list[int]] = {}
-        for window, owner in enumerate(owners):
-            windows_of.setdefault(owner, []).append(window)
-        vectors, tokens = [], []
-        for read in windows_of.values():
-            vectors.append(pool_windows(window_vectors[read], [len(window_tokens[i]) for i in read]))
-            # Late interaction compares the first window's tokens: those of every window ranked no better
-            # (docs/quality.md, "Long documents") and would take up to four times the space.
-            tokens.append(window_tokens[read[0]])
-        return np.stack(vectors), tokens
+        return pool_pieces(window_vectors, window_tokens, owners)
 
     def _read_in_windows(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
         """The pieces the model reads (a text that fits is one piece, as it is), and the text each belongs to."""
@@ -486,16 +514,8 @@ class LocalSentenceTransformer:
         tokenizer = self._model.tokenizer
         width = self._model.max_seq_length - tokenizer.num_special_tokens_to_add(pair=False)
         tokenized = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        pieces: list[str] = []
-        owners: list[int] = []
-        for index, text in enumerate(texts):
-            offsets = tokenized["offset_mapping"][index]
-            spans = [(0, len(text))]
-            if len(offsets) > width:
-                spans = window_spans(offsets, tokenized.word_ids(index), width, self._windows)
-            pieces.extend(text[start:end] for start, end in spans)
-            owners.extend([index] * len(spans))
-        return pieces, owners
+        read = [(tokenized["offset_mapping"][i], tokenized.word_ids(i)) for i in range(len(texts))]
+        return pieces_in_windows(texts, read, width, self._windows)
 
     def embed_query(self, text: str) -> Vector:
         return self._embed_queries([text])[0][0]
@@ -503,11 +523,7 @@ class LocalSentenceTransformer:
     def _embed_queries(self, texts: list[str]) -> list[tuple[Vector, TokenMatrix]]:
         if self._onnx is None:
             return self._embed_queries_on_torch(texts)
-        embedded = self._onnx.embed(texts)
-        longer = [i for i, found in enumerate(embedded) if found is None]  # read in windows, by PyTorch
-        for i, found in zip(longer, self._embed_queries_on_torch([texts[i] for i in longer]), strict=True):
-            embedded[i] = found
-        return [found for found in embedded if found is not None]
+        return self._onnx.embed(texts)
 
     def _embed_queries_on_torch(self, texts: list[str]) -> list[tuple[Vector, TokenMatrix]]:
         vectors, tokens = self._encode(self._model, texts)
@@ -540,11 +556,24 @@ def embedder_names(model_name: str, bfloat16: bool, windows: int) -> tuple[str, 
     return model_name + ("@bfloat16" if bfloat16 else "") + read, model_name + read
 
 
+class DocumentEncoder(Protocol):
+    """What embeds an ingest's documents: the model on PyTorch, or its export on ONNX Runtime."""
+
+    def embed_with_tokens(
+        self, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]: ...
+
+
 class LoadedOnDemand:
     """The deployment's local model, loaded when it first embeds (``for_queries`` False, as an ingest loads it):
     an ingest with nothing to embed, or whose texts the embedding cache holds (a branch checked out again, an
     edit undone), does not wait the seconds the model takes to load. Its names, known before, are the model's
-    (:func:`embedder_names`). It is an :class:`Embedder`."""
+    (:func:`embedder_names`). It is an :class:`Embedder`.
+
+    Documents in float32 are embedded by the model's ONNX export when one in ``cache_dir`` was checked against
+    PyTorch (``document_embedding_runtime``, :func:`~.onnx_models.exported_encoder`): PyTorch and the model then
+    never load, which took an ingest of an edit 5 to 7 of its seconds. Otherwise the model loads on PyTorch, and
+    leaves such an export behind for the next ingest."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -553,25 +582,67 @@ class LoadedOnDemand:
         self.cache_name, self.vectors_name = embedder_names(self.model_name, bfloat16, settings.embedding_windows)
         self.dimension = settings.embedding_dim
         self._model: LocalSentenceTransformer | None = None
+        self._exported: DocumentEncoder | None = None
+        self._export_looked_for = False
         self._lock = threading.Lock()
 
     @property
     def loaded(self) -> bool:
-        return self._model is not None
+        """Whether a model is loaded: on PyTorch (:meth:`model`) or as its export."""
+        return self._model is not None or self._exported is not None
+
+    @property
+    def on_onnx(self) -> bool:
+        """Whether documents are embedded by the export, without PyTorch."""
+        return self._exported is not None
 
     def model(self) -> LocalSentenceTransformer:
         with self._lock:
             if self._model is None:
-                self._model = load_embedder(self._settings, for_queries=False)
+                # Loaded as a query process loads it, so that it leaves the ONNX export and PyTorch's reference
+                # embeddings for the next ingest (``query_embedding_runtime`` permitting).
+                self._model = load_embedder(self._settings, for_queries=self._allows_onnx())
             return self._model
 
+    def _for_documents(self) -> DocumentEncoder:
+        with self._lock:
+            if not self._export_looked_for and self._model is None:
+                self._export_looked_for = True
+                self._exported = self._export()
+            if self._exported is not None:
+                return self._exported
+        return self.model()
+
+    def _allows_onnx(self) -> bool:
+        settings = self._settings
+        return settings.document_embedding_runtime == "onnx" and not wants_bfloat16(settings.embedding_precision)
+
+    def _export(self) -> DocumentEncoder | None:
+        settings = self._settings
+        if not self._allows_onnx() or settings.query_embedding_runtime != "onnx" or settings.cache_dir is None:
+            return None
+        from .onnx_models import exported_encoder
+
+        model_path = settings.resolved_model_path()
+        encoder = exported_encoder(model_path, settings.embedding_windows, 0, settings.cache_dir)
+        if encoder is None:
+            return None
+        dimension = len(encoder.embed(["q"])[0][0])
+        if dimension != settings.embedding_dim:
+            raise EmbedderMismatch(
+                f"{settings.embedding_model} at {model_path} makes {dimension}-dimensional vectors; "
+                f"the deployment is set to {settings.embedding_dim} (ONTOFABRIC_EMBEDDING_DIM)"
+            )
+        log.info("embedder_loaded", model=settings.embedding_model, dimension=dimension, documents_runtime="onnx")
+        return encoder
+
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
-        return self.model().embed_documents(texts, batch_size)
+        return self.embed_with_tokens(texts, batch_size)[0]
 
     def embed_with_tokens(
         self, texts: Sequence[str], batch_size: int = 64
     ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
-        return self.model().embed_with_tokens(texts, batch_size)
+        return self._for_documents().embed_with_tokens(texts, batch_size)
 
     def embed_query(self, text: str) -> Vector:
         return self.model().embed_query(text)

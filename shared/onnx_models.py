@@ -1,7 +1,7 @@
 """Models run by ONNX Runtime on CPU: those that ship with their weights as ONNX files (the optional extra
 ``rerank``), with the loader every user of them shares, the embedder a second vector is made with and that vector's
-wire form; and the main embedding model exported from its PyTorch weights, which embeds queries
-(:class:`OnnxQueryEncoder`)."""
+wire form; and the main embedding model exported from its PyTorch weights, which embeds queries and, where an
+ingest finds that export checked, documents (:class:`OnnxSentenceEncoder`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .embedder import MAX_QUERY_BATCH, Coalescer, Vector, unit_rows
+from .embedder import MAX_QUERY_BATCH, Coalescer, Vector, pieces_in_windows, pool_pieces, unit_rows
 from .late_interaction import TokenMatrix
 from .logging import get_logger
 from .settings import Settings, SettingsUnusable
@@ -113,31 +113,59 @@ class OnnxModel:
         return np.asarray(self._session.run(None, {k: v for k, v in feed.items() if k in self._inputs})[0])
 
 
-class OnnxQueryEncoder:
-    """The main embedding model (a sentence-transformers model with mean pooling) run by ONNX Runtime, for queries:
-    each text's unit vector and unit token rows, as :class:`~.embedder.LocalSentenceTransformer` makes them.
+class OnnxSentenceEncoder:
+    """The main embedding model (a sentence-transformers model with mean pooling) run by ONNX Runtime: each text's
+    unit vector and unit token rows, a long text read in windows, as :class:`~.embedder.LocalSentenceTransformer`
+    makes them.
 
     For one short text PyTorch spends most of its time between operators; ONNX Runtime does not (docs/benchmarks.md,
-    "Query embedding on ONNX Runtime"). Its graph is exported from the very weights PyTorch runs, in float32, so
-    the vectors are the same up to float rounding; :func:`query_encoder` checks that before it is used."""
+    "Query embedding on ONNX Runtime"); for batches of documents the two are as fast. Its graph is exported from the
+    very weights PyTorch runs, in float32, so the vectors are the same up to float rounding; :func:`query_encoder`
+    checks that before it is used, and :func:`exported_encoder` against what PyTorch gave then."""
 
-    def __init__(self, weights: Path, model_path: Path, max_length: int, threads: int) -> None:
+    def __init__(self, weights: Path, model_path: Path, max_length: int, threads: int, windows: int) -> None:
+        from tokenizers import Tokenizer
+
         self._model = OnnxModel(model_path, max_length, threads, weights)
+        self._windows = windows
+        # Windows are cut on the whole text's tokens, without special tokens, truncation or padding: a tokenizer of
+        # their own, as a tokenizer's settings are not safe to change while another thread encodes.
+        self._reader = Tokenizer.from_file(str(model_path / "tokenizer.json"))
+        self._reader.no_truncation()
+        self._reader.no_padding()
+        special = self._reader.post_processor.num_special_tokens_to_add(False) if self._reader.post_processor else 0
+        self._width = max_length - special
 
-    def embed(self, texts: Sequence[str]) -> list[tuple[Vector, TokenMatrix] | None]:
-        """Each text's vector and token rows; None for a text longer than the model reads, which the caller embeds
-        in windows instead."""
-        encoded = self._model.tokenize(texts)
-        fits = [i for i, e in enumerate(encoded) if not e.overflowing]
-        results: list[tuple[Vector, TokenMatrix] | None] = [None] * len(texts)
-        if not fits:
-            return results
-        hidden = np.asarray(self._model.run([encoded[i] for i in fits]), np.float32)
-        for row, i in enumerate(fits):
-            tokens = hidden[row, : sum(encoded[i].attention_mask)]
-            vector: Vector = unit_rows(tokens.mean(axis=0, keepdims=True))[0]
-            results[i] = (vector, unit_rows(tokens))
-        return results
+    def embed(self, texts: Sequence[str]) -> list[tuple[Vector, TokenMatrix]]:
+        """Each text's vector and token rows (queries: embedded in one batch)."""
+        vectors, tokens = self.embed_with_tokens(texts, max(len(texts), 1))
+        return list(zip(vectors, tokens, strict=True))
+
+    def embed_with_tokens(
+        self, texts: Sequence[str], batch_size: int = 64
+    ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
+        """Each text's unit vector and unit token rows (those of its first window), in order."""
+        if not texts:
+            return np.zeros((0, 0), np.float32), []
+        pieces, owners = list(texts), list(range(len(texts)))
+        if self._windows > 1:
+            encoded = self._reader.encode_batch(list(texts), add_special_tokens=False)
+            pieces, owners = pieces_in_windows(
+                texts, [(e.offsets, e.word_ids) for e in encoded], self._width, self._windows
+            )
+        # Longest first, so that a batch pads its texts to about their own length.
+        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
+        piece_vectors: list[Vector] = [np.zeros(0, np.float32)] * len(pieces)
+        piece_tokens: list[TokenMatrix] = [np.zeros((0, 0), np.float32)] * len(pieces)
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            tokenized = self._model.tokenize([pieces[i] for i in batch])
+            hidden = np.asarray(self._model.run(tokenized), np.float32)
+            for row, i in enumerate(batch):
+                tokens = hidden[row, : sum(tokenized[row].attention_mask)]  # padding is not the text's
+                piece_vectors[i] = unit_rows(tokens.mean(axis=0, keepdims=True))[0]
+                piece_tokens[i] = unit_rows(tokens)
+        return pool_pieces(np.stack(piece_vectors), piece_tokens, owners)
 
 
 def _export(transformer: Any, target: Path) -> None:
@@ -187,7 +215,23 @@ AGREEMENT_PROBES = (
     "Aspirin lowers the risk of a first myocardial infarction in adults over fifty.",
     "q",
     "retry the call with exponential backoff until it succeeds or the deadline passes; " * 10,  # near the limit
+    "A long text is read in windows of what the model reads at once, each ending where a word ends. " * 24,
 )
+
+
+def export_name(model_path: Path) -> str:
+    """The file name of the model's export: named after its weights' SHA-256, so that a model replaced in place is
+    exported again."""
+    candidates = (model_path / name for name in ("model.safetensors", "pytorch_model.bin"))
+    weights = next((path for path in candidates if path.is_file()), None)
+    digest = _sha256(weights) if weights is not None else hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()
+    return f"{model_path.name}-{digest[:16]}.onnx"
+
+
+def reference_path(export: Path, windows: int) -> Path:
+    """Where PyTorch's embeddings of :data:`AGREEMENT_PROBES` are kept beside an export that agreed with them (the
+    windows a long text is read in are part of what was checked)."""
+    return export.with_name(f"{export.name}.windows{windows}.reference.npz")
 
 
 def query_encoder(
@@ -195,37 +239,27 @@ def query_encoder(
     model_path: Path,
     max_length: int,
     threads: int,
+    windows: int,
     cache_dir: Path | None,
     reference: Callable[[list[str]], list[tuple[Vector, TokenMatrix]]],
-) -> OnnxQueryEncoder | None:
+) -> OnnxSentenceEncoder | None:
     """The model's ONNX export for queries, made once per weights file in ``cache_dir`` and used only when it agrees
-    with ``reference`` (PyTorch's query embedding) on a few texts; a stored file that does not load or agree is made
-    again. One process exports while the others wait for its file (a lock beside it). When ``cache_dir`` is None or
-    cannot be written, the export is made in a private temporary directory, loaded and deleted. None, with a
-    warning, when ONNX Runtime or the exporter is missing or the export does not agree: queries are then embedded
-    by PyTorch."""
+    with ``reference`` (PyTorch's embedding) on a few texts; a stored file that does not load or agree is made
+    again. What PyTorch gave is kept beside it (:func:`reference_path`), for a process that checks the export without
+    loading PyTorch (:func:`exported_encoder`). One process exports while the others wait for its file (a lock beside
+    it). When ``cache_dir`` is None or cannot be written, the export is made in a private temporary directory, loaded
+    and deleted. None, with a warning, when ONNX Runtime or the exporter is missing or the export does not agree:
+    queries are then embedded by PyTorch."""
     if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
         log.warning("query_embedding_on_torch", reason="onnxruntime or onnx is not installed")
         return None
-    candidates = (model_path / name for name in ("model.safetensors", "pytorch_model.bin"))
-    weights = next((path for path in candidates if path.is_file()), None)
-    digest = _sha256(weights) if weights is not None else hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()
-    name = f"{model_path.name}-{digest[:16]}.onnx"
+    name = export_name(model_path)
     expected = reference(list(AGREEMENT_PROBES))
 
-    def checked(target: Path) -> OnnxQueryEncoder | None:
-        try:
-            encoder = OnnxQueryEncoder(target, model_path, max_length, threads)
-            gap = _disagreement(encoder.embed(list(AGREEMENT_PROBES)), expected)
-        except Exception as error:  # a damaged or truncated file, or one ONNX Runtime cannot run
-            log.warning("query_model_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
-            return None
-        if gap <= AGREEMENT:
-            return encoder
-        log.warning("query_model_disagrees", path=str(target), gap=gap)
-        return None
+    def checked(target: Path) -> OnnxSentenceEncoder | None:
+        return _agreeing(target, model_path, max_length, threads, windows, expected)
 
-    encoder: OnnxQueryEncoder | None = None
+    encoder: OnnxSentenceEncoder | None = None
     try:
         try:
             if cache_dir is None:
@@ -245,6 +279,8 @@ def query_encoder(
                     _export(transformer, target)
                     log.info("query_model_exported", path=str(target), bytes=target.stat().st_size)
                     encoder = checked(target)
+                if encoder is not None:
+                    _keep_reference(reference_path(target, windows), max_length, expected)
         except OSError as error:
             log.warning("query_model_cache_unwritable", cache_dir=str(cache_dir), error=str(error))
             with tempfile.TemporaryDirectory(prefix="ontofabric-onnx-") as private:  # 0700, this process's alone
@@ -257,6 +293,80 @@ def query_encoder(
     if encoder is None:
         log.warning("query_embedding_on_torch", reason="the ONNX export does not agree with PyTorch")
     return encoder
+
+
+def exported_encoder(model_path: Path, windows: int, threads: int, cache_dir: Path) -> OnnxSentenceEncoder | None:
+    """The export :func:`query_encoder` made and checked, loaded without PyTorch (whose import and model take an
+    ingest seconds): used only when it agrees, now, with what PyTorch gave for the probes then. None when there is
+    no such export or reference, or it does not load or agree; nothing is written."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return None
+    target = cache_dir / "onnx" / export_name(model_path)
+    kept = _read_reference(reference_path(target, windows)) if target.is_file() else None
+    if kept is None:
+        return None
+    max_length, expected = kept
+    return _agreeing(target, model_path, max_length, threads, windows, expected)
+
+
+def _agreeing(
+    target: Path,
+    model_path: Path,
+    max_length: int,
+    threads: int,
+    windows: int,
+    expected: Sequence[tuple[Vector, TokenMatrix]],
+) -> OnnxSentenceEncoder | None:
+    """The export at ``target``, if it loads and embeds the probes as ``expected`` (else None, with a warning)."""
+    try:
+        encoder = OnnxSentenceEncoder(target, model_path, max_length, threads, windows)
+        gap = _disagreement(encoder.embed(list(AGREEMENT_PROBES)), expected)
+    except Exception as error:  # a damaged or truncated file, or one ONNX Runtime cannot run
+        log.warning("query_model_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
+        return None
+    if gap <= AGREEMENT:
+        return encoder
+    log.warning("query_model_disagrees", path=str(target), gap=gap)
+    return None
+
+
+def _read_reference(path: Path) -> tuple[int, list[tuple[Vector, TokenMatrix]]] | None:
+    """The length and embeddings :func:`_keep_reference` wrote, if they are there whole and for these probes."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            if [str(probe) for probe in stored["probes"]] != list(AGREEMENT_PROBES):
+                return None
+            expected = [(stored[f"vector{i}"], stored[f"tokens{i}"]) for i in range(len(AGREEMENT_PROBES))]
+            return int(stored["max_length"]), expected
+    except Exception as error:  # a damaged file
+        log.warning("query_model_reference_unusable", path=str(path), error=f"{type(error).__name__}: {error}")
+        return None
+
+
+def _keep_reference(path: Path, max_length: int, expected: Sequence[tuple[Vector, TokenMatrix]]) -> None:
+    """PyTorch's embeddings of the probes beside the export, unless they are there already: written whole or not at
+    all, readable by the cache's other users. A cache this process may not write keeps what it has."""
+    kept = _read_reference(path)
+    if kept is not None and kept[0] == max_length and _disagreement(kept[1], expected) <= AGREEMENT:
+        return
+    arrays: dict[str, Any] = {"max_length": np.asarray(max_length), "probes": np.asarray(AGREEMENT_PROBES)}
+    for i, (vector, tokens) in enumerate(expected):
+        arrays[f"vector{i}"], arrays[f"tokens{i}"] = vector, tokens
+    try:
+        descriptor, partial_name = tempfile.mkstemp(prefix=path.name, suffix=".partial", dir=path.parent)
+    except OSError as error:
+        log.warning("query_model_reference_not_kept", path=str(path), error=str(error))
+        return
+    partial = Path(partial_name)
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            np.savez(out, **arrays)
+        partial.chmod(0o644)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _disagreement(

@@ -186,7 +186,16 @@ class Settings(BaseSettings):
         description="What runs the embedding model for queries: `onnx`, ONNX Runtime over an export of the same "
         "weights, made on first use in `cache_dir` and used only when its vectors agree with PyTorch's (a query in "
         'about half the time: docs/benchmarks.md, "Query embedding on ONNX Runtime"); or `torch`. '
-        "Documents are embedded by PyTorch either way.",
+        "PyTorch's embeddings of a few texts are kept beside the export, for `document_embedding_runtime`.",
+    )
+    document_embedding_runtime: QueryRuntime = Field(
+        default="onnx",
+        description="What runs the embedding model for an ingest's documents: `onnx`, the export queries use, when "
+        "one in `cache_dir` was checked against PyTorch (made by the first query worker or ingest that loads the "
+        "model) and it still embeds those texts as PyTorch did; PyTorch and the model then never load, which took "
+        'an ingest of a small edit 5 to 7 s (docs/benchmarks.md, "Documents on ONNX Runtime"). Otherwise, with '
+        "`torch`, or documents in bfloat16 (`embedding_precision`): PyTorch. The vectors are the same up to float "
+        "rounding, and are cached and compared as one model's.",
     )
     embedding_windows: int = Field(
         default=4,

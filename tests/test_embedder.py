@@ -34,7 +34,7 @@ from ontofabric.shared.embedder import (
 )
 from ontofabric.shared.embedding_cache import EmbeddingCache, text_hash
 from ontofabric.shared.late_interaction import pack_signs
-from ontofabric.shared.onnx_models import _disagreement
+from ontofabric.shared.onnx_models import AGREEMENT_PROBES, _disagreement, export_name, exported_encoder, reference_path
 from ontofabric.shared.settings import Settings
 
 TEXTS = [
@@ -453,7 +453,7 @@ def test_queries_on_onnx_runtime_embed_as_pytorch_does(tmp_path: Path) -> None:
     assert embedder.query_runtime == "onnx"
     (exported,) = (tmp_path / "onnx").glob("*.onnx")
     assert exported.stat().st_mode & 0o777 == 0o644  # readable by the other users of a shared cache
-    # A batch padded to its longest text, and a text read in windows (by PyTorch), each as PyTorch embeds it.
+    # A batch padded to its longest text, and a text read in windows, each as PyTorch embeds it.
     assert_same_embeddings(embedder._embed_queries(QUERIES), embedder._embed_queries_on_torch(QUERIES))
     alone = embedder.embed_query(QUERIES[0])
     assert float(alone @ embedder.embed_documents([QUERIES[0]])[0]) > 1 - 1e-5
@@ -509,6 +509,88 @@ def test_a_missing_runtime_and_document_only_processes_stay_on_pytorch(
     embedder = query_embedder(tmp_path)
     assert embedder.query_runtime == "torch"
     assert_same_embeddings(embedder._embed_queries(QUERIES[:1]), embedder._embed_queries_on_torch(QUERIES[:1]))
+
+
+DOCUMENTS = [LONG_TEXT, TEXTS[1], "", "   ", LONG_OPENING, " ".join(f"word{i} value" for i in range(3000)), TEXTS[0]]
+
+
+def test_documents_on_the_export_embed_as_pytorch_does_without_it(tmp_path: Path) -> None:
+    """An ingest embeds its documents with the export the query side checked, without loading PyTorch (5-7 s of a
+    small edit's ingest): the same vectors and token rows, long texts read in the same windows."""
+    pytorch = query_embedder(tmp_path)  # exports, and keeps PyTorch's embeddings of the probes beside the export
+    model_path = Settings().resolved_model_path()
+    assert exported_encoder(model_path, 1, 0, tmp_path) is None  # checked for another reading of long texts
+    encoder = exported_encoder(model_path, 4, 0, tmp_path)
+    assert encoder is not None
+    for batch_size in (64, 2):
+        vectors, tokens = encoder.embed_with_tokens(DOCUMENTS, batch_size)
+        expected_vectors, expected_tokens = pytorch.embed_with_tokens(DOCUMENTS)
+        found = list(zip(vectors, tokens, strict=True))
+        assert_same_embeddings(found, list(zip(expected_vectors, expected_tokens, strict=True)))
+    empty_vectors, empty_tokens = encoder.embed_with_tokens([])
+    assert (len(empty_vectors), empty_tokens) == (0, [])
+
+
+def _damage(path: Path, how: str) -> None:
+    with np.load(path) as stored:
+        arrays = dict(stored)
+    if how == "other probes":
+        arrays["probes"] = np.asarray([*AGREEMENT_PROBES[:-1], "another text"])
+    else:  # what PyTorch gave, moved: the export no longer agrees with it
+        arrays["vector0"] = np.roll(arrays["vector0"], 1)
+    with path.open("wb") as out:
+        np.savez(out, **arrays)
+
+
+ON_DEMAND_PROBE = """
+import sys
+from pathlib import Path
+from ontofabric.shared.embedder import LoadedOnDemand
+from ontofabric.shared.settings import Settings
+embedder = LoadedOnDemand(Settings(cache_dir=Path(sys.argv[1])))
+vectors = embedder.embed_documents(["def area(radius):\\n    return 3.14 * radius ** 2"])
+print(embedder.on_onnx, "torch" in sys.modules, vectors.shape)
+"""
+
+
+def _ingest_process(cache_dir: Path, **env: str) -> list[str]:
+    """What a new process embedding one document on demand, as an ingest does, reports: on ONNX Runtime, PyTorch
+    imported, the vectors' shape."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", ON_DEMAND_PROBE, str(cache_dir)],
+        env={**os.environ, "ONTOFABRIC_LOG_LEVEL": "ERROR", **env}, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return out.strip().splitlines()[-1].split(" ", 2)
+
+
+def test_an_ingest_embeds_on_the_checked_export_or_loads_pytorch_and_leaves_one(tmp_path: Path) -> None:
+    # No export yet: PyTorch, which leaves the export and its reference for the next ingest.
+    assert _ingest_process(tmp_path) == ["False", "True", "(1, 384)"]
+    (exported,) = (tmp_path / "onnx").glob("*.onnx")
+    kept = reference_path(exported, Settings().embedding_windows)
+    assert kept.is_file()
+    assert kept.stat().st_mode & 0o777 == 0o644
+    assert exported.name == export_name(Settings().resolved_model_path())
+    # The next ingest: the export alone, PyTorch never imported.
+    assert _ingest_process(tmp_path) == ["True", "False", "(1, 384)"]
+    # Asked for PyTorch, or documents in bfloat16: PyTorch.
+    assert _ingest_process(tmp_path, ONTOFABRIC_DOCUMENT_EMBEDDING_RUNTIME="torch")[:2] == ["False", "True"]
+    assert _ingest_process(tmp_path, ONTOFABRIC_EMBEDDING_PRECISION="bfloat16")[:2] == ["False", "True"]
+    # A reference kept for other probes, or one the export no longer agrees with, is not trusted: PyTorch, which
+    # checks the export again and keeps its own reference.
+    for how in ("other probes", "moved"):
+        _damage(kept, how)
+        assert _ingest_process(tmp_path)[:2] == ["False", "True"], how
+        assert _ingest_process(tmp_path)[:2] == ["True", "False"], how
+    kept.write_bytes(b"half a file")
+    on_demand = LoadedOnDemand(Settings(cache_dir=tmp_path))
+    on_demand.embed_documents(["x"])
+    assert on_demand.loaded
+    assert not on_demand.on_onnx
 
 
 def test_outputs_that_are_not_finite_never_agree() -> None:

@@ -119,6 +119,15 @@ def unit_rows(matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return scaled
 
 
+def check_dimension(dimension: int, expected: int, model_name: str, model_path: Path) -> None:
+    """Refuses a model whose vectors are not of the dimension the deployment is set to."""
+    if dimension != expected:
+        raise EmbedderMismatch(
+            f"{model_name} at {model_path} makes {dimension}-dimensional vectors; "
+            f"the deployment is set to {expected} (ONTOFABRIC_EMBEDDING_DIM)"
+        )
+
+
 def window_spans(
     offsets: Sequence[tuple[int, int]], word_ids: Sequence[int | None], width: int, limit: int
 ) -> list[tuple[int, int]]:
@@ -421,58 +430,77 @@ class LocalSentenceTransformer:
         query_runtime: QueryRuntime = "torch",
         cache_dir: Path | None = None,
     ) -> None:
-        """``query_runtime``: what embeds queries; ``onnx`` exports the model into ``cache_dir`` on first use
-        (:func:`~.onnx_models.query_encoder`)."""
+        """``query_runtime``: what embeds queries; ``onnx``: the model's export in ``cache_dir``, which PyTorch
+        makes and checks on first use (:func:`~.onnx_models.query_encoder`). Once it has, a process finds the export
+        checked (:func:`~.onnx_models.exported_encoder`) and loads PyTorch only when it embeds a document: a query
+        worker then starts without PyTorch, the model on it, and their memory."""
         if windows < 1:
             raise ValueError("windows must be at least 1")
         self.model_name = model_name
         self.cache_name, self.vectors_name = embedder_names(model_name, bfloat16, windows)
-        self._windows = windows
-        self._model = load_sentence_transformer(model_path, bfloat16=False)
-        self._documents_model: SentenceTransformer | None = None if bfloat16 else self._model
-        self._documents_model_lock = threading.Lock()
-        dimension = self._model.get_embedding_dimension()
-        if dimension != expected_dimension:
-            raise EmbedderMismatch(
-                f"{model_name} at {model_path} makes {dimension}-dimensional vectors; "
-                f"the deployment is set to {expected_dimension} (ONTOFABRIC_EMBEDDING_DIM)"
-            )
-        if windows > 1 and not getattr(self._model.tokenizer, "is_fast", False):
-            # Windows are cut at the tokenizer's character offsets, which only a fast tokenizer reports.
-            raise EmbedderMismatch(
-                f"{model_name} at {model_path} has no fast tokenizer, which reading long texts in windows needs; "
-                "set ONTOFABRIC_EMBEDDING_WINDOWS=1"
-            )
         self.dimension = expected_dimension
+        self._model_path = model_path
+        self._windows = windows
+        self._bfloat16 = bfloat16
+        self._pytorch: SentenceTransformer | None = None
+        self._pytorch_lock = threading.Lock()
+        self._documents_model: SentenceTransformer | None = None
+        self._documents_model_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
         if query_threads is not None:
+            # Late interaction computes with PyTorch on the model thread, whichever runtime embeds the queries.
             use_threads_on(self._executor, query_threads)
         self._thread = ModelThread(self._executor)
         # Batched by workspace, each batch in its workspace's turn on the thread: batched together, one tenant's
         # long queries made every batch as slow as theirs.
         self._queries: LruCache[str, Coalescer[str, tuple[Vector, TokenMatrix]]] = LruCache(WORKSPACES_BATCHED)
         self._onnx: OnnxSentenceEncoder | None = None
-        if query_runtime == "onnx":
-            from .onnx_models import query_encoder
+        if query_runtime == "onnx" and cache_dir is not None:
+            from .onnx_models import exported_encoder
 
-            self._onnx = query_encoder(
-                self._model[0].auto_model,
-                model_path,
-                self._model.max_seq_length,
-                query_threads or 0,
-                windows,
-                cache_dir,
-                self._embed_queries_on_torch,
-            )
+            self._onnx = exported_encoder(model_path, windows, query_threads or 0, cache_dir)
+            if self._onnx is not None:
+                check_dimension(self._onnx.dimension, expected_dimension, model_name, model_path)
+        if self._onnx is None:
+            model = self._model  # loaded and checked here, at start
+            if query_runtime == "onnx":
+                from .onnx_models import query_encoder
+
+                self._onnx = query_encoder(
+                    model[0].auto_model,
+                    model_path,
+                    model.max_seq_length,
+                    query_threads or 0,
+                    windows,
+                    cache_dir,
+                    self._embed_queries_on_torch,
+                )
         self.query_runtime: QueryRuntime = "onnx" if self._onnx is not None else "torch"
         log.info(
             "embedder_loaded",
             model=model_name,
             path=str(model_path),
-            dimension=dimension,
+            dimension=expected_dimension,
             documents_bfloat16=bfloat16,
             query_runtime=self.query_runtime,
+            pytorch_loaded=self._pytorch is not None,
         )
+
+    @property
+    def _model(self) -> SentenceTransformer:
+        """The model on PyTorch, float32, loaded and checked when first needed."""
+        with self._pytorch_lock:
+            if self._pytorch is None:
+                model = load_sentence_transformer(self._model_path, bfloat16=False)
+                check_dimension(model.get_embedding_dimension(), self.dimension, self.model_name, self._model_path)
+                if self._windows > 1 and not getattr(model.tokenizer, "is_fast", False):
+                    # Windows are cut at the tokenizer's character offsets, which only a fast tokenizer reports.
+                    raise EmbedderMismatch(
+                        f"{self.model_name} at {self._model_path} has no fast tokenizer, which reading long texts "
+                        "in windows needs; set ONTOFABRIC_EMBEDDING_WINDOWS=1"
+                    )
+                self._pytorch = model
+            return self._pytorch
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         return self.embed_with_tokens(texts, batch_size)[0]
@@ -483,11 +511,15 @@ class LocalSentenceTransformer:
         return self._encode(self._for_documents(), texts, batch_size)
 
     def _for_documents(self) -> SentenceTransformer:
+        model = self._model
         with self._documents_model_lock:
-            if self._documents_model is None:  # the weights checked at start, not read again from disk
-                import torch
+            if self._documents_model is None:
+                if self._bfloat16:  # the weights checked at load, not read again from disk
+                    import torch
 
-                self._documents_model = copy.deepcopy(self._model).to(torch.bfloat16)
+                    self._documents_model = copy.deepcopy(model).to(torch.bfloat16)
+                else:
+                    self._documents_model = model
             return self._documents_model
 
     def _encode(
@@ -627,13 +659,8 @@ class LoadedOnDemand:
         encoder = exported_encoder(model_path, settings.embedding_windows, 0, settings.cache_dir)
         if encoder is None:
             return None
-        dimension = len(encoder.embed(["q"])[0][0])
-        if dimension != settings.embedding_dim:
-            raise EmbedderMismatch(
-                f"{settings.embedding_model} at {model_path} makes {dimension}-dimensional vectors; "
-                f"the deployment is set to {settings.embedding_dim} (ONTOFABRIC_EMBEDDING_DIM)"
-            )
-        log.info("embedder_loaded", model=settings.embedding_model, dimension=dimension, documents_runtime="onnx")
+        check_dimension(encoder.dimension, settings.embedding_dim, settings.embedding_model, model_path)
+        log.info("embedder_loaded", model=settings.embedding_model, dimension=encoder.dimension, documents="onnx")
         return encoder
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import os
@@ -135,6 +136,11 @@ class OnnxSentenceEncoder:
         self._reader.no_padding()
         special = self._reader.post_processor.num_special_tokens_to_add(False) if self._reader.post_processor else 0
         self._width = max_length - special
+
+    @functools.cached_property
+    def dimension(self) -> int:
+        """The length of the vectors it makes."""
+        return len(self.embed(["q"])[0][0])
 
     def embed(self, texts: Sequence[str]) -> list[tuple[Vector, TokenMatrix]]:
         """Each text's vector and token rows (queries: embedded in one batch)."""

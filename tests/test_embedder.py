@@ -82,7 +82,7 @@ def test_the_settings_decide_the_arithmetic_documents_are_read_in_and_queries_ke
         assert isinstance(built, LocalSentenceTransformer)
         built.embed_query("a query")
         # A process that only answers queries never loads the bfloat16 copy.
-        assert built._documents_model is (built._model if precision == "float32" else None)
+        assert built._documents_model is None
         built.embed_documents(TEXTS[:1])
         assert built._documents_model is not None  # loaded by the documents' embedding itself
         assert next(built._documents_model.parameters()).dtype is dtype
@@ -463,16 +463,16 @@ def test_the_export_is_made_once_and_a_damaged_one_again(tmp_path: Path) -> None
     query_embedder(tmp_path)
     (exported,) = (tmp_path / "onnx").glob("*.onnx")
     made = exported.stat().st_mtime_ns
-    left_by_a_killed_export = tmp_path / "onnx" / f"{exported.name}abc.partial"
-    left_by_a_killed_export.write_bytes(b"half a model")
     assert query_embedder(tmp_path).query_runtime == "onnx"
     assert exported.stat().st_mtime_ns == made  # read, not made again
-    assert not left_by_a_killed_export.exists()
 
+    left_by_a_killed_export = tmp_path / "onnx" / f"{exported.name}abc.partial"
+    left_by_a_killed_export.write_bytes(b"half a model")
     exported.write_bytes(b"not a model")
     embedder = query_embedder(tmp_path)
     assert embedder.query_runtime == "onnx"
     assert exported.stat().st_size > 1_000_000
+    assert not left_by_a_killed_export.exists()
     assert_same_embeddings(embedder._embed_queries(QUERIES[:2]), embedder._embed_queries_on_torch(QUERIES[:2]))
 
 
@@ -529,6 +529,35 @@ def test_documents_on_the_export_embed_as_pytorch_does_without_it(tmp_path: Path
         assert_same_embeddings(found, list(zip(expected_vectors, expected_tokens, strict=True)))
     empty_vectors, empty_tokens = encoder.embed_with_tokens([])
     assert (len(empty_vectors), empty_tokens) == (0, [])
+
+
+def test_a_query_process_finding_the_export_checked_starts_without_pytorch(tmp_path: Path) -> None:
+    """A query worker loaded PyTorch and the model at every start (seconds, and hundreds of MB) only to check the
+    export and embed nothing but queries, which the export embeds."""
+    first = query_embedder(tmp_path)
+    assert first._pytorch is not None  # nothing checked yet: PyTorch made the export and checked it
+    expected = first._embed_queries_on_torch(QUERIES)
+    later = query_embedder(tmp_path)
+    assert later.query_runtime == "onnx"
+    assert later._pytorch is None
+    assert_same_embeddings(later._embed_queries(QUERIES), expected)
+    # A document, or a query on PyTorch, loads it then.
+    vectors = later.embed_documents(QUERIES[:1])
+    assert later._pytorch is not None
+    assert float(vectors[0] @ expected[0][0]) > 1 - 1e-5
+    # An export checked for another reading of long texts is checked again, on PyTorch.
+    settings = Settings()
+    other = LocalSentenceTransformer(
+        settings.embedding_model, settings.resolved_model_path(), settings.embedding_dim,
+        windows=2, query_runtime="onnx", cache_dir=tmp_path,
+    )  # fmt: skip
+    assert other._pytorch is not None
+    assert other.query_runtime == "onnx"
+    with pytest.raises(EmbedderMismatch, match="makes 384-dimensional vectors; the deployment is set to 768"):
+        LocalSentenceTransformer(
+            settings.embedding_model, settings.resolved_model_path(), 768,
+            windows=4, query_runtime="onnx", cache_dir=tmp_path,
+        )  # fmt: skip
 
 
 def _damage(path: Path, how: str) -> None:

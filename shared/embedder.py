@@ -604,8 +604,8 @@ class LoadedOnDemand:
 
     Documents in float32 are embedded by the model's ONNX export when one in ``cache_dir`` was checked against
     PyTorch (``document_embedding_runtime``, :func:`~.onnx_models.exported_encoder`): PyTorch and the model then
-    never load, which took an ingest of an edit 5 to 7 of its seconds. Otherwise the model loads on PyTorch, and
-    leaves such an export behind for the next ingest."""
+    never load, which took an ingest of an edit 5 to 7 of its seconds. Otherwise the model loads on PyTorch; the
+    export is made by the first query worker (``ontofabric up``) or image build that loads the model."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -631,9 +631,8 @@ class LoadedOnDemand:
     def model(self) -> LocalSentenceTransformer:
         with self._lock:
             if self._model is None:
-                # Loaded as a query process loads it, so that it leaves the ONNX export and PyTorch's reference
-                # embeddings for the next ingest (``query_embedding_runtime`` permitting).
-                self._model = load_embedder(self._settings, for_queries=self._allows_onnx())
+                # Without an ONNX session: where no export agrees with the model, every ingest would make one again.
+                self._model = load_embedder(self._settings, for_queries=False)
             return self._model
 
     def _for_documents(self) -> DocumentEncoder:
@@ -645,13 +644,11 @@ class LoadedOnDemand:
                 return self._exported
         return self.model()
 
-    def _allows_onnx(self) -> bool:
-        settings = self._settings
-        return settings.document_embedding_runtime == "onnx" and not wants_bfloat16(settings.embedding_precision)
-
     def _export(self) -> DocumentEncoder | None:
         settings = self._settings
-        if not self._allows_onnx() or settings.query_embedding_runtime != "onnx" or settings.cache_dir is None:
+        if settings.document_embedding_runtime != "onnx" or wants_bfloat16(settings.embedding_precision):
+            return None
+        if settings.cache_dir is None:
             return None
         from .onnx_models import exported_encoder
 

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import tempfile
@@ -152,7 +153,7 @@ class OnnxSentenceEncoder:
     ) -> tuple[npt.NDArray[np.float32], list[TokenMatrix]]:
         """Each text's unit vector and unit token rows (those of its first window), in order."""
         if not texts:
-            return np.zeros((0, 0), np.float32), []
+            return np.zeros((0, self.dimension), np.float32), []
         pieces, owners = list(texts), list(range(len(texts)))
         if self._windows > 1:
             encoded = self._reader.encode_batch(list(texts), add_special_tokens=False)
@@ -226,12 +227,25 @@ AGREEMENT_PROBES = (
 
 
 def export_name(model_path: Path) -> str:
-    """The file name of the model's export: named after its weights' SHA-256, so that a model replaced in place is
-    exported again."""
-    candidates = (model_path / name for name in ("model.safetensors", "pytorch_model.bin"))
-    weights = next((path for path in candidates if path.is_file()), None)
-    digest = _sha256(weights) if weights is not None else hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()
-    return f"{model_path.name}-{digest[:16]}.onnx"
+    """The file name of the model's export: named after the SHA-256 of every file of the model's directory, its
+    weights in whatever files and its configuration (the length it reads, its pooling, its tokenizer), so that a
+    model changed in place is exported and checked again."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_path.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(model_path).as_posix()}\0{_sha256(path)}\0".encode())
+    return f"{model_path.name}-{digest.hexdigest()[:16]}.onnx"
+
+
+def pytorch_versions() -> str:
+    """The versions of what computes PyTorch's embeddings, which the kept reference holds for: a reference made by
+    other versions is made again rather than trusted (reading the versions imports nothing)."""
+    found = []
+    for package in ("torch", "transformers", "sentence-transformers", "tokenizers"):
+        try:
+            found.append(f"{package}=={importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{package} absent")
+    return ", ".join(found)
 
 
 def reference_path(export: Path, windows: int) -> Path:
@@ -337,18 +351,25 @@ def _agreeing(
 
 
 def _read_reference(path: Path) -> tuple[int, list[tuple[Vector, TokenMatrix]]] | None:
-    """The length and embeddings :func:`_keep_reference` wrote, if they are there whole and for these probes."""
+    """The length and embeddings :func:`_keep_reference` wrote, if they are there whole, finite, for these probes
+    and made by the PyTorch installed now."""
     if not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as stored:
             if [str(probe) for probe in stored["probes"]] != list(AGREEMENT_PROBES):
                 return None
+            if str(stored["versions"]) != pytorch_versions():
+                return None
             expected = [(stored[f"vector{i}"], stored[f"tokens{i}"]) for i in range(len(AGREEMENT_PROBES))]
-            return int(stored["max_length"]), expected
+            max_length = int(stored["max_length"])
     except Exception as error:  # a damaged file
         log.warning("query_model_reference_unusable", path=str(path), error=f"{type(error).__name__}: {error}")
         return None
+    if not all(np.isfinite(vector).all() and np.isfinite(tokens).all() for vector, tokens in expected):
+        log.warning("query_model_reference_unusable", path=str(path), error="values that are not finite")
+        return None
+    return max_length, expected
 
 
 def _keep_reference(path: Path, max_length: int, expected: Sequence[tuple[Vector, TokenMatrix]]) -> None:
@@ -357,22 +378,26 @@ def _keep_reference(path: Path, max_length: int, expected: Sequence[tuple[Vector
     kept = _read_reference(path)
     if kept is not None and kept[0] == max_length and _disagreement(kept[1], expected) <= AGREEMENT:
         return
-    arrays: dict[str, Any] = {"max_length": np.asarray(max_length), "probes": np.asarray(AGREEMENT_PROBES)}
+    arrays: dict[str, Any] = {
+        "max_length": np.asarray(max_length),
+        "probes": np.asarray(AGREEMENT_PROBES),
+        "versions": np.asarray(pytorch_versions()),
+    }
     for i, (vector, tokens) in enumerate(expected):
         arrays[f"vector{i}"], arrays[f"tokens{i}"] = vector, tokens
+    partial: Path | None = None
     try:
         descriptor, partial_name = tempfile.mkstemp(prefix=path.name, suffix=".partial", dir=path.parent)
-    except OSError as error:
-        log.warning("query_model_reference_not_kept", path=str(path), error=str(error))
-        return
-    partial = Path(partial_name)
-    try:
+        partial = Path(partial_name)
         with os.fdopen(descriptor, "wb") as out:
             np.savez(out, **arrays)
         partial.chmod(0o644)
         os.replace(partial, path)
+    except OSError as error:  # a full disk, another user's file: the export checked here is used all the same
+        log.warning("query_model_reference_not_kept", path=str(path), error=str(error))
     finally:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
 
 
 def _disagreement(
@@ -386,7 +411,7 @@ def _disagreement(
             mine is None
             or mine[0].shape != theirs[0].shape  # an export of the transformer alone, for a model that projects
             or mine[1].shape != theirs[1].shape
-            or not (np.isfinite(mine[0]).all() and np.isfinite(mine[1]).all())
+            or not all(np.isfinite(values).all() for values in (*mine, *theirs))
         ):
             return 2.0  # NaN would pass any comparison with the bound
         gap = max(gap, 1 - float(mine[0] @ theirs[0]), float(np.max(1 - np.sum(mine[1] * theirs[1], axis=1))))

@@ -191,11 +191,11 @@ class Settings(BaseSettings):
     document_embedding_runtime: QueryRuntime = Field(
         default="onnx",
         description="What runs the embedding model for an ingest's documents: `onnx`, the export queries use, when "
-        "one in `cache_dir` was checked against PyTorch (made by the first query worker or ingest that loads the "
-        "model) and it still embeds those texts as PyTorch did; PyTorch and the model then never load, which took "
-        'an ingest of a small edit 5 to 7 s (docs/benchmarks.md, "Documents on ONNX Runtime"). Otherwise, with '
-        "`torch`, or documents in bfloat16 (`embedding_precision`): PyTorch. The vectors are the same up to float "
-        "rounding, and are cached and compared as one model's.",
+        "one in `cache_dir` was checked against PyTorch (made by the first query worker that loads the model, or "
+        "the image's build) and it still embeds those texts as PyTorch did; PyTorch and the model then never load, "
+        'which took an ingest of a small edit 5 to 7 s (docs/benchmarks.md, "Documents on ONNX Runtime"). '
+        "Otherwise, with `torch`, or documents in bfloat16 (`embedding_precision`): PyTorch. The vectors are the "
+        "same up to float rounding, and are cached and compared as one model's.",
     )
     embedding_windows: int = Field(
         default=4,

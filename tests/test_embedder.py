@@ -565,6 +565,10 @@ def _damage(path: Path, how: str) -> None:
         arrays = dict(stored)
     if how == "other probes":
         arrays["probes"] = np.asarray([*AGREEMENT_PROBES[:-1], "another text"])
+    elif how == "other versions":  # made by another PyTorch or transformers
+        arrays["versions"] = np.asarray(str(arrays["versions"]).replace("torch==", "torch==0.0."))
+    elif how == "not finite":  # NaN agreed with anything once
+        arrays["tokens1"] = np.full_like(arrays["tokens1"], np.nan)
     else:  # what PyTorch gave, moved: the export no longer agrees with it
         arrays["vector0"] = np.roll(arrays["vector0"], 1)
     with path.open("wb") as out:
@@ -596,9 +600,11 @@ def _ingest_process(cache_dir: Path, **env: str) -> list[str]:
     return out.strip().splitlines()[-1].split(" ", 2)
 
 
-def test_an_ingest_embeds_on_the_checked_export_or_loads_pytorch_and_leaves_one(tmp_path: Path) -> None:
-    # No export yet: PyTorch, which leaves the export and its reference for the next ingest.
+def test_an_ingest_embeds_on_the_checked_export_or_else_on_pytorch(tmp_path: Path) -> None:
+    # No export yet: PyTorch, and no ONNX session (where no export ever agrees, every ingest would make one).
     assert _ingest_process(tmp_path) == ["False", "True", "(1, 384)"]
+    assert not (tmp_path / "onnx").exists()
+    query_embedder(tmp_path)  # a query worker starts: it makes the export and keeps PyTorch's reference
     (exported,) = (tmp_path / "onnx").glob("*.onnx")
     kept = reference_path(exported, Settings().embedding_windows)
     assert kept.is_file()
@@ -609,11 +615,13 @@ def test_an_ingest_embeds_on_the_checked_export_or_loads_pytorch_and_leaves_one(
     # Asked for PyTorch, or documents in bfloat16: PyTorch.
     assert _ingest_process(tmp_path, ONTOFABRIC_DOCUMENT_EMBEDDING_RUNTIME="torch")[:2] == ["False", "True"]
     assert _ingest_process(tmp_path, ONTOFABRIC_EMBEDDING_PRECISION="bfloat16")[:2] == ["False", "True"]
-    # A reference kept for other probes, or one the export no longer agrees with, is not trusted: PyTorch, which
-    # checks the export again and keeps its own reference.
-    for how in ("other probes", "moved"):
+    # A reference kept for other probes or by other versions, one with values that are not finite, or one the
+    # export no longer agrees with, is not trusted: PyTorch. The next query worker checks the export again on
+    # PyTorch and keeps its own reference.
+    for how in ("other probes", "other versions", "not finite", "moved"):
         _damage(kept, how)
         assert _ingest_process(tmp_path)[:2] == ["False", "True"], how
+        query_embedder(tmp_path)
         assert _ingest_process(tmp_path)[:2] == ["True", "False"], how
     kept.write_bytes(b"half a file")
     on_demand = LoadedOnDemand(Settings(cache_dir=tmp_path))
@@ -622,12 +630,48 @@ def test_an_ingest_embeds_on_the_checked_export_or_loads_pytorch_and_leaves_one(
     assert not on_demand.on_onnx
 
 
+def test_the_export_is_named_after_every_file_of_the_model(tmp_path: Path) -> None:
+    """A reviewer's: named after the weights alone, an export outlived a change of the model's configuration (the
+    length it reads: cosine 0.83 to PyTorch's vectors on a long text), or of weights in files of other names."""
+    import shutil
+
+    model = Settings().resolved_model_path()
+    copy = tmp_path / model.name
+    shutil.copytree(model, copy)
+    assert export_name(copy) == export_name(model)
+    config = copy / "sentence_bert_config.json"
+    config.write_text(config.read_text().replace("256", "128"))
+    changed = export_name(copy)
+    assert changed != export_name(model)
+    (copy / "model.safetensors").rename(copy / "model-00001-of-00001.safetensors")
+    assert export_name(copy) not in (changed, export_name(model))
+
+
+def test_a_reference_that_cannot_be_kept_leaves_the_checked_export_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", disk_full)
+    embedder = query_embedder(tmp_path)
+    assert embedder.query_runtime == "onnx"
+    assert [p.suffix for p in (tmp_path / "onnx").iterdir() if p.suffix != ".lock"] == [".onnx"]  # no partial left
+    assert exported_encoder(Settings().resolved_model_path(), 4, 0, tmp_path) is None  # nothing kept to check by
+    monkeypatch.undo()
+    query_embedder(tmp_path)
+    encoder = exported_encoder(Settings().resolved_model_path(), 4, 0, tmp_path)
+    assert encoder is not None
+    assert encoder.embed_with_tokens([])[0].shape == (0, 384)  # as PyTorch's empty batch
+
+
 def test_outputs_that_are_not_finite_never_agree() -> None:
     row = np.full((3, 4), 0.5, np.float32)
     expected = [(row[0], row)]
     assert _disagreement([(row[0], row)], expected) < 1e-6
     broken = np.full((3, 4), np.nan, np.float32)
     assert _disagreement([(broken[0], broken)], expected) == 2.0
+    assert _disagreement([(row[0], row)], [(broken[0], broken)]) == 2.0  # a kept reference read from disk
     assert _disagreement([None], expected) == 2.0
     # A model that projects its vectors after the transformer: an export of the transformer alone is wider (CI's
     # log, 2026-12-03: a ValueError from the product instead of a plain disagreement).

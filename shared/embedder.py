@@ -655,6 +655,8 @@ class LoadedOnDemand:
         model_path = settings.resolved_model_path()
         encoder = exported_encoder(model_path, settings.embedding_windows, 0, settings.cache_dir)
         if encoder is None:
+            # Said, as the export's own warnings (if any) are about the export, not about what embeds instead.
+            log.info("documents_on_pytorch", reason="no export checked against PyTorch for these settings")
             return None
         check_dimension(encoder.dimension, settings.embedding_dim, settings.embedding_model, model_path)
         log.info("embedder_loaded", model=settings.embedding_model, dimension=encoder.dimension, documents="onnx")

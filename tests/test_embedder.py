@@ -514,7 +514,9 @@ def test_a_missing_runtime_and_document_only_processes_stay_on_pytorch(
 DOCUMENTS = [LONG_TEXT, TEXTS[1], "", "   ", LONG_OPENING, " ".join(f"word{i} value" for i in range(3000)), TEXTS[0]]
 
 
-def test_documents_on_the_export_embed_as_pytorch_does_without_it(tmp_path: Path) -> None:
+def test_documents_on_the_export_embed_as_pytorch_does_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An ingest embeds its documents with the export the query side checked, without loading PyTorch (5-7 s of a
     small edit's ingest): the same vectors and token rows, long texts read in the same windows."""
     pytorch = query_embedder(tmp_path)  # exports, and keeps PyTorch's embeddings of the probes beside the export
@@ -522,7 +524,10 @@ def test_documents_on_the_export_embed_as_pytorch_does_without_it(tmp_path: Path
     assert exported_encoder(model_path, 1, 0, tmp_path) is None  # checked for another reading of long texts
     encoder = exported_encoder(model_path, 4, 0, tmp_path)
     assert encoder is not None
-    for batch_size in (64, 2):
+    # Batches cut by their size, or by the tokens one run may read (a window of 256 alone: a tester's ingest
+    # peaked at 2.1 GB with 64 windows to a run).
+    for batch_size, tokens_per_run in ((64, 4096), (2, 4096), (64, 300)):
+        monkeypatch.setattr("ontofabric.shared.onnx_models.TOKENS_PER_RUN", tokens_per_run)
         vectors, tokens = encoder.embed_with_tokens(DOCUMENTS, batch_size)
         expected_vectors, expected_tokens = pytorch.embed_with_tokens(DOCUMENTS)
         found = list(zip(vectors, tokens, strict=True))

@@ -169,19 +169,17 @@ class OnnxSentenceEncoder:
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
         piece_vectors: list[Vector] = [np.zeros(0, np.float32)] * len(pieces)
         piece_tokens: list[TokenMatrix] = [np.zeros((0, 0), np.float32)] * len(pieces)
-        start = 0
-        while start < len(order):
+        for start in range(0, len(order), batch_size):
             batch = order[start : start + batch_size]
-            tokenized = self._model.tokenize([pieces[i] for i in batch])
-            # ONNX Runtime keeps the memory of its largest run: at most this many tokens, padding included.
-            fits = max(1, min(len(batch), TOKENS_PER_RUN // max(1, len(tokenized[0].ids))))
-            batch, tokenized = batch[:fits], tokenized[:fits]
-            start += fits
-            hidden = np.asarray(self._model.run(tokenized), np.float32)
-            for row, i in enumerate(batch):
-                tokens = hidden[row, : sum(tokenized[row].attention_mask)]  # padding is not the text's
-                piece_vectors[i] = unit_rows(tokens.mean(axis=0, keepdims=True))[0]
-                piece_tokens[i] = unit_rows(tokens)
+            tokenized = self._model.tokenize([pieces[i] for i in batch])  # padded to the batch's longest
+            # ONNX Runtime keeps the memory of its largest run: at most TOKENS_PER_RUN tokens a run.
+            per_run = max(1, TOKENS_PER_RUN // max(1, len(tokenized[0].ids)))
+            for first in range(0, len(batch), per_run):
+                hidden = np.asarray(self._model.run(tokenized[first : first + per_run]), np.float32)
+                for row, i in enumerate(batch[first : first + per_run]):
+                    tokens = hidden[row, : sum(tokenized[first + row].attention_mask)]  # padding is not the text's
+                    piece_vectors[i] = unit_rows(tokens.mean(axis=0, keepdims=True))[0]
+                    piece_tokens[i] = unit_rows(tokens)
         return pool_pieces(np.stack(piece_vectors), piece_tokens, owners)
 
 

@@ -255,6 +255,22 @@ async def test_common_terms_are_looked_up_only_for_the_leading_documents(
     assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == {k: expected[k] for k in rare}
     assert (hits.ceiling, hits.query_ceiling) == (pytest.approx(exact.ceiling), pytest.approx(exact.query_ceiling))
 
+    # Coverage: the share of the query's term weight a hit holds, whatever its counts and length, pruned or not.
+    def idf(df: int, n: int = len(texts)) -> float:
+        return math.log(1 + (n - df + 0.5) / (df + 0.5))
+
+    zebra, apple, missing = idf(3), idf(12), idf(0)
+    for found in (exact, hits):
+        assert found.coverage == {
+            "r1": pytest.approx(1.0),
+            "r2": pytest.approx(zebra / (zebra + apple)),
+            "r3": pytest.approx(1.0),
+            **({f"c{i}": pytest.approx(apple / (zebra + apple)) for i in range(10)} if found is exact else {}),
+        }
+    # A query term no document holds counts against every hit.
+    absent = await bounded.search(scope, SearchInput("zebra qqqmissing"), 20)
+    assert absent.coverage == {r: pytest.approx(zebra / (zebra + missing)) for r in rare}
+
     # With one leading document, apple is looked up for the best by zebra alone (the shortest) and no other.
     narrow = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3, full_read_postings=5, completion_depth=1)
     assert [c.id for c in (await narrow.search(scope, query, 1)).candidates] == ["r2"]

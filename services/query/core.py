@@ -8,7 +8,7 @@ representatives, graph rows) comes from one :class:`DocumentStore`.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -74,6 +74,9 @@ class Hits:
     saturated); None when the retriever cannot say."""
     query_ceiling: float | None = None
     """Keyword: the same over every query term, also those no document has."""
+    coverage: Mapping[str, float] | None = None
+    """Keyword: each hit's share of the query's term weight (idf times the query's repeats), over every query term,
+    whatever the document's length and counts; None when the backend cannot say."""
     lagging: bool = False
     """The index searched had not yet taken in every delta of the version read (an index of its own, such as
     Azure AI Search): the answer says ``{name}IndexBehind``."""

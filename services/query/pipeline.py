@@ -423,7 +423,9 @@ class QueryPipeline:
     def _plan(self, run: QueryRun, lists: dict[str, Hits], embedded: EmbeddedQuery | None) -> Refinements:
         keyword = lists.get(KEYWORD)
         ceiling = None if keyword is None else keyword.query_ceiling or keyword.ceiling
-        signals = keyword_signals(keyword.candidates if keyword else [], ceiling, run.text)
+        signals = keyword_signals(
+            keyword.candidates if keyword else [], ceiling, run.text, keyword.coverage if keyword else None
+        )
         tokens = None if embedded is None else embedded.tokens
         refinements = plan_refinements(
             run.query,
@@ -468,6 +470,7 @@ class QueryPipeline:
             query_ceiling=keyword.query_ceiling if keyword else None,
             keyword_hits_dense=keyword_hits_dense,
             lexical=(name := identifier_of(run.text)) is not None and code_shaped(name),
+            keyword_coverage=keyword.coverage if keyword else None,
         )
         run.timings["fusion"] = milliseconds_since(started)
         self._metrics.fusion_duration.record(run.timings["fusion"])

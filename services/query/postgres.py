@@ -461,12 +461,14 @@ class PostgresKeyword:
         async with self._snapshots.read(scope, alone=True) as snapshot:
             rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
         first = rows[0] if rows else None
+        query_weight = None if first is None else float(first["query_ceiling"]) / (self._k1 + 1)
         return Hits(
             [Candidate(r["id"], float(r["score"])) for r in rows],
             snapshot.version,
             None if first is None else float(first["ceiling"]),
             None if first is None else float(first["query_ceiling"]),
             pruned=first is not None and first["pruned"],
+            coverage={r["id"]: float(r["held"]) / query_weight for r in rows} if query_weight else None,
         )
 
     def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
@@ -484,11 +486,13 @@ class PostgresKeyword:
             """BM25 per document over the matched terms selected by ``terms``, reading only the postings that
             ``postings`` also selects. Every postings read is an index range scan on (workspace, branch, term):
             LATERAL, kept from being flattened into a join by OFFSET 0, makes it so even before the planner has
-            statistics of a partition. $6 is k1, $7 b; main's rows the branch shadows ($8) do not count."""
+            statistics of a partition. $6 is k1, $7 b; main's rows the branch shadows ($8) do not count. ``held``:
+            the weight of the query terms the document holds, whatever their counts."""
             return f"""
                 SELECT p.doc_id AS id,
                        sum(m.weight * p.tf * ($6::float8 + 1)
-                           / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score
+                           / (p.tf + $6::float8 * (1 - $7::float8 + $7::float8 * p.doc_length / st.avgdl))) AS score,
+                       sum(m.weight) AS held
                 FROM matched m CROSS JOIN stats st
                 CROSS JOIN LATERAL (
                     SELECT branch, doc_id, tf, doc_length FROM postings p
@@ -526,7 +530,7 @@ class PostgresKeyword:
             -- As deep as the completion needs ($11) when a term was left out, else the answer's depth ($3):
             -- sorting and carrying 3,000 leaders where nothing completes them cost an unpruned query a seventh.
             leaders AS (
-                SELECT s.id, s.score FROM found s
+                SELECT s.id, s.score, s.held FROM found s
                 WHERE true {filtered}
                 ORDER BY s.score DESC, s.id
                 LIMIT CASE WHEN EXISTS (SELECT 1 FROM matched WHERE NOT in_full) THEN $11::bigint ELSE $3::bigint END),
@@ -536,12 +540,12 @@ class PostgresKeyword:
             -- query term (query_ceiling: a term no document has still counts as missing from every match).
             -- Summed, not joined: the planner cannot know how many leaders the LIMIT above keeps, and with a
             -- guess too low it joined the two by a nested loop, 3,000 × 2,000 comparisons (0.3 s).
-            SELECT l.id, l.score,
+            SELECT l.id, l.score, l.held,
                    (SELECT sum(weight) FROM matched) * ($6::float8 + 1) AS ceiling,
                    (SELECT sum(weight) FROM term_weight) * ($6::float8 + 1) AS query_ceiling,
                    EXISTS (SELECT 1 FROM matched WHERE NOT in_full) AS pruned
-            FROM (SELECT id, sum(score) AS score
-                  FROM (SELECT id, score FROM leaders UNION ALL SELECT id, score FROM completed) parts
+            FROM (SELECT id, sum(score) AS score, sum(held) AS held
+                  FROM (SELECT id, score, held FROM leaders UNION ALL SELECT id, score, held FROM completed) parts
                   GROUP BY id) l
             ORDER BY score DESC, l.id LIMIT $3"""
         return [sql, *parameters]

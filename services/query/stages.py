@@ -46,13 +46,15 @@ def options_of(query: OntologyQuery) -> QueryOptions:
     return query.options or QueryOptions()
 
 
-def keyword_signals(keyword: Sequence[Candidate], ceiling: float | None, text: str) -> dict[str, float]:
+def keyword_signals(
+    keyword: Sequence[Candidate], ceiling: float | None, text: str, coverage: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """What the keyword list says about the query: its top hit's saturation (over every query term, also those no
-    document has) and how far that hit stands out."""
+    document has) and how far that hit stands out (as fusion reads it)."""
     signals = {"queryTokens": float(len(text.split()))}
     if keyword and ceiling:
         signals["keywordSaturation"] = round(keyword[0].score / ceiling, 4)
-        signals["keywordGap"] = round(keyword_gap(keyword, ceiling), 4)
+        signals["keywordGap"] = round(keyword_gap(keyword, ceiling, coverage=coverage), 4)
     return signals
 
 

@@ -255,21 +255,31 @@ async def test_common_terms_are_looked_up_only_for_the_leading_documents(
     assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == {k: expected[k] for k in rare}
     assert (hits.ceiling, hits.query_ceiling) == (pytest.approx(exact.ceiling), pytest.approx(exact.query_ceiling))
 
-    # Coverage: the share of the query's term weight a hit holds, whatever its counts and length, pruned or not.
+    # Coverage: the share of the query's term weight a hit holds, whatever its counts and length; stated only
+    # when the list holds every document having a query term (not pruned, not filtered, shorter than asked).
     def idf(df: int, n: int = len(texts)) -> float:
         return math.log(1 + (n - df + 0.5) / (df + 0.5))
 
     zebra, apple, missing = idf(3), idf(12), idf(0)
-    for found in (exact, hits):
-        assert found.coverage == {
-            "r1": pytest.approx(1.0),
-            "r2": pytest.approx(zebra / (zebra + apple)),
-            "r3": pytest.approx(1.0),
-            **({f"c{i}": pytest.approx(apple / (zebra + apple)) for i in range(10)} if found is exact else {}),
-        }
-    # A query term no document holds counts against every hit.
+    assert exact.coverage == {
+        "r1": pytest.approx(1.0),
+        "r2": pytest.approx(zebra / (zebra + apple)),
+        "r3": pytest.approx(1.0),
+        **{f"c{i}": pytest.approx(apple / (zebra + apple)) for i in range(10)},
+    }
+    assert hits.coverage is None  # pruned: documents holding only apple were never read
+    assert (
+        await PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3).search(scope, query, 13)
+    ).coverage is None
+    filtered = Scope("acme", "main", chunk_level="method")
+    assert (
+        await PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3).search(filtered, query, 20)
+    ).coverage is None
+    # A query term no document holds counts against every hit; a repeated one weighs as its repeats do.
     absent = await bounded.search(scope, SearchInput("zebra qqqmissing"), 20)
     assert absent.coverage == {r: pytest.approx(zebra / (zebra + missing)) for r in rare}
+    repeated = await bounded.search(scope, SearchInput("zebra zebra qqqmissing"), 20)
+    assert repeated.coverage == {r: pytest.approx(1.5 * zebra / (1.5 * zebra + missing)) for r in rare}
 
     # With one leading document, apple is looked up for the best by zebra alone (the shortest) and no other.
     narrow = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3, full_read_postings=5, completion_depth=1)

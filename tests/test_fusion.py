@@ -201,26 +201,34 @@ def test_a_list_that_ran_out_is_weighed_by_the_query_terms_its_hits_hold_not_by_
     """A made-up word written once in a 90 KB function (and in its file's chunk), nowhere else: BM25's length
     normalisation saturated both at 0.014, dense took 0.95 of the weight with cosines for a word it never learned,
     and neither was in the top 5. Holding every query term, they lead; a hit holding a part of the query weighs
-    that part, and without coverage (a backend stating none) the saturation bounds the gap as before."""
+    that part, and without coverage (a backend stating none, a list filtered or cut) the saturation bounds the gap
+    as before."""
     from ontofabric.services.query.fusion import adaptive_fusion, keyword_gap
 
     dense = [Candidate(f"x{i}", 0.45 - 0.002 * i) for i in range(50)]
     holders = [Candidate("function", 0.154), Candidate("file", 0.150)]
-    fused, weight, gap = adaptive_fusion(dense, holders, keyword_ceiling=10.9, keyword_hits_dense={})
+    cosines = {"function": 0.10, "file": 0.12}  # dense prefers the file: BM25's order still decides
+    fused, weight, gap = adaptive_fusion(dense, holders, keyword_ceiling=10.9, keyword_hits_dense=cosines)
     assert [hit.id for hit in fused].index("function") > 10  # as before: by saturation alone
     every_term = {"function": 1.0, "file": 1.0}
     fused, weight, gap = adaptive_fusion(
-        dense, holders, keyword_ceiling=10.9, keyword_hits_dense={}, keyword_coverage=every_term
+        dense, holders, keyword_ceiling=10.9, keyword_hits_dense=cosines, keyword_coverage=every_term
     )
     assert [hit.id for hit in fused[:2]] == ["function", "file"]
     assert gap == pytest.approx((0.154 - 0.150 / 9) / 0.154)
     assert weight == pytest.approx(1 - gap)
+    # A decisive BM25 top hit keeps its lead over a weak one that dense likes better (a review's).
+    decisive = [Candidate("a", 8.0), Candidate("b", 2.0)]
+    ordered, _, _ = adaptive_fusion(
+        dense, decisive, 10.0, keyword_hits_dense={"a": 0.2, "b": 0.5}, keyword_coverage={"a": 1.0, "b": 1.0}
+    )
+    assert [hit.id for hit in ordered[:2]] == ["a", "b"]
     # Half the query's weight held: the gap is bounded by that half.
-    assert keyword_gap(holders, 10.9, coverage={"function": 0.5}) == pytest.approx(0.5)
-    assert keyword_gap([holders[0]], 10.9, coverage={"function": 0.5}) == pytest.approx(0.5)
-    # A list that did not run out is read by its scores alone, whatever the coverage.
+    assert keyword_gap(holders, 10.9, {"function": 0.5}) == pytest.approx(0.5)
+    assert keyword_gap([holders[0]], 10.9, {"function": 0.5}) == pytest.approx(0.5)
+    # A list of ten or more is read by its scores alone, whatever the coverage.
     full = [Candidate(str(i), 5.0) for i in range(10)]
-    assert keyword_gap(full, 10.0, coverage=dict.fromkeys(map(str, range(10)), 1.0)) == pytest.approx(0.0)
+    assert keyword_gap(full, 10.0, dict.fromkeys(map(str, range(10)), 1.0)) == pytest.approx(0.0)
     long_list, _, _ = adaptive_fusion(dense, full, 10.0, keyword_coverage=dict.fromkeys(map(str, range(10)), 1.0))
     assert {hit.id: hit.score for hit in long_list}["0"] == pytest.approx(0.95 * (0.45 - 0.002 * 49) + 0.05 * 0.5)
 

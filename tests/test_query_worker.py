@@ -584,6 +584,10 @@ async def test_a_made_up_word_written_once_in_a_long_function_leads_its_answer(
     assert reply.meta.hybrid is True
     assert reply.meta.fusion is not None
     assert reply.meta.fusion.parameters["denseWeight"] < 0.5
+    # What the answer says of it: the word held whole, and the gap fusion used.
+    assert reply.meta.signals["keywordCoverage"] == 1.0
+    assert reply.meta.signals["keywordSaturation"] < 0.1
+    assert reply.meta.signals["keywordGap"] == reply.meta.fusion.parameters["keywordGap"]
 
 
 async def test_a_late_worker_knows_the_current_version(

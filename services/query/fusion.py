@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from .core import DENSE, KEYWORD, Candidate
 
 SHORT_LIST = 10
-"""A keyword list with fewer hits than this ran out of documents holding any query term."""
+"""The places a keyword list's gap is read over: a list with fewer hits ran out of documents holding any query
+term, within what it was asked (filters, depth)."""
 
 
 @dataclass(frozen=True)
@@ -93,46 +94,52 @@ def convex_fusion(
 
 
 def keyword_gap(
-    keyword: Sequence[Candidate],
-    ceiling: float | None,
-    depth: int = SHORT_LIST,
-    coverage: Mapping[str, float] | None = None,
+    keyword: Sequence[Candidate], ceiling: float | None, coverage: Mapping[str, float] | None = None
 ) -> float:
     """How far the keyword top hit stands out, in [0, 1]: (s1 - mean(s2..s10)) / s1.
 
-    A list shorter than ``depth`` ran out of documents holding any query term. Read over the places it did not fill
-    too (as 0), it stands out further, up to what bounds its top hit (``short_list_bound``), so a few weak matches
-    do not take the weight a decisive one would; that is its gap where it is more than the gap over the hits there
-    are. A lone hit's gap is that bound. (Read over the hits there were alone, five documents that alone hold a
-    rare word, equally, stood out by nothing: the weight went to dense, whose cosine cannot reach a document sent
-    without vectors, and none of the five was in the answer: an outside tester's.) Without a ceiling (a keyword
-    backend that states none) nothing bounds the zero places, and the gap is over the hits.
+    A list shorter than ``SHORT_LIST`` ran out of documents holding any query term. Read over the places it did not
+    fill too (as 0), it stands out further, up to its top hit's strength (its saturation, or its ``coverage`` where
+    the backend states one: ``ran_out_scores``), so a few weak matches do not take the weight a decisive one would;
+    that is its gap where it is more than the gap over the hits there are. A lone hit's gap is that strength. (Read
+    over the hits there were alone, five documents that alone hold a rare word, equally, stood out by nothing: the
+    weight went to dense, whose cosine cannot reach a document sent without vectors, and none of the five was in
+    the answer: an outside tester's.) Without a ceiling (a keyword backend that states none) nothing bounds the zero
+    places, and the gap is over the hits.
     """
     if not keyword or keyword[0].score <= 0:
         return 0.0
-    top = keyword[0]
-    bound = short_list_bound(top, ceiling, coverage)
+    top = keyword[0].score
+    strength = ran_out_scores(keyword[:1], ceiling, coverage)[keyword[0].id]
     if len(keyword) == 1:
-        return max(0.0, bound)
-    rest = [c.score for c in keyword[1:depth]]
-    over_the_hits = (top.score - sum(rest) / len(rest)) / top.score
-    if len(keyword) < depth:
-        with_the_places_unfilled = (top.score - sum(rest) / (depth - 1)) / top.score
-        over_the_hits = max(over_the_hits, min(with_the_places_unfilled, bound))
+        return max(0.0, strength)
+    rest = [c.score for c in keyword[1:SHORT_LIST]]
+    over_the_hits = (top - sum(rest) / len(rest)) / top
+    if len(keyword) < SHORT_LIST:
+        with_the_places_unfilled = (top - sum(rest) / (SHORT_LIST - 1)) / top
+        over_the_hits = max(over_the_hits, min(with_the_places_unfilled, strength))
     return max(0.0, min(1.0, over_the_hits))
 
 
-def short_list_bound(hit: Candidate, ceiling: float | None, coverage: Mapping[str, float] | None) -> float:
-    """How strong a hit of a list that ran out is, in [0, 1]: the share of the query's term weight it holds
-    (``coverage``, when the backend says), else its saturation (its score over ``ceiling``).
+def ran_out_scores(
+    keyword: Sequence[Candidate], ceiling: float | None, coverage: Mapping[str, float] | None
+) -> dict[str, float]:
+    """What each hit of a list that ran out weighs, in [0, 1]: its saturation (its score over ``ceiling``), or, where
+    the backend states each hit's ``coverage`` (it holds every document having a query term), the share of the
+    query's term weight the hit holds, times its score over the top hit's, where that is more.
 
-    A list runs out only when every query term is rare, and then which of the query's terms a document holds is
-    the evidence, not how often for its length: BM25's length normalisation scored one made-up word written once
-    in a 90 KB function at 0.014 of its ceiling, dense took 0.95 of the weight with cosines for a word it never
-    learned, and no holder was in the top 5 (an outside tester's, and ours)."""
-    saturation = min(1.0, hit.score / ceiling) if ceiling and ceiling > 0 else 0.0
-    held = None if coverage is None else coverage.get(hit.id)
-    return saturation if held is None else max(saturation, min(1.0, held))
+    Every document that has a query term being among a handful, every query term is rare in the workspace, and then
+    which of them a document holds is the evidence, not how often for its length: BM25's length normalisation
+    scored one made-up word written once in a 90 KB function at 0.014 of its ceiling, dense took 0.95 of the weight
+    with cosines for a word it never learned, and no holder was in the top 5 (an outside tester's). The score ratio
+    keeps BM25's order among hits holding the same terms, where dense's cosines would otherwise decide it."""
+    top = keyword[0].score if keyword else 0.0
+    scores = {}
+    for hit in keyword:
+        strength = min(1.0, hit.score / ceiling) if ceiling and ceiling > 0 else 0.0
+        held = None if coverage is None or top <= 0 else coverage.get(hit.id)
+        scores[hit.id] = strength if held is None else max(strength, min(1.0, held) * hit.score / top)
+    return scores
 
 
 def adaptive_fusion(
@@ -165,22 +172,18 @@ def adaptive_fusion(
     hit still without one (it has no embedding) then takes the lowest cosine of all. Not looked up, every
     keyword-only hit takes the dense list's lowest cosine, an upper bound that lets them crowd out its tail.
 
-    ``keyword_coverage``: each keyword hit's share of the query's term weight. A list that ran out (fewer than ten
-    hits) is weighed and scored by it where it is above the saturation (``short_list_bound``).
+    ``keyword_coverage``: each keyword hit's share of the query's term weight, where the backend holds every
+    document having a query term. A list that ran out is then weighed and scored by it (``ran_out_scores``).
     """
-    gap = (
-        1.0
-        if lexical and keyword
-        else keyword_gap(keyword, query_ceiling or keyword_ceiling, coverage=keyword_coverage)
-    )
+    gap = 1.0 if lexical and keyword else keyword_gap(keyword, query_ceiling or keyword_ceiling, keyword_coverage)
     weight = min(0.95, max(0.05, 1.0 - gap))
     top = max((c.score for c in keyword), default=0.0)
     ceiling = keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else (top if top > 0 else 1.0)
     dense_scores = {**(keyword_hits_dense or {}), **{c.id: c.score for c in dense}}
     dense_floor = min(dense_scores.values(), default=0.0)
     keyword_scores = {c.id: c.score / ceiling for c in keyword}
-    if len(keyword) < SHORT_LIST:
-        keyword_scores = {c.id: short_list_bound(c, ceiling, keyword_coverage) for c in keyword}
+    if len(keyword) < SHORT_LIST and keyword_coverage is not None:
+        keyword_scores = ran_out_scores(keyword, ceiling, keyword_coverage)
     found_by: dict[str, dict[str, SourceHit]] = {}
     for name, candidates in ((DENSE, dense), (KEYWORD, keyword)):
         for position, candidate in enumerate(candidates, start=1):

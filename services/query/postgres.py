@@ -461,14 +461,16 @@ class PostgresKeyword:
         async with self._snapshots.read(scope, alone=True) as snapshot:
             rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
         first = rows[0] if rows else None
-        query_weight = None if first is None else float(first["query_ceiling"]) / (self._k1 + 1)
+        # Every document holding a query term is here only when nothing filtered or pruned the list and it is
+        # shorter than asked: only then does a hit's coverage say how rare the query's terms are.
+        exhausted = first is not None and not first["pruned"] and not scope.filtered and len(rows) < limit
         return Hits(
             [Candidate(r["id"], float(r["score"])) for r in rows],
             snapshot.version,
             None if first is None else float(first["ceiling"]),
             None if first is None else float(first["query_ceiling"]),
             pruned=first is not None and first["pruned"],
-            coverage={r["id"]: float(r["held"]) / query_weight for r in rows} if query_weight else None,
+            coverage={r["id"]: min(1.0, float(r["coverage"])) for r in rows} if exhausted else None,
         )
 
     def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
@@ -540,7 +542,7 @@ class PostgresKeyword:
             -- query term (query_ceiling: a term no document has still counts as missing from every match).
             -- Summed, not joined: the planner cannot know how many leaders the LIMIT above keeps, and with a
             -- guess too low it joined the two by a nested loop, 3,000 × 2,000 comparisons (0.3 s).
-            SELECT l.id, l.score, l.held,
+            SELECT l.id, l.score, l.held / (SELECT sum(weight) FROM term_weight) AS coverage,
                    (SELECT sum(weight) FROM matched) * ($6::float8 + 1) AS ceiling,
                    (SELECT sum(weight) FROM term_weight) * ($6::float8 + 1) AS query_ceiling,
                    EXISTS (SELECT 1 FROM matched WHERE NOT in_full) AS pruned

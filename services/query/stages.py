@@ -50,11 +50,14 @@ def keyword_signals(
     keyword: Sequence[Candidate], ceiling: float | None, text: str, coverage: Mapping[str, float] | None = None
 ) -> dict[str, float]:
     """What the keyword list says about the query: its top hit's saturation (over every query term, also those no
-    document has) and how far that hit stands out (as fusion reads it)."""
+    document has), its share of the query's term weight where the backend states it (``Hits.coverage``), and how
+    far that hit stands out (as adaptive fusion reads it for a query that is not one identifier)."""
     signals = {"queryTokens": float(len(text.split()))}
     if keyword and ceiling:
         signals["keywordSaturation"] = round(keyword[0].score / ceiling, 4)
-        signals["keywordGap"] = round(keyword_gap(keyword, ceiling, coverage=coverage), 4)
+        if coverage is not None and keyword[0].id in coverage:
+            signals["keywordCoverage"] = round(min(1.0, coverage[keyword[0].id]), 4)
+        signals["keywordGap"] = round(keyword_gap(keyword, ceiling, coverage), 4)
     return signals
 
 

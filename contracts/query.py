@@ -542,8 +542,9 @@ class QueryMeta(WireModel):
         default_factory=dict,
         description="What the query looked like to the pipeline: queryTokens, keywordSaturation (keyword top score "
         "over the best reachable), keywordCoverage (when the keyword list holds every document having a query "
-        "term: the share of the query's term weight its top hit holds, which then bounds keywordGap in place of "
-        "the saturation), keywordGap (how far the keyword top hit stands out).",
+        "term and they are few against the workspace: the share of the query's term weight its top hit holds; "
+        "below ten hits it bounds keywordGap, with the saturation, whichever is more), keywordGap (how far the "
+        "keyword top hit stands out).",
     )
     freshness: Freshness | None = Field(default=None, description="How far the answer is behind the delta stream.")
     budget: BudgetReport | None = Field(

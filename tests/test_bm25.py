@@ -255,35 +255,49 @@ async def test_common_terms_are_looked_up_only_for_the_leading_documents(
     assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == {k: expected[k] for k in rare}
     assert (hits.ceiling, hits.query_ceiling) == (pytest.approx(exact.ceiling), pytest.approx(exact.query_ceiling))
 
-    # Coverage: the share of the query's term weight a hit holds, whatever its counts and length; stated only
-    # when the list holds every document having a query term (not pruned, not filtered, shorter than asked).
-    def idf(df: int, n: int = len(texts)) -> float:
-        return math.log(1 + (n - df + 0.5) / (df + 0.5))
-
-    zebra, apple, missing = idf(3), idf(12), idf(0)
-    assert exact.coverage == {
-        "r1": pytest.approx(1.0),
-        "r2": pytest.approx(zebra / (zebra + apple)),
-        "r3": pytest.approx(1.0),
-        **{f"c{i}": pytest.approx(apple / (zebra + apple)) for i in range(10)},
-    }
-    assert hits.coverage is None  # pruned: documents holding only apple were never read
-    assert (
-        await PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3).search(scope, query, 13)
-    ).coverage is None
-    filtered = Scope("acme", "main", chunk_level="method")
-    assert (
-        await PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3).search(filtered, query, 20)
-    ).coverage is None
-    # A query term no document holds counts against every hit; a repeated one weighs as its repeats do.
-    absent = await bounded.search(scope, SearchInput("zebra qqqmissing"), 20)
-    assert absent.coverage == {r: pytest.approx(zebra / (zebra + missing)) for r in rare}
-    repeated = await bounded.search(scope, SearchInput("zebra zebra qqqmissing"), 20)
-    assert repeated.coverage == {r: pytest.approx(1.5 * zebra / (1.5 * zebra + missing)) for r in rare}
+    # Every document holds a query term here: no coverage is stated (see the next test).
+    assert exact.coverage is None
 
     # With one leading document, apple is looked up for the best by zebra alone (the shortest) and no other.
     narrow = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3, full_read_postings=5, completion_depth=1)
     assert [c.id for c in (await narrow.search(scope, query, 1)).candidates] == ["r2"]
+
+
+async def test_coverage_is_stated_for_a_list_of_rare_terms_only(deployment: Deployment, pool: asyncpg.Pool) -> None:
+    """A hit's share of the query's term weight, whatever its counts and length: stated only when the list holds
+    every document having a query term (not pruned, not filtered, shorter than asked) and they are few against the
+    workspace's (at most a tenth)."""
+    rare = {"r1": "zebra apple", "r2": "zebra", "r3": "zebra apple apple pear"}
+    texts = {**rare, **{f"c{i}": f"banana number{i}" for i in range(37)}}
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(texts.items())])
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+    scope = Scope("acme", "main")
+
+    def idf(df: int, n: int = len(texts)) -> float:
+        return math.log(1 + (n - df + 0.5) / (df + 0.5))
+
+    zebra, apple, missing = idf(3), idf(2), idf(0)
+    hits = await keyword.search(scope, SearchInput("zebra apple"), 10)
+    assert hits.coverage == {
+        "r1": pytest.approx(1.0),
+        "r2": pytest.approx(zebra / (zebra + apple)),
+        "r3": pytest.approx(1.0),
+    }
+    # A query term no document holds counts against every hit; a repeated one weighs as its repeats do.
+    absent = await keyword.search(scope, SearchInput("zebra zebra qqqmissing"), 10)
+    assert absent.coverage == {r: pytest.approx(1.5 * zebra / (1.5 * zebra + missing)) for r in rare}
+    # Not stated: a list as long as asked, a filtered one, a pruned one (zebra's postings left for the leaders).
+    assert (await keyword.search(scope, SearchInput("zebra apple"), 3)).coverage is None
+    assert (
+        await keyword.search(Scope("acme", "main", chunk_level="method"), SearchInput("zebra"), 10)
+    ).coverage is None
+    bounded = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3, full_read_postings=1)
+    pruned = await bounded.search(scope, SearchInput("zebra apple"), 10)
+    assert pruned.pruned
+    assert pruned.coverage is None
+    # Nor for holders that are more than a tenth of the workspace: five of forty is no rare word.
+    assert (await keyword.search(scope, SearchInput("zebra apple pear number1 number2"), 10)).coverage is None
 
 
 async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, pool: asyncpg.Pool) -> None:

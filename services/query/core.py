@@ -76,9 +76,10 @@ class Hits:
     """Keyword: the same over every query term, also those no document has."""
     coverage: Mapping[str, float] | None = None
     """Keyword, when the list holds every document of the scope's workspace and branches that holds a query term
-    (no filter, nothing pruned, fewer hits than asked for): each hit's share of the query's term weight (idf times
-    the query's repeats, over every query term), whatever the document's length and counts. None otherwise, and
-    from a backend that cannot say."""
+    (no filter, nothing pruned, fewer hits than asked for) and those are few against the workspace (the query's
+    terms are rare there): each hit's share of the query's term weight (idf times the query's repeats, over every
+    query term), in [0, 1], whatever the document's length and counts. None otherwise, and from a backend that
+    cannot say."""
     lagging: bool = False
     """The index searched had not yet taken in every delta of the version read (an index of its own, such as
     Azure AI Search): the answer says ``{name}IndexBehind``."""

@@ -104,8 +104,8 @@ def keyword_gap(
     that is its gap where it is more than the gap over the hits there are. A lone hit's gap is that strength. (Read
     over the hits there were alone, five documents that alone hold a rare word, equally, stood out by nothing: the
     weight went to dense, whose cosine cannot reach a document sent without vectors, and none of the five was in
-    the answer: an outside tester's.) Without a ceiling (a keyword backend that states none) nothing bounds the zero
-    places, and the gap is over the hits.
+    the answer: an outside tester's.) Without a ceiling or a coverage (a keyword backend that states neither)
+    nothing bounds the zero places, and the gap is over the hits.
     """
     if not keyword or keyword[0].score <= 0:
         return 0.0
@@ -133,12 +133,13 @@ def ran_out_scores(
     scored one made-up word written once in a 90 KB function at 0.014 of its ceiling, dense took 0.95 of the weight
     with cosines for a word it never learned, and no holder was in the top 5 (an outside tester's). The score ratio
     keeps BM25's order among hits holding the same terms, where dense's cosines would otherwise decide it."""
-    top = keyword[0].score if keyword else 0.0
+    top = max((hit.score for hit in keyword), default=0.0)
     scores = {}
     for hit in keyword:
         strength = min(1.0, hit.score / ceiling) if ceiling and ceiling > 0 else 0.0
         held = None if coverage is None or top <= 0 else coverage.get(hit.id)
-        scores[hit.id] = strength if held is None else max(strength, min(1.0, held) * hit.score / top)
+        by_terms = 0.0 if held is None else max(0.0, min(1.0, held * hit.score / top))
+        scores[hit.id] = max(strength, by_terms)
     return scores
 
 

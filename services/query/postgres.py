@@ -415,6 +415,11 @@ class PostgresDense:
         return Hits([Candidate(r["id"], float(r["score"])) for r in rows], snapshot.version, embedding_model=compared)
 
 
+RARE_SHARE = 0.1
+"""A keyword list that holds every document having a query term is read as one of rare terms (``Hits.coverage``)
+when those documents are at most this share of the workspace's."""
+
+
 class PostgresKeyword:
     """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
 
@@ -462,15 +467,24 @@ class PostgresKeyword:
             rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
         first = rows[0] if rows else None
         # Every document holding a query term is here only when nothing filtered or pruned the list and it is
-        # shorter than asked: only then does a hit's coverage say how rare the query's terms are.
-        exhausted = first is not None and not first["pruned"] and not scope.filtered and len(rows) < limit
+        # shorter than asked; and they are rare only when few against the workspace (in one of eight documents,
+        # five holders are no rare word: a review's). Only then does a hit's coverage say what it should.
+        rare = (
+            first is not None
+            and not first["pruned"]
+            and not scope.filtered
+            and len(rows) < limit
+            and len(rows) <= RARE_SHARE * float(first["documents"])
+        )
         return Hits(
             [Candidate(r["id"], float(r["score"])) for r in rows],
             snapshot.version,
             None if first is None else float(first["ceiling"]),
             None if first is None else float(first["query_ceiling"]),
             pruned=first is not None and first["pruned"],
-            coverage={r["id"]: min(1.0, float(r["coverage"])) for r in rows} if exhausted else None,
+            coverage={r["id"]: min(1.0, float(r["coverage"])) for r in rows if math.isfinite(r["coverage"])}
+            if rare
+            else None,
         )
 
     def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
@@ -543,6 +557,7 @@ class PostgresKeyword:
             -- Summed, not joined: the planner cannot know how many leaders the LIMIT above keeps, and with a
             -- guess too low it joined the two by a nested loop, 3,000 × 2,000 comparisons (0.3 s).
             SELECT l.id, l.score, l.held / (SELECT sum(weight) FROM term_weight) AS coverage,
+                   (SELECT n FROM stats) AS documents,
                    (SELECT sum(weight) FROM matched) * ($6::float8 + 1) AS ceiling,
                    (SELECT sum(weight) FROM term_weight) * ($6::float8 + 1) AS query_ceiling,
                    EXISTS (SELECT 1 FROM matched WHERE NOT in_full) AS pruned

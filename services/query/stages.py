@@ -56,7 +56,7 @@ def keyword_signals(
     if keyword and ceiling:
         signals["keywordSaturation"] = round(keyword[0].score / ceiling, 4)
         if coverage is not None and keyword[0].id in coverage:
-            signals["keywordCoverage"] = round(min(1.0, coverage[keyword[0].id]), 4)
+            signals["keywordCoverage"] = round(coverage[keyword[0].id], 4)
         signals["keywordGap"] = round(keyword_gap(keyword, ceiling, coverage), 4)
     return signals
 

@@ -305,12 +305,12 @@ def query_encoder(
                 encoder = checked(target) if target.is_file() else None
                 if encoder is None:
                     _export(transformer, target)
-                    log.info("query_model_exported", path=str(target), bytes=target.stat().st_size)
+                    log.info("model_export_made", path=str(target), bytes=target.stat().st_size)
                     encoder = checked(target)
                 if encoder is not None:
                     _keep_reference(reference_path(target, windows), max_length, expected)
         except OSError as error:
-            log.warning("query_model_cache_unwritable", cache_dir=str(cache_dir), error=str(error))
+            log.warning("model_export_cache_unwritable", cache_dir=str(cache_dir), error=str(error))
             with tempfile.TemporaryDirectory(prefix="ontofabric-onnx-") as private:  # 0700, this process's alone
                 target = Path(private) / name
                 _export(transformer, target)
@@ -350,11 +350,11 @@ def _agreeing(
         encoder = OnnxSentenceEncoder(target, model_path, max_length, threads, windows)
         gap = _disagreement(encoder.embed(list(AGREEMENT_PROBES)), expected)
     except Exception as error:  # a damaged or truncated file, or one ONNX Runtime cannot run
-        log.warning("query_model_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
+        log.warning("model_export_unusable", path=str(target), error=f"{type(error).__name__}: {error}")
         return None
     if gap <= AGREEMENT:
         return encoder
-    log.warning("query_model_disagrees", path=str(target), gap=gap)
+    log.warning("model_export_disagrees", path=str(target), gap=gap)
     return None
 
 
@@ -372,10 +372,12 @@ def _read_reference(path: Path) -> tuple[int, list[tuple[Vector, TokenMatrix]]] 
             expected = [(stored[f"vector{i}"], stored[f"tokens{i}"]) for i in range(len(AGREEMENT_PROBES))]
             max_length = int(stored["max_length"])
     except Exception as error:  # a damaged file
-        log.warning("query_model_reference_unusable", path=str(path), error=f"{type(error).__name__}: {error}")
+        # Its type only: numpy's message for a file of pickles advises allowing them, wrong advice for a file of ours.
+        reason = f"not a reference this build reads ({type(error).__name__}); a query worker's start makes it again"
+        log.warning("model_export_reference_unusable", path=str(path), error=reason)
         return None
     if not all(np.isfinite(vector).all() and np.isfinite(tokens).all() for vector, tokens in expected):
-        log.warning("query_model_reference_unusable", path=str(path), error="values that are not finite")
+        log.warning("model_export_reference_unusable", path=str(path), error="values that are not finite")
         return None
     return max_length, expected
 
@@ -402,7 +404,7 @@ def _keep_reference(path: Path, max_length: int, expected: Sequence[tuple[Vector
         partial.chmod(0o644)
         os.replace(partial, path)
     except OSError as error:  # a full disk, another user's file: the export checked here is used all the same
-        log.warning("query_model_reference_not_kept", path=str(path), error=str(error))
+        log.warning("model_export_reference_not_kept", path=str(path), error=str(error))
     finally:
         if partial is not None:
             partial.unlink(missing_ok=True)

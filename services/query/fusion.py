@@ -125,8 +125,8 @@ def ran_out_scores(
     keyword: Sequence[Candidate], ceiling: float | None, coverage: Mapping[str, float] | None
 ) -> dict[str, float]:
     """What each hit of a list that ran out weighs, in [0, 1]: its saturation (its score over ``ceiling``), or, where
-    the backend states each hit's ``coverage`` (it holds every document having a query term), the share of the
-    query's term weight the hit holds, times its score over the top hit's, where that is more.
+    the backend states each hit's ``coverage`` (``Hits.coverage`` says when), the share of the query's term weight
+    the hit holds, times its score over the top hit's, where that is more.
 
     Every document that has a query term being among a handful, every query term is rare in the workspace, and then
     which of them a document holds is the evidence, not how often for its length: BM25's length normalisation
@@ -173,8 +173,9 @@ def adaptive_fusion(
     hit still without one (it has no embedding) then takes the lowest cosine of all. Not looked up, every
     keyword-only hit takes the dense list's lowest cosine, an upper bound that lets them crowd out its tail.
 
-    ``keyword_coverage``: each keyword hit's share of the query's term weight, where the backend holds every
-    document having a query term. A list that ran out is then weighed and scored by it (``ran_out_scores``).
+    ``keyword_coverage``: each keyword hit's share of the query's term weight, where the backend states it (the
+    query's terms are rare: ``Hits.coverage``). A list that ran out is then weighed and scored by it
+    (``ran_out_scores``).
     """
     gap = 1.0 if lexical and keyword else keyword_gap(keyword, query_ceiling or keyword_ceiling, keyword_coverage)
     weight = min(0.95, max(0.05, 1.0 - gap))

@@ -319,7 +319,9 @@ class SearchResult(WireModel):
     signals: dict[str, float] = Field(
         default_factory=dict,
         description="What the score was estimated from, those measured: cosine (the dense similarity to the query) "
-        "and keyword (its BM25 score over the best the query could reach, 0 to 1). A function's code that took its "
+        "and keyword (its BM25 score over the best the query could reach, 0 to 1; in a keyword list of fewer than "
+        "ten hits whose terms are rare, as for _meta.signals.keywordCoverage, the share of the query's term weight "
+        "it holds times its score over the top hit's, where that is more). A function's code that took its "
         "docstring's place (the docstring folded into it) shows its docstring's where those scored higher.",
     )
 

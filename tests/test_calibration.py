@@ -28,6 +28,7 @@ from ontofabric.services.query.calibration import (
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.config import PipelineConfig
 from ontofabric.services.query.core import Candidate
+from ontofabric.services.query.fusion import SHORT_LIST
 from ontofabric.services.query.symbols import ranked_places
 from ontofabric.shared.embedder import Embedder
 
@@ -127,6 +128,24 @@ def test_result_signals_take_cosines_from_both_sources_and_scale_keyword_scores(
         "c": {"cosine": 0.2, "keyword": 0.25},
     }
     assert result_signals(None, [Candidate("c", 3.0)], keyword_ceiling=None) == {}
+
+
+def test_a_keyword_list_that_ran_out_gives_each_hit_the_strength_the_fusion_weighs_it_by() -> None:
+    """After an outside tester's made-up word, written once in a long function: saturated at 0.014 by BM25's
+    length normalisation, its one holder led the answer with a calibrated score under the second result's."""
+    keyword = [Candidate("long", 0.14), Candidate("mention", 0.07)]
+    coverage = {"long": 1.0, "mention": 0.5}
+    assert result_signals(None, keyword, keyword_ceiling=10.0, keyword_coverage=coverage) == {
+        "long": {"keyword": 1.0},
+        "mention": {"keyword": 0.25},  # half the query's term weight, at half the top hit's score
+    }
+    # Coverage not stated, or a list as long as the fusion reads as not run out: the saturation.
+    assert result_signals(None, keyword, keyword_ceiling=10.0) == {
+        "long": {"keyword": 0.014},
+        "mention": {"keyword": 0.007},
+    }
+    full = [Candidate(f"d{i}", 1.0) for i in range(SHORT_LIST)]
+    assert result_signals(None, full, 10.0, keyword_coverage={c.id: 1.0 for c in full})["d0"] == {"keyword": 0.1}
 
 
 def test_fit_models_pools_datasets_and_holds_each_out(tmp_path: Path) -> None:

@@ -566,7 +566,8 @@ async def test_a_made_up_word_written_once_in_a_long_function_leads_its_answer(
 ) -> None:
     """Ours, after an outside tester's: a plain word (no code shape) held by one long function and nowhere else
     saturated BM25 at 0.014 by length normalisation, dense took 0.95 of the weight with cosines for a word the
-    model never learned, and the function was not in the top 5. Every query term it holds makes it lead."""
+    model never learned, and the function was not in the top 5. Every query term it holds makes it lead, and its
+    score says so."""
     await start_query_worker(embedder, query_cache_entries=0)
     body = "\n".join(f"    total_{i} = accumulate(records, offset={i})" for i in range(400))
     texts = {
@@ -588,6 +589,11 @@ async def test_a_made_up_word_written_once_in_a_long_function_leads_its_answer(
     assert reply.meta.signals["keywordCoverage"] == 1.0
     assert reply.meta.signals["keywordSaturation"] < 0.1
     assert reply.meta.signals["keywordGap"] == reply.meta.fusion.parameters["keywordGap"]
+    # Its calibrated score reads the same strength (it was 0.011, under the second result's 0.021), so a
+    # threshold above the passing results keeps the one that holds the word.
+    assert reply.results[0].score > 5 * max(r.score for r in reply.results[1:])
+    kept = await _ask(client, "zorblaxquux", workspace="rare", topK=5, minRelevance=0.05)
+    assert [r.id for r in kept.results] == ["long"]
 
 
 async def test_a_late_worker_knows_the_current_version(

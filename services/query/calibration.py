@@ -25,6 +25,7 @@ import numpy as np
 
 from .core import DENSE, Candidate
 from .core import KEYWORD as KEYWORD_RETRIEVER
+from .fusion import SHORT_LIST, ran_out_scores
 
 COSINE = "cosine"
 KEYWORD = "keyword"
@@ -128,19 +129,24 @@ def result_signals(
     keyword: Sequence[Candidate] | None,
     keyword_ceiling: float | None,
     other_cosines: Mapping[str, float] | None = None,
+    keyword_coverage: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Each candidate's signals: its cosine (from the dense list, else ``other_cosines``, read for keyword hits
-    the dense list did not return) and its keyword score over the query's ceiling."""
+    the dense list did not return) and its keyword score over the query's ceiling.
+
+    A keyword list that ran out, where the backend states each hit's ``keyword_coverage``, gives each hit the
+    strength the fusion weighs it by (``ran_out_scores``): read by its saturation, a made-up word written once in
+    a long function scored 0.011 at the top of its answer, under the second result's 0.021, and ``minRelevance``
+    dropped the one result that held the word."""
     found: dict[str, dict[str, float]] = {}
     for candidate in dense or ():
         found.setdefault(candidate.id, {}).setdefault(COSINE, round(candidate.score, 6))
     for doc_id, cosine in (other_cosines or {}).items():
         found.setdefault(doc_id, {}).setdefault(COSINE, round(cosine, 6))
-    if keyword_ceiling:
-        for candidate in keyword or ():
-            found.setdefault(candidate.id, {}).setdefault(
-                KEYWORD, round(min(candidate.score / keyword_ceiling, 1.0), 6)
-            )
+    if keyword_ceiling and keyword:
+        ran_out = keyword_coverage if len(keyword) < SHORT_LIST else None
+        for doc_id, strength in ran_out_scores(keyword, keyword_ceiling, ran_out).items():
+            found.setdefault(doc_id, {}).setdefault(KEYWORD, round(strength, 6))
     return found
 
 

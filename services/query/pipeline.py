@@ -488,6 +488,7 @@ class QueryPipeline:
                 None if keyword is None else keyword.candidates,
                 ceiling,
                 keyword_hits_dense,
+                keyword.coverage if keyword else None,
             ),
         )
         return fused, measured

@@ -298,6 +298,13 @@ async def test_coverage_is_stated_for_a_list_of_rare_terms_only(deployment: Depl
     assert pruned.coverage is None
     # Nor for holders that are more than a tenth of the workspace: five of forty is no rare word.
     assert (await keyword.search(scope, SearchInput("zebra apple pear number1 number2"), 10)).coverage is None
+    # On a branch, of the documents as the branch has them: r2 holds both terms there, r3 is deleted there.
+    branch = [upsert("acme", document("r2", "zebra apple"), branch="feature"), delete("acme", "r3", branch="feature")]
+    await store.apply([Delta(len(texts) + i + 1, d) for i, d in enumerate(branch)])
+    on_branch = await keyword.search(Scope("acme", "feature"), SearchInput("zebra apple"), 10)
+    assert on_branch.coverage == {"r1": pytest.approx(1.0), "r2": pytest.approx(1.0)}
+    assert {c.id for c in on_branch.candidates} == {"r1", "r2"}
+    assert (await keyword.search(scope, SearchInput("zebra apple"), 10)).coverage == hits.coverage  # main as it was
 
 
 async def test_keyword_filters_apply_before_the_top_k(deployment: Deployment, pool: asyncpg.Pool) -> None:

@@ -612,6 +612,18 @@ LATIN_1 = (
     b'"arguments": {"semanticQuery": "caf\xe9 menu parser"}}}'
 )
 """A call whose text a client sent in Latin-1, not UTF-8: the SDK answered a parse error under id null."""
+REPEATED_ARGUMENT = (
+    b'{"jsonrpc": "2.0", "id": 28, "method": "tools/call", "params": {"name": "ontology_query", '
+    b'"arguments": {"semanticQuery": "read a csv file", "topK": 1, "topK": 50}}}'
+)
+"""A call naming an argument twice (a tester's): the SDK kept the last, where the worker refuses the same body."""
+REPEATED_KEY = (
+    b'{"jsonrpc": "2.0", "id": 29, "method": "tools/call", "params": {"name": "ontology_query", '
+    b'"arguments": {"semanticQuery": "csv"}, "arguments": {"semanticQuery": "json"}}}'
+)
+REPEATED_ARGUMENT_TEXT = (
+    "error invalid_request: the request names 'topK' twice\n- topK: given twice: a request names each field once"
+)
 
 
 async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deployment: Deployment) -> None:
@@ -658,6 +670,23 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
         latin = (await http.post(url, content=LATIN_1)).json()
         assert (latin["id"], latin["error"]["code"]) == (27, -32602)
         assert latin["error"]["message"] == "params.arguments.semanticQuery: not valid UTF-8"
+        repeated = await http.post(url, content=REPEATED_ARGUMENT)
+        assert repeated.status_code == 200
+        assert repeated.json()["id"] == 28
+        assert repeated.json()["result"]["isError"] is True
+        assert repeated.json()["result"]["content"][0]["text"] == REPEATED_ARGUMENT_TEXT
+        twice = await http.post(url, content=REPEATED_KEY)
+        assert twice.status_code == 400
+        assert twice.json()["id"] == 29
+        assert twice.json()["error"] == {
+            "code": -32600,
+            "message": f"{NOT_A_MESSAGE}: params.arguments: given twice: a message names each key once",
+        }
+        # A notification is answered nothing, a repeat in it too.
+        notified = (
+            b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1, "requestId": 2}}'
+        )
+        assert (await http.post(url, content=notified)).status_code == 202
         listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
         # A protocol version no SDK release has: the SDK asked for `params._meta` envelope keys instead.
         unknown = await http.post(url, json=listing, headers={"MCP-Protocol-Version": "1999-01-01"})
@@ -681,7 +710,7 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
     messages = [early, RAW_INITIALIZE, initialized, *(request for request, _, _ in ILL_FORMED)]
     gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
-    gateway.stdin.write(LATIN_1 + b"\n" + json.dumps(listing).encode() + b"\n")
+    gateway.stdin.write(b"\n".join([LATIN_1, REPEATED_ARGUMENT, REPEATED_KEY, json.dumps(listing).encode()]) + b"\n")
     await gateway.stdin.drain()
     answers: dict[Any, Any] = {}
     try:
@@ -697,6 +726,12 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
         assert answers[request["id"]]["error"]["code"] == code
         assert answers[request["id"]]["error"]["message"].startswith(message), answers[request["id"]]
     assert answers[27]["error"] == {"code": -32602, "message": "params.arguments.semanticQuery: not valid UTF-8"}
+    assert answers[28]["result"]["isError"] is True
+    assert answers[28]["result"]["content"][0]["text"] == REPEATED_ARGUMENT_TEXT
+    assert answers[29]["error"] == {
+        "code": -32600,
+        "message": f"{NOT_A_MESSAGE}: params.arguments: given twice: a message names each key once",
+    }
     assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 
 

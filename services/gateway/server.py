@@ -64,7 +64,18 @@ from .auth import ALL_WORKSPACES, CALLER, Grant, RequireBearer, TokenStore
 from .bodies import peek_body, replaying
 from .connections import BoundedConnections, connection_limit
 from .link import NatsLink, NatsRefused, NatsUnavailable
-from .stdio import ODD_ID, checked_request, not_utf8_error, request_id_of, stdio_streams, unreadable
+from .stdio import (
+    NOT_A_REQUEST,
+    ODD_ID,
+    TOOL_ARGUMENTS,
+    checked_request,
+    not_utf8_error,
+    repeated_key_answer,
+    request_id_of,
+    stdio_streams,
+    tool_error,
+    unreadable,
+)
 from .tools import (
     TOOLS,
     ArgumentsRefused,
@@ -88,10 +99,6 @@ INSTRUCTIONS = (
     "with an honest _meta envelope), get_document reads one document, ontology_status says how fresh the index is."
 )
 _BY_NAME = {tool.name: tool for tool in TOOLS}
-
-
-def tool_error(text: str) -> types.CallToolResult:
-    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
 class Gateway:
@@ -463,6 +470,8 @@ class MisreadBodies:
       null; it gets an error under its id naming the field, as over stdio.
     - An ``MCP-Protocol-Version`` header naming no version the SDK speaks: the SDK asked for ``params._meta``
       envelope keys; the answer names the header, the versions spoken and the one asked for.
+    - A request naming a key twice in one object: the SDK kept the last value without a word
+      (:func:`~.stdio.repeated_key_answer`).
 
     A body past the SDK's own limit is answered 413 with a JSON-RPC error: unread when its declared length says so,
     else once that much of it came."""
@@ -679,7 +688,6 @@ def _declared_length(scope: Scope) -> int | None:
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_TOOL_ARGUMENTS = "params.arguments."
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:
@@ -704,8 +712,11 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
         if isinstance(found, list):
             message = "a batch (a JSON array) is not taken under this protocol version: send each request alone"
         else:
-            message = "not a JSON-RPC 2.0 request, notification or response: message: Input should be an object"
+            message = f"{NOT_A_REQUEST}: message: Input should be an object"
         return 400, {"jsonrpc": "2.0", "id": None, "error": {"code": types.INVALID_REQUEST, "message": message}}
+    if (repeated := repeated_key_answer(body)) is not None:
+        status = 200 if isinstance(repeated, types.JSONRPCResponse) else 400
+        return status, {"id": None, **repeated.model_dump(mode="json", by_alias=True, exclude_none=True)}
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:
@@ -723,14 +734,14 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
             return _answer_to_ill_formed(parsed, body)
         error = {
             "code": types.INVALID_REQUEST,
-            "message": f"not a JSON-RPC 2.0 request, notification or response: {ODD_ID}",
+            "message": f"{NOT_A_REQUEST}: {ODD_ID}",
         }
         return 400, {"jsonrpc": "2.0", "id": None, "error": error}
     if "id" not in parsed:  # a notification: accepted, nothing to answer
         return 202, None
     assert field is not None
-    if parsed.get("method") == "tools/call" and field.startswith(_TOOL_ARGUMENTS):
-        argument = field.removeprefix(_TOOL_ARGUMENTS)
+    if parsed.get("method") == "tools/call" and field.startswith(TOOL_ARGUMENTS):
+        argument = field.removeprefix(TOOL_ARGUMENTS)
         text = f"error invalid_request: the arguments are not text\n- {clipped(argument)}: {HALF_CHARACTER}"
         result = tool_error(text).model_dump(mode="json", by_alias=True, exclude_none=True)
         return 200, {"jsonrpc": "2.0", "id": request_id_of(parsed), "result": result}

@@ -25,9 +25,13 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from ontofabric.contracts import ErrorReply
 from ontofabric.contracts.query import clipped
+from ontofabric.services.query.requests import repeated_key, repeated_key_error
 from ontofabric.shared.half_characters import NOT_UTF8, not_utf8
 from ontofabric.shared.logging import get_logger
+
+from .tools import render_error
 
 log = get_logger(__name__)
 
@@ -81,6 +85,7 @@ def parsed(line: bytes) -> types.JSONRPCMessage:
 
 
 ODD_ID = "its id is neither a string nor an integer"
+NOT_A_REQUEST = "not a JSON-RPC 2.0 request, notification or response"
 
 
 def _has_id(line: bytes) -> bool:
@@ -106,13 +111,46 @@ def unreadable(line: bytes | None, problem: Exception | None = None) -> types.JS
             return not_utf8_error(line) or types.JSONRPCError(
                 jsonrpc="2.0", id=None, error=types.ErrorData(code=types.PARSE_ERROR, message=f"not JSON: {error}")
             )
-        code, message = types.INVALID_REQUEST, "not a JSON-RPC 2.0 request, notification or response"
+        code, message = types.INVALID_REQUEST, NOT_A_REQUEST
         if isinstance(problem, ValidationError) and problem.errors():
             first = problem.errors()[0]  # its location's first part is the message type tried: left out
             message += f": {'.'.join(str(part) for part in first['loc'][1:]) or 'message'}: {str(first['msg'])[:200]}"
         elif isinstance(problem, ValueError) and str(problem) == ODD_ID:
             message += f": {ODD_ID}"
     return types.JSONRPCError(jsonrpc="2.0", id=request_id_of(found), error=types.ErrorData(code=code, message=message))
+
+
+TOOL_ARGUMENTS = "params.arguments."
+"""Where a tool call's arguments are, as a field's path names it."""
+
+
+def tool_error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
+
+
+def repeated_key_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:
+    """The answer to a request one of whose objects names a key twice. The SDK's parser keeps the last value, so a
+    tool call's ``{"topK": 1, "topK": 50}`` was read as 50 without a word, where the worker, sent the same body,
+    refuses it (a tester's): a tool call's arguments get the worker's tool error naming the argument, the rest of
+    a request an invalid request error naming the key. None for a message without a repeat, and for one without
+    an id (a notification is answered nothing)."""
+    repeated = repeated_key(body)
+    if repeated is None:
+        return None
+    found = json.loads(body)  # as repeated_key read it
+    if not isinstance(found, dict) or "id" not in found:
+        return None
+    request_id = request_id_of(found)
+    argument = repeated.removeprefix(TOOL_ARGUMENTS)
+    if found.get("method") == "tools/call" and argument != repeated and request_id is not None:
+        result = tool_error(render_error(ErrorReply(error=repeated_key_error(argument))))
+        return types.JSONRPCResponse(
+            jsonrpc="2.0", id=request_id, result=result.model_dump(mode="json", by_alias=True, exclude_none=True)
+        )
+    message = f"{NOT_A_REQUEST}: {clipped(repeated)}: given twice: a message names each key once"
+    return types.JSONRPCError(
+        jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message)
+    )
 
 
 def not_utf8_error(body: bytes) -> types.JSONRPCError | None:
@@ -278,7 +316,7 @@ async def stdio_streams() -> AsyncIterator[
                         if answer is not None:
                             await answers.send(SessionMessage(answer))
                         continue
-                    refusal = session.refusal(message)
+                    refusal = repeated_key_answer(line) or session.refusal(message)
                     if refusal is not None:
                         await answers.send(SessionMessage(refusal))
                         continue

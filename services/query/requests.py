@@ -35,13 +35,16 @@ def read_request(model: type[Model], body: bytes) -> Model | QueryError:
             code="invalid_request", message=f"the request does not match {model.__name__}", details=details
         )
     repeated = repeated_key(body)
-    if repeated is not None:
-        return QueryError(
-            code="invalid_request",
-            message=f"the request names {repeated!r} twice",
-            details=[ErrorDetail(field=clipped(repeated), message="given twice: a request names each field once")],
-        )
-    return request
+    return request if repeated is None else repeated_key_error(repeated)
+
+
+def repeated_key_error(repeated: str) -> QueryError:
+    """The error for a request that names the field ``repeated`` (a path, :func:`repeated_key`) twice."""
+    return QueryError(
+        code="invalid_request",
+        message=f"the request names {repeated!r} twice",
+        details=[ErrorDetail(field=clipped(repeated), message="given twice: a request names each field once")],
+    )
 
 
 def repeated_key(body: bytes) -> str | None:

@@ -469,18 +469,19 @@ def ingest(
                         soft_wrap=True,
                         markup=False,
                     )
-                if wait and report.last_sequence is not None:
-                    watch = ProjectionWatch(progress, report.last_sequence, _stalled_projection)
+                if wait and (awaited := report.awaited_sequence) is not None:
+                    watch = ProjectionWatch(progress, awaited, _stalled_projection)
                     try:
                         await wait_projected(
-                            js, names, settings.projector_partitions, report.last_sequence, wait_timeout,
+                            js, names, settings.projector_partitions, awaited, wait_timeout,
                             on_floor=watch, moved=moved,
                         )  # fmt: skip
                     except TimeoutError:
+                        whose = "this ingest's" if report.last_sequence is not None else "an earlier ingest's"
                         _fail(
-                            f"not projected within {wait_timeout:g} s: the index is at stream seq {watch.floor}, this "
-                            f"ingest's last delta is {report.last_sequence}. The deltas are stored; a running "
-                            "projector applies them (`ontofabric status` shows the projectors and dead letters).",
+                            f"not projected within {wait_timeout:g} s: the index is at stream seq {watch.floor}, "
+                            f"{whose} last delta is {awaited}. The deltas are stored; a running projector applies "
+                            "them (`ontofabric status` shows the projectors and dead letters).",
                             1,
                         )
             console.print(

@@ -480,6 +480,13 @@ def test_manifests_of_two_racing_ingests_merge_into_what_is_known() -> None:
     # The next ingest of a tree holding a and both sends a again, and removes b and differs.
     plan = plan_ingest({"d:a": "1", "d:both": "1"}, merged)
     assert (plan.upserts, plan.deletes) == (["d:a"], ["d:b", "d:differs"])
+    # The last delta either published is what the index must reach.
+    published = Manifest({"d:a": "1"}, published_through=40).merged_with(Manifest({"d:a": "1"}, published_through=7))
+    assert published.published_through == 40
+    assert Manifest.from_json(published.to_json()) == published
+    assert Manifest.from_json(b'{"version": 2, "entries": {}}').published_through is None  # an earlier release's
+    assert Manifest({"d:a": "1"}).merged_with(Manifest()).published_through is None
+    assert published.digest == Manifest({"d:a": "1"}).digest  # event ids do not move with it
 
 
 def test_a_tree_that_is_a_package_names_its_modules_as_python_imports_them(tmp_path: Path) -> None:

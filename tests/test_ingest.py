@@ -467,22 +467,42 @@ def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
         assert (bar.completed, bar.total) == (10, 15)
 
 
-def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(
+async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(
     deployment: Deployment, tmp_path: Path
 ) -> None:
-    _write(tmp_path, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
+    """And the same ingest again, nothing having changed, waits for what the first one sent: it said it was done at
+    once, exit 0, with the file still not in the index (a tester's retry of an ingest that timed out)."""
+    tree = tmp_path / "tree"
+    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
     env = {
         **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
         "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
     }  # fmt: skip
     ontofabric = str(Path(sys.executable).parent / "ontofabric")
-    ran = subprocess.run(
-        [ontofabric, "ingest", str(tmp_path), "--workspace", "lonely", "--wait-timeout", "2"], env=env,
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+
+    def ingest() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [ontofabric, "ingest", str(tree), "--workspace", "lonely", "--wait-timeout", "2"], env=env,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    ran = await asyncio.to_thread(ingest)
     assert ran.returncode == 1, ran.stderr
     assert "not projected within 2 s" in ran.stderr
+    assert "this ingest's last delta is" in ran.stderr
     assert "The deltas are stored" in ran.stderr
+    again = await asyncio.to_thread(ingest)
+    assert again.returncode == 1, again.stderr
+    assert "0 upserts" not in again.stdout
+    assert "an earlier ingest's last delta is" in again.stderr
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        done = await asyncio.to_thread(ingest)
+    finally:
+        await projector.stop()
+    assert done.returncode == 0, done.stderr
+    assert "0 upserts, 0 deletes, 0 reverts, 2 unchanged" in done.stdout
 
 
 async def test_ingest_into_a_full_delta_stream_says_so_at_once_and_exits_1(

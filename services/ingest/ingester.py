@@ -443,6 +443,10 @@ class Manifest:
     package: str | None = None
     """The package the ingest that saved it named the tree's modules after ("" for none), so that a branch's
     checkout in a directory of another name is named as main was; None where not recorded."""
+    published_through: int | None = None
+    """The stream sequence of the last delta an ingest of the branch published: what the index must reach before
+    the branch's content, as the entries say it, is there; None where not recorded (nothing published yet, or a
+    manifest saved before it was)."""
 
     @property
     def unknown(self) -> int:
@@ -464,6 +468,8 @@ class Manifest:
             document["files"] = {path: sorted(keys) for path, keys in keys_by_file.items()}
         if self.package is not None:
             document["package"] = self.package
+        if self.published_through is not None:
+            document["published_through"] = self.published_through
         return json.dumps(document, sort_keys=True).encode()
 
     def merged_with(self, other: Manifest) -> Manifest:
@@ -471,7 +477,8 @@ class Manifest:
         is known; any other key is UNKNOWN, so the next ingest sends it again or removes it."""
         mine, theirs = self.entries, other.entries
         merged = {k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()}
-        return Manifest(merged, self.exclude, {**other.files, **self.files}, self.package)
+        published = [n for n in (self.published_through, other.published_through) if n is not None]
+        return Manifest(merged, self.exclude, {**other.files, **self.files}, self.package, max(published, default=None))
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -481,7 +488,14 @@ class Manifest:
             entries = {f"d:{key}": value for key, value in entries.items()}
         recorded = stored.get("exclude")
         files = {key: path for path, keys in stored.get("files", {}).items() for key in keys}
-        return cls(entries, None if recorded is None else tuple(recorded), files, stored.get("package"))
+        published = stored.get("published_through")
+        return cls(
+            entries,
+            None if recorded is None else tuple(recorded),
+            files,
+            stored.get("package"),
+            published if isinstance(published, int) and not isinstance(published, bool) else None,
+        )
 
 
 def _manifest_of(stored: StoredManifest) -> Manifest:
@@ -713,6 +727,9 @@ class IngestReport:
     unchanged: int
     last_sequence: int | None
     """Stream sequence of the last delta published; None when nothing changed."""
+    pending_through: int | None
+    """When nothing changed: the stream sequence of the last delta an earlier ingest of the branch published (its
+    manifest's ``published_through``), which the index may not hold yet; None otherwise, or when not recorded."""
     published: frozenset[int]
     """Stream sequences of every delta published."""
     too_large: list[str]
@@ -739,6 +756,13 @@ class IngestReport:
     package_of_main: str | None = None
     """On a branch: the package its modules were named after, main's, when the tree's directory has another name
     and no package was given."""
+
+    @property
+    def awaited_sequence(self) -> int | None:
+        """The stream sequence the index must reach before the branch's content, as this ingest left it, is there:
+        this ingest's last delta, or when it sent nothing an earlier ingest's (a retry of one whose wait timed out
+        said it was done at once, the index still lacking its file: a tester's)."""
+        return self.last_sequence if self.last_sequence is not None else self.pending_through
 
 
 class Ingester:
@@ -897,7 +921,7 @@ class Ingester:
         # The previous patterns until the ingest is done: one stopped part way says again that they changed.
         in_flight = Manifest(
             {**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude,
-            {**previous.files, **plan.manifest.files}, previous.package,
+            {**previous.files, **plan.manifest.files}, previous.package, previous.published_through,
         )  # fmt: skip
         if deltas:
             # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
@@ -910,7 +934,10 @@ class Ingester:
         )
         publish_s = time.perf_counter() - publish_started
         if deltas:
-            done = Manifest({**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package or "")
+            done = Manifest(
+                {**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package or "",
+                max((a.seq for a in acks), default=previous.published_through),
+            )  # fmt: skip
             saved = _manifest_of(loaded)
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
@@ -923,7 +950,9 @@ class Ingester:
             # Nothing sent, but the patterns changed or the documents' files or the package were not recorded (a
             # manifest saved before they were, which a branch needs of main's): recorded if no other ingest saved
             # meanwhile.
-            unchanged_manifest = Manifest(previous.entries, patterns, plan.manifest.files, package or "")
+            unchanged_manifest = Manifest(
+                previous.entries, patterns, plan.manifest.files, package or "", previous.published_through
+            )
             try:
                 await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
             except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
@@ -939,6 +968,8 @@ class Ingester:
             # A chunk reverted to main's changed in the index too (a tester's: 27 reverts were also unchanged).
             unchanged=sum(1 for k in desired if k.startswith("d:") and k not in changed),
             last_sequence=max((a.seq for a in acks), default=None),
+            # Nothing sent: the index may still lack what an earlier ingest sent (one whose wait timed out).
+            pending_through=None if acks else previous.published_through,
             published=frozenset(a.seq for a in acks),
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,

@@ -360,8 +360,10 @@ async def evaluate_tree(
             max_file_bytes=settings.ingest_max_file_bytes,
         )
         report = await ingester.ingest(tree, WORKSPACE, exclude=patterns)
-        if report.last_sequence is not None:
-            await wait_caught_up(js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 3600)
+        if report.awaited_sequence is not None:
+            await wait_caught_up(
+                js, names.delta_stream, names.postgres_projector_durable, report.awaited_sequence, 3600
+            )
         await asyncio.sleep(0.5)  # the query worker's version watch catches up
         client = QueryClient(nc, names, timeout_s=60)
 

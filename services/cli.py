@@ -99,7 +99,7 @@ from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .projector.consumer import REFUSED_BY_EVERY_PROCESS
-from .render import RichProgress, render_reply, render_status, whole_table
+from .render import RichProgress, printable, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
     from .ingest.ingester import IngestReport
@@ -585,8 +585,8 @@ def _fail_on_dead_letters(letters: Sequence[SetAside], published: int, workspace
     _fail(
         f"{len(letters)} of the {published} deltas published were dead-lettered, not indexed "
         f"({', '.join(f'{reason}: {count}' for reason, count in reasons.most_common())}); the first: "
-        f"{first.detail or first.reason}. `ontofabric dlq list --workspace {workspace}` shows them; after a fix, "
-        "`ontofabric dlq redrive` sends them again.",
+        f"{printable(first.detail or first.reason)}. `ontofabric dlq list --workspace {workspace}` shows them; after "
+        "a fix, `ontofabric dlq redrive` sends them again.",
         1,
     )
 
@@ -867,7 +867,8 @@ def dlq_list(
             print(json.dumps(letter.summary()))
         else:
             stamp = letter.stored_at.strftime("%Y-%m-%d %H:%M:%S")
-            print(f"{letter.seq}\t{stamp}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{letter.detail[:120]}")
+            detail = printable(letter.detail[:120])
+            print(f"{letter.seq}\t{stamp}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{detail}")
     if len(letters) > limit:
         errors.print(f"{len(letters) - limit} more (--limit)")
     if not as_json:
@@ -889,18 +890,20 @@ def dlq_show(
     try:
         _print_json(letter.data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # shown as it is: not JSON, or too deep
-        print(letter.data.decode("utf-8", "replace")[:10_000])
+        print(printable(letter.data.decode("utf-8", "replace")[:10_000], lines=True))
 
 
 def _print_json(text: str) -> None:
     """``text``, JSON, indented; with every character escaped when it holds half of one (valid JSON, as a malformed
-    delta may be), which no terminal can print: the command stopped half-way with a traceback."""
+    delta may be), which no terminal can print: the command stopped half-way with a traceback; or one a terminal
+    acts on that JSON leaves as it is (a C1 control, a bidirectional override: :func:`printable`)."""
     try:
-        json.dumps(json.loads(text), ensure_ascii=False).encode()
+        shown = json.dumps(json.loads(text), ensure_ascii=False)
+        shown.encode()
     except UnicodeEncodeError:
         console.print_json(text, ensure_ascii=True)
         return
-    console.print_json(text)
+    console.print_json(text, ensure_ascii=printable(shown, lines=True) != shown)
 
 
 def _confirm(what: str, selection: Selection, yes: bool) -> None:
@@ -1005,7 +1008,7 @@ LETTERS_LISTED = 50
 def _list_letters(letters: Sequence[DeadLetter]) -> None:
     for letter in letters[:LETTERS_LISTED]:
         # A subject that names no workspace is the contract's _unknown, not Python's None (a verifier's).
-        print(f"{letter.seq}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{letter.detail[:120]}")
+        print(f"{letter.seq}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{printable(letter.detail[:120])}")
     if len(letters) > LETTERS_LISTED:
         print(f"... and {len(letters) - LETTERS_LISTED} more (ontofabric dlq list)")
     if not letters:

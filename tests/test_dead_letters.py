@@ -255,6 +255,22 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     shown = dlq("show", str(entry["seq"]))
     assert shown.returncode == 0, shown.stderr
     assert '"x\\ud800y"' in shown.stdout
+    # What a tenant sent reaches the operator's terminal escaped: control sequences cleared the screen and set the
+    # window's title as `dlq list` and `dlq show` printed them (an outside tester's).
+    hostile = b"\x1b[2J\x1b]0;pwned\x07 not json \xe2\x80\xae\xc2\x9b"
+    quoted = {"Ontofabric-Reason": "invalid_schema", "Ontofabric-Detail": "payload: tag '\x1b[41mEVIL\x1b[0m'"}
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), hostile, headers=quoted)
+    await deployment.js.publish(
+        deployment.names.dlq_subject("acme"), b'{"type": "\xc2\x9b2J\xe2\x80\xae"}', headers=quoted
+    )
+    listed = dlq("list", "--workspace", "acme")
+    *_, raw, as_json = [int(line.split("\t")[0]) for line in listed.stdout.splitlines()]
+    shown = dlq("show", str(raw)).stdout + dlq("show", str(as_json)).stdout
+    for printed in (listed.stdout, shown, dlq("purge", str(raw), stdin="n\n").stdout):
+        assert not any(c in printed for c in "\x1b\x07\x9b\u202e"), printed
+    assert "tag '\\x1b[41mEVIL\\x1b[0m'" in listed.stdout
+    assert "\\x1b[2J\\x1b]0;pwned\\x07 not json \\u202e\\x9b" in shown
+    assert '"\\u009b2J\\u202e"' in shown  # JSON: escaped as JSON escapes
 
 
 async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_out(deployment: Deployment) -> None:

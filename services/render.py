@@ -63,9 +63,9 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     for result in reply.results:
         symbol = result.metadata.get("symbolFqn") or result.object_type
         found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
-        level = str(result.metadata.get("chunkLevel", ""))
-        where = source_place(result.metadata)
-        cell = f"[bold]{escape(str(symbol))}[/bold]" + (f" {escape(where)}" if where else "")
+        level = printable(str(result.metadata.get("chunkLevel", "")))
+        where = printable(source_place(result.metadata) or "")
+        cell = f"[bold]{escape(printable(str(symbol)))}[/bold]" + (f" {escape(where)}" if where else "")
         cell += f"\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)

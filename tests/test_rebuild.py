@@ -281,6 +281,32 @@ async def test_a_corrupted_workspace_is_rebuilt_and_the_projector_carries_on(
     assert (await _revisions(deployment, "acme"))["main"] == revisions["main"] + 1
 
 
+async def test_the_replay_reads_the_stream_once_when_other_workspaces_deltas_follow_the_last_of_its_own(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """Each pass went on from the workspace's last delta, so with more of another workspace's after it than a
+    batch, every one of the five passes read them again (a tester's progress: 22,802 over a stream of 5,398)."""
+    await _publish_history(deployment)
+    acks = await deployment.publisher.publish_many([_upsert("other", f"later{i}", f"later {i}") for i in range(10)])
+    await deployment.wait_projected(acks[-1].seq)
+
+    class Stages(RecordedProgress):
+        def __init__(self) -> None:
+            super().__init__()
+            self.started: Counter[str] = Counter()
+
+        def stage(self, name: str, total: int) -> None:
+            super().stage(name, total)
+            self.started[name] += 1
+
+    progress = Stages()
+    settings = deployment.settings.model_copy(update={"projector_batch_size": 4})
+    report = await _rebuild(deployment, progress=progress, settings=settings).run()
+    assert report.swapped
+    assert progress.started["replay"] == 1
+    assert progress.totals["replay"] == acks[-1].seq  # the whole stream, once
+
+
 async def test_deltas_published_during_the_rebuild_are_in_the_swapped_index(
     deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
 ) -> None:

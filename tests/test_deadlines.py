@@ -1036,7 +1036,14 @@ async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavaila
         assert (refused.error.code, refused.error.retryable) == ("deadline_exceeded", False), refused.error.message
         least = 50 if asked is dense_only else 20
         assert f"ask with more than {least} ms" in refused.error.message
-        assert refused.error.details[0].field == "Ontofabric-Timeout-Ms"
+        assert refused.error.details[0].field == "header Ontofabric-Timeout-Ms"  # as a malformed one is named
+    # Shorter still, refused before the pipeline was asked: the same (1 to 8 ms were retryable, 10 ms not).
+    for timeout_ms in (1, 5, 8, 10):
+        (hopeless,) = await _request(deployment, json.dumps({"semanticQuery": LONG_QUERY}).encode(), timeout_ms, 2.0)
+        refused = parse_reply(hopeless)
+        assert isinstance(refused, ErrorReply), refused
+        assert (refused.error.code, refused.error.retryable) == ("deadline_exceeded", False), timeout_ms
+        assert refused.error.details[0].field == "header Ontofabric-Timeout-Ms"
 
 
 async def test_refusals_for_time_the_caller_made_near_impossible_are_counted_apart(

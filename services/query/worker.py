@@ -92,7 +92,7 @@ from .deadlines import (
 )
 from .freshness import DeltaWatch
 from .lookup import DocumentNotFound, Lookups, OffsetPastEnd, PositionUnavailable
-from .pipeline import QueryPipeline, RetrievalUnavailable
+from .pipeline import RETRIEVAL_RESERVE_S, QueryPipeline, RetrievalUnavailable
 from .postgres import PlacedSnapshots, PostgresDocuments, PostgresSnapshots, Snapshots, refused_consumers
 from .requests import read_request
 from .retrievers import build_retrievers
@@ -130,6 +130,22 @@ def error_reply(
         code=code, message=message, retryable=retryable, details=details or [], retry_after_ms=retry_after_ms
     )
     return ErrorReply(error=error).model_dump_json().encode()
+
+
+LEAST_ANSWER_MS = RETRIEVAL_RESERVE_S * 1000
+"""A stated timeout at or under this gives no retriever time (each must end that long before the deadline)."""
+
+
+def hopeless_reply(why: str, timeout_ms: int, least_ms: float, timeout_too_short: bool) -> bytes:
+    """The ``deadline_exceeded`` reply to a request whose stated timeout gives the retrievers it asks for no time:
+    not retryable, since the same again can only be answered from the cache (an outside tester's 20 ms requests,
+    retryable, looped in a retrying client), and naming the header and what is needed."""
+    message = (
+        f"{why}: a timeout of {timeout_ms} ms leaves the asked retrievers no time (each must end well before the "
+        f"deadline); ask with more than {least_ms:.0f} ms, and an answer needs more still"
+    )
+    details = [ErrorDetail(field=f"header {TIMEOUT_HEADER}", message=f"more than {least_ms:.0f} ms needed")]
+    return error_reply("deadline_exceeded", message, details, timeout_too_short=timeout_too_short)
 
 
 STREAMS_LOOKED_FOR_EVERY_S = 1.0
@@ -332,6 +348,10 @@ class Admitted:
             else None
         )
         late = self.late(now)
+        if self.deadline.stated and self.deadline.timeout_ms <= LEAST_ANSWER_MS:
+            # Refused before any retriever was asked: 1 to 8 ms were told to retry, where 10 ms, refused by the
+            # pipeline, was not (a tester's).
+            return hopeless_reply(late, self.deadline.timeout_ms, LEAST_ANSWER_MS, timeout_too_short)
         return error_reply("deadline_exceeded", late, details, retryable=True, timeout_too_short=timeout_too_short)
 
 
@@ -870,15 +890,7 @@ class QueryService:
                 return error_reply("unavailable", str(error), retryable=True)
             short = self._timeout_too_short(deadline)
             if deadline.stated and deadline.timeout_ms <= error.least_ms:
-                # The same timeout again can only be answered from the cache: a caller retrying it would loop (an
-                # outside tester's).
-                hopeless = (
-                    f"{error}: a timeout of {deadline.timeout_ms} ms leaves the asked retrievers no time (each must "
-                    f"end well before the deadline); ask with more than {error.least_ms:.0f} ms, and an answer needs "
-                    "more still"
-                )
-                details = [ErrorDetail(field=TIMEOUT_HEADER, message=f"more than {error.least_ms:.0f} ms needed")]
-                return error_reply("deadline_exceeded", hopeless, details, timeout_too_short=short)
+                return hopeless_reply(str(error), deadline.timeout_ms, error.least_ms, short)
             return error_reply("deadline_exceeded", str(error), retryable=True, timeout_too_short=short)
         except PositionUnavailable as error:
             return error_reply("unavailable", str(error), retryable=True)

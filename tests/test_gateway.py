@@ -621,6 +621,18 @@ REPEATED_KEY = (
     b'{"jsonrpc": "2.0", "id": 29, "method": "tools/call", "params": {"name": "ontology_query", '
     b'"arguments": {"semanticQuery": "csv"}, "arguments": {"semanticQuery": "json"}}}'
 )
+DEEP_ARGUMENT = (
+    b'{"jsonrpc": "2.0", "id": 30, "method": "tools/call", "params": {"name": "ontology_query", '
+    b'"arguments": {"semanticQuery": "csv", "options": {"retrievers": ' + b"[" * 198 + b"]" * 198 + b"}}}}"
+)
+"""Nested deeper than the SDK's parser reads (a tester's): over HTTP a parse error under id null."""
+DEEP_KEY = (
+    b'{"jsonrpc": "2.0", "id": 31, "method": "tools/list", "params": {"cursor": ' + b"[" * 300 + b"]" * 300 + b"}}"
+)
+DEEP_ARGUMENT_TEXT = (
+    "error invalid_request: the arguments are nested more than 200 levels deep\n"
+    "- options.retrievers: nested more than 200 levels deep"
+)
 REPEATED_ARGUMENT_TEXT = (
     "error invalid_request: the request names 'topK' twice\n- topK: given twice: a request names each field once"
 )
@@ -682,6 +694,12 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
             "code": -32600,
             "message": f"{NOT_A_MESSAGE}: params.arguments: given twice: a message names each key once",
         }
+        deep = await http.post(url, content=DEEP_ARGUMENT)
+        assert (deep.status_code, deep.json()["id"]) == (200, 30)
+        assert deep.json()["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
+        deep = await http.post(url, content=DEEP_KEY)
+        assert (deep.status_code, deep.json()["id"]) == (400, 31)
+        assert deep.json()["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 200 levels deep"
         # A notification is answered nothing, a repeat in it too.
         notified = (
             b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1, "requestId": 2}}'
@@ -710,7 +728,8 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
     messages = [early, RAW_INITIALIZE, initialized, *(request for request, _, _ in ILL_FORMED)]
     gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
-    gateway.stdin.write(b"\n".join([LATIN_1, REPEATED_ARGUMENT, REPEATED_KEY, json.dumps(listing).encode()]) + b"\n")
+    later = [LATIN_1, REPEATED_ARGUMENT, REPEATED_KEY, DEEP_ARGUMENT, DEEP_KEY, json.dumps(listing).encode()]
+    gateway.stdin.write(b"\n".join(later) + b"\n")
     await gateway.stdin.drain()
     answers: dict[Any, Any] = {}
     try:
@@ -732,6 +751,8 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
         "code": -32600,
         "message": f"{NOT_A_MESSAGE}: params.arguments: given twice: a message names each key once",
     }
+    assert answers[30]["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
+    assert answers[31]["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 200 levels deep"
     assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 
 

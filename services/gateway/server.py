@@ -73,6 +73,7 @@ from .stdio import (
     repeated_key_answer,
     request_id_of,
     stdio_streams,
+    too_deep_answer,
     tool_error,
     unreadable,
 )
@@ -472,6 +473,8 @@ class MisreadBodies:
       envelope keys; the answer names the header, the versions spoken and the one asked for.
     - A request naming a key twice in one object: the SDK kept the last value without a word
       (:func:`~.stdio.repeated_key_answer`).
+    - A request nested deeper than the SDK's parser reads: a parse error under id null
+      (:func:`~.stdio.too_deep_answer`).
 
     A body past the SDK's own limit is answered 413 with a JSON-RPC error: unread when its declared length says so,
     else once that much of it came."""
@@ -714,9 +717,9 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
         else:
             message = f"{NOT_A_REQUEST}: message: Input should be an object"
         return 400, {"jsonrpc": "2.0", "id": None, "error": {"code": types.INVALID_REQUEST, "message": message}}
-    if (repeated := repeated_key_answer(body)) is not None:
-        status = 200 if isinstance(repeated, types.JSONRPCResponse) else 400
-        return status, {"id": None, **repeated.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    if (refused := too_deep_answer(body) or repeated_key_answer(body)) is not None:
+        status = 200 if isinstance(refused, types.JSONRPCResponse) else 400
+        return status, {"id": None, **refused.model_dump(mode="json", by_alias=True, exclude_none=True)}
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:

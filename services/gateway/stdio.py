@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import mcp_types as types
+import pydantic_core
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
@@ -151,6 +152,66 @@ def repeated_key_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCErr
     return types.JSONRPCError(
         jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message)
     )
+
+
+NESTING_READ = 200
+"""How deep a message's JSON may nest: the MCP SDK's parser (jiter) refuses one deeper."""
+
+
+def too_deep_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:
+    """The answer to a request nested deeper than the SDK's parser reads (:data:`NESTING_READ`), naming where:
+    over HTTP the SDK answered a parse error under id null, while stdio read it with Python's parser and the worker
+    named only "request" (a tester's 198 levels of ``options.retrievers``). A tool call's arguments get a tool
+    error naming the argument; the rest of a request an invalid request error. None for a message within the
+    depth, one no parser reads (its parse error says so), and one without an id."""
+    if body.count(b"[") + body.count(b"{") <= NESTING_READ:  # cannot nest deeper: the common case, unparsed
+        return None
+    try:
+        pydantic_core.from_json(body)
+        return None
+    except ValueError as error:
+        if "recursion limit" not in str(error):
+            return None
+    try:
+        found = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(found, dict) or "id" not in found:
+        return None
+    request_id = request_id_of(found)
+    path = _deepest_keys(found)
+    argument = ".".join(path).removeprefix(TOOL_ARGUMENTS)
+    too_deep = f"nested more than {NESTING_READ} levels deep"
+    if found.get("method") == "tools/call" and argument != ".".join(path) and request_id is not None:
+        text = f"error invalid_request: the arguments are {too_deep}\n- {clipped(argument)}: {too_deep}"
+        result = tool_error(text).model_dump(mode="json", by_alias=True, exclude_none=True)
+        return types.JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
+    message = f"{NOT_A_REQUEST}: {clipped('.'.join(path)) or 'message'}: {too_deep}"
+    return types.JSONRPCError(
+        jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message)
+    )
+
+
+def _deepest_keys(value: Any) -> list[str]:
+    """The keys from ``value`` down its deepest branch, as long as that runs through objects."""
+    path = []
+    while isinstance(value, dict) and value:
+        key = max(value, key=lambda k: _depth(value[k]))
+        path.append(str(key))
+        value = value[key]
+    return path
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (a scalar 0), without recursion: it may nest deeper than Python recurses."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+            deepest = max(deepest, depth + 1)
+    return deepest
 
 
 def not_utf8_error(body: bytes) -> types.JSONRPCError | None:
@@ -316,7 +377,7 @@ async def stdio_streams() -> AsyncIterator[
                         if answer is not None:
                             await answers.send(SessionMessage(answer))
                         continue
-                    refusal = repeated_key_answer(line) or session.refusal(message)
+                    refusal = too_deep_answer(line) or repeated_key_answer(line) or session.refusal(message)
                     if refusal is not None:
                         await answers.send(SessionMessage(refusal))
                         continue

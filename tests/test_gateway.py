@@ -485,6 +485,14 @@ async def test_a_batch_under_the_protocol_version_that_has_batches_is_answered_w
         assert answers[1]["result"]["structuredContent"]["results"][0]["id"] == "csv"
         assert answers[2]["error"] == {"code": -32600, "message": "a batch within a batch"}
         assert answers[3]["error"]["code"] == -32601
+        # A key named twice, or a nesting too deep, is refused in a batch as alone (a review's: the batch's parse
+        # kept the last value, and the call was answered with 50 results).
+        repeats = b"[" + b", ".join([REPEATED_ARGUMENT, REPEATED_KEY, DEEP_ARGUMENT]) + b"]"
+        refused = (await http.post(url, content=repeats)).json()
+        assert [answer["id"] for answer in refused] == [28, 29, 30]
+        assert refused[0]["result"]["content"][0]["text"] == REPEATED_ARGUMENT_TEXT
+        assert refused[1]["error"]["message"].endswith("params.arguments: given twice: a message names each key once")
+        assert refused[2]["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
         notified = await http.post(url, json=[{"jsonrpc": "2.0", "method": "notifications/initialized"}])
         assert (notified.status_code, notified.content) == (202, b"")
         empty = await http.post(url, json=[])
@@ -728,7 +736,20 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     listing = {"jsonrpc": "2.0", "id": 26, "method": "tools/list"}
     messages = [early, RAW_INITIALIZE, initialized, *(request for request, _, _ in ILL_FORMED)]
     gateway.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
-    later = [LATIN_1, REPEATED_ARGUMENT, REPEATED_KEY, DEEP_ARGUMENT, DEEP_KEY, json.dumps(listing).encode()]
+    # A notification and a client's response are answered nothing, a repeat in them too (a review's).
+    unanswered = [
+        b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1, "requestId": 2}}',
+        b'{"jsonrpc": "2.0", "id": 99, "result": {"a": 1, "a": 2}}',
+    ]
+    later = [
+        LATIN_1,
+        REPEATED_ARGUMENT,
+        REPEATED_KEY,
+        DEEP_ARGUMENT,
+        DEEP_KEY,
+        *unanswered,
+        json.dumps(listing).encode(),
+    ]
     gateway.stdin.write(b"\n".join(later) + b"\n")
     await gateway.stdin.drain()
     answers: dict[Any, Any] = {}
@@ -752,6 +773,8 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
         "message": f"{NOT_A_MESSAGE}: params.arguments: given twice: a message names each key once",
     }
     assert answers[30]["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
+    assert None not in answers
+    assert 99 not in answers
     assert answers[31]["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 200 levels deep"
     assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 

@@ -41,7 +41,7 @@ from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.contracts.query import clipped
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
-from ontofabric.services.query.requests import read_request
+from ontofabric.services.query.requests import read_request, repeated_keys_by_item
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
@@ -65,11 +65,13 @@ from .bodies import peek_body, replaying
 from .connections import BoundedConnections, connection_limit
 from .link import NatsLink, NatsRefused, NatsUnavailable
 from .stdio import (
+    CHECKED_BYTES,
     NOT_A_REQUEST,
     ODD_ID,
     TOOL_ARGUMENTS,
     checked_request,
     not_utf8_error,
+    repeat_refusal,
     repeated_key_answer,
     request_id_of,
     stdio_streams,
@@ -564,11 +566,16 @@ class Batches:
             if batch is None:
                 await self._app(scope, replaying(read, receive), send)
             else:
-                await self._answer(scope, batch, send, receive)
+                assert body is not None
+                # Read from the bytes: parsed, each message kept a key's last value (a review's).
+                repeats = repeated_keys_by_item(body) if len(body) <= CHECKED_BYTES else {}
+                await self._answer(scope, batch, repeats, send, receive)
         finally:
             READ_FROM.reset(read_from)
 
-    async def _answer(self, scope: Scope, batch: list[Any], send: Send, receive: Receive) -> None:
+    async def _answer(
+        self, scope: Scope, batch: list[Any], repeats: dict[int, str], send: Send, receive: Receive
+    ) -> None:
         if not batch or len(batch) > MAX_BATCH:
             why = "an empty batch" if not batch else f"a batch of at most {MAX_BATCH} messages is taken"
             await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": _invalid(why)})
@@ -576,7 +583,9 @@ class Batches:
         client_gone = asyncio.Event()
         watching = asyncio.create_task(_until_gone(receive, client_gone), name="batch-client")
         try:
-            replies = await asyncio.gather(*(self._alone(scope, message, client_gone) for message in batch))
+            replies = await asyncio.gather(
+                *(self._alone(scope, message, client_gone, repeats.get(n)) for n, message in enumerate(batch))
+            )
         finally:
             watching.cancel()
         answers = []
@@ -600,9 +609,10 @@ class Batches:
             await send({"type": "http.response.body", "body": b""})
 
     async def _alone(
-        self, scope: Scope, message: Any, client_gone: asyncio.Event
+        self, scope: Scope, message: Any, client_gone: asyncio.Event, repeated: str | None = None
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """``message`` answered as a request of its own: the status, headers and body of the answer."""
+        """``message`` answered as a request of its own: the status, headers and body of the answer. ``repeated``:
+        the key it named twice, if any (its parsed form holds the last value only)."""
         if isinstance(message, list):
             return (
                 200,
@@ -613,6 +623,10 @@ class Batches:
             refused = _invalid("initialize may not be part of a batch (MCP 2025-03-26): send it alone")
             return 200, [], json.dumps({"jsonrpc": "2.0", "id": request_id_of(message), "error": refused}).encode()
         body = json.dumps(message).encode()
+        refused = repeat_refusal(message, repeated) if repeated is not None else too_deep_answer(body)
+        if refused is not None:
+            answer = {"id": None, **refused.model_dump(mode="json", by_alias=True, exclude_none=True)}
+            return 200, [], json.dumps(answer).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         alone = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         sent: list[Message] = []

@@ -26,7 +26,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from ontofabric.contracts import ErrorReply
+from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply
 from ontofabric.contracts.query import clipped
 from ontofabric.services.query.requests import repeated_key, repeated_key_error
 from ontofabric.shared.half_characters import NOT_UTF8, not_utf8
@@ -129,28 +129,38 @@ def tool_error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
+CHECKED_BYTES = 2 * MAX_REQUEST_BYTES
+"""The largest message read here for a repeated key or a nesting too deep: a tool call's arguments larger than a
+worker's request are refused as too large anyway, and parsing a body of megabytes again held the event loop for
+tens of milliseconds (a review's)."""
+
+
 def repeated_key_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:
     """The answer to a request one of whose objects names a key twice. The SDK's parser keeps the last value, so a
     tool call's ``{"topK": 1, "topK": 50}`` was read as 50 without a word, where the worker, sent the same body,
-    refuses it (a tester's): a tool call's arguments get the worker's tool error naming the argument, the rest of
-    a request an invalid request error naming the key. None for a message without a repeat, and for one without
-    an id (a notification is answered nothing)."""
+    refuses it (a tester's). None for a message without a repeat, and for one larger than :data:`CHECKED_BYTES`."""
+    if len(body) > CHECKED_BYTES:
+        return None
     repeated = repeated_key(body)
-    if repeated is None:
+    return None if repeated is None else repeat_refusal(json.loads(body), repeated)
+
+
+def repeat_refusal(message: Any, repeated: str) -> types.JSONRPCResponse | types.JSONRPCError | None:
+    """The answer to ``message``, which names the key at ``repeated`` twice: a tool call's argument gets the
+    worker's tool error naming the argument, the rest of a request an invalid request error naming the key. None
+    for what is no request (a notification is answered nothing, nor is a client's response)."""
+    if not isinstance(message, dict) or "id" not in message or "method" not in message:
         return None
-    found = json.loads(body)  # as repeated_key read it
-    if not isinstance(found, dict) or "id" not in found:
-        return None
-    request_id = request_id_of(found)
+    request_id = request_id_of(message)
     argument = repeated.removeprefix(TOOL_ARGUMENTS)
-    if found.get("method") == "tools/call" and argument != repeated and request_id is not None:
+    if message.get("method") == "tools/call" and argument != repeated and request_id is not None:
         result = tool_error(render_error(ErrorReply(error=repeated_key_error(argument))))
         return types.JSONRPCResponse(
             jsonrpc="2.0", id=request_id, result=result.model_dump(mode="json", by_alias=True, exclude_none=True)
         )
-    message = f"{NOT_A_REQUEST}: {clipped(repeated)}: given twice: a message names each key once"
+    message_text = f"{NOT_A_REQUEST}: {clipped(repeated)}: given twice: a message names each key once"
     return types.JSONRPCError(
-        jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message)
+        jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message_text)
     )
 
 
@@ -163,8 +173,9 @@ def too_deep_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError |
     over HTTP the SDK answered a parse error under id null, while stdio read it with Python's parser and the worker
     named only "request" (a tester's 198 levels of ``options.retrievers``). A tool call's arguments get a tool
     error naming the argument; the rest of a request an invalid request error. None for a message within the
-    depth, one no parser reads (its parse error says so), and one without an id."""
-    if body.count(b"[") + body.count(b"{") <= NESTING_READ:  # cannot nest deeper: the common case, unparsed
+    depth or larger than :data:`CHECKED_BYTES`, one no parser reads (its parse error says so), and what is no
+    request (a notification, a client's response)."""
+    if len(body) > CHECKED_BYTES or body.count(b"[") + body.count(b"{") <= NESTING_READ:  # unparsed, as most are
         return None
     try:
         pydantic_core.from_json(body)
@@ -176,7 +187,7 @@ def too_deep_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError |
         found = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(found, dict) or "id" not in found:
+    if not isinstance(found, dict) or "id" not in found or "method" not in found:
         return None
     request_id = request_id_of(found)
     path = _deepest_keys(found)

@@ -52,6 +52,27 @@ def repeated_key(body: bytes) -> str | None:
     ``relatedTo.symbol``; a list's items by index, as ``validation_details`` names them); None when
     none is. The contract's parser keeps the last, so a client that sent two values never learned which one was
     read (a fault harness's ``{"topK": 1, "topK": 50}``)."""
+    try:
+        parsed, repeats = _marking_repeats(body)
+    except (ValueError, RecursionError):  # what the contract's parser accepted, this one need not: left to it
+        return None
+    return _path_of_repeat(parsed) if repeats else None
+
+
+def repeated_keys_by_item(body: bytes) -> dict[int, str]:
+    """For a JSON array ``body`` (a JSON-RPC batch): each item one of whose objects holds a key twice, with its path
+    within the item (:func:`repeated_key`); empty for anything else."""
+    try:
+        parsed, repeats = _marking_repeats(body)
+    except (ValueError, RecursionError):
+        return {}
+    if not repeats or not isinstance(parsed, list):
+        return {}
+    return {index: path for index, item in enumerate(parsed) if (path := _path_of_repeat(item)) is not None}
+
+
+def _marking_repeats(body: bytes) -> tuple[Any, bool]:
+    """``body`` parsed, each object that held a key twice a :class:`_Repeats`, and whether there is one."""
     repeats = False
 
     def checked(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -62,11 +83,7 @@ def repeated_key(body: bytes) -> str | None:
         repeats = True
         return _Repeats(pairs, next(key for n, key in enumerate(keys) if key in keys[:n]))
 
-    try:
-        parsed = json.loads(body, object_pairs_hook=checked)
-        return _path_of_repeat(parsed) if repeats else None
-    except (ValueError, RecursionError):  # what the contract's parser accepted, this one need not: left to it
-        return None
+    return json.loads(body, object_pairs_hook=checked), repeats
 
 
 class _Repeats(dict[str, Any]):

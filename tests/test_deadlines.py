@@ -1044,6 +1044,18 @@ async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavaila
         assert isinstance(refused, ErrorReply), refused
         assert (refused.error.code, refused.error.retryable) == ("deadline_exceeded", False), timeout_ms
         assert refused.error.details[0].field == "header Ontofabric-Timeout-Ms"
+    # A document or a status request runs no retriever: refused for time, it may be tried again (a review's). And
+    # a query's send time, when it took part, is still named.
+    for operation in ("document", "status"):
+        (late,) = await _request(deployment, b'{"id": "csv"}', 1, 2.0, operation=operation)
+        refused = parse_reply(late)
+        assert isinstance(refused, ErrorReply), refused
+        assert (refused.error.code, refused.error.retryable) == ("deadline_exceeded", True), operation
+    sent_before = {SENT_AT_HEADER: str(int(time.time() * 1000) - 1200)}
+    (late,) = await _request(deployment, json.dumps({"semanticQuery": LONG_QUERY}).encode(), 15, 2.0, sent_before)
+    refused = parse_reply(late)
+    assert isinstance(refused, ErrorReply), refused
+    assert [d.field for d in refused.error.details] == ["header Ontofabric-Timeout-Ms", f"header {SENT_AT_HEADER}"]
 
 
 async def test_refusals_for_time_the_caller_made_near_impossible_are_counted_apart(

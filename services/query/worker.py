@@ -133,10 +133,19 @@ def error_reply(
 
 
 LEAST_ANSWER_MS = RETRIEVAL_RESERVE_S * 1000
-"""A stated timeout at or under this gives no retriever time (each must end that long before the deadline)."""
+"""A stated timeout at or under this gives no retriever time (each must end that long before the deadline): the
+least of the reserves, so a query asking only for dense (50 ms) may be told to retry below it and not above."""
 
 
-def hopeless_reply(why: str, timeout_ms: int, least_ms: float, timeout_too_short: bool) -> bytes:
+def least_answer_ms(operation: str | None) -> float:
+    """What any answer to ``operation`` needs at least: a query's retrievers their reserve; a document's or a
+    status request, which run none, nothing this worker can say."""
+    return LEAST_ANSWER_MS if operation == "query" else 0.0
+
+
+def hopeless_reply(
+    why: str, timeout_ms: int, least_ms: float, timeout_too_short: bool, details: list[ErrorDetail] | None = None
+) -> bytes:
     """The ``deadline_exceeded`` reply to a request whose stated timeout gives the retrievers it asks for no time:
     not retryable, since the same again can only be answered from the cache (an outside tester's 20 ms requests,
     retryable, looped in a retrying client), and naming the header and what is needed."""
@@ -144,8 +153,8 @@ def hopeless_reply(why: str, timeout_ms: int, least_ms: float, timeout_too_short
         f"{why}: a timeout of {timeout_ms} ms leaves the asked retrievers no time (each must end well before the "
         f"deadline); ask with more than {least_ms:.0f} ms, and an answer needs more still"
     )
-    details = [ErrorDetail(field=f"header {TIMEOUT_HEADER}", message=f"more than {least_ms:.0f} ms needed")]
-    return error_reply("deadline_exceeded", message, details, timeout_too_short=timeout_too_short)
+    needed = ErrorDetail(field=f"header {TIMEOUT_HEADER}", message=f"more than {least_ms:.0f} ms needed")
+    return error_reply("deadline_exceeded", message, [needed, *(details or [])], timeout_too_short=timeout_too_short)
 
 
 STREAMS_LOOKED_FOR_EVERY_S = 1.0
@@ -336,10 +345,11 @@ class Admitted:
         waited = (self.taken_at - self.received) * 1000
         return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms){sent}"
 
-    def refused_late(self, now: float, timeout_too_short: bool) -> bytes:
+    def refused_late(self, now: float, timeout_too_short: bool, least_ms: float = 0.0) -> bytes:
         """The ``deadline_exceeded`` reply; when the send time took part, a detail names its header: a caller that
         reads the reply with time left knows its clock and this worker's disagree (QueryClient then sends the
-        request again without it)."""
+        request again without it). ``least_ms``: what any answer to its operation needs (:func:`least_answer_ms`);
+        a stated timeout at or under it is refused as :func:`hopeless_reply`."""
         before = self.deadline.waited_before_s
         sent_ms = before * 1000 + CLOCK_ALLOWANCE_MS  # as the message says it
         details = (
@@ -348,10 +358,10 @@ class Admitted:
             else None
         )
         late = self.late(now)
-        if self.deadline.stated and self.deadline.timeout_ms <= LEAST_ANSWER_MS:
+        if self.deadline.stated and self.deadline.timeout_ms <= least_ms:
             # Refused before any retriever was asked: 1 to 8 ms were told to retry, where 10 ms, refused by the
             # pipeline, was not (a tester's).
-            return hopeless_reply(late, self.deadline.timeout_ms, LEAST_ANSWER_MS, timeout_too_short)
+            return hopeless_reply(late, self.deadline.timeout_ms, least_ms, timeout_too_short, details)
         return error_reply("deadline_exceeded", late, details, retryable=True, timeout_too_short=timeout_too_short)
 
 
@@ -613,7 +623,8 @@ class QueryService:
             # Before the admission's estimate: with the workspace's requests held, any work is more than 80 % of
             # nothing, and it was refused "overloaded ... retry with a longer timeout" (an MCP fault tester's).
             short = self._timeout_too_short(deadline)
-            await self._reply(msg, Admitted(msg, received, deadline, workspace).refused_late(received, short))
+            least = least_answer_ms(self.names.operation_of(msg.subject))
+            await self._reply(msg, Admitted(msg, received, deadline, workspace).refused_late(received, short, least))
             return
         own = self._held_by[workspace]
         ahead, runners = self._turn_of(workspace)
@@ -741,7 +752,9 @@ class QueryService:
 
     async def _refuse_late(self, admitted: Admitted) -> None:
         short = self._timeout_too_short(admitted.deadline)
-        await self._reply_once(admitted, partial(admitted.refused_late, asyncio.get_running_loop().time(), short))
+        least = least_answer_ms(self.names.operation_of(admitted.msg.subject))
+        now = asyncio.get_running_loop().time()
+        await self._reply_once(admitted, partial(admitted.refused_late, now, short, least))
 
     async def _refuse_waited(self, admitted: Admitted, *, runner_free: bool = False) -> None:
         """``runner_free``: a runner took it just past its wait, so one is free now and no wait is stated; else the
@@ -839,7 +852,8 @@ class QueryService:
                         body = await self._answer(msg, deadline, waited_ms)
                 except TimeoutError:  # its timer may have refused it already: counted as sent (_reply_once)
                     short = self._timeout_too_short(deadline)
-                    body = partial(admitted.refused_late, loop.time(), short)
+                    least = least_answer_ms(self.names.operation_of(admitted.msg.subject))
+                    body = partial(admitted.refused_late, loop.time(), short, least)
                     finished = False
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)

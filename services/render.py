@@ -47,12 +47,15 @@ def _snippet(text: str, width: int = 70) -> str:
 
 
 def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse | ErrorReply) -> None:
-    params = ", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery")
-    console.rule(f"[bold]{query['semanticQuery']}[/bold]" + (f"  [dim]({params})[/dim]" if params else ""))
+    # Everything from the request, the index or the worker is printed as text, not read as markup: a query or an
+    # id holding "[/dim]" stopped the command with a markup error (a review's).
+    params = escape(printable(", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery")))
+    asked = escape(printable(str(query["semanticQuery"])))
+    console.rule(f"[bold]{asked}[/bold]" + (f"  [dim]({params})[/dim]" if params else ""))
     if isinstance(reply, ErrorReply):
-        console.print(f"[red]error[/red] {reply.error.code}: {reply.error.message}")
+        console.print(f"[red]error[/red] {reply.error.code}: " + escape(printable(reply.error.message)))
         for detail in reply.error.details:
-            console.print(f"  {detail.field or '<body>'}: {detail.message}")
+            console.print(escape(printable(f"  {detail.field or '<body>'}: {detail.message}")))
         return
     table = Table(show_edge=False, pad_edge=False, expand=True)
     table.add_column("#", justify="right", no_wrap=True)
@@ -63,7 +66,7 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     for result in reply.results:
         symbol = result.metadata.get("symbolFqn") or result.object_type
         found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
-        level = printable(str(result.metadata.get("chunkLevel", "")))
+        level = escape(printable(str(result.metadata.get("chunkLevel", ""))))
         where = printable(source_place(result.metadata) or "")
         cell = f"[bold]{escape(printable(str(symbol)))}[/bold]" + (f" {escape(where)}" if where else "")
         cell += f"\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
@@ -105,8 +108,13 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     for context in meta.expanded_context:
         arrow = "->" if context.direction == "outgoing" else "<-"
         console.print(
-            f"[dim]context[/dim] {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
-            f" (document {context.representative_document_id or 'none indexed'})"
+            "[dim]context[/dim] "
+            + escape(
+                printable(
+                    f"{context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
+                    f" (document {context.representative_document_id or 'none indexed'})"
+                )
+            )
         )
     if meta.expanded_context_truncated:
         console.print("[dim]context[/dim] … more linked types than ONTOFABRIC_EXPANSION_MAX_TYPES allows")

@@ -1800,3 +1800,36 @@ def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None
     )  # fmt: skip
     assert "STALE" not in _render_status(reply)
     assert "adopt-stream" in _render_status(reply.model_copy(update={"stream_refused": True}))
+
+
+def test_the_query_table_prints_what_a_tenant_wrote_as_text() -> None:
+    """A review's: control characters in a result's symbol, place and content, or in a linked type's document id,
+    reached the terminal as they were, and an id holding "[/dim]" stopped `ontofabric query` with a markup error."""
+    from rich.console import Console
+
+    from ontofabric.services.render import render_reply
+
+    hostile = "x\x1b]0;title\x07[/dim]\u202e\x9b"
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        expanded_context=[
+            ExpandedContext(
+                linked_type="demo.Cfg", link_name="uses", direction="outgoing", linked_from_type="demo.Parser",
+                linked_from_document_id="a", representative_document_id=hostile,
+            )
+        ],
+    )  # fmt: skip
+    result = SearchResult(
+        id="a", score=0.5, rank=1, content=f"def parse(): {hostile}", object_type="demo.Parser", source_domain="demo",
+        metadata={"symbolFqn": hostile, "filePath": f"{hostile}.py", "chunkLevel": hostile}, found_by=[],
+    )  # fmt: skip
+    console = Console(record=True, width=400)
+    render_reply(console, {"semanticQuery": "q"}, QueryResponse(results=[result], _meta=meta))
+    shown = console.export_text()
+    assert not any(c in shown for c in "\x1b\x07\u202e\x9b"), shown
+    assert "x\\x1b]0;title\\x07[/dim]\\u202e\\x9b" in shown  # the id in the context line, whole
+    # The query and an error naming what was sent, too.
+    refused = ErrorReply(error=QueryError(code="invalid_request", message="bad [/bold]", details=[]))
+    render_reply(console, {"semanticQuery": "[/bold] \x1b[2J"}, refused)
+    assert "bad [/bold]" in console.export_text()

@@ -505,6 +505,42 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
     assert "0 upserts, 0 deletes, 0 reverts, 2 unchanged" in done.stdout
 
 
+async def test_a_retried_ingest_says_so_when_the_earlier_deltas_it_waited_for_were_dead_lettered(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A review's: the retry of an ingest that timed out waited for the earlier ingest's deltas, but only its own
+    were looked for among the dead letters, so it exited 0 over deltas that never reached the index."""
+    tree = tmp_path / "tree"
+    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tree), "--workspace", "lonely"]
+    first = await asyncio.to_thread(
+        subprocess.run, [*command, "--wait-timeout", "1"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert first.returncode == 1, first.stderr
+    retry = await asyncio.create_subprocess_exec(
+        *command, "--wait-timeout", "60", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    assert retry.stdout is not None
+    async with asyncio.timeout(60):
+        while not (await retry.stdout.readline()).startswith(b"publish"):  # watching for dead letters from here
+            pass
+    # A projector whose content limit the chunks pass: each is set aside while the retry waits.
+    strict = deployment.settings.model_copy(update={"max_content_bytes": 10})
+    projector = ProjectorService(strict, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        _, stderr = await asyncio.wait_for(retry.communicate(), 60)
+    finally:
+        await projector.stop()
+    said = " ".join(stderr.decode().split())
+    assert retry.returncode == 1, said
+    assert "2 deltas an earlier ingest published were dead-lettered" in said
+
+
 async def test_ingest_into_a_full_delta_stream_says_so_at_once_and_exits_1(
     deployment: Deployment, tmp_path: Path
 ) -> None:

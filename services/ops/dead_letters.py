@@ -117,6 +117,7 @@ class SetAside:
     reason: str
     detail: str
     index: str
+    original_subject: str = ""
 
     @classmethod
     def of(cls, msg: Msg) -> SetAside:
@@ -126,6 +127,7 @@ class SetAside:
             reason=headers.get("Ontofabric-Reason", "unknown"),
             detail=headers.get("Ontofabric-Detail", ""),
             index=headers.get("Ontofabric-Index", ""),
+            original_subject=headers.get("Ontofabric-Original-Subject", ""),
         )
 
 
@@ -150,6 +152,17 @@ class DeadLetterWatch:
     def of(self, sequences: Set[int]) -> list[SetAside]:
         """Those of the deltas stored at ``sequences``, in the order they were set aside."""
         return [letter for letter in self._seen if letter.original_seq in sequences]
+
+    def on_subject_through(self, subject: str, sequence: int) -> list[SetAside]:
+        """Those of the deltas stored on ``subject`` (a branch's) up to ``sequence``: an earlier ingest's, whose
+        sequences this one does not know, set aside while it waited."""
+        return [
+            letter
+            for letter in self._seen
+            if letter.original_subject == subject
+            and letter.original_seq is not None
+            and letter.original_seq <= sequence
+        ]
 
 
 def _int(value: str | None) -> int | None:

@@ -623,9 +623,9 @@ class Batches:
             refused = _invalid("initialize may not be part of a batch (MCP 2025-03-26): send it alone")
             return 200, [], json.dumps({"jsonrpc": "2.0", "id": request_id_of(message), "error": refused}).encode()
         body = json.dumps(message).encode()
-        refused = repeat_refusal(message, repeated) if repeated is not None else too_deep_answer(body)
-        if refused is not None:
-            answer = {"id": None, **refused.model_dump(mode="json", by_alias=True, exclude_none=True)}
+        read_here = repeat_refusal(message, repeated) if repeated is not None else too_deep_answer(body)
+        if read_here is not None:
+            answer = {"id": None, **read_here.model_dump(mode="json", by_alias=True, exclude_none=True)}
             return 200, [], json.dumps(answer).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         alone = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
@@ -731,9 +731,9 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
         else:
             message = f"{NOT_A_REQUEST}: message: Input should be an object"
         return 400, {"jsonrpc": "2.0", "id": None, "error": {"code": types.INVALID_REQUEST, "message": message}}
-    if (refused := too_deep_answer(body) or repeated_key_answer(body)) is not None:
-        status = 200 if isinstance(refused, types.JSONRPCResponse) else 400
-        return status, {"id": None, **refused.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    if (read_here := too_deep_answer(body) or repeated_key_answer(body)) is not None:
+        status = 200 if isinstance(read_here, types.JSONRPCResponse) else 400
+        return status, {"id": None, **read_here.model_dump(mode="json", by_alias=True, exclude_none=True)}
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:

@@ -48,6 +48,7 @@ from ontofabric.shared.jetstream import (
     PermissionDenied,
     connect,
     refused_promptly,
+    stream_ends_before,
     wait_projected,
 )
 from ontofabric.shared.jetstream import close as close_nats
@@ -470,7 +471,18 @@ def ingest(
                         soft_wrap=True,
                         markup=False,
                     )
-                if wait and (awaited := report.awaited_sequence) is not None:
+                awaited = report.awaited_sequence
+                if wait and awaited is not None and report.last_sequence is None:
+                    gone = await stream_ends_before(js, names, settings.projector_partitions, awaited)
+                    if gone:  # a review's: such an ingest waited out its whole --wait-timeout, then exited 1
+                        errors.print(
+                            f"warning: the last ingest of {workspace}/{branch} recorded its deltas up to stream seq "
+                            f"{awaited}, past the end of the delta stream (made again since?): not waiting for them",
+                            soft_wrap=True,
+                            markup=False,
+                        )
+                        awaited = None
+                if wait and awaited is not None:
                     watch = ProjectionWatch(progress, awaited, _stalled_projection)
                     try:
                         await wait_projected(

@@ -495,6 +495,22 @@ async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -
     return min(await asyncio.gather(*(ack_floor(js, names.delta_stream, durable) for durable in durables)))
 
 
+async def stream_ends_before(js: JetStreamContext, names: Names, partitions: int, stream_seq: int) -> bool:
+    """Whether the delta stream, as the Postgres projector's consumers see it, ends before ``stream_seq``: each has
+    acked all it was given, has none left to give, and stands below it. A sequence recorded before the stream was
+    made again (``adopt-stream``, a restore) is then never coming. False while a consumer is missing or behind."""
+    durables = names.postgres_projector_durables(partitions)
+    try:
+        infos = await asyncio.gather(*(js.consumer_info(names.delta_stream, durable) for durable in durables))
+    except NotFoundError:
+        return False
+    floors = [int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0 for info in infos]
+    return all(
+        not info.num_pending and not info.num_ack_pending and floor < stream_seq
+        for info, floor in zip(infos, floors, strict=True)
+    )
+
+
 async def highest_projected_floor(js: JetStreamContext, names: Names, layouts: Iterable[int]) -> int:
     """The highest of these partition layouts' positions (:func:`projected_floor`); 0 for none. Each layout's
     consumers together settle every delta, so every delta up to any layout's lowest floor was settled by it."""

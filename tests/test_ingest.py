@@ -28,6 +28,7 @@ from ontofabric.services.ingest.ingester import (
     UNKNOWN,
     ExclusionRefused,
     Ingester,
+    Manifest,
     excluded,
     exclusion_patterns,
     read_tree,
@@ -36,6 +37,7 @@ from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.embedder import Embedder, EmbedderMismatch, LoadedOnDemand, build_embedder, embedding_text
 from ontofabric.shared.embedding_cache import EmbeddingCache
+from ontofabric.shared.manifest_store import ManifestStore
 from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
 from ontofabric.shared.settings import Settings
@@ -503,6 +505,24 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
         await projector.stop()
     assert done.returncode == 0, done.stderr
     assert "0 upserts, 0 deletes, 0 reverts, 2 unchanged" in done.stdout
+    # A manifest recording deltas past the stream's end (the stream made again since: adopt-stream, a restore) is
+    # said and not waited for (a review's: such an ingest waited out its whole --wait-timeout and exited 1).
+    store = ManifestStore(deployment.js, deployment.names)
+    loaded = await store.load("lonely", "main")
+    recorded = Manifest.from_json(loaded.data or b"")
+    assert recorded.published_through is not None
+    beyond = dataclasses.replace(recorded, published_through=recorded.published_through + 1000)
+    await store.save("lonely", "main", beyond.to_json(), loaded)
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        stale = await asyncio.to_thread(ingest)
+    finally:
+        await projector.stop()
+    assert stale.returncode == 0, stale.stderr
+    assert "past the end of the delta stream (made again since?): not waiting for them" in " ".join(
+        stale.stderr.split()
+    )
 
 
 async def test_a_retried_ingest_says_so_when_the_earlier_deltas_it_waited_for_were_dead_lettered(

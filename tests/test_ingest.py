@@ -488,6 +488,14 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
 
+    async def with_a_projector() -> subprocess.CompletedProcess[str]:
+        projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+        await projector.start()
+        try:
+            return await asyncio.to_thread(ingest)
+        finally:
+            await projector.stop()
+
     ran = await asyncio.to_thread(ingest)
     assert ran.returncode == 1, ran.stderr
     assert "not projected within 2 s" in ran.stderr
@@ -497,12 +505,7 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
     assert again.returncode == 1, again.stderr
     assert "0 upserts" not in again.stdout
     assert "an earlier ingest's last delta is" in again.stderr
-    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await projector.start()
-    try:
-        done = await asyncio.to_thread(ingest)
-    finally:
-        await projector.stop()
+    done = await with_a_projector()
     assert done.returncode == 0, done.stderr
     assert "0 upserts, 0 deletes, 0 reverts, 2 unchanged" in done.stdout
     # A manifest recording deltas past the stream's end (the stream made again since: adopt-stream, a restore) is
@@ -513,12 +516,7 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
     assert recorded.published_through is not None
     beyond = dataclasses.replace(recorded, published_through=recorded.published_through + 1000)
     await store.save("lonely", "main", beyond.to_json(), loaded)
-    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await projector.start()
-    try:
-        stale = await asyncio.to_thread(ingest)
-    finally:
-        await projector.stop()
+    stale = await with_a_projector()
     assert stale.returncode == 0, stale.stderr
     assert "past the end of the delta stream (made again since?): not waiting for them" in " ".join(
         stale.stderr.split()

@@ -165,7 +165,7 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
 
 def _fail(message: str, code: int = 2) -> NoReturn:
     # The message as written: a path, a pattern or a dead letter's detail holding "[/x]" was read as markup.
-    errors.print(f"[red]error:[/red] {escape(message)}")
+    errors.print(f"[red]error:[/red] {escape(printable(message, lines=True))}")
     raise typer.Exit(code)
 
 
@@ -527,7 +527,7 @@ def ingest(
                     soft_wrap=True,
                     markup=False,
                 )
-            if set_aside is not None and report.last_sequence is not None and followed:
+            if set_aside is not None and report.awaited_sequence is not None and followed:
                 errors.print(
                     "warning: the NATS server moved during the wait (`ontofabric up` restarted?), and this ingest's "
                     f"watch for dead letters with it: `ontofabric dlq list --workspace {workspace}` lists any",
@@ -542,7 +542,8 @@ def ingest(
                 # review's: a retry exited 0 over them). Any set aside before this ingest began, it cannot see.
                 await nc.flush()
                 subject = names.delta_subject(workspace, branch)
-                _fail_on_dead_letters(set_aside.on_subject_through(subject, report.pending_through), None, workspace)
+                earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
+                _fail_on_dead_letters(earlier, None, workspace)
             if report.too_large:
                 raise typer.Exit(1)
         finally:
@@ -606,7 +607,7 @@ def _fail_on_dead_letters(letters: Sequence[SetAside], published: int | None, wo
     _fail(
         f"{len(letters)} {whose} were dead-lettered, not indexed "
         f"({', '.join(f'{reason}: {count}' for reason, count in reasons.most_common())}); the first: "
-        f"{printable(first.detail or first.reason)}. `ontofabric dlq list --workspace {workspace}` shows them; after "
+        f"{first.detail or first.reason}. `ontofabric dlq list --workspace {workspace}` shows them; after "
         "a fix, `ontofabric dlq redrive` sends them again.",
         1,
     )

@@ -481,8 +481,9 @@ def test_manifests_of_two_racing_ingests_merge_into_what_is_known() -> None:
     plan = plan_ingest({"d:a": "1", "d:both": "1"}, merged)
     assert (plan.upserts, plan.deletes) == (["d:a"], ["d:b", "d:differs"])
     # The last delta either published is what the index must reach.
-    published = Manifest({"d:a": "1"}, published_through=40).merged_with(Manifest({"d:a": "1"}, published_through=7))
-    assert published.published_through == 40
+    mine = Manifest({"d:a": "1"}, published_through=40, published_from=31)
+    published = mine.merged_with(Manifest({"d:a": "1"}, published_through=7, published_from=5))
+    assert (published.published_from, published.published_through) == (5, 40)
     assert Manifest.from_json(published.to_json()) == published
     assert Manifest.from_json(b'{"version": 2, "entries": {}}').published_through is None  # an earlier release's
     assert Manifest({"d:a": "1"}).merged_with(Manifest()).published_through is None

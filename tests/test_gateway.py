@@ -493,6 +493,12 @@ async def test_a_batch_under_the_protocol_version_that_has_batches_is_answered_w
         assert refused[0]["result"]["content"][0]["text"] == REPEATED_ARGUMENT_TEXT
         assert refused[1]["error"]["message"].endswith("params.arguments: given twice: a message names each key once")
         assert refused[2]["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
+        # A batch larger than its messages could be read for repeats is refused whole (a review's: a padded
+        # notification beside the call got its repeat past the check).
+        padded = {"jsonrpc": "2.0", "method": "notifications/initialized", "params": {"pad": "x" * (2 << 20)}}
+        oversized = await http.post(url, content=b"[" + REPEATED_ARGUMENT + b", " + json.dumps(padded).encode() + b"]")
+        assert oversized.status_code == 400
+        assert oversized.json()["error"]["message"].startswith("a batch of at most 2097152 bytes is taken")
         notified = await http.post(url, json=[{"jsonrpc": "2.0", "method": "notifications/initialized"}])
         assert (notified.status_code, notified.content) == (202, b"")
         empty = await http.post(url, json=[])
@@ -638,8 +644,8 @@ DEEP_KEY = (
     b'{"jsonrpc": "2.0", "id": 31, "method": "tools/list", "params": {"cursor": ' + b"[" * 300 + b"]" * 300 + b"}}"
 )
 DEEP_ARGUMENT_TEXT = (
-    "error invalid_request: the arguments are nested more than 200 levels deep\n"
-    "- options.retrievers: nested more than 200 levels deep"
+    "error invalid_request: the arguments are nested more than 201 levels deep\n"
+    "- options.retrievers: nested more than 201 levels deep"
 )
 REPEATED_ARGUMENT_TEXT = (
     "error invalid_request: the request names 'topK' twice\n- topK: given twice: a request names each field once"
@@ -707,7 +713,7 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
         assert deep.json()["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
         deep = await http.post(url, content=DEEP_KEY)
         assert (deep.status_code, deep.json()["id"]) == (400, 31)
-        assert deep.json()["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 200 levels deep"
+        assert deep.json()["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 201 levels deep"
         # A notification is answered nothing, a repeat in it too.
         notified = (
             b'{"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1, "requestId": 2}}'
@@ -775,7 +781,7 @@ async def test_an_ill_formed_request_over_stdio_is_refused_naming_the_field(depl
     assert answers[30]["result"]["content"][0]["text"] == DEEP_ARGUMENT_TEXT
     assert None not in answers
     assert 99 not in answers
-    assert answers[31]["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 200 levels deep"
+    assert answers[31]["error"]["message"] == f"{NOT_A_MESSAGE}: params.cursor: nested more than 201 levels deep"
     assert {tool["name"] for tool in answers[26]["result"]["tools"]} >= {"ontology_query"}
 
 

@@ -567,9 +567,12 @@ class Batches:
                 await self._app(scope, replaying(read, receive), send)
             else:
                 assert body is not None
+                if len(body) > MAX_BATCH * CHECKED_BYTES:  # holds a message larger than any read for repeats
+                    why = f"a batch of at most {MAX_BATCH * CHECKED_BYTES} bytes is taken: send its messages alone"
+                    await _answer_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": _invalid(why)})
+                    return
                 # Read from the bytes: parsed, each message kept a key's last value (a review's).
-                repeats = repeated_keys_by_item(body) if len(body) <= CHECKED_BYTES else {}
-                await self._answer(scope, batch, repeats, send, receive)
+                await self._answer(scope, batch, repeated_keys_by_item(body), send, receive)
         finally:
             READ_FROM.reset(read_from)
 

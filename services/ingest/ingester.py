@@ -447,6 +447,9 @@ class Manifest:
     """The stream sequence of the last delta an ingest of the branch published: what the index must reach before
     the branch's content, as the entries say it, is there; None where not recorded (nothing published yet, or a
     manifest saved before it was)."""
+    published_from: int | None = None
+    """The stream sequence of the first delta that ingest published: its dead letters are those from here to
+    ``published_through`` (a branch's earlier ones were superseded by it)."""
 
     @property
     def unknown(self) -> int:
@@ -470,6 +473,8 @@ class Manifest:
             document["package"] = self.package
         if self.published_through is not None:
             document["published_through"] = self.published_through
+        if self.published_from is not None:
+            document["published_from"] = self.published_from
         return json.dumps(document, sort_keys=True).encode()
 
     def merged_with(self, other: Manifest) -> Manifest:
@@ -477,8 +482,12 @@ class Manifest:
         is known; any other key is UNKNOWN, so the next ingest sends it again or removes it."""
         mine, theirs = self.entries, other.entries
         merged = {k: mine[k] if mine.get(k) == theirs.get(k) else UNKNOWN for k in mine.keys() | theirs.keys()}
-        published = [n for n in (self.published_through, other.published_through) if n is not None]
-        return Manifest(merged, self.exclude, {**other.files, **self.files}, self.package, max(published, default=None))
+        through = [n for n in (self.published_through, other.published_through) if n is not None]
+        first = [n for n in (self.published_from, other.published_from) if n is not None]
+        return Manifest(
+            merged, self.exclude, {**other.files, **self.files}, self.package, max(through, default=None),
+            min(first, default=None),
+        )  # fmt: skip
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -488,14 +497,19 @@ class Manifest:
             entries = {f"d:{key}": value for key, value in entries.items()}
         recorded = stored.get("exclude")
         files = {key: path for path, keys in stored.get("files", {}).items() for key in keys}
-        published = stored.get("published_through")
         return cls(
             entries,
             None if recorded is None else tuple(recorded),
             files,
             stored.get("package"),
-            published if isinstance(published, int) and not isinstance(published, bool) else None,
+            _sequence(stored.get("published_through")),
+            _sequence(stored.get("published_from")),
         )
+
+
+def _sequence(value: object) -> int | None:
+    """A stream sequence as a manifest stored it; None for anything else (not recorded, or written by hand)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _manifest_of(stored: StoredManifest) -> Manifest:
@@ -730,6 +744,8 @@ class IngestReport:
     pending_through: int | None
     """When nothing changed: the stream sequence of the last delta an earlier ingest of the branch published (its
     manifest's ``published_through``), which the index may not hold yet; None otherwise, or when not recorded."""
+    pending_from: int | None
+    """And of the first delta that ingest published (``published_from``), when recorded."""
     published: frozenset[int]
     """Stream sequences of every delta published."""
     too_large: list[str]
@@ -922,6 +938,7 @@ class Ingester:
         in_flight = Manifest(
             {**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude,
             {**previous.files, **plan.manifest.files}, previous.package, previous.published_through,
+            previous.published_from,
         )  # fmt: skip
         if deltas:
             # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
@@ -937,6 +954,7 @@ class Ingester:
             done = Manifest(
                 {**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package or "",
                 max((a.seq for a in acks), default=previous.published_through),
+                min((a.seq for a in acks), default=previous.published_from),
             )  # fmt: skip
             saved = _manifest_of(loaded)
             if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
@@ -951,8 +969,9 @@ class Ingester:
             # manifest saved before they were, which a branch needs of main's): recorded if no other ingest saved
             # meanwhile.
             unchanged_manifest = Manifest(
-                previous.entries, patterns, plan.manifest.files, package or "", previous.published_through
-            )
+                previous.entries, patterns, plan.manifest.files, package or "", previous.published_through,
+                previous.published_from,
+            )  # fmt: skip
             try:
                 await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
             except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
@@ -970,6 +989,7 @@ class Ingester:
             last_sequence=max((a.seq for a in acks), default=None),
             # Nothing sent: the index may still lack what an earlier ingest sent (one whose wait timed out).
             pending_through=None if acks else previous.published_through,
+            pending_from=None if acks else previous.published_from,
             published=frozenset(a.seq for a in acks),
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,

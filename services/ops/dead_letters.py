@@ -153,15 +153,15 @@ class DeadLetterWatch:
         """Those of the deltas stored at ``sequences``, in the order they were set aside."""
         return [letter for letter in self._seen if letter.original_seq in sequences]
 
-    def on_subject_through(self, subject: str, sequence: int) -> list[SetAside]:
-        """Those of the deltas stored on ``subject`` (a branch's) up to ``sequence``: an earlier ingest's, whose
-        sequences this one does not know, set aside while it waited."""
+    def on_subject_within(self, subject: str, first: int, last: int) -> list[SetAside]:
+        """Those of the deltas stored on ``subject`` (a branch's) from ``first`` to ``last``: an earlier ingest's,
+        whose sequences this one knows only as a range, set aside while it waited."""
         return [
             letter
             for letter in self._seen
             if letter.original_subject == subject
             and letter.original_seq is not None
-            and letter.original_seq <= sequence
+            and first <= letter.original_seq <= last
         ]
 
 

@@ -1839,3 +1839,23 @@ def test_the_query_table_prints_what_a_tenant_wrote_as_text() -> None:
     refused = ErrorReply(error=QueryError(code="invalid_request", message="bad [/bold]", details=[]))
     render_reply(console, {"semanticQuery": "[/bold] \x1b[2J"}, refused)
     assert "bad [/bold]" in console.export_text()
+
+
+def test_a_body_nested_too_deep_is_named_down_its_objects_however_wide() -> None:
+    """A review's body: 400 objects within one another around a list of 55,000 numbers (112 kB); the path goes
+    through objects only, at most eight keys of it."""
+    from ontofabric.services.gateway.stdio import too_deep_answer
+
+    nested = b'{"a":' * 400 + b"[" + b",".join([b"1"] * 55_000) + b"]" + b"}" * 400
+    body = (
+        b'{"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "ontology_query", '
+        b'"arguments": {"semanticQuery": "x", "options": ' + nested + b"}}}"
+    )
+    answer = too_deep_answer(body)
+    assert answer is not None
+    text = answer.model_dump(mode="json", by_alias=True)["result"]["content"][0]["text"]
+    assert text.endswith("\n- options.a.a.a.a.a: nested more than 201 levels deep")
+    # 201 levels are what the SDK's parser reads: not refused.
+    within = b'{"jsonrpc": "2.0", "id": 6, "method": "ping", "params": {"x": ' + b"[" * 199 + b"]" * 199 + b"}}"
+    assert too_deep_answer(within) is None
+    assert too_deep_answer(within.replace(b"[", b"[[", 1).replace(b"]", b"]]", 1)) is not None

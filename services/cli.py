@@ -100,7 +100,7 @@ from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .projector.consumer import REFUSED_BY_EVERY_PROCESS
-from .render import RichProgress, printable, render_reply, render_status, whole_table
+from .render import RichProgress, as_text, printable, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
     from .ingest.ingester import IngestReport
@@ -165,7 +165,7 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
 
 def _fail(message: str, code: int = 2) -> NoReturn:
     # The message as written: a path, a pattern or a dead letter's detail holding "[/x]" was read as markup.
-    errors.print(f"[red]error:[/red] {escape(printable(message, lines=True))}")
+    errors.print(f"[red]error:[/red] {as_text(message, lines=True)}")
     raise typer.Exit(code)
 
 

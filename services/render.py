@@ -41,21 +41,26 @@ def printable(text: str, lines: bool = False) -> str:
     return found.sub(lambda match: repr(match.group())[1:-1], text)
 
 
+def as_text(text: str, lines: bool = False) -> str:
+    """``text`` for rich to print as it is: :func:`printable`, and its brackets not read as markup (a query or an
+    id holding "[/dim]" stopped ``ontofabric query`` with a markup error, a review's)."""
+    return escape(printable(text, lines))
+
+
 def _snippet(text: str, width: int = 70) -> str:
     flat = printable(" ".join(text.split()))
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
 def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse | ErrorReply) -> None:
-    # Everything from the request, the index or the worker is printed as text, not read as markup: a query or an
-    # id holding "[/dim]" stopped the command with a markup error (a review's).
-    params = escape(printable(", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery")))
-    asked = escape(printable(str(query["semanticQuery"])))
+    # Everything from the request, the index or the worker is printed as_text.
+    params = as_text(", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery"))
+    asked = as_text(str(query["semanticQuery"]))
     console.rule(f"[bold]{asked}[/bold]" + (f"  [dim]({params})[/dim]" if params else ""))
     if isinstance(reply, ErrorReply):
-        console.print(f"[red]error[/red] {reply.error.code}: " + escape(printable(reply.error.message)))
+        console.print(f"[red]error[/red] {reply.error.code}: " + as_text(reply.error.message))
         for detail in reply.error.details:
-            console.print(escape(printable(f"  {detail.field or '<body>'}: {detail.message}")))
+            console.print(as_text(f"  {detail.field or '<body>'}: {detail.message}"))
         return
     table = Table(show_edge=False, pad_edge=False, expand=True)
     table.add_column("#", justify="right", no_wrap=True)
@@ -66,9 +71,9 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
     for result in reply.results:
         symbol = result.metadata.get("symbolFqn") or result.object_type
         found = " ".join(f"{f.retriever}#{f.rank}" for f in result.found_by)
-        level = escape(printable(str(result.metadata.get("chunkLevel", ""))))
-        where = printable(source_place(result.metadata) or "")
-        cell = f"[bold]{escape(printable(str(symbol)))}[/bold]" + (f" {escape(where)}" if where else "")
+        level = as_text(str(result.metadata.get("chunkLevel", "")))
+        where = as_text(source_place(result.metadata) or "")
+        cell = f"[bold]{as_text(str(symbol))}[/bold]" + (f" {where}" if where else "")
         cell += f"\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)
@@ -109,11 +114,9 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         arrow = "->" if context.direction == "outgoing" else "<-"
         console.print(
             "[dim]context[/dim] "
-            + escape(
-                printable(
-                    f"{context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
-                    f" (document {context.representative_document_id or 'none indexed'})"
-                )
+            + as_text(
+                f"{context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
+                f" (document {context.representative_document_id or 'none indexed'})"
             )
         )
     if meta.expanded_context_truncated:

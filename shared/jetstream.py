@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    ConsumerInfo,
     DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
@@ -476,6 +477,10 @@ async def ack_floor(js: JetStreamContext, stream: str, durable: str) -> int:
         info = await js.consumer_info(stream, durable)
     except NotFoundError:
         return 0
+    return _acked_through(info)
+
+
+def _acked_through(info: ConsumerInfo) -> int:
     return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
 
 
@@ -504,10 +509,8 @@ async def stream_ends_before(js: JetStreamContext, names: Names, partitions: int
         infos = await asyncio.gather(*(js.consumer_info(names.delta_stream, durable) for durable in durables))
     except NotFoundError:
         return False
-    floors = [int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0 for info in infos]
     return all(
-        not info.num_pending and not info.num_ack_pending and floor < stream_seq
-        for info, floor in zip(infos, floors, strict=True)
+        not info.num_pending and not info.num_ack_pending and _acked_through(info) < stream_seq for info in infos
     )
 
 

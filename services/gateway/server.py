@@ -628,8 +628,7 @@ class Batches:
         body = json.dumps(message).encode()
         read_here = repeat_refusal(message, repeated) if repeated is not None else too_deep_answer(body)
         if read_here is not None:
-            answer = {"id": None, **read_here.model_dump(mode="json", by_alias=True, exclude_none=True)}
-            return 200, [], json.dumps(answer).encode()
+            return 200, [], json.dumps(_as_sent(read_here)).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         alone = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         sent: list[Message] = []
@@ -710,6 +709,11 @@ def _declared_length(scope: Scope) -> int | None:
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
+def _as_sent(answer: types.JSONRPCResponse | types.JSONRPCError) -> dict[str, Any]:
+    """An answer as JSON-RPC writes it: its id kept when null (an error to a message with no readable id)."""
+    return {"id": None, **answer.model_dump(mode="json", by_alias=True, exclude_none=True)}
+
+
 def _json_object(body: bytes) -> dict[str, Any] | None:
     """The body as a JSON object; None when it is not one (not JSON, nested past the parser, an array ...)."""
     try:
@@ -735,8 +739,7 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
             message = f"{NOT_A_REQUEST}: message: Input should be an object"
         return 400, {"jsonrpc": "2.0", "id": None, "error": {"code": types.INVALID_REQUEST, "message": message}}
     if (read_here := too_deep_answer(body) or repeated_key_answer(body)) is not None:
-        status = 200 if isinstance(read_here, types.JSONRPCResponse) else 400
-        return status, {"id": None, **read_here.model_dump(mode="json", by_alias=True, exclude_none=True)}
+        return (200 if isinstance(read_here, types.JSONRPCResponse) else 400), _as_sent(read_here)
     field = surrogate_field(body)
     odd_id = field is None and b'"id"' in body
     if field is None and not odd_id:
@@ -791,7 +794,7 @@ def _answer_to_ill_framed(message: dict[str, Any], body: bytes) -> tuple[int, di
     except ValidationError as refused:
         answer = unreadable(body, refused)
         assert answer is not None
-        return 400, {"id": None, **answer.model_dump(mode="json", by_alias=True, exclude_none=True)}  # id null kept
+        return 400, _as_sent(answer)
     return None
 
 

@@ -15,7 +15,7 @@ import json
 import os
 import selectors
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -149,19 +149,31 @@ def repeat_refusal(message: Any, repeated: str) -> types.JSONRPCResponse | types
     """The answer to ``message``, which names the key at ``repeated`` twice: a tool call's argument gets the
     worker's tool error naming the argument, the rest of a request an invalid request error naming the key. None
     for what is no request (a notification is answered nothing, nor is a client's response)."""
+    return _refused_at(
+        message,
+        repeated,
+        lambda argument: render_error(ErrorReply(error=repeated_key_error(argument))),
+        "given twice: a message names each key once",
+    )
+
+
+def _refused_at(
+    message: Any, path: str, tool_text: Callable[[str], str], why: str
+) -> types.JSONRPCResponse | types.JSONRPCError | None:
+    """The answer to a request refused for what is at ``path``: in a tool call's arguments, a tool error (its
+    ``tool_text`` of the argument's path), elsewhere an invalid request error naming the path, ``why``. None for
+    what is no request (a notification is answered nothing, nor is a client's response)."""
     if not isinstance(message, dict) or "id" not in message or "method" not in message:
         return None
     request_id = request_id_of(message)
-    argument = repeated.removeprefix(TOOL_ARGUMENTS)
-    if message.get("method") == "tools/call" and argument != repeated and request_id is not None:
-        result = tool_error(render_error(ErrorReply(error=repeated_key_error(argument))))
-        return types.JSONRPCResponse(
-            jsonrpc="2.0", id=request_id, result=result.model_dump(mode="json", by_alias=True, exclude_none=True)
-        )
-    message_text = f"{NOT_A_REQUEST}: {clipped(repeated)}: given twice: a message names each key once"
-    return types.JSONRPCError(
-        jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message_text)
+    argument = path.removeprefix(TOOL_ARGUMENTS)
+    if message.get("method") == "tools/call" and argument != path and request_id is not None:
+        result = tool_error(tool_text(argument)).model_dump(mode="json", by_alias=True, exclude_none=True)
+        return types.JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
+    refused = types.ErrorData(
+        code=types.INVALID_REQUEST, message=f"{NOT_A_REQUEST}: {clipped(path) or 'message'}: {why}"
     )
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=refused)
 
 
 NESTING_READ = 201
@@ -188,19 +200,12 @@ def too_deep_answer(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError |
         found = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(found, dict) or "id" not in found or "method" not in found:
-        return None
-    request_id = request_id_of(found)
-    path = _path_too_deep(found)
-    argument = ".".join(path).removeprefix(TOOL_ARGUMENTS)
     too_deep = f"nested more than {NESTING_READ} levels deep"
-    if found.get("method") == "tools/call" and argument != ".".join(path) and request_id is not None:
-        text = f"error invalid_request: the arguments are {too_deep}\n- {clipped(argument)}: {too_deep}"
-        result = tool_error(text).model_dump(mode="json", by_alias=True, exclude_none=True)
-        return types.JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
-    message = f"{NOT_A_REQUEST}: {clipped('.'.join(path)) or 'message'}: {too_deep}"
-    return types.JSONRPCError(
-        jsonrpc="2.0", id=request_id, error=types.ErrorData(code=types.INVALID_REQUEST, message=message)
+    return _refused_at(
+        found,
+        ".".join(_path_too_deep(found)),
+        lambda argument: f"error invalid_request: the arguments are {too_deep}\n- {clipped(argument)}: {too_deep}",
+        too_deep,
     )
 
 

@@ -622,9 +622,7 @@ class QueryService:
         if deadline.left(received) <= 0:  # spent before it reached this worker (a NATS server frozen, say)
             # Before the admission's estimate: with the workspace's requests held, any work is more than 80 % of
             # nothing, and it was refused "overloaded ... retry with a longer timeout" (an MCP fault tester's).
-            short = self._timeout_too_short(deadline)
-            least = least_answer_ms(self.names.operation_of(msg.subject))
-            await self._reply(msg, Admitted(msg, received, deadline, workspace).refused_late(received, short, least))
+            await self._reply(msg, self._refused_late(Admitted(msg, received, deadline, workspace), received))
             return
         own = self._held_by[workspace]
         ahead, runners = self._turn_of(workspace)
@@ -751,10 +749,12 @@ class QueryService:
         return deadline.stated and deadline.timeout_ms < self.settings.query_short_timeout_ms
 
     async def _refuse_late(self, admitted: Admitted) -> None:
-        short = self._timeout_too_short(admitted.deadline)
+        await self._reply_once(admitted, partial(self._refused_late, admitted, asyncio.get_running_loop().time()))
+
+    def _refused_late(self, admitted: Admitted, now: float) -> bytes:
+        """Its ``deadline_exceeded`` reply (:meth:`Admitted.refused_late`), by what its operation needs at least."""
         least = least_answer_ms(self.names.operation_of(admitted.msg.subject))
-        now = asyncio.get_running_loop().time()
-        await self._reply_once(admitted, partial(admitted.refused_late, now, short, least))
+        return admitted.refused_late(now, self._timeout_too_short(admitted.deadline), least)
 
     async def _refuse_waited(self, admitted: Admitted, *, runner_free: bool = False) -> None:
         """``runner_free``: a runner took it just past its wait, so one is free now and no wait is stated; else the
@@ -851,9 +851,7 @@ class QueryService:
                     async with asyncio.timeout_at(deadline.at):
                         body = await self._answer(msg, deadline, waited_ms)
                 except TimeoutError:  # its timer may have refused it already: counted as sent (_reply_once)
-                    short = self._timeout_too_short(deadline)
-                    least = least_answer_ms(self.names.operation_of(admitted.msg.subject))
-                    body = partial(admitted.refused_late, loop.time(), short, least)
+                    body = partial(self._refused_late, admitted, loop.time())
                     finished = False
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)

@@ -472,16 +472,17 @@ def ingest(
                         markup=False,
                     )
                 awaited = report.awaited_sequence
-                if wait and awaited is not None and report.last_sequence is None:
+                if wait and awaited is not None and awaited != report.last_sequence:
                     gone = await stream_ends_before(js, names, settings.projector_partitions, awaited)
                     if gone:  # a review's: such an ingest waited out its whole --wait-timeout, then exited 1
+                        whose = branch if awaited != report.main_pending_through else MAIN_BRANCH
                         errors.print(
-                            f"warning: the last ingest of {workspace}/{branch} recorded its deltas up to stream seq "
+                            f"warning: the last ingest of {workspace}/{whose} recorded its deltas up to stream seq "
                             f"{awaited}, past the end of the delta stream (made again since?): not waiting for them",
                             soft_wrap=True,
                             markup=False,
                         )
-                        awaited = None
+                        awaited = report.last_sequence
                 if wait and awaited is not None:
                     watch = ProjectionWatch(progress, awaited, _stalled_projection)
                     try:
@@ -490,7 +491,12 @@ def ingest(
                             on_floor=watch, moved=moved,
                         )  # fmt: skip
                     except TimeoutError:
-                        whose = "this ingest's" if report.last_sequence is not None else "an earlier ingest's"
+                        if awaited == report.last_sequence:
+                            whose = "this ingest's"
+                        elif awaited == report.main_pending_through and branch != MAIN_BRANCH:
+                            whose = f"{MAIN_BRANCH}'s last ingest's (the branch reads its documents)"
+                        else:
+                            whose = "an earlier ingest's"
                         _fail(
                             f"not projected within {wait_timeout:g} s: the index is at stream seq {watch.floor}, "
                             f"{whose} last delta is {awaited}. The deltas are stored; a running projector applies "
@@ -544,6 +550,12 @@ def ingest(
                 subject = names.delta_subject(workspace, branch)
                 earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
                 _fail_on_dead_letters(earlier, None, workspace)
+            if set_aside is not None and report.main_pending_through is not None and not followed:
+                # A branch waited for main's last ingest too: what of it was set aside meanwhile, it reads without.
+                await nc.flush()
+                subject = names.delta_subject(workspace, MAIN_BRANCH)
+                mains = set_aside.on_subject_within(subject, report.main_pending_from or 0, report.main_pending_through)
+                _fail_on_dead_letters(mains, None, workspace, f"deltas {MAIN_BRANCH}'s last ingest published")
             if report.too_large:
                 raise typer.Exit(1)
         finally:
@@ -596,14 +608,19 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
         errors.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
-def _fail_on_dead_letters(letters: Sequence[SetAside], published: int | None, workspace: str) -> None:
+def _fail_on_dead_letters(
+    letters: Sequence[SetAside],
+    published: int | None,
+    workspace: str,
+    whose: str = "deltas an earlier ingest published",
+) -> None:
     """Exit 1 when a projector set aside some of this ingest's deltas (``published`` of them), or of an earlier
-    ingest's it waited for (None): they are not in the index."""
+    ingest's it waited for (None; ``whose`` says which): they are not in the index."""
     if not letters:
         return
     reasons = Counter(letter.reason for letter in letters)
     first = letters[0]
-    whose = f"of the {published} deltas published" if published is not None else "deltas an earlier ingest published"
+    whose = f"of the {published} deltas published" if published is not None else whose
     _fail(
         f"{len(letters)} {whose} were dead-lettered, not indexed "
         f"({', '.join(f'{reason}: {count}' for reason, count in reasons.most_common())}); the first: "

@@ -523,6 +523,41 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
     )
 
 
+async def test_a_branch_ingest_with_nothing_of_its_own_waits_for_what_main_last_sent(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A branch reads main's documents where it has none of its own: its ingest, with nothing to send, said it was
+    done at once while main's last ingest (timed out, no projector running) was not in the index yet."""
+    tree = tmp_path / "tree"
+    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tree), "--workspace", "shared"]
+
+    def ingest(*more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--wait-timeout", "2", *more], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+
+    on_main = await asyncio.to_thread(ingest)
+    assert on_main.returncode == 1, on_main.stderr
+    on_branch = await asyncio.to_thread(ingest, "--branch", "feature")
+    said = " ".join(on_branch.stderr.split())
+    assert on_branch.returncode == 1, said
+    assert "0 upserts" not in on_branch.stdout
+    assert "main's last ingest's (the branch reads its documents) last delta is" in said
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        done = await asyncio.to_thread(ingest, "--branch", "feature")
+    finally:
+        await projector.stop()
+    assert done.returncode == 0, done.stderr
+    assert "0 upserts, 0 deletes, 0 reverts" in done.stdout
+
+
 async def test_a_retried_ingest_says_so_when_the_earlier_deltas_it_waited_for_were_dead_lettered(
     deployment: Deployment, tmp_path: Path
 ) -> None:
@@ -557,6 +592,41 @@ async def test_a_retried_ingest_says_so_when_the_earlier_deltas_it_waited_for_we
     said = " ".join(stderr.decode().split())
     assert retry.returncode == 1, said
     assert "2 deltas an earlier ingest published were dead-lettered" in said
+
+
+async def test_a_branch_ingest_says_so_when_main_deltas_it_waited_for_were_dead_lettered(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """What of main's last ingest was set aside while a branch's ingest waited for it, the branch reads without."""
+    tree = tmp_path / "tree"
+    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tree), "--workspace", "lonely"]
+    first = await asyncio.to_thread(
+        subprocess.run, [*command, "--wait-timeout", "1"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert first.returncode == 1, first.stderr
+    branch = await asyncio.create_subprocess_exec(
+        *command, "--branch", "feature", "--wait-timeout", "60", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert branch.stdout is not None
+    async with asyncio.timeout(60):
+        while not (await branch.stdout.readline()).startswith(b"publish"):  # watching for dead letters from here
+            pass
+    strict = deployment.settings.model_copy(update={"max_content_bytes": 10})
+    projector = ProjectorService(strict, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        _, stderr = await asyncio.wait_for(branch.communicate(), 60)
+    finally:
+        await projector.stop()
+    said = " ".join(stderr.decode().split())
+    assert branch.returncode == 1, said
+    assert "2 deltas main's last ingest published were dead-lettered" in said
 
 
 async def test_ingest_into_a_full_delta_stream_says_so_at_once_and_exits_1(

@@ -746,6 +746,11 @@ class IngestReport:
     manifest's ``published_through``), which the index may not hold yet; None otherwise, or when not recorded."""
     pending_from: int | None
     """And of the first delta that ingest published (``published_from``), when recorded."""
+    main_pending_through: int | None
+    """On a branch: the stream sequence of the last delta main's last ingest published (its ``published_through``),
+    which the branch's queries read too; None on main, or when not recorded."""
+    main_pending_from: int | None
+    """And of the first delta that ingest published."""
     published: frozenset[int]
     """Stream sequences of every delta published."""
     too_large: list[str]
@@ -777,8 +782,10 @@ class IngestReport:
     def awaited_sequence(self) -> int | None:
         """The stream sequence the index must reach before the branch's content, as this ingest left it, is there:
         this ingest's last delta, or when it sent nothing an earlier ingest's (a retry of one whose wait timed out
-        said it was done at once, the index still lacking its file: a tester's)."""
-        return self.last_sequence if self.last_sequence is not None else self.pending_through
+        said it was done at once, the index still lacking its file: a tester's); on a branch, main's last ingest's
+        too, whose documents the branch reads where it has none of its own."""
+        own = self.last_sequence if self.last_sequence is not None else self.pending_through
+        return max((s for s in (own, self.main_pending_through) if s is not None), default=None)
 
 
 class Ingester:
@@ -990,6 +997,8 @@ class Ingester:
             # Nothing sent: the index may still lack what an earlier ingest sent (one whose wait timed out).
             pending_through=None if acks else previous.published_through,
             pending_from=None if acks else previous.published_from,
+            main_pending_through=main.published_through if main is not None else None,
+            main_pending_from=main.published_from if main is not None else None,
             published=frozenset(a.seq for a in acks),
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,

@@ -100,6 +100,7 @@ from .ops.quality_gate import MIN_EFFECT, BaselineMismatch
 from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .projector.consumer import REFUSED_BY_EVERY_PROCESS
+from .projector.planning import refused_for_a_long_key
 from .render import RichProgress, as_text, printable, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
@@ -985,6 +986,13 @@ def dlq_redrive(
                 "unless the projectors read the contract differently since (an upgrade). Publish a corrected delta "
                 "from its producer instead, and purge these."
             )
+        long_keys = sum(1 for letter in letters if refused_for_a_long_key(letter.reason, letter.detail))
+        if long_keys:  # apply_failed is a passing database error too: only these are said to come back
+            errors.print(
+                f"{long_keys} of them (apply_failed) were refused for a name longer than an index key takes (`dlq "
+                "show` says which field): re-driven, the same bytes are set aside again. Publish the document "
+                "under a shorter name from its producer instead, and purge these."
+            )
         _confirm(f"re-drive {len(letters)}:", selection, yes)
         placement = Placement.of(settings, endpoints.database_url)
         if force:
@@ -1006,7 +1014,17 @@ def dlq_redrive(
     for letter in outcome.bodiless:
         errors.print(f"left {letter.seq}: stored without its delta, which was too large to send again")
     for letter in outcome.nowhere:
-        errors.print(f"left {letter.seq}: its subject names no workspace, so it would be set aside again (dlq purge)")
+        if letter.workspace is None:
+            errors.print(
+                f"left {letter.seq}: its subject names no workspace, so it would be set aside again (dlq purge)"
+            )
+        else:
+            came_from = printable(letter.original_subject) or "none"
+            errors.print(
+                f"left {letter.seq}: the subject it came from ({came_from}) is none of {letter.workspace}'s delta "
+                "subjects, so there is nowhere to send it back to (dlq purge)",
+                markup=False,
+            )
     for letter, why in outcome.refused:
         errors.print(f"left {letter.seq}: the delta stream refused it: {why}")
     left = len(outcome.superseded) + len(outcome.outdone) + len(outcome.waiting)

@@ -3,6 +3,7 @@ projector after a fix (never over a later state of the document), purged; and th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -18,6 +19,7 @@ import asyncpg
 import pytest
 import typer
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.contracts.deltas import NodeRemoved, NodeUpserted, OntologyNode
@@ -551,6 +553,32 @@ async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(d
     assert (letter.reason, letter.original_seq) == ("apply_failed", seqs[0])
     assert "metadata.symbolFqn's last part is 12000 bytes" in letter.detail
     assert "metadata.symbolKey" not in letter.detail  # its own key is short
+    # Re-driven, the same bytes come back: the operator is told so (not of another apply_failed letter).
+    passing = {
+        "Ontofabric-Reason": "apply_failed", "Ontofabric-Detail": "connection reset",
+        "Ontofabric-Original-Subject": deployment.names.delta_subject("acme", "main"),
+    }  # fmt: skip
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), b"{}", headers=passing)
+    # Two with nowhere of their own to go back to: none named (the re-drive stopped on an empty subject, with a
+    # traceback), and another workspace's subject (it would have written there).
+    headless = {"Ontofabric-Reason": "apply_failed"}
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), b"{}", headers=headless)
+    elsewhere = passing | {"Ontofabric-Original-Subject": deployment.names.delta_subject("other", "main")}
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), b"{}", headers=elsewhere)
+    redriven = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, "dlq", "redrive", "--yes", "--force"], env=deployment.env(),
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    said = " ".join(redriven.stderr.split())
+    assert redriven.returncode == 0, said
+    assert "1 of them (apply_failed) were refused for a name longer than an index key takes" in said
+    assert "re-drove 2 dead letter(s), left 2" in said
+    assert "the subject it came from (none) is none of acme's delta subjects" in said
+    other = deployment.names.delta_subject("other", "main")
+    assert f"the subject it came from ({other}) is none of acme's delta subjects" in said
+    assert "Traceback" not in said
+    with pytest.raises(NotFoundError):  # nothing written into the other workspace
+        await deployment.js.get_last_msg(deployment.names.delta_stream, other)
 
 
 async def test_metadata_is_bounded_as_the_index_stores_it(deployment: Deployment) -> None:

@@ -231,7 +231,9 @@ class Redrive:
     bodiless: list[DeadLetter] = field(default_factory=list)
     """Not sent: stored without its delta, too large for the stream to take again."""
     nowhere: list[DeadLetter] = field(default_factory=list)
-    """Not sent: its subject names no workspace, so the projector would set it aside again (a review's)."""
+    """Not sent: its subject names no workspace, so the projector would set it aside again (a review's), or the
+    subject it came from is none of its workspace's delta subjects (missing, or another workspace's): there is no
+    place of its own to send it back to."""
     refused: list[tuple[DeadLetter, str]] = field(default_factory=list)
     """Not sent: the stream refused it (too large now, say), with why; the dead letter stays."""
 
@@ -363,7 +365,10 @@ async def redrive(
         if letter.body_omitted:
             outcome.bodiless.append(letter)
             continue
-        if letter.workspace is None:
+        came_from = names.scope_of_delta(letter.original_subject)
+        if letter.workspace is None or came_from is None or came_from[0] != letter.workspace:
+            # Published as it says, a letter with no such header crashed the re-drive (an empty subject), and
+            # one naming another workspace's subject would have written into that workspace.
             outcome.nowhere.append(letter)
             continue
         if database_url_of is not None and letter.workspace is not None:

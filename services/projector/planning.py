@@ -148,7 +148,17 @@ def long_index_keys(delta: Delta, error: BaseException) -> str:
     named = [f"{name} is {size} bytes" for name, size in sizes.items() if size > INDEX_KEY_BYTES]
     if not named:
         return ""
-    return f" ({', '.join(named)}: an index key takes about {INDEX_KEY_BYTES} bytes at most)"
+    return f" ({', '.join(named)}: {LONG_INDEX_KEY_NOTE} {INDEX_KEY_BYTES} bytes at most)"
+
+
+LONG_INDEX_KEY_NOTE = "an index key takes about"
+"""What :func:`long_index_keys` says: an ``apply_failed`` dead letter whose detail holds it was refused for what
+its delta holds, and a re-drive of the same bytes is refused again."""
+
+
+def refused_for_a_long_key(reason: str, detail: str | None) -> bool:
+    """Whether a dead letter was refused for a name longer than an index key takes (:func:`long_index_keys`)."""
+    return reason == "apply_failed" and detail is not None and LONG_INDEX_KEY_NOTE in detail
 
 
 def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection | None:

@@ -183,6 +183,7 @@ def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> N
     assert match_quality("httpx._client.AsyncClient.send", "httpx.AsyncClient.send") == 2
     assert match_quality("httpx._client.Client", "HTTPX.client") == 5
     assert match_quality("httpx._client._Private", "httpx._Private") == 2  # the last part is the name asked
+    assert match_quality("jinja2.ext._TranslationsBasic.gettext", "jinja2.ext.gettext") is None  # a class's part
     assert match_quality("httpx.__about__.x", "httpx.x") is None  # a dunder part is not private
     assert match_quality("_pkg.mod.C", "mod.C") == 1
     assert match_quality("tenacity.retry.Retrying", "ry.Retrying") is None  # parts match whole, not by letters
@@ -226,7 +227,16 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
 
 
 SHAPES = {
-    "__init__.py": '"""Shapes and their areas."""\nfrom ._base import Outline\nfrom .circle import Circle\n',
+    "__init__.py": '"""Shapes and their areas."""\nfrom ._base import Outline\nfrom .circle import Circle\n'
+    "Round = Circle\n",  # another name for it (attrs' `s = attrs`)
+    # Every public name of another module, taken by `*` (attrs.validators is `from attr.validators import *`).
+    "everything.py": "from .square import *\n",
+    # A private class's member: no module publishes it.
+    "pens.py": """
+        class _Pen:
+            def width(self):
+                return 2
+        """,
     # A private module's class, which the package re-exports.
     "_base.py": """
         class Outline:
@@ -332,6 +342,17 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # A member by its class's published name (a tester's click.Group.command "not indexed").
     member = await _ask(client, "shapes.Circle.area")
     assert (_names(member)[0], member.meta.exact_symbol_matches) == ("shapes.circle.Circle.area (method)", 1)
+    # By a name bound to it, and by a name a module takes with `*` (an agent tester's attr.s and
+    # attrs.validators.instance_of: "no chunk defining a symbol named ... is indexed").
+    bound = await _ask(client, "shapes.Round")
+    assert (_names(bound)[0], bound.meta.exact_symbol_matches) == ("shapes.circle.Circle (type)", 1)
+    starred = await _ask(client, "shapes.everything.area")
+    assert (_names(starred)[0], starred.meta.exact_symbol_matches) == ("shapes.square.area (method)", 1)
+    # A private class's member is no name its module publishes (the same tester's jinja2.ext.gettext, answered at
+    # 1.0 by jinja2.ext._TranslationsBasic.gettext); as written it is found.
+    assert (await _ask(client, "shapes.pens.width")).meta.exact_symbol_matches == 0
+    as_written = await _ask(client, "_Pen.width")
+    assert (_names(as_written)[0], as_written.meta.exact_symbol_matches) == ("shapes.pens._Pen.width (method)", 1)
     unused = await _ask(client, "who calls shapes.Circle.area")
     assert unused.meta.relation == RelationAsked(relation="callers", symbol="shapes.Circle.area", symbol_indexed=True)
     # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an

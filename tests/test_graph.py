@@ -467,3 +467,31 @@ def test_a_package_publishes_what_its_init_imports_from_the_tree_under_its_own_n
         "pkg.core.Group": ("pkg.Grp",),
         "pkg.utils.helper": ("pkg.helper",),
     }
+
+
+def test_a_module_publishes_what_it_takes_by_star_and_the_names_it_binds_to_others() -> None:
+    """An agent tester's attrs: attrs.validators.instance_of (attrs/validators.py is `from attr.validators import
+    *`) and attr.s (`s = attributes = attrs`) were "not indexed"."""
+    from ontofabric.services.ingest.graph import python_calls, python_exports
+
+    sources = {
+        "attr/__init__.py": "from ._make import attrs\ns = attributes = attrs\nnot_a_name = attrs()\n",
+        "attr/_make.py": "def attrs(): ...\n",
+        "attr/validators.py": "__all__ = ['instance_of']\ndef instance_of(): ...\ndef optional(): ...\n",
+        "attr/filters.py": "def include(): ...\ndef _private(): ...\n",
+        "attr/_next_gen.py": "def define(): ...\nmutable = define\nloop = loop\n",
+        "attrs/__init__.py": "from attr._next_gen import mutable\n",
+        "attrs/validators.py": "from attr.validators import *\n",
+        "attrs/filters.py": "from attr.filters import *\nfrom attrs.filters import *\n",  # itself: no loop
+        "attrs/use.py": "from attr import s\n\n\ndef make():\n    return s()\n",
+    }
+    assert python_exports(sources) == {
+        "attr._make.attrs": ("attr.attrs", "attr.s", "attr.attributes"),
+        "attr.validators.instance_of": ("attrs.validators.instance_of",),  # __all__ says what `*` takes
+        "attr.filters.include": ("attrs.filters.include",),  # without __all__, the names not private
+        "attr._next_gen.define": ("attr._next_gen.mutable", "attrs.mutable"),  # through the bound name
+    }
+    assert python_calls(sources) == {
+        ("attr/__init__.py", "attr", 0): ("attr._make.attrs",),
+        ("attrs/use.py", "attrs.use.make", 4): ("attr._make.attrs",),  # called by the bound name
+    }

@@ -57,6 +57,21 @@ class _Module:
     """Top-level name -> object type it belongs to (a class's own type; a function's module type)."""
     imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     """Local name -> (module as written, imported symbol or None for the module itself)."""
+    assigned: dict[str, ast.expr] = field(default_factory=dict)
+    """Top-level name -> the name it is bound to by a plain assignment (``s = attrs``): another name for it."""
+    star_imports: list[str] = field(default_factory=list)
+    """The modules it imports every public name of (``from .core import *``), as written (absolute)."""
+    public: tuple[str, ...] | None = None
+    """Its ``__all__``, when written as a list or tuple of strings."""
+
+    @functools.cached_property
+    def published(self) -> dict[str, None]:
+        """The names ``from module import *`` takes, in order: its ``__all__``, else its top-level names without
+        a leading underscore. Read once the tree is read (:func:`read_python`)."""
+        if self.public is not None:
+            return dict.fromkeys(self.public)
+        names = dict.fromkeys([*self.defs, *self.imports, *self.assigned])
+        return {name: None for name in names if not name.startswith("_")}
 
 
 def _split(object_type: str) -> tuple[str, str]:
@@ -129,22 +144,31 @@ class _Resolver:
 
     def symbol_fqn(self, module: _Module, name: str, hops: int = 0) -> str | None:
         """The qualified name of the class or function a top-level name of ``module`` stands for: defined there,
-        or imported from the tree (through modules that import it in turn, as a package's ``__init__`` does)."""
+        imported from the tree (through modules that import it in turn, as a package's ``__init__`` does, by name
+        or by ``*``), or bound to such a name by a plain assignment (``s = attrs``)."""
         if name in module.defs:
             return f"{module.fqn}.{name}"
-        if name not in module.imports or hops >= MAX_REEXPORT_HOPS:
+        if hops >= MAX_REEXPORT_HOPS:
             return None
-        written, symbol = module.imports[name]
-        target = self.module(written)
-        if target is None or symbol is None or target is module:
-            return None
-        return self.symbol_fqn(target, symbol, hops + 1)
+        if name in module.imports:
+            written, symbol = module.imports[name]
+            target = self.module(written)
+            if target is None or symbol is None or target is module:
+                return None
+            return self.symbol_fqn(target, symbol, hops + 1)
+        if name in module.assigned:
+            return self.named_symbol(module, module.assigned[name], hops + 1)
+        for written in module.star_imports:
+            target = self.module(written)
+            if target is not None and target is not module and name in target.published:
+                return self.symbol_fqn(target, name, hops + 1)
+        return None
 
-    def named_symbol(self, module: _Module, node: ast.expr) -> str | None:
+    def named_symbol(self, module: _Module, node: ast.expr, hops: int = 0) -> str | None:
         """``Name``, ``module_alias.Name`` or ``package.module.Name`` (after ``import package.module``) as the
         qualified name of a class or function of the tree."""
         if isinstance(node, ast.Name):
-            return self.symbol_fqn(module, node.id)
+            return self.symbol_fqn(module, node.id, hops)
         dotted = _dotted(node.value) if isinstance(node, ast.Attribute) else None
         if dotted is None:
             return None
@@ -154,7 +178,7 @@ class _Resolver:
         if imported is None:
             return None
         target = self.module(f"{imported}.{rest}" if rest else imported)
-        return self.symbol_fqn(target, node.attr) if target is not None else None
+        return self.symbol_fqn(target, node.attr, hops) if target is not None else None
 
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
@@ -248,6 +272,13 @@ def read_python(sources: Mapping[str, str], package: str | None = None) -> Pytho
                 module.defs[statement.name] = object_type_name(f"{module.fqn}.{statement.name}")
             elif isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
                 module.defs[statement.name] = module.object_type
+            elif isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Name | ast.Attribute):
+                for target in statement.targets:
+                    if isinstance(target, ast.Name) and target.id not in module.defs:
+                        module.assigned[target.id] = statement.value
+            elif isinstance(statement, ast.ImportFrom) and any(a.name == "*" for a in statement.names):
+                module.star_imports.append(resolver.absolute(module, statement.module or "", statement.level))
+        module.public = _all_of(module.tree)
         for found in ast.walk(module.tree):
             if isinstance(found, ast.Import):
                 for alias in found.names:
@@ -259,6 +290,20 @@ def read_python(sources: Mapping[str, str], package: str | None = None) -> Pytho
                     if alias.name != "*":
                         module.imports[alias.asname or alias.name] = (written, alias.name)
     return PythonTree(modules, resolver)
+
+
+def _all_of(tree: ast.Module) -> tuple[str, ...] | None:
+    """A module's ``__all__`` as written at its top level, when it is a list or tuple of strings."""
+    for statement in at_level(tree.body):
+        if (
+            isinstance(statement, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in statement.targets)
+            and isinstance(statement.value, ast.List | ast.Tuple)
+        ):
+            names = [e.value for e in statement.value.elts if isinstance(e, ast.Constant)]
+            if all(isinstance(name, str) for name in names):
+                return tuple(str(name) for name in names)
+    return None
 
 
 def python_graph(
@@ -383,20 +428,30 @@ _DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 def python_exports(sources: Mapping[str, str] | PythonTree, package: str | None = None) -> dict[str, tuple[str, ...]]:
     """For each class or function of the tree a package re-exports (its ``__init__`` imports it from the tree:
     ``from .core import Option``), the names it is published under there (``click.Option`` for
-    ``click.core.Option``), in order; a name imported under another (``as``) is published under that one."""
+    ``click.core.Option``), in order; a name imported under another (``as``) is published under that one. Any
+    module also publishes what it takes by ``from x import *`` (``attrs.validators.instance_of``, defined as
+    ``attr.validators.instance_of``) and the names it binds to another (``s = attrs``: ``attr.s``)."""
     tree = _tree_of(sources, package)
     modules, resolver = tree.modules, tree.resolver
     exported: dict[str, dict[str, None]] = {}
     for module in modules.values():
-        if not module.is_package:
-            continue
+        starred = (
+            name
+            for written in module.star_imports
+            if (source := resolver.module(written)) is not None and source is not module
+            for name in source.published
+        )
         # The package's own imports, not a function's (a review's): what its module level binds.
         bound = (
-            a.asname or a.name for s in at_level(module.tree.body) if isinstance(s, ast.ImportFrom) for a in s.names
+            a.asname or a.name
+            for s in at_level(module.tree.body)
+            if isinstance(s, ast.ImportFrom) and module.is_package
+            for a in s.names
+            if a.name != "*"
         )
-        for local in dict.fromkeys(bound):
-            symbol = module.imports.get(local, ("", None))[1]
-            target = resolver.symbol_fqn(module, local) if symbol is not None else None
+        for local in dict.fromkeys([*bound, *module.assigned, *starred]):
+            imported_module = local in module.imports and module.imports[local][1] is None
+            target = None if imported_module else resolver.symbol_fqn(module, local)
             published = f"{module.fqn}.{local}"
             if target is not None and target != published:
                 exported.setdefault(target, {})[published] = None

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import re
 
-PRIVATE_PART = r"[.]_[^_.][^.]*(?=[.])"
-"""A module or class part of a qualified name that is private by Python's convention (``._client`` of
+_CAPITALS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # spelt out: what a range covers depends on the database's collation
+PRIVATE_PART = rf"[.]_[^_.{_CAPITALS}][^.]*(?=[.])"
+"""A module part of a qualified name that is private by Python's convention (``._client`` of
 ``httpx._client.Client``), neither the first part nor the last; the same pattern in SQL (PostgreSQL's regular
-expressions read it alike)."""
+expressions read it alike). A part capitalised after its underscore is a class's, by the same convention, and is
+kept: no module publishes the members of a private class (an agent tester's ``jinja2.ext.gettext`` was answered
+by ``jinja2.ext._TranslationsBasic.gettext``, "the definition", at 1.0)."""
 _PRIVATE_PART = re.compile(PRIVATE_PART)
 
 
@@ -27,12 +30,15 @@ def match_quality(symbol_fqn: str, name: str) -> int | None:
     """How well a symbol's qualified name matches the asked ``name``, best first: 0 it is the name, 1 it ends with
     it (the name's parts are its last parts), 2 it is the name without its private parts (``published_name``); 3,
     4 and 5 the same ignoring case; None when none of these. Below ``AS_WRITTEN``: matched as written."""
-    for ignoring_case, (fqn, asked) in enumerate(((symbol_fqn, name), (symbol_fqn.lower(), name.lower()))):
+    published = published_name(symbol_fqn)  # of the name as written: a class's part is told by its capital
+    for ignoring_case, (fqn, asked, without_private) in enumerate(
+        ((symbol_fqn, name, published), (symbol_fqn.lower(), name.lower(), published.lower()))
+    ):
         if fqn == asked:
             return AS_WRITTEN * ignoring_case
         if fqn.endswith("." + asked):
             return AS_WRITTEN * ignoring_case + 1
-        if published_name(fqn) == asked:
+        if without_private == asked:
             return AS_WRITTEN * ignoring_case + 2
     return None
 

@@ -717,6 +717,8 @@ class PostgresDocuments:
                 limit,
                 *parameters,
             )
+        if published:  # a name bound to a symbol (`s = attrs`) is answered by its definition, not by the binding
+            assigning = []
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)

@@ -316,6 +316,12 @@ class SearchResult(WireModel):
     source_domain: str
     metadata: dict[str, Any]
     found_by: list[FoundBy]
+    assigned_at_line: int | None = Field(
+        default=None,
+        description="For a result found by symbol as the chunk assigning the name asked (a module's constant, a "
+        "class's attribute: no chunk of their own): the line of its file where the name is assigned, when the "
+        "text shows it (get_document's sliceLines reads around it; a long module's content may be cut before it).",
+    )
     signals: dict[str, float] = Field(
         default_factory=dict,
         description="What the score was estimated from, those measured: cosine (the dense similarity to the query) "

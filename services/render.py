@@ -74,6 +74,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         level = as_text(str(result.metadata.get("chunkLevel", "")))
         where = as_text(source_place(result.metadata) or "")
         cell = f"[bold]{as_text(str(symbol))}[/bold]" + (f" {where}" if where else "")
+        if result.assigned_at_line is not None:
+            cell += f" (assigned at line {result.assigned_at_line})"
         cell += f"\n[dim]{escape(_snippet(result.content or ''))}[/dim]"
         table.add_row(str(result.rank), f"{result.score:.3f}", level, found, cell)
     console.print(table)

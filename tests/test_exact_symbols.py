@@ -172,6 +172,16 @@ def test_code_shaped_names_are_those_only_code_writes() -> None:
         assert not code_shaped(name), name
 
 
+def test_the_line_assigning_a_name_is_its_least_indented_assignment() -> None:
+    from ontofabric.services.query.symbols import assignment_line
+
+    module = 'import re\n\nFILTERS = {\n    "a": 1,\n}\nclass Chain:\n    FILTERS = ()\nSEEN = FILTERS == {}\n'
+    assert assignment_line(module, "FILTERS", 1) == 3  # not the class's, nor a comparison
+    assert assignment_line("class Outline:\n    stroke: int = 1\n", "stroke", 40) == 41  # annotated, in a class
+    assert assignment_line("first = DEFAULT = 3\n", "DEFAULT", 7) == 7  # chained
+    assert assignment_line("x = 1\n", "FILTERS", 1) is None
+
+
 def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> None:
     assert match_quality("tenacity.retry.Retrying", "tenacity.retry.Retrying") == 0
     assert match_quality("tenacity.retry.Retrying", "retry.Retrying") == 1
@@ -357,11 +367,17 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert unused.meta.relation == RelationAsked(relation="callers", symbol="shapes.Circle.area", symbol_indexed=True)
     # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an
     # agent tester's DEFAULT_TIMEOUT_CONFIG), by the name alone or under its module's or class's.
+    # With the line assigning it (an agent tester's FILTERS: a module of 1,873 lines, cut before its line).
     for text in ("UNIT", "square.UNIT", "shapes.square.UNIT"):
         constant = await _ask(client, text)
         assert (_names(constant)[0], constant.meta.exact_symbol_matches) == ("shapes.square (file)", 1), text
+        assert constant.results[0].assigned_at_line == 2, text
+        assert "defines the name asked · assigns it at line 2\n" in render(constant)
     for text in ("stroke", "Outline.stroke", "shapes.Outline.stroke"):
-        assert _names(await _ask(client, text))[0] == "shapes._base.Outline (type)", text
+        attribute = await _ask(client, text)
+        assert _names(attribute)[0] == "shapes._base.Outline (type)", text
+        assert attribute.results[0].assigned_at_line == 3, text
+    assert circle.results[0].assigned_at_line is None  # a class's own chunk: its lines say where it is
     assert (await _ask(client, "circle.UNIT")).meta.exact_symbol_matches == 0  # another module's name
     # A review's: a misspelt module before an assigned name is no known symbol.
     misspelt = await _ask(client, "what calls nosuchmodule.UNIT")

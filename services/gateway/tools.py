@@ -482,14 +482,16 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
     symbol = result.metadata.get("symbolFqn") or result.object_type
     where = source_place(result.metadata)
     named = f"{result.rank}. {symbol}" + (f" ({where})" if where else "")
+    assigned = f" · assigns it at line {result.assigned_at_line}" if result.assigned_at_line is not None else ""
     if briefly:
-        return f"{named} · id {result.id}"
+        return f"{named} · id {result.id}{assigned}"
     return (
         f"\n{named}"
         # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
         + f" · {result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')}"
         + f" · score {result.score:.3f} · id {result.id}"
         + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
+        + assigned
         + "".join(f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING)
     )
 

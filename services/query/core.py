@@ -194,6 +194,9 @@ class Definitions:
     published_as: str | None = None
     """For a definitions lookup: the qualified name of the symbol a package publishes under the name asked
     (``click.core.Option`` for ``click.Option``), when one does."""
+    assigning: frozenset[str] = frozenset()
+    """For a definitions lookup: those found as the chunk assigning the name (a module's constant, a class's
+    attribute), which has no chunk of its own."""
 
 
 class DocumentStore(Protocol):

@@ -90,6 +90,7 @@ from .symbols import (
     ranked_places,
     related_first,
     relation_of,
+    with_assignment_lines,
 )
 
 log = get_logger(__name__)
@@ -301,6 +302,9 @@ class QueryPipeline:
         if scored_from:  # a result scored from its docstring's shows those (a tester's: scores not reproducible)
             signals = signals | {hit: signals.get(doc, {}) for hit, doc in scored_from.items()}
         results = to_results(run.query, candidates, documents, scores, signals)
+        if definitions.assigning and (name := identifier_of(run.text)) is not None:
+            contents = {doc_id: documents[doc_id].content for doc_id in definitions.assigning if doc_id in documents}
+            results = with_assignment_lines(results, definitions.assigning, name, contents)
         if run.query.min_relevance is not None:  # a tester's agent read "0 results" as nothing there
             scored = len(candidates) if scores is None else sum(hit.id in scores for hit in candidates)
             run.report(below_min_relevance=max(0, min(run.query.top_k, scored) - len(results)))

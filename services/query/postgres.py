@@ -666,7 +666,9 @@ class PostgresDocuments:
             return found
         inner = await self._definitions(scope, f"{published}.{member}", limit)
         named = {doc_id: name for doc_id in inner.symbols}
-        return Definitions(named, inner.version, inner.modules, published_as=f"{published}.{member}")
+        return Definitions(
+            named, inner.version, inner.modules, published_as=f"{published}.{member}", assigning=inner.assigning
+        )
 
     async def _definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
         async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the retrievers: as the keyword's
@@ -722,7 +724,8 @@ class PostgresDocuments:
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
-        return Definitions(found, snapshot.version, modules, published_as=own)
+        assigned = frozenset(r["id"] for r in assigning) - {r["id"] for r in rows}
+        return Definitions(found, snapshot.version, modules, published_as=own, assigning=assigned)
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         # The chunks whose calls name one of the symbols, through documents_calls (infra/migrations/0017), whose

@@ -19,7 +19,7 @@ from ontofabric.contracts import SearchResult
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
-from .names import AS_WRITTEN, match_quality
+from .names import AS_WRITTEN, last_part, match_quality
 from .stages import above_the_rest
 
 SYMBOL = "symbol"
@@ -209,6 +209,31 @@ def relation_of(text: str) -> tuple[str, str] | None:
         if name is not None and name.lower() not in _NOT_NAMES:
             return relation, name
     return None
+
+
+def assignment_line(content: str, name: str, start_line: int) -> int | None:
+    """The line of the file (``start_line``: the content's first) where ``content`` assigns ``name`` at its least
+    indented (``NAME = ...``, ``NAME: T = ...``, ``A = NAME = ...``): a module's constant, a class's attribute,
+    which have no chunk of their own; None when no line does so as written."""
+    assigning = re.compile(rf"^([ \t]*)(?:[^\W\d]\w*[ \t]*=[ \t]*)*{re.escape(name)}[ \t]*(?::[^=\n]*)?=(?!=)", re.M)
+    found = min(assigning.finditer(content), key=lambda m: (len(m.group(1)), m.start()), default=None)
+    return None if found is None else start_line + content.count("\n", 0, found.start())
+
+
+def with_assignment_lines(
+    results: Sequence[SearchResult], assigning: Collection[str], name: str, contents: Mapping[str, str]
+) -> list[SearchResult]:
+    """Each result found by symbol as the chunk assigning ``name`` (``assigning``: their ids) with the line where
+    it does (:func:`assignment_line`): an agent tester's ``FILTERS`` was answered by a module of 1,873 lines, cut
+    before the line that assigns it, with nothing saying where it is."""
+    placed = []
+    for result in results:
+        start = result.metadata.get("startLine")
+        if result.id in assigning and isinstance(start, int) and any(f.retriever == SYMBOL for f in result.found_by):
+            line = assignment_line(contents[result.id], last_part(name), start)
+            result = result.model_copy(update={"assigned_at_line": line}) if line is not None else result
+        placed.append(result)
+    return placed
 
 
 def definitions_first(

@@ -470,6 +470,14 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
             log.warning("stream_differs", stream=stream, differs=changes, note="a projector's start updates it")
 
 
+async def last_sequence_on(js: JetStreamContext, stream: str, subject: str) -> int:
+    """The stream sequence of the last message on ``subject``; 0 when there is none."""
+    try:
+        return int((await js.get_last_msg(stream, subject)).seq or 0)
+    except NotFoundError:
+        return 0
+
+
 async def ack_floor(js: JetStreamContext, stream: str, durable: str) -> int:
     """A durable consumer's position: the stream sequence up to which it has acked (or terminated) every message;
     0 when the consumer does not exist."""

@@ -941,6 +941,29 @@ async def test_gauges_say_how_far_each_workspace_and_the_consumer_are_behind(
     await _until(lambda: _gauge("projector.unacked", consumer=durable) == 0)
 
 
+async def test_a_backlog_made_while_no_projector_ran_is_each_workspace_lag_from_its_start(
+    deployment: Deployment,
+) -> None:
+    """An ops tester's: a projector learnt a workspace's newest delta only from the headers republished while it
+    ran, so a backlog made while it was down showed no lag (or the few deltas it had sent back) for the workspace
+    alert, while its batch could not be written."""
+    backlog = [await deployment.publisher.publish(upsert("backlog", document(f"b{i}", "text"))) for i in range(5)]
+    floor = await ack_floor(deployment.js, deployment.names.delta_stream, deployment.names.postgres_projector_durable)
+    await migrate(deployment.database_url, deployment.settings)  # as the projector's start would, before the lock
+    held = await asyncpg.connect(deployment.database_url)
+    service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    try:
+        async with held.transaction():
+            await held.execute("LOCK TABLE documents IN SHARE MODE")  # reads go on; no batch is written
+            await service.start()
+            await _until(lambda: _gauge("projector.workspace.lag", workspace="backlog") == backlog[-1].seq - floor)
+        await deployment.wait_projected(backlog[-1].seq, timeout_s=60)
+        await _until(lambda: _gauge("projector.workspace.lag", workspace="backlog") == 0)
+    finally:
+        await service.stop()
+        await held.close()
+
+
 async def test_a_part_set_up_for_another_text_search_configuration_is_refused(deployment: Deployment) -> None:
     """A red team started a second query worker with ONTOFABRIC_TEXT_SEARCH_CONFIG=simple beside an index made
     with english: the same keyword query found the document in 12 of 20 answers, by which worker took it."""

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.contracts.deltas import split_link_key
-from ontofabric.shared.jetstream import read_in_order, subscriptions_visible
+from ontofabric.shared.jetstream import last_sequence_on, read_in_order, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
@@ -360,7 +360,7 @@ async def redrive(
                 latest[row] = letter
     if database_url_of is not None and floors is not None:
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
-            last_on[subject] = await _last_sequence(js, names.delta_stream, subject)
+            last_on[subject] = await last_sequence_on(js, names.delta_stream, subject)
     for letter in letters:
         if letter.body_omitted:
             outcome.bodiless.append(letter)
@@ -442,14 +442,6 @@ async def applied_through(
             continue
         floors[durable] = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
     return {workspace: floors[durables[placement.partition_of(workspace)]] for workspace in workspaces}
-
-
-async def _last_sequence(js: JetStreamContext, stream: str, subject: str) -> int:
-    """The stream sequence of the last message on ``subject``; 0 when there is none."""
-    try:
-        return int((await js.get_last_msg(stream, subject)).seq or 0)
-    except NotFoundError:
-        return 0
 
 
 async def purge(nc: Client, names: Names, selection: Selection, letters: Sequence[DeadLetter] | None = None) -> int:

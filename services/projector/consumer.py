@@ -32,6 +32,7 @@ from ontofabric.shared.jetstream import (
     StreamReader,
     backoff_s,
     connection_of,
+    last_sequence_on,
     nak_delay,
     refused_promptly,
 )
@@ -575,6 +576,7 @@ class RunningProjection:
 
 async def _watch_consumer(js: JetStreamContext, names: Names, projection: DurableProjection) -> None:
     state = projection.state
+    newest_known = False
     while True:
         try:
             info = await js.consumer_info(names.delta_stream, projection.durable)
@@ -582,6 +584,7 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             log.debug("consumer_watch_failed", consumer=projection.durable, error=describe(error))
             if state.unread_since is None:
                 state.unread_since = time.monotonic()
+            newest_known = False  # what was published meanwhile was not heard of
         else:
             state.unread_since = None
             state.undelivered = info.num_pending or 0
@@ -589,7 +592,26 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             if info.ack_floor is not None:
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
                 projection.sent_back.floor(info.ack_floor.stream_seq or 0)
+            newest_known = newest_known or await _newest_per_workspace(js, names, projection)
         await asyncio.sleep(WATCH_EVERY_S)
+
+
+async def _newest_per_workspace(js: JetStreamContext, names: Names, projection: DurableProjection) -> bool:
+    """The newest delta the stream holds of each workspace this projection applies, as its lag counts from: the
+    republished headers it hears tell only of those stored since it started (an ops tester's: a backlog made while
+    the projector was down showed no lag, or a few deltas, for the workspace alert). One read a subject; whether
+    it was read."""
+    try:
+        held = await js.stream_info(names.delta_stream, subjects_filter=names.delta_subjects)
+        for subject in list(held.state.subjects or {})[:MAX_WORKSPACES_WATCHED]:
+            workspace = workspace_of(subject)
+            if workspace is not None and projection.holds(subject):
+                newest = await last_sequence_on(js, names.delta_stream, subject)
+                projection.state.workspaces.published(workspace, newest)
+    except Exception as error:  # read again at the next watch
+        log.debug("newest_per_workspace_unread", consumer=projection.durable, error=describe(error))
+        return False
+    return True
 
 
 @dataclass

@@ -543,7 +543,10 @@ def ingest(
                 )
             elif set_aside is not None and report.last_sequence is not None:
                 await nc.flush()  # a dead letter is published before its delta counts as projected
-                _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
+                letters = set_aside.of(report.published)
+                refused = [report.keys_by_sequence[a.original_seq] for a in letters if a.original_seq is not None]
+                await ingester.forget(workspace, branch, refused)  # sent again next time, not "unchanged"
+                _fail_on_dead_letters(letters, len(report.published), workspace)
             elif set_aside is not None and report.pending_through is not None:
                 # Waited for an earlier ingest's deltas: those set aside meanwhile are not in the index either (a
                 # review's: a retry exited 0 over them). Any set aside before this ingest began, it cannot see.

@@ -753,6 +753,8 @@ class IngestReport:
     """And of the first delta that ingest published."""
     published: frozenset[int]
     """Stream sequences of every delta published."""
+    keys_by_sequence: Mapping[int, str]
+    """The manifest key of the delta published at each stream sequence (:meth:`Ingester.forget` takes them)."""
     too_large: list[str]
     """The symbol keys of documents not published: as JSON their delta is larger than the stream takes (text
     escaped six times over: control characters). Their manifest entries are unknown, so the next ingest tries them
@@ -835,6 +837,21 @@ class Ingester:
                 loaded = await self._manifests.load(workspace, branch)
                 manifest = manifest.merged_with(_manifest_of(loaded))
                 log.warning("ingest_raced", workspace=workspace, branch=branch, unknown=manifest.unknown)
+        raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
+
+    async def forget(self, workspace: str, branch: str, keys: Collection[str]) -> None:
+        """Record ``keys`` unknown in the branch's manifest, so that the next ingest sends them again: their deltas
+        were dead-lettered, and every ingest after called them unchanged (an ops tester's). Sent again, they are
+        indexed if what refused them changed, or set aside again and said so."""
+        for _ in range(SAVE_ATTEMPTS):
+            loaded = await self._manifests.load(workspace, branch)
+            manifest = _manifest_of(loaded)
+            entries = {**manifest.entries, **{key: UNKNOWN for key in keys if key in manifest.entries}}
+            try:
+                await self._manifests.save(workspace, branch, replace(manifest, entries=entries).to_json(), loaded)
+            except ManifestChanged:  # another ingest saved meanwhile: read again
+                continue
+            return
         raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
     async def ingest(
@@ -1000,6 +1017,7 @@ class Ingester:
             main_pending_through=main.published_through if main is not None else None,
             main_pending_from=main.published_from if main is not None else None,
             published=frozenset(a.seq for a in acks),
+            keys_by_sequence=dict(zip((a.seq for a in acks), (k for k in keyed if k not in too_large), strict=True)),
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,
             publish_s=publish_s,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -978,6 +979,7 @@ def dlq_redrive(
 
     async def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Redrive:
         letters = await dead_letters(nc, names, selection)
+        _all_named_found(selection, letters, "re-driven")
         _list_letters(letters)
         if not letters:
             return Redrive()
@@ -1051,6 +1053,7 @@ def dlq_purge(
     async def job(nc: Client, names: Names, *_: object) -> int:
         # Listed first, as redrive lists: the question said "these?" and showed none (an operator tester's).
         letters = await dead_letters(nc, names, selection)
+        _all_named_found(selection, letters, "deleted")
         _list_letters(letters)
         if not letters:
             return 0
@@ -1063,6 +1066,19 @@ def dlq_purge(
 
 LETTERS_LISTED = 50
 """How many dead letters ``redrive`` and ``purge`` list before asking; ``dlq list`` shows the rest."""
+
+
+def _all_named_found(selection: Selection, letters: Sequence[DeadLetter], doing: str) -> None:
+    """Fail, doing nothing, when a sequence named on the command line is none of ``letters``: a typo re-drove or
+    deleted "0" and exited 0, where `dlq show` of the same number exits 2 (an ops tester's)."""
+    missing = sorted(selection.sequences - {letter.seq for letter in letters})
+    if missing:
+        filtered = dataclasses.replace(selection, sequences=frozenset()) != Selection()
+        _fail(
+            f"no dead letter at sequence {', '.join(map(str, missing))}"
+            + (" matching the filters given" if filtered else "")
+            + f": nothing {doing}"
+        )
 
 
 def _list_letters(letters: Sequence[DeadLetter]) -> None:
@@ -1097,6 +1113,12 @@ def status(
         print(report.to_json())
     else:
         render_status(console, report)
+    if workspace is not None and not report.branches and not report.dead_letters.get(workspace):
+        # Empty tables said nothing of a misspelt name (an ops tester's), where `query` says to check it.
+        errors.print(
+            f"nothing was ever published to workspace {workspace!r} (check the name; `ontofabric status` lists them)",
+            markup=False,
+        )
     if report.problems:  # for a health check: the status could be read, and says something is wrong
         raise typer.Exit(1)
 

@@ -225,6 +225,13 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     nothing = dlq("purge", "--reason", "no_such_reason")
     assert (nothing.returncode, nothing.stdout) == (0, "")  # nothing to ask about
     assert "no dead letter matches" in nothing.stderr
+    # A sequence named that is no dead letter is an error, as for `dlq show` (an ops tester's: "re-drove 0", exit 0);
+    # nothing is done to the others named with it.
+    for command, done in (("redrive", "re-driven"), ("purge", "deleted")):
+        typo = dlq(command, str(entry["seq"]), "999999", "--yes")
+        assert typo.returncode == 2, typo.stderr
+        assert f"no dead letter at sequence 999999: nothing {done}" in " ".join(typo.stderr.split())
+    assert dlq("show", str(entry["seq"])).returncode == 0  # still there
     assert dlq("list", "--json").stdout.strip()
     redriven = dlq("redrive", str(entry["seq"]), "--yes")
     assert redriven.returncode == 0, redriven.stderr

@@ -145,6 +145,11 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert f"documents of another keyword analysis than {ANALYSIS_VERSION}: acme 1 (`ontofabric rebuild" in table.stdout
     globex_only = await deployment_status(deployment.nc, deployment.names, placement, workspace="globex")
     assert globex_only.analysis.documents_of_another_analysis == {}
+    # A workspace nothing was published to is said to be so (an ops tester's misspelt name got empty tables).
+    misspelt = await asyncio.to_thread(status_command, "--workspace", "globexx")
+    assert "nothing was ever published to workspace 'globexx'" in " ".join(misspelt.stderr.split())
+    named = await asyncio.to_thread(status_command, "--workspace", "globex")
+    assert "nothing was ever published" not in named.stderr
     # A status that lists problems exits 1, for a health check (note 70: it exited 0).
     unread_env = deployment.env() | {"ONTOFABRIC_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{free_port()}/none"}
     command = [ONTOFABRIC, "status"]

@@ -656,6 +656,19 @@ def query(
     content: Annotated[
         bool, typer.Option(help="With each result's text; --no-content for ids, scores and metadata alone.")
     ] = True,
+    symbol_kind: Annotated[str | None, typer.Option(help="Only symbols of this kind (class, function, ...).")] = None,
+    min_relevance: Annotated[
+        float | None, typer.Option(help="Only results scoring at least this (0 to 1; see the contract's score).")
+    ] = None,
+    follow_links: Annotated[bool, typer.Option(help="Attach the types one link away from the top hits.")] = False,
+    related_to: Annotated[
+        str | None,
+        typer.Option(
+            metavar="RELATION:SYMBOL",
+            help="Ask a relation of a symbol by structure (callers, callees, subclasses, bases, importers or "
+            "imports), e.g. callers:to_seconds; TEXT then ranks the rest.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON reply.")] = False,
     data_dir: DataDir = None,
 ) -> None:
@@ -666,9 +679,17 @@ def query(
     nats_url = _nats_url(settings, "client")
     request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
     asked = (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance))
-    for key, value in (*asked, ("maxTokens", max_tokens), ("includeContent", None if content else False)):
+    # The request's other options as the contract names them (an agent tester could not try them from the CLI);
+    # the worker checks them and names what it refuses.
+    more = (("symbolKind", symbol_kind), ("minRelevance", min_relevance), ("followLinks", follow_links or None))
+    for key, value in (*asked, *more, ("maxTokens", max_tokens), ("includeContent", None if content else False)):
         if value is not None:
             request[key] = value
+    if related_to is not None:
+        relation, _, symbol = related_to.partition(":")
+        if not symbol:
+            raise typer.BadParameter("RELATION:SYMBOL, e.g. callers:to_seconds", param_hint="--related-to")
+        request["relatedTo"] = {"relation": relation, "symbol": symbol}
 
     async def run() -> bytes:
         nc = await connect(nats_url, "ontofabric-cli", settings)

@@ -189,6 +189,21 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
             time.sleep(0.3)
         assert answered.returncode == 0, answered.stderr
         assert json.loads(answered.stdout)["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
+        # The request's other options, from the command line (an agent tester could not try them there).
+        optioned = subprocess.run(
+            [ONTOFABRIC, "query", "area", "--workspace", "geo", "--json", "--related-to", "callers:circle_area",
+             "--min-relevance", "0.5", "--symbol-kind", "function", "--follow-links"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert optioned.returncode == 0, optioned.stderr
+        meta = json.loads(optioned.stdout)["_meta"]
+        assert meta["relation"] == {"relation": "callers", "symbol": "circle_area", "symbolIndexed": True}
+        refused = subprocess.run(
+            [ONTOFABRIC, "query", "area", "--workspace", "geo", "--related-to", "friends:circle_area"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 1
+        assert "relatedTo.relation" in refused.stdout
         assert [worker.poll() for worker in workers] == [None, None]
         # One projector answers: `up` ran none of its own (else a second one stood by beside the process's).
         status = subprocess.run(

@@ -107,6 +107,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert main.oldest_pending_ms is not None
     assert status.dead_letters == {}  # globex's, not asked for
     assert status.projectors == []
+    # A problem for a health check (an ops tester's exited 0 over it).
+    assert status.problems == ["no projector answers, and 1 delta pending: applied once one runs"]
     # A workspace whose every delta is pending has no version yet, and is listed all the same.
     first = await deployment.publisher.publish(upsert("initech", document("d", "delta"), branch="dev.1"))
     status = await deployment_status(deployment.nc, deployment.names, placement)
@@ -121,7 +123,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     # A document projected by an earlier release (before its keyword analysis changed) is counted, with the advice.
     await deployment.fetch("UPDATE documents SET analysis_version = 0 WHERE workspace = 'acme' AND id = 'a'")
     shown = await asyncio.to_thread(status_command, "--json")
-    assert shown.returncode == 0, shown.stderr
+    assert shown.returncode == 1, shown.stderr  # deltas pending, no projector
     report = json.loads(shown.stdout)
     assert report["analysis"] == {
         "version": ANALYSIS_VERSION, "documents_of_another_analysis": {"acme": 1}, "unread": []
@@ -132,7 +134,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     }  # fmt: skip
     assert len(report["query_workers"]) == 1
     table = await asyncio.to_thread(status_command)
-    assert table.returncode == 0, table.stderr
+    assert table.returncode == 1, table.stderr
+    assert "no projector answers, and 2 deltas pending" in table.stdout + table.stderr
     assert "dead letters: globex 1" in table.stdout
     # Each query worker with its release (and its embedding models, none here): before, only where it ran.
     (workers_line,) = [line for line in table.stdout.splitlines() if line.startswith("query workers: ")]

@@ -229,6 +229,11 @@ async def deployment_status(
             + "): a projector of an earlier release writes rows by its own rules and may take no part in claims; "
             "stop the workers of the earlier release"
         )
+    waiting = sum(branch.pending_deltas for branch in status.branches)
+    if waiting and not status.projectors:  # an ops tester's health check exited 0 over a stopped projector
+        status.problems.append(
+            f"no projector answers, and {waiting} delta{'' if waiting == 1 else 's'} pending: applied once one runs"
+        )
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status

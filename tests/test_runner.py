@@ -291,6 +291,30 @@ async def test_a_workspace_whose_deltas_fail_since_before_a_start_shows_its_lag(
     assert projection.state.workspaces.lags() == {"acme": 40}
 
 
+def test_a_streams_size_is_left_out_once_its_reading_is_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ops tester's: with NATS killed the lag gauges went after about 20 s, and the stream's size stayed at its
+    last value, which the stream-filling alert then read as current."""
+    clock = [5000.0]
+    monkeypatch.setattr(consumer.time, "monotonic", lambda: clock[0])
+    monkeypatch.setitem(consumer._STREAMS, "OLD_TEST_STREAM", (900, 1000, clock[0]))
+
+    def seen() -> dict[str, tuple[float, ...]]:
+        sizes = [o for o in consumer._observe_stream_bytes(None) if o.attributes]  # type: ignore[arg-type]
+        limits = [o for o in consumer._observe_stream_limits(None) if o.attributes]  # type: ignore[arg-type]
+        found: dict[str, tuple[float, ...]] = {}
+        for observation in [*sizes, *limits]:
+            assert observation.attributes is not None
+            stream = str(observation.attributes["stream"])
+            found[stream] = (*found.get(stream, ()), observation.value)
+        return {stream: values for stream, values in found.items() if stream == "OLD_TEST_STREAM"}
+
+    assert seen() == {"OLD_TEST_STREAM": (900, 1000)}
+    clock[0] += consumer.UNKNOWN_AFTER_S - 1
+    assert seen() == {"OLD_TEST_STREAM": (900, 1000)}
+    clock[0] += 1
+    assert seen() == {}
+
+
 async def test_a_consumers_gauges_are_left_out_while_jetstream_cannot_tell_its_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -180,8 +180,15 @@ class ConsumerState:
 
 
 _WATCHED: dict[tuple[str, str], ConsumerState] = {}
-_STREAMS: dict[str, tuple[int, int]] = {}
-"""What each stream the projectors read holds, in bytes, and the most it may (-1: no limit), as last asked."""
+_STREAMS: dict[str, tuple[int, int, float]] = {}
+"""What each stream the projectors read holds, in bytes, the most it may (-1: no limit), and when (monotonic) that
+was last read: a reading older than ``UNKNOWN_AFTER_S`` is not reported, as a consumer's lag is not while NATS is
+away (an ops tester's stream size stayed at its last value)."""
+
+
+def _streams_known() -> dict[str, tuple[int, int]]:
+    now = time.monotonic()
+    return {stream: (held, most) for stream, (held, most, at) in _STREAMS.items() if now - at < UNKNOWN_AFTER_S}
 
 
 def _per_consumer(value: Callable[[ConsumerState], int]) -> Callable[[CallbackOptions], list[Observation]]:
@@ -219,11 +226,11 @@ meter().create_observable_gauge(
 
 
 def _observe_stream_bytes(_: CallbackOptions) -> list[Observation]:
-    return [Observation(held, {"stream": stream}) for stream, (held, _most) in _STREAMS.items()]
+    return [Observation(held, {"stream": stream}) for stream, (held, _most) in _streams_known().items()]
 
 
 def _observe_stream_limits(_: CallbackOptions) -> list[Observation]:
-    return [Observation(most, {"stream": stream}) for stream, (_held, most) in _STREAMS.items() if most > 0]
+    return [Observation(most, {"stream": stream}) for stream, (_held, most) in _streams_known().items() if most > 0]
 
 
 meter().create_observable_gauge(
@@ -632,7 +639,7 @@ class _StreamWatch:
                 except Exception as error:
                     log.debug("stream_watch_failed", stream=stream, error=describe(error))
                 else:
-                    _STREAMS[stream] = (held.state.bytes or 0, held.config.max_bytes or -1)
+                    _STREAMS[stream] = (held.state.bytes or 0, held.config.max_bytes or -1, time.monotonic())
             await asyncio.sleep(WATCH_EVERY_S)
 
 

@@ -1134,7 +1134,7 @@ def status(
         print(report.to_json())
     else:
         render_status(console, report)
-    if workspace is not None and not report.branches and not report.dead_letters.get(workspace):
+    if workspace is not None and not report.problems and not report.branches and not report.dead_letters.get(workspace):
         # Empty tables said nothing of a misspelt name (an ops tester's), where `query` says to check it.
         errors.print(
             f"nothing was ever published to workspace {workspace!r} (check the name; `ontofabric status` lists them)",

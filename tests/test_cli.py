@@ -198,6 +198,10 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
         assert optioned.returncode == 0, optioned.stderr
         meta = json.loads(optioned.stdout)["_meta"]
         assert meta["relation"] == {"relation": "callers", "symbol": "circle_area", "symbolIndexed": True}
+        assert "belowMinRelevance" in meta  # said only when minRelevance was sent
+        assert "expansion" in meta["timingsMs"]  # run only with followLinks
+        kinds = {r["metadata"].get("symbolKind") for r in json.loads(optioned.stdout)["results"]}
+        assert kinds <= {"function"}, kinds
         refused = subprocess.run(
             [ONTOFABRIC, "query", "area", "--workspace", "geo", "--related-to", "friends:circle_area"],
             env=env, capture_output=True, text=True, timeout=60, check=False,

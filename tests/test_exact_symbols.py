@@ -180,6 +180,14 @@ def test_the_line_assigning_a_name_is_its_least_indented_assignment() -> None:
     assert assignment_line("class Outline:\n    stroke: int = 1\n", "stroke", 40) == 41  # annotated, in a class
     assert assignment_line("first = DEFAULT = 3\n", "DEFAULT", 7) == 7  # chained
     assert assignment_line("x = 1\n", "FILTERS", 1) is None
+    # A review's: an example in a docstring, a keyword argument, unpacking, an annotation alone, a nested class.
+    documented = '"""Example:\n\nFILTERS = 3\n"""\nimport x\nif x:\n    FILTERS = {}\n'
+    assert assignment_line(documented, "FILTERS", 1) == 7
+    assert assignment_line("setup(\n    FILTERS=1,\n)\nif True:\n    FILTERS = 2\n", "FILTERS", 1) == 5
+    assert assignment_line("A, FILTERS = 1, 2\n", "FILTERS", 1) == 1
+    assert assignment_line("class O:\n    stroke: int\n", "stroke", 5) == 6
+    assert assignment_line("    class Inner:\n        x = 1\n", "x", 10) == 11
+    assert assignment_line("FILTERS = (\n" + "1,\n" * 60_000, "FILTERS", 1) == 1  # cut, too long to parse
 
 
 def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> None:

@@ -489,9 +489,34 @@ def test_a_module_publishes_what_it_takes_by_star_and_the_names_it_binds_to_othe
         "attr._make.attrs": ("attr.attrs", "attr.s", "attr.attributes"),
         "attr.validators.instance_of": ("attrs.validators.instance_of",),  # __all__ says what `*` takes
         "attr.filters.include": ("attrs.filters.include",),  # without __all__, the names not private
-        "attr._next_gen.define": ("attr._next_gen.mutable", "attrs.mutable"),  # through the bound name
+        "attr._next_gen.define": ("attrs.mutable", "attr._next_gen.mutable"),  # a package's name first
     }
     assert python_calls(sources) == {
         ("attr/__init__.py", "attr", 0): ("attr._make.attrs",),
         ("attrs/use.py", "attrs.use.make", 4): ("attr._make.attrs",),  # called by the bound name
     }
+
+
+def test_what_a_star_takes_is_what_python_takes_and_a_packages_own_name_goes_first() -> None:
+    """A review's: a function's own import was published by `*`, another project's `numpy.core` was taken for the
+    tree's `core`, examples taking a package by `*` pushed its own name out of those carried, and a chain of
+    stars was not followed."""
+    from ontofabric.services.ingest.graph import python_exports
+
+    sources = {
+        "mylib/__init__.py": "from .core import Engine\n",
+        "mylib/core.py": "class Engine: ...\n\n\ndef helper():\n    from .inner import Hidden\n",
+        "mylib/inner.py": "class Hidden: ...\n",
+        "mylib/a.py": "from .core import *\n",  # no __all__ anywhere: the public names
+        "mylib/b.py": "from .a import *\n",  # and through a
+        "app/core.py": "class Engine: ...\n",
+        "app/main.py": "from numpy.core import *\n",  # not the tree's core
+        **{f"mylib/examples/ex{n:03}.py": "from mylib import *\n" for n in range(100)},
+    }
+    exports = python_exports(sources)
+    assert "mylib.inner.Hidden" not in exports  # imported inside a function: no name of core
+    engine = exports["mylib.core.Engine"]
+    assert engine[0] == "mylib.Engine"  # the package's, before 100 examples' (and only so many are carried)
+    assert {"mylib.a.Engine", "mylib.b.Engine"} <= set(engine)
+    assert "mylib.a.helper" in exports["mylib.core.helper"]
+    assert "app.core.Engine" not in exports

@@ -326,7 +326,12 @@ async def test_a_consumers_gauges_are_left_out_while_jetstream_cannot_tell_its_s
         async def consumer_info(self, stream: str, durable: str) -> Any:
             if not answers.pop(0):
                 raise TimeoutError("no answer")
-            info = {"num_pending": 7, "num_ack_pending": 2, "ack_floor": {"stream_seq": 3}}
+            info = {
+                "num_pending": 7,
+                "num_ack_pending": 2,
+                "ack_floor": {"stream_seq": 3},
+                "delivered": {"stream_seq": 5},
+            }
             return json.loads(json.dumps(info), object_hook=lambda d: type("Info", (), d))
 
     seen: list[tuple[list[int], dict[str, int]]] = []

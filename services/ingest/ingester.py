@@ -784,10 +784,12 @@ class IngestReport:
     def awaited_sequence(self) -> int | None:
         """The stream sequence the index must reach before the branch's content, as this ingest left it, is there:
         this ingest's last delta, or when it sent nothing an earlier ingest's (a retry of one whose wait timed out
-        said it was done at once, the index still lacking its file: a tester's); on a branch, main's last ingest's
-        too, whose documents the branch reads where it has none of its own."""
-        own = self.last_sequence if self.last_sequence is not None else self.pending_through
-        return max((s for s in (own, self.main_pending_through) if s is not None), default=None)
+        said it was done at once, the index still lacking its file: a tester's); on a branch that sent nothing,
+        main's last ingest's too, whose documents the branch reads where it has none of its own (not when it sent
+        some: main's recorded sequence may be of a stream made again since, and never come: a review's)."""
+        if self.last_sequence is not None:  # after main's earlier deltas in the stream, whatever main recorded
+            return self.last_sequence
+        return max((s for s in (self.pending_through, self.main_pending_through) if s is not None), default=None)
 
 
 class Ingester:
@@ -843,6 +845,8 @@ class Ingester:
         """Record ``keys`` unknown in the branch's manifest, so that the next ingest sends them again: their deltas
         were dead-lettered, and every ingest after called them unchanged (an ops tester's). Sent again, they are
         indexed if what refused them changed, or set aside again and said so."""
+        if not keys:
+            return
         for _ in range(SAVE_ATTEMPTS):
             loaded = await self._manifests.load(workspace, branch)
             manifest = _manifest_of(loaded)

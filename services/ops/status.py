@@ -26,6 +26,7 @@ from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_after
 from ontofabric.shared.discovery import SCHEMA, Worker, discover
+from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
@@ -176,10 +177,7 @@ async def deployment_status(
             if workspace is not None and branch_workspace != workspace:
                 continue
             subject = names.delta_subject(branch_workspace, branch)
-            try:
-                latest: int | None = (await js.get_last_msg(names.delta_stream, subject)).seq
-            except NotFoundError:
-                latest = None
+            latest = await last_sequence_on(js, names.delta_stream, subject) or None
             position = floors.get(durables[placement.partition_of(branch_workspace)], 0)
             pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
             status.branches.append(

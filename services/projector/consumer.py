@@ -372,6 +372,9 @@ class DurableProjection:
             log.info("batch_sent_back", index=self._index, size=len(messages), reason=why)
             return
         started = time.perf_counter()
+        for msg in messages:  # in hand, not settled: behind until it is (a batch the database holds up included)
+            if (workspace := workspace_of(msg.subject)) is not None:
+                self.state.workspaces.published(workspace, msg.metadata.sequence.stream)
         if messages:
             self.state.undelivered = messages[-1].metadata.num_pending
         redelivered = sum(1 for msg in messages if msg.metadata.num_delivered > 1)
@@ -599,22 +602,28 @@ async def _watch_consumer(js: JetStreamContext, names: Names, projection: Durabl
             if info.ack_floor is not None:
                 state.workspaces.floor(info.ack_floor.stream_seq or 0)
                 projection.sent_back.floor(info.ack_floor.stream_seq or 0)
-            newest_known = newest_known or await _newest_per_workspace(js, names, projection)
+            delivered = info.delivered.stream_seq if info.delivered is not None else None
+            newest_known = newest_known or await _newest_per_workspace(js, names, projection, delivered or 0)
         await asyncio.sleep(WATCH_EVERY_S)
 
 
-async def _newest_per_workspace(js: JetStreamContext, names: Names, projection: DurableProjection) -> bool:
-    """The newest delta the stream holds of each workspace this projection applies, as its lag counts from: the
-    republished headers it hears tell only of those stored since it started (an ops tester's: a backlog made while
-    the projector was down showed no lag, or a few deltas, for the workspace alert). One read a subject; whether
-    it was read."""
+async def _newest_per_workspace(
+    js: JetStreamContext, names: Names, projection: DurableProjection, delivered: int
+) -> bool:
+    """The newest delta the stream holds of each workspace this projection applies, where the consumer has not
+    delivered it yet (``delivered``: the last it did), as its lag counts from: the republished headers it hears
+    tell only of those stored since it started (an ops tester's: a backlog made while the projector was down
+    showed no lag, or a few deltas, for the workspace alert). One delivered before may have been settled, which a
+    process started since cannot tell (above an ack floor held back by another delta, it would count as behind: a
+    review's); those delivered again are counted as they come (``handle``). One read a subject; whether read."""
     try:
         held = await js.stream_info(names.delta_stream, subjects_filter=names.delta_subjects)
         for subject in list(held.state.subjects or {})[:MAX_WORKSPACES_WATCHED]:
             workspace = workspace_of(subject)
             if workspace is not None and projection.holds(subject):
                 newest = await last_sequence_on(js, names.delta_stream, subject)
-                projection.state.workspaces.published(workspace, newest)
+                if newest > delivered:
+                    projection.state.workspaces.published(workspace, newest)
     except Exception as error:  # read again at the next watch
         log.debug("newest_per_workspace_unread", consumer=projection.durable, error=describe(error))
         return False

@@ -22,6 +22,7 @@ from ontofabric.contracts import (
     overlay_version,
 )
 from ontofabric.contracts.documents import MAX_LINE
+from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.subjects import Names, encode_token
 
 from .budget import cut_to, json_size
@@ -150,10 +151,7 @@ class Lookups:
         )
 
     async def _last_seq(self, subject: str) -> int | None:
-        try:
-            return (await self._js.get_last_msg(self._names.delta_stream, subject)).seq
-        except NotFoundError:
-            return None
+        return await last_sequence_on(self._js, self._names.delta_stream, subject) or None
 
     async def _dead_letters(self, workspace: str) -> int:
         subject = self._names.dlq_subject(encode_token(workspace))

@@ -720,7 +720,7 @@ class PostgresDocuments:
                 *parameters,
             )
         if published:  # a name bound to a symbol (`s = attrs`) is answered by its definition, not by the binding
-            assigning = []
+            assigning = [r for r in assigning if r["symbol_fqn"] != name]
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)

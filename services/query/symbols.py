@@ -9,13 +9,16 @@ The lookup itself is the document store's (``DocumentStore.definitions``).
 
 from __future__ import annotations
 
+import ast
 import bisect
 import re
+import textwrap
 import unicodedata
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ontofabric.contracts import SearchResult
+from ontofabric.services.ingest.chunking import at_level
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -211,13 +214,46 @@ def relation_of(text: str) -> tuple[str, str] | None:
     return None
 
 
+PARSED_FOR_LINES_CHARS = 100_000
+"""Content up to this long is parsed to find where it assigns a name (a few milliseconds); longer, or not
+parsable (cut), it is searched line by line."""
+
+
 def assignment_line(content: str, name: str, start_line: int) -> int | None:
-    """The line of the file (``start_line``: the content's first) where ``content`` assigns ``name`` at its least
-    indented (``NAME = ...``, ``NAME: T = ...``, ``A = NAME = ...``): a module's constant, a class's attribute,
-    which have no chunk of their own; None when no line does so as written."""
+    """The line of the file (``start_line``: the content's first) where ``content`` assigns ``name``, at the
+    shallowest level that does (a module's, then its classes'; ``if`` and ``try`` blocks count as their level):
+    a module's constant, a class's attribute, which have no chunk of their own. None when it does not."""
+    if len(content) <= PARSED_FOR_LINES_CHARS:
+        try:
+            tree = ast.parse(textwrap.dedent(content))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            pass
+        else:
+            line = _assigned_at(tree.body, name)
+            return None if line is None else start_line + line - 1
     assigning = re.compile(rf"^([ \t]*)(?:[^\W\d]\w*[ \t]*=[ \t]*)*{re.escape(name)}[ \t]*(?::[^=\n]*)?=(?!=)", re.M)
     found = min(assigning.finditer(content), key=lambda m: (len(m.group(1)), m.start()), default=None)
     return None if found is None else start_line + content.count("\n", 0, found.start())
+
+
+def _assigned_at(body: list[ast.stmt], name: str) -> int | None:
+    """The first line of ``body``'s level assigning ``name`` (``A = ...``, ``A: T``, ``x, A = ...``), else of its
+    classes' bodies, level by level."""
+    level = body
+    while level:
+        statements = at_level(level)
+        for statement in statements:
+            targets = (
+                statement.targets
+                if isinstance(statement, ast.Assign)
+                else [statement.target]
+                if isinstance(statement, ast.AnnAssign)
+                else []
+            )
+            if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
+                return statement.lineno
+        level = [inner for s in statements if isinstance(s, ast.ClassDef) for inner in s.body]
+    return None
 
 
 def with_assignment_lines(

@@ -215,6 +215,32 @@ def test_markdown_is_split_by_heading_outside_code_fences() -> None:
     assert {c.chunk_level for c in chunks} == {"doc"}
 
 
+def test_a_long_markdown_section_is_cut_into_parts_at_blank_lines_each_with_its_headings_and_lines() -> None:
+    from ontofabric.services.ingest.chunking import SECTION_PART_CHARS, file_lines
+
+    paragraphs = "".join(f"Paragraph {n}, line {i}: the budget, the staff.\n" for n in range(60) for i in range(3))
+    spaced = paragraphs.replace(": the budget, the staff.\nParagraph", ": the budget, the staff.\n\nParagraph")
+    table = "".join(f"| `SETTING_{n}` | {n} | what it does, said at some length |\n" for n in range(150))
+    source = f"# Guide\nshort\n## Long\n{spaced}## Table\n{table}## After\nend\n"
+    chunks = chunk_markdown("docs/guide.md", source, 1_000_000)
+    lines = file_lines(source)
+    for chunk in chunks:  # each part is its lines of the file, whole
+        assert chunk.lines is not None
+        assert "".join(lines[chunk.lines[0] - 1 : chunk.lines[1]]) == chunk.content
+    long = [c for c in chunks if c.symbol_fqn == "docs/guide.md > Guide > Long"]
+    table_parts = [c for c in chunks if c.symbol_fqn == "docs/guide.md > Guide > Table"]
+    assert len(long) > 1
+    assert len(table_parts) > 1  # a table with no blank line is cut at lines
+    assert all(len(c.content) <= SECTION_PART_CHARS for c in [*long, *table_parts])
+    assert all(c.content.endswith("\n\n") for c in long[:-1])  # at a blank line, between paragraphs
+    assert [c.lines for c in chunks if c.symbol_fqn.endswith(("> Guide", "> After"))] == [
+        (1, 2),
+        (len(lines) - 1, len(lines)),
+    ]
+    assert len({c.symbol_key for c in chunks}) == len(chunks)
+    assert "".join(c.content for c in chunks) == source  # nothing lost, nothing twice
+
+
 def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_front_matter() -> None:
     """An outside tester's: a ``` line inside a ```` fence closed it, the fence's `# ...` line became a section, and
     so did a `# comment` of YAML front matter; a setext heading (`Title` over `=====`) was no heading at all."""

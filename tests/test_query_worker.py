@@ -6,6 +6,7 @@ import asyncio
 import json
 import tracemalloc
 from functools import partial
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -14,6 +15,8 @@ from opentelemetry import trace
 from pydantic import SecretStr
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, QueryResponse, StatusReply
+from ontofabric.services.ingest.chunking import SECTION_PART_CHARS
+from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse_reply
 from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S
@@ -594,6 +597,43 @@ async def test_a_made_up_word_written_once_in_a_long_function_leads_its_answer(
     assert reply.results[0].score > 5 * max(r.score for r in reply.results[1:])
     kept = await _ask(client, "zorblaxquux", workspace="rare", topK=5, minRelevance=0.05)
     assert [r.id for r in kept.results] == ["long"]
+
+
+async def test_a_sentence_deep_in_a_long_markdown_section_is_found_in_a_part_with_its_lines(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    client: QueryClient,
+    tmp_path: Path,
+) -> None:
+    """An agent tester's: a section of 300 lines was one chunk, so a sentence at its end was found by neither
+    retriever among shorter sections, and the hit pointed at the section's start. Cut into parts, the part holding
+    it is found, with its own lines."""
+    filler = "".join(
+        f"Filler line {i} about the yearly budget, staffing and office moves.\n" + ("\n" if i % 7 == 0 else "")
+        for i in range(300)
+    )
+    head = "# Operations handbook\n\n## Annual overview\n"
+    (tmp_path / "handbook.md").write_text(
+        head + filler + "The circuit breaker opens after seven consecutive failures.\n"
+    )
+    (tmp_path / "faults.md").write_text(
+        "# Failures\n\nHow failures are counted.\n\n# Circuits\n\nA circuit in a building.\n\n# Breakers\n\nOne.\n"
+    )
+    ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tmp_path, "handbook")
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    await start_query_worker(embedder, query_cache_entries=0)
+    reply = await _ask(client, "circuit breaker seven consecutive failures", workspace="handbook", topK=3)
+    first = reply.results[0]
+    assert first.metadata["symbolFqn"] == "handbook.md > Operations handbook > Annual overview"
+    assert first.content is not None
+    assert "seven consecutive failures" in first.content
+    assert len(first.content) <= SECTION_PART_CHARS
+    line = (head + filler).count("\n") + 1
+    assert first.metadata["startLine"] <= line == first.metadata["endLine"]
 
 
 async def test_a_late_worker_knows_the_current_version(

@@ -424,13 +424,49 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
         yield list(path), "".join(current), (first, first + len(current) - 1)
 
 
+SECTION_PART_CHARS = 4_000
+"""A Markdown section longer than this is cut into parts about as long, at blank lines where it can be, each with
+the section's headings and its own lines: a sentence deep in a section of 33 kB was found by neither retriever (its
+vector read the section's first windows, keyword search weighed its words against the whole length), and a hit
+pointed at the section's start alone (an agent tester's). Four of the embedder's windows, so a part is read
+whole."""
+
+
+def section_parts(text: str, lines: tuple[int, int]) -> list[tuple[str, tuple[int, int]]]:
+    """``text`` (a section, from line ``lines[0]``) as parts of at most about :data:`SECTION_PART_CHARS`, each
+    with its first and last line: cut at the last blank line of a part's second half, else where it is full. A
+    section that fits is one part."""
+    if len(text) <= SECTION_PART_CHARS:
+        return [(text, lines)]
+    parts: list[tuple[str, tuple[int, int]]] = []
+    part: list[str] = []
+    size, first = 0, lines[0]
+    for line in file_lines(text):
+        if part and size + len(line) > SECTION_PART_CHARS:
+            blank = max((n for n, kept in enumerate(part) if not kept.strip() and n >= len(part) // 2), default=None)
+            cut = len(part) if blank is None else blank + 1
+            parts.append(("".join(part[:cut]), (first, first + cut - 1)))
+            first, part = first + cut, part[cut:]
+            size = sum(map(len, part))
+        part.append(line)
+        size += len(line)
+    if part:
+        parts.append(("".join(part), (first, first + len(part) - 1)))
+    return parts
+
+
 def chunk_markdown(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
-    """``unread``: why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk."""
+    """``unread``: why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk. A long
+    section is cut into parts (:func:`section_parts`)."""
     document_type = object_type_name(path.removesuffix(".md").replace("/", "."))
     keys = _Keys()
     chunks = []
     if unread is None:
-        sections: Iterable[tuple[list[str], str, tuple[int, int]]] = _markdown_sections(source)
+        sections: Iterable[tuple[list[str], str, tuple[int, int]]] = (
+            (headings, part, part_lines)
+            for headings, text, lines in _markdown_sections(source)
+            for part, part_lines in section_parts(text, lines)
+        )
     else:  # one chunk, its path the only heading
         sections = [([], source, (1, len(file_lines(source))))] if source.strip() else []
     for headings, text, lines in sections:

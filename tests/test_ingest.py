@@ -570,11 +570,16 @@ async def test_a_branch_ingest_with_nothing_of_its_own_waits_for_what_main_last_
         await projector.stop()
 
 
-async def test_a_retried_ingest_says_so_when_the_earlier_deltas_it_waited_for_were_dead_lettered(
-    deployment: Deployment, tmp_path: Path
+@pytest.mark.parametrize(
+    ("branch", "whose"), [("main", "an earlier ingest"), ("feature", "main's last ingest")], ids=["retry", "branch"]
+)
+async def test_an_ingest_says_so_when_earlier_deltas_it_waited_for_were_dead_lettered(
+    deployment: Deployment, tmp_path: Path, branch: str, whose: str
 ) -> None:
     """A review's: the retry of an ingest that timed out waited for the earlier ingest's deltas, but only its own
-    were looked for among the dead letters, so it exited 0 over deltas that never reached the index."""
+    were looked for among the dead letters, so it exited 0 over deltas that never reached the index. And a branch's
+    ingest with nothing of its own, which waits for main's last ingest: what of it was set aside, the branch reads
+    without."""
     tree = tmp_path / "tree"
     _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
     env = {
@@ -586,59 +591,25 @@ async def test_a_retried_ingest_says_so_when_the_earlier_deltas_it_waited_for_we
         subprocess.run, [*command, "--wait-timeout", "1"], env=env, capture_output=True, text=True, timeout=120
     )
     assert first.returncode == 1, first.stderr
-    retry = await asyncio.create_subprocess_exec(
-        *command, "--wait-timeout", "60", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    assert retry.stdout is not None
-    async with asyncio.timeout(60):
-        while not (await retry.stdout.readline()).startswith(b"publish"):  # watching for dead letters from here
-            pass
-    # A projector whose content limit the chunks pass: each is set aside while the retry waits.
-    strict = deployment.settings.model_copy(update={"max_content_bytes": 10})
-    projector = ProjectorService(strict, deployment.nats_url_as("projector"), deployment.database_url)
-    await projector.start()
-    try:
-        _, stderr = await asyncio.wait_for(retry.communicate(), 60)
-    finally:
-        await projector.stop()
-    said = " ".join(stderr.decode().split())
-    assert retry.returncode == 1, said
-    assert "2 deltas an earlier ingest published were dead-lettered" in said
-
-
-async def test_a_branch_ingest_says_so_when_main_deltas_it_waited_for_were_dead_lettered(
-    deployment: Deployment, tmp_path: Path
-) -> None:
-    """What of main's last ingest was set aside while a branch's ingest waited for it, the branch reads without."""
-    tree = tmp_path / "tree"
-    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
-    env = {
-        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
-        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
-    }  # fmt: skip
-    command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tree), "--workspace", "lonely"]
-    first = await asyncio.to_thread(
-        subprocess.run, [*command, "--wait-timeout", "1"], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert first.returncode == 1, first.stderr
-    branch = await asyncio.create_subprocess_exec(
-        *command, "--branch", "feature", "--wait-timeout", "60", env=env,
+    waiting = await asyncio.create_subprocess_exec(
+        *command, "--branch", branch, "--wait-timeout", "60", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    assert branch.stdout is not None
+    assert waiting.stdout is not None
     async with asyncio.timeout(60):
-        while not (await branch.stdout.readline()).startswith(b"publish"):  # watching for dead letters from here
+        while not (await waiting.stdout.readline()).startswith(b"publish"):  # watching for dead letters from here
             pass
+    # A projector whose content limit the chunks pass: each is set aside while the ingest waits.
     strict = deployment.settings.model_copy(update={"max_content_bytes": 10})
     projector = ProjectorService(strict, deployment.nats_url_as("projector"), deployment.database_url)
     await projector.start()
     try:
-        _, stderr = await asyncio.wait_for(branch.communicate(), 60)
+        _, stderr = await asyncio.wait_for(waiting.communicate(), 60)
     finally:
         await projector.stop()
     said = " ".join(stderr.decode().split())
-    assert branch.returncode == 1, said
-    assert "2 deltas main's last ingest published were dead-lettered" in said
+    assert waiting.returncode == 1, said
+    assert f"2 deltas {whose} published were dead-lettered" in said
 
 
 async def test_ingest_into_a_full_delta_stream_says_so_at_once_and_exits_1(

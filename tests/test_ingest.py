@@ -469,17 +469,35 @@ def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
         assert (bar.completed, bar.total) == (10, 15)
 
 
-async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(
-    deployment: Deployment, tmp_path: Path
-) -> None:
-    """And the same ingest again, nothing having changed, waits for what the first one sent: it said it was done at
-    once, exit 0, with the file still not in the index (a tester's retry of an ingest that timed out)."""
+def _one_file_tree_as_ingester(deployment: Deployment, tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A tree of one function, and the environment of an ingest command run as the ingest role, embedding
+    nothing."""
     tree = tmp_path / "tree"
     _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
     env = {
         **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
         "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
     }  # fmt: skip
+    return tree, env
+
+
+async def _records_deltas_past_what_it_published(deployment: Deployment, workspace: str, beyond: int) -> None:
+    """Main's manifest of ``workspace`` made to record its last delta ``beyond`` sequences past the one it
+    published: a stream made again since (adopt-stream, a restore)."""
+    store = ManifestStore(deployment.js, deployment.names)
+    loaded = await store.load(workspace, "main")
+    recorded = Manifest.from_json(loaded.data or b"")
+    assert recorded.published_through is not None
+    moved = dataclasses.replace(recorded, published_through=recorded.published_through + beyond)
+    await store.save(workspace, "main", moved.to_json(), loaded)
+
+
+async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_and_says_why(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """And the same ingest again, nothing having changed, waits for what the first one sent: it said it was done at
+    once, exit 0, with the file still not in the index (a tester's retry of an ingest that timed out)."""
+    tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
     ontofabric = str(Path(sys.executable).parent / "ontofabric")
 
     def ingest() -> subprocess.CompletedProcess[str]:
@@ -510,12 +528,7 @@ async def test_ingest_with_no_projector_running_gives_up_after_its_wait_timeout_
     assert "0 upserts, 0 deletes, 0 reverts, 2 unchanged" in done.stdout
     # A manifest recording deltas past the stream's end (the stream made again since: adopt-stream, a restore) is
     # said and not waited for (a review's: such an ingest waited out its whole --wait-timeout and exited 1).
-    store = ManifestStore(deployment.js, deployment.names)
-    loaded = await store.load("lonely", "main")
-    recorded = Manifest.from_json(loaded.data or b"")
-    assert recorded.published_through is not None
-    beyond = dataclasses.replace(recorded, published_through=recorded.published_through + 1000)
-    await store.save("lonely", "main", beyond.to_json(), loaded)
+    await _records_deltas_past_what_it_published(deployment, "lonely", 1000)
     stale = await with_a_projector()
     assert stale.returncode == 0, stale.stderr
     assert "past the end of the delta stream (made again since?): not waiting for them" in " ".join(
@@ -528,12 +541,7 @@ async def test_a_branch_ingest_with_nothing_of_its_own_waits_for_what_main_last_
 ) -> None:
     """A branch reads main's documents where it has none of its own: its ingest, with nothing to send, said it was
     done at once while main's last ingest (timed out, no projector running) was not in the index yet."""
-    tree = tmp_path / "tree"
-    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
-    env = {
-        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
-        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
-    }  # fmt: skip
+    tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
     command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tree), "--workspace", "shared"]
 
     def ingest(*more: str) -> subprocess.CompletedProcess[str]:
@@ -556,12 +564,7 @@ async def test_a_branch_ingest_with_nothing_of_its_own_waits_for_what_main_last_
         assert "0 upserts, 0 deletes, 0 reverts" in done.stdout
         # One that sends deltas of its own waits for them alone: main's recorded sequence may be of a stream made
         # again since, and never come (a review's: it waited out its timeout and exited 1).
-        store = ManifestStore(deployment.js, deployment.names)
-        loaded = await store.load("shared", "main")
-        recorded = Manifest.from_json(loaded.data or b"")
-        assert recorded.published_through is not None
-        stale = dataclasses.replace(recorded, published_through=recorded.published_through + 1_000_000)
-        await store.save("shared", "main", stale.to_json(), loaded)
+        await _records_deltas_past_what_it_published(deployment, "shared", 1_000_000)
         _write(tree, {"volume.py": "def cube(side):\n    return side ** 3\n"})
         own = await asyncio.to_thread(ingest, "--branch", "feature")
         assert own.returncode == 0, own.stderr
@@ -580,12 +583,7 @@ async def test_an_ingest_says_so_when_earlier_deltas_it_waited_for_were_dead_let
     were looked for among the dead letters, so it exited 0 over deltas that never reached the index. And a branch's
     ingest with nothing of its own, which waits for main's last ingest: what of it was set aside, the branch reads
     without."""
-    tree = tmp_path / "tree"
-    _write(tree, {"geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n"})
-    env = {
-        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"), "ONTOFABRIC_EMBEDDER": "none",
-        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
-    }  # fmt: skip
+    tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
     command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tree), "--workspace", "lonely"]
     first = await asyncio.to_thread(
         subprocess.run, [*command, "--wait-timeout", "1"], env=env, capture_output=True, text=True, timeout=120
@@ -648,60 +646,53 @@ async def test_ingest_says_which_of_its_deltas_a_projector_dead_lettered_and_exi
 ) -> None:
     """Before, an ingest whose deltas were all set aside (a projector with other limits, another embedding model)
     reported success: every delta was "projected", none indexed."""
-    settings = deployment.settings.model_copy(update={"max_content_bytes": 2048})  # the ingester's limit: 256 KiB
-    service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await service.start()
-    try:
-        long_body = "\n".join(f"    total += {n}  # a long function" for n in range(120))
-        _write(tmp_path, {
-            "small.py": "def area(r):\n    return 3.14 * r * r\n",
-            "large.py": f"def long_sum():\n    total = 0\n{long_body}\n    return total\n",
-        })  # fmt: skip
-        env = {
-            **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"),
-            "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
-        }  # fmt: skip
-        ontofabric = str(Path(sys.executable).parent / "ontofabric")
-        ran = await asyncio.to_thread(
-            subprocess.run, [ontofabric, "ingest", str(tmp_path), "--workspace", "strict"], env=env,
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-        said = " ".join(ran.stderr.split())
-        assert ran.returncode == 1, ran.stdout + ran.stderr
-        # The function's chunk and its file's (which holds it).
-        assert "2 of the" in said
-        assert "were dead-lettered, not indexed (content_too_large: 2)" in said
-        assert "the first: content is" in said
-        assert "ontofabric dlq list --workspace strict" in said
+    long_body = "\n".join(f"    total += {n}  # a long function" for n in range(120))
+    _write(tmp_path, {
+        "small.py": "def area(r):\n    return 3.14 * r * r\n",
+        "large.py": f"def long_sum():\n    total = 0\n{long_body}\n    return total\n",
+    })  # fmt: skip
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"),
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tmp_path), "--workspace", "strict"]
+
+    async def ingest_beside(settings: Settings) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+        """The ingest run while a projector of ``settings`` runs, and the symbol keys then indexed."""
+        service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+        await service.start()
+        try:
+            ran = await asyncio.to_thread(
+                subprocess.run, command, env=env, capture_output=True, text=True, timeout=300, check=False
+            )
+        finally:
+            await service.stop()
         rows = await deployment.fetch("SELECT symbol_key FROM documents WHERE workspace = 'strict' AND NOT deleted")
-        assert not any("long_sum" in r["symbol_key"] for r in rows)  # symbol keys: python:large.py/long_sum().
-        assert rows, "the small file's chunks were indexed"
-        # The same ingest again sends those two again and says so again, rather than calling them unchanged and
-        # exiting 0, as every ingest after did (an ops tester's).
-        again = await asyncio.to_thread(
-            subprocess.run, [ontofabric, "ingest", str(tmp_path), "--workspace", "strict"], env=env,
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-        said = " ".join(again.stderr.split())
-        assert again.returncode == 1, said
-        assert "2 upserts" in again.stdout
-        assert "2 of the 2 deltas published were dead-lettered" in said
-    finally:
-        await service.stop()
+        return ran, {r["symbol_key"] for r in rows}
+
+    strict = deployment.settings.model_copy(update={"max_content_bytes": 2048})  # the ingester's limit: 256 KiB
+    ran, indexed = await ingest_beside(strict)
+    said = " ".join(ran.stderr.split())
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    # The function's chunk and its file's (which holds it).
+    assert "2 of the" in said
+    assert "were dead-lettered, not indexed (content_too_large: 2)" in said
+    assert "the first: content is" in said
+    assert "ontofabric dlq list --workspace strict" in said
+    assert not any("long_sum" in key for key in indexed)  # symbol keys: python:large.py/long_sum().
+    assert indexed, "the small file's chunks were indexed"
+    # The same ingest again sends those two again and says so again, rather than calling them unchanged and
+    # exiting 0, as every ingest after did (an ops tester's).
+    again, _ = await ingest_beside(strict)
+    said = " ".join(again.stderr.split())
+    assert again.returncode == 1, said
+    assert "2 upserts" in again.stdout
+    assert "2 of the 2 deltas published were dead-lettered" in said
     # With the limit raised, the next ingest indexes them.
-    service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
-    await service.start()
-    try:
-        fixed = await asyncio.to_thread(
-            subprocess.run, [ontofabric, "ingest", str(tmp_path), "--workspace", "strict"], env=env,
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-        assert fixed.returncode == 0, fixed.stderr
-        assert "2 upserts" in fixed.stdout
-        rows = await deployment.fetch("SELECT symbol_key FROM documents WHERE workspace = 'strict' AND NOT deleted")
-        assert any("long_sum" in r["symbol_key"] for r in rows), rows
-    finally:
-        await service.stop()
+    fixed, indexed = await ingest_beside(deployment.settings)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "2 upserts" in fixed.stdout
+    assert any("long_sum" in key for key in indexed), indexed
 
 
 async def test_ingest_skips_what_no_delta_can_carry_and_goes_on(

@@ -318,6 +318,7 @@ class SearchResult(WireModel):
     found_by: list[FoundBy]
     assigned_at_line: int | None = Field(
         default=None,
+        exclude_if=lambda line: line is None,  # sent only where it says something: every result's bytes count
         description="For a result found by symbol as the chunk assigning the name asked (a module's constant, a "
         "class's attribute: no chunk of their own): the line of its file where the name is assigned, when the "
         "text shows it (get_document's sliceLines reads around it; a long module's content may be cut before it).",

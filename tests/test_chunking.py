@@ -239,6 +239,16 @@ def test_a_long_markdown_section_is_cut_into_parts_at_blank_lines_each_with_its_
     ]
     assert len({c.symbol_key for c in chunks}) == len(chunks)
     assert "".join(c.content for c in chunks) == source  # nothing lost, nothing twice
+    # A review's: a heading was a part alone before a line longer than a part, blank lines were parts of their
+    # own, and a part could pass the size after a cut.
+    from ontofabric.services.ingest.chunking import section_parts
+
+    long_line = section_parts("# H\n" + "y" * 5000 + "\n" + "z\n" * 10, (1, 12))
+    assert [lines for _, lines in long_line] == [(1, 2), (3, 12)]
+    blanks = section_parts("# H\n" + "a\n" * 2500 + "\n" * 2000 + "b\n", (1, 4503))
+    assert all(part.strip() for part, _ in blanks)
+    paragraphs = "".join(f"{'w' * 1500}\n{'v' * 1400}\n\n" for _ in range(20))  # cut, the rest still too long
+    assert all(len(part) <= SECTION_PART_CHARS for part, _ in section_parts(paragraphs, (1, 60)))
 
 
 def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_front_matter() -> None:

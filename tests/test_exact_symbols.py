@@ -187,6 +187,7 @@ def test_the_line_assigning_a_name_is_its_least_indented_assignment() -> None:
     assert assignment_line("A, FILTERS = 1, 2\n", "FILTERS", 1) == 1
     assert assignment_line("class O:\n    stroke: int\n", "stroke", 5) == 6
     assert assignment_line("    class Inner:\n        x = 1\n", "x", 10) == 11
+    assert assignment_line("handlers = {}\nhandlers[DEFAULT] = 1\nDEFAULT = 2\n", "DEFAULT", 1) == 3  # an item's
     assert assignment_line("FILTERS = (\n" + "1,\n" * 60_000, "FILTERS", 1) == 1  # cut, too long to parse
 
 

@@ -25,7 +25,7 @@ from ontofabric.services.projector.consumer import (
 from ontofabric.services.projector.planning import Delta, Limits
 from ontofabric.services.projector.runner import Outcome, ProjectionRunner, Written
 from ontofabric.shared.db import is_transient
-from ontofabric.shared.subjects import Names
+from ontofabric.shared.subjects import Names, Partition
 
 from .factories import document, upsert
 
@@ -289,6 +289,35 @@ async def test_a_workspace_whose_deltas_fail_since_before_a_start_shows_its_lag(
     projection = DurableProjection(runner, None, Names(), "restarted", dead_letters_invalid=False)  # type: ignore[arg-type]
     await projection.handle([_delivery(40, _valid(40).data, delivered=3)])  # sent back: the database is away
     assert projection.state.workspaces.lags() == {"acme": 40}
+
+
+async def test_deltas_in_hand_count_behind_for_the_partition_that_applies_them_alone() -> None:
+    """An ops tester's backlog, held up by a lock on the table, showed no lag; and a review's: counted by every
+    partition's consumer (each receives every delta), the one that acks another partition's on sight said 0 beside
+    the right one's figure, and the gauge kept the last."""
+    release = asyncio.Event()
+
+    class Held(ScriptedSink):
+        async def write(self, deltas: Sequence[Delta], redelivered: bool) -> Written:
+            await release.wait()
+            return await super().write(deltas, redelivered)
+
+    names = Names()
+    holder = next(i for i in range(2) if Partition(i, 2).holds(names.delta_subject("acme", "main")))
+    projections = [
+        DurableProjection(
+            ProjectionRunner(Held(), LIMITS), None, names, f"p{i}", dead_letters_invalid=False,  # type: ignore[arg-type]
+            partition=Partition(i, 2),
+        )
+        for i in (holder, 1 - holder)
+    ]  # fmt: skip
+    handling = [asyncio.create_task(p.handle([_delivery(40, _valid(40).data)])) for p in projections]
+    await asyncio.sleep(0.05)
+    mine, theirs = (p.state.workspaces.lags() for p in projections)
+    assert (mine, theirs) == ({"acme": 40}, {})
+    release.set()
+    await asyncio.gather(*handling)
+    assert projections[0].state.workspaces.lags() == {"acme": 0}
 
 
 def test_a_streams_size_is_left_out_once_its_reading_is_old(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,7 +108,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert status.dead_letters == {}  # globex's, not asked for
     assert status.projectors == []
     # A problem for a health check (an ops tester's exited 0 over it).
-    assert status.problems == ["no projector answers, and 1 delta pending: applied once one runs"]
+    assert status.problems == ["no Postgres projector answers for 1 pending delta: applied once one runs"]
     # A workspace whose every delta is pending has no version yet, and is listed all the same.
     first = await deployment.publisher.publish(upsert("initech", document("d", "delta"), branch="dev.1"))
     status = await deployment_status(deployment.nc, deployment.names, placement)
@@ -135,7 +135,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert len(report["query_workers"]) == 1
     table = await asyncio.to_thread(status_command)
     assert table.returncode == 1, table.stderr
-    assert "no projector answers, and 2 deltas pending" in table.stdout + table.stderr
+    assert "no Postgres projector answers for 2 pending deltas" in table.stdout + table.stderr
     assert "dead letters: globex 1" in table.stdout
     # Each query worker with its release (and its embedding models, none here): before, only where it ran.
     (workers_line,) = [line for line in table.stdout.splitlines() if line.startswith("query workers: ")]

@@ -303,6 +303,13 @@ def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
     ``A, B = ...``, also under a module-level ``if``, ``try`` or ``with`` (``try: X = a except: X = b``); not what
     a function or a nested class assigns, nor imports."""
     names: dict[str, None] = {}
+    for statement in at_level(body):
+        names.update(dict.fromkeys(assigned_by(statement)))
+    return tuple(names)
+
+
+def assigned_by(statement: ast.stmt) -> Iterator[str]:
+    """The names one statement assigns or declares (:func:`assigned_names`): not an item's or an attribute's."""
 
     def targets(node: ast.expr) -> Iterator[str]:
         if isinstance(node, ast.Name):
@@ -311,12 +318,11 @@ def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
             for element in node.elts:
                 yield from targets(element.value if isinstance(element, ast.Starred) else element)
 
-    for statement in at_level(body):
-        if isinstance(statement, ast.Assign):
-            names.update(dict.fromkeys(name for target in statement.targets for name in targets(target)))
-        elif isinstance(statement, ast.AnnAssign):  # with or without a value: a dataclass's or a model's field
-            names.update(dict.fromkeys(targets(statement.target)))
-    return tuple(names)
+    if isinstance(statement, ast.Assign):
+        for target in statement.targets:
+            yield from targets(target)
+    elif isinstance(statement, ast.AnnAssign):  # with or without a value: a dataclass's or a model's field
+        yield from targets(statement.target)
 
 
 def at_level(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -433,26 +439,35 @@ whole."""
 
 
 def section_parts(text: str, lines: tuple[int, int]) -> list[tuple[str, tuple[int, int]]]:
-    """``text`` (a section, from line ``lines[0]``) as parts of at most about :data:`SECTION_PART_CHARS`, each
-    with its first and last line: cut at the last blank line of a part's second half, else where it is full. A
-    section that fits is one part."""
+    """``text`` (a section, from line ``lines[0]``) as parts of at most :data:`SECTION_PART_CHARS`, each with its
+    first and last line: cut after the last blank line of a part's second half, else before the line that fills
+    it. Longer only where one line is (with what little came before it: a heading is not a part alone); blank
+    lines alone go with the part before. A section that fits is one part."""
     if len(text) <= SECTION_PART_CHARS:
         return [(text, lines)]
     parts: list[tuple[str, tuple[int, int]]] = []
     part: list[str] = []
     size, first = 0, lines[0]
     for line in file_lines(text):
-        if part and size + len(line) > SECTION_PART_CHARS:
-            blank = max((n for n, kept in enumerate(part) if not kept.strip() and n >= len(part) // 2), default=None)
-            cut = len(part) if blank is None else blank + 1
+        part.append(line)
+        size += len(line)
+        while size > SECTION_PART_CHARS and size - len(part[-1]) >= SECTION_PART_CHARS // 4:
+            half = len(part) // 2
+            blank = max((n for n, kept in enumerate(part[:-1]) if not kept.strip() and n >= half), default=None)
+            cut = len(part) - 1 if blank is None else blank + 1
             parts.append(("".join(part[:cut]), (first, first + cut - 1)))
             first, part = first + cut, part[cut:]
             size = sum(map(len, part))
-        part.append(line)
-        size += len(line)
     if part:
         parts.append(("".join(part), (first, first + len(part) - 1)))
-    return parts
+    merged: list[tuple[str, tuple[int, int]]] = []
+    for chunk, (start, last) in parts:
+        if merged and not chunk.strip():
+            before, (begun, _) = merged[-1]
+            merged[-1] = (before + chunk, (begun, last))
+        else:
+            merged.append((chunk, (start, last)))
+    return merged
 
 
 def chunk_markdown(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:

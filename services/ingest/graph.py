@@ -89,19 +89,28 @@ class _Resolver:
 
     def published(self, module: _Module) -> dict[str, None]:
         """The names ``from module import *`` takes, in order: its ``__all__``, else its top-level names without
-        a leading underscore, those it takes by ``*`` in turn among them. Once per module: a module that imports
-        another by ``*`` in a cycle takes nothing more through it."""
+        a leading underscore, those it takes by ``*`` in turn among them (through modules that import each other
+        so too: every one of them reached once)."""
         found = self._published.get(module.fqn)
         if found is not None:
             return found
-        self._published[module.fqn] = {}  # while it is being read: a cycle back to it adds nothing
-        if module.public is not None:
-            found = dict.fromkeys(module.public)
-        else:
-            names = dict.fromkeys([*module.defs, *module.imported_at_top, *module.assigned])
-            for source in self._star_sources(module):
-                names.update(self.published(source))
-            found = {name: None for name in names if not name.startswith("_")}
+        listed: dict[str, None] = {}
+        public: dict[str, None] = {}
+        seen: set[str] = set()
+        pending = [module]
+        while pending:
+            source = pending.pop(0)
+            if source.fqn in seen:
+                continue
+            seen.add(source.fqn)
+            if source.public is not None:
+                listed.update(dict.fromkeys(source.public))
+                if source is module:
+                    break
+                continue
+            public.update(dict.fromkeys([*source.defs, *source.imported_at_top, *source.assigned]))
+            pending += self._star_sources(source)
+        found = listed | {name: None for name in public if not name.startswith("_")}
         self._published[module.fqn] = found
         return found
 

@@ -25,7 +25,7 @@ from ontofabric.services.projector.snapshots import compacted_through, find_snap
 from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_after
-from ontofabric.shared.discovery import SCHEMA, Worker, discover
+from ontofabric.shared.discovery import SCHEMA, Worker, discover, postgres_partitions
 from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
@@ -227,10 +227,21 @@ async def deployment_status(
             + "): a projector of an earlier release writes rows by its own rules and may take no part in claims; "
             "stop the workers of the earlier release"
         )
-    waiting = sum(branch.pending_deltas for branch in status.branches)
-    if waiting and not status.projectors:  # an ops tester's health check exited 0 over a stopped projector
+    # A Postgres projector of this layout holding each workspace's partition (the Azure projector answers on the
+    # same service, and a partition may have none: a review's), else deltas wait for nothing.
+    applying = [layout for layout in map(postgres_partitions, status.projectors) if layout is not None]
+    unheld = sum(
+        branch.pending_deltas
+        for branch in status.branches
+        if not any(
+            count == placement.partitions and placement.partition_of(branch.workspace) in partitions
+            for count, partitions in applying
+        )
+    )
+    if unheld:  # an ops tester's health check exited 0 over a stopped projector
         status.problems.append(
-            f"no projector answers, and {waiting} delta{'' if waiting == 1 else 's'} pending: applied once one runs"
+            f"no Postgres projector answers for {unheld} pending delta{'' if unheld == 1 else 's'}: applied once "
+            "one runs"
         )
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")

@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ontofabric.contracts import SearchResult
-from ontofabric.services.ingest.chunking import at_level
+from ontofabric.services.ingest.chunking import assigned_by, at_level
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -243,29 +243,29 @@ def _assigned_at(body: list[ast.stmt], name: str) -> int | None:
     while level:
         statements = at_level(level)
         for statement in statements:
-            targets = (
-                statement.targets
-                if isinstance(statement, ast.Assign)
-                else [statement.target]
-                if isinstance(statement, ast.AnnAssign)
-                else []
-            )
-            if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
+            if name in assigned_by(statement):
                 return statement.lineno
         level = [inner for s in statements if isinstance(s, ast.ClassDef) for inner in s.body]
     return None
 
 
+LINES_FOUND_PER_ANSWER = 5
+"""At most this many results of an answer are read for the line assigning the name (a parse each, up to tens of
+milliseconds: a name many modules assign, ``logger``, would have had all its chunks parsed, a review's)."""
+
+
 def with_assignment_lines(
     results: Sequence[SearchResult], assigning: Collection[str], name: str, contents: Mapping[str, str]
 ) -> list[SearchResult]:
-    """Each result found by symbol as the chunk assigning ``name`` (``assigning``: their ids) with the line where
-    it does (:func:`assignment_line`): an agent tester's ``FILTERS`` was answered by a module of 1,873 lines, cut
-    before the line that assigns it, with nothing saying where it is."""
-    placed = []
+    """Each of the first :data:`LINES_FOUND_PER_ANSWER` results found by symbol as the chunk assigning ``name``
+    (``assigning``: their ids) with the line where it does (:func:`assignment_line`): an agent tester's ``FILTERS``
+    was answered by a module of 1,873 lines, cut before the line that assigns it, with nothing saying where."""
+    placed, read = [], 0
     for result in results:
         start = result.metadata.get("startLine")
-        if result.id in assigning and isinstance(start, int) and any(f.retriever == SYMBOL for f in result.found_by):
+        found = result.id in assigning and any(f.retriever == SYMBOL for f in result.found_by)
+        if found and isinstance(start, int) and read < LINES_FOUND_PER_ANSWER:
+            read += 1
             line = assignment_line(contents[result.id], last_part(name), start)
             result = result.model_copy(update={"assigned_at_line": line}) if line is not None else result
         placed.append(result)

@@ -474,12 +474,15 @@ def ingest(
                         markup=False,
                     )
                 awaited = report.awaited_sequence
+                # Whose deltas the wait is for: this ingest's, main's last ingest's (a branch that sent nothing), or
+                # the branch's earlier ingest's.
+                for_main = awaited != report.last_sequence and awaited == report.main_pending_through
                 if wait and awaited is not None and awaited != report.last_sequence:
                     gone = await stream_ends_before(js, names, settings.projector_partitions, awaited)
                     if gone:  # a review's: such an ingest waited out its whole --wait-timeout, then exited 1
-                        whose = branch if awaited != report.main_pending_through else MAIN_BRANCH
                         errors.print(
-                            f"warning: the last ingest of {workspace}/{whose} recorded its deltas up to stream seq "
+                            f"warning: the last ingest of {workspace}/{MAIN_BRANCH if for_main else branch} recorded "
+                            f"its deltas up to stream seq "
                             f"{awaited}, past the end of the delta stream (made again since?): not waiting for them",
                             soft_wrap=True,
                             markup=False,
@@ -495,7 +498,7 @@ def ingest(
                     except TimeoutError:
                         if awaited == report.last_sequence:
                             whose = "this ingest's"
-                        elif awaited == report.main_pending_through and branch != MAIN_BRANCH:
+                        elif for_main:
                             whose = f"{MAIN_BRANCH}'s last ingest's (the branch reads its documents)"
                         else:
                             whose = "an earlier ingest's"

@@ -847,16 +847,11 @@ class Ingester:
         indexed if what refused them changed, or set aside again and said so."""
         if not keys:
             return
-        for _ in range(SAVE_ATTEMPTS):
-            loaded = await self._manifests.load(workspace, branch)
-            manifest = _manifest_of(loaded)
-            entries = {**manifest.entries, **{key: UNKNOWN for key in keys if key in manifest.entries}}
-            try:
-                await self._manifests.save(workspace, branch, replace(manifest, entries=entries).to_json(), loaded)
-            except ManifestChanged:  # another ingest saved meanwhile: read again
-                continue
-            return
-        raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
+        loaded = await self._manifests.load(workspace, branch)
+        manifest = _manifest_of(loaded)
+        entries = {**manifest.entries, **{key: UNKNOWN for key in keys if key in manifest.entries}}
+        # Saved as an ingest saves: merged with another's saved meanwhile, the forgotten keys stay unknown.
+        await self._save_manifest(workspace, branch, replace(manifest, entries=entries), loaded)
 
     async def ingest(
         self,

@@ -364,7 +364,9 @@ def _source_tree(value: Path) -> Path:
 def ingest(
     path: Annotated[
         Path,
-        typer.Argument(exists=True, file_okay=False, help="Source tree to ingest (.py, .md).", callback=_source_tree),
+        typer.Argument(
+            exists=True, file_okay=False, help="Source tree to ingest (.py, .md, .rst).", callback=_source_tree
+        ),
     ],
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.", callback=_workspace_name)],
     branch: Annotated[str, typer.Option(help="Branch to publish into.", callback=_branch_name)] = MAIN_BRANCH,
@@ -469,7 +471,7 @@ def ingest(
                 _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
                 if report.files == 0 and not allow_empty:  # a first ingest of a wrong path said only "0 files"
                     errors.print(
-                        f"warning: {path} holds no source file this ingester reads (.py, .md): nothing to index",
+                        f"warning: {path} holds no source file this ingester reads (.py, .md, .rst): nothing to index",
                         soft_wrap=True,
                         markup=False,
                     )

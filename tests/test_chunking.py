@@ -11,7 +11,7 @@ from ontofabric.services.ingest.chunking import (
     MAX_HEADING_CHARS,
     MAX_SYMBOL_CHARS,
     bounded_symbol,
-    chunk_markdown,
+    chunk_document,
     chunk_python,
     module_name,
     object_type_name,
@@ -200,7 +200,7 @@ def test_markdown_is_split_by_heading_outside_code_fences() -> None:
         again
         """
     )
-    chunks = chunk_markdown("docs/guide.md", source, 100_000)
+    chunks = chunk_document("docs/guide.md", source, 100_000)
     assert [c.symbol_fqn for c in chunks] == [
         "docs/guide.md",
         "docs/guide.md > Title",
@@ -222,7 +222,7 @@ def test_a_long_markdown_section_is_cut_into_parts_at_blank_lines_each_with_its_
     spaced = paragraphs.replace(": the budget, the staff.\nParagraph", ": the budget, the staff.\n\nParagraph")
     table = "".join(f"| `SETTING_{n}` | {n} | what it does, said at some length |\n" for n in range(150))
     source = f"# Guide\nshort\n## Long\n{spaced}## Table\n{table}## After\nend\n"
-    chunks = chunk_markdown("docs/guide.md", source, 1_000_000)
+    chunks = chunk_document("docs/guide.md", source, 1_000_000)
     lines = file_lines(source)
     for chunk in chunks:  # each part is its lines of the file, whole
         assert chunk.lines is not None
@@ -286,46 +286,45 @@ def test_markdown_headings_are_read_as_commonmark_reads_them_outside_fences_and_
         |---|---|
         """
     )
-    chunks = chunk_markdown("f.md", source, 100_000)
+    chunks = chunk_document("f.md", source, 100_000)
     assert [(c.symbol_fqn, c.lines) for c in chunks] == [
         ("f.md", (1, 4)),
         ("f.md > Real", (5, 11)),
-        ("f.md > Real > After fences", (12, 12)),
-        ("f.md > Real > After fences > Indented up to three spaces", (13, 17)),
+        ("f.md > Real > After fences > Indented up to three spaces", (12, 17)),  # a heading alone joins it
         ("f.md > Setext title", (18, 21)),
         ("f.md > Setext title > Setext second", (22, 28)),
     ]
-    assert chunks[4].content.startswith("Setext title\n====")
+    assert chunks[3].content.startswith("Setext title\n====")
 
 
 def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_read_at_once() -> None:
     source = "# C#\ntext\n## Setup ##\nmore\n#\n- item\n---\n**Bold** title\n---\n"
-    assert [(c.symbol_fqn, c.lines) for c in chunk_markdown("h.md", source, 100_000)] == [
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("h.md", source, 100_000)] == [
         ("h.md > C#", (1, 2)),
         ("h.md > C# > Setup", (3, 7)),  # a lone # is no section; `---` under a list item no heading
         ("h.md > C# > **Bold** title", (8, 9)),
     ]
     # A review's: the heading expression backtracked over spaces, 46 s for 4,000 of them (hours for these).
-    (long,) = chunk_markdown("l.md", "# a" + " " * 20_000 + "b\n", 100_000)
+    (long,) = chunk_document("l.md", "# a" + " " * 20_000 + "b\n", 100_000)
     assert long.symbol_fqn == "l.md > a" + " " * (MAX_HEADING_CHARS - 2) + "…"
     # A fence's marker inside YAML front matter opens no fence.
     front = "---\nx: |\n  ```\n---\n# A\ntext\n# B\n"
-    assert [c.symbol_fqn for c in chunk_markdown("f.md", front, 100_000)] == ["f.md", "f.md > A", "f.md > B"]
+    assert [c.symbol_fqn for c in chunk_document("f.md", front, 100_000)] == ["f.md", "f.md > A", "f.md > B"]
     # A setext title of several lines is all of them, as CommonMark reads it: its last line alone was the title,
     # and the others stayed in the section above.
     several = "# A\ntext\n\nA title written\nover two lines\n---\nbody\n"
-    assert [(c.symbol_fqn, c.lines) for c in chunk_markdown("s.md", several, 100_000)] == [
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("s.md", several, 100_000)] == [
         ("s.md > A", (1, 3)),
         ("s.md > A > A title written over two lines", (4, 7)),
     ]
     # "```js```" is inline code, no fence: the heading after it was read as the fence's text.
     inline = "# A\n```js``` is inline code here\n# B\n~~~ a ~ tilde fence's info may hold ~\n# in it\n~~~\n"
-    assert [c.symbol_fqn for c in chunk_markdown("i.md", inline, 100_000)] == ["i.md > A", "i.md > B"]
+    assert [c.symbol_fqn for c in chunk_document("i.md", inline, 100_000)] == ["i.md > A", "i.md > B"]
     # An outside tester's: a `# TODO` in an HTML comment became a section, and every section below it nested in it.
     # Nor are headings read in <pre>, <script> or the like up to their closing tag, or in a <div> up to a blank line.
     html = "# A\n<!--\n# TODO\n-->\n## Install\n<div>\n# in a div\n</div>\n\n# B\n<!-- one line -->\n# C\n"
     html += "<pre>\n# in pre\n\n# still in pre\n</pre>\n# D\n"
-    assert [(c.symbol_fqn, c.lines) for c in chunk_markdown("h.md", html, 100_000)] == [
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("h.md", html, 100_000)] == [
         ("h.md > A", (1, 4)),
         ("h.md > A > Install", (5, 9)),
         ("h.md > B", (10, 11)),
@@ -335,10 +334,109 @@ def test_markdown_heading_titles_lose_their_closing_hashes_and_a_long_line_is_re
     # A block that closes on its own line ends there too, and is no part of a setext title below it (a review's
     # changelog: "<!-- auto-changelog-above --> 1.2.4 / 2021-08-05").
     closed = "# A\n<!-- auto -->\n1.2.4\n-----\n<pre>x</pre>\nTitle\n-----\n"
-    assert [c.symbol_fqn for c in chunk_markdown("c.md", closed, 100_000)] == [
+    assert [c.symbol_fqn for c in chunk_document("c.md", closed, 100_000)] == [
         "c.md > A",
         "c.md > A > 1.2.4",
         "c.md > A > Title",
+    ]
+
+
+def test_restructuredtext_is_split_by_section_title_as_docutils_reads_titles() -> None:
+    """Sphinx documentation is reStructuredText: it was not read at all. A title's level is the order its style
+    first appears in; a line under a list item, explicit markup or an indented block is no title, nor is a
+    transition, nor an underline shorter than its title and than four characters."""
+    from ontofabric.services.ingest.chunking import chunk_file, file_lines
+
+    source = textwrap.dedent(
+        """\
+        .. _top:
+
+        ==========
+         Tenacity
+        ==========
+
+        Retrying library.
+
+        Waiting
+        =======
+
+        How long to wait.
+
+        Exponential
+        -----------
+
+        Doubles each time::
+
+            Not a title
+            ===========
+
+        .. note::
+           Not a title either
+           ------------------
+
+        - a list item
+          -----------
+
+        ----
+
+        Jitter
+        ------
+        Random.
+
+        Ab
+        --
+        A short title, its underline as long.
+
+        Long title here
+        --
+        (too short an underline: text)
+
+        Stopping
+        ========
+
+        After a delay.
+        """
+    )
+    chunks = chunk_document("docs/index.rst", source, 100_000)
+    assert [(c.symbol_fqn, c.lines) for c in chunks] == [
+        ("docs/index.rst", (1, 2)),
+        ("docs/index.rst > Tenacity", (3, 8)),
+        ("docs/index.rst > Tenacity > Waiting", (9, 13)),
+        ("docs/index.rst > Tenacity > Waiting > Exponential", (14, 30)),
+        ("docs/index.rst > Tenacity > Waiting > Jitter", (31, 34)),
+        ("docs/index.rst > Tenacity > Waiting > Ab", (35, 42)),
+        ("docs/index.rst > Tenacity > Stopping", (43, 46)),
+    ]
+    lines = file_lines(source)
+    assert all("".join(lines[c.lines[0] - 1 : c.lines[1]]) == c.content for c in chunks if c.lines)
+    assert {(c.source_domain, c.symbol_kind, c.chunk_level, c.object_type) for c in chunks} == {
+        ("restructuredtext", "section", "doc", "docs.index")
+    }
+    assert len({c.symbol_key for c in chunks}) == len(chunks)
+    # The ingester reads such files, and a long one by parts as it does Markdown.
+    assert chunk_file("a.rst", "Title\n=====\n" + "word " * 2000 + "\n", 100_000)[0].symbol_fqn == "a.rst > Title"
+    assert len(chunk_file("b.rst", "Title\n=====\n" + "a line of words\n\n" * 600, 1_000_000)) > 1
+    assert chunk_file("c.txt", "Title\n=====\n", 100_000) == []
+
+
+def test_a_heading_with_nothing_under_it_goes_with_its_first_subsection() -> None:
+    """A review of the documentation tester's finding: `## Set up` right above `### On Linux` was a chunk of the
+    title alone, which a question in the title's words found first. A heading alone before a sibling, or at the
+    end, stays its own."""
+    markdown = "# Guide\n\n## Set up\n\n### On Linux\ntext\n## Empty\n## Next\nmore\n## Last\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("g.md", markdown, 100_000)] == [
+        ("g.md > Guide > Set up > On Linux", (1, 6)),
+        ("g.md > Guide > Empty", (7, 7)),
+        ("g.md > Guide > Next", (8, 9)),
+        ("g.md > Guide > Last", (10, 10)),
+    ]
+    rst = "Guide\n=====\n\nSet up\n------\n\nOn Linux\n~~~~~~~~\ntext\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("g.rst", rst, 100_000)] == [
+        ("g.rst > Guide > Set up > On Linux", (1, 9)),
+    ]
+    setext = "Title\n=====\nSub\n---\nbody\n"  # a setext title's own lines are no body of its section
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("s.md", setext, 100_000)] == [
+        ("s.md > Title > Sub", (1, 5))
     ]
 
 
@@ -373,7 +471,7 @@ def test_a_chunk_longer_than_the_content_limit_keeps_its_start_and_says_how_long
     assert chunks["m.small"].cut_from_bytes is None
     assert (chunks["m.large"].cut_from_bytes or 0) > 200
     assert len(chunks["m.large"].content.encode()) == 200
-    (whole,) = chunk_markdown("a.md", "# A\n\nshort\n", 200)
+    (whole,) = chunk_document("a.md", "# A\n\nshort\n", 200)
     assert whole.cut_from_bytes is None
 
 

@@ -1049,4 +1049,6 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
-    assert "holds no source file this ingester reads (.py, .md): nothing to index" in " ".join(first.stderr.split())
+    assert "holds no source file this ingester reads (.py, .md, .rst): nothing to index" in " ".join(
+        first.stderr.split()
+    )

@@ -1,8 +1,9 @@
 """Chunking source files at structural boundaries (pure; no I/O).
 
 Python is split at AST boundaries: the file (chunk level ``file``), each class (``type``), each function and
-method (``method``) and each docstring (``doc``). Markdown is split by heading (``doc``). Every chunk carries a
-symbol key that survives edits to the symbol's body, so re-ingesting a changed file updates chunks in place.
+method (``method``) and each docstring (``doc``). Markdown and reStructuredText are split by section title (``doc``).
+Every chunk carries a symbol key that survives edits to the symbol's body, so re-ingesting a changed file updates
+chunks in place.
 """
 
 from __future__ import annotations
@@ -371,12 +372,16 @@ def _html_block(line: str) -> tuple[re.Pattern[str] | None, bool] | None:
     return None
 
 
-def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int, int]]]:
-    """(heading path, section text, its first and last line) for each heading, and for text before the first
-    heading."""
+Section = tuple[list[str], str, tuple[int, int], bool]
+"""A document's section: its heading path, its text, its first and last line, and whether it holds any text
+besides its heading."""
+
+
+def _markdown_sections(source: str) -> Iterator[Section]:
+    """Each heading's section, and the text before the first heading."""
     path: list[str] = []
     current: list[str] = []
-    first = 1
+    first, heading_lines = 1, 0  # the current section's first line, and how many of its lines are its heading
     lines = file_lines(source)
     fence = ""  # the open code fence's marker: only the same character, as many or more, closes it (CommonMark)
     # YAML front matter (a first line `---` up to a `---` or `...`) is no text of headings: `# a comment` in it was.
@@ -420,22 +425,111 @@ def _markdown_sections(source: str) -> Iterator[tuple[list[str], str, tuple[int,
         if heading:
             before = current[: len(current) - taken]
             if "".join(before).strip():
-                yield list(path), "".join(before), (first, number - taken - 1)
-            level, title = heading[0], _shortened(heading[1].strip())
-            path = [*path[: level - 1], *[""] * max(0, level - 1 - len(path)), title]
-            current, first = [*current[len(before) :], line], number - taken
+                yield list(path), "".join(before), (first, number - taken - 1), _has_body(before, heading_lines)
+            path = _nested(path, heading[0], heading[1])
+            current, first, heading_lines = [*current[len(before) :], line], number - taken, taken + 1
         else:
             current.append(line)
     if "".join(current).strip():
-        yield list(path), "".join(current), (first, first + len(current) - 1)
+        yield list(path), "".join(current), (first, first + len(current) - 1), _has_body(current, heading_lines)
+
+
+def _has_body(section: list[str], heading_lines: int) -> bool:
+    return any(line.strip() for line in section[heading_lines:])
+
+
+def _nested(path: list[str], level: int, title: str) -> list[str]:
+    """The heading path after a heading of ``level`` (1 the outermost): a level skipped is an empty heading."""
+    return [*path[: level - 1], *[""] * max(0, level - 1 - len(path)), _shortened(title.strip())]
+
+
+_RST_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+# A line that starts a list item, explicit markup (`.. note::`, a comment), a doctest, a line block or a field
+# list: no title, whatever is under it (docutils reads these before a paragraph).
+_RST_NO_TITLE = re.compile(r"([-+*\u2022\u2023\u2043]|\.\.|>>>|\|)(\s|$)|:[^:\s][^:]*:(\s|$)")
+
+
+def _adornment(line: str) -> str:
+    """The character a line repeats when it is one punctuation character over and over (a title's underline or
+    overline); '' for any other line."""
+    bare = line.rstrip()
+    return bare[0] if bare and bare[0] in _RST_PUNCTUATION and bare.count(bare[0]) == len(bare) else ""
+
+
+def _rst_title(lines: list[str], at: int) -> tuple[tuple[str, bool], str, int] | None:
+    """The section title starting at line ``at`` (0-based), as docutils reads one: its style (the adornment's
+    character, and whether it has an overline too), its text and how many lines it takes; None when there is none.
+    A title starts a paragraph, unindented (with an overline, it may be inset), and an underline shorter than its
+    text counts only from four characters on."""
+    if (at > 0 and lines[at - 1].strip()) or at + 1 >= len(lines):
+        return None
+    line = lines[at]
+    if over := _adornment(line):
+        title = lines[at + 1].strip()
+        closed = at + 2 < len(lines) and lines[at + 2].rstrip() == line.rstrip()
+        fits = len(line.rstrip()) >= max(min(len(title), 4), 1)
+        return ((over, True), title, 3) if title and closed and fits and not _adornment(lines[at + 1]) else None
+    title = line.strip()
+    if not title or line[0] in " \t" or _RST_NO_TITLE.match(line):
+        return None
+    under, length = _adornment(lines[at + 1]), len(lines[at + 1].rstrip())
+    return ((under, False), title, 2) if under and length >= min(len(title), 4) else None
+
+
+def _rst_sections(source: str) -> Iterator[Section]:
+    """Each section title's section of a reStructuredText file, and the text before the first title. A title's
+    level is its style's place in the order the styles first appear (docutils: no style has a level of its own).
+    Indented lines (literal blocks, directives' content) are never titles."""
+    lines = file_lines(source)
+    styles: list[tuple[str, bool]] = []
+    path: list[str] = []
+    current: list[str] = []
+    first, heading_lines, at = 1, 0, 0
+    while at < len(lines):
+        found = _rst_title(lines, at)
+        if found is None:
+            current.append(lines[at])
+            at += 1
+            continue
+        style, title, size = found
+        if "".join(current).strip():
+            yield list(path), "".join(current), (first, at), _has_body(current, heading_lines)
+        if style not in styles:
+            styles.append(style)
+        path = _nested(path, styles.index(style) + 1, title)
+        current, first, heading_lines = lines[at : at + size], at + 1, size
+        at += size
+    if "".join(current).strip():
+        yield list(path), "".join(current), (first, first + len(current) - 1), _has_body(current, heading_lines)
+
+
+def _headings_joined_to_their_first_subsection(sections: Iterable[Section]) -> Iterator[Section]:
+    """A section with nothing but its heading, right before its first subsection, goes with that subsection: alone
+    it was a chunk of a title, which a question using the title's words found first and which answered nothing.
+    Every line is still in exactly one section."""
+    held: Section | None = None
+    for headings, text, lines, has_body in sections:
+        if held is not None:
+            above, above_text, (above_first, _), _ = held
+            if len(headings) > len(above) and headings[: len(above)] == above:
+                text, lines = above_text + text, (above_first, lines[1])
+            else:
+                yield held
+            held = None
+        if has_body:
+            yield headings, text, lines, has_body
+        else:
+            held = headings, text, lines, has_body
+    if held is not None:
+        yield held
 
 
 SECTION_PART_CHARS = 4_000
-"""A Markdown section longer than this is cut into parts about as long, at blank lines where it can be, each with
-the section's headings and its own lines: a sentence deep in a section of 33 kB was found by neither retriever (its
-vector read the section's first windows, keyword search weighed its words against the whole length), and a hit
-pointed at the section's start alone (an agent tester's). Four of the embedder's windows, so a part is read
-whole."""
+"""A Markdown or reStructuredText section longer than this is cut into parts about as long, at blank lines where it
+can be, each with the section's headings and its own lines: a sentence deep in a section of 33 kB was found by
+neither retriever (its vector read the section's first windows, keyword search weighed its words against the whole
+length), and a hit pointed at the section's start alone (an agent tester's). Four of the embedder's windows, so a
+part is read whole."""
 
 
 def section_parts(text: str, lines: tuple[int, int]) -> list[tuple[str, tuple[int, int]]]:
@@ -470,16 +564,23 @@ def section_parts(text: str, lines: tuple[int, int]) -> list[tuple[str, tuple[in
     return merged
 
 
-def chunk_markdown(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
-    """``unread``: why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk. A long
-    section is cut into parts (:func:`section_parts`)."""
-    document_type = object_type_name(path.removesuffix(".md").replace("/", "."))
+DOCUMENT_FORMATS = {".md": ("markdown", _markdown_sections), ".rst": ("restructuredtext", _rst_sections)}
+"""The suffixes of the documents read by section, with their source domain and how their sections are found."""
+
+
+def chunk_document(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
+    """A Markdown or reStructuredText file's sections (:data:`DOCUMENT_FORMATS`, by ``path``'s suffix). ``unread``:
+    why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk. A long section is cut
+    into parts (:func:`section_parts`)."""
+    suffix = path[path.rfind(".") :]
+    domain, sections_of = DOCUMENT_FORMATS[suffix]
+    document_type = object_type_name(path.removesuffix(suffix).replace("/", "."))
     keys = _Keys()
     chunks = []
     if unread is None:
         sections: Iterable[tuple[list[str], str, tuple[int, int]]] = (
             (headings, part, part_lines)
-            for headings, text, lines in _markdown_sections(source)
+            for headings, text, lines, _ in _headings_joined_to_their_first_subsection(sections_of(source))
             for part, part_lines in section_parts(text, lines)
         )
     else:  # one chunk, its path the only heading
@@ -489,12 +590,12 @@ def chunk_markdown(path: str, source: str, max_content_bytes: int, unread: str |
         anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
         chunks.append(
             Chunk(
-                symbol_key=bounded_symbol(keys.unique(f"markdown:{path}#{anchor}")),
+                symbol_key=bounded_symbol(keys.unique(f"{domain}:{path}#{anchor}")),
                 symbol_kind="section",
                 symbol_fqn=bounded_symbol(" > ".join([path, *trail])),
                 chunk_level="doc",
                 object_type=document_type,
-                source_domain="markdown",
+                source_domain=domain,
                 file_path=path,
                 content=(kept := truncate_utf8(text, max_content_bytes)),
                 cut_from_bytes=(cut := cut_from(text, max_content_bytes)),
@@ -518,6 +619,6 @@ def chunk_file(
     file over the ingest's size limit): its one chunk, with the reason as its ``parse_error``."""
     if path.endswith(".py"):
         return chunk_python(path, source, max_content_bytes, package, tree, unread)
-    if path.endswith(".md"):
-        return chunk_markdown(path, source, max_content_bytes, unread)
+    if path.endswith(tuple(DOCUMENT_FORMATS)):
+        return chunk_document(path, source, max_content_bytes, unread)
     return []

@@ -66,7 +66,7 @@ from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 
-from .chunking import Chunk, chunk_file, tree_package
+from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
 from .graph import GraphLink, GraphNode, PythonTree, python_calls, python_exports, python_graph, read_python
 
@@ -78,7 +78,7 @@ SKIPPED_DIRECTORIES = {
 """Directories of tools' output, left out at any depth (as are hidden ones and ``*.egg-info``), unless they hold
 an ``__init__.py``: then they are a package of the tree (pip's ``operations/build`` was left out, an ingest
 tester's)."""
-SOURCE_SUFFIXES = (".py", ".md")
+SOURCE_SUFFIXES = (".py", *DOCUMENT_FORMATS)
 EMBED_BATCH = 64
 
 
@@ -921,9 +921,9 @@ class Ingester:
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:
             raise EmptyTreeRefused(
-                f"{root} holds no source file this ingester reads (.py, .md): its ingest would take {gone} documents "
-                f"out of {workspace}/{branch}. Nothing sent; check the path, or pass --allow-empty to empty the "
-                "branch on purpose"
+                f"{root} holds no source file this ingester reads (.py, .md, .rst): its ingest would take {gone} "
+                f"documents out of {workspace}/{branch}. Nothing sent; check the path, or pass --allow-empty to empty "
+                "the branch on purpose"
             )
         log.info(
             "ingest_planned", workspace=workspace, branch=branch, files=len(sources), chunks=len(chunks),

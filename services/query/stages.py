@@ -276,7 +276,7 @@ def _symbol_of(document: StoredDocument) -> tuple[str, str, str] | None:
 def holds(outer: StoredDocument, inner: StoredDocument) -> bool:
     """Whether ``inner``'s text lies inside ``outer``'s: ``outer`` is code (a file, a class, a function), in the
     same file, and ``inner`` is something it defines (a method of the class, a class of the module) or its own
-    docstring. A docstring or a Markdown section holds nothing: a module's docstring is not its classes."""
+    docstring. A docstring or a document's section holds nothing: a module's docstring is not its classes."""
     a, b = _symbol_of(outer), _symbol_of(inner)
     if a is None or b is None or a[0] != b[0] or a[2] not in CODE_LEVELS:
         return False

@@ -247,7 +247,8 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
 
 SHAPES = {
     "__init__.py": '"""Shapes and their areas."""\nfrom ._base import Outline\nfrom .circle import Circle\n'
-    "Round = Circle\n",  # another name for it (attrs' `s = attrs`)
+    "Round = Circle\n"  # another name for it (attrs' `s = attrs`)
+    "from .square import UNIT\n",  # a module's constant, published (pytest.skip for _pytest.outcomes.skip)
     # Every public name of another module, taken by `*` (attrs.validators is `from attr.validators import *`).
     "everything.py": "from .square import *\n",
     # A private class's member: no module publishes it.
@@ -377,7 +378,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # A module's constant and a class's attribute, which have no chunk of their own: the chunk assigning them (an
     # agent tester's DEFAULT_TIMEOUT_CONFIG), by the name alone or under its module's or class's.
     # With the line assigning it (an agent tester's FILTERS: a module of 1,873 lines, cut before its line).
-    for text in ("UNIT", "square.UNIT", "shapes.square.UNIT"):
+    for text in ("UNIT", "square.UNIT", "shapes.square.UNIT", "shapes.UNIT"):
         constant = await _ask(client, text)
         assert (_names(constant)[0], constant.meta.exact_symbol_matches) == ("shapes.square (file)", 1), text
         assert constant.results[0].assigned_at_line == 2, text

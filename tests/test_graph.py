@@ -497,6 +497,35 @@ def test_a_module_publishes_what_it_takes_by_star_and_the_names_it_binds_to_othe
     }
 
 
+def test_a_name_a_module_assigns_is_published_with_its_chunk_where_a_package_imports_it() -> None:
+    """An agent tester's pytest: pytest.skip, pytest.fail, pytest.mark and pytest.hookimpl (instances a module
+    assigns, `skip = _Skip()`, re-exported by pytest/__init__.py) were "not indexed", and a wrong chunk answered
+    at 0.9. They are published as names of the chunk assigning them; a function's local is not."""
+    from ontofabric.services.ingest.graph import python_calls, python_exports
+    from ontofabric.services.ingest.ingester import chunk_sources
+
+    sources = {
+        "_pytest/__init__.py": "",
+        "_pytest/outcomes.py": "class _Skip: ...\nskip = _Skip()\nfail: object = _Skip()\n\n\n"
+        "def f():\n    local = 1\n",
+        "_pytest/mark/__init__.py": "from .structures import MARK_GEN\n",
+        "_pytest/mark/structures.py": "class MarkGenerator: ...\nMARK_GEN = MarkGenerator()\n",
+        "pytest/__init__.py": "from _pytest.outcomes import skip, fail, local\n"
+        "from _pytest.mark import MARK_GEN as mark\nfrom _pytest.outcomes import *\n",
+        "pytest/use.py": "from pytest import skip\n\n\ndef test():\n    skip()\n",
+    }
+    exports = python_exports(sources)
+    assert exports["_pytest.outcomes.skip"][0] == "pytest.skip"
+    assert exports["_pytest.outcomes.fail"] == ("pytest.fail",)
+    assert exports["_pytest.mark.structures.MARK_GEN"] == ("pytest.mark", "_pytest.mark.MARK_GEN")
+    assert not any(name.endswith(".local") for names in exports.values() for name in names)
+    # A call of an instance is no call of a class or function of the tree.
+    assert ("pytest/use.py", "pytest.use.test", 4) not in python_calls(sources)
+    chunks = {c.symbol_fqn: c for c in chunk_sources(Path("."), sources, 1 << 20)}
+    assert chunks["_pytest.outcomes"].aliases == ("pytest.skip", "pytest.fail")
+    assert chunks["_pytest.mark.structures"].aliases == ("pytest.mark", "_pytest.mark.MARK_GEN")
+
+
 def test_what_a_star_takes_is_what_python_takes_and_a_packages_own_name_goes_first() -> None:
     """A review's: a function's own import was published by `*`, another project's `numpy.core` was taken for the
     tree's `core`, examples taking a package by `*` pushed its own name out of those carried, and a chain of

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS, OntologyNode, link_key
 
-from .chunking import at_level, is_overload, module_name, object_type_name
+from .chunking import assigned_names, at_level, is_overload, module_name, object_type_name
 
 MAX_REEXPORT_HOPS = 4
 
@@ -61,6 +61,8 @@ class _Module:
     """The names its own top-level imports bind (``imports`` holds a function's too)."""
     assigned: dict[str, ast.expr] = field(default_factory=dict)
     """Top-level name -> the name it is bound to by a plain assignment (``s = attrs``): another name for it."""
+    values: dict[str, None] = field(default_factory=dict)
+    """The names its own top-level statements assign (:func:`chunking.assigned_names`): constants, instances."""
     star_sources: list[str] = field(default_factory=list)
     """The tree's modules it imports every public name of (``from .core import *``), once each, in order."""
     public: tuple[str, ...] | None = None
@@ -108,7 +110,7 @@ class _Resolver:
                 if source is module:
                     break
                 continue
-            public.update(dict.fromkeys([*source.defs, *source.imported_at_top, *source.assigned]))
+            public.update(dict.fromkeys([*source.defs, *source.imported_at_top, *source.values]))
             pending += self._star_sources(source)
         found = listed | {name: None for name in public if not name.startswith("_")}
         self._published[module.fqn] = found
@@ -180,10 +182,11 @@ class _Resolver:
         imported = self.imported_as(module, local)
         return self.module(imported) if imported is not None else None
 
-    def symbol_fqn(self, module: _Module, name: str, hops: int = 0) -> str | None:
+    def symbol_fqn(self, module: _Module, name: str, hops: int = 0, values: bool = False) -> str | None:
         """The qualified name of the class or function a top-level name of ``module`` stands for: defined there,
         imported from the tree (through modules that import it in turn, as a package's ``__init__`` does, by name
-        or by ``*``), or bound to such a name by a plain assignment (``s = attrs``)."""
+        or by ``*``), or bound to such a name by a plain assignment (``s = attrs``). With ``values``, also of a
+        name a module assigns anything else (``skip = _Skip()``), under that module's name."""
         if name in module.defs:
             return f"{module.fqn}.{name}"
         if hops >= MAX_REEXPORT_HOPS:
@@ -193,17 +196,21 @@ class _Resolver:
             target = self.module(written)
             if target is None or symbol is None or target is module:
                 return None
-            return self.symbol_fqn(target, symbol, hops + 1)
+            return self.symbol_fqn(target, symbol, hops + 1, values)
         if name in module.assigned:
-            return self.named_symbol(module, module.assigned[name], hops + 1)
+            bound = self.named_symbol(module, module.assigned[name], hops + 1, values)
+            if bound is not None or not values:
+                return bound
+        if values and name in module.values:
+            return f"{module.fqn}.{name}"
         source = self.starred(module).get(name)
-        return self.symbol_fqn(source, name, hops + 1) if source is not None else None
+        return self.symbol_fqn(source, name, hops + 1, values) if source is not None else None
 
-    def named_symbol(self, module: _Module, node: ast.expr, hops: int = 0) -> str | None:
+    def named_symbol(self, module: _Module, node: ast.expr, hops: int = 0, values: bool = False) -> str | None:
         """``Name``, ``module_alias.Name`` or ``package.module.Name`` (after ``import package.module``) as the
-        qualified name of a class or function of the tree."""
+        qualified name of a class or function of the tree (``values``: or of a name a module assigns)."""
         if isinstance(node, ast.Name):
-            return self.symbol_fqn(module, node.id, hops)
+            return self.symbol_fqn(module, node.id, hops, values)
         dotted = _dotted(node.value) if isinstance(node, ast.Attribute) else None
         if dotted is None:
             return None
@@ -213,7 +220,7 @@ class _Resolver:
         if imported is None:
             return None
         target = self.module(f"{imported}.{rest}" if rest else imported)
-        return self.symbol_fqn(target, node.attr, hops) if target is not None else None
+        return self.symbol_fqn(target, node.attr, hops, values) if target is not None else None
 
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
@@ -322,6 +329,7 @@ def read_python(sources: Mapping[str, str], package: str | None = None) -> Pytho
                     # `core` (a review's), as other imports may resolve by their last parts.
                     elif written in modules and written not in module.star_sources:
                         module.star_sources.append(written)
+        module.values = dict.fromkeys(assigned_names(module.tree.body))
         module.public = _all_of(module.tree)
         for found in ast.walk(module.tree):
             if isinstance(found, ast.Import):
@@ -474,7 +482,10 @@ def python_exports(sources: Mapping[str, str] | PythonTree, package: str | None 
     ``from .core import Option``), the names it is published under there (``click.Option`` for
     ``click.core.Option``), in order; a name imported under another (``as``) is published under that one. Any
     module also publishes what it takes by ``from x import *`` (``attrs.validators.instance_of``, defined as
-    ``attr.validators.instance_of``) and the names it binds to another (``s = attrs``: ``attr.s``)."""
+    ``attr.validators.instance_of``) and the names it binds to another (``s = attrs``: ``attr.s``). So are the
+    names a module assigns (``pytest.skip`` for ``_pytest.outcomes.skip``, ``skip = _Skip()``: an agent tester's
+    most used names of pytest were "not indexed"), under the module's name and the name (its chunk's
+    ``defines``)."""
     tree = _tree_of(sources, package)
     modules, resolver = tree.modules, tree.resolver
     exported: dict[str, dict[str, None]] = {}
@@ -489,7 +500,7 @@ def python_exports(sources: Mapping[str, str] | PythonTree, package: str | None 
         )
         for local in dict.fromkeys([*bound, *module.assigned, *resolver.starred(module)]):
             imported_module = local in module.imports and module.imports[local][1] is None
-            target = None if imported_module else resolver.symbol_fqn(module, local)
+            target = None if imported_module else resolver.symbol_fqn(module, local, values=True)
             published = f"{module.fqn}.{local}"
             if target is not None and target != published:
                 exported.setdefault(target, {})[published] = None

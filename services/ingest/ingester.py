@@ -325,7 +325,7 @@ def chunk_sources(
         for chunk in chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
     ]
     calls = {key: carried_calls(names) for key, names in python_calls(python).items()}
-    exports = {fqn: carried_aliases(names) for fqn, names in python_exports(python).items()}
+    exports = python_exports(python)
     for chunk in chunks:
         if chunk.parse_error is not None:
             log.warning("ingest_file_unparsed", path=chunk.file_path, error=chunk.parse_error)
@@ -339,12 +339,22 @@ def chunk_sources(
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
     return [
-        replace(chunk, calls=calls.get(key, ()), aliases=exports.get(chunk.symbol_fqn, ()))
-        if chunk.chunk_level != "doc"
-        and ((key := (chunk.file_path, chunk.symbol_fqn, chunk.line)) in calls or chunk.symbol_fqn in exports)
-        else chunk
+        chunk
+        if chunk.chunk_level == "doc"
+        else replace(
+            chunk,
+            calls=calls.get((chunk.file_path, chunk.symbol_fqn, chunk.line), ()),
+            aliases=_aliases(chunk, exports),
+        )
         for chunk in chunks
     ]
+
+
+def _aliases(chunk: Chunk, exports: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """The names the chunk's symbol is published under, and those of the names it assigns (a module's chunk:
+    ``pytest.skip`` for its ``skip``), as many as are carried."""
+    assigned = (name for defined in chunk.defines for name in exports.get(f"{chunk.symbol_fqn}.{defined}", ()))
+    return carried_aliases([*exports.get(chunk.symbol_fqn, ()), *assigned])
 
 
 CALLS_BYTES = MAX_METADATA_BYTES // 2

@@ -724,7 +724,10 @@ class PostgresDocuments:
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
-        assigned = frozenset(r["id"] for r in assigning) - {r["id"] for r in rows}
+        # A module's chunk published under the name publishes a name it assigns (pytest.skip): where, as assigning.
+        assigned = frozenset(
+            [r["id"] for r in assigning] + [r["id"] for r in published if r["chunk_level"] == "file"]
+        ) - {r["id"] for r in rows}
         return Definitions(found, snapshot.version, modules, published_as=own, assigning=assigned)
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:

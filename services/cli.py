@@ -58,6 +58,7 @@ from ontofabric.shared.manifest_store import ManifestChanged, ManifestMissing, M
 from ontofabric.shared.nats_auth import NATS_ROLES, BadCredentials, NatsRole
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.printable import printable
 from ontofabric.shared.progress import Progress, ProjectionWatch
 from ontofabric.shared.runtime import (
     NATS_USERS_FILE,
@@ -102,7 +103,7 @@ from .ops.quality_gate import Baseline as QualityBaseline
 from .ops.status import DeploymentStatus
 from .projector.consumer import REFUSED_BY_EVERY_PROCESS
 from .projector.planning import refused_for_a_long_key
-from .render import RichProgress, as_text, printable, render_reply, render_status, whole_table
+from .render import RichProgress, as_text, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
     from .ingest.ingester import IngestReport

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,22 +22,7 @@ from ontofabric.shared.discovery import (
     held_elsewhere,
     postgres_partitions,
 )
-
-ACTED_ON = "\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
-"""Characters a terminal acts on rather than shows, as a regular expression's class: C0 and C1 controls but tab and
-newline (escape sequences clear the screen, set the window's title, write the clipboard) and the bidirectional
-overrides (which reorder the text shown)."""
-_ACTED_ON_IN_LINES = re.compile(f"[{ACTED_ON}]")
-_ACTED_ON_IN_A_LINE = re.compile(f"[{ACTED_ON}\n]")
-
-
-def printable(text: str, lines: bool = False) -> str:
-    """``text`` with each character a terminal would act on written as its escape (``\\x1b``, ``\\u202e``), and
-    each line break too unless ``lines``: what a tenant sent (a dead letter's body and the reason quoting it, a
-    document's content) reached an operator's terminal as it came, and could clear it or set its title (an outside
-    tester's)."""
-    found = _ACTED_ON_IN_LINES if lines else _ACTED_ON_IN_A_LINE
-    return found.sub(lambda match: repr(match.group())[1:-1], text)
+from ontofabric.shared.printable import printable
 
 
 def as_text(text: str, lines: bool = False) -> str:

@@ -47,6 +47,7 @@ from ontofabric.services.query.symbols import (
     code_shaped,
     identifier_of,
 )
+from ontofabric.shared.printable import printable
 from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
@@ -458,10 +459,9 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
         # The arrow points as the link does, as `ontofabric query` draws it: a tester read "Parameter -inherits->
         # Argument" for an incoming link, Argument inheriting from Parameter.
         arrow = "->" if context.direction == "outgoing" else "<-"
-        lines.append(
-            f"\nlinked: {context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}"
-            + (f" (document {context.representative_document_id})" if context.representative_document_id else "")
-        )
+        link = printable(f"{context.linked_from_type} {arrow}{context.link_name}{arrow} {context.linked_type}")
+        document = context.representative_document_id
+        lines.append(f"\nlinked: {link}" + (f" (document {printable(document)})" if document else ""))
     # With their ids, for get_document (a tester's agent saw only a count, and a method's docstring stood for its
     # code), and with the entries a cut reply had no room for (another's answer folded 5 and said none).
     rank_of = {result.id: result.rank for result in reply.results}
@@ -479,8 +479,10 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
 def _result_line(result: SearchResult, briefly: bool = False) -> str:
     """A result's line in the text: its rank, symbol, place, kind, score and id; ``briefly``, rank, symbol, place
     and id alone (what an answer too large for its budget still names)."""
-    symbol = result.metadata.get("symbolFqn") or result.object_type
-    where = source_place(result.metadata)
+    # Names as the tenant's files gave them, on their line: a file named with line breaks wrote result lines of its
+    # own ("1. ... score 1.000", instructions) into the text an agent reads (an outside tester's).
+    symbol = printable(str(result.metadata.get("symbolFqn") or result.object_type))
+    where = printable(source_place(result.metadata) or "")
     named = f"{result.rank}. {symbol}" + (f" ({where})" if where else "")
     assigned = f" · assigns it at line {result.assigned_at_line}" if result.assigned_at_line is not None else ""
     if briefly:
@@ -488,7 +490,7 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
     return (
         f"\n{named}"
         # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
-        + f" · {result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')}"
+        + f" · {printable(str(result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')))}"
         + f" · score {result.score:.3f} · id {result.id}"
         + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
         + assigned
@@ -519,8 +521,8 @@ def _object_type_alone_selected_nothing(meta: QueryMeta, arguments: dict[str, An
 
 def _render_document(reply: DocumentReply, branch: str) -> str:
     end = reply.offset + len(reply.content)
-    where = source_place(reply.metadata)
-    head = f"{reply.metadata.get('symbolFqn') or reply.object_type}" + (f" ({where})" if where else "")
+    where = printable(source_place(reply.metadata) or "")
+    head = printable(str(reply.metadata.get("symbolFqn") or reply.object_type)) + (f" ({where})" if where else "")
     head += f" · id {reply.id} · characters {reply.offset}-{end}"
     head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
     if reply.slice_lines is not None and (reply.offset > 0 or reply.truncated):  # a slice: where it is

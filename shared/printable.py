@@ -1,0 +1,21 @@
+"""Text a tenant wrote, made safe to show on one line or in a terminal (pure; no I/O)."""
+
+from __future__ import annotations
+
+import re
+
+ACTED_ON = "\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+"""Characters a terminal acts on rather than shows, as a regular expression's class: C0 and C1 controls but tab and
+newline (escape sequences clear the screen, set the window's title, write the clipboard) and the bidirectional
+overrides (which reorder the text shown)."""
+_ACTED_ON_IN_LINES = re.compile(f"[{ACTED_ON}]")
+_ACTED_ON_IN_A_LINE = re.compile(f"[{ACTED_ON}\n]")
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """``text`` with each character a terminal would act on written as its escape (``\\x1b``, ``\\u202e``), and
+    each line break too unless ``lines``: what a tenant sent (a dead letter's body and the reason quoting it, a
+    document's content) reached an operator's terminal as it came, and could clear it or set its title (an outside
+    tester's); a file's name with line breaks wrote result lines of its own into the text an agent reads (another's)."""
+    found = _ACTED_ON_IN_LINES if lines else _ACTED_ON_IN_A_LINE
+    return found.sub(lambda match: repr(match.group())[1:-1], text)

@@ -382,6 +382,43 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
     }
 
 
+def test_a_bare_decorator_calls_what_it_names() -> None:
+    """An agent tester's "what calls fixture" over pytest found the six `@fixture(...)` with arguments and none of
+    the twenty bare `@fixture`: a decorator calls what it names with what it decorates."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/marks.py": "def fixture(f=None, scope=None): ...\ndef final(c): ...\n",
+        "pkg/use.py": textwrap.dedent(
+            """
+            from pkg import marks
+            from pkg.marks import final, fixture
+
+            @fixture
+            def tmp(): ...
+
+            @marks.fixture
+            async def other(): ...
+
+            @final
+            class Kept:
+                @fixture
+                def method(self): ...
+
+            @fixture(scope="session")
+            def session(): ...
+            """
+        ),
+    }
+    assert _by_name(python_calls(sources)) == {
+        ("pkg/use.py", "pkg.use.tmp"): ("pkg.marks.fixture",),
+        ("pkg/use.py", "pkg.use.other"): ("pkg.marks.fixture",),
+        ("pkg/use.py", "pkg.use.Kept"): ("pkg.marks.final",),
+        ("pkg/use.py", "pkg.use.Kept.method"): ("pkg.marks.fixture",),
+        ("pkg/use.py", "pkg.use.session"): ("pkg.marks.fixture",),
+    }
+
+
 def test_calls_leave_out_names_a_function_binds_and_a_nested_classs_self() -> None:
     from ontofabric.services.ingest.graph import python_calls
 

@@ -94,6 +94,13 @@ def test_relationship_questions_and_their_answers_come_from_the_syntax(tmp_path:
     assert questions["what does shapes.square import"] == ("imported", ["shapes", "shapes.base", "shapes.units"])
     assert questions["what does describe call"] == ("callees", ["shapes.base.Shape.area"])
     assert "what does __init__ call" not in questions  # two __init__ methods: ambiguous
+    # A bare decorator calls what it names, as one with arguments does (an agent tester's pytest `@fixture`).
+    decorated = {
+        "marks.py": "def fixture(f=None, scope=None): ...\n",
+        "use.py": "from .marks import fixture\n\n@fixture\ndef tmp(): ...\n\n@fixture(scope=1)\ndef s(): ...\n",
+    }
+    asked = {q.text: q.relevant for q in relationship_queries(decorated, "pkg")}
+    assert asked["what calls fixture"] == ["pkg.use.s", "pkg.use.tmp"]
 
 
 def test_a_judgments_file_that_is_not_one_is_named(tmp_path: Path) -> None:

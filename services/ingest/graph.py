@@ -463,7 +463,7 @@ def _code_scopes(module: _Module) -> Iterator[Scope]:
         for node in level:
             if isinstance(node, ast.ClassDef):
                 fqn = f"{prefix}.{node.name}"
-                own: list[ast.AST] = [*node.decorator_list, *node.bases, *node.keywords]
+                own: list[ast.AST] = [*map(applied, node.decorator_list), *node.bases, *node.keywords]
                 statements = [n for n in at_level(node.body) if not isinstance(n, _DEFINITIONS)]
                 yield fqn, node.lineno, [*own, *statements], None
                 yield from visit(node.body, fqn, fqn)
@@ -567,15 +567,24 @@ def python_calls(
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
 
 
+def applied(decorator: ast.expr) -> ast.expr:
+    """A decorator as the call it makes: ``@fixture`` calls ``fixture`` with what it decorates (an agent tester's
+    20 uses of pytest's bare ``@fixture`` were no callers of it, where ``@fixture(scope=...)`` was)."""
+    return decorator if isinstance(decorator, ast.Call) else ast.Call(func=decorator, args=[], keywords=[])
+
+
 def _calls_in(node: ast.AST, owner: str | None) -> Iterator[tuple[ast.Call, str | None]]:
-    """The calls within ``node`` (itself included), each with the class ``self`` stands for there: none inside a
-    class defined within the code (its methods' ``self`` is that class, which the tree does not name). Iterative,
-    as ``ast.walk``: generated code nests expressions deeper than Python's recursion limit."""
+    """The calls within ``node`` (itself included), decorators' too (:func:`applied`), each with the class ``self``
+    stands for there: none inside a class defined within the code (its methods' ``self`` is that class, which the
+    tree does not name). Iterative, as ``ast.walk``: generated code nests expressions deeper than Python's
+    recursion limit."""
     pending: list[tuple[ast.AST, str | None]] = [(node, owner)]
     while pending:
         current, self_class = pending.pop()
         if isinstance(current, ast.Call):
             yield current, self_class
+        if isinstance(current, _DEFINITIONS):  # its decorators run where it is defined: the same ``self``
+            pending.extend((applied(d), self_class) for d in current.decorator_list if not isinstance(d, ast.Call))
         inner = None if isinstance(current, ast.ClassDef) else self_class
         pending.extend((child, inner) for child in ast.iter_child_nodes(current))
 

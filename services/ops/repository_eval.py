@@ -190,22 +190,28 @@ def relationship_queries(sources: Mapping[str, str], package: str | None) -> lis
                         # The subclass's own qualified name: found among the module's classes at any depth.
                         subclasses.setdefault(base_class, set()).add(_class_fqn(tree, module, node))
         for fqn, scope, owner in _scopes(tree, module):
-            for call in ast.walk(scope):
-                if not isinstance(call, ast.Call):
-                    continue
-                callee: str | None = None
-                if isinstance(call.func, ast.Name):
-                    callee = visible[module].get(call.func.id)
-                elif (
-                    isinstance(call.func, ast.Attribute)
-                    and isinstance(call.func.value, ast.Name)
-                    and call.func.value.id == "self"
-                    and owner is not None
-                ):
-                    callee = f"{owner}.{call.func.attr}"
-                # Only a symbol the tree defines there: an inherited method or a callable attribute is not resolved.
-                if callee in known and callee != fqn:
-                    callers.setdefault(callee, set()).add(fqn)
+            for part in ast.walk(scope):
+                # A bare decorator calls what it names with what it decorates, as one with arguments does.
+                bare = (
+                    [d for d in part.decorator_list if not isinstance(d, ast.Call)]
+                    if isinstance(part, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                    else []
+                )
+                for func in [part.func] if isinstance(part, ast.Call) else bare:
+                    callee: str | None = None
+                    if isinstance(func, ast.Name):
+                        callee = visible[module].get(func.id)
+                    elif (
+                        isinstance(func, ast.Attribute)
+                        and isinstance(func.value, ast.Name)
+                        and func.value.id == "self"
+                        and owner is not None
+                    ):
+                        callee = f"{owner}.{func.attr}"
+                    # Only a symbol the tree defines there: an inherited method or a callable attribute is not
+                    # resolved.
+                    if callee in known and callee != fqn:
+                        callers.setdefault(callee, set()).add(fqn)
 
     last_parts: dict[str, int] = {}
     for fqn in known:

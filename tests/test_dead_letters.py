@@ -551,6 +551,34 @@ async def test_a_delta_on_a_token_that_names_no_workspace_is_dead_lettered_as_un
         _workspace_filter("_other")
 
 
+async def test_an_acknowledgement_another_publisher_sent_to_a_delta_subject_is_no_dead_letter_of_its_workspace(
+    deployment: Deployment,
+) -> None:
+    """An outside tester's: alice's publishes naming bob's delta subject as their reply subject had JetStream store
+    its acknowledgements there; dead-lettered in bob's share, they pushed bob's own dead letters out. They go under
+    no workspace, saying what they are."""
+    from ontofabric.shared.jetstream import last_sequence_on
+
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        bob = deployment.names.delta_subject("bob", "main")
+        delta = upsert("alice", document("a", "text")).model_dump_json().encode()
+        await deployment.nc.publish(deployment.names.delta_subject("alice", "main"), delta, reply=bob)
+        await deployment.nc.flush()
+        for _ in range(100):  # the server stores its acknowledgement on bob's subject
+            if (stored := await last_sequence_on(deployment.js, deployment.names.delta_stream, bob)) > 0:
+                break
+            await asyncio.sleep(0.05)
+        await deployment.wait_projected(stored)
+    finally:
+        await projector.stop()
+    (letter,) = await dead_letters(deployment.nc, deployment.names, Selection())
+    assert (letter.reason, letter.workspace, letter.original_subject) == ("invalid_schema", None, bob)
+    assert "publish acknowledgement" in letter.detail
+    assert await dead_letters(deployment.nc, deployment.names, Selection(workspace="bob")) == []
+
+
 async def test_a_name_too_long_for_its_index_is_dead_lettered_naming_the_field(deployment: Deployment) -> None:
     """A fault tester's 12 kB qualified name of random characters: PostgreSQL refused the index entry, and the
     dead letter said only that, naming no field."""

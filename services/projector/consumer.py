@@ -43,7 +43,7 @@ from ontofabric.shared.subjects import NO_WORKSPACE, Names, Partition, workspace
 from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
-from .planning import Rejection, RejectReason
+from .planning import MISROUTED_ACKNOWLEDGEMENT, Rejection, RejectReason
 from .runner import Outcome, ProjectionRunner
 
 log = get_logger(__name__)
@@ -517,8 +517,10 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
         headers["Ontofabric-Body-Omitted"] = f"{len(body)} bytes, over the server's max_payload with these headers"
         body = b""
     # Under the workspace's own token, when the subject names one canonically: a consistency tester's delta on
-    # "tEab57_63" (not the token of any name) went to a dead-letter subject no workspace selects.
-    token = workspace_token_of(msg.subject) if workspace_of(msg.subject) is not None else None
+    # "tEab57_63" (not the token of any name) went to a dead-letter subject no workspace selects. Not a server's
+    # acknowledgement another publisher sent there, which is no delta of the workspace's.
+    named = workspace_of(msg.subject) is not None and rejection.detail != MISROUTED_ACKNOWLEDGEMENT
+    token = workspace_token_of(msg.subject) if named else None
     return DeadLetter(names.dlq_subject(token or NO_WORKSPACE), body, headers)
 
 

@@ -82,6 +82,8 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
     try:
         envelope = DeltaEnvelope.model_validate_json(data)
     except ValidationError as error:
+        if publish_acknowledgement(data):
+            return Rejection("invalid_schema", MISROUTED_ACKNOWLEDGEMENT)
         return Rejection("invalid_schema", _summarise(error))
     # Exactly <prefix>.delta.<workspace>.<branch>: a subject with more tokens between names another workspace
     # to whatever reads the tokens after "delta" (partition placement, a rebuild's replay).
@@ -110,6 +112,32 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
         if problem is not None:
             return problem
     return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped, stored=(subject, data))
+
+
+MISROUTED_ACKNOWLEDGEMENT = (
+    "a JetStream publish acknowledgement, not a delta: a publisher named this subject as its reply subject; "
+    "dead-lettered under no workspace"
+)
+_ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate"})
+
+
+def publish_acknowledgement(data: bytes) -> bool:
+    """Whether a message is what JetStream answers a publish with. The server sends it to the reply subject the
+    publisher named, whatever that is, so no permission of the publisher's stops it: one tenant's publishes naming
+    another's delta subject stored their acknowledgements there, and each, dead-lettered in that tenant's share,
+    pushed out one of its own dead letters (an outside tester's). It is no tenant's delta, and goes under none."""
+    if len(data) > 512:
+        return False
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return False
+    return (
+        isinstance(body, dict)
+        and {"stream", "seq"} <= body.keys() <= _ACKNOWLEDGEMENT_KEYS
+        and isinstance(body["stream"], str)
+        and isinstance(body["seq"], int)
+    )
 
 
 def embedded_by_another(document: SemanticDocument, model: str) -> bool:

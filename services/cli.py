@@ -833,10 +833,15 @@ def gateway_token_add(
             except ValidationError:
                 _fail(f"{name!r} is not a workspace name")
     store = _token_store(data_dir)
+    earlier = next((grant for grant in store.grants() if grant.client == client), None)
     try:
         token = store.add(client, workspace)
     except ValueError as refused:
         _fail(str(refused))
+    if earlier is not None:  # a tenant tester's old token stopped working with nothing said
+        errors.print(
+            f"replaced the earlier token of {client!r} (for {', '.join(earlier.workspaces)}): it works no more"
+        )
     errors.print(f"token of {client!r} for {', '.join(sorted(set(workspace)))} (kept hashed in {store.path}):")
     print(token)
 

@@ -366,6 +366,11 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
     token = issued.stdout.strip()
     assert token not in (tmp_path / "tokens.json").read_text()  # kept hashed
     assert stat.S_IMODE((tmp_path / "tokens.json").stat().st_mode) == 0o600
+    assert "replaced" not in issued.stderr
+    # Issued again, it says the earlier one works no more (a tenant tester's stopped with nothing said).
+    again = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
+    assert "replaced the earlier token of 'alice' (for acme): it works no more" in again.stderr
+    token = again.stdout.strip()
     async with _http_gateway(deployment, **tokens) as url:
         async with httpx2.AsyncClient() as http:
             for headers in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": f"Basic {token}"}):

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed, source_place
 from ontofabric.contracts.documents import NOT_FOLLOWING
+from ontofabric.services.gateway.tools import answer_notes
 from ontofabric.services.ops.status import DeploymentStatus
 from ontofabric.shared.discovery import (
     INSTANCE,
@@ -74,6 +75,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
             f"[yellow]branch {escape(meta.branch)!r} has nothing of its own indexed: these are main's results[/yellow] "
             "(check the branch's name, or `ontofabric status`)"
         )
+    for note in answer_notes(reply, query):
+        console.print(f"[yellow]{as_text(note)}[/yellow]")
     if meta.freshness is not None and meta.freshness.stream_refused:
         console.print(f"[yellow]{escape(NOT_FOLLOWING)}[/yellow]")
     timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())

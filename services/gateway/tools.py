@@ -365,7 +365,7 @@ STANDING = {
 
 
 def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: bool = True) -> str:
-    meta, object_type = reply.meta, arguments.get("objectType")
+    meta = reply.meta
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(_counted(len(reply.results), "result"))
@@ -385,48 +385,7 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
             f"branch {meta.branch!r} has nothing of its own indexed: these are main's results (check the branch's "
             "name, or ontology_status)"
         )
-    named = identifier_of(str(arguments.get("semanticQuery") or ""))
-    # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
-    lookup_ran = "exactSymbol" in meta.timings_ms and "exactSymbol" not in meta.degraded  # ran, and did not fail
-    if named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:
-        filtered = any(
-            arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
-        )
-        head.append(
-            f"no chunk defining a symbol named {named!r}{' within the filters' if filtered else ''} is indexed in "
-            f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
-        )
-    asked = meta.relation
-    if asked is not None and not asked.symbol_indexed:
-        head.append(
-            f"no symbol named {asked.symbol!r} is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}, "
-            f"so nothing was found as its {asked.relation}"
-            + (": these are search results for the name" if reply.results else "")
-            + " (check the name's spelling, or ask by the qualified name a result shows)"
-        )
-    elif asked is not None and meta.relation_found > meta.relation_matches > 0:  # an agent tester's: 3 of 13
-        more = f"{meta.relation_found} or more" if meta.relation_found >= RELATIONS_READ else str(meta.relation_found)
-        # Which limit cut them: a tester's answer said "larger topK" with topK 30 and 28 results cut for size.
-        budget_cut = meta.budget is not None and meta.budget.results_dropped > 0
-        head.append(
-            f"{meta.relation_matches} of the {more} chunks standing in relation {asked.relation!r} to "
-            f"{asked.symbol!r} shown: ask with a larger {'maxTokens' if budget_cut else 'topK'} for the rest"
-        )
-    elif asked is not None and not meta.relation_matches:
-        # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so
-        # that they do not read as the relation's, whether relatedTo or the query's words asked it.
-        relation = f"no result here was found standing in relation {asked.relation!r} to {asked.symbol!r}"
-        if asked.relation in ("callers", "callees"):  # a tester read "nothing calls it" above a result calling it
-            relation += " by reading the code's syntax, which does not see a call through a variable or an attribute"
-        elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
-            relation += " (imports are read between modules: for a class or function, ask what calls it)"
-        head.append(relation + (": these are search results" if reply.results else ""))
-    if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
-        # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
-        head.append(
-            f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
-            "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
-        )
+    head.extend(answer_notes(reply, arguments))
     if meta.calibrated:
         head.append("scores: estimated probability of relevance, each its own (the ranking is the order)")
     if meta.below_min_relevance:
@@ -474,6 +433,57 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
             f"\n{_counted(dropped, 'more chunk')} left out as nested in or holding a result, not named for room"
         )
     return "\n".join(lines)
+
+
+def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
+    """What an answer's results are not, said in words: no definition of the name asked, no symbol of the relation
+    asked, only some of those standing in it, nothing of the objectType asked. The MCP text and ``ontofabric
+    query``'s table both say them (a tester's table showed a wrong chunk at 0.9 for a name it said nothing of)."""
+    meta, object_type = reply.meta, arguments.get("objectType")
+    notes: list[str] = []
+    named = identifier_of(str(arguments.get("semanticQuery") or ""))
+    # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
+    lookup_ran = "exactSymbol" in meta.timings_ms and "exactSymbol" not in meta.degraded  # ran, and did not fail
+    if named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:
+        filtered = any(
+            arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
+        )
+        notes.append(
+            f"no chunk defining a symbol named {named!r}{' within the filters' if filtered else ''} is indexed in "
+            f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
+        )
+    asked = meta.relation
+    if asked is not None and not asked.symbol_indexed:
+        notes.append(
+            f"no symbol named {asked.symbol!r} is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}, "
+            f"so nothing was found as its {asked.relation}"
+            + (": these are search results for the name" if reply.results else "")
+            + " (check the name's spelling, or ask by the qualified name a result shows)"
+        )
+    elif asked is not None and meta.relation_found > meta.relation_matches > 0:  # an agent tester's: 3 of 13
+        more = f"{meta.relation_found} or more" if meta.relation_found >= RELATIONS_READ else str(meta.relation_found)
+        # Which limit cut them: a tester's answer said "larger topK" with topK 30 and 28 results cut for size.
+        budget_cut = meta.budget is not None and meta.budget.results_dropped > 0
+        notes.append(
+            f"{meta.relation_matches} of the {more} chunks standing in relation {asked.relation!r} to "
+            f"{asked.symbol!r} shown: ask with a larger {'maxTokens' if budget_cut else 'topK'} for the rest"
+        )
+    elif asked is not None and not meta.relation_matches:
+        # Search results alone then (none stands in it, or filters, topK or minRelevance left those out): said, so
+        # that they do not read as the relation's, whether relatedTo or the query's words asked it.
+        relation = f"no result here was found standing in relation {asked.relation!r} to {asked.symbol!r}"
+        if asked.relation in ("callers", "callees"):  # a tester read "nothing calls it" above a result calling it
+            relation += " by reading the code's syntax, which does not see a call through a variable or an attribute"
+        elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
+            relation += " (imports are read between modules: for a class or function, ask what calls it)"
+        notes.append(relation + (": these are search results" if reply.results else ""))
+    if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
+        # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
+        notes.append(
+            f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
+            "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
+        )
+    return notes
 
 
 def _result_line(result: SearchResult, briefly: bool = False) -> str:

@@ -385,6 +385,28 @@ async def test_chunks_an_edit_above_moves_go_again_with_their_new_lines_and_thei
     assert (await ingester.ingest(tree, "repo")).upserts == 0
 
 
+async def test_a_chunk_with_no_text_goes_without_vectors(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, tmp_path: Path
+) -> None:
+    """An agent tester's: pytest's empty `_pytest/_py/__init__.py` had a vector of its name alone, the first dense
+    result for "Pytester". It has none now; its chunk stays, for its name and its relations."""
+    tree = tmp_path / "tree"
+    _write(tree, {"__init__.py": "", "tools.py": "def helper():\n    return 1\n"})
+    report = await Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes).ingest(
+        tree, "repo"
+    )
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    rows = await deployment.fetch(
+        "SELECT symbol_fqn, embedding IS NOT NULL AS embedded FROM documents WHERE workspace = 'repo' AND NOT deleted"
+    )
+    assert {r["symbol_fqn"]: r["embedded"] for r in rows} == {
+        "tree": False,
+        "tree.tools": True,
+        "tree.tools.helper": True,
+    }
+
+
 async def test_a_python_file_that_does_not_parse_is_indexed_whole_and_named_in_the_report(
     deployment: Deployment, embedder: Embedder, tmp_path: Path
 ) -> None:

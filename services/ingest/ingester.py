@@ -1042,15 +1042,18 @@ class Ingester:
         )
 
     async def _embed(self, chunks: Sequence[Chunk]) -> list[ChunkEmbedding | None]:
+        """Each chunk's vectors; none for a chunk with no text (an empty ``__init__.py``), whose vector was its
+        name's alone and came first among the dense results for questions in its name's words (an agent tester's
+        ``_pytest._py`` for "Pytester"): it is found by its name, its relations and keyword search."""
         if self._embedder is None:
             return [None] * len(chunks)
         embedder = self._embedder
         self._progress.stage("embed", len(chunks))
         texts = [c.embedding_text for c in chunks]
-        order = longest_first(texts)
+        written = [i for i in longest_first(texts) if chunks[i].content.strip()]
         embedded: list[ChunkEmbedding | None] = [None] * len(chunks)
-        for start in range(0, len(order), EMBED_BATCH):
-            indexes = order[start : start + EMBED_BATCH]
+        for start in range(0, len(written), EMBED_BATCH):
+            indexes = written[start : start + EMBED_BATCH]
             batch = [texts[i] for i in indexes]
             embed = self._cache.embed if self._cache is not None else embed_with_signs
             result = await asyncio.to_thread(embed, embedder, batch)
@@ -1064,6 +1067,7 @@ class Ingester:
             for i, chunk_embedding in zip(indexes, made, strict=True):
                 embedded[i] = chunk_embedding
             self._progress.advance("embed", len(batch))
+        self._progress.advance("embed", len(chunks) - len(written))
         return embedded
 
 

@@ -1677,6 +1677,12 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     assert "nothing matched objectType 'method'" in empty
     assert "symbolKind (class, function, method)" in empty
     assert "nothing matched" not in render(QueryResponse(results=[hit], _meta=meta), {"objectType": "t.T"})
+    # And symbolKind's (an agent tester's "klass" got nothing, with nothing said).
+    klass = render(QueryResponse(results=[], _meta=meta), {"symbolKind": "klass"})
+    assert "nothing matched symbolKind 'klass': a kind is one an ingester wrote" in klass
+    assert "nothing matched symbolKind" not in render(
+        QueryResponse(results=[], _meta=meta), {"symbolKind": "klass", "chunkLevel": "doc"}
+    )
     # Not when something else may have emptied the answer: the budget, another filter, minRelevance, no index.
     cut = meta.model_copy(update={"budget": BudgetReport(max_tokens=1000, estimated_tokens=90, results_dropped=1)})
     for other_cause in (

@@ -477,11 +477,17 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
             relation += " (imports are read between modules: for a class or function, ask what calls it)"
         notes.append(relation + (": these are search results" if reply.results else ""))
-    if not reply.results and isinstance(object_type, str) and _object_type_alone_selected_nothing(meta, arguments):
+    if not reply.results and isinstance(object_type, str) and _alone_selected_nothing(meta, arguments, "objectType"):
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
         notes.append(
             f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
             "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
+        )
+    kind = arguments.get("symbolKind")
+    if not reply.results and isinstance(kind, str) and _alone_selected_nothing(meta, arguments, "symbolKind"):
+        notes.append(  # an agent tester's "klass" got nothing, with nothing said
+            f"nothing matched symbolKind {kind!r}: a kind is one an ingester wrote (this project's: module, class, "
+            "function, method, docstring, section)"
         )
     return notes
 
@@ -518,12 +524,13 @@ def _counted(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
-def _object_type_alone_selected_nothing(meta: QueryMeta, arguments: dict[str, Any]) -> bool:
-    """Whether an empty answer is objectType's doing alone: not the budget's, another filter's, minRelevance's, an
-    empty index's or a narrowing that could not run."""
+def _alone_selected_nothing(meta: QueryMeta, arguments: dict[str, Any], named: str) -> bool:
+    """Whether an empty answer is the filter ``named``'s doing alone: not the budget's, another filter's,
+    minRelevance's, an empty index's or a narrowing that could not run."""
+    others = ("objectType", "chunkLevel", "provenance", "symbolKind", "minRelevance")
     return (
         not (meta.budget is not None and meta.budget.results_dropped)
-        and all(arguments.get(name) is None for name in ("chunkLevel", "provenance", "symbolKind", "minRelevance"))
+        and all(arguments.get(name) is None for name in others if name != named)
         and not nothing_indexed(meta.ontology_version)
         and "objectTypeNarrowing" not in meta.degraded
     )

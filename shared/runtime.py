@@ -209,7 +209,11 @@ def _spawn(
     user: str | None = None,
     env: dict[str, str] | None = None,
 ) -> ManagedProcess:
-    log_file: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the child owns it; closed below
+    # Owner-only: a server's log names users, workspaces and the subjects they were refused (a tenant tester's
+    # found them readable by every local user). A server running as another user writes through this descriptor.
+    descriptor = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(descriptor, 0o600)  # an existing log keeps its mode through O_CREAT
+    log_file: IO[bytes] = os.fdopen(descriptor, "ab")
     try:
         process = subprocess.Popen(
             argv,

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -146,6 +147,10 @@ def test_a_restarted_runtime_keeps_its_ports_while_they_are_free(tmp_path: Path)
     assert moved[1] == first[1]  # the database's port was free: kept
     (tmp_path / "postgres" / "ports.json").write_text("[0, 1")  # unreadable: a fresh port
     assert urlsplit(urls()[1]).port not in (0, None)
+    # The servers' logs name users, workspaces and refused subjects: their owner's alone (a tenant tester's).
+    logs = {path.name: stat.S_IMODE(path.stat().st_mode) for path in tmp_path.rglob("*.log")}
+    assert {"nats-server.log", "postgres.log"} <= logs.keys()
+    assert set(logs.values()) == {0o600}, logs
 
 
 @pytest.mark.parametrize("server", ["nats", "postgres"])

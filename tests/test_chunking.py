@@ -475,6 +475,18 @@ def test_a_chunk_longer_than_the_content_limit_keeps_its_start_and_says_how_long
     assert whole.cut_from_bytes is None
 
 
+def test_names_past_what_a_document_carries_are_named_in_a_warning() -> None:
+    """A tenant tester's module assigning 10,000 names: those past the 512th were not found by name, unsaid."""
+    from structlog.testing import capture_logs
+
+    sources = {"many.py": "".join(f"a{n} = {n}\n" for n in range(10_000)), "few.py": "x = 1\n"}
+    with capture_logs() as logged:
+        chunk_sources(Path("."), sources, 1 << 20)
+    (cut,) = [entry for entry in logged if entry["event"] == "ingest_names_cut"]
+    assert (cut["symbol"], cut["names"]) == ("many", 10_000)
+    assert 0 < cut["kept"] < 10_000
+
+
 def _desired(chunks: list) -> dict[str, str]:  # type: ignore[type-arg]
     return {f"d:{c.document_id}": c.content_hash for c in chunks}
 

@@ -338,6 +338,15 @@ def chunk_sources(
                 kept_bytes=max_content_bytes,
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
+        if len(kept := carried_defines(chunk.defines)) < len(chunk.defines):  # a tester's 10,000 went unsaid
+            log.warning(
+                "ingest_names_cut",
+                path=chunk.file_path,
+                symbol=chunk.symbol_fqn,
+                names=len(chunk.defines),
+                kept=len(kept),
+                reason="more names assigned than a document's metadata carries: those after are not found by name",
+            )
     return [
         chunk
         if chunk.chunk_level == "doc"

@@ -189,6 +189,12 @@ def test_the_line_assigning_a_name_is_its_least_indented_assignment() -> None:
     assert assignment_line("    class Inner:\n        x = 1\n", "x", 10) == 11
     assert assignment_line("handlers = {}\nhandlers[DEFAULT] = 1\nDEFAULT = 2\n", "DEFAULT", 1) == 3  # an item's
     assert assignment_line("FILTERS = (\n" + "1,\n" * 60_000, "FILTERS", 1) == 1  # cut, too long to parse
+    # A module published under another name (pytest.mark for MARK_GEN): a class's `mark` is not it.
+    marked = "class MarkDecorator:\n    mark: int\nMARK_GEN = 1\n"
+    assert assignment_line(marked, "mark", 1) == 2
+    assert assignment_line(marked, "mark", 1, top_only=True) is None
+    assert assignment_line("class C:\n    mark = (\n" + "1,\n" * 60_000, "mark", 1, top_only=True) is None
+    assert assignment_line("mark = 1\n", "mark", 1, top_only=True) == 1
 
 
 def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> None:
@@ -248,7 +254,8 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
 SHAPES = {
     "__init__.py": '"""Shapes and their areas."""\nfrom ._base import Outline\nfrom .circle import Circle\n'
     "Round = Circle\n"  # another name for it (attrs' `s = attrs`)
-    "from .square import UNIT\n",  # a module's constant, published (pytest.skip for _pytest.outcomes.skip)
+    "from .square import UNIT\n"  # a module's constant, published (pytest.skip for _pytest.outcomes.skip)
+    "from ._base import WIDTH as stroke\n",  # under another name (pytest.mark for MARK_GEN)
     # Every public name of another module, taken by `*` (attrs.validators is `from attr.validators import *`).
     "everything.py": "from .square import *\n",
     # A private class's member: no module publishes it.
@@ -261,6 +268,7 @@ SHAPES = {
     "_base.py": """
         class Outline:
             stroke = 1
+        WIDTH = 2
         """,
     "circle.py": '''
         class Circle:
@@ -388,6 +396,10 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
         assert _names(attribute)[0] == "shapes._base.Outline (type)", text
         assert attribute.results[0].assigned_at_line == 3, text
     assert circle.results[0].assigned_at_line is None  # a class's own chunk: its lines say where it is
+    # Published under another name: its module, and no line of a class's attribute of that name (line 3).
+    renamed = await _ask(client, "shapes.stroke")
+    assert (_names(renamed)[0], renamed.meta.exact_symbol_matches) == ("shapes._base (file)", 1)
+    assert renamed.results[0].assigned_at_line is None
     assert (await _ask(client, "circle.UNIT")).meta.exact_symbol_matches == 0  # another module's name
     # A review's: a misspelt module before an assigned name is no known symbol.
     misspelt = await _ask(client, "what calls nosuchmodule.UNIT")

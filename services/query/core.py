@@ -197,6 +197,9 @@ class Definitions:
     assigning: frozenset[str] = frozenset()
     """For a definitions lookup: those found as the chunk assigning the name (a module's constant, a class's
     attribute), which has no chunk of its own."""
+    publishing: frozenset[str] = frozenset()
+    """Those of ``assigning`` found as a module publishing the name for one it assigns (``pytest.skip``): assigned
+    at the module's level, if under that name at all (``MARK_GEN as mark``: none)."""
 
 
 class DocumentStore(Protocol):

@@ -305,7 +305,9 @@ class QueryPipeline:
         if definitions.assigning and (name := identifier_of(run.text)) is not None:
             contents = {doc_id: documents[doc_id].content for doc_id in definitions.assigning if doc_id in documents}
             # Parsed in a thread: the loop goes on serving others meanwhile (a review's: tens of ms a chunk).
-            results = await asyncio.to_thread(with_assignment_lines, results, definitions.assigning, name, contents)
+            results = await asyncio.to_thread(
+                with_assignment_lines, results, definitions.assigning, name, contents, definitions.publishing
+            )
         if run.query.min_relevance is not None:  # a tester's agent read "0 results" as nothing there
             scored = len(candidates) if scores is None else sum(hit.id in scores for hit in candidates)
             run.report(below_min_relevance=max(0, min(run.query.top_k, scored) - len(results)))

@@ -667,7 +667,12 @@ class PostgresDocuments:
         inner = await self._definitions(scope, f"{published}.{member}", limit)
         named = {doc_id: name for doc_id in inner.symbols}
         return Definitions(
-            named, inner.version, inner.modules, published_as=f"{published}.{member}", assigning=inner.assigning
+            named,
+            inner.version,
+            inner.modules,
+            published_as=f"{published}.{member}",
+            assigning=inner.assigning,
+            publishing=inner.publishing,
         )
 
     async def _definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
@@ -725,10 +730,17 @@ class PostgresDocuments:
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
         # A module's chunk published under the name publishes a name it assigns (pytest.skip): where, as assigning.
-        assigned = frozenset(
-            [r["id"] for r in assigning] + [r["id"] for r in published if r["chunk_level"] == "file"]
-        ) - {r["id"] for r in rows}
-        return Definitions(found, snapshot.version, modules, published_as=own, assigning=assigned)
+        publishing = frozenset(r["id"] for r in published if r["chunk_level"] == "file")
+        assigned = frozenset(r["id"] for r in assigning) | publishing
+        own_rows = {r["id"] for r in rows}
+        return Definitions(
+            found,
+            snapshot.version,
+            modules,
+            published_as=own,
+            assigning=assigned - own_rows,
+            publishing=publishing - own_rows,
+        )
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         # The chunks whose calls name one of the symbols, through documents_calls (infra/migrations/0017), whose

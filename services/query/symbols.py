@@ -219,33 +219,36 @@ PARSED_FOR_LINES_CHARS = 100_000
 parsable (cut), it is searched line by line."""
 
 
-def assignment_line(content: str, name: str, start_line: int) -> int | None:
+def assignment_line(content: str, name: str, start_line: int, top_only: bool = False) -> int | None:
     """The line of the file (``start_line``: the content's first) where ``content`` assigns ``name``, at the
     shallowest level that does (a module's, then its classes'; ``if`` and ``try`` blocks count as their level):
-    a module's constant, a class's attribute, which have no chunk of their own. None when it does not."""
+    a module's constant, a class's attribute, which have no chunk of their own. None when it does not. ``top_only``:
+    at the content's own level alone (a class's ``mark`` attribute is not the module's ``mark``)."""
     if len(content) <= PARSED_FOR_LINES_CHARS:
         try:
             tree = ast.parse(textwrap.dedent(content))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             pass
         else:
-            line = _assigned_at(tree.body, name)
+            line = _assigned_at(tree.body, name, top_only)
             return None if line is None else start_line + line - 1
     assigning = re.compile(rf"^([ \t]*)(?:[^\W\d]\w*[ \t]*=[ \t]*)*{re.escape(name)}[ \t]*(?::[^=\n]*)?=(?!=)", re.M)
     found = min(assigning.finditer(content), key=lambda m: (len(m.group(1)), m.start()), default=None)
-    return None if found is None else start_line + content.count("\n", 0, found.start())
+    if found is None or (top_only and found.group(1)):
+        return None
+    return start_line + content.count("\n", 0, found.start())
 
 
-def _assigned_at(body: list[ast.stmt], name: str) -> int | None:
-    """The first line of ``body``'s level assigning ``name`` (``A = ...``, ``A: T``, ``x, A = ...``), else of its
-    classes' bodies, level by level."""
+def _assigned_at(body: list[ast.stmt], name: str, top_only: bool = False) -> int | None:
+    """The first line of ``body``'s level assigning ``name`` (``A = ...``, ``A: T``, ``x, A = ...``), else (unless
+    ``top_only``) of its classes' bodies, level by level."""
     level = body
     while level:
         statements = at_level(level)
         for statement in statements:
             if name in assigned_by(statement):
                 return statement.lineno
-        level = [inner for s in statements if isinstance(s, ast.ClassDef) for inner in s.body]
+        level = [] if top_only else [inner for s in statements if isinstance(s, ast.ClassDef) for inner in s.body]
     return None
 
 
@@ -255,18 +258,23 @@ milliseconds: a name many modules assign, ``logger``, would have had all its chu
 
 
 def with_assignment_lines(
-    results: Sequence[SearchResult], assigning: Collection[str], name: str, contents: Mapping[str, str]
+    results: Sequence[SearchResult],
+    assigning: Collection[str],
+    name: str,
+    contents: Mapping[str, str],
+    publishing: Collection[str] = frozenset(),
 ) -> list[SearchResult]:
     """Each of the first :data:`LINES_FOUND_PER_ANSWER` results found by symbol as the chunk assigning ``name``
-    (``assigning``: their ids) with the line where it does (:func:`assignment_line`): an agent tester's ``FILTERS``
-    was answered by a module of 1,873 lines, cut before the line that assigns it, with nothing saying where."""
+    (``assigning``: their ids) with the line where it does (:func:`assignment_line`; ``publishing``: those assigning
+    it at their own level alone, :attr:`Definitions.publishing`): an agent tester's ``FILTERS`` was answered by a
+    module of 1,873 lines, cut before the line that assigns it, with nothing saying where."""
     placed, read = [], 0
     for result in results:
         start = result.metadata.get("startLine")
         found = result.id in assigning and any(f.retriever == SYMBOL for f in result.found_by)
         if found and isinstance(start, int) and read < LINES_FOUND_PER_ANSWER:
             read += 1
-            line = assignment_line(contents[result.id], last_part(name), start)
+            line = assignment_line(contents[result.id], last_part(name), start, result.id in publishing)
             result = result.model_copy(update={"assigned_at_line": line}) if line is not None else result
         placed.append(result)
     return placed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Self
 
@@ -156,6 +157,7 @@ def _query_or_filter_schema(schema: dict[str, Any]) -> None:
 
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
+_IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*"
 
 
 class RelatedTo(StrictRequest):
@@ -172,10 +174,21 @@ class RelatedTo(StrictRequest):
     symbol: str = Field(
         min_length=1,
         max_length=300,
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+        # Identifiers in any script, as Python reads them (a tenant tester's "café" was refused, asked in words it
+        # was found): JSON Schema's patterns have no Unicode classes without a flag, so this one lets any character
+        # past ASCII through and the check below reads them.
+        pattern=rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*$",
         description="The symbol's name or dotted qualified name (to_seconds, tenacity.wait.wait_base), matched as "
         "a query that is one identifier matches definitions.",
     )
+
+    @field_validator("symbol")
+    @classmethod
+    def _identifiers(cls, symbol: str) -> str:
+        named = unicodedata.normalize("NFKC", symbol)  # as Python reads an identifier, and as words asking it are
+        if not all(part.isidentifier() for part in named.split(".")):
+            raise ValueError("a name, or names joined by dots, as Python reads identifiers")
+        return named
 
 
 class OntologyQuery(StrictRequest):

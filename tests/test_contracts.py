@@ -78,6 +78,8 @@ def test_query_defaults() -> None:
         '{"relatedTo": {"relation": "callers", "symbol": "what calls f"}}',
         '{"relatedTo": {"relation": "callers"}}',
         '{"relatedTo": {"relation": "callers", "symbol": "f", "depth": 2}}',
+        '{"relatedTo": {"relation": "callers", "symbol": "a\\u202eb"}}',  # no identifier, past ASCII or not
+        '{"relatedTo": {"relation": "callers", "symbol": "1abc"}}',
     ],
 )
 def test_invalid_queries_are_rejected(body: str) -> None:
@@ -100,6 +102,12 @@ def test_a_relation_asked_by_structure_needs_no_text_and_is_searched_by_its_symb
         '{"semanticQuery": "x", "relatedTo": {"relation": "bases", "symbol": "C"}}'
     )
     assert both.search_text == "x"
+    # In any script, as Python reads identifiers (a tenant tester's "café" was refused, though asked in words it was
+    # found); full-width letters read as Python reads them.
+    for written, read in (("café", "café"), ("数据.处理", "数据.处理"), ("ｒｕｎ", "run")):
+        asked = OntologyQuery.model_validate({"relatedTo": {"relation": "callers", "symbol": written}})
+        assert asked.related_to is not None
+        assert asked.related_to.symbol == read
 
 
 def test_response_serialises_meta_with_underscore() -> None:

@@ -416,8 +416,21 @@ class DurableProjection:
             await asyncio.sleep(backoff_s(self._failing, FIRST_PAUSE_S, MAX_PAUSE_S))
 
     async def _settle(self, outcome: Outcome) -> None:
-        """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink."""
-        invalid = await self._not_dead_lettered_before(outcome.invalid)
+        """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink. A
+        server's publish acknowledgement stored on a delta subject is terminated, counted and logged, not
+        dead-lettered (:func:`planning.publish_acknowledgement`)."""
+        for msg, rejection in outcome.invalid:
+            if rejection.detail == MISROUTED_ACKNOWLEDGEMENT:
+                self._settled(msg)
+                await msg.term()
+                self._count(1, "acknowledgement_dropped")
+                log.warning(
+                    "delta_subject_acknowledgement_dropped", index=self._index, subject=msg.subject,
+                    seq=msg.metadata.sequence.stream,
+                    note="a publisher named this delta subject as its reply subject: JetStream stored its answer here",
+                )  # fmt: skip
+        rejected = [(msg, r) for msg, r in outcome.invalid if r.detail != MISROUTED_ACKNOWLEDGEMENT]
+        invalid = await self._not_dead_lettered_before(rejected)
         if self._dead_letters_invalid:
             for msg in await dead_letter(self._js, self._names, invalid, self._index):
                 self._settled(msg)
@@ -517,10 +530,8 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
         headers["Ontofabric-Body-Omitted"] = f"{len(body)} bytes, over the server's max_payload with these headers"
         body = b""
     # Under the workspace's own token, when the subject names one canonically: a consistency tester's delta on
-    # "tEab57_63" (not the token of any name) went to a dead-letter subject no workspace selects. Not a server's
-    # acknowledgement another publisher sent there, which is no delta of the workspace's.
-    named = workspace_of(msg.subject) is not None and rejection.detail != MISROUTED_ACKNOWLEDGEMENT
-    token = workspace_token_of(msg.subject) if named else None
+    # "tEab57_63" (not the token of any name) went to a dead-letter subject no workspace selects.
+    token = workspace_token_of(msg.subject) if workspace_of(msg.subject) is not None else None
     return DeadLetter(names.dlq_subject(token or NO_WORKSPACE), body, headers)
 
 

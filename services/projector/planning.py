@@ -114,19 +114,17 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
     return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped, stored=(subject, data))
 
 
-MISROUTED_ACKNOWLEDGEMENT = (
-    "a JetStream publish acknowledgement, not a delta: a publisher named this subject as its reply subject; "
-    "dead-lettered under no workspace"
-)
-_ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate"})
+MISROUTED_ACKNOWLEDGEMENT = "a JetStream publish acknowledgement, not a delta"
+_ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate", "error"})
 
 
 def publish_acknowledgement(data: bytes) -> bool:
-    """Whether a message is what JetStream answers a publish with. The server sends it to the reply subject the
-    publisher named, whatever that is, so no permission of the publisher's stops it: one tenant's publishes naming
-    another's delta subject stored their acknowledgements there, and each, dead-lettered in that tenant's share,
-    pushed out one of its own dead letters (an outside tester's). It is no tenant's delta, and goes under none."""
-    if len(data) > 512:
+    """Whether a message is what JetStream answers a publish with (its error answer too: a publish can ask for one
+    with a header). The server sends it to the reply subject the publisher named, whatever that is, so no
+    permission of the publisher's stops it: one tenant's publishes naming another's delta subject stored their
+    acknowledgements there, and each, dead-lettered in that tenant's share, pushed out one of its own dead letters
+    (an outside tester's). It is no tenant's delta and holds nothing to keep: it is not dead-lettered anywhere."""
+    if len(data) > 1024:
         return False
     try:
         body = json.loads(data)
@@ -134,9 +132,10 @@ def publish_acknowledgement(data: bytes) -> bool:
         return False
     return (
         isinstance(body, dict)
-        and {"stream", "seq"} <= body.keys() <= _ACKNOWLEDGEMENT_KEYS
+        and "stream" in body
+        and body.keys() <= _ACKNOWLEDGEMENT_KEYS
         and isinstance(body["stream"], str)
-        and isinstance(body["seq"], int)
+        and (isinstance(body.get("seq"), int) or isinstance(body.get("error"), dict))
     )
 
 

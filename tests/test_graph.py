@@ -7,6 +7,8 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
+from structlog.testing import capture_logs
+
 from ontofabric.services.ingest.graph import GraphLink, python_graph
 from ontofabric.services.ingest.ingester import chunk_sources
 from ontofabric.services.query.graph import GraphCache, GraphRows, LinkRow, NodeRow, OntologyGraph, expand, overlay
@@ -561,6 +563,20 @@ def test_a_name_a_module_assigns_is_published_with_its_chunk_where_a_package_imp
     chunks = {c.symbol_fqn: c for c in chunk_sources(Path("."), sources, 1 << 20)}
     assert chunks["_pytest.outcomes"].aliases == ("pytest.skip", "pytest.fail")
     assert chunks["_pytest.mark.structures"].aliases == ("pytest.mark", "_pytest.mark.MARK_GEN")
+    # A review's: a value bound to another (`SETTINGS = DEFAULTS`) is its module's own, answered there with its line,
+    # not published as the other's; and a package's own name for a constant was cut after 64 star imports'.
+    bound = {"pkg/config.py": "DEFAULTS = {}\n", "pkg/m.py": "from .config import DEFAULTS\nSETTINGS = DEFAULTS\n"}
+    assert python_exports(bound) == {}
+    crowded = {
+        "lib/__init__.py": "from ._core import skip\n",
+        "lib/_core.py": "".join(f"C{n} = {n}\n" for n in range(20)) + "skip = object()\n",
+        **{f"lib/m{n}.py": "from ._core import *\n" for n in range(4)},
+    }
+    with capture_logs() as logged:
+        core = {c.symbol_fqn: c for c in chunk_sources(Path("."), crowded, 1 << 20)}["lib._core"]
+    assert core.aliases[0] == "lib.skip"
+    (cut,) = [entry for entry in logged if entry["event"] == "ingest_names_cut"]
+    assert (cut["kind"], cut["names"], cut["kept"]) == ("published", 85, len(core.aliases))
 
 
 def test_what_a_star_takes_is_what_python_takes_and_a_packages_own_name_goes_first() -> None:

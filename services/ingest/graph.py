@@ -198,7 +198,9 @@ class _Resolver:
                 return None
             return self.symbol_fqn(target, symbol, hops + 1, values)
         if name in module.assigned:
-            bound = self.named_symbol(module, module.assigned[name], hops + 1, values)
+            # Another name for a class or function only: a value bound to another (`SETTINGS = DEFAULTS`) is this
+            # module's own, whose chunk answers it with its line (a review's found it answered by DEFAULTS').
+            bound = self.named_symbol(module, module.assigned[name], hops + 1)
             if bound is not None or not values:
                 return bound
         if values and name in module.values:

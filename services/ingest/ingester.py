@@ -326,6 +326,7 @@ def chunk_sources(
     ]
     calls = {key: carried_calls(names) for key, names in python_calls(python).items()}
     exports = python_exports(python)
+    completed = []
     for chunk in chunks:
         if chunk.parse_error is not None:
             log.warning("ingest_file_unparsed", path=chunk.file_path, error=chunk.parse_error)
@@ -338,32 +339,31 @@ def chunk_sources(
                 kept_bytes=max_content_bytes,
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
-        if len(kept := carried_defines(chunk.defines)) < len(chunk.defines):  # a tester's 10,000 went unsaid
-            log.warning(
-                "ingest_names_cut",
-                path=chunk.file_path,
-                symbol=chunk.symbol_fqn,
-                names=len(chunk.defines),
-                kept=len(kept),
-                reason="more names assigned than a document's metadata carries: those after are not found by name",
-            )
-    return [
-        chunk
-        if chunk.chunk_level == "doc"
-        else replace(
-            chunk,
-            calls=calls.get((chunk.file_path, chunk.symbol_fqn, chunk.line), ()),
-            aliases=_aliases(chunk, exports),
-        )
-        for chunk in chunks
-    ]
+        published = _aliases(chunk, exports) if chunk.chunk_level != "doc" else []
+        kept = carried_aliases(published)
+        # A tester's 10,000 assigned names went unsaid, and a review's package's own name for a constant.
+        for kind, names, carried in (
+            ("assigned", chunk.defines, carried_defines(chunk.defines)),
+            ("published", published, kept),
+        ):
+            if len(carried) < len(names):
+                log.warning(
+                    "ingest_names_cut", path=chunk.file_path, symbol=chunk.symbol_fqn, kind=kind, names=len(names),
+                    kept=len(carried),
+                    reason="more names than a document's metadata carries: those after are not found by name",
+                )  # fmt: skip
+        if chunk.chunk_level != "doc":
+            chunk = replace(chunk, calls=calls.get((chunk.file_path, chunk.symbol_fqn, chunk.line), ()), aliases=kept)
+        completed.append(chunk)
+    return completed
 
 
-def _aliases(chunk: Chunk, exports: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+def _aliases(chunk: Chunk, exports: Mapping[str, Sequence[str]]) -> list[str]:
     """The names the chunk's symbol is published under, and those of the names it assigns (a module's chunk:
-    ``pytest.skip`` for its ``skip``), as many as are carried."""
+    ``pytest.skip`` for its ``skip``), the shortest first: only so many are carried, and a package's own name for
+    one (``lib.skip``) went after 64 others' star imports of its constants (a review's)."""
     assigned = (name for defined in chunk.defines for name in exports.get(f"{chunk.symbol_fqn}.{defined}", ()))
-    return carried_aliases([*exports.get(chunk.symbol_fqn, ()), *assigned])
+    return sorted(dict.fromkeys([*exports.get(chunk.symbol_fqn, ()), *assigned]), key=lambda name: name.count("."))
 
 
 CALLS_BYTES = MAX_METADATA_BYTES // 2

@@ -409,6 +409,11 @@ def test_a_bare_decorator_calls_what_it_names() -> None:
 
             @fixture(scope="session")
             def session(): ...
+
+            @fixture
+            def shadowing():  # its decorator runs outside it: its own local does not hide it (a review's)
+                fixture = 1
+                return fixture
             """
         ),
     }
@@ -418,6 +423,7 @@ def test_a_bare_decorator_calls_what_it_names() -> None:
         ("pkg/use.py", "pkg.use.Kept"): ("pkg.marks.final",),
         ("pkg/use.py", "pkg.use.Kept.method"): ("pkg.marks.fixture",),
         ("pkg/use.py", "pkg.use.session"): ("pkg.marks.fixture",),
+        ("pkg/use.py", "pkg.use.shadowing"): ("pkg.marks.fixture",),
     }
 
 

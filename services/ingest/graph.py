@@ -559,9 +559,13 @@ def python_calls(
         for fqn, line, code, owner in _code_scopes(module):
             found = calls.setdefault((module.path, fqn, line), set())
             for node in code:
-                shadowed = _local_names(node) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else set()
+                function = node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
+                shadowed = _local_names(function) if function is not None else set()
+                # Its decorators run where it is defined, outside it: its own locals do not hide them (a review's).
+                outside = function.decorator_list if function is not None else []
                 for call, self_class in _calls_in(node, owner):
-                    if isinstance(call.func, ast.Name) and call.func.id in shadowed:
+                    own = any(call is d or call.func is d for d in outside)
+                    if isinstance(call.func, ast.Name) and call.func.id in shadowed and not own:
                         continue  # a parameter or local variable, not the module's name
                     target = callee(module, call.func, self_class)
                     if target is not None and target != fqn:

@@ -399,8 +399,7 @@ def test_restructuredtext_is_split_by_section_title_as_docutils_reads_titles() -
     )
     chunks = chunk_document("docs/index.rst", source, 100_000)
     assert [(c.symbol_fqn, c.lines) for c in chunks] == [
-        ("docs/index.rst", (1, 2)),
-        ("docs/index.rst > Tenacity", (3, 8)),
+        ("docs/index.rst > Tenacity", (1, 8)),  # the label before it is no text of its own
         ("docs/index.rst > Tenacity > Waiting", (9, 13)),
         ("docs/index.rst > Tenacity > Waiting > Exponential", (14, 30)),
         ("docs/index.rst > Tenacity > Waiting > Jitter", (31, 34)),
@@ -417,6 +416,16 @@ def test_restructuredtext_is_split_by_section_title_as_docutils_reads_titles() -
     assert chunk_file("a.rst", "Title\n=====\n" + "word " * 2000 + "\n", 100_000)[0].symbol_fqn == "a.rst > Title"
     assert len(chunk_file("b.rst", "Title\n=====\n" + "a line of words\n\n" * 600, 1_000_000)) > 1
     assert chunk_file("c.txt", "Title\n=====\n", 100_000) == []
+    # A review's, as docutils reads them: a title right under another's underline, or right after a label, starts a
+    # section (it was missed, and every level after it shifted); an option list's item over an underline is none;
+    # a label between a heading and its first subsection is no text of the heading's section.
+    close = "=========\n Project\n=========\nOverview\n========\nSome text.\n.. _label:\nLabelled\n--------\n"
+    close += "\n-a  An option\n-------------\nmore\n\nSphinx\n======\n\n.. _linux:\n\nLinux\n-----\nbody\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_document("c.rst", close, 100_000)] == [
+        ("c.rst > Project > Overview", (1, 7)),
+        ("c.rst > Project > Overview > Labelled", (8, 14)),
+        ("c.rst > Project > Sphinx > Linux", (15, 22)),
+    ]
 
 
 def test_a_heading_with_nothing_under_it_goes_with_its_first_subsection() -> None:

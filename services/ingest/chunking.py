@@ -434,8 +434,14 @@ def _markdown_sections(source: str) -> Iterator[Section]:
         yield list(path), "".join(current), (first, first + len(current) - 1), _has_body(current, heading_lines)
 
 
+_LABEL = re.compile(r"^\.\. _[^:]*:\s*$")
+"""A reStructuredText label (`.. _linux:`), which names the title after it: no text of the section it is in."""
+
+
 def _has_body(section: list[str], heading_lines: int) -> bool:
-    return any(line.strip() for line in section[heading_lines:])
+    """Whether a section holds text besides its heading (a label for the next title is none, a review's Sphinx
+    case)."""
+    return any(line.strip() and not _LABEL.match(line) for line in section[heading_lines:])
 
 
 def _nested(path: list[str], level: int, title: str) -> list[str]:
@@ -444,9 +450,12 @@ def _nested(path: list[str], level: int, title: str) -> list[str]:
 
 
 _RST_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
-# A line that starts a list item, explicit markup (`.. note::`, a comment), a doctest, a line block or a field
-# list: no title, whatever is under it (docutils reads these before a paragraph).
-_RST_NO_TITLE = re.compile(r"([-+*\u2022\u2023\u2043]|\.\.|>>>|\|)(\s|$)|:[^:\s][^:]*:(\s|$)")
+# A line that starts a list item, explicit markup (`.. note::`, a comment), a doctest, a line block, a field list or
+# an option list (`-a  Verbose`, `--out=FILE  Where`): no title, whatever is under it (docutils reads these before a
+# paragraph).
+_RST_NO_TITLE = re.compile(
+    r"([-+*\u2022\u2023\u2043]|\.\.|>>>|\|)(\s|$)|:[^:\s][^:]*:(\s|$)|--?[A-Za-z0-9][\w-]*([ =]<?[\w-]+>?)?  +\S"
+)
 
 
 def _adornment(line: str) -> str:
@@ -459,9 +468,11 @@ def _adornment(line: str) -> str:
 def _rst_title(lines: list[str], at: int) -> tuple[tuple[str, bool], str, int] | None:
     """The section title starting at line ``at`` (0-based), as docutils reads one: its style (the adornment's
     character, and whether it has an overline too), its text and how many lines it takes; None when there is none.
-    A title starts a paragraph, unindented (with an overline, it may be inset), and an underline shorter than its
-    text counts only from four characters on."""
-    if (at > 0 and lines[at - 1].strip()) or at + 1 >= len(lines):
+    A title starts a paragraph, unindented (with an overline, it may be inset): after a blank line, another title's
+    underline, explicit markup (`.. _label:`) or an indented block (a review's: a title right under another's
+    underline was missed, and every level after it shifted). An underline shorter than its text counts only from
+    four characters on."""
+    if at + 1 >= len(lines) or (at > 0 and _continues_a_paragraph(lines[at - 1])):
         return None
     line = lines[at]
     if over := _adornment(line):
@@ -474,6 +485,11 @@ def _rst_title(lines: list[str], at: int) -> tuple[tuple[str, bool], str, int] |
         return None
     under, length = _adornment(lines[at + 1]), len(lines[at + 1].rstrip())
     return ((under, False), title, 2) if under and length >= min(len(title), 4) else None
+
+
+def _continues_a_paragraph(before: str) -> bool:
+    """Whether a line after ``before`` goes on with its paragraph rather than starting a block of its own."""
+    return bool(before.strip()) and before[0] not in " \t" and not _adornment(before) and not before.startswith("..")
 
 
 def _rst_sections(source: str) -> Iterator[Section]:

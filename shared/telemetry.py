@@ -141,8 +141,8 @@ def instruments() -> Instruments:
         query_errors=meter.create_counter("retrieval.query.errors", description="error replies, by code"),
         projector_deltas=meter.create_counter(
             "projector.deltas",
-            description="deltas handled, by outcome (applied, noop, dead_lettered, retried; acknowledgement_dropped: "
-            "a server's publish answer stored on a delta subject)",
+            description="deltas handled, by outcome (applied, noop, dead_lettered, retried; server_answer_dropped: "
+            "a server's answer stored on a delta subject)",
         ),
         projector_batch_duration=meter.create_histogram("projector.batch.duration_ms", unit="ms"),
         rerank_duration=meter.create_histogram(

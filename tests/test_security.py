@@ -25,6 +25,7 @@ from structlog.testing import capture_logs
 
 from ontofabric.contracts import StatusReply
 from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
@@ -34,7 +35,7 @@ from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, wit
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
 
-from .conftest import Deployment, connect_as
+from .conftest import Deployment, RecordedProgress, connect_as
 from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -300,6 +301,44 @@ async def test_a_connection_holds_a_bounded_number_of_subscriptions(
         assert again.is_connected
     finally:
         await again.close()
+
+
+async def test_a_tenant_cannot_have_a_server_answer_a_delta_onto_another_tenants_subject(
+    deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
+) -> None:
+    """A review's: alice's ingest user put a delta made out for bob into her own manifest key, and had a direct get
+    of it answered onto bob's delta subject (a reply subject takes no permission): the projector indexed it as
+    bob's. Her consumer-info requests, answered there too, were dead-lettered in bob's share. A server's answer on a
+    delta subject is dropped (counted and logged), by the projector and a rebuild alike; bob's own deltas apply."""
+    from ontofabric.services.ops.rebuild import Rebuild
+
+    alice = await connect_as(deployment, runtime, "ingest", "alice")
+    names = deployment.names
+    bob = names.delta_subject("bob", "main")
+    try:
+        planted = upsert("bob", document("planted", "planted by alice")).model_dump_json().encode()
+        key = f"$KV.{names.manifest_bucket}.alice.x"
+        await alice.publish(key, planted)
+        await alice.flush()
+        await asyncio.sleep(0.3)
+        await alice.publish(f"$JS.API.DIRECT.GET.KV_{names.manifest_bucket}.{key}", b"", reply=bob)
+        durable = names.every_postgres_projector_durable[0]
+        await alice.publish(f"$JS.API.CONSUMER.INFO.{names.delta_stream}.{durable}", b"", reply=bob)
+        await alice.flush()
+    finally:
+        await alice.close()
+    await asyncio.sleep(0.5)
+    own = await DeltaPublisher(deployment.js, names).publish(upsert("bob", document("own", "bob's own")))
+    await deployment.wait_projected(own.seq)
+    stored = await deployment.js.get_msg(names.delta_stream, own.seq - 1)
+    assert stored.subject == bob  # the server's answers reached bob's subject
+    ids = {r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE workspace = 'bob' AND NOT deleted")}
+    assert ids == {"own"}
+    assert await dead_letters(deployment.nc, names, Selection()) == []
+    rebuilt = Rebuild(deployment.settings, deployment.nats_url, deployment.database_url, "bob", RecordedProgress())
+    assert (await rebuilt.run()).swapped
+    ids = {r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE workspace = 'bob' AND NOT deleted")}
+    assert ids == {"own"}
 
 
 async def test_a_tenant_cannot_have_another_tenants_delta_dropped_as_a_repeat(

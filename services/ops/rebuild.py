@@ -360,8 +360,8 @@ class Rebuild:
         self._progress.stage("refold", upto)
         done = 0
 
-        def fold(stored: bytes, subject: str, seq: int) -> None:
-            checked = validate_delta(stored, subject, seq, self._limits)
+        def fold(stored: bytes, subject: str, seq: int, headers: dict[str, str] | None = None) -> None:
+            checked = validate_delta(stored, subject, seq, self._limits, headers)
             if isinstance(checked, Delta) and checked.seq not in failed:
                 expected.add(checked)
 
@@ -374,7 +374,7 @@ class Rebuild:
         ) as batches:
             async for batch in batches:
                 for msg in batch:
-                    fold(msg.data, msg.subject, msg.metadata.sequence.stream)
+                    fold(msg.data, msg.subject, msg.metadata.sequence.stream, msg.headers)
                 last = batch[-1].metadata.sequence.stream
                 self._progress.advance("refold", last - done)
                 done = last

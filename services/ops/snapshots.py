@@ -100,7 +100,7 @@ class SnapshotFold:
         self.covers = max(self.covers, stored.seq)
         if stored.seq in set_aside:
             return
-        checked = validate_delta(stored.data, stored.subject, stored.seq, self._limits)
+        checked = validate_delta(stored.data, stored.subject, stored.seq, self._limits, stored.headers)
         if isinstance(checked, Delta):
             self._fold_delta(stored, checked)
         elif checked.reason not in NEVER_APPLIES:  # it parsed: only settings refuse it
@@ -408,7 +408,7 @@ async def _fold_stream(
     read = 0
     async with read_in_order(nc, names.delta_stream, subjects, start, upto, 256, FETCH_TIMEOUT_S) as batches:
         async for batch in batches:
-            stored = [StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data) for msg in batch]
+            stored = [StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data, msg.headers) for msg in batch]
             never = set() if index is None else await _never_handled(index, fold.workspace, stored)
             for delta in stored:
                 fold.add(delta, set_aside | never if never else set_aside)

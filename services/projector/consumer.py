@@ -43,7 +43,7 @@ from ontofabric.shared.subjects import NO_WORKSPACE, Names, Partition, workspace
 from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import instruments, meter, tracer
 
-from .planning import MISROUTED_ACKNOWLEDGEMENT, Rejection, RejectReason
+from .planning import SERVER_ANSWER, Rejection, RejectReason
 from .runner import Outcome, ProjectionRunner
 
 log = get_logger(__name__)
@@ -417,19 +417,19 @@ class DurableProjection:
 
     async def _settle(self, outcome: Outcome) -> None:
         """Dead-letter (or terminate) what can never apply, nak what must come back, ack what is in the sink. A
-        server's publish acknowledgement stored on a delta subject is terminated, counted and logged, not
-        dead-lettered (:func:`planning.publish_acknowledgement`)."""
+        server's answer stored on a delta subject is terminated, counted and logged, not dead-lettered
+        (:data:`planning.SERVER_ANSWER`): it is no tenant's delta, and in a tenant's share it pushed out its own."""
         for msg, rejection in outcome.invalid:
-            if rejection.detail == MISROUTED_ACKNOWLEDGEMENT:
+            if rejection.detail == SERVER_ANSWER:
                 self._settled(msg)
                 await msg.term()
-                self._count(1, "acknowledgement_dropped")
+                self._count(1, "server_answer_dropped")
                 log.warning(
-                    "delta_subject_acknowledgement_dropped", index=self._index, subject=msg.subject,
+                    "delta_subject_server_answer_dropped", index=self._index, subject=msg.subject,
                     seq=msg.metadata.sequence.stream,
-                    note="a publisher named this delta subject as its reply subject: JetStream stored its answer here",
+                    note="a client named this delta subject as a reply subject: the server's answer was stored here",
                 )  # fmt: skip
-        rejected = [(msg, r) for msg, r in outcome.invalid if r.detail != MISROUTED_ACKNOWLEDGEMENT]
+        rejected = [(msg, r) for msg, r in outcome.invalid if r.detail != SERVER_ANSWER]
         invalid = await self._not_dead_lettered_before(rejected)
         if self._dead_letters_invalid:
             for msg in await dead_letter(self._js, self._names, invalid, self._index):

@@ -75,15 +75,20 @@ class Rejection:
     detail: str
 
 
-def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta | Rejection:
-    """Decide whether a raw message can ever apply. A Rejection is final: the message is dead-lettered."""
+def validate_delta(
+    data: bytes, subject: str, seq: int, limits: Limits, headers: Mapping[str, str] | None = None
+) -> Delta | Rejection:
+    """Decide whether a raw message can ever apply. A Rejection is final: the message is dead-lettered (a server's
+    answer stored on a delta subject, :func:`server_answer`, is dropped). ``headers``: the message's as stored."""
+    if server_answer_headers(headers):
+        return Rejection("invalid_schema", SERVER_ANSWER)
     if len(data) > limits.max_message_bytes:
         return Rejection("oversized", f"message is {len(data)} bytes, limit {limits.max_message_bytes}")
     try:
         envelope = DeltaEnvelope.model_validate_json(data)
     except ValidationError as error:
-        if publish_acknowledgement(data):
-            return Rejection("invalid_schema", MISROUTED_ACKNOWLEDGEMENT)
+        if publish_acknowledgement(data) or _api_answer(data):
+            return Rejection("invalid_schema", SERVER_ANSWER)
         return Rejection("invalid_schema", _summarise(error))
     # Exactly <prefix>.delta.<workspace>.<branch>: a subject with more tokens between names another workspace
     # to whatever reads the tokens after "delta" (partition placement, a rebuild's replay).
@@ -114,8 +119,26 @@ def validate_delta(data: bytes, subject: str, seq: int, limits: Limits) -> Delta
     return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped, stored=(subject, data))
 
 
-MISROUTED_ACKNOWLEDGEMENT = "a JetStream publish acknowledgement, not a delta"
+SERVER_ANSWER = "a NATS server's answer to a request that named this subject as its reply, not a delta"
 _ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate", "error"})
+SERVER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status")
+"""Headers the server sets on what it answers with (a direct get's stored message, a status), which a publisher
+cannot take off: a tenant put a delta made out for another into its own manifest key and had a direct get of it
+answered onto the other's delta subject, which the projector indexed (a review's). No delta carries them."""
+
+
+def server_answer_headers(headers: Mapping[str, str] | None) -> bool:
+    """Whether a message carries the headers of a server's answer (:data:`SERVER_HEADERS`)."""
+    return bool(headers) and any(name in SERVER_HEADERS for name in (headers or {}))
+
+
+def _api_answer(data: bytes) -> bool:
+    """Whether a body is a JetStream API answer (``io.nats.jetstream.api.v1.consumer_info_response`` ...)."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and str(body.get("type", "")).startswith("io.nats.jetstream.api.v1.")
 
 
 def publish_acknowledgement(data: bytes) -> bool:

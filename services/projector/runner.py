@@ -100,7 +100,7 @@ class ProjectionRunner:
         accepted: list[tuple[Msg, Delta]] = []
         limits = self._limits if self._reembedder is None else self._reembedder.limits(self._limits)
         for msg in messages:
-            checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, limits)
+            checked = validate_delta(msg.data, msg.subject, msg.metadata.sequence.stream, limits, msg.headers)
             if isinstance(checked, Rejection):
                 invalid.append((msg, checked))
             else:

@@ -49,6 +49,9 @@ class StoredDelta:
     seq: int
     subject: str
     data: bytes
+    headers: dict[str, str] | None = None
+    """As the stream holds it (what tells a server's answer from a delta); not kept in a snapshot, which holds
+    deltas only."""
 
 
 @dataclass

@@ -157,6 +157,7 @@ def _query_or_filter_schema(schema: dict[str, Any]) -> None:
 
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
+MAX_SYMBOL_CHARS = 300
 _IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*"
 
 
@@ -173,7 +174,7 @@ class RelatedTo(StrictRequest):
     )
     symbol: str = Field(
         min_length=1,
-        max_length=300,
+        max_length=MAX_SYMBOL_CHARS,
         # Identifiers in any script, as Python reads them (a tenant tester's "café" was refused, asked in words it
         # was found): JSON Schema's patterns have no Unicode classes without a flag, so this one lets any character
         # past ASCII through and the check below reads them.
@@ -188,6 +189,8 @@ class RelatedTo(StrictRequest):
         named = unicodedata.normalize("NFKC", symbol)  # as Python reads an identifier, and as words asking it are
         if not all(part.isidentifier() for part in named.split(".")):
             raise ValueError("a name, or names joined by dots, as Python reads identifiers")
+        if len(named) > MAX_SYMBOL_CHARS:  # NFKC may lengthen it: 'ﬃ' is 'ffi' (a review's)
+            raise ValueError(f"at most {MAX_SYMBOL_CHARS} characters as Python reads them")
         return named
 
 

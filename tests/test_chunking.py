@@ -426,6 +426,11 @@ def test_restructuredtext_is_split_by_section_title_as_docutils_reads_titles() -
         ("c.rst > Project > Overview > Labelled", (8, 14)),
         ("c.rst > Project > Sphinx > Linux", (15, 22)),
     ]
+    # A second review's: after `...` or `..word` (no explicit markup), a line of punctuation or a transition, the
+    # paragraph goes on, and the line under it is no title's.
+    for before in ("...and so it goes", "..nospace", "????", "----------"):
+        text = f"Intro\n=====\n\n{before}\nTitle\n-----\n"
+        assert [c.symbol_fqn for c in chunk_document("e.rst", text, 100_000)] == ["e.rst > Intro"], before
 
 
 def test_a_heading_with_nothing_under_it_goes_with_its_first_subsection() -> None:

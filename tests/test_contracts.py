@@ -80,6 +80,7 @@ def test_query_defaults() -> None:
         '{"relatedTo": {"relation": "callers", "symbol": "f", "depth": 2}}',
         '{"relatedTo": {"relation": "callers", "symbol": "a\\u202eb"}}',  # no identifier, past ASCII or not
         '{"relatedTo": {"relation": "callers", "symbol": "1abc"}}',
+        '{"relatedTo": {"relation": "callers", "symbol": "' + "\ufb03" * 300 + '"}}',  # 900 characters after NFKC
     ],
 )
 def test_invalid_queries_are_rejected(body: str) -> None:

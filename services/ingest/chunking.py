@@ -465,14 +465,14 @@ def _adornment(line: str) -> str:
     return bare[0] if bare and bare[0] in _RST_PUNCTUATION and bare.count(bare[0]) == len(bare) else ""
 
 
-def _rst_title(lines: list[str], at: int) -> tuple[tuple[str, bool], str, int] | None:
+def _rst_title(lines: list[str], at: int, after_title: bool = False) -> tuple[tuple[str, bool], str, int] | None:
     """The section title starting at line ``at`` (0-based), as docutils reads one: its style (the adornment's
     character, and whether it has an overline too), its text and how many lines it takes; None when there is none.
     A title starts a paragraph, unindented (with an overline, it may be inset): after a blank line, another title's
     underline, explicit markup (`.. _label:`) or an indented block (a review's: a title right under another's
     underline was missed, and every level after it shifted). An underline shorter than its text counts only from
     four characters on."""
-    if at + 1 >= len(lines) or (at > 0 and _continues_a_paragraph(lines[at - 1])):
+    if at + 1 >= len(lines) or (at > 0 and not after_title and _continues_a_paragraph(lines[at - 1])):
         return None
     line = lines[at]
     if over := _adornment(line):
@@ -487,9 +487,13 @@ def _rst_title(lines: list[str], at: int) -> tuple[tuple[str, bool], str, int] |
     return ((under, False), title, 2) if under and length >= min(len(title), 4) else None
 
 
+_EXPLICIT_MARKUP = re.compile(r"\.\.(\s|$)")
+
+
 def _continues_a_paragraph(before: str) -> bool:
-    """Whether a line after ``before`` goes on with its paragraph rather than starting a block of its own."""
-    return bool(before.strip()) and before[0] not in " \t" and not _adornment(before) and not before.startswith("..")
+    """Whether a line after ``before`` goes on with its paragraph rather than starting a block of its own (after
+    explicit markup, `.. ` and not `...`, or an indented block, it does not)."""
+    return bool(before.strip()) and before[0] not in " \t" and not _EXPLICIT_MARKUP.match(before)
 
 
 def _rst_sections(source: str) -> Iterator[Section]:
@@ -500,9 +504,9 @@ def _rst_sections(source: str) -> Iterator[Section]:
     styles: list[tuple[str, bool]] = []
     path: list[str] = []
     current: list[str] = []
-    first, heading_lines, at = 1, 0, 0
+    first, heading_lines, at, after_title = 1, 0, 0, -1  # after_title: the line after the last title's
     while at < len(lines):
-        found = _rst_title(lines, at)
+        found = _rst_title(lines, at, at == after_title)
         if found is None:
             current.append(lines[at])
             at += 1
@@ -515,6 +519,7 @@ def _rst_sections(source: str) -> Iterator[Section]:
         path = _nested(path, styles.index(style) + 1, title)
         current, first, heading_lines = lines[at : at + size], at + 1, size
         at += size
+        after_title = at
     if "".join(current).strip():
         yield list(path), "".join(current), (first, first + len(current) - 1), _has_body(current, heading_lines)
 

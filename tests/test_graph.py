@@ -414,6 +414,11 @@ def test_a_bare_decorator_calls_what_it_names() -> None:
             def shadowing():  # its decorator runs outside it: its own local does not hide it (a review's)
                 fixture = 1
                 return fixture
+
+            @fixture(scope=final())
+            def defaults(x=final(), *, y=fixture()):  # nor what its decorator's arguments and defaults call
+                final = fixture = 1
+                return final, fixture
             """
         ),
     }
@@ -424,6 +429,7 @@ def test_a_bare_decorator_calls_what_it_names() -> None:
         ("pkg/use.py", "pkg.use.Kept.method"): ("pkg.marks.fixture",),
         ("pkg/use.py", "pkg.use.session"): ("pkg.marks.fixture",),
         ("pkg/use.py", "pkg.use.shadowing"): ("pkg.marks.fixture",),
+        ("pkg/use.py", "pkg.use.defaults"): ("pkg.marks.final", "pkg.marks.fixture"),
     }
 
 

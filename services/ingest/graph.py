@@ -561,16 +561,23 @@ def python_calls(
             for node in code:
                 function = node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
                 shadowed = _local_names(function) if function is not None else set()
-                # Its decorators run where it is defined, outside it: its own locals do not hide them (a review's).
-                outside = function.decorator_list if function is not None else []
+                # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
+                # they call (a review's).
+                outside = {id(n) for root in _run_outside(function) for n in ast.walk(root)} if function else set()
                 for call, self_class in _calls_in(node, owner):
-                    own = any(call is d or call.func is d for d in outside)
-                    if isinstance(call.func, ast.Name) and call.func.id in shadowed and not own:
+                    inside = id(call) not in outside and id(call.func) not in outside
+                    if isinstance(call.func, ast.Name) and call.func.id in shadowed and inside:
                         continue  # a parameter or local variable, not the module's name
                     target = callee(module, call.func, self_class)
                     if target is not None and target != fqn:
                         found.add(target)
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
+
+
+def _run_outside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:
+    """What a function's definition evaluates where it is defined: its decorators and its parameters' defaults."""
+    arguments = function.args
+    return [*function.decorator_list, *arguments.defaults, *(d for d in arguments.kw_defaults if d is not None)]
 
 
 def applied(decorator: ast.expr) -> ast.expr:

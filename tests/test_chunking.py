@@ -431,6 +431,10 @@ def test_restructuredtext_is_split_by_section_title_as_docutils_reads_titles() -
     for before in ("...and so it goes", "..nospace", "????", "----------"):
         text = f"Intro\n=====\n\n{before}\nTitle\n-----\n"
         assert [c.symbol_fqn for c in chunk_document("e.rst", text, 100_000)] == ["e.rst > Intro"], before
+    # After a field's, a list's, a line block's or an option's item the title is one (after a doctest's, not).
+    for before in (":field: value", "- item", "| line", "-a  opt"):
+        text = f"Intro\n=====\n\n{before}\nTitle\n-----\n"
+        assert [c.symbol_fqn for c in chunk_document("f.rst", text, 100_000)][-1] == "f.rst > Intro > Title", before
 
 
 def test_a_heading_with_nothing_under_it_goes_with_its_first_subsection() -> None:

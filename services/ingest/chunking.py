@@ -492,8 +492,11 @@ _EXPLICIT_MARKUP = re.compile(r"\.\.(\s|$)")
 
 def _continues_a_paragraph(before: str) -> bool:
     """Whether a line after ``before`` goes on with its paragraph rather than starting a block of its own (after
-    explicit markup, `.. ` and not `...`, or an indented block, it does not)."""
-    return bool(before.strip()) and before[0] not in " \t" and not _EXPLICIT_MARKUP.match(before)
+    explicit markup, `.. ` and not `...`, an indented block, or a list's, a field's or a line block's item, it does
+    not; after a doctest's line it does)."""
+    if not before.strip() or before[0] in " \t" or _EXPLICIT_MARKUP.match(before):
+        return False
+    return before.startswith(">>>") or not _RST_NO_TITLE.match(before)
 
 
 def _rst_sections(source: str) -> Iterator[Section]:

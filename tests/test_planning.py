@@ -380,6 +380,36 @@ def test_a_validated_delta_carries_its_bytes_for_the_mark() -> None:
     assert delta.stored == (subject, data)  # a batch's last is marked by delta_mark(subject, data)
 
 
+def test_a_servers_answer_on_a_delta_subject_is_told_from_a_delta() -> None:
+    """What a NATS server answers a request with, when the request named a delta subject as its reply (a tenant's
+    way into another's subject, two reviews'): an ack, an error ack, an API answer, or anything with the headers the
+    server sets; not a delta, nor junk that merely parses, nor a body nested past what the parser reads (the suite
+    found 100,000 brackets stopping a batch with a RecursionError)."""
+    from ontofabric.services.projector.planning import SERVER_ANSWER
+
+    subject = "t.delta.bob.main"
+    answers = [
+        (b'{"stream":"ONTOFABRIC_DELTAS","seq":12}', None),
+        (b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 1"},"stream":"D","seq":0}', None),
+        (b'{"type":"io.nats.jetstream.api.v1.consumer_info_response","stream_name":"D"}', None),
+        (
+            upsert("bob", document("planted", "x")).model_dump_json().encode(),
+            {"Nats-Stream": "KV_m", "Nats-Sequence": "3"},
+        ),
+        (b"", {"Status": "404", "Description": "Message Not Found"}),
+    ]
+    for data, headers in answers:
+        rejected = validate_delta(data, subject, 1, LIMITS, headers)
+        assert isinstance(rejected, Rejection), data
+        assert rejected.detail == SERVER_ANSWER
+    for junk in (b"[" * 100_000, b'{"a":' * 100_000, b'{"stream": 1, "seq": 2}', b'{"seq": 2}', b"{}"):
+        rejected = validate_delta(junk, subject, 1, LIMITS)
+        assert isinstance(rejected, Rejection)
+        assert rejected.detail != SERVER_ANSWER
+    delta = upsert("bob", document("own", "x")).model_dump_json().encode()
+    assert isinstance(validate_delta(delta, subject, 1, LIMITS, {"Nats-Msg-Id": "bob:1"}), Delta)
+
+
 def test_a_long_key_over_a_long_list_costs_validation_little() -> None:
     """An audit's: every item's place was made as text before the size check, copying the key into each, and a
     delta of 240 KB (a key of 80,000 characters over a list of 80,000 items) took over 3 GB. It is refused for its

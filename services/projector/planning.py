@@ -79,7 +79,7 @@ def validate_delta(
     data: bytes, subject: str, seq: int, limits: Limits, headers: Mapping[str, str] | None = None
 ) -> Delta | Rejection:
     """Decide whether a raw message can ever apply. A Rejection is final: the message is dead-lettered (a server's
-    answer stored on a delta subject, :func:`server_answer`, is dropped). ``headers``: the message's as stored."""
+    answer stored on a delta subject, :data:`SERVER_ANSWER`, is dropped). ``headers``: the message's as stored."""
     if server_answer_headers(headers):
         return Rejection("invalid_schema", SERVER_ANSWER)
     if len(data) > limits.max_message_bytes:
@@ -134,11 +134,20 @@ def server_answer_headers(headers: Mapping[str, str] | None) -> bool:
 
 def _api_answer(data: bytes) -> bool:
     """Whether a body is a JetStream API answer (``io.nats.jetstream.api.v1.consumer_info_response`` ...)."""
+    body = _json_object(data, 64 * 1024)
+    return body is not None and str(body.get("type", "")).startswith("io.nats.jetstream.api.v1.")
+
+
+def _json_object(data: bytes, limit: int) -> dict[str, object] | None:
+    """``data`` as a JSON object, when it is one of at most ``limit`` bytes; None otherwise (nested past what the
+    parser reads too: 100,000 brackets stopped the batch with a RecursionError, the test suite's)."""
+    if len(data) > limit or not data.lstrip().startswith(b"{"):
+        return None
     try:
         body = json.loads(data)
-    except ValueError:
-        return False
-    return isinstance(body, dict) and str(body.get("type", "")).startswith("io.nats.jetstream.api.v1.")
+    except (ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def publish_acknowledgement(data: bytes) -> bool:
@@ -147,14 +156,9 @@ def publish_acknowledgement(data: bytes) -> bool:
     permission of the publisher's stops it: one tenant's publishes naming another's delta subject stored their
     acknowledgements there, and each, dead-lettered in that tenant's share, pushed out one of its own dead letters
     (an outside tester's). It is no tenant's delta and holds nothing to keep: it is not dead-lettered anywhere."""
-    if len(data) > 1024:
-        return False
-    try:
-        body = json.loads(data)
-    except ValueError:
-        return False
+    body = _json_object(data, 1024)
     return (
-        isinstance(body, dict)
+        body is not None
         and "stream" in body
         and body.keys() <= _ACKNOWLEDGEMENT_KEYS
         and isinstance(body["stream"], str)

@@ -87,7 +87,7 @@ def validate_delta(
     try:
         envelope = DeltaEnvelope.model_validate_json(data)
     except ValidationError as error:
-        if publish_acknowledgement(data) or _api_answer(data):
+        if server_answer_body(data):
             return Rejection("invalid_schema", SERVER_ANSWER)
         return Rejection("invalid_schema", _summarise(error))
     # Exactly <prefix>.delta.<workspace>.<branch>: a subject with more tokens between names another workspace
@@ -129,37 +129,30 @@ answered onto the other's delta subject, which the projector indexed (a review's
 
 def server_answer_headers(headers: Mapping[str, str] | None) -> bool:
     """Whether a message carries the headers of a server's answer (:data:`SERVER_HEADERS`)."""
-    return bool(headers) and any(name in SERVER_HEADERS for name in (headers or {}))
+    return any(name in SERVER_HEADERS for name in headers or {})
 
 
-def _api_answer(data: bytes) -> bool:
-    """Whether a body is a JetStream API answer (``io.nats.jetstream.api.v1.consumer_info_response`` ...)."""
-    body = _json_object(data, 64 * 1024)
-    return body is not None and str(body.get("type", "")).startswith("io.nats.jetstream.api.v1.")
+def server_answer_body(data: bytes) -> bool:
+    """Whether a body that is no delta is what JetStream answers a request with: a publish's acknowledgement (its
+    error answer too, which a publish asks for with a header) or an API answer (a consumer's info). The server sends
+    it to the reply subject the requester named, whatever that is, so no permission stops it: one tenant's
+    publishes naming another's delta subject stored their acknowledgements there, and each, dead-lettered in that
+    tenant's share, pushed out one of its own dead letters (an outside tester's). It holds nothing to keep.
 
-
-def _json_object(data: bytes, limit: int) -> dict[str, object] | None:
-    """``data`` as a JSON object, when it is one of at most ``limit`` bytes; None otherwise (nested past what the
-    parser reads too: 100,000 brackets stopped the batch with a RecursionError, the test suite's)."""
-    if len(data) > limit or not data.lstrip().startswith(b"{"):
-        return None
+    Parsed once, as a JSON object of at most 64 KiB: nested past what the parser reads it is none (100,000
+    brackets stopped the batch with a RecursionError, the test suite's)."""
+    if len(data) > 64 * 1024 or not data.lstrip().startswith(b"{"):
+        return False
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
-        return None
-    return body if isinstance(body, dict) else None
-
-
-def publish_acknowledgement(data: bytes) -> bool:
-    """Whether a message is what JetStream answers a publish with (its error answer too: a publish can ask for one
-    with a header). The server sends it to the reply subject the publisher named, whatever that is, so no
-    permission of the publisher's stops it: one tenant's publishes naming another's delta subject stored their
-    acknowledgements there, and each, dead-lettered in that tenant's share, pushed out one of its own dead letters
-    (an outside tester's). It is no tenant's delta and holds nothing to keep: it is not dead-lettered anywhere."""
-    body = _json_object(data, 1024)
+        return False
+    if not isinstance(body, dict):
+        return False
+    if str(body.get("type", "")).startswith("io.nats.jetstream.api.v1."):
+        return True
     return (
-        body is not None
-        and "stream" in body
+        "stream" in body
         and body.keys() <= _ACKNOWLEDGEMENT_KEYS
         and isinstance(body["stream"], str)
         and (isinstance(body.get("seq"), int) or isinstance(body.get("error"), dict))

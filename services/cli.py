@@ -366,7 +366,7 @@ def ingest(
     path: Annotated[
         Path,
         typer.Argument(
-            exists=True, file_okay=False, help="Source tree to ingest (.py, .md, .rst).", callback=_source_tree
+            exists=True, file_okay=False, help="Source tree to ingest (.py, .md, .rst, .txt).", callback=_source_tree
         ),
     ],
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.", callback=_workspace_name)],
@@ -472,7 +472,8 @@ def ingest(
                 _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
                 if report.files == 0 and not allow_empty:  # a first ingest of a wrong path said only "0 files"
                     errors.print(
-                        f"warning: {path} holds no source file this ingester reads (.py, .md, .rst): nothing to index",
+                        f"warning: {path} holds no source file this ingester reads (.py, .md, .rst, .txt): "
+                        "nothing to index",
                         soft_wrap=True,
                         markup=False,
                     )

@@ -415,7 +415,12 @@ def test_restructuredtext_is_split_by_section_title_as_docutils_reads_titles() -
     # The ingester reads such files, and a long one by parts as it does Markdown.
     assert chunk_file("a.rst", "Title\n=====\n" + "word " * 2000 + "\n", 100_000)[0].symbol_fqn == "a.rst > Title"
     assert len(chunk_file("b.rst", "Title\n=====\n" + "a line of words\n\n" * 600, 1_000_000)) > 1
-    assert chunk_file("c.txt", "Title\n=====\n", 100_000) == []
+    # A text file's titles are read so too (documentation kept in .txt is reStructuredText); plain text is one
+    # section, in parts when long. They were left out without a word.
+    (notes,) = chunk_file("docs/notes.txt", "Title\n=====\n\nbody\n", 100_000)
+    assert (notes.symbol_fqn, notes.source_domain, notes.lines) == ("docs/notes.txt > Title", "text", (1, 4))
+    plain = "a line of plain words, with no title at all\n\n" * 200
+    assert [c.symbol_fqn for c in chunk_file("LICENSE.txt", plain, 100_000)] == ["LICENSE.txt"] * 3
     # A review's, as docutils reads them: a title right under another's underline, or right after a label, starts a
     # section (it was missed, and every level after it shifted); an option list's item over an underline is none;
     # a label between a heading and its first subsection is no text of the heading's section.

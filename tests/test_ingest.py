@@ -77,7 +77,7 @@ async def test_ingest_publishes_only_what_changed(
                 """,
             "README.md": "# Shapes\nCompute areas.\n## Usage\nCall area.\n",
             ".hidden/skip.py": "x = 1\n",
-            "notes.txt": "not a source file\n",
+            "table.csv": "not,a,source,file\n",
         },
     )
     ingester = Ingester(deployment.js, deployment.names, embedder, deployment.settings.max_content_bytes)
@@ -1076,6 +1076,6 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
-    assert "holds no source file this ingester reads (.py, .md, .rst): nothing to index" in " ".join(
+    assert "holds no source file this ingester reads (.py, .md, .rst, .txt): nothing to index" in " ".join(
         first.stderr.split()
     )

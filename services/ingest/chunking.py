@@ -588,14 +588,21 @@ def section_parts(text: str, lines: tuple[int, int]) -> list[tuple[str, tuple[in
     return merged
 
 
-DOCUMENT_FORMATS = {".md": ("markdown", _markdown_sections), ".rst": ("restructuredtext", _rst_sections)}
-"""The suffixes of the documents read by section, with their source domain and how their sections are found."""
+DOCUMENT_FORMATS = {
+    ".md": ("markdown", _markdown_sections),
+    ".rst": ("restructuredtext", _rst_sections),
+    ".txt": ("text", _rst_sections),
+}
+"""The suffixes of the documents read by section, with their source domain and how their sections are found. A
+``.txt`` file's titles are read as reStructuredText's: plain text without underlined titles is one section (in
+parts when long), and documentation kept in ``.txt`` files (Django's, older Python projects') is reStructuredText.
+They were left out without a word."""
 
 
 def chunk_document(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
-    """A Markdown or reStructuredText file's sections (:data:`DOCUMENT_FORMATS`, by ``path``'s suffix). ``unread``:
-    why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk. A long section is cut
-    into parts (:func:`section_parts`)."""
+    """A Markdown, reStructuredText or text file's sections (:data:`DOCUMENT_FORMATS`, by ``path``'s suffix).
+    ``unread``: why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk. A long
+    section is cut into parts (:func:`section_parts`)."""
     suffix = path[path.rfind(".") :]
     domain, sections_of = DOCUMENT_FORMATS[suffix]
     document_type = object_type_name(path.removesuffix(suffix).replace("/", "."))

@@ -943,7 +943,7 @@ class Ingester:
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:
             raise EmptyTreeRefused(
-                f"{root} holds no source file this ingester reads (.py, .md, .rst): its ingest would take {gone} "
+                f"{root} holds no source file this ingester reads (.py, .md, .rst, .txt): its ingest would take {gone} "
                 f"documents out of {workspace}/{branch}. Nothing sent; check the path, or pass --allow-empty to empty "
                 "the branch on purpose"
             )

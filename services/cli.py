@@ -81,10 +81,9 @@ from ontofabric.shared.settings import Settings, SettingsUnusable, redacted_url,
 from ontofabric.shared.subjects import NO_WORKSPACE, Names
 from ontofabric.shared.telemetry import MetricsUnservable, configure_telemetry
 
-from .app import Roles, ServersEnded, serve_until_signal
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
+from .gateway.errors import StdioUnusable
 from .gateway.link import NatsLink, NatsUnavailable
-from .gateway.stdio import StdioUnusable
 from .ingest.client import PublishFailed
 from .ops.dead_letters import (
     DeadLetter,
@@ -227,16 +226,21 @@ def _checked(adapter: TypeAdapter[str], value: str, rule: str) -> str:
 def _serve(
     settings: Settings,
     endpoints: Endpoints,
-    roles: Roles,
+    roles: dict[str, bool],
     on_ready: Callable[[], Awaitable[None]] | None = None,
     exited: Callable[[], list[str]] | None = None,
 ) -> None:
-    """Run workers until a signal; exit 1 when a NATS connection is lost for good, an embedded server ended, or
-    the servers of the ``up`` they were found through moved (a supervisor restarts them)."""
+    """Run workers (``roles``: :class:`~.app.Roles`' fields) until a signal; exit 1 when a NATS connection is lost
+    for good, an embedded server ended, or the servers of the ``up`` they were found through moved (a supervisor
+    restarts them)."""
+    # Here, not at the top: the workers' modules (the model, the MCP SDK) took a second of every command's start,
+    # `--help` too.
+    from .app import Roles, ServersEnded, serve_until_signal
+
     if exited is None:
         exited = servers_moved(settings, endpoints)
     try:
-        asyncio.run(serve_until_signal(settings, endpoints, roles, on_ready, exited))
+        asyncio.run(serve_until_signal(settings, endpoints, Roles(**roles), on_ready, exited))
     except (ConnectionLost, ServersEnded) as error:
         _fail(str(error), code=1)
 
@@ -312,7 +316,7 @@ def up(
                         "login (docs/security.md)"
                     )
 
-            roles = Roles(projector=with_projector, query=with_query_worker, azure_projector=with_projector)
+            roles = {"projector": with_projector, "query": with_query_worker, "azure_projector": with_projector}
             _serve(settings, endpoints, roles, ready, runtime.exited)
     except RuntimeUnavailable as error:
         _fail(str(error))
@@ -324,7 +328,7 @@ def projector(data_dir: DataDir = None) -> None:
     apply workspaces in parallel, divide them (ONTOFABRIC_PROJECTOR_PARTITIONS, ONTOFABRIC_PROJECTOR_PARTITION)."""
     settings = _settings("ontofabric-projector", data_dir, worker=True)
     endpoints = _endpoints(settings)
-    _serve(settings, endpoints, Roles(projector=True, query=False, azure_projector=False))
+    _serve(settings, endpoints, {"projector": True, "query": False, "azure_projector": False})
 
 
 @app.command("azure-projector")
@@ -335,7 +339,7 @@ def azure_projector(data_dir: DataDir = None) -> None:
     if settings.azure_search_endpoint is None:
         _fail("ONTOFABRIC_AZURE_SEARCH_ENDPOINT is not set")
     endpoints = _endpoints(settings)
-    _serve(settings, endpoints, Roles(projector=False, query=False, azure_projector=True))
+    _serve(settings, endpoints, {"projector": False, "query": False, "azure_projector": True})
 
 
 @app.command("query-worker")
@@ -343,7 +347,7 @@ def query_worker(data_dir: DataDir = None) -> None:
     """Run only a query worker (scale out by starting more: they form one queue group)."""
     settings = _settings("ontofabric-query", data_dir, worker=True)
     endpoints = _endpoints(settings)
-    _serve(settings, endpoints, Roles(projector=False, query=True, azure_projector=False))
+    _serve(settings, endpoints, {"projector": False, "query": True, "azure_projector": False})
 
 
 def _stalled_projection(floor: int, target: int, still_s: float) -> None:

@@ -32,16 +32,13 @@ from ontofabric.services.query.requests import repeated_key, repeated_key_error
 from ontofabric.shared.half_characters import NOT_UTF8, not_utf8
 from ontofabric.shared.logging import get_logger
 
+from .errors import StdioUnusable
 from .tools import render_error
 
 log = get_logger(__name__)
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """A message line longer than this is skipped whole (the SDK's own reader has no limit; a runaway needs one)."""
-
-
-class StdioUnusable(Exception):
-    """Standard input or output is a regular file: an MCP client starts the gateway with pipes."""
 
 
 def _check_streamable(fd: int, name: str) -> None:

@@ -520,6 +520,27 @@ def test_a_package_publishes_what_its_init_imports_from_the_tree_under_its_own_n
     }
 
 
+def test_what_a_type_checker_or_a_script_alone_runs_is_no_name_the_module_has() -> None:
+    """An agent tester's: rich's ``__init__`` imports ``Console`` under ``if TYPE_CHECKING:`` only, and ``rich.Console``
+    was answered as a name to import (an ImportError); a demo's ``console = Console()`` under ``if __name__ ==
+    "__main__":`` was a definition of ``console``. A generic base (``Base[int]``) had no inherits link."""
+    from ontofabric.services.ingest.chunking import chunk_python
+    from ontofabric.services.ingest.graph import python_exports
+
+    sources = {
+        "__init__.py": "import typing\nfrom typing import TYPE_CHECKING\nfrom .core import Real\n"
+        "if TYPE_CHECKING:\n    from .core import Console\nelse:\n    from .core import Other\n"
+        "if typing.TYPE_CHECKING:\n    from .core import *\n",
+        "core.py": "class Console: ...\nclass Real: ...\nclass Other: ...\nclass Base(Generic[T]): ...\n"
+        "class Sub(Base[int]): ...\nLIMIT = 3\nif __name__ == '__main__':\n    console = Console()\n    alias = Real\n",
+    }
+    assert python_exports(sources, "pkg") == {"pkg.core.Real": ("pkg.Real",), "pkg.core.Other": ("pkg.Other",)}
+    module, *_ = chunk_python("core.py", sources["core.py"], 100_000, "pkg")
+    assert module.defines == ("LIMIT",)
+    _, links = python_graph(sources, "pkg")
+    assert GraphLink("pkg.core.Sub", "inherits", "pkg.core.Base") in links
+
+
 def test_a_module_publishes_what_it_takes_by_star_and_the_names_it_binds_to_others() -> None:
     """An agent tester's attrs: attrs.validators.instance_of (attrs/validators.py is `from attr.validators import
     *`) and attr.s (`s = attributes = attrs`) were "not indexed"."""

@@ -302,9 +302,10 @@ def assigned_names(body: list[ast.stmt]) -> tuple[str, ...]:
     """The names a module's or a class's own statements assign or declare, in order, each once: ``X = ...``,
     ``X: int = ...``, ``X: int``,
     ``A, B = ...``, also under a module-level ``if``, ``try`` or ``with`` (``try: X = a except: X = b``); not what
-    a function or a nested class assigns, nor imports."""
+    a function or a nested class assigns, nor imports, nor what a type checker or a script alone runs
+    (:func:`at_level`'s ``run_time``)."""
     names: dict[str, None] = {}
-    for statement in at_level(body):
+    for statement in at_level(body, run_time=True):
         names.update(dict.fromkeys(assigned_by(statement)))
     return tuple(names)
 
@@ -326,16 +327,21 @@ def assigned_by(statement: ast.stmt) -> Iterator[str]:
         yield from targets(statement.target)
 
 
-def at_level(body: list[ast.stmt]) -> list[ast.stmt]:
+def at_level(body: list[ast.stmt], run_time: bool = False) -> list[ast.stmt]:
     """A module's or a class's own statements, in order, those under an ``if``, ``try`` or ``with`` among them (an
     ``if TYPE_CHECKING:`` block's classes, a ``try: import x`` fallback's functions): what a module or class
     defines there is its own, where a function's body is not. The ``if``, ``try`` and ``with`` themselves are
-    left out."""
+    left out. ``run_time``: without what runs only for a type checker (``if TYPE_CHECKING:``) or only when the
+    module is run as a script (``if __name__ == "__main__":``): a name bound there is no name the module has when
+    imported (an agent tester's ``rich.Console``, imported by rich's ``__init__`` for type checking alone, was
+    answered as a name to import from it; a demo's ``console = Console()`` as a definition of ``console``)."""
     flat: list[ast.stmt] = []
     pending = body[::-1]  # the next on top: taking from the front made a module of 300,000 lines take seconds
     while pending:
         statement = pending.pop()
-        if isinstance(statement, ast.If | ast.With | ast.AsyncWith):
+        if isinstance(statement, ast.If) and run_time and _not_at_run_time(statement.test):
+            pending += statement.orelse[::-1]
+        elif isinstance(statement, ast.If | ast.With | ast.AsyncWith):
             pending += [*statement.body, *getattr(statement, "orelse", [])][::-1]
         elif isinstance(statement, ast.Try | ast.TryStar):
             handlers = [line for handler in statement.handlers for line in handler.body]
@@ -343,6 +349,18 @@ def at_level(body: list[ast.stmt]) -> list[ast.stmt]:
         else:
             flat.append(statement)
     return flat
+
+
+def _not_at_run_time(test: ast.expr) -> bool:
+    """Whether an ``if``'s test is ``TYPE_CHECKING`` (``typing.TYPE_CHECKING``, ``t.TYPE_CHECKING``) or
+    ``__name__ == "__main__"`` (either way round)."""
+    if isinstance(test, ast.Name | ast.Attribute):
+        return (test.id if isinstance(test, ast.Name) else test.attr) == "TYPE_CHECKING"
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        sides = [test.left, test.comparators[0]]
+        named = any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides)
+        return named and any(isinstance(side, ast.Constant) and side.value == "__main__" for side in sides)
+    return False
 
 
 MAX_HEADING_CHARS = 120

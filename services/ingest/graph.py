@@ -311,7 +311,10 @@ def read_python(sources: Mapping[str, str], package: str | None = None) -> Pytho
         modules[fqn] = _Module(fqn, object_type_name(fqn), tree, path.endswith("__init__.py"), path)
     resolver = _Resolver(modules)
     for module in modules.values():
+        at_run_time = {id(statement) for statement in at_level(module.tree.body, run_time=True)}
         for statement in at_level(module.tree.body):
+            if isinstance(statement, ast.Import | ast.ImportFrom | ast.Assign) and id(statement) not in at_run_time:
+                continue  # what a type checker or a script alone runs binds nothing the module publishes
             if isinstance(statement, ast.ClassDef):
                 module.defs[statement.name] = object_type_name(f"{module.fqn}.{statement.name}")
             elif isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -400,8 +403,9 @@ def python_graph(
                         link(module.object_type, IMPORTS, submodule.object_type)
         for qualname, cls in _classes(module.tree.body):
             object_type = object_type_name(f"{module.fqn}.{qualname}")
-            for base in cls.bases:
-                link(object_type, INHERITS, resolver.expression(module, base))
+            for base in cls.bases:  # `PromptBase[bool]` inherits from PromptBase (an agent tester's: no link)
+                generic = base.value if isinstance(base, ast.Subscript) else base
+                link(object_type, INHERITS, resolver.expression(module, generic))
         for owner, body in _callers(module):
             for call in (n for statement in body for n in ast.walk(statement) if isinstance(n, ast.Call)):
                 link(owner, CALLS, resolver.expression(module, call.func))
@@ -495,7 +499,7 @@ def python_exports(sources: Mapping[str, str] | PythonTree, package: str | None 
         # The package's own imports, not a function's (a review's): what its module level binds.
         bound = (
             a.asname or a.name
-            for s in at_level(module.tree.body)
+            for s in at_level(module.tree.body, run_time=True)
             if isinstance(s, ast.ImportFrom) and module.is_package
             for a in s.names
             if a.name != "*"

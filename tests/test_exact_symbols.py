@@ -76,6 +76,24 @@ from .conftest import Deployment, Start
         ("function composition", None),
         ("async def", None),
         ("class Manager", "Manager"),
+        # Asking where one is, or what it is, as a whole (an agent tester's `where is Console defined` ran no
+        # lookup, and rich's Console was not in the top 10).
+        ("where is Console defined", "Console"),
+        ("Where is the Console class defined?", "Console"),
+        ("where's `Text`", "Text"),
+        ("where can I find typer.echo", "typer.echo"),
+        ("find Console.print", "Console.print"),
+        ("show me rich.console.Console", "rich.console.Console"),
+        ("go to the definition of Retrying::copy", "Retrying.copy"),
+        ("definition of Style", "Style"),
+        ("Style definition", "Style"),
+        ("what is Measurement.get?", "Measurement.get"),
+        ("where is the retry loop defined", None),
+        ("what is a good way to retry", None),
+        ("where is it defined", None),
+        ("what is this", None),
+        ("find all callers", None),
+        ("how is Syntax implemented", None),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
@@ -349,6 +367,10 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     circle = await _ask(client, "Circle")
     assert _names(circle)[0] == "shapes.circle.Circle (type)"
     assert _names(await _ask(client, "class Circle"))[0] == "shapes.circle.Circle (type)"  # with its kind
+    # Asked for as a whole in words (an agent tester's `where is Console defined`: no lookup, not in the top 10).
+    for text in ("where is the Circle class defined?", "definition of Circle", "what is Circle"):
+        asked = await _ask(client, text)
+        assert (_names(asked)[0], asked.meta.exact_symbol_matches) == ("shapes.circle.Circle (type)", 1), text
     assert circle.results[0].score == 1.0
     assert circle.meta.exact_symbol_matches == 1
     assert SYMBOL in {f.retriever for f in circle.results[0].found_by}

@@ -101,11 +101,24 @@ _CJK = re.compile(f"[{CHINESE_AND_JAPANESE}\uac00-\ud7af]")  # and Korean
 def identifier_of(text: str) -> str | None:
     """The dotted name a query asks for when the whole query is one identifier: ``Retrying``,
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
-    backticks or with a call's ``()``. None for any other text: words around a name make it a question, not a name."""
+    backticks or with a call's ``()``; or asks where one is, or what it is, as a whole (:func:`_asked_for`:
+    ``where is Console defined``, ``definition of Console``). None for any other text: other words around a name
+    make it a question, not a name."""
     text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
-    text = _named_with_kind(text) or text
+    text = _named_with_kind(text) or _asked_for(text) or text
     name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
     return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
+
+
+def _asked_for(text: str) -> str | None:
+    """The name in a question asking for one symbol's definition as a whole (:data:`_DEFINITION_QUESTIONS`), as
+    written (kind words around it go with it: ``where is the Console class defined``)."""
+    question = text.strip().rstrip("?").strip()
+    for pattern in _DEFINITION_QUESTIONS:
+        found = pattern.fullmatch(question)
+        if found is not None and found.group("name").lower() not in _NOT_NAMES:
+            return _named_with_kind(found.group("asked")) or found.group("name")
+    return None
 
 
 def _named_with_kind(text: str) -> str | None:
@@ -197,6 +210,28 @@ _RELATION_QUESTIONS = [
 
 _NOT_NAMES = frozenset({"from", "to", "by", "of", "in", "for", "with", "the", "a", "an", "it", "this", "that"})
 """Words a pattern can take for the name (``what does Foo import from``): no name."""
+
+_ASKED_NAME = rf"(?P<asked>{_THE})"
+_DEFINITION_QUESTIONS = [
+    re.compile(pattern, re.IGNORECASE)
+    for pattern in (
+        # where is X (defined) / where's X / where does X live / where can I find X
+        rf"where(?:\s+is|\s+are|'s)\s+{_ASKED_NAME}(?:\s+(?:defined|declared|implemented|located|assigned))?",
+        rf"where\s+(?:does|do)\s+{_ASKED_NAME}\s+(?:live|come\s+from|get\s+defined)",
+        rf"where\s+(?:can|do)\s+i\s+find\s+{_ASKED_NAME}",
+        # find X / show me X / go to the definition of X / open the source of X
+        rf"(?:find|locate|show(?:\s+me)?|open|go\s+to|jump\s+to|look\s+up)\s+(?:the\s+)?"
+        rf"(?:(?:definition|declaration|implementation|source(?:\s+code)?|code)\s+(?:of|for)\s+)?{_ASKED_NAME}",
+        # definition of X / X definition / X's source
+        rf"(?:the\s+)?(?:definition|declaration|implementation|source(?:\s+code)?)\s+(?:of|for)\s+{_ASKED_NAME}",
+        rf"{_ASKED_NAME}(?:'s)?\s+(?:definition|declaration|implementation|source(?:\s+code)?)",
+        # what is X (how X works is a question of its own, which search answers)
+        rf"what(?:\s+is|\s+are|'s)\s+{_ASKED_NAME}",
+    )
+]
+"""Questions asking for one named symbol as a whole: an agent tester's ``where is Console defined`` ran no name
+lookup, and rich's ``Console`` was not in the top 10 (``Console`` alone: first). Any other words make it a
+question that search answers (``where is the retry loop defined`` names no symbol)."""
 
 
 def relation_of(text: str) -> tuple[str, str] | None:

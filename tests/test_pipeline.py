@@ -558,6 +558,11 @@ def test_a_chunk_nested_in_a_better_ranked_one_of_its_symbol_is_left_out() -> No
     assert [k.id for k in kept] == ["doc", "other", "getter", "setter", "elsewhere", "prefix", "plain"]
     # The method holds its docstring, ranked first; the class holds the docstring too.
     assert left_out == [("method", "doc"), ("class", "doc")]
+    # Chunks standing in a relation asked stay, whatever holds them (an agent tester's module calling Typer()
+    # at its own level went into its function that calls it too: "2 of the 3").
+    kept, left_out = collapse_nested(candidates, documents, kept_whole={"method", "class"})
+    assert [k.id for k in kept][:4] == ["doc", "other", "method", "class"]
+    assert left_out == [("getter", "class"), ("setter", "class")]  # the class, kept, holds the others as before
 
 
 def test_a_docstring_ranked_above_its_own_code_gives_the_code_its_place() -> None:

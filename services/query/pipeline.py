@@ -294,7 +294,7 @@ class QueryPipeline:
         candidates = await self._rerank(run, refinements, candidates, documents)
         ranked_before = {hit.id: index for index, hit in enumerate(candidates)}
         candidates = self._definitions_first(run, definitions, candidates, documents)
-        candidates, collapsed, stands_for = self._collapse(run, candidates, documents)
+        candidates, collapsed, stands_for = self._collapse(run, candidates, documents, definitions)
         scores, scored_from = self._calibrated_scores(
             run, measured, candidates, fetched.model, ranked_before, stands_for
         )
@@ -866,15 +866,18 @@ class QueryPipeline:
         return None if measured.model is None else self._calibration.probability(measured.model, signals, rank)
 
     def _collapse(
-        self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument]
+        self, run: QueryRun, candidates: list[Fused], documents: dict[str, StoredDocument], definitions: Definitions
     ) -> tuple[list[Fused], list[tuple[str, str]], dict[str, str]]:
         """One symbol, one place: a chunk nested in a better-ranked one of the same symbol, or holding it, goes.
         Also the chunks left out that would have been in the answer (within its first topK without collapsing),
-        each with the one it went into; and each function's code moved to its docstring's place, with it."""
+        each with the one it went into; and each function's code moved to its docstring's place, with it. A chunk
+        standing in the relation asked stays: an agent tester's module calling ``Typer()`` at its own level went
+        into its function that calls it too, and the answer said "2 of the 3, ask with a larger topK"."""
         if run.query.listing or not self._collapses(run.query):  # a listing's order says nothing of rank
             return candidates, [], {}
         moved, stands_for = code_before_its_docstring(candidates, documents)
-        kept, left_out = collapse_nested(moved, documents)
+        related = definitions.symbols if definitions.found_by != SYMBOL else {}
+        kept, left_out = collapse_nested(moved, documents, related)
         answer = {hit.id for hit in candidates[: run.query.top_k]}
         return kept, [(left, holder) for left, holder in left_out if left in answer], stands_for
 

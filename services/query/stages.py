@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -325,11 +325,13 @@ def code_before_its_docstring(
 
 
 def collapse_nested(
-    candidates: Sequence[Fused], documents: Mapping[str, StoredDocument]
+    candidates: Sequence[Fused], documents: Mapping[str, StoredDocument], kept_whole: Collection[str] = ()
 ) -> tuple[list[Fused], list[tuple[str, str]]]:
     """The candidates in their order without any whose text is inside, or holds, a better-ranked one's (see
-    :func:`nested`); and (left out, kept) for each left out. Kept chunks are indexed by file and name, so each
-    candidate costs a lookup per level of its name rather than a comparison with every kept one."""
+    :func:`nested`); and (left out, kept) for each left out. ``kept_whole``: candidates that stay whatever holds
+    them (the chunks standing in a relation asked: a module's own statements call, and so does its function).
+    Kept chunks are indexed by file and name, so each candidate costs a lookup per level of its name rather than a
+    comparison with every kept one."""
     kept: list[Fused] = []
     left_out: list[tuple[str, str]] = []
     # (file, name) -> position in ``kept`` of the best-ranked kept chunk that is code of that name, that is
@@ -349,7 +351,7 @@ def collapse_nested(
         if level in CODE_LEVELS:
             holders += [named_below.get((path, name)), doc_named.get((path, name))]
         found = [position for position in holders if position is not None]
-        if found:
+        if found and hit.id not in kept_whole:
             left_out.append((hit.id, kept[min(found)].id))
             continue
         position = len(kept)

@@ -462,6 +462,9 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert CALLER in {f.retriever for f in circle_callers.results[0].found_by}
     assert (circle_callers.meta.relation_matches, circle_callers.meta.exact_symbol_matches) == (1, 0)
     assert circle_callers.meta.relation == RelationAsked(relation="callers", symbol="Circle", symbol_indexed=True)
+    # A class's constructor is called by calling the class (an agent tester's callers of Console.__init__: none).
+    made = await _ask(client, "what calls Circle.__init__")
+    assert (_names(made)[0], made.meta.relation_matches) == ("shapes.report.round_one (method)", 1)
     # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
     assert _names(await _ask(client, "callers of area"))[0] == "shapes.report.describe (method)"
     assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"

@@ -79,6 +79,7 @@ from .symbols import (
     BASE,
     CALLEE,
     CALLER,
+    CONSTRUCTORS,
     IMPORTED,
     IMPORTER,
     RELATION_ASKED,
@@ -589,7 +590,19 @@ class QueryPipeline:
                 name = await self._inherited(scope, name) or name
         if relation in (CALLER, CALLEE):
             calls = self._documents.callers if relation == CALLER else self._documents.callees
-            return await calls(scope, name, RELATIONS_READ)
+            found = await calls(scope, name, RELATIONS_READ)
+            owner, _, member = name.rpartition(".")
+            if relation == CALLER and owner and member in CONSTRUCTORS:
+                # A class is called to make one: an agent tester's callers of Console.__init__ found none, though
+                # Console(...) is called in many places.
+                made = await calls(scope, owner, RELATIONS_READ)
+                found = dataclasses.replace(
+                    found,
+                    symbols=found.symbols | made.symbols,
+                    modules=found.modules | made.modules,
+                    symbol_indexed=found.symbol_indexed or made.symbol_indexed,
+                )
+            return found
         return await self._related_in_graph(run, scope, relation, name)
 
     async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:

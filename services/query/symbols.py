@@ -84,6 +84,9 @@ ASKED_RELATIONS = {
 RELATION_ASKED = {found_by: relation for relation, found_by in ASKED_RELATIONS.items()}
 """What chunks placed first for a relation go by -> the relation in relatedTo's words (``_meta.relation``)."""
 
+CONSTRUCTORS = ("__init__", "__new__")
+"""The methods a class's call runs: its callers are theirs too."""
+
 MAX_IDENTIFIER_CHARS = 300
 _KINDED = re.compile(
     r"(?:the\s+)?(?P<kind>class|def|async\s+def|function|method|module|package|interface|constant)\s+(?P<before>\S+)"

@@ -648,7 +648,13 @@ def _fail_on_dead_letters(
 
 @app.command()
 def query(
-    text: Annotated[str, typer.Argument(help="The semantic query.")],
+    text: Annotated[
+        str | None,
+        typer.Argument(
+            help="The semantic query; may be left out with --related-to or a filter, as the contract allows (an "
+            "agent tester could not ask a relation alone)."
+        ),
+    ] = None,
     workspace: Annotated[str, typer.Option(help="Workspace to query.", callback=_workspace_name)] = "ontofabric",
     branch: Annotated[str, typer.Option(help="Branch to query.", callback=_branch_name)] = MAIN_BRANCH,
     top_k: Annotated[int, typer.Option("--top-k", min=1, max=100, help="Number of results.")] = 10,
@@ -688,7 +694,9 @@ def query(
 
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
     nats_url = _nats_url(settings, "client")
-    request: dict[str, Any] = {"semanticQuery": text, "topK": top_k, "branch": branch}
+    request: dict[str, Any] = {"topK": top_k, "branch": branch}
+    if text is not None:
+        request["semanticQuery"] = text
     asked = (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance))
     # The request's other options as the contract names them (an agent tester could not try them from the CLI);
     # the worker checks them and names what it refuses.

@@ -40,7 +40,7 @@ def _snippet(text: str, width: int = 70) -> str:
 def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse | ErrorReply) -> None:
     # Everything from the request, the index or the worker is printed as_text.
     params = as_text(", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery"))
-    asked = as_text(str(query["semanticQuery"]))
+    asked = as_text(str(query.get("semanticQuery", "")))
     console.rule(f"[bold]{asked}[/bold]" + (f"  [dim]({params})[/dim]" if params else ""))
     if isinstance(reply, ErrorReply):
         console.print(f"[red]error[/red] {reply.error.code}: " + as_text(reply.error.message))

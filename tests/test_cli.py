@@ -202,6 +202,13 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
         assert "expansion" in meta["timingsMs"]  # run only with followLinks
         kinds = {r["metadata"].get("symbolKind") for r in json.loads(optioned.stdout)["results"]}
         assert kinds == {"function"}, kinds  # the function, and not its file's chunk
+        # A relation alone, without TEXT, as the contract allows (an agent tester's "Missing argument 'text'").
+        alone = subprocess.run(
+            [ONTOFABRIC, "query", "--workspace", "geo", "--related-to", "callers:circle_area"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert alone.returncode == 0, alone.stdout + alone.stderr
+        assert "caller" in alone.stdout
         refused = subprocess.run(
             [ONTOFABRIC, "query", "area", "--workspace", "geo", "--related-to", "friends:circle_area"],
             env=env, capture_output=True, text=True, timeout=60, check=False,

@@ -48,7 +48,8 @@ from .conftest import Deployment, Start
         ("Retrying#__call__", "Retrying.__call__"),
         ("wait_fixed()", "wait_fixed"),
         ("retry", "retry"),
-        ("how does retry work", None),
+        ("how does retry work", "retry"),  # what it is, as a whole: its definition first
+        ("how does the retry loop work", None),
         ("retry.", None),
         ("3.14", None),
         ("a-b", None),
@@ -93,7 +94,7 @@ from .conftest import Deployment, Start
         ("where is it defined", None),
         ("what is this", None),
         ("find all callers", None),
-        ("how is Syntax implemented", None),
+        ("how is Syntax implemented", "Syntax"),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:

@@ -228,8 +228,10 @@ _DEFINITION_QUESTIONS = [
         # definition of X / X definition / X's source
         rf"(?:the\s+)?(?:definition|declaration|implementation|source(?:\s+code)?)\s+(?:of|for)\s+{_ASKED_NAME}",
         rf"{_ASKED_NAME}(?:'s)?\s+(?:definition|declaration|implementation|source(?:\s+code)?)",
-        # what is X (how X works is a question of its own, which search answers)
+        # what is X / how is X implemented / how does X work
         rf"what(?:\s+is|\s+are|'s)\s+{_ASKED_NAME}",
+        rf"how\s+(?:is|are)\s+{_ASKED_NAME}\s+(?:implemented|defined|written)",
+        rf"how\s+(?:does|do)\s+{_ASKED_NAME}\s+work",
     )
 ]
 """Questions asking for one named symbol as a whole: an agent tester's ``where is Console defined`` ran no name

@@ -386,6 +386,7 @@ def test_a_servers_answer_on_a_delta_subject_is_told_from_a_delta() -> None:
     server sets; not a delta, nor junk that merely parses, nor a body nested past what the parser reads (the suite
     found 100,000 brackets stopping a batch with a RecursionError)."""
     from ontofabric.services.projector.planning import SERVER_ANSWER
+    from ontofabric.shared.jetstream import STORED_STATUS, UNREADABLE_HEADERS
 
     subject = "t.delta.bob.main"
     answers = [
@@ -397,6 +398,7 @@ def test_a_servers_answer_on_a_delta_subject_is_told_from_a_delta() -> None:
             {"Nats-Stream": "KV_m", "Nats-Sequence": "3"},
         ),
         (b"", {"Status": "404", "Description": "Message Not Found"}),
+        (b"", {STORED_STATUS: "404 Message Not Found"}),  # a stored one's, as our client hands it over
     ]
     for data, headers in answers:
         rejected = validate_delta(data, subject, 1, LIMITS, headers)
@@ -408,6 +410,10 @@ def test_a_servers_answer_on_a_delta_subject_is_told_from_a_delta() -> None:
         assert rejected.detail != SERVER_ANSWER
     delta = upsert("bob", document("own", "x")).model_dump_json().encode()
     assert isinstance(validate_delta(delta, subject, 1, LIMITS, {"Nats-Msg-Id": "bob:1"}), Delta)
+    # Headers our client could not read (shared.jetstream.SturdyClient): set aside, saying so.
+    unread = validate_delta(delta, subject, 1, LIMITS, {UNREADABLE_HEADERS: "UnicodeDecodeError: ..."})
+    assert isinstance(unread, Rejection)
+    assert unread.detail.startswith("its NATS headers cannot be read")
 
 
 def test_a_long_key_over_a_long_list_costs_validation_little() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import stat
@@ -30,7 +31,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly, subscriptions_visible
-from ontofabric.shared.nats_auth import MAX_SUBSCRIPTIONS_PER_CONNECTION, BadCredentials, new_nkey_seed
+from ontofabric.shared.nats_auth import MAX_SUBSCRIPTIONS_PER_CONNECTION, BadCredentials, inbox_prefix, new_nkey_seed
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
@@ -339,6 +340,80 @@ async def test_a_tenant_cannot_have_a_server_answer_a_delta_onto_another_tenants
     assert (await rebuilt.run()).swapped
     ids = {r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE workspace = 'bob' AND NOT deleted")}
     assert ids == {"own"}
+
+
+async def _raw_publish(url: str, subject: str, header_block: bytes, payload: bytes, reply: str = "") -> bytes:
+    """What a client of the NATS protocol itself can send and nats-py would not: ``header_block`` as it is. With a
+    ``reply``, the first message that arrives on it (its header block and payload as they came)."""
+    login = urlsplit(url)
+    reader, writer = await asyncio.open_connection(login.hostname, login.port)
+    try:
+        await reader.readline()  # INFO
+        options = {"verbose": False, "headers": True, "user": login.username, "pass": login.password}
+        writer.write(b"CONNECT " + json.dumps(options).encode() + b"\r\n")
+        if reply:
+            writer.write(f"SUB {reply} 1\r\n".encode())
+        size = len(header_block) + len(payload)
+        writer.write(f"HPUB {subject} {reply} {len(header_block)} {size}\r\n".encode().replace(b"  ", b" "))
+        writer.write(header_block + payload + b"\r\nPING\r\n")
+        await writer.drain()
+        async with asyncio.timeout(20):
+            while line := await reader.readline():
+                if line.startswith((b"MSG", b"HMSG")):
+                    return await reader.readexactly(int(line.split()[-1]) + 2)
+                if line.startswith(b"-ERR"):
+                    raise AssertionError(line)
+                if line.startswith(b"PONG") and not reply:
+                    return b""
+        raise AssertionError("the connection ended")
+    finally:
+        writer.close()
+
+
+async def test_one_message_of_a_confined_user_stops_no_worker(
+    deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
+) -> None:
+    """An outside tester's, each one message of a user confined to its own workspace: a request whose header block
+    starts `NATS/1.0 \\xff...` raised in nats-py's header parser, whose read loop then ended without a word, and the
+    query worker answered nobody, for any workspace, for five minutes; a delta stored with a `Status` header was
+    taken for the server's status by nats-py's fetch, which failed on it every time, and the projector's position
+    stopped there for every workspace. The request is refused naming its headers; the delta is dropped as a server's
+    answer (as one with the headers of a server's answer is); every other message goes on."""
+    names = deployment.names
+    worker = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, None)
+    await worker.start()
+    try:
+        user, password = runtime.nats_logins(names.prefix, ["client"], "acme")["client"]
+        client_url = with_login(deployment.nats_url_of_server, user, password)
+        answered = await _raw_publish(
+            client_url, names.request_subject("query", "acme"), b"NATS/1.0 \xff\xfe\xfd\r\n\r\n",
+            b'{"semanticQuery": "x"}', reply=f"{inbox_prefix(user)}.raw",
+        )  # fmt: skip
+        assert b'"field":"headers"' in answered.replace(b" ", b""), answered
+        status = await QueryClient(deployment.nc, names, timeout_s=10).status("other", {})
+        assert isinstance(status, StatusReply)  # still answering, another workspace too
+
+        ingest = await connect_as(deployment, runtime, "ingest", "acme")
+        try:
+            js = ingest.jetstream(timeout=10)
+            statused = upsert("acme", document("statused", "a delta with a Status header"))
+            await js.publish(names.delta_subject("acme", "main"), statused.model_dump_json().encode(),
+                             headers={"Status": "200"})  # fmt: skip
+        finally:
+            await ingest.close()
+        user, password = runtime.nats_logins(names.prefix, ["ingest"], "acme")["ingest"]
+        unreadable = upsert("acme", document("unreadable", "a delta sent with a status line nobody can read"))
+        await _raw_publish(
+            with_login(deployment.nats_url_of_server, user, password), names.delta_subject("acme", "main"),
+            b"NATS/1.0 \xff\xfe\r\n\r\n", unreadable.model_dump_json().encode(),
+        )  # fmt: skip
+        own = await DeltaPublisher(deployment.js, names).publish(upsert("other", document("own", "another's own")))
+        await deployment.wait_projected(own.seq)
+        # The server stores the second without its status line: a delta of acme's like any other.
+        ids = {r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE NOT deleted")}
+        assert ids == {"own", "unreadable"}
+    finally:
+        await worker.stop()
 
 
 async def test_a_tenant_cannot_have_another_tenants_delta_dropped_as_a_repeat(

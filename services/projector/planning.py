@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentUpserted, EntityKind, SemanticDocument, format_version
 from ontofabric.shared.analysis import analyse
-from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES
+from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, STORED_STATUS, UNREADABLE_HEADERS
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import encode_token
 
@@ -82,6 +82,8 @@ def validate_delta(
     answer stored on a delta subject, :data:`SERVER_ANSWER`, is dropped). ``headers``: the message's as stored."""
     if server_answer_headers(headers):
         return Rejection("invalid_schema", SERVER_ANSWER)
+    if headers and UNREADABLE_HEADERS in headers:
+        return Rejection("invalid_schema", f"its NATS headers cannot be read ({headers[UNREADABLE_HEADERS]})")
     if len(data) > limits.max_message_bytes:
         return Rejection("oversized", f"message is {len(data)} bytes, limit {limits.max_message_bytes}")
     try:
@@ -121,10 +123,11 @@ def validate_delta(
 
 SERVER_ANSWER = "a NATS server's answer to a request that named this subject as its reply, not a delta"
 _ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate", "error"})
-SERVER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status")
+SERVER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status", STORED_STATUS)
 """Headers the server sets on what it answers with (a direct get's stored message, a status), which a publisher
 cannot take off: a tenant put a delta made out for another into its own manifest key and had a direct get of it
-answered onto the other's delta subject, which the projector indexed (a review's). No delta carries them."""
+answered onto the other's delta subject, which the projector indexed (a review's). No delta carries them. A
+stored message's status reaches us as :data:`~ontofabric.shared.jetstream.STORED_STATUS`."""
 
 
 def server_answer_headers(headers: Mapping[str, str] | None) -> bool:

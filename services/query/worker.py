@@ -60,6 +60,7 @@ from ontofabric.shared.discovery import Announcement, Endpoint, announce
 from ontofabric.shared.embedder import Embedder, ServedModel, Vector
 from ontofabric.shared.jetstream import (
     ANY_SUBJECT,
+    UNREADABLE_HEADERS,
     PermissionDenied,
     connect,
     ensure_jetstream,
@@ -606,6 +607,10 @@ class QueryService:
                 await asyncio.sleep(0)  # get() takes the next at once while one waits
 
     async def _admit(self, msg: Msg, received: float, waited_before: float | ErrorDetail) -> None:
+        if msg.headers and UNREADABLE_HEADERS in msg.headers:  # the client read on (shared.jetstream.SturdyClient)
+            detail = ErrorDetail(field="headers", message=f"cannot be read: {msg.headers[UNREADABLE_HEADERS]}")
+            await self._reply(msg, error_reply("invalid_request", "the request's headers are not valid", [detail]))
+            return
         if isinstance(waited_before, ErrorDetail):
             await self._reply(
                 msg, error_reply("invalid_request", "the request's send time is not valid", [waited_before])

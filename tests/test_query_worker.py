@@ -443,6 +443,9 @@ async def test_malformed_queries_get_structured_errors_and_the_worker_keeps_serv
         (rb'{"semanticQuery": "a\ud800b"}', "semanticQuery"),  # an emoji cut in half by a JavaScript client
         (rb'{"semanticQuery": "ok", "options": {"retrievers": ["x\udfff"]}}', "options.retrievers.0"),
         (b'{"semanticQuery": }', None),  # not JSON at all: pydantic's own message, no field
+        # Text in another encoding (an outside tester's `café` in Latin-1 got pydantic's message, no field).
+        ('{"semanticQuery": "café signal"}'.encode("latin-1"), "semanticQuery"),
+        (b'{"semanticQuery": "ok", "options": {"retrievers": ["\xc0\xaf"]}}', "options.retrievers.0"),
     ],
 )
 def test_half_a_character_is_named_by_its_field(body: bytes, field: str | None) -> None:

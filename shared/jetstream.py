@@ -194,6 +194,8 @@ class SturdyClient(Client):
     - a delta stored with a ``Status`` header was taken by nats-py's fetch for the server's status, and every fetch
       that reached it failed: the projector's position stopped there for every workspace. A stored message's
       status (delivered by JetStream, its reply an ``$JS.ACK.`` subject) is handed over as :data:`STORED_STATUS`.
+
+    And whatever else ends nats-py's read loop while the connection is up makes the connection again.
     """
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
@@ -206,6 +208,14 @@ class SturdyClient(Client):
             return await super()._process_headers(headers)
         except Exception as error:  # whatever the parser raises on a message's headers, the read loop goes on
             return {UNREADABLE_HEADERS: describe(error)[:200]}
+
+    async def _read_loop(self) -> None:
+        await super()._read_loop()
+        # nats-py's loop ends on any error it did not foresee, logging it, while the connection still counts as up
+        # and nothing reads it: the connection is made again, as after a protocol error, rather than left mute.
+        if self.is_connected:
+            log.error("nats_read_loop_ended", action="reconnecting")
+            await self._process_op_err(nats.errors.UnexpectedEOF())
 
 
 async def connect(

@@ -22,6 +22,7 @@ from ontofabric.shared.jetstream import (
     BatchPuller,
     ConnectionLost,
     StreamReader,
+    SturdyClient,
     backoff_s,
     close,
     connect,
@@ -469,3 +470,41 @@ async def test_a_subscription_made_visible_gets_what_another_connection_publishe
         assert missed == 0
     finally:
         await close(subscriber)
+
+
+async def test_a_read_loop_ended_by_an_error_nats_py_did_not_foresee_connects_again(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py's read loop ends on any error it did not foresee while the connection still counts as up: an outside
+    tester's one request with a status line that was no UTF-8 left a query worker reading nothing for five minutes.
+    Whatever the error (here one raised for a message of one subject), the connection is made again and goes on
+    reading."""
+    listener = await connect(deployment.nats_url, "test-listener")
+    received: list[str] = []
+    try:
+        original = SturdyClient._process_msg
+
+        async def failing(self: SturdyClient, sid: int, subject: bytes, *rest: Any) -> None:
+            if subject.endswith(b".poison"):
+                raise RuntimeError("a parser's error nobody foresaw")
+            await original(self, sid, subject, *rest)
+
+        monkeypatch.setattr(SturdyClient, "_process_msg", failing)
+
+        async def take(msg: Msg) -> None:
+            received.append(msg.subject)
+
+        poison, after = (deployment.names.dlq_subject(token) for token in ("poison", "after"))
+        for subject in (poison, after):
+            await listener.subscribe(subject, cb=take)
+        await subscriptions_visible(listener)
+        with structlog.testing.capture_logs() as logged:
+            await deployment.nc.publish(poison, b"x")
+            async with asyncio.timeout(20):  # what is published while it connects again is lost: sent until read
+                while after not in received:
+                    await deployment.nc.publish(after, b"y")
+                    await asyncio.sleep(0.2)
+        assert any(entry["event"] == "nats_read_loop_ended" for entry in logged), logged
+        assert listener.is_connected
+    finally:
+        await close(listener)

@@ -30,6 +30,7 @@ from ontofabric.services.query.symbols import (
     SYMBOL,
     definitions_first,
     identifier_of,
+    kind_asked,
     related_first,
     relation_of,
 )
@@ -268,6 +269,31 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
     # At the same match, a class or function before a module (which holds it).
     module_first = definitions_first("area", {"mod": "pkg.area", "fn": "pkg.area.area"}, [], 10, modules={"mod"})
     assert [hit.id for hit in module_first] == ["fn", "mod"]
+    # Of the kind asked first (an agent tester's `def cell_len`: the property first, the function second).
+    kinds = {"function": "function", "method": "method"}
+    asked = definitions_first("area", definitions, candidates, 10, kind="function", kinds=kinds)
+    assert [hit.id for hit in asked][:2] == ["function", "method"]
+    asked = definitions_first("area", definitions, candidates, 10, kind="module", kinds=kinds)
+    assert [hit.id for hit in asked][:2] == ["method", "function"]  # none of it: as before
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ("def cell_len", "function"),
+        ("cell_len function", "function"),
+        ("where is the print_json function defined", "function"),
+        ("the Console class", "class"),
+        ("module rich.console", "module"),
+        ("method Console.print", "method"),
+        ("cell_len", None),
+        ("where is cell_len defined", None),
+        ("constant DEFAULT", None),
+        ("class inheritance", None),  # words, not a name
+    ],
+)
+def test_kind_asked_is_the_kind_of_symbol_a_query_names(text: str, kind: str | None) -> None:
+    assert kind_asked(text) == kind
 
 
 SHAPES = {

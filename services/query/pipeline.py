@@ -88,6 +88,7 @@ from .symbols import (
     code_shaped,
     definitions_first,
     identifier_of,
+    kind_asked,
     ranked_places,
     related_first,
     relation_of,
@@ -822,7 +823,10 @@ class QueryPipeline:
             )
         name = identifier_of(run.text)
         assert name is not None  # definitions are looked up for identifiers only
-        return definitions_first(name, found, candidates, run.query.top_k, definitions.modules)
+        kinds = {doc_id: str(documents[doc_id].metadata.get("symbolKind")) for doc_id in found}
+        return definitions_first(
+            name, found, candidates, run.query.top_k, definitions.modules, kind_asked(run.text), kinds
+        )
 
     def _calibrated_scores(
         self,

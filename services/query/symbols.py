@@ -107,28 +107,44 @@ def identifier_of(text: str) -> str | None:
     backticks or with a call's ``()``; or asks where one is, or what it is, as a whole (:func:`_asked_for`:
     ``where is Console defined``, ``definition of Console``). None for any other text: other words around a name
     make it a question, not a name."""
-    text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
-    text = _named_with_kind(text) or _asked_for(text) or text
-    name = _SEPARATOR.sub(".", text.strip().strip("`").strip().removesuffix("()"))
+    written, _ = _asked(text)
+    name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()"))
     return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
 
 
-def _asked_for(text: str) -> str | None:
+def kind_asked(text: str) -> str | None:
+    """The kind of symbol a query that names one asks for (``def cell_len``, ``the print_json function``, ``class
+    Console``): ``function``, ``method``, ``class`` or ``module`` (a symbolKind); None when it says none, or names
+    no symbol (:func:`identifier_of`)."""
+    return _asked(text)[1] if identifier_of(text) is not None else None
+
+
+_KINDS_ASKED = {"def": "function", "async def": "function", "function": "function", "method": "method"}
+_KINDS_ASKED |= {"class": "class", "interface": "class", "module": "module", "package": "module"}
+
+
+def _asked(text: str) -> tuple[str, str | None]:
+    """The text that names the symbol a query asks for, and the kind of symbol it says (a symbolKind)."""
+    text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
+    return _named_with_kind(text) or _asked_for(text) or (text, None)
+
+
+def _asked_for(text: str) -> tuple[str, str | None] | None:
     """The name in a question asking for one symbol's definition as a whole (:data:`_DEFINITION_QUESTIONS`), as
-    written (kind words around it go with it: ``where is the Console class defined``)."""
+    written, and the kind words around it say (``where is the Console class defined``)."""
     question = text.strip().rstrip("?").strip()
     for pattern in _DEFINITION_QUESTIONS:
         found = pattern.fullmatch(question)
         if found is not None and found.group("name").lower() not in _NOT_NAMES:
-            return _named_with_kind(found.group("asked")) or found.group("name")
+            return _named_with_kind(found.group("asked")) or (found.group("name"), None)
     return None
 
 
-def _named_with_kind(text: str) -> str | None:
-    """The name in ``class retry_base``, ``def wraps``, ``module tenacity.wait`` or ``the Retrying class``; None
-    where the words read as words (a review's ``package manager``, ``base class``, ``class inheritance``): after
-    ``def`` any name, after or before ``class`` a code-shaped or capitalised one, with the other kinds a code-shaped
-    one."""
+def _named_with_kind(text: str) -> tuple[str, str | None] | None:
+    """The name in ``class retry_base``, ``def wraps``, ``module tenacity.wait`` or ``the Retrying class``, and the
+    kind (a symbolKind; None for ``constant``); None where the words read as words (a review's ``package manager``,
+    ``base class``, ``class inheritance``): after ``def`` any name, after or before ``class`` a code-shaped or
+    capitalised one, with the other kinds a code-shaped one."""
     kinded = _KINDED.fullmatch(text.strip())
     if kinded is None:
         return None
@@ -136,9 +152,9 @@ def _named_with_kind(text: str) -> str | None:
     kind = " ".join((kinded.group("kind") or kinded.group("after_kind")).lower().split())
     bare = name.strip("`").removesuffix("()")
     if kind in ("def", "async def") and kinded.group("before"):
-        return name
+        return name, _KINDS_ASKED.get(kind)
     if code_shaped(bare) or (kind == "class" and bare[:1].isupper()):
-        return name
+        return name, _KINDS_ASKED.get(kind)
     return None
 
 
@@ -326,16 +342,29 @@ def definitions_first(
     candidates: Sequence[Fused],
     limit: int,
     modules: Collection[str] = frozenset(),
+    kind: str | None = None,
+    kinds: Mapping[str, str] | None = None,
 ) -> list[Fused]:
     """The chunks whose qualified name matches ``name`` (``definitions``: id -> symbolFqn, as looked up), at most
     ``limit``, ahead of the other candidates, each scoring 1 and found by ``symbol`` besides what found it before.
     Matches ignoring case count only when none matches as written. Among themselves: the better match first, then
-    classes and functions before modules (``modules``: ids of whole files; a module would hold, and so hide, its
-    function of the same name), then the order the pipeline gave them, then the shorter name. The other
-    candidates keep their order and scores. Unchanged when nothing matches."""
+    those of the ``kind`` of symbol asked (``kinds``: id -> symbolKind; an agent tester's ``def cell_len`` got a
+    property first, the function second), then classes and functions before modules (``modules``: ids of whole
+    files; a module would hold, and so hide, its function of the same name), then the order the pipeline gave
+    them, then the shorter name. The other candidates keep their order and scores. Unchanged when nothing
+    matches."""
     position = {hit.id: i for i, hit in enumerate(candidates)}
+    of_kind = kinds or {}
     matched = sorted(
-        (quality, doc_id in modules, position.get(doc_id, len(candidates)), len(fqn), fqn, doc_id)
+        (
+            quality,
+            kind is not None and of_kind.get(doc_id) != kind,
+            doc_id in modules,
+            position.get(doc_id, len(candidates)),
+            len(fqn),
+            fqn,
+            doc_id,
+        )
         for doc_id, fqn in definitions.items()
         if (quality := match_quality(fqn, name)) is not None
     )

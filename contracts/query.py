@@ -377,6 +377,14 @@ class RelationAsked(WireModel):
         "its ontology graph names a type so (a node, a base, a link's end): the answer then says nothing of the "
         "relation (check the name)."
     )
+    symbols_named: list[str] | None = Field(
+        default=None,
+        description="Sent when the name names more than one symbol (or type): their qualified names, at most five. "
+        "The answer then holds what stands in the relation to any of them; a qualified name asks for one.",
+    )
+    more_symbols_named: bool | None = Field(
+        default=None, description="Sent (true) when the name names more symbols than symbolsNamed lists."
+    )
 
 
 class FusionReport(WireModel):

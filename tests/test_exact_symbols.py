@@ -493,7 +493,13 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     made = await _ask(client, "what calls Circle.__init__")
     assert (_names(made)[0], made.meta.relation_matches) == ("shapes.report.round_one (method)", 1)
     # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
-    assert _names(await _ask(client, "callers of area"))[0] == "shapes.report.describe (method)"
+    shared = await _ask(client, "callers of area")
+    assert _names(shared)[0] == "shapes.report.describe (method)"
+    # Said so (an agent tester's callers of three get_command, merged unsaid); a qualified name names one.
+    assert shared.meta.relation is not None
+    assert shared.meta.relation.symbols_named == ["shapes.circle.Circle.area", "shapes.square.area"]
+    assert "'area' names more than one symbol (shapes.circle.Circle.area, shapes.square.area)" in render(shared)
+    assert circle_callers.meta.relation.symbols_named is None
     assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"
     uncalled = await _ask(client, "who calls Circle.area")
     assert (uncalled.meta.relation_matches, uncalled.meta.relation) == (

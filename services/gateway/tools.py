@@ -477,6 +477,14 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
             relation += " (imports are read between modules: for a class or function, ask what calls it)"
         notes.append(relation + (": these are search results" if reply.results else ""))
+    if asked is not None and asked.symbols_named:  # an agent tester's callers of three get_command, merged unsaid
+        listed = ", ".join(printable(name) for name in asked.symbols_named) + (
+            ", ..." if asked.more_symbols_named else ""
+        )
+        notes.append(
+            f"{asked.symbol!r} names more than one symbol ({listed}): these stand in relation {asked.relation!r} to "
+            "any of them; ask by a qualified name for one"
+        )
     if not reply.results and isinstance(object_type, str) and _alone_selected_nothing(meta, arguments, "objectType"):
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
         notes.append(

@@ -174,6 +174,10 @@ DEFINING_LEVELS = ("type", "file")
 """What stands for a type found by a relation (a subclass, an importer): the class's chunk, the module's file."""
 
 
+NAMED_LISTED = 5
+"""The most symbols a name a relation is asked of is said to name (``_meta.relation.symbolsNamed``)."""
+
+
 @dataclass(frozen=True)
 class Definitions:
     """Chunks a lookup found for the symbol a query names: its definitions, or the chunks standing in the relation
@@ -200,6 +204,9 @@ class Definitions:
     publishing: frozenset[str] = frozenset()
     """Those of ``assigning`` found as a module publishing the name for one it assigns (``pytest.skip``): assigned
     at the module's level, if under that name at all (``MARK_GEN as mark``: none)."""
+    named: tuple[str, ...] = ()
+    """For a relation's lookup: the symbols (or types) the name asked names, in order, at most
+    :data:`NAMED_LISTED` + 1 (more than one: the answer stands in the relation to any of them)."""
 
 
 class DocumentStore(Protocol):

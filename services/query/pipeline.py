@@ -42,6 +42,7 @@ from .core import (
     DEFINING_LEVELS,
     DENSE,
     KEYWORD,
+    NAMED_LISTED,
     Definitions,
     DocumentStore,
     EmbeddedQuery,
@@ -541,9 +542,14 @@ class QueryPipeline:
             return NO_DEFINITIONS
         run.read(found.version)
         if name is None and relation is not None:
+            several = len(found.named) > 1  # an agent tester's callers of three get_command, merged unsaid
             run.report(
                 relation=RelationAsked(
-                    relation=RELATION_ASKED[relation[0]], symbol=relation[1], symbol_indexed=bool(found.symbol_indexed)
+                    relation=RELATION_ASKED[relation[0]],
+                    symbol=relation[1],
+                    symbol_indexed=bool(found.symbol_indexed),
+                    symbols_named=list(found.named[:NAMED_LISTED]) if several else None,
+                    more_symbols_named=len(found.named) > NAMED_LISTED or None,
                 )
             )
         return found
@@ -602,6 +608,7 @@ class QueryPipeline:
                     symbols=found.symbols | made.symbols,
                     modules=found.modules | made.modules,
                     symbol_indexed=found.symbol_indexed or made.symbol_indexed,
+                    named=found.named + tuple(n for n in made.named if n not in found.named),
                 )
             return found
         return await self._related_in_graph(run, scope, relation, name)
@@ -645,8 +652,9 @@ class QueryPipeline:
         # without symbolFqn).
         known = True if types_named else None
         return Definitions(
-            symbols, found.version or graph.version, found_by=relation, distances=distances, symbol_indexed=known
-        )
+            symbols, found.version or graph.version, found_by=relation, distances=distances, symbol_indexed=known,
+            named=tuple(sorted(types_named)[: NAMED_LISTED + 1]),
+        )  # fmt: skip
 
     async def _fetch(
         self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: Definitions

@@ -37,6 +37,7 @@ from .core import (
     DENSE,
     EXPANSION_LEVELS,
     KEYWORD,
+    NAMED_LISTED,
     Candidate,
     Definitions,
     Fetched,
@@ -787,7 +788,10 @@ class PostgresDocuments:
                     named_symbols AS (
                         SELECT symbol_fqn, calls FROM matched
                         WHERE as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written)){more_ctes}
-                    SELECT id, symbol_fqn, chunk_level FROM documents
+                    SELECT id, symbol_fqn, chunk_level,
+                           ARRAY(SELECT DISTINCT symbol_fqn FROM named_symbols ORDER BY 1 LIMIT {NAMED_LISTED + 1})
+                               AS named
+                    FROM documents
                     WHERE {condition} AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY chunk_level = 'file', symbol_fqn, id
                     LIMIT $3""",
@@ -798,7 +802,10 @@ class PostgresDocuments:
                 *parameters,
             )
         modules = frozenset(r["id"] for r in rows if r["chunk_level"] == "file")
-        return Definitions({r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules, found_by=found_by)
+        named = tuple(rows[0]["named"]) if rows else ()
+        return Definitions(
+            {r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules, found_by=found_by, named=named
+        )
 
     async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
         """The version row of each of the workspace's ``branches`` that has one."""

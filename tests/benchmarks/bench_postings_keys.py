@@ -89,13 +89,13 @@ async def run(database_url: str, texts: list[str], settings: Settings) -> None:
     finally:
         await conn.close()
     first = rows[0][1] + rows[0][2]
-    table = Table(title=f"postings of {len(texts):,} documents ({rows[0][3]:,} rows)")
+    report = Table(title=f"postings of {len(texts):,} documents ({rows[0][3]:,} rows)")
     for column in ("keys", "table B/doc", "primary key B/doc", "total B/doc", "ratio"):
-        table.add_column(column)
+        report.add_column(column)
     for name, heap_per_doc, index_per_doc, _ in rows:
         total = heap_per_doc + index_per_doc
-        table.add_row(name, f"{heap_per_doc:,.0f}", f"{index_per_doc:,.0f}", f"{total:,.0f}", f"{total / first:.2f}")
-    Console().print(table)
+        report.add_row(name, f"{heap_per_doc:,.0f}", f"{index_per_doc:,.0f}", f"{total:,.0f}", f"{total / first:.2f}")
+    Console().print(report)
 
 
 def main() -> None:

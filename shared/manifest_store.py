@@ -32,13 +32,23 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .jetstream import RETRY_FOR_S, RETRY_WAIT_S, RETRYABLE, NotSetUp, connection_of, refused_promptly
+from .jetstream import (
+    NATS_AWAY_RETRY_S,
+    RETRY_FOR_S,
+    RETRY_WAIT_S,
+    RETRYABLE,
+    NotSetUp,
+    connection_of,
+    refused_promptly,
+)
 from .logging import describe, get_logger
 from .subjects import Names, decode_token, encode_token
 
 log = get_logger(__name__)
 T = TypeVar("T")
 
+NO_RESPONDERS_FOR_S = 5.0
+"""How long a manifest read that no JetStream server answers is made again before the bucket counts as missing."""
 PART_BYTES = 256 * 1024
 """Well below nats-server's default 1 MB message limit."""
 PURGE_MARKER_TTL_S = 60.0
@@ -93,15 +103,23 @@ class ManifestStore:
     async def _entry(self, key: str) -> KeyValue.Entry | None:
         kv, bucket = await self._bucket(), self._names.manifest_bucket
         subject = f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{key}"
-        try:
-            return await refused_promptly(connection_of(self._js), subject, kv.get(key))
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-        except NoRespondersError:
-            raise NotSetUp(
-                f"the bucket {bucket} does not exist: start a projector once to create the streams (`ontofabric up`, "
-                "or `ontofabric projector` beside `up --no-projector`)"
-            ) from None
+        # No responder: the bucket does not exist, or the server is stopping or starting, its connection still up
+        # and JetStream not answering. An ingester may not ask the stream's info to tell which, so the read is
+        # made again for a few seconds first (a fault tester's ingest, started as `up` restarted, was told the
+        # bucket did not exist, exit 2; the same ingest a moment later ran).
+        give_up_at = time.monotonic() + NO_RESPONDERS_FOR_S
+        while True:
+            try:
+                return await refused_promptly(connection_of(self._js), subject, kv.get(key))
+            except (KeyNotFoundError, KeyDeletedError):
+                return None
+            except NoRespondersError:
+                if time.monotonic() + NATS_AWAY_RETRY_S > give_up_at:
+                    raise NotSetUp(
+                        f"the bucket {bucket} does not exist: start a projector once to create the streams "
+                        "(`ontofabric up`, or `ontofabric projector` beside `up --no-projector`)"
+                    ) from None
+                await asyncio.sleep(NATS_AWAY_RETRY_S)
 
     async def _get(self, key: str) -> bytes | None:
         entry = await self._entry(key)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import nats.js.errors
 import pytest
@@ -178,3 +179,27 @@ async def test_an_ingest_before_any_projector_started_says_what_is_missing(deplo
     await deployment.js.delete_key_value(deployment.names.manifest_bucket)
     with pytest.raises(NotSetUp, match="start a projector"):
         await ManifestStore(deployment.js, deployment.names).load("acme", "main")
+
+
+async def test_a_manifest_read_no_server_answers_for_a_moment_is_made_again(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault tester's ingest, started while `up` restarted its NATS server, was told the bucket did not exist
+    (exit 2): JetStream had no responder for a moment. The read is made again; only a bucket still unanswered after
+    a few seconds is missing (the test above)."""
+    from nats.errors import NoRespondersError
+    from nats.js.kv import KeyValue
+
+    store = ManifestStore(deployment.js, deployment.names)
+    await store.load("acme", "main")  # the bucket as a projector made it
+    original, refused = KeyValue.get, [2]
+
+    async def away(self: KeyValue, key: str, *args: Any, **kwargs: Any) -> KeyValue.Entry:
+        if refused[0]:
+            refused[0] -= 1
+            raise NoRespondersError
+        return await original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(KeyValue, "get", away)
+    loaded = await store.load("acme", "main")
+    assert (refused[0], loaded.data) == (0, None)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import asyncpg
+import nats.errors
 import typer
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -43,6 +44,7 @@ from ontofabric.shared.embedder import EmbedderMismatch, ModelMissing, build_emb
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.jetstream import (
     ANY_SUBJECT,
+    NATS_AWAY,
     ConnectionLost,
     NatsUnreachable,
     NotSetUp,
@@ -554,7 +556,7 @@ def ingest(
                     markup=False,
                 )
             elif set_aside is not None and report.last_sequence is not None:
-                await nc.flush()  # a dead letter is published before its delta counts as projected
+                await _dead_letters_in(nc)
                 letters = set_aside.of(report.published)
                 refused = [report.keys_by_sequence[a.original_seq] for a in letters if a.original_seq is not None]
                 await ingester.forget(workspace, branch, refused)  # sent again next time, not "unchanged"
@@ -562,13 +564,13 @@ def ingest(
             elif set_aside is not None and report.pending_through is not None:
                 # Waited for an earlier ingest's deltas: those set aside meanwhile are not in the index either (a
                 # review's: a retry exited 0 over them). Any set aside before this ingest began, it cannot see.
-                await nc.flush()
+                await _dead_letters_in(nc)
                 subject = names.delta_subject(workspace, branch)
                 earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
                 _fail_on_dead_letters(earlier, None, workspace)
             if set_aside is not None and report.main_pending_through is not None and not followed:
                 # A branch waited for main's last ingest too: what of it was set aside meanwhile, it reads without.
-                await nc.flush()
+                await _dead_letters_in(nc)
                 subject = names.delta_subject(workspace, MAIN_BRANCH)
                 mains = set_aside.on_subject_within(subject, report.main_pending_from or 0, report.main_pending_through)
                 _fail_on_dead_letters(mains, None, workspace, f"deltas {MAIN_BRANCH}'s last ingest published")
@@ -622,6 +624,20 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
         )
     for note in notes:
         errors.print(f"note: {note}", soft_wrap=True, markup=False)
+
+
+async def _dead_letters_in(nc: Client) -> None:
+    """Flushed, so that every dead letter published before its delta counted as projected has reached the watch;
+    exit 1, saying so, when NATS went away meanwhile (a fault tester's ingest printed its success and then ended in
+    a FlushTimeoutError traceback)."""
+    try:
+        await nc.flush()
+    except (*NATS_AWAY, nats.errors.FlushTimeoutError, nats.errors.ConnectionClosedError) as error:
+        _fail(
+            f"the deltas are projected, but whether a projector set any aside could not be read: NATS went away "
+            f"({describe(error)}); `ontofabric status` counts the dead letters per workspace",
+            code=1,
+        )
 
 
 def _fail_on_dead_letters(

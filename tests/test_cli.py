@@ -833,3 +833,22 @@ async def test_adopt_stream_empties_the_index_and_the_running_projector_fills_it
     later = await deployment.publisher.publish(upsert("acme", document("d0", "text 0, later")))
     await deployment.wait_projected(later.seq)
     assert (await deployment.fetch("SELECT content FROM documents WHERE id = 'd0'"))[0]["content"] == "text 0, later"
+
+
+async def test_an_ingest_that_cannot_read_its_dead_letters_says_so_and_exits_1(
+    deployment: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fault tester's ingest printed its success, then NATS stopped before it had read its dead letters, and it
+    ended in a FlushTimeoutError traceback."""
+    import typer
+
+    from ontofabric.services.cli import _dead_letters_in
+    from ontofabric.shared.jetstream import connect
+
+    nc = await connect(deployment.nats_url, "test-gone")
+    await nc.close()
+    with pytest.raises(typer.Exit) as exited:
+        await _dead_letters_in(nc)
+    assert exited.value.exit_code == 1
+    said = " ".join(capsys.readouterr().err.split())
+    assert "whether a projector set any aside could not be read: NATS went away" in said

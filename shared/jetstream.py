@@ -167,41 +167,28 @@ class _Outage:
 UNREADABLE_HEADERS = "Ontofabric-Unreadable-Headers"
 """Set by :class:`SturdyClient`, in place of a message's headers that nats-py cannot read, to what was wrong."""
 STORED_STATUS = "Ontofabric-Stored-Status"
-"""Where :class:`SturdyClient` puts a status a stored message carries (``Status``, or one inline on its first
-header line)."""
-_STATUS_HEADER_LINE = re.compile(rb"^status(?=[ \t]*:)", re.IGNORECASE | re.MULTILINE)
-_VERSION_LINE = b"NATS/1.0"
-
-
-def stored_headers(raw: bytes) -> bytes:
-    """A stored message's header block with its status (inline on the version line, ``NATS/1.0 404 ...``, or a
-    ``Status`` line) under :data:`STORED_STATUS`: what a publisher stored is its content, not the server's word on
-    a fetch, which nats-py takes any ``Status`` for."""
-    first, separator, rest = raw.partition(b"\r\n")
-    inline = first[len(_VERSION_LINE) :].strip() if first.startswith(_VERSION_LINE) else b""
-    if inline:
-        first, rest = _VERSION_LINE, STORED_STATUS.encode() + b": " + inline + b"\r\n" + rest
-    return first + separator + _STATUS_HEADER_LINE.sub(STORED_STATUS.encode(), rest)
+"""Where :class:`SturdyClient` puts the ``Status`` a stored message carries (a header, or inline on its first line)."""
+_STATUS = "Status"
+"""The header nats-py takes for the server's status on a fetch (nats.js.api.Header.STATUS)."""
 
 
 class SturdyClient(Client):
     """nats-py's client, made to read what any publisher can send without stopping. An outside tester's findings,
-    each from one message of a user confined to its own workspace:
+    each from one message of a user confined to its own workspace, and a review's:
 
     - a status line that is not UTF-8 (``NATS/1.0 \\xff``) raised in nats-py's header parser, and its read loop
       ended without a word while the connection still counted as up: the query worker answered no one, for any
       workspace, for five minutes. Headers that cannot be read are handed over as :data:`UNREADABLE_HEADERS`.
     - a delta stored with a ``Status`` header was taken by nats-py's fetch for the server's status, and every fetch
       that reached it failed: the projector's position stopped there for every workspace. A stored message's
-      status (delivered by JetStream, its reply an ``$JS.ACK.`` subject) is handed over as :data:`STORED_STATUS`.
+      status (delivered by JetStream, its reply an ``$JS.ACK.`` subject) is handed over as :data:`STORED_STATUS`,
+      read from the headers as nats-py parsed them (a first version renamed the header's line, and ``\tStatus:``
+      or ``Status\x0b:``, which nats-py's parser strips, got past it).
+    - a subject or reply subject that is not UTF-8 raised in nats-py's building of the message: such a message,
+      which cannot be answered, is dropped and logged (it made the worker connect again, a second each).
 
     And whatever else ends nats-py's read loop while the connection is up makes the connection again.
     """
-
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
-        if headers and reply.startswith(b"$JS.ACK."):
-            headers = stored_headers(headers)
-        await super()._process_msg(sid, subject, reply, data, headers)
 
     async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
         try:
@@ -209,11 +196,25 @@ class SturdyClient(Client):
         except Exception as error:  # whatever the parser raises on a message's headers, the read loop goes on
             return {UNREADABLE_HEADERS: describe(error)[:200]}
 
+    def _build_message(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: dict[str, str] | None
+    ) -> Msg | None:
+        if headers and _STATUS in headers and reply.startswith(b"$JS.ACK."):
+            # In place: nats-py reads the same dict for its control messages once the message is built.
+            headers[STORED_STATUS] = headers.pop(_STATUS)
+        try:
+            return super()._build_message(sid, subject, reply, data, headers)  # type: ignore[no-any-return]
+        except UnicodeDecodeError:  # nats-py skips a message it could not build (None)
+            log.warning("nats_message_not_utf8_dropped", subject=subject[:200].decode(errors="replace"))
+            return None
+
     async def _read_loop(self) -> None:
         await super()._read_loop()
         # nats-py's loop ends on any error it did not foresee, logging it, while the connection still counts as up
         # and nothing reads it: the connection is made again, as after a protocol error, rather than left mute.
-        if self.is_connected:
+        # Not when the loop's own task is being cancelled (nats-py swallows that).
+        task = asyncio.current_task()
+        if self.is_connected and not (task is not None and task.cancelling()):
             log.error("nats_read_loop_ended", action="reconnecting")
             await self._process_op_err(nats.errors.UnexpectedEOF())
 

@@ -348,6 +348,21 @@ SHAPES = {
         class Ring(Circle):
             hole = 0.5
         """,
+    # A constructor a subclass inherits: calling the subclass runs it.
+    "makers.py": """
+        class Base:
+            def __init__(self, key):
+                self.key = key
+
+        class Sub(Base):
+            pass
+
+        def make_sub():
+            return Sub(1)
+
+        def make_base():
+            return Base(2)
+        """,
     # A chunk that says Circle far more often than the class does: what keyword search would rank first.
     "gallery.py": """
         def draw_circles(canvas):
@@ -492,6 +507,14 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # A class's constructor is called by calling the class (an agent tester's callers of Console.__init__: none).
     made = await _ask(client, "what calls Circle.__init__")
     assert (_names(made)[0], made.meta.relation_matches) == ("shapes.report.round_one (method)", 1)
+    # The class as asked, not the base whose constructor it inherits (a review's: Base(...)'s callers), and no
+    # second symbol said to be named so.
+    inherited = await _ask(client, "what calls Sub.__init__")
+    callers = {r.metadata["symbolFqn"] for r in inherited.results if CALLER in {f.retriever for f in r.found_by}}
+    assert "shapes.makers.make_sub" in callers
+    assert "shapes.makers.make_base" not in callers
+    assert inherited.meta.relation is not None
+    assert inherited.meta.relation.symbols_named is None
     # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
     shared = await _ask(client, "callers of area")
     assert _names(shared)[0] == "shapes.report.describe (method)"

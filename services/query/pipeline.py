@@ -590,6 +590,11 @@ class QueryPipeline:
         """The chunks standing in ``relation`` to the symbol ``name`` names; a dotted name a package publishes a
         symbol under (``click.echo``: ``click.utils.echo``) stands for that symbol (a tester's callers of
         click.echo were told no such symbol is indexed), and a member a class inherits for the base's."""
+        # A class is called to make one: an agent tester's callers of Console.__init__ found none, though
+        # Console(...) is called in many places. The class as asked, before a base's constructor stands in for an
+        # inherited one (a review's: callers of Sub.__init__ were Base(...)'s).
+        owner, _, member = name.rpartition(".")
+        made_by = owner if relation == CALLER and owner and member in CONSTRUCTORS else None
         if "." in name:
             published = await self._documents.definitions(scope.unfiltered, name, 1)
             name = published.published_as or name
@@ -598,17 +603,14 @@ class QueryPipeline:
         if relation in (CALLER, CALLEE):
             calls = self._documents.callers if relation == CALLER else self._documents.callees
             found = await calls(scope, name, RELATIONS_READ)
-            owner, _, member = name.rpartition(".")
-            if relation == CALLER and owner and member in CONSTRUCTORS:
-                # A class is called to make one: an agent tester's callers of Console.__init__ found none, though
-                # Console(...) is called in many places.
-                made = await calls(scope, owner, RELATIONS_READ)
+            if made_by is not None:
+                made = await calls(scope, made_by, RELATIONS_READ)
                 found = dataclasses.replace(
                     found,
                     symbols=found.symbols | made.symbols,
                     modules=found.modules | made.modules,
                     symbol_indexed=found.symbol_indexed or made.symbol_indexed,
-                    named=found.named + tuple(n for n in made.named if n not in found.named),
+                    named=found.named or made.named,  # the constructor's own: the class is not another symbol
                 )
             return found
         return await self._related_in_graph(run, scope, relation, name)

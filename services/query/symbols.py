@@ -131,12 +131,21 @@ def _asked(text: str) -> tuple[str, str | None]:
 
 def _asked_for(text: str) -> tuple[str, str | None] | None:
     """The name in a question asking for one symbol's definition as a whole (:data:`_DEFINITION_QUESTIONS`), as
-    written, and the kind words around it say (``where is the Console class defined``)."""
+    written, and the kind words around it say (``where is the Console class defined``). Only a name written as
+    code writes one, or capitalised (:func:`code_shaped`), and kind words only where they read as a name's kind: a
+    review's ``find errors``, ``what is the purpose``, ``what is the base class`` and ``where is the package
+    manager`` were looked up as names, and a module called errors came first."""
     question = text.strip().rstrip("?").strip()
     for pattern in _DEFINITION_QUESTIONS:
         found = pattern.fullmatch(question)
-        if found is not None and found.group("name").lower() not in _NOT_NAMES:
-            return _named_with_kind(found.group("asked")) or (found.group("name"), None)
+        if found is None:
+            continue
+        asked, name = found.group("asked"), found.group("name")
+        if _KINDED.fullmatch(asked.strip()):  # kind words: a name with its kind, or words
+            return _named_with_kind(asked)
+        bare = name.strip("`").removesuffix("()")
+        if code_shaped(bare) or bare[:1].isupper():
+            return name, None
     return None
 
 

@@ -508,3 +508,18 @@ async def test_a_read_loop_ended_by_an_error_nats_py_did_not_foresee_connects_ag
         assert listener.is_connected
     finally:
         await close(listener)
+
+
+def test_a_message_line_is_read_as_the_server_writes_it() -> None:
+    """The server separates a MSG line's parts by spaces and tabs only, and a subject may hold a vertical tab or a
+    form feed; nats-py's patterns took any whitespace, and such a line raised a protocol error (a review's)."""
+    import nats.protocol.parser as parser
+
+    import ontofabric.shared.jetstream  # noqa: F401  (its import makes the patterns so)
+
+    found = parser.MSG_RE.match(b"MSG d.acme.a\x0bb 1 _INBOX.u.x 5\r\n")
+    assert found is not None
+    assert found.group(1, 4, 5) == (b"d.acme.a\x0bb", b"_INBOX.u.x", b"5")
+    found = parser.HMSG_RE.match(b"HMSG d.acme.a\x0cb\t7 12 20\r\n")
+    assert found is not None
+    assert found.group(1, 2, 4, 5, 6) == (b"d.acme.a\x0cb", b"7", None, b"12", b"20")

@@ -595,24 +595,29 @@ class QueryPipeline:
         # inherited one (a review's: callers of Sub.__init__ were Base(...)'s).
         owner, _, member = name.rpartition(".")
         made_by = owner if relation == CALLER and owner and member in CONSTRUCTORS else None
+        inherited = None
         if "." in name:
             published = await self._documents.definitions(scope.unfiltered, name, 1)
             name = published.published_as or name
             if not published.symbols and relation in (CALLER, CALLEE):
-                name = await self._inherited(scope, name) or name
+                inherited = await self._inherited(scope, name)
+                name = inherited or name
         if relation in (CALLER, CALLEE):
             calls = self._documents.callers if relation == CALLER else self._documents.callees
+            if made_by is None:
+                return await calls(scope, name, RELATIONS_READ)
+            made = await calls(scope, made_by, RELATIONS_READ)
+            if inherited is not None:  # the base's constructor's callers are its other subclasses' (a review's)
+                return made
             found = await calls(scope, name, RELATIONS_READ)
-            if made_by is not None:
-                made = await calls(scope, made_by, RELATIONS_READ)
-                found = dataclasses.replace(
-                    found,
-                    symbols=found.symbols | made.symbols,
-                    modules=found.modules | made.modules,
-                    symbol_indexed=found.symbol_indexed or made.symbol_indexed,
-                    named=found.named or made.named,  # the constructor's own: the class is not another symbol
-                )
-            return found
+            return dataclasses.replace(
+                found,
+                symbols=found.symbols | made.symbols,
+                modules=found.modules | made.modules,
+                symbol_indexed=found.symbol_indexed or made.symbol_indexed,
+                # The classes named so: a constructor is its class's, not a second symbol.
+                named=tuple(dict.fromkeys([*(n.rpartition(".")[0] for n in found.named), *made.named])),
+            )
         return await self._related_in_graph(run, scope, relation, name)
 
     async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:

@@ -135,7 +135,7 @@ def _asked_for(text: str) -> tuple[str, str | None] | None:
     code writes one, or capitalised (:func:`code_shaped`), and kind words only where they read as a name's kind: a
     review's ``find errors``, ``what is the purpose``, ``what is the base class`` and ``where is the package
     manager`` were looked up as names, and a module called errors came first."""
-    question = text.strip().rstrip("?").strip()
+    question = text.strip().rstrip("?.!").strip()
     for pattern in _DEFINITION_QUESTIONS:
         found = pattern.fullmatch(question)
         if found is None:
@@ -143,8 +143,13 @@ def _asked_for(text: str) -> tuple[str, str | None] | None:
         asked, name = found.group("asked"), found.group("name")
         if _KINDED.fullmatch(asked.strip()):  # kind words: a name with its kind, or words
             return _named_with_kind(asked)
-        bare = name.strip("`").removesuffix("()")
-        if code_shaped(bare) or bare[:1].isupper():
+        bare = name.removesuffix("()")
+        as_code = "`" in asked or name.endswith("()") or code_shaped(bare)
+        # Capitalised as a name is, in a question whose other words are not (`What Is The Purpose`: a second
+        # review's title-cased questions were looked up as names).
+        others = (question[: found.start("asked")] + question[found.end("asked") :]).split()
+        sentence_case = any(word[:1].islower() for word in others) and not any(w[:1].isupper() for w in others[1:])
+        if as_code or (bare[:1].isupper() and sentence_case):
             return name, None
     return None
 

@@ -205,7 +205,8 @@ class SturdyClient(Client):
       read from the headers as nats-py parsed them (a first version renamed the header's line, and ``\tStatus:``
       or ``Status\x0b:``, which nats-py's parser strips, got past it).
     - a subject or reply subject that is not UTF-8 raised in nats-py's building of the message: such a message,
-      which cannot be answered, is dropped and logged (it made the worker connect again, a second each).
+      which cannot be answered, is dropped and logged (it made the worker connect again, a second each); one
+      delivered from a stream is read with the odd bytes replaced, to be settled (dropped, it came again for ever).
 
     And whatever else ends nats-py's read loop while the connection is up makes the connection again.
     """

@@ -178,14 +178,15 @@ _SEPARATED = re.compile(rb"\\s")
 
 def _subjects_read_as_the_server_writes_them() -> None:
     """nats-py reads a MSG or HMSG line's parts as separated by any whitespace, where the server separates them by
-    spaces and tabs only and takes a vertical tab or a form feed as part of a subject: a subject holding one (any
-    publisher may write it) matched neither pattern, and nats-py's parser raised a protocol error and connected
-    again, once for each such message (a review's). Its two patterns, made again with spaces and tabs as the
-    separators; left as they are if a release of nats-py writes them otherwise (a test checks)."""
+    spaces and tabs only, ends the line at its line feed, and takes a vertical tab, a form feed or a carriage return
+    as part of a subject: a subject holding one (any publisher may write it) matched neither pattern, and nats-py's
+    parser raised a protocol error and connected again, once for each such message (two reviews'). Its two
+    patterns, made again with spaces and tabs as the separators; left as they are if a release of nats-py writes
+    them otherwise (a test checks)."""
     for name in ("MSG_RE", "HMSG_RE"):
         pattern: re.Pattern[bytes] = getattr(nats.protocol.parser, name)
         if b"[^\\s]" in pattern.pattern:
-            written = pattern.pattern.replace(b"[^\\s]", b"[^ \\t\r\n]").replace(b"[^\\S\r\n]", b"[ \\t]")
+            written = pattern.pattern.replace(b"[^\\s]", b"[^ \\t\n]").replace(b"[^\\S\r\n]", b"[ \\t]")
             setattr(nats.protocol.parser, name, re.compile(_SEPARATED.sub(b"[ \\t]", written)))
 
 

@@ -113,7 +113,12 @@ from .conftest import Deployment, Start
         ("where is the Console class defined", "Console"),
         # Title case is no name's capital (a second review's); backticks and a call's () are code, a period ends.
         ("What Is The Purpose", None),
-        ("Find Errors", None),
+        ("Find Errors", "Errors"),  # two words: no telling title case from a capitalised name, which goes first
+        ("Find The Errors", None),
+        ("Where can I find Console?", "Console"),  # `I` is capitalised in any question (a third review's)
+        ("Find Console", "Console"),
+        ("Where's Console?", "Console"),
+        ("Where is tenacity::retry defined?", "tenacity.retry"),
         ("How Does Caching Work", None),
         ("Where Is Console Defined", None),  # every word capitalised: none tells the name
         ("where is `console` defined", "console"),
@@ -131,6 +136,7 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
     ("text", "asked"),
     [
         ("what calls to_seconds", (CALLER, "to_seconds")),
+        ("What calls to_seconds.", (CALLER, "to_seconds")),  # a period ends it too
         ("What calls `to_seconds`?", (CALLER, "to_seconds")),
         ("who calls Retrying::wraps", (CALLER, "Retrying.wraps")),
         ("which functions call the method BaseRetrying.begin", (CALLER, "BaseRetrying.begin")),
@@ -534,8 +540,11 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert (circle_callers.meta.relation_matches, circle_callers.meta.exact_symbol_matches) == (1, 0)
     assert circle_callers.meta.relation == RelationAsked(relation="callers", symbol="Circle", symbol_indexed=True)
     # A class's constructor is called by calling the class (an agent tester's callers of Console.__init__: none).
-    made = await _ask(client, "what calls Circle.__init__")
-    assert (_names(made)[0], made.meta.relation_matches) == ("shapes.report.round_one (method)", 1)
+    for text in ("what calls Circle.__init__", "what calls shapes.Circle.__init__"):  # by its published name too
+        made = await _ask(client, text)
+        assert (_names(made)[0], made.meta.relation_matches) == ("shapes.report.round_one (method)", 1), text
+        assert made.meta.relation is not None
+        assert made.meta.relation.symbol_indexed, text
     # The class as asked, not the base whose constructor it inherits (a review's: Base(...)'s callers), and no
     # second symbol said to be named so.
     inherited = await _ask(client, "what calls Sub.__init__")

@@ -523,3 +523,8 @@ def test_a_message_line_is_read_as_the_server_writes_it() -> None:
     found = parser.HMSG_RE.match(b"HMSG d.acme.a\x0cb\t7 12 20\r\n")
     assert found is not None
     assert found.group(1, 2, 4, 5, 6) == (b"d.acme.a\x0cb", b"7", None, b"12", b"20")
+    # A carriage return too: the server ends the line at its line feed (a third review's).
+    found = parser.MSG_RE.match(b"MSG d.acme.a\rb 1 rep\rly 5\r\n")
+    assert found is not None
+    assert found.group(1, 4, 5) == (b"d.acme.a\rb", b"rep\rly", b"5")
+    assert parser.MSG_RE.match(b"MSG d.acme.b 1 5\r") is None  # a line not ended yet waits for the rest

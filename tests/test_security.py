@@ -399,10 +399,10 @@ async def test_one_message_of_a_confined_user_stops_no_worker(
         assert isinstance(status, StatusReply)  # still answering, another workspace too
         # A reply subject that is no UTF-8 (a review's): nats-py could not build the message, and the worker
         # connected again for each. It is dropped, and the connection stays.
-        for _ in range(3):
+        for odd in (b"\xff", b"a\rb", b"a\x0bb"):
             await _raw_publish(
                 client_url, names.request_subject("query", "acme"), b"NATS/1.0\r\n\r\n", b'{"semanticQuery": "x"}',
-                raw_reply=f"{inbox_prefix(user)}.".encode() + b"\xff",
+                raw_reply=f"{inbox_prefix(user)}.".encode() + odd,
             )  # fmt: skip
         assert isinstance(await QueryClient(deployment.nc, names, timeout_s=10).status("other", {}), StatusReply)
         assert worker.connection is not None
@@ -432,7 +432,7 @@ async def test_one_message_of_a_confined_user_stops_no_worker(
             )  # fmt: skip
         # Subjects of acme's that are no UTF-8, or hold a vertical tab or a form feed, which the server takes as
         # part of a subject (a second review's: never settled, and every fetch made the projector connect again).
-        for number, token in enumerate((b"\xff", b"a\x0bb", b"a\x0cb")):
+        for number, token in enumerate((b"\xff", b"a\x0bb", b"a\x0cb", b"a\rb")):
             odd = upsert("acme", document(f"odd{number}", "a delta on an odd subject"))
             await _raw_publish(
                 ingest_url, names.delta_subject("acme", "main").rpartition(".")[0].encode() + b"." + token,
@@ -441,7 +441,8 @@ async def test_one_message_of_a_confined_user_stops_no_worker(
         own = await DeltaPublisher(deployment.js, names).publish(upsert("other", document("own", "another's own")))
         await deployment.wait_projected(own.seq)
         letters = await dead_letters(deployment.nc, names, Selection())
-        assert sorted(letter.reason for letter in letters) == ["subject_mismatch"] * 3, letters
+        assert sorted(letter.reason for letter in letters) == ["subject_mismatch"] * 4, letters
+        assert "a\\rb" in {letter.original_subject.rpartition(".")[2] for letter in letters}  # escaped
         # The server stores the second without its status line: a delta of acme's like any other.
         ids = {r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE NOT deleted")}
         assert ids == {"own", "unreadable"}

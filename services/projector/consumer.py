@@ -38,6 +38,7 @@ from ontofabric.shared.jetstream import (
 )
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.printable import printable
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import NO_WORKSPACE, Names, Partition, workspace_of, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait
@@ -518,7 +519,8 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
         "Ontofabric-Reason": rejection.reason,
         "Ontofabric-Detail": _header_safe(rejection.detail),
         "Ontofabric-Index": index,
-        "Ontofabric-Original-Subject": msg.subject,
+        # Escaped: a subject may hold a carriage return or a line feed, which would end the header's line.
+        "Ontofabric-Original-Subject": printable(msg.subject),
         "Ontofabric-Original-Stream": msg.metadata.stream,
         "Ontofabric-Original-Sequence": str(seq),
         "Ontofabric-Delivered": str(msg.metadata.num_delivered),

@@ -591,14 +591,15 @@ class QueryPipeline:
         symbol under (``click.echo``: ``click.utils.echo``) stands for that symbol (a tester's callers of
         click.echo were told no such symbol is indexed), and a member a class inherits for the base's."""
         # A class is called to make one: an agent tester's callers of Console.__init__ found none, though
-        # Console(...) is called in many places. The class as asked, before a base's constructor stands in for an
-        # inherited one (a review's: callers of Sub.__init__ were Base(...)'s).
-        owner, _, member = name.rpartition(".")
-        made_by = owner if relation == CALLER and owner and member in CONSTRUCTORS else None
-        inherited = None
+        # Console(...) is called in many places. The class as asked (by the name its package publishes it under,
+        # its own), before a base's constructor stands in for an inherited one (a review's: callers of
+        # Sub.__init__ were Base(...)'s; another's: pkg.Widget.__init__, published so, found none).
+        made_by, inherited = None, None
         if "." in name:
             published = await self._documents.definitions(scope.unfiltered, name, 1)
             name = published.published_as or name
+            owner, _, member = name.rpartition(".")
+            made_by = owner if relation == CALLER and member in CONSTRUCTORS else None
             if not published.symbols and relation in (CALLER, CALLEE):
                 inherited = await self._inherited(scope, name)
                 name = inherited or name

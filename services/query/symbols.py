@@ -144,11 +144,14 @@ def _asked_for(text: str) -> tuple[str, str | None] | None:
         if _KINDED.fullmatch(asked.strip()):  # kind words: a name with its kind, or words
             return _named_with_kind(asked)
         bare = name.removesuffix("()")
-        as_code = "`" in asked or name.endswith("()") or code_shaped(bare)
+        as_code = "`" in asked or name.endswith("()") or bool(_SEPARATOR.search(bare)) or code_shaped(bare)
         # Capitalised as a name is, in a question whose other words are not (`What Is The Purpose`: a second
-        # review's title-cased questions were looked up as names).
-        others = (question[: found.start("asked")] + question[found.end("asked") :]).split()
-        sentence_case = any(word[:1].islower() for word in others) and not any(w[:1].isupper() for w in others[1:])
+        # review's title-cased questions were looked up as names); `I` is capitalised in any question, and a
+        # question of two words (`Find Console`, `Where's Console`) cannot tell (a third review's).
+        others = [w for w in (question[: found.start("asked")] + question[found.end("asked") :]).split() if w != "I"]
+        sentence_case = len(others) <= 1 or (
+            any(word[:1].islower() for word in others) and not any(word[:1].isupper() for word in others[1:])
+        )
         if as_code or (bare[:1].isupper() and sentence_case):
             return name, None
     return None
@@ -275,7 +278,7 @@ def relation_of(text: str) -> tuple[str, str] | None:
     inherit from wait_base``, ``what imports tenacity._utils``; ``what does wraps call``, ``base classes of
     Retrying``, ``what does tenacity.wait import``. None for any other text (a question that also asks something
     else is no lookup)."""
-    question = text.strip().rstrip("?").strip()
+    question = text.strip().rstrip("?.!").strip()
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
         name = identifier_of(found.group("name")) if found is not None else None

@@ -379,11 +379,14 @@ class RelationAsked(WireModel):
     )
     symbols_named: list[str] | None = Field(
         default=None,
+        exclude_if=lambda named: named is None,  # sent only when it says something, as its description says
         description="Sent when the name names more than one symbol (or type): their qualified names, at most five. "
         "The answer then holds what stands in the relation to any of them; a qualified name asks for one.",
     )
     more_symbols_named: bool | None = Field(
-        default=None, description="Sent (true) when the name names more symbols than symbolsNamed lists."
+        default=None,
+        exclude_if=lambda more: more is None,
+        description="Sent (true) when the name names more symbols than symbolsNamed lists.",
     )
 
 

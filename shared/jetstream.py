@@ -29,6 +29,7 @@ from nats.js.api import (
     ConsumerInfo,
     DeliverPolicy,
     DiscardPolicy,
+    Header,
     KeyValueConfig,
     RePublish,
     RetentionPolicy,
@@ -169,8 +170,8 @@ UNREADABLE_HEADERS = "Ontofabric-Unreadable-Headers"
 """Set by :class:`SturdyClient`, in place of a message's headers that nats-py cannot read, to what was wrong."""
 STORED_STATUS = "Ontofabric-Stored-Status"
 """Where :class:`SturdyClient` puts the ``Status`` a stored message carries (a header, or inline on its first line)."""
-_STATUS = "Status"
-"""The header nats-py takes for the server's status on a fetch or a request (nats.js.api.Header.STATUS)."""
+_STATUS = Header.STATUS.value
+"""The header nats-py takes for the server's status on a fetch or a request."""
 _STORED_SEQUENCE = "Nats-Sequence"
 """A header the server adds to a stored message it answers a direct get with."""
 _SEPARATED = re.compile(rb"\\s")

@@ -839,10 +839,9 @@ class QueryPipeline:
             )
         name = identifier_of(run.text)
         assert name is not None  # definitions are looked up for identifiers only
-        kinds = {doc_id: str(documents[doc_id].metadata.get("symbolKind")) for doc_id in found}
-        return definitions_first(
-            name, found, candidates, run.query.top_k, definitions.modules, kind_asked(run.text), kinds
-        )
+        kind = kind_asked(run.text)
+        kinds = {doc_id: str(documents[doc_id].metadata.get("symbolKind")) for doc_id in found} if kind else None
+        return definitions_first(name, found, candidates, run.query.top_k, definitions.modules, kind, kinds)
 
     def _calibrated_scores(
         self,

@@ -204,11 +204,13 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
         assert kinds == {"function"}, kinds  # the function, and not its file's chunk
         # A relation alone, without TEXT, as the contract allows (an agent tester's "Missing argument 'text'").
         alone = subprocess.run(
-            [ONTOFABRIC, "query", "--workspace", "geo", "--related-to", "callers:circle_area"],
+            [ONTOFABRIC, "query", "--workspace", "geo", "--json", "--related-to", "callers:circle_area"],
             env=env, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert alone.returncode == 0, alone.stdout + alone.stderr
-        assert "caller" in alone.stdout
+        answered_alone = json.loads(alone.stdout)  # the relation read, and the rest ranked for the symbol's name
+        assert answered_alone["_meta"]["relation"] == meta["relation"]
+        assert answered_alone["results"][0]["metadata"]["symbolFqn"] == "geometry.circle_area"
         refused = subprocess.run(
             [ONTOFABRIC, "query", "area", "--workspace", "geo", "--related-to", "friends:circle_area"],
             env=env, capture_output=True, text=True, timeout=60, check=False,

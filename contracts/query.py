@@ -297,8 +297,10 @@ class FoundBy(WireModel):
 
     retriever: str = Field(
         description="The retriever's name: dense, keyword, or another the deployment runs; symbol for a result "
-        "whose symbolFqn the query named (_meta.exactSymbolMatches); caller, callee, subclass, base, importer or "
-        "imported for a result standing in the relation the query asked about to the symbol it named "
+        "whose symbolFqn the query named (_meta.exactSymbolMatches); file for a chunk of the file whose path the "
+        "query is (a module's chunk, a document's sections; _meta.exactSymbolMatches too); caller, callee, "
+        "subclass, base, importer or imported for a result standing in the relation the query asked about to the "
+        "symbol it named "
         "(_meta.relationMatches)."
     )
     rank: int
@@ -311,8 +313,9 @@ class SearchResult(WireModel):
         description="When _meta.calibrated: the estimated probability that the result is relevant, on one scale "
         "whatever retrievers ran (Platt scaling over its signals and its place among the ranked results, before "
         "minRelevance drops any, fitted on judged queries; "
-        "docs/quality.md), 1 for a definition the query names (foundBy symbol); minRelevance is then a threshold "
-        "on it. Each result's own: it follows the order, but a result whose signals are much stronger than those "
+        "docs/quality.md), 1 for a definition or a file the query names (foundBy symbol, file); minRelevance is "
+        "then a threshold on it. Each result's own: it follows the order, but a result whose signals are much "
+        "stronger than those "
         "of one ranked before it may score higher. "
         "Otherwise (a listing; no signal to judge by; an index of another embedding model than the fit's; "
         "calibration turned off by the deployment) a relative relevance in [0, 1]: the reranker's, late "
@@ -539,8 +542,8 @@ class QueryMeta(WireModel):
     )
     exact_symbol_matches: int = Field(
         default=0,
-        description="Results placed first because the query is their symbol's name (options.exactSymbols); their "
-        "foundBy names 'symbol'.",
+        description="Results placed first because the query is their symbol's name, or their file's path "
+        "(options.exactSymbols); their foundBy names 'symbol', or 'file'.",
     )
     relation_matches: int = Field(
         default=0,

@@ -13,7 +13,7 @@ import pytest
 from ontofabric.contracts import QueryResponse
 from ontofabric.contracts.deltas import NodeUpserted, OntologyNode
 from ontofabric.contracts.query import RelationAsked
-from ontofabric.services.gateway.tools import render
+from ontofabric.services.gateway.tools import answer_notes, render
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
@@ -24,11 +24,13 @@ from ontofabric.services.query.symbols import (
     BASE,
     CALLEE,
     CALLER,
+    FILE,
     IMPORTED,
     IMPORTER,
     SUBCLASS,
     SYMBOL,
     definitions_first,
+    file_asked,
     identifier_of,
     kind_asked,
     related_first,
@@ -37,6 +39,30 @@ from ontofabric.services.query.symbols import (
 from ontofabric.shared.embedder import Embedder
 
 from .conftest import Deployment, Start
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("rich/console.py", "rich/console.py"),
+        ("  `./docs/index.md` ", "docs/index.md"),
+        ('"jinja2/filters.py"', "jinja2/filters.py"),
+        ("src\\pkg\\mod.py", "src/pkg/mod.py"),  # as Windows writes it
+        ("/usr/lib/python3/site-packages/rich/console.py", "usr/lib/python3/site-packages/rich/console.py"),
+        ("C:/work/x/y.pyi", "work/x/y.pyi"),
+        ("console.py", "console.py"),
+        ("NOTES.txt", "NOTES.txt"),
+        ("docs/usage.rst", "docs/usage.rst"),
+        ("rich.console", None),  # a module's name: identifier_of's
+        ("how does console.py work", None),  # other words: a question
+        ("my file.py", None),
+        (".py", None),
+        ("rich/console.js", None),  # no file an ingest reads
+        ("x/" * 200 + "y.py", None),
+    ],
+)
+def test_file_asked_takes_a_whole_query_that_is_one_files_path(text: str, path: str | None) -> None:
+    assert file_asked(text) == path
 
 
 @pytest.mark.parametrize(
@@ -655,6 +681,49 @@ RETRYING = {
             return BaseRetrying.copy(retrying)
         """,
 }
+
+
+async def test_a_files_path_finds_that_file_first_through_the_real_path(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    # An agent tester's `rich/console.py` found no chunk of that file first. The tree is ingested from inside the
+    # package, so its paths are `circle.py`, `sub/circle.py`: what an agent writes has more in front, or less.
+    files = {
+        **SHAPES,
+        "sub/__init__.py": "",
+        "sub/circle.py": "def circle(radius):\n    return radius\n",
+        "docs/guide.md": "# Guide\n\nWhat the shapes are.\n\n## Drawing\n\nHow to draw a circle.\n",
+    }
+    await _projected(deployment, embedder, tmp_path / "shapes", files, "shapes")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+
+    def found(reply: QueryResponse) -> list[str]:
+        return [str(r.metadata.get("symbolFqn")) for r in reply.results if FILE in {f.retriever for f in r.found_by}]
+
+    for text, first in [
+        ("shapes/circle.py", "shapes.circle"),  # asked from the package's parent: the path ends with the stored one
+        ("circle.py", "shapes.circle"),  # as stored, before `sub/circle.py`, which ends with it
+        ("`./sub/circle.py`", "shapes.sub.circle"),
+        ("/home/someone/checkout/shapes/sub/circle.py", "shapes.sub.circle"),  # the longer stored path first
+        ("shapes\\__init__.py", "shapes"),
+    ]:
+        reply = await _ask(client, text)
+        assert reply.results[0].metadata.get("symbolFqn") == first, (text, _names(reply))
+        assert (reply.results[0].score, reply.meta.exact_symbol_matches) == (1.0, len(found(reply))), text
+        assert reply.results[0].metadata.get("chunkLevel") == "file", text  # the module's chunk: the whole file
+    assert found(await _ask(client, "shapes/circle.py")) == ["shapes.circle"]  # not the other one ending so
+
+    # A document's sections, in their order; a shorter path than the stored one finds it too.
+    for text in ("docs/guide.md", "guide.md"):
+        assert found(await _ask(client, text)) == ["docs/guide.md > Guide", "docs/guide.md > Guide > Drawing"]
+
+    # No such file: nothing placed first, and the MCP text says so rather than showing search results as the file.
+    missing = await _ask(client, "shapes/missing.py")
+    assert (found(missing), missing.meta.exact_symbol_matches) == ([], 0)
+    assert any("no file at a path 'shapes/missing.py'" in note for note in answer_notes(missing, {
+        "semanticQuery": "shapes/missing.py"
+    }))  # fmt: skip
 
 
 async def test_a_member_a_class_inherits_is_found_through_its_base(

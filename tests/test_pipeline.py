@@ -146,6 +146,9 @@ class ScriptedRetrieval:
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
         return Definitions({}, self.fetch_version)
 
+    async def files(self, scope: Scope, path: str, limit: int) -> Definitions:
+        return Definitions({}, self.fetch_version, found_by="file")
+
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         return Definitions({}, self.fetch_version, found_by="caller")
 

@@ -40,11 +40,13 @@ from ontofabric.services.query.symbols import (
     BASE,
     CALLEE,
     CALLER,
+    FILE,
     IMPORTED,
     IMPORTER,
     SUBCLASS,
     SYMBOL,
     code_shaped,
+    file_asked,
     identifier_of,
 )
 from ontofabric.shared.printable import printable
@@ -148,7 +150,9 @@ TOOLS = (
             "file and lines (metadata filePath, startLine, endLine; path:12-30 in the text). Give "
             "semanticQuery, or only filters (objectType, chunkLevel, provenance, symbolKind) to list what they select. "
             "A semanticQuery that is one identifier (RetryCallState, pkg.mod.Class.method) puts the chunks defining "
-            "that symbol first; one that asks a relation of one symbol (what calls retry_with, what does wraps "
+            "that symbol first; one that is a file's path (pkg/util.py, docs/guide.md) puts that file first (a "
+            "module's whole chunk, a document's sections); one that asks a relation of one symbol (what calls "
+            "retry_with, what does wraps "
             "call, what subclasses wait_base, what does Retrying inherit from, what imports pkg.util, what does "
             "pkg.util import) puts those chunks first; relatedTo asks the same by structure ({relation: callers, "
             "symbol: retry_with}), whatever the wording. "
@@ -442,9 +446,15 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     meta, object_type = reply.meta, arguments.get("objectType")
     notes: list[str] = []
     named = identifier_of(str(arguments.get("semanticQuery") or ""))
+    path = file_asked(str(arguments.get("semanticQuery") or ""))
     # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
     lookup_ran = "exactSymbol" in meta.timings_ms and "exactSymbol" not in meta.degraded  # ran, and did not fail
-    if named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:
+    if path is not None and _no_definition_placed(meta) and lookup_ran:
+        notes.append(
+            f"no file at a path {printable(path)!r} names (nor ending with it) is indexed in workspace "
+            f"{meta.workspace!r}, branch {meta.branch!r}: these are search results for the path"
+        )
+    elif named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:
         filtered = any(
             arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
         )
@@ -517,6 +527,7 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
         + f" · {printable(str(result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')))}"
         + f" · score {result.score:.3f} · id {result.id}"
         + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
+        + (" · of the file asked" if any(f.retriever == FILE for f in result.found_by) else "")
         + assigned
         + "".join(f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING)
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ontofabric.contracts import QueryResponse, SearchResult
 from ontofabric.contracts.query import BudgetReport, CollapsedResult, ExpandedContext, QueryMeta
 
-from .symbols import RELATIONS, SYMBOL
+from .symbols import NAMED, RELATIONS
 
 BYTES_PER_TOKEN = 4
 """About what tokenizers of English text and code average; an estimate, not a count."""
@@ -131,7 +131,7 @@ def _with_budget(
     meta = response.meta
     fitted = _with_meta(
         response, budget=report, collapsed=list(notes.collapsed), expanded_context=list(notes.context),
-        exact_symbol_matches=placed_in(dropped, meta.exact_symbol_matches, frozenset({SYMBOL})),
+        exact_symbol_matches=placed_in(dropped, meta.exact_symbol_matches, NAMED),
         relation_matches=placed_in(dropped, meta.relation_matches, RELATIONS),
     )  # fmt: skip
     return fitted.model_copy(update={"results": results})

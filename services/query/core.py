@@ -256,6 +256,14 @@ class DocumentStore(Protocol):
         publishes under it (``metadata.aliases``), as written."""
         ...
 
+    async def files(self, scope: Scope, path: str, limit: int) -> Definitions:
+        """At most ``limit`` chunks of the scope that are a file the ``path`` names, found by ``file``: a module's
+        chunk (the whole file), or a document's sections in their order. The file stored under the path itself
+        first, then under a path it ends with (a tree ingested from a directory inside the asker's: ``console.py``
+        for ``rich/console.py``), the longer first, then one ending with it (``src/rich/console.py``), the
+        shorter first."""
+        ...
+
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
         """At most ``limit`` chunks of the scope whose ``metadata.calls`` names a symbol that ``name`` names (as
         :meth:`definitions` matches it, wherever in the workspace's branch it is defined), found by ``caller``;

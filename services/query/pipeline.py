@@ -83,11 +83,14 @@ from .symbols import (
     CONSTRUCTORS,
     IMPORTED,
     IMPORTER,
+    NAMED,
     RELATION_ASKED,
+    RELATIONS,
     SUBCLASS,
     SYMBOL,
     code_shaped,
     definitions_first,
+    file_asked,
     identifier_of,
     kind_asked,
     ranked_places,
@@ -319,8 +322,8 @@ class QueryPipeline:
             run.report(collapsed=[CollapsedResult(id=left, into=into) for left, into in collapsed if into in shown])
         if definitions.symbols:  # counted in the answer: after collapsing, the cut to topK and minRelevance
             placed = sum(any(f.retriever == definitions.found_by for f in r.found_by) for r in results)
-            run.report(**{"exact_symbol_matches" if definitions.found_by == SYMBOL else "relation_matches": placed})
-        if definitions.found_by != SYMBOL:
+            run.report(**{"exact_symbol_matches" if definitions.found_by in NAMED else "relation_matches": placed})
+        if definitions.found_by in RELATIONS:
             run.report(relation_found=len(definitions.symbols))
         await self._expand(run, scope, fetched.version, results)
         run.settle(consistent=len(documents) == len({f.id for f in fused} | definitions.symbols.keys()))
@@ -519,8 +522,9 @@ class QueryPipeline:
         return {c.id: c.score for c in scored.candidates}
 
     async def _definitions(self, run: QueryRun, scope: Scope) -> Definitions:
-        """When the query is one identifier: the chunks defining a symbol of that name; when it asks one relation
-        of a named symbol (``symbols.relation_of``): the chunks standing in that relation to it."""
+        """When the query is one identifier: the chunks defining a symbol of that name; when it is a file's path
+        (``symbols.file_asked``): that file's chunks; when it asks one relation of a named symbol
+        (``symbols.relation_of``): the chunks standing in that relation to it."""
         related_to = run.query.related_to
         asked = options_of(run.query).exact_symbols
         if related_to is None and not (self._config.exact_symbols if asked is None else asked):
@@ -529,7 +533,10 @@ class QueryPipeline:
             relation_of(run.text) if related_to is None else (ASKED_RELATIONS[related_to.relation], related_to.symbol)
         )
         name = identifier_of(run.text) if related_to is None else None
-        if name is not None:
+        path = file_asked(run.text) if related_to is None else None
+        if path is not None:
+            work = self._file_or_name(scope, path, name)
+        elif name is not None:
             work = self._definitions_of(scope, name)
         elif relation is not None:
             work = self._related(run, scope, *relation)
@@ -553,6 +560,14 @@ class QueryPipeline:
                 )
             )
         return found
+
+    async def _file_or_name(self, scope: Scope, path: str, name: str | None) -> Definitions:
+        """The file ``path`` names; when none is indexed and the path reads as a dotted name too (``console.py``),
+        the definitions of a symbol of that name."""
+        found = await self._documents.files(scope, path, RELATIONS_READ)
+        if found.symbols or name is None:
+            return found
+        return await self._definitions_of(scope, name)
 
     async def _definitions_of(self, scope: Scope, name: str) -> Definitions:
         """The chunks defining the symbol ``name`` names; for a member its class inherits (``Retrying.copy``), the
@@ -828,8 +843,9 @@ class QueryPipeline:
     def _definitions_first(
         self, run: QueryRun, definitions: Definitions, candidates: list[Fused], documents: dict[str, StoredDocument]
     ) -> list[Fused]:
-        """The definitions of the symbol the query names, or the chunks in the relation to it the query asks
-        about, ahead of everything else (``symbols.definitions_first``, ``symbols.related_first``)."""
+        """The definitions of the symbol the query names, the file whose path it is (in the order looked up), or
+        the chunks in the relation to it the query asks about, ahead of everything else
+        (``symbols.definitions_first``, ``symbols.related_first``)."""
         if not definitions.symbols:
             return candidates
         found = {doc_id: fqn for doc_id, fqn in definitions.symbols.items() if doc_id in documents}

@@ -52,6 +52,7 @@ from .core import (
 )
 from .graph import GraphRows, LinkRow, NodeRow
 from .names import PRIVATE_PART, last_part
+from .symbols import FILE
 
 log = get_logger(__name__)
 
@@ -741,6 +742,38 @@ class PostgresDocuments:
             published_as=own,
             assigning=assigned - own_rows,
             publishing=publishing - own_rows,
+        )
+
+    async def files(self, scope: Scope, path: str, limit: int) -> Definitions:
+        parts = path.split("/")
+        stored_under = ["/".join(parts[i:]) for i in range(len(parts))]  # the path and those it ends with
+        # By documents_file_path (infra/migrations/0031), the longest first; then, only when no file is stored so,
+        # under a path ending with the one asked, the shortest first (it reads every path of the branch).
+        passes = (
+            ("file_path = ANY($1::text[])", stored_under, -1),
+            ("right(file_path, length($1) + 1) = '/' || $1", path, 1),
+        )
+        async with self._snapshots.read(scope, alone=True) as snapshot:
+            where, parameters = where_clause(scope, 4, snapshot.shadowed)
+            for condition, asked, longest in passes:
+                rows = await snapshot.conn.fetch(
+                    f"""SELECT id, coalesce(symbol_fqn, file_path) AS symbol_fqn FROM documents
+                        WHERE {condition} AND (chunk_level = 'file' OR symbol_kind = 'section') AND {where}
+                        ORDER BY length(file_path) * $3, file_path, chunk_level = 'file' DESC,
+                                 (metadata ->> 'startLine')::int NULLS FIRST, id
+                        LIMIT $2""",
+                    asked,
+                    limit,
+                    longest,
+                    *parameters,
+                )
+                if rows:
+                    break
+        return Definitions(
+            {r["id"]: r["symbol_fqn"] for r in rows},
+            snapshot.version,
+            found_by=FILE,
+            distances={r["id"]: place for place, r in enumerate(rows)},
         )
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:

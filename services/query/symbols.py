@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ontofabric.contracts import SearchResult
-from ontofabric.services.ingest.chunking import assigned_by, at_level
+from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -32,7 +32,11 @@ CALLEE, BASE, IMPORTED = "callee", "base", "imported"
 """What a chunk placed first because it stands in the asked relation to the named symbol goes by in ``foundBy``:
 what calls it, derives from it, imports it; what it calls, derives from, imports."""
 RELATIONS = frozenset({CALLER, SUBCLASS, IMPORTER, CALLEE, BASE, IMPORTED})
-PLACED_FIRST = RELATIONS | {SYMBOL}
+FILE = "file"
+"""What a chunk placed first because the query is its file's path goes by in ``foundBy``."""
+NAMED = frozenset({SYMBOL, FILE})
+"""What results placed first because the query names them go by (``_meta.exactSymbolMatches``)."""
+PLACED_FIRST = RELATIONS | NAMED
 
 
 def ranked_places(
@@ -110,6 +114,22 @@ def identifier_of(text: str) -> str | None:
     written, _ = _asked(text)
     name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()"))
     return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
+
+
+FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS)
+"""What the files a path query can name end with: those an ingest reads, and a stub's."""
+_PATH_PART = r"[^\s/`'\"<>|*?]+"
+_FILE_PATH = re.compile(rf"(?:{_PATH_PART}/)*{_PATH_PART}(?:{'|'.join(map(re.escape, FILE_SUFFIXES))})")
+_FROM_ROOT = re.compile(r"(?:[A-Za-z]:)?/+|(?:\./)+")
+
+
+def file_asked(text: str) -> str | None:
+    """The file's path when the whole query is one (``rich/console.py``, ``./docs/index.md``, ``src\\pkg\\mod.py``,
+    in backticks or quotes), without what leads to it from a root (``/``, ``./``, a drive); None for any other
+    text. An agent tester's ``rich/console.py`` found no chunk of that file first: it names no symbol."""
+    path = unicodedata.normalize("NFKC", text).strip().strip("`'\"").strip().replace("\\", "/")
+    path = _FROM_ROOT.sub("", path, count=1) if _FROM_ROOT.match(path) else path
+    return path if len(path) <= MAX_IDENTIFIER_CHARS and _FILE_PATH.fullmatch(path) else None
 
 
 def kind_asked(text: str) -> str | None:

@@ -298,7 +298,8 @@ class FoundBy(WireModel):
     retriever: str = Field(
         description="The retriever's name: dense, keyword, or another the deployment runs; symbol for a result "
         "whose symbolFqn the query named (_meta.exactSymbolMatches); file for a chunk of the file whose path the "
-        "query is (a module's chunk, a document's sections; _meta.exactSymbolMatches too); caller, callee, "
+        "query is (a module's chunk, a document's sections; with a line, or as a traceback's frame, the chunks "
+        "holding it; _meta.exactSymbolMatches too); caller, callee, "
         "subclass, base, importer or imported for a result standing in the relation the query asked about to the "
         "symbol it named "
         "(_meta.relationMatches)."

@@ -29,6 +29,7 @@ from ontofabric.services.query.symbols import (
     IMPORTER,
     SUBCLASS,
     SYMBOL,
+    FileAsked,
     definitions_first,
     file_asked,
     identifier_of,
@@ -62,7 +63,25 @@ from .conftest import Deployment, Start
     ],
 )
 def test_file_asked_takes_a_whole_query_that_is_one_files_path(text: str, path: str | None) -> None:
-    assert file_asked(text) == path
+    assert file_asked(text) == (None if path is None else FileAsked(path))
+
+
+@pytest.mark.parametrize(
+    ("text", "asked"),
+    [
+        ("rich/console.py:120", FileAsked("rich/console.py", 120)),
+        ("`rich/console.py:120:8`", FileAsked("rich/console.py", 120)),  # and a column
+        ("console.py#L12", FileAsked("console.py", 12)),
+        ('File "/usr/lib/rich/console.py", line 1697, in print', FileAsked("usr/lib/rich/console.py", 1697, "print")),
+        ('  File "x/y.py", line 3, in <module>', FileAsked("x/y.py", 3)),
+        ('File "a.py", line 3', FileAsked("a.py", 3)),
+        ("docs/guide.md:40", FileAsked("docs/guide.md", 40)),
+        ("x.py:abc", None),
+        ("how is x.py:3 read", None),
+    ],
+)
+def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAsked | None) -> None:
+    assert file_asked(text) == asked
 
 
 @pytest.mark.parametrize(
@@ -713,6 +732,16 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
         assert (reply.results[0].score, reply.meta.exact_symbol_matches) == (1.0, len(found(reply))), text
         assert reply.results[0].metadata.get("chunkLevel") == "file", text  # the module's chunk: the whole file
     assert found(await _ask(client, "shapes/circle.py")) == ["shapes.circle"]  # not the other one ending so
+
+    # A line, or a traceback's frame: the chunks holding the line, the innermost first; the function it names
+    # first, wherever the file indexed has it (another version of the file); then the file.
+    area_line = 6  # `return 3.14159 * radius * radius` in circle.py, inside Circle.area inside Circle
+    expected = ["shapes.circle.Circle.area", "shapes.circle.Circle", "shapes.circle"]
+    assert found(await _ask(client, f"shapes/circle.py:{area_line}")) == expected
+    assert found(await _ask(client, f'File "/srv/app/shapes/circle.py", line {area_line}, in area')) == expected
+    drifted = await _ask(client, 'File "/srv/app/shapes/circle.py", line 1, in area')
+    assert found(drifted)[0] == "shapes.circle.Circle.area"
+    assert found(await _ask(client, "circle.py:1")) == ["shapes.circle"]  # in no class or function: the file
 
     # A document's sections, in their order; a shorter path than the stored one finds it too.
     for text in ("docs/guide.md", "guide.md"):

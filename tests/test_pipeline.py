@@ -146,7 +146,9 @@ class ScriptedRetrieval:
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:
         return Definitions({}, self.fetch_version)
 
-    async def files(self, scope: Scope, path: str, limit: int) -> Definitions:
+    async def files(
+        self, scope: Scope, path: str, limit: int, line: int | None = None, name: str | None = None
+    ) -> Definitions:
         return Definitions({}, self.fetch_version, found_by="file")
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:

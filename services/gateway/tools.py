@@ -151,7 +151,8 @@ TOOLS = (
             "semanticQuery, or only filters (objectType, chunkLevel, provenance, symbolKind) to list what they select. "
             "A semanticQuery that is one identifier (RetryCallState, pkg.mod.Class.method) puts the chunks defining "
             "that symbol first; one that is a file's path (pkg/util.py, docs/guide.md) puts that file first (a "
-            "module's whole chunk, a document's sections); one that asks a relation of one symbol (what calls "
+            "module's whole chunk, a document's sections), with a line (pkg/util.py:120) or as a traceback's frame "
+            "the chunks holding it; one that asks a relation of one symbol (what calls "
             "retry_with, what does wraps "
             "call, what subclasses wait_base, what does Retrying inherit from, what imports pkg.util, what does "
             "pkg.util import) puts those chunks first; relatedTo asks the same by structure ({relation: callers, "
@@ -446,12 +447,12 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     meta, object_type = reply.meta, arguments.get("objectType")
     notes: list[str] = []
     named = identifier_of(str(arguments.get("semanticQuery") or ""))
-    path = file_asked(str(arguments.get("semanticQuery") or ""))
+    file = file_asked(str(arguments.get("semanticQuery") or ""))
     # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
     lookup_ran = "exactSymbol" in meta.timings_ms and "exactSymbol" not in meta.degraded  # ran, and did not fail
-    if path is not None and _no_definition_placed(meta) and lookup_ran:
+    if file is not None and _no_definition_placed(meta) and lookup_ran:
         notes.append(
-            f"no file at a path {printable(path)!r} names (nor ending with it) is indexed in workspace "
+            f"no file at a path {printable(file.path)!r} names (nor ending with it) is indexed in workspace "
             f"{meta.workspace!r}, branch {meta.branch!r}: these are search results for the path"
         )
     elif named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:

@@ -256,12 +256,15 @@ class DocumentStore(Protocol):
         publishes under it (``metadata.aliases``), as written."""
         ...
 
-    async def files(self, scope: Scope, path: str, limit: int) -> Definitions:
+    async def files(
+        self, scope: Scope, path: str, limit: int, line: int | None = None, name: str | None = None
+    ) -> Definitions:
         """At most ``limit`` chunks of the scope that are a file the ``path`` names, found by ``file``: a module's
         chunk (the whole file), or a document's sections in their order. The file stored under the path itself
         first, then under a path it ends with (a tree ingested from a directory inside the asker's: ``console.py``
         for ``rich/console.py``), the longer first, then one ending with it (``src/rich/console.py``), the
-        shorter first."""
+        shorter first. With a ``line`` or a function's ``name`` (a traceback's frame), one file's chunks: those of
+        that name first, then those holding the line, the innermost first, then the file."""
         ...
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:

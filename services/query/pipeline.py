@@ -88,6 +88,7 @@ from .symbols import (
     RELATIONS,
     SUBCLASS,
     SYMBOL,
+    FileAsked,
     code_shaped,
     definitions_first,
     file_asked,
@@ -561,10 +562,10 @@ class QueryPipeline:
             )
         return found
 
-    async def _file_or_name(self, scope: Scope, path: str, name: str | None) -> Definitions:
-        """The file ``path`` names; when none is indexed and the path reads as a dotted name too (``console.py``),
-        the definitions of a symbol of that name."""
-        found = await self._documents.files(scope, path, RELATIONS_READ)
+    async def _file_or_name(self, scope: Scope, asked: FileAsked, name: str | None) -> Definitions:
+        """The file the query is the path of; when none is indexed and the path reads as a dotted name too
+        (``console.py``), the definitions of a symbol of that name."""
+        found = await self._documents.files(scope, asked.path, RELATIONS_READ, asked.line, asked.name)
         if found.symbols or name is None:
             return found
         return await self._definitions_of(scope, name)

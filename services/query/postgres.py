@@ -744,7 +744,9 @@ class PostgresDocuments:
             publishing=publishing - own_rows,
         )
 
-    async def files(self, scope: Scope, path: str, limit: int) -> Definitions:
+    async def files(
+        self, scope: Scope, path: str, limit: int, line: int | None = None, name: str | None = None
+    ) -> Definitions:
         parts = path.split("/")
         stored_under = ["/".join(parts[i:]) for i in range(len(parts))]  # the path and those it ends with
         # By documents_file_path (infra/migrations/0031), the longest first; then, only when no file is stored so,
@@ -753,22 +755,34 @@ class PostgresDocuments:
             ("file_path = ANY($1::text[])", stored_under, -1),
             ("right(file_path, length($1) + 1) = '/' || $1", path, 1),
         )
+        start, end = "(metadata ->> 'startLine')::int", "(metadata ->> 'endLine')::int"
+        holds_line = f"({start} <= $4 AND {end} >= $4)"
+        named = f"{SYMBOL_NAME_SQL} = lower($5)"
         async with self._snapshots.read(scope, alone=True) as snapshot:
-            where, parameters = where_clause(scope, 4, snapshot.shadowed)
+            where, parameters = where_clause(scope, 6, snapshot.shadowed)
             for condition, asked, longest in passes:
+                # The file's chunk or its sections; with a line, the chunks holding it, the innermost first; with
+                # a frame's function, the chunks of that name first (the file indexed may be another version).
                 rows = await snapshot.conn.fetch(
-                    f"""SELECT id, coalesce(symbol_fqn, file_path) AS symbol_fqn FROM documents
-                        WHERE {condition} AND (chunk_level = 'file' OR symbol_kind = 'section') AND {where}
-                        ORDER BY length(file_path) * $3, file_path, chunk_level = 'file' DESC,
-                                 (metadata ->> 'startLine')::int NULLS FIRST, id
+                    f"""SELECT id, coalesce(symbol_fqn, file_path) AS symbol_fqn, file_path FROM documents
+                        WHERE {condition} AND {where}
+                          AND (chunk_level = 'file' OR symbol_kind = 'section'
+                               OR (symbol_kind IS DISTINCT FROM 'docstring' AND ({holds_line} OR {named})))
+                        ORDER BY length(file_path) * $3, file_path, ({named}) IS TRUE DESC,
+                                 {holds_line} IS TRUE DESC, CASE WHEN {holds_line} THEN {end} - {start} END,
+                                 abs({start} - $4), chunk_level = 'file' DESC, {start} NULLS FIRST, id
                         LIMIT $2""",
                     asked,
                     limit,
                     longest,
+                    line,
+                    name,
                     *parameters,
                 )
                 if rows:
                     break
+        if line is not None or name is not None:  # the one file pointed into
+            rows = [r for r in rows if r["file_path"] == rows[0]["file_path"]]
         return Definitions(
             {r["id"]: r["symbol_fqn"] for r in rows},
             snapshot.version,

@@ -15,7 +15,7 @@ import re
 import textwrap
 import unicodedata
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
@@ -123,13 +123,40 @@ _FILE_PATH = re.compile(rf"(?:{_PATH_PART}/)*{_PATH_PART}(?:{'|'.join(map(re.esc
 _FROM_ROOT = re.compile(r"(?:[A-Za-z]:)?/+|(?:\./)+")
 
 
-def file_asked(text: str) -> str | None:
-    """The file's path when the whole query is one (``rich/console.py``, ``./docs/index.md``, ``src\\pkg\\mod.py``,
-    in backticks or quotes), without what leads to it from a root (``/``, ``./``, a drive); None for any other
-    text. An agent tester's ``rich/console.py`` found no chunk of that file first: it names no symbol."""
-    path = unicodedata.normalize("NFKC", text).strip().strip("`'\"").strip().replace("\\", "/")
+_FRAME = re.compile(r'File\s+"(?P<path>[^"\n]+)",\s+line\s+(?P<line>\d{1,9})(?:,\s+in\s+(?P<name>\S+))?')
+"""A traceback's frame as Python prints it: ``File "/x/rich/console.py", line 1697, in print``."""
+_AT_LINE = re.compile(r"(?P<path>.+?)(?::|#L)(?P<line>\d{1,9})(?::\d{1,9})?")
+"""A path with a line, as compilers, linters and code hosts write one: ``console.py:120``, ``console.py:120:8``,
+``console.py#L120``."""
+
+
+@dataclass(frozen=True)
+class FileAsked:
+    """The file a query is the path of (:func:`file_asked`), and the line and function it points at, if any."""
+
+    path: str
+    line: int | None = None
+    name: str | None = None
+    """The function a traceback's frame names (none for ``<module>``)."""
+
+
+def file_asked(text: str) -> FileAsked | None:
+    """The file (with its line, and a frame's function) when the whole query is one file's path
+    (``rich/console.py``, ``./docs/index.md``, ``src\\pkg\\mod.py``, in backticks or quotes), a path with a line
+    (``console.py:120``, ``console.py#L120``) or a traceback's frame (:data:`_FRAME`); the path without what leads
+    to it from a root (``/``, ``./``, a drive). None for any other text. An agent tester's ``rich/console.py``
+    found no chunk of that file first: it names no symbol."""
+    text = unicodedata.normalize("NFKC", text).strip()
+    line, name = None, None
+    if (frame := _FRAME.fullmatch(text)) is not None:
+        text, line, name = frame.group("path"), int(frame.group("line")), frame.group("name")
+    elif (at := _AT_LINE.fullmatch(text.strip("`'\""))) is not None:
+        text, line = at.group("path"), int(at.group("line"))
+    path = text.strip().strip("`'\"").strip().replace("\\", "/")
     path = _FROM_ROOT.sub("", path, count=1) if _FROM_ROOT.match(path) else path
-    return path if len(path) <= MAX_IDENTIFIER_CHARS and _FILE_PATH.fullmatch(path) else None
+    if len(path) > MAX_IDENTIFIER_CHARS or not _FILE_PATH.fullmatch(path):
+        return None
+    return FileAsked(path, line, name if name is not None and IDENTIFIER.fullmatch(name) else None)
 
 
 def kind_asked(text: str) -> str | None:

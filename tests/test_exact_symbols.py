@@ -171,6 +171,8 @@ def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAs
         ("where is render() defined", "render"),
         ("where is `render()` defined", "render"),
         ("where is Console defined.", "Console"),
+        ("\u200f\u200bpass_context", "pass_context"),  # marks that show nothing (an agent tester's)
+        ("where is Con\u200dsole defined", "Console"),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
@@ -443,6 +445,25 @@ SHAPES = {
         def make_base():
             return Base(2)
         """,
+    # A function assigned, not defined (jinja2's `concat = "".join`), beside a class of the same name in another
+    # case: an agent tester's callers of concat were Concat's.
+    "strings.py": """
+        concat = "".join
+
+
+        class Concat:
+            pass
+        """,
+    "writer.py": """
+        from . import strings
+        from .strings import concat
+
+        def joined(parts):
+            return concat(parts)
+
+        def node():
+            return strings.Concat()
+        """,
     # A chunk that says Circle far more often than the class does: what keyword search would rank first.
     "gallery.py": """
         def draw_circles(canvas):
@@ -606,12 +627,20 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert shared.meta.relation.symbols_named == ["shapes.circle.Circle.area", "shapes.square.area"]
     assert "'area' names more than one symbol (shapes.circle.Circle.area, shapes.square.area)" in render(shared)
     assert circle_callers.meta.relation.symbols_named is None
+    # Callers found say what they may miss (an agent tester read a lone caller as the whole list).
+    assert "callers are read from the code's syntax" in render(circle_callers)
     assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"
     uncalled = await _ask(client, "who calls Circle.area")
     assert (uncalled.meta.relation_matches, uncalled.meta.relation) == (
         0,
         RelationAsked(relation="callers", symbol="Circle.area", symbol_indexed=True),
     )
+    # A name a module assigns is a symbol as written: its callers, not those of a class matching it ignoring case.
+    for text in ("what calls concat", "what calls shapes.strings.concat"):
+        joined = await _ask(client, text)
+        found = [r.metadata["symbolFqn"] for r in joined.results if CALLER in {f.retriever for f in r.found_by}]
+        assert found == ["shapes.writer.joined"], (text, found)
+    assert _names(await _ask(client, "what calls Concat"))[0] == "shapes.writer.node (method)"
     # A name nothing defines is told apart from a symbol nothing calls: a misspelling, not an answer.
     misspelt = await _ask(client, "who calls Circel")
     assert (misspelt.meta.relation_matches, misspelt.meta.relation) == (
@@ -630,6 +659,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     ring = await _ask(client, "what subclasses Circle")
     assert (_names(ring)[0], ring.meta.relation_matches) == ("shapes.report.Ring (type)", 1)
     assert SUBCLASS in {f.retriever for f in ring.results[0].found_by}
+    assert "read from the code's syntax" not in render(ring)  # the graph's links: all there are
     importers = await _ask(client, "which modules import shapes.circle?")
     assert set(_names(importers)[:2]) == {"shapes (file)", "shapes.report (file)"}
     assert (importers.meta.relation_matches, importers.meta.relation_found) == (2, 2)
@@ -750,6 +780,7 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
     # No such file: nothing placed first, and the MCP text says so rather than showing search results as the file.
     missing = await _ask(client, "shapes/missing.py")
     assert (found(missing), missing.meta.exact_symbol_matches) == ([], 0)
+    assert "exactFile" in missing.meta.timings_ms  # what the note is said from: a worker that looked the file up
     assert any("no file at a path 'shapes/missing.py'" in note for note in answer_notes(missing, {
         "semanticQuery": "shapes/missing.py"
     }))  # fmt: skip

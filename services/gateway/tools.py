@@ -448,14 +448,17 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     notes: list[str] = []
     named = identifier_of(str(arguments.get("semanticQuery") or ""))
     file = file_asked(str(arguments.get("semanticQuery") or ""))
-    # The lookup ran (its timing is there) and placed nothing: a tester's made-up name got ten results unsaid.
-    lookup_ran = "exactSymbol" in meta.timings_ms and "exactSymbol" not in meta.degraded  # ran, and did not fail
-    if file is not None and _no_definition_placed(meta) and lookup_ran:
+
+    def ran(lookup: str) -> bool:  # its timing is there, and it did not fail
+        return lookup in meta.timings_ms and lookup not in meta.degraded
+
+    # The lookup ran and placed nothing: a tester's made-up name got ten results unsaid.
+    if file is not None and _no_definition_placed(meta) and ran("exactFile"):
         notes.append(
             f"no file at a path {printable(file.path)!r} names (nor ending with it) is indexed in workspace "
             f"{meta.workspace!r}, branch {meta.branch!r}: these are search results for the path"
         )
-    elif named is not None and code_shaped(named) and _no_definition_placed(meta) and lookup_ran:
+    elif named is not None and code_shaped(named) and _no_definition_placed(meta) and ran("exactSymbol"):
         filtered = any(
             arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
         )
@@ -488,6 +491,12 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
             relation += " (imports are read between modules: for a class or function, ask what calls it)"
         notes.append(relation + (": these are search results" if reply.results else ""))
+    if asked is not None and meta.relation_matches and asked.relation in ("callers", "callees"):
+        # An agent tester read a lone caller at 1.0 as the whole list: Context.invoke has four, three through ctx.
+        notes.append(
+            f"{asked.relation} are read from the code's syntax: a call through a parameter, an attribute or what a "
+            "call returned (ctx.invoke(), self.stream.expect()) is not seen, so there may be more"
+        )
     if asked is not None and asked.symbols_named:  # an agent tester's callers of three get_command, merged unsaid
         listed = ", ".join(printable(name) for name in asked.symbols_named) + (
             ", ..." if asked.more_symbols_named else ""

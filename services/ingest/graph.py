@@ -527,7 +527,8 @@ def python_calls(
     property's getter and setter share their name, and each calls what it calls), the classes and
     functions of the tree its code calls, resolved from the syntax alone: a name its module defines or imports
     from the tree (unless the function binds that name itself), ``module.name`` through an imported module,
-    ``Class.name``, and ``self.name``, ``cls.name`` or ``super().name`` through the class and its bases in the tree.
+    ``Class.name``, and ``self.name``, ``cls.name`` or ``super().name`` through the class and its bases in the tree;
+    also a name a module assigns (``concat = "".join``), under that module's name.
     A call through any other object (a parameter, an attribute, what a call returned) cannot be told from the
     syntax and is left out, as is a chunk calling itself. A module's chunk holds its own statements' calls only,
     a class's those of its body outside its methods."""
@@ -556,7 +557,9 @@ def python_calls(
             named = resolver.named_symbol(module, value)
             if named in classes:  # Class.method(...)
                 return member(named, func.attr)
-        return resolver.named_symbol(module, func)
+        # And a name a module assigns a callable (jinja2's `concat = "".join`, pytest's `skip = _Skip()`): an agent
+        # tester's callers of jinja2.utils.concat were none.
+        return resolver.named_symbol(module, func, values=True)
 
     calls: dict[tuple[str, str, int], set[str]] = {}
     for module in modules.values():

@@ -545,7 +545,10 @@ class QueryPipeline:
             return NO_DEFINITIONS
         if name is None and relation is not None:
             work = self._checking_the_name(scope, relation[1], work)
-        found = await run.guarded("exactSymbol", work, stage="exactSymbol", reserve_s=RETRIEVAL_RESERVE_S)
+        # A file's lookup under a name of its own: the gateway says "no such file" only where one ran (a tester's
+        # gateway, newer than its worker, said it of files the worker had not looked up).
+        part = "exactFile" if path is not None else "exactSymbol"
+        found = await run.guarded(part, work, stage=part, reserve_s=RETRIEVAL_RESERVE_S)
         if found is None:
             return NO_DEFINITIONS
         run.read(found.version)

@@ -824,6 +824,9 @@ class PostgresDocuments:
         async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the retrievers, as definitions
             anywhere, anywhere_parameters = where_clause(scope.unfiltered, 4, snapshot.shadowed)
             where, parameters = where_clause(scope, 4 + len(anywhere_parameters), snapshot.shadowed)
+            # A name a chunk assigns at its level (jinja2's `concat = "".join`) is a symbol too, matched as
+            # written, as definitions match it: an agent tester's "what calls concat" took the class Concat,
+            # which matched only ignoring case, and answered its callers at 1.0; jinja2.utils.concat found none.
             rows = await snapshot.conn.fetch(
                 f"""WITH matched AS (
                         SELECT DISTINCT symbol_fqn, metadata -> 'calls' AS calls,
@@ -831,7 +834,14 @@ class PostgresDocuments:
                                    OR {PUBLISHED_SQL} = $2 AS as_written
                         FROM documents
                         WHERE {SYMBOL_NAME_SQL} = lower($1)
-                          AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}),
+                          AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}
+                        UNION
+                        SELECT named, NULL, true
+                        FROM (SELECT symbol_fqn || '.' || $1 AS named FROM documents
+                              WHERE metadata ? 'defines' AND metadata -> 'defines' ? $1 AND symbol_fqn IS NOT NULL
+                                AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}) assigned
+                        WHERE named = $2 OR right(named, length($2) + 1) = '.' || $2
+                              OR regexp_replace(named, '{PRIVATE_PART}', '', 'g') = $2),
                     named_symbols AS (
                         SELECT symbol_fqn, calls FROM matched
                         WHERE as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written)){more_ctes}

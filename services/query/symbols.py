@@ -105,6 +105,14 @@ _SEPARATOR = re.compile(r"::|#")
 _CJK = re.compile(f"[{CHINESE_AND_JAPANESE}\uac00-\ud7af]")  # and Korean
 
 
+def as_read(text: str) -> str:
+    """The text as Python reads an identifier (NFKC: full-width `（）` and `：：` too), without the characters
+    that show nothing (zero-width spaces and joiners, direction marks: Unicode's format characters): an agent
+    tester's ``\u200f\u200bpass_context`` was no name, and another symbol came first at 0.9."""
+    normal = unicodedata.normalize("NFKC", text)
+    return "".join(c for c in normal if unicodedata.category(c) != "Cf") if not normal.isascii() else normal
+
+
 def identifier_of(text: str) -> str | None:
     """The dotted name a query asks for when the whole query is one identifier: ``Retrying``,
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
@@ -146,7 +154,7 @@ def file_asked(text: str) -> FileAsked | None:
     (``console.py:120``, ``console.py#L120``) or a traceback's frame (:data:`_FRAME`); the path without what leads
     to it from a root (``/``, ``./``, a drive). None for any other text. An agent tester's ``rich/console.py``
     found no chunk of that file first: it names no symbol."""
-    text = unicodedata.normalize("NFKC", text).strip()
+    text = as_read(text).strip()
     line, name = None, None
     if (frame := _FRAME.fullmatch(text)) is not None:
         text, line, name = frame.group("path"), int(frame.group("line")), frame.group("name")
@@ -172,7 +180,7 @@ _KINDS_ASKED |= {"class": "class", "interface": "class", "module": "module", "pa
 
 def _asked(text: str) -> tuple[str, str | None]:
     """The text that names the symbol a query asks for, and the kind of symbol it says (a symbolKind)."""
-    text = unicodedata.normalize("NFKC", text)  # as Python reads an identifier (and full-width `（）` and `：：`)
+    text = as_read(text)
     return _named_with_kind(text) or _asked_for(text) or (text, None)
 
 
@@ -325,7 +333,7 @@ def relation_of(text: str) -> tuple[str, str] | None:
     inherit from wait_base``, ``what imports tenacity._utils``; ``what does wraps call``, ``base classes of
     Retrying``, ``what does tenacity.wait import``. None for any other text (a question that also asks something
     else is no lookup)."""
-    question = text.strip().rstrip("?.!").strip()
+    question = as_read(text).strip().rstrip("?.!").strip()
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
         name = identifier_of(found.group("name")) if found is not None else None

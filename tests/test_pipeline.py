@@ -684,6 +684,54 @@ async def test_the_answer_says_what_it_left_out_and_a_request_can_keep_everythin
     assert len((await off.answer(QUERY, "w")).results) == 3
 
 
+async def test_an_answer_collapsing_left_short_of_top_k_is_filled_from_the_candidates_after_those_fetched() -> None:
+    # An independent tester's LRUCache question got 1 result of the 10 asked: the class held the other candidates
+    # fetched, and those after them were never read.
+    methods = [f"m{i}" for i in range(60)]
+    others = [f"o{i}" for i in range(10)]
+
+    class OneClassFirst(ScriptedRetrieval):
+        fetches: int = 0
+        later_version: str | None = None
+
+        async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            ranked = ["c", *methods, *others]
+            return Hits([Candidate(i, 1.0 - n / 100) for n, i in enumerate(ranked)], self.dense_version)
+
+        async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return Hits([], self.keyword_version)
+
+        async def fetch(
+            self, scope: Scope, ids: Sequence[str], token_signs_of: Sequence[str] = (), *second: Any
+        ) -> Fetched:
+            fetched = await super().fetch(scope, ids, token_signs_of, *second)
+            self.fetches += 1
+            version = self.later_version if self.fetches > 1 and self.later_version else fetched.version
+
+            def where(i: str) -> dict[str, Any]:
+                if i.startswith("o"):
+                    return {"filePath": f"{i}.py", "symbolFqn": i, "chunkLevel": "type"}
+                fqn, level = ("m.C", "type") if i == "c" else (f"m.C.{i}", "method")
+                return {"filePath": "m.py", "symbolFqn": fqn, "chunkLevel": level}
+
+            return Fetched({i: replace(d, metadata=where(i)) for i, d in fetched.documents.items()}, version)
+
+    query = QUERY.model_copy(update={"top_k": 5})
+    filled = await pipeline_over(OneClassFirst()).answer(query, "w")
+    assert [r.id for r in filled.results] == ["c", *others[:4]]
+    assert "refill" in filled.meta.timings_ms
+    assert filled.meta.ontology_version == "5-a"
+    # Read at another version than the answer's, they would mix two states: the answer stays short.
+    later = OneClassFirst()
+    later.later_version = "6-b"
+    moved = await pipeline_over(later).answer(query, "w")
+    assert [r.id for r in moved.results] == ["c"]
+    # Nothing to fill: no second read.
+    enough = OneClassFirst()
+    await pipeline_over(enough).answer(QUERY.model_copy(update={"top_k": 1}), "w")
+    assert enough.fetches == 1
+
+
 @pytest.mark.parametrize(
     ("query", "meta", "shape"),
     [

@@ -63,6 +63,7 @@ from .hints import reads_as_relationship_question, shape_of
 from .run import QueryRun, milliseconds_since
 from .stages import (
     Refinements,
+    above_the_rest,
     code_before_its_docstring,
     collapse_nested,
     keyword_signals,
@@ -112,6 +113,8 @@ COSINE_ONLY = (
 # Under a deadline, how long before it each optional part must end: what follows it still needs the time (the
 # fetch of the documents and the reply after retrieval; retrieval itself after the query's embedding).
 EMBED_RESERVE_S = 0.05
+REFILL_MAX = 50
+"""The most candidates read to fill an answer that collapsing left short of topK."""
 RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
@@ -274,6 +277,7 @@ class QueryPipeline:
         # interaction, the second opinion, a reranker's call) do not hold it.
         async with self._documents.session(scope):
             embedded, definitions, measured = None, NO_DEFINITIONS, Measured(None, {})
+            reserve: list[Fused] = []
             if run.query.listing:
                 fused, refinements = await self._list(run, scope)
             else:
@@ -284,7 +288,8 @@ class QueryPipeline:
                 finally:
                     lookup.cancel()  # when no retriever could run, its snapshot is not held for nothing
                 refinements = self._plan(run, lists, embedded)
-                fused, measured = await self._fuse(run, scope, lists, embedded, refinements.fused_limit)
+                fused, measured = await self._fuse(run, scope, lists, embedded)
+                fused, reserve = fused[: refinements.fused_limit], fused[refinements.fused_limit :]
             fetched = await self._fetch(run, scope, fused, refinements, definitions)
         if (
             embedded is not None
@@ -301,7 +306,17 @@ class QueryPipeline:
         candidates = await self._rerank(run, refinements, candidates, documents)
         ranked_before = {hit.id: index for index, hit in enumerate(candidates)}
         candidates = self._definitions_first(run, definitions, candidates, documents)
-        candidates, collapsed, stands_for = self._collapse(run, candidates, documents, definitions)
+        ordered = candidates
+        candidates, collapsed, stands_for = self._collapse(run, ordered, documents, definitions)
+        if len(candidates) < run.query.top_k and reserve:
+            # Collapsed below topK: the fused candidates after those fetched fill the answer (an independent
+            # tester's LRUCache question got 1 result of 10 asked, its class holding the other 29 fetched).
+            refill = await self._refill(run, scope, reserve, fetched.version)
+            if refill:
+                documents = {**documents, **refill}
+                fused = fused + [hit for hit in reserve if hit.id in refill]
+                ordered = above_the_rest(ordered, [hit for hit in reserve if hit.id in refill])
+                candidates, collapsed, stands_for = self._collapse(run, ordered, documents, definitions)
         scores, scored_from = self._calibrated_scores(
             run, measured, candidates, fetched.model, ranked_before, stands_for
         )
@@ -463,9 +478,10 @@ class QueryPipeline:
         return refinements
 
     async def _fuse(
-        self, run: QueryRun, scope: Scope, lists: dict[str, Hits], embedded: EmbeddedQuery | None, limit: int
+        self, run: QueryRun, scope: Scope, lists: dict[str, Hits], embedded: EmbeddedQuery | None
     ) -> tuple[list[Fused], Measured]:
-        """The fused candidates, and what each retriever measured of them (for their calibrated scores)."""
+        """The fused candidates, all of them, and what each retriever measured of them (for their calibrated
+        scores)."""
         asked = options_of(run.query).fusion or FusionOptions()
         method = asked.method or self._config.fusion_method
         # Adaptive fusion adds cosines on their own scale: a keyword hit dense did not return gets its real one.
@@ -480,7 +496,6 @@ class QueryPipeline:
             rrf_k=asked.rrf_k or self._config.rrf_k,
             dense_weight=self._config.fusion_dense_weight if asked.dense_weight is None else asked.dense_weight,
             keyword_ceiling=keyword.ceiling if keyword else None,
-            limit=limit,
             query_ceiling=keyword.query_ceiling if keyword else None,
             keyword_hits_dense=keyword_hits_dense,
             lexical=(name := identifier_of(run.text)) is not None and code_shaped(name),
@@ -682,6 +697,15 @@ class QueryPipeline:
             symbols, found.version or graph.version, found_by=relation, distances=distances, symbol_indexed=known,
             named=tuple(sorted(types_named)[: NAMED_LISTED + 1]),
         )  # fmt: skip
+
+    async def _refill(
+        self, run: QueryRun, scope: Scope, reserve: list[Fused], version: str
+    ) -> dict[str, StoredDocument]:
+        """The documents of the candidates after the fetched ones (the first REFILL_MAX), read at the answer's
+        version; none when the index has moved on since (they would be another state's) or the read failed."""
+        work = self._documents.fetch(scope, [hit.id for hit in reserve[:REFILL_MAX]])
+        more = await run.guarded("refill", work, stage="refill", reserve_s=RETRIEVAL_RESERVE_S)
+        return more.documents if more is not None and more.version == version else {}
 
     async def _fetch(
         self, run: QueryRun, scope: Scope, fused: list[Fused], refinements: Refinements, definitions: Definitions

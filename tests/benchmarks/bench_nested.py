@@ -72,11 +72,11 @@ async def run(endpoints: Endpoints, settings: Settings, tree: Path, query_count:
         client = QueryClient(nc, names, timeout_s=60)
         print(
             "| collapseNested | queries with a nested pair | nested chunks per query (95 % interval) "
-            "| files in top 10 | p50 ms |"
+            "| files in top 10 | answers short of 10 | answers filled | p50 ms |"
         )
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for collapse in (False, True):
-            counts, files, latencies = [], [], []
+            counts, files, latencies, short, filled = [], [], [], 0, 0
             for text in texts:
                 request = {"semanticQuery": text, "topK": 10, "precision": False}
                 if not collapse:
@@ -87,12 +87,15 @@ async def run(endpoints: Endpoints, settings: Settings, tree: Path, query_count:
                 assert isinstance(reply, QueryResponse), reply
                 counts.append(nested_count(reply.results))
                 files.append(len({r.metadata.get("filePath") for r in reply.results}))
+                short += len(reply.results) < 10
+                filled += "refill" in reply.meta.timings_ms  # collapsing left it short: later candidates read
             mean, low, high = mean_interval(counts)
             with_pair = sum(1 for c in counts if c)
             share = 100 * with_pair / len(counts)
             print(
                 f"| {str(collapse).lower()} | {with_pair} of {len(counts)} ({share:.1f} %) | {mean:.2f} "
-                f"({low:.2f}-{high:.2f}) | {sum(files) / len(files):.2f} | {percentile(latencies, 0.5):.1f} |"
+                f"({low:.2f}-{high:.2f}) | {sum(files) / len(files):.2f} | {short} | {filled} "
+                f"| {percentile(latencies, 0.5):.1f} |"
             )
 
 

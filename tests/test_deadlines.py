@@ -50,6 +50,7 @@ from ontofabric.services.query.deadlines import (
     LAG_HALF_LIFE_S,
     MAX_MARGIN_S,
     MIN_MARGIN_S,
+    SERVICE_TIME_HALF_LIFE_S,
     Deadline,
     PacedReturns,
     RecentDelay,
@@ -195,6 +196,20 @@ def test_a_workspaces_own_requests_set_how_long_its_work_is_expected_to_take() -
     assert service.seconds == pytest.approx(every + 0.1 * (0.05 - every))
     service.record(6.0, "flood", cut=True)
     assert service.own("flood") == pytest.approx(4.2)
+
+
+def test_what_the_average_says_fades_while_no_request_ends() -> None:
+    # A tester's worker, after a slow reranker spell, refused 90 of 100 requests it answered in 100 ms (told they
+    # would take 850): the few admitted moved the average a tenth each. Back to back, a tenth still.
+    service = ServiceTime()
+    for second in range(20):
+        service.record(0.85, "w", now=100.0 + second * 0.01)
+    service.record(0.1, "w", now=100.2)
+    assert service.own("w") == pytest.approx(0.85 - 0.1 * 0.75, rel=0.05)
+    # A second later without one ending: the next weighs more than half.
+    service.record(0.1, "w", now=101.2 + SERVICE_TIME_HALF_LIFE_S)
+    assert service.own("w") < 0.1 + 0.5 * (0.85 - 0.1)
+    assert service.seconds < 0.1 + 0.5 * (0.85 - 0.1)
 
 
 class SlowReranker:

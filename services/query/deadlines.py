@@ -106,14 +106,20 @@ def deadline_of(
 
 
 SERVICE_TIME_WEIGHT = 0.1
-"""Weight of the newest request in the moving average of how long one takes."""
+"""Weight of the newest request in the moving average of how long one takes, one right after the one before."""
+SERVICE_TIME_HALF_LIFE_S = 1.0
+"""How fast what the average says is forgotten while no request ends: after this long without one, the next
+weighs half as much again as the average (a tester's worker, after a slow reranker spell, refused 90 of 100
+requests it answered in 100 ms, told they would take 850: the few it admitted moved the average a tenth each)."""
 
 WORKSPACES_TIMED = 4096
 """Workspaces whose own request times a worker remembers (the least recently served go first)."""
 
 
-def _moved(average: float, took_s: float) -> float:
-    return took_s if average == 0 else average + SERVICE_TIME_WEIGHT * (took_s - average)
+def _moved(average: float, took_s: float, idle_s: float) -> float:
+    """The average moved towards ``took_s``, by more the longer no request ended before it (``idle_s``)."""
+    weight = 1 - (1 - SERVICE_TIME_WEIGHT) * 0.5 ** (max(0.0, idle_s) / SERVICE_TIME_HALF_LIFE_S)
+    return took_s if average == 0 else average + weight * (took_s - average)
 
 
 @dataclass
@@ -124,21 +130,25 @@ class ServiceTime:
     each expected to take the 4 s the costly ones took)."""
 
     seconds: float = 0.0
-    _own: LruCache[str, float] = field(default_factory=lambda: LruCache(WORKSPACES_TIMED))
+    _at: float = 0.0
+    _own: LruCache[str, tuple[float, float]] = field(default_factory=lambda: LruCache(WORKSPACES_TIMED))
+    """workspace -> (its average, when it was last moved)"""
 
-    def record(self, took_s: float, workspace: str = "", cut: bool = False) -> None:
+    def record(self, took_s: float, workspace: str = "", cut: bool = False, now: float = 0.0) -> None:
         """``cut``: its deadline ended the work, which would have taken longer, and no less than the workspace's
         average: its own average counts it as that, or each cut pulls it down and the worker admits more than it
         can answer (a load tester's requests were taken up with 170 ms left of 2 s, and cut again). The average
         over every request counts what it took: its runner came free then (a review's: counted at a costly
-        tenant's average, short deadlines of that tenant raised every other tenant's expected wait)."""
-        self.seconds = _moved(self.seconds, took_s)
-        own = max(took_s, self.own(workspace)) if cut else took_s
-        self._own.put(workspace, _moved(self._own.get(workspace) or 0.0, own))
+        tenant's average, short deadlines of that tenant raised every other tenant's expected wait). ``now``: when
+        it ended (the event loop's clock), for :data:`SERVICE_TIME_HALF_LIFE_S`."""
+        self.seconds, self._at = _moved(self.seconds, took_s, now - self._at), now
+        average, at = self._own.get(workspace) or (0.0, now)
+        own = max(took_s, average) if cut else took_s
+        self._own.put(workspace, (_moved(average, own, now - at), now))
 
     def own(self, workspace: str) -> float:
         """A workspace's own average; 0 before it has been served (nobody is refused on a guess)."""
-        return self._own.get(workspace) or 0.0
+        return (self._own.get(workspace) or (0.0, 0.0))[0]
 
     def expected_wait(self, ahead: int, concurrency: int) -> float:
         """Seconds until a request with ``ahead`` others held before it would be taken: they leave ``concurrency``

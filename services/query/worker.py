@@ -797,8 +797,9 @@ class QueryService:
             try:
                 finished = await self._serve(admitted)
                 if finished is not None:
-                    took = asyncio.get_running_loop().time() - started
-                    self._service_time.record(took, self._timed_as(admitted.msg, admitted.workspace), cut=not finished)
+                    ended = asyncio.get_running_loop().time()
+                    workspace = self._timed_as(admitted.msg, admitted.workspace)
+                    self._service_time.record(ended - started, workspace, cut=not finished, now=ended)
             except asyncio.CancelledError:
                 raise
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)

@@ -384,6 +384,56 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
     }
 
 
+def test_a_call_through_a_parameter_annotated_with_a_class_of_the_tree_calls_its_method() -> None:
+    """An agent tester's callers of click's Context.invoke missed Command.invoke and Group.invoke, which call it
+    through their `ctx: Context`."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/core.py": """
+import typing as t
+
+class Context:
+    def invoke(self, f):
+        return f()
+
+class Sub(Context):
+    def forward(self):
+        return 1
+
+class Command:
+    def invoke(self, ctx: Context):
+        return ctx.invoke(self)
+
+    def main(self, ctx: "Context | None" = None, sub: t.Optional["Sub"] = None, n: int = 0):
+        ctx.invoke(n)
+        sub.invoke(n)  # inherited
+        sub.forward()
+
+    def rebinds(self, ctx: Context):
+        ctx = make()
+        ctx.invoke(1)
+
+    def shadows(self, ctx: Context):
+        def inner(ctx):
+            return ctx.invoke(3)
+
+        return inner
+
+    def untyped(self, ctx, other: list[Context]):
+        ctx.invoke(1)
+        other.invoke(2)
+""",
+    }
+    calls = _by_name(python_calls(sources))
+    assert calls[("pkg/core.py", "pkg.core.Command.invoke")] == ("pkg.core.Context.invoke",)
+    assert calls[("pkg/core.py", "pkg.core.Command.main")] == ("pkg.core.Context.invoke", "pkg.core.Sub.forward")
+    # Bound again, by the function or by a function inside it: its type is no longer what the annotation says.
+    for name in ("rebinds", "shadows", "untyped"):
+        assert ("pkg/core.py", f"pkg.core.Command.{name}") not in calls, name
+
+
 def test_a_bare_decorator_calls_what_it_names() -> None:
     """An agent tester's "what calls fixture" over pytest found the six `@fixture(...)` with arguments and none of
     the twenty bare `@fixture`: a decorator calls what it names with what it decorates."""

@@ -547,11 +547,13 @@ def python_calls(
     def member(class_fqn: str, name: str, inherited_only: bool = False) -> str | None:
         return _method(classes, class_fqn, name, inherited_only)
 
-    def callee(module: _Module, func: ast.expr, owner: str | None) -> str | None:
+    def callee(module: _Module, func: ast.expr, owner: str | None, typed: Mapping[str, str]) -> str | None:
         if isinstance(func, ast.Attribute):
             value = func.value
             if isinstance(value, ast.Name) and value.id in ("self", "cls") and owner is not None:
                 return member(owner, func.attr)
+            if isinstance(value, ast.Name) and value.id in typed:  # `ctx.invoke()` for `ctx: Context`
+                return member(typed[value.id], func.attr)
             if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
                 return member(owner, func.attr, inherited_only=True) if owner is not None else None
             named = resolver.named_symbol(module, value)
@@ -568,6 +570,11 @@ def python_calls(
             for node in code:
                 function = node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
                 shadowed = _local_names(function) if function is not None else set()
+                typed = {
+                    name: named
+                    for name, annotation in (_annotated_parameters(function) if function is not None else {}).items()
+                    if (named := resolver.named_symbol(module, annotation)) in classes
+                }
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
                 # they call (a review's).
                 outside = {id(n) for root in _run_outside(function) for n in ast.walk(root)} if function else set()
@@ -575,10 +582,52 @@ def python_calls(
                     inside = id(call) not in outside and id(call.func) not in outside
                     if isinstance(call.func, ast.Name) and call.func.id in shadowed and inside:
                         continue  # a parameter or local variable, not the module's name
-                    target = callee(module, call.func, self_class)
+                    target = callee(module, call.func, self_class, typed if inside else {})
                     if target is not None and target != fqn:
                         found.add(target)
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
+
+
+def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
+    """Each parameter of ``function`` annotated with one type (``ctx: Context``, ``"Context"``,
+    ``Optional[Context]``, ``Context | None``) that the function never binds again, with that type's expression:
+    what a call through it (``ctx.invoke()``) calls. An agent tester's callers of click's ``Context.invoke`` missed
+    ``Command.invoke`` and ``Group.invoke``, which call it through their ``ctx: Context``."""
+    arguments = function.args
+    rebound = {
+        node.id
+        for node in ast.walk(function)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del)
+    }
+    rebound |= {  # a nested function's or lambda's own parameter of that name
+        inner.arg for node in ast.walk(function) if node is not arguments and isinstance(node, ast.arguments)
+        for inner in [*node.posonlyargs, *node.args, *node.kwonlyargs]
+    }  # fmt: skip
+    typed = {}
+    for argument in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]:
+        annotation = _one_type(argument.annotation)
+        if annotation is not None and argument.arg not in rebound and argument.arg not in ("self", "cls"):
+            typed[argument.arg] = annotation
+    return typed
+
+
+def _one_type(annotation: ast.expr | None) -> ast.expr | None:
+    """The one type an annotation names, if it names one (``X``, ``mod.X``, ``"X"``, ``Optional[X]``,
+    ``X | None``); None for anything else (a union, a generic's parameters, a string that is no expression)."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str) and len(annotation.value) <= 200:
+        try:
+            annotation = ast.parse(annotation.value.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        sides = [annotation.left, annotation.right]
+        kept = [side for side in sides if not (isinstance(side, ast.Constant) and side.value is None)]
+        return _one_type(kept[0]) if len(kept) == 1 else None
+    if isinstance(annotation, ast.Subscript):
+        generic = _dotted(annotation.value)
+        optional = generic is not None and generic.rsplit(".", 1)[-1] == "Optional"
+        return _one_type(annotation.slice) if optional else None
+    return annotation if isinstance(annotation, ast.Name | ast.Attribute) else None
 
 
 def _run_outside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:

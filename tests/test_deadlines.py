@@ -210,6 +210,10 @@ def test_what_the_average_says_fades_while_no_request_ends() -> None:
     service.record(0.1, "w", now=101.2 + SERVICE_TIME_HALF_LIFE_S)
     assert service.own("w") < 0.1 + 0.5 * (0.85 - 0.1)
     assert service.seconds < 0.1 + 0.5 * (0.85 - 0.1)
+    # Up, a tenth whatever the wait: one slow request after a quiet spell does not make every request slow.
+    before = service.seconds
+    service.record(5.0, "other", now=110.0)
+    assert service.seconds == pytest.approx(before + 0.1 * (5.0 - before))
 
 
 class SlowReranker:

@@ -60,6 +60,8 @@ from .conftest import Deployment, Start
         (".py", None),
         ("rich/console.js", None),  # no file an ingest reads
         ("x/" * 200 + "y.py", None),
+        ('"/Users/John Doe/proj/x.py"', "proj/x.py"),  # quoted whole: what leads to a space's directory goes
+        ("/Users/John Doe/proj/x.py", None),  # unquoted: words
     ],
 )
 def test_file_asked_takes_a_whole_query_that_is_one_files_path(text: str, path: str | None) -> None:
@@ -75,6 +77,7 @@ def test_file_asked_takes_a_whole_query_that_is_one_files_path(text: str, path: 
         ('File "/usr/lib/rich/console.py", line 1697, in print', FileAsked("usr/lib/rich/console.py", 1697, "print")),
         ('  File "x/y.py", line 3, in <module>', FileAsked("x/y.py", 3)),
         ('File "a.py", line 3', FileAsked("a.py", 3)),
+        ('File "C:\\Program Files\\app\\x.py", line 3, in f', FileAsked("app/x.py", 3, "f")),
         ("docs/guide.md:40", FileAsked("docs/guide.md", 40)),
         ("x.py:abc", None),
         ("how is x.py:3 read", None),
@@ -641,6 +644,10 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
         found = [r.metadata["symbolFqn"] for r in joined.results if CALLER in {f.retriever for f in r.found_by}]
         assert found == ["shapes.writer.joined"], (text, found)
     assert _names(await _ask(client, "what calls Concat"))[0] == "shapes.writer.node (method)"
+    called = await _ask(client, "what does shapes.writer.joined call")  # the module assigning it (a review's)
+    assert [r.metadata["symbolFqn"] for r in called.results if CALLEE in {f.retriever for f in r.found_by}] == [
+        "shapes.strings"
+    ]
     # A name nothing defines is told apart from a symbol nothing calls: a misspelling, not an answer.
     misspelt = await _ask(client, "who calls Circel")
     assert (misspelt.meta.relation_matches, misspelt.meta.relation) == (
@@ -742,6 +749,12 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
         "sub/__init__.py": "",
         "sub/circle.py": "def circle(radius):\n    return radius\n",
         "docs/guide.md": "# Guide\n\nWhat the shapes are.\n\n## Drawing\n\nHow to draw a circle.\n",
+        "docs/README.md": "# Docs\n\nWhere the guides are.\n",
+        "README.md": "# Shapes\n\nA package of shapes.\n",
+        # Three methods of one name in one file: a frame names one of them by the line.
+        "many.py": "class A:\n    def __init__(self):\n        self.a = 1\n\n\n"
+        "class B:\n    def __init__(self):\n        self.b = 2\n\n\n"
+        "class C:\n    def __init__(self):\n        self.c = 3\n",
     }
     await _projected(deployment, embedder, tmp_path / "shapes", files, "shapes")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -772,6 +785,17 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
     drifted = await _ask(client, 'File "/srv/app/shapes/circle.py", line 1, in area')
     assert found(drifted)[0] == "shapes.circle.Circle.area"
     assert found(await _ask(client, "circle.py:1")) == ["shapes.circle"]  # in no class or function: the file
+    # Of the functions a frame names, the one holding its line; none holds it: the nearest alone (a review's: all
+    # three __init__ came first).
+    for text in ('File "/Users/John Doe/shapes/many.py", line 8, in __init__', "many.py:8"):
+        assert found(await _ask(client, text)) == ["shapes.many.B.__init__", "shapes.many.B", "shapes.many"], text
+    assert found(await _ask(client, 'File "many.py", line 4, in __init__'))[:1] == ["shapes.many.A.__init__"]
+    assert found(await _ask(client, 'File "many.py", line 4, in __init__')).count("shapes.many.B.__init__") == 0
+
+    # One file: the one the path names, not another whose path it ends with (a review's: the root README too).
+    assert found(await _ask(client, "docs/README.md")) == ["docs/README.md > Docs"]
+    assert found(await _ask(client, "/home/me/shapes/docs/README.md")) == ["docs/README.md > Docs"]
+    assert found(await _ask(client, "README.md")) == ["README.md > Shapes"]
 
     # A document's sections, in their order; a shorter path than the stored one finds it too.
     for text in ("docs/guide.md", "guide.md"):
@@ -784,6 +808,10 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
     assert any("no file at a path 'shapes/missing.py'" in note for note in answer_notes(missing, {
         "semanticQuery": "shapes/missing.py"
     }))  # fmt: skip
+    # A filter leaving out the file's chunks: said as such, not as no file.
+    methods = await _ask(client, "shapes/circle.py", chunkLevel="method")
+    notes = answer_notes(methods, {"semanticQuery": "shapes/circle.py", "chunkLevel": "method"})
+    assert any("with chunks within the filters" in note for note in notes), notes
 
 
 async def test_a_member_a_class_inherits_is_found_through_its_base(

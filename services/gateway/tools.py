@@ -453,15 +453,14 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         return lookup in meta.timings_ms and lookup not in meta.degraded
 
     # The lookup ran and placed nothing: a tester's made-up name got ten results unsaid.
+    filtered = any(arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind"))
     if file is not None and _no_definition_placed(meta) and ran("exactFile"):
-        notes.append(
-            f"no file at a path {printable(file.path)!r} names (nor ending with it) is indexed in workspace "
-            f"{meta.workspace!r}, branch {meta.branch!r}: these are search results for the path"
+        notes.append(  # a review's: a filter leaving out the file's chunks is no file missing
+            f"no file at a path {printable(file.path)!r} names (nor ending with it) is indexed"
+            f"{' with chunks within the filters' if filtered else ''} in workspace {meta.workspace!r}, branch "
+            f"{meta.branch!r}: these are search results for the path"
         )
     elif named is not None and code_shaped(named) and _no_definition_placed(meta) and ran("exactSymbol"):
-        filtered = any(
-            arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind")
-        )
         notes.append(
             f"no chunk defining a symbol named {named!r}{' within the filters' if filtered else ''} is indexed in "
             f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"

@@ -108,17 +108,20 @@ def deadline_of(
 SERVICE_TIME_WEIGHT = 0.1
 """Weight of the newest request in the moving average of how long one takes, one right after the one before."""
 SERVICE_TIME_HALF_LIFE_S = 1.0
-"""How fast what the average says is forgotten while no request ends: after this long without one, the next
-weighs half as much again as the average (a tester's worker, after a slow reranker spell, refused 90 of 100
-requests it answered in 100 ms, told they would take 850: the few it admitted moved the average a tenth each)."""
+"""How fast what the average says is forgotten while no request ends: after this long without one, a next one
+that took less weighs half as much again as the average (a tester's worker, after a slow reranker spell, refused
+90 of 100 requests it answered in 100 ms, told they would take 850: the few it admitted moved it a tenth each)."""
 
 WORKSPACES_TIMED = 4096
 """Workspaces whose own request times a worker remembers (the least recently served go first)."""
 
 
 def _moved(average: float, took_s: float, idle_s: float) -> float:
-    """The average moved towards ``took_s``, by more the longer no request ended before it (``idle_s``)."""
-    weight = 1 - (1 - SERVICE_TIME_WEIGHT) * 0.5 ** (max(0.0, idle_s) / SERVICE_TIME_HALF_LIFE_S)
+    """The average moved towards ``took_s``; down by more the longer no request ended before it (``idle_s``), up
+    by a tenth whatever the wait (a review's: one slow request after a quiet second nearly replaced the average
+    over every request, and other tenants' bursts were refused)."""
+    faded = 1 - (1 - SERVICE_TIME_WEIGHT) * 0.5 ** (max(0.0, idle_s) / SERVICE_TIME_HALF_LIFE_S)
+    weight = faded if took_s < average else SERVICE_TIME_WEIGHT
     return took_s if average == 0 else average + weight * (took_s - average)
 
 

@@ -52,7 +52,7 @@ from .core import (
 )
 from .graph import GraphRows, LinkRow, NodeRow
 from .names import PRIVATE_PART, last_part
-from .symbols import FILE
+from .symbols import FILE, FileChunk, pointed_into
 
 log = get_logger(__name__)
 
@@ -60,6 +60,9 @@ MAIN_SQL = f"'{MAIN_BRANCH}'"
 """The main branch as an SQL literal."""
 SYMBOL_NAME_SQL = r"lower(regexp_replace(symbol_fqn, '^.*[.]', ''))"
 """The last dotted part of a document's qualified name, lower case: what a name is looked up by."""
+MAX_CHAR = 0x10FFFF
+"""The last code point: after every other in byte order, so ``p || chr(MAX_CHAR)`` ends the range of texts starting
+with ``p``."""
 PUBLISHED_SQL = f"regexp_replace(symbol_fqn, '{PRIVATE_PART}', '', 'g')"
 """The qualified name without its private parts (names.published_name)."""
 NAMES_SQL = (
@@ -750,26 +753,31 @@ class PostgresDocuments:
         parts = path.split("/")
         stored_under = ["/".join(parts[i:]) for i in range(len(parts))]  # the path and those it ends with
         # By documents_file_path (infra/migrations/0031), the longest first; then, only when no file is stored so,
-        # under a path ending with the one asked, the shortest first (it reads every path of the branch).
+        # under a path ending with the one asked, the shortest first, by the reversed path (0032): its range of
+        # paths whose reverse starts with the asked one's, "/" before it.
+        ending = "/" + path
         passes = (
             ("file_path = ANY($1::text[])", stored_under, -1),
-            ("right(file_path, length($1) + 1) = '/' || $1", path, 1),
-        )
+            (f'reverse(file_path) COLLATE "C" >= $1 AND reverse(file_path) COLLATE "C" < $1 || chr({MAX_CHAR})',
+             ending[::-1], 1),
+        )  # fmt: skip
         start, end = "(metadata ->> 'startLine')::int", "(metadata ->> 'endLine')::int"
-        holds_line = f"({start} <= $4 AND {end} >= $4)"
-        named = f"{SYMBOL_NAME_SQL} = lower($5)"
+        holds_line = f"coalesce({start} <= $4 AND {end} >= $4, false)"
+        named = f"coalesce({SYMBOL_NAME_SQL} = lower($5), false)"
         async with self._snapshots.read(scope, alone=True) as snapshot:
             where, parameters = where_clause(scope, 6, snapshot.shadowed)
             for condition, asked, longest in passes:
                 # The file's chunk or its sections; with a line, the chunks holding it, the innermost first; with
-                # a frame's function, the chunks of that name first (the file indexed may be another version).
+                # a frame's function, the chunks of that name (symbols.pointed_into keeps one).
                 rows = await snapshot.conn.fetch(
-                    f"""SELECT id, coalesce(symbol_fqn, file_path) AS symbol_fqn, file_path FROM documents
+                    f"""SELECT id, coalesce(symbol_fqn, file_path) AS symbol_fqn, file_path, {named} AS named,
+                               {holds_line} AS holds, {start} AS start
+                        FROM documents
                         WHERE {condition} AND {where}
                           AND (chunk_level = 'file' OR symbol_kind = 'section'
                                OR (symbol_kind IS DISTINCT FROM 'docstring' AND ({holds_line} OR {named})))
-                        ORDER BY length(file_path) * $3, file_path, ({named}) IS TRUE DESC,
-                                 {holds_line} IS TRUE DESC, CASE WHEN {holds_line} THEN {end} - {start} END,
+                        ORDER BY length(file_path) * $3, file_path, {named} AND {holds_line} DESC, {named} DESC,
+                                 {holds_line} DESC, CASE WHEN {holds_line} THEN {end} - {start} END,
                                  abs({start} - $4), chunk_level = 'file' DESC, {start} NULLS FIRST, id
                         LIMIT $2""",
                     asked,
@@ -781,13 +789,15 @@ class PostgresDocuments:
                 )
                 if rows:
                     break
-        if line is not None or name is not None:  # the one file pointed into
-            rows = [r for r in rows if r["file_path"] == rows[0]["file_path"]]
+        pointed = pointed_into(
+            [FileChunk(r["id"], r["symbol_fqn"], r["file_path"], r["named"], r["holds"], r["start"]) for r in rows],
+            line,
+        )
         return Definitions(
-            {r["id"]: r["symbol_fqn"] for r in rows},
+            {chunk.id: chunk.symbol_fqn for chunk in pointed},
             snapshot.version,
             found_by=FILE,
-            distances={r["id"]: place for place, r in enumerate(rows)},
+            distances={chunk.id: place for place, chunk in enumerate(pointed)},
         )
 
     async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
@@ -810,8 +820,15 @@ class PostgresDocuments:
             limit,
             """, called AS (
                 SELECT DISTINCT jsonb_array_elements_text(calls) AS fqn FROM named_symbols WHERE calls IS NOT NULL)""",
-            f"""{SYMBOL_NAME_SQL} = ANY(ARRAY(SELECT lower(regexp_replace(fqn, '^.*[.]', '')) FROM called))
-                AND symbol_fqn IN (SELECT fqn FROM called) AND chunk_level IN ('type', 'method')""",
+            # And the chunk assigning a name called (`concat = "".join`), through documents_defines (0028): a
+            # review's "what does joined call" found nothing where its calls held the name.
+            f"""(({SYMBOL_NAME_SQL} = ANY(ARRAY(SELECT lower(regexp_replace(fqn, '^.*[.]', '')) FROM called))
+                  AND symbol_fqn IN (SELECT fqn FROM called) AND chunk_level IN ('type', 'method'))
+                 OR (metadata ? 'defines'
+                     AND metadata -> 'defines' ?| ARRAY(SELECT regexp_replace(fqn, '^.*[.]', '') FROM called)
+                     AND EXISTS (SELECT FROM called
+                                 WHERE fqn = documents.symbol_fqn || '.' || regexp_replace(fqn, '^.*[.]', '')
+                                   AND documents.metadata -> 'defines' ? regexp_replace(fqn, '^.*[.]', ''))))""",
             "callee",
         )
 

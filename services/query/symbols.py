@@ -156,15 +156,50 @@ def file_asked(text: str) -> FileAsked | None:
     found no chunk of that file first: it names no symbol."""
     text = as_read(text).strip()
     line, name = None, None
+    quoted = len(text) > 1 and text[0] == text[-1] and text[0] in "`'\""
     if (frame := _FRAME.fullmatch(text)) is not None:
-        text, line, name = frame.group("path"), int(frame.group("line")), frame.group("name")
+        text, line, name, quoted = frame.group("path"), int(frame.group("line")), frame.group("name"), True
     elif (at := _AT_LINE.fullmatch(text.strip("`'\""))) is not None:
         text, line = at.group("path"), int(at.group("line"))
     path = text.strip().strip("`'\"").strip().replace("\\", "/")
     path = _FROM_ROOT.sub("", path, count=1) if _FROM_ROOT.match(path) else path
+    if quoted:  # a path as written whole: directories with spaces (`/Users/John Doe/...`) lead to the file's parts
+        parts = path.split("/")
+        path = "/".join(
+            parts[max((i + 1 for i, part in enumerate(parts) if any(c.isspace() for c in part)), default=0) :]
+        )
     if len(path) > MAX_IDENTIFIER_CHARS or not _FILE_PATH.fullmatch(path):
         return None
     return FileAsked(path, line, name if name is not None and IDENTIFIER.fullmatch(name) else None)
+
+
+@dataclass(frozen=True)
+class FileChunk:
+    """A chunk of a file a path query names, as the lookup read it (``DocumentStore.files``)."""
+
+    id: str
+    symbol_fqn: str
+    file_path: str
+    named: bool
+    """Its symbol has the name a traceback's frame gives."""
+    holds: bool
+    """Its lines hold the line asked."""
+    start: int | None
+
+
+def pointed_into(chunks: Sequence[FileChunk], line: int | None) -> list[FileChunk]:
+    """The chunks of the first file among ``chunks`` (in the lookup's order, the best file first): a path names one
+    file (a review's ``docs/README.md`` put the root README's sections first too, at 1.0). Of the chunks a frame's
+    function names, those holding the line, or else the nearest to it alone: a file defining ``__init__`` in
+    three classes had all three placed before the class holding the line."""
+    if not chunks:
+        return []
+    one_file = [chunk for chunk in chunks if chunk.file_path == chunks[0].file_path]
+    named = [chunk for chunk in one_file if chunk.named]
+    kept = [chunk for chunk in named if chunk.holds] or sorted(
+        named, key=lambda chunk: abs((chunk.start or 0) - (line or 0))
+    )[:1]
+    return [chunk for chunk in one_file if not chunk.named or chunk in kept]
 
 
 def kind_asked(text: str) -> str | None:

@@ -23,7 +23,7 @@ from nats.js.errors import BadRequestError
 from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
-from ontofabric.services.ops.status import deployment_status
+from ontofabric.services.ops.status import NO_QUERY_WORKER, deployment_status
 from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import Delta, RejectReason, VersionState
 from ontofabric.services.projector.store import (
@@ -121,7 +121,7 @@ async def test_a_versions_bucket_deleted_behind_the_projectors_back_is_made_agai
     # And what the index holds of the others, announced again (a verifier's: globex read "none yet" for good).
     other = await kv.get(deployment.names.version_key("globex", "main"))
     assert OntologyVersionChanged.model_validate_json(other.value or b"").stream_seq == first[-1].seq
-    assert (await deployment_status(deployment.nc, deployment.names, placement)).problems == []
+    assert (await deployment_status(deployment.nc, deployment.names, placement)).problems == [NO_QUERY_WORKER]
 
 
 async def test_the_batch_span_links_each_delta_to_its_ingest_trace(

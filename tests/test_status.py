@@ -16,7 +16,7 @@ from rich.console import Console
 from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops import status as status_module
 from ontofabric.services.ops.snapshots import compact
-from ontofabric.services.ops.status import analysis_status, deployment_status
+from ontofabric.services.ops.status import NO_QUERY_WORKER, analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.render import render_status, standing_by
@@ -47,7 +47,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         ]
     )
     await deployment.wait_projected(acks[-1].seq)
-    await start_query_worker(None)
+    first_worker = await start_query_worker(None)
     second = await start_query_worker(None)
     placement = Placement.of(deployment.settings, deployment.database_url)
 
@@ -161,6 +161,11 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     )
     assert unread.returncode == 1, unread.stderr
     assert "could not be read" in " ".join(unread.stdout.split())
+    # No query worker answering: every query goes unanswered, and a health check hears of it (an operator tester's
+    # status exited 0 over it).
+    assert NO_QUERY_WORKER not in (await deployment_status(deployment.nc, deployment.names, placement)).problems
+    await first_worker.stop()
+    assert NO_QUERY_WORKER in (await deployment_status(deployment.nc, deployment.names, placement)).problems
 
 
 async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgotten(
@@ -211,7 +216,7 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     assert claims == []
     status = await deployment_status(deployment.nc, names, placement)
     assert [c.name for c in status.consumers] == [names.postgres_projector_durable]
-    assert not status.problems
+    assert status.problems == [NO_QUERY_WORKER]  # no query worker runs here, and status says so
     report = await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
     assert (report.covers, report.held_back_by) == (later.seq, None)
     # The branch's deltas are in its snapshot now: "-" read as nothing ever published (a docs tester's).
@@ -221,11 +226,12 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     shown = Console(record=True, width=200)
     render_status(shown, status)
     assert "not in stream" in shown.export_text()
-    assert not status.problems
+    assert status.problems == [NO_QUERY_WORKER]  # no query worker runs here, and status says so
     # The snapshots lost (their object store deleted): what the stream no longer holds is nowhere, and status says
     # so (a disaster recovery tester's: nothing named it, and rebuild and compact refused with sequences).
     await deployment.js.delete_object_store(names.snapshot_bucket)
-    (problem,) = (await deployment_status(deployment.nc, names, placement)).problems
+    problem, no_query_worker = (await deployment_status(deployment.nc, names, placement)).problems
+    assert no_query_worker == NO_QUERY_WORKER
     assert f"starts at sequence {later.seq + 1}" in problem
     assert "snapshots cover nothing" in problem
 

@@ -109,6 +109,9 @@ class DeploymentStatus:
         return json.dumps(asdict(self), default=str, indent=2)
 
 
+NO_QUERY_WORKER = "no query worker answers: every query goes unanswered until one runs"
+
+
 async def deployment_status(
     nc: Client, names: Names, placement: Placement, workspace: str | None = None
 ) -> DeploymentStatus:
@@ -243,6 +246,8 @@ async def deployment_status(
             f"no Postgres projector answers for {unheld} pending delta{'' if unheld == 1 else 's'}: applied once "
             "one runs"
         )
+    if not status.query_workers:  # an operator tester's health check exited 0 while every query went unanswered
+        status.problems.append(NO_QUERY_WORKER)
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status

@@ -917,7 +917,25 @@ LettersOf = Annotated[
         callback=_workspace_filter,
     ),
 ]
-ReasonFilter = Annotated[str | None, typer.Option(help="Only this reason's (invalid_schema, apply_failed, ...).")]
+
+
+def _known_reason(value: str | None) -> str | None:
+    """A reason a projector sets letters aside for: an operator tester's typo selected nothing, and purge said it
+    deleted none, exit 0."""
+    from typing import get_args
+
+    from .projector.planning import RejectReason
+
+    known = (*get_args(RejectReason), "unknown")
+    if value is not None and value not in known:
+        raise typer.BadParameter(f"{value!r} is no reason a projector gives: one of {', '.join(known)}")
+    return value
+
+
+ReasonFilter = Annotated[
+    str | None,
+    typer.Option(help="Only this reason's (invalid_schema, apply_failed, ...).", callback=_known_reason),
+]
 SinceFilter = Annotated[str | None, typer.Option(help="Only those stored since: ISO 8601, or an age (30m, 2h, 7d).")]
 UntilFilter = Annotated[str | None, typer.Option(help="Only those stored before: ISO 8601, or an age.")]
 

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ontofabric.contracts import ErrorReply, QueryResponse, main_only, nothing_indexed, source_place
 from ontofabric.contracts.documents import NOT_FOLLOWING
-from ontofabric.services.gateway.tools import answer_notes
+from ontofabric.services.gateway.tools import answer_notes, pending_note
 from ontofabric.services.ops.status import DeploymentStatus
 from ontofabric.shared.discovery import (
     INSTANCE,
@@ -77,6 +77,8 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         )
     for note in answer_notes(reply, query):
         console.print(f"[yellow]{as_text(note)}[/yellow]")
+    if (pending := pending_note(meta)) is not None:  # an operator tester's table did not say the index was behind
+        console.print(f"[yellow]{escape(pending)}[/yellow]")
     if meta.freshness is not None and meta.freshness.stream_refused:
         console.print(f"[yellow]{escape(NOT_FOLLOWING)}[/yellow]")
     timings = " ".join(f"{stage}={ms:.1f}ms" for stage, ms in meta.timings_ms.items())

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from .embedder import Embedder
 from .late_interaction import pack_signs
+from .settings import SettingsUnusable
 
 
 def text_hash(text: str) -> str:
@@ -48,9 +49,18 @@ def embed_with_signs(embedder: Embedder, texts: Sequence[str], batch_size: int =
 
 class EmbeddingCache:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # One caller at a time, possibly from a worker thread (asyncio.to_thread).
-        self._db = sqlite3.connect(path, check_same_thread=False)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # One caller at a time, possibly from a worker thread (asyncio.to_thread).
+            self._db = sqlite3.connect(path, check_same_thread=False)
+            self._create()
+        except (OSError, sqlite3.Error) as error:  # an operator tester's cache directory that was a file: a traceback
+            raise SettingsUnusable(
+                f"ONTOFABRIC_CACHE_DIR: the embedding cache {path} cannot be opened ({error}): set it to a directory "
+                "this user may write"
+            ) from error
+
+    def _create(self) -> None:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS embeddings ("
             " model TEXT NOT NULL, content_hash TEXT NOT NULL, vector BLOB NOT NULL,"

@@ -1114,10 +1114,20 @@ def resolve_endpoints(settings: Settings) -> Endpoints:
     recorded = running_up(settings)
     nats_url = settings.nats_url or recorded.get("natsUrl")
     database_url = settings.database_url or recorded.get("databaseUrl")
-    if nats_url is None or database_url is None:
+    if nats_url is None and database_url is None:
         raise RuntimeUnavailable(
             f"no servers to talk to: start `ontofabric up` (data dir {settings.data_dir}) "
             "or set ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL"
+        )
+    if nats_url is None or database_url is None:  # an operator tester's was told of both, one of them set
+        missing, given = (
+            ("ONTOFABRIC_NATS_URL", "ONTOFABRIC_DATABASE_URL")
+            if nats_url is None
+            else ("ONTOFABRIC_DATABASE_URL", "ONTOFABRIC_NATS_URL")
+        )
+        raise RuntimeUnavailable(
+            f"{missing} is not set, and no `ontofabric up` runs on data dir {settings.data_dir} to say it: set it "
+            f"beside {given}"
         )
     replica_urls = settings.replica_urls()
     if not replica_urls and settings.database_url is None:  # the recorded replicas are of the recorded database
@@ -1175,8 +1185,15 @@ def running_up(settings: Settings) -> dict[str, Any]:
     runtime_file = settings.data_dir.absolute() / RUNTIME_FILE
     if not runtime_file.exists():
         return {}
-    recorded: dict[str, Any] = json.loads(runtime_file.read_text())
-    return recorded if _pid_alive(int(recorded.get("pid", 0))) else {}
+    try:
+        recorded = json.loads(runtime_file.read_text())
+        alive = isinstance(recorded, dict) and _pid_alive(int(recorded.get("pid", 0)))
+    except (ValueError, TypeError, OverflowError) as error:  # an operator tester's damaged file: a traceback
+        raise SettingsUnusable(
+            f"{runtime_file} cannot be read ({error}): it is written by a running `ontofabric up`; with none "
+            "running, delete it"
+        ) from error
+    return recorded if alive else {}
 
 
 def _pid_alive(pid: int) -> bool:

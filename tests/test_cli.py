@@ -511,6 +511,18 @@ def test_a_workspace_or_branch_that_is_no_valid_name_is_a_usage_error_before_any
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", [["list"], ["purge", "--yes"], ["redrive", "--yes"]])
+def test_a_dead_letter_reason_no_projector_gives_is_a_usage_error(tmp_path: Path, command: list[str]) -> None:
+    """An operator tester's misspelt reason selected nothing, and purge said it deleted none, exit 0."""
+    result = subprocess.run(
+        [ONTOFABRIC, "dlq", *command, "--reason", "content_too_larg", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, env=_env(), timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    said = " ".join(result.stderr.replace("│", " ").split())
+    assert "'content_too_larg' is no reason a projector gives: one of oversized," in said, said
+
+
 @pytest.mark.parametrize(
     "option",
     [["--split", "dev"], ["--config", "dense"], ["--sample-queries", "5"], ["--keep-identical-ids"], ["--seed", "3"]],

@@ -35,7 +35,7 @@ from ontofabric.shared.embedder import (
 from ontofabric.shared.embedding_cache import EmbeddingCache, text_hash
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.onnx_models import AGREEMENT_PROBES, _disagreement, export_name, exported_encoder, reference_path
-from ontofabric.shared.settings import Settings
+from ontofabric.shared.settings import Settings, SettingsUnusable
 
 TEXTS = [
     "def parse_json(text):\n    return json.loads(text)",
@@ -136,6 +136,13 @@ def test_one_pass_gives_the_vector_and_the_tokens_the_model_read(
     assert len(tokens[0]) == len(embedder.embed_with_tokens(texts[:1])[1][0]) < len(tokens[1])
     for t in tokens:
         assert np.linalg.norm(t, axis=1) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_cache_directory_that_cannot_be_one_is_named(tmp_path: Path) -> None:
+    # An operator tester's ONTOFABRIC_CACHE_DIR naming a file: the ingest ended in a FileExistsError traceback.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SettingsUnusable, match=r"ONTOFABRIC_CACHE_DIR: the embedding cache .* cannot be opened"):
+        EmbeddingCache(tmp_path / "afile" / "embeddings.sqlite")
 
 
 def test_the_cache_computes_only_what_it_lacks_and_keeps_the_token_signs(

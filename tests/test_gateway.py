@@ -1811,6 +1811,12 @@ def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None
         console = Console(record=True, width=300)
         render_reply(console, {"semanticQuery": "q"}, QueryResponse(results=[], _meta=meta_shown))
         assert ("STALE" in console.export_text()) is stale
+    # Deltas not yet indexed: the table says so, as the MCP text does (an operator tester's showed nothing).
+    behind = meta.model_copy(update={"freshness": Freshness(indexed_seq=7, pending_deltas=4, pending_ms=7403.2)})
+    console = Console(record=True, width=300)
+    render_reply(console, {"semanticQuery": "q"}, QueryResponse(results=[], _meta=behind))
+    assert "4 deltas not yet indexed (7403.2 ms)" in console.export_text()
+    assert "4 deltas not yet indexed" in render(QueryResponse(results=[], _meta=behind))
     reply = StatusReply(
         workspace="acme", branch="main", ontology_version="7-ab", indexed_seq=7, branches=[], pending_deltas=0,
         dead_letters=0,

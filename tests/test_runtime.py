@@ -30,7 +30,7 @@ from ontofabric.shared.runtime import (
     servers_moved,
     with_login,
 )
-from ontofabric.shared.settings import Settings
+from ontofabric.shared.settings import Settings, SettingsUnusable
 from ontofabric.shared.subjects import Names
 
 
@@ -75,6 +75,14 @@ def test_clients_find_a_running_up_or_say_what_to_do(tmp_path: Path) -> None:
         json.dumps({"natsUrl": "nats://127.0.0.1:1", "databaseUrl": "postgresql://x/y", "pid": 2**22 + 12345})
     )
     with pytest.raises(RuntimeUnavailable):
+        resolve_endpoints(settings)
+    # One URL set, the other not: that one is named (an operator tester's was told to set both).
+    half = Settings(data_dir=tmp_path / "none", nats_url="nats://127.0.0.1:1")
+    with pytest.raises(RuntimeUnavailable, match="ONTOFABRIC_DATABASE_URL is not set"):
+        resolve_endpoints(half)
+    # A damaged file: named, not a traceback of the JSON parser.
+    (tmp_path / RUNTIME_FILE).write_text("{broken")
+    with pytest.raises(SettingsUnusable, match=r"runtime\.json cannot be read"):
         resolve_endpoints(settings)
 
 

@@ -398,10 +398,8 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
             f"left out: {_counted(meta.below_min_relevance, 'more result')} scoring below minRelevance "
             f"{arguments.get('minRelevance')} (ask with a lower one to see them)"
         )
-    if meta.freshness is not None and meta.freshness.pending_deltas:
-        head.append(
-            f"{_counted(meta.freshness.pending_deltas, 'delta')} not yet indexed ({meta.freshness.pending_ms} ms)"
-        )
+    if (pending := pending_note(meta)) is not None:
+        head.append(pending)
     if meta.freshness is not None and meta.freshness.stream_refused:
         head.append(NOT_FOLLOWING)
     if meta.degraded:
@@ -545,6 +543,13 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
 def _no_definition_placed(meta: QueryMeta) -> bool:
     """Whether a query that was one name got no definition of it placed first (and asked no relation)."""
     return meta.relation is None and not meta.exact_symbol_matches
+
+
+def pending_note(meta: QueryMeta) -> str | None:
+    """What the answer does not hold yet: the deltas published that the index has not applied."""
+    if meta.freshness is None or not meta.freshness.pending_deltas:
+        return None
+    return f"{_counted(meta.freshness.pending_deltas, 'delta')} not yet indexed ({meta.freshness.pending_ms} ms)"
 
 
 def _counted(count: int, noun: str) -> str:

@@ -255,7 +255,8 @@ class Rebuild:
                 raise RebuildFailed(
                     "not swapping, the swap would lose them: " + " | ".join(unexplained) + " (this replay rejected "
                     f"{rejected or 'no delta'}; check the rejected deltas and that this command runs with the "
-                    "projector's settings; --force swaps anyway)",
+                    "projector's settings, and after changing them run it with --discard first: the shadow tables "
+                    "keep what this replay rejected; --force swaps anyway)",
                     resumable=False,
                 )
             await self._swap(js, nc, shadow, expected, report)

@@ -116,6 +116,8 @@ class QueryOptions(StrictRequest):
         "symbolFqn without its private parts as a package re-exports it: httpx.Client for httpx._client.Client; "
         "case ignored after exact matches), or assigning it at their level (metadata.defines: a module's "
         "constant, a class's attribute, matched as written) first, each scoring 1 and found by 'symbol'. When the"
+        " query is a file's path (pkg/util.py, docs/guide.md), that file's chunk or sections first, found by "
+        "'file'; with a line (pkg/util.py:120) or as a traceback's frame, the chunks holding it. When the"
         " query asks one relation of one named symbol, put the chunks standing in it first, each scoring 1: its "
         "callers (what calls to_seconds, callers of Retrying.copy: the chunks whose metadata.calls names it) as "
         "'caller', what it calls (what does wraps call) as 'callee'; its subclasses (what subclasses wait_base: "

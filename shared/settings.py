@@ -396,7 +396,8 @@ class Settings(BaseSettings):
     exact_symbols: bool = Field(
         default=True,
         description="A query that is one identifier (a name or dotted qualified name) gets the chunks defining a "
-        "symbol of that name first (_meta.exactSymbolMatches), and a query asking one relation of one named symbol "
+        "symbol of that name first (_meta.exactSymbolMatches), a query that is a file's path (with a line, or a "
+        "traceback's frame) that file's chunks, and a query asking one relation of one named symbol "
         "(its callers or callees, subclasses or bases, importers or imports) those chunks (_meta.relationMatches); "
         "requests may turn it off (docs/quality.md).",
     )

@@ -57,7 +57,7 @@ class EmbeddingCache:
         except (OSError, sqlite3.Error) as error:  # an operator tester's cache directory that was a file: a traceback
             raise SettingsUnusable(
                 f"ONTOFABRIC_CACHE_DIR: the embedding cache {path} cannot be opened ({error}): set it to a directory "
-                "this user may write"
+                "this user may write (a damaged cache file may be deleted: it is made again)"
             ) from error
 
     def _create(self) -> None:

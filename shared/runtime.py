@@ -1188,9 +1188,9 @@ def running_up(settings: Settings) -> dict[str, Any]:
     try:
         recorded = json.loads(runtime_file.read_text())
         alive = isinstance(recorded, dict) and _pid_alive(int(recorded.get("pid", 0)))
-    except (ValueError, TypeError, OverflowError) as error:  # an operator tester's damaged file: a traceback
+    except (OSError, ValueError, TypeError, OverflowError) as error:  # an operator tester's damaged file: a traceback
         raise SettingsUnusable(
-            f"{runtime_file} cannot be read ({error}): it is written by a running `ontofabric up`; with none "
+            f"{runtime_file} cannot be read ({error}): a running `ontofabric up` writes it there; with none "
             "running, delete it"
         ) from error
     return recorded if alive else {}

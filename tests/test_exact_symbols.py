@@ -60,8 +60,8 @@ from .conftest import Deployment, Start
         (".py", None),
         ("rich/console.js", None),  # no file an ingest reads
         ("x/" * 200 + "y.py", None),
-        ('"/Users/John Doe/proj/x.py"', "proj/x.py"),  # quoted whole: what leads to a space's directory goes
-        ("/Users/John Doe/proj/x.py", None),  # unquoted: words
+        ('"/Users/John Doe/proj/x.py"', None),  # spaces: words, quoted or not (a review's quoted question)
+        ('"explain the steps in docs/README.md"', None),
     ],
 )
 def test_file_asked_takes_a_whole_query_that_is_one_files_path(text: str, path: str | None) -> None:
@@ -77,7 +77,7 @@ def test_file_asked_takes_a_whole_query_that_is_one_files_path(text: str, path: 
         ('File "/usr/lib/rich/console.py", line 1697, in print', FileAsked("usr/lib/rich/console.py", 1697, "print")),
         ('  File "x/y.py", line 3, in <module>', FileAsked("x/y.py", 3)),
         ('File "a.py", line 3', FileAsked("a.py", 3)),
-        ('File "C:\\Program Files\\app\\x.py", line 3, in f', FileAsked("app/x.py", 3, "f")),
+        ('File "C:\\Program Files\\app\\x.py", line 3, in f', FileAsked("Program Files/app/x.py", 3, "f")),
         ("docs/guide.md:40", FileAsked("docs/guide.md", 40)),
         ("x.py:abc", None),
         ("how is x.py:3 read", None),
@@ -750,6 +750,7 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
         "sub/circle.py": "def circle(radius):\n    return radius\n",
         "docs/guide.md": "# Guide\n\nWhat the shapes are.\n\n## Drawing\n\nHow to draw a circle.\n",
         "docs/README.md": "# Docs\n\nWhere the guides are.\n",
+        "blog/guide.md": "# Blog guide\n\nWhat was written.\n",
         "README.md": "# Shapes\n\nA package of shapes.\n",
         # Three methods of one name in one file: a frame names one of them by the line.
         "many.py": "class A:\n    def __init__(self):\n        self.a = 1\n\n\n"
@@ -797,9 +798,10 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
     assert found(await _ask(client, "/home/me/shapes/docs/README.md")) == ["docs/README.md > Docs"]
     assert found(await _ask(client, "README.md")) == ["README.md > Shapes"]
 
-    # A document's sections, in their order; a shorter path than the stored one finds it too.
-    for text in ("docs/guide.md", "guide.md"):
-        assert found(await _ask(client, text)) == ["docs/guide.md > Guide", "docs/guide.md > Guide > Drawing"]
+    # A document's sections, in their order; a shorter path than the stored ones finds every file ending so.
+    guide = ["docs/guide.md > Guide", "docs/guide.md > Guide > Drawing"]
+    assert found(await _ask(client, "docs/guide.md")) == guide
+    assert found(await _ask(client, "guide.md")) == ["blog/guide.md > Blog guide", *guide]
 
     # No such file: nothing placed first, and the MCP text says so rather than showing search results as the file.
     missing = await _ask(client, "shapes/missing.py")

@@ -424,14 +424,55 @@ class Command:
     def untyped(self, ctx, other: list[Context]):
         ctx.invoke(1)
         other.invoke(2)
+
+    def caught(self, ctx: Context):
+        try:
+            pass
+        except Exception as ctx:
+            ctx.invoke(1)
+
+    def imports(self, ctx: Context):
+        import os as ctx
+        ctx.invoke(1)
+
+    def starred(self, ctx: Context):
+        def g(*ctx):
+            return ctx.invoke(1)
+
+        return g
+
+    def matched(self, ctx: Context, x: int):
+        match x:
+            case [ctx]:
+                ctx.invoke(1)
+
+    def named(self, ctx: Context):
+        def ctx():
+            return 1
+
+        ctx.invoke(1)
+
+class Outer:
+    class Context:
+        def invoke(self):
+            return 2
+
+    def run(self, ctx: Context):
+        return ctx.invoke()
 """,
+        # Written to be costly: an ingest of any tree reads them, and one stopped it whole (a review's).
+        "pkg/deep.py": "from .core import Context\n\n\ndef f(ctx: Context" + " | None" * 1500 + "):\n"
+        "    return ctx.invoke()\n\n\ndef g(ctx: '\\ud800'):\n    return ctx.invoke()\n",
     }
     calls = _by_name(python_calls(sources))
     assert calls[("pkg/core.py", "pkg.core.Command.invoke")] == ("pkg.core.Context.invoke",)
     assert calls[("pkg/core.py", "pkg.core.Command.main")] == ("pkg.core.Context.invoke", "pkg.core.Sub.forward")
     # Bound again, by the function or by a function inside it: its type is no longer what the annotation says.
-    for name in ("rebinds", "shadows", "untyped"):
+    for name in ("rebinds", "shadows", "untyped", "caught", "imports", "starred", "matched", "named"):
         assert ("pkg/core.py", f"pkg.core.Command.{name}") not in calls, name
+    # The class's own nested Context, which the tree does not name as a class of its own: no caller of the module's.
+    assert ("pkg/core.py", "pkg.core.Outer.run") not in calls
+    assert ("pkg/deep.py", "pkg.deep.f") not in calls  # too deep to name one type: left out, not the ingest
 
 
 def test_a_bare_decorator_calls_what_it_names() -> None:

@@ -570,10 +570,13 @@ def python_calls(
             for node in code:
                 function = node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
                 shadowed = _local_names(function) if function is not None else set()
+                # A name the method's class defines (a nested class) is that one, not the module's (a review's).
+                own = classes[owner].members if owner in classes else frozenset()
                 typed = {
                     name: named
                     for name, annotation in (_annotated_parameters(function) if function is not None else {}).items()
-                    if (named := resolver.named_symbol(module, annotation)) in classes
+                    if not (isinstance(annotation, ast.Name) and annotation.id in own)
+                    and (named := resolver.named_symbol(module, annotation)) in classes
                 }
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
                 # they call (a review's).
@@ -590,19 +593,11 @@ def python_calls(
 
 def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
     """Each parameter of ``function`` annotated with one type (``ctx: Context``, ``"Context"``,
-    ``Optional[Context]``, ``Context | None``) that the function never binds again, with that type's expression:
-    what a call through it (``ctx.invoke()``) calls. An agent tester's callers of click's ``Context.invoke`` missed
-    ``Command.invoke`` and ``Group.invoke``, which call it through their ``ctx: Context``."""
+    ``Optional[Context]``, ``Context | None``) that nothing inside the function binds again, with that type's
+    expression: what a call through it (``ctx.invoke()``) calls. An agent tester's callers of click's
+    ``Context.invoke`` missed ``Command.invoke`` and ``Group.invoke``, which call it through their ``ctx: Context``."""
     arguments = function.args
-    rebound = {
-        node.id
-        for node in ast.walk(function)
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del)
-    }
-    rebound |= {  # a nested function's or lambda's own parameter of that name
-        inner.arg for node in ast.walk(function) if node is not arguments and isinstance(node, ast.arguments)
-        for inner in [*node.posonlyargs, *node.args, *node.kwonlyargs]
-    }  # fmt: skip
+    rebound = _bound_inside(function)
     typed = {}
     for argument in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]:
         annotation = _one_type(argument.annotation)
@@ -611,23 +606,58 @@ def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> d
     return typed
 
 
+def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names anything inside ``function`` binds, its own parameters apart: assignments, ``except ... as``,
+    imports, ``match`` captures, nested definitions and their parameters (a review's list of false callers)."""
+    bound: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+            bound.add(node.id)
+        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bound.add(node.rest)
+        elif isinstance(node, ast.alias):
+            bound.add(node.asname or node.name.split(".")[0])
+        elif isinstance(node, _DEFINITIONS) and node is not function:
+            bound.add(node.name)
+        elif isinstance(node, ast.arguments) and node is not function.args:
+            every = [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
+            bound |= {argument.arg for argument in every if argument is not None}
+    return bound
+
+
 def _one_type(annotation: ast.expr | None) -> ast.expr | None:
     """The one type an annotation names, if it names one (``X``, ``mod.X``, ``"X"``, ``Optional[X]``,
-    ``X | None``); None for anything else (a union, a generic's parameters, a string that is no expression)."""
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str) and len(annotation.value) <= 200:
-        try:
-            annotation = ast.parse(annotation.value.strip(), mode="eval").body
-        except SyntaxError:
-            return None
-    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
-        sides = [annotation.left, annotation.right]
-        kept = [side for side in sides if not (isinstance(side, ast.Constant) and side.value is None)]
-        return _one_type(kept[0]) if len(kept) == 1 else None
-    if isinstance(annotation, ast.Subscript):
-        generic = _dotted(annotation.value)
-        optional = generic is not None and generic.rsplit(".", 1)[-1] == "Optional"
-        return _one_type(annotation.slice) if optional else None
-    return annotation if isinstance(annotation, ast.Name | ast.Attribute) else None
+    ``X | None``); None for anything else (a union, a generic's parameters, a string that is no expression).
+    Unwrapped in a loop: a review's `Context | None | None ...` 1,500 times deep stopped a whole ingest with a
+    RecursionError, and a string holding a lone surrogate with a UnicodeEncodeError."""
+    for _ in range(MAX_ANNOTATION_DEPTH):
+        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+            if len(annotation.value) > 200:
+                return None
+            try:
+                annotation = ast.parse(annotation.value.strip(), mode="eval").body
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                return None
+        elif isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+            sides = [annotation.left, annotation.right]
+            kept = [side for side in sides if not (isinstance(side, ast.Constant) and side.value is None)]
+            if len(kept) != 1:
+                return None
+            annotation = kept[0]
+        elif isinstance(annotation, ast.Subscript):
+            generic = _dotted(annotation.value)
+            if generic is None or generic.rsplit(".", 1)[-1] != "Optional":
+                return None
+            annotation = annotation.slice
+        else:
+            return annotation if isinstance(annotation, ast.Name | ast.Attribute) else None
+    return None
+
+
+MAX_ANNOTATION_DEPTH = 8
+"""How many ``Optional``, ``| None`` and quotes an annotation is unwrapped through before it names no one type."""
 
 
 def _run_outside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:

@@ -765,7 +765,10 @@ class PostgresDocuments:
         holds_line = f"coalesce({start} <= $4 AND {end} >= $4, false)"
         named = f"coalesce({SYMBOL_NAME_SQL} = lower($5), false)"
         async with self._snapshots.read(scope, alone=True) as snapshot:
-            where, parameters = where_clause(scope, 6, snapshot.shadowed)
+            # The branches read, said apart from the overlay's condition: the index's range on the path's end
+            # needs the branch as a condition of its own (a review's PostgreSQL 17 read the workspace's every entry).
+            where, parameters = where_clause(scope, 7, snapshot.shadowed)
+            first_pass = True
             for condition, asked, longest in passes:
                 # The file's chunk or its sections; with a line, the chunks holding it, the innermost first; with
                 # a frame's function, the chunks of that name (symbols.pointed_into keeps one).
@@ -773,7 +776,7 @@ class PostgresDocuments:
                     f"""SELECT id, coalesce(symbol_fqn, file_path) AS symbol_fqn, file_path, {named} AS named,
                                {holds_line} AS holds, {start} AS start
                         FROM documents
-                        WHERE {condition} AND {where}
+                        WHERE {condition} AND branch = ANY($6::text[]) AND {where}
                           AND (chunk_level = 'file' OR symbol_kind = 'section'
                                OR (symbol_kind IS DISTINCT FROM 'docstring' AND ({holds_line} OR {named})))
                         ORDER BY length(file_path) * $3, file_path, {named} AND {holds_line} DESC, {named} DESC,
@@ -785,13 +788,18 @@ class PostgresDocuments:
                     longest,
                     line,
                     name,
+                    list(scope.branches),
                     *parameters,
                 )
                 if rows:
                     break
+                first_pass = False
         pointed = pointed_into(
             [FileChunk(r["id"], r["symbol_fqn"], r["file_path"], r["named"], r["holds"], r["start"]) for r in rows],
             line,
+            # A path its file's own (or one it ends with, longest first) names one file; a path stored ones end
+            # with may be any of them, unless a line or a function points into one.
+            one_file=first_pass or line is not None or name is not None,
         )
         return Definitions(
             {chunk.id: chunk.symbol_fqn for chunk in pointed},

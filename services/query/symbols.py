@@ -128,6 +128,8 @@ FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS)
 """What the files a path query can name end with: those an ingest reads, and a stub's."""
 _PATH_PART = r"[^\s/`'\"<>|*?]+"
 _FILE_PATH = re.compile(rf"(?:{_PATH_PART}/)*{_PATH_PART}(?:{'|'.join(map(re.escape, FILE_SUFFIXES))})")
+_FRAMED_PATH = re.compile(rf"(?:[^/`'\"<>|*?\n]+/)*{_PATH_PART}(?:{'|'.join(map(re.escape, FILE_SUFFIXES))})")
+"""A path as a traceback's frame quotes it: its directories may hold spaces; its file's name holds none."""
 _FROM_ROOT = re.compile(r"(?:[A-Za-z]:)?/+|(?:\./)+")
 
 
@@ -155,20 +157,15 @@ def file_asked(text: str) -> FileAsked | None:
     to it from a root (``/``, ``./``, a drive). None for any other text. An agent tester's ``rich/console.py``
     found no chunk of that file first: it names no symbol."""
     text = as_read(text).strip()
-    line, name = None, None
-    quoted = len(text) > 1 and text[0] == text[-1] and text[0] in "`'\""
+    line, name, shape = None, None, _FILE_PATH
     if (frame := _FRAME.fullmatch(text)) is not None:
-        text, line, name, quoted = frame.group("path"), int(frame.group("line")), frame.group("name"), True
+        # Python's own path: spaces in it are a directory's (`/Users/John Doe/...`), not words around a path.
+        text, line, name, shape = frame.group("path"), int(frame.group("line")), frame.group("name"), _FRAMED_PATH
     elif (at := _AT_LINE.fullmatch(text.strip("`'\""))) is not None:
         text, line = at.group("path"), int(at.group("line"))
     path = text.strip().strip("`'\"").strip().replace("\\", "/")
     path = _FROM_ROOT.sub("", path, count=1) if _FROM_ROOT.match(path) else path
-    if quoted:  # a path as written whole: directories with spaces (`/Users/John Doe/...`) lead to the file's parts
-        parts = path.split("/")
-        path = "/".join(
-            parts[max((i + 1 for i, part in enumerate(parts) if any(c.isspace() for c in part)), default=0) :]
-        )
-    if len(path) > MAX_IDENTIFIER_CHARS or not _FILE_PATH.fullmatch(path):
+    if len(path) > MAX_IDENTIFIER_CHARS or not shape.fullmatch(path):
         return None
     return FileAsked(path, line, name if name is not None and IDENTIFIER.fullmatch(name) else None)
 
@@ -187,19 +184,20 @@ class FileChunk:
     start: int | None
 
 
-def pointed_into(chunks: Sequence[FileChunk], line: int | None) -> list[FileChunk]:
+def pointed_into(chunks: Sequence[FileChunk], line: int | None, one_file: bool = True) -> list[FileChunk]:
     """The chunks of the first file among ``chunks`` (in the lookup's order, the best file first): a path names one
-    file (a review's ``docs/README.md`` put the root README's sections first too, at 1.0). Of the chunks a frame's
-    function names, those holding the line, or else the nearest to it alone: a file defining ``__init__`` in
-    three classes had all three placed before the class holding the line."""
+    file (a review's ``docs/README.md`` put the root README's sections first too, at 1.0); ``one_file`` False: of
+    every file (a path several stored ones end with, none told apart). Of the chunks a frame's function names,
+    those holding the line, or else the nearest to it alone: a file defining ``__init__`` in three classes had
+    all three placed before the class holding the line."""
     if not chunks:
         return []
-    one_file = [chunk for chunk in chunks if chunk.file_path == chunks[0].file_path]
-    named = [chunk for chunk in one_file if chunk.named]
+    files = [chunk for chunk in chunks if chunk.file_path == chunks[0].file_path or not one_file]
+    named = [chunk for chunk in files if chunk.named]
     kept = [chunk for chunk in named if chunk.holds] or sorted(
         named, key=lambda chunk: abs((chunk.start or 0) - (line or 0))
     )[:1]
-    return [chunk for chunk in one_file if not chunk.named or chunk in kept]
+    return [chunk for chunk in files if not chunk.named or chunk in kept]
 
 
 def kind_asked(text: str) -> str | None:

@@ -1188,6 +1188,8 @@ def running_up(settings: Settings) -> dict[str, Any]:
     try:
         recorded = json.loads(runtime_file.read_text())
         alive = isinstance(recorded, dict) and _pid_alive(int(recorded.get("pid", 0)))
+    except FileNotFoundError:  # `up` ended between the two looks
+        return {}
     except (OSError, ValueError, TypeError, OverflowError) as error:  # an operator tester's damaged file: a traceback
         raise SettingsUnusable(
             f"{runtime_file} cannot be read ({error}): a running `ontofabric up` writes it there; with none "

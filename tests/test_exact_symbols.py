@@ -751,6 +751,8 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
         "docs/guide.md": "# Guide\n\nWhat the shapes are.\n\n## Drawing\n\nHow to draw a circle.\n",
         "docs/README.md": "# Docs\n\nWhere the guides are.\n",
         "blog/guide.md": "# Blog guide\n\nWhat was written.\n",
+        "notes.md": "# Notes\n\nThe root's.\n",
+        "blog/docs/notes.md": "# Blog notes\n\nThe blog's docs.\n",
         "README.md": "# Shapes\n\nA package of shapes.\n",
         # Three methods of one name in one file: a frame names one of them by the line.
         "many.py": "class A:\n    def __init__(self):\n        self.a = 1\n\n\n"
@@ -802,6 +804,10 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
     guide = ["docs/guide.md > Guide", "docs/guide.md > Guide > Drawing"]
     assert found(await _ask(client, "docs/guide.md")) == guide
     assert found(await _ask(client, "guide.md")) == ["blog/guide.md > Blog guide", *guide]
+    # A stored path ending with all that is asked before one the asked path ends with (a third review's: the root
+    # notes.md alone answered docs/notes.md).
+    assert found(await _ask(client, "docs/notes.md")) == ["blog/docs/notes.md > Blog notes"]
+    assert found(await _ask(client, "notes.md")) == ["notes.md > Notes"]
 
     # No such file: nothing placed first, and the MCP text says so rather than showing search results as the file.
     missing = await _ask(client, "shapes/missing.py")

@@ -459,6 +459,12 @@ class Outer:
 
     def run(self, ctx: Context):
         return ctx.invoke()
+
+class Aliased:
+    Context = Sub  # what the annotations of its methods name (a third review's)
+
+    def run(self, ctx: Context):
+        return ctx.invoke(1)
 """,
         # Written to be costly: an ingest of any tree reads them, and one stopped it whole (a review's).
         "pkg/deep.py": "from .core import Context\n\n\ndef f(ctx: Context" + " | None" * 1500 + "):\n"
@@ -472,6 +478,7 @@ class Outer:
         assert ("pkg/core.py", f"pkg.core.Command.{name}") not in calls, name
     # The class's own nested Context, which the tree does not name as a class of its own: no caller of the module's.
     assert ("pkg/core.py", "pkg.core.Outer.run") not in calls
+    assert ("pkg/core.py", "pkg.core.Aliased.run") not in calls
     assert ("pkg/deep.py", "pkg.deep.f") not in calls  # too deep to name one type: left out, not the ingest
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -427,6 +427,21 @@ class _Class:
     """The names its body defines: its methods and the classes nested in it."""
     bases: tuple[str, ...]
     """The qualified names of its bases that are classes of the tree, in order."""
+    bound: frozenset[str] = frozenset()
+    """Every name its body binds at its level (members, assignments, imports): what an annotation of one of its
+    methods names, where it names one of these."""
+
+
+def _bound_at(statements: Iterable[ast.stmt]) -> frozenset[str]:
+    """The names ``statements`` assign or import at their own level (a class body's ``Context = Other``)."""
+    bound: set[str] = set()
+    for statement in statements:
+        if isinstance(statement, ast.Import | ast.ImportFrom):
+            bound |= {alias.asname or alias.name.split(".")[0] for alias in statement.names}
+        elif isinstance(statement, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            bound |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return frozenset(bound)
 
 
 def _method(classes: Mapping[str, _Class], class_fqn: str, name: str, inherited_only: bool = False) -> str | None:
@@ -539,7 +554,8 @@ def python_calls(
         for qualname, cls in _classes(module.tree.body):
             members = frozenset(n.name for n in at_level(cls.body) if isinstance(n, _DEFINITIONS))
             bases = (resolver.named_symbol(module, b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases)
-            classes[f"{module.fqn}.{qualname}"] = _Class(members, tuple(b for b in bases if b is not None))
+            bound = members | _bound_at(at_level(cls.body))
+            classes[f"{module.fqn}.{qualname}"] = _Class(members, tuple(b for b in bases if b is not None), bound)
 
     # Each (class, name) resolved once: a method's every `self.x()` walked the bases again, and a chain of 8,000
     # classes with as many calls took 13 s (an audit's).
@@ -571,7 +587,7 @@ def python_calls(
                 function = node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
                 shadowed = _local_names(function) if function is not None else set()
                 # A name the method's class defines (a nested class) is that one, not the module's (a review's).
-                own = classes[owner].members if owner in classes else frozenset()
+                own = classes[owner].bound if owner in classes else frozenset()
                 typed = {
                     name: named
                     for name, annotation in (_annotated_parameters(function) if function is not None else {}).items()

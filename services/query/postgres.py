@@ -751,15 +751,17 @@ class PostgresDocuments:
         self, scope: Scope, path: str, limit: int, line: int | None = None, name: str | None = None
     ) -> Definitions:
         parts = path.split("/")
-        stored_under = ["/".join(parts[i:]) for i in range(len(parts))]  # the path and those it ends with
-        # By documents_file_path (infra/migrations/0031), the longest first; then, only when no file is stored so,
-        # under a path ending with the one asked, the shortest first, by the reversed path (0032): its range of
-        # paths whose reverse starts with the asked one's, "/" before it.
-        ending = "/" + path
+        # The file stored under the path itself; else every file stored under a path ending with it (a tree
+        # ingested from above the asker's root), the shortest first, by the path read backwards (migration 0032:
+        # the range of reversed paths starting with the asked one's, "/" before it); else under the longest path
+        # it ends with (one ingested from inside: `console.py` for `rich/console.py`), by documents_file_path
+        # (0031). In that order: a review's `docs/guide.md` was answered by a root `guide.md` alone, where
+        # `blog/docs/guide.md` was stored. Each pass: (condition, its $1, the length's sign, one file).
         passes = (
-            ("file_path = ANY($1::text[])", stored_under, -1),
+            ("file_path = $1::text", path, 1, True),
             (f'reverse(file_path) COLLATE "C" >= $1 AND reverse(file_path) COLLATE "C" < $1 || chr({MAX_CHAR})',
-             ending[::-1], 1),
+             ("/" + path)[::-1], 1, False),
+            ("file_path = ANY($1::text[])", ["/".join(parts[i:]) for i in range(1, len(parts))], -1, True),
         )  # fmt: skip
         start, end = "(metadata ->> 'startLine')::int", "(metadata ->> 'endLine')::int"
         holds_line = f"coalesce({start} <= $4 AND {end} >= $4, false)"
@@ -768,8 +770,8 @@ class PostgresDocuments:
             # The branches read, said apart from the overlay's condition: the index's range on the path's end
             # needs the branch as a condition of its own (a review's PostgreSQL 17 read the workspace's every entry).
             where, parameters = where_clause(scope, 7, snapshot.shadowed)
-            first_pass = True
-            for condition, asked, longest in passes:
+            one_file = True
+            for condition, asked, longest, names_one in passes:
                 # The file's chunk or its sections; with a line, the chunks holding it, the innermost first; with
                 # a frame's function, the chunks of that name (symbols.pointed_into keeps one).
                 rows = await snapshot.conn.fetch(
@@ -791,15 +793,14 @@ class PostgresDocuments:
                     list(scope.branches),
                     *parameters,
                 )
+                one_file = names_one
                 if rows:
                     break
-                first_pass = False
         pointed = pointed_into(
             [FileChunk(r["id"], r["symbol_fqn"], r["file_path"], r["named"], r["holds"], r["start"]) for r in rows],
             line,
-            # A path its file's own (or one it ends with, longest first) names one file; a path stored ones end
-            # with may be any of them, unless a line or a function points into one.
-            one_file=first_pass or line is not None or name is not None,
+            # A path stored ones end with may be any of them, unless a line or a function points into one.
+            one_file=one_file or line is not None or name is not None,
         )
         return Definitions(
             {chunk.id: chunk.symbol_fqn for chunk in pointed},

@@ -222,9 +222,10 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     assert refused.returncode == 1
     assert f"{entry['seq']}\tacme\tcontent_too_large" in refused.stdout
     assert "delete 1: every dead letter?" in refused.stdout
-    nothing = dlq("purge", "--reason", "no_such_reason")
+    nothing = dlq("purge", "--reason", "apply_failed")
     assert (nothing.returncode, nothing.stdout) == (0, "")  # nothing to ask about
     assert "no dead letter matches" in nothing.stderr
+    assert dlq("purge", "--reason", "no_such_reason").returncode == 2  # no reason a projector gives: a usage error
     # A sequence named that is no dead letter is an error, as for `dlq show` (an ops tester's: "re-drove 0", exit 0);
     # nothing is done to the others named with it.
     for command, done in (("redrive", "re-driven"), ("purge", "deleted")):

@@ -482,6 +482,80 @@ class Aliased:
     assert ("pkg/deep.py", "pkg.deep.f") not in calls  # too deep to name one type: left out, not the ingest
 
 
+def test_a_call_through_a_local_bound_once_to_what_a_class_or_an_annotated_function_makes_calls_its_method() -> None:
+    """click's `ctx = get_current_context()` then `ctx.invoke(...)` (make_pass_decorator): a caller of
+    Context.invoke an agent tester counted and the lookups missed; `client = Client()` then `client.get()`."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/core.py": """
+class Context:
+    def invoke(self, f):
+        return f()
+
+    def child(self) -> "Context":
+        return Context()
+
+def get_current_context() -> Context:
+    return Context()
+
+async def fetch_context() -> Context:
+    return Context()
+
+class Client:
+    def get(self):
+        return 1
+
+def use():
+    ctx = get_current_context()
+    return ctx.invoke(1)
+
+def make():
+    client = Client()
+    client.get()
+
+def chained(ctx: Context):
+    inner = ctx.child()
+    inner.invoke(2)
+
+async def awaited():
+    ctx = await fetch_context()
+    ctx.invoke(3)
+
+def annotated():
+    ctx: Context = something()
+    ctx.invoke(5)
+
+async def not_awaited():
+    ctx = fetch_context()
+    ctx.invoke(3)
+
+def twice():
+    ctx = get_current_context()
+    ctx = 5
+    ctx.invoke(4)
+
+def caught():
+    ctx = get_current_context()
+    try:
+        pass
+    except Exception as ctx:
+        ctx.invoke(6)
+""",
+    }
+    calls = _by_name(python_calls(sources))
+    assert calls[("pkg/core.py", "pkg.core.use")] == ("pkg.core.Context.invoke", "pkg.core.get_current_context")
+    assert calls[("pkg/core.py", "pkg.core.make")] == ("pkg.core.Client", "pkg.core.Client.get")
+    assert calls[("pkg/core.py", "pkg.core.chained")] == ("pkg.core.Context.child", "pkg.core.Context.invoke")
+    assert calls[("pkg/core.py", "pkg.core.awaited")] == ("pkg.core.Context.invoke", "pkg.core.fetch_context")
+    assert calls[("pkg/core.py", "pkg.core.annotated")] == ("pkg.core.Context.invoke",)
+    # A coroutine not awaited is no Context; a name bound twice, or also otherwise, may be anything.
+    assert calls[("pkg/core.py", "pkg.core.not_awaited")] == ("pkg.core.fetch_context",)
+    assert calls[("pkg/core.py", "pkg.core.twice")] == ("pkg.core.get_current_context",)
+    assert calls[("pkg/core.py", "pkg.core.caught")] == ("pkg.core.get_current_context",)
+
+
 def test_a_bare_decorator_calls_what_it_names() -> None:
     """An agent tester's "what calls fixture" over pytest found the six `@fixture(...)` with arguments and none of
     the twenty bare `@fixture`: a decorator calls what it names with what it decorates."""

@@ -543,8 +543,10 @@ def python_calls(
     functions of the tree its code calls, resolved from the syntax alone: a name its module defines or imports
     from the tree (unless the function binds that name itself), ``module.name`` through an imported module,
     ``Class.name``, and ``self.name``, ``cls.name`` or ``super().name`` through the class and its bases in the tree;
-    also a name a module assigns (``concat = "".join``), under that module's name.
-    A call through any other object (a parameter, an attribute, what a call returned) cannot be told from the
+    also a name a module assigns (``concat = "".join``), under that module's name; and a method through a
+    parameter annotated with one class of the tree (``ctx: Context``), or a local bound once to what such a class's
+    call or a function annotated to return one makes (``ctx = get_current_context()``), neither bound otherwise.
+    A call through any other object (an attribute, what a call returned unbound) cannot be told from the
     syntax and is left out, as is a chunk calling itself. A module's chunk holds its own statements' calls only,
     a class's those of its body outside its methods."""
     tree = _tree_of(sources, package)
@@ -556,6 +558,25 @@ def python_calls(
             bases = (resolver.named_symbol(module, b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases)
             bound = members | _bound_at(at_level(cls.body))
             classes[f"{module.fqn}.{qualname}"] = _Class(members, tuple(b for b in bases if b is not None), bound)
+
+    # What each function of the tree is annotated to return, where that is one class of the tree (and whether it is
+    # async: its call returns that only awaited).
+    returns: dict[str, tuple[str, bool]] = {}
+    for module in modules.values():
+        scopes: list[tuple[str, list[ast.stmt], str | None]] = [(module.fqn, module.tree.body, None)]
+        scopes += [(f"{module.fqn}.{qualname}", cls.body, f"{module.fqn}.{qualname}") for qualname, cls in _classes(
+            module.tree.body
+        )]  # fmt: skip
+        for prefix, body, owner in scopes:
+            own = classes[owner].bound if owner is not None and owner in classes else frozenset()
+            for definition in at_level(body):
+                if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                kind = _one_type(definition.returns)
+                if kind is None or (isinstance(kind, ast.Name) and kind.id in own):
+                    continue
+                if (named := resolver.named_symbol(module, kind)) in classes:
+                    returns[f"{prefix}.{definition.name}"] = (named, isinstance(definition, ast.AsyncFunctionDef))
 
     # Each (class, name) resolved once: a method's every `self.x()` walked the bases again, and a chain of 8,000
     # classes with as many calls took 13 s (an audit's).
@@ -579,6 +600,24 @@ def python_calls(
         # tester's callers of jinja2.utils.concat were none.
         return resolver.named_symbol(module, func, values=True)
 
+    def made_by(
+        module: _Module, value: ast.expr, owner: str | None, typed: Mapping[str, str], own: frozenset[str]
+    ) -> str | None:
+        """The class of the tree a local's one binding makes (``value``: what it is assigned, or its annotation)."""
+        awaited = isinstance(value, ast.Await)
+        call = value.value if isinstance(value, ast.Await) else value
+        if not isinstance(call, ast.Call):  # an annotation
+            kind = _one_type(value)
+            if kind is None or (isinstance(kind, ast.Name) and kind.id in own):
+                return None
+            named = resolver.named_symbol(module, kind)
+            return named if named in classes else None
+        target = callee(module, call.func, owner, typed)
+        if target in classes and not awaited:
+            return target
+        made, is_async = returns.get(target or "", (None, False))
+        return made if made is not None and is_async == awaited else None
+
     calls: dict[tuple[str, str, int], set[str]] = {}
     for module in modules.values():
         for fqn, line, code, owner in _code_scopes(module):
@@ -594,6 +633,12 @@ def python_calls(
                     if not (isinstance(annotation, ast.Name) and annotation.id in own)
                     and (named := resolver.named_symbol(module, annotation)) in classes
                 }
+                # And a local bound once, to what a class's call makes or a function annotated to return one of the
+                # tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so itself.
+                for name, value in (_assigned_once(function) if function is not None else {}).items():
+                    made = made_by(module, value, owner, typed, own)
+                    if made is not None:
+                        typed[name] = made
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
                 # they call (a review's).
                 outside = {id(n) for root in _run_outside(function) for n in ast.walk(root)} if function else set()
@@ -622,14 +667,34 @@ def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> d
     return typed
 
 
-def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """The names anything inside ``function`` binds, its own parameters apart: assignments, ``except ... as``,
-    imports, ``match`` captures, nested definitions and their parameters (a review's list of false callers)."""
-    bound: set[str] = set()
+def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
+    """Each name bound once inside ``function``, and nowhere else in it (no parameter of it, no nested binding),
+    by ``name = <call>`` (or ``name = await <call>``), or by ``name: T = ...``: the call, or the annotation."""
+    arguments = function.args
+    parameters = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
+    parameters |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+    counts: dict[str, int] = {}
     for node in ast.walk(function):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
-            bound.add(node.id)
-        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
+            counts[node.id] = counts.get(node.id, 0) + 1
+    once = {name for name, count in counts.items() if count == 1} - parameters - _bound_otherwise(function)
+    assigned: dict[str, ast.expr] = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+            if name in once and isinstance(value.value if isinstance(value, ast.Await) else value, ast.Call):
+                assigned[name] = value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in once:
+            assigned[node.target.id] = node.annotation
+    return assigned
+
+
+def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names bound inside ``function`` other than by a name's store: ``except ... as``, imports, ``match``
+    captures, nested definitions and their parameters."""
+    bound: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
             bound.add(node.name)
         elif isinstance(node, ast.MatchMapping) and node.rest:
             bound.add(node.rest)
@@ -641,6 +706,13 @@ def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
             every = [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
             bound |= {argument.arg for argument in every if argument is not None}
     return bound
+
+
+def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names anything inside ``function`` binds, its own parameters apart: assignments and what
+    :func:`_bound_otherwise` reads (a review's list of false callers)."""
+    stored = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)}
+    return stored | _bound_otherwise(function)
 
 
 def _one_type(annotation: ast.expr | None) -> ast.expr | None:

@@ -7,6 +7,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from ontofabric.services.ingest.graph import GraphLink, python_graph
@@ -554,6 +555,59 @@ def caught():
     assert calls[("pkg/core.py", "pkg.core.not_awaited")] == ("pkg.core.fetch_context",)
     assert calls[("pkg/core.py", "pkg.core.twice")] == ("pkg.core.get_current_context",)
     assert calls[("pkg/core.py", "pkg.core.caught")] == ("pkg.core.get_current_context",)
+
+
+TYPED_LOCALS_HEAD = """
+import contextlib
+from typing import overload
+
+class Client:
+    def get(self):
+        return 1
+
+class Server:
+    def get(self):
+        return 2
+
+class A:
+    def run(self):
+        return 1
+
+class B:
+    def run(self):
+        return 2
+
+def make() -> Client:
+    return Client()
+"""
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "def f(Client=Server):\n    c = Client()\n    c.get()\n",  # a parameter hiding the class
+        "def f(make):\n    c = make()\n    c.get()\n",
+        "def f(kinds):\n    for make in kinds:\n        c = make()\n        c.get()\n",
+        "def f():\n    Client = Server\n    c = Client()\n    c.get()\n",
+        "@overload\ndef load(x: int) -> A: ...\n@overload\ndef load(x: str) -> B: ...\ndef load(x):\n    return x\n"
+        "def f():\n    v = load(1)\n    v.run()\n",  # the last stub's type is not the call's
+        "if X:\n    def pick() -> Server: ...\nelse:\n    def pick() -> Client: ...\ndef f():\n    c = pick()\n"
+        "    c.get()\n",
+        "def f():\n    def inner():\n        c = Client()\n        return c\n    c.get()\n",  # another scope's c
+        "def f():\n    class K:\n        c = Client()\n    c.get()\n",
+        "def f():\n    c = Server()\n    def inner():\n        global c\n        c.get()\n",
+        "def f():\n    global c\n    c.get()\n    c = Client()\n",
+        "@contextlib.contextmanager\ndef session() -> Client:\n    yield Client()\ndef f():\n    s = session()\n"
+        "    s.get()\n",  # a decorator that changes what the call returns
+    ],
+)
+def test_a_local_whose_one_binding_cannot_be_told_calls_no_method_through_it(body: str) -> None:
+    """A review's false callers at 1.0 through locals (the fourth of this change's)."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    calls = python_calls({"pkg/__init__.py": "", "pkg/m.py": TYPED_LOCALS_HEAD + body})
+    through = [name for names in calls.values() for name in names if name.endswith((".get", ".run"))]
+    assert through == [], through
 
 
 def test_a_bare_decorator_calls_what_it_names() -> None:

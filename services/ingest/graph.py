@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -569,14 +569,22 @@ def python_calls(
         )]  # fmt: skip
         for prefix, body, owner in scopes:
             own = classes[owner].bound if owner is not None and owner in classes else frozenset()
+            defined: dict[str, set[tuple[str, bool] | None]] = {}
             for definition in at_level(body):
-                if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
+                if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef) or is_overload(definition):
                     continue
                 kind = _one_type(definition.returns)
-                if kind is None or (isinstance(kind, ast.Name) and kind.id in own):
-                    continue
-                if (named := resolver.named_symbol(module, kind)) in classes:
-                    returns[f"{prefix}.{definition.name}"] = (named, isinstance(definition, ast.AsyncFunctionDef))
+                named = None if kind is None or (isinstance(kind, ast.Name) and kind.id in own) else (
+                    resolver.named_symbol(module, kind)
+                )  # fmt: skip
+                # A decorator may make the call return another thing (`@contextmanager`): only those known not to.
+                kept = all(_dotted(d) in TYPE_KEEPING_DECORATORS for d in definition.decorator_list)
+                returned = (named, isinstance(definition, ast.AsyncFunctionDef)) if named in classes and kept else None
+                defined.setdefault(definition.name, set()).add(returned)
+            for name, returned_set in defined.items():  # defined twice (`if`/`else`) alike, or it is not told
+                (returned,) = returned_set if len(returned_set) == 1 else (None,)
+                if returned is not None:
+                    returns[f"{prefix}.{name}"] = returned
 
     # Each (class, name) resolved once: a method's every `self.x()` walked the bases again, and a chain of 8,000
     # classes with as many calls took 13 s (an audit's).
@@ -601,9 +609,16 @@ def python_calls(
         return resolver.named_symbol(module, func, values=True)
 
     def made_by(
-        module: _Module, value: ast.expr, owner: str | None, typed: Mapping[str, str], own: frozenset[str]
+        module: _Module,
+        value: ast.expr,
+        owner: str | None,
+        typed: Mapping[str, str],
+        own: frozenset[str],
+        local: Collection[str],
     ) -> str | None:
-        """The class of the tree a local's one binding makes (``value``: what it is assigned, or its annotation)."""
+        """The class of the tree a local's one binding makes (``value``: what it is assigned, or its annotation);
+        ``local``: the names the function binds itself, which hide the module's (`def f(Client=Server)`: a
+        review's false callers)."""
         awaited = isinstance(value, ast.Await)
         call = value.value if isinstance(value, ast.Await) else value
         if not isinstance(call, ast.Call):  # an annotation
@@ -612,6 +627,9 @@ def python_calls(
                 return None
             named = resolver.named_symbol(module, kind)
             return named if named in classes else None
+        head = _leftmost(call.func)
+        if head is not None and head in local and head not in typed and head not in ("self", "cls"):
+            return None
         target = callee(module, call.func, owner, typed)
         if target in classes and not awaited:
             return target
@@ -635,8 +653,9 @@ def python_calls(
                 }
                 # And a local bound once, to what a class's call makes or a function annotated to return one of the
                 # tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so itself.
+                local = (shadowed | _bound_otherwise(function)) if function is not None else set()
                 for name, value in (_assigned_once(function) if function is not None else {}).items():
-                    made = made_by(module, value, owner, typed, own)
+                    made = made_by(module, value, owner, typed, own, local)
                     if made is not None:
                         typed[name] = made
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
@@ -668,18 +687,29 @@ def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> d
 
 
 def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
-    """Each name bound once inside ``function``, and nowhere else in it (no parameter of it, no nested binding),
-    by ``name = <call>`` (or ``name = await <call>``), or by ``name: T = ...``: the call, or the annotation."""
+    """Each name bound once in ``function``'s own scope and nowhere else in it (no parameter of it, no binding in
+    a function or class nested in it, no ``global`` or ``nonlocal``, no other kind of binding), by ``name =
+    <call>`` (or ``name = await <call>``), or by ``name: T = ...``: the call, or the annotation. A review found
+    a nested function's or class's store taken for the function's own."""
     arguments = function.args
     parameters = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
     parameters |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+    own = list(_own_scope(function))
     counts: dict[str, int] = {}
-    for node in ast.walk(function):
+    for node in own:
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
             counts[node.id] = counts.get(node.id, 0) + 1
+    declared = {
+        name for node in ast.walk(function) if isinstance(node, ast.Global | ast.Nonlocal) for name in node.names
+    }
+    nested = {
+        n.id for node in ast.walk(function) if node is not function and isinstance(node, _SCOPES)
+        for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)
+    }  # fmt: skip
     once = {name for name, count in counts.items() if count == 1} - parameters - _bound_otherwise(function)
+    once -= nested | declared
     assigned: dict[str, ast.expr] = {}
-    for node in ast.walk(function):
+    for node in own:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name, value = node.targets[0].id, node.value
             if name in once and isinstance(value.value if isinstance(value, ast.Await) else value, ast.Call):
@@ -687,6 +717,34 @@ def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in once:
             assigned[node.target.id] = node.annotation
     return assigned
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+"""What opens a scope of its own inside a function."""
+
+TYPE_KEEPING_DECORATORS = frozenset(
+    {"staticmethod", "classmethod", "functools.cache", "functools.lru_cache", "cache", "lru_cache", "override",
+     "typing.override", "typing_extensions.override", "abstractmethod", "abc.abstractmethod"}
+)  # fmt: skip
+"""Decorators that leave what a call of the function returns as annotated."""
+
+
+def _own_scope(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.AST]:
+    """The nodes of ``function``'s body in its own scope: not inside a function, lambda or class nested in it."""
+    pending: list[ast.AST] = list(function.body)
+    while pending:
+        node = pending.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def _leftmost(func: ast.expr) -> str | None:
+    """The name a call's callee starts from (``make`` of ``make()``, ``ctx`` of ``ctx.child()``); None for one
+    that starts from anything else (``super().x()``, ``f()()``)."""
+    while isinstance(func, ast.Attribute):
+        func = func.value
+    return func.id if isinstance(func, ast.Name) else None
 
 
 def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:

@@ -484,8 +484,8 @@ class Aliased:
 
 
 def test_a_call_through_a_local_bound_once_to_what_a_class_or_an_annotated_function_makes_calls_its_method() -> None:
-    """click's `ctx = get_current_context()` then `ctx.invoke(...)` (make_pass_decorator): a caller of
-    Context.invoke an agent tester counted and the lookups missed; `client = Client()` then `client.get()`."""
+    """`ctx = get_current_context()` then `ctx.invoke(...)`, as click's decorators call Context.invoke (inside
+    functions of their own: those nested locals are not read yet); `client = Client()` then `client.get()`."""
     from ontofabric.services.ingest.graph import python_calls
 
     sources = {

@@ -627,7 +627,8 @@ def python_calls(
                 return None
             named = resolver.named_symbol(module, kind)
             return named if named in classes else None
-        head = _leftmost(call.func)
+        written = _dotted(call.func)  # the callee as written; None for one computed (`super().x`, `f()()`)
+        head = written.partition(".")[0] if written is not None else None
         if head is not None and head in local and head not in typed and head not in ("self", "cls"):
             return None
         target = callee(module, call.func, owner, typed)
@@ -645,19 +646,21 @@ def python_calls(
                 shadowed = _local_names(function) if function is not None else set()
                 # A name the method's class defines (a nested class) is that one, not the module's (a review's).
                 own = classes[owner].bound if owner in classes else frozenset()
-                typed = {
-                    name: named
-                    for name, annotation in (_annotated_parameters(function) if function is not None else {}).items()
-                    if not (isinstance(annotation, ast.Name) and annotation.id in own)
-                    and (named := resolver.named_symbol(module, annotation)) in classes
-                }
-                # And a local bound once, to what a class's call makes or a function annotated to return one of the
-                # tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so itself.
-                local = (shadowed | _bound_otherwise(function)) if function is not None else set()
-                for name, value in (_assigned_once(function) if function is not None else {}).items():
-                    made = made_by(module, value, owner, typed, own, local)
-                    if made is not None:
-                        typed[name] = made
+                typed: dict[str, str] = {}
+                if function is not None:
+                    otherwise = _bound_otherwise(function)  # read once: the parameters' and the locals' checks
+                    typed = {
+                        name: named
+                        for name, annotation in _annotated_parameters(function, otherwise).items()
+                        if not (isinstance(annotation, ast.Name) and annotation.id in own)
+                        and (named := resolver.named_symbol(module, annotation)) in classes
+                    }
+                    # And a local bound once, to what a class's call makes or a function annotated to return one of
+                    # the tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so.
+                    for name, value in _assigned_once(function, otherwise).items():
+                        made = made_by(module, value, owner, typed, own, shadowed | otherwise)
+                        if made is not None:
+                            typed[name] = made
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
                 # they call (a review's).
                 outside = {id(n) for root in _run_outside(function) for n in ast.walk(root)} if function else set()
@@ -671,13 +674,13 @@ def python_calls(
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
 
 
-def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
+def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> dict[str, ast.expr]:
     """Each parameter of ``function`` annotated with one type (``ctx: Context``, ``"Context"``,
     ``Optional[Context]``, ``Context | None``) that nothing inside the function binds again, with that type's
     expression: what a call through it (``ctx.invoke()``) calls. An agent tester's callers of click's
     ``Context.invoke`` missed ``Command.invoke`` and ``Group.invoke``, which call it through their ``ctx: Context``."""
     arguments = function.args
-    rebound = _bound_inside(function)
+    rebound = _bound_inside(function, otherwise)
     typed = {}
     for argument in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]:
         annotation = _one_type(argument.annotation)
@@ -686,7 +689,7 @@ def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> d
     return typed
 
 
-def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
+def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> dict[str, ast.expr]:
     """Each name bound once in ``function``'s own scope and nowhere else in it (no parameter of it, no binding in
     a function or class nested in it, no ``global`` or ``nonlocal``, no other kind of binding), by ``name =
     <call>`` (or ``name = await <call>``), or by ``name: T = ...``: the call, or the annotation. A review found
@@ -706,7 +709,7 @@ def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str
         n.id for node in ast.walk(function) if node is not function and isinstance(node, _SCOPES)
         for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)
     }  # fmt: skip
-    once = {name for name, count in counts.items() if count == 1} - parameters - _bound_otherwise(function)
+    once = {name for name, count in counts.items() if count == 1} - parameters - otherwise
     once -= nested | declared
     assigned: dict[str, ast.expr] = {}
     for node in own:
@@ -739,14 +742,6 @@ def _own_scope(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast
             pending.extend(ast.iter_child_nodes(node))
 
 
-def _leftmost(func: ast.expr) -> str | None:
-    """The name a call's callee starts from (``make`` of ``make()``, ``ctx`` of ``ctx.child()``); None for one
-    that starts from anything else (``super().x()``, ``f()()``)."""
-    while isinstance(func, ast.Attribute):
-        func = func.value
-    return func.id if isinstance(func, ast.Name) else None
-
-
 def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """The names bound inside ``function`` other than by a name's store: ``except ... as``, imports, ``match``
     captures, nested definitions and their parameters."""
@@ -766,11 +761,11 @@ def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[st
     return bound
 
 
-def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """The names anything inside ``function`` binds, its own parameters apart: assignments and what
-    :func:`_bound_otherwise` reads (a review's list of false callers)."""
+def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> set[str]:
+    """The names anything inside ``function`` binds, its own parameters apart: assignments and ``otherwise``, what
+    :func:`_bound_otherwise` read of it (a review's list of false callers)."""
     stored = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)}
-    return stored | _bound_otherwise(function)
+    return stored | otherwise
 
 
 def _one_type(annotation: ast.expr | None) -> ast.expr | None:

@@ -691,7 +691,8 @@ def query(
     ] = True,
     symbol_kind: Annotated[str | None, typer.Option(help="Only symbols of this kind (class, function, ...).")] = None,
     min_relevance: Annotated[
-        float | None, typer.Option(help="Only results scoring at least this (0 to 1; see the contract's score).")
+        float | None,
+        typer.Option(min=0.0, max=1.0, help="Only results scoring at least this (0 to 1; see the contract's score)."),
     ] = None,
     follow_links: Annotated[bool, typer.Option(help="Attach the types one link away from the top hits.")] = False,
     related_to: Annotated[

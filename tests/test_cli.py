@@ -866,3 +866,16 @@ async def test_an_ingest_that_cannot_read_its_dead_letters_says_so_and_exits_1(
     assert exited.value.exit_code == 1
     said = " ".join(capsys.readouterr().err.split())
     assert "whether a projector set any aside could not be read: NATS went away" in said
+
+
+@pytest.mark.parametrize("value", ["2", "-0.1"])
+def test_a_min_relevance_outside_the_contract_is_a_usage_error(value: str) -> None:
+    """An operator tester's: `--min-relevance 2` went to a worker, which refused it (exit 1), where `--top-k 0` is a
+    usage error before anything is sent (exit 2); the contract bounds both."""
+    from typer.testing import CliRunner
+
+    from ontofabric.services import cli
+
+    result = CliRunner().invoke(cli.app, ["query", "x", "--min-relevance", value])
+    assert result.exit_code == 2, result.output
+    assert "--min-relevance" in result.output

@@ -117,7 +117,10 @@ class QueryOptions(StrictRequest):
         "case ignored after exact matches), or assigning it at their level (metadata.defines: a module's "
         "constant, a class's attribute, matched as written) first, each scoring 1 and found by 'symbol'. When the"
         " query is a file's path (pkg/util.py, docs/guide.md), that file's chunk or sections first, found by "
-        "'file'; with a line (pkg/util.py:120) or as a traceback's frame, the chunks holding it. When the"
+        "'file'; with a line (pkg/util.py:120) or as a traceback's frame, the chunks holding it. When the query "
+        "pastes an exception's or a logged line (ValueError: ..., the last line of a traceback, INFO: ...), the "
+        "code among the retrievers' leading candidates whose string literals write that message, its fields "
+        "filled in as the run did, first, found by 'message'. When the"
         " query asks one relation of one named symbol, put the chunks standing in it first, each scoring 1: its "
         "callers (what calls to_seconds, callers of Retrying.copy: the chunks whose metadata.calls names it) as "
         "'caller', what it calls (what does wraps call) as 'callee'; its subclasses (what subclasses wait_base: "
@@ -301,7 +304,8 @@ class FoundBy(WireModel):
         description="The retriever's name: dense, keyword, or another the deployment runs; symbol for a result "
         "whose symbolFqn the query named (_meta.exactSymbolMatches); file for a chunk of the file whose path the "
         "query is (a module's chunk, a document's sections; with a line, or as a traceback's frame, the chunks "
-        "holding it; _meta.exactSymbolMatches too); caller, callee, "
+        "holding it; _meta.exactSymbolMatches too); message for code whose string literals write the error or log "
+        "message the query pastes (_meta.exactSymbolMatches too); caller, callee, "
         "subclass, base, importer or imported for a result standing in the relation the query asked about to the "
         "symbol it named "
         "(_meta.relationMatches)."
@@ -545,8 +549,8 @@ class QueryMeta(WireModel):
     )
     exact_symbol_matches: int = Field(
         default=0,
-        description="Results placed first because the query is their symbol's name, or their file's path "
-        "(options.exactSymbols); their foundBy names 'symbol', or 'file'.",
+        description="Results placed first because the query is their symbol's name, or their file's path, or a "
+        "message their code writes (options.exactSymbols); their foundBy names 'symbol', 'file' or 'message'.",
     )
     relation_matches: int = Field(
         default=0,

@@ -397,7 +397,8 @@ class Settings(BaseSettings):
         default=True,
         description="A query that is one identifier (a name or dotted qualified name) gets the chunks defining a "
         "symbol of that name first (_meta.exactSymbolMatches), a query that is a file's path (with a line, or a "
-        "traceback's frame) that file's chunks, and a query asking one relation of one named symbol "
+        "traceback's frame) that file's chunks, a pasted exception's or logged line the code writing it, and a "
+        "query asking one relation of one named symbol "
         "(its callers or callees, subclasses or bases, importers or imports) those chunks (_meta.relationMatches); "
         "requests may turn it off (docs/quality.md).",
     )

@@ -27,6 +27,7 @@ from ontofabric.services.query.symbols import (
     FILE,
     IMPORTED,
     IMPORTER,
+    MESSAGE,
     SUBCLASS,
     SYMBOL,
     FileAsked,
@@ -849,3 +850,81 @@ async def test_a_member_a_class_inherits_is_found_through_its_base(
     missing = await ask("who calls Retrying.paste")
     assert missing.meta.relation is not None
     assert not missing.meta.relation.symbol_indexed
+
+
+ERRORS = {
+    "server.py": """
+        import logging
+
+        logger = logging.getLogger(__name__)
+
+
+        class Protocol:
+            def send(self, message):
+                message_type = message["type"]
+                if message_type != "http.response.start":
+                    raise RuntimeError(f"Expected ASGI message 'http.response.start', but got {message_type!r}.")
+
+            def start(self, port):
+                logger.info("Started server process [%d] on port %s", 1, port)
+
+
+        def connect(host, retries):
+            if retries < 0:
+                raise ValueError("retries must be a positive number, got {}".format(retries))
+            return host
+        """,
+    # Every word of the messages, many times over: what keyword search alone ranks first.
+    "notes.py": '''
+        def explain(message, server, process, port):
+            """Expected message types, the ASGI message the server process got, a message and a port and a
+            positive number of retries: each message is expected, started, and got; a message, a message."""
+            return [message, "expected", "ASGI message", "got", "but got", "message type", "server process",
+                    "started", "port", "positive number", "retries", "http.response.start", "message", "message"]
+        ''',
+}
+
+
+async def test_a_pasted_message_finds_the_code_writing_it_through_the_real_path(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """An agent pastes what the program printed; the code holds it as a template whose fields the run filled."""
+    await _projected(deployment, embedder, tmp_path / "errors", ERRORS, "errors")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+
+    async def ask(text: str, **params: object) -> QueryResponse:
+        reply = await client.query("errors", {"semanticQuery": text, "topK": 5, **params})
+        assert isinstance(reply, QueryResponse), reply
+        return reply
+
+    def placed(reply: QueryResponse) -> list[str]:
+        return [str(r.metadata.get("symbolFqn")) for r in reply.results if MESSAGE in {f.retriever for f in r.found_by}]
+
+    for text, writer in [
+        ("RuntimeError: Expected ASGI message 'http.response.start', but got 'http.response.body'.", "send"),
+        ("INFO:     Started server process [4242] on port 8000", "start"),
+        (
+            'Traceback (most recent call last):\n  File "/srv/app/errors/server.py", line 20, in connect\n'
+            "    raise ValueError(...)\nValueError: retries must be a positive number, got -1",
+            "connect",
+        ),
+    ]:
+        reply = await ask(text)
+        fqn = "errors.server.connect" if writer == "connect" else f"errors.server.Protocol.{writer}"
+        # The method alone: its class and module hold the same literal, and go into it.
+        assert placed(reply) == [fqn], (text, _names(reply))
+        assert (reply.results[0].score, reply.meta.exact_symbol_matches) == (1.0, 1), text
+        assert "exactMessage" in reply.meta.timings_ms
+        assert "writes the message asked" in render(reply), text
+    # A question about the message, a message no code writes, or the lookups turned off: nothing placed first.
+    for text, params in [
+        ("why do I get Expected ASGI message 'http.response.start'?", {}),
+        ("RuntimeError: Expected a websocket frame from the server process", {}),
+        (
+            "RuntimeError: Expected ASGI message 'http.response.start', but got 'x'.",
+            {"options": {"exactSymbols": False}},
+        ),
+    ]:
+        reply = await ask(text, **params)
+        assert (placed(reply), reply.meta.exact_symbol_matches) == ([], 0), (text, _names(reply))

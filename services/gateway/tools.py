@@ -43,6 +43,7 @@ from ontofabric.services.query.symbols import (
     FILE,
     IMPORTED,
     IMPORTER,
+    MESSAGE,
     SUBCLASS,
     SYMBOL,
     code_shaped,
@@ -535,6 +536,7 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
         + f" · score {result.score:.3f} · id {result.id}"
         + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
         + (" · of the file asked" if any(f.retriever == FILE for f in result.found_by) else "")
+        + (" · writes the message asked" if any(f.retriever == MESSAGE for f in result.found_by) else "")
         + assigned
         + "".join(f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING)
     )

@@ -60,12 +60,15 @@ from .core import (
 from .fusion import Fused, fuse
 from .graph import GraphCache, OntologyGraph, expand
 from .hints import reads_as_relationship_question, shape_of
+from .messages import MessageAsked, message_asked, message_order, raises, written_by
 from .run import QueryRun, milliseconds_since
 from .stages import (
+    CODE_LEVELS,
     Refinements,
     above_the_rest,
     code_before_its_docstring,
     collapse_nested,
+    holds,
     keyword_signals,
     late_interaction,
     options_of,
@@ -84,6 +87,7 @@ from .symbols import (
     CONSTRUCTORS,
     IMPORTED,
     IMPORTER,
+    MESSAGE,
     NAMED,
     RELATION_ASKED,
     RELATIONS,
@@ -115,6 +119,8 @@ COSINE_ONLY = (
 EMBED_RESERVE_S = 0.05
 REFILL_MAX = 50
 """The most candidates read to fill an answer that collapsing left short of topK."""
+MESSAGE_CANDIDATES = 50
+"""The leading candidates of each retriever whose code is read for a pasted message's template."""
 RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
@@ -287,6 +293,8 @@ class QueryPipeline:
                     definitions = await lookup
                 finally:
                     lookup.cancel()  # when no retriever could run, its snapshot is not held for nothing
+                if not definitions.symbols:
+                    definitions = await self._message_writers(run, scope, lists)
                 refinements = self._plan(run, lists, embedded)
                 fused, measured = await self._fuse(run, scope, lists, embedded)
                 fused, reserve = fused[: refinements.fused_limit], fused[refinements.fused_limit :]
@@ -579,6 +587,57 @@ class QueryPipeline:
                 )
             )
         return found
+
+    async def _message_writers(self, run: QueryRun, scope: Scope, lists: Mapping[str, Hits]) -> Definitions:
+        """When the query pastes an error or log message (``messages.message_asked``): the chunks of code among the
+        retrievers' leading candidates whose string literals write it (``messages.written_by``), the innermost of
+        those holding one another (the method, not its class and module, which hold the same literal)."""
+        asked = options_of(run.query).exact_symbols
+        if run.query.related_to is not None or not (self._config.exact_symbols if asked is None else asked):
+            return NO_DEFINITIONS
+        message = message_asked(run.text)
+        if message is None:
+            return NO_DEFINITIONS
+        # Keyword's first: the message's words are what it matches, the filled-in values aside.
+        named = sorted(lists, key=lambda retriever: retriever != KEYWORD)
+        ids = list(dict.fromkeys(c.id for n in named for c in lists[n].candidates[:MESSAGE_CANDIDATES]))
+        found = await run.guarded(
+            "exactMessage",
+            self._writers(scope, message, ids),
+            stage="exactMessage",
+            reserve_s=RETRIEVAL_RESERVE_S,
+        )
+        if found is None:
+            return NO_DEFINITIONS
+        run.read(found.version)
+        return found
+
+    async def _writers(self, scope: Scope, message: MessageAsked, ids: Sequence[str]) -> Definitions:
+        fetched = await self._documents.fetch(scope, ids)
+        code = {
+            doc_id: document
+            for doc_id, document in fetched.documents.items()
+            if document.metadata.get("chunkLevel") in CODE_LEVELS
+        }
+        # Tokenizing up to 50 chunks' code: in a thread, the loop serving others meanwhile.
+        shares = await asyncio.to_thread(
+            lambda: {doc_id: written_by(message.text, document.content) for doc_id, document in code.items()}
+        )
+        writing = {doc_id: share for doc_id, share in shares.items() if share > 0}
+        innermost = {
+            doc_id: share
+            for doc_id, share in writing.items()
+            if not any(other != doc_id and holds(code[doc_id], code[other]) for other in writing)
+        }
+        raised = message.raised
+        raising = {doc_id for doc_id in innermost if raised is not None and raises(code[doc_id].content, raised)}
+        return Definitions(
+            {doc_id: str(code[doc_id].metadata.get("symbolFqn") or code[doc_id].object_type) for doc_id in innermost},
+            fetched.version,
+            modules=frozenset(d for d in innermost if code[d].metadata.get("chunkLevel") == "file"),
+            found_by=MESSAGE,
+            distances=message_order(innermost, raising),
+        )
 
     async def _file_or_name(self, scope: Scope, asked: FileAsked, name: str | None) -> Definitions:
         """The file the query is the path of; when none is indexed and the path reads as a dotted name too

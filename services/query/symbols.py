@@ -34,7 +34,10 @@ what calls it, derives from it, imports it; what it calls, derives from, imports
 RELATIONS = frozenset({CALLER, SUBCLASS, IMPORTER, CALLEE, BASE, IMPORTED})
 FILE = "file"
 """What a chunk placed first because the query is its file's path goes by in ``foundBy``."""
-NAMED = frozenset({SYMBOL, FILE})
+MESSAGE = "message"
+"""What a chunk placed first because its code writes the error or log message the query pastes goes by in
+``foundBy`` (``messages.written_by``)."""
+NAMED = frozenset({SYMBOL, FILE, MESSAGE})
 """What results placed first because the query names them go by (``_meta.exactSymbolMatches``)."""
 PLACED_FIRST = RELATIONS | NAMED
 

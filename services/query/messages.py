@@ -1,0 +1,222 @@
+"""A pasted error or log message, and the code that writes it (pure).
+
+An agent debugging pastes what the program printed: ``RuntimeError: Expected ASGI message 'websocket.accept', but
+got 'http.response.start'.`` The code holds it as a template, ``f"Expected ASGI message 'websocket.accept', but got
+{message_type!r}."``: the words the run filled in are nowhere in the source, and the template's own words are
+common ones, so the retrievers alone rank the code raising it among others that share its words. Matching the
+message against the chunk's string literals, with a template's fields (f-string fields, ``%`` and ``str.format``
+ones) standing for whatever the run wrote there, tells the one that writes it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import re
+import tokenize
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+
+FIELD = "\x00"
+"""What a template's field becomes: text no message holds."""
+MIN_COVERED = 0.6
+"""The share of a message's characters a template must account for, in order, to be the message's."""
+MIN_COVERED_CHARS = 16
+"""And at least so many: two short words anywhere are no message."""
+MIN_RUN = 12
+"""A template's constant part counts when found whole in the message, or in a common run of at least this many
+characters (a message pasted in part, or a part whose end the run filled differently)."""
+MAX_MESSAGE_CHARS = 1_000
+"""A message past this is a paste of more than one; it is left to the retrievers."""
+MAX_SOURCE_CHARS = 200_000
+"""A chunk's source read for its literals, at most (a module's chunk is its whole file)."""
+
+# `RuntimeError: ...`, `click.exceptions.UsageError: ...`, `Error: ...` (click), `error: ...` (argparse), with the
+# exception's module or not.
+_RAISED = re.compile(
+    r"(?P<name>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Warning|Exit|Interrupt|Failure|Fault|Timeout)\w*"
+    r"|Error|error|Warning|warning|Fatal|fatal|FATAL))\s*:\s+(?P<message>\S.*)",
+    re.DOTALL,
+)
+# `INFO:     Started server process [12]`, `WARNING - x`, `[ERROR] x`, `2026-12-05 13:01:02,123 ERROR x`.
+_LOGGED = re.compile(
+    r"(?:\[?\d{4}-\d\d-\d\d[T ][\d:.,]+\]?\s+)?(?:\[\w+\]\s+)?\[?(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\]?"
+    r"(?:\s*[:\-|]\s*|\s+)(?:[\w.]+\s*[:\-|]\s+)?(?P<message>\S.*)",
+    re.DOTALL,
+)
+_FRAME_LINE = re.compile(r'\s*(?:File\s+"|Traceback\s+\(most recent call last\)|\^+\s*$|~+)')
+_QUESTION = re.compile(r"(?i)(?:what|why|how|where|when|which|who|does|do|is|are|can|should|could|explain)\b")
+_QUOTES = "`'\""
+
+
+@dataclass(frozen=True)
+class MessageAsked:
+    """The message a query pastes, and the exception it names (``RuntimeError``) where it names one."""
+
+    text: str
+    raised: str | None = None
+
+
+def message_asked(query: str) -> MessageAsked | None:
+    """The message a query is a paste of: an exception's line (``ValueError: ...``, the last line of a traceback
+    pasted whole or in part) or a logged line (``ERROR: ...``); None for anything else, a question about an error
+    included (``why does X raise ValueError: ...`` is asked of the retrievers)."""
+    lines = [line.rstrip() for line in query.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    if len(lines) > 1:
+        # A traceback's tail: its last line is the exception's; frames and the code lines under them are not.
+        unframed = [line for line in lines if not _FRAME_LINE.match(line) and not line.startswith((" ", "\t"))]
+        if not unframed:
+            return None
+        lines = unframed[-1:]
+    line = lines[0].strip()
+    if len(line) >= 2 and line[0] == line[-1] and line[0] in _QUOTES:
+        line = line[1:-1].strip()
+    if _QUESTION.match(line):
+        return None
+    raised = _RAISED.fullmatch(line)
+    if raised is not None:
+        name = raised["name"]
+        exception = name.rpartition(".")[2]
+        return _asked(raised["message"], exception if exception[:1].isupper() and exception != "Error" else None)
+    logged = _LOGGED.fullmatch(line)
+    if logged is not None:
+        return _asked(logged["message"], None)
+    return None
+
+
+def _asked(message: str, raised: str | None) -> MessageAsked | None:
+    text = " ".join(message.split())
+    if len(text) > MAX_MESSAGE_CHARS or len(text) < MIN_COVERED_CHARS:
+        return None
+    return MessageAsked(text, raised)
+
+
+def templates(source: str) -> list[str]:
+    """The string literals of a chunk's code that could write a message, each as a template: its fields as
+    :data:`FIELD`, adjacent literals joined (Python joins them), docstrings (a literal standing alone as a
+    statement) left out. Code that does not tokenize (a window of a long function) gives what its lines do."""
+    source = source[:MAX_SOURCE_CHARS]
+    found: list[str] = []
+    try:
+        for literal in _literals(source):
+            found.append(literal)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        found = [template for template in _line_literals(source)]
+    return [template for template in found if template.replace(FIELD, "").strip()]
+
+
+_STATEMENT_START = {tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+_SKIPPED = {tokenize.NL, tokenize.COMMENT}
+
+
+def _literals(source: str) -> Iterator[str]:
+    """The templates of the source's literals, by its tokens."""
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in _SKIPPED]
+    index = 0
+    while index < len(tokens):
+        if tokens[index].type != tokenize.STRING:
+            index += 1
+            continue
+        first = index
+        while index < len(tokens) and tokens[index].type == tokenize.STRING:
+            index += 1
+        before = tokens[first - 1].type if first else tokenize.NEWLINE
+        after = tokens[index].type if index < len(tokens) else tokenize.ENDMARKER
+        if before in _STATEMENT_START and after in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            continue  # a docstring, or a literal standing alone: no message is written with it
+        yield "".join(template_of(token.string) for token in tokens[first:index])
+
+
+_LINE_LITERAL = re.compile(r"""(?i)(?<![\w'"])([rbuf]{0,2})('(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*")""")
+
+
+def _line_literals(source: str) -> Iterator[str]:
+    """The one-line literals of code that does not tokenize."""
+    for match in _LINE_LITERAL.finditer(source):
+        yield template_of(match[1] + match[2])
+
+
+_PREFIX = re.compile(r"(?i)[rbuf]*")
+_FORMAT_FIELD = re.compile(r"\{\{|\}\}|\{[^{}]*\}")
+_PERCENT_FIELD = re.compile(r"%%|%(?:\([^)]*\))?[#0\- +]*(?:\d+|\*)?(?:\.(?:\d+|\*))?[hlL]?[diouxXeEfFgGcrsa]")
+_ESCAPE = re.compile(r"\\(?:\n|[nrt]|.)")
+
+
+def template_of(literal: str) -> str:
+    """A literal as written (``f"got {x!r}"``) as a template (``got \\x00``): quotes and prefix off, escapes read,
+    fields (f-string and ``str.format`` braces, ``%`` conversions) as :data:`FIELD`."""
+    prefix = _PREFIX.match(literal)
+    start = prefix.end() if prefix else 0
+    quote = literal[start : start + 3] if literal[start : start + 3] in ('"""', "'''") else literal[start : start + 1]
+    body = literal[start + len(quote) : len(literal) - len(quote)]
+    if "r" not in literal[:start].lower():
+        body = _ESCAPE.sub(_escaped, body)
+    # Braces are fields in f-strings and in strings str.format fills; a literal brace elsewhere is rare in a message.
+    body = _FORMAT_FIELD.sub(lambda m: m[0][0] if m[0] in ("{{", "}}") else FIELD, body)
+    body = _PERCENT_FIELD.sub(lambda m: "%" if m[0] == "%%" else FIELD, body)
+    return body
+
+
+def _escaped(match: re.Match[str]) -> str:
+    escape = match[0]
+    if escape in ("\\n", "\\r", "\\t", "\\\n"):
+        return " "
+    return escape[1:]
+
+
+def covered(message: str, template: str) -> int:
+    """How many of the message's characters the template's constant parts account for, in order: a part found
+    whole (three characters or more), or its longest common run with what is left of the message where that run
+    is :data:`MIN_RUN` characters or more. Case and runs of white space are ignored."""
+    text = " ".join(message.split()).casefold()
+    position, total = 0, 0
+    for part in template.split(FIELD):
+        part = " ".join(part.split()).casefold()
+        if len(part) < 3:
+            continue
+        found = text.find(part, position)
+        if found >= 0:
+            total += len(part)
+            position = found + len(part)
+            continue
+        if len(part) < MIN_RUN:
+            continue
+        run = difflib.SequenceMatcher(None, text, part, autojunk=False).find_longest_match(
+            position, len(text), 0, len(part)
+        )
+        if run.size >= MIN_RUN:
+            total += run.size
+            position = run.a + run.size
+    return total
+
+
+def written_by(message: str, source: str) -> float:
+    """The share of the message (0 to 1) the source's best template accounts for; 0 when that is less than
+    :data:`MIN_COVERED` or :data:`MIN_COVERED_CHARS`: the source does not write this message."""
+    length = len(" ".join(message.split()))
+    if not length:
+        return 0.0
+    best = max((covered(message, template) for template in templates(source)), default=0)
+    if best < MIN_COVERED_CHARS or best < MIN_COVERED * length:
+        return 0.0
+    return min(1.0, best / length)
+
+
+SHARE_STEPS = 20
+"""Shares of a message within one twentieth of each other are one tier: the pipeline's order decides among them."""
+
+
+def message_order(shares: Mapping[str, float], raising: Collection[str] = ()) -> dict[str, int]:
+    """Each chunk's place among those writing the message (lower first), as ``symbols.related_first`` reads
+    distances: the larger share of the message first, then those raising the exception the paste names
+    (``raising``)."""
+    return {
+        doc_id: 2 * round((1.0 - share) * SHARE_STEPS) + (doc_id not in raising) for doc_id, share in shares.items()
+    }
+
+
+def raises(source: str, exception: str) -> bool:
+    """Whether the source raises (or makes) the exception by that name: ``raise ValueError(``, ``ValueError(``."""
+    return re.search(rf"(?<![\w.]){re.escape(exception)}\s*\(|\.{re.escape(exception)}\s*\(", source) is not None

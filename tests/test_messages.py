@@ -1,0 +1,134 @@
+"""A pasted error or log message against the templates of a chunk's string literals (pure)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from ontofabric.services.query.messages import (
+    FIELD,
+    MessageAsked,
+    covered,
+    message_asked,
+    message_order,
+    raises,
+    template_of,
+    templates,
+    written_by,
+)
+
+SENDER = textwrap.dedent(
+    '''
+    async def send(self, message):
+        """Send a message: raises RuntimeError, "Expected a message", when out of order."""
+        message_type = message["type"]
+        if message_type != "websocket.accept":
+            raise RuntimeError(
+                f"Expected ASGI message 'websocket.accept', but got {message_type!r}."
+            )
+        logger.info("Started server process [%d]", os.getpid())
+        raise UsageError(_("Got unexpected extra argument ({args})").format(args=" ".join(rest)))
+        raise ValueError(
+            "a timeout must be a number of seconds, "  # joined, as Python joins them
+            "not %(kind)s" % {"kind": kind}
+        )
+    '''
+)
+
+
+@pytest.mark.parametrize(
+    ("query", "asked"),
+    [
+        (
+            "RuntimeError: Expected ASGI message 'websocket.accept', but got 'http.response.start'.",
+            MessageAsked("Expected ASGI message 'websocket.accept', but got 'http.response.start'.", "RuntimeError"),
+        ),
+        # With its module, in backticks, and the generic prefixes click and argparse print.
+        (
+            "`click.exceptions.UsageError: No such option: --colour`",
+            MessageAsked("No such option: --colour", "UsageError"),
+        ),
+        ("Error: No such option: --colour", MessageAsked("No such option: --colour")),
+        ("error: argument --port: invalid int value: 'x'", MessageAsked("argument --port: invalid int value: 'x'")),
+        # Logged lines, with a level as the logging module and uvicorn print it.
+        ("INFO:     Started server process [4021]", MessageAsked("Started server process [4021]")),
+        (
+            "2026-12-05 13:01:02,123 WARNING app.db: pool exhausted after 30 s",
+            MessageAsked("pool exhausted after 30 s"),
+        ),
+        # A traceback's tail: its last line is the exception's, frames and code lines are not.
+        (
+            'Traceback (most recent call last):\n  File "app.py", line 3, in <module>\n    main()\n'
+            "ValueError: a timeout must be a number of seconds, not str",
+            MessageAsked("a timeout must be a number of seconds, not str", "ValueError"),
+        ),
+        # Not a paste: a question about an error, a word alone, a phrase, too short a message.
+        ("why does RuntimeError: Expected ASGI message happen", None),
+        ("how do I read a websocket message", None),
+        ("Expected ASGI message 'websocket.accept', but got 'http.response.start'.", None),
+        ("ValueError: bad", None),
+        ("ValueError", None),
+        ("", None),
+    ],
+)
+def test_message_asked_takes_an_exceptions_or_a_logged_line(query: str, asked: MessageAsked | None) -> None:
+    assert message_asked(query) == asked
+
+
+def test_templates_are_the_codes_literals_with_fields_and_without_docstrings() -> None:
+    found = templates(SENDER)
+    assert f"Expected ASGI message 'websocket.accept', but got {FIELD}." in found
+    assert f"Started server process [{FIELD}]" in found
+    assert f"Got unexpected extra argument ({FIELD})" in found
+    assert f"a timeout must be a number of seconds, not {FIELD}" in found  # two literals, joined
+    assert not any("out of order" in template for template in found)  # the docstring
+    # Code that does not tokenize (a window cut inside a string) still gives its one-line literals.
+    cut = 'x = """never closed\n    raise KeyError("no such key: %r" % key)\n'
+    assert f"no such key: {FIELD}" in templates(cut)
+
+
+@pytest.mark.parametrize(
+    ("literal", "template"),
+    [
+        ("f'got {x!r} and {{braces}}'", f"got {FIELD} and {{braces}}"),
+        ('"%(name)s is %.2f%% done"', f"{FIELD} is {FIELD}% done"),
+        ('r"\\d+ {0:>4}"', f"\\d+ {FIELD}"),
+        ('"""two\\nlines"""', "two lines"),
+        ("b'bytes \\'quoted\\''", "bytes 'quoted'"),
+    ],
+)
+def test_template_of_reads_a_literal_as_written(literal: str, template: str) -> None:
+    assert template_of(literal) == template
+
+
+def test_covered_counts_the_constant_parts_found_in_order() -> None:
+    template = f"Expected ASGI message 'websocket.accept', but got {FIELD}."
+    message = "Expected ASGI message 'websocket.accept', but got 'http.response.start'."
+    assert covered(message, template) == len("Expected ASGI message 'websocket.accept', but got")  # spaces at ends
+    assert covered(message.upper(), template) == covered(message, template)  # case and spaces aside
+    # Out of order, a part counts once the one before it is found.
+    assert covered("but got x. Expected ASGI message", f"Expected ASGI message {FIELD} but got {FIELD}.") == len(
+        "Expected ASGI message"
+    )
+    # A message pasted in part: a long common run of a longer part counts.
+    assert covered("a timeout must be a number", f"a timeout must be a number of seconds, not {FIELD}") == 26
+
+
+def test_written_by_needs_most_of_the_message() -> None:
+    assert written_by("Expected ASGI message 'websocket.accept', but got 'http.response.start'.", SENDER) > 0.6
+    assert written_by("Started server process [4021]", SENDER) == pytest.approx(24 / 29)
+    assert written_by("Got unexpected extra argument (a b)", SENDER) > 0.8
+    # The same words elsewhere, or a few of them: no.
+    assert written_by("Expected a websocket message, got nothing at all in this server process", SENDER) == 0.0
+    assert written_by("server process started", SENDER) == 0.0
+    assert written_by("anything", "x = 1") == 0.0
+
+
+def test_message_order_puts_the_larger_share_then_the_raiser_first() -> None:
+    order = message_order({"a": 0.7, "b": 0.9, "c": 0.71, "d": 0.7}, raising={"d"})
+    assert sorted(order, key=lambda doc_id: (order[doc_id], doc_id)) == ["b", "d", "a", "c"]
+    assert raises(SENDER, "RuntimeError")
+    assert raises("raise errors.UsageError(x)", "UsageError")
+    assert not raises("except RuntimeError:", "RuntimeError")
+    assert not raises("MyRuntimeError(x)", "RuntimeError")

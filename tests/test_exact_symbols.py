@@ -237,6 +237,11 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("calls to sleep", (CALLER, "sleep")),
         ("calls made by sleep", (CALLEE, "sleep")),
         ("calls of sleep", None),  # which way is unclear
+        # Raising an exception calls its class: an agent tester's "where is X raised" had X's definition first.
+        ("what raises WebSocketDisconnect", (CALLER, "WebSocketDisconnect")),
+        ("which functions raise HTTPException?", (CALLER, "HTTPException")),
+        ("where is starlette.exceptions.HTTPException raised", (CALLER, "starlette.exceptions.HTTPException")),
+        ("where does ClientDisconnect get thrown from?", (CALLER, "ClientDisconnect")),
         ("to_seconds", None),
     ],
 )
@@ -872,7 +877,13 @@ ERRORS = {
         def connect(host, retries):
             if retries < 0:
                 raise ValueError("retries must be a positive number, got {}".format(retries))
+            if not host:
+                raise Unreachable(host)
             return host
+
+
+        class Unreachable(Exception):
+            pass
         """,
     # Every word of the messages, many times over: what keyword search alone ranks first.
     "notes.py": '''
@@ -917,10 +928,18 @@ async def test_a_pasted_message_finds_the_code_writing_it_through_the_real_path(
         assert (reply.results[0].score, reply.meta.exact_symbol_matches) == (1.0, 1), text
         assert "exactMessage" in reply.meta.timings_ms
         assert "writes the message asked" in render(reply), text
+    # What raises an exception: what calls its class, said so in the text.
+    raisers = await ask("where is Unreachable raised?")
+    assert [r.metadata.get("symbolFqn") for r in raisers.results][:1] == ["errors.server.connect"]
+    assert raisers.meta.relation is not None
+    assert raisers.meta.relation.relation == "callers"
+    notes = answer_notes(raisers, {"semanticQuery": "where is Unreachable raised?"})
+    assert any("is read as what calls it" in note for note in notes), notes
     # A question about the message, a message no code writes, or the lookups turned off: nothing placed first.
     for text, params in [
         ("why do I get Expected ASGI message 'http.response.start'?", {}),
         ("RuntimeError: Expected a websocket frame from the server process", {}),
+        ("why do I get RuntimeError: Expected ASGI message 'http.response.start', but got 'x'.", {}),
         (
             "RuntimeError: Expected ASGI message 'http.response.start', but got 'x'.",
             {"options": {"exactSymbols": False}},

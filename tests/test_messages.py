@@ -13,6 +13,7 @@ from ontofabric.services.query.messages import (
     message_asked,
     message_order,
     raises,
+    share_written,
     template_of,
     templates,
     written_by,
@@ -63,11 +64,24 @@ SENDER = textwrap.dedent(
             "ValueError: a timeout must be a number of seconds, not str",
             MessageAsked("a timeout must be a number of seconds, not str", "ValueError"),
         ),
+        # Any exception's name in a traceback; alone, one of two capitalised parts or more.
+        (
+            'Traceback (most recent call last):\n  File "app.py", line 3, in <module>\n'
+            "starlette.websockets.WebSocketDisconnected: WebSocket is not connected.",
+            MessageAsked("WebSocket is not connected.", "WebSocketDisconnected"),
+        ),
+        (
+            "MalformedRangeHeader: Range header: start must be less than end",
+            MessageAsked("Range header: start must be less than end", "MalformedRangeHeader"),
+        ),
+        ("Note: the cache is kept for a day", None),
         # Not a paste: a question about an error, a word alone, a phrase, too short a message.
         ("why does RuntimeError: Expected ASGI message happen", None),
         ("how do I read a websocket message", None),
         ("Expected ASGI message 'websocket.accept', but got 'http.response.start'.", None),
+        ("RuntimeError: Stream consumed", MessageAsked("Stream consumed", "RuntimeError")),
         ("ValueError: bad", None),
+        ("ValueError: unreadable", None),
         ("ValueError", None),
         ("", None),
     ],
@@ -82,6 +96,7 @@ def test_templates_are_the_codes_literals_with_fields_and_without_docstrings() -
     assert f"Started server process [{FIELD}]" in found
     assert f"Got unexpected extra argument ({FIELD})" in found
     assert f"a timeout must be a number of seconds, not {FIELD}" in found  # two literals, joined
+    assert "one and two" in templates('x = f("one " + "and two")')  # added too
     assert not any("out of order" in template for template in found)  # the docstring
     # Code that does not tokenize (a window cut inside a string) still gives its one-line literals.
     cut = 'x = """never closed\n    raise KeyError("no such key: %r" % key)\n'
@@ -105,14 +120,29 @@ def test_template_of_reads_a_literal_as_written(literal: str, template: str) -> 
 def test_covered_counts_the_constant_parts_found_in_order() -> None:
     template = f"Expected ASGI message 'websocket.accept', but got {FIELD}."
     message = "Expected ASGI message 'websocket.accept', but got 'http.response.start'."
-    assert covered(message, template) == len("Expected ASGI message 'websocket.accept', but got")  # spaces at ends
+    own = len("Expected ASGI message 'websocket.accept', but got")  # spaces at the ends aside; "." too short
+    assert covered(message, template) == (own, own)
     assert covered(message.upper(), template) == covered(message, template)  # case and spaces aside
     # Out of order, a part counts once the one before it is found.
-    assert covered("but got x. Expected ASGI message", f"Expected ASGI message {FIELD} but got {FIELD}.") == len(
-        "Expected ASGI message"
+    assert covered("but got x. Expected ASGI message", f"Expected ASGI message {FIELD} but got {FIELD}.") == (
+        len("Expected ASGI message"),
+        len("Expected ASGI message") + len("but got"),
     )
     # A message pasted in part: a long common run of a longer part counts.
-    assert covered("a timeout must be a number", f"a timeout must be a number of seconds, not {FIELD}") == 26
+    assert covered("a timeout must be a number", f"a timeout must be a number of seconds, not {FIELD}")[0] == 26
+
+
+def test_share_written_needs_most_of_the_message_or_all_of_the_template() -> None:
+    template = f"File at path {FIELD} does not exist."
+    # Long values filled in: the template's text is there whole, a third of the message.
+    assert share_written("File at path /var/www/static/images/logo.png does not exist.", template) > 0.4
+    assert share_written("File at path x does not exist", f"{template} Try {FIELD} or {FIELD} instead.") > 0.8
+    long_value = "Could not load the settings from /etc/app/production/config.toml, the disk being full"
+    assert share_written(long_value, f"Could not load {FIELD}") == 0.0  # all of a short template, little of it
+    # Short: all of the message, all of the template; or not enough of either.
+    assert share_written("Stream consumed", "Stream consumed") == 1.0
+    assert share_written("Stream consumed again", "Stream consumed") == 0.0
+    assert share_written("the stream was consumed", f"{FIELD} was consumed") == 0.0
 
 
 def test_written_by_needs_most_of_the_message() -> None:

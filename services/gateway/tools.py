@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -359,6 +360,7 @@ def render_error(reply: ErrorReply) -> str:
     return "\n".join(lines)
 
 
+_RAISING = re.compile(r"\b(?:raise[sd]?|throw[sn]?)\b", re.IGNORECASE)
 STANDING = {
     CALLER: "calls",
     CALLEE: "is called by",
@@ -489,6 +491,11 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
             relation += " (imports are read between modules: for a class or function, ask what calls it)"
         notes.append(relation + (": these are search results" if reply.results else ""))
+    if asked is not None and asked.relation == "callers" and _RAISING.search(str(arguments.get("semanticQuery", ""))):
+        notes.append(  # an agent tester's "what raises X" had the class's definition first
+            f"what raises {asked.symbol!r} is read as what calls it: raise {asked.symbol}(...) calls the class "
+            f"(a bare raise {asked.symbol} is not read)"
+        )
     if asked is not None and meta.relation_matches and asked.relation in ("callers", "callees"):
         # An agent tester read a lone caller at 1.0 as the whole list: Context.invoke has four, three through ctx.
         notes.append(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import io
+import itertools
 import re
 import tokenize
 from collections.abc import Collection, Iterator, Mapping
@@ -20,9 +21,16 @@ from dataclasses import dataclass
 FIELD = "\x00"
 """What a template's field becomes: text no message holds."""
 MIN_COVERED = 0.6
-"""The share of a message's characters a template must account for, in order, to be the message's."""
+"""The share of a message's characters a template must account for, in order, to be the message's; or
+:data:`MIN_COVERED_WHOLE_TEMPLATE` where the template's own text is in the message nearly whole (long values filled
+in: ``File at path /var/www/static/logo.png does not exist.``)."""
+MIN_COVERED_WHOLE_TEMPLATE = 0.3
+WHOLE_TEMPLATE = 0.9
+"""A template's own text found to this share is in the message whole (a few characters of punctuation aside)."""
 MIN_COVERED_CHARS = 16
-"""And at least so many: two short words anywhere are no message."""
+"""And at least so many characters: two short words anywhere are no message; but a message that is all of a
+template's text (``Stream consumed``) may be as short as :data:`MIN_MESSAGE_CHARS`."""
+MIN_MESSAGE_CHARS = 10
 MIN_RUN = 12
 """A template's constant part counts when found whole in the message, or in a common run of at least this many
 characters (a message pasted in part, or a part whose end the run filled differently)."""
@@ -30,14 +38,20 @@ MAX_MESSAGE_CHARS = 1_000
 """A message past this is a paste of more than one; it is left to the retrievers."""
 MAX_SOURCE_CHARS = 200_000
 """A chunk's source read for its literals, at most (a module's chunk is its whole file)."""
+WHOLE_READ_CHARS = 16_000
+"""A source longer than this (a module's chunk, a large class) is read for its literals only on the lines holding
+two of the message's words in a row: tokenizing a whole file costs tens of milliseconds, and its functions, read
+whole as chunks of their own, are where a message is written."""
 
-# `RuntimeError: ...`, `click.exceptions.UsageError: ...`, `Error: ...` (click), `error: ...` (argparse), with the
-# exception's module or not.
+# `RuntimeError: ...`, `click.exceptions.UsageError: ...`, `MalformedRangeHeader: ...` (a name of two capitalised
+# parts or more), `Error: ...` (click), `error: ...` (argparse), with the exception's module or not.
 _RAISED = re.compile(
     r"(?P<name>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Warning|Exit|Interrupt|Failure|Fault|Timeout)\w*"
-    r"|Error|error|Warning|warning|Fatal|fatal|FATAL))\s*:\s+(?P<message>\S.*)",
+    r"|[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+|Error|error|Warning|warning|Fatal|fatal|FATAL))\s*:\s+(?P<message>\S.*)",
     re.DOTALL,
 )
+# A traceback's last line: whatever the exception's name.
+_TRACED = re.compile(r"(?P<name>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\s*:\s+(?P<message>\S.*)", re.DOTALL)
 # `INFO:     Started server process [12]`, `WARNING - x`, `[ERROR] x`, `2026-12-05 13:01:02,123 ERROR x`.
 _LOGGED = re.compile(
     r"(?:\[?\d{4}-\d\d-\d\d[T ][\d:.,]+\]?\s+)?(?:\[\w+\]\s+)?\[?(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\]?"
@@ -64,6 +78,7 @@ def message_asked(query: str) -> MessageAsked | None:
     lines = [line.rstrip() for line in query.strip().splitlines() if line.strip()]
     if not lines:
         return None
+    traced = any(_FRAME_LINE.match(line) for line in lines)
     if len(lines) > 1:
         # A traceback's tail: its last line is the exception's; frames and the code lines under them are not.
         unframed = [line for line in lines if not _FRAME_LINE.match(line) and not line.startswith((" ", "\t"))]
@@ -75,7 +90,7 @@ def message_asked(query: str) -> MessageAsked | None:
         line = line[1:-1].strip()
     if _QUESTION.match(line):
         return None
-    raised = _RAISED.fullmatch(line)
+    raised = (_TRACED if traced else _RAISED).fullmatch(line)
     if raised is not None:
         name = raised["name"]
         exception = name.rpartition(".")[2]
@@ -88,7 +103,7 @@ def message_asked(query: str) -> MessageAsked | None:
 
 def _asked(message: str, raised: str | None) -> MessageAsked | None:
     text = " ".join(message.split())
-    if len(text) > MAX_MESSAGE_CHARS or len(text) < MIN_COVERED_CHARS:
+    if len(text) > MAX_MESSAGE_CHARS or len(text) < MIN_MESSAGE_CHARS or " " not in text:
         return None
     return MessageAsked(text, raised)
 
@@ -119,14 +134,28 @@ def _literals(source: str) -> Iterator[str]:
         if tokens[index].type != tokenize.STRING:
             index += 1
             continue
-        first = index
+        first, joined = index, []
+        # Adjacent literals, and literals added together ("... " + "..."), are one text.
         while index < len(tokens) and tokens[index].type == tokenize.STRING:
+            joined.append(tokens[index].string)
             index += 1
+            if _added_literal(tokens, index):
+                index += 1
         before = tokens[first - 1].type if first else tokenize.NEWLINE
         after = tokens[index].type if index < len(tokens) else tokenize.ENDMARKER
-        if before in _STATEMENT_START and after in (tokenize.NEWLINE, tokenize.ENDMARKER):
+        if before in _STATEMENT_START and after in (tokenize.NEWLINE, tokenize.ENDMARKER) and len(joined) == 1:
             continue  # a docstring, or a literal standing alone: no message is written with it
-        yield "".join(template_of(token.string) for token in tokens[first:index])
+        yield "".join(template_of(literal) for literal in joined)
+
+
+def _added_literal(tokens: list[tokenize.TokenInfo], index: int) -> bool:
+    """Whether ``+`` and a literal follow."""
+    return (
+        index + 1 < len(tokens)
+        and tokens[index].type == tokenize.OP
+        and tokens[index].string == "+"
+        and tokens[index + 1].type == tokenize.STRING
+    )
 
 
 _LINE_LITERAL = re.compile(r"""(?i)(?<![\w'"])([rbuf]{0,2})('(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*")""")
@@ -166,16 +195,18 @@ def _escaped(match: re.Match[str]) -> str:
     return escape[1:]
 
 
-def covered(message: str, template: str) -> int:
+def covered(message: str, template: str) -> tuple[int, int]:
     """How many of the message's characters the template's constant parts account for, in order: a part found
     whole (three characters or more), or its longest common run with what is left of the message where that run
-    is :data:`MIN_RUN` characters or more. Case and runs of white space are ignored."""
+    is :data:`MIN_RUN` characters or more; and how many characters those parts hold. Case and runs of white space
+    are ignored."""
     text = " ".join(message.split()).casefold()
-    position, total = 0, 0
+    position, total, own = 0, 0, 0
     for part in template.split(FIELD):
         part = " ".join(part.split()).casefold()
         if len(part) < 3:
             continue
+        own += len(part)
         found = text.find(part, position)
         if found >= 0:
             total += len(part)
@@ -189,19 +220,69 @@ def covered(message: str, template: str) -> int:
         if run.size >= MIN_RUN:
             total += run.size
             position = run.a + run.size
-    return total
+    return total, own
+
+
+def share_written(message: str, template: str) -> float:
+    """The share of the message (0 to 1) the template accounts for (:func:`covered`), or 0 when that does not
+    make it the message's: less than :data:`MIN_COVERED` of it, or :data:`MIN_COVERED_WHOLE_TEMPLATE` where the
+    template's own text is there nearly whole; fewer than :data:`MIN_COVERED_CHARS` characters unless the message
+    is all of the template's text."""
+    length = len(" ".join(message.split()))
+    found, own = covered(message, template)
+    if not length or not found:
+        return 0.0
+    share = found / length
+    whole = found >= WHOLE_TEMPLATE * own
+    if found < MIN_COVERED_CHARS and not (whole and share >= WHOLE_TEMPLATE):
+        return 0.0
+    if share < MIN_COVERED and not (whole and share >= MIN_COVERED_WHOLE_TEMPLATE):
+        return 0.0
+    return min(1.0, share)
+
+
+COMMON_WORDS = frozenset(
+    "a an the is are was were be been not no to of in on at by for from with and or as it its this that if can "  # noqa: SIM905
+    "cannot must should will has have had do does".split()
+)
+"""Words in most code's text: two of them in a row (``is not``, ``must be``) tell no source apart."""
 
 
 def written_by(message: str, source: str) -> float:
-    """The share of the message (0 to 1) the source's best template accounts for; 0 when that is less than
-    :data:`MIN_COVERED` or :data:`MIN_COVERED_CHARS`: the source does not write this message."""
-    length = len(" ".join(message.split()))
-    if not length:
+    """The share of the message (0 to 1) the source's best template accounts for (:func:`share_written`); 0: the
+    source does not write this message. A source holding no two of the message's words in a row, one of them not
+    a :data:`COMMON_WORDS`, is not read: the template's own text holds such a pair."""
+    words = " ".join(message.split()).casefold().split(" ")
+    pairs = [pair for pair in itertools.pairwise(words) if not COMMON_WORDS.issuperset(pair)]
+    if not pairs and len(words) > 1:
+        pairs = list(itertools.pairwise(words))
+    source = source[:MAX_SOURCE_CHARS]
+    folded = source.casefold()
+    if len(folded) != len(source):  # a character folding to several: lines found by the folded text's own
+        source = folded
+    found_at = [at for pair in pairs for at in _places(folded, " ".join(pair))]
+    if not found_at:
         return 0.0
-    best = max((covered(message, template) for template in templates(source)), default=0)
-    if best < MIN_COVERED_CHARS or best < MIN_COVERED * length:
-        return 0.0
-    return min(1.0, best / length)
+    if len(source) > WHOLE_READ_CHARS:
+        lines = {(source.rfind("\n", 0, at) + 1, _line_end(source, at)) for at in found_at}
+        text = "\n".join(source[start:end] for start, end in sorted(lines))
+        found = [template for template in _line_literals(text) if template.replace(FIELD, "").strip()]
+    else:
+        found = templates(source)
+    return max((share_written(message, template) for template in found), default=0.0)
+
+
+def _places(text: str, part: str) -> Iterator[int]:
+    """Where ``part`` starts in ``text``, each place."""
+    at = text.find(part)
+    while at >= 0:
+        yield at
+        at = text.find(part, at + 1)
+
+
+def _line_end(text: str, at: int) -> int:
+    end = text.find("\n", at)
+    return len(text) if end < 0 else end
 
 
 SHARE_STEPS = 20

@@ -294,6 +294,9 @@ _RELATION_QUESTIONS = [
         (CALLER, rf"where\s+(?:is|are)\s+{_THE}\s+(?:called|used|invoked|instantiated)(?:\s+from)?"),
         (CALLER, rf"{_LISTED}(?:functions|methods|code){_THAT}\s+(?:calls?|invokes?|uses?)\s+{_THE}"),
         (CALLER, rf"{_THE}\s+(?:callers|call\s+sites|usages)"),
+        # what raises E / where is E raised: raising an exception calls its class (raise E(...)), so its callers
+        (CALLER, rf"{_ASKED}\s+(?:raises?|throws?)\s+{_THE}"),
+        (CALLER, rf"where\s+(?:is|are|does|do)\s+{_THE}\s+(?:get\s+)?(?:raised|thrown)(?:\s+from)?"),
         # what subclasses C / which classes inherit from C / implementations of C / classes that extend C
         (SUBCLASS, rf"{_ASKED}\s+(?:subclass(?:es)?|extends?|inherits?\s+from|derives?\s+from|implements?)\s+{_THE}"),
         (

@@ -659,6 +659,40 @@ def test_a_bare_decorator_calls_what_it_names() -> None:
     }
 
 
+def test_a_bare_raise_of_a_class_calls_it() -> None:
+    """An agent tester's "what raises FrameTooLargeError" found none: uvicorn raises it bare, which makes one as
+    ``raise FrameTooLargeError()`` does. An exception held in a variable is no class of the tree."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/errors.py": "class TooLarge(Exception): ...\nclass Closed(Exception): ...\n",
+        "pkg/use.py": textwrap.dedent(
+            """
+            from pkg import errors
+            from pkg.errors import TooLarge
+
+            def extend(data):
+                if len(data) > 10:
+                    raise TooLarge
+                raise errors.Closed from None
+
+            def reraise(exc):
+                raise exc
+
+            def again():
+                try:
+                    extend(b"")
+                except TooLarge:
+                    raise
+            """
+        ),
+    }
+    calls = _by_name(python_calls(sources))
+    assert calls[("pkg/use.py", "pkg.use.extend")] == ("pkg.errors.Closed", "pkg.errors.TooLarge")
+    assert ("pkg/use.py", "pkg.use.reraise") not in calls
+    assert calls[("pkg/use.py", "pkg.use.again")] == ("pkg.use.extend",)
+
+
 def test_calls_leave_out_names_a_function_binds_and_a_nested_classs_self() -> None:
     from ontofabric.services.ingest.graph import python_calls
 

@@ -814,15 +814,19 @@ def applied(decorator: ast.expr) -> ast.expr:
 
 
 def _calls_in(node: ast.AST, owner: str | None) -> Iterator[tuple[ast.Call, str | None]]:
-    """The calls within ``node`` (itself included), decorators' too (:func:`applied`), each with the class ``self``
-    stands for there: none inside a class defined within the code (its methods' ``self`` is that class, which the
-    tree does not name). Iterative, as ``ast.walk``: generated code nests expressions deeper than Python's
-    recursion limit."""
+    """The calls within ``node`` (itself included), decorators' too (:func:`applied`), and a bare ``raise E`` as
+    ``E()``, each with the class ``self`` stands for there: none inside a class defined within the code (its
+    methods' ``self`` is that class, which the tree does not name). Iterative, as ``ast.walk``: generated code
+    nests expressions deeper than Python's recursion limit."""
     pending: list[tuple[ast.AST, str | None]] = [(node, owner)]
     while pending:
         current, self_class = pending.pop()
         if isinstance(current, ast.Call):
             yield current, self_class
+        if isinstance(current, ast.Raise) and isinstance(current.exc, (ast.Name, ast.Attribute)):
+            # ``raise E`` makes an E as ``raise E()`` does: what raises E calls it (an agent tester's
+            # "what raises FrameTooLargeError" found none of its bare raises).
+            yield ast.Call(func=current.exc, args=[], keywords=[]), self_class
         if isinstance(current, _DEFINITIONS):  # its decorators run where it is defined: the same ``self``
             pending.extend((applied(d), self_class) for d in current.decorator_list if not isinstance(d, ast.Call))
         inner = None if isinstance(current, ast.ClassDef) else self_class

@@ -968,3 +968,14 @@ def test_a_long_key_over_a_long_list_costs_naming_a_field_little() -> None:
     tracemalloc.stop()
     assert (named[0], named[1] and named[1][1], named[2]) == ("semanticQuery", "semanticQuery", "a")
     assert peak < 20_000_000, peak
+
+
+def test_a_query_too_long_says_what_of_a_traceback_to_send() -> None:
+    """An agent tester pasted a traceback of 5,000 characters and was told only the limit."""
+    body = json.dumps({"semanticQuery": 'Traceback (most recent call last):\n  File "x.py", line 1\n' * 40}).encode()
+    reply = parse_request(body, "acme", 1000)
+    assert isinstance(reply, bytes)
+    detail = ErrorReply.model_validate_json(reply).error.details[0]
+    assert detail.field == "semanticQuery"
+    assert "at most 1000 characters" in detail.message
+    assert "last frames" in detail.message

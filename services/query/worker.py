@@ -254,7 +254,14 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
         return error_reply(
             "invalid_request",
             "the query is too long",
-            [ErrorDetail(field="semanticQuery", message=f"at most {max_query_chars} characters")],
+            # An agent tester pasted a 5,000-character traceback: its last lines are what is read of one.
+            [
+                ErrorDetail(
+                    field="semanticQuery",
+                    message=f"at most {max_query_chars} characters (of a traceback, send its last frames and the "
+                    "exception's line)",
+                )
+            ],
         )
     return query
 

@@ -242,6 +242,7 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("which functions raise HTTPException?", (CALLER, "HTTPException")),
         ("where is starlette.exceptions.HTTPException raised", (CALLER, "starlette.exceptions.HTTPException")),
         ("where does ClientDisconnect get thrown from?", (CALLER, "ClientDisconnect")),
+        ("RangeNotSatisfiable raised", (CALLER, "RangeNotSatisfiable")),
         ("to_seconds", None),
     ],
 )

@@ -162,3 +162,24 @@ def test_message_order_puts_the_larger_share_then_the_raiser_first() -> None:
     assert raises("raise errors.UsageError(x)", "UsageError")
     assert not raises("except RuntimeError:", "RuntimeError")
     assert not raises("MyRuntimeError(x)", "RuntimeError")
+
+
+def test_a_long_source_is_read_on_the_lines_sharing_words_with_the_message() -> None:
+    """A module's chunk is its whole file: only the lines holding the message's words, and those beside them, are
+    read (literals continued on the next line joined, triple-quoted text left out)."""
+    filler = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(300))
+    source = (
+        'def explain():\n    """Provided reload directories did not contain valid directories, at all."""\n\n'
+        + filler
+        + "def resolve(dirs):\n    logger.warning(\n"
+        + '        "Provided reload directories %s did not contain valid "\n'
+        + '        + "directories, watching current working directory.",\n'
+        + "        dirs,\n    )\n"
+    )
+    assert len(source) > 4_000
+    message = (
+        "Provided reload directories ['src'] did not contain valid directories, watching current working directory."
+    )
+    assert written_by(message, source) > 0.8
+    docstring_only = source[: source.index("def resolve")]
+    assert written_by("Provided reload directories did not contain valid directories, at all.", docstring_only) == 0.0

@@ -38,10 +38,10 @@ MAX_MESSAGE_CHARS = 1_000
 """A message past this is a paste of more than one; it is left to the retrievers."""
 MAX_SOURCE_CHARS = 200_000
 """A chunk's source read for its literals, at most (a module's chunk is its whole file)."""
-WHOLE_READ_CHARS = 16_000
-"""A source longer than this (a module's chunk, a large class) is read for its literals only on the lines holding
-two of the message's words in a row: tokenizing a whole file costs tens of milliseconds, and its functions, read
-whole as chunks of their own, are where a message is written."""
+WHOLE_READ_CHARS = 4_000
+"""A source longer than this (a module's chunk, a class, a long function) is read for its literals only on the
+lines holding two of the message's words in a row and the lines beside them: Python's tokenizer reads about a
+kilobyte in a millisecond, and a module's chunk holds its whole file."""
 
 # `RuntimeError: ...`, `click.exceptions.UsageError: ...`, `MalformedRangeHeader: ...` (a name of two capitalised
 # parts or more), `Error: ...` (click), `error: ...` (argparse), with the exception's module or not.
@@ -161,10 +161,24 @@ def _added_literal(tokens: list[tokenize.TokenInfo], index: int) -> bool:
 _LINE_LITERAL = re.compile(r"""(?i)(?<![\w'"])([rbuf]{0,2})('(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*")""")
 
 
+_TRIPLE_QUOTED = re.compile(r"""(?i)[rbuf]{0,2}(\"\"\"|\'\'\').*?(?:\1|(?=\n)|$)""")
+_JOINING = re.compile(r"[\s+]*")
+
+
 def _line_literals(source: str) -> Iterator[str]:
-    """The one-line literals of code that does not tokenize."""
-    for match in _LINE_LITERAL.finditer(source):
-        yield template_of(match[1] + match[2])
+    """The one-line literals of code read without its tokens (a window cut inside a string, the lines of a long
+    chunk), those next to each other or added together joined; triple-quoted text (docstrings, mostly) left out."""
+    text = _TRIPLE_QUOTED.sub(" ", source)
+    pending, last_end = "", -1
+    for match in _LINE_LITERAL.finditer(text):
+        template = template_of(match[1] + match[2])
+        if last_end >= 0 and not _JOINING.fullmatch(text, last_end, match.start()):
+            yield pending
+            pending = ""
+        pending += template
+        last_end = match.end()
+    if last_end >= 0:
+        yield pending
 
 
 _PREFIX = re.compile(r"(?i)[rbuf]*")
@@ -264,8 +278,9 @@ def written_by(message: str, source: str) -> float:
     if not found_at:
         return 0.0
     if len(source) > WHOLE_READ_CHARS:
-        lines = {(source.rfind("\n", 0, at) + 1, _line_end(source, at)) for at in found_at}
-        text = "\n".join(source[start:end] for start, end in sorted(lines))
+        # The line holding the pair, and those before and after it: a literal continued on the next.
+        lines = {_lines_around(source, at) for at in found_at}
+        text = "\n;\n".join(source[start:end] for start, end in sorted(lines))  # ; joins no literals
         found = [template for template in _line_literals(text) if template.replace(FIELD, "").strip()]
     else:
         found = templates(source)
@@ -280,9 +295,11 @@ def _places(text: str, part: str) -> Iterator[int]:
         at = text.find(part, at + 1)
 
 
-def _line_end(text: str, at: int) -> int:
-    end = text.find("\n", at)
-    return len(text) if end < 0 else end
+def _lines_around(text: str, at: int) -> tuple[int, int]:
+    """Where the line holding ``at`` starts, with the line before it, and ends, with the line after it."""
+    start = text.rfind("\n", 0, max(0, text.rfind("\n", 0, at))) + 1
+    end = text.find("\n", text.find("\n", at) + 1) if text.find("\n", at) >= 0 else -1
+    return start, len(text) if end < 0 else end
 
 
 SHARE_STEPS = 20

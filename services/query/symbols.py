@@ -297,6 +297,7 @@ _RELATION_QUESTIONS = [
         # what raises E / where is E raised: raising an exception calls its class (raise E(...)), so its callers
         (CALLER, rf"{_ASKED}\s+(?:raises?|throws?)\s+{_THE}"),
         (CALLER, rf"where\s+(?:is|are|does|do)\s+{_THE}\s+(?:get\s+)?(?:raised|thrown)(?:\s+from)?"),
+        (CALLER, rf"{_THE}\s+(?:raised|thrown)"),
         # what subclasses C / which classes inherit from C / implementations of C / classes that extend C
         (SUBCLASS, rf"{_ASKED}\s+(?:subclass(?:es)?|extends?|inherits?\s+from|derives?\s+from|implements?)\s+{_THE}"),
         (

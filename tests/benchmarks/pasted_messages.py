@@ -9,7 +9,8 @@ number, a path, a word), after the exception's name, as Python prints the last l
 own words are fewer than 16 characters are left out. Each paste is asked with a request that has no options (the
 default a gateway sends), topK 10, cache off, and again with ``options.exactSymbols: false`` (no lookup: what the
 retrievers alone make of it), the reference in the same run, interleaved. The chunk wanted is the function or
-method raising it (any of them where several raise the same message). Printed: the share at rank 1, in the top 3
+method raising it (any of them where several raise the same message, which the fillers, drawn by the
+message's own words, then fill alike). Printed: the share at rank 1, in the top 3
 and in the top 10, with 95 % Wilson intervals, the latency of both, and the misses.
 
 Run: .venv/bin/python -m tests.benchmarks.pasted_messages [--tree PATH] [--show 10] [--limit N]
@@ -122,7 +123,10 @@ def pastes(chunks: list[Chunk]) -> list[Paste]:
             exception = (
                 name.id if isinstance(name, ast.Name) else name.attr if isinstance(name, ast.Attribute) else None
             )
-            message = printed(node.exc.args[0], chunk.symbol_fqn)
+            # Filled by what the template itself says, so that functions raising the same message (several
+            # protocol implementations) make one paste, which any of them answers.
+            template = printed(node.exc.args[0], "")
+            message = printed(node.exc.args[0], template[0]) if template is not None else None
             if exception is None or message is None or message[1] < MIN_WORDS_CHARS:
                 continue
             wanted[f"{exception}: {' '.join(message[0].split())}"].add(chunk.document_id)

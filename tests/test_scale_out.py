@@ -611,3 +611,43 @@ async def test_a_projector_that_cannot_write_leaves_its_consumer_to_a_standby_th
         assert "projector_failing_hands_over" in [entry["event"] for entry in logged]
         assert standby._projections
         assert not projector._projections
+
+
+async def test_a_spell_without_discovery_makes_no_peer_gone_for_good(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault tester's: both servers restarted, and nothing answered discovery for longer than the lease, not even
+    a process's own announcement. Each process marked the other gone for good, so neither stood by for the other
+    once they answered again: the two took the consumer from each other every second or two (epochs past 180),
+    and copies of events applied out of turn lost changes. A silence heard while blind is no departure now."""
+    newer = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    hearing = projector_worker.discover
+    blind = False
+
+    async def sometimes_blind(nc: object, name: str, *args: object) -> list[Worker]:
+        return [] if blind else await hearing(nc, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(projector_worker, "discover", sometimes_blind)
+    await newer.start()
+    try:
+        async with asyncio.timeout(20):  # the earlier process applies, the newer one stands by
+            while newer._projections or not projector._projections:
+                await asyncio.sleep(0.1)
+        blind = True
+        await asyncio.sleep(projector_worker.HOLDER_LEASE_S + 2 * projector_worker.HOLD_CHECK_S)
+        blind = False
+        assert projector._service is not None
+        assert newer._service is not None
+        assert projector._service.id not in newer._departed  # each stands by for the other again, as before
+        assert newer._service.id not in projector._departed
+        await asyncio.sleep(2 * projector_worker.HOLD_CHECK_S)  # both heard again, whatever they did meanwhile
+        epoch = "SELECT epoch FROM projection_fences WHERE durable = $1"
+        durable = deployment.names.postgres_projector_durable
+        before = (await deployment.fetch(epoch, durable))[0]["epoch"]
+        await asyncio.sleep(4 * projector_worker.HOLD_CHECK_S)
+        assert (await deployment.fetch(epoch, durable))[0]["epoch"] == before  # no claim changed hands
+        assert bool(projector._projections) != bool(newer._projections)  # one applies
+        ack = await deployment.publisher.publish(upsert("acme", document("after", "after the spell")))
+        await deployment.wait_projected(ack.seq, timeout_s=30)
+    finally:
+        await newer.stop()

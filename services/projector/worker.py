@@ -244,9 +244,11 @@ class ProjectorService:
             await self._give_up_seniority("projector_away_past_its_lease", away_s=round(max(gaps), 1))
             self._last_look = time.monotonic()
             return
-        self._say_whether_heard(any(worker.id == service.id for worker in answered))
+        heard = any(worker.id == service.id for worker in answered)
+        self._say_whether_heard(heard)
         answering = {worker.id for worker in answered}
-        for index in self._standing_by:  # a holder that stopped said so: no need to wait out its lease
+        # A holder that stopped said so: no need to wait out its lease (blind, no answer says it stopped).
+        for index in self._standing_by if heard else ():
             try:
                 released_by = await self._stores[index].released_by()
             except Exception as error:  # the database away: the lease decides
@@ -255,7 +257,11 @@ class ProjectorService:
             if released_by is not None and released_by not in answering:  # stopped, not standing by
                 self._departed.add(released_by)
         self._peers, departed = remembered_peers(self._peers, answered, now, HOLDER_LEASE_S, self._departed)
-        self._departed |= departed
+        if heard:
+            # Only a silence this process could have heard makes a peer gone for good. Blind (NATS away: both servers
+            # restarted under a fault tester), it heard nobody, itself included; marked gone, the peers answering
+            # again were never stood by for, and two processes took the consumer from each other every second.
+            self._departed |= departed
         missing: set[int] = set()
         floors = await self._floors(list(self._projections), missing=missing)
         for index in missing:

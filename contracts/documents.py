@@ -15,6 +15,7 @@ from pydantic import (
     Base64Bytes,
     ConfigDict,
     Field,
+    Strict,
     StringConstraints,
     TypeAdapter,
     field_validator,
@@ -102,7 +103,8 @@ def _finite_nonzero(vector: list[float]) -> list[float]:
     return vector
 
 
-Embedding = Annotated[list[float], AfterValidator(_finite_nonzero)]
+Embedding = Annotated[list[Annotated[float, Strict()]], AfterValidator(_finite_nonzero)]
+"""Numbers as the schema says: a fault harness's "0.1" and true among them were read as 0.1 and 1.0."""
 
 
 def strict_base64(value: object) -> object:

@@ -309,6 +309,8 @@ def test_a_copy_whose_vectors_differ_in_the_last_bits_is_still_a_copy() -> None:
         ({"indexedAt": "0001-01-01T00:00:00+14:00"}, "indexedAt"),  # valid ISO; before year 1 in UTC
         ({"indexedAt": "9999-12-31T23:59:59-14:00"}, "indexedAt"),
         ({"embedding": [3e38] * 384}, "squared norm overflows"),  # finite, but its cosine would be NaN
+        ({"embedding": ["0.1"] * 384}, "embedding"),  # numbers, as the schema says (a fault harness's)
+        ({"embedding": [True] * 384}, "embedding"),
         ({"metadata": {"endLine": 3}}, "metadata endLine: only with startLine"),
         ({"metadata": {"startLine": 5, "endLine": 3}}, "not before it"),
         ({"metadata": {"startLine": 0}}, "startLine"),

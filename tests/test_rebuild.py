@@ -1166,3 +1166,50 @@ async def test_compaction_waits_for_a_running_rebuild_and_runs_as_a_command(
     assert done.returncode == 0, done.stderr
     assert f"through sequence {last}" in done.stdout
     assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == last + 1
+
+
+async def test_a_claim_reads_again_what_an_earlier_holder_took_and_did_not_settle(deployment: Deployment) -> None:
+    """A fault tester's lost changes: a holder took a batch and was fenced (or froze) before settling it, and the
+    next holder read on from where the consumer was: the batch came back only after its ack wait (nothing else was
+    delivered meanwhile), or, sent back by a fenced holder, behind a later copy of its first event (published again
+    under another message id), which the next holder then applied first; the change between the two copies was
+    older than the row, and lost for good. A claim now reads the stream again from the index's position while the
+    consumer holds deltas delivered and not settled."""
+    settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 60.0})
+    earlier = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await earlier.start()
+    try:
+        warm = await deployment.publisher.publish(_upsert("acme", "warm", "the consumer exists"))
+        await deployment.wait_projected(warm.seq)
+    finally:
+        await earlier.stop()
+    first = _upsert("acme", "c", "version one")
+    second = _upsert("acme", "c", "version two")
+    await deployment.publisher.publish(first)
+    changed = await deployment.publisher.publish(second)
+    await deployment.js.publish(  # the first event again, stored anew: another publisher session's retry
+        deployment.names.delta_subject("acme", "main"),
+        first.model_dump_json(by_alias=True).encode(),
+        headers={"Nats-Msg-Id": "another-session"},
+    )
+    # The earlier holder's batch in hand: delivered, never settled.
+    taken = await deployment.js.pull_subscribe_bind(
+        deployment.names.postgres_projector_durable, deployment.names.delta_stream
+    )
+    in_hand = await taken.fetch(2, timeout=5)
+    assert [msg.metadata.sequence.stream for msg in in_hand] == [changed.seq - 1, changed.seq]
+    later = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+    with structlog.testing.capture_logs() as logged:
+        await later.start()
+        try:
+            row = "SELECT content, stream_seq FROM documents WHERE workspace = 'acme' AND id = 'c'"
+            async with asyncio.timeout(20):  # not after the ack wait: read again at once
+                while not (found := await deployment.fetch(row)) or found[0]["stream_seq"] < changed.seq:
+                    await asyncio.sleep(0.1)
+            await asyncio.sleep(1)  # the copy, after it, changes nothing
+            assert (await deployment.fetch(row))[0]["content"] == "version two"
+        finally:
+            await later.stop()
+            await taken.unsubscribe()
+    (reading_again,) = [entry for entry in logged if entry["event"] == "projector_reads_again"]
+    assert reading_again["unsettled"] == 2

@@ -440,17 +440,23 @@ class ProjectorService:
         look (infra/migrations/0027), when the consumer had settled past it. The database went back under the
         consumer (a replica promoted without the last commits, a backup restored), or the last holder stopped
         without saying where the index stood (a crash): the deltas between are read again (the sequence rule makes
-        those the index holds harmless) rather than never held. None: read on from where the consumer is."""
+        those the index holds harmless) rather than never held. Also when the consumer holds deltas delivered and
+        not settled (a holder frozen, fenced or stopped with a batch in hand, a retry it sent back): they would be
+        delivered again after later deltas, and a later copy of an event (published again under another message
+        id) would be applied before the event and the changes between, which are then older than the row. None:
+        read on from where the consumer is."""
         assert self._nc is not None
         store, durable, js = self._stores[partition], self._durables[partition], self._nc.jetstream()
         position = store.position
         if position is None:  # not known yet: the consumer's floor is taken as the index's, at the next look
             return None
         try:
-            floor: int | None = (await js.consumer_info(self.names.delta_stream, durable)).ack_floor.stream_seq or 0
+            info = await js.consumer_info(self.names.delta_stream, durable)
+            floor: int | None = info.ack_floor.stream_seq or 0
+            unsettled = int(info.num_ack_pending or 0)
         except NotFoundError:  # deleted while it was being read again: made anew from the same place
-            floor = None
-        if floor is not None and floor <= position:
+            floor, unsettled = None, 0
+        if floor is not None and floor <= position and not unsettled:
             return None
         if floor is not None:
             await store.read_again(position, floor)  # before the consumer goes: its floor is the dead letters' mark
@@ -459,8 +465,11 @@ class ProjectorService:
             went_back, store.went_back = store.went_back, False
             log.warning(
                 "projector_reads_again", durable=durable, position=position, floor=floor, went_back=went_back,
-                reason="the consumer had settled deltas past the index's position: its database went back, or its "
-                "last holder stopped without saying where the index stood",
+                unsettled=unsettled,
+                reason="the consumer had settled deltas past the index's position (its database went back, or its "
+                "last holder stopped without saying where the index stood), or holds deltas an earlier holder took "
+                "and did not settle: those would come back after later ones, a later copy of an event before the "
+                "event (a fault tester's lost changes)",
             )  # fmt: skip
         first = int((await js.stream_info(self.names.delta_stream)).state.first_seq or 0)
         if first > position + 1:

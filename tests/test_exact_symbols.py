@@ -243,6 +243,10 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("where is starlette.exceptions.HTTPException raised", (CALLER, "starlette.exceptions.HTTPException")),
         ("where does ClientDisconnect get thrown from?", (CALLER, "ClientDisconnect")),
         ("RangeNotSatisfiable raised", (CALLER, "RangeNotSatisfiable")),
+        ("errors raised", None),  # words, not an exception's name (a review's)
+        ("what raises timeout", None),
+        ("what raises the exception", None),
+        ("what raises socket.timeout", (CALLER, "socket.timeout")),
         ("to_seconds", None),
     ],
 )

@@ -679,6 +679,15 @@ def test_a_bare_raise_of_a_class_calls_it() -> None:
             def reraise(exc):
                 raise exc
 
+            STOP = TooLarge("stop")
+
+            def make():
+                return TooLarge()
+
+            def constants():  # an instance and a function raised: neither is called here
+                raise STOP
+                raise make
+
             def again():
                 try:
                     extend(b"")
@@ -690,6 +699,7 @@ def test_a_bare_raise_of_a_class_calls_it() -> None:
     calls = _by_name(python_calls(sources))
     assert calls[("pkg/use.py", "pkg.use.extend")] == ("pkg.errors.Closed", "pkg.errors.TooLarge")
     assert ("pkg/use.py", "pkg.use.reraise") not in calls
+    assert ("pkg/use.py", "pkg.use.constants") not in calls
     assert calls[("pkg/use.py", "pkg.use.again")] == ("pkg.use.extend",)
 
 

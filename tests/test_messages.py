@@ -75,6 +75,15 @@ SENDER = textwrap.dedent(
             MessageAsked("Range header: start must be less than end", "MalformedRangeHeader"),
         ),
         ("Note: the cache is kept for a day", None),
+        # The interpreter's own messages of its objects (a review's: a library template of the same words went
+        # first at 1.0), and a question after a prefix.
+        ("AttributeError: 'NoneType' object has no attribute 'send'", None),
+        ("TypeError: 'str' object is not callable", None),
+        ("HTTPException: how does starlette handle a 404 here", None),
+        (
+            "AttributeError: 'State' object has no attribute 'user'",
+            MessageAsked("'State' object has no attribute 'user'", "AttributeError"),
+        ),
         # Not a paste: a question about an error, a word alone, a phrase, too short a message.
         ("why does RuntimeError: Expected ASGI message happen", None),
         ("how do I read a websocket message", None),
@@ -183,3 +192,29 @@ def test_a_long_source_is_read_on_the_lines_sharing_words_with_the_message() -> 
     assert written_by(message, source) > 0.8
     docstring_only = source[: source.index("def resolve")]
     assert written_by("Provided reload directories did not contain valid directories, at all.", docstring_only) == 0.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: "def f():\n    x = 'connection refused " + "\\'" * n + "\n",  # escaped quotes, never closed
+        lambda n: "def f():\n    raise X('connection refused " + "%(" * n + "')\n",  # % fields, never closed
+        lambda n: "x = '" + "connection refused " * n + "'\n",  # one literal, the message's words over and over
+        lambda n: "connection refused " * n,  # the pair everywhere, no literal
+    ],
+)
+def test_reading_a_source_grows_with_it_not_with_its_square(make: object) -> None:
+    """A review's: a line of 99,000 escaped quotes took minutes (each a start the pattern tried to the line's end),
+    the interpreter's lock held throughout. Ten times the source must not cost a hundred times the time."""
+    import time
+
+    assert callable(make)
+
+    def timed(n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(3):
+            written_by("connection refused by the remote host", make(n))
+        return time.perf_counter() - started
+
+    small, large = timed(9_900), timed(99_000)
+    assert large < max(30 * small, 0.5), (small, large)

@@ -1173,8 +1173,8 @@ async def test_a_claim_reads_again_what_an_earlier_holder_took_and_did_not_settl
     next holder read on from where the consumer was: the batch came back only after its ack wait (nothing else was
     delivered meanwhile), or, sent back by a fenced holder, behind a later copy of its first event (published again
     under another message id), which the next holder then applied first; the change between the two copies was
-    older than the row, and lost for good. A claim now reads the stream again from the index's position while the
-    consumer holds deltas delivered and not settled."""
+    older than the row, and lost for good. A claim taken from a holder that did not release it now reads the
+    stream again from the index's position while the consumer holds deltas delivered and not settled."""
     settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 60.0})
     earlier = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
     await earlier.start()
@@ -1192,7 +1192,12 @@ async def test_a_claim_reads_again_what_an_earlier_holder_took_and_did_not_settl
         first.model_dump_json(by_alias=True).encode(),
         headers={"Nats-Msg-Id": "another-session"},
     )
-    # The earlier holder's batch in hand: delivered, never settled.
+    # The earlier holder's batch in hand: delivered, never settled; and its claim not released (it crashed).
+    await deployment.fetch(
+        "UPDATE projection_fences SET holder = 'crashed', released = false,"
+        " renewed_at = now() - interval '1 hour' WHERE durable = $1 RETURNING 1",
+        deployment.names.postgres_projector_durable,
+    )
     taken = await deployment.js.pull_subscribe_bind(
         deployment.names.postgres_projector_durable, deployment.names.delta_stream
     )

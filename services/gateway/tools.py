@@ -493,8 +493,8 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         notes.append(relation + (": these are search results" if reply.results else ""))
     if asked is not None and asked.relation == "callers" and _RAISING.search(str(arguments.get("semanticQuery", ""))):
         notes.append(  # an agent tester's "what raises X" had the class's definition first
-            f"what raises {asked.symbol!r} is read as what calls it: raise {asked.symbol}(...) calls the class "
-            f"(a bare raise {asked.symbol} is not read)"
+            f"what raises {asked.symbol!r} is read as what calls it: raise {asked.symbol}(...) and raise "
+            f"{asked.symbol} make one"
         )
     if asked is not None and meta.relation_matches and asked.relation in ("callers", "callees"):
         # An agent tester read a lone caller at 1.0 as the whole list: Context.invoke has four, three through ctx.

@@ -823,7 +823,7 @@ def _calls_in(node: ast.AST, owner: str | None) -> Iterator[tuple[ast.Call, str 
         current, self_class = pending.pop()
         if isinstance(current, ast.Call):
             yield current, self_class
-        if isinstance(current, ast.Raise) and isinstance(current.exc, (ast.Name, ast.Attribute)):
+        if isinstance(current, ast.Raise) and current.exc is not None and _class_named(current.exc):
             # ``raise E`` makes an E as ``raise E()`` does: what raises E calls it (an agent tester's
             # "what raises FrameTooLargeError" found none of its bare raises).
             yield ast.Call(func=current.exc, args=[], keywords=[]), self_class
@@ -831,6 +831,15 @@ def _calls_in(node: ast.AST, owner: str | None) -> Iterator[tuple[ast.Call, str 
             pending.extend((applied(d), self_class) for d in current.decorator_list if not isinstance(d, ast.Call))
         inner = None if isinstance(current, ast.ClassDef) else self_class
         pending.extend((child, inner) for child in ast.iter_child_nodes(current))
+
+
+def _class_named(expression: ast.expr) -> bool:
+    """Whether a raise's expression names a class as Python names them (``TooLarge``, ``errors.Closed``): a
+    constant holding an instance (``STOP``) or a function (``make``) is raised, not called (a review's)."""
+    name = expression.id if isinstance(expression, ast.Name) else None
+    if isinstance(expression, ast.Attribute):
+        name = expression.attr
+    return name is not None and name[:1].isupper() and any(char.islower() for char in name)
 
 
 def _local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:

@@ -38,6 +38,17 @@ MAX_MESSAGE_CHARS = 1_000
 """A message past this is a paste of more than one; it is left to the retrievers."""
 MAX_SOURCE_CHARS = 200_000
 """A chunk's source read for its literals, at most (a module's chunk is its whole file)."""
+MAX_LITERAL_CHARS = 2_000
+"""A literal longer than this writes no message: left out, as are lines longer than :data:`MAX_LINE_CHARS` where
+the source is read by its lines (the regular expressions' work grows with a line's length: a review's line of
+99,000 escaped quotes took minutes, holding the interpreter's lock, the worker's every request waiting)."""
+MAX_LINE_CHARS = 1_000
+MAX_PLACES = 100
+"""The places of each pair of the message's words read in a long source: a word pair a file repeats thousands of
+times is no message's."""
+MAX_RUN_PART_CHARS = 300
+"""A constant part longer than this counts only when found whole: the search for a common run is Python's own,
+and its work is the part's length times the message's."""
 WHOLE_READ_CHARS = 4_000
 """A source longer than this (a module's chunk, a class, a long function) is read for its literals only on the
 lines holding two of the message's words in a row and the lines beside them: Python's tokenizer reads about a
@@ -58,6 +69,15 @@ _LOGGED = re.compile(
     r"(?:\s*[:\-|]\s*|\s+)(?:[\w.]+\s*[:\-|]\s+)?(?P<message>\S.*)",
     re.DOTALL,
 )
+_BUILTINS = (
+    "NoneType|str|int|float|complex|bool|bytes|bytearray|list|dict|tuple|set|frozenset|function|method|module|type"
+    "|object|generator|coroutine|async_generator|builtin_function_or_method|method-wrapper|range|memoryview"
+    "|property|classmethod|staticmethod|NotImplementedType|ellipsis|dict_keys|dict_values|dict_items"
+)
+# What the interpreter says of its own objects: `'NoneType' object has no attribute 'send'`, `'str' object is not
+# callable`. A library's template of the same words (`'{}' object has no attribute '{}'`, starlette's State) wrote
+# it for its own class, and was placed first at 1.0 for the interpreter's message (a review's).
+_INTERPRETERS = re.compile(rf"'(?:{_BUILTINS})' object\b|\bNoneType\b")
 _FRAME_LINE = re.compile(r'\s*(?:File\s+"|Traceback\s+\(most recent call last\)|\^+\s*$|~+)')
 _QUESTION = re.compile(r"(?i)(?:what|why|how|where|when|which|who|does|do|is|are|can|should|could|explain)\b")
 _QUOTES = "`'\""
@@ -105,6 +125,8 @@ def _asked(message: str, raised: str | None) -> MessageAsked | None:
     text = " ".join(message.split())
     if len(text) > MAX_MESSAGE_CHARS or len(text) < MIN_MESSAGE_CHARS or " " not in text:
         return None
+    if _INTERPRETERS.search(text) or _QUESTION.match(text):  # the interpreter's own; a question after a prefix
+        return None
     return MessageAsked(text, raised)
 
 
@@ -145,7 +167,8 @@ def _literals(source: str) -> Iterator[str]:
         after = tokens[index].type if index < len(tokens) else tokenize.ENDMARKER
         if before in _STATEMENT_START and after in (tokenize.NEWLINE, tokenize.ENDMARKER) and len(joined) == 1:
             continue  # a docstring, or a literal standing alone: no message is written with it
-        yield "".join(template_of(literal) for literal in joined)
+        if sum(map(len, joined)) <= MAX_LITERAL_CHARS:
+            yield "".join(template_of(literal) for literal in joined)
 
 
 def _added_literal(tokens: list[tokenize.TokenInfo], index: int) -> bool:
@@ -158,7 +181,7 @@ def _added_literal(tokens: list[tokenize.TokenInfo], index: int) -> bool:
     )
 
 
-_LINE_LITERAL = re.compile(r"""(?i)(?<![\w'"])([rbuf]{0,2})('(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*")""")
+_LINE_LITERAL = re.compile(r"""(?i)(?<![\w'"\\])([rbuf]{0,2})('(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*")""")
 
 
 _TRIPLE_QUOTED = re.compile(r"""(?i)[rbuf]{0,2}(\"\"\"|\'\'\').*?(?:\1|(?=\n)|$)""")
@@ -168,13 +191,17 @@ _JOINING = re.compile(r"[\s+]*")
 def _line_literals(source: str) -> Iterator[str]:
     """The one-line literals of code read without its tokens (a window cut inside a string, the lines of a long
     chunk), those next to each other or added together joined; triple-quoted text (docstrings, mostly) left out."""
-    text = _TRIPLE_QUOTED.sub(" ", source)
+    text = "\n".join(line if len(line) <= MAX_LINE_CHARS else "" for line in source.split("\n"))
+    text = _TRIPLE_QUOTED.sub(" ", text)
     pending, last_end = "", -1
     for match in _LINE_LITERAL.finditer(text):
         template = template_of(match[1] + match[2])
         if last_end >= 0 and not _JOINING.fullmatch(text, last_end, match.start()):
             yield pending
             pending = ""
+        if len(pending) + len(template) > MAX_LITERAL_CHARS:
+            pending, last_end = "", -1
+            continue
         pending += template
         last_end = match.end()
     if last_end >= 0:
@@ -183,7 +210,9 @@ def _line_literals(source: str) -> Iterator[str]:
 
 _PREFIX = re.compile(r"(?i)[rbuf]*")
 _FORMAT_FIELD = re.compile(r"\{\{|\}\}|\{[^{}]*\}")
-_PERCENT_FIELD = re.compile(r"%%|%(?:\([^)]*\))?[#0\- +]*(?:\d+|\*)?(?:\.(?:\d+|\*))?[hlL]?[diouxXeEfFgGcrsa]")
+_PERCENT_FIELD = re.compile(
+    r"%%|%(?:\([^()\n]{0,64}\))?[#0\- +]{0,4}(?:\d{1,4}|\*)?(?:\.(?:\d{1,4}|\*))?[hlL]?[diouxXeEfFgGcrsa]"
+)
 _ESCAPE = re.compile(r"\\(?:\n|[nrt]|.)")
 
 
@@ -226,7 +255,7 @@ def covered(message: str, template: str) -> tuple[int, int]:
             total += len(part)
             position = found + len(part)
             continue
-        if len(part) < MIN_RUN:
+        if len(part) < MIN_RUN or len(part) > MAX_RUN_PART_CHARS:
             continue
         run = difflib.SequenceMatcher(None, text, part, autojunk=False).find_longest_match(
             position, len(text), 0, len(part)
@@ -274,7 +303,7 @@ def written_by(message: str, source: str) -> float:
     folded = source.casefold()
     if len(folded) != len(source):  # a character folding to several: lines found by the folded text's own
         source = folded
-    found_at = [at for pair in pairs for at in _places(folded, " ".join(pair))]
+    found_at = [at for pair in pairs for at in itertools.islice(_places(folded, " ".join(pair)), MAX_PLACES)]
     if not found_at:
         return 0.0
     if len(source) > WHOLE_READ_CHARS:

@@ -284,6 +284,8 @@ _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
 _LISTED = r"(?:(?:find|list|show|get|(?:what|which)\s+(?:is|are))\s+)?(?:all\s+|the\s+)?"  # what are the bases of C
 _THAT = r"(?:\s+(?:that|which))?"
+RAISERS = "raisers"
+"""A question for what raises an exception: asked as its callers, of a name written as code writes one."""
 _RELATION_QUESTIONS = [
     (relation, re.compile(pattern, re.IGNORECASE))
     for relation, pattern in (
@@ -295,9 +297,10 @@ _RELATION_QUESTIONS = [
         (CALLER, rf"{_LISTED}(?:functions|methods|code){_THAT}\s+(?:calls?|invokes?|uses?)\s+{_THE}"),
         (CALLER, rf"{_THE}\s+(?:callers|call\s+sites|usages)"),
         # what raises E / where is E raised: raising an exception calls its class (raise E(...)), so its callers
-        (CALLER, rf"{_ASKED}\s+(?:raises?|throws?)\s+{_THE}"),
-        (CALLER, rf"where\s+(?:is|are|does|do)\s+{_THE}\s+(?:get\s+)?(?:raised|thrown)(?:\s+from)?"),
-        (CALLER, rf"{_THE}\s+(?:raised|thrown)"),
+        # (an exception's name as code writes one: `errors raised`, `what raises timeout` ask no lookup)
+        (RAISERS, rf"{_ASKED}\s+(?:raises?|throws?)\s+{_THE}"),
+        (RAISERS, rf"where\s+(?:is|are|does|do)\s+{_THE}\s+(?:get\s+)?(?:raised|thrown)(?:\s+from)?"),
+        (RAISERS, rf"{_THE}\s+(?:raised|thrown)"),
         # what subclasses C / which classes inherit from C / implementations of C / classes that extend C
         (SUBCLASS, rf"{_ASKED}\s+(?:subclass(?:es)?|extends?|inherits?\s+from|derives?\s+from|implements?)\s+{_THE}"),
         (
@@ -377,8 +380,10 @@ def relation_of(text: str) -> tuple[str, str] | None:
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
         name = identifier_of(found.group("name")) if found is not None else None
+        if relation == RAISERS and name is not None and not (code_shaped(name) or name[:1].isupper()):
+            continue
         if name is not None and name.lower() not in _NOT_NAMES:
-            return relation, name
+            return (CALLER if relation == RAISERS else relation), name
     return None
 
 

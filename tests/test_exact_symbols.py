@@ -502,8 +502,8 @@ async def _projected(
     await deployment.wait_projected(report.last_sequence)
 
 
-async def _ask(client: QueryClient, text: str, **params: object) -> QueryResponse:
-    reply = await client.query("shapes", {"semanticQuery": text, "topK": 5, **params})
+async def _ask(client: QueryClient, text: str, workspace: str = "shapes", **params: object) -> QueryResponse:
+    reply = await client.query(workspace, {"semanticQuery": text, "topK": 5, **params})
     assert isinstance(reply, QueryResponse), reply
     return reply
 
@@ -843,9 +843,7 @@ async def test_a_member_a_class_inherits_is_found_through_its_base(
     client = QueryClient(deployment.nc, deployment.names)
 
     async def ask(text: str, **params: object) -> QueryResponse:
-        reply = await client.query("retrying", {"semanticQuery": text, "topK": 5, **params})
-        assert isinstance(reply, QueryResponse), reply
-        return reply
+        return await _ask(client, text, "retrying", **params)
 
     named = await ask("Retrying.copy")
     assert named.results[0].metadata.get("symbolFqn") == "retrying.BaseRetrying.copy"
@@ -910,9 +908,7 @@ async def test_a_pasted_message_finds_the_code_writing_it_through_the_real_path(
     client = QueryClient(deployment.nc, deployment.names)
 
     async def ask(text: str, **params: object) -> QueryResponse:
-        reply = await client.query("errors", {"semanticQuery": text, "topK": 5, **params})
-        assert isinstance(reply, QueryResponse), reply
-        return reply
+        return await _ask(client, text, "errors", **params)
 
     def placed(reply: QueryResponse) -> list[str]:
         return [str(r.metadata.get("symbolFqn")) for r in reply.results if MESSAGE in {f.retriever for f in r.found_by}]

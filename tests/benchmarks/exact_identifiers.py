@@ -24,8 +24,10 @@ import math
 import statistics
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.chunking import Chunk, tree_package
@@ -152,11 +154,18 @@ def main() -> None:
         import tenacity
 
         args.tree = Path(tenacity.__file__).parent
+    on_embedded_servers(
+        lambda endpoints, settings: run(endpoints, settings, args.tree.resolve(), args.show, args.relations)
+    )
+
+
+def on_embedded_servers(run_with: Callable[[Endpoints, Settings], Coroutine[Any, Any, None]]) -> None:
+    """Run a measurement on fresh embedded servers, the query cache off."""
     with embedded_servers() as endpoints:
         settings = Settings(
             nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
         )
-        asyncio.run(run(endpoints, settings, args.tree.resolve(), args.show, args.relations))
+        asyncio.run(run_with(endpoints, settings))
 
 
 if __name__ == "__main__":

@@ -37,12 +37,12 @@ from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
-from ontofabric.shared.runtime import Endpoints, embedded_servers
+from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .bench_spine import serve_for_ingest
-from .exact_identifiers import wilson
+from .exact_identifiers import on_embedded_servers, wilson
 
 WORKSPACE = "messages"
 TOP = 10
@@ -211,11 +211,9 @@ def main() -> None:
         import click
 
         args.tree = Path(click.__file__).parent
-    with embedded_servers() as endpoints:
-        settings = Settings(
-            nats_url=endpoints.nats_url_as("operator"), database_url=endpoints.database_url, query_cache_entries=0
-        )
-        asyncio.run(run(endpoints, settings, args.tree.resolve(), args.show, args.limit))
+    on_embedded_servers(
+        lambda endpoints, settings: run(endpoints, settings, args.tree.resolve(), args.show, args.limit)
+    )
 
 
 if __name__ == "__main__":

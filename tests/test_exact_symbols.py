@@ -244,6 +244,8 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("where does ClientDisconnect get thrown from?", (CALLER, "ClientDisconnect")),
         ("RangeNotSatisfiable raised", (CALLER, "RangeNotSatisfiable")),
         ("errors raised", None),  # words, not an exception's name (a review's)
+        ("Errors raised", None),
+        ("Nothing raised?", None),
         ("what raises timeout", None),
         ("what raises the exception", None),
         ("what raises socket.timeout", (CALLER, "socket.timeout")),

@@ -665,7 +665,7 @@ def test_a_bare_raise_of_a_class_calls_it() -> None:
     from ontofabric.services.ingest.graph import python_calls
 
     sources = {
-        "pkg/errors.py": "class TooLarge(Exception): ...\nclass Closed(Exception): ...\n",
+        "pkg/errors.py": "class TooLarge(Exception): ...\nclass Closed(Exception): ...\nclass _Abort(Exception): ...\n",
         "pkg/use.py": textwrap.dedent(
             """
             from pkg import errors
@@ -674,6 +674,8 @@ def test_a_bare_raise_of_a_class_calls_it() -> None:
             def extend(data):
                 if len(data) > 10:
                     raise TooLarge
+                if not data:
+                    raise errors._Abort
                 raise errors.Closed from None
 
             def reraise(exc):
@@ -697,7 +699,7 @@ def test_a_bare_raise_of_a_class_calls_it() -> None:
         ),
     }
     calls = _by_name(python_calls(sources))
-    assert calls[("pkg/use.py", "pkg.use.extend")] == ("pkg.errors.Closed", "pkg.errors.TooLarge")
+    assert calls[("pkg/use.py", "pkg.use.extend")] == ("pkg.errors.Closed", "pkg.errors.TooLarge", "pkg.errors._Abort")
     assert ("pkg/use.py", "pkg.use.reraise") not in calls
     assert ("pkg/use.py", "pkg.use.constants") not in calls
     assert calls[("pkg/use.py", "pkg.use.again")] == ("pkg.use.extend",)

@@ -80,6 +80,12 @@ SENDER = textwrap.dedent(
         ("AttributeError: 'NoneType' object has no attribute 'send'", None),
         ("TypeError: 'str' object is not callable", None),
         ("HTTPException: how does starlette handle a 404 here", None),
+        # A message whose first word could ask (a review's: these were read as questions).
+        (
+            "RuntimeError: Could not find a usable event loop",
+            MessageAsked("Could not find a usable event loop", "RuntimeError"),
+        ),
+        ("ValueError: Can't patch loop of type x", MessageAsked("Can't patch loop of type x", "ValueError")),
         (
             "AttributeError: 'State' object has no attribute 'user'",
             MessageAsked("'State' object has no attribute 'user'", "AttributeError"),
@@ -218,3 +224,24 @@ def test_reading_a_source_grows_with_it_not_with_its_square(make: object) -> Non
 
     small, large = timed(9_900), timed(99_000)
     assert large < max(30 * small, 0.5), (small, large)
+
+
+def test_the_interpreters_words_count_only_of_the_class_or_module_the_chunk_is() -> None:
+    """A review's: `'Response' object has no attribute 'json_body'` (the interpreter's, of a class of another
+    package) placed starlette's State first at 1.0, whose template has the same words."""
+    source = textwrap.dedent(
+        """
+        def __getattr__(self, key):
+            try:
+                return self._state[key]
+            except KeyError:
+                message = "'{}' object has no attribute '{}'"
+                raise AttributeError(message.format(self.__class__.__name__, key))
+        """
+    )
+    name = "starlette.datastructures.State.__getattr__"
+    assert written_by("'State' object has no attribute 'user'", source, name) > 0.5
+    assert written_by("'Response' object has no attribute 'json_body'", source, name) == 0.0
+    assert written_by("module 'collections' has no attribute 'Mapping'", source, name) == 0.0
+    assert raises("raise TooLarge", "TooLarge")  # bare
+    assert raises("raise errors.TooLarge from None", "TooLarge")

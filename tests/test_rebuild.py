@@ -1173,8 +1173,8 @@ async def test_a_claim_reads_again_what_an_earlier_holder_took_and_did_not_settl
     next holder read on from where the consumer was: the batch came back only after its ack wait (nothing else was
     delivered meanwhile), or, sent back by a fenced holder, behind a later copy of its first event (published again
     under another message id), which the next holder then applied first; the change between the two copies was
-    older than the row, and lost for good. A claim taken from a holder that did not release it now reads the
-    stream again from the index's position while the consumer holds deltas delivered and not settled."""
+    older than the row, and lost for good. A claim now reads the stream again from the index's position while the
+    consumer holds deltas delivered and not settled."""
     settings = deployment.settings.model_copy(update={"projector_ack_wait_s": 60.0})
     earlier = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
     await earlier.start()

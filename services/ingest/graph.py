@@ -836,10 +836,14 @@ def _calls_in(node: ast.AST, owner: str | None) -> Iterator[tuple[ast.Call, str 
 def _class_named(expression: ast.expr) -> bool:
     """Whether a raise's expression names a class as Python names them (``TooLarge``, ``errors.Closed``): a
     constant holding an instance (``STOP``) or a function (``make``) is raised, not called (a review's)."""
-    name = expression.id if isinstance(expression, ast.Name) else None
-    if isinstance(expression, ast.Attribute):
+    if isinstance(expression, ast.Name):
+        name = expression.id
+    elif isinstance(expression, ast.Attribute):
         name = expression.attr
-    return name is not None and name[:1].isupper() and any(char.islower() for char in name)
+    else:
+        return False
+    name = name.lstrip("_")  # a private class too (`_Abort`)
+    return name[:1].isupper() and any(char.islower() for char in name)
 
 
 def _local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:

@@ -278,8 +278,6 @@ class PostgresProjectionStore:
         the database holds."""
         self._floor: int | None = None
         """The consumer's ack floor as last read for a renewal, written by the batches too."""
-        self.took_over = False
-        """Whether the last claim took the consumer from another process that had not released it."""
 
     @property
     def fenced(self) -> bool:
@@ -303,9 +301,6 @@ class PostgresProjectionStore:
                 )
                 if current is not None and _held_by_another(current, holder, live):
                     return "held"
-                # Taken from another process that did not release it (a crash, a freeze, a claim fenced): its batch
-                # in hand may still be delivered and not settled.
-                self.took_over = current is not None and current["holder"] != holder and not current["released"]
                 claimed = await conn.fetchrow(
                     "INSERT INTO projection_fences AS f (durable, epoch, holder, fill)"
                     " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"

@@ -440,11 +440,13 @@ class ProjectorService:
         look (infra/migrations/0027), when the consumer had settled past it. The database went back under the
         consumer (a replica promoted without the last commits, a backup restored), or the last holder stopped
         without saying where the index stood (a crash): the deltas between are read again (the sequence rule makes
-        those the index holds harmless) rather than never held. Also when the claim took the consumer from another
-        process that had not released it and the consumer holds deltas delivered and not settled (a holder
-        crashed, frozen or fenced with a batch in hand): they would be delivered again after later deltas, and a
-        later copy of an event (published again under another message id) would be applied before the event and
-        the changes between, which are then older than the row. None: read on from where the consumer is."""
+        those the index holds harmless) rather than never held. Also when the consumer holds deltas delivered and
+        not settled (a holder crashed, frozen or fenced with a batch in hand, retries sent back before a hand-over):
+        they would be delivered again after later deltas, and a later copy of an event (published again under
+        another message id) would be applied before the event and the changes between, which are then older than
+        the row. Deltas dead-lettered above the consumer's floor are set aside again (their dead letter's message id
+        is the same: the dead-letter stream drops a copy within its duplicate window). None: read on from where the
+        consumer is."""
         assert self._nc is not None
         store, durable, js = self._stores[partition], self._durables[partition], self._nc.jetstream()
         position = store.position
@@ -453,9 +455,10 @@ class ProjectorService:
         try:
             info = await js.consumer_info(self.names.delta_stream, durable)
             floor: int | None = info.ack_floor.stream_seq or 0
-            # Only what another process took: this one's own retries waiting out their delay would make every
-            # claim read the stream again, and dead-letter again what was set aside above the floor (a review's).
-            unsettled = int(info.num_ack_pending or 0) if store.took_over else 0
+            # Whoever took them, this process before or another: a claim starts without the memory of what was
+            # sent back, which kept a later copy of an event waiting for the event (a second review's: a holder
+            # handing over as its writes fail releases its claim with its retries still to come).
+            unsettled = int(info.num_ack_pending or 0)
         except NotFoundError:  # deleted while it was being read again: made anew from the same place
             floor, unsettled = None, 0
         if floor is not None and floor <= position and not unsettled:

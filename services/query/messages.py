@@ -14,8 +14,9 @@ import difflib
 import io
 import itertools
 import re
+import time
 import tokenize
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 FIELD = "\x00"
@@ -46,6 +47,8 @@ MAX_LINE_CHARS = 1_000
 MAX_PLACES = 100
 """The places of each pair of the message's words read in a long source: a word pair a file repeats thousands of
 times is no message's."""
+MAX_COMPARED_CHARS = 20_000
+"""The templates' characters compared with a message in one chunk, at most."""
 MAX_RUN_PART_CHARS = 300
 """A constant part longer than this counts only when found whole: the search for a common run is Python's own,
 and its work is the part's length times the message's."""
@@ -79,6 +82,8 @@ _BUILTINS = (
 # it for its own class, and was placed first at 1.0 for the interpreter's message (a review's).
 _INTERPRETERS = re.compile(rf"'(?:{_BUILTINS})' object\b|\bNoneType\b")
 _FRAME_LINE = re.compile(r'\s*(?:File\s+"|Traceback\s+\(most recent call last\)|\^+\s*$|~+)')
+_ASKING = re.compile(r"(?i)(?:what|why|how|where|when|which|who)\b")
+"""A message's first word that asks (``Could not find ...`` is a message, ``how does ...`` no)."""
 _QUESTION = re.compile(r"(?i)(?:what|why|how|where|when|which|who|does|do|is|are|can|should|could|explain)\b")
 _QUOTES = "`'\""
 
@@ -125,7 +130,7 @@ def _asked(message: str, raised: str | None) -> MessageAsked | None:
     text = " ".join(message.split())
     if len(text) > MAX_MESSAGE_CHARS or len(text) < MIN_MESSAGE_CHARS or " " not in text:
         return None
-    if _INTERPRETERS.search(text) or _QUESTION.match(text):  # the interpreter's own; a question after a prefix
+    if _INTERPRETERS.search(text) or _ASKING.match(text) or text.endswith("?"):  # a question after a prefix
         return None
     return MessageAsked(text, raised)
 
@@ -291,10 +296,12 @@ COMMON_WORDS = frozenset(
 """Words in most code's text: two of them in a row (``is not``, ``must be``) tell no source apart."""
 
 
-def written_by(message: str, source: str) -> float:
+def written_by(message: str, source: str, name: str = "", until: float | None = None) -> float:
     """The share of the message (0 to 1) the source's best template accounts for (:func:`share_written`); 0: the
     source does not write this message. A source holding no two of the message's words in a row, one of them not
-    a :data:`COMMON_WORDS`, is not read: the template's own text holds such a pair."""
+    a :data:`COMMON_WORDS`, is not read: the template's own text holds such a pair. ``name``: the chunk's qualified
+    name, for a template of the interpreter's own words (:func:`_the_interpreters`); ``until``: a
+    ``time.monotonic()`` past which no more of its templates are compared (a review's chunk took 11 s)."""
     words = " ".join(message.split()).casefold().split(" ")
     pairs = [pair for pair in itertools.pairwise(words) if not COMMON_WORDS.issuperset(pair)]
     if not pairs and len(words) > 1:
@@ -307,13 +314,54 @@ def written_by(message: str, source: str) -> float:
     if not found_at:
         return 0.0
     if len(source) > WHOLE_READ_CHARS:
-        # The line holding the pair, and those before and after it: a literal continued on the next.
-        lines = {_lines_around(source, at) for at in found_at}
-        text = "\n;\n".join(source[start:end] for start, end in sorted(lines))  # ; joins no literals
+        # The line holding the pair, and those before and after it (a literal continued on the next), each line
+        # once where the windows overlap.
+        text = "\n;\n".join(source[start:end] for start, end in _merged(_lines_around(source, at) for at in found_at))
         found = [template for template in _line_literals(text) if template.replace(FIELD, "").strip()]
     else:
         found = templates(source)
-    return max((share_written(message, template) for template in found), default=0.0)
+    best, compared = 0.0, 0
+    for template in dict.fromkeys(found):
+        compared += len(template)
+        if compared > MAX_COMPARED_CHARS or (until is not None and time.monotonic() > until):
+            break
+        share = share_written(message, template)
+        if share > best and not (_the_interpreters(template) and not _names_a_value(message, template, source, name)):
+            best = share
+    return best
+
+
+def _merged(windows: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or touching (start, end) windows as one each, in order."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(windows):
+        if merged and start <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+# The interpreter's words of an object or a module it did not find something in: a library's template of the same
+# words (starlette's `'{}' object has no attribute '{}'`) writes them of its own class only (a review's `'Response'
+# object has no attribute 'json_body'` placed starlette's State first at 1.0).
+_INTERPRETER_PHRASE = re.compile(
+    r"(?i)object has no attribute|has no attribute|is not subscriptable|object is not callable|is not iterable"
+    r"|not supported between instances|positional arguments? but|unexpected keyword argument|required positional"
+)
+_QUOTED_VALUE = re.compile(r"'([^'\n]{1,200})'|" + r'"([^"\n]{1,200})"')
+
+
+def _the_interpreters(template: str) -> bool:
+    return _INTERPRETER_PHRASE.search(template.replace(FIELD, " ")) is not None
+
+
+def _names_a_value(message: str, template: str, source: str, name: str) -> bool:
+    """Whether a quoted value of the message that is no text of the template is in the source or its name: the
+    class or module the interpreter's words were said of is the chunk's."""
+    own = template.replace(FIELD, " ")
+    values = [a or b for a, b in _QUOTED_VALUE.findall(message)]
+    return any(value not in own and (value in source or value in name) for value in values)
 
 
 def _places(text: str, part: str) -> Iterator[int]:
@@ -346,4 +394,5 @@ def message_order(shares: Mapping[str, float], raising: Collection[str] = ()) ->
 
 def raises(source: str, exception: str) -> bool:
     """Whether the source raises (or makes) the exception by that name: ``raise ValueError(``, ``ValueError(``."""
-    return re.search(rf"(?<![\w.]){re.escape(exception)}\s*\(|\.{re.escape(exception)}\s*\(", source) is not None
+    named = re.escape(exception)
+    return re.search(rf"(?<![\w.]){named}\s*\(|\.{named}\s*\(|\braise\s+(?:[\w.]+\.)?{named}\b", source) is not None

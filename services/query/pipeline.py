@@ -631,7 +631,9 @@ class QueryPipeline:
             for doc_id, document in code.items():
                 if time.monotonic() > until:
                     break
-                shares[doc_id] = written_by(message.text, document.content)
+                shares[doc_id] = written_by(
+                    message.text, document.content, str(document.metadata.get("symbolFqn") or ""), until
+                )
             return shares
 
         # Up to 50 chunks' code read: in a thread, the loop serving others meanwhile.

@@ -284,8 +284,9 @@ _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
 _LISTED = r"(?:(?:find|list|show|get|(?:what|which)\s+(?:is|are))\s+)?(?:all\s+|the\s+)?"  # what are the bases of C
 _THAT = r"(?:\s+(?:that|which))?"
-RAISERS = "raisers"
-"""A question for what raises an exception: asked as its callers, of a name written as code writes one."""
+RAISERS, RAISED = "raisers", "raised"
+"""A question for what raises an exception (``what raises E``; ``E raised``, the name first): asked as its
+callers, of a name written as code writes one."""
 _RELATION_QUESTIONS = [
     (relation, re.compile(pattern, re.IGNORECASE))
     for relation, pattern in (
@@ -300,7 +301,7 @@ _RELATION_QUESTIONS = [
         # (an exception's name as code writes one: `errors raised`, `what raises timeout` ask no lookup)
         (RAISERS, rf"{_ASKED}\s+(?:raises?|throws?)\s+{_THE}"),
         (RAISERS, rf"where\s+(?:is|are|does|do)\s+{_THE}\s+(?:get\s+)?(?:raised|thrown)(?:\s+from)?"),
-        (RAISERS, rf"{_THE}\s+(?:raised|thrown)"),
+        (RAISED, rf"{_THE}\s+(?:raised|thrown)"),
         # what subclasses C / which classes inherit from C / implementations of C / classes that extend C
         (SUBCLASS, rf"{_ASKED}\s+(?:subclass(?:es)?|extends?|inherits?\s+from|derives?\s+from|implements?)\s+{_THE}"),
         (
@@ -370,6 +371,19 @@ lookup, and rich's ``Console`` was not in the top 10 (``Console`` alone: first).
 question that search answers (``where is the retry loop defined`` names no symbol)."""
 
 
+def _exception_shaped(name: str, first_word: bool) -> bool:
+    """A name as code writes an exception's: code-shaped, or capitalised (``Unreachable``); as the query's first
+    word, where a sentence capitalises any, as a class is (``WebSocketDisconnect``, ``TimeoutError``), not
+    ``Errors raised``, ``Nothing raised`` (a review's)."""
+    last = name.rsplit(".", 1)[-1].lstrip("_")
+    if code_shaped(name) or not last[:1].isupper():
+        return code_shaped(name)
+    return not first_word or sum(char.isupper() for char in last) > 1 or last.endswith(_EXCEPTION_ENDINGS)
+
+
+_EXCEPTION_ENDINGS = ("Error", "Exception", "Warning", "Exit", "Interrupt", "Timeout", "Failure", "Fault")
+
+
 def relation_of(text: str) -> tuple[str, str] | None:
     """(what the asked-for chunks are to the symbol: one of ``RELATIONS``; the symbol's dotted name) when the whole
     query asks that about one identifier: ``what calls to_seconds``, ``callers of `wait_base` ``, ``which classes
@@ -380,10 +394,10 @@ def relation_of(text: str) -> tuple[str, str] | None:
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
         name = identifier_of(found.group("name")) if found is not None else None
-        if relation == RAISERS and name is not None and not (code_shaped(name) or name[:1].isupper()):
+        if name is not None and relation in (RAISERS, RAISED) and not _exception_shaped(name, relation == RAISED):
             continue
         if name is not None and name.lower() not in _NOT_NAMES:
-            return (CALLER if relation == RAISERS else relation), name
+            return (CALLER if relation in (RAISERS, RAISED) else relation), name
     return None
 
 

@@ -618,10 +618,12 @@ class QueryPipeline:
 
     async def _writers(self, scope: Scope, message: MessageAsked, ids: Sequence[str]) -> Definitions:
         fetched = await self._documents.fetch(scope, ids)
+        # In the retriever's order: within the budget below, its leading candidates are read first.
+        documents = fetched.documents
         code = {
-            doc_id: document
-            for doc_id, document in fetched.documents.items()
-            if document.metadata.get("chunkLevel") in CODE_LEVELS
+            doc_id: documents[doc_id]
+            for doc_id in ids
+            if doc_id in documents and documents[doc_id].metadata.get("chunkLevel") in CODE_LEVELS
         }
 
         def read() -> dict[str, float]:

@@ -40,7 +40,7 @@ from ontofabric.shared.runtime import Endpoints, embedded_servers
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_spine import serve_for_ingest
+from .bench_spine import Served, serve_for_ingest
 
 WORKSPACE = "identifiers"
 TOP = 3
@@ -62,16 +62,24 @@ def symbols(chunks: list[Chunk]) -> list[Chunk]:
     return [c for c in chunks if c.chunk_level in ("type", "method") and c.symbol_kind != "docstring"]
 
 
+async def ingested(
+    stack: AsyncExitStack, settings: Settings, endpoints: Endpoints, tree: Path, workspace: str
+) -> Served:
+    """The workers started (``stack`` stops them), the tree ingested into ``workspace`` and projected, and the
+    query worker caught up."""
+    names = Names(settings.subject_prefix)
+    served = await serve_for_ingest(stack, settings, endpoints)
+    report = await served.ingester.ingest(tree, workspace)
+    assert report.last_sequence is not None
+    await wait_caught_up(served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 1800)
+    await asyncio.sleep(0.5)  # the query worker's KV watch catches up
+    return served
+
+
 async def run(endpoints: Endpoints, settings: Settings, tree: Path, show: int, relations: bool) -> None:
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
-        served = await serve_for_ingest(stack, settings, endpoints)
-        report = await served.ingester.ingest(tree, WORKSPACE)
-        assert report.last_sequence is not None
-        await wait_caught_up(
-            served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 1800
-        )
-        await asyncio.sleep(0.5)  # the query worker's KV watch catches up
+        served = await ingested(stack, settings, endpoints, tree, WORKSPACE)
         if relations:
             await ask_relations(QueryClient(served.nc, names, timeout_s=60), tree)
             return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import asyncio
 import re
 import statistics
 import textwrap
@@ -35,14 +34,12 @@ from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.chunking import Chunk
 from ontofabric.services.ingest.ingester import chunk_tree
 from ontofabric.services.query.client import QueryClient
-from ontofabric.shared.jetstream import wait_caught_up
 from ontofabric.shared.logging import configure_logging
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
-from .bench_spine import serve_for_ingest
-from .exact_identifiers import on_embedded_servers, wilson
+from .exact_identifiers import ingested, on_embedded_servers, wilson
 
 WORKSPACE = "messages"
 TOP = 10
@@ -150,13 +147,7 @@ def _own_nodes(tree: ast.Module) -> list[ast.AST]:
 async def run(endpoints: Endpoints, settings: Settings, tree: Path, show: int, limit: int | None) -> None:
     names = Names(settings.subject_prefix)
     async with AsyncExitStack() as stack:
-        served = await serve_for_ingest(stack, settings, endpoints)
-        report = await served.ingester.ingest(tree, WORKSPACE)
-        assert report.last_sequence is not None
-        await wait_caught_up(
-            served.js, names.delta_stream, names.postgres_projector_durable, report.last_sequence, 1800
-        )
-        await asyncio.sleep(0.5)  # the query worker's KV watch catches up
+        served = await ingested(stack, settings, endpoints, tree, WORKSPACE)
         chunks = chunk_tree(tree, 1 << 20)  # named as the ingester names them
         asked = pastes(chunks)[:limit]
         client = QueryClient(served.nc, names, timeout_s=60)

@@ -120,7 +120,8 @@ EMBED_RESERVE_S = 0.05
 REFILL_MAX = 50
 """The most candidates read to fill an answer that collapsing left short of topK."""
 MESSAGE_CANDIDATES = 50
-"""The leading candidates of each retriever whose code is read for a pasted message's template."""
+"""The leading candidates of keyword search (of every retriever, where it did not run) whose code is read for a
+pasted message's template."""
 MESSAGE_READ_S = 0.1
 """The most time spent reading those chunks' literals (about 10 ms at the median over three installed libraries)."""
 RETRIEVAL_RESERVE_S = 0.02

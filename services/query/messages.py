@@ -140,12 +140,14 @@ def templates(source: str) -> list[str]:
     :data:`FIELD`, adjacent literals joined (Python joins them), docstrings (a literal standing alone as a
     statement) left out. Code that does not tokenize (a window of a long function) gives what its lines do."""
     source = source[:MAX_SOURCE_CHARS]
-    found: list[str] = []
     try:
-        for literal in _literals(source):
-            found.append(literal)
+        return _with_text(_literals(source))
     except (tokenize.TokenError, IndentationError, SyntaxError):
-        found = [template for template in _line_literals(source)]
+        return _with_text(_line_literals(source))
+
+
+def _with_text(found: Iterable[str]) -> list[str]:
+    """The templates that hold some text besides their fields."""
     return [template for template in found if template.replace(FIELD, "").strip()]
 
 
@@ -317,7 +319,7 @@ def written_by(message: str, source: str, name: str = "", until: float | None = 
         # The line holding the pair, and those before and after it (a literal continued on the next), each line
         # once where the windows overlap.
         text = "\n;\n".join(source[start:end] for start, end in _merged(_lines_around(source, at) for at in found_at))
-        found = [template for template in _line_literals(text) if template.replace(FIELD, "").strip()]
+        found = _with_text(_line_literals(text))
     else:
         found = templates(source)
     best, compared = 0.0, 0
@@ -375,7 +377,8 @@ def _places(text: str, part: str) -> Iterator[int]:
 def _lines_around(text: str, at: int) -> tuple[int, int]:
     """Where the line holding ``at`` starts, with the line before it, and ends, with the line after it."""
     start = text.rfind("\n", 0, max(0, text.rfind("\n", 0, at))) + 1
-    end = text.find("\n", text.find("\n", at) + 1) if text.find("\n", at) >= 0 else -1
+    own_end = text.find("\n", at)
+    end = -1 if own_end < 0 else text.find("\n", own_end + 1)
     return start, len(text) if end < 0 else end
 
 

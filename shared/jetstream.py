@@ -717,8 +717,8 @@ class StreamReader:
     batch; they came back only after the ack wait. Here every fetched message is in a batch.
 
     Unbounded (a projector's durable consumer): each fetch waits at most ``fetch_timeout_s`` and what arrived is a
-    batch, cut to ``batch_size``; while the connection is down it does not fetch; a failed fetch is tried again
-    with backoff; only :meth:`stop` ends it.
+    batch, cut to ``batch_size``; while the connection is down, or ``paused`` says so, it does not fetch; a failed
+    fetch is tried again with backoff; only :meth:`stop` ends it.
 
     Bounded (``upto``: a replay through a consumer of its own that delivers in order, without acks): batches are
     filled to ``batch_size`` across fetches, so they are written in transactions as large as a projector's; a gap
@@ -736,9 +736,12 @@ class StreamReader:
         batch_size: int,
         fetch_timeout_s: float,
         upto: int | None = None,
+        paused: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
         self._subscription = subscription
+        self._paused = paused
+        """Unbounded: while this says so, nothing is fetched (a projector that may no longer apply its consumer)."""
         self._connection = connection
         self._batch_size = batch_size
         self._fetch_timeout_s = fetch_timeout_s
@@ -797,6 +800,10 @@ class StreamReader:
             await self._pause(RECONNECT_POLL_S)
             return []
         self._disconnected_for = 0.0
+        if self._upto is None and self._paused is not None and self._paused():
+            # Fetched, the batch would only go back, behind what the process applying the consumer now reads next.
+            await self._pause(RECONNECT_POLL_S)
+            return []
         try:
             messages = await self._subscription.fetch(wanted, timeout=self._fetch_timeout_s)
         except TimeoutError:  # nats-py's and asyncio's alike: nothing arrived in time

@@ -39,6 +39,7 @@ from ontofabric.shared.runtime import (
 )
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Partition
+from ontofabric.shared.tasks import cancel_and_wait
 
 from .conftest import Deployment, RecordedProgress, fold, metric_points, open_deployment, projected_rows, with_database
 from .factories import delete, document, upsert
@@ -413,6 +414,33 @@ async def test_a_projector_away_past_its_lease_leaves_its_consumer_to_the_standb
         later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))
         await deployment.wait_projected(later.seq)
         assert projector.holding()  # back, standing by
+
+
+async def test_a_projector_woken_past_its_lease_fetches_nothing_until_it_has_looked_again(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A review: a holder woken from a freeze fetched from the consumer before its next look. Its successor may
+    have made that consumer again; the batch went back behind the deltas the successor read next, so an older
+    copy of an event could come after a newer one. Until it has looked, it now leaves the consumer's deltas where
+    they are."""
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(first.seq)
+    holding = projector._holding
+    assert holding is not None
+    assert projector._last_look is not None
+    await cancel_and_wait(holding)  # its next look is not due yet: woken, it has not looked
+    projector._last_look -= projector_worker.HOLDER_LEASE_S + 1
+    # A frozen process's pull request ran out on the server meanwhile: so does the one it had out here.
+    await asyncio.sleep(deployment.settings.projector_batch_timeout_s + 0.5)
+    durable = deployment.names.postgres_projector_durable
+    with structlog.testing.capture_logs() as logged:
+        later = await deployment.publisher.publish(upsert("acme", document("a", "beta")))
+        await asyncio.sleep(3 * projector_worker.HOLD_CHECK_S)
+        info = await deployment.js.consumer_info(deployment.names.delta_stream, durable)
+    assert info.delivered.stream_seq < later.seq  # never fetched, so never sent back
+    assert "batch_sent_back" not in [entry["event"] for entry in logged]
+    projector._holding = asyncio.create_task(projector._keep_holding())  # it looks, and takes the consumer again
+    await deployment.wait_projected(later.seq, timeout_s=30)
 
 
 async def test_a_projector_whose_consumer_another_process_claimed_leaves_it_and_its_batch(

@@ -365,8 +365,12 @@ class DurableProjection:
                 self.sent_back.sent_back(key, msg.metadata.sequence.stream, moment)
             await msg.nak(delay=max(self._min_retry_s, nak_delay(msg.metadata.num_delivered)))
 
+    def held_back(self) -> str | None:
+        """Why this process does not apply the consumer's batches now; None while it does."""
+        return None if self._held_back is None else self._held_back()
+
     async def handle(self, messages: Sequence[Msg]) -> None:
-        why = None if self._held_back is None else self._held_back()
+        why = self.held_back()
         if why is not None:
             for msg in messages:  # back to the consumer, for the process applying it now (or after an adoption)
                 await msg.nak(delay=LEFT_TO_THE_HOLDER_S)
@@ -810,6 +814,9 @@ async def start_projection(
         connection=nc,
         batch_size=batch_size,
         fetch_timeout_s=settings.projector_batch_timeout_s,
+        # A holder woken past its lease fetches nothing until it has looked again: fetched from the consumer its
+        # successor may have made again, the batch went back behind what the successor read next (a review's).
+        paused=lambda: projection.held_back() is not None,
     )
     # The server hears that a batch is in hand a few times per ack wait, so the wait can be short: after a crash
     # its deltas come back within it.

@@ -416,7 +416,10 @@ def dlq_stream_config(names: Names, settings: Settings) -> StreamConfig:
         subjects=[names.dlq_subjects],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        duplicate_window=120.0,
+        # As long as the delta stream's: a delta dead-lettered above its consumer's floor and read again (a
+        # hand-over after a database outage) keeps its one dead letter for as long. It was 2 minutes, and an outage
+        # longer than that stored a second (a fault tester's).
+        duplicate_window=settings.dedupe_window_s,
         max_msgs_per_subject=settings.dead_letters_per_workspace or -1,  # a subject per workspace: its oldest go
         num_replicas=settings.nats_replicas,
         description="Deltas that can never apply, with the reason in headers",
@@ -495,8 +498,7 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
                     await js.add_stream(config)
                 except APIError as error:
                     limits = [k for k in ("max_bytes", "max_msgs_per_subject", "max_age") if getattr(config, k)]
-                    if config.duplicate_window == settings.dedupe_window_s:  # the delta stream's, from the setting
-                        limits.append("duplicate_window")
+                    limits.append("duplicate_window")  # both streams', from the setting
                     raise SettingsUnusable(_refused(stream, [*limits, "num_replicas"], error)) from error
                 log.info("stream_created", stream=stream, replicas=settings.nats_replicas)
                 continue
@@ -530,6 +532,9 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
             if existing.discard != config.discard:
                 changes.append("discard")
                 wanted = dataclasses.replace(wanted, discard=config.discard)
+        if isinstance(config, StreamConfig) and abs((existing.duplicate_window or 0) - config.duplicate_window) > 0.5:
+            changes.append("duplicate_window")  # ONTOFABRIC_DEDUPE_WINDOW_S changed, or a dead-letter stream's 2 min
+            wanted = dataclasses.replace(wanted, duplicate_window=config.duplicate_window)
         if isinstance(config, StreamConfig) and existing.max_msg_size != config.max_msg_size:
             changes.append("max_msg_size")  # a delta stream made when deltas could fill the whole max_payload
             wanted = dataclasses.replace(wanted, max_msg_size=config.max_msg_size)

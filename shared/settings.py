@@ -257,8 +257,8 @@ class Settings(BaseSettings):
         default=600.0,
         gt=0,
         le=86_400,
-        description="JetStream duplicate window for Nats-Msg-Id deduplication (at most a day: the server keeps every "
-        "id of the window in memory).",
+        description="JetStream duplicate window for Nats-Msg-Id deduplication, of the delta stream and the dead-letter "
+        "stream (at most a day: the server keeps every id of the window in memory).",
     )
     delta_max_age_days: float | None = Field(
         default=None,

@@ -28,6 +28,7 @@ from ontofabric.shared.jetstream import (
     connect,
     connection_lost,
     delta_stream_config,
+    dlq_stream_config,
     ensure_jetstream,
     subscriptions_visible,
 )
@@ -362,6 +363,27 @@ async def test_a_delta_stream_made_before_the_republish_gets_it_from_a_projector
         assert (await js.stream_info(names.delta_stream)).config.max_age == 2 * 86400
         await ensure_jetstream(js, names, deployment.settings, reconcile=True)
         assert not (await js.stream_info(names.delta_stream)).config.max_age
+
+
+async def test_dead_letters_keep_their_one_copy_as_long_as_deltas_do(
+    deployment: Deployment, embedded: EmbeddedRuntime | None
+) -> None:
+    """A fault tester's: a delta dead-lettered above its consumer's floor, read again after a hand-over past the
+    dead-letter stream's 2-minute duplicate window, was stored a second time. That window is now the delta
+    stream's (ONTOFABRIC_DEDUPE_WINDOW_S), and a projector's start brings an older release's stream to it."""
+    names = Names(f"{deployment.names.prefix}dw")
+    async with _streams_of(deployment, embedded, names) as js:
+        await js.add_stream(dataclasses.replace(dlq_stream_config(names, deployment.settings), duplicate_window=120.0))
+        await ensure_jetstream(js, names, deployment.settings)  # a query worker's start leaves it to the projector
+        assert (await js.stream_info(names.dlq_stream)).config.duplicate_window == 120.0
+        longer = deployment.settings.model_copy(update={"dedupe_window_s": 900.0})
+        await ensure_jetstream(js, names, longer, reconcile=True)  # a projector's start
+        for stream in (names.dlq_stream, names.delta_stream):
+            assert (await js.stream_info(stream)).config.duplicate_window == 900.0
+        letter = {"Nats-Msg-Id": "dlq:postgres:DELTAS:7"}
+        first = await js.publish(names.dlq_subject("acme"), b"bad", headers=letter)
+        again = await js.publish(names.dlq_subject("acme"), b"bad", headers=letter)
+        assert (again.duplicate, again.seq) == (True, first.seq)
 
 
 async def test_each_workspace_keeps_its_own_share_of_dead_letters_and_a_full_delta_stream_refuses_new_ones(

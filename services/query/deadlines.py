@@ -22,6 +22,20 @@ to a request after it arrived (between 5 and 250 ms: with 100 ms, 1 of 1,106 req
 2-core machine got its refusal just after its caller gave up)."""
 
 
+def margin_s(timeout_s: float) -> float:
+    """What is kept back of a caller's timeout for the reply's way back, before the event loop's lag."""
+    return min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE))
+
+
+def longest_hopeless_ms(least_ms: float) -> int:
+    """The longest stated timeout (whole ms) that, its margin kept back, leaves no more than ``least_ms``: no
+    answer needing that much can come within it, however idle the worker."""
+    timeout_ms = math.floor(least_ms)
+    while timeout_ms + 1 - margin_s((timeout_ms + 1) / 1000) * 1000 <= least_ms:
+        timeout_ms += 1
+    return timeout_ms
+
+
 @dataclass(frozen=True)
 class Deadline:
     at: float
@@ -100,7 +114,7 @@ def deadline_of(
             )
         timeout_ms = int(text)
     timeout_s = timeout_ms / 1000
-    margin = min(MAX_MARGIN_S, max(MIN_MARGIN_S, timeout_s * MARGIN_SHARE)) + min(lag_s, timeout_s * MAX_LAG_SHARE)
+    margin = margin_s(timeout_s) + min(lag_s, timeout_s * MAX_LAG_SHARE)
     at = received + max(0.0, timeout_s - margin - waited_before_s)
     return Deadline(at, timeout_ms, stated=raw is not None, waited_before_s=waited_before_s)
 

@@ -89,6 +89,7 @@ from .deadlines import (
     ServiceTime,
     deadline_of,
     header_value,
+    longest_hopeless_ms,
     waited_before_receipt_s,
 )
 from .freshness import DeltaWatch
@@ -144,17 +145,26 @@ def least_answer_ms(operation: str | None) -> float:
     return LEAST_ANSWER_MS if operation == "query" else 0.0
 
 
+def hopeless(deadline: Deadline, least_ms: float) -> bool:
+    """Whether the caller's stated timeout, less the margin kept for the reply's way back, leaves what any answer
+    needs (``least_ms``) no time: 21 to 25 ms were told to retry, where 20 ms was not (an outside tester's)."""
+    # A document or a status request needs no retriever (least 0): refused for time, it may be tried again.
+    return deadline.stated and least_ms > 0 and deadline.timeout_ms <= longest_hopeless_ms(least_ms)
+
+
 def hopeless_reply(
     why: str, timeout_ms: int, least_ms: float, timeout_too_short: bool, details: list[ErrorDetail] | None = None
 ) -> bytes:
-    """The ``deadline_exceeded`` reply to a request whose stated timeout gives the retrievers it asks for no time:
-    not retryable, since the same again can only be answered from the cache (an outside tester's 20 ms requests,
-    retryable, looped in a retrying client), and naming the header and what is needed."""
+    """The ``deadline_exceeded`` reply to a request whose stated timeout gives the retrievers it asks for no time
+    (:func:`hopeless`): not retryable, since the same again can only be answered from the cache (an outside
+    tester's 20 ms requests, retryable, looped in a retrying client), and naming the header and what is needed."""
+    longest = longest_hopeless_ms(least_ms)
     message = (
         f"{why}: a timeout of {timeout_ms} ms leaves the asked retrievers no time (each must end well before the "
-        f"deadline); ask with more than {least_ms:.0f} ms, and an answer needs more still"
+        f"deadline, and a margin is kept for the reply); ask with more than {longest} ms, and an answer needs more "
+        "still"
     )
-    needed = ErrorDetail(field=f"header {TIMEOUT_HEADER}", message=f"more than {least_ms:.0f} ms needed")
+    needed = ErrorDetail(field=f"header {TIMEOUT_HEADER}", message=f"more than {longest} ms needed")
     return error_reply("deadline_exceeded", message, [needed, *(details or [])], timeout_too_short=timeout_too_short)
 
 
@@ -357,7 +367,7 @@ class Admitted:
         """The ``deadline_exceeded`` reply; when the send time took part, a detail names its header: a caller that
         reads the reply with time left knows its clock and this worker's disagree (QueryClient then sends the
         request again without it). ``least_ms``: what any answer to its operation needs (:func:`least_answer_ms`);
-        a stated timeout at or under it is refused as :func:`hopeless_reply`."""
+        a stated timeout that leaves it no time (:func:`hopeless`) is refused as :func:`hopeless_reply`."""
         before = self.deadline.waited_before_s
         sent_ms = before * 1000 + CLOCK_ALLOWANCE_MS  # as the message says it
         details = (
@@ -366,7 +376,7 @@ class Admitted:
             else None
         )
         late = self.late(now)
-        if self.deadline.stated and self.deadline.timeout_ms <= least_ms:
+        if hopeless(self.deadline, least_ms):
             # Refused before any retriever was asked: 1 to 8 ms were told to retry, where 10 ms, refused by the
             # pipeline, was not (a tester's).
             return hopeless_reply(late, self.deadline.timeout_ms, least_ms, timeout_too_short, details)
@@ -914,7 +924,7 @@ class QueryService:
             if not error.out_of_time:
                 return error_reply("unavailable", str(error), retryable=True)
             short = self._timeout_too_short(deadline)
-            if deadline.stated and deadline.timeout_ms <= error.least_ms:
+            if hopeless(deadline, error.least_ms):
                 return hopeless_reply(str(error), deadline.timeout_ms, error.least_ms, short)
             return error_reply("deadline_exceeded", str(error), retryable=True, timeout_too_short=short)
         except PositionUnavailable as error:

@@ -142,8 +142,33 @@ FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
 """Request fields that restrict what a query may see; with one of them, semanticQuery may be left out."""
 
 
-_WHITESPACE = "".join(f"\\u{ord(c):04x}" for c in map(chr, range(0x3001)) if c.isspace())
-"""The characters str.isspace() counts (none above U+3000), as JSON Schema pattern escapes."""
+_SHOWN_FORMAT_CHARACTERS = frozenset(
+    "\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891\u08e2\U000110bd\U000110cd"
+)
+"""Format characters that show a sign (Unicode's prepended concatenation marks: the Arabic number sign ...)."""
+
+
+def _shows_nothing(character: str) -> bool:
+    """Whitespace, or a format character that shows nothing (a zero-width space, a direction mark, a word joiner)."""
+    if character.isspace():
+        return True
+    return unicodedata.category(character) == "Cf" and character not in _SHOWN_FORMAT_CHARACTERS
+
+
+def _pattern_class(code_points: list[int]) -> str:
+    """Code points as the inside of a JSON Schema pattern's character class, runs written as ranges."""
+    runs: list[list[int]] = []
+    for point in code_points:
+        if runs and point == runs[-1][1] + 1:
+            runs[-1][1] = point
+        else:
+            runs.append([point, point])
+    return "".join(f"\\u{a:04x}" if a == b else f"\\u{a:04x}-\\u{b:04x}" for a, b in runs)
+
+
+_BLANK = _pattern_class([point for point in range(0x10000) if _shows_nothing(chr(point))])
+"""What shows nothing within the Basic Multilingual Plane, as a pattern's character class (the few format
+characters above it are refused by the validator alone)."""
 
 
 def _query_or_filter_schema(schema: dict[str, Any]) -> None:
@@ -155,10 +180,10 @@ def _query_or_filter_schema(schema: dict[str, Any]) -> None:
         for key in map(to_camel, ("semantic_query", "related_to", *FILTERS))
     ]
     text = next(option for option in schema["properties"]["semanticQuery"]["anyOf"] if option.get("type") == "string")
-    # Some text that is not whitespace, and no NUL: whitespace spelt out as str.strip() reads it (JSON Schema's
-    # regular expressions are ECMA-262's, whose \\s is another set), and leading whitespace apart from the first
-    # other character, so that no string makes the match backtrack (a review's findings).
-    text["pattern"] = f"^[{_WHITESPACE}]*[^{_WHITESPACE}\\u0000][^\\u0000]*$"
+    # Some text that shows, and no NUL: whitespace spelt out as str.isspace() reads it (JSON Schema's regular
+    # expressions are ECMA-262's, whose \\s is another set), and what shows nothing apart from the first other
+    # character, so that no string makes the match backtrack (a review's findings).
+    text["pattern"] = f"^[{_BLANK}]*[^{_BLANK}\\u0000][^\\u0000]*$"
 
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
@@ -266,8 +291,10 @@ class OntologyQuery(StrictRequest):
     @field_validator("semantic_query")
     @classmethod
     def _has_text(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("semanticQuery must contain non-whitespace text")
+        if value is not None and all(map(_shows_nothing, value)):
+            # Format characters too: a query of a zero-width space and two marks was answered, dense alone, with
+            # whatever lay nearest (an outside tester's).
+            raise ValueError("semanticQuery must contain text that shows: not only whitespace or invisible marks")
         if value is not None and "\x00" in value:
             raise ValueError("semanticQuery must not contain NUL characters")
         return value

@@ -88,6 +88,17 @@ def test_invalid_queries_are_rejected(body: str) -> None:
         OntologyQuery.model_validate_json(body)
 
 
+def test_a_query_with_a_sign_that_shows_is_taken_whatever_marks_surround_it() -> None:
+    published = json.loads((schema.SCHEMA_DIR / "ontology-query.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(published)
+    for text in ("\u200bparse\u200e", "\u0600", "\u200b\U0001f600"):  # the Arabic number sign is seen
+        assert OntologyQuery.model_validate({"semanticQuery": text}).semantic_query == text
+        assert validator.is_valid({"semanticQuery": text})
+    # A format character past the Basic Multilingual Plane, alone, is refused by the validator.
+    with pytest.raises(ValidationError, match="text that shows"):
+        OntologyQuery.model_validate({"semanticQuery": "\U000e0001 \U000e0041"})
+
+
 def test_a_whole_number_written_with_a_point_is_an_integer_as_json_schema_counts_it() -> None:
     """A conformance tester's: `topK: 5.0` was refused over NATS, and taken by the gateway."""
     body = '{"semanticQuery": "x", "topK": 5.0, "options": {"candidates": 40.0, "fusion": {"rrfK": 60.0}}}'
@@ -217,6 +228,9 @@ def test_every_subject_the_services_use_has_a_channel() -> None:
         {"chunkLevel": None},
         # Whitespace as the worker's str.strip() reads it, not as a regular expression's \s (a review's).
         {"semanticQuery": "\x1c\x85"},
+        # Marks that show nothing were answered, dense alone, with whatever lay nearest (an outside tester's).
+        {"semanticQuery": "\u200b\u200e\u2060"},
+        {"semanticQuery": " \ufeff\u00ad\u202e "},
     ],
 )
 def test_what_the_worker_refuses_as_a_query_the_schema_refuses_too(body: dict[str, object]) -> None:

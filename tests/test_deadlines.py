@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -310,6 +311,32 @@ async def test_beyond_its_queue_a_worker_refuses_at_once(
     for reply in refused_again:
         assert reply.error.retry_after_ms is not None, reply.error
         assert 600 <= reply.error.retry_after_ms <= 2500, reply.error
+
+
+async def test_a_refusal_told_to_come_back_well_past_its_wait_says_why(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """An outside tester's storm (callers sending again as soon as refused) was told 10.6 s to come back beside
+    "this worker would answer in about 758 ms", and nothing said why: each refusal is paced behind those before."""
+    await start_worker(SlowReranker(0.2), query_concurrency=1, query_queue_limit=1)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)  # a time to go by
+    refused: list[ErrorReply] = []
+    for _ in range(3):
+        replies = await asyncio.gather(*(client.query("acme", {"semanticQuery": LONG_QUERY}) for _ in range(12)))
+        refused += [r for r in replies if isinstance(r, ErrorReply) and r.error.retry_after_ms is not None]
+    said = re.compile(r"told to come back in about (\d+) ms, after the requests refused before this one")
+    for reply in refused:
+        assert reply.error.retry_after_ms is not None
+        found = said.search(reply.error.message)
+        if reply.error.retry_after_ms > 2000:  # past any wait two held requests of 0.2 s make
+            assert found is not None, reply.error.message
+            assert abs(int(found.group(1)) - reply.error.retry_after_ms) <= 1
+        if reply.error.retry_after_ms < 500:
+            assert found is None, reply.error.message
+    assert max(r.error.retry_after_ms or 0 for r in refused) > 2000  # the storm's pacing reached it
 
 
 async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_in_front_of_others(

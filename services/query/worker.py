@@ -450,6 +450,9 @@ class QueryService:
         self._without_reply = TurnedAway("query_without_reply_subject_dropped")
         self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded")
         self._refused_arriving = TurnedAway("query_requests_refused_arriving", refused="overloaded")
+        # Counted in the metrics as each reply is made (error_reply); said here, once a second at most: an outside
+        # tester's storm had 500,000 refused with nothing in the log.
+        self._refused_busy = TurnedAway("query_requests_refused_busy")
 
     async def start(self) -> None:
         count_from_zero()
@@ -666,17 +669,17 @@ class QueryService:
                 + ("retry" if wait > 0 else "retry with a longer timeout")
             )
             short = self._timeout_too_short(deadline)
-            await self._reply(msg, self._overloaded(busy, wait, runners, timeout_too_short=short))
+            await self._reply(msg, self._overloaded(msg, busy, wait, runners, timeout_too_short=short))
             return
         max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
         if not deadline.stated and self._held and wait > max_wait_s:
             busy = f"this worker would start this request in about {wait * 1000:.0f} ms; {_UNSTATED_WAIT}"
-            await self._reply(msg, self._overloaded(busy.format(max_wait_s * 1000), wait, runners))
+            await self._reply(msg, self._overloaded(msg, busy.format(max_wait_s * 1000), wait, runners))
             return
         displaced = self._displace_for(workspace) if self._held >= places else None
         if self._held >= places:
             busy = f"this worker is at capacity ({concurrency} at work, its queue full); retry"
-            await self._reply(msg, self._overloaded(busy, wait, runners))
+            await self._reply(msg, self._overloaded(msg, busy, wait, runners))
             return
         self._held += 1
         self._held_by[workspace] += 1
@@ -714,10 +717,11 @@ class QueryService:
         ahead, runners = self._turn_of(workspace)
         return self._paced(self._service_time.expected_wait(ahead, runners), runners)
 
-    def _overloaded(self, busy: str, wait: float, runners: int, *, timeout_too_short: bool = False) -> bytes:
+    def _overloaded(self, msg: Msg, busy: str, wait: float, runners: int, *, timeout_too_short: bool = False) -> bytes:
         """An ``overloaded`` refusal saying ``busy``, and when to come back (``retryAfterMs``, paced behind those told
         before). When the pacing puts that well past the wait itself, the message says why: an outside tester's
         storm was told 10.6 s beside "this worker would answer in about 758 ms"."""
+        self._refused_busy.note(msg.subject)
         paced = self._paced(wait, runners)
         if paced > max(2 * wait, wait + PACED_SAID_PAST_S):
             busy += f"; told to come back in about {paced * 1000:.0f} ms, after the requests refused before this one"
@@ -1024,7 +1028,7 @@ class QueryService:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
         self._request_subscriptions = []
-        for tally in (self._without_reply, self._refused_unread, self._refused_arriving):
+        for tally in (self._without_reply, self._refused_unread, self._refused_arriving, self._refused_busy):
             tally.say(then_again=False)
         with contextlib.suppress(TimeoutError):  # those received are answered; past the timeout, cancelled
             await asyncio.wait_for(self._arrived.join(), timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from ontofabric.services.ops.rebuild import (
     Rebuild,
     RebuildFailed,
     pace_delay,
+    paced_batch_size,
     retired_schema,
     running_compactions,
     running_rebuilds,
@@ -633,6 +635,32 @@ def test_the_replay_waits_only_as_long_as_its_rate_asks() -> None:
     assert pace_delay(100, 0.5, 100.0) == pytest.approx(0.5)  # 100 done in half the second they were allowed
     assert pace_delay(100, 2.0, 100.0) == 0.0  # behind already: no wait
     assert pace_delay(0, 0.0, 10.0) == 0.0
+
+
+def test_a_paced_replay_goes_a_seconds_worth_at_a_time() -> None:
+    assert paced_batch_size(500, None) == 500
+    assert paced_batch_size(500, 2.0) == 2  # a minute's worth (120) went in at once, then the replay slept
+    assert paced_batch_size(500, 0.5) == 1
+    assert paced_batch_size(100, 1000.0) == 100
+
+
+async def test_a_paced_rebuild_spreads_its_writes_over_the_time_its_rate_asks(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """An operator tester's: `rebuild --max-rate 2` replayed 120 deltas in its first 5 s, then sat for a minute."""
+    await _publish_history(deployment)
+    progress = RecordedProgress()
+    rebuilding = asyncio.create_task(_rebuild(deployment, progress=progress, max_rate=4.0).run())
+    seen: list[int] = []
+    while not rebuilding.done():
+        seen.append(progress.done["replay"])
+        await asyncio.sleep(0.05)
+    assert (await rebuilding).swapped
+    steps = [after - before for before, after in itertools.pairwise(seen) if after > before]
+    # Four of acme's deltas a step, with at most the other workspace's four between them (progress counts stream
+    # sequences); the whole history (24 sequences) had come in one step.
+    assert len(steps) >= 4, steps
+    assert max(steps) <= 8, steps
 
 
 async def test_a_paced_rebuild_rebuilds_the_same_index(deployment: Deployment, projector: ProjectorService) -> None:

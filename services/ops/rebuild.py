@@ -72,6 +72,7 @@ __all__ = [
     "RebuildFailed",
     "RebuildReport",
     "pace_delay",
+    "paced_batch_size",
     "retired_schema",
     "running_compactions",
     "running_rebuilds",
@@ -128,6 +129,13 @@ class RebuildReport:
     """How long the swap held off the live projectors, from asking for the lock to the commit."""
     parents_lock_s: float = 0.0
     """How long the swap held the live parents' exclusive lock, which queries of every workspace wait for."""
+
+
+def paced_batch_size(batch_size: int, max_rate: float | None) -> int:
+    """The batches of a replay kept to ``max_rate`` a second: a second's worth at most, so that the database gets
+    them spread out. A minute's worth went in at full speed, then the replay slept (an operator tester's: 120 of
+    ``--max-rate 2`` in the first 5 s)."""
+    return batch_size if max_rate is None else min(batch_size, max(1, int(max_rate)))
 
 
 def pace_delay(done: int, elapsed_s: float, max_rate: float | None) -> float:
@@ -402,8 +410,8 @@ class Rebuild:
         paced = stage != "catch up"
         began, replayed = time.monotonic(), 0
         batch_size = self._settings.projector_batch_size
-        if paced and self._max_rate is not None:  # a minute's worth at most: the consumer must not sit idle long
-            batch_size = min(batch_size, max(1, int(self._max_rate * 60)))
+        if paced:
+            batch_size = paced_batch_size(batch_size, self._max_rate)
         runner = ProjectionRunner(shadow.sink, self._limits, self._reembedder)
         async with workspace_deltas(nc, self._names, self._workspace, start, upto, batch_size) as batches:
             async for batch in batches:

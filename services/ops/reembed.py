@@ -46,7 +46,7 @@ from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .rebuild import pace_delay, running_rebuilds
+from .rebuild import pace_delay, paced_batch_size, running_rebuilds
 from .shadow import lock_exclusively
 
 log = get_logger(__name__)
@@ -360,7 +360,8 @@ class ModelChange:
         total = 0 if held else await conn.fetchval(f"SELECT count(*) FROM public.documents WHERE {_STALE}")
         self._progress.stage(stage, total)
         after, done, started = ("", "", ""), 0, time.perf_counter()
-        while rows := await conn.fetch(_STALE_ROWS, *after, self._batch_size):
+        size = self._batch_size if held else paced_batch_size(self._batch_size, self._max_rate)
+        while rows := await conn.fetch(_STALE_ROWS, *after, size):
             texts = [embedding_text(r["content"], r["symbol_fqn"]) for r in rows]
             vectors, tokens = await asyncio.to_thread(embedder.embed_with_tokens, texts)
             writes = [

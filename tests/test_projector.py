@@ -23,6 +23,7 @@ from nats.js.errors import BadRequestError
 from opentelemetry import trace
 
 from ontofabric.contracts import OntologyVersionChanged, TokenVectors
+from ontofabric.services.ops import status as status_module
 from ontofabric.services.ops.status import NO_QUERY_WORKER, deployment_status
 from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import Delta, RejectReason, VersionState
@@ -121,6 +122,32 @@ async def test_a_versions_bucket_deleted_behind_the_projectors_back_is_made_agai
     # And what the index holds of the others, announced again (a verifier's: globex read "none yet" for good).
     other = await kv.get(deployment.names.version_key("globex", "main"))
     assert OntologyVersionChanged.model_validate_json(other.value or b"").stream_seq == first[-1].seq
+    assert (await deployment_status(deployment.nc, deployment.names, placement)).problems == [NO_QUERY_WORKER]
+
+
+async def test_status_names_a_consumer_that_settles_nothing_while_deltas_wait(
+    deployment: Deployment, impatient_projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator tester's: with the projector up and answering but every write stuck behind a lock, `status`
+    listed 1,226 deltas pending for 98 s and no problem, and exited 0; only the alert rules caught it, after 10
+    minutes."""
+    first = await deployment.publisher.publish(upsert("acme", document("d0", "one")))
+    await deployment.wait_projected(first.seq)
+    monkeypatch.setattr(status_module, "STALLED_AFTER_S", 2.0)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    holder = await asyncpg.connect(deployment.database_url)
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE handled_events IN ACCESS EXCLUSIVE MODE")
+            stuck = await deployment.publisher.publish(upsert("acme", document("d1", "two")))
+            await asyncio.sleep(4)
+            status = await deployment_status(deployment.nc, deployment.names, placement)
+        stalled = [problem for problem in status.problems if "has settled nothing for" in problem]
+        assert len(stalled) == 1, status.problems
+        assert deployment.names.postgres_projector_durable in stalled[0]
+    finally:
+        await holder.close()
+    await deployment.wait_projected(stuck.seq, timeout_s=30)
     assert (await deployment_status(deployment.nc, deployment.names, placement)).problems == [NO_QUERY_WORKER]
 
 

@@ -10,13 +10,13 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
 import asyncpg
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
 from ontofabric.contracts import NO_VERSION, OntologyVersionChanged
@@ -61,6 +61,8 @@ class ConsumerStatus:
     configured: bool = True
     """False: a Postgres consumer of another partition layout than this deployment's settings (one being filled
     for a new layout, or one left by a layout given up: it holds compaction back until deleted)."""
+    last_settled: datetime | None = None
+    """When it last settled a delta (applied, or dead-lettered), by the NATS server; None: not yet."""
     index_position: int | None = None
     """Where its index's database says the index stands (infra/migrations/0027), written by its projector every
     few seconds; None: not known (not read, or not said yet). Well behind ``ack_floor`` while its projector runs:
@@ -77,6 +79,7 @@ class StreamStatus:
     """The most it may hold (ONTOFABRIC_DELTA_STREAM_MAX_BYTES); full, it refuses new messages. None: no limit."""
 
 
+STALLED_AFTER_S = 60.0
 DATABASE_WAIT_S = 5.0
 """How long status waits for each database to connect and count, before saying it could not."""
 
@@ -134,8 +137,20 @@ async def deployment_status(
                 int(info.num_waiting or 0),
                 info.delivered.last_active if info.delivered else None,
                 durable not in others,
+                last_settled=info.ack_floor.last_active if info.ack_floor else None,
             )
         )
+    for consumer in status.consumers:
+        stalled_s = await _stalled_for(js, names, consumer)
+        if stalled_s is not None and stalled_s > STALLED_AFTER_S:
+            # An operator tester's: a projector up and answering, every write stuck behind a lock, and status said
+            # nothing for minutes; only the alert rules did, after ten.
+            waiting = consumer.undelivered + consumer.unacknowledged
+            status.problems.append(
+                f"the projector consumer {consumer.name} has settled nothing for {stalled_s:.0f} s while {waiting} "
+                f"delta{'' if waiting == 1 else 's'} wait: its projector's writes fail or hang (its log says why: "
+                "batch_retry)"
+            )
     positions, refusals = await _index_positions(placement, names.every_postgres_projector_durable)
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     for durable, reason in sorted(refusals.items()):
@@ -251,6 +266,19 @@ async def deployment_status(
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
+
+
+async def _stalled_for(js: JetStreamContext, names: Names, consumer: ConsumerStatus) -> float | None:
+    """How long the consumer has settled nothing while the delta after its floor was there to settle: since the
+    later of its last settling and that delta's arrival. None while nothing waits, or when that cannot be told."""
+    if not consumer.undelivered + consumer.unacknowledged or consumer.last_settled is None:
+        return None
+    try:
+        waiting = await js.get_msg(names.delta_stream, consumer.ack_floor + 1)
+    except (NotFoundError, APIError):  # compacted away, deleted, or JetStream away: not told
+        return None
+    since = consumer.last_settled if waiting.time is None else max(consumer.last_settled, waiting.time)
+    return (datetime.now(UTC) - since).total_seconds()
 
 
 async def _stream(

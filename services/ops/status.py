@@ -140,7 +140,8 @@ async def deployment_status(
                 last_settled=info.ack_floor.last_active if info.ack_floor else None,
             )
         )
-    for consumer in status.consumers:
+    # This layout's Postgres consumers: another layout's, or an Azure one, may be left over, unread on purpose.
+    for consumer in (consumer for consumer in status.consumers if consumer.name in durables):
         stalled_s = await _stalled_for(js, names, consumer)
         if stalled_s is not None and stalled_s > STALLED_AFTER_S:
             # An operator tester's: a projector up and answering, every write stuck behind a lock, and status said

@@ -661,6 +661,20 @@ async def test_a_paced_rebuild_spreads_its_writes_over_the_time_its_rate_asks(
     # sequences); the whole history (24 sequences) had come in one step.
     assert len(steps) >= 4, steps
     assert max(steps) <= 8, steps
+    # And from a snapshot, after a compaction (daily, as advised): it had gone in at full speed whatever the rate.
+    await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    progress = RecordedProgress()
+    rebuilding = asyncio.create_task(_rebuild(deployment, progress=progress, max_rate=4.0).run())
+    seen = []
+    while not rebuilding.done():
+        seen.append(progress.done["snapshot"])
+        await asyncio.sleep(0.05)
+    report = await rebuilding
+    assert report.swapped
+    assert report.restored >= 12
+    steps = [after - before for before, after in itertools.pairwise(seen) if after > before]
+    assert len(steps) >= 3, steps
+    assert max(steps) <= 4, steps
 
 
 async def test_a_paced_rebuild_rebuilds_the_same_index(deployment: Deployment, projector: ProjectorService) -> None:

@@ -1188,7 +1188,11 @@ def status(
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:
         return deployment_status(nc, names, Placement.of(settings, endpoints.database_url), workspace)
 
-    report = _as_operator(data_dir, job)
+    try:
+        report = _as_operator(data_dir, job)
+    except NatsUnreachable as error:  # nothing read: not the problems a health check reads as exit 1
+        errors.print(f"[red]error:[/red] {error}: is it running, and is ONTOFABRIC_NATS_URL right?")
+        raise typer.Exit(2) from error
     if as_json:
         print(report.to_json())
     else:

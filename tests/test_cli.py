@@ -80,10 +80,13 @@ def test_client_commands_explain_what_is_missing(tmp_path: Path) -> None:
     assert "ontofabric up" in result.stderr
 
 
-@pytest.mark.parametrize("command", [["query", "anything"], ["ingest", ".", "--workspace", "w"], ["dlq", "list"]])
+@pytest.mark.parametrize(
+    "command", [["query", "anything"], ["ingest", ".", "--workspace", "w"], ["dlq", "list"], ["status", "--json"]]
+)
 def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path: Path, command: list[str]) -> None:
     """No command waits for ever for a server nobody runs; a query needs no database URL to say so. (The MCP
-    gateway starts anyway: tests/test_gateway.py.)"""
+    gateway starts anyway: tests/test_gateway.py.) Status, which a health check reads, exits 2 as its help says
+    when nothing could be read (an operator tester's: 1, as for problems listed)."""
     with socket.socket() as probe:  # a port nothing listens on once closed
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -98,8 +101,9 @@ def test_an_unreachable_nats_server_is_said_within_the_connect_timeout(tmp_path:
         [ONTOFABRIC, *command, "--data-dir", str(tmp_path)], cwd=tmp_path,
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60, check=False,
     )  # fmt: skip
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == (2 if command[0] == "status" else 1), result.stderr
     assert f"no NATS server answered at nats://127.0.0.1:{port} within 1.5 s" in result.stderr
+    assert not result.stdout
     assert time.monotonic() - started < 30
     assert "Traceback" not in result.stderr
 

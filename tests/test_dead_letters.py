@@ -17,6 +17,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+import structlog
 import typer
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
@@ -36,12 +37,14 @@ from ontofabric.services.ops.dead_letters import (
 )
 from ontofabric.services.ops.rebuild import Rebuild
 from ontofabric.services.ops.snapshots import CompactionRefused, compact
+from ontofabric.services.projector.consumer import dead_letter
+from ontofabric.services.projector.planning import Rejection
 from ontofabric.services.projector.snapshots import find_snapshot_store, load_snapshot
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import migrate
 from ontofabric.shared.placement import Placement
 
-from .conftest import Deployment, RecordedProgress, projected_rows
+from .conftest import Deployment, RecordedProgress, metric_points, projected_rows
 from .factories import document, unit_vector, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -673,3 +676,32 @@ async def test_metadata_is_bounded_as_the_index_stores_it(deployment: Deployment
     ]
     assert "100000000000000000000" in stored  # written in full
     assert "-0.00000025" in stored
+
+
+async def test_a_delta_dead_lettered_again_is_one_letter_counted_and_said_once(deployment: Deployment) -> None:
+    """An operator tester's: a projector killed mid-batch after dead-lettering three deltas, and the one taking over
+    read them again; the dead-letter stream kept one letter each, but both processes logged `delta_dead_lettered`
+    and counted it: 6 in the metrics for 3 letters."""
+    names = deployment.names
+    ack = await deployment.js.publish(names.delta_subject("acme", "main"), b"not json")
+
+    def counted(outcome: str) -> int:
+        return sum(
+            int(point.value)
+            for point in metric_points("projector.deltas")
+            if point.attributes.get("outcome") == outcome and point.attributes.get("index") == "dl-test"
+        )
+
+    said = []
+    for reader in ("first", "second"):  # each a delivery of the same delta, as a crash and a takeover make
+        config = ConsumerConfig(durable_name=f"{names.prefix}-{reader}", ack_policy=AckPolicy.EXPLICIT)
+        await deployment.js.add_consumer(names.delta_stream, config)
+        subscription = await deployment.js.pull_subscribe_bind(f"{names.prefix}-{reader}", names.delta_stream)
+        (msg,) = await subscription.fetch(1, timeout=5)
+        assert msg.metadata.sequence.stream == ack.seq
+        with structlog.testing.capture_logs() as logged:
+            assert await dead_letter(deployment.js, names, [(msg, Rejection("invalid_schema", "not JSON"))], "dl-test")
+        said += [entry["event"] for entry in logged]
+    assert said == ["delta_dead_lettered", "delta_dead_lettered_before"]
+    assert (counted("dead_lettered"), counted("dead_lettered_before")) == (1, 1)
+    assert len(await dead_letters(deployment.nc, names, Selection())) == 1

@@ -666,9 +666,9 @@ def _fail_on_dead_letters(
 def query(
     text: Annotated[
         str | None,
+        # Optional so that a relation can be asked alone (an agent tester could not).
         typer.Argument(
-            help="The semantic query; may be left out with --related-to or a filter, as the contract allows (an "
-            "agent tester could not ask a relation alone)."
+            help="The semantic query; may be left out with --related-to or a filter, as the contract allows."
         ),
     ] = None,
     workspace: Annotated[str, typer.Option(help="Workspace to query.", callback=_workspace_name)] = "ontofabric",

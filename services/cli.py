@@ -1182,7 +1182,8 @@ def status(
     documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again).
 
     Exits 1 when it lists problems (a projector consumer or the versions bucket missing, a database that could not be
-    read, deltas pending with no projector answering), 2 when it cannot be read at all."""
+    read, deltas pending with no projector answering, or with one answering whose consumer has settled nothing for a
+    minute), 2 when it cannot be read at all."""
     from .ops.status import deployment_status
 
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:

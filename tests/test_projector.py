@@ -133,6 +133,9 @@ async def test_status_names_a_consumer_that_settles_nothing_while_deltas_wait(
     minutes."""
     first = await deployment.publisher.publish(upsert("acme", document("d0", "one")))
     await deployment.wait_projected(first.seq)
+    async with asyncio.timeout(10):  # the index's position as a look of the projector records it
+        while (await deployment.fetch("SELECT position FROM projection_fences"))[0]["position"] != first.seq:
+            await asyncio.sleep(0.1)
     monkeypatch.setattr(status_module, "STALLED_AFTER_S", 2.0)
     placement = Placement.of(deployment.settings, deployment.database_url)
     holder = await asyncpg.connect(deployment.database_url)

@@ -18,6 +18,7 @@ import structlog
 
 from ontofabric.contracts import QueryResponse
 from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.ops import status as status_module
 from ontofabric.services.ops.rebuild import Rebuild
 from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector import worker as projector_worker
@@ -679,3 +680,48 @@ async def test_a_spell_without_discovery_makes_no_peer_gone_for_good(
         await deployment.wait_projected(ack.seq, timeout_s=30)
     finally:
         await newer.stop()
+
+
+async def test_status_names_the_partition_whose_writes_hang_while_the_other_partition_goes_on(
+    deployment_settings: Settings,
+    servers: Endpoints,
+    nats_logins: dict[str, tuple[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: a partition's consumer acks the other partitions' deltas as it passes them, so its last ack moved
+    while its own writes failed, and status, reading the last ack, saw nothing wrong. Its index position does not
+    move: that is read now."""
+    settings = deployment_settings.model_copy(update={"projector_partitions": 2, "statement_timeout_ms": 300})
+    stuck, flowing = _spread_workspaces(2, per_partition=1)
+    async with open_deployment(settings, servers.database_url, nats_logins) as deployment:
+        service = ProjectorService(settings, deployment.nats_url_as("projector"), deployment.database_url)
+        await service.start()
+        holder = await asyncpg.connect(deployment.database_url)
+        try:
+            durables = deployment.names.postgres_projector_durables(2)
+            first = await deployment.publisher.publish_many(
+                [upsert(stuck, document("a", "alpha")), upsert(flowing, document("a", "alpha"))]
+            )
+            await deployment.wait_projected(first[-1].seq)
+            async with asyncio.timeout(10):  # each index position as its projector's look records it
+                while (
+                    len(await deployment.fetch("SELECT 1 FROM projection_fences WHERE position >= $1", first[-1].seq))
+                    < 2
+                ):
+                    await asyncio.sleep(0.1)
+            monkeypatch.setattr(status_module, "STALLED_AFTER_S", 2.0)
+            placement = Placement.of(settings, deployment.database_url)
+            async with holder.transaction():  # the stuck workspace's row held: its update waits, and times out
+                await holder.execute("SELECT 1 FROM documents WHERE workspace = $1 AND id = 'a' FOR UPDATE", stuck)
+                await deployment.publisher.publish(upsert(stuck, document("a", "beta")))
+                for n in range(5):  # the other partition goes on, and the stuck consumer acks these as it passes
+                    ack = await deployment.publisher.publish(upsert(flowing, document(f"d{n}", f"text {n}")))
+                    await asyncio.sleep(1)
+                assert await ack_floor(deployment.js, deployment.names.delta_stream, durables[1]) >= ack.seq
+                status = await deployment_status(deployment.nc, deployment.names, placement)
+            stalled = [problem for problem in status.problems if "has settled nothing for" in problem]
+            assert len(stalled) == 1, status.problems
+            assert durables[0] in stalled[0]
+        finally:
+            await holder.close()
+            await service.stop()

@@ -61,8 +61,6 @@ class ConsumerStatus:
     configured: bool = True
     """False: a Postgres consumer of another partition layout than this deployment's settings (one being filled
     for a new layout, or one left by a layout given up: it holds compaction back until deleted)."""
-    last_settled: datetime | None = None
-    """When it last settled a delta (applied, or dead-lettered), by the NATS server; None: not yet."""
     index_position: int | None = None
     """Where its index's database says the index stands (infra/migrations/0027), written by its projector every
     few seconds; None: not known (not read, or not said yet). Well behind ``ack_floor`` while its projector runs:
@@ -137,22 +135,9 @@ async def deployment_status(
                 int(info.num_waiting or 0),
                 info.delivered.last_active if info.delivered else None,
                 durable not in others,
-                last_settled=info.ack_floor.last_active if info.ack_floor else None,
             )
         )
-    # This layout's Postgres consumers: another layout's, or an Azure one, may be left over, unread on purpose.
-    for consumer in (consumer for consumer in status.consumers if consumer.name in durables):
-        stalled_s = await _stalled_for(js, names, consumer)
-        if stalled_s is not None and stalled_s > STALLED_AFTER_S:
-            # An operator tester's: a projector up and answering, every write stuck behind a lock, and status said
-            # nothing for minutes; only the alert rules did, after ten.
-            waiting = consumer.undelivered + consumer.unacknowledged
-            status.problems.append(
-                f"the projector consumer {consumer.name} has settled nothing for {stalled_s:.0f} s while {waiting} "
-                f"delta{'' if waiting == 1 else 's'} wait: its projector's writes fail or hang (its log says why: "
-                "batch_retry)"
-            )
-    positions, refusals = await _index_positions(placement, names.every_postgres_projector_durable)
+    positions, refusals, still = await _index_positions(placement, names.every_postgres_projector_durable)
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     for durable, reason in sorted(refusals.items()):
         status.problems.append(
@@ -262,6 +247,21 @@ async def deployment_status(
             f"no Postgres projector answers for {unheld} pending delta{'' if unheld == 1 else 's'}: applied once "
             "one runs"
         )
+    # This layout's consumers that a projector answering applies: one with none is said above, a refused one too, and
+    # another layout's or an Azure consumer may be left over, unread on purpose.
+    for partition, durable in enumerate(durables):
+        consumer = next((c for c in status.consumers if c.name == durable), None)
+        held = any(count == placement.partitions and partition in partitions for count, partitions in applying)
+        if consumer is None or not held or durable in refusals:
+            continue
+        stalled_s = await _stalled_for(js, names, consumer, still.get(durable))
+        if stalled_s is not None and stalled_s > STALLED_AFTER_S:
+            # An operator tester's: a projector up and answering, every write stuck behind a lock, and status said
+            # nothing for minutes; only the alert rules did, after ten.
+            status.problems.append(
+                f"the projector consumer {consumer.name} has settled nothing for {stalled_s:.0f} s while deltas "
+                "wait: its projector answers, and its writes fail or hang (its log says why: batch_retry)"
+            )
     if not status.query_workers:  # an operator tester's health check exited 0 while every query went unanswered
         status.problems.append(NO_QUERY_WORKER)
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
@@ -269,17 +269,22 @@ async def deployment_status(
     return status
 
 
-async def _stalled_for(js: JetStreamContext, names: Names, consumer: ConsumerStatus) -> float | None:
-    """How long the consumer has settled nothing while the delta after its floor was there to settle: since the
-    later of its last settling and that delta's arrival. None while nothing waits, or when that cannot be told."""
-    if not consumer.undelivered + consumer.unacknowledged or consumer.last_settled is None:
+async def _stalled_for(
+    js: JetStreamContext, names: Names, consumer: ConsumerStatus, still_s: float | None
+) -> float | None:
+    """How long the consumer's index position has stood still (``still_s``, by its database's clock) while the
+    delta after its floor waited to be settled: the shorter of the two. None while nothing waits, or when that
+    cannot be told. Not its last ack: a partition's consumer acks the other partitions' deltas as it passes them,
+    whatever its own writes do (a review's)."""
+    if still_s is None or not consumer.undelivered + consumer.unacknowledged:
         return None
     try:
         waiting = await js.get_msg(names.delta_stream, consumer.ack_floor + 1)
     except (NotFoundError, APIError):  # compacted away, deleted, or JetStream away: not told
         return None
-    since = consumer.last_settled if waiting.time is None else max(consumer.last_settled, waiting.time)
-    return (datetime.now(UTC) - since).total_seconds()
+    if waiting.time is None:
+        return None
+    return min(still_s, (datetime.now(UTC) - waiting.time).total_seconds())
 
 
 async def _stream(
@@ -309,11 +314,14 @@ def releases_answering(workers: Sequence[Worker]) -> dict[str, list[str]]:
     return dict(sorted(releases.items()))
 
 
-async def _index_positions(placement: Placement, durables: list[str]) -> tuple[dict[str, int], dict[str, str]]:
-    """Each consumer's index position, and why its projector refuses the delta stream where it does
-    (services/projector/following.py), as its database says (of every layout: a status run without the
-    deployment's ONTOFABRIC_PROJECTOR_PARTITIONS names the running layout's refusals too); those of a database that
-    cannot be read within DATABASE_WAIT_S are left out (the analysis counts say why)."""
+async def _index_positions(
+    placement: Placement, durables: list[str]
+) -> tuple[dict[str, int], dict[str, str], dict[str, float]]:
+    """Each consumer's index position, why its projector refuses the delta stream where it does
+    (services/projector/following.py), and for how many seconds its position has not moved, as its database says
+    (of every layout: a status run without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS names the running
+    layout's refusals too); those of a database that cannot be read within DATABASE_WAIT_S are left out (the
+    analysis counts say why)."""
 
     async def read(url: str) -> list[asyncpg.Record]:
         conn: asyncpg.Connection | None = None
@@ -321,7 +329,9 @@ async def _index_positions(placement: Placement, durables: list[str]) -> tuple[d
             async with asyncio.timeout(DATABASE_WAIT_S):
                 conn = await asyncpg.connect(url)
                 rows: list[asyncpg.Record] = await conn.fetch(
-                    "SELECT durable, position, refused FROM projection_fences WHERE durable = ANY($1::text[])", durables
+                    "SELECT durable, position, refused, extract(epoch FROM now() - advanced_at)::float8 AS still_s"
+                    " FROM projection_fences WHERE durable = ANY($1::text[])",
+                    durables,
                 )
                 await conn.close()
                 conn = None
@@ -336,7 +346,8 @@ async def _index_positions(placement: Placement, durables: list[str]) -> tuple[d
         row for read_each in await asyncio.gather(*map(read, sorted(set(placement.databases)))) for row in read_each
     ]
     positions = {row["durable"]: int(row["position"]) for row in rows if row["position"] is not None}
-    return positions, {row["durable"]: row["refused"] for row in rows if row["refused"] is not None}
+    refusals = {row["durable"]: row["refused"] for row in rows if row["refused"] is not None}
+    return positions, refusals, {row["durable"]: float(row["still_s"]) for row in rows}
 
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:

@@ -226,13 +226,15 @@ RENEW_LOCK_TIMEOUT = "100ms"
 # It marks the batch's last delta too (following.py), unless one further on was marked before (a redelivery).
 _RENEW_CLAIM_IN_BATCH = (
     "UPDATE projection_fences SET renewed_at = now(), commits = commits + 1, position = greatest(position, $5),"
+    " advanced_at = CASE WHEN $5::bigint > coalesce(position, 0) THEN now() ELSE advanced_at END,"
     " mark_seq = CASE WHEN $6::bigint > coalesce(mark_seq, 0) THEN $6 ELSE mark_seq END,"
     " mark = CASE WHEN $6::bigint > coalesce(mark_seq, 0) THEN $7 ELSE mark END"
     " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4 RETURNING commits"
 )
 # A look's: the position too. A batch committing meanwhile may have counted one more; a database gone back has fewer.
 _RENEW_CLAIM_AT_A_LOOK = (
-    "UPDATE projection_fences SET renewed_at = now(), position = greatest(position, $5)"
+    "UPDATE projection_fences SET renewed_at = now(), position = greatest(position, $5),"
+    " advanced_at = CASE WHEN $5::bigint > coalesce(position, 0) THEN now() ELSE advanced_at END"
     " WHERE durable = $1 AND epoch = $2 AND holder = $3 AND commits >= $4"
     " RETURNING position, stream_created, mark_seq, mark, refused"
 )
@@ -305,7 +307,7 @@ class PostgresProjectionStore:
                     "INSERT INTO projection_fences AS f (durable, epoch, holder, fill)"
                     " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
-                    " claimed_at = now(), renewed_at = now(), released = false"
+                    " claimed_at = now(), renewed_at = now(), advanced_at = now(), released = false"
                     " RETURNING epoch, fill, commits, position, read_before, stream_created, mark_seq, mark, refused",
                     self._fence,
                     holder,
@@ -357,7 +359,8 @@ class PostgresProjectionStore:
         got to (``floor``): what it settled up to there needs no dead letter again."""
         async with self._pool.acquire() as conn:
             await conn.execute(
-                "UPDATE projection_fences SET position = $4, read_before = greatest(read_before, $5)"
+                "UPDATE projection_fences SET position = $4, read_before = greatest(read_before, $5),"
+                " advanced_at = now()"
                 " WHERE durable = $1 AND epoch = $2 AND holder = $3",
                 self._fence,
                 self._epoch,

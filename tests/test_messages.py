@@ -59,6 +59,14 @@ SENDER = textwrap.dedent(
             "2026-12-05 13:01:02,123 WARNING app.db: pool exhausted after 30 s",
             MessageAsked("pool exhausted after 30 s"),
         ),
+        # logging's default format, no space after the logger's name (an MCP tester's: `tenacity:` was read as
+        # part of the message).
+        (
+            "WARNING:tenacity:Retrying __main__.fetch in 2.0 seconds as it raised ConnectionError: boom.",
+            MessageAsked("Retrying __main__.fetch in 2.0 seconds as it raised ConnectionError: boom."),
+        ),
+        ("ERROR:httpx._client:Could not connect to the host", MessageAsked("Could not connect to the host")),
+        ("ERROR:Could not connect to the host", MessageAsked("Could not connect to the host")),
         # A traceback's tail: its last line is the exception's, frames and code lines are not.
         (
             'Traceback (most recent call last):\n  File "app.py", line 3, in <module>\n    main()\n'

@@ -66,10 +66,12 @@ _RAISED = re.compile(
 )
 # A traceback's last line: whatever the exception's name.
 _TRACED = re.compile(r"(?P<name>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\s*:\s+(?P<message>\S.*)", re.DOTALL)
-# `INFO:     Started server process [12]`, `WARNING - x`, `[ERROR] x`, `2026-12-05 13:01:02,123 ERROR x`.
+# `INFO:     Started server process [12]`, `WARNING - x`, `[ERROR] x`, `2026-12-05 13:01:02,123 ERROR x`, and
+# logging's own default, `WARNING:tenacity:Retrying ...` (`%(levelname)s:%(name)s:%(message)s`, no space after the
+# logger's name: an MCP tester's line was read with `tenacity:` as part of its message, and its writer missed).
 _LOGGED = re.compile(
     r"(?:\[?\d{4}-\d\d-\d\d[T ][\d:.,]+\]?\s+)?(?:\[\w+\]\s+)?\[?(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\]?"
-    r"(?:\s*[:\-|]\s*|\s+)(?:[\w.]+\s*[:\-|]\s+)?(?P<message>\S.*)",
+    r"(?:(?<=[A-Z]):(?:[\w.]+):(?=\S)|(?:\s*[:\-|]\s*|\s+)(?:[\w.]+\s*[:\-|]\s+)?)(?P<message>\S.*)",
     re.DOTALL,
 )
 _BUILTINS = (

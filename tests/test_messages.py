@@ -179,6 +179,24 @@ def test_written_by_needs_most_of_the_message() -> None:
     assert written_by("anything", "x = 1") == 0.0
 
 
+def test_a_template_found_whole_writes_a_message_with_long_values_filled_in() -> None:
+    """An MCP tester's: tenacity's retry line with the exception filled in (`raised ConnectionError: boom`) is
+    mostly values: the template's own words are 28 % of it, under the 30 % once asked."""
+    source = (
+        "def log_it(retry_state):\n"
+        "    msg = (\n"
+        '        f"Retrying {fn_name} "\n'
+        '        f"in {sec_format % retry_state.next_action.sleep} seconds as it {verb} {value}."\n'
+        "    )\n"
+        "    logger.log(log_level, msg)\n"
+    )
+    message = "Retrying __main__.fetch in 2.0 seconds as it raised ConnectionError: boom."
+    assert written_by(message, source) == pytest.approx(21 / len(message))  # "retrying", "seconds as it"
+    # Fewer of the template's words found, or more of the message besides them: not its message.
+    assert written_by("Retrying __main__.fetch later, as it raised ConnectionError: boom.", source) == 0.0
+    assert written_by(message.replace("boom.", "the server at 10.0.0.1 closed the connection."), source) == 0.0
+
+
 def test_message_order_puts_the_larger_share_then_the_raiser_first() -> None:
     order = message_order({"a": 0.7, "b": 0.9, "c": 0.71, "d": 0.7}, raising={"d"})
     assert sorted(order, key=lambda doc_id: (order[doc_id], doc_id)) == ["b", "d", "a", "c"]

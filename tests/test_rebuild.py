@@ -40,6 +40,7 @@ from ontofabric.services.ops.rebuild import (
     RebuildFailed,
     pace_delay,
     paced_batch_size,
+    replay_rate,
     retired_schema,
     running_compactions,
     running_rebuilds,
@@ -635,6 +636,15 @@ def test_the_replay_waits_only_as_long_as_its_rate_asks() -> None:
     assert pace_delay(100, 0.5, 100.0) == pytest.approx(0.5)  # 100 done in half the second they were allowed
     assert pace_delay(100, 2.0, 100.0) == 0.0  # behind already: no wait
     assert pace_delay(0, 0.0, 10.0) == 0.0
+
+
+def test_a_replay_rate_is_a_positive_number_or_none() -> None:
+    assert replay_rate(None) is None
+    assert replay_rate(float("inf")) is None  # the command line takes it: as fast as the database takes them
+    assert replay_rate(2.5) == 2.5
+    for wrong in (0.0, -1.0, float("nan")):  # NaN divided every pause (a review's)
+        with pytest.raises(ValueError, match="max_rate must be positive"):
+            replay_rate(wrong)
 
 
 def test_a_paced_replay_goes_a_seconds_worth_at_a_time() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -73,6 +74,7 @@ __all__ = [
     "RebuildReport",
     "pace_delay",
     "paced_batch_size",
+    "replay_rate",
     "retired_schema",
     "running_compactions",
     "running_rebuilds",
@@ -131,6 +133,16 @@ class RebuildReport:
     """How long the swap held the live parents' exclusive lock, which queries of every workspace wait for."""
 
 
+def replay_rate(max_rate: float | None) -> float | None:
+    """A ``--max-rate`` as the replay keeps to it: None (or infinity, which the command line takes) for as fast as
+    the database takes them; ValueError for one that is not a positive number (NaN included)."""
+    if max_rate is None or max_rate == math.inf:
+        return None
+    if not max_rate > 0:
+        raise ValueError("max_rate must be positive (or None: as fast as the database takes them)")
+    return max_rate
+
+
 def paced_batch_size(batch_size: int, max_rate: float | None) -> int:
     """The batches of a replay kept to ``max_rate`` a second: a second's worth at most, so that the database gets
     them spread out. A minute's worth went in at full speed, then the replay slept (an operator tester's: 120 of
@@ -160,8 +172,7 @@ class Rebuild:
     ) -> None:
         if lock_timeout_s <= 0:
             raise ValueError("lock_timeout_s must be positive (PostgreSQL reads 0 as: wait forever)")
-        if max_rate is not None and max_rate <= 0:
-            raise ValueError("max_rate must be positive (or None: as fast as the database takes them)")
+        max_rate = replay_rate(max_rate)
         self._settings = settings
         self._names = Names(settings.subject_prefix)
         self._nats_url = nats_url

@@ -46,7 +46,7 @@ from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .rebuild import pace_delay, paced_batch_size, running_rebuilds
+from .rebuild import pace_delay, paced_batch_size, replay_rate, running_rebuilds
 from .shadow import lock_exclusively
 
 log = get_logger(__name__)
@@ -139,7 +139,7 @@ class ModelChange:
         self._database_url = database_url
         self._progress = progress
         self._lock_timeout_s = lock_timeout_s
-        self._max_rate = max_rate
+        self._max_rate = replay_rate(max_rate)
         self._batch_size = batch_size
         self._force = force
         self._embedder: Embedder | None = None

@@ -450,8 +450,9 @@ class QueryService:
         self._without_reply = TurnedAway("query_without_reply_subject_dropped")
         self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded")
         self._refused_arriving = TurnedAway("query_requests_refused_arriving", refused="overloaded")
-        # Counted in the metrics as each reply is made (error_reply); said here, once a second at most: an outside
-        # tester's storm had 500,000 refused with nothing in the log.
+        # Every `overloaded` refusal of an admitted or arriving request but those above: counted in the metrics as
+        # each reply is made (error_reply), said here once a second at most (an outside tester's storm had 500,000
+        # refused with nothing in the log).
         self._refused_busy = TurnedAway("query_requests_refused_busy")
 
     async def start(self) -> None:
@@ -695,6 +696,7 @@ class QueryService:
         if displaced is not None:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
             paced = self._wait_of(displaced.workspace)
+            self._refused_busy.note(displaced.msg.subject)
             await self._reply_once(
                 displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)
             )
@@ -795,6 +797,7 @@ class QueryService:
         busy = f"waited {waited:.0f} ms for a free slot; {_UNSTATED_WAIT}"
         limit = self.settings.query_unstated_max_wait_ms
         retry_after_s = 0.0 if runner_free else self._wait_of(admitted.workspace)
+        self._refused_busy.note(admitted.msg.subject)
         await self._reply_once(
             admitted,
             partial(error_reply, "overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s),
@@ -863,6 +866,7 @@ class QueryService:
             )
             paced = self._wait_of(admitted.workspace)
             short = self._timeout_too_short(deadline)
+            self._refused_busy.note(admitted.msg.subject)
             await self._reply_once(
                 admitted,
                 partial(error_reply, "overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced),

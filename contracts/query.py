@@ -142,17 +142,19 @@ FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
 """Request fields that restrict what a query may see; with one of them, semanticQuery may be left out."""
 
 
-_SHOWN_FORMAT_CHARACTERS = frozenset(
-    "\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891\u08e2\U000110bd\U000110cd"
-)
-"""Format characters that show a sign (Unicode's prepended concatenation marks: the Arabic number sign ...)."""
+_DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F),
+    (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)  # fmt: skip
+"""Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt): what a renderer shows nothing of, the zero-width
+space, direction marks, joiners, variation selectors and the Hangul fillers among them."""
 
 
 def _shows_nothing(character: str) -> bool:
-    """Whitespace, or a format character that shows nothing (a zero-width space, a direction mark, a word joiner)."""
-    if character.isspace():
-        return True
-    return unicodedata.category(character) == "Cf" and character not in _SHOWN_FORMAT_CHARACTERS
+    """Whitespace, or a character shown as nothing (:data:`_DEFAULT_IGNORABLE`)."""
+    point = ord(character)
+    return character.isspace() or any(first <= point <= last for first, last in _DEFAULT_IGNORABLE)
 
 
 def _pattern_class(code_points: list[int]) -> str:
@@ -166,9 +168,15 @@ def _pattern_class(code_points: list[int]) -> str:
     return "".join(f"\\u{a:04x}" if a == b else f"\\u{a:04x}-\\u{b:04x}" for a, b in runs)
 
 
-_BLANK = _pattern_class([point for point in range(0x10000) if _shows_nothing(chr(point))])
-"""What shows nothing within the Basic Multilingual Plane, as a pattern's character class (the few format
-characters above it are refused by the validator alone)."""
+_BLANK = _pattern_class(
+    sorted(
+        {point for point in range(0x3001) if chr(point).isspace()}  # none above U+3000
+        | {point for first, last in _DEFAULT_IGNORABLE if last < 0x10000 for point in range(first, last + 1)}
+    )
+)
+"""What shows nothing within the Basic Multilingual Plane, as a pattern's character class (the few ignorable
+characters above it are refused by the validator alone: a pattern cannot name them the same way in every regular
+expression dialect)."""
 
 
 def _query_or_filter_schema(schema: dict[str, Any]) -> None:

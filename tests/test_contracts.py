@@ -94,9 +94,9 @@ def test_a_query_with_a_sign_that_shows_is_taken_whatever_marks_surround_it() ->
     for text in ("\u200bparse\u200e", "\u0600", "\u200b\U0001f600"):  # the Arabic number sign is seen
         assert OntologyQuery.model_validate({"semanticQuery": text}).semantic_query == text
         assert validator.is_valid({"semanticQuery": text})
-    # A format character past the Basic Multilingual Plane, alone, is refused by the validator.
+    # Ignorable characters past the Basic Multilingual Plane, alone, are refused by the validator.
     with pytest.raises(ValidationError, match="text that shows"):
-        OntologyQuery.model_validate({"semanticQuery": "\U000e0001 \U000e0041"})
+        OntologyQuery.model_validate({"semanticQuery": "\U000e0001 \U000e0041\U0001d173"})
 
 
 def test_a_whole_number_written_with_a_point_is_an_integer_as_json_schema_counts_it() -> None:
@@ -231,6 +231,8 @@ def test_every_subject_the_services_use_has_a_channel() -> None:
         # Marks that show nothing were answered, dense alone, with whatever lay nearest (an outside tester's).
         {"semanticQuery": "\u200b\u200e\u2060"},
         {"semanticQuery": " \ufeff\u00ad\u202e "},
+        # Hangul fillers, a variation selector, a grapheme joiner: shown as nothing too (a review's).
+        {"semanticQuery": "\u3164\ufe0f\u034f\u115f"},
     ],
 )
 def test_what_the_worker_refuses_as_a_query_the_schema_refuses_too(body: dict[str, object]) -> None:

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, DocumentId, Workspace
+from .query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 
 MAX_SLICE_CHARS = 1_000_000
 
@@ -30,8 +31,16 @@ class DocumentRequest(StrictRequest):
         default=None,
         ge=1,
         le=MAX_SLICE_CHARS,
-        description="Characters of content to return at most; default: as many as fit the deployment's answer "
-        "budget (ONTOFABRIC_ANSWER_MAX_TOKENS), cut at a line's end.",
+        description="Characters of content to return at most; default: as many as fit the answer budget (maxTokens), "
+        "cut at a line's end.",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=MIN_MAX_TOKENS,
+        le=MAX_TOKENS_LIMIT,
+        description="Size budget of the reply, in tokens (estimated at 4 bytes of JSON each): the content is cut at a "
+        "line's end to fit it, with maxChars or without. Default: without maxChars, the deployment's "
+        "(ONTOFABRIC_ANSWER_MAX_TOKENS, 8,000 unless set); with maxChars, none.",
     )
     workspace: Workspace | None = Field(
         default=None, description="Defaults to the workspace of the subject the request was sent to."

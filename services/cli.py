@@ -822,6 +822,7 @@ def mcp(
                 link, Names(settings.subject_prefix), workspace or settings.gateway_workspace,
                 settings.gateway_timeout_s, address, tokens,
                 Intake(settings.gateway_max_held, settings.gateway_max_late_ms / 1000), settings.allowed_origins(),
+                settings.answer_max_tokens,
             )  # fmt: skip
         finally:
             warming.cancel()

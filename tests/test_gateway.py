@@ -1312,6 +1312,16 @@ def test_the_worker_is_asked_for_half_the_budget_of_a_tool_result(given: object,
     assert forwarded(query, arguments).get("maxTokens") == sent  # out of bounds: the worker's error names it
 
 
+def test_a_documents_reply_is_held_to_the_answer_budget_with_max_chars_or_without() -> None:
+    """An MCP tester's: get_document with maxChars 200,000 made a tool result of 102,000 tokens (Claude Code refuses
+    a result over 25,000). Without maxTokens the reply is held to the deployment's budget, as a query's is."""
+    document = next(tool for tool in TOOLS if tool.operation == "document")
+    assert forwarded(document, {"id": "a"}, answer_tokens=6000) == {"id": "a", "maxTokens": 6000}
+    assert forwarded(document, {"id": "a", "maxChars": 200_000})["maxTokens"] == 8000  # the default budget
+    assert forwarded(document, {"id": "a", "maxTokens": 4000})["maxTokens"] == 2000  # half: the result has it twice
+    assert "maxChars or without" in document.input_schema["properties"]["maxTokens"]["description"]
+
+
 def test_a_request_is_sent_as_utf_8_and_a_number_that_is_not_finite_is_refused_naming_its_field() -> None:
     wide = request_body({"semanticQuery": "検索" * 6_000})
     assert len(wide) < 40_000  # not 72,000 as \\u escapes

@@ -258,6 +258,11 @@ async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     part = await client.document("acme", {"id": "long", "offset": len(first.content) + 3, "maxChars": 1})
     assert isinstance(part, DocumentReply), part
     assert part.slice_lines == [101 + shown, 101 + shown]  # a character inside a line: that line
+    # With maxTokens, maxChars is held to it too, cut at a line's end (what an MCP gateway asks for).
+    held = await client.document("acme", {"id": "long", "maxChars": len(text), "maxTokens": 1000})
+    assert isinstance(held, DocumentReply), held
+    assert (held.truncated, held.content) == (True, first.content)
+    assert len(held.model_dump_json().encode()) <= 4000
 
 
 async def test_the_status_says_how_far_the_index_is_behind_its_stream(

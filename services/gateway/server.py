@@ -80,6 +80,7 @@ from .stdio import (
     unreadable,
 )
 from .tools import (
+    DEFAULT_ANSWER_TOKENS,
     TOOLS,
     ArgumentsRefused,
     ToolSpec,
@@ -107,8 +108,17 @@ _BY_NAME = {tool.name: tool for tool in TOOLS}
 class Gateway:
     """The tools, forwarded to the query workers of one deployment (its NATS subject prefix)."""
 
-    def __init__(self, link: NatsLink, names: Names, workspace: str | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        link: NatsLink,
+        names: Names,
+        workspace: str | None,
+        timeout_s: float,
+        answer_tokens: int = DEFAULT_ANSWER_TOKENS,
+    ) -> None:
         self._link = link
+        self._answer_tokens = answer_tokens
+        """The deployment's answer budget (ONTOFABRIC_ANSWER_MAX_TOKENS): a document's reply is held to it."""
         self._names = names
         self._workspace = workspace
         self._timeout_s = timeout_s
@@ -163,7 +173,7 @@ class Gateway:
         except ValidationError as error:
             return tool_error(f"error invalid_request: bad workspace\n- workspace: {error.errors()[0]['msg']}")
         try:
-            request = request_body(forwarded(spec, arguments))
+            request = request_body(forwarded(spec, arguments, self._answer_tokens))
         except ArgumentsRefused as error:
             return tool_error(str(error))
         except (TypeError, ValueError) as error:  # not JSON: what a client's own parser let through
@@ -1051,10 +1061,11 @@ async def serve(
     tokens: TokenStore | None = None,
     intake: Intake | None = None,
     allowed_origins: frozenset[str] = frozenset(),
+    answer_tokens: int = DEFAULT_ANSWER_TOKENS,
 ) -> None:
     """Serve over stdio, or over HTTP at ``http`` (host, port) with the bearer ``tokens`` (see :mod:`.auth`), taking
     on what ``intake`` allows (see :mod:`.admission`); beyond loopback, browser pages of ``allowed_origins`` only."""
-    gateway = Gateway(link, names, workspace, timeout_s)
+    gateway = Gateway(link, names, workspace, timeout_s, answer_tokens)
     if http is None:
         await gateway.serve_stdio()
     else:

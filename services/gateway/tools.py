@@ -52,9 +52,18 @@ from ontofabric.services.query.symbols import (
     identifier_of,
 )
 from ontofabric.shared.printable import printable
+from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
+DEFAULT_ANSWER_TOKENS: int = Settings.model_fields["answer_max_tokens"].default
+"""The deployment's answer budget unless set (ONTOFABRIC_ANSWER_MAX_TOKENS)."""
+DOCUMENT_MAX_TOKENS_DESCRIPTION = (
+    "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
+    "(as data and as text), so the reply gets half. The content is cut at a line's end to fit, with maxChars or "
+    "without; read on from offset plus its length. Default: the deployment's budget (8,000) for the reply, about "
+    "twice that for the whole result."
+)
 MAX_TOKENS_DESCRIPTION = (
     "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
     "(as data and as text), so the reply gets half. Contents past it are cut or left out, lowest ranks first, and "
@@ -107,7 +116,9 @@ def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
         workspace["description"] = WORKSPACE_DESCRIPTION
     max_tokens = schema.get("properties", {}).get("maxTokens")
     if max_tokens is not None:
-        max_tokens["description"] = MAX_TOKENS_DESCRIPTION
+        max_tokens["description"] = (
+            DOCUMENT_MAX_TOKENS_DESCRIPTION if model is DocumentRequest else MAX_TOKENS_DESCRIPTION
+        )
     definitions = schema.pop("$defs", {})
     return {key: _inlined(value, definitions) for key, value in schema.items()}
 
@@ -198,13 +209,20 @@ TOOLS = (
 )
 
 
-def forwarded(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
+def forwarded(spec: ToolSpec, arguments: dict[str, Any], answer_tokens: int = DEFAULT_ANSWER_TOKENS) -> dict[str, Any]:
     """The worker's request for a tool call. A tool result carries the reply twice (structured, and as text of
     about the same size or less), so the worker is asked for half the ``maxTokens`` given, never below the least
-    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`)."""
+    it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`).
+    Without maxTokens a document's reply is held to the deployment's budget (``answer_tokens``), as a query's is
+    (the result about twice it), with maxChars or without: a tester's maxChars of 200,000 made a tool result of
+    102,000 tokens."""
     max_tokens = arguments.get("maxTokens")
-    if spec.operation != "query" or type(max_tokens) is not int or not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
+    if spec.operation == "document" and max_tokens is None:
+        return {**arguments, "maxTokens": answer_tokens}
+    if spec.operation not in ("query", "document") or type(max_tokens) is not int:
         return arguments  # absent or not allowed: the worker's default, or its error naming the field
+    if not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
+        return arguments
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
 
 
@@ -262,7 +280,7 @@ def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> Er
     """The worker's error in the caller's terms: a ``maxTokens`` it names is the half the gateway asked for
     (:func:`forwarded`), not the value the caller gave."""
     given, sent = arguments.get("maxTokens"), forwarded(spec, arguments).get("maxTokens")
-    if given == sent:
+    if given is None or given == sent:  # none given: the deployment's, which the caller did not name
         return reply
     details = [
         detail.model_copy(

@@ -25,7 +25,7 @@ from ontofabric.contracts.documents import MAX_LINE
 from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.subjects import Names, encode_token
 
-from .budget import cut_to, json_size
+from .budget import BYTES_PER_TOKEN, cut_to, json_size
 from .core import Scope
 from .freshness import DeltaWatch
 from .postgres import BranchState, PostgresDocuments
@@ -101,11 +101,13 @@ class Lookups:
             ontology_version=fetched.version,
             slice_lines=[MAX_LINE, MAX_LINE],  # its largest, measured in the envelope below; set after
         )
-        if request.max_chars:
-            content = rest[: request.max_chars]
-        else:  # what the rest of the reply leaves of the budget (a tester's reply was 530 bytes over it)
+        content = rest[: request.max_chars] if request.max_chars else rest
+        if request.max_tokens or not request.max_chars:
+            # What the rest of the reply leaves of the budget (a tester's reply was 530 bytes over it); an MCP
+            # gateway always states one: a tester's maxChars of 200,000 made a tool result of 102,000 tokens.
+            budget = request.max_tokens * BYTES_PER_TOKEN if request.max_tokens else self._default_bytes
             envelope = len(reply.model_dump_json(by_alias=True).encode("utf-8")) - json_size("")
-            content = cut_to(rest, max(MIN_DEFAULT_SLICE_BYTES, self._default_bytes - envelope))
+            content = cut_to(content, max(MIN_DEFAULT_SLICE_BYTES, budget - envelope))
         return reply.model_copy(
             update={
                 "content": content,

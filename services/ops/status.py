@@ -251,8 +251,8 @@ async def deployment_status(
     # another layout's or an Azure consumer may be left over, unread on purpose.
     for partition, durable in enumerate(durables):
         consumer = next((c for c in status.consumers if c.name == durable), None)
-        held = any(count == placement.partitions and partition in partitions for count, partitions in applying)
-        if consumer is None or not held or durable in refusals:
+        applied = any(count == placement.partitions and partition in partitions for count, partitions in applying)
+        if consumer is None or not applied or durable in refusals:
             continue
         stalled_s = await _stalled_for(js, names, consumer, still.get(durable))
         if stalled_s is not None and stalled_s > STALLED_AFTER_S:

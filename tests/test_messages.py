@@ -67,6 +67,9 @@ SENDER = textwrap.dedent(
         ),
         ("ERROR:httpx._client:Could not connect to the host", MessageAsked("Could not connect to the host")),
         ("ERROR:Could not connect to the host", MessageAsked("Could not connect to the host")),
+        ("WARNING:my-app:Retrying in 2 seconds now", MessageAsked("Retrying in 2 seconds now")),
+        # A URL or a path is no logger's name (a review's).
+        ("ERROR:https://api.example.org/v1 returned 500", MessageAsked("https://api.example.org/v1 returned 500")),
         # A traceback's tail: its last line is the exception's, frames and code lines are not.
         (
             'Traceback (most recent call last):\n  File "app.py", line 3, in <module>\n    main()\n'
@@ -192,6 +195,9 @@ def test_a_template_found_whole_writes_a_message_with_long_values_filled_in() ->
     )
     message = "Retrying __main__.fetch in 2.0 seconds as it raised ConnectionError: boom."
     assert written_by(message, source) == pytest.approx(21 / len(message))  # "retrying", "seconds as it"
+    # A template of one field as short is not read so (a review's: pip's message for a template of the same words).
+    one_field = 'def f(url):\n    raise DownloadError(f"Failed to download {url}")\n'
+    assert written_by("Failed to download wheel metadata for numpy from https://pypi.org/simple", one_field) == 0.0
     # Fewer of the template's words found, or more of the message besides them: not its message.
     assert written_by("Retrying __main__.fetch later, as it raised ConnectionError: boom.", source) == 0.0
     assert written_by(message.replace("boom.", "the server at 10.0.0.1 closed the connection."), source) == 0.0

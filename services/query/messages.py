@@ -24,10 +24,14 @@ FIELD = "\x00"
 MIN_COVERED = 0.6
 """The share of a message's characters a template must account for, in order, to be the message's; or
 :data:`MIN_COVERED_WHOLE_TEMPLATE` where the template's own text is in the message nearly whole (long values filled
-in: ``File at path /var/www/static/logo.png does not exist.``). 0.25, not the 0.3 first chosen: tenacity's
-``Retrying {fn} in {s} seconds as it {verb} {value}.`` with an exception filled in is 28 % its own words (an MCP
-tester's; the pasted-messages benchmark's ranks were the same at both)."""
-MIN_COVERED_WHOLE_TEMPLATE = 0.25
+in: ``File at path /var/www/static/logo.png does not exist.``)."""
+MIN_COVERED_WHOLE_TEMPLATE = 0.3
+MIN_COVERED_MANY_FIELDS = 0.25
+MANY_FIELDS = 3
+"""A template of this many fields or more, found whole, needs only :data:`MIN_COVERED_MANY_FIELDS` of a message:
+its values are most of it. tenacity's ``Retrying {fn} in {s} seconds as it {verb} {value}.`` with an exception
+filled in is 28 % its own words (an MCP tester's); a template of one field as short (``Failed to download {url}``)
+would have written pip's ``Failed to download wheel metadata for numpy from ...`` at 25 % (a review's)."""
 WHOLE_TEMPLATE = 0.9
 """A template's own text found to this share is in the message whole (a few characters of punctuation aside)."""
 MIN_COVERED_CHARS = 16
@@ -73,7 +77,7 @@ _TRACED = re.compile(r"(?P<name>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\s*:\s+(?P<messa
 # logger's name: an MCP tester's line was read with `tenacity:` as part of its message, and its writer missed).
 _LOGGED = re.compile(
     r"(?:\[?\d{4}-\d\d-\d\d[T ][\d:.,]+\]?\s+)?(?:\[\w+\]\s+)?\[?(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\]?"
-    r"(?:(?<=[A-Z]):(?:[\w.]+):(?=\S)|(?:\s*[:\-|]\s*|\s+)(?:[\w.]+\s*[:\-|]\s+)?)(?P<message>\S.*)",
+    r"(?:(?<=[A-Z]):[\w.-]+:(?![/\\])(?=\S)|(?:\s*[:\-|]\s*|\s+)(?:[\w.]+\s*[:\-|]\s+)?)(?P<message>\S.*)",
     re.DOTALL,
 )
 _BUILTINS = (
@@ -290,7 +294,8 @@ def share_written(message: str, template: str) -> float:
     whole = found >= WHOLE_TEMPLATE * own
     if found < MIN_COVERED_CHARS and not (whole and share >= WHOLE_TEMPLATE):
         return 0.0
-    if share < MIN_COVERED and not (whole and share >= MIN_COVERED_WHOLE_TEMPLATE):
+    least = MIN_COVERED_MANY_FIELDS if template.count(FIELD) >= MANY_FIELDS else MIN_COVERED_WHOLE_TEMPLATE
+    if share < MIN_COVERED and not (whole and share >= least):
         return 0.0
     return min(1.0, share)
 

@@ -1316,8 +1316,15 @@ def test_a_documents_reply_is_held_to_the_answer_budget_with_max_chars_or_withou
     """An MCP tester's: get_document with maxChars 200,000 made a tool result of 102,000 tokens (Claude Code refuses
     a result over 25,000). Without maxTokens the reply is held to the deployment's budget, as a query's is."""
     document = next(tool for tool in TOOLS if tool.operation == "document")
-    assert forwarded(document, {"id": "a"}, answer_tokens=6000) == {"id": "a", "maxTokens": 6000}
+    assert forwarded(document, {"id": "a", "maxChars": 9}, answer_tokens=6000) == {
+        "id": "a",
+        "maxChars": 9,
+        "maxTokens": 6000,
+    }
     assert forwarded(document, {"id": "a", "maxChars": 200_000})["maxTokens"] == 8000  # the default budget
+    # Neither: the worker's default budget holds it, and a worker of an earlier release, which refuses the field, is
+    # sent none (a review's).
+    assert forwarded(document, {"id": "a"}) == {"id": "a"}
     assert forwarded(document, {"id": "a", "maxTokens": 4000})["maxTokens"] == 2000  # half: the result has it twice
     assert "maxChars or without" in document.input_schema["properties"]["maxTokens"]["description"]
 

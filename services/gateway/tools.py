@@ -213,11 +213,12 @@ def forwarded(spec: ToolSpec, arguments: dict[str, Any], answer_tokens: int = DE
     """The worker's request for a tool call. A tool result carries the reply twice (structured, and as text of
     about the same size or less), so the worker is asked for half the ``maxTokens`` given, never below the least
     it takes: the whole result then stays within ``maxTokens`` (under twice that least, :func:`fitted_text`).
-    Without maxTokens a document's reply is held to the deployment's budget (``answer_tokens``), as a query's is
-    (the result about twice it), with maxChars or without: a tester's maxChars of 200,000 made a tool result of
-    102,000 tokens."""
+    A document asked with maxChars and no maxTokens is held to the deployment's budget (``answer_tokens``), as a
+    query's reply is (the result about twice it): a tester's maxChars of 200,000 made a tool result of 102,000
+    tokens. Asked with neither, the worker holds it to that budget itself (and one of an earlier release, which
+    refuses the field, is sent none: a review's)."""
     max_tokens = arguments.get("maxTokens")
-    if spec.operation == "document" and max_tokens is None:
+    if spec.operation == "document" and max_tokens is None and arguments.get("maxChars") is not None:
         return {**arguments, "maxTokens": answer_tokens}
     if spec.operation not in ("query", "document") or type(max_tokens) is not int:
         return arguments  # absent or not allowed: the worker's default, or its error naming the field
@@ -280,7 +281,7 @@ def restated(spec: ToolSpec, arguments: dict[str, Any], reply: ErrorReply) -> Er
     """The worker's error in the caller's terms: a ``maxTokens`` it names is the half the gateway asked for
     (:func:`forwarded`), not the value the caller gave."""
     given, sent = arguments.get("maxTokens"), forwarded(spec, arguments).get("maxTokens")
-    if given is None or given == sent:  # none given: the deployment's, which the caller did not name
+    if spec.operation != "query" or given == sent:  # its advice (topK, includeContent) is a query's
         return reply
     details = [
         detail.model_copy(

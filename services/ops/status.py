@@ -328,11 +328,18 @@ async def _index_positions(
         try:
             async with asyncio.timeout(DATABASE_WAIT_S):
                 conn = await asyncpg.connect(url)
-                rows: list[asyncpg.Record] = await conn.fetch(
-                    "SELECT durable, position, refused, extract(epoch FROM now() - advanced_at)::float8 AS still_s"
-                    " FROM projection_fences WHERE durable = ANY($1::text[])",
-                    durables,
-                )
+                try:
+                    rows: list[asyncpg.Record] = await conn.fetch(
+                        "SELECT durable, position, refused, extract(epoch FROM now() - advanced_at)::float8 AS still_s"
+                        " FROM projection_fences WHERE durable = ANY($1::text[])",
+                        durables,
+                    )
+                except asyncpg.UndefinedColumnError:  # not migrated to 0033 yet: no stall judged, the rest read
+                    rows = await conn.fetch(
+                        "SELECT durable, position, refused, NULL::float8 AS still_s"
+                        " FROM projection_fences WHERE durable = ANY($1::text[])",
+                        durables,
+                    )
                 await conn.close()
                 conn = None
                 return rows
@@ -347,7 +354,7 @@ async def _index_positions(
     ]
     positions = {row["durable"]: int(row["position"]) for row in rows if row["position"] is not None}
     refusals = {row["durable"]: row["refused"] for row in rows if row["refused"] is not None}
-    return positions, refusals, {row["durable"]: float(row["still_s"]) for row in rows}
+    return positions, refusals, {row["durable"]: float(row["still_s"]) for row in rows if row["still_s"] is not None}
 
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:

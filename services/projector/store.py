@@ -307,7 +307,7 @@ class PostgresProjectionStore:
                     "INSERT INTO projection_fences AS f (durable, epoch, holder, fill)"
                     " VALUES ($1, nextval('projection_fence_epochs'), $2, 'unknown')"
                     " ON CONFLICT (durable) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,"
-                    " claimed_at = now(), renewed_at = now(), advanced_at = now(), released = false"
+                    " claimed_at = now(), renewed_at = now(), released = false"
                     " RETURNING epoch, fill, commits, position, read_before, stream_created, mark_seq, mark, refused",
                     self._fence,
                     holder,
@@ -359,8 +359,7 @@ class PostgresProjectionStore:
         got to (``floor``): what it settled up to there needs no dead letter again."""
         async with self._pool.acquire() as conn:
             await conn.execute(
-                "UPDATE projection_fences SET position = $4, read_before = greatest(read_before, $5),"
-                " advanced_at = now()"
+                "UPDATE projection_fences SET position = $4, read_before = greatest(read_before, $5)"
                 " WHERE durable = $1 AND epoch = $2 AND holder = $3",
                 self._fence,
                 self._epoch,

@@ -78,6 +78,8 @@ class StreamStatus:
 
 
 STALLED_AFTER_S = 60.0
+"""How long a consumer's index position may stand still while the delta after its floor waits before status names
+it (a batch takes seconds; the alert rules page after ten minutes)."""
 DATABASE_WAIT_S = 5.0
 """How long status waits for each database to connect and count, before saying it could not."""
 

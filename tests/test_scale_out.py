@@ -294,6 +294,23 @@ async def test_workspaces_placed_on_two_primaries_are_written_read_and_rebuilt_w
                     settings, deployment.nats_url, second_url, moved, RecordedProgress(), lock_timeout_s=10
                 ).run()
                 assert report.swapped
+
+                # Status reads each consumer's row on its own partition's database: a stale row of partition 1
+                # left on the first one (a partition moved since) is not its row (a review's).
+                durables = deployment.names.postgres_projector_durables(2)
+                stale = await asyncpg.connect(first_url)
+                try:
+                    await stale.execute(
+                        "INSERT INTO projection_fences (durable, epoch, holder, fill, position, refused)"
+                        " VALUES ($1, nextval('projection_fence_epochs'), 'gone', 'done', 999999, 'a stale row')",
+                        durables[1],
+                    )
+                finally:
+                    await stale.close()
+                status = await deployment_status(deployment.nc, deployment.names, Placement.of(settings, first_url))
+                assert not [problem for problem in status.problems if "a stale row" in problem], status.problems
+                positions = {consumer.name: consumer.index_position for consumer in status.consumers}
+                assert positions[durables[1]] != 999999
             finally:
                 await query.stop()
                 await projector.stop()

@@ -30,7 +30,7 @@ from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
-from ontofabric.shared.subjects import NO_WORKSPACE, Names
+from ontofabric.shared.subjects import NO_WORKSPACE, PARTITION_COUNTS, Names
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,14 @@ async def deployment_status(
                 durable not in others,
             )
         )
-    positions, refusals, still = await _index_positions(placement, names.every_postgres_projector_durable)
+    # Each consumer's row read from its own partition's database: a partition moved to another database leaves a
+    # stale row behind, which, read last, won (a review's).
+    homes = {
+        durable: placement.databases[placement.database_of_partition(partition)]
+        for count in PARTITION_COUNTS
+        for partition, durable in enumerate(names.postgres_projector_durables(count))
+    }
+    positions, refusals, still = await _index_positions(placement, homes)
     status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
     for durable, reason in sorted(refusals.items()):
         status.problems.append(
@@ -317,15 +324,16 @@ def releases_answering(workers: Sequence[Worker]) -> dict[str, list[str]]:
 
 
 async def _index_positions(
-    placement: Placement, durables: list[str]
+    placement: Placement, homes: dict[str, str]
 ) -> tuple[dict[str, int], dict[str, str], dict[str, float]]:
     """Each consumer's index position, why its projector refuses the delta stream where it does
-    (services/projector/following.py), and for how many seconds its position has not moved, as its database says
-    (of every layout: a status run without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS names the running
-    layout's refusals too); those of a database that cannot be read within DATABASE_WAIT_S are left out (the
-    analysis counts say why)."""
+    (services/projector/following.py), and for how many seconds its position has not moved, as the database of its
+    partition (``homes``) says (of every layout: a status run without the deployment's
+    ONTOFABRIC_PROJECTOR_PARTITIONS names the running layout's refusals too); those of a database that cannot be
+    read within DATABASE_WAIT_S are left out (the analysis counts say why)."""
 
     async def read(url: str) -> list[asyncpg.Record]:
+        durables = [durable for durable, home in homes.items() if home == url]
         conn: asyncpg.Connection | None = None
         try:
             async with asyncio.timeout(DATABASE_WAIT_S):

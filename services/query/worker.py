@@ -983,10 +983,12 @@ class QueryService:
         except OffsetPastEnd as error:
             return error_reply("invalid_request", str(error), [ErrorDetail(field="offset", message=str(error))])
         if len(reply) > self._nc.max_payload - HEADER_ALLOWANCE_BYTES:
+            # The field that made it so large: maxTokens when only that was given (a review's).
+            field = "maxTokens" if request.max_tokens is not None and request.max_chars is None else "maxChars"
             return error_reply(
                 "invalid_request",
                 "the slice asked for exceeds a message",
-                [ErrorDetail(field="maxChars", message="ask for less")],
+                [ErrorDetail(field=field, message="ask for less")],
             )
         return reply
 

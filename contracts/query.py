@@ -174,7 +174,8 @@ _BLANK = _pattern_class(
         | {point for first, last in _DEFAULT_IGNORABLE if last < 0x10000 for point in range(first, last + 1)}
     )
 )
-"""What shows nothing within the Basic Multilingual Plane, as a pattern's character class (the few ignorable
+"""What shows nothing within the Basic Multilingual Plane (the sets :func:`_shows_nothing` reads, enumerated rather
+than each of 65,536 characters tested at import), as a pattern's character class (the few ignorable
 characters above it are refused by the validator alone: a pattern cannot name them the same way in every regular
 expression dialect)."""
 
@@ -300,8 +301,8 @@ class OntologyQuery(StrictRequest):
     @classmethod
     def _has_text(cls, value: str | None) -> str | None:
         if value is not None and all(map(_shows_nothing, value)):
-            # Format characters too: a query of a zero-width space and two marks was answered, dense alone, with
-            # whatever lay nearest (an outside tester's).
+            # Ignorable characters as whitespace: a query of a zero-width space and two marks was answered, dense
+            # alone, with whatever lay nearest (an outside tester's).
             raise ValueError("semanticQuery must contain text that shows: not only whitespace or invisible marks")
         if value is not None and "\x00" in value:
             raise ValueError("semanticQuery must not contain NUL characters")

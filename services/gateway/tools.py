@@ -58,15 +58,16 @@ from ontofabric.shared.subjects import Operation
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
 DEFAULT_ANSWER_TOKENS: int = Settings.model_fields["answer_max_tokens"].default
 """The deployment's answer budget unless set (ONTOFABRIC_ANSWER_MAX_TOKENS)."""
-DOCUMENT_MAX_TOKENS_DESCRIPTION = (
+_RESULT_BUDGET = (
     "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
-    "(as data and as text), so the reply gets half. The content is cut at a line's end to fit, with maxChars or "
-    "without; read on from offset plus its length. Default: the deployment's budget (8,000) for the reply, about "
-    "twice that for the whole result."
+    "(as data and as text), so the reply gets half. "
 )
-MAX_TOKENS_DESCRIPTION = (
-    "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
-    "(as data and as text), so the reply gets half. Contents past it are cut or left out, lowest ranks first, and "
+DOCUMENT_MAX_TOKENS_DESCRIPTION = _RESULT_BUDGET + (
+    "The content is cut at a line's end to fit, with maxChars or without; read on from offset plus its length. "
+    "Default: the deployment's budget (8,000) for the reply, about twice that for the whole result."
+)
+MAX_TOKENS_DESCRIPTION = _RESULT_BUDGET + (
+    "Contents past it are cut or left out, lowest ranks first, and "
     "_meta.budget says which; the rest of a content can be fetched by id (get_document). Default: the deployment's "
     "budget (8,000) for the reply, about twice that for the whole result. Under about 1,100 the reply alone, which "
     "takes no less than 1,000, may leave the result a few percent over."
@@ -221,9 +222,9 @@ def forwarded(spec: ToolSpec, arguments: dict[str, Any], answer_tokens: int = DE
     if spec.operation == "document" and max_tokens is None and arguments.get("maxChars") is not None:
         return {**arguments, "maxTokens": answer_tokens}
     if spec.operation not in ("query", "document") or type(max_tokens) is not int:
-        return arguments  # absent or not allowed: the worker's default, or its error naming the field
+        return arguments  # none given (the worker's default), or not a number (the worker's error names it)
     if not MIN_MAX_TOKENS <= max_tokens <= MAX_TOKENS_LIMIT:
-        return arguments
+        return arguments  # not allowed: the worker's error names the field with the value given
     return {**arguments, "maxTokens": max(MIN_MAX_TOKENS, max_tokens // 2)}
 
 

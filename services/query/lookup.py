@@ -104,7 +104,7 @@ class Lookups:
         content = rest[: request.max_chars] if request.max_chars else rest
         if request.max_tokens or not request.max_chars:
             # What the rest of the reply leaves of the budget (a tester's reply was 530 bytes over it); an MCP
-            # gateway always states one: a tester's maxChars of 200,000 made a tool result of 102,000 tokens.
+            # gateway states one with a maxChars given alone: a maxChars of 200,000 made a 102,000-token result.
             budget = request.max_tokens * BYTES_PER_TOKEN if request.max_tokens else self._default_bytes
             envelope = len(reply.model_dump_json(by_alias=True).encode("utf-8")) - json_size("")
             content = cut_to(content, max(MIN_DEFAULT_SLICE_BYTES, budget - envelope))

@@ -257,6 +257,29 @@ def test_reading_a_source_grows_with_it_not_with_its_square(make: Callable[[int]
     assert large < max(30 * small, 0.5), (small, large)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: "A" + "Error" * n,  # a name the exception's pattern may end at any of its n places
+        lambda n: "x." * n + "ValueError: the disk is full again",  # a dotted name as long as the paste
+        lambda n: "WARNING:" + "a" * n,
+    ],
+)
+def test_reading_a_pasted_line_grows_with_it_not_with_its_square(make: Callable[[int], str]) -> None:
+    """A review's 8,000 characters of ``AErrorError...`` took 113 ms of the worker's interpreter."""
+    import time
+
+    def timed(n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(3):
+            message_asked(make(n))
+        return time.perf_counter() - started
+
+    small, large = timed(1_600), timed(16_000)
+    assert large < max(30 * small, 0.5), (small, large)
+    assert message_asked(make(16_000)) is None  # longer than a message and its name: left to the retrievers
+
+
 def test_the_interpreters_words_count_only_of_the_class_or_module_the_chunk_is() -> None:
     """A review's: `'Response' object has no attribute 'json_body'` (the interpreter's, of a class of another
     package) placed starlette's State first at 1.0, whose template has the same words."""

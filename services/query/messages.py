@@ -43,6 +43,10 @@ MIN_RUN = 12
 characters (a message pasted in part, or a part whose end the run filled differently)."""
 MAX_MESSAGE_CHARS = 1_000
 """A message past this is a paste of more than one; it is left to the retrievers."""
+MAX_PASTED_LINE_CHARS = MAX_MESSAGE_CHARS + 500
+"""A pasted line longer than this is not read for a message (whose own text is at most :data:`MAX_MESSAGE_CHARS`,
+the rest room for the exception's dotted name or the log line's prefix): the patterns' work grows faster than a
+line's length, and a review's 8,000 characters of ``AErrorError...`` took 113 ms of the worker's interpreter."""
 MAX_SOURCE_CHARS = 200_000
 """A chunk's source read for its literals, at most (a module's chunk is its whole file)."""
 MAX_LITERAL_CHARS = 2_000
@@ -119,6 +123,8 @@ def message_asked(query: str) -> MessageAsked | None:
             return None
         lines = unframed[-1:]
     line = lines[0].strip()
+    if len(line) > MAX_PASTED_LINE_CHARS:
+        return None
     if len(line) >= 2 and line[0] == line[-1] and line[0] in _QUOTES:
         line = line[1:-1].strip()
     if _QUESTION.match(line):

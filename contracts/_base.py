@@ -11,6 +11,24 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic.alias_generators import to_camel
 
 
+class WholeNumbers(BaseModel):
+    """``5.0`` for an integer field is 5: JSON Schema counts it an integer, and strict validation refused it (a
+    conformance tester's query over NATS; a nats.js tester's ``startLine`` written by a library that writes every
+    number with a point, dead-lettered though the schema takes it). A fraction is still refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_numbers_written_with_a_point(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        whole = {
+            key: int(value)
+            for key, value in data.items()
+            if type(value) is float and value.is_integer() and key in _integer_fields(cls)
+        }
+        return {**data, **whole} if whole else data
+
+
 class WireModel(BaseModel):
     """A message read from the wire by someone else's code: unknown fields are ignored (evolution is additive)."""
 
@@ -24,7 +42,7 @@ class WireModel(BaseModel):
     )
 
 
-class StrictRequest(BaseModel):
+class StrictRequest(WholeNumbers):
     """A request we validate for a caller: unknown fields and loosely typed values are errors, not guesses."""
 
     model_config = ConfigDict(
@@ -37,20 +55,6 @@ class StrictRequest(BaseModel):
         frozen=True,
         allow_inf_nan=False,  # NaN and Infinity are no JSON; read as numbers they failed a bound, not as what they are
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _whole_numbers_written_with_a_point(cls, data: Any) -> Any:
-        """``5.0`` for an integer field is 5: JSON Schema counts it an integer, and so did the gateway, while strict
-        validation refused it over NATS (a conformance tester's). A fraction is still refused."""
-        if not isinstance(data, dict):
-            return data
-        whole = {
-            key: int(value)
-            for key, value in data.items()
-            if type(value) is float and value.is_integer() and key in _integer_fields(cls)
-        }
-        return {**data, **whole} if whole else data
 
 
 @cache

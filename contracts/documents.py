@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic.config import JsonDict
 
-from ._base import JsonWalk, WireModel
+from ._base import JsonWalk, WholeNumbers, WireModel
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
 CHUNK_LEVELS: tuple[ChunkLevel, ...] = ("file", "type", "method", "doc")
@@ -226,7 +226,7 @@ SymbolNames = list[Annotated[Text, Field(min_length=1, max_length=MAX_CALLEE_CHA
 """Qualified names a document's metadata lists (its calls, the names it assigns, its symbol's other names)."""
 
 
-class DocumentMetadata(WireModel):
+class DocumentMetadata(WireModel, WholeNumbers):
     """Metadata used for filtering and identity; free extra keys are kept as they are. The whole is at most 64 KiB
     as the index stores it, where a number takes its digits in full (1e300: 301 bytes); a delta over it is
     dead-lettered invalid_schema."""

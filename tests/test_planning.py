@@ -22,6 +22,7 @@ from ontofabric.services.projector.planning import (
     long_index_keys,
     payload_digest,
     plan_batch,
+    upserted_document,
     validate_delta,
 )
 from ontofabric.shared.subjects import Names
@@ -328,6 +329,23 @@ def test_what_the_database_cannot_store_is_refused_naming_the_field(change: dict
     assert isinstance(outcome, Rejection)
     assert outcome.reason == "invalid_schema"
     assert named in outcome.detail
+
+
+def test_a_line_number_written_with_a_point_is_the_whole_number() -> None:
+    """JSON Schema counts 12.0 an integer; a nats.js tester's delta written by a library that writes every number
+    with a point was dead-lettered though the schema takes it."""
+    delta = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
+    delta["payload"]["document"]["metadata"].update({"startLine": 12.0, "endLine": 14.0})
+    data, subject = _raw(json.dumps(delta))
+    outcome = validate_delta(data, subject, 1, LIMITS)
+    assert isinstance(outcome, Delta)
+    document_read = upserted_document(outcome.envelope)
+    assert document_read is not None
+    assert (document_read.metadata.start_line, document_read.metadata.end_line) == (12, 14)
+    delta["payload"]["document"]["metadata"]["startLine"] = 12.5  # a fraction is no line
+    outcome = validate_delta(*_raw(json.dumps(delta)), 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert "startLine" in outcome.detail
 
 
 def test_tiny_embeddings_that_vanish_in_float32_are_rejected() -> None:

@@ -14,7 +14,14 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from ontofabric.contracts.deltas import SCHEMA_VERSION
-from ontofabric.contracts.query import CLOCK_ALLOWANCE_MS, RECEIPT_HEADER, RECEIVED, SENT_AT_HEADER, TIMEOUT_HEADER
+from ontofabric.contracts.query import (
+    CLOCK_ALLOWANCE_MS,
+    MAX_REQUEST_BYTES,
+    RECEIPT_HEADER,
+    RECEIVED,
+    SENT_AT_HEADER,
+    TIMEOUT_HEADER,
+)
 from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR, portable
 
 from .jetstream import MAX_DELTA_MESSAGE_BYTES
@@ -248,7 +255,10 @@ def _reply_channel(messages: list[str]) -> Json:
 def _channels(names: Names) -> Json:
     scope = {"workspace": _WORKSPACE, "branch": _BRANCH}
     workspace = {"workspace": _WORKSPACE}
-    request = "Request-reply to the query workers (queue group `{queue}`); any worker answers any workspace."
+    request = (
+        "Request-reply to the query workers (queue group `{queue}`); any worker answers any workspace. A body over "
+        f"{MAX_REQUEST_BYTES:,} bytes is refused unread (invalid_request)."
+    )
     channels: Json = {
         "deltas": _channel(
             f"{names.prefix}.delta.{{workspace}}.{{branch}}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -346,6 +347,28 @@ def test_a_line_number_written_with_a_point_is_the_whole_number() -> None:
     outcome = validate_delta(*_raw(json.dumps(delta)), 1, LIMITS)
     assert isinstance(outcome, Rejection)
     assert "startLine" in outcome.detail
+
+
+@pytest.mark.parametrize(
+    ("spoil", "detail"),
+    [
+        (lambda data: data.replace(b'"alpha"', b'"al\\ud800pha"'), "payload.document.content: not valid Unicode"),
+        (
+            lambda data: data.replace(b'"alpha"', '"café"'.encode("latin-1")),
+            "payload.document.content: not valid UTF-8",
+        ),
+        (lambda data: b"\xef\xbb\xbf" + data, "<body>: a UTF-8 byte-order mark before the JSON"),
+    ],
+)
+def test_text_no_json_may_hold_is_named_by_its_field(spoil: Callable[[bytes], bytes], detail: str) -> None:
+    """A nats.js tester's lone surrogate was dead-lettered as "Invalid JSON: unexpected end of hex escape", though
+    JSON's grammar allows the escape and the query side names the field for the same text."""
+    delta = upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json()
+    data, subject = _raw(delta)
+    outcome = validate_delta(spoil(data), subject, 1, LIMITS)
+    assert isinstance(outcome, Rejection)
+    assert outcome.reason == "invalid_schema"
+    assert outcome.detail.startswith(detail), outcome.detail
 
 
 def test_tiny_embeddings_that_vanish_in_float32_are_rejected() -> None:

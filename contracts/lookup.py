@@ -105,3 +105,14 @@ class StatusReply(WireModel):
     dead_letters: int = Field(
         description="The workspace's deltas dead-lettered and not re-driven or purged (all branches)."
     )
+    embedding_model: str | None = Field(
+        default=None,
+        description="The model that made the vectors the index holds: a delta's embedding and tokenVectors must "
+        "name it as embeddingModel (another is dead-lettered embedding_model_mismatch). Null from a worker "
+        "older than this field.",
+    )
+    embedding_dimension: int | None = Field(
+        default=None,
+        description="Their dimension: an embedding's length and tokenVectors.dimension (another is dead-lettered "
+        "embedding_dimension_mismatch, or token_vectors_dimension_mismatch). Null from a worker older than this field.",
+    )

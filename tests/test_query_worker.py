@@ -280,6 +280,11 @@ async def test_the_status_says_how_far_the_index_is_behind_its_stream(
     assert main.last_change is not None
     assert status.ontology_version == main.ontology_version
     assert status.ontology_version.startswith(f"{first.seq}-")
+    # What a producer in another language must send vectors of (a nats.js tester found it nowhere it could read).
+    assert (status.embedding_model, status.embedding_dimension) == (
+        deployment.settings.embedding_model,
+        deployment.settings.embedding_dim,
+    )
     # The projector stops; a delta on main and one on a branch wait; one that can never apply is published too.
     await projector.stop()
     later = await deployment.publisher.publish(upsert("acme", document("b", "beta")))

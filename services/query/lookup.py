@@ -125,6 +125,7 @@ class Lookups:
         reports = [await self._branch_status(workspace, branch, states.get(branch), position) for branch in branches]
         versions = {r.branch: r.ontology_version for r in reports}
         own = versions.get(request.branch) if request.branch != MAIN_BRANCH else None
+        model, dimension = await self._documents.embedding(workspace)
         return StatusReply(
             workspace=workspace,
             branch=request.branch,
@@ -134,6 +135,8 @@ class Lookups:
             pending_deltas=sum(r.pending_deltas for r in reports),
             stream_refused=self._freshness.stream_refused(workspace),
             dead_letters=await self._dead_letters(workspace),
+            embedding_model=model,
+            embedding_dimension=dimension,
         )
 
     async def _branch_status(

@@ -904,6 +904,13 @@ class PostgresDocuments:
             for r in rows
         }
 
+    async def embedding(self, workspace: str) -> tuple[str, int]:
+        """The model and dimension of the vectors the workspace's database holds (its deployment row)."""
+        async with self._snapshots.read(Scope(workspace, MAIN_BRANCH)) as snapshot:
+            row = await snapshot.conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
+        assert row is not None  # the first migration writes it
+        return row["embedding_model"], row["embedding_dim"]
+
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python). Read
         alone, not in the answer's session: a relation question loads it beside the retrievers, and a read that

@@ -696,7 +696,8 @@ class QueryService:
         if displaced is not None:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
             paced = self._wait_of(displaced.workspace)
-            self._refused_busy.note(displaced.msg.subject)
+            if not displaced.replied:
+                self._refused_busy.note(displaced.msg.subject)
             await self._reply_once(
                 displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)
             )
@@ -797,7 +798,8 @@ class QueryService:
         busy = f"waited {waited:.0f} ms for a free slot; {_UNSTATED_WAIT}"
         limit = self.settings.query_unstated_max_wait_ms
         retry_after_s = 0.0 if runner_free else self._wait_of(admitted.workspace)
-        self._refused_busy.note(admitted.msg.subject)
+        if not admitted.replied:  # counted only when this refusal is what the caller gets
+            self._refused_busy.note(admitted.msg.subject)
         await self._reply_once(
             admitted,
             partial(error_reply, "overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s),
@@ -866,7 +868,8 @@ class QueryService:
             )
             paced = self._wait_of(admitted.workspace)
             short = self._timeout_too_short(deadline)
-            self._refused_busy.note(admitted.msg.subject)
+            if not admitted.replied:
+                self._refused_busy.note(admitted.msg.subject)
             await self._reply_once(
                 admitted,
                 partial(error_reply, "overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced),

@@ -774,7 +774,9 @@ def mcp(
     from .gateway.admission import Intake
     from .gateway.server import ListenRefused, is_loopback, serve
 
-    settings = _settings("ontofabric-mcp", data_dir, quiet=True, worker=True)
+    # Over stdio it keeps quiet unless asked (a client shows its stderr); over HTTP it is a server and logs as one
+    # (a soak tester's gateway wrote nothing in 26 minutes of dropped connections and cancelled calls).
+    settings = _settings("ontofabric-mcp", data_dir, quiet=http is None, worker=True)
     if workspace is None and settings.gateway_workspace is not None:
         # Refused now: a gateway started with a bad name would answer every call with an error no agent can mend.
         try:

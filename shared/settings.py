@@ -582,7 +582,8 @@ class Settings(BaseSettings):
         'httpx instrumentation): about 0.1 ms per statement (docs/benchmarks.md, "Client spans").',
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        default="INFO", description="Log level (interactive commands log warnings only unless this is set)."
+        default="INFO",
+        description="Log level (interactive commands and the stdio MCP gateway log warnings only unless this is set).",
     )
     log_format: Literal["json", "console"] = Field(
         default="json",

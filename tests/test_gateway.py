@@ -289,6 +289,26 @@ async def _http_gateway(
         await asyncio.wait_for(gateway.wait(), 30)
 
 
+async def test_an_http_gateway_logs_as_a_server_does(deployment: Deployment) -> None:
+    """Over HTTP it says where it listens at the default level, as a long-running server: a soak tester's gateway
+    wrote nothing in 26 minutes of dropped connections and cancelled calls (stdio keeps quiet unless asked)."""
+    port = _free_port()
+    env = {k: v for k, v in _gateway_env(deployment).items() if k != "ONTOFABRIC_LOG_LEVEL"}
+    gateway = await asyncio.create_subprocess_exec(
+        ONTOFABRIC, "mcp", "--http", f"127.0.0.1:{port}",
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert gateway.stderr is not None
+    try:
+        async with asyncio.timeout(60):
+            while b"gateway_listening" not in (line := await gateway.stderr.readline()):
+                assert line, "the gateway ended without saying where it listens"
+        assert f"127.0.0.1:{port}" in line.decode()
+    finally:
+        gateway.terminate()
+        await asyncio.wait_for(gateway.wait(), 30)
+
+
 async def test_the_python_sdk_over_streamable_http(deployment: Deployment, served: QueryService) -> None:
     async with _http_gateway(deployment, "--workspace", "acme") as url, Client(url) as client:
         await _exercise(client)

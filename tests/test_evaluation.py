@@ -250,6 +250,8 @@ async def test_a_small_dataset_through_the_real_path(
             "second_vectors": True,
             "second_vectors_model_path": tiny_onnx_embedder,
             "second_opinion_weight": 0.01,
+            # q1 and q3 are longer: a deployment would refuse them, the evaluation answers them and says so.
+            "max_query_chars": 34,
         }
     )
     endpoints = Endpoints(servers.nats_url, deployment_settings.database_url or "", nats_logins)
@@ -260,7 +262,7 @@ async def test_a_small_dataset_through_the_real_path(
     [(refused_id, why)] = report.refused_documents
     assert refused_id == "nul"
     assert "NUL" in why
-    assert report.queries == 4
+    assert (report.queries, report.over_query_limit) == (4, 2)
     for config in configs:
         result = report.configs[config]
         assert result.errors == 1
@@ -372,5 +374,12 @@ def test_report_table_tells_refused_entries_from_lost_ones() -> None:
         return [line for line in lines if line.startswith("warning")]
 
     refused = "warning: 1 corpus entries were refused by the document contract and not loaded, e.g. 'nul': content"
+    long_queries = EvalReport(
+        dataset="tiny", split="test", documents=5, documents_loaded=5, queries=3, configs={}, load_seconds=1.0,
+        over_query_limit=2,
+    )  # fmt: skip
+    lines: list[str] = []
+    render_table(long_queries, lines.append)
+    assert "note: 2 judged queries are longer than ONTOFABRIC_MAX_QUERY_CHARS: answered here, refused by" in lines[1]
     assert [w[: len(refused)] for w in warnings(4)] == [refused]  # the other four all arrived
     assert warnings(3)[1].startswith("warning: only 3 documents were loaded")

@@ -91,6 +91,9 @@ class EvalReport:
     """Each query's leading results with their signals and judgments (``--calibration-points``; not in the JSON)."""
     setup: dict[str, str] = field(default_factory=dict)
     """What it ran with (:func:`retrieval_setup`)."""
+    over_query_limit: int = 0
+    """Judged queries longer than the deployment's ``max_query_chars``: the evaluation answers them (some BEIR sets'
+    queries are paragraphs), a deployment refuses them."""
 
     def to_json(self) -> dict[str, Any]:
         return json_without_points(self)
@@ -155,6 +158,12 @@ def render_table(report: EvalReport, write: Callable[[str], None]) -> None:
         write(
             f"warning: only {report.documents_loaded} documents were loaded (dead-lettered entries or repeated ids;"
             " see the DLQ stream)"
+        )
+    if report.over_query_limit:
+        # An outside tester's 2,500-character query was answered here and refused by the deployment it measured.
+        write(
+            f"note: {report.over_query_limit} judged queries are longer than ONTOFABRIC_MAX_QUERY_CHARS: answered "
+            "here, refused by a deployment with that setting"
         )
     write("| " + " | ".join(header) + " |")
     write("|" + "---|" * len(header))

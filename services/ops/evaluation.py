@@ -284,6 +284,8 @@ async def evaluate(
 ) -> EvalReport:
     """Start a projector and a query worker (cache off), load the dataset, run each configuration."""
     setup = retrieval_setup(settings)
+    judged = {q: dataset.qrels[q] for q in dataset.qrels if q in dataset.queries}
+    over_query_limit = sum(len(dataset.queries[q]) > settings.max_query_chars for q in judged)
     # Cache off (every query measured), and queries as long as some BEIR sets have (ArguAna's are paragraphs).
     settings = settings.model_copy(
         update={"query_cache_entries": 0, "max_query_chars": max(settings.max_query_chars, 100_000)}
@@ -333,7 +335,6 @@ async def evaluate(
         loaded = await _live_documents(
             Placement.of(settings, endpoints.database_url).database_url_of(workspace), workspace
         )
-    judged = {q: dataset.qrels[q] for q in dataset.qrels if q in dataset.queries}
     per_query = {config: per_query_ndcg(judged, run) for config, run in runs.items()}
     gain = None
     if DEFAULT_REQUEST in runs and "hybrid-rerank" in runs:
@@ -358,6 +359,7 @@ async def evaluate(
         per_query=per_query,
         calibration_points=calibration_points,
         setup=setup,
+        over_query_limit=over_query_limit,
     )
 
 

@@ -355,6 +355,19 @@ class Settings(BaseSettings):
     fusion_dense_weight: float = Field(
         default=0.5, ge=0, le=1, description="Weight of the dense list in `convex` fusion."
     )
+    fusion_dense_trusted_cosine: float = Field(
+        default=0.5,
+        ge=-1,
+        le=1,
+        description="Adaptive fusion: a dense list whose top cosine is under this weighs less than the keyword "
+        "list's gap alone would give it, in proportion to how far that cosine is over "
+        "`fusion_dense_unrelated_cosine`, and at or under that the least (0.05): dense found nothing near, and "
+        'its order is noise (docs/quality.md, "When dense found nothing near"). Cosines of '
+        "`calibration_embedding_model`; both bounds -1 turn it off.",
+    )
+    fusion_dense_unrelated_cosine: float = Field(
+        default=0.2, ge=-1, le=1, description="See `fusion_dense_trusted_cosine`; at most that."
+    )
     bm25_k1: float = Field(default=1.2, gt=0, description="BM25 term-frequency saturation.")
     bm25_b: float = Field(
         default=0.85, ge=0, le=1, description="BM25 document-length normalisation (docs/quality.md has the evidence)."
@@ -409,8 +422,9 @@ class Settings(BaseSettings):
     )
     calibration_embedding_model: str = Field(
         default="all-MiniLM-L6-v2",
-        description="The embedding model the calibration's cosine weights were fitted for: an index of another "
-        "model answers dense and hybrid queries with relative scores (_meta.calibrated false) until refitted.",
+        description="The embedding model the calibration's cosine weights were fitted for, and the fusion's cosine "
+        "bounds measured for: an index of another model answers dense and hybrid queries with relative scores "
+        "(_meta.calibrated false) until refitted, and fuses without the bounds.",
     )
     calibration_dense: tuple[float, float, float] | tuple[float, float] = Field(
         default=(9.3304, -2.542, -4.8349),
@@ -617,6 +631,15 @@ class Settings(BaseSettings):
     def _zero_bytes_is_no_limit(cls, value: object) -> object:
         """0 means no limit, as for the dead-letter bound beside it."""
         return None if value in (0, "0") else value
+
+    @model_validator(mode="after")
+    def _dense_cosine_bounds_in_order(self) -> Self:
+        if self.fusion_dense_unrelated_cosine > self.fusion_dense_trusted_cosine:
+            raise ValueError(
+                "fusion_dense_unrelated_cosine is over fusion_dense_trusted_cosine: set it at most that "
+                "(both -1 turn the bounds off)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _next_model_complete(self) -> Self:

@@ -658,6 +658,7 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_NATS_TLS_CA", "/nonexistent/ca.pem", "no CA certificates (PEM) read (No such file or directory)"),
         ("ONTOFABRIC_AZURE_SEARCH_ENDPOINT", "https://x.search.windows.net", "needs ONTOFABRIC_AZURE_SEARCH_API_KEY"),
         ("ONTOFABRIC_QUERY_CONCURRENCY", "99999999999999999999", "less than or equal to 4096"),
+        ("ONTOFABRIC_FUSION_DENSE_UNRELATED_COSINE", "0.7", "UNRELATED_COSINE is over ONTOFABRIC_FUSION_DENSE_TRUSTED"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:

@@ -197,6 +197,29 @@ def test_adaptive_fusion_lets_the_keyword_list_lead_for_a_query_that_is_one_iden
     assert (nothing[0].id, weight_of_nothing) == ("x0", pytest.approx(0.95))
 
 
+def test_a_dense_list_that_found_nothing_near_weighs_less_than_the_keyword_gap_alone_gives_it() -> None:
+    """An outside tester's "47% identical": the one abstract holding both words was first by BM25, but the list was
+    flat (the words common), so dense took 0.77 of the weight with a top cosine of 0.26, and it came 75th. Here a
+    top cosine of 0.30 keeps a third of the weight."""
+    from ontofabric.services.query.fusion import adaptive_fusion, dense_share
+
+    assert [dense_share(c, 0.2, 0.5) for c in (0.1, 0.2, 0.35, 0.5, 0.9)] == pytest.approx([0, 0, 0.5, 1, 1])
+    flat = [Candidate("holder", 6.0)] + [Candidate(f"k{i}", 5.0 - 0.1 * i) for i in range(20)]
+    unrelated = [Candidate(f"d{i}", 0.30 - 0.001 * i) for i in range(50)]
+    cosines = {"holder": 0.05, **{f"k{i}": 0.12 for i in range(20)}}
+    as_before, weight_before, gap = adaptive_fusion(unrelated, flat, 10.0, keyword_hits_dense=cosines)
+    trusting, weight, same_gap = adaptive_fusion(
+        unrelated, flat, 10.0, keyword_hits_dense=cosines, dense_trust=(0.2, 0.5)
+    )
+    assert [hit.id for hit in as_before].index("holder") > 10
+    assert trusting[0].id == "holder"
+    assert (same_gap, weight) == (gap, pytest.approx(weight_before * (0.30 - 0.2) / (0.5 - 0.2)))
+    # A dense list that found something near keeps the weight the gap gives it.
+    near = [Candidate("d0", 0.62), *unrelated]
+    _, kept, _ = adaptive_fusion(near, flat, 10.0, keyword_hits_dense=cosines, dense_trust=(0.2, 0.5))
+    assert kept == pytest.approx(weight_before)
+
+
 def test_a_list_that_ran_out_is_weighed_by_the_query_terms_its_hits_hold_not_by_their_length() -> None:
     """A made-up word written once in a 90 KB function (and in its file's chunk), nowhere else: BM25's length
     normalisation saturated both at 0.014, dense took 0.95 of the weight with cosines for a word it never learned,

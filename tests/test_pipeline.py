@@ -380,6 +380,26 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
     }
 
 
+async def test_a_dense_list_that_found_nothing_near_weighs_less_for_the_model_its_bounds_are_of() -> None:
+    @dataclass
+    class Unrelated(ScriptedRetrieval):
+        async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            return Hits([Candidate("x", 0.3), Candidate("y", 0.25)], self.dense_version)
+
+    question = OntologyQuery(semantic_query="a question")
+    fitted = PipelineConfig(calibration_embedding_model=FixedEmbedder.model_name)
+    trusting = (await pipeline_over(Unrelated(), config=fitted).answer(question, "w")).meta.fusion
+    assert trusting is not None
+    # The keyword gap alone gives dense 1/4 (as above); a top cosine of 0.3 keeps a third of it.
+    assert trusting.parameters["denseShare"] == pytest.approx(1 / 3, abs=1e-3)
+    assert trusting.parameters["denseWeight"] == pytest.approx(1 / 12, abs=1e-3)
+    other = PipelineConfig(calibration_embedding_model="another-model")  # not the cosines' scale: no bounds
+    as_gapped = (await pipeline_over(Unrelated(), config=other).answer(question, "w")).meta.fusion
+    assert as_gapped is not None
+    assert "denseShare" not in as_gapped.parameters
+    assert as_gapped.parameters["denseWeight"] == pytest.approx(1 / 4, abs=1e-3)
+
+
 async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:
     # Dense returned x (0.9) and y (0.8); keyword y (3.0) and z (1.0) of a best reachable 4.0, so the dense weight is
     # 1/4 (the keyword gap is y's saturation, 3/4). Taking dense's lowest cosine, z would score 0.8/4 + 3/16 = 0.39

@@ -23,6 +23,8 @@ class PipelineConfig:
     fusion_method: str = _default("fusion_method")
     rrf_k: int = _default("rrf_k")
     fusion_dense_weight: float = _default("fusion_dense_weight")
+    fusion_dense_trusted_cosine: float = _default("fusion_dense_trusted_cosine")
+    fusion_dense_unrelated_cosine: float = _default("fusion_dense_unrelated_cosine")
     early_exit_saturation: float = _default("early_exit_saturation")
     reranker_timeout_ms: int = _default("reranker_timeout_ms")
     reranker_depth: int = _default("reranker_depth")

@@ -152,6 +152,7 @@ def adaptive_fusion(
     keyword_hits_dense: Mapping[str, float] | None = None,
     lexical: bool = False,
     keyword_coverage: Mapping[str, float] | None = None,
+    dense_trust: tuple[float, float] | None = None,
 ) -> tuple[list[Fused], float, float]:
     """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95].
 
@@ -176,9 +177,16 @@ def adaptive_fusion(
     ``keyword_coverage``: each keyword hit's share of the query's term weight, where the backend states it (the
     query's terms are rare: ``Hits.coverage``). A list that ran out is then weighed and scored by it
     (``ran_out_scores``).
+
+    ``dense_trust``: (unrelated, trusted) cosines of the query's model. Under ``trusted`` the dense list's top
+    cosine says dense found nothing near: its weight shrinks in proportion (:func:`dense_share`), since the gap says
+    only how sure keyword is, and where neither is, dense's order of documents unrelated to the query decided (an
+    outside tester's rare number, first by keyword, came 75th).
     """
     gap = 1.0 if lexical and keyword else keyword_gap(keyword, query_ceiling or keyword_ceiling, keyword_coverage)
     weight = min(0.95, max(0.05, 1.0 - gap))
+    if dense_trust is not None and dense and keyword:
+        weight = max(0.05, weight * dense_share(dense[0].score, *dense_trust))
     top = max((c.score for c in keyword), default=0.0)
     ceiling = keyword_ceiling if keyword_ceiling and keyword_ceiling > 0 else (top if top > 0 else 1.0)
     dense_scores = {**(keyword_hits_dense or {}), **{c.id: c.score for c in dense}}
@@ -196,6 +204,16 @@ def adaptive_fusion(
         fused.append(Fused(doc_id, score, max(0.0, min(1.0, score)), sources))
     fused.sort(key=lambda f: (-f.score, f.best_rank, f.id))
     return (fused if limit is None else fused[:limit]), weight, gap
+
+
+def dense_share(top_cosine: float, unrelated: float, trusted: float) -> float:
+    """How much of its weight a dense list keeps, in [0, 1], by its top cosine: all of it at ``trusted`` and over,
+    none at ``unrelated`` and under, in proportion between."""
+    if top_cosine >= trusted:
+        return 1.0
+    if top_cosine <= unrelated:
+        return 0.0
+    return (top_cosine - unrelated) / (trusted - unrelated)
 
 
 @dataclass(frozen=True)
@@ -224,6 +242,7 @@ def fuse(
     keyword_hits_dense: Mapping[str, float] | None = None,
     lexical: bool = False,
     keyword_coverage: Mapping[str, float] | None = None,
+    dense_trust: tuple[float, float] | None = None,
 ) -> tuple[list[Fused], FusionChoice | None]:
     """Fuse with the chosen method; a single list keeps its order and needs no fusion (choice None).
 
@@ -241,8 +260,12 @@ def fuse(
             keyword_hits_dense,
             lexical,
             keyword_coverage,
+            dense_trust,
         )
         parameters = {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)}
+        dense, keyword = ranked_lists[DENSE], ranked_lists[KEYWORD]
+        if dense_trust is not None and dense and keyword and (share := dense_share(dense[0].score, *dense_trust)) < 1:
+            parameters["denseShare"] = round(share, 4)  # the weight the keyword gap gave dense, times this
         if keyword_hits_dense is not None:
             parameters["keywordHitsDenseScored"] = len(keyword_hits_dense)
         return fused, FusionChoice("adaptive", parameters)

@@ -511,6 +511,7 @@ class QueryPipeline:
             keyword_hits_dense=keyword_hits_dense,
             lexical=(name := identifier_of(run.text)) is not None and code_shaped(name),
             keyword_coverage=keyword.coverage if keyword else None,
+            dense_trust=self._dense_trust(embedded),
         )
         run.timings["fusion"] = milliseconds_since(started)
         self._metrics.fusion_duration.record(run.timings["fusion"])
@@ -532,6 +533,14 @@ class QueryPipeline:
             ),
         )
         return fused, measured
+
+    def _dense_trust(self, embedded: EmbeddedQuery | None) -> tuple[float, float] | None:
+        """The cosines bounding how far the fusion trusts a dense list (``adaptive_fusion``): only for the model
+        they were measured with, whose cosine scale they are."""
+        config = self._config
+        if embedded is None or embedded.model != config.calibration_embedding_model:
+            return None
+        return config.fusion_dense_unrelated_cosine, config.fusion_dense_trusted_cosine
 
     async def _keyword_hits_dense(
         self, run: QueryRun, scope: Scope, lists: dict[str, Hits], embedded: EmbeddedQuery

@@ -363,10 +363,15 @@ class Settings(BaseSettings):
         "list's gap alone would give it, in proportion to how far that cosine is over "
         "`fusion_dense_unrelated_cosine`, and at or under that the least (0.05): dense found nothing near, and "
         'its order is noise (docs/quality.md, "When dense found nothing near"). Cosines of '
-        "`calibration_embedding_model`; both bounds -1 turn it off.",
+        "`fusion_dense_cosine_model`; both bounds -1 turn it off.",
     )
     fusion_dense_unrelated_cosine: float = Field(
         default=0.2, ge=-1, le=1, description="See `fusion_dense_trusted_cosine`; at most that."
+    )
+    fusion_dense_cosine_model: str = Field(
+        default="all-MiniLM-L6-v2",
+        description="The embedding model whose cosines the two bounds above are: an index of another model fuses "
+        "without them until they are measured for it (another model's cosines sit on another scale).",
     )
     bm25_k1: float = Field(default=1.2, gt=0, description="BM25 term-frequency saturation.")
     bm25_b: float = Field(
@@ -422,9 +427,8 @@ class Settings(BaseSettings):
     )
     calibration_embedding_model: str = Field(
         default="all-MiniLM-L6-v2",
-        description="The embedding model the calibration's cosine weights were fitted for, and the fusion's cosine "
-        "bounds measured for: an index of another model answers dense and hybrid queries with relative scores "
-        "(_meta.calibrated false) until refitted, and fuses without the bounds.",
+        description="The embedding model the calibration's cosine weights were fitted for: an index of another "
+        "model answers dense and hybrid queries with relative scores (_meta.calibrated false) until refitted.",
     )
     calibration_dense: tuple[float, float, float] | tuple[float, float] = Field(
         default=(9.3304, -2.542, -4.8349),

@@ -201,7 +201,7 @@ def test_a_dense_list_that_found_nothing_near_weighs_less_than_the_keyword_gap_a
     """An outside tester's "47% identical": the one abstract holding both words was first by BM25, but the list was
     flat (the words common), so dense took 0.77 of the weight with a top cosine of 0.26, and it came 75th. Here a
     top cosine of 0.30 keeps a third of the weight."""
-    from ontofabric.services.query.fusion import adaptive_fusion, dense_share
+    from ontofabric.services.query.fusion import adaptive_fusion, dense_share, fuse
 
     assert [dense_share(c, 0.2, 0.5) for c in (0.1, 0.2, 0.35, 0.5, 0.9)] == pytest.approx([0, 0, 0.5, 1, 1])
     flat = [Candidate("holder", 6.0)] + [Candidate(f"k{i}", 5.0 - 0.1 * i) for i in range(20)]
@@ -218,6 +218,16 @@ def test_a_dense_list_that_found_nothing_near_weighs_less_than_the_keyword_gap_a
     near = [Candidate("d0", 0.62), *unrelated]
     _, kept, _ = adaptive_fusion(near, flat, 10.0, keyword_hits_dense=cosines, dense_trust=(0.2, 0.5))
     assert kept == pytest.approx(weight_before)
+    # _meta says the share dense kept, only where it lowered the weight (a review's: not for a query that is one
+    # identifier, whose keyword list leads with the least weight on dense anyway).
+    lists = {"dense": unrelated, "keyword": flat}
+    _, lowered = fuse(lists, "adaptive", rrf_k=60, dense_weight=0.5, keyword_ceiling=10.0, dense_trust=(0.2, 0.5))
+    assert lowered is not None
+    assert lowered.parameters["denseShare"] == pytest.approx(1 / 3, abs=1e-4)
+    _, named = fuse(lists, "adaptive", rrf_k=60, dense_weight=0.5, keyword_ceiling=10.0, lexical=True,
+                    dense_trust=(0.2, 0.5))  # fmt: skip
+    assert named is not None
+    assert "denseShare" not in named.parameters
 
 
 def test_a_list_that_ran_out_is_weighed_by_the_query_terms_its_hits_hold_not_by_their_length() -> None:

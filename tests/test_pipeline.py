@@ -383,21 +383,27 @@ async def test_request_options_choose_retrievers_and_fusion() -> None:
 async def test_a_dense_list_that_found_nothing_near_weighs_less_for_the_model_its_bounds_are_of() -> None:
     @dataclass
     class Unrelated(ScriptedRetrieval):
+        searched_by: str | None = None
+        """The model the dense search embedded the query by again (an index of another model), if it did."""
+
         async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
-            return Hits([Candidate("x", 0.3), Candidate("y", 0.25)], self.dense_version)
+            hits = [Candidate("x", 0.3), Candidate("y", 0.25)]
+            return Hits(hits, self.dense_version, embedding_model=self.searched_by)
 
     question = OntologyQuery(semantic_query="a question")
-    fitted = PipelineConfig(calibration_embedding_model=FixedEmbedder.model_name)
+    fitted = PipelineConfig(fusion_dense_cosine_model=FixedEmbedder.model_name)
     trusting = (await pipeline_over(Unrelated(), config=fitted).answer(question, "w")).meta.fusion
     assert trusting is not None
     # The keyword gap alone gives dense 1/4 (as above); a top cosine of 0.3 keeps a third of it.
     assert trusting.parameters["denseShare"] == pytest.approx(1 / 3, abs=1e-3)
     assert trusting.parameters["denseWeight"] == pytest.approx(1 / 12, abs=1e-3)
-    other = PipelineConfig(calibration_embedding_model="another-model")  # not the cosines' scale: no bounds
-    as_gapped = (await pipeline_over(Unrelated(), config=other).answer(question, "w")).meta.fusion
-    assert as_gapped is not None
-    assert "denseShare" not in as_gapped.parameters
-    assert as_gapped.parameters["denseWeight"] == pytest.approx(1 / 4, abs=1e-3)
+    other = PipelineConfig(fusion_dense_cosine_model="another-model")  # not the cosines' scale: no bounds
+    # Nor where the index is of another model than the query's, whose cosines the dense list then holds.
+    for config, retrieval in ((other, Unrelated()), (fitted, Unrelated(searched_by="another-model"))):
+        as_gapped = (await pipeline_over(retrieval, config=config).answer(question, "w")).meta.fusion
+        assert as_gapped is not None
+        assert "denseShare" not in as_gapped.parameters
+        assert as_gapped.parameters["denseWeight"] == pytest.approx(1 / 4, abs=1e-3)
 
 
 async def test_a_keyword_only_hit_is_fused_with_its_own_cosine() -> None:

@@ -25,6 +25,7 @@ class PipelineConfig:
     fusion_dense_weight: float = _default("fusion_dense_weight")
     fusion_dense_trusted_cosine: float = _default("fusion_dense_trusted_cosine")
     fusion_dense_unrelated_cosine: float = _default("fusion_dense_unrelated_cosine")
+    fusion_dense_cosine_model: str = _default("fusion_dense_cosine_model")
     early_exit_saturation: float = _default("early_exit_saturation")
     reranker_timeout_ms: int = _default("reranker_timeout_ms")
     reranker_depth: int = _default("reranker_depth")

@@ -154,7 +154,8 @@ def adaptive_fusion(
     keyword_coverage: Mapping[str, float] | None = None,
     dense_trust: tuple[float, float] | None = None,
 ) -> tuple[list[Fused], float, float]:
-    """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95].
+    """Convex fusion whose dense weight is set per query: ``1 - keyword_gap``, clamped to [0.05, 0.95], and
+    lowered where the dense list found nothing near (``dense_trust``).
 
     ``lexical``: the query is one identifier written as code writes one (``symbols.code_shaped``), which a keyword
     hit holds as written: the keyword list leads (a gap of 1) whenever it has hits. Its top hit's saturation says
@@ -184,7 +185,7 @@ def adaptive_fusion(
     outside tester's rare number, first by keyword, came 75th).
     """
     gap = 1.0 if lexical and keyword else keyword_gap(keyword, query_ceiling or keyword_ceiling, keyword_coverage)
-    weight = min(0.95, max(0.05, 1.0 - gap))
+    weight = weight_by_gap(gap)
     if dense_trust is not None and dense and keyword:
         weight = max(0.05, weight * dense_share(dense[0].score, *dense_trust))
     top = max((c.score for c in keyword), default=0.0)
@@ -204,6 +205,11 @@ def adaptive_fusion(
         fused.append(Fused(doc_id, score, max(0.0, min(1.0, score)), sources))
     fused.sort(key=lambda f: (-f.score, f.best_rank, f.id))
     return (fused if limit is None else fused[:limit]), weight, gap
+
+
+def weight_by_gap(gap: float) -> float:
+    """The dense weight the keyword list's gap gives, clamped to [0.05, 0.95]."""
+    return min(0.95, max(0.05, 1.0 - gap))
 
 
 def dense_share(top_cosine: float, unrelated: float, trusted: float) -> float:
@@ -263,9 +269,8 @@ def fuse(
             dense_trust,
         )
         parameters = {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)}
-        dense, keyword = ranked_lists[DENSE], ranked_lists[KEYWORD]
-        if dense_trust is not None and dense and keyword and (share := dense_share(dense[0].score, *dense_trust)) < 1:
-            parameters["denseShare"] = round(share, 4)  # the weight the keyword gap gave dense, times this
+        if weight < weight_by_gap(gap):  # dense found nothing near: it kept this share of what the gap gave it
+            parameters["denseShare"] = round(weight / weight_by_gap(gap), 4)
         if keyword_hits_dense is not None:
             parameters["keywordHitsDenseScored"] = len(keyword_hits_dense)
         return fused, FusionChoice("adaptive", parameters)

@@ -511,7 +511,7 @@ class QueryPipeline:
             keyword_hits_dense=keyword_hits_dense,
             lexical=(name := identifier_of(run.text)) is not None and code_shaped(name),
             keyword_coverage=keyword.coverage if keyword else None,
-            dense_trust=self._dense_trust(embedded),
+            dense_trust=self._dense_trust(lists.get(DENSE), embedded),
         )
         run.timings["fusion"] = milliseconds_since(started)
         self._metrics.fusion_duration.record(run.timings["fusion"])
@@ -534,11 +534,14 @@ class QueryPipeline:
         )
         return fused, measured
 
-    def _dense_trust(self, embedded: EmbeddedQuery | None) -> tuple[float, float] | None:
+    def _dense_trust(self, dense: Hits | None, embedded: EmbeddedQuery | None) -> tuple[float, float] | None:
         """The cosines bounding how far the fusion trusts a dense list (``adaptive_fusion``): only for the model
-        they were measured with, whose cosine scale they are."""
+        they were measured with, whose cosine scale they are. The list's model is the index's: the query's own
+        where the index holds it, else the one the dense search embedded the query by again (a review's)."""
         config = self._config
-        if embedded is None or embedded.model != config.calibration_embedding_model:
+        if dense is None or embedded is None:
+            return None
+        if (dense.embedding_model or embedded.model) != config.fusion_dense_cosine_model:
             return None
         return config.fusion_dense_unrelated_cosine, config.fusion_dense_trusted_cosine
 

@@ -43,10 +43,13 @@ MIN_RUN = 12
 characters (a message pasted in part, or a part whose end the run filled differently)."""
 MAX_MESSAGE_CHARS = 1_000
 """A message past this is a paste of more than one; it is left to the retrievers."""
+MAX_NAME_CHARS = 300
+"""An exception's dotted name, at most: the exception patterns' work grows with the square of what they read
+before the first colon (a review's 8,000 characters of ``AErrorError...`` took 113 ms of the worker's interpreter),
+so a line whose text before it is longer is read for a logged line only."""
 MAX_PASTED_LINE_CHARS = MAX_MESSAGE_CHARS + 500
 """A pasted line longer than this is not read for a message (whose own text is at most :data:`MAX_MESSAGE_CHARS`,
-the rest room for the exception's dotted name or the log line's prefix): the patterns' work grows faster than a
-line's length, and a review's 8,000 characters of ``AErrorError...`` took 113 ms of the worker's interpreter."""
+the rest room for the exception's name or the log line's prefix)."""
 MAX_SOURCE_CHARS = 200_000
 """A chunk's source read for its literals, at most (a module's chunk is its whole file)."""
 MAX_LITERAL_CHARS = 2_000
@@ -129,7 +132,8 @@ def message_asked(query: str) -> MessageAsked | None:
         line = line[1:-1].strip()
     if _QUESTION.match(line):
         return None
-    raised = (_TRACED if traced else _RAISED).fullmatch(line)
+    named = len(line.partition(":")[0]) <= MAX_NAME_CHARS
+    raised = (_TRACED if traced else _RAISED).fullmatch(line) if named else None
     if raised is not None:
         name = raised["name"]
         exception = name.rpartition(".")[2]

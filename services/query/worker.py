@@ -696,8 +696,7 @@ class QueryService:
         if displaced is not None:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
             paced = self._wait_of(displaced.workspace)
-            if not displaced.replied:
-                self._refused_busy.note(displaced.msg.subject)
+            self._refused_busy.note(displaced.msg.subject)
             await self._reply_once(
                 displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)
             )
@@ -868,8 +867,7 @@ class QueryService:
             )
             paced = self._wait_of(admitted.workspace)
             short = self._timeout_too_short(deadline)
-            if not admitted.replied:
-                self._refused_busy.note(admitted.msg.subject)
+            self._refused_busy.note(admitted.msg.subject)
             await self._reply_once(
                 admitted,
                 partial(error_reply, "overloaded", busy, retryable=True, timeout_too_short=short, retry_after_s=paced),

@@ -122,10 +122,9 @@ class Lookups:
         if position is None:
             raise PositionUnavailable("the index's position could not be read from JetStream")
         states = await self._documents.branch_states(workspace, branches)
-        reports = [await self._branch_status(workspace, branch, states.get(branch), position) for branch in branches]
+        reports = [await self._branch_status(workspace, branch, states.of.get(branch), position) for branch in branches]
         versions = {r.branch: r.ontology_version for r in reports}
         own = versions.get(request.branch) if request.branch != MAIN_BRANCH else None
-        model, dimension = await self._documents.embedding(workspace)
         return StatusReply(
             workspace=workspace,
             branch=request.branch,
@@ -135,8 +134,8 @@ class Lookups:
             pending_deltas=sum(r.pending_deltas for r in reports),
             stream_refused=self._freshness.stream_refused(workspace),
             dead_letters=await self._dead_letters(workspace),
-            embedding_model=model,
-            embedding_dimension=dimension,
+            embedding_model=states.embedding_model,
+            embedding_dimension=states.embedding_dimension,
         )
 
     async def _branch_status(

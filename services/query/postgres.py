@@ -128,6 +128,15 @@ class BranchState:
     updated_at: datetime
 
 
+@dataclass(frozen=True)
+class BranchStates:
+    """A workspace's branches' version rows, by branch, and what its vectors are."""
+
+    of: dict[str, BranchState]
+    embedding_model: str
+    embedding_dimension: int
+
+
 AnnouncedRevision = Callable[[str, str], int]
 """The highest revision of a (workspace, branch) version this worker has seen announced (0: none)."""
 
@@ -890,8 +899,9 @@ class PostgresDocuments:
             {r["id"]: r["symbol_fqn"] for r in rows}, snapshot.version, modules, found_by=found_by, named=named
         )
 
-    async def branch_states(self, workspace: str, branches: Sequence[str]) -> dict[str, BranchState]:
-        """The version row of each of the workspace's ``branches`` that has one."""
+    async def branch_states(self, workspace: str, branches: Sequence[str]) -> BranchStates:
+        """The version row of each of the workspace's ``branches`` that has one, and the model and dimension of the
+        vectors its database holds (the deployment row), read in one snapshot."""
         async with self._snapshots.read(Scope(workspace, MAIN_BRANCH)) as snapshot:
             rows = await snapshot.conn.fetch(
                 "SELECT branch, state_hash, stream_seq, doc_count, updated_at FROM ontology_versions"
@@ -899,17 +909,13 @@ class PostgresDocuments:
                 workspace,
                 list(branches),
             )
-        return {
+            deployment = await snapshot.conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
+        assert deployment is not None  # the first migration writes it
+        states = {
             r["branch"]: BranchState(format_version(r["state_hash"], r["stream_seq"]), r["doc_count"], r["updated_at"])
             for r in rows
         }
-
-    async def embedding(self, workspace: str) -> tuple[str, int]:
-        """The model and dimension of the vectors the workspace's database holds (its deployment row)."""
-        async with self._snapshots.read(Scope(workspace, MAIN_BRANCH)) as snapshot:
-            row = await snapshot.conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
-        assert row is not None  # the first migration writes it
-        return row["embedding_model"], row["embedding_dim"]
+        return BranchStates(states, deployment["embedding_model"], deployment["embedding_dim"])
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python). Read

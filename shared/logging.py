@@ -109,8 +109,9 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    # Library chatter stays at WARNING unless we are debugging.
-    for noisy in ("nats", "asyncio", "sentence_transformers", "transformers", "httpx"):
+    # Library chatter stays at WARNING unless we are debugging (the MCP SDK's info lines hold session ids, and one
+    # comes for each request naming an unknown session: a review's).
+    for noisy in ("nats", "asyncio", "sentence_transformers", "transformers", "httpx", "mcp"):
         logging.getLogger(noisy).setLevel(level if level == "DEBUG" else "WARNING")
     _no_library_progress_bars()
 

@@ -299,14 +299,24 @@ async def test_an_http_gateway_logs_as_a_server_does(deployment: Deployment) -> 
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert gateway.stderr is not None
+    said = b""
     try:
         async with asyncio.timeout(60):
             while b"gateway_listening" not in (line := await gateway.stderr.readline()):
                 assert line, "the gateway ended without saying where it listens"
+                said += line
         assert f"127.0.0.1:{port}" in line.decode()
+        async with httpx2.AsyncClient(timeout=30) as http:
+            ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+            headers = {"Accept": "application/json, text/event-stream"}
+            answered = await http.post(f"http://127.0.0.1:{port}/mcp", json=ping, headers=headers)
+        assert answered.status_code == 200
     finally:
         gateway.terminate()
+        said += await asyncio.wait_for(gateway.stderr.read(), 30)
         await asyncio.wait_for(gateway.wait(), 30)
+    # Not the MCP SDK's own info lines: a line for each request ("Terminating session"), session ids among them.
+    assert b"mcp.server" not in said, said.decode()
 
 
 async def test_the_python_sdk_over_streamable_http(deployment: Deployment, served: QueryService) -> None:

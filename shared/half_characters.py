@@ -4,6 +4,7 @@ whole message without saying where; Python's parser reads it, so the field can b
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 
@@ -61,3 +62,19 @@ def _field_holding_surrogate(found: object) -> str | None:
         if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
             return walk.place(place, brackets=False) or None  # a key's "": none to name
     return None
+
+
+BYTE_ORDER_MARK = "a UTF-8 byte-order mark before the JSON, which a sender must not add (RFC 8259)"
+
+
+def unreadable_text(body: bytes) -> tuple[str | None, str] | None:
+    """For a body pydantic read as no JSON: where it holds what no JSON text may, and what that is (the field's
+    dotted path, or None for the body or a key, and why): a byte-order mark before it, half a character, or bytes
+    of another encoding. None for anything else (JSON that is malformed otherwise)."""
+    if body.startswith(codecs.BOM_UTF8):
+        return None, BYTE_ORDER_MARK
+    field = surrogate_field(body)
+    if field is not None:
+        return field, HALF_CHARACTER
+    stray = not_utf8(body)
+    return None if stray is None else (stray[1] or None, NOT_UTF8)

@@ -27,7 +27,7 @@ from ontofabric.services.query.worker import QueryService, parse_request
 from ontofabric.shared import db
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.half_characters import not_utf8, surrogate_field
+from ontofabric.shared.half_characters import BYTE_ORDER_MARK, not_utf8, surrogate_field
 from ontofabric.shared.runtime import free_port
 
 from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
@@ -467,6 +467,15 @@ def test_half_a_character_is_named_by_its_field(body: bytes, field: str | None) 
     whole = parse_request(rb'{"semanticQuery": "a\ud83d\ude00b"}', "acme", 1000)  # a whole pair is a character
     assert not isinstance(whole, bytes)
     assert whole.semantic_query == "a\U0001f600b"
+
+
+def test_a_byte_order_mark_before_a_request_is_said() -> None:
+    """As the projector says it of a delta (a nats.js tester's): not pydantic's "expected value at column 1"."""
+    reply = parse_request(b'\xef\xbb\xbf{"semanticQuery": "x"}', "acme", 1000)
+    assert isinstance(reply, bytes)
+    error = ErrorReply.model_validate_json(reply).error
+    assert error.code == "invalid_request"
+    assert [(d.field, d.message) for d in error.details] == [(None, BYTE_ORDER_MARK)]
 
 
 def test_a_key_given_twice_is_named_with_its_path() -> None:

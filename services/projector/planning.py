@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from ontofabric.contracts import DeltaEnvelope, DocumentUpserted, EntityKind, SemanticDocument, format_version
 from ontofabric.contracts.query import clipped
 from ontofabric.shared.analysis import analyse
-from ontofabric.shared.half_characters import HALF_CHARACTER, NOT_UTF8, not_utf8, surrogate_field
+from ontofabric.shared.half_characters import unreadable_text
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, STORED_STATUS, UNREADABLE_HEADERS
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import encode_token
@@ -245,23 +245,14 @@ def _document_problem(document: SemanticDocument, limits: Limits) -> Rejection |
     return None
 
 
-UTF8_BOM = b"\xef\xbb\xbf"
-
-
 def _unreadable_text(error: ValidationError, data: bytes) -> str | None:
-    """Where a delta that is no JSON pydantic reads holds text no JSON may: half a character (a JavaScript client's
-    lone surrogate, which pydantic called "unexpected end of hex escape" though the JSON's grammar allows it) or
-    bytes of another encoding, or a byte-order mark before it (RFC 8259: a sender must not add one); None for
-    anything else."""
+    """Where a delta that is no JSON pydantic reads holds text no JSON may (``unreadable_text``): a JavaScript
+    client's lone surrogate was dead-lettered as "unexpected end of hex escape", though the JSON's grammar allows
+    it; None for anything else."""
     if not any(e["type"] == "json_invalid" for e in error.errors(include_url=False, include_input=False)):
         return None
-    if data.startswith(UTF8_BOM):
-        return "<body>: a UTF-8 byte-order mark before the JSON, which a sender must not add (RFC 8259)"
-    field = surrogate_field(data)
-    if field is not None:
-        return f"{clipped(field)}: {HALF_CHARACTER}"
-    stray = not_utf8(data)
-    return None if stray is None else f"{clipped(stray[1]) or '<a key>'}: {NOT_UTF8}"
+    found = unreadable_text(data)
+    return None if found is None else f"{clipped(found[0] or '') or '<body>'}: {found[1]}"
 
 
 def _summarise(error: ValidationError, limit: int = 5) -> str:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from ontofabric.contracts import MAX_REQUEST_BYTES, QueryError
 from ontofabric.contracts._base import JsonWalk
 from ontofabric.contracts.query import ErrorDetail, clipped, validation_details
-from ontofabric.shared.half_characters import HALF_CHARACTER, NOT_UTF8, not_utf8, surrogate_field
+from ontofabric.shared.half_characters import unreadable_text
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -29,13 +29,15 @@ def read_request(model: type[Model], body: bytes) -> Model | QueryError:
         request = model.model_validate_json(body, by_name=False)  # the wire names only, as the schema says
     except ValidationError as error:
         problems = error.errors(include_url=False, include_input=False)
-        unreadable = any(e["type"] == "json_invalid" for e in problems)
-        field, why = (surrogate_field(body), HALF_CHARACTER) if unreadable else (None, "")
-        if unreadable and field is None and (stray := not_utf8(body)) is not None:
-            # Text in another encoding (`café` in Latin-1): named by its field, as the MCP gateway names it (an
-            # outside tester's got pydantic's "invalid unicode code point at line 1 column 23").
-            field, why = stray[1] or None, NOT_UTF8
-        details = [ErrorDetail(field=clipped(field), message=why)] if field else validation_details(problems)
+        # Half a character, text in another encoding (`café` in Latin-1), a byte-order mark: named by the field
+        # and what is wrong, as the MCP gateway names them (an outside tester's got pydantic's "invalid unicode
+        # code point at line 1 column 23").
+        found = unreadable_text(body) if any(e["type"] == "json_invalid" for e in problems) else None
+        details = (
+            [ErrorDetail(field=clipped(found[0]) if found[0] else None, message=found[1])]
+            if found
+            else validation_details(problems)
+        )
         return QueryError(
             code="invalid_request", message=f"the request does not match {model.__name__}", details=details
         )

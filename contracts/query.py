@@ -35,7 +35,8 @@ class FusionOptions(StrictRequest):
     method: FusionMethod | None = Field(
         default=None,
         description="rrf: reciprocal rank fusion; convex: weighted sum of min-max normalised scores with a fixed "
-        "dense weight; adaptive: convex with the weight set per query from the keyword list's saturation.",
+        "dense weight; adaptive: convex with the weight set per query from how far the keyword list's top hit "
+        "stands out, lowered where the dense list's top cosine says it found nothing near.",
     )
     rrf_k: int | None = Field(
         default=None, ge=1, le=1000,

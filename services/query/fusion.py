@@ -179,7 +179,7 @@ def adaptive_fusion(
     query's terms are rare: ``Hits.coverage``). A list that ran out is then weighed and scored by it
     (``ran_out_scores``).
 
-    ``dense_trust``: (unrelated, trusted) cosines of the query's model. Under ``trusted`` the dense list's top
+    ``dense_trust``: (unrelated, trusted) cosines of the dense list's model. Under ``trusted`` the dense list's top
     cosine says dense found nothing near: its weight shrinks in proportion (:func:`dense_share`), since the gap says
     only how sure keyword is, and where neither is, dense's order of documents unrelated to the query decided (an
     outside tester's rare number, first by keyword, came 75th).

@@ -745,7 +745,11 @@ class QueryService:
         ``overloaded``, as it would have been had it come after (once the newcomer has the place: nothing else
         may take it meanwhile). None when no request gives its place."""
         largest = displaced_by(self._held_by, workspace)
-        victim = None if largest is None else self._waiting.newest(largest, lambda held: not held.replied)
+        victim = (
+            None
+            if largest is None
+            else self._waiting.newest(largest, lambda held: not held.replied and not held.place_freed)
+        )
         if victim is not None:
             victim.place_freed = True
             self._release(victim)

@@ -69,12 +69,27 @@ BYTE_ORDER_MARK = "a UTF-8 byte-order mark before the JSON, which a sender must 
 
 def unreadable_text(body: bytes) -> tuple[str | None, str] | None:
     """For a body pydantic read as no JSON: where it holds what no JSON text may, and what that is (the field's
-    dotted path, or None for the body or a key, and why): a byte-order mark before it, half a character, or bytes
-    of another encoding. None for anything else (JSON that is malformed otherwise)."""
+    dotted path, "" for a key, None for the body; and why): a byte-order mark before it, half a character, or
+    bytes of another encoding. None for anything else (JSON that is malformed otherwise)."""
     if body.startswith(codecs.BOM_UTF8):
         return None, BYTE_ORDER_MARK
     field = surrogate_field(body)
     if field is not None:
         return field, HALF_CHARACTER
+    if _half_character_in_a_key(body):
+        return "", HALF_CHARACTER
     stray = not_utf8(body)
-    return None if stray is None else (stray[1] or None, NOT_UTF8)
+    return None if stray is None else (stray[1], NOT_UTF8)
+
+
+def _half_character_in_a_key(body: bytes) -> bool:
+    """Whether a key of the body holds a lone surrogate (:func:`surrogate_field` reads the values): once read by
+    Python's parser, any surrogate left is a lone one, since an escaped pair is read as one character."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return False
+    try:
+        found = json.loads(body)
+        text = json.dumps(found, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return False
+    return any("\ud800" <= c <= "\udfff" for c in text)

@@ -358,6 +358,9 @@ def test_a_line_number_written_with_a_point_is_the_whole_number() -> None:
             "payload.document.content: not valid UTF-8",
         ),
         (lambda data: b"\xef\xbb\xbf" + data, "<body>: a UTF-8 byte-order mark before the JSON"),
+        # In a free metadata key (a review's: one said <body>, the other pydantic's message).
+        (lambda data: data.replace(b'"metadata":{', b'"metadata":{"caf\xe9":1,'), "<a key>: not valid UTF-8"),
+        (lambda data: data.replace(b'"metadata":{', b'"metadata":{"k\\ud800":1,'), "<a key>: not valid Unicode"),
     ],
 )
 def test_text_no_json_may_hold_is_named_by_its_field(spoil: Callable[[bytes], bytes], detail: str) -> None:

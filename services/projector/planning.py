@@ -252,7 +252,10 @@ def _unreadable_text(error: ValidationError, data: bytes) -> str | None:
     if not any(e["type"] == "json_invalid" for e in error.errors(include_url=False, include_input=False)):
         return None
     found = unreadable_text(data)
-    return None if found is None else f"{clipped(found[0] or '') or '<body>'}: {found[1]}"
+    if found is None:
+        return None
+    place = "<body>" if found[0] is None else clipped(found[0]) or "<a key>"
+    return f"{place}: {found[1]}"
 
 
 def _summarise(error: ValidationError, limit: int = 5) -> str:

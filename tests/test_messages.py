@@ -260,8 +260,10 @@ def test_reading_a_source_grows_with_it_not_with_its_square(make: Callable[[int]
 @pytest.mark.parametrize(
     "make",
     [
-        lambda n: "A" + "Error" * n,  # a name the exception's pattern may end at any of its n places
-        lambda n: "x." * n + "ValueError: the disk is full again",  # a dotted name as long as the paste
+        # n characters of a name the exception's pattern may end at any of its places, and no message after the
+        # colon: it tries every one of them
+        lambda n: "A" + "Error" * ((n - 1) // 5) + ":",
+        lambda n: "x." * (n // 2) + "ValueError: the disk is full again",  # a dotted name as long as the paste
         lambda n: "WARNING:" + "a" * n,
     ],
 )
@@ -271,11 +273,11 @@ def test_reading_a_pasted_line_grows_with_it_not_with_its_square(make: Callable[
 
     def timed(n: int) -> float:
         started = time.perf_counter()
-        for _ in range(20):
+        for _ in range(40):
             message_asked(make(n))
         return time.perf_counter() - started
 
-    small, large = timed(140), timed(1_400)  # under the length a pasted line is read to
+    small, large = timed(140), timed(1_400)  # characters: under the length a pasted line is read to
     assert large < max(30 * small, 0.05), (small, large)
     assert message_asked(make(16_000)) is None  # longer than a message and its name: left to the retrievers
 

@@ -8,6 +8,8 @@ import codecs
 import json
 import re
 
+from pydantic import ValidationError
+
 from ontofabric.contracts._base import JsonWalk
 
 HALF_CHARACTER = "not valid Unicode: half of a character (a lone surrogate)"
@@ -67,10 +69,13 @@ def _field_holding_surrogate(found: object) -> str | None:
 BYTE_ORDER_MARK = "a UTF-8 byte-order mark before the JSON, which a sender must not add (RFC 8259)"
 
 
-def unreadable_text(body: bytes) -> tuple[str | None, str] | None:
-    """For a body pydantic read as no JSON: where it holds what no JSON text may, and what that is (the field's
-    dotted path, "" for a key, None for the body; and why): a byte-order mark before it, half a character, or
-    bytes of another encoding. None for anything else (JSON that is malformed otherwise)."""
+def unreadable_text(body: bytes, error: ValidationError) -> tuple[str | None, str] | None:
+    """For a body pydantic refused as no JSON (``error``): where it holds what no JSON text may, and what that is
+    (the field's dotted path, "" for a key, None for the body; and why): a byte-order mark before it, half a
+    character, or bytes of another encoding. None for anything else (JSON malformed otherwise, or a body pydantic
+    read and refused for what it says)."""
+    if not any(e["type"] == "json_invalid" for e in error.errors(include_url=False, include_input=False)):
+        return None
     if body.startswith(codecs.BOM_UTF8):
         return None, BYTE_ORDER_MARK
     field = surrogate_field(body)

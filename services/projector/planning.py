@@ -249,9 +249,7 @@ def _unreadable_text(error: ValidationError, data: bytes) -> str | None:
     """Where a delta that is no JSON pydantic reads holds text no JSON may (``unreadable_text``): a JavaScript
     client's lone surrogate was dead-lettered as "unexpected end of hex escape", though the JSON's grammar allows
     it; None for anything else."""
-    if not any(e["type"] == "json_invalid" for e in error.errors(include_url=False, include_input=False)):
-        return None
-    found = unreadable_text(data)
+    found = unreadable_text(data, error)
     if found is None:
         return None
     place = "<body>" if found[0] is None else clipped(found[0]) or "<a key>"

@@ -269,8 +269,9 @@ def fuse(
             dense_trust,
         )
         parameters = {"denseWeight": round(weight, 4), "keywordGap": round(gap, 4)}
-        if weight < weight_by_gap(gap):  # dense found nothing near: it kept this share of what the gap gave it
-            parameters["denseShare"] = round(weight / weight_by_gap(gap), 4)
+        by_gap = weight_by_gap(gap)
+        if weight < by_gap:  # dense found nothing near: it kept this share of what the gap gave it
+            parameters["denseShare"] = round(weight / by_gap, 4)
         if keyword_hits_dense is not None:
             parameters["keywordHitsDenseScored"] = len(keyword_hits_dense)
         return fused, FusionChoice("adaptive", parameters)

@@ -32,7 +32,7 @@ def read_request(model: type[Model], body: bytes) -> Model | QueryError:
         # Half a character, text in another encoding (`café` in Latin-1), a byte-order mark: named by the field
         # and what is wrong, as the MCP gateway names them (an outside tester's got pydantic's "invalid unicode
         # code point at line 1 column 23").
-        found = unreadable_text(body) if any(e["type"] == "json_invalid" for e in problems) else None
+        found = unreadable_text(body, error)
         details = (
             [ErrorDetail(field=clipped(found[0]) if found[0] else None, message=found[1])]
             if found

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 import jsonschema
+import mcp_types as types
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
@@ -52,7 +53,7 @@ from ontofabric.contracts.query import (
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
-from ontofabric.services.gateway.server import Gateway, MisreadBodies
+from ontofabric.services.gateway.server import Gateway, MisreadBodies, outcome_of
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import (
     TEXT_CUT,
@@ -74,7 +75,7 @@ from ontofabric.shared.half_characters import HALF_CHARACTER
 from ontofabric.shared.jetstream import PermissionDenied, connect, subscriptions_visible
 from ontofabric.shared.subjects import Names
 
-from .conftest import Deployment, node_script
+from .conftest import Deployment, metric_points, node_script
 from .factories import document, upsert
 
 ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
@@ -1973,3 +1974,47 @@ def test_a_body_nested_too_deep_is_named_down_its_objects_however_wide() -> None
     within = b'{"jsonrpc": "2.0", "id": 6, "method": "ping", "params": {"x": ' + b"[" * 199 + b"]" * 199 + b"}}"
     assert too_deep_answer(within) is None
     assert too_deep_answer(within.replace(b"[", b"[[", 1).replace(b"]", b"]]", 1)) is not None
+
+
+def _tool_calls(tool: str, outcome: str) -> int:
+    return sum(
+        point.count
+        for point in metric_points("gateway.tool_calls.duration_ms")
+        if point.attributes == {"tool": tool, "outcome": outcome}
+    )
+
+
+async def test_each_tool_call_is_counted_by_tool_and_outcome(deployment: Deployment, served: QueryService) -> None:
+    """An operator sees calls, errors and their times per tool: the gateway's own refusals and the worker's errors
+    by their code, and no code a worker could make up."""
+
+    async def open_connection(url: str) -> Any:
+        return await connect(url, "test-gateway")
+
+    async def close(nc: Any) -> None:
+        await nc.close()
+
+    link = NatsLink(lambda: deployment.nats_url_as("client"), open_connection, close)
+    gateway = Gateway(link, deployment.names, None, 10.0)
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    document = next(tool for tool in TOOLS if tool.operation == "document")
+    before = {
+        key: _tool_calls(*key)
+        for key in [
+            (query.name, "ok"), (query.name, "forbidden"), (document.name, "not_found"), (query.name, "invalid_request")
+        ]
+    }  # fmt: skip
+    assert (await gateway.call(query, {"semanticQuery": "csv", "workspace": "acme"})).is_error is False
+    missing = await gateway.call(document, {"id": "no-such-document", "workspace": "acme"})
+    assert "error not_found" in _text(missing)
+    reader = CALLER.set(Grant(sha256="0" * 64, client="carol", workspaces=["alpha"]))
+    try:
+        assert "error forbidden" in _text(await gateway.call(query, {"semanticQuery": "x", "workspace": "acme"}))
+    finally:
+        CALLER.reset(reader)
+    assert "error invalid_request" in _text(await gateway.call(query, {"semanticQuery": "x"}))  # no workspace
+    await link.close()
+    for key, counted in before.items():
+        assert _tool_calls(*key) == counted + 1, key
+    made_up = types.CallToolResult(content=[types.TextContent(text="error teapot: ...")], is_error=True)
+    assert outcome_of(made_up) == "other"

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import socket
 from collections.abc import Callable
 from importlib.metadata import version
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit
 
 import mcp_types as types
@@ -39,7 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
-from ontofabric.contracts.query import clipped
+from ontofabric.contracts.query import ErrorCode, clipped
 from ontofabric.services.query.client import QueryClient, RequestTooLarge
 from ontofabric.services.query.requests import read_request, repeated_keys_by_item
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
@@ -48,6 +49,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.tasks import cancel_and_wait, watch_lateness
+from ontofabric.shared.telemetry import meter
 
 from .admission import (
     ARRIVED,
@@ -104,6 +106,28 @@ INSTRUCTIONS = (
 )
 _BY_NAME = {tool.name: tool for tool in TOOLS}
 
+tool_calls = meter().create_histogram(
+    "gateway.tool_calls.duration_ms",
+    unit="ms",
+    description="tool calls the MCP gateway answered, from their arrival to the answer, by tool and outcome (ok, or "
+    "the error's code: invalid_request, forbidden, not_found, overloaded, unavailable, deadline_exceeded, internal)",
+)
+OUTCOMES = frozenset(get_args(ErrorCode)) | {"forbidden"}
+"""The error codes a tool's answer may begin with (a worker's, and the gateway's own forbidden): the outcome label
+takes no other value, so a worker of another release cannot grow the metric's series."""
+
+
+def outcome_of(result: types.CallToolResult) -> str:
+    """``ok``, or the code a tool error's text begins with (``error overloaded (retryable ...``)."""
+    if not result.is_error:
+        return "ok"
+    first = result.content[0] if result.content else None
+    said = _ERROR_CODE.match(first.text) if isinstance(first, types.TextContent) else None
+    return said[1] if said is not None and said[1] in OUTCOMES else "other"
+
+
+_ERROR_CODE = re.compile(r"error (\w+)")
+
 
 class Gateway:
     """The tools, forwarded to the query workers of one deployment (its NATS subject prefix)."""
@@ -148,7 +172,15 @@ class Gateway:
         return await self.call(spec, dict(params.arguments or {}))
 
     async def call(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
-        """One tool call: the request to the workspace's worker, its reply as structured content and as text."""
+        """One tool call: the request to the workspace's worker, its reply as structured content and as text;
+        its time and outcome recorded in ``gateway.tool_calls.duration_ms``."""
+        loop = asyncio.get_running_loop()
+        arrived = ARRIVED.get(loop.time())
+        result = await self._answer(spec, arguments)
+        tool_calls.record((loop.time() - arrived) * 1000, {"tool": spec.name, "outcome": outcome_of(result)})
+        return result
+
+    async def _answer(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
         arguments = as_declared(spec, arguments)
         caller = CALLER.get()
         workspace = arguments.get("workspace") or self._workspace or _only_workspace(caller)

@@ -336,8 +336,13 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
 ) -> None:
     await start_query_worker(embedder)
     first = await _ask(client, "fibonacci numbers")
+    held = _cached("entries"), _cached("bytes")
     second = await _ask(client, "fibonacci numbers")
     assert (first.meta.cache_hit, second.meta.cache_hit) == (False, True)
+    assert (_cached("entries"), _cached("bytes")) == held  # the gauges count what is held, not what was asked
+    await _ask(client, "binary search")
+    assert _cached("entries") == held[0] + 1
+    assert _cached("bytes") > held[1]
     assert second.results == first.results
     assert second.meta.ontology_version == first.meta.ontology_version
     # Cut to a budget, too: the cached answer's _meta holds fewer timings, and so had room for more (a property
@@ -372,6 +377,11 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
     assert third.meta.cache_hit is False
     assert third.meta.ontology_version.startswith(f"{ack.seq}-")
     assert "fib2" in {r.id for r in third.results}
+
+
+def _cached(what: str) -> int:
+    """What the process's answer caches hold now, as ``retrieval.cache.entries`` or ``.bytes`` reads it."""
+    return sum(point.value for point in metric_points(f"retrieval.cache.{what}"))
 
 
 async def test_a_versions_bucket_made_again_is_watched_again(

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from opentelemetry.metrics import CallbackOptions, Observation
+
 from ontofabric.shared.lru import LruCache
+from ontofabric.shared.telemetry import meter
 
 
 class Versioned(Hashable, Protocol):
@@ -67,3 +71,35 @@ def drop_stale(cache: LruCache[K, V], workspace: str, current_version: Callable[
 def drop_workspace(cache: LruCache[K, V], workspace: str) -> int:
     """Drop every entry of the workspace (after a rebuild: all were read from the replaced index)."""
     return cache.drop_where(lambda key: key.workspace == workspace)
+
+
+_ANSWER_CACHES: weakref.WeakSet[LruCache[Any, bytes]] = weakref.WeakSet()
+"""The answer caches of this process's query workers, for the gauges below (read from the metric reader's thread:
+a length and a number, each read whole)."""
+
+
+def metered(cache: LruCache[K, bytes]) -> LruCache[K, bytes]:
+    """``cache``, its entries and bytes counted in ``retrieval.cache.entries`` and ``retrieval.cache.bytes``."""
+    _ANSWER_CACHES.add(cache)
+    return cache
+
+
+def _observe_entries(_: CallbackOptions) -> list[Observation]:
+    return [Observation(sum(len(cache) for cache in list(_ANSWER_CACHES)))]
+
+
+def _observe_bytes(_: CallbackOptions) -> list[Observation]:
+    return [Observation(sum(cache.bytes for cache in list(_ANSWER_CACHES)))]
+
+
+meter().create_observable_gauge(
+    "retrieval.cache.entries",
+    callbacks=[_observe_entries],
+    description="answers the query workers' caches hold (at most ONTOFABRIC_QUERY_CACHE_ENTRIES a worker)",
+)
+meter().create_observable_gauge(
+    "retrieval.cache.bytes",
+    unit="By",
+    callbacks=[_observe_bytes],
+    description="what the answers the query workers' caches hold weigh (at most ONTOFABRIC_QUERY_CACHE_BYTES a worker)",
+)

@@ -79,7 +79,7 @@ from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
-from .cache import CacheKey
+from .cache import CacheKey, metered
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import (
@@ -486,7 +486,9 @@ class QueryService:
         refusals = partial(refused_consumers, self._pools)
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions, refusals)
         await self._freshness.start()
-        cache: LruCache[CacheKey, bytes] = LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)
+        cache: LruCache[CacheKey, bytes] = metered(
+            LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)
+        )
         served = self._embedder if isinstance(self._embedder, ServedModel) else None
         on_model, vector_by = None, None
         if served is not None:  # set up for a model change: it serves the model the index holds

@@ -557,6 +557,64 @@ def caught():
     assert calls[("pkg/core.py", "pkg.core.caught")] == ("pkg.core.get_current_context",)
 
 
+def test_a_nested_function_reads_its_own_locals_and_those_of_the_functions_around_it() -> None:
+    """A tester's: attr's `attrs` defines `wrap`, whose `builder = _ClassBuilder(...)` then `builder.build_class()`
+    called no method of _ClassBuilder; and a class imported inside a function made its locals unknown."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/core.py": """
+class Builder:
+    def build(self):
+        return 1
+
+    def check(self):
+        return 2
+
+def outer():
+    def inner():
+        b = Builder()
+        return b.build()
+    return inner
+
+def closure():
+    b = Builder()
+    def inner():
+        return b.check()
+    return inner
+
+def deeper(kind):
+    def middle():
+        b = Builder()
+        def inner():
+            return b.build()
+        return inner
+    return middle
+
+def rebound():
+    b = Builder()
+    def inner(b):
+        return b.check()
+    return inner
+""",
+        "pkg/lazy.py": """
+def lazy():
+    from .core import Builder
+
+    b = Builder()
+    return b.build()
+""",
+    }
+    calls = _by_name(python_calls(sources))
+    assert calls[("pkg/core.py", "pkg.core.outer")] == ("pkg.core.Builder", "pkg.core.Builder.build")
+    assert calls[("pkg/core.py", "pkg.core.closure")] == ("pkg.core.Builder", "pkg.core.Builder.check")
+    assert calls[("pkg/core.py", "pkg.core.deeper")] == ("pkg.core.Builder", "pkg.core.Builder.build")
+    # A parameter of the nested function hides the enclosing local of its name.
+    assert calls[("pkg/core.py", "pkg.core.rebound")] == ("pkg.core.Builder",)
+    assert calls[("pkg/lazy.py", "pkg.lazy.lazy")] == ("pkg.core.Builder", "pkg.core.Builder.build")
+
+
 TYPED_LOCALS_HEAD = """
 import contextlib
 from typing import overload

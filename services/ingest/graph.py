@@ -637,6 +637,54 @@ def python_calls(
         made, is_async = returns.get(target or "", (None, False))
         return made if made is not None and is_async == awaited else None
 
+    def typed_locals(
+        module: _Module,
+        scope: ast.FunctionDef | ast.AsyncFunctionDef,
+        enclosing: Mapping[str, str],
+        owner: str | None,
+        own: frozenset[str],
+    ) -> dict[str, str]:
+        """The locals of ``scope`` known to hold an instance of one of the tree's classes: parameters annotated
+        with one, and locals bound once to what a class's call makes or a function annotated to return one of the
+        tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so; and ``enclosing``'s
+        (a nested function's closure) where ``scope`` binds none of those names itself nor declares them global."""
+        otherwise = _bound_otherwise(scope)  # read once: the parameters' and the locals' checks
+        shadowed = _local_names(scope)
+        typed: dict[str, str] = {}
+        if enclosing:
+            hidden = shadowed | otherwise | _declared_global(scope)
+            typed = {name: kind for name, kind in enclosing.items() if name not in hidden}
+        typed |= {
+            name: named
+            for name, annotation in _annotated_parameters(scope, otherwise).items()
+            if not (isinstance(annotation, ast.Name) and annotation.id in own)
+            and (named := resolver.named_symbol(module, annotation)) in classes
+        }
+        # A name imported inside resolves as the module's imports do: it hides nothing (a tester's `from .core
+        # import Builder` then `b = Builder()` had no Builder behind b).
+        local = shadowed | (otherwise - _imported_inside(scope) if otherwise else otherwise)
+        for name, value in _assigned_once(scope, otherwise).items():
+            made = made_by(module, value, owner, typed, own, local)
+            if made is not None:
+                typed[name] = made
+        return typed
+
+    def typed_of(
+        module: _Module,
+        scope: ast.FunctionDef | ast.AsyncFunctionDef,
+        scope_of: Mapping[int, ast.FunctionDef | ast.AsyncFunctionDef],
+        typed_in: dict[int, dict[str, str]],
+        owner: str | None,
+        own: frozenset[str],
+    ) -> dict[str, str]:
+        """:func:`typed_locals` of ``scope``, read once, from its enclosing function's (a chunk's own function is
+        read before its calls are)."""
+        known = typed_in.get(id(scope))
+        if known is None:
+            enclosing = typed_of(module, scope_of[id(scope)], scope_of, typed_in, owner, own)
+            known = typed_in[id(scope)] = typed_locals(module, scope, enclosing, owner, own)
+        return known
+
     calls: dict[tuple[str, str, int], set[str]] = {}
     for module in modules.values():
         for fqn, line, code, owner in _code_scopes(module):
@@ -646,21 +694,14 @@ def python_calls(
                 shadowed = _local_names(function) if function is not None else set()
                 # A name the method's class defines (a nested class) is that one, not the module's (a review's).
                 own = classes[owner].bound if owner in classes else frozenset()
-                typed: dict[str, str] = {}
+                # A call in a function nested in this one reads that function's locals, and this one's it does not
+                # bind again (a tester's `def wrap(): builder = _ClassBuilder(...); builder.build_class()` inside
+                # attr's `attrs` called no method of _ClassBuilder).
+                typed_in: dict[int, dict[str, str]] = {}
+                scope_of: dict[int, ast.FunctionDef | ast.AsyncFunctionDef] = {}
                 if function is not None:
-                    otherwise = _bound_otherwise(function)  # read once: the parameters' and the locals' checks
-                    typed = {
-                        name: named
-                        for name, annotation in _annotated_parameters(function, otherwise).items()
-                        if not (isinstance(annotation, ast.Name) and annotation.id in own)
-                        and (named := resolver.named_symbol(module, annotation)) in classes
-                    }
-                    # And a local bound once, to what a class's call makes or a function annotated to return one of
-                    # the tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so.
-                    for name, value in _assigned_once(function, otherwise).items():
-                        made = made_by(module, value, owner, typed, own, shadowed | otherwise)
-                        if made is not None:
-                            typed[name] = made
+                    typed_in[id(function)] = typed_locals(module, function, {}, owner, own)
+                    scope_of = _innermost_functions(function)
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
                 # they call (a review's).
                 outside = {id(n) for root in _run_outside(function) for n in ast.walk(root)} if function else set()
@@ -668,7 +709,11 @@ def python_calls(
                     inside = id(call) not in outside and id(call.func) not in outside
                     if isinstance(call.func, ast.Name) and call.func.id in shadowed and inside:
                         continue  # a parameter or local variable, not the module's name
-                    target = callee(module, call.func, self_class, typed if inside else {})
+                    typed: dict[str, str] = {}
+                    if inside and function is not None and isinstance(call.func, ast.Attribute):
+                        scope = scope_of.get(id(call), function)
+                        typed = typed_of(module, scope, scope_of, typed_in, owner, own)
+                    target = callee(module, call.func, self_class, typed)
                     if target is not None and target != fqn:
                         found.add(target)
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
@@ -759,6 +804,37 @@ def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[st
             every = [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
             bound |= {argument.arg for argument in every if argument is not None}
     return bound
+
+
+def _imported_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names imports inside ``function`` bind."""
+    return {node.asname or node.name.split(".")[0] for node in ast.walk(function) if isinstance(node, ast.alias)}
+
+
+def _declared_global(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names ``function`` (or a function nested in it) declares ``global``."""
+    return {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
+
+
+def _innermost_functions(
+    function: ast.FunctionDef | ast.AsyncFunctionDef,
+) -> dict[int, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """For each node inside ``function`` (by ``id``), the innermost function whose body holds it, ``function``
+    itself or one nested in it (through classes too: a class's body is no scope its methods read). A nested
+    function's decorators, parameters (their defaults) and return annotation are its enclosing function's: they
+    run there. Iterative, as :func:`_calls_in`."""
+    innermost: dict[int, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    pending: list[tuple[ast.AST, ast.FunctionDef | ast.AsyncFunctionDef]] = [(n, function) for n in function.body]
+    while pending:
+        node, scope = pending.pop()
+        innermost[id(node)] = scope
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            pending.extend((statement, node) for statement in node.body)
+            outside = [*node.decorator_list, node.args, *([node.returns] if node.returns is not None else [])]
+            pending.extend((part, scope) for part in outside)
+        else:
+            pending.extend((child, scope) for child in ast.iter_child_nodes(node))
+    return innermost
 
 
 def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> set[str]:

@@ -551,6 +551,23 @@ async def test_live_rows_the_stream_does_not_account_for_stop_the_swap(
     assert await _schemas(deployment) == []
 
 
+async def test_a_forced_swap_says_what_it_dropped_and_what_the_run_it_resumes_rejected(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """An upgrade tester's `rebuild --force`, after a run that refused to swap, said "rejected: none" and nothing
+    of the live rows it dropped."""
+    await _publish_history(deployment)
+    stricter = deployment.settings.model_copy(update={"max_content_bytes": 25})
+    with pytest.raises(RebuildFailed, match="not swapping"):
+        await _rebuild(deployment, settings=stricter).run()
+    forced = await _rebuild(deployment, settings=stricter, force=True).run()
+    assert forced.swapped
+    assert forced.resumed_from > 0
+    assert forced.rejected == Counter({"content_too_large": 2})
+    assert len(forced.dropped) == 1
+    assert "document 'd3' on 'main'" in forced.dropped[0]
+
+
 async def test_a_branch_only_the_live_index_has_keeps_announcing(
     deployment: Deployment, projector: ProjectorService
 ) -> None:

@@ -123,6 +123,8 @@ class RebuildReport:
     changed: int = 0
     """Replayed deltas that changed a row (the others were repeats, or older than the row)."""
     rejected: Counter[str] = field(default_factory=Counter)
+    dropped: list[str] = field(default_factory=list)
+    """The live rows the replay cannot account for, which the swap (forced) drops, described."""
     rows: int = 0
     versions: dict[str, str] = field(default_factory=dict)
     swapped: bool = False
@@ -266,7 +268,9 @@ class Rebuild:
                 raise RebuildFailed(
                     "the shadow tables differ from the stream: " + " | ".join(problems), resumable=False
                 )
+            report.rejected = await shadow.rejections()  # this run's, and those of the run it resumes
             unexplained = unexplained_live_rows(await shadow.live_row_seqs(), expected.rows(), covered)
+            report.dropped = unexplained  # what --force swaps away
             if unexplained and not self._force:
                 # A row whose delta this replay rejected: a setting other than the projector's, or a check newer
                 # than the release that stored it.

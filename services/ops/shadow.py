@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Collection
 
 import asyncpg
@@ -141,6 +142,14 @@ class Shadow:
             f"SELECT seq FROM {self._table('rebuild_rejections')} WHERE reason = 'apply_failed'"
         )
         return {r["seq"] for r in records}
+
+    async def rejections(self) -> Counter[str]:
+        """The deltas this rebuild's replay rejected so far, by reason: a resumed run's report counts those of the
+        run it resumes too (a tester's `--force` said "rejected: none" of the two its first run had rejected)."""
+        records = await self.admin.fetch(
+            f"SELECT reason, count(*) AS n FROM {self._table('rebuild_rejections')} GROUP BY reason"
+        )
+        return Counter({r["reason"]: int(r["n"]) for r in records})
 
     async def record(self, replayed_seq: int, rejections: list[tuple[int, Rejection]]) -> None:
         async with self.admin.transaction():

@@ -87,11 +87,16 @@ class OntologyGraph:
         directly, then from those, ...; each level by name."""
         return self._levels(object_type, lambda current: self._subtypes.get(current, ()))
 
+    def derived(self, object_type: str) -> list[str]:
+        """The types that implement or derive from the type directly, by name."""
+        return sorted(self._subtypes.get(object_type, ()))
+
     def supertypes(self, object_type: str) -> list[list[str]]:
-        """The graph's types the type implements or derives from, transitively, by distance; each level by name."""
-        return self._levels(
-            object_type, lambda current: [i for i in self.interfaces.get(current, ()) if i in self.kinds]
-        )
+        """The types the type implements or derives from, transitively, by distance; each level by name: a base
+        with no node of its own too (one outside the tree, or one whose node was removed), as :meth:`subtypes`
+        counts the type among that base's (a tester's bases and subclasses disagreed once a base's node was
+        removed)."""
+        return self._levels(object_type, lambda current: self.interfaces.get(current, ()))
 
     def _levels(self, start: str, step: Callable[[str], Iterable[str]]) -> list[list[str]]:
         levels: list[list[str]] = []

@@ -460,6 +460,9 @@ SHAPES = {
 
         def make_base():
             return Base(2)
+
+        def make_other():
+            return Other()
         """,
     # A function assigned, not defined (jinja2's `concat = "".join`), beside a class of the same name in another
     # case: an agent tester's callers of concat were Concat's.
@@ -635,6 +638,12 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert not {"shapes.makers.make_base", "shapes.makers.Other.__init__"} & callers, callers  # the base's
     assert inherited.meta.relation is not None
     assert inherited.meta.relation.symbols_named is None
+    # A subclass that defines no constructor runs the base's: calling it calls the base's constructor (a tester's
+    # callers of h11's ProtocolError.__init__ were none); one that defines its own runs that one.
+    based = await _ask(client, "what calls Base.__init__", topK=20)
+    callers = {r.metadata["symbolFqn"] for r in based.results if CALLER in {f.retriever for f in r.found_by}}
+    assert {"shapes.makers.make_base", "shapes.makers.make_sub", "shapes.makers.Other.__init__"} <= callers, callers
+    assert "shapes.makers.make_other" not in callers
     # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
     shared = await _ask(client, "callers of area")
     assert _names(shared)[0] == "shapes.report.describe (method)"

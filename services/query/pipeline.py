@@ -709,6 +709,25 @@ class QueryPipeline:
                 return f"{base}.{member}"
         return None
 
+    async def _inheriting(self, scope: Scope, class_name: str, member: str) -> list[str]:
+        """The subclasses of the class that run its ``member`` as their own, nearest first: those that do not define
+        it, and theirs; at most BASES_LOOKED_UP subclasses looked at (one indexed statement each)."""
+        version = self._versions.current(scope.workspace, scope.branch)
+        graph = await self._graphs.get(
+            scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
+        )
+        inheriting: list[str] = []
+        frontier, looked = graph.named(class_name), 0
+        while frontier and looked < BASES_LOOKED_UP:
+            below = [subclass for parent in frontier for subclass in graph.derived(parent)]
+            frontier = []
+            for subclass in below[: BASES_LOOKED_UP - looked]:
+                looked += 1
+                if not (await self._documents.definitions(scope.unfiltered, f"{subclass}.{member}", 1)).symbols:
+                    inheriting.append(subclass)
+                    frontier.append(subclass)
+        return list(dict.fromkeys(inheriting))
+
     async def _related(self, run: QueryRun, scope: Scope, relation: str, name: str) -> Definitions:
         """The chunks standing in ``relation`` to the symbol ``name`` names; a dotted name a package publishes a
         symbol under (``click.echo``: ``click.utils.echo``) stands for that symbol (a tester's callers of
@@ -733,6 +752,13 @@ class QueryPipeline:
             made = await calls(scope, made_by, RELATIONS_READ)
             if inherited is not None:  # the base's constructor's callers are its other subclasses' (a review's)
                 return made
+            # And a subclass's call runs the constructor it inherits (a tester's callers of h11's
+            # ProtocolError.__init__ were none, where LocalProtocolError(...) is called 23 times).
+            for subclass in await self._inheriting(scope, made_by, name.rpartition(".")[2]):
+                more = await calls(scope, subclass, RELATIONS_READ)
+                made = dataclasses.replace(
+                    made, symbols=made.symbols | more.symbols, modules=made.modules | more.modules
+                )
             found = await calls(scope, name, RELATIONS_READ)
             return dataclasses.replace(
                 found,

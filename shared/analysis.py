@@ -4,8 +4,12 @@ PostgreSQL keeps ``writeBoolean``, ``base64`` and ``os.path.join`` as single tok
 compound beside its parts. Code search needs the parts of identifiers: each compound identifier is kept and
 followed by its parts, so an exact identifier still matches as a whole and ``write boolean`` finds it as well
 (``read_file``, which the parser splits itself, gets its parts once more, which weighs identifier words up).
-Hyphens between word characters become spaces, so hyphenated words count as their parts only. Lexemes of one
-character are dropped in SQL (``index_tsvector`` in the migrations).
+Hyphens between word characters become spaces; in a document, a hyphenated word is also followed by its parts
+written together (``GATA-3`` -> ``GATA 3 GATA3``, ``e-mail`` -> ``e mail email``), so that a query writing the word
+without its hyphen finds it (``GATA3``, ``email``). Queries are not catenated, as Lucene's word delimiter filter is
+set to catenate at index time only: a hyphenated query word would otherwise count twice, as its parts and whole
+(measured both ways: docs/quality.md, "Hyphenated words"). Lexemes of one character are dropped in SQL
+(``index_tsvector`` in the migrations).
 
 Text other than ASCII is made comparable first (:func:`comparable`): PostgreSQL's parser, in the C locale the
 embedded server runs, lowercases ASCII only, takes a run of Chinese or Japanese characters for one word, and
@@ -23,7 +27,7 @@ IDENTIFIER = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
 """Identifiers in any script, dotted (a review's: ``préparer_café`` was cut at its accents); the query worker's
 name lookup reads a query by it too (services/query/symbols.py)."""
 _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
-_INNER_HYPHEN = re.compile(r"(?<=\w)-(?=\w)")
+_HYPHENATED = re.compile(r"\w+(?:-\w+)+")
 _INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200c-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]")
 """Format characters that change no word (soft hyphen, joiners, direction marks, the byte-order mark): removed.
 The zero-width space separates words: it becomes a space."""
@@ -78,7 +82,18 @@ def folded(text: str) -> str:
     return text.lower() if text.isascii() else text.casefold().replace("i\u0307", "i")
 
 
-def analyse(text: str) -> str:
-    """The text the keyword index (and a keyword query) is built from: comparable, identifiers expanded (which
-    reads their case), then case-folded."""
-    return folded(expand_identifiers(_INNER_HYPHEN.sub(" ", comparable(text))))
+def _parts(match: re.Match[str]) -> str:
+    return match.group(0).replace("-", " ")
+
+
+def _parts_and_catenated(match: re.Match[str]) -> str:
+    parts = match.group(0).split("-")
+    return f"{' '.join(parts)} {''.join(parts)}"
+
+
+def analyse(text: str, *, catenate: bool) -> str:
+    """The text the keyword index (and a keyword query) is built from: comparable, hyphenated words as their parts
+    (a document's also with its parts written together: ``catenate``), identifiers expanded (which reads their
+    case), then case-folded."""
+    hyphenated = _parts_and_catenated if catenate else _parts
+    return folded(expand_identifiers(_HYPHENATED.sub(hyphenated, comparable(text))))

@@ -60,7 +60,7 @@ async def _expected_scores(
         for term, tf in (await _lexemes(conn, (name_repeats or {}).get(doc_id, ""))).items():
             tfs[term] = tfs.get(term, 0) + tf
         docs[doc_id] = tfs
-    terms = await _lexemes(conn, analyse(query))
+    terms = await _lexemes(conn, analyse(query, catenate=False))
     n = len(docs)
     avgdl = sum(lengths.values()) / n
     scores: dict[str, float] = {}
@@ -87,8 +87,8 @@ async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncp
     # A repeated query term weighs more than once and less than twice (k3 2: 1.5 for two, 1.8 for three).
     queries += ("file file file json", "json json json file")
     async with pool.acquire() as conn:  # the repeats the SQL reads, and a snake_case word's parts counted twice
-        assert await _lexemes(conn, analyse("file file file json")) == {"file": 3, "json": 1}
-        assert await _lexemes(conn, analyse("read_file")) == {"read": 2, "file": 2}
+        assert await _lexemes(conn, analyse("file file file json", catenate=True)) == {"file": 3, "json": 1}
+        assert await _lexemes(conn, analyse("read_file", catenate=True)) == {"read": 2, "file": 2}
     for query in queries:
         hits = await keyword.search(Scope("acme", "main"), SearchInput(query), 10)
         if hits.candidates:
@@ -155,7 +155,7 @@ async def test_a_code_symbols_own_name_weighs_without_lengthening_it(
     for fqn, kind in others:
         other = document("s", "How long to wait.", symbolFqn=fqn, **({"symbolKind": kind} if kind else {}))
         assert own_name_repeats(other) == "", kind
-        assert search_text(other) == analyse(f"{fqn}\nHow long to wait."), kind
+        assert search_text(other) == analyse(f"{fqn}\nHow long to wait.", catenate=True), kind
 
 
 async def test_spellings_of_one_word_and_words_within_chinese_find_each_other(

@@ -441,15 +441,16 @@ def search_text(document: SemanticDocument) -> str:
     """The text the keyword index is built from: the symbol's qualified name, then the content, analysed. The
     Postgres index reads it after :func:`own_name_repeats`; the Azure index reads it alone."""
     name = document.metadata.symbol_fqn or ""
-    return analyse(f"{name}\n{document.content}" if name else document.content)
+    return analyse(f"{name}\n{document.content}" if name else document.content, catenate=True)
 
 
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3
 """What the projector derives from a document for the keyword index (:func:`search_text`, :func:`own_name_repeats`),
 by version: raised with every change to it, so that the documents indexed before can be counted (``ontofabric
 status``) and brought up to date (``ontofabric rebuild``). 1: the own name weighed (2026-11-30); 2: text other than
 ASCII made comparable and case-folded (shared/analysis.py, 2026-12-02: a document all ASCII is indexed as under 1);
-0 is what rows written before the version was recorded read (infra/migrations/0024)."""
+3: a hyphenated word's parts also written together (2026-12-05: a document without one is indexed as under 2); 0 is
+what rows written before the version was recorded read (infra/migrations/0024)."""
 
 NAME_REPEATS = 8
 """Times the keyword index reads a code symbol's own name besides its qualified name and content: a weight for the
@@ -470,4 +471,4 @@ def own_name_repeats(document: SemanticDocument) -> str:
     if not name or document.metadata.symbol_kind not in NAMED_KINDS:
         return ""
     own = name.rsplit(".", 1)[-1]
-    return analyse("\n".join([own] * NAME_REPEATS)) if own.isidentifier() else ""
+    return analyse("\n".join([own] * NAME_REPEATS), catenate=True) if own.isidentifier() else ""

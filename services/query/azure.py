@@ -38,7 +38,7 @@ _OPERATORS = re.compile(r'([+\-&|!(){}\[\]^"~*?:\\/])')
 
 def escape_query(text: str) -> str:
     """The analysed query (identifier parts appended, as the index holds them) with every operator escaped."""
-    return _OPERATORS.sub(r"\\\1", analyse(text))
+    return _OPERATORS.sub(r"\\\1", analyse(text, catenate=False))
 
 
 def _quoted(value: str) -> str:

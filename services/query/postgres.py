@@ -503,8 +503,8 @@ class PostgresKeyword:
 
     def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
         parameters: list[Any] = [
-            self._config, analyse(text), limit, scope.workspace, scope.branches, self._k1, self._b, shadowed, self._k3,
-            self._full_read_postings, max(self._completion_depth, limit),
+            self._config, analyse(text, catenate=False), limit, scope.workspace, scope.branches, self._k1, self._b,
+            shadowed, self._k3, self._full_read_postings, max(self._completion_depth, limit),
         ]  # fmt: skip
         filtered = ""
         if scope.filtered:

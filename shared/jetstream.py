@@ -618,6 +618,25 @@ async def highest_projected_floor(js: JetStreamContext, names: Names, layouts: I
     return max(await asyncio.gather(*(projected_floor(js, names, count) for count in sorted(set(layouts)))), default=0)
 
 
+async def highest_known_floor(js: JetStreamContext, names: Names, layouts: Iterable[int]) -> int | None:
+    """:func:`highest_projected_floor` of the layouts whose consumers all exist; None when none does. A projector
+    taking over deletes its consumer and makes it again at the index's position: read meanwhile as 0, a query
+    worker told its callers the index was thousands of deltas and minutes behind (a tester's)."""
+
+    async def floor(partitions: int) -> int | None:
+        durables = names.postgres_projector_durables(partitions)
+        try:
+            infos = await asyncio.gather(*(js.consumer_info(names.delta_stream, durable) for durable in durables))
+        except NotFoundError:
+            return None
+        return min(_acked_through(info) for info in infos)
+
+    known = [
+        found for found in await asyncio.gather(*(floor(count) for count in sorted(set(layouts)))) if found is not None
+    ]
+    return max(known, default=None)
+
+
 async def settled_by_other_layouts(js: JetStreamContext, names: Names, partitions: int) -> int:
     """The highest stream sequence up to which another partition layout's consumers settled every delta (applied,
     or dead-lettered); 0 when no other layout has consumers. A layout's consumers start from the stream's first

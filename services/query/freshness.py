@@ -30,7 +30,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from ontofabric.shared.discovery import discover, postgres_layout
-from ontofabric.shared.jetstream import highest_projected_floor
+from ontofabric.shared.jetstream import highest_known_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names, encode_token, partition_of_token
@@ -105,6 +105,10 @@ async def published_after(js: JetStreamContext, stream: str, subject: str, seq: 
     return Pending(count, age_ms(first.time.timestamp()))
 
 
+class PositionUnknown(Exception):
+    """The projector's position cannot be read now: its consumers are being made again."""
+
+
 class DeltaWatch:
     """The index's position, and the deltas published past it, for every answer of this worker."""
 
@@ -172,6 +176,8 @@ class DeltaWatch:
             self._reading.add_done_callback(self._read_done)
         try:
             return await asyncio.wait_for(asyncio.shield(self._reading), POSITION_WAIT_S)
+        except PositionUnknown:  # seconds, at each takeover: not worth a warning per answer
+            return None
         except Exception as error:
             log.warning("position_unreadable", error=describe(error))
             return None
@@ -233,7 +239,9 @@ class DeltaWatch:
         """The highest of the layouts' positions: each layout's consumers together apply every delta, so all up to
         any layout's lowest floor is in the index."""
         started = time.monotonic()
-        floor = await highest_projected_floor(self._js, self._names, self._layouts)
+        floor = await highest_known_floor(self._js, self._names, self._layouts)
+        if floor is None:
+            raise PositionUnknown("no projector consumer to read the position from (one taking over makes it again)")
         self._position = (started, floor)
         return floor
 

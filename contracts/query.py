@@ -16,8 +16,9 @@ from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectTy
 
 MAX_TOP_K = 100
 MAX_LINK_DEPTH = 1
-RELATIONS_READ = 50
-"""At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds)."""
+RELATIONS_READ = MAX_TOP_K
+"""At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds):
+as many as the largest topK shows (a graph tester's 200 importers stopped at 50 with topK 100)."""
 MAX_TOKENS_LIMIT = 250_000
 MIN_MAX_TOKENS = 1_000
 """The smallest budget a request may ask for: room for ``_meta`` and a few results without their contents."""

@@ -478,6 +478,26 @@ async def test_expansion_is_bounded_and_says_so() -> None:
     assert whole.meta.expanded_context_truncated is False
 
 
+async def test_expansion_gives_its_places_to_linked_types_a_document_defines_first() -> None:
+    """A graph tester's 25 places went to types no document defines, named first, while 30 types with documents
+    were left out: a name without a document gives an agent nothing to read."""
+
+    @dataclass
+    class SomeDefined(HubGraph):
+        async def representatives(
+            self, scope: Scope, object_types: Sequence[str], levels: Sequence[str] = ()
+        ) -> Representatives:
+            defined = {"t.M05": "doc-M05", "t.M10": "doc-M10"}
+            return Representatives({t: defined[t] for t in object_types if t in defined}, self.fetch_version)
+
+    pipeline = pipeline_over(SomeDefined(), config=PipelineConfig(expansion_max_types=3))
+    reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")
+    context = reply.meta.expanded_context
+    assert [c.linked_type for c in context] == ["t.M05", "t.M10", "t.M00"]
+    assert [c.representative_document_id for c in context] == ["doc-M05", "doc-M10", None]
+    assert reply.meta.expanded_context_truncated is True
+
+
 async def test_a_graph_newer_than_the_results_is_flagged_and_not_cached() -> None:
     pipeline, cache = _pipeline(HubGraph(graph_version="6-b"))
     reply = await pipeline.answer(OntologyQuery(semantic_query="anything", follow_links=True), "w")

@@ -128,6 +128,9 @@ RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
 NO_DEFINITIONS = Definitions({}, "")
+EXPANSION_POOL_FACTOR = 4
+"""Linked types read for an expansion, as a multiple of ``expansion_max_types``: those a document defines are
+chosen first among them."""
 BASES_LOOKED_UP = 16
 """The most bases a member a class inherits is looked for in (one indexed statement each, nearest first)."""
 
@@ -1094,12 +1097,15 @@ class QueryPipeline:
         graph = await self._graphs.get(
             scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
         )
-        # One past the bound, to know whether there were more.
-        expansions = expand(graph, [(r.id, r.object_type) for r in results], limit=bound + 1)
-        truncated, expansions = len(expansions) > bound, expansions[:bound]
+        # More than the bound, so that linked types a document defines go first: a type no document defines (a
+        # module outside the tree, a document deleted while links name its type) is a name without anything to read,
+        # and a graph tester's 25 places went to such names while 30 types with documents were left out.
+        pool = expand(graph, [(r.id, r.object_type) for r in results], limit=EXPANSION_POOL_FACTOR * bound + 1)
         # A linked type is context whatever the request's filters select.
-        linked = [e.linked_type for e in expansions]
-        representatives = await self._documents.representatives(scope.unfiltered, linked)
+        representatives = await self._documents.representatives(scope.unfiltered, [e.linked_type for e in pool])
+        defined = [e for e in pool if e.linked_type in representatives.documents]
+        truncated = len(pool) > bound
+        expansions = (defined + [e for e in pool if e.linked_type not in representatives.documents])[:bound]
         run.read(graph.version)
         run.read(representatives.version)
         context = [

@@ -4,6 +4,7 @@ the per-version graph cache (pure)."""
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -659,6 +660,15 @@ def make() -> Client:
         "def f():\n    global c\n    c.get()\n    c = Client()\n",
         "@contextlib.contextmanager\ndef session() -> Client:\n    yield Client()\ndef f():\n    s = session()\n"
         "    s.get()\n",  # a decorator that changes what the call returns
+        # A review's: names the enclosing function binds hide the module's in a nested one too.
+        "def f(Client):\n    def inner():\n        c = Client()\n        c.get()\n    return inner\n",
+        "def f(make):\n    Client = make\n    def inner():\n        c = Client()\n        c.get()\n    return inner\n",
+        "def f():\n    from other import Thing as Client\n    def inner(c: Client):\n        c.get()\n"
+        "    return inner\n",
+        # A name two imports bind in the module: which one a call inside a function reads, the module's table
+        # cannot tell (a review's).
+        "def f():\n    from .m import A as T\n    t = T()\n    t.run()\n"
+        "def g():\n    from .m import B as T\n    return T\n",
     ],
 )
 def test_a_local_whose_one_binding_cannot_be_told_calls_no_method_through_it(body: str) -> None:
@@ -968,3 +978,19 @@ def test_what_a_star_takes_is_what_python_takes_and_a_packages_own_name_goes_fir
     assert {"mylib.a.Engine", "mylib.b.Engine"} <= set(engine)
     assert "mylib.a.helper" in exports["mylib.core.helper"]
     assert "app.core.Engine" not in exports
+
+
+def test_calls_in_deeply_nested_functions_are_read_in_time_linear_in_the_file() -> None:
+    """A review's: reading each nested function's locals walked its whole body again at every level, and 98 levels
+    of nesting with 2,000 calls took 54 s (0.8 s before nested functions were read); nested functions deeper than
+    NESTED_TYPED_DEPTH are not read for typed locals."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    lines = ["class Builder:", "\tdef build(self): return 1", "", "def f0():"]
+    for level in range(1, 98):
+        lines += [f"{chr(9) * level}b{level} = Builder(); b{level}.build()", f"{chr(9) * level}def f{level}():"]
+    lines += [f"{chr(9) * 98}x{j}.y()" for j in range(2000)] + [f"{chr(9) * 98}return 1"]
+    started = time.perf_counter()
+    calls = _by_name(python_calls({"pkg/__init__.py": "", "pkg/core.py": "\n".join(lines) + "\n"}))
+    assert time.perf_counter() - started < 10.0  # quadratic in the depth: about a minute
+    assert calls[("pkg/core.py", "pkg.core.f0")] == ("pkg.core.Builder", "pkg.core.Builder.build")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -637,53 +638,65 @@ def python_calls(
         made, is_async = returns.get(target or "", (None, False))
         return made if made is not None and is_async == awaited else None
 
+    imported_once: dict[str, frozenset[str]] = {}
+
     def typed_locals(
-        module: _Module,
-        scope: ast.FunctionDef | ast.AsyncFunctionDef,
-        enclosing: Mapping[str, str],
-        owner: str | None,
-        own: frozenset[str],
-    ) -> dict[str, str]:
-        """The locals of ``scope`` known to hold an instance of one of the tree's classes: parameters annotated
-        with one, and locals bound once to what a class's call makes or a function annotated to return one of the
-        tree's returns (`ctx = get_current_context()`, `client = Client()`), or annotated so; and ``enclosing``'s
-        (a nested function's closure) where ``scope`` binds none of those names itself nor declares them global."""
+        module: _Module, scope: ast.FunctionDef | ast.AsyncFunctionDef, around: _Around, owner: str | None
+    ) -> _Around:
+        """What calls in ``scope`` read of its locals: those known to hold an instance of one of the tree's classes
+        (parameters annotated with one, and locals bound once to what a class's call makes or a function annotated
+        to return one of the tree's returns, `ctx = get_current_context()`, `client = Client()`, or annotated so),
+        and ``around``'s, the functions enclosing it (a closure's), where ``scope`` binds none of those names itself
+        nor declares them global; and every name bound in it or around it, which hides the module's of that name
+        (a review's `def outer(Builder): def inner(): b = Builder()` made b the module's Builder)."""
         otherwise = _bound_otherwise(scope)  # read once: the parameters' and the locals' checks
         shadowed = _local_names(scope)
-        typed: dict[str, str] = {}
-        if enclosing:
-            hidden = shadowed | otherwise | _declared_global(scope)
-            typed = {name: kind for name, kind in enclosing.items() if name not in hidden}
+        hidden = shadowed | otherwise | _declared_global(scope)
+        typed = {name: kind for name, kind in around.typed.items() if name not in hidden}
+        # Names the module's class of that name would be read for: its own class's (a nested class), and any bound
+        # here or around it.
+        own = (classes[owner].bound if owner in classes else frozenset()) | around.bound
         typed |= {
             name: named
             for name, annotation in _annotated_parameters(scope, otherwise).items()
             if not (isinstance(annotation, ast.Name) and annotation.id in own)
             and (named := resolver.named_symbol(module, annotation)) in classes
         }
-        # A name imported inside resolves as the module's imports do: it hides nothing (a tester's `from .core
-        # import Builder` then `b = Builder()` had no Builder behind b).
-        local = shadowed | (otherwise - _imported_inside(scope) if otherwise else otherwise)
+        # A name imported inside resolves as the module's imports do, where that is this import (a tester's `from
+        # .core import Builder` then `b = Builder()` had no Builder behind b): a name the module does not define nor
+        # import elsewhere (a review's two functions importing two classes as T).
+        if otherwise and module.path not in imported_once:
+            imported_once[module.path] = _imported_once(module.tree)
+        resolved = _imported_inside(scope) & imported_once[module.path] if otherwise else frozenset()
+        local = shadowed | (otherwise - (resolved - module.defs.keys())) | around.bound
         for name, value in _assigned_once(scope, otherwise).items():
             made = made_by(module, value, owner, typed, own, local)
             if made is not None:
                 typed[name] = made
-        return typed
+        return _Around(
+            typed, frozenset(around.bound | ((shadowed | otherwise) - _declared_global(scope))), around.depth + 1
+        )
 
     def typed_of(
         module: _Module,
         scope: ast.FunctionDef | ast.AsyncFunctionDef,
         scope_of: Mapping[int, ast.FunctionDef | ast.AsyncFunctionDef],
-        typed_in: dict[int, dict[str, str]],
+        read: dict[int, _Around],
         owner: str | None,
-        own: frozenset[str],
-    ) -> dict[str, str]:
-        """:func:`typed_locals` of ``scope``, read once, from its enclosing function's (a chunk's own function is
-        read before its calls are)."""
-        known = typed_in.get(id(scope))
+    ) -> Mapping[str, str]:
+        """The typed locals a call in ``scope`` reads (:func:`typed_locals`), each scope read once, from the
+        outermost in; none in a function nested deeper than NESTED_TYPED_DEPTH in the chunk's (each level reads
+        its whole body again: a review's 98 levels took 70 times as long)."""
+        known = read.get(id(scope))
         if known is None:
-            enclosing = typed_of(module, scope_of[id(scope)], scope_of, typed_in, owner, own)
-            known = typed_in[id(scope)] = typed_locals(module, scope, enclosing, owner, own)
-        return known
+            enclosing = scope_of[id(scope)]
+            typed_of(module, enclosing, scope_of, read, owner)
+            around = read[id(enclosing)]
+            if around.depth > NESTED_TYPED_DEPTH:
+                known = read[id(scope)] = _Around({}, around.bound, around.depth + 1)
+            else:
+                known = read[id(scope)] = typed_locals(module, scope, around, owner)
+        return known.typed
 
     calls: dict[tuple[str, str, int], set[str]] = {}
     for module in modules.values():
@@ -697,10 +710,10 @@ def python_calls(
                 # A call in a function nested in this one reads that function's locals, and this one's it does not
                 # bind again (a tester's `def wrap(): builder = _ClassBuilder(...); builder.build_class()` inside
                 # attr's `attrs` called no method of _ClassBuilder).
-                typed_in: dict[int, dict[str, str]] = {}
+                read: dict[int, _Around] = {}
                 scope_of: dict[int, ast.FunctionDef | ast.AsyncFunctionDef] = {}
                 if function is not None:
-                    typed_in[id(function)] = typed_locals(module, function, {}, owner, own)
+                    read[id(function)] = typed_locals(module, function, _Around({}, frozenset(), 0), owner)
                     scope_of = _innermost_functions(function)
                 # Its decorators and defaults run where it is defined, outside it: its own locals do not hide what
                 # they call (a review's).
@@ -709,10 +722,11 @@ def python_calls(
                     inside = id(call) not in outside and id(call.func) not in outside
                     if isinstance(call.func, ast.Name) and call.func.id in shadowed and inside:
                         continue  # a parameter or local variable, not the module's name
-                    typed: dict[str, str] = {}
+                    typed: Mapping[str, str] = {}
                     if inside and function is not None and isinstance(call.func, ast.Attribute):
-                        scope = scope_of.get(id(call), function)
-                        typed = typed_of(module, scope, scope_of, typed_in, owner, own)
+                        # A bare `raise b.Error` is a call made here, of no node of the tree: where its class is.
+                        scope = scope_of.get(id(call), scope_of.get(id(call.func), function))
+                        typed = typed_of(module, scope, scope_of, read, owner)
                     target = callee(module, call.func, self_class, typed)
                     if target is not None and target != fqn:
                         found.add(target)
@@ -750,9 +764,12 @@ def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: 
     declared = {
         name for node in ast.walk(function) if isinstance(node, ast.Global | ast.Nonlocal) for name in node.names
     }
+    # Stored in a scope nested in it: every store not in its own (one walk: a walk per nested scope was quadratic
+    # in the depth of nesting, a review's).
+    own_ids = {id(node) for node in own}
     nested = {
-        n.id for node in ast.walk(function) if node is not function and isinstance(node, _SCOPES)
-        for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)
+        n.id for n in ast.walk(function)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del) and id(n) not in own_ids
     }  # fmt: skip
     once = {name for name, count in counts.items() if count == 1} - parameters - otherwise
     once -= nested | declared
@@ -804,6 +821,29 @@ def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[st
             every = [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
             bound |= {argument.arg for argument in every if argument is not None}
     return bound
+
+
+@dataclass(frozen=True)
+class _Around:
+    """What a function nested in another reads of the functions around it (:func:`python_calls`)."""
+
+    typed: dict[str, str]
+    """Locals known to hold an instance of one of the tree's classes, by name."""
+    bound: frozenset[str]
+    """Every name the functions around it bind (it too, once read as one around another)."""
+    depth: int
+    """How deep it is in the chunk's function (that function: 1)."""
+
+
+NESTED_TYPED_DEPTH = 3
+"""The deepest a function nested in a chunk's has its typed locals read; calls deeper read none (a missed caller,
+not a false one)."""
+
+
+def _imported_once(tree: ast.Module) -> frozenset[str]:
+    """The names one import alone binds in the whole module."""
+    counts = Counter(node.asname or node.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.alias))
+    return frozenset(name for name, count in counts.items() if count == 1)
 
 
 def _imported_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ontofabric.contracts import NO_VERSION, LinkAdded, NodeUpserted, OntologyLink, OntologyNode
+from ontofabric.contracts import NO_VERSION, DeltaEnvelope, LinkAdded, NodeUpserted, OntologyLink, OntologyNode
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.projector.following import Followed, delta_mark, refusal
 from ontofabric.services.projector.planning import (
@@ -20,6 +20,7 @@ from ontofabric.services.projector.planning import (
     Rejection,
     RowState,
     VersionState,
+    earlier_payload_digest,
     long_index_keys,
     payload_digest,
     plan_batch,
@@ -286,6 +287,28 @@ def test_another_payload_under_a_handled_event_id_is_set_aside_not_dropped_as_a_
     # The same message redelivered, its digest made by an earlier release (a field added since): a repeat.
     redelivered = plan_batch(_deltas((1, reused)), {}, {}, handled)
     assert ([d.seq for d in redelivered.noops], redelivered.reused) == ([1], {})
+
+
+def test_a_copy_another_client_serialised_is_still_a_copy() -> None:
+    """A delivery-order tester's copies of events, their free metadata's keys in another order or a whole number
+    written as JavaScript writes it (``1`` for ``1.0``), were dead-lettered ``event_id_reused``; re-driven, they put
+    an older change over a newer row. JSON tells neither apart (RFC 8259)."""
+    body = upsert("ws", document("a", "one", team="core", owner="ana", weight=1.0, nested={"b": 2, "a": 1}))
+    wire = body.model_dump(mode="json", by_alias=True)
+    sent = DeltaEnvelope.model_validate_json(json.dumps(wire))
+    again = json.loads(json.dumps(wire, sort_keys=True).replace('"weight": 1.0', '"weight": 1'))
+    assert again["payload"]["document"]["metadata"]["weight"] == 1
+    copy = DeltaEnvelope.model_validate_json(json.dumps(again))
+    assert payload_digest(copy) == payload_digest(sent)
+    handled = {("ws", sent.event_id): Handled(1, payload_digest(sent))}
+    later = plan_batch(_deltas((9, copy)), {}, {}, handled)
+    assert ([d.seq for d in later.noops], later.reused) == ([9], {})
+    # A copy of an event an earlier release handled, its digest made as that release made it.
+    earlier = {("ws", sent.event_id): Handled(1, earlier_payload_digest(sent))}
+    assert [d.seq for d in plan_batch(_deltas((9, sent)), {}, {}, earlier).noops] == [9]
+    # Another value is another payload still.
+    other = DeltaEnvelope.model_validate_json(json.dumps(wire).replace('"ana"', '"bo"'))
+    assert list(plan_batch(_deltas((9, other)), {}, {}, handled).reused) == [9]
 
 
 def test_a_copy_whose_vectors_differ_in_the_last_bits_is_still_a_copy() -> None:

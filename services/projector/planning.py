@@ -312,12 +312,37 @@ about it: two copies of one event may differ in them."""
 
 
 def payload_digest(envelope: DeltaEnvelope) -> str:
-    """What an event changes: its branch and payload, without a document's derived fields. A copy of an event
-    (the same id stored again) carries the same; another payload under a handled id is an id reused."""
+    """What an event changes: its branch and payload, without a document's derived fields, as JSON reads it: free
+    metadata's keys in any order, and a whole number written ``1.0`` or ``1`` (RFC 8259 tells neither apart). A copy
+    of an event (the same id stored again) carries the same, whichever client serialised it; another payload under
+    a handled id is an id reused. A delivery-order tester's copies, their free keys sorted or their numbers written
+    by JavaScript, were dead-lettered ``event_id_reused``."""
+    payload = envelope.payload
+    exclude = {"document": _DERIVED_FIELDS} if isinstance(payload, DocumentUpserted) else None
+    read = _as_json_reads(payload.model_dump(mode="json", by_alias=True, exclude=exclude))
+    text = f"{envelope.branch}\n{json.dumps(read, sort_keys=True, separators=(',', ':'), ensure_ascii=False)}"
+    return hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:32]
+
+
+def earlier_payload_digest(envelope: DeltaEnvelope) -> str:
+    """:func:`payload_digest` as releases before 2026-12-05 made it (the payload's keys as they came, its numbers as
+    written), which the index holds for the events they handled: a copy of one of those is still a copy."""
     payload = envelope.payload
     exclude = {"document": _DERIVED_FIELDS} if isinstance(payload, DocumentUpserted) else None
     text = f"{envelope.branch}\n{payload.model_dump_json(by_alias=True, exclude=exclude)}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _as_json_reads(value: object) -> object:
+    """``value`` with every whole number a float holds as an int (``1.0`` as ``1``); objects are sorted where
+    they are written out."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _as_json_reads(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_json_reads(item) for item in value]
+    return value
 
 
 def state_after(delta: Delta) -> RowState:
@@ -424,7 +449,12 @@ def plan_batch(
     for delta in sorted(deltas, key=lambda d: d.seq):
         digest = payload_digest(delta.envelope)
         first = handled.setdefault(handled_event(delta), Handled(delta.seq, digest))
-        if first.digest is not None and first.digest != digest and first.seq != delta.seq:
+        if (
+            first.digest is not None
+            and first.digest != digest
+            and first.seq != delta.seq
+            and first.digest != earlier_payload_digest(delta.envelope)
+        ):
             plan.reused[delta.seq] = first
             continue
         plan.digests[delta.seq] = digest

@@ -292,6 +292,20 @@ async def _origin(js: JetStreamContext, names: Names, seq: int) -> int:
     return min(int(said), seq) if said.isascii() and said.isdigit() and len(said) <= 19 else seq
 
 
+_HANDLED_AT = re.compile(r"its event id was handled at stream seq (\d{1,19}) ")
+"""How the projector's ``event_id_reused`` detail names the sequence the event id was handled at
+(services/projector/postgres.py)."""
+
+
+def _first_handled(letter: DeadLetter, origin: int) -> int:
+    """The sequence a letter's change is taken to be first published at: for one set aside as ``event_id_reused``,
+    no later than where its event id was handled. Such a letter may be a copy of that event, which a re-drive would
+    have applied over the row's later states as a change of its own (a delivery-order tester's: three documents went
+    back to older content); taken as that old, it is left while the index holds a later state, until ``--force``."""
+    said = _HANDLED_AT.search(letter.detail) if letter.reason == "event_id_reused" else None
+    return min(origin, int(said[1])) if said is not None and origin else origin
+
+
 MAX_EVENT_ID_HEAD = 96
 """How much of the original event id a re-driven delta's id keeps, so that the suffix fits the contract's 128."""
 
@@ -341,7 +355,7 @@ async def redrive(
     # tester's; the older change won).
     latest: dict[tuple[str, str, str, str], DeadLetter] = {}
     origins = {
-        letter.seq: await _origin(js, names, letter.original_seq) if letter.original_seq else 0
+        letter.seq: _first_handled(letter, await _origin(js, names, letter.original_seq) if letter.original_seq else 0)
         for letter in letters
         if not letter.body_omitted
     }

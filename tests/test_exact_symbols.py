@@ -463,6 +463,16 @@ SHAPES = {
 
         def make_other():
             return Other()
+
+        class Mixin:
+            def __init__(self):
+                pass
+
+        class Mixed(Mixin, Base):
+            pass
+
+        def make_mixed():
+            return Mixed()
         """,
     # A function assigned, not defined (jinja2's `concat = "".join`), beside a class of the same name in another
     # case: an agent tester's callers of concat were Concat's.
@@ -644,6 +654,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     callers = {r.metadata["symbolFqn"] for r in based.results if CALLER in {f.retriever for f in r.found_by}}
     assert {"shapes.makers.make_base", "shapes.makers.make_sub", "shapes.makers.Other.__init__"} <= callers, callers
     assert "shapes.makers.make_other" not in callers
+    assert "shapes.makers.make_mixed" not in callers  # Mixin's constructor comes first (a review's)
     # A name two symbols share: the callers of either; a qualified name: of that one only (Circle.area has none).
     shared = await _ask(client, "callers of area")
     assert _names(shared)[0] == "shapes.report.describe (method)"

@@ -713,8 +713,10 @@ class QueryPipeline:
         return None
 
     async def _inheriting(self, scope: Scope, class_name: str, member: str) -> list[str]:
-        """The subclasses of the class that run its ``member`` as their own, nearest first: those that do not define
-        it, and theirs; at most BASES_LOOKED_UP subclasses looked at (one indexed statement each)."""
+        """The subclasses of the class that run its ``member`` as their own, nearest first: those that derive from
+        it alone and do not define it, and theirs; at most BASES_LOOKED_UP subclasses looked at (one indexed
+        statement each). A subclass of several bases is left out: another base before it may define the member (a
+        review's mixin)."""
         version = self._versions.current(scope.workspace, scope.branch)
         graph = await self._graphs.get(
             scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
@@ -722,7 +724,12 @@ class QueryPipeline:
         inheriting: list[str] = []
         frontier, looked = graph.named(class_name), 0
         while frontier and looked < BASES_LOOKED_UP:
-            below = [subclass for parent in frontier for subclass in graph.derived(parent)]
+            below = [
+                subclass
+                for parent in frontier
+                for subclass in graph.derived(parent)
+                if len(graph.interfaces.get(subclass, ())) == 1
+            ]
             frontier = []
             for subclass in below[: BASES_LOOKED_UP - looked]:
                 looked += 1

@@ -306,11 +306,3 @@ def test_the_asyncapi_cli_finds_the_document_valid(tmp_path: Path) -> None:
         [str(cli), "validate", str(broken), "--fail-severity", "warn"], capture_output=True, text=True, env=env
     )
     assert refused.returncode != 0, refused.stdout
-
-
-def test_a_relation_lookup_reads_as_many_as_the_largest_top_k_shows() -> None:
-    """The contract says a larger topK shows more of a relation: a graph tester's 200 importers stopped at 50 with
-    topK 100, all a lookup read."""
-    from ontofabric.contracts.query import MAX_TOP_K, RELATIONS_READ
-
-    assert RELATIONS_READ >= MAX_TOP_K

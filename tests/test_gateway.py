@@ -2018,3 +2018,20 @@ async def test_each_tool_call_is_counted_by_tool_and_outcome(deployment: Deploym
         assert _tool_calls(*key) == counted + 1, key
     made_up = types.CallToolResult(content=[types.TextContent(text="error teapot: ...")], is_error=True)
     assert outcome_of(made_up) == "other"
+
+
+async def test_a_tool_call_its_client_cancels_is_counted_as_cancelled() -> None:
+    """A review's: a call cancelled (its client gone) was recorded nowhere."""
+
+    async def hangs(_: object) -> Any:
+        await asyncio.Event().wait()
+
+    gateway = Gateway(NatsLink(lambda: "nats://elsewhere", hangs, hangs), Names(), "acme", 30.0)
+    query = next(tool for tool in TOOLS if tool.operation == "query")
+    before = _tool_calls(query.name, "cancelled")
+    call = asyncio.create_task(gateway.call(query, {"semanticQuery": "x"}))
+    await asyncio.sleep(0.1)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert _tool_calls(query.name, "cancelled") == before + 1

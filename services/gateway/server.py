@@ -109,8 +109,9 @@ _BY_NAME = {tool.name: tool for tool in TOOLS}
 tool_calls = meter().create_histogram(
     "gateway.tool_calls.duration_ms",
     unit="ms",
-    description="tool calls the MCP gateway answered, from their arrival to the answer, by tool and outcome (ok, or "
-    "the error's code: invalid_request, forbidden, not_found, overloaded, unavailable, deadline_exceeded, internal)",
+    description="tool calls the MCP gateway handled, from their arrival to the answer, by tool and outcome (ok, the "
+    "error's code: invalid_request, forbidden, not_found, overloaded, unavailable, deadline_exceeded, internal; or "
+    "cancelled by the client)",
 )
 OUTCOMES = frozenset(get_args(ErrorCode)) | {"forbidden"}
 """The error codes a tool's answer may begin with (a worker's, and the gateway's own forbidden): the outcome label
@@ -176,9 +177,16 @@ class Gateway:
         its time and outcome recorded in ``gateway.tool_calls.duration_ms``."""
         loop = asyncio.get_running_loop()
         arrived = ARRIVED.get(loop.time())
-        result = await self._answer(spec, arguments)
-        tool_calls.record((loop.time() - arrived) * 1000, {"tool": spec.name, "outcome": outcome_of(result)})
-        return result
+        outcome = "internal"  # what an exception out of the call is, unless its client cancelled it
+        try:
+            result = await self._answer(spec, arguments)
+            outcome = outcome_of(result)
+            return result
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            tool_calls.record((loop.time() - arrived) * 1000, {"tool": spec.name, "outcome": outcome})
 
     async def _answer(self, spec: ToolSpec, arguments: dict[str, Any]) -> types.CallToolResult:
         arguments = as_declared(spec, arguments)

@@ -73,23 +73,29 @@ def drop_workspace(cache: LruCache[K, V], workspace: str) -> int:
     return cache.drop_where(lambda key: key.workspace == workspace)
 
 
-_ANSWER_CACHES: weakref.WeakSet[LruCache[Any, bytes]] = weakref.WeakSet()
-"""The answer caches of this process's query workers, for the gauges below (read from the metric reader's thread:
-a length and a number, each read whole)."""
+_answer_caches: tuple[weakref.ref[LruCache[Any, bytes]], ...] = ()
+"""The answer caches of this process's query workers, for the gauges below. Read from the metric reader's thread:
+a tuple replaced whole, never changed in place (a set iterated there while the loop added to it, or the collector
+took a cache from it, could fail), and each cache's length and bytes read whole."""
 
 
 def metered(cache: LruCache[K, bytes]) -> LruCache[K, bytes]:
     """``cache``, its entries and bytes counted in ``retrieval.cache.entries`` and ``retrieval.cache.bytes``."""
-    _ANSWER_CACHES.add(cache)
+    global _answer_caches
+    _answer_caches = (*(ref for ref in _answer_caches if ref() is not None), weakref.ref(cache))
     return cache
 
 
+def _live_caches() -> list[LruCache[Any, bytes]]:
+    return [cache for ref in _answer_caches if (cache := ref()) is not None]
+
+
 def _observe_entries(_: CallbackOptions) -> list[Observation]:
-    return [Observation(sum(len(cache) for cache in list(_ANSWER_CACHES)))]
+    return [Observation(sum(len(cache) for cache in _live_caches()))]
 
 
 def _observe_bytes(_: CallbackOptions) -> list[Observation]:
-    return [Observation(sum(cache.bytes for cache in list(_ANSWER_CACHES)))]
+    return [Observation(sum(cache.bytes for cache in _live_caches()))]
 
 
 meter().create_observable_gauge(

@@ -12,7 +12,13 @@ from nats.js.errors import NotFoundError
 
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.core import Pending
-from ontofabric.services.query.freshness import FORGET_AFTER_S, UNCOUNTED_RETRY_S, DeltaWatch, age_ms
+from ontofabric.services.query.freshness import (
+    FORGET_AFTER_S,
+    POSITION_UNKNOWN_WARN_S,
+    UNCOUNTED_RETRY_S,
+    DeltaWatch,
+    age_ms,
+)
 from ontofabric.shared.runtime import EmbeddedRuntime
 
 from .conftest import Deployment, connect_as
@@ -184,5 +190,12 @@ async def test_while_a_projector_makes_its_consumer_again_the_position_is_unknow
         await deployment.js.delete_consumer(deployment.names.delta_stream, deployment.names.postgres_projector_durable)
         await asyncio.sleep(0.1)  # past the position's time to live
         assert await watch.position() is None
+        # Longer than a takeover: said once (no projector made its consumer again).
+        watch._unknown_since = time.monotonic() - POSITION_UNKNOWN_WARN_S - 1
+        with structlog.testing.capture_logs() as logged:
+            for _ in range(2):
+                await asyncio.sleep(0.06)
+                assert await watch.position() is None
+        assert [e["event"] for e in logged] == ["position_unknown"]
     finally:
         await watch.stop()

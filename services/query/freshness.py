@@ -40,6 +40,9 @@ from .core import Pending
 log = get_logger(__name__)
 
 POSITION_TTL_S = 0.05
+POSITION_UNKNOWN_WARN_S = 60.0
+"""How long the position may be unknown for want of a projector consumer (a takeover takes seconds) before a
+warning says so, once."""
 """How long a read position serves later answers: an older one only understates what they hold."""
 POSITION_WAIT_S = 0.5
 """How long an answer waits for the position before it goes on without (JetStream slow or away)."""
@@ -139,6 +142,9 @@ class DeltaWatch:
         self._complete_after = 0
         """The watch has seen every delta published after this sequence."""
         self._position: tuple[float, int] | None = None
+        self._unknown_since: float | None = None
+        """Since when the position could not be read for want of a consumer (None: it was, last time)."""
+        self._unknown_said = False
         """The last position read, and when (monotonic)."""
         self._read: deque[tuple[float, int]] = deque()
         """Positions read, with when, until FORGET_AFTER_S has passed."""
@@ -176,7 +182,12 @@ class DeltaWatch:
             self._reading.add_done_callback(self._read_done)
         try:
             return await asyncio.wait_for(asyncio.shield(self._reading), POSITION_WAIT_S)
-        except PositionUnknown:  # seconds, at each takeover: not worth a warning per answer
+        except PositionUnknown as unknown:  # seconds, at each takeover: not worth a warning per answer
+            now = time.monotonic()
+            since = self._unknown_since = self._unknown_since or now
+            if now - since > POSITION_UNKNOWN_WARN_S and not self._unknown_said:
+                self._unknown_said = True  # longer than a takeover: no projector made its consumer (a review's)
+                log.warning("position_unknown", error=str(unknown), for_s=round(now - since))
             return None
         except Exception as error:
             log.warning("position_unreadable", error=describe(error))
@@ -185,6 +196,7 @@ class DeltaWatch:
     def _read_done(self, task: asyncio.Task[int]) -> None:
         self._reading = None
         if not task.cancelled() and task.exception() is None:
+            self._unknown_since, self._unknown_said = None, False
             self._advance(task.result())
 
     async def _follow_layouts(self) -> None:

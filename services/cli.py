@@ -1663,8 +1663,8 @@ def rebuild(
         f"and queries for {report.parents_lock_s * 1000:.0f} ms",
         soft_wrap=True,
     )
-    for dropped in report.dropped:
-        console.print(f"  dropped (--force): {dropped}", soft_wrap=True)
+    for rows_lost in report.dropped:
+        console.print(f"  dropped (--force): {rows_lost}", soft_wrap=True)
     for branch, version in sorted(report.versions.items()):
         console.print(f"  {branch}: ontologyVersion {version}")
 

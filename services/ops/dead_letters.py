@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.contracts.deltas import split_link_key
+from ontofabric.services.projector.planning import REUSED_DETAIL, earlier_payload_digest, payload_digest
 from ontofabric.shared.jetstream import last_sequence_on, read_in_order, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
@@ -292,18 +293,28 @@ async def _origin(js: JetStreamContext, names: Names, seq: int) -> int:
     return min(int(said), seq) if said.isascii() and said.isdigit() and len(said) <= 19 else seq
 
 
-_HANDLED_AT = re.compile(r"its event id was handled at stream seq (\d{1,19}) ")
-"""How the projector's ``event_id_reused`` detail names the sequence the event id was handled at
-(services/projector/postgres.py)."""
+_HANDLED_AT = re.compile(re.escape(REUSED_DETAIL).replace(re.escape("{seq}"), r"(\d{1,19})"))
+"""The projector's ``event_id_reused`` detail, the sequence the event id was handled at read back from it."""
 
 
-def _first_handled(letter: DeadLetter, origin: int) -> int:
-    """The sequence a letter's change is taken to be first published at: for one set aside as ``event_id_reused``,
-    no later than where its event id was handled. Such a letter may be a copy of that event, which a re-drive would
-    have applied over the row's later states as a change of its own (a delivery-order tester's: three documents went
-    back to older content); taken as that old, it is left while the index holds a later state, until ``--force``."""
-    said = _HANDLED_AT.search(letter.detail) if letter.reason == "event_id_reused" else None
-    return min(origin, int(said[1])) if said is not None and origin else origin
+async def _first_handled(js: JetStreamContext, names: Names, letter: DeadLetter, origin: int) -> int:
+    """The sequence a letter's change is taken to be first published at: for one set aside as ``event_id_reused``
+    that is a copy of the event whose id it reused (the same payload, as :func:`payload_digest` reads it), where
+    that event was; otherwise ``origin``. Re-driven as a change of its own, such a copy put an older state back over
+    the row's later ones (a delivery-order tester's: three documents went back to older content); a real reuse of
+    an id, another change, keeps its own time (a review's)."""
+    said = _HANDLED_AT.search(letter.detail) if letter.reason == "event_id_reused" and origin else None
+    if said is None or int(said[1]) >= origin:
+        return origin
+    try:
+        handled = await js.get_msg(names.delta_stream, int(said[1]))
+        first, copy = (DeltaEnvelope.model_validate_json(data) for data in (handled.data or b"", letter.data))
+    except (NotFoundError, ValidationError):  # compacted away, or not a delta this release reads
+        return origin
+    same = payload_digest(first) == payload_digest(copy) or earlier_payload_digest(first) == earlier_payload_digest(
+        copy
+    )
+    return int(said[1]) if same else origin
 
 
 MAX_EVENT_ID_HEAD = 96
@@ -355,7 +366,9 @@ async def redrive(
     # tester's; the older change won).
     latest: dict[tuple[str, str, str, str], DeadLetter] = {}
     origins = {
-        letter.seq: _first_handled(letter, await _origin(js, names, letter.original_seq) if letter.original_seq else 0)
+        letter.seq: await _first_handled(
+            js, names, letter, await _origin(js, names, letter.original_seq) if letter.original_seq else 0
+        )
         for letter in letters
         if not letter.body_omitted
     }

@@ -311,6 +311,14 @@ _DERIVED_FIELDS = {"embedding", "embedding_model", "token_vectors", "second_vect
 about it: two copies of one event may differ in them."""
 
 
+REUSED_DETAIL = (
+    "its event id was handled at stream seq {seq} with another payload: a copy of an event repeats it; the producer "
+    "reused the id"
+)
+"""An ``event_id_reused`` dead letter's detail; a re-drive reads the sequence back from it
+(services/ops/dead_letters.py)."""
+
+
 def payload_digest(envelope: DeltaEnvelope) -> str:
     """What an event changes: its branch and payload, without a document's derived fields, as JSON reads it: free
     metadata's keys in any order, and a whole number written ``1.0`` or ``1`` (RFC 8259 tells neither apart). A copy

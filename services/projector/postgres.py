@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ontofabric.shared.db import is_transient
 from ontofabric.shared.logging import describe, get_logger
 
-from .planning import Delta, Rejection
+from .planning import REUSED_DETAIL, Delta, Rejection
 from .reembedding import ModelChanged
 from .runner import Written
 from .store import BatchResult, Fenced, PostgresProjectionStore
@@ -52,11 +52,7 @@ class PostgresSink:
             applied=len(result.plan.applied),
             noops=len(result.plan.noops),
             refused={
-                seq: Rejection(
-                    "event_id_reused",
-                    f"its event id was handled at stream seq {first.seq} with another payload: a copy of an event "
-                    "repeats it; the producer reused the id",
-                )
+                seq: Rejection("event_id_reused", REUSED_DETAIL.format(seq=first.seq))
                 for seq, first in result.plan.reused.items()
             },
         )

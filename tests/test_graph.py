@@ -607,6 +607,14 @@ def lazy():
 
     b = Builder()
     return b.build()
+
+def lazy_closure():
+    from .core import Builder as Maker
+
+    def inner():
+        b = Maker()
+        return b.check()
+    return inner
 """,
     }
     calls = _by_name(python_calls(sources))
@@ -616,6 +624,8 @@ def lazy():
     # A parameter of the nested function hides the enclosing local of its name.
     assert calls[("pkg/core.py", "pkg.core.rebound")] == ("pkg.core.Builder",)
     assert calls[("pkg/lazy.py", "pkg.lazy.lazy")] == ("pkg.core.Builder", "pkg.core.Builder.build")
+    # The import of the function around it too (a review's).
+    assert calls[("pkg/lazy.py", "pkg.lazy.lazy_closure")] == ("pkg.core.Builder", "pkg.core.Builder.check")
 
 
 TYPED_LOCALS_HEAD = """

@@ -668,14 +668,15 @@ def python_calls(
         if otherwise and module.path not in imported_once:
             imported_once[module.path] = _imported_once(module.tree)
         resolved = _imported_inside(scope) & imported_once[module.path] if otherwise else frozenset()
-        local = shadowed | (otherwise - (resolved - module.defs.keys())) | around.bound
+        bound_here = shadowed | (otherwise - (resolved - module.defs.keys()))
+        local = bound_here | around.bound
         for name, value in _assigned_once(scope, otherwise).items():
             made = made_by(module, value, owner, typed, own, local)
             if made is not None:
                 typed[name] = made
-        return _Around(
-            typed, frozenset(around.bound | ((shadowed | otherwise) - _declared_global(scope))), around.depth + 1
-        )
+        # An import it resolves hides nothing from the functions in it either (a review's: a lazy import used in a
+        # closure).
+        return _Around(typed, frozenset(around.bound | (bound_here - _declared_global(scope))), around.depth + 1)
 
     def typed_of(
         module: _Module,
@@ -836,8 +837,8 @@ class _Around:
 
 
 NESTED_TYPED_DEPTH = 3
-"""The deepest a function nested in a chunk's has its typed locals read; calls deeper read none (a missed caller,
-not a false one)."""
+"""How many levels deep in a chunk's function a nested function still has its typed locals read; calls in one
+nested deeper read none (a missed caller, not a false one)."""
 
 
 def _imported_once(tree: ast.Module) -> frozenset[str]:

@@ -321,7 +321,8 @@ REUSED_DETAIL = (
 
 def payload_digest(envelope: DeltaEnvelope) -> str:
     """What an event changes: its branch and payload, without a document's derived fields, as JSON reads it: free
-    metadata's keys in any order, and a whole number written ``1.0`` or ``1`` (RFC 8259 tells neither apart). A copy
+    metadata's keys in any order, a whole number written ``1.0`` or ``1`` (RFC 8259 tells neither apart), a null
+    member or none. A copy
     of an event (the same id stored again) carries the same, whichever client serialised it; another payload under
     a handled id is an id reused. A delivery-order tester's copies, their free keys sorted or their numbers written
     by JavaScript, were dead-lettered ``event_id_reused``."""
@@ -342,12 +343,13 @@ def earlier_payload_digest(envelope: DeltaEnvelope) -> str:
 
 
 def _as_json_reads(value: object) -> object:
-    """``value`` with every whole number a float holds as an int (``1.0`` as ``1``); objects are sorted where
-    they are written out."""
+    """``value`` with every whole number a float holds as an int (``1.0`` as ``1``), and an object's null members
+    left out, as the index stores them (a client that leaves nulls out sends the same event; a review's); objects
+    are sorted where they are written out."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
-        return {key: _as_json_reads(item) for key, item in value.items()}
+        return {key: _as_json_reads(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
         return [_as_json_reads(item) for item in value]
     return value

@@ -40,10 +40,10 @@ from .core import Pending
 log = get_logger(__name__)
 
 POSITION_TTL_S = 0.05
+"""How long a read position serves later answers: an older one only understates what they hold."""
 POSITION_UNKNOWN_WARN_S = 60.0
 """How long the position may be unknown for want of a projector consumer (a takeover takes seconds) before a
 warning says so, once."""
-"""How long a read position serves later answers: an older one only understates what they hold."""
 POSITION_WAIT_S = 0.5
 """How long an answer waits for the position before it goes on without (JetStream slow or away)."""
 EXACT_COUNT_TTL_S = 1.0
@@ -142,10 +142,10 @@ class DeltaWatch:
         self._complete_after = 0
         """The watch has seen every delta published after this sequence."""
         self._position: tuple[float, int] | None = None
+        """The last position read, and when (monotonic)."""
         self._unknown_since: float | None = None
         """Since when the position could not be read for want of a consumer (None: it was, last time)."""
         self._unknown_said = False
-        """The last position read, and when (monotonic)."""
         self._read: deque[tuple[float, int]] = deque()
         """Positions read, with when, until FORGET_AFTER_S has passed."""
         self._forgotten_to = 0

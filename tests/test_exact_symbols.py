@@ -970,3 +970,21 @@ async def test_a_pasted_message_finds_the_code_writing_it_through_the_real_path(
     ]:
         reply = await ask(text, **params)
         assert (placed(reply), reply.meta.exact_symbol_matches) == ([], 0), (text, _names(reply))
+
+
+async def test_a_relation_shows_as_many_as_the_largest_top_k_asks(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """The contract says a larger topK shows more of a relation; a graph tester's 200 importers stopped at 50, all
+    a lookup read, under topK 100."""
+    files = {"__init__.py": "", "target.py": "def target():\n    return 1\n"}
+    files |= {
+        f"user{i:02}.py": f"from .target import target\n\n\ndef use{i:02}():\n    return target()\n" for i in range(70)
+    }
+    await _projected(deployment, embedder, tmp_path / "many", files, "many")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+    asked = await _ask(client, "what calls target", workspace="many", topK=100, maxTokens=100_000)
+    callers = {r.metadata["symbolFqn"] for r in asked.results if CALLER in {f.retriever for f in r.found_by}}
+    assert asked.meta.relation_found == 70
+    assert callers == {f"many.user{i:02}.use{i:02}" for i in range(70)}

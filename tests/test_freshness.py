@@ -175,7 +175,7 @@ async def test_a_refused_stream_is_said_for_the_workspaces_of_the_refused_partit
         await nc.close()
 
 
-async def test_while_a_projector_makes_its_consumer_again_the_position_is_unknown_not_zero(
+async def test_while_a_projector_makes_its_consumer_again_the_position_read_last_stays(
     deployment: Deployment, projector: ProjectorService
 ) -> None:
     """A projector taking over deletes its consumer and makes it again at the index's position; read meanwhile as
@@ -185,17 +185,19 @@ async def test_while_a_projector_makes_its_consumer_again_the_position_is_unknow
     try:
         seqs = await _published(deployment, watch, 2)
         await deployment.wait_projected(seqs[-1])
-        assert (await watch.position() or 0) >= seqs[-1]
+        known = await watch.position()
+        assert known is not None
+        assert known >= seqs[-1]
         await projector.stop()  # as a takeover's first step: the consumer gone, its projector away
         await deployment.js.delete_consumer(deployment.names.delta_stream, deployment.names.postgres_projector_durable)
         await asyncio.sleep(0.1)  # past the position's time to live
-        assert await watch.position() is None
+        assert await watch.position() == known
         # Longer than a takeover: said once (no projector made its consumer again).
         watch._unknown_since = time.monotonic() - POSITION_UNKNOWN_WARN_S - 1
         with structlog.testing.capture_logs() as logged:
             for _ in range(2):
                 await asyncio.sleep(0.06)
-                assert await watch.position() is None
+                assert await watch.position() == known
         assert [e["event"] for e in logged] == ["position_unknown"]
     finally:
         await watch.stop()

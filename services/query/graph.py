@@ -85,7 +85,7 @@ class OntologyGraph:
     def subtypes(self, object_type: str) -> list[list[str]]:
         """Every type that implements or derives from the type, transitively, by distance: those deriving from it
         directly, then from those, ...; each level by name."""
-        return self._levels(object_type, lambda current: self._subtypes.get(current, ()))
+        return self._levels(object_type, self.derived)
 
     def derived(self, object_type: str) -> list[str]:
         """The types that implement or derive from the type directly, by name."""

@@ -366,14 +366,8 @@ class QueryPipeline:
         object_types: tuple[str, ...] | None = None
         if query.object_type is not None:
             object_types = (query.object_type,)
-
-            async def announced_graph() -> OntologyGraph:
-                version = self._versions.current(run.workspace, query.branch)
-                return await self._graphs.get(
-                    run.workspace, query.branch, version, self._versions.generation(run.workspace)
-                )
-
-            graph = await run.guarded("objectTypeNarrowing", announced_graph(), stage="narrowing")
+            work = self._announced_graph(run.workspace, query.branch)
+            graph = await run.guarded("objectTypeNarrowing", work, stage="narrowing")
             if graph is not None:
                 run.read(graph.version)
                 object_types = tuple(sorted(graph.with_subtypes(query.object_type)))
@@ -694,6 +688,11 @@ class QueryPipeline:
         through = await self._documents.definitions(scope, inherited, RELATIONS_READ)
         return dataclasses.replace(through, symbols={doc_id: name for doc_id in through.symbols})
 
+    async def _announced_graph(self, workspace: str, branch: str) -> OntologyGraph:
+        """The branch's graph at its announced version (or the newer one the load read: its version says)."""
+        version = self._versions.current(workspace, branch)
+        return await self._graphs.get(workspace, branch, version, self._versions.generation(workspace))
+
     async def _inherited(self, scope: Scope, name: str) -> str | None:
         """The qualified name of what ``Class.member`` names through the class's bases in the graph, the nearest
         defining it first, when the class does not define it itself; None otherwise. An outside tester's "callers
@@ -702,10 +701,7 @@ class QueryPipeline:
         owner, dot, member = name.rpartition(".")
         if not dot or not owner or not member:
             return None
-        version = self._versions.current(scope.workspace, scope.branch)
-        graph = await self._graphs.get(
-            scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
-        )
+        graph = await self._announced_graph(scope.workspace, scope.branch)
         bases = [base for named in graph.named(owner) for level in graph.supertypes(named) for base in level]
         for base in list(dict.fromkeys(bases))[:BASES_LOOKED_UP]:
             if (await self._documents.definitions(scope.unfiltered, f"{base}.{member}", 1)).symbols:
@@ -717,10 +713,7 @@ class QueryPipeline:
         it alone and do not define it, and theirs; at most BASES_LOOKED_UP subclasses looked at (one indexed
         statement each). A subclass of several bases is left out: another base before it may define the member (a
         review's mixin)."""
-        version = self._versions.current(scope.workspace, scope.branch)
-        graph = await self._graphs.get(
-            scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
-        )
+        graph = await self._announced_graph(scope.workspace, scope.branch)
         inheriting: list[str] = []
         frontier, looked = graph.named(class_name), 0
         while frontier and looked < BASES_LOOKED_UP:
@@ -794,10 +787,7 @@ class QueryPipeline:
         """The subclasses or bases (nearest first), the importers or the imported modules of the types the name
         names, from the graph at the announced version, each by its defining chunk (a class's own, a module's
         file)."""
-        version = self._versions.current(scope.workspace, scope.branch)
-        graph = await self._graphs.get(
-            scope.workspace, scope.branch, version, self._versions.generation(scope.workspace)
-        )
+        graph = await self._announced_graph(scope.workspace, scope.branch)
         run.read(graph.version)
         distance: dict[str, int] = {}
         levels_of: dict[str, Callable[[str], list[list[str]]]] = {

@@ -602,10 +602,8 @@ async def stream_ends_before(js: JetStreamContext, names: Names, partitions: int
     """Whether the delta stream, as the Postgres projector's consumers see it, ends before ``stream_seq``: each has
     acked all it was given, has none left to give, and stands below it. A sequence recorded before the stream was
     made again (``adopt-stream``, a restore) is then never coming. False while a consumer is missing or behind."""
-    durables = names.postgres_projector_durables(partitions)
-    try:
-        infos = await asyncio.gather(*(js.consumer_info(names.delta_stream, durable) for durable in durables))
-    except NotFoundError:
+    infos = await _projector_consumers(js, names, partitions)
+    if infos is None:
         return False
     return all(
         not info.num_pending and not info.num_ack_pending and _acked_through(info) < stream_seq for info in infos
@@ -618,18 +616,23 @@ async def highest_projected_floor(js: JetStreamContext, names: Names, layouts: I
     return max(await asyncio.gather(*(projected_floor(js, names, count) for count in sorted(set(layouts)))), default=0)
 
 
+async def _projector_consumers(js: JetStreamContext, names: Names, partitions: int) -> list[ConsumerInfo] | None:
+    """The Postgres projector's consumers of a partition layout; None while one of them is missing."""
+    durables = names.postgres_projector_durables(partitions)
+    try:
+        return list(await asyncio.gather(*(js.consumer_info(names.delta_stream, durable) for durable in durables)))
+    except NotFoundError:
+        return None
+
+
 async def highest_known_floor(js: JetStreamContext, names: Names, layouts: Iterable[int]) -> int | None:
     """:func:`highest_projected_floor` of the layouts whose consumers all exist; None when none does. A projector
     taking over deletes its consumer and makes it again at the index's position: read meanwhile as 0, a query
     worker told its callers the index was thousands of deltas and minutes behind (a tester's)."""
 
     async def floor(partitions: int) -> int | None:
-        durables = names.postgres_projector_durables(partitions)
-        try:
-            infos = await asyncio.gather(*(js.consumer_info(names.delta_stream, durable) for durable in durables))
-        except NotFoundError:
-            return None
-        return min(_acked_through(info) for info in infos)
+        infos = await _projector_consumers(js, names, partitions)
+        return None if infos is None else min(_acked_through(info) for info in infos)
 
     known = [
         found for found in await asyncio.gather(*(floor(count) for count in sorted(set(layouts)))) if found is not None

@@ -287,6 +287,51 @@ async def test_a_branch_keeps_its_version_of_a_file_it_changed_when_main_changes
     assert await _places(worker, "feat") == {"a.alpha": (1, 2), "a.beta": (5, 6)}
 
 
+async def test_a_branchs_graph_of_a_file_it_changed_or_deleted_keeps_mains_later_changes_out(
+    deployment: Deployment, worker: QueryClient, tmp_path: Path
+) -> None:
+    """An outside tester's: a branch's graph held only the nodes and links that differed from main's when it was
+    ingested, so main's later bases and imports in a file the branch changed or deleted showed on the branch, and
+    main's later removals took the branch's unchanged ones with them."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "base.py").write_text("class Base:\n    pass\n\n\nclass Other:\n    pass\n")
+    (tree / "extra.py").write_text("X = 1\n")
+    (tree / "kinds.py").write_text(
+        "import extra\nfrom base import Base\n\n\nclass Kept(Base):\n    pass\n\n\nclass Edited(Base):\n    pass\n"
+    )
+    (tree / "gone.py").write_text("from base import Base\n\n\nclass Dropped(Base):\n    pass\n")
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+
+    async def related(relation: str, branch: str, symbol: str = "Base") -> set[str]:
+        reply = await worker.query(
+            "acme", {"relatedTo": {"relation": relation, "symbol": symbol}, "branch": branch, "topK": 20}
+        )
+        assert isinstance(reply, QueryResponse), reply
+        relations = {"subclass", "base", "importer", "imported"}
+        return {r.metadata["symbolFqn"] for r in reply.results if relations & {f.retriever for f in r.found_by}}
+
+    await _ingested(deployment, ingester, tree)
+    (tree / "kinds.py").write_text(
+        "import extra\nfrom base import Base\n\n\nclass Kept(Base):\n    pass\n\n\nclass Edited(Base):\n    x = 2\n"
+    )
+    (tree / "gone.py").unlink()
+    await _ingested(deployment, ingester, tree, "feat")
+    assert await related("subclasses", "feat") == {"kinds.Kept", "kinds.Edited"}
+    # Main, later: Kept no longer derives from Base, a new subclass and an import in kinds.py; gone.py grows one.
+    (tree / "kinds.py").write_text(
+        "from base import Base, Other\n\n\nclass Kept(Other):\n    pass\n\n\nclass Edited(Base):\n    pass\n\n\n"
+        "class Later(Base):\n    pass\n"
+    )
+    (tree / "gone.py").write_text(
+        "from base import Base\n\n\nclass Dropped(Base):\n    pass\n\n\nclass More(Base):\n    pass\n"
+    )
+    await _ingested(deployment, ingester, tree)
+    assert await related("subclasses", "main") == {"kinds.Edited", "kinds.Later", "gone.Dropped", "gone.More"}
+    assert await related("subclasses", "feat") == {"kinds.Kept", "kinds.Edited"}
+    assert await related("imports", "feat", "kinds") == {"base", "extra"}
+
+
 async def test_a_file_only_calling_what_a_branch_moved_follows_main(
     deployment: Deployment, worker: QueryClient, tmp_path: Path
 ) -> None:

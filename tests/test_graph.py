@@ -13,7 +13,16 @@ from structlog.testing import capture_logs
 
 from ontofabric.services.ingest.graph import GraphLink, python_graph
 from ontofabric.services.ingest.ingester import chunk_sources
-from ontofabric.services.query.graph import GraphCache, GraphRows, LinkRow, NodeRow, OntologyGraph, expand, overlay
+from ontofabric.services.query.graph import (
+    GraphCache,
+    GraphRows,
+    LinkRow,
+    NodeRow,
+    OntologyGraph,
+    defining_module,
+    expand,
+    overlay,
+)
 
 SOURCES = {
     "shop/__init__.py": "",
@@ -92,6 +101,53 @@ def _rows() -> GraphRows:
         ],
         version="1-a",
     )
+
+
+def test_a_module_a_branch_holds_hides_mains_rows_of_it() -> None:
+    """A module the branch has a row of (a file it changed, sent whole; or deleted) hides main's nodes of the types
+    it defines and main's links from them; a module it has no row of follows main."""
+    main_rows = [
+        NodeRow("main", "pkg.mod", "module", (), False, False),
+        NodeRow("main", "pkg.mod.Kept", "class", ("pkg.Other",), False, False),  # main, later: another base
+        NodeRow("main", "pkg.mod.Later", "class", ("pkg.Base",), False, False),  # main, later: a new class
+        NodeRow("main", "pkg.mod.Kept.Inner", "class", ("pkg.Base",), False, False),
+        NodeRow("main", "pkg.gone", "module", (), False, False),
+        NodeRow("main", "pkg.gone.More", "class", ("pkg.Base",), False, False),
+        NodeRow("main", "pkg.free", "module", (), False, False),
+        NodeRow("main", "pkg.free.Loose", "class", ("pkg.Base",), False, False),
+        NodeRow("main", "pkg", "module", (), False, False),
+    ]
+    rows = GraphRows(
+        nodes=[
+            *main_rows,
+            NodeRow("feat", "pkg.mod", "module", (), False, False),  # the branch holds mod.py whole
+            NodeRow("feat", "pkg.mod.Kept", "class", ("pkg.Base",), False, False),
+            NodeRow("feat", "pkg.gone", None, (), True, False),  # and deleted gone.py
+        ],
+        links=[
+            LinkRow("main", "pkg.mod", "imports", "pkg.free", False, False),
+            LinkRow("main", "pkg.mod.Later", "calls", "pkg.free.Loose", False, False),
+            LinkRow("main", "pkg.free", "imports", "pkg.mod", False, False),
+            LinkRow("feat", "pkg.mod", "imports", "pkg.gone", False, False),
+        ],
+    )
+    feat = overlay(rows, "feat")
+    assert set(feat.kinds) == {"pkg", "pkg.mod", "pkg.mod.Kept", "pkg.free", "pkg.free.Loose"}
+    assert feat.derived("pkg.Base") == ["pkg.free.Loose", "pkg.mod.Kept"]
+    assert feat.links == {("pkg.free", "imports", "pkg.mod"), ("pkg.mod", "imports", "pkg.gone")}
+    assert set(overlay(rows, "main").kinds) == {r.object_type for r in main_rows}
+    # A branch with no row of a module (ingested by an earlier release) overrides by key only, as before.
+    older = overlay(GraphRows(nodes=[*main_rows, rows.nodes[-2]], links=rows.links[:3]), "feat")
+    assert older.derived("pkg.Base") == [
+        "pkg.free.Loose",
+        "pkg.gone.More",
+        "pkg.mod.Kept",
+        "pkg.mod.Kept.Inner",
+        "pkg.mod.Later",
+    ]
+    assert defining_module("pkg.mod.Kept.Inner", {"pkg", "pkg.mod"}) == "pkg.mod"
+    assert defining_module("pkg.free", {"pkg", "pkg.mod"}) == "pkg"
+    assert defining_module("elsewhere.X", {"pkg"}) is None
 
 
 def test_overlay_and_subtypes() -> None:

@@ -413,6 +413,17 @@ def python_graph(
     return sorted(nodes.values(), key=lambda n: n.object_type), sorted(links)
 
 
+def defining_files(sources: PythonTree) -> dict[str, str]:
+    """Each type :func:`python_graph` makes a node of -> the file defining it (a module's own, a class's
+    module's): what a node, and a link from it, belong to when a branch holds that file whole."""
+    files: dict[str, str] = {}
+    for module in sources.modules.values():
+        files[module.object_type] = module.path
+        for qualname, _ in _classes(module.tree.body):
+            files[object_type_name(f"{module.fqn}.{qualname}")] = module.path
+    return files
+
+
 def _callers(module: _Module) -> Iterator[tuple[str, list[ast.stmt]]]:
     """(type the code belongs to, statements): module-level code and functions, and each class's body."""
     top = [n for n in module.tree.body if not isinstance(n, ast.ClassDef)]

@@ -68,7 +68,16 @@ from ontofabric.shared.subjects import Names
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
-from .graph import GraphLink, GraphNode, PythonTree, python_calls, python_exports, python_graph, read_python
+from .graph import (
+    GraphLink,
+    GraphNode,
+    PythonTree,
+    defining_files,
+    python_calls,
+    python_exports,
+    python_graph,
+    read_python,
+)
 
 log = get_logger(__name__)
 
@@ -595,14 +604,17 @@ def plan_ingest(
     previous: Manifest,
     main: Manifest | None = None,
     files: Mapping[str, str | None] | None = None,
+    graph_files: Mapping[str, str] | None = None,
 ) -> IngestPlan:
     """What to publish so the branch holds ``desired`` (key -> hash): on main everything that changed; on a
     branch (``main`` given) what differs from main, as overrides, tombstones and reverts, and with a document that
     differs, or one of main's that is gone, every other document of its file (``files``: each document key's
-    file; main's keys' files from its manifest). A query on the branch reads main's documents of such a file as
-    hidden (services/query/postgres.py, ``_shadowed_ids``), and those of a file the branch deleted, which its
-    tombstones name: its chunks that matched main's at this ingest showed main's later changes, lines included,
-    and went with main's deletion of the file (an outside tester's)."""
+    file; main's keys' files from its manifest), and every graph node and link of it (``graph_files``: the file
+    each is defined in). A query on the branch reads main's documents of such a file as hidden
+    (services/query/postgres.py, ``_shadowed_ids``), and main's graph rows of its module (services/query/graph.py,
+    ``overlay``), and those of a file the branch deleted, which its tombstones name: its chunks that matched main's
+    at this ingest showed main's later changes, lines included, and went with main's deletion of the file, and
+    its graph took main's later bases and imports (outside testers')."""
     base = main.entries if main is not None else {}
     target = {k: h for k, h in desired.items() if base.get(k) != h}
     # Each key's file: the tree's, else main's manifest's, else the branch's own record (main's manifest saved by
@@ -624,7 +636,8 @@ def plan_ingest(
             # every file calling it whole, and main's later changes to those files stopped showing on the branch).
             owned = {files[k] for k in target if files.get(k) is not None and _text(target[k]) != _text(base.get(k))}
             owned |= {file_of[k] for k in removed if file_of.get(k) in present}  # only a section taken out
-            target.update({k: h for k, h in desired.items() if files.get(k) in owned})
+            graph_of = graph_files or {}
+            target.update({k: h for k, h in desired.items() if (files.get(k) or graph_of.get(k)) in owned})
             whole_file = frozenset(k for k in target if files.get(k) in owned)
             deleted_files = {k: file_of[k] for k in removed if k in file_of and file_of[k] not in present}
         target.update({k: DELETED_FILE if k in deleted_files else TOMBSTONE for k in removed})
@@ -911,15 +924,19 @@ class Ingester:
 
         # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
         # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
-        def reading() -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]]]:
+        def reading() -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]], dict[str, str]]:
             python = python_of(sources, package, self._max_file_bytes)  # parsed once for all that reads them
             chunked = chunk_sources(root, sources, self._max_content_bytes, package or "", python, self._max_file_bytes)
-            return chunked, python_graph(python)
+            return chunked, python_graph(python), defining_files(python)
 
-        chunked, (graph_nodes, graph_links) = await asyncio.to_thread(reading)
+        chunked, (graph_nodes, graph_links), defined_in = await asyncio.to_thread(reading)
         chunks = {c.document_id: c for c in chunked}
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
+        graph_files = {f"n:{t}": defined_in[t] for t in nodes if t in defined_in}
+        graph_files |= {
+            f"l:{k}": defined_in[link.source_type] for k, link in links.items() if link.source_type in defined_in
+        }
         # A document is sent again when its content changed or when what the embedder adds to it would differ
         # (another model or precision, token vectors or a second model switched on or off), so a rerun brings old
         # documents up to date. Names follow from the path and the content, but for a tree that is a package also
@@ -936,9 +953,9 @@ class Ingester:
         files = {f"d:{i}": c.file_path for i, c in chunks.items()}
         if unread:  # a directory not listed was left out, and its documents deleted (an ingest tester's)
             read = as_far_as_read(desired, previous, main)
-            plan = without_removals(plan_ingest(read, previous, main, files), previous)
+            plan = without_removals(plan_ingest(read, previous, main, files, graph_files), previous)
         else:
-            plan = plan_ingest(desired, previous, main, files)
+            plan = plan_ingest(desired, previous, main, files, graph_files)
         # On a branch, what goes is main's documents hidden (deletes) and the branch's own taken back (reverts).
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -140,15 +140,35 @@ class OntologyGraph:
 
 def overlay(rows: GraphRows, branch: str) -> OntologyGraph:
     """main ⊕ branch: the branch's rows replace main's with the same key; its tombstones remove them; its
-    transparent rows (reverts) leave main's as they are. On main, only main's live rows count."""
+    transparent rows (reverts) leave main's as they are. On main, only main's live rows count.
+
+    A module the branch has a row of its own for, live or a tombstone, is a file the branch changed (the ingester
+    then sends every node and link of it: ``plan_ingest``) or deleted: main's rows of the types that module defines,
+    and of the links from them, are hidden, so that main's later changes to that file do not show through (an
+    outside tester's: main's later bases and imports did, and its removals took the branch's unchanged ones)."""
+    held: set[str] = set()
+    modules: set[str] = set()
+    if branch != MAIN_BRANCH:
+        modules = {n.object_type for n in rows.nodes if n.kind == "module"}
+        held = {
+            n.object_type for n in rows.nodes if n.branch == branch and not n.transparent and n.object_type in modules
+        }
+
+    def hidden(layer: str, object_type: str) -> bool:
+        return layer == MAIN_BRANCH and bool(held) and defining_module(object_type, modules) in held
+
     nodes: dict[str, NodeRow] = {}
     links: dict[tuple[str, str, str], LinkRow] = {}
     for layer in (MAIN_BRANCH, branch) if branch != MAIN_BRANCH else (MAIN_BRANCH,):
         for node in (n for n in rows.nodes if n.branch == layer and not n.transparent):
+            if hidden(layer, node.object_type):
+                continue
             nodes.pop(node.object_type, None)
             if not node.deleted:
                 nodes[node.object_type] = node
         for link in (k for k in rows.links if k.branch == layer and not k.transparent):
+            if hidden(layer, link.source_type):
+                continue
             key = (link.source_type, link.link_name, link.target_type)
             links.pop(key, None)
             if not link.deleted:
@@ -159,6 +179,17 @@ def overlay(rows: GraphRows, branch: str) -> OntologyGraph:
         interfaces={t: n.interfaces for t, n in nodes.items()},
         links=set(links),
     )
+
+
+def defining_module(object_type: str, modules: Collection[str]) -> str | None:
+    """The module defining a type: the type itself when it is one of ``modules``, else its longest dotted prefix
+    that is (``pkg.mod.Outer.Inner`` -> ``pkg.mod``); None when no prefix is."""
+    name = object_type
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -176,11 +176,18 @@ async def project_snapshot(
 
 
 async def restore_snapshots(
-    nc: Client, names: Names, runner: ProjectionRunner, batch_size: int, holds: Callable[[str], bool] | None = None
+    nc: Client,
+    names: Names,
+    runner: ProjectionRunner,
+    batch_size: int,
+    holds: Callable[[str], bool] | None = None,
+    handled: Callable[[str, Mapping[str, int]], Awaitable[None]] | None = None,
 ) -> int:
     """Every workspace's snapshot through ``runner`` (those whose subject token ``holds``: a partition's), for an
     index being filled from nothing while the stream starts after what compaction dropped (the consumer then reads
-    the rest). Returns the deltas restored."""
+    the rest). ``handled`` records each snapshot's other handled events (workspace, event id -> sequence), so that
+    a copy of one arriving later stays a no-op, as on the index the snapshot was folded from (an outside tester's:
+    a copy of a superseded upsert brought a deleted document back). Returns the deltas restored."""
     store = await find_snapshot_store(nc.jetstream(), names)
     if store is None or await compacted_through(store) == 0:
         return 0
@@ -193,5 +200,7 @@ async def restore_snapshots(
         async for size, projected in project_snapshot(nc, names, runner, snapshot, batch_size):
             restored += size
             refused += len(projected.rejected)
+        if handled is not None:
+            await handled(snapshot.workspace, snapshot.handled)
     log.info("snapshots_restored", index=runner.sink.index, deltas=restored, refused=refused)
     return restored

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -353,6 +353,16 @@ class PostgresProjectionStore:
     async def filled(self) -> None:
         await self._set_on_claim("fill", "done")
         self._fill = "done"
+
+    async def add_handled_events(self, workspace: str, events: Mapping[str, int]) -> None:
+        """Events a snapshot of the workspace says were handled, though the stream no longer holds them (their
+        payloads' digests unknown: a copy of one is taken as a copy)."""
+        async with self._pool.acquire() as conn:
+            await conn.executemany(
+                "INSERT INTO handled_events (workspace, event_id, stream_seq) VALUES ($1, $2, $3)"
+                " ON CONFLICT DO NOTHING",
+                [(workspace, event_id, seq) for event_id, seq in events.items()],
+            )
 
     async def read_again(self, position: int, floor: int = 0) -> None:
         """Say, before the consumer is made to read the stream again from just after ``position``, where it had

@@ -364,7 +364,8 @@ class ProjectorService:
             first = int((await js.stream_info(self.names.delta_stream)).state.first_seq or 0)
             snapshots = await find_snapshot_store(js, self.names)
             covered = 0 if snapshots is None else await compacted_through(snapshots)
-            restored = await restore_snapshots(self._nc, self.names, self._runners[partition], batch, holds)
+            runner = self._runners[partition]
+            restored = await restore_snapshots(self._nc, self.names, runner, batch, holds, store.add_handled_events)
             # The snapshots hold what the stream no longer does: a holder's crash before its first look reads
             # again from there, not from nothing (no further than they cover: an age limit drops deltas too).
             await store.read_again(min(max(first - 1, 0), covered))

@@ -855,6 +855,27 @@ async def test_a_compacted_stream_is_rebuilt_from_the_snapshots_and_the_deltas_a
     assert await _state(deployment, "acme") == before
 
 
+async def test_a_compaction_counts_the_deltas_it_dropped_while_others_are_published(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A tester's compaction beside an ingest said "-870 deltas dropped": it counted the stream's messages before
+    and after, and the ingest's went in between."""
+    last = await _publish_history(deployment)
+    through = (await deployment.js.stream_info(deployment.names.delta_stream)).state.messages
+    published: list[asyncio.Task[object]] = []
+
+    class PublishingMeanwhile(RecordedProgress):
+        def advance(self, name: str, amount: int = 1) -> None:
+            super().advance(name, amount)
+            deltas = [_upsert("later", f"l{i}", "published during the compaction") for i in range(20)]
+            published.append(asyncio.get_running_loop().create_task(deployment.publisher.publish_many(deltas)))
+
+    report = await compact(deployment.nc, deployment.names, deployment.settings, PublishingMeanwhile())
+    await asyncio.gather(*published)
+    assert report.covers == last
+    assert report.purged == through
+
+
 async def _snapshot_deltas(deployment: Deployment, workspace: str) -> list[StoredDelta]:
     store = await find_snapshot_store(deployment.js, deployment.names)
     assert store is not None

@@ -213,6 +213,8 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     """``ontofabric status`` as tables."""
     for problem in status.problems:  # first: the rest of the report reads wrong without them
         console.print(f"[red]problem:[/red] {escape(problem)}")
+    for note in status.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     branches = whole_table(
         "workspace", "branch", "ontologyVersion", "latest seq", "indexed to", "pending", "oldest pending"
     )

@@ -236,6 +236,57 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     assert "snapshots cover nothing" in problem
 
 
+async def test_status_reads_the_layout_the_projectors_run_whatever_its_own_settings_say(
+    deployment: Deployment,
+) -> None:
+    """A tester's: with the projectors on 2 partitions and status run from a shell without the setting, it said
+    every workspace indexed to 0, no projector answering, and exited 1; and with two layouts at once that left a
+    partition out, it said no projector answered while two did, and named no workspace."""
+    names, placement = deployment.names, Placement.of(deployment.settings, deployment.database_url)
+    two = deployment.settings.model_copy(update={"projector_partitions": 2})
+    in_two = Placement.of(two, deployment.database_url)
+    assert in_two.partition_of("acme") != in_two.partition_of("wayne")  # the test's premise
+    projector = ProjectorService(two, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        acks = await deployment.publisher.publish_many(
+            [upsert("acme", document("a", "alpha")), upsert("wayne", document("w", "wayne"))]
+        )
+        async with asyncio.timeout(30):
+            while (await projected_floor(deployment.js, names, 2)) < acks[-1].seq:
+                await asyncio.sleep(0.05)
+        status = await deployment_status(deployment.nc, names, placement)
+    finally:
+        await projector.stop()
+    assert status.problems == [NO_QUERY_WORKER]  # no query worker runs here
+    assert {(b.workspace, b.position, b.pending_deltas) for b in status.branches} == {
+        ("acme", acks[-1].seq, 0),
+        ("wayne", acks[-1].seq, 0),
+    }
+    (note,) = status.notes
+    assert "run 2 partition(s)" in note
+    assert "says 1" in note
+
+    # One partition of 2 applied, and none of the other: the workspace left out is named.
+    held = ProjectorService(
+        two, deployment.nats_url_as("projector"), deployment.database_url, [in_two.partition_of("acme")]
+    )
+    await held.start()
+    try:
+        late = await deployment.publisher.publish_many(
+            [upsert("acme", document("b", "beta")), upsert("wayne", document("x", "wayne again"))]
+        )
+        async with asyncio.timeout(30):
+            while (await deployment_status(deployment.nc, names, placement, "acme")).branches[0].pending_deltas:
+                await asyncio.sleep(0.1)
+        status = await deployment_status(deployment.nc, names, placement)
+    finally:
+        await held.stop()
+    (problem,) = [p for p in status.problems if p != NO_QUERY_WORKER]
+    assert problem.startswith("no Postgres projector applies the partition of wayne (1 pending delta)")
+    assert late[-1].seq > acks[-1].seq
+
+
 async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unreachable_database_is_named(
     deployment: Deployment, projector: ProjectorService
 ) -> None:

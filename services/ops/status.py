@@ -30,7 +30,7 @@ from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
-from ontofabric.shared.subjects import NO_WORKSPACE, PARTITION_COUNTS, Names
+from ontofabric.shared.subjects import NO_WORKSPACE, PARTITION_COUNTS, Names, encode_token, partition_of_token
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,8 @@ class DeploymentStatus:
     analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
     problems: list[str] = field(default_factory=list)
     """What is missing that the rest of the report is read from (a fault tester's status ended in a traceback)."""
+    notes: list[str] = field(default_factory=list)
+    """What reads otherwise than this command's settings say, and is no problem of the deployment."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str, indent=2)
@@ -120,10 +122,23 @@ async def deployment_status(
 ) -> DeploymentStatus:
     js = nc.jetstream()
     status = DeploymentStatus()
+    # The layouts read: this command's, and those the running Postgres projectors announce. Run from a shell
+    # without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS, status read the configured layout's consumers
+    # alone, said every workspace indexed to 0 and no projector answering, and exited 1 (a tester's).
+    status.projectors = await discover(nc, names.projector_service)
+    applying = [layout for layout in map(postgres_partitions, status.projectors) if layout is not None]
+    running = sorted({count for count, _ in applying})
+    layouts = sorted({placement.partitions, *running})
+    if running and placement.partitions not in running:
+        status.notes.append(
+            f"the Postgres projectors answering run {' and '.join(map(str, running))} partition(s), this command's "
+            f"ONTOFABRIC_PROJECTOR_PARTITIONS says {placement.partitions}: read as they run (set it alike everywhere)"
+        )
     durables = names.postgres_projector_durables(placement.partitions)
-    others = [durable for durable in names.every_postgres_projector_durable if durable not in durables]
+    read = [durable for layout in layouts for durable in names.postgres_projector_durables(layout)]
+    others = [durable for durable in names.every_postgres_projector_durable if durable not in read]
     # Each projector consumer read once: its position serves the branches below, and the consumer table.
-    for durable in [*durables, names.azure_projector_durable, *others]:
+    for durable in [*read, names.azure_projector_durable, *others]:
         try:
             info = await js.consumer_info(names.delta_stream, durable)
         except NotFoundError:
@@ -166,6 +181,7 @@ async def deployment_status(
     # A refused stream's consumers are not made; nor, beside another layout's refusal, those of a layout not in use
     # (status run without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS).
     unused = bool(refusals) and not any(durable in floors for durable in durables)
+    unused |= bool(running) and placement.partitions not in running
     for durable in durables:
         if durable not in floors and durable not in refusals and not unused:
             status.problems.append(
@@ -191,7 +207,7 @@ async def deployment_status(
                 continue
             subject = names.delta_subject(branch_workspace, branch)
             latest = await last_sequence_on(js, names.delta_stream, subject) or None
-            position = floors.get(durables[placement.partition_of(branch_workspace)], 0)
+            position = max(floors.get(durable, 0) for durable in _durables_of(names, branch_workspace, layouts))
             pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
             status.branches.append(
                 BranchStatus(
@@ -229,8 +245,8 @@ async def deployment_status(
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
         )
-    status.projectors, status.query_workers, status.analysis = await asyncio.gather(
-        discover(nc, names.projector_service), discover(nc, names.query_service), analysis_status(placement, workspace)
+    status.query_workers, status.analysis = await asyncio.gather(
+        discover(nc, names.query_service), analysis_status(placement, workspace)
     )
     releases = releases_answering([*status.projectors, *status.query_workers])
     if len(releases) > 1:
@@ -240,42 +256,55 @@ async def deployment_status(
             + "): a projector of an earlier release writes rows by its own rules and may take no part in claims; "
             "stop the workers of the earlier release"
         )
-    # A Postgres projector of this layout holding each workspace's partition (the Azure projector answers on the
+    # A Postgres projector of a layout read holding each workspace's partition (the Azure projector answers on the
     # same service, and a partition may have none: a review's), else deltas wait for nothing.
-    applying = [layout for layout in map(postgres_partitions, status.projectors) if layout is not None]
-    unheld = sum(
-        branch.pending_deltas
+    unheld = [
+        branch
         for branch in status.branches
-        if not any(
-            count == placement.partitions and placement.partition_of(branch.workspace) in partitions
-            for count, partitions in applying
+        if branch.pending_deltas
+        and not any(
+            partition_of_token(encode_token(branch.workspace), count) in partitions for count, partitions in applying
         )
-    )
+    ]
     if unheld:  # an ops tester's health check exited 0 over a stopped projector
-        status.problems.append(
-            f"no Postgres projector answers for {unheld} pending delta{'' if unheld == 1 else 's'}: applied once "
-            "one runs"
-        )
-    # This layout's consumers that a projector answering applies: one with none is said above, a refused one too, and
-    # another layout's or an Azure consumer may be left over, unread on purpose.
-    for partition, durable in enumerate(durables):
-        consumer = next((c for c in status.consumers if c.name == durable), None)
-        applied = any(count == placement.partitions and partition in partitions for count, partitions in applying)
-        if consumer is None or not applied or durable in refusals:
-            continue
-        stalled_s = await _stalled_for(js, names, consumer, still.get(durable))
-        if stalled_s is not None and stalled_s > STALLED_AFTER_S:
-            # An operator tester's: a projector up and answering, every write stuck behind a lock, and status said
-            # nothing for minutes; only the alert rules did, after ten.
+        waiting = sum(branch.pending_deltas for branch in unheld)
+        deltas = f"{waiting} pending delta{'' if waiting == 1 else 's'}"
+        if applying:  # two layouts at once that leave a partition out (a tester's): say whose
+            unapplied = ", ".join(sorted({branch.workspace for branch in unheld}))
             status.problems.append(
-                f"the projector consumer {consumer.name} has settled nothing for {stalled_s:.0f} s while deltas "
-                "wait: its projector answers, and its writes fail or hang (its log says why: batch_retry)"
+                f"no Postgres projector applies the partition of {unapplied} ({deltas}): the projectors answering "
+                f"run {' and '.join(map(str, running))} partition(s) between them; run one of each partition of one "
+                "layout"
             )
+        else:
+            status.problems.append(f"no Postgres projector answers for {deltas}: applied once one runs")
+    # The consumers of the layouts read that a projector answering applies: one with none is said above, a refused
+    # one too, and another layout's or an Azure consumer may be left over, unread on purpose.
+    for layout in layouts:
+        for partition, durable in enumerate(names.postgres_projector_durables(layout)):
+            consumer = next((c for c in status.consumers if c.name == durable), None)
+            applied = any(count == layout and partition in partitions for count, partitions in applying)
+            if consumer is None or not applied or durable in refusals:
+                continue
+            stalled_s = await _stalled_for(js, names, consumer, still.get(durable))
+            if stalled_s is not None and stalled_s > STALLED_AFTER_S:
+                # An operator tester's: a projector up and answering, every write stuck behind a lock, and status
+                # said nothing for minutes; only the alert rules did, after ten.
+                status.problems.append(
+                    f"the projector consumer {consumer.name} has settled nothing for {stalled_s:.0f} s while deltas "
+                    "wait: its projector answers, and its writes fail or hang (its log says why: batch_retry)"
+                )
     if not status.query_workers:  # an operator tester's health check exited 0 while every query went unanswered
         status.problems.append(NO_QUERY_WORKER)
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
+
+
+def _durables_of(names: Names, workspace: str, layouts: Sequence[int]) -> list[str]:
+    """The projector consumer applying the workspace in each of ``layouts``."""
+    token = encode_token(workspace)
+    return [names.postgres_projector_durables(layout)[partition_of_token(token, layout)] for layout in layouts]
 
 
 async def _stalled_for(

@@ -50,6 +50,7 @@ from ontofabric.shared.jetstream import (
     NotSetUp,
     PermissionDenied,
     connect,
+    layouts_to_wait_on,
     refused_promptly,
     stream_ends_before,
     wait_projected,
@@ -500,11 +501,19 @@ def ingest(
                         awaited = report.last_sequence
                 if wait and awaited is not None:
                     watch = ProjectionWatch(progress, awaited, _stalled_projection)
+                    # From a shell without the deployment's setting, an ingest waited on consumers no projector
+                    # makes, and blamed the projector (a tester's).
+                    layouts = await layouts_to_wait_on(js, names, settings.projector_partitions)
+                    if layouts != [settings.projector_partitions]:
+                        errors.print(
+                            f"note: the {settings.projector_partitions}-partition layout "
+                            "ONTOFABRIC_PROJECTOR_PARTITIONS names has no consumers; waiting on those of the "
+                            f"{' and '.join(map(str, layouts))}-partition layout (set it as the projectors have it)",
+                            soft_wrap=True,
+                            markup=False,
+                        )
                     try:
-                        await wait_projected(
-                            js, names, settings.projector_partitions, awaited, wait_timeout,
-                            on_floor=watch, moved=moved,
-                        )  # fmt: skip
+                        await wait_projected(js, names, layouts, awaited, wait_timeout, on_floor=watch, moved=moved)
                     except TimeoutError:
                         if awaited == report.last_sequence:
                             whose = "this ingest's"

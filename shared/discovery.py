@@ -160,6 +160,12 @@ def postgres_layout(worker: Worker) -> int | None:
     return None if announced is None else announced[0]
 
 
+def running_layouts(projectors: Iterable[Worker]) -> set[int]:
+    """The partition layouts the Postgres projectors among ``projectors`` announce: what reads the index's position
+    reads theirs beside its own configured one (``ONTOFABRIC_PROJECTOR_PARTITIONS`` may be unset where it runs)."""
+    return {layout for layout in map(postgres_layout, projectors) if layout is not None}
+
+
 def held_elsewhere(
     own_id: str, own_started: str, layout: int, partitions: Iterable[int], peers: Iterable[Worker]
 ) -> set[int]:

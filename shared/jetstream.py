@@ -625,6 +625,18 @@ async def _projector_consumers(js: JetStreamContext, names: Names, partitions: i
         return None
 
 
+async def layouts_to_wait_on(js: JetStreamContext, names: Names, configured: int) -> list[int]:
+    """The partition layouts whose position a wait for the index reads: the configured one when its consumers
+    exist, else those whose consumers all do (the projectors run another layout than this process's setting
+    says), else the configured one. Read from the consumers, not from service discovery, which an ingest user may
+    not ask."""
+    if await _projector_consumers(js, names, configured) is not None:
+        return [configured]
+    others = [count for count in PARTITION_COUNTS if count != configured]
+    found = await asyncio.gather(*(_projector_consumers(js, names, count) for count in others))
+    return [count for count, infos in zip(others, found, strict=True) if infos is not None] or [configured]
+
+
 async def highest_known_floor(js: JetStreamContext, names: Names, layouts: Iterable[int]) -> int | None:
     """:func:`highest_projected_floor` of the layouts whose consumers all exist; None when none does. A projector
     taking over deletes its consumer and makes it again at the index's position: read meanwhile as 0, a query
@@ -677,24 +689,25 @@ RETRYABLE = (
 async def wait_projected(
     js: JetStreamContext,
     names: Names,
-    partitions: int,
+    layouts: Collection[int],
     stream_seq: int,
     timeout_s: float,
     poll_s: float = 0.05,
     on_floor: Callable[[int], object] | None = None,
     moved: Callable[[], Awaitable[JetStreamContext | None]] | None = None,
 ) -> None:
-    """Wait until the Postgres index holds ``stream_seq`` (:func:`projected_floor`); TimeoutError after
-    ``timeout_s``, and only then. ``on_floor`` is told the index's position at every look. A look NATS does not
-    answer (an outage, a restart) is tried again: nats-py's timeout is asyncio's, and an ingest took a JetStream
-    request's for its own and said it had waited out an hour after seconds (a fault tester's). ``moved``, asked
+    """Wait until the Postgres index holds ``stream_seq`` (:func:`highest_known_floor` of the partition ``layouts``:
+    the configured one and those the projectors run); TimeoutError after ``timeout_s``, and only then.
+    ``on_floor`` is told the index's position at every look. A look NATS does not answer (an outage, a restart) is
+    tried again: nats-py's timeout is asyncio's, and an ingest took a JetStream request's for its own and said it
+    had waited out an hour after seconds (a fault tester's). ``moved``, asked
     after such a look: a connection to where the server is now, when it moved (an ``ontofabric up`` restarted on
     other ports), else None; the wait goes on there (an operator tester's ingest looked at the old port until its
     timeout, and then named a stale position)."""
     async with asyncio.timeout(timeout_s) as deadline:
         while True:
             try:
-                floor = await projected_floor(js, names, partitions)
+                floor = await highest_known_floor(js, names, layouts) or 0
             except NATS_AWAY as error:
                 # The deadline may have passed as a partition's look failed: gathered, the failure can come out in
                 # place of the deadline's cancellation (a review's), which must still end the wait.

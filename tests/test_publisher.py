@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed, StreamFull
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.shared.embedder import Embedder
-from ontofabric.shared.jetstream import connect, ensure_jetstream, wait_projected
+from ontofabric.shared.jetstream import close, connect, ensure_jetstream, wait_projected
 from ontofabric.shared.nats_auth import NatsUser
 from ontofabric.shared.runtime import ManagedProcess, free_port
 from ontofabric.shared.settings import Settings
@@ -174,7 +174,7 @@ async def test_a_wait_for_projection_outlasts_a_server_that_does_not_answer_for_
         own_nats.freeze()
         frozen_s = 4.0
         try:
-            waiting = asyncio.create_task(wait_projected(js, NAMES, 1, ack.seq, timeout_s=60))
+            waiting = asyncio.create_task(wait_projected(js, NAMES, [1], ack.seq, timeout_s=60))
             await asyncio.sleep(frozen_s)
             assert not waiting.done(), waiting  # before: TimeoutError, as if the 60 s had passed
         finally:
@@ -215,10 +215,10 @@ async def test_a_wait_for_projection_follows_a_server_that_moved(own_nats: OwnNa
         js = old.jetstream(timeout=1)
         await ensure_jetstream(js, NAMES, Settings())  # nothing projected here
         own_nats.kill()
-        await asyncio.wait_for(wait_projected(js, NAMES, 1, seq, timeout_s=60, moved=moved), 30)
+        await asyncio.wait_for(wait_projected(js, NAMES, [1], seq, timeout_s=60, moved=moved), 30)
         assert asked
     finally:
-        await old.close()
+        await close(old)  # its server killed: nats-py's flush on closing may meet the lost connection
         await elsewhere.close()
         second.stop()
         own_nats.restart()

@@ -287,6 +287,26 @@ async def test_status_reads_the_layout_the_projectors_run_whatever_its_own_setti
     assert late[-1].seq > acks[-1].seq
 
 
+async def test_an_ingest_waits_on_the_layout_the_projectors_run(deployment: Deployment, tmp_path: Path) -> None:
+    """A tester's: with the projectors on 2 partitions, an ingest from a shell without the setting waited on a
+    consumer no projector reads, said the index had stayed at 0 and asked whether a projector ran, and exited 1."""
+    (tmp_path / "geometry.py").write_text("def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
+    two = deployment.settings.model_copy(update={"projector_partitions": 2})
+    projector = ProjectorService(two, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        command = [ONTOFABRIC, "ingest", str(tmp_path), "--workspace", "geo", "--wait-timeout", "30"]
+        env = {**deployment.env(), "ONTOFABRIC_EMBEDDER": "none"}
+        ingested = await asyncio.to_thread(
+            subprocess.run, command, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+    finally:
+        await projector.stop()
+    assert ingested.returncode == 0, ingested.stderr
+    assert "2 upserts" in ingested.stdout
+    assert "waiting on those of the 2-partition layout" in " ".join(ingested.stderr.split())
+
+
 async def test_documents_of_another_analysis_are_counted_by_workspace_and_an_unreachable_database_is_named(
     deployment: Deployment, projector: ProjectorService
 ) -> None:

@@ -25,7 +25,7 @@ from ontofabric.services.projector.snapshots import compacted_through, find_snap
 from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_after
-from ontofabric.shared.discovery import SCHEMA, Worker, discover, postgres_partitions
+from ontofabric.shared.discovery import SCHEMA, Worker, discover, postgres_partitions, running_layouts
 from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
@@ -127,7 +127,7 @@ async def deployment_status(
     # alone, said every workspace indexed to 0 and no projector answering, and exited 1 (a tester's).
     status.projectors = await discover(nc, names.projector_service)
     applying = [layout for layout in map(postgres_partitions, status.projectors) if layout is not None]
-    running = sorted({count for count, _ in applying})
+    running = sorted(running_layouts(status.projectors))
     layouts = sorted({placement.partitions, *running})
     if running and placement.partitions not in running:
         status.notes.append(
@@ -268,16 +268,16 @@ async def deployment_status(
     ]
     if unheld:  # an ops tester's health check exited 0 over a stopped projector
         waiting = sum(branch.pending_deltas for branch in unheld)
-        deltas = f"{waiting} pending delta{'' if waiting == 1 else 's'}"
+        unapplied_deltas = f"{waiting} pending delta{'' if waiting == 1 else 's'}"
         if applying:  # two layouts at once that leave a partition out (a tester's): say whose
             unapplied = ", ".join(sorted({branch.workspace for branch in unheld}))
             status.problems.append(
-                f"no Postgres projector applies the partition of {unapplied} ({deltas}): the projectors answering "
-                f"run {' and '.join(map(str, running))} partition(s) between them; run one of each partition of one "
-                "layout"
+                f"no Postgres projector applies the partition of {unapplied} ({unapplied_deltas}): the projectors "
+                f"answering run {' and '.join(map(str, running))} partition(s) between them; run one of each "
+                "partition of one layout"
             )
         else:
-            status.problems.append(f"no Postgres projector answers for {deltas}: applied once one runs")
+            status.problems.append(f"no Postgres projector answers for {unapplied_deltas}: applied once one runs")
     # The consumers of the layouts read that a projector answering applies: one with none is said above, a refused
     # one too, and another layout's or an Azure consumer may be left over, unread on purpose.
     for layout in layouts:

@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ontofabric.shared.discovery import discover, postgres_layout
+from ontofabric.shared.discovery import discover, running_layouts
 from ontofabric.shared.jetstream import highest_known_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
@@ -200,7 +200,7 @@ class DeltaWatch:
         """Read, from here on, the positions of the layouts the running Postgres projectors announce, beside the
         configured one; with none answering, the configured one's alone."""
         workers = await discover(self._nc, self._names.projector_service)
-        running = {layout for layout in map(postgres_layout, workers) if layout is not None}
+        running = running_layouts(workers)
         layouts = frozenset({self._partitions, *running})
         if layouts == self._layouts:
             return

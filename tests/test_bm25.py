@@ -188,6 +188,25 @@ async def test_spellings_of_one_word_and_words_within_chinese_find_each_other(
     assert await found("インストール") == {"japanese"}
 
 
+async def test_bm25_on_a_branch_equals_bm25_over_the_tree_the_branch_shows(
+    deployment: Deployment, pool: asyncpg.Pool
+) -> None:
+    """A branch's statistics (N, the average length, document frequencies) leave out main's documents the branch
+    hides: its scores are those of a workspace holding what the branch shows."""
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(TEXTS.items())])
+    changed = {"a": "read the JSON file, then read it again", "f": "a new file of numbers"}
+    branch = [upsert("acme", document(k, v), branch="feat") for k, v in changed.items()]
+    await store.apply([Delta(10 + i, d) for i, d in enumerate([*branch, delete("acme", "c", branch="feat")])])
+    shown = {k: v for k, v in {**TEXTS, **changed}.items() if k != "c"}
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+    for query in ("read a file", "json dictionary file", "sorted numbers list", "file file file json"):
+        hits = await keyword.search(Scope("acme", "feat"), SearchInput(query), 10)
+        async with pool.acquire() as conn:
+            expected = await _expected_scores(conn, {k: search_text(document(k, v)) for k, v in shown.items()}, query)
+        assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
+
+
 async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: Deployment, pool: asyncpg.Pool) -> None:
     store = PostgresProjectionStore(pool, "english")
     seq = 0

@@ -17,8 +17,8 @@ import contextvars
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
@@ -434,6 +434,44 @@ RARE_SHARE = 0.1
 when those documents are at most this share of the workspace's."""
 
 
+@dataclass(frozen=True)
+class HiddenStatistics:
+    """What main's documents a branch hides add to main's keyword statistics, for a search on the branch to take
+    out: how many are live, their summed length, and per term how many of them hold it."""
+
+    documents: int = 0
+    length: int = 0
+    frequencies: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    async def read(cls, conn: Connection, workspace: str, hidden: Sequence[str]) -> HiddenStatistics:
+        """Of main's documents ``hidden``, read as the projector writes their postings (each term of a live
+        document's tsvector: services/projector/store.py)."""
+        documents, length = await conn.fetchrow(
+            f"SELECT count(*), coalesce(sum(doc_length), 0) FROM documents"
+            f" WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[]) AND NOT deleted",
+            workspace,
+            hidden,
+        ) or (0, 0)
+        terms = await conn.fetch(
+            f"SELECT u.lexeme AS term, count(*) AS df FROM documents d CROSS JOIN LATERAL unnest(d.search_vector) u"
+            f" WHERE d.workspace = $1 AND d.branch = {MAIN_SQL} AND d.id = ANY($2::text[]) AND NOT d.deleted"
+            " GROUP BY u.lexeme",
+            workspace,
+            hidden,
+        )
+        return cls(int(documents), int(length), {r["term"]: int(r["df"]) for r in terms})
+
+    def of_terms(self, terms: Sequence[str]) -> HiddenStatistics:
+        """The same, with the frequencies of ``terms`` only."""
+        return HiddenStatistics(
+            self.documents, self.length, {t: self.frequencies[t] for t in terms if t in self.frequencies}
+        )
+
+
+NOTHING_HIDDEN = HiddenStatistics()
+
+
 class PostgresKeyword:
     """BM25 (Lucene's idf) over the postings the projector keeps; filters apply before the top-k is cut.
 
@@ -447,9 +485,10 @@ class PostgresKeyword:
     the leading candidates: both can only gain the common terms, whose idf is the lowest of the query's. Within
     the budget the scores are exact BM25; ``Hits.pruned`` says when they were not.
 
-    On a branch, N, the average length and document frequencies add up main's and the branch's rows (main's
-    rows the branch shadows are counted too): an approximation that is exact on main and close while a
-    branch's delta is small beside main.
+    On a branch, N, the average length and document frequencies add up main's and the branch's rows, less main's
+    rows the branch hides (:class:`HiddenStatistics`): the statistics of the tree the branch shows, as a fresh
+    ingest of it would have them (an outside tester's branch ranked otherwise than that ingest in a third of its
+    keyword answers).
     """
 
     name = KEYWORD
@@ -473,12 +512,23 @@ class PostgresKeyword:
         self._k3 = bm25_k3
         self._full_read_postings = full_read_postings
         self._completion_depth = completion_depth
+        # Per (workspace, branch, version, revisions), as the hidden ids are (PostgresSnapshots): made once per
+        # version, by the first keyword search of it.
+        self._hidden: LruCache[tuple[str, str, str, tuple[tuple[str, int], ...]], HiddenStatistics] = LruCache(16)
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         # Alone: it runs while the query is embedded, and a session's snapshot opened now would hold the parents'
         # lock (which a rebuild's swap waits for) across the embedding.
         async with self._snapshots.read(scope, alone=True) as snapshot:
-            rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed))
+            hidden = await self._hidden_statistics(scope, snapshot)
+            if hidden.frequencies:  # only the query's terms' go with the statement: the hidden may hold thousands
+                lexemes = await snapshot.conn.fetchval(
+                    "SELECT array(SELECT lexeme FROM unnest(index_tsvector($1::regconfig, $2)))",
+                    self._config,
+                    analyse(query.text, catenate=False),
+                )
+                hidden = hidden.of_terms(lexemes)
+            rows = await snapshot.conn.fetch(*self._sql(scope, query.text, limit, snapshot.shadowed, hidden))
         first = rows[0] if rows else None
         # Every document holding a query term is here only when nothing filtered or pruned the list and it is
         # shorter than asked; and they are rare only when few against the workspace (in one of eight documents,
@@ -501,10 +551,24 @@ class PostgresKeyword:
             else None,
         )
 
-    def _sql(self, scope: Scope, text: str, limit: int, shadowed: list[str]) -> list[Any]:
+    async def _hidden_statistics(self, scope: Scope, snapshot: Snapshot) -> HiddenStatistics:
+        if not snapshot.shadowed:
+            return NOTHING_HIDDEN
+        key = (scope.workspace, scope.branch, snapshot.version, tuple(sorted(snapshot.revisions.items())))
+        found = self._hidden.get(key)
+        if found is None:
+            found = await HiddenStatistics.read(snapshot.conn, scope.workspace, snapshot.shadowed)
+            self._hidden.put(key, found)
+        return found
+
+    def _sql(
+        self, scope: Scope, text: str, limit: int, shadowed: list[str], hidden: HiddenStatistics = NOTHING_HIDDEN
+    ) -> list[Any]:
+        terms, frequencies = zip(*hidden.frequencies.items(), strict=True) if hidden.frequencies else ((), ())
         parameters: list[Any] = [
             self._config, analyse(text, catenate=False), limit, scope.workspace, scope.branches, self._k1, self._b,
             shadowed, self._k3, self._full_read_postings, max(self._completion_depth, limit),
+            list(terms), list(frequencies), hidden.documents, hidden.length,
         ]  # fmt: skip
         filtered = ""
         if scope.filtered:
@@ -516,7 +580,7 @@ class PostgresKeyword:
             """BM25 per document over the matched terms selected by ``terms``, reading only the postings that
             ``postings`` also selects. Every postings read is an index range scan on (workspace, branch, term):
             LATERAL, kept from being flattened into a join by OFFSET 0, makes it so even before the planner has
-            statistics of a partition. $6 is k1, $7 b; main's rows the branch shadows ($8) do not count. ``held``:
+            statistics of a partition. $6 is k1, $7 b; main's rows the branch hides ($8) do not count. ``held``:
             the weight of the query terms the document holds, whatever their counts."""
             return f"""
                 SELECT p.doc_id AS id,
@@ -537,9 +601,11 @@ class PostgresKeyword:
             WITH terms AS (
                 SELECT lexeme AS term, coalesce(cardinality(positions), 1) AS qtf
                 FROM unnest(index_tsvector($1::regconfig, $2))),
+            -- Less main's documents the branch hides: $14 of them, $15 long in all.
             stats AS (
-                SELECT greatest(sum(doc_count), 1)::float8 AS n,
-                       greatest(sum(total_length), 1)::float8 / greatest(sum(doc_count), 1) AS avgdl
+                SELECT greatest(sum(doc_count) - $14::bigint, 1)::float8 AS n,
+                       greatest(sum(total_length) - $15::bigint, 1)::float8
+                           / greatest(sum(doc_count) - $14::bigint, 1) AS avgdl
                 FROM ontology_versions WHERE workspace = $4 AND branch = ANY($5::text[])),
             -- weight: idf times the query term's saturated repeat count ($9 is k3).
             term_weight AS (
@@ -548,7 +614,10 @@ class PostgresKeyword:
                        * ln(1 + (st.n - f.df + 0.5) / (f.df + 0.5)) AS weight
                 FROM terms t CROSS JOIN stats st
                 CROSS JOIN LATERAL (
-                    SELECT greatest(coalesce(sum(s.df), 0), 0) AS df FROM term_statistics s
+                    SELECT greatest(coalesce(sum(s.df), 0) - coalesce((
+                               SELECT h.df FROM unnest($12::text[], $13::int[]) AS h(term, df) WHERE h.term = t.term
+                           ), 0), 0) AS df
+                    FROM term_statistics s
                     WHERE s.workspace = $4 AND s.branch = ANY($5::text[]) AND s.term = t.term) f),
             -- Rarest first: a term is read in full while the postings read so far stay within $10, the first always.
             matched AS (

@@ -436,6 +436,13 @@ class RelationAsked(WireModel):
         exclude_if=lambda more: more is None,
         description="Sent (true) when the name names more symbols than symbolsNamed lists.",
     )
+    defined_on_main: bool | None = Field(
+        default=None,
+        exclude_if=lambda defined: defined is None,
+        description="Sent (true) on a branch when symbolIndexed is false and main defines a symbol of this name: "
+        "the branch deleted or renamed it. What the branch's code still says of it is not read as a relation "
+        "(references resolve within the tree an ingest reads); the search results for the name show it.",
+    )
 
 
 class FusionReport(WireModel):

@@ -330,6 +330,16 @@ async def test_a_branchs_graph_of_a_file_it_changed_or_deleted_keeps_mains_later
     assert await related("subclasses", "main") == {"kinds.Edited", "kinds.Later", "gone.Dropped", "gone.More"}
     assert await related("subclasses", "feat") == {"kinds.Kept", "kinds.Edited"}
     assert await related("imports", "feat", "kinds") == {"base", "extra"}
+    # A class the branch deleted (with gone.py): main defines it, which the answer says, not a misspelling.
+    asked = {"relatedTo": {"relation": "subclasses", "symbol": "Dropped"}, "topK": 20}
+    deleted = await worker.query("acme", {**asked, "branch": "feat"})
+    on_main = await worker.query("acme", asked)
+    assert isinstance(deleted, QueryResponse)
+    assert isinstance(on_main, QueryResponse)
+    assert deleted.meta.relation is not None
+    assert (deleted.meta.relation.symbol_indexed, deleted.meta.relation.defined_on_main) == (False, True)
+    assert on_main.meta.relation is not None
+    assert (on_main.meta.relation.symbol_indexed, on_main.meta.relation.defined_on_main) == (True, None)
 
 
 async def test_a_file_only_calling_what_a_branch_moved_follows_main(

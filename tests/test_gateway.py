@@ -1720,6 +1720,13 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     assert "no symbol named 'retry_if_exceptoin' is indexed in workspace 'acme', branch 'main'" in misspelt
     assert "these are search results for the name (check the name's spelling" in misspelt
     assert "standing in relation" not in misspelt
+    # A name the branch deleted or renamed, which main defines: not a misspelling (an agent tester's).
+    deleted = unknown.model_copy(update={"defined_on_main": True})
+    on_branch = meta.model_copy(update={"relation": deleted, "branch": "feat"})
+    renamed = render(QueryResponse(results=[hit], _meta=on_branch), asked)
+    assert "is indexed on branch 'feat' of workspace 'acme', though main defines one" in renamed
+    assert "search results for the name, which show where it is still written" in renamed
+    assert "spelling" not in renamed
     # A filter that selects nothing says what the filter's values look like.
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
     assert "nothing matched objectType 'method'" in empty

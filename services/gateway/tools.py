@@ -487,7 +487,14 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
             f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
         )
     asked = meta.relation
-    if asked is not None and not asked.symbol_indexed:
+    if asked is not None and not asked.symbol_indexed and asked.defined_on_main:
+        notes.append(
+            f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
+            "though main defines one: the branch deleted or renamed it, and what its code still says of it is not "
+            f"read as its {asked.relation} (references resolve within the tree ingested)"
+            + (": these are search results for the name, which show where it is still written" if reply.results else "")
+        )
+    elif asked is not None and not asked.symbol_indexed:
         notes.append(
             f"no symbol named {asked.symbol!r} is indexed in workspace {meta.workspace!r}, branch {meta.branch!r}, "
             f"so nothing was found as its {asked.relation}"

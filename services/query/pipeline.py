@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 import numpy.typing as npt
 
-from ontofabric.contracts import IMPORTS, OntologyQuery, QueryResponse, SearchResult
+from ontofabric.contracts import IMPORTS, MAIN_BRANCH, OntologyQuery, QueryResponse, SearchResult
 from ontofabric.contracts.query import (
     RELATIONS_READ,
     CollapsedResult,
@@ -589,6 +589,11 @@ class QueryPipeline:
         run.read(found.version)
         if name is None and relation is not None:
             several = len(found.named) > 1  # an agent tester's callers of three get_command, merged unsaid
+            # A name the branch deleted or renamed: not to be taken for a misspelt one (an agent tester's, asking
+            # what still called the class it had renamed).
+            on_main = (
+                not found.symbol_indexed and not scope.on_main and await self._defined_on_main(run, scope, relation[1])
+            )
             run.report(
                 relation=RelationAsked(
                     relation=RELATION_ASKED[relation[0]],
@@ -596,6 +601,7 @@ class QueryPipeline:
                     symbol_indexed=bool(found.symbol_indexed),
                     symbols_named=list(found.named[:NAMED_LISTED]) if several else None,
                     more_symbols_named=len(found.named) > NAMED_LISTED or None,
+                    defined_on_main=on_main or None,
                 )
             )
         return found
@@ -772,6 +778,12 @@ class QueryPipeline:
                 named=tuple(dict.fromkeys([*(n.rpartition(".")[0] for n in found.named), *made.named])),
             )
         return await self._related_in_graph(run, scope, relation, name)
+
+    async def _defined_on_main(self, run: QueryRun, scope: Scope, name: str) -> bool:
+        """Whether a chunk of main defines a symbol of that name (False when the lookup failed or ran out of time)."""
+        work = self._documents.definitions(Scope(scope.workspace, MAIN_BRANCH), name, 1)
+        found = await run.guarded("exactSymbol", work, reserve_s=RETRIEVAL_RESERVE_S)
+        return found is not None and bool(found.symbols)
 
     async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:
         """A relation's lookup; when it finds nothing, whether any chunk defines a symbol of that name (a filter

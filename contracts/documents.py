@@ -258,7 +258,10 @@ class DocumentMetadata(WireModel, WholeNumbers):
         description="On a branch: its producer sends every document of its file (filePath) that the branch holds, "
         "as the reference ingester does for each file a branch changes; a query on the branch then hides main's "
         "documents of that file, so main's later changes to it (lines moved, documents added, the file deleted) "
-        "do not show through. Without it, a branch document hides main's of its id or symbolKey only.",
+        "do not show through. Without it, a branch document hides main's of its id or symbolKey only. When the "
+        "branch also has a graph node of its own for the file's module (the symbolFqn of its module chunk), live "
+        "or removed, it is taken to send every node and link that module defines (its classes, and the links from "
+        "them and from it), and main's are hidden on the branch too.",
     )
     start_line: int | None = Field(
         default=None,

@@ -3,6 +3,7 @@ the per-version graph cache (pure)."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 import time
 from collections.abc import Mapping
@@ -130,21 +131,28 @@ def test_a_module_a_branch_holds_hides_mains_rows_of_it() -> None:
             LinkRow("main", "pkg.free", "imports", "pkg.mod", False, False),
             LinkRow("feat", "pkg.mod", "imports", "pkg.gone", False, False),
         ],
+        whole_modules=frozenset({"pkg.mod", "pkg.gone"}),
     )
     feat = overlay(rows, "feat")
     assert set(feat.kinds) == {"pkg", "pkg.mod", "pkg.mod.Kept", "pkg.free", "pkg.free.Loose"}
     assert feat.derived("pkg.Base") == ["pkg.free.Loose", "pkg.mod.Kept"]
     assert feat.links == {("pkg.free", "imports", "pkg.mod"), ("pkg.mod", "imports", "pkg.gone")}
     assert set(overlay(rows, "main").kinds) == {r.object_type for r in main_rows}
-    # A branch with no row of a module (ingested by an earlier release) overrides by key only, as before.
+    # A branch with no row of a module (ingested by an earlier release), or whose documents do not say it holds
+    # the file whole (another producer's module node alone: a review's), overrides by key only, as before.
     older = overlay(GraphRows(nodes=[*main_rows, rows.nodes[-2]], links=rows.links[:3]), "feat")
-    assert older.derived("pkg.Base") == [
-        "pkg.free.Loose",
-        "pkg.gone.More",
-        "pkg.mod.Kept",
-        "pkg.mod.Kept.Inner",
-        "pkg.mod.Later",
-    ]
+    alone = overlay(dataclasses.replace(rows, whole_modules=frozenset()), "feat")
+    assert (
+        alone.derived("pkg.Base")
+        == older.derived("pkg.Base")
+        == [
+            "pkg.free.Loose",
+            "pkg.gone.More",
+            "pkg.mod.Kept",
+            "pkg.mod.Kept.Inner",
+            "pkg.mod.Later",
+        ]
+    )
     assert defining_module("pkg.mod.Kept.Inner", {"pkg", "pkg.mod"}) == "pkg.mod"
     assert defining_module("pkg.free", {"pkg", "pkg.mod"}) == "pkg"
     assert defining_module("elsewhere.X", {"pkg"}) is None

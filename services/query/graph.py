@@ -41,6 +41,9 @@ class GraphRows:
     links: list[LinkRow]
     version: str = ""
     """ontologyVersion of the snapshot the rows were read in."""
+    whole_modules: frozenset[str] = frozenset()
+    """The modules of the files the branch holds whole (its documents say so: ``metadata.wholeFile``, or the
+    file deleted)."""
 
 
 @dataclass(frozen=True)
@@ -142,17 +145,19 @@ def overlay(rows: GraphRows, branch: str) -> OntologyGraph:
     """main ⊕ branch: the branch's rows replace main's with the same key; its tombstones remove them; its
     transparent rows (reverts) leave main's as they are. On main, only main's live rows count.
 
-    A module the branch has a row of its own for, live or a tombstone, is a file the branch changed (the ingester
-    then sends every node and link of it: ``plan_ingest``) or deleted: main's rows of the types that module defines,
-    and of the links from them, are hidden, so that main's later changes to that file do not show through (an
-    outside tester's: main's later bases and imports did, and its removals took the branch's unchanged ones)."""
+    A module of a file the branch holds whole (its documents say so: ``GraphRows.whole_modules``) that the branch
+    has a row of its own for, live or a tombstone, is a file the branch changed (the ingester then sends every node
+    and link of it: ``plan_ingest``) or deleted: main's rows of the types that module defines, and of the links
+    from them, are hidden, so that main's later changes to that file do not show through (an outside tester's:
+    main's later bases and imports did, and its removals took the branch's unchanged ones). Both are asked: a
+    producer that sends a module's node alone, or a branch ingested before its ingester sent whole graphs (it has
+    no row of such a module), overrides main's rows by key only (a review's)."""
     held: set[str] = set()
     modules: set[str] = set()
-    if branch != MAIN_BRANCH:
+    if branch != MAIN_BRANCH and rows.whole_modules:
         modules = {n.object_type for n in rows.nodes if n.kind == "module"}
-        held = {
-            n.object_type for n in rows.nodes if n.branch == branch and not n.transparent and n.object_type in modules
-        }
+        mine = modules & rows.whole_modules
+        held = {n.object_type for n in rows.nodes if n.branch == branch and not n.transparent and n.object_type in mine}
 
     def hidden(layer: str, object_type: str) -> bool:
         return layer == MAIN_BRANCH and bool(held) and defining_module(object_type, modules) in held

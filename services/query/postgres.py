@@ -1006,6 +1006,16 @@ class PostgresDocuments:
                 workspace,
                 branches,
             )
+            whole: list[asyncpg.Record] = []
+            if not scope.on_main:  # the modules of the files it holds whole: whose graph it holds whole too
+                held = await _files_held(conn, workspace, await _branch_rows(conn, workspace, branch))
+                whole = await conn.fetch(
+                    "SELECT DISTINCT symbol_fqn FROM documents WHERE workspace = $1 AND branch = ANY($2::text[])"
+                    " AND symbol_kind = 'module' AND file_path = ANY($3::text[]) AND symbol_fqn IS NOT NULL",
+                    workspace,
+                    branches,
+                    held,
+                )
         return GraphRows(
             nodes=[
                 NodeRow(r["branch"], r["object_type"], r["kind"], tuple(r["interfaces"] or ()), r["deleted"],
@@ -1018,6 +1028,7 @@ class PostgresDocuments:
                 for r in links
             ],
             version=snapshot.version,
+            whole_modules=frozenset(r["symbol_fqn"] for r in whole),
         )  # fmt: skip
 
     async def visible(self, scope: Scope, ids: Sequence[str]) -> Visible:
@@ -1042,39 +1053,48 @@ class PostgresDocuments:
 
 async def _shadowed_ids(conn: Connection, workspace: str, branch: str) -> list[str]:
     """Main's ids the branch hides: its rows' ids, main's rows with the symbol key of one of its rows, and main's
-    rows of a file the branch holds a document of marked ``wholeFile`` (the reference ingester sends every
-    document of a file a branch changes: ``plan_ingest``), or deleted (a tombstone naming it ``deletedFile``, or
-    the module's tombstoned), so that main's later changes to that file (moved lines, new chunks, the file
-    deleted) do not show through on the branch. Documents without the mark (another producer's, or sent before
-    it existed) hide by id and symbol key only. A tombstone's row holds a file only when it names one."""
-    rows = await conn.fetch(
+    rows of a file the branch holds whole (:func:`_files_held`), so that main's later changes to that file (moved
+    lines, new chunks, the file deleted) do not show through on the branch. Documents without the mark (another
+    producer's, or sent before it existed) hide by id and symbol key only."""
+    rows = await _branch_rows(conn, workspace, branch)
+    ids = [r["id"] for r in rows]
+    keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
+    found = await conn.fetch(
+        f"""
+        SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[])
+        UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])
+        UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND file_path = ANY($4::text[])""",
+        workspace,
+        ids,
+        keys,
+        await _files_held(conn, workspace, rows),
+    )
+    return sorted(r["id"] for r in found)
+
+
+async def _branch_rows(conn: Connection, workspace: str, branch: str) -> list[asyncpg.Record]:
+    return await conn.fetch(
         "SELECT id, symbol_key, file_path, deleted, metadata @> '{\"wholeFile\": true}' AS whole_file FROM documents"
         " WHERE workspace = $1 AND branch = $2 AND NOT transparent",
         workspace,
         branch,
     )
-    ids = [r["id"] for r in rows]
-    keys = [r["symbol_key"] for r in rows if r["symbol_key"] is not None]
-    files = sorted({r["file_path"] for r in rows if r["file_path"] is not None and (r["whole_file"] or r["deleted"])})
-    # A file the branch deleted: its module's chunk (one per Python file) tombstoned. Main's chunks of it, those
-    # main adds later too, are hidden.
-    tombstones = [r["id"] for r in rows if r["deleted"]]
-    found = await conn.fetch(
-        f"""
-        WITH deleted_files AS (
-            SELECT file_path FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($5::text[])
-            AND symbol_kind = 'module' AND file_path IS NOT NULL)
-        SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[])
-        UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND symbol_key = ANY($3::text[])
-        UNION SELECT id FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL}
-            AND (file_path = ANY($4::text[]) OR file_path IN (SELECT file_path FROM deleted_files))""",
+
+
+async def _files_held(conn: Connection, workspace: str, rows: Sequence[asyncpg.Record]) -> list[str]:
+    """The files a branch (its ``rows``: :func:`_branch_rows`) holds whole: of a document of its marked
+    ``wholeFile`` (the reference ingester sends every document of a file a branch changes: ``plan_ingest``), or
+    deleted (a tombstone naming it ``deletedFile``, or the module's chunk tombstoned). A tombstone's row holds a
+    file only when it names one."""
+    files = {r["file_path"] for r in rows if r["file_path"] is not None and (r["whole_file"] or r["deleted"])}
+    # A file the branch deleted: its module's chunk (one per Python file) tombstoned.
+    deleted = await conn.fetch(
+        f"SELECT file_path FROM documents WHERE workspace = $1 AND branch = {MAIN_SQL} AND id = ANY($2::text[])"
+        " AND symbol_kind = 'module' AND file_path IS NOT NULL",
         workspace,
-        ids,
-        keys,
-        files,
-        tombstones,
+        [r["id"] for r in rows if r["deleted"]],
     )
-    return sorted(r["id"] for r in found)
+    return sorted(files | {r["file_path"] for r in deleted})
 
 
 REFUSALS_WAIT_S = 2.0

@@ -125,7 +125,9 @@ async def deployment_status(
     # The layouts read: this command's, and those the running Postgres projectors announce. Run from a shell
     # without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS, status read the configured layout's consumers
     # alone, said every workspace indexed to 0 and no projector answering, and exited 1 (a tester's).
-    status.projectors = await discover(nc, names.projector_service)
+    status.projectors, status.query_workers, status.analysis = await asyncio.gather(
+        discover(nc, names.projector_service), discover(nc, names.query_service), analysis_status(placement, workspace)
+    )
     applying = [layout for layout in map(postgres_partitions, status.projectors) if layout is not None]
     running = sorted(running_layouts(status.projectors))
     layouts = sorted({placement.partitions, *running})
@@ -181,8 +183,9 @@ async def deployment_status(
     # A refused stream's consumers are not made; nor, beside another layout's refusal, those of a layout not in use
     # (status run without the deployment's ONTOFABRIC_PROJECTOR_PARTITIONS).
     unused = bool(refusals) and not any(durable in floors for durable in durables)
-    unused |= bool(running) and placement.partitions not in running
-    for durable in durables:
+    # The consumers of the layouts the projectors run (a review's: one of them missing went unsaid), else this one's.
+    expected = [d for layout in running or [placement.partitions] for d in names.postgres_projector_durables(layout)]
+    for durable in expected:
         if durable not in floors and durable not in refusals and not unused:
             status.problems.append(
                 f"the projector consumer {durable} does not exist, so its workspaces read as indexed to 0: a running "
@@ -245,9 +248,6 @@ async def deployment_status(
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
         )
-    status.query_workers, status.analysis = await asyncio.gather(
-        discover(nc, names.query_service), analysis_status(placement, workspace)
-    )
     releases = releases_answering([*status.projectors, *status.query_workers])
     if len(releases) > 1:
         status.problems.append(

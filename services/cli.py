@@ -50,7 +50,7 @@ from ontofabric.shared.jetstream import (
     NotSetUp,
     PermissionDenied,
     connect,
-    layouts_to_wait_on,
+    layouts_with_consumers,
     refused_promptly,
     stream_ends_before,
     wait_projected,
@@ -81,7 +81,7 @@ from ontofabric.shared.runtime import (
     with_login,
 )
 from ontofabric.shared.settings import Settings, SettingsUnusable, redacted_url, unknown_variables
-from ontofabric.shared.subjects import NO_WORKSPACE, Names
+from ontofabric.shared.subjects import NO_WORKSPACE, PARTITION_COUNTS, Names
 from ontofabric.shared.telemetry import MetricsUnservable, configure_telemetry
 
 from .gateway.auth import ALL_WORKSPACES, TokenStore, TokensUnreadable
@@ -488,8 +488,14 @@ def ingest(
                 # Whose deltas the wait is for: this ingest's, main's last ingest's (a branch that sent nothing), or
                 # the branch's earlier ingest's.
                 for_main = awaited != report.last_sequence and awaited == report.main_pending_through
+
+                async def wait_layouts() -> list[int]:
+                    # The partition layouts with consumers: from a shell without the deployment's setting, an
+                    # ingest waited on consumers no projector makes, and blamed the projector (a tester's).
+                    return await layouts_with_consumers(js, names, PARTITION_COUNTS)
+
                 if wait and awaited is not None and awaited != report.last_sequence:
-                    gone = await stream_ends_before(js, names, settings.projector_partitions, awaited)
+                    gone = any([await stream_ends_before(js, names, count, awaited) for count in await wait_layouts()])
                     if gone:  # a review's: such an ingest waited out its whole --wait-timeout, then exited 1
                         errors.print(
                             f"warning: the last ingest of {workspace}/{MAIN_BRANCH if for_main else branch} recorded "
@@ -501,10 +507,8 @@ def ingest(
                         awaited = report.last_sequence
                 if wait and awaited is not None:
                     watch = ProjectionWatch(progress, awaited, _stalled_projection)
-                    # From a shell without the deployment's setting, an ingest waited on consumers no projector
-                    # makes, and blamed the projector (a tester's).
-                    layouts = await layouts_to_wait_on(js, names, settings.projector_partitions)
-                    if layouts != [settings.projector_partitions]:
+                    layouts = await wait_layouts()
+                    if settings.projector_partitions not in layouts and layouts:
                         errors.print(
                             f"note: the {settings.projector_partitions}-partition layout "
                             "ONTOFABRIC_PROJECTOR_PARTITIONS names has no consumers; waiting on those of the "
@@ -513,7 +517,9 @@ def ingest(
                             markup=False,
                         )
                     try:
-                        await wait_projected(js, names, layouts, awaited, wait_timeout, on_floor=watch, moved=moved)
+                        await wait_projected(
+                            js, names, settings.projector_partitions, awaited, wait_timeout, on_floor=watch, moved=moved
+                        )
                     except TimeoutError:
                         if awaited == report.last_sequence:
                             whose = "this ingest's"
@@ -1651,6 +1657,7 @@ def rebuild(
         advice = "run again to resume" if error.resumable else "running again will not help as things are"
         if not error.resumable and error.shadow:
             advice += "; --discard drops the shadow tables"
+        advice = error.advice or advice
         _fail(f"{error}\nthe live index is unchanged; {advice}")
     except (asyncpg.InterfaceError, ConnectionResetError) as error:  # the database went away under it
         _fail(f"the rebuild was interrupted: {describe(error)}\nthe live index is unchanged; run again to resume")
@@ -1803,7 +1810,6 @@ def forget_layout(
     stop: one left behind holds `ontofabric compact` back at its position for good. Its claim rows in the
     databases go too (a refusal of the stream left in one kept `ontofabric status` reporting it). Refused for the
     configured layout, and while a projector of that layout answers."""
-    from ontofabric.shared.subjects import PARTITION_COUNTS
 
     from .ops.layouts import ClaimsNotDeleted, Forgotten, LayoutInUse
     from .ops.layouts import forget_layout as forget

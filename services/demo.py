@@ -83,7 +83,7 @@ async def _run(settings: Settings, endpoints: Endpoints, console: Console) -> De
             report = await ingester.ingest(root, WORKSPACE, exclude=DEMO_EXCLUDE)
         wait_started = time.perf_counter()
         if report.awaited_sequence is not None:
-            await wait_projected(js, names, [settings.projector_partitions], report.awaited_sequence, timeout_s=600)
+            await wait_projected(js, names, settings.projector_partitions, report.awaited_sequence, timeout_s=600)
         caught_up_s = report.publish_s + time.perf_counter() - wait_started
         console.print(
             f"{report.files} files → {report.chunks} chunks, embedded in {report.embed_s:.1f}s; "

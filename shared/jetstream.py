@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import re
 import ssl
 import time
@@ -625,16 +626,12 @@ async def _projector_consumers(js: JetStreamContext, names: Names, partitions: i
         return None
 
 
-async def layouts_to_wait_on(js: JetStreamContext, names: Names, configured: int) -> list[int]:
-    """The partition layouts whose position a wait for the index reads: the configured one when its consumers
-    exist, else those whose consumers all do (the projectors run another layout than this process's setting
-    says), else the configured one. Read from the consumers, not from service discovery, which an ingest user may
-    not ask."""
-    if await _projector_consumers(js, names, configured) is not None:
-        return [configured]
-    others = [count for count in PARTITION_COUNTS if count != configured]
-    found = await asyncio.gather(*(_projector_consumers(js, names, count) for count in others))
-    return [count for count, infos in zip(others, found, strict=True) if infos is not None] or [configured]
+async def layouts_with_consumers(js: JetStreamContext, names: Names, counts: Iterable[int]) -> list[int]:
+    """Those of the partition layouts ``counts`` whose Postgres projector consumers all exist. Read from the
+    consumers, not from service discovery, which an ingest user may not ask."""
+    ordered = sorted(set(counts))
+    found = await asyncio.gather(*(_projector_consumers(js, names, count) for count in ordered))
+    return [count for count, infos in zip(ordered, found, strict=True) if infos is not None]
 
 
 async def highest_known_floor(js: JetStreamContext, names: Names, layouts: Iterable[int]) -> int | None:
@@ -686,18 +683,25 @@ RETRYABLE = (
 )
 
 
+LAYOUTS_LOOK_S = 5.0
+"""How often a wait for the index looks again which partition layouts have consumers."""
+
+
 async def wait_projected(
     js: JetStreamContext,
     names: Names,
-    layouts: Collection[int],
+    partitions: int,
     stream_seq: int,
     timeout_s: float,
     poll_s: float = 0.05,
     on_floor: Callable[[int], object] | None = None,
     moved: Callable[[], Awaitable[JetStreamContext | None]] | None = None,
 ) -> None:
-    """Wait until the Postgres index holds ``stream_seq`` (:func:`highest_known_floor` of the partition ``layouts``:
-    the configured one and those the projectors run); TimeoutError after ``timeout_s``, and only then.
+    """Wait until the Postgres index holds ``stream_seq``: the highest position (:func:`highest_known_floor`) of the
+    configured partition layout and of every other whose consumers exist, looked up every ``LAYOUTS_LOOK_S``: from
+    a shell without the deployment's setting, an ingest waited on consumers no projector makes, or on a layout
+    given up, and blamed the projector (a tester's). A layout no projector runs stopped below what was just
+    published, and never ends the wait early. TimeoutError after ``timeout_s``, and only then.
     ``on_floor`` is told the index's position at every look. A look NATS does not answer (an outage, a restart) is
     tried again: nats-py's timeout is asyncio's, and an ingest took a JetStream request's for its own and said it
     had waited out an hour after seconds (a fault tester's). ``moved``, asked
@@ -705,8 +709,12 @@ async def wait_projected(
     other ports), else None; the wait goes on there (an operator tester's ingest looked at the old port until its
     timeout, and then named a stale position)."""
     async with asyncio.timeout(timeout_s) as deadline:
+        layouts, looked = [partitions], -math.inf
         while True:
             try:
+                if time.monotonic() - looked >= LAYOUTS_LOOK_S:
+                    others = await layouts_with_consumers(js, names, set(PARTITION_COUNTS) - {partitions})
+                    layouts, looked = [partitions, *others], time.monotonic()
                 floor = await highest_known_floor(js, names, layouts) or 0
             except NATS_AWAY as error:
                 # The deadline may have passed as a partition's look failed: gathered, the failure can come out in
@@ -717,7 +725,7 @@ async def wait_projected(
                 elsewhere = await moved() if moved is not None else None
                 if elsewhere is not None:
                     log.info("projection_wait_followed_the_server")
-                    js = elsewhere
+                    js, looked = elsewhere, -math.inf
                     continue
                 await asyncio.sleep(max(poll_s, NATS_AWAY_RETRY_S))
                 continue

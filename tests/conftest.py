@@ -176,7 +176,7 @@ class Deployment:
         return env
 
     async def wait_projected(self, stream_seq: int, timeout_s: float = 30.0) -> None:
-        await wait_projected(self.js, self.names, [self.settings.projector_partitions], stream_seq, timeout_s)
+        await wait_projected(self.js, self.names, self.settings.projector_partitions, stream_seq, timeout_s)
 
     @contextlib.asynccontextmanager
     async def database_outage(self) -> AsyncIterator[None]:

@@ -147,7 +147,7 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
                         for n in range(5)
                     ]
                 )
-                await wait_projected(js, names, [1], acks[-1].seq, 60)
+                await wait_projected(js, names, 1, acks[-1].seq, 60)
                 client = QueryClient(nc, names, timeout_s=5)
                 query = {"semanticQuery": "zip archive", "topK": 5}
                 reply = await answered_once_up(client, "acme", query, 120, with_results=True)

@@ -174,7 +174,7 @@ async def test_a_wait_for_projection_outlasts_a_server_that_does_not_answer_for_
         own_nats.freeze()
         frozen_s = 4.0
         try:
-            waiting = asyncio.create_task(wait_projected(js, NAMES, [1], ack.seq, timeout_s=60))
+            waiting = asyncio.create_task(wait_projected(js, NAMES, 1, ack.seq, timeout_s=60))
             await asyncio.sleep(frozen_s)
             assert not waiting.done(), waiting  # before: TimeoutError, as if the 60 s had passed
         finally:
@@ -215,7 +215,7 @@ async def test_a_wait_for_projection_follows_a_server_that_moved(own_nats: OwnNa
         js = old.jetstream(timeout=1)
         await ensure_jetstream(js, NAMES, Settings())  # nothing projected here
         own_nats.kill()
-        await asyncio.wait_for(wait_projected(js, NAMES, [1], seq, timeout_s=60, moved=moved), 30)
+        await asyncio.wait_for(wait_projected(js, NAMES, 1, seq, timeout_s=60, moved=moved), 30)
         assert asked
     finally:
         await close(old)  # its server killed: nats-py's flush on closing may meet the lost connection

@@ -518,8 +518,10 @@ async def test_a_second_rebuild_of_the_same_workspace_is_refused(
     await _publish_history(deployment)
     async with deployment.session() as holder:
         await holder.execute("SELECT pg_advisory_lock(hashtext('ontofabric.rebuild'), hashtext('acme'))")
-        with pytest.raises(RebuildFailed, match="another rebuild of workspace 'acme' is running"):
+        with pytest.raises(RebuildFailed, match="another rebuild of workspace 'acme' is running") as refused:
             await _rebuild(deployment).run()
+        # Nothing to resume: what to do is to wait (a tester read "run again to resume").
+        assert refused.value.advice == "this one did nothing: wait for that one to end"
         assert (await _rebuild(deployment, "other").run()).swapped  # another workspace may go meanwhile
     assert await _schemas(deployment) == []
 

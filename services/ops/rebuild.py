@@ -535,7 +535,11 @@ class Rebuild:
         """One rebuild (or discard) of a workspace at a time, held for the whole run by one session."""
         lock = f"hashtext('{REBUILD_LOCK}'), hashtext($1)"
         if not await conn.fetchval(f"SELECT pg_try_advisory_lock({lock})", self._workspace):
-            raise RebuildFailed(f"another rebuild of workspace {self._workspace!r} is running")
+            # Nothing of this run was made, and there is nothing to resume (a tester read "run again to resume").
+            raise RebuildFailed(
+                f"another rebuild of workspace {self._workspace!r} is running",
+                advice="this one did nothing: wait for that one to end",
+            )
         try:
             yield
         finally:

@@ -30,12 +30,14 @@ swap wait on each other, the swap gives way (and tries again) before the query i
 class RebuildFailed(Exception):
     """The rebuild stopped before swapping; the live index is as it was."""
 
-    def __init__(self, message: str, *, resumable: bool = True, shadow: bool = True) -> None:
+    def __init__(self, message: str, *, resumable: bool = True, shadow: bool = True, advice: str = "") -> None:
         super().__init__(message)
         self.resumable = resumable
         """Whether running again can succeed as things are (else the shadow differs, or the stream cannot serve)."""
         self.shadow = shadow
         """Whether shadow tables may have been made (refused before any was: nothing to discard)."""
+        self.advice = advice
+        """What to do, where neither resuming nor the default advice fits."""
 
 
 def shadow_schema(workspace: str) -> str:

@@ -69,7 +69,7 @@ async def run(endpoints: Endpoints, texts: list[str], versions: int, deleted: fl
         for first in range(0, len(deltas), 500):
             acks = await publisher.publish_many(deltas[first : first + 500])
             last = acks[-1].seq
-        await wait_projected(js, names, [settings.projector_partitions], last, 3600)
+        await wait_projected(js, names, settings.projector_partitions, last, 3600)
 
         async def rebuild() -> tuple[float, int, int]:
             with RichProgress(console) as progress:

@@ -91,7 +91,7 @@ async def run(endpoints: Endpoints, texts: list[str], queries: list[str], model_
                 for n, (text, vector, signs) in enumerate(zip(batch, vectors, tokens, strict=True))
             ]  # fmt: skip
             last = (await publisher.publish_many(deltas))[-1].seq
-        await wait_projected(js, names, [settings.projector_partitions], last, 3600)
+        await wait_projected(js, names, settings.projector_partitions, last, 3600)
 
         client = QueryClient(nc, names)
         turn = 0

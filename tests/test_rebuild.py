@@ -878,6 +878,28 @@ async def test_a_compaction_counts_the_deltas_it_dropped_while_others_are_publis
     assert report.purged == through
 
 
+async def test_a_compaction_whose_purge_failed_is_purged_by_the_next_run(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review's: a run whose purge failed after its snapshots and marker were stored said to run again, and the
+    next run, finding nothing new to fold, dropped nothing."""
+    last = await _publish_history(deployment)
+    through = (await deployment.js.stream_info(deployment.names.delta_stream)).state.messages
+
+    async def refused(*_: object) -> int:
+        raise CompactionRefused("the stream could not be purged")
+
+    purge = snapshots_module._purge_below
+    monkeypatch.setattr(snapshots_module, "_purge_below", refused)
+    with pytest.raises(CompactionRefused):
+        await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    monkeypatch.setattr(snapshots_module, "_purge_below", purge)
+    again = await compact(deployment.nc, deployment.names, deployment.settings, RecordedProgress())
+    assert (again.covers, again.purged) == (last, through)
+    state = (await deployment.js.stream_info(deployment.names.delta_stream)).state
+    assert (state.messages, state.first_seq) == (0, last + 1)
+
+
 async def _snapshot_deltas(deployment: Deployment, workspace: str) -> list[StoredDelta]:
     store = await find_snapshot_store(deployment.js, deployment.names)
     assert store is not None

@@ -277,6 +277,12 @@ async def _compact(
             "were removed before a snapshot held them (an age limit shorter than the compaction interval?)"
         )
     if upto <= done:
+        if stream.messages and int(stream.first_seq or 0) <= done:
+            # A run that stored its snapshots and marker and then could not purge (its purge refused, or it was
+            # stopped there): what the snapshots hold goes now, not at the next run that finds new deltas to fold
+            # (a review's: run again, as the error said, and nothing was dropped).
+            report.purged = await _purge_below(nc, names.delta_stream, done + 1)
+            report.stream_bytes_after = int((await js.stream_info(names.delta_stream)).state.bytes or 0)
         return report
     workspaces = await stream_workspaces(nc, names)
     progress.stage("compact", len(workspaces))

@@ -512,9 +512,9 @@ class PostgresKeyword:
         self._k3 = bm25_k3
         self._full_read_postings = full_read_postings
         self._completion_depth = completion_depth
-        # Per (workspace, branch, version, revisions), as the hidden ids are (PostgresSnapshots): made once per
-        # version, by the first keyword search of it.
-        self._hidden: LruCache[tuple[str, str, str, tuple[tuple[str, int], ...]], HiddenStatistics] = LruCache(16)
+        # Per (workspace, branch, version, revisions), as many as the hidden ids are (PostgresSnapshots): made once
+        # per version, by the first keyword search of it.
+        self._hidden: LruCache[tuple[str, str, str, tuple[tuple[str, int], ...]], HiddenStatistics] = LruCache(64)
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         # Alone: it runs while the query is embedded, and a session's snapshot opened now would hold the parents'

@@ -200,11 +200,21 @@ async def test_bm25_on_a_branch_equals_bm25_over_the_tree_the_branch_shows(
     await store.apply([Delta(10 + i, d) for i, d in enumerate([*branch, delete("acme", "c", branch="feat")])])
     shown = {k: v for k, v in {**TEXTS, **changed}.items() if k != "c"}
     keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
-    for query in ("read a file", "json dictionary file", "sorted numbers list", "file file file json"):
-        hits = await keyword.search(Scope("acme", "feat"), SearchInput(query), 10)
-        async with pool.acquire() as conn:
-            expected = await _expected_scores(conn, {k: search_text(document(k, v)) for k, v in shown.items()}, query)
-        assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
+
+    async def scored_as_shown() -> None:
+        for query in ("read a file", "json dictionary file", "sorted numbers list", "file file file json"):
+            hits = await keyword.search(Scope("acme", "feat"), SearchInput(query), 10)
+            async with pool.acquire() as conn:
+                indexed = {k: search_text(document(k, v)) for k, v in shown.items()}
+                expected = await _expected_scores(conn, indexed, query)
+            assert {c.id: pytest.approx(c.score, rel=1e-9) for c in hits.candidates} == expected, query
+
+    await scored_as_shown()
+    # Main moves on, under a document the branch hides and beside it: the statistics follow its new version.
+    later = {"a": "main's later file of json numbers", "d": "numbers sorted, a list of them"}
+    await store.apply([Delta(20 + i, upsert("acme", document(k, v))) for i, (k, v) in enumerate(later.items())])
+    shown["d"] = later["d"]
+    await scored_as_shown()
 
 
 async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: Deployment, pool: asyncpg.Pool) -> None:

@@ -487,8 +487,7 @@ class PostgresKeyword:
 
     On a branch, N, the average length and document frequencies add up main's and the branch's rows, less main's
     rows the branch hides (:class:`HiddenStatistics`): the statistics of the tree the branch shows, as a fresh
-    ingest of it would have them (an outside tester's branch ranked otherwise than that ingest in a third of its
-    keyword answers).
+    ingest of it would have them (an outside tester's branch ranked otherwise than such an ingest).
     """
 
     name = KEYWORD

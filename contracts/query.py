@@ -542,7 +542,9 @@ class QueryMeta(WireModel):
         description="Why late interaction did not run by default: long_query (more embedding-model tokens than the "
         "deployment compares; a request that sets lateInteraction.weight runs it anyway); not_embedded (the request "
         "set lateInteraction.weight, but the query was not embedded: keyword retrieval alone, or the embedder away); "
-        "no_token_vectors (fewer than two of the leading candidates have stored token vectors).",
+        "no_token_vectors (fewer than two of the leading candidates have stored token vectors); model_changed (the "
+        "index's embedding model changed while the query was answered: the query's tokens are the other model's; "
+        "degraded lists lateInteraction too).",
     )
     skipped_second_opinion: str | None = Field(
         default=None,

@@ -274,6 +274,17 @@ async def test_a_failing_stage_degrades_the_answer_to_the_fused_order(monkeypatc
     assert [(r.id, r.score) for r in reply.results] == [(r.id, r.score) for r in fused.results]
 
 
+async def test_token_signs_of_another_model_than_the_querys_are_not_compared_and_the_answer_says_why() -> None:
+    """At a model change's swap, the index's signs are the new model's and the query's tokens the old one's: not
+    compared, and said why (a model-change tester's answer said only that lateInteraction degraded)."""
+    signs = {i: pack_signs(QUERY_TOKENS - 0.5) for i in "xyz"}
+    swapped = ScriptedRetrieval(token_signs=signs, index_model="another-model")
+    reply = await _pipeline(swapped).answer(OntologyQuery(semantic_query="q"), "w")
+    assert reply.meta.degraded == ["lateInteraction"]
+    assert reply.meta.skipped_late_interaction == "model_changed"
+    assert reply.meta.late_interaction is None
+
+
 def test_stored_signs_of_the_model_s_own_tokens_find_the_match() -> None:
     """With the deployment's model: from the signs alone, MaxSim puts the JSON parser first, as float MaxSim does."""
     embedder = build_embedder(Settings())

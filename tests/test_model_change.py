@@ -21,6 +21,7 @@ from ontofabric.services.ingest.ingester import ChunkEmbedding
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.ops.reembed import ChangeRefused, ModelChange
 from ontofabric.services.ops.snapshots import compact
+from ontofabric.services.ops.status import deployment_status
 from ontofabric.services.projector.planning import Limits, Rejection, validate_delta
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
@@ -316,6 +317,10 @@ async def test_an_interrupted_change_blocks_rebuilds_and_other_changes_and_resum
     ]
     rows = await deployment.fetch("SELECT embedding_model, next_embedding_model FROM deployment")
     assert tuple(rows[0]) == (CURRENT, NEXT)
+    # status says so (a model-change tester's said nothing of it), as a note: answers go on with the old model.
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    (note,) = [n for n in (await deployment_status(deployment.nc, deployment.names, placement)).notes if CURRENT in n]
+    assert f"a change of embedding model from {CURRENT!r} to {NEXT!r} is running or was interrupted" in note
 
     with pytest.raises(RebuildFailed, match="model change is under way"):
         await Rebuild(settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()).run()

@@ -126,7 +126,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert shown.returncode == 1, shown.stderr  # deltas pending, no projector
     report = json.loads(shown.stdout)
     assert report["analysis"] == {
-        "version": ANALYSIS_VERSION, "documents_of_another_analysis": {"acme": 1}, "unread": []
+        "version": ANALYSIS_VERSION, "documents_of_another_analysis": {"acme": 1}, "unread": [], "model_changes": []
     }  # fmt: skip
     assert report["dead_letters"] == {"globex": 1}
     assert {(b["workspace"], b["branch"], b["pending_deltas"]) for b in report["branches"]} == {

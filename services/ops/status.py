@@ -93,6 +93,8 @@ class AnalysisStatus:
     the old one until ``ontofabric rebuild WORKSPACE``."""
     unread: list[str] = field(default_factory=list)
     """The databases that could not be counted, and why: their workspaces' counts are unknown."""
+    model_changes: list[str] = field(default_factory=list)
+    """Per database, a change of embedding model begun and not finished (running, or interrupted)."""
 
 
 @dataclass
@@ -296,6 +298,7 @@ async def deployment_status(
                 )
     if not status.query_workers:  # an operator tester's health check exited 0 while every query went unanswered
         status.problems.append(NO_QUERY_WORKER)
+    status.notes += status.analysis.model_changes
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
@@ -402,28 +405,40 @@ async def analysis_status(placement: Placement, workspace: str | None = None) ->
     status = AnalysisStatus()
     databases = range(len(placement.databases)) if workspace is None else [placement.database_of(workspace)]
     counted = await asyncio.gather(*(_count_another_analysis(placement, d, workspace) for d in databases))
-    for counts, unread in counted:
+    for counts, unread, change in counted:
         status.documents_of_another_analysis.update(counts)
         if unread is not None:
             status.unread.append(unread)
+        if change is not None:
+            status.model_changes.append(change)
     status.documents_of_another_analysis = dict(sorted(status.documents_of_another_analysis.items()))
     return status
 
 
 async def _count_another_analysis(
     placement: Placement, database: int, workspace: str | None
-) -> tuple[dict[str, int], str | None]:
-    """The counts of one database, or why there are none. Never longer than DATABASE_WAIT_S: a connection that
-    stops answering is dropped, not closed politely (asyncpg's close waits for the server's answer)."""
+) -> tuple[dict[str, int], str | None, str | None]:
+    """The counts of one database, or why there are none; and a change of embedding model begun on it and not
+    finished (a model-change tester's status said nothing of one interrupted). Never longer than DATABASE_WAIT_S:
+    a connection that stops answering is dropped, not closed politely (asyncpg's close waits for the server's
+    answer)."""
     url = placement.databases[database]
     conn: asyncpg.Connection | None = None
     try:
         async with asyncio.timeout(DATABASE_WAIT_S):
             conn = await asyncpg.connect(url)
             counts = await documents_of_another_analysis(conn, placement, database, workspace)
+            models = await conn.fetchrow("SELECT embedding_model, next_embedding_model FROM deployment")
             await conn.close()
             conn = None
-            return counts, None
+            change = None
+            if models is not None and models["next_embedding_model"] is not None:
+                change = (
+                    f"{redacted_url(url)}: a change of embedding model from {models['embedding_model']!r} to "
+                    f"{models['next_embedding_model']!r} is running or was interrupted: answers use the first until "
+                    "it swaps (`ontofabric reembed` resumes it, `--discard` drops it)"
+                )
+            return counts, None, change
     except TimeoutError:
         why = f"no answer within {DATABASE_WAIT_S:g} s"
     except (asyncpg.UndefinedColumnError, asyncpg.UndefinedTableError):
@@ -433,7 +448,7 @@ async def _count_another_analysis(
     finally:
         if conn is not None:
             conn.terminate()
-    return {}, f"{redacted_url(url)}: {why}"
+    return {}, f"{redacted_url(url)}: {why}", None
 
 
 def _published_branches(info: StreamInfo, names: Names) -> set[tuple[str, str]]:

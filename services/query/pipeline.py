@@ -310,9 +310,11 @@ class QueryPipeline:
             and fetched.model not in (None, embedded.model)
             and refinements.interaction_tokens is not None
         ):
-            # The token signs read are another model's than the query's tokens (a model change swapped meanwhile).
+            # The token signs read are another model's than the query's tokens (a model change swapped meanwhile);
+            # said why, as every other skip is (a model-change tester's answer said lateInteraction degraded only).
             refinements = dataclasses.replace(refinements, interaction_tokens=None)
             run.degrade("lateInteraction")
+            run.report(skipped_late_interaction="model_changed")
         documents = fetched.documents
         candidates = [hit for hit in fused if hit.id in documents]
         candidates = await self._late_interaction(run, refinements, candidates, documents)

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from .jetstream import subscriptions_visible
 from .logging import describe, get_logger
 
 log = get_logger(__name__)
@@ -113,6 +114,9 @@ async def announce(
         handler = _answering(nc, answer)
         for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.{service_id}"):
             subscriptions.append(await nc.subscribe(subject, cb=handler))
+    # Answering once this returns: a ping sent right after (status, a standby's look) had missed the worker while
+    # its subscriptions still waited in the client's buffer (a test's status, run at once, saw no such projector).
+    await subscriptions_visible(nc)
     return Announcement(subscriptions, service_id, metadata["started"])
 
 

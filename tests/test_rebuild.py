@@ -886,7 +886,7 @@ async def test_a_compaction_whose_purge_failed_is_purged_by_the_next_run(
     last = await _publish_history(deployment)
     through = (await deployment.js.stream_info(deployment.names.delta_stream)).state.messages
 
-    async def refused(*_: object) -> int:
+    async def refused(*_: object) -> None:
         raise CompactionRefused("the stream could not be purged")
 
     purge = snapshots_module._purge_below

@@ -180,15 +180,18 @@ async def index_position(js: JetStreamContext, names: Names, settings: Settings)
     return min((await index_floors(js, names, settings)).values())
 
 
-async def _purge_below(nc: Client, stream: str, seq: int) -> int:
-    """Purge the stream's messages below ``seq``; returns how many went, as the server counted them (the stream's
-    size before and after also counts what was published meanwhile: a tester's compaction beside an ingest said
-    "-870 deltas dropped")."""
-    reply = await nc.request(f"$JS.API.STREAM.PURGE.{stream}", json.dumps({"seq": seq}).encode(), timeout=30)
+async def _purge_below(nc: Client, js: JetStreamContext, names: Names, seq: int, report: CompactionReport) -> None:
+    """Purge the delta stream's messages below ``seq``, and report how many went, as the server counted them (the
+    stream's size before and after also counts what was published meanwhile: a tester's compaction beside an
+    ingest said "-870 deltas dropped"), and the stream's size after."""
+    reply = await nc.request(
+        f"$JS.API.STREAM.PURGE.{names.delta_stream}", json.dumps({"seq": seq}).encode(), timeout=30
+    )
     answer = json.loads(reply.data)
     if "error" in answer:
         raise CompactionRefused(f"the snapshots are stored, but the stream could not be purged: {answer['error']}")
-    return int(answer.get("purged", 0))
+    report.purged = int(answer.get("purged", 0))
+    report.stream_bytes_after = int((await js.stream_info(names.delta_stream)).state.bytes or 0)
 
 
 async def stream_workspaces(nc: Client, names: Names) -> list[str]:
@@ -281,8 +284,7 @@ async def _compact(
             # A run that stored its snapshots and marker and then could not purge (its purge refused, or it was
             # stopped there): what the snapshots hold goes now, not at the next run that finds new deltas to fold
             # (a review's: run again, as the error said, and nothing was dropped).
-            report.purged = await _purge_below(nc, names.delta_stream, done + 1)
-            report.stream_bytes_after = int((await js.stream_info(names.delta_stream)).state.bytes or 0)
+            await _purge_below(nc, js, names, done + 1, report)
         return report
     workspaces = await stream_workspaces(nc, names)
     progress.stage("compact", len(workspaces))
@@ -317,8 +319,7 @@ async def _compact(
     made = (await js.stream_info(names.delta_stream)).created
     marker = {"covers": upto, "at": datetime.now(UTC).isoformat(), "streamCreated": made and made.isoformat()}
     await store.put(MARKER, json.dumps(marker).encode())
-    report.purged = await _purge_below(nc, names.delta_stream, upto + 1)
-    report.stream_bytes_after = int((await js.stream_info(names.delta_stream)).state.bytes or 0)
+    await _purge_below(nc, js, names, upto + 1, report)
     log.info("stream_compacted", covers=upto, workspaces=report.workspaces, purged=report.purged)
     return report
 

@@ -489,13 +489,11 @@ def ingest(
                 # the branch's earlier ingest's.
                 for_main = awaited != report.last_sequence and awaited == report.main_pending_through
 
-                async def wait_layouts() -> list[int]:
-                    # The partition layouts with consumers: from a shell without the deployment's setting, an
-                    # ingest waited on consumers no projector makes, and blamed the projector (a tester's).
-                    return await layouts_with_consumers(js, names, PARTITION_COUNTS)
-
+                # The partition layouts with consumers, read once: from a shell without the deployment's setting, an
+                # ingest waited on consumers no projector makes, and blamed the projector (a tester's).
+                layouts = await layouts_with_consumers(js, names, PARTITION_COUNTS) if wait else []
                 if wait and awaited is not None and awaited != report.last_sequence:
-                    gone = any([await stream_ends_before(js, names, count, awaited) for count in await wait_layouts()])
+                    gone = any([await stream_ends_before(js, names, count, awaited) for count in layouts])
                     if gone:  # a review's: such an ingest waited out its whole --wait-timeout, then exited 1
                         errors.print(
                             f"warning: the last ingest of {workspace}/{MAIN_BRANCH if for_main else branch} recorded "
@@ -507,7 +505,6 @@ def ingest(
                         awaited = report.last_sequence
                 if wait and awaited is not None:
                     watch = ProjectionWatch(progress, awaited, _stalled_projection)
-                    layouts = await wait_layouts()
                     if settings.projector_partitions not in layouts and layouts:
                         errors.print(
                             f"note: the {settings.projector_partitions}-partition layout "

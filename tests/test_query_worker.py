@@ -18,8 +18,9 @@ from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, Q
 from ontofabric.services.ingest.chunking import SECTION_PART_CHARS
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query import freshness as freshness_module
 from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse_reply
-from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S
+from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S, POSITION_WAIT_S
 from ontofabric.services.query.lookup import slice_lines
 from ontofabric.services.query.requests import repeated_key
 from ontofabric.services.query.rerankers import build_reranker
@@ -329,6 +330,31 @@ async def test_the_status_says_how_far_the_index_is_behind_its_stream(
     without = await client.status("acme", {})
     assert isinstance(without, StatusReply), without
     assert without.dead_letters == 0
+
+
+async def test_a_status_waits_out_a_slow_position_read(
+    deployment: Deployment,
+    projector: ProjectorService,
+    start_query_worker: Start,
+    client: QueryClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A status reports the index's position: on a loaded CI machine the read took over the half second a query
+    waits for it, and the status failed (retryable) where it could have answered."""
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(first.seq)
+    await start_query_worker(None)
+    read = freshness_module.highest_known_floor
+
+    async def slow(*args: object, **kwargs: object) -> int | None:
+        await asyncio.sleep(3 * POSITION_WAIT_S)
+        return await read(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(freshness_module, "highest_known_floor", slow)
+    await asyncio.sleep(POSITION_TTL_S)  # past what the worker's start read
+    status = await client.status("acme", {})
+    assert isinstance(status, StatusReply), status
+    assert status.indexed_seq == first.seq
 
 
 async def test_cache_hit_then_invalidated_by_a_new_delta(

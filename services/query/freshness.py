@@ -169,15 +169,16 @@ class DeltaWatch:
             await self._subscription.unsubscribe()
             self._subscription = None
 
-    async def position(self) -> int | None:
-        """The Postgres projector's position, at most ``POSITION_TTL_S`` old; None when it cannot be read."""
+    async def position(self, wait_s: float = POSITION_WAIT_S) -> int | None:
+        """The Postgres projector's position, at most ``POSITION_TTL_S`` old; None when it cannot be read within
+        ``wait_s`` (the read goes on, for the next caller)."""
         if self._position is not None and time.monotonic() - self._position[0] < POSITION_TTL_S:
             return self._position[1]
         if self._reading is None:  # one read at a time, shared by every answer waiting for it
             self._reading = asyncio.create_task(self._read_position())
             self._reading.add_done_callback(self._read_done)
         try:
-            return await asyncio.wait_for(asyncio.shield(self._reading), POSITION_WAIT_S)
+            return await asyncio.wait_for(asyncio.shield(self._reading), wait_s)
         except Exception as error:
             log.warning("position_unreadable", error=describe(error))
             return None

@@ -43,6 +43,10 @@ class PositionUnavailable(Exception):
     """JetStream did not say how far the index is: the caller may try again."""
 
 
+STATUS_POSITION_WAIT_S = 5.0
+"""How long a status answer waits for the index's position, which is what it reports: a query goes on without it
+after half a second, but a status that gave up as soon failed on a loaded machine (a CI run's, with the read slow)."""
+
 MIN_DEFAULT_SLICE_BYTES = 1_000
 """The least of a document's text a slice without maxChars carries, however much its metadata takes."""
 
@@ -118,7 +122,7 @@ class Lookups:
 
     async def status(self, workspace: str, request: StatusRequest) -> StatusReply:
         branches = [MAIN_BRANCH] if request.branch == MAIN_BRANCH else [MAIN_BRANCH, request.branch]
-        position = await self._freshness.position()  # before the versions: they hold every delta up to it
+        position = await self._freshness.position(STATUS_POSITION_WAIT_S)  # before the versions: they hold all to it
         if position is None:
             raise PositionUnavailable("the index's position could not be read from JetStream")
         states = await self._documents.branch_states(workspace, branches)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -79,3 +80,40 @@ class LruCache(Generic[K, V]):
         if key in self._entries:
             del self._entries[key]
             self.bytes -= self._sizes.pop(key)
+
+
+class LruMemo(Generic[K, V]):
+    """An :class:`LruCache` of entries made when first asked, one making per key at a time: those asking for an
+    entry being made wait for it (a new version's first answers, arriving together, each read the same rows: a
+    review's). When its making fails or is cancelled, they make it themselves."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._made: LruCache[K, V] = LruCache(max_entries)
+        self._making: dict[K, asyncio.Future[V]] = {}
+
+    async def get(self, key: K, make: Callable[[], Awaitable[V]]) -> V:
+        while True:
+            found = self._made.get(key)
+            if found is not None:
+                return found
+            making = self._making.get(key)
+            if making is None:
+                break
+            try:
+                return await asyncio.shield(making)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not making.cancelled() or (current is not None and current.cancelling()):
+                    raise  # this asker itself was cancelled
+        making = asyncio.get_running_loop().create_future()
+        self._making[key] = making
+        try:
+            value = await make()
+        except BaseException:
+            making.cancel()  # those waiting make it themselves; a cancelled future leaves no unread error
+            raise
+        finally:
+            del self._making[key]
+        making.set_result(value)
+        self._made.put(key, value)
+        return value

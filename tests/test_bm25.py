@@ -3,8 +3,10 @@ and corpus statistics the projector keeps stay equal to a recomputation through 
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import numpy as np
@@ -13,8 +15,15 @@ import pytest
 from ontofabric.services.ingest.chunking import bounded_symbol
 from ontofabric.services.projector.planning import NAME_REPEATS, Delta, own_name_repeats, search_text
 from ontofabric.services.projector.store import PostgresProjectionStore
+from ontofabric.services.query import postgres as postgres_module
 from ontofabric.services.query.core import Scope, SearchInput
-from ontofabric.services.query.postgres import PostgresDense, PostgresDocuments, PostgresKeyword, PostgresSnapshots
+from ontofabric.services.query.postgres import (
+    HiddenStatistics,
+    PostgresDense,
+    PostgresDocuments,
+    PostgresKeyword,
+    PostgresSnapshots,
+)
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.db import create_pool, migrate
 
@@ -215,6 +224,34 @@ async def test_bm25_on_a_branch_equals_bm25_over_the_tree_the_branch_shows(
     await store.apply([Delta(20 + i, upsert("acme", document(k, v))) for i, (k, v) in enumerate(later.items())])
     shown["d"] = later["d"]
     await scored_as_shown()
+
+
+async def test_a_branch_versions_first_searches_together_read_its_hidden_rows_once(
+    deployment: Deployment, pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new version's first answers arrive together; each read main's hidden documents' ids and their terms (a
+    review's: the cost grows with the branch). The first reads them, the others wait for it."""
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(TEXTS.items())])
+    await store.apply([Delta(10, upsert("acme", document("a", "read the JSON file again"), branch="feat"))])
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+    reads: list[str] = []
+    read_hidden, read_shadowed = HiddenStatistics.read.__func__, postgres_module._shadowed_ids  # type: ignore[attr-defined]
+
+    async def counted_hidden(cls: type[HiddenStatistics], *args: Any) -> HiddenStatistics:
+        reads.append("statistics")
+        return await read_hidden(cls, *args)  # type: ignore[no-any-return]
+
+    async def counted_shadowed(*args: Any) -> list[str]:
+        reads.append("ids")
+        return await read_shadowed(*args)
+
+    monkeypatch.setattr(HiddenStatistics, "read", classmethod(counted_hidden))
+    monkeypatch.setattr(postgres_module, "_shadowed_ids", counted_shadowed)
+    searches = [keyword.search(Scope("acme", "feat"), SearchInput("read a json file"), 10) for _ in range(8)]
+    answers = await asyncio.gather(*searches)
+    assert sorted(reads) == ["ids", "statistics"]
+    assert len({tuple((c.id, c.score) for c in a.candidates) for a in answers}) == 1
 
 
 async def test_postings_and_statistics_follow_upserts_and_deletes(deployment: Deployment, pool: asyncpg.Pool) -> None:

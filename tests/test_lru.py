@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
-from ontofabric.shared.lru import LruCache
+import pytest
+
+from ontofabric.shared.lru import LruCache, LruMemo
 
 
 def test_the_least_recently_used_go_first_when_entries_or_bytes_run_over() -> None:
@@ -36,3 +39,73 @@ def test_the_weight_always_equals_what_is_held() -> None:
         held = [cache.get(k) for k in range(50) if k in cache]
         assert cache.bytes == sum(len(v or "") for v in held) <= 500
         assert len(cache) <= 20
+
+
+async def test_a_memo_makes_an_entry_once_for_those_asking_together() -> None:
+    memo: LruMemo[str, int] = LruMemo(4)
+    made: list[str] = []
+    release = asyncio.Event()
+
+    async def make(key: str) -> int:
+        made.append(key)
+        await release.wait()
+        return len(made)
+
+    askers = [asyncio.create_task(memo.get("v1", lambda: make("v1"))) for _ in range(8)]
+    await asyncio.sleep(0)
+    release.set()
+    assert await asyncio.gather(*askers) == [1] * 8
+    assert made == ["v1"]
+    assert await memo.get("v1", lambda: make("again")) == 1  # kept
+
+
+async def test_when_the_making_fails_or_is_cancelled_a_waiting_asker_makes_it() -> None:
+    memo: LruMemo[str, str] = LruMemo(4)
+    started = asyncio.Event()
+
+    async def never() -> str:
+        started.set()
+        await asyncio.sleep(3600)
+        return "never"
+
+    async def fails() -> str:
+        started.set()
+        await asyncio.sleep(0)
+        raise ConnectionError("the database went away")
+
+    async def made() -> str:
+        return "made"
+
+    first = asyncio.create_task(memo.get("k", never))
+    await started.wait()
+    second = asyncio.create_task(memo.get("k", made))
+    await asyncio.sleep(0)
+    first.cancel()  # the maker's own answer gave up: the one waiting goes on
+    assert await second == "made"
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+    started.clear()
+    failing = asyncio.create_task(memo.get("j", fails))
+    await started.wait()
+    waiting = asyncio.create_task(memo.get("j", made))
+    with pytest.raises(ConnectionError):
+        await failing
+    assert await waiting == "made"
+
+    # A waiter cancelled itself is cancelled, and the making goes on for the others.
+    release = asyncio.Event()
+
+    async def slow() -> str:
+        await release.wait()
+        return "slow"
+
+    maker = asyncio.create_task(memo.get("m", slow))
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(memo.get("m", made))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    release.set()
+    assert await maker == "slow"

@@ -29,7 +29,7 @@ from ontofabric.shared.analysis import analyse
 from ontofabric.shared.checksums import CONTENT_MD5_SQL
 from ontofabric.shared.db import Connection, is_unavailable
 from ontofabric.shared.logging import describe, get_logger
-from ontofabric.shared.lru import LruCache
+from ontofabric.shared.lru import LruMemo
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.telemetry import meter
 
@@ -182,8 +182,9 @@ class PostgresSnapshots:
         self._acquire_timeout_s = acquire_timeout_s
         """How long a read waits for a connection: a stalled database is `unavailable`, not a hang."""
         # Main ids a branch hides, per (workspace, branch, version, revisions): computed once per version, inside a
-        # snapshot. The revisions tell a rebuilt index (the same version) from the one it replaced.
-        self._shadowed: LruCache[tuple[str, str, str, tuple[int, ...]], list[str]] = LruCache(64)
+        # snapshot (the first's, which the snapshots opened meanwhile wait for). The revisions tell a rebuilt index
+        # (the same version) from the one it replaced.
+        self._shadowed: LruMemo[tuple[str, str, str, tuple[int, ...]], list[str]] = LruMemo(64)
 
     def _sources(self) -> list[_Source]:
         """The replicas from the next one in turn (those resting last), then the primary."""
@@ -277,11 +278,7 @@ class PostgresSnapshots:
         shadowed: list[str] = []
         if not scope.on_main:
             key = (scope.workspace, scope.branch, version, tuple(r["revision"] for r in rows))
-            found = self._shadowed.get(key)
-            if found is None:
-                found = await _shadowed_ids(conn, scope.workspace, scope.branch)
-                self._shadowed.put(key, found)
-            shadowed = found
+            shadowed = await self._shadowed.get(key, lambda: _shadowed_ids(conn, scope.workspace, scope.branch))
         model = rows[0]["model"] if rows else None
         return Snapshot(
             conn,
@@ -512,8 +509,8 @@ class PostgresKeyword:
         self._full_read_postings = full_read_postings
         self._completion_depth = completion_depth
         # Per (workspace, branch, version, revisions), as many as the hidden ids are (PostgresSnapshots): made once
-        # per version, by the first keyword search of it.
-        self._hidden: LruCache[tuple[str, str, str, tuple[tuple[str, int], ...]], HiddenStatistics] = LruCache(64)
+        # per version, by the first keyword search of it, which those arriving meanwhile wait for.
+        self._hidden: LruMemo[tuple[str, str, str, tuple[tuple[str, int], ...]], HiddenStatistics] = LruMemo(64)
 
     async def search(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
         # Alone: it runs while the query is embedded, and a session's snapshot opened now would hold the parents'
@@ -554,11 +551,9 @@ class PostgresKeyword:
         if not snapshot.shadowed:
             return NOTHING_HIDDEN
         key = (scope.workspace, scope.branch, snapshot.version, tuple(sorted(snapshot.revisions.items())))
-        found = self._hidden.get(key)
-        if found is None:
-            found = await HiddenStatistics.read(snapshot.conn, scope.workspace, snapshot.shadowed)
-            self._hidden.put(key, found)
-        return found
+        return await self._hidden.get(
+            key, lambda: HiddenStatistics.read(snapshot.conn, scope.workspace, snapshot.shadowed)
+        )
 
     def _sql(
         self, scope: Scope, text: str, limit: int, shadowed: list[str], hidden: HiddenStatistics = NOTHING_HIDDEN

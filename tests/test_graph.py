@@ -452,6 +452,39 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
     }
 
 
+def test_a_call_of_a_name_a_module_of_the_tree_no_longer_binds_is_kept_under_that_modules_name() -> None:
+    """What a branch deleted or renamed, still called: "what calls it" reads these (note 90's)."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": "from os.path import join\nfrom .more import *\nALIAS = join\nVALUE = 1\n\n\ndef kept():\n"
+        "    pass\n",
+        "pkg/more.py": "def starred():\n    pass\n",
+        "pkg/lazy.py": "def __getattr__(name):\n    return name\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/use.py": (
+            "from pkg.mod import gone, join, ALIAS, VALUE, starred, kept\n"
+            "from pkg import mod, sub\n"
+            "from pkg.lazy import anything\n"
+            "from os.path import nothing\n"
+            "from numpy.mod import gone as other\n\n\n"
+            "def caller():\n"
+            "    gone(); mod.also_gone(); join(); ALIAS(); VALUE(); starred(); kept(); sub(); anything(); nothing()\n"
+            "    other()\n"
+        ),
+    }
+    calls = _by_name(python_calls(sources))
+    assert calls[("pkg/use.py", "pkg.use.caller")] == (
+        "pkg.mod.ALIAS",  # bound to an outside name: its module's value, as before
+        "pkg.mod.VALUE",
+        "pkg.mod.also_gone",
+        "pkg.mod.gone",
+        "pkg.mod.kept",
+        "pkg.more.starred",
+    )
+
+
 def test_a_call_through_a_parameter_annotated_with_a_class_of_the_tree_calls_its_method() -> None:
     """An agent tester's callers of click's Context.invoke missed Command.invoke and Group.invoke, which call it
     through their `ctx: Context`."""

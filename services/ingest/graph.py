@@ -225,6 +225,35 @@ class _Resolver:
         target = self.module(f"{imported}.{rest}" if rest else imported)
         return self.symbol_fqn(target, node.attr, hops, values) if target is not None else None
 
+    def unbound(self, module: _Module, node: ast.expr) -> str | None:
+        """``name`` (``from pkg.mod import name``) or ``mod.name`` (``mod`` a module imported by its whole name) as
+        ``pkg.mod.name``, when that module of the tree binds no such name at all: code still calling what a branch
+        deleted or renamed there (an agent tester's "what still calls the class I renamed" found nothing). A module
+        with a ``__getattr__`` may make any name: none is taken as unbound."""
+        written: str | None = None
+        name: str | None = None
+        if isinstance(node, ast.Name) and node.id in module.imports:
+            written, name = module.imports[node.id]
+        elif isinstance(node, ast.Attribute) and (dotted := _dotted(node.value)) is not None:
+            head, _, rest = dotted.partition(".")
+            imported = self.imported_as(module, head)
+            written = None if imported is None else f"{imported}.{rest}" if rest else imported
+            name = node.attr
+        # By its whole name only: another project's `numpy.core` is not the tree's `core`.
+        target = self._modules.get(written) if written is not None else None
+        if target is None or target is module or name is None:
+            return None
+        bound = (
+            name in target.defs
+            or name in target.imports
+            or name in target.assigned
+            or name in target.values
+            or name in self.starred(target)
+            or "__getattr__" in target.defs
+            or f"{target.fqn}.{name}" in self._modules
+        )
+        return None if bound else f"{target.fqn}.{name}"
+
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
         if isinstance(node, ast.Name):
@@ -557,10 +586,11 @@ def python_calls(
     ``Class.name``, and ``self.name``, ``cls.name`` or ``super().name`` through the class and its bases in the tree;
     also a name a module assigns (``concat = "".join``), under that module's name; and a method through a
     parameter annotated with one class of the tree (``ctx: Context``), or a local bound once to what such a class's
-    call or a function annotated to return one makes (``ctx = get_current_context()``), neither bound otherwise.
-    A call through any other object (an attribute, what a call returned unbound) cannot be told from the
-    syntax and is left out, as is a chunk calling itself. A module's chunk holds its own statements' calls only,
-    a class's those of its body outside its methods."""
+    call or a function annotated to return one makes (``ctx = get_current_context()``), neither bound otherwise;
+    and a name imported from a module of the tree that binds no such name (:meth:`_Resolver.unbound`: what a
+    branch deleted or renamed), under that module's name. A call through any other object (an attribute, what a
+    call returned unbound) cannot be told from the syntax and is left out, as is a chunk calling itself. A
+    module's chunk holds its own statements' calls only, a class's those of its body outside its methods."""
     tree = _tree_of(sources, package)
     modules, resolver = tree.modules, tree.resolver
     classes: dict[str, _Class] = {}
@@ -739,7 +769,7 @@ def python_calls(
                         # A bare `raise b.Error` is a call made here, of no node of the tree: where its class is.
                         scope = scope_of.get(id(call), scope_of.get(id(call.func), function))
                         typed = typed_of(module, scope, scope_of, read, owner)
-                    target = callee(module, call.func, self_class, typed)
+                    target = callee(module, call.func, self_class, typed) or resolver.unbound(module, call.func)
                     if target is not None and target != fqn:
                         found.add(target)
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}

@@ -440,8 +440,9 @@ class RelationAsked(WireModel):
         default=None,
         exclude_if=lambda defined: defined is None,
         description="Sent (true) on a branch when symbolIndexed is false and main defines a symbol of this name: "
-        "the branch deleted or renamed it. What the branch's code still says of it is not read as a relation "
-        "(references resolve within the tree an ingest reads); the search results for the name show it.",
+        "the branch deleted or renamed it. Asked for its callers, the answer holds the branch's code that still calls "
+        "main's symbol (relationMatches of them); its other relations are not read, and the search results for the "
+        "name show where it is still written.",
     )
 
 

@@ -18,6 +18,7 @@ from ontofabric.contracts import (
     OntologyQuery,
     QueryResponse,
 )
+from ontofabric.contracts.query import RelationAsked
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester, Manifest
 from ontofabric.services.projector.worker import ProjectorService
@@ -369,6 +370,51 @@ async def test_a_file_only_calling_what_a_branch_moved_follows_main(
     await _ingested(deployment, ingester, tree)
     # Main's later w.py shows on the branch: k, and h where main has it; g is the branch's (its calls, its lines).
     assert await _places(worker, "feat") == {"n.f": (4, 5), "w.g": (4, 5), "w.h": (9, 10), "w.k": (13, 14)}
+
+
+async def test_the_callers_of_what_a_branch_deleted_are_its_code_still_calling_mains(
+    deployment: Deployment, worker: QueryClient, tmp_path: Path
+) -> None:
+    """Note 90's: on a branch that deleted or renamed a function, "what calls it" found nothing, though the
+    branch's code still called it: in files it left unchanged (main's chunks, whose calls name main's function) and
+    in files it changed (whose calls an ingest resolved within the branch's tree, where the name is gone)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "u.py").write_text("def f():\n    return 1\n\n\ndef other():\n    return 2\n")
+    (tree / "w.py").write_text("import u\n\n\ndef g():\n    return u.f()\n")
+    (tree / "x.py").write_text("from u import f\n\n\ndef caller():\n    return f()\n")
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+
+    async def callers(branch: str, symbol: str = "f") -> tuple[set[str], RelationAsked | None]:
+        asked = {"relatedTo": {"relation": "callers", "symbol": symbol}, "branch": branch, "topK": 20}
+        reply = await worker.query("acme", asked)
+        assert isinstance(reply, QueryResponse), reply
+        found = {r.metadata["symbolFqn"] for r in reply.results if "caller" in {f.retriever for f in r.found_by}}
+        return found, reply.meta.relation
+
+    await _ingested(deployment, ingester, tree)
+    (tree / "u.py").write_text("def f_renamed():\n    return 1\n\n\ndef other():\n    return 2\n")
+    (tree / "x.py").write_text("from u import f\n\n\ndef caller():\n    return f() + 1\n")
+    await _ingested(deployment, ingester, tree, "feat")
+    rows = await deployment.fetch(
+        "SELECT symbol_fqn, metadata -> 'calls' AS calls FROM documents WHERE branch = 'feat' AND file_path = 'x.py'"
+        " AND symbol_fqn = 'x.caller'"
+    )
+    assert [r["calls"] for r in rows] == ['["u.f"]']  # unbound in the branch's tree, kept
+    for symbol in ("f", "u.f"):
+        found, relation = await callers("feat", symbol)
+        assert found == {"w.g", "x.caller"}, symbol
+        assert relation is not None
+        assert (relation.symbol_indexed, relation.defined_on_main) == (False, True)
+    found, relation = await callers("main")
+    assert found == {"w.g", "x.caller"}
+    assert relation is not None
+    assert (relation.symbol_indexed, relation.defined_on_main) == (True, None)
+    # The renamed function on the branch: nobody calls it there yet.
+    found, relation = await callers("feat", "f_renamed")
+    assert found == set()
+    assert relation is not None
+    assert (relation.symbol_indexed, relation.defined_on_main) == (True, None)
 
 
 async def test_a_branch_that_took_a_section_out_of_a_file_or_deleted_it_keeps_mains_later_changes_out(

@@ -1727,6 +1727,11 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     assert "is indexed on branch 'feat' of workspace 'acme', though main defines one" in renamed
     assert "search results for the name, which show where it is still written" in renamed
     assert "spelling" not in renamed
+    # And its callers found: the branch's code still calling main's.
+    still = on_branch.model_copy(update={"relation_matches": 1, "relation_found": 1})
+    calling = render(QueryResponse(results=[caller], _meta=still), asked)
+    assert "the first 1 results are the branch's code that still calls main's" in calling
+    assert "search results" not in calling
     # A filter that selects nothing says what the filter's values look like.
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
     assert "nothing matched objectType 'method'" in empty

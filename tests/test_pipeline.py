@@ -151,7 +151,7 @@ class ScriptedRetrieval:
     ) -> Definitions:
         return Definitions({}, self.fetch_version, found_by="file")
 
-    async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+    async def callers(self, scope: Scope, name: str, limit: int, named_on_main: bool = False) -> Definitions:
         return Definitions({}, self.fetch_version, found_by="caller")
 
     async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:

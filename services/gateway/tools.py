@@ -487,11 +487,17 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
             f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
         )
     asked = meta.relation
-    if asked is not None and not asked.symbol_indexed and asked.defined_on_main:
+    if asked is not None and not asked.symbol_indexed and asked.defined_on_main and meta.relation_matches:
         notes.append(
             f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
-            "though main defines one: the branch deleted or renamed it, and what its code still says of it is not "
-            f"read as its {asked.relation} (references resolve within the tree ingested)"
+            f"though main defines one: the branch deleted or renamed it, and the first {meta.relation_matches} "
+            f"results are the branch's code that still calls main's"
+        )
+    elif asked is not None and not asked.symbol_indexed and asked.defined_on_main:
+        notes.append(
+            f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
+            "though main defines one: the branch deleted or renamed it, and nothing its code still says of it is "
+            f"read as its {asked.relation}"
             + (": these are search results for the name, which show where it is still written" if reply.results else "")
         )
     elif asked is not None and not asked.symbol_indexed:

@@ -267,10 +267,11 @@ class DocumentStore(Protocol):
         that name first, then those holding the line, the innermost first, then the file."""
         ...
 
-    async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+    async def callers(self, scope: Scope, name: str, limit: int, named_on_main: bool = False) -> Definitions:
         """At most ``limit`` chunks of the scope whose ``metadata.calls`` names a symbol that ``name`` names (as
-        :meth:`definitions` matches it, wherever in the workspace's branch it is defined), found by ``caller``;
-        functions and methods before modules."""
+        :meth:`definitions` matches it, wherever in the workspace's branch it is defined; ``named_on_main``: on main
+        alone instead, for a symbol a branch deleted or renamed), found by ``caller``; functions and
+        methods before modules."""
         ...
 
     async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:

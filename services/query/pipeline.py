@@ -590,12 +590,14 @@ class QueryPipeline:
             return NO_DEFINITIONS
         run.read(found.version)
         if name is None and relation is not None:
-            several = len(found.named) > 1  # an agent tester's callers of three get_command, merged unsaid
             # A name the branch deleted or renamed: not to be taken for a misspelt one (an agent tester's, asking
-            # what still called the class it had renamed).
+            # what still called the class it had renamed); its callers are what still calls main's.
             on_main = (
                 not found.symbol_indexed and not scope.on_main and await self._defined_on_main(run, scope, relation[1])
             )
+            if on_main and relation[0] == CALLER:
+                found = await self._still_calling(run, scope, relation[1]) or found
+            several = len(found.named) > 1  # an agent tester's callers of three get_command, merged unsaid
             run.report(
                 relation=RelationAsked(
                     relation=RELATION_ASKED[relation[0]],
@@ -780,6 +782,17 @@ class QueryPipeline:
                 named=tuple(dict.fromkeys([*(n.rpartition(".")[0] for n in found.named), *made.named])),
             )
         return await self._related_in_graph(run, scope, relation, name)
+
+    async def _still_calling(self, run: QueryRun, scope: Scope, name: str) -> Definitions | None:
+        """The branch's chunks that still call main's symbol of that name, which the branch deleted or renamed:
+        those it left unchanged (main's calls name it) and those it changed (an ingest keeps a call of a name the
+        tree's module no longer binds). None when there are none or the lookup failed."""
+        work = self._documents.callers(scope, name, RELATIONS_READ, named_on_main=True)
+        found = await run.guarded("exactSymbol", work, reserve_s=RETRIEVAL_RESERVE_S)
+        if found is None or not found.symbols:
+            return None
+        run.read(found.version)
+        return dataclasses.replace(found, symbol_indexed=False)
 
     async def _defined_on_main(self, run: QueryRun, scope: Scope, name: str) -> bool:
         """Whether a chunk of main defines a symbol of that name (False when the lookup failed or ran out of time)."""

@@ -881,7 +881,7 @@ class PostgresDocuments:
             distances={chunk.id: place for place, chunk in enumerate(pointed)},
         )
 
-    async def callers(self, scope: Scope, name: str, limit: int) -> Definitions:
+    async def callers(self, scope: Scope, name: str, limit: int, named_on_main: bool = False) -> Definitions:
         # The chunks whose calls name one of the symbols, through documents_calls (infra/migrations/0017), whose
         # predicate the statement repeats.
         return await self._calls(
@@ -891,6 +891,7 @@ class PostgresDocuments:
             "",
             "metadata ? 'calls' AND metadata -> 'calls' ?| ARRAY(SELECT symbol_fqn FROM named_symbols)",
             "caller",
+            named_on_main,
         )
 
     async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:
@@ -914,13 +915,24 @@ class PostgresDocuments:
         )
 
     async def _calls(
-        self, scope: Scope, name: str, limit: int, more_ctes: str, condition: str, found_by: str
+        self,
+        scope: Scope,
+        name: str,
+        limit: int,
+        more_ctes: str,
+        condition: str,
+        found_by: str,
+        named_on_main: bool = False,
     ) -> Definitions:
         """The chunks of the scope meeting ``condition``, given ``named_symbols``: the symbols ``name`` names (the
-        qualified name, its calls), looked up across the branch (a filter selects the answer, not the symbol it is
-        about) and matched as definitions match them, ignoring case only when nothing matches as written."""
+        qualified name, its calls), looked up across the branch (``named_on_main``: on main alone) (a filter
+        selects the answer, not the symbol it is about) and matched as definitions match them, ignoring case only
+        when nothing matches as written."""
         async with self._snapshots.read(scope, alone=True) as snapshot:  # beside the retrievers, as definitions
-            anywhere, anywhere_parameters = where_clause(scope.unfiltered, 4, snapshot.shadowed)
+            named_in, hidden = (
+                (Scope(scope.workspace, MAIN_BRANCH), []) if named_on_main else (scope.unfiltered, snapshot.shadowed)
+            )
+            anywhere, anywhere_parameters = where_clause(named_in, 4, hidden)
             where, parameters = where_clause(scope, 4 + len(anywhere_parameters), snapshot.shadowed)
             # A name a chunk assigns at its level (jinja2's `concat = "".join`) is a symbol too, matched as
             # written, as definitions match it: an agent tester's "what calls concat" took the class Concat,

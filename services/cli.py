@@ -1310,7 +1310,13 @@ def demo(
     from .demo import run_demo
 
     settings = _settings("ontofabric-demo", quiet=True)
-    timings = run_demo(settings, console, keep)
+    try:
+        with _sigterm_as_interrupt():  # a supervisor's stop, as Ctrl-C: servers stopped, the directory removed
+            timings = run_demo(settings, console, keep)
+    except KeyboardInterrupt:
+        kept = "kept (--keep)" if keep else "removed"
+        errors.print(f"interrupted: the demo's servers are stopped and its data directory {kept}", soft_wrap=True)
+        raise _interrupted() from None
     report = timings.ingest
     console.rule("[bold]summary[/bold]")
     console.print(

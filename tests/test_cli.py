@@ -458,6 +458,32 @@ def test_demo_runs_and_exits_zero() -> None:
     assert "demo wall time" in result.stdout
 
 
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_demo_stopped_removes_its_data_directory(stop: signal.Signals, code: int) -> None:
+    """A fresh-install tester's: SIGTERM (a supervisor's stop, `timeout`'s) ended the demo before it removed its
+    data directory (47 MB, a password file among them); Ctrl-C removed it."""
+    demo = subprocess.Popen(
+        [ONTOFABRIC, "demo"], env=_env(ONTOFABRIC_EMBEDDER="none", PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal sends it
+    )  # fmt: skip
+    assert demo.stdout is not None
+    try:
+        line = demo.stdout.readline()
+        found = re.search(r"Fresh data directory (\S+)", line)
+        assert found is not None, line
+        data_dir = Path(found.group(1))
+        time.sleep(3)  # the servers starting
+        demo.send_signal(stop)
+        _, stderr = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode == code, stderr
+    assert "interrupted: the demo's servers are stopped and its data directory removed" in " ".join(stderr.split())
+    assert not data_dir.exists()
+    assert "Traceback" not in stderr
+
+
 def test_settings_piped_at_80_columns_name_every_variable_whole() -> None:
     """A tester's: piped, 80 of 103 names ended in an ellipsis (ONTOFABRIC_NATS_CONNECT…)."""
     shown = subprocess.run(

@@ -85,7 +85,7 @@ class LruCache(Generic[K, V]):
 class LruMemo(Generic[K, V]):
     """An :class:`LruCache` of entries made when first asked, one making per key at a time: those asking for an
     entry being made wait for it (a new version's first answers, arriving together, each read the same rows: a
-    review's). When its making fails or is cancelled, they make it themselves."""
+    review's). When its making fails, they fail with its error; when it is cancelled, they make it themselves."""
 
     def __init__(self, max_entries: int) -> None:
         self._made: LruCache[K, V] = LruCache(max_entries)
@@ -109,8 +109,12 @@ class LruMemo(Generic[K, V]):
         self._making[key] = making
         try:
             value = await make()
+        except Exception as error:  # those waiting fail with it, at once (one by one, each read timed out in turn)
+            making.set_exception(error)
+            making.exception()  # read: unread by any waiter, it would be logged as never retrieved
+            raise
         except BaseException:
-            making.cancel()  # those waiting make it themselves; a cancelled future leaves no unread error
+            making.cancel()  # the maker's own answer gave up: those waiting make it themselves
             raise
         finally:
             del self._making[key]

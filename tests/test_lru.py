@@ -59,7 +59,7 @@ async def test_a_memo_makes_an_entry_once_for_those_asking_together() -> None:
     assert await memo.get("v1", lambda: make("again")) == 1  # kept
 
 
-async def test_when_the_making_fails_or_is_cancelled_a_waiting_asker_makes_it() -> None:
+async def test_when_the_making_is_cancelled_a_waiting_asker_makes_it_and_when_it_fails_they_fail() -> None:
     memo: LruMemo[str, str] = LruMemo(4)
     started = asyncio.Event()
 
@@ -68,9 +68,11 @@ async def test_when_the_making_fails_or_is_cancelled_a_waiting_asker_makes_it() 
         await asyncio.sleep(3600)
         return "never"
 
+    fail = asyncio.Event()
+
     async def fails() -> str:
         started.set()
-        await asyncio.sleep(0)
+        await fail.wait()
         raise ConnectionError("the database went away")
 
     async def made() -> str:
@@ -85,13 +87,20 @@ async def test_when_the_making_fails_or_is_cancelled_a_waiting_asker_makes_it() 
     with pytest.raises(asyncio.CancelledError):
         await first
 
+    # A failed making fails those waiting for it at once (a review's: each made it in turn, its timeout added),
+    # and the next asker makes it again.
     started.clear()
     failing = asyncio.create_task(memo.get("j", fails))
     await started.wait()
-    waiting = asyncio.create_task(memo.get("j", made))
+    waiting = [asyncio.create_task(memo.get("j", made)) for _ in range(3)]
+    await asyncio.sleep(0)  # each waiting
+    fail.set()
     with pytest.raises(ConnectionError):
         await failing
-    assert await waiting == "made"
+    for waiter in waiting:
+        with pytest.raises(ConnectionError):
+            await waiter
+    assert await memo.get("j", made) == "made"
 
     # A waiter cancelled itself is cancelled, and the making goes on for the others.
     release = asyncio.Event()

@@ -163,7 +163,10 @@ class DeltaWatch:
 
     async def stop(self) -> None:
         if self._following is not None:
+            # Ended before it returns: a look still running read the databases' pools as they closed (a warning at
+            # every interrupted demo).
             self._following.cancel()
+            await asyncio.wait([self._following])
             self._following = None
         if self._subscription is not None:
             await self._subscription.unsubscribe()

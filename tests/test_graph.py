@@ -453,25 +453,34 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
 
 
 def test_a_call_of_a_name_a_module_of_the_tree_no_longer_binds_is_kept_under_that_modules_name() -> None:
-    """What a branch deleted or renamed, still called: "what calls it" reads these (note 90's)."""
+    """What a branch deleted, renamed or moved, still called: "what calls it" reads these (note 90's). A name a
+    module may bind in any way is not one it no longer binds (a review's)."""
     from ontofabric.services.ingest.graph import python_calls
 
     sources = {
         "pkg/__init__.py": "",
-        "pkg/mod.py": "from os.path import join\nfrom .more import *\nALIAS = join\nVALUE = 1\n\n\ndef kept():\n"
-        "    pass\n",
+        "pkg/mod.py": (
+            "from os.path import join\nfrom .more import *\nALIAS = join\nVALUE = 1\n__all__ = ['listed']\n"
+            "for looped in range(2):\n    pass\nwith open('x') as opened:\n    pass\n\n\n"
+            "def kept():\n    global late\n    late = 1\n"
+        ),
         "pkg/more.py": "def starred():\n    pass\n",
         "pkg/lazy.py": "def __getattr__(name):\n    return name\n",
+        "pkg/lazier.py": "from ._lazy import module_getattr as __getattr__\n",
+        "pkg/fast.py": "from ._speedups import *\n",
+        "pkg/dyn.py": "globals().update({'made': 1})\n",
         "pkg/sub/__init__.py": "",
         "pkg/use.py": (
-            "from pkg.mod import gone, join, ALIAS, VALUE, starred, kept\n"
-            "from pkg import mod, sub\n"
+            "from pkg.mod import gone, join, ALIAS, VALUE, starred, kept, listed, looped, opened, late\n"
+            "from pkg import mod, sub, lazier, fast, dyn\n"
             "from pkg.lazy import anything\n"
+            "from pkg.moved import f\n"
             "from os.path import nothing\n"
             "from numpy.mod import gone as other\n\n\n"
             "def caller():\n"
             "    gone(); mod.also_gone(); join(); ALIAS(); VALUE(); starred(); kept(); sub(); anything(); nothing()\n"
-            "    other()\n"
+            "    other(); listed(); looped(); opened(); late(); lazier.x(); fast.y(); dyn.made(); f()\n\n\n"
+            "def shadowing(mod):\n    mod.update()\n"
         ),
     }
     calls = _by_name(python_calls(sources))
@@ -482,7 +491,16 @@ def test_a_call_of_a_name_a_module_of_the_tree_no_longer_binds_is_kept_under_tha
         "pkg.mod.gone",
         "pkg.mod.kept",
         "pkg.more.starred",
+        "pkg.moved.f",  # a module of the tree's package that is gone
     )
+    assert ("pkg/use.py", "pkg.use.shadowing") not in calls
+    # Imports naming the tree through a package prefix it does not hold, as the resolver reads them.
+    prefixed = {
+        "services/__init__.py": "",
+        "services/u.py": "def kept():\n    pass\n",
+        "services/w.py": "from ontofabric.services.u import gone\n\n\ndef g():\n    gone()\n",
+    }
+    assert _by_name(python_calls(prefixed)) == {("services/w.py", "services.w.g"): ("services.u.gone",)}
 
 
 def test_a_call_through_a_parameter_annotated_with_a_class_of_the_tree_calls_its_method() -> None:

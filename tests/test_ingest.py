@@ -172,11 +172,19 @@ async def test_ingest_publishes_only_what_changed(
     assert (await ingester.ingest(tmp_path, "repo")).upserts == 0  # the calls read the same: nothing goes again
     (tmp_path / "pkg/shapes.py").write_text("class Disc:\n    def area(self, r):\n        return 3.14159 * r * r\n")
     renamed = await ingester.ingest(tmp_path, "repo")
-    # shapes.py's file, class and method; and make, whose text is as it was but whose call no longer resolves.
-    assert (renamed.upserts, renamed.deletes) == (4, 2)
+    # shapes.py's file, class and method. Not make: it still calls pkg.shapes.Circle, a name shapes.py no longer
+    # binds (what a branch renaming Circle asks the callers of: note 90's).
+    assert (renamed.upserts, renamed.deletes) == (3, 2)
     assert renamed.last_sequence is not None
     await deployment.wait_projected(renamed.last_sequence)
-    assert [r["calls"] for r in await deployment.fetch(calls)] == [None]
+    assert [r["calls"] for r in await deployment.fetch(calls)] == ['["pkg.shapes.Circle"]']
+    # Moved where make's import still finds it (shapes.py imports it in turn): its call moves with it.
+    (tmp_path / "pkg/round.py").write_text("class Circle:\n    pass\n")
+    (tmp_path / "pkg/shapes.py").write_text("from .round import Circle\n")
+    moved = await ingester.ingest(tmp_path, "repo")
+    assert moved.last_sequence is not None
+    await deployment.wait_projected(moved.last_sequence)
+    assert [r["calls"] for r in await deployment.fetch(calls)] == ['["pkg.round.Circle"]']
 
 
 async def test_a_branch_publishes_only_what_differs_from_main(

@@ -89,6 +89,7 @@ class _Resolver:
         self._deepest = max((name.count(".") + 1 for name in modules), default=0)
         self._published: dict[str, dict[str, None]] = {}
         self._starred: dict[str, dict[str, _Module]] = {}
+        self._bound_anywhere: dict[str, frozenset[str]] = {}
 
     def published(self, module: _Module) -> dict[str, None]:
         """The names ``from module import *`` takes, in order: its ``__all__``, else its top-level names without
@@ -226,10 +227,11 @@ class _Resolver:
         return self.symbol_fqn(target, node.attr, hops, values) if target is not None else None
 
     def unbound(self, module: _Module, node: ast.expr) -> str | None:
-        """``name`` (``from pkg.mod import name``) or ``mod.name`` (``mod`` a module imported by its whole name) as
-        ``pkg.mod.name``, when that module of the tree binds no such name at all: code still calling what a branch
-        deleted or renamed there (an agent tester's "what still calls the class I renamed" found nothing). A module
-        with a ``__getattr__`` may make any name: none is taken as unbound."""
+        """``name`` (``from pkg.mod import name``) or ``mod.name`` (``mod`` a module imported by its name) as
+        ``pkg.mod.name``, when the tree holds that module and nothing in it binds such a name, or when the tree's
+        own package holds no such module (moved or deleted): code still calling what a branch deleted, renamed or
+        moved (an agent tester's "what still calls the class I renamed" found nothing). A module that may make
+        any name (a ``__getattr__``, ``globals()``, a ``*`` import from outside the tree) leaves none unbound."""
         written: str | None = None
         name: str | None = None
         if isinstance(node, ast.Name) and node.id in module.imports:
@@ -239,20 +241,37 @@ class _Resolver:
             imported = self.imported_as(module, head)
             written = None if imported is None else f"{imported}.{rest}" if rest else imported
             name = node.attr
-        # By its whole name only: another project's `numpy.core` is not the tree's `core`.
-        target = self._modules.get(written) if written is not None else None
-        if target is None or target is module or name is None:
+        if written is None or name is None:
             return None
-        bound = (
-            name in target.defs
-            or name in target.imports
-            or name in target.assigned
-            or name in target.values
-            or name in self.starred(target)
-            or "__getattr__" in target.defs
-            or f"{target.fqn}.{name}" in self._modules
+        target = self.module(written)
+        if target is not None and target.fqn != written and "." not in target.fqn:
+            target = None  # by a last part alone: another project's `numpy.core` is not the tree's `core`
+        if target is None:
+            # A module of the tree's own package that is gone (its top-level package is the tree's): moved or
+            # deleted; another project's module is no call of the tree's.
+            top = written.partition(".")[0]
+            own = "." in written and any(fqn == top or fqn.startswith(f"{top}.") for fqn in self._modules)
+            return f"{written}.{name}" if own and written not in self._modules else None
+        if target is module or self._binds(target, name):
+            return None
+        return f"{target.fqn}.{name}"
+
+    def _binds(self, module: _Module, name: str) -> bool:
+        """Whether ``module`` may bind ``name``: it defines, imports, assigns or publishes it anywhere (a function's
+        ``global``, a loop's target, ``__all__``), has a submodule of that name, or may make any name."""
+        bound = self._bound_anywhere.get(module.fqn)
+        if bound is None:
+            bound = self._bound_anywhere[module.fqn] = _bound_anywhere(module, self._star_outside(module))
+        return name in bound or "*" in bound or name in self.starred(module) or f"{module.fqn}.{name}" in self._modules
+
+    def _star_outside(self, module: _Module) -> bool:
+        """Whether ``module`` takes every name of a module outside the tree (``from ._speedups import *``)."""
+        return any(
+            isinstance(node, ast.ImportFrom)
+            and any(alias.name == "*" for alias in node.names)
+            and self.absolute(module, node.module or "", node.level) not in self._modules
+            for node in ast.walk(module.tree)
         )
-        return None if bound else f"{target.fqn}.{name}"
 
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
@@ -271,6 +290,35 @@ class _Resolver:
             # re-exports it (an agent tester's anyio: 24 backend classes derived from no type of the tree).
             return self.symbol(target, node.attr)
         return None
+
+
+def _bound_anywhere(module: _Module, star_outside: bool) -> frozenset[str]:
+    """Every name a module's code binds anywhere (a store, a ``def`` or ``class``, an import, ``global``,
+    ``except ... as``, a ``match`` capture, ``__all__``), and ``*`` when it may make any name (a ``__getattr__``,
+    ``globals()`` or ``vars()``, ``sys.modules`` written, a ``*`` import from outside the tree): more than it
+    binds at its top level, so that a name it may bind is never taken for one it does not."""
+    names: set[str] = {*(module.public or ()), *(["*"] if star_outside else [])}
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Store | ast.Del):
+                names.add(node.id)
+            elif node.id in ("globals", "vars"):
+                names.add("*")
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            names.update(node.names)
+        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        elif isinstance(node, ast.Attribute) and node.attr == "modules" and _dotted(node) == "sys.modules":
+            names.add("*")
+    if "__getattr__" in names:
+        names.add("*")
+    return frozenset(names)
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -769,7 +817,10 @@ def python_calls(
                         # A bare `raise b.Error` is a call made here, of no node of the tree: where its class is.
                         scope = scope_of.get(id(call), scope_of.get(id(call.func), function))
                         typed = typed_of(module, scope, scope_of, read, owner)
-                    target = callee(module, call.func, self_class, typed) or resolver.unbound(module, call.func)
+                    target = callee(module, call.func, self_class, typed)
+                    head = (_dotted(call.func) or "").partition(".")[0]
+                    if target is None and not (inside and head in shadowed):  # `def f(mod): mod.x()`: no module's
+                        target = resolver.unbound(module, call.func)
                     if target is not None and target != fqn:
                         found.add(target)
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}

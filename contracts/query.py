@@ -441,8 +441,9 @@ class RelationAsked(WireModel):
         exclude_if=lambda defined: defined is None,
         description="Sent (true) on a branch when symbolIndexed is false and main defines a symbol of this name: "
         "the branch deleted or renamed it. Asked for its callers, the answer holds the branch's code that still calls "
-        "main's symbol (relationMatches of them); its other relations are not read, and the search results for the "
-        "name show where it is still written.",
+        "main's symbol by a name it imports (relationMatches of them; not a method called through self or an "
+        "instance); its other relations are not read, and the search results for the name show where it is still "
+        "written.",
     )
 
 

@@ -380,9 +380,16 @@ async def test_the_callers_of_what_a_branch_deleted_are_its_code_still_calling_m
     in files it changed (whose calls an ingest resolved within the branch's tree, where the name is gone)."""
     tree = tmp_path / "tree"
     tree.mkdir()
-    (tree / "u.py").write_text("def f():\n    return 1\n\n\ndef other():\n    return 2\n")
-    (tree / "w.py").write_text("import u\n\n\ndef g():\n    return u.f()\n")
+    (tree / "u.py").write_text(
+        "def f():\n    return 1\n\n\ndef other():\n    return 2\n\n\nclass Foo:\n    def __init__(self):\n"
+        "        pass\n"
+    )
+    (tree / "w.py").write_text("import u\n\n\ndef g():\n    return u.f()\n\n\ndef mk():\n    return u.Foo()\n")
     (tree / "x.py").write_text("from u import f\n\n\ndef caller():\n    return f()\n")
+    (tree / "pkg").mkdir()
+    (tree / "pkg" / "__init__.py").write_text("")
+    (tree / "pkg" / "old.py").write_text("def h():\n    return 3\n")
+    (tree / "y.py").write_text("from pkg.old import h\n\n\ndef k():\n    return h()\n")
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
 
     async def callers(branch: str, symbol: str = "f") -> tuple[set[str], RelationAsked | None]:
@@ -395,6 +402,7 @@ async def test_the_callers_of_what_a_branch_deleted_are_its_code_still_calling_m
     await _ingested(deployment, ingester, tree)
     (tree / "u.py").write_text("def f_renamed():\n    return 1\n\n\ndef other():\n    return 2\n")
     (tree / "x.py").write_text("from u import f\n\n\ndef caller():\n    return f() + 1\n")
+    (tree / "pkg" / "old.py").rename(tree / "pkg" / "new.py")  # moved, y.py unchanged
     await _ingested(deployment, ingester, tree, "feat")
     rows = await deployment.fetch(
         "SELECT symbol_fqn, metadata -> 'calls' AS calls FROM documents WHERE branch = 'feat' AND file_path = 'x.py'"
@@ -410,6 +418,13 @@ async def test_the_callers_of_what_a_branch_deleted_are_its_code_still_calling_m
     assert found == {"w.g", "x.caller"}
     assert relation is not None
     assert (relation.symbol_indexed, relation.defined_on_main) == (True, None)
+    # A class's constructor the branch deleted with its class: the class's callers (a review's).
+    assert (await callers("feat", "Foo.__init__"))[0] == {"w.mk"}
+    # A function whose module the branch moved, asked by its qualified name (the branch defines h elsewhere).
+    found, relation = await callers("feat", "pkg.old.h")
+    assert found == {"y.k"}
+    assert relation is not None
+    assert (relation.symbol_indexed, relation.defined_on_main) == (False, True)
     # The renamed function on the branch: nobody calls it there yet.
     found, relation = await callers("feat", "f_renamed")
     assert found == set()

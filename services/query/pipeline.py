@@ -786,12 +786,21 @@ class QueryPipeline:
     async def _still_calling(self, run: QueryRun, scope: Scope, name: str) -> Definitions | None:
         """The branch's chunks that still call main's symbol of that name, which the branch deleted or renamed:
         those it left unchanged (main's calls name it) and those it changed (an ingest keeps a call of a name the
-        tree's module no longer binds). None when there are none or the lookup failed."""
-        work = self._documents.callers(scope, name, RELATIONS_READ, named_on_main=True)
-        found = await run.guarded("exactSymbol", work, reserve_s=RETRIEVAL_RESERVE_S)
+        tree's module no longer binds, :meth:`graph._Resolver.unbound`); a constructor's are its class's (a
+        review's). None when there are none or the lookup failed."""
+        owner, _, member = name.rpartition(".")
+        found: Definitions | None = None
+        for called in [name, owner] if owner and member in CONSTRUCTORS else [name]:
+            work = self._documents.callers(scope, called, RELATIONS_READ, named_on_main=True)
+            more = await run.guarded("exactSymbol", work, reserve_s=RETRIEVAL_RESERVE_S)
+            if more is None:
+                return None
+            run.read(more.version)
+            found = more if found is None else dataclasses.replace(
+                found, symbols=found.symbols | more.symbols, modules=found.modules | more.modules
+            )  # fmt: skip
         if found is None or not found.symbols:
             return None
-        run.read(found.version)
         return dataclasses.replace(found, symbol_indexed=False)
 
     async def _defined_on_main(self, run: QueryRun, scope: Scope, name: str) -> bool:

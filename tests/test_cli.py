@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.shared.db import migrate
+from ontofabric.shared.logging import LOG_LINES_PER_WINDOW
 from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
@@ -801,6 +802,19 @@ async def test_a_database_a_newer_release_migrated_is_said_to_be_so(deployment: 
         await deployment.fetch("DELETE FROM schema_migrations WHERE version = 9999")
     (said,) = [entry for entry in logged if entry["event"] == "database_of_a_newer_release"]
     assert said["unknown_migrations"] == [9999]
+
+
+async def test_a_fresh_databases_migrations_are_logged_in_one_line_too(deployment: Deployment) -> None:
+    """A fresh-install tester's: the log's limit of 20 lines an event in 10 s kept 20 of 33 `migration_applied`
+    lines, and nothing said the rest were applied."""
+    try:
+        with capture_logs() as logged:
+            done = await migrate(deployment.database_url, deployment.settings, schema="fresh_probe")
+        (said,) = [entry for entry in logged if entry["event"] == "migrations_applied"]
+        assert (said["count"], said["first"], said["last"]) == (len(done), done[0], done[-1])
+        assert len(done) > LOG_LINES_PER_WINDOW
+    finally:
+        await deployment.fetch("DROP SCHEMA IF EXISTS fresh_probe CASCADE")
 
 
 def test_contracts_write_refuses_an_installed_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

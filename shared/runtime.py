@@ -698,6 +698,8 @@ def _postgres_user() -> str | None:
                 f"{POSTGRES_SYSTEM_USER!r} failed ({result.stderr.strip()}); run as a regular user "
                 "or set ONTOFABRIC_DATABASE_URL"
             ) from None
+        # A change to the host, said as the permissions granted are (a fresh-install tester's found it unsaid).
+        log.warning("created_system_user", user=POSTGRES_SYSTEM_USER, reason="embedded postgres refuses root")
     return POSTGRES_SYSTEM_USER
 
 

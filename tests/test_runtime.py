@@ -332,3 +332,18 @@ def test_the_store_watch_reopens_stores_only_for_room_and_not_again_at_once(
     assert watch.look() == []
     errors["n"] = "JetStream stream '$G > S' write error: write /x/3.blk: no space left on device"
     assert watch.look() == ["n"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates a system user: as root only")
+def test_the_system_user_made_for_postgres_is_logged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-install tester's: run as root, the user PostgreSQL runs as was created without a word, where the
+    README says each change to the host is logged."""
+    name = f"oftest{os.getpid() % 100_000}"
+    monkeypatch.setattr(runtime, "POSTGRES_SYSTEM_USER", name)
+    try:
+        with structlog.testing.capture_logs() as logged:
+            assert runtime._postgres_user() == name
+            assert runtime._postgres_user() == name  # there now: said once
+        assert [(e["event"], e["user"]) for e in logged] == [("created_system_user", name)]
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, check=False)

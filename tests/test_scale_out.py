@@ -26,7 +26,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.services.render import standing_by
-from ontofabric.shared.discovery import INSTANCE, Worker, held_elsewhere, remembered_peers
+from ontofabric.shared.discovery import DISCOVERY_WAIT_S, INSTANCE, Worker, held_elsewhere, remembered_peers
 from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
@@ -400,6 +400,27 @@ async def test_a_projector_whose_discovery_ping_reaches_nobody_says_so(
         await service.start()
         await service.stop()
     assert [entry["event"] for entry in logged].count("projector_peers_unknown") == 1
+
+
+async def test_a_projector_whose_own_answer_is_late_once_asks_again_before_it_says_so(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh-install tester's demo said `projector_peers_unknown` once in six runs: its own answer came after
+    the ping's half second, its event loop busy embedding. The first ping here hears nobody, the next hears all."""
+    real = projector_worker.discover
+    pings: list[float] = []
+
+    async def first_late(nc: object, name: str, wait_s: float = DISCOVERY_WAIT_S) -> list[Worker]:
+        pings.append(wait_s)
+        return [] if len(pings) == 1 else await real(nc, name, wait_s)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(projector_worker, "discover", first_late)
+    service = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    with structlog.testing.capture_logs() as logged:
+        await service.start()
+        await service.stop()
+    assert pings[:2] == [DISCOVERY_WAIT_S, 2 * DISCOVERY_WAIT_S]
+    assert "projector_peers_unknown" not in [entry["event"] for entry in logged]
 
 
 @contextlib.asynccontextmanager

@@ -30,6 +30,7 @@ from ontofabric.shared.db import (
     wait_until_migrated,
 )
 from ontofabric.shared.discovery import (
+    DISCOVERY_WAIT_S,
     INSTANCE,
     Announcement,
     Worker,
@@ -237,6 +238,10 @@ class ProjectorService:
         durables = self._durables
         now = time.monotonic()
         answered = await discover(nc, names.projector_service)
+        if not any(worker.id == service.id for worker in answered):
+            # Its own answer late (its event loop busy: one demo in six said no peer could be known): once more,
+            # longer, before it is read as unheard.
+            answered = await discover(nc, names.projector_service, 2 * DISCOVERY_WAIT_S)
         # Away past the lease, between looks or during this one (what it saw is then stale): a standby may have
         # taken over. It gives its seniority up, and the next look decides.
         gaps = [time.monotonic() - now, 0.0 if self._last_look is None else now - self._last_look]

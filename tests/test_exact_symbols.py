@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from ontofabric.services.gateway.tools import answer_notes, render
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query import pipeline as pipeline_module
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.fusion import Fused, SourceHit
 from ontofabric.services.query.names import match_quality
@@ -970,6 +972,36 @@ async def test_a_pasted_message_finds_the_code_writing_it_through_the_real_path(
     ]:
         reply = await ask(text, **params)
         assert (placed(reply), reply.meta.exact_symbol_matches) == ([], 0), (text, _names(reply))
+
+
+async def test_a_pasted_message_is_read_within_a_budget_of_cpu_not_of_wall_time(
+    deployment: Deployment,
+    projector: ProjectorService,
+    embedder: Embedder,
+    start_query_worker: Start,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flake hunter's: the read of the candidates' literals stopped at 100 ms of wall time, so a loaded host (the
+    thread waiting for a core) left the writer unread when others came first. Here the first chunk read stalls the
+    thread for longer than the budget, without spending it: the others are read all the same."""
+    await _projected(deployment, embedder, tmp_path / "errors", ERRORS, "errors")
+    await start_query_worker(embedder, query_cache_entries=0)
+    read = pipeline_module.written_by
+    names_read: list[str] = []
+
+    def stalling(message: str, source: str, name: str = "", until: float | None = None) -> float:
+        if not names_read:
+            time.sleep(1.5 * pipeline_module.MESSAGE_READ_S)  # waiting, as for a core: no CPU spent
+        names_read.append(name)
+        return read(message, source, name, until)
+
+    monkeypatch.setattr(pipeline_module, "written_by", stalling)
+    text = "RuntimeError: Expected ASGI message 'http.response.start', but got 'http.response.body'."
+    reply = await _ask(QueryClient(deployment.nc, deployment.names), text, "errors")
+    assert {"errors.notes.explain", "errors.server.Protocol.send"} <= set(names_read)
+    writers = [str(r.metadata.get("symbolFqn")) for r in reply.results if MESSAGE in {f.retriever for f in r.found_by}]
+    assert writers == ["errors.server.Protocol.send"], _names(reply)
 
 
 async def test_a_relation_shows_as_many_as_the_largest_top_k_asks(

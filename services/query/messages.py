@@ -322,7 +322,8 @@ def written_by(message: str, source: str, name: str = "", until: float | None = 
     source does not write this message. A source holding no two of the message's words in a row, one of them not
     a :data:`COMMON_WORDS`, is not read: the template's own text holds such a pair. ``name``: the chunk's qualified
     name, for a template of the interpreter's own words (:func:`_the_interpreters`); ``until``: a
-    ``time.monotonic()`` past which no more of its templates are compared (a review's chunk took 11 s)."""
+    ``time.thread_time()`` (this thread's CPU) past which no more of its templates are compared (a review's chunk
+    took 11 s)."""
     words = " ".join(message.split()).casefold().split(" ")
     pairs = [pair for pair in itertools.pairwise(words) if not COMMON_WORDS.issuperset(pair)]
     if not pairs and len(words) > 1:
@@ -344,7 +345,7 @@ def written_by(message: str, source: str, name: str = "", until: float | None = 
     best, compared = 0.0, 0
     for template in dict.fromkeys(found):
         compared += len(template)
-        if compared > MAX_COMPARED_CHARS or (until is not None and time.monotonic() > until):
+        if compared > MAX_COMPARED_CHARS or (until is not None and time.thread_time() > until):
             break
         share = share_written(message, template)
         if share > best and not (_the_interpreters(template) and not _names_a_value(message, template, source, name)):

@@ -123,7 +123,8 @@ MESSAGE_CANDIDATES = 50
 """The leading candidates of keyword search (of every retriever, where it did not run) whose code is read for a
 pasted message's template."""
 MESSAGE_READ_S = 0.1
-"""The most time spent reading those chunks' literals (about 10 ms at the median over three installed libraries)."""
+"""The most CPU time spent reading those chunks' literals (about 10 ms at the median over three installed
+libraries)."""
 RETRIEVAL_RESERVE_S = 0.02
 REFINEMENT_RESERVE_S = 0.01
 
@@ -647,11 +648,12 @@ class QueryPipeline:
         }
 
         def read() -> dict[str, float]:
-            # Within a budget: a thread cannot be cut at the deadline, and holds the interpreter's lock between
-            # its own waits (the chunks read past it are not looked at).
-            until, shares = time.monotonic() + MESSAGE_READ_S, {}
+            # Within a budget of this thread's CPU: a thread cannot be cut at the deadline, and holds the
+            # interpreter's lock between its own waits (the chunks read past it are not looked at). Not of wall
+            # time: on a loaded host the time waited for a core or the lock would cut the read short.
+            until, shares = time.thread_time() + MESSAGE_READ_S, {}
             for doc_id, document in code.items():
-                if time.monotonic() > until:
+                if time.thread_time() > until:
                     break
                 shares[doc_id] = written_by(
                     message.text, document.content, str(document.metadata.get("symbolFqn") or ""), until

@@ -425,6 +425,13 @@ async def test_the_callers_of_what_a_branch_deleted_are_its_code_still_calling_m
     assert found == {"y.k"}
     assert relation is not None
     assert (relation.symbol_indexed, relation.defined_on_main) == (False, True)
+    # And the module's importers: y.py, unchanged, still imports it (an agent tester's moved module lost them all).
+    asked = {"relatedTo": {"relation": "importers", "symbol": "pkg.old"}, "branch": "feat", "topK": 20}
+    importers = await worker.query("acme", asked)
+    assert isinstance(importers, QueryResponse), importers
+    assert {r.metadata["symbolFqn"] for r in importers.results if "importer" in {f.retriever for f in r.found_by}} == {
+        "y"
+    }
     # The renamed function on the branch: nobody calls it there yet.
     found, relation = await callers("feat", "f_renamed")
     assert found == set()

@@ -276,6 +276,24 @@ async def test_graph_cache_loads_once_per_version() -> None:
     assert len(loads) == 5
 
 
+def test_an_import_of_a_module_of_the_trees_package_that_is_gone_is_still_a_link() -> None:
+    """An agent tester's: a branch moved a module, and every importer it left unchanged lost its link (and so was
+    no longer among the module's importers). Another project's module stays no link."""
+    _, links = python_graph(
+        {
+            "pkg/__init__.py": "",
+            "pkg/here.py": "X = 1\n",
+            "pkg/use.py": "from pkg.gone import f\nimport pkg.also_gone\nfrom . import here\nimport numpy.gone\n",
+        }
+    )
+    assert {link for link in links if link.source_type == "pkg.use"} == {
+        GraphLink("pkg.use", "imports", "pkg.gone"),
+        GraphLink("pkg.use", "imports", "pkg.also_gone"),
+        GraphLink("pkg.use", "imports", "pkg"),
+        GraphLink("pkg.use", "imports", "pkg.here"),
+    }
+
+
 def test_a_base_written_through_a_package_that_re_exports_it_is_the_trees_class() -> None:
     """An agent tester's anyio: `class TaskGroup(abc.TaskGroup)` after `from .. import abc`, whose __init__
     re-exports the class from `abc._tasks`, was taken for an outside base named `abc.TaskGroup`, so "what

@@ -247,14 +247,19 @@ class _Resolver:
         if target is not None and target.fqn != written and "." not in target.fqn:
             target = None  # by a last part alone: another project's `numpy.core` is not the tree's `core`
         if target is None:
-            # A module of the tree's own package that is gone (its top-level package is the tree's): moved or
-            # deleted; another project's module is no call of the tree's.
-            top = written.partition(".")[0]
-            own = "." in written and any(fqn == top or fqn.startswith(f"{top}.") for fqn in self._modules)
-            return f"{written}.{name}" if own and written not in self._modules else None
+            gone = self.gone_module(written)
+            return None if gone is None else f"{gone}.{name}"
         if target is module or self._binds(target, name):
             return None
         return f"{target.fqn}.{name}"
+
+    def gone_module(self, written: str) -> str | None:
+        """``written``, a dotted module name the tree does not hold, when it is of the tree's own package (its
+        top-level package is the tree's): a module moved or deleted (a branch's), not another project's."""
+        if "." not in written or self.module(written) is not None:
+            return None
+        top = written.partition(".")[0]
+        return written if any(fqn == top or fqn.startswith(f"{top}.") for fqn in self._modules) else None
 
     def _binds(self, module: _Module, name: str) -> bool:
         """Whether ``module`` may bind ``name``: it defines, imports, assigns or publishes it anywhere (a function's
@@ -456,6 +461,14 @@ def python_graph(
         if target is not None and target != source and target in nodes and source in nodes:
             links.add(GraphLink(source, name, target))
 
+    def gone(module: _Module, written: str) -> None:
+        """An import of a module of the tree's own package that the tree no longer holds (a branch moved or
+        deleted it): still a link, as main's was, so that its importers stay (an agent tester's moved module lost
+        every importer on the branch, its unchanged files' among them)."""
+        missing = resolver.gone_module(written)
+        if missing is not None and module.object_type in nodes:
+            links.add(GraphLink(module.object_type, IMPORTS, object_type_name(missing)))
+
     for module in modules.values():
         nodes[module.object_type] = GraphNode(*_split(module.object_type), kind="module")
         for qualname, cls in _classes(module.tree.body):
@@ -471,10 +484,12 @@ def python_graph(
                 for alias in found.names:
                     target = resolver.module(alias.name)
                     link(module.object_type, IMPORTS, target.object_type if target else None)
+                    gone(module, alias.name)
             elif isinstance(found, ast.ImportFrom):
                 written = resolver.absolute(module, found.module or "", found.level)
                 target = resolver.module(written)
                 link(module.object_type, IMPORTS, target.object_type if target else None)
+                gone(module, written)
                 for alias in found.names:
                     submodule = resolver.module(f"{written}.{alias.name}")
                     if submodule is not None and target is not None and submodule.fqn.startswith(target.fqn):

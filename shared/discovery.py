@@ -249,6 +249,10 @@ async def discover(nc: Client, name: str, wait_s: float = DISCOVERY_WAIT_S) -> l
                 replies.append(await subscription.next_msg(timeout=left))
             except NatsTimeoutError:
                 break
+        # And those already read off the socket: a loop stalled past the deadline found them queued, dropped (a
+        # flake hunter's reading: a status would see no worker answering).
+        while subscription.pending_msgs:
+            replies.append(await subscription.next_msg(timeout=DISCOVERY_WAIT_S))
     finally:
         await subscription.unsubscribe()
     workers = []

@@ -11,8 +11,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import nats.errors
 import pytest
 import structlog
 
@@ -26,7 +28,14 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService
 from ontofabric.services.render import standing_by
-from ontofabric.shared.discovery import DISCOVERY_WAIT_S, INSTANCE, Worker, held_elsewhere, remembered_peers
+from ontofabric.shared.discovery import (
+    DISCOVERY_WAIT_S,
+    INSTANCE,
+    Worker,
+    discover,
+    held_elsewhere,
+    remembered_peers,
+)
 from ontofabric.shared.jetstream import ack_floor, projected_floor
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import (
@@ -421,6 +430,34 @@ async def test_a_projector_whose_own_answer_is_late_once_asks_again_before_it_sa
         await service.stop()
     assert pings[:2] == [DISCOVERY_WAIT_S, 2 * DISCOVERY_WAIT_S]
     assert "projector_peers_unknown" not in [entry["event"] for entry in logged]
+
+
+async def test_discovery_keeps_the_answers_already_read_when_its_loop_ran_past_the_wait(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flake hunter's reading: an event loop that stalls past the ping's wait found the answers queued and
+    dropped them. Here the answers are read off the socket while the wait runs out, before discovery takes one."""
+    nc = deployment.nc
+    subscribe = nc.subscribe
+
+    async def stalling_subscription(*args: Any, **kwargs: Any) -> Any:
+        subscription = await subscribe(*args, **kwargs)
+
+        async def late(**_: Any) -> Any:  # woken past its wait, the answers queued meanwhile
+            await asyncio.sleep(0.3)
+            raise nats.errors.TimeoutError
+
+        subscription.next_msg, taken = late, subscription.next_msg  # type: ignore[method-assign]
+
+        def restored(*_: Any) -> None:
+            subscription.next_msg = taken  # type: ignore[method-assign]
+
+        asyncio.get_running_loop().call_later(0.2, restored)
+        return subscription
+
+    monkeypatch.setattr(nc, "subscribe", stalling_subscription)
+    workers = await discover(nc, deployment.names.projector_service, wait_s=0.1)
+    assert len(workers) == 1
 
 
 @contextlib.asynccontextmanager

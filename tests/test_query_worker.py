@@ -357,6 +357,34 @@ async def test_a_status_waits_out_a_slow_position_read(
     assert status.indexed_seq == first.seq
 
 
+async def test_an_answer_whose_position_read_is_slow_says_the_last_one_read(
+    deployment: Deployment,
+    projector: ProjectorService,
+    start_query_worker: Start,
+    client: QueryClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flake hunter's: under load a position read took longer than the half second an answer waits, and the
+    answer said nothing of its freshness. The last position read, recent, only understates what it holds."""
+    first = await deployment.publisher.publish(upsert("acme", document("a", "alpha text")))
+    await deployment.wait_projected(first.seq)
+    await start_query_worker(None, query_cache_entries=0)  # made anew: a cached answer keeps its maker's
+    known = await _ask(client, "alpha")
+    assert known.meta.freshness is not None
+    assert known.meta.freshness.indexed_seq == first.seq
+    read = freshness_module.highest_known_floor
+
+    async def slow(*args: object, **kwargs: object) -> int | None:
+        await asyncio.sleep(3 * POSITION_WAIT_S)
+        return await read(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(freshness_module, "highest_known_floor", slow)
+    await asyncio.sleep(POSITION_TTL_S)
+    later = await _ask(client, "alpha")
+    assert later.meta.freshness is not None
+    assert later.meta.freshness.indexed_seq == first.seq
+
+
 async def test_cache_hit_then_invalidated_by_a_new_delta(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

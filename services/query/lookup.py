@@ -122,7 +122,8 @@ class Lookups:
 
     async def status(self, workspace: str, request: StatusRequest) -> StatusReply:
         branches = [MAIN_BRANCH] if request.branch == MAIN_BRANCH else [MAIN_BRANCH, request.branch]
-        position = await self._freshness.position(STATUS_POSITION_WAIT_S)  # before the versions: they hold all to it
+        # Before the versions, which hold every delta up to it; read now, not the last one: what a status reports.
+        position = await self._freshness.position(STATUS_POSITION_WAIT_S, or_last=False)
         if position is None:
             raise PositionUnavailable("the index's position could not be read from JetStream")
         states = await self._documents.branch_states(workspace, branches)

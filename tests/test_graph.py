@@ -292,6 +292,14 @@ def test_an_import_of_a_module_of_the_trees_package_that_is_gone_is_still_a_link
         GraphLink("pkg.use", "imports", "pkg"),
         GraphLink("pkg.use", "imports", "pkg.here"),
     }
+    # A namespace package is shared with other projects: `google.protobuf` is not this tree's (a review's).
+    _, shared = python_graph(
+        {
+            "google/cloud/foo/__init__.py": "",
+            "google/cloud/foo/client.py": "import google.protobuf\nfrom google.auth import credentials\n",
+        }
+    )
+    assert [link for link in shared if link.source_type == "google.cloud.foo.client"] == []
 
 
 def test_a_base_written_through_a_package_that_re_exports_it_is_the_trees_class() -> None:
@@ -512,6 +520,9 @@ def test_a_call_of_a_name_a_module_of_the_tree_no_longer_binds_is_kept_under_tha
         "pkg.moved.f",  # a module of the tree's package that is gone
     )
     assert ("pkg/use.py", "pkg.use.shadowing") not in calls
+    # A module gone whose last part names another module of the tree (a top-level util.py): still gone (a review's).
+    beside = {"pkg/__init__.py": "", "util.py": "", "pkg/use.py": "from pkg.util import f\n\n\ndef g():\n    f()\n"}
+    assert _by_name(python_calls(beside)) == {("pkg/use.py", "pkg.use.g"): ("pkg.util.f",)}
     # Imports naming the tree through a package prefix it does not hold, as the resolver reads them.
     prefixed = {
         "services/__init__.py": "",

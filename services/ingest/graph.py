@@ -255,11 +255,12 @@ class _Resolver:
 
     def gone_module(self, written: str) -> str | None:
         """``written``, a dotted module name the tree does not hold, when it is of the tree's own package (its
-        top-level package is the tree's): a module moved or deleted (a branch's), not another project's."""
-        if "." not in written or self.module(written) is not None:
-            return None
+        top-level package is a regular package of the tree, one with an ``__init__``): a module moved or deleted
+        (a branch's), not another project's. A namespace package (``google/cloud/x`` without ``google/__init__``)
+        is shared with other projects (``google.protobuf``): none of its names counts (a review's)."""
         top = written.partition(".")[0]
-        return written if any(fqn == top or fqn.startswith(f"{top}.") for fqn in self._modules) else None
+        own = top in self._modules and self._modules[top].is_package
+        return written if "." in written and written not in self._modules and own else None
 
     def _binds(self, module: _Module, name: str) -> bool:
         """Whether ``module`` may bind ``name``: it defines, imports, assigns or publishes it anywhere (a function's
@@ -484,12 +485,14 @@ def python_graph(
                 for alias in found.names:
                     target = resolver.module(alias.name)
                     link(module.object_type, IMPORTS, target.object_type if target else None)
-                    gone(module, alias.name)
+                    if target is None:
+                        gone(module, alias.name)
             elif isinstance(found, ast.ImportFrom):
                 written = resolver.absolute(module, found.module or "", found.level)
                 target = resolver.module(written)
                 link(module.object_type, IMPORTS, target.object_type if target else None)
-                gone(module, written)
+                if target is None:
+                    gone(module, written)
                 for alias in found.names:
                     submodule = resolver.module(f"{written}.{alias.name}")
                     if submodule is not None and target is not None and submodule.fqn.startswith(target.fqn):

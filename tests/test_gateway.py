@@ -1732,6 +1732,11 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     calling = render(QueryResponse(results=[caller], _meta=still), asked)
     assert "the first 1 results are the branch's code that still calls main's" in calling
     assert "search results" not in calling
+    # Another relation's (a moved module's importers): not said to call it (a review's).
+    moved = still.model_copy(update={"relation": deleted.model_copy(update={"relation": "importers"})})
+    importing = render(QueryResponse(results=[caller], _meta=moved), asked)
+    assert "the first 1 results still stand in relation 'importers' to main's" in importing
+    assert "calls" not in importing.split("main defines one")[1].split("\n")[0]
     # A filter that selects nothing says what the filter's values look like.
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
     assert "nothing matched objectType 'method'" in empty

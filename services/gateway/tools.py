@@ -491,8 +491,12 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         notes.append(
             f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
             f"though main defines one: the branch deleted or renamed it, and the first {meta.relation_matches} "
-            "results are the branch's code that still calls main's by a name it imports (not read: a call through "
-            "self or an instance, or one whose import the branch took out)"
+            + (
+                "results are the branch's code that still calls main's by a name it imports (not read: a call "
+                "through self or an instance, or one whose import the branch took out)"
+                if asked.relation == "callers"
+                else f"results still stand in relation {asked.relation!r} to main's"
+            )
         )
     elif asked is not None and not asked.symbol_indexed and asked.defined_on_main:
         notes.append(

@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from typing import Any
 
+import pytest
 import structlog
 from nats.js.errors import NotFoundError
 
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query import freshness as freshness_module
 from ontofabric.services.query.core import Pending
 from ontofabric.services.query.freshness import (
     FORGET_AFTER_S,
+    POSITION_TTL_S,
     POSITION_UNKNOWN_WARN_S,
     UNCOUNTED_RETRY_S,
     DeltaWatch,
@@ -199,5 +203,32 @@ async def test_while_a_projector_makes_its_consumer_again_the_position_read_last
                 await asyncio.sleep(0.06)
                 assert await watch.position() == known
         assert [e["event"] for e in logged] == ["position_unknown"]
+    finally:
+        await watch.stop()
+
+
+async def test_a_slow_position_read_gives_an_answer_the_last_one_and_a_status_none(
+    deployment: Deployment, projector: ProjectorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer takes the last position read when a read outlasts its wait (it only understates what the answer
+    holds); a status, which reports the position, does not (a review's: no test told the two apart)."""
+    watch = DeltaWatch(deployment.nc, deployment.names)
+    await watch.start()
+    try:
+        seqs = await _published(deployment, watch, 1)
+        await deployment.wait_projected(seqs[-1])
+        known = await watch.position()
+        assert known is not None
+        assert known >= seqs[-1]
+        read = freshness_module.highest_known_floor
+
+        async def slow(*args: Any, **kwargs: Any) -> int | None:
+            await asyncio.sleep(1.0)
+            return await read(*args, **kwargs)
+
+        monkeypatch.setattr(freshness_module, "highest_known_floor", slow)
+        await asyncio.sleep(POSITION_TTL_S)
+        assert await watch.position(0.1) == known
+        assert await watch.position(0.1, or_last=False) is None
     finally:
         await watch.stop()

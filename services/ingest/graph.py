@@ -267,17 +267,45 @@ class _Resolver:
         ``global``, a loop's target, ``__all__``), has a submodule of that name, or may make any name."""
         bound = self._bound_anywhere.get(module.fqn)
         if bound is None:
-            bound = self._bound_anywhere[module.fqn] = _bound_anywhere(module, self._star_outside(module))
+            bound = self._bound_anywhere[module.fqn] = self._names_bound(module)
         return name in bound or "*" in bound or name in self.starred(module) or f"{module.fqn}.{name}" in self._modules
 
-    def _star_outside(self, module: _Module) -> bool:
-        """Whether ``module`` takes every name of a module outside the tree (``from ._speedups import *``)."""
-        return any(
-            isinstance(node, ast.ImportFrom)
-            and any(alias.name == "*" for alias in node.names)
-            and self.absolute(module, node.module or "", node.level) not in self._modules
-            for node in ast.walk(module.tree)
-        )
+    def _names_bound(self, module: _Module) -> frozenset[str]:
+        """Every name a module's code binds anywhere (a store, a ``def`` or ``class``, an import, ``global``,
+        ``except ... as``, a ``match`` capture, ``__all__``), and ``*`` when it may make any name (a
+        ``__getattr__``, ``globals()`` or ``vars()``, ``sys.modules`` written, a ``*`` import from outside the
+        tree): more than it binds at its top level, so that a name it may bind is never taken for one it does not.
+        One walk of the module."""
+        names: set[str] = set(module.public or ())
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Name):
+                if isinstance(node.ctx, ast.Store | ast.Del):
+                    names.add(node.id)
+                elif node.id in ("globals", "vars"):
+                    names.add("*")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name != "*":
+                        names.add(alias.asname or alias.name.split(".")[0])
+                    # `from ._speedups import *`: any name, from a module not the tree's
+                    elif (
+                        isinstance(node, ast.ImportFrom)
+                        and self.absolute(module, node.module or "", node.level) not in self._modules
+                    ):
+                        names.add("*")
+            elif isinstance(node, ast.Global | ast.Nonlocal):
+                names.update(node.names)
+            elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
+                names.add(node.name)
+            elif isinstance(node, ast.MatchMapping) and node.rest:
+                names.add(node.rest)
+            elif isinstance(node, ast.Attribute) and node.attr == "modules" and _dotted(node) == "sys.modules":
+                names.add("*")
+        if "__getattr__" in names:
+            names.add("*")
+        return frozenset(names)
 
     def expression(self, module: _Module, node: ast.expr) -> str | None:
         """``Name`` or ``module_alias.Name`` as an object type, when it resolves inside the tree."""
@@ -296,35 +324,6 @@ class _Resolver:
             # re-exports it (an agent tester's anyio: 24 backend classes derived from no type of the tree).
             return self.symbol(target, node.attr)
         return None
-
-
-def _bound_anywhere(module: _Module, star_outside: bool) -> frozenset[str]:
-    """Every name a module's code binds anywhere (a store, a ``def`` or ``class``, an import, ``global``,
-    ``except ... as``, a ``match`` capture, ``__all__``), and ``*`` when it may make any name (a ``__getattr__``,
-    ``globals()`` or ``vars()``, ``sys.modules`` written, a ``*`` import from outside the tree): more than it
-    binds at its top level, so that a name it may bind is never taken for one it does not."""
-    names: set[str] = {*(module.public or ()), *(["*"] if star_outside else [])}
-    for node in ast.walk(module.tree):
-        if isinstance(node, ast.Name):
-            if isinstance(node.ctx, ast.Store | ast.Del):
-                names.add(node.id)
-            elif node.id in ("globals", "vars"):
-                names.add("*")
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name != "*")
-        elif isinstance(node, ast.Global | ast.Nonlocal):
-            names.update(node.names)
-        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
-            names.add(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names.add(node.rest)
-        elif isinstance(node, ast.Attribute) and node.attr == "modules" and _dotted(node) == "sys.modules":
-            names.add("*")
-    if "__getattr__" in names:
-        names.add("*")
-    return frozenset(names)
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -836,8 +835,8 @@ def python_calls(
                         scope = scope_of.get(id(call), scope_of.get(id(call.func), function))
                         typed = typed_of(module, scope, scope_of, read, owner)
                     target = callee(module, call.func, self_class, typed)
-                    head = (_dotted(call.func) or "").partition(".")[0]
-                    if target is None and not (inside and head in shadowed):  # `def f(mod): mod.x()`: no module's
+                    # Not through a local of the module's name (`def f(mod): mod.x()`).
+                    if target is None and not (inside and (_dotted(call.func) or "").split(".")[0] in shadowed):
                         target = resolver.unbound(module, call.func)
                     if target is not None and target != fqn:
                         found.add(target)

@@ -487,23 +487,21 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
             f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
         )
     asked = meta.relation
-    if asked is not None and not asked.symbol_indexed and asked.defined_on_main and meta.relation_matches:
-        notes.append(
-            f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
-            f"though main defines one: the branch deleted or renamed it, and the first {meta.relation_matches} "
-            + (
-                "results are the branch's code that still calls main's by a name it imports (not read: a call "
-                "through self or an instance, or one whose import the branch took out)"
-                if asked.relation == "callers"
-                else f"results still stand in relation {asked.relation!r} to main's"
+    if asked is not None and not asked.symbol_indexed and asked.defined_on_main:
+        if meta.relation_matches and asked.relation == "callers":
+            found = (
+                f"the first {meta.relation_matches} results are the branch's code that still calls main's by a name it "
+                "imports (not read: a call through self or an instance, or one whose import the branch took out)"
             )
-        )
-    elif asked is not None and not asked.symbol_indexed and asked.defined_on_main:
+        elif meta.relation_matches:
+            found = f"the first {meta.relation_matches} results still stand in relation {asked.relation!r} to main's"
+        else:
+            found = f"nothing its code still says of it is read as its {asked.relation}" + (
+                ": these are search results for the name, which show where it is still written" if reply.results else ""
+            )
         notes.append(
             f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
-            "though main defines one: the branch deleted or renamed it, and nothing its code still says of it is "
-            f"read as its {asked.relation}"
-            + (": these are search results for the name, which show where it is still written" if reply.results else "")
+            f"though main defines one: the branch deleted or renamed it, and {found}"
         )
     elif asked is not None and not asked.symbol_indexed:
         notes.append(

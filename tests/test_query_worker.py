@@ -417,6 +417,19 @@ def _cached(what: str) -> int:
     return sum(point.value for point in metric_points(f"retrieval.cache.{what}"))
 
 
+async def test_a_stopped_workers_answers_are_not_counted(
+    seeded: int, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    """Its cache was counted until the collector took it: a gauge read before and after that differed by its
+    answers, with no request between (a test read 3 entries, then 2)."""
+    worker = await start_query_worker(embedder)
+    before = _cached("entries")
+    await _ask(client, "fibonacci numbers")
+    assert _cached("entries") == before + 1
+    await worker.stop()
+    assert _cached("entries") == before  # the worker is still referenced here: its cache is alive, not counted
+
+
 async def test_a_versions_bucket_made_again_is_watched_again(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:

@@ -86,6 +86,13 @@ def metered(cache: LruCache[K, bytes]) -> LruCache[K, bytes]:
     return cache
 
 
+def unmetered(cache: LruCache[K, bytes]) -> None:
+    """Count ``cache`` no more: its worker stopped (until the collector took it, a stopped worker's answers were
+    still counted)."""
+    global _answer_caches
+    _answer_caches = tuple(ref for ref in _answer_caches if (held := ref()) is not None and held is not cache)
+
+
 def _live_caches() -> list[LruCache[Any, bytes]]:
     return [cache for ref in _answer_caches if (cache := ref()) is not None]
 

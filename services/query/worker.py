@@ -79,7 +79,7 @@ from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
-from .cache import CacheKey, metered
+from .cache import CacheKey, metered, unmetered
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import (
@@ -425,6 +425,7 @@ class QueryService:
         self._versions: VersionTracker | None = None
         self._azure: SearchClient | None = None
         self._pipeline: QueryPipeline | None = None
+        self._cache: LruCache[CacheKey, bytes] | None = None
         self._freshness: DeltaWatch | None = None
         self._lookups: Lookups | None = None
         self._arrived: TurnQueue[tuple[Msg, float, float | ErrorDetail]] = TurnQueue()
@@ -489,6 +490,7 @@ class QueryService:
         cache: LruCache[CacheKey, bytes] = metered(
             LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)
         )
+        self._cache = cache
         served = self._embedder if isinstance(self._embedder, ServedModel) else None
         on_model, vector_by = None, None
         if served is not None:  # set up for a model change: it serves the model the index holds
@@ -1067,6 +1069,9 @@ class QueryService:
             self._azure = None
         if self._reranker is not None:
             await self._reranker.close()
+        if self._cache is not None:
+            unmetered(self._cache)
+            self._cache = None
         log.info("query_worker_stopped")
 
 

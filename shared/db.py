@@ -91,18 +91,28 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
                     latest_known=known[-1].version,
                     advice="run the newer release: this one writes rows without what its migrations added",
                 )
-            done = []
+            done: list[str] = []
             for migration in known:
                 if migration.version in applied:
                     continue
                 sql = migration.sql.replace("{{embedding_dim}}", str(settings.embedding_dim))
-                async with conn.transaction():
-                    await conn.execute(sql)
-                    await conn.execute(
-                        "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
-                        migration.version,
-                        migration.name,
+                try:
+                    async with conn.transaction():
+                        await conn.execute(sql)
+                        await conn.execute(
+                            "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
+                            migration.version,
+                            migration.name,
+                        )
+                except Exception as error:  # said with what stays applied: the ones before it (a review's)
+                    log.error(
+                        "migration_failed",
+                        migration=migration.name,
+                        error=f"{type(error).__name__}: {error}",
+                        applied_before_it=len(done),
+                        last_applied=done[-1] if done else None,
                     )
+                    raise
                 log.info("migration_applied", migration=migration.name)
                 done.append(migration.name)
             if done:  # one line for all: the log's limit per event kept 20 of a fresh database's 33 (a tester's)

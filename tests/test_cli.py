@@ -21,7 +21,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.shared.db import migrate
+from ontofabric.shared import db
+from ontofabric.shared.db import Migration, migrate
 from ontofabric.shared.logging import LOG_LINES_PER_WINDOW
 from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
@@ -815,6 +816,28 @@ async def test_a_fresh_databases_migrations_are_logged_in_one_line_too(deploymen
         assert len(done) > LOG_LINES_PER_WINDOW
     finally:
         await deployment.fetch("DROP SCHEMA IF EXISTS fresh_probe CASCADE")
+
+
+async def test_a_failing_migration_is_said_with_those_applied_before_it(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one line for all was not written when a later migration failed: nothing said which had been applied."""
+    known = db.migrations()
+    broken = Migration(version=known[-1].version + 1, name="9999_broken.sql", sql="SELECT no_such_column FROM nowhere")
+    monkeypatch.setattr(db, "migrations", lambda: [*known, broken])
+    try:
+        with capture_logs() as logged, pytest.raises(asyncpg.UndefinedTableError):
+            await migrate(deployment.database_url, deployment.settings, schema="broken_probe")
+        (said,) = [entry for entry in logged if entry["event"] == "migration_failed"]
+        assert said["migration"] == "9999_broken.sql"
+        assert said["applied_before_it"] == len(known)
+        assert said["last_applied"] == known[-1].name
+        assert "nowhere" in said["error"]
+        assert broken.version not in {
+            row["version"] for row in await deployment.fetch("SELECT version FROM broken_probe.schema_migrations")
+        }
+    finally:
+        await deployment.fetch("DROP SCHEMA IF EXISTS broken_probe CASCADE")
 
 
 def test_contracts_write_refuses_an_installed_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

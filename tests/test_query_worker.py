@@ -32,7 +32,7 @@ from ontofabric.shared.half_characters import BYTE_ORDER_MARK, not_utf8, surroga
 from ontofabric.shared.runtime import free_port
 
 from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
-from .factories import document, upsert
+from .factories import delete, document, upsert
 
 
 @pytest.fixture
@@ -210,6 +210,9 @@ async def test_a_document_whole_or_in_slices(
     refused = parse_reply(await client.send_raw("acme", b'{"id": "csv", "offset": -1}', "document"), DocumentReply)
     assert isinstance(refused, ErrorReply)
     assert (refused.error.code, [d.field for d in refused.error.details]) == ("invalid_request", ["offset"])
+    on_branch = await client.document("acme", {"id": "nope", "branch": "feature/x"})
+    assert isinstance(on_branch, ErrorReply)
+    assert "no longer holds" not in on_branch.error.message
     at_end = await client.document("acme", {"id": "csv", "offset": len(text)})
     assert isinstance(at_end, DocumentReply)
     assert at_end.content == ""
@@ -410,6 +413,23 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
     assert third.meta.cache_hit is False
     assert third.meta.ontology_version.startswith(f"{ack.seq}-")
     assert "fib2" in {r.id for r in third.results}
+
+
+async def test_a_document_the_branch_deleted_is_said_to_be_mains_still(
+    seeded: int, deployment: Deployment, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An agent on a branch read "no document" for an id main's answers had just given it."""
+    await start_query_worker(None)
+    ack = await deployment.publisher.publish(delete("acme", "csv", branch="feature/x"))
+    await deployment.wait_projected(ack.seq)
+    gone = await client.document("acme", {"id": "csv", "branch": "feature/x"})
+    assert isinstance(gone, ErrorReply), gone
+    assert gone.error.code == "not_found"
+    assert "the branch no longer holds it" in gone.error.message
+    assert "ask with branch 'main'" in gone.error.message
+    assert isinstance(await client.document("acme", {"id": "csv"}), DocumentReply)
+    kept = await client.document("acme", {"id": "sort", "branch": "feature/x"})
+    assert isinstance(kept, DocumentReply), kept
 
 
 def _cached(what: str) -> int:

@@ -87,7 +87,15 @@ class Lookups:
         fetched = await self._documents.fetch(Scope(workspace, request.branch), [request.id])
         document = fetched.documents.get(request.id)
         if document is None:
-            raise DocumentNotFound(f"no document {request.id!r} in workspace {workspace!r} on {request.branch!r}")
+            said = f"no document {request.id!r} in workspace {workspace!r} on {request.branch!r}"
+            if request.branch != MAIN_BRANCH and await self._on_main(workspace, request.id):
+                # The branch deleted it, or its file: an agent on the branch read "no document" for one it had
+                # just been given from main's answers (an outside tester's).
+                said += (
+                    "; the branch no longer holds it (it deleted it, or changed its file without it), and main does"
+                    f" (ask with branch {MAIN_BRANCH!r})"
+                )
+            raise DocumentNotFound(said)
         if request.offset > len(document.content):
             raise OffsetPastEnd(
                 f"offset {request.offset} is past the end of {request.id!r}: {len(document.content)} characters"
@@ -119,6 +127,10 @@ class Lookups:
                 "slice_lines": slice_lines(document.metadata, document.content, request.offset, len(content)),
             }
         )
+
+    async def _on_main(self, workspace: str, document_id: str) -> bool:
+        fetched = await self._documents.fetch(Scope(workspace, MAIN_BRANCH), [document_id])
+        return document_id in fetched.documents
 
     async def status(self, workspace: str, request: StatusRequest) -> StatusReply:
         branches = [MAIN_BRANCH] if request.branch == MAIN_BRANCH else [MAIN_BRANCH, request.branch]

@@ -601,6 +601,13 @@ class QueryMeta(WireModel):
         description="Results placed first because the query is their symbol's name, or their file's path, or a "
         "message their code writes (options.exactSymbols); their foundBy names 'symbol', 'file' or 'message'.",
     )
+    indexed_on_main: bool | None = Field(
+        default=None,
+        exclude_if=lambda indexed: indexed is None,
+        description="Sent (true) on a branch when the query is one symbol's name or one file's path, the branch "
+        "indexes no chunk defining it or of it (within the filters) and main does: the branch deleted, renamed or "
+        "moved it. The results are then search results for the name or path.",
+    )
     relation_matches: int = Field(
         default=0,
         description="Results placed first because they stand in the relation the query asked about to the symbol "

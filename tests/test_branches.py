@@ -19,6 +19,7 @@ from ontofabric.contracts import (
     QueryResponse,
 )
 from ontofabric.contracts.query import RelationAsked
+from ontofabric.services.gateway.tools import answer_notes
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester, Manifest
 from ontofabric.services.projector.worker import ProjectorService
@@ -370,6 +371,32 @@ async def test_a_file_only_calling_what_a_branch_moved_follows_main(
     await _ingested(deployment, ingester, tree)
     # Main's later w.py shows on the branch: k, and h where main has it; g is the branch's (its calls, its lines).
     assert await _places(worker, "feat") == {"n.f": (4, 5), "w.g": (4, 5), "w.h": (9, 10), "w.k": (13, 14)}
+
+
+async def test_a_name_or_path_the_branch_deleted_is_said_to_be_indexed_on_main(
+    deployment: Deployment, worker: QueryClient, tmp_path: Path
+) -> None:
+    """An agent tester's: a symbol's name or a file's path the branch deleted got "not indexed", said as of a
+    misspelt one, though main still held it."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "kept.py").write_text("def kept_function():\n    return 1\n")
+    (tree / "gone.py").write_text("class GoneWidget:\n    pass\n")
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    await _ingested(deployment, ingester, tree)
+    (tree / "gone.py").unlink()
+    await _ingested(deployment, ingester, tree, "feat")
+    for text in ("GoneWidget", "gone.py"):
+        on_branch = await _ask(worker, text, branch="feat")
+        assert (on_branch.meta.exact_symbol_matches, on_branch.meta.indexed_on_main) == (0, True), text
+        notes = answer_notes(on_branch, {"semanticQuery": text, "branch": "feat"})
+        assert any("though main indexes one: the branch deleted, renamed or moved it" in note for note in notes)
+        on_main = await _ask(worker, text)
+        assert (on_main.meta.exact_symbol_matches, on_main.meta.indexed_on_main) == (1, None), text
+    for text in ("kept_function", "kept.py", "NoSuchWidget", "nowhere.py"):  # held by the branch, or by neither
+        assert (await _ask(worker, text, branch="feat")).meta.indexed_on_main is None, text
+    # Within the filters: main's class is no method, so nothing is said of main.
+    assert (await _ask(worker, "GoneWidget", branch="feat", chunkLevel="method")).meta.indexed_on_main is None
 
 
 async def test_the_callers_of_what_a_branch_deleted_are_its_code_still_calling_mains(

@@ -475,16 +475,18 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
 
     # The lookup ran and placed nothing: a tester's made-up name got ten results unsaid.
     filtered = any(arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind"))
+    # A branch's deletion, rename or move: not to be taken for a misspelt name (an agent tester's).
+    on_main = ", though main indexes one: the branch deleted, renamed or moved it" if meta.indexed_on_main else ""
     if file is not None and _no_definition_placed(meta) and ran("exactFile"):
         notes.append(  # a review's: a filter leaving out the file's chunks is no file missing
             f"no file at a path {printable(file.path)!r} names (nor ending with it) is indexed"
             f"{' with chunks within the filters' if filtered else ''} in workspace {meta.workspace!r}, branch "
-            f"{meta.branch!r}: these are search results for the path"
+            f"{meta.branch!r}{on_main}: these are search results for the path"
         )
     elif named is not None and code_shaped(named) and _no_definition_placed(meta) and ran("exactSymbol"):
         notes.append(
             f"no chunk defining a symbol named {named!r}{' within the filters' if filtered else ''} is indexed in "
-            f"workspace {meta.workspace!r}, branch {meta.branch!r}: these are search results for the name"
+            f"workspace {meta.workspace!r}, branch {meta.branch!r}{on_main}: these are search results for the name"
         )
     asked = meta.relation
     if asked is not None and not asked.symbol_indexed and asked.defined_on_main:

@@ -590,6 +590,10 @@ class QueryPipeline:
         if found is None:
             return NO_DEFINITIONS
         run.read(found.version)
+        # A name or path the branch deleted, renamed or moved: said, as for a relation's name below (an agent
+        # tester's read "not indexed" of what main still holds).
+        if not found.symbols and not scope.on_main and await self._indexed_on_main(run, scope, path, name):
+            run.report(indexed_on_main=True)
         if name is None and relation is not None:
             # A name the branch deleted or renamed: not to be taken for a misspelt one (an agent tester's, asking
             # what still called the class it had renamed); its callers are what still calls main's.
@@ -804,6 +808,20 @@ class QueryPipeline:
         if found is None or not found.symbols:
             return None
         return dataclasses.replace(found, symbol_indexed=False)
+
+    async def _indexed_on_main(self, run: QueryRun, scope: Scope, path: FileAsked | None, name: str | None) -> bool:
+        """Whether main holds, within the scope's filters, a chunk of the file or defining the symbol the query
+        names (False when the lookup failed or ran out of time)."""
+        on_main = dataclasses.replace(scope, branch=MAIN_BRANCH)
+        if path is not None:
+            found = await run.guarded(
+                "exactFile", self._file_or_name(on_main, path, name), reserve_s=RETRIEVAL_RESERVE_S
+            )
+        elif name is not None:
+            found = await run.guarded("exactSymbol", self._definitions_of(on_main, name), reserve_s=RETRIEVAL_RESERVE_S)
+        else:
+            return False
+        return found is not None and bool(found.symbols)
 
     async def _defined_on_main(self, run: QueryRun, scope: Scope, name: str) -> bool:
         """Whether a chunk of main defines a symbol of that name (False when the lookup failed or ran out of time)."""

@@ -8,10 +8,13 @@ instruments still record (tests read them with an in-memory reader).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
 from opentelemetry import metrics, trace
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -89,6 +92,24 @@ def serve_prometheus(host: str, port: int) -> MetricReader:
 
 def tracer() -> trace.Tracer:
     return trace.get_tracer("ontofabric")
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+"""The W3C trace context's headers, as ``propagate.inject`` writes them on a NATS message."""
+
+
+def trace_context_of(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """The trace context a message carries, to carry on with what is made of it (a dead letter, its re-drive)."""
+    return {name: headers[name] for name in TRACE_HEADERS if headers and name in headers}
+
+
+@contextmanager
+def housekeeping() -> Iterator[None]:
+    """Database statements and HTTP requests within make no spans: housekeeping outside any request made each of
+    its statements a trace of its own (an SRE's idle projector: two a second). Not around what starts tasks,
+    which would inherit it."""
+    with suppress_instrumentation():
+        yield
 
 
 @dataclass(frozen=True)

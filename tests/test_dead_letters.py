@@ -104,6 +104,10 @@ async def test_dead_letters_are_listed_redriven_after_a_fix_and_purged(deploymen
     assert [letter.seq for letter, _ in outcome.sent] == [acme[0].seq]
     assert [(letter.seq, later) for letter, later in outcome.superseded] == [(acme[1].seq, seqs[4])]
     (sent_seq,) = [seq for _, seq in outcome.sent]
+    # The delta's trace context goes with its dead letter and its re-drive (an SRE's: both dropped it).
+    original = (await deployment.js.get_msg(names.delta_stream, seqs[1])).headers or {}
+    again = (await deployment.js.get_msg(names.delta_stream, sent_seq)).headers or {}
+    assert original["traceparent"] == again["traceparent"] == acme[0].trace["traceparent"]
     projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
     await projector.start()
     try:

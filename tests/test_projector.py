@@ -34,7 +34,7 @@ from ontofabric.services.projector.store import (
     VersionUpdate,
 )
 from ontofabric.services.projector.versions import VersionPublisher
-from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.projector.worker import HOLD_CHECK_S, ProjectorService
 from ontofabric.shared.db import (
     WRITER_ROLE,
     DeploymentMismatch,
@@ -170,6 +170,41 @@ async def test_the_batch_span_links_each_delta_to_its_ingest_trace(
     async with asyncio.timeout(10):
         while not linked():
             await asyncio.sleep(0.02)
+
+
+async def test_deltas_published_outside_any_span_carry_the_publishers_own(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """An SRE's: `ontofabric ingest` has no span current, so its deltas carried no trace context and the batches
+    that applied them linked to nothing."""
+    assert not trace.get_current_span().get_span_context().is_valid
+    acks = await deployment.publisher.publish_many([upsert("acme", document(f"t{i}", "alpha")) for i in range(3)])
+    await deployment.wait_projected(acks[-1].seq)
+    stored = [(await deployment.js.get_msg(deployment.names.delta_stream, ack.seq)).headers or {} for ack in acks]
+    assert len({headers["traceparent"] for headers in stored}) == 1  # one publish, one span
+    published = [s for s in SPANS.get_finished_spans() if s.name == "deltas publish"]
+    trace_id = next(s.context.trace_id for s in published if f"{s.context.trace_id:032x}" in stored[0]["traceparent"])
+
+    def linked() -> bool:
+        batches = [s for s in SPANS.get_finished_spans() if s.name == "projector.batch"]
+        return any(link.context.trace_id == trace_id for s in batches for link in s.links)
+
+    async with asyncio.timeout(10):
+        while not linked():
+            await asyncio.sleep(0.02)
+
+
+async def test_an_idle_projectors_renewals_make_no_traces(deployment: Deployment, projector: ProjectorService) -> None:
+    """An SRE's: each statement of a renewal, every two seconds of an idle projector, was a trace of its own."""
+    SPANS.clear()
+    await asyncio.sleep(2.5 * HOLD_CHECK_S)
+    statements = [s.attributes.get("db.statement", "") for s in SPANS.get_finished_spans() if s.attributes]
+    assert not [statement for statement in statements if "projection_fences" in str(statement)]
+    # while a batch's statements are still spans of its trace
+    ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(ack.seq)
+    await asyncio.sleep(0.2)
+    assert any("db.statement" in (s.attributes or {}) for s in SPANS.get_finished_spans())
 
 
 async def test_same_event_published_twice_changes_nothing(deployment: Deployment, projector: ProjectorService) -> None:

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
+from nats.errors import NoRespondersError
 from opentelemetry import trace
 from pydantic import SecretStr
 
@@ -788,6 +789,40 @@ async def test_query_metrics_and_trace_context_cross_nats(
     assert statements
     assert all(s.attributes["db.system"] == "postgresql" for s in statements)
     assert not any("db.statement.parameters" in s.attributes for s in statements)
+
+
+async def test_each_request_has_a_span_and_its_failures_are_marked_on_the_workers(
+    seeded: int, deployment: Deployment, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An SRE's: `ontofabric query` (no span current) began a trace at the worker; an error reply left the worker's
+    span unmarked, and an answer with failed parts left no mark on any span."""
+    worker = await start_query_worker(None)  # no embedder: every answer is degraded
+    SPANS.clear()
+    assert not trace.get_current_span().get_span_context().is_valid
+    answered = await _ask(client, "fibonacci numbers")
+    assert "embedder" in answered.meta.degraded
+    missing = await client.document("acme", {"id": "no-such-document"})
+    assert isinstance(missing, ErrorReply)
+    await asyncio.sleep(0.2)  # the worker's spans end after its replies are sent
+    spans = SPANS.get_finished_spans()
+    sent = {s.name: s for s in spans if s.kind == trace.SpanKind.CLIENT and s.name.endswith(" request")}
+    served = {s.name: s for s in spans if s.kind == trace.SpanKind.SERVER}
+    for operation in ("query", "document"):
+        parent = served[operation].parent
+        assert parent is not None
+        assert parent.span_id == sent[f"{operation} request"].context.span_id  # one trace
+    retrieve = next(s for s in spans if s.name == "query.retrieve")
+    assert "embedder" in (retrieve.attributes or {})["ontofabric.degraded"]
+    # not_found is an answer, not a failure of the service: said by its type, not marked an error
+    for span in (sent["document request"], served["document"]):
+        assert (span.attributes or {})["error.type"] == "not_found"
+        assert span.status.status_code != trace.StatusCode.ERROR
+    await worker.stop()
+    SPANS.clear()
+    with pytest.raises(NoRespondersError):  # no worker listens: the request's span says so
+        await client.query("acme", {"semanticQuery": "x"})
+    (unanswered,) = [s for s in SPANS.get_finished_spans() if s.name == "query request"]
+    assert unanswered.status.status_code == trace.StatusCode.ERROR
 
 
 async def test_a_subject_that_names_no_valid_workspace_gets_an_error(

@@ -14,11 +14,13 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 
 from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
 from ontofabric.shared.jetstream import RETRY_FOR_S, RETRY_WAIT_S, RETRYABLE, connection_of, refused_promptly
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.telemetry import tracer
 
 log = get_logger(__name__)
 
@@ -127,7 +129,14 @@ class DeltaPublisher:
         workspace these credentials may not publish to fails at once (PermissionDenied), not after the timeout;
         what cannot be confirmed within the retry time raises :class:`PublishFailed`."""
         subjects = {self._names.delta_subject(delta.workspace, delta.branch) for delta in deltas}
-        return await refused_promptly(connection_of(self._js), subjects, self._publish_many(deltas, on_stored))
+        # A span of its own: each delta carries its context to the projector's batch, which links to it (with none
+        # current, as in `ontofabric ingest`, the deltas carried none and the batches linked to nothing).
+        with tracer().start_as_current_span("deltas publish", kind=SpanKind.PRODUCER) as span:
+            span.set_attribute("messaging.system", "nats")
+            span.set_attribute("messaging.batch.message_count", len(deltas))
+            if len(subjects) == 1:
+                span.set_attribute("messaging.destination.name", next(iter(subjects)))
+            return await refused_promptly(connection_of(self._js), subjects, self._publish_many(deltas, on_stored))
 
     async def _publish_many(
         self, deltas: Sequence[DeltaEnvelope], on_stored: Callable[[PubAck], None] | None

@@ -65,6 +65,7 @@ from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, Sto
 from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.telemetry import tracer
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, tree_package
 from .client import DeltaPublisher, envelope
@@ -903,6 +904,21 @@ class Ingester:
         published of them is deleted, as for a file gone from the tree. A tree with no source file that would
         delete documents is refused (EmptyTreeRefused) unless ``allow_empty``. When part of the tree could not be
         read (``IngestReport.unread``), nothing is deleted: what was not seen may still be there."""
+        # One trace for the run: its deltas carry it to the projector's batches, which link to it.
+        with tracer().start_as_current_span("ingest") as span:
+            span.set_attribute("ontofabric.workspace", workspace)
+            span.set_attribute("ontofabric.branch", branch)
+            return await self._ingest(root, workspace, branch, package, exclude, allow_empty)
+
+    async def _ingest(
+        self,
+        root: Path,
+        workspace: str,
+        branch: str,
+        package: str | None,
+        exclude: Collection[str],
+        allow_empty: bool,
+    ) -> IngestReport:
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         patterns = exclusion_patterns(root, exclude)
         unread: list[str] = []

@@ -33,6 +33,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import NO_WORKSPACE, Names, encode_token
+from ontofabric.shared.telemetry import trace_context_of
 
 log = get_logger(__name__)
 
@@ -73,6 +74,8 @@ class DeadLetter:
     data: bytes
     body_omitted: bool = False
     """Stored without the delta: it did not fit beside the headers (services/projector/consumer.py)."""
+    trace: Mapping[str, str] = field(default_factory=dict)
+    """The trace context the delta carried: a re-drive sends it on."""
 
     @classmethod
     def of(cls, msg: Msg) -> DeadLetter:
@@ -91,6 +94,7 @@ class DeadLetter:
             delivered=_int(headers.get("Ontofabric-Delivered")),
             data=bytes(msg.data),
             body_omitted="Ontofabric-Body-Omitted" in headers,
+            trace=trace_context_of(headers),
         )
 
     def summary(self) -> dict[str, object]:
@@ -439,7 +443,7 @@ def _later(letter: DeadLetter, than: DeadLetter, origins: Mapping[int, int]) -> 
 async def _publish_again(
     js: JetStreamContext, names: Names, letter: DeadLetter, body: bytes, message_id: str, origin: int
 ) -> PubAck:
-    headers = {"Nats-Msg-Id": message_id, "Ontofabric-Redriven-From": str(letter.seq)}
+    headers = {"Nats-Msg-Id": message_id, "Ontofabric-Redriven-From": str(letter.seq), **letter.trace}
     if origin:
         headers[REDRIVEN_ORIGIN_HEADER] = str(origin)
     return await js.publish(letter.original_subject, body, stream=names.delta_stream, headers=headers)

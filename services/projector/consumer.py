@@ -42,7 +42,7 @@ from ontofabric.shared.printable import printable
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import NO_WORKSPACE, Names, Partition, workspace_of, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait
-from ontofabric.shared.telemetry import instruments, meter, tracer
+from ontofabric.shared.telemetry import instruments, meter, trace_context_of, tracer
 
 from .planning import SERVER_ANSWER, Rejection, RejectReason
 from .runner import Outcome, ProjectionRunner
@@ -528,6 +528,7 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
         "Ontofabric-Original-Stream": msg.metadata.stream,
         "Ontofabric-Original-Sequence": str(seq),
         "Ontofabric-Delivered": str(msg.metadata.num_delivered),
+        **trace_context_of(msg.headers),  # its re-drive, and the batch that applies it then, link to its ingest
     }
     body = msg.data
     # A delta stored before the stream kept room for these headers may not fit beside them: the server would refuse

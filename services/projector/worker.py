@@ -48,6 +48,7 @@ from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition, encode_token, partition_of_token
 from ontofabric.shared.tasks import cancel_and_wait
+from ontofabric.shared.telemetry import housekeeping
 
 from . import azure as azure_sink
 from .azure import (
@@ -574,7 +575,8 @@ class ProjectorService:
         if store.fenced:  # a batch found the consumer claimed by another process, or its database gone back
             return False
         try:
-            return await store.renew(floor)
+            with housekeeping():  # every few seconds, idle or not
+                return await store.renew(floor)
         except Exception as error:
             log.warning("projector_renewal_failed", durable=self._durables[partition], error=describe(error))
             return True

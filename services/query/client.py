@@ -21,6 +21,7 @@ from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import Header
 from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from pydantic import BaseModel, ValidationError
 
 from ontofabric.contracts import (
@@ -43,7 +44,7 @@ from ontofabric.shared.jetstream import refused_promptly
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, Operation
 from ontofabric.shared.tasks import start_held
-from ontofabric.shared.telemetry import meter
+from ontofabric.shared.telemetry import meter, tracer
 
 from .deadlines import RecentDelay, header_value
 
@@ -437,6 +438,18 @@ _PROBES: set[asyncio.Task[None]] = set()
 """Pings of the server under way (asyncio keeps only weak references to tasks)."""
 
 
+SERVER_FAULTS = frozenset({"internal", "unavailable", "deadline_exceeded"})
+"""The error codes that mark a request's spans as failed: the service could not answer. A request refused as
+invalid, for an id not found, or for load (to be sent again later) is an answer, as for an RPC's server span."""
+
+
+def error_code(body: bytes) -> str | None:
+    """The code of an error reply (:class:`ErrorReply`); None for an answer."""
+    if not body.startswith(b'{"error":'):
+        return None
+    return str(json.loads(body)["error"]["code"])
+
+
 class QueryClient:
     def __init__(
         self, nc: Client, names: Names, timeout_s: float = 10.0, *, receipts: bool = True, pushback: bool = True
@@ -464,8 +477,19 @@ class QueryClient:
         if len(body) > limit:
             raise RequestTooLarge(len(body), limit)
         subject = self._names.request_subject(operation, workspace)
-        # A subject these credentials may not use fails at once, not after the timeout.
-        return await refused_promptly(self._nc, subject, self._exchange(subject, body))
+        # A span of its own, whose context each send carries: with none current (`ontofabric query`), the worker's
+        # span began a trace of its own; and a gateway's trace showed no request, nor its sends again.
+        with tracer().start_as_current_span(f"{operation} request", kind=SpanKind.CLIENT) as span:
+            span.set_attribute("messaging.system", "nats")
+            span.set_attribute("messaging.destination.name", subject)
+            # A subject these credentials may not use fails at once, not after the timeout.
+            answer = await refused_promptly(self._nc, subject, self._exchange(subject, body))
+            code = error_code(answer)
+            if code is not None:
+                span.set_attribute("error.type", code)
+                if code in SERVER_FAULTS:
+                    span.set_status(StatusCode.ERROR, code)
+            return answer
 
     async def _exchange(self, subject: str, body: bytes) -> bytes:
         inbox = _INBOXES.get(self._nc) or _INBOXES.setdefault(self._nc, ReplyInbox(f"{self._nc.new_inbox()}."))
@@ -582,6 +606,7 @@ class Exchange:
         (``clock``)."""
         level = log.info if reason in ("waited_out", "clock") else log.warning
         level("query_request_resent", subject=self._subject, sends=len(self._attempts) + 1, reason=reason)
+        get_current_span().add_event("resent", {"reason": reason, "sends": len(self._attempts) + 1})
         _resent.add(1, {"reason": reason})
         await self._send()
 

@@ -34,6 +34,7 @@ from ontofabric.shared.jetstream import highest_known_floor
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names, encode_token, partition_of_token
+from ontofabric.shared.telemetry import housekeeping
 
 from .core import Pending
 
@@ -223,7 +224,8 @@ class DeltaWatch:
         """Read which partitions of the layouts read refuse the delta stream; as they were when that cannot be read."""
         if self._refusals is None:
             return
-        refused = await self._refusals()
+        with housekeeping():  # every few seconds, beside the answers
+            refused = await self._refusals()
         if refused is None:
             return
         self._refused = frozenset(

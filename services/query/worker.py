@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import math
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, NoRespondersError, SlowConsumerError, StaleConnectionError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import ServiceUnavailableError
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
 
@@ -80,6 +79,7 @@ from ontofabric.shared.turns import TurnQueue
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey, metered, unmetered
+from .client import SERVER_FAULTS, error_code
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import (
@@ -103,13 +103,6 @@ from .turns import ahead_in_turn, displaced_by, runners_per_workspace, runners_s
 from .versions import VersionTracker
 
 log = get_logger(__name__)
-
-
-def _error_code(body: bytes) -> str | None:
-    """The code of an error reply; None for an answer."""
-    if not body.startswith(b'{"error":'):
-        return None
-    return str(json.loads(body)["error"]["code"])
 
 
 def error_reply(
@@ -899,6 +892,13 @@ class QueryService:
                 except TimeoutError:  # its timer may have refused it already: counted as sent (_reply_once)
                     body = partial(self._refused_late, admitted, loop.time())
                     finished = False
+                    span.set_status(StatusCode.ERROR, "deadline_exceeded")
+                else:  # an error reply says so on the span too: a tracing backend found no failed answer
+                    code = error_code(body)
+                    if code is not None:
+                        span.set_attribute("error.type", code)
+                        if code in SERVER_FAULTS:
+                            span.set_status(StatusCode.ERROR, code)
         except Exception:  # a caller waiting for a reply gets one, whatever failed
             log.exception("query_failed", subject=msg.subject)
             body = partial(error_reply, "internal", "the query failed unexpectedly; see the worker log", retryable=True)
@@ -912,7 +912,7 @@ class QueryService:
         endpoint = self._endpoints.get(self.names.operation_of(msg.subject) or "")
         if endpoint is not None and headers is None:  # an answer, not the receipt
             took = 0.0 if received is None else asyncio.get_running_loop().time() - received
-            endpoint.record(took, _error_code(body))
+            endpoint.record(took, error_code(body))
         if not _answerable(msg):
             # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
             # make this worker write there (NATS permissions allow it no other subject, docs/security.md).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +38,19 @@ def _snippet(text: str, width: int = 70) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+def _parameter(name: str, value: Any) -> str:
+    """A request's parameter as the header says it: ``relatedTo`` as ``--related-to`` takes it, other objects as
+    JSON (a tester's header showed a Python dict: ``relatedTo={'relation': 'callers', 'symbol': 'to_se…``)."""
+    if name == "relatedTo" and isinstance(value, dict):
+        return f"{name}={value.get('relation')}:{value.get('symbol')}"
+    if isinstance(value, dict | list):
+        return f"{name}={json.dumps(value, separators=(',', ':'))}"
+    return f"{name}={value}"
+
+
 def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse | ErrorReply) -> None:
     # Everything from the request, the index or the worker is printed as_text.
-    params = as_text(", ".join(f"{k}={v}" for k, v in query.items() if k != "semanticQuery"))
+    params = as_text(", ".join(_parameter(k, v) for k, v in query.items() if k != "semanticQuery"))
     asked = as_text(str(query.get("semanticQuery", "")))
     console.rule(f"[bold]{asked}[/bold]" + (f"  [dim]({params})[/dim]" if params else ""))
     if isinstance(reply, ErrorReply):

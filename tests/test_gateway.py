@@ -1926,6 +1926,10 @@ def test_the_query_table_prints_what_a_tenant_wrote_as_text() -> None:
     refused = ErrorReply(error=QueryError(code="invalid_request", message="bad [/bold]", details=[]))
     render_reply(console, {"semanticQuery": "[/bold] \x1b[2J"}, refused)
     assert "bad [/bold]" in console.export_text()
+    # The request's parameters as the command takes them, or as JSON, not as Python (a docs tester's).
+    asked = {"topK": 10, "relatedTo": {"relation": "callers", "symbol": "to_seconds"}, "objectType": ["a", "b"]}
+    render_reply(console, asked, refused)
+    assert 'topK=10, relatedTo=callers:to_seconds, objectType=["a","b"]' in console.export_text()
 
 
 def test_the_query_table_says_what_the_answer_is_not_as_the_mcp_text_does() -> None:

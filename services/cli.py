@@ -130,6 +130,18 @@ def _show_flags_bare() -> None:
 
 _show_flags_bare()
 
+
+def _help_width() -> None:
+    """Help printed to no terminal (a pipe, a file, an agent's shell) is 120 columns wide, unless TERMINAL_WIDTH or
+    COLUMNS says otherwise: at rich's 80, option names were cut (`--sample-documen…`, a docs tester's)."""
+    from typer import rich_utils
+
+    if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH") and not os.environ.get("COLUMNS"):
+        rich_utils.MAX_WIDTH = 120
+
+
+_help_width()
+
 app = typer.Typer(
     help="Event-driven indexing and hybrid query workers for ontology SemanticDocuments.",
     no_args_is_help=True,
@@ -1196,9 +1208,11 @@ def status(
     waited; dead letters per workspace; the projectors' consumers; the query workers answering; per workspace, the
     documents another keyword analysis than this build's indexed (`ontofabric rebuild W` indexes them again).
 
-    Exits 1 when it lists problems (a projector consumer or the versions bucket missing, a database that could not be
-    read, deltas pending with no projector answering, or with one answering whose consumer has settled nothing for a
-    minute), 2 when it cannot be read at all."""
+    Exits 1 when it lists problems, 2 when it cannot be read at all. The problems: a stream, a projector consumer or
+    the versions bucket missing; a projector consumer refusing the stream; a database that could not be read; deltas
+    pending with no projector applying their partition, or with one whose consumer has settled nothing for a minute;
+    no query worker answering; workers of more than one release answering; deltas neither in the stream nor in a
+    snapshot."""
     from .ops.status import deployment_status
 
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:
@@ -1252,7 +1266,8 @@ def nats_user_add(
     ] = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Add a user (or show the one on record) and print its NATS URL once: hand that to the tenant or process.
+    """Add a user (or show the one on record) and print its NATS URL, password included: hand that to the tenant
+    or process. A second add of the same user prints it again, from the owner-only record in the data directory.
     With --nkey: a new user each time, whose seed is written to an owner-only file (the record keeps only its
     public key); hand the file over, to be named by ONTOFABRIC_NATS_NKEY_SEED."""
     if role not in NATS_ROLES:

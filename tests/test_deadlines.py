@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from structlog.testing import capture_logs
 
@@ -1293,6 +1293,14 @@ async def test_a_request_lost_with_its_worker_is_sent_again_in_the_time_left(
         await worker.close()
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_client_refuses_a_timeout_that_is_no_positive_number_of_seconds(timeout_s: float) -> None:
+    """A tester's NaN failed at the first send with "cannot convert float NaN to integer"; 0 and -1 sent a request
+    and then timed out."""
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+        QueryClient(None, Names(), timeout_s=timeout_s)  # type: ignore[arg-type]
+
+
 def test_a_request_is_sent_again_once_no_attempt_of_it_can_be_expected_to_answer() -> None:
     """An attempt is expected to say it has the request within the receipt wait, and to answer by its timeout
     once it has; the request goes out again when no open attempt is within either."""
@@ -1677,6 +1685,37 @@ async def test_a_worker_whose_receipts_come_late_is_not_sent_each_request_again(
     # its receipt came after the second send had the answer; the third is not sent again.
     reads = await _reads_after_each_request(deployment, runtime, late, NOT_FOUND, [0, 0, 2.0])
     assert reads == [1, 3, 4]
+
+
+async def test_requests_waiting_when_their_connection_is_closed_end_at_once(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A tester's application closed its connection with 100 requests waiting: they ended one by one, the last
+    6.5 s later (its timeout 10 s)."""
+    nc = await connect_as(deployment, runtime, "client")
+    member = await connect_as(deployment, runtime, "query")
+    names = deployment.names
+    taken = 0
+
+    async def silent(_: Msg) -> None:  # takes every request, and never answers
+        nonlocal taken
+        taken += 1
+
+    await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=silent)
+    await subscriptions_visible(member)
+    client = QueryClient(nc, names, timeout_s=10)
+    try:
+        waiting = [asyncio.create_task(client.send_raw("acme", b"{}")) for _ in range(50)]
+        async with asyncio.timeout(5):
+            while taken < 50:
+                await asyncio.sleep(0.01)
+        await nc.close()
+        closed = time.monotonic()
+        ended = await asyncio.gather(*waiting, return_exceptions=True)
+        assert time.monotonic() - closed < 1.0
+        assert all(isinstance(error, ConnectionClosedError) for error in ended), ended
+    finally:
+        await member.close()
 
 
 async def test_a_request_nobody_listens_to_any_more_is_not_sent_again_and_again(

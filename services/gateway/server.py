@@ -243,11 +243,12 @@ class Gateway:
                 # call that waits for it with no answer.
                 async with asyncio.timeout_at(ends):
                     nc = await self._link.client()
-                if loop.time() >= ends:
+                left_s = ends - loop.time()
+                if left_s <= 0:
                     raise TimeoutError  # none left for the request
             except TimeoutError:
                 raise NatsUnavailable(f"no connection to NATS within {self._timeout_s:g} s") from None
-            client = QueryClient(nc, self._names, ends - loop.time())
+            client = QueryClient(nc, self._names, left_s)
             raw = await client.send_raw(workspace, request, spec.operation)
         except NatsRefused as error:  # before NatsUnavailable, which it is a kind of
             return tool_error(f"error forbidden (not retryable: the gateway's NATS credentials need mending): {error}")

@@ -111,6 +111,8 @@ PROBE_TIMEOUT_S = 600.0
 stale and reconnect (within six minutes at its defaults: two minutes apart, two left unanswered), which drops the
 ping (see :func:`probe_timeout_s`). Never less: nats-py 2.16 cancels a timed-out flush's future but leaves it queued,
 and the pong that comes later breaks the connection's reader."""
+CLOSE_POLL_S = 0.1
+"""How often a connection's waiting requests look whether it was closed (:meth:`ReplyInbox.wake_at_close`)."""
 PROBE_POLL_S = 0.25
 """How often a ping under way, and a request waiting for it, look whether the connection was lost or replaced
 meanwhile: nats-py then drops the ping without a word."""
@@ -360,6 +362,8 @@ class ReplyInbox:
         """Shared by every request on the connection, as Finagle's is by every request of a client."""
         self.clock_doubted_until = 0.0
         """Until when requests go without a send time (CLOCK_DOUBT_S)."""
+        self._woken_at_close: set[Callable[[], None]] = set()
+        self._close_watch: asyncio.Task[None] | None = None
 
     def doubt_clocks(self, now: float, read_as: str) -> None:
         if now >= self.clock_doubted_until:
@@ -397,6 +401,25 @@ class ReplyInbox:
             and header_value(msg.headers, Header.STATUS) is None
         ):
             self._receiptless_at = now
+
+    def wake_at_close(self, nc: Client, wake: Callable[[], None]) -> None:
+        """Call ``wake`` when ``nc`` is closed: a request waiting for its answer then ends at once. They waited for
+        their next timer, up to 0.65 of their timeout (a tester's application closing its connection). One look
+        every CLOSE_POLL_S a connection, while requests wait: nats-py tells no one but its own callback."""
+        self._woken_at_close.add(wake)
+        if self._close_watch is None or self._close_watch.done():
+            self._close_watch = asyncio.get_running_loop().create_task(self._watch_close(nc))
+
+    def forget_at_close(self, wake: Callable[[], None]) -> None:
+        self._woken_at_close.discard(wake)
+
+    async def _watch_close(self, nc: Client) -> None:
+        while self._woken_at_close:  # ends with the last request: the connection is not held after
+            if nc.is_closed:
+                for wake in list(self._woken_at_close):
+                    wake()
+                return
+            await asyncio.sleep(CLOSE_POLL_S)
 
     async def open(self, nc: Client, attempt: Attempt, route: Callable[[Msg], None]) -> str:
         """A new reply subject whose messages go to ``route`` until :meth:`close`."""
@@ -457,6 +480,8 @@ class QueryClient:
         """``receipts`` False: no receipt is asked for, and a request is sent again only when its worker stays
         silent past the timeout it was told (what tests/benchmarks/faults_frozen_worker.py compares against).
         ``pushback`` False: an ``overloaded`` refusal is returned as it comes, its stated wait not waited out."""
+        if not (0 < timeout_s < math.inf):  # NaN too: refused here, not by a header made of it at the first send
+            raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
         self._nc = nc
         self._names = names
         self._timeout_s = timeout_s
@@ -552,6 +577,7 @@ class Exchange:
     async def run(self) -> bytes:
         try:
             self._inbox.retries.asked(self._loop.time())
+            self._inbox.wake_at_close(self._nc, self._arrived.set)
             await self._send()
             while True:
                 self._listen_since(self._inbox.server.back_at)
@@ -705,6 +731,7 @@ class Exchange:
 
     def _close(self) -> None:
         self._inbox.server.forget(self._arrived.set)
+        self._inbox.forget_at_close(self._arrived.set)
         now = self._loop.time()
         for attempt, msg in self._replies:  # arrived with the answer, unread: what they say of the workers counts
             self._inbox.heard(attempt, msg, now, ended=True)

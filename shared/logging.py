@@ -128,6 +128,28 @@ def _no_library_progress_bars() -> None:
         transformers_logging.disable_progress_bar()
 
 
+def _quiet_until_configured() -> None:
+    """Until :func:`configure_logging` runs (never, in an application that embeds the query client), lines go
+    through the standard library's logging: the application's handlers, or logging's last resort (warnings and
+    worse, on stderr). structlog's own default printed every line on stdout, which a host speaking a protocol there
+    (a stdio MCP server) cannot take (a tester's). An application that configured structlog keeps its own set-up."""
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_log_level,
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+_quiet_until_configured()
+
+
 def describe(error: BaseException) -> str:
     """An error as logs, dead letters and replies state it: its type, then its message."""
     return f"{type(error).__name__}: {error}"

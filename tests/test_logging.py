@@ -110,3 +110,20 @@ def test_another_librarys_warning_states_its_error_in_a_line(level: str, traceba
     if not traceback_kept:
         assert warning["error"] == "TimeoutError: the database did not answer"
     assert "Traceback" in error["exception"]
+
+
+def test_an_application_that_set_up_no_logging_gets_no_line_on_its_stdout() -> None:
+    """A tester's application embedding the query client had 208 of the client's info lines on its stdout, where a
+    host speaking a protocol (a stdio MCP server) would have been corrupted: warnings go to stderr, as the standard
+    library's logging does with no handler, and information lines nowhere."""
+    script = (
+        "from ontofabric.services.query.client import QueryClient\n"
+        "from ontofabric.shared.logging import get_logger\n"
+        "get_logger('ontofabric.services.query.client').info('query_request_resent', sends=2)\n"
+        "get_logger('ontofabric.services.query.client').warning('query_clocks_disagree', read_as='x')\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == ""
+    assert "query_clocks_disagree" in ran.stderr
+    assert "query_request_resent" not in ran.stderr

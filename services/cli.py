@@ -822,9 +822,11 @@ def mcp(
                 f"an HTTP gateway on {address[0]} needs bearer tokens ({tokens.path} does not exist): issue one "
                 "with `ontofabric gateway-token add CLIENT --workspace W`"
             )
-        errors.print(
-            f"[yellow]warning:[/yellow] no bearer tokens yet ({tokens.path}): any local process may call until "
-            "one is issued"
+        # A log line, as JSON where the logs are: printed as text it broke the JSON lines on stderr (an SRE's).
+        log.warning(
+            "gateway_without_tokens",
+            tokens_file=str(tokens.path),
+            note="any local process may call until a token is issued (ontofabric gateway-token add)",
         )
     # A call waits this long at most for a connection; the gateway starts without one (services/gateway/link.py).
     linking = settings.model_copy(update={"nats_connect_timeout_s": min(3.0, settings.nats_connect_timeout_s)})

@@ -146,6 +146,13 @@ def _candidates_counter(name: str) -> metrics.Counter:
     return meter().create_counter(f"retrieval.candidates.{name}", description=f"{name} candidates returned")
 
 
+SUB_MILLISECOND_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0)
+"""For stages of a millisecond or less: OpenTelemetry's default buckets start at 5 ms, where every fusion fell."""
+LONG_BUCKETS_MS = (10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1e3, 2.5e3, 5e3, 1e4, 3e4, 6e4, 3e5, 9e5, 3.6e6)
+"""For what can take minutes (a projector behind, a slow batch): the default buckets end at 10 s, past which a
+quantile reads 10 s whatever it is."""
+
+
 @cache
 def instruments() -> Instruments:
     meter = metrics.get_meter("ontofabric")
@@ -155,9 +162,16 @@ def instruments() -> Instruments:
             unit="ms",
             description="ontology_query wall time in the worker, from its receipt: the wait for a runner included",
         ),
-        fusion_duration=meter.create_histogram("retrieval.fusion.duration_ms", unit="ms"),
-        cache_hit=meter.create_counter("retrieval.cache.hit"),
-        cache_miss=meter.create_counter("retrieval.cache.miss"),
+        fusion_duration=meter.create_histogram(
+            "retrieval.fusion.duration_ms",
+            unit="ms",
+            description="fusing the retrievers' lists into one ranking",
+            explicit_bucket_boundaries_advisory=SUB_MILLISECOND_BUCKETS_MS,
+        ),
+        cache_hit=meter.create_counter("retrieval.cache.hit", description="ontology_query answers read from the cache"),
+        cache_miss=meter.create_counter(
+            "retrieval.cache.miss", description="ontology_query answers made, none of the same version being cached"
+        ),
         degraded=meter.create_counter("retrieval.degraded", description="answers with a failed part, by sink"),
         query_errors=meter.create_counter("retrieval.query.errors", description="error replies, by code"),
         projector_deltas=meter.create_counter(
@@ -165,7 +179,12 @@ def instruments() -> Instruments:
             description="deltas handled, by outcome (applied, noop, dead_lettered, retried; server_answer_dropped: "
             "a server's answer stored on a delta subject)",
         ),
-        projector_batch_duration=meter.create_histogram("projector.batch.duration_ms", unit="ms"),
+        projector_batch_duration=meter.create_histogram(
+            "projector.batch.duration_ms",
+            unit="ms",
+            description="a projector's batch, from its fetch to its acknowledgements, by index",
+            explicit_bucket_boundaries_advisory=LONG_BUCKETS_MS,
+        ),
         rerank_duration=meter.create_histogram(
             "retrieval.rerank.duration_ms", unit="ms", description="reranker calls' wall time, by reranker"
         ),
@@ -173,11 +192,17 @@ def instruments() -> Instruments:
             "retrieval.rerank.cost_usd",
             description="reranker cost estimated from the configured prices, by workspace and reranker",
         ),
-        graph_expansion_duration=meter.create_histogram("retrieval.graph_expansion.duration_ms", unit="ms"),
+        graph_expansion_duration=meter.create_histogram(
+            "retrieval.graph_expansion.duration_ms",
+            unit="ms",
+            description="the bounded graph expansion of an answer's results (followLinks)",
+            explicit_bucket_boundaries_advisory=SUB_MILLISECOND_BUCKETS_MS,
+        ),
         projector_freshness=meter.create_histogram(
             "projector.freshness_ms",
             unit="ms",
             description="from a delta stored in the stream to its commit in the index, where queries read it",
+            explicit_bucket_boundaries_advisory=LONG_BUCKETS_MS,
         ),
         projector_redeliveries=meter.create_counter(
             "projector.redeliveries", description="deltas delivered again (after a nak, an ack wait or a crash)"

@@ -32,7 +32,7 @@ from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import BYTE_ORDER_MARK, not_utf8, surrogate_field
 from ontofabric.shared.runtime import free_port
 
-from .conftest import CORPUS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
+from .conftest import CORPUS, METRICS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
 from .factories import delete, document, upsert
 
 
@@ -823,6 +823,29 @@ async def test_each_request_has_a_span_and_its_failures_are_marked_on_the_worker
         await client.query("acme", {"semanticQuery": "x"})
     (unanswered,) = [s for s in SPANS.get_finished_spans() if s.name == "query request"]
     assert unanswered.status.status_code == trace.StatusCode.ERROR
+
+
+async def test_every_metric_says_what_it_measures_in_buckets_that_fit_it(
+    seeded: int, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An SRE's: histograms and counters without a description, a gauge of milliseconds without its unit, and the
+    fusion's sub-millisecond times all in the default buckets' first (5 ms)."""
+    await start_query_worker(embedder, query_cache_entries=0)
+    await _ask(client, "compress a directory into a zip archive")
+    data = METRICS.get_metrics_data()
+    assert data is not None
+    metrics = {
+        metric.name: metric
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        if scope.scope.name == "ontofabric"
+        for metric in scope.metrics
+    }
+    assert "retrieval.fusion.duration_ms" in metrics
+    assert [name for name, metric in metrics.items() if not metric.description] == []
+    assert [name for name, metric in metrics.items() if name.endswith("_ms") and metric.unit != "ms"] == []
+    fusion = metrics["retrieval.fusion.duration_ms"].data.data_points[0]
+    assert fusion.explicit_bounds[0] < 1  # type: ignore[attr-defined]
 
 
 async def test_a_subject_that_names_no_valid_workspace_gets_an_error(

@@ -173,6 +173,7 @@ meter().create_observable_gauge(
 )
 meter().create_observable_gauge(
     "gateway.loop.late_ms",
+    unit="ms",
     callbacks=[_observe_late],
     description="how late the MCP gateway's event loop runs, as its tool calls are refused by",
 )

@@ -3,6 +3,7 @@ for the version it was read at, and dropped when the version moves or a rebuild 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import weakref
@@ -83,6 +84,7 @@ def metered(cache: LruCache[K, bytes]) -> LruCache[K, bytes]:
     """``cache``, its entries and bytes counted in ``retrieval.cache.entries`` and ``retrieval.cache.bytes``."""
     global _answer_caches
     _answer_caches = (*(ref for ref in _answer_caches if ref() is not None), weakref.ref(cache))
+    _gauges()
     return cache
 
 
@@ -105,14 +107,19 @@ def _observe_bytes(_: CallbackOptions) -> list[Observation]:
     return [Observation(sum(cache.bytes for cache in _live_caches()))]
 
 
-meter().create_observable_gauge(
-    "retrieval.cache.entries",
-    callbacks=[_observe_entries],
-    description="answers the query workers' caches hold (at most ONTOFABRIC_QUERY_CACHE_ENTRIES a worker)",
-)
-meter().create_observable_gauge(
-    "retrieval.cache.bytes",
-    unit="By",
-    callbacks=[_observe_bytes],
-    description="what the answers the query workers' caches hold weigh (at most ONTOFABRIC_QUERY_CACHE_BYTES a worker)",
-)
+@functools.cache
+def _gauges() -> None:
+    """Made with the first cache: every process importing this module (the CLI, an ingest, the gateway) exported
+    two gauges of 0 otherwise, as if it held a cache (an SRE's)."""
+    meter().create_observable_gauge(
+        "retrieval.cache.entries",
+        callbacks=[_observe_entries],
+        description="answers the query workers' caches hold (at most ONTOFABRIC_QUERY_CACHE_ENTRIES a worker)",
+    )
+    meter().create_observable_gauge(
+        "retrieval.cache.bytes",
+        unit="By",
+        callbacks=[_observe_bytes],
+        description="what the answers the query workers' caches hold weigh (at most ONTOFABRIC_QUERY_CACHE_BYTES a "
+        "worker)",
+    )

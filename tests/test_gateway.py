@@ -318,6 +318,9 @@ async def test_an_http_gateway_logs_as_a_server_does(deployment: Deployment) -> 
         await asyncio.wait_for(gateway.wait(), 30)
     # Not the MCP SDK's own info lines: a line for each request ("Terminating session"), session ids among them.
     assert b"mcp.server" not in said, said.decode()
+    # Every line JSON: the warning of no tokens yet was printed as text among them (an SRE's).
+    lines = [json.loads(line) for line in said.splitlines() if line.strip()]
+    assert "gateway_without_tokens" in {line["event"] for line in lines}
 
 
 async def test_the_python_sdk_over_streamable_http(deployment: Deployment, served: QueryService) -> None:

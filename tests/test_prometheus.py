@@ -125,3 +125,27 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
         for process in (server, worker):
             process.terminate()
             await process.wait()
+
+
+def test_the_cache_gauges_are_exported_only_by_a_process_holding_a_cache() -> None:
+    """An SRE's: the CLI, an ingest and the gateway each exported both cache gauges at 0, as if they held a cache."""
+    script = (
+        "from opentelemetry.sdk.metrics.export import InMemoryMetricReader\n"
+        "from ontofabric.shared.telemetry import configure_telemetry\n"
+        "reader = InMemoryMetricReader()\n"
+        "configure_telemetry('probe', extra_readers=(reader,), trace_clients=False)\n"
+        "from ontofabric.services.query.cache import metered\n"
+        "from ontofabric.shared.lru import LruCache\n"
+        "def names():\n"
+        "    data = reader.get_metrics_data()\n"
+        "    return sorted(m.name for r in (data.resource_metrics if data else []) for s in r.scope_metrics"
+        " for m in s.metrics)\n"
+        "print(names())\n"
+        "cache = metered(LruCache(10, 1000, len))\n"
+        "print(names())\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert ran.returncode == 0, ran.stderr
+    before, after = ran.stdout.splitlines()
+    assert "retrieval.cache" not in before
+    assert "'retrieval.cache.bytes', 'retrieval.cache.entries'" in after

@@ -426,7 +426,10 @@ def ingest(
     ] = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Chunk a source tree and publish what changed since the last ingest of this workspace and branch."""
+    """Chunk a source tree and publish what changed since the last ingest of this workspace and branch.
+
+    Its progress counts chunks embedded, deltas published, then stream sequences projected: from where the index
+    stood at the first look to this ingest's last delta, other workspaces' deltas between included."""
     from .ingest.chunking import tree_package
     from .ingest.ingester import EmptyTreeRefused, ExclusionRefused, Ingester, exclusion_patterns
 
@@ -1651,7 +1654,10 @@ def rebuild(
 
     Replays the workspace's deltas from sequence 1 into shadow tables, checks them against the fold of the stream,
     then swaps them in, in one transaction, and announces the ontologyVersions. An interrupted rebuild resumes
-    where it stopped when run again."""
+    where it stopped when run again.
+
+    Its progress counts stream sequences, other workspaces' deltas between this one's included; the closing line
+    counts this workspace's deltas."""
     from .ops.rebuild import Rebuild, RebuildFailed
 
     settings = _settings("ontofabric-rebuild", data_dir, quiet=True)

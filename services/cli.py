@@ -1273,8 +1273,9 @@ def nats_user_add(
 ) -> None:
     """Add a user (or show the one on record) and print its NATS URL, password included: hand that to the tenant.
 
-    A second add of the same user prints it again, from the owner-only record in the data directory. With --nkey: a new user each time, whose seed is written to an owner-only file (the record keeps only its
-    public key); hand the file over, to be named by ONTOFABRIC_NATS_NKEY_SEED."""
+    A second add of the same user prints it again, from the owner-only record in the data directory. With --nkey:
+    a new user each time, whose seed is written to an owner-only file (the record keeps only its public key); hand
+    the file over, to be named by ONTOFABRIC_NATS_NKEY_SEED."""
     if role not in NATS_ROLES:
         _fail(f"{role!r} is not a role: one of {', '.join(NATS_ROLES)}")
     if workspace is not None:

@@ -308,8 +308,10 @@ async def connect(
         outage.repeats = 0
 
     async def on_closed() -> None:
-        # Closed with an error on record and not by close(): the server ended it (a plain nc.close() has none).
-        if nc not in _CLOSING and nc.last_error is not None:
+        # Closed with an error on record and not by close(): the server ended it (a plain nc.close() has none). A
+        # permissions violation stays on record but ends nothing: an application's own nc.close() after a refused
+        # request was logged as the server ending the connection (a tester's).
+        if nc not in _CLOSING and nc.last_error is not None and not _VIOLATION.search(str(nc.last_error)):
             log.error("nats_connection_closed", name=name, error=describe(nc.last_error))
             connection_lost().set()
 

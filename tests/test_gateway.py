@@ -53,7 +53,7 @@ from ontofabric.contracts.query import (
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
-from ontofabric.services.gateway.server import Gateway, MisreadBodies, outcome_of
+from ontofabric.services.gateway.server import UNKNOWN_TOOL, Gateway, MisreadBodies, outcome_of
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import (
     TEXT_CUT,
@@ -2042,6 +2042,12 @@ async def test_each_tool_call_is_counted_by_tool_and_outcome(deployment: Deploym
         assert _tool_calls(*key) == counted + 1, key
     made_up = types.CallToolResult(content=[types.TextContent(text="error teapot: ...")], is_error=True)
     assert outcome_of(made_up) == "other"
+    # A call naming no tool of the gateway's: counted, under one name whatever it named (an SRE's went uncounted).
+    unknown = _tool_calls(UNKNOWN_TOOL, "invalid_request")
+    for name in ("nope", "ontology_qurey"):
+        with pytest.raises(MCPError, match="unknown tool"):
+            await gateway._call_tool(None, types.CallToolRequestParams(name=name, arguments={}))  # type: ignore[arg-type]
+    assert _tool_calls(UNKNOWN_TOOL, "invalid_request") == unknown + 2
 
 
 async def test_a_tool_call_its_client_cancels_is_counted_as_cancelled() -> None:

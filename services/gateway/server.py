@@ -109,7 +109,8 @@ _BY_NAME = {tool.name: tool for tool in TOOLS}
 tool_calls = meter().create_histogram(
     "gateway.tool_calls.duration_ms",
     unit="ms",
-    description="tool calls the MCP gateway handled, from their arrival to the answer, by tool and outcome (ok, the "
+    description="tool calls the MCP gateway handled, from their arrival to the answer, by tool ('unknown' for a name "
+    "no tool has) and outcome (ok, the "
     "error's code: invalid_request, forbidden, not_found, overloaded, unavailable, deadline_exceeded, internal; or "
     "cancelled by the client)",
 )

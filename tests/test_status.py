@@ -15,11 +15,13 @@ from rich.console import Console
 
 from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops import status as status_module
+from ontofabric.services.ops.shadow import retired_schema, shadow_schema
 from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import NO_QUERY_WORKER, analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.render import render_status, standing_by
+from ontofabric.shared.db import migrate
 from ontofabric.shared.discovery import INSTANCE, SCHEMA, announce, release_schema
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, projected_floor
@@ -126,7 +128,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert shown.returncode == 1, shown.stderr  # deltas pending, no projector
     report = json.loads(shown.stdout)
     assert report["analysis"] == {
-        "version": ANALYSIS_VERSION, "documents_of_another_analysis": {"acme": 1}, "unread": [], "model_changes": []
+        "version": ANALYSIS_VERSION, "documents_of_another_analysis": {"acme": 1}, "unread": [], "model_changes": [],
+        "rebuild_schemas": {},
     }  # fmt: skip
     assert report["dead_letters"] == {"globex": 1}
     assert {(b["workspace"], b["branch"], b["pending_deltas"]) for b in report["branches"]} == {
@@ -166,6 +169,34 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert NO_QUERY_WORKER not in (await deployment_status(deployment.nc, deployment.names, placement)).problems
     await first_worker.stop()
     assert NO_QUERY_WORKER in (await deployment_status(deployment.nc, deployment.names, placement)).problems
+
+
+async def test_a_rebuilds_shadow_and_retired_tables_are_noted_with_what_to_run(
+    deployment: Deployment, projector: ProjectorService
+) -> None:
+    """A shadow schema an interrupted rebuild left (as large as the workspace's index) was said nowhere; nor the
+    tables a swap retired and failed to drop."""
+    ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+    await deployment.wait_projected(ack.seq)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    shadow, retired = shadow_schema("acme"), retired_schema("globex")
+    await migrate(deployment.database_url, deployment.settings, schema=shadow)
+    await deployment.fetch(f'CREATE SCHEMA "{retired}"')
+    await deployment.fetch(f'CREATE TABLE "{retired}".documents_p0 (x int)')
+    try:
+        notes = (await deployment_status(deployment.nc, deployment.names, placement)).notes
+        (resumable,) = [note for note in notes if shadow in note and retired not in note]
+        assert "a rebuild of workspace 'acme' is running or was interrupted" in resumable
+        assert "`ontofabric rebuild acme` resumes it, `ontofabric rebuild acme --discard` drops it" in resumable
+        (swapped,) = [note for note in notes if retired in note]
+        assert "a rebuild of a workspace not known here swapped out were not dropped" in swapped
+        asked = await deployment_status(deployment.nc, deployment.names, placement, workspace="acme")
+        assert [note for note in asked.notes if "ontofabric_rebuild_" in note] == [resumable]
+    finally:
+        await deployment.fetch(f'DROP SCHEMA IF EXISTS "{shadow}" CASCADE')
+        await deployment.fetch(f'DROP SCHEMA IF EXISTS "{retired}" CASCADE')
+    assert not [note for note in (await deployment_status(deployment.nc, deployment.names, placement)).notes
+                if "ontofabric_rebuild_" in note]  # fmt: skip
 
 
 async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgotten(

@@ -8,6 +8,7 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import asyncpg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
@@ -40,9 +41,47 @@ class RebuildFailed(Exception):
         """What to do, where neither resuming nor the default advice fits."""
 
 
+SCHEMA_PREFIX = "ontofabric_rebuild_"
+
+
 def shadow_schema(workspace: str) -> str:
     digest = hashlib.md5(workspace.encode("utf-8"), usedforsecurity=False).hexdigest()[:20]
-    return f"ontofabric_rebuild_{digest}"
+    return f"{SCHEMA_PREFIX}{digest}"
+
+
+@dataclass(frozen=True)
+class LeftSchema:
+    """A schema of a rebuild on a database: its shadow (the rebuild running, or interrupted) or the tables its swap
+    retired and did not drop."""
+
+    schema: str
+    workspace: str | None
+    """Read from its rows; None when it holds none yet (or is a swap's retired tables)."""
+    size_bytes: int
+
+    @property
+    def retired(self) -> bool:
+        return self.schema.endswith("_retired")
+
+
+async def rebuild_schemas(conn: asyncpg.Connection) -> list[LeftSchema]:
+    """The rebuilds' schemas this database holds, with their tables' sizes (status names them: an interrupted
+    rebuild's shadow was said nowhere, and holds as much as the workspace's index)."""
+    rows = await conn.fetch(
+        "SELECT n.nspname AS schema,"
+        " coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint AS size"
+        " FROM pg_namespace n LEFT JOIN pg_class c ON c.relnamespace = n.oid"
+        " WHERE starts_with(n.nspname, $1) GROUP BY n.nspname ORDER BY n.nspname",
+        SCHEMA_PREFIX,
+    )
+    left = []
+    for row in rows:
+        try:
+            workspace = await conn.fetchval(f'SELECT workspace FROM "{row["schema"]}".documents LIMIT 1')
+        except asyncpg.UndefinedTableError:  # a swap's retired tables, or a shadow not yet migrated
+            workspace = None
+        left.append(LeftSchema(row["schema"], workspace, int(row["size"])))
+    return left
 
 
 def retired_schema(workspace: str) -> str:

@@ -32,6 +32,8 @@ from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
 from ontofabric.shared.subjects import NO_WORKSPACE, PARTITION_COUNTS, Names, encode_token, partition_of_token
 
+from .shadow import LeftSchema, rebuild_schemas, retired_schema, shadow_schema
+
 
 @dataclass(frozen=True)
 class BranchStatus:
@@ -95,6 +97,8 @@ class AnalysisStatus:
     """The databases that could not be counted, and why: their workspaces' counts are unknown."""
     model_changes: list[str] = field(default_factory=list)
     """Per database, a change of embedding model begun and not finished (running, or interrupted)."""
+    rebuild_schemas: dict[str, list[LeftSchema]] = field(default_factory=dict)
+    """Per database (its URL without password), the schemas rebuilds left or are building."""
 
 
 @dataclass
@@ -299,9 +303,35 @@ async def deployment_status(
     if not status.query_workers:  # an operator tester's health check exited 0 while every query went unanswered
         status.problems.append(NO_QUERY_WORKER)
     status.notes += status.analysis.model_changes
+    status.notes += _left_by_rebuilds(
+        status.analysis.rebuild_schemas, {b.workspace for b in status.branches}, workspace
+    )
     for unread in status.analysis.unread:  # a fault tester's: every connection slot taken, and no problem said
         status.problems.append(f"a database could not be read ({unread}): its index positions and counts are missing")
     return status
+
+
+def _left_by_rebuilds(by_database: dict[str, list[LeftSchema]], workspaces: set[str], asked: str | None) -> list[str]:
+    """A note for each rebuild's schema on the databases: what it holds and what to run about it."""
+    named = {shadow_schema(workspace): workspace for workspace in workspaces}
+    named |= {retired_schema(workspace): workspace for workspace in workspaces}
+    notes = []
+    for database, schemas in by_database.items():
+        for left in schemas:
+            workspace = left.workspace or named.get(left.schema)
+            if asked is not None and workspace != asked:
+                continue
+            size = f"{left.size_bytes / 1e6:.1f} MB"
+            which = f"workspace {workspace!r}" if workspace is not None else "a workspace not known here"
+            command = f"ontofabric rebuild {workspace}" if workspace is not None else "ontofabric rebuild W"
+            notes.append(
+                f"{database}: the tables a rebuild of {which} swapped out were not dropped ({left.schema}, {size}): "
+                f"the next `{command}` drops them"
+                if left.retired
+                else f"{database}: a rebuild of {which} is running or was interrupted ({left.schema}, {size}): "
+                f"`{command}` resumes it, `{command} --discard` drops it"
+            )
+    return notes
 
 
 def _durables_of(names: Names, workspace: str, layouts: Sequence[int]) -> list[str]:
@@ -405,19 +435,21 @@ async def analysis_status(placement: Placement, workspace: str | None = None) ->
     status = AnalysisStatus()
     databases = range(len(placement.databases)) if workspace is None else [placement.database_of(workspace)]
     counted = await asyncio.gather(*(_count_another_analysis(placement, d, workspace) for d in databases))
-    for counts, unread, change in counted:
+    for database, (counts, unread, change, left) in zip(databases, counted, strict=True):
         status.documents_of_another_analysis.update(counts)
         if unread is not None:
             status.unread.append(unread)
         if change is not None:
             status.model_changes.append(change)
+        if left:
+            status.rebuild_schemas[redacted_url(placement.databases[database])] = left
     status.documents_of_another_analysis = dict(sorted(status.documents_of_another_analysis.items()))
     return status
 
 
 async def _count_another_analysis(
     placement: Placement, database: int, workspace: str | None
-) -> tuple[dict[str, int], str | None, str | None]:
+) -> tuple[dict[str, int], str | None, str | None, list[LeftSchema]]:
     """The counts of one database, or why there are none; and a change of embedding model begun on it and not
     finished (a model-change tester's status said nothing of one interrupted). Never longer than DATABASE_WAIT_S:
     a connection that stops answering is dropped, not closed politely (asyncpg's close waits for the server's
@@ -428,6 +460,7 @@ async def _count_another_analysis(
         async with asyncio.timeout(DATABASE_WAIT_S):
             conn = await asyncpg.connect(url)
             counts = await documents_of_another_analysis(conn, placement, database, workspace)
+            left = await rebuild_schemas(conn)
             models = await conn.fetchrow("SELECT embedding_model, next_embedding_model FROM deployment")
             await conn.close()
             conn = None
@@ -438,7 +471,7 @@ async def _count_another_analysis(
                     f"{models['next_embedding_model']!r} is running or was interrupted: answers use the first until "
                     "it swaps (`ontofabric reembed` resumes it, `--discard` drops it)"
                 )
-            return counts, None, change
+            return counts, None, change, left
     except TimeoutError:
         why = f"no answer within {DATABASE_WAIT_S:g} s"
     except (asyncpg.UndefinedColumnError, asyncpg.UndefinedTableError):
@@ -448,7 +481,7 @@ async def _count_another_analysis(
     finally:
         if conn is not None:
             conn.terminate()
-    return {}, f"{redacted_url(url)}: {why}", None
+    return {}, f"{redacted_url(url)}: {why}", None, []
 
 
 def _published_branches(info: StreamInfo, names: Names) -> set[tuple[str, str]]:

@@ -530,6 +530,23 @@ def test_a_call_of_a_name_a_module_of_the_tree_no_longer_binds_is_kept_under_tha
         "services/w.py": "from ontofabric.services.u import gone\n\n\ndef g():\n    gone()\n",
     }
     assert _by_name(python_calls(prefixed)) == {("services/w.py", "services.w.g"): ("services.u.gone",)}
+    # A __getattr__ that serves the names it tests for, and raises for the rest (click's parser, for six
+    # deprecated names): any other name it does not bind is unbound (an agent tester's half-done rename).
+    shim = (
+        "def __getattr__(name):\n    import warnings\n\n    if name in {'old', 'Older'}:\n"
+        "        warnings.warn(f'{name} is deprecated')\n        return globals()[f'_{name}']\n"
+        "    elif name == 'oldest':\n        return 3\n\n    raise AttributeError(name)\n"
+    )
+    served = {
+        "pkg/__init__.py": "",
+        "pkg/shim.py": shim,
+        "pkg/open.py": shim.replace("    raise AttributeError(name)\n", "    return None\n"),  # serves any name
+        "pkg/use.py": (
+            "from pkg.shim import old, oldest, renamed\nfrom pkg.open import anything\n\n\n"
+            "def caller():\n    old(); oldest(); renamed(); anything()\n"
+        ),
+    }
+    assert _by_name(python_calls(served)) == {("pkg/use.py", "pkg.use.caller"): ("pkg.shim.renamed",)}
 
 
 def test_a_call_through_a_parameter_annotated_with_a_class_of_the_tree_calls_its_method() -> None:

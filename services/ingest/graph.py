@@ -277,7 +277,14 @@ class _Resolver:
         tree): more than it binds at its top level, so that a name it may bind is never taken for one it does not.
         One walk of the module."""
         names: set[str] = set(module.public or ())
+        getattr_def = next(
+            (n for n in module.tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"), None
+        )
+        served = _names_served(getattr_def) if getattr_def is not None else None
+        inside = set(map(id, ast.walk(getattr_def))) if served is not None and getattr_def is not None else set()
         for node in ast.walk(module.tree):
+            if id(node) in inside:  # a __getattr__ that serves only the names it tests for: those, below
+                continue
             if isinstance(node, ast.Name):
                 if isinstance(node.ctx, ast.Store | ast.Del):
                     names.add(node.id)
@@ -303,7 +310,9 @@ class _Resolver:
                 names.add(node.rest)
             elif isinstance(node, ast.Attribute) and node.attr == "modules" and _dotted(node) == "sys.modules":
                 names.add("*")
-        if "__getattr__" in names:
+        if served is not None:
+            names |= served | {"__getattr__"}
+        elif "__getattr__" in names:
             names.add("*")
         return frozenset(names)
 
@@ -324,6 +333,62 @@ class _Resolver:
             # re-exports it (an agent tester's anyio: 24 backend classes derived from no type of the tree).
             return self.symbol(target, node.attr)
         return None
+
+
+def _names_served(getattr_def: ast.FunctionDef) -> frozenset[str] | None:
+    """The names a module's ``__getattr__`` serves, when it tells them by testing its parameter against strings
+    (``if name in {"A", "B"}: ...``, ``elif name == "C": ...``) and raises for the rest; None when it may serve any
+    (click's ``parser`` serves six deprecated names: every call of a name it no longer bound read as possibly
+    served, and a half-done rename's callers were lost; an agent tester's)."""
+    if not getattr_def.args.args:
+        return None
+    parameter = getattr_def.args.args[0].arg
+    served: set[str] = set()
+    body = list(getattr_def.body)
+    if not body or not isinstance(body[-1], ast.Raise):
+        return None
+    for statement in body[:-1]:
+        if isinstance(statement, ast.Import | ast.ImportFrom | ast.Pass) or (
+            isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+        ):
+            continue
+        branch: ast.stmt | None = statement
+        while isinstance(branch, ast.If):  # an if / elif chain, each testing the parameter
+            tested = _strings_tested(branch.test, parameter)
+            if tested is None:
+                return None
+            served |= tested
+            if not branch.orelse:
+                branch = None
+            elif len(branch.orelse) == 1 and isinstance(branch.orelse[0], ast.If):
+                branch = branch.orelse[0]
+            else:
+                return None  # an else serves what no test named
+        if branch is not None:
+            return None
+    return frozenset(served)
+
+
+def _strings_tested(test: ast.expr, parameter: str) -> set[str] | None:
+    """The strings ``test`` compares ``parameter`` with (``==``, ``in`` a literal set, tuple or list, ``or`` of
+    such tests); None for any other test."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        parts = [_strings_tested(value, parameter) for value in test.values]
+        return None if any(part is None for part in parts) else set().union(*(p for p in parts if p is not None))
+    if not (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.left, ast.Name)
+        and test.left.id == parameter
+    ):
+        return None
+    operator, compared = test.ops[0], test.comparators[0]
+    if isinstance(operator, ast.Eq) and isinstance(compared, ast.Constant) and isinstance(compared.value, str):
+        return {compared.value}
+    if isinstance(operator, ast.In) and isinstance(compared, ast.Set | ast.Tuple | ast.List):
+        values = [e.value for e in compared.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        return set(values) if len(values) == len(compared.elts) else None
+    return None
 
 
 def _dotted(node: ast.expr) -> str | None:

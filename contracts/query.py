@@ -440,10 +440,10 @@ class RelationAsked(WireModel):
         default=None,
         exclude_if=lambda defined: defined is None,
         description="Sent (true) on a branch when symbolIndexed is false and main defines a symbol of this name: "
-        "the branch deleted or renamed it. Asked for its callers, the answer holds the branch's code that still calls "
-        "main's symbol by a name it imports (relationMatches of them; not a method called through self or an "
-        "instance); its other relations are not read, and the search results for the name show where it is still "
-        "written.",
+        "the branch deleted, renamed or moved it, or main added it after the branch's version of its file. Asked for "
+        "its callers, the answer holds the branch's code that still calls main's symbol by a name it imports "
+        "(relationMatches of them; not a method called through self or an instance); its other relations are not "
+        "read, and the search results for the name may show where it is still written.",
     )
 
 
@@ -606,7 +606,8 @@ class QueryMeta(WireModel):
         exclude_if=lambda indexed: indexed is None,
         description="Sent (true) on a branch when the query is one symbol's name or one file's path, the branch "
         "indexes no chunk defining it or of it (within the filters) and main does: the branch deleted, renamed or "
-        "moved it. The results are then search results for the name or path.",
+        "moved it, or main added it after the branch's version of its file. The results are then search results for "
+        "the name or path.",
     )
     relation_matches: int = Field(
         default=0,

@@ -390,7 +390,7 @@ async def test_a_name_or_path_the_branch_deleted_is_said_to_be_indexed_on_main(
         on_branch = await _ask(worker, text, branch="feat")
         assert (on_branch.meta.exact_symbol_matches, on_branch.meta.indexed_on_main) == (0, True), text
         notes = answer_notes(on_branch, {"semanticQuery": text, "branch": "feat"})
-        assert any("though main indexes one: the branch deleted, renamed or moved it" in note for note in notes)
+        assert any("though main indexes one: the branch's files hold none (deleted, renamed" in note for note in notes)
         on_main = await _ask(worker, text)
         assert (on_main.meta.exact_symbol_matches, on_main.meta.indexed_on_main) == (1, None), text
     for text in ("kept_function", "kept.py", "NoSuchWidget", "nowhere.py"):  # held by the branch, or by neither

@@ -1728,7 +1728,11 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     on_branch = meta.model_copy(update={"relation": deleted, "branch": "feat"})
     renamed = render(QueryResponse(results=[hit], _meta=on_branch), asked)
     assert "is indexed on branch 'feat' of workspace 'acme', though main defines one" in renamed
-    assert "search results for the name, which show where it is still written" in renamed
+    assert "or added to main after the branch's version of its file" in renamed  # not always the branch's doing
+    assert "these are search results for the name" in renamed
+    assert "still written" not in renamed  # said only of results that write it (an agent tester's)
+    writing = hit.model_copy(update={"content": "    return retry_if_exceptoin(x)"})
+    assert "which show where it is still written" in render(QueryResponse(results=[writing], _meta=on_branch), asked)
     assert "spelling" not in renamed
     # And its callers found: the branch's code still calling main's.
     still = on_branch.model_copy(update={"relation_matches": 1, "relation_found": 1})

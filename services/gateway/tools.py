@@ -461,6 +461,14 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
     return "\n".join(lines)
 
 
+BRANCH_LACKS = (
+    "the branch's files hold none (deleted, renamed or moved on the branch, or added to main after the branch's "
+    "version of its file)"
+)
+"""Why a branch lacks what main holds: not always its own deletion (an agent tester's was told the branch had
+deleted what main added after it)."""
+
+
 def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     """What an answer's results are not, said in words: no definition of the name asked, no symbol of the relation
     asked, only some of those standing in it, nothing of the objectType asked. The MCP text and ``ontofabric
@@ -476,7 +484,7 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     # The lookup ran and placed nothing: a tester's made-up name got ten results unsaid.
     filtered = any(arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind"))
     # A branch's deletion, rename or move: not to be taken for a misspelt name (an agent tester's).
-    on_main = ", though main indexes one: the branch deleted, renamed or moved it" if meta.indexed_on_main else ""
+    on_main = f", though main indexes one: {BRANCH_LACKS}" if meta.indexed_on_main else ""
     if file is not None and _no_definition_placed(meta) and ran("exactFile"):
         notes.append(  # a review's: a filter leaving out the file's chunks is no file missing
             f"no file at a path {printable(file.path)!r} names (nor ending with it) is indexed"
@@ -498,12 +506,16 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         elif meta.relation_matches:
             found = f"the first {meta.relation_matches} results still stand in relation {asked.relation!r} to main's"
         else:
-            found = f"nothing its code still says of it is read as its {asked.relation}" + (
-                ": these are search results for the name, which show where it is still written" if reply.results else ""
-            )
+            found = f"nothing its code still says of it is read as its {asked.relation}"
+            if reply.results:  # said to show where it is written only where one does (an agent tester's)
+                short = asked.symbol.rpartition(".")[2]
+                written = any(short in (result.content or "") for result in reply.results)
+                found += ": these are search results for the name" + (
+                    ", which show where it is still written" if written else ""
+                )
         notes.append(
             f"no symbol named {asked.symbol!r} is indexed on branch {meta.branch!r} of workspace {meta.workspace!r}, "
-            f"though main defines one: the branch deleted or renamed it, and {found}"
+            f"though main defines one: {BRANCH_LACKS}; {found}"
         )
     elif asked is not None and not asked.symbol_indexed:
         notes.append(

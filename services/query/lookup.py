@@ -92,7 +92,8 @@ class Lookups:
                 # The branch deleted it, or its file: an agent on the branch read "no document" for one it had
                 # just been given from main's answers (an outside tester's).
                 said += (
-                    "; the branch no longer holds it (it deleted it, or changed its file without it), and main does"
+                    "; the branch does not hold it (deleted on the branch, or added to main after the branch's "
+                    "version of its file), and main does"
                     f" (ask with branch {MAIN_BRANCH!r})"
                 )
             raise DocumentNotFound(said)

@@ -1687,6 +1687,28 @@ async def test_a_worker_whose_receipts_come_late_is_not_sent_each_request_again(
     assert reads == [1, 3, 4]
 
 
+@pytest.mark.parametrize("reply", [b'{"error": "boom"}', b'{"error": {"message": "m"}}', b'{"error": {"co'])
+async def test_an_error_reply_that_cannot_be_read_is_returned_as_it_came(
+    deployment: Deployment, runtime: EmbeddedRuntime, reply: bytes
+) -> None:
+    """A review's: reading the error's code for the request's span raised on a broken reply, out of send_raw,
+    where the gateway answers "the reply could not be read" for it."""
+    nc = await connect_as(deployment, runtime, "client")
+    member = await connect_as(deployment, runtime, "query")
+    names = deployment.names
+
+    async def broken(msg: Msg) -> None:
+        await member.publish(msg.reply, reply)
+
+    await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=broken)
+    await subscriptions_visible(member)
+    try:
+        assert await QueryClient(nc, names, timeout_s=5).send_raw("acme", b"{}") == reply
+    finally:
+        await member.close()
+        await nc.close()
+
+
 async def test_requests_waiting_when_their_connection_is_closed_end_at_once(
     deployment: Deployment, runtime: EmbeddedRuntime
 ) -> None:

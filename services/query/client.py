@@ -467,10 +467,14 @@ invalid, for an id not found, or for load (to be sent again later) is an answer,
 
 
 def error_code(body: bytes) -> str | None:
-    """The code of an error reply (:class:`ErrorReply`); None for an answer."""
+    """The code of an error reply (:class:`ErrorReply`); None for an answer, and for a reply that cannot be read
+    (a worker of another version, a broken reply: its reader says so; a review's `{"error": "boom"}` raised here)."""
     if not body.startswith(b'{"error":'):
         return None
-    return str(json.loads(body)["error"]["code"])
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class QueryClient:

@@ -892,14 +892,16 @@ class QueryService:
                 except TimeoutError:  # its timer may have refused it already: counted as sent (_reply_once)
                     body = partial(self._refused_late, admitted, loop.time())
                     finished = False
-                    span.set_status(StatusCode.ERROR, "deadline_exceeded")
+                    span.set_attribute("error.type", "deadline_exceeded")
+                    if not self._timeout_too_short(deadline):  # the caller's own short timeout is no fault here
+                        span.set_status(StatusCode.ERROR, "deadline_exceeded")
                 else:  # an error reply says so on the span too: a tracing backend found no failed answer
                     code = error_code(body)
                     if code is not None:
                         span.set_attribute("error.type", code)
                         if code in SERVER_FAULTS:
                             span.set_status(StatusCode.ERROR, code)
-        except Exception:  # a caller waiting for a reply gets one, whatever failed
+        except Exception:  # a caller waiting for a reply gets one, whatever failed (its span ended marked ERROR)
             log.exception("query_failed", subject=msg.subject)
             body = partial(error_reply, "internal", "the query failed unexpectedly; see the worker log", retryable=True)
         await self._reply_once(admitted, body)

@@ -109,8 +109,9 @@ async def migrate(database_url: str, settings: Settings, *, schema: str | None =
                         "migration_failed",
                         migration=migration.name,
                         error=f"{type(error).__name__}: {error}",
-                        applied_before_it=len(done),
-                        last_applied=done[-1] if done else None,
+                        applied_this_run=len(done),
+                        applied_in_all=len(applied) + len(done),
+                        last_applied=done[-1] if done else max(applied, default=None),
                     )
                     raise
                 log.info("migration_applied", migration=migration.name)

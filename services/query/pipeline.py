@@ -126,6 +126,9 @@ MESSAGE_READ_S = 0.1
 """The most CPU time spent reading those chunks' literals (about 10 ms at the median over three installed
 libraries)."""
 RETRIEVAL_RESERVE_S = 0.02
+ON_MAIN = "onMain"
+"""The part that looks on main, for a branch, for what the branch lacks (``_meta.indexedOnMain``,
+``relation.definedOnMain``): named in ``_meta.degraded`` when it fails."""
 REFINEMENT_RESERVE_S = 0.01
 
 NO_DEFINITIONS = Definitions({}, "")
@@ -818,19 +821,19 @@ class QueryPipeline:
         names (False when the lookup failed or ran out of time)."""
         on_main = dataclasses.replace(scope, branch=MAIN_BRANCH)
         if path is not None:
-            found = await run.guarded(
-                "exactFile", self._file_or_name(on_main, path, name), reserve_s=RETRIEVAL_RESERVE_S
-            )
+            work = self._file_or_name(on_main, path, name)
         elif name is not None:
-            found = await run.guarded("exactSymbol", self._definitions_of(on_main, name), reserve_s=RETRIEVAL_RESERVE_S)
+            work = self._definitions_of(on_main, name)
         else:
             return False
+        # A part of its own: failing, it is no failure of the branch's lookup, whose note then still shows.
+        found = await run.guarded(ON_MAIN, work, reserve_s=RETRIEVAL_RESERVE_S)
         return found is not None and bool(found.symbols)
 
     async def _defined_on_main(self, run: QueryRun, scope: Scope, name: str) -> bool:
         """Whether a chunk of main defines a symbol of that name (False when the lookup failed or ran out of time)."""
         work = self._documents.definitions(Scope(scope.workspace, MAIN_BRANCH), name, 1)
-        found = await run.guarded("exactSymbol", work, reserve_s=RETRIEVAL_RESERVE_S)
+        found = await run.guarded(ON_MAIN, work, reserve_s=RETRIEVAL_RESERVE_S)
         return found is not None and bool(found.symbols)
 
     async def _checking_the_name(self, scope: Scope, name: str, lookup: Awaitable[Definitions]) -> Definitions:

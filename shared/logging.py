@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from opentelemetry import trace
@@ -128,33 +128,48 @@ def _no_library_progress_bars() -> None:
         transformers_logging.disable_progress_bar()
 
 
-def _quiet_until_configured() -> None:
-    """Until :func:`configure_logging` runs (never, in an application that embeds the query client), lines go
-    through the standard library's logging: the application's handlers, or logging's last resort (warnings and
-    worse, on stderr). structlog's own default printed every line on stdout, which a host speaking a protocol there
-    (a stdio MCP server) cannot take (a tester's). An application that configured structlog keeps its own set-up."""
-    if structlog.is_configured():
-        return
-    structlog.configure(
-        processors=[
-            structlog.stdlib.filter_by_level,
-            structlog.stdlib.add_log_level,
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=False,
-    )
-
-
-_quiet_until_configured()
-
-
 def describe(error: BaseException) -> str:
     """An error as logs, dead letters and replies state it: its type, then its message."""
     return f"{type(error).__name__}: {error}"
 
 
+_UNCONFIGURED_PROCESSORS: list[Any] = [
+    structlog.stdlib.filter_by_level,
+    structlog.stdlib.add_log_level,
+    structlog.dev.ConsoleRenderer(colors=False),
+]
+
+
+class _UntilConfigured:
+    """A logger that logs as structlog is configured (:func:`configure_logging`, or an application's own set-up)
+    and, until it is, through the standard library's logging: the application's handlers, or logging's last resort
+    (warnings and worse, on stderr). structlog's own default printed every line on stdout, which a host speaking a
+    protocol there (a stdio MCP server) cannot take (a tester's application embedding the query client). Nothing
+    is configured for the process: an application logging with structlog's defaults keeps them (a review's)."""
+
+    __slots__ = ("_configured", "_name", "_unconfigured")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._configured: Any = None
+        self._unconfigured: Any = None
+
+    def _target(self) -> Any:
+        if structlog.is_configured():
+            if self._configured is None:
+                self._configured = structlog.stdlib.get_logger(self._name)
+            return self._configured
+        if self._unconfigured is None:
+            self._unconfigured = structlog.wrap_logger(
+                logging.getLogger(self._name),
+                processors=_UNCONFIGURED_PROCESSORS,
+                wrapper_class=structlog.stdlib.BoundLogger,
+            )
+        return self._unconfigured
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._target(), attribute)
+
+
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
-    return logger
+    return cast(structlog.stdlib.BoundLogger, _UntilConfigured(name))

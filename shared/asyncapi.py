@@ -179,6 +179,7 @@ def _messages() -> Json:
                     "Ontofabric-Original-Stream": {"type": "string"},
                     "Ontofabric-Original-Sequence": {"type": "string"},
                     "Ontofabric-Delivered": {"type": "string", "description": "Deliveries before it was refused."},
+                    **_TRACE_HEADERS,  # the delta's, carried on (and by its re-drive)
                 },
                 ["Ontofabric-Reason", "Ontofabric-Original-Subject", "Ontofabric-Original-Sequence"],
             ),

@@ -160,13 +160,17 @@ async def test_the_batch_span_links_each_delta_to_its_ingest_trace(
     with trace.get_tracer("tests").start_as_current_span("ingest.run") as span:
         ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
     await deployment.wait_projected(ack.seq)
-    trace_id = span.get_span_context().trace_id
+    await _a_batch_linked_to(span.get_span_context().trace_id)
+
+
+async def _a_batch_linked_to(trace_id: int) -> None:
+    """Until a projector's batch span links to the trace: it ends after the acks (statistics are refreshed in it),
+    so the ack floor can pass first."""
 
     def linked() -> bool:
         batches = [s for s in SPANS.get_finished_spans() if s.name == "projector.batch"]
         return any(link.context.trace_id == trace_id for s in batches for link in s.links)
 
-    # The batch span ends after the acks (statistics are refreshed in it): the ack floor can pass first.
     async with asyncio.timeout(10):
         while not linked():
             await asyncio.sleep(0.02)
@@ -184,14 +188,7 @@ async def test_deltas_published_outside_any_span_carry_the_publishers_own(
     assert len({headers["traceparent"] for headers in stored}) == 1  # one publish, one span
     published = [s for s in SPANS.get_finished_spans() if s.name == "deltas publish"]
     trace_id = next(s.context.trace_id for s in published if f"{s.context.trace_id:032x}" in stored[0]["traceparent"])
-
-    def linked() -> bool:
-        batches = [s for s in SPANS.get_finished_spans() if s.name == "projector.batch"]
-        return any(link.context.trace_id == trace_id for s in batches for link in s.links)
-
-    async with asyncio.timeout(10):
-        while not linked():
-            await asyncio.sleep(0.02)
+    await _a_batch_linked_to(trace_id)
 
 
 async def test_an_idle_projectors_renewals_make_no_traces(deployment: Deployment, projector: ProjectorService) -> None:

@@ -21,7 +21,7 @@ from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import Header
 from opentelemetry import propagate
-from opentelemetry.trace import SpanKind, StatusCode, get_current_span
+from opentelemetry.trace import Span, SpanKind, StatusCode, get_current_span
 from pydantic import BaseModel, ValidationError
 
 from ontofabric.contracts import (
@@ -477,6 +477,16 @@ def error_code(body: bytes) -> str | None:
         return None
 
 
+def mark_reply(span: Span, body: bytes) -> None:
+    """An error reply said on the request's span, the client's or the worker's: its code as ``error.type``, and
+    ERROR for the service's faults (:data:`SERVER_FAULTS`)."""
+    code = error_code(body)
+    if code is not None:
+        span.set_attribute("error.type", code)
+        if code in SERVER_FAULTS:
+            span.set_status(StatusCode.ERROR, code)
+
+
 class QueryClient:
     def __init__(
         self, nc: Client, names: Names, timeout_s: float = 10.0, *, receipts: bool = True, pushback: bool = True
@@ -513,11 +523,7 @@ class QueryClient:
             span.set_attribute("messaging.destination.name", subject)
             # A subject these credentials may not use fails at once, not after the timeout.
             answer = await refused_promptly(self._nc, subject, self._exchange(subject, body))
-            code = error_code(answer)
-            if code is not None:
-                span.set_attribute("error.type", code)
-                if code in SERVER_FAULTS:
-                    span.set_status(StatusCode.ERROR, code)
+            mark_reply(span, answer)
             return answer
 
     async def _exchange(self, subject: str, body: bytes) -> bytes:

@@ -79,7 +79,7 @@ from ontofabric.shared.turns import TurnQueue
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
 from .cache import CacheKey, metered, unmetered
-from .client import SERVER_FAULTS, error_code
+from .client import error_code, mark_reply
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
 from .deadlines import (
@@ -896,11 +896,7 @@ class QueryService:
                     if not self._timeout_too_short(deadline):  # the caller's own short timeout is no fault here
                         span.set_status(StatusCode.ERROR, "deadline_exceeded")
                 else:  # an error reply says so on the span too: a tracing backend found no failed answer
-                    code = error_code(body)
-                    if code is not None:
-                        span.set_attribute("error.type", code)
-                        if code in SERVER_FAULTS:
-                            span.set_status(StatusCode.ERROR, code)
+                    mark_reply(span, body)
         except Exception:  # a caller waiting for a reply gets one, whatever failed (its span ended marked ERROR)
             log.exception("query_failed", subject=msg.subject)
             body = partial(error_reply, "internal", "the query failed unexpectedly; see the worker log", retryable=True)

@@ -13,12 +13,13 @@ import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -1694,19 +1695,27 @@ async def test_an_error_reply_that_cannot_be_read_is_returned_as_it_came(
     """A review's: reading the error's code for the request's span raised on a broken reply, out of send_raw,
     where the gateway answers "the reply could not be read" for it."""
     nc = await connect_as(deployment, runtime, "client")
-    member = await connect_as(deployment, runtime, "query")
-    names = deployment.names
 
     async def broken(msg: Msg) -> None:
         await member.publish(msg.reply, reply)
 
-    await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=broken)
-    await subscriptions_visible(member)
+    member = await _a_worker_that_calls(deployment, runtime, broken)
     try:
-        assert await QueryClient(nc, names, timeout_s=5).send_raw("acme", b"{}") == reply
+        assert await QueryClient(nc, deployment.names, timeout_s=5).send_raw("acme", b"{}") == reply
     finally:
         await member.close()
         await nc.close()
+
+
+async def _a_worker_that_calls(
+    deployment: Deployment, runtime: EmbeddedRuntime, take: Callable[[Msg], Awaitable[None]]
+) -> Client:
+    """A connection in the query workers' queue group that calls ``take`` with each query request of "acme"."""
+    member = await connect_as(deployment, runtime, "query")
+    names = deployment.names
+    await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=take)
+    await subscriptions_visible(member)
+    return member
 
 
 async def test_requests_waiting_when_their_connection_is_closed_end_at_once(
@@ -1715,17 +1724,14 @@ async def test_requests_waiting_when_their_connection_is_closed_end_at_once(
     """A tester's application closed its connection with 100 requests waiting: they ended one by one, the last
     6.5 s later (its timeout 10 s)."""
     nc = await connect_as(deployment, runtime, "client")
-    member = await connect_as(deployment, runtime, "query")
-    names = deployment.names
     taken = 0
 
     async def silent(_: Msg) -> None:  # takes every request, and never answers
         nonlocal taken
         taken += 1
 
-    await member.subscribe(names.request_subject("query", "acme"), queue=names.query_queue, cb=silent)
-    await subscriptions_visible(member)
-    client = QueryClient(nc, names, timeout_s=10)
+    member = await _a_worker_that_calls(deployment, runtime, silent)
+    client = QueryClient(nc, deployment.names, timeout_s=10)
     try:
         waiting = [asyncio.create_task(client.send_raw("acme", b"{}")) for _ in range(50)]
         async with asyncio.timeout(5):

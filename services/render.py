@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from rich.console import Console
@@ -24,7 +25,7 @@ from ontofabric.shared.discovery import (
     held_elsewhere,
     postgres_partitions,
 )
-from ontofabric.shared.printable import printable
+from ontofabric.shared.printable import printable, shown_time
 
 
 def as_text(text: str, lines: bool = False) -> str:
@@ -251,7 +252,7 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
         position = "-" if consumer.index_position is None else str(consumer.index_position)
         consumers.add_row(
             name, str(consumer.ack_floor), position, str(consumer.undelivered), str(consumer.unacknowledged),
-            str(consumer.waiting_pulls), str(consumer.last_active or "-"),
+            str(consumer.waiting_pulls), shown_time(consumer.last_active) if consumer.last_active else "-",
         )  # fmt: skip
     console.print(consumers)
     streams = "; ".join(
@@ -261,12 +262,12 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     )
     console.print(f"streams: {streams}")
     projectors = ", ".join(
-        " ".join([f"{w.host}:{w.pid}", *_shown(w.details), f"(since {w.started}){standing_by(w, status.projectors)}"])
+        " ".join([f"{w.host}:{w.pid}", *_shown(w.details), f"(since {_started(w)}){standing_by(w, status.projectors)}"])
         for w in status.projectors
     )
     console.print(f"projectors: {projectors or 'none answering'}")
     workers = ", ".join(
-        " ".join([f"{w.host}:{w.pid}", *_shown(w.details), f"(since {w.started})"]) for w in status.query_workers
+        " ".join([f"{w.host}:{w.pid}", *_shown(w.details), f"(since {_started(w)})"]) for w in status.query_workers
     )
     workers = workers or "none answering"
     console.print(f"query workers: {workers}")
@@ -284,6 +285,15 @@ def _shown(details: dict[str, str]) -> list[str]:
     """A worker's details as status shows them (its embedding models, a projector's index and partitions): not the
     name of its worker object (an id for machines), nor an empty one."""
     return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE and value]
+
+
+def _started(worker: Worker) -> str:
+    """When the worker began, as the other moments of status are shown; what it said as it said it when that is no
+    ISO 8601 moment (another implementation of the discovery protocol)."""
+    try:
+        return shown_time(datetime.fromisoformat(worker.started or ""))
+    except ValueError:
+        return worker.started or "-"
 
 
 def _schema(worker: Worker) -> int:

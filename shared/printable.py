@@ -1,8 +1,10 @@
-"""Text a tenant wrote, made safe to show on one line or in a terminal (pure; no I/O)."""
+"""Text made to be shown: what a tenant wrote, safe on one line or in a terminal, and moments as people read them
+(pure; no I/O)."""
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 ACTED_ON = "\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
 """Characters a terminal acts on rather than shows, as a regular expression's class: C0 and C1 controls but tab and
@@ -19,3 +21,9 @@ def printable(text: str, lines: bool = False) -> str:
     tester's); a file's name with line breaks wrote result lines of its own into the text an agent reads (another's)."""
     found = _ACTED_ON_IN_LINES if lines else _ACTED_ON_IN_A_LINE
     return found.sub(lambda match: repr(match.group())[1:-1], text)
+
+
+def shown_time(moment: datetime) -> str:
+    """``moment`` in UTC to the second, as ISO 8601 with ``Z``: the texts printed Python's ``str`` of it
+    (``2026-12-06 09:23:20.738003+00:00``) beside JSON that writes ``2026-12-06T09:23:20.738003Z`` (a tester's)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

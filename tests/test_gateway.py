@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -1858,8 +1859,13 @@ def test_the_status_text_of_a_branch_whose_deltas_were_compacted_away() -> None:
     text = _render_status(reply)
     assert "None" not in text
     assert "3 documents, no delta of it in the stream, 0 pending" in text
-    later = _render_status(reply.model_copy(update={"branches": [main.model_copy(update={"latest_seq": 12})]}))
+    changed = datetime(2026, 12, 6, 9, 23, 20, 738003, tzinfo=UTC)
+    later = _render_status(
+        reply.model_copy(update={"branches": [main.model_copy(update={"latest_seq": 12, "last_change": changed})]})
+    )
     assert "last delta seq 12" in later
+    # As the JSON writes it, to the second (it printed Python's `2026-12-06 09:23:20.738003+00:00`).
+    assert later.endswith("last change 2026-12-06T09:23:20Z")
 
 
 def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None:

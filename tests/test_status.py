@@ -26,6 +26,7 @@ from ontofabric.shared.discovery import INSTANCE, SCHEMA, announce, release_sche
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, projected_floor
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.printable import shown_time
 from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
@@ -256,7 +257,13 @@ async def test_a_layout_given_up_is_shown_holds_compaction_back_and_can_be_forgo
     assert compacted.latest_seq is None
     shown = Console(record=True, width=200)
     render_status(shown, status)
-    assert "not in stream" in shown.export_text()
+    text = shown.export_text()
+    assert "not in stream" in text
+    # A consumer's last activity as the JSON writes it, to the second (it printed Python's str of the datetime).
+    (consumer,) = status.consumers
+    assert consumer.last_active is not None
+    assert shown_time(consumer.last_active) in text
+    assert "+00:00" not in text
     assert status.problems == [NO_QUERY_WORKER]  # no query worker runs here, and status says so
     # The snapshots lost (their object store deleted): what the stream no longer holds is nowhere, and status says
     # so (a disaster recovery tester's: nothing named it, and rebuild and compact refused with sequences).

@@ -51,7 +51,7 @@ from ontofabric.services.query.symbols import (
     file_asked,
     identifier_of,
 )
-from ontofabric.shared.printable import printable
+from ontofabric.shared.printable import printable, shown_time
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Operation
 
@@ -658,6 +658,6 @@ def _render_status(reply: StatusReply) -> str:
         last = "no delta of it in the stream" if branch.latest_seq is None else f"last delta seq {branch.latest_seq}"
         lines.append(
             f"- {branch.branch}: {_counted(branch.documents, 'document')}, {last}, {branch.pending_deltas} "
-            f"pending{waited}, last change {branch.last_change or 'none yet'}"
+            f"pending{waited}, last change {shown_time(branch.last_change) if branch.last_change else 'none yet'}"
         )
     return "\n".join(lines)

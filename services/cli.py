@@ -27,8 +27,6 @@ import asyncpg
 import nats.errors
 import typer
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import SettingsError
@@ -734,7 +732,15 @@ def query(
     data_dir: DataDir = None,
 ) -> None:
     """Send one ontology_query request and print the ranked results and _meta."""
-    from .query.client import QueryClient, RequestTooLarge, parse_reply, request_json
+    from .query.client import (
+        ClientError,
+        ConnectionDown,
+        NoQueryWorker,
+        NoReplyInTime,
+        QueryClient,
+        parse_reply,
+        request_json,
+    )
 
     settings = _settings("ontofabric-cli", data_dir, quiet=True)
     nats_url = _nats_url(settings, "client")
@@ -765,12 +771,11 @@ def query(
         raw = asyncio.run(run())
     except PermissionDenied as error:
         _fail(f"{error} (workspace {workspace!r})")
-    except (NoRespondersError, NatsTimeoutError) as error:
-        _fail(
-            f"no answer from a query worker ({type(error).__name__}): is `ontofabric up` running, or with "
-            "--no-query-worker, an `ontofabric query-worker`?"
-        )
-    except RequestTooLarge as error:
+    except ConnectionDown as error:
+        _fail(f"{error}: is the NATS server at {nats_url} running?")
+    except (NoQueryWorker, NoReplyInTime) as error:
+        _fail(f"{error}: is `ontofabric up` running, or with --no-query-worker, an `ontofabric query-worker`?")
+    except ClientError as error:  # too large, invalid, the connection ended
         _fail(str(error))
     reply = parse_reply(raw)
     if as_json:

@@ -179,7 +179,8 @@ def test_up_runs_the_servers_alone_for_workers_of_their_own(tmp_path: Path) -> N
     try:
         alone = query()
         assert alone.returncode != 0
-        assert "no answer from a query worker" in " ".join(alone.stderr.split()), alone.stderr
+        said = " ".join(alone.stderr.split())
+        assert "no query worker listens on ontofabric.query.geo: is `ontofabric up` running" in said, said
         # The query worker first: it waits for the streams a projector makes (it stopped with a traceback).
         for command, its_env in (("query-worker", env), ("projector", metered)):
             workers.append(subprocess.Popen([ONTOFABRIC, command], env=its_env, stderr=subprocess.DEVNULL))

@@ -42,7 +42,12 @@ from ontofabric.services.query.client import (
     PUSHBACK_JITTER,
     RECEIPT_WAIT_S,
     Attempt,
+    ClientError,
+    ConnectionDown,
+    NoQueryWorker,
+    NoReplyInTime,
     QueryClient,
+    RequestInvalid,
     RetryBudget,
     attempt_timeout,
     parse_reply,
@@ -1461,6 +1466,45 @@ async def test_a_request_waiting_on_a_frozen_server_is_sent_again_once_a_new_one
         own.restart()
         assert await asking == b'{"answer":1}'
         assert time.monotonic() - started < 6.0, time.monotonic() - started
+
+
+async def test_every_failure_of_a_request_is_a_client_error_that_says_which(tmp_path: Path) -> None:
+    """An application embedding the client caught exceptions of four modules (nats', pydantic's, the client's and
+    builtins), and could not tell a NATS server away from a slow worker: both were nats' bare TimeoutError at the
+    full timeout. Each is a ClientError now, and still the exception it was."""
+    async with _own_server(tmp_path) as own:
+        names = Names("ontofabric")
+        with pytest.raises(RequestInvalid) as invalid:
+            await own.client.query("acme", {"semanticQuery": "x", "topK": "many"})
+        assert [detail.field for detail in invalid.value.details] == ["topK"]
+        assert "topK" in str(invalid.value)
+        assert isinstance(invalid.value, ValueError)
+        with pytest.raises(NoQueryWorker) as nobody:  # no member on this workspace's subject
+            await own.client.send_raw("nobody", b"{}")
+        assert isinstance(nobody.value, NoRespondersError)
+        assert "ontofabric.query.nobody" in str(nobody.value)
+
+        slow_worker = await connect(f"nats://query:pw@127.0.0.1:{own.port}", "test-slow-worker")
+
+        async def hold(msg: Msg) -> None:  # a receipt, then silence: a worker too slow for the caller
+            await slow_worker.publish(msg.reply, b"", headers={RECEIPT_HEADER: RECEIVED})
+
+        try:
+            await slow_worker.subscribe(names.request_subject("query", "slow"), queue=names.query_queue, cb=hold)
+            await subscriptions_visible(slow_worker)
+            with pytest.raises(NoReplyInTime) as slow:
+                await QueryClient(own.caller, names, timeout_s=1.5).send_raw("slow", b"{}")
+        finally:
+            await close(slow_worker)
+        assert not isinstance(slow.value, ConnectionDown)
+        assert "within 1.5 s" in str(slow.value)
+        own.server.process.kill()
+        own.server.process.wait()
+        with pytest.raises(ConnectionDown) as away:
+            await QueryClient(own.caller, names, timeout_s=1.5).send_raw("acme", b"{}")
+        assert isinstance(away.value, NatsTimeoutError)
+        assert isinstance(away.value, ClientError)
+        assert "the connection to NATS is down" in str(away.value)
 
 
 async def _member(deployment: Deployment, runtime: EmbeddedRuntime, answer: Any) -> tuple[Any, list[float]]:

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ontofabric.contracts import MAX_REQUEST_BYTES, ErrorReply, QueryError
 from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.contracts.query import ErrorCode, clipped
-from ontofabric.services.query.client import QueryClient, RequestTooLarge
+from ontofabric.services.query.client import ConnectionDown, QueryClient, RequestTooLarge
 from ontofabric.services.query.requests import read_request, repeated_keys_by_item
 from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
@@ -264,6 +264,8 @@ class Gateway:
             return invalid_here(spec, arguments, request) or tool_error(
                 f"error unavailable (retryable: try again): no query worker is serving workspace {workspace!r}"
             )
+        except ConnectionDown as error:  # the link's connection went down while the request waited
+            return tool_error(f"error unavailable (retryable: try again): {error}")
         except (NatsTimeoutError, TimeoutError):
             return tool_error(f"error unavailable (retryable: try again): no answer within {self._timeout_s:g} s")
         except NATS_CONNECTION_LOST as error:  # the link replaced it (the server moved) while the call was on it

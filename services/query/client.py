@@ -40,7 +40,8 @@ from ontofabric.contracts import (
     StatusReply,
     StatusRequest,
 )
-from ontofabric.shared.jetstream import refused_promptly
+from ontofabric.contracts.query import validation_details
+from ontofabric.shared.jetstream import PermissionDenied, refused_promptly
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.subjects import Names, Operation
 from ontofabric.shared.tasks import start_held
@@ -137,7 +138,18 @@ REQUEST_HEADER_ROOM_BYTES = 4096
 counts them in, nats-py checks the body alone."""
 
 
-class RequestTooLarge(ValueError):
+class ClientError(Exception):
+    """What a request of :class:`QueryClient` raises when it gets no reply, whatever the cause: an application
+    catches this one (it caught exceptions of four modules: nats', pydantic's, this one's and builtins). A refusal
+    a worker sent is a reply (:class:`ErrorReply`), not this. Each kind is also the exception it replaces (nats'
+    ``TimeoutError``, ``NoRespondersError``, ``ConnectionClosedError``, ``ValueError``), so code that caught those
+    still does."""
+
+    def __str__(self) -> str:  # nats' errors print a fixed text of their own, which would hide the message
+        return Exception.__str__(self)
+
+
+class RequestTooLarge(ClientError, ValueError):
     """A request body no worker would read (the protocol's limit) or the NATS server would not take; nothing was
     sent."""
 
@@ -145,6 +157,38 @@ class RequestTooLarge(ValueError):
         super().__init__(f"the request takes {size:,} bytes as JSON; a request takes at most {limit:,}")
         self.size = size
         self.limit = limit
+
+
+class RequestInvalid(ClientError, ValueError):
+    """A request given as a dict that its contract refuses, with the fields named (``details``, as a worker's
+    error reply names them); nothing was sent."""
+
+    def __init__(self, model: type[BaseModel], error: ValidationError) -> None:
+        self.details = validation_details(error.errors())
+        problems = "; ".join(f"{d.field or '<body>'}: {d.message}" for d in self.details)
+        super().__init__(f"the request is not a valid {model.__name__}: {problems}")
+
+
+class RequestForbidden(ClientError, PermissionDenied):
+    """The NATS server refused this connection's credentials the request's subject: another workspace's."""
+
+
+class NoQueryWorker(ClientError, NoRespondersError):
+    """No query worker listens on the workspace's subject (none runs, or all are restarting), after the second or
+    so of sends again that a restart takes."""
+
+
+class NoReplyInTime(ClientError, NatsTimeoutError):
+    """No reply within the client's timeout: the workers were busy or slow, or it was lost with one."""
+
+
+class ConnectionDown(NoReplyInTime):
+    """No reply within the timeout, and the connection to NATS was down (reconnecting) at its end: a NATS server
+    away, not a slow worker."""
+
+
+class ConnectionEnded(ClientError, ConnectionClosedError):
+    """The connection was closed while the request waited."""
 
 
 @dataclass(eq=False)
@@ -522,7 +566,10 @@ class QueryClient:
             span.set_attribute("messaging.system", "nats")
             span.set_attribute("messaging.destination.name", subject)
             # A subject these credentials may not use fails at once, not after the timeout.
-            answer = await refused_promptly(self._nc, subject, self._exchange(subject, body))
+            try:
+                answer = await refused_promptly(self._nc, subject, self._exchange(subject, body))
+            except PermissionDenied as error:
+                raise RequestForbidden(str(error)) from None
             mark_reply(span, answer)
             return answer
 
@@ -543,7 +590,10 @@ class QueryClient:
     async def _send(
         self, workspace: str, model: type[BaseModel], request: BaseModel | dict[str, Any], operation: Operation
     ) -> bytes:
-        validated = request if isinstance(request, model) else model.model_validate(request)
+        try:
+            validated = request if isinstance(request, model) else model.model_validate(request)
+        except ValidationError as error:
+            raise RequestInvalid(model, error) from None
         return await self.send_raw(workspace, validated.model_dump_json(exclude_none=True).encode(), operation)
 
 
@@ -573,6 +623,7 @@ class Exchange:
         """The last refusal whose wait was waited out: returned when the sends after it have no answer in the
         caller's time. Once no worker listens any more, NoRespondersError says so instead."""
         self._loop = asyncio.get_running_loop()
+        self._timeout_s = timeout_s
         self._ends = self._loop.time() + timeout_s
         self._replies: deque[tuple[Attempt, Msg]] = deque()
         self._arrived = asyncio.Event()
@@ -597,10 +648,10 @@ class Exchange:
                         return answer
                     continue
                 if self._nc.is_closed:
-                    raise ConnectionClosedError
+                    raise ConnectionEnded("the connection to NATS was closed while the request waited")
                 now = self._loop.time()
                 if now >= self._ends:
-                    return _out_of_time(self._refused or self._pushed_back)
+                    return self._out_of_time()
                 if not self._nc.is_connected:
                     await self._wait_for_connection(now)
                     continue
@@ -619,7 +670,7 @@ class Exchange:
                     if self._refused is not None:
                         return self._refused
                     if not self._may_send:  # no worker listens: any that had it, or refused it, is gone
-                        raise NoRespondersError
+                        raise NoQueryWorker(f"no query worker listens on {self._subject}")
                     if again_at is None:  # the first send, or the next after "no responders"
                         await self._send()
                         continue
@@ -633,8 +684,25 @@ class Exchange:
                         continue
                     again_at = self._ends  # no room for another send: the open attempts have the rest
                 await self._wait(now, min(self._ends, again_at))
+        except ConnectionClosedError as error:  # a send on a connection closed meanwhile (nats-py's, at publish)
+            if isinstance(error, ClientError):
+                raise
+            raise ConnectionEnded("the connection to NATS was closed while the request waited") from None
         finally:
             self._close()
+
+    def _out_of_time(self) -> bytes:
+        """At the client's timeout: a retryable refusal held back for an attempt that never answered, or else
+        NoReplyInTime (ConnectionDown when the connection to NATS is down at the end)."""
+        refused = self._refused or self._pushed_back
+        if refused is not None:
+            return refused
+        if not self._nc.is_connected:
+            raise ConnectionDown(
+                f"no reply within {self._timeout_s:g} s: the connection to NATS is down (reconnecting), so the "
+                "request may not have reached a worker"
+            )
+        raise NoReplyInTime(f"no reply from a query worker on {self._subject} within {self._timeout_s:g} s")
 
     async def _send_again(self, reason: str) -> None:
         """Another send of the request, logged and counted: its worker went silent (``no_receipt``, ``no_reply``:
@@ -756,13 +824,6 @@ def _sent_at_misread(refusal: QueryError, attempt: Attempt, now: float) -> str |
         return None
     field = f"header {SENT_AT_HEADER}"
     return next((detail.message for detail in refusal.details if detail.field == field), None)
-
-
-def _out_of_time(refused: bytes | None) -> bytes:
-    """At the client's timeout: a retryable refusal held back for an attempt that never answered, or nothing."""
-    if refused is not None:
-        return refused
-    raise NatsTimeoutError
 
 
 def parse_reply(data: bytes, reply: type[Reply] = QueryResponse) -> Reply | ErrorReply:  # type: ignore[assignment]

@@ -506,6 +506,12 @@ class BudgetReport(WireModel):
         default=0,
         description="Entries of _meta.expandedContext left out for want of room (those of dropped results too).",
     )
+    reserved_tokens: int = Field(
+        default=0,
+        description="Of maxTokens, what a reply cut to fit keeps free (0 when nothing was cut): room for this report "
+        "and for what two answers to one question differ by in _meta (timings, cacheHit, freshness), so that asking "
+        "again gets the same results. A cut reply's estimatedTokens ends up to about this far below maxTokens.",
+    )
 
 
 class Freshness(WireModel):

@@ -56,6 +56,7 @@ def test_an_answer_within_its_budget_is_whole_and_says_its_size() -> None:
     # Measured with the widest figure in its place: a few bytes over at most.
     assert 0 <= fitted.meta.budget.estimated_tokens - -(-len(body) // BYTES_PER_TOKEN) <= 2
     assert (fitted.meta.budget.contents_cut, fitted.meta.budget.contents_omitted) == ([], 0)
+    assert fitted.meta.budget.reserved_tokens == 0  # nothing was cut, so nothing was kept free
     assert fitted.meta.degraded == []
 
 
@@ -83,6 +84,11 @@ def test_contents_past_the_budget_are_cut_then_left_out_and_every_result_stays()
     assert fitted.meta.budget.results_dropped == 0
     assert fitted.meta.budget.estimated_tokens <= HELD + 1000
     assert fitted.meta.degraded == []  # the caller's own bound: not a failure
+    # The room kept free is said, and accounts for the gap to the budget (an agent read content left out "for
+    # size" beside an estimate well under its maxTokens, a tester's).
+    reserved = fitted.meta.budget.reserved_tokens
+    assert reserved == -(-(RESERVE_BYTES + VARYING_META_BYTES) // BYTES_PER_TOKEN)
+    assert fitted.meta.budget.estimated_tokens + reserved >= HELD + 1000 - 400 // BYTES_PER_TOKEN
 
 
 def test_a_content_below_one_left_out_is_left_out_too() -> None:

@@ -172,15 +172,25 @@ def _steady(response: QueryResponse) -> QueryResponse:
 
 def _cut_steadily(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     """``response`` cut as its steady part (:func:`_steady`) is cut to ``limit`` less VARYING_META_BYTES; cut to
-    ``limit`` as it is when what varies outgrows that room (timings of stages minutes long, say)."""
+    ``limit`` as it is when what varies outgrows that room (timings of stages minutes long, say). Its report says
+    what room was kept free (``reservedTokens``: an agent read content left out "for size" beside an estimate well
+    under its budget, a tester's)."""
     try:
         steady = _cut(_steady(response), limit - VARYING_META_BYTES, max_tokens)
     except TooLarge:
-        return _cut(response, limit, max_tokens)
+        return _reserving(_cut(response, limit, max_tokens), RESERVE_BYTES)
     assert steady.meta.budget is not None
     notes = Notes(tuple(steady.meta.collapsed), tuple(steady.meta.expanded_context))
     fitted = _with_budget(response, steady.meta.budget, steady.results, notes)
-    return fitted if len(_encoded(fitted)) <= limit else _cut(response, limit, max_tokens)
+    if len(_encoded(fitted)) > limit:
+        return _reserving(_cut(response, limit, max_tokens), RESERVE_BYTES)
+    return _reserving(fitted, RESERVE_BYTES + VARYING_META_BYTES)
+
+
+def _reserving(fitted: QueryResponse, reserved_bytes: int) -> QueryResponse:
+    assert fitted.meta.budget is not None
+    reserved = math.ceil(reserved_bytes / BYTES_PER_TOKEN)
+    return _with_meta(fitted, budget=fitted.meta.budget.model_copy(update={"reserved_tokens": reserved}))
 
 
 def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:

@@ -58,6 +58,7 @@ async def start_workers(
             embedder,
             reranker,
             replica_urls=endpoints.replica_urls,
+            reader_login=endpoints.reader_login,
         )
         await query.start()
         stack.push_async_callback(query.stop)

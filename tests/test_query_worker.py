@@ -30,7 +30,7 @@ from ontofabric.shared import db
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import BYTE_ORDER_MARK, not_utf8, surrogate_field
-from ontofabric.shared.runtime import free_port
+from ontofabric.shared.runtime import EmbeddedRuntime, free_port
 
 from .conftest import CORPUS, METRICS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
 from .factories import delete, document, upsert
@@ -952,6 +952,41 @@ async def test_the_query_worker_reads_as_a_role_that_cannot_write(
     assert (await _ask(client, "sort numbers")).results[0].id == "sort"
     (pool,) = service._pools
     await _cannot_write(pool)
+
+
+async def test_the_embedded_query_worker_reads_through_a_login_that_cannot_become_the_superuser(
+    seeded: int, deployment: Deployment, runtime: EmbeddedRuntime, embedder: Embedder, client: QueryClient
+) -> None:
+    """A security tester's: the embedded deployment's query worker logged in as the superuser and acted as the
+    reader role, which one `SELECT set_config('role', 'none', false)` left: then `COPY ... FROM PROGRAM` ran
+    commands on the host. It reads through a login of its own now, which has nothing more to go back to."""
+    assert runtime.endpoints is not None
+    reader_login = runtime.endpoints.reader_login
+    assert reader_login is not None
+    service = QueryService(
+        deployment.settings, deployment.nats_url_as("query"), deployment.database_url, embedder,
+        reader_login=reader_login,
+    )  # fmt: skip
+    await service.start()
+    try:
+        assert (await _ask(client, "sort numbers")).results[0].id == "sort"
+        (pool,) = service._pools
+        await _cannot_write(pool)
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT session_user") == reader_login[0]
+            assert await conn.fetchval("SELECT set_config('role', 'none', false)") == "none"
+            assert await conn.fetchval("SELECT current_user") == reader_login[0]
+            assert not await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            for statement in (
+                "CREATE TEMP TABLE taken (line text); COPY taken FROM PROGRAM 'id'",
+                "INSERT INTO workspaces (workspace, partition_name) VALUES ('intruder', 'intruder')",
+                "SET ROLE postgres",
+            ):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await conn.execute(statement)
+            await conn.execute(f"SET ROLE {READER_ROLE}")
+    finally:
+        await service.stop()
 
 
 async def test_a_query_worker_with_a_reader_login_waits_for_migrations_and_cannot_write(

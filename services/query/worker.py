@@ -71,6 +71,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.runtime import login_replaced
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import OPERATIONS, Names, decode_token, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait, start_held, watch_lateness
@@ -399,11 +400,16 @@ class QueryService:
         embedder: Embedder | None,
         reranker: Reranker | None = None,
         replica_urls: Sequence[str] | None = None,
+        reader_login: tuple[str, str] | None = None,
     ) -> None:
+        """``reader_login``: a login (user, password) of the database's servers that holds the reader role and
+        nothing more, which the pools read through (the embedded PostgreSQL's); ``database_url`` then only
+        migrates."""
         self.settings = settings
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._database_url = database_url
+        self._reader_login = reader_login
         self._replica_urls = tuple(replica_urls if replica_urls is not None else settings.replica_urls())
         self._embedder = embedder
         self._reranker = reranker
@@ -1016,6 +1022,8 @@ class QueryService:
             else:
                 await once_the_database_serves(database_url, partial(migrate, database_url, settings))
             await once_the_database_serves(url, partial(wait_until_migrated, url, settings))
+        if self._reader_login is not None and url == database_url:
+            url = login_replaced(url, *self._reader_login)
         pool = partial(
             create_pool,
             url,

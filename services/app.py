@@ -43,7 +43,12 @@ async def start_workers(
             embedder = await asyncio.to_thread(build_embedder, settings)
         reranker = await asyncio.to_thread(build_reranker, settings)
     if roles.projector:
-        projector = ProjectorService(settings, endpoints.nats_url_as("projector"), endpoints.database_url)
+        projector = ProjectorService(
+            settings,
+            endpoints.nats_url_as("projector"),
+            endpoints.database_url,
+            writer_login=endpoints.database_logins.get("projector"),
+        )
         await projector.start()
         stack.push_async_callback(projector.stop)
     if roles.azure_projector and settings.azure_search_endpoint is not None:
@@ -58,7 +63,7 @@ async def start_workers(
             embedder,
             reranker,
             replica_urls=endpoints.replica_urls,
-            reader_login=endpoints.reader_login,
+            reader_login=endpoints.database_logins.get("query"),
         )
         await query.start()
         stack.push_async_callback(query.stop)

@@ -63,13 +63,9 @@ class Endpoints:
     carries the credentials of whoever runs the process."""
     replica_urls: tuple[str, ...] = ()
     """Read replicas of ``database_url`` for the query workers."""
-    reader_login: tuple[str, str] | None = None
-    """The embedded PostgreSQL's login (user, password) that holds the reader role and nothing more: the query
-    workers read through it (:func:`ensure_reader_login`). None where the database is configured."""
-
-    def reader_url(self, url: str) -> str:
-        """``url`` (the database's or a replica's) logging in as the reader login, when there is one."""
-        return url if self.reader_login is None else login_replaced(url, *self.reader_login)
+    database_logins: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """The embedded PostgreSQL's logins (user, password) of the workers, by part (``query``, ``projector``): each
+    holds its part's role and nothing more (:func:`ensure_worker_logins`). Empty where the database is configured."""
 
     def nats_url_as(self, role: NatsRole) -> str:
         """The NATS URL a part playing ``role`` connects with."""
@@ -938,47 +934,56 @@ def _require_password(bin_dir: Path, pgdata: Path, password: str, user: str | No
     )
 
 
-READER_LOGIN = "ontofabric_query"
-READER_PASSWORD_FILE = "reader-password"
+WORKER_LOGINS = {
+    "query": ("ontofabric_query", "ontofabric_reader", "query-password"),
+    "projector": ("ontofabric_projector", "ontofabric_writer", "projector-password"),
+}
+"""Each worker part's login of the embedded PostgreSQL: its name, the one role it holds (migrations 0011 and 0012)
+and the file its password is kept in."""
 
 
-def ensure_reader_login(directory: Path, database_url: str) -> tuple[str, str]:
-    """A login of the embedded PostgreSQL that holds ``ontofabric_reader`` and nothing more, made where missing
-    (its password kept in ``directory``, owner-only), for the query workers. They logged in as the superuser and
-    acted as the reader role (the ``role`` startup parameter), which a session may leave: a security tester's
-    ``SELECT set_config('role', 'none', false)`` made it the superuser again, able to run programs on the host
-    (``COPY ... FROM PROGRAM``). A login that is no superuser has nothing more to go back to."""
-    password_file = directory / READER_PASSWORD_FILE
-    if not password_file.exists():
-        write_private(password_file, secrets.token_urlsafe(24))
-    password = password_file.read_text().strip()
-    owner = urlsplit(database_url)
-    quoted = password.replace("'", "''")
-    # The role as migration 0011 makes it, when no migration has run yet; the statements on stdin, not in the
-    # arguments, where any user of the host may read them (ps).
-    statements = f"""
+def ensure_worker_logins(directory: Path, database_url: str) -> dict[str, tuple[str, str]]:
+    """The logins of :data:`WORKER_LOGINS`, made where missing and their passwords set (kept in ``directory``,
+    owner-only), by part. The workers logged in as the superuser and acted as their roles (the ``role`` startup
+    parameter), which a session may leave: a security tester's ``SELECT set_config('role', 'none', false)`` in the
+    query worker's session made it the superuser again, able to run programs on the host (``COPY ... FROM
+    PROGRAM``). A login that is no superuser has nothing more to go back to."""
+    logins: dict[str, tuple[str, str]] = {}
+    statements = []
+    for part, (login, role, file_name) in WORKER_LOGINS.items():
+        password_file = directory / file_name
+        if not password_file.exists():
+            write_private(password_file, secrets.token_urlsafe(24))
+        logins[part] = (login, password_file.read_text().strip())
+        quoted = logins[part][1].replace("'", "''")
+        # The role as its migration makes it, when none has run yet.
+        statements.append(f"""
 DO $$ BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ontofabric_reader') THEN
-        CREATE ROLE ontofabric_reader NOLOGIN;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
+        CREATE ROLE {role} NOLOGIN;
     END IF;
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{READER_LOGIN}') THEN
-        CREATE ROLE {READER_LOGIN} LOGIN;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{login}') THEN
+        CREATE ROLE {login} LOGIN;
     END IF;
 END $$;
-ALTER ROLE {READER_LOGIN} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS PASSWORD '{quoted}';
-GRANT ontofabric_reader TO {READER_LOGIN};
-"""
+ALTER ROLE {login} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS PASSWORD '{quoted}';
+GRANT {role} TO {login};
+""")
+    owner = urlsplit(database_url)
     psql = [
         str(postgres_bin_dir() / "psql"), "-h", owner.hostname or "127.0.0.1", "-p", str(owner.port or 5432),
         "-U", unquote(owner.username or "postgres"), "-d", owner.path.lstrip("/") or "postgres",
         "-v", "ON_ERROR_STOP=1", "-q", "-f", "-",
     ]  # fmt: skip
     env = {**os.environ, "PGPASSWORD": unquote(owner.password or "")}
-    done = subprocess.run(psql, input=statements, check=False, capture_output=True, text=True, env=env)
+    # The statements on stdin, not in the arguments, where any user of the host may read them (ps).
+    done = subprocess.run(psql, input="".join(statements), check=False, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        problem = (done.stderr + done.stdout).replace(password, "***").strip()
-        raise RuntimeUnavailable(f"could not make the query workers' PostgreSQL login {READER_LOGIN}:\n{problem}")
-    return READER_LOGIN, password
+        problem = (done.stderr + done.stdout).strip()
+        for _, password in logins.values():
+            problem = problem.replace(password, "***")
+        raise RuntimeUnavailable(f"could not make the workers' PostgreSQL logins:\n{problem}")
+    return logins
 
 
 def _ensure_database(bin_dir: Path, port: int, name: str, password: str) -> None:
@@ -1055,12 +1060,12 @@ class EmbeddedRuntime:
                 nats_url = nats_url_of(self.nats_nodes)
                 logins = self.nats_logins(self.settings.subject_prefix)
             replica_urls = self.settings.replica_urls()
-            reader_login = None
+            database_logins: dict[str, tuple[str, str]] = {}
             if database_url is None:
                 server, database_url = start_postgres(self.data_dir / "postgres")
                 self._servers.append(server)
                 self._postgres = server
-                reader_login = ensure_reader_login(self.data_dir / "postgres", database_url)
+                database_logins = ensure_worker_logins(self.data_dir / "postgres", database_url)
                 for number in range(1, self.settings.postgres_read_replicas + 1):
                     replica, url = start_postgres_replica(self.data_dir / f"postgres-replica-{number}", database_url)
                     self._servers.append(replica)
@@ -1072,13 +1077,13 @@ class EmbeddedRuntime:
         except BaseException:
             self.stop()
             raise
-        self.endpoints = Endpoints(nats_url, database_url, logins, replica_urls, reader_login)
+        self.endpoints = Endpoints(nats_url, database_url, logins, replica_urls, database_logins)
         if self._servers or self.nats_nodes:
             record: dict[str, Any] = {
                 "natsUrl": nats_url,
                 "databaseUrl": database_url,
                 "replicaUrls": list(replica_urls),
-                "readerLogin": reader_login,
+                "databaseLogins": database_logins,
                 "natsLogins": logins,
                 "pid": os.getpid(),
             }
@@ -1192,13 +1197,11 @@ def resolve_endpoints(settings: Settings) -> Endpoints:
             f"beside {given}"
         )
     replica_urls = settings.replica_urls()
-    reader_login = None
-    if settings.database_url is None:  # the recorded replicas and reader login are of the recorded database
+    database_logins: dict[str, tuple[str, str]] = {}
+    if settings.database_url is None:  # the recorded replicas and logins are of the recorded database
         replica_urls = replica_urls or tuple(recorded.get("replicaUrls", ()))
-        recorded_login = recorded.get("readerLogin")
-        if isinstance(recorded_login, list) and len(recorded_login) == 2:
-            reader_login = (str(recorded_login[0]), str(recorded_login[1]))
-    return Endpoints(nats_url, database_url, _recorded_logins(settings, recorded), replica_urls, reader_login)
+        database_logins = {part: (login[0], login[1]) for part, login in recorded.get("databaseLogins", {}).items()}
+    return Endpoints(nats_url, database_url, _recorded_logins(settings, recorded), replica_urls, database_logins)
 
 
 def resolve_nats_url(settings: Settings, role: NatsRole) -> str:

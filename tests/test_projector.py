@@ -46,6 +46,7 @@ from ontofabric.shared.db import (
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, ack_floor, projected_floor
 from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.runtime import EmbeddedRuntime
 
 from .conftest import SPANS, Deployment, metric_points
 from .factories import delete, document, unit_vector, upsert
@@ -810,6 +811,40 @@ async def test_a_projector_with_a_writer_login_writes_rows_and_its_partitions_an
         async with deployment.session() as admin:
             await admin.execute(f'DROP OWNED BY "{login}"')
             await admin.execute(f'DROP ROLE IF EXISTS "{login}"')
+
+
+async def test_the_embedded_projector_writes_through_a_login_that_cannot_become_the_superuser(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """As the query worker's (a security tester's): acting as the writer from the superuser's login, a session
+    could leave the role (`SET ROLE NONE`) and run programs on the host. The embedded PostgreSQL's projector
+    writes through a login of its own; the owner's URL only migrates."""
+    assert runtime.endpoints is not None
+    writer_login = runtime.endpoints.database_logins["projector"]
+    service = ProjectorService(
+        deployment.settings, deployment.nats_url_as("projector"), deployment.database_url, writer_login=writer_login
+    )
+    await service.start()
+    try:
+        ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha beta")))
+        await deployment.wait_projected(ack.seq)
+        assert await _live_rows(deployment, "acme") == {"a": "alpha beta"}  # a new workspace's partitions too
+        (pool,) = service._pools.values()
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT current_user") == WRITER_ROLE
+            await conn.execute("SET ROLE NONE")
+            assert await conn.fetchval("SELECT current_user") == writer_login[0]
+            assert not await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            for statement in (
+                "CREATE TEMP TABLE taken (line text); COPY taken FROM PROGRAM 'id'",
+                "DROP TABLE documents",
+                "SET ROLE postgres",
+            ):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await conn.execute(statement)
+            await conn.execute(f"SET ROLE {WRITER_ROLE}")
+    finally:
+        await service.stop()
 
 
 def _postgres_batches() -> int:

@@ -961,8 +961,7 @@ async def test_the_embedded_query_worker_reads_through_a_login_that_cannot_becom
     reader role, which one `SELECT set_config('role', 'none', false)` left: then `COPY ... FROM PROGRAM` ran
     commands on the host. It reads through a login of its own now, which has nothing more to go back to."""
     assert runtime.endpoints is not None
-    reader_login = runtime.endpoints.reader_login
-    assert reader_login is not None
+    reader_login = runtime.endpoints.database_logins["query"]
     service = QueryService(
         deployment.settings, deployment.nats_url_as("query"), deployment.database_url, embedder,
         reader_login=reader_login,

@@ -45,6 +45,7 @@ from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
+from ontofabric.shared.runtime import login_replaced
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition, encode_token, partition_of_token
 from ontofabric.shared.tasks import cancel_and_wait
@@ -113,12 +114,22 @@ class ProjectorService:
     process no longer answers discovery (:func:`held_elsewhere`)."""
 
     def __init__(
-        self, settings: Settings, nats_url: str, database_url: str, partitions: Sequence[int] | None = None
+        self,
+        settings: Settings,
+        nats_url: str,
+        database_url: str,
+        partitions: Sequence[int] | None = None,
+        *,
+        writer_login: tuple[str, str] | None = None,
     ) -> None:
+        """``writer_login``: a login (user, password) of the database's server that holds the writer role and
+        nothing more, which the pools write through (the embedded PostgreSQL's); ``database_url`` then only
+        migrates."""
         self.settings = settings
         self.names = Names(settings.subject_prefix)
         self._nats_url = nats_url
         self._database_url = database_url
+        self._writer_login = writer_login
         if partitions is None:
             one = settings.projector_partition
             partitions = range(settings.projector_partitions) if one is None else [one]
@@ -656,6 +667,8 @@ class ProjectorService:
             await once_the_database_serves(database_url, functools.partial(migrate, database_url, settings))
         writer_url = settings.projector_database_url if own_login else database_url
         assert writer_url is not None
+        if self._writer_login is not None and not own_login:
+            writer_url = login_replaced(writer_url, *self._writer_login)
         await once_the_database_serves(
             writer_url, functools.partial(wait_until_migrated, writer_url, settings, role=WRITER_ROLE)
         )

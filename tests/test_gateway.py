@@ -485,6 +485,35 @@ async def test_a_tokens_file_that_cannot_be_read_lets_nobody_in_and_says_why(
         assert "Traceback" not in refused.stderr
 
 
+async def test_a_tokens_file_others_may_write_lets_nobody_in_until_it_is_owner_only(
+    deployment: Deployment, served: QueryService, tmp_path: Path
+) -> None:
+    """A security tester's: the gateway honoured a token another local user had added to a tokens file left
+    writable (chmod 666), and, under a umask of 000, a file another user put in its place."""
+    directory = tmp_path / "data"
+    directory.mkdir(mode=0o700)
+    path = directory / "tokens.json"
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(path)}
+    issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
+    headers = {"Authorization": f"Bearer {issued.stdout.strip()}"}
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    async with _http_gateway(deployment, **tokens) as url, httpx2.AsyncClient(headers=headers) as http:
+        assert (await http.post(url, json=ping)).status_code == 200
+        path.chmod(0o666)
+        assert (await http.post(url, json=ping)).status_code == 503
+        path.chmod(0o600)
+        assert (await http.post(url, json=ping)).status_code == 200
+        directory.chmod(0o777)  # another user could replace the file
+        assert (await http.post(url, json=ping)).status_code == 503
+        directory.chmod(0o1777)  # unless the directory is sticky, as /tmp is
+        assert (await http.post(url, json=ping)).status_code == 200
+        directory.chmod(0o700)
+    path.chmod(0o644 | 0o020)
+    refused = await _run(deployment, "gateway-token", "list", **tokens)
+    assert refused.returncode == 2
+    assert "may be written by others (mode 664)" in " ".join(refused.stderr.split())
+
+
 async def test_a_loopback_gateway_wants_tokens_from_the_first_one_issued(
     deployment: Deployment, served: QueryService, tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ import contextvars
 import hashlib
 import hmac
 import json
+import os
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -111,6 +112,10 @@ class TokenStore:
         except OSError as error:  # a tester's: a data directory that is a file ended in a traceback
             self._grants, self._seen = {}, None
             raise TokensUnreadable(f"the tokens file {self.path} cannot be read: {error}") from error
+        others = _writable_by_others(self.path, stat)
+        if others is not None:  # not to be trusted: closed, as for a file that cannot be read
+            self._grants, self._seen = {}, None
+            raise TokensUnreadable(f"the tokens file {self.path} {others}")
         seen = (stat.st_mtime_ns, stat.st_size)
         if seen != self._seen:
             try:
@@ -124,6 +129,28 @@ class TokenStore:
                 raise TokensUnreadable(f"the tokens file {self.path} cannot be read: {error}") from error
             self._grants = {g.sha256: g for g in grants}
             self._seen = seen
+
+
+def _writable_by_others(path: Path, file: os.stat_result) -> str | None:
+    """Why the tokens file at ``path`` is not to be trusted, or None: another user than this process's (or root)
+    owns it, or others may write it or replace it in its directory (group- or world-writable, without the sticky
+    bit). A security tester's gateway honoured a token another local user had added to a file left writable, and
+    under a umask of 000 another user replaced the file in its directory."""
+    trusted = {os.geteuid(), 0}
+    if file.st_uid not in trusted:
+        return f"belongs to user {file.st_uid}, not to this process's: nobody is let in until its owner is"
+    if file.st_mode & 0o022:
+        mode = f"{file.st_mode & 0o777:o}"
+        return f"may be written by others (mode {mode}): nobody is let in until it is owner-only (chmod 600)"
+    directory = path.parent.stat()
+    if directory.st_mode & 0o022 and not directory.st_mode & 0o1000:
+        return (
+            f"is in a directory others may write (mode {directory.st_mode & 0o777:o}), who could replace it: nobody "
+            "is let in until only its owner may (chmod go-w)"
+        )
+    if directory.st_uid not in trusted:
+        return f"is in a directory of user {directory.st_uid}, who could replace it: nobody is let in until it is moved"
+    return None
 
 
 class RequireBearer:

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .embedder import Embedder
+from .files import make_directory
 from .late_interaction import pack_signs
 from .settings import SettingsUnusable
 
@@ -50,7 +51,7 @@ def embed_with_signs(embedder: Embedder, texts: Sequence[str], batch_size: int =
 class EmbeddingCache:
     def __init__(self, path: Path) -> None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_directory(path.parent)
             # One caller at a time, possibly from a worker thread (asyncio.to_thread).
             self._db = sqlite3.connect(path, check_same_thread=False)
             self._create()

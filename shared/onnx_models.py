@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .embedder import MAX_QUERY_BATCH, Coalescer, Vector, pieces_in_windows, pool_pieces, unit_rows
+from .files import make_directory
 from .late_interaction import TokenMatrix
 from .logging import get_logger
 from .settings import Settings, SettingsUnusable
@@ -293,7 +294,7 @@ def query_encoder(
             if cache_dir is None:
                 raise PermissionError("no cache directory")
             directory = cache_dir / "onnx"
-            directory.mkdir(parents=True, exist_ok=True)
+            make_directory(directory)
             target = directory / name
             # Read-only, so that a user who may read the cache but not write it (an image built by another) still
             # takes the lock; released when the descriptor closes, also when this process dies.

@@ -35,6 +35,7 @@ from types import TracebackType
 from typing import IO, Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from .files import make_directory
 from .logging import get_logger
 from .nats_auth import NATS_ROLES, NatsRole, NatsUser, new_nkey_seed, render_config
 from .settings import Settings, SettingsUnusable, redacted_url
@@ -298,7 +299,7 @@ def ensure_nats_users(
             created = True
         logins[role] = (name, users[name].password)
     if created:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_directory(directory)
         write_private(directory / NATS_USERS_FILE, json.dumps([asdict(user) for user in users.values()], indent=1))
     return logins, created
 
@@ -404,7 +405,7 @@ def _write_nats_config(directory: Path, node: NatsNode, nodes: Sequence[NatsNode
     users = _nats_users(directory)
     store = str(node.home / "jetstream") if jetstream else None
     text = render_config("127.0.0.1", node.port, store, users, node.name, extra)
-    node.home.mkdir(parents=True, exist_ok=True)
+    make_directory(node.home)
     write_private(node.home / NATS_CONFIG_FILE, text)
 
 
@@ -461,7 +462,7 @@ def wait_jetstream_current(nodes: Sequence[NatsNode], timeout: float = 60) -> No
 def start_nats(directory: Path, prefix: str, nodes: int = 1) -> list[NatsNode]:
     """nats-server with JetStream and authentication, alone or as a cluster of ``nodes`` on loopback: every role
     of deployment ``prefix`` has a user (:func:`ensure_nats_users`); a connection without credentials is refused."""
-    directory.mkdir(parents=True, exist_ok=True)
+    make_directory(directory)
     ensure_nats_users(directory, prefix)
     # Fresh ports for every node, from the start, when one was taken.
     layout = _on_fresh_ports("nats", lambda reuse: _start_nats_layout(directory, nodes, reuse))
@@ -773,7 +774,7 @@ def _install_reachable_by(user: str, bin_dir: Path, directory: Path) -> Path:
 def _postgres_place(directory: Path) -> tuple[Path, Path, str | None]:
     """The bin directory the server runs from, its data directory, and the user it runs as (None: ourselves)."""
     bin_dir = postgres_bin_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    make_directory(directory)
     (directory / "postgres.log").touch()
     user = _postgres_user()
     if user is not None:
@@ -1043,7 +1044,7 @@ class EmbeddedRuntime:
 
     def start(self) -> Endpoints:
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            make_directory(self.data_dir)
         except OSError as error:  # a file of that name, no permission, a read-only disk
             said = f"ONTOFABRIC_DATA_DIR {self.data_dir}: cannot be a directory ({error.strerror})"
             raise SettingsUnusable(said) from error

@@ -25,11 +25,13 @@ from pydantic import SecretStr, ValidationError
 from structlog.testing import capture_logs
 
 from ontofabric.contracts import StatusReply
+from ontofabric.services.gateway.auth import TokenStore
 from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.worker import QueryService, workspace_of_subject
+from ontofabric.shared.files import make_directory
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly, subscriptions_visible
 from ontofabric.shared.nats_auth import MAX_SUBSCRIPTIONS_PER_CONNECTION, BadCredentials, inbox_prefix, new_nkey_seed
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
@@ -83,6 +85,27 @@ def _ontofabric(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def _leaks(text: str) -> list[str]:
     return [name for name, secret in SECRETS.items() if secret in text]
+
+
+def test_directories_made_for_the_deployment_are_not_for_others_to_write_whatever_the_umask(tmp_path: Path) -> None:
+    """A security tester's `up` under a umask of 000 made its data directory and the model cache writable by
+    everyone, who could then replace the files in them (the gateway's tokens file)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # existing: not ours to change
+    before = os.umask(0)
+    try:
+        make_directory(shared / "data" / "nats")
+        store = TokenStore(shared / "tokens" / "gateway-tokens.json")
+        token = store.add("alice", ["acme"])
+    finally:
+        os.umask(before)
+    for made in (shared / "data", shared / "data" / "nats", shared / "tokens"):
+        assert stat.S_IMODE(made.stat().st_mode) & 0o022 == 0, oct(made.stat().st_mode)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o777
+    found = store.find(token)  # the store trusts what it made
+    assert found is not None
+    assert found.client == "alice"
 
 
 def test_settings_prints_every_value_but_no_secret() -> None:

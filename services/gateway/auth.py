@@ -22,6 +22,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ontofabric.shared.files import make_directory
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.runtime import write_private
 
@@ -97,7 +98,7 @@ class TokenStore:
 
     def _write(self, grants: Iterable[Grant]) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_directory(self.path.parent)
             write_private(self.path, json.dumps([asdict(g) for g in grants], indent=1))
         except OSError as error:
             raise TokensUnreadable(f"the tokens file {self.path} cannot be written: {error}") from error

@@ -642,6 +642,11 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
             f"every file as its own, and none of main's later changes will show on it; ingest main first, then "
             f"{branch} again"
         )
+    if report.package_from_imports is not None:
+        notes.append(
+            f"the modules are named after {report.package_from_imports}, as the tree's own files import them, not "
+            f"after its directory; pass --package to name them otherwise"
+        )
     if report.package_of_main is not None:
         notes.append(
             f"the modules are named after {report.package_of_main}, as {workspace}/{MAIN_BRANCH} names them, not after "

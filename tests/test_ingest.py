@@ -22,8 +22,9 @@ from nats.js.errors import ServiceUnavailableError
 from structlog.testing import capture_logs
 
 from ontofabric.contracts import DeltaEnvelope
-from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file
+from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file, self_import_name
 from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.ingest.graph import python_calls
 from ontofabric.services.ingest.ingester import (
     UNKNOWN,
     ExclusionRefused,
@@ -31,6 +32,7 @@ from ontofabric.services.ingest.ingester import (
     Manifest,
     excluded,
     exclusion_patterns,
+    python_of,
     read_tree,
 )
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
@@ -293,6 +295,40 @@ async def test_a_branch_checked_out_in_a_directory_of_another_name_names_its_mod
     # Named on purpose, it is as named.
     named = await ingester.ingest(tmp_path / "pkg-feature", "repo", "other", package="feature")
     assert (named.package_of_main, named.unchanged) == (None, 0)
+
+
+async def test_a_package_checked_out_under_another_name_is_named_as_its_own_files_import_it(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """An outside tester's: a copy of a package in a directory of another name (`src`) named its modules after the
+    directory, so its files' absolute imports (`pkg.sub.core`) resolved to nothing, and "what calls validate"
+    found one caller of three without a word."""
+    callers = {
+        f"{name}.py": f"from pkg.sub.core import validate\n\n\ndef {name}():\n    return validate()\n" for name in "abc"
+    }
+    files = {"__init__.py": "", "sub/__init__.py": "", "sub/core.py": "def validate():\n    return 1\n", **callers}
+    _write(tmp_path / "src", files)
+    sources = read_tree(tmp_path / "src")
+    assert self_import_name(sources, "src") == "pkg"
+    assert self_import_name(sources, "pkg") is None  # checked out under its own name
+    python = python_of(sources, "pkg", 0)
+    assert sorted(key[1] for key, names in python_calls(python).items() if "pkg.sub.core.validate" in names) == [
+        "pkg.a.a", "pkg.b.b", "pkg.c.c",
+    ]  # fmt: skip
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    report = await ingester.ingest(tmp_path / "src", "repo")
+    assert report.package_from_imports == "pkg"
+    assert (await ingester.load_manifest("repo", "main")).package == "pkg"
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    rows = await deployment.fetch("SELECT symbol_fqn FROM documents WHERE symbol_fqn LIKE '%validate' ORDER BY 1")
+    assert [r["symbol_fqn"] for r in rows] == ["pkg.sub.core.validate"]
+    # Named on purpose, it is as named; and a tree whose files import it under two names as often is left alone.
+    named = await ingester.ingest(tmp_path / "src", "other", package="src")
+    assert named.package_from_imports is None
+    two = {**sources, "d.py": "from other.sub.core import validate\n", "e.py": "import other.sub.core\n"}
+    two["f.py"] = "from other.sub import core\nimport other.a\n"
+    assert self_import_name(two, "src") is None
 
 
 async def test_two_racing_ingests_of_a_branch_one_deleting_a_file_the_other_changing_it_reuse_no_event_id(

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
-from collections.abc import Iterable, Iterator
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -173,6 +175,35 @@ def tree_package(root_name: str, paths: Iterable[str], named: str | None = None)
             raise ValueError(f"{named!r} is not a package name Python could import")
         return named or None
     return root_name if "__init__.py" in paths and root_name.isidentifier() else None
+
+
+_ABSOLUTE_IMPORT = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)", re.MULTILINE)
+SELF_IMPORT_FILES = 3
+"""In how many of a tree's files at least its own modules must be imported under one other name for the tree to be
+named after it (:func:`self_import_name`)."""
+
+
+def self_import_name(sources: Mapping[str, str], own: str | None) -> str | None:
+    """The name a package tree's modules import it by, when that is not ``own`` (its directory's name): a checkout
+    of package ``P`` in a directory of another name (``main``, ``src``) whose files import ``P.sub.mod``, where
+    ``sub/mod.py`` (or ``sub/mod/__init__.py``) is a file of the tree. Named after its directory, those imports
+    resolved to nothing: a tester's "what calls validate_delta" found one caller of three, and no note said why.
+    None unless one name does so in SELF_IMPORT_FILES files at least and more often than any other; never a name
+    of the standard library (``os.path`` beside a tree's own ``path.py``)."""
+    modules = {path for path in sources if path.endswith(".py")}
+    files_per_name: Counter[str] = Counter()
+    for path in modules:
+        names = set()
+        for dotted in _ABSOLUTE_IMPORT.findall(sources[path]):
+            first, *rest = dotted.split(".")
+            inside = "/".join(rest)
+            if f"{inside}.py" in modules or f"{inside}/__init__.py" in modules:
+                names.add(first)
+        files_per_name.update(names - set(sys.stdlib_module_names))
+    ranked = files_per_name.most_common(2)
+    if not ranked or ranked[0][1] < SELF_IMPORT_FILES or (len(ranked) == 2 and ranked[1][1] == ranked[0][1]):
+        return None
+    return None if ranked[0][0] == own else ranked[0][0]
 
 
 class _Keys:

@@ -67,7 +67,7 @@ from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, tree_package
+from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package
 from .client import DeltaPublisher, envelope
 from .graph import (
     GraphLink,
@@ -294,6 +294,15 @@ def own_package(root: Path, named: str | None = None) -> str | None:
     """The package name a tree's modules are named after (:func:`chunking.tree_package`), read from the tree's
     own ``__init__.py`` whether or not an ``--exclude`` leaves it out: names must not change with that."""
     return tree_package(root.name, ["__init__.py"] if (root / "__init__.py").is_file() else [], named)
+
+
+def imported_package(root: Path, sources: Mapping[str, str]) -> str | None:
+    """The name a tree that is a package is imported by in its own files, when that is not its directory's name
+    (:func:`chunking.self_import_name`): a package checked out under another name. None otherwise, and for a tree
+    that is no package: its absolute imports already resolve to its files, whatever name they lead with."""
+    if not (root / "__init__.py").is_file():
+        return None
+    return self_import_name(sources, own_package(root))
 
 
 def too_large(sources: Mapping[str, str], max_file_bytes: int) -> dict[str, str]:
@@ -815,6 +824,9 @@ class IngestReport:
     package_of_main: str | None = None
     """On a branch: the package its modules were named after, main's, when the tree's directory has another name
     and no package was given."""
+    package_from_imports: str | None = None
+    """The package its modules were named after when that is not the tree's directory's name but the name its own
+    files import it by (:func:`chunking.self_import_name`), no package given."""
 
     @property
     def awaited_sequence(self) -> int | None:
@@ -929,14 +941,18 @@ class Ingester:
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
             )
         main = await self.load_manifest(workspace, MAIN_BRANCH) if branch != MAIN_BRANCH else None
-        named, package_of_main = package, None
+        named, package_of_main, package_from_imports = package, None, None
         package = own_package(root, named)
         is_package = await asyncio.to_thread((root / "__init__.py").is_file)
+        if named is None:
+            package_from_imports = await asyncio.to_thread(imported_package, root, sources)
+            package = package_from_imports or package
         if named is None and is_package and main is not None and main.package and main.package != package:
             # A branch checked out in a directory of another name (a git worktree, `tenacity2`; `repo-feature`
             # names no package) named every module after it, or after none: every chunk sent again, every file
             # held whole (an outside tester's).
             package = package_of_main = main.package
+            package_from_imports = None
 
         # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
         # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
@@ -1079,6 +1095,7 @@ class Ingester:
             unparsed=tuple(f"{c.file_path} ({c.parse_error})" for c in chunks.values() if c.parse_error is not None),
             unread=tuple(unread),
             package_of_main=package_of_main,
+            package_from_imports=package_from_imports,
             main_never_ingested=main is not None and not main.entries,
             exclusions_before=previous.exclude if patterns_changed else None,
             main_exclusions=(

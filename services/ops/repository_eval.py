@@ -29,7 +29,7 @@ from ontofabric.contracts import ErrorReply, QueryResponse
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT
 from ontofabric.services.app import Roles, start_workers
 from ontofabric.services.ingest.chunking import chunk_file, module_name
-from ontofabric.services.ingest.ingester import Ingester, exclusion_patterns, own_package, read_tree
+from ontofabric.services.ingest.ingester import Ingester, exclusion_patterns, imported_package, own_package, read_tree
 from ontofabric.services.query.calibration import ReliabilityBin, reliability
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.symbols import places_of
@@ -348,7 +348,7 @@ async def evaluate_tree(
     if patterns:  # another set of documents: a baseline of another exclusion is another setup
         setup["exclude"] = " ".join(patterns)
     sources = await asyncio.to_thread(read_tree, tree, patterns)
-    package = own_package(tree)  # as the ingester names them
+    package = imported_package(tree, sources) or own_package(tree)  # as the ingester names them
     relationships = relationship_queries(sources, package)
     unknown = unknown_symbols(judgments, sources, package)
     async with AsyncExitStack() as stack:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from ontofabric.services.ingest.chunking import (
     MAX_HEADING_CHARS,
     MAX_SYMBOL_CHARS,
+    FileStart,
     bounded_symbol,
     chunk_document,
     chunk_python,
@@ -27,9 +29,11 @@ from ontofabric.services.ingest.ingester import (
     as_far_as_read,
     chunk_sources,
     chunk_tree,
+    discover,
     event_id,
     plan_ingest,
     python_of,
+    read_tree,
     without_removals,
 )
 
@@ -169,6 +173,52 @@ def test_a_file_over_the_size_limit_is_read_as_one_chunk_without_symbols_section
     assert [n.object_type for n in nodes] == ["small", "small.Base"]
     # 0, the default: no limit, as before (the file, 40 classes and 40 methods).
     assert sum(1 for c in chunk_sources(tmp_path, sources, 1 << 20) if c.file_path == "gen.py") == 81
+
+
+def test_of_a_file_over_the_size_limit_only_what_could_be_indexed_is_read(tmp_path: Path) -> None:
+    """A tester's 50 GB file ran the ingest out of memory (a traceback), and six 80 MB logs took it to 1.2 GB: the
+    whole file was read, decoded and kept, to index a chunk of its start."""
+    line = "é = 'a line of a generated table'\n"  # a character of two bytes first: the read may end inside one
+    (tmp_path / "gen.py").write_text(line * 100_000, encoding="utf-8")
+    (tmp_path / "small.py").write_text("def helper():\n    return 1\n", encoding="utf-8")
+    whole = (tmp_path / "gen.py").stat().st_size
+    assert len(line.encode()) == 35
+    for limit in (3_990, 3_991, 3_992):  # the read ending before, inside and after a two-byte character
+        sources = read_tree(tmp_path, max_read_bytes=limit)
+        start = sources["gen.py"]
+        assert isinstance(start, FileStart)
+        assert start.whole_bytes == whole
+        assert (line * 200).startswith(start)
+        assert limit - 2 <= len(start.encode()) <= limit
+        assert "\ufffd" not in start
+        assert sources["small.py"] == "def helper():\n    return 1\n"  # under the limit: whole, a plain text
+        (gen,) = [c for c in chunk_sources(tmp_path, sources, 1_000, max_file_bytes=3_000) if c.file_path == "gen.py"]
+        assert gen.parse_error is not None
+        assert gen.parse_error.startswith(f"{whole:,} bytes, over ONTOFABRIC_INGEST_MAX_FILE_BYTES")  # the whole file's
+        assert gen.cut_from_bytes == whole
+    assert read_tree(tmp_path)["gen.py"] == line * 100_000  # no limit: all of it
+
+
+def test_a_tree_deeper_than_the_interpreters_recursion_limit_is_read(tmp_path: Path) -> None:
+    """A tester's tree 1,100 directories deep (a path of 2,226 characters) ended the ingest in a RecursionError
+    (os.walk recurses). Read in the order os.walk reads a tree."""
+    depth = sys.getrecursionlimit() + 100
+    deep = tmp_path
+    for _ in range(depth):  # one by one: Path.mkdir(parents=True) recurses too
+        deep = deep / "d"
+        deep.mkdir()
+    (deep / "bottom.py").write_text("def bottom():\n    return 1\n")
+    for name in ("b/x.py", "a/z.py", "a/c/y.py", "top.py", "a/a.md"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    try:
+        found = [path.relative_to(tmp_path).as_posix() for path in discover(tmp_path)]
+        assert found == ["top.py", "a/a.md", "a/z.py", "a/c/y.py", "b/x.py", "d/" * depth + "bottom.py"]
+    finally:  # from the bottom up: shutil.rmtree, as pytest cleans its directories up, recurses too
+        (deep / "bottom.py").unlink()
+        while deep != tmp_path:
+            deep.rmdir()
+            deep = deep.parent
 
 
 def test_a_docstring_escaping_half_a_character_is_chunked_as_text_a_delta_can_carry() -> None:

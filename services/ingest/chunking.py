@@ -133,6 +133,23 @@ def whole_characters(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+class FileStart(str):
+    """The start of a file too large to be read whole (the ingest reads no more of one than it could index: a
+    tester's 50 GB file ran it out of memory), with the size of the whole file in bytes."""
+
+    whole_bytes: int
+
+    def __new__(cls, text: str, whole_bytes: int) -> FileStart:
+        start = super().__new__(cls, text)
+        start.whole_bytes = whole_bytes
+        return start
+
+
+def utf8_size(text: str) -> int:
+    """The bytes ``text`` takes as UTF-8; of a whole file for a :class:`FileStart`."""
+    return text.whole_bytes if isinstance(text, FileStart) else len(text.encode("utf-8", "surrogatepass"))
+
+
 def truncate_utf8(text: str, max_bytes: int) -> str:
     encoded = text.encode("utf-8")
     if len(encoded) <= max_bytes:
@@ -152,7 +169,7 @@ def lines_kept(lines: tuple[int, int] | None, kept: str, cut: bool) -> tuple[int
 
 def cut_from(text: str, max_bytes: int) -> int | None:
     """The text's size in bytes when :func:`truncate_utf8` cuts it, else None."""
-    size = len(text.encode("utf-8"))
+    size = utf8_size(text)
     return size if size > max_bytes else None
 
 

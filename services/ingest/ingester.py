@@ -20,7 +20,7 @@ import re
 import stat
 import time
 import tokenize
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -67,7 +67,7 @@ from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package
+from .chunking import DOCUMENT_FORMATS, Chunk, FileStart, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, envelope
 from .graph import (
     GraphLink,
@@ -179,7 +179,7 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
         if unread is not None and error.filename is not None:
             unread.append(Path(os.fsdecode(error.filename)).relative_to(root).as_posix())
 
-    for directory, subdirectories, files in os.walk(root, onerror=unlisted):
+    for directory, subdirectories, files in _walk(root, unlisted):
         here = Path(directory).relative_to(root).as_posix()
         prefix = "" if here == "." else f"{here}/"
         kept = []
@@ -199,17 +199,48 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
                 yield Path(directory) / name
 
 
-def read_tree(root: Path, exclude: Collection[str] = (), unread: list[str] | None = None) -> dict[str, str]:
+def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(root, onerror=unlisted)`` (top down, links to directories listed and not gone into, the caller
+    pruning the subdirectories it yields), without recursion: os.walk recurses, and a tester's tree 1,100
+    directories deep ended the ingest in a RecursionError."""
+    waiting = [os.fspath(root)]
+    while waiting:
+        directory = waiting.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError as error:
+            unlisted(error)
+            continue
+        subdirectories: list[str] = []
+        files: list[str] = []
+        for entry in entries:
+            try:
+                is_directory = entry.is_dir()
+            except OSError:  # as os.walk takes it: not a directory
+                is_directory = False
+            (subdirectories if is_directory else files).append(entry.name)
+        yield directory, subdirectories, files
+        waiting.extend(
+            os.path.join(directory, name)
+            for name in reversed(subdirectories)
+            if not os.path.islink(os.path.join(directory, name))
+        )
+
+
+def read_tree(
+    root: Path, exclude: Collection[str] = (), unread: list[str] | None = None, max_read_bytes: int = 0
+) -> dict[str, str]:
     """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`);
     files that are not text, or no regular file, are skipped, logged. What could not be read otherwise (access
     denied, a failing disk or mount), a file or a directory, is also added to ``unread``: it may still hold what
-    it held."""
+    it held. Of a file over ``max_read_bytes`` (0: none is) only that much is read (a :class:`FileStart`)."""
     sources: dict[str, str] = {}
     for path in discover(root, exclude, unread):
         relative = path.relative_to(root).as_posix()
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
-            text = read_regular_file(path)
+            text = read_regular_file(path, max_read_bytes)
         # SyntaxError: a coding line naming no codec; LookupError: one naming no text codec (rot13, a review's).
         except (UnicodeError, OSError, SyntaxError, LookupError) as error:
             log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
@@ -223,24 +254,40 @@ def read_tree(root: Path, exclude: Collection[str] = (), unread: list[str] | Non
     return sources
 
 
-def read_regular_file(path: Path) -> str:
+def read_regular_file(path: Path, max_read_bytes: int = 0) -> str:
     """The text of the file at ``path`` when it is a regular file and no symbolic link; OSError otherwise. Decoded
     by :func:`decoded` (a tester's file with a byte-order mark was taken for unparsable, one in Latin-1 with its
     coding line skipped). A link may lead out of the tree, into another workspace's files
     or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
     tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
     and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
-    above it swapped for one while the ingest walks the tree is not guarded against)."""
+    above it swapped for one while the ingest walks the tree is not guarded against). Of a file over
+    ``max_read_bytes`` (0: none is), its first ``max_read_bytes`` as a :class:`FileStart`, ended at a whole
+    character."""
     if path.is_symlink():
         raise OSError(f"{path.name}: a symbolic link (links are not followed)")
     if not stat.S_ISREG(path.lstat().st_mode):  # said so before opening: a socket's open failed "no such device"
         raise OSError(f"{path.name}: not a regular file")
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(descriptor, "rb") as opened:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
             raise OSError(f"{path.name}: not a regular file")
+        if max_read_bytes and status.st_size > max_read_bytes:
+            start = whole_characters(opened.read(max_read_bytes))
+            return FileStart(decoded(start, python=path.suffix == ".py", name=path.name), status.st_size)
         data = opened.read()
     return decoded(data, python=path.suffix == ".py", name=path.name)
+
+
+def whole_characters(data: bytes) -> bytes:
+    """``data`` without a UTF-8 character cut short at its end (the start of a longer file)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # the last character's first byte: ASCII, or the lead of a sequence
+            length = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return data[:-back] if length > back else data
+    return data
 
 
 UNICODE_MARKS = (
@@ -309,7 +356,7 @@ def too_large(sources: Mapping[str, str], max_file_bytes: int) -> dict[str, str]
     """The files of ``sources`` over ``max_file_bytes`` (0: none is), each with why it is read as one chunk."""
     if not max_file_bytes:
         return {}
-    sizes = {path: len(text.encode("utf-8", "surrogatepass")) for path, text in sources.items()}
+    sizes = {path: utf8_size(text) for path, text in sources.items()}
     return {
         path: f"{size:,} bytes, over ONTOFABRIC_INGEST_MAX_FILE_BYTES ({max_file_bytes:,}): read as one chunk"
         for path, size in sizes.items()
@@ -934,7 +981,9 @@ class Ingester:
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         patterns = exclusion_patterns(root, exclude)
         unread: list[str] = []
-        sources = await asyncio.to_thread(read_tree, root, patterns, unread)
+        # No more of a file than could be indexed: over the size limit it is one chunk of its start.
+        max_read = max(self._max_file_bytes, self._max_content_bytes) + 1 if self._max_file_bytes else 0
+        sources = await asyncio.to_thread(read_tree, root, patterns, unread, max_read)
         if patterns and not sources and not unread and await asyncio.to_thread(lambda: any(discover(root))):
             # One word too many would delete the whole workspace's index.
             raise ExclusionRefused(

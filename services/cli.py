@@ -422,6 +422,14 @@ def ingest(
             "workspace and branch published (refused otherwise: a wrong path or a volume not mounted)."
         ),
     ] = False,
+    gitignore: Annotated[
+        bool,
+        typer.Option(
+            help="Leave out what .gitignore files leave out, as git reads them: the tree's own, those above it up "
+            "to its git work tree's top, and .git/info/exclude (a note counts what they left out). "
+            "--no-gitignore indexes it too."
+        ),
+    ] = True,
     data_dir: DataDir = None,
 ) -> None:
     """Chunk a source tree and publish what changed since the last ingest of this workspace and branch.
@@ -477,7 +485,7 @@ def ingest(
                     )  # fmt: skip
                     try:
                         report = await ingester.ingest(
-                            path.resolve(), workspace, branch, package, exclude or (), allow_empty
+                            path.resolve(), workspace, branch, package, exclude or (), allow_empty, gitignore
                         )
                     except (ExclusionRefused, EmptyTreeRefused) as error:
                         _fail(str(error))
@@ -641,6 +649,13 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
             f"{workspace}/{MAIN_BRANCH} has no ingest manifest (not ingested by `ontofabric ingest`): {branch} holds "
             f"every file as its own, and none of main's later changes will show on it; ingest main first, then "
             f"{branch} again"
+        )
+    if report.ignored:
+        more = len(report.ignored) - 5
+        first = ", ".join(printable(path) for path in report.ignored[:5]) + (f" and {more} more" if more > 0 else "")
+        notes.append(
+            f"{len(report.ignored)} source files and directories left out as .gitignore files say ({first}); "
+            "--no-gitignore indexes them"
         )
     if report.package_from_imports is not None:
         notes.append(

@@ -221,6 +221,49 @@ def test_a_tree_deeper_than_the_interpreters_recursion_limit_is_read(tmp_path: P
             deep = deep.parent
 
 
+def test_what_gitignore_files_leave_out_is_not_read_as_git_reads_them(tmp_path: Path) -> None:
+    """A tester's checkout had `local_settings.py` and `secrets/` in its .gitignore, never committed: both were
+    indexed and served to every reader of the workspace."""
+    files = {
+        ".git/info/exclude": "scratch.py\n",
+        ".gitignore": "*.log.txt\n/outer_only.py\n",  # above the tree: applies to it, from where it is
+        "repo/.gitignore": "local_settings.py\nsecrets/\n*.gen.py\n!keep.gen.py\n/top_only.md\n",
+        "repo/pkg/.gitignore": "!local_settings.py\nnotes.md\n",
+        "repo/local_settings.py": "SECRET = 'x'\n",
+        "repo/pkg/local_settings.py": "included = True\n",  # a nearer file includes it again
+        "repo/secrets/prod.txt": "password\n",
+        "repo/a.gen.py": "x = 1\n",
+        "repo/keep.gen.py": "x = 1\n",
+        "repo/top_only.md": "# top\n",
+        "repo/pkg/top_only.md": "# not the top one\n",
+        "repo/pkg/notes.md": "# notes\n",
+        "repo/pkg/run.log.txt": "a log\n",
+        "repo/scratch.py": "x = 1\n",
+        "repo/outer_only.py": "x = 1\n",  # anchored to the directory above: not this one
+        "repo/main.py": "def main():\n    return 1\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    root = tmp_path / "repo"
+    ignored: list[str] = []
+    found = [path.relative_to(root).as_posix() for path in discover(root, ignored=ignored)]
+    assert found == ["keep.gen.py", "main.py", "outer_only.py", "pkg/local_settings.py", "pkg/top_only.md"]
+    assert sorted(ignored) == sorted([
+        "a.gen.py", "local_settings.py", "pkg/notes.md", "pkg/run.log.txt", "scratch.py", "secrets/", "top_only.md",
+    ])  # fmt: skip
+    everything = [path.relative_to(root).as_posix() for path in discover(root, gitignore=False)]
+    assert sorted(everything) == sorted([*found, *(p for p in ignored if not p.endswith("/")), "secrets/prod.txt"])
+    # Outside any git work tree the tree's own files still apply; a link is not followed to read one.
+    (tmp_path / ".git" / "info" / "exclude").unlink()
+    (root / "pkg" / ".gitignore").unlink()
+    (root / "pkg" / ".gitignore").symlink_to(tmp_path / ".gitignore")
+    found = [path.relative_to(root).as_posix() for path in discover(root)]
+    assert "scratch.py" in found
+    assert "pkg/notes.md" in found
+    assert "pkg/local_settings.py" not in found  # the root's pattern, no nearer file including it again
+
+
 def test_a_docstring_escaping_half_a_character_is_chunked_as_text_a_delta_can_carry() -> None:
     source = 'def f():\n    """lone \\udc00 half; a pair \\ud83d\\ude00 whole"""\n    return 1\n'
     (doc,) = [c for c in chunk_python("m.py", source, 1000) if c.chunk_level == "doc"]

@@ -331,6 +331,25 @@ async def test_a_package_checked_out_under_another_name_is_named_as_its_own_file
     assert self_import_name(two, "src") is None
 
 
+async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_deleted(
+    deployment: Deployment, projector: ProjectorService, tmp_path: Path
+) -> None:
+    """A tester's ignored `local_settings.py` and `secrets/` were served to every reader of the workspace."""
+    files = {"app.py": "def run():\n    return 1\n", "local_settings.py": "TOKEN = 'ab12'\n", "secrets/p.txt": "pw\n"}
+    _write(tmp_path / "tree", files)
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    everything = await ingester.ingest(tmp_path / "tree", "repo", gitignore=False)  # as before .gitignore was read
+    assert everything.ignored == ()
+    (tmp_path / "tree" / ".gitignore").write_text("local_settings.py\nsecrets/\n")
+    report = await ingester.ingest(tmp_path / "tree", "repo")
+    assert report.ignored == ("secrets/", "local_settings.py")
+    assert report.deletes == 2  # what the first ingest published of them
+    assert report.last_sequence is not None
+    await deployment.wait_projected(report.last_sequence)
+    rows = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE NOT deleted ORDER BY 1")
+    assert [r["file_path"] for r in rows] == ["app.py"]
+
+
 async def test_two_racing_ingests_of_a_branch_one_deleting_a_file_the_other_changing_it_reuse_no_event_id(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

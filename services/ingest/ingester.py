@@ -8,18 +8,14 @@ is stored; an interrupted run publishes the same event ids again, which the proj
 from __future__ import annotations
 
 import asyncio
-import codecs
 import errno
 import fnmatch
 import hashlib
-import io
 import json
 import os
 import posixpath
 import re
-import stat
 import time
-import tokenize
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -67,7 +63,7 @@ from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
-from .chunking import DOCUMENT_FORMATS, Chunk, FileStart, chunk_file, self_import_name, tree_package, utf8_size
+from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, envelope
 from .graph import (
     GraphLink,
@@ -79,6 +75,8 @@ from .graph import (
     python_graph,
     read_python,
 )
+from .ignored import GitIgnores
+from .reading import read_regular_file
 
 log = get_logger(__name__)
 
@@ -169,10 +167,18 @@ def _tools_output(directory: Path, name: str) -> bool:
         return True
 
 
-def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None = None) -> Iterator[Path]:
-    """Source files under ``root``, in a stable order, skipping hidden and generated directories and what
-    ``exclude`` names (:func:`excluded`). A directory that cannot be listed is logged and, relative to ``root``,
-    added to ``unread``."""
+def discover(
+    root: Path,
+    exclude: Collection[str] = (),
+    unread: list[str] | None = None,
+    gitignore: bool = True,
+    ignored: list[str] | None = None,
+) -> Iterator[Path]:
+    """Source files under ``root``, in a stable order, skipping hidden and generated directories, what ``exclude``
+    names (:func:`excluded`) and, with ``gitignore``, what ``.gitignore`` files leave out (:class:`GitIgnores`;
+    each such source file and directory, relative to ``root``, added to ``ignored``, a directory with a trailing
+    ``/``). A directory that cannot be listed is logged and, relative to ``root``, added to ``unread``."""
+    ignores = GitIgnores(root) if gitignore else None
 
     def unlisted(error: OSError) -> None:
         log.warning("ingest_directory_unread", path=repr(str(error.filename)), error=str(error))
@@ -182,12 +188,18 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
     for directory, subdirectories, files in _walk(root, unlisted):
         here = Path(directory).relative_to(root).as_posix()
         prefix = "" if here == "." else f"{here}/"
+        if ignores is not None:
+            ignores.enter(prefix.rstrip("/"))
         kept = []
         for name in sorted(subdirectories):
             if excluded(prefix + name, exclude):
                 continue
             if _tools_output(Path(directory), name):
                 log.debug("ingest_directory_skipped", path=prefix + name)
+            elif ignores is not None and ignores.ignored(prefix + name, is_directory=True):
+                log.debug("ingest_directory_ignored", path=prefix + name)
+                if ignored is not None:
+                    ignored.append(f"{prefix}{name}/")
             elif os.path.islink(os.path.join(directory, name)):  # listed, not gone into: said, as for a file
                 link = "a symbolic link (links are not followed)"
                 log.warning("ingest_directory_skipped", path=prefix + name, error=link)
@@ -195,8 +207,14 @@ def discover(root: Path, exclude: Collection[str] = (), unread: list[str] | None
                 kept.append(name)
         subdirectories[:] = kept
         for name in sorted(files):
-            if name.endswith(SOURCE_SUFFIXES) and not excluded(prefix + name, exclude):
-                yield Path(directory) / name
+            if not name.endswith(SOURCE_SUFFIXES) or excluded(prefix + name, exclude):
+                continue
+            if ignores is not None and ignores.ignored(prefix + name, is_directory=False):
+                log.debug("ingest_file_ignored", path=prefix + name)
+                if ignored is not None:
+                    ignored.append(prefix + name)
+                continue
+            yield Path(directory) / name
 
 
 def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -229,14 +247,20 @@ def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str
 
 
 def read_tree(
-    root: Path, exclude: Collection[str] = (), unread: list[str] | None = None, max_read_bytes: int = 0
+    root: Path,
+    exclude: Collection[str] = (),
+    unread: list[str] | None = None,
+    max_read_bytes: int = 0,
+    gitignore: bool = True,
+    ignored: list[str] | None = None,
 ) -> dict[str, str]:
-    """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`);
+    """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`)
+    and, with ``gitignore``, those ``.gitignore`` files leave out (listed in ``ignored``: :func:`discover`);
     files that are not text, or no regular file, are skipped, logged. What could not be read otherwise (access
     denied, a failing disk or mount), a file or a directory, is also added to ``unread``: it may still hold what
     it held. Of a file over ``max_read_bytes`` (0: none is) only that much is read (a :class:`FileStart`)."""
     sources: dict[str, str] = {}
-    for path in discover(root, exclude, unread):
+    for path in discover(root, exclude, unread, gitignore, ignored):
         relative = path.relative_to(root).as_posix()
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
@@ -252,89 +276,6 @@ def read_tree(
             continue
         sources[relative] = text
     return sources
-
-
-def read_regular_file(path: Path, max_read_bytes: int = 0) -> str:
-    """The text of the file at ``path`` when it is a regular file and no symbolic link; OSError otherwise. Decoded
-    by :func:`decoded` (a tester's file with a byte-order mark was taken for unparsable, one in Latin-1 with its
-    coding line skipped). A link may lead out of the tree, into another workspace's files
-    or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
-    tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
-    and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
-    above it swapped for one while the ingest walks the tree is not guarded against). Of a file over
-    ``max_read_bytes`` (0: none is), its first ``max_read_bytes`` as a :class:`FileStart`, ended at a whole
-    character."""
-    if path.is_symlink():
-        raise OSError(f"{path.name}: a symbolic link (links are not followed)")
-    if not stat.S_ISREG(path.lstat().st_mode):  # said so before opening: a socket's open failed "no such device"
-        raise OSError(f"{path.name}: not a regular file")
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(descriptor, "rb") as opened:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            raise OSError(f"{path.name}: not a regular file")
-        if max_read_bytes and status.st_size > max_read_bytes:
-            start = whole_characters(opened.read(max_read_bytes))
-            return FileStart(decoded(start, python=path.suffix == ".py", name=path.name), status.st_size)
-        data = opened.read()
-    return decoded(data, python=path.suffix == ".py", name=path.name)
-
-
-def whole_characters(data: bytes) -> bytes:
-    """``data`` without a UTF-8 character cut short at its end (the start of a longer file)."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # the last character's first byte: ASCII, or the lead of a sequence
-            length = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
-            return data[:-back] if length > back else data
-    return data
-
-
-UNICODE_MARKS = (
-    (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
-    (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"),
-)  # fmt: skip
-"""Byte-order marks of the encodings besides UTF-8 a file is read in by its mark alone (UTF-32's first: its
-little-endian mark begins with UTF-16's)."""
-
-
-NOT_TEXT_SHARE = 0.1
-"""A file of which more than this share of characters cannot be read in its encoding is not text (a verifier's
-binary file without NUL was indexed as noise); Latin-1 prose without a coding line stays well under it."""
-
-
-def decoded(data: bytes, python: bool, name: str = "") -> str:
-    """A source file's text, newlines as ``Path.read_text`` reads them: in the encoding its byte-order mark names
-    (UTF-8, UTF-16 or UTF-32), else as Python decodes a source file (``python``: what a ``coding`` line names) or
-    UTF-8, a UTF-8 byte-order mark dropped. A file that is not valid in that encoding (a stray Windows-1252 byte,
-    Latin-1 text without a coding line, a coding line naming no text codec) is read in its mark's encoding, or
-    UTF-8, with each byte that is not replaced by U+FFFD, logged: a text with a bad byte, not a file gone. It was
-    skipped, and so deleted from the index, at the first bad byte (a tester's 62 KB page, for one byte at its end).
-    UnicodeError when more than NOT_TEXT_SHARE of it would be replaced: not text."""
-    marked = next((codec for mark, codec in UNICODE_MARKS if data.startswith(mark)), None)
-    encoding = marked
-    try:
-        if encoding is None and python:  # SyntaxError: a coding line naming no codec, or lines that are no UTF-8
-            encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
-        return io.TextIOWrapper(io.BytesIO(data), encoding=encoding or "utf-8-sig").read()
-    except (SyntaxError, UnicodeError, LookupError) as error:  # LookupError: a codec that is no text codec
-        text = io.TextIOWrapper(io.BytesIO(data), encoding=marked or "utf-8-sig", errors="replace").read()
-        if "\0" in text:  # not text: skipped as such (read_tree)
-            return text
-        replaced = text.count("\ufffd")  # with any the file held already
-        if replaced > NOT_TEXT_SHARE * len(text):
-            raise UnicodeError(
-                f"{name}: not text ({replaced} of its {len(text)} characters could not be read)"
-            ) from None
-        log.warning(
-            "ingest_file_not_utf8" if marked is None else "ingest_file_not_valid",
-            path=name,
-            encoding=encoding or "utf-8",
-            error=str(error)[:200],
-            replaced=replaced,
-            reason=f"read as {marked or 'UTF-8'}, with U+FFFD for each byte that is not",
-        )
-        return text
 
 
 def own_package(root: Path, named: str | None = None) -> str | None:
@@ -872,6 +813,8 @@ class IngestReport:
     """On a branch: the package its modules were named after, main's, when the tree's directory has another name
     and no package was given."""
     package_from_imports: str | None = None
+    ignored: tuple[str, ...] = ()
+    """The source files and directories (``dir/``) that ``.gitignore`` files left out, relative to the tree."""
     """The package its modules were named after when that is not the tree's directory's name but the name its own
     files import it by (:func:`chunking.self_import_name`), no package given."""
 
@@ -956,18 +899,20 @@ class Ingester:
         package: str | None = None,
         exclude: Collection[str] = (),
         allow_empty: bool = False,
+        gitignore: bool = True,
     ) -> IngestReport:
         """Publish what changed in the tree at ``root`` since the last ingest of the workspace's branch.
         ``package``: the tree's package name when it is not its directory's (empty: none; see
         :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
-        published of them is deleted, as for a file gone from the tree. A tree with no source file that would
+        published of them is deleted, as for a file gone from the tree; so is what ``.gitignore`` files leave out,
+        with ``gitignore`` (:class:`GitIgnores`). A tree with no source file that would
         delete documents is refused (EmptyTreeRefused) unless ``allow_empty``. When part of the tree could not be
         read (``IngestReport.unread``), nothing is deleted: what was not seen may still be there."""
         # One trace for the run: its deltas carry it to the projector's batches, which link to it.
         with tracer().start_as_current_span("ingest") as span:
             span.set_attribute("ontofabric.workspace", workspace)
             span.set_attribute("ontofabric.branch", branch)
-            return await self._ingest(root, workspace, branch, package, exclude, allow_empty)
+            return await self._ingest(root, workspace, branch, package, exclude, allow_empty, gitignore)
 
     async def _ingest(
         self,
@@ -977,14 +922,21 @@ class Ingester:
         package: str | None,
         exclude: Collection[str],
         allow_empty: bool,
+        gitignore: bool,
     ) -> IngestReport:
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         patterns = exclusion_patterns(root, exclude)
         unread: list[str] = []
         # No more of a file than could be indexed: over the size limit it is one chunk of its start.
         max_read = max(self._max_file_bytes, self._max_content_bytes) + 1 if self._max_file_bytes else 0
-        sources = await asyncio.to_thread(read_tree, root, patterns, unread, max_read)
-        if patterns and not sources and not unread and await asyncio.to_thread(lambda: any(discover(root))):
+        ignored: list[str] = []
+        sources = await asyncio.to_thread(read_tree, root, patterns, unread, max_read, gitignore, ignored)
+        if (
+            patterns
+            and not sources
+            and not unread
+            and await asyncio.to_thread(lambda: any(discover(root, gitignore=gitignore)))
+        ):
             # One word too many would delete the whole workspace's index.
             raise ExclusionRefused(
                 f"--exclude {' '.join(patterns)} leaves out every source file of {root}: nothing sent"
@@ -1145,6 +1097,7 @@ class Ingester:
             unread=tuple(unread),
             package_of_main=package_of_main,
             package_from_imports=package_from_imports,
+            ignored=tuple(ignored),
             main_never_ingested=main is not None and not main.entries,
             exclusions_before=previous.exclude if patterns_changed else None,
             main_exclusions=(

@@ -1,0 +1,99 @@
+"""Reading a tree's files: regular files only, no link followed, decoded as Python and editors read them."""
+
+from __future__ import annotations
+
+import codecs
+import io
+import os
+import stat
+import tokenize
+from pathlib import Path
+
+from ontofabric.shared.logging import get_logger
+
+from .chunking import FileStart
+
+log = get_logger(__name__)
+
+
+def read_regular_file(path: Path, max_read_bytes: int = 0) -> str:
+    """The text of the file at ``path`` when it is a regular file and no symbolic link; OSError otherwise. Decoded
+    by :func:`decoded` (a tester's file with a byte-order mark was taken for unparsable, one in Latin-1 with its
+    coding line skipped). A link may lead out of the tree, into another workspace's files
+    or the deployment's secrets (runtime.json), which were then indexed for whoever reads the workspace (a tenant
+    tester's finding); a device or a pipe under a source suffix may never end. Opened without following a link
+    and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
+    above it swapped for one while the ingest walks the tree is not guarded against). Of a file over
+    ``max_read_bytes`` (0: none is), its first ``max_read_bytes`` as a :class:`FileStart`, ended at a whole
+    character."""
+    if path.is_symlink():
+        raise OSError(f"{path.name}: a symbolic link (links are not followed)")
+    if not stat.S_ISREG(path.lstat().st_mode):  # said so before opening: a socket's open failed "no such device"
+        raise OSError(f"{path.name}: not a regular file")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as opened:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(f"{path.name}: not a regular file")
+        if max_read_bytes and status.st_size > max_read_bytes:
+            start = without_cut_character(opened.read(max_read_bytes))
+            return FileStart(decoded(start, python=path.suffix == ".py", name=path.name), status.st_size)
+        data = opened.read()
+    return decoded(data, python=path.suffix == ".py", name=path.name)
+
+
+def without_cut_character(data: bytes) -> bytes:
+    """``data`` without a UTF-8 character cut short at its end (the start of a longer file)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # the last character's first byte: ASCII, or the lead of a sequence
+            length = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return data[:-back] if length > back else data
+    return data
+
+
+UNICODE_MARKS = (
+    (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"),
+)  # fmt: skip
+"""Byte-order marks of the encodings besides UTF-8 a file is read in by its mark alone (UTF-32's first: its
+little-endian mark begins with UTF-16's)."""
+
+
+NOT_TEXT_SHARE = 0.1
+"""A file of which more than this share of characters cannot be read in its encoding is not text (a verifier's
+binary file without NUL was indexed as noise); Latin-1 prose without a coding line stays well under it."""
+
+
+def decoded(data: bytes, python: bool, name: str = "") -> str:
+    """A source file's text, newlines as ``Path.read_text`` reads them: in the encoding its byte-order mark names
+    (UTF-8, UTF-16 or UTF-32), else as Python decodes a source file (``python``: what a ``coding`` line names) or
+    UTF-8, a UTF-8 byte-order mark dropped. A file that is not valid in that encoding (a stray Windows-1252 byte,
+    Latin-1 text without a coding line, a coding line naming no text codec) is read in its mark's encoding, or
+    UTF-8, with each byte that is not replaced by U+FFFD, logged: a text with a bad byte, not a file gone. It was
+    skipped, and so deleted from the index, at the first bad byte (a tester's 62 KB page, for one byte at its end).
+    UnicodeError when more than NOT_TEXT_SHARE of it would be replaced: not text."""
+    marked = next((codec for mark, codec in UNICODE_MARKS if data.startswith(mark)), None)
+    encoding = marked
+    try:
+        if encoding is None and python:  # SyntaxError: a coding line naming no codec, or lines that are no UTF-8
+            encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
+        return io.TextIOWrapper(io.BytesIO(data), encoding=encoding or "utf-8-sig").read()
+    except (SyntaxError, UnicodeError, LookupError) as error:  # LookupError: a codec that is no text codec
+        text = io.TextIOWrapper(io.BytesIO(data), encoding=marked or "utf-8-sig", errors="replace").read()
+        if "\0" in text:  # not text: skipped as such (read_tree)
+            return text
+        replaced = text.count("\ufffd")  # with any the file held already
+        if replaced > NOT_TEXT_SHARE * len(text):
+            raise UnicodeError(
+                f"{name}: not text ({replaced} of its {len(text)} characters could not be read)"
+            ) from None
+        log.warning(
+            "ingest_file_not_utf8" if marked is None else "ingest_file_not_valid",
+            path=name,
+            encoding=encoding or "utf-8",
+            error=str(error)[:200],
+            replaced=replaced,
+            reason=f"read as {marked or 'UTF-8'}, with U+FFFD for each byte that is not",
+        )
+        return text

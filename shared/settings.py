@@ -718,8 +718,13 @@ class Settings(BaseSettings):
                     hosts = urlsplit((url or "").strip()).netloc.rpartition("@")[2].split(",")
                     for host in hosts:
                         urlsplit(f"//{host}").port  # noqa: B018 - reading it is the check
-                except ValueError as error:  # its message names the port or the bracket, not the URL
-                    raise ValueError(f"{name}: {error}") from None
+                except ValueError as error:  # urllib's message without the value it quotes: a tester's password
+                    # holding `#` was read as ending at it, and its start printed as the port that is no number.
+                    said = str(error).partition(" as '")[0]
+                    raise ValueError(
+                        f"{name}: {said} (the URL is not shown: it may hold a password, in which /, ?, #, @ and , "
+                        "are written %2F, %3F, %23, %40 and %2C)"
+                    ) from None
         return self
 
     @model_validator(mode="after")

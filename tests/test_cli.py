@@ -678,6 +678,9 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         # An independent tester's: a traceback from deep in the driver, at start of every server command.
         ("ONTOFABRIC_DATABASE_URL", "postgresql://u:secret@127.0.0.1:notaport/db", "URL: Port could not be cast"),
         ("ONTOFABRIC_NATS_URL", "nats://127.0.0.1:4222,nats://u:secret@h:99999", "NATS_URL: Port out of range"),
+        # A security tester's: a password holding `#` (or `,` in a NATS URL) printed up to it, as the port.
+        ("ONTOFABRIC_DATABASE_URL", "postgresql://u:Sec#ret21@h/db", "URL: Port could not be cast to integer value"),
+        ("ONTOFABRIC_NATS_URL", "nats://u:Sec,ret18@h:4222", "written %2F, %3F, %23, %40 and %2C"),
         # Taken at start, where asyncpg refuses it only when it first connects (a replica's may be much later).
         ("ONTOFABRIC_QUERY_REPLICA_URLS", "garbage", "QUERY_REPLICA_URLS: not a PostgreSQL URL"),
         ("ONTOFABRIC_DATABASE_URL", "host=db user=u password=secret", "DATABASE_URL: not a PostgreSQL URL"),
@@ -701,7 +704,8 @@ def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, 
     assert result.returncode == 2
     assert said in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
-    assert "secret" not in result.stderr
+    assert "secret" not in result.stderr.lower()
+    assert "'Sec'" not in result.stderr
 
 
 def test_a_database_url_of_several_hosts_is_a_url_a_connection_can_use() -> None:

@@ -2067,6 +2067,14 @@ def main() -> None:
     except (PublishFailed, ManifestUnavailable, ManifestChanged) as error:  # the same command again is safe
         errors.print(f"[red]error:[/red] {escape(str(error))}")
         sys.exit(1)
+    except (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError) as error:
+        # A wrong password, an unknown user or database: a traceback of 59 lines (a security tester's). The server's
+        # message names the user or the database, never the password.
+        errors.print(
+            f"[red]error:[/red] PostgreSQL refused the connection ({type(error).__name__}: {escape(str(error))}): "
+            "are the user, password and database of ONTOFABRIC_DATABASE_URL right?"
+        )
+        sys.exit(2)
     except DATABASE_UNREACHABLE as error:
         if not _raised_in_asyncpg(error):
             raise

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -505,6 +505,24 @@ def test_readme_settings_table_is_current() -> None:
     table = subprocess.run([ONTOFABRIC, "settings", "--markdown"], capture_output=True, text=True, check=True).stdout
     stale = [line for line in table.splitlines() if line not in readme]
     assert stale == [], "README's settings table is stale; paste `ontofabric settings --markdown`"
+
+
+async def test_a_database_refusing_the_credentials_is_said_without_a_traceback_or_the_password(
+    deployment: Deployment,
+) -> None:
+    """A security tester's `migrate` with a wrong password printed a traceback of 59 lines."""
+    wrong = urlsplit(deployment.database_url)._replace(
+        netloc=f"postgres:Wr0ngPassw0rd@{urlsplit(deployment.database_url).netloc.rpartition('@')[2]}"
+    )
+    env = {**deployment.env(), "ONTOFABRIC_DATABASE_URL": urlunsplit(wrong)}
+    result = await asyncio.to_thread(
+        subprocess.run, [ONTOFABRIC, "migrate"], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    said = " ".join(result.stderr.split())
+    assert result.returncode == 2, result.stderr
+    assert "PostgreSQL refused the connection (InvalidPasswordError" in said
+    assert "Traceback" not in result.stderr
+    assert "Wr0ngPassw0rd" not in result.stderr
 
 
 @pytest.mark.parametrize("command", [["rebuild", "acme"], ["compact", "--yes"], ["dlq", "redrive", "--yes"]])

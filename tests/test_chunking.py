@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from ontofabric.services.ingest.chunking import (
     MAX_HEADING_CHARS,
@@ -262,6 +263,26 @@ def test_what_gitignore_files_leave_out_is_not_read_as_git_reads_them(tmp_path: 
     assert "scratch.py" in found
     assert "pkg/notes.md" in found
     assert "pkg/local_settings.py" not in found  # the root's pattern, no nearer file including it again
+
+
+def test_every_line_about_a_file_of_the_tree_names_it_by_its_path_in_the_tree(tmp_path: Path) -> None:
+    """A tester's: a skipped file was named by its absolute path (quoted, or not), a file not in UTF-8 by its name
+    alone, which two directories may share."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "latin1.md").write_bytes("# caf\xe9 au lait, a longer line of prose\n".encode("latin-1"))
+    (tmp_path / "docs" / "nul.txt").write_bytes(b"a\0b\n")
+    (tmp_path / "docs" / "link.py").symlink_to(tmp_path / "docs" / "latin1.md")
+    (tmp_path / "docs" / "new\nline.py").write_text("x = 1\n")
+    with capture_logs() as logs:
+        read_tree(tmp_path)
+    named = sorted((entry["event"], entry["path"]) for entry in logs if "path" in entry)
+    assert named == [
+        ("ingest_file_not_utf8", "docs/latin1.md"),
+        ("ingest_file_skipped", "docs/link.py"),
+        ("ingest_file_skipped", "docs/nul.txt"),
+    ]
+    (link,) = [entry for entry in logs if entry["path"] == "docs/link.py"]
+    assert link["error"] == "docs/link.py: a symbolic link (links are not followed)"
 
 
 def test_a_docstring_escaping_half_a_character_is_chunked_as_text_a_delta_can_carry() -> None:

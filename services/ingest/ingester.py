@@ -262,17 +262,21 @@ def read_tree(
     sources: dict[str, str] = {}
     for path in discover(root, exclude, unread, gitignore, ignored):
         relative = path.relative_to(root).as_posix()
+        # Each file named by its path in the tree, in every line about it (a tester's read absolute, quoted or not,
+        # or the file's name alone); one holding what a terminal acts on, or bytes that are no UTF-8, as Python
+        # writes it.
+        shown = relative if relative.isprintable() else repr(relative)
         try:
             relative.encode("utf-8")  # a name of bytes that are no UTF-8: no document id can carry it
-            text = read_regular_file(path, max_read_bytes)
+            text = read_regular_file(path, max_read_bytes, shown)
         # SyntaxError: a coding line naming no codec; LookupError: one naming no text codec (rot13, a review's).
         except (UnicodeError, OSError, SyntaxError, LookupError) as error:
-            log.warning("ingest_file_skipped", path=repr(str(path)), error=str(error))
+            log.warning("ingest_file_skipped", path=shown, error=str(error))
             if unread is not None and getattr(error, "errno", None) not in GONE_OR_NO_FILE:
                 unread.append(relative)
             continue
         if "\0" in text:  # no text field may hold NUL: a binary file under a source suffix
-            log.warning("ingest_file_skipped", path=str(path), error="it holds NUL characters: not text")
+            log.warning("ingest_file_skipped", path=shown, error="it holds NUL characters: not text")
             continue
         sources[relative] = text
     return sources

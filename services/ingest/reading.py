@@ -16,7 +16,7 @@ from .chunking import FileStart
 log = get_logger(__name__)
 
 
-def read_regular_file(path: Path, max_read_bytes: int = 0) -> str:
+def read_regular_file(path: Path, max_read_bytes: int = 0, name: str | None = None) -> str:
     """The text of the file at ``path`` when it is a regular file and no symbolic link; OSError otherwise. Decoded
     by :func:`decoded` (a tester's file with a byte-order mark was taken for unparsable, one in Latin-1 with its
     coding line skipped). A link may lead out of the tree, into another workspace's files
@@ -25,21 +25,22 @@ def read_regular_file(path: Path, max_read_bytes: int = 0) -> str:
     and checked on the open file, so that the file itself cannot be swapped for a link in between (a directory
     above it swapped for one while the ingest walks the tree is not guarded against). Of a file over
     ``max_read_bytes`` (0: none is), its first ``max_read_bytes`` as a :class:`FileStart`, ended at a whole
-    character."""
+    character. ``name``: what errors and warnings call the file (its path in the tree; by default its name)."""
+    name = name or path.name
     if path.is_symlink():
-        raise OSError(f"{path.name}: a symbolic link (links are not followed)")
+        raise OSError(f"{name}: a symbolic link (links are not followed)")
     if not stat.S_ISREG(path.lstat().st_mode):  # said so before opening: a socket's open failed "no such device"
-        raise OSError(f"{path.name}: not a regular file")
+        raise OSError(f"{name}: not a regular file")
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(descriptor, "rb") as opened:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
-            raise OSError(f"{path.name}: not a regular file")
+            raise OSError(f"{name}: not a regular file")
         if max_read_bytes and status.st_size > max_read_bytes:
             start = without_cut_character(opened.read(max_read_bytes))
-            return FileStart(decoded(start, python=path.suffix == ".py", name=path.name), status.st_size)
+            return FileStart(decoded(start, python=path.suffix == ".py", name=name), status.st_size)
         data = opened.read()
-    return decoded(data, python=path.suffix == ".py", name=path.name)
+    return decoded(data, python=path.suffix == ".py", name=name)
 
 
 def without_cut_character(data: bytes) -> bytes:

@@ -12,6 +12,8 @@ from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, DocumentId, Workspace
 from .query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 
+MAX_OTHER_BRANCHES = 100
+"""How many of a workspace's other branches a status reply names at most."""
 MAX_SLICE_CHARS = 1_000_000
 
 
@@ -100,6 +102,11 @@ class StatusReply(WireModel):
         "dead-lettered."
     )
     branches: list[BranchStatus] = Field(description="main, and the branch when it is not main.")
+    other_branches: list[str] = Field(
+        default_factory=list,
+        description="The workspace's other branches the index holds, by name, in order (the first "
+        f"{MAX_OTHER_BRANCHES}): ask with one as branch to see it. Empty from a worker older than this field.",
+    )
     pending_deltas: int = Field(description="Deltas of those branches not yet in the index.")
     stream_refused: bool = Field(default=False, description=STREAM_REFUSED)
     dead_letters: int = Field(

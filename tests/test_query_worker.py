@@ -329,6 +329,9 @@ async def test_the_status_says_how_far_the_index_is_behind_its_stream(
     main, branch = caught_up.branches
     assert [(b.branch, b.pending_deltas) for b in (main, branch)] == [("main", 0), ("feature/x", 0)]
     assert caught_up.ontology_version == f"{main.ontology_version}+{branch.ontology_version}"
+    assert caught_up.other_branches == []
+    # Asked of main, the branches it does not name are named (a tester's agent could not find a branch).
+    assert (await client.status("acme", {})).other_branches == ["feature/x"]  # type: ignore[union-attr]
     # The dead-letter stream deleted under a running NATS (a tester's): none is held, and the status says so.
     await deployment.js.delete_stream(deployment.names.dlq_stream)
     without = await client.status("acme", {})

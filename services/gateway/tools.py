@@ -34,6 +34,7 @@ from ontofabric.contracts import (
     source_place,
 )
 from ontofabric.contracts.documents import NOT_FOLLOWING
+from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
 from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
@@ -200,8 +201,8 @@ TOOLS = (
         description=(
             "For a workspace and branch: the ontologyVersion, the stream sequence the index has handled against the "
             "last one published, how many deltas are pending and for how long, the dead letters, and the time of the "
-            "last change. Pending deltas mean recent edits are not searchable yet; streamRefused, that none will be "
-            "until an operator acts."
+            "last change, and the workspace's other branches by name. Pending deltas mean recent edits are not "
+            "searchable yet; streamRefused, that none will be until an operator acts."
         ),
         operation="status",
         request=StatusRequest,
@@ -660,4 +661,8 @@ def _render_status(reply: StatusReply) -> str:
             f"- {branch.branch}: {_counted(branch.documents, 'document')}, {last}, {branch.pending_deltas} "
             f"pending{waited}, last change {shown_time(branch.last_change) if branch.last_change else 'none yet'}"
         )
+    if reply.other_branches:  # an agent could not find a branch it had not been told of (a tester's)
+        more = " (and more)" if len(reply.other_branches) >= MAX_OTHER_BRANCHES else ""
+        names = ", ".join(printable(name) for name in reply.other_branches)
+        lines.append(f"other branches (ask with branch): {names}{more}")
     return "\n".join(lines)

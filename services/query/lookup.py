@@ -154,6 +154,7 @@ class Lookups:
             dead_letters=await self._dead_letters(workspace),
             embedding_model=states.embedding_model,
             embedding_dimension=states.embedding_dimension,
+            other_branches=states.others,
         )
 
     async def _branch_status(

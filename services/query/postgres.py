@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 import asyncpg
 
 from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, format_version, overlay_version
+from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.checksums import CONTENT_MD5_SQL
 from ontofabric.shared.db import Connection, is_unavailable
@@ -135,6 +136,8 @@ class BranchStates:
     of: dict[str, BranchState]
     embedding_model: str
     embedding_dimension: int
+    others: list[str]
+    """The workspace's other branches the index holds a version of, by name (at most MAX_OTHER_BRANCHES)."""
 
 
 AnnouncedRevision = Callable[[str, str], int]
@@ -984,13 +987,22 @@ class PostgresDocuments:
                 workspace,
                 list(branches),
             )
+            others = await snapshot.conn.fetch(
+                "SELECT branch FROM ontology_versions WHERE workspace = $1 AND NOT branch = ANY($2::text[])"
+                " ORDER BY branch LIMIT $3",
+                workspace,
+                list(branches),
+                MAX_OTHER_BRANCHES,
+            )
             deployment = await snapshot.conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
         assert deployment is not None  # the first migration writes it
         states = {
             r["branch"]: BranchState(format_version(r["state_hash"], r["stream_seq"]), r["doc_count"], r["updated_at"])
             for r in rows
         }
-        return BranchStates(states, deployment["embedding_model"], deployment["embedding_dim"])
+        return BranchStates(
+            states, deployment["embedding_model"], deployment["embedding_dim"], [r["branch"] for r in others]
+        )
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows:
         """Every node and link row of main and the branch, for the in-memory graph (overlaid in Python). Read

@@ -13,8 +13,12 @@ from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
+from .path_patterns import normal_pattern
 
 MAX_TOP_K = 100
+MAX_PATH_PATTERNS = 20
+"""Patterns in paths, and in excludePaths, at most."""
+MAX_PATH_PATTERN_CHARS = 512
 MAX_LINK_DEPTH = 1
 RELATIONS_READ = MAX_TOP_K
 """At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds):
@@ -140,7 +144,7 @@ class QueryOptions(StrictRequest):
         return value
 
 
-FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind")
+FILTERS = ("object_type", "chunk_level", "provenance", "symbol_kind", "paths", "exclude_paths")
 """Request fields that restrict what a query may see; with one of them, semanticQuery may be left out."""
 
 
@@ -245,9 +249,8 @@ class OntologyQuery(StrictRequest):
         min_length=1,
         description="Natural-language or keyword query, of at most the deployment's ONTOFABRIC_MAX_QUERY_CHARS "
         "characters (2,000 unless set; a longer one is refused, naming this field) and within the 64 KiB a whole "
-        "request may take as JSON. Left out, the answer lists the "
-        "documents the filters (objectType, chunkLevel, provenance, symbolKind) select, in a stable order (file, "
-        "symbol, id).",
+        "request may take as JSON. Left out, the answer lists the documents the filters (objectType, chunkLevel, "
+        "provenance, symbolKind, paths, excludePaths) select, in a stable order (file, symbol, id).",
     )
     object_type: ObjectType | None = Field(
         default=None, description="Restrict results to this object type and the types that implement or derive from it."
@@ -281,6 +284,22 @@ class OntologyQuery(StrictRequest):
     symbol_kind: SymbolKind | None = Field(
         default=None, description="Restrict results to this kind of symbol, e.g. class, function, method, docstring."
     )
+    paths: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_PATH_PATTERNS,
+        description="Restrict results to files matching one of these patterns, read as .gitignore (and ingest "
+        "--exclude) reads one: without `/` a file or directory name at any depth (`tests`, `*_test.py`), with `/` a "
+        "path from the tree's root (`services/query`, `docs/*.md`); a directory's files with it. Documents of no "
+        "file are left out.",
+    )
+    exclude_paths: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_PATH_PATTERNS,
+        description="Leave out results of files matching one of these patterns, read as paths reads them "
+        "(`tests`, `test_*.py`: the implementation without its tests).",
+    )
     distance_metric: DistanceMetric = Field(
         default="cosine",
         description="Vector distance for dense search. The index ranks by cosine distance; for unit-length vectors, "
@@ -298,6 +317,23 @@ class OntologyQuery(StrictRequest):
         "options.exactSymbols says; the rest of the answer is ranked for semanticQuery, or, without it, for the "
         "symbol's name. The same as asking it in words (what calls to_seconds), without depending on the wording.",
     )
+
+    @field_validator("paths", "exclude_paths")
+    @classmethod
+    def _patterns_name_paths(cls, patterns: list[str] | None) -> list[str] | None:
+        """Each pattern as it is matched (path_patterns.normal_pattern): one that can name no file of a tree
+        (empty, `.`, absolute, leading out of it) is refused, not read as matching nothing."""
+        if patterns is None:
+            return None
+        normal = []
+        for written in patterns:
+            if len(written) > MAX_PATH_PATTERN_CHARS:
+                raise ValueError(f"a pattern takes at most {MAX_PATH_PATTERN_CHARS} characters")
+            pattern = normal_pattern(written)
+            if pattern is None:
+                raise ValueError(f"{written!r} names no path inside a tree: write one from its root (services/query)")
+            normal.append(pattern)
+        return normal
 
     @field_validator("semantic_query")
     @classmethod

@@ -735,6 +735,18 @@ def query(
         bool, typer.Option(help="With each result's text; --no-content for ids, scores and metadata alone.")
     ] = True,
     symbol_kind: Annotated[str | None, typer.Option(help="Only symbols of this kind (class, function, ...).")] = None,
+    path: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="PATTERN",
+            help="Only files matching this pattern, as --exclude of ingest reads one (repeatable): `services/query`, "
+            "`*.md`.",
+        ),
+    ] = None,
+    exclude_path: Annotated[
+        list[str] | None,
+        typer.Option(metavar="PATTERN", help="Leave out files matching this pattern (repeatable): `tests`."),
+    ] = None,
     min_relevance: Annotated[
         float | None,
         typer.Option(min=0.0, max=1.0, help="Only results scoring at least this (0 to 1; see the contract's score)."),
@@ -770,7 +782,10 @@ def query(
     asked = (("objectType", object_type), ("chunkLevel", chunk_level), ("provenance", provenance))
     # The request's other options as the contract names them (an agent tester could not try them from the CLI);
     # the worker checks them and names what it refuses.
-    more = (("symbolKind", symbol_kind), ("minRelevance", min_relevance), ("followLinks", follow_links or None))
+    more = (
+        ("symbolKind", symbol_kind), ("paths", path or None), ("excludePaths", exclude_path or None),
+        ("minRelevance", min_relevance), ("followLinks", follow_links or None),
+    )  # fmt: skip
     for key, value in (*asked, *more, ("maxTokens", max_tokens), ("includeContent", None if content else False)):
         if value is not None:
             request[key] = value

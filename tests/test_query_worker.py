@@ -7,6 +7,7 @@ import json
 import tracemalloc
 from functools import partial
 from pathlib import Path
+from random import Random
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -16,6 +17,7 @@ from opentelemetry import trace
 from pydantic import SecretStr
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, QueryResponse, StatusReply
+from ontofabric.contracts.path_patterns import matches, normal_pattern, pattern_regex
 from ontofabric.services.ingest.chunking import SECTION_PART_CHARS
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
@@ -45,6 +47,56 @@ async def _ask(client: QueryClient, text: str, workspace: str = "acme", **params
     reply = await client.query(workspace, {"semanticQuery": text, **params})
     assert isinstance(reply, QueryResponse), reply
     return reply
+
+
+async def test_paths_and_exclude_paths_select_files_as_ingest_exclude_reads_a_pattern(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
+) -> None:
+    """A dogfooding tester's concept questions had tests' docstrings above the implementation (their wording is the
+    question's); an agent could not ask for the code without its tests, nor within one directory."""
+    files = {
+        "core": "pkg/core.py", "test": "pkg/tests/test_core.py", "guide": "docs/guide.md", "deep": "docs/a/b.md",
+        "star": "pkg/st*r.py",
+    }  # fmt: skip
+    deltas = [upsert("acme", document(key, f"alpha retry {key}", filePath=path)) for key, path in files.items()]
+    deltas.append(upsert("acme", document("nofile", "alpha retry without a file")))
+    acks = await deployment.publisher.publish_many(deltas)
+    await deployment.wait_projected(acks[-1].seq)
+    await start_query_worker(None)
+
+    async def ids(**params: object) -> set[str]:
+        reply = await client.query("acme", {"topK": 20, **params})
+        assert isinstance(reply, QueryResponse), reply
+        return {result.id for result in reply.results}
+
+    everything = set(files) | {"nofile"}
+    assert await ids(semanticQuery="alpha retry") == everything
+    assert await ids(semanticQuery="alpha retry", excludePaths=["tests"]) == everything - {"test"}
+    assert await ids(semanticQuery="alpha retry", paths=["pkg"]) == {"core", "test", "star"}
+    assert await ids(semanticQuery="alpha retry", paths=["docs/*.md"]) == {"guide", "deep"}  # `*` crosses `/`
+    assert await ids(semanticQuery="alpha retry", paths=["*.md"], excludePaths=["a"]) == {"guide"}
+    assert await ids(semanticQuery="alpha retry", paths=["pkg/st\\*r.py"]) == {"star"}  # escaped: the star itself
+    assert await ids(paths=["pkg/tests"]) == {"test"}  # a filter alone lists what it selects
+    refused = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "alpha", "paths": ["../etc"]}'))
+    assert isinstance(refused, ErrorReply)
+    assert [d.field for d in refused.error.details] == ["paths"]
+    assert "names no path inside a tree" in refused.error.details[0].message
+    # The database reads each pattern as the ingest does, over random ones.
+    random = Random(11)
+    glob = ["a", "b", "*", "?", ".", "/", "[ab]", "[!a]", "[b-a]", "-", "["]
+    cases = []
+    for _ in range(400):
+        path = "/".join(random.choice(["a", "b", "ab", "a.b", "b-a"]) for _ in range(random.randint(1, 3)))
+        pattern = normal_pattern("".join(random.choice(glob) for _ in range(random.randint(1, 5))))
+        if pattern is not None:
+            cases.append((path, pattern))
+    rows = await deployment.fetch(
+        "SELECT path ~ regex AS matched FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS c(path, regex, n)"
+        " ORDER BY n",
+        [path for path, _ in cases],
+        [pattern_regex(pattern) for _, pattern in cases],
+    )
+    assert [r["matched"] for r in rows] == [matches(path, [pattern]) for path, pattern in cases]
 
 
 async def test_publish_project_query_end_to_end(

@@ -17,6 +17,7 @@ from functools import cache
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.alias_generators import to_camel
 
 from ontofabric.contracts import (
     MAIN_BRANCH,
@@ -35,7 +36,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
-from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
+from ontofabric.contracts.query import FILTERS, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
 from ontofabric.services.query.symbols import (
@@ -162,8 +163,9 @@ TOOLS = (
         description=(
             "Hybrid search (dense and BM25 keyword retrieval, fused, optionally reranked) over a workspace's "
             "SemanticDocuments: code chunks (files, classes, methods, docstrings) and documentation, each with its "
-            "file and lines (metadata filePath, startLine, endLine; path:12-30 in the text). Give "
-            "semanticQuery, or only filters (objectType, chunkLevel, provenance, symbolKind) to list what they select. "
+            "file and lines (metadata filePath, startLine, endLine; path:12-30 in the text). Give semanticQuery, or "
+            "only filters (objectType, chunkLevel, provenance, symbolKind, paths, excludePaths) to list what they "
+            "select; paths and excludePaths restrict to files by pattern (services/query, tests, *_test.py). "
             "A semanticQuery that is one identifier (RetryCallState, pkg.mod.Class.method) puts the chunks defining "
             "that symbol first; one that is a file's path (pkg/util.py, docs/guide.md) puts that file first (a "
             "module's whole chunk, a document's sections), with a line (pkg/util.py:120) or as a traceback's frame "
@@ -483,7 +485,7 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         return lookup in meta.timings_ms and lookup not in meta.degraded
 
     # The lookup ran and placed nothing: a tester's made-up name got ten results unsaid.
-    filtered = any(arguments.get(name) is not None for name in ("objectType", "chunkLevel", "provenance", "symbolKind"))
+    filtered = any(arguments.get(name) is not None for name in FILTER_ARGUMENTS)
     # A branch's deletion, rename or move: not to be taken for a misspelt name (an agent tester's).
     on_main = f", though main indexes one: {BRANCH_LACKS}" if meta.indexed_on_main else ""
     if file is not None and _no_definition_placed(meta) and ran("exactFile"):
@@ -612,6 +614,10 @@ def pending_note(meta: QueryMeta) -> str | None:
     return f"{_counted(meta.freshness.pending_deltas, 'delta')} not yet indexed ({meta.freshness.pending_ms} ms)"
 
 
+FILTER_ARGUMENTS = tuple(to_camel(name) for name in FILTERS)
+"""The request's filters as the tool's arguments name them."""
+
+
 def _counted(count: int, noun: str) -> str:
     """``1 result``, ``2 results``: what an agent reads is written as a person would."""
     return f"{count} {noun}" + ("" if count == 1 else "s")
@@ -620,7 +626,7 @@ def _counted(count: int, noun: str) -> str:
 def _alone_selected_nothing(meta: QueryMeta, arguments: dict[str, Any], named: str) -> bool:
     """Whether an empty answer is the filter ``named``'s doing alone: not the budget's, another filter's,
     minRelevance's, an empty index's or a narrowing that could not run."""
-    others = ("objectType", "chunkLevel", "provenance", "symbolKind", "minRelevance")
+    others = (*FILTER_ARGUMENTS, "minRelevance")
     return (
         not (meta.budget is not None and meta.budget.results_dropped)
         and all(arguments.get(name) is None for name in others if name != named)

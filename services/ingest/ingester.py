@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fnmatch
 import hashlib
 import json
 import os
-import posixpath
-import re
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,6 +50,7 @@ from ontofabric.contracts.documents import (
     MAX_METADATA_BYTES,
     stored_json_bytes,
 )
+from ontofabric.contracts.path_patterns import matches, unescaped, within_the_tree
 from ontofabric.shared.embedder import Embedder, EmbedderMismatch
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
@@ -104,55 +102,23 @@ class EmptyTreeRefused(ValueError):
     volume not mounted): refused unless asked for."""
 
 
-def _unescaped(written: str) -> str:
-    """A pattern's backslashes as ``.gitignore`` reads them, for :mod:`fnmatch`: one before ``*``, ``?``, ``[``,
-    ``]`` or ``\\`` makes it that character itself (``st\\*r.py`` names the file ``st*r.py``: an ingest tester's was
-    read as the path ``st/*r.py``), before ``!``, ``#`` or a space the character alone; any other is ``/`` (a
-    Windows path)."""
-
-    def one(match: re.Match[str]) -> str:
-        char = match.group(1)  # empty for a backslash at the end
-        if char and char in "*?[]\\":
-            return f"[{char}]"
-        return char if char and char in "!# " else "/" + char
-
-    return re.sub(r"\\(.?)", one, written, flags=re.DOTALL)
-
-
 def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
-    """``patterns`` as :func:`excluded` reads them, each once and sorted (the same set of patterns reads the
-    same): backslashes as :func:`_unescaped` reads them, without a leading ``./`` or a trailing ``/``, an absolute
-    one made relative to ``root``. ExclusionRefused for one that can match nothing in the tree (empty, ``.``,
-    outside it)."""
+    """``patterns`` as :func:`matches` reads them, each once and sorted (the same set of patterns reads the same):
+    backslashes as :func:`unescaped` reads them, without a leading ``./`` or a trailing ``/``, an absolute one made
+    relative to ``root``. ExclusionRefused for one that can match nothing in the tree (empty, ``.``, outside it)."""
     normal = []
     for written in patterns:
-        pattern = _unescaped(written)
+        pattern = unescaped(written)
         if pattern.startswith("/"):
             try:
                 pattern = Path(pattern).relative_to(root.resolve()).as_posix()
             except ValueError:
                 raise ExclusionRefused(f"--exclude {written!r} is outside the tree {root}") from None
-        pattern = posixpath.normpath(pattern) if pattern else ""
-        if pattern in ("", ".") or pattern.startswith("../"):
+        normalised = within_the_tree(pattern)
+        if normalised is None:
             raise ExclusionRefused(f"--exclude {written!r} names no path inside the tree")
-        normal.append(pattern)
+        normal.append(normalised)
     return tuple(sorted(set(normal)))
-
-
-def excluded(relative: str, patterns: Collection[str]) -> bool:
-    """Whether a path relative to the tree (POSIX) is left out by one of ``patterns`` (normalised by
-    :func:`exclusion_patterns`), shell-style (``fnmatch``, case-sensitive), as ``.gitignore`` reads a pattern: one
-    without ``/`` matches a file or directory name at any depth (``tests``, ``*_pb2.py``); one with ``/`` matches
-    the path from the tree's root, its ``*`` crossing ``/`` too (``docs/*.md``, ``src/*/migrations``). What is in
-    an excluded directory is excluded."""
-    parts = relative.split("/")
-    for pattern in patterns:
-        if "/" in pattern:
-            if any(fnmatch.fnmatchcase("/".join(parts[: n + 1]), pattern) for n in range(len(parts))):
-                return True
-        elif any(fnmatch.fnmatchcase(part, pattern) for part in parts):
-            return True
-    return False
 
 
 def _tools_output(directory: Path, name: str) -> bool:
@@ -175,7 +141,7 @@ def discover(
     ignored: list[str] | None = None,
 ) -> Iterator[Path]:
     """Source files under ``root``, in a stable order, skipping hidden and generated directories, what ``exclude``
-    names (:func:`excluded`) and, with ``gitignore``, what ``.gitignore`` files leave out (:class:`GitIgnores`;
+    names (:func:`matches`) and, with ``gitignore``, what ``.gitignore`` files leave out (:class:`GitIgnores`;
     each such source file and directory, relative to ``root``, added to ``ignored``, a directory with a trailing
     ``/``). A directory that cannot be listed is logged and, relative to ``root``, added to ``unread``."""
     ignores = GitIgnores(root) if gitignore else None
@@ -192,7 +158,7 @@ def discover(
             ignores.enter(prefix.rstrip("/"))
         kept = []
         for name in sorted(subdirectories):
-            if excluded(prefix + name, exclude):
+            if matches(prefix + name, exclude):
                 continue
             if _tools_output(Path(directory), name):
                 log.debug("ingest_directory_skipped", path=prefix + name)
@@ -207,7 +173,7 @@ def discover(
                 kept.append(name)
         subdirectories[:] = kept
         for name in sorted(files):
-            if not name.endswith(SOURCE_SUFFIXES) or excluded(prefix + name, exclude):
+            if not name.endswith(SOURCE_SUFFIXES) or matches(prefix + name, exclude):
                 continue
             if ignores is not None and ignores.ignored(prefix + name, is_directory=False):
                 log.debug("ingest_file_ignored", path=prefix + name)
@@ -254,7 +220,7 @@ def read_tree(
     gitignore: bool = True,
     ignored: list[str] | None = None,
 ) -> dict[str, str]:
-    """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`excluded`)
+    """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`matches`)
     and, with ``gitignore``, those ``.gitignore`` files leave out (listed in ``ignored``: :func:`discover`);
     files that are not text, or no regular file, are skipped, logged. What could not be read otherwise (access
     denied, a failing disk or mount), a file or a directory, is also added to ``unread``: it may still hold what
@@ -907,7 +873,7 @@ class Ingester:
     ) -> IngestReport:
         """Publish what changed in the tree at ``root`` since the last ingest of the workspace's branch.
         ``package``: the tree's package name when it is not its directory's (empty: none; see
-        :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`excluded`); what an earlier ingest
+        :func:`chunking.tree_package`). ``exclude``: paths left out (:func:`matches`); what an earlier ingest
         published of them is deleted, as for a file gone from the tree; so is what ``.gitignore`` files leave out,
         with ``gitignore`` (:class:`GitIgnores`). A tree with no source file that would
         delete documents is refused (EmptyTreeRefused) unless ``allow_empty``. When part of the tree could not be

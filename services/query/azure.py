@@ -95,6 +95,8 @@ class AzureKeyword:
         where, top = scope_filter(scope, hidden), limit
         if len(hidden) > MAX_HIDDEN_IN_FILTER:  # too long a filter: ask for more, the Postgres check drops them
             where, top = scope_filter(scope), 1000
+        if scope.paths is not None or scope.exclude_paths is not None:  # no filter says them: the check does
+            top = 1000
         async with asyncio.timeout(self._timeout_s):
             # The watermark first: what the search then sees is at least what the watermark vouches for.
             watermark = await read_watermark(self._client) or 0

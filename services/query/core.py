@@ -34,6 +34,10 @@ class Scope:
     chunk_level: str | None = None
     provenance: str | None = None
     symbol_kind: str | None = None
+    paths: tuple[str, ...] | None = None
+    """Restrict to files matching one of these patterns (contracts.path_patterns); None: any."""
+    exclude_paths: tuple[str, ...] | None = None
+    """Leave out files matching one of these patterns; None: none."""
 
     @property
     def on_main(self) -> bool:
@@ -46,7 +50,15 @@ class Scope:
 
     @property
     def filtered(self) -> bool:
-        return any(f is not None for f in (self.object_types, self.chunk_level, self.provenance, self.symbol_kind))
+        filters = (
+            self.object_types,
+            self.chunk_level,
+            self.provenance,
+            self.symbol_kind,
+            self.paths,
+            self.exclude_paths,
+        )
+        return any(f is not None for f in filters)
 
     @property
     def unfiltered(self) -> Scope:

@@ -381,7 +381,10 @@ class QueryPipeline:
             if graph is not None:
                 run.read(graph.version)
                 object_types = tuple(sorted(graph.with_subtypes(query.object_type)))
-        return Scope(run.workspace, query.branch, object_types, query.chunk_level, query.provenance, query.symbol_kind)
+        return Scope(
+            run.workspace, query.branch, object_types, query.chunk_level, query.provenance, query.symbol_kind,
+            tuple(query.paths) if query.paths else None, tuple(query.exclude_paths) if query.exclude_paths else None,
+        )  # fmt: skip
 
     async def _list(self, run: QueryRun, scope: Scope) -> tuple[list[Fused], Refinements]:
         """No query text: what the filters select, in a stable order; nothing ranks or reorders it."""

@@ -26,6 +26,7 @@ import asyncpg
 
 from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, format_version, overlay_version
 from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
+from ontofabric.contracts.path_patterns import pattern_regex
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.checksums import CONTENT_MD5_SQL
 from ontofabric.shared.db import Connection, is_unavailable
@@ -102,6 +103,13 @@ def where_clause(
     ):
         if value is not None:
             conditions.append(f"{alias}{column} = {parameter(value)}")
+    # As the ingest reads a pattern (the same regular expression each way); a document of no file matches none.
+    if scope.paths is not None:
+        selecting = [pattern_regex(p) for p in scope.paths]
+        conditions.append(f"{alias}file_path ~ ANY({parameter(selecting)}::text[])")
+    if scope.exclude_paths is not None:
+        leaving_out = [pattern_regex(p) for p in scope.exclude_paths]
+        conditions.append(f"NOT coalesce({alias}file_path ~ ANY({parameter(leaving_out)}::text[]), false)")
     return " AND ".join(conditions), parameters
 
 

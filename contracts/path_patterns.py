@@ -1,0 +1,121 @@
+"""Path patterns as ``.gitignore`` reads one (pure): what ``ingest --exclude`` leaves out, and what a query's
+``paths`` and ``excludePaths`` select. One reading for both, so that a pattern an operator knows from the one means
+the same in the other."""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+import re
+from collections.abc import Collection
+
+
+def unescaped(written: str) -> str:
+    """A pattern's backslashes as ``.gitignore`` reads them, for :mod:`fnmatch`: one before ``*``, ``?``, ``[``,
+    ``]`` or ``\\`` makes it that character itself (``st\\*r.py`` names the file ``st*r.py``: an ingest tester's was
+    read as the path ``st/*r.py``), before ``!``, ``#`` or a space the character alone; any other is ``/`` (a
+    Windows path)."""
+
+    def one(match: re.Match[str]) -> str:
+        char = match.group(1)  # empty for a backslash at the end
+        if char and char in "*?[]\\":
+            return f"[{char}]"
+        return char if char and char in "!# " else "/" + char
+
+    return re.sub(r"\\(.?)", one, written, flags=re.DOTALL)
+
+
+def normal_pattern(written: str) -> str | None:
+    """``written`` as :func:`matches` reads it: backslashes as :func:`unescaped` reads them, then
+    :func:`within_the_tree`."""
+    return within_the_tree(unescaped(written))
+
+
+def within_the_tree(pattern: str) -> str | None:
+    """``pattern`` (its backslashes read) without a leading ``./`` or a trailing ``/``; None for one that can name
+    no path inside a tree (empty, ``.``, absolute, or leading out of it)."""
+    pattern = posixpath.normpath(pattern) if pattern else ""
+    if pattern in ("", ".", "..") or pattern.startswith(("../", "/")):
+        return None
+    return pattern
+
+
+def matches(relative: str, patterns: Collection[str]) -> bool:
+    """Whether a path relative to the tree (POSIX) is matched by one of ``patterns`` (normalised by
+    :func:`normal_pattern`), shell-style (``fnmatch``, case-sensitive), as ``.gitignore`` reads a pattern: one
+    without ``/`` matches a file or directory name at any depth (``tests``, ``*_pb2.py``); one with ``/`` matches
+    the path from the tree's root, its ``*`` crossing ``/`` too (``docs/*.md``, ``src/*/migrations``). What is in
+    a matched directory is matched."""
+    parts = relative.split("/")
+    for pattern in patterns:
+        if "/" in pattern:
+            if any(fnmatch.fnmatchcase("/".join(parts[: n + 1]), pattern) for n in range(len(parts))):
+                return True
+        elif any(fnmatch.fnmatchcase(part, pattern) for part in parts):
+            return True
+    return False
+
+
+def pattern_regex(pattern: str) -> str:
+    """A PostgreSQL regular expression (ARE) matching the paths :func:`matches` matches with ``pattern`` (normalised
+    by :func:`normal_pattern`): the database selects by it what the ingest would have left out by it."""
+    within_a_name = "/" not in pattern
+    body = _glob_body(pattern, within_a_name)
+    start = "(^|/)" if within_a_name else "^"
+    return f"{start}{body}(/|$)"
+
+
+def _glob_body(pattern: str, within_a_name: bool) -> str:
+    """The glob as a regular expression, as :func:`fnmatch.fnmatchcase` reads it: ``*`` any characters, ``?`` one,
+    ``[...]`` a class (``[!...]`` its complement), anything else itself; within a name, none of them ``/``."""
+    anything, one = ("[^/]*", "[^/]") if within_a_name else (".*", ".")
+    out, index = [], 0
+    while index < len(pattern):
+        char = pattern[index]
+        index += 1
+        if char == "*":
+            out.append(anything)
+        elif char == "?":
+            out.append(one)
+        elif char == "[":
+            end = index
+            if end < len(pattern) and pattern[end] == "!":
+                end += 1
+            if end < len(pattern) and pattern[end] == "]":
+                end += 1
+            end = pattern.find("]", end)
+            if end < 0:  # no class: a bracket itself, as fnmatch reads it
+                out.append(r"\[")
+                continue
+            members = pattern[index:end]
+            index = end + 1
+            negated = members.startswith("!")
+            kept = _class_members(members[1:] if negated else members)
+            if negated:
+                out.append(f"[^{kept}/]" if within_a_name else (f"[^{kept}]" if kept else "."))
+            else:
+                out.append(f"[{kept}]" if kept else "(?!)")  # no member left: nothing matches
+        else:
+            out.append(re.escape(char) if not char.isalnum() and char != "_" else char)
+    return "".join(out)
+
+
+def _class_members(members: str) -> str:
+    """A class's members for the regular expression, as fnmatch keeps them: a range ``a-z`` as such, one whose
+    ends are in reverse order left out (fnmatch drops it; PostgreSQL refused the whole statement), every other
+    character itself, escaped where a class would read it otherwise (``[:alpha:]`` is a class name there)."""
+    out, index = [], 0
+    while index < len(members):
+        if index + 2 < len(members) and members[index + 1] == "-":
+            low, high = members[index], members[index + 2]
+            index += 3
+            if low <= high:
+                out.append(f"{_class_character(low)}-{_class_character(high)}")
+            continue
+        out.append(_class_character(members[index]))
+        index += 1
+    return "".join(out)
+
+
+def _class_character(char: str) -> str:
+    return f"\\{char}" if char in "\\^]-[" else char

@@ -1,0 +1,58 @@
+"""Path patterns (pure): the database's reading of a pattern is the ingest's."""
+
+from __future__ import annotations
+
+import re
+from random import Random
+
+import pytest
+
+from ontofabric.contracts.path_patterns import matches, normal_pattern, pattern_regex
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "matched"),
+    [
+        ("tests", "pkg/tests/test_a.py", True),
+        ("tests", "pkg/tests.py", False),
+        ("test_*.py", "pkg/sub/test_a.py", True),
+        ("test_*.py", "pkg/test_a/b.py", False),
+        ("docs/*.md", "docs/a/b.md", True),  # with `/`, `*` crosses it too, as --exclude reads it
+        ("services/query", "services/query/fusion.py", True),
+        ("services/query", "services/query_old/x.py", False),
+        ("services/q?ery", "services/query/x.py", True),
+        ("[!t]*.py", "pkg/a.py", True),
+        ("[!t]*.py", "pkg/t.py", False),
+        ("a[", "a[", True),  # no class: the bracket itself
+        ("*.md", "README.md", True),
+        ("st[*]r.py", "st*r.py", True),
+        ("st[*]r.py", "start.py", False),
+    ],
+)
+def test_a_pattern_selects_in_the_database_what_it_leaves_out_of_an_ingest(
+    pattern: str, path: str, matched: bool
+) -> None:
+    assert matches(path, [pattern]) is matched
+    assert (re.search(pattern_regex(pattern), path) is not None) is matched
+
+
+def test_random_patterns_read_the_same_both_ways() -> None:
+    """The regular expression (PostgreSQL's syntax, the same as Python's for what it uses) against fnmatch's
+    reading, over random patterns and paths."""
+    random = Random(7)
+    names = ["a", "b", "ab", "a.py", "b.md", "t_a", "x-y", "a b"]
+    glob = ["a", "b", "*", "?", ".", "/", "[ab]", "[!a]", "_", "-", "[", "]"]
+    for _ in range(5000):
+        path = "/".join(random.choice(names) for _ in range(random.randint(1, 4)))
+        written = "".join(random.choice(glob) for _ in range(random.randint(1, 6)))
+        pattern = normal_pattern(written)
+        if pattern is None:
+            continue
+        expected = matches(path, [pattern])
+        assert (re.search(pattern_regex(pattern), path) is not None) is expected, (pattern, path)
+
+
+def test_a_pattern_that_names_no_path_in_a_tree_is_none() -> None:
+    assert [normal_pattern(p) for p in ("", ".", "/etc", "../x", "./tests/", "a\\*b")] == [
+        None, None, None, None, "tests", "a[*]b",
+    ]  # fmt: skip

@@ -657,6 +657,18 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
             f"{len(report.ignored)} source files and directories left out as .gitignore files say ({first}); "
             "--no-gitignore indexes them"
         )
+    if report.package_before is not None:  # an upgrade tester's: a rename with no word, branches left behind
+        before = report.package_before or "none"
+        later = (
+            f"; {workspace}'s branches ingested before keep the old names (and their calls to main's) until each is "
+            "ingested again"
+            if branch == MAIN_BRANCH
+            else ""
+        )
+        notes.append(
+            f"the last ingest of {workspace}/{branch} named the modules after {before}, this one after "
+            f"{report.package or 'none'}: every module is published again under its new name{later}"
+        )
     if report.package_from_imports is not None:
         notes.append(
             f"the modules are named after {report.package_from_imports}, as the tree's own files import them, not "

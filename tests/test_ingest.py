@@ -326,6 +326,13 @@ async def test_a_package_checked_out_under_another_name_is_named_as_its_own_file
     # Named on purpose, it is as named; and a tree whose files import it under two names as often is left alone.
     named = await ingester.ingest(tmp_path / "src", "other", package="src")
     assert named.package_from_imports is None
+    assert (named.package, named.package_before) == ("src", None)  # a first ingest renames nothing
+    # Named otherwise than by the last ingest (an upgrade, or --package given or dropped), it is said: every module
+    # goes again, and the branches ingested before keep the old names (an upgrade tester's).
+    renamed = await ingester.ingest(tmp_path / "src", "other")
+    assert (renamed.package, renamed.package_before, renamed.unchanged) == ("pkg", "src", 0)
+    again = await ingester.ingest(tmp_path / "src", "other")
+    assert (again.package_before, again.upserts) == (None, 0)
     two = {**sources, "d.py": "from other.sub.core import validate\n", "e.py": "import other.sub.core\n"}
     two["f.py"] = "from other.sub import core\nimport other.a\n"
     assert self_import_name(two, "src") is None

@@ -785,6 +785,11 @@ class IngestReport:
     package_from_imports: str | None = None
     ignored: tuple[str, ...] = ()
     """The source files and directories (``dir/``) that ``.gitignore`` files left out, relative to the tree."""
+    package: str | None = None
+    """The package the modules were named after; None for none."""
+    package_before: str | None = None
+    """The package the branch's last ingest named the modules after ("" for none), when it is not this one's: every
+    module was published again under its new name."""
     """The package its modules were named after when that is not the tree's directory's name but the name its own
     files import it by (:func:`chunking.self_import_name`), no package given."""
 
@@ -1068,8 +1073,14 @@ class Ingester:
             package_of_main=package_of_main,
             package_from_imports=package_from_imports,
             ignored=tuple(ignored),
+            package=package or None,
             main_never_ingested=main is not None and not main.entries,
             exclusions_before=previous.exclude if patterns_changed else None,
+            package_before=(
+                previous.package
+                if previous.entries and previous.package is not None and previous.package != (package or "")
+                else None
+            ),
             main_exclusions=(
                 main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None
             ),

@@ -36,6 +36,8 @@ async def start_workers(
 ) -> Embedder | None:
     """Start the chosen workers; ``stack`` stops them in reverse order. Returns the query embedder."""
     reranker = None
+    if roles.query or roles.projector:
+        warn_without_logins(settings, endpoints)
     if roles.query:
         # The models first: loading them holds the interpreter for seconds, and a projector started before them
         # missed its holding looks (a demo logged it away past its lease, and no answer to its own ping).
@@ -68,6 +70,20 @@ async def start_workers(
         await query.start()
         stack.push_async_callback(query.stop)
     return embedder
+
+
+def warn_without_logins(settings: Settings, endpoints: Endpoints) -> bool:
+    """Warn, and say so, when workers are to use the embedded PostgreSQL of a running ``up`` that records no logins
+    of their own (an earlier release's): they then connect as its superuser, acting as their roles (an upgrade
+    tester's workers beside an earlier ``up`` did so unsaid)."""
+    if settings.database_url is not None or endpoints.database_logins:
+        return False
+    log.warning(
+        "database_logins_not_recorded",
+        reason="the running `ontofabric up` records no PostgreSQL logins of the workers' own (an earlier release): "
+        "these workers connect as the superuser, acting as their roles; upgrade up and start them again",
+    )
+    return True
 
 
 def keep_out_of_collections() -> None:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import nats.errors
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from ontofabric.shared import runtime
 from ontofabric.shared.jetstream import connect, ensure_jetstream
@@ -60,6 +61,29 @@ def test_a_worker_found_through_up_learns_when_up_restarted_on_other_ports(tmp_p
     assert moved() == []  # up stopped: the worker waits for its servers, as for any outage
     configured = Settings(data_dir=tmp_path, nats_url="nats://127.0.0.1:1", database_url="postgresql://x/y")
     assert servers_moved(configured, resolve_endpoints(configured)) is None
+
+
+def test_workers_beside_an_up_that_records_no_logins_of_theirs_say_so(tmp_path: Path) -> None:
+    """An upgrade tester's workers of this release, started beside an `up` of the one before (which records no
+    logins of the workers' own), connected as the superuser without a word."""
+    from ontofabric.services.app import warn_without_logins
+
+    record = {"pid": os.getpid(), "natsUrl": "nats://127.0.0.1:1", "databaseUrl": "postgresql://u@127.0.0.1:2/d"}
+    (tmp_path / RUNTIME_FILE).write_text(json.dumps(record))
+    settings = Settings(data_dir=tmp_path)
+    with capture_logs() as logs:
+        assert warn_without_logins(settings, resolve_endpoints(settings))
+    assert [entry["event"] for entry in logs] == ["database_logins_not_recorded"]
+    logins = {"query": ["ontofabric_query", "pw"], "projector": ["ontofabric_projector", "pw"]}
+    (tmp_path / RUNTIME_FILE).write_text(json.dumps({**record, "databaseLogins": logins}))
+    endpoints = resolve_endpoints(settings)
+    assert endpoints.database_logins == {
+        "query": ("ontofabric_query", "pw"),
+        "projector": ("ontofabric_projector", "pw"),
+    }
+    assert not warn_without_logins(settings, endpoints)
+    configured = Settings(data_dir=tmp_path, database_url="postgresql://x/y")  # its own logins are the operator's
+    assert not warn_without_logins(configured, resolve_endpoints(configured))
 
 
 def test_clients_find_a_running_up_or_say_what_to_do(tmp_path: Path) -> None:

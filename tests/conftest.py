@@ -569,3 +569,22 @@ async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None
             sink.write(data)
             await sink.drain()
     sink.close()
+
+
+async def cannot_become_the_superuser(pool: Any, login: str, role: str, statement: str) -> None:
+    """A connection of ``pool`` logged in as ``login``, acting as ``role``: leaving the role (as a session may, a
+    security tester's `set_config('role', 'none', false)`) leaves it ``login``, no superuser, refused a program on
+    the host, ``statement`` and the superuser's role."""
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT current_user") == role
+        assert await conn.fetchval("SELECT set_config('role', 'none', false)") == "none"
+        assert await conn.fetchval("SELECT current_user") == login
+        assert not await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+        for refused in (
+            "CREATE TEMP TABLE taken (line text); COPY taken FROM PROGRAM 'id'",
+            statement,
+            "SET ROLE postgres",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(refused)
+        await conn.execute(f"SET ROLE {role}")

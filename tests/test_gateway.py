@@ -452,13 +452,19 @@ async def test_over_http_a_bearer_token_reads_only_its_workspaces(
             assert after.status_code == 401  # from the next request on
 
 
+async def _alice_on_record(deployment: Deployment, path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """A token issued to alice for acme in the tokens file at ``path``: the settings naming the file, and the
+    headers sending the token."""
+    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(path)}
+    issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
+    return tokens, {"Authorization": f"Bearer {issued.stdout.strip()}"}
+
+
 async def test_a_tokens_file_that_cannot_be_read_lets_nobody_in_and_says_why(
     deployment: Deployment, served: QueryService, tmp_path: Path
 ) -> None:
     path = tmp_path / "tokens.json"
-    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(path)}
-    issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
-    headers = {"Authorization": f"Bearer {issued.stdout.strip()}"}
+    tokens, headers = await _alice_on_record(deployment, path)
     ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
     async with _http_gateway(deployment, **tokens) as url, httpx2.AsyncClient(headers=headers) as http:
         assert (await http.post(url, json=ping)).status_code == 200
@@ -493,9 +499,7 @@ async def test_a_tokens_file_others_may_write_lets_nobody_in_until_it_is_owner_o
     directory = tmp_path / "data"
     directory.mkdir(mode=0o700)
     path = directory / "tokens.json"
-    tokens = {"ONTOFABRIC_GATEWAY_TOKENS_FILE": str(path)}
-    issued = await _run(deployment, "gateway-token", "add", "alice", "--workspace", "acme", **tokens)
-    headers = {"Authorization": f"Bearer {issued.stdout.strip()}"}
+    tokens, headers = await _alice_on_record(deployment, path)
     ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
     async with _http_gateway(deployment, **tokens) as url, httpx2.AsyncClient(headers=headers) as http:
         assert (await http.post(url, json=ping)).status_code == 200

@@ -48,7 +48,7 @@ from ontofabric.shared.late_interaction import pack_signs
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import EmbeddedRuntime
 
-from .conftest import SPANS, Deployment, metric_points
+from .conftest import SPANS, Deployment, cannot_become_the_superuser, metric_points
 from .factories import delete, document, unit_vector, upsert
 
 
@@ -830,19 +830,7 @@ async def test_the_embedded_projector_writes_through_a_login_that_cannot_become_
         await deployment.wait_projected(ack.seq)
         assert await _live_rows(deployment, "acme") == {"a": "alpha beta"}  # a new workspace's partitions too
         (pool,) = service._pools.values()
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT current_user") == WRITER_ROLE
-            await conn.execute("SET ROLE NONE")
-            assert await conn.fetchval("SELECT current_user") == writer_login[0]
-            assert not await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
-            for statement in (
-                "CREATE TEMP TABLE taken (line text); COPY taken FROM PROGRAM 'id'",
-                "DROP TABLE documents",
-                "SET ROLE postgres",
-            ):
-                with pytest.raises(asyncpg.InsufficientPrivilegeError):
-                    await conn.execute(statement)
-            await conn.execute(f"SET ROLE {WRITER_ROLE}")
+        await cannot_become_the_superuser(pool, writer_login[0], WRITER_ROLE, "DROP TABLE documents")
     finally:
         await service.stop()
 

@@ -34,7 +34,17 @@ from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import BYTE_ORDER_MARK, not_utf8, surrogate_field
 from ontofabric.shared.runtime import EmbeddedRuntime, free_port
 
-from .conftest import CORPUS, METRICS, SPANS, Deployment, RecordedProgress, Start, metric_points, pump
+from .conftest import (
+    CORPUS,
+    METRICS,
+    SPANS,
+    Deployment,
+    RecordedProgress,
+    Start,
+    cannot_become_the_superuser,
+    metric_points,
+    pump,
+)
 from .factories import delete, document, upsert
 
 
@@ -1026,19 +1036,8 @@ async def test_the_embedded_query_worker_reads_through_a_login_that_cannot_becom
         assert (await _ask(client, "sort numbers")).results[0].id == "sort"
         (pool,) = service._pools
         await _cannot_write(pool)
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT session_user") == reader_login[0]
-            assert await conn.fetchval("SELECT set_config('role', 'none', false)") == "none"
-            assert await conn.fetchval("SELECT current_user") == reader_login[0]
-            assert not await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
-            for statement in (
-                "CREATE TEMP TABLE taken (line text); COPY taken FROM PROGRAM 'id'",
-                "INSERT INTO workspaces (workspace, partition_name) VALUES ('intruder', 'intruder')",
-                "SET ROLE postgres",
-            ):
-                with pytest.raises(asyncpg.InsufficientPrivilegeError):
-                    await conn.execute(statement)
-            await conn.execute(f"SET ROLE {READER_ROLE}")
+        insert = "INSERT INTO workspaces (workspace, partition_name) VALUES ('intruder', 'intruder')"
+        await cannot_become_the_superuser(pool, reader_login[0], READER_ROLE, insert)
     finally:
         await service.stop()
 

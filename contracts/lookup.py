@@ -107,6 +107,7 @@ class StatusReply(WireModel):
         description="The workspace's other branches the index holds, by name, in order (the first "
         f"{MAX_OTHER_BRANCHES}): ask with one as branch to see it. Empty from a worker older than this field.",
     )
+    more_branches: bool = Field(default=False, description="The workspace has more branches than otherBranches names.")
     pending_deltas: int = Field(description="Deltas of those branches not yet in the index.")
     stream_refused: bool = Field(default=False, description=STREAM_REFUSED)
     dead_letters: int = Field(

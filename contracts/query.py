@@ -291,7 +291,8 @@ class OntologyQuery(StrictRequest):
         description="Restrict results to files matching one of these patterns, read as .gitignore (and ingest "
         "--exclude) reads one: without `/` a file or directory name at any depth (`tests`, `*_test.py`), with `/` a "
         "path from the tree's root (`services/query`, `docs/*.md`); a directory's files with it. Documents of no "
-        "file are left out.",
+        "file are left out. With Azure AI Search as the keyword backend (_meta.backend) its hits are filtered after "
+        "its search, so a narrow pattern over a large workspace may leave keyword search few.",
     )
     exclude_paths: list[str] | None = Field(
         default=None,
@@ -329,6 +330,8 @@ class OntologyQuery(StrictRequest):
         for written in patterns:
             if len(written) > MAX_PATH_PATTERN_CHARS:
                 raise ValueError(f"a pattern takes at most {MAX_PATH_PATTERN_CHARS} characters")
+            if "\x00" in written:  # no path holds one, and PostgreSQL refused the whole statement for it (a review's)
+                raise ValueError("a pattern may not hold NUL")
             pattern = normal_pattern(written)
             if pattern is None:
                 raise ValueError(f"{written!r} names no path inside a tree: write one from its root (services/query)")

@@ -425,9 +425,9 @@ def ingest(
     gitignore: Annotated[
         bool,
         typer.Option(
-            help="Leave out what .gitignore files leave out, as git reads them: the tree's own, those above it up "
-            "to its git work tree's top, and .git/info/exclude (a note counts what they left out). "
-            "--no-gitignore indexes it too."
+            help="In a git work tree, leave out what .gitignore files leave out, as git reads them: the tree's own, "
+            "those above it up to the work tree's top, and .git/info/exclude (a note counts what they left out; "
+            "outside a work tree none applies, as for git). --no-gitignore indexes it too."
         ),
     ] = True,
     data_dir: DataDir = None,
@@ -819,7 +819,7 @@ def query(
     except PermissionDenied as error:
         _fail(f"{error} (workspace {workspace!r})")
     except ConnectionDown as error:
-        _fail(f"{error}: is the NATS server at {nats_url} running?")
+        _fail(f"{error}: is the NATS server at {redacted_url(nats_url)} running?")
     except (NoQueryWorker, NoReplyInTime) as error:
         _fail(f"{error}: is `ontofabric up` running, or with --no-query-worker, an `ontofabric query-worker`?")
     except ClientError as error:  # too large, invalid, the connection ended
@@ -2099,7 +2099,7 @@ def main() -> None:
         # message names the user or the database, never the password.
         errors.print(
             f"[red]error:[/red] PostgreSQL refused the connection ({type(error).__name__}: {escape(str(error))}): "
-            "are the user, password and database of ONTOFABRIC_DATABASE_URL right?"
+            "are the user, password and database of its URL right (ONTOFABRIC_DATABASE_URL, or the worker's own)?"
         )
         sys.exit(2)
     except DATABASE_UNREACHABLE as error:

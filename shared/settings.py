@@ -720,7 +720,7 @@ class Settings(BaseSettings):
                         urlsplit(f"//{host}").port  # noqa: B018 - reading it is the check
                 except ValueError as error:  # urllib's message without the value it quotes: a tester's password
                     # holding `#` was read as ending at it, and its start printed as the port that is no number.
-                    said = str(error).partition(" as '")[0]
+                    said = str(error).partition(" as ")[0]  # urllib quotes with ' or, holding one, with "
                     raise ValueError(
                         f"{name}: {said} (the URL is not shown: it may hold a password, in which /, ?, #, @ and , "
                         "are written %2F, %3F, %23, %40 and %2C)"

@@ -255,7 +255,7 @@ def test_what_gitignore_files_leave_out_is_not_read_as_git_reads_them(tmp_path: 
     ])  # fmt: skip
     everything = [path.relative_to(root).as_posix() for path in discover(root, gitignore=False)]
     assert sorted(everything) == sorted([*found, *(p for p in ignored if not p.endswith("/")), "secrets/prod.txt"])
-    # Outside any git work tree the tree's own files still apply; a link is not followed to read one.
+    # A link is not followed to read one.
     (tmp_path / ".git" / "info" / "exclude").unlink()
     (root / "pkg" / ".gitignore").unlink()
     (root / "pkg" / ".gitignore").symlink_to(tmp_path / ".gitignore")
@@ -263,6 +263,48 @@ def test_what_gitignore_files_leave_out_is_not_read_as_git_reads_them(tmp_path: 
     assert "scratch.py" in found
     assert "pkg/notes.md" in found
     assert "pkg/local_settings.py" not in found  # the root's pattern, no nearer file including it again
+    # Outside a git work tree none applies, as for git (a review's: an unpacked source distribution ships files
+    # its .gitignore names, a generated _version.py).
+    (tmp_path / ".git" / "info").rmdir()
+    (tmp_path / ".git").rmdir()
+    assert list(discover(root)) == list(discover(root, gitignore=False))
+
+
+def test_directories_are_left_out_as_git_leaves_them_out(tmp_path: Path) -> None:
+    """A review's, checked against git: with `*`, `!*/`, `!*.py` (keep the Python files alone) git indexes
+    `x/a.py` and `x/y/b.py`, and with `foo/**`, `!foo/keep.py` it keeps `foo/keep.py`; the walk left out both
+    directories (pathspec read `foo/**` as leaving out `foo` itself, and `*` as outranking a later `!*/`)."""
+    (tmp_path / ".git").mkdir()
+    files = ["top.py", "notes.md", "x/a.py", "x/a.md", "x/y/b.py", "foo/keep.py", "foo/gone.py", "bar/baz/c.py"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / ".gitignore").write_text("*\n!*/\n!*.py\nfoo/**\n!foo/keep.py\nbar/\n")
+    found = sorted(path.relative_to(tmp_path).as_posix() for path in discover(tmp_path))
+    assert found == ["foo/keep.py", "top.py", "x/a.py", "x/y/b.py"]
+
+
+def test_a_tree_the_gitignore_above_it_leaves_out_is_read_by_its_own_alone(tmp_path: Path) -> None:
+    """The full suite's: a package installed in the checkout's virtualenv, which the repository's .gitignore leaves
+    out (`.venv/`), read as empty. Asked for on purpose, as a path given to git is, its own files alone apply."""
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".gitignore").write_text(".venv/\n*.py\n")
+    tree = tmp_path / ".venv" / "lib" / "pkg"
+    tree.mkdir(parents=True)
+    for name in ("core.py", "skip.py"):
+        (tree / name).write_text("x = 1\n")
+    (tree / ".gitignore").write_text("skip.py\n")
+    assert [path.name for path in discover(tree)] == ["core.py"]
+
+
+def test_a_file_in_utf16_over_the_size_limit_is_read_whole(tmp_path: Path) -> None:
+    """A review's: read by its start alone, a UTF-16 file was cut as if it were UTF-8, and sized by its bytes on
+    disk, about twice its text's as UTF-8, which the limit is of."""
+    text = "x = 1\n" * 1000
+    (tmp_path / "wide.py").write_bytes(text.encode("utf-16"))
+    read = read_tree(tmp_path, max_read_bytes=1000)["wide.py"]
+    assert not isinstance(read, FileStart)
+    assert read == text
 
 
 def test_every_line_about_a_file_of_the_tree_names_it_by_its_path_in_the_tree(tmp_path: Path) -> None:

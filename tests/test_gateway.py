@@ -509,6 +509,8 @@ async def test_a_tokens_file_others_may_write_lets_nobody_in_until_it_is_owner_o
         assert (await http.post(url, json=ping)).status_code == 200
         directory.chmod(0o777)  # another user could replace the file
         assert (await http.post(url, json=ping)).status_code == 503
+        directory.chmod(0o775)  # the group, the user's own where umask is 002 (Debian's, Ubuntu's)
+        assert (await http.post(url, json=ping)).status_code == 200
         directory.chmod(0o1777)  # unless the directory is sticky, as /tmp is
         assert (await http.post(url, json=ping)).status_code == 200
         directory.chmod(0o700)

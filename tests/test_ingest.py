@@ -333,9 +333,12 @@ async def test_a_package_checked_out_under_another_name_is_named_as_its_own_file
     assert (renamed.package, renamed.package_before, renamed.unchanged) == ("pkg", "src", 0)
     again = await ingester.ingest(tmp_path / "src", "other")
     assert (again.package_before, again.upserts) == (None, 0)
-    two = {**sources, "d.py": "from other.sub.core import validate\n", "e.py": "import other.sub.core\n"}
-    two["f.py"] = "from other.sub import core\nimport other.a\n"
+    two = {**sources, **{f"{n}.py": "from other.sub.core import validate\n" for n in "def"}}
     assert self_import_name(two, "src") is None
+    # Names the tree's module does not bind are another package's (a review's: a Django app importing from
+    # django.urls beside its own urls.py was named django).
+    django = {"urls.py": "urlpatterns = []\n", **{f"{n}.py": "from django.urls import path\n" for n in "abc"}}
+    assert self_import_name({"__init__.py": "", **django}, "polls") is None
 
 
 async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_deleted(
@@ -344,6 +347,7 @@ async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_delete
     """A tester's ignored `local_settings.py` and `secrets/` were served to every reader of the workspace."""
     files = {"app.py": "def run():\n    return 1\n", "local_settings.py": "TOKEN = 'ab12'\n", "secrets/p.txt": "pw\n"}
     _write(tmp_path / "tree", files)
+    (tmp_path / "tree" / ".git").mkdir()  # a work tree: outside one no .gitignore applies, as for git
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
     everything = await ingester.ingest(tmp_path / "tree", "repo", gitignore=False)  # as before .gitignore was read
     assert everything.ignored == ()

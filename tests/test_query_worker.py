@@ -91,6 +91,9 @@ async def test_paths_and_exclude_paths_select_files_as_ingest_exclude_reads_a_pa
     assert isinstance(refused, ErrorReply)
     assert [d.field for d in refused.error.details] == ["paths"]
     assert "names no path inside a tree" in refused.error.details[0].message
+    with_nul = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "alpha", "excludePaths": ["a\\u0000"]}'))
+    assert isinstance(with_nul, ErrorReply)  # refused, not the database's error (a review's)
+    assert (with_nul.error.code, [d.field for d in with_nul.error.details]) == ("invalid_request", ["excludePaths"])
     # The database reads each pattern as the ingest does, over random ones.
     random = Random(11)
     glob = ["a", "b", "*", "?", ".", "/", "[ab]", "[!a]", "[b-a]", "-", "["]

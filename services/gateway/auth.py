@@ -134,20 +134,22 @@ class TokenStore:
 
 def _writable_by_others(path: Path, file: os.stat_result) -> str | None:
     """Why the tokens file at ``path`` is not to be trusted, or None: another user than this process's (or root)
-    owns it, or others may write it or replace it in its directory (group- or world-writable, without the sticky
-    bit). A security tester's gateway honoured a token another local user had added to a file left writable, and
-    under a umask of 000 another user replaced the file in its directory."""
+    owns it or its directory, others may write it (group or world), or anyone may replace it in its directory (the
+    one it really is in, past links: world-writable without the sticky bit). A security tester's gateway honoured a
+    token another local user had added to a file left writable, and under a umask of 000 another user replaced the
+    file in its directory. A directory its group may write is trusted: under the umask of 002 that Debian and Ubuntu
+    give their users, whose group is their own, data directories of earlier releases are (a review's)."""
     trusted = {os.geteuid(), 0}
     if file.st_uid not in trusted:
         return f"belongs to user {file.st_uid}, not to this process's: nobody is let in until its owner is"
     if file.st_mode & 0o022:
         mode = f"{file.st_mode & 0o777:o}"
         return f"may be written by others (mode {mode}): nobody is let in until it is owner-only (chmod 600)"
-    directory = path.parent.stat()
-    if directory.st_mode & 0o022 and not directory.st_mode & 0o1000:
+    directory = Path(os.path.realpath(path)).parent.stat()
+    if directory.st_mode & 0o002 and not directory.st_mode & 0o1000:
         return (
-            f"is in a directory others may write (mode {directory.st_mode & 0o777:o}), who could replace it: nobody "
-            "is let in until only its owner may (chmod go-w)"
+            f"is in a directory anyone may write (mode {directory.st_mode & 0o777:o}), who could replace it: nobody "
+            "is let in until it is not (chmod o-w)"
         )
     if directory.st_uid not in trusted:
         return f"is in a directory of user {directory.st_uid}, who could replace it: nobody is let in until it is moved"

@@ -35,7 +35,6 @@ from ontofabric.contracts import (
     source_place,
 )
 from ontofabric.contracts.documents import NOT_FOLLOWING
-from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
 from ontofabric.contracts.query import FILTERS, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
 from ontofabric.services.query.client import request_json
@@ -668,7 +667,7 @@ def _render_status(reply: StatusReply) -> str:
             f"pending{waited}, last change {shown_time(branch.last_change) if branch.last_change else 'none yet'}"
         )
     if reply.other_branches:  # an agent could not find a branch it had not been told of (a tester's)
-        more = " (and more)" if len(reply.other_branches) >= MAX_OTHER_BRANCHES else ""
+        more = " (and more)" if reply.more_branches else ""
         names = ", ".join(printable(name) for name in reply.other_branches)
         lines.append(f"other branches (ask with branch): {names}{more}")
     return "\n".join(lines)

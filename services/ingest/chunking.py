@@ -194,7 +194,15 @@ def tree_package(root_name: str, paths: Iterable[str], named: str | None = None)
     return root_name if "__init__.py" in paths and root_name.isidentifier() else None
 
 
-_ABSOLUTE_IMPORT = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)", re.MULTILINE)
+_FROM_IMPORT = re.compile(
+    r"^[ \t]*from[ \t]+([A-Za-z_.]\w*(?:\.[A-Za-z_]\w*)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]*)", re.MULTILINE
+)
+"""``from P.sub.mod import a, b as c`` (names in parentheses over several lines too): the module and its names."""
+_TOP_LEVEL_BINDING = re.compile(
+    r"^(?:(?:async[ \t]+)?def|class)[ \t]+([A-Za-z_]\w*)|^([A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=", re.M
+)
+"""A def or class at a module's top level, or an assignment there."""
+_IMPORTED = re.compile(r"([A-Za-z_]\w*)(?:[ \t]+as[ \t]+([A-Za-z_]\w*))?")
 SELF_IMPORT_FILES = 3
 """In how many of a tree's files at least its own modules must be imported under one other name for the tree to be
 named after it (:func:`self_import_name`)."""
@@ -202,19 +210,35 @@ named after it (:func:`self_import_name`)."""
 
 def self_import_name(sources: Mapping[str, str], own: str | None) -> str | None:
     """The name a package tree's modules import it by, when that is not ``own`` (its directory's name): a checkout
-    of package ``P`` in a directory of another name (``main``, ``src``) whose files import ``P.sub.mod``, where
-    ``sub/mod.py`` (or ``sub/mod/__init__.py``) is a file of the tree. Named after its directory, those imports
-    resolved to nothing: a tester's "what calls validate_delta" found one caller of three, and no note said why.
-    None unless one name does so in SELF_IMPORT_FILES files at least and more often than any other; never a name
-    of the standard library (``os.path`` beside a tree's own ``path.py``)."""
+    of package ``P`` in a directory of another name (``main``, ``src``) whose files import names from ``P.sub.mod``
+    that ``sub/mod.py`` (or ``sub/mod/__init__.py``) of the tree binds at its top level. Named after its directory,
+    those imports resolved to nothing: a tester's "what calls validate_delta" found one caller of three, and no note
+    said why. None unless one name does so in SELF_IMPORT_FILES files at least and more often than any other; never
+    a name of the standard library. The names must be the tree's: a Django app's three files importing from
+    ``django.urls``, beside its own ``urls.py``, named every module of it ``django.…`` (a review's)."""
     modules = {path for path in sources if path.endswith(".py")}
+    bound: dict[str, set[str]] = {}
+
+    def binds(path: str) -> set[str]:
+        if path not in bound:
+            text = sources[path]
+            names = {name for found in _TOP_LEVEL_BINDING.findall(text) for name in found if name}
+            for _, imported in _FROM_IMPORT.findall(text):
+                names.update(alias or name for name, alias in _IMPORTED.findall(imported.strip("()")))
+            bound[path] = names
+        return bound[path]
+
     files_per_name: Counter[str] = Counter()
     for path in modules:
         names = set()
-        for dotted in _ABSOLUTE_IMPORT.findall(sources[path]):
+        for dotted, imported in _FROM_IMPORT.findall(sources[path]):
             first, *rest = dotted.split(".")
             inside = "/".join(rest)
-            if f"{inside}.py" in modules or f"{inside}/__init__.py" in modules:
+            module = (
+                next((m for m in (f"{inside}.py", f"{inside}/__init__.py") if m in modules), None) if rest else None
+            )
+            wanted = {name for name, _ in _IMPORTED.findall(imported.strip("()"))}
+            if first and module is not None and wanted and wanted <= binds(module):
                 names.add(first)
         files_per_name.update(names - set(sys.stdlib_module_names))
     ranked = files_per_name.most_common(2)

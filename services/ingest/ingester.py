@@ -902,8 +902,10 @@ class Ingester:
         root = await asyncio.to_thread(root.resolve)  # its name may be the package's
         patterns = exclusion_patterns(root, exclude)
         unread: list[str] = []
-        # No more of a file than could be indexed: over the size limit it is one chunk of its start.
-        max_read = max(self._max_file_bytes, self._max_content_bytes) + 1 if self._max_file_bytes else 0
+        # No more of a file than could be indexed: over the size limit it is one chunk of its start. Twice the limit:
+        # a file's size on disk is not its text's as UTF-8 (line ends of \r\n are read as \n), which the limit is of;
+        # a file over twice it is over it as text too (a review's).
+        max_read = 2 * max(self._max_file_bytes, self._max_content_bytes) + 1 if self._max_file_bytes else 0
         ignored: list[str] = []
         sources = await asyncio.to_thread(read_tree, root, patterns, unread, max_read, gitignore, ignored)
         if (

@@ -36,10 +36,13 @@ def read_regular_file(path: Path, max_read_bytes: int = 0, name: str | None = No
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
             raise OSError(f"{name}: not a regular file")
-        if max_read_bytes and status.st_size > max_read_bytes:
-            start = without_cut_character(opened.read(max_read_bytes))
-            return FileStart(decoded(start, python=path.suffix == ".py", name=name), status.st_size)
-        data = opened.read()
+        data = opened.read(max_read_bytes) if max_read_bytes and status.st_size > max_read_bytes else opened.read()
+        if len(data) == max_read_bytes and status.st_size > max_read_bytes:
+            if not data.startswith(tuple(mark for mark, _ in UNICODE_MARKS)):
+                start = without_cut_character(data)
+                return FileStart(decoded(start, python=path.suffix == ".py", name=name), status.st_size)
+            # UTF-16 or UTF-32: its size as UTF-8, which the limit is of, is another; read whole, as before (rare).
+            data += opened.read()
     return decoded(data, python=path.suffix == ".py", name=name)
 
 

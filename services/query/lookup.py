@@ -22,6 +22,7 @@ from ontofabric.contracts import (
     overlay_version,
 )
 from ontofabric.contracts.documents import MAX_LINE
+from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
 from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.subjects import Names, encode_token
 
@@ -154,7 +155,8 @@ class Lookups:
             dead_letters=await self._dead_letters(workspace),
             embedding_model=states.embedding_model,
             embedding_dimension=states.embedding_dimension,
-            other_branches=states.others,
+            other_branches=states.others[:MAX_OTHER_BRANCHES],
+            more_branches=len(states.others) > MAX_OTHER_BRANCHES,
         )
 
     async def _branch_status(

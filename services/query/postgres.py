@@ -145,7 +145,8 @@ class BranchStates:
     embedding_model: str
     embedding_dimension: int
     others: list[str]
-    """The workspace's other branches the index holds a version of, by name (at most MAX_OTHER_BRANCHES)."""
+    """The workspace's other branches the index holds a version of, by name (at most MAX_OTHER_BRANCHES and one:
+    one more says there are more)."""
 
 
 AnnouncedRevision = Callable[[str, str], int]
@@ -1000,7 +1001,7 @@ class PostgresDocuments:
                 " ORDER BY branch LIMIT $3",
                 workspace,
                 list(branches),
-                MAX_OTHER_BRANCHES,
+                MAX_OTHER_BRANCHES + 1,  # one more: whether there are more is said
             )
             deployment = await snapshot.conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
         assert deployment is not None  # the first migration writes it

@@ -699,6 +699,8 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         # A security tester's: a password holding `#` (or `,` in a NATS URL) printed up to it, as the port.
         ("ONTOFABRIC_DATABASE_URL", "postgresql://u:Sec#ret21@h/db", "URL: Port could not be cast to integer value"),
         ("ONTOFABRIC_NATS_URL", "nats://u:Sec,ret18@h:4222", "written %2F, %3F, %23, %40 and %2C"),
+        # A review's: a value holding a quote is quoted by urllib with the other kind of quotes.
+        ("ONTOFABRIC_DATABASE_URL", "postgresql://u:Sec'r#et@h/db", "URL: Port could not be cast to integer value"),
         # Taken at start, where asyncpg refuses it only when it first connects (a replica's may be much later).
         ("ONTOFABRIC_QUERY_REPLICA_URLS", "garbage", "QUERY_REPLICA_URLS: not a PostgreSQL URL"),
         ("ONTOFABRIC_DATABASE_URL", "host=db user=u password=secret", "DATABASE_URL: not a PostgreSQL URL"),
@@ -724,6 +726,7 @@ def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, 
     assert "Traceback" not in result.stderr
     assert "secret" not in result.stderr.lower()
     assert "'Sec'" not in result.stderr
+    assert "Sec'r" not in result.stderr
 
 
 def test_a_database_url_of_several_hosts_is_a_url_a_connection_can_use() -> None:

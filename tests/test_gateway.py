@@ -1903,6 +1903,8 @@ def test_the_status_text_of_a_branch_whose_deltas_were_compacted_away() -> None:
     assert later.endswith("last change 2026-12-06T09:23:20Z")
     named = _render_status(reply.model_copy(update={"other_branches": ["feature/x", "fix"]}))
     assert named.endswith("\nother branches (ask with branch): feature/x, fix")
+    more = _render_status(reply.model_copy(update={"other_branches": ["feature/x"], "more_branches": True}))
+    assert more.endswith("\nother branches (ask with branch): feature/x (and more)")
 
 
 def test_the_texts_say_when_the_index_has_stopped_following_the_stream() -> None:

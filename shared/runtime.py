@@ -74,17 +74,13 @@ class Endpoints:
         return self.nats_url if login is None else with_login(self.nats_url, *login)
 
 
-def login_replaced(url: str, user: str, password: str) -> str:
-    """``url`` with its credentials replaced by ``user`` and ``password`` (its server, path and query kept)."""
-    parts = urlsplit(url)
-    address = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{address}"))
-
-
 def with_login(url: str, user: str, password: str) -> str:
-    """``url`` (a server address without credentials) carrying ``user`` and ``password``."""
-    scheme, _, address = url.partition("://")
-    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{address}"
+    """``url`` carrying ``user`` and ``password``, in place of any credentials it had (its server, path and query
+    kept): a server address's, or a worker's own login on the owner's database URL."""
+    scheme, _, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    address = authority.rpartition("@")[2]
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{address}{slash}{path}"
 
 
 def free_port() -> int:

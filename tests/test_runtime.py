@@ -63,6 +63,16 @@ def test_a_worker_found_through_up_learns_when_up_restarted_on_other_ports(tmp_p
     assert servers_moved(configured, resolve_endpoints(configured)) is None
 
 
+def test_a_login_goes_into_a_url_in_place_of_any_it_had() -> None:
+    """One helper for a server's address and for a worker's own login on the owner's database URL."""
+    assert with_login("nats://127.0.0.1:4222", "u", "p/w") == "nats://u:p%2Fw@127.0.0.1:4222"
+    owner = "postgresql://postgres:s3cret@127.0.0.1:5432/ontofabric?sslmode=disable"
+    assert (
+        with_login(owner, "ontofabric_query", "pw")
+        == "postgresql://ontofabric_query:pw@127.0.0.1:5432/ontofabric?sslmode=disable"
+    )
+
+
 def test_workers_beside_an_up_that_records_no_logins_of_theirs_say_so(tmp_path: Path) -> None:
     """An upgrade tester's workers of this release, started beside an `up` of the one before (which records no
     logins of the workers' own), connected as the superuser without a word."""

@@ -184,9 +184,9 @@ def discover(
 
 
 def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk(root, onerror=unlisted)`` (top down, links to directories listed and not gone into, the caller
-    pruning the subdirectories it yields), without recursion: os.walk recurses, and a tester's tree 1,100
-    directories deep ended the ingest in a RecursionError."""
+    """``os.walk(root, onerror=unlisted)`` (top down, links to directories listed, the caller pruning the
+    subdirectories it yields: :func:`discover` keeps no link), without recursion: os.walk recurses, and a tester's
+    tree 1,100 directories deep ended the ingest in a RecursionError."""
     waiting = [os.fspath(root)]
     while waiting:
         directory = waiting.pop()
@@ -205,11 +205,7 @@ def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str
                 is_directory = False
             (subdirectories if is_directory else files).append(entry.name)
         yield directory, subdirectories, files
-        waiting.extend(
-            os.path.join(directory, name)
-            for name in reversed(subdirectories)
-            if not os.path.islink(os.path.join(directory, name))
-        )
+        waiting.extend(os.path.join(directory, name) for name in reversed(subdirectories))
 
 
 def read_tree(

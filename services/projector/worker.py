@@ -45,7 +45,7 @@ from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.manifest_store import migrate_legacy_manifests
 from ontofabric.shared.placement import Placement
-from ontofabric.shared.runtime import login_replaced
+from ontofabric.shared.runtime import with_login
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, Partition, encode_token, partition_of_token
 from ontofabric.shared.tasks import cancel_and_wait
@@ -668,7 +668,7 @@ class ProjectorService:
         writer_url = settings.projector_database_url if own_login else database_url
         assert writer_url is not None
         if self._writer_login is not None and not own_login:
-            writer_url = login_replaced(writer_url, *self._writer_login)
+            writer_url = with_login(writer_url, *self._writer_login)
         await once_the_database_serves(
             writer_url, functools.partial(wait_until_migrated, writer_url, settings, role=WRITER_ROLE)
         )

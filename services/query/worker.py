@@ -71,7 +71,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
-from ontofabric.shared.runtime import login_replaced
+from ontofabric.shared.runtime import with_login
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import OPERATIONS, Names, decode_token, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait, start_held, watch_lateness
@@ -1023,7 +1023,7 @@ class QueryService:
                 await once_the_database_serves(database_url, partial(migrate, database_url, settings))
             await once_the_database_serves(url, partial(wait_until_migrated, url, settings))
         if self._reader_login is not None and url == database_url:
-            url = login_replaced(url, *self._reader_login)
+            url = with_login(url, *self._reader_login)
         pool = partial(
             create_pool,
             url,

@@ -128,10 +128,10 @@ def work_tree_top(directory: Path) -> Path | None:
 def _read(path: Path) -> IgnoreFile | None:
     """The patterns of the ignore file at ``path``, or None when there is none. Read as the tree's sources are:
     a regular file, no link followed (one could lead anywhere, or to a device that never ends)."""
-    if not path.is_file():
-        return None
     try:
         text = read_regular_file(path, MAX_IGNORE_FILE_BYTES)
+    except (FileNotFoundError, NotADirectoryError):  # most directories have none: no look before
+        return None
     except (OSError, UnicodeError, SyntaxError, LookupError) as error:
         log.warning("ingest_ignore_file_unread", path=repr(str(path)), error=str(error))
         return None

@@ -302,6 +302,41 @@ def test_an_import_of_a_module_of_the_trees_package_that_is_gone_is_still_a_link
     assert [link for link in shared if link.source_type == "google.cloud.foo.client"] == []
 
 
+def test_a_package_below_the_trees_top_is_imported_by_its_own_name() -> None:
+    """A tester's monorepo and `src` layout: `src/shoplib/cart.py` imports `shoplib.pricing`, which no module was
+    named (they were `src.shoplib.…`), so "what calls compute_total" found no caller. A name two packages of the
+    tree would share (`common` of two services) is nobody's."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "src/shoplib/__init__.py": "from shoplib.core import *\n",
+        "src/shoplib/core.py": "__all__ = ['Cart']\n\n\nclass Cart: ...\n",
+        "src/shoplib/pricing.py": "def compute_total(cart): ...\n",
+        "src/shoplib/cart.py": (
+            "from shoplib.pricing import compute_total\nimport shoplib\n\n\n"
+            "def checkout(cart):\n    return compute_total(shoplib.Cart())\n"
+        ),
+        "services/a/common/__init__.py": "",
+        "services/a/common/util.py": "def f(): ...\n",
+        "services/b/common/__init__.py": "",
+        "services/b/common/util.py": "def f(): ...\n",
+        "services/b/main.py": "from common.util import f\n\n\ndef run():\n    f()\n",
+    }
+    _, links = python_graph(sources)
+    assert {link for link in links if link.source_type.startswith("src.shoplib.cart")} == {
+        GraphLink("src.shoplib.cart", "imports", "src.shoplib.pricing"),
+        GraphLink("src.shoplib.cart", "imports", "src.shoplib"),
+        GraphLink("src.shoplib.cart", "calls", "src.shoplib.pricing"),
+    }
+    assert not [link for link in links if link.source_type == "services.b.main"]
+    calls = _by_name(python_calls(sources))
+    assert calls[("src/shoplib/cart.py", "src.shoplib.cart.checkout")] == (
+        "src.shoplib.core.Cart",  # through the package's `*`
+        "src.shoplib.pricing.compute_total",
+    )
+    assert ("services/b/main.py", "services.b.main.run") not in calls
+
+
 def test_a_base_written_through_a_package_that_re_exports_it_is_the_trees_class() -> None:
     """An agent tester's anyio: `class TaskGroup(abc.TaskGroup)` after `from .. import abc`, whose __init__
     re-exports the class from `abc._tasks`, was taken for an outside base named `abc.TaskGroup`, so "what

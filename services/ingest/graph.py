@@ -4,7 +4,8 @@ modules, and calls whose callee resolves statically, as links between the types 
 Names resolve within the ingested tree only: a base class or callee from outside it is no node and no link (an
 outside base still shows among a class's interfaces, by the name it is written with). An absolute import that
 names the tree through a package prefix it does not contain (``ontofabric.services.x`` for ``services/x.py``)
-resolves by its longest known suffix.
+resolves by its longest known suffix; one naming a package below the tree's top by its own name (``shoplib.x`` for
+``src/shoplib/x.py``) resolves to it.
 """
 
 from __future__ import annotations
@@ -83,9 +84,31 @@ def _classes(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.
             yield from _classes(node.body, f"{qualname}.")
 
 
+def _import_names(modules: Mapping[str, _Module]) -> dict[str, _Module]:
+    """The name a module of a package below the tree's top is imported by (its path from the package's top):
+    ``shoplib.pricing`` for ``src/shoplib/pricing.py`` (a ``src`` layout, a monorepo's ``py/``), whose own name
+    leads with directories that are no packages. A name two modules would take, or a module of the tree has, is
+    not given: a tester's "what calls compute_total" over a ``src`` layout found no caller."""
+    packages = {module.path.rpartition("/")[0] for module in modules.values() if module.is_package}
+    names: dict[str, _Module | None] = {}
+    for module in modules.values():
+        *directories, file = module.path.split("/")
+        top = len(directories)
+        while top > 0 and "/".join(directories[:top]) in packages:
+            top -= 1
+        if top == 0 or top == len(directories):  # named from the tree's top already, or in no package
+            continue
+        stem = file.removesuffix(".py")
+        name = ".".join([*directories[top:], *([] if stem == "__init__" else [stem])])
+        if name not in modules:
+            names[name] = None if name in names else module
+    return {name: module for name, module in names.items() if module is not None}
+
+
 class _Resolver:
     def __init__(self, modules: Mapping[str, _Module]) -> None:
         self._modules = modules
+        self._import_names = _import_names(modules)
         self._deepest = max((name.count(".") + 1 for name in modules), default=0)
         self._published: dict[str, dict[str, None]] = {}
         self._starred: dict[str, dict[str, _Module]] = {}
@@ -138,11 +161,18 @@ class _Resolver:
         parts = dotted.split(".")
         # No module's name has more parts than the deepest: a dotted import of 2,000 parts, looked up for each
         # use of a name it imports, joined every suffix each time (an audit's file of 12 KB took 45 s).
-        for start in range(max(0, len(parts) - self._deepest), len(parts)):
+        whole = self.named(dotted)
+        if whole is not None:
+            return whole
+        for start in range(max(1, len(parts) - self._deepest), len(parts)):
             found = self._modules.get(".".join(parts[start:]))
             if found is not None:
                 return found
         return None
+
+    def named(self, dotted: str) -> _Module | None:
+        """The tree's module of that whole name, or imported by it (:func:`_import_names`)."""
+        return self._modules.get(dotted) or self._import_names.get(dotted)
 
     def absolute(self, module: _Module, written: str, level: int) -> str:
         if level == 0:
@@ -480,8 +510,8 @@ def read_python(sources: Mapping[str, str], package: str | None = None) -> Pytho
                         module.imported_at_top[alias.asname or alias.name] = None
                     # A module of the tree by its whole name: another project's `numpy.core` is not the tree's
                     # `core` (a review's), as other imports may resolve by their last parts.
-                    elif written in modules and written not in module.star_sources:
-                        module.star_sources.append(written)
+                    elif (taken := resolver.named(written)) is not None and taken.fqn not in module.star_sources:
+                        module.star_sources.append(taken.fqn)
         module.values = dict.fromkeys(assigned_names(module.tree.body))
         module.public = _all_of(module.tree)
         for found in ast.walk(module.tree):

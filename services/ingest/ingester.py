@@ -253,7 +253,8 @@ def own_package(root: Path, named: str | None = None) -> str | None:
 def imported_package(root: Path, sources: Mapping[str, str]) -> str | None:
     """The name a tree that is a package is imported by in its own files, when that is not its directory's name
     (:func:`chunking.self_import_name`): a package checked out under another name. None otherwise, and for a tree
-    that is no package: its absolute imports already resolve to its files, whatever name they lead with."""
+    that is no package: its absolute imports resolve to its files by their own names (a package below its top
+    too: ``graph._import_names``)."""
     if not (root / "__init__.py").is_file():
         return None
     return self_import_name(sources, own_package(root))

@@ -355,8 +355,8 @@ class OntologyQuery(StrictRequest):
             # Raised as the field's own error, so that the caller is told which field to give.
             problem = PydanticCustomError(
                 "missing",
-                "semanticQuery is required unless relatedTo or a filter (objectType, chunkLevel, provenance, "
-                "symbolKind) is given",
+                f"semanticQuery is required unless relatedTo or a filter ({', '.join(map(to_camel, FILTERS))}) is "
+                "given",
             )
             raise ValidationError.from_exception_data(
                 type(self).__name__, [InitErrorDetails(type=problem, loc=("semanticQuery",), input=None)]

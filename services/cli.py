@@ -657,6 +657,15 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
             f"{len(report.ignored)} source files and directories left out as .gitignore files say ({first}); "
             "--no-gitignore indexes them"
         )
+    if report.other_kinds:
+        from .ingest.ingester import SOURCE_SUFFIXES
+
+        more = len(report.other_kinds) - 8
+        kinds = ", ".join(f"{printable(kind)} {count}" for kind, count in report.other_kinds[:8])
+        notes.append(
+            f"{sum(count for _, count in report.other_kinds)} files of kinds this ingester does not read are not "
+            f"indexed ({kinds}{f' and {more} more kinds' if more > 0 else ''}); it reads {', '.join(SOURCE_SUFFIXES)}"
+        )
     if report.package_before is not None:  # an upgrade tester's: a rename with no word, branches left behind
         before = report.package_before or "none"
         later = (

@@ -12,9 +12,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
 from ontofabric.contracts import OntologyQuery, QueryResponse, TokenVectors, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
+from ontofabric.contracts.query import FILTERS
 from ontofabric.shared import asyncapi
 from ontofabric.shared.subjects import OPERATIONS, Names, decode_token
 
@@ -120,6 +122,15 @@ def test_a_relation_asked_by_structure_needs_no_text_and_is_searched_by_its_symb
         asked = OntologyQuery.model_validate({"relatedTo": {"relation": "callers", "symbol": written}})
         assert asked.related_to is not None
         assert asked.related_to.symbol == read
+
+
+def test_a_request_with_nothing_to_search_or_list_by_names_every_filter_it_could_give() -> None:
+    """A monorepo tester's: the error named four filters, and `paths` alone was a listing it did not name."""
+    with pytest.raises(ValidationError) as refused:
+        OntologyQuery.model_validate({"topK": 3})
+    message = refused.value.errors()[0]["msg"]
+    assert all(to_camel(name) in message for name in FILTERS), message
+    assert OntologyQuery.model_validate({"paths": ["*"]}).listing
 
 
 def test_response_serialises_meta_with_underscore() -> None:

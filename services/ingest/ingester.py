@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -139,11 +140,13 @@ def discover(
     unread: list[str] | None = None,
     gitignore: bool = True,
     ignored: list[str] | None = None,
+    other_kinds: Counter[str] | None = None,
 ) -> Iterator[Path]:
     """Source files under ``root``, in a stable order, skipping hidden and generated directories, what ``exclude``
     names (:func:`matches`) and, with ``gitignore``, what ``.gitignore`` files leave out (:class:`GitIgnores`;
     each such source file and directory, relative to ``root``, added to ``ignored``, a directory with a trailing
-    ``/``). A directory that cannot be listed is logged and, relative to ``root``, added to ``unread``."""
+    ``/``). A directory that cannot be listed is logged and, relative to ``root``, added to ``unread``. The other
+    files neither leaves out, hidden ones aside (``.gitignore``), are counted in ``other_kinds`` (:func:`file_kind`)."""
     ignores = GitIgnores(root) if gitignore else None
 
     def unlisted(error: OSError) -> None:
@@ -173,14 +176,23 @@ def discover(
                 kept.append(name)
         subdirectories[:] = kept
         for name in sorted(files):
-            if not name.endswith(SOURCE_SUFFIXES) or matches(prefix + name, exclude):
+            source = name.endswith(SOURCE_SUFFIXES)
+            if (not source and (other_kinds is None or name.startswith("."))) or matches(prefix + name, exclude):
                 continue
             if ignores is not None and ignores.ignored(prefix + name, is_directory=False):
                 log.debug("ingest_file_ignored", path=prefix + name)
-                if ignored is not None:
+                if ignored is not None and source:
                     ignored.append(prefix + name)
-                continue
-            yield Path(directory) / name
+            elif source:
+                yield Path(directory) / name
+            elif other_kinds is not None:
+                other_kinds[file_kind(name)] += 1
+
+
+def file_kind(name: str) -> str:
+    """What kind of file a name says: its suffix in lower case (``.ts``), else the name (``Dockerfile``)."""
+    suffix = Path(name).suffix.lower()
+    return suffix if suffix and suffix != name.lower() else name
 
 
 def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -215,14 +227,16 @@ def read_tree(
     max_read_bytes: int = 0,
     gitignore: bool = True,
     ignored: list[str] | None = None,
+    other_kinds: Counter[str] | None = None,
 ) -> dict[str, str]:
     """Relative path -> text of every source file under ``root`` but those ``exclude`` names (:func:`matches`)
     and, with ``gitignore``, those ``.gitignore`` files leave out (listed in ``ignored``: :func:`discover`);
     files that are not text, or no regular file, are skipped, logged. What could not be read otherwise (access
     denied, a failing disk or mount), a file or a directory, is also added to ``unread``: it may still hold what
-    it held. Of a file over ``max_read_bytes`` (0: none is) only that much is read (a :class:`FileStart`)."""
+    it held. Of a file over ``max_read_bytes`` (0: none is) only that much is read (a :class:`FileStart`). The
+    files of other kinds are counted in ``other_kinds`` (:func:`discover`)."""
     sources: dict[str, str] = {}
-    for path in discover(root, exclude, unread, gitignore, ignored):
+    for path in discover(root, exclude, unread, gitignore, ignored, other_kinds):
         relative = path.relative_to(root).as_posix()
         # Each file named by its path in the tree, in every line about it (a tester's read absolute, quoted or not,
         # or the file's name alone); one holding what a terminal acts on, or bytes that are no UTF-8, as Python
@@ -780,6 +794,8 @@ class IngestReport:
     """On a branch: the package its modules were named after, main's, when the tree's directory has another name
     and no package was given."""
     package_from_imports: str | None = None
+    """The package its modules were named after when that is not the tree's directory's name but the name its own
+    files import it by (:func:`chunking.self_import_name`), no package given."""
     ignored: tuple[str, ...] = ()
     """The source files and directories (``dir/``) that ``.gitignore`` files left out, relative to the tree."""
     package: str | None = None
@@ -787,8 +803,10 @@ class IngestReport:
     package_before: str | None = None
     """The package the branch's last ingest named the modules after ("" for none), when it is not this one's: every
     module was published again under its new name."""
-    """The package its modules were named after when that is not the tree's directory's name but the name its own
-    files import it by (:func:`chunking.self_import_name`), no package given."""
+    other_kinds: tuple[tuple[str, int], ...] = ()
+    """Files of kinds this ingester does not read (:func:`file_kind`), that neither ``--exclude`` nor ``.gitignore``
+    left out, counted by kind, the commonest first: an agent asking about them would otherwise find nothing unsaid
+    (a tester's monorepo: 34 of 50 files, Go, TypeScript, YAML and SQL among them)."""
 
     @property
     def awaited_sequence(self) -> int | None:
@@ -904,7 +922,8 @@ class Ingester:
         # a file over twice it is over it as text too (a review's).
         max_read = 2 * max(self._max_file_bytes, self._max_content_bytes) + 1 if self._max_file_bytes else 0
         ignored: list[str] = []
-        sources = await asyncio.to_thread(read_tree, root, patterns, unread, max_read, gitignore, ignored)
+        other_kinds: Counter[str] = Counter()
+        sources = await asyncio.to_thread(read_tree, root, patterns, unread, max_read, gitignore, ignored, other_kinds)
         if (
             patterns
             and not sources
@@ -1072,6 +1091,7 @@ class Ingester:
             package_of_main=package_of_main,
             package_from_imports=package_from_imports,
             ignored=tuple(ignored),
+            other_kinds=tuple(sorted(other_kinds.items(), key=lambda kind: (-kind[1], kind[0]))),
             package=package or None,
             main_never_ingested=main is not None and not main.entries,
             exclusions_before=previous.exclude if patterns_changed else None,

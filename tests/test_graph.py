@@ -1200,3 +1200,6 @@ def test_calls_in_deeply_nested_functions_are_read_in_time_linear_in_the_file() 
     calls = _by_name(python_calls({"pkg/__init__.py": "", "pkg/core.py": "\n".join(lines) + "\n"}))
     assert time.perf_counter() - started < 10.0  # quadratic in the depth: about a minute
     assert calls[("pkg/core.py", "pkg.core.f0")] == ("pkg.core.Builder", "pkg.core.Builder.build")
+    from ontofabric.services.ingest.graph import _walked
+
+    assert _walked.cache_info().currsize == 0  # each function's nodes are kept while its calls are read, no longer

@@ -935,6 +935,7 @@ def python_calls(
                         target = resolver.unbound(module, call.func)
                     if target is not None and target != fqn:
                         found.add(target)
+    _walked.cache_clear()  # nothing of the tree kept past it
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
 
 
@@ -967,13 +968,13 @@ def _assigned_once(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: 
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
             counts[node.id] = counts.get(node.id, 0) + 1
     declared = {
-        name for node in ast.walk(function) if isinstance(node, ast.Global | ast.Nonlocal) for name in node.names
+        name for node in _walked(function) if isinstance(node, ast.Global | ast.Nonlocal) for name in node.names
     }
     # Stored in a scope nested in it: every store not in its own (one walk: a walk per nested scope was quadratic
     # in the depth of nesting, a review's).
     own_ids = {id(node) for node in own}
     nested = {
-        n.id for n in ast.walk(function)
+        n.id for n in _walked(function)
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del) and id(n) not in own_ids
     }  # fmt: skip
     once = {name for name, count in counts.items() if count == 1} - parameters - otherwise
@@ -999,6 +1000,14 @@ TYPE_KEEPING_DECORATORS = frozenset(
 """Decorators that leave what a call of the function returns as annotated."""
 
 
+@functools.lru_cache(maxsize=64)
+def _walked(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[ast.AST, ...]:
+    """``ast.walk(function)``, kept for the functions read last: a function's calls read its nodes some eight
+    times over (its locals, bindings, imports, globals), and walking them was half of reading a tree (sympy's
+    calls took 66 s). Cleared when a tree's calls are read (:func:`python_calls`)."""
+    return tuple(ast.walk(function))
+
+
 def _own_scope(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.AST]:
     """The nodes of ``function``'s body in its own scope: not inside a function, lambda or class nested in it."""
     pending: list[ast.AST] = list(function.body)
@@ -1013,7 +1022,7 @@ def _bound_otherwise(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[st
     """The names bound inside ``function`` other than by a name's store: ``except ... as``, imports, ``match``
     captures, nested definitions and their parameters."""
     bound: set[str] = set()
-    for node in ast.walk(function):
+    for node in _walked(function):
         if isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name:
             bound.add(node.name)
         elif isinstance(node, ast.MatchMapping) and node.rest:
@@ -1053,12 +1062,12 @@ def _imported_once(tree: ast.Module) -> frozenset[str]:
 
 def _imported_inside(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """The names imports inside ``function`` bind."""
-    return {node.asname or node.name.split(".")[0] for node in ast.walk(function) if isinstance(node, ast.alias)}
+    return {node.asname or node.name.split(".")[0] for node in _walked(function) if isinstance(node, ast.alias)}
 
 
 def _declared_global(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """The names ``function`` (or a function nested in it) declares ``global``."""
-    return {name for node in ast.walk(function) if isinstance(node, ast.Global) for name in node.names}
+    return {name for node in _walked(function) if isinstance(node, ast.Global) for name in node.names}
 
 
 def _innermost_functions(
@@ -1085,7 +1094,7 @@ def _innermost_functions(
 def _bound_inside(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> set[str]:
     """The names anything inside ``function`` binds, its own parameters apart: assignments and ``otherwise``, what
     :func:`_bound_otherwise` read of it (a review's list of false callers)."""
-    stored = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)}
+    stored = {n.id for n in _walked(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del)}
     return stored | otherwise
 
 
@@ -1176,7 +1185,7 @@ def _local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     bound = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
     bound |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
     declared_global: set[str] = set()
-    for node in ast.walk(function):
+    for node in _walked(function):
         if node is function:
             continue
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):

@@ -974,17 +974,21 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     (tree / "wider.md").write_bytes("# Caf\u00e9 \U0001f680\n".encode("utf-32"))
     (tree / "stray.md").write_bytes(b"# Guide\nEnd of the page \x96 bye\n")
     (tree / "stray.py").write_bytes(b"x = 1  # caf\xe9\n")
+    (tree / "mixed.md").write_bytes("# Caf\u00e9, then a stray ".encode() + b"\x96 byte in a longer line of prose\n")
     (tree / "binary.md").write_bytes(b"# \x00\x01\x02")
     with capture_logs() as logged:
         read = read_tree(tree)
     assert (read["bom.py"], read["bom.md"]) == ("def bom(): pass\n", "# Title\n")
     assert read["latin.py"] == "# -*- coding: latin-1 -*-\nname = '\u00e9t\u00e9'\n"
     assert (read["wide.py"], read["wider.md"]) == ("def brew(): return 'caf\u00e9'\n", "# Caf\u00e9 \U0001f680\n")
-    # Not valid in their encoding: read as UTF-8, each byte that is not replaced, and said so.
-    assert (read["stray.md"], read["stray.py"]) == ("# Guide\nEnd of the page \ufffd bye\n", "x = 1  # caf\ufffd\n")
+    # Not valid in their encoding and holding no UTF-8: 8-bit text, read as Windows-1252, and said so (a monorepo
+    # tester's Latin-1 changelog read "Am\ufffdlioration"). Holding UTF-8 too: read as UTF-8, each byte that is not
+    # replaced.
+    assert (read["stray.md"], read["stray.py"]) == ("# Guide\nEnd of the page \u2013 bye\n", "x = 1  # caf\u00e9\n")
+    assert read["mixed.md"] == "# Caf\u00e9, then a stray \ufffd byte in a longer line of prose\n"
     assert (read["odd.py"], read["rot.py"]) == ("# -*- coding: no-such-codec -*-\nx = 1\n", "# coding: rot13\nk = 1\n")
     not_utf8 = sorted(entry["path"] for entry in logged if entry["event"] == "ingest_file_not_utf8")
-    assert not_utf8 == ["odd.py", "rot.py", "stray.md", "stray.py"]
+    assert not_utf8 == ["mixed.md", "odd.py", "rot.py", "stray.md", "stray.py"]
     assert "binary.md" not in read  # NUL: not text at all
 
 

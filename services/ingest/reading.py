@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import io
 import os
+import re
 import stat
 import tokenize
 from pathlib import Path
@@ -84,20 +85,34 @@ def decoded(data: bytes, python: bool, name: str = "") -> str:
             encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
         return io.TextIOWrapper(io.BytesIO(data), encoding=encoding or "utf-8-sig").read()
     except (SyntaxError, UnicodeError, LookupError) as error:  # LookupError: a codec that is no text codec
-        text = io.TextIOWrapper(io.BytesIO(data), encoding=marked or "utf-8-sig", errors="replace").read()
+        eight_bit = marked is None and not data.isascii() and not _UTF8_SEQUENCE.search(data)
+        read_as = "cp1252" if eight_bit else marked or "utf-8-sig"
+        text = io.TextIOWrapper(io.BytesIO(data), encoding=read_as, errors="replace").read()
         if "\0" in text:  # not text: skipped as such (read_tree)
             return text
         replaced = text.count("\ufffd")  # with any the file held already
-        if replaced > NOT_TEXT_SHARE * len(text):
+        # Read as Windows-1252 every byte is a character: what is no text holds control characters instead.
+        unreadable = replaced + (len(_CONTROL.findall(text)) if eight_bit else 0)
+        if unreadable > NOT_TEXT_SHARE * len(text):
             raise UnicodeError(
-                f"{name}: not text ({replaced} of its {len(text)} characters could not be read)"
+                f"{name}: not text ({unreadable} of its {len(text)} characters could not be read)"
             ) from None
         log.warning(
             "ingest_file_not_utf8" if marked is None else "ingest_file_not_valid",
             path=name,
-            encoding=encoding or "utf-8",
+            encoding="windows-1252" if eight_bit else encoding or "utf-8",
             error=str(error)[:200],
             replaced=replaced,
-            reason=f"read as {marked or 'UTF-8'}, with U+FFFD for each byte that is not",
+            reason=f"read as {marked or 'UTF-8'}, with U+FFFD for each byte that is not"
+            if not eight_bit
+            else "read as Windows-1252 (a superset of Latin-1): no character in it is UTF-8",
         )
         return text
+
+
+_CONTROL = re.compile("[\x01-\x08\x0b\x0e-\x1f\x7f]")
+"""Control characters no text holds (tabs, line ends and form feeds aside)."""
+_UTF8_SEQUENCE = re.compile(rb"[\xc2-\xdf][\x80-\xbf]|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf4][\x80-\xbf]{3}")
+"""A character of UTF-8 beyond ASCII. A file not valid as UTF-8 that holds none is in an 8-bit encoding, read as
+Windows-1252, as a browser reads a page naming none (a tester's Latin-1 changelog read "Am\ufffdlioration"); one
+that holds some is UTF-8 with a stray byte."""

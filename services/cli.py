@@ -383,7 +383,11 @@ def ingest(
     path: Annotated[
         Path,
         typer.Argument(
-            exists=True, file_okay=False, help="Source tree to ingest (.py, .md, .rst, .txt).", callback=_source_tree
+            exists=True,
+            file_okay=False,
+            help="Source tree to ingest: Python, TypeScript, JavaScript, Go, Rust and Java code, documents (.md, .rst, "
+            ".txt), configuration and scripts (.yaml, .toml, .sql, .sh).",
+            callback=_source_tree,
         ),
     ],
     workspace: Annotated[str, typer.Option(help="Workspace to publish into.", callback=_workspace_name)],
@@ -437,7 +441,7 @@ def ingest(
     Its progress counts chunks embedded, deltas published, then stream sequences projected: from where the index
     stood at the first look to this ingest's last delta, other workspaces' deltas between included."""
     from .ingest.chunking import tree_package
-    from .ingest.ingester import EmptyTreeRefused, ExclusionRefused, Ingester, exclusion_patterns
+    from .ingest.ingester import SOURCE_SUFFIXES, EmptyTreeRefused, ExclusionRefused, Ingester, exclusion_patterns
 
     try:
         tree_package("", [], package)
@@ -500,7 +504,7 @@ def ingest(
                 _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
                 if report.files == 0 and not allow_empty:  # a first ingest of a wrong path said only "0 files"
                     errors.print(
-                        f"warning: {path} holds no source file this ingester reads (.py, .md, .rst, .txt): "
+                        f"warning: {path} holds no source file this ingester reads ({', '.join(SOURCE_SUFFIXES)}): "
                         "nothing to index",
                         soft_wrap=True,
                         markup=False,

@@ -57,11 +57,13 @@ from .conftest import Deployment, Start
         ("console.py", "console.py"),
         ("NOTES.txt", "NOTES.txt"),
         ("docs/usage.rst", "docs/usage.rst"),
+        ("services/api/auth/middleware.go", "services/api/auth/middleware.go"),  # a monorepo tester's
+        ("web/src/App.tsx", "web/src/App.tsx"),
         ("rich.console", None),  # a module's name: identifier_of's
         ("how does console.py work", None),  # other words: a question
         ("my file.py", None),
         (".py", None),
-        ("rich/console.js", None),  # no file an ingest reads
+        ("rich/console.kt", None),  # no file an ingest reads
         ("x/" * 200 + "y.py", None),
         ('"/Users/John Doe/proj/x.py"', None),  # spaces: words, quoted or not (a review's quoted question)
         ('"explain the steps in docs/README.md"', None),
@@ -1020,3 +1022,38 @@ async def test_a_relation_shows_as_many_as_the_largest_top_k_asks(
     callers = {r.metadata["symbolFqn"] for r in asked.results if CALLER in {f.retriever for f in r.found_by}}
     assert asked.meta.relation_found == 70
     assert callers == {f"many.user{i:02}.use{i:02}" for i in range(70)}
+
+
+async def test_code_other_than_python_is_found_by_its_names_and_paths_through_the_real_path(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """A monorepo tester's 12 questions about Go, TypeScript, YAML and SQL found nothing: none of it was read."""
+    files = {
+        "web/src/hooks/useCurrentUser.ts": """
+            /** The signed-in user, fetched once and kept. */
+            export function useCurrentUser() {
+              return useQuery(["me"], () => apiFetch("/me"));
+            }
+            """,
+        "services/api/auth/middleware.go": """
+            package auth
+
+            // RequireJWT rejects a request without a valid bearer token.
+            func RequireJWT(next http.Handler) http.Handler {
+            \treturn next
+            }
+            """,
+        "migrations/0003_invoices_paid_at.sql": "ALTER TABLE invoices ADD COLUMN paid_at timestamptz;\n",
+        "app.py": "def main():\n    return 1\n",
+    }
+    await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+    found = await _ask(client, "useCurrentUser", "mono")
+    assert _names(found)[0] == "web.src.hooks.useCurrentUser.useCurrentUser (method)"
+    assert (found.results[0].metadata["startLine"], found.results[0].metadata["endLine"]) == (2, 5)
+    assert _names(await _ask(client, "RequireJWT", "mono"))[0] == "services.api.auth.middleware.RequireJWT (method)"
+    by_path = await _ask(client, "services/api/auth/middleware.go", "mono")
+    assert by_path.results[0].metadata["filePath"] == "services/api/auth/middleware.go"
+    migration = await _ask(client, "which migration adds the paid_at column to invoices", "mono")
+    assert migration.results[0].metadata["filePath"] == "migrations/0003_invoices_paid_at.sql"

@@ -375,7 +375,7 @@ async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_delete
     from ontofabric.services.cli import _note_exclusions
 
     files = {"app.py": "def run():\n    return 1\n", "local_settings.py": "TOKEN = 'ab12'\n", "secrets/p.txt": "pw\n"}
-    others = {"web/a.TS": "", "web/b.ts": "", "Dockerfile": "", "dist/x.ts": "", "secrets/k.pem": "", "v/c.go": ""}
+    others = {"web/a.KT": "", "web/b.kt": "", "Dockerfile": "", "dist/x.kt": "", "secrets/k.pem": "", "v/c.kt": ""}
     _write(tmp_path / "tree", {**files, **others})
     (tmp_path / "tree" / ".git").mkdir()  # a work tree: outside one no .gitignore applies, as for git
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
@@ -384,9 +384,9 @@ async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_delete
     (tmp_path / "tree" / ".gitignore").write_text("local_settings.py\nsecrets/\ndist/\n")
     report = await ingester.ingest(tmp_path / "tree", "repo", exclude=["v"])
     assert report.ignored == ("secrets/", "local_settings.py")
-    assert report.other_kinds == ((".ts", 2), ("Dockerfile", 1))
+    assert report.other_kinds == ((".kt", 2), ("Dockerfile", 1))
     _note_exclusions(report, "repo", "main")
-    assert "3 files of kinds this ingester does not read are not indexed (.ts 2, Dockerfile 1); it reads .py, " in (
+    assert "3 files of kinds this ingester does not read are not indexed (.kt 2, Dockerfile 1); it reads .py, " in (
         " ".join(capsys.readouterr().err.split())
     )
     assert report.deletes == 2  # what the first ingest published of them
@@ -1189,6 +1189,4 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
-    assert "holds no source file this ingester reads (.py, .md, .rst, .txt): nothing to index" in " ".join(
-        first.stderr.split()
-    )
+    assert "holds no source file this ingester reads (.py, .md, .rst, .txt, .yaml" in " ".join(first.stderr.split())

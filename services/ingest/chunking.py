@@ -247,7 +247,7 @@ def self_import_name(sources: Mapping[str, str], own: str | None) -> str | None:
     return None if ranked[0][0] == own else ranked[0][0]
 
 
-class _Keys:
+class UniqueKeys:
     """Symbol keys unique within one file (a property and its setter share a qualified name)."""
 
     def __init__(self) -> None:
@@ -272,7 +272,7 @@ def chunk_python(
     module = module_name(path, package)
     module_type = object_type_name(module)
     file_key = f"python:{path}"
-    keys = _Keys()
+    keys = UniqueKeys()
 
     def make(
         key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str, span: tuple[int, int] | None
@@ -678,15 +678,26 @@ def section_parts(text: str, lines: tuple[int, int]) -> list[tuple[str, tuple[in
     return merged
 
 
+def _whole(source: str) -> Iterator[Section]:
+    """A file of no headings as one section (in parts when long: :func:`section_parts`)."""
+    yield [], source, (1, max(len(file_lines(source)), 1)), True
+
+
 DOCUMENT_FORMATS = {
     ".md": ("markdown", _markdown_sections),
     ".rst": ("restructuredtext", _rst_sections),
     ".txt": ("text", _rst_sections),
+    ".yaml": ("yaml", _whole),
+    ".yml": ("yaml", _whole),
+    ".toml": ("toml", _whole),
+    ".sql": ("sql", _whole),
+    ".sh": ("shell", _whole),
 }
 """The suffixes of the documents read by section, with their source domain and how their sections are found. A
 ``.txt`` file's titles are read as reStructuredText's: plain text without underlined titles is one section (in
 parts when long), and documentation kept in ``.txt`` files (Django's, older Python projects') is reStructuredText.
-They were left out without a word."""
+They were left out without a word. Configuration, migrations and scripts are read whole, in parts when long (a
+monorepo tester's CI workflow, Kubernetes manifests and SQL migrations went unread)."""
 
 
 def chunk_document(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
@@ -696,7 +707,7 @@ def chunk_document(path: str, source: str, max_content_bytes: int, unread: str |
     suffix = path[path.rfind(".") :]
     domain, sections_of = DOCUMENT_FORMATS[suffix]
     document_type = object_type_name(path.removesuffix(suffix).replace("/", "."))
-    keys = _Keys()
+    keys = UniqueKeys()
     chunks = []
     if unread is None:
         sections: Iterable[tuple[list[str], str, tuple[int, int]]] = (
@@ -738,8 +749,12 @@ def chunk_file(
     """The chunks of one file (``path`` relative to the tree; ``package``: see :func:`module_name`; ``tree``: a
     Python file's, when already parsed). ``unread``: why the file is not to be parsed or cut into sections (a
     file over the ingest's size limit): its one chunk, with the reason as its ``parse_error``."""
+    from .code import CODE_SUFFIXES, chunk_code  # which reads the helpers here
+
     if path.endswith(".py"):
         return chunk_python(path, source, max_content_bytes, package, tree, unread)
     if path.endswith(tuple(DOCUMENT_FORMATS)):
         return chunk_document(path, source, max_content_bytes, unread)
+    if path.endswith(CODE_SUFFIXES):
+        return chunk_code(path, source, max_content_bytes, unread)
     return []

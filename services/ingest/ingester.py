@@ -66,6 +66,7 @@ from ontofabric.shared.telemetry import tracer
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, envelope
+from .code import CODE_SUFFIXES
 from .graph import (
     GraphLink,
     GraphNode,
@@ -87,7 +88,9 @@ SKIPPED_DIRECTORIES = {
 """Directories of tools' output, left out at any depth (as are hidden ones and ``*.egg-info``), unless they hold
 an ``__init__.py``: then they are a package of the tree (pip's ``operations/build`` was left out, an ingest
 tester's)."""
-SOURCE_SUFFIXES = (".py", *DOCUMENT_FORMATS)
+SOURCE_SUFFIXES = (".py", *DOCUMENT_FORMATS, *CODE_SUFFIXES)
+LOCKFILES = frozenset({"pnpm-lock.yaml"})
+"""Files under a source suffix that a package manager writes: thousands of lines no question is about."""
 EMBED_BATCH = 64
 
 
@@ -178,7 +181,7 @@ def discover(
                 kept.append(name)
         subdirectories[:] = kept
         for name in sorted(files):
-            source = name.endswith(SOURCE_SUFFIXES)
+            source = name.endswith(SOURCE_SUFFIXES) and name not in LOCKFILES
             if (not source and (other_kinds is None or name.startswith("."))) or matches(prefix + name, exclude):
                 continue
             if ignores is not None and ignores.ignored(prefix + name, is_directory=False):
@@ -206,9 +209,10 @@ def collector_paused() -> Iterator[None]:
 
 
 def file_kind(name: str) -> str:
-    """What kind of file a name says: its suffix in lower case (``.ts``), else the name (``Dockerfile``)."""
+    """What kind of file a name says: its suffix in lower case (``.ts``), else the name (``Dockerfile``, a
+    lockfile's)."""
     suffix = Path(name).suffix.lower()
-    return suffix if suffix and suffix != name.lower() else name
+    return suffix if suffix and suffix != name.lower() and name not in LOCKFILES else name
 
 
 def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -1011,9 +1015,9 @@ class Ingester:
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:
             raise EmptyTreeRefused(
-                f"{root} holds no source file this ingester reads (.py, .md, .rst, .txt): its ingest would take {gone} "
-                f"documents out of {workspace}/{branch}. Nothing sent; check the path, or pass --allow-empty to empty "
-                "the branch on purpose"
+                f"{root} holds no source file this ingester reads ({', '.join(SOURCE_SUFFIXES)}): its ingest would "
+                f"take {gone} documents out of {workspace}/{branch}. Nothing sent; check the path, or pass "
+                "--allow-empty to empty the branch on purpose"
             )
         log.info(
             "ingest_planned", workspace=workspace, branch=branch, files=len(sources), chunks=len(chunks),

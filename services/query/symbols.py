@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
+from ontofabric.services.ingest.code import CODE_SUFFIXES
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -127,7 +128,7 @@ def identifier_of(text: str) -> str | None:
     return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
 
 
-FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS)
+FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS, *CODE_SUFFIXES)
 """What the files a path query can name end with: those an ingest reads, and a stub's."""
 _PATH_PART = r"[^\s/`'\"<>|*?]+"
 _FILE_PATH = re.compile(rf"(?:{_PATH_PART}/)*{_PATH_PART}(?:{'|'.join(map(re.escape, FILE_SUFFIXES))})")

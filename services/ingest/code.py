@@ -1,0 +1,239 @@
+"""Chunks of source files in languages other than Python, read by tree-sitter (pure): a file's chunk, and one per
+declaration a reader looks for, its leading comments with it: functions, classes, interfaces, structs, enums,
+traits and type aliases, and the methods inside classes and ``impl`` blocks. A monorepo tester's Go, TypeScript,
+Rust and Java files were not read at all, and no answer could point an agent at them.
+
+Only the chunks: no calls, graph or exports are read of these languages (:mod:`graph` reads Python's).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import tree_sitter
+import tree_sitter_go
+import tree_sitter_java
+import tree_sitter_javascript
+import tree_sitter_rust
+import tree_sitter_typescript
+
+from .chunking import (
+    Chunk,
+    ChunkLevel,
+    UniqueKeys,
+    bounded_symbol,
+    cut_from,
+    file_lines,
+    lines_kept,
+    object_type_name,
+    truncate_utf8,
+)
+
+
+@dataclass(frozen=True)
+class Language:
+    domain: str
+    """The chunks' ``sourceDomain``."""
+    grammar: Callable[[], object]
+    declarations: dict[str, tuple[str, ChunkLevel]]
+    """Node type -> the symbol kind and chunk level of a declaration of that type."""
+    containers: frozenset[str]
+    """Node types whose children may be declarations too (a class's body, an ``export``, a Go type list)."""
+
+
+_JAVASCRIPT_DECLARATIONS: dict[str, tuple[str, ChunkLevel]] = {
+    "function_declaration": ("function", "method"),
+    "generator_function_declaration": ("function", "method"),
+    "class_declaration": ("class", "type"),
+    "abstract_class_declaration": ("class", "type"),
+    "interface_declaration": ("interface", "type"),
+    "enum_declaration": ("enum", "type"),
+    "type_alias_declaration": ("type", "type"),
+    "method_definition": ("method", "method"),
+    "abstract_method_signature": ("method", "method"),
+    "variable_declarator": ("function", "method"),  # only when it holds a function (:func:`_holds_function`)
+}
+_JAVASCRIPT_CONTAINERS = frozenset(
+    {"export_statement", "class_body", "lexical_declaration", "variable_declaration", "expression_statement"}
+)
+
+LANGUAGES: dict[str, Language] = {
+    ".ts": Language("typescript", tree_sitter_typescript.language_typescript, _JAVASCRIPT_DECLARATIONS,
+                    _JAVASCRIPT_CONTAINERS | {"statement_block"}),
+    ".tsx": Language("typescript", tree_sitter_typescript.language_tsx, _JAVASCRIPT_DECLARATIONS,
+                     _JAVASCRIPT_CONTAINERS | {"statement_block"}),
+    ".go": Language(
+        "go",
+        tree_sitter_go.language,
+        {"function_declaration": ("function", "method"), "method_declaration": ("method", "method"),
+         "type_spec": ("type", "type")},
+        frozenset({"type_declaration"}),
+    ),
+    ".rs": Language(
+        "rust",
+        tree_sitter_rust.language,
+        {"function_item": ("function", "method"), "struct_item": ("struct", "type"), "enum_item": ("enum", "type"),
+         "trait_item": ("trait", "type"), "union_item": ("struct", "type"), "type_item": ("type", "type"),
+         "function_signature_item": ("method", "method")},
+        frozenset({"impl_item", "declaration_list", "mod_item", "trait_item"}),
+    ),
+    ".java": Language(
+        "java",
+        tree_sitter_java.language,
+        {"class_declaration": ("class", "type"), "interface_declaration": ("interface", "type"),
+         "enum_declaration": ("enum", "type"), "record_declaration": ("class", "type"),
+         "annotation_type_declaration": ("interface", "type"), "method_declaration": ("method", "method"),
+         "constructor_declaration": ("method", "method")},
+        frozenset({"class_body", "interface_body", "enum_body", "enum_body_declarations", "record_body"}),
+    ),
+}  # fmt: skip
+for _suffix in (".js", ".jsx", ".mjs", ".cjs"):
+    LANGUAGES[_suffix] = Language(
+        "javascript", tree_sitter_javascript.language, _JAVASCRIPT_DECLARATIONS, _JAVASCRIPT_CONTAINERS
+    )
+
+CODE_SUFFIXES = tuple(LANGUAGES)
+"""The suffixes of the source files read here."""
+MINIFIED_LINE_CHARS = 300
+"""A file whose lines are this long on average is minified or generated (a bundle, a lockfile's kin): its file's
+chunk alone, not one per declaration."""
+_COMMENTS = frozenset({"comment", "line_comment", "block_comment"})
+_NAMESPACES = frozenset({"mod_item", "internal_module", "module"})
+_WRAPPERS = frozenset({"export_statement", "lexical_declaration", "variable_declaration"})
+_FUNCTION_VALUES = frozenset({"arrow_function", "function_expression", "function", "generator_function"})
+
+
+@functools.cache
+def _parser(suffix: str) -> tree_sitter.Parser:
+    return tree_sitter.Parser(tree_sitter.Language(LANGUAGES[suffix].grammar()))
+
+
+def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
+    """A source file's chunks (``path``'s suffix one of :data:`CODE_SUFFIXES`): its file's, then its declarations'
+    (:class:`Language`), each named ``<module>.<Owner>.<name>`` after the file's path (``web/src/api.ts`` is
+    ``web.src.api``). ``unread``: why the file is not to be cut (:func:`chunking.chunk_file`): its file's chunk
+    alone, with the reason as its ``parse_error``; so too a minified file."""
+    suffix = path[path.rfind(".") :]
+    language = LANGUAGES[suffix]
+    module = path.removesuffix(suffix).replace("/", ".")
+    module_type = object_type_name(module)
+    keys = UniqueKeys()
+    lines = file_lines(source)
+
+    def make(key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, span: tuple[int, int]) -> Chunk:
+        text = "".join(lines[span[0] - 1 : span[1]]) if level != "file" else source
+        kept, cut = truncate_utf8(text, max_content_bytes), cut_from(text, max_content_bytes)
+        return Chunk(
+            symbol_key=bounded_symbol(keys.unique(key)),
+            symbol_kind=kind,
+            symbol_fqn=bounded_symbol(fqn),
+            chunk_level=level,
+            object_type=object_type,
+            source_domain=language.domain,
+            file_path=path,
+            content=kept,
+            cut_from_bytes=cut,
+            lines=lines_kept(span, kept, cut is not None) if lines else None,
+            line=span[0] if level != "file" else 0,
+        )
+
+    file_chunk = make(f"{language.domain}:{path}", "module", module, "file", module_type, (1, max(len(lines), 1)))
+    if unread is None and lines and len(source) / len(lines) > MINIFIED_LINE_CHARS:
+        unread = f"lines of {len(source) // len(lines)} characters on average: minified or generated, not cut"
+    if unread is not None:
+        return [replace(file_chunk, parse_error=unread)]
+    tree = _parser(suffix).parse(source.encode("utf-8"))
+    chunks = [file_chunk]
+    for kind, level, qualname, span in _declarations(tree.root_node, language, ()):
+        owner = qualname.rpartition(".")[0]
+        object_type = object_type_name(f"{module}.{qualname}") if level == "type" else (
+            object_type_name(f"{module}.{owner}") if owner else module_type
+        )  # fmt: skip
+        key = f"{language.domain}:{path}/{qualname}" + ("#" if level == "type" else "().")
+        chunks.append(make(key, kind, f"{module}.{qualname}", level, object_type, span))
+    return chunks
+
+
+def _declarations(
+    node: tree_sitter.Node, language: Language, owners: tuple[str, ...], in_type: bool = False
+) -> Iterator[tuple[str, ChunkLevel, str, tuple[int, int]]]:
+    """Each declaration under ``node``: its kind, level, qualified name within the file (under ``owners``: the types
+    and namespaces holding it; ``in_type``: the last a type, whose functions are methods), and its lines (1-based,
+    inclusive) with the comments right above it."""
+    for child in node.named_children:
+        declared = language.declarations.get(child.type)
+        name = _name(child) if declared is not None else None
+        if (
+            declared is not None
+            and name is not None
+            and (child.type != "variable_declarator" or _holds_function(child))
+        ):
+            kind, level = declared
+            if kind == "function" and in_type:
+                kind = "method"
+            elif child.type == "type_spec":  # Go: `type Server struct`, `type Store interface`
+                shape = child.child_by_field_name("type")
+                kind = {"struct_type": "struct", "interface_type": "interface"}.get(shape.type if shape else "", kind)
+            yield kind, level, ".".join([*owners, name]), _span(child)
+            body = child.child_by_field_name("body")
+            if body is not None and level == "type":
+                yield from _declarations(body, language, (*owners, name), in_type=True)
+        elif child.type == "impl_item":  # Rust: the methods of the type it implements
+            implemented = child.child_by_field_name("type")
+            body = child.child_by_field_name("body")
+            if implemented is not None and body is not None:
+                yield from _declarations(body, language, (*owners, _type_name(implemented)), in_type=True)
+        elif child.type in _NAMESPACES and (space := _name(child)) is not None:  # `mod net {}`, `namespace Api {}`
+            body = child.child_by_field_name("body")
+            if body is not None:
+                yield from _declarations(body, language, (*owners, space))
+        elif child.type in language.containers:
+            yield from _declarations(child, language, owners, in_type)
+
+
+def _name(node: tree_sitter.Node) -> str | None:
+    """A declaration's own name; a Go method's with its receiver's type before it (``Server.Start``)."""
+    named = node.child_by_field_name("name")
+    if named is None or named.text is None:
+        return None
+    name = named.text.decode("utf-8", errors="replace")
+    receiver = node.child_by_field_name("receiver") if node.type == "method_declaration" else None
+    if receiver is not None:
+        types = [n for n in _walk(receiver) if n.type == "type_identifier"]
+        if types and types[0].text is not None:
+            return f"{types[0].text.decode('utf-8', errors='replace')}.{name}"
+    return name
+
+
+def _type_name(node: tree_sitter.Node) -> str:
+    """The name of the type an ``impl`` block implements (``Vec<T>`` is ``Vec``)."""
+    found = next((n for n in _walk(node) if n.type in ("type_identifier", "identifier")), node)
+    return (found.text or b"").decode("utf-8", errors="replace")
+
+
+def _holds_function(declarator: tree_sitter.Node) -> bool:
+    value = declarator.child_by_field_name("value")
+    return value is not None and value.type in _FUNCTION_VALUES
+
+
+def _span(node: tree_sitter.Node) -> tuple[int, int]:
+    """The lines of a declaration with the comments right above it (a JSDoc, a Go or Rust doc comment), and with
+    the ``export`` or declaration list holding it when it is their only declaration (``export const f = ...``)."""
+    while node.parent is not None and node.parent.type in _WRAPPERS and node.parent.named_child_count == 1:
+        node = node.parent
+    first, last = node.start_point.row + 1, node.end_point.row + 1
+    above = node.prev_sibling
+    while above is not None and above.type in _COMMENTS and above.end_point.row + 1 >= first - 1:
+        first = above.start_point.row + 1
+        above = above.prev_sibling
+    return first, last
+
+
+def _walk(node: tree_sitter.Node) -> Iterator[tree_sitter.Node]:
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        yield current
+        pending.extend(reversed(current.named_children))

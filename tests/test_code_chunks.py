@@ -1,0 +1,145 @@
+"""Code other than Python cut into its declarations (services/ingest/code.py): a monorepo tester's Go, TypeScript,
+Rust and Java files were not read at all."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ontofabric.services.ingest.chunking import chunk_file
+from ontofabric.services.ingest.code import MINIFIED_LINE_CHARS
+from ontofabric.services.ingest.ingester import read_tree
+
+TYPESCRIPT = """\
+import {x} from "./a";
+/** Fetches the current user. */
+export function useCurrentUser(id: string) {
+  return fetch(id);
+}
+// A fetch wrapper.
+export const apiFetch = async (u: string) => { return 1 };
+const LIMIT = 3;
+export default class Store extends Base implements I {
+  private x = 1;
+  /** Loads it. */
+  load(id: number): void { this.x = id; }
+}
+interface User { id: string }
+namespace Api { export function ping() {} }
+"""
+
+GO = """\
+package auth
+
+// RequireJWT checks the bearer token.
+func RequireJWT(next http.Handler) http.Handler {
+\treturn next
+}
+
+type Server struct{ port int }
+
+// Start listens.
+func (s *Server) Start() error { return nil }
+"""
+
+RUST = """\
+/// A token bucket.
+pub struct TokenBucket { n: u32 }
+
+impl<T> TokenBucket {
+    /// Takes one token.
+    pub fn take(&mut self) -> bool { true }
+}
+
+pub trait Limiter { fn allow(&self) -> bool; }
+
+mod net { pub fn dial() {} }
+"""
+
+JAVA = """\
+package com.acme;
+
+/** Computes taxes. */
+public class TaxCalculator {
+  public TaxCalculator(double rate) {}
+  /** Value-added tax. */
+  public double vat(double x) { return x; }
+}
+"""
+
+
+def _seen(path: str, source: str) -> list[tuple[str, str, str, str, tuple[int, int] | None]]:
+    return [
+        (c.symbol_kind, c.chunk_level, c.symbol_fqn, c.object_type, c.lines) for c in chunk_file(path, source, 65536)
+    ]
+
+
+def test_typescript_declarations_are_chunks_with_their_comments_and_lines() -> None:
+    assert _seen("web/src/hooks.ts", TYPESCRIPT) == [
+        ("module", "file", "web.src.hooks", "web.src.hooks", (1, 15)),
+        ("function", "method", "web.src.hooks.useCurrentUser", "web.src.hooks", (2, 5)),  # its JSDoc with it
+        ("function", "method", "web.src.hooks.apiFetch", "web.src.hooks", (6, 7)),  # a function held by a const
+        ("class", "type", "web.src.hooks.Store", "web.src.hooks.Store", (9, 13)),  # LIMIT, no function: none
+        ("method", "method", "web.src.hooks.Store.load", "web.src.hooks.Store", (11, 12)),
+        ("interface", "type", "web.src.hooks.User", "web.src.hooks.User", (14, 14)),
+        ("function", "method", "web.src.hooks.Api.ping", "web.src.hooks.Api", (15, 15)),  # a namespace's
+    ]
+    (useful,) = [c for c in chunk_file("web/src/hooks.ts", TYPESCRIPT, 65536) if c.symbol_fqn.endswith("apiFetch")]
+    assert (useful.source_domain, useful.content) == (
+        "typescript",
+        "// A fetch wrapper.\nexport const apiFetch = async (u: string) => { return 1 };\n",
+    )
+    assert useful.symbol_key == "typescript:web/src/hooks.ts/apiFetch()."
+
+
+def test_go_rust_and_java_declarations_are_chunks_named_by_their_owners() -> None:
+    assert _seen("api/auth/mw.go", GO)[1:] == [
+        ("function", "method", "api.auth.mw.RequireJWT", "api.auth.mw", (3, 6)),
+        ("struct", "type", "api.auth.mw.Server", "api.auth.mw.Server", (8, 8)),
+        ("method", "method", "api.auth.mw.Server.Start", "api.auth.mw.Server", (10, 11)),  # by its receiver
+    ]
+    assert _seen("rl/lib.rs", RUST)[1:] == [
+        ("struct", "type", "rl.lib.TokenBucket", "rl.lib.TokenBucket", (1, 2)),
+        ("method", "method", "rl.lib.TokenBucket.take", "rl.lib.TokenBucket", (5, 6)),  # of the type `impl` names
+        ("trait", "type", "rl.lib.Limiter", "rl.lib.Limiter", (9, 9)),
+        ("method", "method", "rl.lib.Limiter.allow", "rl.lib.Limiter", (9, 9)),
+        ("function", "method", "rl.lib.net.dial", "rl.lib.net", (11, 11)),  # a module's, as in Python
+    ]
+    assert _seen("src/TaxCalculator.java", JAVA)[1:] == [
+        ("class", "type", "src.TaxCalculator.TaxCalculator", "src.TaxCalculator.TaxCalculator", (3, 8)),
+        (
+            "method",
+            "method",
+            "src.TaxCalculator.TaxCalculator.TaxCalculator",
+            "src.TaxCalculator.TaxCalculator",
+            (5, 5),
+        ),
+        ("method", "method", "src.TaxCalculator.TaxCalculator.vat", "src.TaxCalculator.TaxCalculator", (6, 7)),
+    ]
+
+
+@pytest.mark.parametrize("path", ["dist/app.min.js", "web/bundle.js"])
+def test_a_minified_file_is_its_files_chunk_alone(path: str) -> None:
+    source = "function a(){return 1};" * (MINIFIED_LINE_CHARS // 10) + "\n"
+    (only,) = chunk_file(path, source * 3, 65536)
+    assert only.chunk_level == "file"
+    assert "minified" in (only.parse_error or "")
+
+
+def test_code_that_does_not_parse_keeps_what_the_parser_recovers_and_the_file() -> None:
+    broken = "export function ok() { return 1 }\nfunction broken( {\n"
+    chunks = chunk_file("a.ts", broken, 65536)
+    assert chunks[0].chunk_level == "file"
+    assert "a.ok" in [c.symbol_fqn for c in chunks]
+
+
+def test_configuration_and_scripts_are_read_whole_and_lockfiles_are_not_sources(tmp_path: Path) -> None:
+    (chunk,) = chunk_file("deploy/k8s.yaml", "apiVersion: apps/v1\nkind: Deployment\n---\nreplicas: 3\n", 65536)
+    assert (chunk.source_domain, chunk.lines, chunk.content.count("\n")) == ("yaml", (1, 4), 4)
+    for name in ("k8s.yaml", "pnpm-lock.yaml", "main.go", "schema.sql", "Dockerfile"):
+        (tmp_path / name).write_text("x\n")
+    kinds: Counter[str] = Counter()
+    assert sorted(read_tree(tmp_path, other_kinds=kinds)) == ["k8s.yaml", "main.go", "schema.sql"]
+    assert kinds == {"pnpm-lock.yaml": 1, "Dockerfile": 1}

@@ -244,7 +244,9 @@ class Settings(BaseSettings):
         "handled the projector says so every third of it, so a slow batch is not redelivered.",
     )
     max_content_bytes: int = Field(
-        default=256 * 1024, ge=1024, description="Deltas whose document content is larger are dead-lettered."
+        default=256 * 1024,
+        ge=1024,
+        description="Deltas whose document content, or ontology node description, is larger are dead-lettered.",
     )
     ingest_max_file_bytes: int = Field(
         default=1024 * 1024,

@@ -121,6 +121,21 @@ def test_rejections_name_their_reason(mutate: object, reason: str) -> None:
     assert outcome.detail
 
 
+def test_a_node_description_longer_than_a_documents_content_may_be_is_refused() -> None:
+    """An operator's 900,000-byte description was stored whole; a document's content is bounded."""
+    limit = LIMITS.max_content_bytes
+    for size, refused in ((limit, False), (limit + 1, True)):
+        node = OntologyNode(domain="pkg", name="Thing", kind="class", description="x" * size)
+        delta = envelope("ws", NodeUpserted(node=node))
+        outcome = validate_delta(*_raw(delta.model_dump_json()), 1, LIMITS)
+        assert isinstance(outcome, Rejection) == refused
+        if refused:
+            assert (outcome.reason, outcome.detail) == (  # type: ignore[union-attr]
+                "content_too_large",
+                f"node description is {limit + 1} bytes, limit {limit}",
+            )
+
+
 @pytest.mark.parametrize("subject", ["of.delta.zz.ws.main", "of.delta.ws", "of.delta.delta.ws.main", "of.ws.main"])
 def test_a_subject_that_is_not_exactly_the_deltas_workspace_and_branch_is_refused(subject: str) -> None:
     """Read from its end alone, of.delta.zz.ws.main passed as ws's, while placement and rebuilds read zz."""

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope, DocumentUpserted, EntityKind, SemanticDocument, format_version
+from ontofabric.contracts.deltas import NodeUpserted
 from ontofabric.contracts.query import clipped
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.half_characters import unreadable_text
@@ -120,6 +121,11 @@ def validate_delta(
         problem = _document_problem(document, limits)
         if problem is not None:
             return problem
+    if isinstance(envelope.payload, NodeUpserted) and envelope.payload.node.description is not None:
+        # Bounded as a document's content is: an operator's 900,000-byte description was stored whole.
+        size = len(envelope.payload.node.description.encode("utf-8"))
+        if size > limits.max_content_bytes:
+            return Rejection("content_too_large", f"node description is {size} bytes, limit {limits.max_content_bytes}")
     return Delta(seq=seq, envelope=envelope, unnamed_vector_dropped=dropped, stored=(subject, data))
 
 

@@ -328,9 +328,9 @@ def test_every_line_about_a_file_of_the_tree_names_it_by_its_path_in_the_tree(tm
 
 
 def test_a_docstring_escaping_half_a_character_is_chunked_as_text_a_delta_can_carry() -> None:
-    source = 'def f():\n    """lone \\udc00 half; a pair \\ud83d\\ude00 whole"""\n    return 1\n'
+    source = 'def f():\n    """lone \\udc00 half; a pair \\ud83d\\ude00 whole; a \\0 NUL"""\n    return 1\n'
     (doc,) = [c for c in chunk_python("m.py", source, 1000) if c.chunk_level == "doc"]
-    assert doc.content == "lone \ufffd half; a pair \U0001f600 whole"
+    assert doc.content == "lone \ufffd half; a pair \U0001f600 whole; a \ufffd NUL"  # pip's chardet: a NUL
     doc.content.encode("utf-8")  # what the ingest stopped on
 
 

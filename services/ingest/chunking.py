@@ -127,10 +127,11 @@ def object_type_name(dotted: str) -> str:
 
 
 def whole_characters(text: str) -> str:
-    """``text`` with an escaped surrogate pair made the character it stands for and a lone half made U+FFFD. A
-    docstring is the value of a string literal, and ``"\\udc00"`` is valid Python: no text of a delta can hold it (a
-    tester's tree with one such docstring stopped the whole ingest with a traceback)."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    """``text`` with an escaped surrogate pair made the character it stands for and a lone half made U+FFFD, and an
+    escaped NUL made U+FFFD too. A docstring is the value of a string literal, and ``"\\udc00"`` and ``"\\0"`` are
+    valid Python: no text of a delta can hold either (a tester's tree with one such docstring stopped the whole
+    ingest with a traceback; another's held pip, whose vendored chardet documents a pattern of ``\\0``)."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").replace("\0", "\ufffd")
 
 
 class FileStart(str):

@@ -479,7 +479,7 @@ def ingest(
             js = nc.jetstream()  # the streams are the projector's to create; an ingester may not even list them
             set_aside = await DeadLetterWatch.start(nc, names, workspace) if wait else None
             started = time.perf_counter()
-            with RichProgress(console) as progress:
+            with progress:
                 cache = EmbeddingCache(settings.cache_dir / "embeddings.sqlite")
                 try:
                     second = await asyncio.to_thread(second_embedder, settings)
@@ -618,13 +618,17 @@ def ingest(
                 await close_nats(connection)
             await close_nats(nc)
 
+    progress = RichProgress(console)
     try:
         with _sigterm_as_interrupt():
             asyncio.run(run())
     except KeyboardInterrupt:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess
         errors.print(
             "interrupted: the deltas published so far are stored and a running projector applies them; the same "
-            "ingest again is safe and sends the rest",
+            "ingest again is safe and sends the rest"
+            if progress.begun("publish")
+            else "interrupted before anything was published: the index is as it was; the same ingest again starts "
+            "over (the chunks embedded so far are cached)",  # a tester's: said the same while chunking
             soft_wrap=True,
         )
         raise _interrupted() from None

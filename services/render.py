@@ -180,6 +180,10 @@ class RichProgress:
             return
         self._tasks[name] = self._progress.add_task(name, total=total)
 
+    def begun(self, name: str) -> bool:
+        """Whether the stage ``name`` has begun."""
+        return name in self._tasks or name in self._lines
+
     def advance(self, name: str, amount: int = 1) -> None:
         if not self._plain:
             self._progress.advance(self._tasks[name], amount)

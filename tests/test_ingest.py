@@ -45,7 +45,7 @@ from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
 from ontofabric.shared.settings import Settings
 
-from .conftest import Deployment
+from .conftest import Deployment, RecordedProgress
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -367,6 +367,33 @@ def test_the_cycle_collector_is_paused_while_a_tree_is_read_and_left_as_it_was_a
         gc.enable()
 
 
+async def test_an_ingest_cancelled_while_it_reads_the_tree_stops_reading_it(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A tester's Ctrl-C while a tree of 2,300 files was read waited for the whole reading (30 s), with no progress
+    shown: it is the stage "read", and cancelled, it stops at the next file."""
+    body = "".join(f"def f{n}(x):\n    return g{n}(x) + 1\n\n\ndef g{n}(x):\n    return x\n\n\n" for n in range(40))
+    _write(tmp_path / "big", {f"pkg/m{n}.py": body for n in range(600)} | {"pkg/__init__.py": ""})
+    progress = RecordedProgress()
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes, progress)
+    ingest = asyncio.create_task(ingester.ingest(tmp_path / "big", "big"))
+    async with asyncio.timeout(60):
+        while progress.done["read"] < 5:
+            await asyncio.sleep(0.01)
+    ingest.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await ingest
+    stopped_at = progress.done["read"]
+    await asyncio.sleep(1.0)
+    assert progress.done["read"] <= stopped_at + 1 < progress.totals["read"]  # at most the file it was on
+    assert progress.totals["read"] == 601 + 2 * 601
+    whole = RecordedProgress()
+    await Ingester(deployment.js, deployment.names, None, 65536, whole)._read(
+        tmp_path / "big", {"pkg/a.py": "x = 1\n", "pkg/b.md": "# B\n"}, None
+    )
+    assert whole.done["read"] == whole.totals["read"] == 4
+
+
 async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_deleted(
     deployment: Deployment, projector: ProjectorService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -577,8 +604,11 @@ def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
 
     out, now = io.StringIO(), [0.0]
     with RichProgress(Console(file=out, force_terminal=False), clock=lambda: now[0]) as progress:
+        assert not progress.begun("embed")
         progress.stage("embed", 100)
         assert out.getvalue() == "embed: 0/100\n"  # said at once, not at the end
+        assert progress.begun("embed")
+        assert not progress.begun("publish")  # what an interrupted ingest's last words depend on
         progress.advance("embed", 10)
         now[0] = PLAIN_PROGRESS_EVERY_S
         progress.advance("embed", 30)
@@ -603,6 +633,7 @@ def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
         drawn.stage("replay", 5)
         (bar,) = drawn._progress.tasks
         assert (bar.completed, bar.total) == (10, 15)
+        assert drawn.begun("replay")
 
 
 def _one_file_tree_as_ingester(deployment: Deployment, tmp_path: Path) -> tuple[Path, dict[str, str]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -474,13 +474,16 @@ def _tree_of(sources: Mapping[str, str] | PythonTree, package: str | None) -> Py
     return sources if isinstance(sources, PythonTree) else read_python(sources, package)
 
 
-def read_python(sources: Mapping[str, str], package: str | None = None) -> PythonTree:
+def read_python(
+    sources: Mapping[str, str], package: str | None = None, tick: Callable[[], object] = lambda: None
+) -> PythonTree:
     """The parsable Python files of ``sources`` (relative path -> text; ``package``: the tree's own package name,
-    see :func:`chunking.module_name`)."""
+    see :func:`chunking.module_name`). ``tick``: called before each Python file is parsed."""
     modules: dict[str, _Module] = {}
     for path, source in sorted(sources.items()):
         if not path.endswith(".py"):
             continue
+        tick()
         try:
             tree = ast.parse(source)
         except (SyntaxError, ValueError, RecursionError):  # nested deeper than the parser goes: not read
@@ -736,7 +739,7 @@ def python_exports(sources: Mapping[str, str] | PythonTree, package: str | None 
 
 
 def python_calls(
-    sources: Mapping[str, str] | PythonTree, package: str | None = None
+    sources: Mapping[str, str] | PythonTree, package: str | None = None, tick: Callable[[], object] = lambda: None
 ) -> dict[tuple[str, str, int], tuple[str, ...]]:
     """For each chunk of code (by its file, the qualified name :func:`chunking.chunk_python` gives it: a package's
     function can share its name with a module of the package, and the line of its ``class`` or ``def``: a
@@ -750,7 +753,8 @@ def python_calls(
     and a name imported from a module of the tree that binds no such name (:meth:`_Resolver.unbound`: what a
     branch deleted or renamed), under that module's name. A call through any other object (an attribute, what a
     call returned unbound) cannot be told from the syntax and is left out, as is a chunk calling itself. A
-    module's chunk holds its own statements' calls only, a class's those of its body outside its methods."""
+    module's chunk holds its own statements' calls only, a class's those of its body outside its methods.
+    ``tick``: called before each module's calls are read."""
     tree = _tree_of(sources, package)
     modules, resolver = tree.modules, tree.resolver
     classes: dict[str, _Class] = {}
@@ -902,6 +906,7 @@ def python_calls(
 
     calls: dict[tuple[str, str, int], set[str]] = {}
     for module in modules.values():
+        tick()  # before each module's calls are read
         for fqn, line, code, owner in _code_scopes(module):
             found = calls.setdefault((module.path, fqn, line), set())
             for node in code:

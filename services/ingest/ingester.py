@@ -14,6 +14,7 @@ import gc
 import hashlib
 import json
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -101,6 +102,10 @@ text: errors without an errno); any other (access denied, a failing disk or moun
 
 class ExclusionRefused(ValueError):
     """An ``--exclude`` that names nothing in the tree, or that would leave nothing of it."""
+
+
+class ReadingStopped(Exception):
+    """The ingest that a tree's reading was for was cancelled (:meth:`Ingester._read`)."""
 
 
 class EmptyTreeRefused(ValueError):
@@ -306,22 +311,36 @@ def too_large(sources: Mapping[str, str], max_file_bytes: int) -> dict[str, str]
     }
 
 
-def python_of(sources: Mapping[str, str], package: str | None, max_file_bytes: int) -> PythonTree:
+def python_of(
+    sources: Mapping[str, str], package: str | None, max_file_bytes: int, tick: Callable[[], object] = lambda: None
+) -> PythonTree:
     """:func:`graph.read_python` of the files of ``sources`` within ``max_file_bytes`` (:func:`too_large`)."""
     unread = too_large(sources, max_file_bytes)
-    return read_python({path: text for path, text in sources.items() if path not in unread}, package)
+    return read_python({path: text for path, text in sources.items() if path not in unread}, package, tick)
 
 
 def read_sources(
-    root: Path, sources: Mapping[str, str], package: str | None, max_content_bytes: int, max_file_bytes: int
+    root: Path,
+    sources: Mapping[str, str],
+    package: str | None,
+    max_content_bytes: int,
+    max_file_bytes: int,
+    tick: Callable[[], object] = lambda: None,
 ) -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]], dict[str, str]]:
     """What an ingest reads of a tree's ``sources`` (from :func:`read_tree`): its chunks, its graph, and the file
     defining each node (:func:`chunk_sources`, :func:`graph.python_graph`, :func:`graph.defining_files`), the
-    Python files parsed once for all three."""
+    Python files parsed once for all three. ``tick`` is called :func:`reading_steps` times as it goes (and may raise
+    to stop it: an interrupted ingest waited a minute for the reading to end)."""
     with collector_paused():
-        python = python_of(sources, package, max_file_bytes)
-        chunked = chunk_sources(root, sources, max_content_bytes, package or "", python, max_file_bytes)
+        python = python_of(sources, package, max_file_bytes, tick)
+        chunked = chunk_sources(root, sources, max_content_bytes, package or "", python, max_file_bytes, tick)
         return chunked, python_graph(python), defining_files(python)
+
+
+def reading_steps(sources: Mapping[str, str]) -> int:
+    """How many times :func:`read_sources` ticks: each Python file parsed, each file chunked, each Python file's
+    calls read (at most)."""
+    return len(sources) + 2 * sum(1 for path in sources if path.endswith(".py"))
 
 
 def chunk_sources(
@@ -331,20 +350,21 @@ def chunk_sources(
     package: str | None = None,
     python: PythonTree | None = None,
     max_file_bytes: int = 0,
+    tick: Callable[[], object] = lambda: None,
 ) -> list[Chunk]:
     """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
     :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`).
     ``python``: the sources as :func:`graph.read_python` read them with that package, when already read (without
-    the files over ``max_file_bytes``, which are read as one chunk each: :func:`too_large`)."""
+    the files over ``max_file_bytes``, which are read as one chunk each: :func:`too_large`). ``tick``: called
+    before each file is chunked and each module's calls are read."""
     package = tree_package(root.resolve().name, sources, package)
     unread = too_large(sources, max_file_bytes)
     python = python if python is not None else python_of(sources, package, max_file_bytes)
-    chunks = [
-        chunk
-        for path, text in sources.items()
-        for chunk in chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
-    ]
-    calls = {key: carried_calls(names) for key, names in python_calls(python).items()}
+    chunks = []
+    for path, text in sources.items():
+        tick()
+        chunks += chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
+    calls = {key: carried_calls(names) for key, names in python_calls(python, tick=tick).items()}
     exports = python_exports(python)
     completed = []
     for chunk in chunks:
@@ -980,11 +1000,7 @@ class Ingester:
             package = package_of_main = main.package
             package_from_imports = None
 
-        # Parsing a tree takes seconds of CPU: in a thread, so that what shares this process's loop (the demo's
-        # projector and query worker) is not held up by it (the demo's projector had been away past its lease).
-        chunked, (graph_nodes, graph_links), defined_in = await asyncio.to_thread(
-            read_sources, root, sources, package, self._max_content_bytes, self._max_file_bytes
-        )
+        chunked, (graph_nodes, graph_links), defined_in = await self._read(root, sources, package)
         chunks = {c.document_id: c for c in chunked}
         nodes = {n.object_type: n for n in graph_nodes}
         links = {k.key: k for k in graph_links}
@@ -1133,6 +1149,33 @@ class Ingester:
                 main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None
             ),
         )
+
+    async def _read(
+        self, root: Path, sources: Mapping[str, str], package: str | None
+    ) -> tuple[list[Chunk], tuple[list[GraphNode], list[GraphLink]], dict[str, str]]:
+        """:func:`read_sources` in a thread (parsing a tree takes seconds of CPU, and what shares this process's
+        loop, the demo's projector and query worker, is not held up by it: it had been away past its lease), as the
+        stage "read". Cancelled, the thread stops at its next file: a tester's Ctrl-C waited a minute for the
+        reading to end, in silence."""
+        steps, done, stop = reading_steps(sources), 0, threading.Event()
+        self._progress.stage("read", steps)
+
+        def tick() -> None:
+            nonlocal done
+            if stop.is_set():
+                raise ReadingStopped
+            done += 1
+            self._progress.advance("read")
+
+        try:
+            read = await asyncio.to_thread(
+                read_sources, root, sources, package, self._max_content_bytes, self._max_file_bytes, tick
+            )
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+        self._progress.advance("read", max(0, steps - done))  # files over the size limit are not parsed
+        return read
 
     async def _embed(self, chunks: Sequence[Chunk]) -> list[ChunkEmbedding | None]:
         """Each chunk's vectors; none for a chunk with no text (an empty ``__init__.py``), whose vector was its

@@ -1722,6 +1722,7 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     )
     assert said in alone
     assert "does not see a call through a variable or an attribute: these are search results" in alone
+    assert "(Python's alone: calls in other languages are not read)" in alone  # a monorepo tester's Go function
     assert "the symbol asked" not in alone
     # The same asked in words: the worker's _meta.relation says so, not the arguments.
     worded = render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "who calls retry_if_exception"})
@@ -1790,6 +1791,14 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     assert "nothing matched symbolKind 'klass': a kind is one an ingester wrote" in klass
     assert "nothing matched symbolKind" not in render(
         QueryResponse(results=[], _meta=meta), {"symbolKind": "klass", "chunkLevel": "doc"}
+    )
+    # And paths' (a monorepo tester's ["*.go"] and ["docz"] answered a bare "0 results").
+    nowhere = render(QueryResponse(results=[], _meta=meta), {"semanticQuery": "auth", "paths": ["*.go", "docz"]})
+    assert "no indexed file matches paths *.go, docz: a pattern reads as ingest's --exclude reads one" in " ".join(
+        nowhere.split()
+    )
+    assert "no indexed file matches" not in render(
+        QueryResponse(results=[], _meta=meta), {"paths": ["*.go"], "excludePaths": ["vendor"]}
     )
     # Not when something else may have emptied the answer: the budget, another filter, minRelevance, no index.
     cut = meta.model_copy(update={"budget": BudgetReport(max_tokens=1000, estimated_tokens=90, results_dropped=1)})

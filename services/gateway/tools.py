@@ -539,7 +539,10 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         # that they do not read as the relation's, whether relatedTo or the query's words asked it.
         relation = f"no result here was found standing in relation {asked.relation!r} to {asked.symbol!r}"
         if asked.relation in ("callers", "callees"):  # a tester read "nothing calls it" above a result calling it
-            relation += " by reading the code's syntax, which does not see a call through a variable or an attribute"
+            relation += (
+                " by reading the code's syntax (Python's alone: calls in other languages are not read), which does "
+                "not see a call through a variable or an attribute"
+            )  # a monorepo tester's Go function, whose callers were read nowhere
         elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
             relation += " (imports are read between modules: for a class or function, ask what calls it)"
         notes.append(relation + (": these are search results" if reply.results else ""))
@@ -567,6 +570,14 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         notes.append(
             f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
             "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
+        )
+    paths = arguments.get("paths")
+    if not reply.results and isinstance(paths, list) and _alone_selected_nothing(meta, arguments, "paths"):
+        notes.append(  # a monorepo tester's paths ["*.go"] and typo ["docz"] each answered a bare "0 results"
+            f"no indexed file matches paths {', '.join(printable(str(path)) for path in paths)}: a pattern reads as "
+            "ingest's --exclude "
+            "reads one (without / a file or directory name at any depth, with / a path from the tree's top); "
+            "ontology_status says what the workspace holds"
         )
     kind = arguments.get("symbolKind")
     if not reply.results and isinstance(kind, str) and _alone_selected_nothing(meta, arguments, "symbolKind"):

@@ -329,6 +329,15 @@ def test_a_package_below_the_trees_top_is_imported_by_its_own_name() -> None:
         GraphLink("src.shoplib.cart", "calls", "src.shoplib.pricing"),
     }
     assert not [link for link in links if link.source_type == "services.b.main"]
+    # Found by the name it is imported by too: a tester's `shoplib.pricing.compute_total` named nothing.
+    from ontofabric.services.ingest.ingester import chunk_sources
+
+    chunks = {c.symbol_fqn: c for c in chunk_sources(Path("."), sources, 1 << 20)}
+    assert chunks["src.shoplib.pricing.compute_total"].aliases == ("shoplib.pricing.compute_total",)
+    assert chunks["src.shoplib.pricing"].aliases == ("shoplib.pricing",)
+    assert chunks["src.shoplib.core.Cart"].aliases == ("shoplib.core.Cart", "src.shoplib.Cart", "shoplib.Cart")
+    assert chunks["services.b.main.run"].aliases == ()  # in no package: named as before
+    assert chunks["services.a.common.util.f"].aliases == ()  # a name two packages would take is nobody's
     calls = _by_name(python_calls(sources))
     assert calls[("src/shoplib/cart.py", "src.shoplib.cart.checkout")] == (
         "src.shoplib.core.Cart",  # through the package's `*`

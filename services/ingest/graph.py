@@ -108,7 +108,7 @@ def _import_names(modules: Mapping[str, _Module]) -> dict[str, _Module]:
 class _Resolver:
     def __init__(self, modules: Mapping[str, _Module]) -> None:
         self._modules = modules
-        self._import_names = _import_names(modules)
+        self.import_names = _import_names(modules)
         self._deepest = max((name.count(".") + 1 for name in modules), default=0)
         self._published: dict[str, dict[str, None]] = {}
         self._starred: dict[str, dict[str, _Module]] = {}
@@ -172,7 +172,7 @@ class _Resolver:
 
     def named(self, dotted: str) -> _Module | None:
         """The tree's module of that whole name, or imported by it (:func:`_import_names`)."""
-        return self._modules.get(dotted) or self._import_names.get(dotted)
+        return self._modules.get(dotted) or self.import_names.get(dotted)
 
     def absolute(self, module: _Module, written: str, level: int) -> str:
         if level == 0:
@@ -464,6 +464,21 @@ class PythonTree:
         """The file's tree (None where it could not be parsed, or is no Python file of the tree)."""
         module = self._by_path.get(path)
         return module.tree if module is not None else None
+
+    def imported_as(self, fqn: str) -> str | None:
+        """A symbol's qualified name as Python imports it, where its module's name is not that
+        (:func:`_import_names`: ``shoplib.pricing.compute_total`` for ``src.shoplib.pricing.compute_total``);
+        None otherwise."""
+        parts = fqn.split(".")
+        for end in range(len(parts), 0, -1):
+            imported = self._imported_names.get(".".join(parts[:end]))
+            if imported is not None:
+                return ".".join([imported, *parts[end:]])
+        return None
+
+    @functools.cached_property
+    def _imported_names(self) -> dict[str, str]:
+        return {module.fqn: name for name, module in self.resolver.import_names.items()}
 
     @functools.cached_property
     def _by_path(self) -> dict[str, _Module]:

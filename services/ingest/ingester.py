@@ -380,6 +380,10 @@ def chunk_sources(
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
         published = _aliases(chunk, exports) if chunk.chunk_level != "doc" else []
+        if chunk.chunk_level != "doc":  # a package below the tree's top (a src layout) by the name it is imported by
+            own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
+            named = [*([own] if own else []), *published, *(name for name in others if name)]
+            published = list(dict.fromkeys(named))
         kept = carried_aliases(published)
         # A tester's 10,000 assigned names went unsaid, and a review's package's own name for a constant.
         for kind, names, carried in (

@@ -1073,18 +1073,21 @@ def test_exclude_reads_backslash_escapes_as_gitignore_does(tmp_path: Path) -> No
 
 
 def test_directories_of_tools_output_are_left_out_unless_they_are_packages(tmp_path: Path) -> None:
-    """pip's `operations/build` package was left out as build output (an ingest tester's)."""
+    """pip's `operations/build` package was left out as build output (an ingest tester's); a Go service's `vendor`
+    READMEs ranked above a monorepo tester's own, and pip's `_vendor` is its own."""
     _write(
         tmp_path,
         {
             "pkg/operations/build/__init__.py": "", "pkg/operations/build/wheel.py": "",
             "build/lib/pkg/x.py": "", "dist/y.py": "", ".tox/z.py": "", "pkg/core.py": "",
+            "svc/vendor/github.com/pkg/errors/README.md": "", "pkg/vendor/__init__.py": "",
         },
     )  # fmt: skip
     assert set(read_tree(tmp_path)) == {
         "pkg/operations/build/__init__.py",
         "pkg/operations/build/wheel.py",
         "pkg/core.py",
+        "pkg/vendor/__init__.py",
     }
 
 

@@ -85,10 +85,12 @@ log = get_logger(__name__)
 
 SKIPPED_DIRECTORIES = {
     "__pycache__", "node_modules", "build", "dist", "site-packages", "venv", ".venv", ".git", ".tox", ".eggs",
+    "vendor",
 }  # fmt: skip
-"""Directories of tools' output, left out at any depth (as are hidden ones and ``*.egg-info``), unless they hold
-an ``__init__.py``: then they are a package of the tree (pip's ``operations/build`` was left out, an ingest
-tester's)."""
+"""Directories of tools' output and of others' code, left out at any depth (as are hidden ones and
+``*.egg-info``), unless they hold an ``__init__.py``: then they are a package of the tree (pip's
+``operations/build`` was left out, an ingest tester's; pip's ``_vendor`` is its own). ``vendor``: Go's and PHP's
+dependencies, whose READMEs ranked above a monorepo tester's own for "how do I run the tests"."""
 SOURCE_SUFFIXES = (".py", *DOCUMENT_FORMATS, *CODE_SUFFIXES)
 LOCKFILES = frozenset({"pnpm-lock.yaml"})
 """Files under a source suffix that a package manager writes: thousands of lines no question is about."""

@@ -143,3 +143,12 @@ def test_configuration_and_scripts_are_read_whole_and_lockfiles_are_not_sources(
     kinds: Counter[str] = Counter()
     assert sorted(read_tree(tmp_path, other_kinds=kinds)) == ["k8s.yaml", "main.go", "schema.sql"]
     assert kinds == {"pnpm-lock.yaml": 1, "Dockerfile": 1}
+
+
+def test_declarations_nested_past_the_recursion_limit_stop_at_a_depth_not_the_ingest() -> None:
+    """Generated code nests deeper than Python recurses: its declarations there are left to its file's chunk."""
+    source = "".join(f"namespace N{n} {{\n" for n in range(3000)) + "export function deep() {}\n" + "}\n" * 3000
+    (only,) = chunk_file("deep.ts", source, 1 << 20)
+    assert only.chunk_level == "file"
+    nested = "".join(f"class C{n} {{\n" for n in range(2000)) + "}\n" * 2000
+    assert len(chunk_file("Deep.java", nested, 1 << 20)) > 10

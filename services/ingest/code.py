@@ -99,6 +99,8 @@ CODE_SUFFIXES = tuple(LANGUAGES)
 MINIFIED_LINE_CHARS = 300
 """A file whose lines are this long on average is minified or generated (a bundle, a lockfile's kin): its file's
 chunk alone, not one per declaration."""
+MAX_DEPTH = 100
+"""How many nodes holding declarations deep declarations are read (a class in a class, an ``export``, a body)."""
 _COMMENTS = frozenset({"comment", "line_comment", "block_comment"})
 _NAMESPACES = frozenset({"mod_item", "internal_module", "module"})
 _WRAPPERS = frozenset({"export_statement", "lexical_declaration", "variable_declaration"})
@@ -157,11 +159,15 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
 
 
 def _declarations(
-    node: tree_sitter.Node, language: Language, owners: tuple[str, ...], in_type: bool = False
+    node: tree_sitter.Node, language: Language, owners: tuple[str, ...], in_type: bool = False, depth: int = 0
 ) -> Iterator[tuple[str, ChunkLevel, str, tuple[int, int]]]:
     """Each declaration under ``node``: its kind, level, qualified name within the file (under ``owners``: the types
     and namespaces holding it; ``in_type``: the last a type, whose functions are methods), and its lines (1-based,
-    inclusive) with the comments right above it."""
+    inclusive) with the comments right above it. None deeper than MAX_DEPTH nodes holding declarations (generated
+    code nests past Python's recursion limit: its file's chunk holds them)."""
+    if depth > MAX_DEPTH:
+        return
+    depth += 1
     for child in node.named_children:
         declared = language.declarations.get(child.type)
         name = _name(child) if declared is not None else None
@@ -179,18 +185,18 @@ def _declarations(
             yield kind, level, ".".join([*owners, name]), _span(child)
             body = child.child_by_field_name("body")
             if body is not None and level == "type":
-                yield from _declarations(body, language, (*owners, name), in_type=True)
+                yield from _declarations(body, language, (*owners, name), True, depth)
         elif child.type == "impl_item":  # Rust: the methods of the type it implements
             implemented = child.child_by_field_name("type")
             body = child.child_by_field_name("body")
             if implemented is not None and body is not None:
-                yield from _declarations(body, language, (*owners, _type_name(implemented)), in_type=True)
+                yield from _declarations(body, language, (*owners, _type_name(implemented)), True, depth)
         elif child.type in _NAMESPACES and (space := _name(child)) is not None:  # `mod net {}`, `namespace Api {}`
             body = child.child_by_field_name("body")
             if body is not None:
-                yield from _declarations(body, language, (*owners, space))
+                yield from _declarations(body, language, (*owners, space), False, depth)
         elif child.type in language.containers:
-            yield from _declarations(child, language, owners, in_type)
+            yield from _declarations(child, language, owners, in_type, depth)
 
 
 def _name(node: tree_sitter.Node) -> str | None:

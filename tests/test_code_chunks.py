@@ -112,7 +112,7 @@ def test_go_rust_and_java_declarations_are_chunks_named_by_their_owners() -> Non
         (
             "method",
             "method",
-            "src.TaxCalculator.TaxCalculator.TaxCalculator",
+            "src.TaxCalculator.TaxCalculator.constructor",
             "src.TaxCalculator.TaxCalculator",
             (5, 5),
         ),
@@ -152,3 +152,45 @@ def test_declarations_nested_past_the_recursion_limit_stop_at_a_depth_not_the_in
     assert only.chunk_level == "file"
     nested = "".join(f"class C{n} {{\n" for n in range(2000)) + "}\n" * 2000
     assert len(chunk_file("Deep.java", nested, 1 << 20)) > 10
+
+
+def test_attributes_decorators_and_overloads_go_with_their_declaration_and_its_doc() -> None:
+    """An agent tester's: `#[...]` and `@Decorator` cut a doc comment off its declaration (anyhow's `Error` was its
+    struct's three lines); a TypeScript overload's signatures and doc were left out of the implementation's chunk;
+    `.d.ts` declarations, class fields holding functions, constants and macros were not found by name; a Java
+    constructor, named as its class, was found for the class."""
+    rust = "/// A bucket.\n#[derive(Debug)]\n#[repr(C)]\npub struct Bucket;\npub const LIMIT: u8 = 3;\n"
+    rust += "/// Stops.\nmacro_rules! bail { () => {} }\n"
+    chunks = chunk_file("b.rs", rust, 65536)
+    assert [(c.symbol_fqn, c.lines) for c in chunks[1:]] == [("b.Bucket", (1, 4)), ("b.bail", (6, 7))]
+    assert chunks[0].defines == ("LIMIT",)
+    typescript = """\
+/** A component. */
+@Component({})
+export class Comp {
+  /** Lists them. */
+  @Get("/items")
+  list() {}
+  handleClick = () => {};
+  label = "x";
+  /** Two ways. */
+  f(a: string): void;
+  f(a: number): void;
+  f(a: any) {}
+}
+export const LIMIT = 3, helper = () => 1;
+"""
+    assert [(c.symbol_fqn, c.lines) for c in chunk_file("c.ts", typescript, 65536)[1:]] == [
+        ("c.Comp", (1, 13)),
+        ("c.Comp.list", (4, 6)),
+        ("c.Comp.handleClick", (7, 7)),
+        ("c.Comp.f", (9, 12)),  # its overloads and their doc with it, once
+        ("c.helper", (14, 14)),
+    ]
+    assert chunk_file("c.ts", typescript, 65536)[0].defines == ("LIMIT",)
+    ambient = "export declare class Client { connect(): void; }\nexport declare function open(url: string): Client;\n"
+    assert [c.symbol_fqn for c in chunk_file("sdk/index.d.ts", ambient, 65536)] == [
+        "sdk.index", "sdk.index.Client", "sdk.index.Client.connect", "sdk.index.open",
+    ]  # fmt: skip
+    go = "package x\n\nconst A, B = 1, 2\n\nvar (\n\tC = 3\n)\n"
+    assert chunk_file("x.go", go, 65536)[0].defines == ("A", "B", "C")

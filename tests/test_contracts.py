@@ -130,6 +130,7 @@ def test_a_request_with_nothing_to_search_or_list_by_names_every_filter_it_could
         OntologyQuery.model_validate({"topK": 3})
     message = refused.value.errors()[0]["msg"]
     assert all(to_camel(name) in message for name in FILTERS), message
+    assert "paths, excludePaths" in message  # the two the message left out
     assert OntologyQuery.model_validate({"paths": ["*"]}).listing
 
 

@@ -338,6 +338,18 @@ def test_a_package_below_the_trees_top_is_imported_by_its_own_name() -> None:
     assert chunks["src.shoplib.core.Cart"].aliases == ("shoplib.core.Cart", "src.shoplib.Cart", "shoplib.Cart")
     assert chunks["services.b.main.run"].aliases == ()  # in no package: named as before
     assert chunks["services.a.common.util.f"].aliases == ()  # a name two packages would take is nobody's
+    # A review's: a package two directories hold, even where only one has the module asked (two services' `app`),
+    # and a package named as the standard library's modules (a test fixture's `json`), are no import names.
+    shadowing = {
+        "svc_a/src/app/__init__.py": "", "svc_a/src/app/models.py": "class User: ...\n",
+        "svc_b/src/app/__init__.py": "",
+        "svc_b/src/app/views.py": "from app.models import User\n\n\ndef v():\n    User()\n",
+        "tests/fixtures/json/__init__.py": "def loads(x): ...\n",
+        "app/main.py": "import json\n\n\ndef m(x):\n    return json.loads(x)\n",
+    }  # fmt: skip
+    _, shadowed = python_graph(shadowing)
+    assert [link for link in shadowed if link.source_type in ("svc_b.src.app.views", "app.main")] == []
+    assert python_calls(shadowing) == {}
     calls = _by_name(python_calls(sources))
     assert calls[("src/shoplib/cart.py", "src.shoplib.cart.checkout")] == (
         "src.shoplib.core.Cart",  # through the package's `*`

@@ -386,12 +386,12 @@ async def test_an_ingest_cancelled_while_it_reads_the_tree_stops_reading_it(
     stopped_at = progress.done["read"]
     await asyncio.sleep(1.0)
     assert progress.done["read"] <= stopped_at + 1 < progress.totals["read"]  # at most the file it was on
-    assert progress.totals["read"] == 601 + 2 * 601
+    assert progress.totals["read"] == 601 + 3 * 601
     whole = RecordedProgress()
     await Ingester(deployment.js, deployment.names, None, 65536, whole)._read(
         tmp_path / "big", {"pkg/a.py": "x = 1\n", "pkg/b.md": "# B\n"}, None
     )
-    assert whole.done["read"] == whole.totals["read"] == 4
+    assert whole.done["read"] == whole.totals["read"] == 5
 
 
 async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_deleted(
@@ -402,7 +402,8 @@ async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_delete
     from ontofabric.services.cli import _note_exclusions
 
     files = {"app.py": "def run():\n    return 1\n", "local_settings.py": "TOKEN = 'ab12'\n", "secrets/p.txt": "pw\n"}
-    others = {"web/a.KT": "", "web/b.kt": "", "Dockerfile": "", "dist/x.kt": "", "secrets/k.pem": "", "v/c.kt": ""}
+    others = {"web/a.kt": "", "web/b.kt": "", "Dockerfile": "", "dist/x.kt": "", "secrets/k.pem": "", "v/c.kt": ""}
+    others["NOTES.MD"] = ""  # not read: a review's was counted as .md, which the note says is read
     _write(tmp_path / "tree", {**files, **others})
     (tmp_path / "tree" / ".git").mkdir()  # a work tree: outside one no .gitignore applies, as for git
     ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
@@ -411,9 +412,9 @@ async def test_what_gitignore_leaves_out_is_not_published_and_what_was_is_delete
     (tmp_path / "tree" / ".gitignore").write_text("local_settings.py\nsecrets/\ndist/\n")
     report = await ingester.ingest(tmp_path / "tree", "repo", exclude=["v"])
     assert report.ignored == ("secrets/", "local_settings.py")
-    assert report.other_kinds == ((".kt", 2), ("Dockerfile", 1))
+    assert report.other_kinds == ((".kt", 2), (".MD", 1), ("Dockerfile", 1))
     _note_exclusions(report, "repo", "main")
-    assert "3 files of kinds this ingester does not read are not indexed (.kt 2, Dockerfile 1); it reads .py, " in (
+    assert "4 files of kinds this ingester does not read are not indexed (.kt 2, .MD 1, Dockerfile 1); it reads " in (
         " ".join(capsys.readouterr().err.split())
     )
     assert report.deletes == 2  # what the first ingest published of them
@@ -1006,6 +1007,7 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     (tree / "stray.md").write_bytes(b"# Guide\nEnd of the page \x96 bye\n")
     (tree / "stray.py").write_bytes(b"x = 1  # caf\xe9\n")
     (tree / "mixed.md").write_bytes("# Caf\u00e9, then a stray ".encode() + b"\x96 byte in a longer line of prose\n")
+    (tree / "quoted.md").write_bytes("\u201cCAF\u00c9\u201d est ferm\u00e9, l\u2019\u00e9t\u00e9\n".encode("cp1252"))
     (tree / "binary.md").write_bytes(b"# \x00\x01\x02")
     with capture_logs() as logged:
         read = read_tree(tree)
@@ -1017,9 +1019,11 @@ def test_links_and_files_that_are_not_regular_are_not_read(tmp_path: Path) -> No
     # replaced.
     assert (read["stray.md"], read["stray.py"]) == ("# Guide\nEnd of the page \u2013 bye\n", "x = 1  # caf\u00e9\n")
     assert read["mixed.md"] == "# Caf\u00e9, then a stray \ufffd byte in a longer line of prose\n"
+    # `\u00c9\u201d` in Windows-1252 reads as one UTF-8 character: 8-bit all the same, by the count (a review's).
+    assert read["quoted.md"] == "\u201cCAF\u00c9\u201d est ferm\u00e9, l\u2019\u00e9t\u00e9\n"
     assert (read["odd.py"], read["rot.py"]) == ("# -*- coding: no-such-codec -*-\nx = 1\n", "# coding: rot13\nk = 1\n")
     not_utf8 = sorted(entry["path"] for entry in logged if entry["event"] == "ingest_file_not_utf8")
-    assert not_utf8 == ["mixed.md", "odd.py", "rot.py", "stray.md", "stray.py"]
+    assert not_utf8 == ["mixed.md", "odd.py", "quoted.md", "rot.py", "stray.md", "stray.py"]
     assert "binary.md" not in read  # NUL: not text at all
 
 
@@ -1081,6 +1085,7 @@ def test_directories_of_tools_output_are_left_out_unless_they_are_packages(tmp_p
             "pkg/operations/build/__init__.py": "", "pkg/operations/build/wheel.py": "",
             "build/lib/pkg/x.py": "", "dist/y.py": "", ".tox/z.py": "", "pkg/core.py": "",
             "svc/vendor/github.com/pkg/errors/README.md": "", "pkg/vendor/__init__.py": "",
+            "crate/target/debug/build/x.rs": "", ".github/workflows/deploy.yml": "", ".idea/notes.md": "",
         },
     )  # fmt: skip
     assert set(read_tree(tmp_path)) == {
@@ -1088,6 +1093,7 @@ def test_directories_of_tools_output_are_left_out_unless_they_are_packages(tmp_p
         "pkg/operations/build/wheel.py",
         "pkg/core.py",
         "pkg/vendor/__init__.py",
+        ".github/workflows/deploy.yml",  # a hidden directory read all the same: CI workflows
     }
 
 
@@ -1130,7 +1136,7 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
         {
             "geometry.py": "def circle_area(radius):\n    return 3.14159 * radius ** 2\n",
             "tests/test_geometry.py": "def test_area():\n    assert circle_area(1) > 3\n",
-            "vendor/lib.py": "def vendored():\n    return 1\n",
+            "extern/lib.py": "def vendored():\n    return 1\n",
         },
     )
     env = {
@@ -1147,14 +1153,14 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
         assert ran.returncode == 0, ran.stderr
         return {line for line in ran.stdout.splitlines() if "files," in line}, ran.stderr
 
-    _, said = await asyncio.to_thread(ingest, "--exclude", "tests", "--exclude", "./vendor/*")
+    _, said = await asyncio.to_thread(ingest, "--exclude", "tests", "--exclude", "./extern/*")
     assert "note:" not in said  # the first ingest: nothing to differ from
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
     assert {r["file_path"] for r in files} == {"geometry.py"}
     _, said = await asyncio.to_thread(ingest)  # all of it, and the ingest says its patterns changed
-    assert "the last ingest of repo/main excluded tests 'vendor/*'; this one excludes nothing" in said
+    assert "the last ingest of repo/main excluded 'extern/*' tests; this one excludes nothing" in said
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
-    assert {r["file_path"] for r in files} == {"geometry.py", "tests/test_geometry.py", "vendor/lib.py"}
+    assert {r["file_path"] for r in files} == {"geometry.py", "tests/test_geometry.py", "extern/lib.py"}
     (report,), said = await asyncio.to_thread(ingest, "--exclude", "tests")  # the tests' chunks go again
     assert "0 upserts, 2 deletes" in report
     assert "excluded nothing; this one excludes tests" in said
@@ -1174,7 +1180,7 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     assert refused.returncode == 2
     assert "leaves out every source file" in refused.stderr
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
-    assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    assert {r["file_path"] for r in files} == {"geometry.py", "extern/lib.py"}
     # A branch ingested with other patterns than main's is told so; with main's, it is not.
     _, said = await asyncio.to_thread(ingest, "--branch", "feature/x")
     assert "repo/main was last ingested excluding nomatch tests; this ingest of feature/x excludes nothing" in said
@@ -1197,7 +1203,7 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     assert "holds no source file" in refused.stderr
     assert "would take 4 documents out of repo/main" in " ".join(refused.stderr.split())
     files = await deployment.fetch("SELECT DISTINCT file_path FROM documents WHERE workspace = 'repo' AND NOT deleted")
-    assert {r["file_path"] for r in files} == {"geometry.py", "vendor/lib.py"}
+    assert {r["file_path"] for r in files} == {"geometry.py", "extern/lib.py"}
     # A branch whose main was never ingested: its documents would go as reverts, not deletes (the review's case).
     alone = await asyncio.to_thread(
         subprocess.run, [ontofabric, "ingest", str(tree), "--workspace", "solo", "--branch", "feature/y"], env=env,

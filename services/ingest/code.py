@@ -8,7 +8,9 @@ Only the chunks: no calls, graph or exports are read of these languages (:mod:`g
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -53,11 +55,16 @@ _JAVASCRIPT_DECLARATIONS: dict[str, tuple[str, ChunkLevel]] = {
     "type_alias_declaration": ("type", "type"),
     "method_definition": ("method", "method"),
     "abstract_method_signature": ("method", "method"),
+    "method_signature": ("method", "method"),  # an interface's or a declared class's
     "variable_declarator": ("function", "method"),  # only when it holds a function (:func:`_holds_function`)
+    "field_definition": ("method", "method"),  # `handleClick = () => {...}` in a class: only holding a function
+    "public_field_definition": ("method", "method"),
+    "function_signature": ("function", "method"),  # `declare function f(): T;` of a .d.ts
 }
 _JAVASCRIPT_CONTAINERS = frozenset(
-    {"export_statement", "class_body", "lexical_declaration", "variable_declaration", "expression_statement"}
-)
+    {"export_statement", "class_body", "lexical_declaration", "variable_declaration", "expression_statement",
+     "ambient_declaration"}
+)  # fmt: skip
 
 LANGUAGES: dict[str, Language] = {
     ".ts": Language("typescript", tree_sitter_typescript.language_typescript, _JAVASCRIPT_DECLARATIONS,
@@ -76,7 +83,7 @@ LANGUAGES: dict[str, Language] = {
         tree_sitter_rust.language,
         {"function_item": ("function", "method"), "struct_item": ("struct", "type"), "enum_item": ("enum", "type"),
          "trait_item": ("trait", "type"), "union_item": ("struct", "type"), "type_item": ("type", "type"),
-         "function_signature_item": ("method", "method")},
+         "function_signature_item": ("method", "method"), "macro_definition": ("macro", "method")},
         frozenset({"impl_item", "declaration_list", "mod_item", "trait_item"}),
     ),
     ".java": Language(
@@ -102,8 +109,18 @@ chunk alone, not one per declaration."""
 MAX_DEPTH = 100
 """How many nodes holding declarations deep declarations are read (a class in a class, an ``export``, a body)."""
 _COMMENTS = frozenset({"comment", "line_comment", "block_comment"})
+_ATTRIBUTES = frozenset({"attribute_item", "decorator"})
+"""What stands between a declaration and its doc comment: Rust's ``#[...]``, TypeScript's ``@Decorator``."""
+_SIGNATURES = frozenset({"method_signature", "function_signature"})
+_HOLDERS = frozenset({"variable_declarator", "field_definition", "public_field_definition"})
+"""Declarations that are a function's only when they hold one (:func:`_holds_function`)."""
+_BINDINGS = frozenset({"variable_declarator", "const_spec", "var_spec", "const_item", "static_item"})
+_BINDING_LISTS = frozenset(
+    {"export_statement", "lexical_declaration", "variable_declaration", "const_declaration", "var_declaration",
+     "var_spec_list"}
+)  # fmt: skip
 _NAMESPACES = frozenset({"mod_item", "internal_module", "module"})
-_WRAPPERS = frozenset({"export_statement", "lexical_declaration", "variable_declaration"})
+_WRAPPERS = frozenset({"export_statement", "lexical_declaration", "variable_declaration", "ambient_declaration"})
 _FUNCTION_VALUES = frozenset({"arrow_function", "function_expression", "function", "generator_function"})
 
 
@@ -119,7 +136,7 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     alone, with the reason as its ``parse_error``; so too a minified file."""
     suffix = path[path.rfind(".") :]
     language = LANGUAGES[suffix]
-    module = path.removesuffix(suffix).replace("/", ".")
+    module = path.removesuffix(suffix).removesuffix(".d").replace("/", ".")  # `index.d.ts` is `index`
     module_type = object_type_name(module)
     keys = UniqueKeys()
     lines = file_lines(source)
@@ -147,8 +164,15 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     if unread is not None:
         return [replace(file_chunk, parse_error=unread)]
     tree = _parser(suffix).parse(source.encode("utf-8"))
-    chunks = [file_chunk]
-    for kind, level, qualname, span in _declarations(tree.root_node, language, ()):
+    # Lines as chunking.file_lines counts them (a lone CR ends one too: tree-sitter's rows count only LFs).
+    starts = [0, *itertools.accumulate(len(line.encode("utf-8")) for line in lines)][:-1]
+
+    def line_of(byte: int) -> int:
+        return bisect.bisect_right(starts, byte)
+
+    # Constants and variables at the file's level, named by the file's chunk (as a Python module's are).
+    chunks = [replace(file_chunk, defines=tuple(dict.fromkeys(_defined(tree.root_node))))]
+    for kind, level, qualname, span in _declarations(tree.root_node, language, line_of, ()):
         owner = qualname.rpartition(".")[0]
         object_type = object_type_name(f"{module}.{qualname}") if level == "type" else (
             object_type_name(f"{module}.{owner}") if owner else module_type
@@ -159,7 +183,12 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
 
 
 def _declarations(
-    node: tree_sitter.Node, language: Language, owners: tuple[str, ...], in_type: bool = False, depth: int = 0
+    node: tree_sitter.Node,
+    language: Language,
+    line_of: Callable[[int], int],
+    owners: tuple[str, ...],
+    in_type: bool = False,
+    depth: int = 0,
 ) -> Iterator[tuple[str, ChunkLevel, str, tuple[int, int]]]:
     """Each declaration under ``node``: its kind, level, qualified name within the file (under ``owners``: the types
     and namespaces holding it; ``in_type``: the last a type, whose functions are methods), and its lines (1-based,
@@ -174,34 +203,62 @@ def _declarations(
         if (
             declared is not None
             and name is not None
-            and (child.type != "variable_declarator" or _holds_function(child))
+            and (child.type not in _HOLDERS or _holds_function(child))
+            and not _implemented_below(child, name)
         ):
             kind, level = declared
+            if child.type == "constructor_declaration":  # Java's is named as its class is
+                name = "constructor"
             if kind == "function" and in_type:
                 kind = "method"
             elif child.type == "type_spec":  # Go: `type Server struct`, `type Store interface`
                 shape = child.child_by_field_name("type")
                 kind = {"struct_type": "struct", "interface_type": "interface"}.get(shape.type if shape else "", kind)
-            yield kind, level, ".".join([*owners, name]), _span(child)
+            yield kind, level, ".".join([*owners, name]), _span(child, line_of)
             body = child.child_by_field_name("body")
             if body is not None and level == "type":
-                yield from _declarations(body, language, (*owners, name), True, depth)
+                yield from _declarations(body, language, line_of, (*owners, name), True, depth)
         elif child.type == "impl_item":  # Rust: the methods of the type it implements
             implemented = child.child_by_field_name("type")
             body = child.child_by_field_name("body")
             if implemented is not None and body is not None:
-                yield from _declarations(body, language, (*owners, _type_name(implemented)), True, depth)
+                yield from _declarations(body, language, line_of, (*owners, _type_name(implemented)), True, depth)
         elif child.type in _NAMESPACES and (space := _name(child)) is not None:  # `mod net {}`, `namespace Api {}`
             body = child.child_by_field_name("body")
             if body is not None:
-                yield from _declarations(body, language, (*owners, space), False, depth)
+                yield from _declarations(body, language, line_of, (*owners, space), False, depth)
         elif child.type in language.containers:
-            yield from _declarations(child, language, owners, in_type, depth)
+            yield from _declarations(child, language, line_of, owners, in_type, depth)
+
+
+def _defined(root: tree_sitter.Node) -> Iterator[str]:
+    """The names a file's own level binds to what is no function: ``const``, ``let``, ``var`` (JavaScript's and
+    TypeScript's, exported or not), Go's ``const`` and ``var``, Rust's ``const`` and ``static``."""
+    pending = list(root.named_children)
+    while pending:
+        node = pending.pop(0)
+        if node.type in _BINDINGS and not _holds_function(node):
+            for named in node.children_by_field_name("name"):
+                if named.type == "identifier" and named.text is not None:
+                    yield named.text.decode("utf-8", errors="replace")
+        elif node.type in _BINDING_LISTS:
+            pending[:0] = node.named_children
+
+
+def _implemented_below(node: tree_sitter.Node, name: str) -> bool:
+    """Whether ``node`` is a signature an implementation of the same name follows (TypeScript's overloads): it goes
+    with that implementation's chunk (:func:`_span`)."""
+    if node.type not in _SIGNATURES:
+        return False
+    below = node.next_named_sibling
+    while below is not None and (below.type in _COMMENTS or (below.type in _SIGNATURES and _name(below) == name)):
+        below = below.next_named_sibling
+    return below is not None and _name(below) == name
 
 
 def _name(node: tree_sitter.Node) -> str | None:
     """A declaration's own name; a Go method's with its receiver's type before it (``Server.Start``)."""
-    named = node.child_by_field_name("name")
+    named = node.child_by_field_name("name") or node.child_by_field_name("property")
     if named is None or named.text is None:
         return None
     name = named.text.decode("utf-8", errors="replace")
@@ -214,27 +271,47 @@ def _name(node: tree_sitter.Node) -> str | None:
 
 
 def _type_name(node: tree_sitter.Node) -> str:
-    """The name of the type an ``impl`` block implements (``Vec<T>`` is ``Vec``)."""
-    found = next((n for n in _walk(node) if n.type in ("type_identifier", "identifier")), node)
-    return (found.text or b"").decode("utf-8", errors="replace")
+    """The name of the type an ``impl`` block implements (``Vec<T>`` is ``Vec``, ``io::Error`` is ``Error``); a
+    type of no name (``[u8; 4]``) is ``impl``."""
+    found = next((n for n in _walk(node) if n.type == "type_identifier"), None) or next(
+        (n for n in _walk(node) if n.type in ("identifier", "primitive_type")), None
+    )
+    return (found.text or b"impl").decode("utf-8", errors="replace") if found is not None else "impl"
 
 
-def _holds_function(declarator: tree_sitter.Node) -> bool:
-    value = declarator.child_by_field_name("value")
+def _holds_function(holder: tree_sitter.Node) -> bool:
+    """Whether a variable or a class's field is bound to a function (an arrow function, a function expression)."""
+    value = holder.child_by_field_name("value")
     return value is not None and value.type in _FUNCTION_VALUES
 
 
-def _span(node: tree_sitter.Node) -> tuple[int, int]:
-    """The lines of a declaration with the comments right above it (a JSDoc, a Go or Rust doc comment), and with
-    the ``export`` or declaration list holding it when it is their only declaration (``export const f = ...``)."""
-    while node.parent is not None and node.parent.type in _WRAPPERS and node.parent.named_child_count == 1:
+def _span(node: tree_sitter.Node, line_of: Callable[[int], int]) -> tuple[int, int]:
+    """The lines of a declaration (``line_of``: a byte's line) with the comments right above it (a JSDoc, a Go or
+    Rust doc comment), its attributes and decorators, and the overload signatures of its name, those with no code
+    before them on their line; and with the ``export`` or declaration list holding it when it is their only
+    declaration (``export const f = ...``)."""
+    name = _name(node)
+    while node.parent is not None and node.parent.type in _WRAPPERS and _declared_alone(node.parent):
         node = node.parent
-    first, last = node.start_point.row + 1, node.end_point.row + 1
+    first, last = line_of(node.start_byte), line_of(max(node.start_byte, node.end_byte - 1))
     above = node.prev_sibling
-    while above is not None and above.type in _COMMENTS and above.end_point.row + 1 >= first - 1:
-        first = above.start_point.row + 1
-        above = above.prev_sibling
+    while above is not None and line_of(max(above.start_byte, above.end_byte - 1)) >= first - 1:
+        if not above.is_named:  # a `;` ending the signature above
+            above = above.prev_sibling
+            continue
+        if not (above.type in _COMMENTS | _ATTRIBUTES or (above.type in _SIGNATURES and _name(above) == name)):
+            break
+        before = above.prev_sibling
+        if before is not None and line_of(max(before.start_byte, before.end_byte - 1)) >= line_of(above.start_byte):
+            break  # a comment after code on its line (`a = 1; // the first`) is that code's
+        first = line_of(above.start_byte)
+        above = before
     return first, last
+
+
+def _declared_alone(wrapper: tree_sitter.Node) -> bool:
+    """Whether an ``export`` or a declaration list holds one declaration (its decorators and comments aside)."""
+    return sum(1 for child in wrapper.named_children if child.type not in _ATTRIBUTES | _COMMENTS) == 1
 
 
 def _walk(node: tree_sitter.Node) -> Iterator[tree_sitter.Node]:

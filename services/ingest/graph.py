@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -90,7 +91,8 @@ def _import_names(modules: Mapping[str, _Module]) -> dict[str, _Module]:
     leads with directories that are no packages. A name two modules would take, or a module of the tree has, is
     not given: a tester's "what calls compute_total" over a ``src`` layout found no caller."""
     packages = {module.path.rpartition("/")[0] for module in modules.values() if module.is_package}
-    names: dict[str, _Module | None] = {}
+    names: dict[str, _Module] = {}
+    roots: dict[str, set[str]] = {}  # a package's name -> the directories holding a package of that name
     for module in modules.values():
         *directories, file = module.path.split("/")
         top = len(directories)
@@ -100,9 +102,13 @@ def _import_names(modules: Mapping[str, _Module]) -> dict[str, _Module]:
             continue
         stem = file.removesuffix(".py")
         name = ".".join([*directories[top:], *([] if stem == "__init__" else [stem])])
+        roots.setdefault(directories[top], set()).add("/".join(directories[:top]))
         if name not in modules:
-            names[name] = None if name in names else module
-    return {name: module for name, module in names.items() if module is not None}
+            names[name] = module
+    # Not a package two directories hold (two services' `app`: one's `app.models` is not the other's), nor one
+    # named as the standard library's modules (a test fixture's `json` is not what `import json` imports).
+    shared = {package for package, held in roots.items() if len(held) > 1 or package in sys.stdlib_module_names}
+    return {name: module for name, module in names.items() if name.partition(".")[0] not in shared}
 
 
 class _Resolver:
@@ -560,10 +566,11 @@ def _all_of(tree: ast.Module) -> tuple[str, ...] | None:
 
 
 def python_graph(
-    sources: Mapping[str, str] | PythonTree, package: str | None = None
+    sources: Mapping[str, str] | PythonTree, package: str | None = None, tick: Callable[[], object] = lambda: None
 ) -> tuple[list[GraphNode], list[GraphLink]]:
     """Nodes and links of the Python files ``sources`` (relative path -> text, or as :func:`read_python` read
-    them; ``package``: the tree's own package name, see :func:`chunking.module_name`, for sources as text)."""
+    them; ``package``: the tree's own package name, see :func:`chunking.module_name`, for sources as text).
+    ``tick``: called before each module's links are read."""
     tree = _tree_of(sources, package)
     modules, resolver = tree.modules, tree.resolver
 
@@ -592,6 +599,7 @@ def python_graph(
     # odd source never stops an ingest; its documents are ingested all the same.
     nodes = {t: n for t, n in nodes.items() if _representable(n)}
     for module in modules.values():
+        tick()
         for found in ast.walk(module.tree):
             if isinstance(found, ast.Import):
                 for alias in found.names:

@@ -85,12 +85,16 @@ log = get_logger(__name__)
 
 SKIPPED_DIRECTORIES = {
     "__pycache__", "node_modules", "build", "dist", "site-packages", "venv", ".venv", ".git", ".tox", ".eggs",
-    "vendor",
+    "vendor", "target",
 }  # fmt: skip
 """Directories of tools' output and of others' code, left out at any depth (as are hidden ones and
 ``*.egg-info``), unless they hold an ``__init__.py``: then they are a package of the tree (pip's
 ``operations/build`` was left out, an ingest tester's; pip's ``_vendor`` is its own). ``vendor``: Go's and PHP's
-dependencies, whose READMEs ranked above a monorepo tester's own for "how do I run the tests"."""
+dependencies, whose READMEs ranked above a monorepo tester's own for "how do I run the tests"; ``target``: Rust's
+and Maven's build output."""
+VISIBLE_HIDDEN_DIRECTORIES = {".github"}
+"""Hidden directories read all the same: a repository's CI workflows and templates (a monorepo tester's "what does
+the deploy workflow do" found nothing)."""
 SOURCE_SUFFIXES = (".py", *DOCUMENT_FORMATS, *CODE_SUFFIXES)
 LOCKFILES = frozenset({"pnpm-lock.yaml"})
 """Files under a source suffix that a package manager writes: thousands of lines no question is about."""
@@ -137,7 +141,7 @@ def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
 def _tools_output(directory: Path, name: str) -> bool:
     """Whether a directory is left out as hidden or as tools' output (:data:`SKIPPED_DIRECTORIES`)."""
     if name.startswith("."):
-        return True
+        return name not in VISIBLE_HIDDEN_DIRECTORIES
     if name not in SKIPPED_DIRECTORIES and not name.endswith(".egg-info"):
         return False
     try:
@@ -216,10 +220,10 @@ def collector_paused() -> Iterator[None]:
 
 
 def file_kind(name: str) -> str:
-    """What kind of file a name says: its suffix in lower case (``.ts``), else the name (``Dockerfile``, a
-    lockfile's)."""
-    suffix = Path(name).suffix.lower()
-    return suffix if suffix and suffix != name.lower() and name not in LOCKFILES else name
+    """What kind of file a name says: its suffix (``.kt``; ``.MD`` is not ``.md``, which is read), else the name
+    (``Dockerfile``, a lockfile's)."""
+    suffix = Path(name).suffix
+    return suffix if suffix and suffix != name and name not in LOCKFILES else name
 
 
 def _walk(root: Path, unlisted: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -336,13 +340,13 @@ def read_sources(
     with collector_paused():
         python = python_of(sources, package, max_file_bytes, tick)
         chunked = chunk_sources(root, sources, max_content_bytes, package or "", python, max_file_bytes, tick)
-        return chunked, python_graph(python), defining_files(python)
+        return chunked, python_graph(python, tick=tick), defining_files(python)
 
 
 def reading_steps(sources: Mapping[str, str]) -> int:
     """How many times :func:`read_sources` ticks: each Python file parsed, each file chunked, each Python file's
-    calls read (at most)."""
-    return len(sources) + 2 * sum(1 for path in sources if path.endswith(".py"))
+    calls and links read (at most)."""
+    return len(sources) + 3 * sum(1 for path in sources if path.endswith(".py"))
 
 
 def chunk_sources(
@@ -382,7 +386,7 @@ def chunk_sources(
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
         published = _aliases(chunk, exports) if chunk.chunk_level != "doc" else []
-        if chunk.chunk_level != "doc":  # a package below the tree's top (a src layout) by the name it is imported by
+        if chunk.chunk_level != "doc" and chunk.source_domain == "python":  # a src layout's, by its import name
             own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
             named = [*([own] if own else []), *published, *(name for name in others if name)]
             published = list(dict.fromkeys(named))

@@ -74,8 +74,9 @@ def decoded(data: bytes, python: bool, name: str = "") -> str:
     """A source file's text, newlines as ``Path.read_text`` reads them: in the encoding its byte-order mark names
     (UTF-8, UTF-16 or UTF-32), else as Python decodes a source file (``python``: what a ``coding`` line names) or
     UTF-8, a UTF-8 byte-order mark dropped. A file that is not valid in that encoding (a stray Windows-1252 byte,
-    Latin-1 text without a coding line, a coding line naming no text codec) is read in its mark's encoding, or
-    UTF-8, with each byte that is not replaced by U+FFFD, logged: a text with a bad byte, not a file gone. It was
+    a coding line naming no text codec) is read in its mark's encoding, or UTF-8, with each byte that is not
+    replaced by U+FFFD, logged: a text with a bad byte, not a file gone; one that is mostly 8-bit text (Latin-1
+    without a coding line) as Windows-1252 (:data:`_UTF8_SEQUENCE`). It was
     skipped, and so deleted from the index, at the first bad byte (a tester's 62 KB page, for one byte at its end).
     UnicodeError when more than NOT_TEXT_SHARE of it would be replaced: not text."""
     marked = next((codec for mark, codec in UNICODE_MARKS if data.startswith(mark)), None)
@@ -85,9 +86,12 @@ def decoded(data: bytes, python: bool, name: str = "") -> str:
             encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
         return io.TextIOWrapper(io.BytesIO(data), encoding=encoding or "utf-8-sig").read()
     except (SyntaxError, UnicodeError, LookupError) as error:  # LookupError: a codec that is no text codec
-        eight_bit = marked is None and not data.isascii() and not _UTF8_SEQUENCE.search(data)
-        read_as = "cp1252" if eight_bit else marked or "utf-8-sig"
-        text = io.TextIOWrapper(io.BytesIO(data), encoding=read_as, errors="replace").read()
+        text = io.TextIOWrapper(io.BytesIO(data), encoding=marked or "utf-8-sig", errors="replace").read()
+        # More bytes that are no UTF-8 than characters that are: 8-bit text (`É”` in Windows-1252 reads as one
+        # UTF-8 character, a review's; a UTF-8 page with one stray byte holds many of its own).
+        eight_bit = marked is None and len(_UTF8_SEQUENCE.findall(data)) < text.count("\ufffd")
+        if eight_bit:
+            text = io.TextIOWrapper(io.BytesIO(data), encoding="cp1252", errors="replace").read()
         if "\0" in text:  # not text: skipped as such (read_tree)
             return text
         replaced = text.count("\ufffd")  # with any the file held already
@@ -113,6 +117,6 @@ def decoded(data: bytes, python: bool, name: str = "") -> str:
 _CONTROL = re.compile("[\x01-\x08\x0b\x0e-\x1f\x7f]")
 """Control characters no text holds (tabs, line ends and form feeds aside)."""
 _UTF8_SEQUENCE = re.compile(rb"[\xc2-\xdf][\x80-\xbf]|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf4][\x80-\xbf]{3}")
-"""A character of UTF-8 beyond ASCII. A file not valid as UTF-8 that holds none is in an 8-bit encoding, read as
-Windows-1252, as a browser reads a page naming none (a tester's Latin-1 changelog read "Am\ufffdlioration"); one
-that holds some is UTF-8 with a stray byte."""
+"""A character of UTF-8 beyond ASCII. A file not valid as UTF-8 that holds fewer of them than bytes that are not is
+in an 8-bit encoding, read as Windows-1252, as a browser reads a page naming none (a tester's Latin-1 changelog read
+"Am\ufffdlioration"); one that holds more is UTF-8 with a stray byte."""

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from ontofabric.services.ingest.chunking import chunk_file
 from ontofabric.services.ingest.code import MINIFIED_LINE_CHARS
@@ -194,3 +195,16 @@ export const LIMIT = 3, helper = () => 1;
     ]  # fmt: skip
     go = "package x\n\nconst A, B = 1, 2\n\nvar (\n\tC = 3\n)\n"
     assert chunk_file("x.go", go, 65536)[0].defines == ("A", "B", "C")
+
+
+def test_java_and_go_declarations_are_named_by_their_package_too_and_a_syntax_error_is_said() -> None:
+    """A polyglot tester's `server.Handle` found Go's method `Server.Handle`, and `com.squareup.javapoet.TypeSpec`
+    nothing; an unclosed Java method took the next one into it without a word."""
+    java = "package com.acme;\n\nclass Tax {\n  double vat() { return 1 }\n  void b() {}\n}\n"
+    with capture_logs() as logs:
+        chunks = chunk_file("src/Tax.java", java, 65536)
+    assert [(c.symbol_fqn, c.aliases) for c in chunks[1:2]] == [("src.Tax.Tax", ("com.acme.Tax",))]
+    assert [(e["event"], e["line"]) for e in logs] == [("ingest_code_not_parsed_whole", 4)]
+    go = "package server\n\nfunc Handle() {}\n"
+    assert chunk_file("srv/other.go", go, 65536)[1].aliases == ("server.Handle",)
+    assert chunk_file("web/a.ts", "export function f() {}\n", 65536)[1].aliases == ()  # no package declared

@@ -21,6 +21,8 @@ import tree_sitter_javascript
 import tree_sitter_rust
 import tree_sitter_typescript
 
+from ontofabric.shared.logging import get_logger
+
 from .chunking import (
     Chunk,
     ChunkLevel,
@@ -32,6 +34,8 @@ from .chunking import (
     object_type_name,
     truncate_utf8,
 )
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,13 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     def line_of(byte: int) -> int:
         return bisect.bisect_right(starts, byte)
 
+    broken = _first_error(tree.root_node)
+    if broken is not None:  # what the parser recovered is kept; what it could not, the file's chunk still holds
+        log.warning(
+            "ingest_code_not_parsed_whole", path=path, line=line_of(broken.start_byte),
+            reason="a syntax error: declarations around it may be missing or merged",
+        )  # fmt: skip
+    package = _package(tree.root_node)
     # Constants and variables at the file's level, named by the file's chunk (as a Python module's are).
     chunks = [replace(file_chunk, defines=tuple(dict.fromkeys(_defined(tree.root_node))))]
     for kind, level, qualname, span in _declarations(tree.root_node, language, line_of, ()):
@@ -178,8 +189,32 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
             object_type_name(f"{module}.{owner}") if owner else module_type
         )  # fmt: skip
         key = f"{language.domain}:{path}/{qualname}" + ("#" if level == "type" else "().")
-        chunks.append(make(key, kind, f"{module}.{qualname}", level, object_type, span))
+        made = make(key, kind, f"{module}.{qualname}", level, object_type, span)
+        # By its package's name too, as the language names it (`com.acme.TaxCalculator`, Go's `server.Handle`).
+        chunks.append(replace(made, aliases=(bounded_symbol(f"{package}.{qualname}"),)) if package else made)
     return chunks
+
+
+def _package(root: tree_sitter.Node) -> str | None:
+    """The package a Java or Go file declares (``package com.acme;``, ``package server``)."""
+    for node in root.named_children:
+        if node.type in ("package_declaration", "package_clause"):
+            named = next((n for n in node.named_children if n.type != "comment"), None)
+            return named.text.decode("utf-8", errors="replace") if named is not None and named.text else None
+    return None
+
+
+def _first_error(root: tree_sitter.Node) -> tree_sitter.Node | None:
+    """The first node the parser could not read, or had to make up, breadth first; None in a file that parses."""
+    if not root.has_error:
+        return None
+    pending = [root]
+    while pending:
+        node = pending.pop(0)
+        if node.is_error or node.is_missing:
+            return node
+        pending.extend(child for child in node.children if child.has_error or child.is_missing)
+    return None
 
 
 def _declarations(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -129,8 +130,19 @@ _FUNCTION_VALUES = frozenset({"arrow_function", "function_expression", "function
 
 
 @functools.cache
+def _language(suffix: str) -> tree_sitter.Language:
+    return tree_sitter.Language(LANGUAGES[suffix].grammar())
+
+
+_PARSERS = threading.local()
+"""A parser per thread and language: a parser holds the state of its parse, and two ingests may read at once."""
+
+
 def _parser(suffix: str) -> tree_sitter.Parser:
-    return tree_sitter.Parser(tree_sitter.Language(LANGUAGES[suffix].grammar()))
+    parsers: dict[str, tree_sitter.Parser] = _PARSERS.__dict__.setdefault("by_suffix", {})
+    if suffix not in parsers:
+        parsers[suffix] = tree_sitter.Parser(_language(suffix))
+    return parsers[suffix]
 
 
 def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:

@@ -158,6 +158,23 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     return encoded[:max_bytes].decode("utf-8", errors="ignore")
 
 
+def cut_chunk(
+    whole: Chunk, max_content_bytes: int, span: tuple[int, int] | None, lines_of_content: bool = True
+) -> Chunk:
+    """``whole`` (its content the symbol's whole text) with its content cut to ``max_content_bytes``, its names
+    within MAX_SYMBOL_CHARS, and the lines ``span`` states (``lines_of_content``: the content is those lines, so
+    a cut one states fewer)."""
+    kept, cut = truncate_utf8(whole.content, max_content_bytes), cut_from(whole.content, max_content_bytes)
+    return replace(
+        whole,
+        symbol_key=bounded_symbol(whole.symbol_key),
+        symbol_fqn=bounded_symbol(whole.symbol_fqn),
+        content=kept,
+        cut_from_bytes=cut,
+        lines=lines_kept(span, kept, cut is not None and lines_of_content),
+    )
+
+
 def lines_kept(lines: tuple[int, int] | None, kept: str, cut: bool) -> tuple[int, int] | None:
     """The lines a chunk states: its text's in the file, or, when its text was cut to the content limit, those the
     start it keeps reaches (the last one perhaps in part). A tester's 4,000-line function said lines 4-4006 of a
@@ -278,20 +295,11 @@ def chunk_python(
     def make(
         key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, content: str, span: tuple[int, int] | None
     ) -> Chunk:
-        kept, cut = truncate_utf8(content, max_content_bytes), cut_from(content, max_content_bytes)
-        return Chunk(
-            symbol_key=bounded_symbol(keys.unique(key)),
-            symbol_kind=kind,
-            symbol_fqn=bounded_symbol(fqn),
-            chunk_level=level,
-            object_type=object_type,
-            source_domain="python",
-            file_path=path,
-            content=kept,
-            cut_from_bytes=cut,
-            # A docstring's text is cleaned (its first line dropped, indents taken off): its literal's lines stand.
-            lines=lines_kept(span, kept, cut is not None and kind != "docstring"),
-        )
+        # A docstring's text is cleaned (its first line dropped, indents taken off): its literal's lines stand.
+        return cut_chunk(
+            Chunk(keys.unique(key), kind, fqn, level, object_type, "python", path, content),
+            max_content_bytes, span, lines_of_content=kind != "docstring",
+        )  # fmt: skip
 
     lines = file_lines(source)  # an empty file has none to state
     chunks = [make(file_key, "module", module, "file", module_type, source, (1, len(lines)) if lines else None)]
@@ -721,21 +729,9 @@ def chunk_document(path: str, source: str, max_content_bytes: int, unread: str |
     for headings, text, lines in sections:
         trail = [h for h in headings if h]
         anchor = "/".join(re.sub(r"[^a-z0-9]+", "-", h.lower()).strip("-") for h in trail)
-        chunks.append(
-            Chunk(
-                symbol_key=bounded_symbol(keys.unique(f"{domain}:{path}#{anchor}")),
-                symbol_kind="section",
-                symbol_fqn=bounded_symbol(" > ".join([path, *trail])),
-                chunk_level="doc",
-                object_type=document_type,
-                source_domain=domain,
-                file_path=path,
-                content=(kept := truncate_utf8(text, max_content_bytes)),
-                cut_from_bytes=(cut := cut_from(text, max_content_bytes)),
-                lines=lines_kept(lines, kept, cut is not None),
-                parse_error=unread,
-            )
-        )
+        key, fqn = keys.unique(f"{domain}:{path}#{anchor}"), " > ".join([path, *trail])
+        whole = Chunk(key, "section", fqn, "doc", document_type, domain, path, text, parse_error=unread)
+        chunks.append(cut_chunk(whole, max_content_bytes, lines))
     return chunks
 
 

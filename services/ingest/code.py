@@ -29,11 +29,9 @@ from .chunking import (
     ChunkLevel,
     UniqueKeys,
     bounded_symbol,
-    cut_from,
+    cut_chunk,
     file_lines,
-    lines_kept,
     object_type_name,
-    truncate_utf8,
 )
 
 log = get_logger(__name__)
@@ -159,20 +157,9 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
 
     def make(key: str, kind: str, fqn: str, level: ChunkLevel, object_type: str, span: tuple[int, int]) -> Chunk:
         text = "".join(lines[span[0] - 1 : span[1]]) if level != "file" else source
-        kept, cut = truncate_utf8(text, max_content_bytes), cut_from(text, max_content_bytes)
-        return Chunk(
-            symbol_key=bounded_symbol(keys.unique(key)),
-            symbol_kind=kind,
-            symbol_fqn=bounded_symbol(fqn),
-            chunk_level=level,
-            object_type=object_type,
-            source_domain=language.domain,
-            file_path=path,
-            content=kept,
-            cut_from_bytes=cut,
-            lines=lines_kept(span, kept, cut is not None) if lines else None,
-            line=span[0] if level != "file" else 0,
-        )
+        line = span[0] if level != "file" else 0
+        whole = Chunk(keys.unique(key), kind, fqn, level, object_type, language.domain, path, text, line=line)
+        return cut_chunk(whole, max_content_bytes, span if lines else None)
 
     file_chunk = make(f"{language.domain}:{path}", "module", module, "file", module_type, (1, max(len(lines), 1)))
     if unread is None and lines and len(source) / len(lines) > MINIFIED_LINE_CHARS:

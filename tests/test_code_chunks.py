@@ -208,3 +208,39 @@ def test_java_and_go_declarations_are_named_by_their_package_too_and_a_syntax_er
     go = "package server\n\nfunc Handle() {}\n"
     assert chunk_file("srv/other.go", go, 65536)[1].aliases == ("server.Handle",)
     assert chunk_file("web/a.ts", "export function f() {}\n", 65536)[1].aliases == ()  # no package declared
+
+
+def test_overloads_go_once_with_the_last_and_go_types_keep_their_doc() -> None:
+    """A polyglot retest's: exported overloads were three chunks at 1.0 each, a `.d.ts` method's four signatures
+    four chunks each holding those above it; 19 of gorilla/mux's 32 types started below their doc comment; a
+    `.d.ts` of a few long lines was taken for minified; `export declare const` named nothing; `impl Display for
+    (A, B)` was named `A.fmt`."""
+    typescript = """\
+/** Formats. */
+export function formatAmount(a: number): string;
+export function formatAmount(a: string): string;
+export function formatAmount(a: any): string { return String(a); }
+export declare const VERSION: string;
+declare class Req {
+  param(key: string): string;
+  param(): Record<string, string>;
+  other(): void;
+}
+"""
+    chunks = chunk_file("sdk/a.d.ts", typescript, 65536)
+    assert [(c.symbol_fqn, c.lines) for c in chunks[1:]] == [
+        ("sdk.a.formatAmount", (1, 4)),
+        ("sdk.a.Req", (6, 10)),
+        ("sdk.a.Req.param", (7, 8)),
+        ("sdk.a.Req.other", (9, 9)),
+    ]
+    assert chunks[0].defines == ("VERSION",)
+    go = "package mux\n\n// Router registers routes.\ntype Router struct {\n\tx int\n}\n"
+    assert [(c.symbol_fqn, c.lines) for c in chunk_file("r.go", go, 65536)[1:]] == [("r.Router", (3, 6))]
+    long = "export type T = {" + "a: string; " * 220 + "};\n"
+    declared = long * 3 + "".join(f"export function f{n}() {{}}\n" for n in range(20))
+    assert len(chunk_file("types.d.ts", declared, 1 << 20)) == 24  # the file, T three times, 20 functions
+    assert [c.symbol_fqn for c in chunk_file("t.rs", "impl Display for (A, B) { fn fmt(&self) {} }\n", 65536)] == [
+        "t",
+        "t.impl.fmt",
+    ]

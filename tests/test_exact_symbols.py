@@ -668,7 +668,9 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert "'area' names more than one symbol (shapes.circle.Circle.area, shapes.square.area)" in render(shared)
     assert circle_callers.meta.relation.symbols_named is None
     # Callers found say what they may miss (an agent tester read a lone caller as the whole list).
-    assert "callers are read from the code's syntax" in render(circle_callers)
+    assert "callers are read from the code's syntax, Python's alone (calls in other languages are not read)" in render(
+        circle_callers
+    )
     assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"
     uncalled = await _ask(client, "who calls Circle.area")
     assert (uncalled.meta.relation_matches, uncalled.meta.relation) == (
@@ -1053,6 +1055,10 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     assert _names(found)[0] == "web.src.hooks.useCurrentUser.useCurrentUser (method)"
     assert (found.results[0].metadata["startLine"], found.results[0].metadata["endLine"]) == (2, 5)
     assert _names(await _ask(client, "RequireJWT", "mono"))[0] == "services.api.auth.middleware.RequireJWT (method)"
+    # By its Go package's name: a retest's package names were made, then lost on the way to the index.
+    by_package = await _ask(client, "auth.RequireJWT", "mono")
+    assert _names(by_package)[0] == "services.api.auth.middleware.RequireJWT (method)"
+    assert by_package.results[0].metadata["aliases"] == ["auth.RequireJWT"]
     by_path = await _ask(client, "services/api/auth/middleware.go", "mono")
     assert by_path.results[0].metadata["filePath"] == "services/api/auth/middleware.go"
     migration = await _ask(client, "which migration adds the paid_at column to invoices", "mono")

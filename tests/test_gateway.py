@@ -1797,8 +1797,10 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     assert "no indexed file matches paths *.go, docz: a pattern reads as ingest's --exclude reads one" in " ".join(
         nowhere.split()
     )
+    both = render(QueryResponse(results=[], _meta=meta), {"paths": ["src/*.py"], "excludePaths": ["*.py"]})
+    assert "no indexed file matches paths src/*.py less excludePaths *.py" in " ".join(both.split())  # a retest's
     assert "no indexed file matches" not in render(
-        QueryResponse(results=[], _meta=meta), {"paths": ["*.go"], "excludePaths": ["vendor"]}
+        QueryResponse(results=[], _meta=meta), {"paths": ["*.go"], "symbolKind": "function"}
     )
     # Not when something else may have emptied the answer: the budget, another filter, minRelevance, no index.
     cut = meta.model_copy(update={"budget": BudgetReport(max_tokens=1000, estimated_tokens=90, results_dropped=1)})

@@ -554,9 +554,10 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     if asked is not None and meta.relation_matches and asked.relation in ("callers", "callees"):
         # An agent tester read a lone caller at 1.0 as the whole list: Context.invoke has four, three through ctx.
         notes.append(
-            f"{asked.relation} are read from the code's syntax: a call through a parameter, an attribute or what a "
-            "call returned (ctx.invoke(), self.stream.expect()) is not seen, so there may be more"
-        )
+            f"{asked.relation} are read from the code's syntax, Python's alone (calls in other languages are not "
+            "read): a call through a parameter, an attribute or what a call returned (ctx.invoke(), "
+            "self.stream.expect()) is not seen, so there may be more"
+        )  # a retest's TypeScript caller went unsaid beside a Python one
     if asked is not None and asked.symbols_named:  # an agent tester's callers of three get_command, merged unsaid
         listed = ", ".join(printable(name) for name in asked.symbols_named) + (
             ", ..." if asked.more_symbols_named else ""
@@ -571,13 +572,17 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
             f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
             "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
         )
-    paths = arguments.get("paths")
-    if not reply.results and isinstance(paths, list) and _alone_selected_nothing(meta, arguments, "paths"):
+    paths, left_out = arguments.get("paths"), arguments.get("excludePaths")
+    if (
+        not reply.results
+        and isinstance(paths, list)
+        and _alone_selected_nothing(meta, {**arguments, "excludePaths": None}, "paths")
+    ):
+        less = f" less excludePaths {', '.join(printable(str(p)) for p in left_out)}" if left_out else ""
         notes.append(  # a monorepo tester's paths ["*.go"] and typo ["docz"] each answered a bare "0 results"
-            f"no indexed file matches paths {', '.join(printable(str(path)) for path in paths)}: a pattern reads as "
-            "ingest's --exclude "
-            "reads one (without / a file or directory name at any depth, with / a path from the tree's top); "
-            "ontology_status says what the workspace holds"
+            f"no indexed file matches paths {', '.join(printable(str(path)) for path in paths)}{less}: a pattern "
+            "reads as ingest's --exclude reads one (without / a file or directory name at any depth, with / a path "
+            "from the tree's top); ontology_status says what the workspace holds"
         )
     kind = arguments.get("symbolKind")
     if not reply.results and isinstance(kind, str) and _alone_selected_nothing(meta, arguments, "symbolKind"):

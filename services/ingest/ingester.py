@@ -385,7 +385,8 @@ def chunk_sources(
                 kept_bytes=max_content_bytes,
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
-        published = _aliases(chunk, exports) if chunk.chunk_level != "doc" else []
+        # What the chunk is named by already (a Go or Java package's name), then what the tree's Python publishes.
+        published = [*chunk.aliases, *(_aliases(chunk, exports) if chunk.chunk_level != "doc" else [])]
         if chunk.chunk_level != "doc" and chunk.source_domain == "python":  # a src layout's, by its import name
             own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
             named = [*([own] if own else []), *published, *(name for name in others if name)]

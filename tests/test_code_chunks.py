@@ -244,3 +244,12 @@ declare class Req {
         "t",
         "t.impl.fmt",
     ]
+
+
+def test_a_types_fields_are_named_by_its_chunk() -> None:
+    """A polyglot retest's Java `STANDARD_RATE` answered with a constructor: a type's fields that hold no function
+    are named by its chunk, as a Python class's attributes are."""
+    java = "class A { public static final double STANDARD_RATE = 0.2, LOW = 0.1; private int x; void f() {} }\n"
+    assert [c.defines for c in chunk_file("A.java", java, 65536)] == [(), ("STANDARD_RATE", "LOW", "x"), ()]
+    typescript = 'class C { label = "x"; static count: number; handle = () => 1; m() {} }\n'
+    assert [c.defines for c in chunk_file("c.ts", typescript, 65536)] == [(), ("label", "count"), (), ()]

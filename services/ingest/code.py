@@ -190,13 +190,15 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     package = _package(tree.root_node)
     # Constants and variables at the file's level, named by the file's chunk (as a Python module's are).
     chunks = [replace(file_chunk, defines=tuple(dict.fromkeys(_defined(tree.root_node))))]
-    for kind, level, qualname, span in _declarations(tree.root_node, language, line_of, ()):
+    for kind, level, qualname, span, node in _declarations(tree.root_node, language, line_of, ()):
         owner = qualname.rpartition(".")[0]
         object_type = object_type_name(f"{module}.{qualname}") if level == "type" else (
             object_type_name(f"{module}.{owner}") if owner else module_type
         )  # fmt: skip
         key = f"{language.domain}:{path}/{qualname}" + ("#" if level == "type" else "().")
         made = make(key, kind, f"{module}.{qualname}", level, object_type, span)
+        if level == "type":  # its fields, named by its chunk as a Python class's attributes are (a retest's)
+            made = replace(made, defines=tuple(dict.fromkeys(_fields(node.child_by_field_name("body")))))
         # By its package's name too, as the language names it (`com.acme.TaxCalculator`, Go's `server.Handle`).
         chunks.append(replace(made, aliases=(bounded_symbol(f"{package}.{qualname}"),)) if package else made)
     return chunks
@@ -231,11 +233,11 @@ def _declarations(
     owners: tuple[str, ...],
     in_type: bool = False,
     depth: int = 0,
-) -> Iterator[tuple[str, ChunkLevel, str, tuple[int, int]]]:
+) -> Iterator[tuple[str, ChunkLevel, str, tuple[int, int], tree_sitter.Node]]:
     """Each declaration under ``node``: its kind, level, qualified name within the file (under ``owners``: the types
-    and namespaces holding it; ``in_type``: the last a type, whose functions are methods), and its lines (1-based,
-    inclusive) with the comments right above it. None deeper than MAX_DEPTH nodes holding declarations (generated
-    code nests past Python's recursion limit: its file's chunk holds them)."""
+    and namespaces holding it; ``in_type``: the last a type, whose functions are methods), its lines (1-based,
+    inclusive) with the comments right above it, and its node. None deeper than MAX_DEPTH nodes holding
+    declarations (generated code nests past Python's recursion limit: its file's chunk holds them)."""
     if depth > MAX_DEPTH:
         return
     depth += 1
@@ -256,7 +258,7 @@ def _declarations(
             elif child.type == "type_spec":  # Go: `type Server struct`, `type Store interface`
                 shape = child.child_by_field_name("type")
                 kind = {"struct_type": "struct", "interface_type": "interface"}.get(shape.type if shape else "", kind)
-            yield kind, level, ".".join([*owners, name]), _span(child, line_of)
+            yield kind, level, ".".join([*owners, name]), _span(child, line_of), child
             body = child.child_by_field_name("body")
             if body is not None and level == "type":
                 yield from _declarations(body, language, line_of, (*owners, name), True, depth)
@@ -285,6 +287,22 @@ def _defined(root: tree_sitter.Node) -> Iterator[str]:
                     yield named.text.decode("utf-8", errors="replace")
         elif node.type in _BINDING_LISTS:
             pending[:0] = node.named_children
+
+
+def _fields(body: tree_sitter.Node | None) -> Iterator[str]:
+    """The fields a type's body declares that hold no function: Java's (``static final double RATE``), a
+    TypeScript or JavaScript class's properties."""
+    for node in body.named_children if body is not None else ():
+        named: list[tree_sitter.Node | None]
+        if node.type == "field_declaration":
+            named = [declarator.child_by_field_name("name") for declarator in node.children_by_field_name("declarator")]
+        elif node.type in ("public_field_definition", "field_definition") and not _holds_function(node):
+            named = [node.child_by_field_name("name") or node.child_by_field_name("property")]
+        else:
+            continue
+        for name in named:
+            if name is not None and name.text is not None and name.type in ("identifier", "property_identifier"):
+                yield name.text.decode("utf-8", errors="replace")
 
 
 def _continued_below(node: tree_sitter.Node, name: str) -> bool:

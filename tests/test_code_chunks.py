@@ -253,3 +253,37 @@ def test_a_types_fields_are_named_by_its_chunk() -> None:
     assert [c.defines for c in chunk_file("A.java", java, 65536)] == [(), ("STANDARD_RATE", "LOW", "x"), ()]
     typescript = 'class C { label = "x"; static count: number; handle = () => 1; m() {} }\n'
     assert [c.defines for c in chunk_file("c.ts", typescript, 65536)] == [(), ("label", "count"), (), ()]
+
+
+def test_a_bundle_under_a_short_line_is_one_chunk_and_a_function_beside_its_namespace_is_read() -> None:
+    """A review's: a bundle of 10,000 functions on one line under a source map's comment was 10,000 chunks, each
+    the whole line (the lower median was the short line); `declare function debug` beside `declare namespace
+    debug` was taken for an overload of it and lost; a Rust `//!` above the first item was taken for its doc."""
+    bundle = "".join(f"function f{n}(){{return {n}}}" for n in range(2000)) + "\n//# sourceMappingURL=app.js.map\n"
+    (only,) = chunk_file("app.js", bundle, 1 << 20)
+    assert "minified" in (only.parse_error or "")
+    banner = "/* a banner */\n/* of three */\n/* lines */\n" + bundle
+    assert len(chunk_file("app.js", banner, 1 << 20)) == 1  # not flagged: its declarations share the long line
+    typings = "declare function debug(name: string): Debugger;\ndeclare namespace debug { function enable(): void; }\n"
+    assert [c.symbol_fqn for c in chunk_file("debug.d.ts", typings, 65536)] == [
+        "debug",
+        "debug.debug",
+        "debug.debug.enable",
+    ]
+    rust = "//! The crate.\npub fn first() {}\n"
+    assert chunk_file("lib.rs", rust, 65536)[1].lines == (2, 2)
+
+
+def test_a_chunk_of_another_language_takes_no_name_pythons_exports_give() -> None:
+    """A review's: `app/models.ts` and `app/models.py` are both `app.models`, and the TypeScript `User` took the
+    alias `app.User` that `app/__init__.py` gives the Python one."""
+    from ontofabric.services.ingest.ingester import chunk_sources
+
+    sources = {
+        "app/__init__.py": "from .models import User\n",
+        "app/models.py": "class User: ...\n",
+        "app/models.ts": "export class User {}\n",
+    }
+    chunks = {(c.file_path, c.symbol_fqn): c for c in chunk_sources(Path("."), sources, 1 << 20)}
+    assert chunks[("app/models.py", "app.models.User")].aliases == ("app.User",)
+    assert chunks[("app/models.ts", "app.models.User")].aliases == ()

@@ -1085,7 +1085,8 @@ def test_directories_of_tools_output_are_left_out_unless_they_are_packages(tmp_p
             "pkg/operations/build/__init__.py": "", "pkg/operations/build/wheel.py": "",
             "build/lib/pkg/x.py": "", "dist/y.py": "", ".tox/z.py": "", "pkg/core.py": "",
             "svc/vendor/github.com/pkg/errors/README.md": "", "pkg/vendor/__init__.py": "",
-            "crate/target/debug/build/x.rs": "", ".github/workflows/deploy.yml": "", ".idea/notes.md": "",
+            "crate/target/debug/build/x.rs": "", "crate/Cargo.toml": "", ".github/workflows/deploy.yml": "",
+            ".idea/notes.md": "", "go/internal/target/aim.go": "",  # a package named target: no build beside it
         },
     )  # fmt: skip
     assert set(read_tree(tmp_path)) == {
@@ -1094,6 +1095,8 @@ def test_directories_of_tools_output_are_left_out_unless_they_are_packages(tmp_p
         "pkg/core.py",
         "pkg/vendor/__init__.py",
         ".github/workflows/deploy.yml",  # a hidden directory read all the same: CI workflows
+        "crate/Cargo.toml",
+        "go/internal/target/aim.go",
     }
 
 

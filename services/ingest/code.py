@@ -13,6 +13,7 @@ import functools
 import itertools
 import statistics
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -111,14 +112,18 @@ CODE_SUFFIXES = tuple(LANGUAGES)
 """The suffixes of the source files read here."""
 MINIFIED_LINE_CHARS = 300
 """A file half of whose lines are longer is minified or generated (a bundle): its file's chunk alone, not one per
-declaration. The median, not the mean: a tester's `.d.ts` of 214 lines, a few of 2,400 characters, was taken for
-minified."""
+declaration; so are the declarations sharing a line longer than this. The median, not the mean: a tester's `.d.ts`
+of 214 lines, a few of 2,400 characters, was taken for minified; the upper one, so that a bundle of one line and
+a source map's comment is (a review's)."""
 MAX_DEPTH = 100
 """How many nodes holding declarations deep declarations are read (a class in a class, an ``export``, a body)."""
 _COMMENTS = frozenset({"comment", "line_comment", "block_comment"})
 _ATTRIBUTES = frozenset({"attribute_item", "decorator"})
 """What stands between a declaration and its doc comment: Rust's ``#[...]``, TypeScript's ``@Decorator``."""
-_SIGNATURES = frozenset({"method_signature", "function_signature"})
+_SIGNATURES = frozenset({"method_signature", "function_signature", "abstract_method_signature"})
+_FUNCTIONS = _SIGNATURES | {"function_declaration", "generator_function_declaration", "method_definition"}
+"""What an overload signature goes with (not a namespace of its name: `declare function debug` beside `declare
+namespace debug`, a review's, was lost)."""
 _HOLDERS = frozenset({"variable_declarator", "field_definition", "public_field_definition"})
 """Declarations that are a function's only when they hold one (:func:`_holds_function`)."""
 _BINDINGS = frozenset({"variable_declarator", "const_spec", "var_spec", "const_item", "static_item"})
@@ -169,7 +174,7 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
         return cut_chunk(whole, max_content_bytes, span if lines else None)
 
     file_chunk = make(f"{language.domain}:{path}", "module", module, "file", module_type, (1, max(len(lines), 1)))
-    middle = statistics.median_low(len(line) for line in lines) if lines else 0
+    middle = statistics.median_high(len(line) for line in lines) if lines else 0
     if unread is None and middle > MINIFIED_LINE_CHARS:
         unread = f"half its lines of {middle} characters or more: minified or generated, not cut"
     if unread is not None:
@@ -190,7 +195,20 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     package = _package(tree.root_node)
     # Constants and variables at the file's level, named by the file's chunk (as a Python module's are).
     chunks = [replace(file_chunk, defines=tuple(dict.fromkeys(_defined(tree.root_node))))]
-    for kind, level, qualname, span, node in _declarations(tree.root_node, language, line_of, ()):
+    declared = list(_declarations(tree.root_node, language, line_of, ()))
+
+    # A long line two declarations share is minified code past the check above (a bundle under a short banner):
+    # each of its declarations would be a copy of the whole line (a review's 10,000 chunks of one 358 kB line).
+    def own_line(node: tree_sitter.Node) -> int | None:
+        """The one line the declaration itself is on (its comments aside), None for one of several lines."""
+        first = line_of(node.start_byte)
+        return first if first == line_of(max(node.start_byte, node.end_byte - 1)) else None
+
+    shared = Counter(own_line(node) for *_, node in declared)
+    for kind, level, qualname, span, node in declared:
+        on = own_line(node)
+        if on is not None and shared[on] > 1 and len(lines[on - 1]) > MINIFIED_LINE_CHARS:
+            continue
         owner = qualname.rpartition(".")[0]
         object_type = object_type_name(f"{module}.{qualname}") if level == "type" else (
             object_type_name(f"{module}.{owner}") if owner else module_type
@@ -314,7 +332,8 @@ def _continued_below(node: tree_sitter.Node, name: str) -> bool:
     below = node.next_named_sibling
     while below is not None and below.type in _COMMENTS:
         below = below.next_named_sibling
-    return below is not None and _name(_declared_in(below)) == name
+    below = _declared_in(below) if below is not None else None
+    return below is not None and below.type in _FUNCTIONS and _name(below) == name
 
 
 def _wrapped_by(node: tree_sitter.Node) -> tree_sitter.Node:
@@ -375,6 +394,8 @@ def _span(node: tree_sitter.Node, line_of: Callable[[int], int]) -> tuple[int, i
             continue
         signature = _declared_in(above)
         if not (above.type in _COMMENTS | _ATTRIBUTES or (signature.type in _SIGNATURES and _name(signature) == name)):
+            break
+        if (above.text or b"").startswith((b"//!", b"/*!")):  # Rust's inner doc comment: the module's, not the item's
             break
         before = above.prev_sibling
         if before is not None and line_of(max(before.start_byte, before.end_byte - 1)) >= line_of(above.start_byte):

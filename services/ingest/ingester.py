@@ -85,13 +85,13 @@ log = get_logger(__name__)
 
 SKIPPED_DIRECTORIES = {
     "__pycache__", "node_modules", "build", "dist", "site-packages", "venv", ".venv", ".git", ".tox", ".eggs",
-    "vendor", "target",
+    "vendor",
 }  # fmt: skip
 """Directories of tools' output and of others' code, left out at any depth (as are hidden ones and
 ``*.egg-info``), unless they hold an ``__init__.py``: then they are a package of the tree (pip's
 ``operations/build`` was left out, an ingest tester's; pip's ``_vendor`` is its own). ``vendor``: Go's and PHP's
-dependencies, whose READMEs ranked above a monorepo tester's own for "how do I run the tests"; ``target``: Rust's
-and Maven's build output."""
+dependencies, whose READMEs ranked above a monorepo tester's own for "how do I run the tests". And ``target``
+beside a ``Cargo.toml`` or ``pom.xml``: Rust's and Maven's build output (a Java or Go package may be named so)."""
 VISIBLE_HIDDEN_DIRECTORIES = {".github"}
 """Hidden directories read all the same: a repository's CI workflows and templates (a monorepo tester's "what does
 the deploy workflow do" found nothing)."""
@@ -142,9 +142,11 @@ def _tools_output(directory: Path, name: str) -> bool:
     """Whether a directory is left out as hidden or as tools' output (:data:`SKIPPED_DIRECTORIES`)."""
     if name.startswith("."):
         return name not in VISIBLE_HIDDEN_DIRECTORIES
-    if name not in SKIPPED_DIRECTORIES and not name.endswith(".egg-info"):
-        return False
     try:
+        if name == "target":  # Rust's and Maven's build output, beside what builds it; else a name like any other
+            return any((directory / marker).is_file() for marker in ("Cargo.toml", "pom.xml"))
+        if name not in SKIPPED_DIRECTORIES and not name.endswith(".egg-info"):
+            return False
         return not (directory / name / "__init__.py").is_file()
     except OSError:  # not to be looked into: as it was before packages were told apart (a review's traceback)
         return True
@@ -386,8 +388,9 @@ def chunk_sources(
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
         # What the chunk is named by already (a Go or Java package's name), then what the tree's Python publishes.
-        published = [*chunk.aliases, *(_aliases(chunk, exports) if chunk.chunk_level != "doc" else [])]
-        if chunk.chunk_level != "doc" and chunk.source_domain == "python":  # a src layout's, by its import name
+        of_python = chunk.chunk_level != "doc" and chunk.source_domain == "python"  # app/models.ts: no app.models
+        published = [*chunk.aliases, *(_aliases(chunk, exports) if of_python else [])]
+        if of_python:  # a src layout's, by its import name
             own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
             named = [*([own] if own else []), *published, *(name for name in others if name)]
             published = list(dict.fromkeys(named))

@@ -441,7 +441,7 @@ def ingest(
     Its progress counts chunks embedded, deltas published, then stream sequences projected: from where the index
     stood at the first look to this ingest's last delta, other workspaces' deltas between included."""
     from .ingest.chunking import tree_package
-    from .ingest.ingester import SOURCE_SUFFIXES, EmptyTreeRefused, ExclusionRefused, Ingester, exclusion_patterns
+    from .ingest.ingester import SOURCES_READ, EmptyTreeRefused, ExclusionRefused, Ingester, exclusion_patterns
 
     try:
         tree_package("", [], package)
@@ -504,8 +504,7 @@ def ingest(
                 _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
                 if report.files == 0 and not allow_empty:  # a first ingest of a wrong path said only "0 files"
                     errors.print(
-                        f"warning: {path} holds no source file this ingester reads ({', '.join(SOURCE_SUFFIXES)}): "
-                        "nothing to index",
+                        f"warning: {path} holds no source file this ingester reads ({SOURCES_READ}): nothing to index",
                         soft_wrap=True,
                         markup=False,
                     )
@@ -666,13 +665,13 @@ def _note_exclusions(report: IngestReport, workspace: str, branch: str) -> None:
             "--no-gitignore indexes them"
         )
     if report.other_kinds:
-        from .ingest.ingester import SOURCE_SUFFIXES
+        from .ingest.ingester import SOURCES_READ
 
         more = len(report.other_kinds) - 8
         kinds = ", ".join(f"{printable(kind)} {count}" for kind, count in report.other_kinds[:8])
         notes.append(
             f"{sum(count for _, count in report.other_kinds)} files of kinds this ingester does not read are not "
-            f"indexed ({kinds}{f' and {more} more kinds' if more > 0 else ''}); it reads {', '.join(SOURCE_SUFFIXES)}"
+            f"indexed ({kinds}{f' and {more} more kinds' if more > 0 else ''}); it reads {SOURCES_READ}"
         )
     if report.package_before is not None:  # an upgrade tester's: a rename with no word, branches left behind
         before = report.package_before or "none"

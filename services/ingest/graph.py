@@ -88,8 +88,9 @@ def _classes(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.
 def _import_names(modules: Mapping[str, _Module]) -> dict[str, _Module]:
     """The name a module of a package below the tree's top is imported by (its path from the package's top):
     ``shoplib.pricing`` for ``src/shoplib/pricing.py`` (a ``src`` layout, a monorepo's ``py/``), whose own name
-    leads with directories that are no packages. A name two modules would take, or a module of the tree has, is
-    not given: a tester's "what calls compute_total" over a ``src`` layout found no caller."""
+    leads with directories that are no packages (a tester's "what calls compute_total" over a ``src`` layout found
+    no caller). None that a module of the tree has as its own name, nor under a package name two directories hold
+    or the standard library has."""
     packages = {module.path.rpartition("/")[0] for module in modules.values() if module.is_package}
     names: dict[str, _Module] = {}
     roots: dict[str, set[str]] = {}  # a package's name -> the directories holding a package of that name

@@ -96,6 +96,8 @@ VISIBLE_HIDDEN_DIRECTORIES = {".github"}
 """Hidden directories read all the same: a repository's CI workflows and templates (a monorepo tester's "what does
 the deploy workflow do" found nothing)."""
 SOURCE_SUFFIXES = (".py", *DOCUMENT_FORMATS, *CODE_SUFFIXES)
+SOURCES_READ = ", ".join(SOURCE_SUFFIXES)
+"""The suffixes read, as an ingest's messages list them."""
 LOCKFILES = frozenset({"pnpm-lock.yaml"})
 """Files under a source suffix that a package manager writes: thousands of lines no question is about."""
 EMBED_BATCH = 64
@@ -210,8 +212,9 @@ def discover(
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cycle collector paused while a tree is read: its parsed files hold millions of objects, none in a
-    cycle, and every full collection went through them all again (sympy's 1,534 files: parsed in 49 s, 13 s
-    without). What is freed meanwhile is freed by its count of references, as ever; cycles wait until after."""
+    cycle, and every full collection went through them all again (sympy's 1,534 files: parsed in 33 s, 9 s
+    without; docs/benchmarks.md). What is freed meanwhile is freed by its count of references, as ever; cycles
+    wait until after."""
     paused = gc.isenabled()
     gc.disable()
     try:
@@ -1045,7 +1048,7 @@ class Ingester:
         gone = sum(1 for key in [*plan.deletes, *plan.reverts] if key.startswith("d:"))
         if not sources and gone and not allow_empty:
             raise EmptyTreeRefused(
-                f"{root} holds no source file this ingester reads ({', '.join(SOURCE_SUFFIXES)}): its ingest would "
+                f"{root} holds no source file this ingester reads ({SOURCES_READ}): its ingest would "
                 f"take {gone} documents out of {workspace}/{branch}. Nothing sent; check the path, or pass "
                 "--allow-empty to empty the branch on purpose"
             )

@@ -14,7 +14,7 @@ import pytest
 from ontofabric.contracts import QueryResponse
 from ontofabric.contracts.deltas import NodeUpserted, OntologyNode
 from ontofabric.contracts.query import RelationAsked
-from ontofabric.services.gateway.tools import answer_notes, render
+from ontofabric.services.gateway.tools import CALLS_READ, answer_notes, render
 from ontofabric.services.ingest.client import envelope
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
@@ -668,9 +668,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert "'area' names more than one symbol (shapes.circle.Circle.area, shapes.square.area)" in render(shared)
     assert circle_callers.meta.relation.symbols_named is None
     # Callers found say what they may miss (an agent tester read a lone caller as the whole list).
-    assert "callers are read from the code's syntax, Python's alone (calls in other languages are not read)" in render(
-        circle_callers
-    )
+    assert f"callers are read from the code's syntax ({CALLS_READ})" in render(circle_callers)
     assert _names(await _ask(client, "where is square.area used"))[0] == "shapes.report.describe (method)"
     uncalled = await _ask(client, "who calls Circle.area")
     assert (uncalled.meta.relation_matches, uncalled.meta.relation) == (
@@ -1047,6 +1045,24 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
             """,
         "migrations/0003_invoices_paid_at.sql": "ALTER TABLE invoices ADD COLUMN paid_at timestamptz;\n",
         "app.py": "def main():\n    return 1\n",
+        # Their callers, in the files' own languages (a monorepo tester heard that calls were read in Python alone).
+        "web/src/pages/Profile.tsx": """
+            import { useCurrentUser } from '../hooks/useCurrentUser';
+
+            export function Profile() {
+              const user = useCurrentUser();
+              return user.name;
+            }
+            """,
+        "services/api/router.go": """
+            package api
+
+            import "example.com/mono/services/api/auth"
+
+            func Routes(h http.Handler) http.Handler {
+            \treturn auth.RequireJWT(h)
+            }
+            """,
     }
     await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -1061,5 +1077,17 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     assert by_package.results[0].metadata["aliases"] == ["auth.RequireJWT"]
     by_path = await _ask(client, "services/api/auth/middleware.go", "mono")
     assert by_path.results[0].metadata["filePath"] == "services/api/auth/middleware.go"
+    for question, caller in (
+        ("what calls useCurrentUser", "web.src.pages.Profile.Profile"),
+        ("who calls auth.RequireJWT", "services.api.router.Routes"),
+    ):
+        asked = await _ask(client, question, "mono")
+        callers = [r.metadata["symbolFqn"] for r in asked.results if CALLER in {f.retriever for f in r.found_by}]
+        assert callers == [caller], (question, _names(asked))
+        assert f"callers are read from the code's syntax ({CALLS_READ})" in render(asked)
+    called = await _ask(client, "what does Routes call", "mono")
+    assert [r.metadata["symbolFqn"] for r in called.results if CALLEE in {f.retriever for f in r.found_by}] == [
+        "services.api.auth.middleware.RequireJWT"
+    ]
     migration = await _ask(client, "which migration adds the paid_at column to invoices", "mono")
     assert migration.results[0].metadata["filePath"] == "migrations/0003_invoices_paid_at.sql"

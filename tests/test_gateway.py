@@ -1722,7 +1722,7 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     )
     assert said in alone
     assert "does not see a call through a variable or an attribute: these are search results" in alone
-    assert "(Python's alone: calls in other languages are not read)" in alone  # a monorepo tester's Go function
+    assert "(in Python, TypeScript, JavaScript, Go, Java and Rust; other languages' calls are not read)" in alone
     assert "the symbol asked" not in alone
     # The same asked in words: the worker's _meta.relation says so, not the arguments.
     worded = render(QueryResponse(results=[hit], _meta=meta), {"semanticQuery": "who calls retry_if_exception"})

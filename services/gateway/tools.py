@@ -382,6 +382,8 @@ def render_error(reply: ErrorReply) -> str:
     return "\n".join(lines)
 
 
+CALLS_READ = "in Python, TypeScript, JavaScript, Go, Java and Rust; other languages' calls are not read"
+"""What the ingester reads calls in (graph.python_calls, code_calls), said beside callers and callees."""
 _RAISING = re.compile(r"\b(?:raise[sd]?|throw[sn]?)\b", re.IGNORECASE)
 STANDING = {
     CALLER: "calls",
@@ -540,9 +542,9 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         relation = f"no result here was found standing in relation {asked.relation!r} to {asked.symbol!r}"
         if asked.relation in ("callers", "callees"):  # a tester read "nothing calls it" above a result calling it
             relation += (
-                " by reading the code's syntax (Python's alone: calls in other languages are not read), which does "
-                "not see a call through a variable or an attribute"
-            )  # a monorepo tester's Go function, whose callers were read nowhere
+                f" by reading the code's syntax ({CALLS_READ}), which does not see a call through a variable or an "
+                "attribute"
+            )  # a monorepo tester's Go function, whose callers were read nowhere then
         elif asked.relation in ("importers", "imports"):  # a tester's "where is get_coro_name imported": none
             relation += " (imports are read between modules: for a class or function, ask what calls it)"
         notes.append(relation + (": these are search results" if reply.results else ""))
@@ -554,9 +556,8 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     if asked is not None and meta.relation_matches and asked.relation in ("callers", "callees"):
         # An agent tester read a lone caller at 1.0 as the whole list: Context.invoke has four, three through ctx.
         notes.append(
-            f"{asked.relation} are read from the code's syntax, Python's alone (calls in other languages are not "
-            "read): a call through a parameter, an attribute or what a call returned (ctx.invoke(), "
-            "self.stream.expect()) is not seen, so there may be more"
+            f"{asked.relation} are read from the code's syntax ({CALLS_READ}): a call through a parameter, an "
+            "attribute or what a call returned (ctx.invoke(), self.stream.expect()) is not seen, so there may be more"
         )  # a retest's TypeScript caller went unsaid beside a Python one
     if asked is not None and asked.symbols_named:  # an agent tester's callers of three get_command, merged unsaid
         listed = ", ".join(printable(name) for name in asked.symbols_named) + (

@@ -3,7 +3,8 @@ declaration a reader looks for, its leading comments with it: functions, classes
 traits and type aliases, and the methods inside classes and ``impl`` blocks. A monorepo tester's Go, TypeScript,
 Rust and Java files were not read at all, and no answer could point an agent at them.
 
-Only the chunks: no calls, graph or exports are read of these languages (:mod:`graph` reads Python's).
+The calls their code makes are read by :mod:`code_calls`; no graph or exports are read of these languages
+(:mod:`graph` reads Python's).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ _PARSERS = threading.local()
 """A parser per thread and language: a parser holds the state of its parse, and two ingests may read at once."""
 
 
-def _parser(suffix: str) -> tree_sitter.Parser:
+def parser(suffix: str) -> tree_sitter.Parser:
     parsers: dict[str, tree_sitter.Parser] = _PARSERS.__dict__.setdefault("by_suffix", {})
     if suffix not in parsers:
         parsers[suffix] = tree_sitter.Parser(_language(suffix))
@@ -162,7 +163,7 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     alone, with the reason as its ``parse_error``; so too a minified file."""
     suffix = path[path.rfind(".") :]
     language = LANGUAGES[suffix]
-    module = path.removesuffix(suffix).removesuffix(".d").replace("/", ".")  # `index.d.ts` is `index`
+    module = module_name(path)
     module_type = object_type_name(module)
     keys = UniqueKeys()
     lines = file_lines(source)
@@ -174,41 +175,25 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
         return cut_chunk(whole, max_content_bytes, span if lines else None)
 
     file_chunk = make(f"{language.domain}:{path}", "module", module, "file", module_type, (1, max(len(lines), 1)))
-    middle = statistics.median_high(len(line) for line in lines) if lines else 0
-    if unread is None and middle > MINIFIED_LINE_CHARS:
+    middle = minified_width(lines)
+    if unread is None and middle is not None:
         unread = f"half its lines of {middle} characters or more: minified or generated, not cut"
     if unread is not None:
         return [replace(file_chunk, parse_error=unread)]
-    tree = _parser(suffix).parse(source.encode("utf-8"))
-    # Lines as chunking.file_lines counts them (a lone CR ends one too: tree-sitter's rows count only LFs).
-    starts = [0, *itertools.accumulate(len(line.encode("utf-8")) for line in lines)][:-1]
-
-    def line_of(byte: int) -> int:
-        return bisect.bisect_right(starts, byte)
-
+    tree = parser(suffix).parse(source.encode("utf-8"))
+    line_of = line_counter(lines)
     broken = _first_error(tree.root_node)
     if broken is not None:  # what the parser recovered is kept; what it could not, the file's chunk still holds
         log.warning(
             "ingest_code_not_parsed_whole", path=path, line=line_of(broken.start_byte),
             reason="a syntax error: declarations around it may be missing or merged",
         )  # fmt: skip
-    package = _package(tree.root_node)
+    package = package_of(tree.root_node)
     # Constants and variables at the file's level, named by the file's chunk (as a Python module's are).
     chunks = [replace(file_chunk, defines=tuple(dict.fromkeys(_defined(tree.root_node))))]
-    declared = list(_declarations(tree.root_node, language, line_of, ()))
+    declared = list(declarations(tree.root_node, language, line_of, ()))
 
-    # A long line two declarations share is minified code past the check above (a bundle under a short banner):
-    # each of its declarations would be a copy of the whole line (a review's 10,000 chunks of one 358 kB line).
-    def own_line(node: tree_sitter.Node) -> int | None:
-        """The one line the declaration itself is on (its comments aside), None for one of several lines."""
-        first = line_of(node.start_byte)
-        return first if first == line_of(max(node.start_byte, node.end_byte - 1)) else None
-
-    shared = Counter(own_line(node) for *_, node in declared)
-    for kind, level, qualname, span, node in declared:
-        on = own_line(node)
-        if on is not None and shared[on] > 1 and len(lines[on - 1]) > MINIFIED_LINE_CHARS:
-            continue
+    for kind, level, qualname, span, node in chunked_declarations(declared, lines, line_of):
         owner = qualname.rpartition(".")[0]
         object_type = object_type_name(f"{module}.{qualname}") if level == "type" else (
             object_type_name(f"{module}.{owner}") if owner else module_type
@@ -222,7 +207,50 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     return chunks
 
 
-def _package(root: tree_sitter.Node) -> str | None:
+def module_name(path: str) -> str:
+    """The dotted name of a source file's chunks, after its path: ``web/src/api.ts`` is ``web.src.api``, and
+    ``index.d.ts`` is ``index``."""
+    return path.removesuffix(path[path.rfind(".") :]).removesuffix(".d").replace("/", ".")
+
+
+def minified_width(lines: list[str]) -> int | None:
+    """The upper median of the lines' lengths when over MINIFIED_LINE_CHARS (a minified or generated file, read as
+    its file's chunk alone), else None."""
+    middle = statistics.median_high(len(line) for line in lines) if lines else 0
+    return middle if middle > MINIFIED_LINE_CHARS else None
+
+
+def line_counter(lines: list[str]) -> Callable[[int], int]:
+    """The line (1-based) of a byte of the source, its lines as :func:`chunking.file_lines` counts them (a lone CR
+    ends one too: tree-sitter's rows count only LFs)."""
+    starts = [0, *itertools.accumulate(len(line.encode("utf-8")) for line in lines)][:-1]
+    return functools.partial(bisect.bisect_right, starts)
+
+
+Declared = tuple[str, ChunkLevel, str, tuple[int, int], tree_sitter.Node]
+"""A declaration (:func:`declarations`): its kind, level, qualified name within its file, lines and node."""
+
+
+def chunked_declarations(
+    declared: list[Declared], lines: list[str], line_of: Callable[[int], int]
+) -> Iterator[Declared]:
+    """The declarations that are chunks of their own: not those sharing a long line with another, minified code
+    past :func:`minified_width` (a bundle under a short banner), each of which would be a copy of the whole line
+    (a review's 10,000 chunks of one 358 kB line)."""
+
+    def own_line(node: tree_sitter.Node) -> int | None:
+        """The one line the declaration itself is on (its comments aside), None for one of several lines."""
+        first = line_of(node.start_byte)
+        return first if first == line_of(max(node.start_byte, node.end_byte - 1)) else None
+
+    shared = Counter(own_line(node) for *_, node in declared)
+    for declaration in declared:
+        on = own_line(declaration[-1])
+        if on is None or shared[on] < 2 or len(lines[on - 1]) <= MINIFIED_LINE_CHARS:
+            yield declaration
+
+
+def package_of(root: tree_sitter.Node) -> str | None:
     """The package a Java or Go file declares (``package com.acme;``, ``package server``)."""
     for node in root.named_children:
         if node.type in ("package_declaration", "package_clause"):
@@ -244,14 +272,14 @@ def _first_error(root: tree_sitter.Node) -> tree_sitter.Node | None:
     return None
 
 
-def _declarations(
+def declarations(
     node: tree_sitter.Node,
     language: Language,
     line_of: Callable[[int], int],
     owners: tuple[str, ...],
     in_type: bool = False,
     depth: int = 0,
-) -> Iterator[tuple[str, ChunkLevel, str, tuple[int, int], tree_sitter.Node]]:
+) -> Iterator[Declared]:
     """Each declaration under ``node``: its kind, level, qualified name within the file (under ``owners``: the types
     and namespaces holding it; ``in_type``: the last a type, whose functions are methods), its lines (1-based,
     inclusive) with the comments right above it, and its node. None deeper than MAX_DEPTH nodes holding
@@ -279,18 +307,18 @@ def _declarations(
             yield kind, level, ".".join([*owners, name]), _span(child, line_of), child
             body = child.child_by_field_name("body")
             if body is not None and level == "type":
-                yield from _declarations(body, language, line_of, (*owners, name), True, depth)
+                yield from declarations(body, language, line_of, (*owners, name), True, depth)
         elif child.type == "impl_item":  # Rust: the methods of the type it implements
             implemented = child.child_by_field_name("type")
             body = child.child_by_field_name("body")
             if implemented is not None and body is not None:
-                yield from _declarations(body, language, line_of, (*owners, _type_name(implemented)), True, depth)
+                yield from declarations(body, language, line_of, (*owners, type_name(implemented)), True, depth)
         elif child.type in _NAMESPACES and (space := _name(child)) is not None:  # `mod net {}`, `namespace Api {}`
             body = child.child_by_field_name("body")
             if body is not None:
-                yield from _declarations(body, language, line_of, (*owners, space), False, depth)
+                yield from declarations(body, language, line_of, (*owners, space), False, depth)
         elif child.type in language.containers:
-            yield from _declarations(child, language, line_of, owners, in_type, depth)
+            yield from declarations(child, language, line_of, owners, in_type, depth)
 
 
 def _defined(root: tree_sitter.Node) -> Iterator[str]:
@@ -358,18 +386,18 @@ def _name(node: tree_sitter.Node) -> str | None:
     name = named.text.decode("utf-8", errors="replace")
     receiver = node.child_by_field_name("receiver") if node.type == "method_declaration" else None
     if receiver is not None:
-        types = [n for n in _walk(receiver) if n.type == "type_identifier"]
+        types = [n for n in walk(receiver) if n.type == "type_identifier"]
         if types and types[0].text is not None:
             return f"{types[0].text.decode('utf-8', errors='replace')}.{name}"
     return name
 
 
-def _type_name(node: tree_sitter.Node) -> str:
+def type_name(node: tree_sitter.Node) -> str:
     """The name of the type an ``impl`` block implements (``Vec<T>`` is ``Vec``, ``io::Error`` is ``Error``); a
     type of no name (``[u8; 4]``) is ``impl``."""
     if node.type not in _NAMED_TYPES:  # a tuple, an array, a function pointer
         return "impl"
-    found = next((n for n in _walk(node) if n.type == "type_identifier"), None)
+    found = next((n for n in walk(node) if n.type == "type_identifier"), None)
     return (found.text or b"impl").decode("utf-8", errors="replace") if found is not None else "impl"
 
 
@@ -410,7 +438,7 @@ def _declared_alone(wrapper: tree_sitter.Node) -> bool:
     return sum(1 for child in wrapper.named_children if child.type not in _ATTRIBUTES | _COMMENTS) == 1
 
 
-def _walk(node: tree_sitter.Node) -> Iterator[tree_sitter.Node]:
+def walk(node: tree_sitter.Node) -> Iterator[tree_sitter.Node]:
     pending = [node]
     while pending:
         current = pending.pop()

@@ -68,6 +68,7 @@ from ontofabric.shared.telemetry import tracer
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, envelope
 from .code import CODE_SUFFIXES
+from .code_calls import code_calls, go_module_path
 from .graph import (
     GraphLink,
     GraphNode,
@@ -364,7 +365,8 @@ def chunk_sources(
     tick: Callable[[], object] = lambda: None,
 ) -> list[Chunk]:
     """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
-    :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`).
+    :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`,
+    :func:`code_calls.code_calls` in other languages).
     ``python``: the sources as :func:`graph.read_python` read them with that package, when already read (without
     the files over ``max_file_bytes``, which are read as one chunk each: :func:`too_large`). ``tick``: called
     before each file is chunked and each module's calls are read."""
@@ -376,6 +378,8 @@ def chunk_sources(
         tick()
         chunks += chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
     calls = {key: carried_calls(names) for key, names in python_calls(python, tick=tick).items()}
+    other_code = {path: text for path, text in sources.items() if path.endswith(CODE_SUFFIXES) and path not in unread}
+    calls |= {key: carried_calls(names) for key, names in code_calls(other_code, go_modules(root, other_code)).items()}
     exports = python_exports(python)
     completed = []
     for chunk in chunks:
@@ -413,6 +417,20 @@ def chunk_sources(
             chunk = replace(chunk, calls=calls.get((chunk.file_path, chunk.symbol_fqn, chunk.line), ()), aliases=kept)
         completed.append(chunk)
     return completed
+
+
+def go_modules(root: Path, sources: Iterable[str]) -> dict[str, str]:
+    """The module path each ``go.mod`` in a directory above the Go files of ``sources`` declares (a monorepo may
+    hold several), by its directory in the tree (``""``: the top): what tells an import of the tree's packages
+    from another module's."""
+    directories = {str(parent) for path in sources if path.endswith(".go") for parent in Path(path).parents}
+    found = {}
+    for directory in directories:
+        with contextlib.suppress(OSError, UnicodeError):
+            module = go_module_path(read_regular_file(root / directory / "go.mod", 64 * 1024))
+            if module is not None:
+                found["" if directory == "." else directory] = module
+    return found
 
 
 def _aliases(chunk: Chunk, exports: Mapping[str, Sequence[str]]) -> list[str]:

@@ -1,0 +1,785 @@
+"""The calls of code in languages other than Python (pure): for each chunk :func:`code.chunk_code` makes, the
+declarations of the tree its code calls, read from the syntax alone, as :func:`graph.python_calls` reads Python's.
+A monorepo tester asked what calls a Go function and a TypeScript one, and heard that calls were read in Python
+alone.
+
+What is resolved, by language (a call through anything else, an object whose type the syntax does not say, is left
+out, and so is a chunk calling itself):
+
+- TypeScript and JavaScript: a name the file declares or imports by a relative path (``import``, ``require``,
+  through an index file's re-exports), ``ns.f()`` for ``import * as ns``, ``Class.f()``, ``this.f()`` and
+  ``super.f()`` through the class and the classes it extends, ``new Class()``;
+- Go: a name of the package (its directory), ``pkg.F()`` through an import of a package of the tree (by its
+  ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver or a
+  parameter of a type of the tree;
+- Java: a method of the class and the classes it extends or implements (``m()``, ``this.m()``, ``super.m()``),
+  ``Type.m()`` and ``x.m()`` where ``x`` is a parameter, a local or a field declared with a type of the tree (by
+  its own file, its package, its imports), ``new Type()``;
+- Rust: a function of the module or one it ``use``s (``crate::``, ``self::``, ``super::`` paths), ``module::f()``,
+  ``Type::f()`` and ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import posixpath
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import tree_sitter
+
+from .chunking import ChunkLevel, bounded_symbol, file_lines
+from .code import (
+    LANGUAGES,
+    Declared,
+    chunked_declarations,
+    declarations,
+    line_counter,
+    minified_width,
+    module_name,
+    package_of,
+    parser,
+    type_name,
+    walk,
+)
+
+MAX_HOPS = 8
+"""How many imports, re-exports or base classes a name is followed through (a cycle of re-exports ends too)."""
+_JAVASCRIPT_SUFFIXES = (".ts", ".tsx", ".d.ts", ".mts", ".cts", ".js", ".jsx", ".mjs", ".cjs")
+_GO_MODULE = re.compile(r"^\s*module\s+(\S+)", re.MULTILINE)
+
+CallKey = tuple[str, str, int]
+"""A chunk as :func:`code_calls` keys it: its file, its qualified name and its first line (0 for a file's)."""
+
+
+@dataclass
+class _File:
+    path: str
+    domain: str
+    module: str
+    package: str | None
+    outline: list[tuple[str, ChunkLevel, str, tuple[int, int]]]
+    """Its declarations that are chunks (:data:`code.Declared`, without their nodes: a tree's parsed files are
+    not held at once, 182 MB for zod's 5 MB)."""
+    top: dict[str, str] = field(default_factory=dict)
+    """A name the file's own level declares -> its qualified name."""
+    imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """A local name -> the file (Go: the package) it is imported from, and the name there (None: the module
+    itself, ``import * as ns``, Go's package name)."""
+    exports: dict[str, str] = field(default_factory=dict)
+    """TypeScript and JavaScript: an exported name -> the local name it exports (``export { a as b }``)."""
+    forwarded: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """An exported name -> the file and name it re-exports (``export { a as b } from './x'``)."""
+    starred: list[str] = field(default_factory=list)
+    """The files whose names it re-exports all (``export * from './x'``)."""
+    uses: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Rust: a name a ``use`` binds -> the path it names, as written (:meth:`_Tree.rust_absolute` reads it)."""
+    wildcard: list[str] = field(default_factory=list)
+    """Java: the packages it imports whole (``import com.acme.*``)."""
+    go_imports: list[tuple[str | None, str]] = field(default_factory=list)
+    """Go: each import's name (None: the package's own) and path, resolved once every file's package is known."""
+    bases_written: dict[str, list[str]] = field(default_factory=dict)
+    """A type's qualified name in the file -> the names of the types it extends or implements, as written."""
+
+
+def go_module_path(go_mod: str) -> str | None:
+    """The module path a ``go.mod`` declares."""
+    found = _GO_MODULE.search(go_mod)
+    return found.group(1).strip('"') if found else None
+
+
+def code_calls(sources: Mapping[str, str], go_modules: Mapping[str, str] | None = None) -> dict[CallKey, list[str]]:
+    """For each chunk of the source files of ``sources`` in a language :data:`code.LANGUAGES` reads (keyed by
+    file, qualified name and line as :func:`code.chunk_code` makes them; a minified file has none), the qualified
+    names of the tree's declarations its own code calls (see the module's docstring), in the order it first calls
+    them. A class's or a file's chunk holds the calls outside its methods and functions. ``go_modules``: a
+    directory of the tree holding a ``go.mod`` (``""`` for the top) -> the module path it declares."""
+    tree = _Tree(frozenset(sources), dict(go_modules or {}))
+    for path, text in sources.items():  # each file parsed, its outline kept and its nodes let go
+        parsed = _parsed(path, text)
+        if parsed is not None:
+            root, declared = parsed
+            tree.add(_File(path, LANGUAGES[_suffix(path)].domain, module_name(path), package_of(root), [
+                (kind, level, qualname, span) for kind, level, qualname, span, _node in declared
+            ]), root, declared)  # fmt: skip
+    tree.resolve()
+    return tree.calls(sources)
+
+
+def _suffix(path: str) -> str:
+    return path[path.rfind(".") :]
+
+
+def _parsed(path: str, text: str) -> tuple[tree_sitter.Node, list[Declared]] | None:
+    """A file's syntax tree and its declarations that are chunks; None for a file of no language read here or a
+    minified one (its file's chunk alone)."""
+    suffix = _suffix(path)
+    if suffix not in LANGUAGES:
+        return None
+    lines = file_lines(text)
+    if minified_width(lines) is not None:
+        return None
+    root = parser(suffix).parse(text.encode("utf-8")).root_node
+    line_of = line_counter(lines)
+    return root, list(chunked_declarations(list(declarations(root, LANGUAGES[suffix], line_of, ())), lines, line_of))
+
+
+def _text(node: tree_sitter.Node | None) -> str | None:
+    return node.text.decode("utf-8", errors="replace") if node is not None and node.text is not None else None
+
+
+def _string(node: tree_sitter.Node | None) -> str | None:
+    """A string literal's text (``"./x"``, Go's ``"fmt"``), None for a template or no string."""
+    if node is None or node.type not in ("string", "interpreted_string_literal", "raw_string_literal"):
+        return None
+    return "".join(_text(child) or "" for child in node.named_children) or None
+
+
+class _Tree:
+    """The tree's files read, and what resolves a name in each."""
+
+    def __init__(self, paths: frozenset[str], go_modules: dict[str, str]) -> None:
+        self.paths = paths
+        self.files: dict[str, _File] = {}
+        self.go_modules = go_modules
+        self.members: dict[str, dict[str, str]] = {}
+        """A type's key (:meth:`type_key`) -> its methods' and fields' names -> their qualified names."""
+        self.bases: dict[str, list[str]] = {}
+        """A type's key -> the keys of the types it extends (or implements), resolved."""
+        self.types: dict[str, str] = {}
+        """A type's key -> its qualified name (what ``new Type()`` calls)."""
+        self.packages: dict[str, list[_File]] = {}
+        """Go: a package (``dir:name``) -> its files; Java: a package's name -> its files."""
+        self.package_names: dict[str, str] = {}
+        """Go: a directory -> the package its files declare (not a ``_test`` one)."""
+        self.java_types: dict[str, str] = {}
+        """Java: a type's name with its package (``com.acme.Tax``) -> its key."""
+        self.rust_modules: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
+        """Rust: a crate and a module's path in it -> the names the module declares -> their qualified names."""
+        self.rust_macros: dict[tuple[str, str], set[str]] = {}
+
+    def add(self, read: _File, root: tree_sitter.Node, declared: list[Declared]) -> None:
+        """A file's declarations, and what its syntax says of its imports and bases (resolved by :meth:`resolve`
+        once every file is added)."""
+        self.files[read.path] = read
+        self._index(read)
+        self._imports(read, root)
+        self._bases_written(read, declared)
+
+    def resolve(self) -> None:
+        for read in self.files.values():
+            for alias, written in read.go_imports:
+                self._go_import(read, alias, written)
+        for read in self.files.values():
+            for qualname, names in read.bases_written.items():
+                bases = [key for name in names if (key := self.type_named(read, name, qualname)) is not None]
+                if bases:
+                    self.bases[self.type_key(read, qualname)] = bases
+
+    # -- indexing ------------------------------------------------------------------------------------------------
+
+    def type_key(self, read: _File, qualname: str) -> str:
+        """What a type's members are kept under: its qualified name, but Go's methods are declared in any file of
+        its package and Rust's in any ``impl`` of its crate."""
+        if read.domain == "go":
+            return f"{self.go_package(read)}.{qualname}"
+        if read.domain == "rust":
+            return f"{_crate(read.path)[0]}::{qualname.rsplit('.', 1)[-1]}"
+        return f"{read.module}.{qualname}"
+
+    def go_package(self, read: _File) -> str:
+        return f"{posixpath.dirname(read.path)}:{read.package or ''}"
+
+    def _index(self, read: _File) -> None:
+        for kind, level, qualname, _span in read.outline:
+            fqn = bounded_symbol(f"{read.module}.{qualname}")
+            owner, _, name = qualname.rpartition(".")
+            if read.domain == "rust":
+                crate, path = _crate(read.path)
+                if kind == "macro":
+                    self.rust_macros.setdefault((crate, name), set()).add(fqn)
+                if kind == "method":  # in an `impl` or a trait
+                    self.members.setdefault(self.type_key(read, owner), {}).setdefault(name, fqn)
+                else:  # in the file's module or a `mod` inside it
+                    space = (crate, (*path, *owner.split("."))) if owner else (crate, path)
+                    self.rust_modules.setdefault(space, {}).setdefault(name, fqn)
+                if level == "type":
+                    self.types.setdefault(self.type_key(read, qualname), fqn)
+                continue
+            if not owner:
+                read.top.setdefault(name, fqn)
+            elif kind == "method":
+                self.members.setdefault(self.type_key(read, owner), {}).setdefault(name, fqn)
+            if level == "type":
+                self.types[self.type_key(read, qualname)] = fqn
+                if read.domain == "java":
+                    dotted = f"{read.package}.{qualname}" if read.package else qualname
+                    self.java_types[dotted] = self.type_key(read, qualname)
+        if read.domain == "go":
+            self.packages.setdefault(self.go_package(read), []).append(read)
+            if read.package and not read.package.endswith("_test"):
+                self.package_names.setdefault(posixpath.dirname(read.path), read.package)
+        elif read.domain == "java":
+            self.packages.setdefault(read.package or "", []).append(read)
+
+    def _imports(self, read: _File, root: tree_sitter.Node) -> None:
+        for node in root.named_children:
+            if read.domain in ("typescript", "javascript"):
+                self._javascript_import(read, node)
+            elif read.domain == "go" and node.type == "import_declaration":
+                for spec in (n for n in walk(node) if n.type == "import_spec"):
+                    written = _string(spec.child_by_field_name("path"))
+                    read.go_imports += [(_text(spec.child_by_field_name("name")), written)] if written else []
+            elif read.domain == "java" and node.type == "import_declaration":
+                named = next((n for n in node.named_children if n.type in ("scoped_identifier", "identifier")), None)
+                dotted = _text(named)
+                if dotted is None:
+                    continue
+                if any(n.type == "asterisk" for n in node.named_children):
+                    read.wildcard.append(dotted)
+                else:  # a type of the tree's or not: :meth:`type_named` tells
+                    read.imports[dotted.rsplit(".", 1)[-1]] = (dotted, None)
+            elif read.domain == "rust" and node.type == "use_declaration":
+                argument = node.child_by_field_name("argument")
+                if argument is not None:
+                    self._rust_use(read, argument, ())
+
+    def _javascript_import(self, read: _File, node: tree_sitter.Node) -> None:
+        source = self.javascript_file(read.path, _string(node.child_by_field_name("source")))
+        if node.type == "import_statement" and source is not None:
+            clause = next((n for n in node.named_children if n.type == "import_clause"), None)
+            for part in clause.named_children if clause is not None else ():
+                if part.type == "identifier":  # `import a from './x'`
+                    read.imports[_text(part) or ""] = (source, "default")
+                elif part.type == "namespace_import":  # `import * as ns from './x'`
+                    for named in part.named_children:
+                        read.imports[_text(named) or ""] = (source, None)
+                elif part.type == "named_imports":
+                    for specifier in part.named_children:
+                        name = _text(specifier.child_by_field_name("name"))
+                        local = _text(specifier.child_by_field_name("alias")) or name
+                        if name and local:
+                            read.imports[local] = (source, name)
+        elif node.type == "export_statement":
+            clause = next((n for n in node.named_children if n.type == "export_clause"), None)
+            for specifier in clause.named_children if clause is not None else ():
+                name = _text(specifier.child_by_field_name("name"))
+                exported = _text(specifier.child_by_field_name("alias")) or name
+                if name and exported and source is not None:
+                    read.forwarded[exported] = (source, name)
+                elif name and exported:
+                    read.exports[exported] = name
+            value = node.child_by_field_name("value")  # `export default foo`
+            if value is not None and value.type == "identifier" and (local := _text(value)):
+                read.exports["default"] = local
+            declaration = node.child_by_field_name("declaration")  # `export default function foo() {}`
+            if declaration is not None and any(c.type == "default" for c in node.children):
+                default_name = _text(declaration.child_by_field_name("name"))
+                read.exports.update({"default": default_name} if default_name is not None else {})
+            if clause is None and source is not None and any(c.type == "*" for c in node.children):
+                read.starred.append(source)  # `export * from './x'`
+        elif node.type in ("lexical_declaration", "variable_declaration"):  # `const x = require('./x')`
+            for declarator in node.named_children:
+                value = declarator.child_by_field_name("value")
+                function = value.child_by_field_name("function") if value is not None else None
+                if value is None or value.type != "call_expression" or _text(function) != "require":
+                    continue
+                arguments = value.child_by_field_name("arguments")
+                first = arguments.named_children[0] if arguments is not None and arguments.named_children else None
+                required = self.javascript_file(read.path, _string(first))
+                bound = declarator.child_by_field_name("name")
+                if required is None or bound is None:
+                    continue
+                if bound.type == "identifier":
+                    read.imports[_text(bound) or ""] = (required, None)
+                elif bound.type == "object_pattern":  # `const { a, b: c } = require('./x')`
+                    for pattern in bound.named_children:
+                        if pattern.type == "shorthand_property_identifier_pattern" and (text := _text(pattern)):
+                            read.imports[text] = (required, text)
+                        elif pattern.type == "pair_pattern":
+                            key, value = pattern.child_by_field_name("key"), pattern.child_by_field_name("value")
+                            if (k := _text(key)) and value is not None and value.type == "identifier":
+                                read.imports[_text(value) or ""] = (required, k)
+
+    def javascript_file(self, importer: str, written: str | None) -> str | None:
+        """The file of the tree a relative module specifier names (``./x`` is ``x.ts``, ``x.js`` or
+        ``x/index.ts``; ``./x.js`` may be ``x.ts``, as TypeScript's own ESM imports are written); None for a
+        package's (``react``) or a path alias's."""
+        if not written or not written.startswith("."):
+            return None
+        joined = posixpath.normpath(posixpath.join(posixpath.dirname(importer), written))
+        stem = re.sub(r"\.(m|c)?jsx?$", "", joined)
+        candidates = [
+            joined,
+            *(stem + s for s in _JAVASCRIPT_SUFFIXES),
+            *(f"{joined}/index{s}" for s in _JAVASCRIPT_SUFFIXES),
+        ]
+        return next((c for c in candidates if c in self.paths), None)
+
+    def _go_import(self, read: _File, alias: str | None, written: str) -> None:
+        directory = self.go_directory(written)
+        if directory is None or directory not in self.package_names or alias in ("_", "."):
+            return
+        package = self.package_names[directory]
+        read.imports[alias or package] = (f"{directory}:{package}", None)
+
+    def go_directory(self, written: str) -> str | None:
+        """The directory of the tree an import path names: under a module's ``go.mod`` (the longest module path
+        that is its start), else the longest directory of Go files that ends the path."""
+        for directory, module in sorted(self.go_modules.items(), key=lambda item: -len(item[1])):
+            if written == module or written.startswith(module + "/"):
+                joined = posixpath.normpath(posixpath.join(directory, written[len(module) + 1 :]))
+                return "" if joined == "." else joined
+        ends = [d for d in self.package_names if d and (written == d or written.endswith("/" + d))]
+        return max(ends, key=len) if ends else None
+
+    def _rust_use(self, read: _File, node: tree_sitter.Node, prefix: tuple[str, ...]) -> None:
+        """The names a ``use`` binds, each with the path it names from the crate's root (an external crate's
+        path is kept as it is and resolves to nothing)."""
+        if node.type in ("scoped_identifier", "identifier", "crate", "self", "super"):
+            used = (*prefix, *_rust_path(node))
+            if used and used[-1] not in ("self", "super", "crate"):
+                read.uses[used[-1]] = used
+            elif used and used[-1] == "self" and len(used) > 1:  # `use a::b::{self}`
+                read.uses[used[-2]] = used[:-1]
+        elif node.type == "use_as_clause":
+            written, alias = node.child_by_field_name("path"), _text(node.child_by_field_name("alias"))
+            if written is not None and alias:
+                read.uses[alias] = (*prefix, *_rust_path(written))
+        elif node.type == "scoped_use_list":
+            written, listed = node.child_by_field_name("path"), node.child_by_field_name("list")
+            inner = (*prefix, *(_rust_path(written) if written is not None else ()))
+            for child in listed.named_children if listed is not None else ():
+                self._rust_use(read, child, inner)
+        elif node.type == "use_list":
+            for child in node.named_children:
+                self._rust_use(read, child, prefix)
+
+    def rust_absolute(self, read: _File, path: tuple[str, ...]) -> tuple[str, ...]:
+        """A path as written in ``read`` (``crate::a::f``, ``super::f``, ``self::a::f``, ``a::f``) from its crate's
+        root."""
+        _, here = _crate(read.path)
+        if path and path[0] == "crate":
+            return path[1:]
+        if path and path[0] in ("self", "super"):
+            base = list(here)
+            while path and path[0] in ("self", "super"):
+                if path[0] == "super" and base:
+                    base.pop()
+                path = path[1:]
+            return (*base, *path)
+        # A 2018-edition path from the module (`a::f` for a child module `a`), or an external crate's.
+        return (*here, *path) if path and (_crate(read.path)[0], (*here, path[0])) in self.rust_modules else path
+
+    def _bases_written(self, read: _File, declared: list[Declared]) -> None:
+        for _kind, level, qualname, _span, node in declared:
+            if level != "type":
+                continue
+            written: list[tree_sitter.Node] = []
+            if read.domain in ("typescript", "javascript"):
+                heritage = next((n for n in node.named_children if n.type == "class_heritage"), None)
+                written = [
+                    value
+                    for clause in (heritage.named_children if heritage is not None else ())
+                    if clause.type == "extends_clause"
+                    for value in clause.children_by_field_name("value")
+                ] or ([n for n in heritage.named_children if n.type == "identifier"] if heritage is not None else [])
+            elif read.domain == "java":  # `extends Base<T>`: Base, not T
+                for part in ("superclass", "interfaces"):
+                    holder = node.child_by_field_name(part)
+                    listed = (
+                        [n for h in holder.named_children for n in ([h] if h.type != "type_list" else h.named_children)]
+                        if holder is not None
+                        else []
+                    )
+                    written += listed
+            names = [_text(n) if n.type == "identifier" else type_name(n) for n in written]
+            if named := [name for name in names if name]:
+                read.bases_written[qualname] = named
+
+    # -- resolving -----------------------------------------------------------------------------------------------
+
+    def type_named(self, read: _File, name: str, within: str = "") -> str | None:
+        """The key of the type of the tree ``name`` names in ``read`` (``within``: the type it is written in)."""
+        if read.domain in ("typescript", "javascript"):
+            fqn = self.javascript_value(read, name)  # a type's key is its qualified name
+            return fqn if fqn is not None and fqn in self.types else None
+        if read.domain == "java":
+            name = name.split("<", 1)[0]
+            scopes = [within.rsplit(".", i)[0] for i in range(within.count(".") + 1)] if within else []
+            for qualname in [*(f"{scope}.{name}" for scope in scopes), name]:  # a nested type, then the file's
+                if self.type_key(read, qualname) in self.types:
+                    return self.type_key(read, qualname)
+            imported = read.imports.get(name)
+            candidates = [
+                *([imported[0]] if imported is not None else []),
+                f"{read.package}.{name}" if read.package else name,
+                *(f"{package}.{name}" for package in read.wildcard),
+            ]
+            return next((self.java_types[c] for c in candidates if c in self.java_types), None)
+        if read.domain == "go":
+            key = f"{self.go_package(read)}.{name}"
+            return key if key in self.types else None
+        if read.domain == "rust":
+            key = f"{_crate(read.path)[0]}::{name}"
+            return key if key in self.types or key in self.members else None
+        return None
+
+    def member(self, key: str | None, name: str, hops: int = 0, inherited_only: bool = False) -> str | None:
+        """The qualified name of a type's member ``name``, or of the first of its bases' (``inherited_only``: its
+        bases' alone, as ``super.f()`` reads)."""
+        if key is None or hops > MAX_HOPS:
+            return None
+        own = None if inherited_only else self.members.get(key, {}).get(name)
+        if own is not None:
+            return own
+        return next((m for b in self.bases.get(key, []) if (m := self.member(b, name, hops + 1)) is not None), None)
+
+    def javascript_value(self, read: _File, local: str, hops: int = 0) -> str | None:
+        """What a name bound at a TypeScript or JavaScript file's level is: its own declaration's qualified name,
+        or what it imports, followed through re-exports."""
+        if local in read.top:
+            return read.top[local]
+        imported = read.imports.get(local)
+        if imported is None or imported[1] is None or hops > MAX_HOPS:
+            return None
+        return self.javascript_export(imported[0], imported[1], hops + 1)
+
+    def javascript_export(self, path: str, name: str, hops: int) -> str | None:
+        read = self.files.get(path)
+        if read is None or hops > MAX_HOPS:
+            return None
+        if name in read.forwarded:
+            return self.javascript_export(*read.forwarded[name], hops + 1)
+        local = read.exports.get(name, name if name != "default" else None)
+        found = self.javascript_value(read, local, hops) if local is not None else None
+        if found is not None or name == "default":
+            return found
+        return next((f for s in read.starred if (f := self.javascript_export(s, name, hops + 1)) is not None), None)
+
+    def rust_item(self, read: _File, path: tuple[str, ...]) -> str | None:
+        """The qualified name of what a path from the crate's root names: a module's item, or a type's member
+        (``a::Type::new``)."""
+        crate, _ = _crate(read.path)
+        for cut in range(len(path) - 1, -1, -1):
+            names = self.rust_modules.get((crate, path[:cut]))
+            if names is None:
+                continue
+            rest = path[cut:]
+            if len(rest) == 1:
+                return names.get(rest[0])
+            if len(rest) == 2 and rest[0] in names:
+                return self.member(f"{crate}::{rest[0]}", rest[1])
+        return None
+
+    # -- the calls -----------------------------------------------------------------------------------------------
+
+    def calls(self, sources: Mapping[str, str]) -> dict[CallKey, list[str]]:
+        """Each file's calls (parsed again: see :attr:`_File.outline`)."""
+        found: dict[CallKey, dict[str, None]] = {}  # a chunk's calls in the order first made
+        for read in self.files.values():
+            root, declared = _parsed(read.path, sources[read.path]) or (None, [])
+            if root is None:
+                continue
+            types = {qualname: node for _kind, level, qualname, _span, node in declared if level == "type"}
+            file_key = (read.path, bounded_symbol(read.module), 0)
+            scopes: list[_Calls] = [_Calls(self, read, file_key, root, "", (), types)]
+            for kind, level, qualname, span, node in declared:
+                fqn = bounded_symbol(f"{read.module}.{qualname}")
+                owner = qualname if level == "type" else (qualname.rpartition(".")[0] if kind == "method" else "")
+                # Rust: the `mod` inside the file the chunk is in (a type's or method's owner is no module).
+                space = tuple(qualname.split(".")[: -2 if kind == "method" else -1])
+                scopes.append(_Calls(self, read, (read.path, fqn, span[0]), node, owner, space, types))
+            # Each call goes with the innermost chunk holding it: the chunks' nodes nest, in the order they start
+            # (the file's first of those that start where it does: the sort is stable).
+            scopes.sort(key=lambda scope: (scope.node.start_byte, -scope.node.end_byte))
+            starts = [scope.node.start_byte for scope in scopes]
+            holder: list[int] = []  # each chunk's innermost holder's index (-1: none)
+            for index, scope in enumerate(scopes):
+                up = index - 1
+                while up >= 0 and scopes[up].node.end_byte < scope.node.end_byte:
+                    up = holder[up]
+                holder.append(up)
+            for call in _captured(read, _CALLS, root):
+                index = bisect.bisect_right(starts, call.start_byte) - 1
+                while index > 0 and scopes[index].node.end_byte < call.end_byte:
+                    index = holder[index]
+                scope = scopes[max(index, 0)]
+                called = scope.callee(call)
+                if called is not None and called != scope.key[1]:
+                    found.setdefault(scope.key, {})[called] = None
+        return {key: list(names) for key, names in found.items()}
+
+
+class _Calls:
+    """What one chunk's calls resolve to: ``node`` its code (a call in a declaration below it that is a chunk of
+    its own is that chunk's), ``owner`` the type whose method (or body) it is, ``space`` (Rust) the ``mod`` within
+    its file it is in, ``types`` the file's types' nodes by their qualified names. Its parameters and typed names
+    are read at its first call."""
+
+    def __init__(
+        self,
+        tree: _Tree,
+        read: _File,
+        key: CallKey,
+        node: tree_sitter.Node,
+        owner: str,
+        space: tuple[str, ...],
+        types: Mapping[str, tree_sitter.Node],
+    ) -> None:
+        self.tree, self.read, self.key, self.node, self.owner, self.space = tree, read, key, node, owner, space
+        self.types = types
+        self.owner_key = tree.type_key(read, owner) if owner else None
+
+    @functools.cached_property
+    def parameters(self) -> frozenset[str]:
+        return _parameter_names(self.node)
+
+    @functools.cached_property
+    def typed(self) -> dict[str, tree_sitter.Node]:
+        typed = _typed_names(self.read, self.node)
+        if self.read.domain == "java" and self.owner in self.types:  # the class's fields' types
+            typed = {**_java_fields(self.types[self.owner]), **typed}
+        return typed
+
+    def callee(self, node: tree_sitter.Node) -> str | None:
+        domain = self.read.domain
+        if domain in ("typescript", "javascript"):
+            return self.javascript(node)
+        if domain == "go" and node.type == "call_expression":
+            return self.go(node.child_by_field_name("function"))
+        if domain == "java":
+            return self.java(node)
+        if domain == "rust":
+            return self.rust(node)
+        return None
+
+    def javascript(self, node: tree_sitter.Node) -> str | None:
+        tree, read = self.tree, self.read
+        if node.type == "new_expression":
+            made = node.child_by_field_name("constructor")
+            return (
+                tree.javascript_value(read, _text(made) or "")
+                if made is not None and made.type == "identifier"
+                else None
+            )
+        if node.type != "call_expression":
+            return None
+        function = node.child_by_field_name("function")
+        if function is None:
+            return None
+        if function.type == "identifier":
+            name = _text(function) or ""
+            return None if name in self.parameters else tree.javascript_value(read, name)
+        if function.type != "member_expression":
+            return None
+        held, name = function.child_by_field_name("object"), _text(function.child_by_field_name("property")) or ""
+        if held is None:
+            return None
+        if held.type == "this":
+            return tree.member(self.owner_key, name)
+        if held.type == "super":
+            return tree.member(self.owner_key, name, inherited_only=True)
+        if held.type != "identifier" or (local := _text(held) or "") in self.parameters:
+            return None
+        imported = read.imports.get(local)
+        if imported is not None and imported[1] is None:  # `ns.f()` through `import * as ns`
+            return tree.javascript_export(imported[0], name, 1)
+        return tree.member(tree.type_named(read, local), name)  # `Class.f()`
+
+    def go(self, function: tree_sitter.Node | None) -> str | None:
+        tree, read = self.tree, self.read
+        if function is None:
+            return None
+        if function.type == "identifier":
+            name = _text(function) or ""
+            if name in self.parameters:
+                return None
+            return next((f.top[name] for f in tree.packages.get(tree.go_package(read), []) if name in f.top), None)
+        if function.type != "selector_expression":
+            return None
+        held, name = function.child_by_field_name("operand"), _text(function.child_by_field_name("field")) or ""
+        if held is None or held.type != "identifier":
+            return None
+        local = _text(held) or ""
+        if local in self.typed:  # the receiver, or a parameter of a type of the tree
+            return tree.member(self.go_type(self.typed[local]), name)
+        imported = read.imports.get(local)
+        if imported is None or local in self.parameters:
+            return None
+        return next((f.top[name] for f in tree.packages.get(imported[0], []) if name in f.top), None)
+
+    def go_type(self, written: tree_sitter.Node) -> str | None:
+        """The key of a Go type as a parameter declares it: ``Server``, ``*Server``, ``store.Store``."""
+        while written.type in ("pointer_type", "generic_type") and written.named_children:
+            written = written.child_by_field_name("type") or written.named_children[0]
+        if written.type == "type_identifier":
+            return self.tree.type_named(self.read, _text(written) or "")
+        if written.type == "qualified_type":
+            package = self.read.imports.get(_text(written.child_by_field_name("package")) or "")
+            key = f"{package[0]}.{_text(written.child_by_field_name('name'))}" if package is not None else None
+            return key if key in self.tree.types else None
+        return None
+
+    def java(self, node: tree_sitter.Node) -> str | None:
+        tree, read = self.tree, self.read
+        if node.type == "object_creation_expression":
+            made = node.child_by_field_name("type")
+            key = tree.type_named(read, type_name(made), self.owner) if made is not None else None
+            return tree.types.get(key) if key is not None else None
+        if node.type != "method_invocation":
+            return None
+        held, name = node.child_by_field_name("object"), _text(node.child_by_field_name("name")) or ""
+        if held is None or held.type == "this":  # `m()` is the class's, or an enclosing class's
+            scopes = [self.owner.rsplit(".", i)[0] for i in range(self.owner.count(".") + 1)] if self.owner else []
+            keys = [self.owner_key] if held is not None else [tree.type_key(read, scope) for scope in scopes]
+            return next((m for k in keys if (m := tree.member(k, name)) is not None), None)
+        if held.type == "super":
+            return tree.member(self.owner_key, name, inherited_only=True)
+        if held.type == "field_access" and getattr(held.child_by_field_name("object"), "type", None) == "this":
+            held = held.child_by_field_name("field") or held
+        if held.type != "identifier":
+            return None
+        local = _text(held) or ""
+        if local in self.typed:
+            return tree.member(tree.type_named(read, type_name(self.typed[local]), self.owner), name)
+        return tree.member(tree.type_named(read, local, self.owner), name)  # `Type.m()`
+
+    def rust(self, node: tree_sitter.Node) -> str | None:
+        tree, read = self.tree, self.read
+        if node.type == "macro_invocation":
+            macro = _text(node.child_by_field_name("macro")) or ""
+            made = tree.rust_macros.get((_crate(read.path)[0], macro), set())
+            return next(iter(made)) if len(made) == 1 else None
+        if node.type != "call_expression":
+            return None
+        function = node.child_by_field_name("function")
+        if function is None:
+            return None
+        if function.type == "identifier":
+            name = _text(function) or ""
+            if name in self.parameters:
+                return None
+            here = self.rust_module()
+            if name in tree.rust_modules.get(here, {}):
+                return tree.rust_modules[here][name]
+            used = read.uses.get(name)
+            return tree.rust_item(read, tree.rust_absolute(read, used)) if used is not None else None
+        if function.type == "field_expression":  # `self.f()`
+            held = function.child_by_field_name("value")
+            if held is not None and held.type == "self":
+                return tree.member(self.owner_key, _text(function.child_by_field_name("field")) or "")
+            return None
+        if function.type != "scoped_identifier":
+            return None
+        path = _rust_path(function)
+        if len(path) == 2 and path[0] == "Self":
+            return tree.member(self.owner_key, path[1])
+        if path and path[0] in read.uses:  # `Type::new()` or `module::f()` through a `use`
+            return tree.rust_item(read, tree.rust_absolute(read, (*read.uses[path[0]], *path[1:])))
+        if len(path) == 2 and (key := tree.type_named(read, path[0])) is not None:
+            return tree.member(key, path[1])
+        return tree.rust_item(read, tree.rust_absolute(read, path))
+
+    def rust_module(self) -> tuple[str, tuple[str, ...]]:
+        """The module the chunk's code is in: its file's, or a ``mod`` inside it."""
+        crate, path = _crate(self.read.path)
+        return crate, (*path, *self.space)
+
+
+_CALLS = {
+    "typescript": "(call_expression) @call (new_expression) @call",
+    "javascript": "(call_expression) @call (new_expression) @call",
+    "go": "(call_expression) @call",
+    "java": "(method_invocation) @call (object_creation_expression) @call",
+    "rust": "(call_expression) @call (macro_invocation) @call",
+}
+"""The nodes that are calls, by language; found by a tree-sitter query (walking every node in Python took
+2.5 times as long as chunking the files)."""
+_TYPED_NAMES = {
+    "go": "(parameter_declaration) @typed",
+    "java": "(formal_parameter) @typed (local_variable_declaration) @typed",
+}
+
+
+@functools.cache
+def _query(suffix: str, source: str) -> tree_sitter.Query:
+    return tree_sitter.Query(parser(suffix).language, source)  # type: ignore[arg-type]
+
+
+def _captured(read: _File, queries: Mapping[str, str], node: tree_sitter.Node) -> list[tree_sitter.Node]:
+    """The nodes under ``node`` that the language's query of ``queries`` captures, in the order they start."""
+    if read.domain not in queries:
+        return []
+    captures = tree_sitter.QueryCursor(_query(_suffix(read.path), queries[read.domain])).captures(node)
+    return sorted((n for nodes in captures.values() for n in nodes), key=lambda n: (n.start_byte, -n.end_byte))
+
+
+def _crate(path: str) -> tuple[str, tuple[str, ...]]:
+    """A Rust file's crate (the directory of its ``src``, or its own directory) and its module's path in it
+    (``src/net/tcp.rs`` and ``src/net/tcp/mod.rs`` are ``net::tcp``; ``src/lib.rs`` and ``src/main.rs`` the root)."""
+    parts = path.removesuffix(".rs").split("/")
+    if "src" in parts[:-1]:
+        at = len(parts) - 1 - parts[::-1].index("src", 1)
+        crate, inner = "/".join(parts[: at + 1]), parts[at + 1 :]
+    else:
+        crate, inner = "/".join(parts[:-1]), parts[-1:]
+    if inner and inner[-1] == "mod":
+        inner = inner[:-1]
+    if len(inner) == 1 and inner[0] in ("lib", "main"):
+        inner = []
+    return crate, tuple(inner)
+
+
+def _rust_path(node: tree_sitter.Node) -> tuple[str, ...]:
+    """The segments of a Rust path (``crate::a::f`` is ``crate``, ``a``, ``f``)."""
+    if node.type == "scoped_identifier":
+        scope, name = node.child_by_field_name("path"), node.child_by_field_name("name")
+        return (*(_rust_path(scope) if scope is not None else ()), *((_text(name) or "",) if name is not None else ()))
+    return (_text(node) or "",)
+
+
+def _parameter_names(node: tree_sitter.Node) -> frozenset[str]:
+    """The names a function's parameters bind (a call of one is not the tree's function of that name)."""
+    parameters = node.child_by_field_name("parameters")
+    if parameters is None and node.type in ("variable_declarator", "field_definition", "public_field_definition"):
+        value = node.child_by_field_name("value")  # `const f = (a, b) => ...`
+        parameters = value.child_by_field_name("parameters") if value is not None else None
+        if parameters is None and value is not None:
+            parameters = value.child_by_field_name("parameter")  # `x => ...`
+    if parameters is None:
+        return frozenset()
+    return frozenset(_text(n) or "" for n in walk(parameters) if n.type == "identifier")
+
+
+def _typed_names(read: _File, node: tree_sitter.Node) -> dict[str, tree_sitter.Node]:
+    """Go's and Java's parameters and Java's locals, each with the type it is declared with."""
+    typed: dict[str, tree_sitter.Node] = {}
+    for found in _captured(read, _TYPED_NAMES, node):
+        written = found.child_by_field_name("type")
+        if written is None:
+            continue
+        if found.type == "local_variable_declaration":
+            names = [d.child_by_field_name("name") for d in found.children_by_field_name("declarator")]
+        else:
+            names = list(found.children_by_field_name("name"))
+        for name in names:
+            if (text := _text(name)) is not None:
+                typed[text] = written
+    return typed
+
+
+def _java_fields(declaration: tree_sitter.Node) -> dict[str, tree_sitter.Node]:
+    """A Java class's fields, each with its declared type."""
+    body = declaration.child_by_field_name("body")
+    fields: dict[str, tree_sitter.Node] = {}
+    for member in body.named_children if body is not None else ():
+        written = member.child_by_field_name("type") if member.type == "field_declaration" else None
+        if written is None:
+            continue
+        for declarator in member.children_by_field_name("declarator"):
+            if (text := _text(declarator.child_by_field_name("name"))) is not None:
+                fields[text] = written
+    return fields

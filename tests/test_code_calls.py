@@ -1,0 +1,233 @@
+"""The calls of code in languages other than Python (services/ingest/code_calls.py): what each language's syntax
+resolves, what it leaves out, and that every chunk they are read for is one the chunker makes."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from ontofabric.services.ingest.code import chunk_code
+from ontofabric.services.ingest.code_calls import CallKey, code_calls, go_module_path
+from ontofabric.services.ingest.ingester import chunk_sources, go_modules
+
+
+def _calls(files: dict[str, str], go: dict[str, str] | None = None) -> dict[CallKey, list[str]]:
+    sources = {path: textwrap.dedent(text).lstrip("\n") for path, text in files.items()}
+    found = code_calls(sources, go)
+    chunks = {
+        (c.file_path, c.symbol_fqn, c.line) for path, text in sources.items() for c in chunk_code(path, text, 10**6)
+    }
+    assert set(found) <= chunks, set(found) - chunks  # each is a chunk's, as the ingester looks it up
+    return found
+
+
+def _by_name(found: dict[CallKey, list[str]]) -> dict[str, list[str]]:
+    return {fqn: names for (_path, fqn, _line), names in found.items()}
+
+
+TYPESCRIPT = {
+    "web/src/util/math.ts": """
+        import { Base } from './base';
+        export function add(a: number, b: number) { return a + b }
+        /** A calculator. */
+        export class Calc extends Base {
+          total(): number { return this.sum() + super.base() + add(1, 2) + this.missing() }
+          sum(): number { return add(0, 0) }
+          base(): number { return 2 }
+        }
+        """,
+    "web/src/util/base.ts": "export class Base {\n  base() { return 0 }\n  static make() { return new Base() }\n}\n",
+    "web/src/util/index.ts": "export * from './math';\nexport { Base as Root } from './base';\n",
+    "web/src/app.tsx": """
+        import { add, Calc, Root } from './util';
+        import * as m from './util/math.js';
+        import start from './start';
+        import React from 'react';
+        const run = (add2: () => number) => {
+          add(1, 2); m.add(3, 4); new Calc(); Root.make(); start(); add2(); React.createElement('p'); unknown.add()
+        }
+        export function main() { run(() => 1); main() }
+        main();
+        """,
+    "web/src/start.js": "export default function start() { return helper() }\nfunction helper() { return 1 }\n",
+    "web/src/legacy.js": """
+        const { add: plus } = require('./util/math');
+        const lib = require('./start');
+        function go() { plus(1); lib.default(); lib.helper() }
+        """,
+}
+
+
+def test_typescript_and_javascript_calls_resolve_through_imports_re_exports_and_classes() -> None:
+    found = _by_name(_calls(TYPESCRIPT))
+    assert found["web.src.app.run"] == [
+        "web.src.util.math.add",  # through the index's `export *`
+        "web.src.util.math.Calc",  # `new Calc()`
+        "web.src.util.base.Base.make",  # `Root.make()`: a re-export under another name
+        "web.src.start.start",  # a default import of a JavaScript file
+    ]  # not the parameter add2, React's, nor a method of an object whose type the syntax does not say
+    assert found["web.src.app.main"] == ["web.src.app.run"]  # not itself
+    assert found["web.src.app"] == ["web.src.app.main"]  # the file's own statements
+    # `this` through the class and its base (an own method first), `super` the base's alone, `./x.js` is x.ts.
+    assert found["web.src.util.math.Calc.total"] == [
+        "web.src.util.math.Calc.sum", "web.src.util.base.Base.base", "web.src.util.math.add"
+    ]  # fmt: skip
+    assert found["web.src.util.base.Base.make"] == ["web.src.util.base.Base"]
+    assert found["web.src.start.start"] == ["web.src.start.helper"]
+    # CommonJS: a destructured require under another name, and a module's names through it.
+    assert found["web.src.legacy.go"] == ["web.src.util.math.add", "web.src.start.start", "web.src.start.helper"]
+
+
+def test_go_calls_resolve_within_the_package_through_imports_receivers_and_typed_parameters() -> None:
+    files = {
+        "svc/internal/store/store.go": """
+            package store
+
+            // Store keeps values.
+            type Store struct{}
+
+            func Open() *Store { return &Store{} }
+
+            func (s *Store) Get(k string) string { return s.raw(k) }
+            """,
+        "svc/internal/store/raw.go": """
+            package store
+
+            func (s *Store) raw(k string) string { return helper(k) }
+
+            func helper(k string) string { return k }
+            """,
+        "svc/cmd/main.go": """
+            package main
+
+            import (
+            \tst "example.com/svc/internal/store"
+            \t"fmt"
+            )
+
+            func serve(db *st.Store, helper func()) { db.Get("a"); fmt.Println(); helper() }
+
+            func main() { s := st.Open(); serve(s, nil); s.Get("b") }
+            """,
+        "other/pkg/store/store.go": "package store\n\nfunc Open() int { return 0 }\n",
+    }
+    found = _by_name(_calls(files, {"svc": "example.com/svc"}))
+    # `s.Get` through a local bound by `:=` is not read (its type is not written); `db.Get` is, by its parameter's.
+    assert found["svc.cmd.main.main"] == ["svc.internal.store.store.Open", "svc.cmd.main.serve"]
+    assert found["svc.cmd.main.serve"] == ["svc.internal.store.store.Store.Get"]  # not the parameter `helper`
+    assert found["svc.internal.store.store.Store.Get"] == ["svc.internal.store.raw.Store.raw"]  # another file's
+    assert found["svc.internal.store.raw.Store.raw"] == ["svc.internal.store.raw.helper"]
+    # Without its go.mod, by the import path's end: the longest directory of Go files that ends it.
+    assert _by_name(_calls(files))["svc.cmd.main.main"] == ["svc.internal.store.store.Open", "svc.cmd.main.serve"]
+
+
+def test_java_calls_resolve_through_the_class_its_bases_and_declared_types() -> None:
+    files = {
+        "src/com/acme/Tax.java": """
+            package com.acme;
+
+            public class Tax extends Base<Rates> implements Named {
+              private Rates rates;
+              public Tax() { this.rates = new Rates(); }
+              public double compute(double x) { return rate() * x + this.rates.lookup() + helper() + name(); }
+              double rate() { return Util.pi(); }
+              static class Inner { double twice() { return rate() * 2; } }
+            }
+            """,
+        "src/com/acme/Base.java": "package com.acme;\n\nclass Base<T> {\n  double helper() { return 0; }\n}\n",
+        "src/com/acme/Named.java": """
+            package com.acme;
+
+            interface Named { default String name() { return ""; } }
+            """,
+        "src/com/acme/Rates.java": "package com.acme;\n\nclass Rates {\n  double lookup() { return 1; }\n}\n",
+        "src/com/acme/util/Util.java": """
+            package com.acme.util;
+
+            public class Util { public static double pi() { return 3.14; } }
+            """,
+        "src/com/acme/App.java": """
+            package com.acme;
+
+            import com.acme.util.Util;
+
+            class App {
+              void main(Tax t) { Tax u = new Tax(); u.compute(1); t.rate(); Util.pi(); java.util.List.of(); }
+            }
+            """,
+    }
+    found = _by_name(_calls(files))
+    assert found["src.com.acme.App.App.main"] == [
+        "src.com.acme.Tax.Tax", "src.com.acme.Tax.Tax.compute", "src.com.acme.Tax.Tax.rate",
+        "src.com.acme.util.Util.Util.pi",
+    ]  # fmt: skip
+    assert found["src.com.acme.Tax.Tax.compute"] == [
+        "src.com.acme.Tax.Tax.rate", "src.com.acme.Rates.Rates.lookup", "src.com.acme.Base.Base.helper",
+        "src.com.acme.Named.Named.name",
+    ]  # fmt: skip
+    assert found["src.com.acme.Tax.Tax.constructor"] == ["src.com.acme.Rates.Rates"]
+    assert "src.com.acme.Tax.Tax.rate" not in found  # Util is not imported by Tax.java: not the tree's Util
+    assert found["src.com.acme.Tax.Tax.Inner.twice"] == ["src.com.acme.Tax.Tax.rate"]  # the enclosing class's
+
+
+def test_rust_calls_resolve_through_modules_uses_impls_and_macros() -> None:
+    files = {
+        "crates/net/src/lib.rs": """
+            mod tcp;
+            use crate::tcp::{connect, Conn as C};
+
+            macro_rules! hi { () => {} }
+
+            pub fn run() { connect(); C::new(); tcp::connect(); hi!(); inner::f(); std::process::exit(0); }
+
+            mod inner {
+                pub fn f() { super::run(); g() }
+                fn g() {}
+            }
+            """,
+        "crates/net/src/tcp.rs": """
+            pub struct Conn;
+
+            impl Conn {
+                pub fn new() -> Self { Self::init(); Conn }
+                fn init() {}
+                pub fn send(&self) { self.flush() }
+                fn flush(&self) {}
+            }
+
+            pub fn connect() { super::run(); Conn::new(); }
+            """,
+        "crates/other/src/lib.rs": "pub fn connect() {}\npub fn run() { connect() }\n",
+    }
+    found = _by_name(_calls(files))
+    assert found["crates.net.src.lib.run"] == [
+        "crates.net.src.tcp.connect", "crates.net.src.tcp.Conn.new", "crates.net.src.lib.hi",
+        "crates.net.src.lib.inner.f",
+    ]  # fmt: skip
+    assert found["crates.net.src.lib.inner.f"] == ["crates.net.src.lib.run", "crates.net.src.lib.inner.g"]
+    assert found["crates.net.src.tcp.Conn.new"] == ["crates.net.src.tcp.Conn.init"]
+    assert found["crates.net.src.tcp.Conn.send"] == ["crates.net.src.tcp.Conn.flush"]
+    assert found["crates.net.src.tcp.connect"] == ["crates.net.src.lib.run", "crates.net.src.tcp.Conn.new"]
+    assert found["crates.other.src.lib.run"] == ["crates.other.src.lib.connect"]  # its own crate's
+
+
+def test_what_the_syntax_cannot_tell_is_left_out() -> None:
+    minified = "export function a(){return b()}function b(){return 1}" + "x" * 400 + "\n"
+    assert code_calls({"dist/bundle.js": minified * 3}) == {}  # a bundle is its file's chunk alone
+    broken = _by_name(_calls({"a.ts": "function f() { g() }\nfunction g() {}\nlet = ;\n"}))  # a syntax error
+    assert broken.get("a.f") == ["a.g"]
+    assert code_calls({"README.md": "f()"}) == {}
+
+
+def test_the_ingester_reads_go_modules_and_carries_the_calls(tmp_path: Path) -> None:
+    assert go_module_path('// generated\nmodule "example.com/x/v2"\n\ngo 1.22\n') == "example.com/x/v2"
+    (tmp_path / "svc" / "cmd").mkdir(parents=True)
+    (tmp_path / "svc" / "go.mod").write_text("module example.com/svc\n")
+    files = {
+        "svc/cmd/main.go": 'package main\n\nimport "example.com/svc/lib"\n\nfunc main() { lib.Do() }\n',
+        "svc/lib/lib.go": "package lib\n\nfunc Do() {}\n",
+    }
+    assert go_modules(tmp_path, files) == {"svc": "example.com/svc"}
+    chunks = chunk_sources(tmp_path, files, 10**6)
+    called = {c.symbol_fqn: c.calls for c in chunks if c.calls}
+    assert called == {"svc.cmd.main.main": ("svc.lib.lib.Do",)}

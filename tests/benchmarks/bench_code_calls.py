@@ -27,6 +27,12 @@ def resident_mb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
 
 
+def watch(peak: list[float], done: threading.Event) -> None:
+    """Keeps the highest resident memory seen in ``peak[0]`` until ``done``."""
+    while not done.wait(0.01):
+        peak[0] = max(peak[0], resident_mb())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tree", nargs="?", type=Path, default=DEFAULT_TREE)
@@ -44,14 +50,8 @@ def main() -> None:
         started = time.perf_counter()
         chunks = sum(len(chunk_code(path, text, 20_000)) for path, text in sources.items())
         chunking = time.perf_counter() - started
-        peak, done = [resident_mb()], threading.Event()
-        before = peak[0]
-
-        def watch() -> None:
-            while not done.wait(0.01):
-                peak[0] = max(peak[0], resident_mb())
-
-        watcher = threading.Thread(target=watch)
+        before, peak, done = resident_mb(), [0.0], threading.Event()
+        watcher = threading.Thread(target=watch, args=(peak, done))
         watcher.start()
         started = time.perf_counter()
         calls = code_calls(sources)

@@ -50,7 +50,8 @@ def main() -> None:
         started = time.perf_counter()
         chunks = sum(len(chunk_code(path, text, 20_000)) for path, text in sources.items())
         chunking = time.perf_counter() - started
-        before, peak, done = resident_mb(), [0.0], threading.Event()
+        before = resident_mb()
+        peak, done = [before], threading.Event()
         watcher = threading.Thread(target=watch, args=(peak, done))
         watcher.start()
         started = time.perf_counter()

@@ -1063,6 +1063,8 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
             \treturn auth.RequireJWT(h)
             }
             """,
+        "billing/src/com/acme/Ledger.java": "package com.acme;\n\npublic abstract class Ledger {}\n",
+        "billing/src/com/acme/InvoiceLedger.java": "package com.acme;\n\nclass InvoiceLedger extends Ledger {}\n",
     }
     await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -1085,6 +1087,15 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         callers = [r.metadata["symbolFqn"] for r in asked.results if CALLER in {f.retriever for f in r.found_by}]
         assert callers == [caller], (question, _names(asked))
         assert f"callers are read from the code's syntax ({CALLS_READ})" in render(asked)
+    # And the graph: a Java class's subclasses, a TypeScript module's importers.
+    subclasses = await _ask(client, "what subclasses Ledger", "mono")
+    assert [r.metadata["symbolFqn"] for r in subclasses.results if SUBCLASS in {f.retriever for f in r.found_by}] == [
+        "billing.src.com.acme.InvoiceLedger.InvoiceLedger"
+    ]
+    importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
+    assert [r.metadata["filePath"] for r in importers.results if IMPORTER in {f.retriever for f in r.found_by}] == [
+        "web/src/pages/Profile.tsx"
+    ]
     called = await _ask(client, "what does Routes call", "mono")
     assert [r.metadata["symbolFqn"] for r in called.results if CALLEE in {f.retriever for f in r.found_by}] == [
         "services.api.auth.middleware.RequireJWT"

@@ -383,7 +383,7 @@ def render_error(reply: ErrorReply) -> str:
 
 
 CALLS_READ = "in Python, TypeScript, JavaScript, Go, Java and Rust; other languages' calls are not read"
-"""What the ingester reads calls in (graph.python_calls, code_calls), said beside callers and callees."""
+"""What the ingester reads calls in (graph.python_calls, code_graph.read_code), said beside callers and callees."""
 _RAISING = re.compile(r"\b(?:raise[sd]?|throw[sn]?)\b", re.IGNORECASE)
 STANDING = {
     CALLER: "calls",

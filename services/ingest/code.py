@@ -3,8 +3,7 @@ declaration a reader looks for, its leading comments with it: functions, classes
 traits and type aliases, and the methods inside classes and ``impl`` blocks. A monorepo tester's Go, TypeScript,
 Rust and Java files were not read at all, and no answer could point an agent at them.
 
-The calls their code makes are read by :mod:`code_calls`; no graph or exports are read of these languages
-(:mod:`graph` reads Python's).
+Their calls and graph are read by :mod:`code_graph` (Python's by :mod:`graph`); no exports are read of them.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ class _Module:
     """Its ``__all__``, when written as a list or tuple of strings."""
 
 
-def _split(object_type: str) -> tuple[str, str]:
+def split_object_type(object_type: str) -> tuple[str, str]:
+    """A node's domain and name, from its object type."""
     domain, _, name = object_type.rpartition(".")
     return domain, name
 
@@ -450,7 +451,8 @@ def _interface(resolver: _Resolver, module: _Module, base: ast.expr) -> str | No
     return object_type_name(dotted) if dotted else None
 
 
-def _representable(node: GraphNode) -> bool:
+def representable(node: GraphNode) -> bool:
+    """Whether the contract can carry the node (a 600-character class name cannot)."""
     try:
         OntologyNode(domain=node.domain, name=node.name, kind=node.kind, interfaces=list(node.interfaces))
     except ValidationError:
@@ -591,14 +593,16 @@ def python_graph(
             links.add(GraphLink(module.object_type, IMPORTS, object_type_name(missing)))
 
     for module in modules.values():
-        nodes[module.object_type] = GraphNode(*_split(module.object_type), kind="module")
+        nodes[module.object_type] = GraphNode(*split_object_type(module.object_type), kind="module")
         for qualname, cls in _classes(module.tree.body):
             object_type = object_type_name(f"{module.fqn}.{qualname}")
             interfaces = tuple(i for i in (_interface(resolver, module, b) for b in cls.bases) if i)
-            nodes[object_type] = GraphNode(_split(object_type)[0], _split(object_type)[1], "class", interfaces)
+            nodes[object_type] = GraphNode(
+                split_object_type(object_type)[0], split_object_type(object_type)[1], "class", interfaces
+            )
     # A type whose names the contract cannot carry (a 600-character class name) stays out of the graph, so one
     # odd source never stops an ingest; its documents are ingested all the same.
-    nodes = {t: n for t, n in nodes.items() if _representable(n)}
+    nodes = {t: n for t, n in nodes.items() if representable(n)}
     for module in modules.values():
         tick()
         for found in ast.walk(module.tree):

@@ -68,7 +68,7 @@ from ontofabric.shared.telemetry import tracer
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, envelope
 from .code import CODE_SUFFIXES
-from .code_calls import code_calls, go_module_path
+from .code_graph import CodeRead, go_module_path, read_code
 from .graph import (
     GraphLink,
     GraphNode,
@@ -345,8 +345,21 @@ def read_sources(
     to stop it: an interrupted ingest waited a minute for the reading to end)."""
     with collector_paused():
         python = python_of(sources, package, max_file_bytes, tick)
-        chunked = chunk_sources(root, sources, max_content_bytes, package or "", python, max_file_bytes, tick)
-        return chunked, python_graph(python, tick=tick), defining_files(python)
+        code = code_of(root, sources, max_file_bytes)
+        chunked = chunk_sources(root, sources, max_content_bytes, package or "", python, max_file_bytes, tick, code)
+        nodes, links = python_graph(python, tick=tick)
+        # Python's node first where a file of each language makes the same one (pkg/api.py and pkg/api.ts).
+        typed = {node.object_type: node for node in [*code.nodes, *nodes]}
+        defined_in = code.defined_in | defining_files(python)
+        return chunked, (sorted(typed.values(), key=lambda n: n.object_type), sorted({*links, *code.links})), defined_in
+
+
+def code_of(root: Path, sources: Mapping[str, str], max_file_bytes: int) -> CodeRead:
+    """:func:`code_graph.read_code` of the files of ``sources`` in other languages than Python, within
+    ``max_file_bytes`` (:func:`too_large`)."""
+    unread = too_large(sources, max_file_bytes)
+    code = {path: text for path, text in sources.items() if path.endswith(CODE_SUFFIXES) and path not in unread}
+    return read_code(code, go_modules(root, code))
 
 
 def reading_steps(sources: Mapping[str, str]) -> int:
@@ -363,10 +376,11 @@ def chunk_sources(
     python: PythonTree | None = None,
     max_file_bytes: int = 0,
     tick: Callable[[], object] = lambda: None,
+    code: CodeRead | None = None,
 ) -> list[Chunk]:
     """The chunks of a tree's ``sources`` (from :func:`read_tree`), named as Python imports them (``package``: see
     :func:`chunking.tree_package`); code chunks carry the symbols their code calls (:func:`graph.python_calls`,
-    :func:`code_calls.code_calls` in other languages).
+    :func:`code_graph.read_code` in other languages: ``code``, when already read).
     ``python``: the sources as :func:`graph.read_python` read them with that package, when already read (without
     the files over ``max_file_bytes``, which are read as one chunk each: :func:`too_large`). ``tick``: called
     before each file is chunked and each module's calls are read."""
@@ -378,8 +392,8 @@ def chunk_sources(
         tick()
         chunks += chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
     calls = {key: carried_calls(names) for key, names in python_calls(python, tick=tick).items()}
-    other_code = {path: text for path, text in sources.items() if path.endswith(CODE_SUFFIXES) and path not in unread}
-    calls |= {key: carried_calls(names) for key, names in code_calls(other_code, go_modules(root, other_code)).items()}
+    code = code if code is not None else code_of(root, sources, max_file_bytes)
+    calls |= {key: carried_calls(names) for key, names in code.calls.items()}
     exports = python_exports(python)
     completed = []
     for chunk in chunks:

@@ -1,7 +1,12 @@
-"""The calls of code in languages other than Python (pure): for each chunk :func:`code.chunk_code` makes, the
-declarations of the tree its code calls, read from the syntax alone, as :func:`graph.python_calls` reads Python's.
-A monorepo tester asked what calls a Go function and a TypeScript one, and heard that calls were read in Python
-alone.
+"""The calls and the graph of code in languages other than Python (pure), read from the syntax alone as
+:mod:`graph` reads Python's: for each chunk :func:`code.chunk_code` makes, the declarations of the tree its code
+calls; and the files and types as nodes, with the imports between files, the types each type extends or
+implements, and the calls between them as links. A monorepo tester asked what calls a Go function and a TypeScript
+one, and heard that calls were read in Python alone.
+
+Imports link a file to the file it imports from (TypeScript and JavaScript by a relative path, ``require`` too),
+to each file of a Go package of the tree it imports, to the file declaring a Java type it imports (each file of a
+package it imports whole), to the Rust module file a ``use`` names.
 
 What is resolved, by language (a call through anything else, an object whose type the syntax does not say, is left
 out, and so is a chunk calling itself):
@@ -25,12 +30,14 @@ import bisect
 import functools
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import tree_sitter
 
-from .chunking import ChunkLevel, bounded_symbol, file_lines
+from ontofabric.contracts import CALLS, IMPORTS, INHERITS
+
+from .chunking import ChunkLevel, bounded_symbol, file_lines, object_type_name
 from .code import (
     LANGUAGES,
     Declared,
@@ -44,6 +51,7 @@ from .code import (
     type_name,
     walk,
 )
+from .graph import GraphLink, GraphNode, representable, split_object_type
 
 MAX_HOPS = 8
 """How many imports, re-exports or base classes a name is followed through (a cycle of re-exports ends too)."""
@@ -51,7 +59,21 @@ _JAVASCRIPT_SUFFIXES = (".ts", ".tsx", ".d.ts", ".mts", ".cts", ".js", ".jsx", "
 _GO_MODULE = re.compile(r"^\s*module\s+(\S+)", re.MULTILINE)
 
 CallKey = tuple[str, str, int]
-"""A chunk as :func:`code_calls` keys it: its file, its qualified name and its first line (0 for a file's)."""
+"""A chunk as :func:`read_code` keys it: its file, its qualified name and its first line (0 for a file's)."""
+
+
+@dataclass(frozen=True)
+class CodeRead:
+    """What :func:`read_code` reads of a tree's code in other languages than Python."""
+
+    calls: dict[CallKey, list[str]]
+    """Each chunk -> the qualified names of the tree's declarations its own code calls, in the order first called."""
+    nodes: list[GraphNode]
+    """The files (kind ``module``) and types (``class``)."""
+    links: list[GraphLink]
+    """Imports, inheritance and calls between them."""
+    defined_in: dict[str, str]
+    """Each node's object type -> the file defining it (:func:`graph.defining_files` for Python's)."""
 
 
 @dataclass
@@ -82,6 +104,9 @@ class _File:
     """Go: each import's name (None: the package's own) and path, resolved once every file's package is known."""
     bases_written: dict[str, list[str]] = field(default_factory=dict)
     """A type's qualified name in the file -> the names of the types it extends or implements, as written."""
+    imported: dict[str, None] = field(default_factory=dict)
+    """TypeScript and JavaScript: the files of the tree it imports from (``import``, ``export ... from``,
+    ``require``), in order."""
 
 
 def go_module_path(go_mod: str) -> str | None:
@@ -90,12 +115,13 @@ def go_module_path(go_mod: str) -> str | None:
     return found.group(1).strip('"') if found else None
 
 
-def code_calls(sources: Mapping[str, str], go_modules: Mapping[str, str] | None = None) -> dict[CallKey, list[str]]:
-    """For each chunk of the source files of ``sources`` in a language :data:`code.LANGUAGES` reads (keyed by
-    file, qualified name and line as :func:`code.chunk_code` makes them; a minified file has none), the qualified
-    names of the tree's declarations its own code calls (see the module's docstring), in the order it first calls
-    them. A class's or a file's chunk holds the calls outside its methods and functions. ``go_modules``: a
-    directory of the tree holding a ``go.mod`` (``""`` for the top) -> the module path it declares."""
+def read_code(sources: Mapping[str, str], go_modules: Mapping[str, str] | None = None) -> CodeRead:
+    """The calls and graph of the source files of ``sources`` in a language :data:`code.LANGUAGES` reads: for
+    each chunk (keyed by file, qualified name and line as :func:`code.chunk_code` makes them; a minified file has
+    none), the qualified names of the tree's declarations its own code calls (see the module's docstring), in the
+    order it first calls them (a class's or a file's chunk holds the calls outside its methods and functions);
+    and the graph. ``go_modules``: a directory of the tree holding a ``go.mod`` (``""`` for the top) -> the module
+    path it declares."""
     tree = _Tree(frozenset(sources), dict(go_modules or {}))
     for path, text in sources.items():  # each file parsed, its outline kept and its nodes let go
         parsed = _parsed(path, text)
@@ -105,7 +131,8 @@ def code_calls(sources: Mapping[str, str], go_modules: Mapping[str, str] | None 
                 (kind, level, qualname, span) for kind, level, qualname, span, _node in declared
             ]), root, declared)  # fmt: skip
     tree.resolve()
-    return tree.calls(sources)
+    calls = tree.calls(sources)
+    return CodeRead(calls, *tree.graph(calls))
 
 
 def _suffix(path: str) -> str:
@@ -159,6 +186,14 @@ class _Tree:
         self.rust_modules: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         """Rust: a crate and a module's path in it -> the names the module declares -> their qualified names."""
         self.rust_macros: dict[tuple[str, str], set[str]] = {}
+        self.rust_files: dict[tuple[str, tuple[str, ...]], str] = {}
+        """Rust: a crate and a module's path in it -> the module of the file that is that module."""
+        self.type_modules: dict[str, str] = {}
+        """A type's key -> the module of the file declaring it."""
+        self.object_types: dict[str, str] = {}
+        """A chunk's qualified name -> its object type (as :func:`code.chunk_code` makes them)."""
+        self.go_imports: dict[str, dict[str, None]] = {}
+        """Go: a file -> the packages of the tree it imports."""
 
     def add(self, read: _File, root: tree_sitter.Node, declared: list[Declared]) -> None:
         """A file's declarations, and what its syntax says of its imports and bases (resolved by :meth:`resolve`
@@ -193,9 +228,18 @@ class _Tree:
         return f"{posixpath.dirname(read.path)}:{read.package or ''}"
 
     def _index(self, read: _File) -> None:
+        module_type = object_type_name(read.module)
+        self.object_types[bounded_symbol(read.module)] = module_type
+        if read.domain == "rust":
+            self.rust_files.setdefault(_crate(read.path), read.module)
         for kind, level, qualname, _span in read.outline:
             fqn = bounded_symbol(f"{read.module}.{qualname}")
             owner, _, name = qualname.rpartition(".")
+            self.object_types[fqn] = object_type_name(f"{read.module}.{qualname}") if level == "type" else (
+                object_type_name(f"{read.module}.{owner}") if owner else module_type
+            )  # fmt: skip
+            if level == "type":
+                self.type_modules.setdefault(self.type_key(read, qualname), read.module)
             if read.domain == "rust":
                 crate, path = _crate(read.path)
                 if kind == "macro":
@@ -248,6 +292,8 @@ class _Tree:
 
     def _javascript_import(self, read: _File, node: tree_sitter.Node) -> None:
         source = self.javascript_file(read.path, _string(node.child_by_field_name("source")))
+        if source is not None and node.type in ("import_statement", "export_statement"):
+            read.imported[source] = None
         if node.type == "import_statement" and source is not None:
             clause = next((n for n in node.named_children if n.type == "import_clause"), None)
             for part in clause.named_children if clause is not None else ():
@@ -292,6 +338,7 @@ class _Tree:
                 bound = declarator.child_by_field_name("name")
                 if required is None or bound is None:
                     continue
+                read.imported[required] = None
                 if bound.type == "identifier":
                     read.imports[_text(bound) or ""] = (required, None)
                 elif bound.type == "object_pattern":  # `const { a, b: c } = require('./x')`
@@ -324,6 +371,7 @@ class _Tree:
             return
         package = self.package_names[directory]
         read.imports[alias or package] = (f"{directory}:{package}", None)
+        self.go_imports.setdefault(read.path, {})[f"{directory}:{package}"] = None
 
     def go_directory(self, written: str) -> str | None:
         """The directory of the tree an import path names: under a module's ``go.mod`` (the longest module path
@@ -395,7 +443,7 @@ class _Tree:
                         else []
                     )
                     written += listed
-            names = [_text(n) if n.type == "identifier" else type_name(n) for n in written]
+            names = [_written_type(n) for n in written]
             if named := [name for name in names if name]:
                 read.bases_written[qualname] = named
 
@@ -417,6 +465,7 @@ class _Tree:
                 *([imported[0]] if imported is not None else []),
                 f"{read.package}.{name}" if read.package else name,
                 *(f"{package}.{name}" for package in read.wildcard),
+                name,  # written whole: `com.acme.Base`
             ]
             return next((self.java_types[c] for c in candidates if c in self.java_types), None)
         if read.domain == "go":
@@ -511,6 +560,73 @@ class _Tree:
                 if called is not None and called != scope.key[1]:
                     found.setdefault(scope.key, {})[called] = None
         return {key: list(names) for key, names in found.items()}
+
+    def graph(self, calls: Mapping[CallKey, list[str]]) -> tuple[list[GraphNode], list[GraphLink], dict[str, str]]:
+        """The nodes, the links and each node's file (:class:`CodeRead`)."""
+        nodes: dict[str, GraphNode] = {}
+        defined_in: dict[str, str] = {}
+        for read in self.files.values():
+            module_type = object_type_name(read.module)
+            nodes.setdefault(module_type, GraphNode(*split_object_type(module_type), kind="module"))
+            defined_in.setdefault(module_type, read.path)
+            for _kind, level, qualname, _span in read.outline:
+                if level != "type":
+                    continue
+                object_type = object_type_name(f"{read.module}.{qualname}")
+                # Its bases as interfaces, as Python's: a type of the tree by its object type, another by its name.
+                interfaces = tuple(
+                    self.type_object_type(self.type_named(read, name, qualname)) or object_type_name(name)
+                    for name in read.bases_written.get(qualname, [])
+                )
+                nodes[object_type] = GraphNode(*split_object_type(object_type), "class", interfaces)
+                defined_in[object_type] = read.path
+        nodes = {t: n for t, n in nodes.items() if representable(n)}
+        links: set[GraphLink] = set()
+
+        def link(source: str | None, name: str, target: str | None) -> None:
+            if source is not None and target is not None and source != target and {source, target} <= nodes.keys():
+                links.add(GraphLink(source, name, target))
+
+        for read in self.files.values():
+            module_type = object_type_name(read.module)
+            for module in self.imported_modules(read):
+                link(module_type, IMPORTS, object_type_name(module))
+            for qualname in read.bases_written:
+                for base in self.bases.get(self.type_key(read, qualname), []):
+                    link(object_type_name(f"{read.module}.{qualname}"), INHERITS, self.type_object_type(base))
+        for (_path, fqn, _line), called in calls.items():
+            for callee in called:
+                link(self.object_types.get(fqn), CALLS, self.object_types.get(callee))
+        return sorted(nodes.values(), key=lambda n: n.object_type), sorted(links), {
+            t: path for t, path in defined_in.items() if t in nodes
+        }  # fmt: skip
+
+    def type_object_type(self, key: str | None) -> str | None:
+        """The object type of the type of a key (:meth:`type_key`), where the tree declares one."""
+        fqn = self.types.get(key) if key is not None else None
+        return self.object_types.get(fqn) if fqn is not None else None
+
+    def imported_modules(self, read: _File) -> Iterator[str]:
+        """The modules of the tree's files ``read`` imports from (see the module's docstring)."""
+        if read.domain in ("typescript", "javascript"):
+            yield from (self.files[path].module for path in read.imported if path in self.files)
+        elif read.domain == "go":
+            for package in self.go_imports.get(read.path, {}):
+                yield from (f.module for f in self.packages.get(package, []))
+        elif read.domain == "java":
+            for dotted, _ in read.imports.values():
+                key = self.java_types.get(dotted)
+                yield from [self.type_modules[key]] if key in self.type_modules else []
+            for package in read.wildcard:
+                yield from (f.module for f in self.packages.get(package, []))
+        elif read.domain == "rust":
+            crate, _ = _crate(read.path)
+            for used in read.uses.values():
+                path = self.rust_absolute(read, used)
+                module = next(
+                    (m for cut in range(len(path), 0, -1) if (m := self.rust_files.get((crate, path[:cut])))), None
+                )
+                yield from [module] if module is not None else []
 
 
 class _Calls:
@@ -715,6 +831,14 @@ def _captured(read: _File, queries: Mapping[str, str], node: tree_sitter.Node) -
         return []
     captures = tree_sitter.QueryCursor(_query(_suffix(read.path), queries[read.domain])).captures(node)
     return sorted((n for nodes in captures.values() for n in nodes), key=lambda n: (n.start_byte, -n.end_byte))
+
+
+def _written_type(node: tree_sitter.Node) -> str | None:
+    """A type's name as written, without its type arguments: ``Base`` for ``Base<T>``, ``java.io.Serializable``
+    whole."""
+    while node.type == "generic_type" and node.named_children:
+        node = node.named_children[0]
+    return _text(node) if node.type in ("identifier", "type_identifier", "scoped_type_identifier") else type_name(node)
 
 
 def _crate(path: str) -> tuple[str, tuple[str, ...]]:

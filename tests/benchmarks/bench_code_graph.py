@@ -1,11 +1,11 @@
-"""Benchmark of reading the calls of code in languages other than Python (``code_calls.code_calls``) against
+"""Benchmark of reading the calls and graph of code in languages other than Python (``code_graph.read_code``) against
 chunking the same files (``code.chunk_code``) in the same process, alternating, over a tree's TypeScript,
 JavaScript, Go, Java and Rust files: what the calls add to an ingest's reading, which every ingest pays, one that
 sends nothing too. Prints each round's seconds, their ratio, the edges read, and how far the process's resident
 memory rose while the calls were read (the files are parsed twice rather than held: all of zod's trees held took
 182 MB).
 
-Run: .venv/bin/python -m tests.benchmarks.bench_code_calls [TREE] [--rounds 3]
+Run: .venv/bin/python -m tests.benchmarks.bench_code_graph [TREE] [--rounds 3]
 (TREE defaults to the zod package the Node tests install: tests/node/node_modules/zod, 828 files, 5.7 MB.)
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ontofabric.services.ingest.code import CODE_SUFFIXES, chunk_code
-from ontofabric.services.ingest.code_calls import code_calls
+from ontofabric.services.ingest.code_graph import read_code
 
 DEFAULT_TREE = Path(__file__).resolve().parents[1] / "node" / "node_modules" / "zod"
 
@@ -44,6 +44,8 @@ def main() -> None:
         for path in sorted(args.tree.rglob("*"))
         if path.is_file() and path.name.endswith(CODE_SUFFIXES)
     }
+    if not sources:  # the default tree before `npm install --prefix tests/node`
+        raise SystemExit(f"{args.tree}: no TypeScript, JavaScript, Go, Java or Rust file to read")
     size = sum(len(text.encode()) for text in sources.values())
     print(f"{args.tree}: {len(sources):,} files, {size / 2**20:.1f} MB")
     for round_ in range(1, args.rounds + 1):
@@ -55,7 +57,7 @@ def main() -> None:
         watcher = threading.Thread(target=watch, args=(peak, done))
         watcher.start()
         started = time.perf_counter()
-        calls = code_calls(sources)
+        calls = read_code(sources).calls
         reading = time.perf_counter() - started
         done.set()
         watcher.join()

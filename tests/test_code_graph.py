@@ -1,19 +1,20 @@
-"""The calls of code in languages other than Python (services/ingest/code_calls.py): what each language's syntax
-resolves, what it leaves out, and that every chunk they are read for is one the chunker makes."""
+"""The calls and graph of code in languages other than Python (services/ingest/code_graph.py): what each
+language's syntax resolves, what it leaves out, and that every chunk they are read for is one the chunker makes."""
 
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
 
+from ontofabric.contracts import CALLS, IMPORTS, INHERITS
 from ontofabric.services.ingest.code import chunk_code
-from ontofabric.services.ingest.code_calls import CallKey, code_calls, go_module_path
+from ontofabric.services.ingest.code_graph import CallKey, CodeRead, go_module_path, read_code
 from ontofabric.services.ingest.ingester import chunk_sources, go_modules
 
 
 def _calls(files: dict[str, str], go: dict[str, str] | None = None) -> dict[CallKey, list[str]]:
     sources = {path: textwrap.dedent(text).lstrip("\n") for path, text in files.items()}
-    found = code_calls(sources, go)
+    found = read_code(sources, go).calls
     chunks = {
         (c.file_path, c.symbol_fqn, c.line) for path, text in sources.items() for c in chunk_code(path, text, 10**6)
     }
@@ -213,10 +214,10 @@ def test_rust_calls_resolve_through_modules_uses_impls_and_macros() -> None:
 
 def test_what_the_syntax_cannot_tell_is_left_out() -> None:
     minified = "export function a(){return b()}function b(){return 1}" + "x" * 400 + "\n"
-    assert code_calls({"dist/bundle.js": minified * 3}) == {}  # a bundle is its file's chunk alone
+    assert read_code({"dist/bundle.js": minified * 3}).calls == {}  # a bundle is its file's chunk alone
     broken = _by_name(_calls({"a.ts": "function f() { g() }\nfunction g() {}\nlet = ;\n"}))  # a syntax error
     assert broken.get("a.f") == ["a.g"]
-    assert code_calls({"README.md": "f()"}) == {}
+    assert read_code({"README.md": "f()"}) == CodeRead({}, [], [], {})
 
 
 def test_the_ingester_reads_go_modules_and_carries_the_calls(tmp_path: Path) -> None:
@@ -231,3 +232,64 @@ def test_the_ingester_reads_go_modules_and_carries_the_calls(tmp_path: Path) -> 
     chunks = chunk_sources(tmp_path, files, 10**6)
     called = {c.symbol_fqn: c.calls for c in chunks if c.calls}
     assert called == {"svc.cmd.main.main": ("svc.lib.lib.Do",)}
+
+
+def _graph(files: dict[str, str]) -> CodeRead:
+    return read_code({path: textwrap.dedent(text).lstrip("\n") for path, text in files.items()})
+
+
+def test_the_graph_holds_files_and_types_with_imports_inheritance_and_calls() -> None:
+    read = _graph(TYPESCRIPT)
+    nodes = {node.object_type: node for node in read.nodes}
+    assert nodes["web.src.util.math"].kind == "module"
+    assert nodes["web.src.util.math.Calc"].kind == "class"
+    assert nodes["web.src.util.math.Calc"].interfaces == ("web.src.util.base.Base",)
+    links = {(link.source_type, link.name, link.target_type) for link in read.links}
+    assert ("web.src.util.math.Calc", INHERITS, "web.src.util.base.Base") in links
+    # An import, a re-export and a require each link the file to the file they name; a package's, nothing.
+    assert {("web.src.app", IMPORTS, "web.src.util.index"), ("web.src.app", IMPORTS, "web.src.util.math"),
+            ("web.src.app", IMPORTS, "web.src.start"), ("web.src.util.index", IMPORTS, "web.src.util.base"),
+            ("web.src.legacy", IMPORTS, "web.src.util.math")} <= links  # fmt: skip
+    assert not {link for link in links if link[0] == "web.src.app" and link[1] == IMPORTS} - {
+        ("web.src.app", IMPORTS, "web.src.util.index"), ("web.src.app", IMPORTS, "web.src.util.math"),
+        ("web.src.app", IMPORTS, "web.src.start"),
+    }  # fmt: skip
+    # Calls between the types holding them: a module's function calling a class's method, a class's own calls.
+    assert ("web.src.app", CALLS, "web.src.util.base.Base") in links  # Root.make()
+    assert ("web.src.util.math.Calc", CALLS, "web.src.util.base.Base") in links  # super.base()
+    assert read.defined_in["web.src.util.math.Calc"] == "web/src/util/math.ts"
+    assert read.defined_in["web.src.app"] == "web/src/app.tsx"
+
+
+def test_java_go_and_rust_imports_and_bases_are_links() -> None:
+    java = _graph({
+        "src/com/acme/Tax.java": "package com.acme;\nimport com.acme.util.Util;\nimport java.util.List;\n"
+        "class Tax extends Base implements Named, java.io.Serializable {}\n",
+        "src/com/acme/Base.java": "package com.acme;\nclass Base {}\n",
+        "src/com/acme/Named.java": "package com.acme;\ninterface Named {}\n",
+        "src/com/acme/util/Util.java": "package com.acme.util;\npublic class Util {}\n",
+        "src/com/acme/util/More.java": "package com.acme.util;\npublic class More {}\n",
+        "src/com/acme/App.java": "package com.acme;\nimport com.acme.util.*;\nclass App {}\n",
+    })  # fmt: skip
+    links = {(link.source_type, link.name, link.target_type) for link in java.links}
+    assert {("src.com.acme.Tax.Tax", INHERITS, "src.com.acme.Base.Base"),
+            ("src.com.acme.Tax.Tax", INHERITS, "src.com.acme.Named.Named"),
+            ("src.com.acme.Tax", IMPORTS, "src.com.acme.util.Util"),
+            ("src.com.acme.App", IMPORTS, "src.com.acme.util.Util"),
+            ("src.com.acme.App", IMPORTS, "src.com.acme.util.More")} <= links  # fmt: skip
+    tax = next(node for node in java.nodes if node.object_type == "src.com.acme.Tax.Tax")
+    assert tax.interfaces == ("src.com.acme.Base.Base", "src.com.acme.Named.Named", "java.io.Serializable")
+    go = _graph({
+        "cmd/main.go": 'package main\n\nimport "example.com/x/store"\n\nfunc main() { store.Open() }\n',
+        "store/a.go": "package store\n\nfunc Open() {}\n",
+        "store/b.go": "package store\n\nfunc Close() {}\n",
+    })  # fmt: skip
+    links = {(link.source_type, link.name, link.target_type) for link in go.links}
+    assert {("cmd.main", IMPORTS, "store.a"), ("cmd.main", IMPORTS, "store.b"), ("cmd.main", CALLS, "store.a")} <= links
+    rust = _graph({
+        "src/lib.rs": "mod net;\nuse crate::net::tcp::Conn;\npub fn run() { Conn::open() }\n",
+        "src/net/mod.rs": "pub mod tcp;\n",
+        "src/net/tcp.rs": "pub struct Conn;\nimpl Conn { pub fn open() {} }\n",
+    })  # fmt: skip
+    links = {(link.source_type, link.name, link.target_type) for link in rust.links}
+    assert ("src.lib", IMPORTS, "src.net.tcp") in links

@@ -5,8 +5,8 @@ implements, and the calls between them as links. A monorepo tester asked what ca
 one, and heard that calls were read in Python alone.
 
 Imports link a file to the file it imports from (TypeScript and JavaScript by a relative path, ``require`` too),
-to each file of a Go package of the tree it imports, to the file declaring a Java type it imports (each file of a
-package it imports whole), to the Rust module file a ``use`` names.
+to a Go package's file (:meth:`_Tree.package_file`), to the file declaring a Java type it imports by name (not
+to a package it imports whole: each of its files would be a link), to the Rust module file a ``use`` names.
 
 What is resolved, by language (a call through anything else, an object whose type the syntax does not say, is left
 out, and so is a chunk calling itself):
@@ -606,19 +606,26 @@ class _Tree:
         fqn = self.types.get(key) if key is not None else None
         return self.object_types.get(fqn) if fqn is not None else None
 
+    def package_file(self, package: str) -> str:
+        """The module of the file that stands for a Go package in the graph: the one named as the package is
+        (``store/store.go``), else its ``doc.go``, else its first by path. One file, not each: a file importing
+        20 packages of 30 files each would make 600 links."""
+        files = sorted(self.packages[package], key=lambda f: f.path)
+        name = package.rpartition(":")[2]
+        named = [f for f in files if posixpath.basename(f.path) in (f"{name}.go", "doc.go")]
+        return (sorted(named, key=lambda f: not f.path.endswith(f"/{name}.go")) or files)[0].module
+
     def imported_modules(self, read: _File) -> Iterator[str]:
         """The modules of the tree's files ``read`` imports from (see the module's docstring)."""
         if read.domain in ("typescript", "javascript"):
             yield from (self.files[path].module for path in read.imported if path in self.files)
         elif read.domain == "go":
             for package in self.go_imports.get(read.path, {}):
-                yield from (f.module for f in self.packages.get(package, []))
+                yield from [self.package_file(package)] if package in self.packages else []
         elif read.domain == "java":
             for dotted, _ in read.imports.values():
                 key = self.java_types.get(dotted)
                 yield from [self.type_modules[key]] if key in self.type_modules else []
-            for package in read.wildcard:
-                yield from (f.module for f in self.packages.get(package, []))
         elif read.domain == "rust":
             crate, _ = _crate(read.path)
             for used in read.uses.values():

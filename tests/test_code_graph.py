@@ -4,6 +4,7 @@ language's syntax resolves, what it leaves out, and that every chunk they are re
 from __future__ import annotations
 
 import textwrap
+import threading
 from pathlib import Path
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS
@@ -295,3 +296,31 @@ def test_java_go_and_rust_imports_and_bases_are_links() -> None:
     })  # fmt: skip
     links = {(link.source_type, link.name, link.target_type) for link in rust.links}
     assert ("src.lib", IMPORTS, "src.net.tcp") in links
+
+
+def test_hostile_trees_end_and_stop_nothing() -> None:
+    # Index files re-exporting each other all: a name none exports took 15 s for 10 files (the files to the power
+    # of the hops followed); each (file, name) is now looked up once, and a cycle ends.
+    files = {f"lib/i{n}.ts": "".join(f"export * from './i{m}';\n" for m in range(12) if m != n) for n in range(12)}
+    files["lib/i11.ts"] += "export function real() { return 1 }\n"
+    files["app.ts"] = "import { real, missing } from './lib/i0';\nexport function main() { missing(); real() }\n"
+    done: list[dict[str, list[str]]] = []
+    worker = threading.Thread(target=lambda: done.append(_by_name(_calls(files))), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "still looking up after 60 s"
+    assert done[0]["app.main"] == ["lib.i11.real"]
+    # A `use` list a thousand deep (8 kB) ended the whole tree's ingest with a RecursionError.
+    deep = "fn f() {}\nuse " + "self::{" * 1000 + "f" + "}" * 1000 + ";\nfn g() { f(); }\n"
+    assert _by_name(_calls({"src/lib.rs": deep}))["src.lib.g"] == ["src.lib.f"]
+
+
+def test_a_go_mod_says_which_imports_are_the_trees() -> None:
+    files = {
+        "main.go": 'package main\n\nimport "github.com/pkg/errors"\n\nfunc main() { errors.Wrap() }\n',
+        "errors/errors.go": "package errors\n\nfunc Wrap() {}\n",
+    }
+    assert "main.main" not in _by_name(_calls(files, {"": "example.com/app"}))  # another module's errors
+    assert _by_name(_calls(files))["main.main"] == ["errors.errors.Wrap"]  # no go.mod: by the path's end
+    assert go_module_path("module\n\ngo 1.21\n") is None
+    assert go_module_path("/* module fake.org/y */\n// module other.org/z\nmodule real.org/x\n") == "real.org/x"

@@ -324,3 +324,22 @@ def test_a_go_mod_says_which_imports_are_the_trees() -> None:
     assert _by_name(_calls(files))["main.main"] == ["errors.errors.Wrap"]  # no go.mod: by the path's end
     assert go_module_path("module\n\ngo 1.21\n") is None
     assert go_module_path("/* module fake.org/y */\n// module other.org/z\nmodule real.org/x\n") == "real.org/x"
+
+
+def test_rust_types_of_one_name_in_two_modules_are_two() -> None:
+    conn = "pub struct Conn;\nimpl Conn {\n    pub fn new() -> Conn { Conn }\n    fn go(&self) { Self::new(); }\n}\n"
+    found = _by_name(_calls({
+        "c/src/lib.rs": "mod a;\nmod b;\nuse crate::b::Conn;\npub fn top() { a::Conn::new(); b::Conn::new(); }\n"
+        "pub fn other() { Conn::new() }\n",
+        "c/src/a.rs": conn,
+        "c/src/b.rs": conn,
+        # A type with an associated type (`impl Iterator`): `Chain::new()` through a `use` was not found.
+        "c/src/chain.rs": "pub struct Chain;\nimpl Chain { pub fn new() -> Self { Chain } }\n"
+        "impl Iterator for Chain {\n    type Item = u8;\n    fn next(&mut self) -> Option<u8> { None }\n}\n",
+        "c/src/user.rs": "use crate::chain::Chain;\npub fn walk() { Chain::new(); }\n",
+    }))  # fmt: skip
+    assert found["c.src.lib.top"] == ["c.src.a.Conn.new", "c.src.b.Conn.new"]
+    assert found["c.src.lib.other"] == ["c.src.b.Conn.new"]
+    assert found["c.src.a.Conn.go"] == ["c.src.a.Conn.new"]
+    assert found["c.src.b.Conn.go"] == ["c.src.b.Conn.new"]
+    assert found["c.src.user.walk"] == ["c.src.chain.Chain.new"]

@@ -187,6 +187,8 @@ class _Tree:
         self.rust_modules: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         """Rust: a crate and a module's path in it -> the names the module declares -> their qualified names."""
         self.rust_macros: dict[tuple[str, str], set[str]] = {}
+        self.rust_type_names: dict[tuple[str, str], set[str]] = {}
+        """Rust: a crate and a type's name -> the keys of the types of that name in it (a struct's, an ``impl``'s)."""
         self.rust_files: dict[tuple[str, tuple[str, ...]], str] = {}
         """Rust: a crate and a module's path in it -> the module of the file that is that module."""
         self.type_modules: dict[str, str] = {}
@@ -224,11 +226,13 @@ class _Tree:
 
     def type_key(self, read: _File, qualname: str) -> str:
         """What a type's members are kept under: its qualified name, but Go's methods are declared in any file of
-        its package and Rust's in any ``impl`` of its crate."""
+        its package, and Rust's under the module of their ``impl`` (a ``mod`` in the file too)."""
         if read.domain == "go":
             return f"{self.go_package(read)}.{qualname}"
         if read.domain == "rust":
-            return f"{_crate(read.path)[0]}::{qualname.rsplit('.', 1)[-1]}"
+            crate, path = _crate(read.path)
+            *spaces, name = qualname.split(".")
+            return _rust_key(crate, (*path, *spaces), name)
         return f"{read.module}.{qualname}"
 
     def go_package(self, read: _File) -> str:
@@ -239,6 +243,8 @@ class _Tree:
         self.object_types[bounded_symbol(read.module)] = module_type
         if read.domain == "rust":
             self.rust_files.setdefault(_crate(read.path), read.module)
+        # Rust: what holds a method is a type (an `impl`, a trait), and an associated type in it no module's.
+        impls = {qualname.rpartition(".")[0] for kind, _, qualname, _ in read.outline if kind == "method"}
         for kind, level, qualname, _span in read.outline:
             fqn = bounded_symbol(f"{read.module}.{qualname}")
             owner, _, name = qualname.rpartition(".")
@@ -251,13 +257,16 @@ class _Tree:
                 crate, path = _crate(read.path)
                 if kind == "macro":
                     self.rust_macros.setdefault((crate, name), set()).add(fqn)
-                if kind == "method":  # in an `impl` or a trait
-                    self.members.setdefault(self.type_key(read, owner), {}).setdefault(name, fqn)
-                else:  # in the file's module or a `mod` inside it
-                    space = (crate, (*path, *owner.split("."))) if owner else (crate, path)
-                    self.rust_modules.setdefault(space, {}).setdefault(name, fqn)
+                if owner in impls:  # a method, or an associated type or constant
+                    key = self.type_key(read, owner)
+                    self.members.setdefault(key, {}).setdefault(name, fqn)
+                    self.rust_type_names.setdefault((crate, owner.rpartition(".")[2]), set()).add(key)
+                    continue
+                space = (crate, (*path, *owner.split("."))) if owner else (crate, path)  # a `mod` in the file
+                self.rust_modules.setdefault(space, {}).setdefault(name, fqn)
                 if level == "type":
                     self.types.setdefault(self.type_key(read, qualname), fqn)
+                    self.rust_type_names.setdefault((crate, name), set()).add(self.type_key(read, qualname))
                 continue
             if not owner:
                 read.top.setdefault(name, fqn)
@@ -492,10 +501,22 @@ class _Tree:
         if read.domain == "go":
             key = f"{self.go_package(read)}.{name}"
             return key if key in self.types else None
-        if read.domain == "rust":
-            key = f"{_crate(read.path)[0]}::{name}"
-            return key if key in self.types or key in self.members else None
         return None
+
+    def rust_type(self, read: _File, module: tuple[str, ...], name: str) -> str | None:
+        """The key of the Rust type ``name`` names in a module of ``read``'s crate: its own, one it ``use``s, else
+        the crate's one type of the name (two modules' ``Conn`` are two types: a review's were one)."""
+        crate, _ = _crate(read.path)
+        key = _rust_key(crate, module, name)
+        if key in self.types or key in self.members:
+            return key
+        if name in read.uses:
+            *space, last = self.rust_absolute(read, read.uses[name]) or ("",)
+            key = _rust_key(crate, tuple(space), last)
+            if key in self.types or key in self.members:
+                return key
+        named = self.rust_type_names.get((crate, name), set())
+        return next(iter(named)) if len(named) == 1 else None
 
     def member(self, key: str | None, name: str, hops: int = 0, inherited_only: bool = False) -> str | None:
         """The qualified name of a type's member ``name``, or of the first of its bases' (``inherited_only``: its
@@ -541,15 +562,13 @@ class _Tree:
         """The qualified name of what a path from the crate's root names: a module's item, or a type's member
         (``a::Type::new``)."""
         crate, _ = _crate(read.path)
-        for cut in range(len(path) - 1, -1, -1):
-            names = self.rust_modules.get((crate, path[:cut]))
-            if names is None:
-                continue
-            rest = path[cut:]
-            if len(rest) == 1:
-                return names.get(rest[0])
-            if len(rest) == 2 and rest[0] in names:
-                return self.member(f"{crate}::{rest[0]}", rest[1])
+        for cut in range(len(path) - 1, -1, -1):  # the longest module first, then shorter: one that names nothing
+            rest = path[cut:]  # of the rest (`chain::Chain` holding `Chain`'s `type Item`) is no answer
+            found = self.rust_modules.get((crate, path[:cut]), {}).get(rest[0]) if len(rest) == 1 else None
+            if len(rest) == 2:
+                found = self.member(self.rust_type(read, path[:cut], rest[0]), rest[1])
+            if found is not None:
+                return found
         return None
 
     # -- the calls -----------------------------------------------------------------------------------------------
@@ -831,7 +850,7 @@ class _Calls:
             return tree.member(self.owner_key, path[1])
         if path and path[0] in read.uses:  # `Type::new()` or `module::f()` through a `use`
             return tree.rust_item(read, tree.rust_absolute(read, (*read.uses[path[0]], *path[1:])))
-        if len(path) == 2 and (key := tree.type_named(read, path[0])) is not None:
+        if len(path) == 2 and (key := tree.rust_type(read, self.rust_module()[1], path[0])) is not None:
             return tree.member(key, path[1])
         return tree.rust_item(read, tree.rust_absolute(read, path))
 
@@ -875,6 +894,11 @@ def _written_type(node: tree_sitter.Node) -> str | None:
     while node.type == "generic_type" and node.named_children:
         node = node.named_children[0]
     return _text(node) if node.type in ("identifier", "type_identifier", "scoped_type_identifier") else type_name(node)
+
+
+def _rust_key(crate: str, module: tuple[str, ...], name: str) -> str:
+    """A Rust type's key: its crate, its module's path and its name."""
+    return f"{crate}::{'::'.join((*module, name))}"
 
 
 def _crate(path: str) -> tuple[str, tuple[str, ...]]:

@@ -343,3 +343,92 @@ def test_rust_types_of_one_name_in_two_modules_are_two() -> None:
     assert found["c.src.a.Conn.go"] == ["c.src.a.Conn.new"]
     assert found["c.src.b.Conn.go"] == ["c.src.b.Conn.new"]
     assert found["c.src.user.walk"] == ["c.src.chain.Chain.new"]
+
+
+def test_names_the_code_binds_itself_are_not_the_files() -> None:
+    typescript = _by_name(_calls({
+        "a.ts": """
+            export function helper() { return 1 }
+            export function local() { const helper = () => 2; return helper() }
+            export function inner() { function helper() { return 3 } return helper() }
+            export function mapped(xs: string[]) { return xs.map((helper) => helper()) }
+            export function outer() { return helper() }
+            """,
+    }))  # fmt: skip
+    assert typescript == {"a.outer": ["a.helper"]}
+    go = _by_name(_calls({
+        "p/a.go": """
+            package p
+
+            func helper() {}
+
+            type Server struct{}
+
+            func (s *Server) Start() {}
+
+            func local(fs []func()) {
+            \thelper := func() {}
+            \thelper()
+            \tfor _, f := range fs { f() }
+            \tsrv := &Server{}
+            \tsrv.Start()
+            }
+
+            func outer() { helper() }
+            """,
+    }))  # fmt: skip
+    assert go["p.a.local"] == ["p.a.Server.Start"]  # a composite literal's type is written
+    assert go["p.a.outer"] == ["p.a.helper"]
+    rust = _by_name(_calls({"src/lib.rs": "fn helper() {}\nfn local() { let helper = || 1; helper(); }\n"}))
+    assert "src.lib.local" not in rust
+
+
+def test_java_reads_a_names_type_in_its_scope_static_imports_and_nested_types() -> None:
+    files = {
+        "src/a/Y.java": "package a;\n\nclass Y {\n  void run() {}\n  static class Builder { void add() {} }\n}\n",
+        "src/a/Z.java": "package a;\n\nclass Z {\n  void run() {}\n}\n",
+        "src/a/Util.java": "package a;\n\nclass Util {\n  static void check() {}\n  static void other() {}\n}\n",
+        "src/a/I.java": "package a;\n\ninterface J { default void j() {} }\n\n"
+        "interface I extends J { default void i() { j(); } }\n",
+        "src/a/K.java": """
+            package a;
+
+            import static a.Util.check;
+
+            class K extends Y {
+              Y field;
+              Y.Builder builder;
+              K() { super(); }
+              void both() { { Y v = null; v.run(); } { Z v = null; v.run(); } }
+              void shadow() { Z field = null; field.run(); }
+              void viaField() { field.run(); builder.add(); }
+              void statics() { check(); other(); }
+              void anonymous() { Runnable r = new Runnable() { public void run() { both(); } }; }
+            }
+            """,
+    }
+    found = _by_name(_calls(files))
+    assert found["src.a.K.K.both"] == ["src.a.Y.Y.run", "src.a.Z.Z.run"]  # each block's v
+    assert found["src.a.K.K.shadow"] == ["src.a.Z.Z.run"]  # the local, not the field
+    assert found["src.a.K.K.viaField"] == ["src.a.Y.Y.run", "src.a.Y.Y.Builder.add"]  # Y.Builder, not Y
+    assert found["src.a.K.K.statics"] == ["src.a.Util.Util.check"]  # imported by name: other() is not
+    assert found["src.a.K.K.constructor"] == ["src.a.Y.Y"]  # super(): the base class
+    assert "src.a.K.K.anonymous" not in found  # the anonymous class's both(), not K's
+    assert found["src.a.I.I.i"] == ["src.a.I.J.j"]  # an interface's extends
+
+
+def test_typescript_this_super_and_private_members() -> None:
+    found = _by_name(_calls({
+        "k.ts": """
+            export class Base { constructor(public n: number) {} }
+            export class Ky extends Base {
+              constructor() { super(1) }
+              #retry() { return 1 }
+              fetch() { return this.#retry() }
+              later() { setTimeout(function () { this.fetch() }); return () => this.fetch() }
+            }
+            """,
+    }))  # fmt: skip
+    assert found["k.Ky.constructor"] == ["k.Base"]
+    assert found["k.Ky.fetch"] == ["k.Ky.retry"]  # a private member is named without its `#`
+    assert found["k.Ky.later"] == ["k.Ky.fetch"]  # the arrow function's this, not the function's

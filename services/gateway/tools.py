@@ -384,6 +384,7 @@ def render_error(reply: ErrorReply) -> str:
 
 CALLS_READ = "in Python, TypeScript, JavaScript, Go, Java and Rust; other languages' calls are not read"
 """What the ingester reads calls in (graph.python_calls, code_graph.read_code), said beside callers and callees."""
+
 _RAISING = re.compile(r"\b(?:raise[sd]?|throw[sn]?)\b", re.IGNORECASE)
 STANDING = {
     CALLER: "calls",
@@ -556,9 +557,10 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
     if asked is not None and meta.relation_matches and asked.relation in ("callers", "callees"):
         # An agent tester read a lone caller at 1.0 as the whole list: Context.invoke has four, three through ctx.
         notes.append(
-            f"{asked.relation} are read from the code's syntax ({CALLS_READ}): a call through a parameter, an "
-            "attribute or what a call returned (ctx.invoke(), self.stream.expect()) is not seen, so there may be more"
-        )  # a retest's TypeScript caller went unsaid beside a Python one
+            f"{asked.relation} are read from the code's syntax ({CALLS_READ}): a call through an attribute, what a "
+            "call returned, or a variable whose type the code does not write (ctx.invoke(), self.stream.expect(), "
+            "a Go local bound to a function's result), and a call in a macro's body, are not seen, so there may be more"
+        )  # a retest's TypeScript caller went unsaid beside a Python one; a polyglot tester's Go locals
     if asked is not None and asked.symbols_named:  # an agent tester's callers of three get_command, merged unsaid
         listed = ", ".join(printable(name) for name in asked.symbols_named) + (
             ", ..." if asked.more_symbols_named else ""

@@ -382,7 +382,9 @@ def _name(node: tree_sitter.Node) -> str | None:
     named = node.child_by_field_name("name") or node.child_by_field_name("property")
     if named is None or named.text is None:
         return None
-    name = named.text.decode("utf-8", errors="replace")
+    # A private member's without its `#` (`#retry` is `retry`): a query's name and a relation's symbol are
+    # identifiers, and a tester's callers of `Ky.#retry` could not be asked.
+    name = named.text.decode("utf-8", errors="replace").removeprefix("#")
     receiver = node.child_by_field_name("receiver") if node.type == "method_declaration" else None
     if receiver is not None:
         types = [n for n in walk(receiver) if n.type == "type_identifier"]

@@ -9,19 +9,24 @@ to a Go package's file (:meth:`_Tree.package_file`), to the file declaring a Jav
 to a package it imports whole: each of its files would be a link), to the Rust module file a ``use`` names.
 
 What is resolved, by language (a call through anything else, an object whose type the syntax does not say, is left
-out, and so is a chunk calling itself):
+out, and so is a chunk calling itself; a name the code binds itself, a parameter, a local or an inner function, is
+not the file's):
 
 - TypeScript and JavaScript: a name the file declares or imports by a relative path (``import``, ``require``,
   through an index file's re-exports), ``ns.f()`` for ``import * as ns``, ``Class.f()``, ``this.f()`` and
-  ``super.f()`` through the class and the classes it extends, ``new Class()``;
+  ``super.f()`` through the class and the classes it extends (not within a nested ``function`` or class, whose
+  ``this`` is another), ``new Class()`` and ``super(...)``;
 - Go: a name of the package (its directory), ``pkg.F()`` through an import of a package of the tree (by its
-  ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver or a
-  parameter of a type of the tree;
-- Java: a method of the class and the classes it extends or implements (``m()``, ``this.m()``, ``super.m()``),
-  ``Type.m()`` and ``x.m()`` where ``x`` is a parameter, a local or a field declared with a type of the tree (by
-  its own file, its package, its imports), ``new Type()``;
+  ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver, a
+  parameter of a type of the tree or a local bound to one's composite literal (``x := &T{}``);
+- Java: a method of the class, the classes it extends or implements and those holding it (``m()``, ``this.m()``,
+  ``super.m()``; not within an anonymous or local class), one imported ``static``, ``Type.m()`` and ``x.m()``
+  where ``x`` is a parameter, a local or a field declared with a type of the tree (by its own file, its package,
+  its imports; ``Outer.Inner`` too), the nearest declaration of ``x`` in scope; ``new Type()`` and ``super(...)``;
 - Rust: a function of the module or one it ``use``s (``crate::``, ``self::``, ``super::`` paths), ``module::f()``,
-  ``Type::f()`` and ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``).
+  ``Type::f()`` (the type of the module, one it ``use``s, else the crate's one type of the name) and
+  ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``). Not a path through the crate's own name
+  (``anyhow::Error`` in its tests), nor a call in a macro's body.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ class _File:
     """Rust: a name a ``use`` binds -> the path it names, as written (:meth:`_Tree.rust_absolute` reads it)."""
     wildcard: list[str] = field(default_factory=list)
     """Java: the packages it imports whole (``import com.acme.*``)."""
+    statics: list[tuple[str, str | None]] = field(default_factory=list)
+    """Java: the types whose static members it imports, and the member's name (None: all of them)."""
     go_imports: list[tuple[str | None, str]] = field(default_factory=list)
     """Go: each import's name (None: the package's own) and path, resolved once every file's package is known."""
     bases_written: dict[str, list[str]] = field(default_factory=dict)
@@ -299,7 +306,12 @@ class _Tree:
                 dotted = _text(named)
                 if dotted is None:
                     continue
-                if any(n.type == "asterisk" for n in node.named_children):
+                whole = any(n.type == "asterisk" for n in node.named_children)
+                if any(n.type == "static" for n in node.children):  # a type's static members, called bare
+                    read.statics.append(
+                        (dotted, None) if whole else (dotted.rpartition(".")[0], dotted.rpartition(".")[2])
+                    )
+                elif whole:
                     read.wildcard.append(dotted)
                 else:  # a type of the tree's or not: :meth:`type_named` tells
                     read.imports[dotted.rsplit(".", 1)[-1]] = (dotted, None)
@@ -464,9 +476,13 @@ class _Tree:
                     if clause.type == "extends_clause"
                     for value in clause.children_by_field_name("value")
                 ] or ([n for n in heritage.named_children if n.type == "identifier"] if heritage is not None else [])
-            elif read.domain == "java":  # `extends Base<T>`: Base, not T
-                for part in ("superclass", "interfaces"):
-                    holder = node.child_by_field_name(part)
+            elif read.domain == "java":  # `extends Base<T>`: Base, not T; an interface's `extends` too
+                extended = next((n for n in node.named_children if n.type == "extends_interfaces"), None)
+                for holder in [
+                    node.child_by_field_name("superclass"),
+                    node.child_by_field_name("interfaces"),
+                    extended,
+                ]:
                     listed = (
                         [n for h in holder.named_children for n in ([h] if h.type != "type_list" else h.named_children)]
                         if holder is not None
@@ -486,13 +502,13 @@ class _Tree:
             return fqn if fqn is not None and fqn in self.types else None
         if read.domain == "java":
             name = name.split("<", 1)[0]
-            scopes = [within.rsplit(".", i)[0] for i in range(within.count(".") + 1)] if within else []
-            for qualname in [*(f"{scope}.{name}" for scope in scopes), name]:  # a nested type, then the file's
+            for qualname in [*(f"{scope}.{name}" for scope in _enclosing(within)), name]:  # nested, then the file's
                 if self.type_key(read, qualname) in self.types:
                     return self.type_key(read, qualname)
-            imported = read.imports.get(name)
+            head, dot, rest = name.partition(".")  # `CodeBlock.Builder` through `import ...CodeBlock`
+            imported = read.imports.get(head)
             candidates = [
-                *([imported[0]] if imported is not None else []),
+                *([imported[0] + dot + rest] if imported is not None else []),
                 f"{read.package}.{name}" if read.package else name,
                 *(f"{package}.{name}" for package in read.wildcard),
                 name,  # written whole: `com.acme.Base`
@@ -501,6 +517,15 @@ class _Tree:
         if read.domain == "go":
             key = f"{self.go_package(read)}.{name}"
             return key if key in self.types else None
+        return None
+
+    def java_static(self, read: _File, name: str) -> str | None:
+        """The static member ``name`` a Java file imports (``import static com.acme.Util.check``, or ``.*``): a
+        tester's 36 callers of javapoet's ``checkArgument`` were one."""
+        for dotted, member in read.statics:
+            key = self.java_types.get(dotted)
+            if key is not None and member in (None, name) and (found := self.member(key, name)) is not None:
+                return found
         return None
 
     def rust_type(self, read: _File, module: tuple[str, ...], name: str) -> str | None:
@@ -580,15 +605,15 @@ class _Tree:
             root, declared = _parsed(read.path, sources[read.path]) or (None, [])
             if root is None:
                 continue
-            types = {qualname: node for _kind, level, qualname, _span, node in declared if level == "type"}
+            names = _Locals(read, root)
             file_key = (read.path, bounded_symbol(read.module), 0)
-            scopes: list[_Calls] = [_Calls(self, read, file_key, root, "", (), types)]
+            scopes: list[_Calls] = [_Calls(self, read, file_key, root, "", (), names)]
             for kind, level, qualname, span, node in declared:
                 fqn = bounded_symbol(f"{read.module}.{qualname}")
                 owner = qualname if level == "type" else (qualname.rpartition(".")[0] if kind == "method" else "")
                 # Rust: the `mod` inside the file the chunk is in (a type's or method's owner is no module).
                 space = tuple(qualname.split(".")[: -2 if kind == "method" else -1])
-                scopes.append(_Calls(self, read, (read.path, fqn, span[0]), node, owner, space, types))
+                scopes.append(_Calls(self, read, (read.path, fqn, span[0]), node, owner, space, names))
             # Each call goes with the innermost chunk holding it: the chunks' nodes nest, in the order they start
             # (the file's first of those that start where it does: the sort is stable).
             scopes.sort(key=lambda scope: (scope.node.start_byte, -scope.node.end_byte))
@@ -687,8 +712,7 @@ class _Tree:
 class _Calls:
     """What one chunk's calls resolve to: ``node`` its code (a call in a declaration below it that is a chunk of
     its own is that chunk's), ``owner`` the type whose method (or body) it is, ``space`` (Rust) the ``mod`` within
-    its file it is in, ``types`` the file's types' nodes by their qualified names. Its parameters and typed names
-    are read at its first call."""
+    its file it is in, ``names`` what its file's code binds below its own level."""
 
     def __init__(
         self,
@@ -698,28 +722,17 @@ class _Calls:
         node: tree_sitter.Node,
         owner: str,
         space: tuple[str, ...],
-        types: Mapping[str, tree_sitter.Node],
+        names: _Locals,
     ) -> None:
         self.tree, self.read, self.key, self.node, self.owner, self.space = tree, read, key, node, owner, space
-        self.types = types
+        self.names = names
         self.owner_key = tree.type_key(read, owner) if owner else None
-
-    @functools.cached_property
-    def parameters(self) -> frozenset[str]:
-        return _parameter_names(self.node)
-
-    @functools.cached_property
-    def typed(self) -> dict[str, tree_sitter.Node]:
-        typed = _typed_names(self.read, self.node)
-        if self.read.domain == "java" and self.owner in self.types:  # the class's fields' types
-            typed = {**_java_fields(self.types[self.owner]), **typed}
-        return typed
 
     def callee(self, node: tree_sitter.Node) -> str | None:
         domain = self.read.domain
         if domain in ("typescript", "javascript"):
             return self.javascript(node)
-        if domain == "go" and node.type == "call_expression":
+        if domain == "go":
             return self.go(node.child_by_field_name("function"))
         if domain == "java":
             return self.java(node)
@@ -743,17 +756,21 @@ class _Calls:
             return None
         if function.type == "identifier":
             name = _text(function) or ""
-            return None if name in self.parameters else tree.javascript_value(read, name)
+            return None if self.names.binds(name, node) else tree.javascript_value(read, name)
+        if function.type == "super":  # `super(...)`: the base class's constructor, as `new Base()` is the class
+            return self.base_class(node)
         if function.type != "member_expression":
             return None
-        held, name = function.child_by_field_name("object"), _text(function.child_by_field_name("property")) or ""
+        held, name = function.child_by_field_name("object"), _private(function.child_by_field_name("property"))
         if held is None:
+            return None
+        if held.type in ("this", "super") and self.another_this(node):
             return None
         if held.type == "this":
             return tree.member(self.owner_key, name)
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
-        if held.type != "identifier" or (local := _text(held) or "") in self.parameters:
+        if held.type != "identifier" or self.names.binds(local := _text(held) or "", node):
             return None
         imported = read.imports.get(local)
         if imported is not None and imported[1] is None:  # `ns.f()` through `import * as ns`
@@ -766,21 +783,20 @@ class _Calls:
             return None
         if function.type == "identifier":
             name = _text(function) or ""
-            if name in self.parameters:
-                return None
-            return tree.package_top.get(tree.go_package(read), {}).get(name)
+            return (
+                None if self.names.binds(name, function) else tree.package_top.get(tree.go_package(read), {}).get(name)
+            )
         if function.type != "selector_expression":
             return None
         held, name = function.child_by_field_name("operand"), _text(function.child_by_field_name("field")) or ""
         if held is None or held.type != "identifier":
             return None
         local = _text(held) or ""
-        if local in self.typed:  # the receiver, or a parameter of a type of the tree
-            return tree.member(self.go_type(self.typed[local]), name)
+        if self.names.binds(local, function):  # the receiver, a parameter or a local of a type of the tree
+            written = self.names.type_of(local, function)
+            return tree.member(self.go_type(written), name) if written is not None else None
         imported = read.imports.get(local)
-        if imported is None or local in self.parameters:
-            return None
-        return tree.package_top.get(imported[0], {}).get(name)
+        return tree.package_top.get(imported[0], {}).get(name) if imported is not None else None
 
     def go_type(self, written: tree_sitter.Node) -> str | None:
         """The key of a Go type as a parameter declares it: ``Server``, ``*Server``, ``store.Store``."""
@@ -798,25 +814,54 @@ class _Calls:
         tree, read = self.tree, self.read
         if node.type == "object_creation_expression":
             made = node.child_by_field_name("type")
-            key = tree.type_named(read, type_name(made), self.owner) if made is not None else None
+            key = tree.type_named(read, _written_type(made) or "", self.owner) if made is not None else None
             return tree.types.get(key) if key is not None else None
+        if node.type == "explicit_constructor_invocation":  # `super(...)` in a constructor: the base class
+            made = node.child_by_field_name("constructor")
+            return self.base_class(node) if made is not None and made.type == "super" else None
         if node.type != "method_invocation":
             return None
         held, name = node.child_by_field_name("object"), _text(node.child_by_field_name("name")) or ""
-        if held is None or held.type == "this":  # `m()` is the class's, or an enclosing class's
-            scopes = [self.owner.rsplit(".", i)[0] for i in range(self.owner.count(".") + 1)] if self.owner else []
-            keys = [self.owner_key] if held is not None else [tree.type_key(read, scope) for scope in scopes]
-            return next((m for k in keys if (m := tree.member(k, name)) is not None), None)
+        if (held is None or held.type in ("this", "super")) and self.another_this(node):
+            return None  # a method of an anonymous or local class
+        if held is None or held.type == "this":  # `m()` is the class's, an enclosing class's, or imported static
+            keys = [self.owner_key] if held is not None else [tree.type_key(read, q) for q in _enclosing(self.owner)]
+            found = next((m for k in keys if (m := tree.member(k, name)) is not None), None)
+            return found if found is not None or held is not None else tree.java_static(read, name)
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
-        if held.type == "field_access" and getattr(held.child_by_field_name("object"), "type", None) == "this":
+        this_field = held.type == "field_access" and held.child_by_field_name("object") is not None
+        if this_field and held.child_by_field_name("object").type == "this":  # type: ignore[union-attr]
             held = held.child_by_field_name("field") or held
         if held.type != "identifier":
             return None
         local = _text(held) or ""
-        if local in self.typed:
-            return tree.member(tree.type_named(read, type_name(self.typed[local]), self.owner), name)
+        if self.names.binds(local, node):  # a parameter, a local or a field, of the type it is declared with
+            written = self.names.type_of(local, node)
+            key = tree.type_named(read, _written_type(written) or "", self.owner) if written is not None else None
+            return tree.member(key, name)
         return tree.member(tree.type_named(read, local, self.owner), name)  # `Type.m()`
+
+    def base_class(self, node: tree_sitter.Node) -> str | None:
+        """The class ``super(...)`` makes: the first base of the chunk's class, where the tree declares it."""
+        if self.another_this(node):
+            return None
+        bases = self.tree.bases.get(self.owner_key or "", [])
+        return self.tree.types.get(bases[0]) if bases else None
+
+    def another_this(self, node: tree_sitter.Node) -> bool:
+        """Whether ``this`` (or a bare method's class) at ``node`` is another object than the chunk's: within a
+        nested class, a ``function`` or an object literal's method (a review's: ``this.run()`` in a callback and an
+        anonymous class's method were the outer class's)."""
+        crossing = _ANOTHER_THIS.get(self.read.domain, frozenset())
+        above = node.parent
+        while above is not None and above.id != self.node.id:
+            if above.type in crossing and not (above.type == "class_body" and above.parent is not None and (
+                above.parent.id == self.node.id or above.parent.type != "object_creation_expression"
+            )):  # fmt: skip
+                return True
+            above = above.parent
+        return False
 
     def rust(self, node: tree_sitter.Node) -> str | None:
         tree, read = self.tree, self.read
@@ -831,7 +876,7 @@ class _Calls:
             return None
         if function.type == "identifier":
             name = _text(function) or ""
-            if name in self.parameters:
+            if self.names.binds(name, node):
                 return None
             here = self.rust_module()
             if name in tree.rust_modules.get(here, {}):
@@ -864,15 +909,11 @@ _CALLS = {
     "typescript": "(call_expression) @call (new_expression) @call",
     "javascript": "(call_expression) @call (new_expression) @call",
     "go": "(call_expression) @call",
-    "java": "(method_invocation) @call (object_creation_expression) @call",
+    "java": "(method_invocation) @call (object_creation_expression) @call (explicit_constructor_invocation) @call",
     "rust": "(call_expression) @call (macro_invocation) @call",
 }
 """The nodes that are calls, by language; found by a tree-sitter query (walking every node in Python took
 2.5 times as long as chunking the files)."""
-_TYPED_NAMES = {
-    "go": "(parameter_declaration) @typed",
-    "java": "(formal_parameter) @typed (local_variable_declaration) @typed",
-}
 
 
 @functools.cache
@@ -894,6 +935,122 @@ def _written_type(node: tree_sitter.Node) -> str | None:
     while node.type == "generic_type" and node.named_children:
         node = node.named_children[0]
     return _text(node) if node.type in ("identifier", "type_identifier", "scoped_type_identifier") else type_name(node)
+
+
+_BINDINGS = {
+    "typescript": """(variable_declarator name: (identifier) @bound) (required_parameter pattern: (identifier) @bound)
+        (optional_parameter pattern: (identifier) @bound) (arrow_function parameter: (identifier) @bound)
+        (function_declaration name: (identifier) @bound) (shorthand_property_identifier_pattern) @bound
+        (catch_clause parameter: (identifier) @bound)""",
+    "javascript": """(variable_declarator name: (identifier) @bound) (formal_parameters (identifier) @bound)
+        (assignment_pattern left: (identifier) @bound) (arrow_function parameter: (identifier) @bound)
+        (function_declaration name: (identifier) @bound) (shorthand_property_identifier_pattern) @bound
+        (catch_clause parameter: (identifier) @bound)""",
+    "go": """(short_var_declaration left: (expression_list (identifier) @bound)) (var_spec name: (identifier) @bound)
+        (parameter_declaration name: (identifier) @bound) (range_clause left: (expression_list (identifier) @bound))""",
+    "java": """(formal_parameter name: (identifier) @bound) (variable_declarator name: (identifier) @bound)
+        (catch_formal_parameter name: (identifier) @bound) (enhanced_for_statement name: (identifier) @bound)""",
+    "rust": """(let_declaration pattern: (identifier) @bound) (parameter pattern: (identifier) @bound)
+        (closure_parameters (identifier) @bound)""",
+}
+"""The names code binds, by language: parameters, locals, a function's inner functions (a review's ``const helper
+= ...; helper()`` was the module's ``helper``), Java's fields too."""
+_SCOPES = {
+    "typescript": frozenset({"statement_block", "program", "function_declaration", "function_expression",
+                             "arrow_function", "method_definition", "generator_function_declaration",
+                             "generator_function", "for_statement", "for_in_statement", "catch_clause"}),
+    "go": frozenset({"block", "source_file", "function_declaration", "method_declaration", "func_literal",
+                     "for_statement", "if_statement", "expression_switch_statement", "type_switch_statement"}),
+    "java": frozenset({"block", "program", "method_declaration", "constructor_declaration", "lambda_expression",
+                       "class_body", "for_statement", "enhanced_for_statement", "catch_clause",
+                       "try_with_resources_statement"}),
+    "rust": frozenset({"block", "source_file", "function_item", "closure_expression"}),
+}  # fmt: skip
+"""The nodes a name bound in them is bound within, by language (the file's own level aside: its names are the
+file's declarations and imports)."""
+_SCOPES["javascript"] = _SCOPES["typescript"] | {"function"}
+_ANOTHER_THIS = {
+    "typescript": frozenset({"function_expression", "function_declaration", "generator_function",
+                             "generator_function_declaration", "class", "class_declaration", "method_definition"}),
+    "java": frozenset({"class_declaration", "interface_declaration", "enum_declaration", "record_declaration",
+                       "class_body"}),
+}  # fmt: skip
+"""What ``this`` does not cross: a function's own ``this``, a nested class's (Java: a local or anonymous class)."""
+_ANOTHER_THIS["javascript"] = _ANOTHER_THIS["typescript"] | {"function"}
+
+
+@dataclass(frozen=True)
+class _Binding:
+    within: tuple[int, int]
+    """The bytes of the scope it is bound in."""
+    at: int
+    """The byte it is bound at."""
+    written: tree_sitter.Node | None
+    """The type it is declared with (Go, Java), where written."""
+
+
+class _Locals:
+    """What a file's code binds below its own level, each name with the scope it is bound in."""
+
+    def __init__(self, read: _File, root: tree_sitter.Node) -> None:
+        self.bound: dict[str, list[_Binding]] = {}
+        scopes = _SCOPES.get(read.domain, frozenset())
+        for name in _captured(read, _BINDINGS, root):
+            above = name.parent
+            if above is not None and above.type == "function_declaration":  # an inner function: in its block
+                above = above.parent
+            while above is not None and above.type not in scopes:
+                above = above.parent
+            if above is None or above.parent is None:  # the file's own level
+                continue
+            binding = _Binding((above.start_byte, above.end_byte), name.start_byte, _declared_type(name))
+            self.bound.setdefault(_text(name) or "", []).append(binding)
+
+    def binds(self, name: str, node: tree_sitter.Node) -> bool:
+        """Whether ``name`` at ``node`` is bound by its code (a parameter, a local), not the file's."""
+        return any(b.within[0] <= node.start_byte and node.end_byte <= b.within[1] for b in self.bound.get(name, []))
+
+    def type_of(self, name: str, node: tree_sitter.Node) -> tree_sitter.Node | None:
+        """The type ``name`` at ``node`` is declared with: the binding of the innermost scope holding ``node``,
+        the last before it there (``{Y v; v.run();} {Z v; v.run();}``: a review's were both Z's)."""
+        holding = [
+            b
+            for b in self.bound.get(name, [])
+            if b.within[0] <= node.start_byte <= b.within[1] and b.at <= node.start_byte
+        ]
+        nearest = max(holding, key=lambda b: (b.within[0], b.at), default=None)
+        return nearest.written if nearest is not None else None
+
+
+def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
+    """The type a binding's name is declared with: a Java parameter's, local's or field's, a Go parameter's or
+    ``var``'s, or the composite literal a Go ``:=`` binds it to (``s := &Server{}``)."""
+    holder = name.parent
+    if holder is None:
+        return None
+    if holder.type == "variable_declarator" and holder.parent is not None:  # Java: the declaration's type
+        holder = holder.parent
+    written = holder.child_by_field_name("type")
+    if written is not None or holder.type != "expression_list" or holder.parent is None:
+        return written
+    if holder.parent.type != "short_var_declaration":
+        return None
+    right = holder.parent.child_by_field_name("right")
+    index = next((i for i, n in enumerate(holder.named_children) if n.id == name.id), -1)
+    value = right.named_children[index] if right is not None and 0 <= index < right.named_child_count else None
+    if value is not None and value.type == "unary_expression":
+        value = value.child_by_field_name("operand")
+    return value.child_by_field_name("type") if value is not None and value.type == "composite_literal" else None
+
+
+def _private(node: tree_sitter.Node | None) -> str:
+    """A member's name as :func:`code.chunk_code` names it: a private one's without its ``#``."""
+    return (_text(node) or "").removeprefix("#")
+
+
+def _enclosing(qualname: str) -> list[str]:
+    """A qualified name and those holding it, innermost first (``A.B.C``, ``A.B``, ``A``); none for ``""``."""
+    return [qualname.rsplit(".", i)[0] for i in range(qualname.count(".") + 1)] if qualname else []
 
 
 def _rust_key(crate: str, module: tuple[str, ...], name: str) -> str:
@@ -926,47 +1083,3 @@ def _rust_path(node: tree_sitter.Node | None) -> tuple[str, ...]:
         node = node.child_by_field_name("path")
     segments += [_text(node) or ""] if node is not None else []
     return tuple(reversed(segments))
-
-
-def _parameter_names(node: tree_sitter.Node) -> frozenset[str]:
-    """The names a function's parameters bind (a call of one is not the tree's function of that name)."""
-    parameters = node.child_by_field_name("parameters")
-    if parameters is None and node.type in ("variable_declarator", "field_definition", "public_field_definition"):
-        value = node.child_by_field_name("value")  # `const f = (a, b) => ...`
-        parameters = value.child_by_field_name("parameters") if value is not None else None
-        if parameters is None and value is not None:
-            parameters = value.child_by_field_name("parameter")  # `x => ...`
-    if parameters is None:
-        return frozenset()
-    return frozenset(_text(n) or "" for n in walk(parameters) if n.type == "identifier")
-
-
-def _typed_names(read: _File, node: tree_sitter.Node) -> dict[str, tree_sitter.Node]:
-    """Go's and Java's parameters and Java's locals, each with the type it is declared with."""
-    typed: dict[str, tree_sitter.Node] = {}
-    for found in _captured(read, _TYPED_NAMES, node):
-        written = found.child_by_field_name("type")
-        if written is None:
-            continue
-        if found.type == "local_variable_declaration":
-            names = [d.child_by_field_name("name") for d in found.children_by_field_name("declarator")]
-        else:
-            names = list(found.children_by_field_name("name"))
-        for name in names:
-            if (text := _text(name)) is not None:
-                typed[text] = written
-    return typed
-
-
-def _java_fields(declaration: tree_sitter.Node) -> dict[str, tree_sitter.Node]:
-    """A Java class's fields, each with its declared type."""
-    body = declaration.child_by_field_name("body")
-    fields: dict[str, tree_sitter.Node] = {}
-    for member in body.named_children if body is not None else ():
-        written = member.child_by_field_name("type") if member.type == "field_declaration" else None
-        if written is None:
-            continue
-        for declarator in member.children_by_field_name("declarator"):
-            if (text := _text(declarator.child_by_field_name("name"))) is not None:
-                fields[text] = written
-    return fields

@@ -709,11 +709,16 @@ They were left out without a word. Configuration, migrations and scripts are rea
 monorepo tester's CI workflow, Kubernetes manifests and SQL migrations went unread)."""
 
 
+def suffix_of(path: str) -> str:
+    """A source file's suffix as the chunkers dispatch on it, from its last dot (``.ts``, ``.md``)."""
+    return path[path.rfind(".") :]
+
+
 def chunk_document(path: str, source: str, max_content_bytes: int, unread: str | None = None) -> list[Chunk]:
     """A Markdown, reStructuredText or text file's sections (:data:`DOCUMENT_FORMATS`, by ``path``'s suffix).
     ``unread``: why the file is not to be cut into sections (:func:`chunk_file`): then it is one chunk. A long
     section is cut into parts (:func:`section_parts`)."""
-    suffix = path[path.rfind(".") :]
+    suffix = suffix_of(path)
     domain, sections_of = DOCUMENT_FORMATS[suffix]
     document_type = object_type_name(path.removesuffix(suffix).replace("/", "."))
     keys = UniqueKeys()

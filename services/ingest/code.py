@@ -34,6 +34,7 @@ from .chunking import (
     cut_chunk,
     file_lines,
     object_type_name,
+    suffix_of,
 )
 
 log = get_logger(__name__)
@@ -160,7 +161,7 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
     (:class:`Language`), each named ``<module>.<Owner>.<name>`` after the file's path (``web/src/api.ts`` is
     ``web.src.api``). ``unread``: why the file is not to be cut (:func:`chunking.chunk_file`): its file's chunk
     alone, with the reason as its ``parse_error``; so too a minified file."""
-    suffix = path[path.rfind(".") :]
+    suffix = suffix_of(path)
     language = LANGUAGES[suffix]
     module = module_name(path)
     module_type = object_type_name(module)
@@ -209,7 +210,7 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
 def module_name(path: str) -> str:
     """The dotted name of a source file's chunks, after its path: ``web/src/api.ts`` is ``web.src.api``, and
     ``index.d.ts`` is ``index``."""
-    return path.removesuffix(path[path.rfind(".") :]).removesuffix(".d").replace("/", ".")
+    return path.removesuffix(suffix_of(path)).removesuffix(".d").replace("/", ".")
 
 
 def minified_width(lines: list[str]) -> int | None:

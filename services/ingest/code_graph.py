@@ -42,7 +42,7 @@ import tree_sitter
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS
 
-from .chunking import ChunkLevel, bounded_symbol, file_lines, object_type_name
+from .chunking import ChunkLevel, bounded_symbol, file_lines, object_type_name, suffix_of
 from .code import (
     LANGUAGES,
     Declared,
@@ -135,7 +135,7 @@ def read_code(sources: Mapping[str, str], go_modules: Mapping[str, str] | None =
         parsed = _parsed(path, text)
         if parsed is not None:
             root, declared = parsed
-            tree.add(_File(path, LANGUAGES[_suffix(path)].domain, module_name(path), package_of(root), [
+            tree.add(_File(path, LANGUAGES[suffix_of(path)].domain, module_name(path), package_of(root), [
                 (kind, level, qualname, span) for kind, level, qualname, span, _node in declared
             ]), root, declared)  # fmt: skip
     tree.resolve()
@@ -143,14 +143,10 @@ def read_code(sources: Mapping[str, str], go_modules: Mapping[str, str] | None =
     return CodeRead(calls, *tree.graph(calls))
 
 
-def _suffix(path: str) -> str:
-    return path[path.rfind(".") :]
-
-
 def _parsed(path: str, text: str) -> tuple[tree_sitter.Node, list[Declared]] | None:
     """A file's syntax tree and its declarations that are chunks; None for a file of no language read here or a
     minified one (its file's chunk alone)."""
-    suffix = _suffix(path)
+    suffix = suffix_of(path)
     if suffix not in LANGUAGES:
         return None
     lines = file_lines(text)
@@ -925,7 +921,7 @@ def _captured(read: _File, queries: Mapping[str, str], node: tree_sitter.Node) -
     """The nodes under ``node`` that the language's query of ``queries`` captures, in the order they start."""
     if read.domain not in queries:
         return []
-    captures = tree_sitter.QueryCursor(_query(_suffix(read.path), queries[read.domain])).captures(node)
+    captures = tree_sitter.QueryCursor(_query(suffix_of(read.path), queries[read.domain])).captures(node)
     return sorted((n for nodes in captures.values() for n in nodes), key=lambda n: (n.start_byte, -n.end_byte))
 
 

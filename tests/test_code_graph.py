@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS
 from ontofabric.services.ingest.code import chunk_code
-from ontofabric.services.ingest.code_graph import CallKey, CodeRead, go_module_path, read_code
-from ontofabric.services.ingest.ingester import chunk_sources, go_modules
+from ontofabric.services.ingest.code_graph import CallKey, CodeRead, go_module_path, read_code, rust_crate_name
+from ontofabric.services.ingest.ingester import chunk_sources, go_modules, rust_crates
 
 
 def _calls(files: dict[str, str], go: dict[str, str] | None = None) -> dict[CallKey, list[str]]:
@@ -432,3 +432,23 @@ def test_typescript_this_super_and_private_members() -> None:
     assert found["k.Ky.constructor"] == ["k.Base"]
     assert found["k.Ky.fetch"] == ["k.Ky.retry"]  # a private member is named without its `#`
     assert found["k.Ky.later"] == ["k.Ky.fetch"]  # the arrow function's this, not the function's
+
+
+def test_rust_reads_a_crate_by_its_name_and_through_its_re_exports(tmp_path: Path) -> None:
+    files = {
+        "src/lib.rs": "mod error;\npub use crate::error::Error;\n",
+        "src/error.rs": "pub struct Error;\nimpl Error {\n    pub fn new() -> Self { Error }\n    pub fn msg() {}\n}\n",
+        "tests/test_a.rs": "use my_lib::Error;\nfn t() { Error::new(); my_lib::Error::msg(); other::Error::new(); }\n",
+    }
+    found = _by_name(read_code(files, rust_crates={"": "my_lib"}).calls)
+    assert found["tests.test_a.t"] == ["src.error.Error.new", "src.error.Error.msg"]  # not another crate's Error
+    assert rust_crate_name('[package]\nname = "my-lib"\n') == "my_lib"
+    assert rust_crate_name('[package]\nname = "my-lib"\n\n[lib]\nname = "mine"\n') == "mine"
+    assert rust_crate_name('[workspace]\nmembers = ["a"]\n') is None
+    assert rust_crate_name("not = [toml") is None
+    # The ingester reads the Cargo.toml above the files.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "Cargo.toml").write_text('[package]\nname = "my-lib"\nversion = "0.1.0"\n')
+    assert rust_crates(tmp_path, files) == {"": "my_lib"}
+    called = {c.symbol_fqn: c.calls for c in chunk_sources(tmp_path, files, 10**6) if c.calls}
+    assert called["tests.test_a.t"] == ("src.error.Error.new", "src.error.Error.msg")

@@ -23,10 +23,11 @@ not the file's):
   ``super.m()``; not within an anonymous or local class), one imported ``static``, ``Type.m()`` and ``x.m()``
   where ``x`` is a parameter, a local or a field declared with a type of the tree (by its own file, its package,
   its imports; ``Outer.Inner`` too), the nearest declaration of ``x`` in scope; ``new Type()`` and ``super(...)``;
-- Rust: a function of the module or one it ``use``s (``crate::``, ``self::``, ``super::`` paths), ``module::f()``,
-  ``Type::f()`` (the type of the module, one it ``use``s, else the crate's one type of the name) and
-  ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``). Not a path through the crate's own name
-  (``anyhow::Error`` in its tests), nor a call in a macro's body.
+- Rust: a function of the module or one it ``use``s (``crate::``, ``self::``, ``super::`` paths, and a crate of
+  the tree by the name its ``Cargo.toml`` gives it: ``anyhow::Error`` in its tests), through what a module
+  re-exports (``pub use``), ``module::f()``, ``Type::f()`` (the type of the module, one it ``use``s, else the
+  crate's one type of the name) and ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``). Not a call in a
+  macro's body, nor through a ``use`` of a module's every name (``use a::*``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import bisect
 import functools
 import posixpath
 import re
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -117,20 +119,40 @@ class _File:
     ``require``), in order."""
 
 
+def rust_crate_name(cargo_toml: str) -> str | None:
+    """The name a ``Cargo.toml``'s library is used by in code: its ``[lib]`` name, else its package's, with
+    ``-`` as ``_`` (``serde-json`` is ``serde_json``); None for a workspace's own or one that is no TOML."""
+    try:
+        manifest = tomllib.loads(cargo_toml)
+    except tomllib.TOMLDecodeError:
+        return None
+    lib, package = manifest.get("lib"), manifest.get("package")
+    name = (lib.get("name") if isinstance(lib, dict) else None) or (
+        package.get("name") if isinstance(package, dict) else None
+    )  # fmt: skip
+    return name.replace("-", "_") if isinstance(name, str) and name else None
+
+
 def go_module_path(go_mod: str) -> str | None:
     """The module path a ``go.mod`` declares."""
     found = _GO_MODULE.search(_GO_COMMENT.sub("", go_mod))
     return found.group(1).strip('"') if found else None
 
 
-def read_code(sources: Mapping[str, str], go_modules: Mapping[str, str] | None = None) -> CodeRead:
+def read_code(
+    sources: Mapping[str, str],
+    go_modules: Mapping[str, str] | None = None,
+    rust_crates: Mapping[str, str] | None = None,
+) -> CodeRead:
     """The calls and graph of the source files of ``sources`` in a language :data:`code.LANGUAGES` reads: for
     each chunk (keyed by file, qualified name and line as :func:`code.chunk_code` makes them; a minified file has
     none), the qualified names of the tree's declarations its own code calls (see the module's docstring), in the
     order it first calls them (a class's or a file's chunk holds the calls outside its methods and functions);
     and the graph. ``go_modules``: a directory of the tree holding a ``go.mod`` (``""`` for the top) -> the module
-    path it declares."""
-    tree = _Tree(frozenset(sources), dict(go_modules or {}))
+    path it declares; ``rust_crates``: a directory holding a ``Cargo.toml`` -> the name its library is used by
+    (``anyhow``; :func:`rust_crate_name`)."""
+    crates = {name: posixpath.join(directory, "src") for directory, name in (rust_crates or {}).items()}
+    tree = _Tree(frozenset(sources), dict(go_modules or {}), crates)
     for path, text in sources.items():  # each file parsed, its outline kept and its nodes let go
         parsed = _parsed(path, text)
         if parsed is not None:
@@ -171,10 +193,12 @@ def _string(node: tree_sitter.Node | None) -> str | None:
 class _Tree:
     """The tree's files read, and what resolves a name in each."""
 
-    def __init__(self, paths: frozenset[str], go_modules: dict[str, str]) -> None:
+    def __init__(self, paths: frozenset[str], go_modules: dict[str, str], rust_crates: dict[str, str]) -> None:
         self.paths = paths
         self.files: dict[str, _File] = {}
         self.go_modules = go_modules
+        self.rust_crates = rust_crates
+        """Rust: a crate's name (``anyhow``) -> its key (:func:`_crate`: the directory of its ``src``)."""
         self.members: dict[str, dict[str, str]] = {}
         """A type's key (:meth:`type_key`) -> its methods' and fields' names -> their qualified names."""
         self.bases: dict[str, list[str]] = {}
@@ -192,8 +216,8 @@ class _Tree:
         self.rust_macros: dict[tuple[str, str], set[str]] = {}
         self.rust_type_names: dict[tuple[str, str], set[str]] = {}
         """Rust: a crate and a type's name -> the keys of the types of that name in it (a struct's, an ``impl``'s)."""
-        self.rust_files: dict[tuple[str, tuple[str, ...]], str] = {}
-        """Rust: a crate and a module's path in it -> the module of the file that is that module."""
+        self.rust_files: dict[tuple[str, tuple[str, ...]], _File] = {}
+        """Rust: a crate and a module's path in it -> the file that is that module."""
         self.type_modules: dict[str, str] = {}
         """A type's key -> the module of the file declaring it."""
         self.object_types: dict[str, str] = {}
@@ -245,7 +269,7 @@ class _Tree:
         module_type = object_type_name(read.module)
         self.object_types[bounded_symbol(read.module)] = module_type
         if read.domain == "rust":
-            self.rust_files.setdefault(_crate(read.path), read.module)
+            self.rust_files.setdefault(_crate(read.path), read)
         # Rust: what holds a method is a type (an `impl`, a trait), and an associated type in it no module's.
         impls = {qualname.rpartition(".")[0] for kind, _, qualname, _ in read.outline if kind == "method"}
         for kind, level, qualname, _span in read.outline:
@@ -443,21 +467,26 @@ class _Tree:
             elif node.type == "use_list":
                 pending += [(child, prefix) for child in node.named_children]
 
-    def rust_absolute(self, read: _File, path: tuple[str, ...]) -> tuple[str, ...]:
-        """A path as written in ``read`` (``crate::a::f``, ``super::f``, ``self::a::f``, ``a::f``) from its crate's
-        root."""
-        _, here = _crate(read.path)
+    def rust_absolute(self, read: _File, path: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+        """A path as written in ``read`` (``crate::a::f``, ``super::f``, ``self::a::f``, ``a::f``, ``anyhow::f``
+        through a crate of the tree's name) as its crate and the path from that crate's root."""
+        crate, here = _crate(read.path)
         if path and path[0] == "crate":
-            return path[1:]
+            return crate, path[1:]
         if path and path[0] in ("self", "super"):
             base = list(here)
             while path and path[0] in ("self", "super"):
                 if path[0] == "super" and base:
                     base.pop()
                 path = path[1:]
-            return (*base, *path)
-        # A 2018-edition path from the module (`a::f` for a child module `a`), or an external crate's.
-        return (*here, *path) if path and (_crate(read.path)[0], (*here, path[0])) in self.rust_modules else path
+            return crate, (*base, *path)
+        # A 2018-edition path from the module (`a::f` for a child module `a`), a crate's of the tree (its tests
+        # call it by its name: a tester's anyhow::Error), or another crate's, which names nothing here.
+        if path and ((crate, (*here, path[0])) in self.rust_modules or (crate, (*here, path[0])) in self.rust_files):
+            return crate, (*here, *path)
+        if path and path[0] in self.rust_crates:
+            return self.rust_crates[path[0]], path[1:]
+        return crate, path
 
     def _bases_written(self, read: _File, declared: list[Declared]) -> None:
         for _kind, level, qualname, _span, node in declared:
@@ -524,16 +553,16 @@ class _Tree:
                 return found
         return None
 
-    def rust_type(self, read: _File, module: tuple[str, ...], name: str) -> str | None:
-        """The key of the Rust type ``name`` names in a module of ``read``'s crate: its own, one it ``use``s, else
-        the crate's one type of the name (two modules' ``Conn`` are two types: a review's were one)."""
-        crate, _ = _crate(read.path)
+    def rust_type(self, read: _File, crate: str, module: tuple[str, ...], name: str) -> str | None:
+        """The key of the Rust type ``name`` names in a module of a crate (``read``: the file it is written in):
+        the module's own, one ``read`` ``use``s, else the crate's one type of the name (two modules' ``Conn`` are
+        two types: a review's were one)."""
         key = _rust_key(crate, module, name)
         if key in self.types or key in self.members:
             return key
         if name in read.uses:
-            *space, last = self.rust_absolute(read, read.uses[name]) or ("",)
-            key = _rust_key(crate, tuple(space), last)
+            used_crate, used = self.rust_absolute(read, read.uses[name])
+            key = _rust_key(used_crate, used[:-1], used[-1]) if used else ""
             if key in self.types or key in self.members:
                 return key
         named = self.rust_type_names.get((crate, name), set())
@@ -579,15 +608,22 @@ class _Tree:
         self.exported[path, name] = found
         return found
 
-    def rust_item(self, read: _File, path: tuple[str, ...]) -> str | None:
-        """The qualified name of what a path from the crate's root names: a module's item, or a type's member
-        (``a::Type::new``)."""
-        crate, _ = _crate(read.path)
+    def rust_item(self, read: _File, crate: str, path: tuple[str, ...], hops: int = 0) -> str | None:
+        """The qualified name of what a path from a crate's root names: a module's item, or a type's member
+        (``a::Type::new``), also through a ``use`` of the module (a ``pub use`` re-exporting it: a tester's
+        ``crate::ErrorImpl`` was lib.rs's ``pub use``). ``read``: the file it is written in."""
+        if hops > MAX_HOPS:
+            return None
         for cut in range(len(path) - 1, -1, -1):  # the longest module first, then shorter: one that names nothing
             rest = path[cut:]  # of the rest (`chain::Chain` holding `Chain`'s `type Item`) is no answer
             found = self.rust_modules.get((crate, path[:cut]), {}).get(rest[0]) if len(rest) == 1 else None
             if len(rest) == 2:
-                found = self.member(self.rust_type(read, path[:cut], rest[0]), rest[1])
+                found = self.member(self.rust_type(read, crate, path[:cut], rest[0]), rest[1])
+            module = self.rust_files.get((crate, path[:cut]))
+            if found is None and module is not None and rest[0] in module.uses:
+                found = self.rust_item(
+                    module, *self.rust_absolute(module, (*module.uses[rest[0]], *rest[1:])), hops + 1
+                )
             if found is not None:
                 return found
         return None
@@ -696,13 +732,12 @@ class _Tree:
                 key = self.java_types.get(dotted)
                 yield from [self.type_modules[key]] if key in self.type_modules else []
         elif read.domain == "rust":
-            crate, _ = _crate(read.path)
             for used in read.uses.values():
-                path = self.rust_absolute(read, used)
+                crate, path = self.rust_absolute(read, used)
                 module = next(
                     (m for cut in range(len(path), 0, -1) if (m := self.rust_files.get((crate, path[:cut])))), None
                 )
-                yield from [module] if module is not None else []
+                yield from [module.module] if module is not None else []
 
 
 class _Calls:
@@ -878,7 +913,7 @@ class _Calls:
             if name in tree.rust_modules.get(here, {}):
                 return tree.rust_modules[here][name]
             used = read.uses.get(name)
-            return tree.rust_item(read, tree.rust_absolute(read, used)) if used is not None else None
+            return tree.rust_item(read, *tree.rust_absolute(read, used)) if used is not None else None
         if function.type == "field_expression":  # `self.f()`
             held = function.child_by_field_name("value")
             if held is not None and held.type == "self":
@@ -890,10 +925,10 @@ class _Calls:
         if len(path) == 2 and path[0] == "Self":
             return tree.member(self.owner_key, path[1])
         if path and path[0] in read.uses:  # `Type::new()` or `module::f()` through a `use`
-            return tree.rust_item(read, tree.rust_absolute(read, (*read.uses[path[0]], *path[1:])))
-        if len(path) == 2 and (key := tree.rust_type(read, self.rust_module()[1], path[0])) is not None:
+            return tree.rust_item(read, *tree.rust_absolute(read, (*read.uses[path[0]], *path[1:])))
+        if len(path) == 2 and (key := tree.rust_type(read, *self.rust_module(), path[0])) is not None:
             return tree.member(key, path[1])
-        return tree.rust_item(read, tree.rust_absolute(read, path))
+        return tree.rust_item(read, *tree.rust_absolute(read, path))
 
     def rust_module(self) -> tuple[str, tuple[str, ...]]:
         """The module the chunk's code is in: its file's, or a ``mod`` inside it."""

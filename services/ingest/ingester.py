@@ -68,7 +68,7 @@ from ontofabric.shared.telemetry import tracer
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, envelope
 from .code import CODE_SUFFIXES
-from .code_graph import CodeRead, go_module_path, read_code
+from .code_graph import CodeRead, go_module_path, read_code, rust_crate_name
 from .graph import (
     GraphLink,
     GraphNode,
@@ -359,7 +359,7 @@ def code_of(root: Path, sources: Mapping[str, str], max_file_bytes: int) -> Code
     ``max_file_bytes`` (:func:`too_large`)."""
     unread = too_large(sources, max_file_bytes)
     code = {path: text for path, text in sources.items() if path.endswith(CODE_SUFFIXES) and path not in unread}
-    return read_code(code, go_modules(root, code))
+    return read_code(code, go_modules(root, code), rust_crates(root, code))
 
 
 def reading_steps(sources: Mapping[str, str]) -> int:
@@ -437,13 +437,27 @@ def go_modules(root: Path, sources: Iterable[str]) -> dict[str, str]:
     """The module path each ``go.mod`` in a directory above the Go files of ``sources`` declares (a monorepo may
     hold several), by its directory in the tree (``""``: the top): what tells an import of the tree's packages
     from another module's."""
-    directories = {str(parent) for path in sources if path.endswith(".go") for parent in Path(path).parents}
+    return _declared_above(root, sources, ".go", "go.mod", go_module_path)
+
+
+def rust_crates(root: Path, sources: Iterable[str]) -> dict[str, str]:
+    """The name each ``Cargo.toml`` in a directory above the Rust files of ``sources`` gives its crate, by its
+    directory: what its tests and the workspace's other crates call it by (``anyhow::Error``)."""
+    return _declared_above(root, sources, ".rs", "Cargo.toml", rust_crate_name)
+
+
+def _declared_above(
+    root: Path, sources: Iterable[str], suffix: str, manifest: str, declared: Callable[[str], str | None]
+) -> dict[str, str]:
+    """What ``declared`` reads of each file named ``manifest`` in a directory above the files of ``sources``
+    ending in ``suffix``, by its directory in the tree (``""``: the top)."""
+    directories = {str(parent) for path in sources if path.endswith(suffix) for parent in Path(path).parents}
     found = {}
     for directory in directories:
         with contextlib.suppress(OSError, UnicodeError):
-            module = go_module_path(read_regular_file(root / directory / "go.mod", 64 * 1024))
-            if module is not None:
-                found["" if directory == "." else directory] = module
+            value = declared(read_regular_file(root / directory / manifest, 64 * 1024))
+            if value is not None:
+                found["" if directory == "." else directory] = value
     return found
 
 

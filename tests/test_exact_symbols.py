@@ -1065,6 +1065,11 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
             """,
         "billing/src/com/acme/Ledger.java": "package com.acme;\n\npublic abstract class Ledger {}\n",
         "billing/src/com/acme/InvoiceLedger.java": "package com.acme;\n\nclass InvoiceLedger extends Ledger {}\n",
+        # A field named as the method the caller calls: the class is no callee (a retest's JavaFile.emit).
+        "billing/src/com/acme/Rates.java": "package com.acme;\n\nclass Rates {\n  double rate;\n"
+        "  double rate() { return rate; }\n}\n",
+        "billing/src/com/acme/Billing.java": "package com.acme;\n\nclass Billing {\n"
+        "  double charge(Rates rates) { return rates.rate(); }\n}\n",
     }
     await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -1095,6 +1100,10 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
     assert [r.metadata["filePath"] for r in importers.results if IMPORTER in {f.retriever for f in r.found_by}] == [
         "web/src/pages/Profile.tsx"
+    ]
+    charged = await _ask(client, "what does Billing.charge call", "mono")
+    assert [r.metadata["symbolFqn"] for r in charged.results if CALLEE in {f.retriever for f in r.found_by}] == [
+        "billing.src.com.acme.Rates.Rates.rate"
     ]
     called = await _ask(client, "what does Routes call", "mono")
     assert [r.metadata["symbolFqn"] for r in called.results if CALLEE in {f.retriever for f in r.found_by}] == [

@@ -10,15 +10,17 @@ to a package it imports whole: each of its files would be a link), to the Rust m
 
 What is resolved, by language (a call through anything else, an object whose type the syntax does not say, is left
 out, and so is a chunk calling itself; a name the code binds itself, a parameter, a local or an inner function, is
-not the file's):
+not the file's from where it is bound on):
 
 - TypeScript and JavaScript: a name the file declares or imports by a relative path (``import``, ``require``,
   through an index file's re-exports), ``ns.f()`` for ``import * as ns``, ``Class.f()``, ``this.f()`` and
   ``super.f()`` through the class and the classes it extends (not within a nested ``function`` or class, whose
-  ``this`` is another), ``new Class()`` and ``super(...)``;
+  ``this`` is another), ``x.f()`` through a local bound to ``new Class()`` or annotated ``: Class``,
+  ``new Class()`` and ``super(...)``;
 - Go: a name of the package (its directory), ``pkg.F()`` through an import of a package of the tree (by its
   ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver, a
-  parameter of a type of the tree or a local bound to one's composite literal (``x := &T{}``);
+  parameter of a type of the tree or a local bound to one's composite literal (``x := &T{}``, ``var x = T{}``)
+  or to what a function of the tree declared to return one returns (``r := NewRouter()``);
 - Java: a method of the class, the classes it extends or implements and those holding it (``m()``, ``this.m()``,
   ``super.m()``; not within an anonymous or local class), one imported ``static``, ``Type.m()`` and ``x.m()``
   where ``x`` is a parameter, a local or a field declared with a type of the tree (by its own file, its package,
@@ -215,7 +217,13 @@ class _Tree:
         """Rust: a crate and a module's path in it -> the names the module declares -> their qualified names."""
         self.rust_macros: dict[tuple[str, str], set[str]] = {}
         self.rust_type_names: dict[tuple[str, str], set[str]] = {}
-        """Rust: a crate and a type's name -> the keys of the types of that name in it (a struct's, an ``impl``'s)."""
+        """Rust: a crate and a type's name -> the keys of the types of that name it declares."""
+        self.rust_members: list[tuple[_File, str, str, str]] = []
+        """Rust: each ``impl``'s or trait's member (its file, the type as written, its name, its qualified name),
+        until :meth:`resolve` knows every type."""
+        self.go_results: dict[str, tuple[_File, str | None, str]] = {}
+        """Go: a function's qualified name -> its file and the type it returns (:func:`_go_written`), where that
+        is one named type."""
         self.rust_files: dict[tuple[str, tuple[str, ...]], _File] = {}
         """Rust: a crate and a module's path in it -> the file that is that module."""
         self.type_modules: dict[str, str] = {}
@@ -228,6 +236,8 @@ class _Tree:
         """Go: a package -> the names its files declare at their level -> their qualified names."""
         self.go_directories: dict[str, str | None] = {}
         """Go: an import path -> the directory of the tree it names (:meth:`go_directory`), once looked up."""
+        self.impl_keys: dict[tuple[str, str], str] = {}
+        """Rust: (file, owner) -> :meth:`owner_key`'s answer, once found."""
         self.exported: dict[tuple[str, str], str | None] = {}
         """TypeScript and JavaScript: (file, name) -> what the file exports under the name, once looked up."""
 
@@ -238,8 +248,15 @@ class _Tree:
         self._index(read)
         self._imports(read, root)
         self._bases_written(read, declared)
+        for _kind, _level, qualname, _span, node in declared if read.domain == "go" else ():
+            result = node.child_by_field_name("result")
+            written = _go_written(result) if result is not None and node.type == "function_declaration" else None
+            if written is not None:  # `func NewRouter() *Mux`: what `r := NewRouter()` binds
+                self.go_results[bounded_symbol(f"{read.module}.{qualname}")] = (read, *written)
 
     def resolve(self) -> None:
+        for read, owner, name, fqn in self.rust_members:
+            self.members.setdefault(self.owner_key(read, owner), {}).setdefault(name, fqn)
         for read in self.files.values():
             for alias, written in read.go_imports:
                 self._go_import(read, alias, written)
@@ -261,6 +278,27 @@ class _Tree:
             *spaces, name = qualname.split(".")
             return _rust_key(crate, (*path, *spaces), name)
         return f"{read.module}.{qualname}"
+
+    def owner_key(self, read: _File, owner: str) -> str:
+        """The key of the type whose members a chunk's ``owner`` holds: :meth:`type_key`, but a Rust ``impl``'s
+        type is the one it implements, which may be declared in another module (``use crate::E; impl E``: a
+        retest's anyhow lost every ``Error::new()`` to it): the module's own type of the name, one it ``use``s,
+        the crate's one type of the name, else the ``impl``'s module's (a type outside the tree)."""
+        if read.domain != "rust":
+            return self.type_key(read, owner)
+        if (read.path, owner) in self.impl_keys:
+            return self.impl_keys[read.path, owner]
+        crate, path = _crate(read.path)
+        *spaces, name = owner.split(".")
+        key = own = _rust_key(crate, (*path, *spaces), name)
+        if own not in self.types and name in read.uses:
+            used_crate, used = self.rust_absolute(read, read.uses[name])
+            key = _rust_key(used_crate, used[:-1], used[-1]) if used else own
+        if key not in self.types:
+            named = self.rust_type_names.get((crate, name), set())
+            key = next(iter(named)) if len(named) == 1 else own
+        self.impl_keys[read.path, owner] = key
+        return key
 
     def go_package(self, read: _File) -> str:
         return f"{posixpath.dirname(read.path)}:{read.package or ''}"
@@ -284,10 +322,8 @@ class _Tree:
                 crate, path = _crate(read.path)
                 if kind == "macro":
                     self.rust_macros.setdefault((crate, name), set()).add(fqn)
-                if owner in impls:  # a method, or an associated type or constant
-                    key = self.type_key(read, owner)
-                    self.members.setdefault(key, {}).setdefault(name, fqn)
-                    self.rust_type_names.setdefault((crate, owner.rpartition(".")[2]), set()).add(key)
+                if owner in impls:  # a method, or an associated type or constant: its type's, once resolved
+                    self.rust_members.append((read, owner, name, fqn))
                     continue
                 space = (crate, (*path, *owner.split("."))) if owner else (crate, path)  # a `mod` in the file
                 self.rust_modules.setdefault(space, {}).setdefault(name, fqn)
@@ -544,6 +580,12 @@ class _Tree:
             return key if key in self.types else None
         return None
 
+    def go_named(self, read: _File, package: str | None, name: str) -> str | None:
+        """The key of the Go type ``package.name`` (None: ``read``'s own package) as ``read`` names it."""
+        imported = read.imports.get(package) if package is not None else None
+        key = f"{self.go_package(read)}.{name}" if package is None else (f"{imported[0]}.{name}" if imported else None)
+        return key if key in self.types else None
+
     def java_static(self, read: _File, name: str) -> str | None:
         """The static member ``name`` a Java file imports (``import static com.acme.Util.check``, or ``.*``): a
         tester's 36 callers of javapoet's ``checkArgument`` were one."""
@@ -734,8 +776,8 @@ class _Tree:
         elif read.domain == "rust":
             for used in read.uses.values():
                 crate, path = self.rust_absolute(read, used)
-                module = next(
-                    (m for cut in range(len(path), 0, -1) if (m := self.rust_files.get((crate, path[:cut])))), None
+                module = next(  # `use crate::Error`: the root's file (lib.rs) too
+                    (m for cut in range(len(path), -1, -1) if (m := self.rust_files.get((crate, path[:cut])))), None
                 )
                 yield from [module.module] if module is not None else []
 
@@ -757,7 +799,7 @@ class _Calls:
     ) -> None:
         self.tree, self.read, self.key, self.node, self.owner, self.space = tree, read, key, node, owner, space
         self.names = names
-        self.owner_key = tree.type_key(read, owner) if owner else None
+        self.owner_key = tree.owner_key(read, owner) if owner else None
 
     def callee(self, node: tree_sitter.Node) -> str | None:
         domain = self.read.domain
@@ -801,8 +843,12 @@ class _Calls:
             return tree.member(self.owner_key, name)
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
-        if held.type != "identifier" or self.names.binds(local := _text(held) or "", node):
+        if held.type != "identifier":
             return None
+        if self.names.binds(local := _text(held) or "", node):  # a local: through the class it is declared as
+            written = self.names.type_of(local, node)
+            typed = written is not None and written.type in ("type_identifier", "identifier")
+            return tree.member(tree.type_named(read, _text(written) or ""), name) if typed else None
         imported = read.imports.get(local)
         if imported is not None and imported[1] is None:  # `ns.f()` through `import * as ns`
             return tree.javascript_export(imported[0], name, 1)
@@ -830,16 +876,22 @@ class _Calls:
         return tree.package_top.get(imported[0], {}).get(name) if imported is not None else None
 
     def go_type(self, written: tree_sitter.Node) -> str | None:
-        """The key of a Go type as a parameter declares it: ``Server``, ``*Server``, ``store.Store``."""
-        while written.type in ("pointer_type", "generic_type") and written.named_children:
-            written = written.child_by_field_name("type") or written.named_children[0]
-        if written.type == "type_identifier":
-            return self.tree.type_named(self.read, _text(written) or "")
-        if written.type == "qualified_type":
-            package = self.read.imports.get(_text(written.child_by_field_name("package")) or "")
-            key = f"{package[0]}.{_text(written.child_by_field_name('name'))}" if package is not None else None
-            return key if key in self.tree.types else None
-        return None
+        """The key of a Go type as a binding says it (:func:`_declared_type`): ``Server``, ``*Server``,
+        ``store.Store``, or what the function called returns (``NewRouter()``, ``chi.NewRouter()``)."""
+        tree, read = self.tree, self.read
+        if written.type != "call_expression":
+            named = _go_written(written)
+            return tree.go_named(read, *named) if named is not None else None
+        function = written.child_by_field_name("function")
+        fqn = None
+        if function is not None and function.type == "identifier":
+            fqn = tree.package_top.get(tree.go_package(read), {}).get(_text(function) or "")
+        elif function is not None and function.type == "selector_expression":
+            imported = read.imports.get(_text(function.child_by_field_name("operand")) or "")
+            name = _text(function.child_by_field_name("field")) or ""
+            fqn = tree.package_top.get(imported[0], {}).get(name) if imported is not None else None
+        result = tree.go_results.get(fqn) if fqn is not None else None
+        return tree.go_named(*result) if result is not None else None
 
     def java(self, node: tree_sitter.Node) -> str | None:
         tree, read = self.tree, self.read
@@ -856,9 +908,13 @@ class _Calls:
         if (held is None or held.type in ("this", "super")) and self.another_this(node):
             return None  # a method of an anonymous or local class
         if held is None or held.type == "this":  # `m()` is the class's, an enclosing class's, or imported static
-            keys = [self.owner_key] if held is not None else [tree.type_key(read, q) for q in _enclosing(self.owner)]
-            found = next((m for k in keys if (m := tree.member(k, name)) is not None), None)
-            return found if found is not None or held is not None else tree.java_static(read, name)
+            for scope in [self.owner] if held is not None else _enclosing(self.owner):
+                found = tree.member(tree.type_key(read, scope), name)
+                if found is not None:
+                    return found
+                if len(tree.bases.get(tree.type_key(read, scope), [])) < len(read.bases_written.get(scope, [])):
+                    return None  # it may be a base's outside the tree (`size()` of an ArrayList): a retest's
+            return tree.java_static(read, name) if held is None else None
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
         this_field = held.type == "field_access" and held.child_by_field_name("object") is not None
@@ -972,17 +1028,20 @@ _BINDINGS = {
     "typescript": """(variable_declarator name: (identifier) @bound) (required_parameter pattern: (identifier) @bound)
         (optional_parameter pattern: (identifier) @bound) (arrow_function parameter: (identifier) @bound)
         (function_declaration name: (identifier) @bound) (shorthand_property_identifier_pattern) @bound
-        (catch_clause parameter: (identifier) @bound)""",
+        (catch_clause parameter: (identifier) @bound) (for_in_statement left: (identifier) @bound)
+        (pair_pattern value: (identifier) @bound) (array_pattern (identifier) @bound)""",
     "javascript": """(variable_declarator name: (identifier) @bound) (formal_parameters (identifier) @bound)
         (assignment_pattern left: (identifier) @bound) (arrow_function parameter: (identifier) @bound)
         (function_declaration name: (identifier) @bound) (shorthand_property_identifier_pattern) @bound
-        (catch_clause parameter: (identifier) @bound)""",
+        (catch_clause parameter: (identifier) @bound) (for_in_statement left: (identifier) @bound)
+        (pair_pattern value: (identifier) @bound) (array_pattern (identifier) @bound)""",
     "go": """(short_var_declaration left: (expression_list (identifier) @bound)) (var_spec name: (identifier) @bound)
         (parameter_declaration name: (identifier) @bound) (range_clause left: (expression_list (identifier) @bound))""",
     "java": """(formal_parameter name: (identifier) @bound) (variable_declarator name: (identifier) @bound)
-        (catch_formal_parameter name: (identifier) @bound) (enhanced_for_statement name: (identifier) @bound)""",
+        (catch_formal_parameter name: (identifier) @bound) (enhanced_for_statement name: (identifier) @bound)
+        (lambda_expression parameters: (identifier) @bound) (inferred_parameters (identifier) @bound)""",
     "rust": """(let_declaration pattern: (identifier) @bound) (parameter pattern: (identifier) @bound)
-        (closure_parameters (identifier) @bound)""",
+        (closure_parameters (identifier) @bound) (function_item name: (identifier) @bound)""",
 }
 """The names code binds, by language: parameters, locals, a function's inner functions (a review's ``const helper
 = ...; helper()`` was the module's ``helper``), Java's fields too."""
@@ -1027,19 +1086,33 @@ class _Locals:
         self.bound: dict[str, list[_Binding]] = {}
         scopes = _SCOPES.get(read.domain, frozenset())
         for name in _captured(read, _BINDINGS, root):
-            above = name.parent
-            if above is not None and above.type == "function_declaration":  # an inner function: in its block
-                above = above.parent
+            declared = name.parent
+            hoisted = declared is not None and declared.type in ("function_declaration", "function_item")
+            above = declared.parent if hoisted and declared is not None else declared  # an inner function: its block's
             while above is not None and above.type not in scopes:
                 above = above.parent
             if above is None or above.parent is None:  # the file's own level
                 continue
-            binding = _Binding((above.start_byte, above.end_byte), name.start_byte, _declared_type(name))
+            # Bound from where the declaration ends (`let vt = vt(p)` calls the file's vt: a retest's), a
+            # function and a field in the whole of their scope, a parameter from its name.
+            holder = declared.parent if declared is not None and declared.type == "variable_declarator" else declared
+            if hoisted or (holder is not None and holder.type == "field_declaration"):
+                at = above.start_byte
+            elif declared is not None and declared.type in ("variable_declarator", "let_declaration", "var_spec"):
+                at = declared.end_byte
+            elif declared is not None and declared.type == "expression_list" and declared.parent is not None:
+                at = declared.parent.end_byte  # Go's `:=` and `range`
+            else:
+                at = name.end_byte
+            binding = _Binding((above.start_byte, above.end_byte), at, _declared_type(name))
             self.bound.setdefault(_text(name) or "", []).append(binding)
 
     def binds(self, name: str, node: tree_sitter.Node) -> bool:
         """Whether ``name`` at ``node`` is bound by its code (a parameter, a local), not the file's."""
-        return any(b.within[0] <= node.start_byte and node.end_byte <= b.within[1] for b in self.bound.get(name, []))
+        return any(
+            b.within[0] <= node.start_byte and node.end_byte <= b.within[1] and b.at <= node.start_byte
+            for b in self.bound.get(name, [])
+        )
 
     def type_of(self, name: str, node: tree_sitter.Node) -> tree_sitter.Node | None:
         """The type ``name`` at ``node`` is declared with: the binding of the innermost scope holding ``node``,
@@ -1054,24 +1127,54 @@ class _Locals:
 
 
 def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
-    """The type a binding's name is declared with: a Java parameter's, local's or field's, a Go parameter's or
-    ``var``'s, or the composite literal a Go ``:=`` binds it to (``s := &Server{}``)."""
+    """What a binding's name says of its type: the type it is declared with (a Java parameter's, local's or
+    field's, a Go parameter's or ``var``'s, a TypeScript annotation's), or what it is bound to: a class's ``new``
+    (``const ky = new Ky()``: its constructor's name), a Go composite literal's type (``s := &Server{}``), a Go
+    call (``r := NewRouter()``: :meth:`_Calls.go_type` reads its function's result)."""
     holder = name.parent
     if holder is None:
         return None
-    if holder.type == "variable_declarator" and holder.parent is not None:  # Java: the declaration's type
-        holder = holder.parent
+    if holder.type == "variable_declarator" and holder.parent is not None and holder.parent.type in (
+        "local_variable_declaration", "field_declaration"
+    ):  # fmt: skip
+        holder = holder.parent  # Java: the declaration's type
     written = holder.child_by_field_name("type")
-    if written is not None or holder.type != "expression_list" or holder.parent is None:
+    if written is not None and written.type == "type_annotation":  # TypeScript's `: Ky`
+        written = written.named_children[0] if written.named_children else None
+    if written is not None:
         return written
-    if holder.parent.type != "short_var_declaration":
-        return None
-    right = holder.parent.child_by_field_name("right")
-    index = next((i for i, n in enumerate(holder.named_children) if n.id == name.id), -1)
-    value = right.named_children[index] if right is not None and 0 <= index < right.named_child_count else None
+    value: tree_sitter.Node | None = None
+    if holder.type in ("variable_declarator", "var_spec"):  # `const ky = new Ky()`, Go's `var s = &Server{}`
+        value = holder.child_by_field_name("value")
+        if value is not None and value.type == "expression_list":
+            value = value.named_children[0] if value.named_child_count == 1 else None
+    elif (
+        holder.type == "expression_list" and holder.parent is not None and holder.parent.type == "short_var_declaration"
+    ):
+        right = holder.parent.child_by_field_name("right")
+        index = next((i for i, n in enumerate(holder.named_children) if n.id == name.id), -1)
+        value = right.named_children[index] if right is not None and 0 <= index < right.named_child_count else None
     if value is not None and value.type == "unary_expression":
         value = value.child_by_field_name("operand")
-    return value.child_by_field_name("type") if value is not None and value.type == "composite_literal" else None
+    if value is None:
+        return None
+    if value.type == "new_expression":
+        return value.child_by_field_name("constructor")
+    if value.type == "composite_literal":
+        return value.child_by_field_name("type")
+    return value if value.type == "call_expression" else None
+
+
+def _go_written(written: tree_sitter.Node) -> tuple[str | None, str] | None:
+    """A Go type as written, its pointers and type arguments aside: its package's name as written (None: its
+    file's own) and its name; None for any other type (a slice, a map, a function)."""
+    while written.type in ("pointer_type", "generic_type") and written.named_children:
+        written = written.child_by_field_name("type") or written.named_children[0]
+    if written.type == "type_identifier":
+        return None, _text(written) or ""
+    if written.type == "qualified_type":
+        return _text(written.child_by_field_name("package")), _text(written.child_by_field_name("name")) or ""
+    return None
 
 
 def _private(node: tree_sitter.Node | None) -> str:

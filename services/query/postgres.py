@@ -914,11 +914,12 @@ class PostgresDocuments:
             limit,
             """, called AS (
                 SELECT DISTINCT jsonb_array_elements_text(calls) AS fqn FROM named_symbols WHERE calls IS NOT NULL)""",
-            # And the chunk assigning a name called (`concat = "".join`), through documents_defines (0028): a
-            # review's "what does joined call" found nothing where its calls held the name.
+            # And the module assigning a name called (`concat = "".join`), through documents_defines (0028): a
+            # review's "what does joined call" found nothing where its calls held the name. A module's alone: a
+            # Java class's field named as a method it has (`packageName`) made the class a callee (a retest's).
             f"""(({SYMBOL_NAME_SQL} = ANY(ARRAY(SELECT lower(regexp_replace(fqn, '^.*[.]', '')) FROM called))
                   AND symbol_fqn IN (SELECT fqn FROM called) AND chunk_level IN ('type', 'method'))
-                 OR (metadata ? 'defines'
+                 OR (chunk_level = 'file' AND metadata ? 'defines'
                      AND metadata -> 'defines' ?| ARRAY(SELECT regexp_replace(fqn, '^.*[.]', '') FROM called)
                      AND EXISTS (SELECT FROM called
                                  WHERE fqn = documents.symbol_fqn || '.' || regexp_replace(fqn, '^.*[.]', '')

@@ -7,10 +7,12 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
+
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS
 from ontofabric.services.ingest.code import chunk_code
 from ontofabric.services.ingest.code_graph import CallKey, CodeRead, go_module_path, read_code, rust_crate_name
-from ontofabric.services.ingest.ingester import chunk_sources, go_modules, rust_crates
+from ontofabric.services.ingest.ingester import chunk_sources, go_modules, read_sources, reading_steps, rust_crates
 
 
 def _calls(files: dict[str, str], go: dict[str, str] | None = None) -> dict[CallKey, list[str]]:
@@ -533,3 +535,93 @@ def test_a_retests_cases_types_across_modules_bindings_in_order_and_declared_loc
     }))  # fmt: skip
     assert "src.M.M.each" not in java  # the lambda's b, not the field's B
     assert "src.M.M.Items.count" not in java  # ArrayList's size(), not M's
+
+
+def test_a_second_reviews_cases() -> None:
+    # A path through another crate's module names none of this crate's types, nor does the prelude's Vec.
+    rust = _graph({
+        "c/src/lib.rs": "pub mod error;\nmod net;\nuse std::io;\n"
+        "pub fn f() { io::Error::new(); std::io::Error::new(); Vec::new(); }\n",
+        "c/src/error.rs": "pub struct Error;\nimpl Error { pub fn new() -> Self { Error } }\n"
+        "pub struct Vec;\nimpl Vec { pub fn new() {} }\n",
+        "c/src/net.rs": "use std::io;\nuse serde::Serialize;\n",
+    })  # fmt: skip
+    assert "c.src.lib.f" not in _by_name(rust.calls)
+    assert not [link for link in rust.links if link.source_type == "c.src.net"]  # another crate's use: no link
+    # Modules `pub use`-ing each other end, at once.
+    cyclic = {f"src/m{n}.rs": f"pub use crate::m{(n + 1) % 6}::a as a;\n" for n in range(6)}
+    cyclic["src/lib.rs"] = "".join(f"mod m{n};\n" for n in range(6)) + "fn g() { m0::a(); m3::a::b(); }\n"
+    assert "src.lib.g" not in _by_name(_calls(cyclic))
+    # Java: a resource, a pattern's name and `this.s` are what they are declared as, not a field's namesake.
+    java = _by_name(_calls({
+        "src/A.java": """
+            class A {
+              Server s;
+              void r() { try (Client s = open()) { s.run(); } }
+              void i(Object o) { if (o instanceof Client s) { s.run(); } }
+              void t(Client s) { this.s.run(); }
+              Client open() { return null; }
+            }
+
+            class Server { void run() {} }
+
+            class Client implements AutoCloseable { void run() {} public void close() {} }
+            """,
+    }))  # fmt: skip
+    assert java["src.A.A.r"] == ["src.A.A.open", "src.A.Client.run"]
+    assert java["src.A.A.i"] == ["src.A.Client.run"]
+    assert java["src.A.A.t"] == ["src.A.Server.run"]
+    # TypeScript: a rest parameter binds its name; a base outside the tree is an interface by its name.
+    typescript = _graph({
+        "b.ts": "export function run() {}\nexport function f(...run: Array<() => void>) { run[0](); }\n"
+        "export class View extends React.Component<P> implements Named {}\n",
+    })  # fmt: skip
+    assert "b.f" not in _by_name(typescript.calls)
+    view = next(node for node in typescript.nodes if node.object_type == "b.View")
+    assert view.interfaces == ("React.Component", "Named")
+    # Rust: a name a pattern binds is not the module's function.
+    patterns = _by_name(_calls({
+        "src/lib.rs": "fn helper() {}\nfn f(x: Option<fn()>, xs: Vec<fn()>) {\n"
+        "    if let Some(helper) = x { helper() }\n    for helper in xs { helper() }\n}\n",
+    }))  # fmt: skip
+    assert "src.lib.f" not in patterns
+
+
+def test_re_exports_answer_alike_whichever_file_asks_first() -> None:
+    files = {
+        "u.ts": "export * from './v';\nexport * from './c';\n",
+        "v.ts": "export * from './u';\n",
+        "c.ts": "export function x() {}\n",
+        "a.ts": "import { x } from './u';\nexport function a() { x() }\n",
+        "b.ts": "import { x } from './v';\nexport function b() { x() }\n",
+    }
+    found = _by_name(_calls(files))
+    backwards = _by_name(_calls(dict(reversed(list(files.items())))))
+    assert found["a.a"] == found["b.b"] == backwards["a.a"] == backwards["b.b"] == ["c.x"]
+
+
+def test_reading_ticks_for_each_file_and_stops_when_told(tmp_path: Path) -> None:
+    files = {"a.ts": "export function a() {}\n", "b.go": "package b\n\nfunc B() {}\n", "c.py": "def c():\n    pass\n"}
+    ticks: list[None] = []
+    read_sources(tmp_path, files, None, 10**6, 0, lambda: ticks.append(None))
+    assert 4 <= len(ticks) <= reading_steps(files)  # each of the two code files twice, at least
+
+    def stop() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        read_code(files, tick=stop)
+
+
+def test_a_python_file_and_another_of_one_stem_make_pythons_node_alone(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/api.py": "class Foo:\n    pass\n",
+        "pkg/api.ts": "export class Bar {}\nexport class Foo extends Bar {}\n",
+    }
+    _chunks, (nodes, links), defined_in = read_sources(tmp_path, files, None, 10**6, 0)
+    foo = next(node for node in nodes if node.object_type == "pkg.api.Foo")
+    assert foo.interfaces == ()  # Python's
+    assert not [link for link in links if "pkg.api.Foo" in (link.source_type, link.target_type)]
+    assert defined_in["pkg.api.Foo"] == "pkg/api.py"
+    assert defined_in["pkg.api.Bar"] == "pkg/api.ts"  # the other's own nodes stay

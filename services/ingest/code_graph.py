@@ -27,9 +27,9 @@ not the file's from where it is bound on):
   its imports; ``Outer.Inner`` too), the nearest declaration of ``x`` in scope; ``new Type()`` and ``super(...)``;
 - Rust: a function of the module or one it ``use``s (``crate::``, ``self::``, ``super::`` paths, and a crate of
   the tree by the name its ``Cargo.toml`` gives it: ``anyhow::Error`` in its tests), through what a module
-  re-exports (``pub use``), ``module::f()``, ``Type::f()`` (the type of the module, one it ``use``s, else the
-  crate's one type of the name) and ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``). Not a call in a
-  macro's body, nor through a ``use`` of a module's every name (``use a::*``).
+  re-exports (``pub use``), ``module::f()``, ``Type::f()`` (the type of the module or one it ``use``s) and
+  ``Self::f()``, ``self.f()``, a macro of the crate (``m!()``). Not a call in a macro's body, nor through a
+  ``use`` of a module's every name (``use a::*``), nor a path starting ``::``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import functools
 import posixpath
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import tree_sitter
@@ -57,7 +57,6 @@ from .code import (
     module_name,
     package_of,
     parser,
-    type_name,
     walk,
 )
 from .graph import GraphLink, GraphNode, representable, split_object_type
@@ -145,6 +144,7 @@ def read_code(
     sources: Mapping[str, str],
     go_modules: Mapping[str, str] | None = None,
     rust_crates: Mapping[str, str] | None = None,
+    tick: Callable[[], object] = lambda: None,
 ) -> CodeRead:
     """The calls and graph of the source files of ``sources`` in a language :data:`code.LANGUAGES` reads: for
     each chunk (keyed by file, qualified name and line as :func:`code.chunk_code` makes them; a minified file has
@@ -152,10 +152,12 @@ def read_code(
     order it first calls them (a class's or a file's chunk holds the calls outside its methods and functions);
     and the graph. ``go_modules``: a directory of the tree holding a ``go.mod`` (``""`` for the top) -> the module
     path it declares; ``rust_crates``: a directory holding a ``Cargo.toml`` -> the name its library is used by
-    (``anyhow``; :func:`rust_crate_name`)."""
+    (``anyhow``; :func:`rust_crate_name`). ``tick`` is called before each file is read, twice (and may raise to
+    stop the reading: an ingest's interrupt waited for it, a second review's)."""
     crates = {name: posixpath.join(directory, "src") for directory, name in (rust_crates or {}).items()}
     tree = _Tree(frozenset(sources), dict(go_modules or {}), crates)
     for path, text in sources.items():  # each file parsed, its outline kept and its nodes let go
+        tick()
         parsed = _parsed(path, text)
         if parsed is not None:
             root, declared = parsed
@@ -163,7 +165,7 @@ def read_code(
                 (kind, level, qualname, span) for kind, level, qualname, span, _node in declared
             ]), root, declared)  # fmt: skip
     tree.resolve()
-    calls = tree.calls(sources)
+    calls = tree.calls(sources, tick)
     return CodeRead(calls, *tree.graph(calls))
 
 
@@ -234,8 +236,12 @@ class _Tree:
         """Go: a file -> the packages of the tree it imports."""
         self.package_top: dict[str, dict[str, str]] = {}
         """Go: a package -> the names its files declare at their level -> their qualified names."""
+        self.package_files: dict[str, _File] = {}
+        """Go: a package -> the file that stands for it (:meth:`package_file`)."""
         self.go_directories: dict[str, str | None] = {}
         """Go: an import path -> the directory of the tree it names (:meth:`go_directory`), once looked up."""
+        self.rust_items: dict[tuple[str, tuple[str, ...]], str | None] = {}
+        """Rust: (crate, path) -> :meth:`rust_item`'s answer, once found."""
         self.impl_keys: dict[tuple[str, str], str] = {}
         """Rust: (file, owner) -> :meth:`owner_key`'s answer, once found."""
         self.exported: dict[tuple[str, str], str | None] = {}
@@ -474,10 +480,21 @@ class _Tree:
                 found = "" if joined == "." else joined
                 break
         else:
-            ends = [] if self.go_modules else [d for d in self.package_names if d and f"/{written}".endswith(f"/{d}")]
+            named = self.directories_named.get(written.rpartition("/")[2], []) if not self.go_modules else []
+            ends = [d for d in named if f"/{written}".endswith(f"/{d}")]
             found = max(ends, key=len) if ends else None
         self.go_directories[written] = found
         return found
+
+    @functools.cached_property
+    def directories_named(self) -> dict[str, list[str]]:
+        """Go: the directories of the tree's packages by their last part (an import path is compared with those
+        of its own last part: a second review's 4,000 paths against every directory were quadratic)."""
+        named: dict[str, list[str]] = {}
+        for directory in self.package_names:
+            if directory:
+                named.setdefault(directory.rpartition("/")[2], []).append(directory)
+        return named
 
     def _rust_use(self, read: _File, argument: tree_sitter.Node) -> None:
         """The names a ``use`` binds, each with the path it names as written (:meth:`rust_absolute` reads it;
@@ -531,12 +548,15 @@ class _Tree:
             written: list[tree_sitter.Node] = []
             if read.domain in ("typescript", "javascript"):
                 heritage = next((n for n in node.named_children if n.type == "class_heritage"), None)
-                written = [
+                clauses = heritage.named_children if heritage is not None else []
+                written = [  # TypeScript's `extends` and `implements`, JavaScript's expression
                     value
-                    for clause in (heritage.named_children if heritage is not None else ())
-                    if clause.type == "extends_clause"
-                    for value in clause.children_by_field_name("value")
-                ] or ([n for n in heritage.named_children if n.type == "identifier"] if heritage is not None else [])
+                    for clause in clauses
+                    for value in (
+                        clause.children_by_field_name("value") if clause.type == "extends_clause"
+                        else clause.named_children if clause.type == "implements_clause" else []
+                    )
+                ] or [n for n in clauses if n.type in ("identifier", "member_expression")]  # fmt: skip
             elif read.domain == "java":  # `extends Base<T>`: Base, not T; an interface's `extends` too
                 extended = next((n for n in node.named_children if n.type == "extends_interfaces"), None)
                 for holder in [
@@ -595,20 +615,16 @@ class _Tree:
                 return found
         return None
 
-    def rust_type(self, read: _File, crate: str, module: tuple[str, ...], name: str) -> str | None:
+    def rust_type(self, read: _File, crate: str, module: tuple[str, ...], name: str, bare: bool = False) -> str | None:
         """The key of the Rust type ``name`` names in a module of a crate (``read``: the file it is written in):
-        the module's own, one ``read`` ``use``s, else the crate's one type of the name (two modules' ``Conn`` are
-        two types: a review's were one)."""
+        the module's own (two modules' ``Conn`` are two types: a review's were one), or, written ``bare``
+        (``Type::f()``), one ``read`` ``use``s. Not the crate's one type of the name: ``io::Error::new()`` and
+        the prelude's ``Vec::new()`` were a crate's own (a second review's)."""
         key = _rust_key(crate, module, name)
-        if key in self.types or key in self.members:
-            return key
-        if name in read.uses:
+        if key not in self.types and key not in self.members and bare and name in read.uses:
             used_crate, used = self.rust_absolute(read, read.uses[name])
             key = _rust_key(used_crate, used[:-1], used[-1]) if used else ""
-            if key in self.types or key in self.members:
-                return key
-        named = self.rust_type_names.get((crate, name), set())
-        return next(iter(named)) if len(named) == 1 else None
+        return key if key in self.types or key in self.members else None
 
     def member(self, key: str | None, name: str, hops: int = 0, inherited_only: bool = False) -> str | None:
         """The qualified name of a type's member ``name``, or of the first of its bases' (``inherited_only``: its
@@ -631,31 +647,45 @@ class _Tree:
         return self.javascript_export(imported[0], imported[1], hops + 1)
 
     def javascript_export(self, path: str, name: str, hops: int) -> str | None:
-        """What a file exports under ``name``, followed through its re-exports; each (file, name) looked up once:
-        index files re-exporting each other all (``export *``) made a review's lookup of a name none exports
-        take 15 s for 10 files, growing as the files to the power of MAX_HOPS. A cycle finds nothing."""
-        read = self.files.get(path)
-        if read is None or hops > MAX_HOPS:
+        """What a file exports under ``name``, followed through its re-exports: the files it re-exports whole
+        (``export *``) breadth first, each once (index files re-exporting each other all made a review's lookup
+        take 15 s for 10 files, growing as the files to the power of MAX_HOPS), so that a cycle ends and the
+        answer is the same whichever file asks first (a second review's). Kept for the lookups a file's own
+        import starts."""
+        if hops > MAX_HOPS or path not in self.files:
             return None
         if (path, name) in self.exported:
             return self.exported[path, name]
-        self.exported[path, name] = None  # while looked up: a cycle back here ends
-        if name in read.forwarded:
-            found = self.javascript_export(*read.forwarded[name], hops + 1)
-        else:
+        found: str | None = None
+        pending, seen = [path], {path}
+        while pending and found is None:
+            read = self.files.get(pending.pop(0))
+            if read is None:
+                continue
+            if name in read.forwarded:
+                found = self.javascript_export(*read.forwarded[name], hops + 1)
+                break
             local = read.exports.get(name, name if name != "default" else None)
             found = self.javascript_value(read, local, hops) if local is not None else None
-            if found is None and name != "default":
-                found = next((f for s in read.starred if (f := self.javascript_export(s, name, hops + 1))), None)
-        self.exported[path, name] = found
+            if name != "default":
+                pending += [s for s in read.starred if s not in seen]
+                seen.update(read.starred)
+        if hops <= 1:
+            self.exported[path, name] = found
         return found
 
     def rust_item(self, read: _File, crate: str, path: tuple[str, ...], hops: int = 0) -> str | None:
         """The qualified name of what a path from a crate's root names: a module's item, or a type's member
         (``a::Type::new``), also through a ``use`` of the module (a ``pub use`` re-exporting it: a tester's
         ``crate::ErrorImpl`` was lib.rs's ``pub use``). ``read``: the file it is written in."""
-        if hops > MAX_HOPS:
-            return None
+        if hops > MAX_HOPS or (crate, path) in self.rust_items:  # each path once: modules `pub use`-ing each
+            return self.rust_items.get((crate, path))  # other made a second review's lookups exponential
+        self.rust_items[crate, path] = None  # while looked up: a cycle back here ends
+        found = self._rust_item(read, crate, path, hops)
+        self.rust_items[crate, path] = found
+        return found
+
+    def _rust_item(self, read: _File, crate: str, path: tuple[str, ...], hops: int) -> str | None:
         for cut in range(len(path) - 1, -1, -1):  # the longest module first, then shorter: one that names nothing
             rest = path[cut:]  # of the rest (`chain::Chain` holding `Chain`'s `type Item`) is no answer
             found = self.rust_modules.get((crate, path[:cut]), {}).get(rest[0]) if len(rest) == 1 else None
@@ -672,10 +702,11 @@ class _Tree:
 
     # -- the calls -----------------------------------------------------------------------------------------------
 
-    def calls(self, sources: Mapping[str, str]) -> dict[CallKey, list[str]]:
+    def calls(self, sources: Mapping[str, str], tick: Callable[[], object]) -> dict[CallKey, list[str]]:
         """Each file's calls (parsed again: see :attr:`_File.outline`)."""
         found: dict[CallKey, dict[str, None]] = {}  # a chunk's calls in the order first made
         for read in self.files.values():
+            tick()
             root, declared = _parsed(read.path, sources[read.path]) or (None, [])
             if root is None:
                 continue
@@ -688,21 +719,10 @@ class _Tree:
                 # Rust: the `mod` inside the file the chunk is in (a type's or method's owner is no module).
                 space = tuple(qualname.split(".")[: -2 if kind == "method" else -1])
                 scopes.append(_Calls(self, read, (read.path, fqn, span[0]), node, owner, space, names))
-            # Each call goes with the innermost chunk holding it: the chunks' nodes nest, in the order they start
-            # (the file's first of those that start where it does: the sort is stable).
-            scopes.sort(key=lambda scope: (scope.node.start_byte, -scope.node.end_byte))
-            starts = [scope.node.start_byte for scope in scopes]
-            holder: list[int] = []  # each chunk's innermost holder's index (-1: none)
-            for index, scope in enumerate(scopes):
-                up = index - 1
-                while up >= 0 and scopes[up].node.end_byte < scope.node.end_byte:
-                    up = holder[up]
-                holder.append(up)
+            # Each call goes with the innermost chunk holding it (the file's first of two alike: the sort is stable).
+            chunks = _Nested([(scope.node.start_byte, scope.node.end_byte) for scope in scopes])
             for call in _captured(read, _CALLS, root):
-                index = bisect.bisect_right(starts, call.start_byte) - 1
-                while index > 0 and scopes[index].node.end_byte < call.end_byte:
-                    index = holder[index]
-                scope = scopes[max(index, 0)]
+                scope = scopes[next(chunks.holding(call), 0)]
                 called = scope.callee(call)
                 if called is not None and called != scope.key[1]:
                     found.setdefault(scope.key, {})[called] = None
@@ -757,10 +777,12 @@ class _Tree:
         """The module of the file that stands for a Go package in the graph: the one named as the package is
         (``store/store.go``), else its ``doc.go``, else its first by path. One file, not each: a file importing
         20 packages of 30 files each would make 600 links."""
-        files = sorted(self.packages[package], key=lambda f: f.path)
-        name = package.rpartition(":")[2]
-        named = [f for f in files if posixpath.basename(f.path) in (f"{name}.go", "doc.go")]
-        return (sorted(named, key=lambda f: not f.path.endswith(f"/{name}.go")) or files)[0].module
+        if package not in self.package_files:  # once a package (a second review's: once an importing file)
+            files = sorted(self.packages[package], key=lambda f: f.path)
+            name = package.rpartition(":")[2]
+            named = [f for f in files if posixpath.basename(f.path) in (f"{name}.go", "doc.go")]
+            self.package_files[package] = (sorted(named, key=lambda f: not f.path.endswith(f"/{name}.go")) or files)[0]
+        return self.package_files[package].module
 
     def imported_modules(self, read: _File) -> Iterator[str]:
         """The modules of the tree's files ``read`` imports from (see the module's docstring)."""
@@ -776,8 +798,13 @@ class _Tree:
         elif read.domain == "rust":
             for used in read.uses.values():
                 crate, path = self.rust_absolute(read, used)
-                module = next(  # `use crate::Error`: the root's file (lib.rs) too
-                    (m for cut in range(len(path), -1, -1) if (m := self.rust_files.get((crate, path[:cut])))), None
+                module = next(  # a module, or one an item is in (`use crate::Error`: lib.rs); not `std::io`'s root
+                    (
+                        m
+                        for cut in (len(path), len(path) - 1)
+                        if cut >= 0 and (m := self.rust_files.get((crate, path[:cut])))
+                    ),
+                    None,
                 )
                 yield from [module.module] if module is not None else []
 
@@ -917,14 +944,15 @@ class _Calls:
             return tree.java_static(read, name) if held is None else None
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
-        this_field = held.type == "field_access" and held.child_by_field_name("object") is not None
-        if this_field and held.child_by_field_name("object").type == "this":  # type: ignore[union-attr]
+        through = held.child_by_field_name("object") if held.type == "field_access" else None
+        fields = through is not None and through.type == "this"  # `this.s`: the field, whatever a local is named
+        if fields:
             held = held.child_by_field_name("field") or held
         if held.type != "identifier":
             return None
         local = _text(held) or ""
         if self.names.binds(local, node):  # a parameter, a local or a field, of the type it is declared with
-            written = self.names.type_of(local, node)
+            written = self.names.type_of(local, node, fields)
             key = tree.type_named(read, _written_type(written) or "", self.owner) if written is not None else None
             return tree.member(key, name)
         return tree.member(tree.type_named(read, local, self.owner), name)  # `Type.m()`
@@ -937,18 +965,8 @@ class _Calls:
         return self.tree.types.get(bases[0]) if bases else None
 
     def another_this(self, node: tree_sitter.Node) -> bool:
-        """Whether ``this`` (or a bare method's class) at ``node`` is another object than the chunk's: within a
-        nested class, a ``function`` or an object literal's method (a review's: ``this.run()`` in a callback and an
-        anonymous class's method were the outer class's)."""
-        crossing = _ANOTHER_THIS.get(self.read.domain, frozenset())
-        above = node.parent
-        while above is not None and above.id != self.node.id:
-            if above.type in crossing and not (above.type == "class_body" and above.parent is not None and (
-                above.parent.id == self.node.id or above.parent.type != "object_creation_expression"
-            )):  # fmt: skip
-                return True
-            above = above.parent
-        return False
+        """Whether ``this`` (or a bare method's class) at ``node`` is another object than the chunk's."""
+        return self.names.another_this(node, self.node)
 
     def rust(self, node: tree_sitter.Node) -> str | None:
         tree, read = self.tree, self.read
@@ -982,7 +1000,7 @@ class _Calls:
             return tree.member(self.owner_key, path[1])
         if path and path[0] in read.uses:  # `Type::new()` or `module::f()` through a `use`
             return tree.rust_item(read, *tree.rust_absolute(read, (*read.uses[path[0]], *path[1:])))
-        if len(path) == 2 and (key := tree.rust_type(read, *self.rust_module(), path[0])) is not None:
+        if len(path) == 2 and (key := tree.rust_type(read, *self.rust_module(), path[0], bare=True)) is not None:
             return tree.member(key, path[1])
         return tree.rust_item(read, *tree.rust_absolute(read, path))
 
@@ -1018,10 +1036,11 @@ def _captured(read: _File, queries: Mapping[str, str], node: tree_sitter.Node) -
 
 def _written_type(node: tree_sitter.Node) -> str | None:
     """A type's name as written, without its type arguments: ``Base`` for ``Base<T>``, ``java.io.Serializable``
-    whole."""
+    and ``React.Component`` whole; None for what is no name (``mixin(X, Y)``, a conditional)."""
     while node.type == "generic_type" and node.named_children:
         node = node.named_children[0]
-    return _text(node) if node.type in ("identifier", "type_identifier", "scoped_type_identifier") else type_name(node)
+    named = ("identifier", "type_identifier", "scoped_type_identifier", "member_expression", "nested_type_identifier")
+    return _text(node) if node.type in named else None
 
 
 _BINDINGS = {
@@ -1029,19 +1048,29 @@ _BINDINGS = {
         (optional_parameter pattern: (identifier) @bound) (arrow_function parameter: (identifier) @bound)
         (function_declaration name: (identifier) @bound) (shorthand_property_identifier_pattern) @bound
         (catch_clause parameter: (identifier) @bound) (for_in_statement left: (identifier) @bound)
-        (pair_pattern value: (identifier) @bound) (array_pattern (identifier) @bound)""",
+        (pair_pattern value: (identifier) @bound) (array_pattern (identifier) @bound) (rest_pattern (identifier) @bound)
+        (class_declaration name: (type_identifier) @bound)""",
     "javascript": """(variable_declarator name: (identifier) @bound) (formal_parameters (identifier) @bound)
         (assignment_pattern left: (identifier) @bound) (arrow_function parameter: (identifier) @bound)
         (function_declaration name: (identifier) @bound) (shorthand_property_identifier_pattern) @bound
         (catch_clause parameter: (identifier) @bound) (for_in_statement left: (identifier) @bound)
-        (pair_pattern value: (identifier) @bound) (array_pattern (identifier) @bound)""",
+        (pair_pattern value: (identifier) @bound) (array_pattern (identifier) @bound) (rest_pattern (identifier) @bound)
+        (class_declaration name: (identifier) @bound)""",
     "go": """(short_var_declaration left: (expression_list (identifier) @bound)) (var_spec name: (identifier) @bound)
-        (parameter_declaration name: (identifier) @bound) (range_clause left: (expression_list (identifier) @bound))""",
+        (parameter_declaration name: (identifier) @bound) (range_clause left: (expression_list (identifier) @bound))
+        (receive_statement left: (expression_list (identifier) @bound))
+        (type_switch_statement alias: (expression_list (identifier) @bound))""",
     "java": """(formal_parameter name: (identifier) @bound) (variable_declarator name: (identifier) @bound)
         (catch_formal_parameter name: (identifier) @bound) (enhanced_for_statement name: (identifier) @bound)
-        (lambda_expression parameters: (identifier) @bound) (inferred_parameters (identifier) @bound)""",
+        (lambda_expression parameters: (identifier) @bound) (inferred_parameters (identifier) @bound)
+        (resource name: (identifier) @bound) (instanceof_expression name: (identifier) @bound)
+        (type_pattern (identifier) @bound)""",
     "rust": """(let_declaration pattern: (identifier) @bound) (parameter pattern: (identifier) @bound)
-        (closure_parameters (identifier) @bound) (function_item name: (identifier) @bound)""",
+        (closure_parameters (identifier) @bound) (function_item name: (identifier) @bound)
+        (tuple_pattern (identifier) @bound) (tuple_struct_pattern (identifier) @bound)
+        (for_expression pattern: (identifier) @bound) (let_condition pattern: (identifier) @bound)
+        (match_pattern (identifier) @bound) (captured_pattern (identifier) @bound)
+        (field_pattern name: (shorthand_field_identifier) @bound)""",
 }
 """The names code binds, by language: parameters, locals, a function's inner functions (a review's ``const helper
 = ...; helper()`` was the module's ``helper``), Java's fields too."""
@@ -1050,53 +1079,84 @@ _SCOPES = {
                              "arrow_function", "method_definition", "generator_function_declaration",
                              "generator_function", "for_statement", "for_in_statement", "catch_clause"}),
     "go": frozenset({"block", "source_file", "function_declaration", "method_declaration", "func_literal",
-                     "for_statement", "if_statement", "expression_switch_statement", "type_switch_statement"}),
+                     "for_statement", "if_statement", "expression_switch_statement", "type_switch_statement",
+                     "communication_case", "type_case"}),
     "java": frozenset({"block", "program", "method_declaration", "constructor_declaration", "lambda_expression",
                        "class_body", "for_statement", "enhanced_for_statement", "catch_clause",
-                       "try_with_resources_statement"}),
-    "rust": frozenset({"block", "source_file", "function_item", "closure_expression"}),
+                       "try_with_resources_statement", "switch_rule", "switch_block_statement_group"}),
+    "rust": frozenset({"block", "source_file", "function_item", "closure_expression", "for_expression", "match_arm",
+                       "if_expression", "while_expression"}),
 }  # fmt: skip
 """The nodes a name bound in them is bound within, by language (the file's own level aside: its names are the
 file's declarations and imports)."""
 _SCOPES["javascript"] = _SCOPES["typescript"] | {"function"}
-_ANOTHER_THIS = {
-    "typescript": frozenset({"function_expression", "function_declaration", "generator_function",
-                             "generator_function_declaration", "class", "class_declaration", "method_definition"}),
-    "java": frozenset({"class_declaration", "interface_declaration", "enum_declaration", "record_declaration",
-                       "class_body"}),
-}  # fmt: skip
-"""What ``this`` does not cross: a function's own ``this``, a nested class's (Java: a local or anonymous class)."""
-_ANOTHER_THIS["javascript"] = _ANOTHER_THIS["typescript"] | {"function"}
+_THIS_BOUNDS = {
+    "typescript": """(function_expression) @this (function_declaration) @this (generator_function) @this
+        (generator_function_declaration) @this (class) @this (class_declaration) @this
+        (abstract_class_declaration) @this (method_definition) @this""",
+    "javascript": """(function_expression) @this (function_declaration) @this (generator_function) @this
+        (generator_function_declaration) @this (class) @this (class_declaration) @this (method_definition) @this""",
+    "java": """(class_declaration) @this (interface_declaration) @this (enum_declaration) @this
+        (record_declaration) @this (object_creation_expression (class_body) @this)""",
+}
+"""What has a ``this`` of its own: a function (not an arrow function), a class (Java: a local or anonymous one)."""
+
+
+class _Nested:
+    """Ranges of a file's bytes that nest or do not meet (scopes, chunks), each node found in the innermost holding
+    it in as many steps as ranges hold it (a review's 1,000 nested blocks made each step up a node's parents
+    cost as much as its depth)."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        self.order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], -ranges[i][1]))  # stable: the first
+        self.ranges = [ranges[i] for i in self.order]  # of two alike holds the other
+        self.starts = [start for start, _ in self.ranges]
+        self.holder: list[int] = []  # each range's innermost holder's place (-1: none)
+        for place, (_, end) in enumerate(self.ranges):
+            up = place - 1
+            while up >= 0 and self.ranges[up][1] < end:
+                up = self.holder[up]
+            self.holder.append(up)
+
+    def holding(self, node: tree_sitter.Node) -> Iterator[int]:
+        """The indexes (in the list given) of the ranges holding ``node``, innermost first."""
+        place = bisect.bisect_right(self.starts, node.start_byte) - 1
+        while place >= 0:
+            if self.ranges[place][1] >= node.end_byte:
+                yield self.order[place]
+            place = self.holder[place]
 
 
 @dataclass(frozen=True)
 class _Binding:
-    within: tuple[int, int]
-    """The bytes of the scope it is bound in."""
     at: int
-    """The byte it is bound at."""
+    """The byte it is bound from."""
     written: tree_sitter.Node | None
-    """The type it is declared with (Go, Java), where written."""
+    """What says its type (:func:`_declared_type`), where anything does."""
+    field: bool
+    """A Java field (what ``this.name`` names)."""
 
 
 class _Locals:
-    """What a file's code binds below its own level, each name with the scope it is bound in."""
+    """What a file's code binds below its own level, each name in the scope it is bound in, and the ranges that
+    have a ``this`` of their own."""
 
     def __init__(self, read: _File, root: tree_sitter.Node) -> None:
-        self.bound: dict[str, list[_Binding]] = {}
-        scopes = _SCOPES.get(read.domain, frozenset())
+        kinds = _SCOPES.get(read.domain, frozenset())
+        found: list[tuple[tuple[int, int], str, _Binding]] = []
         for name in _captured(read, _BINDINGS, root):
             declared = name.parent
             hoisted = declared is not None and declared.type in ("function_declaration", "function_item")
             above = declared.parent if hoisted and declared is not None else declared  # an inner function: its block's
-            while above is not None and above.type not in scopes:
+            while above is not None and above.type not in kinds:
                 above = above.parent
             if above is None or above.parent is None:  # the file's own level
                 continue
             # Bound from where the declaration ends (`let vt = vt(p)` calls the file's vt: a retest's), a
             # function and a field in the whole of their scope, a parameter from its name.
             holder = declared.parent if declared is not None and declared.type == "variable_declarator" else declared
-            if hoisted or (holder is not None and holder.type == "field_declaration"):
+            field = holder is not None and holder.type == "field_declaration"
+            if hoisted or field:
                 at = above.start_byte
             elif declared is not None and declared.type in ("variable_declarator", "let_declaration", "var_spec"):
                 at = declared.end_byte
@@ -1104,26 +1164,49 @@ class _Locals:
                 at = declared.parent.end_byte  # Go's `:=` and `range`
             else:
                 at = name.end_byte
-            binding = _Binding((above.start_byte, above.end_byte), at, _declared_type(name))
-            self.bound.setdefault(_text(name) or "", []).append(binding)
+            found.append(
+                ((above.start_byte, above.end_byte), _text(name) or "", _Binding(at, _declared_type(name), field))
+            )
+        scopes = list(dict.fromkeys(within for within, _, _ in found))
+        self.scopes = _Nested(scopes)
+        place = {within: index for index, within in enumerate(scopes)}
+        self.bound: dict[tuple[int, str], list[_Binding]] = {}
+        for within, bound_name, binding in found:
+            self.bound.setdefault((place[within], bound_name), []).append(binding)
+        self.this_ranges = [(n.start_byte, n.end_byte) for n in _captured(read, _THIS_BOUNDS, root)]
+        self.own_this = _Nested(self.this_ranges)
+
+    def binding(self, name: str, node: tree_sitter.Node, fields: bool = False) -> _Binding | None:
+        """What binds ``name`` at ``node``: in the innermost scope holding it that binds it there, the last binding
+        before it (``{Y v; v.run();} {Z v; v.run();}``: a review's were both Z's); ``fields``: a field alone."""
+        for scope in self.scopes.holding(node):
+            bound = [
+                b for b in self.bound.get((scope, name), []) if b.at <= node.start_byte and (b.field or not fields)
+            ]
+            if bound:
+                return max(bound, key=lambda b: b.at)
+        return None
 
     def binds(self, name: str, node: tree_sitter.Node) -> bool:
         """Whether ``name`` at ``node`` is bound by its code (a parameter, a local), not the file's."""
-        return any(
-            b.within[0] <= node.start_byte and node.end_byte <= b.within[1] and b.at <= node.start_byte
-            for b in self.bound.get(name, [])
-        )
+        return self.binding(name, node) is not None
 
-    def type_of(self, name: str, node: tree_sitter.Node) -> tree_sitter.Node | None:
-        """The type ``name`` at ``node`` is declared with: the binding of the innermost scope holding ``node``,
-        the last before it there (``{Y v; v.run();} {Z v; v.run();}``: a review's were both Z's)."""
-        holding = [
-            b
-            for b in self.bound.get(name, [])
-            if b.within[0] <= node.start_byte <= b.within[1] and b.at <= node.start_byte
-        ]
-        nearest = max(holding, key=lambda b: (b.within[0], b.at), default=None)
-        return nearest.written if nearest is not None else None
+    def type_of(self, name: str, node: tree_sitter.Node, fields: bool = False) -> tree_sitter.Node | None:
+        """What says the type of ``name`` at ``node`` (:meth:`binding`)."""
+        bound = self.binding(name, node, fields)
+        return bound.written if bound is not None else None
+
+    def another_this(self, node: tree_sitter.Node, chunk: tree_sitter.Node) -> bool:
+        """Whether ``this`` at ``node`` is another object than the ``chunk``'s: the innermost range with a ``this``
+        of its own holding it lies within the chunk and is not the chunk (a review's: ``this.run()`` in a
+        callback and an anonymous class's method were the outer class's)."""
+        innermost = next(self.own_this.holding(node), None)
+        if innermost is None:
+            return False
+        start, end = self.this_ranges[innermost]
+        return (
+            chunk.start_byte <= start and end <= chunk.end_byte and (start, end) != (chunk.start_byte, chunk.end_byte)
+        )
 
 
 def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
@@ -1139,6 +1222,8 @@ def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
     ):  # fmt: skip
         holder = holder.parent  # Java: the declaration's type
     written = holder.child_by_field_name("type")
+    if holder.type in ("instanceof_expression", "type_pattern"):  # Java's `o instanceof Client s`, `case Client c`
+        written = holder.child_by_field_name("right") or next(iter(holder.named_children), None)
     if written is not None and written.type == "type_annotation":  # TypeScript's `: Ky`
         written = written.named_children[0] if written.named_children else None
     if written is not None:

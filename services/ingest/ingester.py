@@ -345,27 +345,33 @@ def read_sources(
     to stop it: an interrupted ingest waited a minute for the reading to end)."""
     with collector_paused():
         python = python_of(sources, package, max_file_bytes, tick)
-        code = code_of(root, sources, max_file_bytes)
+        code = code_of(root, sources, max_file_bytes, tick)
         chunked = chunk_sources(root, sources, max_content_bytes, package or "", python, max_file_bytes, tick, code)
         nodes, links = python_graph(python, tick=tick)
-        # Python's node first where a file of each language makes the same one (pkg/api.py and pkg/api.ts).
-        typed = {node.object_type: node for node in [*code.nodes, *nodes]}
-        defined_in = code.defined_in | defining_files(python)
-        return chunked, (sorted(typed.values(), key=lambda n: n.object_type), sorted({*links, *code.links})), defined_in
+        # Where a Python file and another make the same node (pkg/api.py and pkg/api.ts), Python's alone: the
+        # other's node, links and file would be taken for Python's (a second review's).
+        python_types = {node.object_type for node in nodes}
+        nodes += [node for node in code.nodes if node.object_type not in python_types]
+        links += [link for link in code.links if not {link.source_type, link.target_type} & python_types]
+        defined_in = {t: path for t, path in code.defined_in.items() if t not in python_types}
+        return chunked, (sorted(nodes, key=lambda n: n.object_type), sorted(links)), defined_in | defining_files(python)
 
 
-def code_of(root: Path, sources: Mapping[str, str], max_file_bytes: int) -> CodeRead:
+def code_of(
+    root: Path, sources: Mapping[str, str], max_file_bytes: int, tick: Callable[[], object] = lambda: None
+) -> CodeRead:
     """:func:`code_graph.read_code` of the files of ``sources`` in other languages than Python, within
-    ``max_file_bytes`` (:func:`too_large`)."""
+    ``max_file_bytes`` (:func:`too_large`); ``tick`` called before each file is read, twice."""
     unread = too_large(sources, max_file_bytes)
     code = {path: text for path, text in sources.items() if path.endswith(CODE_SUFFIXES) and path not in unread}
-    return read_code(code, go_modules(root, code), rust_crates(root, code))
+    return read_code(code, go_modules(root, code), rust_crates(root, code), tick)
 
 
 def reading_steps(sources: Mapping[str, str]) -> int:
     """How many times :func:`read_sources` ticks: each Python file parsed, each file chunked, each Python file's
-    calls and links read (at most)."""
-    return len(sources) + 3 * sum(1 for path in sources if path.endswith(".py"))
+    calls and links read, each other code file's declarations and calls read (at most)."""
+    python = sum(1 for path in sources if path.endswith(".py"))
+    return len(sources) + 3 * python + 2 * sum(1 for path in sources if path.endswith(CODE_SUFFIXES))
 
 
 def chunk_sources(
@@ -392,7 +398,7 @@ def chunk_sources(
         tick()
         chunks += chunk_file(path, text, max_content_bytes, package, python.parsed(path), unread.get(path))
     calls = {key: carried_calls(names) for key, names in python_calls(python, tick=tick).items()}
-    code = code if code is not None else code_of(root, sources, max_file_bytes)
+    code = code if code is not None else code_of(root, sources, max_file_bytes, tick)
     calls |= {key: carried_calls(names) for key, names in code.calls.items()}
     exports = python_exports(python)
     completed = []

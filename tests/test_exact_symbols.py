@@ -527,6 +527,11 @@ async def _ask(client: QueryClient, text: str, workspace: str = "shapes", **para
     return reply
 
 
+def _found_by(reply: QueryResponse, retriever: str, key: str = "symbolFqn") -> list[object]:
+    """The ``key`` of each result the ``retriever`` found (a relation's: caller, callee, subclass...), in order."""
+    return [r.metadata[key] for r in reply.results if retriever in {f.retriever for f in r.found_by}]
+
+
 def _names(reply: QueryResponse) -> list[str]:
     """Each result's qualified name and chunk level: a docstring has its owner's name."""
     return [f"{r.metadata.get('symbolFqn')} ({r.metadata.get('chunkLevel')})" for r in reply.results]
@@ -678,13 +683,11 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # A name a module assigns is a symbol as written: its callers, not those of a class matching it ignoring case.
     for text in ("what calls concat", "what calls shapes.strings.concat"):
         joined = await _ask(client, text)
-        found = [r.metadata["symbolFqn"] for r in joined.results if CALLER in {f.retriever for f in r.found_by}]
+        found = _found_by(joined, CALLER)
         assert found == ["shapes.writer.joined"], (text, found)
     assert _names(await _ask(client, "what calls Concat"))[0] == "shapes.writer.node (method)"
     called = await _ask(client, "what does shapes.writer.joined call")  # the module assigning it (a review's)
-    assert [r.metadata["symbolFqn"] for r in called.results if CALLEE in {f.retriever for f in r.found_by}] == [
-        "shapes.strings"
-    ]
+    assert _found_by(called, CALLEE) == ["shapes.strings"]
     # A name nothing defines is told apart from a symbol nothing calls: a misspelling, not an answer.
     misspelt = await _ask(client, "who calls Circel")
     assert (misspelt.meta.relation_matches, misspelt.meta.relation) == (
@@ -1089,25 +1092,17 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         ("who calls auth.RequireJWT", "services.api.router.Routes"),
     ):
         asked = await _ask(client, question, "mono")
-        callers = [r.metadata["symbolFqn"] for r in asked.results if CALLER in {f.retriever for f in r.found_by}]
+        callers = _found_by(asked, CALLER)
         assert callers == [caller], (question, _names(asked))
         assert f"callers are read from the code's syntax ({CALLS_READ})" in render(asked)
     # And the graph: a Java class's subclasses, a TypeScript module's importers.
     subclasses = await _ask(client, "what subclasses Ledger", "mono")
-    assert [r.metadata["symbolFqn"] for r in subclasses.results if SUBCLASS in {f.retriever for f in r.found_by}] == [
-        "billing.src.com.acme.InvoiceLedger.InvoiceLedger"
-    ]
+    assert _found_by(subclasses, SUBCLASS) == ["billing.src.com.acme.InvoiceLedger.InvoiceLedger"]
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
-    assert [r.metadata["filePath"] for r in importers.results if IMPORTER in {f.retriever for f in r.found_by}] == [
-        "web/src/pages/Profile.tsx"
-    ]
+    assert _found_by(importers, IMPORTER, "filePath") == ["web/src/pages/Profile.tsx"]
     charged = await _ask(client, "what does Billing.charge call", "mono")
-    assert [r.metadata["symbolFqn"] for r in charged.results if CALLEE in {f.retriever for f in r.found_by}] == [
-        "billing.src.com.acme.Rates.Rates.rate"
-    ]
+    assert _found_by(charged, CALLEE) == ["billing.src.com.acme.Rates.Rates.rate"]
     called = await _ask(client, "what does Routes call", "mono")
-    assert [r.metadata["symbolFqn"] for r in called.results if CALLEE in {f.retriever for f in r.found_by}] == [
-        "services.api.auth.middleware.RequireJWT"
-    ]
+    assert _found_by(called, CALLEE) == ["services.api.auth.middleware.RequireJWT"]
     migration = await _ask(client, "which migration adds the paid_at column to invoices", "mono")
     assert migration.results[0].metadata["filePath"] == "migrations/0003_invoices_paid_at.sql"

@@ -849,9 +849,7 @@ class _Calls:
                 if made is not None and made.type == "identifier"
                 else None
             )
-        if node.type != "call_expression":
-            return None
-        function = node.child_by_field_name("function")
+        function = node.child_by_field_name("function") if node.type == "call_expression" else None
         if function is None:
             return None
         if function.type == "identifier":
@@ -974,9 +972,7 @@ class _Calls:
             macro = _text(node.child_by_field_name("macro")) or ""
             made = tree.rust_macros.get((_crate(read.path)[0], macro), set())
             return next(iter(made)) if len(made) == 1 else None
-        if node.type != "call_expression":
-            return None
-        function = node.child_by_field_name("function")
+        function = node.child_by_field_name("function") if node.type == "call_expression" else None
         if function is None:
             return None
         if function.type == "identifier":

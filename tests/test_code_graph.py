@@ -535,6 +535,13 @@ def test_a_retests_cases_types_across_modules_bindings_in_order_and_declared_loc
     }))  # fmt: skip
     assert "src.M.M.each" not in java  # the lambda's b, not the field's B
     assert "src.M.M.Items.count" not in java  # ArrayList's size(), not M's
+    # A static import of the name itself beside a base outside the tree (a third run's javapoet: Comparable).
+    statics = _by_name(_calls({
+        "src/a/U.java": "package a;\n\nclass U {\n  static void check(boolean b) {}\n}\n",
+        "src/a/A.java": "package a;\n\nimport static a.U.check;\n\n"
+        "class A implements Comparable<A>, Cloneable {\n  void run() { check(true); }\n}\n",
+    }))  # fmt: skip
+    assert statics["src.a.A.A.run"] == ["src.a.U.U.check"]
 
 
 def test_a_second_reviews_cases() -> None:

@@ -606,12 +606,13 @@ class _Tree:
         key = f"{self.go_package(read)}.{name}" if package is None else (f"{imported[0]}.{name}" if imported else None)
         return key if key in self.types else None
 
-    def java_static(self, read: _File, name: str) -> str | None:
-        """The static member ``name`` a Java file imports (``import static com.acme.Util.check``, or ``.*``): a
-        tester's 36 callers of javapoet's ``checkArgument`` were one."""
+    def java_static(self, read: _File, name: str, by_name: bool = False) -> str | None:
+        """The static member ``name`` a Java file imports (``import static com.acme.Util.check``, or ``.*`` unless
+        ``by_name``): a tester's 36 callers of javapoet's ``checkArgument`` were one."""
         for dotted, member in read.statics:
             key = self.java_types.get(dotted)
-            if key is not None and member in (None, name) and (found := self.member(key, name)) is not None:
+            imported = member == name or (member is None and not by_name)
+            if key is not None and imported and (found := self.member(key, name)) is not None:
                 return found
         return None
 
@@ -938,7 +939,9 @@ class _Calls:
                 if found is not None:
                     return found
                 if len(tree.bases.get(tree.type_key(read, scope), [])) < len(read.bases_written.get(scope, [])):
-                    return None  # it may be a base's outside the tree (`size()` of an ArrayList): a retest's
+                    # A base outside the tree may declare it (`size()` of an ArrayList: a retest's); a static
+                    # import of the name itself is taken all the same (javapoet's classes implement Comparable).
+                    return tree.java_static(read, name, by_name=True) if held is None else None
             return tree.java_static(read, name) if held is None else None
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)

@@ -596,8 +596,7 @@ class _Tree:
             ]
             return next((self.java_types[c] for c in candidates if c in self.java_types), None)
         if read.domain == "go":
-            key = f"{self.go_package(read)}.{name}"
-            return key if key in self.types else None
+            return self.go_named(read, None, name)
         return None
 
     def go_named(self, read: _File, package: str | None, name: str) -> str | None:

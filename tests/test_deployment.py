@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 import urllib.request
+import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,35 @@ def test_docker_compose_validates_the_compose_file_and_prometheus_its_configurat
         shutil.copy(ROOT / "infra" / "prometheus" / "rules.yml", tmp_path / "rules.yml")
         result = subprocess.run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_what_the_image_copies_builds_the_package(tmp_path: Path) -> None:
+    """The files infra/Dockerfile copies into the image are enough to build and install the package: a wheel
+    built from them alone holds every package pyproject.toml names. The image had stopped building when the
+    documentation became a package and the Dockerfile did not copy it (an auditor's, 2026-12-06)."""
+    context = tmp_path / "app"
+    context.mkdir()
+    for line in (ROOT / "infra" / "Dockerfile").read_text().splitlines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, destination = line.split()[1:]
+        for source in sources:
+            target = context / (source if destination in ("./", ".") else destination)
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(ROOT / source, target)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "-w", str(tmp_path / "wheel"), str(context)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("ontofabric-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        folders = {str(Path(name).parent) for name in archive.namelist()}
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert {name.replace(".", "/") for name in packages} <= folders
 
 
 def _worker_env(service: str, nats_url: str, database_url: str, metrics_port: int) -> dict[str, str]:

@@ -36,6 +36,7 @@ from .turns import Turns
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
+    from .http_embedder import HttpEmbedder
     from .onnx_models import OnnxSentenceEncoder
 
 log = get_logger(__name__)
@@ -768,8 +769,27 @@ def build_embedder(settings: Settings, for_queries: bool = True, on_demand: bool
     ``for_queries`` False): loaded when it first embeds (:class:`LoadedOnDemand`), but for a model change."""
     if settings.embedder == "none":
         return None
+    if settings.embedder == "openai":
+        return http_embedder(settings)
     if settings.next_model() is not None:
         return ServedModel(settings, for_queries)
     if on_demand and not for_queries:
         return LoadedOnDemand(settings)
     return load_embedder(settings, for_queries)
+
+
+def http_embedder(settings: Settings) -> HttpEmbedder:
+    """The OpenAI-compatible embeddings API ``settings`` name (``embedder=openai``)."""
+    from .http_embedder import HttpEmbedder
+
+    assert settings.embedding_api_url is not None  # the settings' own check
+    return HttpEmbedder(
+        settings.embedding_api_url,
+        settings.embedding_model,
+        settings.embedding_dim,
+        settings.embedding_api_key.get_secret_value() if settings.embedding_api_key else None,
+        batch_size=settings.embedding_api_batch,
+        max_characters=settings.embedding_api_max_characters,
+        timeout_s=settings.embedding_api_timeout_ms / 1000,
+        send_dimensions=settings.embedding_api_dimensions,
+    )

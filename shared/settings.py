@@ -140,13 +140,35 @@ class Settings(BaseSettings):
     )
 
     # --- embeddings ------------------------------------------------------------------------------
-    embedder: Literal["local", "none"] = Field(
+    embedder: Literal["local", "openai", "none"] = Field(
         default="local",
-        description="`local`: sentence-transformers model on CPU; `none`: keyword-only answers.",
+        description="`local`: sentence-transformers model on CPU; `openai`: an OpenAI-compatible embeddings API at "
+        "embedding_api_url (no token vectors: late interaction does not run); `none`: keyword-only answers.",
     )
     embedding_model: str = Field(
         default="all-MiniLM-L6-v2",
-        description="Model name recorded in deltas and checked by the projector.",
+        description="Model name recorded in deltas and checked by the projector; with `openai`, also the model asked.",
+    )
+    embedding_api_url: str | None = Field(
+        default=None,
+        description="Base URL of the OpenAI-compatible embeddings API (`embedder=openai`), e.g. "
+        "`https://api.openai.com/v1`; `/embeddings` is added.",
+    )
+    embedding_api_key: SecretStr | None = Field(default=None, description="Bearer key of the embeddings API.")
+    embedding_api_dimensions: bool = Field(
+        default=False,
+        description="Send `dimensions` (embedding_dim) with each request: models that shorten their vectors on "
+        "request (OpenAI's text-embedding-3) then fit a deployment of fewer dimensions.",
+    )
+    embedding_api_batch: int = Field(default=64, ge=1, le=2048, description="Texts per embeddings API request.")
+    embedding_api_max_characters: int = Field(
+        default=8000,
+        ge=1,
+        description="Characters of a text sent to the embeddings API; the rest is cut (the API's own limit is in "
+        "tokens, which this side cannot count for its model).",
+    )
+    embedding_api_timeout_ms: int = Field(
+        default=30000, ge=1, description="Per-request limit of the embeddings API; documents' requests are retried."
     )
     embedding_model_path: Path | None = Field(
         default=None,
@@ -668,6 +690,7 @@ class Settings(BaseSettings):
                 self.keyword_backend == "azure-ai-search" and not self.azure_search_endpoint
             ),
             "reranker=cohere needs reranker_url": self.reranker == "cohere" and not self.reranker_url,
+            "embedder=openai needs embedding_api_url": self.embedder == "openai" and not self.embedding_api_url,
             "reranker=local needs reranker_model_path": self.reranker == "local" and self.reranker_model_path is None,
             "nats_tls_cert needs nats_tls_ca: a server unverified is no TLS": (
                 self.nats_tls_cert is not None and self.nats_tls_ca is None
@@ -731,7 +754,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _secrets_only_over_tls(self) -> Self:
-        keyed = {"reranker_url": self.reranker_api_key, "azure_search_endpoint": self.azure_search_api_key}
+        keyed = {
+            "reranker_url": self.reranker_api_key,
+            "azure_search_endpoint": self.azure_search_api_key,
+            "embedding_api_url": self.embedding_api_key,
+        }
         for url_field, key in keyed.items():
             url = getattr(self, url_field)
             if key is not None and url and urlsplit(url).scheme != "https" and not self.insecure_http_secrets:

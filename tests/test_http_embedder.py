@@ -1,0 +1,176 @@
+"""The embedding port over an OpenAI-compatible embeddings API (``embedder=openai``), against a real HTTP server
+that speaks the API: each text's vector is its words hashed into buckets, so texts sharing words are near."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import SecretStr
+
+from ontofabric.contracts import QueryResponse
+from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.client import QueryClient
+from ontofabric.services.query.worker import QueryService
+from ontofabric.shared import http_embedder as http_module
+from ontofabric.shared.embedder import EmbedderMismatch, build_embedder
+from ontofabric.shared.http_embedder import EmbeddingApiError, HttpEmbedder
+from ontofabric.shared.settings import Settings
+
+from .conftest import Deployment, corpus_deltas
+
+MODEL = "hashed-words"
+DIMENSION = 384
+
+
+def hashed_words(text: str, dimension: int) -> list[float]:
+    vector = np.zeros(dimension)
+    for word in text.lower().split():
+        vector[int(hashlib.sha256(word.strip(".,?").encode()).hexdigest(), 16) % dimension] += 1.0
+    return [float(x) for x in vector * 3.0]  # not unit length: the adapter makes it so
+
+
+@dataclass
+class FakeApi:
+    """What the server was asked, and what it answers next."""
+
+    url: str = ""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    keys: list[str | None] = field(default_factory=list)
+    failures: list[int] = field(default_factory=list)
+    """Statuses to answer, one a request, before answering well."""
+    dimension: int = DIMENSION
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApi]:
+    fake = FakeApi()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            fake.bodies.append(body)
+            fake.keys.append(self.headers.get("Authorization"))
+            if self.path != "/v1/embeddings":
+                status, answer = 404, {"error": {"message": f"no route {self.path}"}}
+            elif fake.failures:
+                status, answer = fake.failures.pop(0), {"error": {"message": "slow down"}}
+            elif body.get("model") != MODEL:
+                status, answer = 400, {"error": {"message": f"model {body.get('model')} does not exist"}}
+            else:
+                size = body.get("dimensions", fake.dimension)
+                data = [
+                    {"object": "embedding", "index": i, "embedding": hashed_words(text, size)}
+                    for i, text in enumerate(body["input"])
+                ]
+                status, answer = 200, {"object": "list", "data": data[::-1], "model": MODEL}  # any order
+            payload = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _settings(api: FakeApi, **more: object) -> Settings:
+    return Settings(
+        embedder="openai", embedding_model=MODEL, embedding_api_url=api.url, insecure_http_secrets=True, **more
+    )
+
+
+def test_documents_and_queries_are_embedded_by_the_api(api: FakeApi, monkeypatch: pytest.MonkeyPatch) -> None:
+    embedder = build_embedder(_settings(api, embedding_api_key=SecretStr("sk-test"), embedding_api_batch=2))
+    assert isinstance(embedder, HttpEmbedder)
+    texts = ["sort a list", "read a csv file", "x" * 9000]
+    vectors, tokens = embedder.embed_with_tokens(texts)
+    assert vectors.shape == (3, DIMENSION)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0)  # unit rows, as the local model's
+    expected = np.asarray(hashed_words("sort a list", DIMENSION))
+    assert np.allclose(vectors[0], expected / np.linalg.norm(expected))  # in the order asked
+    assert [len(t) for t in tokens] == [0, 0, 0]  # no token vectors: late interaction has nothing to read
+    assert [len(body["input"]) for body in api.bodies] == [2, 1]  # in requests of embedding_api_batch
+    assert len(api.bodies[1]["input"][0]) == 8000  # cut to embedding_api_max_characters
+    assert set(api.keys) == {"Bearer sk-test"}
+    assert "dimensions" not in api.bodies[0]
+
+    api.failures = [429, 503]  # a rate limit and a passing outage: asked again, with backoff
+    monkeypatch.setattr(http_module, "FIRST_BACKOFF_S", 0.01)
+    assert embedder.embed_query("sort a list").shape == (DIMENSION,)
+    assert len(api.bodies) == 5
+
+    api.failures = [401]  # not retried: said, with the API's words
+    with pytest.raises(EmbeddingApiError, match=r"401.*slow down"):
+        embedder.embed_documents(["sort"])
+
+
+def test_the_api_s_dimension_is_checked_and_can_be_asked_for(api: FakeApi) -> None:
+    api.dimension = 1536
+    with pytest.raises(EmbedderMismatch, match=r"1536-dimensional.*384"):
+        build_embedder(_settings(api)).embed_documents(["sort"])  # type: ignore[union-attr]
+    shortened = build_embedder(_settings(api, embedding_api_dimensions=True))
+    assert shortened is not None
+    assert shortened.embed_documents(["sort"]).shape == (1, DIMENSION)
+    assert api.bodies[-1]["dimensions"] == DIMENSION
+    with pytest.raises(ValueError, match="embedder=openai needs embedding_api_url"):
+        Settings(embedder="openai")
+    with pytest.raises(ValueError, match="embedding_api_url is not https"):
+        Settings(embedder="openai", embedding_api_url=api.url, embedding_api_key=SecretStr("sk"))
+
+
+@pytest.fixture
+def deployment_settings(deployment_settings: Settings, api: FakeApi) -> Settings:
+    return deployment_settings.model_copy(
+        update={"embedder": "openai", "embedding_model": MODEL, "embedding_api_url": api.url}
+    )
+
+
+async def test_a_deployment_on_the_api_answers_by_its_vectors_and_without_it_by_keywords(
+    api: FakeApi, deployment: Deployment, projector: ProjectorService
+) -> None:
+    embedder = build_embedder(deployment.settings)
+    assert isinstance(embedder, HttpEmbedder)
+    acks = await deployment.publisher.publish_many(corpus_deltas(embedder, embedding_model=MODEL))
+    await deployment.wait_projected(acks[-1].seq)  # the projector took the API model's vectors
+    service = QueryService(deployment.settings, deployment.nats_url_as("query"), deployment.database_url, embedder)
+    await service.start()
+    client = QueryClient(deployment.nc, deployment.names)
+    try:
+        reply = await client.query("acme", {"semanticQuery": "compress directory archive", "topK": 3})
+        assert isinstance(reply, QueryResponse), reply
+        assert reply.results[0].id == "zip"
+        assert "dense" in reply.meta.retrievers
+        assert reply.meta.degraded == []
+        assert reply.meta.embedding_model == MODEL
+        assert reply.meta.skipped_late_interaction == "no_token_vectors"
+        asked = len(api.bodies)
+
+        api.failures = [500]  # the API fails a query: answered by keywords, and said so
+        reply = await client.query("acme", {"semanticQuery": "sort numbers descending", "topK": 3})
+        assert isinstance(reply, QueryResponse), reply
+        assert len(api.bodies) == asked + 1  # a query's embedding is asked once: its deadline has no room to wait
+        assert reply.results[0].id == "sort"
+        assert "embedder" in reply.meta.degraded
+        assert "dense" not in reply.meta.retrievers
+    finally:
+        await service.stop()
+        await embedder.aclose()

@@ -832,10 +832,15 @@ async def test_query_metrics_and_trace_context_cross_nats(
     seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
 ) -> None:
     await start_query_worker(embedder)
+    hits, misses = _count("retrieval.cache.hit"), _count("retrieval.cache.miss")
     with trace.get_tracer("tests").start_as_current_span("gateway.request") as span:
         await _ask(client, "compress a directory into a zip archive")
         await _ask(client, "compress a directory into a zip archive")
     trace_id = span.get_span_context().trace_id
+    assert (_count("retrieval.cache.hit") - hits, _count("retrieval.cache.miss") - misses) == (1, 1)
+    expansions = _recorded("retrieval.graph_expansion.duration_ms")
+    await _ask(client, "compress a directory into a zip archive", followLinks=True)
+    assert _recorded("retrieval.graph_expansion.duration_ms") == expansions + 1
     durations = metric_points("retrieval.query.duration_ms")
     attributes = [dict(p.attributes) for p in durations]
     fresh = {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "postgres-bm25", "followLinks": False}
@@ -859,6 +864,16 @@ async def test_query_metrics_and_trace_context_cross_nats(
     assert not any("db.statement.parameters" in s.attributes for s in statements)
 
 
+def _count(name: str, **attributes: str) -> float:
+    """A counter's total in this process, over the data points carrying ``attributes``."""
+    return sum(p.value for p in metric_points(name) if attributes.items() <= dict(p.attributes).items())
+
+
+def _recorded(name: str) -> int:
+    """How many values a histogram has recorded in this process."""
+    return sum(p.count for p in metric_points(name))
+
+
 async def test_each_request_has_a_span_and_its_failures_are_marked_on_the_workers(
     seeded: int, deployment: Deployment, start_query_worker: Start, client: QueryClient
 ) -> None:
@@ -867,8 +882,10 @@ async def test_each_request_has_a_span_and_its_failures_are_marked_on_the_worker
     worker = await start_query_worker(None)  # no embedder: every answer is degraded
     SPANS.clear()
     assert not trace.get_current_span().get_span_context().is_valid
+    degraded = _count("retrieval.degraded", sink="embedder")
     answered = await _ask(client, "fibonacci numbers")
     assert "embedder" in answered.meta.degraded
+    assert _count("retrieval.degraded", sink="embedder") == degraded + 1  # what the burn alerts read
     missing = await client.document("acme", {"id": "no-such-document"})
     assert isinstance(missing, ErrorReply)
     await asyncio.sleep(0.2)  # the worker's spans end after its replies are sent

@@ -132,3 +132,27 @@ def test_an_application_that_set_up_no_logging_gets_no_line_on_its_stdout() -> N
     assert "the_applications_own" in ran.stdout
     assert "query_clocks_disagree" in ran.stderr
     assert "query_request_resent" not in ran.stderr
+
+
+def test_a_line_logged_inside_a_span_carries_its_trace_and_span_ids() -> None:
+    """A JSON line names the trace it was logged in, so that a log search finds a request's lines from its trace
+    (DESIGN.md, observability); outside any span it names none."""
+    script = (
+        "from opentelemetry import trace\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from ontofabric.shared.logging import configure_logging, get_logger\n"
+        "configure_logging('INFO', 'json')\n"
+        "trace.set_tracer_provider(TracerProvider())\n"
+        "log = get_logger('ontofabric.test')\n"
+        "log.warning('outside')\n"
+        "with trace.get_tracer('test').start_as_current_span('request') as span:\n"
+        "    log.warning('inside')\n"
+        "    context = span.get_span_context()\n"
+        "    print(f'{context.trace_id:032x} {context.span_id:016x}')\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    trace_id, span_id = ran.stdout.split()
+    outside, inside = (json.loads(line) for line in ran.stderr.splitlines())
+    assert "trace_id" not in outside
+    assert (inside["event"], inside["trace_id"], inside["span_id"]) == ("inside", trace_id, span_id)

@@ -247,6 +247,26 @@ def render_config(
     return json.dumps(config, indent=2)
 
 
+def compose_password_variable(role: NatsRole) -> str:
+    """The environment variable compose.yaml hands a role's NATS password in."""
+    return f"NATS_{role.upper()}_PASSWORD"
+
+
+def compose_nats_config() -> str:
+    """compose.yaml's nats-server configuration (``infra/nats/nats.conf``): a user per role of the default
+    deployment, named as the role, with the role's permissions; each password the server reads from its
+    environment (``$NATS_<ROLE>_PASSWORD``, which compose passes to it and puts in that role's URLs)."""
+    prefix = Names().prefix
+    users: dict[str, NatsUser] = {
+        role: NatsUser(role, f"${compose_password_variable(role)}", role, prefix, None) for role in NATS_ROLES
+    }
+    config = render_config("0.0.0.0", 4222, "/data", users, server_name="ontofabric", extra={"http_port": 8222})
+    for role in NATS_ROLES:  # unquoted: a variable of the server's configuration, read from its environment
+        variable = compose_password_variable(role)
+        config = config.replace(f'"${variable}"', f"${variable}")
+    return config + "\n"
+
+
 def new_nkey_seed() -> tuple[str, str]:
     """A new user nkey: (seed, public key). The seed is the secret; the server is told only the public key."""
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)

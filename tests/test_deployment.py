@@ -1,7 +1,7 @@
 """compose.yaml, proven without Docker: validated by docker-compose (Debian's package), and its workers started each
 as its own process with the variables the compose file gives them, against separately started servers (a
-nats-server with JetStream and no users, as compose runs it, and PostgreSQL), answering over NATS and serving their
-metrics."""
+nats-server from compose's own configuration file, a user per role, and PostgreSQL), answering over NATS and
+serving their metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
+import nats
 import pytest
 import yaml
 
@@ -30,6 +32,7 @@ from ontofabric.services.ingest.client import DeltaPublisher
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.discovery import discover
 from ontofabric.shared.jetstream import connect, wait_projected
+from ontofabric.shared.nats_auth import NATS_ROLES, compose_nats_config, compose_password_variable
 from ontofabric.shared.runtime import Endpoints, _spawn, _wait_until, free_port, nats_server_binary
 from ontofabric.shared.subjects import Names
 
@@ -52,7 +55,7 @@ def test_docker_compose_validates_the_compose_file_and_prometheus_its_configurat
         if os.environ.get("ONTOFABRIC_TEST_REQUIRE_TOOLS"):  # CI installs both packages
             pytest.fail("docker-compose is missing (apt-get install docker-compose)")
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
-    env = {**os.environ, "TORCH_INDEX_URL": "https://download.invalid/whl/cpu"}
+    env = {**os.environ, **PASSWORDS, "TORCH_INDEX_URL": "https://download.invalid/whl/cpu"}
     checked = subprocess.run(
         [compose, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True, text=True, check=False
     )
@@ -101,14 +104,40 @@ def test_what_the_image_copies_builds_the_package(tmp_path: Path) -> None:
     assert {name.replace(".", "/") for name in packages} <= folders
 
 
+PASSWORDS = {compose_password_variable(role): f"{role}-{os.urandom(6).hex()}" for role in NATS_ROLES}
+"""What the shell running compose would give it."""
+
+
+def _interpolated(value: str) -> str:
+    """A compose value with the passwords' ``${NAME...}`` as compose fills them in."""
+    return re.sub(r"\$\{(NATS_[A-Z]+_PASSWORD)(:\?[^}]*)?\}", lambda found: PASSWORDS[found[1]], value)
+
+
+def test_the_compose_nats_configuration_is_the_roles_permissions_rendered() -> None:
+    """infra/nats/nats.conf is what shared/nats_auth.py renders: a change to a role's permissions reaches compose.
+    To write it again: `.venv/bin/python -c 'from ontofabric.shared.nats_auth import compose_nats_config;
+    print(compose_nats_config(), end="")' > infra/nats/nats.conf`."""
+    assert (ROOT / "infra" / "nats" / "nats.conf").read_text() == compose_nats_config()
+    nats = _compose()["services"]["nats"]
+    assert "./infra/nats/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert set(nats["environment"]) == set(PASSWORDS)
+
+
 def _worker_env(service: str, nats_url: str, database_url: str, metrics_port: int) -> dict[str, str]:
     """The service's environment from compose.yaml, with the compose network's host names replaced by where the
     servers run here and, since the processes share one host, a port of its own for the metrics."""
     compose = _compose()
-    environment = {k: str(v) for k, v in compose["services"][service]["environment"].items() if v is not None}
-    assert urlsplit(environment["ONTOFABRIC_NATS_URL"]).hostname == "nats"
+    environment = {
+        k: _interpolated(str(v)) for k, v in compose["services"][service]["environment"].items() if v is not None
+    }
+    given = urlsplit(environment["ONTOFABRIC_NATS_URL"])
+    assert given.hostname == "nats"
     assert urlsplit(environment["ONTOFABRIC_DATABASE_URL"]).hostname == "postgres"
-    environment["ONTOFABRIC_NATS_URL"] = nats_url
+    served = urlsplit(nats_url)
+    # The service's own login, at the server here.
+    environment["ONTOFABRIC_NATS_URL"] = given._replace(
+        netloc=f"{given.username}:{given.password}@{served.netloc}"
+    ).geturl()
     environment["ONTOFABRIC_DATABASE_URL"] = database_url
     environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"  # a collector that is not there
     environment["ONTOFABRIC_METRICS_PORT"] = str(metrics_port)
@@ -119,13 +148,21 @@ def _worker_env(service: str, nats_url: str, database_url: str, metrics_port: in
 
 @contextlib.asynccontextmanager
 async def _nats_as_compose_runs_it(directory: Path) -> AsyncIterator[str]:
-    """A nats-server with JetStream and no users, as compose.yaml's `nats` service."""
+    """A nats-server as compose.yaml's `nats` service runs it: its configuration file (infra/nats/nats.conf), on
+    a port and store of this test's, the passwords in its environment. Yields its URL, without a login."""
     port = free_port()
-    (directory / "nats.conf").write_text(
-        json.dumps({"host": "127.0.0.1", "port": port, "jetstream": {"store_dir": str(directory / "js")}})
-    )
+    config = (ROOT / "infra" / "nats" / "nats.conf").read_text()
+    for compose_runs, here in {
+        '"host": "0.0.0.0"': '"host": "127.0.0.1"',
+        '"port": 4222': f'"port": {port}',
+        '"store_dir": "/data"': f'"store_dir": {json.dumps(str(directory / "js"))}',
+        '"http_port": 8222': f'"http_port": {free_port()}',
+    }.items():
+        assert config.count(compose_runs) == 1, compose_runs
+        config = config.replace(compose_runs, here)
+    (directory / "nats.conf").write_text(config)
     argv = [str(nats_server_binary()), "--config", str(directory / "nats.conf")]
-    server = _spawn("nats-server", argv, directory / "nats.log", signal.SIGTERM)
+    server = _spawn("nats-server", argv, directory / "nats.log", signal.SIGTERM, env=os.environ | PASSWORDS)
     try:
         _wait_until(lambda: _listening(port), server, timeout=30)
         yield f"nats://127.0.0.1:{port}"
@@ -162,7 +199,10 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
                 processes.append(await asyncio.create_subprocess_exec(ONTOFABRIC, *command, env=env))
             assert _compose()["services"]["query-worker"]["deploy"]["replicas"] == 2
 
-            nc = await connect(nats_url, "compose-test")
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # no login, no connection
+                await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
+            operator = compose_password_variable("operator")
+            nc = await connect(nats_url.replace("://", f"://operator:{PASSWORDS[operator]}@"), "compose-test")
             try:
                 names = Names()  # compose sets no prefix: the default deployment
                 js = nc.jetstream()

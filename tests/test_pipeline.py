@@ -1098,3 +1098,31 @@ def test_a_name_of_many_dots_costs_collapsing_little() -> None:
     tracemalloc.stop()
     assert peak < 5_000_000, peak
     assert ([k.id for k in kept], left_out) == (["dots", "holder"], [("deep", "holder")])
+
+
+async def test_dense_and_keyword_search_run_at_once() -> None:
+    """Seed 000 §6: the two retrievers run in parallel. Each search here waits until the other has begun: run one
+    after the other, the first would wait out its deadline and the answer would lack it."""
+
+    @dataclass
+    class Meeting(ScriptedRetrieval):
+        begun: dict[str, asyncio.Event] = field(
+            default_factory=lambda: {"dense": asyncio.Event(), "keyword": asyncio.Event()}
+        )
+
+        async def _meet(self, mine: str, other: str) -> None:
+            self.begun[mine].set()
+            await asyncio.wait_for(self.begun[other].wait(), 2.0)
+
+        async def dense(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            await self._meet("dense", "keyword")
+            return await super().dense(scope, query, limit)
+
+        async def keyword(self, scope: Scope, query: SearchInput, limit: int) -> Hits:
+            await self._meet("keyword", "dense")
+            return await super().keyword(scope, query, limit)
+
+    pipeline, _ = _pipeline(Meeting())
+    answer = await pipeline.answer(QUERY, "w")
+    assert answer.meta.degraded == []
+    assert set(answer.meta.retrievers) == {"dense", "keyword"}

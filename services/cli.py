@@ -40,6 +40,7 @@ from ontofabric.contracts.query import MAX_TOKENS_LIMIT, MIN_MAX_TOKENS
 from ontofabric.shared.db import DeploymentMismatch, migrate
 from ontofabric.shared.embedder import EmbedderMismatch, ModelMissing, build_embedder
 from ontofabric.shared.embedding_cache import EmbeddingCache
+from ontofabric.shared.http_embedder import EmbeddingApiError
 from ontofabric.shared.jetstream import (
     ANY_SUBJECT,
     NATS_AWAY,
@@ -2100,7 +2101,7 @@ def main() -> None:
         sys.exit(130)
     except (
         PermissionDenied, BadCredentials, NotSetUp, TokensUnreadable, StdioUnusable, ModelMissing, DeploymentMismatch,
-        EmbedderMismatch,
+        EmbedderMismatch, EmbeddingApiError,
     ) as error:  # fmt: skip
         errors.print(f"[red]error:[/red] {error}")
         sys.exit(2)

@@ -2,13 +2,16 @@
 vLLM, Ollama, Hugging Face TEI and others speak it).
 
 Such an API returns one pooled vector per text and no token vectors, so documents embedded this way carry none and
-late interaction finds nothing to compare for them (``_meta.skippedLateInteraction: no_token_vectors``). Texts are
-sent whole up to ``max_characters`` (the API reads what its own limit allows; a text past ours is cut, not read in
-windows: the local model's windows are its tokenizer's, which this side does not have)."""
+late interaction finds nothing to compare for them (``_meta.skippedLateInteraction: no_token_vectors``). A text is
+sent up to ``max_characters``, not in windows (the local model's windows are its tokenizer's, which this side does
+not have); one the API refuses as too long (413, or 400/422 saying so) is sent again cut to half, down to
+``MIN_CHARACTERS``. APIs limit input in tokens: OpenAI's 8,192, a TEI server 512 unless started with
+``--auto-truncate``."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +32,22 @@ T = TypeVar("T")
 
 RETRIED_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 """Answers worth asking again: rate limits and a server's passing trouble."""
-ATTEMPTS = 4
+REFUSED_STATUSES = frozenset({400, 413, 422})
+"""Answers that may blame one text of a request: a request of several is split to find it."""
+ATTEMPTS = 8
 FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 60.0
+"""The longest wait between two attempts, a Retry-After's included."""
+MIN_CHARACTERS = 500
+TOO_LONG = re.compile(r"token|too long|length|context|maximum", re.IGNORECASE)
 
 
 class EmbeddingApiError(Exception):
     """The embedding API refused or failed: its status and what it said, never the key."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Item(BaseModel):
@@ -69,7 +82,8 @@ class HttpEmbedder:
         self._batch_size = batch_size
         self._max_characters = max_characters
         self._send_dimensions = send_dimensions
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._key = (api_key or "").strip()
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
         self._client = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
         self._async_client = httpx.AsyncClient(headers=headers, timeout=timeout_s, transport=async_transport)
         self._thread = ModelThread(ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder"))
@@ -80,26 +94,34 @@ class HttpEmbedder:
 
     @property
     def cache_name(self) -> str:
-        return f"{self._model}@api"
+        # What makes the vectors: the model, the length asked for, and how much of a text it reads.
+        return f"{self._model}@api/{self._dimension}d/{self._max_characters}c"
 
     @property
     def vectors_name(self) -> str:
-        return f"{self._model}@api"
+        return self.cache_name
 
     @property
     def dimension(self) -> int:
         return self._dimension
 
-    def _body(self, texts: Sequence[str]) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self._model, "input": [t[: self._max_characters] or " " for t in texts]}
+    def _body(self, texts: Sequence[str], characters: int | None = None) -> dict[str, Any]:
+        cut = characters or self._max_characters
+        body: dict[str, Any] = {"model": self._model, "input": [t[:cut] or " " for t in texts]}
         if self._send_dimensions:
             body["dimensions"] = self._dimension
         return body
 
+    def _said(self, response: httpx.Response) -> str:
+        text = response.text[:300]
+        return text.replace(self._key, "***") if self._key else text
+
     def _vectors(self, response: httpx.Response, count: int) -> npt.NDArray[np.float32]:
         """The answer's vectors in the order asked, unit length, checked against the deployment's dimension."""
         if response.status_code != 200:
-            raise EmbeddingApiError(f"embedding API answered {response.status_code}: {response.text[:300]}")
+            raise EmbeddingApiError(
+                f"embedding API answered {response.status_code}: {self._said(response)}", response.status_code
+            )
         try:
             items = _Answer.model_validate_json(response.content).data
         except ValidationError as error:
@@ -108,32 +130,58 @@ class HttpEmbedder:
         if sorted(item.index for item in items) != list(range(count)):
             raise EmbeddingApiError(f"embedding API answered {len(items)} vectors for {count} texts")
         rows = [item.embedding for item in sorted(items, key=lambda item: item.index)]
-        if any(len(row) != self._dimension for row in rows):
+        if wrong := next((len(row) for row in rows if len(row) != self._dimension), None):
             raise EmbedderMismatch(
-                f"embedding API model {self._model} makes {len(rows[0])}-dimensional vectors; the deployment's are "
+                f"embedding API model {self._model} makes {wrong}-dimensional vectors; the deployment's are "
                 f"{self._dimension} (ONTOFABRIC_EMBEDDING_DIM; or ONTOFABRIC_EMBEDDING_API_DIMENSIONS=true where the "
                 "model shortens its vectors on request)"
             )
-        return unit_rows(np.asarray(rows, np.float32))
+        matrix = np.asarray(rows, np.float32)
+        # Checked before anything keeps them (the embedding cache would serve a zero vector for good).
+        if not np.isfinite(matrix).all() or (np.linalg.norm(matrix, axis=1) < 1e-6).any():
+            raise EmbeddingApiError("embedding API answered a vector that is not finite, or zero")
+        return unit_rows(matrix)
 
-    def _post(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+    def _post(self, texts: Sequence[str], characters: int | None = None) -> npt.NDArray[np.float32]:
+        """One request, asked again on a rate limit or a passing failure (its Retry-After heeded, with backoff)."""
         for attempt in range(ATTEMPTS):
+            wait = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**attempt)
             try:
-                response = self._client.post(self._url, json=self._body(texts))
+                response = self._client.post(self._url, json=self._body(texts, characters))
             except httpx.TransportError as error:
                 if attempt == ATTEMPTS - 1:
                     raise EmbeddingApiError(f"embedding API unreachable: {type(error).__name__}") from None
             else:
                 if response.status_code not in RETRIED_STATUSES or attempt == ATTEMPTS - 1:
                     return self._vectors(response, len(texts))
-            log.warning("embedding_api_retried", attempt=attempt + 1)
-            time.sleep(FIRST_BACKOFF_S * 2**attempt)
+                wait = min(MAX_BACKOFF_S, max(wait, _retry_after_s(response)))
+            log.warning("embedding_api_retried", attempt=attempt + 1, wait_s=round(wait, 1))
+            time.sleep(wait)
         raise AssertionError("unreachable")
 
+    def _embed(self, texts: Sequence[str], characters: int | None = None) -> npt.NDArray[np.float32]:
+        """``texts`` embedded; a request refused for one of them is split until the one it blames is alone, and a
+        text refused as too long is sent again cut to half, down to MIN_CHARACTERS."""
+        try:
+            return self._post(texts, characters)
+        except EmbeddingApiError as error:
+            if error.status not in REFUSED_STATUSES:
+                raise
+            if len(texts) > 1:
+                half = len(texts) // 2
+                return np.concatenate([self._embed(texts[:half], characters), self._embed(texts[half:], characters)])
+            length = min(len(texts[0]), characters or self._max_characters)
+            too_long = error.status == 413 or TOO_LONG.search(str(error)) is not None
+            if not too_long or length <= MIN_CHARACTERS:
+                raise EmbeddingApiError(f"{error} (a text of {len(texts[0])} characters)", error.status) from None
+            log.warning("embedding_api_text_cut", characters=length // 2)
+            return self._embed(texts, max(MIN_CHARACTERS, length // 2))
+
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
-        """One unit row per text, in requests of at most the smaller of ``batch_size`` and the adapter's own."""
-        size = max(1, min(batch_size, self._batch_size))
-        parts = [self._post(texts[start : start + size]) for start in range(0, len(texts), size)]
+        """One unit row per text, in requests of ``embedding_api_batch`` texts (``batch_size``, the local model's
+        memory bound, does not apply to a remote one)."""
+        size = self._batch_size
+        parts = [self._embed(texts[start : start + size]) for start in range(0, len(texts), size)]
         return np.concatenate(parts) if parts else np.zeros((0, self._dimension), np.float32)
 
     def embed_with_tokens(
@@ -163,3 +211,11 @@ class HttpEmbedder:
     async def aclose(self) -> None:
         await asyncio.to_thread(self._client.close)
         await self._async_client.aclose()
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """The seconds a Retry-After header (in seconds) asks for; 0 without one."""
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "0")))
+    except ValueError:
+        return 0.0

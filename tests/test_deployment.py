@@ -104,8 +104,8 @@ def test_what_the_image_copies_builds_the_package(tmp_path: Path) -> None:
     assert {name.replace(".", "/") for name in packages} <= folders
 
 
-PASSWORDS = {compose_password_variable(role): f"{role}-{os.urandom(6).hex()}" for role in NATS_ROLES}
-"""What the shell running compose would give it."""
+PASSWORDS = {compose_password_variable(role): f"p{os.urandom(8).hex()}" for role in NATS_ROLES}
+"""What the shell running compose would give it, as README says to make them (a letter, then letters and digits)."""
 
 
 def _interpolated(value: str) -> str:

@@ -47,6 +47,10 @@ class FakeApi:
     failures: list[int] = field(default_factory=list)
     """Statuses to answer, one a request, before answering well."""
     dimension: int = DIMENSION
+    longest: int | None = None
+    """Texts longer than this are refused with 413, as a TEI server refuses more tokens than it reads."""
+    broken: str | None = None
+    """``nan`` or ``zero``: the vectors answered are that."""
 
 
 @pytest.fixture
@@ -61,13 +65,19 @@ def api() -> Iterator[FakeApi]:
             if self.path != "/v1/embeddings":
                 status, answer = 404, {"error": {"message": f"no route {self.path}"}}
             elif fake.failures:
-                status, answer = fake.failures.pop(0), {"error": {"message": "slow down"}}
+                status = fake.failures.pop(0)
+                # A server that quotes the key it was given back (some do, in their 401s).
+                answer = {"error": {"message": f"slow down {self.headers.get('Authorization')}"}}
+            elif fake.longest is not None and any(len(text) > fake.longest for text in body["input"]):
+                status, answer = 413, {"error": "Input validation error: inputs must have less than 512 tokens"}
             elif body.get("model") != MODEL:
                 status, answer = 400, {"error": {"message": f"model {body.get('model')} does not exist"}}
             else:
                 size = body.get("dimensions", fake.dimension)
+                made = {"nan": lambda _: [float("nan")] * size, "zero": lambda _: [0.0] * size}
+                embed = made.get(fake.broken or "", lambda text: hashed_words(text, size))
                 data = [
-                    {"object": "embedding", "index": i, "embedding": hashed_words(text, size)}
+                    {"object": "embedding", "index": i, "embedding": embed(text)}
                     for i, text in enumerate(body["input"])
                 ]
                 status, answer = 200, {"object": "list", "data": data[::-1], "model": MODEL}  # any order
@@ -118,8 +128,34 @@ def test_documents_and_queries_are_embedded_by_the_api(api: FakeApi, monkeypatch
     assert embedder.embed_query("sort a list").shape == (DIMENSION,)
     assert len(api.bodies) == 5
 
-    api.failures = [401]  # not retried: said, with the API's words
-    with pytest.raises(EmbeddingApiError, match=r"401.*slow down"):
+    api.failures = [401]  # not retried: said, with the API's words, but never the key
+    with pytest.raises(EmbeddingApiError, match=r"401.*slow down Bearer \*\*\*") as refused:
+        embedder.embed_documents(["sort"])
+    assert "sk-test" not in str(refused.value)
+
+
+def test_one_text_the_api_refuses_neither_sinks_its_batch_nor_is_kept_wrong(api: FakeApi) -> None:
+    embedder = build_embedder(_settings(api, embedding_api_batch=100))
+    assert isinstance(embedder, HttpEmbedder)
+    assert len(embedder.embed_documents(["word"] * 150)) == 150
+    assert [len(body["input"]) for body in api.bodies] == [100, 50]  # the setting's size, not the local model's 64
+
+    api.bodies.clear()
+    api.longest = 1000  # a server reading fewer tokens than the texts hold
+    texts = ["sort a list", "y " * 2000, "read a csv file"]
+    vectors = embedder.embed_documents(texts)
+    expected = np.asarray(hashed_words("read a csv file", DIMENSION))
+    assert np.allclose(vectors[2], expected / np.linalg.norm(expected))  # the others as if alone
+    # The three refused; each half asked apart; the long one alone, then cut to half its length until it fits.
+    assert [[len(text) for text in body["input"]] for body in api.bodies] == [
+        [11, 4000, 15], [11], [4000, 15], [4000], [2000], [1000], [15],
+    ]  # fmt: skip
+
+    api.longest, api.broken = None, "zero"  # refused before anything (the embedding cache) keeps it
+    with pytest.raises(EmbeddingApiError, match="not finite, or zero"):
+        embedder.embed_documents(["sort"])
+    api.broken = "nan"
+    with pytest.raises(EmbeddingApiError, match="not finite, or zero"):
         embedder.embed_documents(["sort"])
 
 
@@ -133,6 +169,16 @@ def test_the_api_s_dimension_is_checked_and_can_be_asked_for(api: FakeApi) -> No
     assert api.bodies[-1]["dimensions"] == DIMENSION
     with pytest.raises(ValueError, match="embedder=openai needs embedding_api_url"):
         Settings(embedder="openai")
+    with pytest.raises(ValueError, match="less than or equal to 2000"):  # pgvector's HNSW index holds no more
+        _settings(api, embedding_dim=3072)
+    with pytest.raises(ValueError, match="cannot take part in a model change"):
+        _settings(api, next_embedding_model="m2", next_embedding_dim=8, next_embedding_model_path="m2")
+    # Vectors of other lengths, or of other texts, are not taken from the embedding cache for these.
+    names = {
+        build_embedder(_settings(api, **more)).cache_name
+        for more in ({}, {"embedding_dim": 256}, {"embedding_api_max_characters": 100})
+    }  # type: ignore[union-attr,arg-type]
+    assert len(names) == 3
     with pytest.raises(ValueError, match="embedding_api_url is not https"):
         Settings(embedder="openai", embedding_api_url=api.url, embedding_api_key=SecretStr("sk"))
 

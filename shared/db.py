@@ -330,6 +330,11 @@ async def create_pool(
             # pgvector >= 0.8: keep scanning the graph until enough rows pass the filters.
             "hnsw.iterative_scan": "relaxed_order",
             "statement_timeout": str(settings.statement_timeout_ms),
+            # Every statement reads one workspace's partitions, or a batch's few: planned with its values, the
+            # planner prunes the rest before locking them. asyncpg prepares each statement, and PostgreSQL's
+            # generic plan for one (tried from its sixth run on) covers and locks every workspace's partitions:
+            # 3.6 s binds and "out of shared memory" at 1,400 workspaces (an outside tester's).
+            "plan_cache_mode": "force_custom_plan",
             "tcp_keepalives_idle": "30",
             "tcp_keepalives_interval": "10",
             "tcp_keepalives_count": "3",

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import pytest
 
-from ontofabric.contracts import OntologyQuery, QueryMeta
+from ontofabric.contracts import NO_VERSION, OntologyQuery, QueryMeta
 from ontofabric.contracts.query import QueryOptions
 from ontofabric.services.gateway.tools import render
 from ontofabric.services.query.cache import CacheKey
@@ -242,6 +242,16 @@ async def test_consistent_answer_is_cached_and_labelled_with_its_version() -> No
     again = await pipeline.answer(QUERY, "w")
     assert again.meta.cache_hit is True
     assert again.results == first.results
+
+
+async def test_an_answer_where_nothing_is_indexed_is_not_kept() -> None:
+    """A workspace with nothing indexed (a name that does not exist) answers empty every time: kept, a flood of
+    made-up names took the cache's places from real tenants' answers (a many-tenant tester's)."""
+    nothing = ScriptedRetrieval(dense_version=NO_VERSION, keyword_version=NO_VERSION, fetch_version=NO_VERSION)
+    pipeline, cache = _pipeline(nothing, NO_VERSION)
+    assert (await pipeline.answer(QUERY, "nobody")).meta.ontology_version == NO_VERSION
+    assert len(cache) == 0
+    assert (await pipeline.answer(QUERY, "nobody")).meta.cache_hit is False
 
 
 async def test_the_same_question_asked_while_it_is_being_answered_waits_for_that_answer() -> None:

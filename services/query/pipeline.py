@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 import numpy.typing as npt
 
-from ontofabric.contracts import IMPORTS, MAIN_BRANCH, OntologyQuery, QueryResponse, SearchResult
+from ontofabric.contracts import IMPORTS, MAIN_BRANCH, NO_VERSION, OntologyQuery, QueryResponse, SearchResult
 from ontofabric.contracts.query import (
     RELATIONS_READ,
     CollapsedResult,
@@ -269,7 +269,10 @@ class QueryPipeline:
         # place (a rebuild keeps the version but replaces the index); a newer commit whose announcement is
         # still on its way is answered truthfully (its own version in _meta) but not cached under the old key.
         current = response.meta.ontology_version == announced and self._versions.generation(run.workspace) == generation
-        if current and self._shareable(run) and self._cache.keeps:
+        # Nothing indexed there (a workspace that does not exist, or not yet): not kept, where a flood of made-up
+        # names took the places of real tenants' answers (a many-tenant tester's).
+        indexed = response.meta.ontology_version != NO_VERSION
+        if current and indexed and self._shareable(run) and self._cache.keeps:
             # As JSON: one untracked object, where the answer's models are thousands the garbage collector would
             # walk at every full collection (a full cache made those take 400-900 ms, the worker stopped meanwhile).
             self._cache.put(key, response.model_dump_json().encode())

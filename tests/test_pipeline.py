@@ -252,6 +252,11 @@ async def test_an_answer_where_nothing_is_indexed_is_not_kept() -> None:
     assert (await pipeline.answer(QUERY, "nobody")).meta.ontology_version == NO_VERSION
     assert len(cache) == 0
     assert (await pipeline.answer(QUERY, "nobody")).meta.cache_hit is False
+    overlaid = f"{NO_VERSION}+{NO_VERSION}"  # a branch's answer names main's version and the branch's
+    pipeline, cache = _pipeline(ScriptedRetrieval(overlaid, overlaid, overlaid), overlaid)
+    on_a_branch = QUERY.model_copy(update={"branch": "feature"})
+    assert (await pipeline.answer(on_a_branch, "nobody")).meta.ontology_version == overlaid
+    assert len(cache) == 0
 
 
 async def test_the_same_question_asked_while_it_is_being_answered_waits_for_that_answer() -> None:

@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 import numpy.typing as npt
 
-from ontofabric.contracts import IMPORTS, MAIN_BRANCH, NO_VERSION, OntologyQuery, QueryResponse, SearchResult
+from ontofabric.contracts import IMPORTS, MAIN_BRANCH, OntologyQuery, QueryResponse, SearchResult, nothing_indexed
 from ontofabric.contracts.query import (
     RELATIONS_READ,
     CollapsedResult,
@@ -271,7 +271,7 @@ class QueryPipeline:
         current = response.meta.ontology_version == announced and self._versions.generation(run.workspace) == generation
         # Nothing indexed there (a workspace that does not exist, or not yet): not kept, where a flood of made-up
         # names took the places of real tenants' answers (a many-tenant tester's).
-        indexed = response.meta.ontology_version != NO_VERSION
+        indexed = not nothing_indexed(response.meta.ontology_version)
         if current and indexed and self._shareable(run) and self._cache.keeps:
             # As JSON: one untracked object, where the answer's models are thousands the garbage collector would
             # walk at every full collection (a full cache made those take 400-900 ms, the worker stopped meanwhile).

@@ -269,6 +269,14 @@ def stalled_after_s(settings: Settings) -> float:
     return settings.statement_timeout_ms / 1000 + STALL_MARGIN_S
 
 
+PLANNED_WITH_VALUES = {"plan_cache_mode": "force_custom_plan"}
+"""For a session that runs a statement over the workspace-partitioned tables many times: every statement reads one
+workspace's partitions, or a batch's few, and planned with its values the planner prunes the rest before locking
+them. asyncpg prepares each statement, and PostgreSQL's generic plan for one (tried from its sixth run on) covers and
+locks every workspace's partitions: 3.6 s binds and "out of shared memory" at 1,400 workspaces (an outside
+tester's). Every pool's sessions are so."""
+
+
 async def create_pool(
     database_url: str,
     settings: Settings,
@@ -330,11 +338,7 @@ async def create_pool(
             # pgvector >= 0.8: keep scanning the graph until enough rows pass the filters.
             "hnsw.iterative_scan": "relaxed_order",
             "statement_timeout": str(settings.statement_timeout_ms),
-            # Every statement reads one workspace's partitions, or a batch's few: planned with its values, the
-            # planner prunes the rest before locking them. asyncpg prepares each statement, and PostgreSQL's
-            # generic plan for one (tried from its sixth run on) covers and locks every workspace's partitions:
-            # 3.6 s binds and "out of shared memory" at 1,400 workspaces (an outside tester's).
-            "plan_cache_mode": "force_custom_plan",
+            **PLANNED_WITH_VALUES,
             "tcp_keepalives_idle": "30",
             "tcp_keepalives_interval": "10",
             "tcp_keepalives_count": "3",

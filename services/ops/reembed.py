@@ -34,7 +34,7 @@ from pgvector.asyncpg import register_vector
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from ontofabric.services.projector.versions import VersionPublisher, announce_records
-from ontofabric.shared.db import migrations
+from ontofabric.shared.db import PLANNED_WITH_VALUES, migrations
 from ontofabric.shared.discovery import discover
 from ontofabric.shared.embedder import Embedder, EmbedderMismatch, ModelMissing, embedding_text, load_embedder
 from ontofabric.shared.jetstream import close as close_nats
@@ -174,7 +174,8 @@ class ModelChange:
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
-        conn = await asyncpg.connect(self._database_url)
+        # It writes every document's next vector by one statement, run for each (shared/db.py).
+        conn = await asyncpg.connect(self._database_url, server_settings=PLANNED_WITH_VALUES)
         try:
             await register_vector(conn)
             if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", CHANGE_LOCK):

@@ -779,11 +779,11 @@ def build_embedder(settings: Settings, for_queries: bool = True, on_demand: bool
 
 
 def http_embedder(settings: Settings) -> HttpEmbedder:
-    """The OpenAI-compatible embeddings API ``settings`` name (``embedder=openai``)."""
+    """The OpenAI-compatible embeddings API ``settings`` name (``embedder=openai``), its dimension checked."""
     from .http_embedder import HttpEmbedder
 
     assert settings.embedding_api_url is not None  # the settings' own check
-    return HttpEmbedder(
+    embedder = HttpEmbedder(
         settings.embedding_api_url,
         settings.embedding_model,
         settings.embedding_dim,
@@ -793,3 +793,5 @@ def http_embedder(settings: Settings) -> HttpEmbedder:
         timeout_s=settings.embedding_api_timeout_ms / 1000,
         send_dimensions=settings.embedding_api_dimensions,
     )
+    embedder.check()
+    return embedder

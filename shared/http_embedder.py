@@ -177,6 +177,16 @@ class HttpEmbedder:
             log.warning("embedding_api_text_cut", characters=length // 2)
             return self._embed(texts, max(MIN_CHARACTERS, length // 2))
 
+    def check(self) -> None:
+        """One text embedded once, at start: vectors of another dimension than the deployment's stop the process
+        (EmbedderMismatch), where every query would have gone keyword-only; an API that does not answer now is
+        logged, and asked again by each query and document."""
+        try:
+            self._vectors(self._client.post(self._url, json=self._body(["check"])), 1)
+        except (EmbeddingApiError, httpx.TransportError) as error:
+            said = f"{type(error).__name__}" if isinstance(error, httpx.TransportError) else str(error)
+            log.warning("embedding_api_unchecked", url=self._url, error=said)
+
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         """One unit row per text, in requests of ``embedding_api_batch`` texts (``batch_size``, the local model's
         memory bound, does not apply to a remote one)."""

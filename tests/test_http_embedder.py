@@ -111,6 +111,8 @@ def _settings(api: FakeApi, **more: object) -> Settings:
 def test_documents_and_queries_are_embedded_by_the_api(api: FakeApi, monkeypatch: pytest.MonkeyPatch) -> None:
     embedder = build_embedder(_settings(api, embedding_api_key=SecretStr("sk-test"), embedding_api_batch=2))
     assert isinstance(embedder, HttpEmbedder)
+    assert [body["input"] for body in api.bodies] == [["check"]]  # its dimension, checked as it is made
+    api.bodies.clear()
     texts = ["sort a list", "read a csv file", "x" * 9000]
     vectors, tokens = embedder.embed_with_tokens(texts)
     assert vectors.shape == (3, DIMENSION)
@@ -137,6 +139,7 @@ def test_documents_and_queries_are_embedded_by_the_api(api: FakeApi, monkeypatch
 def test_one_text_the_api_refuses_neither_sinks_its_batch_nor_is_kept_wrong(api: FakeApi) -> None:
     embedder = build_embedder(_settings(api, embedding_api_batch=100))
     assert isinstance(embedder, HttpEmbedder)
+    api.bodies.clear()
     assert len(embedder.embed_documents(["word"] * 150)) == 150
     assert [len(body["input"]) for body in api.bodies] == [100, 50]  # the setting's size, not the local model's 64
 
@@ -161,8 +164,11 @@ def test_one_text_the_api_refuses_neither_sinks_its_batch_nor_is_kept_wrong(api:
 
 def test_the_api_s_dimension_is_checked_and_can_be_asked_for(api: FakeApi) -> None:
     api.dimension = 1536
-    with pytest.raises(EmbedderMismatch, match=r"1536-dimensional.*384"):
-        build_embedder(_settings(api)).embed_documents(["sort"])  # type: ignore[union-attr]
+    with pytest.raises(EmbedderMismatch, match=r"1536-dimensional.*384"):  # at start, not at every query
+        build_embedder(_settings(api))
+    # An API away at start is no reason not to start: each query and document asks it again.
+    away = Settings(embedder="openai", embedding_model=MODEL, embedding_api_url="http://127.0.0.1:9/v1")
+    assert isinstance(build_embedder(away), HttpEmbedder)
     shortened = build_embedder(_settings(api, embedding_api_dimensions=True))
     assert shortened is not None
     assert shortened.embed_documents(["sort"]).shape == (1, DIMENSION)
@@ -174,9 +180,14 @@ def test_the_api_s_dimension_is_checked_and_can_be_asked_for(api: FakeApi) -> No
     with pytest.raises(ValueError, match="cannot take part in a model change"):
         _settings(api, next_embedding_model="m2", next_embedding_dim=8, next_embedding_model_path="m2")
     # Vectors of other lengths, or of other texts, are not taken from the embedding cache for these.
+    api.dimension = DIMENSION
     names = {
         build_embedder(_settings(api, **more)).cache_name
-        for more in ({}, {"embedding_dim": 256}, {"embedding_api_max_characters": 100})
+        for more in (
+            {},
+            {"embedding_dim": 256, "embedding_api_dimensions": True},
+            {"embedding_api_max_characters": 100},
+        )
     }  # type: ignore[union-attr,arg-type]
     assert len(names) == 3
     with pytest.raises(ValueError, match="embedding_api_url is not https"):

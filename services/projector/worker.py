@@ -640,16 +640,17 @@ class ProjectorService:
         for database, pool in list(self._pools.items()):
             try:
                 async with pool.acquire() as conn:
-                    counts = await documents_of_another_analysis(conn, placement, database)
+                    counts = await documents_of_another_analysis(
+                        conn, placement, database, among=lambda name: placement.partition_of(name) in self._partitions
+                    )
             except Exception as error:  # the count is advice; projection goes on without it
                 log.warning("analysis_not_counted", database=database, error=describe(error))
                 continue
             for workspace, documents in counts.items():
-                if placement.partition_of(workspace) in self._partitions:
-                    log.warning(
-                        "documents_of_another_analysis", workspace=workspace, documents=documents,
-                        analysis=ANALYSIS_VERSION, advice=f"ontofabric rebuild {workspace}",
-                    )  # fmt: skip
+                log.warning(
+                    "documents_of_another_analysis", workspace=workspace, documents=documents,
+                    analysis=ANALYSIS_VERSION, advice=f"ontofabric rebuild {workspace}",
+                )  # fmt: skip
 
     async def _reembedder(self, pool: asyncpg.Pool) -> Reembedder | None:
         """What embeds again, for the model the database's index holds, documents another model embedded (a model

@@ -33,7 +33,14 @@ from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.discovery import discover
 from ontofabric.shared.jetstream import connect, wait_projected
 from ontofabric.shared.nats_auth import NATS_ROLES, compose_nats_config, compose_password_variable
-from ontofabric.shared.runtime import Endpoints, _spawn, _wait_until, free_port, nats_server_binary
+from ontofabric.shared.runtime import (
+    Endpoints,
+    _spawn,
+    _wait_until,
+    free_port,
+    nats_server_binary,
+    postgres_bin_dir,
+)
 from ontofabric.shared.subjects import Names
 
 from .conftest import answered_once_up, with_database
@@ -104,13 +111,19 @@ def test_what_the_image_copies_builds_the_package(tmp_path: Path) -> None:
     assert {name.replace(".", "/") for name in packages} <= folders
 
 
-PASSWORDS = {compose_password_variable(role): f"p{os.urandom(8).hex()}" for role in NATS_ROLES}
+PASSWORDS = {
+    **{compose_password_variable(role): f"p{os.urandom(8).hex()}" for role in NATS_ROLES},
+    "POSTGRES_QUERY_PASSWORD": f"p{os.urandom(8).hex()}",
+}
 """What the shell running compose would give it, as README says to make them (a letter, then letters and digits)."""
+QUERY_LOGIN = "ontofabric_query"
+"""The query workers' PostgreSQL login in compose (infra/postgres/worker-logins.sh)."""
 
 
 def _interpolated(value: str) -> str:
-    """A compose value with the passwords' ``${NAME...}`` as compose fills them in."""
-    return re.sub(r"\$\{(NATS_[A-Z]+_PASSWORD)(:\?[^}]*)?\}", lambda found: PASSWORDS[found[1]], value)
+    """A compose value with the passwords' ``${NAME...}`` as compose fills them in (the owner's is left: the test
+    gives its own URL for it)."""
+    return re.sub(r"\$\{([A-Z_]+_PASSWORD)(:\?[^}]*)?\}", lambda found: PASSWORDS.get(found[1], found[0]), value)
 
 
 def test_the_compose_nats_configuration_is_the_roles_permissions_rendered() -> None:
@@ -120,25 +133,36 @@ def test_the_compose_nats_configuration_is_the_roles_permissions_rendered() -> N
     assert (ROOT / "infra" / "nats" / "nats.conf").read_text() == compose_nats_config()
     nats = _compose()["services"]["nats"]
     assert "./infra/nats/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
-    assert set(nats["environment"]) == set(PASSWORDS)
+    assert set(nats["environment"]) == {compose_password_variable(role) for role in NATS_ROLES}
 
 
-def _worker_env(service: str, nats_url: str, database_url: str, metrics_port: int) -> dict[str, str]:
+def _worker_env(service: str, nats_url: str, database_url: str, metrics_port: int, query_login: str) -> dict[str, str]:
     """The service's environment from compose.yaml, with the compose network's host names replaced by where the
-    servers run here and, since the processes share one host, a port of its own for the metrics."""
+    servers run here (each login kept: the owner's is the test's own, the query workers' named ``query_login``)
+    and, since the processes share one host, a port of its own for the metrics."""
     compose = _compose()
     environment = {
         k: _interpolated(str(v)) for k, v in compose["services"][service]["environment"].items() if v is not None
     }
     given = urlsplit(environment["ONTOFABRIC_NATS_URL"])
     assert given.hostname == "nats"
-    assert urlsplit(environment["ONTOFABRIC_DATABASE_URL"]).hostname == "postgres"
     served = urlsplit(nats_url)
     # The service's own login, at the server here.
     environment["ONTOFABRIC_NATS_URL"] = given._replace(
         netloc=f"{given.username}:{given.password}@{served.netloc}"
     ).geturl()
-    environment["ONTOFABRIC_DATABASE_URL"] = database_url
+    owner = urlsplit(database_url)
+    for variable in ("ONTOFABRIC_DATABASE_URL", "ONTOFABRIC_QUERY_DATABASE_URL"):
+        if variable not in environment:
+            continue
+        url = urlsplit(environment[variable])
+        assert url.hostname == "postgres"
+        if url.username == "postgres":
+            environment[variable] = database_url
+        else:
+            assert url.username == QUERY_LOGIN
+            login = f"{query_login}:{url.password}@{owner.hostname}:{owner.port}"
+            environment[variable] = owner._replace(netloc=login).geturl()
     environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"  # a collector that is not there
     environment["ONTOFABRIC_METRICS_PORT"] = str(metrics_port)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ONTOFABRIC_", "OTEL_"))}
@@ -185,17 +209,19 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
     servers: Endpoints, tmp_path: Path
 ) -> None:
     database = "compose" + os.urandom(4).hex()
+    query_login = f"{database}_query"  # of its own: the test servers' ontofabric_query is other tests'
     admin = await asyncpg.connect(with_database(servers.database_url, "postgres"))
     await admin.execute(f'CREATE DATABASE "{database}"')
     processes: list[asyncio.subprocess.Process] = []
     try:
+        database_url = with_database(servers.database_url, database)
+        _run_worker_logins(database_url, query_login)
         async with _nats_as_compose_runs_it(tmp_path) as nats_url:
-            database_url = with_database(servers.database_url, database)
             ports = {"projector": free_port(), "query-worker-1": free_port(), "query-worker-2": free_port()}
             for name, port in ports.items():
                 service = name.rsplit("-", 1)[0] if name.startswith("query") else name
                 command = _compose()["services"][service]["command"]
-                env = _worker_env(service, nats_url, database_url, port)
+                env = _worker_env(service, nats_url, database_url, port, query_login)
                 processes.append(await asyncio.create_subprocess_exec(ONTOFABRIC, *command, env=env))
             assert _compose()["services"]["query-worker"]["deploy"]["replicas"] == 2
 
@@ -226,6 +252,20 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
                 async with asyncio.timeout(30):
                     while len(await discover(nc, names.query_service)) < 2:
                         await asyncio.sleep(0.5)
+                # The query workers read as their own login, which can do nothing else.
+                sessions = await admin.fetch(
+                    "SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = $1", database
+                )
+                assert query_login in {r["usename"] for r in sessions}
+                reader = await asyncpg.connect(
+                    _with_login(database_url, query_login, PASSWORDS["POSTGRES_QUERY_PASSWORD"])
+                )
+                try:
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await reader.execute("DELETE FROM documents")
+                    assert await reader.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user") is False
+                finally:
+                    await reader.close()
                 scraped = {name: await asyncio.to_thread(_scrape, port) for name, port in ports.items()}
                 assert "projector_deltas_total" in scraped["projector"]
                 assert any("retrieval_query_duration_ms" in scraped[n] for n in ("query-worker-1", "query-worker-2"))
@@ -238,4 +278,28 @@ async def test_the_compose_workers_started_as_processes_with_its_variables_serve
         for process in processes:
             await asyncio.wait_for(process.wait(), 60)
         await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await admin.execute(f'DROP ROLE IF EXISTS "{query_login}"')
         await admin.close()
+
+
+def _with_login(database_url: str, user: str, password: str) -> str:
+    url = urlsplit(database_url)
+    return url._replace(netloc=f"{user}:{password}@{url.hostname}:{url.port}").geturl()
+
+
+def _run_worker_logins(database_url: str, query_login: str) -> None:
+    """infra/postgres/worker-logins.sh as PostgreSQL's image runs it at its first start (its psql, the owner's
+    user and database in the environment), against the test's server, making ``query_login``."""
+    owner = urlsplit(database_url)
+    env = {
+        **os.environ,
+        "PATH": f"{postgres_bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PGHOST": owner.hostname or "127.0.0.1", "PGPORT": str(owner.port), "PGPASSWORD": owner.password or "",
+        "POSTGRES_USER": owner.username or "postgres", "POSTGRES_DB": owner.path.lstrip("/"),
+        "POSTGRES_QUERY_PASSWORD": PASSWORDS["POSTGRES_QUERY_PASSWORD"], "POSTGRES_QUERY_LOGIN": query_login,
+    }  # fmt: skip
+    for _ in range(2):  # at a first start; and again, as a second run would: it changes nothing
+        done = subprocess.run(
+            ["sh", str(ROOT / "infra" / "postgres" / "worker-logins.sh")], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr

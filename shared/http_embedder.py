@@ -150,7 +150,7 @@ class HttpEmbedder:
                 response = self._client.post(self._url, json=self._body(texts, characters))
             except httpx.TransportError as error:
                 if attempt == ATTEMPTS - 1:
-                    raise EmbeddingApiError(f"embedding API unreachable: {type(error).__name__}") from None
+                    raise _unreachable(error) from None
             else:
                 if response.status_code not in RETRIED_STATUSES or attempt == ATTEMPTS - 1:
                     return self._vectors(response, len(texts))
@@ -182,10 +182,9 @@ class HttpEmbedder:
         (EmbedderMismatch), where every query would have gone keyword-only; an API that does not answer now is
         logged, and asked again by each query and document."""
         try:
-            self._vectors(self._client.post(self._url, json=self._body(["check"])), 1)
-        except (EmbeddingApiError, httpx.TransportError) as error:
-            said = f"{type(error).__name__}" if isinstance(error, httpx.TransportError) else str(error)
-            log.warning("embedding_api_unchecked", url=self._url, error=said)
+            self._vectors(_reached(lambda: self._client.post(self._url, json=self._body(["check"]))), 1)
+        except EmbeddingApiError as error:
+            log.warning("embedding_api_unchecked", url=self._url, error=str(error))
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 64) -> npt.NDArray[np.float32]:
         """One unit row per text, in requests of ``embedding_api_batch`` texts (``batch_size``, the local model's
@@ -209,7 +208,7 @@ class HttpEmbedder:
         try:
             response = await self._async_client.post(self._url, json=self._body([text]))
         except httpx.TransportError as error:
-            raise EmbeddingApiError(f"embedding API unreachable: {type(error).__name__}") from None
+            raise _unreachable(error) from None
         return self._vectors(response, 1)[0], self._no_tokens()
 
     async def on_model_thread(self, work: Callable[[], T], turn: str = "") -> T:
@@ -229,3 +228,16 @@ def _retry_after_s(response: httpx.Response) -> float:
         return max(0.0, float(response.headers.get("retry-after", "0")))
     except ValueError:
         return 0.0
+
+
+def _unreachable(error: httpx.TransportError) -> EmbeddingApiError:
+    """A request that got no answer, said by its kind alone (the exception's text may carry the URL's secrets)."""
+    return EmbeddingApiError(f"embedding API unreachable: {type(error).__name__}")
+
+
+def _reached(post: Callable[[], httpx.Response]) -> httpx.Response:
+    """``post``'s answer, or the EmbeddingApiError that it got none."""
+    try:
+        return post()
+    except httpx.TransportError as error:
+        raise _unreachable(error) from None

@@ -13,16 +13,33 @@ V = TypeVar("V")
 
 class LruCache(Generic[K, V]):
     """At most ``max_entries`` entries (0 keeps none) and, given ``size``, at most ``max_bytes`` of them by that
-    measure (one entry larger than that is not kept). Not thread-safe: one asyncio loop owns it."""
+    measure (one entry larger than that is not kept). Not thread-safe: one asyncio loop owns it.
 
-    def __init__(self, max_entries: int, max_bytes: int | None = None, size: Callable[[V], int] | None = None) -> None:
+    Given ``owner`` (a tenant's answers: their workspace), what must go is taken from the owner holding the most
+    by the bound run over, its least recently used entry first; between owners holding alike, the entry least
+    recently used of all. So no owner is pushed out by another's flood while it holds less than the flooder,
+    and owners holding alike share the cache as plain LRU would (an outside tester's 1,100 questions to one
+    workspace pushed every other tenant's answers out)."""
+
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int | None = None,
+        size: Callable[[V], int] | None = None,
+        owner: Callable[[K], Hashable] | None = None,
+    ) -> None:
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._size = size
+        self._owner = owner
         self._sizes: dict[K, int] = {}
         self.bytes = 0
         """What the entries weigh, by ``size`` (0 without one)."""
         self._entries: OrderedDict[K, V] = OrderedDict()
+        # Given an owner: each owner's keys, least recently used first, with when each was last used (a count).
+        self._owned: dict[Hashable, OrderedDict[K, int]] = {}
+        self._owned_bytes: dict[Hashable, int] = {}
+        self._uses = 0
 
     @property
     def keeps(self) -> bool:
@@ -40,6 +57,7 @@ class LruCache(Generic[K, V]):
         value = self._entries.get(key)
         if value is not None:
             self._entries.move_to_end(key)
+            self._used(key)
         return value
 
     def put(self, key: K, value: V) -> None:
@@ -52,8 +70,18 @@ class LruCache(Generic[K, V]):
         self._entries[key] = value
         self._sizes[key] = weight
         self.bytes += weight
-        while len(self._entries) > self._max_entries or (self._max_bytes is not None and self.bytes > self._max_bytes):
-            self._forget(next(iter(self._entries)))
+        if self._owner is not None:
+            owner = self._owner(key)
+            self._owned.setdefault(owner, OrderedDict())
+            self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + weight
+            self._used(key)
+        while True:
+            if len(self._entries) > self._max_entries:
+                self._forget(self._victim(by_bytes=False))
+            elif self._max_bytes is not None and self.bytes > self._max_bytes:
+                self._forget(self._victim(by_bytes=True))
+            else:
+                break
 
     def peek(self, key: K) -> V | None:
         """The entry, without making it recently used."""
@@ -76,10 +104,39 @@ class LruCache(Generic[K, V]):
             self._forget(key)
         return len(keys)
 
+    def _used(self, key: K) -> None:
+        if self._owner is None:
+            return
+        self._uses += 1
+        keys = self._owned[self._owner(key)]
+        keys[key] = self._uses
+        keys.move_to_end(key)
+
+    def _victim(self, by_bytes: bool) -> K:
+        """The entry to go: the least recently used, of the owner holding the most when there are owners."""
+        if self._owner is None:
+            return next(iter(self._entries))
+
+        def holding(owner: Hashable) -> tuple[int, int]:
+            keys = self._owned[owner]
+            held = self._owned_bytes[owner] if by_bytes else len(keys)
+            return held, -next(iter(keys.values()))  # alike: the one whose least recent use is oldest
+
+        return next(iter(self._owned[max(self._owned, key=holding)]))
+
     def _forget(self, key: K) -> None:
-        if key in self._entries:
-            del self._entries[key]
-            self.bytes -= self._sizes.pop(key)
+        if key not in self._entries:
+            return
+        del self._entries[key]
+        weight = self._sizes.pop(key)
+        self.bytes -= weight
+        if self._owner is not None:
+            owner = self._owner(key)
+            keys = self._owned[owner]
+            del keys[key]
+            self._owned_bytes[owner] -= weight
+            if not keys:
+                del self._owned[owner], self._owned_bytes[owner]
 
 
 class LruMemo(Generic[K, V]):

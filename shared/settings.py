@@ -322,7 +322,12 @@ class Settings(BaseSettings):
     )
 
     # --- query worker ----------------------------------------------------------------------------
-    query_cache_entries: int = Field(default=1000, ge=0, description="LRU entries; 0 disables the cache.")
+    query_cache_entries: int = Field(
+        default=1000,
+        ge=0,
+        description="Cached answers, shared between workspaces: when full, the workspace holding the most gives up "
+        "its least recently used. 0 disables the cache.",
+    )
     query_cache_bytes: int = Field(
         default=64 * 1024 * 1024,
         ge=0,

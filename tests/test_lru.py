@@ -41,6 +41,57 @@ def test_the_weight_always_equals_what_is_held() -> None:
         assert len(cache) <= 20
 
 
+def test_one_owner_s_flood_pushes_out_its_own_entries_not_another_s() -> None:
+    cache: LruCache[tuple[str, int], str] = LruCache(10, owner=lambda key: key[0])
+    for n in range(3):
+        cache.put(("quiet", n), "answer")
+    for n in range(1100):  # a tenant asking 1,100 distinct questions
+        cache.put(("loud", n), "answer")
+    assert all(("quiet", n) in cache for n in range(3))
+    assert [key for key, _ in cache.items() if key[0] == "loud"] == [("loud", n) for n in range(1093, 1100)]
+    # Holding alike, owners share as plain LRU: the entry least recently used of all goes.
+    even: LruCache[tuple[str, int], str] = LruCache(2, owner=lambda key: key[0])
+    even.put(("a", 0), "x")
+    even.put(("b", 0), "x")
+    assert even.get(("a", 0)) is not None
+    even.put(("c", 0), "x")
+    assert [key for key, _ in even.items()] == [("a", 0), ("c", 0)]
+
+
+def test_by_weight_the_owner_weighing_most_gives_way() -> None:
+    cache: LruCache[tuple[str, int], str] = LruCache(100, max_bytes=100, size=len, owner=lambda key: key[0])
+    cache.put(("small", 0), "x" * 20)
+    cache.put(("small", 1), "x" * 20)
+    for n in range(5):
+        cache.put(("big", n), "x" * 30)  # holding more than small, big gives way: its least recent first
+    assert [key for key, _ in cache.items() if key[0] == "small"] == [("small", 0), ("small", 1)]
+    assert cache.bytes <= 100
+    assert [key for key, _ in cache.items() if key[0] == "big"] == [("big", 3), ("big", 4)]
+
+
+def test_with_owners_the_counts_always_equal_what_is_held() -> None:
+    rng = random.Random(11)
+    cache: LruCache[tuple[int, int], str] = LruCache(20, max_bytes=500, size=len, owner=lambda key: key[0])
+    for _ in range(3000):
+        key = (rng.randrange(4), rng.randrange(30))
+        action = rng.random()
+        if action < 0.1:
+            cache.drop_where(lambda k, key=key: k[0] == key[0])  # type: ignore[misc]
+        elif action < 0.2:
+            cache.pop(key)
+        elif action < 0.4:
+            cache.get(key)
+        else:
+            cache.put(key, "x" * rng.randrange(0, 120))
+        held = cache.items()
+        assert cache.bytes == sum(len(v) for _, v in held) <= 500
+        assert len(held) <= 20
+        for owner in range(4):
+            mine = [k for k, _ in held if k[0] == owner]
+            assert sorted(cache._owned.get(owner, {})) == sorted(mine)
+            assert cache._owned_bytes.get(owner, 0) == sum(len(v) for k, v in held if k[0] == owner)
+
+
 async def test_a_memo_makes_an_entry_once_for_those_asking_together() -> None:
     memo: LruMemo[str, int] = LruMemo(4)
     made: list[str] = []

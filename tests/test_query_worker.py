@@ -484,6 +484,27 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
     assert "fib2" in {r.id for r in third.results}
 
 
+async def test_one_tenant_s_many_questions_leave_another_s_answers_cached(
+    seeded: int, deployment: Deployment, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An outside tester's 1,100 distinct questions to one workspace pushed every other tenant's answers out of
+    the one cache they share."""
+    await start_query_worker(embedder, query_cache_entries=4)
+    vector = embedder.embed_documents(["Retry with exponential backoff and jitter."])[0]
+    ack = await deployment.publisher.publish(
+        upsert(
+            "globex",
+            document("retry", "Retry with exponential backoff and jitter.", embedding=[float(x) for x in vector]),
+        )
+    )
+    await deployment.wait_projected(ack.seq)
+    assert not (await _ask(client, "fibonacci numbers")).meta.cache_hit
+    for n in range(12):
+        assert (await _ask(client, f"retry question {n}", workspace="globex")).results
+    assert (await _ask(client, "fibonacci numbers")).meta.cache_hit
+    assert (await _ask(client, "retry question 11", workspace="globex")).meta.cache_hit  # the flooder keeps some
+
+
 async def test_a_document_the_branch_deleted_is_said_to_be_mains_still(
     seeded: int, deployment: Deployment, start_query_worker: Start, client: QueryClient
 ) -> None:

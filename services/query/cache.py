@@ -60,6 +60,11 @@ K = TypeVar("K", bound=Versioned)
 V = TypeVar("V")
 
 
+def by_workspace(key: Versioned) -> str:
+    """Whose an entry is, for the caches to share out between tenants (LruCache's ``owner``)."""
+    return key.workspace
+
+
 def drop_stale(cache: LruCache[K, V], workspace: str, current_version: Callable[[str], str]) -> int:
     """Drop the workspace's entries read at another version than their branch's current one.
 

@@ -11,7 +11,7 @@ from typing import Literal
 from ontofabric.contracts import MAIN_BRANCH
 from ontofabric.shared.lru import LruCache
 
-from .cache import VersionKey, drop_stale, drop_workspace
+from .cache import VersionKey, by_workspace, drop_stale, drop_workspace
 from .names import AS_WRITTEN, last_part, match_quality
 
 
@@ -232,7 +232,7 @@ class GraphCache:
 
     def __init__(self, load: Callable[[str, str], Awaitable[GraphRows]], max_graphs: int = 32) -> None:
         self._load = load
-        self._graphs: LruCache[VersionKey, OntologyGraph] = LruCache(max_graphs)
+        self._graphs: LruCache[VersionKey, OntologyGraph] = LruCache(max_graphs, owner=by_workspace)
 
     async def get(self, workspace: str, branch: str, version: str, generation: int = 0) -> OntologyGraph:
         """The graph at ``version``, or, when it has moved on since, the newer one the load read (its

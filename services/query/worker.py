@@ -79,7 +79,7 @@ from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
 
 from .budget import BYTES_PER_TOKEN, TooLarge, fit_reply
-from .cache import CacheKey, metered, unmetered
+from .cache import CacheKey, by_workspace, metered, unmetered
 from .client import error_code, mark_reply
 from .config import PipelineConfig
 from .core import ModelChanged, Reranker, VectorBy
@@ -487,7 +487,7 @@ class QueryService:
         self._freshness = DeltaWatch(nc, names, settings.projector_partitions, refusals)
         await self._freshness.start()
         cache: LruCache[CacheKey, bytes] = metered(
-            LruCache(settings.query_cache_entries, settings.query_cache_bytes, len)
+            LruCache(settings.query_cache_entries, settings.query_cache_bytes, len, owner=by_workspace)
         )
         self._cache = cache
         served = self._embedder if isinstance(self._embedder, ServedModel) else None

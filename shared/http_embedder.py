@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,6 +20,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ValidationError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
 from .embedder import EmbedderMismatch, ModelThread, Vector, unit_rows
 from .late_interaction import TokenMatrix
@@ -144,20 +144,27 @@ class HttpEmbedder:
 
     def _post(self, texts: Sequence[str], characters: int | None = None) -> npt.NDArray[np.float32]:
         """One request, asked again on a rate limit or a passing failure (its Retry-After heeded, with backoff)."""
-        for attempt in range(ATTEMPTS):
-            wait = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**attempt)
-            try:
-                response = self._client.post(self._url, json=self._body(texts, characters))
-            except httpx.TransportError as error:
-                if attempt == ATTEMPTS - 1:
-                    raise _unreachable(error) from None
-            else:
-                if response.status_code not in RETRIED_STATUSES or attempt == ATTEMPTS - 1:
-                    return self._vectors(response, len(texts))
-                wait = min(MAX_BACKOFF_S, max(wait, _retry_after_s(response)))
-            log.warning("embedding_api_retried", attempt=attempt + 1, wait_s=round(wait, 1))
-            time.sleep(wait)
-        raise AssertionError("unreachable")
+
+        def attempt() -> httpx.Response:
+            response = self._client.post(self._url, json=self._body(texts, characters))
+            if response.status_code in RETRIED_STATUSES:
+                raise _Passing(response)
+            return response
+
+        retrying = Retrying(
+            retry=retry_if_exception_type((httpx.TransportError, _Passing)),
+            stop=stop_after_attempt(ATTEMPTS),
+            wait=_backoff,
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        try:
+            response = retrying(attempt)
+        except _Passing as passing:  # the last attempt's answer: said as the API said it
+            response = passing.response
+        except httpx.TransportError as error:
+            raise _unreachable(error) from None
+        return self._vectors(response, len(texts))
 
     def _embed(self, texts: Sequence[str], characters: int | None = None) -> npt.NDArray[np.float32]:
         """``texts`` embedded; a request refused for one of them is split until the one it blames is alone, and a
@@ -220,6 +227,28 @@ class HttpEmbedder:
     async def aclose(self) -> None:
         await asyncio.to_thread(self._client.close)
         await self._async_client.aclose()
+
+
+class _Passing(Exception):
+    """An answer worth asking again for (RETRIED_STATUSES)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _backoff(state: RetryCallState) -> float:
+    """Doubling from FIRST_BACKOFF_S, or as long as a Retry-After asks, up to MAX_BACKOFF_S."""
+    wait: float = FIRST_BACKOFF_S * 2.0 ** (state.attempt_number - 1)
+    failure = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(failure, _Passing):
+        wait = max(wait, _retry_after_s(failure.response))
+    return min(MAX_BACKOFF_S, wait)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    wait = state.next_action.sleep if state.next_action is not None else 0.0
+    log.warning("embedding_api_retried", attempt=state.attempt_number, wait_s=round(wait, 1))
 
 
 def _retry_after_s(response: httpx.Response) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,6 +52,8 @@ class FakeApi:
     """Texts longer than this are refused with 413, as a TEI server refuses more tokens than it reads."""
     broken: str | None = None
     """``nan`` or ``zero``: the vectors answered are that."""
+    retry_after: str | None = None
+    """A Retry-After header sent with the failures."""
 
 
 @pytest.fixture
@@ -84,6 +87,8 @@ def api() -> Iterator[FakeApi]:
             payload = json.dumps(answer).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            if status != 200 and fake.retry_after is not None:
+                self.send_header("Retry-After", fake.retry_after)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -129,6 +134,19 @@ def test_documents_and_queries_are_embedded_by_the_api(api: FakeApi, monkeypatch
     monkeypatch.setattr(http_module, "FIRST_BACKOFF_S", 0.01)
     assert embedder.embed_query("sort a list").shape == (DIMENSION,)
     assert len(api.bodies) == 5
+
+    api.failures, api.retry_after = [503], "0.3"  # a Retry-After longer than the backoff is heeded
+    started = time.monotonic()
+    assert embedder.embed_query("sort a list").shape == (DIMENSION,)
+    assert time.monotonic() - started >= 0.3
+    api.retry_after = None
+    monkeypatch.setattr(http_module, "ATTEMPTS", 3)
+    api.failures = [503, 429, 503, 503]  # still failing at the last attempt: said with the API's last status
+    with pytest.raises(EmbeddingApiError, match="503") as outage:
+        embedder.embed_documents(["sort"])
+    assert outage.value.status == 503
+    assert api.failures == [503]  # three attempts, no more
+    api.failures.clear()
 
     api.failures = [401]  # not retried: said, with the API's words, but never the key
     with pytest.raises(EmbeddingApiError, match=r"401.*slow down Bearer \*\*\*") as refused:

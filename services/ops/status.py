@@ -24,6 +24,7 @@ from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.snapshots import compacted_through, find_snapshot_store
 from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
+from ontofabric.services.query.core import Pending
 from ontofabric.services.query.freshness import published_after
 from ontofabric.shared.discovery import SCHEMA, Worker, discover, postgres_partitions, running_layouts
 from ontofabric.shared.jetstream import last_sequence_on
@@ -79,6 +80,9 @@ class StreamStatus:
     """The most it may hold (ONTOFABRIC_DELTA_STREAM_MAX_BYTES); full, it refuses new messages. None: no limit."""
 
 
+READS_AT_ONCE = 16
+"""JetStream requests status keeps in flight at once, reading the branches (one after another, 1,400
+workspaces took seconds)."""
 STALLED_AFTER_S = 60.0
 """How long a consumer's index position may stand still while the delta after its floor waits before status names
 it (a batch takes seconds; the alert rules page after ten minutes)."""
@@ -211,25 +215,28 @@ async def deployment_status(
         for unannounced in _published_branches(deltas, names) - set(versions):
             # Published to, never projected: the projector is down or behind.
             versions[unannounced] = (NO_VERSION, None)
-        for (branch_workspace, branch), (ontology_version, announced_at) in sorted(versions.items()):
-            if workspace is not None and branch_workspace != workspace:
-                continue
+        reading = asyncio.Semaphore(READS_AT_ONCE)
+
+        async def branch_status(branch_workspace: str, branch: str) -> BranchStatus:
+            ontology_version, announced_at = versions[branch_workspace, branch]
             subject = names.delta_subject(branch_workspace, branch)
-            latest = await last_sequence_on(js, names.delta_stream, subject) or None
             position = max(floors.get(durable, 0) for durable in _durables_of(names, branch_workspace, layouts))
-            pending = await published_after(js, names.delta_stream, subject, position, names.count_consumer())
-            status.branches.append(
-                BranchStatus(
-                    branch_workspace,
-                    branch,
-                    ontology_version,
-                    announced_at,
-                    latest,
-                    position,
-                    pending.deltas,
-                    pending.oldest_ms,
+            async with reading:
+                latest = await last_sequence_on(js, names.delta_stream, subject) or None
+                # Counted only when its last delta is past the index: a consumer made and removed a branch took
+                # 6 s at 1,400 workspaces, every one of them indexed.
+                pending = (
+                    await published_after(js, names.delta_stream, subject, position, names.count_consumer())
+                    if latest is not None and latest > position
+                    else Pending(0, None)
                 )
-            )
+            return BranchStatus(
+                branch_workspace, branch, ontology_version, announced_at, latest, position, pending.deltas,
+                pending.oldest_ms,
+            )  # fmt: skip
+
+        shown = sorted(key for key in versions if workspace is None or key[0] == workspace)
+        status.branches.extend(await asyncio.gather(*(branch_status(*key) for key in shown)))
         first = int(deltas.state.first_seq or 0)
         if first > 1:  # compacted, or aged out: the snapshots must hold what went
             snapshots = await find_snapshot_store(js, names)

@@ -736,6 +736,86 @@ def _fail_on_dead_letters(
     )
 
 
+@app.command("delete-branch")
+def delete_branch(
+    workspace: Annotated[str, typer.Option(help="The branch's workspace.", callback=_workspace_name)],
+    branch: Annotated[str, typer.Option(help="The branch to delete (not main).", callback=_branch_name)],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    wait: Annotated[bool, typer.Option(help="Wait until the projector has applied every revert.")] = True,
+    wait_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds to wait for the projector before giving up with exit 1.")
+    ] = 3600.0,
+    data_dir: DataDir = None,
+) -> None:
+    """Take back everything the branch's ingests published, for a branch merged or given up: it then reads as
+    main does.
+
+    Publishes a revert for every document, tombstone and graph row the branch's ingest manifest holds, and leaves
+    the manifest empty (a later ingest of the branch starts afresh). The index keeps of each row only the stream
+    sequence that keeps older deltas out; the branch's version stays, and `ontofabric status` lists it. Deltas
+    published to the branch by other producers than `ontofabric ingest` are not in its manifest, and are not
+    taken back. Needs the ingest role only: a user confined to the workspace may delete its branches."""
+    from .ingest.ingester import Ingester
+
+    if branch == MAIN_BRANCH:
+        _fail(f"{MAIN_BRANCH} is no branch of another: only a branch can be deleted (it then reads as {MAIN_BRANCH})")
+    settings = _settings("ontofabric-delete-branch", data_dir, quiet=True)
+    nats_url = _nats_url(settings, "ingest")
+    names = Names(settings.subject_prefix)
+
+    async def run() -> None:
+        nc = await connect(nats_url, "ontofabric-delete-branch", settings)
+        try:
+            js = nc.jetstream()
+            ingester = Ingester(js, names, None, settings.max_content_bytes, progress)
+            held = (await ingester.load_manifest(workspace, branch)).entries
+            if not held:
+                console.print(f"{workspace}/{branch} holds nothing an ingest published: nothing to take back")
+                return
+            documents = sum(1 for key in held if key.startswith("d:"))
+            asked = f"take back {documents} documents and {len(held) - documents} graph rows of {workspace}/{branch}"
+            if not yes and not await asyncio.to_thread(typer.confirm, f"{asked}, so that it reads as {MAIN_BRANCH}?"):
+                raise typer.Exit(1)
+            set_aside = await DeadLetterWatch.start(nc, names, workspace) if wait else None
+            started = time.perf_counter()
+            with progress:
+                report = await ingester.revert_branch(workspace, branch)
+                awaited = report.awaited_sequence
+                if wait and awaited is not None:
+                    watch = ProjectionWatch(progress, awaited, _stalled_projection)
+                    try:
+                        await wait_projected(
+                            js, names, settings.projector_partitions, awaited, wait_timeout, on_floor=watch
+                        )
+                    except TimeoutError:
+                        _fail(
+                            f"not projected within {wait_timeout:g} s: the index is at stream seq {watch.floor}, the "
+                            f"last revert is {awaited}. The reverts are stored; a running projector applies them.",
+                            1,
+                        )
+            console.print(
+                f"{workspace}/{branch}: {report.reverts} documents and {report.graph_changes} graph rows taken back; "
+                f"it reads as {MAIN_BRANCH} ({time.perf_counter() - started:.1f}s)"
+            )
+            if set_aside is not None and report.published:
+                await _dead_letters_in(nc)
+                _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
+        finally:
+            await close_nats(nc)
+
+    progress = RichProgress(console)
+    try:
+        with _sigterm_as_interrupt():
+            asyncio.run(run())
+    except KeyboardInterrupt:
+        errors.print(
+            "interrupted: the reverts published so far are stored and a running projector applies them; the same "
+            "command again sends the rest",
+            soft_wrap=True,
+        )
+        raise _interrupted() from None
+
+
 @app.command()
 def query(
     text: Annotated[

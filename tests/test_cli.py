@@ -34,7 +34,7 @@ ONTOFABRIC = str(Path(sys.executable).parent / "ontofabric")
 COMMANDS = [
     "up", "projector", "query-worker", "ingest", "query", "mcp", "demo", "eval", "rebuild", "migrate", "contracts",
     "settings", "gateway-token", "nats-user", "dlq", "status", "compact", "reembed", "calibrate", "forget-layout",
-    "adopt-stream",
+    "adopt-stream", "delete-branch",
 ]  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from nats.js.api import DiscardPolicy, PubAck
 from nats.js.errors import ServiceUnavailableError
 from structlog.testing import capture_logs
 
-from ontofabric.contracts import DeltaEnvelope
+from ontofabric.contracts import DeltaEnvelope, QueryResponse
 from ontofabric.contracts.path_patterns import matches
 from ontofabric.services.ingest import ingester as ingester_module
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file, self_import_name
@@ -38,6 +38,7 @@ from ontofabric.services.ingest.ingester import (
 )
 from ontofabric.services.ops.dead_letters import Selection, dead_letters
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.embedder import Embedder, EmbedderMismatch, LoadedOnDemand, build_embedder, embedding_text
 from ontofabric.shared.embedding_cache import EmbeddingCache
 from ontofabric.shared.manifest_store import ManifestStore
@@ -45,7 +46,7 @@ from ontofabric.shared.onnx_models import OnnxEmbedder
 from ontofabric.shared.progress import ProjectionWatch
 from ontofabric.shared.settings import Settings
 
-from .conftest import Deployment, RecordedProgress
+from .conftest import Deployment, RecordedProgress, Start
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -214,6 +215,72 @@ async def test_a_branch_publishes_only_what_differs_from_main(
     ]  # fmt: skip
     main_rows = await deployment.fetch("SELECT count(*) AS n FROM documents WHERE branch = 'main' AND NOT deleted")
     assert main_rows[0]["n"] == 4  # main is untouched by the branch
+
+
+async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """A branch merged or given up could not be taken away: its documents, tombstones and graph stayed for good,
+    and every query on it read them."""
+    main_tree, branch_tree = tmp_path / "main", tmp_path / "branch"
+    files = {"__init__.py": "", "a.py": "def f():\n    return 1\n", "b.py": "class Shape:\n    pass\n"}
+    _write(main_tree, files)
+    _write(branch_tree, {**files, "a.py": "class Base:\n    pass\n\n\ndef f():\n    return Base()\n"})
+    (branch_tree / "b.py").unlink()
+    circle = "from .a import Base\n\n\nclass Circle(Base):\n    def unicorn_area(self):\n        return 2\n"
+    _write(branch_tree, {"c.py": circle})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    await ingester.ingest(main_tree, "repo")
+    first = await ingester.ingest(branch_tree, "repo", "feature/x")
+    assert first.last_sequence is not None
+    await deployment.wait_projected(first.last_sequence)
+    own = "SELECT count(*) AS n FROM {} WHERE workspace = 'repo' AND branch = 'feature/x' AND NOT transparent"
+    tables = ("documents", "ontology_nodes", "ontology_links")
+
+    async def held() -> list[int]:
+        return [(await deployment.fetch(own.format(table)))[0]["n"] for table in tables]
+
+    assert all(await held())  # the branch's documents and tombstones, nodes and links
+    await start_query_worker(None)
+    client = QueryClient(deployment.nc, deployment.names)
+
+    async def ids(branch: str) -> list[str]:
+        reply = await client.query("repo", {"semanticQuery": "unicorn_area Shape f", "branch": branch})
+        assert isinstance(reply, QueryResponse), reply
+        return [result.id for result in reply.results]
+
+    assert await ids("feature/x") != await ids("main")
+
+    _tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
+    command = [str(Path(sys.executable).parent / "ontofabric"), "delete-branch", "--workspace", "repo"]
+
+    def delete_branch(branch: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--branch", branch, "--yes"], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+
+    deleted = await asyncio.to_thread(delete_branch, "feature/x")
+    assert deleted.returncode == 0, deleted.stderr
+    assert f"{first.upserts + first.deletes} documents and" in deleted.stdout
+    assert "it reads as main" in " ".join(deleted.stdout.split())
+    assert await held() == [0, 0, 0]
+    postings = "SELECT count(*) AS n FROM postings WHERE workspace = 'repo' AND branch = 'feature/x'"
+    assert (await deployment.fetch(postings))[0]["n"] == 0
+    assert await ids("feature/x") == await ids("main")
+    assert (await ingester.load_manifest("repo", "feature/x")).entries == {}
+
+    again = await asyncio.to_thread(delete_branch, "feature/x")  # nothing left: said, and no delta sent
+    assert again.returncode == 0, again.stderr
+    assert "nothing to take back" in again.stdout
+    on_main = await asyncio.to_thread(delete_branch, "main")
+    assert on_main.returncode == 2
+    assert "only a branch can be deleted" in on_main.stderr
+    # Ingested again, the branch sends everything it differs from main by, as its first ingest did.
+    second = await ingester.ingest(branch_tree, "repo", "feature/x")
+    assert (second.upserts, second.deletes, second.graph_changes) == (first.upserts, first.deletes, first.graph_changes)
+    assert second.last_sequence is not None
+    await deployment.wait_projected(second.last_sequence)
+    assert all(await held())
 
 
 async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly_its_tree(

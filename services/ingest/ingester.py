@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from ontofabric.contracts import (
     MAIN_BRANCH,
@@ -1114,70 +1115,13 @@ class Ingester:
         vectors = dict(zip([c.document_id for c in documents], await self._embed(documents), strict=True))
         embed_s = time.perf_counter() - embed_started
         model = self._embedder.model_name if self._embedder is not None else None
-        base = loaded.generation + previous.digest + (main.digest if main is not None else "")
 
-        def delta(key: str, change: str, payload: DeltaPayload) -> DeltaEnvelope:
-            return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))
+        def upsert(key: str) -> DeltaPayload:
+            return _upsert(key, chunks, nodes, links, vectors, model, key in plan.whole_file)
 
-        keyed = {
-            key: delta(key, desired[key], _upsert(key, chunks, nodes, links, vectors, model, key in plan.whole_file))
-            for key in plan.upserts
-        }
-        # A tombstone naming its file is another change than one naming none: two ingests racing from one
-        # manifest gave both one event id, and the second was set aside as an id reused (a reviewer's).
-        deleted_files = plan.deleted_files
-        for key in plan.deletes:
-            file = deleted_files.get(key)
-            keyed[key] = delta(key, "deleted" if file is None else f"deleted|{file}", _removal(key, file))
-        keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
-        limit = min(MAX_DELTA_MESSAGE_BYTES, connection_of(self._js).max_payload) - DELTA_HEADER_ROOM_BYTES
-        too_large = sorted(key for key, sent in keyed.items() if not fits(sent, limit))
-        for key in too_large:
-            log.warning("ingest_document_too_large", key=key, limit=limit)
-        deltas = [sent for key, sent in keyed.items() if key not in too_large]
-        unknown = dict.fromkeys(too_large, UNKNOWN)
-        # The previous patterns until the ingest is done: one stopped part way says again that they changed.
-        in_flight = Manifest(
-            {**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude,
-            {**previous.files, **plan.manifest.files}, previous.package, previous.published_through,
-            previous.published_from,
-        )  # fmt: skip
-        if deltas:
-            # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
-            # next one sends it again or removes it (before, what it had stored was nowhere, and stayed for good).
-            loaded = await self._save_manifest(workspace, branch, in_flight, loaded)
-        publish_started = time.perf_counter()
-        self._progress.stage("publish", len(deltas))
-        acks = await DeltaPublisher(self._js, self._names).publish_many(
-            deltas, on_stored=lambda _: self._progress.advance("publish")
+        acks, keyed, too_large, publish_s = await self._publish(
+            workspace, branch, plan, upsert, loaded, previous, main, patterns, package or "", patterns_changed
         )
-        publish_s = time.perf_counter() - publish_started
-        if deltas:
-            done = Manifest(
-                {**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package or "",
-                max((a.seq for a in acks), default=previous.published_through),
-                min((a.seq for a in acks), default=previous.published_from),
-            )  # fmt: skip
-            saved = _manifest_of(loaded)
-            if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
-                done = done.merged_with(saved)
-            await self._save_manifest(workspace, branch, done, loaded)
-        elif (
-            patterns_changed
-            or _files_of_entries(plan.manifest.files, previous) != previous.files
-            or previous.package != (package or "")
-        ):
-            # Nothing sent, but the patterns changed or the documents' files or the package were not recorded (a
-            # manifest saved before they were, which a branch needs of main's): recorded if no other ingest saved
-            # meanwhile.
-            unchanged_manifest = Manifest(
-                previous.entries, patterns, plan.manifest.files, package or "", previous.published_through,
-                previous.published_from,
-            )  # fmt: skip
-            try:
-                await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
-            except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
-                log.info("ingest_manifest_not_recorded", workspace=workspace, branch=branch)
         changed = {*plan.upserts, *plan.reverts}
         return IngestReport(
             files=len(sources),
@@ -1218,6 +1162,125 @@ class Ingester:
                 main.exclude if main is not None and main.exclude is not None and main.exclude != patterns else None
             ),
         )
+
+    async def _publish(
+        self,
+        workspace: str,
+        branch: str,
+        plan: IngestPlan,
+        upsert: Callable[[str], DeltaPayload],
+        loaded: StoredManifest,
+        previous: Manifest,
+        main: Manifest | None,
+        patterns: tuple[str, ...] | None,
+        package: str,
+        patterns_changed: bool,
+    ) -> tuple[list[PubAck], dict[str, DeltaEnvelope], list[str], float]:
+        """``plan``'s deltas published (``upsert`` makes an upsert's payload) and the branch's manifest saved around
+        them: the acknowledgements, the deltas by key, the keys too large to send, and the seconds publishing took."""
+        base = loaded.generation + previous.digest + (main.digest if main is not None else "")
+
+        def delta(key: str, change: str, payload: DeltaPayload) -> DeltaEnvelope:
+            return envelope(workspace, payload, branch=branch, event_id=event_id(workspace, branch, base, key, change))
+
+        keyed = {key: delta(key, plan.manifest.entries[key], upsert(key)) for key in plan.upserts}
+        # A tombstone naming its file is another change than one naming none: two ingests racing from one
+        # manifest gave both one event id, and the second was set aside as an id reused (a reviewer's).
+        deleted_files = plan.deleted_files
+        for key in plan.deletes:
+            file = deleted_files.get(key)
+            keyed[key] = delta(key, "deleted" if file is None else f"deleted|{file}", _removal(key, file))
+        keyed |= {key: delta(key, "reverted", _removal(key, revert=True)) for key in plan.reverts}
+        limit = min(MAX_DELTA_MESSAGE_BYTES, connection_of(self._js).max_payload) - DELTA_HEADER_ROOM_BYTES
+        too_large = sorted(key for key, sent in keyed.items() if not fits(sent, limit))
+        for key in too_large:
+            log.warning("ingest_document_too_large", key=key, limit=limit)
+        deltas = [sent for key, sent in keyed.items() if key not in too_large]
+        unknown = dict.fromkeys(too_large, UNKNOWN)
+        # The previous patterns until the ingest is done: one stopped part way says again that they changed.
+        in_flight = Manifest(
+            {**previous.entries, **dict.fromkeys(keyed, UNKNOWN)}, previous.exclude,
+            {**previous.files, **plan.manifest.files}, previous.package, previous.published_through,
+            previous.published_from,
+        )  # fmt: skip
+        if deltas:
+            # Saved before publishing: an ingest stopped part way leaves every key it was sending unknown, so the
+            # next one sends it again or removes it (before, what it had stored was nowhere, and stayed for good).
+            loaded = await self._save_manifest(workspace, branch, in_flight, loaded)
+        publish_started = time.perf_counter()
+        self._progress.stage("publish", len(deltas))
+        acks = await DeltaPublisher(self._js, self._names).publish_many(
+            deltas, on_stored=lambda _: self._progress.advance("publish")
+        )
+        publish_s = time.perf_counter() - publish_started
+        if deltas:
+            done = Manifest(
+                {**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package,
+                max((a.seq for a in acks), default=previous.published_through),
+                min((a.seq for a in acks), default=previous.published_from),
+            )  # fmt: skip
+            saved = _manifest_of(loaded)
+            if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
+                done = done.merged_with(saved)
+            await self._save_manifest(workspace, branch, done, loaded)
+        elif (
+            patterns_changed
+            or _files_of_entries(plan.manifest.files, previous) != previous.files
+            or previous.package != package
+        ):
+            # Nothing sent, but the patterns changed or the documents' files or the package were not recorded (a
+            # manifest saved before they were, which a branch needs of main's): recorded if no other ingest saved
+            # meanwhile.
+            unchanged_manifest = Manifest(
+                previous.entries, patterns, plan.manifest.files, package, previous.published_through,
+                previous.published_from,
+            )  # fmt: skip
+            try:
+                await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
+            except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
+                log.info("ingest_manifest_not_recorded", workspace=workspace, branch=branch)
+        return acks, keyed, too_large, publish_s
+
+    async def revert_branch(self, workspace: str, branch: str) -> IngestReport:
+        """Take back every change the branch's ingests made, so that it reads as main does: a revert for every
+        entry of its manifest (documents, tombstones, graph nodes and links), and the manifest left empty. For a
+        branch merged or given up: its rows stay only as the stream sequences that keep older deltas out."""
+        if branch == MAIN_BRANCH:
+            raise ValueError(f"{MAIN_BRANCH} has no main to read as: only a branch can be reverted")
+        with tracer().start_as_current_span("branch revert") as span:
+            span.set_attribute("ontofabric.workspace", workspace)
+            span.set_attribute("ontofabric.branch", branch)
+            main = await self.load_manifest(workspace, MAIN_BRANCH)
+            loaded = await self._manifests.load(workspace, branch)
+            previous = _manifest_of(loaded)
+            plan = plan_ingest(main.entries, previous, main)  # the branch as main: nothing of its own
+            assert not plan.upserts, plan.upserts
+            assert not plan.deletes, plan.deletes
+
+            def nothing_to_upsert(key: str) -> DeltaPayload:
+                raise AssertionError(f"a revert upserts nothing, asked for {key}")
+
+            acks: list[PubAck] = []
+            keyed: dict[str, DeltaEnvelope] = {}
+            too_large: list[str] = []
+            publish_s = 0.0
+            if plan.reverts:  # else nothing of the branch's is left to take back, and no manifest is made for it
+                acks, keyed, too_large, publish_s = await self._publish(
+                    workspace, branch, plan, nothing_to_upsert, loaded, previous, main, previous.exclude,
+                    previous.package or "", False,
+                )  # fmt: skip
+        return IngestReport(
+            files=0, chunks=0, upserts=0, deletes=0,
+            reverts=sum(1 for k in plan.reverts if k.startswith("d:")),
+            graph_changes=sum(1 for k in plan.reverts if not k.startswith("d:")),
+            unchanged=0, last_sequence=max((a.seq for a in acks), default=None),
+            pending_through=None if acks else previous.published_through,
+            pending_from=None if acks else previous.published_from,
+            main_pending_through=None, main_pending_from=None,
+            published=frozenset(a.seq for a in acks),
+            keys_by_sequence=dict(zip((a.seq for a in acks), (k for k in keyed if k not in too_large), strict=True)),
+            too_large=[], embed_s=0.0, publish_s=publish_s,
+        )  # fmt: skip
 
     async def _read(
         self, root: Path, sources: Mapping[str, str], package: str | None

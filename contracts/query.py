@@ -700,7 +700,8 @@ class QueryMeta(WireModel):
     )
     timings_ms: dict[str, float] = Field(
         description="Wall time per pipeline stage, milliseconds; queue: the wait in the worker before the pipeline "
-        "ran (not part of total)."
+        "ran (not part of total). On a cache hit, the stages are those of the run that made the answer, and queue "
+        "and total this request's."
     )
 
 

@@ -18,6 +18,7 @@ from pydantic import SecretStr
 
 from ontofabric.contracts import MAX_REQUEST_BYTES, DocumentReply, ErrorReply, QueryResponse, StatusReply
 from ontofabric.contracts.path_patterns import matches, normal_pattern, pattern_regex
+from ontofabric.services.gateway.tools import answer_notes
 from ontofabric.services.ingest.chunking import SECTION_PART_CHARS
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
@@ -482,6 +483,23 @@ async def test_cache_hit_then_invalidated_by_a_new_delta(
     assert third.meta.cache_hit is False
     assert third.meta.ontology_version.startswith(f"{ack.seq}-")
     assert "fib2" in {r.id for r in third.results}
+
+
+async def test_a_repeated_question_is_told_what_its_first_asking_was(
+    seeded: int, embedder: Embedder, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An agent tester's: a name no chunk defines was said so in the first answer's text, not in the same answer
+    from the cache (the note reads which lookups ran from the timings, which a cache hit had replaced)."""
+    await start_query_worker(embedder)
+    asked = {"semanticQuery": "frobnicate_widget_xyz"}
+    first, again = await _ask(client, "frobnicate_widget_xyz"), await _ask(client, "frobnicate_widget_xyz")
+    assert (first.meta.cache_hit, again.meta.cache_hit) == (False, True)
+    assert any(
+        "no chunk defining a symbol named 'frobnicate_widget_xyz'" in note for note in answer_notes(first, asked)
+    )
+    assert answer_notes(again, asked) == answer_notes(first, asked)
+    assert set(again.meta.timings_ms) - {"queue"} == set(first.meta.timings_ms) - {"queue"}
+    assert again.meta.timings_ms["total"] < first.meta.timings_ms["total"]  # this request's own
 
 
 async def test_one_tenant_s_many_questions_leave_another_s_answers_cached(

@@ -230,7 +230,10 @@ class QueryPipeline:
                 freshness, _ = await self._shared_freshness(workspace, query.branch, shared.meta.freshness)
         if shared is not None:
             self._metrics.cache_hit.add(1)
-            timings = run.timings | {"total": milliseconds_since(run.started)}  # the wait in the worker, if any
+            # The stages as the run that made the answer timed them (what ran: a note on a name no chunk defines
+            # read them, and went missing from a repeated question, an agent tester's); queue and total this one's.
+            stages = {stage: ms for stage, ms in shared.meta.timings_ms.items() if stage not in ("queue", "total")}
+            timings = stages | run.timings | {"total": milliseconds_since(run.started)}
             meta = shared.meta.model_copy(update={"cache_hit": True, "timings_ms": timings, "freshness": freshness})
             return self._recorded(query, shared.model_copy(update={"meta": meta}))
         self._metrics.cache_miss.add(1)

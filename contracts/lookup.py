@@ -104,8 +104,9 @@ class StatusReply(WireModel):
     branches: list[BranchStatus] = Field(description="main, and the branch when it is not main.")
     other_branches: list[str] = Field(
         default_factory=list,
-        description="The workspace's other branches the index holds, by name, in order (the first "
-        f"{MAX_OTHER_BRANCHES}): ask with one as branch to see it. Empty from a worker older than this field.",
+        description="The workspace's other branches holding changes of their own, the latest changed first (the "
+        f"first {MAX_OTHER_BRANCHES}): ask with one as branch to see it. A branch deleted (`ontofabric "
+        "delete-branch`) is not named. Empty from a worker older than this field.",
     )
     more_branches: bool = Field(default=False, description="The workspace has more branches than otherBranches names.")
     pending_deltas: int = Field(description="Deltas of those branches not yet in the index.")

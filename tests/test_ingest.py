@@ -21,7 +21,7 @@ from nats.js.api import DiscardPolicy, PubAck
 from nats.js.errors import ServiceUnavailableError
 from structlog.testing import capture_logs
 
-from ontofabric.contracts import DeltaEnvelope, QueryResponse
+from ontofabric.contracts import DeltaEnvelope, QueryResponse, StatusReply
 from ontofabric.contracts.path_patterns import matches
 from ontofabric.services.ingest import ingester as ingester_module
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file, self_import_name
@@ -250,6 +250,17 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
         return [result.id for result in reply.results]
 
     assert await ids("feature/x") != await ids("main")
+    _write(tmp_path / "later", {**files, "a.py": "def f():\n    return 3\n"})
+    later = await ingester.ingest(tmp_path / "later", "repo", "later")  # named after, changed after feature/x
+    assert later.last_sequence is not None
+    await deployment.wait_projected(later.last_sequence)
+
+    async def other_branches() -> list[str]:
+        status = await client.status("repo", {})
+        assert isinstance(status, StatusReply), status
+        return status.other_branches
+
+    assert await other_branches() == ["later", "feature/x"]  # the latest changed first
 
     _tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
     command = [str(Path(sys.executable).parent / "ontofabric"), "delete-branch", "--workspace", "repo"]
@@ -268,6 +279,7 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
     assert (await deployment.fetch(postings))[0]["n"] == 0
     assert await ids("feature/x") == await ids("main")
     assert (await ingester.load_manifest("repo", "feature/x")).entries == {}
+    assert await other_branches() == ["later"]  # nothing of its own: not named to ask about
 
     again = await asyncio.to_thread(delete_branch, "feature/x")  # nothing left: said, and no delta sent
     assert again.returncode == 0, again.stderr

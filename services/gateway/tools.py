@@ -202,8 +202,8 @@ TOOLS = (
         description=(
             "For a workspace and branch: the ontologyVersion, the stream sequence the index has handled against the "
             "last one published, how many deltas are pending and for how long, the dead letters, and the time of the "
-            "last change, and the workspace's other branches by name. Pending deltas mean recent edits are not "
-            "searchable yet; streamRefused, that none will be until an operator acts."
+            "last change, and the workspace's other branches, the latest changed first. Pending deltas mean recent "
+            "edits are not searchable yet; streamRefused, that none will be until an operator acts."
         ),
         operation="status",
         request=StatusRequest,

@@ -145,8 +145,8 @@ class BranchStates:
     embedding_model: str
     embedding_dimension: int
     others: list[str]
-    """The workspace's other branches the index holds a version of, by name (at most MAX_OTHER_BRANCHES and one:
-    one more says there are more)."""
+    """The workspace's other branches holding rows of their own, the latest changed first (at most
+    MAX_OTHER_BRANCHES and one: one more says there are more)."""
 
 
 AnnouncedRevision = Callable[[str, str], int]
@@ -997,9 +997,18 @@ class PostgresDocuments:
                 workspace,
                 list(branches),
             )
+            # The branches with rows of their own, the latest changed first: by name, a hundred merged branches
+            # named before a live one hid it, and a branch deleted (every row transparent) stayed named for good
+            # (an agent tester's).
             others = await snapshot.conn.fetch(
-                "SELECT branch FROM ontology_versions WHERE workspace = $1 AND NOT branch = ANY($2::text[])"
-                " ORDER BY branch LIMIT $3",
+                "SELECT v.branch FROM ontology_versions v WHERE v.workspace = $1 AND NOT v.branch = ANY($2::text[])"
+                " AND (EXISTS (SELECT 1 FROM documents d"
+                "              WHERE d.workspace = $1 AND d.branch = v.branch AND NOT d.transparent)"
+                "      OR EXISTS (SELECT 1 FROM ontology_nodes n"
+                "                 WHERE n.workspace = $1 AND n.branch = v.branch AND NOT n.transparent)"
+                "      OR EXISTS (SELECT 1 FROM ontology_links l"
+                "                 WHERE l.workspace = $1 AND l.branch = v.branch AND NOT l.transparent))"
+                " ORDER BY v.updated_at DESC, v.branch LIMIT $3",
                 workspace,
                 list(branches),
                 MAX_OTHER_BRANCHES + 1,  # one more: whether there are more is said

@@ -85,6 +85,11 @@ class BranchStatus(WireModel):
     branch: str
     ontology_version: str = Field(description="The branch's own version ('{streamSeq}-{stateHash}').")
     documents: int = Field(description="Live documents the branch itself holds (on a branch: its own rows).")
+    hidden: int = Field(
+        default=0,
+        description="On a branch: its tombstones, each hiding main's document of its id (a file deleted on the "
+        "branch hides main's later chunks of it too). 0 on main, and from a worker older than this field.",
+    )
     latest_seq: int | None = Field(description="The stream sequence of its last published delta; null when none.")
     pending_deltas: int = Field(description="Its deltas published past indexedSeq: not yet in the index.")
     pending_ms: float | None = Field(description="How long ago the oldest of them was published; null when none.")

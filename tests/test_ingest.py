@@ -23,6 +23,7 @@ from structlog.testing import capture_logs
 
 from ontofabric.contracts import DeltaEnvelope, QueryResponse, StatusReply
 from ontofabric.contracts.path_patterns import matches
+from ontofabric.services.gateway.tools import _render_status
 from ontofabric.services.ingest import ingester as ingester_module
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file, self_import_name
 from ontofabric.services.ingest.client import DeltaPublisher
@@ -261,6 +262,10 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
         return status.other_branches
 
     assert await other_branches() == ["later", "feature/x"]  # the latest changed first
+    on_branch = await client.status("repo", {"branch": "feature/x"})
+    assert isinstance(on_branch, StatusReply), on_branch
+    assert [(b.branch, b.hidden) for b in on_branch.branches] == [("main", 0), ("feature/x", first.deletes)]
+    assert f"(and hides {first.deletes} documents of main's)" in _render_status(on_branch)
 
     _tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
     command = [str(Path(sys.executable).parent / "ontofabric"), "delete-branch", "--workspace", "repo"]

@@ -681,8 +681,10 @@ def _render_status(reply: StatusReply) -> str:
         waited = f", oldest {branch.pending_ms} ms" if branch.pending_ms is not None else ""
         # None once compaction folded its deltas into a snapshot: no number to print.
         last = "no delta of it in the stream" if branch.latest_seq is None else f"last delta seq {branch.latest_seq}"
+        # A branch that only deletes files read as "0 documents", as an empty or misspelt one does (a tester's).
+        hides = f" (and hides {_counted(branch.hidden, 'document')} of main's)" if branch.hidden else ""
         lines.append(
-            f"- {branch.branch}: {_counted(branch.documents, 'document')}, {last}, {branch.pending_deltas} "
+            f"- {branch.branch}: {_counted(branch.documents, 'document')}{hides}, {last}, {branch.pending_deltas} "
             f"pending{waited}, last change {shown_time(branch.last_change) if branch.last_change else 'none yet'}"
         )
     if reply.other_branches:  # an agent could not find a branch it had not been told of (a tester's)

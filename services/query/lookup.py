@@ -169,6 +169,7 @@ class Lookups:
             branch=branch,
             ontology_version=state.version if state is not None else NO_VERSION,
             documents=state.documents if state is not None else 0,
+            hidden=state.hidden if state is not None else 0,
             latest_seq=latest,
             pending_deltas=pending.deltas if pending is not None else 0,
             pending_ms=pending.oldest_ms if pending is not None else None,

@@ -135,6 +135,8 @@ class BranchState:
     version: str
     documents: int
     updated_at: datetime
+    hidden: int = 0
+    """On a branch: its tombstones, each hiding main's document of its id."""
 
 
 @dataclass(frozen=True)
@@ -992,8 +994,10 @@ class PostgresDocuments:
         vectors its database holds (the deployment row), read in one snapshot."""
         async with self._snapshots.read(Scope(workspace, MAIN_BRANCH)) as snapshot:
             rows = await snapshot.conn.fetch(
-                "SELECT branch, state_hash, stream_seq, doc_count, updated_at FROM ontology_versions"
-                " WHERE workspace = $1 AND branch = ANY($2::text[])",
+                "SELECT v.branch, v.state_hash, v.stream_seq, v.doc_count, v.updated_at,"
+                f" CASE WHEN v.branch = {MAIN_SQL} THEN 0 ELSE (SELECT count(*) FROM documents d"
+                "  WHERE d.workspace = $1 AND d.branch = v.branch AND d.deleted AND NOT d.transparent) END AS hidden"
+                " FROM ontology_versions v WHERE v.workspace = $1 AND v.branch = ANY($2::text[])",
                 workspace,
                 list(branches),
             )
@@ -1016,7 +1020,9 @@ class PostgresDocuments:
             deployment = await snapshot.conn.fetchrow("SELECT embedding_model, embedding_dim FROM deployment")
         assert deployment is not None  # the first migration writes it
         states = {
-            r["branch"]: BranchState(format_version(r["state_hash"], r["stream_seq"]), r["doc_count"], r["updated_at"])
+            r["branch"]: BranchState(
+                format_version(r["state_hash"], r["stream_seq"]), r["doc_count"], r["updated_at"], r["hidden"]
+            )
             for r in rows
         }
         return BranchStates(

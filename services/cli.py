@@ -754,7 +754,8 @@ def delete_branch(
     the manifest empty (a later ingest of the branch starts afresh). The index keeps of each row only the stream
     sequence that keeps older deltas out; the branch's version stays, and `ontofabric status` lists it. Deltas
     published to the branch by other producers than `ontofabric ingest` are not in its manifest, and are not
-    taken back. Needs the ingest role only: a user confined to the workspace may delete its branches."""
+    taken back, and neither are the changes of an ingest of the branch running at the same time: run it again
+    after that ingest. Needs the ingest role only: a user confined to the workspace may delete its branches."""
     from .ingest.ingester import Ingester
 
     if branch == MAIN_BRANCH:
@@ -799,7 +800,12 @@ def delete_branch(
             )
             if set_aside is not None and report.published:
                 await _dead_letters_in(nc)
-                _fail_on_dead_letters(set_aside.of(report.published), len(report.published), workspace)
+                letters = set_aside.of(report.published)
+                refused = [report.keys_by_sequence[a.original_seq] for a in letters if a.original_seq is not None]
+                # Their rows are still the branch's: the same command again sends their reverts again (a review's:
+                # it said "nothing to take back" over them).
+                await ingester.forget(workspace, branch, refused, held_or_not=True)
+                _fail_on_dead_letters(letters, len(report.published), workspace)
         finally:
             await close_nats(nc)
 

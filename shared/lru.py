@@ -77,9 +77,9 @@ class LruCache(Generic[K, V]):
             self._used(key)
         while True:
             if len(self._entries) > self._max_entries:
-                self._forget(self._victim(by_bytes=False))
+                self._forget(self._victim(by_bytes=False, keep=key))
             elif self._max_bytes is not None and self.bytes > self._max_bytes:
-                self._forget(self._victim(by_bytes=True))
+                self._forget(self._victim(by_bytes=True, keep=key))
             else:
                 break
 
@@ -112,17 +112,20 @@ class LruCache(Generic[K, V]):
         keys[key] = self._uses
         keys.move_to_end(key)
 
-    def _victim(self, by_bytes: bool) -> K:
-        """The entry to go: the least recently used, of the owner holding the most when there are owners."""
+    def _victim(self, by_bytes: bool, keep: K) -> K:
+        """The entry to go: the least recently used, of the owner holding the most when there are owners; never
+        ``keep``, the entry just put (a review's: one weighing more than every other owner's, once it had pushed
+        out others' entries, went itself, kept by no one)."""
         if self._owner is None:
             return next(iter(self._entries))
+        owners = [owner for owner, keys in self._owned.items() if next(iter(keys)) != keep]
 
         def holding(owner: Hashable) -> tuple[int, int]:
             keys = self._owned[owner]
             held = self._owned_bytes[owner] if by_bytes else len(keys)
             return held, -next(iter(keys.values()))  # alike: the one whose least recent use is oldest
 
-        return next(iter(self._owned[max(self._owned, key=holding)]))
+        return next(iter(self._owned[max(owners, key=holding)]))
 
     def _forget(self, key: K) -> None:
         if key not in self._entries:

@@ -283,8 +283,15 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
     postings = "SELECT count(*) AS n FROM postings WHERE workspace = 'repo' AND branch = 'feature/x'"
     assert (await deployment.fetch(postings))[0]["n"] == 0
     assert await ids("feature/x") == await ids("main")
-    assert (await ingester.load_manifest("repo", "feature/x")).entries == {}
+    emptied = await ingester.load_manifest("repo", "feature/x")
+    assert (emptied.entries, emptied.exclude, emptied.package) == ({}, None, "")  # a next ingest starts afresh
     assert await other_branches() == ["later"]  # nothing of its own: not named to ask about
+    # A revert a projector set aside is forgotten into the emptied manifest, so that the next run sends it again.
+    await ingester.forget("repo", "feature/x", ["d:gone-astray"], held_or_not=True)
+    assert (await ingester.load_manifest("repo", "feature/x")).entries == {"d:gone-astray": UNKNOWN}
+    resent = await ingester.revert_branch("repo", "feature/x")
+    assert (resent.reverts, len(resent.published)) == (1, 1)
+    assert (await ingester.load_manifest("repo", "feature/x")).entries == {}
 
     again = await asyncio.to_thread(delete_branch, "feature/x")  # nothing left: said, and no delta sent
     assert again.returncode == 0, again.stderr

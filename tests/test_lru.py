@@ -69,6 +69,17 @@ def test_by_weight_the_owner_weighing_most_gives_way() -> None:
     assert [key for key, _ in cache.items() if key[0] == "big"] == [("big", 3), ("big", 4)]
 
 
+def test_an_entry_just_put_is_not_what_makes_room_for_itself() -> None:
+    """A review's: one entry weighing as much as another owner's many pushed one of theirs out, then itself."""
+    cache: LruCache[tuple[str, int], str] = LruCache(100, max_bytes=64, size=len, owner=lambda key: key[0])
+    for n in range(8):
+        cache.put(("many", n), "x" * 5)
+    cache.put(("one", 0), "x" * 40)
+    assert ("one", 0) in cache
+    assert [key for key, _ in cache.items() if key[0] == "many"] == [("many", n) for n in range(4, 8)]
+    assert cache.bytes == 60
+
+
 def test_with_owners_the_counts_always_equal_what_is_held() -> None:
     rng = random.Random(11)
     cache: LruCache[tuple[int, int], str] = LruCache(20, max_bytes=500, size=len, owner=lambda key: key[0])

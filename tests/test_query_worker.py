@@ -880,6 +880,10 @@ async def test_query_metrics_and_trace_context_cross_nats(
     expansions = _recorded("retrieval.graph_expansion.duration_ms")
     await _ask(client, "compress a directory into a zip archive", followLinks=True)
     assert _recorded("retrieval.graph_expansion.duration_ms") == expansions + 1
+    cached = await _ask(client, "compress a directory into a zip archive", followLinks=True)
+    assert cached.meta.cache_hit
+    assert "expansion" in cached.meta.timings_ms  # its maker's: counted once, when it ran
+    assert _recorded("retrieval.graph_expansion.duration_ms") == expansions + 1
     durations = metric_points("retrieval.query.duration_ms")
     attributes = [dict(p.attributes) for p in durations]
     fresh = {"hybrid": True, "reranked": False, "cacheHit": False, "backend": "postgres-bm25", "followLinks": False}

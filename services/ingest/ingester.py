@@ -991,15 +991,17 @@ class Ingester:
                 log.warning("ingest_raced", workspace=workspace, branch=branch, unknown=manifest.unknown)
         raise ManifestChanged(f"{workspace}/{branch}: the manifest changed {SAVE_ATTEMPTS} times while saving")
 
-    async def forget(self, workspace: str, branch: str, keys: Collection[str]) -> None:
+    async def forget(self, workspace: str, branch: str, keys: Collection[str], held_or_not: bool = False) -> None:
         """Record ``keys`` unknown in the branch's manifest, so that the next ingest sends them again: their deltas
         were dead-lettered, and every ingest after called them unchanged (an ops tester's). Sent again, they are
-        indexed if what refused them changed, or set aside again and said so."""
+        indexed if what refused them changed, or set aside again and said so. ``held_or_not``: also keys the
+        manifest no longer holds (a revert's, whose row the branch still has: the next revert sends it again)."""
         if not keys:
             return
         loaded = await self._manifests.load(workspace, branch)
         manifest = _manifest_of(loaded)
-        entries = {**manifest.entries, **{key: UNKNOWN for key in keys if key in manifest.entries}}
+        forgotten = {key: UNKNOWN for key in keys if held_or_not or key in manifest.entries}
+        entries = {**manifest.entries, **forgotten}
         # Saved as an ingest saves: merged with another's saved meanwhile, the forgotten keys stay unknown.
         await self._save_manifest(workspace, branch, replace(manifest, entries=entries), loaded)
 
@@ -1265,10 +1267,10 @@ class Ingester:
             too_large: list[str] = []
             publish_s = 0.0
             if plan.reverts:  # else nothing of the branch's is left to take back, and no manifest is made for it
+                # No patterns nor package recorded: the branch's next ingest starts afresh, not told they changed.
                 acks, keyed, too_large, publish_s = await self._publish(
-                    workspace, branch, plan, nothing_to_upsert, loaded, previous, main, previous.exclude,
-                    previous.package or "", False,
-                )  # fmt: skip
+                    workspace, branch, plan, nothing_to_upsert, loaded, previous, main, None, "", False
+                )
         return IngestReport(
             files=0, chunks=0, upserts=0, deletes=0,
             reverts=sum(1 for k in plan.reverts if k.startswith("d:")),

@@ -1202,7 +1202,7 @@ class QueryPipeline:
         }
         # From the worker's receipt: a worker at capacity shows in the wait, and the latency alert must see it.
         self._metrics.query_duration.record(meta.timings_ms.get("queue", 0.0) + meta.timings_ms["total"], attributes)
-        if "expansion" in meta.timings_ms:
+        if "expansion" in meta.timings_ms and not meta.cache_hit:  # a cached answer's is its maker's, counted then
             self._metrics.graph_expansion_duration.record(meta.timings_ms["expansion"])
         return response
 

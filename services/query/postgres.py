@@ -1003,15 +1003,13 @@ class PostgresDocuments:
             )
             # The branches with rows of their own, the latest changed first: by name, a hundred merged branches
             # named before a live one hid it, and a branch deleted (every row transparent) stayed named for good
-            # (an agent tester's).
+            # (an agent tester's). Each test is a probe of a partial index of branch rows (migration 0035).
+            own = " WHERE {0}.workspace = $1 AND {0}.branch = v.branch AND {0}.branch <> {1} AND NOT {0}.transparent"
             others = await snapshot.conn.fetch(
                 "SELECT v.branch FROM ontology_versions v WHERE v.workspace = $1 AND NOT v.branch = ANY($2::text[])"
-                " AND (EXISTS (SELECT 1 FROM documents d"
-                "              WHERE d.workspace = $1 AND d.branch = v.branch AND NOT d.transparent)"
-                "      OR EXISTS (SELECT 1 FROM ontology_nodes n"
-                "                 WHERE n.workspace = $1 AND n.branch = v.branch AND NOT n.transparent)"
-                "      OR EXISTS (SELECT 1 FROM ontology_links l"
-                "                 WHERE l.workspace = $1 AND l.branch = v.branch AND NOT l.transparent))"
+                f" AND (EXISTS (SELECT 1 FROM documents d{own.format('d', MAIN_SQL)})"
+                f"      OR EXISTS (SELECT 1 FROM ontology_nodes n{own.format('n', MAIN_SQL)})"
+                f"      OR EXISTS (SELECT 1 FROM ontology_links l{own.format('l', MAIN_SQL)}))"
                 " ORDER BY v.updated_at DESC, v.branch LIMIT $3",
                 workspace,
                 list(branches),

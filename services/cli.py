@@ -611,7 +611,11 @@ def ingest(
                 subject = names.delta_subject(workspace, MAIN_BRANCH)
                 mains = set_aside.on_subject_within(subject, report.main_pending_from or 0, report.main_pending_through)
                 _fail_on_dead_letters(mains, None, workspace, f"deltas {MAIN_BRANCH}'s last ingest published")
-            if report.too_large:
+            if report.raced:  # a tester's: both exited 0, neither saying the branch was neither's result
+                errors.print(
+                    _RACED.format(what="ingest", workspace=workspace, branch=branch), soft_wrap=True, markup=False
+                )
+            if report.too_large or report.raced:
                 raise typer.Exit(1)
         finally:
             for _, connection in followed:
@@ -714,6 +718,13 @@ async def _dead_letters_in(nc: Client) -> None:
         )
 
 
+_RACED = (
+    "warning: another ingest or delete-branch of {workspace}/{branch} published at the same time as this {what}: the "
+    "index holds a mix of the two, and the changes they disagree on are recorded unknown. Run the one whose result "
+    "you want again, once the other is done."
+)
+
+
 def _fail_on_dead_letters(
     letters: Sequence[SetAside],
     published: int | None,
@@ -770,17 +781,16 @@ def delete_branch(
             js = nc.jetstream()
             ingester = Ingester(js, names, None, settings.max_content_bytes, progress)
             held = (await ingester.load_manifest(workspace, branch)).entries
-            if not held:
-                console.print(f"{workspace}/{branch} holds nothing an ingest published: nothing to take back")
-                return
             documents = sum(1 for key in held if key.startswith("d:"))
             asked = f"take back {documents} documents and {len(held) - documents} graph rows of {workspace}/{branch}"
-            if not yes and not await asyncio.to_thread(typer.confirm, f"{asked}, so that it reads as {MAIN_BRANCH}?"):
+            if held and not yes and not await asyncio.to_thread(typer.confirm, f"{asked}, so that it reads as main?"):
                 raise typer.Exit(1)
             set_aside = await DeadLetterWatch.start(nc, names, workspace) if wait else None
             started = time.perf_counter()
             with progress:
                 report = await ingester.revert_branch(workspace, branch)
+                # This run's reverts, or an earlier run's when none is left to send: a run again after a wait that
+                # timed out said "nothing to take back" at once, exit 0, over reverts not applied (a tester's).
                 awaited = report.awaited_sequence
                 if wait and awaited is not None:
                     watch = ProjectionWatch(progress, awaited, _stalled_projection)
@@ -794,10 +804,22 @@ def delete_branch(
                             f"last revert is {awaited}. The reverts are stored; a running projector applies them.",
                             1,
                         )
-            console.print(
-                f"{workspace}/{branch}: {report.reverts} documents and {report.graph_changes} graph rows taken back; "
-                f"it reads as {MAIN_BRANCH} ({time.perf_counter() - started:.1f}s)"
-            )
+            took = f"({time.perf_counter() - started:.1f}s)"
+            applied = f"it reads as {MAIN_BRANCH}" if wait else "a running projector applies them"
+            if report.published:
+                console.print(
+                    f"{workspace}/{branch}: {report.reverts} documents and {report.graph_changes} graph rows taken "
+                    f"back; {applied} {took}"
+                )
+            elif not report.recorded:  # a misspelt name, most likely: said as such, not as done
+                errors.print(
+                    f"warning: no ingest of {workspace}/{branch} is recorded (check the names): nothing to take back",
+                    soft_wrap=True,
+                    markup=False,
+                )
+            else:
+                done = f"; {applied}" if awaited is not None else ""
+                console.print(f"{workspace}/{branch} was taken back already: nothing left to send{done} {took}")
             if set_aside is not None and report.published:
                 await _dead_letters_in(nc)
                 letters = set_aside.of(report.published)
@@ -806,6 +828,19 @@ def delete_branch(
                 # it said "nothing to take back" over them).
                 await ingester.forget(workspace, branch, refused, held_or_not=True)
                 _fail_on_dead_letters(letters, len(report.published), workspace)
+            elif set_aside is not None and report.pending_through is not None:
+                # Waited for an earlier run's reverts: those set aside meanwhile are not in the index either.
+                await _dead_letters_in(nc)
+                subject = names.delta_subject(workspace, branch)
+                earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
+                _fail_on_dead_letters(earlier, None, workspace, "reverts an earlier run published")
+            if report.raced:
+                errors.print(
+                    _RACED.format(what="delete-branch", workspace=workspace, branch=branch),
+                    soft_wrap=True,
+                    markup=False,
+                )
+                raise typer.Exit(1)
         finally:
             await close_nats(nc)
 

@@ -295,7 +295,10 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
 
     again = await asyncio.to_thread(delete_branch, "feature/x")  # nothing left: said, and no delta sent
     assert again.returncode == 0, again.stderr
-    assert "nothing to take back" in again.stdout
+    assert "repo/feature/x was taken back already: nothing left to send; it reads as main" in again.stdout
+    misspelt = await asyncio.to_thread(delete_branch, "feature/y")
+    assert misspelt.returncode == 0, misspelt.stderr
+    assert "no ingest of repo/feature/y is recorded (check the names)" in " ".join(misspelt.stderr.split())
     on_main = await asyncio.to_thread(delete_branch, "main")
     assert on_main.returncode == 2
     assert "only a branch can be deleted" in on_main.stderr
@@ -305,6 +308,46 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
     assert second.last_sequence is not None
     await deployment.wait_projected(second.last_sequence)
     assert all(await held())
+
+
+async def test_delete_branch_run_again_after_its_wait_timed_out_waits_for_its_reverts(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A tester's: run again after its wait timed out (no projector running), delete-branch said "nothing to take
+    back" at once and exited 0, over reverts not applied; a CI job retrying it reported success."""
+    _write(tmp_path / "main", {"a.py": "def f():\n    return 1\n"})
+    _write(tmp_path / "branch", {"a.py": "def f():\n    return 2\n"})
+    ingester = Ingester(deployment.js, deployment.names, None, deployment.settings.max_content_bytes)
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    await ingester.ingest(tmp_path / "main", "repo")
+    branch = await ingester.ingest(tmp_path / "branch", "repo", "fix")
+    assert branch.last_sequence is not None
+    await deployment.wait_projected(branch.last_sequence)
+    await projector.stop()
+    _tree, env = _one_file_tree_as_ingester(deployment, tmp_path)
+    command = [str(Path(sys.executable).parent / "ontofabric"), "delete-branch", "--workspace", "repo"]
+
+    def delete_branch() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--branch", "fix", "--yes", "--wait-timeout", "1"],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    for _ in range(2):  # the first sends its reverts, the second finds none to send: both wait for them
+        timed_out = await asyncio.to_thread(delete_branch)
+        assert timed_out.returncode == 1, timed_out.stdout
+        assert "not projected within 1 s" in " ".join(timed_out.stderr.split())
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        done = await asyncio.to_thread(delete_branch)
+    finally:
+        await projector.stop()
+    assert done.returncode == 0, done.stderr
+    assert "repo/fix was taken back already: nothing left to send; it reads as main" in done.stdout
+    own = "SELECT count(*) AS n FROM documents WHERE workspace = 'repo' AND branch = 'fix' AND NOT transparent"
+    assert (await deployment.fetch(own))[0]["n"] == 0
 
 
 async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly_its_tree(
@@ -328,11 +371,14 @@ async def test_after_two_ingests_of_one_branch_raced_the_next_one_leaves_exactly
         return loaded
 
     monkeypatch.setattr(ingester._manifests, "load", planned_together)
-    await asyncio.gather(ingester.ingest(ours, "repo"), ingester.ingest(theirs, "repo"))
+    reports = await asyncio.gather(ingester.ingest(ours, "repo"), ingester.ingest(theirs, "repo"))
     # Every chunk of either tree may be in the index in either version: none is known any more.
     raced = (await ingester.load_manifest("repo", "main")).entries
     assert sorted(value for key, value in raced.items() if key.startswith("d:")) == [UNKNOWN] * 6
+    # Said by the one that saved second (a tester's: both said their counts, and the CLI exited 0 for both).
+    assert any(report.raced for report in reports)
     again = await ingester.ingest(ours, "repo")
+    assert not again.raced
     assert (again.upserts, again.deletes) == (4, 2)  # ours sent again; b.py and its function removed
     assert again.last_sequence is not None
     await deployment.wait_projected(again.last_sequence)

@@ -930,6 +930,13 @@ class IngestReport:
     left out, counted by kind, the commonest first: an agent asking about them would otherwise find nothing unsaid
     (a tester's monorepo: 34 of 50 files, Go, TypeScript, YAML and SQL among them)."""
 
+    raced: bool = False
+    """Another ingest (or delete-branch) of the branch saved its manifest while this one published: their deltas
+    interleaved, so the index holds a mix of the two; the keys they disagree on are recorded unknown, and the same
+    command again makes the branch what it asks."""
+    recorded: bool = True
+    """Whether the branch had an ingest manifest at all (False: never ingested by an ingester of this project)."""
+
     @property
     def awaited_sequence(self) -> int | None:
         """The stream sequence the index must reach before the branch's content, as this ingest left it, is there:
@@ -1121,7 +1128,7 @@ class Ingester:
         def upsert(key: str) -> DeltaPayload:
             return _upsert(key, chunks, nodes, links, vectors, model, key in plan.whole_file)
 
-        acks, keyed, too_large, publish_s = await self._publish(
+        acks, keyed, too_large, publish_s, raced = await self._publish(
             workspace, branch, plan, upsert, loaded, previous, main, patterns, package or "", patterns_changed
         )
         changed = {*plan.upserts, *plan.reverts}
@@ -1145,6 +1152,7 @@ class Ingester:
             too_large=[chunks[key[2:]].symbol_key for key in too_large if key.startswith("d:")],
             embed_s=embed_s,
             publish_s=publish_s,
+            raced=raced,
             exclusions=patterns,
             unparsed=tuple(f"{c.file_path} ({c.parse_error})" for c in chunks.values() if c.parse_error is not None),
             unread=tuple(unread),
@@ -1177,9 +1185,10 @@ class Ingester:
         patterns: tuple[str, ...] | None,
         package: str,
         patterns_changed: bool,
-    ) -> tuple[list[PubAck], dict[str, DeltaEnvelope], list[str], float]:
+    ) -> tuple[list[PubAck], dict[str, DeltaEnvelope], list[str], float, bool]:
         """``plan``'s deltas published (``upsert`` makes an upsert's payload) and the branch's manifest saved around
-        them: the acknowledgements, the deltas by key, the keys too large to send, and the seconds publishing took."""
+        them: the acknowledgements, the deltas by key, the keys too large to send, the seconds publishing took, and
+        whether another ingest of the branch saved its manifest meanwhile (their deltas interleaved)."""
         base = loaded.generation + previous.digest + (main.digest if main is not None else "")
 
         def delta(key: str, change: str, payload: DeltaPayload) -> DeltaEnvelope:
@@ -1215,6 +1224,7 @@ class Ingester:
             deltas, on_stored=lambda _: self._progress.advance("publish")
         )
         publish_s = time.perf_counter() - publish_started
+        raced = False
         if deltas:
             done = Manifest(
                 {**plan.manifest.entries, **unknown}, patterns, plan.manifest.files, package,
@@ -1222,9 +1232,11 @@ class Ingester:
                 min((a.seq for a in acks), default=previous.published_from),
             )  # fmt: skip
             saved = _manifest_of(loaded)
-            if saved.entries != in_flight.entries:  # another ingest of the branch saved meanwhile: merged as a race
+            raced = saved.entries != in_flight.entries
+            if raced:  # another ingest of the branch saved meanwhile: merged as a race
                 done = done.merged_with(saved)
-            await self._save_manifest(workspace, branch, done, loaded)
+            final = await self._save_manifest(workspace, branch, done, loaded)
+            raced = raced or _manifest_of(final).entries != done.entries
         elif (
             patterns_changed
             or _files_of_entries(plan.manifest.files, previous) != previous.files
@@ -1241,7 +1253,7 @@ class Ingester:
                 await self._manifests.save(workspace, branch, unchanged_manifest.to_json(), loaded)
             except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
                 log.info("ingest_manifest_not_recorded", workspace=workspace, branch=branch)
-        return acks, keyed, too_large, publish_s
+        return acks, keyed, too_large, publish_s, raced
 
     async def revert_branch(self, workspace: str, branch: str) -> IngestReport:
         """Take back every change the branch's ingests made, so that it reads as main does: a revert for every
@@ -1265,10 +1277,10 @@ class Ingester:
             acks: list[PubAck] = []
             keyed: dict[str, DeltaEnvelope] = {}
             too_large: list[str] = []
-            publish_s = 0.0
+            publish_s, raced = 0.0, False
             if plan.reverts:  # else nothing of the branch's is left to take back, and no manifest is made for it
                 # No patterns nor package recorded: the branch's next ingest starts afresh, not told they changed.
-                acks, keyed, too_large, publish_s = await self._publish(
+                acks, keyed, too_large, publish_s, raced = await self._publish(
                     workspace, branch, plan, nothing_to_upsert, loaded, previous, main, None, "", False
                 )
         return IngestReport(
@@ -1281,7 +1293,7 @@ class Ingester:
             main_pending_through=None, main_pending_from=None,
             published=frozenset(a.seq for a in acks),
             keys_by_sequence=dict(zip((a.seq for a in acks), (k for k in keyed if k not in too_large), strict=True)),
-            too_large=[], embed_s=0.0, publish_s=publish_s,
+            too_large=[], embed_s=0.0, publish_s=publish_s, raced=raced, recorded=loaded.data is not None,
         )  # fmt: skip
 
     async def _read(

@@ -56,6 +56,24 @@ def _compose() -> dict[str, Any]:
     return loaded
 
 
+def test_compose_runs_the_server_releases_the_tests_run() -> None:
+    """compose pinned nats 2.10 and PostgreSQL 17 while the tests ran 2.15 and 18: ingest manifests' purge markers
+    expire by a per-message TTL, which nats-server has since 2.11, and compose's would have stayed for good."""
+    services = _compose()["services"]
+    nats_version = subprocess.run([str(nats_server_binary()), "--version"], capture_output=True, text=True, check=True)
+    tested = re.search(r"v(\d+\.\d+)\.", nats_version.stdout)
+    assert tested is not None, nats_version.stdout
+    assert services["nats"]["image"] == f"nats:{tested.group(1)}"
+    postgres = subprocess.run(
+        [str(postgres_bin_dir() / "postgres"), "--version"], capture_output=True, text=True, check=True
+    )
+    major = re.search(r"PostgreSQL\) (\d+)\.", postgres.stdout)
+    assert major is not None, postgres.stdout
+    assert services["postgres"]["image"] == f"pgvector/pgvector:pg{major.group(1)}"
+    # From 18 the image keeps its data under a directory of the release and refuses a mount at .../data.
+    assert "postgres-data:/var/lib/postgresql" in services["postgres"]["volumes"]
+
+
 def test_docker_compose_validates_the_compose_file_and_prometheus_its_configuration(tmp_path: Path) -> None:
     compose = shutil.which("docker-compose")
     if compose is None:

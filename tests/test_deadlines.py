@@ -350,6 +350,75 @@ async def test_a_refusal_told_to_come_back_well_past_its_wait_says_why(
     assert max(r.error.retry_after_ms or 0 for r in refused) > 2000  # the storm's pacing reached it
 
 
+async def test_a_busy_worker_answers_a_malformed_request_at_once_and_a_hopeless_timeout_as_such(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """Two load testers': under load a malformed body was refused "overloaded", retryable (a retrying client sent
+    it again and again), or queued for seconds before its error; and a timeout too short for any answer was told
+    to retry, where an idle worker said it was too short."""
+    await start_worker(SlowReranker(0.5), query_concurrency=1, query_queue_limit=1)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)  # a time to go by
+    held = [asyncio.create_task(client.query("acme", {"semanticQuery": LONG_QUERY})) for _ in range(2)]
+    await asyncio.sleep(0.1)  # both places taken
+    started = time.monotonic()
+    (malformed,) = await _request(deployment, b'{"semanticQuery": 42, "topK": "ten"}', 2000, 0.3)
+    invalid = parse_reply(malformed)
+    assert isinstance(invalid, ErrorReply), invalid
+    assert (invalid.error.code, invalid.error.retryable) == ("invalid_request", False), invalid.error.message
+    assert {detail.field for detail in invalid.error.details} == {"semanticQuery", "topK"}
+    assert time.monotonic() - started < 0.4  # not behind the slow ones
+    (short,) = await _request(deployment, _query(), 20, 0.3)
+    hopeless = parse_reply(short)
+    assert isinstance(hopeless, ErrorReply), hopeless
+    assert (hopeless.error.code, hopeless.error.retryable) == ("deadline_exceeded", False), hopeless.error.message
+    assert hopeless.error.details[0].field == "header Ontofabric-Timeout-Ms"
+    assert all(isinstance(reply, QueryResponse) for reply in await asyncio.gather(*held))
+
+
+async def test_one_workspace_s_refusals_do_not_pace_another_s_return(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A load tester's: during one tenant's flood every tenant was told to come back in about 11 s, the waits
+    paced behind the flood's refusals, where its own wait was about 0.6 s."""
+    await start_worker(SlowReranker(0.2), query_concurrency=1, query_queue_limit=1)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
+    flood: list[int] = []
+    for _ in range(3):
+        replies = await asyncio.gather(*(client.query("acme", {"semanticQuery": LONG_QUERY}) for _ in range(12)))
+        flood += [r.error.retry_after_ms or 0 for r in replies if isinstance(r, ErrorReply)]
+    assert max(flood) > 2000  # acme's own refusals paced behind each other
+    others = await asyncio.gather(*(client.query("globex", {"semanticQuery": LONG_QUERY}) for _ in range(3)))
+    told = [r.error.retry_after_ms for r in others if isinstance(r, ErrorReply)]
+    assert told, others
+    assert all(ms is not None and ms < 1500 for ms in told), told
+
+
+async def test_answers_from_the_cache_are_no_measure_of_a_workspace_s_work(
+    seeded: int,
+    deployment: Deployment,
+    start_query_worker: Start,
+    embedder: Embedder,
+) -> None:
+    """A load tester's: a workspace asking one cached question over and over brought its average work down to a
+    few ms, and its costly questions were taken in to fail at their deadlines."""
+    service = await start_query_worker(embedder, SlowReranker(0.3), reranker_timeout_ms=60_000)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
+    worked = service._service_time.own("acme query")
+    assert worked >= 0.3
+    for _ in range(20):
+        cached = await client.query("acme", {"semanticQuery": LONG_QUERY})
+        assert isinstance(cached, QueryResponse)
+        assert cached.meta.cache_hit
+    assert service._service_time.own("acme query") == pytest.approx(worked, rel=0.05)
+
+
 async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_in_front_of_others(
     seeded: int,
     deployment: Deployment,
@@ -1113,8 +1182,8 @@ async def test_retrievers_cut_by_the_deadline_are_deadline_exceeded_not_unavaila
         assert refused.error.details[0].field == "header Ontofabric-Timeout-Ms"
     # A document or a status request runs no retriever: refused for time, it may be tried again (a review's). And
     # a query's send time, when it took part, is still named.
-    for operation in ("document", "status"):
-        (late,) = await _request(deployment, b'{"id": "csv"}', 1, 2.0, operation=operation)
+    for operation, body in (("document", b'{"id": "csv"}'), ("status", b"{}")):
+        (late,) = await _request(deployment, body, 1, 2.0, operation=operation)
         refused = parse_reply(late)
         assert isinstance(refused, ErrorReply), refused
         assert (refused.error.code, refused.error.retryable) == ("deadline_exceeded", True), operation

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Self
@@ -157,10 +158,10 @@ _DEFAULT_IGNORABLE = (
 space, direction marks, joiners, variation selectors and the Hangul fillers among them."""
 
 
-def _shows_nothing(character: str) -> bool:
-    """Whitespace, or a character shown as nothing (:data:`_DEFAULT_IGNORABLE`)."""
-    point = ord(character)
-    return character.isspace() or any(first <= point <= last for first, last in _DEFAULT_IGNORABLE)
+SHOWS_NOTHING = re.compile("[\\s" + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in _DEFAULT_IGNORABLE) + "]*")
+"""Text of whitespace (as str.isspace reads it) and characters shown as nothing (:data:`_DEFAULT_IGNORABLE`) alone,
+by ``fullmatch``: one pass, where a test of each character against each range took 17 ms over a 63 kB body, read
+before the worker judges its load (a review's)."""
 
 
 def _pattern_class(code_points: list[int]) -> str:
@@ -341,7 +342,7 @@ class OntologyQuery(StrictRequest):
     @field_validator("semantic_query")
     @classmethod
     def _has_text(cls, value: str | None) -> str | None:
-        if value is not None and all(map(_shows_nothing, value)):
+        if value is not None and SHOWS_NOTHING.fullmatch(value):
             # Ignorable characters as whitespace: a query of a zero-width space and two marks was answered, dense
             # alone, with whatever lay nearest (an outside tester's).
             raise ValueError("semanticQuery must contain text that shows: not only whitespace or invisible marks")

@@ -503,6 +503,10 @@ def ingest(
                 finally:
                     cache.close()
                 _note_exclusions(report, workspace, branch)  # before the wait, which may end the command
+                if report.raced:  # a tester's: both exited 0, neither saying the branch was neither's result
+                    errors.print(
+                        _RACED.format(what="ingest", workspace=workspace, branch=branch), soft_wrap=True, markup=False
+                    )
                 if report.files == 0 and not allow_empty:  # a first ingest of a wrong path said only "0 files"
                     errors.print(
                         f"warning: {path} holds no source file this ingester reads ({SOURCES_READ}): nothing to index",
@@ -611,10 +615,6 @@ def ingest(
                 subject = names.delta_subject(workspace, MAIN_BRANCH)
                 mains = set_aside.on_subject_within(subject, report.main_pending_from or 0, report.main_pending_through)
                 _fail_on_dead_letters(mains, None, workspace, f"deltas {MAIN_BRANCH}'s last ingest published")
-            if report.raced:  # a tester's: both exited 0, neither saying the branch was neither's result
-                errors.print(
-                    _RACED.format(what="ingest", workspace=workspace, branch=branch), soft_wrap=True, markup=False
-                )
             if report.too_large or report.raced:
                 raise typer.Exit(1)
         finally:
@@ -789,6 +789,12 @@ def delete_branch(
             started = time.perf_counter()
             with progress:
                 report = await ingester.revert_branch(workspace, branch)
+                if report.raced:  # said before the wait, which may end the command
+                    errors.print(
+                        _RACED.format(what="delete-branch", workspace=workspace, branch=branch),
+                        soft_wrap=True,
+                        markup=False,
+                    )
                 # This run's reverts, or an earlier run's when none is left to send: a run again after a wait that
                 # timed out said "nothing to take back" at once, exit 0, over reverts not applied (a tester's).
                 awaited = report.awaited_sequence
@@ -835,11 +841,6 @@ def delete_branch(
                 earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
                 _fail_on_dead_letters(earlier, None, workspace, "reverts an earlier run published")
             if report.raced:
-                errors.print(
-                    _RACED.format(what="delete-branch", workspace=workspace, branch=branch),
-                    soft_wrap=True,
-                    markup=False,
-                )
                 raise typer.Exit(1)
         finally:
             await close_nats(nc)

@@ -375,6 +375,12 @@ async def test_a_busy_worker_answers_a_malformed_request_at_once_and_a_hopeless_
     assert isinstance(hopeless, ErrorReply), hopeless
     assert (hopeless.error.code, hopeless.error.retryable) == ("deadline_exceeded", False), hopeless.error.message
     assert hopeless.error.details[0].field == "header Ontofabric-Timeout-Ms"
+    # A fusion parameter the fusion in use takes none of, too (a review's).
+    unused = {"semanticQuery": LONG_QUERY, "options": {"fusion": {"denseWeight": 0.5}}}
+    (unused_reply,) = await _request(deployment, json.dumps(unused).encode(), 2000, 0.3)
+    refused = parse_reply(unused_reply)
+    assert isinstance(refused, ErrorReply), refused
+    assert (refused.error.code, refused.error.retryable) == ("invalid_request", False), refused.error.message
     assert all(isinstance(reply, QueryResponse) for reply in await asyncio.gather(*held))
 
 
@@ -399,6 +405,22 @@ async def test_one_workspace_s_refusals_do_not_pace_another_s_return(
     assert all(ms is not None and ms < 1500 for ms in told), told
 
 
+async def test_a_burst_across_workspaces_is_told_moments_apart(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A review's: paced per workspace alone, twelve workspaces' requests at once, each the first refused of its
+    workspace, were all told the same moment to come back."""
+    await start_worker(SlowReranker(0.2), query_concurrency=1, query_queue_limit=1)
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
+    assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
+    replies = await asyncio.gather(*(client.query(f"w{n}", {"semanticQuery": LONG_QUERY}) for n in range(12)))
+    told = [r.error.retry_after_ms for r in replies if isinstance(r, ErrorReply)]
+    assert len(told) >= 8, replies
+    assert len(set(told)) >= len(told) // 2, told  # moments apart, not one
+
+
 async def test_answers_from_the_cache_are_no_measure_of_a_workspace_s_work(
     seeded: int,
     deployment: Deployment,
@@ -407,7 +429,9 @@ async def test_answers_from_the_cache_are_no_measure_of_a_workspace_s_work(
 ) -> None:
     """A load tester's: a workspace asking one cached question over and over brought its average work down to a
     few ms, and its costly questions were taken in to fail at their deadlines."""
-    service = await start_query_worker(embedder, SlowReranker(0.3), reranker_timeout_ms=60_000)
+    service = await start_query_worker(
+        embedder, SlowReranker(0.3), reranker_timeout_ms=60_000, query_concurrency=1, query_queue_limit=16
+    )
     client = QueryClient(deployment.nc, deployment.names, timeout_s=10, pushback=False)
     assert isinstance(await client.query("acme", {"semanticQuery": LONG_QUERY}), QueryResponse)
     worked = service._service_time.own("acme query")
@@ -417,6 +441,13 @@ async def test_answers_from_the_cache_are_no_measure_of_a_workspace_s_work(
         assert isinstance(cached, QueryResponse)
         assert cached.meta.cache_hit
     assert service._service_time.own("acme query") == pytest.approx(worked, rel=0.05)
+    # The worker's runners do come free at once: a burst of the cached question is taken in, not refused by the
+    # costly answer's time (a review's: 7 of 8 refused, each told to wait for a runner).
+    burst = await asyncio.gather(
+        *(_request(deployment, json.dumps({"semanticQuery": LONG_QUERY}).encode(), 1000, 0.5) for _ in range(8))
+    )
+    answers = [parse_reply(reply) for replies in burst for reply in replies]
+    assert all(isinstance(answer, QueryResponse) and answer.meta.cache_hit for answer in answers), answers
 
 
 async def test_a_workspace_flooding_a_worker_waits_behind_its_own_requests_not_in_front_of_others(

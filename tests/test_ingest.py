@@ -284,7 +284,7 @@ async def test_a_deleted_branch_reads_as_main_and_its_next_ingest_starts_afresh(
     assert (await deployment.fetch(postings))[0]["n"] == 0
     assert await ids("feature/x") == await ids("main")
     emptied = await ingester.load_manifest("repo", "feature/x")
-    assert (emptied.entries, emptied.exclude, emptied.package) == ({}, None, "")  # a next ingest starts afresh
+    assert (emptied.entries, emptied.exclude, emptied.package) == ({}, None, None)  # a next ingest starts afresh
     assert await other_branches() == ["later"]  # nothing of its own: not named to ask about
     # A revert a projector set aside is forgotten into the emptied manifest, so that the next run sends it again.
     await ingester.forget("repo", "feature/x", ["d:gone-astray"], held_or_not=True)

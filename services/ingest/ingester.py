@@ -1183,7 +1183,7 @@ class Ingester:
         previous: Manifest,
         main: Manifest | None,
         patterns: tuple[str, ...] | None,
-        package: str,
+        package: str | None,
         patterns_changed: bool,
     ) -> tuple[list[PubAck], dict[str, DeltaEnvelope], list[str], float, bool]:
         """``plan``'s deltas published (``upsert`` makes an upsert's payload) and the branch's manifest saved around
@@ -1281,7 +1281,7 @@ class Ingester:
             if plan.reverts:  # else nothing of the branch's is left to take back, and no manifest is made for it
                 # No patterns nor package recorded: the branch's next ingest starts afresh, not told they changed.
                 acks, keyed, too_large, publish_s, raced = await self._publish(
-                    workspace, branch, plan, nothing_to_upsert, loaded, previous, main, None, "", False
+                    workspace, branch, plan, nothing_to_upsert, loaded, previous, main, None, None, False
                 )
         return IngestReport(
             files=0, chunks=0, upserts=0, deletes=0,

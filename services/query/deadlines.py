@@ -151,14 +151,20 @@ class ServiceTime:
     _own: LruCache[str, tuple[float, float]] = field(default_factory=lambda: LruCache(WORKSPACES_TIMED))
     """workspace -> (its average, when it was last moved)"""
 
-    def record(self, took_s: float, workspace: str = "", cut: bool = False, now: float = 0.0) -> None:
+    def record(
+        self, took_s: float, workspace: str = "", cut: bool = False, now: float = 0.0, of_its_work: bool = True
+    ) -> None:
         """``cut``: its deadline ended the work, which would have taken longer, and no less than the workspace's
         average: its own average counts it as that, or each cut pulls it down and the worker admits more than it
         can answer (a load tester's requests were taken up with 170 ms left of 2 s, and cut again). The average
         over every request counts what it took: its runner came free then (a review's: counted at a costly
         tenant's average, short deadlines of that tenant raised every other tenant's expected wait). ``now``: when
-        it ended (the event loop's clock), for :data:`SERVICE_TIME_HALF_LIFE_S`."""
+        it ended (the event loop's clock), for :data:`SERVICE_TIME_HALF_LIFE_S`. ``of_its_work``: False for a request
+        that is no measure of its workspace's work (an answer from the cache), which counts only in how fast
+        runners come free."""
         self.seconds, self._at = _moved(self.seconds, took_s, now - self._at), now
+        if not of_its_work:
+            return
         average, at = self._own.get(workspace) or (0.0, now)
         own = max(took_s, average) if cut else took_s
         self._own.put(workspace, (_moved(average, own, now - at), now))

@@ -131,6 +131,8 @@ def error_reply(
 
 PACED_SAID_PAST_S = 0.5
 """How far past its wait a refusal's paced moment to come back is said in its message (see _overloaded)."""
+PACED_ACROSS_TURNS = 4
+"""Runners' turns a refusal may be paced past its wait behind other workspaces' refusals (see _paced)."""
 LEAST_ANSWER_MS = RETRIEVAL_RESERVE_S * 1000
 """A stated timeout at or under this gives no retriever time (each must end that long before the deadline): the
 least of the reserves, so a query asking only for dense (50 ms) may be told to retry below it and not above."""
@@ -215,6 +217,8 @@ a wait stated. They wait only while the worker reads faster than it admits: a bu
 admission then takes (beyond the places it holds, refused with the wait to come back after: a verifier's burst of
 200 through QueryClient was answered whole only so), or a flood, whose excess costs the worker one prepared
 refusal each."""
+ADMISSION_SLICE_S = 0.005
+"""The longest the admission runs before the worker reads, runs and times out other work again."""
 ADMITTED_BETWEEN_READS = 64
 """Requests admitted one after another before the worker reads again: admitting a flood's requests without end, it
 reads more slowly than they come, and every other workspace's requests wait unread behind them; reading after each
@@ -438,8 +442,10 @@ class QueryService:
         self._waiting: TurnQueue[Admitted] = TurnQueue()
         self._expiries: set[asyncio.Task[None]] = set()
         self._service_time = ServiceTime()
-        # Per workspace: one tenant's flood told every tenant to come back in about 11 s (a load tester's).
+        # Per workspace: one tenant's flood told every tenant to come back in about 11 s (a load tester's); and
+        # across them, within a shorter bound (_paced).
         self._returns: LruCache[str, PacedReturns] = LruCache(WORKSPACES_TIMED)
+        self._returns_across = PacedReturns()
         self._lag = RecentDelay()
         self._held = 0
         """Requests at work or waiting: at most query_concurrency + query_queue_limit."""
@@ -621,7 +627,10 @@ class QueryService:
                 await self._nc.publish(msg.reply, READ_TOO_SLOWLY)
 
     async def _admit_in_turn(self) -> None:
-        """Each workspace's requests in turn, the worker reading between any ADMITTED_BETWEEN_READS of them."""
+        """Each workspace's requests in turn, the worker reading between any ADMITTED_BETWEEN_READS of them, and
+        at least every ADMISSION_SLICE_S (each body is read here: 64 long ones held the loop for a second)."""
+        loop = asyncio.get_running_loop()
+        slice_began = loop.time()
         for admitted in itertools.count(1):
             msg, received, waited_before = await self._arrived.get()
             try:
@@ -635,8 +644,9 @@ class QueryService:
                     await self._reply(msg, error_reply("internal", failed, retryable=True))
             finally:
                 self._arrived.task_done()
-            if admitted % ADMITTED_BETWEEN_READS == 0:
+            if admitted % ADMITTED_BETWEEN_READS == 0 or loop.time() - slice_began > ADMISSION_SLICE_S:
                 await asyncio.sleep(0)  # get() takes the next at once while one waits
+                slice_began = loop.time()
 
     async def _admit(self, msg: Msg, received: float, waited_before: float | ErrorDetail) -> None:
         if msg.headers and UNREADABLE_HEADERS in msg.headers:  # the client read on (shared.jetstream.SturdyClient)
@@ -657,6 +667,7 @@ class QueryService:
         # (two load testers: refused "overloaded", retryable, or queued for seconds before its error).
         request = self._parsed(msg)
         if isinstance(request, bytes):
+            self.handled += 1  # errors included, as a runner counts them
             await self._reply(msg, request, received=received)
             return
         concurrency = self.settings.query_concurrency
@@ -752,7 +763,9 @@ class QueryService:
 
     def _paced(self, wait: float, runners: int, workspace: str) -> float:
         """``wait`` as stated to a request of ``workspace`` refused now: see PacedReturns, paced behind the
-        workspace's own refusals. Nothing before a request has been answered (no time to pace by)."""
+        workspace's own refusals, and behind every workspace's by at most its wait again or PACED_ACROSS_TURNS
+        runners' turns (a review's: a burst of 12 workspaces' requests, each refused first in its workspace, were
+        all told the same moment). Nothing before a request has been answered (no time to pace by)."""
         if wait <= 0:
             return wait
         # No later than a request is worked on by default: the callers told so far may never come back.
@@ -762,7 +775,10 @@ class QueryService:
         if returns is None:
             returns = PacedReturns()
             self._returns.put(workspace, returns)
-        return returns.stated_wait(asyncio.get_running_loop().time(), wait, turn, horizon)
+        now = asyncio.get_running_loop().time()
+        own = returns.stated_wait(now, wait, turn, horizon)
+        across = self._returns_across.stated_wait(now, wait, turn, min(horizon, max(wait, PACED_ACROSS_TURNS * turn)))
+        return max(own, across)
 
     def _displace_for(self, workspace: str) -> Admitted | None:
         """A full worker gives the place of the newest waiting request of the workspace holding the most to
@@ -858,11 +874,13 @@ class QueryService:
                 finished = await self._serve(admitted)
                 # A cached answer's millisecond is no measure of its workspace's work: averaged in, it let a
                 # workspace asking one question over and over have its other questions taken in, to fail at their
-                # deadlines (a load tester's).
-                if finished is not None and not admitted.from_cache:
+                # deadlines (a load tester's). Its runner did come free at once: the worker's average counts it.
+                if finished is not None:
                     ended = asyncio.get_running_loop().time()
                     workspace = self._timed_as(admitted.msg, admitted.workspace)
-                    self._service_time.record(ended - started, workspace, cut=not finished, now=ended)
+                    self._service_time.record(
+                        ended - started, workspace, cut=not finished, now=ended, of_its_work=not admitted.from_cache
+                    )
             except asyncio.CancelledError:
                 raise
             except BaseException:  # nothing one request does may end a runner (a BaseException from a library)
@@ -963,7 +981,9 @@ class QueryService:
         if workspace is None or operation is None:
             return None
         if operation == "query":
-            return parse_request(msg.data, workspace, self.settings.max_query_chars)
+            query = parse_request(msg.data, workspace, self.settings.max_query_chars)
+            unused = None if isinstance(query, bytes) else unused_fusion_parameter(query, self.settings.fusion_method)
+            return query if unused is None else error_reply("invalid_request", unused.message, [unused])
         if operation == "document":
             return parse_body(DocumentRequest, msg.data, workspace)
         return parse_body(StatusRequest, msg.data, workspace)
@@ -1007,9 +1027,6 @@ class QueryService:
     async def _query(self, admitted: Admitted, workspace: str, query: OntologyQuery, waited_ms: float = 0.0) -> bytes:
         assert self._pipeline is not None
         assert self._nc is not None
-        unused = unused_fusion_parameter(query, self.settings.fusion_method)
-        if unused is not None:
-            return error_reply("invalid_request", unused.message, [unused])
         response = await self._pipeline.answer(query, workspace, admitted.deadline.at, waited_ms)
         admitted.from_cache = response.meta.cache_hit
         budget = query.max_tokens or self.settings.answer_max_tokens

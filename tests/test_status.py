@@ -20,6 +20,7 @@ from ontofabric.services.ops.snapshots import compact
 from ontofabric.services.ops.status import NO_QUERY_WORKER, analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
+from ontofabric.services.query import freshness as freshness_module
 from ontofabric.services.query.core import Pending
 from ontofabric.services.query.freshness import published_after
 from ontofabric.services.render import render_status, standing_by
@@ -62,7 +63,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         counted.append(subject)
         return await published_after(js, stream, subject, seq, name)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(status_module, "published_after", counting)
+    monkeypatch.setattr(freshness_module, "published_after", counting)
     status = await deployment_status(deployment.nc, deployment.names, placement)
     assert counted == []  # every branch indexed to its last delta: nothing to count
     rows = {(row.workspace, row.branch): row for row in status.branches}

@@ -23,12 +23,11 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import MAX_LINE
 from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
-from ontofabric.shared.jetstream import last_sequence_on
 from ontofabric.shared.subjects import Names, encode_token
 
 from .budget import BYTES_PER_TOKEN, cut_to, json_size
 from .core import Scope
-from .freshness import DeltaWatch
+from .freshness import DeltaWatch, published_past
 from .postgres import BranchState, PostgresDocuments
 
 
@@ -163,21 +162,17 @@ class Lookups:
         self, workspace: str, branch: str, state: BranchState | None, position: int
     ) -> BranchStatus:
         subject = self._names.delta_subject(workspace, branch)
-        latest = await self._last_seq(subject)
-        pending = await self._freshness.published_after(subject, position) if (latest or 0) > position else None
+        latest, pending = await published_past(self._js, self._names, subject, position)
         return BranchStatus(
             branch=branch,
             ontology_version=state.version if state is not None else NO_VERSION,
             documents=state.documents if state is not None else 0,
             hidden=state.hidden if state is not None else 0,
             latest_seq=latest,
-            pending_deltas=pending.deltas if pending is not None else 0,
-            pending_ms=pending.oldest_ms if pending is not None else None,
+            pending_deltas=pending.deltas,
+            pending_ms=pending.oldest_ms,
             last_change=state.updated_at if state is not None else None,
         )
-
-    async def _last_seq(self, subject: str) -> int | None:
-        return await last_sequence_on(self._js, self._names.delta_stream, subject) or None
 
     async def _dead_letters(self, workspace: str) -> int:
         subject = self._names.dlq_subject(encode_token(workspace))

@@ -107,7 +107,7 @@ from .projector.planning import refused_for_a_long_key
 from .render import RichProgress, as_text, render_reply, render_status, whole_table
 
 if TYPE_CHECKING:
-    from .ingest.ingester import IngestReport
+    from .ingest.ingester import Ingester, IngestReport
     from .ops.adopt import Adopted
 
 log = get_logger(__name__)
@@ -596,19 +596,8 @@ def ingest(
                     soft_wrap=True,
                     markup=False,
                 )
-            elif set_aside is not None and report.last_sequence is not None:
-                await _dead_letters_in(nc)
-                letters = set_aside.of(report.published)
-                refused = [report.keys_by_sequence[a.original_seq] for a in letters if a.original_seq is not None]
-                await ingester.forget(workspace, branch, refused)  # sent again next time, not "unchanged"
-                _fail_on_dead_letters(letters, len(report.published), workspace)
-            elif set_aside is not None and report.pending_through is not None:
-                # Waited for an earlier ingest's deltas: those set aside meanwhile are not in the index either (a
-                # review's: a retry exited 0 over them). Any set aside before this ingest began, it cannot see.
-                await _dead_letters_in(nc)
-                subject = names.delta_subject(workspace, branch)
-                earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
-                _fail_on_dead_letters(earlier, None, workspace)
+            elif set_aside is not None:
+                await _fail_on_branch_dead_letters(nc, names, set_aside, ingester, report, workspace, branch)
             if set_aside is not None and report.main_pending_through is not None and not followed:
                 # A branch waited for main's last ingest too: what of it was set aside meanwhile, it reads without.
                 await _dead_letters_in(nc)
@@ -725,6 +714,36 @@ _RACED = (
 )
 
 
+async def _fail_on_branch_dead_letters(
+    nc: Client,
+    names: Names,
+    set_aside: DeadLetterWatch,
+    ingester: Ingester,
+    report: IngestReport,
+    workspace: str,
+    branch: str,
+    earlier: str = "deltas an earlier ingest published",
+    held_or_not: bool = False,
+) -> None:
+    """Exit 1 when a projector set aside deltas this run published, recorded unknown in the branch's manifest so
+    that the next run sends them again (``held_or_not``: :meth:`Ingester.forget`'s); or, when it published none,
+    deltas of the earlier run it waited for (``earlier`` says whose), which are not in the index either (a review's:
+    a retry exited 0 over them). Any set aside before this run began, it cannot see."""
+    if not report.published and report.pending_through is None:
+        return
+    await _dead_letters_in(nc)
+    if report.published:
+        letters = set_aside.of(report.published)
+        refused = [report.keys_by_sequence[a.original_seq] for a in letters if a.original_seq is not None]
+        await ingester.forget(workspace, branch, refused, held_or_not=held_or_not)  # not "unchanged" next time
+        _fail_on_dead_letters(letters, len(report.published), workspace)
+        return
+    assert report.pending_through is not None
+    subject = names.delta_subject(workspace, branch)
+    letters = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
+    _fail_on_dead_letters(letters, None, workspace, earlier)
+
+
 def _fail_on_dead_letters(
     letters: Sequence[SetAside],
     published: int | None,
@@ -826,20 +845,13 @@ def delete_branch(
             else:
                 done = f"; {applied}" if awaited is not None else ""
                 console.print(f"{workspace}/{branch} was taken back already: nothing left to send{done} {took}")
-            if set_aside is not None and report.published:
-                await _dead_letters_in(nc)
-                letters = set_aside.of(report.published)
-                refused = [report.keys_by_sequence[a.original_seq] for a in letters if a.original_seq is not None]
-                # Their rows are still the branch's: the same command again sends their reverts again (a review's:
-                # it said "nothing to take back" over them).
-                await ingester.forget(workspace, branch, refused, held_or_not=True)
-                _fail_on_dead_letters(letters, len(report.published), workspace)
-            elif set_aside is not None and report.pending_through is not None:
-                # Waited for an earlier run's reverts: those set aside meanwhile are not in the index either.
-                await _dead_letters_in(nc)
-                subject = names.delta_subject(workspace, branch)
-                earlier = set_aside.on_subject_within(subject, report.pending_from or 0, report.pending_through)
-                _fail_on_dead_letters(earlier, None, workspace, "reverts an earlier run published")
+            if set_aside is not None:
+                # A revert set aside leaves its row the branch's: kept in the emptied manifest, the same command
+                # again sends it again (a review's: it said "nothing to take back" over them).
+                await _fail_on_branch_dead_letters(
+                    nc, names, set_aside, ingester, report, workspace, branch, "reverts an earlier run published",
+                    held_or_not=True,
+                )  # fmt: skip
             if report.raced:
                 raise typer.Exit(1)
         finally:

@@ -297,3 +297,27 @@ def test_the_best_ranked_result_keeps_a_slice_of_its_content_when_listing_every_
         assert len(first.content) >= 300, max_tokens
         assert fitted.meta.budget is not None
         assert fitted.meta.budget.results_dropped == 20 - len(fitted.results)
+
+
+def test_a_first_result_that_fits_alone_is_listed_though_no_slice_of_its_content_fits_beside_it() -> None:
+    """An agent tester's: at maxTokens 1,000 a class of 745 lines whose metadata alone took about 1,150 bytes came
+    back as an empty answer (``resultsDropped`` 1), though listed without its content it fitted; with topK 20 all
+    twenty went. Whenever the answer without contents lists the first result, the one with them does too."""
+    answer = _answer(["class Context:\n    pass\n" * 2000 for _ in range(20)])
+    heavy = answer.model_copy(update={"results": [
+        r.model_copy(update={"metadata": {"filePath": f"f{r.id}.py", "symbolFqn": "pkg.core." + "x" * 1_500}})
+        for r in answer.results
+    ]})  # fmt: skip
+    bare = heavy.model_copy(update={"results": [r.model_copy(update={"content": None}) for r in heavy.results]})
+    listed_at = []
+    for max_tokens in range(HELD + 600, HELD + 1200, 25):
+        if not _fit(bare, max_tokens)[0].results:
+            continue
+        listed_at.append(max_tokens)
+        for results in (heavy.results[:1], heavy.results):
+            fitted, body = _fit(heavy.model_copy(update={"results": results}), max_tokens)
+            assert len(body) <= max_tokens * BYTES_PER_TOKEN
+            assert [r.id for r in fitted.results][:1] == ["d0"], max_tokens
+            assert fitted.meta.budget is not None
+            assert fitted.meta.budget.results_dropped == len(results) - len(fitted.results)
+    assert len(listed_at) > 10  # the range reaches budgets the first result fits

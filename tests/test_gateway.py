@@ -1426,6 +1426,12 @@ def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves()
     # A reply that fills the budget alone leaves no room: the marker alone, and no claim of a cut for no text.
     assert fitted_text(query, {"maxTokens": 1000}, lines, lambda: 4000) == TEXT_CUT.lstrip()
     assert fitted_text(query, {"maxTokens": 1000}, "", lambda: 4100) == ""
+    # A document's text as well (an agent tester's get_document at 1,000 made a result of 1,788 tokens).
+    document = next(tool for tool in TOOLS if tool.operation == "document")
+    fitted = fitted_text(document, {"id": "a", "maxTokens": 1000}, text, lambda: 3000)
+    assert json_size(fitted) - 2 <= 1000 * 4 - 3000
+    assert fitted.endswith("the structured result holds the whole answer)")
+    assert fitted_text(document, {"id": "a"}, text, lambda: 3000) == text  # the worker's default budget holds it
 
 
 @pytest.mark.parametrize("last_more", [True, False])

@@ -570,8 +570,8 @@ async def dead_letter(
     )
     # A letter the server refuses as malformed would be refused on every try, holding the index's position for
     # every workspace for good: it goes once more as its reason alone (the delta stays in its stream).
-    refused = [i for i, ack in enumerate(stored) if isinstance(ack, BadRequestError)]
-    bare = [_bare_letter(letters[i], stored[i]) for i in refused]
+    refused = {i: ack for i, ack in enumerate(stored) if isinstance(ack, BadRequestError)}
+    bare = [_bare_letter(letters[i], refusal) for i, refusal in refused.items()]
     again = await asyncio.gather(
         *(js.publish(letter.subject, letter.body, headers=letter.headers) for letter in bare), return_exceptions=True
     )

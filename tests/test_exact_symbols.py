@@ -1027,6 +1027,36 @@ async def test_a_relation_shows_as_many_as_the_largest_top_k_asks(
     assert callers == {f"many.user{i:02}.use{i:02}" for i in range(70)}
 
 
+async def test_a_relation_reads_past_the_nearest_types_that_have_no_chunk_within_the_filters(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """A fault tester's: only the nearest 100 types were read, so types without a chunk (there, or within the
+    request's paths) took every place and a subclass further away was not found."""
+    near = "from .base import Base\n" + "".join(f"\n\nclass Near{i:03}(Base):\n    pass\n" for i in range(110))
+    files = {
+        "__init__.py": "",
+        "base.py": "class Base:\n    pass\n",
+        "near.py": near,
+        "deep/__init__.py": "",
+        "deep/far.py": "from ..near import Near000\n\n\nclass Far(Near000):\n    pass\n",
+    }
+    await _projected(deployment, embedder, tmp_path / "chain", files, "chain")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+    asked = await _ask(
+        client, "x", workspace="chain", relatedTo={"relation": "subclasses", "symbol": "Base"}, paths=["deep/*"]
+    )
+    assert _found_by(asked, SUBCLASS) == ["chain.deep.far.Far"]
+    assert asked.meta.relation_found == 1
+    # Unfiltered, the nearest hundred are the direct subclasses, the farther one past them.
+    every = await _ask(
+        client, "x", workspace="chain", relatedTo={"relation": "subclasses", "symbol": "Base"}, topK=100,
+        maxTokens=100_000,
+    )  # fmt: skip
+    assert every.meta.relation_found == 100
+    assert "chain.deep.far.Far" not in _found_by(every, SUBCLASS)
+
+
 async def test_code_other_than_python_is_found_by_its_names_and_paths_through_the_real_path(
     deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
 ) -> None:

@@ -163,6 +163,10 @@ def cache_key(query: OntologyQuery, workspace: str, version: str, generation: in
     )
 
 
+RELATION_TYPES_READ = 20 * RELATIONS_READ
+"""Types a relation question over the graph reads the chunks of, nearest first, to find RELATIONS_READ with one."""
+
+
 class QueryPipeline:
     def __init__(
         self,
@@ -873,9 +877,13 @@ class QueryPipeline:
             for level, types in enumerate(levels_of[relation](named)):
                 for object_type in types:
                     distance[object_type] = min(level, distance.get(object_type, level))
-        nearest = sorted(distance, key=lambda t: (distance[t], t))[:RELATIONS_READ]
+        # Read past the nearest RELATIONS_READ types, which may have no chunk within the request's filters (or none
+        # at all: a fault tester's chain of types with a class every 500 answered no subclass), then keep the
+        # nearest RELATIONS_READ that have.
+        nearest = sorted(distance, key=lambda t: (distance[t], t))[:RELATION_TYPES_READ]
         found = await self._documents.representatives(scope, nearest, DEFINING_LEVELS)
-        symbols = {doc_id: object_type for object_type, doc_id in found.documents.items()}
+        kept = sorted(found.documents, key=lambda t: (distance[t], t))[:RELATIONS_READ]
+        symbols = {found.documents[object_type]: object_type for object_type in kept}
         distances = {doc_id: distance[object_type] for doc_id, object_type in symbols.items()}
         # A type the graph names is known, whether or not a chunk defines it by that name (an ingester's nodes
         # without symbolFqn).

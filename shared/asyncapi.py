@@ -24,7 +24,7 @@ from ontofabric.contracts.query import (
 )
 from ontofabric.contracts.schema import MESSAGES, SCHEMA_DIR, portable
 
-from .jetstream import MAX_DELTA_MESSAGE_BYTES
+from .jetstream import MAX_DELTA_MESSAGE_BYTES, SERVER_ANSWER_HEADERS
 from .subjects import Names
 
 DOCUMENT_PATH = SCHEMA_DIR.parent / "asyncapi.json"
@@ -123,7 +123,10 @@ def _messages() -> Json:
         "DeltaEnvelope": _message(
             "DeltaEnvelope",
             "DeltaEnvelope",
-            "A document upsert, delete or revert, or an ontology graph change, of one workspace and branch.",
+            "A document upsert, delete or revert, or an ontology graph change, of one workspace and branch. "
+            f"A message carrying any of the headers {', '.join(SERVER_ANSWER_HEADERS)} is read as a NATS server's "
+            "answer stored on the subject, not a delta: it is dropped without a dead letter (counted in the metric "
+            "projector.deltas, outcome server_answer_dropped, and logged). A producer must not set them.",
             _headers(
                 {
                     "Nats-Msg-Id": {

@@ -171,6 +171,9 @@ UNREADABLE_HEADERS = "Ontofabric-Unreadable-Headers"
 """Set by :class:`SturdyClient`, in place of a message's headers that nats-py cannot read, to what was wrong."""
 STORED_STATUS = "Ontofabric-Stored-Status"
 """Where :class:`SturdyClient` puts the ``Status`` a stored message carries (a header, or inline on its first line)."""
+SERVER_ANSWER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status")
+"""Headers the server sets on what it answers with (a direct get's stored message, a status): no delta carries
+them (the projector drops a message that does, services/projector/planning.py)."""
 _STATUS = Header.STATUS.value
 """The header nats-py takes for the server's status on a fetch or a request."""
 _STORED_SEQUENCE = "Nats-Sequence"

@@ -28,6 +28,7 @@ from opentelemetry.trace import Link, get_current_span
 
 from ontofabric.shared.jetstream import (
     MAX_NAK_DELAY_S,
+    SERVER_ANSWER_HEADERS,
     BatchPuller,
     StreamReader,
     backoff_s,
@@ -432,7 +433,8 @@ class DurableProjection:
                 log.warning(
                     "delta_subject_server_answer_dropped", index=self._index, subject=msg.subject,
                     seq=msg.metadata.sequence.stream,
-                    note="a client named this delta subject as a reply subject: the server's answer was stored here",
+                    note="a client named this delta subject as a reply subject (the server's answer was stored "
+                    f"here), or a producer set one of the headers {', '.join(SERVER_ANSWER_HEADERS)} on a delta",
                 )  # fmt: skip
         rejected = [(msg, r) for msg, r in outcome.invalid if r.detail != SERVER_ANSWER]
         invalid = await self._not_dead_lettered_before(rejected)

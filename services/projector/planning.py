@@ -19,7 +19,12 @@ from ontofabric.contracts.deltas import NodeUpserted
 from ontofabric.contracts.query import clipped
 from ontofabric.shared.analysis import analyse
 from ontofabric.shared.half_characters import unreadable_text
-from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, STORED_STATUS, UNREADABLE_HEADERS
+from ontofabric.shared.jetstream import (
+    MAX_DELTA_MESSAGE_BYTES,
+    SERVER_ANSWER_HEADERS,
+    STORED_STATUS,
+    UNREADABLE_HEADERS,
+)
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import encode_token
 
@@ -131,7 +136,7 @@ def validate_delta(
 
 SERVER_ANSWER = "a NATS server's answer to a request that named this subject as its reply, not a delta"
 _ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate", "error"})
-SERVER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status", STORED_STATUS)
+SERVER_HEADERS = (*SERVER_ANSWER_HEADERS, STORED_STATUS)
 """Headers the server sets on what it answers with (a direct get's stored message, a status), which a publisher
 cannot take off: a tenant put a delta made out for another into its own manifest key and had a direct get of it
 answered onto the other's delta subject, which the projector indexed (a review's). No delta carries them. A

@@ -22,7 +22,23 @@ def unescaped(written: str) -> str:
             return f"[{char}]"
         return char if char and char in "!# " else "/" + char
 
-    return re.sub(r"\\(.?)", one, written, flags=re.DOTALL)
+    return _caret_negations(re.sub(r"\\(.?)", one, written, flags=re.DOTALL))
+
+
+def _caret_negations(pattern: str) -> str:
+    """Each class ``[^...]`` written as fnmatch negates one, ``[!...]``: git reads both as "none of" (a fault
+    tester's ``x/[^v]*`` selected only the names starting with ``v``, fnmatch reading ``^`` as a member)."""
+    out, index = list(pattern), 0
+    while (index := pattern.find("[", index)) >= 0:
+        end = index + 1
+        if end < len(pattern) and pattern[end] in "!^":
+            out[end] = "!"
+            end += 1
+        if end < len(pattern) and pattern[end] == "]":
+            end += 1
+        close = pattern.find("]", end)
+        index = close + 1 if close >= 0 else index + 1
+    return "".join(out)
 
 
 def normal_pattern(written: str) -> str | None:

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 from opentelemetry import propagate
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, get_current_span
@@ -544,20 +544,6 @@ def _dead_letter_message(names: Names, msg: Msg, rejection: Rejection, index: st
     return DeadLetter(names.dlq_subject(token or NO_WORKSPACE), body, headers)
 
 
-BARE_LETTER_HEADERS = (
-    "Nats-Msg-Id", "Ontofabric-Reason", "Ontofabric-Detail", "Ontofabric-Index", "Ontofabric-Original-Subject",
-    "Ontofabric-Original-Stream", "Ontofabric-Original-Sequence", "Ontofabric-Delivered",
-)  # fmt: skip
-"""What a dead letter keeps when the server refused it whole: what `dlq` lists and re-drives it by."""
-
-
-def _bare_letter(letter: DeadLetter, refusal: BaseException) -> DeadLetter:
-    """``letter`` without its body and the headers it carries on from its delta, saying why."""
-    headers = {name: letter.headers[name] for name in BARE_LETTER_HEADERS if name in letter.headers}
-    headers["Ontofabric-Body-Omitted"] = _header_safe(f"the server refused the dead letter with it: {refusal}", 300)
-    return DeadLetter(letter.subject, b"", headers)
-
-
 async def dead_letter(
     js: JetStreamContext, names: Names, rejected: Sequence[tuple[Msg, Rejection]], index: str
 ) -> list[Msg]:
@@ -570,15 +556,6 @@ async def dead_letter(
         *(js.publish(letter.subject, letter.body, headers=letter.headers) for letter in letters),
         return_exceptions=True,
     )
-    # A letter the server refuses as malformed would be refused on every try, holding the index's position for
-    # every workspace for good: it goes once more as its reason alone (the delta stays in its stream).
-    refused = {i: ack for i, ack in enumerate(stored) if isinstance(ack, BadRequestError)}
-    bare = [_bare_letter(letters[i], refusal) for i, refusal in refused.items()]
-    again = await asyncio.gather(
-        *(js.publish(letter.subject, letter.body, headers=letter.headers) for letter in bare), return_exceptions=True
-    )
-    for i, ack in zip(refused, again, strict=True):
-        stored[i] = ack
     done: list[Msg] = []
     for (msg, rejection), ack in zip(rejected, stored, strict=True):
         if isinstance(ack, BaseException):  # the dead letter is not safe yet: keep the original for another try

@@ -4,6 +4,7 @@ projectors' consumers and the query workers that answer discovery."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from ontofabric.contracts import NO_VERSION
 from ontofabric.services.ops import status as status_module
 from ontofabric.services.ops.shadow import retired_schema, shadow_schema
 from ontofabric.services.ops.snapshots import compact
-from ontofabric.services.ops.status import NO_QUERY_WORKER, analysis_status, deployment_status
+from ontofabric.services.ops.status import NO_QUERY_WORKER, DeploymentStatus, analysis_status, deployment_status
 from ontofabric.services.projector.planning import ANALYSIS_VERSION
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query import freshness as freshness_module
@@ -481,3 +482,23 @@ async def test_status_of_a_deployment_whose_streams_were_deleted_says_so(deploym
     shown = Console(record=True, width=400)
     render_status(shown, status)  # and it renders
     assert "adopt-stream" in shown.export_text()
+
+
+async def test_a_capped_delta_stream_nearly_full_is_a_problem(deployment: Deployment) -> None:
+    """An operator's: status exited 0 with no problem at 100 % of ONTOFABRIC_DELTA_STREAM_MAX_BYTES, while the stream
+    refused every tenant's deltas (the alert fired; status said nothing)."""
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    await deployment.publisher.publish(upsert("acme", document("a", "alpha " * 200)))
+    names, js = deployment.names, deployment.js
+
+    def full(status: DeploymentStatus) -> list[str]:
+        return [p for p in status.problems if f"stream {names.delta_stream} is" in p]
+
+    assert full(await deployment_status(deployment.nc, names, placement)) == []  # not capped
+    held = (await js.stream_info(names.delta_stream)).state.bytes
+    config = (await js.stream_info(names.delta_stream)).config
+    await js.update_stream(dataclasses.replace(config, max_bytes=held * 4))
+    assert full(await deployment_status(deployment.nc, names, placement)) == []  # a quarter full
+    await js.update_stream(dataclasses.replace(config, max_bytes=held + 100))
+    (problem,) = full(await deployment_status(deployment.nc, names, placement))
+    assert "full: full, it refuses every new message; run `ontofabric compact`" in problem

@@ -252,6 +252,13 @@ async def deployment_status(
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
         )
+        if limit > 0 and info.state.bytes > STREAM_FULL_SHARE * limit:
+            # As the alert OntofabricStreamFilling says it: an operator's status read no problem at 100 %, while the
+            # stream refused every tenant's deltas.
+            status.problems.append(
+                f"the stream {info.config.name} is {info.state.bytes / limit:.0%} full: full, it refuses every new "
+                "message; run `ontofabric compact` or raise ONTOFABRIC_DELTA_STREAM_MAX_BYTES"
+            )
     releases = releases_answering([*status.projectors, *status.query_workers])
     if len(releases) > 1:
         status.problems.append(
@@ -354,6 +361,10 @@ async def _stalled_for(
     if waiting.time is None:
         return None
     return min(still_s, (datetime.now(UTC) - waiting.time).total_seconds())
+
+
+STREAM_FULL_SHARE = 0.85
+"""Of a capped stream's bytes, what status calls a problem (as the alert OntofabricStreamFilling does)."""
 
 
 async def _stream(

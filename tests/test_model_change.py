@@ -237,13 +237,19 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
         dead = await deployment.js.stream_info(deployment.names.dlq_stream)
         assert dead.state.messages == 0
 
-        # The stream still holds the old model's deltas: a rebuild embeds them again and verifies.
+        # The stream still holds the old model's deltas: a rebuild embeds them again and verifies; stopped part way
+        # and run again, it resumes (an operator's resume was refused: its fold read the old model's deltas as
+        # rejected, and the vectors made again as the stream's).
         from ontofabric.services.ops.rebuild import Rebuild
 
+        small_batches = settings.model_copy(update={"projector_batch_size": 2})
+        with pytest.raises(Interrupted):
+            await Rebuild(small_batches, deployment.nats_url, deployment.database_url, "acme", StopsAt("replay")).run()
         rebuilt = await Rebuild(
-            settings, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()
+            small_batches, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()
         ).run()
         assert rebuilt.swapped
+        assert rebuilt.resumed_from > 0
         assert not rebuilt.rejected
         models = await deployment.fetch("SELECT DISTINCT embedding_model FROM documents WHERE NOT deleted")
         assert [r["embedding_model"] for r in models] == [NEXT]
@@ -259,6 +265,15 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
         placement = Placement.of(settings, deployment.database_url)
         compacted = await compact(deployment.nc, deployment.names, settings, RecordedProgress(), placement)
         assert compacted.covers == ack.seq
+        # A rebuild from the snapshot stopped part way resumes too (the same operator's).
+        with pytest.raises(Interrupted):
+            await Rebuild(
+                small_batches, deployment.nats_url, deployment.database_url, "acme", StopsAt("snapshot")
+            ).run()
+        from_snapshot = await Rebuild(
+            small_batches, deployment.nats_url, deployment.database_url, "acme", RecordedProgress()
+        ).run()
+        assert from_snapshot.swapped
 
         again = await ModelChange(settings, deployment.nats_url, deployment.database_url, RecordedProgress()).run()
         assert again.already
@@ -271,6 +286,19 @@ async def test_the_model_and_its_dimension_change_while_queries_are_answered(
 
 class Interrupted(Exception):
     pass
+
+
+class StopsAt(RecordedProgress):
+    """Stops the run at its first step of one stage, as a crash would."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__()
+        self._stage = stage
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        super().advance(name, amount)
+        if name == self._stage:
+            raise Interrupted
 
 
 class InterruptingProgress(RecordedProgress):

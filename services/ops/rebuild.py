@@ -28,7 +28,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import asyncpg
 from nats.aio.client import Client
@@ -387,10 +387,16 @@ class Rebuild:
         failed = await shadow.failed_to_apply()
         self._progress.stage("refold", upto)
         done = 0
+        # Read as the projection runner reads them: a document of the model the index held before was embedded
+        # again by the previous run (an operator's resume after a model change found its rows "not in the stream").
+        reembedder = self._reembedder
+        limits = self._limits if reembedder is None else reembedder.limits(self._limits)
 
         def fold(stored: bytes, subject: str, seq: int, headers: dict[str, str] | None = None) -> None:
-            checked = validate_delta(stored, subject, seq, self._limits, headers)
+            checked = validate_delta(stored, subject, seq, limits, headers)
             if isinstance(checked, Delta) and checked.seq not in failed:
+                if reembedder is not None and reembedder.stale(checked):
+                    checked = replace(checked, reembedded=True)
                 expected.add(checked)
 
         if snapshot is not None:

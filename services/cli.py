@@ -494,6 +494,12 @@ def ingest(
                         )
                     except (ExclusionRefused, EmptyTreeRefused) as error:
                         _fail(str(error))
+                    except PublishFailed as error:
+                        if set_aside is not None and error.keys_by_sequence:
+                            await _settle_stored(
+                                js, nc, names, settings, set_aside, ingester, error, wait_timeout, workspace, branch
+                            )
+                        raise
                     except ManifestMissing as error:
                         _fail(
                             f"{error}. Nothing was published. What this workspace and branch last ingested is unknown; "
@@ -712,6 +718,45 @@ _RACED = (
     "index holds a mix of the two, and the changes they disagree on are recorded unknown. Run the one whose result "
     "you want again, once the other is done."
 )
+
+
+async def _settle_stored(
+    js: JetStreamContext,
+    nc: Client,
+    names: Names,
+    settings: Settings,
+    set_aside: DeadLetterWatch,
+    ingester: Ingester,
+    failed: PublishFailed,
+    wait_timeout: float,
+    workspace: str,
+    branch: str,
+) -> None:
+    """After a publish that failed part way, whose stored deltas the manifest records as sent: wait (within the
+    ingest's wait) until they are projected, and record unknown again those a projector set aside, so that the
+    next ingest, which sends only the rest, sends them too."""
+    stored = failed.keys_by_sequence
+    try:
+        await wait_projected(js, names, settings.projector_partitions, max(stored), wait_timeout)
+        await _dead_letters_in(nc)
+    except Exception as error:  # the publish's own error is what the command ends with
+        errors.print(
+            f"warning: the {len(stored)} deltas stored before the failure were not seen projected ({describe(error)}): "
+            f"any of them set aside is not sent again by the next ingest; `ontofabric dlq list --workspace "
+            f"{workspace}` lists them",
+            soft_wrap=True,
+            markup=False,
+        )
+        return
+    letters = set_aside.of(set(stored))
+    await ingester.forget(workspace, branch, [stored[a.original_seq] for a in letters if a.original_seq in stored])
+    if letters:
+        errors.print(
+            f"warning: {len(letters)} of the {len(stored)} deltas stored before the failure were set aside by a "
+            "projector: the next ingest sends them again with the rest",
+            soft_wrap=True,
+            markup=False,
+        )
 
 
 async def _fail_on_branch_dead_letters(

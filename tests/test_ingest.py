@@ -21,12 +21,12 @@ from nats.js.api import DiscardPolicy, PubAck
 from nats.js.errors import ServiceUnavailableError
 from structlog.testing import capture_logs
 
-from ontofabric.contracts import DeltaEnvelope, QueryResponse, StatusReply
+from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, QueryResponse, StatusReply
 from ontofabric.contracts.path_patterns import matches
 from ontofabric.services.gateway.tools import _render_status
 from ontofabric.services.ingest import ingester as ingester_module
 from ontofabric.services.ingest.chunking import MAX_SYMBOL_CHARS, chunk_file, self_import_name
-from ontofabric.services.ingest.client import DeltaPublisher
+from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed
 from ontofabric.services.ingest.graph import python_calls
 from ontofabric.services.ingest.ingester import (
     UNKNOWN,
@@ -190,6 +190,36 @@ async def test_ingest_publishes_only_what_changed(
     assert moved.last_sequence is not None
     await deployment.wait_projected(moved.last_sequence)
     assert [r["calls"] for r in await deployment.fetch(calls)] == ['["pkg.round.Circle"]']
+
+
+async def test_an_ingest_whose_publish_failed_part_way_records_what_was_stored_and_the_next_sends_the_rest(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, tmp_path: Path
+) -> None:
+    """An operator's delta stream, capped below one ingest, refused its end: every key stayed unknown, so each run
+    again (after a compaction, as the error advises) sent everything under new event ids and never got further."""
+    _write(tmp_path, {f"pkg/m{i:02}.py": f"def f{i:02}(x):\n    return x + {i}\n" for i in range(12)})
+    names, js = deployment.names, deployment.js
+    config = (await js.stream_info(names.delta_stream)).config
+    held = (await js.stream_info(names.delta_stream)).state.bytes
+    await js.update_stream(dataclasses.replace(config, max_bytes=held + 60_000, discard=DiscardPolicy.NEW))
+    ingester = Ingester(js, names, embedder, deployment.settings.max_content_bytes)
+    with pytest.raises(PublishFailed) as failed:
+        await ingester.ingest(tmp_path, "repo")
+    stored = failed.value.keys_by_sequence
+    chunks = 24  # each module's file chunk and its function's
+    assert 0 < len(stored) < chunks
+    manifest = await ingester.load_manifest("repo", MAIN_BRANCH)
+    assert all(manifest.entries[key] != UNKNOWN for key in stored.values())
+    assert sum(value == UNKNOWN for value in manifest.entries.values()) == len(manifest.entries) - len(stored)
+    assert manifest.published_through == max(stored)
+    documents_stored = sum(key.startswith("d:") for key in stored.values())  # the others, graph nodes and links
+
+    await js.update_stream(config)  # room made
+    rest = await ingester.ingest(tmp_path, "repo")
+    assert rest.upserts == chunks - documents_stored
+    assert rest.last_sequence is not None
+    await deployment.wait_projected(rest.last_sequence)
+    assert len(await _live(deployment)) == chunks
 
 
 async def test_a_branch_publishes_only_what_differs_from_main(
@@ -944,6 +974,46 @@ async def test_ingest_into_a_full_delta_stream_says_so_at_once_and_exits_1(
     assert "ontofabric compact" in said
     assert "Traceback" not in said
     assert time.monotonic() - began < 30  # not after the publisher's minute of retries
+
+
+async def test_an_ingest_whose_publish_failed_part_way_records_unknown_what_a_projector_set_aside_of_it(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """What a publish that failed part way stored is recorded as sent, so the next ingest sends only the rest: the
+    command waits for it to be projected first, and records unknown again what a projector set aside of it, or the
+    next ingest would call those unchanged."""
+    long_body = "\n".join(f"    total += {n}  # a long function" for n in range(120))
+    _write(
+        tmp_path,
+        {f"large{i}.py": f"def long_sum{i}():\n    total = 0\n{long_body}\n    return total\n" for i in range(6)},
+    )
+    names, js = deployment.names, deployment.js
+    config = (await js.stream_info(names.delta_stream)).config
+    held = (await js.stream_info(names.delta_stream)).state.bytes
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"),
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    command = [str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tmp_path), "--workspace", "strict"]
+    strict = deployment.settings.model_copy(update={"max_content_bytes": 2048})  # every chunk set aside
+    service = ProjectorService(strict, deployment.nats_url_as("projector"), deployment.database_url)
+    await service.start()  # which sets the stream's limits as its settings have them: capped after
+    await js.update_stream(dataclasses.replace(config, max_bytes=held + 15_000, discard=DiscardPolicy.NEW))
+    try:
+        ran = await asyncio.to_thread(
+            subprocess.run, command, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+    finally:
+        await service.stop()
+    said = " ".join(ran.stderr.split())
+    assert ran.returncode == 1, said
+    assert "the delta stream is full" in said, said
+    assert "deltas stored before the failure were set aside by a projector" in said, said
+    manifest = await ManifestStore(js, names).load("strict", MAIN_BRANCH)
+    entries = Manifest.from_json(manifest.data).entries if manifest.data else {}
+    documents = {key: value for key, value in entries.items() if key.startswith("d:")}
+    assert len(documents) == 12
+    assert set(documents.values()) == {UNKNOWN}  # stored and set aside, or never stored: all sent again
 
 
 async def test_ingest_says_which_of_its_deltas_a_projector_dead_lettered_and_exits_1(

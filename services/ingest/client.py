@@ -72,6 +72,9 @@ class PublishFailed(Exception):
     ) -> None:
         self.stored = stored
         self.unconfirmed = unconfirmed
+        self.keys_by_sequence: dict[int, str] = {}
+        """The manifest keys of the deltas stored, by their stream sequence, where an ingest recorded them (the next
+        one sends only the rest)."""
         super().__init__(
             f"{len(unconfirmed)} deltas could not be confirmed stored ({why or type(cause).__name__}), from event "
             f"id {unconfirmed[0]} on; {len(stored)} before it were. Publishing the same deltas again is safe."

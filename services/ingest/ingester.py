@@ -60,14 +60,14 @@ from ontofabric.shared.embedder import Embedder, EmbedderMismatch
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
 from ontofabric.shared.logging import get_logger
-from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, StoredManifest
+from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, ManifestUnavailable, StoredManifest
 from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
 from ontofabric.shared.telemetry import tracer
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
-from .client import DeltaPublisher, envelope
+from .client import DeltaPublisher, PublishFailed, envelope
 from .code import CODE_SUFFIXES
 from .code_graph import CodeRead, go_module_path, read_code, rust_crate_name
 from .graph import (
@@ -1220,9 +1220,16 @@ class Ingester:
             loaded = await self._save_manifest(workspace, branch, in_flight, loaded)
         publish_started = time.perf_counter()
         self._progress.stage("publish", len(deltas))
-        acks = await DeltaPublisher(self._js, self._names).publish_many(
-            deltas, on_stored=lambda _: self._progress.advance("publish")
-        )
+        try:
+            acks = await DeltaPublisher(self._js, self._names).publish_many(
+                deltas, on_stored=lambda _: self._progress.advance("publish")
+            )
+        except PublishFailed as failed:
+            if failed.stored:
+                sent = [key for key in keyed if key not in too_large][: len(failed.stored)]
+                failed.keys_by_sequence = dict(zip((a.seq for a in failed.stored), sent, strict=True))
+                await self._record_stored(workspace, branch, plan, in_flight, loaded, failed)
+            raise
         publish_s = time.perf_counter() - publish_started
         raced = False
         if deltas:
@@ -1254,6 +1261,32 @@ class Ingester:
             except ManifestChanged:  # merging would make the other ingest's keys unknown: its manifest stands
                 log.info("ingest_manifest_not_recorded", workspace=workspace, branch=branch)
         return acks, keyed, too_large, publish_s, raced
+
+    async def _record_stored(
+        self,
+        workspace: str,
+        branch: str,
+        plan: IngestPlan,
+        in_flight: Manifest,
+        loaded: StoredManifest,
+        failed: PublishFailed,
+    ) -> None:
+        """A publish that failed part way: what it stored recorded as sent, so that the next ingest sends only the
+        rest. Before, every key stayed unknown and the next one sent everything again under new event ids: an
+        operator's delta stream, capped below one ingest, never took the whole of it, however often compacted."""
+        entries = dict(in_flight.entries)
+        for key in failed.keys_by_sequence.values():
+            if key in plan.manifest.entries:
+                entries[key] = plan.manifest.entries[key]
+            else:  # a delete or a revert: the key leaves the manifest
+                entries.pop(key, None)
+        sequences = list(failed.keys_by_sequence)
+        progress = replace(in_flight, entries=entries, published_through=max(sequences), published_from=min(sequences))
+        try:
+            await self._save_manifest(workspace, branch, progress, loaded)
+        except (ManifestChanged, ManifestUnavailable) as error:  # the next ingest sends them again, as before
+            failed.keys_by_sequence = {}
+            log.warning("ingest_stored_not_recorded", workspace=workspace, branch=branch, error=str(error))
 
     async def revert_branch(self, workspace: str, branch: str) -> IngestReport:
         """Take back every change the branch's ingests made, so that it reads as main does: a revert for every

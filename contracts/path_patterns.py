@@ -31,13 +31,17 @@ def _caret_negations(pattern: str) -> str:
     out, index = list(pattern), 0
     while (index := pattern.find("[", index)) >= 0:
         end = index + 1
-        if end < len(pattern) and pattern[end] in "!^":
-            out[end] = "!"
-            end += 1
+        negated = end < len(pattern) and pattern[end] in "!^"
+        end += negated
         if end < len(pattern) and pattern[end] == "]":
             end += 1
         close = pattern.find("]", end)
-        index = close + 1 if close >= 0 else index + 1
+        if close < 0:  # no class: the bracket itself, and what follows it too (a review's "a[^b")
+            index += 1
+            continue
+        if negated:
+            out[index + 1] = "!"
+        index = close + 1
     return "".join(out)
 
 

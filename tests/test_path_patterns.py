@@ -27,6 +27,8 @@ from ontofabric.contracts.path_patterns import matches, normal_pattern, pattern_
         ("x/[^v]*", "x/valid.py", False),
         ("x/[[]^v]*", "x/[^v]a", True),  # an escaped bracket opens no class
         ("[a^]*.py", "^.py", True),  # within a class, ^ is a member
+        ("a[^b", "a[^b", True),  # no class: every character itself
+        ("a[^b", "a[!b", False),
         ("a[", "a[", True),  # no class: the bracket itself
         ("*.md", "README.md", True),
         ("st[*]r.py", "st*r.py", True),

@@ -321,3 +321,16 @@ def test_a_first_result_that_fits_alone_is_listed_though_no_slice_of_its_content
             assert fitted.meta.budget is not None
             assert fitted.meta.budget.results_dropped == len(results) - len(fitted.results)
     assert len(listed_at) > 10  # the range reaches budgets the first result fits
+
+
+def test_the_slice_is_held_for_the_first_result_listed_when_the_first_ranked_is_left_out() -> None:
+    """A review's: the first-ranked result, too large to list and without content, held no room, and the first
+    listed (the second-ranked) got none of its content among nine listed."""
+    answer = _answer([None] + ["def step(): return 1\n" * 100 for _ in range(40)])
+    huge = answer.results[0].model_copy(update={"metadata": {"filePath": "f0.py", "notes": "n" * 20_000}})
+    answer = answer.model_copy(update={"results": [huge, *answer.results[1:]]})
+    fitted, body = _fit(answer, 1000)
+    assert len(body) <= 1000 * BYTES_PER_TOKEN
+    assert fitted.results[0].id == "d1"
+    assert fitted.results[0].content is not None
+    assert len(fitted.results[0].content) >= 300

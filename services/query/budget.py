@@ -205,12 +205,10 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     # A result too large to list even alone (metadata of any size is valid) is left out, not every result below it
     # with it: a tester's first hit with a 40 kB metadata field emptied the whole answer.
     alone = limit - RESERVE_BYTES - size([])
-    # Room held, once a result is listed, for a slice of the best-ranked result's content: a caller asking for many
-    # results on a small budget got every result listed and not one content, the first's included (a tester's).
-    # Held only after the first result: held before it, a first result that fitted alone but not beside the slice
-    # emptied the answer (an agent tester's 1,000-token budget over a class of 745 lines).
-    first = response.results[0].content if response.results else None
-    held = 0 if first is None else min(json_size(first) - len("null"), MIN_SLICE_BYTES)
+    # Room held, once a result is listed, for a slice of its content: a caller asking for many results on a small
+    # budget got every result listed and not one content, the first's included (a tester's). Held only after the
+    # first result listed: held before it, a first result that fitted alone but not beside the slice emptied the
+    # answer (an agent tester's 1,000-token budget over a class of 745 lines).
     room, kept = alone, list[int]()
     for position, result in enumerate(bare):
         cost = len(result.model_dump_json().encode())
@@ -219,8 +217,8 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
         room -= cost + (1 if kept else 0)  # and the comma before it
         if room < 0:
             break
-        if not kept:
-            room -= held
+        if not kept and (first := response.results[position].content) is not None:
+            room -= min(json_size(first) - len("null"), MIN_SLICE_BYTES)
         kept.append(position)
     skeleton = size([bare[k] for k in kept])
     while kept and skeleton + RESERVE_BYTES > limit:

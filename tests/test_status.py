@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from nats.js.api import DiscardPolicy
 from rich.console import Console
 
 from ontofabric.contracts import NO_VERSION
@@ -499,6 +500,8 @@ async def test_a_capped_delta_stream_nearly_full_is_a_problem(deployment: Deploy
     config = (await js.stream_info(names.delta_stream)).config
     await js.update_stream(dataclasses.replace(config, max_bytes=held * 4))
     assert full(await deployment_status(deployment.nc, names, placement)) == []  # a quarter full
-    await js.update_stream(dataclasses.replace(config, max_bytes=held + 100))
+    await js.update_stream(dataclasses.replace(config, max_bytes=held + 100))  # dropping its oldest when full
+    assert full(await deployment_status(deployment.nc, names, placement)) == []
+    await js.update_stream(dataclasses.replace(config, max_bytes=held + 100, discard=DiscardPolicy.NEW))
     (problem,) = full(await deployment_status(deployment.nc, names, placement))
     assert "full: full, it refuses every new message; run `ontofabric compact`" in problem

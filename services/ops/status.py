@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import asyncpg
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import StreamInfo
+from nats.js.api import DiscardPolicy, StreamInfo
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from pydantic import ValidationError
 
@@ -252,12 +252,18 @@ async def deployment_status(
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
         )
-        if limit > 0 and info.state.bytes > STREAM_FULL_SHARE * limit:
+        refuses = info.config.discard == DiscardPolicy.NEW  # else it drops its oldest to take the new
+        if refuses and limit > 0 and info.state.bytes > STREAM_FULL_SHARE * limit:
             # As the alert OntofabricStreamFilling says it: an operator's status read no problem at 100 %, while the
             # stream refused every tenant's deltas.
+            remedy = (
+                "run `ontofabric compact` or raise ONTOFABRIC_DELTA_STREAM_MAX_BYTES"
+                if info.config.name == names.delta_stream
+                else "raise its max_bytes"
+            )
             status.problems.append(
                 f"the stream {info.config.name} is {info.state.bytes / limit:.0%} full: full, it refuses every new "
-                "message; run `ontofabric compact` or raise ONTOFABRIC_DELTA_STREAM_MAX_BYTES"
+                f"message; {remedy}"
             )
     releases = releases_answering([*status.projectors, *status.query_workers])
     if len(releases) > 1:

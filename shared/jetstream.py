@@ -171,9 +171,12 @@ UNREADABLE_HEADERS = "Ontofabric-Unreadable-Headers"
 """Set by :class:`SturdyClient`, in place of a message's headers that nats-py cannot read, to what was wrong."""
 STORED_STATUS = "Ontofabric-Stored-Status"
 """Where :class:`SturdyClient` puts the ``Status`` a stored message carries (a header, or inline on its first line)."""
-SERVER_ANSWER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status")
-"""Headers the server sets on what it answers with (a direct get's stored message, a status): no delta carries
-them (the projector drops a message that does, services/projector/planning.py)."""
+SERVER_ANSWER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status", STORED_STATUS)
+"""Headers the server sets on what it answers with (a direct get's stored message, a status; a stored message's
+status as :class:`SturdyClient` hands it over), which a publisher cannot take off: a tenant put a delta made out for
+another into its own manifest key and had a direct get of it answered onto the other's delta subject, which the
+projector indexed (a review's). No delta carries them: the projector drops a message that does
+(services/projector/planning.py)."""
 _STATUS = Header.STATUS.value
 """The header nats-py takes for the server's status on a fetch or a request."""
 _STORED_SEQUENCE = "Nats-Sequence"

@@ -22,7 +22,6 @@ from ontofabric.shared.half_characters import unreadable_text
 from ontofabric.shared.jetstream import (
     MAX_DELTA_MESSAGE_BYTES,
     SERVER_ANSWER_HEADERS,
-    STORED_STATUS,
     UNREADABLE_HEADERS,
 )
 from ontofabric.shared.settings import Settings
@@ -139,16 +138,12 @@ def validate_delta(
 
 SERVER_ANSWER = "a NATS server's answer to a request that named this subject as its reply, not a delta"
 _ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate", "error"})
-SERVER_HEADERS = (*SERVER_ANSWER_HEADERS, STORED_STATUS)
-"""Headers the server sets on what it answers with (a direct get's stored message, a status), which a publisher
-cannot take off: a tenant put a delta made out for another into its own manifest key and had a direct get of it
-answered onto the other's delta subject, which the projector indexed (a review's). No delta carries them. A
-stored message's status reaches us as :data:`~ontofabric.shared.jetstream.STORED_STATUS`."""
 
 
 def server_answer_headers(headers: Mapping[str, str] | None) -> bool:
-    """Whether a message carries the headers of a server's answer (:data:`SERVER_HEADERS`)."""
-    return any(name in SERVER_HEADERS for name in headers or {})
+    """Whether a message carries the headers of a server's answer
+    (:data:`~ontofabric.shared.jetstream.SERVER_ANSWER_HEADERS`)."""
+    return any(name in SERVER_ANSWER_HEADERS for name in headers or {})
 
 
 def server_answer_body(data: bytes) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import resource
 import socket
 import stat
@@ -69,7 +70,7 @@ from ontofabric.services.gateway.tools import (
     shorter_texts,
 )
 from ontofabric.services.projector.worker import ProjectorService
-from ontofabric.services.query.budget import json_size
+from ontofabric.services.query.budget import cut_to, json_size, slice_lines
 from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import HALF_CHARACTER
@@ -1432,6 +1433,37 @@ def test_under_twice_the_least_budget_the_text_is_cut_to_what_the_reply_leaves()
     assert json_size(fitted) - 2 <= 1000 * 4 - 3000
     assert fitted.endswith("the structured result holds the whole answer)")
     assert fitted_text(document, {"id": "a"}, text, lambda: 3000) == text  # the worker's default budget holds it
+
+
+@pytest.mark.parametrize("max_tokens", [1000, 1100, 1500, 1900])
+def test_a_documents_text_cut_to_its_budget_says_where_what_it_holds_ends(max_tokens: int) -> None:
+    """A review's: at 1,000 the text was the cut marker alone, no id to read on; between 1,000 and 2,000 its first
+    line said the reply's end, past what the text held, and an agent reading on from there skipped the rest."""
+    document = next(tool for tool in TOOLS if tool.operation == "document")
+    whole = "".join(f"    def method_{i}(self, value):\n        return value + {i}\n\n" for i in range(600))
+    metadata = {"filePath": "pkg/core.py", "symbolFqn": "pkg.core.Context", "startLine": 1, "endLine": 1801}
+    asked = forwarded(document, {"id": "doc-1", "maxTokens": max_tokens})["maxTokens"]
+    content = cut_to(whole, asked * 4 - 1200)
+    reply = DocumentReply(
+        id="doc-1", object_type="pkg.core", source_domain="python", metadata=metadata, content=content, offset=0,
+        content_length=len(whole), truncated=True, ontology_version="1-a",
+        slice_lines=slice_lines(metadata, whole, 0, len(content)),
+    )  # fmt: skip
+    arguments = {"id": "doc-1", "maxTokens": max_tokens}
+    structured = len(reply.model_dump_json(by_alias=True).encode())
+    text = fitted_text(
+        document, arguments, render(reply, arguments), lambda: structured + 200, lambda: shorter_texts(reply, arguments)
+    )
+    head, _, rest = text.partition("\n")
+    assert "id doc-1" in head
+    shown = re.search(r"characters 0-(\d+) of", head)
+    assert shown is not None, head
+    held = rest.split("\n… (")[0]
+    assert whole[: int(shown.group(1))] == held  # what the text holds, and where it ends
+    if held:
+        lines = re.search(r"lines 1-(\d+) of the file", head)
+        assert lines is not None
+        assert int(lines.group(1)) == held.count("\n") + (not held.endswith("\n"))
 
 
 @pytest.mark.parametrize("last_more", [True, False])

@@ -23,9 +23,9 @@ from ontofabric.services.ingest.chunking import SECTION_PART_CHARS
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query import freshness as freshness_module
+from ontofabric.services.query.budget import slice_lines
 from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse_reply
 from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S, POSITION_WAIT_S
-from ontofabric.services.query.lookup import slice_lines
 from ontofabric.services.query.requests import repeated_key
 from ontofabric.services.query.rerankers import build_reranker
 from ontofabric.services.query.worker import QueryService, parse_request

@@ -36,7 +36,7 @@ from ontofabric.contracts import (
 )
 from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.contracts.query import FILTERS, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
-from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size
+from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size, slice_lines
 from ontofabric.services.query.client import request_json
 from ontofabric.services.query.symbols import (
     BASE,
@@ -306,6 +306,7 @@ TEXT_CUT = "\n… (the text is cut to fit maxTokens; the structured result holds
 CONTENTS_LEFT_OUT = (
     "\n… (contents left out of this text to fit maxTokens: each is in the structured result, or get_document by id)"
 )
+CONTENT_CUT = "\n… (the content is cut here to fit maxTokens: read on with offset where the first line says it ends)"
 
 
 def fitted_text(
@@ -332,7 +333,8 @@ def fitted_text(
         return text
     if candidates := [candidate for candidate in shorter() if candidate]:
         *fuller, last = candidates
-        fitting = (c + CONTENTS_LEFT_OUT for c in fuller if json_size(c + CONTENTS_LEFT_OUT) <= room)
+        left_out = CONTENT_CUT if spec.operation == "document" else CONTENTS_LEFT_OUT
+        fitting = (c + left_out for c in fuller if json_size(c + left_out) <= room)
         return next(fitting, None) or _first_lines(last, room - json_size(TEXT_CUT) + len('""')) + TEXT_CUT
     room -= json_size(TEXT_CUT) - len('""')
     if room < len('""'):  # the reply alone fills the budget (the worker takes no less than the least): it overruns
@@ -369,10 +371,37 @@ def shorter_texts(reply: BaseModel, arguments: dict[str, Any]) -> list[str]:
     """What :func:`fitted_text` may send of a query's answer when its whole text does not fit: without contents,
     then each result's symbol, place and id alone. None without results: the whole text is the notes, cut as they
     are."""
+    if isinstance(reply, DocumentReply):
+        return _shorter_document(reply, str(arguments.get("branch") or MAIN_BRANCH))
     if not isinstance(reply, QueryResponse) or not reply.results:
         return []
     ids = [_result_line(r, briefly=True) for r in reply.results]
     return [render(reply, arguments, contents=False), "\n".join(ids)]
+
+
+def _shorter_document(reply: DocumentReply, branch: str) -> list[str]:
+    """A document's text with less of its content, fullest first, down to none, each saying where it ends: cut
+    after rendering, its first line said the reply's end, past what the text held, and an agent reading on from
+    there would skip the rest (a review's)."""
+    texts, room = [], json_size(reply.content)
+    while room > SHORTEST_SLICE_BYTES:
+        room = room * 4 // 5
+        texts.append(_render_slice(reply, cut_to(reply.content, room), branch))
+    return [*texts, _render_slice(reply, "", branch)]
+
+
+SHORTEST_SLICE_BYTES = 64
+"""The least of a document's content its text holds, short of none."""
+
+
+def _render_slice(reply: DocumentReply, content: str, branch: str) -> str:
+    """``reply`` rendered with only ``content``, the start of its own, and the lines that start spans."""
+    lines = None
+    if reply.slice_lines is not None:
+        first, last = reply.slice_lines
+        lines = slice_lines({"startLine": first, "endLine": last}, content, 0, len(content))
+    shown = reply.model_copy(update={"content": content, "truncated": True, "slice_lines": lines})
+    return _render_document(shown, branch)
 
 
 def render_error(reply: ErrorReply) -> str:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ontofabric.contracts import QueryResponse, SearchResult
 from ontofabric.contracts.query import BudgetReport, CollapsedResult, ExpandedContext, QueryMeta
@@ -60,6 +63,22 @@ def cut_to(text: str, max_bytes: int) -> str:
     head = text[:low]
     line_end = head.rfind("\n")
     return head[: line_end + 1] if line_end >= len(head) * 3 // 4 else head
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+"""A line's end, as the ingester counts lines (``chunking.file_lines``)."""
+
+
+def slice_lines(metadata: Mapping[str, Any], text: str, offset: int, length: int) -> list[int] | None:
+    """The file's lines ``text[offset : offset + length]`` spans, counted from the document's ``startLine``; None
+    when it states none, when its text is not the file's own (a docstring's is cleaned), or for an empty slice. An
+    outside tester's agent read a slice 100,000 characters into a section as starting at the section's first line."""
+    start, end = metadata.get("startLine"), metadata.get("endLine")
+    if type(start) is not int or start < 1 or metadata.get("symbolKind") == "docstring" or length <= 0:
+        return None
+    first = start + len(_LINE_END.findall(text, 0, offset))
+    last = first + len(_LINE_END.findall(text, offset, offset + length - 1))  # a final end ends its line, opens none
+    return [first, min(last, end) if type(end) is int and end >= first else last]
 
 
 def fit_reply(response: QueryResponse, max_tokens: int, max_payload_bytes: int) -> bytes:

@@ -4,10 +4,6 @@ from JetStream."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from typing import Any
-
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -25,7 +21,7 @@ from ontofabric.contracts.documents import MAX_LINE
 from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
 from ontofabric.shared.subjects import Names, encode_token
 
-from .budget import BYTES_PER_TOKEN, cut_to, json_size
+from .budget import BYTES_PER_TOKEN, cut_to, json_size, slice_lines
 from .core import Scope
 from .freshness import DeltaWatch, published_past
 from .postgres import BranchState, PostgresDocuments
@@ -49,22 +45,6 @@ after half a second, but a status that gave up as soon failed on a loaded machin
 
 MIN_DEFAULT_SLICE_BYTES = 1_000
 """The least of a document's text a slice without maxChars carries, however much its metadata takes."""
-
-
-_LINE_END = re.compile(r"\r\n|\r|\n")
-"""A line's end, as the ingester counts lines (``chunking.file_lines``)."""
-
-
-def slice_lines(metadata: Mapping[str, Any], text: str, offset: int, length: int) -> list[int] | None:
-    """The file's lines ``text[offset : offset + length]`` spans, counted from the document's ``startLine``; None
-    when it states none, when its text is not the file's own (a docstring's is cleaned), or for an empty slice. An
-    outside tester's agent read a slice 100,000 characters into a section as starting at the section's first line."""
-    start, end = metadata.get("startLine"), metadata.get("endLine")
-    if type(start) is not int or start < 1 or metadata.get("symbolKind") == "docstring" or length <= 0:
-        return None
-    first = start + len(_LINE_END.findall(text, 0, offset))
-    last = first + len(_LINE_END.findall(text, offset, offset + length - 1))  # a final end ends its line, opens none
-    return [first, min(last, end) if type(end) is int and end >= first else last]
 
 
 class Lookups:

@@ -103,6 +103,9 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
             assert sample["value"][1] == "0", seeded
         up = await asyncio.to_thread(_ask, web_port, "/api/v1/query", query="up")
         assert [sample["value"][1] for sample in up["result"]] == ["1"]
+        # What the dead-letter rule reads a new process by, under the target's own labels.
+        started = await asyncio.to_thread(_ask, web_port, "/api/v1/query", query="process_start_time_seconds")
+        assert [sample["metric"]["job"] for sample in started["result"]] == ["ontofabric-query"]
         async with asyncio.timeout(30):  # every rule evaluated, none failing
             while True:
                 groups = (await asyncio.to_thread(_ask, web_port, "/api/v1/rules"))["groups"]

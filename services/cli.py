@@ -624,7 +624,7 @@ def ingest(
     except KeyboardInterrupt:  # a tester's: Ctrl-C ended it silently, leaving the operator to guess
         errors.print(
             "interrupted: the deltas published so far are stored and a running projector applies them; the same "
-            "ingest again is safe and sends the rest"
+            "ingest again is safe (it sends again what it had begun to send)"
             if progress.begun("publish")
             else "interrupted before anything was published: the index is as it was; the same ingest again starts "
             "over (the chunks embedded so far are cached)",  # a tester's: said the same while chunking
@@ -720,6 +720,12 @@ _RACED = (
 )
 
 
+SETTLE_STORED_WAIT_S = 120.0
+"""The longest a command whose publish failed part way waits for what it stored to be projected."""
+NATS_FLUSH_S = 5
+"""How long a flush (a round trip to the server, so that what it sent before has arrived) may take."""
+
+
 async def _settle_stored(
     js: JetStreamContext,
     nc: Client,
@@ -731,25 +737,37 @@ async def _settle_stored(
     wait_timeout: float,
     workspace: str,
     branch: str,
+    held_or_not: bool = False,
 ) -> None:
     """After a publish that failed part way, whose stored deltas the manifest records as sent: wait (within the
-    ingest's wait) until they are projected, and record unknown again those a projector set aside, so that the
-    next ingest, which sends only the rest, sends them too."""
+    command's wait, and SETTLE_STORED_WAIT_S) until they are projected, and record unknown again those a projector
+    set aside, so that the next run, which sends only the rest, sends them too (``held_or_not``:
+    :meth:`Ingester.forget`'s). Said before it waits: a review's full stream behind a projector's backlog held the
+    command silent for its whole wait."""
     stored = failed.keys_by_sequence
+    limit = min(wait_timeout, SETTLE_STORED_WAIT_S)
+    errors.print(
+        f"publishing failed part way ({len(failed.unconfirmed)} deltas not confirmed stored; the error follows): "
+        f"waiting up to {limit:g} s for the {len(stored)} stored to be projected, to learn whether a projector set "
+        "any aside",
+        soft_wrap=True,
+        markup=False,
+    )
     try:
-        await wait_projected(js, names, settings.projector_partitions, max(stored), wait_timeout)
-        await _dead_letters_in(nc)
+        await wait_projected(js, names, settings.projector_partitions, max(stored), limit)
+        await nc.flush(timeout=NATS_FLUSH_S)  # what was set aside meanwhile reached the watch
     except Exception as error:  # the publish's own error is what the command ends with
         errors.print(
             f"warning: the {len(stored)} deltas stored before the failure were not seen projected ({describe(error)}): "
-            f"any of them set aside is not sent again by the next ingest; `ontofabric dlq list --workspace "
+            f"any of them set aside is not sent again by the next run; `ontofabric dlq list --workspace "
             f"{workspace}` lists them",
             soft_wrap=True,
             markup=False,
         )
         return
     letters = set_aside.of(set(stored))
-    await ingester.forget(workspace, branch, [stored[a.original_seq] for a in letters if a.original_seq in stored])
+    refused = [stored[a.original_seq] for a in letters if a.original_seq in stored]
+    await ingester.forget(workspace, branch, refused, held_or_not=held_or_not)
     if letters:
         errors.print(
             f"warning: {len(letters)} of the {len(stored)} deltas stored before the failure were set aside by a "
@@ -852,7 +870,15 @@ def delete_branch(
             set_aside = await DeadLetterWatch.start(nc, names, workspace) if wait else None
             started = time.perf_counter()
             with progress:
-                report = await ingester.revert_branch(workspace, branch)
+                try:
+                    report = await ingester.revert_branch(workspace, branch)
+                except PublishFailed as error:  # a revert set aside leaves its row the branch's: sent again next time
+                    if set_aside is not None and error.keys_by_sequence:
+                        await _settle_stored(
+                            js, nc, names, settings, set_aside, ingester, error, wait_timeout, workspace, branch,
+                            held_or_not=True,
+                        )  # fmt: skip
+                    raise
                 if report.raced:  # said before the wait, which may end the command
                     errors.print(
                         _RACED.format(what="delete-branch", workspace=workspace, branch=branch),
@@ -909,7 +935,7 @@ def delete_branch(
     except KeyboardInterrupt:
         errors.print(
             "interrupted: the reverts published so far are stored and a running projector applies them; the same "
-            "command again sends the rest",
+            "command again is safe (it sends again what it had begun to send)",
             soft_wrap=True,
         )
         raise _interrupted() from None

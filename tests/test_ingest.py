@@ -1009,6 +1009,7 @@ async def test_an_ingest_whose_publish_failed_part_way_records_unknown_what_a_pr
     assert ran.returncode == 1, said
     assert "the delta stream is full" in said, said
     assert "deltas stored before the failure were set aside by a projector" in said, said
+    assert "publishing failed part way" in said  # said before it waits
     manifest = await ManifestStore(js, names).load("strict", MAIN_BRANCH)
     entries = Manifest.from_json(manifest.data).entries if manifest.data else {}
     documents = {key: value for key, value in entries.items() if key.startswith("d:")}

@@ -48,7 +48,7 @@ from ontofabric.services.ops.rebuild import (
 )
 from ontofabric.services.ops.snapshots import CompactionRefused, SnapshotFold, compact
 from ontofabric.services.ops.status import analysis_status
-from ontofabric.services.ops.verification import ExpectedIndex, RowFacts, differences, document_facts
+from ontofabric.services.ops.verification import MADE_HERE, ExpectedIndex, RowFacts, differences, document_facts
 from ontofabric.services.projector import worker as projector_worker
 from ontofabric.services.projector.planning import (
     Delta,
@@ -165,6 +165,24 @@ def _rows_after(deltas: list[Delta]) -> dict[EntityRef, RowState]:
     for delta in deltas:
         fold.add(delta)
     return fold.rows
+
+
+def test_a_vector_embedded_again_agrees_with_any_of_its_model_and_with_nothing_else() -> None:
+    """Made again in another batch, a vector differs in its last bits: its row is vouched for by its content,
+    state and sequence, and its vector by its model (a review's: one of another model, or none, agreed too)."""
+    made_here = RowFacts(3, False, False, content_md5("x"), MADE_HERE, MADE_HERE, vector_model="next")
+    expected = {("main", "document", "d"): made_here}
+    versions = {"main": VersionState(3, 1)}
+
+    def found(vector: str | None, signs: str | None, model: str | None, content: str = "x") -> list[str]:
+        row = RowFacts(3, False, False, content_md5(content), vector, signs, vector_model=model)
+        return differences(expected, {("main", "document", "d"): row}, versions, versions)
+
+    assert found("a1", "b1", "next") == []
+    assert found("a2", None, "next") == []  # the model's tokens may be narrower than its vectors: no signs then
+    assert found("a1", "b1", "current") != []  # another model's vector
+    assert found(None, None, None) != []  # no vector at all
+    assert found("a1", "b1", "next", content="y") != []  # other content
 
 
 def test_differences_name_each_row_and_version_that_differs() -> None:

@@ -396,7 +396,7 @@ class Rebuild:
             checked = validate_delta(stored, subject, seq, limits, headers)
             if isinstance(checked, Delta) and checked.seq not in failed:
                 if reembedder is not None and reembedder.stale(checked):
-                    checked = replace(checked, reembedded=True)
+                    checked = replace(checked, reembedded=reembedder.model)
                 expected.add(checked)
 
         if snapshot is not None:

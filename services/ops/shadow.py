@@ -110,13 +110,15 @@ def _rows_sql(schema: str, only: bool) -> str:
                CASE WHEN deleted THEN NULL ELSE md5(vector_send(embedding)) END AS vector_md5,
                CASE WHEN deleted THEN NULL ELSE md5(token_signs) END AS signs_md5,
                CASE WHEN deleted THEN NULL
-                    ELSE md5(convert_to(second_model, 'UTF8') || decode('00', 'hex') || second_vector) END AS second_md5
+                    ELSE md5(convert_to(second_model, 'UTF8') || decode('00', 'hex') || second_vector)
+               END AS second_md5,
+               CASE WHEN deleted THEN NULL ELSE embedding_model END AS vector_model
           FROM {schema}.documents WHERE workspace = $1 {restricted("id")}
         UNION ALL
-        SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL
+        SELECT branch, 'node', object_type, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL, NULL
           FROM {schema}.ontology_nodes WHERE workspace = $1 {restricted("object_type")}
         UNION ALL
-        SELECT branch, 'link', {_LINK_KEY}, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL
+        SELECT branch, 'link', {_LINK_KEY}, stream_seq, deleted, transparent, NULL, NULL, NULL, NULL, NULL
           FROM {schema}.ontology_links WHERE workspace = $1 {restricted(_LINK_KEY)}"""
 
 
@@ -241,6 +243,7 @@ class Shadow:
                 r["vector_md5"],
                 r["signs_md5"],
                 r["second_md5"],
+                r["vector_model"],
             )
             for r in records
         }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -40,6 +40,8 @@ class RowFacts:
     vector_md5: str | None = None
     signs_md5: str | None = None
     second_md5: str | None = None
+    vector_model: str | None = field(default=None, compare=False)
+    """The model its vector is of: compared only where the vector was embedded again (:func:`agree`)."""
 
 
 def _md5(data: bytes) -> str:
@@ -73,8 +75,10 @@ was refused over 1e-7), so the stream cannot vouch for them: their rows' content
 
 
 def agree(expected: RowFacts, actual: RowFacts) -> bool:
-    """Whether a row's facts are those expected, a vector made here (:data:`MADE_HERE`) agreeing with any."""
-    if expected.vector_md5 == MADE_HERE and actual.vector_md5 is not None:
+    """Whether a row's facts are those expected, a vector made here (:data:`MADE_HERE`) agreeing with any of the
+    model that made it (a review's: one of another model, or none, agreed too)."""
+    made_here = expected.vector_md5 == MADE_HERE
+    if made_here and actual.vector_md5 is not None and actual.vector_model == expected.vector_model:
         signs = MADE_HERE if expected.signs_md5 == MADE_HERE else actual.signs_md5  # the tokens' signs made with it
         actual = replace(actual, vector_md5=MADE_HERE, signs_md5=signs)
     return expected == actual
@@ -104,9 +108,9 @@ class ExpectedIndex:
         document = upserted_document(delta.envelope)
         if document is not None:
             facts = document_facts(delta.seq, document)
-            if delta.reembedded:
+            if delta.reembedded is not None:
                 signs = MADE_HERE if facts.signs_md5 is not None else None
-                facts = replace(facts, vector_md5=MADE_HERE, signs_md5=signs)
+                facts = replace(facts, vector_md5=MADE_HERE, signs_md5=signs, vector_model=delta.reembedded)
             self._documents[key] = facts
         else:
             self._documents.pop(key, None)

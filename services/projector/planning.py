@@ -74,9 +74,9 @@ class Delta:
     stored: tuple[str, bytes] | None = None
     """Its subject and bytes as the stream holds them: a batch records a digest of its last delta's
     (following.py)."""
-    reembedded: bool = False
-    """Its document's vectors are the projector's own, embedded again by the index's model (a model change), not
-    the stream's: made again, they may differ in their last bits (reembedding.py)."""
+    reembedded: str | None = None
+    """The model that embedded its document again, the index's (a model change): its vectors are the projector's
+    own, not the stream's, and made again they may differ in their last bits (reembedding.py)."""
 
 
 @dataclass(frozen=True)

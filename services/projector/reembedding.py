@@ -98,7 +98,7 @@ class Reembedder:
                 update={"embedding": [float(x) for x in vector], "embedding_model": model, "token_vectors": signs}
             )
             envelope = delta.envelope.model_copy(update={"payload": DocumentUpserted(document=document)})
-            refreshed[i] = (msg, dataclasses.replace(delta, envelope=envelope, reembedded=True))
+            refreshed[i] = (msg, dataclasses.replace(delta, envelope=envelope, reembedded=model))
         log.info("documents_embedded_again", model=model, documents=len(stale))
         return refreshed
 

@@ -384,7 +384,7 @@ class Rebuild:
     ) -> None:
         """After a resume: fold what the previous run replayed (the snapshot's deltas, then the stream's after
         ``start``), so the verification covers the whole history."""
-        failed = await shadow.failed_to_apply()
+        failed = await shadow.rejected()
         self._progress.stage("refold", upto)
         done = 0
         # Read as the projection runner reads them: a document of the model the index held before was embedded

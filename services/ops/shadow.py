@@ -180,10 +180,11 @@ class Shadow:
         seq = await self.admin.fetchval(f"SELECT replayed_seq FROM {self._table('rebuild_progress')}")
         return int(seq or 0)
 
-    async def failed_to_apply(self) -> set[int]:
-        records = await self.admin.fetch(
-            f"SELECT seq FROM {self._table('rebuild_rejections')} WHERE reason = 'apply_failed'"
-        )
+    async def rejected(self) -> set[int]:
+        """The sequences of the deltas the replay rejected so far, whatever the reason: those refused after they
+        passed validation (the store's refusals, another embedding model than this process has) as well as the
+        rest (a review's: a resumed run folded all but apply_failed's, and found their rows missing)."""
+        records = await self.admin.fetch(f"SELECT seq FROM {self._table('rebuild_rejections')}")
         return {r["seq"] for r in records}
 
     async def rejections(self) -> Counter[str]:

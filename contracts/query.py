@@ -682,6 +682,13 @@ class QueryMeta(WireModel):
         description="True when the keyword retriever read some of the query's commonest terms only for its leading "
         "candidates (bounded BM25): a document holding none of the rarer terms may be missing from its list.",
     )
+    filters: dict[str, str | list[str]] = Field(
+        default_factory=dict,
+        exclude_if=lambda filters: not filters,
+        description="The filters the answer was made within, by their request names, as the worker read them (path "
+        "patterns as matched: a leading ./ and a trailing / taken off, backslashes read); left out without any. An "
+        "objectType also selects the types deriving from it.",
+    )
     listing: bool = Field(
         default=False,
         description="True when the request had no semanticQuery: the results are what its filters select, in a "

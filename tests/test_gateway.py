@@ -1537,6 +1537,18 @@ def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     assert json_size(fitted_notes) <= json_size(notes) - 8  # within the room
 
 
+def test_an_answer_s_text_says_the_filters_it_was_made_within() -> None:
+    """An agent tester could not tell from the reply that its filter was honoured."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=True, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=["dense", "keyword"], timings_ms={},
+        filters={"paths": ["src", "docs/*.md"], "symbolKind": "class"},
+    )  # fmt: skip
+    text = render(QueryResponse(results=[], _meta=meta))
+    assert "within paths src, docs/*.md; symbolKind class" in text.split("\n")[0]
+    assert "within" not in render(QueryResponse(results=[], _meta=meta.model_copy(update={"filters": {}})))
+
+
 @pytest.mark.parametrize(
     ("version", "branch", "said"),
     [(NO_VERSION, "main", True), (f"{NO_VERSION}+{NO_VERSION}", "fix", True), ("7-00000000000000ab", "main", False),

@@ -88,6 +88,11 @@ async def test_paths_and_exclude_paths_select_files_as_ingest_exclude_reads_a_pa
     assert await ids(semanticQuery="alpha retry", paths=["*.md"], excludePaths=["a"]) == {"guide"}
     assert await ids(semanticQuery="alpha retry", paths=["pkg/st\\*r.py"]) == {"star"}  # escaped: the star itself
     assert await ids(paths=["pkg/tests"]) == {"test"}  # a filter alone lists what it selects
+    # Said back as read (an agent tester's could not tell its filter was honoured); left out without any.
+    said = await _ask(client, "alpha retry", paths=["./pkg/"], excludePaths=["tests"], chunkLevel="method")
+    assert said.meta.filters == {"paths": ["pkg"], "excludePaths": ["tests"], "chunkLevel": "method"}
+    bare = await client.send_raw("acme", b'{"semanticQuery": "alpha retry"}')
+    assert b'"filters"' not in bare
     refused = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "alpha", "paths": ["../etc"]}'))
     assert isinstance(refused, ErrorReply)
     assert [d.field for d in refused.error.details] == ["paths"]

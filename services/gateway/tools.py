@@ -432,6 +432,11 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
     ran = "listing" if meta.listing else ("hybrid" if meta.hybrid else "+".join(meta.retrievers) or "none")
     head = [f"ontologyVersion {meta.ontology_version} · {ran}{' · reranked' if meta.reranked else ''}"]
     head.append(_counted(len(reply.results), "result"))
+    if meta.filters:  # as the worker read them (an agent tester's could not tell they were honoured)
+        read = "; ".join(
+            f"{name} {', '.join(value) if isinstance(value, list) else value}" for name, value in meta.filters.items()
+        )
+        head.append(f"within {printable(read)}")
     if meta.budget is not None and meta.budget.results_dropped:
         if "replySize" in meta.degraded:  # the message size made the cut, not the budget
             fit = "to fit the largest message the NATS server takes (ask with a smaller topK or includeContent false)"

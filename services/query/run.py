@@ -13,7 +13,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pydantic.alias_generators import to_camel
+
 from ontofabric.contracts import OntologyQuery, QueryMeta
+from ontofabric.contracts.query import FILTERS
 from ontofabric.shared.logging import describe, get_logger
 
 log = get_logger(__name__)
@@ -131,6 +134,8 @@ class QueryRun:
         return QueryMeta(
             workspace=self.workspace,
             branch=self.query.branch,
+            # Said back, so that an agent sees its filters were read, and how (an agent tester's).
+            filters={to_camel(name): value for name in FILTERS if (value := getattr(self.query, name)) is not None},
             degraded=list(self.degraded),
             timings_ms=dict(self.timings),
             cache_hit=cache_hit,

@@ -334,3 +334,25 @@ def test_the_slice_is_held_for_the_first_result_listed_when_the_first_ranked_is_
     assert fitted.results[0].id == "d1"
     assert fitted.results[0].content is not None
     assert len(fitted.results[0].content) >= 300
+
+
+def test_a_large_first_content_leaves_room_for_the_context_its_links_lead_to() -> None:
+    """An agent tester's followLinks at the default budget: a class of 745 lines took the whole room, and the 17
+    small context entries (ids, about 330 bytes each) were all dropped. Up to a quarter of the room is theirs."""
+    answer = _answer(["class Context:\n    def step(self):\n        return 1\n" * 3000, None, None])
+    context = [
+        ExpandedContext(
+            linked_type=f"click.core.Linked{i}", link_name="calls", direction="outgoing", linked_from_type="click.core",
+            linked_from_document_id=f"d{i % 3}", representative_document_id=f"{'r' * 32}{i:02d}",
+        )
+        for i in range(17)
+    ]  # fmt: skip
+    answer = answer.model_copy(update={"meta": answer.meta.model_copy(update={"expanded_context": context})})
+    fitted, body = _fit(answer, 8000)
+    assert len(body) <= 8000 * BYTES_PER_TOKEN
+    kept = {entry.representative_document_id for entry in fitted.meta.expanded_context}
+    assert kept == {entry.representative_document_id for entry in context}  # by the results' ranks
+    first = fitted.results[0]
+    assert first.content_truncated
+    assert first.content is not None
+    assert len(first.content) > 8000 * BYTES_PER_TOKEN // 2  # the content keeps most of the room

@@ -31,6 +31,9 @@ MIN_SLICE_BYTES = 400
 """A content cut shorter than this is not worth its place: the result goes without content instead."""
 RESERVE_BYTES = 512
 """Room kept for what the cutting itself adds to ``_meta`` (the budget report, the ids of cut contents)."""
+NOTES_SHARE = 4
+"""Of the room left for contents, at most 1 in this many bytes is kept for what ``_meta`` says about the results
+listed (linked context, collapsed chunks)."""
 WIDEST_ESTIMATE = 99_999_999
 """Sizes are measured with this in ``estimatedTokens``: the real figure, written last, is never wider."""
 VARYING_META_BYTES = 768
@@ -184,6 +187,11 @@ def _notes_in_room(meta: QueryMeta, results: list[SearchResult], room: int) -> N
     return Notes(tuple(collapsed), tuple(context))
 
 
+def _notes_size(notes: Notes) -> int:
+    """The bytes ``notes`` take in an answer, each entry with its comma (as :func:`_notes_in_room` counts them)."""
+    return sum(len(entry.model_dump_json().encode()) + 1 for entry in (*notes.collapsed, *notes.context))
+
+
 def _steady(response: QueryResponse) -> QueryResponse:
     """``response`` without what another answer to the same question may say otherwise (VARYING_META_BYTES)."""
     return _with_meta(response, cache_hit=False, timings_ms={}, freshness=None)
@@ -248,6 +256,12 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
     # Then contents, in rank order, in the room left: once one is cut or left out, so is every one ranked below it
     # (a tester saw the first result's content left out and the second's kept, which fitted the little room left).
     spare = limit - skeleton - RESERVE_BYTES
+    # Up to a share of it kept for what _meta says about the listed results (the context their links lead to, the
+    # chunks collapsed into them): a large first content took it all, and an agent that asked followLinks got none
+    # of the 17 small entries (an agent tester's).
+    said = _notes_in_room(response.meta, [bare[k] for k in kept], spare)
+    held_for_notes = min(_notes_size(said), spare // NOTES_SHARE)
+    spare -= held_for_notes
     results: list[SearchResult] = []
     whole = True  # every content so far kept whole
     for position in kept:
@@ -263,8 +277,8 @@ def _cut(response: QueryResponse, limit: int, max_tokens: int) -> QueryResponse:
         else:
             results.append(stripped)
             whole = False
-    # Then what _meta says about them, in the room still left.
-    notes = _notes_in_room(response.meta, results, spare)
+    # Then what _meta says about them, in the room still left and the room kept for them.
+    notes = _notes_in_room(response.meta, results, spare + held_for_notes)
     # The reserve is an estimate: should the report outgrow it, the notes go, then contents from the lowest rank up.
     for kept_notes in (notes, NO_NOTES):
         fitted = _with_budget(

@@ -504,4 +504,10 @@ async def test_a_capped_delta_stream_nearly_full_is_a_problem(deployment: Deploy
     assert full(await deployment_status(deployment.nc, names, placement)) == []
     await js.update_stream(dataclasses.replace(config, max_bytes=held + 100, discard=DiscardPolicy.NEW))
     (problem,) = full(await deployment_status(deployment.nc, names, placement))
-    assert "full: full, it refuses every new message; run `ontofabric compact`" in problem
+    assert "% nearly full: once full, it refuses every new message (by bytes); run `ontofabric compact`" in problem
+    # Capped by count too (a retest's DLQ, capped so, stalled every projection unsaid).
+    messages = (await js.stream_info(names.delta_stream)).state.messages
+    by_count = dataclasses.replace(config, max_msgs=messages, discard=DiscardPolicy.NEW)
+    await js.update_stream(by_count)
+    (problem,) = full(await deployment_status(deployment.nc, names, placement))
+    assert "is 100% full: it refuses every new message (by messages); raise its max_msgs" in problem

@@ -252,19 +252,8 @@ async def deployment_status(
         status.streams.append(
             StreamStatus(info.config.name or "", info.state.messages, info.state.bytes, limit if limit > 0 else None)
         )
-        refuses = info.config.discard == DiscardPolicy.NEW  # else it drops its oldest to take the new
-        if refuses and limit > 0 and info.state.bytes > STREAM_FULL_SHARE * limit:
-            # As the alert OntofabricStreamFilling says it: an operator's status read no problem at 100 %, while the
-            # stream refused every tenant's deltas.
-            remedy = (
-                "run `ontofabric compact` or raise ONTOFABRIC_DELTA_STREAM_MAX_BYTES"
-                if info.config.name == names.delta_stream
-                else "raise its max_bytes"
-            )
-            status.problems.append(
-                f"the stream {info.config.name} is {info.state.bytes / limit:.0%} full: full, it refuses every new "
-                f"message; {remedy}"
-            )
+        if info.config.discard == DiscardPolicy.NEW:  # else it drops its oldest to take the new
+            _stream_nearly_full(info, names, status)
     releases = releases_answering([*status.projectors, *status.query_workers])
     if len(releases) > 1:
         status.problems.append(
@@ -367,6 +356,26 @@ async def _stalled_for(
     if waiting.time is None:
         return None
     return min(still_s, (datetime.now(UTC) - waiting.time).total_seconds())
+
+
+def _stream_nearly_full(info: StreamInfo, names: Names, status: DeploymentStatus) -> None:
+    """A stream that refuses new messages once full, past STREAM_FULL_SHARE of its bytes or of its messages, as a
+    problem (as the alert OntofabricStreamFilling says it: an operator's status read no problem at 100 %, while the
+    stream refused every tenant's deltas; a retest's DLQ capped by count stalled every projection unsaid)."""
+    held = {"bytes": (info.state.bytes, info.config.max_bytes), "messages": (info.state.messages, info.config.max_msgs)}
+    shares = {what: count / cap for what, (count, cap) in held.items() if cap is not None and cap > 0}
+    if not shares or max(shares.values()) <= STREAM_FULL_SHARE:
+        return
+    what = max(shares, key=lambda name: shares[name])
+    share = shares[what]
+    if info.config.name == names.delta_stream and what == "bytes":
+        remedy = "run `ontofabric compact` (it folds what is projected) or raise ONTOFABRIC_DELTA_STREAM_MAX_BYTES"
+    else:
+        remedy = f"raise its max_{'bytes' if what == 'bytes' else 'msgs'}"
+    state = (
+        "full: it refuses every new message" if share >= 1 else "nearly full: once full, it refuses every new message"
+    )
+    status.problems.append(f"the stream {info.config.name} is {share:.0%} {state} (by {what}); {remedy}")
 
 
 STREAM_FULL_SHARE = 0.85

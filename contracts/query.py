@@ -25,6 +25,8 @@ RELATIONS_READ = MAX_TOP_K
 """At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds):
 as many as the largest topK shows (a graph tester's 200 importers stopped at 50 with topK 100)."""
 MAX_TOKENS_LIMIT = 250_000
+MAX_LISTING_OFFSET = 1_000_000
+"""The furthest a listing reads on (``offset``): past it, narrow the filters."""
 MIN_MAX_TOKENS = 1_000
 """The smallest budget a request may ask for: room for ``_meta`` and a few results without their contents."""
 
@@ -257,6 +259,13 @@ class OntologyQuery(StrictRequest):
         default=None, description="Restrict results to this object type and the types that implement or derive from it."
     )
     top_k: int = Field(default=10, ge=1, le=MAX_TOP_K, description="Number of results, 1-100.")
+    offset: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LISTING_OFFSET,
+        description="A listing's (no semanticQuery, no relatedTo) results to skip, in its stable order: the next "
+        "page starts at offset plus the results listed. A ranked answer takes none.",
+    )
     min_relevance: float | None = Field(
         default=None,
         ge=0.0,
@@ -361,6 +370,16 @@ class OntologyQuery(StrictRequest):
             )
             raise ValidationError.from_exception_data(
                 type(self).__name__, [InitErrorDetails(type=problem, loc=("semanticQuery",), input=None)]
+            )
+        if self.offset and not self.listing:
+            # A ranked answer is made anew for each request and its order is no page's (an agent tester's listing
+            # of 300 methods could not be read past topK 100).
+            problem = PydanticCustomError(
+                "offset_with_query",
+                "offset reads on through a listing (no semanticQuery, no relatedTo); a ranked answer takes none",
+            )
+            raise ValidationError.from_exception_data(
+                type(self).__name__, [InitErrorDetails(type=problem, loc=("offset",), input=self.offset)]
             )
         return self
 

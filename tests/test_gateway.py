@@ -1537,6 +1537,32 @@ def test_at_the_least_budget_the_text_keeps_the_results_ids() -> None:
     assert json_size(fitted_notes) <= json_size(notes) - 8  # within the room
 
 
+def test_a_listing_that_may_go_on_says_the_offset_to_read_on_from() -> None:
+    """An agent tester's listing of 300 methods could not be read past topK 100."""
+    meta = QueryMeta(
+        ontology_version="7-00000000000000ab", workspace="acme", branch="main", hybrid=False, reranked=False,
+        cache_hit=False, backend="postgres-bm25", retrievers=[], timings_ms={}, listing=True,
+    )  # fmt: skip
+    results = [
+        SearchResult(
+            id=f"d{i}",
+            score=1.0,
+            rank=i + 1,
+            content=None,
+            object_type="t.T",
+            source_domain="t",
+            metadata={},
+            found_by=[],
+        )
+        for i in range(2)
+    ]
+    full = QueryResponse(results=results, _meta=meta)
+    arguments = {"chunkLevel": "method", "topK": 2, "offset": 4}
+    assert "ask with offset 6 for what follows" in render(full, arguments)
+    assert "offset" not in render(full, {**arguments, "topK": 3})  # fewer than asked: the listing's end
+    assert "ask with offset 2 for what follows" in render(full, {"chunkLevel": "method", "topK": 2})
+
+
 def test_an_answer_s_text_says_the_filters_it_was_made_within() -> None:
     """An agent tester could not tell from the reply that its filter was honoured."""
     meta = QueryMeta(

@@ -171,6 +171,19 @@ async def test_a_filter_alone_lists_what_it_selects(
     refused = parse_reply(await client.send_raw("acme", b'{"topK": 3}'))
     assert isinstance(refused, ErrorReply)
     assert [d.field for d in refused.error.details] == ["semanticQuery"]
+    # Read on with offset, page by page, each in the same order (an agent tester's 300 methods stopped at topK).
+    whole = await client.query("acme", {"chunkLevel": "method", "topK": 100})
+    assert isinstance(whole, QueryResponse)
+    pages = []
+    for offset in range(0, len(whole.results) + 2, 2):
+        page = await client.query("acme", {"chunkLevel": "method", "topK": 2, "offset": offset})
+        assert isinstance(page, QueryResponse)
+        pages += [r.id for r in page.results]
+    assert pages == [r.id for r in whole.results]
+    assert len(pages) > 2
+    ranked = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "csv", "offset": 2}'))
+    assert isinstance(ranked, ErrorReply)
+    assert [d.field for d in ranked.error.details] == ["offset"]
 
 
 async def test_symbol_kind_filters_and_distance_metric_is_reported(

@@ -58,6 +58,7 @@ from ontofabric.shared.subjects import Operation
 
 WORKSPACE_DESCRIPTION = "Workspace (tenant) to read. Default: the gateway's (ontofabric mcp --workspace)."
 DEFAULT_ANSWER_TOKENS: int = Settings.model_fields["answer_max_tokens"].default
+DEFAULT_TOP_K: int = OntologyQuery.model_fields["top_k"].default
 """The deployment's answer budget unless set (ONTOFABRIC_ANSWER_MAX_TOKENS)."""
 _RESULT_BUDGET = (
     "Size budget of the whole tool result, in tokens (estimated at 4 bytes of JSON each): it carries the reply twice "
@@ -622,6 +623,12 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
             "reads as ingest's --exclude reads one (without / a file or directory name at any depth, with / a path "
             "from the tree's top); ontology_status says what the workspace holds"
         )
+    if meta.listing and reply.results:  # an agent tester's listing of 300 methods could not be read past topK
+        offset, asked = arguments.get("offset"), arguments.get("topK")
+        start = offset if type(offset) is int else 0
+        dropped = meta.budget.results_dropped if meta.budget is not None else 0
+        if len(reply.results) + dropped >= (asked if type(asked) is int else DEFAULT_TOP_K):
+            notes.append(f"the listing may go on: ask with offset {start + len(reply.results)} for what follows")
     kind = arguments.get("symbolKind")
     if not reply.results and isinstance(kind, str) and _alone_selected_nothing(meta, arguments, "symbolKind"):
         notes.append(  # an agent tester's "klass" got nothing, with nothing said

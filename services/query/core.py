@@ -256,8 +256,9 @@ class DocumentStore(Protocol):
 
     async def graph_rows(self, workspace: str, branch: str) -> GraphRows: ...
 
-    async def listing(self, scope: Scope, limit: int) -> Hits:
-        """The first ``limit`` documents the scope selects, in a stable order (file, symbol, id), each scoring 1."""
+    async def listing(self, scope: Scope, limit: int, offset: int = 0) -> Hits:
+        """``limit`` documents the scope selects, in a stable order (file, symbol, id), after the first ``offset``,
+        each scoring 1."""
         ...
 
     async def definitions(self, scope: Scope, name: str, limit: int) -> Definitions:

@@ -398,7 +398,7 @@ class QueryPipeline:
 
     async def _list(self, run: QueryRun, scope: Scope) -> tuple[list[Fused], Refinements]:
         """No query text: what the filters select, in a stable order; nothing ranks or reorders it."""
-        hits = await run.timed("listing", self._documents.listing(scope, run.query.top_k))
+        hits = await run.timed("listing", self._documents.listing(scope, run.query.top_k, run.query.offset))
         run.read(hits.version)
         run.report(
             listing=True,

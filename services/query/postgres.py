@@ -734,13 +734,14 @@ class PostgresDocuments:
             rows = await snapshot.conn.fetch(sql, list(object_types), list(levels), *parameters)
         return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
 
-    async def listing(self, scope: Scope, limit: int) -> Hits:
+    async def listing(self, scope: Scope, limit: int, offset: int = 0) -> Hits:
         async with self._snapshots.read(scope) as snapshot:
-            where, parameters = where_clause(scope, 2, snapshot.shadowed)
+            where, parameters = where_clause(scope, 3, snapshot.shadowed)
             rows = await snapshot.conn.fetch(
                 f"SELECT id FROM documents WHERE {where}"
-                " ORDER BY file_path NULLS LAST, symbol_fqn NULLS LAST, id LIMIT $1",
+                " ORDER BY file_path NULLS LAST, symbol_fqn NULLS LAST, id LIMIT $1 OFFSET $2",
                 limit,
+                offset,
                 *parameters,
             )
         return Hits([Candidate(r["id"], 1.0) for r in rows], snapshot.version)

@@ -497,8 +497,9 @@ def ingest(
                     except PublishFailed as error:
                         if set_aside is not None and error.keys_by_sequence:
                             await _settle_stored(
-                                js, nc, names, settings, set_aside, ingester, error, wait_timeout, workspace, branch
-                            )
+                                js, nc, names, settings, set_aside, ingester, error, wait_timeout, workspace, branch,
+                                progress,
+                            )  # fmt: skip
                         raise
                     except ManifestMissing as error:
                         _fail(
@@ -737,6 +738,7 @@ async def _settle_stored(
     wait_timeout: float,
     workspace: str,
     branch: str,
+    progress: Progress,
     held_or_not: bool = False,
 ) -> None:
     """After a publish that failed part way, whose stored deltas the manifest records as sent: wait (within the
@@ -753,14 +755,19 @@ async def _settle_stored(
         soft_wrap=True,
         markup=False,
     )
+    watch = ProjectionWatch(progress, max(stored), _stalled_projection)  # a stalled index said as it stalls
     try:
-        await wait_projected(js, names, settings.projector_partitions, max(stored), limit)
+        await wait_projected(js, names, settings.projector_partitions, max(stored), limit, on_floor=watch)
         await nc.flush(timeout=NATS_FLUSH_S)  # what was set aside meanwhile reached the watch
     except Exception as error:  # the publish's own error is what the command ends with
+        why = (
+            f"the index at stream seq {watch.floor} after {limit:g} s" if isinstance(error, TimeoutError) else None
+        )  # a retest's said "TimeoutError: " and nothing more
         errors.print(
-            f"warning: the {len(stored)} deltas stored before the failure were not seen projected ({describe(error)}): "
-            f"any of them set aside is not sent again by the next run; `ontofabric dlq list --workspace "
-            f"{workspace}` lists them",
+            f"warning: the {len(stored)} deltas stored before the failure were not seen projected "
+            f"({why or describe(error)}): `ontofabric compact` makes room only of what a projector has applied, so "
+            "one must be running; any of them set aside is not sent again by the next run (`ontofabric dlq list "
+            f"--workspace {workspace}` lists them)",
             soft_wrap=True,
             markup=False,
         )
@@ -876,7 +883,7 @@ def delete_branch(
                     if set_aside is not None and error.keys_by_sequence:
                         await _settle_stored(
                             js, nc, names, settings, set_aside, ingester, error, wait_timeout, workspace, branch,
-                            held_or_not=True,
+                            progress, held_or_not=True,
                         )  # fmt: skip
                     raise
                 if report.raced:  # said before the wait, which may end the command
@@ -953,6 +960,10 @@ def query(
     workspace: Annotated[str, typer.Option(help="Workspace to query.", callback=_workspace_name)] = "ontofabric",
     branch: Annotated[str, typer.Option(help="Branch to query.", callback=_branch_name)] = MAIN_BRANCH,
     top_k: Annotated[int, typer.Option("--top-k", min=1, max=100, help="Number of results.")] = 10,
+    offset: Annotated[
+        int,
+        typer.Option(min=0, help="A listing's (no TEXT) results to skip: the next page of what the filters select."),
+    ] = 0,
     object_type: Annotated[str | None, typer.Option(help="Only this objectType.")] = None,
     chunk_level: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(CHUNK_LEVELS)}.")] = None,
     provenance: Annotated[str | None, typer.Option(help=f"Only one of {', '.join(PROVENANCES)}.")] = None,
@@ -1018,7 +1029,7 @@ def query(
     # the worker checks them and names what it refuses.
     more = (
         ("symbolKind", symbol_kind), ("paths", path or None), ("excludePaths", exclude_path or None),
-        ("minRelevance", min_relevance), ("followLinks", follow_links or None),
+        ("minRelevance", min_relevance), ("followLinks", follow_links or None), ("offset", offset or None),
     )  # fmt: skip
     for key, value in (*asked, *more, ("maxTokens", max_tokens), ("includeContent", None if content else False)):
         if value is not None:

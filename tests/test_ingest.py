@@ -1017,6 +1017,34 @@ async def test_an_ingest_whose_publish_failed_part_way_records_unknown_what_a_pr
     assert set(documents.values()) == {UNKNOWN}  # stored and set aside, or never stored: all sent again
 
 
+async def test_an_ingest_whose_publish_failed_part_way_with_no_projector_says_one_must_run(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """An operator's retest: with no projector the wait for what was stored said nothing for 120 s, then
+    "TimeoutError: ", and the error advised a compaction, which folds only what a projector applied."""
+    _write(tmp_path / "tree", {f"m{i}.py": f"def f{i}(x):\n    return x + {i}\n" for i in range(12)})
+    names, js = deployment.names, deployment.js
+    config = (await js.stream_info(names.delta_stream)).config
+    held = (await js.stream_info(names.delta_stream)).state.bytes
+    await js.update_stream(dataclasses.replace(config, max_bytes=held + 15_000, discard=DiscardPolicy.NEW))
+    env = {
+        **deployment.env(), "ONTOFABRIC_NATS_URL": deployment.nats_url_as("ingest"),
+        "ONTOFABRIC_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300",
+    }  # fmt: skip
+    command = [
+        str(Path(sys.executable).parent / "ontofabric"), "ingest", str(tmp_path / "tree"), "--workspace", "alone",
+        "--wait-timeout", "3",
+    ]  # fmt: skip
+    ran = await asyncio.to_thread(
+        subprocess.run, command, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    said = " ".join(ran.stderr.split())
+    assert ran.returncode == 1, said
+    assert "publishing failed part way" in said, said
+    assert "were not seen projected (the index at stream seq" in said, said
+    assert "makes room only of what a projector has applied, so one must be running" in said, said
+
+
 async def test_ingest_says_which_of_its_deltas_a_projector_dead_lettered_and_exits_1(
     deployment: Deployment, tmp_path: Path
 ) -> None:

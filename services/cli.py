@@ -778,7 +778,7 @@ async def _settle_stored(
     if letters:
         errors.print(
             f"warning: {len(letters)} of the {len(stored)} deltas stored before the failure were set aside by a "
-            "projector: the next ingest sends them again with the rest",
+            "projector: the next run sends them again with the rest",
             soft_wrap=True,
             markup=False,
         )

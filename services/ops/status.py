@@ -379,7 +379,7 @@ def _stream_nearly_full(info: StreamInfo, names: Names, status: DeploymentStatus
 
 
 STREAM_FULL_SHARE = 0.85
-"""Of a capped stream's bytes, what status calls a problem (as the alert OntofabricStreamFilling does)."""
+"""Of a capped stream's bytes or messages, what status calls a problem (as the alert OntofabricStreamFilling does)."""
 
 
 async def _stream(

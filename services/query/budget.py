@@ -176,7 +176,7 @@ def _notes_in_room(meta: QueryMeta, results: list[SearchResult], room: int) -> N
     collapsed: list[CollapsedResult] = []
     context: list[ExpandedContext] = []
     for _, entry in sorted(entries, key=lambda ranked: ranked[0]):
-        cost = len(entry.model_dump_json().encode()) + 1  # and a comma
+        cost = _entry_cost(entry)
         if cost > room:
             break
         room -= cost
@@ -187,9 +187,14 @@ def _notes_in_room(meta: QueryMeta, results: list[SearchResult], room: int) -> N
     return Notes(tuple(collapsed), tuple(context))
 
 
+def _entry_cost(entry: CollapsedResult | ExpandedContext) -> int:
+    """The bytes one of ``_meta``'s entries about results takes in an answer, and a comma."""
+    return len(entry.model_dump_json().encode()) + 1
+
+
 def _notes_size(notes: Notes) -> int:
-    """The bytes ``notes`` take in an answer, each entry with its comma (as :func:`_notes_in_room` counts them)."""
-    return sum(len(entry.model_dump_json().encode()) + 1 for entry in (*notes.collapsed, *notes.context))
+    """The bytes ``notes`` take in an answer."""
+    return sum(map(_entry_cost, notes.collapsed)) + sum(map(_entry_cost, notes.context))
 
 
 def _steady(response: QueryResponse) -> QueryResponse:

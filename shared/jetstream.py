@@ -38,11 +38,13 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import APIError, BadRequestError, NotFoundError
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
 from .settings import Settings, SettingsUnusable, redacted_url
 from .subjects import PARTITION_COUNTS, Names
+from .telemetry import meter
 
 T = TypeVar("T")
 
@@ -80,6 +82,25 @@ _DENIALS: weakref.WeakKeyDictionary[Client, _Waiting] = weakref.WeakKeyDictionar
 _CLOSING: weakref.WeakSet[Client] = weakref.WeakSet()
 """Connections this process is closing itself (:func:`close`): their end is no loss."""
 _LOST: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = weakref.WeakKeyDictionary()
+_CONNECTIONS: weakref.WeakKeyDictionary[Client, str] = weakref.WeakKeyDictionary()
+"""Every connection :func:`connect` made and nobody closed, by its name: what ``nats.connected`` reports."""
+
+
+def _observe_connections(_: CallbackOptions) -> list[Observation]:
+    return [
+        Observation(int(nc.is_connected), {"client": name})
+        for nc, name in list(_CONNECTIONS.items())
+        if not nc.is_closed
+    ]
+
+
+# Where NATS runs as a service of its own, an outage silences the lag series (they are read from NATS), and no
+# query reaches a worker to fail: this is what an alert can read (OntofabricNatsUnreachable).
+meter().create_observable_gauge(
+    "nats.connected",
+    callbacks=[_observe_connections],
+    description="1 while this process's NATS connection is up, 0 while it is lost or not yet made (by its name)",
+)
 
 
 def connection_lost() -> asyncio.Event:
@@ -272,6 +293,7 @@ async def connect(
     timeout_s = settings.nats_connect_timeout_s if settings else Settings.model_fields["nats_connect_timeout_s"].default
     first_connect_s = None if wait_for_server else timeout_s
     nc = SturdyClient()
+    _CONNECTIONS[nc] = name
     waiting: _Waiting = {}
     authorization_refused = asyncio.Event()
     outage = _Outage()

@@ -19,7 +19,7 @@ from ontofabric.shared.nats_auth import NatsUser, render_config
 from ontofabric.shared.runtime import free_port
 from ontofabric.shared.settings import Settings
 
-from .conftest import spawn_nats
+from .conftest import metric_points, spawn_nats
 
 USERS = {"op": NatsUser("op", "pw", "operator", "ontofabric")}
 
@@ -233,3 +233,31 @@ async def test_a_server_gone_for_a_while_is_logged_once_not_at_every_reconnect_a
     finally:
         await close(nc)
         server.stop()
+
+
+async def test_a_connection_says_in_a_gauge_whether_it_is_up(tmp_path: Path) -> None:
+    """An outage of a NATS server run as a service of its own raised no alert: the lag series are read from NATS and
+    go away with it, and no query reaches a worker to fail. ``nats.connected`` is what the alert reads."""
+
+    def connected(name: str) -> list[int]:
+        return [p.value for p in metric_points("nats.connected") if p.attributes == {"client": name}]
+
+    port = free_port()
+    server = spawn_nats(tmp_path, port, USERS)
+    nc = await connect(_url(port), "test-gauge", Settings(nats_connect_timeout_s=2.0))
+    try:
+        assert connected("test-gauge") == [1]
+        server.stop()
+        async with asyncio.timeout(15):
+            while nc.is_connected:
+                await asyncio.sleep(0.05)
+        assert connected("test-gauge") == [0]
+        server = spawn_nats(tmp_path, port, USERS)
+        async with asyncio.timeout(15):
+            while not nc.is_connected:
+                await asyncio.sleep(0.05)
+        assert connected("test-gauge") == [1]
+    finally:
+        await close(nc)
+        server.stop()
+    assert connected("test-gauge") == []  # closed by its process: no loss to report

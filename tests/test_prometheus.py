@@ -106,6 +106,9 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
         # What the dead-letter rule reads a new process by, under the target's own labels.
         started = await asyncio.to_thread(_ask, web_port, "/api/v1/query", query="process_start_time_seconds")
         assert [sample["metric"]["job"] for sample in started["result"]] == ["ontofabric-query"]
+        # What OntofabricNatsUnreachable reads: the worker's connection, up.
+        connected = await asyncio.to_thread(_ask, web_port, "/api/v1/query", query="nats_connected")
+        assert [sample["value"][1] for sample in connected["result"]] == ["1"], connected
         async with asyncio.timeout(30):  # every rule evaluated, none failing
             while True:
                 groups = (await asyncio.to_thread(_ask, web_port, "/api/v1/rules"))["groups"]

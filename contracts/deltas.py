@@ -8,10 +8,9 @@ inside its duplicate window; the projector's handled event ids make every other 
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import AwareDatetime, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.config import JsonDict
 
 from ._base import WireModel
@@ -40,13 +39,33 @@ class Payload(WireModel):
     model_config = ConfigDict(json_schema_extra=_type_required)
 
 
+def _top_level_name_starts_as_an_object_type(schema: JsonDict) -> None:
+    """Without a domain the name is the object type, which starts with a letter or _."""
+    schema["if"] = {"anyOf": [{"not": {"required": ["domain"]}}, {"properties": {"domain": {"const": ""}}}]}
+    schema["then"] = {"properties": {"name": {"pattern": "^[A-Za-z_]"}}}
+
+
 class OntologyNode(WireModel):
-    """An object type of the ontology graph (a module, class, interface ...)."""
+    """An object type of the ontology graph (a module, class, interface ...). Its objectType is ``domain.name`` (the
+    name alone without a domain), at most 512 characters: a domain and name longer together are refused."""
+
+    # The patterns say in the schema what the objectType's check refused unsaid: a producer validating by the
+    # schema sent names with spaces and had them dead-lettered (a contract tester's).
+    model_config = ConfigDict(json_schema_extra=_top_level_name_starts_as_an_object_type)
 
     domain: Text = Field(
-        default="", max_length=256, description="Empty for a top-level type (its objectType is the name)."
+        default="",
+        max_length=256,
+        pattern=r"^(?:[A-Za-z_][A-Za-z0-9_.$-]*)?$",
+        description="Empty for a top-level type (its objectType is the name).",
     )
-    name: Text = Field(min_length=1, max_length=256)
+    name: Text = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9_.$-]+$",
+        description="Letters, digits, _ . $ -; without a domain, a letter or _ first. With the domain, at most 511 "
+        "characters.",
+    )
     kind: Text = Field(min_length=1, max_length=64, description="class, interface, module, ...")
     interfaces: list[ObjectType] = Field(
         default_factory=list, description="Object types this type implements or derives from."
@@ -240,6 +259,10 @@ DeltaPayload = Annotated[
 
 
 class DeltaEnvelope(WireModel):
+    """Strict in what it holds beside the payload too: an ``occurredAt`` of epoch seconds, a date alone or a time
+    without its offset, and a ``schemaVersion`` of ``"1"``, were read as something else and applied, so a producer
+    learnt nothing of its mistake (a contract tester's)."""
+
     event_id: Text = Field(
         min_length=1,
         max_length=128,
@@ -247,9 +270,14 @@ class DeltaEnvelope(WireModel):
     )
     workspace: Workspace
     branch: Branch = MAIN_BRANCH
-    occurred_at: datetime
+    occurred_at: AwareDatetime = Field(
+        strict=True,
+        description="When the change happened, as RFC 3339 with its offset (2026-12-07T08:00:00Z): a number, a date "
+        "alone or a time without its offset is refused (dead-lettered invalid_schema).",
+    )
     schema_version: int = Field(
         default=SCHEMA_VERSION,
+        strict=True,
         ge=1,
         le=SCHEMA_VERSION,
         description="The envelope's version; a later one than this build reads is refused (dead-lettered), not "
@@ -257,3 +285,10 @@ class DeltaEnvelope(WireModel):
     )
     producer: Text = Field(min_length=1, max_length=128, description="Who published the event.")
     payload: DeltaPayload
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _whole_number_written_with_a_point(cls, value: object) -> object:
+        # As WholeNumbers reads one; not that model validator, which would read the whole envelope as Python
+        # values, where a strict date-time cannot be text.
+        return int(value) if type(value) is float and value.is_integer() else value

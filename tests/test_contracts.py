@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
 
-from ontofabric.contracts import OntologyQuery, QueryResponse, TokenVectors, schema
+from ontofabric.contracts import DeltaEnvelope, OntologyQuery, QueryResponse, TokenVectors, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
 from ontofabric.contracts.query import FILTERS
 from ontofabric.shared import asyncapi
@@ -331,3 +331,41 @@ def test_the_asyncapi_cli_finds_the_document_valid(tmp_path: Path) -> None:
         [str(cli), "validate", str(broken), "--fail-severity", "warn"], capture_output=True, text=True, env=env
     )
     assert refused.returncode != 0, refused.stdout
+
+
+@pytest.mark.parametrize(
+    ("node", "taken"),
+    [
+        ({"name": "Widget", "kind": "class"}, True),
+        ({"domain": "pkg", "name": "1Widget", "kind": "class"}, True),  # pkg.1Widget is an object type
+        ({"domain": "", "name": "_private", "kind": "class"}, True),
+        ({"name": "my widget", "kind": "class"}, False),
+        ({"name": "1Widget", "kind": "class"}, False),  # the name alone is the object type
+        ({"domain": "", "name": "1Widget", "kind": "class"}, False),
+        ({"domain": "my pkg", "name": "Widget", "kind": "class"}, False),
+        ({"domain": ".pkg", "name": "Widget", "kind": "class"}, False),
+    ],
+)
+def test_the_schema_and_the_projector_agree_on_a_graph_nodes_names(node: dict[str, str], taken: bool) -> None:
+    """A contract tester's nodes valid by the published schema (a name with a space, a top-level name starting with
+    a digit) were dead-lettered: the object type's rule was the projector's alone."""
+    published = json.loads((schema.SCHEMA_DIR / "delta-envelope.schema.json").read_text())
+    envelope = json.loads(factories.upsert("acme", factories.document("a", "alpha")).model_dump_json())
+    delta = {**envelope, "payload": {"type": "node.upserted", "node": node}}
+    assert jsonschema.Draft202012Validator(published).is_valid(delta) is taken
+    try:
+        DeltaEnvelope.model_validate_json(json.dumps(delta))
+    except ValidationError:
+        assert not taken
+    else:
+        assert taken
+
+
+def test_the_schema_refuses_an_envelope_whose_time_or_version_is_no_string_or_integer() -> None:
+    """Read as epoch seconds and as 1 before, and applied (a contract tester's); the schema refused them already."""
+    published = json.loads((schema.SCHEMA_DIR / "delta-envelope.schema.json").read_text())
+    good = json.loads(factories.upsert("acme", factories.document("a", "alpha")).model_dump_json())
+    for changed in ({"occurredAt": 1765000000}, {"schemaVersion": "1"}):
+        assert not jsonschema.Draft202012Validator(published).is_valid({**good, **changed})
+        with pytest.raises(ValidationError):
+            DeltaEnvelope.model_validate_json(json.dumps({**good, **changed}))

@@ -66,6 +66,16 @@ def test_valid_delta_is_accepted() -> None:
     assert outcome.envelope == delta
 
 
+def test_an_envelope_as_other_writers_write_it_is_accepted() -> None:
+    """A version written with a point (as some JSON libraries write every number) and a time with another offset."""
+    good = json.loads(upsert("ws", document("a", "alpha", embedding=unit_vector("a"))).model_dump_json())
+    written = json.dumps({**good, "schemaVersion": 1.0, "occurredAt": "2026-12-07T09:00:00.5+01:00"})
+    outcome = validate_delta(*_raw(written), 7, LIMITS)
+    assert isinstance(outcome, Delta), outcome
+    assert outcome.envelope.schema_version == 1
+    assert outcome.envelope.occurred_at.utcoffset() is not None
+
+
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
@@ -74,6 +84,12 @@ def test_valid_delta_is_accepted() -> None:
         (lambda d: json.dumps({k: v for k, v in d.items() if k != "workspace"}), "invalid_schema"),
         (lambda d: json.dumps({**d, "workspace": "other"}), "subject_mismatch"),
         (lambda d: json.dumps({**d, "schemaVersion": 2}), "invalid_schema"),  # a later envelope than this reads
+        # Read as something else before, and applied (a contract tester's): epoch seconds, a date alone, a time
+        # without its offset, a version as text.
+        (lambda d: json.dumps({**d, "occurredAt": 1765000000}), "invalid_schema"),
+        (lambda d: json.dumps({**d, "occurredAt": "2026-12-07"}), "invalid_schema"),
+        (lambda d: json.dumps({**d, "occurredAt": "2026-12-07T08:00:00"}), "invalid_schema"),
+        (lambda d: json.dumps({**d, "schemaVersion": "1"}), "invalid_schema"),
         (
             lambda d: json.dumps(
                 {**d, "payload": {**d["payload"], "document": {**d["payload"]["document"], "content": "x" * 5000}}}

@@ -130,11 +130,34 @@ def test_a_request_read_long_after_its_caller_sent_it_counts_the_wait() -> None:
         assert problem.field == f"header {SENT_AT_HEADER}"
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "abc", "1e3", "2.5", "", "9" * 5000, str(MAX_TIMEOUT_MS + 1), "٣"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "0",
+        "000",
+        "-5",
+        "abc",
+        "1e3",
+        "2.5",
+        "",
+        "9" * 5000,
+        str(MAX_TIMEOUT_MS + 1),
+        "0" + str(MAX_TIMEOUT_MS + 1),
+        "٣",
+    ],
+)
 def test_a_timeout_header_that_is_not_whole_milliseconds_in_range_is_named(value: str) -> None:
     problem = deadline_of({TIMEOUT_HEADER: value}, 0.0, 10_000)
     assert isinstance(problem, ErrorDetail)
     assert problem.field == f"header {TIMEOUT_HEADER}"
+
+
+def test_a_timeout_header_with_leading_zeros_is_its_number() -> None:
+    """The contract's pattern is digits: a tester's 0005000 was refused for having more than six."""
+    for value, ms in (("0005000", 5000), ("0" * 40 + "1", 1), (f"00{MAX_TIMEOUT_MS}", MAX_TIMEOUT_MS)):
+        deadline = deadline_of({TIMEOUT_HEADER: value}, 0.0, 10_000)
+        assert isinstance(deadline, Deadline), value
+        assert deadline.timeout_ms == ms
 
 
 def test_the_expected_finish_counts_the_turns_ahead_and_the_work() -> None:

@@ -20,6 +20,8 @@ MAX_TOP_K = 100
 MAX_PATH_PATTERNS = 20
 """Patterns in paths, and in excludePaths, at most."""
 MAX_PATH_PATTERN_CHARS = 512
+PATH_PATTERN_SCHEMA: JsonDict = {"items": {"type": "string", "minLength": 1, "maxLength": MAX_PATH_PATTERN_CHARS}}
+"""What the schema says of each pattern: an empty one was valid by it and refused (a contract tester's)."""
 MAX_LINK_DEPTH = 1
 RELATIONS_READ = MAX_TOP_K
 """At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds):
@@ -35,6 +37,14 @@ DistanceMetric = Literal["cosine", "innerProduct", "l2"]
 Retriever = Literal["dense", "keyword"]
 """The retrievers a request may choose. Replies name retrievers as text: a deployment may register more."""
 FusionMethod = Literal["rrf", "convex", "adaptive"]
+
+
+def field_refused(model: object, field: str, kind: str, message: str, value: object) -> ValidationError:
+    """A model validator's refusal as ``field``'s own error, so that the caller is told which field to change."""
+    problem = PydanticCustomError(kind, message)
+    return ValidationError.from_exception_data(
+        type(model).__name__, [InitErrorDetails(type=problem, loc=(field,), input=value)]
+    )
 
 
 class FusionOptions(StrictRequest):
@@ -60,10 +70,13 @@ class FusionOptions(StrictRequest):
     def _parameters_of_the_method_asked(self) -> Self:
         """A parameter of another method than the one asked for would be ignored in silence (an independent
         tester's finding): refused, naming it."""
+        # Each named as its own field, not as the fusion object (a contract tester's).
         if self.method == "convex" and self.rrf_k is not None:
-            raise ValueError("rrfK applies to method rrf (and adaptive's fall-back to it), not convex")
+            message = "rrfK applies to method rrf (and adaptive's fall-back to it), not convex"
+            raise field_refused(self, "rrfK", "parameter_of_another_method", message, self.rrf_k)
         if self.method in ("rrf", "adaptive") and self.dense_weight is not None:
-            raise ValueError(f"denseWeight applies to method convex, not {self.method}")
+            message = f"denseWeight applies to method convex, not {self.method}"
+            raise field_refused(self, "denseWeight", "parameter_of_another_method", message, self.dense_weight)
         return self
 
 
@@ -298,6 +311,7 @@ class OntologyQuery(StrictRequest):
         default=None,
         min_length=1,
         max_length=MAX_PATH_PATTERNS,
+        json_schema_extra=PATH_PATTERN_SCHEMA,
         description="Restrict results to files matching one of these patterns, read as .gitignore (and ingest "
         "--exclude) reads one: without `/` a file or directory name at any depth (`tests`, `*_test.py`), with `/` a "
         "path from the tree's root (`services/query`, `docs/*.md`); a directory's files with it. Documents of no "
@@ -308,6 +322,7 @@ class OntologyQuery(StrictRequest):
         default=None,
         min_length=1,
         max_length=MAX_PATH_PATTERNS,
+        json_schema_extra=PATH_PATTERN_SCHEMA,
         description="Leave out results of files matching one of these patterns, read as paths reads them "
         "(`tests`, `test_*.py`: the implementation without its tests).",
     )
@@ -362,25 +377,14 @@ class OntologyQuery(StrictRequest):
     @model_validator(mode="after")
     def _query_or_filter(self) -> OntologyQuery:
         if self.semantic_query is None and self.related_to is None and all(getattr(self, n) is None for n in FILTERS):
-            # Raised as the field's own error, so that the caller is told which field to give.
-            problem = PydanticCustomError(
-                "missing",
-                f"semanticQuery is required unless relatedTo or a filter ({', '.join(map(to_camel, FILTERS))}) is "
-                "given",
-            )
-            raise ValidationError.from_exception_data(
-                type(self).__name__, [InitErrorDetails(type=problem, loc=("semanticQuery",), input=None)]
-            )
+            filters = ", ".join(map(to_camel, FILTERS))
+            message = f"semanticQuery is required unless relatedTo or a filter ({filters}) is given"
+            raise field_refused(self, "semanticQuery", "missing", message, None)
         if self.offset and not self.listing:
             # A ranked answer is made anew for each request and its order is no page's (an agent tester's listing
             # of 300 methods could not be read past topK 100).
-            problem = PydanticCustomError(
-                "offset_with_query",
-                "offset reads on through a listing (no semanticQuery, no relatedTo); a ranked answer takes none",
-            )
-            raise ValidationError.from_exception_data(
-                type(self).__name__, [InitErrorDetails(type=problem, loc=("offset",), input=self.offset)]
-            )
+            message = "offset reads on through a listing (no semanticQuery, no relatedTo); a ranked answer takes none"
+            raise field_refused(self, "offset", "offset_with_query", message, self.offset)
         return self
 
     @property

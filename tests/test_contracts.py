@@ -369,3 +369,16 @@ def test_the_schema_refuses_an_envelope_whose_time_or_version_is_no_string_or_in
         assert not jsonschema.Draft202012Validator(published).is_valid({**good, **changed})
         with pytest.raises(ValidationError):
             DeltaEnvelope.model_validate_json(json.dumps({**good, **changed}))
+
+
+def test_the_schema_refuses_an_empty_path_pattern_as_the_worker_does() -> None:
+    """A contract tester's ``paths: [""]``: valid by the schema, refused by the worker."""
+    published = json.loads((schema.SCHEMA_DIR / "ontology-query.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(published)
+    for field in ("paths", "excludePaths"):
+        for patterns, taken in (([""], False), (["x" * 513], False), (["services/query"], True)):
+            body = {"semanticQuery": "parse a file", field: patterns}
+            assert validator.is_valid(body) is taken, body
+            if not taken:
+                with pytest.raises(ValidationError):
+                    OntologyQuery.model_validate(body)

@@ -628,7 +628,12 @@ MALFORMED = [
     (b'{"semanticQuery": "x", "surprise": true}', "surprise"),
     (b'{"semanticQuery": "x", "workspace": "someone-else"}', "workspace"),
     (json.dumps({"semanticQuery": "x" * 5000}).encode(), "semanticQuery"),
-    (b'{"semanticQuery": "x", "options": {"fusion": {"method": "convex", "rrfK": 5}}}', "options.fusion"),
+    # Named as the field, not as the fusion object (a contract tester's).
+    (b'{"semanticQuery": "x", "options": {"fusion": {"method": "convex", "rrfK": 5}}}', "options.fusion.rrfK"),
+    (
+        b'{"semanticQuery": "x", "options": {"fusion": {"method": "rrf", "denseWeight": 0.3}}}',
+        "options.fusion.denseWeight",
+    ),
     (b'{"semanticQuery": "x", "options": {"fusion": {"denseWeight": 0.9}}}', "options.fusion.denseWeight"),
     (b'{"semanticQuery": "x", "topK": 1, "topK": 50}', "topK"),  # which one was read, the client cannot know
     (b'{"semanticQuery": "x", "options": {"candidates": 5, "candidates": 50}}', "options.candidates"),

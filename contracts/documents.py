@@ -231,7 +231,15 @@ class DocumentMetadata(WireModel, WholeNumbers):
     as the index stores it, where a number takes its digits in full (1e300: 301 bytes); a delta over it is
     dead-lettered invalid_schema."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"dependentRequired": {"endLine": ["startLine"]}})
+    # endLine given as a number needs startLine as a number; a null one needs nothing, as the check reads it (a
+    # contract tester's endLine: null alone was refused by the schema's dependentRequired and applied).
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "if": {"required": ["endLine"], "properties": {"endLine": {"type": "integer"}}},
+            "then": {"required": ["startLine"], "properties": {"startLine": {"type": "integer"}}},
+        },
+    )
 
     symbol_key: Text | None = Field(
         default=None,

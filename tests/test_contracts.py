@@ -382,3 +382,30 @@ def test_the_schema_refuses_an_empty_path_pattern_as_the_worker_does() -> None:
             if not taken:
                 with pytest.raises(ValidationError):
                     OntologyQuery.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    ("lines", "taken"),
+    [
+        ({"startLine": 3, "endLine": 5}, True),
+        ({"startLine": 3}, True),
+        ({"endLine": None}, True),  # applied, and refused by the schema's dependentRequired before
+        ({"startLine": None, "endLine": None}, True),
+        ({"endLine": 5}, False),
+        ({"startLine": None, "endLine": 5}, False),
+    ],
+)
+def test_the_schema_and_the_projector_agree_on_a_documents_lines(lines: dict[str, int | None], taken: bool) -> None:
+    published = json.loads((schema.SCHEMA_DIR / "delta-envelope.schema.json").read_text())
+    delta = json.loads(factories.upsert("acme", factories.document("a", "alpha")).model_dump_json())
+    metadata = delta["payload"]["document"]["metadata"]
+    for key in ("startLine", "endLine"):
+        metadata.pop(key, None)
+    metadata.update(lines)
+    assert jsonschema.Draft202012Validator(published).is_valid(delta) is taken
+    try:
+        DeltaEnvelope.model_validate_json(json.dumps(delta))
+    except ValidationError:
+        assert not taken
+    else:
+        assert taken

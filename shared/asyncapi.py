@@ -136,7 +136,9 @@ def _messages() -> Json:
                         "inside its duplicate window once, and dedupes across every workspace's deltas. A message "
                         "id another tenant can foresee would let it have the server drop the delta as a repeat "
                         "(a tenant may publish under any id on its own subjects); the projector applies an event "
-                        "id once per workspace whatever the message id.",
+                        "id once per workspace whatever the message id. Required of a producer; a delta without it is "
+                        "not refused, but a publish retried after a lost acknowledgement is then stored twice (and "
+                        "applied once).",
                     },
                     "Content-Type": {"type": "string", "const": "application/json"},
                     **_TRACE_HEADERS,

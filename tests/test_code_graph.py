@@ -632,3 +632,66 @@ def test_a_python_file_and_another_of_one_stem_make_pythons_node_alone(tmp_path:
     assert not [link for link in links if "pkg.api.Foo" in (link.source_type, link.target_type)]
     assert defined_in["pkg.api.Foo"] == "pkg/api.py"
     assert defined_in["pkg.api.Bar"] == "pkg/api.ts"  # the other's own nodes stay
+
+
+def test_a_modules_code_and_its_declaration_file_make_one_node_answered_by_the_code() -> None:
+    """An agent tester over a published npm package (each module an `x.js` and its types' `x.d.ts`): `implements`,
+    written only in the declarations, was lost to the code's class read after it, and a module was answered by its
+    `export {};` stub rather than the code importing what was asked."""
+    read = _graph({
+        "pkg/transport.d.ts": "export interface Transport { start(): Promise<void>; }\n",
+        "pkg/transport.js": "export function helper() { return 1; }\n",
+        "pkg/stdio.d.ts": "import { Transport } from './transport.js';\n"
+        "export declare class Stdio implements Transport { start(): Promise<void>; }\n",
+        "pkg/stdio.js": "import { helper } from './transport.js';\nimport { Base } from './base.js';\n"
+        "export class Stdio extends Base { async start() { helper(); } }\n",
+        "pkg/base.js": "export class Base {}\n",
+        "pkg/example.d.ts": "export {};\n",
+        "pkg/example.js": "import { Stdio } from './stdio.js';\nnew Stdio();\n",
+    })  # fmt: skip
+    nodes = {node.object_type: node for node in read.nodes}
+    # Each file's bases, whichever is read first (the code's `extends` had replaced the declarations' `implements`).
+    assert set(nodes["pkg.stdio.Stdio"].interfaces) == {"pkg.transport.Transport", "pkg.base.Base"}
+    links = {(link.source_type, link.name, link.target_type) for link in read.links}
+    assert {
+        ("pkg.stdio.Stdio", INHERITS, "pkg.transport.Transport"),
+        ("pkg.stdio.Stdio", INHERITS, "pkg.base.Base"),
+    } <= links
+    assert read.defined_in["pkg.stdio.Stdio"] == "pkg/stdio.js"
+    assert read.defined_in["pkg.example"] == "pkg/example.js"
+    assert read.defined_in["pkg.transport.Transport"] == "pkg/transport.d.ts"  # declared there alone
+    links = {(link.source_type, link.name, link.target_type) for link in read.links}
+    assert ("pkg.example", IMPORTS, "pkg.stdio") in links
+
+
+def test_what_a_typescript_compiler_writes_for_commonjs_is_read() -> None:
+    """The same agent tester over nats.js's compiled `lib/`: `(0, ns.f)()`, `extends ns.Base` and a method's body
+    inside `__awaiter(this, ..., function* () {...})`, the forms tsc writes, were not read."""
+    files = {
+        "lib/u.js": """
+            "use strict";
+            exports.Base = exports.helper = void 0;
+            function helper() { return 1; }
+            exports.helper = helper;
+            class Base { run() { return 2; } }
+            exports.Base = Base;
+            """,
+        "lib/seq.js": """
+            "use strict";
+            const u_1 = require("./u");
+            function viaSequence() { return (0, u_1.helper)(); }
+            class Derived extends u_1.Base {
+                go() { return this.run(); }
+                later() {
+                    return __awaiter(this, void 0, void 0, function* () { yield (0, u_1.helper)(); this.go(); });
+                }
+            }
+            exports.Derived = Derived;
+            """,
+    }
+    calls = _by_name(_calls(files))
+    assert calls["lib.seq.viaSequence"] == ["lib.u.helper"]
+    assert calls["lib.seq.Derived.go"] == ["lib.u.Base.run"]  # through the base written as `u_1.Base`
+    assert calls["lib.seq.Derived.later"] == ["lib.u.helper", "lib.seq.Derived.go"]
+    nodes = {node.object_type: node for node in _graph(files).nodes}
+    assert nodes["lib.seq.Derived"].interfaces == ("lib.u.Base",)

@@ -246,11 +246,15 @@ class _Tree:
         """Rust: (file, owner) -> :meth:`owner_key`'s answer, once found."""
         self.exported: dict[tuple[str, str], str | None] = {}
         """TypeScript and JavaScript: (file, name) -> what the file exports under the name, once looked up."""
+        self.twins: dict[str, list[str]] = {}
+        """TypeScript and JavaScript: a module -> its files (``x.js`` and its declarations' ``x.d.ts``)."""
 
     def add(self, read: _File, root: tree_sitter.Node, declared: list[Declared]) -> None:
         """A file's declarations, and what its syntax says of its imports and bases (resolved by :meth:`resolve`
         once every file is added)."""
         self.files[read.path] = read
+        if read.domain in ("typescript", "javascript"):
+            self.twins.setdefault(read.module, []).append(read.path)
         self._index(read)
         self._imports(read, root)
         self._bases_written(read, declared)
@@ -269,8 +273,9 @@ class _Tree:
         for read in self.files.values():
             for qualname, names in read.bases_written.items():
                 bases = [key for name in names if (key := self.type_named(read, name, qualname)) is not None]
-                if bases:
-                    self.bases[self.type_key(read, qualname)] = bases
+                if bases:  # a class declared in `x.js` and `x.d.ts` has the bases of both
+                    known = self.bases.get(self.type_key(read, qualname), [])
+                    self.bases[self.type_key(read, qualname)] = list(dict.fromkeys((*known, *bases)))
 
     # -- indexing ------------------------------------------------------------------------------------------------
 
@@ -580,6 +585,10 @@ class _Tree:
         """The key of the type of the tree ``name`` names in ``read`` (``within``: the type it is written in)."""
         if read.domain in ("typescript", "javascript"):
             fqn = self.javascript_value(read, name)  # a type's key is its qualified name
+            held, dot, member = name.partition(".")
+            imported = read.imports.get(held) if dot and "." not in member else None
+            if fqn is None and imported is not None and imported[1] is None:  # `extends ns.Base`, `ns` imported whole
+                fqn = self.javascript_export(imported[0], member, 1)
             return fqn if fqn is not None and fqn in self.types else None
         if read.domain == "java":
             name = name.split("<", 1)[0]
@@ -657,7 +666,10 @@ class _Tree:
         if (path, name) in self.exported:
             return self.exported[path, name]
         found: str | None = None
-        pending, seen = [path], {path}
+        # A name of the module's other file too: `import { Transport } from './transport.js'` names the interface
+        # its `transport.d.ts` declares (an agent tester's `implements Transport` read as an outside name).
+        pending = [path, *(p for p in self.twins.get(self.files[path].module, []) if p != path)]
+        seen = set(pending)
         while pending and found is None:
             read = self.files.get(pending.pop(0))
             if read is None:
@@ -732,10 +744,18 @@ class _Tree:
         """The nodes, the links and each node's file (:class:`CodeRead`)."""
         nodes: dict[str, GraphNode] = {}
         defined_in: dict[str, str] = {}
+
+        def define(object_type: str, path: str) -> None:
+            # A published package's `x.js` and its types' `x.d.ts` are one module: its node is answered by the
+            # code's chunk, not by the declarations' (a tester's importers were `export {};` stubs).
+            known = defined_in.get(object_type)
+            if known is None or (is_declaration_file(known) and not is_declaration_file(path)):
+                defined_in[object_type] = path
+
         for read in self.files.values():
             module_type = object_type_name(read.module)
             nodes.setdefault(module_type, GraphNode(*split_object_type(module_type), kind="module"))
-            defined_in.setdefault(module_type, read.path)
+            define(module_type, read.path)
             for _kind, level, qualname, _span in read.outline:
                 if level != "type":
                     continue
@@ -745,8 +765,13 @@ class _Tree:
                     self.type_object_type(self.type_named(read, name, qualname)) or object_type_name(name)
                     for name in read.bases_written.get(qualname, [])
                 )
+                # Declared twice (`x.js` and `x.d.ts`), it has the bases of both: only the declarations say what a
+                # class implements, and the code's class, read last, took every `implements Transport` away.
+                twin = nodes.get(object_type)
+                if twin is not None and twin.kind == "class":
+                    interfaces = tuple(dict.fromkeys((*twin.interfaces, *interfaces)))
                 nodes[object_type] = GraphNode(*split_object_type(object_type), "class", interfaces)
-                defined_in[object_type] = read.path
+                define(object_type, read.path)
         nodes = {t: n for t, n in nodes.items() if representable(n)}
         links: set[GraphLink] = set()
 
@@ -850,6 +875,7 @@ class _Calls:
                 else None
             )
         function = node.child_by_field_name("function") if node.type == "call_expression" else None
+        function = _last_of_sequence(function) if function is not None else None
         if function is None:
             return None
         if function.type == "identifier":
@@ -1032,6 +1058,20 @@ def _captured(read: _File, queries: Mapping[str, str], node: tree_sitter.Node) -
     return sorted((n for nodes in captures.values() for n in nodes), key=lambda n: (n.start_byte, -n.end_byte))
 
 
+def _last_of_sequence(function: tree_sitter.Node) -> tree_sitter.Node:
+    """What a call calls through parentheses and a sequence: ``(0, ns.f)()``, as a TypeScript compiler writes a call
+    of an imported function in CommonJS (an agent tester's nats.js had hundreds), calls ``ns.f``."""
+    while function.type in ("parenthesized_expression", "sequence_expression") and function.named_children:
+        function = function.named_children[-1]
+    return function
+
+
+def is_declaration_file(path: str) -> bool:
+    """A TypeScript declaration file (``x.d.ts``, ``.d.mts``, ``.d.cts``): the types of a module whose code is
+    another file of the same module name (:func:`code.module_name`)."""
+    return path.endswith((".d.ts", ".d.mts", ".d.cts"))
+
+
 def _written_type(node: tree_sitter.Node) -> str | None:
     """A type's name as written, without its type arguments: ``Base`` for ``Base<T>``, ``java.io.Serializable``
     and ``React.Component`` whole; None for what is no name (``mixin(X, Y)``, a conditional)."""
@@ -1171,7 +1211,9 @@ class _Locals:
         self.bound: dict[tuple[int, str], list[_Binding]] = {}
         for within, bound_name, binding in found:
             self.bound.setdefault((place[within], bound_name), []).append(binding)
-        self.this_ranges = [(n.start_byte, n.end_byte) for n in _captured(read, _THIS_BOUNDS, root)]
+        self.this_ranges = [
+            (n.start_byte, n.end_byte) for n in _captured(read, _THIS_BOUNDS, root) if not _given_this(n)
+        ]
         self.own_this = _Nested(self.this_ranges)
 
     def binding(self, name: str, node: tree_sitter.Node, fields: bool = False) -> _Binding | None:
@@ -1205,6 +1247,16 @@ class _Locals:
         return (
             chunk.start_byte <= start and end <= chunk.end_byte and (start, end) != (chunk.start_byte, chunk.end_byte)
         )
+
+
+def _given_this(function: tree_sitter.Node) -> bool:
+    """A function passed beside ``this`` to a call, which calls it with that ``this``: the body of an ``async``
+    method as a TypeScript compiler writes it for older targets, ``__awaiter(this, void 0, void 0, function* ()
+    {...})`` (an agent tester's nats.js methods had no callees)."""
+    given = function.parent
+    if function.type not in ("function_expression", "generator_function") or given is None:
+        return False
+    return given.type == "arguments" and bool(given.named_children) and given.named_children[0].type == "this"
 
 
 def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:

@@ -219,7 +219,8 @@ def _query_or_filter_schema(schema: dict[str, Any]) -> None:
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
 MAX_SYMBOL_CHARS = 300
-_IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*"
+_IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
+"""An identifier, or words joined by hyphens as a file's module is named (``auth-extensions``)."""
 
 
 class RelatedTo(StrictRequest):
@@ -248,8 +249,10 @@ class RelatedTo(StrictRequest):
     @classmethod
     def _identifiers(cls, symbol: str) -> str:
         named = unicodedata.normalize("NFKC", symbol)  # as Python reads an identifier, and as words asking it are
-        if not all(part.isidentifier() for part in named.split(".")):
-            raise ValueError("a name, or names joined by dots, as Python reads identifiers")
+        # A part may join identifiers by hyphens: the module of a file named so (client.auth-extensions, an agent
+        # tester's, could not be asked).
+        if not all(word.isidentifier() for part in named.split(".") for word in part.split("-")):
+            raise ValueError("a name, or names joined by dots, as Python reads identifiers (or joined by hyphens)")
         if len(named) > MAX_SYMBOL_CHARS:  # NFKC may lengthen it: 'ﬃ' is 'ffi' (a review's)
             raise ValueError(f"at most {MAX_SYMBOL_CHARS} characters as Python reads them")
         return named

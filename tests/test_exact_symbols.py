@@ -181,6 +181,12 @@ def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAs
         ("where is Console defined.", "Console"),
         ("\u200f\u200bpass_context", "pass_context"),  # marks that show nothing (an agent tester's)
         ("where is Con\u200dsole defined", "Console"),
+        # Dotted, a hyphenated part is a module's (client/auth-extensions.js); a hyphenated word alone is words.
+        (
+            "experimental.tasks.mcp-server.ExperimentalMcpServerTasks",
+            "experimental.tasks.mcp-server.ExperimentalMcpServerTasks",
+        ),
+        ("well-known", None),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
@@ -254,6 +260,12 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("what raises the exception", None),
         ("what raises socket.timeout", (CALLER, "socket.timeout")),
         ("to_seconds", None),
+        # A module of a hyphenated file name (an agent tester's JavaScript package); hyphens joining no words are not.
+        ("what imports nats-base-client.util", (IMPORTER, "nats-base-client.util")),
+        ("importers of auth-extensions", (IMPORTER, "auth-extensions")),
+        ("what calls well-known code", None),
+        ("callers of foo-", None),
+        ("what imports -x", None),
     ],
 )
 def test_relation_of_takes_a_whole_query_that_asks_one_relation_of_one_name(
@@ -1136,3 +1148,35 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     assert _found_by(called, CALLEE) == ["services.api.auth.middleware.RequireJWT"]
     migration = await _ask(client, "which migration adds the paid_at column to invoices", "mono")
     assert migration.results[0].metadata["filePath"] == "migrations/0003_invoices_paid_at.sql"
+
+
+async def test_a_published_javascript_package_answers_its_relations_by_its_code_and_hyphenated_modules(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """An agent tester over the MCP SDK as published (each module an `x.js` and its types' `x.d.ts`): `what
+    subclasses Transport` found none of the nine classes implementing it (written in the declarations alone),
+    importers were `export {};` stubs, and a module of a hyphenated file name could not be asked at all."""
+    files = {
+        "pkg/auth-extensions.js": "export function sign() { return 1; }\n",
+        "pkg/auth-extensions.d.ts": "export declare function sign(): number;\n",
+        "pkg/transport.d.ts": "export interface Transport { go(): void; }\n",
+        "pkg/transport.js": "export {};\n",
+        "pkg/client.js": "import { sign } from './auth-extensions.js';\nexport class Client { go() { sign(); } }\n",
+        "pkg/client.d.ts": "import { Transport } from './transport.js';\n"
+        "export declare class Client implements Transport { go(): void; }\n",
+        "pkg/example.d.ts": "export {};\n",
+        "pkg/example.js": "import { Client } from './client.js';\nnew Client().go();\n",
+    }
+    await _projected(deployment, embedder, tmp_path / "npm", files, "npm")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+    subclasses = await _ask(client, "what subclasses Transport", "npm")
+    assert _found_by(subclasses, SUBCLASS, "filePath") == ["pkg/client.js"]
+    for asked in (
+        await _ask(client, "what imports pkg.auth-extensions", "npm"),
+        await _ask(client, "x", "npm", relatedTo={"relation": "importers", "symbol": "pkg.auth-extensions"}),
+    ):
+        assert asked.meta.relation is not None
+        assert _found_by(asked, IMPORTER, "filePath") == ["pkg/client.js"], _names(asked)
+    importers = await _ask(client, "what imports pkg.client", "npm")
+    assert _found_by(importers, IMPORTER, "filePath") == ["pkg/example.js"]

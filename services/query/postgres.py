@@ -724,13 +724,15 @@ class PostgresDocuments:
     ) -> Representatives:
         if not object_types:
             return Representatives({}, None)
-        # Alone: a relation question reads it beside the retrievers (see graph_rows).
+        # Alone: a relation question reads it beside the retrievers (see graph_rows). A type declared in a module's
+        # code and in its declaration file (x.js, x.d.ts) is the code's: an agent tester's subclasses were stubs.
         async with self._snapshots.read(scope, alone=True) as snapshot:
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT DISTINCT ON (object_type) object_type, id FROM documents
                 WHERE object_type = ANY($1::text[]) AND chunk_level = ANY($2::text[]) AND {where}
-                ORDER BY object_type, array_position($2::text[], chunk_level), id"""
+                ORDER BY object_type, array_position($2::text[], chunk_level),
+                    coalesce(file_path ~ '\\.d\\.[cm]?ts$', false), id"""
             rows = await snapshot.conn.fetch(sql, list(object_types), list(levels), *parameters)
         return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
 

@@ -117,15 +117,25 @@ def as_read(text: str) -> str:
     return "".join(c for c in normal if unicodedata.category(c) != "Cf") if not normal.isascii() else normal
 
 
-def identifier_of(text: str) -> str | None:
+def identifier_of(text: str, hyphens: bool = False) -> str | None:
     """The dotted name a query asks for when the whole query is one identifier: ``Retrying``,
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
     backticks or with a call's ``()``; or asks where one is, or what it is, as a whole (:func:`_asked_for`:
     ``where is Console defined``, ``definition of Console``). None for any other text: other words around a name
-    make it a question, not a name."""
+    make it a question, not a name. ``hyphens``: also a name of :data:`HYPHENATED_NAME` (else only one dotted)."""
     written, _ = _asked(text)
     name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()"))
-    return name if len(name) <= MAX_IDENTIFIER_CHARS and IDENTIFIER.fullmatch(name) else None
+    if len(name) > MAX_IDENTIFIER_CHARS:
+        return None
+    hyphenated = HYPHENATED_NAME.fullmatch(name) is not None and (hyphens or "." in name)
+    return name if IDENTIFIER.fullmatch(name) or hyphenated else None
+
+
+HYPHENATED_NAME = re.compile(r"[^\W\d]\w*(?:-\w+)*(?:\.[^\W\d]\w*(?:-\w+)*)*")
+"""A name whose parts may hold hyphens: the modules of files named so (``client.auth-extensions``, whose file is
+``client/auth-extensions.js``). Read as a name where the query asks a relation, or is a dotted name with a hyphen
+(an agent tester's ``what imports nats-base-client.util`` ran as a search); a word as ``well-known`` alone is
+none."""
 
 
 FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS, *CODE_SUFFIXES)
@@ -279,7 +289,7 @@ def code_shaped(name: str) -> bool:
     return any(c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
-_NAME = r"`?(?P<name>[^\W\d][\w.:#]*(?:\(\))?)`?"
+_NAME = r"`?(?P<name>[^\W\d][\w.:#-]*(?:\(\))?)`?"
 _KIND = r"(?:function|method|class|constructor|module|package|interface)"
 _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
@@ -394,7 +404,7 @@ def relation_of(text: str) -> tuple[str, str] | None:
     question = as_read(text).strip().rstrip("?.!").strip()
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
-        name = identifier_of(found.group("name")) if found is not None else None
+        name = identifier_of(found.group("name"), hyphens=True) if found is not None else None
         if name is not None and relation in (RAISERS, RAISED) and not _exception_shaped(name, relation == RAISED):
             continue
         if name is not None and name.lower() not in _NOT_NAMES:

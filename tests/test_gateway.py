@@ -1464,6 +1464,9 @@ def test_a_documents_text_cut_to_its_budget_says_where_what_it_holds_ends(max_to
         lines = re.search(r"lines 1-(\d+) of the file", head)
         assert lines is not None
         assert int(lines.group(1)) == held.count("\n") + (not held.endswith("\n"))
+    else:  # "ask with offset" from 0 asked for the same again: an agent tester's reading the text alone looped
+        assert "ask with offset" not in head
+        assert f"which holds characters 0-{len(content)}: ask again with a larger maxTokens" in head
 
 
 @pytest.mark.parametrize("last_more", [True, False])
@@ -2201,3 +2204,22 @@ async def test_a_tool_call_its_client_cancels_is_counted_as_cancelled() -> None:
     with pytest.raises(asyncio.CancelledError):
         await call
     assert _tool_calls(query.name, "cancelled") == before + 1
+
+
+def test_a_documents_text_with_no_room_for_its_content_says_where_it_is_not_to_ask_again_for_it() -> None:
+    """An agent tester's get_document at 1,000 tokens: the structured result held characters 0-3013, the text none
+    and "characters 0-0 of 5092 (more: ask with offset)", so an agent reading the text alone asked for 0 again."""
+    document = next(tool for tool in TOOLS if tool.operation == "document")
+    content = "x = 1\n" * 500
+    reply = DocumentReply(
+        id="doc-1", object_type="pkg.core", source_domain="python", metadata={"filePath": "pkg/core.py"},
+        content=content, offset=0, content_length=5092, truncated=True, ontology_version="1-a",
+    )  # fmt: skip
+    arguments = {"id": "doc-1", "maxTokens": 1000}
+    text = fitted_text(
+        document, arguments, render(reply, arguments), lambda: 1000 * 4 - 180, lambda: shorter_texts(reply, arguments)
+    )
+    head = text.partition("\n")[0]
+    assert "characters 0-0 of 5092" in head
+    assert "ask with offset" not in head
+    assert "the structured result, which holds characters 0-3000: ask again with a larger maxTokens" in head

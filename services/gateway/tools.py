@@ -402,7 +402,10 @@ def _render_slice(reply: DocumentReply, content: str, branch: str) -> str:
         first, last = reply.slice_lines
         lines = slice_lines({"startLine": first, "endLine": last}, content, 0, len(content))
     shown = reply.model_copy(update={"content": content, "truncated": True, "slice_lines": lines})
-    return _render_document(shown, branch)
+    # With none of the content in the text, "ask with offset" from its end asked again for what this reply holds:
+    # an agent reading the text alone looped (an agent tester's).
+    held = (reply.offset, reply.offset + len(reply.content)) if reply.content and not content else None
+    return _render_document(shown, branch, held)
 
 
 def render_error(reply: ErrorReply) -> str:
@@ -695,12 +698,19 @@ def _alone_selected_nothing(meta: QueryMeta, arguments: dict[str, Any], named: s
     )
 
 
-def _render_document(reply: DocumentReply, branch: str) -> str:
+def _render_document(reply: DocumentReply, branch: str, held: tuple[int, int] | None = None) -> str:
+    """``held``: characters the structured result holds and this text does not (none of them fit beside it)."""
     end = reply.offset + len(reply.content)
     where = printable(source_place(reply.metadata) or "")
     head = printable(str(reply.metadata.get("symbolFqn") or reply.object_type)) + (f" ({where})" if where else "")
     head += f" · id {reply.id} · characters {reply.offset}-{end}"
-    head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
+    if held is not None:
+        head += (
+            f" of {reply.content_length} (none fits in this text beside the structured result, which holds characters "
+            f"{held[0]}-{held[1]}: ask again with a larger maxTokens to read them here)"
+        )
+    else:
+        head += f" of {reply.content_length}" + (" (more: ask with offset)" if reply.truncated else "")
     if reply.slice_lines is not None and (reply.offset > 0 or reply.truncated):  # a slice: where it is
         head += f" · lines {reply.slice_lines[0]}-{reply.slice_lines[1]} of the file"
     if main_only(reply.ontology_version):  # an agent tester's misspelt branch read main's without a word

@@ -54,10 +54,12 @@ def configure_telemetry(
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            log.warning("otlp_exporter_missing", hint="pip install 'ontofabric[otlp]'")
+            # By the package: `ontofabric[otlp]` names another project to a registry when installed from a path.
+            log.warning("otlp_exporter_missing", hint="pip install opentelemetry-exporter-otlp-proto-http")
         else:
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            timeout_s = otlp_timeout_s(os.environ)
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(timeout=timeout_s)))
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(timeout=timeout_s)))
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     trace.set_tracer_provider(tracer_provider)
     if trace_clients:
@@ -66,6 +68,18 @@ def configure_telemetry(
 
         AsyncPGInstrumentor().instrument()  # type: ignore[no-untyped-call]
         HTTPXClientInstrumentor().instrument()
+
+
+OTLP_TIMEOUT_S = 2.0
+"""How long one export to the OTLP collector may take (retries included) unless OTEL_EXPORTER_OTLP_TIMEOUT says: the
+exporter's own 10 s, waited at exit for traces and metrics each, made every one-shot command 9-11 s longer and a
+stopping `up` 20 s while the collector was away (an operator tester's), past a container's 10 s grace."""
+
+
+def otlp_timeout_s(environ: Mapping[str, str]) -> float | None:
+    """The OTLP exporters' timeout: None where the standard variables set one (the exporter reads them)."""
+    standard = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT")
+    return None if any(environ.get(name) for name in standard) else OTLP_TIMEOUT_S
 
 
 class MetricsUnservable(Exception):

@@ -21,6 +21,7 @@ import pytest
 
 from ontofabric.services.query.client import QueryClient
 from ontofabric.shared.runtime import free_port
+from ontofabric.shared.telemetry import OTLP_TIMEOUT_S, otlp_timeout_s
 
 from .conftest import Deployment, answered_once_up
 
@@ -155,3 +156,16 @@ def test_the_cache_gauges_are_exported_only_by_a_process_holding_a_cache() -> No
     before, after = ran.stdout.splitlines()
     assert "retrieval.cache" not in before
     assert "'retrieval.cache.bytes', 'retrieval.cache.entries'" in after
+
+
+def test_an_otlp_export_waits_briefly_unless_the_standard_variables_say_otherwise() -> None:
+    """An operator tester's collector away: every one-shot command waited 9-11 s at exit for the exporter's own
+    10 s (traces and metrics each), and a stopping `up` 20 s, past a container's grace."""
+    assert otlp_timeout_s({}) == OTLP_TIMEOUT_S <= 2.0
+    assert otlp_timeout_s({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}) == OTLP_TIMEOUT_S
+    for name in (
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT",
+    ):
+        assert otlp_timeout_s({name: "10"}) is None  # the exporter reads them itself

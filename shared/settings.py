@@ -667,6 +667,22 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("gateway_allowed_origins")
+    @classmethod
+    def _origins_are_web_origins(cls, value: str | None) -> str | None:
+        """Each ``http(s)://host[:port]``: one written without its scheme (``ide.example.com``) was taken, matched
+        nothing a browser sends, and let ``Origin: null`` through (an operator tester's)."""
+        for origin in _url_list(value):
+            parts = urlsplit(origin)
+            try:
+                port_ok = parts.port is None or parts.port > 0
+            except ValueError:
+                port_ok = False
+            plain = not (parts.path.strip("/") or parts.query or parts.fragment or parts.username)
+            if parts.scheme.lower() not in ("http", "https") or not parts.hostname or not port_ok or not plain:
+                raise ValueError(f"{origin!r} is no web origin: write scheme and host, as https://ide.example.com")
+        return value
+
     @field_validator("delta_stream_max_bytes", mode="before")
     @classmethod
     def _zero_bytes_is_no_limit(cls, value: object) -> object:

@@ -30,6 +30,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from pydantic import ValidationError
 
 from ontofabric.contracts import (
     NO_VERSION,
@@ -55,7 +56,7 @@ from ontofabric.contracts.query import (
 from ontofabric.services.gateway.auth import CALLER, Grant
 from ontofabric.services.gateway.connections import HEADERS_READ_S
 from ontofabric.services.gateway.link import NatsLink
-from ontofabric.services.gateway.server import UNKNOWN_TOOL, Gateway, MisreadBodies, outcome_of
+from ontofabric.services.gateway.server import UNKNOWN_TOOL, Gateway, MisreadBodies, outcome_of, web_origin
 from ontofabric.services.gateway.stdio import next_line
 from ontofabric.services.gateway.tools import (
     TEXT_CUT,
@@ -75,6 +76,7 @@ from ontofabric.services.query.worker import QueryService
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.half_characters import HALF_CHARACTER
 from ontofabric.shared.jetstream import PermissionDenied, connect, subscriptions_visible
+from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .conftest import Deployment, metric_points, node_script
@@ -1116,7 +1118,10 @@ async def test_beyond_loopback_a_browser_page_of_an_origin_not_allowed_is_refuse
     async with _http_gateway(deployment, host="0.0.0.0", **tokens, **allowed) as url, httpx2.AsyncClient() as http:
         bearer = {"Authorization": f"Bearer {token}"}
         assert (await http.post(url, json=ping, headers=bearer)).status_code == 200  # an agent states no Origin
-        stated = [("http://evil.example", 403), ("https://ide.example:8443", 200), ("https://agents.example", 200)]
+        stated = [
+            ("http://evil.example", 403), ("https://ide.example:8443", 200), ("https://agents.example", 200),
+            ("null", 403),  # an opaque origin (a sandboxed page, a file)
+        ]  # fmt: skip
         for origin, status in stated:
             answered = await http.post(url, json=ping, headers={**bearer, "Origin": origin})
             assert answered.status_code == status, (origin, answered.text)
@@ -2223,3 +2228,13 @@ def test_a_documents_text_with_no_room_for_its_content_says_where_it_is_not_to_a
     assert "characters 0-0 of 5092" in head
     assert "ask with offset" not in head
     assert "the structured result, which holds characters 0-3000: ask again with a larger maxTokens" in head
+
+
+@pytest.mark.parametrize("written", ["ide.example.com", "notaurl", "https://ide.example.com/app", "ftp://ide.example"])
+def test_an_allowed_origin_that_is_no_web_origin_is_refused_at_start(written: str) -> None:
+    """An operator tester's `ide.example.com` (no scheme) was taken without a word: it matched no browser's Origin,
+    and, read as "://" as the browser's `null` was, let `Origin: null` through."""
+    with pytest.raises(ValidationError, match="is no web origin"):
+        Settings(gateway_allowed_origins=f"https://fine.example, {written}")
+    assert web_origin("null") == "null" != web_origin("ide.example.com")
+    assert Settings(gateway_allowed_origins="https://IDE.example:443/").allowed_origins()

@@ -447,6 +447,8 @@ def web_origin(text: str) -> str:
     (a setting written ``https://IDE.example:443/`` matches what a browser sends)."""
     parts = urlsplit(text.strip().rstrip("/"))
     scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+    if not scheme or not host:  # `null` (an opaque origin) as itself: as "://" it matched any other such text
+        return text.strip().lower()
     try:
         port = parts.port
     except ValueError:

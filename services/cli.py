@@ -149,6 +149,10 @@ app = typer.Typer(
 )
 console = Console()
 errors = Console(stderr=True)
+for _output in (console, errors):
+    # Into a pipe or a file, a line is not cut at rich's 80 columns: an operator tester's paths and sentences broke
+    # mid-word for grep (a table is still laid out at that width).
+    _output.soft_wrap = not _output.is_terminal
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="Data directory of the embedded servers (env ONTOFABRIC_DATA_DIR).")
@@ -2285,7 +2289,11 @@ def _raised_in_asyncpg(error: BaseException) -> bool:
     )
 
 
-_SETTING_NAME = re.compile(r"\b(" + "|".join(sorted(Settings.model_fields, key=len, reverse=True)) + r")\b")
+_SETTING_NAME = re.compile(
+    r"(?<![\w'-])(" + "|".join(sorted(Settings.model_fields, key=len, reverse=True)) + r")(?![\w'-])"
+)
+"""A setting's field name standing alone: not a word of a value (an operator tester's 'second-embedder' read
+'second-ONTOFABRIC_EMBEDDER' in the list of the reranker's values)."""
 
 
 def _as_variables(message: str) -> str:

@@ -280,7 +280,11 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
     other = ", ".join(f"{escape(ws)} {count:,}" for ws, count in counts.items())
     advice = " (`ontofabric rebuild WORKSPACE` indexes them again)" if other else ""
     nothing = "none counted" if analysis.unread else "none"
-    console.print(f"documents of another keyword analysis than {analysis.version}: {other or nothing}{advice}")
+    # Which analysis the number is (an operator tester's "than 3" said nothing of it).
+    console.print(
+        f"documents indexed by another keyword analysis than this build's (version {analysis.version}): "
+        f"{other or nothing}{advice}"
+    )
     for unread in analysis.unread:
         console.print(f"  not counted on {escape(unread)}")
 

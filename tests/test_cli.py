@@ -501,6 +501,18 @@ def test_settings_piped_at_80_columns_name_every_variable_whole() -> None:
     assert "…" not in shown.stdout
 
 
+def test_a_message_piped_is_one_line_however_long(tmp_path: Path) -> None:
+    """An operator tester's: into a pipe, rich cut messages at 80 columns, mid-path, which broke grep and scripts."""
+    far = tmp_path / ("a-directory-with-a-long-name-" * 3) / "data"
+    shown = subprocess.run(
+        [ONTOFABRIC, "query", "hello", "--data-dir", str(far)], capture_output=True, text=True, env=_env(), check=False,
+        timeout=60,
+    )  # fmt: skip
+    assert shown.returncode != 0
+    (said,) = [line for line in shown.stderr.splitlines() if line.startswith("error:")]
+    assert f"(data dir {far})" in said, shown.stderr
+
+
 def test_readme_settings_table_is_current() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     table = subprocess.run([ONTOFABRIC, "settings", "--markdown"], capture_output=True, text=True, check=True).stdout
@@ -714,6 +726,9 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_AZURE_SEARCH_ENDPOINT", "https://x.search.windows.net", "needs ONTOFABRIC_AZURE_SEARCH_API_KEY"),
         ("ONTOFABRIC_QUERY_CONCURRENCY", "99999999999999999999", "less than or equal to 4096"),
         ("ONTOFABRIC_FUSION_DENSE_UNRELATED_COSINE", "0.7", "UNRELATED_COSINE is over ONTOFABRIC_FUSION_DENSE_TRUSTED"),
+        # Operator testers': a value named as a setting ('second-ONTOFABRIC_EMBEDDER'), an origin without its scheme.
+        ("ONTOFABRIC_RERANKER", "foo", "'onnx', 'second-embedder' or 'cohere'"),
+        ("ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS", "ide.example.com", "ORIGINS: 'ide.example.com' is no web origin"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:

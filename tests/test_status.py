@@ -163,7 +163,8 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert (delta_stream["messages"], delta_stream["max_bytes"]) == (later.seq + 1, None)  # initech's after it
     assert delta_stream["bytes"] > 0
     assert "none yet" in table.stdout  # initech's version
-    assert f"documents of another keyword analysis than {ANALYSIS_VERSION}: acme 1 (`ontofabric rebuild" in table.stdout
+    said = f"documents indexed by another keyword analysis than this build's (version {ANALYSIS_VERSION}): acme 1"
+    assert f"{said} (`ontofabric rebuild" in table.stdout
     globex_only = await deployment_status(deployment.nc, deployment.names, placement, workspace="globex")
     assert globex_only.analysis.documents_of_another_analysis == {}
     # A workspace nothing was published to is said to be so (an ops tester's misspelt name got empty tables).

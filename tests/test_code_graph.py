@@ -666,20 +666,21 @@ def test_a_modules_code_and_its_declaration_file_make_one_node_answered_by_the_c
 
 def test_what_a_typescript_compiler_writes_for_commonjs_is_read() -> None:
     """The same agent tester over nats.js's compiled `lib/`: `(0, ns.f)()`, `extends ns.Base` and a method's body
-    inside `__awaiter(this, ..., function* () {...})`, the forms tsc writes, were not read."""
+    inside `__awaiter(this, ..., function* () {...})`, the forms tsc writes, were not read; nor `ns.Class.f()`."""
     files = {
         "lib/u.js": """
             "use strict";
             exports.Base = exports.helper = void 0;
             function helper() { return 1; }
             exports.helper = helper;
-            class Base { run() { return 2; } }
+            class Base { run() { return 2; } static make() { return new Base(); } }
             exports.Base = Base;
             """,
         "lib/seq.js": """
             "use strict";
             const u_1 = require("./u");
             function viaSequence() { return (0, u_1.helper)(); }
+            function viaClass() { return u_1.Base.make(); }
             class Derived extends u_1.Base {
                 go() { return this.run(); }
                 later() {
@@ -691,6 +692,7 @@ def test_what_a_typescript_compiler_writes_for_commonjs_is_read() -> None:
     }
     calls = _by_name(_calls(files))
     assert calls["lib.seq.viaSequence"] == ["lib.u.helper"]
+    assert calls["lib.seq.viaClass"] == ["lib.u.Base.make"]  # `ns.Class.f()`
     assert calls["lib.seq.Derived.go"] == ["lib.u.Base.run"]  # through the base written as `u_1.Base`
     assert calls["lib.seq.Derived.later"] == ["lib.u.helper", "lib.seq.Derived.go"]
     nodes = {node.object_type: node for node in _graph(files).nodes}

@@ -894,6 +894,13 @@ class _Calls:
             return tree.member(self.owner_key, name)
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
+        if held.type == "member_expression":  # `ns.Class.f()`, `ns` imported whole (a tester's errorForCode)
+            space, kind = held.child_by_field_name("object"), _text(held.child_by_field_name("property")) or ""
+            whole = read.imports.get(_text(space) or "") if space is not None and space.type == "identifier" else None
+            if whole is None or whole[1] is not None or self.names.binds(_text(space) or "", node):
+                return None
+            exported = tree.javascript_export(whole[0], kind, 1)
+            return tree.member(exported if exported in tree.types else None, name)
         if held.type != "identifier":
             return None
         if self.names.binds(local := _text(held) or "", node):  # a local: through the class it is declared as

@@ -287,3 +287,19 @@ def test_a_chunk_of_another_language_takes_no_name_pythons_exports_give() -> Non
     chunks = {(c.file_path, c.symbol_fqn): c for c in chunk_sources(Path("."), sources, 1 << 20)}
     assert chunks[("app/models.py", "app.models.User")].aliases == ("app.User",)
     assert chunks[("app/models.ts", "app.models.User")].aliases == ()
+
+
+def test_a_files_own_comment_above_the_first_declarations_doc_comment_is_not_the_declarations() -> None:
+    """An agent tester's `.d.ts`, compiled without blank lines: its first function's chunk began at line 1, the file's
+    own doc comment. One block comment right above a declaration is its own; line comments go on together."""
+    source = (
+        "/**\n * Tool name validation.\n */\n"
+        "/**\n * Validates a name.\n */\n"
+        "export declare function validateToolName(name: string): boolean;\n"
+        "// eslint-disable-next-line\n// the second, too\n"
+        "/** Warns. */\n"
+        "export declare function warn(name: string): void;\n"
+    )
+    spans = {fqn: lines for _kind, _level, fqn, _type, lines in _seen("shared/names.d.ts", source)}
+    assert spans["shared.names.validateToolName"] == (4, 7)
+    assert spans["shared.names.warn"] == (8, 11)

@@ -544,7 +544,8 @@ def ingest(
                         )
                         awaited = report.last_sequence
                 if wait and awaited is not None:
-                    watch = ProjectionWatch(progress, awaited, _stalled_projection)
+                    first = min(report.published, default=None) if awaited == report.last_sequence else None
+                    watch = ProjectionWatch(progress, awaited, _stalled_projection, first=first)
                     if settings.projector_partitions not in layouts and layouts:
                         errors.print(
                             f"note: the {settings.projector_partitions}-partition layout "
@@ -759,7 +760,8 @@ async def _settle_stored(
         soft_wrap=True,
         markup=False,
     )
-    watch = ProjectionWatch(progress, max(stored), _stalled_projection)  # a stalled index said as it stalls
+    # A stalled index said as it stalls.
+    watch = ProjectionWatch(progress, max(stored), _stalled_projection, first=min(stored))
     try:
         await wait_projected(js, names, settings.projector_partitions, max(stored), limit, on_floor=watch)
         await nc.flush(timeout=NATS_FLUSH_S)  # what was set aside meanwhile reached the watch

@@ -584,7 +584,7 @@ async def ensure_jetstream(js: JetStreamContext, names: Names, settings: Setting
             if cap > 0 and (held := (await js.stream_info(stream)).state.bytes or 0) > FULL_SOON * cap:
                 log.warning(
                     "stream_nearly_full", stream=stream, held_bytes=held, max_bytes=cap,
-                    note="full, it refuses every new delta: run `ontofabric compact` or raise "
+                    note="once full, it refuses every new delta: run `ontofabric compact` or raise "
                     "ONTOFABRIC_DELTA_STREAM_MAX_BYTES",
                 )  # fmt: skip
         elif changes:

@@ -761,6 +761,15 @@ def test_a_wait_on_the_projector_shows_progress_and_says_once_when_the_index_sto
     assert watch.floor == 120
 
 
+def test_a_wait_counts_from_the_first_delta_the_command_published() -> None:
+    """A fault tester's: 3,029 deltas published read "projected: 0/3028" (sized from the first position seen, one
+    already applied), and 760 stored, all applied by then, "0/0"."""
+    for floor, done in ((1000, 0), (1001, 1), (4029, 3029), (5000, 3029)):
+        progress = _Recorded()
+        ProjectionWatch(progress, 4029, lambda *stall: None, first=1001)(floor)
+        assert (progress.stages, progress.done) == ({"projected": 3029}, {"projected": done})
+
+
 def test_progress_where_no_terminal_shows_bars_is_written_as_it_goes() -> None:
     """An independent tester's finding: under a pipe (nohup, CI, systemd) rich drew the bars only when the command
     ended, so an ingest of a cold cache was silent for three minutes."""

@@ -451,9 +451,15 @@ class QueryPipeline:
             )
             reserves = (EMBED_RESERVE_S if r.needs_embedding else RETRIEVAL_RESERVE_S for r in wanted)
             least_s = min(reserves, default=RETRIEVAL_RESERVE_S)
-            raise RetrievalUnavailable(
-                f"no retriever could run ({', '.join(run.degraded)})", out_of_time=out_of_time, least_ms=least_s * 1000
+            # Out of time, the stores did not answer in it (a fault tester's frozen database read "no retriever could
+            # run (deadline, keyword, dense)").
+            said = (
+                f"no retriever answered in time: {', '.join(sorted(run.out_of_time))} did not answer within the "
+                "request's time (slow, or not answering)"
+                if out_of_time
+                else f"no retriever could run ({', '.join(run.degraded)})"
             )
+            raise RetrievalUnavailable(said, out_of_time=out_of_time, least_ms=least_s * 1000)
         for name, hits in lists.items():
             run.read(hits.version)
             if hits.embedding_model is not None:  # embedded again by the index's model: that one ranked it

@@ -366,7 +366,11 @@ class Admitted:
             waited = (now - self.received) * 1000
             return f"waited {waited:.0f} ms for a free slot, past the request's {self.deadline.timeout_ms} ms{sent}"
         waited = (self.taken_at - self.received) * 1000
-        return f"no answer within the request's {self.deadline.timeout_ms} ms (waited {waited:.0f} ms){sent}"
+        # Which wait it was: "(waited 1 ms)" read as giving up after 1 ms (a fault tester's, its database frozen).
+        return (
+            f"no answer within the request's {self.deadline.timeout_ms} ms: its work ran out of time after a wait of "
+            f"{waited:.0f} ms for a free slot{sent}"
+        )
 
     def refused_late(self, now: float, timeout_too_short: bool, least_ms: float = 0.0) -> bytes:
         """The ``deadline_exceeded`` reply; when the send time took part, a detail names its header: a caller that

@@ -361,6 +361,10 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
     assert [hit.relevance for hit in ordered] == [1.0, 1.0, 0.8, 0.5]
     assert ordered[0].found_by == {"dense": SourceHit(2, 0.5), SYMBOL: SourceHit(1, 1.0)}
     assert ordered[1].found_by == {SYMBOL: SourceHit(2, 1.0)}
+    # The code before its module's declaration file (an agent tester's lookups had the `.d.ts` signature first).
+    files = {"method": "pkg/shapes.d.ts", "function": "pkg/util.js"}
+    typed = definitions_first("area", definitions, candidates, limit=10, files=files)
+    assert [hit.id for hit in typed][:2] == ["function", "method"]
     # At most ``limit`` are placed first; one past it keeps its place among the rest.
     limited = definitions_first("area", definitions, candidates, limit=1)
     assert [hit.id for hit in limited] == ["method", "mentions", "other"]
@@ -1180,3 +1184,6 @@ async def test_a_published_javascript_package_answers_its_relations_by_its_code_
         assert _found_by(asked, IMPORTER, "filePath") == ["pkg/client.js"], _names(asked)
     importers = await _ask(client, "what imports pkg.client", "npm")
     assert _found_by(importers, IMPORTER, "filePath") == ["pkg/example.js"]
+    # A name's code first, its declaration second (every lookup had the `.d.ts` signature first).
+    named = await _ask(client, "pkg.client.Client", "npm")
+    assert [r.metadata["filePath"] for r in named.results[:2]] == ["pkg/client.js", "pkg/client.d.ts"]

@@ -213,6 +213,12 @@ def module_name(path: str) -> str:
     return path.removesuffix(suffix_of(path)).removesuffix(".d").replace("/", ".")
 
 
+def is_declaration_file(path: str) -> bool:
+    """A TypeScript declaration file (``x.d.ts``, ``.d.mts``, ``.d.cts``): the types of a module whose code is
+    another file of the same module name (:func:`module_name`), as a published package ships them."""
+    return path.endswith((".d.ts", ".d.mts", ".d.cts"))
+
+
 def minified_width(lines: list[str]) -> int | None:
     """The upper median of the lines' lengths when over MINIFIED_LINE_CHARS (a minified or generated file, read as
     its file's chunk alone), else None."""

@@ -52,6 +52,7 @@ from .code import (
     Declared,
     chunked_declarations,
     declarations,
+    is_declaration_file,
     line_counter,
     minified_width,
     module_name,
@@ -1071,12 +1072,6 @@ def _last_of_sequence(function: tree_sitter.Node) -> tree_sitter.Node:
     while function.type in ("parenthesized_expression", "sequence_expression") and function.named_children:
         function = function.named_children[-1]
     return function
-
-
-def is_declaration_file(path: str) -> bool:
-    """A TypeScript declaration file (``x.d.ts``, ``.d.mts``, ``.d.cts``): the types of a module whose code is
-    another file of the same module name (:func:`code.module_name`)."""
-    return path.endswith((".d.ts", ".d.mts", ".d.cts"))
 
 
 def _written_type(node: tree_sitter.Node) -> str | None:

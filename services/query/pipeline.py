@@ -1086,7 +1086,8 @@ class QueryPipeline:
         assert name is not None  # definitions are looked up for identifiers only
         kind = kind_asked(run.text)
         kinds = {doc_id: str(documents[doc_id].metadata.get("symbolKind")) for doc_id in found} if kind else None
-        return definitions_first(name, found, candidates, run.query.top_k, definitions.modules, kind, kinds)
+        files = {doc_id: str(documents[doc_id].metadata.get("filePath") or "") for doc_id in found}
+        return definitions_first(name, found, candidates, run.query.top_k, definitions.modules, kind, kinds, files)
 
     def _calibrated_scores(
         self,

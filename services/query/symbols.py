@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
-from ontofabric.services.ingest.code import CODE_SUFFIXES
+from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -486,15 +486,18 @@ def definitions_first(
     modules: Collection[str] = frozenset(),
     kind: str | None = None,
     kinds: Mapping[str, str] | None = None,
+    files: Mapping[str, str] | None = None,
 ) -> list[Fused]:
     """The chunks whose qualified name matches ``name`` (``definitions``: id -> symbolFqn, as looked up), at most
     ``limit``, ahead of the other candidates, each scoring 1 and found by ``symbol`` besides what found it before.
     Matches ignoring case count only when none matches as written. Among themselves: the better match first, then
     those of the ``kind`` of symbol asked (``kinds``: id -> symbolKind; an agent tester's ``def cell_len`` got a
     property first, the function second), then classes and functions before modules (``modules``: ids of whole
-    files; a module would hold, and so hide, its function of the same name), then the order the pipeline gave
-    them, then the shorter name. The other candidates keep their order and scores. Unchanged when nothing
-    matches."""
+    files; a module would hold, and so hide, its function of the same name), then code before the declaration
+    file of its module (``files``: id -> filePath; an agent tester's every lookup in a published package had the
+    `.d.ts` signature first, its code second), then the order the pipeline gave them, then the shorter name. The
+    other candidates keep their order and scores. Unchanged when nothing matches."""
+    in_file = files or {}
     position = {hit.id: i for i, hit in enumerate(candidates)}
     of_kind = kinds or {}
     matched = sorted(
@@ -502,6 +505,7 @@ def definitions_first(
             quality,
             kind is not None and of_kind.get(doc_id) != kind,
             doc_id in modules,
+            is_declaration_file(in_file.get(doc_id, "")),
             position.get(doc_id, len(candidates)),
             len(fqn),
             fqn,

@@ -697,3 +697,35 @@ def test_what_a_typescript_compiler_writes_for_commonjs_is_read() -> None:
     assert calls["lib.seq.Derived.later"] == ["lib.u.helper", "lib.seq.Derived.go"]
     nodes = {node.object_type: node for node in _graph(files).nodes}
     assert nodes["lib.seq.Derived"].interfaces == ("lib.u.Base",)
+
+
+def test_an_import_of_a_module_whose_declaration_file_is_not_read_goes_to_its_code() -> None:
+    """A retest's nats.js: `require("../nats-base-client/mod")` resolved to `mod.d.ts`, generated with long lines
+    and so indexed whole, not read; the import and the calls through it were lost though `mod.js` was read."""
+    generated = "export declare const " + ", ".join(f"name{n}: number" for n in range(120)) + ";\n"
+    read = _graph({
+        "lib/mod.d.ts": generated * 3,
+        "lib/mod.js": '"use strict";\nfunction helper() { return 1; }\nexports.helper = helper;\n',
+        "lib/hub.js": '"use strict";\nconst mod_1 = require("./mod");\nfunction go() { return (0, mod_1.helper)(); }\n',
+    })  # fmt: skip
+    links = {(link.source_type, link.name, link.target_type) for link in read.links}
+    assert ("lib.hub", IMPORTS, "lib.mod") in links
+    assert _by_name(read.calls)["lib.hub.go"] == ["lib.mod.helper"]
+
+
+def test_a_typescript_interfaces_extends_are_its_bases() -> None:
+    """A retest's: `interface KV extends RoKV` had no base (only a class's heritage was read), nor 70 interfaces of
+    the MCP SDK; a Java interface's were."""
+    read = _graph({
+        "lib/shapes.ts": "export interface Shape { area(): number }\n"
+        "export interface Square extends Shape { side: number }\n"
+        "export interface Box extends Square, Iterable<number> { depth: number }\n",
+    })  # fmt: skip
+    nodes = {node.object_type: node for node in read.nodes}
+    assert nodes["lib.shapes.Square"].interfaces == ("lib.shapes.Shape",)
+    assert nodes["lib.shapes.Box"].interfaces == ("lib.shapes.Square", "Iterable")  # an outside one by its name
+    links = {(link.source_type, link.name, link.target_type) for link in read.links}
+    assert {
+        ("lib.shapes.Square", INHERITS, "lib.shapes.Shape"),
+        ("lib.shapes.Box", INHERITS, "lib.shapes.Square"),
+    } <= links

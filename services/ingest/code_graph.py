@@ -248,14 +248,15 @@ class _Tree:
         self.exported: dict[tuple[str, str], str | None] = {}
         """TypeScript and JavaScript: (file, name) -> what the file exports under the name, once looked up."""
         self.twins: dict[str, list[str]] = {}
-        """TypeScript and JavaScript: a module -> its files (``x.js`` and its declarations' ``x.d.ts``)."""
+        """TypeScript and JavaScript: a module (:func:`code.module_name` of a path) -> its files read (``x.js`` and
+        its declarations' ``x.d.ts``)."""
 
     def add(self, read: _File, root: tree_sitter.Node, declared: list[Declared]) -> None:
         """A file's declarations, and what its syntax says of its imports and bases (resolved by :meth:`resolve`
         once every file is added)."""
         self.files[read.path] = read
         if read.domain in ("typescript", "javascript"):
-            self.twins.setdefault(read.module, []).append(read.path)
+            self.twins.setdefault(module_name(read.path), []).append(read.path)
         self._index(read)
         self._imports(read, root)
         self._bases_written(read, declared)
@@ -555,12 +556,15 @@ class _Tree:
             if read.domain in ("typescript", "javascript"):
                 heritage = next((n for n in node.named_children if n.type == "class_heritage"), None)
                 clauses = heritage.named_children if heritage is not None else []
+                # An interface's `extends A, B` (a retest's KV extends RoKV had no base, nor 70 more in the MCP SDK).
+                clauses += [n for n in node.named_children if n.type == "extends_type_clause"]
                 written = [  # TypeScript's `extends` and `implements`, JavaScript's expression
                     value
                     for clause in clauses
                     for value in (
                         clause.children_by_field_name("value") if clause.type == "extends_clause"
-                        else clause.named_children if clause.type == "implements_clause" else []
+                        else clause.named_children if clause.type in ("implements_clause", "extends_type_clause")
+                        else []
                     )
                 ] or [n for n in clauses if n.type in ("identifier", "member_expression")]  # fmt: skip
             elif read.domain == "java":  # `extends Base<T>`: Base, not T; an interface's `extends` too
@@ -662,14 +666,16 @@ class _Tree:
         take 15 s for 10 files, growing as the files to the power of MAX_HOPS), so that a cycle ends and the
         answer is the same whichever file asks first (a second review's). Kept for the lookups a file's own
         import starts."""
-        if hops > MAX_HOPS or path not in self.files:
+        # A name of the module's other file too: `import { Transport } from './transport.js'` names the interface
+        # its `transport.d.ts` declares (an agent tester's `implements Transport` read as an outside name), and a
+        # file not read (a generated `mod.d.ts`, indexed whole) is answered by its twin that was (a retest's).
+        twins = [p for p in self.twins.get(module_name(path), []) if p != path]
+        if hops > MAX_HOPS or (path not in self.files and not twins):
             return None
         if (path, name) in self.exported:
             return self.exported[path, name]
         found: str | None = None
-        # A name of the module's other file too: `import { Transport } from './transport.js'` names the interface
-        # its `transport.d.ts` declares (an agent tester's `implements Transport` read as an outside name).
-        pending = [path, *(p for p in self.twins.get(self.files[path].module, []) if p != path)]
+        pending = [*([path] if path in self.files else []), *twins]
         seen = set(pending)
         while pending and found is None:
             read = self.files.get(pending.pop(0))
@@ -813,7 +819,9 @@ class _Tree:
     def imported_modules(self, read: _File) -> Iterator[str]:
         """The modules of the tree's files ``read`` imports from (see the module's docstring)."""
         if read.domain in ("typescript", "javascript"):
-            yield from (self.files[path].module for path in read.imported if path in self.files)
+            for path in read.imported:  # a file not read (generated, indexed whole): its module's twin that was
+                read_as = path if path in self.files else next(iter(self.twins.get(module_name(path), [])), None)
+                yield from [self.files[read_as].module] if read_as is not None else []
         elif read.domain == "go":
             for package in self.go_imports.get(read.path, {}):
                 yield from [self.package_file(package)] if package in self.packages else []

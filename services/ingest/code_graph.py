@@ -819,8 +819,8 @@ class _Tree:
     def imported_modules(self, read: _File) -> Iterator[str]:
         """The modules of the tree's files ``read`` imports from (see the module's docstring)."""
         if read.domain in ("typescript", "javascript"):
-            for path in read.imported:  # a file not read (generated, indexed whole): its module's twin that was
-                read_as = path if path in self.files else next(iter(self.twins.get(module_name(path), [])), None)
+            for file in read.imported:  # a file not read (generated, indexed whole): its module's twin that was
+                read_as = file if file in self.files else next(iter(self.twins.get(module_name(file), [])), None)
                 yield from [self.files[read_as].module] if read_as is not None else []
         elif read.domain == "go":
             for package in self.go_imports.get(read.path, {}):

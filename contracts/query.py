@@ -251,7 +251,12 @@ class RelatedTo(StrictRequest):
         named = unicodedata.normalize("NFKC", symbol)  # as Python reads an identifier, and as words asking it are
         # A part may join identifiers by hyphens: the module of a file named so (client.auth-extensions, an agent
         # tester's, could not be asked).
-        if not all(word.isidentifier() for part in named.split(".") for word in part.split("-")):
+        # After a hyphen, letters or digits (rfc-2616.js, base-64.js): as the pattern and a question in words read it
+        # (a review's were valid by the schema and refused here).
+        words = [part.split("-") for part in named.split(".")]
+        if not all(
+            first.isidentifier() and all(w.isidentifier() or w.isalnum() for w in rest) for first, *rest in words
+        ):
             raise ValueError("a name, or names joined by dots, as Python reads identifiers (or joined by hyphens)")
         if len(named) > MAX_SYMBOL_CHARS:  # NFKC may lengthen it: 'ﬃ' is 'ffi' (a review's)
             raise ValueError(f"at most {MAX_SYMBOL_CHARS} characters as Python reads them")

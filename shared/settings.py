@@ -670,8 +670,10 @@ class Settings(BaseSettings):
     @field_validator("gateway_allowed_origins")
     @classmethod
     def _origins_are_web_origins(cls, value: str | None) -> str | None:
-        """Each ``http(s)://host[:port]``: one written without its scheme (``ide.example.com``) was taken, matched
-        nothing a browser sends, and let ``Origin: null`` through (an operator tester's)."""
+        """Each ``scheme://host[:port]`` (``https://ide.example.com``, ``vscode-webview://...``): one written without
+        its scheme (``ide.example.com``) was taken, matched nothing a browser sends, and let ``Origin: null`` through
+        (an operator tester's); a pattern (``https://*.example.com``) is compared as written and matches nothing
+        either (a review's)."""
         for origin in _url_list(value):
             parts = urlsplit(origin)
             try:
@@ -679,8 +681,13 @@ class Settings(BaseSettings):
             except ValueError:
                 port_ok = False
             plain = not (parts.path.strip("/") or parts.query or parts.fragment or parts.username)
-            if parts.scheme.lower() not in ("http", "https") or not parts.hostname or not port_ok or not plain:
-                raise ValueError(f"{origin!r} is no web origin: write scheme and host, as https://ide.example.com")
+            host = parts.hostname or ""
+            named = bool(re.fullmatch(r"[^\s*?/@]+", host)) and bool(re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme))
+            if not (named and port_ok and plain):
+                raise ValueError(
+                    f"{origin!r} is no origin: write scheme and host as a browser states them, as "
+                    "https://ide.example.com (no pattern, no path)"
+                )
         return value
 
     @field_validator("delta_stream_max_bytes", mode="before")

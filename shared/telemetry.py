@@ -57,9 +57,9 @@ def configure_telemetry(
             # By the package: `ontofabric[otlp]` names another project to a registry when installed from a path.
             log.warning("otlp_exporter_missing", hint="pip install opentelemetry-exporter-otlp-proto-http")
         else:
-            timeout_s = otlp_timeout_s(os.environ)
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(timeout=timeout_s)))
-            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(timeout=timeout_s)))
+            metrics_timeout_s = otlp_timeout_s(os.environ, "METRICS")
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(timeout=metrics_timeout_s)))
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(timeout=otlp_timeout_s(os.environ))))
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     trace.set_tracer_provider(tracer_provider)
     if trace_clients:
@@ -76,9 +76,10 @@ exporter's own 10 s, waited at exit for traces and metrics each, made every one-
 stopping `up` 20 s while the collector was away (an operator tester's), past a container's 10 s grace."""
 
 
-def otlp_timeout_s(environ: Mapping[str, str]) -> float | None:
-    """The OTLP exporters' timeout: None where the standard variables set one (the exporter reads them)."""
-    standard = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT")
+def otlp_timeout_s(environ: Mapping[str, str], signal: str = "TRACES") -> float | None:
+    """An OTLP exporter's timeout for ``signal`` (TRACES, METRICS): None where the standard variables set one for
+    it (the exporter reads them; the traces' alone left the metrics' at 10 s, a review's)."""
+    standard = ("OTEL_EXPORTER_OTLP_TIMEOUT", f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT")
     return None if any(environ.get(name) for name in standard) else OTLP_TIMEOUT_S
 
 

@@ -728,7 +728,7 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_FUSION_DENSE_UNRELATED_COSINE", "0.7", "UNRELATED_COSINE is over ONTOFABRIC_FUSION_DENSE_TRUSTED"),
         # Operator testers': a value named as a setting ('second-ONTOFABRIC_EMBEDDER'), an origin without its scheme.
         ("ONTOFABRIC_RERANKER", "foo", "'onnx', 'second-embedder' or 'cohere'"),
-        ("ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS", "ide.example.com", "ORIGINS: 'ide.example.com' is no web origin"),
+        ("ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS", "ide.example.com", "ORIGINS: 'ide.example.com' is no origin"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:

@@ -291,7 +291,7 @@ def test_a_chunk_of_another_language_takes_no_name_pythons_exports_give() -> Non
 
 def test_a_files_own_comment_above_the_first_declarations_doc_comment_is_not_the_declarations() -> None:
     """An agent tester's `.d.ts`, compiled without blank lines: its first function's chunk began at line 1, the file's
-    own doc comment. One block comment right above a declaration is its own; line comments go on together."""
+    own doc comment. The doc comment right above a declaration is its own, and no comment above that."""
     source = (
         "/**\n * Tool name validation.\n */\n"
         "/**\n * Validates a name.\n */\n"
@@ -302,4 +302,12 @@ def test_a_files_own_comment_above_the_first_declarations_doc_comment_is_not_the
     )
     spans = {fqn: lines for _kind, _level, fqn, _type, lines in _seen("shared/names.d.ts", source)}
     assert spans["shared.names.validateToolName"] == (4, 7)
-    assert spans["shared.names.warn"] == (8, 11)
+    assert spans["shared.names.warn"] == (10, 11)
+    # A review's: each overload's doc comment, and a tool's comment below the doc, are still the declaration's.
+    overloads = (
+        "/** Parses text. */\nexport declare function parse(a: string): number;\n"
+        "/** Parses a number. */\nexport declare function parse(a: number): number;\n"
+    )
+    assert [lines for *_, lines in _seen("p.d.ts", overloads)][1:] == [(1, 4)]
+    tooled = "/* Copyright */\n/** Adds. */\n/* istanbul ignore next */\nexport function add(a: number) { return a }\n"
+    assert [lines for *_, lines in _seen("p.ts", tooled)][1:] == [(2, 4)]

@@ -729,3 +729,18 @@ def test_a_typescript_interfaces_extends_are_its_bases() -> None:
         ("lib.shapes.Square", INHERITS, "lib.shapes.Shape"),
         ("lib.shapes.Box", INHERITS, "lib.shapes.Square"),
     } <= links
+
+
+def test_a_name_is_looked_up_through_a_files_re_exports_before_its_declaration_file() -> None:
+    """A review's: `index.d.ts` declaring `Foo` took the place of the `impl.js` that `index.js` re-exports it from;
+    and a function given `this` by another call than tslib's `__awaiter` keeps its own `this`."""
+    calls = _by_name(_calls({
+        "p/impl.js": "export class Foo { go() { return 1; } }\n",
+        "p/index.js": "export * from './impl.js';\n",
+        "p/index.d.ts": "export declare class Foo { go(): number; }\n",
+        "p/user.js": "import { Foo } from './index.js';\nexport function use() { return new Foo(); }\n"
+        "export class A {\n  go() { return 1; }\n"
+        "  later() { return $.proxy(this, function () { return this.go(); }); }\n}\n",
+    }))  # fmt: skip
+    assert calls["p.user.use"] == ["p.impl.Foo"]
+    assert "p.user.A.later" not in calls

@@ -399,3 +399,27 @@ def test_the_schema_and_the_projector_agree_on_a_documents_lines(lines: dict[str
         assert not taken
     else:
         assert taken
+
+
+@pytest.mark.parametrize(
+    ("symbol", "taken"),
+    [
+        ("client.auth-extensions", True),
+        ("lib.rfc-2616", True),  # digits after a hyphen: a module of rfc-2616.js (a review's, refused by the model)
+        ("base-64", True),
+        ("-x", False),
+        ("x-", False),
+        ("a--b", False),
+        ("2fa.x", False),
+    ],
+)
+def test_a_relations_symbol_the_schema_takes_the_model_takes(symbol: str, taken: bool) -> None:
+    published = json.loads((schema.SCHEMA_DIR / "ontology-query.schema.json").read_text())
+    body = {"relatedTo": {"relation": "importers", "symbol": symbol}}
+    assert jsonschema.Draft202012Validator(published).is_valid(body) is taken
+    try:
+        OntologyQuery.model_validate(body)
+    except ValidationError:
+        assert not taken
+    else:
+        assert taken

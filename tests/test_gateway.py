@@ -2230,11 +2230,16 @@ def test_a_documents_text_with_no_room_for_its_content_says_where_it_is_not_to_a
     assert "the structured result, which holds characters 0-3000: ask again with a larger maxTokens" in head
 
 
-@pytest.mark.parametrize("written", ["ide.example.com", "notaurl", "https://ide.example.com/app", "ftp://ide.example"])
+@pytest.mark.parametrize(
+    "written",
+    ["ide.example.com", "notaurl", "https://ide.example.com/app", "https://*.example.com", "https://ex ample.com"],
+)
 def test_an_allowed_origin_that_is_no_web_origin_is_refused_at_start(written: str) -> None:
     """An operator tester's `ide.example.com` (no scheme) was taken without a word: it matched no browser's Origin,
     and, read as "://" as the browser's `null` was, let `Origin: null` through."""
-    with pytest.raises(ValidationError, match="is no web origin"):
+    with pytest.raises(ValidationError, match="is no origin"):
         Settings(gateway_allowed_origins=f"https://fine.example, {written}")
     assert web_origin("null") == "null" != web_origin("ide.example.com")
-    assert Settings(gateway_allowed_origins="https://IDE.example:443/").allowed_origins()
+    # Any scheme a browser states, an IDE's webview's too (a review's: the first form refused them).
+    taken = Settings(gateway_allowed_origins="https://IDE.example:443/, vscode-webview://abc123").allowed_origins()
+    assert {web_origin(origin) for origin in taken} == {"https://ide.example", "vscode-webview://abc123"}

@@ -424,7 +424,10 @@ def _span(node: tree_sitter.Node, line_of: Callable[[int], int]) -> tuple[int, i
     node = _wrapped_by(node)
     first, last = line_of(node.start_byte), line_of(max(node.start_byte, node.end_byte - 1))
     above = node.prev_sibling
-    block_taken = False
+    doc_taken = False
+    """A doc comment (``/**``) taken: any comment above it is another's (a file's header, a licence: an agent
+    tester's `.d.ts`, compiled without blank lines, gave its first function the file's), until an overload's
+    signature, which has its own (a review's)."""
     while above is not None and line_of(max(above.start_byte, above.end_byte - 1)) >= first - 1:
         if not above.is_named:  # a `;` ending the signature above
             above = above.prev_sibling
@@ -434,10 +437,9 @@ def _span(node: tree_sitter.Node, line_of: Callable[[int], int]) -> tuple[int, i
             break
         if (above.text or b"").startswith((b"//!", b"/*!")):  # Rust's inner doc comment: the module's, not the item's
             break
-        if above.type in _COMMENTS and (above.text or b"").startswith(b"/*"):
-            if block_taken:  # one block comment is the declaration's; one above it, the file's (a header, a licence:
-                break  # an agent tester's `.d.ts`, compiled without blank lines, gave its first function the file's)
-            block_taken = True
+        if above.type in _COMMENTS and doc_taken:
+            break
+        doc_taken = above.type in _COMMENTS and (above.text or b"").startswith(b"/**")
         before = above.prev_sibling
         if before is not None and line_of(max(before.start_byte, before.end_byte - 1)) >= line_of(above.start_byte):
             break  # a comment after code on its line (`a = 1; // the first`) is that code's

@@ -675,20 +675,25 @@ class _Tree:
         if (path, name) in self.exported:
             return self.exported[path, name]
         found: str | None = None
-        pending = [*([path] if path in self.files else []), *twins]
-        seen = set(pending)
-        while pending and found is None:
-            read = self.files.get(pending.pop(0))
-            if read is None:
-                continue
-            if name in read.forwarded:
-                found = self.javascript_export(*read.forwarded[name], hops + 1)
+        seen = {path, *twins}
+        # The file and what it re-exports first, its twins after: `index.d.ts` declaring `Foo` took the place of the
+        # `impl.js` that `index.js` re-exports it from (a review's).
+        for first in ([path] if path in self.files else [], twins):
+            pending = list(first)
+            while pending and found is None:
+                read = self.files.get(pending.pop(0))
+                if read is None:
+                    continue
+                if name in read.forwarded:
+                    found = self.javascript_export(*read.forwarded[name], hops + 1)
+                    break
+                local = read.exports.get(name, name if name != "default" else None)
+                found = self.javascript_value(read, local, hops) if local is not None else None
+                if name != "default":
+                    pending += [s for s in read.starred if s not in seen]
+                    seen.update(read.starred)
+            if found is not None:
                 break
-            local = read.exports.get(name, name if name != "default" else None)
-            found = self.javascript_value(read, local, hops) if local is not None else None
-            if name != "default":
-                pending += [s for s in read.starred if s not in seen]
-                seen.update(read.starred)
         if hops <= 1:
             self.exported[path, name] = found
         return found
@@ -1260,13 +1265,19 @@ class _Locals:
 
 
 def _given_this(function: tree_sitter.Node) -> bool:
-    """A function passed beside ``this`` to a call, which calls it with that ``this``: the body of an ``async``
-    method as a TypeScript compiler writes it for older targets, ``__awaiter(this, void 0, void 0, function* ()
-    {...})`` (an agent tester's nats.js methods had no callees)."""
+    """A function passed beside ``this`` to tslib's ``__awaiter``, which calls it with that ``this``: the body of an
+    ``async`` method as a TypeScript compiler writes it for older targets, ``__awaiter(this, void 0, void 0,
+    function* () {...})`` (an agent tester's nats.js methods had no callees)."""
     given = function.parent
     if function.type not in ("function_expression", "generator_function") or given is None:
         return False
-    return given.type == "arguments" and bool(given.named_children) and given.named_children[0].type == "this"
+    called = given.parent.child_by_field_name("function") if given.parent is not None else None
+    # tslib's helper alone (`__awaiter`, `tslib_1.__awaiter`): another call given `this` and a function need not
+    # call it with that `this` (a review's `$.proxy(this, function () {...})`).
+    helper = called is not None and (_text(called) or "").rpartition(".")[2] == "__awaiter"
+    return (
+        helper and given.type == "arguments" and bool(given.named_children) and given.named_children[0].type == "this"
+    )
 
 
 def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:

@@ -133,9 +133,9 @@ def identifier_of(text: str, hyphens: bool = False) -> str | None:
 
 HYPHENATED_NAME = re.compile(r"[^\W\d]\w*(?:-\w+)*(?:\.[^\W\d]\w*(?:-\w+)*)*")
 """A name whose parts may hold hyphens: the modules of files named so (``client.auth-extensions``, whose file is
-``client/auth-extensions.js``). Read as a name where the query asks a relation, or is a dotted name with a hyphen
-(an agent tester's ``what imports nats-base-client.util`` ran as a search); a word as ``well-known`` alone is
-none."""
+``client/auth-extensions.js``). Read as a name where the query asks a relation (an agent tester's ``what imports
+nats-base-client.util`` ran as a search; ``what uses multi-threading`` is then asked of a name nothing defines, as
+``what uses caching`` is), or where the whole query is a dotted name with a hyphen; ``well-known`` alone is none."""
 
 
 FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS, *CODE_SUFFIXES)

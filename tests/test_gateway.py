@@ -2243,3 +2243,31 @@ def test_an_allowed_origin_that_is_no_web_origin_is_refused_at_start(written: st
     # Any scheme a browser states, an IDE's webview's too (a review's: the first form refused them).
     taken = Settings(gateway_allowed_origins="https://IDE.example:443/, vscode-webview://abc123").allowed_origins()
     assert {web_origin(origin) for origin in taken} == {"https://ide.example", "vscode-webview://abc123"}
+
+
+async def test_a_connection_idle_between_calls_longer_than_clients_keep_theirs_is_kept(
+    deployment: Deployment, served: QueryService
+) -> None:
+    """A soak tester's: closed after uvicorn's 5 s, as httpx (whose own is 5 s) sent on it, 2 calls in 160 failed
+    with a reset, and the MCP Python SDK ends its session on one."""
+    ping = b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+    async with _http_gateway(deployment, "--workspace", "acme") as url:
+        parts = urlsplit(url)
+        head = f"POST /mcp HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n".encode()
+        head += b"Accept: application/json, text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(ping)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            for pause_s in (0.0, 6.0):  # past httpx's and Node's keep-alive
+                await asyncio.sleep(pause_s)
+                writer.write(head + ping)
+                await writer.drain()
+                async with asyncio.timeout(10):
+                    status = await reader.readline()
+                    assert status.startswith(b"HTTP/1.1 200"), status
+                    length = 0
+                    while (line := await reader.readline()) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    await reader.readexactly(length)
+        finally:
+            writer.close()

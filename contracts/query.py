@@ -221,6 +221,10 @@ Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "im
 MAX_SYMBOL_CHARS = 300
 _IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
 """An identifier, or words joined by hyphens as a file's module is named (``auth-extensions``)."""
+HYPHENATED_NAME = re.compile(r"[^\W\d]\w*(?:-\w+)*(?:\.[^\W\d]\w*(?:-\w+)*)*")
+"""A dotted name whose parts may join words by hyphens, as Python reads it (any script): the modules of files named
+so (``client.auth-extensions``, ``lib.rfc-2616``). What :class:`RelatedTo` takes, and what a relation question in
+words is read by (services/query/symbols.py)."""
 
 
 class RelatedTo(StrictRequest):
@@ -249,14 +253,9 @@ class RelatedTo(StrictRequest):
     @classmethod
     def _identifiers(cls, symbol: str) -> str:
         named = unicodedata.normalize("NFKC", symbol)  # as Python reads an identifier, and as words asking it are
-        # A part may join identifiers by hyphens: the module of a file named so (client.auth-extensions, an agent
-        # tester's, could not be asked).
-        # After a hyphen, letters or digits (rfc-2616.js, base-64.js): as the pattern and a question in words read it
-        # (a review's were valid by the schema and refused here).
-        words = [part.split("-") for part in named.split(".")]
-        if not all(
-            first.isidentifier() and all(w.isidentifier() or w.isalnum() for w in rest) for first, *rest in words
-        ):
+        # A part may join words by hyphens: the module of a file named so (client.auth-extensions, an agent tester's,
+        # could not be asked; lib.rfc-2616, a review's, was valid by the schema and refused here).
+        if not HYPHENATED_NAME.fullmatch(named):
             raise ValueError("a name, or names joined by dots, as Python reads identifiers (or joined by hyphens)")
         if len(named) > MAX_SYMBOL_CHARS:  # NFKC may lengthen it: 'ﬃ' is 'ffi' (a review's)
             raise ValueError(f"at most {MAX_SYMBOL_CHARS} characters as Python reads them")

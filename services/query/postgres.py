@@ -725,7 +725,8 @@ class PostgresDocuments:
         if not object_types:
             return Representatives({}, None)
         # Alone: a relation question reads it beside the retrievers (see graph_rows). A type declared in a module's
-        # code and in its declaration file (x.js, x.d.ts) is the code's: an agent tester's subclasses were stubs.
+        # code and in its declaration file (x.js, x.d.ts; code.is_declaration_file's suffixes) is the code's: an agent
+        # tester's subclasses were stubs.
         async with self._snapshots.read(scope, alone=True) as snapshot:
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""

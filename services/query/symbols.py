@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
+from ontofabric.contracts.query import HYPHENATED_NAME
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
 from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
@@ -131,11 +132,9 @@ def identifier_of(text: str, hyphens: bool = False) -> str | None:
     return name if IDENTIFIER.fullmatch(name) or hyphenated else None
 
 
-HYPHENATED_NAME = re.compile(r"[^\W\d]\w*(?:-\w+)*(?:\.[^\W\d]\w*(?:-\w+)*)*")
-"""A name whose parts may hold hyphens: the modules of files named so (``client.auth-extensions``, whose file is
-``client/auth-extensions.js``). Read as a name where the query asks a relation (an agent tester's ``what imports
-nats-base-client.util`` ran as a search; ``what uses multi-threading`` is then asked of a name nothing defines, as
-``what uses caching`` is), or where the whole query is a dotted name with a hyphen; ``well-known`` alone is none."""
+# A name of HYPHENATED_NAME is read where the query asks a relation (an agent tester's ``what imports
+# nats-base-client.util`` ran as a search; ``what uses multi-threading`` is then asked of a name nothing defines, as
+# ``what uses caching`` is), or where the whole query is a dotted name with a hyphen; ``well-known`` alone is none.
 
 
 FILE_SUFFIXES = (".py", ".pyi", *DOCUMENT_FORMATS, *CODE_SUFFIXES)

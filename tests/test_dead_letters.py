@@ -318,6 +318,44 @@ async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_
         await compact(nc, names, tight, RecordedProgress(), placement)
 
 
+async def test_compaction_keeps_a_delta_an_earlier_release_applied_that_this_one_refuses(
+    deployment: Deployment,
+) -> None:
+    """A delta applied under an earlier release's looser contract (here a NUL in its metadata, refused since) was
+    folded as never applied: left out of the snapshot, and purged from the stream, while the index held its row.
+    The index's record of handled events tells it was applied: it is kept as it was stored."""
+    names, nc = deployment.names, deployment.nc
+    body = json.loads(upsert("acme", document("old", "from an earlier release")).model_dump_json())
+    body["payload"]["document"]["metadata"] = {"note": "a\u0000b"}
+    body["eventId"] = "applied-by-an-earlier-release"
+    stored = json.dumps(body).encode()
+    old = await deployment.js.publish(names.delta_subject("acme", "main"), stored)
+    seqs = await _project(deployment, 10 * LIMIT, upsert("acme", document("fine", "short")))
+    (letter,) = await dead_letters(nc, names, Selection())
+    assert (letter.reason, letter.original_seq) == ("invalid_schema", old.seq)
+    # What the earlier release left: no dead letter, the event recorded as handled at its sequence.
+    assert await purge(nc, names, Selection()) == 1
+    await deployment.fetch(
+        "INSERT INTO handled_events (workspace, event_id, stream_seq) VALUES ('acme', $1, $2)", body["eventId"], old.seq
+    )
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    report = await compact(nc, names, deployment.settings, RecordedProgress(), placement)
+    assert report.covers == seqs[-1]
+    store = await find_snapshot_store(deployment.js, names)
+    assert store is not None
+    snapshot = await load_snapshot(store, "acme")
+    assert snapshot is not None
+    assert (snapshot.deltas[0].seq, snapshot.deltas[0].data) == (old.seq, stored)
+    assert [delta.seq for delta in snapshot.deltas] == [old.seq, seqs[0]]
+    # The next compaction folds on from that snapshot (it raised reading it) and keeps it still.
+    more = await _project(deployment, 10 * LIMIT, upsert("acme", document("fine", "edited")))
+    again = await compact(nc, names, deployment.settings, RecordedProgress(), placement)
+    assert again.covers == more[-1]
+    snapshot = await load_snapshot(store, "acme")
+    assert snapshot is not None
+    assert [delta.seq for delta in snapshot.deltas] == [old.seq, more[0]]
+
+
 @pytest.mark.parametrize("fixed_under_the_same_event", [False, True])
 async def test_compaction_leaves_out_a_delta_the_index_refused_once_its_dead_letter_is_gone(
     deployment: Deployment, fixed_under_the_same_event: bool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -968,6 +969,36 @@ def test_a_fold_leaves_out_what_the_projector_set_aside_and_refuses_what_only_it
     for delta in stored:
         loose.add(delta)
     assert [d.seq for d in SnapshotFold("acme", tight, loose.snapshot()).snapshot().deltas] == [2]
+
+
+def test_a_fold_keeps_as_stored_a_delta_the_index_applied_that_this_release_cannot_read() -> None:
+    """A delta an earlier release applied under looser rules (here a NUL in its metadata, refused since) was left
+    out of the snapshot as never applied, and the stream then purged of it: the row the index holds lost its only
+    source. A snapshot holding such a delta made the next compaction raise a ValidationError."""
+    names = Names()
+    subject = names.delta_subject("acme", "main")
+    fine = _upsert("acme", "a", "fine")
+    body = json.loads(_upsert("acme", "b", "older").model_dump_json())
+    body["payload"]["document"]["metadata"] = {"note": "a\u0000b"}
+    stored = [
+        StoredDelta(1, subject, fine.model_dump_json().encode()),
+        StoredDelta(2, subject, json.dumps(body).encode()),
+        StoredDelta(3, subject, b'{"eventId": "x", "payload": "\xff"}'),  # no UTF-8: nothing an index parsed
+    ]
+    limits = Limits.from_settings(Settings())
+    fold = SnapshotFold("acme", limits)
+    for delta in stored:
+        fold.add(delta, applied=True)
+    snapshot = Snapshot.decode(fold.snapshot().encode())
+    assert [(d.seq, d.data) for d in snapshot.deltas] == [(1, stored[0].data), (2, stored[1].data)]
+    unknown = SnapshotFold("acme", limits)  # the index not read: no telling, and nothing this release applies
+    for delta in stored:
+        unknown.add(delta)
+    assert [d.seq for d in unknown.snapshot().deltas] == [1]
+    # Folded on by a later run: read from the snapshot, kept, not judged again
+    again = SnapshotFold("acme", limits, snapshot)
+    again.add(StoredDelta(4, subject, _upsert("acme", "a", "edited").model_dump_json().encode()), applied=True)
+    assert [d.seq for d in again.snapshot().deltas] == [2, 4]
 
 
 async def test_a_rebuild_interrupted_before_a_compaction_resumes_from_the_snapshot(

@@ -25,6 +25,7 @@ import asyncpg
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.services.projector.consumer import event_key
@@ -57,7 +58,8 @@ POSITION_WAIT_S = 10.0
 """How long a compaction waits for a running projector to say its index's position (it does at every look, every
 2 s) before it folds only up to the position its database holds."""
 NEVER_APPLIES = frozenset({"oversized", "invalid_schema", "subject_mismatch"})
-"""Rejections whatever the settings (the message limit is the stream's): such a delta never reached an index."""
+"""Rejections whatever the settings (the message limit is the stream's): this release applies no such delta. One
+the index records handling of was applied by an earlier release, whose rules were looser (SnapshotFold keeps it)."""
 
 
 class CompactionRefused(Exception):
@@ -88,22 +90,44 @@ class SnapshotFold:
         self.covers = previous.covers if previous else 0
         self.refused: list[Refused] = []
         """Deltas only this run's settings are known to refuse: see :meth:`check_refused`."""
+        self.unreadable: dict[int, StoredDelta] = {}
+        """Deltas the index applied that this release's contract refuses (an earlier release applied them, under
+        looser rules): kept as they were stored, so that purging the stream drops nothing the index holds. A
+        rebuild by this release refuses them, as its projector would, and its check of the live rows says so."""
         for delta in previous.deltas if previous else ():
             # Folded before, with the settings of that run: read as they are, not judged again by this run's.
-            self._fold_delta(delta, Delta(delta.seq, DeltaEnvelope.model_validate_json(delta.data)))
+            try:
+                envelope = DeltaEnvelope.model_validate_json(delta.data)
+            except ValidationError:  # kept by an earlier run as unreadable, or folded by an earlier release
+                self.unreadable[delta.seq] = delta
+                continue
+            self._fold_delta(delta, Delta(delta.seq, envelope))
 
-    def add(self, stored: StoredDelta, set_aside: Set[int] = frozenset()) -> None:
+    def add(self, stored: StoredDelta, set_aside: Set[int] = frozenset(), applied: bool = False) -> None:
         """Fold one delta from the stream (after every one before). What the projector never applied stays out:
         a delta it dead-lettered (``set_aside``: the original sequences of its dead letters), and one no
-        settings can apply (unreadable, or of another workspace than its subject). A delta only this run's
-        settings refuse stays out too, and is kept in ``refused``: :meth:`check_refused` decides."""
+        settings can apply (unreadable, or of another workspace than its subject), unless ``applied`` (the index
+        records handling it at its own sequence): then an earlier release applied it, and it goes to
+        ``unreadable``. A delta only this run's settings refuse stays out too, and is kept in ``refused``:
+        :meth:`check_refused` decides."""
         self.covers = max(self.covers, stored.seq)
         if stored.seq in set_aside:
             return
         checked = validate_delta(stored.data, stored.subject, stored.seq, self._limits, stored.headers)
         if isinstance(checked, Delta):
             self._fold_delta(stored, checked)
-        elif checked.reason not in NEVER_APPLIES:  # it parsed: only settings refuse it
+        elif checked.reason in NEVER_APPLIES:
+            # Stored bytes the index parsed once are UTF-8 JSON; anything else cannot be what it applied.
+            if applied and _is_utf8(stored.data):
+                self.unreadable[stored.seq] = stored
+                log.warning(
+                    "compaction_keeps_delta_this_release_refuses",
+                    workspace=self.workspace,
+                    seq=stored.seq,
+                    reason=checked.reason,
+                    detail=checked.detail,
+                )
+        else:  # it parsed: only settings refuse it
             event_id = DeltaEnvelope.model_validate_json(stored.data).event_id
             self.refused.append(Refused(stored.seq, event_id, checked.reason, checked.detail))
 
@@ -135,7 +159,8 @@ class SnapshotFold:
             self._handled.setdefault(event_id, stored.seq)
 
     def snapshot(self) -> Snapshot:
-        deltas = sorted((stored for stored, _ in self._kept.values()), key=lambda d: d.seq)
+        kept = [stored for stored, _ in self._kept.values()]
+        deltas = sorted([*kept, *self.unreadable.values()], key=lambda d: d.seq)
         return Snapshot(self.workspace, self.covers, deltas, dict(self._handled))
 
 
@@ -427,7 +452,7 @@ async def _fold_stream(
             stored = [StoredDelta(msg.metadata.sequence.stream, msg.subject, msg.data, msg.headers) for msg in batch]
             never = set() if index is None else await _never_handled(index, fold.workspace, stored)
             for delta in stored:
-                fold.add(delta, set_aside | never if never else set_aside)
+                fold.add(delta, set_aside | never if never else set_aside, applied=index is not None)
             read += len(batch)
     return read
 
@@ -437,12 +462,20 @@ async def _never_handled(index: asyncpg.Connection, workspace: str, stored: Sequ
     those from before events were kept per workspace: infra/migrations/0019). By event id alone, a refused delta
     whose fix came later under the same event id counted as handled, was folded in place of the fix, and the fix
     was compacted away (a fault tester's finding). A repeat of an event handled in this workspace stays out too, as
-    the projector applied nothing of it."""
-    events = {delta.seq: key[1] for delta in stored if (key := event_key(delta.subject, delta.data)) is not None}
+    the projector applied nothing of it; so does a delta without a readable event id, which no index handled."""
+    events = {delta.seq: key[1] if (key := event_key(delta.subject, delta.data)) else None for delta in stored}
     records = await index.fetch(
         "SELECT event_id, stream_seq FROM handled_events WHERE workspace IN ($1, '') AND event_id = ANY($2)",
         workspace,
-        sorted(set(events.values())),
+        sorted({event for event in events.values() if event is not None}),
     )
     handled = {(r["event_id"], r["stream_seq"]) for r in records}
     return {seq for seq, event in events.items() if (event, seq) not in handled}
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -302,6 +302,31 @@ def test_java_go_and_rust_imports_and_bases_are_links() -> None:
     assert ("src.lib", IMPORTS, "src.net.tcp") in links
 
 
+def test_rust_trait_implementations_are_bases() -> None:
+    """An outside agent's "what implements Backoff" found none: ``impl Trait for Type`` was read for its methods
+    only. The trait is found as the impl's module names it: its own, a ``use``, a path, the crate's one of the
+    name; a trait of no module of the tree (``Display``) is no link."""
+    read = _graph({
+        "src/lib.rs": "pub mod backoff;\npub mod clock;\nmod wrap;\n",
+        "src/backoff/mod.rs": "pub mod fixed;\npub trait Backoff { fn next(&self) -> u64; }\n",
+        "src/backoff/fixed.rs": "use crate::backoff::Backoff;\npub struct Fixed;\n"
+        "impl Backoff for Fixed { fn next(&self) -> u64 { 1 } }\n"
+        "impl std::fmt::Display for Fixed {}\n",
+        "src/clock.rs": "pub trait Clock {}\npub struct System;\nimpl Clock for System {}\n"
+        "mod mock {\n    pub struct Mock;\n    impl crate::clock::Clock for Mock {}\n}\n",
+        "src/wrap.rs": "use crate::clock::System;\npub struct Wrapped<C>(C);\n"
+        "impl<C: Clock> super::backoff::Backoff for Wrapped<C> { fn next(&self) -> u64 { 2 } }\n"
+        "impl Clock for System {}\n",
+    })  # fmt: skip
+    inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
+    assert inherits == {
+        ("src.backoff.fixed.Fixed", "src.backoff.mod.Backoff"),
+        ("src.clock.System", "src.clock.Clock"),
+        ("src.clock.mock.Mock", "src.clock.Clock"),
+        ("src.wrap.Wrapped", "src.backoff.mod.Backoff"),
+    }
+
+
 def test_hostile_trees_end_and_stop_nothing() -> None:
     # Index files re-exporting each other all: a name none exports took 15 s for 10 files (the files to the power
     # of the hops followed); each (file, name) is now looked up once, and a cycle ends.

@@ -318,7 +318,7 @@ def declarations(
             implemented = child.child_by_field_name("type")
             body = child.child_by_field_name("body")
             if implemented is not None and body is not None:
-                yield from declarations(body, language, line_of, (*owners, _type_name(implemented)), True, depth)
+                yield from declarations(body, language, line_of, (*owners, impl_type_name(implemented)), True, depth)
         elif child.type in _NAMESPACES and (space := _name(child)) is not None:  # `mod net {}`, `namespace Api {}`
             body = child.child_by_field_name("body")
             if body is not None:
@@ -400,7 +400,7 @@ def _name(node: tree_sitter.Node) -> str | None:
     return name
 
 
-def _type_name(node: tree_sitter.Node) -> str:
+def impl_type_name(node: tree_sitter.Node) -> str:
     """The name of the type an ``impl`` block implements (``Vec<T>`` is ``Vec``, ``io::Error`` is ``Error``); a
     type of no name (``[u8; 4]``) is ``impl``."""
     if node.type not in _NAMED_TYPES:  # a tuple, an array, a function pointer

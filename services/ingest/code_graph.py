@@ -52,6 +52,7 @@ from .code import (
     Declared,
     chunked_declarations,
     declarations,
+    impl_type_name,
     is_declaration_file,
     line_counter,
     minified_width,
@@ -260,6 +261,9 @@ class _Tree:
         self._index(read)
         self._imports(read, root)
         self._bases_written(read, declared)
+        if read.domain == "rust":
+            for owner, trait in _trait_impls(root):  # `impl Backoff for Constant`: a base, as Java's `implements`
+                read.bases_written.setdefault(owner, []).append(trait)
         for _kind, _level, qualname, _span, node in declared if read.domain == "go" else ():
             result = node.child_by_field_name("result")
             written = _go_written(result) if result is not None and node.type == "function_declaration" else None
@@ -276,8 +280,8 @@ class _Tree:
             for qualname, names in read.bases_written.items():
                 bases = [key for name in names if (key := self.type_named(read, name, qualname)) is not None]
                 if bases:  # a class declared in `x.js` and `x.d.ts` has the bases of both
-                    known = self.bases.get(self.type_key(read, qualname), [])
-                    self.bases[self.type_key(read, qualname)] = list(dict.fromkeys((*known, *bases)))
+                    key = self.owner_key(read, qualname)  # Rust: an `impl`'s type may be another module's
+                    self.bases[key] = list(dict.fromkeys((*self.bases.get(key, []), *bases)))
 
     # -- indexing ------------------------------------------------------------------------------------------------
 
@@ -611,6 +615,17 @@ class _Tree:
             return next((self.java_types[c] for c in candidates if c in self.java_types), None)
         if read.domain == "go":
             return self.go_named(read, None, name)
+        if read.domain == "rust":  # a trait: `Backoff`, `crate::backoff::Backoff`, `backoff::Backoff`
+            crate, here = _crate(read.path)
+            *path, last = name.split("::")
+            if path:
+                used_crate, used = self.rust_absolute(read, (*path, last))
+                key: str | None = _rust_key(used_crate, used[:-1], used[-1]) if used else None
+            else:  # the impl's module's own, one it `use`s, else the crate's one trait of the name
+                key = self.rust_type(read, crate, (*here, *within.split(".")[:-1]), last, bare=True)
+                named = self.rust_type_names.get((crate, last), set())
+                key = key or (next(iter(named)) if len(named) == 1 else None)
+            return key if key in self.types else None
         return None
 
     def go_named(self, read: _File, package: str | None, name: str) -> str | None:
@@ -1341,6 +1356,21 @@ def _private(node: tree_sitter.Node | None) -> str:
 def _enclosing(qualname: str) -> list[str]:
     """A qualified name and those holding it, innermost first (``A.B.C``, ``A.B``, ``A``); none for ``""``."""
     return [qualname.rsplit(".", i)[0] for i in range(qualname.count(".") + 1)] if qualname else []
+
+
+def _trait_impls(node: tree_sitter.Node, spaces: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """Rust: each ``impl Trait for Type`` at a file's level or in its ``mod`` blocks, as the type's qualified name
+    in the file (as its methods are named) and the trait's path as written, without its type arguments."""
+    for child in node.named_children:
+        if child.type == "impl_item":
+            implemented, trait = child.child_by_field_name("type"), child.child_by_field_name("trait")
+            written = _written_type(trait) if trait is not None else None
+            if implemented is not None and written is not None:
+                yield ".".join((*spaces, impl_type_name(implemented))), written
+        elif child.type == "mod_item" and (body := child.child_by_field_name("body")) is not None:
+            name = child.child_by_field_name("name")
+            if name is not None and name.text is not None:
+                yield from _trait_impls(body, (*spaces, name.text.decode("utf-8", errors="replace")))
 
 
 def _rust_key(crate: str, module: tuple[str, ...], name: str) -> str:

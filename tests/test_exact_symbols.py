@@ -1119,6 +1119,8 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         "  double rate() { return rate; }\n}\n",
         "billing/src/com/acme/Billing.java": "package com.acme;\n\nclass Billing {\n"
         "  double charge(Rates rates) { return rates.rate(); }\n}\n",
+        "billing/src/com/acme/audit/Audit.java": "package com.acme.audit;\n\nimport com.acme.Ledger;\n\n"
+        "class Audit {\n  Ledger ledger;\n}\n",
     }
     await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -1144,6 +1146,11 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     # And the graph: a Java class's subclasses, a TypeScript module's importers.
     subclasses = await _ask(client, "what subclasses Ledger", "mono")
     assert _found_by(subclasses, SUBCLASS) == ["billing.src.com.acme.InvoiceLedger.InvoiceLedger"]
+    assert "names more than one symbol" not in render(subclasses)  # Ledger.java and its class Ledger: one
+    # A Java class's importers by the name its import spells (an agent tester's were none): its file's.
+    for question in ("what imports com.acme.Ledger", "what imports Ledger"):
+        java_importers = await _ask(client, question, "mono")
+        assert _found_by(java_importers, IMPORTER, "filePath") == ["billing/src/com/acme/audit/Audit.java"], question
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
     assert _found_by(importers, IMPORTER, "filePath") == ["web/src/pages/Profile.tsx"]
     charged = await _ask(client, "what does Billing.charge call", "mono")

@@ -190,6 +190,25 @@ def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_i
     assert graph.linked("a.Base", "imports", "outgoing") == ["b.Base"]
 
 
+def test_a_file_and_the_type_it_is_named_after_are_one_symbol_to_ask_about() -> None:
+    """Java's ``Ledger.java`` is the module ``src.com.acme.Ledger`` holding the class ``src.com.acme.Ledger.Ledger``:
+    its importers are the file's, its subclasses the class's, and the name is no two symbols."""
+    graph = OntologyGraph(
+        kinds={"s.Ledger": "module", "s.Ledger.Ledger": "class", "s.Ledger.Ledger.Entry": "class", "s.util": "module",
+               "s.util.Util": "class", "s.Audit": "module"},
+        interfaces={"s.Ledger.Ledger.Entry": ("s.Ledger.Ledger",)},
+        links={("s.Audit", "imports", "s.Ledger")},
+    )  # fmt: skip
+    named = graph.named("Ledger")
+    assert named == ["s.Ledger", "s.Ledger.Ledger"]
+    assert graph.as_files_or_types(named, files=True) == ["s.Ledger"]
+    assert graph.as_files_or_types(named, files=False) == ["s.Ledger.Ledger"]
+    assert graph.as_files_or_types(["s.Ledger.Ledger"], files=True) == ["s.Ledger"]
+    # A nested type, a module and a class not named alike, stay as they are.
+    for other in ("s.Ledger.Ledger.Entry", "s.util", "s.util.Util"):
+        assert graph.as_files_or_types([other], files=True) == graph.as_files_or_types([other], files=False) == [other]
+
+
 def test_a_type_named_only_by_other_rows_is_known_to_every_relation() -> None:
     """A tester removed the node r.util while r.Sub still derived from it and r.Svc imported it: expansion, the
     importers and the objectType filter still followed those rows, but "what subclasses util" found nothing and

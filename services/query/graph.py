@@ -136,6 +136,27 @@ class OntologyGraph:
         own = min((q for q, t in named if t in self.kinds), default=None)
         return [t for q, t in named if t in self.kinds or own is None or q < own]
 
+    def as_files_or_types(self, named: Sequence[str], files: bool) -> list[str]:
+        """``named`` with a file and the type it is named after (Java's ``Order.java``: the module
+        ``...model.Order`` and its class ``...model.Order.Order``) as one: the file where imports are asked
+        (``import com.acme.model.Order`` names the class, and the graph links files), the type otherwise. An agent
+        tester's importers of a Java class by its package name were none, and every question of a Java type said
+        its name was two symbols."""
+        chosen: list[str] = []
+        for object_type in named:
+            module, _, name = object_type.rpartition(".")
+            if (
+                self.kinds.get(object_type) == "module"
+                and self.kinds.get(f"{object_type}.{name}", "module") != "module"
+            ):
+                file, own = object_type, f"{object_type}.{name}"
+            elif self.kinds.get(module) == "module" and last_part(module) == name and module:
+                file, own = module, object_type
+            else:
+                file = own = object_type
+            chosen.append(file if files else own)
+        return list(dict.fromkeys(chosen))
+
     def neighbours(self, object_type: str) -> list[Neighbour]:
         """Types one link away, both directions, in a stable order."""
         return self._neighbours.get(object_type, [])

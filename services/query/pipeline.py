@@ -878,7 +878,7 @@ class QueryPipeline:
             IMPORTER: lambda named: [graph.linked(named, IMPORTS, "incoming")],
             IMPORTED: lambda named: [graph.linked(named, IMPORTS, "outgoing")],
         }
-        types_named = graph.named(name)
+        types_named = graph.as_files_or_types(graph.named(name), files=relation in (IMPORTER, IMPORTED))
         for named in types_named:
             for level, types in enumerate(levels_of[relation](named)):
                 for object_type in types:

@@ -239,6 +239,31 @@ def test_the_ingester_reads_go_modules_and_carries_the_calls(tmp_path: Path) -> 
     assert called == {"svc.cmd.main.main": ("svc.lib.lib.Do",)}
 
 
+def test_rust_declarations_are_also_named_by_their_path_in_the_crate(tmp_path: Path) -> None:
+    """An agent tester's ``backoff::Backoff`` and ``throttle::clock::Clock`` were not found by name: the chunks
+    were named after the file's path alone (``src.backoff.mod.Backoff``)."""
+    (tmp_path / "throttle").mkdir()
+    (tmp_path / "throttle" / "Cargo.toml").write_text('[package]\nname = "throttle"\n')
+    files = {
+        "throttle/src/lib.rs": "pub mod backoff;\npub fn run() {}\n",
+        "throttle/src/backoff/mod.rs": "pub trait Backoff { fn next(&self) -> u64; }\n",
+        "throttle/src/clock.rs": "pub struct Clock;\n",
+        "loose/src/util.rs": "pub fn helper() {}\n",  # no Cargo.toml: no crate name
+    }
+    named = {c.symbol_fqn: c.aliases for c in chunk_sources(tmp_path, files, 10**6)}
+    assert named == {
+        "throttle.src.lib": ("throttle",),
+        "throttle.src.lib.run": ("throttle.run",),
+        "throttle.src.backoff.mod": ("backoff", "throttle.backoff"),
+        "throttle.src.backoff.mod.Backoff": ("backoff.Backoff", "throttle.backoff.Backoff"),
+        "throttle.src.backoff.mod.Backoff.next": ("backoff.Backoff.next", "throttle.backoff.Backoff.next"),
+        "throttle.src.clock": ("throttle.clock",),
+        "throttle.src.clock.Clock": ("throttle.clock.Clock",),
+        "loose.src.util": (),
+        "loose.src.util.helper": (),
+    }
+
+
 def _graph(files: dict[str, str]) -> CodeRead:
     return read_code({path: textwrap.dedent(text).lstrip("\n") for path, text in files.items()})
 

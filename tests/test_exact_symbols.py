@@ -172,6 +172,7 @@ def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAs
         ("Find Console", "Console"),
         ("Where's Console?", "Console"),
         ("Where is tenacity::retry defined?", "tenacity.retry"),
+        ("crate::backoff::Backoff", "backoff.Backoff"),  # Rust's crate root: the path from it is an alias
         ("How Does Caching Work", None),
         ("Where Is Console Defined", None),  # every word capitalised: none tells the name
         ("where is `console` defined", "console"),

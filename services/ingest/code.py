@@ -11,10 +11,11 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import posixpath
 import statistics
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import tree_sitter
@@ -211,6 +212,43 @@ def module_name(path: str) -> str:
     """The dotted name of a source file's chunks, after its path: ``web/src/api.ts`` is ``web.src.api``, and
     ``index.d.ts`` is ``index``."""
     return path.removesuffix(suffix_of(path)).removesuffix(".d").replace("/", ".")
+
+
+def rust_module_of(path: str) -> tuple[str, tuple[str, ...]]:
+    """A Rust file's crate (the directory of its ``src``, or its own directory) and its module's path in it
+    (``src/net/tcp.rs`` and ``src/net/tcp/mod.rs`` are ``net::tcp``; ``src/lib.rs`` and ``src/main.rs`` the root)."""
+    parts = path.removesuffix(".rs").split("/")
+    if "src" in parts[:-1]:
+        at = len(parts) - 1 - parts[::-1].index("src", 1)
+        crate, inner = "/".join(parts[: at + 1]), parts[at + 1 :]
+    else:
+        crate, inner = "/".join(parts[:-1]), parts[-1:]
+    if inner and inner[-1] == "mod":
+        inner = inner[:-1]
+    if len(inner) == 1 and inner[0] in ("lib", "main"):
+        inner = []
+    return crate, tuple(inner)
+
+
+def crate_roots(rust_crates: Mapping[str, str]) -> dict[str, str]:
+    """``rust_crates`` (a directory holding a ``Cargo.toml`` -> its crate's name) by the crate's root as
+    :func:`rust_module_of` names it (its ``src``)."""
+    return {posixpath.join(directory, "src"): name for directory, name in rust_crates.items()}
+
+
+def rust_aliases(path: str, symbol: str, crate_names: Mapping[str, str]) -> tuple[str, ...]:
+    """The names Rust code gives a declaration (``symbol``, named after the file's path, :func:`module_name`; the
+    module itself too): its path from the crate's root (``backoff.Backoff`` for ``src/backoff/mod.rs``'s
+    ``Backoff``, as ``crate::backoff::Backoff`` writes it) and from the crate's name where a ``Cargo.toml`` gives
+    one (``crate_names``: :func:`crate_roots`; ``throttle.backoff.Backoff``), but for one its own name already ends
+    with. An agent tester's ``backoff::Backoff`` and ``throttle::clock::Clock`` were not found by name."""
+    crate, inner = rust_module_of(path)
+    module = module_name(path)
+    parts = [*inner, *([symbol[len(module) + 1 :]] if symbol != module else [])]
+    named = [".".join(parts)] if parts else []
+    if (crate_name := crate_names.get(crate)) is not None:
+        named.append(".".join([crate_name, *parts]))
+    return tuple(name for name in named if symbol != name and not symbol.endswith("." + name))
 
 
 def is_declaration_file(path: str) -> bool:

@@ -51,6 +51,7 @@ from .code import (
     LANGUAGES,
     Declared,
     chunked_declarations,
+    crate_roots,
     declarations,
     impl_type_name,
     is_declaration_file,
@@ -59,6 +60,7 @@ from .code import (
     module_name,
     package_of,
     parser,
+    rust_module_of,
     walk,
 )
 from .graph import GraphLink, GraphNode, representable, split_object_type
@@ -156,7 +158,7 @@ def read_code(
     path it declares; ``rust_crates``: a directory holding a ``Cargo.toml`` -> the name its library is used by
     (``anyhow``; :func:`rust_crate_name`). ``tick`` is called before each file is read, twice (and may raise to
     stop the reading: an ingest's interrupt waited for it, a second review's)."""
-    crates = {name: posixpath.join(directory, "src") for directory, name in (rust_crates or {}).items()}
+    crates = {name: directory for directory, name in crate_roots(rust_crates or {}).items()}
     tree = _Tree(frozenset(sources), dict(go_modules or {}), crates)
     for path, text in sources.items():  # each file parsed, its outline kept and its nodes let go
         tick()
@@ -291,7 +293,7 @@ class _Tree:
         if read.domain == "go":
             return f"{self.go_package(read)}.{qualname}"
         if read.domain == "rust":
-            crate, path = _crate(read.path)
+            crate, path = rust_module_of(read.path)
             *spaces, name = qualname.split(".")
             return _rust_key(crate, (*path, *spaces), name)
         return f"{read.module}.{qualname}"
@@ -305,7 +307,7 @@ class _Tree:
             return self.type_key(read, owner)
         if (read.path, owner) in self.impl_keys:
             return self.impl_keys[read.path, owner]
-        crate, path = _crate(read.path)
+        crate, path = rust_module_of(read.path)
         *spaces, name = owner.split(".")
         key = own = _rust_key(crate, (*path, *spaces), name)
         if own not in self.types and name in read.uses:
@@ -324,7 +326,7 @@ class _Tree:
         module_type = object_type_name(read.module)
         self.object_types[bounded_symbol(read.module)] = module_type
         if read.domain == "rust":
-            self.rust_files.setdefault(_crate(read.path), read)
+            self.rust_files.setdefault(rust_module_of(read.path), read)
         # Rust: what holds a method is a type (an `impl`, a trait), and an associated type in it no module's.
         impls = {qualname.rpartition(".")[0] for kind, _, qualname, _ in read.outline if kind == "method"}
         for kind, level, qualname, _span in read.outline:
@@ -336,7 +338,7 @@ class _Tree:
             if level == "type":
                 self.type_modules.setdefault(self.type_key(read, qualname), read.module)
             if read.domain == "rust":
-                crate, path = _crate(read.path)
+                crate, path = rust_module_of(read.path)
                 if kind == "macro":
                     self.rust_macros.setdefault((crate, name), set()).add(fqn)
                 if owner in impls:  # a method, or an associated type or constant: its type's, once resolved
@@ -534,7 +536,7 @@ class _Tree:
     def rust_absolute(self, read: _File, path: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
         """A path as written in ``read`` (``crate::a::f``, ``super::f``, ``self::a::f``, ``a::f``, ``anyhow::f``
         through a crate of the tree's name) as its crate and the path from that crate's root."""
-        crate, here = _crate(read.path)
+        crate, here = rust_module_of(read.path)
         if path and path[0] == "crate":
             return crate, path[1:]
         if path and path[0] in ("self", "super"):
@@ -616,7 +618,7 @@ class _Tree:
         if read.domain == "go":
             return self.go_named(read, None, name)
         if read.domain == "rust":  # a trait: `Backoff`, `crate::backoff::Backoff`, `backoff::Backoff`
-            crate, here = _crate(read.path)
+            crate, here = rust_module_of(read.path)
             *path, last = name.split("::")
             if path:
                 used_crate, used = self.rust_absolute(read, (*path, last))
@@ -1034,7 +1036,7 @@ class _Calls:
         tree, read = self.tree, self.read
         if node.type == "macro_invocation":
             macro = _text(node.child_by_field_name("macro")) or ""
-            made = tree.rust_macros.get((_crate(read.path)[0], macro), set())
+            made = tree.rust_macros.get((rust_module_of(read.path)[0], macro), set())
             return next(iter(made)) if len(made) == 1 else None
         function = node.child_by_field_name("function") if node.type == "call_expression" else None
         if function is None:
@@ -1066,7 +1068,7 @@ class _Calls:
 
     def rust_module(self) -> tuple[str, tuple[str, ...]]:
         """The module the chunk's code is in: its file's, or a ``mod`` inside it."""
-        crate, path = _crate(self.read.path)
+        crate, path = rust_module_of(self.read.path)
         return crate, (*path, *self.space)
 
 
@@ -1376,22 +1378,6 @@ def _trait_impls(node: tree_sitter.Node, spaces: tuple[str, ...] = ()) -> Iterat
 def _rust_key(crate: str, module: tuple[str, ...], name: str) -> str:
     """A Rust type's key: its crate, its module's path and its name."""
     return f"{crate}::{'::'.join((*module, name))}"
-
-
-def _crate(path: str) -> tuple[str, tuple[str, ...]]:
-    """A Rust file's crate (the directory of its ``src``, or its own directory) and its module's path in it
-    (``src/net/tcp.rs`` and ``src/net/tcp/mod.rs`` are ``net::tcp``; ``src/lib.rs`` and ``src/main.rs`` the root)."""
-    parts = path.removesuffix(".rs").split("/")
-    if "src" in parts[:-1]:
-        at = len(parts) - 1 - parts[::-1].index("src", 1)
-        crate, inner = "/".join(parts[: at + 1]), parts[at + 1 :]
-    else:
-        crate, inner = "/".join(parts[:-1]), parts[-1:]
-    if inner and inner[-1] == "mod":
-        inner = inner[:-1]
-    if len(inner) == 1 and inner[0] in ("lib", "main"):
-        inner = []
-    return crate, tuple(inner)
 
 
 def _rust_path(node: tree_sitter.Node | None) -> tuple[str, ...]:

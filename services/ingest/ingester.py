@@ -68,7 +68,7 @@ from ontofabric.shared.telemetry import tracer
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, PublishFailed, envelope
-from .code import CODE_SUFFIXES
+from .code import CODE_SUFFIXES, crate_roots, rust_aliases
 from .code_graph import CodeRead, go_module_path, read_code, rust_crate_name
 from .graph import (
     GraphLink,
@@ -402,6 +402,7 @@ def chunk_sources(
     code = code if code is not None else code_of(root, sources, max_file_bytes, tick)
     calls |= {key: carried_calls(names) for key, names in code.calls.items()}
     exports = python_exports(python)
+    crate_names = crate_roots(rust_crates(root, sources))
     completed = []
     for chunk in chunks:
         if chunk.parse_error is not None:
@@ -415,9 +416,12 @@ def chunk_sources(
                 kept_bytes=max_content_bytes,
                 reason="longer than ONTOFABRIC_MAX_CONTENT_BYTES: only its start is indexed",
             )
-        # What the chunk is named by already (a Go or Java package's name), then what the tree's Python publishes.
+        # What the chunk is named by already (a Go or Java package's name), a Rust declaration's path in its crate,
+        # then what the tree's Python publishes.
         of_python = chunk.chunk_level != "doc" and chunk.source_domain == "python"  # app/models.ts: no app.models
         published = [*chunk.aliases, *(_aliases(chunk, exports) if of_python else [])]
+        if chunk.source_domain == "rust":
+            published += rust_aliases(chunk.file_path, chunk.symbol_fqn, crate_names)
         if of_python:  # a src layout's, by its import name
             own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
             named = [*([own] if own else []), *published, *(name for name in others if name)]

@@ -125,7 +125,8 @@ def identifier_of(text: str, hyphens: bool = False) -> str | None:
     ``where is Console defined``, ``definition of Console``). None for any other text: other words around a name
     make it a question, not a name. ``hyphens``: also a name of :data:`HYPHENATED_NAME` (else only one dotted)."""
     written, _ = _asked(text)
-    name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()"))
+    # Rust's `crate::` is the crate's root, which a declaration's path from it is an alias of (ingest.code).
+    name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()").removeprefix("crate::"))
     if len(name) > MAX_IDENTIFIER_CHARS:
         return None
     hyphenated = HYPHENATED_NAME.fullmatch(name) is not None and (hyphens or "." in name)

@@ -243,8 +243,9 @@ class RelatedTo(StrictRequest):
         max_length=MAX_SYMBOL_CHARS,
         # Identifiers in any script, as Python reads them (a tenant tester's "café" was refused, asked in words it
         # was found): JSON Schema's patterns have no Unicode classes without a flag, so this one lets any character
-        # past ASCII through and the check below reads them.
-        pattern=rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*$",
+        # past ASCII through and the check below reads them. Stated in the schema only: the check below says what
+        # is wrong in words, where the pattern's refusal quoted the pattern (an agent tester's path, cut short).
+        json_schema_extra={"pattern": rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*$"},
         description="The symbol's name or dotted qualified name (to_seconds, tenacity.wait.wait_base), matched as "
         "a query that is one identifier matches definitions.",
     )
@@ -256,7 +257,12 @@ class RelatedTo(StrictRequest):
         # A part may join words by hyphens: the module of a file named so (client.auth-extensions, an agent tester's,
         # could not be asked; lib.rfc-2616, a review's, was valid by the schema and refused here).
         if not HYPHENATED_NAME.fullmatch(named):
-            raise ValueError("a name, or names joined by dots, as Python reads identifiers (or joined by hyphens)")
+            path = "/" in named or "\\" in named
+            raise ValueError(
+                "a name, or names joined by dots, as Python reads identifiers (or joined by hyphens)"
+                + (": a file is asked by its module's name, its path joined by dots (src/clock.rs is src.clock)"
+                   if path else "")
+            )  # fmt: skip
         if len(named) > MAX_SYMBOL_CHARS:  # NFKC may lengthen it: 'ﬃ' is 'ffi' (a review's)
             raise ValueError(f"at most {MAX_SYMBOL_CHARS} characters as Python reads them")
         return named

@@ -15,9 +15,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel
 
-from ontofabric.contracts import DeltaEnvelope, OntologyQuery, QueryResponse, TokenVectors, schema
+from ontofabric.contracts import DeltaEnvelope, OntologyQuery, QueryError, QueryResponse, TokenVectors, schema
 from ontofabric.contracts.documents import BRANCH, WORKSPACE
 from ontofabric.contracts.query import FILTERS
+from ontofabric.services.query.requests import read_request
 from ontofabric.shared import asyncapi
 from ontofabric.shared.subjects import OPERATIONS, Names, decode_token
 
@@ -412,8 +413,19 @@ def test_the_schema_and_the_projector_agree_on_a_documents_lines(lines: dict[str
         ("x-", False),
         ("a--b", False),
         ("2fa.x", False),
+        ("src/clock.rs", False),
     ],
 )
 def test_a_relations_symbol_the_schema_takes_the_model_takes(symbol: str, taken: bool) -> None:
     body = {"relatedTo": {"relation": "importers", "symbol": symbol}}
     assert _taken_alike("ontology-query", OntologyQuery, body) is taken
+
+
+def test_a_relations_symbol_refused_says_what_is_wrong_in_words() -> None:
+    """An agent tester's ``src/clock.rs`` got the schema's pattern back, cut short at 200 characters."""
+    refused = read_request(OntologyQuery, b'{"relatedTo": {"relation": "importers", "symbol": "src/clock.rs"}}')
+    assert isinstance(refused, QueryError)
+    (detail,) = refused.details
+    assert detail.field == "relatedTo.symbol"
+    assert "pattern" not in detail.message
+    assert "src/clock.rs is src.clock" in detail.message

@@ -267,6 +267,13 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("what calls well-known code", None),
         ("callers of foo-", None),
         ("what imports -x", None),
+        # A file's path, where imports are asked: its module's name (an agent tester's were searched in words).
+        ("what imports src/clock.rs", (IMPORTER, "src.clock")),
+        ("what imports `click/_compat.py`", (IMPORTER, "click._compat")),
+        ("what imports _compat.py", (IMPORTER, "_compat")),
+        ("what does pkg/__init__.py import", (IMPORTED, "pkg")),
+        ("what calls src/clock.rs", None),
+        ("what imports docs/guide.md", None),
     ],
 )
 def test_relation_of_takes_a_whole_query_that_asks_one_relation_of_one_name(

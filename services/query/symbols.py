@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from ontofabric.contracts import SearchResult
 from ontofabric.contracts.query import HYPHENATED_NAME
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
-from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file
+from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file, module_name
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
@@ -289,7 +289,7 @@ def code_shaped(name: str) -> bool:
     return any(c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
-_NAME = r"`?(?P<name>[^\W\d][\w.:#-]*(?:\(\))?)`?"
+_NAME = r"`?(?P<name>[^\W\d][\w.:#/-]*(?:\(\))?)`?"
 _KIND = r"(?:function|method|class|constructor|module|package|interface)"
 _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
@@ -404,12 +404,27 @@ def relation_of(text: str) -> tuple[str, str] | None:
     question = as_read(text).strip().rstrip("?.!").strip()
     for relation, pattern in _RELATION_QUESTIONS:
         found = pattern.fullmatch(question)
-        name = identifier_of(found.group("name"), hyphens=True) if found is not None else None
+        # A file's path where imports are asked (`_compat.py` is the file, not a module `py` of a package `_compat`).
+        as_path = (
+            _module_of_path(found.group("name")) if found is not None and relation in (IMPORTER, IMPORTED) else None
+        )
+        name = as_path or (identifier_of(found.group("name"), hyphens=True) if found is not None else None)
         if name is not None and relation in (RAISERS, RAISED) and not _exception_shaped(name, relation == RAISED):
             continue
         if name is not None and name.lower() not in _NOT_NAMES:
             return (CALLER if relation in (RAISERS, RAISED) else relation), name
     return None
+
+
+def _module_of_path(path: str) -> str | None:
+    """The module a source file's path names, as an ingest names it (``src/clock.rs`` is ``src.clock``,
+    ``pkg/__init__.py`` is ``pkg``): what importers are asked of (an agent tester's ``what imports src/clock.rs``
+    was searched for in words). None for what is no such path."""
+    path = path.removeprefix("./")
+    if not path.endswith((".py", ".pyi", *CODE_SUFFIXES)) or not _FILE_PATH.fullmatch(path):
+        return None
+    module = module_name(path).removesuffix(".__init__")
+    return module if HYPHENATED_NAME.fullmatch(module) else None
 
 
 PARSED_FOR_LINES_CHARS = 100_000

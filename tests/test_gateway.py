@@ -1869,6 +1869,7 @@ def test_the_text_says_how_a_result_stands_to_the_symbol_asked_and_when_none_doe
     empty = render(QueryResponse(results=[], _meta=meta), {"objectType": "method"})
     assert "nothing matched objectType 'method'" in empty
     assert "symbolKind (class, function, method)" in empty
+    assert "tenacity" not in empty  # an example of another project's names misled a Java agent tester
     assert "nothing matched" not in render(QueryResponse(results=[hit], _meta=meta), {"objectType": "t.T"})
     # And symbolKind's (an agent tester's "klass" got nothing, with nothing said).
     klass = render(QueryResponse(results=[], _meta=meta), {"symbolKind": "klass"})

@@ -612,7 +612,8 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         # An agent asks for objectType "method" or "class" (a tester's finding) and hears nothing more.
         notes.append(
             f"nothing matched objectType {object_type!r} (nor a type deriving from it): an objectType is a module's "
-            "or a class's dotted name (tenacity.wait); a kind of symbol is symbolKind (class, function, method)"
+            "or a class's dotted name as results show it, after the file's path (pkg.module, pkg.module.Class); a "
+            "kind of symbol is symbolKind (class, function, method)"
         )
     paths, left_out = arguments.get("paths"), arguments.get("excludePaths")
     if (

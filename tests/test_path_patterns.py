@@ -64,3 +64,12 @@ def test_a_pattern_that_names_no_path_in_a_tree_is_none() -> None:
     assert [normal_pattern(p) for p in ("", ".", "/etc", "../x", "./tests/", "a\\*b")] == [
         None, None, None, None, "tests", "a[*]b",
     ]  # fmt: skip
+
+
+def test_a_run_of_stars_is_one() -> None:
+    """A fault harness's 512 stars, valid by the contract, became 512 stacked ``[^/]*``: 5 s of the database's
+    time a path, every worker statement of the workspace held to its timeout. fnmatch reads a run as one star."""
+    assert pattern_regex("*" * 512) == pattern_regex("*")
+    assert pattern_regex("src/" + "*" * 300 + ".py") == pattern_regex("src/*.py")
+    assert pattern_regex("a*?*b") != pattern_regex("a*b")  # a star beside another wildcard is no run
+    assert re.search(pattern_regex(normal_pattern("[*]**") or ""), "*x") is not None

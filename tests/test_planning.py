@@ -407,6 +407,8 @@ def test_a_line_number_written_with_a_point_is_the_whole_number() -> None:
             "payload.document.content: not valid UTF-8",
         ),
         (lambda data: b"\xef\xbb\xbf" + data, "<body>: a UTF-8 byte-order mark before the JSON"),
+        # pydantic's checks name the field as these do, without the payload's type (a fault harness's).
+        (lambda data: data.replace(b'"alpha"', b'"al\\u0000pha"'), "payload.document.content: Value error, text"),
         # In a free metadata key (a review's: one said <body>, the other pydantic's message).
         (lambda data: data.replace(b'"metadata":{', b'"metadata":{"caf\xe9":1,'), "<a key>: not valid UTF-8"),
         (lambda data: data.replace(b'"metadata":{', b'"metadata":{"k\\ud800":1,'), "<a key>: not valid Unicode"),

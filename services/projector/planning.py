@@ -266,9 +266,19 @@ def _unreadable_text(error: ValidationError, data: bytes) -> str | None:
 
 
 def _summarise(error: ValidationError, limit: int = 5) -> str:
-    problems = [f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in error.errors()[:limit]]
+    problems = [f"{_place(e['loc']) or '<body>'}: {e['msg']}" for e in error.errors()[:limit]]
     more = error.error_count() - len(problems)
     return "; ".join(problems) + (f" (+{more} more)" if more > 0 else "")
+
+
+def _place(loc: tuple[int | str, ...]) -> str:
+    """A field's dotted path as the delta writes it: without the payload's type, which pydantic puts in after
+    ``payload`` (``payload.document.upserted.document.content``, where the checks of text named
+    ``payload.document.content``: a fault harness's); a payload's type has a dot, a field's name none."""
+    parts = [str(part) for part in loc]
+    if len(parts) > 1 and parts[0] == "payload" and "." in parts[1]:
+        del parts[1]
+    return ".".join(parts)
 
 
 # ----------------------------------------------------------------------------------------- planning

@@ -28,7 +28,7 @@ from ontofabric.services.query.client import QueryClient, RequestTooLarge, parse
 from ontofabric.services.query.freshness import LAYOUT_CHECK_S, POSITION_TTL_S, POSITION_WAIT_S
 from ontofabric.services.query.requests import repeated_key
 from ontofabric.services.query.rerankers import build_reranker
-from ontofabric.services.query.worker import QueryService, parse_request
+from ontofabric.services.query.worker import QueryService, answerable, parse_request
 from ontofabric.shared import db
 from ontofabric.shared.db import READER_ROLE, migrate
 from ontofabric.shared.embedder import Embedder
@@ -1306,3 +1306,20 @@ def test_a_query_too_long_says_what_of_a_traceback_to_send() -> None:
     assert detail.field == "semanticQuery"
     assert "at most 1000 characters" in detail.message
     assert "last frames" in detail.message
+
+
+@pytest.mark.parametrize(
+    ("reply", "taken"),
+    [
+        ("_INBOX.ontofabric~client.abc.1", True),
+        ("_INBOX.x", True),
+        ("_INBOX.ontofabric~client.>", False),  # a fault harness's: wildcards name no one caller's inbox
+        ("_INBOX.ontofabric~client.*.1", False),
+        ("_INBOX..x", False),
+        ("_INBOX.a b", False),
+        ("$KV.manifests.x", False),
+        ("ontofabric.delta.acme.main", False),
+    ],
+)
+def test_a_worker_answers_on_a_callers_inbox_only(reply: str, taken: bool) -> None:
+    assert answerable(reply) is taken

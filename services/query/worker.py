@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -277,9 +278,15 @@ def parse_request(body: bytes, workspace: str, max_query_chars: int) -> Ontology
     return query
 
 
-def _answerable(msg: Msg) -> bool:
-    """Whether the request's reply subject is a caller's inbox, the only place a worker answers to."""
-    return msg.reply.startswith("_INBOX.")
+def answerable(reply: str) -> bool:
+    """Whether a request's reply subject is a caller's inbox, the only place a worker answers to: under
+    ``_INBOX.``, and a subject one can subscribe to and publish on, without a wildcard token (a fault harness's
+    ``_INBOX.ontofabric~client.>`` was answered) or white space."""
+    tokens = reply.split(".")
+    return reply.startswith("_INBOX.") and all(t and t not in ("*", ">") and not _SPACE.search(t) for t in tokens)
+
+
+_SPACE = re.compile(r"\s")
 
 
 # Room kept free in a NATS message beside a reply: replies carry no headers now (_reply), so this is slack, kept
@@ -598,7 +605,7 @@ class QueryService:
         if not msg.reply:  # a publish, not a request: there is no one to answer, so no work to hold a place for
             self._without_reply.note(msg.subject)
             return
-        if header_value(msg.headers, RECEIPT_HEADER) is not None and _answerable(msg):
+        if header_value(msg.headers, RECEIPT_HEADER) is not None and answerable(msg.reply):
             # First, before any refusal or work: silence then tells the caller this worker is frozen or gone.
             await self._reply(msg, b"", {RECEIPT_HEADER: RECEIVED})
         workspace = workspace_token_of(msg.subject) or ""
@@ -615,7 +622,7 @@ class QueryService:
         msg = Msg(self._nc, dropped.subject, dropped.reply)
         if not msg.reply:
             self._without_reply.note(msg.subject)
-        elif _answerable(msg):
+        elif answerable(msg.reply):
             # Its headers are gone with it: a receipt first, whether asked for or not (one not asked for is
             # ignored), or the caller's client takes the refusal for a worker of a release that sends none, and
             # stops watching for frozen workers for a minute (a review's finding).
@@ -625,7 +632,7 @@ class QueryService:
 
     async def _refuse_arriving(self, msg: Msg, tally: TurnedAway) -> None:
         """Refused as cheaply as it can be, not through ``_reply``: the service-discovery stats do not count it."""
-        if _answerable(msg) and self._nc is not None:
+        if answerable(msg.reply) and self._nc is not None:
             tally.note(msg.subject)
             with contextlib.suppress(Exception):  # the connection went away: the caller times out and retries
                 await self._nc.publish(msg.reply, READ_TOO_SLOWLY)
@@ -964,7 +971,7 @@ class QueryService:
         if endpoint is not None and headers is None:  # an answer, not the receipt
             took = 0.0 if received is None else asyncio.get_running_loop().time() - received
             endpoint.record(took, error_code(body))
-        if not _answerable(msg):
+        if not answerable(msg.reply):
             # Answers go to callers' inboxes only: a reply subject naming a stream's or a bucket's subject would
             # make this worker write there (NATS permissions allow it no other subject, docs/security.md).
             if msg.reply:

@@ -195,12 +195,23 @@ _terminated = threading.Event()
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     """As Ctrl-C: asyncio.run's own SIGINT handler cancels the main task cleanly (raised anywhere, a background
-    task's traceback was logged); else KeyboardInterrupt where the main thread is."""
+    task's traceback was logged). Where it has none (SIGINT ignored, as a script's `cmd &` starts it), a running
+    event loop raises KeyboardInterrupt between its callbacks: raised in the frame the signal came to, it was once
+    swallowed in a weakref's callback (the rebuild went on and swapped) and once raised in nats-py's flusher (the
+    ingest blamed the server), an operator tester's. Else KeyboardInterrupt where the main thread is."""
     _terminated.set()
     on_interrupt = signal.getsignal(signal.SIGINT)
     if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
         on_interrupt(signal.SIGINT, frame)
         return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # none runs: the command is between its steps
+        raise KeyboardInterrupt from None
+    loop.call_soon_threadsafe(_interrupt)
+
+
+def _interrupt() -> None:
     raise KeyboardInterrupt
 
 
@@ -1508,7 +1519,7 @@ def status(
     the versions bucket missing; a projector consumer refusing the stream; a database that could not be read; deltas
     pending with no projector applying their partition, or with one whose consumer has settled nothing for a minute;
     no query worker answering; workers of more than one release answering; deltas neither in the stream nor in a
-    snapshot."""
+    snapshot; the delta stream, where capped, over 85 % full or full (it then refuses every new delta)."""
     from .ops.status import deployment_status
 
     def job(nc: Client, names: Names, settings: Settings, endpoints: Endpoints) -> Awaitable[DeploymentStatus]:
@@ -2111,9 +2122,22 @@ def compact(
             )
 
     try:
-        asyncio.run(run())
+        with _sigterm_as_interrupt():
+            asyncio.run(run())
     except CompactionRefused as error:
         _fail(str(error))
+    except (nats.errors.Error, asyncpg.InterfaceError, asyncpg.PostgresError, OSError) as error:
+        # An operator tester's servers went away mid-run: a traceback said nothing of what was kept.
+        _fail(f"the compaction was interrupted: {describe(error)}\n{_COMPACTION_RESUMES}", code=1)
+    except KeyboardInterrupt:
+        errors.print(f"interrupted: {_COMPACTION_RESUMES}", soft_wrap=True)
+        raise _interrupted() from None
+
+
+_COMPACTION_RESUMES = (
+    "the stream is purged only below what stored snapshots hold, so nothing is lost; run `ontofabric compact` "
+    "again to go on"
+)
 
 
 @app.command("forget-layout")

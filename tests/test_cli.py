@@ -313,6 +313,56 @@ def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path, sto
     assert "Traceback" not in stderr
 
 
+def test_a_compaction_stopped_by_sigterm_in_a_scripts_background_says_nothing_is_lost(tmp_path: Path) -> None:
+    """An operator tester's: compact had no SIGTERM handling, and a `cmd &` of a script starts a command with SIGINT
+    ignored, where asyncio.run installs no handler of its own: the interrupt was raised in whatever frame the
+    signal came to (once swallowed in a weakref's callback, a rebuild going on to swap). Here compact waits on a
+    NATS server that never says hello."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        env = _env(
+            ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{silent.getsockname()[1]}", ONTOFABRIC_EMBEDDER="none",
+            ONTOFABRIC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none", ONTOFABRIC_DATA_DIR=str(tmp_path),
+        )  # fmt: skip
+        compacting = subprocess.Popen(
+            [ONTOFABRIC, "compact", "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as a script's `cmd &` starts it
+        )  # fmt: skip
+        silent.settimeout(60)
+        accepted, _ = silent.accept()
+        with accepted:
+            compacting.send_signal(signal.SIGTERM)
+            _, stderr = compacting.communicate(timeout=30)
+    assert compacting.returncode == 143, stderr
+    said = " ".join(stderr.split())
+    assert "interrupted: the stream is purged only below what stored snapshots hold" in said
+    assert "Traceback" not in stderr
+
+
+def test_sigterm_without_asyncios_handler_interrupts_between_the_loops_callbacks() -> None:
+    """With SIGINT ignored, asyncio.run installs no handler: the interrupt is raised by the loop, between its
+    callbacks, not in the frame the signal came to."""
+    from ontofabric.services import cli
+
+    reached: list[str] = []
+
+    async def main() -> None:
+        cli._raise_terminated(signal.SIGTERM, None)
+        reached.append("after the signal")
+        await asyncio.sleep(10)
+        reached.append("never")
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        cli._terminated.clear()
+    assert reached == ["after the signal"]
+
+
 @pytest.mark.slow
 def test_up_ingest_query_and_clean_stop(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"

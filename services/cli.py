@@ -606,9 +606,11 @@ def ingest(
                 )
             if report.too_large:
                 shown = ", ".join(report.too_large[:5]) + (", ..." if len(report.too_large) > 5 else "")
-                errors.print(
-                    f"{len(report.too_large)} documents were not published: as JSON their delta is larger than the "
-                    f"stream takes (text of control characters, escaped six times over?): {shown}",
+                errors.print(  # an operator tester's 4.2 MB file, under a content limit raised past a message's
+                    f"{len(report.too_large)} documents were not published: as JSON their delta is larger than a "
+                    "message of the stream may be (1 MiB, or the NATS server's max_payload if smaller). Keep "
+                    f"ONTOFABRIC_MAX_CONTENT_BYTES ({settings.max_content_bytes:,}) well under it; text of control "
+                    f"characters takes up to six bytes each as JSON. The next ingest tries them again: {shown}",
                     soft_wrap=True,
                     markup=False,
                 )

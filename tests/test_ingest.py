@@ -1120,6 +1120,7 @@ async def test_ingest_skips_what_no_delta_can_carry_and_goes_on(
     report = await ingester.ingest(tmp_path, "repo")
     assert report.files == 2  # good.py and controls.md
     assert report.too_large == ["markdown:controls.md#"]
+    assert report.upserts == 2  # good.py's two chunks: not the one left unsent (an operator tester's count)
     assert report.last_sequence is not None
     await deployment.wait_projected(report.last_sequence)
     assert {key.split("/")[0] for key in await _live(deployment)} == {"python:good.py"}

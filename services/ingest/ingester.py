@@ -1139,7 +1139,7 @@ class Ingester:
         return IngestReport(
             files=len(sources),
             chunks=len(chunks),
-            upserts=len(documents),
+            upserts=len(documents) - sum(1 for key in too_large if key.startswith("d:")),  # those sent
             deletes=sum(1 for k in plan.deletes if k.startswith("d:")),
             reverts=sum(1 for k in plan.reverts if k.startswith("d:")),
             graph_changes=sum(1 for k in [*plan.upserts, *plan.deletes, *plan.reverts] if not k.startswith("d:")),

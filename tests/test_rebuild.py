@@ -1352,6 +1352,9 @@ async def test_compaction_waits_for_a_running_rebuild_and_runs_as_a_command(
     done = await asyncio.to_thread(compact_command)
     assert done.returncode == 0, done.stderr
     assert f"through sequence {last}" in done.stdout
+    said = " ".join(done.stdout.split())  # whose each figure is: this run's reading, the snapshots', the stream's
+    assert "deltas read and folded into 2 workspaces' snapshots, which now hold" in said, said
+    assert "folded by this run or an earlier one" in said
     assert (await deployment.js.stream_info(deployment.names.delta_stream)).state.first_seq == last + 1
 
 

@@ -518,3 +518,30 @@ async def test_a_capped_delta_stream_nearly_full_is_a_problem(deployment: Deploy
     await js.update_stream(by_count)
     (problem,) = full(await deployment_status(deployment.nc, names, placement))
     assert "is full: it refuses new messages (by messages); raise its max_msgs" in problem
+
+
+async def test_a_consumers_last_activity_is_its_index_moving_when_nats_has_forgotten_its_deliveries(
+    deployment: Deployment,
+) -> None:
+    """An operator tester's: after every restart of `up` each consumer read "last active -" until a delta came,
+    NATS forgetting its deliveries; its index's last move (the database's) says it too."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    projector = ProjectorService(deployment.settings, deployment.nats_url_as("projector"), deployment.database_url)
+    await projector.start()
+    try:
+        ack = await deployment.publisher.publish(upsert("acme", document("a", "alpha")))
+        await deployment.wait_projected(ack.seq)
+    finally:
+        await projector.stop()
+    names, js = deployment.names, deployment.js
+    durable = names.postgres_projector_durable
+    info = await js.consumer_info(names.delta_stream, durable)
+    await js.delete_consumer(names.delta_stream, durable)  # as a server that lost its state has it: no delivery
+    await js.add_consumer(names.delta_stream, ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT))
+    assert info.delivered is not None
+    assert info.delivered.last_active is not None
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    (consumer,) = (await deployment_status(deployment.nc, names, placement)).consumers
+    assert consumer.last_active is not None
+    assert abs((consumer.last_active - info.delivered.last_active).total_seconds()) < 5

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 from nats.aio.client import Client
@@ -59,6 +59,8 @@ class ConsumerStatus:
     waiting_pulls: int
     """Fetches waiting for deltas: a live projector idling has one or more."""
     last_active: datetime | None
+    """When it last delivered a delta (NATS's, forgotten when its server restarts) or its index last moved (the
+    database's, infra/migrations/0033), the later: after a restart of `up` every consumer read as never active."""
     configured: bool = True
     """False: a Postgres consumer of another partition layout than this deployment's settings (one being filled
     for a new layout, or one left by a layout given up: it holds compaction back until deleted)."""
@@ -172,7 +174,17 @@ async def deployment_status(
         for partition, durable in enumerate(names.postgres_projector_durables(count))
     }
     positions, refusals, still = await _index_positions(placement, homes)
-    status.consumers = [dataclasses.replace(c, index_position=positions.get(c.name)) for c in status.consumers]
+    now = datetime.now(UTC)
+    status.consumers = [
+        dataclasses.replace(
+            c,
+            index_position=positions.get(c.name),
+            last_active=max(
+                (at for at in (c.last_active, _seconds_before(now, still.get(c.name))) if at is not None), default=None
+            ),
+        )
+        for c in status.consumers
+    ]
     for durable, reason in sorted(refusals.items()):
         status.problems.append(
             f"the projector consumer {durable} applies nothing: as its projector found when it refused the stream, "
@@ -453,6 +465,10 @@ async def _index_positions(
     positions = {row["durable"]: int(row["position"]) for row in rows if row["position"] is not None}
     refusals = {row["durable"]: row["refused"] for row in rows if row["refused"] is not None}
     return positions, refusals, {row["durable"]: float(row["still_s"]) for row in rows if row["still_s"] is not None}
+
+
+def _seconds_before(now: datetime, seconds: float | None) -> datetime | None:
+    return None if seconds is None else now - timedelta(seconds=seconds)
 
 
 async def analysis_status(placement: Placement, workspace: str | None = None) -> AnalysisStatus:

@@ -34,6 +34,7 @@ from ontofabric.services.query.worker import QueryService, workspace_of_subject
 from ontofabric.shared.files import make_directory
 from ontofabric.shared.jetstream import PermissionDenied, connect, refused_promptly, subscriptions_visible
 from ontofabric.shared.nats_auth import MAX_SUBSCRIPTIONS_PER_CONNECTION, BadCredentials, inbox_prefix, new_nkey_seed
+from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import decode_token, encode_token
@@ -328,6 +329,64 @@ async def test_a_connection_holds_a_bounded_number_of_subscriptions(
         assert again.is_connected
     finally:
         await again.close()
+
+
+async def test_a_server_answer_onto_another_tenants_dead_letters_or_published_deltas_is_believed_by_nothing(
+    deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
+) -> None:
+    """A red team's: alice's ingest user stored a delta made out for bob, with a dead letter's headers, under her own
+    manifest key, and had a direct get of it answered onto bob's dead-letter subject. `dlq redrive` for bob wrote
+    it into bob's index; an ingest of bob watching its dead letters counted it as its own delta set aside; and onto
+    bob's published subject, it read as a delta of bob's pending for good. A server's answer carries headers no
+    publisher can take off: nothing of one is believed."""
+    from ontofabric.services.ops.dead_letters import DeadLetterWatch, redrive
+    from ontofabric.services.ops.snapshots import _set_aside
+    from ontofabric.services.query.freshness import DeltaWatch
+
+    names = deployment.names
+    own = await DeltaPublisher(deployment.js, names).publish(upsert("bob", document("own", "bob's own")))
+    await deployment.wait_projected(own.seq)
+    watch = await DeadLetterWatch.start(deployment.nc, names, "bob")
+    published = DeltaWatch(deployment.nc, names)
+    await published.start()
+    alice = await connect_as(deployment, runtime, "ingest", "alice")
+    try:
+        forged = upsert("bob", document("planted", "planted by alice")).model_dump_json().encode()
+        letter_headers = {
+            "Ontofabric-Reason": "embedding_model_mismatch", "Ontofabric-Detail": "forged",
+            "Ontofabric-Index": "postgres",
+            "Ontofabric-Original-Subject": names.delta_subject("bob", "main"),
+            "Ontofabric-Original-Sequence": str(own.seq), "Ontofabric-Delivered": "1",
+        }  # fmt: skip
+        key = f"$KV.{names.manifest_bucket}.alice.x"
+        for _ in range(own.seq + 2):  # its sequence in the bucket's stream past bob's position: read as pending
+            await alice.publish(key, forged, headers=letter_headers)
+        await alice.flush()
+        await asyncio.sleep(0.3)
+        direct_get = f"$JS.API.DIRECT.GET.KV_{names.manifest_bucket}.{key}"
+        await alice.publish(direct_get, b"", reply=names.dlq_subject(encode_token("bob")))
+        await alice.publish(direct_get, b"", reply=f"{names.prefix}.published.bob.main")
+        await alice.flush()
+    finally:
+        await alice.close()
+    await asyncio.sleep(0.5)
+    try:
+        (letter,) = await dead_letters(deployment.nc, names, Selection(workspace="bob"))
+        assert letter.reason == "server_answer"  # listed as what it is, to be purged
+        assert (letter.original_subject, letter.original_seq, letter.index) == ("", None, "")
+        assert watch.of({own.seq}) == []
+        assert watch.on_subject_within(names.delta_subject("bob", "main"), 1, own.seq) == []
+        assert await _set_aside(deployment.nc, names) == {}  # a compaction keeps bob's delta in his snapshot
+        placement = Placement.of(deployment.settings, deployment.database_url)
+        outcome = await redrive(deployment.nc, names, [letter], placement.database_url_of, {"bob": own.seq})
+        assert outcome.sent == []
+        pending = await published.pending("bob", ["main"], own.seq)
+        assert pending is not None
+        assert pending.deltas == 0
+    finally:
+        await published.stop()
+    ids = {r["id"] for r in await deployment.fetch("SELECT id FROM documents WHERE workspace = 'bob' AND NOT deleted")}
+    assert ids == {"own"}
 
 
 async def test_a_tenant_cannot_have_a_server_answer_a_delta_onto_another_tenants_subject(

@@ -27,7 +27,12 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.contracts.deltas import split_link_key
-from ontofabric.services.projector.planning import REUSED_DETAIL, earlier_payload_digest, payload_digest
+from ontofabric.services.projector.planning import (
+    REUSED_DETAIL,
+    earlier_payload_digest,
+    payload_digest,
+    server_answer_headers,
+)
 from ontofabric.shared.jetstream import last_sequence_on, read_in_order, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
@@ -39,6 +44,12 @@ log = get_logger(__name__)
 
 READ_BATCH = 256
 FETCH_TIMEOUT_S = 5.0
+
+SERVER_ANSWER_REASON = "server_answer"
+SERVER_ANSWER_DETAIL = (
+    "not a dead letter: a NATS server's answer to a request that named this subject as its reply (a direct get, "
+    "say); it names no delta and is never re-driven: purge it"
+)
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -89,7 +100,7 @@ class DeadLetter:
             reason=why.reason,
             detail=why.detail,
             index=why.index,
-            original_subject=headers.get("Ontofabric-Original-Subject", ""),
+            original_subject=why.original_subject,
             original_seq=why.original_seq,
             delivered=_int(headers.get("Ontofabric-Delivered")),
             data=bytes(msg.data),
@@ -127,6 +138,11 @@ class SetAside:
     @classmethod
     def of(cls, msg: Msg) -> SetAside:
         headers = msg.headers or {}
+        if server_answer_headers(headers):
+            # A red team's: a tenant had a direct get of a value of its own, with headers of a dead letter, answered
+            # onto another's dead-letter subject; re-driven, it wrote into that tenant's index, and an ingest
+            # watching counted it as its own delta set aside. Nothing of such a message is believed.
+            return cls(None, SERVER_ANSWER_REASON, SERVER_ANSWER_DETAIL, "")
         return cls(
             original_seq=_int(headers.get("Ontofabric-Original-Sequence")),
             reason=headers.get("Ontofabric-Reason", "unknown"),
@@ -148,7 +164,9 @@ class DeadLetterWatch:
         watch = cls()
 
         async def seen(msg: Msg) -> None:
-            watch._seen.append(SetAside.of(msg))
+            letter = SetAside.of(msg)
+            if letter.reason != SERVER_ANSWER_REASON:
+                watch._seen.append(letter)
 
         await nc.subscribe(names.dlq_subject(encode_token(workspace)), cb=seen)
         await subscriptions_visible(nc)  # subscribed at the server before the first delta goes out

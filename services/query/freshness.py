@@ -302,6 +302,12 @@ class DeltaWatch:
         except (KeyError, ValueError) as error:
             log.warning("published_header_unreadable", subject=msg.subject, error=describe(error))
             return
+        # The delta stream's own republish of a delta of that scope: a red team had a direct get of a value of its
+        # own answered onto another tenant's subject here, whose answers then read one delta pending for good.
+        stream, stored_on = headers.get("Nats-Stream"), headers.get("Nats-Subject")
+        if stream != self._names.delta_stream or stored_on != self._names.delta_subject(*scope):
+            log.warning("published_not_a_delta", subject=msg.subject[:200], stream=str(stream)[:200])
+            return
         if self._last_seen and seq > self._last_seen + 1:
             # Deltas stored meanwhile went by unseen (the connection lost and back, or a slow subscriber's dropped
             # messages): below this one, JetStream counts until the position passes it.

@@ -774,3 +774,18 @@ async def test_a_delta_dead_lettered_again_is_one_letter_counted_and_said_once(d
     assert said == ["delta_dead_lettered", "delta_dead_lettered_before"]
     assert (counted("dead_lettered"), counted("dead_lettered_before")) == (1, 1)
     assert len(await dead_letters(deployment.nc, names, Selection())) == 1
+
+
+def test_a_watch_counts_each_delta_set_aside_once() -> None:
+    """Set aside twice (delivered again across a projector's restart), a delta is one of those an ingest sent: a red
+    team's ingest read "57 of the 20 deltas published were dead-lettered"."""
+    from ontofabric.services.ops.dead_letters import DeadLetterWatch, SetAside
+
+    watch = DeadLetterWatch()
+    first, again, other = (
+        SetAside(7, "content_too_large", "", "postgres"),
+        SetAside(7, "content_too_large", "x", "postgres"),
+        SetAside(9, "r", "", "postgres"),
+    )
+    watch._seen += [first, other, again, SetAside(12, "r", "", "postgres")]
+    assert watch.of({7, 9}) == [first, other]

@@ -249,6 +249,7 @@ def test_rust_declarations_are_also_named_by_their_path_in_the_crate(tmp_path: P
         "throttle/src/backoff/mod.rs": "pub trait Backoff { fn next(&self) -> u64; }\n",
         "throttle/src/clock.rs": "pub struct Clock;\n",
         "loose/src/util.rs": "pub fn helper() {}\n",  # no Cargo.toml: no crate name
+        "throttle/src/bin/tool.rs": "fn main() {}\n",  # a binary crate of its own: no module of the library
     }
     named = {c.symbol_fqn: c.aliases for c in chunk_sources(tmp_path, files, 10**6)}
     assert named == {
@@ -261,6 +262,8 @@ def test_rust_declarations_are_also_named_by_their_path_in_the_crate(tmp_path: P
         "throttle.src.clock.Clock": ("throttle.clock.Clock",),
         "loose.src.util": (),
         "loose.src.util.helper": (),
+        "throttle.src.bin.tool": (),
+        "throttle.src.bin.tool.main": (),
     }
 
 
@@ -350,6 +353,15 @@ def test_rust_trait_implementations_are_bases() -> None:
         ("src.clock.mock.Mock", "src.clock.Clock"),
         ("src.wrap.Wrapped", "src.backoff.mod.Backoff"),
     }
+    # A trait `use`d from outside the tree, or the prelude's, is no type of the crate of its name (a review's).
+    outside = _graph({
+        "src/lib.rs": "mod error;\nmod other;\nmod a;\nmod c;\n",
+        "src/error.rs": "pub enum Error { A }\n",
+        "src/other.rs": "use std::error::Error;\npub struct Other;\nimpl Error for Other {}\n",
+        "src/a.rs": "pub struct Iterator;\n",
+        "src/c.rs": "pub struct S;\nimpl Iterator for S {}\n",
+    })  # fmt: skip
+    assert not [link for link in outside.links if link.name == INHERITS]
 
 
 def test_hostile_trees_end_and_stop_nothing() -> None:

@@ -223,6 +223,8 @@ class _Tree:
         """Rust: a crate and a module's path in it -> the names the module declares -> their qualified names."""
         self.rust_macros: dict[tuple[str, str], set[str]] = {}
         self.rust_type_names: dict[tuple[str, str], set[str]] = {}
+        self.rust_traits: set[str] = set()
+        """Rust: the keys of the tree's traits, what an ``impl Trait for Type`` may name (:meth:`type_named`)."""
         """Rust: a crate and a type's name -> the keys of the types of that name it declares."""
         self.rust_members: list[tuple[_File, str, str, str]] = []
         """Rust: each ``impl``'s or trait's member (its file, the type as written, its name, its qualified name),
@@ -349,6 +351,8 @@ class _Tree:
                 if level == "type":
                     self.types.setdefault(self.type_key(read, qualname), fqn)
                     self.rust_type_names.setdefault((crate, name), set()).add(self.type_key(read, qualname))
+                    if kind == "trait":
+                        self.rust_traits.add(self.type_key(read, qualname))
                 continue
             if not owner:
                 read.top.setdefault(name, fqn)
@@ -623,11 +627,14 @@ class _Tree:
             if path:
                 used_crate, used = self.rust_absolute(read, (*path, last))
                 key: str | None = _rust_key(used_crate, used[:-1], used[-1]) if used else None
-            else:  # the impl's module's own, one it `use`s, else the crate's one trait of the name
+            else:  # the impl's module's own, one it `use`s, else (not `use`d from elsewhere) the crate's one
                 key = self.rust_type(read, crate, (*here, *within.split(".")[:-1]), last, bare=True)
-                named = self.rust_type_names.get((crate, last), set())
-                key = key or (next(iter(named)) if len(named) == 1 else None)
-            return key if key in self.types else None
+                named = self.rust_type_names.get((crate, last), set()) & self.rust_traits
+                if key is None and last not in read.uses and len(named) == 1:
+                    key = next(iter(named))
+            # A trait of the tree: `use std::error::Error; impl Error for E` is no base of the crate's enum Error
+            # (a review's), nor a prelude trait's impl of a struct of its name.
+            return key if key in self.rust_traits else None
         return None
 
     def go_named(self, read: _File, package: str | None, name: str) -> str | None:

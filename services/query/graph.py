@@ -150,7 +150,11 @@ class OntologyGraph:
                 and self.kinds.get(f"{object_type}.{name}", "module") != "module"
             ):
                 file, own = object_type, f"{object_type}.{name}"
-            elif self.kinds.get(module) == "module" and last_part(module) == name and module:
+            elif (
+                self.kinds.get(module) == "module"
+                and self.kinds.get(object_type, "module") != "module"  # a package's module of its name is another
+                and last_part(module) == name
+            ):
                 file, own = module, object_type
             else:
                 file = own = object_type

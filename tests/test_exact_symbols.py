@@ -1129,6 +1129,11 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         "  double charge(Rates rates) { return rates.rate(); }\n}\n",
         "billing/src/com/acme/audit/Audit.java": "package com.acme.audit;\n\nimport com.acme.Ledger;\n\n"
         "class Audit {\n  Ledger ledger;\n}\n",
+        # A Rust crate: its trait implemented, its modules asked by their paths in the crate (agent testers').
+        "limits/Cargo.toml": '[package]\nname = "throttle"\n',
+        "limits/src/lib.rs": "pub mod bucket;\npub mod clock;\n\npub fn bucket() {}\n",
+        "limits/src/bucket/mod.rs": "use crate::clock::Clock;\n\npub struct Bucket;\n",
+        "limits/src/clock.rs": "pub trait Clock {}\n\npub struct System;\n\nimpl Clock for System {}\n",
     }
     await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -1161,6 +1166,15 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         assert _found_by(java_importers, IMPORTER, "filePath") == ["billing/src/com/acme/audit/Audit.java"], question
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
     assert _found_by(importers, IMPORTER, "filePath") == ["web/src/pages/Profile.tsx"]
+    for question in ("what implements crate::clock::Clock", "what implements throttle::clock::Clock"):
+        implementing = await _ask(client, question, "mono")
+        assert _found_by(implementing, SUBCLASS) == ["limits.src.clock.System"], question
+    for question in ("what imports crate::clock", "what imports throttle::clock", "what imports limits/src/clock.rs"):
+        clock_importers = await _ask(client, question, "mono")
+        assert "limits/src/bucket/mod.rs" in _found_by(clock_importers, IMPORTER, "filePath"), question
+    # The module, not the crate root's function of its name, where imports are asked.
+    bucket_imports = await _ask(client, "what does throttle::bucket import", "mono")
+    assert _found_by(bucket_imports, IMPORTED, "filePath") == ["limits/src/clock.rs"]
     charged = await _ask(client, "what does Billing.charge call", "mono")
     assert _found_by(charged, CALLEE) == ["billing.src.com.acme.Rates.Rates.rate"]
     called = await _ask(client, "what does Routes call", "mono")

@@ -210,6 +210,9 @@ class Definitions:
     published_as: str | None = None
     """For a definitions lookup: the qualified name of the symbol a package publishes under the name asked
     (``click.core.Option`` for ``click.Option``), when one does."""
+    module_named: str | None = None
+    """For a definitions lookup: the module a Rust module's path in its crate names (``throttle.bucket`` for
+    ``src/bucket/mod.rs``, ingest.code.rust_aliases), what a question of its imports is asked of."""
     assigning: frozenset[str] = frozenset()
     """For a definitions lookup: those found as the chunk assigning the name (a module's constant, a class's
     attribute), which has no chunk of its own."""

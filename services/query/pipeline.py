@@ -782,9 +782,12 @@ class QueryPipeline:
         # its own), before a base's constructor stands in for an inherited one (a review's: callers of
         # Sub.__init__ were Base(...)'s; another's: pkg.Widget.__init__, published so, found none).
         made_by, inherited = None, None
-        if "." in name:
-            published = await self._documents.definitions(scope.unfiltered, name, 1)
-            name = published.published_as or name
+        imports = relation in (IMPORTER, IMPORTED)
+        if "." in name or imports:
+            # Imports are of modules: a Rust module's path in its crate names its file (a function of that name in
+            # the crate root, `pub fn backoff`, is published under it too: a retest's).
+            published = await self._documents.definitions(scope.unfiltered, name, RELATIONS_READ if imports else 1)
+            name = (published.module_named if imports else None) or published.published_as or name
             owner, _, member = name.rpartition(".")
             made_by = owner if relation == CALLER and member in CONSTRUCTORS else None
             if not published.symbols and relation in (CALLER, CALLEE):

@@ -810,7 +810,7 @@ class PostgresDocuments:
             # documents_aliases, 0028), as written: named by it, so they match it whole.
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             published = await snapshot.conn.fetch(
-                f"""SELECT id, $1::text AS symbol_fqn, symbol_fqn AS own, chunk_level FROM documents
+                f"""SELECT id, $1::text AS symbol_fqn, symbol_fqn AS own, chunk_level, source_domain FROM documents
                     WHERE metadata ? 'aliases' AND metadata -> 'aliases' ? $1
                       AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY id
@@ -824,6 +824,10 @@ class PostgresDocuments:
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
+        # A Rust module's file is named by its path in the crate; a Python module's alias publishes a name it assigns.
+        module = next(
+            (r["own"] for r in published if r["chunk_level"] == "file" and r["source_domain"] == "rust"), None
+        )
         # A module's chunk published under the name publishes a name it assigns (pytest.skip): where, as assigning.
         publishing = frozenset(r["id"] for r in published if r["chunk_level"] == "file")
         assigned = frozenset(r["id"] for r in assigning) | publishing
@@ -833,6 +837,7 @@ class PostgresDocuments:
             snapshot.version,
             modules,
             published_as=own,
+            module_named=module,
             assigning=assigned - own_rows,
             publishing=publishing - own_rows,
         )

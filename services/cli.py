@@ -608,7 +608,7 @@ def ingest(
                 shown = ", ".join(report.too_large[:5]) + (", ..." if len(report.too_large) > 5 else "")
                 errors.print(  # an operator tester's 4.2 MB file, under a content limit raised past a message's
                     f"{len(report.too_large)} documents were not published: as JSON their delta is larger than a "
-                    "message of the stream may be (1 MiB, or the NATS server's max_payload if smaller). Keep "
+                    "message of the stream may be (about 1 MiB, or the NATS server's max_payload if smaller). Keep "
                     f"ONTOFABRIC_MAX_CONTENT_BYTES ({settings.max_content_bytes:,}) well under it; text of control "
                     f"characters takes up to six bytes each as JSON. The next ingest tries them again: {shown}",
                     soft_wrap=True,
@@ -2140,7 +2140,7 @@ def compact(
 
 _COMPACTION_RESUMES = (
     "the stream is purged only below what stored snapshots hold, so nothing is lost; run `ontofabric compact` "
-    "again to go on"
+    "again to go on (once what the error names is mended, if it says more than a server gone away)"
 )
 
 

@@ -243,6 +243,8 @@ def rust_aliases(path: str, symbol: str, crate_names: Mapping[str, str]) -> tupl
     one (``crate_names``: :func:`crate_roots`; ``throttle.backoff.Backoff``), but for one its own name already ends
     with. An agent tester's ``backoff::Backoff`` and ``throttle::clock::Clock`` were not found by name."""
     crate, inner = rust_module_of(path)
+    if inner[:1] == ("bin",):  # src/bin/tool.rs: a binary crate of its own, no module of the library
+        return ()
     module = module_name(path)
     parts = [*inner, *([symbol[len(module) + 1 :]] if symbol != module else [])]
     named = [".".join(parts)] if parts else []

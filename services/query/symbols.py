@@ -420,7 +420,6 @@ def _module_of_path(path: str) -> str | None:
     """The module a source file's path names, as an ingest names it (``src/clock.rs`` is ``src.clock``,
     ``pkg/__init__.py`` is ``pkg``): what importers are asked of (an agent tester's ``what imports src/clock.rs``
     was searched for in words). None for what is no such path."""
-    path = path.removeprefix("./")
     if not path.endswith((".py", ".pyi", *CODE_SUFFIXES)) or not _FILE_PATH.fullmatch(path):
         return None
     module = module_name(path).removesuffix(".__init__")

@@ -341,7 +341,8 @@ def test_rust_trait_implementations_are_bases() -> None:
         "impl Backoff for Fixed { fn next(&self) -> u64 { 1 } }\n"
         "impl std::fmt::Display for Fixed {}\n",
         "src/clock.rs": "pub trait Clock {}\npub struct System;\nimpl Clock for System {}\n"
-        "mod mock {\n    pub struct Mock;\n    impl crate::clock::Clock for Mock {}\n}\n",
+        "mod mock {\n    pub struct Mock;\n    impl crate::clock::Clock for Mock {}\n}\n"
+        "pub trait Precise: Clock + Send + 'static {}\n",
         "src/wrap.rs": "use crate::clock::System;\npub struct Wrapped<C>(C);\n"
         "impl<C: Clock> super::backoff::Backoff for Wrapped<C> { fn next(&self) -> u64 { 2 } }\n"
         "impl Clock for System {}\n",
@@ -352,6 +353,7 @@ def test_rust_trait_implementations_are_bases() -> None:
         ("src.clock.System", "src.clock.Clock"),
         ("src.clock.mock.Mock", "src.clock.Clock"),
         ("src.wrap.Wrapped", "src.backoff.mod.Backoff"),
+        ("src.clock.Precise", "src.clock.Clock"),  # a supertrait; Send, of no module of the tree, none
     }
     # A trait `use`d from outside the tree, or the prelude's, is no type of the crate of its name (a review's).
     outside = _graph({

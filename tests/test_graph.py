@@ -204,12 +204,15 @@ def test_a_file_and_the_type_it_is_named_after_are_one_symbol_to_ask_about() -> 
     assert graph.as_files_or_types(named, files=True) == ["s.Ledger"]
     assert graph.as_files_or_types(named, files=False) == ["s.Ledger.Ledger"]
     assert graph.as_files_or_types(["s.Ledger.Ledger"], files=True) == ["s.Ledger"]
+    # A type nested in it is imported by the file too (`import com.acme.Ledger.Entry`, a retest's).
+    assert graph.as_files_or_types(["s.Ledger.Ledger.Entry"], files=True) == ["s.Ledger"]
     # A nested type, a module and a class not named alike, a package's module of its name (app/app.py: a
     # review's), stay as they are.
     packaged = OntologyGraph(kinds={"app": "module", "app.app": "module"}, links={("web", "imports", "app.app")})
     assert packaged.as_files_or_types(["app.app"], files=True) == ["app.app"]
     assert packaged.as_files_or_types(["app"], files=True) == ["app"]
-    for other in ("s.Ledger.Ledger.Entry", "s.util", "s.util.Util"):
+    assert graph.as_files_or_types(["s.Ledger.Ledger.Entry"], files=False) == ["s.Ledger.Ledger.Entry"]
+    for other in ("s.util", "s.util.Util"):
         assert graph.as_files_or_types([other], files=True) == graph.as_files_or_types([other], files=False) == [other]
 
 

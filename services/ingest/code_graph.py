@@ -577,6 +577,8 @@ class _Tree:
                         else []
                     )
                 ] or [n for n in clauses if n.type in ("identifier", "member_expression")]  # fmt: skip
+            elif read.domain == "rust" and (bounds := node.child_by_field_name("bounds")) is not None:
+                written = list(bounds.named_children)  # a supertrait, `trait Precise: Clock` (a retest's)
             elif read.domain == "java":  # `extends Base<T>`: Base, not T; an interface's `extends` too
                 extended = next((n for n in node.named_children if n.type == "extends_interfaces"), None)
                 for holder in [

@@ -158,8 +158,21 @@ class OntologyGraph:
                 file, own = module, object_type
             else:
                 file = own = object_type
+                # A type nested in one named as its file (`import ...model.Order.Builder`, a retest's): its file's.
+                if files and self.kinds.get(object_type, "module") != "module":
+                    file = self._file_named_after(object_type) or object_type
             chosen.append(file if files else own)
         return list(dict.fromkeys(chosen))
+
+    def _file_named_after(self, object_type: str) -> str | None:
+        """The module of the file holding ``object_type`` when the type holding it at the file's level is named as
+        the file is (Java's ``Order.java``, ``...model.Order.Order.Builder``); None otherwise."""
+        parts = object_type.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:cut])
+            if self.kinds.get(module) == "module":
+                return module if parts[cut] == parts[cut - 1] else None
+        return None
 
     def neighbours(self, object_type: str) -> list[Neighbour]:
         """Types one link away, both directions, in a stable order."""

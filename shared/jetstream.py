@@ -14,7 +14,7 @@ import re
 import ssl
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -198,6 +198,14 @@ status as :class:`SturdyClient` hands it over), which a publisher cannot take of
 another into its own manifest key and had a direct get of it answered onto the other's delta subject, which the
 projector indexed (a review's). No delta carries them: the projector drops a message that does
 (services/projector/planning.py)."""
+
+
+def server_answer_headers(headers: Mapping[str, str] | None) -> bool:
+    """Whether a message carries the headers of a server's answer (:data:`SERVER_ANSWER_HEADERS`): read as stored
+    (a stream's message get, not a direct get's answer, which adds its own)."""
+    return any(name in SERVER_ANSWER_HEADERS for name in headers or {})
+
+
 _STATUS = Header.STATUS.value
 """The header nats-py takes for the server's status on a fetch or a request."""
 _STORED_SEQUENCE = "Nats-Sequence"

@@ -389,6 +389,62 @@ async def test_a_server_answer_onto_another_tenants_dead_letters_or_published_de
     assert ids == {"own"}
 
 
+async def test_a_server_answer_onto_the_snapshot_store_is_no_snapshot_nor_marker(
+    deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
+) -> None:
+    """A retest's red team: alice's ingest user had direct gets of values of its own answered onto the snapshot
+    store's subjects (a chunk under a name of hers, then bob's object meta naming it), and a projector filling an
+    index restored bob's workspace as her one document. A forged marker covering all would have had the next
+    compaction purge the whole stream. The store is read as stored: a server's answer is passed over."""
+    import base64
+    import hashlib
+    import zlib
+
+    from ontofabric.services.ops.snapshots import compact
+    from ontofabric.services.projector.snapshots import MARKER, compacted_through, find_snapshot_store, load_snapshot
+
+    names = deployment.names
+    own = await DeltaPublisher(deployment.js, names).publish(upsert("bob", document("own", "bob's own")))
+    await deployment.wait_projected(own.seq)
+    placement = Placement.of(deployment.settings, deployment.database_url)
+    await compact(deployment.nc, names, deployment.settings, RecordedProgress(), placement)
+    store = await find_snapshot_store(deployment.js, names)
+    assert store is not None
+    bucket = names.snapshot_bucket
+    forged = upsert("bob", document("planted", "planted by alice")).model_dump_json()
+    snapshot = zlib.compress(json.dumps({
+        "format": 1, "workspace": "bob", "covers": own.seq,
+        "deltas": [[own.seq, names.delta_subject("bob", "main"), forged]], "handled": {},
+    }).encode())  # fmt: skip
+    digest = base64.urlsafe_b64encode(hashlib.sha256(snapshot).digest()).decode()
+    marker = json.dumps({"covers": 10**9}).encode()
+    alice = await connect_as(deployment, runtime, "ingest", "alice")
+    try:
+
+        async def answered(value: bytes, reply: str) -> None:
+            key = f"$KV.{names.manifest_bucket}.alice.x"
+            await alice.publish(key, value)
+            await alice.flush()
+            await asyncio.sleep(0.2)
+            await alice.publish(f"$JS.API.DIRECT.GET.KV_{names.manifest_bucket}.{key}", b"", reply=reply)
+            await alice.flush()
+            await asyncio.sleep(0.2)
+
+        await answered(snapshot, f"$O.{bucket}.C.alicesnuid")
+        for name, size, sha in ((encode_token("bob"), len(snapshot), digest), (MARKER, len(marker), None)):
+            meta = {"name": name, "bucket": bucket, "nuid": "alicesnuid" if sha else "alicesmarker", "size": size,
+                    "chunks": 1, "digest": f"SHA-256={sha or ''}"}  # fmt: skip
+            await answered(
+                json.dumps(meta).encode(), f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+            )
+    finally:
+        await alice.close()
+    restored = await load_snapshot(store, "bob")
+    assert restored is not None
+    assert [json.loads(d.data)["payload"]["document"]["id"] for d in restored.deltas] == ["own"]
+    assert await compacted_through(store) == own.seq  # not alice's 10**9
+
+
 async def test_a_tenant_cannot_have_a_server_answer_a_delta_onto_another_tenants_subject(
     deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
 ) -> None:

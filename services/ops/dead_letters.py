@@ -27,13 +27,8 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import DeltaEnvelope
 from ontofabric.contracts.deltas import split_link_key
-from ontofabric.services.projector.planning import (
-    REUSED_DETAIL,
-    earlier_payload_digest,
-    payload_digest,
-    server_answer_headers,
-)
-from ontofabric.shared.jetstream import last_sequence_on, read_in_order, subscriptions_visible
+from ontofabric.services.projector.planning import REUSED_DETAIL, earlier_payload_digest, payload_digest
+from ontofabric.shared.jetstream import last_sequence_on, read_in_order, server_answer_headers, subscriptions_visible
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings

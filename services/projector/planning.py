@@ -21,8 +21,8 @@ from ontofabric.shared.analysis import analyse
 from ontofabric.shared.half_characters import unreadable_text
 from ontofabric.shared.jetstream import (
     MAX_DELTA_MESSAGE_BYTES,
-    SERVER_ANSWER_HEADERS,
     UNREADABLE_HEADERS,
+    server_answer_headers,
 )
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import encode_token
@@ -138,12 +138,6 @@ def validate_delta(
 
 SERVER_ANSWER = "a NATS server's answer to a request that named this subject as its reply, not a delta"
 _ACKNOWLEDGEMENT_KEYS = frozenset({"stream", "seq", "domain", "duplicate", "error"})
-
-
-def server_answer_headers(headers: Mapping[str, str] | None) -> bool:
-    """Whether a message carries the headers of a server's answer
-    (:data:`~ontofabric.shared.jetstream.SERVER_ANSWER_HEADERS`)."""
-    return any(name in SERVER_ANSWER_HEADERS for name in headers or {})
 
 
 def server_answer_body(data: bytes) -> bool:

@@ -5,6 +5,8 @@ and a projector filling an empty index read them before the stream's tail."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -14,11 +16,12 @@ from datetime import UTC, datetime
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ObjectStoreConfig, StorageType
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.api import ObjectInfo, ObjectStoreConfig, StorageType
+from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from ontofabric.shared.db import Connection
+from ontofabric.shared.jetstream import server_answer_headers
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token
@@ -129,13 +132,64 @@ async def find_snapshot_store(js: JetStreamContext, names: Names) -> ObjectStore
         return None
 
 
-async def load_snapshot(store: ObjectStore, workspace: str) -> Snapshot | None:
-    try:
-        result = await store.get(encode_token(workspace))
-    except ObjectNotFoundError:
+MAX_META_MESSAGES = 1000
+"""Messages of one object's meta subject read for the last one a compaction wrote, past those that are a server's
+answer (:func:`read_object`); more is refused."""
+
+
+class ForgedObject(Exception):
+    """The snapshot store holds a part of an object that a NATS server's answer put there, or more such answers than
+    are read past: nothing of it is believed."""
+
+
+async def read_object(store: ObjectStore, name: str) -> bytes | None:
+    """An object's bytes as the last compaction stored them; None when there is none. Read through the stream as
+    stored, headers and all, where the object store's own reads see bodies alone: a red team's ingest user had a
+    direct get of values of its own answered onto the store's subjects (a workspace's meta, chunks of its own), and
+    a projector filling an index took that for the workspace's snapshot. A meta that is a server's answer is passed
+    over for the one before it (a compaction's put rolls the subject up, such an answer does not); a chunk that is
+    one, or a digest that does not match, raises ForgedObject."""
+    js, bucket = store._js, store._name
+    stream = f"OBJ_{bucket}"
+    meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+    meta, seq = None, 0
+    for _ in range(MAX_META_MESSAGES):
+        try:
+            msg = await js.get_msg(stream, seq=seq + 1, subject=meta_subject, next=True)
+        except NotFoundError:
+            break
+        seq = msg.seq or seq + 1
+        if server_answer_headers(msg.headers):
+            log.warning("snapshot_store_server_answer_ignored", object=name, seq=seq)
+        else:
+            meta = msg
+    else:
+        raise ForgedObject(f"object {name!r}: more than {MAX_META_MESSAGES} messages on its meta subject")
+    if meta is None or not meta.data:
         return None
-    assert result.data is not None
-    return Snapshot.decode(result.data)
+    info = ObjectInfo.from_response(json.loads(meta.data))
+    if info.deleted:
+        return None
+    data, digest, seq = bytearray(), hashlib.sha256(), 0
+    while len(data) < (info.size or 0):
+        try:
+            chunk = await js.get_msg(stream, seq=seq + 1, subject=f"$O.{bucket}.C.{info.nuid}", next=True)
+        except NotFoundError:
+            break
+        if server_answer_headers(chunk.headers):
+            raise ForgedObject(f"object {name!r}: a chunk is a NATS server's answer, not a compaction's")
+        seq = chunk.seq or seq + 1
+        data += chunk.data or b""
+        digest.update(chunk.data or b"")
+    expected = (info.digest or "").removeprefix("SHA-256=")
+    if len(data) != (info.size or 0) or base64.urlsafe_b64encode(digest.digest()).decode() != expected:
+        raise ForgedObject(f"object {name!r}: its chunks do not match its size and digest")
+    return bytes(data)
+
+
+async def load_snapshot(store: ObjectStore, workspace: str) -> Snapshot | None:
+    data = await read_object(store, encode_token(workspace))
+    return None if data is None else Snapshot.decode(data)
 
 
 async def compacted_through(store: ObjectStore) -> int:
@@ -146,11 +200,10 @@ async def compacted_through(store: ObjectStore) -> int:
 async def compaction_marker(store: ObjectStore) -> tuple[int, str | None]:
     """What the last compaction wrote: the sequence the snapshots cover (0: never compacted), and when the stream
     they were folded from was made (ISO 8601; None when not said, as by a release before 2026-12-03)."""
-    try:
-        result = await store.get(MARKER)
-    except ObjectNotFoundError:
+    data = await read_object(store, MARKER)
+    if data is None:
         return 0, None
-    marker = json.loads(result.data or b"{}")
+    marker = json.loads(data or b"{}")
     made = marker.get("streamCreated")
     return int(marker.get("covers", 0)), made if isinstance(made, str) else None
 
@@ -195,8 +248,10 @@ async def restore_snapshots(
     for name in await stored_snapshots(store):  # each named by its workspace's subject token
         if holds is not None and not holds(name):
             continue
-        result = await store.get(name)
-        snapshot = Snapshot.decode(result.data or b"")
+        data = await read_object(store, name)
+        if data is None:  # a name only a server's answer gave (services/ops/snapshots.py writes every one)
+            continue
+        snapshot = Snapshot.decode(data)
         async for size, projected in project_snapshot(nc, names, runner, snapshot, batch_size):
             restored += size
             refused += len(projected.rejected)

@@ -445,6 +445,44 @@ async def test_a_server_answer_onto_the_snapshot_store_is_no_snapshot_nor_marker
     assert await compacted_through(store) == own.seq  # not alice's 10**9
 
 
+async def test_a_server_answer_onto_another_tenants_version_entry_is_replaced_by_the_next_announcement(
+    deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
+) -> None:
+    """A retest's red team: a direct get of alice's own value answered onto bob's version key, a version of a revision
+    no announcement reaches, froze bob's announced version for good (no version event, his answer cache unused)."""
+    from ontofabric.contracts import OntologyVersionChanged
+
+    names = deployment.names
+    first = await DeltaPublisher(deployment.js, names).publish(upsert("bob", document("a", "first")))
+    await deployment.wait_projected(first.seq)
+    kv = await deployment.js.key_value(names.version_bucket)
+    key = names.version_key("bob", "main")
+    forged = json.loads((await kv.get(key)).value or b"{}")
+    forged.update(ontologyVersion="999999-deadbeefdeadbeef", revision=10**15)
+    alice = await connect_as(deployment, runtime, "ingest", "alice")
+    try:
+        own_key = f"$KV.{names.manifest_bucket}.alice.x"
+        await alice.publish(own_key, json.dumps(forged).encode())
+        await alice.flush()
+        await asyncio.sleep(0.2)
+        await alice.publish(
+            f"$JS.API.DIRECT.GET.KV_{names.manifest_bucket}.{own_key}", b"", reply=f"$KV.{names.version_bucket}.{key}"
+        )
+        await alice.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await alice.close()
+    assert OntologyVersionChanged.model_validate_json((await kv.get(key)).value or b"").revision == 10**15
+    second = await DeltaPublisher(deployment.js, names).publish(upsert("bob", document("a", "second")))
+    await deployment.wait_projected(second.seq)
+    async with asyncio.timeout(10):
+        while (
+            announced := OntologyVersionChanged.model_validate_json((await kv.get(key)).value or b"")
+        ).revision > 10**12:
+            await asyncio.sleep(0.1)
+    assert announced.ontology_version.startswith(f"{second.seq}-")
+
+
 async def test_a_tenant_cannot_have_a_server_answer_a_delta_onto_another_tenants_subject(
     deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
 ) -> None:

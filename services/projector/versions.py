@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt
 
 from ontofabric.contracts import OntologyVersionChanged
+from ontofabric.shared.jetstream import server_answer_headers
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
 
@@ -116,10 +117,23 @@ class VersionPublisher:
             # so one bad entry cannot stop the projector announcing versions.
             log.warning("version_entry_replaced", key=key, reason="unreadable")
             stored = -1
+        if stored >= record.revision and await self._answered_by_server(key):
+            # A red team's: a direct get of a tenant's own value answered onto another's key, a version of a
+            # revision no announcement reaches, froze that workspace's announced version for good.
+            log.warning("version_entry_replaced", key=key, reason="a server's answer, not a projector's")
+            stored = -1
         if stored >= record.revision:
             return False
         await self._kv.update(key, data, last=entry.revision)
         return True
+
+    async def _answered_by_server(self, key: str) -> bool:
+        """Whether the key's entry, as its stream stores it, is a server's answer: its headers say so (a KV get
+        shows the value alone). Read only where the entry would stop this announcement."""
+        stored = await self._nc.jetstream().get_msg(
+            self._names.version_stream, subject=f"$KV.{self._names.version_bucket}.{key}"
+        )
+        return server_answer_headers(stored.headers)
 
 
 async def version_keys(nc: Client, names: Names) -> list[str]:

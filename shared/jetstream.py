@@ -190,6 +190,9 @@ class _Outage:
 
 UNREADABLE_HEADERS = "Ontofabric-Unreadable-Headers"
 """Set by :class:`SturdyClient`, in place of a message's headers that nats-py cannot read, to what was wrong."""
+REPEATED_ANSWER = "Ontofabric-Answer-Stored"
+"""Set by :class:`SturdyClient` on a direct get's answer whose stored message is itself a server's answer: its
+headers name a stream's subject twice (the stored answer's, then this answer's). A dict of headers keeps one."""
 STORED_STATUS = "Ontofabric-Stored-Status"
 """Where :class:`SturdyClient` puts the ``Status`` a stored message carries (a header, or inline on its first line)."""
 SERVER_ANSWER_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Status", STORED_STATUS)
@@ -251,9 +254,15 @@ class SturdyClient(Client):
 
     async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
         try:
-            return await super()._process_headers(headers)
+            parsed = await super()._process_headers(headers)
         except Exception as error:  # whatever the parser raises on a message's headers, the read loop goes on
             return {UNREADABLE_HEADERS: describe(error)[:200]}
+        if parsed is not None and headers and headers.lower().count(b"nats-subject") > 1:
+            # A red team's forged manifest, read by the ingest it was forged for: two lines of the name.
+            lines = headers.split(b"\r\n")
+            if sum(1 for line in lines if line.partition(b":")[0].strip().lower() == b"nats-subject") > 1:
+                parsed[REPEATED_ANSWER] = "yes"
+        return parsed
 
     def _build_message(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: dict[str, str] | None

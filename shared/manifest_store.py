@@ -34,6 +34,7 @@ from nats.js.kv import KeyValue
 
 from .jetstream import (
     NATS_AWAY_RETRY_S,
+    REPEATED_ANSWER,
     RETRY_FOR_S,
     RETRY_WAIT_S,
     RETRYABLE,
@@ -101,7 +102,7 @@ class ManifestStore:
         return self._kv
 
     async def _entry(self, key: str) -> KeyValue.Entry | None:
-        kv, bucket = await self._bucket(), self._names.manifest_bucket
+        bucket = self._names.manifest_bucket
         subject = f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{key}"
         # No responder: the bucket does not exist, or the server is stopping or starting, its connection still up
         # and JetStream not answering. An ingester may not ask the stream's info to tell which, so the read is
@@ -110,7 +111,7 @@ class ManifestStore:
         give_up_at = time.monotonic() + NO_RESPONDERS_FOR_S
         while True:
             try:
-                return await refused_promptly(connection_of(self._js), subject, kv.get(key))
+                entry = await refused_promptly(connection_of(self._js), subject, self._stored(key))
             except (KeyNotFoundError, KeyDeletedError):
                 return None
             except NoRespondersError:
@@ -120,6 +121,31 @@ class ManifestStore:
                         "(`ontofabric up`, or `ontofabric projector` beside `up --no-projector`)"
                     ) from None
                 await asyncio.sleep(NATS_AWAY_RETRY_S)
+                continue
+            if entry is None:  # a server's answer stored under the key (another tenant's direct get): no manifest's
+                raise ManifestMissing(
+                    f"the ingest manifest key {key} holds a NATS server's answer, not what an ingester wrote (another "
+                    "client had one sent there)"
+                )
+            return entry
+
+    async def _stored(self, key: str) -> KeyValue.Entry | None:
+        """The key's entry as a direct get answers it; None for one whose stored message is itself a server's
+        answer (:data:`~ontofabric.shared.jetstream.REPEATED_ANSWER`), which a KV get reads as a value: a red team
+        had a direct get of its own values answered onto another tenant's head and part, and that tenant's next
+        ingest sent nothing it had removed, for good."""
+        bucket = self._names.manifest_bucket
+        try:
+            msg = await self._js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}", direct=True)
+        except NotFoundError:
+            raise KeyNotFoundError from None
+        headers = msg.headers or {}
+        if REPEATED_ANSWER in headers:
+            return None
+        operation = headers.get("KV-Operation")
+        if operation in ("DEL", "PURGE"):
+            raise KeyDeletedError
+        return KeyValue.Entry(self._names.manifest_bucket, key, msg.data, msg.seq, None, None, operation)
 
     async def _get(self, key: str) -> bytes | None:
         entry = await self._entry(key)

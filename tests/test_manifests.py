@@ -7,7 +7,6 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import nats.js.errors
 import pytest
@@ -196,14 +195,14 @@ async def test_a_manifest_read_no_server_answers_for_a_moment_is_made_again(
 
     store = ManifestStore(deployment.js, deployment.names)
     await store.load("acme", "main")  # the bucket as a projector made it
-    original, refused = KeyValue.get, [2]
+    original, refused = ManifestStore._stored, [2]
 
-    async def away(self: KeyValue, key: str, *args: Any, **kwargs: Any) -> KeyValue.Entry:
+    async def away(self: ManifestStore, key: str) -> KeyValue.Entry | None:
         if refused[0]:
             refused[0] -= 1
             raise NoRespondersError
-        return await original(self, key, *args, **kwargs)
+        return await original(self, key)
 
-    monkeypatch.setattr(KeyValue, "get", away)
+    monkeypatch.setattr(ManifestStore, "_stored", away)
     loaded = await store.load("acme", "main")
     assert (refused[0], loaded.data) == (0, None)

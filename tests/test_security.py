@@ -483,6 +483,46 @@ async def test_a_server_answer_onto_another_tenants_version_entry_is_replaced_by
     assert announced.ontology_version.startswith(f"{second.seq}-")
 
 
+async def test_a_server_answer_onto_another_tenants_manifest_is_refused_by_its_ingest(
+    deployment: Deployment, runtime: EmbeddedRuntime
+) -> None:
+    """A retest's red team: a direct get of alice's own values answered onto bob's manifest head and part (an empty
+    manifest) made bob's next ingest send nothing it had removed, for good, and exit 0. Bob's ingest reads it as
+    what it is: an answer stored there, no manifest of an ingester's."""
+    import zlib
+
+    from ontofabric.shared.manifest_store import ManifestMissing, ManifestStore
+
+    names = deployment.names
+    bob = ManifestStore(deployment.js, names)
+    saved = await bob.save(
+        "bob", "main", json.dumps({"version": 2, "entries": {"d:a": "x"}}).encode(), await bob.load("bob", "main")
+    )
+    assert saved.revision
+    generation = "a11cef0e9ed0"
+    alice = await connect_as(deployment, runtime, "ingest", "alice")
+    try:
+        for target, value in (
+            (f"bob.main.parts.{generation}.0", zlib.compress(json.dumps({"version": 2, "entries": {}}).encode())),
+            ("bob.main.head", json.dumps({"generation": generation, "parts": 1}).encode()),
+        ):
+            own_key = f"$KV.{names.manifest_bucket}.alice.x"
+            await alice.publish(own_key, value)
+            await alice.flush()
+            await asyncio.sleep(0.2)
+            await alice.publish(
+                f"$JS.API.DIRECT.GET.KV_{names.manifest_bucket}.{own_key}",
+                b"",
+                reply=f"$KV.{names.manifest_bucket}.{target}",
+            )
+            await alice.flush()
+            await asyncio.sleep(0.2)
+    finally:
+        await alice.close()
+    with pytest.raises(ManifestMissing, match="holds a NATS server's answer"):
+        await bob.load("bob", "main")
+
+
 async def test_a_tenant_cannot_have_a_server_answer_a_delta_onto_another_tenants_subject(
     deployment: Deployment, runtime: EmbeddedRuntime, projector: ProjectorService
 ) -> None:

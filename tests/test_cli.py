@@ -286,10 +286,11 @@ def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) ->
     assert "Traceback" not in stderr
 
 
-@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path, stop: signal.Signals, code: int) -> None:
-    """An operator tester's: Ctrl-C ended a rebuild with exit 130 and not a word; a model tester's: SIGTERM (a
-    supervisor's stop) ended `reembed` without one. Here it waits on a NATS server that never says hello."""
+def _stopped_waiting_on_nats(
+    tmp_path: Path, command: list[str], stop: signal.Signals, on_sigint: signal.Handlers
+) -> tuple[int, str]:
+    """``command`` started with SIGINT handled as ``on_sigint``, sent ``stop`` while it waits on a NATS server that
+    never says hello: its exit code and stderr."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -297,16 +298,25 @@ def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path, sto
             ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{silent.getsockname()[1]}", ONTOFABRIC_EMBEDDER="none",
             ONTOFABRIC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none", ONTOFABRIC_DATA_DIR=str(tmp_path),
         )  # fmt: skip
-        rebuild = subprocess.Popen(
-            [ONTOFABRIC, "rebuild", "acme"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal sends it: see above
+        running = subprocess.Popen(
+            [ONTOFABRIC, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, on_sigint),
         )  # fmt: skip
         silent.settimeout(60)
         accepted, _ = silent.accept()
         with accepted:
-            rebuild.send_signal(stop)
-            _, stderr = rebuild.communicate(timeout=30)
-    assert rebuild.returncode == code, stderr
+            running.send_signal(stop)
+            _, stderr = running.communicate(timeout=30)
+    return running.returncode, stderr
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_rebuild_interrupted_says_how_to_resume_or_discard(tmp_path: Path, stop: signal.Signals, code: int) -> None:
+    """An operator tester's: Ctrl-C ended a rebuild with exit 130 and not a word; a model tester's: SIGTERM (a
+    supervisor's stop) ended `reembed` without one. Here it waits on a NATS server that never says hello."""
+    # SIGINT as a terminal sends it: see above.
+    returncode, stderr = _stopped_waiting_on_nats(tmp_path, ["rebuild", "acme"], stop, signal.SIG_DFL)
+    assert returncode == code, stderr
     said = " ".join(stderr.split())
     assert "interrupted:" in said
     assert "run `ontofabric rebuild acme` again to resume, or with --discard" in said
@@ -318,23 +328,9 @@ def test_a_compaction_stopped_by_sigterm_in_a_scripts_background_says_nothing_is
     ignored, where asyncio.run installs no handler of its own: the interrupt was raised in whatever frame the
     signal came to (once swallowed in a weakref's callback, a rebuild going on to swap). Here compact waits on a
     NATS server that never says hello."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        env = _env(
-            ONTOFABRIC_NATS_URL=f"nats://127.0.0.1:{silent.getsockname()[1]}", ONTOFABRIC_EMBEDDER="none",
-            ONTOFABRIC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none", ONTOFABRIC_DATA_DIR=str(tmp_path),
-        )  # fmt: skip
-        compacting = subprocess.Popen(
-            [ONTOFABRIC, "compact", "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as a script's `cmd &` starts it
-        )  # fmt: skip
-        silent.settimeout(60)
-        accepted, _ = silent.accept()
-        with accepted:
-            compacting.send_signal(signal.SIGTERM)
-            _, stderr = compacting.communicate(timeout=30)
-    assert compacting.returncode == 143, stderr
+    # SIGINT ignored, as a script's `cmd &` starts it.
+    returncode, stderr = _stopped_waiting_on_nats(tmp_path, ["compact", "--yes"], signal.SIGTERM, signal.SIG_IGN)
+    assert returncode == 143, stderr
     said = " ".join(stderr.split())
     assert "interrupted: the stream is purged only below what stored snapshots hold" in said
     assert "Traceback" not in stderr

@@ -257,11 +257,10 @@ class SturdyClient(Client):
             parsed = await super()._process_headers(headers)
         except Exception as error:  # whatever the parser raises on a message's headers, the read loop goes on
             return {UNREADABLE_HEADERS: describe(error)[:200]}
-        if parsed is not None and headers and headers.lower().count(b"nats-subject") > 1:
-            # A red team's forged manifest, read by the ingest it was forged for: two lines of the name.
-            lines = headers.split(b"\r\n")
-            if sum(1 for line in lines if line.partition(b":")[0].strip().lower() == b"nats-subject") > 1:
-                parsed[REPEATED_ANSWER] = "yes"
+        # A red team's forged manifest, read by the ingest it was forged for: two lines of the name, each as the server
+        # writes it. Counted on the bytes, not a copy: this runs for every message with headers.
+        if parsed is not None and headers and headers.count(b"\r\nNats-Subject:") > 1:
+            parsed[REPEATED_ANSWER] = "yes"
         return parsed
 
     def _build_message(

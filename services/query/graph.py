@@ -144,21 +144,16 @@ class OntologyGraph:
         its name was two symbols."""
         chosen: list[str] = []
         for object_type in named:
-            module, _, name = object_type.rpartition(".")
+            name = object_type.rpartition(".")[2]
             if (
                 self.kinds.get(object_type) == "module"
                 and self.kinds.get(f"{object_type}.{name}", "module") != "module"
             ):
                 file, own = object_type, f"{object_type}.{name}"
-            elif (
-                self.kinds.get(module) == "module"
-                and self.kinds.get(object_type, "module") != "module"  # a package's module of its name is another
-                and last_part(module) == name
-            ):
-                file, own = module, object_type
             else:
                 file = own = object_type
-                # A type nested in one named as its file (`import ...model.Order.Builder`, a retest's): its file's.
+                # A type named as its file, or nested in one (`import ...model.Order.Builder`, a retest's): its
+                # file's. A package's module of its name (app/app.py) is a module, and stays itself.
                 if files and self.kinds.get(object_type, "module") != "module":
                     file = self._file_named_after(object_type) or object_type
             chosen.append(file if files else own)

@@ -1009,6 +1009,7 @@ async def test_a_request_that_states_no_timeout_waits_briefly_for_a_slot_then_is
     assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
     assert TIMEOUT_HEADER in reply.error.message
     assert "waited" in reply.error.message
+    assert [d.field for d in reply.error.details] == [f"header {TIMEOUT_HEADER}"]
     assert reranker.calls == 2  # the refused one was never worked on
     # The one a runner took in time is answered, though its work lasts past the wait.
     assert isinstance(parse_reply((await busy)[0]), QueryResponse)
@@ -1034,6 +1035,7 @@ async def test_a_request_that_states_no_timeout_is_refused_on_arrival_when_it_wo
     assert (reply.error.code, reply.error.retryable) == ("overloaded", True)
     assert "would start this request in about" in reply.error.message
     assert TIMEOUT_HEADER in reply.error.message
+    assert [d.field for d in reply.error.details] == [f"header {TIMEOUT_HEADER}"]  # an outside team's: it was []
     assert reply.error.retry_after_ms is not None, reply.error
     assert 300 <= reply.error.retry_after_ms <= 1500, reply.error
     # A caller that states its timeout may wait longer than that.

@@ -232,6 +232,11 @@ _UNSTATED_WAIT = (
     f"a request without the {TIMEOUT_HEADER} header waits at most {{:.0f}} ms (its caller's timeout is unknown); "
     "retry, or send the header to wait longer"
 )
+_UNSTATED_DETAIL = ErrorDetail(
+    field=f"header {TIMEOUT_HEADER}",
+    message="not sent: the worker waits for a slot as if the caller's timeout were short",
+)
+"""Named in such a refusal, as a refusal for a timeout too short names it (a nats.js team's: ``details`` were empty)."""
 
 
 def workspace_of_subject(subject: str) -> str | None:
@@ -718,7 +723,8 @@ class QueryService:
         max_wait_s = self.settings.query_unstated_max_wait_ms / 1000
         if not deadline.stated and self._held and wait > max_wait_s:
             busy = f"this worker would start this request in about {wait * 1000:.0f} ms; {_UNSTATED_WAIT}"
-            await self._reply(msg, self._overloaded(msg, busy.format(max_wait_s * 1000), wait, runners))
+            unstated = busy.format(max_wait_s * 1000)
+            await self._reply(msg, self._overloaded(msg, unstated, wait, runners, details=[_UNSTATED_DETAIL]))
             return
         displaced = self._displace_for(workspace) if self._held >= places else None
         if self._held >= places:
@@ -762,7 +768,16 @@ class QueryService:
         ahead, runners = self._turn_of(workspace)
         return self._paced(self._service_time.expected_wait(ahead, runners), runners, workspace)
 
-    def _overloaded(self, msg: Msg, busy: str, wait: float, runners: int, *, timeout_too_short: bool = False) -> bytes:
+    def _overloaded(
+        self,
+        msg: Msg,
+        busy: str,
+        wait: float,
+        runners: int,
+        *,
+        timeout_too_short: bool = False,
+        details: list[ErrorDetail] | None = None,
+    ) -> bytes:
         """An ``overloaded`` refusal saying ``busy``, and when to come back (``retryAfterMs``, paced behind those told
         before). When the pacing puts that well past the wait itself, the message says why: an outside tester's
         storm was told 10.6 s beside "this worker would answer in about 758 ms"."""
@@ -770,7 +785,9 @@ class QueryService:
         paced = self._paced(wait, runners, workspace_token_of(msg.subject) or "")
         if paced > max(2 * wait, wait + PACED_SAID_PAST_S):
             busy += f"; told to come back in about {paced * 1000:.0f} ms, after the requests refused before this one"
-        return error_reply("overloaded", busy, retryable=True, timeout_too_short=timeout_too_short, retry_after_s=paced)
+        return error_reply(
+            "overloaded", busy, details, retryable=True, timeout_too_short=timeout_too_short, retry_after_s=paced
+        )
 
     def _paced(self, wait: float, runners: int, workspace: str) -> float:
         """``wait`` as stated to a request of ``workspace`` refused now: see PacedReturns, paced behind the
@@ -857,7 +874,14 @@ class QueryService:
             self._refused_busy.note(admitted.msg.subject)
         await self._reply_once(
             admitted,
-            partial(error_reply, "overloaded", busy.format(limit), retryable=True, retry_after_s=retry_after_s),
+            partial(
+                error_reply,
+                "overloaded",
+                busy.format(limit),
+                [_UNSTATED_DETAIL],
+                retryable=True,
+                retry_after_s=retry_after_s,
+            ),
         )
 
     async def _reply_once(self, admitted: Admitted, body: bytes | Callable[[], bytes]) -> None:

@@ -33,7 +33,9 @@ Json = dict[str, Any]
 
 _WORKSPACE = {
     "description": "The workspace, encoded as one subject token: [A-Za-z0-9-] kept, any other character as _hh "
-    "(code point below 256) or _uhhhhhh, so `feature/x.y` is `feature_2fx_2ey`.",
+    "(code point below 256) or _uhhhhhh, in lower-case hex, so `feature/x.y` is `feature_2fx_2ey`. Only this "
+    "spelling is accepted (`team_2Esearch` or `team_u00002esearch` is refused): one name on two subjects would let "
+    "a permission written for one be walked around through the other.",
     "examples": ["acme", "team_2esearch"],  # team.search: a workspace name holds no slash, a branch may
 }
 _BRANCH = {

@@ -50,6 +50,21 @@ def decode_token(token: str) -> str:
     return value
 
 
+_ANY_CASE_ESCAPE = re.compile(r"_([0-9a-fA-F]{2})|_[uU]([0-9a-fA-F]{6})")
+
+
+def canonical_spelling(token: str) -> str | None:
+    """The canonical token of the name ``token`` spells another way (upper-case hex, ``_u`` for a code point below
+    256), or None: what an error names, since only the canonical one is accepted (an outside team's client wrote
+    ``team_2Esearch`` with ``%02X``, and was told only that the subject named no workspace)."""
+    try:  # chr() refuses a code point past U+10FFFF
+        value = _ANY_CASE_ESCAPE.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), token)
+        canonical = encode_token(value)
+    except ValueError:
+        return None
+    return canonical if canonical != token else None
+
+
 @dataclass(frozen=True)
 class Names:
     """Every NATS name the services use, derived from one prefix so deployments (and tests) can coexist."""

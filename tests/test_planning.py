@@ -152,6 +152,7 @@ def test_a_subject_that_is_not_exactly_the_deltas_workspace_and_branch_is_refuse
     outcome = validate_delta(data, subject, 1, LIMITS)
     assert isinstance(outcome, Rejection)
     assert outcome.reason == "subject_mismatch"
+    assert outcome.detail.endswith("whose subject ends .delta.ws.main")  # what to send it on
 
 
 def test_the_scope_a_delta_subject_names_is_read_only_from_a_whole_canonical_one() -> None:

@@ -1011,6 +1011,9 @@ async def test_a_subject_that_names_no_valid_workspace_gets_an_error(
         )
         error = ErrorReply.model_validate_json(reply.data)
         assert error.error.code == "invalid_request", token
+        # Another spelling of "acme" is told the one accepted (an outside team's client wrote hex in capitals).
+        said = error.error.details[0].message
+        assert ("written 'acme'" in said) == (token in ("_61cme", "acm_65", "_u000061cme")), (token, said)
     assert (await _ask(client, "sort numbers")).results[0].id == "sort"
 
 

@@ -37,7 +37,7 @@ from ontofabric.shared.nats_auth import MAX_SUBSCRIPTIONS_PER_CONNECTION, BadCre
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, free_port, with_login
 from ontofabric.shared.settings import Settings, redacted_url
-from ontofabric.shared.subjects import decode_token, encode_token
+from ontofabric.shared.subjects import canonical_spelling, decode_token, encode_token
 
 from .conftest import Deployment, RecordedProgress, connect_as
 from .factories import document, upsert
@@ -60,6 +60,20 @@ def test_only_the_canonical_token_of_a_name_is_read(token: str) -> None:
     with pytest.raises(ValueError, match="canonical"):
         decode_token(token)
     assert workspace_of_subject(f"ontofabric.query.{token}") is None
+
+
+@pytest.mark.parametrize(
+    ("token", "canonical"),
+    [
+        ("team_2Esearch", "team_2esearch"),
+        ("team_u00002esearch", "team_2esearch"),
+        ("_41", "A"),
+        ("acme", None),
+        ("_uFFFFFF", None),
+    ],
+)
+def test_another_spelling_of_a_token_is_told_its_canonical_one(token: str, canonical: str | None) -> None:
+    assert canonical_spelling(token) == canonical
 
 
 SECRETS = {"password": "Pw0rdQx7", "rerank": "RrKey5Zt", "azure": "AzKey8Wn", "nats": "NtTok3Vb"}

@@ -108,7 +108,8 @@ def validate_delta(
     if subject.partition(".delta.")[2] != expected:
         return Rejection(
             "subject_mismatch",
-            f"subject {subject!r} does not name workspace {envelope.workspace!r} / branch {envelope.branch!r}",
+            f"subject {subject!r} does not name workspace {envelope.workspace!r} / branch {envelope.branch!r}, "
+            f"whose subject ends .delta.{expected}",
         )
     document = upserted_document(envelope)
     dropped = False

@@ -74,7 +74,7 @@ from ontofabric.shared.onnx_models import second_embedder
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.runtime import with_login
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.subjects import OPERATIONS, Names, decode_token, workspace_token_of
+from ontofabric.shared.subjects import OPERATIONS, Names, canonical_spelling, decode_token, workspace_token_of
 from ontofabric.shared.tasks import cancel_and_wait, start_held, watch_lateness
 from ontofabric.shared.telemetry import instruments, tracer
 from ontofabric.shared.turns import TurnQueue
@@ -1031,10 +1031,13 @@ class QueryService:
         workspace = workspace_of_subject(msg.subject)
         operation = self.names.operation_of(msg.subject)
         if workspace is None or operation is None:
+            token = msg.subject.rsplit(".", 1)[-1]
+            canonical = canonical_spelling(token)
+            spelled = f": its workspace is written {canonical!r}, with lower-case hex escapes" if canonical else ""
             return error_reply(
                 "invalid_request",
                 "the subject does not name an operation and a valid workspace",
-                [ErrorDetail(field=None, message=f"subject {msg.subject!r}")],
+                [ErrorDetail(field=None, message=f"subject {msg.subject!r}{spelled}")],
             )
         try:
             if isinstance(request, OntologyQuery):

@@ -366,6 +366,93 @@ def test_rust_trait_implementations_are_bases() -> None:
     assert not [link for link in outside.links if link.name == INHERITS]
 
 
+GO_STORES = {
+    "inv/store/store.go": """
+        package store
+
+        // Store keeps items.
+        type Store interface {
+        \tGet(id string) (Item, error)
+        \tPut(it Item) error
+        }
+
+        type Closer interface {
+        \tStore
+        \tClose() error
+        }
+
+        type Open interface {
+        \tio.Reader
+        \tGet(id string) (Item, error)
+        }
+
+        type Number interface{ ~int | ~float64 }
+
+        type Any interface{}
+
+        type Item struct{ ID string }
+        """,
+    "inv/store/memory.go": """
+        package store
+
+        type MemoryStore struct{ items map[string]Item }
+
+        func (m *MemoryStore) Get(id string) (Item, error) { return m.items[id], nil }
+
+        func (m *MemoryStore) Put(it Item) error { return nil }
+        """,
+    "inv/cached/cached.go": """
+        package cached
+
+        import "example.com/inv/store"
+
+        type CachedStore struct {
+        \t*store.MemoryStore
+        \thits int
+        }
+
+        func (c *CachedStore) Close() error { return nil }
+
+        type Getter struct{}
+
+        func (g Getter) Get(id string) (store.Item, error) { return store.Item{}, nil }
+        """,
+    "inv/audit/audit.go": """
+        package audit
+
+        import (
+        \t"example.com/inv/cached"
+        \t"example.com/inv/store"
+        )
+
+        func Audit(st store.Store, c *cached.CachedStore) { st.Get("a"); c.Put(store.Item{}) }
+        """,
+}
+
+
+def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_their_bases() -> None:
+    """An agent tester's "what implements Store" found none of its stores (Go says it nowhere), and what calls
+    ``Store.Get`` was "not indexed": an interface's methods were no chunks, so calls through a parameter of an
+    interface type were lost."""
+    sources = {path: textwrap.dedent(text).lstrip("\n") for path, text in GO_STORES.items()}
+    read = read_code(sources, {"inv": "example.com/inv"})
+    inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
+    assert inherits == {
+        ("inv.store.memory.MemoryStore", "inv.store.store.Store"),
+        ("inv.cached.cached.CachedStore", "inv.store.memory.MemoryStore"),  # embedded, through its package
+        ("inv.cached.cached.CachedStore", "inv.store.store.Store"),  # through what it embeds
+        ("inv.cached.cached.CachedStore", "inv.store.store.Closer"),  # its own Close too
+        ("inv.store.store.Closer", "inv.store.store.Store"),  # an interface embedding another
+    }  # not Getter (no Put); not Open (io.Reader's methods are unknown), Number, nor the empty Any
+    cached = next(node for node in read.nodes if node.object_type == "inv.cached.cached.CachedStore")
+    assert set(cached.interfaces) == {"inv.store.memory.MemoryStore", "inv.store.store.Store", "inv.store.store.Closer"}
+    found = _by_name(_calls(GO_STORES, {"inv": "example.com/inv"}))
+    # Through an interface's parameter, its method; through an embedded struct, the method it promotes.
+    assert found["inv.audit.audit.Audit"] == ["inv.store.store.Store.Get", "inv.store.memory.MemoryStore.Put"]
+    chunks = {c.symbol_fqn for c in chunk_code("inv/store/store.go", sources["inv/store/store.go"], 10**6)}
+    assert {"inv.store.store.Store.Get", "inv.store.store.Store.Put", "inv.store.store.Closer.Close"} <= chunks
+
+
 def test_hostile_trees_end_and_stop_nothing() -> None:
     # Index files re-exporting each other all: a name none exports took 15 s for 10 files (the files to the power
     # of the hops followed); each (file, name) is now looked up once, and a cycle ends.

@@ -1120,6 +1120,10 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
             \treturn auth.RequireJWT(h)
             }
             """,
+        # A Go interface, satisfied without saying so, and called through (an agent tester's were neither).
+        "services/api/auth/verify.go": "package auth\n\ntype Verifier interface {\n\tVerify(t string) bool\n}\n\n"
+        'type JWT struct{}\n\nfunc (j JWT) Verify(t string) bool { return t != "" }\n\n'
+        'func Check(v Verifier) bool { return v.Verify("t") }\n',
         "billing/src/com/acme/Ledger.java": "package com.acme;\n\npublic abstract class Ledger {}\n",
         "billing/src/com/acme/InvoiceLedger.java": "package com.acme;\n\nclass InvoiceLedger extends Ledger {}\n",
         # A field named as the method the caller calls: the class is no callee (a retest's JavaFile.emit).
@@ -1166,6 +1170,10 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         assert _found_by(java_importers, IMPORTER, "filePath") == ["billing/src/com/acme/audit/Audit.java"], question
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
     assert _found_by(importers, IMPORTER, "filePath") == ["web/src/pages/Profile.tsx"]
+    go_implementing = await _ask(client, "what implements auth.Verifier", "mono")
+    assert _found_by(go_implementing, SUBCLASS) == ["services.api.auth.verify.JWT"]
+    go_callers = await _ask(client, "what calls Verifier.Verify", "mono")
+    assert _found_by(go_callers, CALLER) == ["services.api.auth.verify.Check"]
     for question in ("what implements crate::clock::Clock", "what implements throttle::clock::Clock"):
         implementing = await _ask(client, question, "mono")
         assert _found_by(implementing, SUBCLASS) == ["limits.src.clock.System"], question

@@ -598,7 +598,8 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         notes.append(
             f"{asked.relation} are read from the code's syntax ({CALLS_READ}): a call through an attribute, what a "
             "call returned, or a variable whose type the code does not write (ctx.invoke(), self.stream.expect(), "
-            "a Go local bound to a function's result), and a call in a macro's body, are not seen, so there may be more"
+            "a Go local bound to what a function outside the tree returns), and a call in a macro's body, are not "
+            "seen, so there may be more"
         )  # a retest's TypeScript caller went unsaid beside a Python one; a polyglot tester's Go locals
     if asked is not None and asked.symbols_named:  # an agent tester's callers of three get_command, merged unsaid
         listed = ", ".join(printable(name) for name in asked.symbols_named) + (

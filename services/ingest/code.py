@@ -82,7 +82,7 @@ LANGUAGES: dict[str, Language] = {
         "go",
         tree_sitter_go.language,
         {"function_declaration": ("function", "method"), "method_declaration": ("method", "method"),
-         "type_spec": ("type", "type")},
+         "type_spec": ("type", "type"), "method_elem": ("method", "method")},  # an interface's method
         frozenset({"type_declaration"}),
     ),
     ".rs": Language(
@@ -352,6 +352,8 @@ def declarations(
                 kind = {"struct_type": "struct", "interface_type": "interface"}.get(shape.type if shape else "", kind)
             yield kind, level, ".".join([*owners, name]), _span(child, line_of), child
             body = child.child_by_field_name("body")
+            if child.type == "type_spec" and kind == "interface":  # Go: its methods, what calls through it call
+                body = child.child_by_field_name("type")
             if body is not None and level == "type":
                 yield from declarations(body, language, line_of, (*owners, name), True, depth)
         elif child.type == "impl_item":  # Rust: the methods of the type it implements

@@ -19,8 +19,11 @@ not the file's from where it is bound on):
   ``new Class()`` and ``super(...)``;
 - Go: a name of the package (its directory), ``pkg.F()`` through an import of a package of the tree (by its
   ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver, a
-  parameter of a type of the tree or a local bound to one's composite literal (``x := &T{}``, ``var x = T{}``)
-  or to what a function of the tree declared to return one returns (``r := NewRouter()``);
+  parameter of a type of the tree (an interface's method too) or a local bound to one's composite literal
+  (``x := &T{}``, ``var x = T{}``) or to what a function of the tree declared to return one returns
+  (``r := NewRouter()``), and a method a struct has through a type it embeds. A type's bases are what it embeds,
+  and the interfaces of the tree it satisfies: it has a method of each name theirs have (names only, not
+  signatures; not an interface embedding one from outside the tree, whose methods are unknown);
 - Java: a method of the class, the classes it extends or implements and those holding it (``m()``, ``this.m()``,
   ``super.m()``; not within an anonymous or local class), one imported ``static``, ``Type.m()`` and ``x.m()``
   where ``x`` is a parameter, a local or a field declared with a type of the tree (by its own file, its package,
@@ -229,6 +232,10 @@ class _Tree:
         self.rust_members: list[tuple[_File, str, str, str]] = []
         """Rust: each ``impl``'s or trait's member (its file, the type as written, its name, its qualified name),
         until :meth:`resolve` knows every type."""
+        self.go_types: dict[str, tuple[_File, str, str]] = {}
+        """Go: a type's key -> its file, its qualified name there and its kind (``interface``, ``struct``...)."""
+        self.implemented: dict[str, list[str]] = {}
+        """Go: a type's key -> the keys of the interfaces of the tree it satisfies (:meth:`_go_implementations`)."""
         self.go_results: dict[str, tuple[_File, str | None, str]] = {}
         """Go: a function's qualified name -> its file and the type it returns (:func:`_go_written`), where that
         is one named type."""
@@ -286,6 +293,40 @@ class _Tree:
                 if bases:  # a class declared in `x.js` and `x.d.ts` has the bases of both
                     key = self.owner_key(read, qualname)  # Rust: an `impl`'s type may be another module's
                     self.bases[key] = list(dict.fromkeys((*self.bases.get(key, []), *bases)))
+        self._go_implementations()
+
+    def _go_implementations(self) -> None:
+        """Each Go type of the tree that is no interface -> the interfaces of the tree whose every method's name is
+        one of its methods' (its own or an embedded type's). Go says it nowhere: an agent tester's "what implements
+        Store" found none of its two stores. An interface embedding one the tree does not declare (``io.Closer``,
+        a union of types) has methods unknown here, and is left out."""
+        known: dict[str, tuple[frozenset[str], bool]] = {}
+
+        def methods(key: str, hops: int = 0) -> tuple[frozenset[str], bool]:
+            """The names of a type's methods the tree declares, and whether they are all it has."""
+            if key not in known:
+                read, qualname, _kind = self.go_types[key]
+                bases = self.bases.get(key, [])
+                inherited = [methods(base, hops + 1) for base in bases] if hops < MAX_HOPS else []
+                whole = len(inherited) == len(bases) == len(read.bases_written.get(qualname, []))
+                known[key] = (
+                    frozenset(self.members.get(key, {})).union(*(names for names, _ in inherited)),
+                    whole and all(complete for _, complete in inherited),
+                )
+            return known[key]
+
+        having: dict[str, set[str]] = {}
+        for key, (_read, _qualname, kind) in self.go_types.items():
+            for name in methods(key)[0] if kind != "interface" else ():
+                having.setdefault(name, set()).add(key)
+        for interface, (_read, _qualname, kind) in self.go_types.items():
+            wanted, complete = methods(interface)
+            if kind != "interface" or not complete or not wanted:  # `any` is every type's: no link says anything
+                continue
+            rarest = min(wanted, key=lambda name: len(having.get(name, ())))
+            for key in sorted(having.get(rarest, ())):
+                if wanted <= methods(key)[0]:
+                    self.implemented.setdefault(key, []).append(interface)
 
     # -- indexing ------------------------------------------------------------------------------------------------
 
@@ -360,6 +401,8 @@ class _Tree:
                 self.members.setdefault(self.type_key(read, owner), {}).setdefault(name, fqn)
             if level == "type":
                 self.types[self.type_key(read, qualname)] = fqn
+                if read.domain == "go":
+                    self.go_types[self.type_key(read, qualname)] = (read, qualname, kind)
                 if read.domain == "java":
                     dotted = f"{read.package}.{qualname}" if read.package else qualname
                     self.java_types[dotted] = self.type_key(read, qualname)
@@ -577,6 +620,9 @@ class _Tree:
                         else []
                     )
                 ] or [n for n in clauses if n.type in ("identifier", "member_expression")]  # fmt: skip
+            elif read.domain == "go":
+                read.bases_written.update({qualname: embedded} if (embedded := _go_embedded(node)) else {})
+                continue
             elif read.domain == "rust" and (bounds := node.child_by_field_name("bounds")) is not None:
                 written = list(bounds.named_children)  # a supertrait, `trait Precise: Clock` (a retest's)
             elif read.domain == "java":  # `extends Base<T>`: Base, not T; an interface's `extends` too
@@ -621,8 +667,9 @@ class _Tree:
                 name,  # written whole: `com.acme.Base`
             ]
             return next((self.java_types[c] for c in candidates if c in self.java_types), None)
-        if read.domain == "go":
-            return self.go_named(read, None, name)
+        if read.domain == "go":  # `Base`, `store.Store`
+            package, _, name = name.rpartition(".")
+            return self.go_named(read, package or None, name)
         if read.domain == "rust":  # a trait: `Backoff`, `crate::backoff::Backoff`, `backoff::Backoff`
             crate, here = rust_module_of(read.path)
             *path, last = name.split("::")
@@ -802,6 +849,8 @@ class _Tree:
                 interfaces = tuple(
                     self.type_object_type(self.type_named(read, name, qualname)) or object_type_name(name)
                     for name in read.bases_written.get(qualname, [])
+                ) + tuple(
+                    filter(None, map(self.type_object_type, self.implemented.get(self.type_key(read, qualname), [])))
                 )
                 # Declared twice (`x.js` and `x.d.ts`), it has the bases of both: only the declarations say what a
                 # class implements, and the code's class, read last, took every `implements Transport` away.
@@ -824,6 +873,9 @@ class _Tree:
             for qualname in read.bases_written:
                 for base in self.bases.get(self.type_key(read, qualname), []):
                     link(object_type_name(f"{read.module}.{qualname}"), INHERITS, self.type_object_type(base))
+        for key, satisfied in self.implemented.items():
+            for interface in satisfied:
+                link(self.type_object_type(key), INHERITS, self.type_object_type(interface))
         for (_path, fqn, _line), called in calls.items():
             for callee in called:
                 link(self.object_types.get(fqn), CALLS, self.object_types.get(callee))
@@ -1345,6 +1397,33 @@ def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
     if value.type == "composite_literal":
         return value.child_by_field_name("type")
     return value if value.type == "call_expression" else None
+
+
+def _go_embedded(spec: tree_sitter.Node) -> list[str]:
+    """Go: the types a ``type_spec``'s struct embeds (``*Base``, ``pkg.Base``) or its interface does (``Named``),
+    written ``pkg.Name`` or ``Name``; any other element of an interface (``~int | ~string``, ``io.Reader | T``) as
+    written, which names no type of the tree."""
+    shape = spec.child_by_field_name("type")
+    if shape is None:
+        return []
+    if shape.type == "struct_type":
+        fields = next((n for n in shape.named_children if n.type == "field_declaration_list"), None)
+        held = [
+            kind
+            for declared in (fields.named_children if fields is not None else [])
+            if declared.type == "field_declaration" and declared.child_by_field_name("name") is None
+            and (kind := declared.child_by_field_name("type")) is not None
+        ]  # fmt: skip
+    elif shape.type == "interface_type":
+        held = [
+            n.named_children[0] if n.named_child_count == 1 else n
+            for n in shape.named_children
+            if n.type == "type_elem"
+        ]
+    else:
+        return []
+    named = [(_go_written(n), n) for n in held]
+    return [(_text(n) or "?") if w is None else ".".join(filter(None, w)) for w, n in named]
 
 
 def _go_written(written: tree_sitter.Node) -> tuple[str | None, str] | None:

@@ -82,6 +82,32 @@ def test_typescript_and_javascript_calls_resolve_through_imports_re_exports_and_
     assert found["web.src.legacy.go"] == ["web.src.util.math.add", "web.src.start.start", "web.src.start.helper"]
 
 
+def test_typescript_decorators_are_calls_of_what_they_decorate_and_new_reads_a_namespace_import() -> None:
+    """An agent tester's: a bare ``@audited`` was no call, ``@memoize(60_000)`` on a method was its class's, and
+    ``new http.RetryPolicy()`` through ``import * as http`` was not read where ``http.retry()`` was."""
+    found = _by_name(_calls({
+        "src/deco.ts": "export function audited(t: any) {}\nexport function memoize(ms: number) { return audited }\n"
+        "export const log = { trace(t: any) {} }\n",
+        "src/http/policy.ts": "export class RetryPolicy {}\nexport function retry() {}\n",
+        "src/user.ts": """
+            import { audited, memoize, log } from './deco';
+            import * as http from './http/policy';
+
+            @audited
+            export class UserService {
+              @audited
+              @memoize(60_000)
+              normalizeEmail(e: string) { return e }
+
+              connect() { const p = new http.RetryPolicy(); http.retry(); return p }
+            }
+            """,
+    }))  # fmt: skip
+    assert found["src.user.UserService.normalizeEmail"] == ["src.deco.audited", "src.deco.memoize"]
+    assert found["src.user.UserService"] == ["src.deco.audited"]  # the class's own, not its method's
+    assert found["src.user.UserService.connect"] == ["src.http.policy.RetryPolicy", "src.http.policy.retry"]
+
+
 def test_go_calls_resolve_within_the_package_through_imports_receivers_and_typed_parameters() -> None:
     files = {
         "svc/internal/store/store.go": """

@@ -817,7 +817,7 @@ class _Tree:
                 space = tuple(qualname.split(".")[: -2 if kind == "method" else -1])
                 scopes.append(_Calls(self, read, (read.path, fqn, span[0]), node, owner, space, names))
             # Each call goes with the innermost chunk holding it (the file's first of two alike: the sort is stable).
-            chunks = _Nested([(scope.node.start_byte, scope.node.end_byte) for scope in scopes])
+            chunks = _Nested([(_decorated_from(scope.node), scope.node.end_byte) for scope in scopes])
             for call in _captured(read, _CALLS, root):
                 scope = scopes[next(chunks.holding(call), 0)]
                 called = scope.callee(call)
@@ -961,12 +961,18 @@ class _Calls:
         tree, read = self.tree, self.read
         if node.type == "new_expression":
             made = node.child_by_field_name("constructor")
+            if made is not None and made.type == "member_expression":  # `new ns.Class()`, `ns` imported whole
+                whole = self.imported_whole(made.child_by_field_name("object"), node)
+                made_as = _text(made.child_by_field_name("property")) or ""
+                return tree.javascript_export(whole, made_as, 1) if whole is not None else None
             return (
                 tree.javascript_value(read, _text(made) or "")
                 if made is not None and made.type == "identifier"
                 else None
             )
-        function = node.child_by_field_name("function") if node.type == "call_expression" else None
+        # A bare decorator (`@audited`) calls what it names, as `@memoize(60_000)` calls memoize.
+        function = node if node.type in ("identifier", "member_expression") else None
+        function = node.child_by_field_name("function") if node.type == "call_expression" else function
         function = _last_of_sequence(function) if function is not None else None
         if function is None:
             return None
@@ -987,11 +993,10 @@ class _Calls:
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
         if held.type == "member_expression":  # `ns.Class.f()`, `ns` imported whole (a tester's errorForCode)
-            space, kind = held.child_by_field_name("object"), _text(held.child_by_field_name("property")) or ""
-            whole = read.imports.get(_text(space) or "") if space is not None and space.type == "identifier" else None
-            if whole is None or whole[1] is not None or self.names.binds(_text(space) or "", node):
+            whole = self.imported_whole(held.child_by_field_name("object"), node)
+            if whole is None:
                 return None
-            exported = tree.javascript_export(whole[0], kind, 1)
+            exported = tree.javascript_export(whole, _text(held.child_by_field_name("property")) or "", 1)
             return tree.member(exported if exported in tree.types else None, name)
         if held.type != "identifier":
             return None
@@ -1003,6 +1008,13 @@ class _Calls:
         if imported is not None and imported[1] is None:  # `ns.f()` through `import * as ns`
             return tree.javascript_export(imported[0], name, 1)
         return tree.member(tree.type_named(read, local), name)  # `Class.f()`
+
+    def imported_whole(self, space: tree_sitter.Node | None, node: tree_sitter.Node) -> str | None:
+        """The file a name ``space`` stands for where its file imports that whole (``import * as ns``) and the code
+        at ``node`` binds no other of the name."""
+        name = (_text(space) or "") if space is not None and space.type == "identifier" else ""
+        whole = self.read.imports.get(name)
+        return whole[0] if whole is not None and whole[1] is None and not self.names.binds(name, node) else None
 
     def go(self, function: tree_sitter.Node | None) -> str | None:
         tree, read = self.tree, self.read
@@ -1133,9 +1145,11 @@ class _Calls:
         return crate, (*path, *self.space)
 
 
+_JAVASCRIPT_CALLS = """(call_expression) @call (new_expression) @call (decorator (identifier) @call)
+    (decorator (member_expression) @call)"""
 _CALLS = {
-    "typescript": "(call_expression) @call (new_expression) @call",
-    "javascript": "(call_expression) @call (new_expression) @call",
+    "typescript": _JAVASCRIPT_CALLS,
+    "javascript": _JAVASCRIPT_CALLS,
     "go": "(call_expression) @call",
     "java": "(method_invocation) @call (object_creation_expression) @call (explicit_constructor_invocation) @call",
     "rust": "(call_expression) @call (macro_invocation) @call",
@@ -1155,6 +1169,16 @@ def _captured(read: _File, queries: Mapping[str, str], node: tree_sitter.Node) -
         return []
     captures = tree_sitter.QueryCursor(_query(suffix_of(read.path), queries[read.domain])).captures(node)
     return sorted((n for nodes in captures.values() for n in nodes), key=lambda n: (n.start_byte, -n.end_byte))
+
+
+def _decorated_from(node: tree_sitter.Node) -> int:
+    """Where a declaration starts with the decorators right above it, which are no node of its own in TypeScript:
+    ``@memoize(60_000)`` on a method is the method's call, as Python's decorators are (an agent tester's went to
+    the class)."""
+    start, above = node.start_byte, node.prev_named_sibling
+    while above is not None and above.type == "decorator":
+        start, above = above.start_byte, above.prev_named_sibling
+    return start
 
 
 def _last_of_sequence(function: tree_sitter.Node) -> tree_sitter.Node:

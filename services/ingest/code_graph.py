@@ -16,7 +16,8 @@ not the file's from where it is bound on):
   through an index file's re-exports), ``ns.f()`` for ``import * as ns``, ``Class.f()``, ``this.f()`` and
   ``super.f()`` through the class and the classes it extends (not within a nested ``function`` or class, whose
   ``this`` is another), ``x.f()`` through a local bound to ``new Class()`` or annotated ``: Class``,
-  ``new Class()`` and ``super(...)``;
+  ``new Class()``, ``new ns.Class()`` and ``super(...)``, and a decorator (``@audited``, ``@memoize(60)``) as a
+  call by what it decorates;
 - Go: a name of the package (its directory), ``pkg.F()`` through an import of a package of the tree (by its
   ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver, a
   parameter of a type of the tree (an interface's method too) or a local bound to one's composite literal

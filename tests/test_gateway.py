@@ -2099,6 +2099,23 @@ def test_the_query_table_says_what_the_answer_is_not_as_the_mcp_text_does() -> N
     )
     render_reply(console, {"semanticQuery": "who calls Circel"}, QueryResponse(results=[], _meta=unknown))
     assert "no symbol named 'Circel' is indexed" in console.export_text()
+    # What minRelevance left out (a quality tester's table was empty, unsaid), and each row's id (its BEIR rows
+    # showed one object type, and could not be told apart nor fetched).
+    below = meta.model_copy(update={"below_min_relevance": 2})
+    row = SearchResult(
+        id="doc-41",
+        score=0.97,
+        rank=1,
+        content="x",
+        object_type="beir.Document",
+        source_domain="beir",
+        metadata={},
+        found_by=[],
+    )
+    render_reply(console, {"semanticQuery": "q", "minRelevance": 0.95}, QueryResponse(results=[row], _meta=below))
+    shown = console.export_text()
+    assert "left out: 2 more results scoring below minRelevance 0.95" in shown
+    assert "beir.Document id doc-41" in shown
 
 
 def test_the_text_an_agent_reads_keeps_a_name_on_its_line() -> None:

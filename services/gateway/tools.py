@@ -460,11 +460,6 @@ def _render_query(reply: QueryResponse, arguments: dict[str, Any], contents: boo
     head.extend(answer_notes(reply, arguments))
     if meta.calibrated:
         head.append("scores: estimated probability of relevance, each its own (the ranking is the order)")
-    if meta.below_min_relevance:
-        head.append(
-            f"left out: {_counted(meta.below_min_relevance, 'more result')} scoring below minRelevance "
-            f"{arguments.get('minRelevance')} (ask with a lower one to see them)"
-        )
     if (pending := pending_note(meta)) is not None:
         head.append(pending)
     if meta.freshness is not None and meta.freshness.stream_refused:
@@ -639,6 +634,11 @@ def answer_notes(reply: QueryResponse, arguments: dict[str, Any]) -> list[str]:
         notes.append(  # an agent tester's "klass" got nothing, with nothing said
             f"nothing matched symbolKind {kind!r}: a kind is one an ingester wrote (this project's: module, class, "
             "function, method, docstring, section)"
+        )
+    if meta.below_min_relevance:  # in `ontofabric query`'s table too (a quality tester's was empty, unsaid)
+        notes.append(
+            f"left out: {_counted(meta.below_min_relevance, 'more result')} scoring below minRelevance "
+            f"{arguments.get('minRelevance')} (ask with a lower one to see them)"
         )
     return notes
 

@@ -413,3 +413,29 @@ async def test_dense_scores_are_the_cosines_dense_search_reports(deployment: Dep
     branch_d1 = (await documents.similarities(Scope("acme", "feature"), query, ["d1"])).candidates[0].score
     assert main_d1 == pytest.approx(float(np.dot(vector, unit_vector("d1"))), abs=1e-6)
     assert branch_d1 == pytest.approx(float(np.dot(vector, unit_vector("d1 branch"))), abs=1e-6)
+
+
+async def test_a_compound_identifier_no_document_holds_is_not_missing_while_its_parts_are_held(
+    deployment: Deployment, pool: asyncpg.Pool
+) -> None:
+    """A quality tester's: `jsonPrettyDump` scored a third of `json_pretty_dump` for the same answer. PostgreSQL
+    keeps the camel-cased word whole (and its parts follow it), the snake-cased one only as its parts; the whole
+    word, in no document, counted as a query term every match missed. A word no document holds that stands for
+    nothing else still counts."""
+    texts = {"p": "def json_pretty_dump(obj): write obj as indented JSON", "q": "dump the table to a csv file"}
+    store = PostgresProjectionStore(pool, "english")
+    await store.apply([Delta(i + 1, upsert("acme", document(k, v))) for i, (k, v) in enumerate(texts.items())])
+    keyword = PostgresKeyword(PostgresSnapshots(pool), "english", K1, B, K3)
+    scope = Scope("acme", "main")
+    snake = await keyword.search(scope, SearchInput("json_pretty_dump"), 10)
+    camel = await keyword.search(scope, SearchInput("jsonPrettyDump"), 10)
+    assert [c.id for c in camel.candidates] == [c.id for c in snake.candidates] == ["p", "q"]
+    assert camel.query_ceiling == pytest.approx(camel.ceiling)  # nothing missing: its parts are all held
+    saturation = {
+        name: hits.candidates[0].score / (hits.query_ceiling or 0)
+        for name, hits in [("snake", snake), ("camel", camel)]
+    }
+    assert saturation["camel"] > 0.8 * saturation["snake"], saturation  # it was a third
+    # Beside a word no document holds, standing for nothing, the ceiling still counts it.
+    unheld = await keyword.search(scope, SearchInput("jsonPrettyDump zyzzyva"), 10)
+    assert unheld.query_ceiling > unheld.ceiling

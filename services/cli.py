@@ -20,6 +20,7 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
@@ -155,8 +156,31 @@ for _output in (console, errors):
     _output.soft_wrap = not _output.is_terminal
 
 DataDir = Annotated[
-    Path | None, typer.Option("--data-dir", help="Data directory of the embedded servers (env ONTOFABRIC_DATA_DIR).")
+    Path | None,
+    typer.Option(
+        "--data-dir",
+        help="Data directory of the embedded servers (env ONTOFABRIC_DATA_DIR; default .ontofabric in the current "
+        "directory).",
+    ),
 ]
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        console.print(f"ontofabric {package_version('ontofabric')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _commands(
+    version: Annotated[
+        bool,
+        typer.Option("--version", help="Print the installed version and exit.", callback=_print_version, is_eager=True),
+    ] = False,
+) -> None:
+    """Event-driven indexing and hybrid query workers for ontology SemanticDocuments."""
+
+
 LockTimeout = Annotated[
     float,
     typer.Option(min=0.1, help="Seconds the swap may wait for its locks; past that it gives up, and can be run again."),
@@ -186,6 +210,15 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
 def _fail(message: str, code: int = 2) -> NoReturn:
     # The message as written: a path, a pattern or a dead letter's detail holding "[/x]" was read as markup.
     errors.print(f"[red]error:[/red] {as_text(message, lines=True)}")
+    raise typer.Exit(code)
+
+
+def _stop(settings: Settings, message: str, code: int = 2) -> NoReturn:
+    """A long-running service's end: under ONTOFABRIC_LOG_FORMAT=json its stderr is a log stream, so the reason is
+    logged as a JSON event (``stopped``), not printed as a line a log shipper cannot read (a new operator's)."""
+    if settings.log_format != "json":
+        _fail(message, code)
+    log.error("stopped", reason=message, exit_code=code)
     raise typer.Exit(code)
 
 
@@ -271,7 +304,7 @@ def _serve(
     try:
         asyncio.run(serve_until_signal(settings, endpoints, Roles(**roles), on_ready, exited))
     except (ConnectionLost, ServersEnded) as error:
-        _fail(str(error), code=1)
+        _stop(settings, str(error), code=1)
 
 
 def _endpoints(settings: Settings) -> Endpoints:
@@ -348,7 +381,7 @@ def up(
             roles = {"projector": with_projector, "query": with_query_worker, "azure_projector": with_projector}
             _serve(settings, endpoints, roles, ready, runtime.exited)
     except RuntimeUnavailable as error:
-        _fail(str(error))
+        _stop(settings, str(error))
 
 
 @app.command()

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -52,6 +53,12 @@ def test_every_command_has_help(command: str) -> None:
     assert "Usage" in result.stdout
     assert "<bool>" not in result.stdout  # a flag takes no value, so its help shows none
     assert "…" not in result.stdout  # printed to no terminal, nothing cut (a docs tester's `--sample-documen…`)
+
+
+def test_the_installed_version_is_printed() -> None:
+    """A new operator's: `ontofabric --version` was "No such option"."""
+    result = subprocess.run([ONTOFABRIC, "--version"], capture_output=True, text=True, env=_env(), check=False)
+    assert (result.returncode, result.stdout) == (0, f"ontofabric {version('ontofabric')}\n"), result.stderr
 
 
 def test_a_commands_help_paragraphs_are_not_cut_at_their_docstrings_line_breaks() -> None:
@@ -146,6 +153,9 @@ def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> No
             up.wait()
     assert up.returncode == 1
     assert "embedded server ended: nats" in stderr.decode()
+    # Its stderr is a JSON log stream (the default format) to its last line (a new operator's ended in plain text).
+    events = [json.loads(line) for line in stderr.decode().splitlines()]
+    assert [e["exit_code"] for e in events if e["event"] == "stopped" and "server ended: nats" in e["reason"]] == [1]
 
 
 def _ingest_geometry(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

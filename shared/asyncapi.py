@@ -152,7 +152,10 @@ def _messages() -> Json:
             "DeltaStored",
             {"type": "string", "maxLength": 0, "description": "Empty: only the stored delta's headers come again."},
             "A delta the stream stored, republished by the stream as its headers alone: query workers learn the "
-            "latest sequence of each workspace and branch without reading the stream.",
+            "latest sequence of each workspace and branch without reading the stream. The delta's own headers come "
+            "too (Content-Type, Nats-Msg-Id, whatever its producer set), before the stream's: where a producer set "
+            "one of the names below, the stream's value is the last of that name's values. Read the last (a nats.js "
+            "client's headers.get() returns the first).",
             _headers(
                 {
                     "Nats-Stream": {"type": "string"},

@@ -128,7 +128,12 @@ def _messages() -> Json:
             "A document upsert, delete or revert, or an ontology graph change, of one workspace and branch. "
             f"A message carrying any of the headers {', '.join(SERVER_ANSWER_HEADERS)} is read as a NATS server's "
             "answer stored on the subject, not a delta: it is dropped without a dead letter (counted in the metric "
-            "projector.deltas, outcome server_answer_dropped, and logged). A producer must not set them.",
+            "projector.deltas, outcome server_answer_dropped, and logged). A producer must not set them. Beyond "
+            "this schema the projector refuses (dead-letters invalid_schema, naming the field): text holding a NUL "
+            "or a lone surrogate (PostgreSQL stores neither); an embedding with a value that is no finite float32, "
+            "or (nearly) the zero vector; a body nested more than 200 objects or arrays deep; a time whose UTC "
+            "falls outside years 1 to 9999. It reads occurredAt loosely, as it always has (a time without offset, "
+            "epoch seconds): the schema states the form to send.",
             _headers(
                 {
                     "Nats-Msg-Id": {

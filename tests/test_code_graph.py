@@ -479,6 +479,41 @@ def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_the
     assert {"inv.store.store.Store.Get", "inv.store.store.Store.Put", "inv.store.store.Closer.Close"} <= chunks
 
 
+def test_a_go_interface_is_implemented_by_arity_and_its_unexported_methods_package_whatever_the_order() -> None:
+    """A review's: a type of another package was linked to a sealed interface (``exprNode()``, which only its own
+    package can implement), ``Run()`` to ``Run(ctx) error``, and a chain of interfaces embedding each other linked
+    a type to the last two or to all eleven by the order they were declared in."""
+    chain = "\n".join(
+        f"type I{i} interface {{\n\tM{i}()\n" + (f"\tI{i + 1}\n" if i < 10 else "") + "}\n" for i in range(11)
+    )
+    implementing = "type T struct{}\n" + "".join(f"func (T) M{i}() {{}}\n" for i in range(11))
+    for order in (chain, "\n".join(reversed(chain.split("\n\n")))):
+        files = {
+            "ast/ast.go": "package ast\n\ntype Expr interface{ exprNode() }\n\ntype Ident struct{}\n\n"
+            "func (Ident) exprNode() {}\n\ntype Base struct{}\n\nfunc (*Base) exprNode() {}\n",
+            "other/other.go": 'package other\n\nimport "example.com/m/ast"\n\ntype Thing struct{}\n\n'
+            "func (Thing) exprNode() {}\n\ntype Wrapped struct{ *ast.Base }\n\n"
+            "type Runner interface{ Run(ctx context.Context) error }\n\ntype Job struct{}\n\nfunc (Job) Run() {}\n\n"
+            "type Task struct{}\n\nfunc (Task) Run(c context.Context) error { return nil }\n",
+            "chain/chain.go": f"package chain\n\n{order}\n{implementing}",
+        }
+        read = read_code(files, {"": "example.com/m"})
+        inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
+        assert {(s, t) for s, t in inherits if t == "ast.ast.Expr"} == {
+            ("ast.ast.Ident", "ast.ast.Expr"), ("ast.ast.Base", "ast.ast.Expr"),
+            ("other.other.Wrapped", "ast.ast.Expr"),  # its exprNode is ast's, through what it embeds
+        }  # fmt: skip
+        assert {s for s, t in inherits if t == "other.other.Runner"} == {"other.other.Task"}
+        assert {t for s, t in inherits if s == "chain.chain.T"} == {f"chain.chain.I{i}" for i in range(11)}
+
+
+def test_a_one_line_go_interface_past_the_minified_width_keeps_its_chunk() -> None:
+    methods = "; ".join(f"Method{i}(ctx context.Context, id string) error" for i in range(8))
+    text = f"package p\n\ntype Service interface{{ {methods} }}\n"
+    assert len(text.splitlines()[2]) > 300
+    assert {c.symbol_fqn for c in chunk_code("p/p.go", text, 10**6)} == {"p.p", "p.p.Service"}
+
+
 def test_hostile_trees_end_and_stop_nothing() -> None:
     # Index files re-exporting each other all: a name none exports took 15 s for 10 files (the files to the power
     # of the hops followed); each (file, name) is now looked up once, and a cycle ends.

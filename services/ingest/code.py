@@ -14,7 +14,6 @@ import itertools
 import posixpath
 import statistics
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -289,10 +288,16 @@ def chunked_declarations(
         first = line_of(node.start_byte)
         return first if first == line_of(max(node.start_byte, node.end_byte - 1)) else None
 
-    shared = Counter(own_line(node) for *_, node in declared)
+    on_line: dict[int | None, list[tree_sitter.Node]] = {}
+    for *_, node in declared:
+        on_line.setdefault(own_line(node), []).append(node)
     for declaration in declared:
-        on = own_line(declaration[-1])
-        if on is None or shared[on] < 2 or len(lines[on - 1]) <= MINIFIED_LINE_CHARS:
+        node = declaration[-1]
+        on = own_line(node)
+        mates = on_line[on]
+        # One holding every other on its line (a one-line Go interface and its methods) is still one declaration.
+        holds_them = all(node.start_byte <= m.start_byte and m.end_byte <= node.end_byte for m in mates)
+        if on is None or len(mates) < 2 or len(lines[on - 1]) <= MINIFIED_LINE_CHARS or holds_them:
             yield declaration
 
 

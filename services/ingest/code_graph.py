@@ -45,6 +45,7 @@ import re
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import tree_sitter
 
@@ -74,6 +75,17 @@ MAX_HOPS = 8
 _JAVASCRIPT_SUFFIXES = (".ts", ".tsx", ".d.ts", ".mts", ".cts", ".js", ".jsx", ".mjs", ".cjs")
 _GO_MODULE = re.compile(r"^[ \t]*module[ \t]+(\S+)", re.MULTILINE)
 _GO_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+
+
+class GoMethod(NamedTuple):
+    """A Go method as an interface asks for it: its name, how many parameters and results it has, and, for an
+    unexported one, the package declaring it (``""`` for an exported one)."""
+
+    name: str
+    parameters: int
+    results: int
+    package: str
+
 
 CallKey = tuple[str, str, int]
 """A chunk as :func:`read_code` keys it: its file, its qualified name and its first line (0 for a file's)."""
@@ -235,6 +247,8 @@ class _Tree:
         until :meth:`resolve` knows every type."""
         self.go_types: dict[str, tuple[_File, str, str]] = {}
         """Go: a type's key -> its file, its qualified name there and its kind (``interface``, ``struct``...)."""
+        self.go_arity: dict[str, tuple[int, int]] = {}
+        """Go: a method's qualified name -> how many parameters and results it declares."""
         self.implemented: dict[str, list[str]] = {}
         """Go: a type's key -> the keys of the interfaces of the tree it satisfies (:meth:`_go_implementations`)."""
         self.go_results: dict[str, tuple[_File, str | None, str]] = {}
@@ -277,6 +291,8 @@ class _Tree:
             for owner, trait in _trait_impls(root):  # `impl Backoff for Constant`: a base, as Java's `implements`
                 read.bases_written.setdefault(owner, []).append(trait)
         for _kind, _level, qualname, _span, node in declared if read.domain == "go" else ():
+            if node.type in ("method_declaration", "method_elem"):
+                self.go_arity[bounded_symbol(f"{read.module}.{qualname}")] = _go_arity(node)
             result = node.child_by_field_name("result")
             written = _go_written(result) if result is not None and node.type == "function_declaration" else None
             if written is not None:  # `func NewRouter() *Mux`: what `r := NewRouter()` binds
@@ -297,37 +313,55 @@ class _Tree:
         self._go_implementations()
 
     def _go_implementations(self) -> None:
-        """Each Go type of the tree that is no interface -> the interfaces of the tree whose every method's name is
-        one of its methods' (its own or an embedded type's). Go says it nowhere: an agent tester's "what implements
-        Store" found none of its two stores. An interface embedding one the tree does not declare (``io.Closer``,
-        a union of types) has methods unknown here, and is left out."""
-        known: dict[str, tuple[frozenset[str], bool]] = {}
-
-        def methods(key: str, hops: int = 0) -> tuple[frozenset[str], bool]:
-            """The names of a type's methods the tree declares, and whether they are all it has."""
-            if key not in known:
-                read, qualname, _kind = self.go_types[key]
-                bases = self.bases.get(key, [])
-                inherited = [methods(base, hops + 1) for base in bases] if hops < MAX_HOPS else []
-                whole = len(inherited) == len(bases) == len(read.bases_written.get(qualname, []))
-                known[key] = (
-                    frozenset(self.members.get(key, {})).union(*(names for names, _ in inherited)),
-                    whole and all(complete for _, complete in inherited),
-                )
-            return known[key]
-
-        having: dict[str, set[str]] = {}
+        """Each Go type of the tree that is no interface -> the interfaces of the tree each of whose methods it has
+        (its own or an embedded type's): the same name, as many parameters and results, and an unexported one
+        declared in the interface's package (only there can a type have it). Go says it nowhere: an agent tester's
+        "what implements Store" found none of its two stores. An interface embedding one the tree does not declare
+        (``io.Closer``, a union of types) has methods unknown here, and is left out."""
+        known: dict[str, tuple[frozenset[GoMethod], bool]] = {}
+        for key in self.go_types:
+            self._go_method_set(key, known)
+        having: dict[GoMethod, set[str]] = {}
         for key, (_read, _qualname, kind) in self.go_types.items():
-            for name in methods(key)[0] if kind != "interface" else ():
-                having.setdefault(name, set()).add(key)
+            for method in known[key][0] if kind != "interface" else ():
+                having.setdefault(method, set()).add(key)
         for interface, (_read, _qualname, kind) in self.go_types.items():
-            wanted, complete = methods(interface)
+            wanted, complete = known[interface]
             if kind != "interface" or not complete or not wanted:  # `any` is every type's: no link says anything
                 continue
-            rarest = min(wanted, key=lambda name: len(having.get(name, ())))
+            rarest = min(wanted, key=lambda method: len(having.get(method, ())))
             for key in sorted(having.get(rarest, ())):
-                if wanted <= methods(key)[0]:
+                if wanted <= known[key][0]:
                     self.implemented.setdefault(key, []).append(interface)
+
+    def _go_method_set(self, start: str, known: dict[str, tuple[frozenset[GoMethod], bool]]) -> None:
+        """A Go type's methods, its own and those of the types it embeds, and whether they are all it has (what it
+        embeds is of the tree, and no embedding cycle, which Go refuses, runs through it), into ``known``. Without
+        recursion: a tree's embedding may go deep."""
+        pending, entered = [start], set()
+        while pending:
+            key = pending[-1]
+            if key in known:
+                pending.pop()
+                continue
+            bases = self.bases.get(key, [])
+            if key not in entered:
+                entered.add(key)
+                pending.extend(base for base in bases if base not in known and base not in entered)
+                continue
+            pending.pop()
+            read, qualname, _kind = self.go_types[key]
+            package = key.rpartition(".")[0]
+            own = {
+                GoMethod(name, *self.go_arity.get(fqn, (-1, -1)), "" if name[:1].isupper() else package)
+                for name, fqn in self.members.get(key, {}).items()
+            }
+            inherited = [known.get(base) for base in bases]  # None: a cycle's
+            known[key] = (
+                frozenset(own).union(*(held[0] for held in inherited if held is not None)),
+                len(bases) == len(read.bases_written.get(qualname, []))
+                and all(held is not None and held[1] for held in inherited),
+            )
 
     # -- indexing ------------------------------------------------------------------------------------------------
 
@@ -1177,8 +1211,9 @@ def _decorated_from(node: tree_sitter.Node) -> int:
     ``@memoize(60_000)`` on a method is the method's call, as Python's decorators are (an agent tester's went to
     the class)."""
     start, above = node.start_byte, node.prev_named_sibling
-    while above is not None and above.type == "decorator":
-        start, above = above.start_byte, above.prev_named_sibling
+    while above is not None and above.type in ("decorator", "comment"):
+        start = above.start_byte if above.type == "decorator" else start
+        above = above.prev_named_sibling
     return start
 
 
@@ -1422,6 +1457,21 @@ def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
     if value.type == "composite_literal":
         return value.child_by_field_name("type")
     return value if value.type == "call_expression" else None
+
+
+def _go_arity(method: tree_sitter.Node) -> tuple[int, int]:
+    """How many parameters and results a Go method (or an interface's) declares: ``(a, b int) (int, error)`` is
+    2 and 2, a lone result type 1."""
+
+    def count(listed: tree_sitter.Node | None) -> int:
+        if listed is None:
+            return 0
+        if listed.type != "parameter_list":
+            return 1
+        declared = (n for n in listed.named_children if n.type.endswith("parameter_declaration"))
+        return sum(max(1, len(n.children_by_field_name("name"))) for n in declared)
+
+    return count(method.child_by_field_name("parameters")), count(method.child_by_field_name("result"))
 
 
 def _go_embedded(spec: tree_sitter.Node) -> list[str]:

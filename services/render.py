@@ -71,7 +71,7 @@ def render_reply(console: Console, query: dict[str, Any], reply: QueryResponse |
         level = as_text(str(result.metadata.get("chunkLevel", "")))
         where = as_text(source_place(result.metadata) or "")
         cell = f"[bold]{as_text(str(symbol))}[/bold]" + (f" {where}" if where else "")
-        if result.id != symbol:  # what get_document and `query --json` name it by (a tester's rows were alike)
+        if not result.metadata.get("symbolFqn"):  # what get_document takes (a tester's BEIR rows were alike)
             cell += f" [dim]id {as_text(result.id)}[/dim]"
         if result.assigned_at_line is not None:
             cell += f" (assigned at line {result.assigned_at_line})"

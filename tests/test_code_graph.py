@@ -99,12 +99,17 @@ def test_typescript_decorators_are_calls_of_what_they_decorate_and_new_reads_a_n
               @memoize(60_000)
               normalizeEmail(e: string) { return e }
 
+              @audited
+              // a comment between: still the method's (a review's went to the class)
+              commented() {}
+
               connect() { const p = new http.RetryPolicy(); http.retry(); return p }
             }
             """,
     }))  # fmt: skip
     assert found["src.user.UserService.normalizeEmail"] == ["src.deco.audited", "src.deco.memoize"]
     assert found["src.user.UserService"] == ["src.deco.audited"]  # the class's own, not its method's
+    assert found["src.user.UserService.commented"] == ["src.deco.audited"]
     assert found["src.user.UserService.connect"] == ["src.http.policy.RetryPolicy", "src.http.policy.retry"]
 
 

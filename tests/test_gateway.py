@@ -2116,6 +2116,9 @@ def test_the_query_table_says_what_the_answer_is_not_as_the_mcp_text_does() -> N
     shown = console.export_text()
     assert "left out: 2 more results scoring below minRelevance 0.95" in shown
     assert "beir.Document id doc-41" in shown
+    code = row.model_copy(update={"id": "9f" * 16, "metadata": {"symbolFqn": "demo.parse"}})
+    render_reply(console, {"semanticQuery": "q"}, QueryResponse(results=[code], _meta=meta))
+    assert "9f9f9f" not in console.export_text()  # a code chunk is named by its symbol, not its hash
 
 
 def test_the_text_an_agent_reads_keeps_a_name_on_its_line() -> None:

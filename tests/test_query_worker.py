@@ -1005,13 +1005,14 @@ async def test_a_subject_that_names_no_valid_workspace_gets_an_error(
     await start_query_worker(embedder)
     # Undecodable or invalid names, and other spellings of the seeded "acme" than its canonical token: one name is
     # served on one subject only, so a NATS permission on that subject cannot be walked around.
-    for token in ("_uffffff", "_00", "_2e_2e", "_61cme", "acm_65", "_u000061cme"):
+    for token in ("_uffffff", "_00", "_2e_2e", "_61cme", "acm_65", "_u000061cme", "a_2Fb"):
         reply = await deployment.nc.request(
             f"{deployment.names.prefix}.query.{token}", b'{"semanticQuery": "x"}', timeout=5
         )
         error = ErrorReply.model_validate_json(reply.data)
         assert error.error.code == "invalid_request", token
-        # Another spelling of "acme" is told the one accepted (an outside team's client wrote hex in capitals).
+        # Another spelling of "acme" is told the one accepted (an outside team's client wrote hex in capitals); not
+        # a spelling of a name no workspace may have (a/b: a review's was told a spelling refused too).
         said = error.error.details[0].message
         assert ("written 'acme'" in said) == (token in ("_61cme", "acm_65", "_u000061cme")), (token, said)
     assert (await _ask(client, "sort numbers")).results[0].id == "sort"

@@ -23,8 +23,9 @@ not the file's from where it is bound on):
   parameter of a type of the tree (an interface's method too) or a local bound to one's composite literal
   (``x := &T{}``, ``var x = T{}``) or to what a function of the tree declared to return one returns
   (``r := NewRouter()``), and a method a struct has through a type it embeds. A type's bases are what it embeds,
-  and the interfaces of the tree it satisfies: it has a method of each name theirs have (names only, not
-  signatures; not an interface embedding one from outside the tree, whose methods are unknown);
+  and the interfaces of the tree it satisfies: it has a method of each of theirs' names with as many parameters
+  and results (their types unread; not an interface embedding one from outside the tree, whose methods are
+  unknown);
 - Java: a method of the class, the classes it extends or implements and those holding it (``m()``, ``this.m()``,
   ``super.m()``; not within an anonymous or local class), one imported ``static``, ``Type.m()`` and ``x.m()``
   where ``x`` is a parameter, a local or a field declared with a type of the tree (by its own file, its package,

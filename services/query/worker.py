@@ -1033,7 +1033,8 @@ class QueryService:
         if workspace is None or operation is None:
             token = msg.subject.rsplit(".", 1)[-1]
             canonical = canonical_spelling(token)
-            spelled = f": its workspace is written {canonical!r}, with lower-case hex escapes" if canonical else ""
+            served = canonical is not None and workspace_of_subject(f"{msg.subject[: -len(token)]}{canonical}")
+            spelled = f": its workspace is written {canonical!r}, with lower-case hex escapes" if served else ""
             return error_reply(
                 "invalid_request",
                 "the subject does not name an operation and a valid workspace",

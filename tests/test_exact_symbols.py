@@ -1086,6 +1086,10 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
 ) -> None:
     """A monorepo tester's 12 questions about Go, TypeScript, YAML and SQL found nothing: none of it was read."""
     files = {
+        # An index file, imported by its directory (an agent tester's importers of src.http were "not indexed").
+        "web/src/http/index.ts": "export function retry() { return 1; }\n",
+        "web/src/http/client.ts": "import { retry } from '.';\nexport function get() { return retry(); }\n",
+        "web/src/pages/Orders.tsx": "import { retry } from '../http';\nexport function Orders() { return retry(); }\n",
         "web/src/hooks/useCurrentUser.ts": """
             /** The signed-in user, fetched once and kept. */
             export function useCurrentUser() {
@@ -1168,6 +1172,9 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     for question in ("what imports com.acme.Ledger", "what imports Ledger"):
         java_importers = await _ask(client, question, "mono")
         assert _found_by(java_importers, IMPORTER, "filePath") == ["billing/src/com/acme/audit/Audit.java"], question
+    http_importers = await _ask(client, "what imports web.src.http", "mono")
+    assert "web/src/pages/Orders.tsx" in _found_by(http_importers, IMPORTER, "filePath")
+    assert _names(await _ask(client, "web.src.http.retry", "mono"))[0] == "web.src.http.index.retry (method)"
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
     assert _found_by(importers, IMPORTER, "filePath") == ["web/src/pages/Profile.tsx"]
     go_implementing = await _ask(client, "what implements auth.Verifier", "mono")

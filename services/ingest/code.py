@@ -252,6 +252,16 @@ def rust_aliases(path: str, symbol: str, crate_names: Mapping[str, str]) -> tupl
     return tuple(name for name in named if symbol != name and not symbol.endswith("." + name))
 
 
+def index_aliases(path: str, symbol: str) -> tuple[str, ...]:
+    """A TypeScript or JavaScript index file's names by its directory, as ``import ... from './http'`` names the
+    module: ``src.http`` for ``src/http/index.ts``'s module, ``src.http.retry`` for its ``retry``. An agent tester's
+    importers of ``src.http`` were "not indexed": the module was named ``src.http.index`` alone."""
+    module = module_name(path)
+    if not module.endswith(".index") or not (symbol == module or symbol.startswith(module + ".")):
+        return ()
+    return (module.removesuffix(".index") + symbol[len(module) :],)
+
+
 def is_declaration_file(path: str) -> bool:
     """A TypeScript declaration file (``x.d.ts``, ``.d.mts``, ``.d.cts``): the types of a module whose code is
     another file of the same module name (:func:`module_name`), as a published package ships them."""

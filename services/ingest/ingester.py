@@ -68,7 +68,7 @@ from ontofabric.shared.telemetry import tracer
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
 from .client import DeltaPublisher, PublishFailed, envelope
-from .code import CODE_SUFFIXES, crate_roots, rust_aliases
+from .code import CODE_SUFFIXES, crate_roots, index_aliases, rust_aliases
 from .code_graph import CodeRead, go_module_path, read_code, rust_crate_name
 from .graph import (
     GraphLink,
@@ -422,6 +422,8 @@ def chunk_sources(
         published = [*chunk.aliases, *(_aliases(chunk, exports) if of_python else [])]
         if chunk.source_domain == "rust":
             published += rust_aliases(chunk.file_path, chunk.symbol_fqn, crate_names)
+        elif chunk.source_domain in ("typescript", "javascript"):
+            published += index_aliases(chunk.file_path, chunk.symbol_fqn)
         if of_python:  # a src layout's, by its import name
             own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
             named = [*([own] if own else []), *published, *(name for name in others if name)]

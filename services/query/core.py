@@ -212,7 +212,8 @@ class Definitions:
     (``click.core.Option`` for ``click.Option``), when one does."""
     module_named: str | None = None
     """For a definitions lookup: the module a Rust module's path in its crate names (``throttle.bucket`` for
-    ``src/bucket/mod.rs``, ingest.code.rust_aliases), what a question of its imports is asked of."""
+    ``src/bucket/mod.rs``, ingest.code.rust_aliases), or a TypeScript or JavaScript directory does (``src.http``
+    for ``src/http/index.ts``, ingest.code.index_aliases): what a question of its imports is asked of."""
     assigning: frozenset[str] = frozenset()
     """For a definitions lookup: those found as the chunk assigning the name (a module's constant, a class's
     attribute), which has no chunk of its own."""

@@ -836,9 +836,15 @@ class PostgresDocuments:
         found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
-        # A Rust module's file is named by its path in the crate; a Python module's alias publishes a name it assigns.
+        # A Rust module's file is named by its path in the crate, a TypeScript or JavaScript index file by its
+        # directory; a Python module's alias publishes a name it assigns.
         module = next(
-            (r["own"] for r in published if r["chunk_level"] == "file" and r["source_domain"] == "rust"), None
+            (
+                r["own"]
+                for r in published
+                if r["chunk_level"] == "file" and r["source_domain"] in ("rust", "typescript", "javascript")
+            ),
+            None,
         )
         # A module's chunk published under the name publishes a name it assigns (pytest.skip): where, as assigning.
         publishing = frozenset(r["id"] for r in published if r["chunk_level"] == "file")

@@ -186,6 +186,15 @@ def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_i
     assert graph.subtypes("a.Base") == [["a.Left", "a.Right"], ["a.Both", "a.Leaf"]]
     assert graph.subtypes("a.Leaf") == []
     assert graph.supertypes("a.Both") == [["a.Left", "a.Right"], ["a.Base"]]
+    assert graph.resolution_order("a.Both") == ["a.Left", "a.Right", "a.Base"]  # Python's order: a diamond's base last
+    # A Go type's embedded struct (and what it embeds) before the interface it satisfies, as its bases are listed:
+    # an agent tester's Comment.Pos was the interface's, nearer by distance; a Java superclass chain before an
+    # interface; a cycle ends.
+    go = OntologyGraph(interfaces={"e.Comment": ("a.Ident", "a.Node"), "a.Ident": ("a.base",), "a.base": ("a.Node",)})
+    assert go.supertypes("e.Comment") == [["a.Ident", "a.Node"], ["a.base"]]
+    assert go.resolution_order("e.Comment") == ["a.Ident", "a.base", "a.Node"]
+    cycle = OntologyGraph(interfaces={"c.A": ("c.B",), "c.B": ("c.A",)})
+    assert cycle.resolution_order("c.A") == ["c.B"]
     assert graph.linked("a.Base", "imports", "incoming") == ["a.Left"]  # a calls link is no import
     assert graph.linked("a.Base", "imports", "outgoing") == ["b.Base"]
 

@@ -53,6 +53,10 @@ class Neighbour:
     direction: Literal["outgoing", "incoming"]
 
 
+MAX_RESOLVED_TYPES = 1000
+"""The most types a resolution order reads (a generated hierarchy's)."""
+
+
 @dataclass
 class OntologyGraph:
     version: str = ""
@@ -100,6 +104,36 @@ class OntologyGraph:
         counts the type among that base's (a tester's bases and subclasses disagreed once a base's node was
         removed)."""
         return self._levels(object_type, lambda current: self.interfaces.get(current, ()))
+
+    def resolution_order(self, object_type: str) -> list[str]:
+        """The type's bases in the order a member it does not define is looked for in them: C3 linearisation
+        (Python's method resolution order) over each type's bases as listed, which puts a Java class's superclass
+        chain before its interfaces and a Go type's embedded types before the interfaces it satisfies (an agent
+        tester's ``Comment.Pos`` was taken for an interface's, the nearer by distance, where ``Comment`` had it
+        through two embedded structs). Bases that admit no such order are read depth first, left to right."""
+        orders: dict[str, list[str]] = {}
+        entered: set[str] = set()
+
+        def linear(current: str) -> list[str]:
+            if current in orders:
+                return orders[current]
+            if current in entered or len(entered) > MAX_RESOLVED_TYPES:  # a cycle, or a hierarchy past reading
+                return [current]
+            entered.add(current)
+            bases = list(dict.fromkeys(self.interfaces.get(current, ())))
+            pending = [linear(base) for base in bases] + [bases]
+            order = [current]
+            while pending := [sequence for sequence in pending if sequence]:
+                head = next((s[0] for s in pending if not any(s[0] in other[1:] for other in pending)), None)
+                if head is None:  # no consistent order: the rest depth first
+                    order += [t for sequence in pending for t in sequence if t not in order]
+                    break
+                order.append(head)
+                pending = [sequence[1:] if sequence[0] == head else sequence for sequence in pending]
+            orders[current] = list(dict.fromkeys(order))
+            return orders[current]
+
+        return linear(object_type)[1:]
 
     def _levels(self, start: str, step: Callable[[str], Iterable[str]]) -> list[list[str]]:
         levels: list[list[str]] = []

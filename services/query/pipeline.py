@@ -744,7 +744,7 @@ class QueryPipeline:
         if not dot or not owner or not member:
             return None
         graph = await self._announced_graph(scope.workspace, scope.branch)
-        bases = [base for named in graph.named(owner) for level in graph.supertypes(named) for base in level]
+        bases = [base for named in graph.named(owner) for base in graph.resolution_order(named)]
         for base in list(dict.fromkeys(bases))[:BASES_LOOKED_UP]:
             if (await self._documents.definitions(scope.unfiltered, f"{base}.{member}", 1)).symbols:
                 return f"{base}.{member}"

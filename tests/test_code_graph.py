@@ -457,6 +457,13 @@ GO_STORES = {
         )
 
         func Audit(st store.Store, c *cached.CachedStore) { st.Get("a"); c.Put(store.Item{}) }
+
+        type Auditor struct {
+        \tst, backup store.Store
+        \t*cached.CachedStore
+        }
+
+        func (a *Auditor) Run() { a.backup.Put(store.Item{}); a.CachedStore.Close(); a.MemoryStore.Get("b") }
         """,
 }
 
@@ -474,12 +481,20 @@ def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_the
         ("inv.cached.cached.CachedStore", "inv.store.store.Store"),  # through what it embeds
         ("inv.cached.cached.CachedStore", "inv.store.store.Closer"),  # its own Close too
         ("inv.store.store.Closer", "inv.store.store.Store"),  # an interface embedding another
+        ("inv.audit.audit.Auditor", "inv.cached.cached.CachedStore"),
+        ("inv.audit.audit.Auditor", "inv.store.store.Store"),
+        ("inv.audit.audit.Auditor", "inv.store.store.Closer"),
     }  # not Getter (no Put); not Open (io.Reader's methods are unknown), Number, nor the empty Any
     cached = next(node for node in read.nodes if node.object_type == "inv.cached.cached.CachedStore")
     assert set(cached.interfaces) == {"inv.store.memory.MemoryStore", "inv.store.store.Store", "inv.store.store.Closer"}
     found = _by_name(_calls(GO_STORES, {"inv": "example.com/inv"}))
     # Through an interface's parameter, its method; through an embedded struct, the method it promotes.
     assert found["inv.audit.audit.Audit"] == ["inv.store.store.Store.Get", "inv.store.memory.MemoryStore.Put"]
+    # Through a struct's field, an embedded one named by its type, and one it has through what it embeds (a
+    # retest's dependency-injected stores were no callers).
+    assert found["inv.audit.audit.Auditor.Run"] == [
+        "inv.store.store.Store.Put", "inv.cached.cached.CachedStore.Close", "inv.store.memory.MemoryStore.Get"
+    ]  # fmt: skip
     chunks = {c.symbol_fqn for c in chunk_code("inv/store/store.go", sources["inv/store/store.go"], 10**6)}
     assert {"inv.store.store.Store.Get", "inv.store.store.Store.Put", "inv.store.store.Closer.Close"} <= chunks
 

@@ -20,7 +20,8 @@ not the file's from where it is bound on):
   call by what it decorates;
 - Go: a name of the package (its directory), ``pkg.F()`` through an import of a package of the tree (by its
   ``go.mod``'s module path, else by the import path's end), ``x.M()`` where ``x`` is the method's receiver, a
-  parameter of a type of the tree (an interface's method too) or a local bound to one's composite literal
+  parameter of a type of the tree (an interface's method too), a field of such a one's struct (``s.store.Get()``)
+  or a local bound to one's composite literal
   (``x := &T{}``, ``var x = T{}``) or to what a function of the tree declared to return one returns
   (``r := NewRouter()``), and a method a struct has through a type it embeds. A type's bases are what it embeds,
   and the interfaces of the tree it satisfies: it has a method of each of theirs' names with as many parameters
@@ -248,6 +249,9 @@ class _Tree:
         until :meth:`resolve` knows every type."""
         self.go_types: dict[str, tuple[_File, str, str]] = {}
         """Go: a type's key -> its file, its qualified name there and its kind (``interface``, ``struct``...)."""
+        self.go_fields: dict[str, dict[str, tuple[_File, str | None, str]]] = {}
+        """Go: a struct's key -> its fields' names (an embedded one's by its type's name) -> its file and the
+        field's type as written (:func:`_go_written`), where that is one named type."""
         self.go_arity: dict[str, tuple[int, int]] = {}
         """Go: a method's qualified name -> how many parameters and results it declares."""
         self.implemented: dict[str, list[str]] = {}
@@ -294,6 +298,9 @@ class _Tree:
         for _kind, _level, qualname, _span, node in declared if read.domain == "go" else ():
             if node.type in ("method_declaration", "method_elem"):
                 self.go_arity[bounded_symbol(f"{read.module}.{qualname}")] = _go_arity(node)
+            elif node.type == "type_spec":
+                fields = {name: (read, *written) for name, written in _go_fields(node)}
+                self.go_fields.setdefault(self.type_key(read, qualname), {}).update(fields)
             result = node.child_by_field_name("result")
             written = _go_written(result) if result is not None and node.type == "function_declaration" else None
             if written is not None:  # `func NewRouter() *Mux`: what `r := NewRouter()` binds
@@ -728,6 +735,16 @@ class _Tree:
         key = f"{self.go_package(read)}.{name}" if package is None else (f"{imported[0]}.{name}" if imported else None)
         return key if key in self.types else None
 
+    def go_field(self, key: str | None, name: str, hops: int = 0) -> str | None:
+        """The key of the type of the tree a Go struct's field ``name`` is declared with, or one it has through a
+        struct it embeds (the shallowest first, as Go reads it)."""
+        if key is None or hops > MAX_HOPS:
+            return None
+        field = self.go_fields.get(key, {}).get(name)
+        if field is not None:
+            return self.go_named(*field)
+        return next((f for b in self.bases.get(key, []) if (f := self.go_field(b, name, hops + 1)) is not None), None)
+
     def java_static(self, read: _File, name: str, by_name: bool = False) -> str | None:
         """The static member ``name`` a Java file imports (``import static com.acme.Util.check``, or ``.*`` unless
         ``by_name``): a tester's 36 callers of javapoet's ``checkArgument`` were one."""
@@ -1064,6 +1081,15 @@ class _Calls:
         if function.type != "selector_expression":
             return None
         held, name = function.child_by_field_name("operand"), _text(function.child_by_field_name("field")) or ""
+        if held is not None and held.type == "selector_expression":  # `s.store.Get()`: through a field's type
+            owner = held.child_by_field_name("operand")
+            local = (_text(owner) or "") if owner is not None and owner.type == "identifier" else ""
+            written = self.names.type_of(local, function) if local and self.names.binds(local, function) else None
+            if written is None:
+                return None
+            return tree.member(
+                tree.go_field(self.go_type(written), _text(held.child_by_field_name("field")) or ""), name
+            )
         if held is None or held.type != "identifier":
             return None
         local = _text(held) or ""
@@ -1458,6 +1484,22 @@ def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
     if value.type == "composite_literal":
         return value.child_by_field_name("type")
     return value if value.type == "call_expression" else None
+
+
+def _go_fields(spec: tree_sitter.Node) -> Iterator[tuple[str, tuple[str | None, str]]]:
+    """A Go struct's fields of one named type (``st store.Store``, ``log *Logger``; an embedded ``*Base`` by its
+    type's name), each as its name and the type as written (:func:`_go_written`)."""
+    shape = spec.child_by_field_name("type")
+    if shape is None or shape.type != "struct_type":
+        return
+    fields = next((n for n in shape.named_children if n.type == "field_declaration_list"), None)
+    for declared in fields.named_children if fields is not None else []:
+        kind = declared.child_by_field_name("type") if declared.type == "field_declaration" else None
+        written = _go_written(kind) if kind is not None else None
+        if written is None:
+            continue
+        names = [_text(n) or "" for n in declared.children_by_field_name("name")] or [written[1]]
+        yield from ((name, written) for name in names)
 
 
 def _go_arity(method: tree_sitter.Node) -> tuple[int, int]:

@@ -1177,6 +1177,10 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     assert _names(await _ask(client, "web.src.http.retry", "mono"))[0] == "web.src.http.index.retry (method)"
     importers = await _ask(client, "what imports web.src.hooks.useCurrentUser", "mono")
     assert _found_by(importers, IMPORTER, "filePath") == ["web/src/pages/Profile.tsx"]
+    # A Go package of no file named as it is, by its directory and its name (a retest's were "not indexed").
+    for question in ("what imports services.api.auth", "what imports auth"):
+        auth_importers = await _ask(client, question, "mono")
+        assert _found_by(auth_importers, IMPORTER, "filePath") == ["services/api/router.go"], question
     go_implementing = await _ask(client, "what implements auth.Verifier", "mono")
     assert _found_by(go_implementing, SUBCLASS) == ["services.api.auth.verify.JWT"]
     go_callers = await _ask(client, "what calls Verifier.Verify", "mono")

@@ -105,6 +105,9 @@ class CodeRead:
     """Imports, inheritance and calls between them."""
     defined_in: dict[str, str]
     """Each node's object type -> the file defining it (:func:`graph.defining_files` for Python's)."""
+    package_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Go: the file that stands for its package (:meth:`_Tree.package_file`) -> the package's names, by its
+    directory and as declared (``pkg.ast`` and ``ast``), which a question of its importers asks by."""
 
 
 @dataclass
@@ -188,7 +191,7 @@ def read_code(
             ]), root, declared)  # fmt: skip
     tree.resolve()
     calls = tree.calls(sources, tick)
-    return CodeRead(calls, *tree.graph(calls))
+    return CodeRead(calls, *tree.graph(calls), tree.stand_in_names())
 
 
 def _parsed(path: str, text: str) -> tuple[tree_sitter.Node, list[Declared]] | None:
@@ -951,6 +954,20 @@ class _Tree:
             named = [f for f in files if posixpath.basename(f.path) in (f"{name}.go", "doc.go")]
             self.package_files[package] = (sorted(named, key=lambda f: not f.path.endswith(f"/{name}.go")) or files)[0]
         return self.package_files[package].module
+
+    def stand_in_names(self) -> dict[str, tuple[str, ...]]:
+        """Go: each package's stand-in file (:meth:`package_file`) -> the package's names (:class:`CodeRead`);
+        an agent tester's importers of a package of no file named as it were "not indexed"."""
+        named: dict[str, tuple[str, ...]] = {}
+        for package in sorted({self.go_package(f) for f in self.files.values() if f.domain == "go"}):
+            declared = package.rpartition(":")[2]
+            if not declared or declared.endswith("_test"):
+                continue
+            module = self.package_file(package)
+            stand_in = self.package_files[package].path
+            names = [module.rpartition(".")[0], declared]
+            named[stand_in] = tuple(dict.fromkeys(n for n in names if n and n != module))
+        return {path: names for path, names in named.items() if names}
 
     def imported_modules(self, read: _File) -> Iterator[str]:
         """The modules of the tree's files ``read`` imports from (see the module's docstring)."""

@@ -424,6 +424,8 @@ def chunk_sources(
             published += rust_aliases(chunk.file_path, chunk.symbol_fqn, crate_names)
         elif chunk.source_domain in ("typescript", "javascript"):
             published += index_aliases(chunk.file_path, chunk.symbol_fqn)
+        elif chunk.source_domain == "go" and chunk.chunk_level == "file":  # its package's names, where it stands for it
+            published += code.package_names.get(chunk.file_path, ())
         if of_python:  # a src layout's, by its import name
             own, *others = [python.imported_as(name) for name in [chunk.symbol_fqn, *published]]
             named = [*([own] if own else []), *published, *(name for name in others if name)]

@@ -837,12 +837,12 @@ class PostgresDocuments:
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
         # A Rust module's file is named by its path in the crate, a TypeScript or JavaScript index file by its
-        # directory; a Python module's alias publishes a name it assigns.
+        # directory, a Go package's stand-in file by its package; a Python module's alias publishes a name it assigns.
         module = next(
             (
                 r["own"]
                 for r in published
-                if r["chunk_level"] == "file" and r["source_domain"] in ("rust", "typescript", "javascript")
+                if r["chunk_level"] == "file" and r["source_domain"] in ("rust", "typescript", "javascript", "go")
             ),
             None,
         )

@@ -19,6 +19,7 @@ from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.services.gateway.tools import answer_notes, pending_note
 from ontofabric.services.ops.status import DeploymentStatus
 from ontofabric.shared.discovery import (
+    BUILD,
     INSTANCE,
     SCHEMA,
     Worker,
@@ -294,7 +295,8 @@ def render_status(console: Console, status: DeploymentStatus) -> None:
 def _shown(details: dict[str, str]) -> list[str]:
     """A worker's details as status shows them (its embedding models, a projector's index and partitions): not the
     name of its worker object (an id for machines), nor an empty one."""
-    return [f"{key} {value}" if key == SCHEMA else value for key, value in details.items() if key != INSTANCE and value]
+    named = (SCHEMA, BUILD)  # numbers and digests that say nothing without their names
+    return [f"{key} {value}" if key in named else value for key, value in details.items() if key != INSTANCE and value]
 
 
 def _started(worker: Worker) -> str:

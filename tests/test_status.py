@@ -27,7 +27,7 @@ from ontofabric.services.query.core import Pending
 from ontofabric.services.query.freshness import published_after
 from ontofabric.services.render import render_status, standing_by
 from ontofabric.shared.db import migrate
-from ontofabric.shared.discovery import INSTANCE, SCHEMA, announce, release_schema
+from ontofabric.shared.discovery import BUILD, INSTANCE, SCHEMA, announce, release_build, release_schema
 from ontofabric.shared.jetstream import close as close_nats
 from ontofabric.shared.jetstream import connect, projected_floor
 from ontofabric.shared.placement import Placement
@@ -92,6 +92,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert standing_by(running, status.projectors) == ""
     assert running.details.pop(INSTANCE)  # its worker object, the same when it answers anew
     assert running.details.pop(SCHEMA) == release_schema()  # the latest migration its release knows
+    assert running.details.pop(BUILD) == release_build()  # and its code's digest
     assert running.details == {"index": "postgres", "partitions": "all", "models": ""}  # no embedder
     assert not status.problems
 
@@ -104,12 +105,24 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         status = await deployment_status(deployment.nc, deployment.names, placement)
         (problem,) = status.problems
         assert "more than one release" in problem
-        assert "schema 27: " in problem
-        assert f"schema {release_schema()}: " in problem
+        assert f"schema 27, build {release_build()}: " in problem
+        assert f"schema {release_schema()}, build {release_build()}: " in problem
         older = next(worker for worker in status.projectors if worker.details[SCHEMA] == "27")
         assert standing_by(older, status.projectors) == ", of an earlier release"
     finally:
         await earlier.stop()
+        await close_nats(as_projector)
+    # Of the same schema and another build (an upgrade tester's query workers of two releases ranked apart).
+    same_schema = {"index": "postgres", "partitions": "all", SCHEMA: release_schema(), BUILD: "0123456789ab"}
+    as_projector = await connect(deployment.nats_url_as("projector"), "another-build", deployment.settings)
+    other = await announce(
+        as_projector, deployment.names.projector_service, "ontofabric Postgres projector", same_schema
+    )
+    try:
+        (problem,) = (await deployment_status(deployment.nc, deployment.names, placement)).problems
+        assert f"schema {release_schema()}, build 0123456789ab: " in problem
+    finally:
+        await other.stop()
         await close_nats(as_projector)
     await second.stop()
     assert len((await deployment_status(deployment.nc, deployment.names, placement)).query_workers) == 1
@@ -157,7 +170,7 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
     assert "dead letters: globex 1" in table.stdout
     # Each query worker with its release (and its embedding models, none here): before, only where it ran.
     (workers_line,) = [line for line in table.stdout.splitlines() if line.startswith("query workers: ")]
-    assert f" schema {release_schema()} (since " in workers_line
+    assert f" schema {release_schema()} build {release_build()} (since " in workers_line
     assert f"{deployment.names.dlq_stream} 1 messages" in table.stdout
     delta_stream = next(stream for stream in report["streams"] if stream["name"] == deployment.names.delta_stream)
     assert (delta_stream["messages"], delta_stream["max_bytes"]) == (later.seq + 1, None)  # initech's after it

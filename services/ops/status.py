@@ -25,7 +25,7 @@ from ontofabric.services.projector.snapshots import compacted_through, find_snap
 from ontofabric.services.projector.store import documents_of_another_analysis
 from ontofabric.services.projector.versions import version_keys
 from ontofabric.services.query.freshness import published_past
-from ontofabric.shared.discovery import SCHEMA, Worker, discover, postgres_partitions, running_layouts
+from ontofabric.shared.discovery import BUILD, SCHEMA, Worker, discover, postgres_partitions, running_layouts
 from ontofabric.shared.logging import describe
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import redacted_url
@@ -412,14 +412,13 @@ async def _stream(
 
 
 def releases_answering(workers: Sequence[Worker]) -> dict[str, list[str]]:
-    """The workers (host:pid) by the release they announce, as "schema N" (the latest migration it knows), or
-    "an earlier release" for those that announce none."""
+    """The workers (host:pid) by the release they announce, as "schema N, build B" (the latest migration it
+    knows and a digest of its code), or "an earlier release" for those that announce neither."""
     releases: dict[str, list[str]] = {}
     for worker in workers:
-        schema = worker.details.get(SCHEMA)
-        releases.setdefault(f"schema {schema}" if schema else "an earlier release", []).append(
-            f"{worker.host}:{worker.pid}"
-        )
+        schema, build = worker.details.get(SCHEMA), worker.details.get(BUILD)
+        release = f"schema {schema}" + (f", build {build}" if build else "") if schema else "an earlier release"
+        releases.setdefault(release, []).append(f"{worker.host}:{worker.pid}")
     return dict(sorted(releases.items()))
 
 

@@ -62,17 +62,19 @@ def expand_identifiers(text: str) -> str:
     return IDENTIFIER.sub(expand, text)
 
 
-def identifier_groups(text: str) -> list[str]:
-    """Each compound identifier of a query followed by its parts, as :func:`analyse` writes them (``getFreePort``
-    -> ``getfreeport get free port``): terms that stand for one another. One of them that no document holds is not
-    missing from the query while another is held: a quality tester's ``jsonPrettyDump`` (a whole word in no
-    document) scored a third of what ``json_pretty_dump`` did for the same answer."""
-    prepared = _HYPHENATED.sub(_parts, comparable(text))
-    return [
-        folded(expand_identifiers(match.group(0)))
-        for match in IDENTIFIER.finditer(prepared)
+def compound_identifiers(text: str) -> tuple[str, str]:
+    """A query's compound identifiers whole, and their parts, each as :func:`analyse` writes them
+    (``getFreePort`` -> ``getfreeport``, ``get free port``). A whole word that no document holds, and that is no
+    part, stands for its parts: it is not missing from the query, its parts are (a quality tester's
+    ``jsonPrettyDump``, a word in no document, scored a third of what ``json_pretty_dump`` did for the same
+    answer)."""
+    compounds = [
+        match.group(0)
+        for match in IDENTIFIER.finditer(_HYPHENATED.sub(_parts, comparable(text)))
         if len(identifier_parts(match.group(0))) > 1
     ]
+    parts = [part for compound in compounds for part in identifier_parts(compound)]
+    return folded(" ".join(compounds)), folded(" ".join(parts))
 
 
 def _bigrams(match: re.Match[str]) -> str:

@@ -27,7 +27,7 @@ import asyncpg
 from ontofabric.contracts import MAIN_BRANCH, NO_VERSION, format_version, overlay_version
 from ontofabric.contracts.lookup import MAX_OTHER_BRANCHES
 from ontofabric.contracts.path_patterns import pattern_regex
-from ontofabric.shared.analysis import analyse, identifier_groups
+from ontofabric.shared.analysis import analyse, compound_identifiers
 from ontofabric.shared.checksums import CONTENT_MD5_SQL
 from ontofabric.shared.db import Connection, is_unavailable
 from ontofabric.shared.logging import describe, get_logger
@@ -576,7 +576,7 @@ class PostgresKeyword:
         parameters: list[Any] = [
             self._config, analyse(text, catenate=False), limit, scope.workspace, scope.branches, self._k1, self._b,
             shadowed, self._k3, self._full_read_postings, max(self._completion_depth, limit),
-            list(terms), list(frequencies), hidden.documents, hidden.length, identifier_groups(text),
+            list(terms), list(frequencies), hidden.documents, hidden.length, *compound_identifiers(text),
         ]  # fmt: skip
         filtered = ""
         if scope.filtered:
@@ -627,14 +627,11 @@ class PostgresKeyword:
                            ), 0), 0) AS df
                     FROM term_statistics s
                     WHERE s.workspace = $4 AND s.branch = ANY($5::text[]) AND s.term = t.term) f),
-            -- $16: each compound identifier with its parts. A term of one that no document holds stands for
-            -- another that some document does: it is not missing from the query (the weight every match is over).
-            groups AS (
-                SELECT g.i, l.lexeme FROM unnest($16::text[]) WITH ORDINALITY AS g(text, i)
-                CROSS JOIN LATERAL unnest(index_tsvector($1::regconfig, g.text)) AS l),
+            -- $16: the query's compound identifiers whole, $17 their parts. A whole word no document holds, and
+            -- no part, stands for its parts: not it, they are what a match misses (the weight it is over).
             standing_in AS (
-                SELECT g.lexeme FROM groups g JOIN groups h ON h.i = g.i AND h.lexeme <> g.lexeme
-                JOIN term_weight w ON w.term = h.lexeme AND w.df > 0),
+                SELECT lexeme FROM unnest(index_tsvector($1::regconfig, $16))
+                EXCEPT SELECT lexeme FROM unnest(index_tsvector($1::regconfig, $17))),
             query_weight AS (
                 SELECT sum(weight) AS total FROM term_weight
                 WHERE df > 0 OR term NOT IN (SELECT lexeme FROM standing_in)),
@@ -656,7 +653,7 @@ class PostgresKeyword:
             completed AS ({scores("NOT m.in_full", "AND p.doc_id = ANY(ARRAY(SELECT id FROM leaders))")})
             -- The best score a document could reach: over the terms some document has (ceiling), and over every
             -- query term (query_ceiling: a term no document has still counts as missing from every match, unless
-            -- it stands for one held).
+            -- it is a compound identifier's whole word, standing for its parts).
             -- Summed, not joined: the planner cannot know how many leaders the LIMIT above keeps, and with a
             -- guess too low it joined the two by a nested loop, 3,000 × 2,000 comparisons (0.3 s).
             SELECT l.id, l.score, l.held / (SELECT total FROM query_weight) AS coverage,

@@ -527,6 +527,18 @@ def test_a_go_interface_is_implemented_by_arity_and_its_unexported_methods_packa
         assert {t for s, t in inherits if s == "chain.chain.T"} == {f"chain.chain.I{i}" for i in range(11)}
 
 
+def test_a_go_packages_stand_in_file_is_named_by_the_package_its_directory_holds() -> None:
+    """Not a ``go:generate`` helper's ``main`` beside it, nor a ``_test`` package (a review's)."""
+    read = read_code({
+        "pkg/colors/gen_colors.go": "//go:build ignore\n\npackage main\n\nfunc main() {}\n",
+        "pkg/colors/palette.go": "package colors\n\nfunc Red() {}\n",
+        "pkg/colors/table.go": "package colors\n\nfunc Blue() {}\n",
+        "pkg/colors/palette_test.go": "package colors_test\n\nfunc TestRed() {}\n",
+        "cmd/app/main.go": "package main\n\nfunc main() {}\n",
+    })  # fmt: skip
+    assert read.package_names == {"pkg/colors/palette.go": ("pkg.colors", "colors")}
+
+
 def test_a_one_line_go_interface_past_the_minified_width_keeps_its_chunk() -> None:
     methods = "; ".join(f"Method{i}(ctx context.Context, id string) error" for i in range(8))
     text = f"package p\n\ntype Service interface{{ {methods} }}\n"

@@ -1090,6 +1090,12 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         "web/src/http/index.ts": "export function retry() { return 1; }\n",
         "web/src/http/client.ts": "import { retry } from '.';\nexport function get() { return retry(); }\n",
         "web/src/pages/Orders.tsx": "import { retry } from '../http';\nexport function Orders() { return retry(); }\n",
+        # A file named as a directory's index beside it is what its name asks (a review's: the index was taken).
+        "web/src/net.ts": "export function dial() { return 1; }\n",
+        "web/src/net/index.ts": "export function listen() { return 2; }\n",
+        "web/src/pages/Dial.tsx": "import { dial } from '../net';\nexport function Dial() { return dial(); }\n",
+        "web/src/pages/Listen.tsx": "import { listen } from '../net/index';\n"
+        "export function Listen() { return listen(); }\n",
         "web/src/hooks/useCurrentUser.ts": """
             /** The signed-in user, fetched once and kept. */
             export function useCurrentUser() {
@@ -1172,6 +1178,8 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
     for question in ("what imports com.acme.Ledger", "what imports Ledger"):
         java_importers = await _ask(client, question, "mono")
         assert _found_by(java_importers, IMPORTER, "filePath") == ["billing/src/com/acme/audit/Audit.java"], question
+    net_importers = await _ask(client, "what imports web.src.net", "mono")
+    assert _found_by(net_importers, IMPORTER, "filePath") == ["web/src/pages/Dial.tsx"]
     http_importers = await _ask(client, "what imports web.src.http", "mono")
     assert "web/src/pages/Orders.tsx" in _found_by(http_importers, IMPORTER, "filePath")
     assert _names(await _ask(client, "web.src.http.retry", "mono"))[0] == "web.src.http.index.retry (method)"

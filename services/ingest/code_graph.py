@@ -956,17 +956,23 @@ class _Tree:
         return self.package_files[package].module
 
     def stand_in_names(self) -> dict[str, tuple[str, ...]]:
-        """Go: each package's stand-in file (:meth:`package_file`) -> the package's names (:class:`CodeRead`);
-        an agent tester's importers of a package of no file named as it were "not indexed"."""
-        named: dict[str, tuple[str, ...]] = {}
+        """Go: each directory's package's stand-in file (:meth:`package_file`) -> the package's names
+        (:class:`CodeRead`); an agent tester's importers of a package of no file named as it were "not indexed".
+        A directory's package is the one most of its files declare (not a ``go:generate`` helper's ``main``
+        beside it, a review's), and no ``main`` or ``_test`` one, which nothing imports."""
+        by_directory: dict[str, list[str]] = {}
         for package in sorted({self.go_package(f) for f in self.files.values() if f.domain == "go"}):
-            declared = package.rpartition(":")[2]
-            if not declared or declared.endswith("_test"):
-                continue
+            directory, _, declared = package.rpartition(":")
+            if declared and declared != "main" and not declared.endswith("_test"):
+                by_directory.setdefault(directory, []).append(package)
+        named: dict[str, tuple[str, ...]] = {}
+        for directory, packages in by_directory.items():
+            package = max(
+                packages, key=lambda p: (len(self.packages[p]), p.endswith(":" + posixpath.basename(directory)))
+            )
             module = self.package_file(package)
-            stand_in = self.package_files[package].path
-            names = [module.rpartition(".")[0], declared]
-            named[stand_in] = tuple(dict.fromkeys(n for n in names if n and n != module))
+            names = [module.rpartition(".")[0], package.rpartition(":")[2]]
+            named[self.package_files[package].path] = tuple(dict.fromkeys(n for n in names if n and n != module))
         return {path: names for path, names in named.items() if names}
 
     def imported_modules(self, read: _File) -> Iterator[str]:

@@ -834,15 +834,16 @@ class PostgresDocuments:
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
         # A Rust module's file is named by its path in the crate, a TypeScript or JavaScript index file by its
-        # directory, a Go package's stand-in file by its package; a Python module's alias publishes a name it assigns.
-        module = next(
-            (
-                r["own"]
-                for r in published
-                if r["chunk_level"] == "file" and r["source_domain"] in ("rust", "typescript", "javascript", "go")
-            ),
-            None,
-        )
+        # directory, a Go package's stand-in file by its package; a Python module's alias publishes a name it
+        # assigns. Only one module so named, and none named so itself (a review's: `src/http.ts` beside
+        # `src/http/index.ts`, or two Go packages `store`, had the question asked of one picked by its id).
+        named_modules = {
+            r["own"]
+            for r in published
+            if r["chunk_level"] == "file" and r["source_domain"] in ("rust", "typescript", "javascript", "go")
+        }
+        own_module = any(r["chunk_level"] == "file" for r in rows)
+        module = next(iter(named_modules)) if len(named_modules) == 1 and not own_module else None
         # A module's chunk published under the name publishes a name it assigns (pytest.skip): where, as assigning.
         publishing = frozenset(r["id"] for r in published if r["chunk_level"] == "file")
         assigned = frozenset(r["id"] for r in assigning) | publishing

@@ -347,9 +347,10 @@ def up(
     settings = _settings("ontofabric-up", data_dir, worker=with_projector or with_query_worker)
     if not (with_projector or with_query_worker) and settings.nats_url and settings.database_url:
         # A tester's: with both servers elsewhere it started nothing and sat there as if it served.
-        _fail(
+        _stop(
+            settings,
             "nothing to run: --no-projector --no-query-worker runs the embedded servers alone, and "
-            "ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL name servers of their own"
+            "ONTOFABRIC_NATS_URL and ONTOFABRIC_DATABASE_URL name servers of their own",
         )
     try:
         with EmbeddedRuntime(settings) as runtime:

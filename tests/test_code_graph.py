@@ -495,6 +495,32 @@ def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_the
     assert found["inv.audit.audit.Auditor.Run"] == [
         "inv.store.store.Store.Put", "inv.cached.cached.CachedStore.Close", "inv.store.memory.MemoryStore.Get"
     ]  # fmt: skip
+    # A field two embedded structs have, the shallowest's, as Go reads it (a review's was found depth first).
+    shallow = _by_name(_calls({"f/f.go": """
+        package f
+
+        type Deep struct{}
+
+        func (Deep) Get() {}
+
+        type Shallow struct{}
+
+        func (Shallow) Get() {}
+
+        type Inner struct{ store Deep }
+
+        type A struct{ Inner }
+
+        type Other struct{ store Shallow }
+
+        type Outer struct {
+        \tA
+        \tOther
+        }
+
+        func (o Outer) Sync() { o.store.Get() }
+        """}))  # fmt: skip
+    assert shallow["f.f.Outer.Sync"] == ["f.f.Shallow.Get"]
     chunks = {c.symbol_fqn for c in chunk_code("inv/store/store.go", sources["inv/store/store.go"], 10**6)}
     assert {"inv.store.store.Store.Get", "inv.store.store.Store.Put", "inv.store.store.Closer.Close"} <= chunks
 

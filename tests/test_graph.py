@@ -195,6 +195,9 @@ def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_i
     assert go.resolution_order("e.Comment") == ["a.Ident", "a.base", "a.Node"]
     cycle = OntologyGraph(interfaces={"c.A": ("c.B",), "c.B": ("c.A",)})
     assert cycle.resolution_order("c.A") == ["c.B"]
+    # A chain of 500 (a review's RecursionError): past MAX_RESOLVED_TYPES bases, nearest first.
+    chain = OntologyGraph(interfaces={f"k.C{i}": (f"k.C{i + 1}",) for i in range(500)})
+    assert chain.resolution_order("k.C0") == [f"k.C{i}" for i in range(1, 501)]
     assert graph.linked("a.Base", "imports", "incoming") == ["a.Left"]  # a calls link is no import
     assert graph.linked("a.Base", "imports", "outgoing") == ["b.Base"]
 

@@ -738,15 +738,18 @@ class _Tree:
         key = f"{self.go_package(read)}.{name}" if package is None else (f"{imported[0]}.{name}" if imported else None)
         return key if key in self.types else None
 
-    def go_field(self, key: str | None, name: str, hops: int = 0) -> str | None:
+    def go_field(self, key: str | None, name: str) -> str | None:
         """The key of the type of the tree a Go struct's field ``name`` is declared with, or one it has through a
-        struct it embeds (the shallowest first, as Go reads it)."""
-        if key is None or hops > MAX_HOPS:
-            return None
-        field = self.go_fields.get(key, {}).get(name)
-        if field is not None:
-            return self.go_named(*field)
-        return next((f for b in self.bases.get(key, []) if (f := self.go_field(b, name, hops + 1)) is not None), None)
+        struct it embeds: the shallowest, as Go reads it (a review's was found depth first)."""
+        level, seen = [key] if key is not None else [], set()
+        for _hop in range(MAX_HOPS + 1):
+            for holder in level:
+                field = self.go_fields.get(holder, {}).get(name)
+                if field is not None:
+                    return self.go_named(*field)
+            seen.update(level)
+            level = [base for holder in level for base in self.bases.get(holder, []) if base not in seen]
+        return None
 
     def java_static(self, read: _File, name: str, by_name: bool = False) -> str | None:
         """The static member ``name`` a Java file imports (``import static com.acme.Util.check``, or ``.*`` unless

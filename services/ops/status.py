@@ -271,8 +271,9 @@ async def deployment_status(
         status.problems.append(
             "workers of more than one release answer ("
             + "; ".join(f"{schema}: {', '.join(workers)}" for schema, workers in releases.items())
-            + "): a projector of an earlier release writes rows by its own rules and may take no part in claims; "
-            "stop the workers of the earlier release"
+            + "): a projector of an earlier release writes rows by its own rules and may take no part in claims, "
+            "and query workers of two releases may answer one query two ways; stop the workers of the release "
+            "you are leaving"
         )
     # A Postgres projector of a layout read holding each workspace's partition (the Azure projector answers on the
     # same service, and a partition may have none: a review's), else deltas wait for nothing.

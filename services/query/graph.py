@@ -53,8 +53,9 @@ class Neighbour:
     direction: Literal["outgoing", "incoming"]
 
 
-MAX_RESOLVED_TYPES = 1000
-"""The most types a resolution order reads (a generated hierarchy's)."""
+MAX_RESOLVED_TYPES = 64
+"""The most bases a resolution order is worked out over; past it (a generated hierarchy's), nearest first: C3 over
+901 types took a second of the event loop, and recursed past Python's limit down a chain of 499 (a review's)."""
 
 
 @dataclass
@@ -110,14 +111,18 @@ class OntologyGraph:
         (Python's method resolution order) over each type's bases as listed, which puts a Java class's superclass
         chain before its interfaces and a Go type's embedded types before the interfaces it satisfies (an agent
         tester's ``Comment.Pos`` was taken for an interface's, the nearer by distance, where ``Comment`` had it
-        through two embedded structs). Bases that admit no such order are read depth first, left to right."""
+        through two embedded structs). Bases that admit no such order are read depth first, left to right; more
+        than MAX_RESOLVED_TYPES bases, nearest first."""
+        nearest = [base for level in self.supertypes(object_type) for base in level]
+        if len(nearest) > MAX_RESOLVED_TYPES:
+            return nearest
         orders: dict[str, list[str]] = {}
         entered: set[str] = set()
 
         def linear(current: str) -> list[str]:
             if current in orders:
                 return orders[current]
-            if current in entered or len(entered) > MAX_RESOLVED_TYPES:  # a cycle, or a hierarchy past reading
+            if current in entered:  # a cycle
                 return [current]
             entered.add(current)
             bases = list(dict.fromkeys(self.interfaces.get(current, ())))

@@ -736,8 +736,9 @@ class QueryPipeline:
         return await self._graphs.get(workspace, branch, version, self._versions.generation(workspace))
 
     async def _inherited(self, scope: Scope, name: str) -> str | None:
-        """The qualified name of what ``Class.member`` names through the class's bases in the graph, the nearest
-        defining it first, when the class does not define it itself; None otherwise. An outside tester's "callers
+        """The qualified name of what ``Class.member`` names through the class's bases in the graph, the first
+        defining it in their resolution order (:meth:`OntologyGraph.resolution_order`), when the class does not
+        define it itself; None otherwise. An outside tester's "callers
         of Retrying.copy" (the tool description's own example) was told no such symbol is indexed: tenacity's
         ``Retrying`` inherits ``copy`` from ``BaseRetrying``."""
         owner, dot, member = name.rpartition(".")

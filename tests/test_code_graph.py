@@ -88,7 +88,7 @@ def test_typescript_decorators_are_calls_of_what_they_decorate_and_new_reads_a_n
     found = _by_name(_calls({
         "src/deco.ts": "export function audited(t: any) {}\nexport function memoize(ms: number) { return audited }\n"
         "export const log = { trace(t: any) {} }\n",
-        "src/http/policy.ts": "export class RetryPolicy {}\nexport function retry() {}\n",
+        "src/http/policy.ts": "export class RetryPolicy { delay() {} }\nexport function retry() {}\n",
         "src/user.ts": """
             import { audited, memoize, log } from './deco';
             import * as http from './http/policy';
@@ -104,6 +104,8 @@ def test_typescript_decorators_are_calls_of_what_they_decorate_and_new_reads_a_n
               commented() {}
 
               connect() { const p = new http.RetryPolicy(); http.retry(); return p }
+
+              again(q: http.RetryPolicy) { const p = new http.RetryPolicy(); p.delay(); q.delay() }
             }
             """,
     }))  # fmt: skip
@@ -111,6 +113,8 @@ def test_typescript_decorators_are_calls_of_what_they_decorate_and_new_reads_a_n
     assert found["src.user.UserService"] == ["src.deco.audited"]  # the class's own, not its method's
     assert found["src.user.UserService.commented"] == ["src.deco.audited"]
     assert found["src.user.UserService.connect"] == ["src.http.policy.RetryPolicy", "src.http.policy.retry"]
+    # A local of `new ns.Class()` or annotated `: ns.Class`, through its class.
+    assert found["src.user.UserService.again"] == ["src.http.policy.RetryPolicy", "src.http.policy.RetryPolicy.delay"]
 
 
 def test_go_calls_resolve_within_the_package_through_imports_receivers_and_typed_parameters() -> None:
@@ -519,8 +523,26 @@ def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_the
         }
 
         func (o Outer) Sync() { o.store.Get() }
+
+        type C struct{}
+
+        func (C) Name() {}
+
+        type B struct{}
+
+        func (B) Name() {}
+
+        type Left struct{ C }
+
+        type AB struct {
+        \tLeft
+        \tB
+        }
+
+        func Describe(ab AB) { ab.Name() }
         """}))  # fmt: skip
     assert shallow["f.f.Outer.Sync"] == ["f.f.Shallow.Get"]
+    assert shallow["f.f.Describe"] == ["f.f.B.Name"]  # promoted from the shallower (a retest's got C's)
     chunks = {c.symbol_fqn for c in chunk_code("inv/store/store.go", sources["inv/store/store.go"], 10**6)}
     assert {"inv.store.store.Store.Get", "inv.store.store.Store.Put", "inv.store.store.Closer.Close"} <= chunks
 

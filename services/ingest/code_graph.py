@@ -741,14 +741,19 @@ class _Tree:
     def go_field(self, key: str | None, name: str) -> str | None:
         """The key of the type of the tree a Go struct's field ``name`` is declared with, or one it has through a
         struct it embeds: the shallowest, as Go reads it (a review's was found depth first)."""
-        level, seen = [key] if key is not None else [], set()
+        holder = self._shallowest([key] if key is not None else [], lambda held: name in self.go_fields.get(held, {}))
+        return self.go_named(*self.go_fields[holder][name]) if holder is not None else None
+
+    def _shallowest(self, level: list[str], holds: Callable[[str], bool]) -> str | None:
+        """The first type of ``level`` that ``holds``, else of the types they embed, level by level: a Go field's or
+        method's promotion, the shallowest first."""
+        seen: set[str] = set()
         for _hop in range(MAX_HOPS + 1):
-            for holder in level:
-                field = self.go_fields.get(holder, {}).get(name)
-                if field is not None:
-                    return self.go_named(*field)
+            found = next((held for held in level if holds(held)), None)
+            if found is not None or not level:
+                return found
             seen.update(level)
-            level = [base for holder in level for base in self.bases.get(holder, []) if base not in seen]
+            level = list(dict.fromkeys(base for held in level for base in self.bases.get(held, []) if base not in seen))
         return None
 
     def java_static(self, read: _File, name: str, by_name: bool = False) -> str | None:
@@ -777,6 +782,11 @@ class _Tree:
         bases' alone, as ``super.f()`` reads)."""
         if key is None or hops > MAX_HOPS:
             return None
+        if key in self.go_types:  # the shallowest, as Go promotes a method (a retest's B.Name lost to a deeper C's)
+            holder = self._shallowest(
+                self.bases.get(key, []) if inherited_only else [key], lambda held: name in self.members.get(held, {})
+            )
+            return self.members[holder][name] if holder is not None else None
         own = None if inherited_only else self.members.get(key, {}).get(name)
         if own is not None:
             return own
@@ -1081,7 +1091,9 @@ class _Calls:
             return None
         if self.names.binds(local := _text(held) or "", node):  # a local: through the class it is declared as
             written = self.names.type_of(local, node)
-            typed = written is not None and written.type in ("type_identifier", "identifier")
+            # `ns.Class` too, `new ns.Class()` or `: ns.Class` through `import * as ns` (a retest's were untyped)
+            named = ("type_identifier", "identifier", "member_expression", "nested_type_identifier")
+            typed = written is not None and written.type in named
             return tree.member(tree.type_named(read, _text(written) or ""), name) if typed else None
         imported = read.imports.get(local)
         if imported is not None and imported[1] is None:  # `ns.f()` through `import * as ns`

@@ -40,14 +40,15 @@ def decode_token(token: str) -> str:
     """The string ``token`` encodes. Only the canonical encoding is accepted (:func:`encode_token`'s own output):
     otherwise ``alpha``, ``alph_61`` and ``_u000061lpha`` would name one workspace on three subjects, and a NATS
     permission written against one of them could be walked around through another. Raises ValueError."""
-
-    def replace(match: re.Match[str]) -> str:
-        return chr(int(match.group(1) or match.group(2), 16))
-
-    value = _ESCAPE.sub(replace, token)
+    value = _ESCAPE.sub(_escaped, token)
     if not value or encode_token(value) != token:
         raise ValueError(f"{token!r} is not the canonical subject token of any name")
     return value
+
+
+def _escaped(match: re.Match[str]) -> str:
+    """The character an escape (``_2e``, ``_u00e9``) stands for; ValueError past U+10FFFF."""
+    return chr(int(match.group(1) or match.group(2), 16))
 
 
 _ANY_CASE_ESCAPE = re.compile(r"_([0-9a-fA-F]{2})|_[uU]([0-9a-fA-F]{6})")
@@ -57,9 +58,8 @@ def canonical_spelling(token: str) -> str | None:
     """The canonical token of the name ``token`` spells another way (upper-case hex, ``_u`` for a code point below
     256), or None: what an error names, since only the canonical one is accepted (an outside team's client wrote
     ``team_2Esearch`` with ``%02X``, and was told only that the subject named no workspace)."""
-    try:  # chr() refuses a code point past U+10FFFF
-        value = _ANY_CASE_ESCAPE.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), token)
-        canonical = encode_token(value)
+    try:
+        canonical = encode_token(_ANY_CASE_ESCAPE.sub(_escaped, token))
     except ValueError:
         return None
     return canonical if canonical != token else None

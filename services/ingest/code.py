@@ -298,16 +298,18 @@ def chunked_declarations(
         first = line_of(node.start_byte)
         return first if first == line_of(max(node.start_byte, node.end_byte - 1)) else None
 
-    on_line: dict[int | None, list[tree_sitter.Node]] = {}
+    # Each line's declarations: how many, and the bytes from the first's start to the last's end.
+    on_line: dict[int | None, tuple[int, int, int]] = {}
     for *_, node in declared:
-        on_line.setdefault(own_line(node), []).append(node)
+        count, start, end = on_line.get(own_line(node), (0, node.start_byte, node.end_byte))
+        on_line[own_line(node)] = (count + 1, min(start, node.start_byte), max(end, node.end_byte))
     for declaration in declared:
         node = declaration[-1]
         on = own_line(node)
-        mates = on_line[on]
+        count, start, end = on_line[on]
         # One holding every other on its line (a one-line Go interface and its methods) is still one declaration.
-        holds_them = all(node.start_byte <= m.start_byte and m.end_byte <= node.end_byte for m in mates)
-        if on is None or len(mates) < 2 or len(lines[on - 1]) <= MINIFIED_LINE_CHARS or holds_them:
+        holds_them = node.start_byte <= start and end <= node.end_byte
+        if on is None or count < 2 or len(lines[on - 1]) <= MINIFIED_LINE_CHARS or holds_them:
             yield declaration
 
 

@@ -1524,20 +1524,25 @@ def _declared_type(name: tree_sitter.Node) -> tree_sitter.Node | None:
     return value if value.type == "call_expression" else None
 
 
-def _go_fields(spec: tree_sitter.Node) -> Iterator[tuple[str, tuple[str | None, str]]]:
-    """A Go struct's fields of one named type (``st store.Store``, ``log *Logger``; an embedded ``*Base`` by its
-    type's name), each as its name and the type as written (:func:`_go_written`)."""
+def _go_struct_fields(spec: tree_sitter.Node) -> Iterator[tuple[list[str], tree_sitter.Node]]:
+    """A ``type_spec``'s struct's field declarations: their names (none for an embedded one) and their type."""
     shape = spec.child_by_field_name("type")
     if shape is None or shape.type != "struct_type":
         return
     fields = next((n for n in shape.named_children if n.type == "field_declaration_list"), None)
     for declared in fields.named_children if fields is not None else []:
         kind = declared.child_by_field_name("type") if declared.type == "field_declaration" else None
-        written = _go_written(kind) if kind is not None else None
-        if written is None:
-            continue
-        names = [_text(n) or "" for n in declared.children_by_field_name("name")] or [written[1]]
-        yield from ((name, written) for name in names)
+        if kind is not None:
+            yield [_text(n) or "" for n in declared.children_by_field_name("name")], kind
+
+
+def _go_fields(spec: tree_sitter.Node) -> Iterator[tuple[str, tuple[str | None, str]]]:
+    """A Go struct's fields of one named type (``st store.Store``, ``log *Logger``; an embedded ``*Base`` by its
+    type's name), each as its name and the type as written (:func:`_go_written`)."""
+    for names, kind in _go_struct_fields(spec):
+        written = _go_written(kind)
+        if written is not None:
+            yield from ((name, written) for name in names or [written[1]])
 
 
 def _go_arity(method: tree_sitter.Node) -> tuple[int, int]:
@@ -1563,13 +1568,7 @@ def _go_embedded(spec: tree_sitter.Node) -> list[str]:
     if shape is None:
         return []
     if shape.type == "struct_type":
-        fields = next((n for n in shape.named_children if n.type == "field_declaration_list"), None)
-        held = [
-            kind
-            for declared in (fields.named_children if fields is not None else [])
-            if declared.type == "field_declaration" and declared.child_by_field_name("name") is None
-            and (kind := declared.child_by_field_name("type")) is not None
-        ]  # fmt: skip
+        held = [kind for names, kind in _go_struct_fields(spec) if not names]
     elif shape.type == "interface_type":
         held = [
             n.named_children[0] if n.named_child_count == 1 else n

@@ -547,7 +547,7 @@ def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_the
     assert {"inv.store.store.Store.Get", "inv.store.store.Store.Put", "inv.store.store.Closer.Close"} <= chunks
 
 
-def test_a_go_interface_is_implemented_by_arity_and_its_unexported_methods_package_whatever_the_order() -> None:
+def test_a_go_interface_is_implemented_by_signature_and_its_unexported_methods_package_whatever_the_order() -> None:
     """A review's: a type of another package was linked to a sealed interface (``exprNode()``, which only its own
     package can implement), ``Run()`` to ``Run(ctx) error``, and a chain of interfaces embedding each other linked
     a type to the last two or to all eleven by the order they were declared in."""
@@ -573,6 +573,33 @@ def test_a_go_interface_is_implemented_by_arity_and_its_unexported_methods_packa
         }  # fmt: skip
         assert {s for s, t in inherits if t == "other.other.Runner"} == {"other.other.Task"}
         assert {t for s, t in inherits if s == "chain.chain.T"} == {f"chain.chain.I{i}" for i in range(11)}
+
+
+def test_a_go_interface_is_implemented_by_its_methods_types_not_their_number_alone() -> None:
+    """A review's: matched by number alone, ``Get(K) (V, bool)`` took ``Get(string) ([]byte, error)`` for itself.
+    A type parameter's place takes any type; a type written ``store.Key`` in one package is ``Key`` in its own."""
+    files = {
+        "store/store.go": "package store\n\ntype Key string\n\n"
+        "type Getter[K comparable, V any] interface{ Get(K) (V, bool) }\n\n"
+        "type Putter interface{ Put(k Key, values ...[]byte) error }\n\n"
+        "type Logger interface{ Logf(format string, args ...any) }\n",
+        "mem/mem.go": 'package mem\n\nimport "example.com/m/store"\n\n'
+        "type Cache struct{}\n\nfunc (c *Cache) Get(name string) (data []byte, found bool) { return }\n\n"
+        "func (c *Cache) Put(key store.Key, vs ...[]byte) error { return nil }\n\n"
+        "type Disk struct{}\n\nfunc (Disk) Get(string) ([]byte, error) { return nil, nil }\n\n"
+        "func (Disk) Put(key string, vs ...[]byte) error { return nil }\n\n"
+        "type Set[T comparable] struct{}\n\nfunc (s Set[T]) Get(item T) (T, bool) { var t T; return t, false }\n\n"
+        "type Printer struct{}\n\nfunc (Printer) Logf(format string, args ...interface{}) {}\n\n"
+        "type Tracer struct{}\n\nfunc (Tracer) Logf(format string, args []any) {}\n",
+    }
+    read = read_code(files, {"": "example.com/m"})
+    inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
+    assert {(s, t) for s, t in inherits if t.startswith("store.")} == {
+        ("mem.mem.Cache", "store.store.Getter"),  # a type parameter takes string and []byte
+        ("mem.mem.Set", "store.store.Getter"),  # its own type parameter takes the interface's
+        ("mem.mem.Cache", "store.store.Putter"),  # store.Key is Key
+        ("mem.mem.Printer", "store.store.Logger"),  # interface{} is any
+    }  # not Disk (an error is no bool, a string no Key), nor Tracer (a slice is no variadic)
 
 
 def test_a_go_packages_stand_in_file_is_named_by_the_package_its_directory_holds() -> None:

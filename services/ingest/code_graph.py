@@ -80,13 +80,50 @@ _GO_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
 
 
 class GoMethod(NamedTuple):
-    """A Go method as an interface asks for it: its name, how many parameters and results it has, and, for an
-    unexported one, the package declaring it (``""`` for an exported one)."""
+    """A Go method as an interface asks for it: its name, its parameters' and results' types (:func:`_go_signature`;
+    None: not known), and, for an unexported one, the package declaring it (``""`` for an exported one)."""
 
     name: str
-    parameters: int
-    results: int
+    parameters: tuple[str, ...] | None
+    results: tuple[str, ...] | None
     package: str
+
+    @property
+    def slot(self) -> tuple[str, str, int, int]:
+        """What a method that fits this one has alike: its name, its package, and how many parameters and results."""
+        return self.name, self.package, len(self.parameters or ()), len(self.results or ())
+
+    def fits(self, wanted: GoMethod) -> bool:
+        """Whether this method is one ``wanted`` asks for: the same name and package, and each parameter's and
+        result's type the same, where neither is a type parameter's (:data:`GO_ANY_TYPE`)."""
+
+        def alike(had: tuple[str, ...] | None, asked: tuple[str, ...] | None) -> bool:
+            if had is None or asked is None or len(had) != len(asked):
+                return False
+            return all(_same_go_type(a, b) for a, b in zip(had, asked, strict=True))
+
+        return (
+            self.slot == wanted.slot
+            and alike(self.parameters, wanted.parameters)
+            and alike(self.results, wanted.results)
+        )
+
+
+GO_ANY_TYPE = "?"
+"""A parameter's or result's type that holds a type parameter (``K``, ``[]V``): any type may stand there."""
+
+
+def _same_go_type(one: str, other: str) -> bool:
+    """Whether two parameters' types (:func:`_go_type`, ``...`` before a variadic one's) may be the same."""
+    if one.startswith("...") != other.startswith("..."):
+        return False
+    one, other = one.removeprefix("..."), other.removeprefix("...")
+    return one == other or GO_ANY_TYPE in (one, other)
+
+
+def _held(asked: GoMethod, held: Mapping[tuple[str, str, int, int], list[GoMethod]]) -> bool:
+    """Whether a type whose methods are ``held`` (by :attr:`GoMethod.slot`) has one that ``asked`` fits."""
+    return any(had.fits(asked) for had in held.get(asked.slot, ()))
 
 
 CallKey = tuple[str, str, int]
@@ -255,7 +292,7 @@ class _Tree:
         self.go_fields: dict[str, dict[str, tuple[_File, str | None, str]]] = {}
         """Go: a struct's key -> its fields' names (an embedded one's by its type's name) -> its file and the
         field's type as written (:func:`_go_written`), where that is one named type."""
-        self.go_arity: dict[str, tuple[int, int]] = {}
+        self.go_signatures: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         """Go: a method's qualified name -> how many parameters and results it declares."""
         self.implemented: dict[str, list[str]] = {}
         """Go: a type's key -> the keys of the interfaces of the tree it satisfies (:meth:`_go_implementations`)."""
@@ -300,7 +337,7 @@ class _Tree:
                 read.bases_written.setdefault(owner, []).append(trait)
         for _kind, _level, qualname, _span, node in declared if read.domain == "go" else ():
             if node.type in ("method_declaration", "method_elem"):
-                self.go_arity[bounded_symbol(f"{read.module}.{qualname}")] = _go_arity(node)
+                self.go_signatures[bounded_symbol(f"{read.module}.{qualname}")] = _go_signature(node)
             elif node.type == "type_spec":
                 fields = {name: (read, *written) for name, written in _go_fields(node)}
                 self.go_fields.setdefault(self.type_key(read, qualname), {}).update(fields)
@@ -325,24 +362,28 @@ class _Tree:
 
     def _go_implementations(self) -> None:
         """Each Go type of the tree that is no interface -> the interfaces of the tree each of whose methods it has
-        (its own or an embedded type's): the same name, as many parameters and results, and an unexported one
-        declared in the interface's package (only there can a type have it). Go says it nowhere: an agent tester's
+        (its own or an embedded type's): the same name, parameters and results of the same types (a type named
+        ``pkg.Key`` and ``Key`` alike, one a type parameter's any), and an unexported one declared in the
+        interface's package (only there can a type have it). Go says it nowhere: an agent tester's
         "what implements Store" found none of its two stores. An interface embedding one the tree does not declare
         (``io.Closer``, a union of types) has methods unknown here, and is left out."""
         known: dict[str, tuple[frozenset[GoMethod], bool]] = {}
         for key in self.go_types:
             self._go_method_set(key, known)
-        having: dict[GoMethod, set[str]] = {}
+        having: dict[tuple[str, str, int, int], set[str]] = {}
+        slots: dict[str, dict[tuple[str, str, int, int], list[GoMethod]]] = {}  # a type -> its methods by slot
         for key, (_read, _qualname, kind) in self.go_types.items():
             for method in known[key][0] if kind != "interface" else ():
-                having.setdefault(method, set()).add(key)
+                having.setdefault(method.slot, set()).add(key)
+                slots.setdefault(key, {}).setdefault(method.slot, []).append(method)
         for interface, (_read, _qualname, kind) in self.go_types.items():
             wanted, complete = known[interface]
             if kind != "interface" or not complete or not wanted:  # `any` is every type's: no link says anything
                 continue
-            rarest = min(wanted, key=lambda method: len(having.get(method, ())))
-            for key in sorted(having.get(rarest, ())):
-                if wanted <= known[key][0]:
+            rarest = min(wanted, key=lambda method: len(having.get(method.slot, ())))
+            for key in sorted(having.get(rarest.slot, ())):
+                held = slots[key]
+                if all(asked in held.get(asked.slot, ()) or _held(asked, held) for asked in wanted):
                     self.implemented.setdefault(key, []).append(interface)
 
     def _go_method_set(self, start: str, known: dict[str, tuple[frozenset[GoMethod], bool]]) -> None:
@@ -363,16 +404,18 @@ class _Tree:
             pending.pop()
             read, qualname, _kind = self.go_types[key]
             package = key.rpartition(".")[0]
-            own = {
-                GoMethod(name, *self.go_arity.get(fqn, (-1, -1)), "" if name[:1].isupper() else package)
-                for name, fqn in self.members.get(key, {}).items()
-            }
+            own = {self._go_method(name, fqn, package) for name, fqn in self.members.get(key, {}).items()}
             inherited = [known.get(base) for base in bases]  # None: a cycle's
             known[key] = (
                 frozenset(own).union(*(held[0] for held in inherited if held is not None)),
                 len(bases) == len(read.bases_written.get(qualname, []))
                 and all(held is not None and held[1] for held in inherited),
             )
+
+    def _go_method(self, name: str, fqn: str, package: str) -> GoMethod:
+        """A Go type's member ``name`` (its ``fqn``) as an interface would ask for it."""
+        parameters, results = self.go_signatures.get(fqn) or (None, None)
+        return GoMethod(name, parameters, results, "" if name[:1].isupper() else package)
 
     # -- indexing ------------------------------------------------------------------------------------------------
 
@@ -1545,19 +1588,76 @@ def _go_fields(spec: tree_sitter.Node) -> Iterator[tuple[str, tuple[str | None, 
             yield from ((name, written) for name in names or [written[1]])
 
 
-def _go_arity(method: tree_sitter.Node) -> tuple[int, int]:
-    """How many parameters and results a Go method (or an interface's) declares: ``(a, b int) (int, error)`` is
-    2 and 2, a lone result type 1."""
+def _go_signature(method: tree_sitter.Node) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A Go method's (or an interface's) parameter types and result types (:func:`_go_type`): ``(a, b int)
+    (int, error)`` is ``("int", "int")`` and ``("int", "error")``. A type parameter of its receiver's type or of
+    its interface is :data:`GO_ANY_TYPE`. A review's: matched by their number alone, ``Get(K) (V, bool)`` took
+    ``Get(string) ([]byte, error)`` for itself."""
+    generic = _go_type_parameters(method)
 
-    def count(listed: tree_sitter.Node | None) -> int:
+    def types(listed: tree_sitter.Node | None) -> tuple[str, ...]:
         if listed is None:
-            return 0
+            return ()
         if listed.type != "parameter_list":
-            return 1
-        declared = (n for n in listed.named_children if n.type.endswith("parameter_declaration"))
-        return sum(max(1, len(n.children_by_field_name("name"))) for n in declared)
+            return (_go_type(listed, generic),)
+        declared = [n for n in listed.named_children if n.type.endswith("parameter_declaration")]
+        return tuple(
+            ("..." if n.type.startswith("variadic") else "") + _go_type(n.child_by_field_name("type"), generic)
+            for n in declared
+            for _ in range(max(1, len(n.children_by_field_name("name"))))
+        )
 
-    return count(method.child_by_field_name("parameters")), count(method.child_by_field_name("result"))
+    return types(method.child_by_field_name("parameters")), types(method.child_by_field_name("result"))
+
+
+def _go_type_parameters(method: tree_sitter.Node) -> frozenset[str]:
+    """The type parameters a Go method's types may name: its receiver's (``func (s *Set[T]) Add(T)``), or its
+    interface's (``type Getter[K any] interface{ Get(K) }``)."""
+    if method.type == "method_elem":
+        spec = method.parent.parent if method.parent is not None else None
+        listed = spec.child_by_field_name("type_parameters") if spec is not None and spec.type == "type_spec" else None
+        if listed is None:
+            return frozenset()
+        return frozenset(_text(name) or "" for p in listed.named_children for name in p.children_by_field_name("name"))
+    receiver = method.child_by_field_name("receiver")
+    arguments = [n for n in _go_leaves(receiver, inside="type_arguments")] if receiver is not None else []
+    return frozenset(_text(n) or "" for n in arguments if n.type == "type_identifier")
+
+
+def _go_type(written: tree_sitter.Node | None, generic: frozenset[str]) -> str:
+    """A Go type as a parameter or result has it, to compare with another's: its words without spaces, a
+    qualified type by its name alone (``store.Key`` where one package writes ``Key``), ``interface{}`` as
+    ``any``, and :data:`GO_ANY_TYPE` where it names a type parameter (one of ``generic``)."""
+    if written is None:
+        return GO_ANY_TYPE
+    words = []
+    for leaf in _go_leaves(written):
+        if leaf.type == "type_identifier" and _text(leaf) in generic:
+            return GO_ANY_TYPE
+        words.append(_text(leaf) or "")
+    typed = "".join(words)
+    return "any" if typed == "interface{}" else typed
+
+
+def _go_leaves(node: tree_sitter.Node, inside: str | None = None) -> Iterator[tree_sitter.Node]:
+    """The tokens of a Go type in their order, without a qualified type's package, a parameter's name (in a
+    function type) or comments; with ``inside``, only those within a node of that type. Without recursion: a
+    hostile file may nest types deeply."""
+    pending: list[tuple[tree_sitter.Node, bool]] = [(node, inside is None)]
+    while pending:
+        current, within = pending.pop()
+        within = within or current.type == inside
+        if current.child_count == 0:
+            if within and current.type != "comment":
+                yield current
+            continue
+        if current.type == "qualified_type":
+            children = current.children_by_field_name("name")
+        else:
+            named = current.type.endswith("parameter_declaration")
+            fields = [current.field_name_for_child(index) for index in range(current.child_count)]
+            children = [c for c, kind in zip(current.children, fields, strict=True) if not named or kind != "name"]
+        pending.extend((child, within) for child in reversed(children))
 
 
 def _go_embedded(spec: tree_sitter.Node) -> list[str]:

@@ -488,7 +488,7 @@ def test_go_types_implement_the_interfaces_whose_methods_they_have_and_embed_the
         ("inv.audit.audit.Auditor", "inv.cached.cached.CachedStore"),
         ("inv.audit.audit.Auditor", "inv.store.store.Store"),
         ("inv.audit.audit.Auditor", "inv.store.store.Closer"),
-    }  # not Getter (no Put); not Open (io.Reader's methods are unknown), Number, nor the empty Any
+    }  # not Getter (no Put); not Open (none has io.Reader's Read), Number, nor the empty Any
     cached = next(node for node in read.nodes if node.object_type == "inv.cached.cached.CachedStore")
     assert set(cached.interfaces) == {"inv.store.memory.MemoryStore", "inv.store.store.Store", "inv.store.store.Closer"}
     found = _by_name(_calls(GO_STORES, {"inv": "example.com/inv"}))
@@ -600,6 +600,37 @@ def test_a_go_interface_is_implemented_by_its_methods_types_not_their_number_alo
         ("mem.mem.Cache", "store.store.Putter"),  # store.Key is Key
         ("mem.mem.Printer", "store.store.Logger"),  # interface{} is any
     }  # not Disk (an error is no bool, a string no Key), nor Tracer (a slice is no variadic)
+
+
+def test_a_go_interface_embedding_the_standard_librarys_is_implemented_by_the_types_with_its_methods() -> None:
+    """``type Source interface{ io.Reader; Name() string }`` had methods unknown here, so no type implemented it;
+    a struct embedding ``io.Reader`` has its ``Read`` too."""
+    files = {
+        "src/src.go": 'package src\n\nimport (\n\t"io"\n\tstdhttp "net/http"\n)\n\n'
+        "type Source interface {\n\tio.ReadCloser\n\tName() string\n}\n\n"
+        "type Failure interface {\n\terror\n\tCode() int\n}\n\n"
+        "type Route interface {\n\tstdhttp.Handler\n\tPath() string\n}\n\n"
+        "type Wrapped interface{ io.Reader; Other() }\n\n"  # io.Reader's, since no `Reader` is this tree's
+        "type File struct{}\n\nfunc (*File) Read(p []byte) (int, error) { return 0, nil }\n\n"
+        'func (*File) Close() error { return nil }\n\nfunc (*File) Name() string { return "" }\n\n'
+        "type Tee struct {\n\tio.Reader\n}\n\nfunc (Tee) Close() error { return nil }\n\n"
+        'func (Tee) Name() string { return "" }\n\n'
+        "type Half struct{}\n\nfunc (Half) Read(p []byte) error { return nil }\n\n"
+        "func (Half) Close() error { return nil }\n\n"
+        'func (Half) Name() string { return "" }\n\n'
+        'type NotFound struct{}\n\nfunc (NotFound) Error() string { return "" }\n\n'
+        "func (NotFound) Code() int { return 404 }\n\n"
+        "type Home struct{}\n\nfunc (Home) ServeHTTP(w stdhttp.ResponseWriter, r *stdhttp.Request) {}\n\n"
+        'func (Home) Path() string { return "/" }\n',
+    }
+    read = read_code(files, {"": "example.com/m"})
+    inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
+    assert inherits == {
+        ("src.src.File", "src.src.Source"),
+        ("src.src.Tee", "src.src.Source"),  # its Read is the io.Reader it embeds
+        ("src.src.NotFound", "src.src.Failure"),
+        ("src.src.Home", "src.src.Route"),  # net/http imported as stdhttp
+    }  # not Half: its Read returns no int
 
 
 def test_a_go_packages_stand_in_file_is_named_by_the_package_its_directory_holds() -> None:

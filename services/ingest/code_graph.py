@@ -121,6 +121,70 @@ def _same_go_type(one: str, other: str) -> bool:
     return one == other or GO_ANY_TYPE in (one, other)
 
 
+_GO_STANDARD_INTERFACES = {
+    "": "type error interface{ Error() string }",
+    "fmt": "type Stringer interface{ String() string }\ntype GoStringer interface{ GoString() string }",
+    "io": """
+type Reader interface{ Read(p []byte) (n int, err error) }
+type Writer interface{ Write(p []byte) (n int, err error) }
+type Closer interface{ Close() error }
+type Seeker interface{ Seek(offset int64, whence int) (int64, error) }
+type ReaderAt interface{ ReadAt(p []byte, off int64) (n int, err error) }
+type WriterAt interface{ WriteAt(p []byte, off int64) (n int, err error) }
+type ReaderFrom interface{ ReadFrom(r Reader) (n int64, err error) }
+type WriterTo interface{ WriteTo(w Writer) (n int64, err error) }
+type ByteReader interface{ ReadByte() (byte, error) }
+type ByteWriter interface{ WriteByte(c byte) error }
+type RuneReader interface{ ReadRune() (r rune, size int, err error) }
+type StringWriter interface{ WriteString(s string) (n int, err error) }
+type ReadWriter interface{ Reader; Writer }
+type ReadCloser interface{ Reader; Closer }
+type WriteCloser interface{ Writer; Closer }
+type ReadWriteCloser interface{ Reader; Writer; Closer }
+type ReadSeeker interface{ Reader; Seeker }
+type ReadSeekCloser interface{ Reader; Seeker; Closer }
+type WriteSeeker interface{ Writer; Seeker }
+type ReadWriteSeeker interface{ Reader; Writer; Seeker }
+""",
+    "sort": "type Interface interface{ Len() int; Less(i, j int) bool; Swap(i, j int) }",
+    "context": """
+type Context interface {
+    Deadline() (deadline time.Time, ok bool)
+    Done() <-chan struct{}
+    Err() error
+    Value(key any) any
+}
+""",
+    "net/http": "type Handler interface{ ServeHTTP(ResponseWriter, *Request) }",
+    "encoding/json": "type Marshaler interface{ MarshalJSON() ([]byte, error) }\n"
+    "type Unmarshaler interface{ UnmarshalJSON([]byte) error }",
+    "encoding": "type TextMarshaler interface{ MarshalText() (text []byte, err error) }\n"
+    "type TextUnmarshaler interface{ UnmarshalText(text []byte) error }",
+}
+"""Interfaces of Go's standard library a tree's types often embed, by import path (``""``: the predeclared
+``error``), as Go declares them. An interface embedding ``io.Reader`` had methods unknown here, so no type was
+said to implement it."""
+
+
+@functools.cache
+def go_standard_interfaces() -> dict[tuple[str, str], frozenset[GoMethod]]:
+    """The methods of each of :data:`_GO_STANDARD_INTERFACES`, by import path and name (embedded ones included)."""
+    found: dict[tuple[str, str], frozenset[GoMethod]] = {}
+    for path, source in _GO_STANDARD_INTERFACES.items():
+        declared: dict[str, tuple[set[GoMethod], list[str]]] = {}
+        for spec in walk(parser(".go").parse(f"package p\n{source}".encode()).root_node):
+            if spec.type != "type_spec":
+                continue
+            methods, embeds = declared.setdefault(_text(spec.child_by_field_name("name")) or "", (set(), []))
+            embeds += _go_embedded(spec)
+            for elem in walk(spec):
+                if elem.type == "method_elem":
+                    methods.add(GoMethod(_text(elem.child_by_field_name("name")) or "", *_go_signature(elem), ""))
+        for name, (methods, embeds) in declared.items():
+            found[path, name] = frozenset(methods.union(*(declared[e][0] for e in embeds)))
+    return found
+
+
 def _held(asked: GoMethod, held: Mapping[tuple[str, str, int, int], list[GoMethod]]) -> bool:
     """Whether a type whose methods are ``held`` (by :attr:`GoMethod.slot`) has one that ``asked`` fits."""
     return any(had.fits(asked) for had in held.get(asked.slot, ()))
@@ -388,8 +452,8 @@ class _Tree:
 
     def _go_method_set(self, start: str, known: dict[str, tuple[frozenset[GoMethod], bool]]) -> None:
         """A Go type's methods, its own and those of the types it embeds, and whether they are all it has (what it
-        embeds is of the tree, and no embedding cycle, which Go refuses, runs through it), into ``known``. Without
-        recursion: a tree's embedding may go deep."""
+        embeds is of the tree or one of :data:`_GO_STANDARD_INTERFACES`, and no embedding cycle, which Go refuses,
+        runs through it), into ``known``. Without recursion: a tree's embedding may go deep."""
         pending, entered = [start], set()
         while pending:
             key = pending[-1]
@@ -406,11 +470,25 @@ class _Tree:
             package = key.rpartition(".")[0]
             own = {self._go_method(name, fqn, package) for name, fqn in self.members.get(key, {}).items()}
             inherited = [known.get(base) for base in bases]  # None: a cycle's
+            standard = self._go_standard_embedded(read, qualname)
             known[key] = (
-                frozenset(own).union(*(held[0] for held in inherited if held is not None)),
-                len(bases) == len(read.bases_written.get(qualname, []))
+                frozenset(own).union(*(held[0] for held in inherited if held is not None), *standard),
+                len(bases) + len(standard) == len(read.bases_written.get(qualname, []))
                 and all(held is not None and held[1] for held in inherited),
             )
+
+    def _go_standard_embedded(self, read: _File, qualname: str) -> list[frozenset[GoMethod]]:
+        """The methods of each interface of :data:`_GO_STANDARD_INTERFACES` a Go type embeds (``io.Reader``,
+        ``error``), where no type of the tree has that name there."""
+        embedded = []
+        for written in read.bases_written.get(qualname, []):
+            if self.type_named(read, written, qualname) is not None:
+                continue
+            alias, _, name = written.rpartition(".")
+            paths = [path for named, path in read.go_imports if (named or path.rpartition("/")[2]) == alias]
+            methods = go_standard_interfaces().get((paths[0] if paths else "", name)) if paths or not alias else None
+            embedded += [methods] if methods is not None else []
+        return embedded
 
     def _go_method(self, name: str, fqn: str, package: str) -> GoMethod:
         """A Go type's member ``name`` (its ``fqn``) as an interface would ask for it."""

@@ -633,6 +633,43 @@ def test_a_go_interface_embedding_the_standard_librarys_is_implemented_by_the_ty
     }  # not Half: its Read returns no int
 
 
+def test_a_typescript_namespaces_functions_and_classes_are_called_through_its_name() -> None:
+    """An agent tester's ``Validation.isEmail()``, the namespace imported by name, called nothing; nor did one
+    declared in the same file, nor a nested one."""
+    found = _by_name(_calls({
+        "src/validation.ts": """
+            export namespace Validation {
+              export function isEmail(s: string): boolean { return true; }
+              export namespace Inner {
+                export function deep(): void {}
+                export class Rules { static check(): void {} }
+              }
+            }
+            """,
+        "src/user.ts": """
+            import { Validation } from "./validation";
+            import * as v from "./validation";
+            export function check(s: string): boolean {
+              Validation.Inner.deep();
+              new Validation.Inner.Rules();
+              Validation.Inner.Rules.check();
+              v.Validation.isEmail(s);
+              Validation.missing();
+              return Validation.isEmail(s);
+            }
+            export function shadowed(Validation: any): void { Validation.isEmail(""); }
+            """,
+        "src/same.ts": "namespace Local { export function helper(): void {} }\n"
+        "export function useIt(): void { Local.helper(); }\n",
+    }))  # fmt: skip
+    space = "src.validation.Validation"
+    assert found["src.user.check"] == [
+        f"{space}.Inner.deep", f"{space}.Inner.Rules", f"{space}.Inner.Rules.check", f"{space}.isEmail"
+    ]  # fmt: skip
+    assert "src.user.shadowed" not in found  # a parameter of the name is no namespace
+    assert found["src.same.useIt"] == ["src.same.Local.helper"]
+
+
 def test_a_go_packages_stand_in_file_is_named_by_the_package_its_directory_holds() -> None:
     """Not a ``go:generate`` helper's ``main`` beside it, nor a ``_test`` package (a review's)."""
     read = read_code({

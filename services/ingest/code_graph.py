@@ -386,6 +386,9 @@ class _Tree:
         self.twins: dict[str, list[str]] = {}
         """TypeScript and JavaScript: a module (:func:`code.module_name` of a path) -> its files read (``x.js`` and
         its declarations' ``x.d.ts``)."""
+        self.spaces: dict[str, dict[str, str]] = {}
+        """TypeScript: a namespace's qualified name (``m.Validation``) -> what it declares by name: its functions,
+        types and namespaces (``isEmail`` -> ``m.Validation.isEmail``)."""
 
     def add(self, read: _File, root: tree_sitter.Node, declared: list[Declared]) -> None:
         """A file's declarations, and what its syntax says of its imports and bases (resolved by :meth:`resolve`
@@ -581,6 +584,25 @@ class _Tree:
                 self.package_names.setdefault(posixpath.dirname(read.path), read.package)
         elif read.domain == "java":
             self.packages.setdefault(read.package or "", []).append(read)
+        elif read.domain in ("typescript", "javascript"):
+            self._namespaces(read)
+
+    def _namespaces(self, read: _File) -> None:
+        """What a file's namespaces declare (:attr:`spaces`), each namespace named at the file's level by its first
+        name: an agent tester's ``Validation.isEmail()`` called nothing."""
+        types = {qualname for _kind, level, qualname, _span in read.outline if level == "type"}
+        for kind, _level, qualname, _span in read.outline:
+            owner, _, name = qualname.rpartition(".")
+            if not owner or kind == "method" or owner in types:
+                continue
+            spaces = owner.split(".")
+            read.top.setdefault(spaces[0], f"{read.module}.{spaces[0]}")
+            for depth in range(1, len(spaces)):  # each namespace holds the next
+                held = f"{read.module}.{'.'.join(spaces[:depth])}"
+                self.spaces.setdefault(held, {}).setdefault(spaces[depth], f"{held}.{spaces[depth]}")
+            self.spaces.setdefault(f"{read.module}.{owner}", {}).setdefault(
+                name, bounded_symbol(f"{read.module}.{qualname}")
+            )
 
     def _imports(self, read: _File, root: tree_sitter.Node) -> None:
         for node in root.named_children:
@@ -1171,10 +1193,8 @@ class _Calls:
         tree, read = self.tree, self.read
         if node.type == "new_expression":
             made = node.child_by_field_name("constructor")
-            if made is not None and made.type == "member_expression":  # `new ns.Class()`, `ns` imported whole
-                whole = self.imported_whole(made.child_by_field_name("object"), node)
-                made_as = _text(made.child_by_field_name("property")) or ""
-                return tree.javascript_export(whole, made_as, 1) if whole is not None else None
+            if made is not None and made.type == "member_expression":  # `new ns.Class()`, `new Space.Class()`
+                return self.named_by(made, node)
             return (
                 tree.javascript_value(read, _text(made) or "")
                 if made is not None and made.type == "identifier"
@@ -1202,24 +1222,47 @@ class _Calls:
             return tree.member(self.owner_key, name)
         if held.type == "super":
             return tree.member(self.owner_key, name, inherited_only=True)
-        if held.type == "member_expression":  # `ns.Class.f()`, `ns` imported whole (a tester's errorForCode)
-            whole = self.imported_whole(held.child_by_field_name("object"), node)
-            if whole is None:
-                return None
-            exported = tree.javascript_export(whole, _text(held.child_by_field_name("property")) or "", 1)
-            return tree.member(exported if exported in tree.types else None, name)
+        if held.type == "member_expression":  # `ns.Class.f()` (a tester's errorForCode), `Space.Inner.f()`
+            named = self.named_by(held, node)
+            if named in tree.spaces:
+                return tree.spaces[named].get(name)
+            return tree.member(named if named in tree.types else None, name)
         if held.type != "identifier":
             return None
         if self.names.binds(local := _text(held) or "", node):  # a local: through the class it is declared as
             written = self.names.type_of(local, node)
             # `ns.Class` too, `new ns.Class()` or `: ns.Class` through `import * as ns` (a retest's were untyped)
-            named = ("type_identifier", "identifier", "member_expression", "nested_type_identifier")
-            typed = written is not None and written.type in named
+            naming = ("type_identifier", "identifier", "member_expression", "nested_type_identifier")
+            typed = written is not None and written.type in naming
             return tree.member(tree.type_named(read, _text(written) or ""), name) if typed else None
         imported = read.imports.get(local)
         if imported is not None and imported[1] is None:  # `ns.f()` through `import * as ns`
             return tree.javascript_export(imported[0], name, 1)
+        space = tree.javascript_value(read, local)
+        if space in tree.spaces:  # `Validation.isEmail()`, a namespace declared or imported by name
+            return tree.spaces[space].get(name)
         return tree.member(tree.type_named(read, local), name)  # `Class.f()`
+
+    def named_by(self, dotted: tree_sitter.Node, node: tree_sitter.Node) -> str | None:
+        """What a dotted name at ``node`` names (``ns.Class`` through ``import * as ns``, ``Space.Inner``): a
+        namespace's, a type's or a function's qualified name; None for one a local starts, or any other."""
+        tree, parts = self.tree, list[str]()
+        while dotted.type == "member_expression" and (held := dotted.child_by_field_name("object")) is not None:
+            parts.append(_private(dotted.child_by_field_name("property")))
+            dotted = held
+        first = _text(dotted) or ""
+        if dotted.type != "identifier" or not parts or self.names.binds(first, node):
+            return None
+        parts.reverse()
+        whole = self.imported_whole(dotted, node)
+        named = (
+            tree.javascript_export(whole, parts.pop(0), 1)
+            if whole is not None
+            else tree.javascript_value(self.read, first)
+        )
+        for part in parts:
+            named = tree.spaces.get(named, {}).get(part) if named is not None else None
+        return named
 
     def imported_whole(self, space: tree_sitter.Node | None, node: tree_sitter.Node) -> str | None:
         """The file a name ``space`` stands for where its file imports that whole (``import * as ns``) and the code

@@ -15,7 +15,18 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.config import JsonDict
 
 from ._base import WireModel
-from .documents import MAIN_BRANCH, OBJECT_TYPE, Branch, DocumentId, ObjectType, SemanticDocument, Text, Workspace
+from .documents import (
+    MAIN_BRANCH,
+    NAME_CHARACTER,
+    NAME_START,
+    OBJECT_TYPE,
+    Branch,
+    DocumentId,
+    ObjectType,
+    SemanticDocument,
+    Text,
+    Workspace,
+)
 
 SCHEMA_VERSION = 1
 
@@ -43,7 +54,7 @@ class Payload(WireModel):
 def _top_level_name_starts_as_an_object_type(schema: JsonDict) -> None:
     """Without a domain the name is the object type, which starts with a letter or _."""
     schema["if"] = {"anyOf": [{"not": {"required": ["domain"]}}, {"properties": {"domain": {"const": ""}}}]}
-    schema["then"] = {"properties": {"name": {"pattern": "^[A-Za-z_]"}}}
+    schema["then"] = {"properties": {"name": {"pattern": f"^{NAME_START}"}}}
 
 
 class OntologyNode(WireModel):
@@ -57,14 +68,15 @@ class OntologyNode(WireModel):
     domain: Text = Field(
         default="",
         max_length=256,
-        pattern=r"^(?:[A-Za-z_][A-Za-z0-9_.$-]*)?$",
+        pattern=f"^(?:{NAME_START}{NAME_CHARACTER}*)?$",
         description="Empty for a top-level type (its objectType is the name).",
     )
     name: Text = Field(
         min_length=1,
         max_length=256,
-        pattern=r"^[A-Za-z0-9_.$-]+$",
-        description="Letters, digits, _ . $ -; without a domain, a letter or _ first. With the domain, at most 511 "
+        pattern=f"^{NAME_CHARACTER}+$",
+        description="Letters, digits, _ . $ - (ASCII), and characters past ASCII but controls, separators, "
+        "zero-width and direction marks; without a domain, a letter or _ first. With the domain, at most 511 "
         "characters.",
     )
     kind: Text = Field(min_length=1, max_length=64, description="class, interface, module, ...")

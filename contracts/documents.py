@@ -58,9 +58,15 @@ Branch = Annotated[
 ]
 BRANCH: TypeAdapter[str] = TypeAdapter(Branch)
 """Checks a branch name given outside a request model (a command's option)."""
+NAME_START = r"(?:[A-Za-z_]|[^\x00-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff])"
+"""A name's first character in an object type: an ASCII letter or ``_``, or any character past ASCII but a control,
+a line or paragraph separator, a zero-width one or one that turns the text's direction (letters of any script: a
+tester's ``class Животное`` and ``class Растение`` were both ``________``, one node)."""
+NAME_CHARACTER = NAME_START.replace("A-Za-z_", "A-Za-z0-9_.$-")
+"""Any other character of an object type: ASCII letters, digits, ``_ . $ -``, or past ASCII as :data:`NAME_START`."""
 ObjectType = Annotated[
     str,
-    StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.$-]{0,511}$"),
+    StringConstraints(pattern=f"^{NAME_START}{NAME_CHARACTER}{{0,511}}$"),
     Field(description="Ontology object type, '{domain}.{typeName}' (a top-level type may have no domain)."),
 ]
 OBJECT_TYPE: TypeAdapter[str] = TypeAdapter(ObjectType)

@@ -1262,3 +1262,38 @@ def test_calls_in_deeply_nested_functions_are_read_in_time_linear_in_the_file() 
     from ontofabric.services.ingest.graph import _walked
 
     assert _walked.cache_info().currsize == 0  # each function's nodes are kept while its calls are read, no longer
+
+
+def test_names_in_any_script_are_object_types_of_their_own() -> None:
+    """A tester's ``class Животное`` and ``class Растение`` were both ``code.tiere.________``: one node, each
+    subclass linked to it, and lookups by the names found nothing. Letters past ASCII are kept; what no name may
+    hold (a zero-width space) is still ``_``."""
+    from ontofabric.contracts import NodeUpserted, OntologyNode
+
+    source = textwrap.dedent("""
+        class Животное:
+            pass
+
+        class Растение:
+            pass
+
+        class Собака(Животное):
+            pass
+
+        class Роза(Растение):
+            pass
+
+        class Größe:
+            pass
+    """)
+    nodes, links = python_graph({"code/tiere.py": source, "code/x\u200by.py": "class A:\n    pass\n"})
+    types = {n.object_type for n in nodes}
+    assert {"code.tiere.Животное", "code.tiere.Растение", "code.tiere.Größe", "code.x_y.A"} <= types
+    inherits = {(link.source_type, link.target_type) for link in links if link.name == "inherits"}
+    assert inherits == {
+        ("code.tiere.Собака", "code.tiere.Животное"),
+        ("code.tiere.Роза", "code.tiere.Растение"),
+    }
+    for node in nodes:  # each a node the projector takes
+        wire = OntologyNode(domain=node.domain, name=node.name, kind=node.kind)
+        NodeUpserted.model_validate({"type": "node.upserted", "node": wire.model_dump(by_alias=True)})

@@ -162,7 +162,10 @@ def test_the_scope_a_delta_subject_names_is_read_only_from_a_whole_canonical_one
         assert names.scope_of_delta(subject) is None, subject
 
 
-@pytest.mark.parametrize(("domain", "name"), [("my domain", "Foo Bar"), ("d" * 256, "n" * 256), ("", "9lives")])
+@pytest.mark.parametrize(
+    ("domain", "name"),
+    [("my domain", "Foo Bar"), ("d" * 256, "n" * 256), ("", "9lives"), ("pkg", "a\u200bb"), ("pkg", "a\u202eb")],
+)
 def test_a_node_whose_names_make_no_object_type_is_refused_as_it_comes(domain: str, name: str) -> None:
     """A red team's finding: such a node was stored, and every removal, revert or link naming it was refused (its
     object type fails the pattern), so it stayed for good."""

@@ -12,6 +12,7 @@ import ast
 import hashlib
 import re
 import sys
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -21,7 +22,6 @@ from ontofabric.shared.embedder import embedding_text
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
 
-_OBJECT_TYPE_CHAR = re.compile(r"[^A-Za-z0-9_.$-]")
 MAX_OBJECT_TYPE_CHARS = 512  # the contract's limit (contracts/documents.py ObjectType)
 _HEADING = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*))?$")  # its closing #s taken off apart (_heading_title)
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -120,10 +120,18 @@ def bounded_symbol(name: str) -> str:
 
 
 def object_type_name(dotted: str) -> str:
-    """A dotted name made valid as an objectType (letters, digits, ``_.$-``; no leading digit; 512 at most)."""
-    cleaned = _OBJECT_TYPE_CHAR.sub("_", dotted).strip(".") or "_"
+    """A dotted name made valid as an objectType: its letters, digits and marks of any script and ``_.$-`` kept,
+    any other character ``_``; no leading digit; 512 at most. A tester's ``class Животное`` and ``class Растение``
+    were both ``________`` (any letter past ASCII was ``_``), one node of the graph."""
+    cleaned = "".join(map(_object_type_character, dotted)).strip(".") or "_"
     valid = f"_{cleaned}" if not (cleaned[0].isalpha() or cleaned[0] == "_") else cleaned
     return valid[:MAX_OBJECT_TYPE_CHARS]
+
+
+def _object_type_character(char: str) -> str:
+    if char.isascii():
+        return char if char.isalnum() or char in "_.$-" else "_"
+    return char if unicodedata.category(char)[0] in "LMN" else "_"
 
 
 def whole_characters(text: str) -> str:

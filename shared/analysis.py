@@ -20,6 +20,7 @@ writes names) not the composed one, ``ＡＰＩ`` not ``API``, a word with an in
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
@@ -39,6 +40,30 @@ CHINESE_AND_JAPANESE = (
 """Han ideographs, hiragana and katakana, written without spaces between words, with the marks written among them
 (々 as in 佐々木: a review's), as ranges of a regular expression's character class."""
 _CJK_RUN = re.compile(f"[{CHINESE_AND_JAPANESE}]{{2,}}")
+
+
+@functools.cache
+def _separating() -> re.Pattern[str]:
+    """Punctuation and symbols past ASCII (``’ “ ” — « » „ । 。``, emoji): a space between words. PostgreSQL's
+    parser in the C locale takes every character past ASCII for a letter, so a Unicode tester's ``scheduler’s``,
+    ``“exponential”`` and ``rocketlaunch🚀`` were words of their own, and ``scheduler``, ``exponential`` and
+    ``rocketlaunch`` found nothing. Read from the Unicode database this Python has, up to the emoji's plane (the
+    planes past it hold ideographs, tags and private use), once per process."""
+    ranges: list[str] = []
+    start = previous = -2
+    for code in range(0x80, 0x20000):
+        if unicodedata.category(chr(code))[0] not in "PS":
+            continue
+        if code != previous + 1:
+            ranges += [_class_range(start, previous)] if start >= 0 else []
+            start = code
+        previous = code
+    ranges.append(_class_range(start, previous))
+    return re.compile(f"[{''.join(ranges)}]")
+
+
+def _class_range(first: int, last: int) -> str:
+    return re.escape(chr(first)) + (f"-{re.escape(chr(last))}" if last > first else "")
 
 
 def identifier_parts(identifier: str) -> list[str]:
@@ -85,13 +110,13 @@ def _bigrams(match: re.Match[str]) -> str:
 def comparable(text: str) -> str:
     """``text`` in the form two spellings of the same words share: compatibility-normalised (NFKC, as Python
     reads identifiers: composed accents, full-width and ligature forms as their plain letters), invisible format
-    characters removed, and each run of Chinese or Japanese characters as its overlapping pairs (``数据库`` ->
-    ``数据 据库``, as Lucene's CJK analysis indexes them: a word of that writing found within a sentence). ASCII
-    text is returned as it is."""
+    characters removed, punctuation and symbols past ASCII spaces (:func:`_separating`), and each run of Chinese
+    or Japanese characters as its overlapping pairs (``数据库`` -> ``数据 据库``, as Lucene's CJK analysis indexes
+    them: a word of that writing found within a sentence). ASCII text is returned as it is."""
     if text.isascii():
         return text
     text = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text).replace("\u200b", " "))
-    return _CJK_RUN.sub(_bigrams, text)
+    return _CJK_RUN.sub(_bigrams, _separating().sub(" ", text))
 
 
 def folded(text: str) -> str:

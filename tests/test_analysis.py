@@ -33,6 +33,11 @@ from ontofabric.shared.analysis import analyse, comparable, identifier_parts
         ("\u200fretry\u200e soft\u00adhyphen zero\u200bwidth", "retry softhyphen zero width"),
         ("Über writeBoolean", "über writeboolean write boolean"),  # folded after identifiers are split by case
         ("préparer_café", "préparer_café préparer café"),  # a review's: it was cut at its accents
+        # Punctuation and symbols past ASCII separate words, as ASCII's do: the parser takes them for letters (a
+        # Unicode tester's "scheduler’s", “exponential” and rocketlaunch🚀 were words of their own).
+        ("the scheduler’s “exponential” default—see", "the scheduler s  exponential  default see"),
+        ("«retrait» „Wiederholung“ दुनिया। rocketlaunch🚀", " retrait   wiederholung  दुनिया  rocketlaunch "),
+        ("a→b 37°C ±2 l·l", "a b 37 c  2 l l"),
     ],
 )
 def test_analyse(text: str, expected: str) -> None:
@@ -69,8 +74,7 @@ def test_chinese_and_japanese_are_read_in_overlapping_pairs() -> None:
         "管理",
         "理模",
         "模块",
-        "。",
-    ]
+    ]  # the full stop a space, as punctuation past ASCII is
     assert set(analyse("连接池", catenate=False).split()) <= set(
         analyse("数据库连接池管理模块。负责创建和回收连接。", catenate=True).split()
     )

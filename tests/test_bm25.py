@@ -98,6 +98,10 @@ async def test_sql_bm25_equals_bm25_by_hand(deployment: Deployment, pool: asyncp
     async with pool.acquire() as conn:  # the repeats the SQL reads, and a snake_case word's parts counted twice
         assert await _lexemes(conn, analyse("file file file json", catenate=False)) == {"file": 3, "json": 1}
         assert await _lexemes(conn, analyse("read_file", catenate=False)) == {"read": 2, "file": 2}
+        # A word beside punctuation past ASCII is the word (the parser reads such punctuation as a letter).
+        typography = analyse("the scheduler’s “exponential” backoff—see 🚀launch", catenate=True)
+        words = await _lexemes(conn, "scheduler exponential backoff launch")
+        assert set(words) <= set(await _lexemes(conn, typography))
     for query in queries:
         hits = await keyword.search(Scope("acme", "main"), SearchInput(query), 10)
         if hits.candidates:

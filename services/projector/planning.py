@@ -498,12 +498,13 @@ def search_text(document: SemanticDocument) -> str:
     return analyse(f"{name}\n{document.content}" if name else document.content, catenate=True)
 
 
-ANALYSIS_VERSION = 3
+ANALYSIS_VERSION = 4
 """What the projector derives from a document for the keyword index (:func:`search_text`, :func:`own_name_repeats`),
 by version: raised with every change to it, so that the documents indexed before can be counted (``ontofabric
 status``) and brought up to date (``ontofabric rebuild``). 1: the own name weighed (2026-11-30); 2: text other than
 ASCII made comparable and case-folded (shared/analysis.py, 2026-12-02: a document all ASCII is indexed as under 1);
-3: a hyphenated word's parts also written together (2026-12-05: a document without one is indexed as under 2); 0 is
+3: a hyphenated word's parts also written together (2026-12-05: a document without one is indexed as under 2); 4:
+punctuation and symbols past ASCII read as spaces (2026-12-07: a document without any is indexed as under 3); 0 is
 what rows written before the version was recorded read (infra/migrations/0024)."""
 
 NAME_REPEATS = 8

@@ -388,6 +388,13 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
         "function",
     ]
     assert definitions_first("volume", definitions, candidates, 10) == candidates
+    # A dotted name that is a symbol's whole qualified name is that symbol alone: not also a private module's
+    # published as it, nor one ending with it (an agent tester's faststream.types took faststream._internal.types).
+    collide = {"public": "pkg.types", "private": "pkg._internal.types", "deeper": "vendor.pkg.types"}
+    assert [hit.id for hit in definitions_first("pkg.types", collide, [], 10)] == ["public"]
+    assert [hit.id for hit in definitions_first("types", collide, [], 10)] == ["public", "deeper", "private"]
+    del collide["public"]  # without it, the others are what the name is
+    assert [hit.id for hit in definitions_first("pkg.types", collide, [], 10)] == ["deeper", "private"]
     # At the same match, a class or function before a module (which holds it).
     module_first = definitions_first("area", {"mod": "pkg.area", "fn": "pkg.area.area"}, [], 10, modules={"mod"})
     assert [hit.id for hit in module_first] == ["fn", "mod"]

@@ -183,6 +183,11 @@ def test_a_relation_question_finds_types_by_name_then_subtypes_by_distance_and_i
     assert graph.named("a.Base") == ["a.Base"]
     assert graph.named("BASE") == ["a.Base", "a.base", "b.Base"]
     assert graph.named("Missing") == []
+    # A whole qualified name is that type alone: not also a private module's published as it (an agent tester's
+    # importers of faststream.types were faststream._internal.types's 78).
+    published = OntologyGraph(kinds={t: "module" for t in ("fs.types", "fs._internal.types", "x.fs.types")})
+    assert published.named("fs.types") == ["fs.types"]
+    assert published.named("types") == ["fs._internal.types", "fs.types", "x.fs.types"]
     assert graph.subtypes("a.Base") == [["a.Left", "a.Right"], ["a.Both", "a.Leaf"]]
     assert graph.subtypes("a.Leaf") == []
     assert graph.supertypes("a.Both") == [["a.Left", "a.Right"], ["a.Base"]]

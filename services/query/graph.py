@@ -12,7 +12,7 @@ from ontofabric.contracts import MAIN_BRANCH
 from ontofabric.shared.lru import LruCache
 
 from .cache import VersionKey, by_workspace, drop_stale, drop_workspace
-from .names import AS_WRITTEN, last_part, match_quality
+from .names import last_part, match_quality, qualities_kept
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,8 @@ class OntologyGraph:
             for object_type in self._by_last_part.get(last_part(name).lower(), ())
             if (quality := match_quality(object_type, name)) is not None
         )
-        named = [(q, t) for q, t in matched if q < AS_WRITTEN] or matched
+        kept = qualities_kept(matched[0][0], name) if matched else range(0)
+        named = [(q, t) for q, t in matched if q in kept]
         # An outside type goes only for an own type matching at least as well: asked as `logging`, the stdlib
         # module a link names still answers beside an own `pkg.logging` (a review's).
         own = min((q for q, t in named if t in self.kinds), default=None)

@@ -24,7 +24,7 @@ from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file, 
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
 
 from .fusion import Fused, SourceHit
-from .names import AS_WRITTEN, last_part, match_quality
+from .names import last_part, match_quality, qualities_kept
 from .stages import above_the_rest
 
 SYMBOL = "symbol"
@@ -530,8 +530,8 @@ def definitions_first(
     )
     if not matched:
         return list(candidates)
-    if matched[0][0] < AS_WRITTEN:  # names that match as written: those ignoring case are other symbols
-        matched = [m for m in matched if m[0] < AS_WRITTEN]
+    kept = qualities_kept(matched[0][0], name)  # as written, those ignoring case are other symbols
+    matched = [m for m in matched if m[0] in kept]
     return _placed_first([doc_id for *_, doc_id in matched[:limit]], candidates, SYMBOL)
 
 

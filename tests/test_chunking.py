@@ -638,6 +638,8 @@ def test_a_chunk_cut_to_the_content_limit_states_the_lines_its_text_reaches() ->
 def test_names() -> None:
     assert module_name("services/query/__init__.py") == "services.query"
     assert module_name("setup.py") == "setup"
+    assert module_name("pkg/nfd_mode\u0301.py") == "pkg.nfd_mod\u00e9"  # as Python reads the name importing it
+    assert module_name("\ufb01le_lig.py") == "file_lig"
     assert object_type_name("2fa.helpers") == "_2fa.helpers"
     assert object_type_name("my pkg.mod") == "my_pkg.mod"
     assert truncate_utf8("héllo", 2) == "h"

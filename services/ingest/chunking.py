@@ -202,11 +202,15 @@ def cut_from(text: str, max_bytes: int) -> int | None:
 def module_name(path: str, package: str | None = None) -> str:
     """``services/query/fusion.py`` -> ``services.query.fusion``; a package's ``__init__.py`` names the package.
     ``package``: the name of the tree itself when it is a package (its root holds ``__init__.py``), which then
-    leads every module's name, as Python imports it (``retry.py`` of tenacity's tree is ``tenacity.retry``)."""
+    leads every module's name, as Python imports it (``retry.py`` of tenacity's tree is ``tenacity.retry``). In
+    the form Python reads an identifier in (NFKC): a file named with a decomposed accent (as macOS writes names)
+    or a ligature is imported by its composed and plain letters, and a query's name is read so (a Unicode tester's
+    ``nfd_modé`` was found in neither spelling)."""
     parts = [*([package] if package else []), *path.removesuffix(".py").split("/")]
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
-    return ".".join(parts)
+    dotted = ".".join(parts)
+    return dotted if dotted.isascii() else unicodedata.normalize("NFKC", dotted)
 
 
 def tree_package(root_name: str, paths: Iterable[str], named: str | None = None) -> str | None:

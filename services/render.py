@@ -42,11 +42,12 @@ def _snippet(text: str, width: int = 70) -> str:
 
 def _parameter(name: str, value: Any) -> str:
     """A request's parameter as the header says it: ``relatedTo`` as ``--related-to`` takes it, other objects as
-    JSON (a tester's header showed a Python dict: ``relatedTo={'relation': 'callers', 'symbol': 'to_se…``)."""
+    JSON (a tester's header showed a Python dict: ``relatedTo={'relation': 'callers', 'symbol': 'to_se…``), its
+    letters as written (a Unicode tester's ``paths=["名前"]`` showed as ``\\u540d\\u524d``)."""
     if name == "relatedTo" and isinstance(value, dict):
         return f"{name}={value.get('relation')}:{value.get('symbol')}"
     if isinstance(value, dict | list):
-        return f"{name}={json.dumps(value, separators=(',', ':'))}"
+        return f"{name}={json.dumps(value, separators=(',', ':'), ensure_ascii=False)}"
     return f"{name}={value}"
 
 

@@ -5,9 +5,27 @@ the same in the other."""
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import posixpath
 import re
 from collections.abc import Collection
+
+MAX_GLOBSTARS = 4
+"""Of ``**`` directories (``a/**/b``, ``**/b``), at most this many in one pattern: each may match no directory or
+several, so a pattern is matched as each of its readings, two to the power of these."""
+_GLOBSTAR = re.compile(r"(?:^|/)\*\*(?:/\*\*)*/")
+"""A leading ``**/`` or a ``/**/`` (a run of them is one): no directory or any number of them."""
+
+
+def pattern_problem(written: str) -> str | None:
+    """Why a pattern as written cannot be read as ``.gitignore`` would read it, if it cannot: a ``!`` that negates
+    there, and would match nothing here (a contract tester's ``!docs`` selected nothing, unsaid), or more than
+    :data:`MAX_GLOBSTARS` ``**`` directories."""
+    if written.startswith("!"):
+        return f"{written!r} starts with !, which negates a pattern in .gitignore: name what to leave out instead"
+    if len(_GLOBSTAR.findall(unescaped(written))) > MAX_GLOBSTARS:
+        return f"{written!r} holds more than {MAX_GLOBSTARS} ** directories"
+    return None
 
 
 def unescaped(written: str) -> str:
@@ -64,16 +82,34 @@ def matches(relative: str, patterns: Collection[str]) -> bool:
     """Whether a path relative to the tree (POSIX) is matched by one of ``patterns`` (normalised by
     :func:`normal_pattern`), shell-style (``fnmatch``, case-sensitive), as ``.gitignore`` reads a pattern: one
     without ``/`` matches a file or directory name at any depth (``tests``, ``*_pb2.py``); one with ``/`` matches
-    the path from the tree's root, its ``*`` crossing ``/`` too (``docs/*.md``, ``src/*/migrations``). What is in
-    a matched directory is matched."""
+    the path from the tree's root, its ``*`` crossing ``/`` too (``docs/*.md``, ``src/*/migrations``), and a
+    ``**`` directory no directory or any (``docs/**/*.md`` matches ``docs/guide.md``: a contract tester's matched
+    only deeper files). What is in a matched directory is matched."""
     parts = relative.split("/")
     for pattern in patterns:
         if "/" in pattern:
-            if any(fnmatch.fnmatchcase("/".join(parts[: n + 1]), pattern) for n in range(len(parts))):
+            prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+            if any(fnmatch.fnmatchcase(p, reading) for reading in _readings(pattern) for p in prefixes):
                 return True
         elif any(fnmatch.fnmatchcase(part, pattern) for part in parts):
             return True
     return False
+
+
+def _readings(pattern: str) -> list[str]:
+    """``pattern`` with each ``**`` directory (:data:`_GLOBSTAR`) read as none (``/``) and as some (``/*/``, its
+    ``*`` crossing ``/``): every combination, so that each may be either (at most :data:`MAX_GLOBSTARS`, which
+    :func:`pattern_problem` refuses past; any past that are read as some)."""
+    found = list(_GLOBSTAR.finditer(pattern))
+    if not found:
+        return [pattern]
+    pieces = _GLOBSTAR.split(pattern)
+    choices: list[tuple[str, ...]] = [("", "*/") if m.group(0)[0] != "/" else ("/", "/*/") for m in found]
+    choices = choices[:MAX_GLOBSTARS] + [(some,) for _, some in choices[MAX_GLOBSTARS:]]
+    return [
+        pieces[0] + "".join(c + piece for c, piece in zip(chosen, pieces[1:], strict=True))
+        for chosen in itertools.product(*choices)
+    ]
 
 
 def pattern_regex(pattern: str) -> str:
@@ -87,10 +123,16 @@ def pattern_regex(pattern: str) -> str:
 
 def _glob_body(pattern: str, within_a_name: bool) -> str:
     """The glob as a regular expression, as :func:`fnmatch.fnmatchcase` reads it: ``*`` any characters, ``?`` one,
-    ``[...]`` a class (``[!...]`` its complement), anything else itself; within a name, none of them ``/``."""
+    ``[...]`` a class (``[!...]`` its complement), anything else itself; within a name, none of them ``/``; a
+    ``**`` directory (:data:`_GLOBSTAR`) no directory or any."""
     anything, one = ("[^/]*", "[^/]") if within_a_name else (".*", ".")
     out, index = [], 0
     while index < len(pattern):
+        globstar = None if within_a_name else _GLOBSTAR.match(pattern, index)
+        if globstar is not None and (index == 0 or pattern[index] == "/"):
+            out.append("(?:.*/)?" if index == 0 and pattern[0] != "/" else "/(?:.*/)?")
+            index = globstar.end()
+            continue
         char = pattern[index]
         index += 1
         if char == "*":

@@ -5,16 +5,16 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
-from .path_patterns import normal_pattern
+from .path_patterns import normal_pattern, pattern_problem
 
 MAX_TOP_K = 100
 MAX_PATH_PATTERNS = 20
@@ -22,6 +22,27 @@ MAX_PATH_PATTERNS = 20
 MAX_PATH_PATTERN_CHARS = 512
 PATH_PATTERN_SCHEMA: JsonDict = {"items": {"type": "string", "minLength": 1, "maxLength": MAX_PATH_PATTERN_CHARS}}
 """What the schema says of each pattern: an empty one was valid by it and refused (a contract tester's)."""
+
+
+def _path_pattern(written: str) -> str:
+    """A pattern as it is matched (path_patterns.normal_pattern): one that can name no file of a tree (empty, `.`,
+    absolute, leading out of it) is refused, not read as matching nothing, and so is one .gitignore would read
+    otherwise (path_patterns.pattern_problem). Checked each on its own, so that an error names the pattern by
+    its place in the list (`paths.3`: a contract tester's 20 patterns were all `paths`)."""
+    if len(written) > MAX_PATH_PATTERN_CHARS:
+        raise ValueError(f"a pattern takes at most {MAX_PATH_PATTERN_CHARS} characters")
+    if "\x00" in written:  # no path holds one, and PostgreSQL refused the whole statement for it (a review's)
+        raise ValueError("a pattern may not hold NUL")
+    problem = pattern_problem(written)
+    if problem is not None:
+        raise ValueError(problem)
+    pattern = normal_pattern(written)
+    if pattern is None:
+        raise ValueError(f"{written!r} names no path inside a tree: write one from its root (services/query)")
+    return pattern
+
+
+PathPattern = Annotated[str, AfterValidator(_path_pattern)]
 MAX_LINK_DEPTH = 1
 RELATIONS_READ = MAX_TOP_K
 """At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds):
@@ -320,7 +341,7 @@ class OntologyQuery(StrictRequest):
     symbol_kind: SymbolKind | None = Field(
         default=None, description="Restrict results to this kind of symbol, e.g. class, function, method, docstring."
     )
-    paths: list[str] | None = Field(
+    paths: list[PathPattern] | None = Field(
         default=None,
         min_length=1,
         max_length=MAX_PATH_PATTERNS,
@@ -331,7 +352,7 @@ class OntologyQuery(StrictRequest):
         "file are left out. With Azure AI Search as the keyword backend (_meta.backend) its hits are filtered after "
         "its search, so a narrow pattern over a large workspace may leave keyword search few.",
     )
-    exclude_paths: list[str] | None = Field(
+    exclude_paths: list[PathPattern] | None = Field(
         default=None,
         min_length=1,
         max_length=MAX_PATH_PATTERNS,
@@ -356,25 +377,6 @@ class OntologyQuery(StrictRequest):
         "options.exactSymbols says; the rest of the answer is ranked for semanticQuery, or, without it, for the "
         "symbol's name. The same as asking it in words (what calls to_seconds), without depending on the wording.",
     )
-
-    @field_validator("paths", "exclude_paths")
-    @classmethod
-    def _patterns_name_paths(cls, patterns: list[str] | None) -> list[str] | None:
-        """Each pattern as it is matched (path_patterns.normal_pattern): one that can name no file of a tree
-        (empty, `.`, absolute, leading out of it) is refused, not read as matching nothing."""
-        if patterns is None:
-            return None
-        normal = []
-        for written in patterns:
-            if len(written) > MAX_PATH_PATTERN_CHARS:
-                raise ValueError(f"a pattern takes at most {MAX_PATH_PATTERN_CHARS} characters")
-            if "\x00" in written:  # no path holds one, and PostgreSQL refused the whole statement for it (a review's)
-                raise ValueError("a pattern may not hold NUL")
-            pattern = normal_pattern(written)
-            if pattern is None:
-                raise ValueError(f"{written!r} names no path inside a tree: write one from its root (services/query)")
-            normal.append(pattern)
-        return normal
 
     @field_validator("semantic_query")
     @classmethod

@@ -662,6 +662,7 @@ def test_eval_of_a_source_tree_refuses_what_only_a_beir_set_has(tmp_path: Path, 
     [
         (["--exclude", "../elsewhere"], "--exclude '../elsewhere' names no path inside the tree"),
         (["--exclude", "."], "--exclude '.' names no path inside the tree"),
+        (["--exclude", "!tests"], "--exclude '!tests' starts with !, which negates a pattern in .gitignore"),
     ],
 )
 def test_eval_of_a_source_tree_refuses_an_exclusion_that_names_nothing_in_it(

@@ -7,7 +7,7 @@ from random import Random
 
 import pytest
 
-from ontofabric.contracts.path_patterns import matches, normal_pattern, pattern_regex
+from ontofabric.contracts.path_patterns import MAX_GLOBSTARS, matches, normal_pattern, pattern_problem, pattern_regex
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,18 @@ from ontofabric.contracts.path_patterns import matches, normal_pattern, pattern_
         ("*.md", "README.md", True),
         ("st[*]r.py", "st*r.py", True),
         ("st[*]r.py", "start.py", False),
+        # A ** directory is no directory or any, as git reads it (a contract tester's h11/**/*.py matched nothing
+        # directly in h11, and excluded nothing there).
+        ("h11/**/*.py", "h11/_writers.py", True),
+        ("h11/**/*.py", "h11/a/b/c.py", True),
+        ("h11/**/*.py", "h11x/a.py", False),
+        ("**/guide.md", "guide.md", True),
+        ("**/guide.md", "docs/x/guide.md", True),
+        ("docs/**/guide.md", "docs/guide.md", True),
+        ("a/**/b", "a/xb", False),
+        ("a/**/**/b", "a/b", True),
+        ("a/**/b/**/c", "a/b/x/c", True),
+        ("a/**", "a/x/y", True),
     ],
 )
 def test_a_pattern_selects_in_the_database_what_it_leaves_out_of_an_ingest(
@@ -73,3 +85,12 @@ def test_a_run_of_stars_is_one() -> None:
     assert pattern_regex("src/" + "*" * 300 + ".py") == pattern_regex("src/*.py")
     assert pattern_regex("a*?*b") != pattern_regex("a*b")  # a star beside another wildcard is no run
     assert re.search(pattern_regex(normal_pattern("[*]**") or ""), "*x") is not None
+
+
+def test_a_pattern_git_would_read_otherwise_is_refused_with_why() -> None:
+    """A contract tester's ``!docs`` (a negation in .gitignore) selected nothing, unsaid."""
+    assert "negates" in (pattern_problem("!docs") or "")
+    assert pattern_problem("\\!docs") is None  # the character itself, escaped
+    many = "/".join(["a", *["**", "b"] * (MAX_GLOBSTARS + 1)])
+    assert f"more than {MAX_GLOBSTARS}" in (pattern_problem(many) or "")
+    assert pattern_problem("/".join(["a", *["**", "b"] * MAX_GLOBSTARS])) is None

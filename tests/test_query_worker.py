@@ -95,11 +95,18 @@ async def test_paths_and_exclude_paths_select_files_as_ingest_exclude_reads_a_pa
     assert b'"filters"' not in bare
     refused = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "alpha", "paths": ["../etc"]}'))
     assert isinstance(refused, ErrorReply)
-    assert [d.field for d in refused.error.details] == ["paths"]
+    assert [d.field for d in refused.error.details] == ["paths.0"]  # by its place (a contract tester's were all paths)
     assert "names no path inside a tree" in refused.error.details[0].message
+    negated = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "alpha", "paths": ["docs", "!pkg"]}'))
+    assert isinstance(negated, ErrorReply)  # a negation in .gitignore, which matched nothing here, unsaid
+    assert [d.field for d in negated.error.details] == ["paths.1"]
+    assert "negates" in negated.error.details[0].message
+    # A ** directory is none or any, as git reads it (a contract tester's matched only the deeper files).
+    assert await ids(semanticQuery="alpha retry", paths=["docs/**/*.md"]) == {"guide", "deep"}
+    assert await ids(semanticQuery="alpha retry", excludePaths=["**/pkg/**/*.py"]) == {"guide", "deep", "nofile"}
     with_nul = parse_reply(await client.send_raw("acme", b'{"semanticQuery": "alpha", "excludePaths": ["a\\u0000"]}'))
     assert isinstance(with_nul, ErrorReply)  # refused, not the database's error (a review's)
-    assert (with_nul.error.code, [d.field for d in with_nul.error.details]) == ("invalid_request", ["excludePaths"])
+    assert (with_nul.error.code, [d.field for d in with_nul.error.details]) == ("invalid_request", ["excludePaths.0"])
     # The database reads each pattern as the ingest does, over random ones.
     random = Random(11)
     glob = ["a", "b", "*", "?", ".", "/", "[ab]", "[!a]", "[b-a]", "-", "["]

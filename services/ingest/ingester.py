@@ -55,7 +55,7 @@ from ontofabric.contracts.documents import (
     MAX_METADATA_BYTES,
     stored_json_bytes,
 )
-from ontofabric.contracts.path_patterns import matches, unescaped, within_the_tree
+from ontofabric.contracts.path_patterns import matches, pattern_problem, unescaped, within_the_tree
 from ontofabric.shared.embedder import Embedder, EmbedderMismatch
 from ontofabric.shared.embedding_cache import Embedded, EmbeddingCache, embed_with_signs, longest_first
 from ontofabric.shared.jetstream import MAX_DELTA_MESSAGE_BYTES, connection_of
@@ -129,6 +129,9 @@ def exclusion_patterns(root: Path, patterns: Iterable[str]) -> tuple[str, ...]:
     relative to ``root``. ExclusionRefused for one that can match nothing in the tree (empty, ``.``, outside it)."""
     normal = []
     for written in patterns:
+        problem = pattern_problem(written)
+        if problem is not None:
+            raise ExclusionRefused(f"--exclude {problem}")
         pattern = unescaped(written)
         if pattern.startswith("/"):
             try:

@@ -348,7 +348,8 @@ class OntologyQuery(StrictRequest):
         json_schema_extra=PATH_PATTERN_SCHEMA,
         description="Restrict results to files matching one of these patterns, read as .gitignore (and ingest "
         "--exclude) reads one: without `/` a file or directory name at any depth (`tests`, `*_test.py`), with `/` a "
-        "path from the tree's root (`services/query`, `docs/*.md`); a directory's files with it. Documents of no "
+        "path from the tree's root (`services/query`, `docs/*.md`), a `**` directory none or any (`docs/**/*.md`); a "
+        "directory's files with it; a leading `!` (a negation there) is refused. Documents of no "
         "file are left out. With Azure AI Search as the keyword backend (_meta.backend) its hits are filtered after "
         "its search, so a narrow pattern over a large workspace may leave keyword search few.",
     )

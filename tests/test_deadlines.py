@@ -1266,8 +1266,11 @@ async def test_refusals_for_time_the_caller_made_near_impossible_are_counted_apa
 
     def refused_for_time() -> dict[str | None, int]:
         counts: dict[str | None, int] = {}
-        for point in metric_points("retrieval.query.errors"):
-            if point.attributes.get("code") in ("deadline_exceeded", "overloaded"):
+        for point in metric_points("retrieval.query.errors"):  # a query's, by its timer or its runner
+            if (
+                point.attributes.get("code") in ("deadline_exceeded", "overloaded")
+                and point.attributes.get("request") == "query"
+            ):
                 timeout = point.attributes.get("timeout")
                 counts[timeout] = counts.get(timeout, 0) + int(point.value)
         return counts
@@ -1303,7 +1306,11 @@ async def test_a_request_refused_while_it_waited_is_counted_once(
 
     def counted() -> int:
         points = metric_points("retrieval.query.errors")
-        return sum(int(p.value) for p in points if p.attributes.get("code") == "deadline_exceeded")
+        return sum(
+            int(p.value)
+            for p in points
+            if p.attributes.get("code") == "deadline_exceeded" and p.attributes["request"] == "query"
+        )
 
     before = counted()
     slow = asyncio.create_task(_request(deployment, _query("the runner is busy with this one"), 10_000, 2.5))

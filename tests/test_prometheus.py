@@ -97,7 +97,7 @@ async def test_a_real_prometheus_scrapes_a_query_worker_and_evaluates_the_rules(
         # Counted from 0 at start: a first burst of errors or degraded answers is an increase Prometheus sees (an ops
         # tester's 88 refusals were a series born at 58 and 30, and no rate).
         for seeded in (
-            'retrieval_query_errors_total{code="overloaded",timeout=""}',
+            'retrieval_query_errors_total{code="overloaded",request="query",timeout=""}',
             'retrieval_degraded_total{sink="reranker"}',
         ):
             (sample,) = (await asyncio.to_thread(_ask, web_port, "/api/v1/query", query=seeded))["result"]

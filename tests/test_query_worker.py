@@ -296,9 +296,18 @@ async def test_a_document_whole_or_in_slices(
     part = await client.document("acme", {"id": "csv", "offset": 5, "maxChars": 10})
     assert isinstance(part, DocumentReply), part
     assert (part.content, part.truncated) == (text[5:15], True)
+
+    def not_found_counted(request: str) -> float:
+        points = metric_points("retrieval.query.errors")
+        return sum(p.value for p in points if p.attributes == {"code": "not_found", "request": request})
+
+    before = not_found_counted("document"), not_found_counted("query")
     missing = await client.document("acme", {"id": "nope"})
     assert isinstance(missing, ErrorReply)
     assert (missing.error.code, [d.field for d in missing.error.details]) == ("not_found", ["id"])
+    # Counted as a document request's: the paging ratio reads queries' errors (an auditor's two stale ids read as
+    # 67 % of requests failing).
+    assert (not_found_counted("document"), not_found_counted("query")) == (before[0] + 1, before[1])
     refused = parse_reply(await client.send_raw("acme", b'{"id": "csv", "offset": -1}', "document"), DocumentReply)
     assert isinstance(refused, ErrorReply)
     assert (refused.error.code, [d.field for d in refused.error.details]) == ("invalid_request", ["offset"])

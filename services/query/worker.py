@@ -14,6 +14,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar, get_args
@@ -108,6 +109,17 @@ from .versions import VersionTracker
 log = get_logger(__name__)
 
 
+REQUEST_KIND: ContextVar[str] = ContextVar("request_kind", default="unknown")
+"""The operation of the request being answered (``query``, ``document``, ``status``; ``unknown`` for a subject
+naming none), set as its handling begins: an error reply is counted under it (``request``), so that the paging
+error ratio reads the queries whose answers it counts (an auditor's two ``not_found`` of stale document ids read
+as 67 % of requests failing)."""
+
+
+def _handling(names: Names, subject: str) -> None:
+    REQUEST_KIND.set(names.operation_of(subject) or "unknown")
+
+
 def error_reply(
     code: str,
     message: str,
@@ -121,7 +133,8 @@ def error_reply(
     allowed less than any answer can be expected in, counted with ``timeout="shorter_than_service"`` (the paging
     error ratio leaves those out: see :meth:`QueryService._timeout_too_short`). ``retry_after_s``: the expected
     wait a busy worker's refusal states (``retryAfterMs``, in whole milliseconds rounded up), when there is one."""
-    counted = {"code": code} | ({"timeout": "shorter_than_service"} if timeout_too_short else {})
+    counted = {"code": code, "request": REQUEST_KIND.get()}
+    counted |= {"timeout": "shorter_than_service"} if timeout_too_short else {}
     instruments().query_errors.add(1, counted)
     retry_after_ms = math.ceil(retry_after_s * 1000) if retry_after_s > 0 else None
     error = QueryError(
@@ -193,9 +206,9 @@ def count_from_zero() -> None:
     """Every error code's count, and the main degraded parts', there from the start at 0: a counter that first
     appears at 58 shows Prometheus no increase (an ops tester's first burst of 88 refusals raised no rate)."""
     counters = instruments()
-    for code in get_args(ErrorCode):
-        counters.query_errors.add(0, {"code": code})
-        counters.query_errors.add(0, {"code": code, "timeout": "shorter_than_service"})
+    for code, request in itertools.product(get_args(ErrorCode), OPERATIONS):
+        counters.query_errors.add(0, {"code": code, "request": request})
+        counters.query_errors.add(0, {"code": code, "request": request, "timeout": "shorter_than_service"})
     for part in DEGRADED_PARTS_COUNTED:
         counters.degraded.add(0, {"sink": part})
 
@@ -319,6 +332,8 @@ class TurnedAway:
     """By subject, since the last line."""
     due: asyncio.TimerHandle | None = None
     """The next line, while requests are turned away."""
+    kind_of: Callable[[str], str | None] = lambda _subject: None
+    """A subject's operation, which a refusal is counted under (:data:`REQUEST_KIND`)."""
 
     def note(self, subject: str) -> None:
         self.counts[subject] += 1
@@ -335,7 +350,11 @@ class TurnedAway:
             return
         total, (busiest, most) = self.counts.total(), self.counts.most_common(1)[0]
         if self.refused is not None:
-            instruments().query_errors.add(total, {"code": self.refused})
+            by_kind = Counter[str]()
+            for subject, count in self.counts.items():
+                by_kind[self.kind_of(subject) or "unknown"] += count
+            for kind, count in by_kind.items():
+                instruments().query_errors.add(count, {"code": self.refused, "request": kind})
         log.warning(self.event, requests=total, subjects=len(self.counts), most_on=busiest, most=most)
         self.counts.clear()
         if then_again:
@@ -476,8 +495,9 @@ class QueryService:
         self._request_subscriptions: list[Subscription] = []
         """The request subscriptions, kept until they are drained (``_refuse_unread``)."""
         self._without_reply = TurnedAway("query_without_reply_subject_dropped")
-        self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded")
-        self._refused_arriving = TurnedAway("query_requests_refused_arriving", refused="overloaded")
+        kind_of = self.names.operation_of
+        self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded", kind_of=kind_of)
+        self._refused_arriving = TurnedAway("query_requests_refused_arriving", refused="overloaded", kind_of=kind_of)
         # Every `overloaded` refusal of an admitted or arriving request but those above: counted in the metrics as
         # each reply is made (error_reply), said here once a second at most (an outside tester's storm had 500,000
         # refused with nothing in the log).
@@ -665,6 +685,7 @@ class QueryService:
                 slice_began = loop.time()
 
     async def _admit(self, msg: Msg, received: float, waited_before: float | ErrorDetail) -> None:
+        _handling(self.names, msg.subject)
         if msg.headers and UNREADABLE_HEADERS in msg.headers:  # the client read on (shared.jetstream.SturdyClient)
             detail = ErrorDetail(field="headers", message=f"cannot be read: {msg.headers[UNREADABLE_HEADERS]}")
             await self._reply(msg, error_reply("invalid_request", "the request's headers are not valid", [detail]))
@@ -932,6 +953,7 @@ class QueryService:
         """Answer an admitted request: True when its work finished, False when its deadline cut it, None when it
         was refused unopened (its deadline passed while it waited, or too little of it is left)."""
         msg, received, deadline = admitted.msg, admitted.received, admitted.deadline
+        _handling(self.names, msg.subject)
         loop = asyncio.get_running_loop()
         waited_ms = round((loop.time() - received) * 1000, 3)
         if admitted.replied or deadline.left(loop.time()) <= 0:  # its caller has given up: no work for nobody

@@ -207,6 +207,16 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
     return settings
 
 
+def _ingest_summary(report: IngestReport, started: float) -> str:
+    """An ingest's counts, its time since ``started`` (``time.perf_counter``): printed whether or not its wait for
+    the projection ended in time (an auditor's timed-out wait printed none of them)."""
+    return (
+        f"{report.files} files, {report.chunks} chunks: {report.upserts} upserts, {report.deletes} deletes, "
+        f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
+        f"({time.perf_counter() - started:.1f}s)"
+    )
+
+
 def _fail(message: str, code: int = 2) -> NoReturn:
     # The message as written: a path, a pattern or a dead letter's detail holding "[/x]" was read as markup.
     errors.print(f"[red]error:[/red] {as_text(message, lines=True)}")
@@ -604,6 +614,7 @@ def ingest(
                             js, names, settings.projector_partitions, awaited, wait_timeout, on_floor=watch, moved=moved
                         )
                     except TimeoutError:
+                        console.print(_ingest_summary(report, started))  # what was sent, said as without a wait
                         if awaited == report.last_sequence:
                             whose = "this ingest's"
                         elif for_main:
@@ -616,11 +627,7 @@ def ingest(
                             "them (`ontofabric status` shows the projectors and dead letters).",
                             1,
                         )
-            console.print(
-                f"{report.files} files, {report.chunks} chunks: {report.upserts} upserts, {report.deletes} deletes, "
-                f"{report.reverts} reverts, {report.unchanged} unchanged; {report.graph_changes} graph changes "
-                f"({time.perf_counter() - started:.1f}s)"
-            )
+            console.print(_ingest_summary(report, started))
             if report.unparsed:  # an agent tester's file, broken mid-edit, lost its symbols without a word
                 shown = "; ".join(report.unparsed[:5]) + ("; ..." if len(report.unparsed) > 5 else "")
                 errors.print(

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,10 @@ async def test_status_tells_versions_pending_deltas_dead_letters_and_workers(
         ("acme", "main", 1), ("acme", "feature/x", 0), ("globex", "main", 0), ("initech", "dev.1", 1)
     }  # fmt: skip
     assert len(report["query_workers"]) == 1
+    # Times in ISO 8601, as the other commands write them (an auditor's had a space between date and time).
+    announced = [b["announced_at"] for b in report["branches"] if b["announced_at"] is not None]
+    assert announced
+    assert all(datetime.fromisoformat(t) and "T" in t for t in announced), announced
     table = await asyncio.to_thread(status_command)
     assert table.returncode == 1, table.stderr
     assert "no Postgres projector answers for 2 pending deltas" in table.stdout + table.stderr

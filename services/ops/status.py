@@ -121,7 +121,13 @@ class DeploymentStatus:
     """What reads otherwise than this command's settings say, and is no problem of the deployment."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), default=str, indent=2)
+        return json.dumps(asdict(self), default=_json_value, indent=2)
+
+
+def _json_value(value: object) -> str:
+    """A value JSON has no type for: a time in ISO 8601 (``T`` between date and time, as the projectors' ``started``
+    and ``dlq list`` write it: an auditor's ``announced_at`` had a space), anything else as ``str`` writes it."""
+    return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
 NO_QUERY_WORKER = "no query worker answers: every query goes unanswered until one runs"

@@ -1360,16 +1360,24 @@ def dlq_list(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
     data_dir: DataDir = None,
 ) -> None:
-    """The dead letters that match, oldest first: sequence, time, workspace, reason and its detail."""
+    """The dead letters that match, oldest first: sequence, time, workspace, branch, reason and its detail."""
     selection = _selection(sequences, workspace, reason, since, until)
-    letters = _as_operator(data_dir, lambda nc, names, *_: dead_letters(nc, names, selection))
-    for letter in letters[:limit]:
+
+    async def listed(nc: Client, names: Names, *_: object) -> list[tuple[DeadLetter, str]]:
+        """Each with its delta's branch (an auditor could not tell main's letters from a branch's but by --json's
+        encoded subject); ``_unknown`` for a subject naming none."""
+        found = await dead_letters(nc, names, selection)
+        return [(letter, (names.scope_of_delta(letter.original_subject) or ("", NO_WORKSPACE))[1]) for letter in found]
+
+    letters = _as_operator(data_dir, listed)
+    for letter, branch in letters[:limit]:
         if as_json:
-            print(json.dumps(letter.summary()))
+            print(json.dumps({**letter.summary(), "branch": branch}))
         else:
             stamp = letter.stored_at.strftime("%Y-%m-%d %H:%M:%S")
             detail = printable(letter.detail[:120])
-            print(f"{letter.seq}\t{stamp}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{detail}")
+            shown = f"{letter.workspace or NO_WORKSPACE}\t{printable(branch)}"
+            print(f"{letter.seq}\t{stamp}\t{shown}\t{letter.reason}\t{detail}")
     if len(letters) > limit:
         errors.print(f"{len(letters) - limit} more (--limit)")
     if not as_json:

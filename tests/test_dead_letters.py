@@ -219,7 +219,10 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     listed = dlq("list", "--json", "--workspace", "acme")
     assert listed.returncode == 0, listed.stderr
     (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert (entry["workspace"], entry["reason"]) == ("acme", "content_too_large")
+    assert (entry["workspace"], entry["branch"], entry["reason"]) == ("acme", "main", "content_too_large")
+    # The branch in the plain listing too (an auditor could not tell main's letters from a branch's).
+    assert f"{entry['seq']}\t" in (plain := dlq("list").stdout)
+    assert "\tacme\tmain\tcontent_too_large\t" in plain
     shown = dlq("show", str(entry["seq"]))
     assert shown.returncode == 0, shown.stderr
     assert '"content_too_large"' in shown.stdout
@@ -771,6 +774,8 @@ async def test_a_delta_dead_lettered_again_is_one_letter_counted_and_said_once(d
         with structlog.testing.capture_logs() as logged:
             assert await dead_letter(deployment.js, names, [(msg, Rejection("invalid_schema", "not JSON"))], "dl-test")
         said += [entry["event"] for entry in logged]
+        if reader == "first":  # whose it is (an auditor could not tell from the log)
+            assert (logged[0]["workspace"], logged[0]["branch"]) == ("acme", "main")
     assert said == ["delta_dead_lettered", "delta_dead_lettered_before"]
     assert (counted("dead_lettered"), counted("dead_lettered_before")) == (1, 1)
     assert len(await dead_letters(deployment.nc, names, Selection())) == 1

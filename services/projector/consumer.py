@@ -576,10 +576,12 @@ async def dead_letter(
             )  # fmt: skip
             continue
         instruments().projector_deltas.add(1, {"outcome": "dead_lettered", "index": index, "reason": rejection.reason})
-        # dlq_seq: what `ontofabric dlq show` takes; seq is the delta's own, in the delta stream.
+        # dlq_seq: what `ontofabric dlq show` takes; seq is the delta's own, in the delta stream. Its workspace and
+        # branch as its subject names them, if it does (an auditor could not tell whose a letter was from the log).
+        workspace, branch = names.scope_of_delta(msg.subject) or (None, None)
         log.warning(
             "delta_dead_lettered", index=index, seq=msg.metadata.sequence.stream, dlq_seq=ack.seq,
-            reason=rejection.reason, detail=rejection.detail[:300],
+            reason=rejection.reason, detail=rejection.detail[:300], workspace=workspace, branch=branch,
         )  # fmt: skip
     return done
 

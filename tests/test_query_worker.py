@@ -370,6 +370,25 @@ async def test_a_long_document_asked_for_whole_comes_within_the_answer_budget(
     assert len(held.model_dump_json().encode()) <= 4000
 
 
+async def test_a_branch_is_said_to_hide_mains_documents_its_tombstones_name_not_its_tombstones(
+    deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
+) -> None:
+    """An auditor's branch said 7 hidden where it hid 5: two of its tombstones named ids main never indexed (their
+    deltas had been dead-lettered there)."""
+    deltas = [
+        upsert("hider", document("a", "alpha")),
+        upsert("hider", document("b", "beta")),
+        delete("hider", "a", branch="feature/y"),
+        delete("hider", "never-on-main", branch="feature/y"),
+    ]
+    acks = await deployment.publisher.publish_many(deltas)
+    await deployment.wait_projected(acks[-1].seq)
+    await start_query_worker(None)
+    status = await client.status("hider", {"branch": "feature/y"})
+    assert isinstance(status, StatusReply), status
+    assert [(b.branch, b.hidden) for b in status.branches] == [("main", 0), ("feature/y", 1)]
+
+
 async def test_the_status_says_how_far_the_index_is_behind_its_stream(
     deployment: Deployment, projector: ProjectorService, start_query_worker: Start, client: QueryClient
 ) -> None:

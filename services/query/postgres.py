@@ -1021,7 +1021,11 @@ class PostgresDocuments:
             rows = await snapshot.conn.fetch(
                 "SELECT v.branch, v.state_hash, v.stream_seq, v.doc_count, v.updated_at,"
                 f" CASE WHEN v.branch = {MAIN_SQL} THEN 0 ELSE (SELECT count(*) FROM documents d"
-                "  WHERE d.workspace = $1 AND d.branch = v.branch AND d.deleted AND NOT d.transparent) END AS hidden"
+                "  WHERE d.workspace = $1 AND d.branch = v.branch AND d.deleted AND NOT d.transparent"
+                # What it hides: main's live documents of its tombstones' ids (an auditor's branch said 7 hidden
+                # where 2 of its tombstones named ids main never indexed: their deltas were dead-lettered).
+                f"  AND EXISTS (SELECT 1 FROM documents m WHERE m.workspace = $1 AND m.branch = {MAIN_SQL}"
+                "  AND m.id = d.id AND NOT m.deleted)) END AS hidden"
                 " FROM ontology_versions v WHERE v.workspace = $1 AND v.branch = ANY($2::text[])",
                 workspace,
                 list(branches),

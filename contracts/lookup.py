@@ -87,8 +87,9 @@ class BranchStatus(WireModel):
     documents: int = Field(description="Live documents the branch itself holds (on a branch: its own rows).")
     hidden: int = Field(
         default=0,
-        description="On a branch: its tombstones, each hiding main's document of its id (a file deleted on the "
-        "branch hides main's later chunks of it too). 0 on main, and from a worker older than this field.",
+        description="On a branch: main's live documents its tombstones hide, each by its id (a tombstone of an id "
+        "main does not hold hides nothing; a file deleted on the branch hides main's later chunks of it too). 0 on "
+        "main, and from a worker older than this field.",
     )
     latest_seq: int | None = Field(description="The stream sequence of its last published delta; null when none.")
     pending_deltas: int = Field(description="Its deltas published past indexedSeq: not yet in the index.")

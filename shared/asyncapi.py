@@ -105,7 +105,8 @@ _REQUEST_HEADERS = _headers(
             "description": "Optional: when the caller sent the request, in milliseconds since the Unix epoch. A "
             f"worker that reads it more than {CLOCK_ALLOWANCE_MS} ms later (it stalled) counts the wait against the "
             "timeout, and does no work for a caller that has given up. Send it only where the hosts' clocks agree "
-            "within that. Spaces around the digits are ignored.",
+            "within that. Spaces around the digits are ignored. One more than a day from the worker's clock is "
+            "refused (invalid_request naming the header).",
         },
         RECEIPT_HEADER: {
             "type": "string",

@@ -89,7 +89,19 @@ def waited_before_receipt_s(headers: Mapping[str, str] | None, now_wall_s: float
     text = raw.strip()
     if not (text.isascii() and text.isdigit() and len(text) <= 16):
         return ErrorDetail(field=f"header {SENT_AT_HEADER}", message="whole milliseconds since the Unix epoch")
-    return max(0.0, now_wall_s - int(text) / 1000 - CLOCK_ALLOWANCE_MS / 1000)
+    apart_s = now_wall_s - int(text) / 1000
+    if abs(apart_s) > CLOCKS_APART_S:  # no wait: a contract tester's 0 was refused late, retryable, each time again
+        return ErrorDetail(
+            field=f"header {SENT_AT_HEADER}",
+            message=f"{text} is more than a day from this worker's clock: whole milliseconds since the Unix epoch, "
+            "by a clock that is set",
+        )
+    return max(0.0, apart_s - CLOCK_ALLOWANCE_MS / 1000)
+
+
+CLOCKS_APART_S = 86_400.0
+"""A send time further than this from the worker's clock is no wait but a clock set wrong (or seconds for
+milliseconds): refused as the header's error, not answered as late (retryable, and late again when retried)."""
 
 
 def deadline_of(

@@ -238,6 +238,11 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("what are the callers of cell_len?", (CALLER, "cell_len")),
         ("which are the subclasses of JupyterMixin", (SUBCLASS, "JupyterMixin")),
         ("what is the superclass of Live", (BASE, "Live")),
+        # The symbol called by its kind, words and all (an agent tester's were searched in words).
+        ("who calls the async context manager _start_hooks_context", (CALLER, "_start_hooks_context")),
+        ("which modules import the AckPolicy enum", (IMPORTER, "AckPolicy")),
+        ("what implements the ParserProto protocol?", (SUBCLASS, "ParserProto")),
+        ("who uses the decorator retry_if", (CALLER, "retry_if")),
         # Not a lookup: another question, words besides the name, no name.
         ("how does backoff work", None),
         ("what calls to_seconds and why", None),

@@ -290,7 +290,13 @@ def code_shaped(name: str) -> bool:
 
 
 _NAME = r"`?(?P<name>[^\W\d][\w.:#/-]*(?:\(\))?)`?"
-_KIND = r"(?:function|method|class|constructor|module|package|interface)"
+_KIND = (
+    r"(?:(?:async|abstract|base|generic|static)\s+)?(?:function|method|class|constructor|module|package|interface"
+    r"|protocol|enum|struct|trait|type|decorator|coroutine|exception|dataclass|mixin|generator|property"
+    r"|context\s+manager)"
+)
+"""What a question may call the symbol it names, before or after its name: an agent tester's ``who calls the async
+context manager _start_hooks_context`` and ``which modules import the AckPolicy enum`` were searched in words."""
 _THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
 _LISTED = r"(?:(?:find|list|show|get|(?:what|which)\s+(?:is|are))\s+)?(?:all\s+|the\s+)?"  # what are the bases of C
